@@ -1,0 +1,46 @@
+"""Client SDK for rendezvousd: join, barrier, key-value, heartbeat, leave."""
+
+from rendezvousd.client._session import Member, Membership, RetryPolicy, TlsConfig
+from rendezvousd.client.errors import (
+    AuthenticationError,
+    DaemonUnavailable,
+    DuplicateRank,
+    IdConflict,
+    InvalidRequest,
+    JobAborted,
+    JobEnded,
+    KeyNotFound,
+    LimitExceeded,
+    NotFound,
+    PeerFailed,
+    ProtocolError,
+    RendezvousError,
+    RendezvousTimeout,
+    StaleGeneration,
+    TopologyMismatch,
+)
+from rendezvousd.client.sync import RendezvousClient
+
+__all__ = [
+    "AuthenticationError",
+    "DaemonUnavailable",
+    "DuplicateRank",
+    "IdConflict",
+    "InvalidRequest",
+    "JobAborted",
+    "JobEnded",
+    "KeyNotFound",
+    "LimitExceeded",
+    "Member",
+    "Membership",
+    "NotFound",
+    "PeerFailed",
+    "ProtocolError",
+    "RendezvousClient",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "RetryPolicy",
+    "StaleGeneration",
+    "TlsConfig",
+    "TopologyMismatch",
+]

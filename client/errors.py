@@ -1,0 +1,217 @@
+"""The SDK's exception tree, and the one place gRPC errors are mapped onto it.
+
+    RendezvousError                 base; .endpoint .method .job_id .rank .reason .metadata
+    ├── DaemonUnavailable           unreachable, draining or not SERVING after all attempts
+    ├── AuthenticationError         the daemon refused the token or certificate
+    ├── InvalidRequest              the daemon rejected a field (bad job id, id, rank...)
+    ├── TopologyMismatch            num_nodes/gpus_per_node differ from the job's
+    ├── DuplicateRank               another worker holds this (node_rank, local_rank)
+    ├── IdConflict                  a different unique id is already published
+    ├── StaleGeneration             the job moved on; .current_generation
+    ├── PeerFailed                  a member died; .ranks .hosts .generation
+    ├── JobAborted                  someone called abort; .abort_reason
+    ├── JobEnded                    every member left
+    ├── RendezvousTimeout           a join, barrier or key wait ran out of time
+    ├── KeyNotFound                 KvGet without wait on an absent key
+    ├── NotFound                    the job or membership does not exist
+    ├── LimitExceeded               a daemon limit; .limit names it
+    └── ProtocolError               anything else the daemon answered
+
+Messages say what failed, for which job and rank, and what to do. They never
+contain the unique id or the token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class RendezvousError(Exception):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "",
+        reason: str = "",
+        metadata: Mapping[str, str] | None = None,
+        endpoint: str = "",
+        method: str = "",
+        job_id: str = "",
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.reason = reason
+        self.metadata = dict(metadata or {})
+        self.endpoint = endpoint
+        self.method = method
+        self.job_id = job_id
+        self.rank = rank
+
+
+class DaemonUnavailable(RendezvousError):
+    def __init__(self, message: str, *, attempts: int = 0, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.attempts = attempts
+
+
+class AuthenticationError(RendezvousError):
+    pass
+
+
+class InvalidRequest(RendezvousError, ValueError):
+    pass
+
+
+class TopologyMismatch(RendezvousError):
+    pass
+
+
+class DuplicateRank(RendezvousError):
+    pass
+
+
+class IdConflict(RendezvousError):
+    pass
+
+
+class StaleGeneration(RendezvousError):
+    @property
+    def current_generation(self) -> int:
+        return int(self.metadata.get("current_generation", "0"))
+
+
+class PeerFailed(RendezvousError):
+    @property
+    def ranks(self) -> list[int]:
+        return _ints(self.metadata.get("ranks", ""))
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h for h in self.metadata.get("hosts", "").split(",") if h]
+
+    @property
+    def generation(self) -> int:
+        return int(self.metadata.get("generation", "0"))
+
+
+class JobAborted(RendezvousError):
+    @property
+    def abort_reason(self) -> str:
+        return self.metadata.get("reason", "")
+
+
+class JobEnded(RendezvousError):
+    pass
+
+
+class RendezvousTimeout(RendezvousError, TimeoutError):
+    @property
+    def missing_ranks(self) -> list[int]:
+        return _ints(self.metadata.get("ranks", ""))
+
+
+class KeyNotFound(RendezvousError, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+class NotFound(RendezvousError):
+    pass
+
+
+class LimitExceeded(RendezvousError):
+    @property
+    def limit(self) -> str:
+        return self.metadata.get("limit", "")
+
+
+class ProtocolError(RendezvousError):
+    pass
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip().isdigit()]
+
+
+_BY_REASON: dict[str, type[RendezvousError]] = {
+    "TOPOLOGY_MISMATCH": TopologyMismatch,
+    "DUPLICATE_RANK": DuplicateRank,
+    "ID_CONFLICT": IdConflict,
+    "STALE_GENERATION": StaleGeneration,
+    "PEER_FAILED": PeerFailed,
+    "JOB_ABORTED": JobAborted,
+    "JOB_ENDED": JobEnded,
+    "WORLD_INCOMPLETE": RendezvousTimeout,
+    "BARRIER_TIMEOUT": RendezvousTimeout,
+    "KEY_WAIT_TIMEOUT": RendezvousTimeout,
+    "KEY_NOT_FOUND": KeyNotFound,
+    "JOB_NOT_FOUND": NotFound,
+    "NOT_A_MEMBER": NotFound,
+    "LIMIT_EXCEEDED": LimitExceeded,
+    "WORLD_FULL": LimitExceeded,
+    "DRAINING": DaemonUnavailable,
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[RendezvousError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.DEADLINE_EXCEEDED: RendezvousTimeout,
+    grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ABORTED: StaleGeneration,
+}
+
+
+def error_info(trailing: Sequence[tuple[str, Any]] | None) -> tuple[str, dict[str, str]]:
+    """(reason, metadata) from the google.rpc.Status trailer, if the daemon sent one."""
+    for key, value in trailing or ():
+        if key != STATUS_DETAILS_KEY:
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info):
+                return info.reason, dict(info.metadata)
+    return "", {}
+
+
+def from_rpc_error(
+    exc: grpc.RpcError, *, endpoint: str, method: str, job_id: str = "", rank: int | None = None
+) -> RendezvousError:
+    code: grpc.StatusCode = exc.code()
+    details: str = exc.details() or ""
+    reason, metadata = error_info(exc.trailing_metadata())
+    cls = _BY_REASON.get(reason) or _BY_CODE.get(code, ProtocolError)
+    where = f"{method} on rendezvousd at {endpoint}"
+    who = f" (job {job_id!r}" + (f", rank {rank})" if rank is not None else ")") if job_id else ""
+    if cls is AuthenticationError:
+        message = (
+            f"{where}{who} was refused ({code.name}): {details}; check that the token "
+            "(--token-file / RENDEZVOUSD_TOKEN) and TLS settings match the daemon's"
+        )
+    elif reason:
+        message = f"{where}{who}: {details}"
+    elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = f"{where}{who} exceeded its deadline; the daemon did not answer in time"
+    else:
+        message = f"{where}{who} failed with {code.name}: {details}"
+    return cls(
+        message,
+        code=code.name,
+        reason=reason,
+        metadata=metadata,
+        endpoint=endpoint,
+        method=method,
+        job_id=job_id,
+        rank=rank,
+    )

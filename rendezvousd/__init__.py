@@ -1,0 +1,1 @@
+"""rendezvousd: authenticated gRPC rendezvous for multi-node data-parallel training."""

@@ -1,0 +1,134 @@
+"""Bearer-token authentication, checked before any handler runs.
+
+gRPC's own call credentials authenticate clients, not servers' callers, and
+grpcio has no server-side token check; so this interceptor is ours. Every
+method is covered, unknown ones and reflection included; only the standard
+health service is exempt so that load balancers and Kubernetes probes, which
+cannot send tokens, still work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rendezvousd.errors import ConfigError
+
+MIN_TOKEN_CHARS = 16
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+TOKEN_ENV = "RENDEZVOUSD_TOKEN"
+
+
+def _digest(token: str | bytes) -> bytes:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
+
+
+def read_token_file(path: Path) -> list[str]:
+    """Tokens from ``path``, one per line (several allow rotation without downtime)."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"token file {path} is accessible by group/others (mode {stat.filemode(info.st_mode)}); "
+            f"run: chmod 600 {path}"
+        )
+    tokens = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not tokens:
+        raise ConfigError(
+            f"token file {path} holds no token; create one with `rendezvousd token {path}`"
+        )
+    return validate_tokens(tokens, f"token file {path}")
+
+
+def validate_tokens(tokens: Sequence[str], origin: str) -> list[str]:
+    for token in tokens:
+        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in token):
+            raise ConfigError(
+                f"{origin} holds a token shorter than {MIN_TOKEN_CHARS} characters or with "
+                "spaces/control characters; create one with `rendezvousd token FILE`"
+            )
+    return list(tokens)
+
+
+def load_tokens(token_file: Path | None) -> list[str]:
+    if token_file is not None:
+        return read_token_file(token_file)
+    env = os.environ.get(TOKEN_ENV, "").strip()
+    if env:
+        return validate_tokens([env], f"${TOKEN_ENV}")
+    raise ConfigError(
+        f"no token configured: pass --token-file FILE or set ${TOKEN_ENV} "
+        "(create a token with `rendezvousd token FILE`)"
+    )
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(
+        self, tokens: Sequence[str], on_reject: Callable[[str], None] | None = None
+    ) -> None:
+        self._digests = [_digest(t) for t in tokens]
+        self._on_reject = on_reject
+
+    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+        values = [v for k, v in metadata or () if k == "authorization"]
+        if len(values) != 1:
+            return False  # missing or duplicated: ambiguous, refuse
+        value = values[0]
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("ascii")
+            except UnicodeDecodeError:
+                return False
+        scheme, _, token = str(value).partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        presented = _digest(token.strip())
+        # Compare against every token, without an early exit, in constant time.
+        return sum(hmac.compare_digest(presented, d) for d in self._digests) > 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = details.method or ""
+        if method.startswith(HEALTH_PREFIX) or self.authorized(details.invocation_metadata):
+            return await continuation(details)
+        if self._on_reject is not None:
+            self._on_reject(method)
+        handler = await continuation(details)
+        return _rejecting(handler)
+
+
+async def _reject(context: Any) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+def _rejecting(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming shape that only refuses (no deserialization)."""
+    streaming_in = bool(handler and handler.request_streaming)
+    streaming_out = bool(handler and handler.response_streaming)
+
+    async def unary(request: Any, context: Any) -> None:
+        await _reject(context)
+
+    async def stream_out(request: Any, context: Any) -> Any:
+        await _reject(context)
+        yield  # pragma: no cover - makes this an async generator
+
+    if streaming_in and streaming_out:
+        return grpc.stream_stream_rpc_method_handler(stream_out)
+    if streaming_in:
+        return grpc.stream_unary_rpc_method_handler(unary)
+    if streaming_out:
+        return grpc.unary_stream_rpc_method_handler(stream_out)
+    return grpc.unary_unary_rpc_method_handler(unary)

@@ -1,0 +1,110 @@
+"""``rendezvousd`` command line: serve, health, status, token."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rendezvousd import config as config_mod
+from rendezvousd.auth import load_tokens
+from rendezvousd.errors import DaemonError
+from rendezvousd.server import Daemon
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides = {name: getattr(args, name) for name in config_mod.FIELDS}
+    cfg = config_mod.load(args.config, overrides=overrides)
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    tokens = load_tokens(cfg.token_file)
+    return asyncio.run(_run(cfg, tokens))
+
+
+async def _run(cfg: config_mod.DaemonConfig, tokens: list[str]) -> int:
+    from rendezvousd.sdnotify import Notifier
+
+    notifier = Notifier.from_env()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(port: int) -> None:
+        host, _ = config_mod.split_listen(cfg.listen)
+        shown = cfg.listen if host is None else f"{host}:{port}"
+        # One stable line on stdout: scripts and tests read the bound port here.
+        print(f"rendezvousd: serving on {shown}", flush=True)
+        notifier.ready(f"serving on {shown}")
+
+    daemon = Daemon(cfg, tokens, on_ready=ready, on_stopping=notifier.stopping)
+    await daemon.start()
+    watchdog = asyncio.create_task(notifier.watchdog_loop()) if notifier.watchdog_interval else None
+    await stop.wait()
+    logging.getLogger("rendezvousd").info("signal received: draining")
+    if watchdog is not None:
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+    await daemon.stop()
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    token = secrets.token_urlsafe(32)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    if args.force:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        print(f"rendezvousd token: {path} exists; pass --force to replace it", file=sys.stderr)
+        return 1
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(token + "\n")
+    print(f"rendezvousd token: wrote a new token to {path} (mode 0600)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rendezvousd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the daemon")
+    config_mod.add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    token = sub.add_parser("token", help="write a new random token file (mode 0600)")
+    token.add_argument("path", type=Path)
+    token.add_argument("--force", action="store_true", help="replace an existing file")
+    token.set_defaults(func=_token)
+
+    from rendezvousd.inspect import add_inspect_commands
+
+    add_inspect_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except DaemonError as exc:
+        print(f"rendezvousd: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The daemon's exception tree.
+
+    DaemonError                   startup/configuration problems (never sent on the wire)
+    └── ConfigError               a bad flag, env var, config or token file
+    RendezvousFault               a request the state machine refuses; carries a
+                                  status Code, an ErrorReason name and metadata
+
+``RendezvousFault`` is pure (no gRPC import): the servicer maps it to a gRPC
+status with a google.rpc.ErrorInfo detail in one place (``rendezvousd.status``).
+Messages never contain the unique id or a token.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+
+
+class DaemonError(Exception):
+    """The daemon cannot start or continue."""
+
+
+class ConfigError(DaemonError, ValueError):
+    """A configuration value is invalid; the message quotes it and says what to do."""
+
+
+class Code(enum.Enum):
+    """The gRPC status codes the state machine uses, by name."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    NOT_FOUND = "NOT_FOUND"
+    ABORTED = "ABORTED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class RendezvousFault(Exception):
+    """A refused request: what failed, for which job/rank, and what to do."""
+
+    def __init__(
+        self,
+        code: Code,
+        reason: str,
+        message: str,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """Comma-separated ranks for ErrorInfo metadata (a string map)."""
+    return ",".join(str(r) for r in sorted(ranks))

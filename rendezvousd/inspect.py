@@ -1,0 +1,129 @@
+"""``rendezvousd health`` and ``rendezvousd status``: look at a running daemon.
+
+``health`` mirrors grpc_health_probe's exit codes: 0 serving, 1 bad arguments,
+2 connection failure or timeout, 3 RPC failure, 4 not serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+
+EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
+DEFAULT_ENDPOINT = "127.0.0.1:29420"
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if args.tls_ca is not None:
+        creds = grpc.ssl_channel_credentials(
+            Path(args.tls_ca).read_bytes(),
+            Path(args.tls_key).read_bytes() if args.tls_key else None,
+            Path(args.tls_cert).read_bytes() if args.tls_cert else None,
+        )
+        return grpc.secure_channel(args.endpoint, creds)
+    return grpc.insecure_channel(args.endpoint)
+
+
+def _health(args: argparse.Namespace) -> int:
+    with _channel(args) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(
+                    f"rendezvousd health: cannot reach {args.endpoint}: {code.name}",
+                    file=sys.stderr,
+                )
+                return EXIT_CONNECTION
+            print(
+                f"rendezvousd health: Check failed: {code.name}: {exc.details()}", file=sys.stderr
+            )
+            return EXIT_RPC
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    if response.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"rendezvousd health: {args.endpoint} is {status}", file=sys.stderr)
+        return EXIT_NOT_SERVING
+    print(f"rendezvousd health: {args.endpoint} is SERVING")
+    return EXIT_SERVING
+
+
+def _age(ms: int) -> str:
+    return f"{ms / 1000:.1f}s"
+
+
+def _status(args: argparse.Namespace) -> int:
+    from rendezvousd.client import RendezvousClient, RendezvousError
+
+    try:
+        with RendezvousClient(
+            args.endpoint,
+            token_file=args.token_file,
+            connect_timeout=args.timeout,
+            call_timeout=args.timeout,
+        ) as client:
+            jobs = (
+                [client.get_job(args.job)]
+                if args.job
+                else [client.get_job(j.job_id) for j in client.list_jobs()]
+            )
+    except RendezvousError as exc:
+        print(f"rendezvousd status: {exc}", file=sys.stderr)
+        return EXIT_RPC
+    print(render(jobs))
+    return 0
+
+
+def render(jobs: list[Any]) -> str:
+    lines = [f"{'JOB':<24} {'STATE':<8} {'GEN':>4} {'WORLD':>6} {'PRESENT':>8} {'AGE':>8}"]
+    for job in jobs:
+        s = job.summary
+        state = pb.JobState.Name(s.state).removeprefix("JOB_STATE_")
+        lines.append(
+            f"{s.job_id:<24} {state:<8} {s.generation:>4} {s.world_size:>6} "
+            f"{s.members_present:>8} {_age(s.state_age_ms):>8}"
+        )
+        for m in job.members:
+            mstate = pb.MemberState.Name(m.state).removeprefix("MEMBER_STATE_")
+            lines.append(
+                f"    rank {m.member.rank:>5}  node {m.member.node_rank:>4}  local "
+                f"{m.member.local_rank:>3}  {m.member.host:<20} {mstate:<8} "
+                f"heartbeat {_age(m.heartbeat_age_ms)}"
+            )
+        for f in job.failed:
+            lines.append(f"    lost rank {f.rank} on {f.host}: {f.cause}")
+    if not jobs:
+        lines.append("(no jobs)")
+    return "\n".join(lines)
+
+
+def add_inspect_commands(sub: Any) -> None:
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="HOST:PORT of the daemon")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds before giving up")
+        p.add_argument("--tls-ca", default=None, help="PEM CA that signed the daemon's certificate")
+        p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS)")
+        p.add_argument("--tls-key", default=None, help="PEM client key (mTLS)")
+
+    health = sub.add_parser("health", help="check grpc.health.v1 (exit 0 when SERVING)")
+    common(health)
+    health.add_argument("--service", default="", help="service name to check ('' = whole daemon)")
+    health.set_defaults(func=_health)
+
+    status = sub.add_parser("status", help="table of jobs, members, hosts and heartbeat ages")
+    common(status)
+    status.add_argument(
+        "--token-file", type=Path, default=None, help="token file (or $RENDEZVOUSD_TOKEN)"
+    )
+    status.add_argument("job", nargs="?", help="only this job")
+    status.set_defaults(func=_status)

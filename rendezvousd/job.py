@@ -1,0 +1,147 @@
+"""One job's mutable state: its generation, members, barriers and key-value store."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from rendezvousd.errors import Code, RendezvousFault, ranks_text
+from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState
+
+
+@dataclass
+class Member:
+    rank: int
+    node_rank: int
+    local_rank: int
+    host: str
+    address: str
+    instance_id: str
+    state: MemberState = MemberState.JOINING
+    last_seen: float = 0.0
+    # Increases with every heartbeat stream attached, so that an old stream
+    # closing after a reconnect is not mistaken for the member dying.
+    stream_token: int = 0
+    stream_open: bool = False
+
+    def info(self) -> MemberInfo:
+        return MemberInfo(self.rank, self.node_rank, self.local_rank, self.host, self.address)
+
+
+@dataclass
+class BarrierState:
+    completed: int = 0
+    # rank -> waiters parked for the current round (a retried call adds one).
+    arrived: dict[int, set[int]] = field(default_factory=dict)
+
+
+@dataclass
+class Job:
+    job_id: str
+    num_nodes: int
+    gpus_per_node: int
+    generation: int
+    state: JobState
+    state_since: float
+    members: dict[int, Member] = field(default_factory=dict)
+    host_nodes: dict[str, int] = field(default_factory=dict)
+    unique_id: bytes | None = None
+    # SHA-256 of every id this job has used: a new generation needs a fresh id.
+    used_id_digests: set[bytes] = field(default_factory=set)
+    failed: list[FailedInfo] = field(default_factory=list)
+    abort_reason: str = ""
+    barriers: dict[str, BarrierState] = field(default_factory=dict)
+    kv: dict[str, bytes] = field(default_factory=dict)
+    kv_bytes: int = 0
+    kv_waiters: dict[str, set[int]] = field(default_factory=dict)
+    # waiter -> rank, for Join/PublishId calls waiting for the world.
+    join_waiters: dict[int, int] = field(default_factory=dict)
+    member_table: tuple[MemberInfo, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def rank_of(self, node_rank: int, local_rank: int) -> int:
+        return node_rank * self.gpus_per_node + local_rank
+
+    def missing_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.members]
+
+    def present(self) -> list[Member]:
+        return [
+            m for m in self.members.values() if m.state in (MemberState.JOINING, MemberState.ACTIVE)
+        ]
+
+    def participants(self) -> set[int]:
+        """Ranks a barrier waits for: everyone who has not left."""
+        return {r for r, m in self.members.items() if m.state is not MemberState.LEFT}
+
+    def all_waiters(self) -> set[int]:
+        waiters = set(self.join_waiters)
+        for barrier in self.barriers.values():
+            for ws in barrier.arrived.values():
+                waiters |= ws
+        for ws in self.kv_waiters.values():
+            waiters |= ws
+        return waiters
+
+    def remember_id(self) -> None:
+        if self.unique_id is not None:
+            self.used_id_digests.add(hashlib.sha256(self.unique_id).digest())
+
+    def open_generation(self, now: float) -> None:
+        """Start over with no members; everything scoped to the old generation goes."""
+        self.remember_id()
+        self.generation += 1
+        self.state = JobState.FORMING
+        self.state_since = now
+        self.members.clear()
+        self.host_nodes.clear()
+        self.unique_id = None
+        self.failed.clear()
+        self.abort_reason = ""
+        self.barriers.clear()
+        self.kv.clear()
+        self.kv_bytes = 0
+        self.kv_waiters.clear()
+        self.join_waiters.clear()
+        self.member_table = ()
+
+    def generation_fault(self) -> RendezvousFault:
+        """Why calls on this (no longer usable) generation fail."""
+        meta = {"job_id": self.job_id, "generation": str(self.generation)}
+        if self.state is JobState.FAILED:
+            lost = ", ".join(f"rank {f.rank} on {f.host} ({f.cause})" for f in self.failed[:8])
+            more = f" and {len(self.failed) - 8} more" if len(self.failed) > 8 else ""
+            meta["ranks"] = ranks_text(f.rank for f in self.failed)
+            meta["hosts"] = ",".join(sorted({f.host for f in self.failed}))
+            return RendezvousFault(
+                Code.ABORTED,
+                "PEER_FAILED",
+                f"job {self.job_id!r} generation {self.generation} failed: lost {lost}{more}; "
+                "restart the job (a new Join opens the next generation)",
+                meta,
+            )
+        if self.state is JobState.ABORTED:
+            meta["reason"] = self.abort_reason
+            return RendezvousFault(
+                Code.ABORTED,
+                "JOB_ABORTED",
+                f"job {self.job_id!r} generation {self.generation} was aborted: {self.abort_reason}",
+                meta,
+            )
+        if self.state is JobState.ENDED:
+            return RendezvousFault(
+                Code.FAILED_PRECONDITION,
+                "JOB_ENDED",
+                f"job {self.job_id!r} generation {self.generation} has ended: every member left",
+                meta,
+            )
+        return RendezvousFault(
+            Code.FAILED_PRECONDITION,
+            "NOT_RUNNING",
+            f"job {self.job_id!r} generation {self.generation} is still forming "
+            f"({len(self.members)} of {self.world_size} ranks joined); wait for Join to return",
+            meta,
+        )

@@ -1,0 +1,37 @@
+"""Limits and timings the state machine enforces (plain values, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every bound a client can hit; exceeding one is RESOURCE_EXHAUSTED naming it."""
+
+    max_message_bytes: int = 64 * KIB
+    max_jobs: int = 1024
+    max_members_per_job: int = 16384
+    max_key_bytes: int = 512
+    max_value_bytes: int = 32 * KIB
+    max_keys_per_job: int = 32768
+    max_kv_bytes_per_job: int = 64 * MIB
+    max_waiters: int = 65536
+    max_concurrent_rpcs: int = 100_000
+    max_host_bytes: int = 255
+    max_reason_bytes: int = 1024
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Durations in seconds, measured on the monotonic clock."""
+
+    # Silence after which a member is considered lost (a closed stream is immediate).
+    heartbeat_timeout_s: float = 10.0
+    # Used when a waiting call asks for 0 (the daemon's default).
+    default_wait_s: float = 600.0
+    # Ended, failed and empty jobs are forgotten this long after their last change.
+    job_ttl_s: float = 600.0

@@ -1,0 +1,72 @@
+"""Prometheus metrics (prometheus-client), one private registry per daemon.
+
+A private registry keeps several daemons in one process (tests, the launcher's
+embedded daemon) from colliding in the global one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rendezvousd.model import JobState, MemberState
+
+if TYPE_CHECKING:
+    from rendezvousd.state import RendezvousState
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.jobs = Gauge("rendezvousd_jobs", "Jobs by state", ["state"], registry=r)
+        self.members = Gauge(
+            "rendezvousd_members", "Members present in current generations", registry=r
+        )
+        self.joins = Counter("rendezvousd_joins", "Completed joins", registry=r)
+        self.failures = Counter(
+            "rendezvousd_failures_detected", "Generations failed by a lost member", registry=r
+        )
+        self.rpc = Histogram(
+            "rendezvousd_rpc_duration_seconds",
+            "RPC handling time including waiting",
+            ["method", "code"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.streams = Gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams", registry=r)
+        self.waiters = Gauge(
+            "rendezvousd_waiters", "Parked calls (join, barrier, kv wait)", registry=r
+        )
+        self.heartbeat_lag = Gauge(
+            "rendezvousd_heartbeat_age_max_seconds",
+            "Largest time since an active member's last heartbeat",
+            registry=r,
+        )
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpc.labels(method, code).observe(seconds)
+
+    def observe_jobs(self, state: RendezvousState) -> None:
+        counts = dict.fromkeys(JobState, 0)
+        present = 0
+        for job in state.jobs.values():
+            counts[job.state] += 1
+            present += sum(
+                m.state in (MemberState.JOINING, MemberState.ACTIVE) for m in job.members.values()
+            )
+        for job_state, n in counts.items():
+            self.jobs.labels(job_state.name.lower()).set(n)
+        self.members.set(present)
+
+    def observe_heartbeats(self, state: RendezvousState, now: float) -> None:
+        ages = [
+            now - m.last_seen
+            for job in state.jobs.values()
+            for m in job.members.values()
+            if m.state is MemberState.ACTIVE
+        ]
+        self.heartbeat_lag.set(max(ages, default=0.0))

@@ -1,0 +1,142 @@
+"""Values the state machine hands to its adapters: states, results and effects.
+
+Nothing here holds the unique id except ``JoinResult``, which the servicer
+serializes straight onto the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from rendezvousd.errors import RendezvousFault
+
+
+class JobState(enum.Enum):
+    FORMING = 1
+    RUNNING = 2
+    FAILED = 3
+    ABORTED = 4
+    ENDED = 5
+
+
+class MemberState(enum.Enum):
+    JOINING = 1
+    ACTIVE = 2
+    LEFT = 3
+    LOST = 4
+
+
+class EventKind(enum.Enum):
+    PEER_FAILED = 1
+    JOB_ABORTED = 2
+    JOB_ENDED = 3
+    DAEMON_DRAINING = 4
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    rank: int
+    node_rank: int
+    local_rank: int
+    host: str
+    address: str
+
+
+@dataclass(frozen=True)
+class FailedInfo:
+    rank: int
+    host: str
+    cause: str
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    job_id: str
+    generation: int
+    rank: int
+    world_size: int
+    node_rank: int
+    local_rank: int
+    id_required: bool
+    unique_id: bytes
+    # Shared by every rank of a generation, so adapters may cache its encoding.
+    members: tuple[MemberInfo, ...]
+
+    def __repr__(self) -> str:  # the id is a bearer credential: keep it out of logs
+        return (
+            f"JoinResult(job_id={self.job_id!r}, generation={self.generation}, "
+            f"rank={self.rank}, world_size={self.world_size}, id_required={self.id_required})"
+        )
+
+
+@dataclass(frozen=True)
+class Parked:
+    """The call must wait; the adapter parks it under ``waiter``."""
+
+    waiter: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Resolve a parked call with a value or a fault."""
+
+    waiter: int
+    value: object = None
+    fault: RendezvousFault | None = None
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Push an event to the heartbeat streams of ``ranks``."""
+
+    job_id: str
+    generation: int
+    ranks: tuple[int, ...]
+    kind: EventKind
+    failed: tuple[FailedInfo, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A job changed state; adapters log it and count it."""
+
+    job_id: str
+    generation: int
+    old: JobState | None
+    new: JobState | None
+    detail: str
+
+
+Effect = Wake | Notify | Transition
+
+
+@dataclass(frozen=True)
+class MemberView:
+    info: MemberInfo
+    state: MemberState
+    heartbeat_age_s: float
+    stream_open: bool
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What inspection may show: everything but the id."""
+
+    job_id: str
+    state: JobState
+    generation: int
+    num_nodes: int
+    gpus_per_node: int
+    members_present: int
+    state_age_s: float
+    members: tuple[MemberView, ...]
+    failed: tuple[FailedInfo, ...]
+    id_published: bool
+    kv_keys: int
+    abort_reason: str
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node

@@ -1,0 +1,186 @@
+"""Assembles and runs the daemon: gRPC server, auth, health, reflection, timers.
+
+Start-up order matters: bind (fails fast when the port is taken), start, then
+health SERVING and the ready callback. Shutdown is the reverse: health
+NOT_SERVING at once, release parked calls, drain within the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.auth import TokenAuthInterceptor
+from rendezvousd.config import DaemonConfig
+from rendezvousd.errors import DaemonError
+from rendezvousd.metrics import Metrics
+from rendezvousd.servicer import SERVICE, RendezvousServicer
+from rendezvousd.state import RendezvousState
+
+log = logging.getLogger("rendezvousd")
+
+# The largest answer is a Join with a 16384-member table (~1 MiB); requests stay small.
+MAX_SEND_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class Daemon:
+    config: DaemonConfig
+    tokens: list[str]
+    on_ready: Callable[[int], None] | None = None
+    on_stopping: Callable[[], None] | None = None
+    state: RendezvousState = field(init=False)
+    metrics: Metrics = field(init=False)
+    port: int = field(init=False, default=0)
+    _server: grpc.aio.Server | None = field(init=False, default=None)
+    _health: health_aio.HealthServicer | None = field(init=False, default=None)
+    _ticker: asyncio.Task[None] | None = field(init=False, default=None)
+    _metrics_server: object | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.state = RendezvousState(self.config.limits(), self.config.timing())
+        self.metrics = Metrics(None)
+
+    def _options(self) -> list[tuple[str, int]]:
+        limits = self.state.limits
+        return [
+            # A second daemon on the same port must fail, not share the port.
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.max_metadata_size", 16 * 1024),
+            # Detect dead TCP peers (power loss, cable) without waiting for the
+            # heartbeat timeout; accept clients' keepalive pings as often.
+            ("grpc.keepalive_time_ms", 5_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        c = self.config
+        if c.tls_cert is None or c.tls_key is None:
+            return None
+        try:
+            key, cert = c.tls_key.read_bytes(), c.tls_cert.read_bytes()
+            ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
+        except OSError as exc:
+            raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    async def start(self) -> int:
+        servicer = RendezvousServicer(self.state, self.metrics)
+        interceptor = TokenAuthInterceptor(
+            self.tokens,
+            on_reject=lambda m: self.metrics.observe_rpc(
+                m.rsplit("/", 1)[-1], "UNAUTHENTICATED", 0.0
+            ),
+        )
+        server = grpc.aio.server(
+            interceptors=[interceptor],
+            options=self._options(),
+            maximum_concurrent_rpcs=self.state.limits.max_concurrent_rpcs,
+        )
+        server.add_generic_rpc_handlers((servicer.handler(),))
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if self.config.reflection:
+            reflection.enable_server_reflection(
+                (
+                    pb.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
+                server,
+            )
+        credentials = self._credentials()
+        try:
+            if credentials is None:
+                port: int = server.add_insecure_port(self.config.listen)
+            else:
+                port = server.add_secure_port(self.config.listen, credentials)
+        except RuntimeError as exc:
+            raise DaemonError(
+                f"cannot bind {self.config.listen}: {exc}; is another rendezvousd already using it?"
+            ) from exc
+        await server.start()
+        self._server = server
+        self.port = port
+        self._servicer = servicer
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._ticker = asyncio.create_task(self._tick())
+        if self.config.metrics_listen:
+            self._start_metrics(self.config.metrics_listen)
+        log.info(
+            "rendezvousd serving on %s (port %d, tls=%s)",
+            self.config.listen,
+            port,
+            credentials is not None,
+        )
+        if self.on_ready is not None:
+            self.on_ready(port)
+        return self.port
+
+    def _start_metrics(self, listen: str) -> None:
+        from prometheus_client import start_http_server
+
+        from rendezvousd.config import split_listen
+
+        host, port = split_listen(listen)
+        try:
+            server, _ = start_http_server(
+                port, addr=host or "127.0.0.1", registry=self.metrics.registry
+            )
+        except OSError as exc:
+            raise DaemonError(f"cannot serve metrics on {listen}: {exc.strerror}") from exc
+        self._metrics_server = server
+        self.metrics_port = server.server_port
+
+    async def _tick(self) -> None:
+        interval = min(1.0, self.state.timing.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            self.state.tick(now)
+            self._servicer.apply()
+            self.metrics.observe_heartbeats(self.state, now)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful: NOT_SERVING first, release waiters, then drain."""
+        if self._server is None:
+            return
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.on_stopping is not None:
+            self.on_stopping()
+        self.state.drain()
+        self._servicer.apply()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        await self._server.stop(self.config.drain_grace_s if grace is None else grace)
+        if self._metrics_server is not None:
+            shutdown = getattr(self._metrics_server, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        self._server = None
+        log.info("rendezvousd stopped")
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -1,0 +1,418 @@
+"""The gRPC adapter: decode requests, ask the state machine, park or answer.
+
+All decisions live in ``RendezvousState``; this module only turns its results
+into wire messages, its ``Parked`` answers into awaited futures, and its
+effects into woken futures, heartbeat-stream events and log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.metrics import Metrics
+from rendezvousd.model import (
+    Effect,
+    EventKind,
+    JobState,
+    JobView,
+    JoinResult,
+    MemberInfo,
+    Notify,
+    Parked,
+    Transition,
+    Wake,
+)
+from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.status import to_grpc_status
+
+log = logging.getLogger("rendezvousd")
+T = TypeVar("T")
+SERVICE = "rendezvous.v1.Rendezvous"
+_StreamKey = tuple[str, int, int]
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class RendezvousServicer:
+    def __init__(self, state: RendezvousState, metrics: Metrics | None = None) -> None:
+        self.state = state
+        self.metrics = metrics or Metrics(None)
+        self._futures: dict[int, asyncio.Future[Any]] = {}
+        self._streams: dict[_StreamKey, tuple[int, asyncio.Queue[pb.JobEvent | None]]] = {}
+        # The member table is the same for every rank of a generation: encode it once.
+        self._tables: dict[tuple[str, int], tuple[tuple[MemberInfo, ...], bytes]] = {}
+
+    # -- effects ----------------------------------------------------------
+
+    def apply(self, effects: list[Effect] | None = None) -> None:
+        for effect in self.state.take_effects() if effects is None else effects:
+            if isinstance(effect, Wake):
+                future = self._futures.get(effect.waiter)
+                if future is not None and not future.done():
+                    if effect.fault is not None:
+                        future.set_exception(effect.fault)
+                    else:
+                        future.set_result(effect.value)
+            elif isinstance(effect, Notify):
+                self._push(effect)
+            elif isinstance(effect, Transition):
+                self._transition(effect)
+        self.metrics.waiters.set(self.state.waiter_count)
+
+    def _push(self, effect: Notify) -> None:
+        event = pb.JobEvent(
+            kind=pb.JobEvent.Kind.ValueType(effect.kind.value),
+            job_id=effect.job_id,
+            generation=effect.generation,
+            failed=[
+                pb.FailedMember(rank=f.rank, host=f.host, cause=f.cause) for f in effect.failed
+            ],
+            reason=effect.reason,
+        )
+        for rank in effect.ranks:
+            stream = self._streams.get((effect.job_id, effect.generation, rank))
+            if stream is not None:
+                stream[1].put_nowait(event)
+        if effect.kind is EventKind.PEER_FAILED:
+            self.metrics.failures.inc()
+
+    def _transition(self, t: Transition) -> None:
+        old = t.old.name if t.old else "-"
+        new = t.new.name if t.new else "EXPIRED"
+        level = logging.WARNING if t.new in (JobState.FAILED, JobState.ABORTED) else logging.INFO
+        log.log(
+            level, "job %s generation %d: %s -> %s (%s)", t.job_id, t.generation, old, new, t.detail
+        )
+        if t.new is None or t.new is not JobState.RUNNING:
+            self._tables.pop((t.job_id, t.generation), None)
+        self.metrics.observe_jobs(self.state)
+
+    # -- waiting ----------------------------------------------------------
+
+    async def _settle(self, outcome: T | Parked, wait_timeout_ms: int, context: Any) -> Any:
+        self.apply()
+        if not isinstance(outcome, Parked):
+            return outcome
+        waiter = outcome.waiter
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._futures[waiter] = future
+        timeout = wait_timeout_ms / 1000 or self.state.timing.default_wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Answer just before the caller's deadline, so it gets our message
+            # naming the missing ranks rather than a bare DEADLINE_EXCEEDED.
+            timeout = min(timeout, max(0.0, remaining - min(0.25, remaining * 0.1)))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            fault = self.state.cancel_wait(waiter, _now(), timed_out=True)
+            self.apply()
+            if fault is None:
+                raise RuntimeError("waiter vanished without an answer") from None
+            raise fault from None
+        except asyncio.CancelledError:
+            self.state.cancel_wait(waiter, _now(), timed_out=False)
+            self.apply()
+            raise
+        finally:
+            self._futures.pop(waiter, None)
+
+    # -- join ---------------------------------------------------------------
+
+    def _encode_join(self, result: JoinResult) -> bytes:
+        header = pb.JoinResponse(
+            job_id=result.job_id,
+            generation=result.generation,
+            rank=result.rank,
+            world_size=result.world_size,
+            node_rank=result.node_rank,
+            local_rank=result.local_rank,
+            id_required=result.id_required,
+            unique_id=result.unique_id,
+        ).SerializeToString()
+        if not result.members:
+            return header
+        key = (result.job_id, result.generation)
+        cached = self._tables.get(key)
+        if cached is None or cached[0] is not result.members:
+            table = pb.JoinResponse(
+                members=[
+                    pb.Member(
+                        rank=m.rank,
+                        node_rank=m.node_rank,
+                        local_rank=m.local_rank,
+                        host=m.host,
+                        address=m.address,
+                    )
+                    for m in result.members
+                ]
+            ).SerializeToString()
+            cached = (result.members, table)
+            self._tables[key] = cached
+        # Concatenated protobuf encodings merge, and repeated fields append.
+        return header + cached[1]
+
+    async def Join(self, request: pb.JoinRequest, context: Any) -> bytes:
+        args = JoinArgs(
+            job_id=request.job_id,
+            num_nodes=request.topology.num_nodes,
+            gpus_per_node=request.topology.gpus_per_node,
+            node_rank=request.node_rank if request.HasField("node_rank") else None,
+            local_rank=request.local_rank,
+            host=request.host,
+            address=request.address,
+            unique_id=request.unique_id,
+            instance_id=request.instance_id,
+        )
+        result = await self._settle(self.state.join(args, _now()), request.wait_timeout_ms, context)
+        self.metrics.joins.inc()
+        return self._encode_join(result)
+
+    async def PublishId(self, request: pb.PublishIdRequest, context: Any) -> bytes:
+        outcome = self.state.publish_id(
+            request.job_id,
+            request.generation,
+            request.rank,
+            request.instance_id,
+            request.unique_id,
+            _now(),
+        )
+        return self._encode_join(await self._settle(outcome, request.wait_timeout_ms, context))
+
+    # -- barrier and key-value ---------------------------------------------
+
+    async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
+        outcome = self.state.barrier(
+            request.job_id, request.generation, request.rank, request.name, request.sequence, _now()
+        )
+        sequence = await self._settle(outcome, request.wait_timeout_ms, context)
+        return pb.BarrierResponse(sequence=sequence)
+
+    async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
+        self.state.kv_set(
+            request.job_id, request.generation, request.rank, request.key, request.value
+        )
+        self.apply()
+        return pb.KvSetResponse()
+
+    async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
+        outcome = self.state.kv_get(
+            request.job_id, request.generation, request.rank, request.key, request.wait, _now()
+        )
+        return pb.KvGetResponse(value=await self._settle(outcome, request.wait_timeout_ms, context))
+
+    async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
+        value = self.state.kv_add(
+            request.job_id, request.generation, request.rank, request.key, request.delta
+        )
+        self.apply()
+        return pb.KvAddResponse(value=value)
+
+    async def KvCompareAndSet(
+        self, request: pb.KvCompareAndSetRequest, context: Any
+    ) -> pb.KvCompareAndSetResponse:
+        swapped, current = self.state.kv_compare_and_set(
+            request.job_id,
+            request.generation,
+            request.rank,
+            request.key,
+            request.expected if request.HasField("expected") else None,
+            request.desired,
+        )
+        self.apply()
+        response = pb.KvCompareAndSetResponse(swapped=swapped)
+        if current is not None:
+            response.current = current
+        return response
+
+    async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
+        deleted = self.state.kv_delete(
+            request.job_id, request.generation, request.rank, request.key
+        )
+        return pb.KvDeleteResponse(deleted=deleted)
+
+    # -- liveness -------------------------------------------------------------
+
+    async def Heartbeat(
+        self, requests: AsyncIterator[pb.HeartbeatRequest], context: Any
+    ) -> AsyncIterator[pb.JobEvent]:
+        iterator = requests.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        key = (first.job_id, first.generation, first.rank)
+        token = self.state.attach_stream(
+            first.job_id, first.generation, first.rank, first.instance_id, _now()
+        )
+        queue: asyncio.Queue[pb.JobEvent | None] = asyncio.Queue()
+        entry = (token, queue)
+        self._streams[key] = entry
+        reader = asyncio.create_task(self._read_heartbeats(key, iterator, queue))
+        self.metrics.streams.inc()
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            reader.cancel()
+            self.metrics.streams.dec()
+            if self._streams.get(key) is entry:
+                del self._streams[key]
+            self.state.detach_stream(*key, token, _now())
+            self.apply()
+
+    async def _read_heartbeats(
+        self,
+        key: _StreamKey,
+        iterator: AsyncIterator[pb.HeartbeatRequest],
+        queue: asyncio.Queue[pb.JobEvent | None],
+    ) -> None:
+        try:
+            async for _ in iterator:
+                try:
+                    self.state.heartbeat(*key, _now())
+                except RendezvousFault:
+                    break  # the generation ended; its events were already pushed
+        except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            queue.put_nowait(None)
+
+    async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        self.state.leave(
+            request.job_id, request.generation, request.rank, request.instance_id, _now()
+        )
+        self.apply()
+        return pb.LeaveResponse()
+
+    async def AbortJob(self, request: pb.AbortJobRequest, context: Any) -> pb.AbortJobResponse:
+        generation = self.state.abort(request.job_id, request.generation, request.reason, _now())
+        self.apply()
+        return pb.AbortJobResponse(generation=generation)
+
+    # -- inspection -----------------------------------------------------------
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
+        return pb.ListJobsResponse(jobs=[_summary(v) for v in self.state.views(_now())])
+
+    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
+        view = self.state.view(request.job_id, _now())
+        return pb.GetJobResponse(
+            summary=_summary(view),
+            members=[
+                pb.MemberStatus(
+                    member=pb.Member(
+                        rank=m.info.rank,
+                        node_rank=m.info.node_rank,
+                        local_rank=m.info.local_rank,
+                        host=m.info.host,
+                        address=m.info.address,
+                    ),
+                    state=pb.MemberState.ValueType(m.state.value),
+                    heartbeat_age_ms=int(m.heartbeat_age_s * 1000),
+                    heartbeat_stream_open=m.stream_open,
+                )
+                for m in view.members
+            ],
+            failed=[pb.FailedMember(rank=f.rank, host=f.host, cause=f.cause) for f in view.failed],
+            id_published=view.id_published,
+            kv_keys=view.kv_keys,
+            abort_reason=view.abort_reason,
+        )
+
+    # -- registration ---------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Method table with one fault seam; Join/PublishId return pre-encoded bytes."""
+        unary: dict[
+            str, tuple[Callable[[Any, Any], Awaitable[Any]], Any, Callable[[Any], bytes]]
+        ] = {
+            "Join": (self.Join, pb.JoinRequest, _raw),
+            "PublishId": (self.PublishId, pb.PublishIdRequest, _raw),
+            "Barrier": (self.Barrier, pb.BarrierRequest, _encode),
+            "KvSet": (self.KvSet, pb.KvSetRequest, _encode),
+            "KvGet": (self.KvGet, pb.KvGetRequest, _encode),
+            "KvAdd": (self.KvAdd, pb.KvAddRequest, _encode),
+            "KvCompareAndSet": (self.KvCompareAndSet, pb.KvCompareAndSetRequest, _encode),
+            "KvDelete": (self.KvDelete, pb.KvDeleteRequest, _encode),
+            "Leave": (self.Leave, pb.LeaveRequest, _encode),
+            "AbortJob": (self.AbortJob, pb.AbortJobRequest, _encode),
+            "ListJobs": (self.ListJobs, pb.ListJobsRequest, _encode),
+            "GetJob": (self.GetJob, pb.GetJobRequest, _encode),
+        }
+        handlers: dict[str, grpc.RpcMethodHandler] = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._guard(name, fn), request_deserializer=req.FromString, response_serializer=ser
+            )
+            for name, (fn, req, ser) in unary.items()
+        }
+        handlers["Heartbeat"] = grpc.stream_stream_rpc_method_handler(
+            self._guard_stream(self.Heartbeat),
+            request_deserializer=pb.HeartbeatRequest.FromString,
+            response_serializer=_encode,
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def _guard(
+        self, name: str, fn: Callable[[Any, Any], Awaitable[Any]]
+    ) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def call(request: Any, context: Any) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                return await fn(request, context)
+            except RendezvousFault as fault:
+                code = fault.code.value
+                self.apply()
+                await context.abort_with_status(to_grpc_status(fault))
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            finally:
+                self.metrics.observe_rpc(name, code, time.perf_counter() - started)
+
+        return call
+
+    def _guard_stream(
+        self, fn: Callable[[Any, Any], AsyncIterator[Any]]
+    ) -> Callable[[Any, Any], AsyncIterator[Any]]:
+        async def call(requests: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(requests, context):
+                    yield item
+            except RendezvousFault as fault:
+                self.apply()
+                await context.abort_with_status(to_grpc_status(fault))
+
+        return call
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+def _encode(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def _summary(view: JobView) -> pb.JobSummary:
+    return pb.JobSummary(
+        job_id=view.job_id,
+        state=pb.JobState.ValueType(view.state.value),
+        generation=view.generation,
+        topology=pb.Topology(num_nodes=view.num_nodes, gpus_per_node=view.gpus_per_node),
+        world_size=view.world_size,
+        members_present=view.members_present,
+        state_age_ms=int(view.state_age_s * 1000),
+    )

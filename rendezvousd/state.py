@@ -1,0 +1,733 @@
+"""The daemon's decisions, as a pure state machine.
+
+Every method takes the current monotonic time, mutates in-memory state, and
+either returns a value, returns ``Parked`` (the caller must wait), or raises
+``RendezvousFault``. Side effects for other callers (wake a parked call, push
+an event to a heartbeat stream, log a transition) are queued and collected
+with ``take_effects()``. There is no I/O, no clock and no asyncio here, which
+is what lets tests and the Hypothesis model drive it directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from rendezvousd import validation
+from rendezvousd.errors import Code, RendezvousFault, ranks_text
+from rendezvousd.job import BarrierState, Job, Member
+from rendezvousd.limits import Limits, Timing
+from rendezvousd.model import (
+    Effect,
+    EventKind,
+    FailedInfo,
+    JobState,
+    JobView,
+    JoinResult,
+    MemberState,
+    MemberView,
+    Notify,
+    Parked,
+    Transition,
+    Wake,
+)
+
+_TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
+
+
+@dataclass(frozen=True)
+class JoinArgs:
+    job_id: str
+    num_nodes: int
+    gpus_per_node: int
+    node_rank: int | None
+    local_rank: int
+    host: str
+    address: str
+    unique_id: bytes
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class _Waiter:
+    job_id: str
+    generation: int
+    kind: str  # "join" | "barrier" | "kv"
+    rank: int
+    key: str = ""  # barrier name or KV key
+    since: float = 0.0
+
+
+class RendezvousState:
+    def __init__(self, limits: Limits | None = None, timing: Timing | None = None) -> None:
+        self.limits = limits or Limits()
+        self.timing = timing or Timing()
+        self.jobs: dict[str, Job] = {}
+        self.draining = False
+        self._waiters: dict[int, _Waiter] = {}
+        self._next_waiter = itertools.count(1)
+        self._effects: list[Effect] = []
+
+    # -- plumbing ---------------------------------------------------------
+
+    def take_effects(self) -> list[Effect]:
+        effects, self._effects = self._effects, []
+        return effects
+
+    @property
+    def waiter_count(self) -> int:
+        return len(self._waiters)
+
+    def _park(self, job: Job, kind: str, rank: int, key: str, now: float) -> Parked:
+        if len(self._waiters) >= self.limits.max_waiters:
+            raise RendezvousFault(
+                Code.RESOURCE_EXHAUSTED,
+                "LIMIT_EXCEEDED",
+                f"the daemon already holds max_waiters={self.limits.max_waiters} waiting calls",
+                {"limit": "max_waiters"},
+            )
+        waiter = next(self._next_waiter)
+        self._waiters[waiter] = _Waiter(job.job_id, job.generation, kind, rank, key, now)
+        return Parked(waiter)
+
+    def _wake(
+        self, waiter: int, value: object = None, fault: RendezvousFault | None = None
+    ) -> None:
+        if self._waiters.pop(waiter, None) is not None:
+            self._effects.append(Wake(waiter, value, fault))
+
+    def _set_state(self, job: Job, new: JobState, now: float, detail: str) -> None:
+        old = job.state
+        job.state = new
+        job.state_since = now
+        self._effects.append(Transition(job.job_id, job.generation, old, new, detail))
+
+    def _job(self, job_id: str) -> Job:
+        job = self.jobs.get(validation.job_id(job_id))
+        if job is None:
+            raise RendezvousFault(
+                Code.NOT_FOUND,
+                "JOB_NOT_FOUND",
+                f"job {job_id!r} does not exist",
+                {"job_id": job_id},
+            )
+        return job
+
+    def _member(
+        self, job_id: str, generation: int, rank: int, *, running: bool = True
+    ) -> tuple[Job, Member]:
+        """The caller's job and membership, or the fault that fences it off."""
+        job = self._job(job_id)
+        if generation != job.generation:
+            raise RendezvousFault(
+                Code.ABORTED,
+                "STALE_GENERATION",
+                f"job {job_id!r} is at generation {job.generation}, the call named generation "
+                f"{generation}; rejoin to take part in the current generation",
+                {
+                    "job_id": job_id,
+                    "generation": str(generation),
+                    "current_generation": str(job.generation),
+                },
+            )
+        member = job.members.get(rank)
+        if member is None:
+            raise RendezvousFault(
+                Code.NOT_FOUND,
+                "NOT_A_MEMBER",
+                f"rank {rank} is not a member of job {job_id!r} generation {generation}",
+                {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
+            )
+        if running and job.state is not JobState.RUNNING:
+            raise job.generation_fault()
+        return job, member
+
+    # -- join -------------------------------------------------------------
+
+    def join(self, args: JoinArgs, now: float) -> JoinResult | Parked:
+        if self.draining:
+            raise RendezvousFault(
+                Code.UNAVAILABLE, "DRAINING", "the daemon is shutting down; retry after it restarts"
+            )
+        validation.job_id(args.job_id)
+        validation.topology(args.num_nodes, args.gpus_per_node, self.limits)
+        validation.text_field("host", args.host, self.limits.max_host_bytes, required=True)
+        validation.text_field("address", args.address, self.limits.max_host_bytes, required=False)
+        validation.text_field("instance_id", args.instance_id, 128, required=True)
+        if args.unique_id:
+            validation.unique_id(args.unique_id)
+        if args.local_rank >= args.gpus_per_node:
+            raise validation.invalid(
+                "RANK_OUT_OF_RANGE",
+                f"local_rank={args.local_rank} is out of range for gpus_per_node={args.gpus_per_node} "
+                f"(expected 0..{args.gpus_per_node - 1})",
+                job_id=args.job_id,
+            )
+        if args.node_rank is not None and args.node_rank >= args.num_nodes:
+            raise validation.invalid(
+                "RANK_OUT_OF_RANGE",
+                f"node_rank={args.node_rank} is out of range for num_nodes={args.num_nodes} "
+                f"(expected 0..{args.num_nodes - 1})",
+                job_id=args.job_id,
+            )
+        job = self._job_for_join(args, now)
+        node_rank = self._node_rank(job, args)
+        rank = job.rank_of(node_rank, args.local_rank)
+        member = job.members.get(rank)
+        if member is not None and member.instance_id != args.instance_id:
+            raise RendezvousFault(
+                Code.ALREADY_EXISTS,
+                "DUPLICATE_RANK",
+                f"rank {rank} (node_rank={node_rank}, local_rank={args.local_rank}) of job "
+                f"{args.job_id!r} is already held by a worker on {member.host}; give each worker "
+                "a distinct (node_rank, local_rank)",
+                {"job_id": args.job_id, "generation": str(job.generation), "ranks": str(rank)},
+            )
+        if args.unique_id:
+            if rank != 0:
+                raise validation.invalid(
+                    "INVALID_ID",
+                    f"only global rank 0 supplies the unique id; this worker is rank {rank}",
+                    job_id=args.job_id,
+                )
+            self._accept_id(job, args.unique_id)
+        if member is None:
+            if job.state is not JobState.FORMING:
+                raise job.generation_fault()
+            member = Member(
+                rank, node_rank, args.local_rank, args.host, args.address, args.instance_id
+            )
+            job.members[rank] = member
+            if args.node_rank is None:
+                job.host_nodes.setdefault(args.host, node_rank)
+        return self._join_outcome(job, member, now)
+
+    def publish_id(
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        instance_id: str,
+        unique_id: bytes,
+        now: float,
+    ) -> JoinResult | Parked:
+        validation.unique_id(unique_id)
+        job, member = self._member(job_id, generation, rank, running=False)
+        if job.state in _TERMINAL:
+            raise job.generation_fault()
+        if rank != 0 or member.instance_id != instance_id:
+            raise RendezvousFault(
+                Code.PERMISSION_DENIED,
+                "NOT_RANK_ZERO",
+                f"only the worker holding global rank 0 publishes the id of job {job_id!r}",
+                {"job_id": job_id, "ranks": str(rank)},
+            )
+        self._accept_id(job, unique_id)
+        return self._join_outcome(job, member, now)
+
+    def _job_for_join(self, args: JoinArgs, now: float) -> Job:
+        job = self.jobs.get(args.job_id)
+        if job is None:
+            if len(self.jobs) >= self.limits.max_jobs:
+                raise RendezvousFault(
+                    Code.RESOURCE_EXHAUSTED,
+                    "LIMIT_EXCEEDED",
+                    f"the daemon already holds max_jobs={self.limits.max_jobs} jobs",
+                    {"limit": "max_jobs"},
+                )
+            job = Job(args.job_id, args.num_nodes, args.gpus_per_node, 0, JobState.FORMING, now)
+            self.jobs[args.job_id] = job
+            job.open_generation(now)
+            self._effects.append(
+                Transition(job.job_id, job.generation, None, JobState.FORMING, "created")
+            )
+            return job
+        if job.state in _TERMINAL and not self._rejoin_of_current(job, args):
+            # A new generation may change the topology: it starts from scratch.
+            old = job.state
+            job.open_generation(now)
+            job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
+            self._effects.append(
+                Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
+            )
+        if (job.num_nodes, job.gpus_per_node) != (args.num_nodes, args.gpus_per_node):
+            raise RendezvousFault(
+                Code.FAILED_PRECONDITION,
+                "TOPOLOGY_MISMATCH",
+                f"job {args.job_id!r} has num_nodes={job.num_nodes} gpus_per_node={job.gpus_per_node}, "
+                f"this worker asked for num_nodes={args.num_nodes} gpus_per_node={args.gpus_per_node}; "
+                "every worker of a job must use the same topology",
+                {"job_id": args.job_id, "generation": str(job.generation)},
+            )
+        return job
+
+    @staticmethod
+    def _rejoin_of_current(job: Job, args: JoinArgs) -> bool:
+        """A retried Join of a member whose generation already ended stays fenced."""
+        return any(m.instance_id == args.instance_id for m in job.members.values()) and (
+            job.state is not JobState.ENDED
+        )
+
+    def _node_rank(self, job: Job, args: JoinArgs) -> int:
+        if args.node_rank is not None:
+            return args.node_rank
+        known = job.host_nodes.get(args.host)
+        if known is not None:
+            return known
+        taken = set(job.host_nodes.values()) | {m.node_rank for m in job.members.values()}
+        for node in range(job.num_nodes):
+            if node not in taken:
+                return node
+        raise RendezvousFault(
+            Code.RESOURCE_EXHAUSTED,
+            "WORLD_FULL",
+            f"job {job.job_id!r} already has num_nodes={job.num_nodes} hosts; {args.host!r} cannot "
+            "get a node rank",
+            {"job_id": job.job_id, "generation": str(job.generation)},
+        )
+
+    def _accept_id(self, job: Job, unique_id: bytes) -> None:
+        if job.unique_id is not None:
+            if job.unique_id == unique_id:
+                return
+            raise RendezvousFault(
+                Code.ALREADY_EXISTS,
+                "ID_CONFLICT",
+                f"job {job.job_id!r} generation {job.generation} already has a different unique id; "
+                "the first one is kept",
+                {"job_id": job.job_id, "generation": str(job.generation)},
+            )
+        if hashlib.sha256(unique_id).digest() in job.used_id_digests:
+            raise validation.invalid(
+                "ID_REUSED",
+                f"this unique id was already used by an earlier generation of job {job.job_id!r}; "
+                "every generation needs a fresh id",
+                job_id=job.job_id,
+            )
+        job.unique_id = unique_id
+
+    def _join_outcome(self, job: Job, member: Member, now: float) -> JoinResult | Parked:
+        if job.state is JobState.FORMING and len(job.members) == job.world_size and job.unique_id:
+            self._start(job, now)
+        if job.state is JobState.RUNNING:
+            return self._result(job, member)
+        if job.state in _TERMINAL:
+            raise job.generation_fault()
+        if member.rank == 0 and job.unique_id is None:
+            return JoinResult(
+                job.job_id,
+                job.generation,
+                0,
+                job.world_size,
+                member.node_rank,
+                member.local_rank,
+                True,
+                b"",
+                (),
+            )
+        parked = self._park(job, "join", member.rank, "", now)
+        job.join_waiters[parked.waiter] = member.rank
+        return parked
+
+    def _start(self, job: Job, now: float) -> None:
+        for m in job.members.values():
+            m.state = MemberState.ACTIVE
+            m.last_seen = now
+        job.member_table = tuple(job.members[r].info() for r in range(job.world_size))
+        self._set_state(job, JobState.RUNNING, now, f"all {job.world_size} ranks joined")
+        for waiter, rank in list(job.join_waiters.items()):
+            self._wake(waiter, self._result(job, job.members[rank]))
+        job.join_waiters.clear()
+
+    @staticmethod
+    def _result(job: Job, member: Member) -> JoinResult:
+        assert job.unique_id is not None
+        return JoinResult(
+            job.job_id,
+            job.generation,
+            member.rank,
+            job.world_size,
+            member.node_rank,
+            member.local_rank,
+            False,
+            job.unique_id,
+            job.member_table,
+        )
+
+    # -- waiting calls that end ------------------------------------------
+
+    def cancel_wait(self, waiter: int, now: float, *, timed_out: bool) -> RendezvousFault | None:
+        """A parked call ended without a wake (deadline, cancel). Returns its fault."""
+        w = self._waiters.pop(waiter, None)
+        if w is None:
+            return None
+        job = self.jobs.get(w.job_id)
+        if job is None or job.generation != w.generation:
+            return None
+        waited = f"{now - w.since:.1f} s"
+        meta = {"job_id": job.job_id, "generation": str(job.generation)}
+        if w.kind == "join":
+            job.join_waiters.pop(waiter, None)
+            self._drop_joiner(job, w.rank, now)
+            missing = job.missing_ranks()
+            meta["ranks"] = ranks_text(missing[:64])
+            return RendezvousFault(
+                Code.DEADLINE_EXCEEDED,
+                "WORLD_INCOMPLETE",
+                f"job {job.job_id!r} generation {job.generation}: {job.world_size - len(missing)} of "
+                f"{job.world_size} ranks joined after {waited}; missing ranks {_short(missing)}",
+                meta,
+            )
+        if w.kind == "barrier":
+            barrier = job.barriers.get(w.key)
+            if barrier is not None:
+                ws = barrier.arrived.get(w.rank, set())
+                ws.discard(waiter)
+                if not ws:
+                    barrier.arrived.pop(w.rank, None)
+                missing = sorted(job.participants() - set(barrier.arrived) - {w.rank})
+            else:
+                missing = []
+            meta["ranks"] = ranks_text(missing[:64])
+            return RendezvousFault(
+                Code.DEADLINE_EXCEEDED,
+                "BARRIER_TIMEOUT",
+                f"barrier {w.key!r} of job {job.job_id!r} generation {job.generation} timed out on "
+                f"rank {w.rank} after {waited}; still waiting for ranks {_short(missing)}",
+                meta,
+            )
+        waiting = job.kv_waiters.get(w.key)
+        if waiting is not None:
+            waiting.discard(waiter)
+            if not waiting:
+                del job.kv_waiters[w.key]
+        return RendezvousFault(
+            Code.DEADLINE_EXCEEDED,
+            "KEY_WAIT_TIMEOUT",
+            f"key {w.key!r} of job {job.job_id!r} was not set within {waited}",
+            meta,
+        )
+
+    def _drop_joiner(self, job: Job, rank: int, now: float) -> None:
+        """A joiner gave up before the world was complete: free its rank."""
+        if job.state is not JobState.FORMING or rank in job.join_waiters.values():
+            return  # a retry of the same join is still waiting for the rank
+        member = job.members.pop(rank, None)
+        if member is None:
+            return
+        if not any(m.host == member.host for m in job.members.values()):
+            job.host_nodes.pop(member.host, None)
+        if rank == 0 and job.unique_id is not None:
+            # rank 0's process (and the listener behind its id) may be gone.
+            job.remember_id()
+            job.unique_id = None
+        if not job.members:
+            job.state_since = now
+
+    # -- barrier ----------------------------------------------------------
+
+    def barrier(
+        self, job_id: str, generation: int, rank: int, name: str, sequence: int, now: float
+    ) -> int | Parked:
+        validation.text_field("barrier name", name, self.limits.max_key_bytes, required=True)
+        job, _ = self._member(job_id, generation, rank)
+        barrier = job.barriers.setdefault(name, BarrierState())
+        if sequence <= barrier.completed:
+            return sequence
+        if sequence != barrier.completed + 1:
+            raise RendezvousFault(
+                Code.FAILED_PRECONDITION,
+                "BARRIER_MISMATCH",
+                f"rank {rank} entered barrier {name!r} #{sequence} but job {job_id!r} is at "
+                f"#{barrier.completed + 1}; every rank must run the same barriers in the same order",
+                {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
+            )
+        parked = self._park(job, "barrier", rank, name, now)
+        barrier.arrived.setdefault(rank, set()).add(parked.waiter)
+        if self._complete_barrier(job, barrier):
+            return sequence
+        return parked
+
+    def _complete_barrier(self, job: Job, barrier: BarrierState) -> bool:
+        if not barrier.arrived or not job.participants() <= set(barrier.arrived):
+            return False
+        barrier.completed += 1
+        for waiters in barrier.arrived.values():
+            for w in waiters:
+                self._wake(w, barrier.completed)
+        barrier.arrived.clear()
+        return True
+
+    # -- key-value store --------------------------------------------------
+
+    def kv_set(self, job_id: str, generation: int, rank: int, key: str, value: bytes) -> None:
+        job, _ = self._member(job_id, generation, rank)
+        self._store(
+            job, validation.kv_key(key, self.limits), validation.kv_value(value, self.limits)
+        )
+
+    def kv_get(
+        self, job_id: str, generation: int, rank: int, key: str, wait: bool, now: float
+    ) -> bytes | Parked:
+        job, _ = self._member(job_id, generation, rank)
+        validation.kv_key(key, self.limits)
+        value = job.kv.get(key)
+        if value is not None:
+            return value
+        if not wait:
+            raise RendezvousFault(
+                Code.NOT_FOUND,
+                "KEY_NOT_FOUND",
+                f"key {key!r} is not set in job {job_id!r} generation {generation}",
+                {"job_id": job_id, "generation": str(generation)},
+            )
+        parked = self._park(job, "kv", rank, key, now)
+        job.kv_waiters.setdefault(key, set()).add(parked.waiter)
+        return parked
+
+    def kv_add(self, job_id: str, generation: int, rank: int, key: str, delta: int) -> int:
+        job, _ = self._member(job_id, generation, rank)
+        validation.kv_key(key, self.limits)
+        raw = job.kv.get(key, b"0")
+        try:
+            current = int(raw.decode("ascii"), 10)
+        except (UnicodeDecodeError, ValueError):
+            raise RendezvousFault(
+                Code.FAILED_PRECONDITION,
+                "NOT_A_COUNTER",
+                f"key {key!r} holds a value that is not a decimal integer; KvAdd needs a counter",
+                {"job_id": job_id},
+            ) from None
+        total = current + delta
+        if not -(2**63) <= total < 2**63:
+            raise validation.invalid("INVALID_ARGUMENT", f"KvAdd on {key!r} would overflow int64")
+        self._store(job, key, str(total).encode("ascii"))
+        return total
+
+    def kv_compare_and_set(
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        key: str,
+        expected: bytes | None,
+        desired: bytes,
+    ) -> tuple[bool, bytes | None]:
+        job, _ = self._member(job_id, generation, rank)
+        validation.kv_key(key, self.limits)
+        validation.kv_value(desired, self.limits)
+        current = job.kv.get(key)
+        if current != expected:
+            return False, current
+        self._store(job, key, desired)
+        return True, desired
+
+    def kv_delete(self, job_id: str, generation: int, rank: int, key: str) -> bool:
+        job, _ = self._member(job_id, generation, rank)
+        validation.kv_key(key, self.limits)
+        value = job.kv.pop(key, None)
+        if value is None:
+            return False
+        job.kv_bytes -= len(key) + len(value)
+        return True
+
+    def _store(self, job: Job, key: str, value: bytes) -> None:
+        old = job.kv.get(key)
+        if old is None and len(job.kv) >= self.limits.max_keys_per_job:
+            raise RendezvousFault(
+                Code.RESOURCE_EXHAUSTED,
+                "LIMIT_EXCEEDED",
+                f"job {job.job_id!r} already has max_keys_per_job={self.limits.max_keys_per_job} keys",
+                {"limit": "max_keys_per_job", "job_id": job.job_id},
+            )
+        grown = job.kv_bytes + len(value) - (len(old) if old is not None else -len(key))
+        if grown > self.limits.max_kv_bytes_per_job:
+            raise RendezvousFault(
+                Code.RESOURCE_EXHAUSTED,
+                "LIMIT_EXCEEDED",
+                f"job {job.job_id!r} would exceed max_kv_bytes_per_job={self.limits.max_kv_bytes_per_job}",
+                {"limit": "max_kv_bytes_per_job", "job_id": job.job_id},
+            )
+        job.kv[key] = value
+        job.kv_bytes = grown
+        for w in job.kv_waiters.pop(key, set()):
+            self._wake(w, value)
+
+    # -- liveness ---------------------------------------------------------
+
+    def attach_stream(
+        self, job_id: str, generation: int, rank: int, instance_id: str, now: float
+    ) -> int:
+        """A heartbeat stream opened; returns its token for ``detach_stream``."""
+        _, member = self._member(job_id, generation, rank)
+        if member.instance_id != instance_id:
+            raise RendezvousFault(
+                Code.ALREADY_EXISTS,
+                "DUPLICATE_RANK",
+                f"rank {rank} of job {job_id!r} belongs to another worker instance",
+                {"job_id": job_id, "ranks": str(rank)},
+            )
+        member.stream_token += 1
+        member.stream_open = True
+        member.last_seen = now
+        return member.stream_token
+
+    def heartbeat(self, job_id: str, generation: int, rank: int, now: float) -> None:
+        _, member = self._member(job_id, generation, rank)
+        member.last_seen = now
+
+    def detach_stream(
+        self, job_id: str, generation: int, rank: int, token: int, now: float
+    ) -> None:
+        """A heartbeat stream ended. Without a Leave first, the member is lost."""
+        job = self.jobs.get(job_id)
+        if job is None or job.generation != generation or self.draining:
+            return
+        member = job.members.get(rank)
+        if member is None or member.stream_token != token:
+            return
+        member.stream_open = False
+        if member.state is MemberState.ACTIVE:
+            self._lose(job, member, "heartbeat stream closed", now)
+
+    def tick(self, now: float) -> None:
+        """Time-driven decisions: silent members are lost, old jobs forgotten."""
+        timeout = self.timing.heartbeat_timeout_s
+        for job in list(self.jobs.values()):
+            if job.state is JobState.RUNNING:
+                for member in list(job.members.values()):
+                    if member.state is MemberState.ACTIVE and now - member.last_seen > timeout:
+                        self._lose(job, member, f"no heartbeat for {timeout:g} s", now)
+            idle = job.state in _TERMINAL or (job.state is JobState.FORMING and not job.members)
+            if idle and now - job.state_since > self.timing.job_ttl_s and not job.all_waiters():
+                del self.jobs[job.job_id]
+                self._effects.append(
+                    Transition(job.job_id, job.generation, job.state, None, "expired")
+                )
+
+    def _lose(self, job: Job, member: Member, cause: str, now: float) -> None:
+        member.state = MemberState.LOST
+        member.stream_open = False
+        job.failed.append(FailedInfo(member.rank, member.host, cause))
+        if job.state is not JobState.RUNNING:
+            return  # the generation already ended: survivors were told once
+        self._set_state(job, JobState.FAILED, now, f"rank {member.rank} on {member.host}: {cause}")
+        self._fail_waiters(job)
+        self._notify(job, EventKind.PEER_FAILED, reason=cause)
+
+    def _fail_waiters(self, job: Job) -> None:
+        fault = job.generation_fault()
+        for w in job.all_waiters():
+            self._wake(w, fault=fault)
+        job.join_waiters.clear()
+        job.kv_waiters.clear()
+        for barrier in job.barriers.values():
+            barrier.arrived.clear()
+
+    def _notify(self, job: Job, kind: EventKind, reason: str = "") -> None:
+        ranks = tuple(r for r, m in job.members.items() if m.state is MemberState.ACTIVE)
+        if ranks:
+            self._effects.append(
+                Notify(job.job_id, job.generation, ranks, kind, tuple(job.failed), reason)
+            )
+
+    # -- endings ----------------------------------------------------------
+
+    def leave(self, job_id: str, generation: int, rank: int, instance_id: str, now: float) -> None:
+        job, member = self._member(job_id, generation, rank, running=False)
+        if member.instance_id != instance_id:
+            raise RendezvousFault(
+                Code.ALREADY_EXISTS,
+                "DUPLICATE_RANK",
+                f"rank {rank} of job {job_id!r} belongs to another worker instance",
+                {"job_id": job_id, "ranks": str(rank)},
+            )
+        if job.state is JobState.FORMING:
+            for waiter, r in list(job.join_waiters.items()):
+                if r == rank:
+                    job.join_waiters.pop(waiter)
+                    self._wake(
+                        waiter,
+                        fault=RendezvousFault(
+                            Code.ABORTED,
+                            "JOB_ABORTED",
+                            f"rank {rank} left job {job_id!r} before it formed",
+                        ),
+                    )
+            self._drop_joiner(job, rank, now)
+            return
+        if member.state is MemberState.ACTIVE:
+            member.state = MemberState.LEFT
+        if job.state is JobState.RUNNING:
+            if all(m.state is MemberState.LEFT for m in job.members.values()):
+                self._set_state(job, JobState.ENDED, now, "every member left")
+                return
+            for barrier in job.barriers.values():
+                self._complete_barrier(job, barrier)
+
+    def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
+        validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
+        job = self._job(job_id)
+        if generation not in (0, job.generation):
+            self._member(job_id, generation, 0, running=False)  # raises STALE_GENERATION
+        if job.state in (JobState.FORMING, JobState.RUNNING):
+            job.abort_reason = reason or "aborted by request"
+            self._set_state(job, JobState.ABORTED, now, job.abort_reason)
+            self._fail_waiters(job)
+            self._notify(job, EventKind.JOB_ABORTED, reason=job.abort_reason)
+        return job.generation
+
+    def drain(self) -> None:
+        """Shutdown began: refuse new joins, release every waiter, tell every member."""
+        self.draining = True
+        fault = RendezvousFault(
+            Code.UNAVAILABLE, "DRAINING", "the daemon is shutting down; retry after it restarts"
+        )
+        for waiter in list(self._waiters):
+            self._wake(waiter, fault=fault)
+        for job in self.jobs.values():
+            job.join_waiters.clear()
+            job.kv_waiters.clear()
+            for barrier in job.barriers.values():
+                barrier.arrived.clear()
+            if job.state is JobState.RUNNING:
+                self._notify(job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")
+
+    # -- inspection -------------------------------------------------------
+
+    def views(self, now: float) -> Iterator[JobView]:
+        for job_id in sorted(self.jobs):
+            yield self.view(job_id, now)
+
+    def view(self, job_id: str, now: float) -> JobView:
+        job = self._job(job_id)
+        members = tuple(
+            MemberView(
+                m.info(),
+                m.state,
+                max(0.0, now - m.last_seen) if m.state is MemberState.ACTIVE else 0.0,
+                m.stream_open,
+            )
+            for _, m in sorted(job.members.items())
+        )
+        return JobView(
+            job.job_id,
+            job.state,
+            job.generation,
+            job.num_nodes,
+            job.gpus_per_node,
+            len(job.present()),
+            max(0.0, now - job.state_since),
+            members,
+            tuple(job.failed),
+            job.unique_id is not None,
+            len(job.kv),
+            job.abort_reason,
+        )
+
+
+def _short(ranks: list[int], limit: int = 16) -> str:
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    return f"[{shown}{', ...' if len(ranks) > limit else ''}] ({len(ranks)} total)"

@@ -1,0 +1,27 @@
+"""The one seam where state-machine faults become gRPC statuses.
+
+A fault travels as a standard google.rpc.Status (in the ``grpc-status-details-bin``
+trailer) holding one google.rpc.ErrorInfo, so any gRPC client, grpcurl included,
+can read the reason and metadata without our SDK.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from rendezvousd.errors import RendezvousFault
+
+DOMAIN = "rendezvous.v1"
+
+
+def to_grpc_status(fault: RendezvousFault) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(reason=fault.reason, domain=DOMAIN, metadata=fault.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(
+        code=code_pb2.Code.Value(fault.code.value), message=fault.message, details=[detail]
+    )
+    return rpc_status.to_status(status)

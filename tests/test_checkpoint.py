@@ -1,0 +1,167 @@
+"""Rank-0-only atomic checkpoints and rank-0-only logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rendezvousd.trainer import checkpoint
+from rendezvousd.trainer.checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    rank_zero_logger,
+    save_checkpoint,
+)
+from rendezvousd.trainer.errors import CheckpointError
+from rendezvousd.trainer.topology import MultiNodeTopology
+
+# Each worker is a separate interpreter: node/local rank from argv, one JSON line out.
+WORKER = """
+import json, sys
+import numpy as np
+from rendezvousd.trainer.checkpoint import save_checkpoint
+from rendezvousd.trainer.topology import MultiNodeTopology
+path, node, local = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+topo = MultiNodeTopology(num_nodes=2, gpus_per_node=2, node_rank=node, local_rank=local)
+arrays = {"w": np.full((3, 2), float(topo.rank)), "step": np.array(7)}
+wrote = save_checkpoint(path, arrays, {"writer": topo.rank}, rank=topo)
+print(json.dumps({"rank": topo.rank, "wrote": wrote}))
+"""
+
+
+def arrays() -> dict[str, np.ndarray]:
+    return {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, 2], np.int64)}
+
+
+@pytest.mark.slow
+def test_rank_zero_checkpoint_writes_from_exactly_one_process_globally(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt-0000000007.npz"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(target), str(node), str(local)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+        for local in range(2)
+    ]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
+    assert [r["rank"] for r in reports if r["wrote"]] == [0]
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    loaded, meta = load_checkpoint(target)
+    assert meta == {"writer": 0}
+    np.testing.assert_array_equal(loaded["w"], np.zeros((3, 2)))
+    assert int(loaded["step"]) == 7
+
+
+def test_round_trip_preserves_arrays_dtypes_and_meta(tmp_path: Path) -> None:
+    path = tmp_path / "c.npz"
+    meta = {"step": 3, "lr": 0.1, "tags": ["a"], "nested": {"k": None}}
+    # Names that are also np.savez keyword parameters must not collide with them.
+    saved = {**arrays(), "file": np.array(["x", "yz"]), "allow_pickle": np.ones((0, 3))}
+    assert save_checkpoint(path, saved, meta, rank=0)
+    loaded, got_meta = load_checkpoint(path)
+    assert got_meta == meta
+    assert set(loaded) == set(saved)
+    for name, value in saved.items():
+        np.testing.assert_array_equal(loaded[name], value)
+        assert loaded[name].dtype == value.dtype
+
+
+def test_non_zero_ranks_do_not_touch_the_file_system(tmp_path: Path) -> None:
+    assert not save_checkpoint(tmp_path / "c.npz", arrays(), {}, rank=3)
+    assert not save_checkpoint(tmp_path / "c.npz", arrays(), {}, rank=MultiNodeTopology(2, 2, 1, 0))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_replace_keeps_old_checkpoint_and_leaves_no_temp_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, arrays(), {"version": "old"}, rank=0)
+
+    def crash(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    new = {"w": np.zeros((3, 4), np.float32), "b": np.zeros(2, np.int64)}
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*c\.npz"):
+        save_checkpoint(path, new, {"version": "new"}, rank=0)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
+    loaded, meta = load_checkpoint(path)
+    assert meta == {"version": "old"}
+    np.testing.assert_array_equal(loaded["w"], arrays()["w"])
+
+
+def test_missing_checkpoint_is_a_checkpoint_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "absent.npz")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "plain_npz"])
+def test_corrupt_checkpoint_is_a_checkpoint_error(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, {"w": np.arange(4096, dtype=np.float64)}, {"s": 1}, rank=0)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        # Inside the first member's payload, past its local header and .npy header.
+        data[600] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "garbage":
+        path.write_bytes(b"not a checkpoint at all")
+    else:
+        np.savez(path, w=np.zeros(2))  # valid npz, but no metadata record
+    with pytest.raises(CheckpointError, match=str(path.name)):
+        load_checkpoint(path)
+
+
+def test_unsaveable_inputs_are_rejected_before_writing(tmp_path: Path) -> None:
+    path = tmp_path / "c.npz"
+    with pytest.raises(CheckpointError, match="dtype object"):
+        save_checkpoint(path, {"o": np.array([{}], dtype=object)}, {}, rank=0)
+    with pytest.raises(CheckpointError, match="JSON"):
+        save_checkpoint(path, arrays(), {"bad": object()}, rank=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_latest_checkpoint_picks_highest_step_and_ignores_other_files(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "absent") is None
+    for step in (5, 40, 300):
+        save_checkpoint(checkpoint_path(tmp_path, step), arrays(), {"step": step}, rank=0)
+    (tmp_path / ".ckpt-0000009999.npz.abc.tmp").write_bytes(b"partial")
+    (tmp_path / "ckpt-notes.npz").write_bytes(b"")
+    (tmp_path / "ckpt-99999999999.npz").mkdir()
+    latest = latest_checkpoint(tmp_path)
+    assert latest == checkpoint_path(tmp_path, 300)
+    assert load_checkpoint(latest)[1] == {"step": 300}
+
+
+def test_rank_zero_logger_suppresses_info_elsewhere_but_not_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    name = "rendezvousd.test.rank_zero"
+    caplog.set_level(logging.INFO, logger=name)
+    rank0 = rank_zero_logger(name, MultiNodeTopology(2, 2, 0, 0))
+    other = rank_zero_logger(name, MultiNodeTopology(2, 2, 1, 0))
+    rank0.info("from rank 0")
+    other.info("from node 1 local 0")
+    other.warning("warning from node 1")
+    assert [r.getMessage() for r in caplog.records] == ["from rank 0", "warning from node 1"]
+    assert logging.getLogger(name).isEnabledFor(logging.INFO)
+    assert not other.isEnabledFor(logging.INFO) and rank0.isEnabledFor(logging.INFO)

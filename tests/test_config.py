@@ -1,0 +1,298 @@
+"""DistributedConfig: TOML loading, env and CLI overrides, validation, log line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from rendezvousd.trainer.config import (
+    DistributedConfig,
+    RendezvousTransport,
+    add_cli_arguments,
+    load_config,
+    with_cli_overrides,
+    with_env_overrides,
+)
+from rendezvousd.trainer.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "trainer" / "configs"
+DAEMON = RendezvousTransport.daemon("127.0.0.1:29400")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+MULTI = """
+[distributed]
+num_nodes = 2
+gpus_per_node = 2
+[distributed.rendezvous]
+kind = "daemon"
+endpoint = "10.0.0.1:29400"
+token_file = "/secrets/token"
+"""
+
+
+def test_shipped_smoke_config_is_two_nodes_of_two_cpu_workers_over_loopback() -> None:
+    config = load_config(CONFIGS / "multinode_smoke.toml", env={})
+    assert (config.backend, config.num_nodes, config.gpus_per_node) == ("cpu", 2, 2)
+    assert config.effective_world_size == 4
+    assert config.rendezvous.kind == "daemon"
+    assert config.rendezvous.endpoint is not None
+    assert config.rendezvous.endpoint.startswith("127.0.0.1:")
+    assert config.retry_attempts == 1
+    assert config.bucket_cap_mib < DistributedConfig().bucket_cap_mib
+
+
+def test_shipped_single_node_config_keeps_configured_world_and_rank() -> None:
+    config = load_config(CONFIGS / "single_node.toml", env={})
+    assert not config.is_multi_node
+    topo = config.topology()
+    assert (topo.world_size, topo.rank) == (2, 0)
+
+
+def test_defaults_are_single_node_with_one_retry() -> None:
+    config = load_config(None, env={})
+    assert config == DistributedConfig()
+    assert (config.num_nodes, config.node_rank, config.retry_attempts) == (1, 0, 1)
+    assert (config.bucket_cap_mib, config.first_bucket_mib) == (25.0, 1.0)
+
+
+def test_toml_integers_become_floats_for_float_fields(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "[distributed]\nbucket_cap_mib = 4\n"), env={})
+    assert isinstance(config.bucket_cap_mib, float) and config.bucket_cap_mib == 4.0
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[distributed]\nnum_node = 2\n", "distributed.num_node"),
+        ('[distributed.rendezvous]\nkind = "daemon"\nendpont = "h:1"\n', "rendezvous.endpont"),
+        ("[distribted]\nnum_nodes = 1\n", "'distribted'"),
+        ("world_size = 2\n", "'world_size'"),
+    ],
+)
+def test_unknown_toml_key_is_rejected_by_name(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_other_sections_may_be_allowed_explicitly(tmp_path: Path) -> None:
+    path = write(tmp_path, "[train]\nsteps = 3\n[distributed]\nworld_size = 2\n")
+    with pytest.raises(ConfigError, match="'train'"):
+        load_config(path, env={})
+    assert load_config(path, env={}, allow_sections=["train"]).world_size == 2
+
+
+def test_missing_and_malformed_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml", env={})
+    with pytest.raises(ConfigError, match="TOML"):
+        load_config(write(tmp_path, "[distributed\n"), env={})
+
+
+def test_multi_node_topology_validate_requires_daemon_endpoint_when_configured(
+    tmp_path: Path,
+) -> None:
+    # Multi-node over the (default) file transport cannot work across machines.
+    with pytest.raises(ConfigError, match="daemon rendezvous transport"):
+        DistributedConfig(num_nodes=2, gpus_per_node=2)
+    # A daemon transport without an endpoint, or with a malformed one, is rejected.
+    with pytest.raises(ConfigError, match="needs endpoint"):
+        load_config(
+            write(
+                tmp_path,
+                "[distributed]\nnum_nodes = 2\ngpus_per_node = 1\n"
+                '[distributed.rendezvous]\nkind = "daemon"\n',
+            ),
+            env={},
+        )
+    for bad in ("", "localhost", "host:0", "host:70000", "http://h:1", ":29400", "::1:5"):
+        with pytest.raises(ConfigError, match="endpoint"):
+            RendezvousTransport.daemon(bad)
+    assert RendezvousTransport.daemon("[::1]:5").endpoint == "[::1]:5"
+    assert DistributedConfig(num_nodes=2, gpus_per_node=2, rendezvous=DAEMON).is_multi_node
+
+
+def test_multi_node_requires_gpus_per_node() -> None:
+    with pytest.raises(ConfigError, match="gpus_per_node"):
+        DistributedConfig(num_nodes=2, rendezvous=DAEMON)
+
+
+def test_multi_node_world_size_is_derived_and_must_not_contradict() -> None:
+    with pytest.raises(ConfigError, match="world_size=3 contradicts"):
+        DistributedConfig(num_nodes=2, gpus_per_node=2, world_size=3, rendezvous=DAEMON)
+    config = DistributedConfig(num_nodes=2, gpus_per_node=2, world_size=4, rendezvous=DAEMON)
+    assert config.effective_world_size == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "quoted"),
+    [
+        ({"backend": "gloo"}, "backend='gloo'"),
+        ({"retry_attempts": -1}, "retry_attempts=-1"),
+        ({"world_size": 2, "rank": 2}, "rank=2"),
+        ({"num_nodes": 0}, "num_nodes=0"),
+        ({"node_rank": 1}, "node_rank=1"),
+        ({"bucket_cap_mib": 0}, "bucket_cap_mib=0"),
+        ({"collective_timeout_s": float("inf")}, "collective_timeout_s=inf"),
+        ({"heartbeat_interval_s": "5"}, "heartbeat_interval_s='5'"),
+    ],
+)
+def test_invalid_values_are_quoted_in_the_error(kwargs: dict[str, object], quoted: str) -> None:
+    with pytest.raises(ConfigError, match=quoted):
+        DistributedConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_node_rank_auto_needs_the_assigned_rank_for_topology(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, MULTI.replace("gpus_per_node = 2", 'gpus_per_node = 2\nnode_rank = "auto"')
+    )
+    config = load_config(path, env={})
+    assert config.node_rank is None
+    with pytest.raises(ConfigError, match="daemon assigned"):
+        config.topology(local_rank=0)
+    assert config.topology(node_rank=1, local_rank=1).rank == 3
+
+
+def test_multi_node_topology_from_configured_global_rank() -> None:
+    config = DistributedConfig(num_nodes=2, gpus_per_node=2, node_rank=1, rank=2, rendezvous=DAEMON)
+    topo = config.topology()
+    assert (topo.node_rank, topo.local_rank, topo.world_size) == (1, 0, 4)
+    with pytest.raises(ConfigError, match="rank=1 lies on node 0"):
+        DistributedConfig(num_nodes=2, gpus_per_node=2, node_rank=1, rank=1, rendezvous=DAEMON)
+
+
+# ---- environment overrides
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "attr", "expected"),
+    [
+        ("RENDEZVOUSD_NUM_NODES", "3", "num_nodes", 3),
+        ("RENDEZVOUSD_NODE_RANK", "1", "node_rank", 1),
+        ("RENDEZVOUSD_NODE_RANK", "auto", "node_rank", None),
+        ("RENDEZVOUSD_GPUS_PER_NODE", "8", "gpus_per_node", 8),
+        ("RENDEZVOUSD_RETRIES", "0", "retry_attempts", 0),
+    ],
+)
+def test_each_env_override_applies(
+    tmp_path: Path, var: str, value: str, attr: str, expected: int | None
+) -> None:
+    config = load_config(write(tmp_path, MULTI), env={var: value})
+    assert getattr(config, attr) == expected
+
+
+def test_env_endpoint_switches_to_daemon_and_keeps_token_file(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MULTI), env={"RENDEZVOUSD_ENDPOINT": "10.9.9.9:1234"})
+    assert config.rendezvous == RendezvousTransport.daemon("10.9.9.9:1234", "/secrets/token")
+    # A file whose multi-node settings come entirely from the environment is valid too.
+    config = load_config(
+        None,
+        env={
+            "RENDEZVOUSD_NUM_NODES": "2",
+            "RENDEZVOUSD_GPUS_PER_NODE": "4",
+            "RENDEZVOUSD_NODE_RANK": "1",
+            "RENDEZVOUSD_ENDPOINT": "head:29400",
+        },
+    )
+    assert config.topology(local_rank=3).rank == 7
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("RENDEZVOUSD_NUM_NODES", "two"),
+        ("RENDEZVOUSD_NUM_NODES", "0"),
+        ("RENDEZVOUSD_NODE_RANK", "-1"),
+        ("RENDEZVOUSD_NODE_RANK", "first"),
+        ("RENDEZVOUSD_GPUS_PER_NODE", "1.5"),
+        ("RENDEZVOUSD_GPUS_PER_NODE", ""),
+        ("RENDEZVOUSD_RETRIES", "-2"),
+        ("RENDEZVOUSD_ENDPOINT", "no-port"),
+    ],
+)
+def test_bad_env_value_names_variable_and_value(var: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={var: value})
+    assert var in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+def test_env_node_rank_out_of_range_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="node_rank=2 is out of range for num_nodes=2"):
+        load_config(write(tmp_path, MULTI), env={"RENDEZVOUSD_NODE_RANK": "2"})
+
+
+def test_with_env_overrides_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RENDEZVOUSD_RETRIES", "4")
+    assert with_env_overrides(DistributedConfig()).retry_attempts == 4
+
+
+# ---- CLI overrides and precedence
+
+
+def test_cli_beats_env_beats_file(tmp_path: Path) -> None:
+    path = write(tmp_path, MULTI.replace("[distributed]", "[distributed]\nretry_attempts = 3"))
+    assert load_config(path, env={}).retry_attempts == 3
+    assert load_config(path, env={"RENDEZVOUSD_RETRIES": "2"}).retry_attempts == 2
+    config = load_config(path, env={"RENDEZVOUSD_RETRIES": "2"}, cli={"retry_attempts": 5})
+    assert config.retry_attempts == 5
+
+
+def test_argparse_namespace_overrides_only_flags_that_were_given() -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(
+        [
+            "--num-nodes",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--node-rank",
+            "auto",
+            "--endpoint",
+            "h:9",
+            "--steps",
+            "3",
+        ]
+    )
+    base = DistributedConfig(retry_attempts=2)
+    config = with_cli_overrides(base, args)
+    assert (config.num_nodes, config.node_rank, config.retry_attempts) == (2, None, 2)
+    assert config.rendezvous == RendezvousTransport.daemon("h:9")
+
+
+def test_dict_override_with_unknown_key_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="unknown override 'num_node'"):
+        with_cli_overrides(DistributedConfig(), {"num_node": 2})
+
+
+# ---- rank-0 log line
+
+
+def test_rank0_log_line_includes_multi_node_fields_and_no_token(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cr3t-token-value")
+    config = DistributedConfig(
+        num_nodes=2,
+        gpus_per_node=2,
+        node_rank=1,
+        rendezvous=RendezvousTransport.daemon("10.0.0.1:29400", str(token)),
+    )
+    line = config.rank0_log_line()
+    assert "\n" not in line
+    for part in ("num_nodes=2", "gpus_per_node=2", "node_rank=1", "daemon(10.0.0.1:29400"):
+        assert part in line
+    assert "s3cr3t" not in line
+
+
+def test_rank0_log_line_single_node_has_no_multi_node_fields() -> None:
+    line = DistributedConfig(world_size=2, rank=1).rank0_log_line()
+    assert "world_size=2" in line and "rank=1" in line
+    assert "num_nodes" not in line and "node_rank" not in line

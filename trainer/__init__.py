@@ -1,0 +1,1 @@
+"""Training side: topology, communicators, bucketed all-reduce, launcher."""

@@ -1,0 +1,187 @@
+"""Rank-0-only, atomic, pickle-free checkpoints, and rank-0-only logging.
+
+A checkpoint is one ``.npz`` file: the arrays plus a JSON metadata document
+stored as a uint8 array. One file means one ``os.replace`` makes it visible, so
+a reader sees either the previous checkpoint or the complete new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import CheckpointError
+from .topology import MultiNodeTopology
+
+FORMAT = "rendezvousd-checkpoint/1"
+_META_KEY = "__rendezvousd_meta__"
+_NAME_RE = re.compile(r"^ckpt-(\d+)\.npz$")
+
+Arrays = dict[str, npt.NDArray[Any]]
+
+
+def _is_global_rank_zero(rank: int | MultiNodeTopology) -> bool:
+    if isinstance(rank, MultiNodeTopology):
+        return rank.is_global_rank_zero
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise CheckpointError(f"rank={rank!r} must be a global rank (int >= 0) or a topology")
+    return rank == 0
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """The canonical file name for ``step``; ``latest_checkpoint`` finds these."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step={step!r} must be an integer >= 0")
+    return Path(directory) / f"ckpt-{step:010d}.npz"
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The highest-step ``ckpt-<step>.npz`` in ``directory``, or None if there is none."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for entry in folder.iterdir():
+        match = _NAME_RE.match(entry.name)
+        # Compare steps numerically: names are zero-padded but steps may outgrow the padding.
+        if match and entry.is_file() and (best is None or int(match.group(1)) > best[0]):
+            best = (int(match.group(1)), entry)
+    return None if best is None else best[1]
+
+
+def _encode(arrays: Mapping[str, npt.NDArray[Any]], meta: Mapping[str, Any]) -> Arrays:
+    payload: Arrays = {}
+    for name, value in arrays.items():
+        if not isinstance(name, str) or not name or name == _META_KEY:
+            raise CheckpointError(f"array name {name!r} is empty, not a string, or reserved")
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            raise CheckpointError(
+                f"array {name!r} has dtype {array.dtype}, which cannot be saved without "
+                "pickle; convert it to a numeric or fixed-width string dtype"
+            )
+        payload[name] = array
+    try:
+        text = json.dumps({"format": FORMAT, "arrays": sorted(payload), "meta": dict(meta)})
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint metadata is not JSON-serialisable: {exc}") from exc
+    payload[_META_KEY] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    return payload
+
+
+def _fsync_directory(folder: Path) -> None:
+    # Makes the rename itself durable; not every platform can open a directory.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    arrays: Mapping[str, npt.NDArray[Any]],
+    meta: Mapping[str, Any],
+    *,
+    rank: int | MultiNodeTopology,
+) -> bool:
+    """Write ``path`` atomically if ``rank`` is global rank 0; return whether it wrote.
+
+    ``rank`` is the global rank or the caller's topology. Other ranks return
+    False without touching the file system.
+    """
+    if not _is_global_rank_zero(rank):
+        return False
+    target = Path(path)
+    payload = _encode(arrays, meta)
+    tmp_name: str | None = None
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            # Written member by member rather than via np.savez, whose own keyword
+            # parameters ("file", "allow_pickle") would collide with array names.
+            with zipfile.ZipFile(fh, mode="w", compression=zipfile.ZIP_STORED) as archive:
+                for name, array in payload.items():
+                    with archive.open(f"{name}.npy", mode="w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, array, allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_name, target)
+        tmp_name = None
+        _fsync_directory(target.parent)
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write checkpoint {target}: {exc}; the previous file, if any, "
+            "is unchanged. Check free space and permissions of the directory"
+        ) from exc
+    finally:
+        if tmp_name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+    return True
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Arrays, dict[str, Any]]:
+    """Read a checkpoint written by ``save_checkpoint``; CheckpointError if unusable."""
+    source = Path(path)
+    if not source.is_file():
+        raise CheckpointError(f"checkpoint {source} does not exist or is not a file")
+    try:
+        with np.load(source, allow_pickle=False) as archive:
+            # Reading every member verifies each one's zip CRC.
+            contents = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise CheckpointError(
+            f"checkpoint {source} is corrupt or truncated ({type(exc).__name__}: {exc}); "
+            "resume from an earlier checkpoint"
+        ) from exc
+    raw_meta = contents.pop(_META_KEY, None)
+    try:
+        if raw_meta is None or raw_meta.dtype != np.uint8:
+            raise ValueError("metadata record is missing")
+        doc = json.loads(raw_meta.tobytes().decode("utf-8"))
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"format is {doc.get('format') if isinstance(doc, dict) else doc!r}")
+        if doc.get("arrays") != sorted(contents) or not isinstance(doc.get("meta"), dict):
+            raise ValueError("array list does not match the metadata")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {source} is not a valid {FORMAT} file: {exc}") from exc
+    return contents, doc["meta"]
+
+
+class _RankZeroAdapter(logging.LoggerAdapter[logging.Logger]):
+    """Drops records below ``min_level`` so only global rank 0 reports progress."""
+
+    def __init__(self, logger: logging.Logger, min_level: int) -> None:
+        super().__init__(logger, {})
+        self.min_level = min_level
+
+    def isEnabledFor(self, level: int) -> bool:
+        return level >= self.min_level and self.logger.isEnabledFor(level)
+
+
+def rank_zero_logger(
+    logger: logging.Logger | str, rank: int | MultiNodeTopology
+) -> logging.LoggerAdapter[logging.Logger]:
+    """A logger that logs everything on global rank 0; elsewhere only WARNING and up.
+
+    Warnings and errors still surface on every rank because a failure on rank 5
+    is exactly what rank 0 cannot report. The shared logger's level is untouched.
+    """
+    base = logging.getLogger(logger) if isinstance(logger, str) else logger
+    min_level = logging.NOTSET if _is_global_rank_zero(rank) else logging.WARNING
+    return _RankZeroAdapter(base, min_level)

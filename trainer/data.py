@@ -1,0 +1,129 @@
+"""Per-rank data sharding over the global world, like torch's DistributedSampler.
+
+Every rank computes the same permutation from ``(seed, epoch)`` and takes every
+``world_size``-th index starting at its own global rank, so shards are disjoint
+and each rank's shard has the same length. Equal length matters: a rank that
+ran out early would skip an all-reduce and hang the others.
+
+Uneven datasets: by default the permutation is padded by wrapping around to
+its start (a few samples are seen twice per epoch); with ``drop_last=True`` the
+tail is dropped instead (a few samples are skipped this epoch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ConfigError
+from .topology import MultiNodeTopology
+
+IndexArray = npt.NDArray[np.int64]
+
+
+def shard_length(num_samples: int, world_size: int, *, drop_last: bool = False) -> int:
+    """Samples each rank gets per epoch."""
+    if drop_last:
+        return num_samples // world_size
+    return math.ceil(num_samples / world_size)
+
+
+def shard_indices(
+    num_samples: int,
+    world_size: int,
+    rank: int,
+    epoch: int,
+    seed: int,
+    shuffle: bool = True,
+    *,
+    drop_last: bool = False,
+) -> IndexArray:
+    """Dataset indices for global ``rank`` of ``world_size`` in ``epoch``."""
+    if num_samples < 1:
+        raise ConfigError(f"num_samples={num_samples} must be at least 1")
+    if world_size < 1:
+        raise ConfigError(f"world_size={world_size} must be at least 1")
+    if not 0 <= rank < world_size:
+        raise ConfigError(
+            f"rank={rank} is out of range for world_size={world_size} "
+            f"(expected 0..{world_size - 1})"
+        )
+    if epoch < 0 or seed < 0:
+        raise ConfigError(f"epoch={epoch} and seed={seed} must both be >= 0")
+    per_rank = shard_length(num_samples, world_size, drop_last=drop_last)
+    if per_rank == 0:
+        raise ConfigError(
+            f"num_samples={num_samples} with drop_last=True leaves nothing for "
+            f"world_size={world_size} ranks; use drop_last=False or more data"
+        )
+    if shuffle:
+        # Seeded by (seed, epoch) only, never by rank: all ranks must agree.
+        order = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    else:
+        order = np.arange(num_samples)
+    total = per_rank * world_size
+    if total > num_samples:
+        # np.resize repeats from the start, even when padding exceeds one full pass.
+        order = np.resize(order, total)
+    return order[rank:total:world_size].astype(np.int64, copy=False)
+
+
+class ShardedLoader:
+    """Batches of this rank's shard of ``(x, y)``; sharded by the topology's global world."""
+
+    def __init__(
+        self,
+        x: npt.NDArray[Any],
+        y: npt.NDArray[Any],
+        *,
+        batch_size: int,
+        topology: MultiNodeTopology,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        if len(x) != len(y):
+            raise ConfigError(f"x has {len(x)} samples but y has {len(y)}; they must match")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
+        self._x = x
+        self._y = y
+        self._batch_size = batch_size
+        self._topology = topology
+        self._seed = seed
+        self._shuffle = shuffle
+        self._drop_last = drop_last
+        # Validate now rather than on the first epoch.
+        self.indices(0)
+
+    @property
+    def samples_per_rank(self) -> int:
+        return shard_length(len(self._x), self._topology.world_size, drop_last=self._drop_last)
+
+    def __len__(self) -> int:
+        """Batches per epoch; identical on every rank (the last one may be short)."""
+        return math.ceil(self.samples_per_rank / self._batch_size)
+
+    def indices(self, epoch: int) -> IndexArray:
+        return shard_indices(
+            len(self._x),
+            self._topology.world_size,
+            self._topology.rank,
+            epoch,
+            self._seed,
+            self._shuffle,
+            drop_last=self._drop_last,
+        )
+
+    def index_batches(self, epoch: int) -> Iterator[IndexArray]:
+        idx = self.indices(epoch)
+        for start in range(0, len(idx), self._batch_size):
+            yield idx[start : start + self._batch_size]
+
+    def batches(self, epoch: int) -> Iterator[tuple[npt.NDArray[Any], npt.NDArray[Any]]]:
+        for idx in self.index_batches(epoch):
+            yield self._x[idx], self._y[idx]

@@ -1,0 +1,138 @@
+"""Where a worker sits in the world: node/local rank to global rank, and device needs.
+
+A world is ``num_nodes`` nodes of ``gpus_per_node`` workers each. A single node
+(``num_nodes == 1``) is the same arithmetic with ``node_rank == 0``, so the
+world size and rank it yields are exactly the configured single-node values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .errors import ConfigError, DeviceCountError
+
+
+def _require_int(name: str, value: object) -> int:
+    # bool is an int subclass; True as a rank is always a bug upstream.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class MultiNodeTopology:
+    """One worker's coordinates; validated on construction."""
+
+    num_nodes: int
+    gpus_per_node: int
+    node_rank: int
+    local_rank: int
+
+    def __post_init__(self) -> None:
+        num_nodes = _require_int("num_nodes", self.num_nodes)
+        gpus = _require_int("gpus_per_node", self.gpus_per_node)
+        node_rank = _require_int("node_rank", self.node_rank)
+        local_rank = _require_int("local_rank", self.local_rank)
+        if num_nodes < 1:
+            raise ConfigError(f"num_nodes={num_nodes} must be at least 1")
+        if gpus < 1:
+            raise ConfigError(f"gpus_per_node={gpus} must be at least 1")
+        if not 0 <= node_rank < num_nodes:
+            raise ConfigError(
+                f"node_rank={node_rank} is out of range for num_nodes={num_nodes} "
+                f"(expected 0..{num_nodes - 1})"
+            )
+        if not 0 <= local_rank < gpus:
+            raise ConfigError(
+                f"local_rank={local_rank} is out of range for gpus_per_node={gpus} "
+                f"(expected 0..{gpus - 1})"
+            )
+
+    @classmethod
+    def from_global_rank(cls, rank: int, num_nodes: int, gpus_per_node: int) -> MultiNodeTopology:
+        """Invert ``rank = node_rank * gpus_per_node + local_rank``."""
+        rank = _require_int("rank", rank)
+        if (
+            _require_int("num_nodes", num_nodes) < 1
+            or _require_int("gpus_per_node", gpus_per_node) < 1
+        ):
+            # Let __post_init__ name the bad count.
+            return cls(num_nodes, gpus_per_node, 0, 0)
+        world_size = num_nodes * gpus_per_node
+        if not 0 <= rank < world_size:
+            raise ConfigError(
+                f"rank={rank} is out of range for num_nodes={num_nodes} x "
+                f"gpus_per_node={gpus_per_node} (expected 0..{world_size - 1})"
+            )
+        node_rank, local_rank = divmod(rank, gpus_per_node)
+        return cls(num_nodes, gpus_per_node, node_rank, local_rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def rank(self) -> int:
+        return self.node_rank * self.gpus_per_node + self.local_rank
+
+    @property
+    def is_global_rank_zero(self) -> bool:
+        """True only on node 0's local rank 0: the one process that logs and checkpoints."""
+        return self.node_rank == 0 and self.local_rank == 0
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.num_nodes >= 2
+
+
+class DeviceLayout(Protocol):
+    """What the device-count rule reads; both a topology and a config provide it."""
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def gpus_per_node(self) -> int | None: ...
+
+    @property
+    def world_size(self) -> int | None: ...
+
+
+def required_local_devices(layout: DeviceLayout) -> int:
+    """Devices one worker's machine must expose for ``layout``.
+
+    Multi-node: only this node's ``gpus_per_node`` (the others live elsewhere).
+    Single node: the whole world runs here, so ``world_size``.
+    """
+    if layout.num_nodes >= 2:
+        if layout.gpus_per_node is None:
+            raise ConfigError(
+                f"num_nodes={layout.num_nodes} needs gpus_per_node to be set "
+                "to count the devices each node must have"
+            )
+        return layout.gpus_per_node
+    world_size = layout.world_size
+    if world_size is None:
+        # An unset single-node world size means one worker.
+        return 1
+    return world_size
+
+
+def check_device_count(available: int, layout: DeviceLayout) -> int:
+    """Raise ``DeviceCountError`` unless ``available`` local devices suffice; return the need."""
+    available = _require_int("available devices", available)
+    needed = required_local_devices(layout)
+    if available < needed:
+        if layout.num_nodes >= 2:
+            why = (
+                f"gpus_per_node={needed} on each of num_nodes={layout.num_nodes} nodes "
+                f"(world_size={needed * layout.num_nodes} counts all nodes together)"
+            )
+        else:
+            why = f"world_size={needed} on this single node"
+        raise DeviceCountError(
+            f"need {needed} local devices for {why}, but found {available}; "
+            "lower the per-node worker count or run on a machine with more devices"
+        )
+    return needed
