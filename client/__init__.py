@@ -1,6 +1,7 @@
 """Client SDK for rendezvousd: join, barrier, key-value, heartbeat, leave."""
 
 from rendezvousd.client._session import Member, Membership, RetryPolicy, TlsConfig
+from rendezvousd.client.aio import AsyncRendezvousClient
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -22,6 +23,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.sync import RendezvousClient
 
 __all__ = [
+    "AsyncRendezvousClient",
     "AuthenticationError",
     "DaemonUnavailable",
     "DuplicateRank",

@@ -444,21 +444,19 @@ class RendezvousState:
                 f"#{barrier.completed + 1}; every rank must run the same barriers in the same order",
                 {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
             )
+        if job.participants() <= set(barrier.arrived) | {rank}:
+            self._release_barrier(barrier)
+            return sequence
         parked = self._park(job, "barrier", rank, name, now)
         barrier.arrived.setdefault(rank, set()).add(parked.waiter)
-        if self._complete_barrier(job, barrier):
-            return sequence
         return parked
 
-    def _complete_barrier(self, job: Job, barrier: BarrierState) -> bool:
-        if not barrier.arrived or not job.participants() <= set(barrier.arrived):
-            return False
+    def _release_barrier(self, barrier: BarrierState) -> None:
         barrier.completed += 1
         for waiters in barrier.arrived.values():
             for w in waiters:
                 self._wake(w, barrier.completed)
         barrier.arrived.clear()
-        return True
 
     # -- key-value store --------------------------------------------------
 
@@ -665,7 +663,8 @@ class RendezvousState:
                 self._set_state(job, JobState.ENDED, now, "every member left")
                 return
             for barrier in job.barriers.values():
-                self._complete_barrier(job, barrier)
+                if barrier.arrived and job.participants() <= set(barrier.arrived):
+                    self._release_barrier(barrier)
 
     def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)

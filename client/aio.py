@@ -1,0 +1,344 @@
+"""``AsyncRendezvousClient``: the asyncio SDK, with heartbeats on a background task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from rendezvousd.client._session import (
+    SERVICE,
+    Membership,
+    RetryPolicy,
+    Session,
+    TlsConfig,
+    channel_options,
+    membership,
+    resolve_token,
+)
+from rendezvousd.client.errors import DaemonUnavailable, RendezvousError, from_rpc_error
+from rendezvousd.client.sync import _SLACK_S, UNIQUE_ID_BYTES
+
+
+class AsyncRendezvousClient:
+    """Same methods as ``RendezvousClient``, as coroutines."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        job_id: str = "",
+        *,
+        token: str | None = None,
+        token_file: Path | str | None = None,
+        tls: TlsConfig | None = None,
+        retry_attempts: int = 1,
+        call_timeout: float = 30.0,
+        connect_timeout: float = 30.0,
+        reconnect_window: float = 30.0,
+    ) -> None:
+        self._s = Session(
+            endpoint,
+            job_id,
+            resolve_token(token, token_file),
+            RetryPolicy(retry_attempts),
+            call_timeout,
+            connect_timeout,
+        )
+        options = channel_options(self._s.retry, tls.server_name if tls else None)
+        if tls is not None:
+            self._channel = grpc.aio.secure_channel(endpoint, tls.credentials(), options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(endpoint, options=options)
+        self._stub = pb_grpc.RendezvousStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._reconnect_window = reconnect_window
+        self._hb_task: asyncio.Task[None] | None = None
+
+    @property
+    def membership(self) -> Membership | None:
+        return self._s.joined
+
+    @property
+    def failure(self) -> RendezvousError | None:
+        return self._s.failure
+
+    async def _call(
+        self, method: str, request: Any, *, timeout: float | None = None, stub: Any = None
+    ) -> Any:
+        rpc = getattr(stub or self._stub, method)
+        rank = self._s.joined.rank if self._s.joined else None
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await rpc(
+                    request, timeout=timeout or self._s.call_timeout, metadata=self._s.metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                error = from_rpc_error(
+                    exc, endpoint=self._s.endpoint, method=method, job_id=self._s.job_id, rank=rank
+                )
+                if not self._s.retry.retryable(method, exc.code()):
+                    raise error from None
+                if attempt > self._s.retry.attempts:
+                    raise self._s.exhausted(method, attempt, error) from None
+            await asyncio.sleep(self._s.retry.backoff(attempt))
+
+    async def check_health(self) -> None:
+        request = health_pb2.HealthCheckRequest(service=SERVICE)
+        attempt = 0
+        while True:
+            attempt += 1
+            response = await self._call(
+                "Check", request, timeout=self._s.connect_timeout, stub=self._health
+            )
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            if attempt > self._s.retry.attempts:
+                raise DaemonUnavailable(
+                    f"rendezvousd at {self._s.endpoint} is not serving after {attempt} health checks; "
+                    "it may be draining or restarting",
+                    attempts=attempt,
+                    code="UNAVAILABLE",
+                    endpoint=self._s.endpoint,
+                    method="Check",
+                    job_id=self._s.job_id,
+                )
+            await asyncio.sleep(self._s.retry.backoff(attempt))
+
+    async def join(
+        self,
+        *,
+        num_nodes: int,
+        gpus_per_node: int,
+        local_rank: int,
+        node_rank: int | None = None,
+        host: str | None = None,
+        address: str = "",
+        unique_id: bytes | None = None,
+        id_factory: Callable[[], bytes] | None = None,
+        timeout: float = 600.0,
+    ) -> Membership:
+        await self.check_health()
+        self._s.new_instance()
+        self._s.joined, self._s.failure, self._s.barrier_counts = None, None, {}
+        started = time.monotonic()
+
+        def make_id() -> bytes:
+            return unique_id or (id_factory() if id_factory else os.urandom(UNIQUE_ID_BYTES))
+
+        known_rank_zero = node_rank == 0 and local_rank == 0
+        request = self._s.join_request(
+            num_nodes=num_nodes,
+            gpus_per_node=gpus_per_node,
+            local_rank=local_rank,
+            node_rank=node_rank,
+            host=host,
+            address=address,
+            unique_id=make_id() if known_rank_zero else None,
+            timeout=timeout,
+        )
+        response = await self._call("Join", request, timeout=timeout + _SLACK_S)
+        if response.id_required:
+            left = max(0.001, timeout - (time.monotonic() - started))
+            publish = pb.PublishIdRequest(
+                job_id=self._s.job_id,
+                generation=response.generation,
+                rank=response.rank,
+                instance_id=self._s.instance_id,
+                unique_id=make_id(),
+                wait_timeout_ms=int(left * 1000),
+            )
+            response = await self._call("PublishId", publish, timeout=left + _SLACK_S)
+        self._s.joined = membership(response)
+        return self._s.joined
+
+    async def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
+        m = self._s.member()
+        wait = timeout or self._s.call_timeout
+        request = pb.BarrierRequest(
+            job_id=m.job_id,
+            generation=m.generation,
+            rank=m.rank,
+            name=name,
+            sequence=self._s.next_barrier(name),
+            wait_timeout_ms=int(wait * 1000),
+        )
+        await self._call("Barrier", request, timeout=wait + _SLACK_S)
+
+    def _kv_scope(self) -> dict[str, Any]:
+        m = self._s.member()
+        return {"job_id": m.job_id, "generation": m.generation, "rank": m.rank}
+
+    async def kv_set(self, key: str, value: bytes) -> None:
+        await self._call("KvSet", pb.KvSetRequest(key=key, value=value, **self._kv_scope()))
+
+    async def kv_get(self, key: str, *, wait: bool = True, timeout: float | None = None) -> bytes:
+        limit = timeout or self._s.call_timeout
+        request = pb.KvGetRequest(
+            key=key, wait=wait, wait_timeout_ms=int(limit * 1000), **self._kv_scope()
+        )
+        value: bytes = (await self._call("KvGet", request, timeout=limit + _SLACK_S)).value
+        return value
+
+    async def kv_add(self, key: str, delta: int = 1) -> int:
+        value: int = (
+            await self._call("KvAdd", pb.KvAddRequest(key=key, delta=delta, **self._kv_scope()))
+        ).value
+        return value
+
+    async def kv_compare_and_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
+        request = pb.KvCompareAndSetRequest(key=key, desired=desired, **self._kv_scope())
+        if expected is not None:
+            request.expected = expected
+        response = await self._call("KvCompareAndSet", request)
+        return response.swapped, response.current if response.HasField("current") else None
+
+    async def kv_delete(self, key: str) -> bool:
+        deleted: bool = (
+            await self._call("KvDelete", pb.KvDeleteRequest(key=key, **self._kv_scope()))
+        ).deleted
+        return deleted
+
+    async def list_jobs(self) -> list[pb.JobSummary]:
+        return list((await self._call("ListJobs", pb.ListJobsRequest())).jobs)
+
+    async def get_job(self, job_id: str | None = None) -> pb.GetJobResponse:
+        response: pb.GetJobResponse = await self._call(
+            "GetJob", pb.GetJobRequest(job_id=job_id or self._s.job_id)
+        )
+        return response
+
+    async def abort(self, reason: str, *, job_id: str | None = None) -> int:
+        response = await self._call(
+            "AbortJob", pb.AbortJobRequest(job_id=job_id or self._s.job_id, reason=reason)
+        )
+        generation: int = response.generation
+        return generation
+
+    def raise_if_failed(self) -> None:
+        if self._s.failure is not None:
+            raise self._s.failure
+
+    def start_heartbeat(
+        self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
+    ) -> None:
+        m = self._s.member()
+        self._s.on_failure = on_failure
+        self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(m, interval))
+
+    async def _heartbeat_requests(
+        self, m: Membership, interval: float
+    ) -> AsyncIterator[pb.HeartbeatRequest]:
+        request = pb.HeartbeatRequest(
+            job_id=m.job_id, generation=m.generation, rank=m.rank, instance_id=self._s.instance_id
+        )
+        while True:
+            yield request
+            await asyncio.sleep(interval)
+
+    async def _heartbeat_loop(self, m: Membership, interval: float) -> None:
+        outage_since: float | None = None
+        attempt = 0
+        while True:
+            call = self._stub.Heartbeat(
+                self._heartbeat_requests(m, interval), metadata=self._s.metadata, timeout=3600.0
+            )
+            try:
+                async for event in call:
+                    outage_since, attempt = None, 0
+                    error = self._s.event_error(event)
+                    if error is not None:
+                        self._s.fail(error)
+                        return
+                    if event.kind == pb.JobEvent.DAEMON_DRAINING:
+                        break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.CANCELLED,
+                ):
+                    self._s.fail(
+                        from_rpc_error(
+                            exc,
+                            endpoint=self._s.endpoint,
+                            method="Heartbeat",
+                            job_id=m.job_id,
+                            rank=m.rank,
+                        )
+                    )
+                    return
+            finally:
+                call.cancel()
+            outage_since = outage_since or time.monotonic()
+            if time.monotonic() - outage_since > self._reconnect_window:
+                self._s.fail(
+                    DaemonUnavailable(
+                        f"lost the heartbeat stream to rendezvousd at {self._s.endpoint} for more than "
+                        f"{self._reconnect_window:g} s (job {m.job_id!r}, rank {m.rank})",
+                        code="UNAVAILABLE",
+                        endpoint=self._s.endpoint,
+                        method="Heartbeat",
+                        job_id=m.job_id,
+                        rank=m.rank,
+                    )
+                )
+                return
+            attempt += 1
+            await asyncio.sleep(self._s.retry.backoff(attempt))
+
+    async def _stop_heartbeat(self) -> None:
+        task, self._hb_task = self._hb_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def leave(self) -> None:
+        m = self._s.joined
+        try:
+            if m is not None:
+                await self._call(
+                    "Leave",
+                    pb.LeaveRequest(
+                        job_id=m.job_id,
+                        generation=m.generation,
+                        rank=m.rank,
+                        instance_id=self._s.instance_id,
+                    ),
+                )
+        finally:
+            self._s.joined = None
+            await self._stop_heartbeat()
+
+    async def close(self) -> None:
+        await self._stop_heartbeat()
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncRendezvousClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc_type is None and self._s.joined is not None and self._s.failure is None:
+                await self.leave()
+        finally:
+            await self.close()

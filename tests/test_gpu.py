@@ -1,0 +1,164 @@
+"""Real CuPy + NCCL on real devices; skipped cleanly where either is missing.
+
+World-1 tests need one GPU; the two-rank tests (two threads, one GPU each)
+need two. Set ``RENDEZVOUSD_REQUIRE_GPU=1`` (scripts/gpu_check.sh does) to turn
+the skips into failures on a machine that is supposed to have a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rendezvousd.trainer import nccl
+from rendezvousd.trainer.bucketing import BucketedAllReducer
+from rendezvousd.trainer.communicator import ReduceOp
+from rendezvousd.trainer.errors import CommunicatorAborted
+
+DEVICES = nccl.device_count()
+REASON = "needs CuPy with NCCL and a CUDA device" if not nccl.cupy_available() else "no CUDA device"
+
+if DEVICES == 0 and os.environ.get("RENDEZVOUSD_REQUIRE_GPU") == "1":
+    raise RuntimeError(f"RENDEZVOUSD_REQUIRE_GPU=1 but the GPU tests cannot run: {REASON}")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICES == 0, reason=REASON)]
+two_gpus = pytest.mark.skipif(DEVICES < 2, reason=REASON if DEVICES == 0 else "needs 2 devices")
+
+
+@pytest.fixture
+def cp() -> Any:
+    # Through the seam, so nccl.py stays the package's only CuPy importer.
+    return nccl._import_cupy()
+
+
+@pytest.fixture
+def comm() -> Iterator[nccl.NcclCommunicator]:
+    communicator = nccl.NcclCommunicator(0, 1, nccl.create_unique_id(), 0, timeout=60)
+    yield communicator
+    communicator.close()
+
+
+def host(array: Any) -> np.ndarray:
+    return np.asarray(array.get())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN])
+def test_world_one_all_reduce_is_identity(
+    cp: Any, comm: nccl.NcclCommunicator, dtype: str, op: ReduceOp
+) -> None:
+    data = np.arange(-50, 1000).astype(dtype)
+    array = cp.asarray(data)
+    comm.all_reduce(array, op)
+    np.testing.assert_array_equal(host(array), data)
+
+
+def test_world_one_broadcast_and_barrier(cp: Any, comm: nccl.NcclCommunicator) -> None:
+    array = cp.arange(4096, dtype=cp.float32)
+    comm.broadcast(array, root=0)
+    comm.barrier()
+    np.testing.assert_array_equal(host(array), np.arange(4096, dtype=np.float32))
+
+
+def test_abort_makes_later_collectives_fail(cp: Any) -> None:
+    communicator = nccl.NcclCommunicator(0, 1, nccl.create_unique_id(), 0)
+    communicator.abort("test abort")
+    with pytest.raises(CommunicatorAborted, match="test abort"):
+        communicator.all_reduce(cp.zeros(4, dtype=cp.float32))
+    communicator.close()
+
+
+def test_bucketed_all_reduce_on_cupy(cp: Any, comm: nccl.NcclCommunicator) -> None:
+    rng = np.random.default_rng(0)
+    base = cp.asarray(rng.standard_normal((64, 48)).astype(np.float32))
+    grads = [
+        cp.asarray(rng.standard_normal(100_000).astype(np.float32)),
+        base[:, ::3],  # strided: written back through the view
+        cp.zeros(0, dtype=cp.float32),
+        cp.asarray(rng.standard_normal(3000).astype(np.float16)),
+        cp.asarray(rng.standard_normal((300, 300)).astype(np.float32)),
+    ]
+    expected = [host(g).copy() for g in grads]
+    with BucketedAllReducer(grads, comm, cap_bytes=256 * 1024, first_bucket_bytes=16 * 1024) as r:
+        assert len(r.buckets) >= 4
+        for step in range(2):
+            for index in reversed(range(len(grads))):
+                r.mark_ready(index)
+            r.wait()
+            cp.cuda.get_current_stream().synchronize()
+            for got, want in zip(grads, expected, strict=True):
+                np.testing.assert_array_equal(host(got), want, err_msg=f"step {step}")
+
+
+def run_ranks(fn: Callable[[int, nccl.NcclCommunicator], Any]) -> list[Any]:
+    uid = nccl.create_unique_id()
+    results: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            with nccl._import_cupy().cuda.Device(rank):
+                communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=60)
+                try:
+                    results[rank] = fn(rank, communicator)
+                finally:
+                    communicator.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    return results
+
+
+@two_gpus
+def test_two_ranks_all_reduce_and_broadcast(cp: Any) -> None:
+    def body(rank: int, communicator: nccl.NcclCommunicator) -> Any:
+        summed = cp.full(1000, rank + 1, dtype=cp.float32)
+        communicator.all_reduce(summed, ReduceOp.SUM)
+        averaged = cp.full(1000, 2 * rank, dtype=cp.float32)
+        communicator.all_reduce(averaged, ReduceOp.AVG)
+        sent = cp.full(10, 7 if rank == 1 else 0, dtype=cp.int64)
+        communicator.broadcast(sent, root=1)
+        communicator.barrier()
+        return host(summed), host(averaged), host(sent)
+
+    for summed, averaged, sent in run_ranks(body):
+        assert np.all(summed == 3) and np.all(averaged == 1) and np.all(sent == 7)
+
+
+SIZES = (5000, 7, 90_000)
+
+
+def rank_grads(rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(rank)
+    return [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+
+
+@two_gpus
+def test_two_ranks_bucketed_mean(cp: Any) -> None:
+    def body(rank: int, communicator: nccl.NcclCommunicator) -> Any:
+        grads = [cp.asarray(g) for g in rank_grads(rank)]
+        with BucketedAllReducer(grads, communicator, cap_bytes=64 * 1024) as reducer:
+            reducer.all_reduce_all()
+        cp.cuda.get_current_stream().synchronize()
+        return [host(g) for g in grads]
+
+    results = run_ranks(body)
+    # Halving is exact and a two-term sum is order-free, so the mean is bitwise.
+    means = [
+        a / np.float32(2) + b / np.float32(2)
+        for a, b in zip(rank_grads(0), rank_grads(1), strict=True)
+    ]
+    for result in results:
+        for got, want in zip(result, means, strict=True):
+            np.testing.assert_array_equal(got, want)

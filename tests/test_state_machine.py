@@ -1,0 +1,363 @@
+"""The daemon's pure state machine, driven directly with an explicit clock."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.limits import Limits, Timing
+from rendezvousd.model import EventKind, JobState, JoinResult, MemberState, Notify, Parked, Wake
+from rendezvousd.state import JoinArgs, RendezvousState
+
+ID = b"\x01" * 128
+
+
+def args(
+    node: int | None,
+    local: int,
+    *,
+    job: str = "j",
+    nodes: int = 2,
+    gpus: int = 2,
+    uid: bytes = b"",
+    host: str | None = None,
+    inst: str | None = None,
+) -> JoinArgs:
+    return JoinArgs(
+        job,
+        nodes,
+        gpus,
+        node,
+        local,
+        host or f"h{node}",
+        "",
+        uid,
+        inst or f"i{node}-{local}-{host}",
+    )
+
+
+def fault(fn: object, *a: object) -> RendezvousFault:
+    with pytest.raises(RendezvousFault) as info:
+        fn(*a)  # type: ignore[operator]
+    return info.value
+
+
+def form(sm: RendezvousState, nodes: int = 2, gpus: int = 2, job: str = "j") -> list[JoinResult]:
+    """Join a full world; returns each rank's result."""
+    results: dict[int, JoinResult] = {}
+    parked: dict[int, int] = {}
+    for n in range(nodes):
+        for g in range(gpus):
+            out = sm.join(
+                args(n, g, job=job, nodes=nodes, gpus=gpus, uid=ID if (n, g) == (0, 0) else b""),
+                0.0,
+            )
+            if isinstance(out, Parked):
+                parked[out.waiter] = n * gpus + g
+            else:
+                results[out.rank] = out
+    for e in sm.take_effects():
+        if isinstance(e, Wake):
+            assert isinstance(e.value, JoinResult)
+            results[parked.pop(e.waiter)] = e.value
+    assert not parked
+    return [results[r] for r in range(nodes * gpus)]
+
+
+def test_full_world_wakes_every_rank_with_same_id_and_table() -> None:
+    sm = RendezvousState()
+    results = form(sm)
+    assert [r.rank for r in results] == [0, 1, 2, 3]
+    assert {r.unique_id for r in results} == {ID}
+    assert all(r.members is results[0].members for r in results)
+    assert [m.rank for m in results[0].members] == [0, 1, 2, 3]
+    assert sm.jobs["j"].state is JobState.RUNNING
+    assert sm.waiter_count == 0
+
+
+def test_single_node_world_matches_seed_single_node_mode() -> None:
+    sm = RendezvousState()
+    results = form(sm, nodes=1, gpus=4)
+    assert [(r.rank, r.node_rank, r.local_rank, r.world_size) for r in results] == [
+        (i, 0, i, 4) for i in range(4)
+    ]
+
+
+def test_rank_zero_without_id_is_asked_to_publish() -> None:
+    sm = RendezvousState()
+    first = sm.join(args(0, 0, nodes=1, gpus=2), 0.0)
+    assert isinstance(first, JoinResult) and first.id_required and first.unique_id == b""
+    other = sm.join(args(0, 1, nodes=1, gpus=2), 0.0)
+    assert isinstance(other, Parked)
+    done = sm.publish_id("j", first.generation, 0, "i0-0-None", ID, 1.0)
+    assert isinstance(done, JoinResult) and done.unique_id == ID
+    wakes = [e for e in sm.take_effects() if isinstance(e, Wake)]
+    assert [w.waiter for w in wakes] == [other.waiter]
+
+
+def test_topology_mismatch_names_both_values() -> None:
+    sm = RendezvousState()
+    sm.join(args(0, 1), 0.0)
+    f = fault(sm.join, args(0, 0, nodes=3), 0.0)
+    assert f.code is Code.FAILED_PRECONDITION and f.reason == "TOPOLOGY_MISMATCH"
+    assert "num_nodes=2" in f.message and "num_nodes=3" in f.message
+
+
+def test_duplicate_slot_from_other_instance_is_already_exists_but_retry_is_idempotent() -> None:
+    sm = RendezvousState()
+    a = sm.join(args(1, 1, inst="A"), 0.0)
+    assert isinstance(a, Parked)
+    again = sm.join(args(1, 1, inst="A"), 0.0)
+    assert isinstance(again, Parked)
+    f = fault(sm.join, args(1, 1, inst="B"), 0.0)
+    assert f.code is Code.ALREADY_EXISTS and f.reason == "DUPLICATE_RANK" and "rank 3" in f.message
+
+
+@pytest.mark.parametrize(
+    ("node", "local", "nodes", "gpus"), [(2, 0, 2, 2), (0, 2, 2, 2), (0, 0, 0, 1), (0, 0, 1, 0)]
+)
+def test_out_of_range_and_invalid_topology_are_invalid_argument(
+    node: int, local: int, nodes: int, gpus: int
+) -> None:
+    f = fault(RendezvousState().join, args(node, local, nodes=nodes, gpus=gpus), 0.0)
+    assert f.code is Code.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("bad", [b"", b"\x01" * 127, b"\x01" * 129, b"\x00" * 128])
+def test_unique_id_must_be_128_non_zero_bytes(bad: bytes) -> None:
+    sm = RendezvousState()
+    first = sm.join(args(0, 0, nodes=1, gpus=1), 0.0)
+    assert isinstance(first, JoinResult)
+    f = fault(sm.publish_id, "j", first.generation, 0, "i0-0-None", bad, 0.0)
+    assert f.code is Code.INVALID_ARGUMENT and f.reason == "INVALID_ID"
+    assert bad.hex() not in f.message or not bad
+
+
+def test_id_is_write_once_per_generation() -> None:
+    sm = RendezvousState()
+    sm.join(args(0, 0, uid=ID, inst="z"), 0.0)
+    assert isinstance(sm.join(args(0, 0, uid=ID, inst="z"), 0.0), Parked)  # same bytes: fine
+    f = fault(sm.join, args(0, 0, uid=b"\x02" * 128, inst="z"), 0.0)
+    assert f.code is Code.ALREADY_EXISTS and f.reason == "ID_CONFLICT"
+    assert sm.jobs["j"].unique_id == ID
+
+
+def test_only_rank_zero_supplies_the_id() -> None:
+    f = fault(RendezvousState().join, args(1, 0, uid=ID), 0.0)
+    assert f.reason == "INVALID_ID" and "rank 2" in f.message
+
+
+def test_node_ranks_are_assigned_per_host_in_arrival_order() -> None:
+    sm = RendezvousState()
+    b0 = sm.join(args(None, 1, host="beta"), 0.0)
+    a0 = sm.join(args(None, 0, host="alpha"), 0.0)
+    b1 = sm.join(args(None, 0, host="beta"), 0.0)
+    members = sm.jobs["j"].members
+    assert {m.host: m.node_rank for m in members.values()} == {"beta": 0, "alpha": 1}
+    assert isinstance(b1, JoinResult) and b1.rank == 0 and b1.id_required
+    assert isinstance(b0, Parked) and isinstance(a0, Parked)
+    f = fault(sm.join, args(None, 0, host="gamma"), 0.0)
+    assert f.reason == "WORLD_FULL"
+
+
+def test_lost_member_fails_generation_wakes_waiters_and_notifies_survivors() -> None:
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=5))
+    results = form(sm)
+    gen = results[0].generation
+    for r in (0, 1, 2):
+        assert isinstance(sm.barrier("j", gen, r, "b", 1, 1.0), Parked)
+    token = sm.attach_stream("j", gen, 3, "i1-1-None", 1.0)
+    sm.take_effects()
+    sm.detach_stream("j", gen, 3, token, 2.0)
+    effects = sm.take_effects()
+    wakes = [e for e in effects if isinstance(e, Wake)]
+    assert len(wakes) == 3 and all(w.fault and w.fault.reason == "PEER_FAILED" for w in wakes)
+    assert "rank 3 on h1" in wakes[0].fault.message  # type: ignore[union-attr]
+    notes = [e for e in effects if isinstance(e, Notify)]
+    assert (
+        len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED and notes[0].ranks == (0, 1, 2)
+    )
+    assert sm.jobs["j"].state is JobState.FAILED
+    assert sm.waiter_count == 0
+
+
+def test_silent_member_is_lost_after_heartbeat_timeout_only() -> None:
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=5))
+    results = form(sm, nodes=1, gpus=2)
+    gen = results[0].generation
+    sm.heartbeat("j", gen, 0, 4.0)
+    sm.tick(4.9)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    sm.tick(5.1)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    assert [f.rank for f in job.failed] == [1] and "no heartbeat" in job.failed[0].cause
+
+
+def test_stale_generation_is_aborted_with_current_and_new_generation_needs_fresh_id() -> None:
+    sm = RendezvousState()
+    results = form(sm, nodes=1, gpus=2)
+    old = results[0].generation
+    sm.abort("j", 0, "operator", 1.0)
+    assert sm.jobs["j"].state is JobState.ABORTED
+    f = fault(sm.join, args(0, 0, nodes=1, gpus=2, uid=ID, inst="new0"), 2.0)
+    assert f.reason == "ID_REUSED"
+    fresh = b"\x03" * 128
+    assert isinstance(sm.join(args(0, 0, nodes=1, gpus=2, uid=fresh, inst="new0"), 2.0), Parked)
+    assert sm.jobs["j"].generation == old + 1
+    f = fault(sm.kv_set, "j", old, 0, "k", b"v")
+    assert f.code is Code.ABORTED and f.reason == "STALE_GENERATION"
+    assert f.metadata["current_generation"] == str(old + 1)
+
+
+def test_failed_generation_rejects_calls_until_rejoin() -> None:
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    token = sm.attach_stream("j", gen, 1, "i0-1-None", 0.0)
+    sm.detach_stream("j", gen, 1, token, 0.5)
+    f = fault(sm.barrier, "j", gen, 0, "b", 1, 1.0)
+    assert f.code is Code.ABORTED and f.reason == "PEER_FAILED" and f.metadata["ranks"] == "1"
+
+
+def test_old_stream_closing_after_reconnect_is_not_a_failure() -> None:
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    old = sm.attach_stream("j", gen, 1, "i0-1-None", 0.0)
+    sm.attach_stream("j", gen, 1, "i0-1-None", 0.1)
+    sm.detach_stream("j", gen, 1, old, 0.2)
+    assert sm.jobs["j"].state is JobState.RUNNING
+
+
+def test_barrier_sequences_retry_and_mismatch() -> None:
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    w = sm.barrier("j", gen, 0, "b", 1, 0.0)
+    assert isinstance(w, Parked)
+    assert sm.barrier("j", gen, 1, "b", 1, 0.0) == 1
+    assert [e.value for e in sm.take_effects() if isinstance(e, Wake)] == [1]
+    assert sm.barrier("j", gen, 0, "b", 1, 0.0) == 1  # a retried, completed round returns at once
+    f = fault(sm.barrier, "j", gen, 0, "b", 5, 0.0)
+    assert f.code is Code.FAILED_PRECONDITION and f.reason == "BARRIER_MISMATCH"
+
+
+def test_barrier_timeout_names_missing_ranks_and_withdraws_arrival() -> None:
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=3)[0].generation
+    w = sm.barrier("j", gen, 0, "b", 1, 0.0)
+    sm.barrier("j", gen, 1, "b", 1, 0.0)
+    assert isinstance(w, Parked)
+    f = sm.cancel_wait(w.waiter, 5.0, timed_out=True)
+    assert f is not None and f.reason == "BARRIER_TIMEOUT" and f.metadata["ranks"] == "2"
+    assert set(sm.jobs["j"].barriers["b"].arrived) == {1}
+
+
+def test_leave_lets_barrier_finish_and_last_leave_ends_job() -> None:
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    w = sm.barrier("j", gen, 0, "b", 1, 0.0)
+    sm.leave("j", gen, 1, "i0-1-None", 0.0)
+    assert [e.waiter for e in sm.take_effects() if isinstance(e, Wake)] == [w.waiter]  # type: ignore[union-attr]
+    sm.leave("j", gen, 0, "i0-0-None", 0.0)
+    assert sm.jobs["j"].state is JobState.ENDED
+    sm.tick(Timing().job_ttl_s + 1)
+    assert "j" not in sm.jobs
+
+
+def test_join_timeout_frees_the_rank_and_names_missing_ranks() -> None:
+    sm = RendezvousState()
+    w = sm.join(args(1, 0), 0.0)
+    assert isinstance(w, Parked)
+    f = sm.cancel_wait(w.waiter, 30.0, timed_out=True)
+    assert f is not None and f.code is Code.DEADLINE_EXCEEDED and f.reason == "WORLD_INCOMPLETE"
+    assert f.metadata["ranks"] == "0,1,2,3"
+    assert not sm.jobs["j"].members
+    assert isinstance(sm.join(args(1, 0, inst="other"), 31.0), Parked)
+
+
+def test_rank_zero_leaving_before_formed_drops_its_id() -> None:
+    sm = RendezvousState()
+    sm.join(args(0, 0, uid=ID, inst="z"), 0.0)
+    sm.leave("j", 1, 0, "z", 0.0)
+    assert sm.jobs["j"].unique_id is None
+    assert fault(sm.join, args(0, 0, uid=ID, inst="y"), 0.0).reason == "ID_REUSED"
+
+
+def test_kv_wait_cas_add_delete() -> None:
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    w = sm.kv_get("j", gen, 1, "k", True, 0.0)
+    assert isinstance(w, Parked)
+    assert sm.kv_compare_and_set("j", gen, 0, "k", None, b"a") == (True, b"a")
+    assert [e.value for e in sm.take_effects() if isinstance(e, Wake)] == [b"a"]
+    assert sm.kv_compare_and_set("j", gen, 0, "k", None, b"b") == (False, b"a")
+    assert sm.kv_compare_and_set("j", gen, 0, "k", b"a", b"c") == (True, b"c")
+    assert sm.kv_add("j", gen, 0, "n", 5) == 5 and sm.kv_add("j", gen, 1, "n", -2) == 3
+    assert fault(sm.kv_add, "j", gen, 0, "k", 1).reason == "NOT_A_COUNTER"
+    assert sm.kv_delete("j", gen, 0, "k") and not sm.kv_delete("j", gen, 0, "k")
+    assert fault(sm.kv_get, "j", gen, 0, "k", False, 0.0).reason == "KEY_NOT_FOUND"
+    assert sm.jobs["j"].kv_bytes == len("n") + len("3")
+
+
+def test_kv_limits_name_the_limit() -> None:
+    sm = RendezvousState(Limits(max_keys_per_job=2, max_value_bytes=8, max_key_bytes=4))
+    gen = form(sm, nodes=1, gpus=1)[0].generation
+    assert fault(sm.kv_set, "j", gen, 0, "k", b"x" * 9).metadata["limit"] == "max_value_bytes"
+    assert fault(sm.kv_set, "j", gen, 0, "kkkkk", b"x").metadata["limit"] == "max_key_bytes"
+    sm.kv_set("j", gen, 0, "a", b"1")
+    sm.kv_set("j", gen, 0, "b", b"1")
+    sm.kv_set("j", gen, 0, "a", b"2")  # replacing is not a new key
+    f = fault(sm.kv_set, "j", gen, 0, "c", b"1")
+    assert f.code is Code.RESOURCE_EXHAUSTED and f.metadata["limit"] == "max_keys_per_job"
+
+
+def test_limits_on_jobs_members_and_waiters() -> None:
+    sm = RendezvousState(Limits(max_jobs=1, max_members_per_job=3, max_waiters=1))
+    assert fault(sm.join, args(0, 0, job="a"), 0.0).metadata["limit"] == "max_members_per_job"
+    assert isinstance(sm.join(args(0, 1, job="a", nodes=1, gpus=3), 0.0), Parked)
+    assert fault(sm.join, args(0, 0, job="b", nodes=1, gpus=1), 0.0).metadata["limit"] == "max_jobs"
+    assert (
+        fault(sm.join, args(0, 2, job="a", nodes=1, gpus=3), 0.0).metadata["limit"] == "max_waiters"
+    )
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../x", "x" * 129, "tab\there", "ü", ".."])
+def test_bad_job_ids_are_invalid(bad: str) -> None:
+    f = fault(RendezvousState().join, args(0, 0, job=bad), 0.0)
+    assert f.code is Code.INVALID_ARGUMENT and f.reason == "INVALID_JOB_ID"
+
+
+def test_drain_releases_waiters_and_refuses_joins() -> None:
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    w = sm.kv_get("j", gen, 0, "k", True, 0.0)
+    sm.take_effects()
+    sm.drain()
+    effects = sm.take_effects()
+    assert any(
+        isinstance(e, Wake) and e.waiter == w.waiter and e.fault and e.fault.reason == "DRAINING"  # type: ignore[union-attr]
+        for e in effects
+    )
+    assert any(isinstance(e, Notify) and e.kind is EventKind.DAEMON_DRAINING for e in effects)
+    assert fault(sm.join, args(0, 0, job="new"), 0.0).code is Code.UNAVAILABLE
+    sm.detach_stream("j", gen, 0, 0, 1.0)  # streams closing during drain are not failures
+    assert sm.jobs["j"].state is JobState.RUNNING
+
+
+def test_inspection_never_exposes_the_id() -> None:
+    sm = RendezvousState()
+    form(sm, nodes=1, gpus=2)
+    view = sm.view("j", 1.0)
+    assert view.id_published and ID not in repr(view).encode()
+    assert ID.hex() not in repr(view)
+    assert [m.state for m in view.members] == [MemberState.ACTIVE, MemberState.ACTIVE]
+    assert "unique_id" not in repr(form(RendezvousState(), nodes=1, gpus=1)[0])
+
+
+def test_random_ids_never_collide_with_reuse_check() -> None:
+    sm = RendezvousState()
+    for i in range(5):
+        sm.join(args(0, 0, nodes=1, gpus=1, uid=os.urandom(128), inst=f"x{i}"), float(i))
+        sm.abort("j", 0, "again", float(i))
+    assert sm.jobs["j"].generation == 5 and len(sm.jobs["j"].used_id_digests) == 4

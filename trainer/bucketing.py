@@ -1,0 +1,484 @@
+"""Bucketed, overlapped gradient all-reduce over any ``Communicator``.
+
+Layout (DDP's rules): gradients are grouped by dtype and packed into buckets
+in *reverse* registration order, because backward produces the last layers'
+gradients first. A gradient is never split, so a bucket may overshoot the cap
+by one gradient; a gradient of at least ``cap_bytes`` always gets a bucket of
+its own. Each dtype's first bucket may use the smaller ``first_bucket_bytes``
+cap so the first collective starts early. Zero-size gradients take part in no
+bucket. Buckets are launched strictly in index order on every rank: launching
+in readiness order would let ranks disagree and hang or mix up buffers.
+
+Reduction: each gradient is copied into its bucket's slice of a flat
+per-dtype buffer, divided by the world size on the way in when averaging,
+then the bucket is all-reduced with SUM and copied back into the gradient in
+place (through the original view, so non-contiguous gradients work). Dividing
+before the sum rather than after keeps fp16 sums of large gradients from
+overflowing to inf.
+
+Determinism: for a fixed layout and world size the result is bitwise
+reproducible, but the floating-point summation grouping depends on the
+layout, so changing ``cap_bytes``, ``first_bucket_bytes`` or the gradient
+order can change the low bits of the result.
+
+CuPy gradients are handled through helpers in ``nccl.py``; this module never
+imports CuPy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .communicator import Communicator, ReduceOp
+from .errors import BucketLayoutMismatch
+from .store import JobStore
+
+MiB = 1 << 20
+DEFAULT_CAP_BYTES = 25 * MiB
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+_LAYOUT_VERSION = 1
+# 256-byte bucket starts keep every bucket aligned for vectorised copies and NCCL.
+_ALIGN_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class GradSpec:
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @classmethod
+    def of(cls, array: Any) -> GradSpec:
+        dtype = np.dtype(array.dtype)
+        return cls(tuple(int(d) for d in array.shape), dtype.name, dtype.itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    dtype: str
+    grads: tuple[int, ...]  # registration indices, in fill (reverse) order
+    offsets: tuple[int, ...]  # element offset of each gradient inside the bucket
+    numel: int
+    nbytes: int
+    buffer_offset: int  # element offset of the bucket inside its dtype's flat buffer
+
+
+def plan_buckets(
+    specs: Sequence[GradSpec],
+    *,
+    cap_bytes: int = DEFAULT_CAP_BYTES,
+    first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
+) -> tuple[Bucket, ...]:
+    """Assign gradients to buckets; pure, so every rank computes the same plan."""
+    if cap_bytes <= 0:
+        raise ValueError(f"cap_bytes={cap_bytes} must be positive")
+    if first_bucket_bytes is not None and first_bucket_bytes <= 0:
+        raise ValueError(f"first_bucket_bytes={first_bucket_bytes} must be positive or None")
+    # A first-bucket cap above the main cap would make the "small" bucket the large one.
+    first_limit = cap_bytes if first_bucket_bytes is None else min(first_bucket_bytes, cap_bytes)
+    open_: dict[str, list[int]] = {}
+    filled: dict[str, int] = {}
+    emitted: dict[str, int] = {}
+    groups: list[tuple[str, list[int]]] = []
+
+    def close(dtype: str) -> None:
+        groups.append((dtype, open_.pop(dtype)))
+        filled.pop(dtype)
+        emitted[dtype] = emitted.get(dtype, 0) + 1
+
+    for index in reversed(range(len(specs))):
+        spec = specs[index]
+        if spec.nbytes == 0:
+            continue
+        if spec.nbytes >= cap_bytes and open_.get(spec.dtype):
+            close(spec.dtype)
+        open_.setdefault(spec.dtype, []).append(index)
+        filled[spec.dtype] = filled.get(spec.dtype, 0) + spec.nbytes
+        limit = first_limit if emitted.get(spec.dtype, 0) == 0 else cap_bytes
+        if filled[spec.dtype] >= limit:
+            close(spec.dtype)
+    for dtype in list(open_):
+        close(dtype)
+
+    # Launch order = order in which a bucket's first gradient appears in backward.
+    groups.sort(key=lambda group: -group[1][0])
+    buckets: list[Bucket] = []
+    cursor: dict[str, int] = {}
+    for dtype, members in groups:
+        itemsize = specs[members[0]].itemsize
+        align = max(1, _ALIGN_BYTES // itemsize)
+        offsets, numel = [], 0
+        for index in members:
+            offsets.append(numel)
+            numel += specs[index].numel
+        start = -(-cursor.get(dtype, 0) // align) * align
+        cursor[dtype] = start + numel
+        buckets.append(
+            Bucket(dtype, tuple(members), tuple(offsets), numel, numel * itemsize, start)
+        )
+    return tuple(buckets)
+
+
+def buffer_sizes(buckets: Sequence[Bucket]) -> dict[str, int]:
+    """Elements each dtype's flat buffer needs to hold every bucket of that dtype."""
+    sizes: dict[str, int] = {}
+    for bucket in buckets:
+        sizes[bucket.dtype] = max(sizes.get(bucket.dtype, 0), bucket.buffer_offset + bucket.numel)
+    return sizes
+
+
+def layout_fingerprint(
+    specs: Sequence[GradSpec],
+    buckets: Sequence[Bucket],
+    *,
+    cap_bytes: int,
+    first_bucket_bytes: int | None,
+    average: bool,
+) -> str:
+    """SHA-256 hex over everything ranks must agree on before launching buckets."""
+    document = {
+        "version": _LAYOUT_VERSION,
+        "cap_bytes": cap_bytes,
+        "first_bucket_bytes": first_bucket_bytes,
+        "average": average,
+        "grads": [[s.dtype, list(s.shape)] for s in specs],
+        "buckets": [[b.dtype, list(b.grads)] for b in buckets],
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def pack(flat: Any, grads: Sequence[Any], offsets: Sequence[int], divisor: int, xp: Any) -> None:
+    """Copy ``grads`` into the contiguous ``flat`` at ``offsets``, dividing if asked.
+
+    Strided sources are read by the copy itself, so no contiguous temporary is made.
+    """
+    for grad, offset in zip(grads, offsets, strict=True):
+        dst = flat[offset : offset + grad.size].reshape(grad.shape)
+        if divisor != 1:
+            xp.divide(grad, divisor, out=dst)
+        else:
+            dst[...] = grad
+
+
+def unpack(flat: Any, grads: Sequence[Any], offsets: Sequence[int]) -> None:
+    """Write ``flat`` back into ``grads`` through their own (possibly strided) views."""
+    for grad, offset in zip(grads, offsets, strict=True):
+        grad[...] = flat[offset : offset + grad.size].reshape(grad.shape)
+
+
+class _BufferOps(Protocol):
+    @property
+    def xp(self) -> Any: ...
+
+    def empty(self, count: int, dtype: np.dtype[Any]) -> Any: ...
+
+    def capture(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class _NumpyOps:
+    xp: Any = np
+
+    def empty(self, count: int, dtype: np.dtype[Any]) -> Any:
+        return np.empty(count, dtype=dtype)
+
+    def capture(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def _buffer_ops(grads: Sequence[Any]) -> _BufferOps:
+    from . import nccl  # imports fine without CuPy; CuPy itself loads only for CuPy arrays
+
+    kinds = {nccl.is_cupy_array(g) for g in grads}
+    if kinds == {True, False}:
+        raise TypeError("gradients mix numpy and CuPy arrays; use one kind")
+    if kinds == {True}:
+        devices = {nccl.CupyBufferOps.device_of(g) for g in grads}
+        if len(devices) != 1:
+            raise ValueError(f"CuPy gradients span devices {sorted(devices)}; use one device")
+        return nccl.CupyBufferOps(devices.pop())
+    for grad in grads:
+        if not isinstance(grad, np.ndarray):
+            raise TypeError(f"gradients must be numpy or CuPy arrays, not {type(grad).__name__}")
+        if not grad.flags.writeable:
+            raise ValueError("gradients must be writeable: results are written back in place")
+    return _NumpyOps()
+
+
+class BucketedAllReducer:
+    """All-reduce a fixed list of gradients in buckets, overlapping with backward.
+
+    Call ``mark_ready(i)`` as gradient ``i`` becomes final; a bucket is handed to
+    a background worker as soon as it and every earlier bucket are complete.
+    ``wait()`` then blocks until everything is reduced and written back. Any
+    gradient not marked by then is marked by ``wait()`` and reduced with its
+    current contents, so every rank always launches every bucket and an unused
+    parameter cannot hang the job (zero it if it must not contribute).
+
+    A failure (typically a ``CommunicatorError``) stops the step: ``wait()``
+    re-raises it and the reducer stays broken, re-raising it on every later
+    call, since ranks can no longer agree on which buckets were reduced.
+    """
+
+    def __init__(
+        self,
+        grads: Sequence[Any],
+        communicator: Communicator,
+        *,
+        cap_bytes: int = DEFAULT_CAP_BYTES,
+        first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
+        average: bool = True,
+    ) -> None:
+        self._grads = list(grads)
+        self._comm = communicator
+        self._cap = cap_bytes
+        self._first = first_bucket_bytes
+        self._average = average
+        self._ops = _buffer_ops(self._grads) if self._grads else _NumpyOps()
+        self._specs = tuple(GradSpec.of(g) for g in self._grads)
+        if average:
+            bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind not in "fc"})
+            if bad:
+                raise TypeError(f"average=True needs floating gradients, got {bad}")
+        self._buckets = plan_buckets(
+            self._specs, cap_bytes=cap_bytes, first_bucket_bytes=first_bucket_bytes
+        )
+        self._divisor = communicator.world_size if average else 1
+        # One flat buffer per dtype, allocated once here and reused every step.
+        self._buffers: dict[str, Any] = {
+            dtype: self._ops.empty(count, np.dtype(dtype))
+            for dtype, count in buffer_sizes(self._buckets).items()
+        }
+        self._views = [
+            self._buffers[b.dtype][b.buffer_offset : b.buffer_offset + b.numel]
+            for b in self._buckets
+        ]
+        self._bucket_of: list[int | None] = [None] * len(self._grads)
+        for number, bucket in enumerate(self._buckets):
+            for index in bucket.grads:
+                self._bucket_of[index] = number
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._queue: queue.SimpleQueue[tuple[int, contextlib.AbstractContextManager[None]] | None]
+        self._queue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._ready = [False] * len(self._grads)
+        self._pending = [len(b.grads) for b in self._buckets]
+        self._next_launch = 0
+        self._completed = 0
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return self._buckets
+
+    @property
+    def specs(self) -> tuple[GradSpec, ...]:
+        return self._specs
+
+    def layout_fingerprint(self) -> str:
+        return layout_fingerprint(
+            self._specs,
+            self._buckets,
+            cap_bytes=self._cap,
+            first_bucket_bytes=self._first,
+            average=self._average,
+        )
+
+    # -- the step --
+
+    def mark_ready(self, index: int) -> None:
+        """Declare gradient ``index`` final for this step; may launch buckets."""
+        if not 0 <= index < len(self._grads):
+            raise IndexError(f"gradient index {index} out of range 0..{len(self._grads) - 1}")
+        with self._lock:
+            self._raise_if_broken()
+            if self._ready[index]:
+                raise ValueError(f"gradient {index} was already marked ready this step")
+            self._mark_locked(index)
+
+    def _mark_locked(self, index: int) -> None:
+        self._ready[index] = True
+        number = self._bucket_of[index]
+        if number is None:
+            return
+        self._pending[number] -= 1
+        while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
+            self._launch_locked(self._next_launch)
+            self._next_launch += 1
+
+    def _launch_locked(self, number: int) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(
+                target=self._run, name="bucketed-allreduce", daemon=True
+            )
+            self._worker.start()
+        # The caller's stream/device are captured here, on the caller's thread.
+        self._queue.put((number, self._ops.capture()))
+
+    def wait(self) -> None:
+        """Block until every bucket is reduced and unpacked; re-raise any failure."""
+        with self._lock:
+            self._raise_if_broken()
+            for index, ready in enumerate(self._ready):
+                if not ready:
+                    self._mark_locked(index)
+            total = len(self._buckets)
+            self._done.wait_for(lambda: self._error is not None or self._completed == total)
+            self._raise_if_broken()
+            self._reset_step()
+
+    finish = wait
+
+    def all_reduce_all(self) -> None:
+        """Reduce every gradient now (no overlap): mark all ready and wait."""
+        self.wait()
+
+    def _raise_if_broken(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise RuntimeError("BucketedAllReducer is closed")
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            number, scope = item
+            with self._lock:
+                if self._error is not None:
+                    continue  # later buckets of a failed step must not run
+            try:
+                with scope:
+                    self._reduce_bucket(number)
+            except BaseException as exc:  # handed to wait(), which re-raises it
+                with self._lock:
+                    self._error = exc
+                    self._done.notify_all()
+                continue
+            with self._lock:
+                self._completed += 1
+                self._done.notify_all()
+
+    def _reduce_bucket(self, number: int) -> None:
+        bucket = self._buckets[number]
+        flat = self._views[number]
+        grads = [self._grads[i] for i in bucket.grads]
+        pack(flat, grads, bucket.offsets, self._divisor, self._ops.xp)
+        self._comm.all_reduce(flat, ReduceOp.SUM)
+        unpack(flat, grads, bucket.offsets)
+
+    def close(self) -> None:
+        """Stop the worker thread; idempotent. Does not close the communicator."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            worker = self._worker
+        if worker is not None:
+            self._queue.put(None)
+            worker.join()
+
+    def __enter__(self) -> BucketedAllReducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- cross-rank check --
+
+    def verify_layout(
+        self,
+        store: JobStore,
+        rank: int,
+        world_size: int,
+        timeout: float | None,
+        *,
+        name: str = "default",
+    ) -> None:
+        """Fail on every rank, naming the odd ranks, if layouts differ.
+
+        Each rank publishes ``bucket-layout/{name}/{rank}``; rank 0 reads them
+        all, takes the most common fingerprint as the reference (rank 0's wins a
+        tie) and publishes a verdict that every other rank reads, so all ranks
+        raise together instead of the matching ones hanging in the first
+        collective. One verification per ``name`` per job generation.
+        """
+        mine = self.layout_fingerprint()
+        prefix = f"bucket-layout/{name}"
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        store.kv_set(f"{prefix}/{rank}", mine.encode("ascii"))
+        if rank == 0:
+            seen = {0: mine}
+            for r in range(1, world_size):
+                raw = store.kv_get(f"{prefix}/{r}", wait=True, timeout=remaining())
+                seen[r] = raw.decode("ascii", errors="replace")
+            reference, mismatched = layout_verdict(seen)
+            verdict = {"reference": reference, "mismatched": mismatched}
+            store.kv_set(f"{prefix}/verdict", json.dumps(verdict).encode("ascii"))
+        else:
+            raw = store.kv_get(f"{prefix}/verdict", wait=True, timeout=remaining())
+            verdict = _parse_verdict(raw)
+        odd = verdict["mismatched"]
+        if odd:
+            raise BucketLayoutMismatch(
+                f"bucket layout of rank(s) {odd} differs from the majority's "
+                f"(majority {str(verdict['reference'])[:16]}, rank {rank} {mine[:16]}); "
+                "all ranks must register the same gradients (dtypes, shapes, order) "
+                "with the same cap_bytes, first_bucket_bytes and average"
+            )
+
+
+def layout_verdict(fingerprints: Mapping[int, str]) -> tuple[str, list[int]]:
+    """(reference fingerprint, ranks that differ from it) for rank -> fingerprint.
+
+    The most common fingerprint is the reference, rank 0's winning a tie, so a
+    single odd rank is the one named even when it is rank 0.
+    """
+    counts = Counter(fingerprints.values())
+    best = max(counts.values())
+    if counts[fingerprints[0]] == best:
+        reference = fingerprints[0]
+    else:
+        reference = min(fp for fp, n in counts.items() if n == best)
+    return reference, sorted(r for r, fp in fingerprints.items() if fp != reference)
+
+
+def _parse_verdict(raw: bytes) -> dict[str, Any]:
+    try:
+        verdict = json.loads(raw.decode("ascii"))
+        reference, mismatched = verdict["reference"], verdict["mismatched"]
+        if isinstance(reference, str) and all(isinstance(r, int) for r in mismatched):
+            return {"reference": reference, "mismatched": list(mismatched)}
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        pass
+    raise BucketLayoutMismatch("rank 0 published a malformed layout verdict")
