@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -31,6 +34,117 @@ log = logging.getLogger("rendezvousd")
 
 # The largest answer is a Join with a 16384-member table (~1 MiB); requests stay small.
 MAX_SEND_BYTES = 16 * 1024 * 1024
+_MALFORMED = "request body is not a valid protobuf message for this method"
+
+
+class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A garbled request body is the caller's error: INVALID_ARGUMENT, not UNKNOWN.
+
+    grpcio answers a body its deserializer cannot parse with UNKNOWN ("Unexpected
+    DecodeError") and logs a traceback per call, which lets any token holder flood
+    the log. Handlers are wrapped to take raw bytes and decode them here instead.
+    """
+
+    def __init__(self) -> None:
+        # Known methods only (unknown ones have no handler): bounded.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        cached = self._wrapped.get(details.method)
+        if cached is None or cached[0] is not handler:
+            cached = (handler, _decode_guarded(handler))
+            self._wrapped[details.method] = cached
+        return cached[1]
+
+
+def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    decode = handler.request_deserializer
+    serialize = handler.response_serializer
+
+    async def one(raw: bytes, context: Any) -> Any:
+        try:
+            return decode(raw)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+
+    class Stream:
+        """Decodes a request stream; a garbled message ends it and marks it failed."""
+
+        def __init__(self, raw: AsyncIterator[bytes]) -> None:
+            self.raw, self.failed = raw, False
+
+        async def messages(self) -> AsyncIterator[Any]:
+            async for data in self.raw:
+                try:
+                    message = decode(data)
+                except DecodeError:
+                    self.failed = True
+                    return
+                yield message
+
+    async def check(stream: Stream, context: Any) -> None:
+        if stream.failed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+
+    if not handler.request_streaming and not handler.response_streaming:
+        inner = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context: Any) -> Any:
+            return await inner(await one(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
+    if handler.request_streaming and not handler.response_streaming:
+        inner = handler.stream_unary
+
+        async def stream_unary(raw: AsyncIterator[bytes], context: Any) -> Any:
+            stream = Stream(raw)
+            result = await inner(stream.messages(), context)
+            await check(stream, context)
+            return result
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=serialize)
+    if not handler.request_streaming:
+        inner = handler.unary_stream
+        if inspect.isasyncgenfunction(inner):
+
+            async def unary_stream_gen(raw: bytes, context: Any) -> AsyncIterator[Any]:
+                async for item in inner(await one(raw, context), context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_gen, response_serializer=serialize
+            )
+
+        async def unary_stream(raw: bytes, context: Any) -> None:
+            await inner(await one(raw, context), context)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serialize)
+    inner = handler.stream_stream
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream_stream_gen(raw: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
+            stream = Stream(raw)
+            async for item in inner(stream.messages(), context):
+                yield item
+            await check(stream, context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream_gen, response_serializer=serialize
+        )
+
+    async def stream_stream(raw: AsyncIterator[bytes], context: Any) -> None:
+        stream = Stream(raw)
+        await inner(stream.messages(), context)
+        await check(stream, context)
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=serialize)
 
 
 @dataclass
@@ -46,6 +160,7 @@ class Daemon:
     _health: health_aio.HealthServicer | None = field(init=False, default=None)
     _ticker: asyncio.Task[None] | None = field(init=False, default=None)
     _metrics_server: object | None = field(init=False, default=None)
+    metrics_port: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
@@ -90,7 +205,7 @@ class Daemon:
             ),
         )
         server = grpc.aio.server(
-            interceptors=[interceptor],
+            interceptors=[interceptor, DecodeGuardInterceptor()],
             options=self._options(),
             maximum_concurrent_rpcs=self.state.limits.max_concurrent_rpcs,
         )
@@ -107,6 +222,8 @@ class Daemon:
                 server,
             )
         credentials = self._credentials()
+        if self.config.metrics_listen:
+            self._start_metrics(self.config.metrics_listen)
         try:
             if credentials is None:
                 port: int = server.add_insecure_port(self.config.listen)
@@ -123,8 +240,6 @@ class Daemon:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._ticker = asyncio.create_task(self._tick())
-        if self.config.metrics_listen:
-            self._start_metrics(self.config.metrics_listen)
         log.info(
             "rendezvousd serving on %s (port %d, tls=%s)",
             self.config.listen,

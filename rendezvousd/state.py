@@ -370,8 +370,8 @@ class RendezvousState:
         meta = {"job_id": job.job_id, "generation": str(job.generation)}
         if w.kind == "join":
             job.join_waiters.pop(waiter, None)
-            self._drop_joiner(job, w.rank, now)
             missing = job.missing_ranks()
+            self._drop_joiner(job, w.rank, now)
             meta["ranks"] = ranks_text(missing[:64])
             return RendezvousFault(
                 Code.DEADLINE_EXCEEDED,

@@ -26,6 +26,7 @@ class DaemonProcess:
     token_file: Path
     proc: subprocess.Popen[str]
     log_path: Path
+    metrics_url: str = ""
 
     @property
     def port(self) -> int:
@@ -88,7 +89,10 @@ def spawn_daemon(
             raise RuntimeError(f"daemon exited with {proc.returncode}: {log_path.read_text()}")
         match = _SERVING.search(line)
         if match:
-            return DaemonProcess(match.group(1), token, token_file, proc, log_path)
+            daemon = DaemonProcess(match.group(1), token, token_file, proc, log_path)
+            if "--metrics-listen" in args:
+                daemon.metrics_url = proc.stdout.readline().split(" on ", 1)[1].strip()
+            return daemon
     proc.kill()
     raise RuntimeError(f"daemon did not start: {line!r} {log_path.read_text()}")
 

@@ -1,0 +1,133 @@
+"""A worker process dies: every survivor learns which rank, promptly, and stale
+generations stay fenced off. Bounds here are generous; benchmarks/soak.py
+measures the notification latency tightly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from rendezvousd.client import PeerFailed, RendezvousClient, StaleGeneration
+from tests.conftest import DaemonProcess
+from tests.test_join import worker_cmd
+
+
+def _start_world(
+    d: DaemonProcess, job: str, action: str, gpus: int = 3
+) -> list[subprocess.Popen[str]]:
+    # Rank 1 (the victim) only holds, so the others are parked in their call when it dies.
+    procs = [
+        subprocess.Popen(
+            worker_cmd(
+                d, job, 1, gpus, 0, g, "--action", "hold" if g == 1 else action, "--hold-s", "60"
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for g in range(gpus)
+    ]
+    for p in procs:
+        assert p.stdout is not None
+        first = json.loads(p.stdout.readline())
+        assert first["event"] == "joined", first
+    return procs
+
+
+def _outcome(p: subprocess.Popen[str], timeout: float) -> dict[str, object]:
+    out, _ = p.communicate(timeout=timeout)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("action", ["hold", "barrier", "kv-wait"])
+def test_sigkill_of_a_worker_fails_survivors_naming_its_rank(
+    daemon: DaemonProcess, job_id: str, action: str
+) -> None:
+    procs = _start_world(daemon, job_id, action)
+    time.sleep(0.5)  # let barrier / kv waits park on the daemon
+    killed_at = time.monotonic()
+    procs[1].send_signal(signal.SIGKILL)
+    for p in (procs[0], procs[2]):
+        result = _outcome(p, timeout=20)
+        assert result["event"] == "error" and result["type"] == "PeerFailed", result
+        assert result["ranks"] in ("1", "") and "rank 1" in str(result["message"])
+    assert time.monotonic() - killed_at < 10
+
+
+def test_silent_worker_is_lost_after_heartbeat_timeout(daemon: DaemonProcess, job_id: str) -> None:
+    procs = _start_world(daemon, job_id, "hold", gpus=2)
+    procs[1].send_signal(signal.SIGSTOP)  # alive but silent: the stream stays open
+    try:
+        result = _outcome(procs[0], timeout=30)
+        assert result["type"] == "PeerFailed" and "no heartbeat" in str(result["message"]), result
+    finally:
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(10)
+
+
+def test_rejoin_opens_new_generation_and_old_one_is_stale(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    procs = _start_world(daemon, job_id, "hold", gpus=2)
+    procs[0].send_signal(signal.SIGKILL)
+    assert _outcome(procs[1], timeout=20)["type"] == "PeerFailed"
+    old = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as a,
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as b,
+    ):
+        import threading
+
+        got = {}
+        t = threading.Thread(
+            target=lambda: got.setdefault(
+                "b", b.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=20)
+            )
+        )
+        t.start()
+        ma = a.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, timeout=20)
+        t.join(30)
+        assert ma.generation == got["b"].generation >= 2
+        # A caller still holding generation 1 is fenced, and told the current one.
+        old._s.joined = type(ma)(job_id, 1, 1, 2, 0, 1, b"", ())
+        with pytest.raises(StaleGeneration) as info:
+            old.kv_set("k", b"v")
+        assert info.value.current_generation == ma.generation
+        a.leave()
+        b.leave()
+    old.close()
+
+
+def test_on_failure_callback_runs_with_the_peer_failed_error(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    procs = _start_world(daemon, job_id, "hold", gpus=2)
+    seen: list[PeerFailed] = []
+    try:
+        with RendezvousClient(daemon.endpoint, job_id + "-cb", token=daemon.token) as c:
+            other = subprocess.Popen(
+                worker_cmd(daemon, job_id + "-cb", 1, 2, 0, 1, "--hold-s", "60"),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            c.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, timeout=20)
+            c.start_heartbeat(0.2, on_failure=lambda e: seen.append(e))  # type: ignore[arg-type]
+            time.sleep(0.5)
+            os.kill(other.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 15
+            while not seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert seen and isinstance(seen[0], PeerFailed) and seen[0].ranks == [1]
+            with pytest.raises(PeerFailed):
+                c.raise_if_failed()
+            with pytest.raises(PeerFailed):
+                c.barrier("after", timeout=1)
+            other.wait(10)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

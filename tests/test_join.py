@@ -1,0 +1,240 @@
+"""Joins against a real daemon process: worlds, rejections, id rules, inspection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    DuplicateRank,
+    IdConflict,
+    InvalidRequest,
+    Membership,
+    RendezvousClient,
+    RendezvousTimeout,
+    TopologyMismatch,
+)
+from tests.conftest import DaemonProcess
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker_cmd(
+    d: DaemonProcess, job: str, nodes: int, gpus: int, node: int | None, local: int, *extra: str
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        str(HERE / "worker.py"),
+        "--endpoint",
+        d.endpoint,
+        "--token-file",
+        str(d.token_file),
+        "--job",
+        job,
+        "--nodes",
+        str(nodes),
+        "--gpus",
+        str(gpus),
+        "--local-rank",
+        str(local),
+        *extra,
+    ]
+    return cmd + (["--node-rank", str(node)] if node is not None else [])
+
+
+def test_two_nodes_by_two_workers_as_real_processes(daemon: DaemonProcess, job_id: str) -> None:
+    procs = [
+        subprocess.Popen(
+            worker_cmd(daemon, job_id, 2, 2, n, g, "--action", "leave"),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+        for g in range(2)
+    ]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
+    joined = [json.loads(o.splitlines()[0]) for o in outs]
+    assert sorted(j["rank"] for j in joined) == [0, 1, 2, 3]
+    assert {j["world"] for j in joined} == {4}
+    assert len({j["id_digest"] for j in joined}) == 1  # every rank got the same id
+
+
+async def test_sixteen_nodes_by_eight_gpus_async(daemon: DaemonProcess, job_id: str) -> None:
+    nodes, gpus = 16, 8
+    clients = [
+        AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+        for _ in range(nodes * gpus)
+    ]
+    try:
+        results: list[Membership] = await asyncio.gather(
+            *[
+                c.join(
+                    num_nodes=nodes,
+                    gpus_per_node=gpus,
+                    node_rank=i // gpus,
+                    local_rank=i % gpus,
+                    host=f"node{i // gpus}",
+                    timeout=60,
+                )
+                for i, c in enumerate(clients)
+            ]
+        )
+        assert sorted(m.rank for m in results) == list(range(128))
+        assert {m.unique_id for m in results} == {results[0].unique_id}
+        assert len(results[0].unique_id) == 128
+        table = results[5].members
+        assert [m.rank for m in table] == list(range(128))
+        assert all(m.host == f"node{m.node_rank}" for m in table)
+        await asyncio.gather(*[c.barrier("after-join", timeout=30) for c in clients])
+    finally:
+        await asyncio.gather(*[c.close() for c in clients])
+
+
+def _join_thread(
+    d: DaemonProcess, job: str, out: dict[int, object], **kw: object
+) -> threading.Thread:
+    def run() -> None:
+        c = RendezvousClient(d.endpoint, job, token=d.token)
+        try:
+            m = c.join(**kw)  # type: ignore[arg-type]
+            out[m.rank] = m
+        except Exception as exc:
+            out[-1 - len(out)] = exc
+        finally:
+            c.close()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_assigned_node_ranks_group_local_ranks_by_host(daemon: DaemonProcess, job_id: str) -> None:
+    out: dict[int, object] = {}
+    threads = [
+        _join_thread(
+            daemon, job_id, out, num_nodes=2, gpus_per_node=2, local_rank=g, host=h, timeout=30
+        )
+        for h in ("hostB", "hostA")
+        for g in (1, 0)
+    ]
+    for t in threads:
+        t.join(60)
+    members = [m for k, m in out.items() if k >= 0]
+    assert len(members) == 4, out
+    by_host = {(m.members[m.rank].host, m.node_rank) for m in members}  # type: ignore[attr-defined]
+    assert len({h for h, _ in by_host}) == 2 and len(by_host) == 2  # one node rank per host
+
+
+def test_rejections_name_the_problem(daemon: DaemonProcess, job_id: str) -> None:
+    out: dict[int, object] = {}
+    holder = _join_thread(
+        daemon, job_id, out, num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=5
+    )
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        import time
+
+        time.sleep(0.5)
+        with pytest.raises(TopologyMismatch, match=r"num_nodes=2 gpus_per_node=2.*num_nodes=3"):
+            c.join(num_nodes=3, gpus_per_node=2, node_rank=1, local_rank=1, timeout=2)
+        with pytest.raises(DuplicateRank, match="rank 2"):
+            c.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=2)
+        with pytest.raises(InvalidRequest, match="node_rank=2 is out of range"):
+            c.join(num_nodes=2, gpus_per_node=2, node_rank=2, local_rank=0, timeout=2)
+        with pytest.raises(InvalidRequest, match="exactly 128 bytes"):
+            c.join(
+                num_nodes=2,
+                gpus_per_node=2,
+                node_rank=0,
+                local_rank=0,
+                unique_id=b"x" * 5,
+                timeout=2,
+            )
+        with pytest.raises(InvalidRequest, match="all zero"):
+            c.join(
+                num_nodes=2,
+                gpus_per_node=2,
+                node_rank=0,
+                local_rank=0,
+                unique_id=bytes(128),
+                timeout=2,
+            )
+    holder.join(30)
+    timeout = next(v for k, v in out.items() if k < 0)
+    assert isinstance(timeout, RendezvousTimeout)
+    assert timeout.missing_ranks == [0, 1, 3] and "missing ranks" in str(timeout)
+
+
+def test_second_different_id_is_refused_and_first_kept(daemon: DaemonProcess, job_id: str) -> None:
+    first, second = b"\x11" * 128, b"\x22" * 128
+    out: dict[int, object] = {}
+    t0 = _join_thread(
+        daemon,
+        job_id,
+        out,
+        num_nodes=1,
+        gpus_per_node=2,
+        node_rank=0,
+        local_rank=0,
+        unique_id=first,
+        timeout=20,
+    )
+    import time
+
+    time.sleep(0.5)
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        # The PublishId path: a second "rank 0" instance cannot overwrite the id.
+        with pytest.raises((IdConflict, DuplicateRank)):
+            c.join(
+                num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, unique_id=second, timeout=2
+            )
+        m = c.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=20)
+        assert m.unique_id == first
+        c.leave()
+    t0.join(30)
+    assert out[0].unique_id == first  # type: ignore[attr-defined]
+
+
+def test_inspection_shows_members_but_never_the_id(daemon: DaemonProcess, job_id: str) -> None:
+    uid = b"\x5a" * 128
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        c.join(
+            num_nodes=1,
+            gpus_per_node=1,
+            node_rank=0,
+            local_rank=0,
+            unique_id=uid,
+            host="inspect-host",
+        )
+        job = c.get_job()
+        assert job.summary.world_size == 1 and job.id_published
+        assert job.members[0].member.host == "inspect-host"
+        assert uid not in job.SerializeToString()
+        assert any(j.job_id == job_id for j in c.list_jobs())
+        c.leave()
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.cli",
+            "status",
+            "--endpoint",
+            daemon.endpoint,
+            "--token-file",
+            str(daemon.token_file),
+            job_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 0, status.stderr
+    assert job_id in status.stdout and "inspect-host" in status.stdout and "ENDED" in status.stdout
+    assert uid.hex() not in daemon.log() and daemon.token not in daemon.log()

@@ -1,0 +1,98 @@
+"""The retry policy: waitForReady while the daemon starts, exactly one retry on a
+transient failure, exactly one attempt on a permanent one."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.client import DaemonUnavailable, RendezvousClient, TopologyMismatch
+from tests.conftest import DaemonProcess, spawn_daemon, write_token
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:
+    port = free_port()
+    token = write_token(tmp_path / "t")
+    result: dict[str, object] = {}
+
+    def join() -> None:
+        with RendezvousClient(f"127.0.0.1:{port}", "late", token=token, connect_timeout=20) as c:
+            result["m"] = c.join(
+                num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=20
+            )
+            c.leave()
+
+    t = threading.Thread(target=join)
+    t.start()
+    time.sleep(1.5)  # the worker is already waiting when the daemon comes up
+    daemon = spawn_daemon(tmp_path, token=token, listen=f"127.0.0.1:{port}")
+    try:
+        t.join(30)
+        assert not t.is_alive()
+        assert result["m"].rank == 0  # type: ignore[attr-defined]
+    finally:
+        daemon.kill()
+
+
+@pytest.mark.parametrize("attempts", [0, 1, 2])
+def test_daemon_gone_retries_exactly_as_configured_then_fails_loudly(attempts: int) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with (
+        RendezvousClient(
+            endpoint, "gone", token="x" * 32, connect_timeout=0.6, retry_attempts=attempts
+        ) as c,
+        pytest.raises(DaemonUnavailable) as info,
+    ):
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
+    elapsed = time.monotonic() - started
+    err = info.value
+    assert err.attempts == attempts + 1
+    assert endpoint in str(err) and "Check" in str(err) and f"{attempts + 1} attempt" in str(err)
+    # Each attempt waits for the daemon up to connect_timeout: the retries really happened.
+    assert elapsed >= 0.6 * (attempts + 1) - 0.05
+    assert elapsed < 0.6 * (attempts + 1) + 5
+
+
+def _count(metrics_url: str, method: str, code: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    needle = f'rendezvousd_rpc_duration_seconds_count{{code="{code}",method="{method}"}}'
+    for line in text.splitlines():
+        if line.startswith(needle):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_permanent_error_is_tried_exactly_once(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    holder = RendezvousClient(d.endpoint, job_id, token=d.token, retry_attempts=3)
+
+    def hold_rank_zero() -> None:
+        with pytest.raises(Exception):  # noqa: B017 - it times out; only its presence matters
+            holder.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, timeout=3)
+
+    t = threading.Thread(target=hold_rank_zero)
+    t.start()
+    time.sleep(0.5)
+    with (
+        RendezvousClient(d.endpoint, job_id, token=d.token, retry_attempts=3) as c,
+        pytest.raises(TopologyMismatch),
+    ):
+        c.join(num_nodes=1, gpus_per_node=4, node_rank=0, local_rank=1, timeout=3)
+    assert _count(d.metrics_url, "Join", "FAILED_PRECONDITION") == 1
+    t.join(15)
+    holder.close()
