@@ -82,7 +82,7 @@ def test_permanent_error_is_tried_exactly_once(
     holder = RendezvousClient(d.endpoint, job_id, token=d.token, retry_attempts=3)
 
     def hold_rank_zero() -> None:
-        with pytest.raises(Exception):  # noqa: B017 - it times out; only its presence matters
+        with pytest.raises(Exception):
             holder.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, timeout=3)
 
     t = threading.Thread(target=hold_rank_zero)
