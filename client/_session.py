@@ -3,6 +3,7 @@ request building and the membership they hold after a join. No I/O here."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -182,7 +184,13 @@ class Membership:
     node_rank: int
     local_rank: int
     unique_id: bytes = field(repr=False)
-    members: tuple[Member, ...] = field(repr=False)
+    # Decoded on first use: at thousands of ranks, building every rank's copy
+    # of the table eagerly costs more than the whole rendezvous.
+    _table: Any = field(repr=False, compare=False, default=())
+
+    @functools.cached_property
+    def members(self) -> tuple[Member, ...]:
+        return tuple(Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in self._table)
 
     @property
     def num_nodes(self) -> int:
@@ -198,9 +206,7 @@ def membership(response: pb.JoinResponse) -> Membership:
         node_rank=response.node_rank,
         local_rank=response.local_rank,
         unique_id=response.unique_id,
-        members=tuple(
-            Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in response.members
-        ),
+        _table=response.members,
     )
 
 

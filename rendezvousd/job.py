@@ -57,6 +57,8 @@ class Job:
     # waiter -> rank, for Join/PublishId calls waiting for the world.
     join_waiters: dict[int, int] = field(default_factory=dict)
     member_table: tuple[MemberInfo, ...] = ()
+    # Kept as a count so a barrier arrival is O(1), not a scan of every member.
+    left: int = 0
 
     @property
     def world_size(self) -> int:
@@ -76,6 +78,10 @@ class Job:
     def participants(self) -> set[int]:
         """Ranks a barrier waits for: everyone who has not left."""
         return {r for r, m in self.members.items() if m.state is not MemberState.LEFT}
+
+    def barrier_complete(self, arrived: int) -> bool:
+        """Whether ``arrived`` distinct non-leaving ranks are everyone a barrier waits for."""
+        return arrived >= len(self.members) - self.left
 
     def all_waiters(self) -> set[int]:
         waiters = set(self.join_waiters)
@@ -107,6 +113,7 @@ class Job:
         self.kv_waiters.clear()
         self.join_waiters.clear()
         self.member_table = ()
+        self.left = 0
 
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""

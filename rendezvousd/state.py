@@ -432,7 +432,7 @@ class RendezvousState:
         self, job_id: str, generation: int, rank: int, name: str, sequence: int, now: float
     ) -> int | Parked:
         validation.text_field("barrier name", name, self.limits.max_key_bytes, required=True)
-        job, _ = self._member(job_id, generation, rank)
+        job, member = self._member(job_id, generation, rank)
         barrier = job.barriers.setdefault(name, BarrierState())
         if sequence <= barrier.completed:
             return sequence
@@ -444,7 +444,14 @@ class RendezvousState:
                 f"#{barrier.completed + 1}; every rank must run the same barriers in the same order",
                 {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
             )
-        if job.participants() <= set(barrier.arrived) | {rank}:
+        if member.state is MemberState.LEFT:
+            raise RendezvousFault(
+                Code.FAILED_PRECONDITION,
+                "NOT_A_MEMBER",
+                f"rank {rank} already left job {job_id!r}; it cannot enter barrier {name!r}",
+                {"job_id": job_id, "ranks": str(rank)},
+            )
+        if job.barrier_complete(len(barrier.arrived) + (rank not in barrier.arrived)):
             self._release_barrier(barrier)
             return sequence
         parked = self._park(job, "barrier", rank, name, now)
@@ -658,12 +665,13 @@ class RendezvousState:
             return
         if member.state is MemberState.ACTIVE:
             member.state = MemberState.LEFT
+            job.left += 1
         if job.state is JobState.RUNNING:
-            if all(m.state is MemberState.LEFT for m in job.members.values()):
+            if job.left == len(job.members):
                 self._set_state(job, JobState.ENDED, now, "every member left")
                 return
             for barrier in job.barriers.values():
-                if barrier.arrived and job.participants() <= set(barrier.arrived):
+                if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
                     self._release_barrier(barrier)
 
     def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
