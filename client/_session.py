@@ -190,7 +190,9 @@ class Membership:
 
     @functools.cached_property
     def members(self) -> tuple[Member, ...]:
-        return tuple(Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in self._table)
+        return tuple(
+            Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in self._table
+        )
 
     @property
     def num_nodes(self) -> int:

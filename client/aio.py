@@ -26,7 +26,12 @@ from rendezvousd.client._session import (
     membership,
     resolve_token,
 )
-from rendezvousd.client.errors import DaemonUnavailable, RendezvousError, from_rpc_error
+from rendezvousd.client.errors import (
+    DaemonUnavailable,
+    InvalidRequest,
+    RendezvousError,
+    from_rpc_error,
+)
 from rendezvousd.client.sync import _SLACK_S, UNIQUE_ID_BYTES
 
 
@@ -148,7 +153,15 @@ class AsyncRendezvousClient:
             unique_id=make_id() if known_rank_zero else None,
             timeout=timeout,
         )
-        response = await self._call("Join", request, timeout=timeout + _SLACK_S)
+        try:
+            response = await self._call("Join", request, timeout=timeout + _SLACK_S)
+        except InvalidRequest as exc:
+            # A restarted daemon fenced the generation our id belonged to: a
+            # fresh id is all rank 0 needs, unless the caller pinned the bytes.
+            if exc.reason != "ID_REUSED" or unique_id is not None:
+                raise
+            request.unique_id = make_id()
+            response = await self._call("Join", request, timeout=timeout + _SLACK_S)
         if response.id_required:
             left = max(0.001, timeout - (time.monotonic() - started))
             publish = pb.PublishIdRequest(

@@ -27,6 +27,7 @@ from rendezvousd.client._session import (
 )
 from rendezvousd.client.errors import (
     DaemonUnavailable,
+    InvalidRequest,
     RendezvousError,
     from_rpc_error,
 )
@@ -167,7 +168,15 @@ class RendezvousClient:
             unique_id=make_id() if known_rank_zero else None,
             timeout=timeout,
         )
-        response = self._call("Join", request, timeout=timeout + _SLACK_S)
+        try:
+            response = self._call("Join", request, timeout=timeout + _SLACK_S)
+        except InvalidRequest as exc:
+            # A restarted daemon fenced the generation our id belonged to: a
+            # fresh id is all rank 0 needs, unless the caller pinned the bytes.
+            if exc.reason != "ID_REUSED" or unique_id is not None:
+                raise
+            request.unique_id = make_id()
+            response = self._call("Join", request, timeout=timeout + _SLACK_S)
         if response.id_required:
             left = max(0.001, timeout - (time.monotonic() - started))
             publish = pb.PublishIdRequest(

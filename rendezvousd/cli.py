@@ -47,7 +47,9 @@ async def _run(cfg: config_mod.DaemonConfig, tokens: list[str]) -> int:
         print(f"rendezvousd: serving on {shown}", flush=True)
         if daemon.metrics_port is not None:
             mhost, _ = config_mod.split_listen(cfg.metrics_listen or "")
-            print(f"rendezvousd: metrics on http://{mhost}:{daemon.metrics_port}/metrics", flush=True)
+            print(
+                f"rendezvousd: metrics on http://{mhost}:{daemon.metrics_port}/metrics", flush=True
+            )
         notifier.ready(f"serving on {shown}")
 
     daemon = Daemon(cfg, tokens, on_ready=ready, on_stopping=notifier.stopping)

@@ -59,6 +59,8 @@ class Job:
     member_table: tuple[MemberInfo, ...] = ()
     # Kept as a count so a barrier arrival is O(1), not a scan of every member.
     left: int = 0
+    # Restored from disk after a restart: the id is gone (it is never written).
+    restored: bool = False
 
     @property
     def world_size(self) -> int:
@@ -92,6 +94,10 @@ class Job:
             waiters |= ws
         return waiters
 
+    def id_digest(self) -> bytes:
+        assert self.unique_id is not None
+        return hashlib.sha256(self.unique_id).digest()
+
     def remember_id(self) -> None:
         if self.unique_id is not None:
             self.used_id_digests.add(hashlib.sha256(self.unique_id).digest())
@@ -114,6 +120,7 @@ class Job:
         self.join_waiters.clear()
         self.member_table = ()
         self.left = 0
+        self.restored = False
 
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""

@@ -27,6 +27,7 @@ from rendezvousd.auth import TokenAuthInterceptor
 from rendezvousd.config import DaemonConfig
 from rendezvousd.errors import DaemonError
 from rendezvousd.metrics import Metrics
+from rendezvousd.persistence import Persister, StateStore
 from rendezvousd.servicer import SERVICE, RendezvousServicer
 from rendezvousd.state import RendezvousState
 
@@ -197,7 +198,12 @@ class Daemon:
         )
 
     async def start(self) -> int:
-        servicer = RendezvousServicer(self.state, self.metrics)
+        store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
+        self.persister = Persister(store, self.state)
+        restored = self.persister.restore()
+        if restored:
+            log.info("restored %d job(s) from %s", restored, self.config.state_dir)
+        servicer = RendezvousServicer(self.state, self.metrics, self.persister)
         interceptor = TokenAuthInterceptor(
             self.tokens,
             on_reject=lambda m: self.metrics.observe_rpc(
@@ -273,6 +279,10 @@ class Daemon:
             self.state.tick(now)
             self._servicer.apply()
             self.metrics.observe_heartbeats(self.state, now)
+            try:
+                await self.persister.durable()
+            except OSError as exc:
+                log.error("cannot write state to %s: %s", self.config.state_dir, exc)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful: NOT_SERVING first, release waiters, then drain."""
@@ -284,6 +294,7 @@ class Daemon:
             self.on_stopping()
         self.state.drain()
         self._servicer.apply()
+        await self.persister.durable()
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -30,12 +30,14 @@ from rendezvousd.model import (
     Transition,
     Wake,
 )
+from rendezvousd.persistence import Persister
 from rendezvousd.state import JoinArgs, RendezvousState
 from rendezvousd.status import to_grpc_status
 
 log = logging.getLogger("rendezvousd")
 T = TypeVar("T")
 SERVICE = "rendezvous.v1.Rendezvous"
+_READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob"})
 _StreamKey = tuple[str, int, int]
 
 
@@ -44,9 +46,15 @@ def _now() -> float:
 
 
 class RendezvousServicer:
-    def __init__(self, state: RendezvousState, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        state: RendezvousState,
+        metrics: Metrics | None = None,
+        persister: Persister | None = None,
+    ) -> None:
         self.state = state
         self.metrics = metrics or Metrics(None)
+        self.persister = persister or Persister(None, state)
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[_StreamKey, tuple[int, asyncio.Queue[pb.JobEvent | None]]] = {}
         # The member table is the same for every rank of a generation: encode it once.
@@ -66,6 +74,7 @@ class RendezvousServicer:
             elif isinstance(effect, Notify):
                 self._push(effect)
             elif isinstance(effect, Transition):
+                self.persister.mark()
                 self._transition(effect)
         self.metrics.waiters.set(self.state.waiter_count)
 
@@ -370,7 +379,12 @@ class RendezvousServicer:
             started = time.perf_counter()
             code = "OK"
             try:
-                return await fn(request, context)
+                response = await fn(request, context)
+                if name not in _READ_ONLY:
+                    # Answer only once the change is on disk (group-committed).
+                    self.persister.mark()
+                    await self.persister.durable()
+                return response
             except RendezvousFault as fault:
                 code = fault.code.value
                 self.apply()

@@ -312,6 +312,11 @@ class RendezvousState:
         if job.state is JobState.FORMING and len(job.members) == job.world_size and job.unique_id:
             self._start(job, now)
         if job.state is JobState.RUNNING:
+            if job.unique_id is None:
+                # Restored after a restart: the id was never on disk, so this
+                # rank can no longer be given it. Fence the generation.
+                self._lose(job, member, "daemon restarted before this rank received the id", now)
+                raise job.generation_fault()
             return self._result(job, member)
         if job.state in _TERMINAL:
             raise job.generation_fault()

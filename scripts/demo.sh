@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: rendezvousd + a simulated 2-node x 2-worker CPU training run,
+# with rank 0's progress and a scorecard (artifacts/multinode_smoke.json).
+# Usage: scripts/demo.sh [--steps N] [--out PATH]
+set -euo pipefail
+source "$(dirname "$0")/_venv.sh" demo
+exec .venv/bin/python -m rendezvousd.trainer.demo "$@"
