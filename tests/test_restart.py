@@ -1,0 +1,139 @@
+"""The daemon restarts without losing jobs: snapshots, fencing, and a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rendezvousd import snapshot
+from rendezvousd.client import RendezvousClient
+from rendezvousd.errors import DaemonError, RendezvousFault
+from rendezvousd.model import JobState, JoinResult, Parked
+from rendezvousd.persistence import Persister, StateStore
+from rendezvousd.state import JoinArgs, RendezvousState
+from tests.conftest import spawn_daemon, write_token
+from tests.test_retry import free_port
+
+ID = b"\x07" * 128
+
+
+def _args(local: int, *, uid: bytes = b"", inst: str = "") -> JoinArgs:
+    return JoinArgs("j", 1, 2, 0, local, "h", "", uid, inst or f"i{local}")
+
+
+def _roundtrip(sm: RendezvousState, tmp: Path) -> RendezvousState:
+    store = StateStore(tmp)
+    store.prepare()
+    store.write(snapshot.dump(sm))
+    fresh = RendezvousState()
+    Persister(store, fresh).restore()
+    return fresh
+
+
+def test_running_job_survives_with_kv_and_barrier_counts_but_never_the_id(tmp_path: Path) -> None:
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    sm.kv_set("j", 1, 0, "addr", b"10.0.0.1:5")
+    sm.barrier("j", 1, 0, "b", 1, 0.0)
+    sm.barrier("j", 1, 1, "b", 1, 0.0)
+    text = json.dumps(snapshot.dump(sm))
+    assert ID.hex() not in text and "BwcHBwcH" not in text  # neither hex nor base64 of the id
+    back = _roundtrip(sm, tmp_path)
+    job = back.jobs["j"]
+    assert job.state is JobState.RUNNING and job.generation == 1 and job.unique_id is None
+    assert back.kv_get("j", 1, 1, "addr", False, 1.0) == b"10.0.0.1:5"
+    assert back.barrier("j", 1, 0, "b", 1, 1.0) == 1  # completed round remembered
+    token = back.attach_stream("j", 1, 1, "i1", 1.0)  # heartbeats reattach
+    assert token == 1
+    with pytest.raises(RendezvousFault) as info:  # a member that never got the id is fenced
+        back.join(_args(1), 2.0)
+    assert info.value.reason == "PEER_FAILED"
+
+
+def test_forming_job_is_fenced_by_a_new_generation_and_old_id_refused(tmp_path: Path) -> None:
+    sm = RendezvousState()
+    assert isinstance(sm.join(_args(0, uid=ID), 0.0), Parked)
+    back = _roundtrip(sm, tmp_path)
+    assert back.jobs["j"].generation == 2 and back.jobs["j"].state is JobState.FORMING
+    assert not back.jobs["j"].members
+    with pytest.raises(RendezvousFault) as info:
+        back.join(_args(0, uid=ID), 1.0)
+    assert info.value.reason == "ID_REUSED"
+    assert isinstance(back.join(_args(0, uid=b"\x08" * 128), 1.0), Parked)
+    assert isinstance(back.join(_args(1), 1.0), JoinResult)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_torn_or_corrupt_state_file_is_a_clear_startup_error(tmp_path: Path, damage: str) -> None:
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    store = StateStore(tmp_path)
+    store.prepare()
+    store.write(snapshot.dump(sm))
+    raw = store.path.read_bytes()
+    store.path.write_bytes(
+        raw[: len(raw) // 2]
+        if damage == "truncate"
+        else raw.replace(b'"num_nodes": 1', b'"num_nodes": 9')
+        if damage == "flip"
+        else b"\x00\xff"
+    )
+    with pytest.raises(DaemonError, match="torn or corrupt"):
+        Persister(store, RendezvousState()).restore()
+
+
+def test_sigkill_and_restart_keeps_running_members_and_their_data(tmp_path: Path) -> None:
+    port = free_port()
+    token = write_token(tmp_path / "tok")
+    state_dir = tmp_path / "state"
+    flags = ("--state-dir", str(state_dir), "--heartbeat-timeout-s", "4")
+    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    endpoint = d.endpoint
+    clients = [RendezvousClient(endpoint, "survivor", token=token) for _ in range(2)]
+    failures: list[Exception] = []
+    threads = [
+        threading.Thread(
+            target=lambda c=c, i=i: c.join(
+                num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=i, timeout=20
+            )
+        )
+        for i, c in enumerate(clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.start_heartbeat(0.3, on_failure=failures.append)
+    clients[0].kv_set("before-crash", b"kept")
+    d.kill()  # SIGKILL: no drain, no goodbye
+    time.sleep(1.0)
+    d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    try:
+        time.sleep(6)  # longer than the heartbeat timeout: members must have reattached
+        assert not failures, failures
+        assert clients[1].kv_get("before-crash", wait=False) == b"kept"
+        done = [
+            threading.Thread(target=c.barrier, args=("after-restart",), kwargs={"timeout": 10})
+            for c in clients
+        ]
+        for t in done:
+            t.start()
+        for t in done:
+            t.join(20)
+        job = clients[0].get_job()
+        assert job.summary.state == 2 and all(
+            m.heartbeat_stream_open for m in job.members
+        )  # RUNNING
+        for c in clients:
+            c.leave()
+        assert "restored 1 job" in d2.log()
+    finally:
+        for c in clients:
+            c.close()
+        d2.kill()
