@@ -1,0 +1,196 @@
+"""Hypothesis drives the pure state machine through random joins, id publishes,
+barriers, heartbeat loss, leaves, aborts and restarts, checking invariants after
+every step: one id per generation, ranks unique and dense, no waiter left behind
+once a job ends, stale generations always rejected."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from rendezvousd import snapshot
+from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.model import JobState, JoinResult, MemberState, Parked, Wake
+from rendezvousd.state import JoinArgs, RendezvousState
+
+NODES, GPUS = 2, 2
+JOB = "model"
+
+
+class RendezvousModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sm = RendezvousState()
+        self.now = 0.0
+        self.ids_by_generation: dict[int, set[bytes]] = {}
+        self.parked: dict[int, int] = {}  # waiter -> generation
+        self.instances = 0
+
+    def _apply(self) -> None:
+        for effect in self.sm.take_effects():
+            if isinstance(effect, Wake):
+                self.parked.pop(effect.waiter, None)
+                if isinstance(effect.value, JoinResult):
+                    self._saw(effect.value)
+
+    def _saw(self, result: JoinResult) -> None:
+        if result.unique_id:
+            self.ids_by_generation.setdefault(result.generation, set()).add(result.unique_id)
+
+    def _job(self):  # type: ignore[no-untyped-def]
+        return self.sm.jobs.get(JOB)
+
+    @rule(node=st.integers(0, NODES - 1), local=st.integers(0, GPUS - 1), with_id=st.booleans())
+    def join(self, node: int, local: int, with_id: bool) -> None:
+        self.instances += 1
+        uid = os.urandom(128) if with_id and (node, local) == (0, 0) else b""
+        try:
+            out = self.sm.join(
+                JoinArgs(
+                    JOB, NODES, GPUS, node, local, f"h{node}", "", uid, f"inst{self.instances}"
+                ),
+                self.now,
+            )
+        except RendezvousFault as fault:
+            assert fault.code is not None and fault.reason
+            self._apply()
+            return
+        if isinstance(out, Parked):
+            self.parked[out.waiter] = self.sm.jobs[JOB].generation
+        else:
+            self._saw(out)
+        self._apply()
+
+    @rule()
+    @precondition(
+        lambda self: (
+            self._job() is not None and self._job().unique_id is None and 0 in self._job().members
+        )
+    )
+    def publish(self) -> None:
+        job = self._job()
+        member = job.members[0]
+        try:
+            out = self.sm.publish_id(
+                JOB, job.generation, 0, member.instance_id, os.urandom(128), self.now
+            )
+        except RendezvousFault:
+            self._apply()
+            return
+        if isinstance(out, Parked):
+            self.parked[out.waiter] = job.generation
+        else:
+            self._saw(out)
+        self._apply()
+
+    @rule(rank=st.integers(0, NODES * GPUS - 1))
+    @precondition(lambda self: self._job() is not None and self._job().state is JobState.RUNNING)
+    def barrier(self, rank: int) -> None:
+        job = self._job()
+        seq = job.barriers["b"].completed + 1 if "b" in job.barriers else 1
+        try:
+            out = self.sm.barrier(JOB, job.generation, rank, "b", seq, self.now)
+        except RendezvousFault:
+            self._apply()
+            return
+        if isinstance(out, Parked):
+            self.parked[out.waiter] = job.generation
+        self._apply()
+
+    @rule(rank=st.integers(0, NODES * GPUS - 1))
+    @precondition(lambda self: self._job() is not None and self._job().state is JobState.RUNNING)
+    def lose_stream(self, rank: int) -> None:
+        job = self._job()
+        member = job.members[rank]
+        token = (
+            self.sm.attach_stream(JOB, job.generation, rank, member.instance_id, self.now)
+            if member.state is MemberState.ACTIVE
+            else 0
+        )
+        self.sm.detach_stream(JOB, job.generation, rank, token, self.now)
+        self._apply()
+
+    @rule(seconds=st.floats(0.1, 30.0))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        self.sm.tick(self.now)
+        self._apply()
+
+    @rule(rank=st.integers(0, NODES * GPUS - 1))
+    @precondition(lambda self: self._job() is not None)
+    def leave(self, rank: int) -> None:
+        job = self._job()
+        member = job.members.get(rank)
+        if member is None:
+            return
+        with contextlib.suppress(RendezvousFault):
+            self.sm.leave(JOB, job.generation, rank, member.instance_id, self.now)
+        self._apply()
+
+    @rule()
+    @precondition(lambda self: self._job() is not None)
+    def abort(self) -> None:
+        self.sm.abort(JOB, 0, "model abort", self.now)
+        self._apply()
+
+    @rule()
+    def restart(self) -> None:
+        """Crash and restore from a snapshot: parked calls die with the process."""
+        doc = snapshot.dump(self.sm)
+        self.sm = RendezvousState()
+        snapshot.load(self.sm, doc, self.now)
+        self.sm.take_effects()
+        self.parked.clear()
+
+    @rule(stale=st.integers(1, 5))
+    @precondition(lambda self: self._job() is not None)
+    def stale_generation_is_rejected(self, stale: int) -> None:
+        job = self._job()
+        old = job.generation - stale
+        if old < 1:
+            return
+        try:
+            self.sm.kv_set(JOB, old, 0, "k", b"v")
+        except RendezvousFault as fault:
+            assert fault.code is Code.ABORTED and fault.reason == "STALE_GENERATION"
+            assert fault.metadata["current_generation"] == str(job.generation)
+        else:
+            raise AssertionError("a stale generation was accepted")
+
+    @invariant()
+    def one_id_per_generation(self) -> None:
+        for generation, ids in self.ids_by_generation.items():
+            assert len(ids) == 1, f"generation {generation} handed out {len(ids)} ids"
+        handed = [i for ids in self.ids_by_generation.values() for i in ids]
+        assert len(handed) == len(set(handed)), "an id was handed out in two generations"
+
+    @invariant()
+    def ranks_unique_and_dense(self) -> None:
+        job = self._job()
+        if job is None:
+            return
+        for rank, member in job.members.items():
+            assert member.rank == rank == member.node_rank * GPUS + member.local_rank
+            assert 0 <= rank < job.world_size
+        if job.state is JobState.RUNNING:
+            assert sorted(job.members) == list(range(job.world_size))
+            assert [m.rank for m in job.member_table] == list(range(job.world_size))
+
+    @invariant()
+    def no_waiter_outlives_its_generation(self) -> None:
+        job = self._job()
+        if job is not None and job.state in (JobState.FAILED, JobState.ABORTED, JobState.ENDED):
+            assert not job.all_waiters()
+            assert job.generation not in self.parked.values()
+
+    @invariant()
+    def every_parked_call_is_accounted_for(self) -> None:
+        assert self.sm.waiter_count == len(self.parked)
+
+
+TestRendezvousModel = RendezvousModel.TestCase
+TestRendezvousModel.settings = settings(max_examples=100, stateful_step_count=80, deadline=None)
