@@ -41,12 +41,15 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-async def _client_process(endpoint: str, token: str, job: str, ranks: list[int], world: int,
-                           start_at: float) -> dict[str, Any]:
+async def _client_process(
+    endpoint: str, token: str, job: str, ranks: list[int], world: int, start_at: float
+) -> dict[str, Any]:
     from rendezvousd.client import AsyncRendezvousClient, RendezvousError
 
-    clients = [AsyncRendezvousClient(endpoint, job, token=token, connect_timeout=60, call_timeout=120)
-               for _ in ranks]
+    clients = [
+        AsyncRendezvousClient(endpoint, job, token=token, connect_timeout=60, call_timeout=120)
+        for _ in ranks
+    ]
     # Connect before the clock starts: we measure rendezvous, not TCP handshakes.
     await asyncio.gather(*[c._channel.channel_ready() for c in clients])  # noqa: SLF001
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -55,12 +58,20 @@ async def _client_process(endpoint: str, token: str, job: str, ranks: list[int],
 
     async def one(client: Any, rank: int) -> None:
         try:
-            await client.join(num_nodes=world, gpus_per_node=1, node_rank=rank, local_rank=0,
-                              host=f"n{rank}", timeout=120)
+            await client.join(
+                num_nodes=world,
+                gpus_per_node=1,
+                node_rank=rank,
+                local_rank=0,
+                host=f"n{rank}",
+                timeout=120,
+            )
             await client.barrier("bench", timeout=120)
             done.append(time.time())
         except RendezvousError as exc:
-            errors[exc.code or type(exc).__name__] = errors.get(exc.code or type(exc).__name__, 0) + 1
+            errors[exc.code or type(exc).__name__] = (
+                errors.get(exc.code or type(exc).__name__, 0) + 1
+            )
 
     await asyncio.gather(*[one(c, r) for c, r in zip(clients, ranks, strict=True)])
     await asyncio.gather(*[c.close() for c in clients])
@@ -69,15 +80,28 @@ async def _client_process(endpoint: str, token: str, job: str, ranks: list[int],
 
 def _child(args: argparse.Namespace) -> None:
     ranks = list(range(args.first, args.first + args.count))
-    out = asyncio.run(_client_process(args.endpoint, args.token, args.job, ranks, args.world, args.start_at))
+    out = asyncio.run(
+        _client_process(args.endpoint, args.token, args.job, ranks, args.world, args.start_at)
+    )
     print(json.dumps(out), flush=True)
 
 
 def _start_daemon(token_file: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rendezvousd.cli", "serve", "--listen", "127.0.0.1:0",
-         "--token-file", str(token_file), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            str(token_file),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -98,24 +122,54 @@ def run_ours(world: int, procs: int) -> dict[str, Any]:
             per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
             children, first = [], 0
             for count in per:
-                children.append(subprocess.Popen(
-                    [sys.executable, __file__, "--child", "--endpoint", endpoint, "--token", token,
-                     "--job", job, "--first", str(first), "--count", str(count), "--world", str(world),
-                     "--start-at", repr(start_at)],
-                    stdout=subprocess.PIPE, text=True))
+                children.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--child",
+                            "--endpoint",
+                            endpoint,
+                            "--token",
+                            token,
+                            "--job",
+                            job,
+                            "--first",
+                            str(first),
+                            "--count",
+                            str(count),
+                            "--world",
+                            str(world),
+                            "--start-at",
+                            repr(start_at),
+                        ],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
                 first += count
-            results = [json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children]
+            results = [
+                json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children
+            ]
             errors: dict[str, int] = {}
             for r in results:
                 for k, v in r["errors"].items():
                     errors[k] = errors.get(k, 0) + v
             wall = max(r["done"] for r in results) - start_at
             return {
-                "system": "rendezvousd", "ranks": world, "client_processes": procs,
-                "wall_s": round(wall, 4), "ok_ranks": sum(r["ok"] for r in results),
-                "errors": errors, "rpcs_per_rank": 3, "daemon_peak_rss_mib": round(_rss_kib(daemon.pid) / 1024, 1),
-                "target_s": TARGETS_S.get(world), "anchor_tcpstore_s": ANCHOR_TCPSTORE_S.get(world),
-                "meets_target": (wall <= TARGETS_S[world] and not errors) if world in TARGETS_S else None,
+                "system": "rendezvousd",
+                "ranks": world,
+                "client_processes": procs,
+                "wall_s": round(wall, 4),
+                "ok_ranks": sum(r["ok"] for r in results),
+                "errors": errors,
+                "rpcs_per_rank": 3,
+                "daemon_peak_rss_mib": round(_rss_kib(daemon.pid) / 1024, 1),
+                "target_s": TARGETS_S.get(world),
+                "anchor_tcpstore_s": ANCHOR_TCPSTORE_S.get(world),
+                "meets_target": (wall <= TARGETS_S[world] and not errors)
+                if world in TARGETS_S
+                else None,
             }
         finally:
             daemon.terminate()
@@ -125,8 +179,16 @@ def run_ours(world: int, procs: int) -> dict[str, Any]:
 def _tcpstore_child(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    stores = [dist.TCPStore("127.0.0.1", args.port, args.world, False, timeout=__import__("datetime").timedelta(seconds=300))
-              for _ in range(args.count)]
+    stores = [
+        dist.TCPStore(
+            "127.0.0.1",
+            args.port,
+            args.world,
+            False,
+            timeout=__import__("datetime").timedelta(seconds=300),
+        )
+        for _ in range(args.count)
+    ]
     time.sleep(max(0.0, args.start_at - time.time()))
 
     async def one(store: Any, rank: int) -> None:
@@ -137,7 +199,9 @@ def _tcpstore_child(args: argparse.Namespace) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        loop.set_default_executor(__import__("concurrent.futures").futures.ThreadPoolExecutor(args.count))
+        loop.set_default_executor(
+            __import__("concurrent.futures").futures.ThreadPoolExecutor(args.count)
+        )
         await asyncio.gather(*[one(s, args.first + i) for i, s in enumerate(stores)])
 
     asyncio.run(main())
@@ -151,33 +215,68 @@ def run_tcpstore(world: int, procs: int) -> dict[str, Any] | None:
         import torch.distributed as dist
     except ImportError:
         return None
-    server = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=datetime.timedelta(seconds=300),
-                           wait_for_workers=False)
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world + 1,
+        True,
+        timeout=datetime.timedelta(seconds=300),
+        wait_for_workers=False,
+    )
     server.set("nccl_id", os.urandom(128))
     start_at = time.time() + 2.0 + world / 200
     per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
     children, first = [], 0
     for count in per:
-        children.append(subprocess.Popen(
-            [sys.executable, __file__, "--tcpstore-child", "--port", str(server.port), "--first", str(first),
-             "--count", str(count), "--world", str(world), "--start-at", repr(start_at)],
-            stdout=subprocess.PIPE, text=True))
+        children.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--tcpstore-child",
+                    "--port",
+                    str(server.port),
+                    "--first",
+                    str(first),
+                    "--count",
+                    str(count),
+                    "--world",
+                    str(world),
+                    "--start-at",
+                    repr(start_at),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
         first += count
     deadline = time.time() + 600
     while int(server.add("arrived", 0)) < world and time.time() < deadline:
         time.sleep(0.001)
     server.set("go", b"1")
-    done = [json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1])["done"] for c in children]
-    return {"system": "torch.TCPStore", "ranks": world, "client_processes": procs,
-            "wall_s": round(max(done) - start_at, 4)}
+    done = [
+        json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1])["done"] for c in children
+    ]
+    return {
+        "system": "torch.TCPStore",
+        "ranks": world,
+        "client_processes": procs,
+        "wall_s": round(max(done) - start_at, 4),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
     p.add_argument("--processes", type=int, default=4, help="client processes")
-    p.add_argument("--no-anchor", action="store_true", help="skip TCPStore even if torch is importable")
-    p.add_argument("--anchor-max-ranks", type=int, default=64, help="TCPStore is slow: cap its sizes")
+    p.add_argument(
+        "--no-anchor", action="store_true", help="skip TCPStore even if torch is importable"
+    )
+    p.add_argument(
+        "--anchor-max-ranks", type=int, default=64, help="TCPStore is slow: cap its sizes"
+    )
     p.add_argument("--json-out", type=Path)
     for hidden in ("--endpoint", "--token", "--job"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
@@ -200,8 +299,12 @@ def main() -> None:
             if anchor is not None:
                 results.append(anchor)
                 print(json.dumps(anchor), file=sys.stderr, flush=True)
-    doc = {"benchmark": "rendezvous_scale", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-           "results": results, "self_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    doc = {
+        "benchmark": "rendezvous_scale",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "results": results,
+        "self_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
     text = json.dumps(doc, indent=2)
     print(text)
     if args.json_out:

@@ -20,13 +20,16 @@ from rendezvousd.client.errors import (
     StaleGeneration,
     TopologyMismatch,
 )
+from rendezvousd.client.file_transport import FileRendezvous
 from rendezvousd.client.sync import RendezvousClient
+from rendezvousd.client.transport import Rendezvous, connect
 
 __all__ = [
     "AsyncRendezvousClient",
     "AuthenticationError",
     "DaemonUnavailable",
     "DuplicateRank",
+    "FileRendezvous",
     "IdConflict",
     "InvalidRequest",
     "JobAborted",
@@ -38,6 +41,7 @@ __all__ = [
     "NotFound",
     "PeerFailed",
     "ProtocolError",
+    "Rendezvous",
     "RendezvousClient",
     "RendezvousError",
     "RendezvousTimeout",
@@ -45,4 +49,5 @@ __all__ = [
     "StaleGeneration",
     "TlsConfig",
     "TopologyMismatch",
+    "connect",
 ]

@@ -3,7 +3,7 @@
 A frame is a 4-byte big-endian length and a UTF-8 JSON object. Requests carry an
 integer ``id`` that the reply echoes: ``{"id", "ok": true, ...}`` or ``{"id",
 "error": {"kind", "message", "reason", "metadata"}}``. The server also pushes
-``{"event": "PEER_FAILED", ...}`` unprompted. Bytes travel base64-encoded and
+``{"event": "PEER_FAILED" | "REFUSED", "error": {...}}`` unprompted. Bytes travel base64-encoded and
 are decoded straight into memory: nothing here writes to disk but the socket.
 
 The socket code is hand-written on purpose: no library does same-uid (SO_PEERCRED)
@@ -196,9 +196,10 @@ def error_from_wire(raw: object, *, endpoint: str, method: str, job_id: str) -> 
 
 def peer_ids(sock: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the process at the other end of a connected UNIX socket."""
-    pid, uid, _gid = _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    )
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        raise InvalidRequest("the file transport needs SO_PEERCRED (Linux); use the daemon")
+    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size))
     return pid, uid
 
 
@@ -313,6 +314,10 @@ class FileServer:
                         listener.close()
                         self._discard()
                         return False
+                except OSError as exc:
+                    raise InvalidRequest(
+                        f"cannot publish the rendezvous socket at {self.path}: {exc.strerror}"
+                    ) from exc
             else:
                 raise InvalidRequest(f"{self.path} keeps reappearing; is another rank 0 starting?")
         except BaseException:
@@ -422,9 +427,21 @@ class FileServer:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        pid, uid = peer_ids(sock)
+        try:
+            pid, uid = peer_ids(sock)
+        except (OSError, RendezvousError):
+            sock.close()
+            return
         if uid != os.getuid():
             log.warning("refused a rendezvous connection from uid %d (pid %d)", uid, pid)
+            refusal = AuthenticationError(
+                f"the rendezvous server at {self.path} accepts only its own user's processes "
+                f"(uid {os.getuid()}), not uid {uid}",
+                reason="PEER_UID",
+            )
+            with contextlib.suppress(OSError):
+                sock.settimeout(1.0)
+                sock.sendall(encode({"event": "REFUSED", "error": error_to_wire(refusal)}))
             sock.close()
             return
         sock.settimeout(_SEND_TIMEOUT_S)

@@ -10,7 +10,6 @@ only, checked with SO_PEERCRED in both directions). Everything a worker sees
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import re
@@ -61,7 +60,7 @@ _SLACK_S = 2.0
 class _Pending:
     op: str
     done: threading.Event = field(default_factory=threading.Event)
-    reply: Message | None = None
+    reply: Message | None = field(default=None, repr=False)  # may hold the id
     error: RendezvousError | None = None
 
 
@@ -103,6 +102,7 @@ class FileRendezvous:
         self._closing = False
         self._closed = False
         self._failure: RendezvousError | None = None
+        self._conn_error: RendezvousError | None = None
         self._failed = threading.Event()
         self._barrier_counts: dict[str, int] = {}
         self._on_failure: Callable[[RendezvousError], None] | None = None
@@ -167,7 +167,8 @@ class FileRendezvous:
                 "this FileRendezvous is already joined (or was closed); make a new one",
                 job_id=self._job_id,
             )
-        self._failure, self._leaving, self._closing, self._barrier_counts = None, False, False, {}
+        self._failure, self._conn_error = None, None
+        self._leaving, self._closing, self._barrier_counts = False, False, {}
         self._failed.clear()
         deadline = time.monotonic() + timeout
         if local_rank == 0:
@@ -223,20 +224,16 @@ class FileRendezvous:
             )
             for m in raw
         )
-        fields: dict[str, Any] = {
-            "job_id": self._job_id,
-            "generation": get_int(reply, "generation"),
-            "rank": rank,
-            "world_size": get_int(reply, "world_size"),
-            "node_rank": 0,
-            "local_rank": rank,
-            "unique_id": unique_id,
-        }
-        # Membership keeps its table either as ``members`` or as a lazily decoded
-        # ``_table`` of objects with Member's attributes; Member fits both.
-        names = {f.name for f in dataclasses.fields(Membership)}
-        fields["members" if "members" in names else "_table"] = members
-        return Membership(**fields)
+        return Membership(
+            job_id=self._job_id,
+            generation=get_int(reply, "generation"),
+            rank=rank,
+            world_size=get_int(reply, "world_size"),
+            node_rank=0,
+            local_rank=rank,
+            unique_id=unique_id,
+            _table=members,
+        )
 
     def _connect(self, deadline: float, local_rank: int) -> socket.socket:
         delay = 0.01
@@ -288,29 +285,32 @@ class FileRendezvous:
     def leave(self) -> None:
         """Say goodbye; rank 0 then waits (bounded) for the others before closing."""
         m = self._joined
+        said_goodbye = False
         try:
             if m is not None and self._failure is None:
                 # Set first: rank 0 may close the socket right after our last goodbye.
                 self._leaving = True
                 self._request("LEAVE", {}, wait=self._call_timeout)
+                said_goodbye = True
         finally:
             self._leaving = True
             self._joined = None
             self._stop_heartbeat()
-        if self._server is not None:
-            if self._failure is None:
-                still = self._server.wait_all_left(self._leave_timeout)
-                if still:
-                    log.warning(
-                        "job %r: closing the rendezvous socket %s while ranks %s have not left "
-                        "after %g s",
-                        self._job_id,
-                        self._path,
-                        still,
-                        self._leave_timeout,
-                    )
-            self._stop_server()
-        self._disconnect()
+            try:
+                if said_goodbye and self._server is not None and self._failure is None:
+                    still = self._server.wait_all_left(self._leave_timeout)
+                    if still:
+                        log.warning(
+                            "job %r: closing the rendezvous socket %s while ranks %s have not "
+                            "left after %g s",
+                            self._job_id,
+                            self._path,
+                            still,
+                            self._leave_timeout,
+                        )
+            finally:
+                self._stop_server()
+                self._disconnect()
 
     def raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -377,13 +377,15 @@ class FileRendezvous:
         return self._joined
 
     def _request(self, op: str, fields: dict[str, Any], *, wait: float) -> Message:
-        if self._failure is not None:
-            raise self._failure
         sock = self._sock
         if sock is None:
             raise InvalidRequest(f"not connected to job {self._job_id!r}", job_id=self._job_id)
         pending = _Pending(op)
         with self._lock:
+            # Checked under the lock: the reader may have just finished everyone off.
+            dead = self._failure or self._conn_error
+            if dead is not None:
+                raise dead
             self._next_id += 1
             req_id = self._next_id
             self._pending[req_id] = pending
@@ -441,7 +443,11 @@ class FileRendezvous:
                     f"(its rendezvous server at {self._path} closed the connection: rank 0 exited "
                     "or closed the rendezvous)",
                     reason="PEER_FAILED",
-                    metadata={"ranks": "0", "hosts": "", "generation": str(GENERATION)},
+                    metadata={
+                        "ranks": "0",
+                        "hosts": self._host_of(0),
+                        "generation": str(GENERATION),
+                    },
                     endpoint=self.endpoint,
                     method="Heartbeat",
                     job_id=self._job_id,
@@ -449,12 +455,17 @@ class FileRendezvous:
                 )
             )
 
+    def _host_of(self, rank: int) -> str:
+        m = self._joined
+        return next((p.host for p in m.members if p.rank == rank), "") if m else ""
+
     def _dispatch(self, message: Message) -> None:
-        if message.get("event") == "PEER_FAILED":
+        if "event" in message:  # PEER_FAILED, or REFUSED for a foreign uid
             self._fail(self._wire_error(message.get("error"), "Heartbeat"))
             return
+        req_id = message.get("id")
         with self._lock:
-            pending = self._pending.get(message.get("id", -1))
+            pending = self._pending.get(req_id) if isinstance(req_id, int) else None
         if pending is None:
             return
         if "error" in message:
@@ -477,6 +488,7 @@ class FileRendezvous:
 
     def _finish_all(self, error: RendezvousError) -> None:
         with self._lock:
+            self._conn_error = self._conn_error or error
             waiting = list(self._pending.values())
         for pending in waiting:
             if not pending.done.is_set():

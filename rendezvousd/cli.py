@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import secrets
 import signal
 import sys
@@ -28,7 +29,15 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     tokens = load_tokens(cfg.token_file)
+    _raise_fd_limit()
     return asyncio.run(_run(cfg, tokens))
+
+
+def _raise_fd_limit() -> None:
+    """Each member holds a connection; the default soft limit (often 1024) is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def _run(cfg: config_mod.DaemonConfig, tokens: list[str]) -> int:

@@ -1,0 +1,341 @@
+"""Soak: thousands of members heartbeating for a bounded time, with barriers and
+KV traffic, then a process death whose notification latency is measured.
+
+    python benchmarks/soak.py --duration 30 --members 4096 --json-out soak.json
+
+Members are asyncio SDK clients (one channel each, like one process per GPU)
+spread over worker processes, in jobs of --job-size. Every member heartbeats
+every --heartbeat-s; every --period-s each job runs a barrier and each member a
+KvSet + KvGet. A separate 1-member "victim" process belongs to a probe job and
+is SIGKILLed at the end: the survivors' on_failure callbacks time the
+failure-to-survivor notification. Prints one JSON document: operation counts,
+rate, p50/p90/p99/p99.9 latency per operation, errors by status code, daemon
+RSS and open fds at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0}
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _proc_stats(pid: int) -> dict[str, int]:
+    rss = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1])
+    return {"rss_kib": rss, "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {}
+    s = sorted(samples)
+
+    def q(p: float) -> float:
+        return round(s[min(len(s) - 1, int(p * len(s)))] * 1000, 3)
+
+    return {
+        "count": len(s),
+        "p50_ms": q(0.5),
+        "p90_ms": q(0.9),
+        "p99_ms": q(0.99),
+        "p999_ms": q(0.999),
+    }
+
+
+async def _members(args: argparse.Namespace) -> dict[str, Any]:
+    from rendezvousd.client import AsyncRendezvousClient, RendezvousError
+
+    _raise_fd_limit()
+    jobs = [f"{args.job_prefix}-{j}" for j in range(args.first_job, args.first_job + args.jobs)]
+    latencies: dict[str, list[float]] = {
+        "join": [],
+        "heartbeat_rtt": [],
+        "barrier": [],
+        "kv_set": [],
+        "kv_get": [],
+    }
+    errors: dict[str, int] = {}
+    clients: list[Any] = []
+
+    def err(exc: RendezvousError) -> None:
+        errors[exc.code or type(exc).__name__] = errors.get(exc.code or type(exc).__name__, 0) + 1
+
+    async def member(job: str, rank: int) -> None:
+        c = AsyncRendezvousClient(
+            args.endpoint, job, token=args.token, connect_timeout=120, call_timeout=120
+        )
+        clients.append(c)
+        t = time.perf_counter()
+        try:
+            await c.join(
+                num_nodes=args.job_size,
+                gpus_per_node=1,
+                node_rank=rank,
+                local_rank=0,
+                host=f"h{rank}",
+                timeout=300,
+            )
+        except RendezvousError as exc:
+            err(exc)
+            return
+        latencies["join"].append(time.perf_counter() - t)
+        c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e))
+        deadline = time.time() + args.duration
+        period = 0
+        while time.time() < deadline:
+            await asyncio.sleep(args.period_s)
+            period += 1
+            try:
+                t = time.perf_counter()
+                await c.kv_set(f"m{rank}", secrets.token_bytes(64))
+                latencies["kv_set"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await c.kv_get(f"m{(rank + 1) % args.job_size}", timeout=60)
+                latencies["kv_get"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await c.barrier("soak", timeout=120)
+                latencies["barrier"].append(time.perf_counter() - t)
+            except RendezvousError as exc:
+                err(exc)
+                return
+
+    await asyncio.gather(*[member(job, r) for job in jobs for r in range(args.job_size)])
+    await asyncio.gather(
+        *[c.leave() for c in clients if c.membership is not None], return_exceptions=True
+    )
+    await asyncio.gather(*[c.close() for c in clients])
+    return {"latencies": latencies, "errors": errors}
+
+
+async def _probe(args: argparse.Namespace) -> dict[str, Any]:
+    """3 survivors of a 4-member job; the 4th is the victim process."""
+    from rendezvousd.client import AsyncRendezvousClient
+
+    fired: list[float] = []
+    clients = [AsyncRendezvousClient(args.endpoint, "probe", token=args.token) for _ in range(3)]
+    await asyncio.gather(
+        *[
+            c.join(num_nodes=4, gpus_per_node=1, node_rank=r, local_rank=0, timeout=300)
+            for r, c in enumerate(clients)
+        ]
+    )
+    for c in clients:
+        c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: fired.append(time.time()))
+    print(json.dumps({"ready": True}), flush=True)
+    deadline = time.time() + args.duration + 120
+    while len(fired) < 3 and time.time() < deadline:
+        await asyncio.sleep(0.005)
+    await asyncio.gather(*[c.close() for c in clients])
+    return {"fired": fired}
+
+
+async def _victim(args: argparse.Namespace) -> None:
+    from rendezvousd.client import AsyncRendezvousClient
+
+    c = AsyncRendezvousClient(args.endpoint, "probe", token=args.token)
+    await c.join(num_nodes=4, gpus_per_node=1, node_rank=3, local_rank=0, timeout=300)
+    c.start_heartbeat(args.heartbeat_s)
+    print(json.dumps({"joined": True}), flush=True)
+    await asyncio.sleep(3600)
+
+
+def _spawn(
+    role: str, args: argparse.Namespace, endpoint: str, token: str, *extra: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            role,
+            "--endpoint",
+            endpoint,
+            "--token",
+            token,
+            "--duration",
+            str(args.duration),
+            "--heartbeat-s",
+            str(args.heartbeat_s),
+            "--period-s",
+            str(args.period_s),
+            "--job-size",
+            str(args.job_size),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _raise_fd_limit()
+    with tempfile.TemporaryDirectory() as tmp:
+        token = secrets.token_urlsafe(32)
+        token_file = Path(tmp) / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rendezvousd.cli",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--token-file",
+                str(token_file),
+                "--log-level",
+                "WARNING",
+                "--heartbeat-timeout-s",
+                str(args.heartbeat_timeout_s),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert daemon.stdout is not None
+        endpoint = daemon.stdout.readline().rsplit(" ", 1)[1].strip()
+        try:
+            start_stats = _proc_stats(daemon.pid)
+            jobs = max(1, args.members // args.job_size)
+            per = [
+                jobs // args.processes + (1 if i < jobs % args.processes else 0)
+                for i in range(args.processes)
+            ]
+            workers, first = [], 0
+            for n in per:
+                if n:
+                    workers.append(
+                        _spawn(
+                            "members",
+                            args,
+                            endpoint,
+                            token,
+                            "--jobs",
+                            str(n),
+                            "--first-job",
+                            str(first),
+                            "--job-prefix",
+                            "soak",
+                        )
+                    )
+                first += n
+            probe = _spawn("probe", args, endpoint, token)
+            victim = _spawn("victim", args, endpoint, token)
+            assert probe.stdout is not None and victim.stdout is not None
+            json.loads(victim.stdout.readline())
+            json.loads(probe.stdout.readline())
+            started = time.time()
+            time.sleep(min(5.0, args.duration / 4))
+            steady_stats = _proc_stats(daemon.pid)
+            time.sleep(max(0.0, args.duration - (time.time() - started) - 1))
+            killed_at = time.time()
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            probe_out = json.loads(
+                probe.communicate(timeout=args.duration + 180)[0].strip().splitlines()[-1]
+            )
+            results = [
+                json.loads(w.communicate(timeout=args.duration + 600)[0].strip().splitlines()[-1])
+                for w in workers
+            ]
+            end_stats = _proc_stats(daemon.pid)
+            elapsed = time.time() - started
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
+    latencies: dict[str, list[float]] = {}
+    errors: dict[str, int] = {}
+    for r in results:
+        for k, v in r["latencies"].items():
+            latencies.setdefault(k, []).extend(v)
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    notify = [round(t - killed_at, 4) for t in probe_out["fired"]]
+    ops = sum(len(v) for v in latencies.values())
+    heartbeats = int(args.members * elapsed / args.heartbeat_s)
+    growth = (
+        100.0 * (end_stats["rss_kib"] - steady_stats["rss_kib"]) / max(1, steady_stats["rss_kib"])
+    )
+    return {
+        "benchmark": "soak",
+        "members": args.members,
+        "job_size": args.job_size,
+        "duration_s": round(elapsed, 1),
+        "operations": {k: _percentiles(v) for k, v in latencies.items()},
+        "total_ops": ops,
+        "ops_per_s": round(ops / elapsed, 1),
+        "heartbeats_sent_approx": heartbeats,
+        "errors_by_code": errors,
+        "daemon": {
+            "start": start_stats,
+            "steady": steady_stats,
+            "end": end_stats,
+            "rss_growth_pct_steady_to_end": round(growth, 2),
+        },
+        "failure_notification_s": notify,
+        "targets": TARGETS,
+        "meets": {
+            "errors": not errors,
+            "rss_growth": growth < TARGETS["rss_growth_pct_max"],
+            "notify": bool(notify) and max(notify) <= TARGETS["notify_s_max"],
+        },
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of steady load (bounded)")
+    p.add_argument("--members", type=int, default=4096)
+    p.add_argument("--job-size", type=int, default=256)
+    p.add_argument("--processes", type=int, default=4)
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    p.add_argument("--period-s", type=float, default=5.0, help="barrier + KV every this often")
+    p.add_argument("--json-out", type=Path)
+    p.add_argument("--role", choices=("members", "probe", "victim"), help=argparse.SUPPRESS)
+    p.add_argument("--endpoint", help=argparse.SUPPRESS)
+    p.add_argument("--token", help=argparse.SUPPRESS)
+    p.add_argument("--jobs", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--first-job", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--job-prefix", default="soak", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.role == "members":
+        print(json.dumps(asyncio.run(_members(args))), flush=True)
+        return
+    if args.role == "probe":
+        print(json.dumps(asyncio.run(_probe(args))), flush=True)
+        return
+    if args.role == "victim":
+        asyncio.run(_victim(args))
+        return
+    doc = run(args)
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
