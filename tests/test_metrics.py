@@ -1,0 +1,68 @@
+"""Prometheus metrics, scraped from a live daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+
+from rendezvousd.client import AuthenticationError, RendezvousClient
+from tests.conftest import DaemonProcess
+from tests.test_join import worker_cmd
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_follow_a_job_through_join_failure_and_rpcs(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon("--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout-s", "3")
+    uid = b"\x42" * 128
+    victim = subprocess.Popen(
+        worker_cmd(d, job_id, 1, 2, 0, 1, "--hold-s", "60"), stdout=subprocess.PIPE, text=True
+    )
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+        c.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, unique_id=uid, timeout=20)
+        c.start_heartbeat(0.2)
+        time.sleep(0.5)
+        m = scrape(d.metrics_url)
+        assert m['rendezvousd_jobs{state="running"}'] == 1
+        assert m["rendezvousd_members"] == 2
+        assert m["rendezvousd_joins_total"] == 2
+        assert m["rendezvousd_heartbeat_streams"] == 2
+        assert m['rendezvousd_rpc_duration_seconds_count{code="OK",method="Join"}'] == 2
+        assert 0 <= m["rendezvousd_heartbeat_age_max_seconds"] < 3
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = scrape(d.metrics_url)
+            if m.get("rendezvousd_failures_detected_total") == 1:
+                break
+            time.sleep(0.1)
+        assert m["rendezvousd_failures_detected_total"] == 1
+        assert m['rendezvousd_jobs{state="failed"}'] == 1
+    text = urllib.request.urlopen(d.metrics_url, timeout=5).read()
+    assert uid not in text and uid.hex().encode() not in text and d.token.encode() not in text
+    with RendezvousClient(d.endpoint, "x", token="wrong-token-but-long-enough") as bad:
+        try:
+            bad.list_jobs()
+        except Exception:
+            pass
+    assert (
+        scrape(d.metrics_url)[
+            'rendezvousd_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="ListJobs"}'
+        ]
+        == 1
+    )
