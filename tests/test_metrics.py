@@ -55,9 +55,11 @@ def test_metrics_follow_a_job_through_join_failure_and_rpcs(
         assert m['rendezvousd_jobs{state="failed"}'] == 1
     text = urllib.request.urlopen(d.metrics_url, timeout=5).read()
     assert uid not in text and uid.hex().encode() not in text and d.token.encode() not in text
-    with RendezvousClient(d.endpoint, "x", token="wrong-token-but-long-enough") as bad:
-        with contextlib.suppress(AuthenticationError):
-            bad.list_jobs()
+    with (
+        RendezvousClient(d.endpoint, "x", token="wrong-token-but-long-enough") as bad,
+        contextlib.suppress(AuthenticationError),
+    ):
+        bad.list_jobs()
     assert (
         scrape(d.metrics_url)[
             'rendezvousd_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="ListJobs"}'
