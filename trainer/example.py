@@ -25,7 +25,12 @@ import numpy as np
 import numpy.typing as npt
 
 from rendezvousd.trainer.bucketing import BucketedAllReducer
-from rendezvousd.trainer.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from rendezvousd.trainer.checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.data import ShardedLoader, shard_indices
 from rendezvousd.trainer.distributed import init_distributed
@@ -74,7 +79,9 @@ def loss_and_grads(p: dict[str, Array], x: Array, y: Array) -> tuple[float, dict
     return loss, grads
 
 
-def global_batch(samples: int, topo: MultiNodeTopology, epoch: int, step: int, batch: int, seed: int) -> Array:
+def global_batch(
+    samples: int, topo: MultiNodeTopology, epoch: int, step: int, batch: int, seed: int
+) -> Array:
     """Every rank's batch for this step, concatenated: what one process would see."""
     parts = []
     for r in range(topo.world_size):
@@ -105,7 +112,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         params = init_params(args.features, args.hidden, args.seed)
         start_step = 0
         ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-        if ckpt_dir is not None and args.resume and (latest := latest_checkpoint(ckpt_dir)) is not None:
+        if (
+            ckpt_dir is not None
+            and args.resume
+            and (latest := latest_checkpoint(ckpt_dir)) is not None
+        ):
             arrays, meta = load_checkpoint(latest)
             params = {k: arrays[k] for k in PARAMS}
             start_step = int(meta["step"])
@@ -114,7 +125,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             comm.broadcast(params[name], root=0)
         grads = {k: np.zeros_like(v) for k, v in params.items()}
         reducer = BucketedAllReducer(
-            [grads[k] for k in PARAMS], comm,
+            [grads[k] for k in PARAMS],
+            comm,
             cap_bytes=int(ctx.config.bucket_cap_mib * 1024 * 1024),
             first_bucket_bytes=int(ctx.config.first_bucket_mib * 1024 * 1024) or None,
         )
@@ -139,9 +151,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if topo.is_global_rank_zero:
                 gidx = global_batch(args.samples, topo, epoch, offset, args.batch, args.seed)
                 _, full = loss_and_grads(params, x[gidx], y[gidx])
-                max_diff = max(max_diff, *(float(np.max(np.abs(grads[k] - full[k]))) for k in PARAMS))
+                max_diff = max(
+                    max_diff, *(float(np.max(np.abs(grads[k] - full[k]))) for k in PARAMS)
+                )
                 if step % args.log_every == 0 or step == args.steps - 1:
-                    log.info("step %d/%d loss %.5f max|grad - baseline| %.2e", step + 1, args.steps, loss, max_diff)
+                    log.info(
+                        "step %d/%d loss %.5f max|grad - baseline| %.2e",
+                        step + 1,
+                        args.steps,
+                        loss,
+                        max_diff,
+                    )
             for k in PARAMS:
                 params[k] -= (args.lr * grads[k]).astype(params[k].dtype)
             step += 1
@@ -150,22 +170,36 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ctx.rendezvous.raise_if_failed()
         wrote = False
         if ckpt_dir is not None:
-            wrote = save_checkpoint(checkpoint_path(ckpt_dir, step), params, {"step": step, "loss": loss}, rank=topo)
+            if topo.is_global_rank_zero:
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+            wrote = save_checkpoint(
+                checkpoint_path(ckpt_dir, step), params, {"step": step, "loss": loss}, rank=topo
+            )
         reducer.close()
         ok = True
         return {
-            "rank": topo.rank, "world_size": topo.world_size, "num_nodes": topo.num_nodes,
-            "gpus_per_node": topo.gpus_per_node, "steps": step - start_step, "final_loss": loss,
-            "max_abs_grad_diff_vs_single_process": max_diff, "rendezvous_s": round(ctx.rendezvous_s, 4),
-            "allreduce_busbw_gbps": round(busbw, 3), "train_s": round(train_s, 3),
-            "checkpoint_written": wrote, "buckets": len(reducer.buckets), "backend": comm.backend,
+            "rank": topo.rank,
+            "world_size": topo.world_size,
+            "num_nodes": topo.num_nodes,
+            "gpus_per_node": topo.gpus_per_node,
+            "steps": step - start_step,
+            "final_loss": loss,
+            "max_abs_grad_diff_vs_single_process": max_diff,
+            "rendezvous_s": round(ctx.rendezvous_s, 4),
+            "allreduce_busbw_gbps": round(busbw, 3),
+            "train_s": round(train_s, 3),
+            "checkpoint_written": wrote,
+            "buckets": len(reducer.buckets),
+            "backend": comm.backend,
         }
     finally:
         ctx.close(clean=ok)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", default=None, help="TOML config (default: $RENDEZVOUSD_CONFIG)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--samples", type=int, default=4096)
@@ -179,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--result-dir", default=None, help="each rank writes rank-N.json here")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
     result = train(args)
     if args.result_dir:
         out = Path(args.result_dir) / f"rank-{result['rank']}.json"

@@ -24,26 +24,68 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rendezvousd.trainer.config import ENV_ENDPOINT, ENV_GPUS_PER_NODE, ENV_NODE_RANK, ENV_NUM_NODES, ENV_RETRIES
+from rendezvousd.trainer.config import (
+    ENV_ENDPOINT,
+    ENV_GPUS_PER_NODE,
+    ENV_NODE_RANK,
+    ENV_NUM_NODES,
+    ENV_RETRIES,
+)
 from rendezvousd.trainer.distributed import BACKEND_ENV, CONFIG_ENV, JOB_ENV
 
-TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"  # noqa: S105 - a variable name, not a secret
+TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 STOP_GRACE_S = 10.0
 
 
+def _env_int(env: dict[str, str] | os._Environ[str], name: str, default: int | None) -> int | None:
+    raw = env.get(name, "")
+    if raw.strip().isdigit():
+        return int(raw)
+    return default
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rendezvous-run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
-    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (0..nnodes-1)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="workers (GPUs) on this node")
-    p.add_argument("--rdzv-endpoint", default=None, help="rendezvousd HOST:PORT (env RENDEZVOUSD_ENDPOINT)")
-    p.add_argument("--token-file", default=None, help="daemon token file (env RENDEZVOUSD_TOKEN_FILE)")
-    p.add_argument("--job-id", default=None, help="job id shared by every node (default: 'default')")
+    p = argparse.ArgumentParser(
+        prog="rendezvous-run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    env = os.environ
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=_env_int(env, ENV_NUM_NODES, 1),
+        help=f"number of nodes (env {ENV_NUM_NODES}, default 1)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=_env_int(env, ENV_NODE_RANK, None),
+        help=f"this node's rank, 0..nnodes-1 (env {ENV_NODE_RANK})",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=_env_int(env, ENV_GPUS_PER_NODE, 1),
+        help=f"workers (GPUs) on this node (env {ENV_GPUS_PER_NODE}, default 1)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint", default=None, help="rendezvousd HOST:PORT (env RENDEZVOUSD_ENDPOINT)"
+    )
+    p.add_argument(
+        "--token-file", default=None, help="daemon token file (env RENDEZVOUSD_TOKEN_FILE)"
+    )
+    p.add_argument(
+        "--job-id", default=None, help="job id shared by every node (default: 'default')"
+    )
     p.add_argument("--backend", choices=("cpu", "nccl"), default=None)
     p.add_argument("--config", default=None, help="trainer TOML config passed to workers")
-    p.add_argument("--retries", type=int, default=None, help="retry attempts (env RENDEZVOUSD_RETRIES)")
-    p.add_argument("--standalone", action="store_true", help="run an embedded daemon (single machine)")
+    p.add_argument(
+        "--retries", type=int, default=None, help="retry attempts (env RENDEZVOUSD_RETRIES)"
+    )
+    p.add_argument(
+        "--standalone", action="store_true", help="run an embedded daemon (single machine)"
+    )
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     p.add_argument("target", help="script path (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the target")
@@ -61,9 +103,20 @@ def _start_daemon(workdir: Path) -> tuple[subprocess.Popen[str], str, Path]:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rendezvousd.cli", "serve", "--listen", "127.0.0.1:0",
-         "--token-file", str(token_file), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            str(token_file),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -73,21 +126,28 @@ def _start_daemon(workdir: Path) -> tuple[subprocess.Popen[str], str, Path]:
     return proc, line.rsplit(" ", 1)[1].strip(), token_file
 
 
-def worker_env(args: argparse.Namespace, local_rank: int, endpoint: str | None,
-               token_file: str | None, base: dict[str, str]) -> dict[str, str]:
+def worker_env(
+    args: argparse.Namespace,
+    local_rank: int,
+    endpoint: str | None,
+    token_file: str | None,
+    base: dict[str, str],
+) -> dict[str, str]:
     node_rank = args.node_rank or 0
     env = dict(base)
-    env.update({
-        "RANK": str(node_rank * args.nproc_per_node + local_rank),
-        "WORLD_SIZE": str(args.nnodes * args.nproc_per_node),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
-        "NODE_RANK": str(node_rank),
-        ENV_NUM_NODES: str(args.nnodes),
-        ENV_GPUS_PER_NODE: str(args.nproc_per_node),
-        ENV_NODE_RANK: str(node_rank),
-        JOB_ENV: args.job_id or base.get(JOB_ENV, "default"),
-    })
+    env.update(
+        {
+            "RANK": str(node_rank * args.nproc_per_node + local_rank),
+            "WORLD_SIZE": str(args.nnodes * args.nproc_per_node),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
+            "NODE_RANK": str(node_rank),
+            ENV_NUM_NODES: str(args.nnodes),
+            ENV_GPUS_PER_NODE: str(args.nproc_per_node),
+            ENV_NODE_RANK: str(node_rank),
+            JOB_ENV: args.job_id or base.get(JOB_ENV, "default"),
+        }
+    )
     if endpoint:
         env[ENV_ENDPOINT] = endpoint
     if token_file:
@@ -111,8 +171,12 @@ def supervise(procs: Sequence[subprocess.Popen[bytes]], ranks: Sequence[int]) ->
                 running = True
             elif code != 0:
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                print(f"rendezvous-run: worker rank {rank} (pid {proc.pid}) failed with {how}; "
-                      "stopping the other workers on this node", file=sys.stderr, flush=True)
+                print(
+                    f"rendezvous-run: worker rank {rank} (pid {proc.pid}) failed with {how}; "
+                    "stopping the other workers on this node",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _stop(procs)
                 return code if code > 0 else 128 - code
         if not running:
@@ -136,7 +200,9 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.nnodes < 1 or args.nproc_per_node < 1:
-        return _fail(f"--nnodes={args.nnodes} and --nproc-per-node={args.nproc_per_node} must be >= 1")
+        return _fail(
+            f"--nnodes={args.nnodes} and --nproc-per-node={args.nproc_per_node} must be >= 1"
+        )
     if args.nnodes > 1 and args.node_rank is None:
         return _fail("--node-rank is required when --nnodes > 1")
     if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
@@ -152,12 +218,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             daemon, endpoint, token_path = _start_daemon(Path(tmp))
             token_file = str(token_path)
         elif not endpoint:
-            return _fail("no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, or use --standalone")
+            return _fail(
+                "no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, or use --standalone"
+            )
         cmd = [sys.executable, "-m", args.target] if args.module else [sys.executable, args.target]
         cmd += [a for a in args.args if a != "--"]
-        ranks = [(args.node_rank or 0) * args.nproc_per_node + i for i in range(args.nproc_per_node)]
-        procs = [subprocess.Popen(cmd, env=worker_env(args, i, endpoint, token_file, base))
-                 for i in range(args.nproc_per_node)]
+        ranks = [
+            (args.node_rank or 0) * args.nproc_per_node + i for i in range(args.nproc_per_node)
+        ]
+        procs = [
+            subprocess.Popen(cmd, env=worker_env(args, i, endpoint, token_file, base))
+            for i in range(args.nproc_per_node)
+        ]
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
         def forward(signum: int, _frame: object) -> None:
