@@ -165,6 +165,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             for k in PARAMS:
                 params[k] -= (args.lr * grads[k]).astype(params[k].dtype)
             step += 1
+            if args.step_sleep:
+                time.sleep(args.step_sleep)  # stands in for a longer forward/backward
         train_s = time.perf_counter() - started
         busbw = bus_bandwidth(comm)
         ctx.rendezvous.raise_if_failed()
@@ -209,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="seconds of pretend compute per step"
+    )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--result-dir", default=None, help="each rank writes rank-N.json here")

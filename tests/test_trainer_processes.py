@@ -1,0 +1,245 @@
+"""The trainer with real processes and a real daemon: the seed's multi-node
+catalogue (all-reduce equals the single-process baseline, one checkpoint
+writer, retry policy, loud failures) plus worker and daemon deaths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.trainer import demo
+from rendezvousd.trainer.errors import CommunicatorTimeout
+from rendezvousd.trainer.retry import RetriesExhausted, with_retry
+from tests.conftest import DaemonProcess, spawn_daemon, write_token
+from tests.test_retry import free_port
+
+HERE = Path(__file__).resolve().parent
+SMOKE = HERE.parent / "trainer" / "configs" / "multinode_smoke.toml"
+
+
+def test_two_nodes_by_two_workers_match_single_process_baseline_and_one_checkpoint(
+    tmp_path: Path,
+) -> None:
+    card = demo.run(steps=12, out=tmp_path / "card.json", workdir=tmp_path)
+    assert card["success"], card
+    assert card["topology"]["world_size"] == 4 and card["steps"] == 12
+    assert card["max_abs_grad_diff_vs_single_process"] <= 1e-5
+    assert card["checkpoints_written"] == ["ckpt-0000000012.npz"]
+    assert json.loads((tmp_path / "card.json").read_text()) == card
+
+
+def test_transient_timeout_gets_exactly_one_retry_then_fails_loudly() -> None:
+    calls: list[int] = []
+
+    def always_times_out() -> None:
+        calls.append(1)
+        raise CommunicatorTimeout("rank 2 did not answer within 5 s")
+
+    with pytest.raises(RetriesExhausted, match=r"failed 2 times.*rank 2 did not answer"):
+        with_retry("ring setup", always_times_out, attempts=1, backoff_s=0.01)
+    assert len(calls) == 2
+    flaky = iter([CommunicatorTimeout("blip"), None])
+
+    def once() -> str:
+        if (e := next(flaky)) is not None:
+            raise e
+        return "ok"
+
+    assert with_retry("ring setup", once, attempts=1, backoff_s=0.01) == "ok"
+    with pytest.raises(ValueError):  # permanent errors are never retried
+        with_retry(
+            "x", lambda: (_ for _ in ()).throw(ValueError("bad")), attempts=3, backoff_s=0.01
+        )
+
+
+def _worker_env(d: DaemonProcess, job: str, local: int, gpus: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "LOCAL_RANK": str(local),
+        "NODE_RANK": "0",
+        "RENDEZVOUSD_ENDPOINT": d.endpoint,
+        "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
+        "RENDEZVOUSD_JOB_ID": job,
+        "RENDEZVOUSD_NUM_NODES": "1",
+        "RENDEZVOUSD_GPUS_PER_NODE": str(gpus),
+        "RENDEZVOUSD_NODE_RANK": "0",
+        "RENDEZVOUSD_CONFIG": str(SMOKE),
+    }
+
+
+def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon("--heartbeat-timeout-s", "5")
+    stop = tmp_path / "stop"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "trainer_worker.py"), str(stop)],
+            env=_worker_env(d, job_id, i, 3),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            assert json.loads(p.stdout.readline())["event"] == "ready"
+        time.sleep(0.5)  # all three are inside all-reduce loops
+        killed_at = time.time()
+        procs[1].send_signal(signal.SIGKILL)
+        for p in (procs[0], procs[2]):
+            out = json.loads(p.communicate(timeout=30)[0].strip().splitlines()[-1])
+            assert out["event"] == "error", out
+            assert "rank 1" in out["message"], out
+            assert out["at"] - killed_at < 15
+    finally:
+        stop.touch()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['LOCAL_RANK'] == '1':\n    sys.exit(7)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.trainer.launcher",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 7
+    assert "worker rank 1" in run.stderr and "exit code 7" in run.stderr
+    assert time.monotonic() - started < 30  # the sleeping workers were stopped, not waited for
+
+
+def test_launcher_sets_torchrun_style_environment(tmp_path: Path) -> None:
+    script = tmp_path / "env.py"
+    out = tmp_path / "env"
+    script.write_text(
+        "import json, os, sys\n"
+        f"open('{out}-' + os.environ['LOCAL_RANK'], 'w').write(json.dumps({{k: os.environ[k] for k in "
+        "('RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE','NODE_RANK','RENDEZVOUSD_ENDPOINT')}))\n"
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.trainer.launcher",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    envs = [json.loads(Path(f"{out}-{i}").read_text()) for i in range(2)]
+    assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("2", "0"), ("3", "1")]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["NODE_RANK"] for e in envs} == {"1"}
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+
+
+def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path: Path) -> None:
+    port = free_port()
+    token_file = tmp_path / "tok"
+    token = write_token(token_file)
+    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "6")
+    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    results = tmp_path / "results"
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rendezvousd.trainer.launcher",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-endpoint",
+                d.endpoint,
+                "--token-file",
+                str(token_file),
+                "--backend",
+                "cpu",
+                "--config",
+                str(SMOKE),
+                "--job-id",
+                "restart-acceptance",
+                "-m",
+                "rendezvousd.trainer.example",
+                "--steps",
+                "80",
+                "--step-sleep",
+                "0.05",
+                "--result-dir",
+                str(results),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    d2 = None
+    try:
+        from rendezvousd.client import RendezvousClient
+
+        with RendezvousClient(d.endpoint, token=token) as probe:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                jobs = {j.job_id: j.state for j in probe.list_jobs()}
+                if jobs.get("restart-acceptance") == 2:  # RUNNING
+                    break
+                time.sleep(0.1)
+        time.sleep(0.5)
+        d.kill()  # SIGKILL mid-run
+        time.sleep(1.0)
+        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+        codes = [n.wait(timeout=120) for n in nodes]
+        errs = [n.stderr.read() if n.stderr else "" for n in nodes]
+        assert codes == [0, 0], errs
+        per_rank = [json.loads(p.read_text()) for p in sorted(results.glob("rank-*.json"))]
+        assert len(per_rank) == 4 and all(r["steps"] == 80 for r in per_rank)
+        assert per_rank[0]["max_abs_grad_diff_vs_single_process"] <= 1e-5
+        assert "restored 1 job" in d2.log()
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+        d.kill()
+        if d2 is not None:
+            d2.kill()

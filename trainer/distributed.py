@@ -1,0 +1,147 @@
+"""Worker bootstrap: config + launcher env -> joined rendezvous + communicator.
+
+    ctx = init_distributed()          # in a process started by rendezvous-run
+    ...train with ctx.communicator...
+    ctx.close()
+
+The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and
+the RENDEZVOUSD_* variables; everything else comes from the TOML config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from rendezvousd.client.errors import RendezvousError
+from rendezvousd.client.transport import Rendezvous, connect
+from rendezvousd.trainer.communicator import Communicator
+from rendezvousd.trainer.config import DistributedConfig, load_config
+from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.retry import with_retry
+from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
+
+log = logging.getLogger("rendezvousd.trainer")
+JOB_ENV = "RENDEZVOUSD_JOB_ID"
+CONFIG_ENV = "RENDEZVOUSD_CONFIG"
+BACKEND_ENV = "RENDEZVOUSD_BACKEND"
+
+
+@dataclass
+class DistributedContext:
+    config: DistributedConfig
+    topology: MultiNodeTopology
+    rendezvous: Rendezvous
+    communicator: Communicator
+    rendezvous_s: float
+    unique_id_bytes: int = field(default=128, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.topology.is_global_rank_zero
+
+    def close(self, *, clean: bool = True) -> None:
+        """Leave on success; on failure just drop out so peers are told at once."""
+        try:
+            if clean:
+                self.rendezvous.leave()
+        finally:
+            self.communicator.close()
+            self.rendezvous.close()
+
+    def __enter__(self) -> DistributedContext:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(clean=exc_type is None)
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"${name}={raw!r} is not an integer") from None
+
+
+def init_distributed(
+    config_path: str | None = None, *, env: Mapping[str, str] | None = None
+) -> DistributedContext:
+    environ = os.environ if env is None else env
+    path = config_path or environ.get(CONFIG_ENV) or None
+    cli = {"backend": environ[BACKEND_ENV]} if environ.get(BACKEND_ENV) else None
+    config = load_config(path, env=environ, cli=cli)
+    local_rank = _int_env(environ, "LOCAL_RANK") or 0
+    node_rank = _int_env(environ, "NODE_RANK")
+    transport = config.rendezvous
+    job_id = environ.get(JOB_ENV, "default")
+    rdzv = connect(
+        transport.kind, path=transport.path, endpoint=transport.endpoint, job_id=job_id,
+        token_file=transport.token_file, retry_attempts=config.retry_attempts,
+    )
+    id_factory = None
+    if config.backend == "nccl":
+        from rendezvousd.trainer import nccl
+
+        check_device_count(nccl.device_count(), config)
+        id_factory = nccl.create_unique_id
+    started = time.monotonic()
+    membership = rdzv.join(
+        num_nodes=config.num_nodes,
+        gpus_per_node=config.gpus_per_node or config.effective_world_size,
+        node_rank=node_rank if node_rank is not None else config.node_rank,
+        local_rank=local_rank,
+        id_factory=id_factory,
+        timeout=config.join_timeout_s,
+    )
+    rendezvous_s = time.monotonic() - started
+    topology = MultiNodeTopology.from_global_rank(
+        membership.rank, config.num_nodes, config.gpus_per_node or config.effective_world_size
+    )
+    communicator = with_retry(
+        f"{config.backend} communicator setup for rank {membership.rank}",
+        lambda: _communicator(config, rdzv, membership.rank, membership.world_size,
+                              membership.unique_id, local_rank),
+        attempts=config.retry_attempts,
+    )
+    # A dead peer must end the step with the peer-failed error, not a hang.
+    rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=lambda e: _abort(communicator, e))
+    if topology.is_global_rank_zero:
+        log.info("%s rendezvous=%.3fs", config.rank0_log_line(), rendezvous_s)
+    return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
+
+
+def _abort(communicator: Communicator, error: RendezvousError) -> None:
+    log.error("aborting collectives: %s", error)
+    communicator.abort(str(error))
+
+
+def _communicator(
+    config: DistributedConfig, rdzv: Rendezvous, rank: int, world_size: int, secret: bytes,
+    local_rank: int,
+) -> Communicator:
+    if config.backend == "nccl":
+        from rendezvousd.trainer.nccl import NcclCommunicator
+
+        return NcclCommunicator(rank, world_size, secret, local_rank, timeout=config.collective_timeout_s)
+    from rendezvousd.trainer.cpu_ring import connect_cpu_ring
+
+    host = os.environ.get("RENDEZVOUSD_RING_HOST", "127.0.0.1")
+    return connect_cpu_ring(rdzv, rank=rank, world_size=world_size, secret=secret, host=host,
+                            timeout=config.collective_timeout_s)
