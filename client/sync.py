@@ -99,7 +99,7 @@ class RendezvousClient:
                 error = from_rpc_error(
                     exc, endpoint=self._s.endpoint, method=method, job_id=self._s.job_id, rank=rank
                 )
-                if not self._s.retry.retryable(method, exc.code()):
+                if error.reason == "DRAINING" or not self._s.retry.retryable(method, exc.code()):
                     raise error from None
                 if attempt > self._s.retry.attempts:
                     raise self._s.exhausted(method, attempt, error) from None

@@ -193,6 +193,7 @@ class RendezvousState:
                     job_id=args.job_id,
                 )
             self._accept_id(job, args.unique_id)
+        added = member is None
         if member is None:
             if job.state is not JobState.FORMING:
                 raise job.generation_fault()
@@ -202,7 +203,13 @@ class RendezvousState:
             job.members[rank] = member
             if args.node_rank is None:
                 job.host_nodes.setdefault(args.host, node_rank)
-        return self._join_outcome(job, member, now)
+        try:
+            return self._join_outcome(job, member, now)
+        except RendezvousFault as fault:
+            if added and fault.reason == "LIMIT_EXCEEDED":
+                # Refused for capacity: the rank must stay free for the retry.
+                self._drop_joiner(job, rank, now)
+            raise
 
     def publish_id(
         self,

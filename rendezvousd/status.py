@@ -24,4 +24,16 @@ def to_grpc_status(fault: RendezvousFault) -> grpc.Status:
     status = status_pb2.Status(
         code=code_pb2.Code.Value(fault.code.value), message=fault.message, details=[detail]
     )
-    return rpc_status.to_status(status)
+    grpc_status = rpc_status.to_status(status)
+    if fault.reason == "DRAINING":
+        # gRFC A6 pushback: tell clients' channel-level retries not to re-send to a
+        # daemon that is shutting down (the SDK raises DaemonUnavailable instead).
+        return _WithTrailers(grpc_status, (("grpc-retry-pushback-ms", "-1"),))
+    return grpc_status
+
+
+class _WithTrailers(grpc.Status):  # type: ignore[misc]
+    def __init__(self, base: grpc.Status, extra: tuple[tuple[str, str], ...]) -> None:
+        self.code = base.code
+        self.details = base.details
+        self.trailing_metadata = tuple(base.trailing_metadata) + extra

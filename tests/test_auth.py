@@ -1,0 +1,622 @@
+"""Authentication and transport security against a real daemon process.
+
+The matrix uses raw gRPC channels with generic (bytes-in, bytes-out) calls so it
+can reach every method, unknown ones and reflection included, with exactly the
+metadata it chooses. No assertion message ever contains a token.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client import RendezvousClient, TlsConfig
+from tests.conftest import ROOT, DaemonProcess, write_token
+
+Metadata = Sequence[tuple[str, str | bytes]]
+SERVICE = "rendezvous.v1.Rendezvous"
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+UNARY_METHODS = [
+    f"/{SERVICE}/{m}"
+    for m in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name
+    if m != "Heartbeat"
+]
+STREAM_METHODS = [f"/{SERVICE}/Heartbeat", REFLECTION]
+UNKNOWN_METHODS = [f"/{SERVICE}/Nope", "/other.Svc/X"]
+ALL_METHODS = UNARY_METHODS + STREAM_METHODS + UNKNOWN_METHODS
+LIST_SERVICES = reflection_pb2.ServerReflectionRequest(list_services="*").SerializeToString()
+GRPCURL = (
+    str(Path(sys.executable).parent / "grpcurl")
+    if (Path(sys.executable).parent / "grpcurl").exists()
+    else shutil.which("grpcurl")
+)
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def call(
+    channel: grpc.Channel, method: str, metadata: Metadata | None, timeout: float = 5.0
+) -> grpc.StatusCode:
+    """The status of one call with an empty body (streams: one empty message)."""
+    try:
+        if method in STREAM_METHODS:
+            body = LIST_SERVICES if method == REFLECTION else b""
+            stream = channel.stream_stream(
+                method, request_serializer=_identity, response_deserializer=_identity
+            )(iter([body]), metadata=metadata, timeout=timeout)
+            # The first answer (or the error) is all we need; then hang up.
+            for _ in stream:
+                stream.cancel()
+                break
+        else:
+            channel.unary_unary(
+                method, request_serializer=_identity, response_deserializer=_identity
+            )(b"", metadata=metadata, timeout=timeout)
+    except grpc.RpcError as exc:
+        code: grpc.StatusCode = exc.code()
+        return grpc.StatusCode.OK if code is grpc.StatusCode.CANCELLED else code
+    return grpc.StatusCode.OK
+
+
+@pytest.fixture(scope="module")
+def channel(daemon: DaemonProcess) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(daemon.endpoint) as ch:
+        yield ch
+
+
+def bearer(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+# name -> metadata builder (given the right token); never shown with the token.
+BAD_METADATA: dict[str, Callable[[str], Metadata | None]] = {
+    "no metadata": lambda t: None,
+    "other headers only": lambda t: [("x-token", t), ("x-authorization", f"Bearer {t}")],
+    "wrong token": lambda t: bearer(secrets.token_urlsafe(32)),
+    "token prefix": lambda t: bearer(t[:-1]),
+    "token plus a char": lambda t: bearer(t + "x"),
+    "Bearer without token": lambda t: [("authorization", "Bearer")],
+    "Bearer and a space": lambda t: [("authorization", "Bearer ")],
+    "Basic scheme": lambda t: [("authorization", "Basic xyz")],
+    "Basic scheme, right token": lambda t: [("authorization", f"Basic {t}")],
+    "token without scheme": lambda t: [("authorization", t)],
+    "duplicate, both right": lambda t: bearer(t) + bearer(t),
+    "duplicate, right and wrong": lambda t: bearer(t) + bearer("w" * 43),
+    "duplicate, wrong and right": lambda t: bearer("w" * 43) + bearer(t),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_METADATA))
+def test_bad_metadata_is_unauthenticated_on_every_method(
+    daemon: DaemonProcess, channel: grpc.Channel, case: str
+) -> None:
+    metadata = BAD_METADATA[case](daemon.token)
+    wrong = {m: call(channel, m, metadata) for m in ALL_METHODS}
+    wrong = {m: c.name for m, c in wrong.items() if c is not grpc.StatusCode.UNAUTHENTICATED}
+    assert not wrong, f"{case}: these methods did not answer UNAUTHENTICATED: {wrong}"
+
+
+def test_right_token_passes_auth_on_every_method(
+    daemon: DaemonProcess, channel: grpc.Channel
+) -> None:
+    codes = {m: call(channel, m, bearer(daemon.token)) for m in ALL_METHODS}
+    refused = [m for m, c in codes.items() if c is grpc.StatusCode.UNAUTHENTICATED]
+    assert not refused, f"the right token was refused on {refused}"
+    # Empty requests are answered by the handlers themselves.
+    assert codes[f"/{SERVICE}/ListJobs"] is grpc.StatusCode.OK
+    assert codes[f"/{SERVICE}/GetJob"] is grpc.StatusCode.INVALID_ARGUMENT  # empty job id
+    assert codes[f"/{SERVICE}/Join"] is grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[f"/{SERVICE}/Heartbeat"] is grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[REFLECTION] is grpc.StatusCode.OK
+    for method in UNKNOWN_METHODS:
+        assert codes[method] is grpc.StatusCode.UNIMPLEMENTED, method
+    # The scheme is case-insensitive (RFC 7235) and surrounding blanks are ignored.
+    for value in (f"bearer {daemon.token}", f"BEARER  {daemon.token} "):
+        code = call(channel, f"/{SERVICE}/ListJobs", [("authorization", value)])
+        assert code is grpc.StatusCode.OK, "scheme/blank variant of the right token refused"
+
+
+def test_reflection_with_token_lists_services(daemon: DaemonProcess, channel: grpc.Channel) -> None:
+    stream = channel.stream_stream(
+        REFLECTION,
+        request_serializer=_identity,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )(iter([LIST_SERVICES]), metadata=bearer(daemon.token), timeout=5)
+    response = next(stream)
+    stream.cancel()
+    names = {s.name for s in response.list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_health_needs_no_token(daemon: DaemonProcess, channel: grpc.Channel) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for service in ("", SERVICE):
+        request = health_pb2.HealthCheckRequest(service=service)
+        assert stub.Check(request, timeout=5).status == serving
+        # A wrong token does not break the exemption either.
+        wrong = bearer("w" * 43)
+        assert stub.Check(request, metadata=wrong, timeout=5).status == serving
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert next(watch).status == serving
+    watch.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+    assert info.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_non_ascii_token_is_refused_locally_by_grpcio(
+    daemon: DaemonProcess, channel: grpc.Channel
+) -> None:
+    # grpcio will not even send a non-ASCII header value: the call fails on the client.
+    code = call(channel, f"/{SERVICE}/ListJobs", bearer(daemon.token + "é"))
+    assert code is not grpc.StatusCode.OK
+
+
+@pytest.mark.skipif(GRPCURL is None, reason="grpcurl binary not installed")
+def test_non_ascii_token_on_the_wire_is_unauthenticated(daemon: DaemonProcess) -> None:
+    # grpcurl (Go) does put non-ASCII bytes on the wire: the daemon must refuse them,
+    # also when the rest of the value is the right token.
+    assert GRPCURL is not None
+    proto = ["-import-path", str(ROOT / "protos"), "-proto", "rendezvous/v1/rendezvous.proto"]
+    runs = {}
+    for label, token in (("after", daemon.token + "é"), ("inside", "ö" + daemon.token)):
+        base = [GRPCURL, "-plaintext", "-max-time", "10", "-H", f"authorization: Bearer {token}"]
+        for method in ("ListJobs", "Heartbeat") if label == "inside" else ("Join",):
+            runs[f"{method} ({label})"] = [
+                *base, *proto, "-d", "{}", daemon.endpoint, f"{SERVICE}/{method}"
+            ]  # fmt: skip
+        if label == "inside":
+            runs["reflection list"] = [*base, daemon.endpoint, "list"]
+    procs = {
+        name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, cmd in runs.items()
+    }
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode != 0, f"{name} accepted a non-ASCII token"
+        assert "Unauthenticated" in err, f"{name}: {err[-300:].replace(daemon.token, '<token>')}"
+
+
+def test_token_never_logged(start_daemon: Callable[..., DaemonProcess], job_id: str) -> None:
+    d = start_daemon("--log-level", "DEBUG")
+    wrong = secrets.token_urlsafe(32)
+    with grpc.insecure_channel(d.endpoint) as ch:
+        for metadata in (bearer(wrong), bearer(d.token) + bearer(d.token), None):
+            assert call(ch, f"/{SERVICE}/ListJobs", metadata) is grpc.StatusCode.UNAUTHENTICATED
+        assert call(ch, f"/{SERVICE}/Nope", bearer(d.token)) is grpc.StatusCode.UNIMPLEMENTED
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as client:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        client.kv_set("k", b"v")
+    assert d.terminate() == 0
+    log = d.log()
+    assert "rendezvousd stopped" in log  # the log was captured at all
+    assert d.token not in log, "the daemon's token appears in its log"
+    assert wrong not in log, "a presented (wrong) token appears in the daemon's log"
+
+
+# -- start-up refusals ---------------------------------------------------------
+
+
+def _spawn_serve(*args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rendezvousd.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _refused(proc: subprocess.Popen[str], timeout: float = 30.0) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a ``serve`` that is expected to refuse to start."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+        pytest.fail(f"rendezvousd serve kept running instead of refusing: {out} {err[-500:]}")
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, str]]:
+    """Real ``rendezvousd serve`` processes that must refuse to start, run concurrently
+    (each is a ~0.5 s interpreter start). Maps a case to (status, stdout, stderr, token)."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    listen = ("--listen", "127.0.0.1:0")
+    readable = tmp / "token-644"
+    readable_token = write_token(readable)
+    readable.chmod(0o644)
+    short = tmp / "short"
+    short.write_text("Q" * 15 + "\n")
+    short.chmod(0o600)
+    good = tmp / "good"
+    good_token = write_token(good)
+    cases = {
+        "mode-644": ((*listen, "--token-file", str(readable)), readable_token),
+        "short": ((*listen, "--token-file", str(short)), "Q" * 15),
+        "missing": (listen, ""),
+        "plaintext": (("--listen", "0.0.0.0:0", "--token-file", str(good)), good_token),
+    }
+    procs = {name: (_spawn_serve(*args), token) for name, (args, token) in cases.items()}
+    return {name: (*_refused(proc), token) for name, (proc, token) in procs.items()}
+
+
+def test_refuses_token_file_readable_by_others(
+    refusals: dict[str, tuple[int, str, str, str]],
+) -> None:
+    code, out, err, token = refusals["mode-644"]
+    assert code != 0
+    assert "chmod 600" in err
+    assert "serving" not in out
+    assert token not in err + out
+
+
+def test_refuses_too_short_token(refusals: dict[str, tuple[int, str, str, str]]) -> None:
+    code, out, err, token = refusals["short"]
+    assert code != 0
+    assert "shorter than 16 characters" in err
+    assert "serving" not in out
+    assert token not in err + out
+
+
+def test_refuses_missing_token(refusals: dict[str, tuple[int, str, str, str]]) -> None:
+    code, out, err, _ = refusals["missing"]
+    assert code != 0 and "no token configured" in err
+    assert "serving" not in out
+
+
+def test_refuses_plaintext_on_non_loopback_address(
+    refusals: dict[str, tuple[int, str, str, str]],
+) -> None:
+    code, out, err, token = refusals["plaintext"]
+    assert code != 0
+    assert "refusing to serve plaintext" in err
+    assert "--insecure-plaintext" in err
+    assert "serving" not in out
+    assert token not in err + out
+
+
+@pytest.fixture
+def serve_in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., tuple[int, str]]:
+    """``rendezvousd serve`` in this process for more refusal variants; should it get
+    past its checks, it returns 99 instead of serving."""
+    from rendezvousd import cli
+
+    async def would_serve(*args: object) -> int:
+        return 99
+
+    monkeypatch.setattr(cli, "_run", would_serve)
+    monkeypatch.setattr(cli, "_raise_fd_limit", lambda: None)
+    for name in list(os.environ):
+        if name.startswith("RENDEZVOUSD_"):
+            monkeypatch.delenv(name)
+
+    def serve(*args: str) -> tuple[int, str]:
+        code = cli.main(["serve", *args])
+        return code, capsys.readouterr().err
+
+    return serve
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o444])
+def test_refuses_token_file_mode_variants(
+    tmp_path: Path, serve_in_process: Callable[..., tuple[int, str]], mode: int
+) -> None:
+    path = tmp_path / "token"
+    token = write_token(path)
+    path.chmod(mode)
+    code, err = serve_in_process("--listen", "127.0.0.1:0", "--token-file", str(path))
+    assert code == 2 and "chmod 600" in err
+    assert token not in err
+    path.chmod(0o600)  # the same file is accepted once private
+    assert serve_in_process("--listen", "127.0.0.1:0", "--token-file", str(path))[0] == 99
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("Zq9-tiny", "shorter than 16 characters"),
+        ("Zq9 Xv8-middle-0123456789", "spaces/control characters"),
+        ("good-token-0123456789\nZq9short", "shorter than 16 characters"),  # every line counts
+        ("\n\n", "holds no token"),
+    ],
+)
+def test_refuses_token_variants(
+    tmp_path: Path,
+    serve_in_process: Callable[..., tuple[int, str]],
+    content: str,
+    message: str,
+) -> None:
+    path = tmp_path / "token"
+    path.write_text(content + "\n")
+    path.chmod(0o600)
+    code, err = serve_in_process("--listen", "127.0.0.1:0", "--token-file", str(path))
+    assert code == 2 and message in err
+    for line in content.split():
+        assert line not in err
+
+
+@pytest.mark.parametrize("listen", ["[::]:0", "10.1.2.3:0", "example.invalid:0"])
+def test_refuses_plaintext_variants(
+    tmp_path: Path, serve_in_process: Callable[..., tuple[int, str]], listen: str
+) -> None:
+    path = tmp_path / "token"
+    write_token(path)
+    code, err = serve_in_process("--listen", listen, "--token-file", str(path))
+    assert code == 2 and "refusing to serve plaintext" in err
+    for loopback in ("127.0.0.1:0", "[::1]:0", "localhost:0"):
+        assert serve_in_process("--listen", loopback, "--token-file", str(path))[0] == 99
+    opt_in = ("--listen", listen, "--token-file", str(path), "--insecure-plaintext")
+    assert serve_in_process(*opt_in)[0] == 99
+
+
+def test_insecure_plaintext_opt_in_serves_non_loopback(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    # With the explicit opt-in it starts, and still wants the token.
+    d = start_daemon("--insecure-plaintext", listen="0.0.0.0:0")
+    with grpc.insecure_channel(f"127.0.0.1:{d.port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        status = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        assert call(ch, f"/{SERVICE}/ListJobs", None) is grpc.StatusCode.UNAUTHENTICATED
+        assert call(ch, f"/{SERVICE}/ListJobs", bearer(d.token)) is grpc.StatusCode.OK
+
+
+def test_second_daemon_on_same_port_fails(start_daemon: Callable[..., DaemonProcess]) -> None:
+    first = start_daemon()
+    code, out, err = _refused(
+        _spawn_serve("--listen", first.endpoint, "--token-file", str(first.token_file))
+    )
+    assert code != 0
+    assert "cannot bind" in err
+    assert "serving" not in out
+    assert first.proc.poll() is None, "the first daemon died"
+    with grpc.insecure_channel(first.endpoint) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        assert call(ch, f"/{SERVICE}/ListJobs", bearer(first.token)) is grpc.StatusCode.OK
+
+
+# -- TLS and mTLS ----------------------------------------------------------------
+
+
+class Pki:
+    """A CA, a server certificate for 127.0.0.1/localhost, a client certificate,
+    and a second, unrelated CA with its own client certificate."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ca, self.ca_key = root / "ca.pem", root / "ca.key"
+        self.server, self.server_key = root / "server.pem", root / "server.key"
+        self.client, self.client_key = root / "client.pem", root / "client.key"
+        self.rogue_ca, self.rogue_ca_key = root / "rogue-ca.pem", root / "rogue-ca.key"
+        self.rogue, self.rogue_key = root / "rogue.pem", root / "rogue.key"
+
+
+def _pki_cryptography(pki: Pki) -> None:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def write_key(key: Any, path: Path) -> None:
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        path.chmod(0o600)
+
+    def issue(
+        cn: str, path: Path, key_path: Path, issuer: tuple[Any, Any] | None, usage: str
+    ) -> tuple[Any, Any]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        issuer_cert, issuer_key = issuer if issuer else (None, key)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(issuer_cert.subject if issuer_cert else name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+        if usage == "ca":
+            builder = builder.add_extension(
+                x509.BasicConstraints(ca=True, path_length=None), critical=True
+            ).add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+        else:
+            builder = builder.add_extension(
+                x509.BasicConstraints(ca=False, path_length=None), critical=True
+            ).add_extension(
+                x509.ExtendedKeyUsage(
+                    [
+                        ExtendedKeyUsageOID.SERVER_AUTH
+                        if usage == "server"
+                        else ExtendedKeyUsageOID.CLIENT_AUTH
+                    ]
+                ),
+                critical=False,
+            )
+            if usage == "server":
+                builder = builder.add_extension(
+                    x509.SubjectAlternativeName(
+                        [
+                            x509.DNSName("localhost"),
+                            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        ]
+                    ),
+                    critical=False,
+                )
+        cert = builder.sign(issuer_key, hashes.SHA256())
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        write_key(key, key_path)
+        return cert, key
+
+    ca = issue("rendezvousd test CA", pki.ca, pki.ca_key, None, "ca")
+    issue("localhost", pki.server, pki.server_key, ca, "server")
+    issue("worker", pki.client, pki.client_key, ca, "client")
+    rogue = issue("rogue CA", pki.rogue_ca, pki.rogue_ca_key, None, "ca")
+    issue("rogue worker", pki.rogue, pki.rogue_key, rogue, "client")
+
+
+def _pki_openssl(pki: Pki, openssl: str) -> None:
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=pki.root, timeout=60)
+
+    newkey = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def make_ca(cn: str, cert: Path, key: Path) -> None:
+        run(
+            "req", "-x509", *newkey, "-keyout", str(key), "-out", str(cert), "-days", "1",
+            "-subj", f"/CN={cn}",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        )  # fmt: skip
+
+    def make_leaf(cn: str, cert: Path, key: Path, ca: Path, ca_key: Path, ext: str) -> None:
+        csr, extfile = cert.with_suffix(".csr"), cert.with_suffix(".ext")
+        extfile.write_text(ext)
+        run("req", *newkey, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
+        run(
+            "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-out", str(cert), "-days", "1", "-sha256",
+            "-extfile", str(extfile),
+        )  # fmt: skip
+
+    make_ca("rendezvousd test CA", pki.ca, pki.ca_key)
+    make_leaf(
+        "localhost",
+        pki.server,
+        pki.server_key,
+        pki.ca,
+        pki.ca_key,
+        "basicConstraints=critical,CA:FALSE\nextendedKeyUsage=serverAuth\n"
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    client_ext = "basicConstraints=critical,CA:FALSE\nextendedKeyUsage=clientAuth\n"
+    make_leaf("worker", pki.client, pki.client_key, pki.ca, pki.ca_key, client_ext)
+    make_ca("rogue CA", pki.rogue_ca, pki.rogue_ca_key)
+    make_leaf("rogue worker", pki.rogue, pki.rogue_key, pki.rogue_ca, pki.rogue_ca_key, client_ext)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    pki = Pki(tmp_path_factory.mktemp("pki"))
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            pytest.skip("neither the cryptography package nor the openssl CLI is available")
+        _pki_openssl(pki, openssl)
+    else:
+        _pki_cryptography(pki)
+    return pki
+
+
+def _tls_health(endpoint: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    channel = (
+        grpc.secure_channel(endpoint, credentials)
+        if credentials is not None
+        else grpc.insecure_channel(endpoint)
+    )
+    with channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        except grpc.RpcError as exc:
+            code: grpc.StatusCode = exc.code()
+            return code
+    return grpc.StatusCode.OK
+
+
+def test_tls_daemon(pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str) -> None:
+    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    assert "tls=True" in d.log()
+    with RendezvousClient(
+        d.endpoint, job_id, token=d.token, tls=TlsConfig(ca=pki.ca), connect_timeout=10
+    ) as client:
+        m = client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        assert (m.rank, m.world_size) == (0, 1)
+        assert client.get_job().summary.job_id == job_id
+    # Plaintext to the TLS port, or a client that does not trust the CA: no answer.
+    assert _tls_health(d.endpoint, None) is not grpc.StatusCode.OK
+    rogue_trust = grpc.ssl_channel_credentials(pki.rogue_ca.read_bytes())
+    assert _tls_health(d.endpoint, rogue_trust) is not grpc.StatusCode.OK
+    assert _tls_health(d.endpoint, grpc.ssl_channel_credentials(pki.ca.read_bytes())) is (
+        grpc.StatusCode.OK
+    )
+    # TLS does not replace the token.
+    with grpc.secure_channel(d.endpoint, grpc.ssl_channel_credentials(pki.ca.read_bytes())) as ch:
+        assert call(ch, f"/{SERVICE}/ListJobs", None) is grpc.StatusCode.UNAUTHENTICATED
+        assert call(ch, f"/{SERVICE}/ListJobs", bearer(d.token)) is grpc.StatusCode.OK
+
+
+def test_mtls_requires_a_client_certificate_from_the_ca(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon(
+        "--tls-cert",
+        str(pki.server),
+        "--tls-key",
+        str(pki.server_key),
+        "--tls-client-ca",
+        str(pki.ca),
+    )
+    ca = pki.ca.read_bytes()
+    assert _tls_health(d.endpoint, grpc.ssl_channel_credentials(ca)) is not grpc.StatusCode.OK
+    rogue = grpc.ssl_channel_credentials(ca, pki.rogue_key.read_bytes(), pki.rogue.read_bytes())
+    assert _tls_health(d.endpoint, rogue) is not grpc.StatusCode.OK
+    good = grpc.ssl_channel_credentials(ca, pki.client_key.read_bytes(), pki.client.read_bytes())
+    assert _tls_health(d.endpoint, good) is grpc.StatusCode.OK
+    tls = TlsConfig(ca=pki.ca, cert=pki.client, key=pki.client_key)
+    with RendezvousClient(d.endpoint, job_id, token=d.token, tls=tls) as client:
+        m = client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        assert m.world_size == 1
+        client.kv_set("k", b"v")
+        assert client.kv_get("k", wait=False) == b"v"
+    # A certificate does not replace the token either.
+    with grpc.secure_channel(d.endpoint, good) as ch:
+        assert call(ch, f"/{SERVICE}/ListJobs", None) is grpc.StatusCode.UNAUTHENTICATED

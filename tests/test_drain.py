@@ -1,0 +1,258 @@
+"""SIGTERM with calls in flight: NOT_SERVING at once, waiters released with
+DRAINING, exit 0 within the drain grace, and a log line that says so."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from rendezvousd.client import DaemonUnavailable, NotFound, RendezvousClient, RendezvousError
+from tests.conftest import DaemonProcess
+
+# Long, so that "exited well before the grace" proves the drain finished by itself.
+GRACE_S = 10.0
+
+
+def reason_of(exc: grpc.RpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            for detail in status_pb2.Status.FromString(value).details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    return str(info.reason)
+    return ""
+
+
+def wait_members(d: DaemonProcess, job_id: str, n: int) -> None:
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if len(probe.get_job().members) == n:
+                    return
+            except NotFound:
+                pass
+            time.sleep(0.02)
+    pytest.fail(f"{n} joins did not register in time")
+
+
+class HealthWatch:
+    """A Health.Watch stream; records when each status arrived."""
+
+    def __init__(self, d: DaemonProcess) -> None:
+        self.channel = grpc.insecure_channel(d.endpoint)
+        self.call = health_pb2_grpc.HealthStub(self.channel).Watch(
+            health_pb2.HealthCheckRequest(service="rendezvous.v1.Rendezvous"), timeout=30
+        )
+        self.events: list[tuple[int, float]] = []
+        self.not_serving = threading.Event()
+        assert next(self.call).status == health_pb2.HealthCheckResponse.SERVING
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for response in self.call:
+                self.events.append((response.status, time.monotonic()))
+                if response.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    self.not_serving.set()
+                    self.call.cancel()  # hang up, so the drain need not wait for us
+        except grpc.RpcError:
+            pass
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.channel.close()
+
+
+def park_joins(d: DaemonProcess, job_id: str, ranks: list[int]) -> list[Any]:
+    """Raw Join calls of a 1x3 job (rank 0 never comes), parked in the daemon."""
+    channel = grpc.insecure_channel(d.endpoint)
+    stub = pb_grpc.RendezvousStub(channel)
+    metadata = [("authorization", f"Bearer {d.token}")]
+    return [
+        stub.Join.future(
+            pb.JoinRequest(
+                job_id=job_id,
+                topology=pb.Topology(num_nodes=1, gpus_per_node=3),
+                node_rank=0,
+                local_rank=rank,
+                host="drain-host",
+                instance_id=f"drain-{rank}",
+                wait_timeout_ms=60_000,
+            ),
+            metadata=metadata,
+            timeout=60,
+        )
+        for rank in ranks
+    ]
+
+
+class HeartbeatStream:
+    """A running 1x1 member's raw heartbeat stream; records the events it gets.
+
+    With ``hang_up`` it closes its side on DAEMON_DRAINING, as the SDK does; without,
+    it keeps the stream open until told to stop."""
+
+    def __init__(self, d: DaemonProcess, job_id: str, *, hang_up: bool) -> None:
+        self.channel = grpc.insecure_channel(d.endpoint)
+        stub = pb_grpc.RendezvousStub(self.channel)
+        metadata = [("authorization", f"Bearer {d.token}")]
+        joined = stub.Join(
+            pb.JoinRequest(
+                job_id=job_id,
+                topology=pb.Topology(num_nodes=1, gpus_per_node=1),
+                node_rank=0,
+                local_rank=0,
+                host="drain-host",
+                instance_id="running-0",
+                unique_id=bytes(range(1, 129)),
+            ),
+            metadata=metadata,
+            timeout=10,
+        )
+        assert joined.world_size == 1 and not joined.id_required
+        self.stop = threading.Event()
+        first = pb.HeartbeatRequest(
+            job_id=job_id, generation=joined.generation, rank=0, instance_id="running-0"
+        )
+
+        def requests() -> Iterator[pb.HeartbeatRequest]:
+            yield first
+            self.stop.wait(30)
+
+        self.call = stub.Heartbeat(requests(), metadata=metadata, timeout=30)
+        self.events: list[int] = []
+        self.hang_up = hang_up
+        self.draining = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for event in self.call:
+                self.events.append(event.kind)
+                if event.kind == pb.JobEvent.DAEMON_DRAINING:
+                    self.draining.set()
+                    if self.hang_up:
+                        self.stop.set()
+                        self.call.cancel()
+        except grpc.RpcError:
+            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.call.cancel()
+        self.thread.join(5)
+        self.channel.close()
+
+
+def wait_stream_open(d: DaemonProcess, job_id: str) -> None:
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        deadline = time.monotonic() + 10
+        while not probe.get_job().members[0].heartbeat_stream_open:
+            assert time.monotonic() < deadline, "the heartbeat stream never attached"
+            time.sleep(0.02)
+
+
+def test_sigterm_releases_parked_waiters_and_exits_zero(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon("--drain-grace-s", str(GRACE_S))
+    joins = park_joins(d, job_id, [1, 2])
+    wait_members(d, job_id, 2)
+    member = HeartbeatStream(d, job_id + "-running", hang_up=True)
+    wait_stream_open(d, job_id + "-running")
+    watch = HealthWatch(d)
+    assert all(not f.done() for f in joins), "the joins did not park"
+
+    sent = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+
+    assert watch.not_serving.wait(5), "health never turned NOT_SERVING"
+    assert watch.events[-1][1] - sent < 2.0, "NOT_SERVING was not prompt"
+    for future in joins:
+        with pytest.raises(grpc.RpcError) as info:
+            future.result(timeout=5)
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert reason_of(info.value) == "DRAINING"
+    released = time.monotonic() - sent
+    assert released < 3.0, f"parked joins were released only after {released:.2f} s"
+    assert member.draining.wait(5), f"the member got no DAEMON_DRAINING event: {member.events}"
+    watch.close()
+
+    code = d.proc.wait(GRACE_S + 5)
+    elapsed = time.monotonic() - sent
+    member.close()
+    assert code == 0
+    assert elapsed < GRACE_S / 2, f"with every call answered the drain took {elapsed:.1f} s"
+    log = d.log()
+    assert "signal received: draining" in log
+    assert "rendezvousd stopped" in log
+    assert "Traceback" not in log
+
+
+def test_stuck_stream_is_cut_at_the_grace(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    grace = 1.5
+    d = start_daemon("--drain-grace-s", str(grace))
+    member = HeartbeatStream(d, job_id, hang_up=False)
+    wait_stream_open(d, job_id)
+    sent = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    code = d.proc.wait(grace + 5)
+    elapsed = time.monotonic() - sent
+    member.close()
+    assert code == 0
+    assert elapsed < grace + 4.0, f"exit took {elapsed:.1f} s with a {grace} s grace"
+    assert elapsed >= grace * 0.8, "the daemon did not wait for the open stream"
+    assert pb.JobEvent.DAEMON_DRAINING in member.events, member.events
+    assert "rendezvousd stopped" in d.log()
+
+
+def test_sdk_waiters_get_daemon_unavailable_promptly(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon("--drain-grace-s", str(GRACE_S))
+    results: dict[int, BaseException | None] = {}
+    clients = {
+        r: RendezvousClient(d.endpoint, job_id, token=d.token, connect_timeout=5) for r in (1, 2)
+    }
+
+    def worker(local_rank: int) -> None:
+        try:
+            clients[local_rank].join(num_nodes=1, gpus_per_node=3, local_rank=local_rank, timeout=4)
+            results[local_rank] = None
+        except RendezvousError as exc:
+            results[local_rank] = exc
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in clients]
+    for t in threads:
+        t.start()
+    try:
+        wait_members(d, job_id, 2)
+        d.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        answered = dict(results)
+    finally:
+        for client in clients.values():
+            client.close()  # cancels a hanging call
+        for t in threads:
+            t.join(5)
+    assert sorted(answered) == [1, 2], "SDK joins did not return within 3 s of SIGTERM"
+    for error in answered.values():
+        assert isinstance(error, DaemonUnavailable), error
+        assert error.reason == "DRAINING", error
