@@ -7,6 +7,7 @@
     │   ├── CommunicatorAborted    abort() was called (e.g. a peer died)
     │   ├── CommunicatorTimeout    a peer did not answer within the timeout
     │   └── PeerConnectionError    a peer's connection broke or was refused
+    ├── CollectiveArgumentError  an array or argument a collective cannot use
     ├── BucketLayoutMismatch   ranks registered different gradient layouts
     └── CheckpointError        a checkpoint could not be written or read
 
@@ -43,6 +44,10 @@ class CommunicatorTimeout(CommunicatorError):
 
 class PeerConnectionError(CommunicatorError):
     """A connection to a peer rank was refused, reset or closed."""
+
+
+class CollectiveArgumentError(TrainerError, ValueError):
+    """A collective was given an unusable array (dtype, layout, read-only) or argument."""
 
 
 class BucketLayoutMismatch(TrainerError):

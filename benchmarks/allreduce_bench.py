@@ -1,0 +1,284 @@
+"""All-reduce bus bandwidth of the CPU ring (and torch gloo, when importable) on loopback.
+
+Prints one JSON document: per-size results for every backend and world size, the
+targets with pass/fail, and the machine it ran on. Figures follow nccl-tests:
+algbw = bytes / time and busbw = algbw * 2(n-1)/n, in GB/s (1e9 bytes per second).
+
+    python benchmarks/allreduce_bench.py --sizes 1,4,16,64 --worlds 2,4 --json-out out.json
+
+Workers are spawned processes; they exchange ring addresses and report timings as
+JSON lines over a loopback control socket (nothing is pickled but the entry arguments).
+torch is never a dependency: gloo runs only if ``import torch`` works in this interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+# (world, size in MiB) -> minimum busbw in GB/s; gloo's figures measured on the 2-core
+# development machine (see shared ANCHORS.md section 2) are kept for comparison.
+TARGETS = [
+    {"world": 2, "size_mib": 64, "min_busbw_gbps": 1.3, "gloo_reference_gbps": 1.01},
+    {"world": 4, "size_mib": 64, "min_busbw_gbps": 1.0, "gloo_reference_gbps": 0.85},
+]
+WORKER_DEADLINE_S = 300.0
+SECRET = b"allreduce-bench-secret-not-a-real-job-id-0123456789abcdef"
+
+
+def default_iters(size_bytes: int) -> int:
+    # Bounded work per size (~256 MiB reduced per rank), at least 5 timed iterations.
+    return max(5, min(40, (256 * MiB) // max(size_bytes, 1)))
+
+
+def _send_line(sock: socket.socket, doc: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(doc).encode() + b"\n")
+
+
+def _recv_line(reader: Any) -> dict[str, Any]:
+    line = reader.readline()
+    if not line:
+        raise ConnectionError("control connection closed")
+    doc: dict[str, Any] = json.loads(line)
+    return doc
+
+
+def _time_loop(run: Any, barrier: Any, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        run()
+    barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _ring_worker(
+    rank: int, world: int, control_port: int, sizes: str, iters: int, chunk: int, zero_copy: int
+) -> None:
+    from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
+
+    control = socket.create_connection(("127.0.0.1", control_port))
+    reader = control.makefile("rb")
+    listener = socket.create_server(("127.0.0.1", 0))
+    _send_line(control, {"rank": rank, "port": listener.getsockname()[1]})
+    addresses = [(host, int(port)) for host, port in _recv_line(reader)["addresses"]]
+    comm = CpuRingCommunicator(
+        rank, world, listener, addresses, SECRET, 60.0, chunk_bytes=chunk, zero_copy=bool(zero_copy)
+    )
+    results = []
+    for size in (int(s) for s in sizes.split(",")):
+        array = np.ones(size // 4, np.float32)
+        n = iters or default_iters(size)
+        times = _time_loop(lambda a=array: comm.all_reduce(a), comm.barrier, n, 2)
+        array.fill(0)
+        results.append({"size_bytes": size, "times": times})
+    comm.close()
+    _send_line(control, {"rank": rank, "results": results})
+
+
+def _gloo_worker(
+    rank: int, world: int, control_port: int, sizes: str, iters: int, chunk: int, zero_copy: int
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    control = socket.create_connection(("127.0.0.1", control_port))
+    reader = control.makefile("rb")
+    probe = socket.create_server(("127.0.0.1", 0))
+    _send_line(control, {"rank": rank, "port": probe.getsockname()[1]})
+    store_port = int(_recv_line(reader)["addresses"][0][1])
+    probe.close()  # rank 0's probe port becomes the TCPStore port
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank, world_size=world
+    )
+    results = []
+    for size in (int(s) for s in sizes.split(",")):
+        tensor = torch.ones(size // 4, dtype=torch.float32)
+        n = iters or default_iters(size)
+        times = _time_loop(lambda t=tensor: dist.all_reduce(t), dist.barrier, n, 2)
+        tensor.fill_(0)
+        results.append({"size_bytes": size, "times": times})
+    dist.destroy_process_group()
+    _send_line(control, {"rank": rank, "results": results})
+
+
+def run_world(backend: str, world: int, sizes: list[int], args: argparse.Namespace) -> list[Any]:
+    target = _ring_worker if backend == "cpu_ring" else _gloo_worker
+    ctx = mp.get_context("spawn")
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(WORKER_DEADLINE_S)
+    size_arg = ",".join(str(s) for s in sizes)
+    procs = [
+        ctx.Process(
+            target=target,
+            args=(
+                r,
+                world,
+                server.getsockname()[1],
+                size_arg,
+                args.iters,
+                args.chunk_bytes,
+                int(not args.no_zero_copy),
+            ),
+        )
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        conns = [server.accept()[0] for _ in range(world)]
+        readers = [c.makefile("rb") for c in conns]
+        hellos = [_recv_line(r) for r in readers]
+        ports = {h["rank"]: h["port"] for h in hellos}
+        addresses = [["127.0.0.1", ports[r]] for r in range(world)]
+        for conn in conns:
+            _send_line(conn, {"addresses": addresses})
+        reports = [_recv_line(r) for r in readers]
+    finally:
+        for proc in procs:
+            proc.join(WORKER_DEADLINE_S)
+            if proc.is_alive():
+                proc.kill()
+        server.close()
+    per_rank = [r["results"] for r in reports]
+    rows = []
+    for i, size in enumerate(sizes):
+        # The slowest rank defines each iteration's time.
+        times = [
+            max(ranks[i]["times"][k] for ranks in per_rank)
+            for k in range(len(per_rank[0][i]["times"]))
+        ]
+        mean, best = sum(times) / len(times), min(times)
+        factor = 2 * (world - 1) / world
+        rows.append(
+            {
+                "backend": backend,
+                "world": world,
+                "size_bytes": size,
+                "iters": len(times),
+                "time_s": mean,
+                "best_time_s": best,
+                "algbw_gbps": size / mean / 1e9,
+                "busbw_gbps": size / mean / 1e9 * factor,
+                "best_busbw_gbps": size / best / 1e9 * factor,
+            }
+        )
+        print(
+            f"{backend:9s} world {world} {size / MiB:6.0f} MiB  busbw {rows[-1]['busbw_gbps']:.2f}"
+            f" GB/s (best {rows[-1]['best_busbw_gbps']:.2f})",
+            file=sys.stderr,
+        )
+    return rows
+
+
+# --- placeholder: bucketing pack/unpack throughput ---------------------------------------
+def pack_unpack(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Hook for the bucketing pack/unpack throughput benchmark (to be filled in).
+
+    Another engineer owns the bucketing code; until it lands this reports null.
+    """
+    return None
+
+
+# -----------------------------------------------------------------------------------------
+
+
+def _find(results: list[Any], backend: str, world: int, size: int) -> Any:
+    rows = [
+        r for r in results if (r["backend"], r["world"], r["size_bytes"]) == (backend, world, size)
+    ]
+    return rows[0] if rows else None
+
+
+def _judge(target: dict[str, Any], results: list[Any]) -> dict[str, Any]:
+    size = int(target["size_mib"] * MiB)
+    ours = _find(results, "cpu_ring", target["world"], size)
+    gloo = _find(results, "gloo", target["world"], size)
+    measured = ours["busbw_gbps"] if ours else None
+    return {
+        **target,
+        "measured_busbw_gbps": measured,
+        "gloo_measured_busbw_gbps": gloo["busbw_gbps"] if gloo else None,
+        "pass": None if measured is None else measured >= target["min_busbw_gbps"],
+    }
+
+
+def _torch_available() -> bool:
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,4,16,64", help="sizes in MiB, comma-separated")
+    parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--iters", type=int, default=0, help="timed iterations (0: by size)")
+    parser.add_argument("--json-out", help="also write the JSON document to this file")
+    parser.add_argument("--backends", default="cpu_ring,gloo", help="cpu_ring and/or gloo")
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=4 << 20, help="largest ring chunk (bytes)"
+    )
+    parser.add_argument("--no-zero-copy", action="store_true", help="copying sends only")
+    args = parser.parse_args(argv)
+    sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
+    worlds = [int(w) for w in args.worlds.split(",")]
+    backends = [b for b in args.backends.split(",") if b]
+    gloo = "gloo" in backends and _torch_available()
+    results: list[Any] = []
+    for world in worlds:
+        if "cpu_ring" in backends:
+            results += run_world("cpu_ring", world, sizes, args)
+        if gloo:
+            results += run_world("gloo", world, sizes, args)
+    targets = [_judge(target, results) for target in TARGETS]
+    doc = {
+        "benchmark": "allreduce_bench",
+        "formula": "algbw = bytes/time; busbw = algbw * 2(n-1)/n; GB = 1e9 bytes",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "platform": platform.platform(),
+            "load_average": list(os.getloadavg()),
+        },
+        "params": {
+            "sizes_bytes": sizes,
+            "worlds": worlds,
+            "iters": args.iters or "by size",
+            "chunk_bytes": args.chunk_bytes,
+            "zero_copy": not args.no_zero_copy,
+            "dtype": "float32",
+            "op": "sum",
+            "gloo": gloo,
+        },
+        "results": results,
+        "targets": targets,
+        "pack_unpack": pack_unpack(args),
+    }
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as out:
+            out.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

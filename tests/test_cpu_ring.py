@@ -1,0 +1,469 @@
+"""CpuRingCommunicator over real loopback sockets: threads for most checks, spawned
+processes for the multi-rank result matrix and for a peer killed mid-all-reduce."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rendezvousd.trainer.communicator import Communicator, ReduceOp
+from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
+from rendezvousd.trainer.errors import (
+    CollectiveArgumentError,
+    CommunicatorAborted,
+    CommunicatorError,
+    CommunicatorTimeout,
+    ConfigError,
+    PeerConnectionError,
+    TrainerError,
+)
+
+SECRET = bytes(range(128))
+DTYPES = [f"float{b}" for b in (16, 32, 64)] + [
+    f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64)
+]
+OPS = list(ReduceOp)
+# 70_001 elements span several 80 KiB chunks for 4- and 8-byte dtypes, and its chunks
+# are large enough for the zero-copy sender; 131 is odd and indivisible by 2, 3 and 4.
+SIZES = [0, 1, 5, 131, 70_001]
+MATRIX_CHUNK_BYTES = 80 * 1024
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def _listeners(n: int) -> tuple[list[socket.socket], list[tuple[str, int]]]:
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    return socks, [("127.0.0.1", s.getsockname()[1]) for s in socks]
+
+
+def _parallel(fns: Sequence[Callable[[], Any]], limit: float = 20.0) -> list[Any]:
+    """Run each callable in its own thread; return results or the exceptions raised."""
+    out: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit)
+        assert not t.is_alive(), "a rank hung"
+    return out
+
+
+@contextmanager
+def thread_ring(
+    n: int, *, timeout: float = 10.0, secrets: Sequence[bytes] | None = None, **kw: Any
+) -> Iterator[list[CpuRingCommunicator]]:
+    socks, addrs = _listeners(n)
+    keys = secrets or [SECRET] * n
+    built = _parallel(
+        [
+            (lambda r=r: CpuRingCommunicator(r, n, socks[r], addrs, keys[r], timeout, **kw))
+            for r in range(n)
+        ]
+    )
+    errors = [b for b in built if isinstance(b, BaseException)]
+    comms = [b for b in built if isinstance(b, CpuRingCommunicator)]
+    try:
+        if errors:
+            raise errors[0]
+        yield comms
+    finally:
+        for c in comms:
+            c.close()
+
+
+def case_input(case: int, rank: int, dtype: str, size: int) -> np.ndarray:
+    rng = np.random.default_rng([case, rank])
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return (rng.standard_normal(size) * 4).astype(dt)
+    info = np.iinfo(dt)
+    return rng.integers(info.min, info.max, size=size, dtype=dt, endpoint=True)
+
+
+def matrix_cases() -> list[tuple[int, ReduceOp, str, int]]:
+    cases = []
+    for op in OPS:
+        for dtype in DTYPES:
+            for size in SIZES:
+                cases.append((len(cases), op, dtype, size))
+    return cases
+
+
+def expected(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    stack = np.stack(inputs)
+    n, dt = len(inputs), stack.dtype
+    if op is ReduceOp.MAX:
+        return stack.max(axis=0)
+    if op is ReduceOp.MIN:
+        return stack.min(axis=0)
+    if dt.kind == "f":
+        total = stack.astype(np.float64).sum(axis=0)
+        return total / n if op is ReduceOp.AVG else total
+    total = stack.sum(axis=0, dtype=dt)  # wraps like the ring does
+    return total // n if op is ReduceOp.AVG else total
+
+
+def check_results(world: int, results: list[list[bytes]]) -> None:
+    for case, op, dtype, size in matrix_cases():
+        inputs = [case_input(case, r, dtype, size) for r in range(world)]
+        got = [np.frombuffer(results[r][case], dtype=dtype) for r in range(world)]
+        label = f"world {world} {op.name} {dtype} size {size}"
+        for r in range(1, world):
+            assert got[r].tobytes() == got[0].tobytes(), f"{label}: rank {r} differs from rank 0"
+        want = expected(inputs, op)
+        if np.dtype(dtype).kind == "f" and op in (ReduceOp.SUM, ReduceOp.AVG):
+            scale = np.abs(np.stack(inputs).astype(np.float64)).sum(axis=0)
+            eps = float(np.finfo(dtype).eps)
+            assert np.all(np.abs(got[0] - want) <= 2 * world * eps * scale + 1e-30), label
+        else:
+            assert got[0].tobytes() == want.astype(dtype).tobytes(), label
+
+
+# -- spawned-process workers (module level so spawn can import them) --------------------
+
+
+def _send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack("<I", len(payload)) + payload)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            part = sock.recv(n - len(buf))
+            if not part:
+                raise ConnectionError("control connection closed")
+            buf += part
+        return buf
+
+    (length,) = struct.unpack("<I", exact(4))
+    return exact(length)
+
+
+def _proc_worker(rank: int, world: int, control_port: int, mode: str) -> None:
+    control = socket.create_connection(("127.0.0.1", control_port))
+    listener = socket.create_server(("127.0.0.1", 0))
+    _send(control, json.dumps({"rank": rank, "port": listener.getsockname()[1]}).encode())
+    addrs = [(h, int(p)) for h, p in json.loads(_recv(control))]
+    timeout = 10.0
+    comm = CpuRingCommunicator(
+        rank, world, listener, addrs, SECRET, timeout, chunk_bytes=MATRIX_CHUNK_BYTES
+    )
+    try:
+        if mode == "matrix":
+            for case, op, dtype, size in matrix_cases():
+                array = case_input(case, rank, dtype, size)
+                comm.all_reduce(array, op)
+                _send(control, array.tobytes())
+        elif mode == "kill":
+            array = np.ones(2 << 20, np.float32)
+            try:
+                for i in range(1000):
+                    comm.all_reduce(array, ReduceOp.AVG)
+                    if i == 0:
+                        _send(control, b'{"started": true}')
+            except CommunicatorError as exc:
+                report = {"error": type(exc).__name__, "message": str(exc)}
+                _send(control, json.dumps(report).encode())
+    finally:
+        comm.close()
+
+
+@contextmanager
+def process_ring(world: int, mode: str) -> Iterator[tuple[list[Any], list[socket.socket]]]:
+    ctx = mp.get_context("spawn")
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)
+    procs = [
+        ctx.Process(target=_proc_worker, args=(r, world, server.getsockname()[1], mode))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        conns = [server.accept()[0] for _ in range(world)]
+        for c in conns:
+            c.settimeout(30)
+        hellos = [json.loads(_recv(c)) for c in conns]
+        by_rank = {h["rank"]: (conns[i], h["port"]) for i, h in enumerate(hellos)}
+        addrs = json.dumps([["127.0.0.1", by_rank[r][1]] for r in range(world)]).encode()
+        for c in conns:
+            _send(c, addrs)
+        yield procs, [by_rank[r][0] for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        server.close()
+
+
+# -- result matrix ------------------------------------------------------------------------
+
+
+def test_world_one_leaves_data_as_is_except_defined_ops() -> None:
+    # A host instead of a socket: the communicator binds it at its own address's port.
+    with CpuRingCommunicator(0, 1, "127.0.0.1", [("127.0.0.1", 0)], SECRET, 5.0) as comm:
+        assert isinstance(comm, Communicator) and comm.backend == "cpu"
+        for case, op, dtype, size in matrix_cases():
+            array = case_input(case, 0, dtype, size)
+            comm.all_reduce(array, op)
+            want = expected([case_input(case, 0, dtype, size)], op).astype(dtype)
+            assert array.tobytes() == want.tobytes()
+        comm.broadcast(np.zeros(3), root=0)
+        comm.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_reduce_matrix_in_processes(world: int) -> None:
+    cases = matrix_cases()
+    with process_ring(world, "matrix") as (_, conns):
+        # Drain every rank at once: a rank blocked on a full control socket stalls the ring.
+        results = _parallel([lambda c=c: [_recv(c) for _ in cases] for c in conns], 60.0)
+    check_results(world, results)
+
+
+def test_default_chunking_large_array_threads() -> None:
+    # Several 1 MiB chunks per segment through the zero-copy path, plus an odd tail.
+    with thread_ring(3) as comms:
+        inputs = [np.random.default_rng(r).standard_normal(1_000_003) for r in range(3)]
+        arrays = [a.copy() for a in inputs]
+        _parallel([lambda c=c: c.all_reduce(arrays[c.rank], ReduceOp.AVG) for c in comms])
+        assert arrays[0].tobytes() == arrays[1].tobytes() == arrays[2].tobytes()
+        np.testing.assert_allclose(arrays[0], np.mean(inputs, axis=0), rtol=1e-12, atol=1e-12)
+
+
+def test_array_is_reusable_as_soon_as_all_reduce_returns() -> None:
+    # Zero-copy sends hand the array's pages to the kernel; a collective must not return
+    # before the neighbour has read them, or this overwrite would corrupt its result.
+    with thread_ring(2) as comms:
+
+        def rank(c: CpuRingCommunicator) -> bool:
+            ok = True
+            array = np.empty(1 << 19, np.float64)
+            for step in range(16):
+                array.fill(step + c.rank)
+                c.all_reduce(array)
+                ok = ok and bool((array == 2 * step + 1).all())
+                array.fill(np.nan)
+            return ok
+
+        assert _parallel([lambda c=c: rank(c) for c in comms]) == [True, True]
+
+
+def test_copying_sender_and_fortran_order() -> None:
+    with thread_ring(2, zero_copy=False) as comms:
+        arrays = [np.asfortranarray(np.full((300, 500), r + 1, np.float32)) for r in range(2)]
+        _parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
+        assert (arrays[0] == 3).all() and (arrays[1] == 3).all()
+
+
+# -- broadcast and barrier ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("root", [0, 1, 2])
+def test_broadcast_from_each_root(root: int) -> None:
+    with thread_ring(3, chunk_bytes=256) as comms:
+        for dtype, size in [("float32", 0), ("int64", 1), ("float16", 1001), ("uint8", 7)]:
+            arrays = [case_input(100 + root, r, dtype, size) for r in range(3)]
+            source = arrays[root].copy()
+            _parallel([lambda c=c, a=arrays[c.rank]: c.broadcast(a, root=root) for c in comms])
+            for a in arrays:
+                assert a.tobytes() == source.tobytes()
+
+
+def test_barrier_waits_for_the_last_rank() -> None:
+    with thread_ring(3) as comms:
+        entered: list[float] = []
+
+        def late(c: CpuRingCommunicator) -> float:
+            time.sleep(0.4)
+            entered.append(time.monotonic())
+            c.barrier()
+            return time.monotonic()
+
+        def prompt(c: CpuRingCommunicator) -> float:
+            c.barrier()
+            return time.monotonic()
+
+        left = _parallel(
+            [lambda: prompt(comms[0]), lambda: prompt(comms[1]), lambda: late(comms[2])]
+        )
+        assert all(t >= entered[0] for t in left)
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def test_abort_unblocks_a_pending_all_reduce() -> None:
+    with thread_ring(2, timeout=30.0) as comms:
+        outcome: list[BaseException] = []
+
+        def blocked() -> None:
+            try:
+                comms[0].all_reduce(np.ones(1 << 20, np.float32))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=blocked, daemon=True)
+        thread.start()
+        time.sleep(0.3)  # rank 1 never joins, so rank 0 is waiting on it
+        started = time.monotonic()
+        comms[0].abort("peer 7 failed (unit test)")
+        thread.join(5)
+        assert not thread.is_alive()
+        assert time.monotonic() - started < 2.0
+        assert isinstance(outcome[0], CommunicatorAborted)
+        assert "peer 7 failed (unit test)" in str(outcome[0])
+        with pytest.raises(CommunicatorAborted, match="unit test"):
+            comms[0].barrier()
+        # The aborted rank's neighbour learns who left instead of waiting 30 s.
+        started = time.monotonic()
+        with pytest.raises(PeerConnectionError, match="rank 0"):
+            comms[1].all_reduce(np.ones(1 << 20, np.float32))
+        assert time.monotonic() - started < 5.0
+
+
+def test_timeout_names_the_rank_waited_on() -> None:
+    with thread_ring(2, timeout=0.5) as comms:
+        started = time.monotonic()
+        with pytest.raises(CommunicatorTimeout, match="rank 1"):
+            comms[0].all_reduce(np.ones(10, np.float64))
+        assert time.monotonic() - started < 3.0
+
+
+def test_mismatched_collectives_fail_instead_of_corrupting() -> None:
+    with thread_ring(2, timeout=5.0) as comms:
+        calls = [
+            lambda: comms[0].all_reduce(np.ones(10, np.float32)),
+            lambda: comms[1].all_reduce(np.ones(12, np.float32)),
+        ]
+        errors = _parallel(calls)
+        assert all(isinstance(e, CommunicatorError) for e in errors), errors
+        assert any("mismatch" in str(e) for e in errors)
+
+
+def test_wrong_secret_is_rejected_and_never_shown() -> None:
+    other = bytes(reversed(SECRET))
+    socks, addrs = _listeners(2)
+    started = time.monotonic()
+    outcome = _parallel(
+        [
+            lambda: CpuRingCommunicator(0, 2, socks[0], addrs, SECRET, 20.0),
+            lambda: CpuRingCommunicator(1, 2, socks[1], addrs, other, 20.0),
+        ]
+    )
+    # Each side's MAC is refused by the other, so neither waits for its 20 s timeout.
+    assert time.monotonic() - started < 5.0
+    for result in outcome:
+        assert isinstance(result, PeerConnectionError), result
+        assert "rejected" in str(result)
+        text = str(result)
+        assert SECRET.hex() not in text and other.hex() not in text and "\\x" not in text
+
+
+def test_stray_connections_do_not_block_the_ring() -> None:
+    socks, addrs = _listeners(2)
+    strays = []
+    for payload in (b"", b"GET / HTTP/1.1\r\n\r\n", bytes(84)):
+        s = socket.create_connection(addrs[0])
+        if payload:
+            s.sendall(payload)
+        strays.append(s)
+    started = time.monotonic()
+    comms = _parallel(
+        [lambda r=r: CpuRingCommunicator(r, 2, socks[r], addrs, SECRET, 10.0) for r in range(2)]
+    )
+    try:
+        assert all(isinstance(c, CpuRingCommunicator) for c in comms), comms
+        assert time.monotonic() - started < 3.0
+        arrays = [np.full(5, r, np.int32) for r in range(2)]
+        _parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
+        assert (arrays[0] == 1).all()
+    finally:
+        for s in strays:
+            s.close()
+        for c in comms:
+            if isinstance(c, CpuRingCommunicator):
+                c.close()
+
+
+def test_sigkilled_peer_is_named_by_the_survivors() -> None:
+    # World 4: rank 3 is not adjacent to rank 1 and learns of it from a forwarded notice.
+    with process_ring(4, "kill") as (procs, conns):
+        for c in conns:
+            assert json.loads(_recv(c)) == {"started": True}
+        started = time.monotonic()
+        procs[1].kill()
+        reports = [json.loads(_recv(conns[r])) for r in (0, 2, 3)]
+        elapsed = time.monotonic() - started
+    assert elapsed < 20.0
+    for report in reports:
+        assert report["error"] in ("PeerConnectionError", "CommunicatorTimeout"), report
+        assert "rank 1" in report["message"], report
+
+
+# -- arguments and lifecycle --------------------------------------------------------------
+
+
+def test_bad_arguments_raise_and_leave_the_ring_usable() -> None:
+    with thread_ring(2) as comms:
+        bad: list[tuple[Any, Any]] = [
+            (np.ones((4, 4), np.float32)[:, 1], ReduceOp.SUM),  # non-contiguous
+            (np.frombuffer(bytes(16), np.float32), ReduceOp.SUM),  # read-only
+            (np.ones(4, np.complex64), ReduceOp.SUM),
+            (np.ones(4, bool), ReduceOp.SUM),
+            (np.ones(4, ">f4"), ReduceOp.SUM),
+            ([1.0, 2.0], ReduceOp.SUM),
+            (np.ones(4, np.float32), "sum"),
+        ]
+        for array, op in bad:
+            with pytest.raises(CollectiveArgumentError) as info:
+                comms[0].all_reduce(array, op)
+            assert isinstance(info.value, (TrainerError, ValueError))
+        with pytest.raises(CollectiveArgumentError, match="root"):
+            comms[0].broadcast(np.ones(3), root=2)
+        arrays = [np.ones(3, np.float32) for _ in range(2)]
+        _parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
+        assert (arrays[0] == 2).all()
+
+
+def test_constructor_validates_configuration() -> None:
+    socks, addrs = _listeners(1)
+    try:
+        with pytest.raises(ConfigError, match="rank"):
+            CpuRingCommunicator(1, 1, socks[0], addrs, SECRET, 1.0)
+        with pytest.raises(ConfigError, match="secret"):
+            CpuRingCommunicator(0, 1, socks[0], addrs, b"short", 1.0)
+        with pytest.raises(ConfigError, match="timeout"):
+            CpuRingCommunicator(0, 1, socks[0], addrs, SECRET, 0.0)
+        with pytest.raises(ConfigError, match="addresses"):
+            CpuRingCommunicator(0, 2, socks[0], addrs, SECRET, 1.0)
+    finally:
+        socks[0].close()
+
+
+def test_close_is_idempotent_and_final() -> None:
+    with thread_ring(2) as comms:
+        comms[0].close()
+        comms[0].close()
+        with pytest.raises(CommunicatorError, match="closed"):
+            comms[0].all_reduce(np.ones(2))
