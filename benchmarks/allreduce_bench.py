@@ -185,16 +185,75 @@ def run_world(backend: str, world: int, sizes: list[int], args: argparse.Namespa
     return rows
 
 
-# --- placeholder: bucketing pack/unpack throughput ---------------------------------------
+# --- bucketing pack/unpack throughput ----------------------------------------------------
 def pack_unpack(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Hook for the bucketing pack/unpack throughput benchmark (to be filled in).
+    """Pack + unpack of a realistic gradient set against a plain numpy copy.
 
-    Another engineer owns the bucketing code; until it lands this reports null.
+    Bandwidth counts bytes touched (read + write): a copy of S bytes touches 2S;
+    pack + unpack touch 4S. Target: pack+unpack >= 50 % of copy bandwidth.
     """
-    return None
+    import numpy as np
 
+    from rendezvousd.trainer.bucketing import GradSpec, buffer_sizes, pack, plan_buckets, unpack
 
-# -----------------------------------------------------------------------------------------
+    rng = np.random.default_rng(0)
+    # ~64 MiB of float32 in 96 tensors of mixed sizes, like a small transformer.
+    sizes = [int(s) for s in rng.integers(1 << 10, 1 << 20, size=96)]
+    scale = (64 * MiB // 4) / sum(sizes)
+    grads = [rng.standard_normal(max(1, int(n * scale))).astype(np.float32) for n in sizes]
+    total = sum(g.nbytes for g in grads)
+    buckets = plan_buckets(
+        [GradSpec.of(g) for g in grads], cap_bytes=25 * MiB, first_bucket_bytes=MiB
+    )
+    flat = np.empty(max(buffer_sizes(buckets).values()), dtype=np.float32)
+
+    def layout() -> list[tuple[list[Any], list[int]]]:
+        out = []
+        for b in buckets:
+            out.append(([grads[i] for i in b.grads], [b.buffer_offset + o for o in b.offsets]))
+        return out
+
+    plan = layout()
+
+    def best(fn: Any, iters: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    def pack_unpack_once(divisor: int) -> None:
+        for gs, offs in plan:
+            pack(flat, gs, offs, divisor, np)
+        for gs, offs in plan:
+            unpack(flat, gs, offs)
+
+    src = np.ones(total // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    copy_s = best(lambda: np.copyto(dst, src))
+    copy_gbps = 2 * src.nbytes / copy_s / 1e9
+    sum_s = best(lambda: pack_unpack_once(1))
+    avg_s = best(lambda: pack_unpack_once(4))
+    result = {
+        "bytes": total,
+        "tensors": len(grads),
+        "buckets": len(buckets),
+        "numpy_copy_gbps": round(copy_gbps, 2),
+        "pack_unpack_gbps": round(4 * total / sum_s / 1e9, 2),
+        "pack_unpack_avg_prediv_gbps": round(4 * total / avg_s / 1e9, 2),
+    }
+    result["ratio_vs_copy"] = round(result["pack_unpack_gbps"] / copy_gbps, 3)
+    result["ratio_vs_copy_prediv"] = round(result["pack_unpack_avg_prediv_gbps"] / copy_gbps, 3)
+    result["target_ratio"] = 0.5
+    result["meets_target"] = result["ratio_vs_copy"] >= 0.5
+    print(
+        f"pack+unpack {result['pack_unpack_gbps']} GB/s vs numpy copy {copy_gbps:.2f} GB/s "
+        f"(ratio {result['ratio_vs_copy']}; with pre-divide {result['ratio_vs_copy_prediv']})",
+        file=sys.stderr,
+    )
+    return result
 
 
 def _find(results: list[Any], backend: str, world: int, size: int) -> Any:

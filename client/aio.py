@@ -101,6 +101,10 @@ class AsyncRendezvousClient:
 
     async def check_health(self) -> None:
         request = health_pb2.HealthCheckRequest(service=SERVICE)
+        if self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY:
+            # Connected already: the daemon is reachable, and a draining daemon
+            # answers the Join itself with DRAINING, which the SDK raises at once.
+            return
         attempt = 0
         while True:
             attempt += 1
