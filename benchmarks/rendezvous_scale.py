@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -87,26 +88,38 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
-def _start_daemon(token_file: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rendezvousd.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            str(token_file),
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def _start_daemon(token_file: Path) -> tuple[subprocess.Popen[str], str, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "rendezvousd.cli",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--token-file",
+        str(token_file),
+        "--log-level",
+        "WARNING",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    return proc, line.rsplit(" ", 1)[1].strip()
+    endpoint = proc.stdout.readline().rsplit(" ", 1)[1].strip()
+    metrics = proc.stdout.readline().split(" on ", 1)[1].strip()
+    return proc, endpoint, metrics
+
+
+def _rpc_count(metrics_url: str) -> int:
+    """RPCs the daemon answered, from its own Prometheus counters."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("rendezvousd_rpc_duration_seconds_count")
+        )
+    )
 
 
 def run_ours(world: int, procs: int) -> dict[str, Any]:
@@ -164,7 +177,7 @@ def run_ours(world: int, procs: int) -> dict[str, Any]:
                 "wall_s": round(wall, 4),
                 "ok_ranks": sum(r["ok"] for r in results),
                 "errors": errors,
-                "rpcs_per_rank": 3,
+                "rpcs_per_rank": round(_rpc_count(metrics_url) / world, 2),
                 "daemon_peak_rss_mib": round(_rss_kib(daemon.pid) / 1024, 1),
                 "target_s": TARGETS_S.get(world),
                 "anchor_tcpstore_s": ANCHOR_TCPSTORE_S.get(world),

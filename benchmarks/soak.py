@@ -33,7 +33,7 @@ TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0}
 
 
 def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
