@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from rendezvousd.trainer import checkpoint
 from rendezvousd.trainer.checkpoint import (
     checkpoint_path,

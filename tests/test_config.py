@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+
 from rendezvousd.trainer.config import (
     DistributedConfig,
     RendezvousTransport,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rendezvousd.trainer.data import ShardedLoader, shard_indices, shard_length
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.topology import MultiNodeTopology

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rendezvousd.trainer.config import DistributedConfig, RendezvousTransport
 from rendezvousd.trainer.errors import ConfigError, DeviceCountError
 from rendezvousd.trainer.topology import (

@@ -40,9 +40,21 @@ def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[str], str, Path]:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "rendezvousd.cli", "serve", "--listen", "127.0.0.1:0",
-         "--token-file", str(token_file), "--heartbeat-timeout-s", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            str(token_file),
+            "--heartbeat-timeout-s",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert daemon.stdout is not None and daemon.stderr is not None
     line = daemon.stdout.readline()
@@ -56,23 +68,53 @@ def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[str], str, Path]:
 def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
     results_dir, ckpt_dir = workdir / "results", workdir / "checkpoints"
     daemon, endpoint, token_file = _start_daemon(workdir)
-    print(f"demo: rendezvousd on {endpoint}; starting {NODES} nodes x {WORKERS} workers (cpu backend)",
-          file=sys.stderr, flush=True)
+    print(
+        f"demo: rendezvousd on {endpoint}; starting {NODES} nodes x {WORKERS} workers (cpu backend)",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
     nodes: list[subprocess.Popen[str]] = []
     pumps = []
     try:
         for node in range(NODES):
-            cmd = [sys.executable, "-m", "rendezvousd.trainer.launcher", "--nnodes", str(NODES),
-                   "--node-rank", str(node), "--nproc-per-node", str(WORKERS),
-                   "--rdzv-endpoint", endpoint, "--token-file", str(token_file), "--backend", "cpu",
-                   "--config", str(CONFIG), "--job-id", "multinode-smoke",
-                   "-m", "rendezvousd.trainer.example", "--steps", str(steps),
-                   "--result-dir", str(results_dir), "--checkpoint-dir", str(ckpt_dir)]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            cmd = [
+                sys.executable,
+                "-m",
+                "rendezvousd.trainer.launcher",
+                "--nnodes",
+                str(NODES),
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(WORKERS),
+                "--rdzv-endpoint",
+                endpoint,
+                "--token-file",
+                str(token_file),
+                "--backend",
+                "cpu",
+                "--config",
+                str(CONFIG),
+                "--job-id",
+                "multinode-smoke",
+                "-m",
+                "rendezvousd.trainer.example",
+                "--steps",
+                str(steps),
+                "--result-dir",
+                str(results_dir),
+                "--checkpoint-dir",
+                str(ckpt_dir),
+            ]
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
             assert proc.stderr is not None
             sink: list[str] = []
-            t = threading.Thread(target=_pump, args=(proc.stderr, f"[node{node}]", sink), daemon=True)
+            t = threading.Thread(
+                target=_pump, args=(proc.stderr, f"[node{node}]", sink), daemon=True
+            )
             t.start()
             nodes.append(proc)
             pumps.append(t)
@@ -91,15 +133,23 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
     r0: dict[str, Any] = next((r for r in per_rank if r["rank"] == 0), {})
     max_diff = r0.get("max_abs_grad_diff_vs_single_process", float("inf"))
     success = (
-        codes == [0] * NODES and len(per_rank) == NODES * WORKERS and max_diff <= GRAD_TOLERANCE
-        and len(checkpoints) == 1 and sum(r["checkpoint_written"] for r in per_rank) == 1
+        codes == [0] * NODES
+        and len(per_rank) == NODES * WORKERS
+        and max_diff <= GRAD_TOLERANCE
+        and len(checkpoints) == 1
+        and sum(r["checkpoint_written"] for r in per_rank) == 1
         and daemon_code == 0
     )
     card = {
         "scorecard": "multinode_smoke",
         "success": success,
-        "topology": {"num_nodes": NODES, "gpus_per_node": WORKERS, "world_size": NODES * WORKERS,
-                     "backend": r0.get("backend", "cpu"), "transport": "daemon (loopback)"},
+        "topology": {
+            "num_nodes": NODES,
+            "gpus_per_node": WORKERS,
+            "world_size": NODES * WORKERS,
+            "backend": r0.get("backend", "cpu"),
+            "transport": "daemon (loopback)",
+        },
         "steps": r0.get("steps"),
         "final_loss": r0.get("final_loss"),
         "max_abs_grad_diff_vs_single_process": max_diff,
@@ -119,15 +169,19 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", type=Path, default=Path("artifacts/multinode_smoke.json"))
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rendezvousd-demo-") as tmp:
         card = run(args.steps, args.out, Path(tmp))
     print(json.dumps(card, indent=2))
-    print(f"demo: scorecard written to {args.out} — {'SUCCESS' if card['success'] else 'FAILED'}",
-          file=sys.stderr)
+    print(
+        f"demo: scorecard written to {args.out} — {'SUCCESS' if card['success'] else 'FAILED'}",
+        file=sys.stderr,
+    )
     return 0 if card["success"] else 1
 
 

@@ -65,7 +65,10 @@ class DistributedContext:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close(clean=exc_type is None)
 
@@ -92,8 +95,12 @@ def init_distributed(
     transport = config.rendezvous
     job_id = environ.get(JOB_ENV, "default")
     rdzv = connect(
-        transport.kind, path=transport.path, endpoint=transport.endpoint, job_id=job_id,
-        token_file=transport.token_file, retry_attempts=config.retry_attempts,
+        transport.kind,
+        path=transport.path,
+        endpoint=transport.endpoint,
+        job_id=job_id,
+        token_file=transport.token_file,
+        retry_attempts=config.retry_attempts,
     )
     id_factory = None
     if config.backend == "nccl":
@@ -116,8 +123,9 @@ def init_distributed(
     )
     communicator = with_retry(
         f"{config.backend} communicator setup for rank {membership.rank}",
-        lambda: _communicator(config, rdzv, membership.rank, membership.world_size,
-                              membership.unique_id, local_rank),
+        lambda: _communicator(
+            config, rdzv, membership.rank, membership.world_size, membership.unique_id, local_rank
+        ),
         attempts=config.retry_attempts,
     )
     # A dead peer must end the step with the peer-failed error, not a hang.
@@ -133,15 +141,27 @@ def _abort(communicator: Communicator, error: RendezvousError) -> None:
 
 
 def _communicator(
-    config: DistributedConfig, rdzv: Rendezvous, rank: int, world_size: int, secret: bytes,
+    config: DistributedConfig,
+    rdzv: Rendezvous,
+    rank: int,
+    world_size: int,
+    secret: bytes,
     local_rank: int,
 ) -> Communicator:
     if config.backend == "nccl":
         from rendezvousd.trainer.nccl import NcclCommunicator
 
-        return NcclCommunicator(rank, world_size, secret, local_rank, timeout=config.collective_timeout_s)
+        return NcclCommunicator(
+            rank, world_size, secret, local_rank, timeout=config.collective_timeout_s
+        )
     from rendezvousd.trainer.cpu_ring import connect_cpu_ring
 
     host = os.environ.get("RENDEZVOUSD_RING_HOST", "127.0.0.1")
-    return connect_cpu_ring(rdzv, rank=rank, world_size=world_size, secret=secret, host=host,
-                            timeout=config.collective_timeout_s)
+    return connect_cpu_ring(
+        rdzv,
+        rank=rank,
+        world_size=world_size,
+        secret=secret,
+        host=host,
+        timeout=config.collective_timeout_s,
+    )

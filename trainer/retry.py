@@ -13,7 +13,10 @@ from rendezvousd.trainer.errors import CommunicatorTimeout, PeerConnectionError,
 
 T = TypeVar("T")
 TRANSIENT: tuple[type[BaseException], ...] = (
-    CommunicatorTimeout, PeerConnectionError, TimeoutError, ConnectionRefusedError,
+    CommunicatorTimeout,
+    PeerConnectionError,
+    TimeoutError,
+    ConnectionRefusedError,
 )
 log = logging.getLogger("rendezvousd.trainer")
 
