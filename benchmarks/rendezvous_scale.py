@@ -28,6 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rendezvousd.embedded import spawn
+
 TARGETS_S = {64: 0.060, 1024: 0.8, 4096: 4.0}
 ANCHOR_TCPSTORE_S = {64: 10.1, 1024: 110.0}  # shared/ANCHORS.md, measured on these machines
 
@@ -43,12 +45,14 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _client_process(
-    endpoint: str, token: str, job: str, ranks: list[int], world: int, start_at: float
+    endpoint: str, token_file: str, job: str, ranks: list[int], world: int, start_at: float
 ) -> dict[str, Any]:
     from rendezvousd.client import AsyncRendezvousClient, RendezvousError
 
     clients = [
-        AsyncRendezvousClient(endpoint, job, token=token, connect_timeout=60, call_timeout=120)
+        AsyncRendezvousClient(
+            endpoint, job, token_file=token_file, connect_timeout=60, call_timeout=120
+        )
         for _ in ranks
     ]
     # Connect before the clock starts: we measure rendezvous, not TCP handshakes.
@@ -83,31 +87,9 @@ async def _client_process(
 def _child(args: argparse.Namespace) -> None:
     ranks = list(range(args.first, args.first + args.count))
     out = asyncio.run(
-        _client_process(args.endpoint, args.token, args.job, ranks, args.world, args.start_at)
+        _client_process(args.endpoint, args.token_file, args.job, ranks, args.world, args.start_at)
     )
     print(json.dumps(out), flush=True)
-
-
-def _start_daemon(token_file: Path) -> tuple[subprocess.Popen[str], str, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "rendezvousd.cli",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--token-file",
-        str(token_file),
-        "--log-level",
-        "WARNING",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    endpoint = proc.stdout.readline().rsplit(" ", 1)[1].strip()
-    metrics = proc.stdout.readline().split(" on ", 1)[1].strip()
-    return proc, endpoint, metrics
 
 
 def _rpc_count(metrics_url: str) -> int:
@@ -124,11 +106,8 @@ def _rpc_count(metrics_url: str) -> int:
 
 def run_ours(world: int, procs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        token = secrets.token_urlsafe(32)
-        token_file = Path(tmp) / "token"
-        token_file.write_text(token)
-        token_file.chmod(0o600)
-        daemon, endpoint, metrics_url = _start_daemon(token_file)
+        embedded = spawn(Path(tmp), "--log-level", "WARNING", metrics=True)
+        daemon, endpoint, metrics_url = embedded.proc, embedded.endpoint, embedded.metrics_url
         try:
             procs = max(1, min(procs, world))
             start_at = time.time() + 2.0 + world / 1000
@@ -144,8 +123,8 @@ def run_ours(world: int, procs: int) -> dict[str, Any]:
                             "--child",
                             "--endpoint",
                             endpoint,
-                            "--token",
-                            token,
+                            "--token-file",
+                            str(embedded.token_file),
                             "--job",
                             job,
                             "--first",
@@ -186,8 +165,7 @@ def run_ours(world: int, procs: int) -> dict[str, Any]:
                 else None,
             }
         finally:
-            daemon.terminate()
-            daemon.wait(30)
+            embedded.stop()
 
 
 def _tcpstore_child(args: argparse.Namespace) -> None:
@@ -292,7 +270,7 @@ def main() -> None:
         "--anchor-max-ranks", type=int, default=64, help="TCPStore is slow: cap its sizes"
     )
     p.add_argument("--json-out", type=Path)
-    for hidden in ("--endpoint", "--token", "--job"):
+    for hidden in ("--endpoint", "--token-file", "--job"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     for hidden in ("--first", "--count", "--world", "--port"):
         p.add_argument(hidden, type=int, help=argparse.SUPPRESS)

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rendezvousd.embedded import spawn
+
 TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0}
 
 
@@ -82,7 +84,7 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
 
     async def member(job: str, rank: int) -> None:
         c = AsyncRendezvousClient(
-            args.endpoint, job, token=args.token, connect_timeout=120, call_timeout=120
+            args.endpoint, job, token_file=args.token_file, connect_timeout=120, call_timeout=120
         )
         clients.append(c)
         t = time.perf_counter()
@@ -132,7 +134,9 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
     from rendezvousd.client import AsyncRendezvousClient
 
     fired: list[float] = []
-    clients = [AsyncRendezvousClient(args.endpoint, "probe", token=args.token) for _ in range(3)]
+    clients = [
+        AsyncRendezvousClient(args.endpoint, "probe", token_file=args.token_file) for _ in range(3)
+    ]
     await asyncio.gather(
         *[
             c.join(num_nodes=4, gpus_per_node=1, node_rank=r, local_rank=0, timeout=300)
@@ -152,7 +156,7 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
 async def _victim(args: argparse.Namespace) -> None:
     from rendezvousd.client import AsyncRendezvousClient
 
-    c = AsyncRendezvousClient(args.endpoint, "probe", token=args.token)
+    c = AsyncRendezvousClient(args.endpoint, "probe", token_file=args.token_file)
     await c.join(num_nodes=4, gpus_per_node=1, node_rank=3, local_rank=0, timeout=300)
     c.start_heartbeat(args.heartbeat_s)
     print(json.dumps({"joined": True}), flush=True)
@@ -170,7 +174,7 @@ def _spawn(
             role,
             "--endpoint",
             endpoint,
-            "--token",
+            "--token-file",
             token,
             "--duration",
             str(args.duration),
@@ -190,30 +194,15 @@ def _spawn(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _raise_fd_limit()
     with tempfile.TemporaryDirectory() as tmp:
-        token = secrets.token_urlsafe(32)
-        token_file = Path(tmp) / "token"
-        token_file.write_text(token)
-        token_file.chmod(0o600)
-        daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rendezvousd.cli",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--token-file",
-                str(token_file),
-                "--log-level",
-                "WARNING",
-                "--heartbeat-timeout-s",
-                str(args.heartbeat_timeout_s),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
+        embedded = spawn(
+            Path(tmp),
+            "--log-level",
+            "WARNING",
+            "--heartbeat-timeout-s",
+            str(args.heartbeat_timeout_s),
         )
-        assert daemon.stdout is not None
-        endpoint = daemon.stdout.readline().rsplit(" ", 1)[1].strip()
+        daemon, endpoint = embedded.proc, embedded.endpoint
+        token = str(embedded.token_file)
         try:
             start_stats = _proc_stats(daemon.pid)
             jobs = max(1, args.members // args.job_size)
@@ -316,7 +305,7 @@ def main() -> None:
     p.add_argument("--json-out", type=Path)
     p.add_argument("--role", choices=("members", "probe", "victim"), help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
-    p.add_argument("--token", help=argparse.SUPPRESS)
+    p.add_argument("--token-file", help=argparse.SUPPRESS)
     p.add_argument("--jobs", type=int, help=argparse.SUPPRESS)
     p.add_argument("--first-job", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--job-prefix", default="soak", help=argparse.SUPPRESS)

@@ -6,9 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import resource
-import secrets
 import signal
 import sys
 from collections.abc import Sequence
@@ -16,6 +14,7 @@ from pathlib import Path
 
 from rendezvousd import config as config_mod
 from rendezvousd.auth import load_tokens
+from rendezvousd.embedded import write_token_file
 from rendezvousd.errors import DaemonError
 from rendezvousd.server import Daemon
 
@@ -76,18 +75,11 @@ async def _run(cfg: config_mod.DaemonConfig, tokens: list[str]) -> int:
 
 def _token(args: argparse.Namespace) -> int:
     path: Path = args.path
-    token = secrets.token_urlsafe(32)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    if args.force:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
-        fd = os.open(path, flags, 0o600)
+        write_token_file(path, replace=args.force)
     except FileExistsError:
         print(f"rendezvousd token: {path} exists; pass --force to replace it", file=sys.stderr)
         return 1
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(token + "\n")
     print(f"rendezvousd token: wrote a new token to {path} (mode 0600)")
     return 0
 

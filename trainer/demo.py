@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,9 @@ import threading
 import time
 from pathlib import Path
 from typing import IO, Any
+
+from rendezvousd.embedded import EmbeddedDaemon, spawn
+from rendezvousd.errors import DaemonError
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "multinode_smoke.toml"
 NODES, WORKERS = 2, 2
@@ -34,40 +35,22 @@ def _pump(stream: IO[str], prefix: str, sink: list[str]) -> None:
         print(f"{prefix} {line}", end="", file=sys.stderr, flush=True)
 
 
-def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[str], str, Path]:
-    token_file = tmp / "token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rendezvousd.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            str(token_file),
-            "--heartbeat-timeout-s",
-            "5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert daemon.stdout is not None and daemon.stderr is not None
-    line = daemon.stdout.readline()
-    if "serving on" not in line:
-        daemon.kill()
-        raise SystemExit(f"demo: rendezvousd did not start: {daemon.stderr.read()}")
-    threading.Thread(target=_pump, args=(daemon.stderr, "[rendezvousd]", []), daemon=True).start()
-    return daemon, line.rsplit(" ", 1)[1].strip(), token_file
+def _start_daemon(tmp: Path) -> EmbeddedDaemon:
+    try:
+        daemon = spawn(tmp, "--heartbeat-timeout-s", "5", stderr=subprocess.PIPE)
+    except DaemonError as exc:
+        raise SystemExit(f"demo: {exc}") from exc
+    assert daemon.proc.stderr is not None
+    threading.Thread(
+        target=_pump, args=(daemon.proc.stderr, "[rendezvousd]", []), daemon=True
+    ).start()
+    return daemon
 
 
 def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
     results_dir, ckpt_dir = workdir / "results", workdir / "checkpoints"
-    daemon, endpoint, token_file = _start_daemon(workdir)
+    daemon = _start_daemon(workdir)
+    endpoint, token_file = daemon.endpoint, daemon.token_file
     print(
         f"demo: rendezvousd on {endpoint}; starting {NODES} nodes x {WORKERS} workers (cpu backend)",
         file=sys.stderr,
@@ -125,8 +108,7 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
-        daemon.terminate()
-        daemon_code = daemon.wait(30)
+        daemon_code = daemon.stop()
     ranks = sorted(results_dir.glob("rank-*.json")) if results_dir.exists() else []
     per_rank = [json.loads(p.read_text()) for p in ranks]
     checkpoints = sorted(p.name for p in ckpt_dir.glob("*.npz")) if ckpt_dir.exists() else []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rendezvousd.embedded import EmbeddedDaemon, spawn
 from rendezvousd.trainer.config import (
     ENV_ENDPOINT,
     ENV_GPUS_PER_NODE,
@@ -95,35 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _fail(message: str) -> int:
     print(f"rendezvous-run: error: {message}", file=sys.stderr, flush=True)
     return 2
-
-
-def _start_daemon(workdir: Path) -> tuple[subprocess.Popen[str], str, Path]:
-    token_file = workdir / "token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rendezvousd.cli",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            str(token_file),
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "serving on" not in line:
-        proc.kill()
-        raise RuntimeError(f"embedded rendezvousd did not start: {line.strip()!r}")
-    return proc, line.rsplit(" ", 1)[1].strip(), token_file
 
 
 def worker_env(
@@ -212,11 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = dict(os.environ)
     endpoint = args.rdzv_endpoint or base.get(ENV_ENDPOINT)
     token_file = args.token_file or base.get(TOKEN_FILE_ENV)
-    daemon: subprocess.Popen[str] | None = None
+    daemon: EmbeddedDaemon | None = None
     with tempfile.TemporaryDirectory(prefix="rendezvous-run-") as tmp:
         if args.standalone:
-            daemon, endpoint, token_path = _start_daemon(Path(tmp))
-            token_file = str(token_path)
+            daemon = spawn(Path(tmp), "--log-level", "WARNING")
+            endpoint, token_file = daemon.endpoint, str(daemon.token_file)
         elif not endpoint:
             return _fail(
                 "no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, or use --standalone"
@@ -245,8 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             if daemon is not None:
-                daemon.terminate()
-                daemon.wait(30)
+                daemon.stop()
 
 
 if __name__ == "__main__":
