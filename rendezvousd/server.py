@@ -182,6 +182,11 @@ class Daemon:
             ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_ping_strikes", 0),
+            # gRPC core cancels calls that wait too long to be handed to the
+            # application once more than 1000 are pending (3000 hard). A join storm
+            # of thousands of ranks is exactly that, so the bound is our own limit.
+            ("grpc.server.max_pending_requests", limits.max_concurrent_rpcs),
+            ("grpc.server.max_pending_requests_hard_limit", limits.max_concurrent_rpcs),
         ]
 
     def _credentials(self) -> grpc.ServerCredentials | None:
