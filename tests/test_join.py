@@ -238,3 +238,42 @@ def test_inspection_shows_members_but_never_the_id(daemon: DaemonProcess, job_id
     assert status.returncode == 0, status.stderr
     assert job_id in status.stdout and "inspect-host" in status.stdout and "ENDED" in status.stdout
     assert uid.hex() not in daemon.log() and daemon.token not in daemon.log()
+
+
+async def test_join_storm_beyond_grpc_pending_call_limits(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """gRPC core cancels pending calls past 1000/3000 unless the daemon raises the
+    limits; 3200 ranks parked at once in one job must all be answered."""
+    import grpc
+
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+
+    world = 3200
+    channels = [
+        grpc.aio.insecure_channel(daemon.endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(8)
+    ]
+    stubs = [pb_grpc.RendezvousStub(c) for c in channels]
+    auth = (("authorization", f"Bearer {daemon.token}"),)
+
+    async def join(rank: int) -> int:
+        request = pb.JoinRequest(
+            job_id=job_id,
+            topology=pb.Topology(num_nodes=world, gpus_per_node=1),
+            node_rank=rank,
+            local_rank=0,
+            host=f"h{rank}",
+            instance_id=f"i{rank}",
+            wait_timeout_ms=60_000,
+            unique_id=b"\x01" * 128 if rank == 0 else b"",
+        )
+        response = await stubs[rank % 8].Join(request, timeout=90, metadata=auth)
+        return int(response.rank)
+
+    try:
+        ranks = await asyncio.gather(*[join(r) for r in range(world)])
+        assert sorted(ranks) == list(range(world))
+    finally:
+        await asyncio.gather(*[c.close() for c in channels])
