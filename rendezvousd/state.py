@@ -382,6 +382,9 @@ class RendezvousState:
         meta = {"job_id": job.job_id, "generation": str(job.generation)}
         if w.kind == "join":
             job.join_waiters.pop(waiter, None)
+            if not timed_out:
+                self._abandon_join(job, w.rank, now)
+                return None
             missing = job.missing_ranks()
             self._drop_joiner(job, w.rank, now)
             meta["ranks"] = ranks_text(missing[:64])
@@ -421,6 +424,18 @@ class RendezvousState:
             f"key {w.key!r} of job {job.job_id!r} was not set within {waited}",
             meta,
         )
+
+    def _abandon_join(self, job: Job, rank: int, now: float) -> None:
+        """A parked Join vanished (the worker died or disconnected): everyone
+        waiting for this world is told at once, rather than at their timeout."""
+        member = job.members.get(rank)
+        if job.state is not JobState.FORMING or member is None or rank in job.join_waiters.values():
+            return
+        member.state = MemberState.LOST
+        cause = "its Join was cancelled (worker died or disconnected)"
+        job.failed.append(FailedInfo(rank, member.host, cause))
+        self._set_state(job, JobState.FAILED, now, f"rank {rank} on {member.host}: {cause}")
+        self._fail_waiters(job)
 
     def _drop_joiner(self, job: Job, rank: int, now: float) -> None:
         """A joiner gave up before the world was complete: free its rank."""

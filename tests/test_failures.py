@@ -131,3 +131,33 @@ def test_on_failure_callback_runs_with_the_peer_failed_error(
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+def test_sigkill_during_join_fails_the_ranks_still_waiting(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    # World of 3, only 2 start: both stay parked in Join until one of them dies.
+    procs = [
+        subprocess.Popen(worker_cmd(daemon, job_id, 1, 3, 0, g), stdout=subprocess.PIPE, text=True)
+        for g in range(2)
+    ]
+    try:
+        with RendezvousClient(daemon.endpoint, token=daemon.token) as probe:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    if len(probe.get_job(job_id).members) == 2:
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.05)
+        killed_at = time.monotonic()
+        procs[1].send_signal(signal.SIGKILL)
+        result = _outcome(procs[0], timeout=20)
+        assert result["type"] == "PeerFailed" and result["ranks"] == "1", result
+        assert "Join was cancelled" in str(result["message"])
+        assert time.monotonic() - killed_at < 5
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

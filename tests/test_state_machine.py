@@ -276,6 +276,19 @@ def test_join_timeout_frees_the_rank_and_names_missing_ranks() -> None:
     assert isinstance(sm.join(args(1, 0, inst="other"), 31.0), Parked)
 
 
+def test_join_cancelled_by_a_dead_worker_fails_everyone_waiting_at_once() -> None:
+    sm = RendezvousState()
+    a = sm.join(args(0, 1), 0.0)
+    b = sm.join(args(1, 0), 0.0)
+    assert isinstance(a, Parked) and isinstance(b, Parked)
+    assert sm.cancel_wait(b.waiter, 1.0, timed_out=False) is None
+    wakes = [e for e in sm.take_effects() if isinstance(e, Wake)]
+    assert [w.waiter for w in wakes] == [a.waiter]
+    f = wakes[0].fault
+    assert f is not None and f.reason == "PEER_FAILED" and f.metadata["ranks"] == "2"
+    assert "rank 2 on h1" in f.message and sm.jobs["j"].state is JobState.FAILED
+
+
 def test_rank_zero_leaving_before_formed_drops_its_id() -> None:
     sm = RendezvousState()
     sm.join(args(0, 0, uid=ID, inst="z"), 0.0)
