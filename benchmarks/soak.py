@@ -71,7 +71,6 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
     jobs = [f"{args.job_prefix}-{j}" for j in range(args.first_job, args.first_job + args.jobs)]
     latencies: dict[str, list[float]] = {
         "join": [],
-        "heartbeat_rtt": [],
         "barrier": [],
         "kv_set": [],
         "kv_get": [],
@@ -82,7 +81,7 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
     def err(exc: RendezvousError) -> None:
         errors[exc.code or type(exc).__name__] = errors.get(exc.code or type(exc).__name__, 0) + 1
 
-    async def member(job: str, rank: int) -> None:
+    async def join(job: str, rank: int) -> Any:
         c = AsyncRendezvousClient(
             args.endpoint, job, token_file=args.token_file, connect_timeout=120, call_timeout=120
         )
@@ -99,14 +98,15 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
             )
         except RendezvousError as exc:
             err(exc)
-            return
+            return None
         latencies["join"].append(time.perf_counter() - t)
         c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e))
-        deadline = time.time() + args.duration
-        period = 0
+        return c
+
+    async def steady(c: Any, rank: int, deadline: float) -> None:
+        # Spread members over the period so load is steady, not one burst.
+        await asyncio.sleep(args.period_s * (rank % 16) / 16)
         while time.time() < deadline:
-            await asyncio.sleep(args.period_s)
-            period += 1
             try:
                 t = time.perf_counter()
                 await c.kv_set(f"m{rank}", secrets.token_bytes(64))
@@ -120,8 +120,16 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
             except RendezvousError as exc:
                 err(exc)
                 return
+            await asyncio.sleep(args.period_s)
 
-    await asyncio.gather(*[member(job, r) for job in jobs for r in range(args.job_size)])
+    members = [(job, r) for job in jobs for r in range(args.job_size)]
+    joined = await asyncio.gather(*[join(job, r) for job, r in members])
+    # Tell the parent we are in steady state: its RSS baseline and clock start now.
+    print(json.dumps({"joined": sum(c is not None for c in joined)}), flush=True)
+    deadline = time.time() + args.duration
+    await asyncio.gather(
+        *[steady(c, r, deadline) for c, (_, r) in zip(joined, members, strict=True) if c]
+    )
     await asyncio.gather(
         *[c.leave() for c in clients if c.membership is not None], return_exceptions=True
     )
@@ -233,10 +241,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert probe.stdout is not None and victim.stdout is not None
             json.loads(victim.stdout.readline())
             json.loads(probe.stdout.readline())
+            for w in workers:
+                assert w.stdout is not None
+                json.loads(w.stdout.readline())  # every member of this process joined
             started = time.time()
-            time.sleep(min(5.0, args.duration / 4))
             steady_stats = _proc_stats(daemon.pid)
-            time.sleep(max(0.0, args.duration - (time.time() - started) - 1))
+            time.sleep(max(0.0, args.duration - 1))
             killed_at = time.time()
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
@@ -301,7 +311,7 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=4)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
-    p.add_argument("--period-s", type=float, default=5.0, help="barrier + KV every this often")
+    p.add_argument("--period-s", type=float, default=30.0, help="barrier + KV every this often")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--role", choices=("members", "probe", "victim"), help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
