@@ -103,9 +103,10 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e))
         return c
 
-    async def steady(c: Any, rank: int, deadline: float) -> None:
-        # Spread members over the period so load is steady, not one burst.
-        await asyncio.sleep(args.period_s * (rank % 16) / 16)
+    async def steady(c: Any, job_index: int, rank: int, deadline: float) -> None:
+        # Spread jobs (not the members of one job, who meet in the barrier) over
+        # the period, so the load is steady rather than one burst.
+        await asyncio.sleep(args.period_s * (job_index % 16) / 16)
         while time.time() < deadline:
             try:
                 t = time.perf_counter()
@@ -128,7 +129,11 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
     print(json.dumps({"joined": sum(c is not None for c in joined)}), flush=True)
     deadline = time.time() + args.duration
     await asyncio.gather(
-        *[steady(c, r, deadline) for c, (_, r) in zip(joined, members, strict=True) if c]
+        *[
+            steady(c, jobs.index(job), r, deadline)
+            for c, (job, r) in zip(joined, members, strict=True)
+            if c
+        ]
     )
     await asyncio.gather(
         *[c.leave() for c in clients if c.membership is not None], return_exceptions=True

@@ -9,6 +9,7 @@ import os
 import random
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from rendezvousd.client.errors import (
     PeerFailed,
     RendezvousError,
     RendezvousTimeout,
+    from_rpc_error,
 )
 
 SERVICE = "rendezvous.v1.Rendezvous"
@@ -328,3 +330,63 @@ class Session:
                 rank=last.rank,
             )
         return last
+
+
+_TRANSIENT_STREAM_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+
+
+@dataclass
+class StreamWatch:
+    """What the heartbeat loops (thread and task) decide; they only do the I/O."""
+
+    session: Session
+    member: Membership
+    reconnect_window: float
+    outage_since: float | None = None
+    attempt: int = 0
+
+    def on_event(self, event: pb.JobEvent) -> str:
+        """ "stop" (the member failed), "reconnect" (daemon draining) or "continue"."""
+        self.outage_since, self.attempt = None, 0
+        error = self.session.event_error(event)
+        if error is not None:
+            self.session.fail(error)
+            return "stop"
+        return "reconnect" if event.kind == pb.JobEvent.DAEMON_DRAINING else "continue"
+
+    def on_error(self, exc: grpc.RpcError) -> bool:
+        """True to reconnect; False when the error ends this member."""
+        if exc.code() in _TRANSIENT_STREAM_CODES:
+            return True
+        self.session.fail(
+            from_rpc_error(
+                exc,
+                endpoint=self.session.endpoint,
+                method="Heartbeat",
+                job_id=self.member.job_id,
+                rank=self.member.rank,
+            )
+        )
+        return False
+
+    def next_backoff(self) -> float | None:
+        """Seconds to wait before reconnecting, or None once the outage is too long."""
+        now = time.monotonic()
+        self.outage_since = self.outage_since or now
+        if now - self.outage_since > self.reconnect_window:
+            self.session.fail(
+                DaemonUnavailable(
+                    f"lost the heartbeat stream to rendezvousd at {self.session.endpoint} for more than "
+                    f"{self.reconnect_window:g} s (job {self.member.job_id!r}, rank {self.member.rank})",
+                    code="UNAVAILABLE",
+                    endpoint=self.session.endpoint,
+                    method="Heartbeat",
+                    job_id=self.member.job_id,
+                    rank=self.member.rank,
+                )
+            )
+            return None
+        self.attempt += 1
+        return self.session.retry.backoff(self.attempt)

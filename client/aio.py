@@ -21,6 +21,7 @@ from rendezvousd.client._session import (
     Membership,
     RetryPolicy,
     Session,
+    StreamWatch,
     TlsConfig,
     channel_options,
     membership,
@@ -267,55 +268,27 @@ class AsyncRendezvousClient:
             await asyncio.sleep(interval)
 
     async def _heartbeat_loop(self, m: Membership, interval: float) -> None:
-        outage_since: float | None = None
-        attempt = 0
+        watch = StreamWatch(self._s, m, self._reconnect_window)
         while True:
             call = self._stub.Heartbeat(
                 self._heartbeat_requests(m, interval), metadata=self._s.metadata, timeout=3600.0
             )
             try:
                 async for event in call:
-                    outage_since, attempt = None, 0
-                    error = self._s.event_error(event)
-                    if error is not None:
-                        self._s.fail(error)
+                    action = watch.on_event(event)
+                    if action == "stop":
                         return
-                    if event.kind == pb.JobEvent.DAEMON_DRAINING:
+                    if action == "reconnect":
                         break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.CANCELLED,
-                ):
-                    self._s.fail(
-                        from_rpc_error(
-                            exc,
-                            endpoint=self._s.endpoint,
-                            method="Heartbeat",
-                            job_id=m.job_id,
-                            rank=m.rank,
-                        )
-                    )
+                if not watch.on_error(exc):
                     return
             finally:
                 call.cancel()
-            outage_since = outage_since or time.monotonic()
-            if time.monotonic() - outage_since > self._reconnect_window:
-                self._s.fail(
-                    DaemonUnavailable(
-                        f"lost the heartbeat stream to rendezvousd at {self._s.endpoint} for more than "
-                        f"{self._reconnect_window:g} s (job {m.job_id!r}, rank {m.rank})",
-                        code="UNAVAILABLE",
-                        endpoint=self._s.endpoint,
-                        method="Heartbeat",
-                        job_id=m.job_id,
-                        rank=m.rank,
-                    )
-                )
+            delay = watch.next_backoff()
+            if delay is None:
                 return
-            attempt += 1
-            await asyncio.sleep(self._s.retry.backoff(attempt))
+            await asyncio.sleep(delay)
 
     async def _stop_heartbeat(self) -> None:
         task, self._hb_task = self._hb_task, None

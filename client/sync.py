@@ -20,6 +20,7 @@ from rendezvousd.client._session import (
     Membership,
     RetryPolicy,
     Session,
+    StreamWatch,
     TlsConfig,
     channel_options,
     membership,
@@ -313,8 +314,7 @@ class RendezvousClient:
             yield request
 
     def _heartbeat_loop(self, m: Membership, interval: float) -> None:
-        outage_since: float | None = None
-        attempt = 0
+        watch = StreamWatch(self._s, m, self._reconnect_window)
         while not self._hb_stop.is_set():
             call = self._stub.Heartbeat(
                 self._heartbeat_requests(m, interval), metadata=self._s.metadata, timeout=3600.0
@@ -322,50 +322,20 @@ class RendezvousClient:
             self._hb_call = call
             try:
                 for event in call:
-                    outage_since, attempt = None, 0
-                    error = self._s.event_error(event)
-                    if error is not None:
-                        self._s.fail(error)
+                    action = watch.on_event(event)
+                    if action == "stop":
                         return
-                    if event.kind == pb.JobEvent.DAEMON_DRAINING:
+                    if action == "reconnect":
                         break
             except grpc.RpcError as exc:
-                if self._hb_stop.is_set():
-                    return
-                code = exc.code()
-                if code not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.CANCELLED,
-                ):
-                    self._s.fail(
-                        from_rpc_error(
-                            exc,
-                            endpoint=self._s.endpoint,
-                            method="Heartbeat",
-                            job_id=m.job_id,
-                            rank=m.rank,
-                        )
-                    )
+                if self._hb_stop.is_set() or not watch.on_error(exc):
                     return
             finally:
                 call.cancel()
-            outage_since = outage_since or time.monotonic()
-            if time.monotonic() - outage_since > self._reconnect_window:
-                self._s.fail(
-                    DaemonUnavailable(
-                        f"lost the heartbeat stream to rendezvousd at {self._s.endpoint} for more than "
-                        f"{self._reconnect_window:g} s (job {m.job_id!r}, rank {m.rank})",
-                        code="UNAVAILABLE",
-                        endpoint=self._s.endpoint,
-                        method="Heartbeat",
-                        job_id=m.job_id,
-                        rank=m.rank,
-                    )
-                )
+            delay = watch.next_backoff()
+            if delay is None:
                 return
-            attempt += 1
-            self._hb_stop.wait(self._s.retry.backoff(attempt))
+            self._hb_stop.wait(delay)
 
     def _stop_heartbeat(self) -> None:
         self._hb_stop.set()
