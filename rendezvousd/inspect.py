@@ -27,7 +27,12 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
             Path(args.tls_key).read_bytes() if args.tls_key else None,
             Path(args.tls_cert).read_bytes() if args.tls_cert else None,
         )
-        return grpc.secure_channel(args.endpoint, creds)
+        options = (
+            [("grpc.ssl_target_name_override", args.tls_server_name)]
+            if args.tls_server_name
+            else []
+        )
+        return grpc.secure_channel(args.endpoint, creds, options=options)
     return grpc.insecure_channel(args.endpoint)
 
 
@@ -63,12 +68,21 @@ def _age(ms: int) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rendezvousd.client import RendezvousClient, RendezvousError
+    from rendezvousd.client import RendezvousClient, RendezvousError, TlsConfig
 
+    tls = None
+    if args.tls_ca is not None:
+        tls = TlsConfig(
+            ca=Path(args.tls_ca),
+            cert=Path(args.tls_cert) if args.tls_cert else None,
+            key=Path(args.tls_key) if args.tls_key else None,
+            server_name=args.tls_server_name,
+        )
     try:
         with RendezvousClient(
             args.endpoint,
             token_file=args.token_file,
+            tls=tls,
             connect_timeout=args.timeout,
             call_timeout=args.timeout,
         ) as client:
@@ -114,6 +128,11 @@ def add_inspect_commands(sub: Any) -> None:
         p.add_argument("--tls-ca", default=None, help="PEM CA that signed the daemon's certificate")
         p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS)")
         p.add_argument("--tls-key", default=None, help="PEM client key (mTLS)")
+        p.add_argument(
+            "--tls-server-name",
+            default=None,
+            help="name to verify in the daemon's certificate (e.g. when probing 127.0.0.1)",
+        )
 
     health = sub.add_parser("health", help="check grpc.health.v1 (exit 0 when SERVING)")
     common(health)

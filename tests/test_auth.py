@@ -620,3 +620,32 @@ def test_mtls_requires_a_client_certificate_from_the_ca(
     # A certificate does not replace the token either.
     with grpc.secure_channel(d.endpoint, good) as ch:
         assert call(ch, f"/{SERVICE}/ListJobs", None) is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_and_status_commands_speak_tls(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    tls = ["--tls-ca", str(pki.ca), "--tls-server-name", "localhost"]
+    base = [sys.executable, "-m", "rendezvousd.cli"]
+    health = subprocess.run(
+        [*base, "health", "--endpoint", d.endpoint, *tls],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert health.returncode == 0, health.stderr
+    status = subprocess.run(
+        [*base, "status", "--endpoint", d.endpoint, "--token-file", str(d.token_file), *tls],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0 and "JOB" in status.stdout, status.stderr
+    plain = subprocess.run(
+        [*base, "health", "--endpoint", d.endpoint, "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert plain.returncode != 0
