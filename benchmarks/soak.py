@@ -103,11 +103,13 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e))
         return c
 
-    async def steady(c: Any, job_index: int, rank: int, deadline: float) -> None:
+    async def steady(c: Any, job_index: int, rank: int, rounds: int) -> None:
         # Spread jobs (not the members of one job, who meet in the barrier) over
         # the period, so the load is steady rather than one burst.
         await asyncio.sleep(args.period_s * (job_index % 16) / 16)
-        while time.time() < deadline:
+        # A fixed number of rounds: every member of a job runs the same barriers (a
+        # time-based stop would leave some members waiting for peers that quit).
+        for _ in range(rounds):
             try:
                 t = time.perf_counter()
                 await c.kv_set(f"m{rank}", secrets.token_bytes(64))
@@ -127,10 +129,10 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
     joined = await asyncio.gather(*[join(job, r) for job, r in members])
     # Tell the parent we are in steady state: its RSS baseline and clock start now.
     print(json.dumps({"joined": sum(c is not None for c in joined)}), flush=True)
-    deadline = time.time() + args.duration
+    rounds = max(1, int(args.duration // args.period_s))
     await asyncio.gather(
         *[
-            steady(c, jobs.index(job), r, deadline)
+            steady(c, jobs.index(job), r, rounds)
             for c, (job, r) in zip(joined, members, strict=True)
             if c
         ]
