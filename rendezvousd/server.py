@@ -169,6 +169,7 @@ class Daemon:
 
     def _options(self) -> list[tuple[str, int]]:
         limits = self.state.limits
+        pending = min(limits.max_concurrent_rpcs, max(3000, limits.max_members_per_job + 1024))
         return [
             # A second daemon on the same port must fail, not share the port.
             ("grpc.so_reuseport", 0),
@@ -182,11 +183,12 @@ class Daemon:
             ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_ping_strikes", 0),
-            # gRPC core cancels calls that wait too long to be handed to the
-            # application once more than 1000 are pending (3000 hard). A join storm
-            # of thousands of ranks is exactly that, so the bound is our own limit.
-            ("grpc.server.max_pending_requests", limits.max_concurrent_rpcs),
-            ("grpc.server.max_pending_requests_hard_limit", limits.max_concurrent_rpcs),
+            # gRPC core cancels calls that wait to be handed to the application
+            # once more than 1000 are pending (3000 hard). A join storm of a whole
+            # world is exactly that: allow one world (plus slack), no more, since
+            # pending calls are queued before authentication.
+            ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", pending),
         ]
 
     def _credentials(self) -> grpc.ServerCredentials | None:
