@@ -9,8 +9,8 @@ every --heartbeat-s; every --period-s each job runs a barrier and each member a
 KvSet + KvGet. A separate 1-member "victim" process belongs to a probe job and
 is SIGKILLed at the end: the survivors' on_failure callbacks time the
 failure-to-survivor notification. Prints one JSON document: operation counts,
-rate, p50/p90/p99/p99.9 latency per operation, errors by status code, daemon
-RSS and open fds at start and end.
+rate, p50/p90/p99/p99.9 latency per operation, errors by status code, daemon RSS and
+open fds at start, in steady state, at the end of the load and after members left.
 """
 
 from __future__ import annotations
