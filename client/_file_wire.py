@@ -47,7 +47,6 @@ from rendezvousd.client.errors import (
 
 log = logging.getLogger("rendezvousd.client.file")
 
-UNIQUE_ID_BYTES = 128
 GENERATION = 1
 MAX_FRAME_BYTES = 32 * 1024 * 1024
 MAX_VALUE_BYTES = 16 * 1024 * 1024

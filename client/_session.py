@@ -32,6 +32,10 @@ SERVICE = "rendezvous.v1.Rendezvous"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
+UNIQUE_ID_BYTES = 128
+# Extra deadline beyond a waiting call's own timeout, so the daemon's answer
+# (which names the missing ranks) arrives before the transport gives up.
+SLACK_S = 5.0
 
 # Safe to repeat: Join/PublishId by instance id, Barrier by sequence, sets overwrite.
 IDEMPOTENT = frozenset(
@@ -248,7 +252,7 @@ class Session:
             )
         return self.joined
 
-    def join_request(
+    def plan_join(
         self,
         *,
         num_nodes: int,
@@ -258,21 +262,27 @@ class Session:
         host: str | None,
         address: str,
         unique_id: bytes | None,
+        id_factory: Callable[[], bytes] | None,
         timeout: float,
-    ) -> pb.JoinRequest:
-        request = pb.JoinRequest(
+    ) -> JoinPlan:
+        """Start a join: a fresh instance id, cleared state, and the first request."""
+        self.new_instance()
+        self.joined, self.failure, self.barrier_counts = None, None, {}
+        plan = JoinPlan(self, unique_id, id_factory, timeout, time.monotonic())
+        known_rank_zero = node_rank == 0 and local_rank == 0
+        plan.request = pb.JoinRequest(
             job_id=self.job_id,
             topology=pb.Topology(num_nodes=num_nodes, gpus_per_node=gpus_per_node),
             local_rank=local_rank,
             host=host or socket.gethostname(),
             address=address,
-            unique_id=unique_id or b"",
+            unique_id=plan.make_id() if known_rank_zero else b"",
             instance_id=self.instance_id,
             wait_timeout_ms=int(timeout * 1000),
         )
         if node_rank is not None:
-            request.node_rank = node_rank
-        return request
+            plan.request.node_rank = node_rank
+        return plan
 
     def next_barrier(self, name: str) -> int:
         self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
@@ -390,3 +400,55 @@ class StreamWatch:
             return None
         self.attempt += 1
         return self.session.retry.backoff(self.attempt)
+
+
+def rank_zero_id(unique_id: bytes | None, id_factory: Callable[[], bytes] | None) -> bytes:
+    """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128
+    random bytes (all the CPU backend needs: it keys the ring's HMAC)."""
+    return unique_id or (id_factory() if id_factory else os.urandom(UNIQUE_ID_BYTES))
+
+
+@dataclass
+class JoinPlan:
+    """The decisions of one ``join()`` call, shared by the sync and asyncio clients."""
+
+    session: Session
+    unique_id: bytes | None
+    id_factory: Callable[[], bytes] | None
+    timeout: float
+    started: float
+    request: pb.JoinRequest = field(default_factory=pb.JoinRequest)
+
+    def make_id(self) -> bytes:
+        """Rank 0's id: the caller's bytes, else ``id_factory()``, else 128 random bytes."""
+        return self.unique_id or (
+            self.id_factory() if self.id_factory else os.urandom(UNIQUE_ID_BYTES)
+        )
+
+    def left(self) -> float:
+        return max(0.001, self.timeout - (time.monotonic() - self.started))
+
+    def fresh_id_after(self, error: RendezvousError) -> bool:
+        """True when the Join should be sent again with a new id.
+
+        A restarted daemon fenced the generation our id belonged to: a fresh id is
+        all rank 0 needs, unless the caller pinned the bytes.
+        """
+        if error.reason != "ID_REUSED" or self.unique_id is not None:
+            return False
+        self.request.unique_id = self.make_id()
+        return True
+
+    def publish_request(self, response: pb.JoinResponse) -> pb.PublishIdRequest:
+        return pb.PublishIdRequest(
+            job_id=self.session.job_id,
+            generation=response.generation,
+            rank=response.rank,
+            instance_id=self.session.instance_id,
+            unique_id=self.make_id(),
+            wait_timeout_ms=int(self.left() * 1000),
+        )
+
+    def finish(self, response: pb.JoinResponse) -> Membership:
+        self.session.joined = membership(response)
+        return self.session.joined

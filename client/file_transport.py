@@ -24,7 +24,6 @@ from typing import Any
 
 from rendezvousd.client._file_wire import (
     GENERATION,
-    UNIQUE_ID_BYTES,
     FileServer,
     FrameReader,
     Message,
@@ -37,7 +36,7 @@ from rendezvousd.client._file_wire import (
     get_str,
     peer_ids,
 )
-from rendezvousd.client._session import Member, Membership
+from rendezvousd.client._session import UNIQUE_ID_BYTES, Member, Membership, rank_zero_id
 from rendezvousd.client.errors import (
     AuthenticationError,
     InvalidRequest,
@@ -172,7 +171,7 @@ class FileRendezvous:
         self._failed.clear()
         deadline = time.monotonic() + timeout
         if local_rank == 0:
-            uid = unique_id or (id_factory() if id_factory else os.urandom(UNIQUE_ID_BYTES))
+            uid = rank_zero_id(unique_id, id_factory)
             _check_id(uid)
             server = FileServer(self._path, self._job_id, gpus_per_node, uid)
             if server.start():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,13 +16,13 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client._session import (
     SERVICE,
+    SLACK_S,
     Membership,
     RetryPolicy,
     Session,
     StreamWatch,
     TlsConfig,
     channel_options,
-    membership,
     resolve_token,
 )
 from rendezvousd.client.errors import (
@@ -32,12 +31,6 @@ from rendezvousd.client.errors import (
     RendezvousError,
     from_rpc_error,
 )
-
-UNIQUE_ID_BYTES = 128
-# Extra deadline beyond a waiting call's own timeout, so the daemon's answer
-# (which names the missing ranks) arrives before the transport gives up.
-_SLACK_S = 5.0
-_NOT_SERVING_RETRY = grpc.StatusCode.UNAVAILABLE
 
 
 class RendezvousClient:
@@ -151,46 +144,27 @@ class RendezvousClient:
         NCCL's get_unique_id), else 128 random bytes (enough for the CPU backend).
         """
         self.check_health()
-        self._s.new_instance()
-        self._s.joined, self._s.failure, self._s.barrier_counts = None, None, {}
-        started = time.monotonic()
-
-        def make_id() -> bytes:
-            return unique_id or (id_factory() if id_factory else os.urandom(UNIQUE_ID_BYTES))
-
-        known_rank_zero = node_rank == 0 and local_rank == 0
-        request = self._s.join_request(
+        plan = self._s.plan_join(
             num_nodes=num_nodes,
             gpus_per_node=gpus_per_node,
             local_rank=local_rank,
             node_rank=node_rank,
             host=host,
             address=address,
-            unique_id=make_id() if known_rank_zero else None,
+            unique_id=unique_id,
+            id_factory=id_factory,
             timeout=timeout,
         )
         try:
-            response = self._call("Join", request, timeout=timeout + _SLACK_S)
+            response = self._call("Join", plan.request, timeout=timeout + SLACK_S)
         except InvalidRequest as exc:
-            # A restarted daemon fenced the generation our id belonged to: a
-            # fresh id is all rank 0 needs, unless the caller pinned the bytes.
-            if exc.reason != "ID_REUSED" or unique_id is not None:
+            if not plan.fresh_id_after(exc):
                 raise
-            request.unique_id = make_id()
-            response = self._call("Join", request, timeout=timeout + _SLACK_S)
+            response = self._call("Join", plan.request, timeout=timeout + SLACK_S)
         if response.id_required:
-            left = max(0.001, timeout - (time.monotonic() - started))
-            publish = pb.PublishIdRequest(
-                job_id=self._s.job_id,
-                generation=response.generation,
-                rank=response.rank,
-                instance_id=self._s.instance_id,
-                unique_id=make_id(),
-                wait_timeout_ms=int(left * 1000),
-            )
-            response = self._call("PublishId", publish, timeout=left + _SLACK_S)
-        self._s.joined = membership(response)
-        return self._s.joined
+            publish = plan.publish_request(response)
+            response = self._call("PublishId", publish, timeout=plan.left() + SLACK_S)
+        return plan.finish(response)
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         m = self._s.member()
@@ -203,7 +177,7 @@ class RendezvousClient:
             sequence=self._s.next_barrier(name),
             wait_timeout_ms=int(wait * 1000),
         )
-        self._call("Barrier", request, timeout=wait + _SLACK_S)
+        self._call("Barrier", request, timeout=wait + SLACK_S)
 
     def leave(self) -> None:
         """Say goodbye first, then close the stream: otherwise peers see a failure."""
@@ -253,7 +227,7 @@ class RendezvousClient:
         request = pb.KvGetRequest(
             key=key, wait=wait, wait_timeout_ms=int(limit * 1000), **self._kv_scope()
         )
-        value: bytes = self._call("KvGet", request, timeout=limit + _SLACK_S).value
+        value: bytes = self._call("KvGet", request, timeout=limit + SLACK_S).value
         return value
 
     def kv_add(self, key: str, delta: int = 1) -> int:

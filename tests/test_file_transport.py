@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from rendezvousd.client import _file_wire as wire
 from rendezvousd.client import file_transport
+from rendezvousd.client._session import UNIQUE_ID_BYTES
 from rendezvousd.client.errors import (
     AuthenticationError,
     InvalidRequest,
@@ -122,7 +123,7 @@ def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
 def roundtrip(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Runs 1 node x 4 workers once; logs go to files in the shared directory."""
     directory = tmp_path_factory.mktemp("rdv")
-    unique_id = os.urandom(wire.UNIQUE_ID_BYTES)
+    unique_id = os.urandom(UNIQUE_ID_BYTES)
     cfg = {"path": str(directory), "job_id": "rt", "gpus_per_node": WORLD, "mode": "roundtrip"}
     procs = []
     for rank in range(WORLD):
@@ -153,7 +154,7 @@ def test_file_rendezvous_round_trips_id_bytes(roundtrip: dict[str, Any]) -> None
     joined = [r["joined"] for r in roundtrip["results"]]
     assert sorted(j["rank"] for j in joined) == list(range(WORLD))
     for j in joined:
-        assert j["id_len"] == wire.UNIQUE_ID_BYTES
+        assert j["id_len"] == UNIQUE_ID_BYTES
         assert j["id_sha256"] == expected
         assert j["world_size"] == WORLD
         assert j["generation"] == 1
