@@ -82,11 +82,9 @@ class RendezvousState:
 
     def _park(self, job: Job, kind: str, rank: int, key: str, now: float) -> Parked:
         if len(self._waiters) >= self.limits.max_waiters:
-            raise RendezvousFault(
-                Code.RESOURCE_EXHAUSTED,
-                "LIMIT_EXCEEDED",
+            raise validation.limit_exceeded(
+                "max_waiters",
                 f"the daemon already holds max_waiters={self.limits.max_waiters} waiting calls",
-                {"limit": "max_waiters"},
             )
         waiter = next(self._next_waiter)
         self._waiters[waiter] = _Waiter(job.job_id, job.generation, kind, rank, key, now)
@@ -238,11 +236,8 @@ class RendezvousState:
         job = self.jobs.get(args.job_id)
         if job is None:
             if len(self.jobs) >= self.limits.max_jobs:
-                raise RendezvousFault(
-                    Code.RESOURCE_EXHAUSTED,
-                    "LIMIT_EXCEEDED",
-                    f"the daemon already holds max_jobs={self.limits.max_jobs} jobs",
-                    {"limit": "max_jobs"},
+                raise validation.limit_exceeded(
+                    "max_jobs", f"the daemon already holds max_jobs={self.limits.max_jobs} jobs"
                 )
             job = Job(args.job_id, args.num_nodes, args.gpus_per_node, 0, JobState.FORMING, now)
             self.jobs[args.job_id] = job
@@ -568,19 +563,17 @@ class RendezvousState:
     def _store(self, job: Job, key: str, value: bytes) -> None:
         old = job.kv.get(key)
         if old is None and len(job.kv) >= self.limits.max_keys_per_job:
-            raise RendezvousFault(
-                Code.RESOURCE_EXHAUSTED,
-                "LIMIT_EXCEEDED",
+            raise validation.limit_exceeded(
+                "max_keys_per_job",
                 f"job {job.job_id!r} already has max_keys_per_job={self.limits.max_keys_per_job} keys",
-                {"limit": "max_keys_per_job", "job_id": job.job_id},
+                job_id=job.job_id,
             )
         grown = job.kv_bytes + len(value) - (len(old) if old is not None else -len(key))
         if grown > self.limits.max_kv_bytes_per_job:
-            raise RendezvousFault(
-                Code.RESOURCE_EXHAUSTED,
-                "LIMIT_EXCEEDED",
+            raise validation.limit_exceeded(
+                "max_kv_bytes_per_job",
                 f"job {job.job_id!r} would exceed max_kv_bytes_per_job={self.limits.max_kv_bytes_per_job}",
-                {"limit": "max_kv_bytes_per_job", "job_id": job.job_id},
+                job_id=job.job_id,
             )
         job.kv[key] = value
         job.kv_bytes = grown

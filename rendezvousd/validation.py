@@ -16,6 +16,13 @@ def invalid(reason: str, message: str, **metadata: str) -> RendezvousFault:
     return RendezvousFault(Code.INVALID_ARGUMENT, reason, message, metadata)
 
 
+def limit_exceeded(limit: str, message: str, **metadata: str) -> RendezvousFault:
+    """RESOURCE_EXHAUSTED naming the limit (``limit`` in the ErrorInfo metadata)."""
+    return RendezvousFault(
+        Code.RESOURCE_EXHAUSTED, "LIMIT_EXCEEDED", message, {"limit": limit, **metadata}
+    )
+
+
 def job_id(value: str) -> str:
     if not _JOB_ID.fullmatch(value) or value in (".", ".."):
         shown = value[:40].encode("unicode_escape").decode("ascii")
@@ -35,12 +42,10 @@ def topology(num_nodes: int, gpus_per_node: int, limits: Limits) -> None:
         )
     world = num_nodes * gpus_per_node
     if world > limits.max_members_per_job:
-        raise RendezvousFault(
-            Code.RESOURCE_EXHAUSTED,
-            "LIMIT_EXCEEDED",
+        raise limit_exceeded(
+            "max_members_per_job",
             f"world size {world} exceeds the daemon's max_members_per_job="
             f"{limits.max_members_per_job}",
-            {"limit": "max_members_per_job"},
         )
 
 
@@ -70,11 +75,8 @@ def kv_key(key: str, limits: Limits) -> str:
     if not key:
         raise invalid("INVALID_ARGUMENT", "key must not be empty")
     if len(key.encode()) > limits.max_key_bytes:
-        raise RendezvousFault(
-            Code.RESOURCE_EXHAUSTED,
-            "LIMIT_EXCEEDED",
-            f"key is longer than max_key_bytes={limits.max_key_bytes}",
-            {"limit": "max_key_bytes"},
+        raise limit_exceeded(
+            "max_key_bytes", f"key is longer than max_key_bytes={limits.max_key_bytes}"
         )
     if _CONTROL.search(key):
         raise invalid("INVALID_ARGUMENT", "key contains control characters")
@@ -83,10 +85,8 @@ def kv_key(key: str, limits: Limits) -> str:
 
 def kv_value(value: bytes, limits: Limits) -> bytes:
     if len(value) > limits.max_value_bytes:
-        raise RendezvousFault(
-            Code.RESOURCE_EXHAUSTED,
-            "LIMIT_EXCEEDED",
+        raise limit_exceeded(
+            "max_value_bytes",
             f"value of {len(value)} bytes exceeds max_value_bytes={limits.max_value_bytes}",
-            {"limit": "max_value_bytes"},
         )
     return value
