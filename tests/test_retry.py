@@ -93,6 +93,12 @@ def test_permanent_error_is_tried_exactly_once(
         pytest.raises(TopologyMismatch),
     ):
         c.join(num_nodes=1, gpus_per_node=4, node_rank=0, local_rank=1, timeout=3)
+    # The daemon records a call just after sending its status: allow it a moment,
+    # then check that no second attempt follows.
+    deadline = time.monotonic() + 5
+    while _count(d.metrics_url, "Join", "FAILED_PRECONDITION") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
     assert _count(d.metrics_url, "Join", "FAILED_PRECONDITION") == 1
     t.join(15)
     holder.close()
