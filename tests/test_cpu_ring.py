@@ -1,5 +1,8 @@
 """CpuRingCommunicator over real loopback sockets: threads for most checks, spawned
-processes for the multi-rank result matrix and for a peer killed mid-all-reduce."""
+processes for the multi-rank result matrix and for a peer killed mid-all-reduce.
+
+Checks marked with TRANSPORTS run twice: over the TCP ring, and with all_reduce going
+through the one-host shared-memory group (trainer/shm_group.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rendezvousd.trainer import futex
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
 from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
 from rendezvousd.trainer.errors import (
@@ -27,6 +31,7 @@ from rendezvousd.trainer.errors import (
     PeerConnectionError,
     TrainerError,
 )
+from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener
 
 SECRET = bytes(range(128))
 DTYPES = [f"float{b}" for b in (16, 32, 64)] + [
@@ -37,6 +42,20 @@ OPS = list(ReduceOp)
 # are large enough for the zero-copy sender; 131 is odd and indivisible by 2, 3 and 4.
 SIZES = [0, 1, 5, 131, 70_001]
 MATRIX_CHUNK_BYTES = 80 * 1024
+# Shared memory needs Linux on x86-64 (see trainer/futex.py); elsewhere the ring is used.
+TRANSPORTS = [
+    "tcp-ring",
+    pytest.param(
+        "shared-memory",
+        marks=pytest.mark.skipif(not futex.available(), reason="futex needs Linux x86-64"),
+    ),
+]
+
+
+def shm_peers(n: int, slot_bytes: int = MATRIX_CHUNK_BYTES) -> list[SharedMemoryPeers]:
+    made = [create_listener() for _ in range(n)]
+    names = [name for _, name in made]
+    return [SharedMemoryPeers(sock, names, slot_bytes) for sock, _ in made]
 
 
 # -- helpers --------------------------------------------------------------------------
@@ -68,13 +87,25 @@ def _parallel(fns: Sequence[Callable[[], Any]], limit: float = 20.0) -> list[Any
 
 @contextmanager
 def thread_ring(
-    n: int, *, timeout: float = 10.0, secrets: Sequence[bytes] | None = None, **kw: Any
+    n: int,
+    *,
+    timeout: float = 10.0,
+    secrets: Sequence[bytes] | None = None,
+    transport: str = "tcp-ring",
+    **kw: Any,
 ) -> Iterator[list[CpuRingCommunicator]]:
     socks, addrs = _listeners(n)
     keys = secrets or [SECRET] * n
+    shm: list[SharedMemoryPeers | None] = [None] * n
+    if transport == "shared-memory":
+        shm = list(shm_peers(n))
     built = _parallel(
         [
-            (lambda r=r: CpuRingCommunicator(r, n, socks[r], addrs, keys[r], timeout, **kw))
+            (
+                lambda r=r: CpuRingCommunicator(
+                    r, n, socks[r], addrs, keys[r], timeout, shared_memory=shm[r], **kw
+                )
+            )
             for r in range(n)
         ]
     )
@@ -83,6 +114,7 @@ def thread_ring(
     try:
         if errors:
             raise errors[0]
+        assert all(c.transport == (transport if n > 1 else "tcp-ring") for c in comms)
         yield comms
     finally:
         for c in comms:
@@ -158,15 +190,29 @@ def _recv(sock: socket.socket) -> bytes:
     return exact(length)
 
 
-def _proc_worker(rank: int, world: int, control_port: int, mode: str) -> None:
+def _proc_worker(rank: int, world: int, control_port: int, mode: str, transport: str) -> None:
     control = socket.create_connection(("127.0.0.1", control_port))
     listener = socket.create_server(("127.0.0.1", 0))
-    _send(control, json.dumps({"rank": rank, "port": listener.getsockname()[1]}).encode())
-    addrs = [(h, int(p)) for h, p in json.loads(_recv(control))]
+    shm_listener, shm_name = create_listener() if transport == "shared-memory" else (None, "")
+    hello = {"rank": rank, "port": listener.getsockname()[1], "shm": shm_name}
+    _send(control, json.dumps(hello).encode())
+    plan = json.loads(_recv(control))
+    addrs = [(h, int(p)) for h, p in plan["addresses"]]
+    shm = None
+    if shm_listener is not None:
+        shm = SharedMemoryPeers(shm_listener, plan["shm"], MATRIX_CHUNK_BYTES)
     timeout = 10.0
     comm = CpuRingCommunicator(
-        rank, world, listener, addrs, SECRET, timeout, chunk_bytes=MATRIX_CHUNK_BYTES
+        rank,
+        world,
+        listener,
+        addrs,
+        SECRET,
+        timeout,
+        chunk_bytes=MATRIX_CHUNK_BYTES,
+        shared_memory=shm,
     )
+    assert comm.transport == transport
     try:
         if mode == "matrix":
             for case, op, dtype, size in matrix_cases():
@@ -188,12 +234,15 @@ def _proc_worker(rank: int, world: int, control_port: int, mode: str) -> None:
 
 
 @contextmanager
-def process_ring(world: int, mode: str) -> Iterator[tuple[list[Any], list[socket.socket]]]:
+def process_ring(
+    world: int, mode: str, transport: str = "tcp-ring"
+) -> Iterator[tuple[list[Any], list[socket.socket]]]:
     ctx = mp.get_context("spawn")
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(30)
+    port = server.getsockname()[1]
     procs = [
-        ctx.Process(target=_proc_worker, args=(r, world, server.getsockname()[1], mode))
+        ctx.Process(target=_proc_worker, args=(r, world, port, mode, transport))
         for r in range(world)
     ]
     for p in procs:
@@ -203,10 +252,13 @@ def process_ring(world: int, mode: str) -> Iterator[tuple[list[Any], list[socket
         for c in conns:
             c.settimeout(30)
         hellos = [json.loads(_recv(c)) for c in conns]
-        by_rank = {h["rank"]: (conns[i], h["port"]) for i, h in enumerate(hellos)}
-        addrs = json.dumps([["127.0.0.1", by_rank[r][1]] for r in range(world)]).encode()
+        by_rank = {h["rank"]: (conns[i], h["port"], h["shm"]) for i, h in enumerate(hellos)}
+        plan = {
+            "addresses": [["127.0.0.1", by_rank[r][1]] for r in range(world)],
+            "shm": [by_rank[r][2] for r in range(world)],
+        }
         for c in conns:
-            _send(c, addrs)
+            _send(c, json.dumps(plan).encode())
         yield procs, [by_rank[r][0] for r in range(world)]
     finally:
         for p in procs:
@@ -232,18 +284,21 @@ def test_world_one_leaves_data_as_is_except_defined_ops() -> None:
         comm.barrier()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_all_reduce_matrix_in_processes(world: int) -> None:
+def test_all_reduce_matrix_in_processes(world: int, transport: str) -> None:
     cases = matrix_cases()
-    with process_ring(world, "matrix") as (_, conns):
+    with process_ring(world, "matrix", transport) as (_, conns):
         # Drain every rank at once: a rank blocked on a full control socket stalls the ring.
         results = _parallel([lambda c=c: [_recv(c) for _ in cases] for c in conns], 60.0)
     check_results(world, results)
 
 
-def test_default_chunking_large_array_threads() -> None:
-    # Several 1 MiB chunks per segment through the zero-copy path, plus an odd tail.
-    with thread_ring(3) as comms:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_default_chunking_large_array_threads(transport: str) -> None:
+    # Several 1 MiB chunks per segment through the zero-copy path, plus an odd tail;
+    # in shared memory, three 4 MiB slots in rotation.
+    with thread_ring(3, transport=transport) as comms:
         inputs = [np.random.default_rng(r).standard_normal(1_000_003) for r in range(3)]
         arrays = [a.copy() for a in inputs]
         _parallel([lambda c=c: c.all_reduce(arrays[c.rank], ReduceOp.AVG) for c in comms])
@@ -251,10 +306,11 @@ def test_default_chunking_large_array_threads() -> None:
         np.testing.assert_allclose(arrays[0], np.mean(inputs, axis=0), rtol=1e-12, atol=1e-12)
 
 
-def test_array_is_reusable_as_soon_as_all_reduce_returns() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_array_is_reusable_as_soon_as_all_reduce_returns(transport: str) -> None:
     # Zero-copy sends hand the array's pages to the kernel; a collective must not return
     # before the neighbour has read them, or this overwrite would corrupt its result.
-    with thread_ring(2) as comms:
+    with thread_ring(2, transport=transport) as comms:
 
         def rank(c: CpuRingCommunicator) -> bool:
             ok = True
@@ -313,8 +369,9 @@ def test_barrier_waits_for_the_last_rank() -> None:
 # -- failures -----------------------------------------------------------------------------
 
 
-def test_abort_unblocks_a_pending_all_reduce() -> None:
-    with thread_ring(2, timeout=30.0) as comms:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_unblocks_a_pending_all_reduce(transport: str) -> None:
+    with thread_ring(2, timeout=30.0, transport=transport) as comms:
         outcome: list[BaseException] = []
 
         def blocked() -> None:
@@ -342,16 +399,18 @@ def test_abort_unblocks_a_pending_all_reduce() -> None:
         assert time.monotonic() - started < 5.0
 
 
-def test_timeout_names_the_rank_waited_on() -> None:
-    with thread_ring(2, timeout=0.5) as comms:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_timeout_names_the_rank_waited_on(transport: str) -> None:
+    with thread_ring(2, timeout=0.5, transport=transport) as comms:
         started = time.monotonic()
         with pytest.raises(CommunicatorTimeout, match="rank 1"):
             comms[0].all_reduce(np.ones(10, np.float64))
         assert time.monotonic() - started < 3.0
 
 
-def test_mismatched_collectives_fail_instead_of_corrupting() -> None:
-    with thread_ring(2, timeout=5.0) as comms:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_mismatched_collectives_fail_instead_of_corrupting(transport: str) -> None:
+    with thread_ring(2, timeout=5.0, transport=transport) as comms:
         calls = [
             lambda: comms[0].all_reduce(np.ones(10, np.float32)),
             lambda: comms[1].all_reduce(np.ones(12, np.float32)),
@@ -406,9 +465,10 @@ def test_stray_connections_do_not_block_the_ring() -> None:
                 c.close()
 
 
-def test_sigkilled_peer_is_named_by_the_survivors() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigkilled_peer_is_named_by_the_survivors(transport: str) -> None:
     # World 4: rank 3 is not adjacent to rank 1 and learns of it from a forwarded notice.
-    with process_ring(4, "kill") as (procs, conns):
+    with process_ring(4, "kill", transport) as (procs, conns):
         for c in conns:
             assert json.loads(_recv(c)) == {"started": True}
         started = time.monotonic()

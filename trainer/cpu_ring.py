@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import ring_wire as wire
+from . import shm_group
 from .communicator import ReduceOp
 from .errors import (
     CollectiveArgumentError,
@@ -47,6 +48,7 @@ from .errors import (
     ConfigError,
     PeerConnectionError,
 )
+from .shm_group import SharedMemoryPeers
 from .store import JobStore
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "CpuRingCommunicator", "connect_cpu_ring"]
@@ -100,6 +102,7 @@ class CpuRingCommunicator:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         zero_copy: bool = True,
         socket_buffer_bytes: int | None = None,
+        shared_memory: SharedMemoryPeers | None = None,
     ) -> None:
         _validate(rank, world_size, addresses, secret, timeout, chunk_bytes)
         self._rank = rank
@@ -119,6 +122,7 @@ class CpuRingCommunicator:
         self._sender: wire.SenderThread | None = None
         self._header = bytearray(wire.FRAME.size)
         self._scratch = np.empty(chunk_bytes, np.uint8)
+        self._shm: shm_group.ShmGroup | None = None
         if isinstance(listener, str):
             listener = wire.create_listener(listener, socket_buffer_bytes, addresses[rank][1])
         try:
@@ -133,6 +137,12 @@ class CpuRingCommunicator:
             self._sender = wire.SenderThread(
                 writer, self._right, rank, failed=self._has_failed, on_error=self._record
             )
+        if shared_memory is not None:
+            try:
+                self._shm = _build_shm_group(rank, world_size, shared_memory, secret, timeout)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def rank(self) -> int:
@@ -146,12 +156,21 @@ class CpuRingCommunicator:
     def backend(self) -> str:
         return "cpu"
 
+    @property
+    def transport(self) -> str:
+        """How all_reduce moves data: "shared-memory" (one host) or "tcp-ring"."""
+        return "shared-memory" if self._shm is not None else "tcp-ring"
+
     def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
         flat, dtype_code = _flatten(array)
         if not isinstance(op, ReduceOp):
             raise CollectiveArgumentError(f"op must be a ReduceOp, got {op!r}")
         with self._collective() as seq:
-            if self._world > 1:
+            if self._shm is not None:
+                expect = (wire.ALL_REDUCE, _OPS[op], dtype_code, seq, flat.nbytes)
+                finish = self._average if op is ReduceOp.AVG else None
+                self._shm.all_reduce(flat, _UFUNCS[op], finish, expect)
+            elif self._world > 1:
                 self._ring_all_reduce(flat, op, dtype_code, wire.ALL_REDUCE, seq)
 
     def broadcast(self, array: Any, root: int = 0) -> None:
@@ -197,6 +216,8 @@ class CpuRingCommunicator:
             for sock in (self._left, self._right):
                 if sock is not None:
                     sock.close()
+            if self._shm is not None:
+                self._shm.close()
 
     def __enter__(self) -> CpuRingCommunicator:
         return self
@@ -263,6 +284,8 @@ class CpuRingCommunicator:
                     self._right.shutdown(socket.SHUT_RD)
         if self._sender is not None:
             self._sender.signal_failure(notice)
+        if self._shm is not None:
+            self._shm.signal_failure(notice)
         if self._io_lock.acquire(blocking=False):
             try:
                 self._reset_left()
@@ -350,6 +373,9 @@ class CpuRingCommunicator:
                     send(a, b)
         self._finish(seq, received=True, sent=True)
 
+    def _average(self, segment: Array) -> None:
+        _divide(segment, self._world)
+
     def _ring_broadcast(self, raw_array: Array, dtype_code: int, root: int, seq: int) -> None:
         raw = raw_array.data
         base = raw_array.ctypes.data
@@ -425,14 +451,24 @@ def connect_cpu_ring(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     zero_copy: bool = True,
     socket_buffer_bytes: int | None = None,
+    node_rank: int | None = None,
+    shared_memory: bool = True,
 ) -> CpuRingCommunicator:
     """Bind on ``host``, exchange addresses through ``store``, and build the ring.
 
-    ``host`` must be an address the other ranks can reach. The store's own errors
-    (e.g. the SDK's timeout) pass through unchanged.
+    ``host`` must be an address the other ranks can reach. When every rank runs on
+    this host (and, if given, on the same ``node_rank``), all_reduce goes through
+    shared memory instead (``shared_memory=False`` on any rank keeps the TCP ring).
+    The store's own errors (e.g. the SDK's timeout) pass through unchanged.
     """
     deadline = time.monotonic() + timeout
-    listener = wire.create_listener(host, socket_buffer_bytes)
+    shm = _shared_memory_plan(store, rank, world_size, node_rank, shared_memory, deadline)
+    try:
+        listener = wire.create_listener(host, socket_buffer_bytes)
+    except BaseException:
+        if shm is not None:
+            shm.listener.close()
+        raise
     try:
         port = listener.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
@@ -444,6 +480,8 @@ def connect_cpu_ring(
             addresses.append(_parse_address(value, peer))
     except BaseException:
         listener.close()
+        if shm is not None:
+            shm.listener.close()
         raise
     remaining = max(0.001, deadline - time.monotonic())
     return CpuRingCommunicator(
@@ -456,7 +494,63 @@ def connect_cpu_ring(
         chunk_bytes=chunk_bytes,
         zero_copy=zero_copy,
         socket_buffer_bytes=socket_buffer_bytes,
+        shared_memory=shm,
     )
+
+
+def _build_shm_group(
+    rank: int, world: int, peers: SharedMemoryPeers, secret: bytes, timeout: float
+) -> shm_group.ShmGroup:
+    try:
+        if len(peers.names) != world:
+            raise ConfigError(f"need {world} shared-memory names, got {len(peers.names)}")
+        if not isinstance(peers.slot_bytes, int) or peers.slot_bytes < _MIN_CHUNK_BYTES:
+            raise ConfigError(
+                f"shared-memory slot_bytes must be an int >= {_MIN_CHUNK_BYTES}, "
+                f"got {peers.slot_bytes!r}"
+            )
+        key = wire.derive_key(secret)
+        return shm_group.ShmGroup(
+            rank, range(world), peers.listener, peers.names, key, timeout, peers.slot_bytes
+        )
+    finally:
+        peers.listener.close()
+
+
+def _shared_memory_plan(
+    store: JobStore,
+    rank: int,
+    world_size: int,
+    node_rank: int | None,
+    enabled: bool,
+    deadline: float,
+) -> SharedMemoryPeers | None:
+    """Agree through ``store`` whether every rank shares this host (and node).
+
+    Each rank publishes its host identity and listener name (or nothing when it opted
+    out), and all read the same values, so every rank takes the same decision.
+    """
+    identity = shm_group.host_identity() if enabled and world_size > 1 else ""
+    listener, name = shm_group.create_listener() if identity else (None, "")
+    try:
+        node = "" if node_rank is None else str(node_rank)
+        mine = f"{identity}|{node}|{name}" if identity else ""
+        store.kv_set(f"cpu-ring/shm/{rank}", mine.encode())
+        entries = []
+        for peer in range(world_size):
+            remaining = max(0.001, deadline - time.monotonic())
+            value = store.kv_get(f"cpu-ring/shm/{peer}", wait=True, timeout=remaining)
+            entries.append(value.decode("ascii", "replace").split("|"))
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    together = all(len(e) == 3 and e[:2] == [identity, node] and e[2] for e in entries)
+    if listener is None or not together:
+        if listener is not None:
+            listener.close()
+        return None
+    return SharedMemoryPeers(listener, [e[2] for e in entries])
 
 
 def _parse_address(value: bytes, rank: int) -> tuple[str, int]:

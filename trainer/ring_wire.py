@@ -229,7 +229,7 @@ def _client_handshake(ring: _Ring, sock: socket.socket, peer: int, where: str) -
         f"{where} rejected the ring handshake (different secret, rank or world size?)"
     )
     try:
-        challenge = _recv_fixed(sock, _CHALLENGE.size)
+        challenge = recv_fixed(sock, _CHALLENGE.size)
         if challenge is None:
             raise rejected
         magic, nonce_a = _CHALLENGE.unpack(challenge)
@@ -239,7 +239,7 @@ def _client_handshake(ring: _Ring, sock: socket.socket, peer: int, where: str) -
         ids = struct.pack("<III", ring.rank, ring.world, peer)
         mac = _mac(ring.key, b"hello", nonce_a, nonce_c, ids)
         sock.sendall(_HELLO.pack(_MAGIC, nonce_c, ring.rank, ring.world, peer, mac))
-        welcome = _recv_fixed(sock, _WELCOME.size)
+        welcome = recv_fixed(sock, _WELCOME.size)
     except TimeoutError as exc:
         raise CommunicatorTimeout(f"{where} did not complete the handshake in time") from exc
     except OSError as exc:
@@ -254,7 +254,7 @@ def _client_handshake(ring: _Ring, sock: socket.socket, peer: int, where: str) -
         raise PeerConnectionError(f"{where} has world size {their_world}, not {ring.world}")
 
 
-def _recv_fixed(sock: socket.socket, size: int) -> bytes | None:
+def recv_fixed(sock: socket.socket, size: int) -> bytes | None:
     buffer = bytearray(size)
     view = memoryview(buffer)
     got = 0

@@ -1,0 +1,175 @@
+"""The cpu backend's shared-memory path: futex hand-off, group authentication, and the
+transport decision taken through a real daemon's KV store.
+
+The collective semantics themselves (result matrix, abort, timeout, mismatch, SIGKILL)
+run over both transports in test_cpu_ring.py.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rendezvousd.client import RendezvousClient
+from rendezvousd.trainer import futex
+from rendezvousd.trainer.cpu_ring import CpuRingCommunicator, connect_cpu_ring
+from rendezvousd.trainer.errors import CommunicatorError, CommunicatorTimeout, PeerConnectionError
+from rendezvousd.trainer.shm_group import ShmGroup, create_listener, host_identity
+
+pytestmark = pytest.mark.skipif(not futex.available(), reason="futex needs Linux x86-64")
+
+
+def _parallel(fns: list[Any], limit: float = 30.0) -> list[Any]:
+    out: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit)
+        assert not t.is_alive(), "a rank hung"
+    return out
+
+
+def test_futex_wait_times_out_and_wakes() -> None:
+    region = mmap.mmap(-1, 4096)
+    raw = np.frombuffer(region, np.uint32)
+    address = int(raw.ctypes.data)
+    raw[0] = 7
+    started = time.monotonic()
+    assert futex.wait(address, 7, 0.2) is False
+    assert 0.15 <= time.monotonic() - started < 2.0
+    assert futex.wait(address, 6, 5.0) is True  # value already moved on: no sleep
+
+    def bump() -> None:
+        time.sleep(0.2)
+        raw[0] = 8
+        futex.wake(address)
+
+    thread = threading.Thread(target=bump)
+    thread.start()
+    started = time.monotonic()
+    while raw[0] == 7:
+        futex.wait(address, 7, 5.0)
+    assert time.monotonic() - started < 2.0
+    thread.join()
+
+
+def test_host_identity_names_boot_and_network_namespace() -> None:
+    identity = host_identity()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert identity.startswith(boot + "/") and identity.split("/")[1].isdigit()
+
+
+def test_wrong_key_is_refused_without_showing_it() -> None:
+    made = [create_listener() for _ in range(2)]
+    names = [name for _, name in made]
+    keys = [b"k" * 32, b"q" * 32]
+    started = time.monotonic()
+    outcome = _parallel(
+        [lambda r=r: ShmGroup(r, range(2), made[r][0], names, keys[r], 2.0) for r in range(2)]
+    )
+    assert time.monotonic() - started < 10.0
+    # Rank 1 dials rank 0, which drops the bad MAC; rank 0 then waits out its timeout.
+    assert isinstance(outcome[1], PeerConnectionError), outcome
+    assert "rejected" in str(outcome[1])
+    assert isinstance(outcome[0], CommunicatorTimeout), outcome
+    assert "rank(s) 1" in str(outcome[0])
+    for result in outcome:
+        text = str(result)
+        assert "kkkk" not in text and "qqqq" not in text
+
+
+def test_slot_size_disagreement_is_a_clear_error() -> None:
+    made = [create_listener() for _ in range(2)]
+    names = [name for _, name in made]
+    outcome = _parallel(
+        [
+            lambda r=r: ShmGroup(r, range(2), made[r][0], names, b"k" * 32, 5.0, 4096 * (r + 1))
+            for r in range(2)
+        ]
+    )
+    assert all(isinstance(o, CommunicatorError) for o in outcome), outcome
+    assert any("slot size" in str(o) for o in outcome), outcome
+
+
+def _connect_ranks(daemon: Any, job: str, node_of: list[int], shared: list[bool]) -> list[Any]:
+    """Join ``len(node_of)`` ranks through the daemon and build their communicators."""
+    world = len(node_of)
+
+    def rank_main(local: int) -> Any:
+        with RendezvousClient(
+            daemon.endpoint, job, token_file=daemon.token_file, connect_timeout=10
+        ) as client:
+            membership = client.join(
+                num_nodes=1, gpus_per_node=world, node_rank=0, local_rank=local, timeout=30
+            )
+            rank = membership.rank
+            with connect_cpu_ring(
+                client,
+                rank=rank,
+                world_size=world,
+                secret=membership.unique_id,
+                timeout=20.0,
+                node_rank=node_of[rank],
+                shared_memory=shared[rank],
+            ) as comm:
+                array = np.full(1000, rank + 1, np.float32)
+                comm.all_reduce(array)
+                transport = comm.transport
+            client.leave()
+            return transport, float(array[0])
+
+    return _parallel([lambda r=r: rank_main(r) for r in range(world)], 60.0)
+
+
+def test_ranks_on_one_host_and_node_use_shared_memory(daemon: Any, job_id: str) -> None:
+    results = _connect_ranks(daemon, job_id, [0, 0, 0], [True, True, True])
+    assert results == [("shared-memory", 6.0)] * 3, results
+
+
+def test_ranks_declared_on_different_nodes_use_the_tcp_ring(daemon: Any, job_id: str) -> None:
+    # Simulated nodes on one machine keep their inter-node traffic on TCP.
+    results = _connect_ranks(daemon, job_id, [0, 0, 1], [True, True, True])
+    assert results == [("tcp-ring", 6.0)] * 3, results
+
+
+def test_one_rank_opting_out_keeps_everyone_on_the_ring(daemon: Any, job_id: str) -> None:
+    results = _connect_ranks(daemon, job_id, [0, 0, 0], [True, False, True])
+    assert results == [("tcp-ring", 6.0)] * 3, results
+
+
+def test_shared_memory_segments_are_not_named_on_disk() -> None:
+    # memfd segments live only as file descriptors: nothing under /dev/shm to leak.
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    made = [create_listener() for _ in range(2)]
+    names = [name for _, name in made]
+    groups = _parallel(
+        [lambda r=r: ShmGroup(r, range(2), made[r][0], names, b"k" * 32, 5.0) for r in range(2)]
+    )
+    try:
+        assert all(isinstance(g, ShmGroup) for g in groups), groups
+        after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        assert after == before
+    finally:
+        for g in groups:
+            if isinstance(g, ShmGroup):
+                g.close()
+
+
+def test_world_one_never_builds_a_group() -> None:
+    with CpuRingCommunicator(0, 1, "127.0.0.1", [("127.0.0.1", 0)], b"s" * 32, 5.0) as comm:
+        assert comm.transport == "tcp-ring"
