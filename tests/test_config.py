@@ -297,3 +297,18 @@ def test_rank0_log_line_single_node_has_no_multi_node_fields() -> None:
     line = DistributedConfig(world_size=2, rank=1).rank0_log_line()
     assert "world_size=2" in line and "rank=1" in line
     assert "num_nodes" not in line and "node_rank" not in line
+
+
+def test_cpu_shared_memory_from_toml_and_cli(tmp_path: Path) -> None:
+    assert DistributedConfig().cpu_shared_memory is True
+    path = write(
+        tmp_path, MULTI.replace("[distributed]", "[distributed]\ncpu_shared_memory = false")
+    )
+    assert load_config(path, env={}).cpu_shared_memory is False
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    assert with_cli_overrides(DistributedConfig(), parser.parse_args([])).cpu_shared_memory
+    args = parser.parse_args(["--no-cpu-shared-memory"])
+    assert with_cli_overrides(DistributedConfig(), args).cpu_shared_memory is False
+    with pytest.raises(ConfigError, match="cpu_shared_memory='yes' must be true or false"):
+        DistributedConfig(cpu_shared_memory="yes")  # type: ignore[arg-type]

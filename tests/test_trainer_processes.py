@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer import demo
+from rendezvousd.trainer import demo, futex
 from rendezvousd.trainer.errors import CommunicatorTimeout
 from rendezvousd.trainer.retry import RetriesExhausted, with_retry
 from tests.conftest import DaemonProcess, spawn_daemon, write_token
@@ -31,6 +31,8 @@ def test_two_nodes_by_two_workers_match_single_process_baseline_and_one_checkpoi
     card = demo.run(steps=12, out=tmp_path / "card.json", workdir=tmp_path)
     assert card["success"], card
     assert card["topology"]["world_size"] == 4 and card["steps"] == 12
+    # Two simulated nodes: inter-node traffic stays on TCP even on one machine.
+    assert card["topology"]["collective_transport"] == "tcp-ring"
     assert card["max_abs_grad_diff_vs_single_process"] <= 1e-5
     assert card["checkpoints_written"] == ["ckpt-0000000012.npz"]
     assert json.loads((tmp_path / "card.json").read_text()) == card
@@ -92,7 +94,10 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
     try:
         for p in procs:
             assert p.stdout is not None
-            assert json.loads(p.stdout.readline())["event"] == "ready"
+            ready = json.loads(p.stdout.readline())
+            assert ready["event"] == "ready"
+            # One node on one host: the all-reduces run through shared memory.
+            assert ready["transport"] == ("shared-memory" if futex.available() else "tcp-ring")
         time.sleep(0.5)  # all three are inside all-reduce loops
         killed_at = time.time()
         procs[1].send_signal(signal.SIGKILL)

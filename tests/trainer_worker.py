@@ -18,7 +18,8 @@ from rendezvousd.trainer.errors import TrainerError
 def main() -> int:
     stop = Path(sys.argv[1])
     ctx = init_distributed()
-    print(json.dumps({"event": "ready", "rank": ctx.rank}), flush=True)
+    transport = getattr(ctx.communicator, "transport", None)
+    print(json.dumps({"event": "ready", "rank": ctx.rank, "transport": transport}), flush=True)
     buf = np.ones(1 << 20, dtype=np.float32)
     try:
         while not stop.exists():

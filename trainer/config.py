@@ -147,7 +147,9 @@ class DistributedConfig:
     ``bucket_cap_mib=25`` and ``first_bucket_mib=1`` (gradient bucket sizes);
     ``join_timeout_s=600`` (nodes may be scheduled minutes apart);
     ``collective_timeout_s=300`` (a hung peer fails the step instead of the job
-    hanging forever); ``heartbeat_interval_s=5`` (daemon liveness ping).
+    hanging forever); ``heartbeat_interval_s=5`` (daemon liveness ping);
+    ``cpu_shared_memory=true`` (the cpu backend all-reduces through shared memory when
+    every rank runs on one host and node; false keeps the TCP ring).
     ``node_rank=None`` lets the daemon assign it at join time.
     """
 
@@ -164,12 +166,15 @@ class DistributedConfig:
     join_timeout_s: float = 600.0
     collective_timeout_s: float = 300.0
     heartbeat_interval_s: float = 5.0
+    cpu_shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is unknown; expected one of {BACKENDS}")
         if not isinstance(self.rendezvous, RendezvousTransport):
             raise ConfigError(f"rendezvous={self.rendezvous!r} must be a RendezvousTransport")
+        if not isinstance(self.cpu_shared_memory, bool):
+            raise ConfigError(f"cpu_shared_memory={self.cpu_shared_memory!r} must be true or false")
         num_nodes = _check_int("num_nodes", self.num_nodes, 1)
         _check_int("retry_attempts", self.retry_attempts, 0)
         if self.gpus_per_node is not None:
@@ -522,3 +527,11 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--join-timeout-s", type=float, default=None)
     group.add_argument("--collective-timeout-s", type=float, default=None)
     group.add_argument("--heartbeat-interval-s", type=float, default=None)
+    group.add_argument(
+        "--no-cpu-shared-memory",
+        dest="cpu_shared_memory",
+        action="store_const",
+        const=False,
+        default=None,
+        help="keep the cpu backend on its TCP ring even when all ranks share a host",
+    )

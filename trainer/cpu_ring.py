@@ -1,5 +1,9 @@
 """CPU ring all-reduce over authenticated TCP between worker processes (backend "cpu").
 
+When every rank runs on one host and one node (``connect_cpu_ring`` decides through
+the store), all_reduce goes through shared memory instead (``shm_group``); broadcast
+and barrier always use the ring. ``transport`` says which all_reduce uses.
+
 The array is cut into ``world_size`` segments. A reduce-scatter leaves every rank owning
 one fully reduced segment; an all-gather then copies each owner's segment to everyone,
 so all ranks end with the same bits. Segments travel in chunks (about a quarter of a

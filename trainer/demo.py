@@ -131,6 +131,8 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
             "world_size": NODES * WORKERS,
             "backend": r0.get("backend", "cpu"),
             "transport": "daemon (loopback)",
+            # Simulated nodes keep inter-node traffic on the TCP ring, as real ones would.
+            "collective_transport": r0.get("collective_transport"),
         },
         "steps": r0.get("steps"),
         "final_loss": r0.get("final_loss"),

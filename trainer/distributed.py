@@ -124,7 +124,13 @@ def init_distributed(
     communicator = with_retry(
         f"{config.backend} communicator setup for rank {membership.rank}",
         lambda: _communicator(
-            config, rdzv, membership.rank, membership.world_size, membership.unique_id, local_rank
+            config,
+            rdzv,
+            membership.rank,
+            membership.world_size,
+            membership.unique_id,
+            local_rank,
+            topology.node_rank,
         ),
         attempts=config.retry_attempts,
     )
@@ -147,6 +153,7 @@ def _communicator(
     world_size: int,
     secret: bytes,
     local_rank: int,
+    node_rank: int,
 ) -> Communicator:
     if config.backend == "nccl":
         from rendezvousd.trainer.nccl import NcclCommunicator
@@ -164,4 +171,6 @@ def _communicator(
         secret=secret,
         host=host,
         timeout=config.collective_timeout_s,
+        node_rank=node_rank,
+        shared_memory=config.cpu_shared_memory,
     )

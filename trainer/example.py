@@ -193,6 +193,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "checkpoint_written": wrote,
             "buckets": len(reducer.buckets),
             "backend": comm.backend,
+            "collective_transport": getattr(comm, "transport", comm.backend),
         }
     finally:
         ctx.close(clean=ok)

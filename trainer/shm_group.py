@@ -6,24 +6,32 @@ resource tracker that unlinks it when any one process exits, so segments here ar
 anonymous memfds handed over UNIX sockets (SCM_RIGHTS): nothing is named on disk, and
 nothing is left behind when a process is killed.
 
-Each rank owns two slots of ``slot_bytes``. An all-reduce walks the array in chunks
-of at most one slot; every chunk is cut into one segment per rank, and for chunk k:
+Each rank owns a memfd segment: a header page of progress words, then three slots of
+``slot_bytes``. An all-reduce walks the array in chunks of at most one slot; every
+chunk is cut into one segment per rank, and for chunk c:
 
-1. each rank copies the chunk into its slot k % 2 and tells every peer READY k;
-2. once all peers are READY k, each rank reduces *its* segment across all slots, in
-   place in its own slot, and tells every peer DONE k;
-3. once all peers are DONE k, each rank copies every segment out of its owner's slot.
+1. each rank copies the chunk (all but its own segment) into slot c % 3 and publishes
+   READY c in its progress word;
+2. once every peer is READY c, each rank reduces *its* segment (its own input plus
+   every peer's slot) into its own slot and publishes DONE c;
+3. once every peer is DONE c, each rank copies every segment out of its owner's slot.
 
+Chunk c + 1 is staged between steps 2 and 3, so a rank rarely sleeps with work left.
 Every segment is reduced by exactly one rank, so all ranks end with the same bits.
-The chunk counter runs across collectives, so a rank refills slot k % 2 (at chunk
-k + 2) only after every peer said READY k + 1, which a peer sends only after it has
-copied chunk k out. Copies in and out make the caller's array free to reuse at once.
+The chunk counter runs across collectives; a rank refills slot c % 3 (at chunk c + 3)
+only after every peer was READY c + 2, which a peer publishes only after it copied
+chunk c out. Copies in and out make the caller's array free to reuse at once.
 
-Peers are connected by a full mesh of UNIX stream sockets in the abstract namespace.
-A connection is kept only if the peer runs as the same user (SO_PEERCRED) and proves
-knowledge of the job secret (HMAC over a fresh nonce), so the socket name alone
-grants nothing. Notifications reuse the ring's frames: a mismatched collective is
-caught instead of summed, and a FAIL frame names the rank that failed.
+Waiting is a futex on the peer's progress word (trainer/futex.py), in slices of
+50 ms that also poll the peer's socket: a killed peer is noticed within a slice.
+The header also carries each rank's collective descriptor, so mismatched calls are
+caught, not summed.
+
+Peers are connected by a full mesh of UNIX stream sockets in the abstract namespace,
+used to hand over the memfds and, afterwards, only for FAIL notices that name the
+rank that failed. A connection is kept only if the peer runs as the same user
+(SO_PEERCRED) and proves knowledge of the job secret (HMAC over a fresh nonce), so
+the socket name alone grants nothing.
 """
 
 from __future__ import annotations
