@@ -61,6 +61,9 @@ class Job:
     left: int = 0
     # Restored from disk after a restart: the id is gone (it is never written).
     restored: bool = False
+    # The current generation's id digest when only the digest survived a restart, so a
+    # replayed PublishId can be told from a second, different id.
+    restored_id_digest: bytes | None = None
 
     @property
     def world_size(self) -> int:
@@ -94,8 +97,9 @@ class Job:
             waiters |= ws
         return waiters
 
-    def id_digest(self) -> bytes:
-        assert self.unique_id is not None
+    def id_digest(self) -> bytes | None:
+        if self.unique_id is None:
+            return self.restored_id_digest
         return hashlib.sha256(self.unique_id).digest()
 
     def remember_id(self) -> None:
@@ -121,6 +125,7 @@ class Job:
         self.member_table = ()
         self.left = 0
         self.restored = False
+        self.restored_id_digest = None
 
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""

@@ -44,7 +44,7 @@ def _job(job: Job) -> dict[str, Any]:
             for m in job.members.values()
         ],
         "host_nodes": job.host_nodes,
-        "id_digest": job.id_digest().hex() if job.unique_id is not None else "",
+        "id_digest": (job.id_digest() or b"").hex(),
         "used_id_digests": sorted(d.hex() for d in job.used_id_digests),
         "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.failed],
         "abort_reason": job.abort_reason,
@@ -68,7 +68,8 @@ def load(state: RendezvousState, doc: dict[str, Any], now: float) -> None:
         )
         job.used_id_digests = {bytes.fromhex(d) for d in raw["used_id_digests"]}
         if raw["id_digest"]:
-            job.used_id_digests.add(bytes.fromhex(raw["id_digest"]))
+            job.restored_id_digest = bytes.fromhex(raw["id_digest"])
+            job.used_id_digests.add(job.restored_id_digest)
         if job.state is JobState.FORMING:
             # Mid-bootstrap: nobody can have the id from us any more. Fence it.
             job.state = JobState.ENDED

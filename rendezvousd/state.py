@@ -291,9 +291,15 @@ class RendezvousState:
         )
 
     def _accept_id(self, job: Job, unique_id: bytes) -> None:
-        if job.unique_id is not None:
-            if job.unique_id == unique_id:
-                return
+        digest = hashlib.sha256(unique_id).digest()
+        if job.unique_id == unique_id:
+            return
+        if job.unique_id is None and job.restored_id_digest == digest:
+            # Restored after a restart with only the digest: a replay of the same id
+            # (e.g. a PublishId retried across the restart) is accepted, nothing else.
+            job.unique_id = unique_id
+            return
+        if job.id_digest() is not None:
             raise RendezvousFault(
                 Code.ALREADY_EXISTS,
                 "ID_CONFLICT",
@@ -301,7 +307,7 @@ class RendezvousState:
                 "the first one is kept",
                 {"job_id": job.job_id, "generation": str(job.generation)},
             )
-        if hashlib.sha256(unique_id).digest() in job.used_id_digests:
+        if digest in job.used_id_digests:
             raise validation.invalid(
                 "ID_REUSED",
                 f"this unique id was already used by an earlier generation of job {job.job_id!r}; "

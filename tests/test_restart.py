@@ -55,6 +55,24 @@ def test_running_job_survives_with_kv_and_barrier_counts_but_never_the_id(tmp_pa
     assert info.value.reason == "PEER_FAILED"
 
 
+def test_restored_running_job_takes_back_only_its_own_id(tmp_path: Path) -> None:
+    # Found by the Hypothesis model: after a restart the daemon had no id for a running
+    # generation, so rank 0 could publish a second, different one.
+    sm = RendezvousState()
+    sm.join(_args(0), 0.0)
+    sm.publish_id("j", 1, 0, "i0", ID, 0.0)
+    sm.join(_args(1), 0.0)
+    back = _roundtrip(_roundtrip(sm, tmp_path / "a"), tmp_path / "b")  # two restarts
+    with pytest.raises(RendezvousFault) as info:
+        back.publish_id("j", 1, 0, "i0", b"\x09" * 128, 1.0)
+    assert info.value.reason == "ID_CONFLICT"
+    assert back.jobs["j"].unique_id is None
+    # A PublishId retried across the restart (same id) is answered normally.
+    out = back.publish_id("j", 1, 0, "i0", ID, 1.0)
+    assert isinstance(out, JoinResult) and out.unique_id == ID and out.generation == 1
+    assert back.jobs["j"].state is JobState.RUNNING
+
+
 def test_forming_job_is_fenced_by_a_new_generation_and_old_id_refused(tmp_path: Path) -> None:
     sm = RendezvousState()
     assert isinstance(sm.join(_args(0, uid=ID), 0.0), Parked)

@@ -95,6 +95,8 @@ def host_identity() -> str:
     abstract UNIX sockets a process can reach, so containers without a shared network
     namespace never try.
     """
+    if not futex.available():
+        return ""  # no futex hand-off on this platform: never share memory
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             boot = f.read().strip()
