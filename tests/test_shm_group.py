@@ -22,26 +22,9 @@ from rendezvousd.trainer import futex
 from rendezvousd.trainer.cpu_ring import CpuRingCommunicator, connect_cpu_ring
 from rendezvousd.trainer.errors import CommunicatorError, CommunicatorTimeout, PeerConnectionError
 from rendezvousd.trainer.shm_group import ShmGroup, create_listener, host_identity
+from tests.test_cpu_ring import _parallel
 
 pytestmark = pytest.mark.skipif(not futex.available(), reason="futex needs Linux x86-64")
-
-
-def _parallel(fns: list[Any], limit: float = 30.0) -> list[Any]:
-    out: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(limit)
-        assert not t.is_alive(), "a rank hung"
-    return out
 
 
 def test_futex_wait_times_out_and_wakes() -> None:

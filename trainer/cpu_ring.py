@@ -404,7 +404,7 @@ class CpuRingCommunicator:
         wire.recv_exact(self._left, memoryview(self._header), self._left_rank)
         got = wire.FRAME.unpack(self._header)
         if got[0] == wire.FAIL:
-            raise self._read_failure(self._left, got, self._left_rank)
+            raise wire.read_failure(self._left, got, self._left_rank)
         want = (wire.DATA, *expect, index, len(dest))
         if got != want:
             raise wire.LinkError(self._left_rank, wire.MISMATCH, wire.describe_mismatch(got, want))
@@ -425,19 +425,10 @@ class CpuRingCommunicator:
             wire.recv_exact(self._right, memoryview(self._header), self._right_rank)
             got = wire.FRAME.unpack(self._header)
             if got[0] == wire.FAIL:
-                raise self._read_failure(self._right, got, self._right_rank)
+                raise wire.read_failure(self._right, got, self._right_rank)
             if got[0] != wire.ACK or got[4] != seq:
                 detail = f"expected the ack of collective #{seq}, got frame kind {got[0]}"
                 raise wire.LinkError(self._right_rank, wire.MISMATCH, detail)
-
-    def _read_failure(
-        self, sock: socket.socket, header: tuple[int, ...], via: int
-    ) -> wire.LinkError:
-        detail = bytearray(min(header[8], wire.MAX_DETAIL_BYTES))
-        with contextlib.suppress(wire.LinkError):
-            wire.recv_exact(sock, memoryview(detail), via)
-        text = detail.decode("utf-8", "replace")
-        return wire.LinkError(header[6], header[2], text, via=via)
 
     def _has_failed(self) -> bool:
         with self._state_lock:

@@ -415,6 +415,14 @@ def parse_failure(data: bytes) -> tuple[int, int, str] | None:
     return None
 
 
+def read_failure(sock: socket.socket, header: tuple[int, ...], via: int) -> LinkError:
+    """The LinkError a FAIL frame (``header``, already read) describes; reads its detail."""
+    detail = bytearray(min(header[8], MAX_DETAIL_BYTES))
+    with contextlib.suppress(LinkError):
+        recv_exact(sock, memoryview(detail), via)
+    return LinkError(header[6], header[2], detail.decode("utf-8", "replace"), via=via)
+
+
 def fail_frame(origin: int, code: int, detail: str) -> bytes:
     payload = detail.encode("utf-8", "replace")[:MAX_DETAIL_BYTES]
     return FRAME.pack(FAIL, 0, code, 0, 0, 0, origin, 0, len(payload)) + payload

@@ -440,10 +440,7 @@ class ShmGroup:
         got = wire.FRAME.unpack(header)
         if got[0] != wire.FAIL:
             return wire.LinkError(peer, wire.LOST, f"unexpected frame kind {got[0]}")
-        detail = bytearray(min(got[8], wire.MAX_DETAIL_BYTES))
-        with contextlib.suppress(wire.LinkError):
-            wire.recv_exact(sock, memoryview(detail), peer)
-        return wire.LinkError(got[6], got[2], detail.decode("utf-8", "replace"), via=peer)
+        return wire.read_failure(sock, got, peer)
 
     # -- failure and teardown -------------------------------------------------------------
 
