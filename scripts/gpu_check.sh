@@ -44,8 +44,8 @@ cd "$root"
 export RENDEZVOUSD_REQUIRE_GPU=1
 if "$py" -c "import pytest" >/dev/null 2>&1; then
   # --noconftest: the GPU tests need nothing from the daemon-side fixtures.
-  timeout 150 "$py" -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_gpu.py >&2 ||
-    fail "tests/test_gpu.py failed"
+  timeout 150 "$py" -m pytest -q -p no:cacheprovider --noconftest -rs tests/trainer/test_gpu.py >&2 ||
+    fail "tests/trainer/test_gpu.py failed"
 else
   fail "pytest is not installed in $py's environment"
 fi

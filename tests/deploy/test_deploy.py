@@ -41,7 +41,7 @@ from rendezvousd.cli import main as cli_main
 from rendezvousd.errors import ConfigError
 from rendezvousd.sdnotify import Notifier
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "rendezvousd.service"
 ENV_EXAMPLE = DEPLOY / "systemd" / "rendezvousd.env.example"

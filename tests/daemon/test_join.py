@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -21,32 +20,7 @@ from rendezvousd.client import (
     RendezvousTimeout,
     TopologyMismatch,
 )
-from tests.conftest import DaemonProcess
-
-HERE = Path(__file__).resolve().parent
-
-
-def worker_cmd(
-    d: DaemonProcess, job: str, nodes: int, gpus: int, node: int | None, local: int, *extra: str
-) -> list[str]:
-    cmd = [
-        sys.executable,
-        str(HERE / "worker.py"),
-        "--endpoint",
-        d.endpoint,
-        "--token-file",
-        str(d.token_file),
-        "--job",
-        job,
-        "--nodes",
-        str(nodes),
-        "--gpus",
-        str(gpus),
-        "--local-rank",
-        str(local),
-        *extra,
-    ]
-    return cmd + (["--node-rank", str(node)] if node is not None else [])
+from tests.support import DaemonProcess, worker_cmd
 
 
 def test_two_nodes_by_two_workers_as_real_processes(daemon: DaemonProcess, job_id: str) -> None:

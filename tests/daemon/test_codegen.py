@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 GEN = ROOT / "rendezvousd" / "_gen"
 FIX = "run `python scripts/gen_protos.py` and commit rendezvousd/_gen/"

@@ -3,7 +3,6 @@ transient failure, exactly one attempt on a permanent one."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import urllib.request
@@ -13,13 +12,7 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.client import DaemonUnavailable, RendezvousClient, TopologyMismatch
-from tests.conftest import DaemonProcess, spawn_daemon, write_token
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import DaemonProcess, free_port, spawn_daemon, write_token
 
 
 def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +32,7 @@ from rendezvousd.trainer.errors import (
     TrainerError,
 )
 from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener
+from tests.support import parallel
 
 SECRET = bytes(range(128))
 DTYPES = [f"float{b}" for b in (16, 32, 64)] + [
@@ -66,25 +67,6 @@ def _listeners(n: int) -> tuple[list[socket.socket], list[tuple[str, int]]]:
     return socks, [("127.0.0.1", s.getsockname()[1]) for s in socks]
 
 
-def _parallel(fns: Sequence[Callable[[], Any]], limit: float = 20.0) -> list[Any]:
-    """Run each callable in its own thread; return results or the exceptions raised."""
-    out: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(limit)
-        assert not t.is_alive(), "a rank hung"
-    return out
-
-
 @contextmanager
 def thread_ring(
     n: int,
@@ -99,7 +81,7 @@ def thread_ring(
     shm: list[SharedMemoryPeers | None] = [None] * n
     if transport == "shared-memory":
         shm = list(shm_peers(n))
-    built = _parallel(
+    built = parallel(
         [
             (
                 lambda r=r: CpuRingCommunicator(
@@ -290,7 +272,7 @@ def test_all_reduce_matrix_in_processes(world: int, transport: str) -> None:
     cases = matrix_cases()
     with process_ring(world, "matrix", transport) as (_, conns):
         # Drain every rank at once: a rank blocked on a full control socket stalls the ring.
-        results = _parallel([lambda c=c: [_recv(c) for _ in cases] for c in conns], 60.0)
+        results = parallel([lambda c=c: [_recv(c) for _ in cases] for c in conns], 60.0)
     check_results(world, results)
 
 
@@ -301,7 +283,7 @@ def test_default_chunking_large_array_threads(transport: str) -> None:
     with thread_ring(3, transport=transport) as comms:
         inputs = [np.random.default_rng(r).standard_normal(1_000_003) for r in range(3)]
         arrays = [a.copy() for a in inputs]
-        _parallel([lambda c=c: c.all_reduce(arrays[c.rank], ReduceOp.AVG) for c in comms])
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank], ReduceOp.AVG) for c in comms])
         assert arrays[0].tobytes() == arrays[1].tobytes() == arrays[2].tobytes()
         np.testing.assert_allclose(arrays[0], np.mean(inputs, axis=0), rtol=1e-12, atol=1e-12)
 
@@ -322,13 +304,13 @@ def test_array_is_reusable_as_soon_as_all_reduce_returns(transport: str) -> None
                 array.fill(np.nan)
             return ok
 
-        assert _parallel([lambda c=c: rank(c) for c in comms]) == [True, True]
+        assert parallel([lambda c=c: rank(c) for c in comms]) == [True, True]
 
 
 def test_copying_sender_and_fortran_order() -> None:
     with thread_ring(2, zero_copy=False) as comms:
         arrays = [np.asfortranarray(np.full((300, 500), r + 1, np.float32)) for r in range(2)]
-        _parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
         assert (arrays[0] == 3).all() and (arrays[1] == 3).all()
 
 
@@ -341,7 +323,7 @@ def test_broadcast_from_each_root(root: int) -> None:
         for dtype, size in [("float32", 0), ("int64", 1), ("float16", 1001), ("uint8", 7)]:
             arrays = [case_input(100 + root, r, dtype, size) for r in range(3)]
             source = arrays[root].copy()
-            _parallel([lambda c=c, a=arrays[c.rank]: c.broadcast(a, root=root) for c in comms])
+            parallel([lambda c=c, a=arrays[c.rank]: c.broadcast(a, root=root) for c in comms])
             for a in arrays:
                 assert a.tobytes() == source.tobytes()
 
@@ -360,7 +342,7 @@ def test_barrier_waits_for_the_last_rank() -> None:
             c.barrier()
             return time.monotonic()
 
-        left = _parallel(
+        left = parallel(
             [lambda: prompt(comms[0]), lambda: prompt(comms[1]), lambda: late(comms[2])]
         )
         assert all(t >= entered[0] for t in left)
@@ -415,7 +397,7 @@ def test_mismatched_collectives_fail_instead_of_corrupting(transport: str) -> No
             lambda: comms[0].all_reduce(np.ones(10, np.float32)),
             lambda: comms[1].all_reduce(np.ones(12, np.float32)),
         ]
-        errors = _parallel(calls)
+        errors = parallel(calls)
         assert all(isinstance(e, CommunicatorError) for e in errors), errors
         assert any("mismatch" in str(e) for e in errors)
 
@@ -424,7 +406,7 @@ def test_wrong_secret_is_rejected_and_never_shown() -> None:
     other = bytes(reversed(SECRET))
     socks, addrs = _listeners(2)
     started = time.monotonic()
-    outcome = _parallel(
+    outcome = parallel(
         [
             lambda: CpuRingCommunicator(0, 2, socks[0], addrs, SECRET, 20.0),
             lambda: CpuRingCommunicator(1, 2, socks[1], addrs, other, 20.0),
@@ -448,14 +430,14 @@ def test_stray_connections_do_not_block_the_ring() -> None:
             s.sendall(payload)
         strays.append(s)
     started = time.monotonic()
-    comms = _parallel(
+    comms = parallel(
         [lambda r=r: CpuRingCommunicator(r, 2, socks[r], addrs, SECRET, 10.0) for r in range(2)]
     )
     try:
         assert all(isinstance(c, CpuRingCommunicator) for c in comms), comms
         assert time.monotonic() - started < 3.0
         arrays = [np.full(5, r, np.int32) for r in range(2)]
-        _parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
         assert (arrays[0] == 1).all()
     finally:
         for s in strays:
@@ -502,7 +484,7 @@ def test_bad_arguments_raise_and_leave_the_ring_usable() -> None:
         with pytest.raises(CollectiveArgumentError, match="root"):
             comms[0].broadcast(np.ones(3), root=2)
         arrays = [np.ones(3, np.float32) for _ in range(2)]
-        _parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
         assert (arrays[0] == 2).all()
 
 

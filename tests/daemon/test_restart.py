@@ -15,8 +15,7 @@ from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.model import JobState, JoinResult, Parked
 from rendezvousd.persistence import Persister, StateStore
 from rendezvousd.state import JoinArgs, RendezvousState
-from tests.conftest import spawn_daemon, write_token
-from tests.test_retry import free_port
+from tests.support import free_port, spawn_daemon, write_token
 
 ID = b"\x07" * 128
 

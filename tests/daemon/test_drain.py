@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import DaemonUnavailable, NotFound, RendezvousClient, RendezvousError
-from tests.conftest import DaemonProcess
+from tests.support import DaemonProcess
 
 # Long, so that "exited well before the grace" proves the drain finished by itself.
 GRACE_S = 10.0

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient, TlsConfig
-from tests.conftest import ROOT, DaemonProcess, write_token
+from tests.support import ROOT, DaemonProcess, write_token
 
 Metadata = Sequence[tuple[str, str | bytes]]
 SERVICE = "rendezvous.v1.Rendezvous"

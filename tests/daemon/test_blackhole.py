@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rendezvousd.client import DaemonUnavailable, RendezvousClient, RendezvousTimeout
-from tests.conftest import DaemonProcess
+from tests.support import DaemonProcess
 
 
 class BlackHoleProxy:

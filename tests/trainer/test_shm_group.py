@@ -22,7 +22,7 @@ from rendezvousd.trainer import futex
 from rendezvousd.trainer.cpu_ring import CpuRingCommunicator, connect_cpu_ring
 from rendezvousd.trainer.errors import CommunicatorError, CommunicatorTimeout, PeerConnectionError
 from rendezvousd.trainer.shm_group import ShmGroup, create_listener, host_identity
-from tests.test_cpu_ring import _parallel
+from tests.support import parallel
 
 pytestmark = pytest.mark.skipif(not futex.available(), reason="futex needs Linux x86-64")
 
@@ -62,7 +62,7 @@ def test_wrong_key_is_refused_without_showing_it() -> None:
     names = [name for _, name in made]
     keys = [b"k" * 32, b"q" * 32]
     started = time.monotonic()
-    outcome = _parallel(
+    outcome = parallel(
         [lambda r=r: ShmGroup(r, range(2), made[r][0], names, keys[r], 2.0) for r in range(2)]
     )
     assert time.monotonic() - started < 10.0
@@ -79,7 +79,7 @@ def test_wrong_key_is_refused_without_showing_it() -> None:
 def test_slot_size_disagreement_is_a_clear_error() -> None:
     made = [create_listener() for _ in range(2)]
     names = [name for _, name in made]
-    outcome = _parallel(
+    outcome = parallel(
         [
             lambda r=r: ShmGroup(r, range(2), made[r][0], names, b"k" * 32, 5.0, 4096 * (r + 1))
             for r in range(2)
@@ -116,7 +116,7 @@ def _connect_ranks(daemon: Any, job: str, node_of: list[int], shared: list[bool]
             client.leave()
             return transport, float(array[0])
 
-    return _parallel([lambda r=r: rank_main(r) for r in range(world)], 60.0)
+    return parallel([lambda r=r: rank_main(r) for r in range(world)], 60.0)
 
 
 def test_ranks_on_one_host_and_node_use_shared_memory(daemon: Any, job_id: str) -> None:
@@ -140,7 +140,7 @@ def test_shared_memory_segments_are_not_named_on_disk() -> None:
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     made = [create_listener() for _ in range(2)]
     names = [name for _, name in made]
-    groups = _parallel(
+    groups = parallel(
         [lambda r=r: ShmGroup(r, range(2), made[r][0], names, b"k" * 32, 5.0) for r in range(2)]
     )
     try:

@@ -13,8 +13,7 @@ import time
 import pytest
 
 from rendezvousd.client import PeerFailed, RendezvousClient, StaleGeneration
-from tests.conftest import DaemonProcess
-from tests.test_join import worker_cmd
+from tests.support import DaemonProcess, worker_cmd
 
 
 def _start_world(

@@ -17,7 +17,7 @@ from rendezvousd.trainer.config import (
 )
 from rendezvousd.trainer.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "trainer" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "trainer" / "configs"
 DAEMON = RendezvousTransport.daemon("127.0.0.1:29400")
 
 

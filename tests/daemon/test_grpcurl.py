@@ -19,7 +19,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 
 from rendezvousd.client import RendezvousClient
-from tests.conftest import DaemonProcess
+from tests.support import DaemonProcess
 
 _NEXT_TO_PYTHON = Path(sys.executable).parent / "grpcurl"
 GRPCURL = str(_NEXT_TO_PYTHON) if _NEXT_TO_PYTHON.exists() else shutil.which("grpcurl")

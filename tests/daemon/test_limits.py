@@ -28,7 +28,7 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousTimeout,
 )
-from tests.conftest import DaemonProcess, spawn_daemon
+from tests.support import DaemonProcess, spawn_daemon
 
 KIB = 1024
 SERVICE = "rendezvous.v1.Rendezvous"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 PRODUCT_DIRS = ("rendezvousd", "client", "trainer")
 FORBIDDEN_MODULES = frozenset(

@@ -18,11 +18,9 @@ import pytest
 from rendezvousd.trainer import demo, futex
 from rendezvousd.trainer.errors import CommunicatorTimeout
 from rendezvousd.trainer.retry import RetriesExhausted, with_retry
-from tests.conftest import DaemonProcess, spawn_daemon, write_token
-from tests.test_retry import free_port
+from tests.support import ROOT, WORKERS, DaemonProcess, free_port, spawn_daemon, write_token
 
-HERE = Path(__file__).resolve().parent
-SMOKE = HERE.parent / "trainer" / "configs" / "multinode_smoke.toml"
+SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
 
 
 def test_two_nodes_by_two_workers_match_single_process_baseline_and_one_checkpoint(
@@ -84,7 +82,7 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
     stop = tmp_path / "stop"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "trainer_worker.py"), str(stop)],
+            [sys.executable, str(WORKERS / "trainer_worker.py"), str(stop)],
             env=_worker_env(d, job_id, i, 3),
             stdout=subprocess.PIPE,
             text=True,

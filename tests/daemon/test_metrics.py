@@ -10,8 +10,7 @@ import urllib.request
 from collections.abc import Callable
 
 from rendezvousd.client import AuthenticationError, RendezvousClient
-from tests.conftest import DaemonProcess
-from tests.test_join import worker_cmd
+from tests.support import DaemonProcess, worker_cmd
 
 
 def scrape(url: str) -> dict[str, float]:

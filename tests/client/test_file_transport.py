@@ -42,8 +42,9 @@ from rendezvousd.client.file_transport import FileRendezvous
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.trainer.store import JobStore
+from tests.support import WORKERS
 
-WORKER = Path(__file__).with_name("file_worker.py")
+WORKER = WORKERS / "file_worker.py"
 WORLD = 4
 
 
