@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import DaemonProcess, job_name, spawn_daemon
+from tests.support import DaemonProcess, Pki, job_name, make_pki, spawn_daemon
 
 
 @pytest.fixture
@@ -35,3 +35,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 @pytest.fixture
 def job_id(request: pytest.FixtureRequest) -> str:
     return job_name(request)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -155,3 +155,46 @@ def parallel(fns: Sequence[Callable[[], Any]], limit: float = 20.0) -> list[Any]
         t.join(limit)
         assert not t.is_alive(), "a rank hung"
     return out
+
+
+@dataclass
+class Pki:
+    """A CA, a server certificate for 127.0.0.1/localhost, a client certificate,
+    and a second, unrelated CA with its own client certificate, as PEM files."""
+
+    root: Path
+    ca: Path
+    server: Path
+    server_key: Path
+    client: Path
+    client_key: Path
+    rogue_ca: Path
+    rogue: Path
+    rogue_key: Path
+
+
+def make_pki(root: Path) -> Pki:
+    import trustme
+
+    def write(name: str, blob: trustme.Blob, *, private: bool = False) -> Path:
+        path = root / name
+        blob.write_to_path(str(path))
+        if private:
+            path.chmod(0o600)
+        return path
+
+    ca, rogue_ca = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    client = ca.issue_cert("worker.test")
+    rogue = rogue_ca.issue_cert("rogue.test")
+    return Pki(
+        root=root,
+        ca=write("ca.pem", ca.cert_pem),
+        server=write("server.pem", server.cert_chain_pems[0]),
+        server_key=write("server.key", server.private_key_pem, private=True),
+        client=write("client.pem", client.cert_chain_pems[0]),
+        client_key=write("client.key", client.private_key_pem, private=True),
+        rogue_ca=write("rogue-ca.pem", rogue_ca.cert_pem),
+        rogue=write("rogue.pem", rogue.cert_chain_pems[0]),
+        rogue_key=write("rogue.key", rogue.private_key_pem, private=True),
+    )

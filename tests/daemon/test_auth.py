@@ -15,7 +15,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -24,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient, TlsConfig
-from tests.support import ROOT, DaemonProcess, write_token
+from tests.support import ROOT, DaemonProcess, Pki, write_token
 
 Metadata = Sequence[tuple[str, str | bytes]]
 SERVICE = "rendezvous.v1.Rendezvous"
@@ -399,162 +398,6 @@ def test_second_daemon_on_same_port_fails(start_daemon: Callable[..., DaemonProc
 
 
 # -- TLS and mTLS ----------------------------------------------------------------
-
-
-class Pki:
-    """A CA, a server certificate for 127.0.0.1/localhost, a client certificate,
-    and a second, unrelated CA with its own client certificate."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.ca, self.ca_key = root / "ca.pem", root / "ca.key"
-        self.server, self.server_key = root / "server.pem", root / "server.key"
-        self.client, self.client_key = root / "client.pem", root / "client.key"
-        self.rogue_ca, self.rogue_ca_key = root / "rogue-ca.pem", root / "rogue-ca.key"
-        self.rogue, self.rogue_key = root / "rogue.pem", root / "rogue.key"
-
-
-def _pki_cryptography(pki: Pki) -> None:
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def write_key(key: Any, path: Path) -> None:
-        path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        path.chmod(0o600)
-
-    def issue(
-        cn: str, path: Path, key_path: Path, issuer: tuple[Any, Any] | None, usage: str
-    ) -> tuple[Any, Any]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-        issuer_cert, issuer_key = issuer if issuer else (None, key)
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(issuer_cert.subject if issuer_cert else name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-        )
-        if usage == "ca":
-            builder = builder.add_extension(
-                x509.BasicConstraints(ca=True, path_length=None), critical=True
-            ).add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-        else:
-            builder = builder.add_extension(
-                x509.BasicConstraints(ca=False, path_length=None), critical=True
-            ).add_extension(
-                x509.ExtendedKeyUsage(
-                    [
-                        ExtendedKeyUsageOID.SERVER_AUTH
-                        if usage == "server"
-                        else ExtendedKeyUsageOID.CLIENT_AUTH
-                    ]
-                ),
-                critical=False,
-            )
-            if usage == "server":
-                builder = builder.add_extension(
-                    x509.SubjectAlternativeName(
-                        [
-                            x509.DNSName("localhost"),
-                            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                        ]
-                    ),
-                    critical=False,
-                )
-        cert = builder.sign(issuer_key, hashes.SHA256())
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        write_key(key, key_path)
-        return cert, key
-
-    ca = issue("rendezvousd test CA", pki.ca, pki.ca_key, None, "ca")
-    issue("localhost", pki.server, pki.server_key, ca, "server")
-    issue("worker", pki.client, pki.client_key, ca, "client")
-    rogue = issue("rogue CA", pki.rogue_ca, pki.rogue_ca_key, None, "ca")
-    issue("rogue worker", pki.rogue, pki.rogue_key, rogue, "client")
-
-
-def _pki_openssl(pki: Pki, openssl: str) -> None:
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=pki.root, timeout=60)
-
-    newkey = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-    def make_ca(cn: str, cert: Path, key: Path) -> None:
-        run(
-            "req", "-x509", *newkey, "-keyout", str(key), "-out", str(cert), "-days", "1",
-            "-subj", f"/CN={cn}",
-            "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-        )  # fmt: skip
-
-    def make_leaf(cn: str, cert: Path, key: Path, ca: Path, ca_key: Path, ext: str) -> None:
-        csr, extfile = cert.with_suffix(".csr"), cert.with_suffix(".ext")
-        extfile.write_text(ext)
-        run("req", *newkey, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
-        run(
-            "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
-            "-CAcreateserial", "-out", str(cert), "-days", "1", "-sha256",
-            "-extfile", str(extfile),
-        )  # fmt: skip
-
-    make_ca("rendezvousd test CA", pki.ca, pki.ca_key)
-    make_leaf(
-        "localhost",
-        pki.server,
-        pki.server_key,
-        pki.ca,
-        pki.ca_key,
-        "basicConstraints=critical,CA:FALSE\nextendedKeyUsage=serverAuth\n"
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
-    )
-    client_ext = "basicConstraints=critical,CA:FALSE\nextendedKeyUsage=clientAuth\n"
-    make_leaf("worker", pki.client, pki.client_key, pki.ca, pki.ca_key, client_ext)
-    make_ca("rogue CA", pki.rogue_ca, pki.rogue_ca_key)
-    make_leaf("rogue worker", pki.rogue, pki.rogue_key, pki.rogue_ca, pki.rogue_ca_key, client_ext)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    pki = Pki(tmp_path_factory.mktemp("pki"))
-    try:
-        import cryptography  # noqa: F401
-    except ImportError:
-        openssl = shutil.which("openssl")
-        if openssl is None:
-            pytest.skip("neither the cryptography package nor the openssl CLI is available")
-        _pki_openssl(pki, openssl)
-    else:
-        _pki_cryptography(pki)
-    return pki
 
 
 def _tls_health(endpoint: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:

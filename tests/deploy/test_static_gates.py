@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from tests.support import ROOT
 
@@ -204,20 +206,15 @@ PROTOBUF_FLOOR = "4.25.8"
 GRPC_PACKAGES = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "grpcio-status")
 
 
-def version(text: str) -> tuple[int, ...]:
-    match = re.match(r"\d+(\.\d+)*", text.strip())
-    assert match, f"cannot parse version {text!r}"
-    parts = tuple(int(x) for x in match.group().split("."))
-    return parts + (0,) * (3 - len(parts))
-
-
 def patched(installed: str, fixes: tuple[str, ...]) -> bool:
-    v = version(installed)
-    fixed = sorted(version(f) for f in fixes)
-    same_branch = [f for f in fixed if f[:2] == v[:2]]
+    """A release is patched when its minor branch got a fix it is at or past, or it
+    belongs to a branch newer than every fixed one."""
+    v = Version(installed)
+    fixed = sorted(Version(f) for f in fixes)
+    same_branch = [f for f in fixed if f.release[:2] == v.release[:2]]
     if same_branch:
         return v >= same_branch[0]
-    return v[:2] > fixed[-1][:2]
+    return v.release[:2] > fixed[-1].release[:2]
 
 
 def test_patched_logic() -> None:
@@ -231,14 +228,11 @@ def test_patched_logic() -> None:
 def declared_floors() -> dict[str, str]:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     floors: dict[str, str] = {}
-    for requirement in data["project"]["dependencies"]:
-        match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[[^\]]*\])?\s*([^;]*)", requirement)
-        assert match, requirement
-        name = match.group(1).lower().replace("_", "-")
-        for spec in match.group(2).split(","):
-            spec = spec.strip()
-            if spec.startswith((">=", "==", "~=")):
-                floors[name] = spec[2:].strip()
+    for line in data["project"]["dependencies"]:
+        requirement = Requirement(line)
+        for spec in requirement.specifier:
+            if spec.operator in (">=", "==", "~="):
+                floors[canonicalize_name(requirement.name)] = spec.version
     return floors
 
 
@@ -248,7 +242,7 @@ def test_installed_versions_are_patched(package: str) -> None:
     floor, fixes = (
         (PROTOBUF_FLOOR, PROTOBUF_FIXES) if package == "protobuf" else (GRPC_FLOOR, GRPC_FIXES)
     )
-    assert version(installed) >= version(floor), f"{package} {installed} < {floor}"
+    assert Version(installed) >= Version(floor), f"{package} {installed} < {floor}"
     if package == "grpcio":  # the C core (and the CVEs) live in grpcio itself
         unpatched = [cve for cve, f in fixes.items() if not patched(installed, f)]
         assert not unpatched, f"installed grpcio {installed} is vulnerable to {unpatched}"
@@ -265,7 +259,7 @@ def test_declared_floors_are_patched(package: str) -> None:
     minimum, fixes = (
         (PROTOBUF_FLOOR, PROTOBUF_FIXES) if package == "protobuf" else (GRPC_FLOOR, GRPC_FIXES)
     )
-    assert version(floor) >= version(minimum), (
+    assert Version(floor) >= Version(minimum), (
         f"pyproject.toml lets {package} go down to {floor}; the patched minimum is {minimum}"
     )
     if package in ("grpcio", "protobuf"):
