@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
-from tests.support import DaemonProcess, Pki, job_name, make_pki, spawn_daemon
+from rendezvousd.config import DaemonConfig
+from rendezvousd.server import Daemon
+from tests.support import (
+    DaemonProcess,
+    InProcessDaemon,
+    Pki,
+    job_name,
+    make_pki,
+    spawn_daemon,
+)
 
 
 @pytest.fixture
@@ -40,3 +51,14 @@ def job_id(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest_asyncio.fixture
+async def inproc_daemon() -> AsyncIterator[InProcessDaemon]:
+    token = secrets.token_urlsafe(32)
+    server = Daemon(DaemonConfig(listen="127.0.0.1:0", heartbeat_timeout_s=3.0), [token])
+    port = await server.start()
+    try:
+        yield InProcessDaemon(server, f"127.0.0.1:{port}", token)
+    finally:
+        await server.stop(grace=0)

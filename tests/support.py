@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import secrets
@@ -17,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from rendezvousd.client import AsyncRendezvousClient
+from rendezvousd.model import JobView
+from rendezvousd.server import Daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 _SERVING = re.compile(r"rendezvousd: serving on (\S+)")
@@ -198,3 +203,35 @@ def make_pki(root: Path) -> Pki:
         rogue=write("rogue.pem", rogue.cert_chain_pems[0]),
         rogue_key=write("rogue.key", rogue.private_key_pem, private=True),
     )
+
+
+@dataclass
+class InProcessDaemon:
+    """A daemon on this test's event loop: its state is inspectable directly.
+
+    Only asyncio clients may call it (a blocking client would stall the loop
+    that serves it); tests that need process death use ``daemon`` instead.
+    """
+
+    server: Daemon
+    endpoint: str
+    token: str
+
+    def client(self, job_id: str) -> AsyncRendezvousClient:
+        return AsyncRendezvousClient(self.endpoint, job_id, token=self.token)
+
+    def view(self, job_id: str) -> JobView:
+        return self.server.state.view(job_id, time.monotonic())
+
+    def members_present(self, job_id: str) -> int:
+        """Ranks that have joined (or are parked in Join); 0 before the job exists."""
+        known = {v.job_id: v for v in self.server.state.views(time.monotonic())}
+        return known[job_id].members_present if job_id in known else 0
+
+    async def until(self, what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Wait for ``check()`` to hold, on observable daemon state, not on a clock."""
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            await asyncio.sleep(0.005)

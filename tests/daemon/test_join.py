@@ -11,7 +11,6 @@ import threading
 import pytest
 
 from rendezvousd.client import (
-    AsyncRendezvousClient,
     DuplicateRank,
     IdConflict,
     InvalidRequest,
@@ -20,7 +19,7 @@ from rendezvousd.client import (
     RendezvousTimeout,
     TopologyMismatch,
 )
-from tests.support import DaemonProcess, worker_cmd
+from tests.support import DaemonProcess, InProcessDaemon, worker_cmd
 
 
 def test_two_nodes_by_two_workers_as_real_processes(daemon: DaemonProcess, job_id: str) -> None:
@@ -41,12 +40,11 @@ def test_two_nodes_by_two_workers_as_real_processes(daemon: DaemonProcess, job_i
     assert len({j["id_digest"] for j in joined}) == 1  # every rank got the same id
 
 
-async def test_sixteen_nodes_by_eight_gpus_async(daemon: DaemonProcess, job_id: str) -> None:
+async def test_sixteen_nodes_by_eight_gpus_async(
+    inproc_daemon: InProcessDaemon, job_id: str
+) -> None:
     nodes, gpus = 16, 8
-    clients = [
-        AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
-        for _ in range(nodes * gpus)
-    ]
+    clients = [inproc_daemon.client(job_id) for _ in range(nodes * gpus)]
     try:
         results: list[Membership] = await asyncio.gather(
             *[
@@ -107,73 +105,58 @@ def test_assigned_node_ranks_group_local_ranks_by_host(daemon: DaemonProcess, jo
     assert len({h for h, _ in by_host}) == 2 and len(by_host) == 2  # one node rank per host
 
 
-def test_rejections_name_the_problem(daemon: DaemonProcess, job_id: str) -> None:
-    out: dict[int, object] = {}
-    holder = _join_thread(
-        daemon, job_id, out, num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=5
+async def test_rejections_name_the_problem(inproc_daemon: InProcessDaemon, job_id: str) -> None:
+    d = inproc_daemon
+    holder_client = d.client(job_id)
+    holder = asyncio.create_task(
+        holder_client.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=5)
     )
-    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
-        import time
-
-        time.sleep(0.5)
+    await d.until("rank 2 parked in Join", lambda: d.members_present(job_id) == 1)
+    async with d.client(job_id) as c:
         with pytest.raises(TopologyMismatch, match=r"num_nodes=2 gpus_per_node=2.*num_nodes=3"):
-            c.join(num_nodes=3, gpus_per_node=2, node_rank=1, local_rank=1, timeout=2)
+            await c.join(num_nodes=3, gpus_per_node=2, node_rank=1, local_rank=1, timeout=2)
         with pytest.raises(DuplicateRank, match="rank 2"):
-            c.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=2)
+            await c.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=2)
         with pytest.raises(InvalidRequest, match="node_rank=2 is out of range"):
-            c.join(num_nodes=2, gpus_per_node=2, node_rank=2, local_rank=0, timeout=2)
-        with pytest.raises(InvalidRequest, match="exactly 128 bytes"):
-            c.join(
-                num_nodes=2,
-                gpus_per_node=2,
-                node_rank=0,
-                local_rank=0,
-                unique_id=b"x" * 5,
-                timeout=2,
-            )
-        with pytest.raises(InvalidRequest, match="all zero"):
-            c.join(
-                num_nodes=2,
-                gpus_per_node=2,
-                node_rank=0,
-                local_rank=0,
-                unique_id=bytes(128),
-                timeout=2,
-            )
-    holder.join(30)
-    timeout = next(v for k, v in out.items() if k < 0)
-    assert isinstance(timeout, RendezvousTimeout)
-    assert timeout.missing_ranks == [0, 1, 3] and "missing ranks" in str(timeout)
+            await c.join(num_nodes=2, gpus_per_node=2, node_rank=2, local_rank=0, timeout=2)
+        for bad, message in ((b"x" * 5, "exactly 128 bytes"), (bytes(128), "all zero")):
+            with pytest.raises(InvalidRequest, match=message):
+                await c.join(
+                    num_nodes=2,
+                    gpus_per_node=2,
+                    node_rank=0,
+                    local_rank=0,
+                    unique_id=bad,
+                    timeout=2,
+                )
+    with pytest.raises(RendezvousTimeout) as timeout:
+        await holder
+    await holder_client.close()
+    assert timeout.value.missing_ranks == [0, 1, 3] and "missing ranks" in str(timeout.value)
 
 
-def test_second_different_id_is_refused_and_first_kept(daemon: DaemonProcess, job_id: str) -> None:
+async def test_second_different_id_is_refused_and_first_kept(
+    inproc_daemon: InProcessDaemon, job_id: str
+) -> None:
+    d = inproc_daemon
     first, second = b"\x11" * 128, b"\x22" * 128
-    out: dict[int, object] = {}
-    t0 = _join_thread(
-        daemon,
-        job_id,
-        out,
-        num_nodes=1,
-        gpus_per_node=2,
-        node_rank=0,
-        local_rank=0,
-        unique_id=first,
-        timeout=20,
-    )
-    import time
-
-    time.sleep(0.5)
-    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+    async with d.client(job_id) as rank0, d.client(job_id) as c:
+        t0 = asyncio.create_task(
+            rank0.join(
+                num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, unique_id=first, timeout=20
+            )
+        )
+        await d.until("rank 0 parked in Join", lambda: d.members_present(job_id) == 1)
         # The PublishId path: a second "rank 0" instance cannot overwrite the id.
         with pytest.raises((IdConflict, DuplicateRank)):
-            c.join(
+            await c.join(
                 num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, unique_id=second, timeout=2
             )
-        m = c.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=20)
+        m = await c.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=20)
         assert m.unique_id == first
-        c.leave()
-    t0.join(30)
-    assert out[0].unique_id == first  # type: ignore[attr-defined]
+        assert (await t0).unique_id == first
+        await c.leave()
+        await rank0.leave()
 
 
 def test_inspection_shows_members_but_never_the_id(daemon: DaemonProcess, job_id: str) -> None:
