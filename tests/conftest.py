@@ -37,8 +37,15 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One daemon shared by a module's tests; each test uses its own job id."""
-    d = spawn_daemon(tmp_path_factory.mktemp("daemon"), "--heartbeat-timeout-s", "3")
+    """One daemon shared by a module's tests; each test uses its own job id.
+    Its metrics (``metrics_url``) let tests wait for parked calls."""
+    d = spawn_daemon(
+        tmp_path_factory.mktemp("daemon"),
+        "--heartbeat-timeout-s",
+        "3",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    )
     yield d
     d.kill()
 

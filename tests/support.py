@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,37 @@ def job_name(request: pytest.FixtureRequest) -> str:
 
 
 WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll observable state (GetJob, metrics, a socket) until ``check()`` holds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page as {'name{labels}': value}."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def members(d: DaemonProcess, job_id: str) -> list[Any]:
+    """GetJob's member statuses for ``job_id``; empty before the job exists."""
+    from rendezvousd.client import NotFound, RendezvousClient
+
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        try:
+            return list(probe.get_job().members)
+        except NotFound:
+            return []
 
 
 def free_port() -> int:

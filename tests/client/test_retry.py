@@ -3,6 +3,7 @@ transient failure, exactly one attempt on a permanent one."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import urllib.request
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.client import DaemonUnavailable, RendezvousClient, TopologyMismatch
-from tests.support import DaemonProcess, free_port, spawn_daemon, write_token
+from tests.support import DaemonProcess, free_port, members, spawn_daemon, wait_for, write_token
 
 
 def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:
@@ -27,9 +28,14 @@ def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:
             )
             c.leave()
 
-    t = threading.Thread(target=join)
-    t.start()
-    time.sleep(1.5)  # the worker is already waiting when the daemon comes up
+    # Hold the port with a listener that never answers, so the worker's first
+    # connection attempt is visible: then it is certainly waiting for the daemon.
+    with socket.create_server(("127.0.0.1", port)) as blocker:
+        t = threading.Thread(target=join)
+        t.start()
+        blocker.settimeout(20)
+        attempt, _ = blocker.accept()
+        attempt.close()
     daemon = spawn_daemon(tmp_path, token=token, listen=f"127.0.0.1:{port}")
     try:
         t.join(30)
@@ -80,7 +86,7 @@ def test_permanent_error_is_tried_exactly_once(
 
     t = threading.Thread(target=hold_rank_zero)
     t.start()
-    time.sleep(0.5)
+    wait_for("rank 0 to park in Join", lambda: len(members(d, job_id)) == 1)
     with (
         RendezvousClient(d.endpoint, job_id, token=d.token, retry_attempts=3) as c,
         pytest.raises(TopologyMismatch),
@@ -88,9 +94,11 @@ def test_permanent_error_is_tried_exactly_once(
         c.join(num_nodes=1, gpus_per_node=4, node_rank=0, local_rank=1, timeout=3)
     # The daemon records a call just after sending its status: allow it a moment,
     # then check that no second attempt follows.
-    deadline = time.monotonic() + 5
-    while _count(d.metrics_url, "Join", "FAILED_PRECONDITION") < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(
+        "the refused Join in the metrics",
+        lambda: _count(d.metrics_url, "Join", "FAILED_PRECONDITION") >= 1,
+    )
+    # A retry would follow within the first backoff (0.2 s): give it twice that to show up.
     time.sleep(0.5)
     assert _count(d.metrics_url, "Join", "FAILED_PRECONDITION") == 1
     t.join(15)

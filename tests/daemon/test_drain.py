@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client import DaemonUnavailable, NotFound, RendezvousClient, RendezvousError
-from tests.support import DaemonProcess
+from rendezvousd.client import DaemonUnavailable, RendezvousClient, RendezvousError
+from tests.support import DaemonProcess, members, wait_for
 
 # Long, so that "exited well before the grace" proves the drain finished by itself.
 GRACE_S = 10.0
@@ -34,16 +34,7 @@ def reason_of(exc: grpc.RpcError) -> str:
 
 
 def wait_members(d: DaemonProcess, job_id: str, n: int) -> None:
-    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if len(probe.get_job().members) == n:
-                    return
-            except NotFound:
-                pass
-            time.sleep(0.02)
-    pytest.fail(f"{n} joins did not register in time")
+    wait_for(f"{n} joins to register", lambda: len(members(d, job_id)) == n)
 
 
 class HealthWatch:
@@ -158,11 +149,7 @@ class HeartbeatStream:
 
 
 def wait_stream_open(d: DaemonProcess, job_id: str) -> None:
-    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
-        deadline = time.monotonic() + 10
-        while not probe.get_job().members[0].heartbeat_stream_open:
-            assert time.monotonic() < deadline, "the heartbeat stream never attached"
-            time.sleep(0.02)
+    wait_for("the heartbeat stream", lambda: members(d, job_id)[0].heartbeat_stream_open)
 
 
 def test_sigterm_releases_parked_waiters_and_exits_zero(

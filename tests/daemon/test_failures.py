@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rendezvousd.client import PeerFailed, RendezvousClient, StaleGeneration
-from tests.support import DaemonProcess, worker_cmd
+from tests.support import DaemonProcess, members, scrape, wait_for, worker_cmd
 
 
 def _start_world(
@@ -37,6 +37,10 @@ def _start_world(
     return procs
 
 
+def _streams_open(d: DaemonProcess, job_id: str) -> int:
+    return sum(m.heartbeat_stream_open for m in members(d, job_id))
+
+
 def _outcome(p: subprocess.Popen[str], timeout: float) -> dict[str, object]:
     out, _ = p.communicate(timeout=timeout)
     return json.loads(out.strip().splitlines()[-1])
@@ -46,8 +50,15 @@ def _outcome(p: subprocess.Popen[str], timeout: float) -> dict[str, object]:
 def test_sigkill_of_a_worker_fails_survivors_naming_its_rank(
     daemon: DaemonProcess, job_id: str, action: str
 ) -> None:
+    parked_before = scrape(daemon.metrics_url)["rendezvousd_waiters"]
     procs = _start_world(daemon, job_id, action)
-    time.sleep(0.5)  # let barrier / kv waits park on the daemon
+    if action == "hold":
+        wait_for("three heartbeat streams", lambda: _streams_open(daemon, job_id) == 3)
+    else:
+        wait_for(
+            f"ranks 0 and 2 to park in {action}",
+            lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] >= parked_before + 2,
+        )
     killed_at = time.monotonic()
     procs[1].send_signal(signal.SIGKILL)
     for p in (procs[0], procs[2]):
@@ -115,11 +126,9 @@ def test_on_failure_callback_runs_with_the_peer_failed_error(
             )
             c.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, timeout=20)
             c.start_heartbeat(0.2, on_failure=lambda e: seen.append(e))  # type: ignore[arg-type]
-            time.sleep(0.5)
+            wait_for("both heartbeat streams", lambda: _streams_open(daemon, job_id + "-cb") == 2)
             os.kill(other.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 15
-            while not seen and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for("the on_failure callback", lambda: bool(seen), timeout=15)
             assert seen and isinstance(seen[0], PeerFailed) and seen[0].ranks == [1]
             with pytest.raises(PeerFailed):
                 c.raise_if_failed()
@@ -141,15 +150,7 @@ def test_sigkill_during_join_fails_the_ranks_still_waiting(
         for g in range(2)
     ]
     try:
-        with RendezvousClient(daemon.endpoint, token=daemon.token) as probe:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                try:
-                    if len(probe.get_job(job_id).members) == 2:
-                        break
-                except Exception:
-                    pass
-                time.sleep(0.05)
+        wait_for("two ranks parked in Join", lambda: len(members(daemon, job_id)) == 2, 20)
         killed_at = time.monotonic()
         procs[1].send_signal(signal.SIGKILL)
         result = _outcome(procs[0], timeout=20)

@@ -28,7 +28,7 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousTimeout,
 )
-from tests.support import DaemonProcess, spawn_daemon
+from tests.support import DaemonProcess, members, spawn_daemon, wait_for
 
 KIB = 1024
 SERVICE = "rendezvous.v1.Rendezvous"
@@ -263,16 +263,13 @@ def _park_joins(d: DaemonProcess, job_id: str, ranks: list[int], world: int) -> 
     return futures
 
 
-def _wait_members(client: RendezvousClient, job_id: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            if len(client.get_job(job_id).members) == n:
-                return
-        except NotFound:
-            pass
-        time.sleep(0.02)
-    pytest.fail(f"{n} parked joins did not register in time")
+def _wait_members(d: DaemonProcess, job_id: str, n: int) -> None:
+    wait_for(f"{n} parked joins to register", lambda: len(members(d, job_id)) == n)
+
+
+def _failed(d: DaemonProcess, job_id: str) -> bool:
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        return bool(probe.get_job().summary.state == pb.JOB_STATE_FAILED)
 
 
 def test_max_waiters(limited: DaemonProcess, job_id: str) -> None:
@@ -281,7 +278,7 @@ def test_max_waiters(limited: DaemonProcess, job_id: str) -> None:
         # Two parked joins of another job fill --max-waiters 2 (observable via GetJob).
         parked = _park_joins(limited, job_id + "-world", [1, 2], 3)
         try:
-            _wait_members(client, job_id + "-world", 2)
+            _wait_members(limited, job_id + "-world", 2)
             started = time.monotonic()
             with pytest.raises(LimitExceeded) as info:
                 client.kv_get("never-set", wait=True, timeout=20)
@@ -294,15 +291,12 @@ def test_max_waiters(limited: DaemonProcess, job_id: str) -> None:
             for future in parked:
                 future.cancel()
         # Cancelled waiters free their slots: waiting works again.
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with pytest.raises(RendezvousTimeout):
-                    client.kv_get("never-set", wait=True, timeout=0.2)
-                break
-            except LimitExceeded:
-                assert time.monotonic() < deadline, "cancelled waiters kept their slots"
-                time.sleep(0.05)
+        # (a cancelled parked Join is a dead joiner: it fails that generation)
+        wait_for(
+            "the cancelled joins to fail their job", lambda: _failed(limited, job_id + "-world")
+        )
+        with pytest.raises(RendezvousTimeout):
+            client.kv_get("never-set", wait=True, timeout=0.2)
 
 
 def test_join_refused_by_max_waiters_does_not_hold_the_rank(
@@ -311,7 +305,7 @@ def test_join_refused_by_max_waiters_does_not_hold_the_rank(
     parked = _park_joins(limited, job_id + "-full", [1, 2], 3)
     probe = RendezvousClient(limited.endpoint, job_id, token=limited.token)
     try:
-        _wait_members(probe, job_id + "-full", 2)
+        _wait_members(limited, job_id + "-full", 2)
         with pytest.raises(LimitExceeded):
             probe.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=5)
     finally:
@@ -319,16 +313,11 @@ def test_join_refused_by_max_waiters_does_not_hold_the_rank(
             future.cancel()
     try:
         # The refused rank must be free: a retry parks (and times out), no DUPLICATE_RANK.
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                probe.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=0.5)
-            except LimitExceeded:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-                continue
-            except RendezvousTimeout:
-                break
+        wait_for(
+            "the cancelled joins to fail their job", lambda: _failed(limited, job_id + "-full")
+        )
+        with pytest.raises(RendezvousTimeout):
+            probe.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=0.5)
         assert len(probe.get_job().members) == 0
     finally:
         probe.close()

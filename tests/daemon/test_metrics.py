@@ -5,22 +5,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable
 
 from rendezvousd.client import AuthenticationError, RendezvousClient
-from tests.support import DaemonProcess, worker_cmd
-
-
-def scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+from tests.support import DaemonProcess, scrape, wait_for, worker_cmd
 
 
 def test_metrics_follow_a_job_through_join_failure_and_rpcs(
@@ -34,7 +23,10 @@ def test_metrics_follow_a_job_through_join_failure_and_rpcs(
     with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
         c.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, unique_id=uid, timeout=20)
         c.start_heartbeat(0.2)
-        time.sleep(0.5)
+        wait_for(
+            "both heartbeat streams",
+            lambda: scrape(d.metrics_url)["rendezvousd_heartbeat_streams"] == 2,
+        )
         m = scrape(d.metrics_url)
         assert m['rendezvousd_jobs{state="running"}'] == 1
         assert m["rendezvousd_members"] == 2
@@ -44,13 +36,11 @@ def test_metrics_follow_a_job_through_join_failure_and_rpcs(
         assert 0 <= m["rendezvousd_heartbeat_age_max_seconds"] < 3
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            m = scrape(d.metrics_url)
-            if m.get("rendezvousd_failures_detected_total") == 1:
-                break
-            time.sleep(0.1)
-        assert m["rendezvousd_failures_detected_total"] == 1
+        wait_for(
+            "the failure to be counted",
+            lambda: scrape(d.metrics_url).get("rendezvousd_failures_detected_total") == 1,
+        )
+        m = scrape(d.metrics_url)
         assert m['rendezvousd_jobs{state="failed"}'] == 1
     text = urllib.request.urlopen(d.metrics_url, timeout=5).read()
     assert uid not in text and uid.hex().encode() not in text and d.token.encode() not in text

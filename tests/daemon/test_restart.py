@@ -15,7 +15,7 @@ from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.model import JobState, JoinResult, Parked
 from rendezvousd.persistence import Persister, StateStore
 from rendezvousd.state import JoinArgs, RendezvousState
-from tests.support import free_port, spawn_daemon, write_token
+from tests.support import free_port, members, spawn_daemon, wait_for, write_token
 
 ID = b"\x07" * 128
 
@@ -129,10 +129,16 @@ def test_sigkill_and_restart_keeps_running_members_and_their_data(tmp_path: Path
         c.start_heartbeat(0.3, on_failure=failures.append)
     clients[0].kv_set("before-crash", b"kept")
     d.kill()  # SIGKILL: no drain, no goodbye
-    time.sleep(1.0)
     d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    restarted = time.monotonic()
     try:
-        time.sleep(6)  # longer than the heartbeat timeout: members must have reattached
+        wait_for(
+            "both members to reattach their streams",
+            lambda: sum(m.heartbeat_stream_open for m in members(d2, "survivor")) == 2,
+        )
+        # What is tested here is that nothing fails once a whole heartbeat timeout (4 s)
+        # has passed since the restart, so this wait is a measured delay, not a sync.
+        time.sleep(max(0.0, restarted + 4.5 - time.monotonic()))
         assert not failures, failures
         assert clients[1].kv_get("before-crash", wait=False) == b"kept"
         done = [

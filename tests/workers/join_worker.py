@@ -10,7 +10,7 @@ import argparse
 import hashlib
 import json
 import sys
-import time
+import threading
 
 from rendezvousd.client import RendezvousClient, RendezvousError
 
@@ -52,7 +52,8 @@ def main() -> int:
             world=m.world_size,
             id_digest=hashlib.sha256(m.unique_id).hexdigest(),
         )
-        client.start_heartbeat(args.heartbeat_s)
+        failed = threading.Event()
+        client.start_heartbeat(args.heartbeat_s, on_failure=lambda _error: failed.set())
         if args.action == "barrier":
             client.barrier("sync", timeout=args.hold_s)
             emit(event="barrier-passed")
@@ -63,10 +64,7 @@ def main() -> int:
             emit(event="left")
             return 0
         else:
-            deadline = time.monotonic() + args.hold_s
-            while time.monotonic() < deadline:
-                client.raise_if_failed()
-                time.sleep(0.05)
+            failed.wait(args.hold_s)
         client.raise_if_failed()
         emit(event="done")
         return 0
