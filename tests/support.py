@@ -69,12 +69,16 @@ def spawn_daemon(
     env: dict[str, str] | None = None,
     listen: str = "127.0.0.1:0",
     timeout: float = 20.0,
+    prefix: Sequence[str] = (),
 ) -> DaemonProcess:
+    """A daemon process with a fresh token; ``prefix`` wraps its command line
+    (e.g. ``ip netns exec HOST`` to run it on a namespace host)."""
     tmp.mkdir(parents=True, exist_ok=True)
     token_file = tmp / f"token-{secrets.token_hex(4)}"
     token = write_token(token_file, token)
     log_path = tmp / f"daemon-{secrets.token_hex(4)}.log"
     cmd = [
+        *prefix,
         sys.executable,
         "-m",
         "rendezvousd.cli",

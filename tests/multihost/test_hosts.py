@@ -1,0 +1,85 @@
+"""The namespace hosts themselves: own addresses, reachable over the bridge,
+isolated from the machine's network, cut off by a link going down, removed after."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+
+from tests.multihost.netns import Hosts
+from tests.support import spawn_daemon, worker_cmd
+
+
+def _ip_netns() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _tcp_probe(host_cmd: list[str], address: str, port: int) -> int:
+    code = (
+        "import socket,sys\n"
+        f"s=socket.socket(); s.settimeout(2)\n"
+        f"sys.exit(s.connect_ex(({address!r},{port})))"
+    )
+    return subprocess.run([*host_cmd, sys.executable, "-c", code], timeout=20).returncode
+
+
+def test_hosts_join_one_job_through_a_daemon_on_another_host(
+    make_hosts: Callable[[int], Hosts], tmp_path, job_id: str
+) -> None:
+    hosts = make_hosts(3)
+    head = hosts[0]
+    d = spawn_daemon(
+        tmp_path,
+        "--insecure-plaintext",
+        listen=f"{head.address}:0",
+        prefix=head.command([]),
+    )
+    try:
+        assert d.endpoint.startswith(head.address), d.endpoint
+        procs = [
+            hosts[1 + n].popen(
+                worker_cmd(d, job_id, 2, 1, n, 0, "--action", "leave", "--host", f"node{n}"),
+                stdout=subprocess.PIPE,
+            )
+            for n in range(2)
+        ]
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        joined = [json.loads(o.splitlines()[0]) for o in outs]
+        assert sorted(j["rank"] for j in joined) == [0, 1]
+        assert len({j["id_digest"] for j in joined}) == 1
+    finally:
+        d.kill()
+
+
+def test_hosts_are_isolated_and_a_cut_link_is_unreachable(
+    make_hosts: Callable[[int], Hosts], tmp_path
+) -> None:
+    hosts = make_hosts(2)
+    prefix = hosts.prefix
+    assert prefix in _ip_netns()
+    server = hosts[0].popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket,time\n"
+            f"s=socket.create_server(({hosts[0].address!r}, 29999)); print('up', flush=True); s.accept(); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "up"
+        # The other host reaches it over the bridge, and nothing of it is in the
+        # machine's own namespace (no probe from there: its default route leads out).
+        assert _tcp_probe(hosts[1].command([]), hosts[0].address, 29999) == 0
+        own = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+        assert hosts[0].address not in own and prefix not in own
+        hosts.link(hosts[1], up=False)
+        assert _tcp_probe(hosts[1].command([]), hosts[0].address, 29999) != 0
+    finally:
+        server.kill()
+        server.wait(10)
+    hosts.teardown()
+    assert prefix not in _ip_netns()
