@@ -328,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]
     backends = [b for b in args.backends.split(",") if b]
+    from rendezvousd.trainer.shm_group import unsupported_reason
+
+    shm_off = unsupported_reason()
+    if "cpu_shm" in backends and shm_off is not None:
+        # The cpu backend itself never uses shared memory here; measuring it would lie.
+        print(f"skipping cpu_shm: {shm_off}", file=sys.stderr)
+        backends.remove("cpu_shm")
     gloo = "gloo" in backends and _torch_available()
     results: list[Any] = []
     for world in worlds:
