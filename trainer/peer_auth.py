@@ -131,7 +131,9 @@ def dial(sock: socket.socket, auth: PeerAuth, peer: int, where: str) -> None:
             raise rejected
         magic, acceptor_nonce = _CHALLENGE.unpack(challenge)
         if magic != auth.magic:
-            raise PeerConnectionError(f"{where} is not an endpoint of this transport")
+            raise PeerConnectionError(
+                f"{where} is not an endpoint of this transport (or of another version)"
+            )
         nonce = secrets.token_bytes(_NONCE_BYTES)
         ids = (auth.rank, auth.world, peer)
         mac = auth.mac(b"hello", acceptor_nonce, nonce, ids)

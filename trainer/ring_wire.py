@@ -51,7 +51,7 @@ INTERRUPTED = 5
 FRAME = struct.Struct("<BBBBIQIII")
 MAX_DETAIL_BYTES = 512
 
-_MAGIC = b"RDVRING1"
+_MAGIC = b"RDVRING2"
 # A real peer answers in milliseconds; a silent stray is dropped after this.
 _HANDSHAKE_S = 5.0
 _MAX_PENDING = 32
