@@ -23,7 +23,7 @@ Semantics:
 * Arrays must be writeable, native-endian numpy arrays that are C- or F-contiguous. They
   are reduced in place without copies; anything else raises ``CollectiveArgumentError``.
 * Every collective returns only after the right neighbour has received all it was sent,
-  so the caller may reuse the array at once (the zero-copy sender relies on this).
+  so the caller may reuse the array at once (the sender thread reads it until then).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import numpy.typing as npt
 from . import ring_wire as wire
 from . import shm_group
 from .communicator import ReduceOp
+from .cpu_transport import build_shm_group, shared_memory_plan
 from .errors import (
     CollectiveArgumentError,
     CommunicatorAborted,
@@ -88,8 +89,7 @@ class CpuRingCommunicator:
     ``secret`` is the job's per-generation id; it authenticates every connection and
     never appears in messages. ``timeout`` bounds setup and any wait without progress.
 
-    ``chunk_bytes`` caps the pipelining chunk. ``zero_copy`` sends large chunks with
-    vmsplice (Linux; falls back to copying sends where unavailable).
+    ``chunk_bytes`` caps the pipelining chunk.
     ``socket_buffer_bytes`` pins SO_SNDBUF/SO_RCVBUF; the default leaves Linux
     autotuning on, which measured as fast as fixed 1-4 MiB buffers on loopback.
     """
@@ -104,7 +104,6 @@ class CpuRingCommunicator:
         timeout: float,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        zero_copy: bool = True,
         socket_buffer_bytes: int | None = None,
         shared_memory: SharedMemoryPeers | None = None,
     ) -> None:
@@ -137,13 +136,13 @@ class CpuRingCommunicator:
         finally:
             listener.close()
         if self._right is not None:
-            writer = wire.FrameWriter(self._right, self._right_rank, zero_copy)
+            writer = wire.FrameWriter(self._right, self._right_rank)
             self._sender = wire.SenderThread(
                 writer, self._right, rank, failed=self._has_failed, on_error=self._record
             )
         if shared_memory is not None:
             try:
-                self._shm = _build_shm_group(rank, world_size, shared_memory, secret, timeout)
+                self._shm = build_shm_group(rank, world_size, shared_memory, secret, timeout)
             except BaseException:
                 self.close()
                 raise
@@ -342,7 +341,6 @@ class CpuRingCommunicator:
         n, r = self._world, self._rank
         count, size = flat.size, flat.itemsize
         raw = flat.view(np.uint8).data
-        base = flat.ctypes.data
         step = _chunk_size(count // n * size + size, self._chunk_bytes) // size
         bounds = [i * (count // n) + min(i, count % n) for i in range(n + 1)]
         expect = (coll, _OPS[op], dtype_code, seq, flat.nbytes, 0)
@@ -353,7 +351,7 @@ class CpuRingCommunicator:
 
         def send(a: int, b: int) -> None:
             nonlocal sent
-            self._post(expect, sent, raw[a * size : b * size], base + a * size)
+            self._post(expect, sent, raw[a * size : b * size])
             sent += 1
 
         for a, b in _chunks(bounds[r], bounds[r + 1], step):
@@ -382,7 +380,6 @@ class CpuRingCommunicator:
 
     def _ring_broadcast(self, raw_array: Array, dtype_code: int, root: int, seq: int) -> None:
         raw = raw_array.data
-        base = raw_array.ctypes.data
         expect = (wire.BROADCAST, 0, dtype_code, seq, raw_array.nbytes, root)
         receives = self._rank != root
         sends = self._right_rank != root
@@ -391,13 +388,13 @@ class CpuRingCommunicator:
             if receives:
                 self._recv_data(expect, index, raw[a:b])
             if sends:
-                self._post(expect, index, raw[a:b], base + a)
+                self._post(expect, index, raw[a:b])
         self._finish(seq, received=receives, sent=sends)
 
-    def _post(self, expect: tuple[int, ...], index: int, view: memoryview, address: int) -> None:
+    def _post(self, expect: tuple[int, ...], index: int, view: memoryview) -> None:
         assert self._sender is not None
         header = wire.FRAME.pack(wire.DATA, *expect, index, len(view))
-        self._sender.post(header, view, address)
+        self._sender.post(header, view)
 
     def _recv_data(self, expect: tuple[int, ...], index: int, dest: memoryview) -> None:
         assert self._left is not None
@@ -444,7 +441,6 @@ def connect_cpu_ring(
     host: str = "127.0.0.1",
     timeout: float,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    zero_copy: bool = True,
     socket_buffer_bytes: int | None = None,
     node_rank: int | None = None,
     shared_memory: bool = True,
@@ -457,7 +453,7 @@ def connect_cpu_ring(
     The store's own errors (e.g. the SDK's timeout) pass through unchanged.
     """
     deadline = time.monotonic() + timeout
-    shm = _shared_memory_plan(store, rank, world_size, node_rank, shared_memory, deadline)
+    shm = shared_memory_plan(store, rank, world_size, node_rank, shared_memory, deadline)
     try:
         listener = wire.create_listener(host, socket_buffer_bytes)
     except BaseException:
@@ -487,65 +483,9 @@ def connect_cpu_ring(
         secret,
         remaining,
         chunk_bytes=chunk_bytes,
-        zero_copy=zero_copy,
         socket_buffer_bytes=socket_buffer_bytes,
         shared_memory=shm,
     )
-
-
-def _build_shm_group(
-    rank: int, world: int, peers: SharedMemoryPeers, secret: bytes, timeout: float
-) -> shm_group.ShmGroup:
-    try:
-        if len(peers.names) != world:
-            raise ConfigError(f"need {world} shared-memory names, got {len(peers.names)}")
-        if not isinstance(peers.slot_bytes, int) or peers.slot_bytes < _MIN_CHUNK_BYTES:
-            raise ConfigError(
-                f"shared-memory slot_bytes must be an int >= {_MIN_CHUNK_BYTES}, "
-                f"got {peers.slot_bytes!r}"
-            )
-        key = wire.derive_key(secret)
-        return shm_group.ShmGroup(
-            rank, range(world), peers.listener, peers.names, key, timeout, peers.slot_bytes
-        )
-    finally:
-        peers.listener.close()
-
-
-def _shared_memory_plan(
-    store: JobStore,
-    rank: int,
-    world_size: int,
-    node_rank: int | None,
-    enabled: bool,
-    deadline: float,
-) -> SharedMemoryPeers | None:
-    """Agree through ``store`` whether every rank shares this host (and node).
-
-    Each rank publishes its host identity and listener name (or nothing when it opted
-    out), and all read the same values, so every rank takes the same decision.
-    """
-    identity = shm_group.host_identity() if enabled and world_size > 1 else ""
-    listener, name = shm_group.create_listener() if identity else (None, "")
-    try:
-        node = "" if node_rank is None else str(node_rank)
-        mine = f"{identity}|{node}|{name}" if identity else ""
-        store.kv_set(f"cpu-ring/shm/{rank}", mine.encode())
-        entries = []
-        for peer in range(world_size):
-            remaining = max(0.001, deadline - time.monotonic())
-            value = store.kv_get(f"cpu-ring/shm/{peer}", wait=True, timeout=remaining)
-            entries.append(value.decode("ascii", "replace").split("|"))
-    except BaseException:
-        if listener is not None:
-            listener.close()
-        raise
-    together = all(len(e) == 3 and e[:2] == [identity, node] and e[2] for e in entries)
-    if listener is None or not together:
-        if listener is not None:
-            listener.close()
-        return None
-    return SharedMemoryPeers(listener, [e[2] for e in entries])
 
 
 def _parse_address(value: bytes, rank: int) -> tuple[str, int]:

@@ -6,9 +6,10 @@ costs a third of the same hand-off as UNIX-socket messages (233 us vs 714 us per
 two-phase all-reduce of 4 KiB), because a waiter sleeps on one word instead of
 draining a message from every peer.
 
-Only x86-64 is enabled: its stores become visible in program order (TSO), so a plain
-store of a progress word after the data copy publishes both in order. Weaker
-memory models would need fences that ctypes cannot issue.
+Only x86-64's syscall number is listed: the one user, shm_group, runs only on x86-64
+because its unfenced hand-off needs total store order (see shm_group's docstring and
+``shm_group.unsupported_reason``, which decides). A futex does not order the data
+itself: it only puts a waiter to sleep until a word changes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Wire layer of the CPU ring: authenticated connection setup, frames, zero-copy sends.
+"""Wire layer of the CPU ring: authenticated connection setup, frames, the sender thread.
 
 Sockets are written by hand on purpose: gloo and torch are not dependencies, and a
 ring needs only two TCP streams per rank.
 
-Every rank connects to its right neighbour and accepts from its left. Both ends prove
-knowledge of the job secret with HMAC-SHA256 over fresh nonces from both sides, and
-bind rank, world size and the rank they meant to reach into the MAC, so a stray or
-foreign connection is dropped without ever blocking the accept loop.
+Every rank connects to its right neighbour and accepts from its left. Both ends
+authenticate with the handshake of ``peer_auth`` (HMAC over fresh nonces from both
+sides, binding rank, world size and the rank they meant to reach); handshakes advance
+under one selector, so a stray or foreign connection never blocks the accept loop.
 
 After setup, data flows left to right as frames (a fixed header, then the payload).
 The otherwise idle right-to-left direction carries acknowledgements and failure
@@ -16,14 +16,7 @@ notices, so a failing rank can tell its upstream neighbour why.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
-import fcntl
-import hashlib
-import hmac
-import os
 import queue
-import secrets
 import selectors
 import socket
 import struct
@@ -31,8 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from . import peer_auth
 from .errors import CommunicatorTimeout, PeerConnectionError
 
 # Frame kinds.
@@ -58,19 +51,10 @@ INTERRUPTED = 5
 FRAME = struct.Struct("<BBBBIQIII")
 MAX_DETAIL_BYTES = 512
 
-_MAGIC = b"RDVRING1"
-_CHALLENGE = struct.Struct("<8s32s")
-_HELLO = struct.Struct("<8s32sIII32s")
-_WELCOME = struct.Struct("<II32s")
-_KEY_LABEL = b"rendezvousd cpu-ring v1"
+_MAGIC = b"RDVRING2"
 # A real peer answers in milliseconds; a silent stray is dropped after this.
 _HANDSHAKE_S = 5.0
 _MAX_PENDING = 32
-
-# vmsplice only pays off above a few pages; small payloads are copied.
-_ZERO_COPY_MIN = 64 * 1024
-_F_SETPIPE_SZ = 1031
-_F_GETPIPE_SZ = 1032
 
 
 class LinkError(Exception):
@@ -82,15 +66,6 @@ class LinkError(Exception):
         self.code = code
         self.detail = detail
         self.via = via
-
-
-def derive_key(secret: bytes) -> bytes:
-    # Domain separation: the same job id also serves as the NCCL unique id.
-    return hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
-
-
-def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
 
 
 def create_listener(host: str, buffer_bytes: int | None = None, port: int = 0) -> socket.socket:
@@ -129,17 +104,23 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
 @dataclass
 class _Pending:
     sock: socket.socket
-    nonce: bytes
+    acceptance: peer_auth.Acceptance
     deadline: float
     buffer: bytearray
 
 
 @dataclass(frozen=True)
 class _Ring:
-    key: bytes
-    rank: int
-    world: int
+    auth: peer_auth.PeerAuth
     timeout: float
+
+    @property
+    def rank(self) -> int:
+        return self.auth.rank
+
+    @property
+    def world(self) -> int:
+        return self.auth.world
 
 
 def establish_ring(
@@ -152,7 +133,7 @@ def establish_ring(
     buffer_bytes: int | None,
 ) -> tuple[socket.socket, socket.socket]:
     """Return authenticated (left, right) sockets; accept and connect run concurrently."""
-    ring = _Ring(derive_key(secret), rank, world, timeout)
+    ring = _Ring(peer_auth.PeerAuth(peer_auth.derive_key(secret), _MAGIC, rank, world), timeout)
     deadline = time.monotonic() + timeout
     right = (rank + 1) % world
     outcome: list[socket.socket | BaseException] = []
@@ -217,53 +198,11 @@ def _connect(
             sock.close()
             raise PeerConnectionError(f"{where} could not be reached: {exc.strerror}") from exc
         try:
-            _client_handshake(ring, sock, peer, where)
+            peer_auth.dial(sock, ring.auth, peer, where)
         except BaseException:
             sock.close()
             raise
         return sock
-
-
-def _client_handshake(ring: _Ring, sock: socket.socket, peer: int, where: str) -> None:
-    rejected = PeerConnectionError(
-        f"{where} rejected the ring handshake (different secret, rank or world size?)"
-    )
-    try:
-        challenge = recv_fixed(sock, _CHALLENGE.size)
-        if challenge is None:
-            raise rejected
-        magic, nonce_a = _CHALLENGE.unpack(challenge)
-        if magic != _MAGIC:
-            raise PeerConnectionError(f"{where} is not a cpu-ring endpoint")
-        nonce_c = secrets.token_bytes(32)
-        ids = struct.pack("<III", ring.rank, ring.world, peer)
-        mac = _mac(ring.key, b"hello", nonce_a, nonce_c, ids)
-        sock.sendall(_HELLO.pack(_MAGIC, nonce_c, ring.rank, ring.world, peer, mac))
-        welcome = recv_fixed(sock, _WELCOME.size)
-    except TimeoutError as exc:
-        raise CommunicatorTimeout(f"{where} did not complete the handshake in time") from exc
-    except OSError as exc:
-        raise rejected from exc
-    if welcome is None:
-        raise rejected
-    their_rank, their_world, their_mac = _WELCOME.unpack(welcome)
-    expected = _mac(ring.key, b"welcome", nonce_a, nonce_c, struct.pack("<II", peer, ring.world))
-    if not hmac.compare_digest(their_mac, expected) or their_rank != peer:
-        raise PeerConnectionError(f"{where} failed authentication")
-    if their_world != ring.world:
-        raise PeerConnectionError(f"{where} has world size {their_world}, not {ring.world}")
-
-
-def recv_fixed(sock: socket.socket, size: int) -> bytes | None:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return None
-        got += n
-    return bytes(buffer)
 
 
 class _Acceptor:
@@ -299,7 +238,7 @@ class _Acceptor:
                         self._accept_new(now)
                         continue
                     entry = self._pending[key.fd]
-                    verdict = _serve_hello(self._ring, entry, self._peer)
+                    verdict = _serve_hello(entry)
                     if verdict == "":
                         self._selector.unregister(entry.sock)
                         del self._pending[key.fd]
@@ -332,22 +271,25 @@ class _Acceptor:
             except OSError:
                 return
             conn.setblocking(False)
-            nonce = secrets.token_bytes(32)
+            acceptance = peer_auth.Acceptance(self._ring.auth, lambda r: r == self._peer)
             try:
-                conn.send(_CHALLENGE.pack(_MAGIC, nonce))
+                # A fresh socket's buffer takes the whole challenge at once.
+                conn.send(acceptance.challenge)
             except OSError:
                 conn.close()
                 continue
             if len(self._pending) >= _MAX_PENDING:
                 self._drop(min(self._pending.values(), key=lambda e: e.deadline))
-            self._pending[conn.fileno()] = _Pending(conn, nonce, now + _HANDSHAKE_S, bytearray())
+            self._pending[conn.fileno()] = _Pending(
+                conn, acceptance, now + _HANDSHAKE_S, bytearray()
+            )
             self._selector.register(conn, selectors.EVENT_READ)
 
 
-def _serve_hello(ring: _Ring, entry: _Pending, peer: int) -> str | None:
+def _serve_hello(entry: _Pending) -> str | None:
     """Advance one pending handshake: None = need more bytes, "" = accepted, else why not."""
     try:
-        data = entry.sock.recv(_HELLO.size - len(entry.buffer))
+        data = entry.sock.recv(peer_auth.HELLO_SIZE - len(entry.buffer))
     except (BlockingIOError, InterruptedError):
         return None
     except OSError as exc:
@@ -355,23 +297,13 @@ def _serve_hello(ring: _Ring, entry: _Pending, peer: int) -> str | None:
     if not data:
         return "closed before completing the handshake"
     entry.buffer += data
-    if len(entry.buffer) < _HELLO.size:
+    if len(entry.buffer) < peer_auth.HELLO_SIZE:
         return None
-    magic, nonce_c, their_rank, their_world, target, their_mac = _HELLO.unpack(entry.buffer)
-    ids = struct.pack("<III", their_rank, their_world, target)
-    expected = _mac(ring.key, b"hello", entry.nonce, nonce_c, ids)
-    if magic != _MAGIC or not hmac.compare_digest(their_mac, expected):
-        return "failed authentication"
-    if their_world != ring.world or their_rank != peer or target != ring.rank:
-        return (
-            f"authenticated peer claimed rank {their_rank} of world {their_world} "
-            f"connecting to rank {target}"
-        )
-    reply = _mac(
-        ring.key, b"welcome", entry.nonce, nonce_c, struct.pack("<II", ring.rank, ring.world)
-    )
     try:
-        entry.sock.send(_WELCOME.pack(ring.rank, ring.world, reply))
+        _, welcome = entry.acceptance.verify(bytes(entry.buffer))
+        entry.sock.send(welcome)
+    except PeerConnectionError as exc:
+        return str(exc)
     except OSError as exc:
         return f"connection error {exc.strerror}"
     return ""
@@ -428,54 +360,17 @@ def fail_frame(origin: int, code: int, detail: str) -> bytes:
     return FRAME.pack(FAIL, 0, code, 0, 0, 0, origin, 0, len(payload)) + payload
 
 
-def _libc_vmsplice() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        func = libc.vmsplice
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_uint]
-    func.restype = ctypes.c_ssize_t
-    return func
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
 class FrameWriter:
-    """Writes frames to one socket, used by a single sender thread.
+    """Writes frames to one socket, used by a single sender thread."""
 
-    With ``zero_copy``, large payloads are mapped into a pipe with vmsplice and spliced
-    into the socket, so the sender never copies them: on loopback this halves the
-    copies per byte. The pages stay referenced until the receiver reads them, which is
-    why every collective waits for the receiver's ACK before returning to the caller.
-    """
-
-    def __init__(self, sock: socket.socket, peer: int, zero_copy: bool) -> None:
+    def __init__(self, sock: socket.socket, peer: int) -> None:
         self._sock = sock
         self._peer = peer
-        self._vmsplice = _libc_vmsplice() if zero_copy and hasattr(os, "splice") else None
-        self._pipe: tuple[int, int] | None = None
-        self._capacity = 0
-        self._iov = _Iovec()
-        if self._vmsplice is not None:
-            read_end, write_end = os.pipe2(os.O_CLOEXEC)
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(write_end, _F_SETPIPE_SZ, 1 << 20)
-            self._capacity = fcntl.fcntl(write_end, _F_GETPIPE_SZ)
-            self._pipe = (read_end, write_end)
 
-    def send(self, header: bytes, payload: memoryview, address: int) -> None:
+    def send(self, header: bytes, payload: memoryview) -> None:
         """Send one frame; raises LinkError naming the peer on failure."""
         try:
-            if self._pipe is not None and len(payload) >= _ZERO_COPY_MIN:
-                self._send_all([header], socket.MSG_MORE)
-                if self._splice(payload, address):
-                    return
-                self._send_all([payload], 0)
-            else:
-                self._send_all([header, payload], 0)
+            self._send_all([header, payload])
         except (BlockingIOError, TimeoutError) as exc:
             raise LinkError(self._peer, TIMEOUT, "send stalled past the timeout") from exc
         except OSError as exc:
@@ -486,49 +381,17 @@ class FrameWriter:
             raise LinkError(self._peer, LOST, f"connection error: {exc.strerror}") from exc
 
     def send_raw(self, data: bytes) -> None:
-        self._send_all([data], 0)
+        self._send_all([data])
 
-    def _send_all(self, buffers: list[bytes | memoryview], flags: int) -> None:
+    def _send_all(self, buffers: list[bytes | memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         while views:
-            sent = self._sock.sendmsg(views, [], flags | socket.MSG_NOSIGNAL)
+            sent = self._sock.sendmsg(views, [], socket.MSG_NOSIGNAL)
             while views and sent >= len(views[0]):
                 sent -= len(views[0])
                 views.pop(0)
             if views and sent:
                 views[0] = views[0][sent:]
-
-    def _splice(self, payload: memoryview, address: int) -> bool:
-        assert self._pipe is not None and self._vmsplice is not None
-        read_end, write_end = self._pipe
-        total = len(payload)
-        done = 0
-        fd = self._sock.fileno()
-        while done < total:
-            self._iov.base = address + done
-            self._iov.length = min(total - done, self._capacity)
-            mapped = self._vmsplice(write_end, ctypes.byref(self._iov), 1, 0)
-            if mapped < 0:
-                err = ctypes.get_errno()
-                if done == 0 and err in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EFAULT):
-                    self._disable()  # e.g. a seccomp filter: fall back to copying
-                    return False
-                raise OSError(err, os.strerror(err))
-            moved = 0
-            while moved < mapped:
-                more = os.SPLICE_F_MORE if done + mapped < total else 0
-                moved += os.splice(read_end, fd, mapped - moved, flags=os.SPLICE_F_MOVE | more)
-            done += mapped
-        return True
-
-    def _disable(self) -> None:
-        if self._pipe is not None:
-            for end in self._pipe:
-                os.close(end)
-        self._pipe = None
-
-    def close(self) -> None:
-        self._disable()
 
 
 class SenderThread:
@@ -552,15 +415,15 @@ class SenderThread:
         self._rank = rank
         self._failed = failed
         self._on_error = on_error
-        self._queue: queue.SimpleQueue[tuple[bytes, memoryview, int] | str] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[bytes, memoryview] | str] = queue.SimpleQueue()
         self._fail_frame = b""
         self._thread = threading.Thread(
             target=self._run, name=f"cpu-ring-sender-r{rank}", daemon=True
         )
         self._thread.start()
 
-    def post(self, header: bytes, view: memoryview, address: int) -> None:
-        self._queue.put((header, view, address))
+    def post(self, header: bytes, view: memoryview) -> None:
+        self._queue.put((header, view))
 
     def signal_failure(self, frame: bytes) -> None:
         self._fail_frame = frame
@@ -570,10 +433,7 @@ class SenderThread:
         """Ask the thread to exit after the queued items; True once it has."""
         self._queue.put("stop")
         self._thread.join(timeout)
-        if self._thread.is_alive():
-            return False
-        self._writer.close()  # the pipe is only safe to close once the thread is gone
-        return True
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         aligned = True  # False once a frame was cut short: a FAIL frame would be misread

@@ -30,16 +30,25 @@ caught, not summed.
 Peers are connected by a full mesh of UNIX stream sockets in the abstract namespace,
 used to hand over the memfds and, afterwards, only for FAIL notices that name the
 rank that failed. A connection is kept only if the peer runs as the same user
-(SO_PEERCRED) and proves knowledge of the job secret (HMAC over a fresh nonce), so
-the socket name alone grants nothing.
+(SO_PEERCRED) and passes the mutual handshake of ``peer_auth`` (the same one as the
+TCP ring), so the socket name alone grants nothing.
+
+Memory ordering: a rank publishes "data written" with a plain store of its progress
+word after the data copy, and a peer reads the word before the data, with no fence in
+between (numpy and ctypes cannot issue one, and the futex syscalls run only when a
+waiter sleeps, so they do not order the fast path). That is correct only where stores
+become visible in program order and loads are not reordered with older loads: x86-64's
+total store order. On weakly ordered CPUs (ARM, e.g. Grace-Hopper, POWER, RISC-V) a
+peer could see the new progress word before the data and sum stale bytes without any
+error, so ``unsupported_reason`` gates the whole transport to x86-64 Linux.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import mmap
 import os
+import platform
 import secrets
 import select
 import socket
@@ -53,9 +62,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import futex
+from . import futex, peer_auth
 from . import ring_wire as wire
-from .errors import CommunicatorTimeout, PeerConnectionError
+from .errors import CommunicatorTimeout, ConfigError, PeerConnectionError
 
 __all__ = [
     "DEFAULT_SLOT_BYTES",
@@ -63,6 +72,7 @@ __all__ = [
     "ShmGroup",
     "create_listener",
     "host_identity",
+    "unsupported_reason",
 ]
 
 # 2-4 MiB measured best for 64 MiB float32 arrays at world 4 on the development
@@ -78,14 +88,29 @@ _DESCRIPTOR = slice(2, 8)  # collective, op, dtype, sequence, bytes (low, high)
 _MASK = 0xFFFFFFFF
 # How often a waiter looks for a dead peer (a killed process never wakes anyone).
 _LIVENESS_POLL_S = 0.05
-_MAGIC = b"RDVSHM01"
-_HELLO = struct.Struct("<8sII32s32s")  # magic, rank, target, nonce, mac
-_WELCOME = struct.Struct("<I32s")  # rank, mac
+_MAGIC = b"RDVSHM02"
 _HANDSHAKE_S = 5.0
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 
 Array = npt.NDArray[Any]
 Ufunc = Callable[..., Any]
+
+# Machines whose memory model makes the unfenced progress-word hand-off correct (see
+# the module docstring); platform.machine() spells x86-64 either way.
+_TOTAL_STORE_ORDER = frozenset({"x86_64", "amd64"})
+
+
+def unsupported_reason() -> str | None:
+    """Why this machine must not run a shared-memory group, or None where it may."""
+    machine = platform.machine()
+    if machine.lower() not in _TOTAL_STORE_ORDER:
+        return (
+            f"the shared-memory all-reduce relies on x86-64 store ordering and this "
+            f"machine is {machine or 'of unknown architecture'}"
+        )
+    if not futex.available():
+        return "the shared-memory all-reduce needs Linux futexes"
+    return None
 
 
 def host_identity() -> str:
@@ -95,8 +120,6 @@ def host_identity() -> str:
     abstract UNIX sockets a process can reach, so containers without a shared network
     namespace never try.
     """
-    if not futex.available():
-        return ""  # no futex hand-off on this platform: never share memory
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             boot = f.read().strip()
@@ -153,9 +176,14 @@ class ShmGroup:
         timeout: float,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
     ) -> None:
+        reason = unsupported_reason()
+        if reason is not None:
+            listener.close()
+            raise ConfigError(f"rank {rank}: {reason}; use the TCP ring (shared_memory=None)")
         self._rank = rank
         self._members = list(members)
         self._index = self._members.index(rank)
+        self._auth = peer_auth.PeerAuth(key, _MAGIC, rank, len(self._members))
         self._timeout = timeout
         self._slot_bytes = slot_bytes
         self._chunk_counter = 0
@@ -173,7 +201,7 @@ class ShmGroup:
             self._maps[self._index] = own
             self._peers: dict[int, socket.socket] = {}
             try:
-                self._connect_mesh(listener, names, key, fd)
+                self._connect_mesh(listener, names, fd)
             except BaseException:
                 self.close()
                 raise
@@ -195,15 +223,14 @@ class ShmGroup:
 
     # -- setup --------------------------------------------------------------------------
 
-    def _connect_mesh(
-        self, listener: socket.socket, names: Sequence[str], key: bytes, fd: int
-    ) -> None:
+    def _connect_mesh(self, listener: socket.socket, names: Sequence[str], fd: int) -> None:
         # Connect down, accept up: every rank waits only on lower ranks, so no cycle.
         deadline = time.monotonic() + self._timeout
         for index in range(self._index):
-            sock = self._dial(names[index], self._members[index], key, deadline)
+            sock = self._dial(names[index], self._members[index], deadline)
             self._exchange_fds(sock, index, fd)
         listener.settimeout(max(0.001, deadline - time.monotonic()))
+        last_rejection = ""
         while len(self._peers) < len(self._members) - 1:
             try:
                 conn, _ = listener.accept()
@@ -213,16 +240,19 @@ class ShmGroup:
                     for i, m in enumerate(self._members)
                     if i > self._index and i not in self._peers
                 ]
+                note = f" (last rejected connection: {last_rejection})" if last_rejection else ""
                 raise CommunicatorTimeout(
                     f"rank {self._rank}: rank(s) {', '.join(missing)} on this host did not "
-                    f"join the shared-memory group within {self._timeout:g} s"
+                    f"join the shared-memory group within {self._timeout:g} s{note}"
                 ) from None
-            admitted = self._admit(conn, key, deadline)
-            if admitted is not None:
+            admitted = self._admit(conn, deadline)
+            if isinstance(admitted, str):
+                last_rejection = admitted
+            else:
                 self._exchange_fds(conn, admitted, fd)
             listener.settimeout(max(0.001, deadline - time.monotonic()))
 
-    def _dial(self, name: str, peer: int, key: bytes, deadline: float) -> socket.socket:
+    def _dial(self, name: str, peer: int, deadline: float) -> socket.socket:
         where = f"rank {self._rank}: shared-memory peer rank {peer}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -232,47 +262,28 @@ class ShmGroup:
             except OSError as exc:
                 raise PeerConnectionError(f"{where} is not reachable: {exc.strerror}") from exc
             _check_same_user(sock, where)
-            nonce = secrets.token_bytes(32)
-            mac = _mac(key, b"hello", nonce, self._rank, peer)
-            sock.sendall(_HELLO.pack(_MAGIC, self._rank, peer, nonce, mac))
-            reply = wire.recv_fixed(sock, _WELCOME.size)
-            if reply is None:
-                raise PeerConnectionError(f"{where} rejected the handshake (different secret?)")
-            their_rank, their_mac = _WELCOME.unpack(reply)
-            expected = _mac(key, b"welcome", nonce, peer, self._rank)
-            if their_rank != peer or not hmac.compare_digest(their_mac, expected):
-                raise PeerConnectionError(f"{where} failed authentication")
-        except TimeoutError as exc:
-            sock.close()
-            raise CommunicatorTimeout(f"{where} did not complete the handshake in time") from exc
+            peer_auth.dial(sock, self._auth, peer, where)
         except BaseException:
             sock.close()
             raise
         return sock
 
-    def _admit(self, conn: socket.socket, key: bytes, deadline: float) -> int | None:
-        """The peer's group index if ``conn`` is an authenticated higher member, else None."""
+    def _admit(self, conn: socket.socket, deadline: float) -> int | str:
+        """The peer's group index if ``conn`` is an authenticated higher member, else why not."""
+
+        def admissible(rank: int) -> bool:
+            index = self._members.index(rank) if rank in self._members else -1
+            return index > self._index and index not in self._peers
+
         try:
             conn.settimeout(max(0.001, min(_HANDSHAKE_S, deadline - time.monotonic())))
-            _check_same_user(conn, f"rank {self._rank}: shared-memory connection")
-            hello = wire.recv_fixed(conn, _HELLO.size)
-            if hello is None:
-                raise PeerConnectionError("closed before the handshake")
-            magic, their_rank, target, nonce, their_mac = _HELLO.unpack(hello)
-            expected = _mac(key, b"hello", nonce, their_rank, target)
-            if magic != _MAGIC or not hmac.compare_digest(their_mac, expected):
-                raise PeerConnectionError("failed authentication")
-            index = self._members.index(their_rank) if their_rank in self._members else -1
-            if target != self._rank or index <= self._index or index in self._peers:
-                raise PeerConnectionError(f"unexpected peer rank {their_rank}")
-            conn.sendall(
-                _WELCOME.pack(self._rank, _mac(key, b"welcome", nonce, self._rank, their_rank))
-            )
-        except (OSError, PeerConnectionError):
+            _check_same_user(conn, "connection")
+            rank = peer_auth.accept(conn, self._auth, admissible)
+        except (OSError, PeerConnectionError) as exc:
             # A stray or foreign connection: drop it and keep waiting for real members.
             conn.close()
-            return None
-        return index
+            return str(exc) if isinstance(exc, PeerConnectionError) else "connection error"
+        return self._members.index(rank)
 
     def _exchange_fds(self, sock: socket.socket, index: int, fd: int) -> None:
         peer = self._members[index]
@@ -380,7 +391,8 @@ class ShmGroup:
             finish(mine)
 
     def _post(self, progress: int) -> None:
-        # x86-64 keeps stores in order, so the data written before is visible first.
+        # Correct only under total store order (see unsupported_reason): the data
+        # written before this store becomes visible to peers first.
         self._words[self._index][_PROGRESS] = progress & _MASK
         futex.wake(self._addresses[self._index])
 
@@ -484,12 +496,6 @@ def _check_same_user(sock: socket.socket, where: str) -> None:
     _, uid, _ = _UCRED.unpack(creds)
     if uid != os.getuid():
         raise PeerConnectionError(f"{where} runs as uid {uid}, not {os.getuid()}")
-
-
-def _mac(key: bytes, label: bytes, nonce: bytes, sender: int, target: int) -> bytes:
-    return hmac.new(
-        key, b"shm " + label + nonce + struct.pack("<II", sender, target), "sha256"
-    ).digest()
 
 
 def _descriptor(expect: tuple[int, ...]) -> list[int]:

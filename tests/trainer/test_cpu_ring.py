@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import futex
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
 from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
 from rendezvousd.trainer.errors import (
@@ -31,7 +30,7 @@ from rendezvousd.trainer.errors import (
     PeerConnectionError,
     TrainerError,
 )
-from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener
+from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener, unsupported_reason
 from tests.support import parallel
 
 SECRET = bytes(range(128))
@@ -39,16 +38,19 @@ DTYPES = [f"float{b}" for b in (16, 32, 64)] + [
     f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64)
 ]
 OPS = list(ReduceOp)
-# 70_001 elements span several 80 KiB chunks for 4- and 8-byte dtypes, and its chunks
-# are large enough for the zero-copy sender; 131 is odd and indivisible by 2, 3 and 4.
+# 70_001 elements span several 80 KiB chunks for 4- and 8-byte dtypes; 131 is odd and
+# indivisible by 2, 3 and 4.
 SIZES = [0, 1, 5, 131, 70_001]
 MATRIX_CHUNK_BYTES = 80 * 1024
-# Shared memory needs Linux on x86-64 (see trainer/futex.py); elsewhere the ring is used.
+# Shared memory runs only on x86-64 Linux (shm_group.unsupported_reason); elsewhere the
+# ring is used and only the ring is tested.
 TRANSPORTS = [
     "tcp-ring",
     pytest.param(
         "shared-memory",
-        marks=pytest.mark.skipif(not futex.available(), reason="futex needs Linux x86-64"),
+        marks=pytest.mark.skipif(
+            unsupported_reason() is not None, reason=f"{unsupported_reason()}"
+        ),
     ),
 ]
 
@@ -60,6 +62,14 @@ def shm_peers(n: int, slot_bytes: int = MATRIX_CHUNK_BYTES) -> list[SharedMemory
 
 
 # -- helpers --------------------------------------------------------------------------
+
+
+def wait_until(condition: Any, what: str, timeout: float = 5.0) -> None:
+    """Poll an observable condition until it holds; fail naming it after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)  # poll interval, not a synchronisation
 
 
 def _listeners(n: int) -> tuple[list[socket.socket], list[tuple[str, int]]]:
@@ -278,7 +288,7 @@ def test_all_reduce_matrix_in_processes(world: int, transport: str) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_default_chunking_large_array_threads(transport: str) -> None:
-    # Several 1 MiB chunks per segment through the zero-copy path, plus an odd tail;
+    # Several 1 MiB chunks per segment, plus an odd tail;
     # in shared memory, three 4 MiB slots in rotation.
     with thread_ring(3, transport=transport) as comms:
         inputs = [np.random.default_rng(r).standard_normal(1_000_003) for r in range(3)]
@@ -290,8 +300,8 @@ def test_default_chunking_large_array_threads(transport: str) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_array_is_reusable_as_soon_as_all_reduce_returns(transport: str) -> None:
-    # Zero-copy sends hand the array's pages to the kernel; a collective must not return
-    # before the neighbour has read them, or this overwrite would corrupt its result.
+    # The sender thread reads the array after all_reduce posted it; a collective must not
+    # return before the neighbour has it all, or this overwrite would corrupt its result.
     with thread_ring(2, transport=transport) as comms:
 
         def rank(c: CpuRingCommunicator) -> bool:
@@ -307,8 +317,8 @@ def test_array_is_reusable_as_soon_as_all_reduce_returns(transport: str) -> None
         assert parallel([lambda c=c: rank(c) for c in comms]) == [True, True]
 
 
-def test_copying_sender_and_fortran_order() -> None:
-    with thread_ring(2, zero_copy=False) as comms:
+def test_fortran_order() -> None:
+    with thread_ring(2) as comms:
         arrays = [np.asfortranarray(np.full((300, 500), r + 1, np.float32)) for r in range(2)]
         parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
         assert (arrays[0] == 3).all() and (arrays[1] == 3).all()
@@ -333,6 +343,7 @@ def test_barrier_waits_for_the_last_rank() -> None:
         entered: list[float] = []
 
         def late(c: CpuRingCommunicator) -> float:
+            # Not a synchronisation: this delay is the lateness the test measures.
             time.sleep(0.4)
             entered.append(time.monotonic())
             c.barrier()
@@ -364,7 +375,8 @@ def test_abort_unblocks_a_pending_all_reduce(transport: str) -> None:
 
         thread = threading.Thread(target=blocked, daemon=True)
         thread.start()
-        time.sleep(0.3)  # rank 1 never joins, so rank 0 is waiting on it
+        # Rank 1 never joins; once rank 0 holds its collective lock it is inside the call.
+        wait_until(comms[0]._io_lock.locked, "rank 0 is inside all_reduce")
         started = time.monotonic()
         comms[0].abort("peer 7 failed (unit test)")
         thread.join(5)
