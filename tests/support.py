@@ -124,7 +124,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> Non
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(0.005)  # poll interval, not a synchronisation
 
 
 def scrape(url: str) -> dict[str, float]:

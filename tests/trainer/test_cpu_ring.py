@@ -31,7 +31,7 @@ from rendezvousd.trainer.errors import (
     TrainerError,
 )
 from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener, unsupported_reason
-from tests.support import parallel
+from tests.support import parallel, wait_for
 
 SECRET = bytes(range(128))
 DTYPES = [f"float{b}" for b in (16, 32, 64)] + [
@@ -62,14 +62,6 @@ def shm_peers(n: int, slot_bytes: int = MATRIX_CHUNK_BYTES) -> list[SharedMemory
 
 
 # -- helpers --------------------------------------------------------------------------
-
-
-def wait_until(condition: Any, what: str, timeout: float = 5.0) -> None:
-    """Poll an observable condition until it holds; fail naming it after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.005)  # poll interval, not a synchronisation
 
 
 def _listeners(n: int) -> tuple[list[socket.socket], list[tuple[str, int]]]:
@@ -376,7 +368,7 @@ def test_abort_unblocks_a_pending_all_reduce(transport: str) -> None:
         thread = threading.Thread(target=blocked, daemon=True)
         thread.start()
         # Rank 1 never joins; once rank 0 holds its collective lock it is inside the call.
-        wait_until(comms[0]._io_lock.locked, "rank 0 is inside all_reduce")
+        wait_for("rank 0 to be inside all_reduce", comms[0]._io_lock.locked)
         started = time.monotonic()
         comms[0].abort("peer 7 failed (unit test)")
         thread.join(5)

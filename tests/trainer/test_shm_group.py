@@ -34,8 +34,7 @@ from rendezvousd.trainer.shm_group import (
     host_identity,
     unsupported_reason,
 )
-from tests.support import parallel
-from tests.trainer.test_cpu_ring import wait_until
+from tests.support import parallel, wait_for
 
 # Tests without this mark check the gate itself and run on every machine.
 needs_shm = pytest.mark.skipif(unsupported_reason() is not None, reason=f"{unsupported_reason()}")
@@ -63,7 +62,7 @@ def test_futex_wait_times_out_and_wakes() -> None:
 
     def bump() -> None:
         # Wake only once the main thread sleeps on the word, so the wake is what ends it.
-        wait_until(lambda: _blocked_in_futex_wait(waiter, address), "the waiter sleeps")
+        wait_for("the waiter to sleep", lambda: _blocked_in_futex_wait(waiter, address))
         raw[0] = 8
         futex.wake(address)
 
