@@ -95,7 +95,9 @@ def _require_cupy() -> Any:
     cp = _cupy_or_none()
     if cp is None:
         raise ConfigError(
-            "backend 'nccl' needs CuPy with NCCL; install the 'gpu' extra (cupy-cuda12x)"
+            "backend 'nccl' needs CuPy with NCCL; install the extra matching the CUDA "
+            "driver: rendezvousd[gpu-cuda12] (cupy-cuda12x) or rendezvousd[gpu-cuda13] "
+            "(cupy-cuda13x)"
         )
     if not getattr(cp.cuda.nccl, "available", True):
         raise ConfigError("backend 'nccl': CuPy was built without NCCL support")
