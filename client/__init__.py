@@ -1,7 +1,7 @@
 """Client SDK for rendezvousd: join, barrier, key-value, heartbeat, leave."""
 
-from rendezvousd.client._session import Member, Membership, RetryPolicy, TlsConfig
 from rendezvousd.client.aio import AsyncRendezvousClient
+from rendezvousd.client.connection import RetryPolicy, TlsConfig
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -21,6 +21,7 @@ from rendezvousd.client.errors import (
     TopologyMismatch,
 )
 from rendezvousd.client.file_transport import FileRendezvous
+from rendezvousd.client.membership import Member, Membership
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.client.transport import Rendezvous, connect
 

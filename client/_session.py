@@ -1,23 +1,19 @@
-"""What the sync and asyncio clients share: settings, channel options, retries,
-request building and the membership they hold after a join. No I/O here."""
+"""What the sync and asyncio clients share: per-client session state, request
+building and the heartbeat-stream decisions. No I/O here."""
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import random
 import secrets
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client.connection import RetryPolicy
 from rendezvousd.client.errors import (
     DaemonUnavailable,
     InvalidRequest,
@@ -27,195 +23,12 @@ from rendezvousd.client.errors import (
     RendezvousTimeout,
     from_rpc_error,
 )
+from rendezvousd.client.membership import Membership, from_join_response
 
-SERVICE = "rendezvous.v1.Rendezvous"
-HEALTH_SERVICE = "grpc.health.v1.Health"
-TOKEN_ENV = "RENDEZVOUSD_TOKEN"
-TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 UNIQUE_ID_BYTES = 128
 # Extra deadline beyond a waiting call's own timeout, so the daemon's answer
 # (which names the missing ranks) arrives before the transport gives up.
 SLACK_S = 5.0
-
-# Safe to repeat: Join/PublishId by instance id, Barrier by sequence, sets overwrite.
-IDEMPOTENT = frozenset(
-    {
-        "Join",
-        "PublishId",
-        "Barrier",
-        "KvSet",
-        "KvGet",
-        "KvDelete",
-        "Heartbeat",
-        "Leave",
-        "AbortJob",
-        "ListJobs",
-        "GetJob",
-        "Check",
-    }
-)
-# Reads may also be retried after DEADLINE_EXCEEDED (gRFC A6 leaves this to the caller).
-READS = frozenset({"KvGet", "ListJobs", "GetJob", "Check"})
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """The seed's policy: ``attempts`` retries on a transient error, then a loud error.
-
-    Transient = UNAVAILABLE for idempotent methods, plus DEADLINE_EXCEEDED for
-    reads. Permanent errors (bad input, auth, peer failure...) get one attempt.
-    Under each attempt gRPC's own service-config retry re-sends on UNAVAILABLE.
-    """
-
-    attempts: int = 1
-    initial_backoff_s: float = 0.2
-    max_backoff_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 0:
-            raise ValueError(f"retry attempts={self.attempts} must be >= 0")
-
-    def retryable(self, method: str, code: grpc.StatusCode) -> bool:
-        if code is grpc.StatusCode.UNAVAILABLE:
-            return method in IDEMPOTENT
-        return code is grpc.StatusCode.DEADLINE_EXCEEDED and method in READS
-
-    def backoff(self, attempt: int) -> float:
-        """Full-jitter exponential backoff before retry number ``attempt`` (1-based)."""
-        cap = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (attempt - 1))
-        return random.uniform(cap / 2, cap)
-
-
-def service_config(channel_retries: int) -> str:
-    retry = {
-        "maxAttempts": max(2, min(5, channel_retries + 1)),
-        "initialBackoff": "0.1s",
-        "maxBackoff": "1s",
-        "backoffMultiplier": 2,
-        "retryableStatusCodes": ["UNAVAILABLE"],
-    }
-    safe = sorted(IDEMPOTENT - {"Check", "Heartbeat"})
-    return json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": [{"service": SERVICE, "method": m} for m in safe]
-                    + [{"service": HEALTH_SERVICE}],
-                    "waitForReady": True,
-                    "retryPolicy": retry,
-                },
-                {
-                    # Not idempotent: wait for the daemon, but never re-send.
-                    "name": [
-                        {"service": SERVICE, "method": m} for m in ("KvAdd", "KvCompareAndSet")
-                    ]
-                    + [{"service": SERVICE, "method": "Heartbeat"}],
-                    "waitForReady": True,
-                },
-            ]
-        }
-    )
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """PEM paths: ``ca`` verifies the daemon; ``cert``/``key`` for mTLS."""
-
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    server_name: str | None = None
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(p: Path | None) -> bytes | None:
-            return p.read_bytes() if p is not None else None
-
-        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
-
-
-def resolve_token(token: str | None, token_file: Path | str | None) -> str:
-    if token:
-        return token.strip()
-    path = token_file or os.environ.get(TOKEN_FILE_ENV)
-    if path:
-        try:
-            lines = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
-        except OSError as exc:
-            raise InvalidRequest(f"cannot read token file {path}: {exc.strerror}") from exc
-        if lines:
-            return lines[0]
-        raise InvalidRequest(f"token file {path} is empty")
-    env = os.environ.get(TOKEN_ENV, "").strip()
-    if env:
-        return env
-    raise InvalidRequest(
-        f"no rendezvous token: pass token= or token_file=, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
-    )
-
-
-def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[str, object]]:
-    options: list[tuple[str, object]] = [
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", service_config(retry.attempts)),
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # Redial quickly once the daemon is back (default backoff grows to 120 s).
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
-    if server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
-    return options
-
-
-@dataclass(frozen=True)
-class Member:
-    rank: int
-    node_rank: int
-    local_rank: int
-    host: str
-    address: str
-
-
-@dataclass(frozen=True)
-class Membership:
-    """What a join gives a worker. ``unique_id`` is kept out of repr and logs."""
-
-    job_id: str
-    generation: int
-    rank: int
-    world_size: int
-    node_rank: int
-    local_rank: int
-    unique_id: bytes = field(repr=False)
-    # Decoded on first use: at thousands of ranks, building every rank's copy
-    # of the table eagerly costs more than the whole rendezvous.
-    _table: Any = field(repr=False, compare=False, default=())
-
-    @functools.cached_property
-    def members(self) -> tuple[Member, ...]:
-        return tuple(
-            Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in self._table
-        )
-
-    @property
-    def num_nodes(self) -> int:
-        return len({m.node_rank for m in self.members}) or 1
-
-
-def membership(response: pb.JoinResponse) -> Membership:
-    return Membership(
-        job_id=response.job_id,
-        generation=response.generation,
-        rank=response.rank,
-        world_size=response.world_size,
-        node_rank=response.node_rank,
-        local_rank=response.local_rank,
-        unique_id=response.unique_id,
-        _table=response.members,
-    )
 
 
 @dataclass
@@ -450,5 +263,5 @@ class JoinPlan:
         )
 
     def finish(self, response: pb.JoinResponse) -> Membership:
-        self.session.joined = membership(response)
+        self.session.joined = from_join_response(response)
         return self.session.joined

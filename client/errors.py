@@ -23,16 +23,21 @@ contain the unique id or the token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
-
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 
 class RendezvousError(Exception):
+    """Base of every error the SDK raises; says which call, endpoint, job and rank failed.
+
+    ``code`` is the gRPC status name, ``reason`` and ``metadata`` the daemon's
+    google.rpc.ErrorInfo (empty when the daemon sent none).
+    """
+
     def __init__(
         self,
         message: str,
@@ -57,38 +62,44 @@ class RendezvousError(Exception):
 
 
 class DaemonUnavailable(RendezvousError):
+    """The daemon could not be reached, is draining, or is not SERVING; ``.attempts`` made."""
+
     def __init__(self, message: str, *, attempts: int = 0, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.attempts = attempts
 
 
 class AuthenticationError(RendezvousError):
-    pass
+    """The daemon refused the token or the TLS client certificate."""
 
 
 class InvalidRequest(RendezvousError, ValueError):
-    pass
+    """The daemon (or the SDK before sending) rejected a field of the request."""
 
 
 class TopologyMismatch(RendezvousError):
-    pass
+    """``num_nodes``/``gpus_per_node`` differ from the job's."""
 
 
 class DuplicateRank(RendezvousError):
-    pass
+    """Another live worker already holds this ``(node_rank, local_rank)``."""
 
 
 class IdConflict(RendezvousError):
-    pass
+    """A different unique id is already published for this generation."""
 
 
 class StaleGeneration(RendezvousError):
+    """The job moved to a newer generation; ``.current_generation`` names it."""
+
     @property
     def current_generation(self) -> int:
         return int(self.metadata.get("current_generation", "0"))
 
 
 class PeerFailed(RendezvousError):
+    """A member died or went silent; ``.ranks``, ``.hosts`` and ``.generation`` say which."""
+
     @property
     def ranks(self) -> list[int]:
         return _ints(self.metadata.get("ranks", ""))
@@ -103,38 +114,46 @@ class PeerFailed(RendezvousError):
 
 
 class JobAborted(RendezvousError):
+    """Someone called AbortJob; ``.abort_reason`` is their reason."""
+
     @property
     def abort_reason(self) -> str:
         return self.metadata.get("reason", "")
 
 
 class JobEnded(RendezvousError):
-    pass
+    """Every member left the job's generation."""
 
 
 class RendezvousTimeout(RendezvousError, TimeoutError):
+    """A join, barrier or key wait ran out of time; ``.missing_ranks`` lists who."""
+
     @property
     def missing_ranks(self) -> list[int]:
         return _ints(self.metadata.get("ranks", ""))
 
 
 class KeyNotFound(RendezvousError, KeyError):
+    """KvGet without ``wait`` found no such key."""
+
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.message
 
 
 class NotFound(RendezvousError):
-    pass
+    """The job, or this worker's membership of it, does not exist."""
 
 
 class LimitExceeded(RendezvousError):
+    """A daemon limit was hit; ``.limit`` names it."""
+
     @property
     def limit(self) -> str:
         return self.metadata.get("limit", "")
 
 
 class ProtocolError(RendezvousError):
-    pass
+    """Any other answer the daemon gave, with its gRPC status name in ``.code``."""
 
 
 def _ints(text: str) -> list[int]:
@@ -172,16 +191,21 @@ _BY_CODE: dict[grpc.StatusCode, type[RendezvousError]] = {
 }
 
 
-def error_info(trailing: Sequence[tuple[str, Any]] | None) -> tuple[str, dict[str, str]]:
-    """(reason, metadata) from the google.rpc.Status trailer, if the daemon sent one."""
-    for key, value in trailing or ():
-        if key != STATUS_DETAILS_KEY:
-            continue
-        status = status_pb2.Status.FromString(value)
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
-                return info.reason, dict(info.metadata)
+def error_info(call: grpc.Call) -> tuple[str, dict[str, str]]:
+    """(reason, metadata) of the google.rpc.ErrorInfo in the call's status trailer.
+
+    ``("", {})`` when the daemon sent no rich status, or sent one whose code or
+    message disagrees with the call's own status (then it describes some other
+    failure, e.g. a proxy rewrote the status, and must not pick the error class).
+    """
+    try:
+        status = rpc_status.from_call(call)
+    except ValueError:
+        return "", {}
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason, dict(info.metadata)
     return "", {}
 
 
@@ -190,7 +214,7 @@ def from_rpc_error(
 ) -> RendezvousError:
     code: grpc.StatusCode = exc.code()
     details: str = exc.details() or ""
-    reason, metadata = error_info(exc.trailing_metadata())
+    reason, metadata = error_info(exc)
     cls = _BY_REASON.get(reason) or _BY_CODE.get(code, ProtocolError)
     where = f"{method} on rendezvousd at {endpoint}"
     who = f" (job {job_id!r}" + (f", rank {rank})" if rank is not None else ")") if job_id else ""

@@ -36,7 +36,7 @@ from rendezvousd.client._file_wire import (
     get_str,
     peer_ids,
 )
-from rendezvousd.client._session import UNIQUE_ID_BYTES, Member, Membership, rank_zero_id
+from rendezvousd.client._session import UNIQUE_ID_BYTES, rank_zero_id
 from rendezvousd.client.errors import (
     AuthenticationError,
     InvalidRequest,
@@ -45,6 +45,7 @@ from rendezvousd.client.errors import (
     RendezvousError,
     RendezvousTimeout,
 )
+from rendezvousd.client.membership import Member, Membership
 
 log = logging.getLogger("rendezvousd.client.file")
 

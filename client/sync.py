@@ -14,13 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._session import (
+from rendezvousd.client._session import SLACK_S, Session, StreamWatch
+from rendezvousd.client.connection import (
     SERVICE,
-    SLACK_S,
-    Membership,
     RetryPolicy,
-    Session,
-    StreamWatch,
     TlsConfig,
     channel_options,
     resolve_token,
@@ -31,9 +28,13 @@ from rendezvousd.client.errors import (
     RendezvousError,
     from_rpc_error,
 )
+from rendezvousd.client.membership import Membership
 
 
 class RendezvousClient:
+    """The blocking SDK: join a job, then barrier, key-value and leave; heartbeats run
+    on a background thread and a peer failure surfaces as ``PeerFailed``."""
+
     def __init__(
         self,
         endpoint: str,

@@ -11,9 +11,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
-from rendezvousd.client._session import Membership
 from rendezvousd.client.errors import InvalidRequest, RendezvousError
 from rendezvousd.client.file_transport import FileRendezvous
+from rendezvousd.client.membership import Membership
 from rendezvousd.client.sync import RendezvousClient
 
 TRANSPORT_KINDS = ("file", "daemon")

@@ -1,1 +1,14 @@
-"""rendezvousd: authenticated gRPC rendezvous for multi-node data-parallel training."""
+"""rendezvousd: authenticated gRPC rendezvous for multi-node data-parallel training.
+
+The daemon runs as ``rendezvousd serve``; workers use the client SDK in
+``rendezvousd.client`` and the training side in ``rendezvousd.trainer``. This
+package itself exports only the daemon's configuration and its error tree, so
+importing it (which every import of the SDK or trainer does) loads neither gRPC
+server machinery nor numpy.
+"""
+
+from rendezvousd.config import DaemonConfig
+from rendezvousd.errors import ConfigError, DaemonError
+from rendezvousd.limits import Limits, Timing
+
+__all__ = ["ConfigError", "DaemonConfig", "DaemonError", "Limits", "Timing"]

@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--force", action="store_true", help="replace an existing file")
     token.set_defaults(func=_token)
 
-    from rendezvousd.inspect import add_inspect_commands
+    from rendezvousd.probe_cli import add_probe_commands
 
-    add_inspect_commands(sub)
+    add_probe_commands(sub)
     return parser
 
 

@@ -31,6 +31,8 @@ def _opt(help: str, default: Any) -> Any:
 
 @dataclass(frozen=True)
 class DaemonConfig:
+    """Validated daemon settings; ``load()`` builds one from defaults, TOML, env and flags."""
+
     listen: str = _opt(
         "HOST:PORT or unix:PATH to serve on; port 0 picks a free port",
         default=f"127.0.0.1:{DEFAULT_PORT}",

@@ -6,7 +6,7 @@
                                   status Code, an ErrorReason name and metadata
 
 ``RendezvousFault`` is pure (no gRPC import): the servicer maps it to a gRPC
-status with a google.rpc.ErrorInfo detail in one place (``rendezvousd.status``).
+status with a google.rpc.ErrorInfo detail in one place (``rendezvousd.fault_status``).
 Messages never contain the unique id or a token.
 """
 

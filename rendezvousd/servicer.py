@@ -17,6 +17,7 @@ import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.fault_status import to_grpc_status
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import (
     Effect,
@@ -32,7 +33,6 @@ from rendezvousd.model import (
 )
 from rendezvousd.persistence import Persister
 from rendezvousd.state import JoinArgs, RendezvousState
-from rendezvousd.status import to_grpc_status
 
 log = logging.getLogger("rendezvousd")
 T = TypeVar("T")

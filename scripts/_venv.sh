@@ -7,9 +7,11 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-$1
+# $1: the extra to install with the project (none when absent).
+extra=${1:-}
+stamp=.venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${extra:-base}
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$1]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extra:+[$extra]}"
   touch "$stamp"
 fi

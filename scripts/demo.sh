@@ -3,5 +3,5 @@
 # with rank 0's progress and a scorecard (artifacts/multinode_smoke.json).
 # Usage: scripts/demo.sh [--steps N] [--out PATH]
 set -euo pipefail
-source "$(dirname "$0")/_venv.sh" demo
+source "$(dirname "$0")/_venv.sh"
 exec .venv/bin/python -m rendezvousd.trainer.demo "$@"

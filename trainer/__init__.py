@@ -1,1 +1,56 @@
-"""Training side: topology, communicators, bucketed all-reduce, launcher."""
+"""Training side: topology, communicators, bucketed all-reduce, data, checkpoints.
+
+``init_distributed()`` joins the rendezvous and returns the communicator; the NCCL
+backend (``rendezvousd.trainer.nccl``) loads CuPy only when it is chosen, so
+importing this package never imports CuPy.
+"""
+
+from rendezvousd.trainer.bucketing import BucketedAllReducer
+from rendezvousd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rendezvousd.trainer.communicator import Communicator, ReduceOp
+from rendezvousd.trainer.config import DistributedConfig
+from rendezvousd.trainer.data import ShardedLoader
+from rendezvousd.trainer.distributed import DistributedContext, init_distributed
+from rendezvousd.trainer.errors import (
+    BucketingError,
+    BucketLayoutMismatch,
+    CheckpointError,
+    CollectiveArgumentError,
+    CommunicatorAborted,
+    CommunicatorError,
+    CommunicatorTimeout,
+    ConfigError,
+    DeviceCountError,
+    PeerConnectionError,
+    ReducerClosed,
+    RetriesExhausted,
+    TrainerError,
+)
+from rendezvousd.trainer.topology import MultiNodeTopology
+
+__all__ = [
+    "BucketLayoutMismatch",
+    "BucketedAllReducer",
+    "BucketingError",
+    "CheckpointError",
+    "CollectiveArgumentError",
+    "Communicator",
+    "CommunicatorAborted",
+    "CommunicatorError",
+    "CommunicatorTimeout",
+    "ConfigError",
+    "DeviceCountError",
+    "DistributedConfig",
+    "DistributedContext",
+    "MultiNodeTopology",
+    "PeerConnectionError",
+    "ReduceOp",
+    "ReducerClosed",
+    "RetriesExhausted",
+    "ShardedLoader",
+    "TrainerError",
+    "init_distributed",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -37,13 +37,22 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .communicator import Communicator, ReduceOp
-from .errors import BucketLayoutMismatch
+from .errors import (
+    BucketingError,
+    BucketLayoutMismatch,
+    CollectiveArgumentError,
+    ConfigError,
+    ReducerClosed,
+)
 from .store import JobStore
+
+if TYPE_CHECKING:
+    from .config import DistributedConfig
 
 MiB = 1 << 20
 DEFAULT_CAP_BYTES = 25 * MiB
@@ -91,9 +100,12 @@ def plan_buckets(
 ) -> tuple[Bucket, ...]:
     """Assign gradients to buckets; pure, so every rank computes the same plan."""
     if cap_bytes <= 0:
-        raise ValueError(f"cap_bytes={cap_bytes} must be positive")
+        raise ConfigError(f"cap_bytes={cap_bytes} must be positive (bucket_cap_mib > 0)")
     if first_bucket_bytes is not None and first_bucket_bytes <= 0:
-        raise ValueError(f"first_bucket_bytes={first_bucket_bytes} must be positive or None")
+        raise ConfigError(
+            f"first_bucket_bytes={first_bucket_bytes} must be positive, or None for no "
+            "smaller first bucket"
+        )
     # A first-bucket cap above the main cap would make the "small" bucket the large one.
     first_limit = cap_bytes if first_bucket_bytes is None else min(first_bucket_bytes, cap_bytes)
     open_: dict[str, list[int]] = {}
@@ -206,22 +218,33 @@ class _NumpyOps:
         return contextlib.nullcontext()
 
 
-def _buffer_ops(grads: Sequence[Any]) -> _BufferOps:
+def _buffer_ops(grads: Sequence[Any], rank: int) -> _BufferOps:
     from . import nccl  # imports fine without CuPy; CuPy itself loads only for CuPy arrays
 
     kinds = {nccl.is_cupy_array(g) for g in grads}
     if kinds == {True, False}:
-        raise TypeError("gradients mix numpy and CuPy arrays; use one kind")
+        raise CollectiveArgumentError(
+            f"rank {rank}: gradients mix numpy and CuPy arrays; register one kind"
+        )
     if kinds == {True}:
         devices = {nccl.CupyBufferOps.device_of(g) for g in grads}
         if len(devices) != 1:
-            raise ValueError(f"CuPy gradients span devices {sorted(devices)}; use one device")
+            raise CollectiveArgumentError(
+                f"rank {rank}: CuPy gradients span devices {sorted(devices)}; "
+                "keep every gradient on the communicator's device"
+            )
         return nccl.CupyBufferOps(devices.pop())
-    for grad in grads:
+    for index, grad in enumerate(grads):
         if not isinstance(grad, np.ndarray):
-            raise TypeError(f"gradients must be numpy or CuPy arrays, not {type(grad).__name__}")
+            raise CollectiveArgumentError(
+                f"rank {rank}: gradient {index} is a {type(grad).__name__}; "
+                "gradients must be numpy or CuPy arrays"
+            )
         if not grad.flags.writeable:
-            raise ValueError("gradients must be writeable: results are written back in place")
+            raise CollectiveArgumentError(
+                f"rank {rank}: gradient {index} is read-only; gradients must be writeable "
+                "because results are written back in place"
+            )
     return _NumpyOps()
 
 
@@ -254,12 +277,16 @@ class BucketedAllReducer:
         self._cap = cap_bytes
         self._first = first_bucket_bytes
         self._average = average
-        self._ops = _buffer_ops(self._grads) if self._grads else _NumpyOps()
+        rank = communicator.rank
+        self._ops = _buffer_ops(self._grads, rank) if self._grads else _NumpyOps()
         self._specs = tuple(GradSpec.of(g) for g in self._grads)
         if average:
             bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind not in "fc"})
             if bad:
-                raise TypeError(f"average=True needs floating gradients, got {bad}")
+                raise CollectiveArgumentError(
+                    f"rank {rank}: average=True needs floating gradients, got {bad}; "
+                    "pass average=False to sum integer gradients"
+                )
         self._buckets = plan_buckets(
             self._specs, cap_bytes=cap_bytes, first_bucket_bytes=first_bucket_bytes
         )
@@ -285,6 +312,29 @@ class BucketedAllReducer:
         self._error: BaseException | None = None
         self._closed = False
         self._reset_step()
+
+    @classmethod
+    def from_config(
+        cls,
+        grads: Sequence[Any],
+        communicator: Communicator,
+        config: DistributedConfig,
+        *,
+        average: bool = True,
+    ) -> BucketedAllReducer:
+        """A reducer whose caps are ``config.bucket_cap_mib`` and ``config.first_bucket_mib``.
+
+        Every rank must pass the same values: they are part of the layout that
+        ``verify_layout`` compares.
+        """
+        first = int(config.first_bucket_mib * MiB)
+        return cls(
+            grads,
+            communicator,
+            cap_bytes=int(config.bucket_cap_mib * MiB),
+            first_bucket_bytes=first or None,
+            average=average,
+        )
 
     def _reset_step(self) -> None:
         self._ready = [False] * len(self._grads)
@@ -314,11 +364,17 @@ class BucketedAllReducer:
     def mark_ready(self, index: int) -> None:
         """Declare gradient ``index`` final for this step; may launch buckets."""
         if not 0 <= index < len(self._grads):
-            raise IndexError(f"gradient index {index} out of range 0..{len(self._grads) - 1}")
+            raise CollectiveArgumentError(
+                f"rank {self._comm.rank}: gradient index {index} is out of range "
+                f"0..{len(self._grads) - 1}; pass the gradient's registration index"
+            )
         with self._lock:
             self._raise_if_broken()
             if self._ready[index]:
-                raise ValueError(f"gradient {index} was already marked ready this step")
+                raise BucketingError(
+                    f"rank {self._comm.rank}: gradient {index} was already marked ready "
+                    "this step; call wait() before marking it again"
+                )
             self._mark_locked(index)
 
     def _mark_locked(self, index: int) -> None:
@@ -362,7 +418,9 @@ class BucketedAllReducer:
         if self._error is not None:
             raise self._error
         if self._closed:
-            raise RuntimeError("BucketedAllReducer is closed")
+            raise ReducerClosed(
+                f"rank {self._comm.rank}: BucketedAllReducer is closed; build a new one"
+            )
 
     def _run(self) -> None:
         while True:

@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 
 class ReduceOp(enum.Enum):
+    """How ``all_reduce`` combines the ranks' arrays, element by element."""
+
     SUM = "sum"
     AVG = "avg"
     MAX = "max"

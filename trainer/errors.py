@@ -1,15 +1,19 @@
 """The trainer's exception tree.
 
     TrainerError
-    ├── ConfigError            bad topology, config file, env override or CLI value
-    │   └── DeviceCountError   too few local devices for the topology
-    ├── CommunicatorError      a collective failed
+    ├── ConfigError                bad topology, config file, env override or CLI value
+    │   └── DeviceCountError       too few local devices for the topology
+    ├── CommunicatorError          a collective failed
     │   ├── CommunicatorAborted    abort() was called (e.g. a peer died)
     │   ├── CommunicatorTimeout    a peer did not answer within the timeout
     │   └── PeerConnectionError    a peer's connection broke or was refused
-    ├── CollectiveArgumentError  an array or argument a collective cannot use
-    ├── BucketLayoutMismatch   ranks registered different gradient layouts
-    └── CheckpointError        a checkpoint could not be written or read
+    ├── RetriesExhausted           a transient bootstrap failure outlasted every retry
+    ├── CollectiveArgumentError    an array or argument a collective cannot use
+    │                              (also a ValueError)
+    ├── BucketingError             the bucketed all-reduce cannot go on
+    │   ├── BucketLayoutMismatch   ranks registered different gradient layouts
+    │   └── ReducerClosed          the reducer was used after close()
+    └── CheckpointError            a checkpoint could not be written or read
 
 Errors raised by the client SDK (``rendezvousd.client.errors``), such as the
 peer-failed error, pass through unchanged.
@@ -50,8 +54,28 @@ class CollectiveArgumentError(TrainerError, ValueError):
     """A collective was given an unusable array (dtype, layout, read-only) or argument."""
 
 
-class BucketLayoutMismatch(TrainerError):
+class RetriesExhausted(TrainerError):
+    """A transient failure repeated after every allowed retry; ``.last`` is the final one."""
+
+    def __init__(self, what: str, attempts: int, last: BaseException) -> None:
+        super().__init__(
+            f"{what} failed {attempts} time{'s' if attempts > 1 else ''} "
+            f"(retry_attempts={attempts - 1}); last error: {last}"
+        )
+        self.attempts = attempts
+        self.last = last
+
+
+class BucketingError(TrainerError):
+    """The bucketed all-reduce's layout or state forbids the call."""
+
+
+class BucketLayoutMismatch(BucketingError):
     """Two ranks built different bucket layouts; launching would hang or corrupt."""
+
+
+class ReducerClosed(BucketingError):
+    """A ``BucketedAllReducer`` was used after ``close()``."""
 
 
 class CheckpointError(TrainerError):

@@ -124,12 +124,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for name in PARAMS:
             comm.broadcast(params[name], root=0)
         grads = {k: np.zeros_like(v) for k, v in params.items()}
-        reducer = BucketedAllReducer(
-            [grads[k] for k in PARAMS],
-            comm,
-            cap_bytes=int(ctx.config.bucket_cap_mib * 1024 * 1024),
-            first_bucket_bytes=int(ctx.config.first_bucket_mib * 1024 * 1024) or None,
-        )
+        reducer = BucketedAllReducer.from_config([grads[k] for k in PARAMS], comm, ctx.config)
         reducer.verify_layout(ctx.rendezvous, topo.rank, topo.world_size, timeout=60)
         loader = ShardedLoader(x, y, batch_size=args.batch, topology=topo, seed=args.seed)
         steps_per_epoch = len(loader)

@@ -23,6 +23,7 @@ import numpy as np
 
 from .communicator import ReduceOp
 from .errors import (
+    CollectiveArgumentError,
     CommunicatorAborted,
     CommunicatorError,
     CommunicatorTimeout,
@@ -94,7 +95,9 @@ def _require_cupy() -> Any:
     cp = _cupy_or_none()
     if cp is None:
         raise ConfigError(
-            "backend 'nccl' needs CuPy with NCCL; install the 'gpu' extra (cupy-cuda12x)"
+            "backend 'nccl' needs CuPy with NCCL; install the extra matching the CUDA "
+            "driver: rendezvousd[gpu-cuda12] (cupy-cuda12x) or rendezvousd[gpu-cuda13] "
+            "(cupy-cuda13x)"
         )
     if not getattr(cp.cuda.nccl, "available", True):
         raise ConfigError("backend 'nccl': CuPy was built without NCCL support")
@@ -121,18 +124,20 @@ def unique_id_to_bytes(raw: object) -> bytes:
         out = bytes(raw)
     elif isinstance(raw, tuple | list):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in raw):
-            raise ValueError("NCCL unique id tuple must hold integers")
+            raise CollectiveArgumentError("NCCL unique id tuple must hold integers")
         if not all(-128 <= v <= 255 for v in raw):
-            raise ValueError("NCCL unique id tuple values must fit in one byte")
+            raise CollectiveArgumentError("NCCL unique id tuple values must fit in one byte")
         out = bytes(v & 0xFF for v in raw)
     else:
-        raise TypeError(
+        raise CollectiveArgumentError(
             f"NCCL unique id must be bytes or a tuple of ints, not {type(raw).__name__}"
         )
     if len(out) != NCCL_ID_BYTES:
-        raise ValueError(f"NCCL unique id must be {NCCL_ID_BYTES} bytes, got {len(out)}")
+        raise CollectiveArgumentError(
+            f"NCCL unique id must be {NCCL_ID_BYTES} bytes, got {len(out)}"
+        )
     if not any(out):
-        raise ValueError("NCCL unique id is all zero")
+        raise CollectiveArgumentError("NCCL unique id is all zero")
     return out
 
 
@@ -178,13 +183,16 @@ def exchange_unique_id(
 
 
 def nccl_dtype(dtype: Any, version: int) -> int:
-    """NCCL datatype code for a numpy/CuPy dtype; TypeError when NCCL has none."""
+    """NCCL datatype code for a numpy/CuPy dtype; CollectiveArgumentError when NCCL has none."""
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     code = _DTYPE_CODES.get(name)
     if code is None:
-        raise TypeError(f"NCCL cannot reduce dtype {name}")
+        supported = ", ".join(_DTYPE_CODES)
+        raise CollectiveArgumentError(f"NCCL cannot reduce dtype {name}; supported: {supported}")
     if name == "bfloat16" and version < _AVG_MIN_VERSION:
-        raise TypeError("NCCL bfloat16 needs NCCL >= 2.10.3")
+        raise CollectiveArgumentError(
+            "NCCL bfloat16 needs NCCL >= 2.10.3; upgrade NCCL or reduce in float32"
+        )
     return code
 
 
@@ -326,12 +334,18 @@ class NcclCommunicator:
 
     def _buffer_args(self, array: Any, operation: str) -> tuple[int, int, int]:
         if not isinstance(array, self._cp.ndarray):
-            raise TypeError(f"NCCL {operation} needs a CuPy array, not {type(array).__name__}")
+            raise CollectiveArgumentError(
+                f"rank {self._rank}: NCCL {operation} needs a CuPy array, "
+                f"not {type(array).__name__}"
+            )
         if not array.flags.c_contiguous:
-            raise ValueError(f"NCCL {operation} needs a C-contiguous array")
+            raise CollectiveArgumentError(
+                f"rank {self._rank}: NCCL {operation} needs a C-contiguous array; "
+                "pass cupy.ascontiguousarray(array) and copy the result back"
+            )
         if array.device.id != self._device:
-            raise ValueError(
-                f"NCCL {operation}: array is on device {array.device.id}, "
+            raise CollectiveArgumentError(
+                f"rank {self._rank}: NCCL {operation}: array is on device {array.device.id}, "
                 f"communicator on device {self._device}"
             )
         return int(array.data.ptr), int(array.size), nccl_dtype(array.dtype, self._version)
@@ -355,7 +369,9 @@ class NcclCommunicator:
     def broadcast(self, array: Any, root: int = 0) -> None:
         ptr, count, dtype = self._buffer_args(array, "broadcast")
         if not 0 <= root < self._world_size:
-            raise ValueError(f"broadcast root={root} is out of range for world {self._world_size}")
+            raise CollectiveArgumentError(
+                f"rank {self._rank}: broadcast root={root} is out of range [0, {self._world_size})"
+            )
         if count == 0:
             self._check_usable("broadcast")
             return

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from rendezvousd.trainer.errors import CommunicatorTimeout, PeerConnectionError, TrainerError
+from rendezvousd.trainer.errors import CommunicatorTimeout, PeerConnectionError, RetriesExhausted
 
 T = TypeVar("T")
 TRANSIENT: tuple[type[BaseException], ...] = (
@@ -19,18 +19,6 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     ConnectionRefusedError,
 )
 log = logging.getLogger("rendezvousd.trainer")
-
-
-class RetriesExhausted(TrainerError):
-    """A transient failure repeated after every allowed retry."""
-
-    def __init__(self, what: str, attempts: int, last: BaseException) -> None:
-        super().__init__(
-            f"{what} failed {attempts} time{'s' if attempts > 1 else ''} "
-            f"(retry_attempts={attempts - 1}); last error: {last}"
-        )
-        self.attempts = attempts
-        self.last = last
 
 
 def with_retry(what: str, fn: Callable[[], T], *, attempts: int = 1, backoff_s: float = 0.5) -> T:

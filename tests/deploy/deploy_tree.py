@@ -77,11 +77,11 @@ def known_flags() -> dict[str, frozenset[str]]:
 
 def known_env_vars() -> frozenset[str]:
     """The daemon's settings, the token vars, and what the trainer/launcher read."""
-    from rendezvousd.client import _session
+    from rendezvousd.client import connection
     from rendezvousd.trainer import config as trainer_config
 
     names = {config_mod.ENV_PREFIX + name.upper() for name in config_mod.FIELDS}
-    names |= {auth.TOKEN_ENV, _session.TOKEN_ENV, _session.TOKEN_FILE_ENV}
+    names |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
     modules = [trainer_config, _launcher_module()]
     with contextlib.suppress(ModuleNotFoundError):
         modules.append(importlib.import_module("rendezvousd.trainer.distributed"))

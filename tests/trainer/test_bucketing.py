@@ -33,7 +33,16 @@ from rendezvousd.trainer.bucketing import (
     unpack,
 )
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
-from rendezvousd.trainer.errors import BucketLayoutMismatch, CommunicatorError
+from rendezvousd.trainer.config import DistributedConfig
+from rendezvousd.trainer.errors import (
+    BucketingError,
+    BucketLayoutMismatch,
+    CollectiveArgumentError,
+    CommunicatorError,
+    ConfigError,
+    ReducerClosed,
+    TrainerError,
+)
 
 F32 = 4
 
@@ -133,9 +142,9 @@ def test_zero_size_gradients_take_no_bucket() -> None:
 
 
 def test_bad_caps_are_rejected() -> None:
-    with pytest.raises(ValueError, match="cap_bytes"):
+    with pytest.raises(ConfigError, match="cap_bytes"):
         plan_buckets(f32(1), cap_bytes=0)
-    with pytest.raises(ValueError, match="first_bucket_bytes"):
+    with pytest.raises(ConfigError, match="first_bucket_bytes"):
         plan_buckets(f32(1), cap_bytes=10, first_bucket_bytes=0)
     # A first-bucket cap above the cap is clamped to it.
     assert plan_buckets(f32(2, 2, 2), cap_bytes=8, first_bucket_bytes=1 << 20) == plan_buckets(
@@ -323,10 +332,12 @@ def test_unmarked_and_zero_size_gradients_do_not_hang() -> None:
         assert comm.calls == []
         reducer.wait()  # the rest is marked by wait()
         assert len(comm.calls) == len(reducer.buckets)
-        with pytest.raises(IndexError):
+        with pytest.raises(
+            CollectiveArgumentError, match=r"rank 0: gradient index 7 is out of range 0\.\.6"
+        ):
             reducer.mark_ready(len(grads))
         reducer.mark_ready(0)
-        with pytest.raises(ValueError, match="already marked"):
+        with pytest.raises(BucketingError, match="already marked"):
             reducer.mark_ready(0)
 
 
@@ -345,13 +356,13 @@ def test_communicator_error_is_reraised_and_sticky() -> None:
 
 
 def test_bad_gradients_are_rejected() -> None:
-    with pytest.raises(TypeError, match="floating"):
+    with pytest.raises(CollectiveArgumentError, match="floating"):
         BucketedAllReducer([np.zeros(3, np.int32)], SoloCommunicator())
     readonly = np.zeros(3, np.float32)
     readonly.flags.writeable = False
-    with pytest.raises(ValueError, match="writeable"):
+    with pytest.raises(CollectiveArgumentError, match="gradient 0 is read-only"):
         BucketedAllReducer([readonly], SoloCommunicator())
-    with pytest.raises(TypeError, match="numpy or CuPy"):
+    with pytest.raises(CollectiveArgumentError, match="numpy or CuPy"):
         BucketedAllReducer([[1.0, 2.0]], SoloCommunicator())
     with BucketedAllReducer([np.zeros(3, np.int32)], SoloCommunicator(), average=False) as r:
         r.all_reduce_all()
@@ -360,8 +371,22 @@ def test_bad_gradients_are_rejected() -> None:
 def test_closed_reducer_refuses_work() -> None:
     reducer = BucketedAllReducer([np.zeros(3, np.float32)], SoloCommunicator())
     reducer.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(ReducerClosed, match="closed") as info:
         reducer.mark_ready(0)
+    assert isinstance(info.value, TrainerError)
+
+
+def test_from_config_takes_the_caps_from_the_config() -> None:
+    grads = [np.zeros(1024, np.float32) for _ in range(6)]  # 4 KiB each
+    config = DistributedConfig(bucket_cap_mib=8 / 1024, first_bucket_mib=4 / 1024)
+    with BucketedAllReducer.from_config(grads, SoloCommunicator(), config) as reducer:
+        explicit = BucketedAllReducer(
+            grads, SoloCommunicator(), cap_bytes=8192, first_bucket_bytes=4096
+        )
+        assert reducer.layout_fingerprint() == explicit.layout_fingerprint()
+        explicit.close()
+        # The 4 KiB first bucket, then 8 KiB buckets, filled in reverse order.
+        assert members(reducer.buckets) == [(5,), (4, 3), (2, 1), (0,)]
 
 
 # --- layout verification through a real daemon ---------------------------------

@@ -23,6 +23,7 @@ from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
 from rendezvousd.trainer.errors import (
+    CollectiveArgumentError,
     CommunicatorAborted,
     CommunicatorError,
     CommunicatorTimeout,
@@ -216,12 +217,12 @@ def test_unique_id_normalisation_both_directions() -> None:
     [bytes(128), b"\x01" * 127, b"\x01" * 129, (0,) * 128, (1,) * 127, (300,) + (1,) * 127],
 )
 def test_bad_unique_ids_are_rejected(bad: Any) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(CollectiveArgumentError):
         nccl.unique_id_to_bytes(bad)
 
 
 def test_unique_id_of_wrong_type_is_rejected() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(CollectiveArgumentError, match="not str"):
         nccl.unique_id_to_bytes("x" * 128)
 
 
@@ -297,10 +298,10 @@ def test_dtype_table() -> None:
     for dtype, code in table.items():
         assert nccl.nccl_dtype(np.dtype(dtype), 21805) == code
     assert nccl.nccl_dtype("bfloat16", 21003) == 9
-    with pytest.raises(TypeError, match=r"2\.10\.3"):
+    with pytest.raises(CollectiveArgumentError, match=r"2\.10\.3"):
         nccl.nccl_dtype("bfloat16", 21002)
     for bad in (np.int16, np.bool_, np.complex64):
-        with pytest.raises(TypeError, match="cannot reduce"):
+        with pytest.raises(CollectiveArgumentError, match="cannot reduce"):
             nccl.nccl_dtype(np.dtype(bad), 21805)
 
 
@@ -347,12 +348,15 @@ def test_avg_falls_back_to_sum_and_divide_on_old_nccl(monkeypatch: pytest.Monkey
 
 def test_bad_buffers_are_refused_before_nccl(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 1, UID, 0)
-    with pytest.raises(TypeError, match="CuPy array"):
+    # The same error the cpu backend raises for the same misuse.
+    with pytest.raises(CollectiveArgumentError, match="rank 0: NCCL all_reduce needs a CuPy"):
         comm.all_reduce(np.zeros(3, np.float32))
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(CollectiveArgumentError, match="contiguous"):
         comm.all_reduce(device_array(np.zeros((4, 4)))[:, ::2])
-    with pytest.raises(ValueError, match="root"):
+    with pytest.raises(CollectiveArgumentError, match="root"):
         comm.broadcast(device_array([1.0]), root=1)
+    with pytest.raises(CollectiveArgumentError, match="cannot reduce dtype int16"):
+        comm.all_reduce(device_array([1, 2], np.int16))
     assert "allReduce" not in log_of(cupy).names()
 
 

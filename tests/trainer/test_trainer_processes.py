@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.trainer import demo, futex
-from rendezvousd.trainer.errors import CommunicatorTimeout
-from rendezvousd.trainer.retry import RetriesExhausted, with_retry
+from rendezvousd.trainer.errors import CommunicatorTimeout, RetriesExhausted
+from rendezvousd.trainer.retry import with_retry
 from tests.support import ROOT, WORKERS, DaemonProcess, free_port, spawn_daemon, write_token
 
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"

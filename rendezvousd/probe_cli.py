@@ -121,7 +121,7 @@ def render(jobs: list[Any]) -> str:
     return "\n".join(lines)
 
 
-def add_inspect_commands(sub: Any) -> None:
+def add_probe_commands(sub: Any) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="HOST:PORT of the daemon")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds before giving up")

@@ -1,0 +1,162 @@
+"""How the SDK reaches the daemon: retry policy, TLS, token and gRPC channel options."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from rendezvousd.client.errors import InvalidRequest
+
+__all__ = [
+    "HEALTH_SERVICE",
+    "SERVICE",
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "RetryPolicy",
+    "TlsConfig",
+    "channel_options",
+    "resolve_token",
+    "service_config",
+]
+
+SERVICE = "rendezvous.v1.Rendezvous"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+TOKEN_ENV = "RENDEZVOUSD_TOKEN"
+TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
+
+# Safe to repeat: Join/PublishId by instance id, Barrier by sequence, sets overwrite.
+IDEMPOTENT = frozenset(
+    {
+        "Join",
+        "PublishId",
+        "Barrier",
+        "KvSet",
+        "KvGet",
+        "KvDelete",
+        "Heartbeat",
+        "Leave",
+        "AbortJob",
+        "ListJobs",
+        "GetJob",
+        "Check",
+    }
+)
+# Reads may also be retried after DEADLINE_EXCEEDED (gRFC A6 leaves this to the caller).
+READS = frozenset({"KvGet", "ListJobs", "GetJob", "Check"})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The seed's policy: ``attempts`` retries on a transient error, then a loud error.
+
+    Transient = UNAVAILABLE for idempotent methods, plus DEADLINE_EXCEEDED for
+    reads. Permanent errors (bad input, auth, peer failure...) get one attempt.
+    Under each attempt gRPC's own service-config retry re-sends on UNAVAILABLE.
+    """
+
+    attempts: int = 1
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 0:
+            raise ValueError(f"retry attempts={self.attempts} must be >= 0")
+
+    def retryable(self, method: str, code: grpc.StatusCode) -> bool:
+        if code is grpc.StatusCode.UNAVAILABLE:
+            return method in IDEMPOTENT
+        return code is grpc.StatusCode.DEADLINE_EXCEEDED and method in READS
+
+    def backoff(self, attempt: int) -> float:
+        """Full-jitter exponential backoff before retry number ``attempt`` (1-based)."""
+        cap = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (attempt - 1))
+        return random.uniform(cap / 2, cap)
+
+
+def service_config(channel_retries: int) -> str:
+    retry = {
+        "maxAttempts": max(2, min(5, channel_retries + 1)),
+        "initialBackoff": "0.1s",
+        "maxBackoff": "1s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    safe = sorted(IDEMPOTENT - {"Check", "Heartbeat"})
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": SERVICE, "method": m} for m in safe]
+                    + [{"service": HEALTH_SERVICE}],
+                    "waitForReady": True,
+                    "retryPolicy": retry,
+                },
+                {
+                    # Not idempotent: wait for the daemon, but never re-send.
+                    "name": [
+                        {"service": SERVICE, "method": m} for m in ("KvAdd", "KvCompareAndSet")
+                    ]
+                    + [{"service": SERVICE, "method": "Heartbeat"}],
+                    "waitForReady": True,
+                },
+            ]
+        }
+    )
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """PEM paths: ``ca`` verifies the daemon; ``cert``/``key`` for mTLS."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(p: Path | None) -> bytes | None:
+            return p.read_bytes() if p is not None else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+def resolve_token(token: str | None, token_file: Path | str | None) -> str:
+    if token:
+        return token.strip()
+    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        try:
+            lines = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read token file {path}: {exc.strerror}") from exc
+        if lines:
+            return lines[0]
+        raise InvalidRequest(f"token file {path} is empty")
+    env = os.environ.get(TOKEN_ENV, "").strip()
+    if env:
+        return env
+    raise InvalidRequest(
+        f"no rendezvous token: pass token= or token_file=, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
+    )
+
+
+def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[str, object]]:
+    options: list[tuple[str, object]] = [
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", service_config(retry.attempts)),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Redial quickly once the daemon is back (default backoff grows to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return options

@@ -1,0 +1,91 @@
+"""pyproject.toml builds a wheel without setuptools warnings, and the wheel ships
+what an installed copy needs: the trainer's TOML configs (``python -m
+rendezvousd.trainer.demo`` reads them from the package) and every ``py.typed``."""
+
+from __future__ import annotations
+
+import email.parser
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT
+
+SOURCES = ("pyproject.toml", "README.md", "rendezvousd", "client", "trainer")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """(build log, wheel path), built from a copy so the checkout gets no build/ dir."""
+    base = tmp_path_factory.mktemp("wheel")
+    src, out = base / "src", base / "out"
+    src.mkdir()
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(
+                path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
+        else:
+            shutil.copy2(path, src / name)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            str(src),
+            "-w",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    (wheel,) = out.glob("rendezvousd-*.whl")
+    return log, wheel
+
+
+def test_build_prints_no_setuptools_warning(built: tuple[str, Path]) -> None:
+    log, _ = built
+    # Python warnings (e.g. "_Warning: Package ... is absent from the `packages`
+    # configuration", SetuptoolsDeprecationWarning), not distutils' lower-case
+    # "warning: byte-compiling is disabled" notes that pip's flags cause.
+    warnings = re.findall(r"^.*\w*Warning\b.*$", log, re.M)
+    assert warnings == []
+
+
+def test_wheel_ships_configs_and_type_markers(built: tuple[str, Path]) -> None:
+    _, wheel = built
+    names = set(zipfile.ZipFile(wheel).namelist())
+    configs = {
+        f"rendezvousd/trainer/configs/{p.name}" for p in (ROOT / "trainer/configs").iterdir()
+    }
+    assert configs and configs <= names
+    for package in ("rendezvousd", "rendezvousd/client", "rendezvousd/trainer"):
+        assert f"{package}/py.typed" in names
+    assert "rendezvousd/trainer/demo.py" in names
+    assert not any(n.startswith("tests/") for n in names)
+
+
+def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None:
+    _, wheel = built
+    with zipfile.ZipFile(wheel) as archive:
+        (meta_name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        meta = email.parser.Parser().parsestr(archive.read(meta_name).decode())
+    assert set(meta.get_all("Provides-Extra") or []) == {"gpu", "gpu-cuda12", "gpu-cuda13", "test"}
+    requires = meta.get_all("Requires-Dist") or []
+    assert any(r.startswith("cupy-cuda12x>=13.4") and "gpu-cuda12" in r for r in requires)
+    assert any(r.startswith("cupy-cuda13x>=13.6") and "gpu-cuda13" in r for r in requires)
+    assert meta["License-Expression"] == "Apache-2.0"

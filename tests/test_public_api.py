@@ -1,0 +1,136 @@
+"""The declared public surface of each package: exact names, importable, documented,
+and light to import (no gRPC server machinery or numpy for ``rendezvousd``, no
+CuPy for ``rendezvousd.trainer``)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+
+import pytest
+
+EXPORTS: dict[str, set[str]] = {
+    "rendezvousd": {"ConfigError", "DaemonConfig", "DaemonError", "Limits", "Timing"},
+    "rendezvousd.client": {
+        "AsyncRendezvousClient",
+        "AuthenticationError",
+        "DaemonUnavailable",
+        "DuplicateRank",
+        "FileRendezvous",
+        "IdConflict",
+        "InvalidRequest",
+        "JobAborted",
+        "JobEnded",
+        "KeyNotFound",
+        "LimitExceeded",
+        "Member",
+        "Membership",
+        "NotFound",
+        "PeerFailed",
+        "ProtocolError",
+        "Rendezvous",
+        "RendezvousClient",
+        "RendezvousError",
+        "RendezvousTimeout",
+        "RetryPolicy",
+        "StaleGeneration",
+        "TlsConfig",
+        "TopologyMismatch",
+        "connect",
+    },
+    "rendezvousd.trainer": {
+        "BucketLayoutMismatch",
+        "BucketedAllReducer",
+        "BucketingError",
+        "CheckpointError",
+        "CollectiveArgumentError",
+        "Communicator",
+        "CommunicatorAborted",
+        "CommunicatorError",
+        "CommunicatorTimeout",
+        "ConfigError",
+        "DeviceCountError",
+        "DistributedConfig",
+        "DistributedContext",
+        "MultiNodeTopology",
+        "PeerConnectionError",
+        "ReduceOp",
+        "ReducerClosed",
+        "RetriesExhausted",
+        "ShardedLoader",
+        "TrainerError",
+        "init_distributed",
+        "latest_checkpoint",
+        "load_checkpoint",
+        "save_checkpoint",
+    },
+}
+
+# trainer/distributed.py is being rewritten by its owner, who documents these; drop
+# an entry once it has a docstring (the test below fails as a reminder).
+UNDOCUMENTED_FOR_NOW = {
+    ("rendezvousd.trainer", "DistributedContext"),
+    ("rendezvousd.trainer", "init_distributed"),
+}
+
+# What importing each package must not load.
+TOO_HEAVY: dict[str, set[str]] = {
+    "rendezvousd": {"grpc", "numpy", "rendezvousd.server", "rendezvousd.servicer"},
+    "rendezvousd.client": {"numpy", "rendezvousd.server", "rendezvousd.servicer", "cupy"},
+    "rendezvousd.trainer": {"cupy", "rendezvousd.server", "rendezvousd.servicer"},
+}
+
+
+def _documented(obj: object) -> bool:
+    doc = inspect.getdoc(obj) or ""
+    name = getattr(obj, "__name__", "")
+    # A dataclass without a docstring gets its signature as one; that documents nothing.
+    return bool(doc.strip()) and not doc.startswith(f"{name}(")
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_exported_names_are_exact_and_importable(package: str) -> None:
+    module = importlib.import_module(package)
+    assert set(module.__all__) == EXPORTS[package]
+    assert len(module.__all__) == len(set(module.__all__)), "duplicate in __all__"
+    for name in module.__all__:
+        assert getattr(module, name) is not None, f"{package}.{name}"
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_every_exported_name_is_documented(package: str) -> None:
+    module = importlib.import_module(package)
+    assert _documented(module), f"{package} has no module docstring"
+    missing = sorted(
+        name
+        for name in module.__all__
+        if not _documented(getattr(module, name)) and (package, name) not in UNDOCUMENTED_FOR_NOW
+    )
+    assert missing == [], f"{package}: exported names without a docstring: {missing}"
+    for pkg, name in UNDOCUMENTED_FOR_NOW:
+        if pkg == package:
+            assert not _documented(getattr(module, name)), (
+                f"{pkg}.{name} is documented now: remove it from UNDOCUMENTED_FOR_NOW"
+            )
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTS))
+def test_importing_the_package_stays_light(package: str) -> None:
+    code = f"import json, sys, {package}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    loaded = set(json.loads(out))
+    assert TOO_HEAVY[package] & loaded == set()
+
+
+def test_public_types_live_in_public_modules() -> None:
+    for package in EXPORTS:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            home = getattr(getattr(module, name), "__module__", package)
+            private = [part for part in home.split(".") if part.startswith("_")]
+            assert private == [], f"{package}.{name} is defined in private module {home}"
