@@ -20,9 +20,8 @@ from rendezvousd.client.errors import (
     StaleGeneration,
     TopologyMismatch,
 )
-from rendezvousd.client.file_transport import FileRendezvous
 from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.client.transport import Rendezvous, connect
+from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
 
 __all__ = [
     "AsyncRendezvousClient",
