@@ -20,10 +20,9 @@ from rendezvousd.client.errors import (
     StaleGeneration,
     TopologyMismatch,
 )
-from rendezvousd.client.file_transport import FileRendezvous
 from rendezvousd.client.membership import Member, Membership
 from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.client.transport import Rendezvous, connect
+from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
 
 __all__ = [
     "AsyncRendezvousClient",

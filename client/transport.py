@@ -1,20 +1,42 @@
 """One interface over both rendezvous transports, and a factory that picks one.
 
-``file``: ``FileRendezvous``, single node, a UNIX socket at a shared path.
-``daemon``: ``RendezvousClient``, any number of nodes, the authenticated daemon.
+``daemon``: ``RendezvousClient`` of a rendezvousd at ``host:port``, any number of nodes.
+``file``: ``FileRendezvous``, one node: global rank 0 starts a private rendezvousd on
+a UNIX socket in a directory the workers share, and every rank, rank 0 included, is
+a ``RendezvousClient`` of it. The id lives in that daemon's memory only.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import shutil
+import socket
+import stat
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import Protocol, Self, TypeVar, runtime_checkable
 
-from rendezvousd.client.errors import InvalidRequest, RendezvousError
-from rendezvousd.client.file_transport import FileRendezvous
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client.errors import (
+    DaemonUnavailable,
+    InvalidRequest,
+    PeerFailed,
+    ProtocolError,
+    RendezvousError,
+    RendezvousTimeout,
+)
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.sync import RendezvousClient
+from rendezvousd.embedded import EmbeddedDaemon, spawn
+from rendezvousd.errors import DaemonError
+
+log = logging.getLogger("rendezvousd.client.file")
+T = TypeVar("T")
 
 TRANSPORT_KINDS = ("file", "daemon")
 
@@ -74,13 +96,13 @@ def connect(
 ) -> Rendezvous:
     """A client for ``transport_kind``; nothing is contacted until ``join``."""
     if transport_kind == "file":
-        if path is None or endpoint is not None or token_file is not None:
+        if endpoint is not None or token_file is not None:
             raise InvalidRequest(
-                "the file transport takes path= (a shared directory or socket path) and no "
+                "the file transport takes path= (a directory the workers share) and no "
                 "endpoint/token_file; those are for transport 'daemon'",
                 job_id=job_id,
             )
-        return FileRendezvous(path, job_id)
+        return FileRendezvous(path, job_id, retry_attempts=retry_attempts)
     if transport_kind == "daemon":
         if endpoint is None or path is not None:
             raise InvalidRequest(
@@ -94,3 +116,320 @@ def connect(
         f"rendezvous transport {transport_kind!r} is unknown; expected one of {TRANSPORT_KINDS}",
         job_id=job_id,
     )
+
+
+_JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
+
+
+class FileRendezvous:
+    """The ``file`` transport: ``RendezvousClient`` plus the lifetime of rank 0's daemon.
+
+    ``path`` is a directory every worker of the job is given (mode 0700, created if
+    missing); the socket is ``<job_id>.sock`` and its token ``<job_id>.token``
+    there. ``path=None`` is a private temporary directory: a world of one only.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        job_id: str = "",
+        *,
+        retry_attempts: int = 1,
+        leave_timeout: float = 60.0,
+    ) -> None:
+        job = job_id or "default"
+        if not _JOB_ID.fullmatch(job) or job in (".", ".."):
+            raise InvalidRequest(
+                "job id is invalid: use 1-128 characters from [A-Za-z0-9._-]", job_id=job[:40]
+            )
+        self._path = Path(path) if path is not None else None
+        self._job_id = job
+        self._retry_attempts = retry_attempts
+        self._leave_timeout = leave_timeout
+        self._client: RendezvousClient | None = None
+        self._daemon: EmbeddedDaemon | None = None
+        self._temp: Path | None = None
+        self._socket: Path | None = None
+
+    def __repr__(self) -> str:
+        m = self.membership
+        return f"FileRendezvous(path={self._path!s}, job_id={self._job_id!r}, rank={m and m.rank})"
+
+    @property
+    def socket_path(self) -> Path | None:
+        """The daemon's socket, once ``join`` has chosen the directory."""
+        return self._socket
+
+    @property
+    def daemon(self) -> EmbeddedDaemon | None:
+        """The daemon this worker started (global rank 0 only)."""
+        return self._daemon
+
+    @property
+    def membership(self) -> Membership | None:
+        return self._client.membership if self._client else None
+
+    @property
+    def failure(self) -> RendezvousError | None:
+        return self._client.failure if self._client else None
+
+    def join(
+        self,
+        *,
+        num_nodes: int,
+        gpus_per_node: int,
+        local_rank: int,
+        node_rank: int | None = None,
+        host: str | None = None,
+        address: str = "",
+        unique_id: bytes | None = None,
+        id_factory: Callable[[], bytes] | None = None,
+        timeout: float = 600.0,
+    ) -> Membership:
+        """Start (local_rank 0) or find (the others) the daemon, then join through it."""
+        if num_nodes != 1 or node_rank not in (None, 0):
+            raise InvalidRequest(
+                f"the file transport is single-node (num_nodes={num_nodes}, node_rank="
+                f"{node_rank}); use the daemon transport for multi-node jobs",
+                job_id=self._job_id,
+            )
+        if self._client is not None:
+            raise InvalidRequest(
+                "this FileRendezvous is already joined; make a new one", job_id=self._job_id
+            )
+        deadline = time.monotonic() + timeout
+        sock = self._directory(gpus_per_node * num_nodes) / f"{self._job_id}.sock"
+        token = sock.with_suffix(".token")
+        if len(os.fsencode(sock)) > _SUN_PATH_MAX:
+            raise InvalidRequest(
+                f"rendezvous socket path {sock} is longer than {_SUN_PATH_MAX} bytes; "
+                "give the file transport a shorter directory",
+                job_id=self._job_id,
+            )
+        self._socket = sock
+        try:
+            if local_rank == 0 and not _serving(sock):
+                self._daemon = self._start(sock, token)
+            else:
+                # A second local_rank 0 joins the live daemon, which refuses it.
+                self._wait_for_daemon(sock, deadline, local_rank)
+            self._client = RendezvousClient(
+                f"unix:{sock}", self._job_id, token_file=token, retry_attempts=self._retry_attempts
+            )
+            return self._client.join(
+                num_nodes=num_nodes,
+                gpus_per_node=gpus_per_node,
+                local_rank=local_rank,
+                node_rank=node_rank,
+                host=host,
+                address=address,
+                unique_id=unique_id,
+                id_factory=id_factory,
+                timeout=max(0.001, deadline - time.monotonic()),
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _directory(self, world: int) -> Path:
+        if self._path is not None:
+            return _private_directory(self._path, self._job_id)
+        if world != 1:
+            raise InvalidRequest(
+                f"the file transport has no path, so the other {world - 1} workers cannot find "
+                "rank 0: give it path= (a directory every worker shares), or start the "
+                "workers with rendezvous-run",
+                job_id=self._job_id,
+            )
+        if self._temp is None:
+            self._temp = Path(tempfile.mkdtemp(prefix="rendezvous-"))  # mode 0700
+        return self._temp
+
+    def _start(self, sock: Path, token: Path) -> EmbeddedDaemon:
+        sock.unlink(missing_ok=True)  # left by a rank 0 that was killed
+        try:
+            return spawn(
+                sock.parent,
+                "--log-level",
+                "WARNING",
+                "--drain-grace-s",
+                "5",
+                listen=f"unix:{sock}",
+                token_file=token,
+                exit_with_parent=True,
+            )
+        except (DaemonError, OSError) as exc:
+            raise DaemonUnavailable(
+                f"rank 0 could not start the file transport's rendezvousd at {sock}: {exc}",
+                endpoint=f"unix:{sock}",
+                method="Join",
+                job_id=self._job_id,
+                rank=0,
+            ) from exc
+
+    def _wait_for_daemon(self, sock: Path, deadline: float, local_rank: int) -> None:
+        delay = 0.01
+        while not _serving(sock):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousTimeout(
+                    f"local_rank {local_rank} of job {self._job_id!r} waited for rank 0's "
+                    f"rendezvous socket at {sock}, which never came: check that local_rank 0 "
+                    "is running and was given the same path and job id",
+                    reason="WORLD_INCOMPLETE",
+                    metadata={"ranks": "0"},
+                    endpoint=f"unix:{sock}",
+                    method="Join",
+                    job_id=self._job_id,
+                    rank=local_rank,
+                )
+            time.sleep(min(delay, left))
+            delay = min(0.2, delay * 2)
+
+    def _joined(self) -> RendezvousClient:
+        if self._client is None:
+            raise InvalidRequest(
+                f"not joined to job {self._job_id!r}: call join() first", job_id=self._job_id
+            )
+        return self._client
+
+    def _through_rank0(self, call: Callable[[], T]) -> T:
+        """``call()``, with rank 0's daemon going away reported as losing rank 0.
+
+        It goes away only with rank 0, and a call that reaches it after its
+        shutdown began is cancelled (or refused) rather than told PEER_FAILED.
+        """
+        try:
+            return call()
+        except (DaemonUnavailable, ProtocolError) as exc:
+            if self._daemon is not None or exc.code not in ("UNAVAILABLE", "CANCELLED"):
+                raise
+            if self.failure is not None:  # the heartbeat already heard the cause
+                raise self.failure from exc
+            raise PeerFailed(
+                f"job {self._job_id!r} failed: lost rank 0 (its rendezvous daemon at "
+                f"{self._socket} shut down during {exc.method}: rank 0 exited or closed the "
+                "rendezvous); restart the job",
+                code="ABORTED",
+                reason="PEER_FAILED",
+                metadata={"ranks": "0"},
+                endpoint=exc.endpoint,
+                method=exc.method,
+                job_id=self._job_id,
+                rank=exc.rank,
+            ) from exc
+
+    def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
+        client = self._joined()
+        self._through_rank0(lambda: client.barrier(name, timeout=timeout))
+
+    def kv_set(self, key: str, value: bytes) -> None:
+        client = self._joined()
+        self._through_rank0(lambda: client.kv_set(key, value))
+
+    def kv_get(self, key: str, *, wait: bool = True, timeout: float | None = None) -> bytes:
+        client = self._joined()
+        return self._through_rank0(lambda: client.kv_get(key, wait=wait, timeout=timeout))
+
+    def start_heartbeat(
+        self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
+    ) -> None:
+        self._joined().start_heartbeat(interval, on_failure)
+
+    def raise_if_failed(self) -> None:
+        self._joined().raise_if_failed()
+
+    def leave(self) -> None:
+        """Leave; rank 0 then waits (bounded) for the others, whose daemon it hosts."""
+        client = self._client
+        if client is None:
+            return
+        client.leave()
+        if self._daemon is None:
+            return
+        deadline = time.monotonic() + self._leave_timeout
+        delay = 0.01
+        while True:
+            job = client.get_job()
+            if job.summary.state != pb.JOB_STATE_RUNNING:
+                return
+            if time.monotonic() + delay >= deadline:
+                log.warning(
+                    "job %r: stopping the rendezvous daemon at %s while %d member(s) have not "
+                    "left after %g s",
+                    self._job_id,
+                    self._socket,
+                    job.summary.members_present,
+                    self._leave_timeout,
+                )
+                return
+            time.sleep(delay)
+            delay = min(0.2, delay * 2)
+
+    def close(self) -> None:
+        """Close without leaving (a joined worker counts as lost); rank 0 stops its daemon."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        daemon, self._daemon = self._daemon, None
+        if daemon is not None:
+            daemon.stop()
+            if self._socket is not None:
+                self._socket.unlink(missing_ok=True)
+            daemon.token_file.unlink(missing_ok=True)
+        temp, self._temp = self._temp, None
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc_type is None and self.membership is not None and self.failure is None:
+                self.leave()
+        finally:
+            self.close()
+
+
+def _private_directory(path: Path, job_id: str) -> Path:
+    """``path``, created 0700 if missing; refused unless this user alone can use it."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+    except OSError as exc:
+        raise InvalidRequest(
+            f"cannot use {path} as the rendezvous directory: {exc.strerror}; give the file "
+            "transport a directory of your own",
+            job_id=job_id,
+        ) from exc
+    uid = os.getuid()
+    if info.st_uid != uid:
+        raise InvalidRequest(
+            f"rendezvous directory {path} belongs to uid {info.st_uid}, not to this user (uid "
+            f"{uid}); give the file transport a directory of your own",
+            job_id=job_id,
+        )
+    if info.st_mode & 0o077:
+        raise InvalidRequest(
+            f"rendezvous directory {path} is open to group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); run 'chmod 700 {path}' or give another directory",
+            job_id=job_id,
+        )
+    return path
+
+
+def _serving(sock: Path) -> bool:
+    """Whether a process accepts connections on ``sock`` (a stale file does not)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(sock))
+        except OSError:
+            return False
+    return True

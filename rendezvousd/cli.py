@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from rendezvousd import config as config_mod
 from rendezvousd.auth import load_tokens
-from rendezvousd.embedded import write_token_file
+from rendezvousd.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.errors import DaemonError
 from rendezvousd.server import Daemon
 
@@ -29,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     tokens = load_tokens(cfg.token_file)
     _raise_fd_limit()
-    return asyncio.run(_run(cfg, tokens))
+    return asyncio.run(_run(cfg, tokens, exit_with_parent=args.exit_with_parent))
 
 
 def _raise_fd_limit() -> None:
@@ -39,7 +40,9 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-async def _run(cfg: config_mod.DaemonConfig, tokens: list[str]) -> int:
+async def _run(
+    cfg: config_mod.DaemonConfig, tokens: list[str], *, exit_with_parent: bool = False
+) -> int:
     from rendezvousd.sdnotify import Notifier
 
     notifier = Notifier.from_env()
@@ -62,6 +65,8 @@ async def _run(cfg: config_mod.DaemonConfig, tokens: list[str]) -> int:
 
     daemon = Daemon(cfg, tokens, on_ready=ready, on_stopping=notifier.stopping)
     await daemon.start()
+    if exit_with_parent:
+        _watch_parent(loop, daemon, stop)
     watchdog = asyncio.create_task(notifier.watchdog_loop()) if notifier.watchdog_interval else None
     await stop.wait()
     logging.getLogger("rendezvousd").info("signal received: draining")
@@ -71,6 +76,32 @@ async def _run(cfg: config_mod.DaemonConfig, tokens: list[str]) -> int:
             await watchdog
     await daemon.stop()
     return 0
+
+
+def _watch_parent(loop: asyncio.AbstractEventLoop, daemon: Daemon, stop: asyncio.Event) -> None:
+    """Stop when stdin reaches end of file: the kernel closes the parent's end of
+    the pipe however the parent dies, SIGKILL included, and unlike
+    PR_SET_PDEATHSIG this does not fire when merely the spawning thread ends."""
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        if os.read(fd, 4096):
+            return
+        loop.remove_reader(fd)
+        daemon.parent_exited()
+        tasks.add(loop.create_task(stop_once_heard()))
+
+    async def stop_once_heard() -> None:
+        # A survivor stays active until its heartbeat stream hears PEER_FAILED and
+        # closes; a call it makes meanwhile must still find the daemon to be told
+        # why. The heartbeat timeout bounds the wait for members without a stream.
+        deadline = loop.time() + daemon.state.timing.heartbeat_timeout_s
+        while daemon.has_active_members() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+
+    tasks: set[asyncio.Task[None]] = set()
+    loop.add_reader(fd, readable)
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -89,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
     config_mod.add_arguments(serve)
+    serve.add_argument(
+        EXIT_WITH_PARENT,
+        action="store_true",
+        help="exit when stdin closes (a pipe from the process that started the daemon, "
+        "rank 0 of its jobs, which is then lost)",
+    )
     serve.set_defaults(func=_serve)
 
     token = sub.add_parser("token", help="write a new random token file (mode 0600)")

@@ -1,5 +1,6 @@
-"""A daemon process on loopback with a fresh token: for ``rendezvous-run
---standalone``, the demo and the benchmarks (tests have their own fixture)."""
+"""A daemon process with a fresh token: on loopback for ``rendezvous-run
+--standalone``, the demo and the benchmarks; on a private UNIX socket for the
+file transport (tests have their own fixture)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rendezvousd.config import ENV_PREFIX, FIELDS
 from rendezvousd.errors import DaemonError
 
 SERVING = "rendezvousd: serving on "
 METRICS = "rendezvousd: metrics on "
+EXIT_WITH_PARENT = "--exit-with-parent"
 
 
 def write_token_file(path: Path, *, replace: bool = False) -> str:
@@ -36,30 +39,63 @@ class EmbeddedDaemon:
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
-            self.proc.terminate()
-        return self.proc.wait(timeout)
+            if self.proc.stdin is not None:
+                # A daemon started with EXIT_WITH_PARENT reads this as its parent
+                # leaving: members still joined from here are lost, then it drains.
+                self.proc.stdin.close()
+            else:
+                self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
 
 def spawn(
-    workdir: Path, *flags: str, stderr: int | None = None, metrics: bool = False
+    workdir: Path,
+    *flags: str,
+    stderr: int | None = None,
+    metrics: bool = False,
+    listen: str = "127.0.0.1:0",
+    token_file: Path | None = None,
+    exit_with_parent: bool = False,
 ) -> EmbeddedDaemon:
-    """Start ``rendezvousd serve`` on 127.0.0.1:0 with a new token in ``workdir``."""
-    token_file = workdir / "token"
-    write_token_file(token_file)
+    """Start ``rendezvousd serve`` on ``listen`` with a new token in ``workdir``.
+
+    ``exit_with_parent``: the daemon's stdin is a pipe from this process, and it
+    exits when that pipe closes, which the kernel does even on SIGKILL. Its
+    settings then come from the flags alone: inherited ``RENDEZVOUSD_*`` variables
+    (a state directory, say) could otherwise put a job's id on disk.
+    """
+    token_file = token_file or workdir / "token"
+    write_token_file(token_file, replace=exit_with_parent)
     cmd = [
         sys.executable,
         "-m",
         "rendezvousd.cli",
         "serve",
         "--listen",
-        "127.0.0.1:0",
+        listen,
         "--token-file",
         str(token_file),
         *flags,
     ]
     if metrics:
         cmd += ["--metrics-listen", "127.0.0.1:0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    env = None
+    if exit_with_parent:
+        cmd.append(EXIT_WITH_PARENT)
+        settings = {ENV_PREFIX + name.upper() for name in FIELDS}
+        env = {k: v for k, v in os.environ.items() if k not in settings}
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE if exit_with_parent else None,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith(SERVING):

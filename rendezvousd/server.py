@@ -27,6 +27,7 @@ from rendezvousd.auth import TokenAuthInterceptor
 from rendezvousd.config import DaemonConfig
 from rendezvousd.errors import DaemonError
 from rendezvousd.metrics import Metrics
+from rendezvousd.model import MemberState
 from rendezvousd.persistence import Persister, StateStore
 from rendezvousd.servicer import SERVICE, RendezvousServicer
 from rendezvousd.state import RendezvousState
@@ -290,6 +291,27 @@ class Daemon:
                 await self.persister.durable()
             except OSError as exc:
                 log.error("cannot write state to %s: %s", self.config.state_dir, exc)
+
+    def parent_exited(self) -> None:
+        """The process that started this daemon (rank 0 of its jobs) is gone.
+
+        Its connections closed together with our stdin, in no set order. Closing
+        rank 0's stream here, before the drain, gives survivors the same
+        PEER_FAILED whichever the daemon noticed first, not DAEMON_DRAINING.
+        """
+        now = time.monotonic()
+        for job in list(self.state.jobs.values()):
+            member = job.members.get(0)
+            if member is not None:
+                self.state.detach_stream(job.job_id, job.generation, 0, member.stream_token, now)
+        self._servicer.apply()
+
+    def has_active_members(self) -> bool:
+        return any(
+            m.state is MemberState.ACTIVE
+            for job in self.state.jobs.values()
+            for m in job.members.values()
+        )
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful: NOT_SERVING first, release waiters, then drain."""

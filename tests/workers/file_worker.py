@@ -1,8 +1,10 @@
-"""One worker process for tests/test_file_transport.py.
+"""One worker process for tests/client/test_file_transport.py.
 
-Usage: ``python file_worker.py '<json config>'``; rank 0 may read its id as hex
-on stdin (a pipe, never a file), and any worker may wait there for a "go" line. Reports one JSON object per line on stdout,
-with the id only as a SHA-256 so the logs can be scanned for leaks.
+Usage: ``python file_worker.py '<json config>'``. The test drives it through
+stdin: rank 0 may read its id there as hex (a pipe, never a file), and a worker
+waits there for a "go" line wherever the test needs to order the ranks. Reports
+one JSON object per line on stdout, with the id only as a SHA-256 so that files
+can be scanned for leaks, and times from the system-wide monotonic clock.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import time
 from typing import Any
 
 from rendezvousd.client.errors import RendezvousError
-from rendezvousd.client.file_transport import FileRendezvous
+from rendezvousd.client.transport import FileRendezvous, connect
 
 
 def emit(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+    print(json.dumps({**fields, "t": time.monotonic()}), flush=True)
+
+
+def wait_for_test() -> None:
+    sys.stdin.readline()
 
 
 def error_fields(exc: RendezvousError) -> dict[str, Any]:
@@ -32,14 +38,16 @@ def main() -> None:
     logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
     rank, mode = int(cfg["local_rank"]), str(cfg["mode"])
     unique_id = bytes.fromhex(sys.stdin.readline().strip()) if cfg.get("id_on_stdin") else None
-    with FileRendezvous(cfg["path"], cfg.get("job_id", "")) as rv:
+    rv = connect("file", path=cfg["path"], job_id=cfg["job_id"])
+    assert isinstance(rv, FileRendezvous)
+    with rv:
         try:
             m = rv.join(
-                num_nodes=int(cfg.get("num_nodes", 1)),
+                num_nodes=1,
                 gpus_per_node=int(cfg["gpus_per_node"]),
                 local_rank=rank,
                 unique_id=unique_id,
-                timeout=float(cfg.get("timeout", 20.0)),
+                timeout=float(cfg.get("timeout", 30.0)),
             )
         except RendezvousError as exc:
             emit(event="join_error", **error_fields(exc))
@@ -52,36 +60,38 @@ def main() -> None:
             id_sha256=hashlib.sha256(m.unique_id).hexdigest(),
             id_len=len(m.unique_id),
             members=[[p.rank, p.node_rank, p.local_rank, p.host] for p in m.members],
+            daemon_pid=rv.daemon.proc.pid if rv.daemon else None,
         )
-        if cfg.get("wait_for_go"):
-            sys.stdin.readline()  # the test says when the world may move on
         if mode == "roundtrip":
             roundtrip(rv, m.rank, m.world_size)
-        elif mode == "join":
-            rv.barrier("joined", timeout=20.0)
         elif mode == "hold":
             hold(rv)
         elif mode == "victim":
-            time.sleep(60.0)  # until the test kills us
+            if cfg.get("heartbeat"):
+                rv.start_heartbeat(0.2)
+            wait_for_test()  # killed while blocked here
         emit(event="done")
 
 
 def roundtrip(rv: FileRendezvous, rank: int, world: int) -> None:
-    # Rank 0 arrives late, so the others' barrier must really wait for it.
+    # Rank 0 enters the barrier, and sets "late", only once the test has seen
+    # every other rank start waiting for it.
     if rank == 0:
-        time.sleep(0.5)
-    started = time.monotonic()
-    rv.barrier("slow", timeout=20.0)
-    emit(event="barrier", waited=time.monotonic() - started)
+        wait_for_test()
+    emit(event="barrier_enter")
+    rv.barrier("slow", timeout=30.0)
+    emit(event="barrier_pass")
     rv.kv_set(f"from/{rank}", f"value-{rank}".encode())
-    # Set only after a pause, so every other rank is already waiting for it.
     if rank == 0:
-        time.sleep(0.3)
+        wait_for_test()
+        emit(event="kv_set_late")
         rv.kv_set("late", b"\x00\xffpayload")
-    values = {str(r): rv.kv_get(f"from/{r}", timeout=20.0).decode() for r in range(world)}
-    late = rv.kv_get("late", wait=True, timeout=20.0)
+    else:
+        emit(event="kv_ask_late")
+    late = rv.kv_get("late", wait=True, timeout=30.0)
+    values = {str(r): rv.kv_get(f"from/{r}", timeout=30.0).decode() for r in range(world)}
     emit(event="kv", values=values, late=late.hex())
-    rv.barrier("end", timeout=20.0)
+    rv.barrier("end", timeout=30.0)
 
 
 def hold(rv: FileRendezvous) -> None:
@@ -92,7 +102,8 @@ def hold(rv: FileRendezvous) -> None:
         seen.append(exc)
         called.set()
 
-    rv.start_heartbeat(0.1, on_failure)
+    rv.start_heartbeat(0.2, on_failure)
+    emit(event="holding")
     started = time.monotonic()
     try:
         rv.barrier("after", timeout=30.0)  # the victim never arrives
@@ -103,6 +114,7 @@ def hold(rv: FileRendezvous) -> None:
         emit(event="callback", **error_fields(seen[0]))
     else:
         emit(event="no_callback")
+    wait_for_test()  # rank 0 must not take its daemon away while others still ask it
 
 
 if __name__ == "__main__":
