@@ -20,7 +20,7 @@ import dataclasses
 import math
 import re
 import tomllib
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -220,11 +220,6 @@ class Option:
     flag: str | None
     implies: Mapping[str, Any]
 
-    @property
-    def dest(self) -> str:
-        """Name in an argparse Namespace or a CLI override mapping."""
-        return (self.flag or "--" + self.key.replace(".", "-"))[2:].replace("-", "_")
-
 
 @dataclass(frozen=True)
 class Value:
@@ -233,6 +228,13 @@ class Value:
 
 
 Layer = dict[str, Value]
+#: option key -> extra flag names (e.g. torchrun's ``--nnodes`` for ``num_nodes``).
+Aliases = Mapping[str, Sequence[str]]
+
+
+def _dest(flags: Sequence[str]) -> str:
+    """Name in an argparse Namespace or a CLI override mapping: from the first flag."""
+    return flags[0][2:].replace("-", "_")
 
 
 def validate(instance: Any, error: type[Exception], prefix: str = "") -> None:
@@ -307,8 +309,10 @@ class Schema(Generic[T]):
     def _coerce(self, option: Option, raw: object, origin: str) -> Value:
         try:
             return Value(option.kind.parse(raw), origin)
-        except ValueError as exc:
-            raise self.error(f"{origin}={raw!r} is invalid: {option.key} {_reason(exc)}") from None
+        except Invalid as exc:
+            raise self.error(f"{origin}={raw!r} is invalid: {option.key} {exc}") from None
+        except ValueError as exc:  # e.g. AddressError, whose message names the value itself
+            raise self.error(f"{origin}={raw!r} is invalid: {exc}") from None
 
     def from_toml(self, path: Path, allow_sections: Collection[str] = ()) -> Layer:
         try:
@@ -355,12 +359,15 @@ class Schema(Generic[T]):
                 layer[option.key] = self._coerce(option, env[option.env], f"${option.env}")
         return self._imply(layer)
 
-    def from_cli(self, values: argparse.Namespace | Mapping[str, object]) -> Layer:
+    def from_cli(
+        self, values: argparse.Namespace | Mapping[str, object], aliases: Aliases | None = None
+    ) -> Layer:
         """Flags that were given (None = not given). A Namespace may carry other flags;
-        a mapping is meant for us, so an unknown key is an error."""
+        a mapping is meant for us, so an unknown key is an error. ``aliases``: as
+        given to :meth:`add_arguments`."""
         strict = not isinstance(values, argparse.Namespace)
         items = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
-        by_dest = {o.dest: o for o in self.options.values() if o.flag is not None}
+        by_dest = {_dest(self._flags(o, aliases)): o for o in self.options.values() if o.flag}
         layer: Layer = {}
         for dest, raw in items.items():
             option = by_dest.get(dest)
@@ -371,8 +378,14 @@ class Schema(Generic[T]):
                     )
                 continue
             if raw is not None:
-                layer[option.key] = self._coerce(option, raw, option.flag or dest)
+                layer[option.key] = self._coerce(option, raw, self._flags(option, aliases)[0])
         return self._imply(layer)
+
+    @staticmethod
+    def _flags(option: Option, aliases: Aliases | None) -> list[str]:
+        """An option's flags; aliases come first, so the first alias names the dest."""
+        assert option.flag is not None
+        return [*(aliases or {}).get(option.key, ()), option.flag]
 
     def from_instance(self, instance: T) -> Layer:
         layer: Layer = {}
@@ -433,7 +446,7 @@ class Schema(Generic[T]):
         self,
         parser: argparse.ArgumentParser | argparse._ArgumentGroup,
         *,
-        aliases: Mapping[str, Iterable[str]] | None = None,
+        aliases: Aliases | None = None,
         exclude: Collection[str] = (),
     ) -> None:
         """One flag per option; unset flags stay None so TOML and env can apply.
@@ -445,12 +458,12 @@ class Schema(Generic[T]):
         for option in self.options.values():
             if option.flag is None or option.key in exclude:
                 continue
-            names = [option.flag, *(aliases or {}).get(option.key, ())]
+            names = self._flags(option, aliases)
             env = f" (env {option.env})" if option.env else ""
             if isinstance(option.kind, Bool):
                 parser.add_argument(
                     *names,
-                    dest=option.dest,
+                    dest=_dest(names),
                     action=argparse.BooleanOptionalAction,
                     default=None,
                     help=option.help + env,
@@ -458,10 +471,10 @@ class Schema(Generic[T]):
                 continue
             parser.add_argument(
                 *names,
-                dest=option.dest,
+                dest=_dest(names),
                 type=self._arg_type(option),
                 default=None,
-                metavar=option.dest.upper(),
+                metavar=option.key.rsplit(".", 1)[-1].upper(),
                 help=option.help + env,
             )
 
