@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,3 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; unset flags stay None so env and TOML can apply."""
     parser.add_argument("--config", type=Path, help="TOML file with any of the settings below")
     SCHEMA.add_arguments(parser)
+
+
+if __name__ == "__main__":
+    # The settings table in docs/operations.md (a test compares the two).
+    sys.stdout.write(SCHEMA.markdown_table())

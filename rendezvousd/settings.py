@@ -499,3 +499,21 @@ class Schema(Generic[T]):
             if option.env is not None and text is not None:
                 env[option.env] = text
         return env
+
+    def markdown_table(self) -> str:
+        """Every option's TOML key, env var, flag and default, for the docs."""
+        rows = ["| TOML key | env var | flag | default | meaning |", "|---|---|---|---|---|"]
+        for option in self.options.values():
+            default = option.kind.render(option.default) if option.default is not None else None
+            flag = option.flag or ""
+            if flag and isinstance(option.kind, Bool):
+                flag = "--[no-]" + flag[2:]
+            cells = [
+                f"`{option.key}`",
+                f"`{option.env}`" if option.env else "",
+                f"`{flag}`" if flag else "",
+                f"`{default}`" if default is not None else "unset",
+                option.help,
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
+        return "\n".join(rows) + "\n"

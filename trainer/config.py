@@ -383,19 +383,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_table() -> str:
-    """Markdown table of every setting: TOML key, env var, flag, default (docs/trainer.md)."""
-    rows = ["| TOML key | env var | flag | default | meaning |", "|---|---|---|---|---|"]
-    for option in SCHEMA.options.values():
-        default = option.kind.render(option.default) if option.default is not None else None
-        cells = [
-            f"`{option.key}`",
-            f"`{option.env}`" if option.env else "",
-            f"`{option.flag}`" if option.flag else "",
-            f"`{default}`" if default is not None else "unset",
-            option.help,
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    """Markdown table of every setting (docs/trainer.md holds it; a test compares)."""
+    return SCHEMA.markdown_table()
 
 
 if __name__ == "__main__":
