@@ -21,8 +21,8 @@ from rendezvousd.server import Daemon
 
 
 def _serve(args: argparse.Namespace) -> int:
-    overrides = {name: getattr(args, name) for name in config_mod.FIELDS}
-    cfg = config_mod.load(args.config, overrides=overrides)
+    # The Namespace also holds non-setting flags (command, func, config); they are skipped.
+    cfg = config_mod.load(args.config, overrides=vars(args))
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -10,23 +10,37 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import os
-import tomllib
+import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rendezvousd.address import AddressError, is_loopback, parse_address
 from rendezvousd.errors import ConfigError
 from rendezvousd.limits import Limits, Timing
+from rendezvousd.settings import (
+    AddressText,
+    Bool,
+    Choice,
+    Float,
+    Int,
+    Kind,
+    OptionalPath,
+    Schema,
+    setting,
+    validate,
+)
 
 ENV_PREFIX = "RENDEZVOUSD_"
 DEFAULT_PORT = 29420
+_POSITIVE = Float()
+_COUNT = Int(minimum=1)
 
 
-def _opt(help: str, default: Any) -> Any:
-    return field(default=default, metadata={"help": help})
+def _opt(help: str, default: Any, kind: Kind) -> Any:
+    return setting(default, help, kind)
 
 
 @dataclass(frozen=True)
@@ -36,44 +50,70 @@ class DaemonConfig:
     listen: str = _opt(
         "HOST:PORT or unix:PATH to serve on; port 0 picks a free port",
         default=f"127.0.0.1:{DEFAULT_PORT}",
+        kind=AddressText("listen", allow_port_zero=True, allow_unix=True),
     )
-    token_file: Path | None = _opt("file with the bearer token(s), mode 0600", default=None)
-    tls_cert: Path | None = _opt("PEM server certificate (enables TLS)", default=None)
-    tls_key: Path | None = _opt("PEM private key for --tls-cert", default=None)
+    token_file: Path | None = _opt(
+        "file with the bearer token(s), mode 0600", default=None, kind=OptionalPath()
+    )
+    tls_cert: Path | None = _opt(
+        "PEM server certificate (enables TLS)", default=None, kind=OptionalPath()
+    )
+    tls_key: Path | None = _opt("PEM private key for --tls-cert", default=None, kind=OptionalPath())
     tls_client_ca: Path | None = _opt(
-        "PEM CA bundle; clients must present a certificate it signed (mTLS)", default=None
+        "PEM CA bundle; clients must present a certificate it signed (mTLS)",
+        default=None,
+        kind=OptionalPath(),
     )
-    insecure_plaintext: bool = _opt("allow plaintext on a non-loopback address", default=False)
-    reflection: bool = _opt("serve gRPC reflection (behind the token)", default=True)
+    insecure_plaintext: bool = _opt(
+        "allow plaintext on a non-loopback address", default=False, kind=Bool()
+    )
+    reflection: bool = _opt("serve gRPC reflection (behind the token)", default=True, kind=Bool())
     metrics_listen: str | None = _opt(
-        "HOST:PORT for the Prometheus /metrics endpoint", default=None
+        "HOST:PORT for the Prometheus /metrics endpoint",
+        default=None,
+        kind=AddressText("metrics_listen", optional=True, allow_port_zero=True),
     )
-    state_dir: Path | None = _opt("directory where job state survives restarts", default=None)
+    state_dir: Path | None = _opt(
+        "directory where job state survives restarts", default=None, kind=OptionalPath()
+    )
     heartbeat_timeout_s: float = _opt(
-        "silence after which a member is lost", default=Timing.heartbeat_timeout_s
+        "silence after which a member is lost", default=Timing.heartbeat_timeout_s, kind=_POSITIVE
     )
     default_wait_s: float = _opt(
-        "wait for Join/Barrier/KvGet when the call names none", default=Timing.default_wait_s
+        "wait for Join/Barrier/KvGet when the call names none",
+        default=Timing.default_wait_s,
+        kind=_POSITIVE,
     )
-    job_ttl_s: float = _opt("how long ended or failed jobs stay visible", default=Timing.job_ttl_s)
-    drain_grace_s: float = _opt("how long SIGTERM waits for calls to finish", default=10.0)
-    max_jobs: int = _opt("jobs held at once", default=Limits.max_jobs)
-    max_members_per_job: int = _opt("largest world size", default=Limits.max_members_per_job)
+    job_ttl_s: float = _opt(
+        "how long ended or failed jobs stay visible", default=Timing.job_ttl_s, kind=_POSITIVE
+    )
+    drain_grace_s: float = _opt(
+        "how long SIGTERM waits for calls to finish", default=10.0, kind=Float(positive=False)
+    )
+    max_jobs: int = _opt("jobs held at once", default=Limits.max_jobs, kind=_COUNT)
+    max_members_per_job: int = _opt(
+        "largest world size", default=Limits.max_members_per_job, kind=_COUNT
+    )
     max_concurrent_rpcs: int = _opt(
-        "calls in flight, streams included", default=Limits.max_concurrent_rpcs
+        "calls in flight, streams included", default=Limits.max_concurrent_rpcs, kind=_COUNT
     )
-    max_waiters: int = _opt("parked Join/Barrier/KvGet calls", default=Limits.max_waiters)
-    max_keys_per_job: int = _opt("key-value keys per job", default=Limits.max_keys_per_job)
-    max_value_bytes: int = _opt("largest key-value value", default=Limits.max_value_bytes)
-    log_level: str = _opt("DEBUG, INFO, WARNING or ERROR", default="INFO")
+    max_waiters: int = _opt(
+        "parked Join/Barrier/KvGet calls", default=Limits.max_waiters, kind=_COUNT
+    )
+    max_keys_per_job: int = _opt(
+        "key-value keys per job", default=Limits.max_keys_per_job, kind=_COUNT
+    )
+    max_value_bytes: int = _opt(
+        "largest key-value value", default=Limits.max_value_bytes, kind=_COUNT
+    )
+    log_level: str = _opt(
+        "DEBUG, INFO, WARNING or ERROR",
+        default="INFO",
+        kind=Choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
+    )
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("float", "int") and value <= 0 and f.name != "drain_grace_s":
-                raise ConfigError(f"{f.name}={value!r} must be positive")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
+        validate(self, ConfigError)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -107,53 +147,15 @@ class DaemonConfig:
 
 def split_listen(listen: str) -> tuple[str | None, int]:
     """(host, port) of a listen address; host None for unix sockets."""
-    if listen.startswith("unix:"):
-        return None, 0
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ConfigError(f"listen address {listen!r} must be HOST:PORT, [IPv6]:PORT or unix:PATH")
-    if not 0 <= int(port) <= 65535:
-        raise ConfigError(f"listen port {port} is out of range 0..65535")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        address = parse_address(listen, what="listen", allow_port_zero=True, allow_unix=True)
+    except AddressError as exc:
+        raise ConfigError(str(exc)) from None
+    return address.host, address.port
 
 
+SCHEMA = Schema(DaemonConfig, ConfigError, env_prefix=ENV_PREFIX)
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
-
-
-def _coerce(name: str, raw: Any, origin: str) -> Any:
-    kind = FIELDS[name].type
-    try:
-        if kind == "bool":
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if kind == "int":
-            if isinstance(raw, bool):
-                raise ValueError(raw)
-            return int(raw)
-        if kind == "float":
-            if isinstance(raw, bool):
-                raise ValueError(raw)
-            return float(raw)
-        if kind == "Path | None":
-            return Path(raw) if raw not in (None, "") else None
-        return None if raw is None else str(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{origin}: {raw!r} is not a valid {kind} for {name}") from None
 
 
 def load(
@@ -161,42 +163,21 @@ def load(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> DaemonConfig:
-    values: dict[str, Any] = {}
-    if config_file is not None:
-        try:
-            data = tomllib.loads(config_file.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
-        for key, raw in data.items():
-            if key not in FIELDS:
-                raise ConfigError(f"config file {config_file}: unknown setting {key!r}")
-            values[key] = _coerce(key, raw, f"config file {config_file}")
-    environ = os.environ if env is None else env
-    for name in FIELDS:
-        var = ENV_PREFIX + name.upper()
-        if var in environ:
-            values[name] = _coerce(name, environ[var], f"${var}")
-    for name, raw in (overrides or {}).items():
-        if raw is not None:
-            values[name] = _coerce(name, raw, f"--{name.replace('_', '-')}")
-    return DaemonConfig(**values)
+    """Defaults < TOML file < ``RENDEZVOUSD_*`` env < ``overrides`` (flags; None = unset)."""
+    layers = [
+        SCHEMA.from_toml(config_file) if config_file is not None else {},
+        SCHEMA.from_env(os.environ if env is None else env),
+        SCHEMA.from_cli(argparse.Namespace(**(overrides or {}))),
+    ]
+    return SCHEMA.build(layers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; unset flags stay None so env and TOML can apply."""
     parser.add_argument("--config", type=Path, help="TOML file with any of the settings below")
-    for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        env = ENV_PREFIX + name.upper()
-        if f.type == "bool":
-            parser.add_argument(
-                flag,
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"{f.metadata['help']} (env {env})",
-            )
-        else:
-            parser.add_argument(
-                flag, dest=name, default=None, help=f"{f.metadata['help']} (env {env})"
-            )
+    SCHEMA.add_arguments(parser)
+
+
+if __name__ == "__main__":
+    # The settings table in docs/operations.md (a test compares the two).
+    sys.stdout.write(SCHEMA.markdown_table())

@@ -4,8 +4,11 @@
     ...train with ctx.communicator...
     ctx.close()
 
-The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and
-the RENDEZVOUSD_* variables; everything else comes from the TOML config.
+Everything is read through ``load_config``: the TOML file named by
+``RENDEZVOUSD_CONFIG`` (or the argument), then the ``RENDEZVOUSD_*`` variables the
+launcher sets (``RENDEZVOUSD_LOCAL_RANK``, ``RENDEZVOUSD_NODE_RANK``, ...). The
+torchrun-style RANK/LOCAL_RANK/... the launcher also sets are for user scripts
+only; the rank and node rank a worker uses are the ones the daemon returns at join.
 """
 
 from __future__ import annotations
@@ -20,15 +23,11 @@ from types import TracebackType
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.trainer.communicator import Communicator
-from rendezvousd.trainer.config import DistributedConfig, load_config
-from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
 from rendezvousd.trainer.retry import with_retry
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
 log = logging.getLogger("rendezvousd.trainer")
-JOB_ENV = "RENDEZVOUSD_JOB_ID"
-CONFIG_ENV = "RENDEZVOUSD_CONFIG"
-BACKEND_ENV = "RENDEZVOUSD_BACKEND"
 
 
 @dataclass
@@ -73,53 +72,44 @@ class DistributedContext:
         self.close(clean=exc_type is None)
 
 
-def _int_env(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"${name}={raw!r} is not an integer") from None
-
-
 def init_distributed(
     config_path: str | None = None, *, env: Mapping[str, str] | None = None
 ) -> DistributedContext:
     environ = os.environ if env is None else env
-    path = config_path or environ.get(CONFIG_ENV) or None
-    cli = {"backend": environ[BACKEND_ENV]} if environ.get(BACKEND_ENV) else None
-    config = load_config(path, env=environ, cli=cli)
-    local_rank = _int_env(environ, "LOCAL_RANK") or 0
-    node_rank = _int_env(environ, "NODE_RANK")
+    config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
-    job_id = environ.get(JOB_ENV, "default")
     rdzv = connect(
         transport.kind,
         path=transport.path,
         endpoint=transport.endpoint,
-        job_id=job_id,
+        job_id=config.job_id,
         token_file=transport.token_file,
         retry_attempts=config.retry_attempts,
     )
+    # None (node_rank 'auto'): the daemon assigns the node; the local rank is still ours.
+    placement = config.topology()
+    local_rank = placement.local_rank if placement is not None else (config.local_rank or 0)
     id_factory = None
     if config.backend == "nccl":
         from rendezvousd.trainer import nccl
 
-        check_device_count(nccl.device_count(), config)
+        # The per-node count, not the raw world_size field (unset when the launcher
+        # gives only gpus_per_node on a single node).
+        layout = MultiNodeTopology(config.num_nodes, config.local_world_size, 0, 0)
+        check_device_count(nccl.device_count(), layout)
         id_factory = nccl.create_unique_id
     started = time.monotonic()
     membership = rdzv.join(
         num_nodes=config.num_nodes,
-        gpus_per_node=config.gpus_per_node or config.effective_world_size,
-        node_rank=node_rank if node_rank is not None else config.node_rank,
+        gpus_per_node=config.local_world_size,
+        node_rank=placement.node_rank if placement is not None else None,
         local_rank=local_rank,
         id_factory=id_factory,
         timeout=config.join_timeout_s,
     )
     rendezvous_s = time.monotonic() - started
     topology = MultiNodeTopology.from_global_rank(
-        membership.rank, config.num_nodes, config.gpus_per_node or config.effective_world_size
+        membership.rank, config.num_nodes, config.local_world_size
     )
     communicator = with_retry(
         f"{config.backend} communicator setup for rank {membership.rank}",
@@ -129,7 +119,7 @@ def init_distributed(
             membership.rank,
             membership.world_size,
             membership.unique_id,
-            local_rank,
+            topology.local_rank,
             topology.node_rank,
         ),
         attempts=config.retry_attempts,
@@ -163,13 +153,12 @@ def _communicator(
         )
     from rendezvousd.trainer.cpu_ring import connect_cpu_ring
 
-    host = os.environ.get("RENDEZVOUSD_RING_HOST", "127.0.0.1")
     return connect_cpu_ring(
         rdzv,
         rank=rank,
         world_size=world_size,
         secret=secret,
-        host=host,
+        host=config.ring_host,
         timeout=config.collective_timeout_s,
         node_rank=node_rank,
         shared_memory=config.cpu_shared_memory,

@@ -4,44 +4,54 @@
         --rdzv-endpoint head:29420 --token-file /etc/rendezvousd/token train.py --lr 0.1
     rendezvous-run --standalone --nproc-per-node 4 -m mypkg.train
 
-Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and the
-RENDEZVOUSD_* variables the SDK and ``init_distributed`` read. If one worker
-fails, the others on this node are stopped, and the exit status is non-zero with
-a message naming the rank. ``--standalone`` runs an embedded daemon with a fresh
-token for single-machine jobs.
+Settings come from ``--config`` (the trainer TOML), the ``RENDEZVOUSD_*`` env vars
+and the flags below, exactly as in the workers (``load_config``). ``--node-rank
+auto`` lets the daemon assign node ranks at join; global ranks are then unknown
+until the workers have joined. Each worker gets the resolved settings as
+``RENDEZVOUSD_*`` variables plus ``RENDEZVOUSD_LOCAL_RANK``, and, for user
+scripts, torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE and (when the node
+rank is known) RANK and NODE_RANK. If one worker fails, the others on this node
+are stopped, and the exit status is non-zero with a message naming the rank.
+``--standalone`` runs an embedded daemon with a fresh token for single-machine jobs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rendezvousd.embedded import EmbeddedDaemon, spawn
 from rendezvousd.trainer.config import (
-    ENV_ENDPOINT,
-    ENV_GPUS_PER_NODE,
-    ENV_NODE_RANK,
-    ENV_NUM_NODES,
-    ENV_RETRIES,
+    CONFIG_ENV,
+    ENV_LOCAL_RANK,
+    SCHEMA,
+    DistributedConfig,
+    RendezvousTransport,
+    config_env,
+    load_layers,
 )
-from rendezvousd.trainer.distributed import BACKEND_ENV, CONFIG_ENV, JOB_ENV
+from rendezvousd.trainer.errors import ConfigError
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 STOP_GRACE_S = 10.0
-
-
-def _env_int(env: dict[str, str] | os._Environ[str], name: str, default: int | None) -> int | None:
-    raw = env.get(name, "")
-    if raw.strip().isdigit():
-        return int(raw)
-    return default
+# torchrun's spellings, kept as aliases of the config's own flags.
+ALIASES = {
+    "num_nodes": ["--nnodes"],
+    "gpus_per_node": ["--nproc-per-node"],
+    "rendezvous.endpoint": ["--rdzv-endpoint"],
+    "retry_attempts": ["--retries"],
+}
+# Per-worker settings: the launcher assigns them, never inherits them.
+PER_WORKER = ("rank", "local_rank")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,39 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    env = os.environ
     p.add_argument(
-        "--nnodes",
-        type=int,
-        default=_env_int(env, ENV_NUM_NODES, 1),
-        help=f"number of nodes (env {ENV_NUM_NODES}, default 1)",
+        "--config", default=None, help=f"trainer TOML config, also passed to workers ({CONFIG_ENV})"
     )
-    p.add_argument(
-        "--node-rank",
-        type=int,
-        default=_env_int(env, ENV_NODE_RANK, None),
-        help=f"this node's rank, 0..nnodes-1 (env {ENV_NODE_RANK})",
-    )
-    p.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=_env_int(env, ENV_GPUS_PER_NODE, 1),
-        help=f"workers (GPUs) on this node (env {ENV_GPUS_PER_NODE}, default 1)",
-    )
-    p.add_argument(
-        "--rdzv-endpoint", default=None, help="rendezvousd HOST:PORT (env RENDEZVOUSD_ENDPOINT)"
-    )
-    p.add_argument(
-        "--token-file", default=None, help="daemon token file (env RENDEZVOUSD_TOKEN_FILE)"
-    )
-    p.add_argument(
-        "--job-id", default=None, help="job id shared by every node (default: 'default')"
-    )
-    p.add_argument("--backend", choices=("cpu", "nccl"), default=None)
-    p.add_argument("--config", default=None, help="trainer TOML config passed to workers")
-    p.add_argument(
-        "--retries", type=int, default=None, help="retry attempts (env RENDEZVOUSD_RETRIES)"
-    )
+    SCHEMA.add_arguments(p.add_argument_group("distributed"), aliases=ALIASES, exclude=PER_WORKER)
     p.add_argument(
         "--standalone", action="store_true", help="run an embedded daemon (single machine)"
     )
@@ -97,53 +78,71 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _note(message: str) -> None:
+    print(f"rendezvous-run: {message}", file=sys.stderr, flush=True)
+
+
+def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConfig:
+    """The node's config, as its workers will load it; ConfigError if unusable."""
+    shared_env = {k: v for k, v in env.items() if k not in _per_worker_env()}
+    layers = load_layers(args.config, env=shared_env)
+    layers.update(SCHEMA.from_cli(args, ALIASES))
+    config = SCHEMA.build([layers])
+    if config.is_multi_node and "node_rank" not in layers:
+        # The default 0 would put every node on node 0.
+        raise ConfigError(
+            f"num_nodes={config.num_nodes} needs this node's rank: pass --node-rank "
+            "(0..num_nodes-1, or 'auto' to let the daemon assign it), or set "
+            "RENDEZVOUSD_NODE_RANK or node_rank in the config file"
+        )
+    if args.standalone and config.is_multi_node:
+        raise ConfigError("--standalone runs a single-machine job: use --nnodes 1")
+    if not args.standalone and config.rendezvous.kind != "daemon":
+        raise ConfigError(
+            "no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, "
+            "or use --standalone"
+        )
+    return config
+
+
+def _per_worker_env() -> set[str]:
+    return {o.env for k, o in SCHEMA.options.items() if k in PER_WORKER and o.env is not None}
+
+
 def worker_env(
-    args: argparse.Namespace,
-    local_rank: int,
-    endpoint: str | None,
-    token_file: str | None,
-    base: dict[str, str],
+    config: DistributedConfig, local_rank: int, config_path: str | None, base: Mapping[str, str]
 ) -> dict[str, str]:
-    node_rank = args.node_rank or 0
-    env = dict(base)
+    """Env for one worker: the resolved settings, its local rank, and torchrun's names."""
+    worker = dataclasses.replace(config, local_rank=local_rank)
+    env = {k: v for k, v in base.items() if k not in _per_worker_env() and k not in TORCHRUN_ENV}
+    env.update(config_env(worker))
+    env[ENV_LOCAL_RANK] = str(local_rank)
+    if config.rendezvous.token_file is not None:
+        env[TOKEN_FILE_ENV] = config.rendezvous.token_file
+    if config_path is not None:
+        env[CONFIG_ENV] = config_path
     env.update(
-        {
-            "RANK": str(node_rank * args.nproc_per_node + local_rank),
-            "WORLD_SIZE": str(args.nnodes * args.nproc_per_node),
-            "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
-            "NODE_RANK": str(node_rank),
-            ENV_NUM_NODES: str(args.nnodes),
-            ENV_GPUS_PER_NODE: str(args.nproc_per_node),
-            ENV_NODE_RANK: str(node_rank),
-            JOB_ENV: args.job_id or base.get(JOB_ENV, "default"),
-        }
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(config.local_world_size),
+        WORLD_SIZE=str(config.effective_world_size),
     )
-    if endpoint:
-        env[ENV_ENDPOINT] = endpoint
-    if token_file:
-        env[TOKEN_FILE_ENV] = token_file
-    if args.backend:
-        env[BACKEND_ENV] = args.backend
-    if args.config:
-        env[CONFIG_ENV] = args.config
-    if args.retries is not None:
-        env[ENV_RETRIES] = str(args.retries)
+    if (topo := worker.topology()) is not None:
+        env.update(RANK=str(topo.rank), NODE_RANK=str(topo.node_rank))
     return env
 
 
-def supervise(procs: Sequence[subprocess.Popen[bytes]], ranks: Sequence[int]) -> int:
+def supervise(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str]) -> int:
     """Wait for every worker; on the first failure stop the rest and name the rank."""
     while True:
         running = False
-        for proc, rank in zip(procs, ranks, strict=True):
+        for proc, name in zip(procs, names, strict=True):
             code = proc.poll()
             if code is None:
                 running = True
             elif code != 0:
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 print(
-                    f"rendezvous-run: worker rank {rank} (pid {proc.pid}) failed with {how}; "
+                    f"rendezvous-run: worker {name} (pid {proc.pid}) failed with {how}; "
                     "stopping the other workers on this node",
                     file=sys.stderr,
                     flush=True,
@@ -168,38 +167,39 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
+def _names(config: DistributedConfig) -> list[str]:
+    """How failures name each worker: global rank when known, else local rank."""
+    names = []
+    for i in range(config.local_world_size):
+        topo = dataclasses.replace(config, local_rank=i).topology()
+        names.append(f"rank {topo.rank}" if topo is not None else f"local rank {i}")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.nnodes < 1 or args.nproc_per_node < 1:
-        return _fail(
-            f"--nnodes={args.nnodes} and --nproc-per-node={args.nproc_per_node} must be >= 1"
-        )
-    if args.nnodes > 1 and args.node_rank is None:
-        return _fail("--node-rank is required when --nnodes > 1")
-    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
-        return _fail(f"--node-rank={args.node_rank} is out of range for --nnodes={args.nnodes}")
-    if args.standalone and args.nnodes != 1:
-        return _fail("--standalone runs a single-machine job: use --nnodes 1")
     base = dict(os.environ)
-    endpoint = args.rdzv_endpoint or base.get(ENV_ENDPOINT)
-    token_file = args.token_file or base.get(TOKEN_FILE_ENV)
+    try:
+        config = resolve(args, base)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    if config.is_multi_node and config.node_rank is None:
+        _note(
+            "node rank 'auto': the daemon assigns this node's rank at join, so global "
+            "ranks are not known here; workers get no RANK/NODE_RANK variables "
+            "(use ctx.rank after init_distributed) and failures name local ranks"
+        )
     daemon: EmbeddedDaemon | None = None
     with tempfile.TemporaryDirectory(prefix="rendezvous-run-") as tmp:
         if args.standalone:
             daemon = spawn(Path(tmp), "--log-level", "WARNING")
-            endpoint, token_file = daemon.endpoint, str(daemon.token_file)
-        elif not endpoint:
-            return _fail(
-                "no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, or use --standalone"
-            )
+            transport = RendezvousTransport.daemon(daemon.endpoint, str(daemon.token_file))
+            config = dataclasses.replace(config, rendezvous=transport)
         cmd = [sys.executable, "-m", args.target] if args.module else [sys.executable, args.target]
         cmd += [a for a in args.args if a != "--"]
-        ranks = [
-            (args.node_rank or 0) * args.nproc_per_node + i for i in range(args.nproc_per_node)
-        ]
         procs = [
-            subprocess.Popen(cmd, env=worker_env(args, i, endpoint, token_file, base))
-            for i in range(args.nproc_per_node)
+            subprocess.Popen(cmd, env=worker_env(config, i, args.config, base))
+            for i in range(config.local_world_size)
         ]
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in previous:
             signal.signal(s, forward)
         try:
-            return supervise(procs, ranks)
+            return supervise(procs, _names(config))
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from rendezvousd.trainer.config import (
+    SCHEMA,
     DistributedConfig,
     RendezvousTransport,
     add_cli_arguments,
+    config_env,
     load_config,
+    settings_table,
     with_cli_overrides,
     with_env_overrides,
 )
@@ -155,9 +159,10 @@ def test_node_rank_auto_needs_the_assigned_rank_for_topology(tmp_path: Path) -> 
     )
     config = load_config(path, env={})
     assert config.node_rank is None
-    with pytest.raises(ConfigError, match="daemon assigned"):
-        config.topology(local_rank=0)
-    assert config.topology(node_rank=1, local_rank=1).rank == 3
+    # Nothing to say before the daemon has assigned the node rank at join...
+    assert config.topology() is None
+    # ...after which the same arithmetic places the worker.
+    assert dataclasses.replace(config, node_rank=1, local_rank=1).topology().rank == 3
 
 
 def test_multi_node_topology_from_configured_global_rank() -> None:
@@ -199,9 +204,10 @@ def test_env_endpoint_switches_to_daemon_and_keeps_token_file(tmp_path: Path) ->
             "RENDEZVOUSD_GPUS_PER_NODE": "4",
             "RENDEZVOUSD_NODE_RANK": "1",
             "RENDEZVOUSD_ENDPOINT": "head:29400",
+            "RENDEZVOUSD_LOCAL_RANK": "3",
         },
     )
-    assert config.topology(local_rank=3).rank == 7
+    assert config.topology().rank == 7
 
 
 @pytest.mark.parametrize(
@@ -312,3 +318,84 @@ def test_cpu_shared_memory_from_toml_and_cli(tmp_path: Path) -> None:
     assert with_cli_overrides(DistributedConfig(), args).cpu_shared_memory is False
     with pytest.raises(ConfigError, match="cpu_shared_memory='yes' must be true or false"):
         DistributedConfig(cpu_shared_memory="yes")  # type: ignore[arg-type]
+
+
+# ---- one field-driven path: launcher hand-over, local rank, origins, single-node world
+
+
+def test_config_env_reproduces_the_config_in_a_child(tmp_path: Path) -> None:
+    config = load_config(
+        write(tmp_path, MULTI.replace("[distributed]", '[distributed]\nnode_rank = "auto"')),
+        env={},
+        cli={"bucket_cap_mib": 0.5, "cpu_shared_memory": False, "job_id": "j1"},
+    )
+    env = config_env(config)
+    assert env["RENDEZVOUSD_NODE_RANK"] == "auto" and env["RENDEZVOUSD_BUCKET_CAP_MIB"] == "0.5"
+    assert "RENDEZVOUSD_TOKEN_FILE" not in env  # the client SDK's own variable
+    child = load_config(None, env=env)
+    assert child == dataclasses.replace(
+        config, rendezvous=RendezvousTransport.daemon("10.0.0.1:29400")
+    )
+
+
+def test_local_rank_places_the_worker_and_must_agree_with_a_fixed_rank() -> None:
+    config = load_config(
+        None, env={"RENDEZVOUSD_GPUS_PER_NODE": "3", "RENDEZVOUSD_LOCAL_RANK": "2"}
+    )
+    topo = config.topology()
+    assert topo is not None and (topo.world_size, topo.rank) == (3, 2)
+    with pytest.raises(ConfigError, match="local_rank=3 is out of range for gpus_per_node=3"):
+        dataclasses.replace(config, local_rank=3)
+    with pytest.raises(ConfigError, match="not the configured local_rank=2"):
+        dataclasses.replace(config, rank=1)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={"RENDEZVOUSD_LOCAL_RANK": "x"})
+    assert "RENDEZVOUSD_LOCAL_RANK='x'" in str(info.value)
+
+
+def test_single_node_world_is_world_size_else_gpus_per_node_and_they_must_agree() -> None:
+    assert DistributedConfig(gpus_per_node=3).effective_world_size == 3
+    assert DistributedConfig(world_size=2).effective_world_size == 2
+    with pytest.raises(ConfigError, match="world_size=2 contradicts gpus_per_node=3"):
+        DistributedConfig(world_size=2, gpus_per_node=3)
+
+
+def test_cross_field_errors_name_where_each_value_came_from(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, MULTI), env={"RENDEZVOUSD_NODE_RANK": "5"})
+    message = str(info.value)
+    assert "node_rank from $RENDEZVOUSD_NODE_RANK" in message
+    assert f"num_nodes from distributed.num_nodes in {tmp_path / 'config.toml'}" in message
+
+
+def test_bad_toml_and_flag_values_quote_value_and_origin(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"distributed\.num_nodes in .*='two'"):
+        load_config(write(tmp_path, '[distributed]\nnum_nodes = "two"\n'), env={})
+    with pytest.raises(
+        ConfigError, match=r"--node-rank='first' is invalid: node_rank must be a node rank"
+    ):
+        load_config(None, env={}, cli={"node_rank": "first"})
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--node-rank", "-3"])
+    assert parser.parse_args(["--node-rank", "auto"]).node_rank == "auto"
+    assert parser.parse_args(["--node-rank", "1"]).node_rank == 1
+
+
+def test_every_setting_has_a_toml_key_and_the_documented_env_names_exist() -> None:
+    envs = {o.env for o in SCHEMA.options.values()}
+    for name in (
+        "RENDEZVOUSD_NUM_NODES",
+        "RENDEZVOUSD_NODE_RANK",
+        "RENDEZVOUSD_GPUS_PER_NODE",
+        "RENDEZVOUSD_ENDPOINT",
+        "RENDEZVOUSD_RETRIES",
+        "RENDEZVOUSD_BACKEND",
+        "RENDEZVOUSD_JOB_ID",
+        "RENDEZVOUSD_LOCAL_RANK",
+        "RENDEZVOUSD_RING_HOST",
+    ):
+        assert name in envs
+    table = settings_table()
+    assert all(f"`{key}`" in table for key in SCHEMA.options)

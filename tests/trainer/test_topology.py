@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,7 +128,8 @@ def test_multi_node_config_requires_gpus_per_node_devices_not_world_size() -> No
     assert config.effective_world_size == 4
     # Each node holds 2 of the 4 workers, so 2 local devices suffice...
     assert check_device_count(2, config) == 2
-    assert check_device_count(2, config.topology(node_rank=1, local_rank=1)) == 2
+    placed = dataclasses.replace(config, node_rank=1, local_rank=1).topology()
+    assert placed is not None and check_device_count(2, placed) == 2
     # ...and fewer than that is an error that says what is needed and found.
     with pytest.raises(DeviceCountError, match=r"need 2 local devices.*found 1"):
         check_device_count(1, config)

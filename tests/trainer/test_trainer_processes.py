@@ -4,11 +4,13 @@ writer, retry policy, loud failures) plus worker and daemon deaths."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,7 @@ from rendezvousd.trainer.errors import CommunicatorTimeout, RetriesExhausted
 from rendezvousd.trainer.retry import with_retry
 from tests.support import ROOT, WORKERS, DaemonProcess, free_port, spawn_daemon, write_token
 
+LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
 
 
@@ -63,8 +66,7 @@ def test_transient_timeout_gets_exactly_one_retry_then_fails_loudly() -> None:
 def _worker_env(d: DaemonProcess, job: str, local: int, gpus: int) -> dict[str, str]:
     return {
         **os.environ,
-        "LOCAL_RANK": str(local),
-        "NODE_RANK": "0",
+        "RENDEZVOUSD_LOCAL_RANK": str(local),
         "RENDEZVOUSD_ENDPOINT": d.endpoint,
         "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
         "RENDEZVOUSD_JOB_ID": job,
@@ -96,7 +98,9 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
             assert ready["event"] == "ready"
             # One node on one host: the all-reduces run through shared memory.
             assert ready["transport"] == ("shared-memory" if futex.available() else "tcp-ring")
-        time.sleep(0.5)  # all three are inside all-reduce loops
+        for p in procs:  # every rank has finished an all-reduce: all are inside the loop
+            assert p.stdout is not None
+            assert json.loads(p.stdout.readline())["event"] == "reducing"
         killed_at = time.time()
         procs[1].send_signal(signal.SIGKILL)
         for p in (procs[0], procs[2]):
@@ -217,24 +221,28 @@ def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path:
         )
         for n in range(2)
     ]
+    logs: list[list[str]] = [[] for _ in nodes]
+    pumps = [
+        threading.Thread(target=lambda n=n, log=log: log.extend(n.stderr), daemon=True)
+        for n, log in zip(nodes, logs, strict=True)
+    ]
+    for t in pumps:
+        t.start()
     d2 = None
     try:
-        from rendezvousd.client import RendezvousClient
-
-        with RendezvousClient(d.endpoint, token=token) as probe:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                jobs = {j.job_id: j.state for j in probe.list_jobs()}
-                if jobs.get("restart-acceptance") == 2:  # RUNNING
-                    break
-                time.sleep(0.1)
-        time.sleep(0.5)
-        d.kill()  # SIGKILL mid-run
-        time.sleep(1.0)
+        # Rank 0 (on node 0) logs step 1 once the ring is up and the first step is
+        # all-reduced: from then on the daemon dies mid-training.
+        deadline = time.monotonic() + 60
+        while not any("step 1/80" in line for line in list(logs[0])):
+            assert time.monotonic() < deadline, logs
+            assert all(n.poll() is None for n in nodes), logs
+            time.sleep(0.05)  # poll interval of the condition above
+        d.kill()  # SIGKILL mid-run; returns once the process is gone
         d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
         codes = [n.wait(timeout=120) for n in nodes]
-        errs = [n.stderr.read() if n.stderr else "" for n in nodes]
-        assert codes == [0, 0], errs
+        for t in pumps:
+            t.join(10)
+        assert codes == [0, 0], logs
         per_rank = [json.loads(p.read_text()) for p in sorted(results.glob("rank-*.json"))]
         assert len(per_rank) == 4 and all(r["steps"] == 80 for r in per_rank)
         assert per_rank[0]["max_abs_grad_diff_vs_single_process"] <= 1e-5
@@ -246,3 +254,86 @@ def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path:
         d.kill()
         if d2 is not None:
             d2.kill()
+
+
+def test_launcher_refuses_a_bad_node_rank_from_env_instead_of_dropping_it(tmp_path: Path) -> None:
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(9)\n")
+    run = subprocess.run(
+        [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            str(script),
+        ],
+        env={**os.environ, "RENDEZVOUSD_NODE_RANK": "x"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "$RENDEZVOUSD_NODE_RANK='x'" in run.stderr and "'auto'" in run.stderr
+
+
+def test_launcher_with_node_rank_auto_takes_ranks_from_the_daemon(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    from rendezvousd.client import RendezvousClient
+    from rendezvousd.client.errors import RendezvousError
+
+    d = start_daemon()
+
+    def node(rank: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--nproc-per-node",
+                "1",
+                "--rdzv-endpoint",
+                d.endpoint,
+                "--token-file",
+                str(d.token_file),
+                "--job-id",
+                job_id,
+                str(WORKERS / "trainer_worker.py"),
+                str(tmp_path / "stop"),
+                "--ready-only",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    # Auto assignment is per host, and both "nodes" share this one: node 0 joins
+    # explicitly first, so the auto node must be given the free node rank 1.
+    nodes = [node("0")]
+    try:
+        with RendezvousClient(d.endpoint, token=d.token) as probe:
+            deadline = time.monotonic() + 30
+            while True:
+                assert time.monotonic() < deadline and nodes[0].poll() is None
+                with contextlib.suppress(RendezvousError):
+                    if len(probe.get_job(job_id).members) == 1:
+                        break
+                time.sleep(0.05)  # poll interval of the condition above
+        nodes.append(node("auto"))
+        outs = [n.communicate(timeout=60) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    fixed, auto = (json.loads(out.splitlines()[0]) for out, _ in outs)
+    assert (fixed["rank"], fixed["node_rank"], fixed["env_rank"]) == (0, 0, "0")
+    # The daemon's membership decides: not the config's default node rank 0.
+    assert (auto["rank"], auto["node_rank"]) == (1, 1)
+    assert auto["env_rank"] is None  # not known when the launcher started the worker
+    assert "global ranks are not known" in outs[1][1]

@@ -1,9 +1,12 @@
 """A real training worker for tests: init_distributed, then all-reduce in a loop
-until told to stop (a file appears) or a collective fails. Prints one JSON line."""
+until told to stop (a file appears) or a collective fails. Prints JSON lines:
+"ready" (rank, node rank, transport), "reducing" after the first all-reduce, then
+"done" or "error". ``--ready-only`` (second argument) leaves after "ready"."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,12 +22,27 @@ def main() -> int:
     stop = Path(sys.argv[1])
     ctx = init_distributed()
     transport = getattr(ctx.communicator, "transport", None)
-    print(json.dumps({"event": "ready", "rank": ctx.rank, "transport": transport}), flush=True)
+    ready = {
+        "event": "ready",
+        "rank": ctx.rank,
+        "node_rank": ctx.topology.node_rank,
+        "transport": transport,
+        "env_rank": os.environ.get("RANK"),
+    }
+    print(json.dumps(ready), flush=True)
+    if len(sys.argv) > 2 and sys.argv[2] == "--ready-only":
+        ctx.close()
+        return 0
     buf = np.ones(1 << 20, dtype=np.float32)
     try:
+        reduced = 0
         while not stop.exists():
             ctx.communicator.all_reduce(buf)
             buf[:] = 1.0
+            reduced += 1
+            if reduced == 1:
+                # Tests wait for this line instead of sleeping: the loop is running.
+                print(json.dumps({"event": "reducing"}), flush=True)
         ctx.close()
         print(json.dumps({"event": "done"}), flush=True)
         return 0

@@ -1,0 +1,90 @@
+"""The one ``host:port`` parser: daemon listen addresses, trainer endpoints, ring peers.
+
+Accepted: ``host:port``, ``[v6addr]:port`` and, where the caller allows it,
+``unix:PATH``. An unbracketed IPv6 address (``::1:5``) is refused because the
+port cannot be told apart from the last group. Errors are ``AddressError``, a
+``ValueError``: each caller maps it to its own package's error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+UNIX_PREFIX = "unix:"
+
+
+class AddressError(ValueError):
+    """A malformed address; the message quotes it and shows the expected form."""
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """``host``/``port`` for TCP (``host`` without IPv6 brackets); ``unix_path`` otherwise."""
+
+    host: str | None
+    port: int
+    unix_path: str | None = None
+
+    @property
+    def is_unix(self) -> bool:
+        return self.unix_path is not None
+
+
+def parse_address(
+    text: str,
+    *,
+    what: str = "address",
+    allow_port_zero: bool = False,
+    allow_unix: bool = False,
+) -> Address:
+    """Parse ``text``; ``what`` names it in errors (e.g. ``"endpoint"``)."""
+    if not isinstance(text, str):
+        raise AddressError(f"{what}={text!r} must be a string 'host:port'")
+    forms = "'host:port' or '[v6addr]:port'" + (" or 'unix:PATH'" if allow_unix else "")
+    if allow_unix and text.startswith(UNIX_PREFIX):
+        path = text[len(UNIX_PREFIX) :]
+        if not path:
+            raise AddressError(f"{what}={text!r} names no socket path: expected 'unix:PATH'")
+        return Address(None, 0, path)
+    if "://" in text or any(c.isspace() for c in text):
+        raise AddressError(
+            f"{what}={text!r} is malformed: expected {forms} with no scheme or spaces"
+        )
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise AddressError(
+                f"{what}={text!r} has {host!r} in brackets: not an IPv6 address"
+            ) from None
+    elif ":" in host:
+        raise AddressError(f"{what}={text!r} is malformed: wrap IPv6 hosts as '[addr]:port'")
+    if not sep or not host:
+        raise AddressError(
+            f"{what}={text!r} is malformed: expected {forms}, e.g. '127.0.0.1:29420'"
+        )
+    low = 0 if allow_port_zero else 1
+    if not port_text.isdigit() or not low <= int(port_text) <= 65535:
+        raise AddressError(f"{what}={text!r} has port {port_text!r}: expected {low}..65535")
+    return Address(host, int(port_text))
+
+
+def parse_host_port(
+    text: str, *, what: str = "address", allow_port_zero: bool = False
+) -> tuple[str, int]:
+    """``(host, port)`` of a TCP address; the form trainer endpoints and ring peers use."""
+    address = parse_address(text, what=what, allow_port_zero=allow_port_zero)
+    assert address.host is not None  # unix: is not allowed here
+    return address.host, address.port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,56 @@
+"""The one host:port parser (rendezvousd.address) and how both config loaders report it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rendezvousd import config as daemon_config
+from rendezvousd.address import Address, AddressError, parse_address, parse_host_port
+from rendezvousd.errors import ConfigError as DaemonConfigError
+from rendezvousd.trainer.config import load_config
+from rendezvousd.trainer.errors import ConfigError as TrainerConfigError
+
+
+def test_host_port_and_bracketed_ipv6() -> None:
+    assert parse_host_port("head:29420") == ("head", 29420)
+    assert parse_host_port("[::1]:5") == ("::1", 5)
+    assert parse_address("unix:/run/r.sock", allow_unix=True) == Address(None, 0, "/run/r.sock")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("", "malformed"),
+        ("localhost", "malformed"),
+        (":29400", "malformed"),
+        ("::1:5", r"wrap IPv6"),
+        ("[head]:5", "not an IPv6 address"),
+        ("http://h:1", "no scheme"),
+        ("h :1", "no scheme or spaces"),
+        ("h:0", r"port '0': expected 1\.\.65535"),
+        ("h:65536", r"port '65536'"),
+        ("h:x", r"port 'x'"),
+        ("unix:/x", "port '/x'"),  # unix: only where the caller allows it
+    ],
+)
+def test_malformed_addresses_are_quoted(text: str, reason: str) -> None:
+    with pytest.raises(AddressError, match=reason) as info:
+        parse_host_port(text, what="endpoint")
+    assert f"endpoint={text!r}" in str(info.value)
+
+
+def test_port_zero_and_empty_unix_path_only_where_allowed() -> None:
+    assert parse_host_port("h:0", allow_port_zero=True) == ("h", 0)
+    with pytest.raises(AddressError, match="no socket path"):
+        parse_address("unix:", allow_unix=True)
+
+
+def test_each_config_loader_raises_its_own_error_with_the_origin() -> None:
+    with pytest.raises(DaemonConfigError, match=r"\$RENDEZVOUSD_LISTEN='::1:5' is invalid"):
+        daemon_config.load(None, env={"RENDEZVOUSD_LISTEN": "::1:5"})
+    with pytest.raises(DaemonConfigError, match=r"--metrics-listen='h:70000' is invalid"):
+        daemon_config.load(None, env={}, overrides={"metrics_listen": "h:70000"})
+    with pytest.raises(TrainerConfigError, match=r"\$RENDEZVOUSD_ENDPOINT='h:0' is invalid"):
+        load_config(None, env={"RENDEZVOUSD_ENDPOINT": "h:0"})
+    assert daemon_config.split_listen("unix:/tmp/s") == (None, 0)
+    assert daemon_config.split_listen("[::1]:0") == ("::1", 0)

@@ -1,0 +1,57 @@
+"""The settings tables in docs/ are the fields' own, and every env var or launcher flag
+the docs name exists (the field-driven config is the single source)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rendezvousd import auth
+from rendezvousd import config as daemon_config
+from rendezvousd.client import _session
+from rendezvousd.trainer import config as trainer_config
+from rendezvousd.trainer.launcher import build_parser
+from tests.support import ROOT
+
+DOCS = ROOT / "docs"
+
+
+def _block(text: str, name: str) -> str:
+    match = re.search(rf"<!-- settings:{name} -->\n(.*?)<!-- /settings:{name} -->", text, re.S)
+    assert match, f"docs lack the <!-- settings:{name} --> block"
+    return match.group(1)
+
+
+@pytest.mark.parametrize(
+    ("doc", "name", "table"),
+    [
+        ("trainer.md", "trainer", trainer_config.settings_table),
+        ("operations.md", "daemon", daemon_config.SCHEMA.markdown_table),
+    ],
+)
+def test_docs_settings_table_is_generated_from_the_fields(
+    doc: str, name: str, table: object
+) -> None:
+    assert callable(table)
+    assert _block((DOCS / doc).read_text(), name) == table(), (
+        f"regenerate with: python -m {'rendezvousd.config' if name == 'daemon' else 'rendezvousd.trainer.config'}"
+    )
+
+
+def test_every_documented_env_var_is_read_somewhere() -> None:
+    known = {o.env for o in daemon_config.SCHEMA.options.values()}
+    known |= {o.env for o in trainer_config.SCHEMA.options.values()}
+    known |= {auth.TOKEN_ENV, _session.TOKEN_ENV, _session.TOKEN_FILE_ENV}
+    known |= {trainer_config.CONFIG_ENV}
+    for doc in ("trainer.md", "operations.md"):
+        named = set(re.findall(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b", (DOCS / doc).read_text()))
+        assert named - known == set(), doc
+
+
+def test_every_documented_launcher_flag_exists() -> None:
+    text = (DOCS / "trainer.md").read_text()
+    section = text[text.index("## Launcher") : text.index("## Communicators")]
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", section))
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    assert flags and flags - known == set()
