@@ -150,7 +150,7 @@ class RendezvousTransport:
     def describe(self) -> str:
         """A log-safe summary: the token file is mentioned, its contents never read."""
         if self.kind == "file":
-            return f"file({self.path if self.path is not None else '<launcher temp dir>'})"
+            return f"file({self.path if self.path is not None else '<private temp dir, world of one>'})"
         auth = "token_file" if self.token_file is not None else "none"
         return f"daemon({self.endpoint}, auth={auth})"
 

@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from rendezvousd.address import AddressError, parse_host_port
+
 from . import ring_wire as wire
 from . import shm_group
 from .communicator import ReduceOp
@@ -490,11 +492,12 @@ def connect_cpu_ring(
 
 def _parse_address(value: bytes, rank: int) -> tuple[str, int]:
     text = value.decode("ascii", "replace")
-    host, _, port = text.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise PeerConnectionError(f"rank {rank} published a malformed ring address {text!r}")
-    return host, int(port)
+    try:
+        return parse_host_port(text, what=f"rank {rank}'s ring address")
+    except AddressError as exc:
+        raise PeerConnectionError(
+            f"rank {rank} published a malformed ring address: {exc}"
+        ) from None
 
 
 def _validate(

@@ -485,7 +485,8 @@ def test_killed_worker_is_reported_as_peer_failed(
         assert f"lost rank {victim} " in error["message"]
         assert error["after"] < 15.0
         callback = result["callback"]
-        assert callback["kind"] == "PeerFailed" and callback["ranks"] == str(victim)
+        assert callback["kind"] == "PeerFailed"
+        assert str(victim) in callback["ranks"].split(","), callback
     if victim == 0:
         wait_until(lambda: process_gone(daemon_pid), "the daemon of the killed rank 0 to exit")
 

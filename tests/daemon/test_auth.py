@@ -301,7 +301,7 @@ def serve_in_process(
     past its checks, it returns 99 instead of serving."""
     from rendezvousd import cli
 
-    async def would_serve(*args: object) -> int:
+    async def would_serve(*args: object, **kwargs: object) -> int:
         return 99
 
     monkeypatch.setattr(cli, "_run", would_serve)

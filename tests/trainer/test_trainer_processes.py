@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer import demo, futex
+from rendezvousd.trainer import demo, shm_group
 from rendezvousd.trainer.errors import CommunicatorTimeout, RetriesExhausted
 from rendezvousd.trainer.retry import with_retry
 from tests.support import ROOT, WORKERS, DaemonProcess, free_port, spawn_daemon, write_token
@@ -97,7 +97,8 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
             ready = json.loads(p.stdout.readline())
             assert ready["event"] == "ready"
             # One node on one host: the all-reduces run through shared memory.
-            assert ready["transport"] == ("shared-memory" if futex.available() else "tcp-ring")
+            expected = "shared-memory" if shm_group.unsupported_reason() is None else "tcp-ring"
+            assert ready["transport"] == expected
         for p in procs:  # every rank has finished an all-reduce: all are inside the loop
             assert p.stdout is not None
             assert json.loads(p.stdout.readline())["event"] == "reducing"
@@ -337,3 +338,20 @@ def test_launcher_with_node_rank_auto_takes_ranks_from_the_daemon(
     assert (auto["rank"], auto["node_rank"]) == (1, 1)
     assert auto["env_rank"] is None  # not known when the launcher started the worker
     assert "global ranks are not known" in outs[1][1]
+
+
+def test_example_without_a_launcher_runs_as_a_world_of_one(tmp_path: Path) -> None:
+    # No launcher, no config, no RENDEZVOUSD_* variables: the default file transport
+    # with no path gives a private world of one (rank 0 starts and stops its own daemon).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.trainer.example", "--steps", "3", "--log-every", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 3/3" in run.stderr + run.stdout
+    assert "world_size=1" in run.stderr + run.stdout
