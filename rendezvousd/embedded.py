@@ -52,6 +52,21 @@ class EmbeddedDaemon:
             return self.proc.wait()
 
 
+def serve_command(listen: str, token_file: Path, *flags: str) -> list[str]:
+    """The command line of ``rendezvousd serve`` in this interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "rendezvousd.cli",
+        "serve",
+        "--listen",
+        listen,
+        "--token-file",
+        str(token_file),
+        *flags,
+    ]
+
+
 def spawn(
     workdir: Path,
     *flags: str,
@@ -70,17 +85,7 @@ def spawn(
     """
     token_file = token_file or workdir / "token"
     write_token_file(token_file, replace=exit_with_parent)
-    cmd = [
-        sys.executable,
-        "-m",
-        "rendezvousd.cli",
-        "serve",
-        "--listen",
-        listen,
-        "--token-file",
-        str(token_file),
-        *flags,
-    ]
+    cmd = serve_command(listen, token_file, *flags)
     if metrics:
         cmd += ["--metrics-listen", "127.0.0.1:0"]
     env = None

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from rendezvousd.client import AsyncRendezvousClient
+from rendezvousd.embedded import serve_command
 from rendezvousd.model import JobView
 from rendezvousd.server import Daemon
 
@@ -77,18 +78,7 @@ def spawn_daemon(
     token_file = tmp / f"token-{secrets.token_hex(4)}"
     token = write_token(token_file, token)
     log_path = tmp / f"daemon-{secrets.token_hex(4)}.log"
-    cmd = [
-        *prefix,
-        sys.executable,
-        "-m",
-        "rendezvousd.cli",
-        "serve",
-        "--listen",
-        listen,
-        "--token-file",
-        str(token_file),
-        *args,
-    ]
+    cmd = [*prefix, *serve_command(listen, token_file, *args)]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})}

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,7 +37,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
 from rendezvousd.trainer.store import JobStore
-from tests.support import WORKERS
+from tests.support import WORKERS, parallel, wait_for
 
 WORKER = WORKERS / "file_worker.py"
 WORLD = 4
@@ -96,13 +96,6 @@ def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
         proc.wait()
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # polling an observable condition, not ordering anything
-
-
 def process_gone(pid: int) -> bool:
     # An orphaned daemon may stay a zombie when PID 1 does not reap: that is gone too.
     try:
@@ -130,23 +123,6 @@ def assert_id_not_in_files(root: Path, unique_id: bytes) -> list[Path]:
         for form in id_forms(unique_id):
             assert form not in data, f"{path} holds the unique id"
     return files
-
-
-def in_threads(*fns: Callable[[], Any], limit: float = 30.0) -> list[Any]:
-    results: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(limit)
-    return results
 
 
 # -- four workers, one job -------------------------------------------------------
@@ -250,7 +226,7 @@ def test_id_never_written_to_any_file(roundtrip: dict[str, Any]) -> None:
 
 def test_rank0_close_stops_its_daemon_and_cleans_up(roundtrip: dict[str, Any]) -> None:
     pid = roundtrip["joined"][0]["daemon_pid"]
-    wait_until(lambda: process_gone(pid), "the embedded daemon to exit")
+    wait_for("the embedded daemon to exit", lambda: process_gone(pid), 20)
     assert list(roundtrip["dir"].iterdir()) == []
 
 
@@ -298,19 +274,22 @@ def test_no_path_with_a_larger_world_names_the_fix() -> None:
 def test_a_second_local_rank0_joins_the_live_daemon_and_is_refused(tmp_path: Path) -> None:
     zero, one = FileRendezvous(tmp_path, "dup"), FileRendezvous(tmp_path, "dup")
     try:
-        in_threads(
-            lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30),
-            lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30),
+        parallel(
+            [
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30),
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30),
+            ],
+            30.0,
         )
         assert zero.membership is not None and one.membership is not None
         intruder = FileRendezvous(tmp_path, "dup")
         with pytest.raises(DuplicateRank):
             intruder.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=10)
         assert intruder.daemon is None
-        in_threads(lambda: zero.barrier("ok", timeout=10), lambda: one.barrier("ok", timeout=10))
+        parallel([lambda: zero.barrier("ok", timeout=10), lambda: one.barrier("ok", timeout=10)])
         assert zero.failure is None and one.failure is None
     finally:
-        in_threads(one.leave, zero.leave)
+        parallel([one.leave, zero.leave], 30.0)
         one.close()
         zero.close()
     assert list(tmp_path.iterdir()) == []
@@ -409,7 +388,7 @@ def test_a_process_of_another_user_cannot_use_it(tmp_path: Path) -> None:
 
         thread = threading.Thread(target=hold)
         thread.start()
-        wait_until(lambda: (directory / "guard.sock").exists(), "rank 0's socket")
+        wait_for("rank 0's socket", lambda: (directory / "guard.sock").exists(), 20)
         result = subprocess.run(
             [sys.executable, "-c", _INTRUDER, str(directory), "guard", str(OTHER_UID)],
             capture_output=True,
@@ -488,7 +467,7 @@ def test_killed_worker_is_reported_as_peer_failed(
         assert callback["kind"] == "PeerFailed"
         assert str(victim) in callback["ranks"].split(","), callback
     if victim == 0:
-        wait_until(lambda: process_gone(daemon_pid), "the daemon of the killed rank 0 to exit")
+        wait_for("the daemon of the killed rank 0 to exit", lambda: process_gone(daemon_pid), 20)
 
 
 def test_rank0_keeps_serving_until_every_rank_left(tmp_path: Path) -> None:
@@ -502,7 +481,7 @@ def test_rank0_keeps_serving_until_every_rank_left(tmp_path: Path) -> None:
             f"unix:{one.socket_path}", "slow", token_file=tmp_path / "slow.token"
         )
         try:
-            wait_until(lambda: client.get_job().summary.members_present == 1, "rank 0 to leave")
+            wait_for("rank 0 to leave", lambda: client.get_job().summary.members_present == 1, 20)
         finally:
             client.close()
         seen["value"] = one.kv_get("from0", timeout=10)
@@ -517,7 +496,7 @@ def test_rank0_keeps_serving_until_every_rank_left(tmp_path: Path) -> None:
         zero_left.set()
         zero.close()
 
-    assert in_threads(rank_one, rank_zero) == [None, None]
+    assert parallel([rank_one, rank_zero], 30.0) == [None, None]
     assert seen == {"value": b"hello", "zero_returned_early": False}
     assert one.failure is None
     assert list(tmp_path.iterdir()) == []
