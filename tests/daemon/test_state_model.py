@@ -1,7 +1,7 @@
 """Hypothesis drives the pure state machine through random joins (some with a wrong
 topology), id publishes, barriers, heartbeat loss, leaves, aborts and restarts,
-checking invariants after every step: one id per generation, ranks unique and dense, no waiter left behind
-once a job ends, stale generations always rejected."""
+checking invariants after every step: one id per generation, ranks unique and
+dense, no waiter left behind once a job ends, stale generations always rejected."""
 
 from __future__ import annotations
 
