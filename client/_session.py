@@ -3,9 +3,11 @@ building and the heartbeat-stream decisions. No I/O here."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.connection import RetryPolicy
 from rendezvousd.client.errors import (
     DaemonUnavailable,
+    DaemonUnreachable,
     InvalidRequest,
     JobAborted,
     PeerFailed,
@@ -25,10 +28,17 @@ from rendezvousd.client.errors import (
 )
 from rendezvousd.client.membership import Membership, from_join_response
 
+log = logging.getLogger("rendezvousd.client")
+
 UNIQUE_ID_BYTES = 128
 # Extra deadline beyond a waiting call's own timeout, so the daemon's answer
 # (which names the missing ranks) arrives before the transport gives up.
 SLACK_S = 5.0
+# The daemon's default --heartbeat-timeout-s: the unreachable window when the daemon
+# does not advertise its own (an older daemon) and the caller set none.
+DEFAULT_WINDOW_S = 10.0
+# Leave after the job's work is done is a courtesy: never worth more than this.
+LEAVE_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -46,6 +56,12 @@ class Session:
     barrier_counts: dict[str, int] = field(default_factory=dict)
     failure: RendezvousError | None = None
     on_failure: Callable[[RendezvousError], None] | None = None
+    # From the JoinResponse; 0 when the daemon is too old to acknowledge heartbeats.
+    daemon_heartbeat_timeout: float = 0.0
+    # Set by leave(): the job's work is done, so losing the daemon now is no failure.
+    leaving: bool = False
+    # The heartbeat thread and the watchdog may both report; on_failure runs once.
+    _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -81,6 +97,7 @@ class Session:
         """Start a join: a fresh instance id, cleared state, and the first request."""
         self.new_instance()
         self.joined, self.failure, self.barrier_counts = None, None, {}
+        self.leaving = False
         plan = JoinPlan(self, unique_id, id_factory, timeout, time.monotonic())
         known_rank_zero = node_rank == 0 and local_rank == 0
         plan.request = pb.JoinRequest(
@@ -134,10 +151,41 @@ class Session:
         return None
 
     def fail(self, error: RendezvousError) -> None:
-        if self.failure is None:
+        with self._fail_lock:
+            if self.failure is not None or self.leaving:
+                return
             self.failure = error
-            if self.on_failure is not None:
-                self.on_failure(error)
+        if self.on_failure is not None:
+            self.on_failure(error)
+
+    def leave_request(self) -> pb.LeaveRequest | None:
+        """The Leave to send, or None when not joined; from here on the job's
+        work is over and a lost daemon is not reported as a failure."""
+        m = self.joined
+        if m is None:
+            return None
+        self.leaving = True
+        return pb.LeaveRequest(
+            job_id=m.job_id, generation=m.generation, rank=m.rank, instance_id=self.instance_id
+        )
+
+    def leave_failed(self, request: pb.LeaveRequest, exc: grpc.RpcError) -> None:
+        """One warning, no exception: a finished job must not turn into a failed one."""
+        error = from_rpc_error(
+            exc,
+            endpoint=self.endpoint,
+            method="Leave",
+            job_id=request.job_id,
+            rank=request.rank,
+        )
+        log.warning(
+            "could not tell the daemon at %s that rank %d of job %r left: %s; "
+            "the job's results are unaffected",
+            self.endpoint,
+            request.rank,
+            request.job_id,
+            error.message,
+        )
 
     def exhausted(self, method: str, attempts: int, last: RendezvousError) -> RendezvousError:
         if isinstance(last, (DaemonUnavailable, RendezvousTimeout)) and last.reason == "":
@@ -162,16 +210,40 @@ _TRANSIENT_STREAM_CODES = frozenset(
 
 @dataclass
 class StreamWatch:
-    """What the heartbeat loops (thread and task) decide; they only do the I/O."""
+    """What the heartbeat loops (thread and task) decide; they only do the I/O.
+
+    A daemon that advertised its heartbeat timeout acknowledges heartbeats, so
+    silence on the stream for the whole window means the daemon is unreachable,
+    whether the connection broke (daemon killed) or packets vanish (cut network).
+    An older daemon sends nothing while all is well: then only an outage seen as
+    stream errors counts.
+    """
 
     session: Session
     member: Membership
-    reconnect_window: float
+    window: float | None = None
+    heard: float = field(default_factory=time.monotonic)
     outage_since: float | None = None
     attempt: int = 0
 
+    @property
+    def window_s(self) -> float:
+        """The caller's window, else the daemon's heartbeat timeout, else 10 s."""
+        return self.window or self.session.daemon_heartbeat_timeout or DEFAULT_WINDOW_S
+
+    @property
+    def done(self) -> bool:
+        return self.session.failure is not None
+
+    def deadline(self) -> float | None:
+        """When silence becomes DaemonUnreachable; None while there is no clock."""
+        if self.session.daemon_heartbeat_timeout > 0:
+            return self.heard + self.window_s
+        return None
+
     def on_event(self, event: pb.JobEvent) -> str:
         """ "stop" (the member failed), "reconnect" (daemon draining) or "continue"."""
+        self.heard = time.monotonic()
         self.outage_since, self.attempt = None, 0
         error = self.session.event_error(event)
         if error is not None:
@@ -182,7 +254,7 @@ class StreamWatch:
     def on_error(self, exc: grpc.RpcError) -> bool:
         """True to reconnect; False when the error ends this member."""
         if exc.code() in _TRANSIENT_STREAM_CODES:
-            return True
+            return not self.done
         self.session.fail(
             from_rpc_error(
                 exc,
@@ -194,25 +266,44 @@ class StreamWatch:
         )
         return False
 
-    def next_backoff(self) -> float | None:
-        """Seconds to wait before reconnecting, or None once the outage is too long."""
+    def expired(self) -> bool:
+        """True (and the member failed with DaemonUnreachable) once the window passed."""
         now = time.monotonic()
-        self.outage_since = self.outage_since or now
-        if now - self.outage_since > self.reconnect_window:
-            self.session.fail(
-                DaemonUnavailable(
-                    f"lost the heartbeat stream to rendezvousd at {self.session.endpoint} for more than "
-                    f"{self.reconnect_window:g} s (job {self.member.job_id!r}, rank {self.member.rank})",
-                    code="UNAVAILABLE",
-                    endpoint=self.session.endpoint,
-                    method="Heartbeat",
-                    job_id=self.member.job_id,
-                    rank=self.member.rank,
-                )
-            )
+        deadline = self.deadline()
+        if deadline is not None and now >= deadline:
+            self.session.fail(self.unreachable(now - self.heard))
+        elif self.outage_since is not None and now - self.outage_since > self.window_s:
+            self.session.fail(self.unreachable(now - self.outage_since))
+        return self.done
+
+    def next_backoff(self) -> float | None:
+        """Seconds to wait before reconnecting, or None once this member is over."""
+        self.outage_since = self.outage_since or time.monotonic()
+        if self.expired():
             return None
         self.attempt += 1
-        return self.session.retry.backoff(self.attempt)
+        delay = self.session.retry.backoff(self.attempt)
+        deadline = self.deadline()
+        if deadline is not None:
+            # Wake at the deadline rather than after it, so the report is on time.
+            delay = min(delay, max(0.0, deadline - time.monotonic()))
+        return delay
+
+    def unreachable(self, silent_s: float) -> DaemonUnreachable:
+        m, s = self.member, self.session
+        return DaemonUnreachable(
+            f"rendezvousd at {s.endpoint} has been unreachable for {silent_s:.1f} s (window "
+            f"{self.window_s:g} s) from job {m.job_id!r} rank {m.rank}: the daemon died or this "
+            "node lost its network, so peer failures can no longer be detected; no peer is "
+            "known to have failed. Check that the daemon is running and that this host can "
+            "reach it, then restart the job if it cannot finish",
+            code="UNAVAILABLE",
+            endpoint=s.endpoint,
+            method="Heartbeat",
+            job_id=m.job_id,
+            rank=m.rank,
+            metadata={"unreachable_s": f"{silent_s:.3f}", "window_s": f"{self.window_s:g}"},
+        )
 
 
 def rank_zero_id(unique_id: bytes | None, id_factory: Callable[[], bytes] | None) -> bytes:
@@ -263,5 +354,6 @@ class JoinPlan:
         )
 
     def finish(self, response: pb.JoinResponse) -> Membership:
+        self.session.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
         self.session.joined = from_join_response(response)
         return self.session.joined

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._session import SLACK_S, Session, StreamWatch
+from rendezvousd.client._session import LEAVE_TIMEOUT_S, SLACK_S, Session, StreamWatch
 from rendezvousd.client.connection import (
     SERVICE,
     RetryPolicy,
@@ -32,7 +33,7 @@ from rendezvousd.client.membership import Membership
 
 
 class AsyncRendezvousClient:
-    """Same methods as ``RendezvousClient``, as coroutines."""
+    """Same methods and parameters as ``RendezvousClient``, as coroutines."""
 
     def __init__(
         self,
@@ -45,7 +46,8 @@ class AsyncRendezvousClient:
         retry_attempts: int = 1,
         call_timeout: float = 30.0,
         connect_timeout: float = 30.0,
-        reconnect_window: float = 30.0,
+        reconnect_window: float | None = None,
+        leave_timeout: float = LEAVE_TIMEOUT_S,
     ) -> None:
         self._s = Session(
             endpoint,
@@ -63,6 +65,7 @@ class AsyncRendezvousClient:
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._reconnect_window = reconnect_window
+        self._leave_timeout = leave_timeout
         self._hb_task: asyncio.Task[None] | None = None
 
     @property
@@ -245,12 +248,22 @@ class AsyncRendezvousClient:
 
     async def _heartbeat_loop(self, m: Membership, interval: float) -> None:
         watch = StreamWatch(self._s, m, self._reconnect_window)
-        while True:
+        while not watch.done:
             call = self._stub.Heartbeat(
                 self._heartbeat_requests(m, interval), metadata=self._s.metadata, timeout=3600.0
             )
             try:
-                async for event in call:
+                while True:
+                    # Bounded by the unreachable deadline: a dead route or a daemon
+                    # that is gone never answers, and silence is the signal.
+                    deadline = watch.deadline()
+                    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    try:
+                        event = await asyncio.wait_for(call.read(), wait)
+                    except TimeoutError:
+                        break
+                    if event is grpc.aio.EOF:
+                        break
                     action = watch.on_event(event)
                     if action == "stop":
                         return
@@ -274,18 +287,17 @@ class AsyncRendezvousClient:
                 await task
 
     async def leave(self) -> None:
-        m = self._s.joined
+        """Best effort, like ``RendezvousClient.leave``: one attempt within
+        ``leave_timeout``, then one WARNING instead of an exception."""
+        request = self._s.leave_request()
         try:
-            if m is not None:
-                await self._call(
-                    "Leave",
-                    pb.LeaveRequest(
-                        job_id=m.job_id,
-                        generation=m.generation,
-                        rank=m.rank,
-                        instance_id=self._s.instance_id,
-                    ),
-                )
+            if request is not None:
+                try:
+                    await self._stub.Leave(
+                        request, timeout=self._leave_timeout, metadata=self._s.metadata
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    self._s.leave_failed(request, exc)
         finally:
             self._s.joined = None
             await self._stop_heartbeat()

@@ -2,6 +2,8 @@
 
     RendezvousError                 base; .endpoint .method .job_id .rank .reason .metadata
     ├── DaemonUnavailable           unreachable, draining or not SERVING after all attempts
+    │   └── DaemonUnreachable       the heartbeat stream heard nothing for the whole window:
+    │                               failure detection is gone (not a peer failure)
     ├── AuthenticationError         the daemon refused the token or certificate
     ├── InvalidRequest              the daemon rejected a field (bad job id, id, rank...)
     ├── TopologyMismatch            num_nodes/gpus_per_node differ from the job's
@@ -67,6 +69,20 @@ class DaemonUnavailable(RendezvousError):
     def __init__(self, message: str, *, attempts: int = 0, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.attempts = attempts
+
+
+class DaemonUnreachable(DaemonUnavailable):
+    """The heartbeat stream heard nothing from the daemon for ``.unreachable_s`` seconds
+    (at least the window): the daemon died, or this node lost its network. Peers may
+    be fine; what is gone is failure detection for this worker."""
+
+    @property
+    def unreachable_s(self) -> float:
+        return float(self.metadata.get("unreachable_s", "0"))
+
+    @property
+    def window_s(self) -> float:
+        return float(self.metadata.get("window_s", "0"))
 
 
 class AuthenticationError(RendezvousError):

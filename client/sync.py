@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._session import SLACK_S, Session, StreamWatch
+from rendezvousd.client._session import LEAVE_TIMEOUT_S, SLACK_S, Session, StreamWatch
 from rendezvousd.client.connection import (
     SERVICE,
     RetryPolicy,
@@ -33,7 +33,14 @@ from rendezvousd.client.membership import Membership
 
 class RendezvousClient:
     """The blocking SDK: join a job, then barrier, key-value and leave; heartbeats run
-    on a background thread and a peer failure surfaces as ``PeerFailed``."""
+    on a background thread and a peer failure surfaces as ``PeerFailed``.
+
+    ``reconnect_window``: how long the heartbeat stream may hear nothing from the
+    daemon before ``DaemonUnreachable`` is reported (default: the heartbeat timeout
+    the daemon advertises at join, 10 s for an older daemon); a daemon restarted
+    within it is reattached silently. ``leave_timeout``: the one attempt ``leave()``
+    makes to tell the daemon.
+    """
 
     def __init__(
         self,
@@ -46,7 +53,8 @@ class RendezvousClient:
         retry_attempts: int = 1,
         call_timeout: float = 30.0,
         connect_timeout: float = 30.0,
-        reconnect_window: float = 30.0,
+        reconnect_window: float | None = None,
+        leave_timeout: float = LEAVE_TIMEOUT_S,
     ) -> None:
         self._s = Session(
             endpoint,
@@ -64,7 +72,9 @@ class RendezvousClient:
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._reconnect_window = reconnect_window
+        self._leave_timeout = leave_timeout
         self._hb_thread: threading.Thread | None = None
+        self._hb_watchdog: threading.Thread | None = None
         self._hb_stop = threading.Event()
         self._hb_call: Any = None
 
@@ -181,23 +191,23 @@ class RendezvousClient:
         self._call("Barrier", request, timeout=wait + SLACK_S)
 
     def leave(self) -> None:
-        """Say goodbye first, then close the stream: otherwise peers see a failure."""
-        m = self._s.joined
-        if m is not None:
-            try:
-                self._call(
-                    "Leave",
-                    pb.LeaveRequest(
-                        job_id=m.job_id,
-                        generation=m.generation,
-                        rank=m.rank,
-                        instance_id=self._s.instance_id,
-                    ),
-                )
-            finally:
-                self._stop_heartbeat()
-                self._s.joined = None
-        self._stop_heartbeat()
+        """Say goodbye first, then close the stream: otherwise peers see a failure.
+
+        Best effort: one attempt within ``leave_timeout``; if the daemon cannot be
+        told, one WARNING is logged and leave() returns, since the work is done.
+        """
+        request = self._s.leave_request()
+        try:
+            if request is not None:
+                try:
+                    self._stub.Leave(
+                        request, timeout=self._leave_timeout, metadata=self._s.metadata
+                    )
+                except grpc.RpcError as exc:
+                    self._s.leave_failed(request, exc)
+        finally:
+            self._stop_heartbeat()
+            self._s.joined = None
 
     def abort(self, reason: str, *, job_id: str | None = None) -> int:
         response = self._call(
@@ -268,17 +278,21 @@ class RendezvousClient:
     def start_heartbeat(
         self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
     ) -> None:
-        """Heartbeat on a daemon thread; ``on_failure`` runs on that thread."""
+        """Heartbeat on a daemon thread; ``on_failure`` runs on that thread or the
+        watchdog's, once: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``..."""
         m = self._s.member()
         self._s.on_failure = on_failure
         self._hb_stop.clear()
+        watch = StreamWatch(self._s, m, self._reconnect_window)
+        name = f"rendezvous-heartbeat-{m.job_id}-{m.rank}"
         self._hb_thread = threading.Thread(
-            target=self._heartbeat_loop,
-            args=(m, interval),
-            daemon=True,
-            name=f"rendezvous-heartbeat-{m.job_id}-{m.rank}",
+            target=self._heartbeat_loop, args=(watch, interval), daemon=True, name=name
+        )
+        self._hb_watchdog = threading.Thread(
+            target=self._watchdog, args=(watch,), daemon=True, name=f"{name}-watchdog"
         )
         self._hb_thread.start()
+        self._hb_watchdog.start()
 
     def _heartbeat_requests(self, m: Membership, interval: float) -> Iterator[pb.HeartbeatRequest]:
         request = pb.HeartbeatRequest(
@@ -288,11 +302,12 @@ class RendezvousClient:
         while not self._hb_stop.wait(interval):
             yield request
 
-    def _heartbeat_loop(self, m: Membership, interval: float) -> None:
-        watch = StreamWatch(self._s, m, self._reconnect_window)
-        while not self._hb_stop.is_set():
+    def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
+        while not self._hb_stop.is_set() and not watch.done:
             call = self._stub.Heartbeat(
-                self._heartbeat_requests(m, interval), metadata=self._s.metadata, timeout=3600.0
+                self._heartbeat_requests(watch.member, interval),
+                metadata=self._s.metadata,
+                timeout=3600.0,
             )
             self._hb_call = call
             try:
@@ -312,13 +327,29 @@ class RendezvousClient:
                 return
             self._hb_stop.wait(delay)
 
+    def _watchdog(self, watch: StreamWatch) -> None:
+        """Reports silence the stream itself cannot: a blocked read on a dead
+        route, or a reconnect waiting for a daemon that is gone."""
+        while True:
+            deadline = watch.deadline()
+            wait = 0.5 if deadline is None else deadline - time.monotonic()
+            if self._hb_stop.wait(min(0.5, max(0.01, wait))) or watch.done:
+                return
+            if deadline is not None and watch.expired():
+                call = self._hb_call
+                if call is not None:
+                    call.cancel()  # ends the heartbeat thread's blocked read
+                return
+
     def _stop_heartbeat(self) -> None:
         self._hb_stop.set()
         if self._hb_call is not None:
             self._hb_call.cancel()
-        thread, self._hb_thread = self._hb_thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
+        for attr in ("_hb_thread", "_hb_watchdog"):
+            thread = getattr(self, attr)
+            setattr(self, attr, None)
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=2.0)
 
     # -- lifetime -----------------------------------------------------------------
 

@@ -64,6 +64,9 @@ class Job:
     # The current generation's id digest when only the digest survived a restart, so a
     # replayed PublishId can be told from a second, different id.
     restored_id_digest: bytes | None = None
+    # Set when a joiner's topology contradicted the forming generation's: that
+    # fault, not PEER_FAILED, is what every call on the failed generation gets.
+    conflict: RendezvousFault | None = None
 
     @property
     def world_size(self) -> int:
@@ -126,9 +129,35 @@ class Job:
         self.left = 0
         self.restored = False
         self.restored_id_digest = None
+        self.conflict = None
+
+    def topology_conflict(self, host: str, num_nodes: int, gpus_per_node: int) -> RendezvousFault:
+        """Why a joiner asking for another topology is refused; when the generation
+        is forming, the same fault fails it, so it names both sides."""
+        hosts = sorted({m.host for m in self.members.values()})
+        shown = ", ".join(repr(h) for h in hosts[:8]) + (" ..." if len(hosts) > 8 else "")
+        joined = f" (hosts so far: {shown})" if hosts else ""
+        return RendezvousFault(
+            Code.FAILED_PRECONDITION,
+            "TOPOLOGY_MISMATCH",
+            f"job {self.job_id!r} generation {self.generation} has num_nodes={self.num_nodes} "
+            f"gpus_per_node={self.gpus_per_node}{joined}, but a worker on host {host!r} asked for "
+            f"num_nodes={num_nodes} gpus_per_node={gpus_per_node}; every worker of a job must "
+            "use the same topology: fix --nnodes / --nproc-per-node and relaunch",
+            {
+                "job_id": self.job_id,
+                "generation": str(self.generation),
+                "topology": f"{self.num_nodes}x{self.gpus_per_node}",
+                "requested_topology": f"{num_nodes}x{gpus_per_node}",
+                "offending_host": host,
+                "hosts": ",".join(hosts),
+            },
+        )
 
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""
+        if self.conflict is not None:
+            return self.conflict
         meta = {"job_id": self.job_id, "generation": str(self.generation)}
         if self.state is JobState.FAILED:
             lost = ", ".join(f"rank {f.rank} on {f.host} ({f.cause})" for f in self.failed[:8])

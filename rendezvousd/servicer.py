@@ -148,6 +148,7 @@ class RendezvousServicer:
             local_rank=result.local_rank,
             id_required=result.id_required,
             unique_id=result.unique_id,
+            heartbeat_timeout_ms=int(self.state.timing.heartbeat_timeout_s * 1000),
         ).SerializeToString()
         if not result.members:
             return header
@@ -265,6 +266,11 @@ class RendezvousServicer:
             first.job_id, first.generation, first.rank, first.instance_id, _now()
         )
         queue: asyncio.Queue[pb.JobEvent | None] = asyncio.Queue()
+        # Acknowledge the attach at once: a client reattaching after a restart
+        # knows it is heard again without waiting for the next heartbeat.
+        queue.put_nowait(
+            pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
+        )
         entry = (token, queue)
         self._streams[key] = entry
         reader = asyncio.create_task(self._read_heartbeats(key, iterator, queue))
@@ -286,12 +292,21 @@ class RendezvousServicer:
         iterator: AsyncIterator[pb.HeartbeatRequest],
         queue: asyncio.Queue[pb.JobEvent | None],
     ) -> None:
+        # Acks let the client tell "the daemon hears me" from a silent network; a
+        # tenth of the timeout bounds their cost when clients heartbeat often.
+        ack_every = self.state.timing.heartbeat_timeout_s / 10
+        ack = pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
+        acked = _now()
         try:
             async for _ in iterator:
+                now = _now()
                 try:
-                    self.state.heartbeat(*key, _now())
+                    self.state.heartbeat(*key, now)
                 except RendezvousFault:
                     break  # the generation ended; its events were already pushed
+                if now - acked >= ack_every:
+                    acked = now
+                    queue.put_nowait(ack)
         except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
             pass
         finally:

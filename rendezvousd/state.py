@@ -247,6 +247,10 @@ class RendezvousState:
             )
             return job
         if job.state in _TERMINAL and not self._rejoin_of_current(job, args):
+            if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
+                # Late workers of the launch that had the conflict hear about it too,
+                # instead of opening a generation nobody else will join.
+                raise job.conflict
             # A new generation may change the topology: it starts from scratch.
             old = job.state
             job.open_generation(now)
@@ -255,14 +259,18 @@ class RendezvousState:
                 Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
             )
         if (job.num_nodes, job.gpus_per_node) != (args.num_nodes, args.gpus_per_node):
-            raise RendezvousFault(
-                Code.FAILED_PRECONDITION,
-                "TOPOLOGY_MISMATCH",
-                f"job {args.job_id!r} has num_nodes={job.num_nodes} gpus_per_node={job.gpus_per_node}, "
-                f"this worker asked for num_nodes={args.num_nodes} gpus_per_node={args.gpus_per_node}; "
-                "every worker of a job must use the same topology",
-                {"job_id": args.job_id, "generation": str(job.generation)},
-            )
+            if job.state is JobState.FORMING and not job.members:
+                # Nobody is waiting on the old topology: the next joiner sets it.
+                job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
+                return job
+            fault = job.topology_conflict(args.host, args.num_nodes, args.gpus_per_node)
+            if job.state is JobState.FORMING:
+                # Either side may be the wrong one: fail the generation so that every
+                # waiter learns now, not at its join timeout.
+                job.conflict = fault
+                self._set_state(job, JobState.FAILED, now, fault.message)
+                self._fail_waiters(job)
+            raise fault
         return job
 
     @staticmethod

@@ -81,7 +81,7 @@ def test_permanent_error_is_tried_exactly_once(
     holder = RendezvousClient(d.endpoint, job_id, token=d.token, retry_attempts=3)
 
     def hold_rank_zero() -> None:
-        with pytest.raises(Exception):
+        with pytest.raises(TopologyMismatch):
             holder.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=0, timeout=3)
 
     t = threading.Thread(target=hold_rank_zero)
@@ -96,10 +96,11 @@ def test_permanent_error_is_tried_exactly_once(
     # then check that no second attempt follows.
     wait_for(
         "the refused Join in the metrics",
-        lambda: _count(d.metrics_url, "Join", "FAILED_PRECONDITION") >= 1,
+        lambda: _count(d.metrics_url, "Join", "FAILED_PRECONDITION") >= 2,
     )
     # A retry would follow within the first backoff (0.2 s): give it twice that to show up.
     time.sleep(0.5)
-    assert _count(d.metrics_url, "Join", "FAILED_PRECONDITION") == 1
+    # Two: the refused Join, and the parked rank 0 the conflict failed with it.
+    assert _count(d.metrics_url, "Join", "FAILED_PRECONDITION") == 2
     t.join(15)
     holder.close()

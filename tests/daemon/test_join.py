@@ -113,8 +113,6 @@ async def test_rejections_name_the_problem(inproc_daemon: InProcessDaemon, job_i
     )
     await d.until("rank 2 parked in Join", lambda: d.members_present(job_id) == 1)
     async with d.client(job_id) as c:
-        with pytest.raises(TopologyMismatch, match=r"num_nodes=2 gpus_per_node=2.*num_nodes=3"):
-            await c.join(num_nodes=3, gpus_per_node=2, node_rank=1, local_rank=1, timeout=2)
         with pytest.raises(DuplicateRank, match="rank 2"):
             await c.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=2)
         with pytest.raises(InvalidRequest, match="node_rank=2 is out of range"):
@@ -133,6 +131,27 @@ async def test_rejections_name_the_problem(inproc_daemon: InProcessDaemon, job_i
         await holder
     await holder_client.close()
     assert timeout.value.missing_ranks == [0, 1, 3] and "missing ranks" in str(timeout.value)
+
+
+async def test_topology_mismatch_fails_the_waiting_joiner_too(
+    inproc_daemon: InProcessDaemon, job_id: str
+) -> None:
+    d = inproc_daemon
+    holder_client = d.client(job_id)
+    holder = asyncio.create_task(
+        holder_client.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=30)
+    )
+    await d.until("rank 2 parked in Join", lambda: d.members_present(job_id) == 1)
+    async with d.client(job_id) as c:
+        with pytest.raises(TopologyMismatch, match=r"num_nodes=2 gpus_per_node=2.*num_nodes=3"):
+            await c.join(
+                num_nodes=3, gpus_per_node=2, node_rank=1, local_rank=1, host="odd", timeout=2
+            )
+    # The parked joiner is told at once, not at its 30 s join timeout.
+    with pytest.raises(TopologyMismatch, match="'odd'") as info:
+        await asyncio.wait_for(holder, 5)
+    await holder_client.close()
+    assert info.value.metadata["requested_topology"] == "3x2"
 
 
 async def test_second_different_id_is_refused_and_first_kept(

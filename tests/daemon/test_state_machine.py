@@ -100,9 +100,58 @@ def test_rank_zero_without_id_is_asked_to_publish() -> None:
 def test_topology_mismatch_names_both_values() -> None:
     sm = RendezvousState()
     sm.join(args(0, 1), 0.0)
-    f = fault(sm.join, args(0, 0, nodes=3), 0.0)
+    f = fault(sm.join, args(0, 0, nodes=3, host="wrong"), 0.0)
     assert f.code is Code.FAILED_PRECONDITION and f.reason == "TOPOLOGY_MISMATCH"
-    assert "num_nodes=2" in f.message and "num_nodes=3" in f.message
+    assert "num_nodes=2" in f.message and "num_nodes=3" in f.message and "'wrong'" in f.message
+    assert f.metadata["topology"] == "2x2" and f.metadata["requested_topology"] == "3x2"
+    assert f.metadata["offending_host"] == "wrong"
+
+
+@pytest.mark.parametrize("wrong_first", [False, True])
+def test_topology_mismatch_while_forming_fails_every_waiter_at_once(wrong_first: bool) -> None:
+    """Whichever side joined first, every parked joiner and the newcomer get the
+    same TOPOLOGY_MISMATCH naming both topologies and the offending host."""
+    sm = RendezvousState()
+    wrong = args(0, 1, nodes=3, host="wrong")
+    right = [args(0, 1, host="a"), args(1, 0, host="b")]
+    first, rest = ([wrong], right) if wrong_first else (right, [wrong])
+    parked = [sm.join(a, 0.0) for a in first]
+    assert all(isinstance(p, Parked) for p in parked)
+    sm.take_effects()
+    newcomer = fault(sm.join, rest[0], 1.0)
+    wakes = [e for e in sm.take_effects() if isinstance(e, Wake)]
+    assert sorted(w.waiter for w in wakes) == sorted(p.waiter for p in parked)  # type: ignore[union-attr]
+    for f in [newcomer] + [w.fault for w in wakes]:
+        assert f is not None and f.reason == "TOPOLOGY_MISMATCH"
+        assert f.code is Code.FAILED_PRECONDITION
+        assert {"num_nodes=2", "num_nodes=3"} <= set(f.message.replace(",", "").split())
+        assert "'wrong'" in f.message
+    assert sm.jobs["j"].state is JobState.FAILED and sm.waiter_count == 0
+    # A late worker of the same launch is told too, instead of waiting alone.
+    late = fault(sm.join, rest[1] if len(rest) > 1 else args(1, 1, host="b"), 2.0)
+    assert late.reason == "TOPOLOGY_MISMATCH" and "'wrong'" in late.message
+    # After the hold, a corrected launch opens a fresh generation as usual.
+    hold = sm.timing.heartbeat_timeout_s
+    fresh = sm.join(args(0, 1, host="a", inst="relaunch"), 1.0 + hold + 0.1)
+    assert isinstance(fresh, Parked)
+    assert sm.jobs["j"].generation == 2 and sm.jobs["j"].state is JobState.FORMING
+
+
+def test_topology_mismatch_against_a_running_job_refuses_only_the_newcomer() -> None:
+    sm = RendezvousState()
+    form(sm)
+    f = fault(sm.join, args(0, 0, nodes=3, host="wrong", inst="x"), 0.0)
+    assert f.reason == "TOPOLOGY_MISMATCH"
+    assert sm.jobs["j"].state is JobState.RUNNING
+
+
+def test_an_empty_forming_job_takes_the_next_joiners_topology() -> None:
+    sm = RendezvousState()
+    out = sm.join(args(0, 1), 0.0)
+    assert isinstance(out, Parked)
+    sm.cancel_wait(out.waiter, 1.0, timed_out=True)  # the only joiner gave up
+    again = sm.join(args(0, 1, nodes=3), 2.0)
+    assert isinstance(again, Parked) and sm.jobs["j"].num_nodes == 3
 
 
 def test_duplicate_slot_from_other_instance_is_already_exists_but_retry_is_idempotent() -> None:

@@ -1,7 +1,7 @@
-"""Hypothesis drives the pure state machine through random joins, id publishes,
-barriers, heartbeat loss, leaves, aborts and restarts, checking invariants after
-every step: one id per generation, ranks unique and dense, no waiter left behind
-once a job ends, stale generations always rejected."""
+"""Hypothesis drives the pure state machine through random joins (some with a wrong
+topology), id publishes, barriers, heartbeat loss, leaves, aborts and restarts,
+checking invariants after every step: one id per generation, ranks unique and
+dense, no waiter left behind once a job ends, stale generations always rejected."""
 
 from __future__ import annotations
 
@@ -83,6 +83,38 @@ class RendezvousModel(RuleBasedStateMachine):
             return
         if isinstance(out, Parked):
             self.parked[out.waiter] = job.generation
+        else:
+            self._saw(out)
+        self._apply()
+
+    @rule(local=st.integers(0, GPUS - 1))
+    def join_with_another_topology(self, local: int) -> None:
+        """A node started with a wrong --nnodes: while forming, it fails the generation
+        for everyone at once (the invariants check that no waiter is left behind)."""
+        job = self._job()
+        conflict = (
+            job is not None
+            and job.state is JobState.FORMING
+            and bool(job.members)
+            and (job.num_nodes, job.gpus_per_node) != (NODES + 1, GPUS)
+        )
+        self.instances += 1
+        try:
+            out = self.sm.join(
+                JoinArgs(
+                    JOB, NODES + 1, GPUS, None, local, "odd", "", b"", f"inst{self.instances}"
+                ),
+                self.now,
+            )
+        except RendezvousFault as fault:
+            self._apply()
+            if conflict:
+                assert fault.reason == "TOPOLOGY_MISMATCH" and "'odd'" in fault.message
+                assert self.sm.jobs[JOB].state is JobState.FAILED
+            return
+        assert not conflict, "a conflicting topology was accepted while forming"
+        if isinstance(out, Parked):
+            self.parked[out.waiter] = self.sm.jobs[JOB].generation
         else:
             self._saw(out)
         self._apply()

@@ -283,6 +283,7 @@ class JoinResponse(_message.Message):
     ID_REQUIRED_FIELD_NUMBER: _builtins.int
     UNIQUE_ID_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -294,6 +295,11 @@ class JoinResponse(_message.Message):
     are empty in that case.
     """
     unique_id: _builtins.bytes
+    heartbeat_timeout_ms: _builtins.int
+    """The daemon's heartbeat timeout. Non-zero means the daemon acknowledges
+    heartbeats (JobEvent HEARTBEAT_ACK), so a client that hears nothing on its
+    stream for this long knows the daemon is unreachable. 0: an older daemon.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]:
         """Every member, ordered by rank."""
@@ -310,10 +316,11 @@ class JoinResponse(_message.Message):
         id_required: _builtins.bool = ...,
         unique_id: _builtins.bytes = ...,
         members: _abc.Iterable[Global___Member] | None = ...,
+        heartbeat_timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "id_required", b"id_required", "job_id", b"job_id", "local_rank", b"local_rank", "members", b"members", "node_rank", b"node_rank", "rank", b"rank", "unique_id", b"unique_id", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_required", b"id_required", "job_id", b"job_id", "local_rank", b"local_rank", "members", b"members", "node_rank", b"node_rank", "rank", b"rank", "unique_id", b"unique_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -740,6 +747,11 @@ class JobEvent(_message.Message):
         """Every member left."""
         DAEMON_DRAINING: JobEvent._Kind.ValueType  # 4
         """The daemon is shutting down; reconnect to the restarted daemon."""
+        HEARTBEAT_ACK: JobEvent._Kind.ValueType  # 5
+        """The daemon received this member's heartbeats; carries nothing else. Sent at
+        most every heartbeat_timeout / 10 while heartbeats arrive (older clients
+        ignore an unknown kind).
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: JobEvent.Kind.ValueType  # 0
@@ -751,6 +763,11 @@ class JobEvent(_message.Message):
     """Every member left."""
     DAEMON_DRAINING: JobEvent.Kind.ValueType  # 4
     """The daemon is shutting down; reconnect to the restarted daemon."""
+    HEARTBEAT_ACK: JobEvent.Kind.ValueType  # 5
+    """The daemon received this member's heartbeats; carries nothing else. Sent at
+    most every heartbeat_timeout / 10 while heartbeats arrive (older clients
+    ignore an unknown kind).
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int

@@ -198,7 +198,8 @@ class RendezvousServicer:
 
     def Heartbeat(self, request_iterator, context):
         """Heartbeat: the member sends a HeartbeatRequest every interval; the daemon
-        streams JobEvents back (peer failed, job aborted, job ended). Closing the
+        streams JobEvents back (peer failed, job aborted, job ended) and, when its
+        JoinResponse advertised heartbeat_timeout_ms, HEARTBEAT_ACKs. Closing the
         stream without Leave, or staying silent past the daemon's heartbeat
         timeout, marks the member lost.
 

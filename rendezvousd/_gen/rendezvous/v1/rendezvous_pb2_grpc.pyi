@@ -108,7 +108,8 @@ class RendezvousStub:
     """KvDelete removes a key; deleting an absent key is not an error."""
     Heartbeat: _grpc.StreamStreamMultiCallable[_rendezvous_pb2.HeartbeatRequest, _rendezvous_pb2.JobEvent]
     """Heartbeat: the member sends a HeartbeatRequest every interval; the daemon
-    streams JobEvents back (peer failed, job aborted, job ended). Closing the
+    streams JobEvents back (peer failed, job aborted, job ended) and, when its
+    JoinResponse advertised heartbeat_timeout_ms, HEARTBEAT_ACKs. Closing the
     stream without Leave, or staying silent past the daemon's heartbeat
     timeout, marks the member lost.
 
@@ -194,7 +195,8 @@ class RendezvousAsyncStub(RendezvousStub):
     """KvDelete removes a key; deleting an absent key is not an error."""
     Heartbeat: _aio.StreamStreamMultiCallable[_rendezvous_pb2.HeartbeatRequest, _rendezvous_pb2.JobEvent]  # type: ignore[assignment]
     """Heartbeat: the member sends a HeartbeatRequest every interval; the daemon
-    streams JobEvents back (peer failed, job aborted, job ended). Closing the
+    streams JobEvents back (peer failed, job aborted, job ended) and, when its
+    JoinResponse advertised heartbeat_timeout_ms, HEARTBEAT_ACKs. Closing the
     stream without Leave, or staying silent past the daemon's heartbeat
     timeout, marks the member lost.
 
@@ -331,7 +333,8 @@ class RendezvousServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_rendezvous_pb2.JobEvent], _abc.AsyncIterator[_rendezvous_pb2.JobEvent]]:
         """Heartbeat: the member sends a HeartbeatRequest every interval; the daemon
-        streams JobEvents back (peer failed, job aborted, job ended). Closing the
+        streams JobEvents back (peer failed, job aborted, job ended) and, when its
+        JoinResponse advertised heartbeat_timeout_ms, HEARTBEAT_ACKs. Closing the
         stream without Leave, or staying silent past the daemon's heartbeat
         timeout, marks the member lost.
 

@@ -1,0 +1,113 @@
+"""Losing the daemon is its own fault: a worker whose heartbeat stream hears nothing
+for the window gets ``DaemonUnreachable`` (never ``PeerFailed``), whether the daemon
+was killed or the network silently drops packets, and ``leave()`` afterwards is a
+quick warning, not a hang or an error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import time
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
+from rendezvousd.client.errors import DaemonUnreachable
+from tests.daemon.test_blackhole import BlackHoleProxy
+from tests.support import spawn_daemon
+
+TIMEOUT_S = 2.0  # the daemon's --heartbeat-timeout-s, advertised to clients at join
+
+
+def _first(failures: queue.Queue[RendezvousError], limit: float) -> tuple[RendezvousError, float]:
+    started = time.monotonic()
+    error = failures.get(timeout=limit)
+    return error, time.monotonic() - started
+
+
+def test_killed_daemon_is_reported_as_unreachable_and_leave_returns_quickly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", str(TIMEOUT_S))
+    failures: queue.Queue[RendezvousError] = queue.Queue()
+    client = RendezvousClient(d.endpoint, "lost-daemon", token=d.token)
+    try:
+        client.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=10)
+        client.start_heartbeat(0.2, on_failure=failures.put)
+        d.kill()  # SIGKILL, never restarted
+        error, elapsed = _first(failures, TIMEOUT_S + 10)
+        assert isinstance(error, DaemonUnreachable), error
+        # The window counts from the last acknowledgement (at most 0.2 s before the kill).
+        assert TIMEOUT_S - 0.5 <= elapsed <= TIMEOUT_S + 2.0, elapsed
+        assert d.endpoint in str(error) and "unreachable" in str(error)
+        assert error.window_s == TIMEOUT_S and error.unreachable_s >= TIMEOUT_S
+        assert failures.empty()  # reported once
+        with pytest.raises(DaemonUnreachable):
+            client.raise_if_failed()
+        caplog.set_level(logging.WARNING, logger="rendezvousd.client")
+        started = time.monotonic()
+        client.leave()  # returns, does not raise
+        assert time.monotonic() - started < 2.0 + 1.0
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert d.endpoint in warnings[0] and "rank 0" in warnings[0]
+        assert "results are unaffected" in warnings[0]
+        started = time.monotonic()
+    finally:
+        client.close()
+    assert time.monotonic() - started < 2.0
+
+
+def test_black_holed_daemon_is_reported_as_unreachable(tmp_path: Path) -> None:
+    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", str(TIMEOUT_S))
+    proxy = BlackHoleProxy(d.port)
+    failures: queue.Queue[RendezvousError] = queue.Queue()
+    client = RendezvousClient(f"127.0.0.1:{proxy.port}", "black-hole", token=d.token)
+    try:
+        client.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=10)
+        client.start_heartbeat(0.2, on_failure=failures.put)
+        proxy.cut()  # no RST, no FIN: bytes just vanish
+        error, elapsed = _first(failures, TIMEOUT_S + 10)
+        assert isinstance(error, DaemonUnreachable), error
+        assert elapsed <= TIMEOUT_S + 2.0, elapsed
+        started = time.monotonic()
+        client.leave()
+        assert time.monotonic() - started < 3.0
+    finally:
+        client.close()
+        proxy.close()
+        d.kill()
+
+
+async def test_async_client_reports_a_killed_daemon_within_its_own_window(
+    tmp_path: Path,
+) -> None:
+    # The daemon allows 30 s; the client's own 1 s window wins.
+    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", "30")
+    seen = asyncio.Event()
+    failures: list[RendezvousError] = []
+
+    def on_failure(error: RendezvousError) -> None:
+        failures.append(error)
+        seen.set()
+
+    client = AsyncRendezvousClient(
+        d.endpoint, "lost-daemon-aio", token=d.token, reconnect_window=1.0
+    )
+    try:
+        await client.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=10)
+        client.start_heartbeat(0.2, on_failure=on_failure)
+        d.kill()
+        started = time.monotonic()
+        await asyncio.wait_for(seen.wait(), 10)
+        assert time.monotonic() - started <= 1.0 + 2.0
+        assert len(failures) == 1 and isinstance(failures[0], DaemonUnreachable), failures
+        with pytest.raises(DaemonUnreachable):
+            client.raise_if_failed()
+        started = time.monotonic()
+        await client.leave()
+        assert time.monotonic() - started < 3.0
+    finally:
+        await client.close()
