@@ -5,6 +5,7 @@ from rendezvousd.client.connection import RetryPolicy, TlsConfig
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
+    DaemonUnreachable,
     DuplicateRank,
     IdConflict,
     InvalidRequest,
@@ -28,6 +29,7 @@ __all__ = [
     "AsyncRendezvousClient",
     "AuthenticationError",
     "DaemonUnavailable",
+    "DaemonUnreachable",
     "DuplicateRank",
     "FileRendezvous",
     "IdConflict",

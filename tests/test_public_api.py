@@ -18,6 +18,7 @@ EXPORTS: dict[str, set[str]] = {
         "AsyncRendezvousClient",
         "AuthenticationError",
         "DaemonUnavailable",
+        "DaemonUnreachable",
         "DuplicateRank",
         "FileRendezvous",
         "IdConflict",
