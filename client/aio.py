@@ -29,7 +29,7 @@ from rendezvousd.client.errors import (
     RendezvousError,
     from_rpc_error,
 )
-from rendezvousd.client.membership import Membership
+from rendezvousd.client.membership import Membership, loopback_conflict
 
 
 class AsyncRendezvousClient:
@@ -158,7 +158,13 @@ class AsyncRendezvousClient:
         if response.id_required:
             publish = plan.publish_request(response)
             response = await self._call("PublishId", publish, timeout=plan.left() + SLACK_S)
-        return plan.finish(response)
+        m = plan.finish(response)
+        if (problem := loopback_conflict(m, address)) is not None:
+            # Every rank must hear why, not just this one: abort the job with it.
+            with contextlib.suppress(RendezvousError):
+                await self.abort(problem)
+            raise InvalidRequest(problem, reason="LOOPBACK_ADDRESS", job_id=m.job_id, rank=m.rank)
+        return m
 
     async def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         m = self._s.member()

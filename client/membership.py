@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.address import is_loopback
 
-__all__ = ["Member", "Membership", "from_join_response"]
+__all__ = ["Member", "Membership", "from_join_response", "loopback_conflict"]
 
 
 @dataclass(frozen=True)
@@ -59,4 +60,27 @@ def from_join_response(response: pb.JoinResponse) -> Membership:
         local_rank=response.local_rank,
         unique_id=response.unique_id,
         _table=response.members,
+    )
+
+
+def loopback_conflict(m: Membership, address: str) -> str | None:
+    """Why this rank's advertised ``address`` cannot serve ``m``'s job, or None.
+
+    A loopback address is only reachable from its own host: in a job with ranks on
+    other hosts the peers would dial themselves and hang until their timeout. Only
+    a rank advertising loopback decodes the table (the common case stays O(1)).
+    """
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+    if not address or not is_loopback(host.strip("[]")):
+        return None
+    mine = m.members[m.rank].host
+    others = sorted({x.host for x in m.members} - {mine})
+    if not others:
+        return None
+    shown = ", ".join(repr(h) for h in others[:3]) + (" ..." if len(others) > 3 else "")
+    return (
+        f"rank {m.rank} on host {mine!r} advertises the loopback address {address!r}, but "
+        f"job {m.job_id!r} also has ranks on {shown}, which cannot reach it. Advertise an "
+        f"address of {mine!r} that the other hosts can reach (rendezvousd.trainer: unset "
+        "RENDEZVOUSD_RING_HOST, and workers advertise their address towards the daemon)"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from rendezvousd.client.errors import (
     RendezvousError,
     from_rpc_error,
 )
-from rendezvousd.client.membership import Membership
+from rendezvousd.client.membership import Membership, loopback_conflict
 
 
 class RendezvousClient:
@@ -175,7 +176,13 @@ class RendezvousClient:
         if response.id_required:
             publish = plan.publish_request(response)
             response = self._call("PublishId", publish, timeout=plan.left() + SLACK_S)
-        return plan.finish(response)
+        m = plan.finish(response)
+        if (problem := loopback_conflict(m, address)) is not None:
+            # Every rank must hear why, not just this one: abort the job with it.
+            with contextlib.suppress(RendezvousError):
+                self.abort(problem)
+            raise InvalidRequest(problem, reason="LOOPBACK_ADDRESS", job_id=m.job_id, rank=m.rank)
+        return m
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         m = self._s.member()

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Protocol, Self, TypeVar, runtime_checkable
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client.connection import TlsConfig
 from rendezvousd.client.errors import (
     DaemonUnavailable,
     InvalidRequest,
@@ -93,13 +94,14 @@ def connect(
     job_id: str,
     token_file: str | Path | None = None,
     retry_attempts: int = 1,
+    tls: TlsConfig | None = None,
 ) -> Rendezvous:
     """A client for ``transport_kind``; nothing is contacted until ``join``."""
     if transport_kind == "file":
-        if endpoint is not None or token_file is not None:
+        if endpoint is not None or token_file is not None or tls is not None:
             raise InvalidRequest(
                 "the file transport takes path= (a directory the workers share) and no "
-                "endpoint/token_file; those are for transport 'daemon'",
+                "endpoint/token_file/tls; those are for transport 'daemon'",
                 job_id=job_id,
             )
         return FileRendezvous(path, job_id, retry_attempts=retry_attempts)
@@ -110,7 +112,7 @@ def connect(
                 job_id=job_id,
             )
         return RendezvousClient(
-            endpoint, job_id, token_file=token_file, retry_attempts=retry_attempts
+            endpoint, job_id, token_file=token_file, tls=tls, retry_attempts=retry_attempts
         )
     raise InvalidRequest(
         f"rendezvous transport {transport_kind!r} is unknown; expected one of {TRANSPORT_KINDS}",

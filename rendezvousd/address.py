@@ -9,6 +9,7 @@ port cannot be told apart from the last group. Errors are ``AddressError``, a
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass
 
 UNIX_PREFIX = "unix:"
@@ -88,3 +89,31 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def route_source(endpoint: str) -> str:
+    """The local address this machine would use to reach ``endpoint``.
+
+    That is the address of the interface peers on other hosts can route to as
+    well (they reach the daemon's network the same way), so a worker advertises
+    it instead of loopback. A UDP ``connect`` only asks the routing table: no
+    packet is sent. A ``unix:`` endpoint means one machine: loopback.
+    """
+    address = parse_address(endpoint, what="endpoint", allow_unix=True)
+    if address.is_unix or address.host is None:
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise AddressError(
+            f"endpoint={endpoint!r}: cannot resolve {address.host!r}: {exc}"
+        ) from None
+    last: OSError | None = None
+    for family, kind, proto, _, target in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(target)
+                return str(probe.getsockname()[0])
+        except OSError as exc:
+            last = exc
+    raise AddressError(f"endpoint={endpoint!r}: no route from this host ({last})")

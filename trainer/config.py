@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rendezvousd.client.connection import TlsConfig
 from rendezvousd.settings import (
     AddressText,
     Bool,
@@ -116,15 +117,51 @@ class RendezvousTransport:
     token_file: str | None = setting(
         None, "daemon token file", Text(optional=True), env=None, flag="--token-file"
     )
+    # The daemon's own names (tls_cert/tls_key), so one set of files and variables
+    # configures both ends; here they are this worker's client certificate (mTLS).
+    tls_ca: str | None = setting(
+        None,
+        "PEM CA bundle that signed the daemon's certificate (enables TLS)",
+        Text(optional=True),
+        env="RENDEZVOUSD_TLS_CA",
+        flag="--tls-ca",
+    )
+    tls_cert: str | None = setting(
+        None,
+        "PEM client certificate, for a daemon that requires mTLS",
+        Text(optional=True),
+        env="RENDEZVOUSD_TLS_CERT",
+        flag="--tls-cert",
+    )
+    tls_key: str | None = setting(
+        None,
+        "PEM private key for tls_cert",
+        Text(optional=True),
+        env="RENDEZVOUSD_TLS_KEY",
+        flag="--tls-key",
+    )
+    tls_server_name: str | None = setting(
+        None,
+        "name to verify in the daemon's certificate, when the endpoint's host differs",
+        Text(optional=True),
+        env="RENDEZVOUSD_TLS_SERVER_NAME",
+        flag="--tls-server-name",
+    )
 
     def __post_init__(self) -> None:
         if self.kind == "daemon" and self.endpoint == "":
             object.__setattr__(self, "endpoint", None)  # reported as missing below
         validate(self, ConfigError, prefix="rendezvous ")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("rendezvous tls_cert and tls_key go together: give both or neither")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ConfigError("rendezvous tls_cert (mTLS) needs tls_ca to verify the daemon")
+        if self.tls_server_name is not None and self.tls_ca is None:
+            raise ConfigError("rendezvous tls_server_name needs tls_ca (it is a TLS setting)")
         if self.kind == "file":
-            if self.endpoint is not None or self.token_file is not None:
+            if self.endpoint is not None or self.token_file is not None or self.tls_ca:
                 raise ConfigError(
-                    "rendezvous kind='file' takes only 'path'; endpoint/token_file "
+                    "rendezvous kind='file' takes only 'path'; endpoint/token_file/tls_* "
                     "need kind='daemon'"
                 )
             return
@@ -152,7 +189,19 @@ class RendezvousTransport:
         if self.kind == "file":
             return f"file({self.path if self.path is not None else '<private temp dir, world of one>'})"
         auth = "token_file" if self.token_file is not None else "none"
-        return f"daemon({self.endpoint}, auth={auth})"
+        tls = "mtls" if self.tls_cert else "tls" if self.tls_ca else "off"
+        return f"daemon({self.endpoint}, auth={auth}, tls={tls})"
+
+    def tls(self) -> TlsConfig | None:
+        """The SDK's TLS settings, or None for plaintext."""
+        if self.tls_ca is None:
+            return None
+        return TlsConfig(
+            ca=Path(self.tls_ca),
+            cert=Path(self.tls_cert) if self.tls_cert else None,
+            key=Path(self.tls_key) if self.tls_key else None,
+            server_name=self.tls_server_name,
+        )
 
 
 _POSITIVE = Float()
@@ -197,8 +246,16 @@ class DistributedConfig:
     cpu_shared_memory: bool = setting(
         True, "cpu backend: all-reduce through shared memory when all ranks share a host", Bool()
     )
-    ring_host: str = setting(
-        "127.0.0.1", "cpu backend: address this worker's ring listens on", Text()
+    ring_host: str | None = setting(
+        None,
+        "cpu backend: address this worker's ring listens on and advertises "
+        "(default: this host's address towards the daemon)",
+        Text(optional=True),
+    )
+    setup_timeout_s: float = setting(
+        300.0,
+        "communicator setup (ring connections, NCCL init) must finish within",
+        _POSITIVE,
     )
 
     def __post_init__(self) -> None:

@@ -108,8 +108,11 @@ class CpuRingCommunicator:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         socket_buffer_bytes: int | None = None,
         shared_memory: SharedMemoryPeers | None = None,
+        setup_timeout: float | None = None,
     ) -> None:
         _validate(rank, world_size, addresses, secret, timeout, chunk_bytes)
+        # Connecting may wait for peers still starting; a collective may not wait that long.
+        setup = timeout if setup_timeout is None else setup_timeout
         self._rank = rank
         self._world = world_size
         self._left_rank = (rank - 1) % world_size
@@ -133,7 +136,7 @@ class CpuRingCommunicator:
         try:
             if world_size > 1:
                 self._left, self._right = wire.establish_ring(
-                    listener, addresses, secret, rank, world_size, timeout, socket_buffer_bytes
+                    listener, addresses, secret, rank, world_size, setup, socket_buffer_bytes
                 )
         finally:
             listener.close()
@@ -144,7 +147,7 @@ class CpuRingCommunicator:
             )
         if shared_memory is not None:
             try:
-                self._shm = build_shm_group(rank, world_size, shared_memory, secret, timeout)
+                self._shm = build_shm_group(rank, world_size, shared_memory, secret, setup)
             except BaseException:
                 self.close()
                 raise
@@ -446,15 +449,19 @@ def connect_cpu_ring(
     socket_buffer_bytes: int | None = None,
     node_rank: int | None = None,
     shared_memory: bool = True,
+    setup_timeout: float | None = None,
 ) -> CpuRingCommunicator:
     """Bind on ``host``, exchange addresses through ``store``, and build the ring.
 
     ``host`` must be an address the other ranks can reach. When every rank runs on
     this host (and, if given, on the same ``node_rank``), all_reduce goes through
     shared memory instead (``shared_memory=False`` on any rank keeps the TCP ring).
-    The store's own errors (e.g. the SDK's timeout) pass through unchanged.
+    ``setup_timeout`` (default ``timeout``) bounds the whole setup; ``timeout`` then
+    bounds each collective. The store's own errors pass through unchanged, but a
+    setup that runs out of time names the peer it was waiting for.
     """
-    deadline = time.monotonic() + timeout
+    setup = timeout if setup_timeout is None else setup_timeout
+    deadline = time.monotonic() + setup
     shm = shared_memory_plan(store, rank, world_size, node_rank, shared_memory, deadline)
     try:
         listener = wire.create_listener(host, socket_buffer_bytes)
@@ -469,24 +476,31 @@ def connect_cpu_ring(
         addresses = []
         for peer in range(world_size):
             remaining = max(0.001, deadline - time.monotonic())
-            value = store.kv_get(f"cpu-ring/addr/{peer}", wait=True, timeout=remaining)
+            try:
+                value = store.kv_get(f"cpu-ring/addr/{peer}", wait=True, timeout=remaining)
+            except TimeoutError as exc:
+                raise CommunicatorTimeout(
+                    f"rank {rank}: cpu ring setup waited {setup:g} s for rank {peer}'s ring "
+                    f"address; rank {peer} has not reached its communicator setup (still "
+                    "starting, or stuck before it). Raise setup_timeout_s if it is just slow"
+                ) from exc
             addresses.append(_parse_address(value, peer))
     except BaseException:
         listener.close()
         if shm is not None:
             shm.listener.close()
         raise
-    remaining = max(0.001, deadline - time.monotonic())
     return CpuRingCommunicator(
         rank,
         world_size,
         listener,
         addresses,
         secret,
-        remaining,
+        timeout,
         chunk_bytes=chunk_bytes,
         socket_buffer_bytes=socket_buffer_bytes,
         shared_memory=shm,
+        setup_timeout=max(0.001, deadline - time.monotonic()),
     )
 
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from rendezvousd.address import AddressError, route_source
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.trainer.communicator import Communicator
 from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
+from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.retry import with_retry
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
@@ -78,6 +81,12 @@ def init_distributed(
     environ = os.environ if env is None else env
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
+    try:
+        tls = transport.tls()
+        endpoint_for_route = transport.endpoint or "unix:local"
+        ring_host = config.ring_host or route_source(endpoint_for_route)
+    except (AddressError, OSError) as exc:
+        raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
     rdzv = connect(
         transport.kind,
         path=transport.path,
@@ -85,6 +94,7 @@ def init_distributed(
         job_id=config.job_id,
         token_file=transport.token_file,
         retry_attempts=config.retry_attempts,
+        tls=tls,
     )
     # None (node_rank 'auto'): the daemon assigns the node; the local rank is still ours.
     placement = config.topology()
@@ -104,10 +114,15 @@ def init_distributed(
         gpus_per_node=config.local_world_size,
         node_rank=placement.node_rank if placement is not None else None,
         local_rank=local_rank,
+        address=ring_host if config.backend == "cpu" else "",
         id_factory=id_factory,
         timeout=config.join_timeout_s,
     )
     rendezvous_s = time.monotonic() - started
+    # Liveness from the first moment: a slow communicator setup must not read as a
+    # silent member, and a peer lost during setup must end it at once.
+    relay = _FailureRelay()
+    rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
     topology = MultiNodeTopology.from_global_rank(
         membership.rank, config.num_nodes, config.local_world_size
     )
@@ -121,19 +136,49 @@ def init_distributed(
             membership.unique_id,
             topology.local_rank,
             topology.node_rank,
+            ring_host,
         ),
         attempts=config.retry_attempts,
     )
-    # A dead peer must end the step with the peer-failed error, not a hang.
-    rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=lambda e: _abort(communicator, e))
+    relay.attach(communicator)
     if topology.is_global_rank_zero:
         log.info("%s rendezvous=%.3fs", config.rank0_log_line(), rendezvous_s)
     return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
 
 
+class _FailureRelay:
+    """Hands the rendezvous' failure report to the communicator, whenever it exists.
+
+    The heartbeat starts before the communicator is built; a failure reported in
+    between is kept and applied the moment the communicator is attached.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._communicator: Communicator | None = None
+        self._error: RendezvousError | None = None
+
+    def fail(self, error: RendezvousError) -> None:
+        with self._lock:
+            self._error = self._error or error
+            communicator = self._communicator
+        if communicator is not None:
+            _abort(communicator, error)
+
+    def attach(self, communicator: Communicator) -> None:
+        with self._lock:
+            self._communicator = communicator
+            error = self._error
+        if error is not None:
+            _abort(communicator, error)
+
+
 def _abort(communicator: Communicator, error: RendezvousError) -> None:
-    log.error("aborting collectives: %s", error)
-    communicator.abort(str(error))
+    # The error's class is the cause: PeerFailed (a peer died), JobAborted, or
+    # DaemonUnreachable (failure detection is gone: this node may be cut off).
+    cause = f"{type(error).__name__}: {error}"
+    log.error("aborting collectives: %s", cause)
+    communicator.abort(cause)
 
 
 def _communicator(
@@ -144,6 +189,7 @@ def _communicator(
     secret: bytes,
     local_rank: int,
     node_rank: int,
+    ring_host: str,
 ) -> Communicator:
     if config.backend == "nccl":
         from rendezvousd.trainer.nccl import NcclCommunicator
@@ -158,8 +204,9 @@ def _communicator(
         rank=rank,
         world_size=world_size,
         secret=secret,
-        host=config.ring_host,
+        host=ring_host,
         timeout=config.collective_timeout_s,
+        setup_timeout=config.setup_timeout_s,
         node_rank=node_rank,
         shared_memory=config.cpu_shared_memory,
     )
