@@ -18,12 +18,16 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client._session import LEAVE_TIMEOUT_S, SLACK_S, Session, StreamWatch
 from rendezvousd.client.connection import (
     SERVICE,
+    TLS_PROBE_TIMEOUT_S,
+    TLS_PROBES,
     RetryPolicy,
     TlsConfig,
+    TlsProbe,
     channel_options,
     resolve_token,
 )
 from rendezvousd.client.errors import (
+    AuthenticationError,
     DaemonUnavailable,
     InvalidRequest,
     RendezvousError,
@@ -57,6 +61,7 @@ class AsyncRendezvousClient:
             call_timeout,
             connect_timeout,
         )
+        self._tls_probe = TlsProbe(endpoint) if tls is not None else None
         options = channel_options(self._s.retry, tls.server_name if tls else None)
         if tls is not None:
             self._channel = grpc.aio.secure_channel(endpoint, tls.credentials(), options=options)
@@ -104,6 +109,7 @@ class AsyncRendezvousClient:
             # Connected already: the daemon is reachable, and a draining daemon
             # answers the Join itself with DRAINING, which the SDK raises at once.
             return
+        await self._probe_tls(request)
         attempt = 0
         while True:
             attempt += 1
@@ -123,6 +129,33 @@ class AsyncRendezvousClient:
                     job_id=self._s.job_id,
                 )
             await asyncio.sleep(self._s.retry.backoff(attempt))
+
+    async def _probe_tls(self, request: health_pb2.HealthCheckRequest) -> None:
+        """Raise at once when the daemon refuses our TLS; see ``TlsProbe``."""
+        probe = self._tls_probe
+        for _ in range(TLS_PROBES if probe is not None else 0):
+            assert probe is not None
+            try:
+                await self._health.Check(
+                    request,
+                    timeout=TLS_PROBE_TIMEOUT_S,
+                    wait_for_ready=False,
+                    metadata=self._s.metadata,
+                )
+                return
+            except grpc.RpcError as exc:
+                refusal = probe.refusal(exc)
+                if refusal is not None:
+                    raise AuthenticationError(
+                        refusal,
+                        code="UNAVAILABLE",
+                        endpoint=self._s.endpoint,
+                        method="Check",
+                        job_id=self._s.job_id,
+                    ) from None
+                if "socket closed" not in str(exc.details() or "").lower():
+                    return
+            await asyncio.sleep(0.2)
 
     async def join(
         self,

@@ -160,3 +160,46 @@ def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[s
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return options
+
+
+#: Fast probes of a TLS channel before the patient, wait-for-ready health check.
+TLS_PROBES = 3
+TLS_PROBE_TIMEOUT_S = 2.0
+
+
+class TlsProbe:
+    """Tells a TLS refusal from a daemon that is merely not up yet.
+
+    A waiting (waitForReady) call never reports why it cannot connect, so a wrong
+    CA or a missing client certificate would look like "daemon unreachable" after
+    the whole connect timeout. One call that does not wait reports the transport's
+    reason at once: a failed handshake is final; a connection the daemon keeps
+    closing right after accepting it is how a mutual-TLS daemon refuses a client
+    without an acceptable certificate. Anything else is left to the patient check.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.closed = 0
+
+    def refusal(self, exc: grpc.RpcError) -> str | None:
+        """The TLS refusal ``exc`` shows, or None to keep going (returns, too, when
+        the daemon answered or is simply down)."""
+        details = str(exc.details() or "")
+        lowered = details.lower()
+        if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
+            reason = details.rsplit("last error: ", 1)[-1]
+            return (
+                f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. Check "
+                "tls_ca (it must have signed the daemon's certificate) and tls_server_name"
+            )
+        if "socket closed" in lowered:
+            self.closed += 1
+            if self.closed >= TLS_PROBES:
+                return (
+                    f"rendezvousd at {self.endpoint} closes every TLS connection during the "
+                    "handshake: it requires a client certificate (mTLS) signed by its "
+                    "--tls-client-ca. Give tls_cert and tls_key, or check that they are "
+                    "signed by that CA"
+                )
+        return None

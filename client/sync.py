@@ -18,12 +18,16 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client._session import LEAVE_TIMEOUT_S, SLACK_S, Session, StreamWatch
 from rendezvousd.client.connection import (
     SERVICE,
+    TLS_PROBE_TIMEOUT_S,
+    TLS_PROBES,
     RetryPolicy,
     TlsConfig,
+    TlsProbe,
     channel_options,
     resolve_token,
 )
 from rendezvousd.client.errors import (
+    AuthenticationError,
     DaemonUnavailable,
     InvalidRequest,
     RendezvousError,
@@ -65,6 +69,7 @@ class RendezvousClient:
             call_timeout,
             connect_timeout,
         )
+        self._tls_probe = TlsProbe(endpoint) if tls is not None else None
         options = channel_options(self._s.retry, tls.server_name if tls else None)
         if tls is not None:
             self._channel = grpc.secure_channel(endpoint, tls.credentials(), options=options)
@@ -114,6 +119,7 @@ class RendezvousClient:
     def check_health(self) -> None:
         """Fail fast, with one clear error, when the daemon is down or draining."""
         request = health_pb2.HealthCheckRequest(service=SERVICE)
+        self._probe_tls(request)
         attempt = 0
         while True:
             attempt += 1
@@ -134,6 +140,33 @@ class RendezvousClient:
                     job_id=self._s.job_id,
                 )
             time.sleep(self._s.retry.backoff(attempt))
+
+    def _probe_tls(self, request: health_pb2.HealthCheckRequest) -> None:
+        """Raise at once when the daemon refuses our TLS; see ``TlsProbe``."""
+        probe = self._tls_probe
+        for _ in range(TLS_PROBES if probe is not None else 0):
+            assert probe is not None
+            try:
+                self._health.Check(
+                    request,
+                    timeout=TLS_PROBE_TIMEOUT_S,
+                    wait_for_ready=False,
+                    metadata=self._s.metadata,
+                )
+                return
+            except grpc.RpcError as exc:
+                refusal = probe.refusal(exc)
+                if refusal is not None:
+                    raise AuthenticationError(
+                        refusal,
+                        code="UNAVAILABLE",
+                        endpoint=self._s.endpoint,
+                        method="Check",
+                        job_id=self._s.job_id,
+                    ) from None
+                if "socket closed" not in str(exc.details() or "").lower():
+                    return
+            time.sleep(0.2)
 
     # -- membership -----------------------------------------------------------
 

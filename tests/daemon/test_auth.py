@@ -8,11 +8,13 @@ metadata it chooses. No assertion message ever contains a token.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client import RendezvousClient, TlsConfig
+from rendezvousd.client import AuthenticationError, RendezvousClient, TlsConfig
 from tests.support import ROOT, DaemonProcess, Pki, write_token
 
 Metadata = Sequence[tuple[str, str | bytes]]
@@ -463,6 +465,40 @@ def test_mtls_requires_a_client_certificate_from_the_ca(
     # A certificate does not replace the token either.
     with grpc.secure_channel(d.endpoint, good) as ch:
         assert call(ch, f"/{SERVICE}/ListJobs", None) is grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("no client certificate", "requires a client certificate (mTLS)"),
+        ("daemon signed by another CA", "TLS handshake with rendezvousd"),
+        ("client certificate from another CA", "requires a client certificate (mTLS)"),
+    ],
+)
+def test_sdk_names_a_tls_refusal_at_once_instead_of_waiting_for_the_daemon(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str, case: str, expected: str
+) -> None:
+    d = start_daemon(
+        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca),
+    )  # fmt: skip
+    tls = {
+        "no client certificate": TlsConfig(ca=pki.ca),
+        "daemon signed by another CA": TlsConfig(
+            ca=pki.rogue_ca, cert=pki.client, key=pki.client_key
+        ),
+        "client certificate from another CA": TlsConfig(
+            ca=pki.ca, cert=pki.rogue, key=pki.rogue_key
+        ),
+    }[case]
+    started = time.monotonic()
+    with (
+        RendezvousClient(d.endpoint, job_id, token=d.token, tls=tls, connect_timeout=30) as c,
+        pytest.raises(AuthenticationError, match=re.escape(expected)) as info,
+    ):
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    assert time.monotonic() - started < 5, "the refusal waited for the connect timeout"
+    assert d.endpoint in str(info.value)
 
 
 def test_health_and_status_commands_speak_tls(

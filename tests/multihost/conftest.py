@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.multihost.cluster import Cluster, start_cluster
 from tests.multihost.netns import Hosts, unavailable_reason
 
 
@@ -26,3 +28,22 @@ def make_hosts() -> Iterator[Callable[[int], Hosts]]:
     yield make
     for hosts in stack:
         hosts.teardown()
+
+
+@pytest.fixture
+def make_cluster(
+    make_hosts: Callable[[int], Hosts], tmp_path: Path
+) -> Iterator[Callable[..., Cluster]]:
+    """``make_cluster(nodes, *daemon_flags)``: rendezvousd on h0 and ``nodes`` more hosts."""
+    made: list[Cluster] = []
+
+    def make(nodes: int, *daemon_flags: str, listen_port: int = 0) -> Cluster:
+        cluster = start_cluster(
+            make_hosts(nodes + 1), tmp_path, *daemon_flags, listen_port=listen_port
+        )
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop()

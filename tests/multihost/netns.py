@@ -46,8 +46,24 @@ class Host:
     address: str
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this host's namespace."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+        """``argv`` run inside this host's namespace, under its own hostname (a UTS
+        namespace), as a process on a separate machine would see itself."""
+        if not argv:
+            return ["ip", "netns", "exec", self.netns]
+        setname = 'hostname "$0" && exec "$@"'
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.netns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            setname,
+            self.name,
+            *argv,
+        ]
 
     def popen(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kw: object

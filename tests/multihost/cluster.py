@@ -1,0 +1,178 @@
+"""A training cluster on namespace hosts: rendezvousd on h0, one node per other host.
+
+Nodes run ``rendezvous-run`` with the training example, exactly as a user would on
+separate machines; nothing sets an address by hand. Each worker writes its result
+as ``results/rank-N.json``; each launcher's stderr is kept for the assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+from tests.multihost.netns import Host, Hosts
+from tests.support import DaemonProcess, spawn_daemon
+
+LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")
+EXAMPLE = ("-m", "rendezvousd.trainer.example")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+@dataclass
+class Node:
+    index: int
+    host: Host
+    proc: subprocess.Popen[str]
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def first(self, needle: str) -> float | None:
+        """When the first stderr line containing ``needle`` was logged (epoch seconds)."""
+        for seen, line in self.lines:
+            if needle in line:
+                stamp = _STAMP.match(line)
+                if stamp:
+                    return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                return seen
+        return None
+
+    def worker_pids(self) -> list[int]:
+        """The launcher's children: the workers of this node."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _pump(stream: IO[str], sink: list[tuple[float, str]]) -> None:
+    for line in stream:
+        sink.append((time.time(), line.rstrip("\n")))
+
+
+@dataclass
+class Cluster:
+    hosts: Hosts
+    daemon: DaemonProcess
+    workdir: Path
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def head(self) -> Host:
+        return self.hosts[0]
+
+    def launch(
+        self,
+        num_nodes: int,
+        per_node: int,
+        *,
+        job: str,
+        launcher_args: Sequence[str] = (),
+        example_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        nodes: Sequence[int] | None = None,
+    ) -> list[Node]:
+        """Start ``rendezvous-run`` for nodes 0..num_nodes-1 on hosts h1, h2, ..."""
+        started = []
+        for n in nodes if nodes is not None else range(num_nodes):
+            cmd = [
+                *LAUNCH,
+                "--nnodes",
+                str(num_nodes),
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                str(per_node),
+                "--rdzv-endpoint",
+                self.daemon.endpoint,
+                "--token-file",
+                str(self.daemon.token_file),
+                "--job-id",
+                job,
+                "--backend",
+                "cpu",
+                *launcher_args,
+                *EXAMPLE,
+                "--result-dir",
+                str(self.workdir / job / "results"),
+                *example_args,
+            ]
+            host = self.hosts[1 + n]
+            proc = host.popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            node = Node(n, host, proc)
+            assert proc.stderr is not None
+            node.reader = threading.Thread(
+                target=_pump, args=(proc.stderr, node.lines), daemon=True
+            )
+            node.reader.start()
+            started.append(node)
+        self.nodes += started
+        return started
+
+    def wait(self, nodes: Sequence[Node], timeout: float = 120.0) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = [n.proc.wait(max(0.1, deadline - time.monotonic())) for n in nodes]
+        for n in nodes:
+            assert n.reader is not None
+            n.reader.join(5)
+        return codes
+
+    def results(self, job: str) -> list[dict[str, Any]]:
+        folder = self.workdir / job / "results"
+        return [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
+
+    def job_members(self, job: str) -> list[dict[str, Any]]:
+        """The daemon's member table of ``job`` (asked from h0, where it is reachable)."""
+        probe = (
+            "import json, sys\n"
+            "from rendezvousd.client import RendezvousClient\n"
+            "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
+            "    job = c.get_job()\n"
+            "    print(json.dumps([{'rank': m.member.rank, 'host': m.member.host,\n"
+            "                       'address': m.member.address} for m in job.members]))\n"
+        )
+        out = subprocess.run(
+            self.head.command(
+                [
+                    sys.executable,
+                    "-c",
+                    probe,
+                    self.daemon.endpoint,
+                    job,
+                    str(self.daemon.token_file),
+                ]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        members: list[dict[str, Any]] = json.loads(out)
+        return members
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait(10)
+        self.daemon.kill()
+
+
+def start_cluster(hosts: Hosts, workdir: Path, *daemon_flags: str, listen_port: int = 0) -> Cluster:
+    """rendezvousd on h0 (plaintext unless TLS flags are given) and an empty cluster."""
+    head = hosts[0]
+    secure = "--tls-cert" in daemon_flags
+    flags = [*daemon_flags] if secure else ["--insecure-plaintext", *daemon_flags]
+    daemon = spawn_daemon(
+        workdir, *flags, listen=f"{head.address}:{listen_port}", prefix=head.command([])
+    )
+    return Cluster(hosts, daemon, workdir)
