@@ -134,11 +134,14 @@ class Cluster:
         """The daemon's member table of ``job`` (asked from h0, where it is reachable)."""
         probe = (
             "import json, sys\n"
-            "from rendezvousd.client import RendezvousClient\n"
+            "from rendezvousd.client import NotFound, RendezvousClient\n"
             "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
-            "    job = c.get_job()\n"
+            "    try:\n"
+            "        members = c.get_job().members\n"
+            "    except NotFound:\n"
+            "        members = []\n"
             "    print(json.dumps([{'rank': m.member.rank, 'host': m.member.host,\n"
-            "                       'address': m.member.address} for m in job.members]))\n"
+            "                       'address': m.member.address} for m in members]))\n"
         )
         out = subprocess.run(
             self.head.command(

@@ -1,0 +1,154 @@
+"""Faults across real network hosts: each is reported on every node within seconds,
+naming its cause. rendezvousd runs on h0 with a 3 s heartbeat timeout; nodes run on
+h1..h3 with 2 workers each (node n's local rank l is global rank 2n + l)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.multihost.cluster import Cluster, Node, start_cluster
+from tests.multihost.netns import Hosts
+from tests.support import spawn_daemon, wait_for
+
+HEARTBEAT_TIMEOUT_S = 3.0
+DAEMON = ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
+LAUNCHER = ("--heartbeat-interval-s", "0.5")
+LONG_RUN = (
+    "--steps", "100000", "--step-sleep", "0.02", "--log-every", "10",
+    "--samples", "1024", "--hidden", "32",
+)  # fmt: skip
+ABORT = "aborting collectives: "
+
+
+def _training(cluster: Cluster, job: str, num_nodes: int = 3) -> list[Node]:
+    nodes = cluster.launch(num_nodes, 2, job=job, launcher_args=LAUNCHER, example_args=LONG_RUN)
+    wait_for("rank 0's first steps", lambda: nodes[0].first("step 11/") is not None, 60)
+    return nodes
+
+
+def _detected(node: Node, cause: str, since: float, within: float) -> str:
+    """The node's abort line naming ``cause``, logged within ``within`` s of ``since``."""
+    wait_for(
+        f"node {node.index} to report {cause}",
+        lambda: node.first(ABORT + cause) is not None,
+        within + 5,
+    )
+    at = node.first(ABORT + cause)
+    assert at is not None
+    assert at - since <= within, f"node {node.index} took {at - since:.2f} s to report {cause}"
+    return next(line for _, line in node.lines if ABORT + cause in line)
+
+
+def test_killed_worker_is_reported_on_every_node_within_a_second(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(3, *DAEMON)
+    nodes = _training(cluster, "kill9")
+    killed_at = time.time()
+    os.kill(nodes[2].worker_pids()[0], signal.SIGKILL)  # global rank 4
+    for node in nodes:
+        line = _detected(node, "PeerFailed", killed_at, 1.0)
+        assert "lost rank 4 on h3" in line, line
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+def test_stopped_worker_is_reported_after_the_heartbeat_timeout(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(3, *DAEMON)
+    nodes = _training(cluster, "sigstop")
+    victim = nodes[1].worker_pids()[1]  # global rank 3
+    stopped_at = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        for node in (nodes[0], nodes[2]):
+            line = _detected(node, "PeerFailed", stopped_at, HEARTBEAT_TIMEOUT_S + 1.0)
+            assert "lost rank 3 on h2" in line and "no heartbeat" in line, line
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+def test_cut_off_node_blames_the_daemon_and_the_others_blame_it(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(3, *DAEMON)
+    nodes = _training(cluster, "partition")
+    cut_at = time.time()
+    cluster.hosts.link(nodes[2].host, up=False)
+    within = HEARTBEAT_TIMEOUT_S + 1.0
+    for node in nodes[:2]:
+        line = _detected(node, "PeerFailed", cut_at, within)
+        assert "on h3" in line, line
+    line = _detected(nodes[2], "DaemonUnreachable", cut_at, within)
+    assert cluster.daemon.endpoint in line, line
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+def test_daemon_killed_and_restarted_with_its_state_dir_does_not_stop_training(
+    make_hosts: Callable[[int], Hosts], tmp_path: os.PathLike[str]
+) -> None:
+    from pathlib import Path
+
+    workdir = Path(tmp_path)
+    state = ("--state-dir", str(workdir / "state"), *DAEMON)
+    cluster = start_cluster(make_hosts(3), workdir, *state, listen_port=29420)
+    try:
+        nodes = cluster.launch(
+            2, 2, job="restart", launcher_args=LAUNCHER,
+            example_args=("--steps", "150", "--step-sleep", "0.02", "--log-every", "10",
+                          "--samples", "1024", "--hidden", "32"),
+        )  # fmt: skip
+        wait_for("rank 0's first steps", lambda: nodes[0].first("step 11/") is not None, 60)
+        cluster.daemon.kill()
+        cluster.daemon = spawn_daemon(
+            workdir,
+            "--insecure-plaintext",
+            *state,
+            token=cluster.daemon.token,
+            listen=f"{cluster.head.address}:29420",
+            prefix=cluster.head.command([]),
+        )
+        assert cluster.wait(nodes, 90) == [0, 0], [n.text()[-2000:] for n in nodes]
+        assert len(cluster.results("restart")) == 4
+    finally:
+        cluster.stop()
+
+
+def test_daemon_gone_for_good_is_reported_on_every_node(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(2, *DAEMON)
+    nodes = _training(cluster, "gone", num_nodes=2)
+    gone_at = time.time()
+    cluster.daemon.kill()
+    for node in nodes:
+        line = _detected(node, "DaemonUnreachable", gone_at, HEARTBEAT_TIMEOUT_S + 1.0)
+        assert cluster.daemon.endpoint in line, line
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+@pytest.mark.parametrize("wrong_first", [False, True], ids=["wrong-last", "wrong-first"])
+def test_wrong_node_count_fails_every_node_at_once_naming_both(
+    make_cluster: Callable[..., Cluster], wrong_first: bool
+) -> None:
+    cluster = make_cluster(3, *DAEMON)
+    started = time.monotonic()
+    wrong = []
+    if wrong_first:
+        wrong = cluster.launch(3, 2, job="nnodes", example_args=LONG_RUN, nodes=[2])
+    right = cluster.launch(2, 2, job="nnodes", example_args=LONG_RUN)
+    if not wrong_first:
+        wait_for("a right node to join", lambda: cluster.job_members("nnodes") != [], 30)
+        wrong = cluster.launch(3, 2, job="nnodes", example_args=LONG_RUN, nodes=[2])
+    codes = cluster.wait([*right, *wrong], 60)
+    assert all(code != 0 for code in codes), codes
+    assert time.monotonic() - started < 30
+    for node in [*right, *wrong]:
+        text = node.text()
+        assert "num_nodes=2" in text and "num_nodes=3" in text, text[-3000:]
