@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,16 @@ import pytest
 from rendezvousd.trainer import demo, shm_group
 from rendezvousd.trainer.errors import CommunicatorTimeout, RetriesExhausted
 from rendezvousd.trainer.retry import with_retry
-from tests.support import ROOT, WORKERS, DaemonProcess, free_port, spawn_daemon, write_token
+from rendezvousd.trainer.supervisor import WorkerExit, first_failure
+from tests.support import (
+    ROOT,
+    WORKERS,
+    DaemonProcess,
+    free_port,
+    spawn_daemon,
+    wait_for,
+    write_token,
+)
 
 LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
@@ -355,3 +366,126 @@ def test_example_without_a_launcher_runs_as_a_world_of_one(tmp_path: Path) -> No
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 3/3" in run.stderr + run.stdout
     assert "world_size=1" in run.stderr + run.stdout
+
+
+def _launch_node(d: DaemonProcess, job: str, node: int, stop: Path) -> subprocess.Popen[str]:
+    """One simulated node of 2 running tests/workers/trainer_worker.py; the
+    workers' JSON lines come out on the launcher's stdout (they inherit it)."""
+    return subprocess.Popen(
+        [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            d.endpoint,
+            "--token-file",
+            str(d.token_file),
+            "--job-id",
+            job,
+            "--config",
+            str(SMOKE),
+            str(WORKERS / "trainer_worker.py"),
+            str(stop),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _running_pids(nodes: list[subprocess.Popen[str]]) -> dict[int, int]:
+    """Global rank -> worker pid, once every worker of every node is in its loop."""
+    pids: dict[int, int] = {}
+    for n in nodes:
+        assert n.stdout is not None
+        events = [json.loads(n.stdout.readline()) for _ in range(4)]  # 2 ready + 2 reducing
+        assert [e["event"] for e in events].count("reducing") == 2, events
+        pids.update({e["rank"]: e["pid"] for e in events if e["event"] == "ready"})
+    assert sorted(pids) == [0, 1, 2, 3]
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie waiting for whoever inherited it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon("--heartbeat-timeout-s", "5")
+    nodes = [_launch_node(d, job_id, n, tmp_path / "stop") for n in range(2)]
+    try:
+        pids = _running_pids(nodes)
+        os.kill(pids[3], signal.SIGKILL)
+        outs = [n.communicate(timeout=30) for n in nodes]
+    finally:
+        (tmp_path / "stop").touch()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    host = socket.gethostname()
+    for n, (_, err) in zip(nodes, outs, strict=True):
+        assert n.returncode != 0, err
+        causes = [line for line in err.splitlines() if "root cause:" in line]
+        assert len(causes) == 1, err
+        # The daemon's record, on both nodes: the killed rank, not a sibling that
+        # failed right after it with PeerFailed.
+        assert re.search(
+            rf"root cause: rank 3 \(node 1, local rank 1\) on host {re.escape(host)} "
+            r"was lost \(.+\)",
+            causes[0],
+        ), err
+    # Node 1 saw the kill itself: its first local failure is rank 3, not rank 2.
+    assert "worker rank 3 (pid" in outs[1][1] and "signal SIGKILL" in outs[1][1], outs[1][1]
+    assert nodes[1].returncode == 128 + signal.SIGKILL
+
+
+def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon("--heartbeat-timeout-s", "5")
+    nodes = [_launch_node(d, job_id, n, tmp_path / "stop") for n in range(2)]
+    try:
+        pids = _running_pids(nodes)
+        nodes[1].kill()
+        nodes[1].wait(10)
+        wait_for(
+            "node 1's workers to die with their launcher",
+            lambda: all(_gone(pids[r]) for r in (2, 3)),
+            timeout=3,
+        )
+        out, err = nodes[0].communicate(timeout=30)
+    finally:
+        (tmp_path / "stop").touch()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    errors = [json.loads(line) for line in out.splitlines() if '"error"' in line]
+    assert len(errors) == 2, out
+    for e in errors:
+        # Told by whichever comes first: the daemon (PeerFailed, or the abort it
+        # triggers) or the ring connection to a dead neighbour.
+        assert e["type"] in {"PeerFailed", "CommunicatorAborted", "PeerConnectionError"}, e
+        assert re.search(r"rank [23]\b", e["message"]), e
+    assert nodes[0].returncode == 3, err  # the workers' own exit code, passed on
+    assert re.search(r"root cause: rank [23] .* was lost", err), err
+
+
+def test_root_cause_among_failures_reaped_together_is_the_killed_one() -> None:
+    killed = WorkerExit(1, "rank 1", 11, -signal.SIGKILL, at=10.02)
+    sibling = WorkerExit(0, "rank 0", 10, 3, at=10.0)
+    later = WorkerExit(2, "rank 2", 12, -signal.SIGTERM, at=11.0)
+    # Stamped in the same instant: the signal death is the cause, whatever the order.
+    assert first_failure([sibling, killed]) is killed
+    # Clearly apart: the first to exit, even if a later one died of a signal.
+    assert first_failure([later, sibling]) is sibling
+    assert killed.exit_status == 128 + signal.SIGKILL and sibling.exit_status == 3
