@@ -28,6 +28,7 @@ from tests.support import (
     WORKERS,
     DaemonProcess,
     free_port,
+    parallel,
     spawn_daemon,
     wait_for,
     write_token,
@@ -489,3 +490,113 @@ def test_root_cause_among_failures_reaped_together_is_the_killed_one() -> None:
     # Clearly apart: the first to exit, even if a later one died of a signal.
     assert first_failure([later, sibling]) is sibling
     assert killed.exit_status == 128 + signal.SIGKILL and sibling.exit_status == 3
+
+
+TINY = ("--samples", "128", "--features", "8", "--hidden", "16", "--batch", "8")
+
+
+def _train(d: DaemonProcess, job: str, run: Path, steps: int, *extra: str) -> list[str]:
+    """2 simulated nodes x 2 workers of the example through rendezvous-run, each
+    node with its own checkpoint directory (node-local disks); the launchers'
+    stderr. Results land in ``run``/results, checkpoints in ``run``/node-N."""
+    nodes = [
+        subprocess.Popen(
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-endpoint",
+                d.endpoint,
+                "--token-file",
+                str(d.token_file),
+                "--job-id",
+                job,
+                "--config",
+                str(SMOKE),
+                "-m",
+                "rendezvousd.trainer.example",
+                *TINY,
+                "--steps",
+                str(steps),
+                "--log-every",
+                "1",
+                "--result-dir",
+                str(run / "results"),
+                "--checkpoint-dir",
+                str(run / f"node-{n}"),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        return [n.communicate(timeout=60)[1] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+
+
+def _results(run: Path) -> list[dict[str, object]]:
+    return [json.loads((run / "results" / f"rank-{r}.json").read_text()) for r in range(4)]
+
+
+def test_resume_on_node_local_disks_agrees_on_the_step_and_matches_a_straight_run(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    # The straight run and the first half are independent jobs: run them together.
+    logs = parallel(
+        [
+            lambda: _train(d, f"{job_id}-s", straight, 8, "--checkpoint-every", "0"),
+            lambda: _train(d, f"{job_id}-a", first, 5, "--checkpoint-every", "2"),
+        ],
+        limit=90,
+    )
+    assert all(isinstance(log, list) for log in logs), logs
+    # Only node 0 (global rank 0) has checkpoints: every 2 steps and at the end.
+    assert sorted(p.name for p in (first / "node-0").iterdir()) == [
+        "ckpt-0000000002.npz",
+        "ckpt-0000000004.npz",
+        "ckpt-0000000005.npz",
+    ]
+    assert not (first / "node-1").exists() or not any((first / "node-1").iterdir())
+    # Resume on the same node-local disks: node 1 has no checkpoint to read.
+    (resumed / "results").mkdir(parents=True)
+    for n in range(2):
+        if (first / f"node-{n}").exists():
+            (first / f"node-{n}").rename(resumed / f"node-{n}")
+    errs = _train(d, f"{job_id}-b", resumed, 8, "--resume", "--checkpoint-every", "0")
+    after = _results(resumed)
+    assert [r["start_step"] for r in after] == [5, 5, 5, 5], errs
+    assert [r["steps"] for r in after] == [3, 3, 3, 3]
+    reference = _results(straight)
+    assert {r["start_step"] for r in reference} == {0}
+    # Bit-identical with the cpu backend: same parameter bytes and loss everywhere.
+    assert {r["params_sha256"] for r in after + reference} == {reference[0]["params_sha256"]}
+    assert {r["final_loss"] for r in after + reference} == {reference[0]["final_loss"]}
+
+
+def test_resume_from_a_corrupt_checkpoint_fails_loudly_naming_the_file(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    bad = tmp_path / "node-0" / "ckpt-0000000004.npz"
+    bad.parent.mkdir()
+    bad.write_bytes(b"PK\x03\x04 not a whole zip archive")
+    errs = _train(d, job_id, tmp_path, 8, "--resume")
+    assert f"rank 0 cannot resume: checkpoint {bad} is corrupt" in errs[0], errs[0]
+    # The other node is told through the rendezvous and names the same cause.
+    for err in errs:
+        assert re.search(r"root cause: rank 0 \(node 0, local rank 0\) on host .* was lost", err), (
+            err
+        )
+    assert not (tmp_path / "results").exists()  # nobody trained from step 0 instead

@@ -16,6 +16,7 @@ import numpy as np
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import TrainerError
+from rendezvousd.trainer.failure import close_after_failure
 
 
 def emit(event: dict[str, object]) -> None:
@@ -56,7 +57,7 @@ def main() -> int:
         return 0
     except (TrainerError, RendezvousError) as exc:
         emit({"event": "error", "type": type(exc).__name__, "message": str(exc), "at": time.time()})
-        ctx.close(clean=False)
+        close_after_failure(ctx, exc)
         return 3
 
 
