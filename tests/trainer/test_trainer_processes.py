@@ -600,3 +600,41 @@ def test_resume_from_a_corrupt_checkpoint_fails_loudly_naming_the_file(
             err
         )
     assert not (tmp_path / "results").exists()  # nobody trained from step 0 instead
+
+
+def test_launcher_with_its_daemon_gone_still_names_the_local_failure_promptly(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['LOCAL_RANK'] == '1':\n    sys.exit(5)\n"
+        "time.sleep(60)\n"
+    )
+    token = tmp_path / "tok"
+    write_token(token)
+    started = time.monotonic()
+    run = subprocess.run(
+        [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",  # nothing listens: the daemon is gone
+            "--token-file",
+            str(token),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 5, run.stderr
+    assert "worker rank 3 (pid" in run.stderr and "exit code 5" in run.stderr
+    assert "root cause: worker rank 3 on this node" in run.stderr
+    assert "could not be asked" in run.stderr and "Traceback" not in run.stderr
+    assert time.monotonic() - started < 20  # the best-effort query did not hang
