@@ -109,7 +109,7 @@ def agree_on_start(
         if latest is None:
             log.info("resume: no checkpoint in %s; starting at step 0", ckpt_dir)
         else:
-            step[0] = _load_into(latest, params)
+            step[0] = load_into(latest, params)
             log.info("resume: %s, step %d", latest, step[0])
     comm.broadcast(step, root=0)
     for name in PARAMS:
@@ -117,7 +117,7 @@ def agree_on_start(
     return int(step[0])
 
 
-def _load_into(path: Path, params: dict[str, Array]) -> int:
+def load_into(path: Path, params: dict[str, Array]) -> int:
     """Copy a checkpoint's parameters into ``params``; its step. Loud if unusable:
     silently starting over would discard the run the user asked to continue."""
     try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import queue
 import signal
@@ -72,7 +71,7 @@ def _die_with_parent_hook() -> Callable[[], None] | None:
     """A ``preexec_fn`` arming the parent-death signal, or None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the running process: libc is loaded
     prctl = libc.prctl
     launcher = os.getpid()
 
