@@ -89,6 +89,9 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
                 str(results_dir),
                 "--checkpoint-dir",
                 str(ckpt_dir),
+                # The scorecard checks for exactly one checkpoint, the final one.
+                "--checkpoint-every",
+                "0",
             ]
             proc = subprocess.Popen(
                 cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True

@@ -14,6 +14,7 @@ against the single-node baseline on identical data", measured on every run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import sys
@@ -34,6 +35,8 @@ from rendezvousd.trainer.checkpoint import (
 from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.data import ShardedLoader, shard_indices
 from rendezvousd.trainer.distributed import init_distributed
+from rendezvousd.trainer.errors import CheckpointError, TrainerError
+from rendezvousd.trainer.failure import close_after_failure
 from rendezvousd.trainer.topology import MultiNodeTopology
 
 log = logging.getLogger("rendezvousd.example")
@@ -90,6 +93,66 @@ def global_batch(
     return np.concatenate(parts)
 
 
+def agree_on_start(
+    ckpt_dir: Path | None, topo: MultiNodeTopology, comm: Any, params: dict[str, Array]
+) -> int:
+    """The step every rank resumes at; ``params`` then hold rank 0's state on all.
+
+    Only rank 0 reads checkpoints (they may exist on its node's disk alone): it
+    decides from its newest one, and the step and parameters reach every rank by
+    broadcast, so a node without the files resumes from the same step and bytes.
+    ``ckpt_dir`` None: no resume, everyone starts from rank 0's initial values.
+    """
+    step = np.zeros(1, dtype=np.int64)
+    if ckpt_dir is not None and topo.is_global_rank_zero:
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is None:
+            log.info("resume: no checkpoint in %s; starting at step 0", ckpt_dir)
+        else:
+            step[0] = load_into(latest, params)
+            log.info("resume: %s, step %d", latest, step[0])
+    comm.broadcast(step, root=0)
+    for name in PARAMS:
+        comm.broadcast(params[name], root=0)
+    return int(step[0])
+
+
+def load_into(path: Path, params: dict[str, Array]) -> int:
+    """Copy a checkpoint's parameters into ``params``; its step. Loud if unusable:
+    silently starting over would discard the run the user asked to continue."""
+    try:
+        arrays, meta = load_checkpoint(path)
+        for name in PARAMS:
+            saved = arrays.get(name)
+            if (
+                saved is None
+                or saved.shape != params[name].shape
+                or saved.dtype != params[name].dtype
+            ):
+                raise CheckpointError(
+                    f"checkpoint {path} does not match this model: {name} is "
+                    f"{None if saved is None else (saved.shape, str(saved.dtype))}, expected "
+                    f"{(params[name].shape, str(params[name].dtype))}; resume with the same "
+                    "--features/--hidden, or from another checkpoint directory"
+                )
+        step = meta.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint {path} has no valid step (step={step!r})")
+    except CheckpointError as exc:
+        raise CheckpointError(f"rank 0 cannot resume: {exc}") from exc
+    for name in PARAMS:
+        params[name][...] = arrays[name]
+    return step
+
+
+def params_digest(params: dict[str, Array]) -> str:
+    """SHA-256 of the parameters' bytes: equal digests mean bit-identical models."""
+    digest = hashlib.sha256()
+    for name in PARAMS:
+        digest.update(np.ascontiguousarray(params[name]).tobytes())
+    return digest.hexdigest()
+
+
 def bus_bandwidth(comm: Any, mib: float = 8.0, iters: int = 3) -> float:
     """nccl-tests busbw = S/t * 2(n-1)/n for an all-reduce of ``mib`` MiB, GB/s."""
     buf = np.ones(int(mib * 1024 * 1024 / 4), dtype=np.float32)
@@ -105,24 +168,14 @@ def bus_bandwidth(comm: Any, mib: float = 8.0, iters: int = 3) -> float:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     ctx = init_distributed(args.config)
-    ok = False
     try:
         topo, comm = ctx.topology, ctx.communicator
         x, y = make_data(args.samples, args.features, args.seed)
         params = init_params(args.features, args.hidden, args.seed)
-        start_step = 0
         ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-        if (
-            ckpt_dir is not None
-            and args.resume
-            and (latest := latest_checkpoint(ckpt_dir)) is not None
-        ):
-            arrays, meta = load_checkpoint(latest)
-            params = {k: arrays[k] for k in PARAMS}
-            start_step = int(meta["step"])
-        # Every rank resumes from the same bytes: rank 0's (checkpoint or init).
-        for name in PARAMS:
-            comm.broadcast(params[name], root=0)
+        if ckpt_dir is not None and topo.is_global_rank_zero:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+        start_step = agree_on_start(ckpt_dir if args.resume else None, topo, comm, params)
         grads = {k: np.zeros_like(v) for k, v in params.items()}
         reducer = BucketedAllReducer.from_config([grads[k] for k in PARAMS], comm, ctx.config)
         reducer.verify_layout(ctx.rendezvous, topo.rank, topo.world_size, timeout=60)
@@ -160,6 +213,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             for k in PARAMS:
                 params[k] -= (args.lr * grads[k]).astype(params[k].dtype)
             step += 1
+            every = args.checkpoint_every
+            if ckpt_dir is not None and every > 0 and step % every == 0 and step < args.steps:
+                save_checkpoint(
+                    checkpoint_path(ckpt_dir, step), params, {"step": step, "loss": loss}, rank=topo
+                )
             if args.step_sleep:
                 time.sleep(args.step_sleep)  # stands in for a longer forward/backward
         train_s = time.perf_counter() - started
@@ -167,19 +225,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ctx.rendezvous.raise_if_failed()
         wrote = False
         if ckpt_dir is not None:
-            if topo.is_global_rank_zero:
-                ckpt_dir.mkdir(parents=True, exist_ok=True)
             wrote = save_checkpoint(
                 checkpoint_path(ckpt_dir, step), params, {"step": step, "loss": loss}, rank=topo
             )
         reducer.close()
-        ok = True
-        return {
+        result = {
             "rank": topo.rank,
             "world_size": topo.world_size,
             "num_nodes": topo.num_nodes,
             "gpus_per_node": topo.gpus_per_node,
+            "start_step": start_step,
             "steps": step - start_step,
+            "params_sha256": params_digest(params),
             "final_loss": loss,
             "max_abs_grad_diff_vs_single_process": max_diff,
             "rendezvous_s": round(ctx.rendezvous_s, 4),
@@ -190,8 +247,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "backend": comm.backend,
             "collective_transport": getattr(comm, "transport", comm.backend),
         }
-    finally:
-        ctx.close(clean=ok)
+    except BaseException as exc:
+        close_after_failure(ctx, exc)
+        raise
+    ctx.close()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,14 +270,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--step-sleep", type=float, default=0.0, help="seconds of pretend compute per step"
     )
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--checkpoint-dir", default=None, help="rank 0 writes checkpoints here (its own disk)"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="checkpoint every N steps, and at the end (0: only at the end)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from rank 0's newest checkpoint; every rank gets its step and state",
+    )
     p.add_argument("--result-dir", default=None, help="each rank writes rank-N.json here")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
-    result = train(args)
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every={args.checkpoint_every} must be >= 0 (0: only at the end)")
+    try:
+        result = train(args)
+    except TrainerError as exc:
+        log.error("%s", exc)
+        return 1
     if args.result_dir:
         out = Path(args.result_dir) / f"rank-{result['rank']}.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,10 @@ auto`` lets the daemon assign node ranks at join; global ranks are then unknown
 until the workers have joined. Each worker gets the resolved settings as
 ``RENDEZVOUSD_*`` variables plus ``RENDEZVOUSD_LOCAL_RANK``, and, for user
 scripts, torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE and (when the node
-rank is known) RANK and NODE_RANK. If one worker fails, the others on this node
-are stopped, and the exit status is non-zero with a message naming the rank.
+rank is known) RANK and NODE_RANK. Workers die with the launcher (parent-death
+signal). If one worker fails, the others on this node are stopped, and the exit
+status is non-zero with a message naming the worker that failed first and the
+root cause the daemon recorded (the first rank it lost, on any node).
 ``--standalone`` runs an embedded daemon with a fresh token for single-machine jobs.
 """
 
@@ -21,10 +23,8 @@ import argparse
 import dataclasses
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -39,6 +39,8 @@ from rendezvousd.trainer.config import (
     load_layers,
 )
 from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.root_cause import lost_member
+from rendezvousd.trainer.supervisor import Workers
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 STOP_GRACE_S = 10.0
@@ -131,40 +133,32 @@ def worker_env(
     return env
 
 
-def supervise(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str]) -> int:
-    """Wait for every worker; on the first failure stop the rest and name the rank."""
-    while True:
-        running = False
-        for proc, name in zip(procs, names, strict=True):
-            code = proc.poll()
-            if code is None:
-                running = True
-            elif code != 0:
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                print(
-                    f"rendezvous-run: worker {name} (pid {proc.pid}) failed with {how}; "
-                    "stopping the other workers on this node",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                _stop(procs)
-                return code if code > 0 else 128 - code
-        if not running:
-            return 0
-        time.sleep(0.05)
-
-
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def supervise(workers: Workers, config: DistributedConfig) -> int:
+    """Wait for every worker; on the first failure stop the rest and name the cause."""
+    failed = workers.wait()
+    if failed is None:
+        return 0
+    _note(
+        f"worker {failed.name} (pid {failed.pid}) failed first, with {failed.how}; "
+        "stopping the other workers on this node"
+    )
+    transport = config.rendezvous
+    # Asked while the siblings still run: stopping them first would add their
+    # losses to the daemon's record, possibly ahead of a loss it has not seen yet.
+    lost = (
+        lost_member(transport.endpoint, config.job_id, transport.token_file)
+        if transport.kind == "daemon" and transport.endpoint is not None
+        else None
+    )
+    workers.stop(STOP_GRACE_S)
+    if lost is not None:
+        _note(f"root cause: {lost.describe()}")
+    else:
+        _note(
+            f"root cause: worker {failed.name} on this node ({failed.how}), the first to "
+            "fail here; the daemon recorded no lost rank or could not be asked"
+        )
+    return failed.exit_status
 
 
 def _names(config: DistributedConfig) -> list[str]:
@@ -197,21 +191,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = dataclasses.replace(config, rendezvous=transport)
         cmd = [sys.executable, "-m", args.target] if args.module else [sys.executable, args.target]
         cmd += [a for a in args.args if a != "--"]
-        procs = [
-            subprocess.Popen(cmd, env=worker_env(config, i, args.config, base))
-            for i in range(config.local_world_size)
-        ]
+        workers = Workers(
+            cmd,
+            [worker_env(config, i, args.config, base) for i in range(config.local_world_size)],
+            _names(config),
+        )
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
         def forward(signum: int, _frame: object) -> None:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signum)
+            workers.send(signum)
 
         for s in previous:
             signal.signal(s, forward)
         try:
-            return supervise(procs, _names(config))
+            return supervise(workers, config)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

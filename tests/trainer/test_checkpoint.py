@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,27 @@ def test_rank_zero_logger_suppresses_info_elsewhere_but_not_warnings(
     assert [r.getMessage() for r in caplog.records] == ["from rank 0", "warning from node 1"]
     assert logging.getLogger(name).isEnabledFor(logging.INFO)
     assert not other.isEnabledFor(logging.INFO) and rank0.isEnabledFor(logging.INFO)
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_or_without_a_step(tmp_path: Path) -> None:
+    from rendezvousd.trainer.example import init_params, load_into
+
+    params = init_params(features=4, hidden=3, seed=0)
+    other = init_params(features=4, hidden=5, seed=0)
+    wrong_shape = checkpoint_path(tmp_path, 2)
+    save_checkpoint(wrong_shape, other, {"step": 2}, rank=0)
+    with pytest.raises(
+        CheckpointError, match=f"rank 0 cannot resume: checkpoint {re.escape(str(wrong_shape))}"
+    ):
+        load_into(wrong_shape, params)
+    no_step = checkpoint_path(tmp_path, 3)
+    save_checkpoint(no_step, params, {"loss": 1.0}, rank=0)
+    with pytest.raises(CheckpointError, match="no valid step"):
+        load_into(no_step, params)
+    before = {k: v.copy() for k, v in params.items()}
+    good = checkpoint_path(tmp_path, 4)
+    saved = {k: v + 1 for k, v in params.items()}
+    save_checkpoint(good, saved, {"step": 4}, rank=0)
+    assert load_into(good, params) == 4
+    assert all(np.array_equal(params[k], saved[k]) for k in params)
+    assert not np.array_equal(params["w1"], before["w1"])

@@ -1,6 +1,6 @@
 """A real training worker for tests: init_distributed, then all-reduce in a loop
 until told to stop (a file appears) or a collective fails. Prints JSON lines:
-"ready" (rank, node rank, transport), "reducing" after the first all-reduce, then
+"ready" (rank, node rank, transport, pid), "reducing" after the first all-reduce, then
 "done" or "error". ``--ready-only`` (second argument) leaves after "ready"."""
 
 from __future__ import annotations
@@ -16,6 +16,14 @@ import numpy as np
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import TrainerError
+from rendezvousd.trainer.failure import close_after_failure
+
+
+def emit(event: dict[str, object]) -> None:
+    # One write per line: the workers of a node share the launcher's stdout, and
+    # print()'s separate newline write could interleave with a sibling's line.
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
 
 
 def main() -> int:
@@ -28,8 +36,9 @@ def main() -> int:
         "node_rank": ctx.topology.node_rank,
         "transport": transport,
         "env_rank": os.environ.get("RANK"),
+        "pid": os.getpid(),
     }
-    print(json.dumps(ready), flush=True)
+    emit(ready)
     if len(sys.argv) > 2 and sys.argv[2] == "--ready-only":
         ctx.close()
         return 0
@@ -42,23 +51,13 @@ def main() -> int:
             reduced += 1
             if reduced == 1:
                 # Tests wait for this line instead of sleeping: the loop is running.
-                print(json.dumps({"event": "reducing"}), flush=True)
+                emit({"event": "reducing"})
         ctx.close()
-        print(json.dumps({"event": "done"}), flush=True)
+        emit({"event": "done"})
         return 0
     except (TrainerError, RendezvousError) as exc:
-        print(
-            json.dumps(
-                {
-                    "event": "error",
-                    "type": type(exc).__name__,
-                    "message": str(exc),
-                    "at": time.time(),
-                }
-            ),
-            flush=True,
-        )
-        ctx.close(clean=False)
+        emit({"event": "error", "type": type(exc).__name__, "message": str(exc), "at": time.time()})
+        close_after_failure(ctx, exc)
         return 3
 
 
