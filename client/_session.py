@@ -63,6 +63,26 @@ class Session:
     # The heartbeat thread and the watchdog may both report; on_failure runs once.
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def heartbeat_interval(self, requested: float) -> float:
+        """``requested``, or less: a third of the daemon's heartbeat timeout at most.
+
+        Beats slower than the daemon's timeout would have the daemon declare this
+        member lost (and this client the daemon silent) while both are healthy.
+        """
+        if self.daemon_heartbeat_timeout <= 0:
+            return requested
+        ceiling = self.daemon_heartbeat_timeout / 3
+        if requested > ceiling:
+            log.info(
+                "heartbeat every %.3g s, not %.3g s: the daemon at %s loses members after %.3g s",
+                ceiling,
+                requested,
+                self.endpoint,
+                self.daemon_heartbeat_timeout,
+            )
+            return ceiling
+        return requested
+
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),)

@@ -272,6 +272,7 @@ class AsyncRendezvousClient:
         self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
     ) -> None:
         m = self._s.member()
+        interval = self._s.heartbeat_interval(interval)
         self._s.on_failure = on_failure
         self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(m, interval))
 

@@ -321,6 +321,7 @@ class RendezvousClient:
         """Heartbeat on a daemon thread; ``on_failure`` runs on that thread or the
         watchdog's, once: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``..."""
         m = self._s.member()
+        interval = self._s.heartbeat_interval(interval)
         self._s.on_failure = on_failure
         self._hb_stop.clear()
         watch = StreamWatch(self._s, m, self._reconnect_window)

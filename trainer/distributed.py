@@ -26,7 +26,7 @@ from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.trainer.communicator import Communicator
 from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
-from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorError, ConfigError
 from rendezvousd.trainer.retry import with_retry
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
@@ -54,14 +54,20 @@ class DistributedContext:
     def is_rank_zero(self) -> bool:
         return self.topology.is_global_rank_zero
 
-    def close(self, *, clean: bool = True) -> None:
-        """Leave on success; on failure just drop out so peers are told at once."""
-        try:
-            if clean:
+    def close(self, *, clean: bool = True, error: BaseException | None = None) -> None:
+        """Leave on success. After a failure (``clean=False``, ``error`` if known), drop
+        out so that the daemon blames the right rank: see ``_drop_out``."""
+        if clean:
+            try:
                 self.rendezvous.leave()
+            finally:
+                self.communicator.close()
+                self.rendezvous.close()
+            return
+        try:
+            _drop_out(self.rendezvous, error)
         finally:
             self.communicator.close()
-            self.rendezvous.close()
 
     def __enter__(self) -> DistributedContext:
         return self
@@ -72,7 +78,37 @@ class DistributedContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close(clean=exc_type is None)
+        self.close(clean=exc_type is None, error=exc)
+
+
+# Enough for the daemon to see a dead process's heartbeat stream close, or for this
+# worker's own watchdog to see the daemon gone; a host that vanished silently takes
+# the daemon's heartbeat timeout, which no worker should wait out.
+PEER_SETTLE_S = 2.0
+
+
+def _drop_out(
+    rdzv: Rendezvous, error: BaseException | None, settle_s: float = PEER_SETTLE_S
+) -> None:
+    """Leave the rendezvous before the ring, and after a broken ring connection wait
+    (bounded) for the rendezvous to name the cause.
+
+    The daemon records lost members in the order it loses them, and launchers report
+    the first as the job's root cause. A worker that failed by itself must drop out
+    of the rendezvous before its ring closes, or a peer failing on the closed ring
+    may be lost first. A worker whose ring connection broke is most likely the
+    victim of a peer's death (or of a daemon gone, which its peer saw first): it
+    waits until its rendezvous reports that, so its own log names the real cause.
+    """
+    if isinstance(error, CommunicatorError) and not isinstance(error, CommunicatorAborted):
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            try:
+                rdzv.raise_if_failed()
+            except RendezvousError:
+                break
+            time.sleep(0.02)  # poll interval while the failure report arrives
+    rdzv.close()
 
 
 def init_distributed(

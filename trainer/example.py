@@ -36,7 +36,6 @@ from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.data import ShardedLoader, shard_indices
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import CheckpointError, TrainerError
-from rendezvousd.trainer.failure import close_after_failure
 from rendezvousd.trainer.topology import MultiNodeTopology
 
 log = logging.getLogger("rendezvousd.example")
@@ -248,7 +247,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "collective_transport": getattr(comm, "transport", comm.backend),
         }
     except BaseException as exc:
-        close_after_failure(ctx, exc)
+        ctx.close(clean=False, error=exc)
         raise
     ctx.close()
     return result

@@ -146,7 +146,7 @@ def supervise(workers: Workers, config: DistributedConfig) -> int:
     # Asked while the siblings still run: stopping them first would add their
     # losses to the daemon's record, possibly ahead of a loss it has not seen yet.
     lost = (
-        lost_member(transport.endpoint, config.job_id, transport.token_file)
+        lost_member(transport.endpoint, config.job_id, transport.token_file, tls=transport.tls())
         if transport.kind == "daemon" and transport.endpoint is not None
         else None
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rendezvousd.client import RendezvousClient
+from rendezvousd.client import RendezvousClient, TlsConfig
 from rendezvousd.client.errors import RendezvousError
 
 # How long to wait for the daemon to record a loss the launcher already saw: a
@@ -43,7 +43,12 @@ class LostMember:
 
 
 def lost_member(
-    endpoint: str, job_id: str, token_file: str | None, *, settle_s: float = SETTLE_S
+    endpoint: str,
+    job_id: str,
+    token_file: str | None,
+    *,
+    tls: TlsConfig | None = None,
+    settle_s: float = SETTLE_S,
 ) -> LostMember | None:
     """The first member the daemon recorded as lost in ``job_id``'s current
     generation, or None if there is none within ``settle_s`` or the daemon cannot
@@ -54,6 +59,7 @@ def lost_member(
             endpoint,
             job_id,
             token_file=token_file,
+            tls=tls,
             retry_attempts=0,
             call_timeout=CALL_TIMEOUT_S,
             connect_timeout=CALL_TIMEOUT_S,

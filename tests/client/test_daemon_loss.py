@@ -111,3 +111,25 @@ async def test_async_client_reports_a_killed_daemon_within_its_own_window(
         assert time.monotonic() - started < 3.0
     finally:
         await client.close()
+
+
+def test_heartbeat_slower_than_the_daemon_timeout_is_sped_up_not_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Beats every 5 s against a daemon that loses members after 2 s would make each
+    # side think the other is gone; the SDK beats at a third of the daemon's timeout.
+    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", str(TIMEOUT_S))
+    failures: queue.Queue[RendezvousError] = queue.Queue()
+    caplog.set_level(logging.INFO, logger="rendezvousd.client")
+    try:
+        with RendezvousClient(d.endpoint, "slow-beats", token=d.token) as client:
+            client.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=10)
+            client.start_heartbeat(5.0, on_failure=failures.put)
+            # Two daemon timeouts of quiet: a failure would have been reported by now.
+            with pytest.raises(queue.Empty):
+                failures.get(timeout=2 * TIMEOUT_S + 0.5)
+            assert client.get_job().members[0].heartbeat_stream_open
+            client.leave()
+        assert any("not 5 s" in r.getMessage() for r in caplog.records), caplog.records
+    finally:
+        d.kill()

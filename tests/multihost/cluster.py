@@ -80,8 +80,10 @@ class Cluster:
         example_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         nodes: Sequence[int] | None = None,
+        on_host: int | None = None,
     ) -> list[Node]:
-        """Start ``rendezvous-run`` for nodes 0..num_nodes-1 on hosts h1, h2, ..."""
+        """Start ``rendezvous-run`` for ``nodes`` (default 0..num_nodes-1) on hosts h1,
+        h2, ... (node n on h(n+1)), or all of them on host ``on_host``."""
         started = []
         for n in nodes if nodes is not None else range(num_nodes):
             cmd = [
@@ -106,7 +108,7 @@ class Cluster:
                 str(self.workdir / job / "results"),
                 *example_args,
             ]
-            host = self.hosts[1 + n]
+            host = self.hosts[on_host if on_host is not None else 1 + n]
             proc = host.popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             node = Node(n, host, proc)
             assert proc.stderr is not None

@@ -137,18 +137,22 @@ def test_daemon_gone_for_good_is_reported_on_every_node(
 def test_wrong_node_count_fails_every_node_at_once_naming_both(
     make_cluster: Callable[..., Cluster], wrong_first: bool
 ) -> None:
+    # Two nodes of a 3-node job, and a third launched with --nnodes 2 by mistake.
     cluster = make_cluster(3, *DAEMON)
     started = time.monotonic()
-    wrong = []
-    if wrong_first:
-        wrong = cluster.launch(3, 2, job="nnodes", example_args=LONG_RUN, nodes=[2])
-    right = cluster.launch(2, 2, job="nnodes", example_args=LONG_RUN)
+
+    def wrong() -> list[Node]:
+        return cluster.launch(2, 2, job="nnodes", example_args=LONG_RUN, nodes=[1], on_host=3)
+
+    bad = wrong() if wrong_first else []
+    right = cluster.launch(3, 2, job="nnodes", example_args=LONG_RUN, nodes=[0, 1])
     if not wrong_first:
-        wait_for("a right node to join", lambda: cluster.job_members("nnodes") != [], 30)
-        wrong = cluster.launch(3, 2, job="nnodes", example_args=LONG_RUN, nodes=[2])
-    codes = cluster.wait([*right, *wrong], 60)
+        wait_for("the right nodes to join", lambda: len(cluster.job_members("nnodes")) == 4, 30)
+        bad = wrong()
+    codes = cluster.wait([*right, *bad], 60)
     assert all(code != 0 for code in codes), codes
     assert time.monotonic() - started < 30
-    for node in [*right, *wrong]:
+    for node in [*right, *bad]:
         text = node.text()
         assert "num_nodes=2" in text and "num_nodes=3" in text, text[-3000:]
+        assert "h3" in text, text[-3000:]  # the host that brought the other topology

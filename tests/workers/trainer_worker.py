@@ -16,7 +16,6 @@ import numpy as np
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import TrainerError
-from rendezvousd.trainer.failure import close_after_failure
 
 
 def emit(event: dict[str, object]) -> None:
@@ -57,7 +56,7 @@ def main() -> int:
         return 0
     except (TrainerError, RendezvousError) as exc:
         emit({"event": "error", "type": type(exc).__name__, "message": str(exc), "at": time.time()})
-        close_after_failure(ctx, exc)
+        ctx.close(clean=False, error=exc)
         return 3
 
 
