@@ -8,6 +8,7 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,17 +76,19 @@ def spawn(
     listen: str = "127.0.0.1:0",
     token_file: Path | None = None,
     exit_with_parent: bool = False,
+    prefix: Sequence[str] = (),
 ) -> EmbeddedDaemon:
     """Start ``rendezvousd serve`` on ``listen`` with a new token in ``workdir``.
 
     ``exit_with_parent``: the daemon's stdin is a pipe from this process, and it
-    exits when that pipe closes, which the kernel does even on SIGKILL. Its
+    exits when that pipe closes, which the kernel does even on SIGKILL. ``prefix``
+    wraps the command (e.g. to run it on a namespace host). Its
     settings then come from the flags alone: inherited ``RENDEZVOUSD_*`` variables
     (a state directory, say) could otherwise put a job's id on disk.
     """
     token_file = token_file or workdir / "token"
     write_token_file(token_file, replace=exit_with_parent)
-    cmd = serve_command(listen, token_file, *flags)
+    cmd = [*prefix, *serve_command(listen, token_file, *flags)]
     if metrics:
         cmd += ["--metrics-listen", "127.0.0.1:0"]
     env = None

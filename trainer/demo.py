@@ -1,9 +1,12 @@
 """The main job: a daemon plus a simulated 2-node x 2-worker CPU training run.
 
     python -m rendezvousd.trainer.demo [--steps 40] [--out artifacts/multinode_smoke.json]
+    python -m rendezvousd.trainer.demo --hosts 3     # as root: 3 real network hosts
 
 Starts rendezvousd on loopback with a fresh token, runs one ``rendezvous-run``
 per simulated node (the seed's multinode_smoke config: cpu backend, world 4),
+or, with ``--hosts N``, the daemon and N nodes on their own network hosts
+(namespaces with their own addresses, ``rendezvousd.trainer.netns``),
 shows rank 0's progress, then writes and prints a scorecard: topology, steps,
 final loss, max |gradient - single-process full-batch gradient|, rendezvous
 time, all-reduce bus bandwidth, and whether exactly one checkpoint was written.
@@ -23,6 +26,7 @@ from typing import IO, Any
 
 from rendezvousd.embedded import EmbeddedDaemon, spawn
 from rendezvousd.errors import DaemonError
+from rendezvousd.trainer.netns import Host, Hosts, unavailable_reason
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "multinode_smoke.toml"
 NODES, WORKERS = 2, 2
@@ -35,9 +39,21 @@ def _pump(stream: IO[str], prefix: str, sink: list[str]) -> None:
         print(f"{prefix} {line}", end="", file=sys.stderr, flush=True)
 
 
-def _start_daemon(tmp: Path) -> EmbeddedDaemon:
+def _start_daemon(tmp: Path, head: Host | None) -> EmbeddedDaemon:
+    flags = ["--heartbeat-timeout-s", "5"]
+    listen = "127.0.0.1:0"
+    if head is not None:
+        # A private namespace network: plaintext is this demo's choice, not a default.
+        flags.append("--insecure-plaintext")
+        listen = f"{head.address}:0"
     try:
-        daemon = spawn(tmp, "--heartbeat-timeout-s", "5", stderr=subprocess.PIPE)
+        daemon = spawn(
+            tmp,
+            *flags,
+            stderr=subprocess.PIPE,
+            listen=listen,
+            prefix=head.command([]) if head is not None else (),
+        )
     except DaemonError as exc:
         raise SystemExit(f"demo: {exc}") from exc
     assert daemon.proc.stderr is not None
@@ -47,12 +63,34 @@ def _start_daemon(tmp: Path) -> EmbeddedDaemon:
     return daemon
 
 
-def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
+def run(steps: int, out: Path, workdir: Path, hosts: int = 0) -> dict[str, Any]:
+    """The demo on loopback, or with ``hosts`` > 0 on that many network hosts."""
+    if hosts == 0:
+        return _run(steps, out, workdir, None)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"demo: --hosts {hosts} builds network namespaces, but {reason}")
+    cluster = Hosts(hosts + 1)
+    try:
+        cluster.build()
+        return _run(steps, out, workdir, cluster)
+    finally:
+        cluster.teardown()
+
+
+def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[str, Any]:
     results_dir, ckpt_dir = workdir / "results", workdir / "checkpoints"
-    daemon = _start_daemon(workdir)
+    nodes_n = cluster.count - 1 if cluster is not None else NODES
+    daemon = _start_daemon(workdir, cluster[0] if cluster is not None else None)
     endpoint, token_file = daemon.endpoint, daemon.token_file
+    where = (
+        f"its own network host ({', '.join(h.address for h in cluster.hosts[1:])})"
+        if cluster is not None
+        else "this machine (loopback)"
+    )
     print(
-        f"demo: rendezvousd on {endpoint}; starting {NODES} nodes x {WORKERS} workers (cpu backend)",
+        f"demo: rendezvousd on {endpoint}; starting {nodes_n} nodes x {WORKERS} workers "
+        f"(cpu backend), each node on {where}",
         file=sys.stderr,
         flush=True,
     )
@@ -60,13 +98,13 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
     nodes: list[subprocess.Popen[str]] = []
     pumps = []
     try:
-        for node in range(NODES):
+        for node in range(nodes_n):
             cmd = [
                 sys.executable,
                 "-m",
                 "rendezvousd.trainer.launcher",
                 "--nnodes",
-                str(NODES),
+                str(nodes_n),
                 "--node-rank",
                 str(node),
                 "--nproc-per-node",
@@ -93,6 +131,8 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
                 "--checkpoint-every",
                 "0",
             ]
+            if cluster is not None:
+                cmd = cluster[1 + node].command(cmd)
             proc = subprocess.Popen(
                 cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
             )
@@ -118,8 +158,8 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
     r0: dict[str, Any] = next((r for r in per_rank if r["rank"] == 0), {})
     max_diff = r0.get("max_abs_grad_diff_vs_single_process", float("inf"))
     success = (
-        codes == [0] * NODES
-        and len(per_rank) == NODES * WORKERS
+        codes == [0] * nodes_n
+        and len(per_rank) == nodes_n * WORKERS
         and max_diff <= GRAD_TOLERANCE
         and len(checkpoints) == 1
         and sum(r["checkpoint_written"] for r in per_rank) == 1
@@ -129,11 +169,13 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
         "scorecard": "multinode_smoke",
         "success": success,
         "topology": {
-            "num_nodes": NODES,
+            "num_nodes": nodes_n,
             "gpus_per_node": WORKERS,
-            "world_size": NODES * WORKERS,
+            "world_size": nodes_n * WORKERS,
             "backend": r0.get("backend", "cpu"),
-            "transport": "daemon (loopback)",
+            "transport": "daemon (loopback)"
+            if cluster is None
+            else f"daemon over {nodes_n + 1} network hosts",
             # Simulated nodes keep inter-node traffic on the TCP ring, as real ones would.
             "collective_transport": r0.get("collective_transport"),
         },
@@ -148,7 +190,12 @@ def run(steps: int, out: Path, workdir: Path) -> dict[str, Any]:
         "node_exit_codes": codes,
         "daemon_exit_code": daemon_code,
         "wall_s": round(time.monotonic() - started, 2),
-        "validation_path": "single-machine loopback simulation (not real multi-node hardware)",
+        "validation_path": (
+            "single-machine loopback simulation (not real multi-node hardware)"
+            if cluster is None
+            else "network hosts as Linux namespaces on one machine, with their own "
+            "addresses and hostnames (not real multi-node hardware)"
+        ),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(card, indent=2) + "\n")
@@ -161,9 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", type=Path, default=Path("artifacts/multinode_smoke.json"))
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run the nodes on N real network hosts (namespaces; needs root), not loopback",
+    )
     args = p.parse_args(argv)
+    if args.hosts < 0:
+        p.error(f"--hosts={args.hosts} must be >= 0")
     with tempfile.TemporaryDirectory(prefix="rendezvousd-demo-") as tmp:
-        card = run(args.steps, args.out, Path(tmp))
+        card = run(args.steps, args.out, Path(tmp), args.hosts)
     print(json.dumps(card, indent=2))
     print(
         f"demo: scorecard written to {args.out} — {'SUCCESS' if card['success'] else 'FAILED'}",

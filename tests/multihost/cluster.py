@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
-from tests.multihost.netns import Host, Hosts
+from rendezvousd.trainer.netns import Host, Hosts
 from tests.support import DaemonProcess, spawn_daemon
 
 LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.trainer.netns import Hosts, unavailable_reason
 from tests.multihost.cluster import Cluster, start_cluster
-from tests.multihost.netns import Hosts, unavailable_reason
 
 
 @pytest.fixture

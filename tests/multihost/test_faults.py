@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
+from rendezvousd.trainer.netns import Hosts
 from tests.multihost.cluster import Cluster, Node, start_cluster
-from tests.multihost.netns import Hosts
 from tests.support import spawn_daemon, wait_for
 
 HEARTBEAT_TIMEOUT_S = 3.0

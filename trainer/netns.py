@@ -1,5 +1,9 @@
 """Real network hosts on one machine: Linux network namespaces on a bridge.
 
+For seeing (``scripts/demo.sh --hosts N``) and testing (``tests/multihost``) the
+multi-node path for real without a cluster: addresses, TLS and partitions behave
+as between machines, which loopback hides.
+
 Each host is a namespace with its own loopback and one veth interface ``eth0``
 holding an address from the benchmarking range 198.18.0.0/15 (RFC 2544), the
 only range these tests may use. The bridge lives in a namespace of its own, so
