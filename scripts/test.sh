@@ -6,4 +6,5 @@ source "$(dirname "$0")/_venv.sh" test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 PYTHON="$PWD/.venv/bin/python" scripts/typecheck.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two workers: most tests wait on processes, sockets and timeouts, not the CPU.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 "$@"

@@ -81,6 +81,7 @@ def known_env_vars() -> frozenset[str]:
     from rendezvousd.trainer import config as trainer_config
 
     names = {config_mod.ENV_PREFIX + name.upper() for name in config_mod.FIELDS}
+    names |= {o.env for o in trainer_config.SCHEMA.options.values() if o.env is not None}
     names |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
     modules = [trainer_config, _launcher_module()]
     with contextlib.suppress(ModuleNotFoundError):

@@ -82,3 +82,31 @@ def test_loopback_ring_address_across_hosts_is_refused_on_every_node_at_once(
         text = node.text()
         assert "loopback address '127.0.0.1'" in text, text[-3000:]
         assert "RENDEZVOUSD_RING_HOST" in text
+
+
+def test_resume_with_node_local_checkpoint_dirs_agrees_on_the_step(
+    make_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    # Each node has its own checkpoint directory, as on node-local disks: only node 0
+    # (rank 0) holds checkpoints, and every rank must still resume at its step.
+    cluster = make_cluster(2)
+    small = ("--samples", "1024", "--hidden", "32", "--log-every", "1")
+
+    def run(job: str, *extra: str) -> list[dict[str, object]]:
+        nodes = [
+            cluster.launch(
+                2, 2, job=job, nodes=[n],
+                example_args=(*small, "--checkpoint-dir", str(tmp_path / f"node{n}"), *extra),
+            )[0]
+            for n in range(2)
+        ]  # fmt: skip
+        assert cluster.wait(nodes) == [0, 0], [n.text()[-2000:] for n in nodes]
+        return cluster.results(job)
+
+    run("first", "--steps", "5", "--checkpoint-every", "5")
+    assert list((tmp_path / "node1").glob("*.npz")) == []
+    resumed = run("resumed", "--steps", "8", "--resume")
+    straight = run("straight", "--steps", "8", "--checkpoint-every", "0")
+    assert {r["start_step"] for r in resumed} == {5}
+    assert {r["params_sha256"] for r in resumed} == {straight[0]["params_sha256"]}
+    assert {r["final_loss"] for r in resumed} == {straight[0]["final_loss"]}
