@@ -1,0 +1,300 @@
+"""rendezvous-run with real workers and a real daemon: the root cause it names, its
+workers dying with it, and resume from rank 0's checkpoints on node-local disks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rendezvousd.trainer.supervisor import WorkerExit, first_failure
+from tests.support import (
+    ROOT,
+    WORKERS,
+    DaemonProcess,
+    free_port,
+    parallel,
+    wait_for,
+    write_token,
+)
+
+LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")
+SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
+
+
+def _launch_node(d: DaemonProcess, job: str, node: int, stop: Path) -> subprocess.Popen[str]:
+    """One simulated node of 2 running tests/workers/trainer_worker.py; the
+    workers' JSON lines come out on the launcher's stdout (they inherit it)."""
+    return subprocess.Popen(
+        [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            d.endpoint,
+            "--token-file",
+            str(d.token_file),
+            "--job-id",
+            job,
+            "--config",
+            str(SMOKE),
+            str(WORKERS / "trainer_worker.py"),
+            str(stop),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _running_pids(nodes: list[subprocess.Popen[str]]) -> dict[int, int]:
+    """Global rank -> worker pid, once every worker of every node is in its loop."""
+    pids: dict[int, int] = {}
+    for n in nodes:
+        assert n.stdout is not None
+        events = [json.loads(n.stdout.readline()) for _ in range(4)]  # 2 ready + 2 reducing
+        assert [e["event"] for e in events].count("reducing") == 2, events
+        pids.update({e["rank"]: e["pid"] for e in events if e["event"] == "ready"})
+    assert sorted(pids) == [0, 1, 2, 3]
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie waiting for whoever inherited it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon("--heartbeat-timeout-s", "5")
+    nodes = [_launch_node(d, job_id, n, tmp_path / "stop") for n in range(2)]
+    try:
+        pids = _running_pids(nodes)
+        os.kill(pids[3], signal.SIGKILL)
+        outs = [n.communicate(timeout=30) for n in nodes]
+    finally:
+        (tmp_path / "stop").touch()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    host = socket.gethostname()
+    for n, (_, err) in zip(nodes, outs, strict=True):
+        assert n.returncode != 0, err
+        causes = [line for line in err.splitlines() if "root cause:" in line]
+        assert len(causes) == 1, err
+        # The daemon's record, on both nodes: the killed rank, not a sibling that
+        # failed right after it with PeerFailed.
+        assert re.search(
+            rf"root cause: rank 3 \(node 1, local rank 1\) on host {re.escape(host)} "
+            r"was lost \(.+\)",
+            causes[0],
+        ), err
+    # Node 1 saw the kill itself: its first local failure is rank 3, not rank 2.
+    assert "worker rank 3 (pid" in outs[1][1] and "signal SIGKILL" in outs[1][1], outs[1][1]
+    assert nodes[1].returncode == 128 + signal.SIGKILL
+
+
+def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon("--heartbeat-timeout-s", "5")
+    nodes = [_launch_node(d, job_id, n, tmp_path / "stop") for n in range(2)]
+    try:
+        pids = _running_pids(nodes)
+        nodes[1].kill()
+        nodes[1].wait(10)
+        wait_for(
+            "node 1's workers to die with their launcher",
+            lambda: all(_gone(pids[r]) for r in (2, 3)),
+            timeout=3,
+        )
+        out, err = nodes[0].communicate(timeout=30)
+    finally:
+        (tmp_path / "stop").touch()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    errors = [json.loads(line) for line in out.splitlines() if '"error"' in line]
+    assert len(errors) == 2, out
+    for e in errors:
+        # Told by whichever comes first: the daemon (PeerFailed, or the abort it
+        # triggers) or the ring connection to a dead neighbour.
+        assert e["type"] in {"PeerFailed", "CommunicatorAborted", "PeerConnectionError"}, e
+        assert re.search(r"rank [23]\b", e["message"]), e
+    assert nodes[0].returncode == 3, err  # the workers' own exit code, passed on
+    assert re.search(r"root cause: rank [23] .* was lost", err), err
+
+
+def test_root_cause_among_failures_reaped_together_is_the_killed_one() -> None:
+    killed = WorkerExit(1, "rank 1", 11, -signal.SIGKILL, at=10.02)
+    sibling = WorkerExit(0, "rank 0", 10, 3, at=10.0)
+    later = WorkerExit(2, "rank 2", 12, -signal.SIGTERM, at=11.0)
+    # Stamped in the same instant: the signal death is the cause, whatever the order.
+    assert first_failure([sibling, killed]) is killed
+    # Clearly apart: the first to exit, even if a later one died of a signal.
+    assert first_failure([later, sibling]) is sibling
+    assert killed.exit_status == 128 + signal.SIGKILL and sibling.exit_status == 3
+
+
+TINY = ("--samples", "128", "--features", "8", "--hidden", "16", "--batch", "8")
+
+
+def _train(d: DaemonProcess, job: str, run: Path, steps: int, *extra: str) -> list[str]:
+    """2 simulated nodes x 2 workers of the example through rendezvous-run, each
+    node with its own checkpoint directory (node-local disks); the launchers'
+    stderr. Results land in ``run``/results, checkpoints in ``run``/node-N."""
+    nodes = [
+        subprocess.Popen(
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-endpoint",
+                d.endpoint,
+                "--token-file",
+                str(d.token_file),
+                "--job-id",
+                job,
+                "--config",
+                str(SMOKE),
+                "-m",
+                "rendezvousd.trainer.example",
+                *TINY,
+                "--steps",
+                str(steps),
+                "--log-every",
+                "1",
+                "--result-dir",
+                str(run / "results"),
+                "--checkpoint-dir",
+                str(run / f"node-{n}"),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        return [n.communicate(timeout=60)[1] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+
+
+def _results(run: Path) -> list[dict[str, object]]:
+    return [json.loads((run / "results" / f"rank-{r}.json").read_text()) for r in range(4)]
+
+
+def test_resume_on_node_local_disks_agrees_on_the_step_and_matches_a_straight_run(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    # The straight run and the first half are independent jobs: run them together.
+    logs = parallel(
+        [
+            lambda: _train(d, f"{job_id}-s", straight, 8, "--checkpoint-every", "0"),
+            lambda: _train(d, f"{job_id}-a", first, 5, "--checkpoint-every", "2"),
+        ],
+        limit=90,
+    )
+    assert all(isinstance(log, list) for log in logs), logs
+    # Only node 0 (global rank 0) has checkpoints: every 2 steps and at the end.
+    assert sorted(p.name for p in (first / "node-0").iterdir()) == [
+        "ckpt-0000000002.npz",
+        "ckpt-0000000004.npz",
+        "ckpt-0000000005.npz",
+    ]
+    assert not (first / "node-1").exists() or not any((first / "node-1").iterdir())
+    # Resume on the same node-local disks: node 1 has no checkpoint to read.
+    (resumed / "results").mkdir(parents=True)
+    for n in range(2):
+        if (first / f"node-{n}").exists():
+            (first / f"node-{n}").rename(resumed / f"node-{n}")
+    errs = _train(d, f"{job_id}-b", resumed, 8, "--resume", "--checkpoint-every", "0")
+    after = _results(resumed)
+    assert [r["start_step"] for r in after] == [5, 5, 5, 5], errs
+    assert [r["steps"] for r in after] == [3, 3, 3, 3]
+    reference = _results(straight)
+    assert {r["start_step"] for r in reference} == {0}
+    # Bit-identical with the cpu backend: same parameter bytes and loss everywhere.
+    assert {r["params_sha256"] for r in after + reference} == {reference[0]["params_sha256"]}
+    assert {r["final_loss"] for r in after + reference} == {reference[0]["final_loss"]}
+
+
+def test_resume_from_a_corrupt_checkpoint_fails_loudly_naming_the_file(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    bad = tmp_path / "node-0" / "ckpt-0000000004.npz"
+    bad.parent.mkdir()
+    bad.write_bytes(b"PK\x03\x04 not a whole zip archive")
+    errs = _train(d, job_id, tmp_path, 8, "--resume")
+    assert f"rank 0 cannot resume: checkpoint {bad} is corrupt" in errs[0], errs[0]
+    # The other node is told through the rendezvous and names the same cause.
+    for err in errs:
+        assert re.search(r"root cause: rank 0 \(node 0, local rank 0\) on host .* was lost", err), (
+            err
+        )
+    assert not (tmp_path / "results").exists()  # nobody trained from step 0 instead
+
+
+def test_launcher_with_its_daemon_gone_still_names_the_local_failure_promptly(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['LOCAL_RANK'] == '1':\n    sys.exit(5)\n"
+        "time.sleep(60)\n"
+    )
+    token = tmp_path / "tok"
+    write_token(token)
+    started = time.monotonic()
+    run = subprocess.run(
+        [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",  # nothing listens: the daemon is gone
+            "--token-file",
+            str(token),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 5, run.stderr
+    assert "worker rank 3 (pid" in run.stderr and "exit code 5" in run.stderr
+    assert "root cause: worker rank 3 on this node" in run.stderr
+    assert "could not be asked" in run.stderr and "Traceback" not in run.stderr
+    assert time.monotonic() - started < 20  # the best-effort query did not hang
