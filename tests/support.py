@@ -169,6 +169,27 @@ def worker_cmd(
     return cmd + (["--node-rank", str(node)] if node is not None else [])
 
 
+def launcher_cmd(
+    nnodes: int | str,
+    node_rank: int | str,
+    per_node: int | str,
+    *,
+    endpoint: str | None = None,
+    token_file: Path | str | None = None,
+    job: str | None = None,
+) -> list[str]:
+    """``rendezvous-run`` for one node, up to (not including) its own further flags."""
+    cmd = [sys.executable, "-m", "rendezvousd.trainer.launcher", "--nnodes", str(nnodes)]
+    cmd += ["--node-rank", str(node_rank), "--nproc-per-node", str(per_node)]
+    if endpoint is not None:
+        cmd += ["--rdzv-endpoint", endpoint]
+    if token_file is not None:
+        cmd += ["--token-file", str(token_file)]
+    if job is not None:
+        cmd += ["--job-id", job]
+    return cmd
+
+
 def parallel(fns: Sequence[Callable[[], Any]], limit: float = 20.0) -> list[Any]:
     """Run each callable in its own thread; return results or the exceptions raised."""
     out: list[Any] = [None] * len(fns)

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from rendezvousd.trainer.netns import Host, Hosts
-from tests.support import DaemonProcess, spawn_daemon
+from tests.support import DaemonProcess, launcher_cmd, spawn_daemon
 
-LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")
 EXAMPLE = ("-m", "rendezvousd.trainer.example")
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
@@ -87,19 +86,14 @@ class Cluster:
         started = []
         for n in nodes if nodes is not None else range(num_nodes):
             cmd = [
-                *LAUNCH,
-                "--nnodes",
-                str(num_nodes),
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                str(per_node),
-                "--rdzv-endpoint",
-                self.daemon.endpoint,
-                "--token-file",
-                str(self.daemon.token_file),
-                "--job-id",
-                job,
+                *launcher_cmd(
+                    num_nodes,
+                    n,
+                    per_node,
+                    endpoint=self.daemon.endpoint,
+                    token_file=self.daemon.token_file,
+                    job=job,
+                ),
                 "--backend",
                 "cpu",
                 *launcher_args,

@@ -9,7 +9,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,12 +19,12 @@ from tests.support import (
     WORKERS,
     DaemonProcess,
     free_port,
+    launcher_cmd,
     parallel,
     wait_for,
     write_token,
 )
 
-LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
 
 
@@ -34,19 +33,7 @@ def _launch_node(d: DaemonProcess, job: str, node: int, stop: Path) -> subproces
     workers' JSON lines come out on the launcher's stdout (they inherit it)."""
     return subprocess.Popen(
         [
-            *LAUNCH,
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(node),
-            "--nproc-per-node",
-            "2",
-            "--rdzv-endpoint",
-            d.endpoint,
-            "--token-file",
-            str(d.token_file),
-            "--job-id",
-            job,
+            *launcher_cmd(2, node, 2, endpoint=d.endpoint, token_file=d.token_file, job=job),
             "--config",
             str(SMOKE),
             str(WORKERS / "trainer_worker.py"),
@@ -162,19 +149,7 @@ def _train(d: DaemonProcess, job: str, run: Path, steps: int, *extra: str) -> li
     nodes = [
         subprocess.Popen(
             [
-                *LAUNCH,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                "2",
-                "--rdzv-endpoint",
-                d.endpoint,
-                "--token-file",
-                str(d.token_file),
-                "--job-id",
-                job,
+                *launcher_cmd(2, n, 2, endpoint=d.endpoint, token_file=d.token_file, job=job),
                 "--config",
                 str(SMOKE),
                 "-m",
@@ -276,13 +251,7 @@ def test_launcher_with_its_daemon_gone_still_names_the_local_failure_promptly(
     started = time.monotonic()
     run = subprocess.run(
         [
-            *LAUNCH,
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--nproc-per-node",
-            "2",
+            *launcher_cmd(2, 1, 2),
             "--rdzv-endpoint",
             f"127.0.0.1:{free_port()}",  # nothing listens: the daemon is gone
             "--token-file",

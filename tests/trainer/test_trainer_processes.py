@@ -25,11 +25,11 @@ from tests.support import (
     WORKERS,
     DaemonProcess,
     free_port,
+    launcher_cmd,
     spawn_daemon,
     write_token,
 )
 
-LAUNCH = (sys.executable, "-m", "rendezvousd.trainer.launcher")
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
 
 
@@ -161,17 +161,7 @@ def test_launcher_sets_torchrun_style_environment(tmp_path: Path) -> None:
     )
     run = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "rendezvousd.trainer.launcher",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-endpoint",
-            "127.0.0.1:1",
+            *launcher_cmd(2, 1, 2, endpoint="127.0.0.1:1"),
             str(script),
         ],
         capture_output=True,
@@ -195,19 +185,7 @@ def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path:
     nodes = [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "rendezvousd.trainer.launcher",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                "2",
-                "--rdzv-endpoint",
-                d.endpoint,
-                "--token-file",
-                str(token_file),
+                *launcher_cmd(2, n, 2, endpoint=d.endpoint, token_file=token_file),
                 "--backend",
                 "cpu",
                 "--config",
@@ -269,7 +247,9 @@ def test_launcher_refuses_a_bad_node_rank_from_env_instead_of_dropping_it(tmp_pa
     script.write_text("raise SystemExit(9)\n")
     run = subprocess.run(
         [
-            *LAUNCH,
+            sys.executable,
+            "-m",
+            "rendezvousd.trainer.launcher",
             "--nnodes",
             "2",
             "--nproc-per-node",
@@ -298,19 +278,7 @@ def test_launcher_with_node_rank_auto_takes_ranks_from_the_daemon(
     def node(rank: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [
-                *LAUNCH,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                rank,
-                "--nproc-per-node",
-                "1",
-                "--rdzv-endpoint",
-                d.endpoint,
-                "--token-file",
-                str(d.token_file),
-                "--job-id",
-                job_id,
+                *launcher_cmd(2, rank, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
                 str(WORKERS / "trainer_worker.py"),
                 str(tmp_path / "stop"),
                 "--ready-only",
