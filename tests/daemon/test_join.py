@@ -109,7 +109,7 @@ async def test_rejections_name_the_problem(inproc_daemon: InProcessDaemon, job_i
     d = inproc_daemon
     holder_client = d.client(job_id)
     holder = asyncio.create_task(
-        holder_client.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=5)
+        holder_client.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=3)
     )
     await d.until("rank 2 parked in Join", lambda: d.members_present(job_id) == 1)
     async with d.client(job_id) as c:
