@@ -1,52 +1,122 @@
 #!/usr/bin/env bash
-# Single-GPU check (< 5 minutes): the GPU tests, then world-1 NCCL timings as
-# JSON on stdout. Exits non-zero, saying why, when no GPU is usable.
-# Extra arguments go to benchmarks/gpu_check.py (e.g. --sizes-mib 1 64).
-set -euo pipefail
+# The GPU check (<= 5 minutes) for a machine with a GPU and no network: its Python
+# must already have CuPy with NCCL (e.g. cupy-cuda13x + nvidia-nccl-cu13) and the
+# project's dependencies. Nothing is downloaded: what is missing is named, exactly.
+#
+#   1. the GPU tests (tests/trainer/test_gpu.py) against real CuPy/NCCL;
+#   2. 1 node x 2 ranks on one GPU through `rendezvous-run --backend nccl`, with the
+#      gradient equality check against a single-process baseline;
+#   3. benchmarks/gpu_check.py at world 2: bucketed vs raw all-reduce, pack/unpack
+#      vs a device-to-device copy.
+#
+# Writes one JSON result to $OUT/gpu_check.json (else artifacts/gpu_check.json) and
+# exits non-zero when a step failed or something is missing.
+set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
+out_dir=${OUT:-$root/artifacts}
+mkdir -p "$out_dir"
+result="$out_dir/gpu_check.json"
+# Run Python from outside the checkout: its top-level rendezvousd/ folder would
+# shadow the installed package (client/ and trainer/ are mapped into it).
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cd "$work" || exit 1
 
-fail() {
-  echo "gpu_check: $*" >&2
-  exit 1
+steps_json="[]"
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+record() { # name status milliseconds detail
+  steps_json=$("$py" -c 'import json,sys; s=json.loads(sys.argv[1]); s.append({"step":sys.argv[2],"status":sys.argv[3],"seconds":int(sys.argv[4])/1000,"detail":sys.argv[5]}); print(json.dumps(s))' \
+    "$steps_json" "$1" "$2" "$3" "$4")
+}
+finish() { # status [missing...]
+  local status=$1
+  shift
+  "$py" - "$status" "$steps_json" "$result" "$@" <<'PY'
+import json, sys, pathlib
+status, steps, path, *missing = sys.argv[1:]
+doc = {"check": "gpu_check", "status": status, "missing": missing, "steps": json.loads(steps)}
+bench = pathlib.Path(path).with_name("gpu_bench.json")
+if bench.exists():
+    doc["benchmark"] = json.loads(bench.read_text())
+pathlib.Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+print(json.dumps(doc, indent=2))
+PY
+  echo "gpu_check: $status (result in $result)" >&2
+  [ "$status" = "passed" ]
+  exit $?
 }
 
-# Checked before anything is installed: without a driver there is nothing to test.
+# -- what must be present ------------------------------------------------------
+missing=()
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  fail "no NVIDIA GPU or driver visible (nvidia-smi -L failed)"
+  missing+=("an NVIDIA driver (nvidia-smi -L failed)")
 fi
-
-if ! "$py" -c "import cupy" >/dev/null 2>&1; then
-  echo "gpu_check: CuPy not found, installing cupy-cuda12x into $("$py" -c 'import sys; print(sys.prefix)')" >&2
-  "$py" -m pip install --quiet cupy-cuda12x || fail "could not install cupy-cuda12x"
-fi
-
-# Without an install, lay out the installed package shape (client/ and trainer/
-# live outside rendezvousd/) as links, the way scripts/typecheck.sh does.
-if ! "$py" -c "import rendezvousd.trainer.nccl" >/dev/null 2>&1; then
-  tree=$(mktemp -d)
-  trap 'rm -rf "$tree"' EXIT
-  mkdir "$tree/rendezvousd"
-  for entry in "$root"/rendezvousd/*; do
-    ln -s "$entry" "$tree/rendezvousd/$(basename "$entry")"
-  done
-  ln -s "$root/client" "$tree/rendezvousd/client"
-  ln -s "$root/trainer" "$tree/rendezvousd/trainer"
-  export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
-fi
-
-devices=$("$py" -c "from rendezvousd.trainer import nccl; print(nccl.device_count())") ||
-  fail "cannot import rendezvousd.trainer.nccl"
-[ "$devices" -ge 1 ] || fail "CuPy sees no CUDA device"
-echo "gpu_check: $devices CUDA device(s)" >&2
-
-cd "$root"
-export RENDEZVOUSD_REQUIRE_GPU=1
-if "$py" -c "import pytest" >/dev/null 2>&1; then
-  # --noconftest: the GPU tests need nothing from the daemon-side fixtures.
-  timeout 150 "$py" -m pytest -q -p no:cacheprovider --noconftest -rs tests/trainer/test_gpu.py >&2 ||
-    fail "tests/trainer/test_gpu.py failed"
+probe() { "$py" -c "$1" >/dev/null 2>&1; }
+if ! probe "import cupy"; then
+  missing+=("CuPy in $py (cupy-cuda13x or cupy-cuda12x, >= 13.4)")
 else
-  fail "pytest is not installed in $py's environment"
+  probe "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" ||
+    missing+=("a CUDA device that CuPy can use (CUDA runtime or driver mismatch?)")
+  probe "from cupy.cuda import nccl; nccl.get_version()" ||
+    missing+=("NCCL for CuPy (nvidia-nccl-cu13 or nvidia-nccl-cu12)")
 fi
-timeout 150 "$py" benchmarks/gpu_check.py "$@" || fail "benchmarks/gpu_check.py failed"
+for mod in grpc grpc_health grpc_reflection grpc_status google.rpc google.protobuf \
+  prometheus_client numpy pytest setuptools; do
+  probe "import $mod" || missing+=("the Python module $mod")
+done
+probe "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" ||
+  missing+=("setuptools >= 77 (to install the project without build isolation)")
+if [ ${#missing[@]} -gt 0 ]; then
+  finish missing "${missing[@]}"
+fi
+
+# -- the project, installed without the network ---------------------------------
+started=$(now_ms)
+if ! "$py" -m pip install -q --no-deps --no-build-isolation -e "$root" >"$work/install.log" 2>&1; then
+  record install failed 0 "$(tail -c 1500 "$work/install.log")"
+  finish failed
+fi
+record install passed $(($(now_ms) - started)) ""
+
+run_step() { # name timeout command...
+  local name=$1 limit=$2
+  shift 2
+  local t0 code took
+  t0=$(now_ms)
+  timeout "$limit" "$@" >"$work/$name.log" 2>&1
+  code=$?
+  took=$(($(now_ms) - t0))
+  if [ $code -eq 0 ]; then
+    record "$name" passed "$took" "$(tail -c 600 "$work/$name.log")"
+  else
+    record "$name" failed "$took" "exit $code: $(tail -c 1500 "$work/$name.log")"
+    failed=1
+  fi
+}
+failed=0
+
+# 1. The GPU tests (--noconftest: they need none of the daemon-side fixtures).
+RENDEZVOUSD_REQUIRE_GPU=1 run_step gpu_tests 120 \
+  "$py" -m pytest -q -p no:cacheprovider --noconftest -rs --rootdir "$root" \
+  "$root/tests/trainer/test_gpu.py"
+
+# 2. 1 node x 2 ranks on one GPU: each rank its own NCCL "host" (NCCL_HOSTID).
+run_step train_world2 120 env RENDEZVOUSD_NCCL_SHARED_DEVICE=1 \
+  "$py" -m rendezvousd.trainer.launcher --standalone --nproc-per-node 2 --backend nccl \
+  -m rendezvousd.trainer.example --steps 20 --result-dir "$work/results"
+if [ -f "$work/results/rank-0.json" ]; then
+  diff=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_abs_grad_diff_vs_single_process"])' "$work/results/rank-0.json")
+  if "$py" -c "import sys; sys.exit(0 if float('$diff') <= 1e-4 else 1)"; then
+    record grad_equality passed 0 "max |grad - single-process grad| = $diff"
+  else
+    record grad_equality failed 0 "max |grad - single-process grad| = $diff > 1e-4"
+    failed=1
+  fi
+fi
+
+# 3. The benchmark at world 2.
+run_step benchmark 150 "$py" "$root/benchmarks/gpu_check.py" --world 2 \
+  --json-out "$out_dir/gpu_bench.json" "$@"
+
+if [ $failed -eq 0 ]; then finish passed; else finish failed; fi

@@ -1,0 +1,74 @@
+"""scripts/gpu_check.sh and benchmarks/gpu_check.py without a GPU: the script names
+exactly what is missing in its JSON result instead of downloading anything, and the
+benchmark's target verdicts follow the figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import ROOT
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a driver")
+def test_gpu_check_names_what_is_missing_in_its_json_result(tmp_path: Path) -> None:
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["status"] == "missing" and doc["steps"] == []
+    assert any("NVIDIA driver" in m for m in doc["missing"]), doc
+    # Nothing was installed from the network on the way.
+    assert "pip install" not in run.stderr
+
+
+def _row(
+    size: int, bucketed_over_raw: float, pack: float, unpack: float, copy: float
+) -> dict[str, Any]:
+    return {
+        "bytes": size,
+        "bucketed_over_raw": bucketed_over_raw,
+        "pack_gbps": pack,
+        "unpack_gbps": unpack,
+        "copy_gbps": copy,
+    }
+
+
+def test_benchmark_targets_judge_the_largest_size() -> None:
+    bench = _bench()
+    rows = [_row(1 << 20, 2.0, 1.0, 1.0, 100.0), _row(64 << 20, 1.03, 600.0, 700.0, 1000.0)]
+    verdict = bench.targets(rows, world=2)
+    assert verdict["bucketed_over_raw"]["met"] and verdict["bucketed_over_raw"]["measured"] == 1.03
+    assert verdict["pack_unpack_over_copy"]["met"]
+    assert verdict["pack_unpack_over_copy"]["measured"] == 0.6
+    slow = bench.targets([_row(64 << 20, 1.2, 400.0, 900.0, 1000.0)], world=2)
+    assert not slow["bucketed_over_raw"]["met"] and not slow["pack_unpack_over_copy"]["met"]
+    # World 1 measures no communication: the bucketed target cannot be met there.
+    assert not bench.targets(rows, world=1)["bucketed_over_raw"]["met"]
+
+
+def test_ranks_on_one_gpu_are_told_they_are_separate_hosts() -> None:
+    env = [_bench().shared_device_env(r) for r in range(2)]
+    assert env[0]["NCCL_HOSTID"] != env[1]["NCCL_HOSTID"]
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" and e["NCCL_IB_DISABLE"] == "1" for e in env)
