@@ -8,12 +8,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.model import JobState, MemberState
 
 if TYPE_CHECKING:
     from rendezvousd.state import RendezvousState
+
+# Method labels come from the request path, which an unauthenticated caller
+# chooses: only the methods the daemon serves become labels, so a flood of made-up
+# paths cannot grow the registry (and the /metrics page) without bound.
+_KNOWN_METHODS = frozenset(
+    [
+        *pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name,
+        *health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name,
+        "ServerReflectionInfo",
+    ]
+)
+_CODES = frozenset(code.name for code in grpc.StatusCode)
+UNKNOWN_LABEL = "unknown"
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
 
@@ -48,7 +64,10 @@ class Metrics:
         )
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        self.rpc.labels(method, code).observe(seconds)
+        self.rpc.labels(
+            method if method in _KNOWN_METHODS else UNKNOWN_LABEL,
+            code if code in _CODES else UNKNOWN_LABEL,
+        ).observe(seconds)
 
     def observe_jobs(self, state: RendezvousState) -> None:
         counts = dict.fromkeys(JobState, 0)

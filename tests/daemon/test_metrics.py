@@ -8,6 +8,8 @@ import subprocess
 import urllib.request
 from collections.abc import Callable
 
+import grpc
+
 from rendezvousd.client import AuthenticationError, RendezvousClient
 from tests.support import DaemonProcess, scrape, wait_for, worker_cmd
 
@@ -54,4 +56,24 @@ def test_metrics_follow_a_job_through_join_failure_and_rpcs(
             'rendezvousd_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="ListJobs"}'
         ]
         == 1
+    )
+
+
+def test_made_up_method_paths_do_not_grow_the_metrics(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    # Unauthenticated callers choose the method path: it must not become a label.
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    before = len(urllib.request.urlopen(d.metrics_url, timeout=5).read())
+    with grpc.insecure_channel(d.endpoint) as ch:
+        for i in range(300):
+            path = f"/rendezvous.v1.Rendezvous/{'M' * 2000}{i}"
+            with contextlib.suppress(grpc.RpcError):
+                ch.unary_unary(path)(b"", timeout=5)
+    page = urllib.request.urlopen(d.metrics_url, timeout=5).read()
+    assert b"MMMM" not in page
+    assert len(page) < before + 4096, (before, len(page))
+    m = scrape(d.metrics_url)
+    assert (
+        m['rendezvousd_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="unknown"}'] == 300
     )
