@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,20 @@ def test_model_math_refuses_host_data_with_device_parameters(fake: Any) -> None:
         example.loss_and_grads(on_device, x, y, fake)
 
 
-def _run_example(d: DaemonProcess, job: str, backend: str, out: Path, *args: str) -> dict[str, Any]:
+EXAMPLE = ["-m", "rendezvousd.trainer.example"]
+FAKE_GPU_EXAMPLE = [str(WORKERS / "fake_gpu_example.py")]
+
+
+def run_example(
+    d: DaemonProcess,
+    job: str,
+    backend: str,
+    out: Path,
+    *args: str,
+    script: list[str] | None = None,
+) -> dict[str, Any]:
+    """One rank (world 1) of the example; its result JSON. ``script`` defaults to the
+    example itself on cpu and to the example on the fake GPU on nccl."""
     env = {
         **os.environ,
         "RENDEZVOUSD_LOCAL_RANK": "0",
@@ -69,11 +83,8 @@ def _run_example(d: DaemonProcess, job: str, backend: str, out: Path, *args: str
         "RENDEZVOUSD_CONFIG": str(SMOKE),
         "RENDEZVOUSD_BACKEND": backend,
     }
-    script = (
-        [str(WORKERS / "fake_gpu_example.py")]
-        if backend == "nccl"
-        else ["-m", "rendezvousd.trainer.example"]
-    )
+    if script is None:
+        script = FAKE_GPU_EXAMPLE if backend == "nccl" else EXAMPLE
     run = subprocess.run(
         [sys.executable, *script, *TRAIN, "--result-dir", str(out), *args],
         env=env,
@@ -90,23 +101,30 @@ def test_nccl_backend_on_fake_device_trains_checkpoints_and_resumes_like_cpu(
     daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    first = _run_example(
+    first = run_example(
         daemon, f"{job_id}-a", "nccl", tmp_path / "a", "--steps", "6",
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
     )  # fmt: skip
     assert first["backend"] == "nccl" and first["checkpoint_written"]
     assert first["max_abs_grad_diff_vs_single_process"] == 0.0
     assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-0000000004.npz", "ckpt-0000000006.npz"]
-    resumed = _run_example(
+    shutil.copytree(ckpt, tmp_path / "ckpt-for-cpu")
+    resumed = run_example(
         daemon, f"{job_id}-b", "nccl", tmp_path / "b", "--steps", "10",
         "--checkpoint-dir", str(ckpt), "--resume",
     )  # fmt: skip
     assert (resumed["start_step"], resumed["steps"]) == (6, 4)
-    straight = _run_example(daemon, f"{job_id}-c", "cpu", tmp_path / "c", "--steps", "10")
+    straight = run_example(daemon, f"{job_id}-c", "cpu", tmp_path / "c", "--steps", "10")
     assert straight["backend"] == "cpu"
     # Device arrays through a checkpoint and back lose nothing: same bytes as never stopping.
     assert resumed["params_sha256"] == straight["params_sha256"]
     assert resumed["final_loss"] == straight["final_loss"]
+    # Checkpoints do not record a device: the GPU run's resumes on the cpu backend.
+    on_cpu = run_example(
+        daemon, f"{job_id}-d", "cpu", tmp_path / "d", "--steps", "10",
+        "--checkpoint-dir", str(tmp_path / "ckpt-for-cpu"), "--resume",
+    )  # fmt: skip
+    assert on_cpu["start_step"] == 6 and on_cpu["params_sha256"] == straight["params_sha256"]
 
 
 def test_gpu_layout_never_puts_two_ranks_on_one_gpu() -> None:
