@@ -3,6 +3,10 @@
 A checkpoint is one ``.npz`` file: the arrays plus a JSON metadata document
 stored as a uint8 array. One file means one ``os.replace`` makes it visible, so
 a reader sees either the previous checkpoint or the complete new one.
+
+Arrays may be numpy or CuPy. Device arrays are copied to the host explicitly
+when saving (``devices.to_host``) and, when the caller passes its array module,
+back to the device when loading: CuPy refuses ``np.asarray`` on device memory.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .devices import to_device, to_host
 from .errors import CheckpointError
 from .topology import MultiNodeTopology
 
@@ -28,7 +33,9 @@ FORMAT = "rendezvousd-checkpoint/1"
 _META_KEY = "__rendezvousd_meta__"
 _NAME_RE = re.compile(r"^ckpt-(\d+)\.npz$")
 
-Arrays = dict[str, npt.NDArray[Any]]
+HostArrays = dict[str, npt.NDArray[Any]]
+# numpy arrays, or CuPy arrays when loaded with ``xp=cupy``.
+Arrays = dict[str, Any]
 
 
 def _is_global_rank_zero(rank: int | MultiNodeTopology) -> bool:
@@ -60,12 +67,12 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return None if best is None else best[1]
 
 
-def _encode(arrays: Mapping[str, npt.NDArray[Any]], meta: Mapping[str, Any]) -> Arrays:
-    payload: Arrays = {}
+def _encode(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> HostArrays:
+    payload: HostArrays = {}
     for name, value in arrays.items():
         if not isinstance(name, str) or not name or name == _META_KEY:
             raise CheckpointError(f"array name {name!r} is empty, not a string, or reserved")
-        array = np.asarray(value)
+        array = to_host(value)
         if array.dtype.hasobject:
             raise CheckpointError(
                 f"array {name!r} has dtype {array.dtype}, which cannot be saved without "
@@ -94,15 +101,16 @@ def _fsync_directory(folder: Path) -> None:
 
 def save_checkpoint(
     path: str | os.PathLike[str],
-    arrays: Mapping[str, npt.NDArray[Any]],
+    arrays: Mapping[str, Any],
     meta: Mapping[str, Any],
     *,
     rank: int | MultiNodeTopology,
 ) -> bool:
     """Write ``path`` atomically if ``rank`` is global rank 0; return whether it wrote.
 
-    ``rank`` is the global rank or the caller's topology. Other ranks return
-    False without touching the file system.
+    ``arrays`` may be numpy or CuPy (copied to the host first). ``rank`` is the
+    global rank or the caller's topology. Other ranks return False without
+    touching the file system.
     """
     if not _is_global_rank_zero(rank):
         return False
@@ -135,8 +143,12 @@ def save_checkpoint(
     return True
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Arrays, dict[str, Any]]:
-    """Read a checkpoint written by ``save_checkpoint``; CheckpointError if unusable."""
+def load_checkpoint(path: str | os.PathLike[str], *, xp: Any = np) -> tuple[Arrays, dict[str, Any]]:
+    """Read a checkpoint written by ``save_checkpoint``; CheckpointError if unusable.
+
+    The arrays come back in ``xp``'s memory: numpy by default, on the current
+    GPU with ``xp=cupy`` (only after the file has been fully validated).
+    """
     source = Path(path)
     if not source.is_file():
         raise CheckpointError(f"checkpoint {source} does not exist or is not a file")
@@ -160,7 +172,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Arrays, dict[str, Any
             raise ValueError("array list does not match the metadata")
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint {source} is not a valid {FORMAT} file: {exc}") from exc
-    return contents, doc["meta"]
+    return {name: to_device(array, xp) for name, array in contents.items()}, doc["meta"]
 
 
 class _RankZeroAdapter(logging.LoggerAdapter[logging.Logger]):

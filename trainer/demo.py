@@ -2,6 +2,7 @@
 
     python -m rendezvousd.trainer.demo [--steps 40] [--out artifacts/multinode_smoke.json]
     python -m rendezvousd.trainer.demo --hosts 3     # as root: 3 real network hosts
+    python -m rendezvousd.trainer.demo --backend nccl  # on GPUs, one per rank
 
 Starts rendezvousd on loopback with a fresh token, runs one ``rendezvous-run``
 per simulated node (the seed's multinode_smoke config: cpu backend, world 4),
@@ -10,12 +11,17 @@ or, with ``--hosts N``, the daemon and N nodes on their own network hosts
 shows rank 0's progress, then writes and prints a scorecard: topology, steps,
 final loss, max |gradient - single-process full-batch gradient|, rendezvous
 time, all-reduce bus bandwidth, and whether exactly one checkpoint was written.
+
+With ``--backend nccl`` the same example trains on GPUs with CuPy and NCCL, one
+GPU per rank: 2 simulated nodes each given its own half of the visible GPUs
+(``CUDA_VISIBLE_DEVICES``) when there are at least 2, else one node.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,6 +32,7 @@ from typing import IO, Any
 
 from rendezvousd.embedded import EmbeddedDaemon, spawn
 from rendezvousd.errors import DaemonError
+from rendezvousd.trainer import nccl
 from rendezvousd.trainer.netns import Host, Hosts, unavailable_reason
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "multinode_smoke.toml"
@@ -63,8 +70,37 @@ def _start_daemon(tmp: Path, head: Host | None) -> EmbeddedDaemon:
     return daemon
 
 
-def run(steps: int, out: Path, workdir: Path, hosts: int = 0) -> dict[str, Any]:
-    """The demo on loopback, or with ``hosts`` > 0 on that many network hosts."""
+def gpu_layout(visible: list[str]) -> list[list[str]]:
+    """The GPUs each simulated node gets: NODES equal disjoint slices if there are
+    enough, else one node with all of them (two ranks must never share a GPU)."""
+    nodes_n = NODES if len(visible) >= NODES else 1
+    per_node = min(WORKERS, len(visible) // nodes_n)
+    return [visible[n * per_node : (n + 1) * per_node] for n in range(nodes_n)]
+
+
+def _visible_gpus() -> list[str]:
+    count = nccl.device_count()
+    if count == 0:
+        reason = "CuPy with NCCL does not import" if not nccl.cupy_available() else "no GPU"
+        raise SystemExit(
+            f"demo: --backend nccl needs CuPy with NCCL and a CUDA device, but {reason} here; "
+            "install rendezvousd[gpu-cuda12] or rendezvousd[gpu-cuda13], or use --backend cpu"
+        )
+    # Ordinals relative to the parent's own restriction, if it has one.
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = inherited.split(",") if inherited else [str(i) for i in range(count)]
+    return names[:count]
+
+
+def run(
+    steps: int, out: Path, workdir: Path, hosts: int = 0, backend: str = "cpu"
+) -> dict[str, Any]:
+    """The demo on loopback, or with ``hosts`` > 0 on that many network hosts;
+    ``backend`` "nccl" trains on this machine's GPUs (loopback only)."""
+    if backend == "nccl":
+        if hosts:
+            raise SystemExit("demo: --hosts runs the cpu backend only; drop --hosts for nccl")
+        return _run(steps, out, workdir, None, gpu_layout(_visible_gpus()))
     if hosts == 0:
         return _run(steps, out, workdir, None)
     reason = unavailable_reason()
@@ -78,9 +114,21 @@ def run(steps: int, out: Path, workdir: Path, hosts: int = 0) -> dict[str, Any]:
         cluster.teardown()
 
 
-def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[str, Any]:
+def _run(
+    steps: int,
+    out: Path,
+    workdir: Path,
+    cluster: Hosts | None,
+    gpus: list[list[str]] | None = None,
+) -> dict[str, Any]:
+    """``gpus`` None: the cpu backend; else the nccl backend, node n on ``gpus[n]``."""
     results_dir, ckpt_dir = workdir / "results", workdir / "checkpoints"
-    nodes_n = cluster.count - 1 if cluster is not None else NODES
+    backend = "cpu" if gpus is None else "nccl"
+    nodes_n, workers = NODES, WORKERS
+    if gpus is not None:
+        nodes_n, workers = len(gpus), len(gpus[0])
+    elif cluster is not None:
+        nodes_n = cluster.count - 1
     daemon = _start_daemon(workdir, cluster[0] if cluster is not None else None)
     endpoint, token_file = daemon.endpoint, daemon.token_file
     where = (
@@ -89,8 +137,8 @@ def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[st
         else "this machine (loopback)"
     )
     print(
-        f"demo: rendezvousd on {endpoint}; starting {nodes_n} nodes x {WORKERS} workers "
-        f"(cpu backend), each node on {where}",
+        f"demo: rendezvousd on {endpoint}; starting {nodes_n} nodes x {workers} workers "
+        f"({backend} backend), each node on {where}",
         file=sys.stderr,
         flush=True,
     )
@@ -108,13 +156,13 @@ def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[st
                 "--node-rank",
                 str(node),
                 "--nproc-per-node",
-                str(WORKERS),
+                str(workers),
                 "--rdzv-endpoint",
                 endpoint,
                 "--token-file",
                 str(token_file),
                 "--backend",
-                "cpu",
+                backend,
                 "--config",
                 str(CONFIG),
                 "--job-id",
@@ -133,8 +181,12 @@ def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[st
             ]
             if cluster is not None:
                 cmd = cluster[1 + node].command(cmd)
+            env = None
+            if gpus is not None:
+                # Local rank i uses device i: each node must see only its own GPUs.
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[node])}
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
             )
             assert proc.stderr is not None
             sink: list[str] = []
@@ -159,7 +211,7 @@ def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[st
     max_diff = r0.get("max_abs_grad_diff_vs_single_process", float("inf"))
     success = (
         codes == [0] * nodes_n
-        and len(per_rank) == nodes_n * WORKERS
+        and len(per_rank) == nodes_n * workers
         and max_diff <= GRAD_TOLERANCE
         and len(checkpoints) == 1
         and sum(r["checkpoint_written"] for r in per_rank) == 1
@@ -170,9 +222,9 @@ def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[st
         "success": success,
         "topology": {
             "num_nodes": nodes_n,
-            "gpus_per_node": WORKERS,
-            "world_size": nodes_n * WORKERS,
-            "backend": r0.get("backend", "cpu"),
+            "gpus_per_node": workers,
+            "world_size": nodes_n * workers,
+            "backend": r0.get("backend", backend),
             "transport": "daemon (loopback)"
             if cluster is None
             else f"daemon over {nodes_n + 1} network hosts",
@@ -191,7 +243,10 @@ def _run(steps: int, out: Path, workdir: Path, cluster: Hosts | None) -> dict[st
         "daemon_exit_code": daemon_code,
         "wall_s": round(time.monotonic() - started, 2),
         "validation_path": (
-            "single-machine loopback simulation (not real multi-node hardware)"
+            f"single-machine loopback simulation on {nodes_n * workers} GPUs "
+            "(not real multi-node hardware)"
+            if gpus is not None
+            else "single-machine loopback simulation (not real multi-node hardware)"
             if cluster is None
             else "network hosts as Linux namespaces on one machine, with their own "
             "addresses and hostnames (not real multi-node hardware)"
@@ -214,11 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="run the nodes on N real network hosts (namespaces; needs root), not loopback",
     )
+    p.add_argument(
+        "--backend",
+        choices=("cpu", "nccl"),
+        default="cpu",
+        help="nccl: train on this machine's GPUs with CuPy, one GPU per rank",
+    )
     args = p.parse_args(argv)
     if args.hosts < 0:
         p.error(f"--hosts={args.hosts} must be >= 0")
     with tempfile.TemporaryDirectory(prefix="rendezvousd-demo-") as tmp:
-        card = run(args.steps, args.out, Path(tmp), args.hosts)
+        card = run(args.steps, args.out, Path(tmp), args.hosts, args.backend)
     print(json.dumps(card, indent=2))
     print(
         f"demo: scorecard written to {args.out} — {'SUCCESS' if card['success'] else 'FAILED'}",

@@ -5,9 +5,12 @@ Run under the launcher, e.g. (one line per simulated node):
     rendezvous-run --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29420 \\
         --token-file TOKEN --config trainer/configs/multinode_smoke.toml -m rendezvousd.trainer.example
 
-Written against the array module (numpy on CPU, CuPy on GPU). Every step, rank 0
-also computes the gradient of the whole global batch in one process and records
-how far the all-reduced gradient is from it: the seed's "gradient correctness
+Written against the array module ``xp`` (``devices.array_module``): numpy on
+the host with the cpu backend, CuPy on GPU ``local_rank`` with nccl, where the
+parameters, gradients, data and collective buffers all live on the device.
+Every step, rank 0 also computes the gradient of the whole global batch in one
+process, on the host from the same data, and records how far the all-reduced
+gradient (copied to the host) is from it: the seed's "gradient correctness
 against the single-node baseline on identical data", measured on every run.
 """
 
@@ -34,12 +37,15 @@ from rendezvousd.trainer.checkpoint import (
 )
 from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.data import ShardedLoader, shard_indices
+from rendezvousd.trainer.devices import array_module, set_device, to_device, to_host
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import CheckpointError, TrainerError
 from rendezvousd.trainer.topology import MultiNodeTopology
 
 log = logging.getLogger("rendezvousd.example")
 Array = npt.NDArray[Any]
+# numpy or CuPy, whichever ``xp`` the run uses.
+XArray = Any
 PARAMS = ("w1", "b1", "w2", "b2")
 
 
@@ -62,14 +68,19 @@ def init_params(features: int, hidden: int, seed: int) -> dict[str, Array]:
     }
 
 
-def loss_and_grads(p: dict[str, Array], x: Array, y: Array) -> tuple[float, dict[str, Array]]:
-    """Mean squared error of a one-hidden-layer tanh MLP and its exact gradients."""
+def loss_and_grads(
+    p: dict[str, XArray], x: XArray, y: XArray, xp: Any = np
+) -> tuple[float, dict[str, XArray]]:
+    """Mean squared error of a one-hidden-layer tanh MLP and its exact gradients.
+
+    Every array must live in ``xp``'s memory: CuPy will not mix device and host.
+    """
     h_pre = x @ p["w1"] + p["b1"]
-    h = np.tanh(h_pre)
+    h = xp.tanh(h_pre)
     out = h @ p["w2"] + p["b2"]
     diff = out - y
     n = x.shape[0]
-    loss = float(np.mean(diff**2))
+    loss = float(xp.mean(diff**2))
     d_out = 2.0 * diff / n
     d_h = (d_out @ p["w2"].T) * (1.0 - h**2)
     grads = {
@@ -93,7 +104,11 @@ def global_batch(
 
 
 def agree_on_start(
-    ckpt_dir: Path | None, topo: MultiNodeTopology, comm: Any, params: dict[str, Array]
+    ckpt_dir: Path | None,
+    topo: MultiNodeTopology,
+    comm: Any,
+    params: dict[str, XArray],
+    xp: Any = np,
 ) -> int:
     """The step every rank resumes at; ``params`` then hold rank 0's state on all.
 
@@ -101,26 +116,29 @@ def agree_on_start(
     decides from its newest one, and the step and parameters reach every rank by
     broadcast, so a node without the files resumes from the same step and bytes.
     ``ckpt_dir`` None: no resume, everyone starts from rank 0's initial values.
+    The step travels in an ``xp`` array: NCCL broadcasts device memory only.
     """
-    step = np.zeros(1, dtype=np.int64)
+    step = xp.zeros(1, dtype=np.int64)
     if ckpt_dir is not None and topo.is_global_rank_zero:
         latest = latest_checkpoint(ckpt_dir)
         if latest is None:
             log.info("resume: no checkpoint in %s; starting at step 0", ckpt_dir)
         else:
-            step[0] = load_into(latest, params)
-            log.info("resume: %s, step %d", latest, step[0])
+            resumed = load_into(latest, params, xp)
+            step[0] = resumed
+            log.info("resume: %s, step %d", latest, resumed)
     comm.broadcast(step, root=0)
     for name in PARAMS:
         comm.broadcast(params[name], root=0)
     return int(step[0])
 
 
-def load_into(path: Path, params: dict[str, Array]) -> int:
-    """Copy a checkpoint's parameters into ``params``; its step. Loud if unusable:
-    silently starting over would discard the run the user asked to continue."""
+def load_into(path: Path, params: dict[str, XArray], xp: Any = np) -> int:
+    """Copy a checkpoint's parameters into ``params`` (in ``xp``'s memory); its step.
+    Loud if unusable: silently starting over would discard the run the user asked
+    to continue."""
     try:
-        arrays, meta = load_checkpoint(path)
+        arrays, meta = load_checkpoint(path, xp=xp)
         for name in PARAMS:
             saved = arrays.get(name)
             if (
@@ -144,22 +162,28 @@ def load_into(path: Path, params: dict[str, Array]) -> int:
     return step
 
 
-def params_digest(params: dict[str, Array]) -> str:
-    """SHA-256 of the parameters' bytes: equal digests mean bit-identical models."""
+def params_digest(params: dict[str, XArray]) -> str:
+    """SHA-256 of the parameters' host bytes: equal digests mean bit-identical models,
+    whichever memory they live in."""
     digest = hashlib.sha256()
     for name in PARAMS:
-        digest.update(np.ascontiguousarray(params[name]).tobytes())
+        digest.update(np.ascontiguousarray(to_host(params[name])).tobytes())
     return digest.hexdigest()
 
 
-def bus_bandwidth(comm: Any, mib: float = 8.0, iters: int = 3) -> float:
-    """nccl-tests busbw = S/t * 2(n-1)/n for an all-reduce of ``mib`` MiB, GB/s."""
-    buf = np.ones(int(mib * 1024 * 1024 / 4), dtype=np.float32)
+def bus_bandwidth(comm: Any, xp: Any = np, mib: float = 8.0, iters: int = 3) -> float:
+    """nccl-tests busbw = S/t * 2(n-1)/n for an all-reduce of ``mib`` MiB, GB/s.
+
+    ``barrier`` drains the collectives (NCCL's are asynchronous to the host), so
+    the timed span covers them, not just their launch.
+    """
+    buf = xp.ones(int(mib * 1024 * 1024 / 4), dtype=np.float32)
     comm.all_reduce(buf)  # warm-up: connections and buffers
     comm.barrier()
     started = time.perf_counter()
     for _ in range(iters):
         comm.all_reduce(buf)
+    comm.barrier()
     elapsed = (time.perf_counter() - started) / iters
     n = comm.world_size
     return float(buf.nbytes / elapsed * 2 * (n - 1) / n / 1e9) if n > 1 else 0.0
@@ -169,13 +193,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ctx = init_distributed(args.config)
     try:
         topo, comm = ctx.topology, ctx.communicator
-        x, y = make_data(args.samples, args.features, args.seed)
-        params = init_params(args.features, args.hidden, args.seed)
+        xp = array_module(ctx.config.backend)
+        # Before the first allocation: every array below belongs on this rank's GPU.
+        set_device(xp, topo.local_rank)
+        # Generated on the host, so every backend trains on the same bytes; the
+        # host copies also feed rank 0's single-process baseline.
+        x_host, y_host = make_data(args.samples, args.features, args.seed)
+        x, y = to_device(x_host, xp), to_device(y_host, xp)
+        params = {
+            k: to_device(v, xp)
+            for k, v in init_params(args.features, args.hidden, args.seed).items()
+        }
         ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         if ckpt_dir is not None and topo.is_global_rank_zero:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
-        start_step = agree_on_start(ckpt_dir if args.resume else None, topo, comm, params)
-        grads = {k: np.zeros_like(v) for k, v in params.items()}
+        start_step = agree_on_start(ckpt_dir if args.resume else None, topo, comm, params, xp)
+        grads = {k: xp.zeros_like(v) for k, v in params.items()}
         reducer = BucketedAllReducer.from_config([grads[k] for k in PARAMS], comm, ctx.config)
         reducer.verify_layout(ctx.rendezvous, topo.rank, topo.world_size, timeout=60)
         loader = ShardedLoader(x, y, batch_size=args.batch, topology=topo, seed=args.seed)
@@ -186,20 +219,23 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         while step < args.steps:
             epoch, offset = divmod(step, steps_per_epoch)
             idx = next(b for i, b in enumerate(loader.index_batches(epoch)) if i == offset)
-            local_loss, local = loss_and_grads(params, x[idx], y[idx])
+            idx_x = to_device(idx, xp)
+            local_loss, local = loss_and_grads(params, x[idx_x], y[idx_x], xp)
             # Later layers' gradients exist first in backprop: mark them ready first.
             for i in reversed(range(len(PARAMS))):
                 grads[PARAMS[i]][...] = local[PARAMS[i]]
                 reducer.mark_ready(i)
             reducer.wait()
-            loss_buf = np.array([local_loss], dtype=np.float64)
+            loss_buf = xp.array([local_loss], dtype=np.float64)
             comm.all_reduce(loss_buf, ReduceOp.AVG)
             loss = float(loss_buf[0])
             if topo.is_global_rank_zero:
                 gidx = global_batch(args.samples, topo, epoch, offset, args.batch, args.seed)
-                _, full = loss_and_grads(params, x[gidx], y[gidx])
+                host_params = {k: to_host(v) for k, v in params.items()}
+                _, full = loss_and_grads(host_params, x_host[gidx], y_host[gidx])
                 max_diff = max(
-                    max_diff, *(float(np.max(np.abs(grads[k] - full[k]))) for k in PARAMS)
+                    max_diff,
+                    *(float(np.max(np.abs(to_host(grads[k]) - full[k]))) for k in PARAMS),
                 )
                 if step % args.log_every == 0 or step == args.steps - 1:
                     log.info(
@@ -220,7 +256,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if args.step_sleep:
                 time.sleep(args.step_sleep)  # stands in for a longer forward/backward
         train_s = time.perf_counter() - started
-        busbw = bus_bandwidth(comm)
+        busbw = bus_bandwidth(comm, xp)
         ctx.rendezvous.raise_if_failed()
         wrote = False
         if ckpt_dir is not None:

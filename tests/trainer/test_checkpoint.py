@@ -22,6 +22,7 @@ from rendezvousd.trainer.checkpoint import (
 )
 from rendezvousd.trainer.errors import CheckpointError
 from rendezvousd.trainer.topology import MultiNodeTopology
+from tests.trainer import fake_cupy
 
 # Each worker is a separate interpreter: node/local rank from argv, one JSON line out.
 WORKER = """
@@ -80,6 +81,42 @@ def test_round_trip_preserves_arrays_dtypes_and_meta(tmp_path: Path) -> None:
     for name, value in saved.items():
         np.testing.assert_array_equal(loaded[name], value)
         assert loaded[name].dtype == value.dtype
+
+
+def test_device_arrays_round_trip_through_an_explicit_host_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fake's arrays raise on np.asarray, as CuPy's do: saving must copy explicitly.
+    fake = fake_cupy.install(monkeypatch)
+    path = tmp_path / "c.npz"
+    host = arrays()
+    on_device = {name: fake.asarray(value) for name, value in host.items()}
+    copies = fake_cupy.counts["asnumpy"]
+    assert save_checkpoint(path, on_device, {"step": 1}, rank=0)
+    assert fake_cupy.counts["asnumpy"] == copies + len(host)
+    back, meta = load_checkpoint(path, xp=fake)
+    assert meta == {"step": 1} and set(back) == set(host)
+    for name, value in host.items():
+        assert isinstance(back[name], fake.ndarray), name
+        assert back[name].dtype == value.dtype and back[name].shape == value.shape
+        np.testing.assert_array_equal(fake.asnumpy(back[name]), value)
+    # Without xp the same file loads on the host: checkpoints do not record a device.
+    on_host, _ = load_checkpoint(path)
+    assert all(type(on_host[name]) is np.ndarray for name in host)
+
+
+def test_resume_onto_device_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rendezvousd.trainer.example import init_params, load_into, params_digest
+
+    fake = fake_cupy.install(monkeypatch)
+    host = init_params(features=4, hidden=3, seed=0)
+    saved = {k: v + 1 for k, v in host.items()}
+    path = checkpoint_path(tmp_path, 5)
+    save_checkpoint(path, {k: fake.asarray(v) for k, v in saved.items()}, {"step": 5}, rank=0)
+    params = {k: fake.asarray(v) for k, v in host.items()}
+    assert load_into(path, params, fake) == 5
+    assert all(isinstance(v, fake.ndarray) for v in params.values())
+    assert params_digest(params) == params_digest(saved)
 
 
 def test_non_zero_ranks_do_not_touch_the_file_system(tmp_path: Path) -> None:

@@ -1,0 +1,153 @@
+"""The example trainer written once for host and device arrays.
+
+In process: the model math, digest and baseline against the fake CuPy of
+``fake_cupy`` (arrays that refuse implicit host conversion, as CuPy's do). As
+real processes with a real daemon: the example on the nccl backend with that
+fake at the CuPy seam trains, checkpoints and resumes from device arrays, and
+ends bit-identical to the cpu backend on the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rendezvousd.trainer import demo, devices, example, nccl
+from tests.support import ROOT, WORKERS, DaemonProcess
+from tests.trainer import fake_cupy
+
+SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
+# Small enough to be quick, big enough for several buckets and two epochs.
+TRAIN = ["--samples", "256", "--features", "8", "--hidden", "16", "--batch", "64"]
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
+    return fake_cupy.install(monkeypatch)
+
+
+def test_model_math_on_device_equals_host_bit_for_bit(fake: Any) -> None:
+    x, y = example.make_data(64, 4, seed=0)
+    host = example.init_params(4, 8, seed=0)
+    on_device = {k: devices.to_device(v, fake) for k, v in host.items()}
+    loss, grads = example.loss_and_grads(host, x, y)
+    dloss, dgrads = example.loss_and_grads(
+        on_device, devices.to_device(x, fake), devices.to_device(y, fake), fake
+    )
+    assert dloss == loss
+    for name, grad in grads.items():
+        assert isinstance(dgrads[name], fake.ndarray)
+        assert devices.to_host(dgrads[name]).tobytes() == grad.tobytes()
+    # The digest hashes host bytes, so it names the model, not where it lives.
+    assert example.params_digest(on_device) == example.params_digest(host)
+
+
+def test_model_math_refuses_host_data_with_device_parameters(fake: Any) -> None:
+    x, y = example.make_data(8, 4, seed=0)
+    on_device = {k: fake.asarray(v) for k, v in example.init_params(4, 8, seed=0).items()}
+    with pytest.raises(TypeError):
+        example.loss_and_grads(on_device, x, y, fake)
+
+
+EXAMPLE = ["-m", "rendezvousd.trainer.example"]
+FAKE_GPU_EXAMPLE = [str(WORKERS / "fake_gpu_example.py")]
+
+
+def run_example(
+    d: DaemonProcess,
+    job: str,
+    backend: str,
+    out: Path,
+    *args: str,
+    script: list[str] | None = None,
+) -> dict[str, Any]:
+    """One rank (world 1) of the example; its result JSON. ``script`` defaults to the
+    example itself on cpu and to the example on the fake GPU on nccl."""
+    env = {
+        **os.environ,
+        "RENDEZVOUSD_LOCAL_RANK": "0",
+        "RENDEZVOUSD_ENDPOINT": d.endpoint,
+        "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
+        "RENDEZVOUSD_JOB_ID": job,
+        "RENDEZVOUSD_NUM_NODES": "1",
+        "RENDEZVOUSD_GPUS_PER_NODE": "1",
+        "RENDEZVOUSD_NODE_RANK": "0",
+        "RENDEZVOUSD_CONFIG": str(SMOKE),
+        "RENDEZVOUSD_BACKEND": backend,
+    }
+    if script is None:
+        script = FAKE_GPU_EXAMPLE if backend == "nccl" else EXAMPLE
+    run = subprocess.run(
+        [sys.executable, *script, *TRAIN, "--result-dir", str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result: dict[str, Any] = json.loads((out / "rank-0.json").read_text())
+    return result
+
+
+def test_nccl_backend_on_fake_device_trains_checkpoints_and_resumes_like_cpu(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = run_example(
+        daemon, f"{job_id}-a", "nccl", tmp_path / "a", "--steps", "6",
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+    )  # fmt: skip
+    assert first["backend"] == "nccl" and first["checkpoint_written"]
+    assert first["max_abs_grad_diff_vs_single_process"] == 0.0
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-0000000004.npz", "ckpt-0000000006.npz"]
+    shutil.copytree(ckpt, tmp_path / "ckpt-for-cpu")
+    resumed = run_example(
+        daemon, f"{job_id}-b", "nccl", tmp_path / "b", "--steps", "10",
+        "--checkpoint-dir", str(ckpt), "--resume",
+    )  # fmt: skip
+    assert (resumed["start_step"], resumed["steps"]) == (6, 4)
+    straight = run_example(daemon, f"{job_id}-c", "cpu", tmp_path / "c", "--steps", "10")
+    assert straight["backend"] == "cpu"
+    # Device arrays through a checkpoint and back lose nothing: same bytes as never stopping.
+    assert resumed["params_sha256"] == straight["params_sha256"]
+    assert resumed["final_loss"] == straight["final_loss"]
+    # Checkpoints do not record a device: the GPU run's resumes on the cpu backend.
+    on_cpu = run_example(
+        daemon, f"{job_id}-d", "cpu", tmp_path / "d", "--steps", "10",
+        "--checkpoint-dir", str(tmp_path / "ckpt-for-cpu"), "--resume",
+    )  # fmt: skip
+    assert on_cpu["start_step"] == 6 and on_cpu["params_sha256"] == straight["params_sha256"]
+
+
+def test_gpu_layout_never_puts_two_ranks_on_one_gpu() -> None:
+    assert demo.gpu_layout(["0"]) == [["0"]]
+    assert demo.gpu_layout(["0", "1"]) == [["0"], ["1"]]
+    assert demo.gpu_layout(["0", "1", "2"]) == [["0"], ["1"]]
+    assert demo.gpu_layout([str(i) for i in range(8)]) == [["0", "1"], ["2", "3"]]
+
+
+def test_demo_nccl_without_a_gpu_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def missing() -> Any:
+        raise ImportError("No module named 'cupy'")
+
+    monkeypatch.setattr(nccl, "_import_cupy", missing)
+    with pytest.raises(SystemExit, match=r"--backend nccl needs CuPy.*does not import"):
+        demo.run(1, tmp_path / "card.json", tmp_path, backend="nccl")
+    assert not (tmp_path / "card.json").exists()
+
+
+def test_host_baseline_data_is_the_data_the_device_trains_on(fake: Any) -> None:
+    x_host, _ = example.make_data(16, 4, seed=3)
+    x = devices.to_device(x_host, fake)
+    idx = np.array([3, 1, 7], dtype=np.int64)
+    np.testing.assert_array_equal(devices.to_host(x[devices.to_device(idx, fake)]), x_host[idx])
