@@ -3,7 +3,8 @@
 # must already have CuPy with NCCL (e.g. cupy-cuda13x + nvidia-nccl-cu13) and the
 # project's dependencies. Nothing is downloaded: what is missing is named, exactly.
 #
-#   1. the GPU tests (tests/trainer/test_gpu.py) against real CuPy/NCCL;
+#   1. the GPU tests (tests/trainer/test_gpu.py, test_gpu_example.py) against real
+#      CuPy/NCCL;
 #   2. 1 node x 2 ranks on one GPU through `rendezvous-run --backend nccl`, with the
 #      gradient equality check against a single-process baseline;
 #   3. benchmarks/gpu_check.py at world 2: bucketed vs raw all-reduce, pack/unpack
@@ -99,7 +100,7 @@ failed=0
 # 1. The GPU tests (--noconftest: they need none of the daemon-side fixtures).
 RENDEZVOUSD_REQUIRE_GPU=1 run_step gpu_tests 120 \
   "$py" -m pytest -q -p no:cacheprovider --noconftest -rs --rootdir "$root" \
-  "$root/tests/trainer/test_gpu.py"
+  "$root/tests/trainer/test_gpu.py" "$root/tests/trainer/test_gpu_example.py"
 
 # 2. 1 node x 2 ranks on one GPU: each rank its own NCCL "host" (NCCL_HOSTID).
 run_step train_world2 120 env RENDEZVOUSD_NCCL_SHARED_DEVICE=1 \
