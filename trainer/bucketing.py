@@ -46,6 +46,7 @@ from .errors import (
     BucketingError,
     BucketLayoutMismatch,
     CollectiveArgumentError,
+    CommunicatorError,
     ConfigError,
     ReducerClosed,
 )
@@ -200,12 +201,21 @@ def unpack(flat: Any, grads: Sequence[Any], offsets: Sequence[int]) -> None:
 
 
 class _BufferOps(Protocol):
+    """Where a bucket's pack, all-reduce and unpack run (numpy: inline; CuPy: see nccl.py)."""
+
     @property
     def xp(self) -> Any: ...
 
     def empty(self, count: int, dtype: np.dtype[Any]) -> Any: ...
 
-    def capture(self) -> contextlib.AbstractContextManager[None]: ...
+    def mark_launch(self, number: int) -> None:
+        """On the caller's thread when bucket ``number`` launches."""
+
+    def worker_scope(self, number: int) -> contextlib.AbstractContextManager[None]:
+        """On the worker thread around bucket ``number``'s pack/all-reduce/unpack."""
+
+    def join_caller(self) -> None:
+        """On the caller's thread in ``wait()`` once every bucket completed."""
 
 
 class _NumpyOps:
@@ -214,8 +224,14 @@ class _NumpyOps:
     def empty(self, count: int, dtype: np.dtype[Any]) -> Any:
         return np.empty(count, dtype=dtype)
 
-    def capture(self) -> contextlib.AbstractContextManager[None]:
+    def mark_launch(self, number: int) -> None:
+        pass  # host arrays: the data is final when mark_ready is called
+
+    def worker_scope(self, number: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def join_caller(self) -> None:
+        pass
 
 
 def _buffer_ops(grads: Sequence[Any], rank: int) -> _BufferOps:
@@ -306,8 +322,7 @@ class BucketedAllReducer:
                 self._bucket_of[index] = number
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
-        self._queue: queue.SimpleQueue[tuple[int, contextlib.AbstractContextManager[None]] | None]
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -393,8 +408,10 @@ class BucketedAllReducer:
                 target=self._run, name="bucketed-allreduce", daemon=True
             )
             self._worker.start()
-        # The caller's stream/device are captured here, on the caller's thread.
-        self._queue.put((number, self._ops.capture()))
+        # Marks the bucket's data on the caller's current stream; the worker's
+        # communication stream waits on the mark, never the other way round.
+        self._ops.mark_launch(number)
+        self._queue.put(number)
 
     def wait(self) -> None:
         """Block until every bucket is reduced and unpacked; re-raise any failure."""
@@ -407,6 +424,8 @@ class BucketedAllReducer:
             self._done.wait_for(lambda: self._error is not None or self._completed == total)
             self._raise_if_broken()
             self._reset_step()
+            if total:
+                self._ops.join_caller()
 
     finish = wait
 
@@ -427,12 +446,12 @@ class BucketedAllReducer:
             item = self._queue.get()
             if item is None:
                 return
-            number, scope = item
+            number = item
             with self._lock:
                 if self._error is not None:
                     continue  # later buckets of a failed step must not run
             try:
-                with scope:
+                with self._ops.worker_scope(number):
                     self._reduce_bucket(number)
             except BaseException as exc:  # handed to wait(), which re-raises it
                 with self._lock:
@@ -448,7 +467,15 @@ class BucketedAllReducer:
         flat = self._views[number]
         grads = [self._grads[i] for i in bucket.grads]
         pack(flat, grads, bucket.offsets, self._divisor, self._ops.xp)
-        self._comm.all_reduce(flat, ReduceOp.SUM)
+        try:
+            self._comm.all_reduce(flat, ReduceOp.SUM)
+        except CommunicatorError as exc:
+            # Same class, so callers' except clauses still match; the bucket
+            # says which gradients were lost.
+            raise type(exc)(
+                f"{exc} [bucket {number} of {len(self._buckets)}: gradients "
+                f"{list(bucket.grads)}, {bucket.nbytes} bytes of {bucket.dtype}]"
+            ) from exc
         unpack(flat, grads, bucket.offsets)
 
     def close(self) -> None:

@@ -13,21 +13,30 @@ only; the rank and node rank a worker uses are the ones the daemon returns at jo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import AddressError, route_source
 from rendezvousd.client.errors import RendezvousError
-from rendezvousd.client.transport import Rendezvous, connect
+from rendezvousd.client.membership import Membership
+from rendezvousd.client.sync import RendezvousClient
+from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
 from rendezvousd.trainer.communicator import Communicator
 from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
-from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorError, ConfigError
-from rendezvousd.trainer.retry import with_retry
+from rendezvousd.trainer.errors import (
+    CommunicatorAborted,
+    CommunicatorError,
+    ConfigError,
+    RetriesExhausted,
+)
+from rendezvousd.trainer.retry import TRANSIENT, with_retry
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
 log = logging.getLogger("rendezvousd.trainer")
@@ -159,6 +168,25 @@ def init_distributed(
     # silent member, and a peer lost during setup must end it at once.
     relay = _FailureRelay()
     rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
+    if config.backend == "nccl":
+        assert id_factory is not None
+        rejoin = functools.partial(
+            rdzv.join,
+            num_nodes=config.num_nodes,
+            gpus_per_node=config.local_world_size,
+            node_rank=placement.node_rank if placement is not None else None,
+            local_rank=local_rank,
+            address="",
+            id_factory=id_factory,
+            timeout=config.join_timeout_s,
+        )
+        membership, communicator, relay = _nccl_setup(config, rdzv, membership, relay, rejoin)
+        topology = MultiNodeTopology.from_global_rank(
+            membership.rank, config.num_nodes, config.local_world_size
+        )
+        if topology.is_global_rank_zero:
+            log.info("%s rendezvous=%.3fs", config.rank0_log_line(), rendezvous_s)
+        return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
     topology = MultiNodeTopology.from_global_rank(
         membership.rank, config.num_nodes, config.local_world_size
     )
@@ -217,6 +245,92 @@ def _abort(communicator: Communicator, error: RendezvousError) -> None:
     communicator.abort(cause)
 
 
+_RETRY_MARK = "NCCL init failed transiently; every rank rejoins for a fresh id"
+
+
+def _nccl_setup(
+    config: DistributedConfig,
+    rdzv: Rendezvous,
+    membership: Membership,
+    relay: _FailureRelay,
+    rejoin: Callable[[], Membership],
+) -> tuple[Membership, Communicator, _FailureRelay]:
+    """NCCL init with ``retry_attempts`` retries, each on a fresh generation and id.
+
+    An ncclUniqueId serves exactly one init (rank 0's listener is used up), so a
+    retry cannot reuse it: the rank that failed aborts the generation (scoped to
+    it, so a newer one is never hit), every rank learns it (its init fails, or
+    the confirmation barrier below does), leaves and joins again, and the
+    daemon opens a new generation whose rank 0 makes a new id. Init runs under
+    the watchdog: a hang tells the daemon and ends the process.
+    """
+    from rendezvousd.trainer.nccl import NcclCommunicator
+
+    for attempt in range(config.retry_attempts + 1):
+        m = membership
+        topology = MultiNodeTopology.from_global_rank(
+            m.rank, config.num_nodes, config.local_world_size
+        )
+        failure: BaseException | None = None
+        try:
+            communicator = NcclCommunicator(
+                m.rank,
+                m.world_size,
+                m.unique_id,
+                topology.local_rank,
+                timeout=config.collective_timeout_s,
+                setup_timeout=config.setup_timeout_s,
+                on_setup_timeout=functools.partial(_fail_generation, rdzv, m),
+            )
+        except TRANSIENT as exc:
+            failure = exc
+            _fail_generation(rdzv, m, f"{_RETRY_MARK}: rank {m.rank}: {exc}")
+        else:
+            try:
+                # Every rank's init must have worked before any rank trains.
+                rdzv.barrier("nccl-init", timeout=config.setup_timeout_s)
+                relay.attach(communicator)
+                return m, communicator, relay
+            except RendezvousError as exc:
+                communicator.abort(f"another rank's NCCL init failed: {exc}")
+                communicator.close()
+                if _RETRY_MARK not in str(exc):
+                    raise
+                failure = exc
+        if attempt == config.retry_attempts:
+            raise RetriesExhausted(
+                f"nccl communicator setup for rank {m.rank}", attempt + 1, failure
+            ) from failure
+        log.warning(
+            "rank %d: NCCL init failed (%s); rejoining for a fresh id (retry %d of %d)",
+            m.rank,
+            failure,
+            attempt + 1,
+            config.retry_attempts,
+        )
+        rdzv.leave()  # stops this generation's heartbeat; the generation is fenced
+        membership = rejoin()
+        relay = _FailureRelay()
+        rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _fail_generation(rdzv: Rendezvous, m: Membership, reason: str) -> None:
+    """Abort exactly generation ``m.generation``; one already fenced is left alone.
+
+    The SDK's public ``abort`` names no generation (it hits the current one, which
+    may be a newer generation another rank already opened), so the request names it.
+    """
+    client = rdzv._joined() if isinstance(rdzv, FileRendezvous) else rdzv
+    if not isinstance(client, RendezvousClient):
+        return
+    request = pb.AbortJobRequest(job_id=m.job_id, generation=m.generation, reason=reason)
+    try:
+        client._call("AbortJob", request)
+    except RendezvousError as exc:
+        log.warning("rank %d: could not abort generation %d: %s", m.rank, m.generation, exc)
+
+
 def _communicator(
     config: DistributedConfig,
     rdzv: Rendezvous,
@@ -227,12 +341,6 @@ def _communicator(
     node_rank: int,
     ring_host: str,
 ) -> Communicator:
-    if config.backend == "nccl":
-        from rendezvousd.trainer.nccl import NcclCommunicator
-
-        return NcclCommunicator(
-            rank, world_size, secret, local_rank, timeout=config.collective_timeout_s
-        )
     from rendezvousd.trainer.cpu_ring import connect_cpu_ring
 
     return connect_cpu_ring(

@@ -30,8 +30,22 @@ from .errors import (
     ConfigError,
     PeerConnectionError,
 )
+from .nccl_id import NCCL_ID_BYTES, unique_id_to_bytes, unique_id_to_tuple
+from .nccl_watchdog import InitWatchdog
 
-NCCL_ID_BYTES = 128
+__all__ = [
+    "NCCL_ID_BYTES",
+    "CupyBufferOps",
+    "NcclCommunicator",
+    "create_unique_id",
+    "cupy_available",
+    "device_count",
+    "exchange_unique_id",
+    "is_cupy_array",
+    "unique_id_to_bytes",
+    "unique_id_to_tuple",
+]
+
 
 # NCCL encodes versions as major*10000 + minor*100 + patch from 2.9 on.
 _AVG_MIN_VERSION = 21003
@@ -58,6 +72,25 @@ _OP_CODES: dict[ReduceOp, int] = {ReduceOp.SUM: 0, ReduceOp.MAX: 2, ReduceOp.MIN
 _PEER_STATUSES = frozenset({2, 6})
 
 _POLL_S = 0.0005
+# How long abort() lets a thread finish enqueueing before aborting under it.
+_ABORT_GRACE_S = 2.0
+# CuPy < 13.4 has no name for ncclRemoteError (6): building its NcclError raises
+# KeyError(6) instead, which the error seam maps like the status it stands for.
+_MIN_CUPY = (13, 4)
+
+
+def _status_of(exc: BaseException) -> int | None:
+    if isinstance(exc, KeyError):
+        key = exc.args[0] if exc.args else None
+        return key if isinstance(key, int) and 0 <= key < 16 else None
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def _error_text(exc: BaseException, status: int | None) -> str:
+    if isinstance(exc, KeyError):
+        return f"NCCL status {status} (CuPy could not name it)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _import_cupy() -> Any:
@@ -101,7 +134,22 @@ def _require_cupy() -> Any:
         )
     if not getattr(cp.cuda.nccl, "available", True):
         raise ConfigError("backend 'nccl': CuPy was built without NCCL support")
+    version = _cupy_version(cp)
+    if version is not None and version < _MIN_CUPY:
+        raise ConfigError(
+            f"backend 'nccl' needs CuPy >= 13.4 (older releases cannot report NCCL's "
+            f"remote error), but CuPy {cp.__version__} is installed; upgrade CuPy"
+        )
     return cp
+
+
+def _cupy_version(cp: Any) -> tuple[int, int] | None:
+    """(major, minor), or None for a version string that does not parse (dev builds)."""
+    parts = str(getattr(cp, "__version__", "")).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def is_cupy_array(array: object) -> bool:
@@ -111,40 +159,6 @@ def is_cupy_array(array: object) -> bool:
 
 
 # --- the unique id ---------------------------------------------------------
-
-
-def unique_id_to_bytes(raw: object) -> bytes:
-    """Normalise ``get_unique_id()``'s result to exactly 128 bytes.
-
-    CuPy >= 14 returns ``bytes``; older releases return a tuple of C ``char``
-    values (signed, -128..127 on x86). All-zero ids are rejected: NCCL never
-    produces one, and accepting it would hide an uninitialised buffer.
-    """
-    if isinstance(raw, bytes | bytearray):
-        out = bytes(raw)
-    elif isinstance(raw, tuple | list):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in raw):
-            raise CollectiveArgumentError("NCCL unique id tuple must hold integers")
-        if not all(-128 <= v <= 255 for v in raw):
-            raise CollectiveArgumentError("NCCL unique id tuple values must fit in one byte")
-        out = bytes(v & 0xFF for v in raw)
-    else:
-        raise CollectiveArgumentError(
-            f"NCCL unique id must be bytes or a tuple of ints, not {type(raw).__name__}"
-        )
-    if len(out) != NCCL_ID_BYTES:
-        raise CollectiveArgumentError(
-            f"NCCL unique id must be {NCCL_ID_BYTES} bytes, got {len(out)}"
-        )
-    if not any(out):
-        raise CollectiveArgumentError("NCCL unique id is all zero")
-    return out
-
-
-def unique_id_to_tuple(uid: bytes) -> tuple[int, ...]:
-    """The pre-14 CuPy form: signed chars, so bytes >= 128 become negative."""
-    checked = unique_id_to_bytes(uid)
-    return tuple(b - 256 if b > 127 else b for b in checked)
 
 
 def _cupy_major(cp: Any) -> int:
@@ -208,14 +222,27 @@ def nccl_op(op: ReduceOp, version: int) -> tuple[int, bool]:
 # --- the communicator ------------------------------------------------------
 
 
+def _peers_text(rank: int, world_size: int) -> str:
+    """The peer set named in errors; long worlds are summarised, not listed."""
+    if world_size <= 9:
+        others = [str(r) for r in range(world_size) if r != rank]
+        return "ranks " + ", ".join(others) if others else "no peers"
+    return f"ranks 0..{world_size - 1} except {rank}"
+
+
 class NcclCommunicator:
     """One rank of an NCCL group on one GPU (backend ``"nccl"``).
 
-    Collectives run on a dedicated non-blocking stream. They are ordered after
-    the caller's current stream through an event and the caller's stream is
-    made to wait for them, so results are visible to later work on that stream
-    without blocking the host. ``barrier`` blocks the host; it polls NCCL's async
-    error state so ``abort()`` from another thread or ``timeout`` ends the wait.
+    Collectives run on a dedicated non-blocking stream, ordered after the
+    caller's current stream through an event. Every collective then waits on
+    the host until NCCL has finished it, polling the completion event and
+    NCCL's asynchronous error state instead of blocking in CUDA, so a dead peer,
+    ``abort()`` from another thread or ``timeout`` ends the wait with an error;
+    the caller's stream is made to wait for the collective before returning.
+
+    NCCL errors are asynchronous: after one the communicator is ``abort()``ed
+    (never destroyed, which can block forever on a failed group) and every
+    later call raises ``CommunicatorAborted``.
     """
 
     def __init__(
@@ -226,6 +253,8 @@ class NcclCommunicator:
         device: int,
         *,
         timeout: float | None = None,
+        setup_timeout: float | None = None,
+        on_setup_timeout: Callable[[str], None] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank} is out of range for world_size={world_size}")
@@ -236,7 +265,12 @@ class NcclCommunicator:
         self._cp = _require_cupy()
         self._nccl = self._cp.cuda.nccl
         self._errors = self._foreign_error_types()
+        # _lock serialises collectives (they share the events); _handle_lock
+        # serialises calls into the NCCL handle against abort()/destroy(), which
+        # free it: CuPy zeroes the handle on abort, but a call already inside
+        # NCCL would still use the freed one.
         self._lock = threading.Lock()
+        self._handle_lock = threading.Lock()
         self._aborted: str | None = None
         self._closed = False
         self._comm: Any = None
@@ -248,7 +282,12 @@ class NcclCommunicator:
                 self._ready = self._cp.cuda.Event(disable_timing=True)
                 self._done = self._cp.cuda.Event(disable_timing=True)
                 self._token = self._cp.zeros(1, dtype=np.float32)
-                self._comm = self._init_comm(uid)
+                if setup_timeout is None:
+                    self._comm = self._init_comm(uid)
+                else:
+                    what = f"rank {rank}/{world_size}: NCCL init on device {device}"
+                    with InitWatchdog(setup_timeout, what, on_timeout=on_setup_timeout):
+                        self._comm = self._init_comm(uid)
         except self._errors as exc:
             raise self._failure("init", exc) from exc
 
@@ -268,6 +307,7 @@ class NcclCommunicator:
             getattr(self._nccl, "NcclError", None),
             getattr(self._cp.cuda.runtime, "CUDARuntimeError", None),
             getattr(getattr(self._cp.cuda, "driver", None), "CUDADriverError", None),
+            KeyError,  # CuPy < 13.4 building NcclError(6): see _status_of
         )
         return tuple(c for c in candidates if isinstance(c, type) and issubclass(c, BaseException))
 
@@ -291,6 +331,11 @@ class NcclCommunicator:
     def nccl_version(self) -> int:
         return self._version
 
+    @property
+    def aborted(self) -> str | None:
+        """The abort reason once ``abort()`` ran, else None."""
+        return self._aborted
+
     def __repr__(self) -> str:
         state = "aborted" if self._aborted is not None else "closed" if self._closed else "open"
         return (
@@ -304,10 +349,19 @@ class NcclCommunicator:
         where = f"rank {self._rank}/{self._world_size}: NCCL {operation}"
         if self._aborted is not None:
             return CommunicatorAborted(f"{where} failed after abort: {self._aborted}")
-        status = getattr(exc, "status", None)
+        status = _status_of(exc)
+        if isinstance(exc, KeyError) and status is None:
+            return CommunicatorError(f"{where} failed: KeyError: {exc}")
+        if operation != "init":
+            # An NCCL error leaves the communicator unusable; abort frees it
+            # without the hang destroy() risks on a failed group.
+            self.abort(f"NCCL {operation} failed: {_error_text(exc, status)}")
         if status in _PEER_STATUSES:
-            return PeerConnectionError(f"{where} failed, a peer is unreachable: {exc}")
-        return CommunicatorError(f"{where} failed: {type(exc).__name__}: {exc}")
+            peers = _peers_text(self._rank, self._world_size)
+            return PeerConnectionError(
+                f"{where} failed, a peer ({peers}) is unreachable: {_error_text(exc, status)}"
+            )
+        return CommunicatorError(f"{where} failed: {_error_text(exc, status)}")
 
     def _check_usable(self, operation: str) -> None:
         if self._aborted is not None:
@@ -318,7 +372,14 @@ class NcclCommunicator:
             raise CommunicatorError(f"rank {self._rank}: NCCL {operation} on a closed communicator")
 
     @contextlib.contextmanager
-    def _collective(self, operation: str) -> Iterator[None]:
+    def _in_nccl(self, operation: str) -> Iterator[Any]:
+        """The live handle, held against a concurrent abort for one NCCL call."""
+        with self._handle_lock:
+            self._check_usable(operation)
+            yield self._comm
+
+    def _run(self, operation: str, enqueue: Callable[[Any, Any], None]) -> None:
+        """Order after the caller's stream, enqueue, wait abortably, order the caller after."""
         with self._lock:
             self._check_usable(operation)
             try:
@@ -326,11 +387,34 @@ class NcclCommunicator:
                     caller = self._cp.cuda.get_current_stream()
                     self._ready.record(caller)
                     self._stream.wait_event(self._ready)
-                    yield
+                    with self._in_nccl(operation) as comm:
+                        enqueue(comm, self._stream)
                     self._done.record(self._stream)
+                self._wait_done(operation)
+                with self._cp.cuda.Device(self._device):
                     caller.wait_event(self._done)
             except self._errors as exc:
                 raise self._failure(operation, exc) from exc
+
+    def _wait_done(self, operation: str) -> None:
+        # Polling instead of synchronize() keeps the wait abortable: a blocked
+        # cudaEventSynchronize would notice neither abort() nor a timeout.
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        with self._cp.cuda.Device(self._device):
+            while not self._done.done:
+                with self._in_nccl(operation) as comm:
+                    comm.check_async_error()
+                if deadline is not None and time.monotonic() > deadline:
+                    peers = _peers_text(self._rank, self._world_size)
+                    reason = f"{operation} timed out after {self._timeout:g} s waiting for {peers}"
+                    self.abort(reason)
+                    raise CommunicatorTimeout(
+                        f"rank {self._rank}/{self._world_size}: NCCL {operation} did not "
+                        f"finish within collective_timeout_s={self._timeout:g} s (peers: "
+                        f"{peers}); communicator aborted. A peer is likely dead or stuck"
+                    )
+                time.sleep(_POLL_S)
+        self._check_usable(operation)
 
     def _buffer_args(self, array: Any, operation: str) -> tuple[int, int, int]:
         if not isinstance(array, self._cp.ndarray):
@@ -358,13 +442,17 @@ class NcclCommunicator:
         if count == 0:
             self._check_usable("all_reduce")
             return
-        with self._collective("all_reduce"), self._stream:
-            self._comm.allReduce(ptr, ptr, count, dtype, code, self._stream.ptr)
-            if divide:
-                if array.dtype.kind in "iu":
-                    array //= self._world_size
-                else:
-                    array /= self._world_size
+
+        def enqueue(comm: Any, stream: Any) -> None:
+            comm.allReduce(ptr, ptr, count, dtype, code, stream.ptr)
+
+        self._run("all_reduce", enqueue)
+        if divide:
+            # On the caller's stream, which _run ordered after the sum.
+            if array.dtype.kind in "iu":
+                array //= self._world_size
+            else:
+                array /= self._world_size
 
     def broadcast(self, array: Any, root: int = 0) -> None:
         ptr, count, dtype = self._buffer_args(array, "broadcast")
@@ -375,87 +463,84 @@ class NcclCommunicator:
         if count == 0:
             self._check_usable("broadcast")
             return
-        with self._collective("broadcast"):
-            self._comm.broadcast(ptr, ptr, count, dtype, root, self._stream.ptr)
+
+        def enqueue(comm: Any, stream: Any) -> None:
+            comm.broadcast(ptr, ptr, count, dtype, root, stream.ptr)
+
+        self._run("broadcast", enqueue)
 
     def barrier(self) -> None:
         ptr, count, dtype = self._buffer_args(self._token, "barrier")
-        with self._collective("barrier"):
-            self._comm.allReduce(ptr, ptr, count, dtype, _OP_CODES[ReduceOp.SUM], self._stream.ptr)
-        self._wait_stream("barrier")
 
-    def _wait_stream(self, operation: str) -> None:
-        # Polling instead of stream.synchronize() keeps the wait abortable: a
-        # blocked cudaStreamSynchronize would not notice abort() or a timeout.
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        try:
-            with self._cp.cuda.Device(self._device):
-                while not self._done.done:
-                    if self._aborted is not None:
-                        break
-                    self._comm.check_async_error()
-                    if deadline is not None and time.monotonic() > deadline:
-                        self.abort(f"{operation} timed out after {self._timeout} s")
-                        raise CommunicatorTimeout(
-                            f"rank {self._rank}: NCCL {operation} did not finish within "
-                            f"{self._timeout} s; communicator aborted"
-                        )
-                    time.sleep(_POLL_S)
-        except self._errors as exc:
-            raise self._failure(operation, exc) from exc
-        self._check_usable(operation)
+        def enqueue(comm: Any, stream: Any) -> None:
+            comm.allReduce(ptr, ptr, count, dtype, _OP_CODES[ReduceOp.SUM], stream.ptr)
+
+        self._run("barrier", enqueue)
 
     def abort(self, reason: str) -> None:
-        # No self._lock here: abort must get through while a collective holds it.
+        # Not self._lock: abort must get through while a collective waits on it.
         if self._aborted is not None:
             return
         self._aborted = reason
-        comm = None if self._closed else self._comm
-        if comm is not None:
-            # The communicator is unusable whatever abort() reports.
-            with contextlib.suppress(Exception), self._cp.cuda.Device(self._device):
-                comm.abort()
+        # A thread inside an NCCL call holds _handle_lock for the enqueue only;
+        # if it is stuck there (a blocking first call connecting to a dead peer),
+        # ncclCommAbort is the documented way to unblock it, so go ahead.
+        locked = self._handle_lock.acquire(timeout=_ABORT_GRACE_S)
+        try:
+            comm = None if self._closed else self._comm
+            if comm is not None:
+                # The communicator is unusable whatever abort() reports.
+                with contextlib.suppress(Exception), self._cp.cuda.Device(self._device):
+                    comm.abort()
+        finally:
+            if locked:
+                self._handle_lock.release()
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
-            comm = self._comm
             try:
-                if comm is not None and self._aborted is None:
+                if self._comm is not None and self._aborted is None:
                     # Drain first, abortably: destroying a communicator with work
                     # in flight can block forever on a dead peer.
                     with self._cp.cuda.Device(self._device):
                         self._done.record(self._stream)
-                    self._wait_stream("close")
-                    with self._cp.cuda.Device(self._device):
+                    self._wait_done("close")
+                    with self._in_nccl("close") as comm, self._cp.cuda.Device(self._device):
                         comm.destroy()
             except CommunicatorAborted:
                 pass  # abort() has already released NCCL's resources
             except self._errors as exc:
                 raise self._failure("close", exc) from exc
             finally:
-                self._closed = True
-                self._comm = None
+                with self._handle_lock:
+                    self._closed = True
+                    self._comm = None
 
 
 # --- helpers for bucketing.py (it must not import CuPy itself) -------------
 
 
-@contextlib.contextmanager
-def _gpu_scope(cp: Any, device: int, stream: Any) -> Iterator[None]:
-    # CuPy's current device and stream are thread-local: without re-entering the
-    # caller's, the bucketing worker's copies would land on device 0's null stream.
-    with cp.cuda.Device(device), stream:
-        yield
-
-
 class CupyBufferOps:
-    """What the bucketed reducer needs for CuPy gradients on one device."""
+    """The bucketed reducer's device side for CuPy gradients on one device (DDP's scheme).
+
+    At a bucket's launch, on the caller's thread, an event is recorded on the
+    caller's *current* stream (whatever it is: legacy, per-thread default or a
+    user stream). The reducer's worker makes its own communication stream wait
+    on that event and packs, all-reduces and unpacks there, so backward
+    kernels queued after the launch never wait on communication. ``join_caller``
+    (from ``wait()``) makes the caller's stream wait once, on the communication
+    stream's final event.
+    """
 
     def __init__(self, device: int) -> None:
         self._cp = _require_cupy()
         self._device = device
+        with self._cp.cuda.Device(device):
+            self._stream = self._cp.cuda.Stream(non_blocking=True)
+            self._final = self._cp.cuda.Event(disable_timing=True)
+        self._ready: dict[int, Any] = {}
 
     @staticmethod
     def device_of(array: Any) -> int:
@@ -465,11 +550,30 @@ class CupyBufferOps:
     def xp(self) -> Any:
         return self._cp
 
+    @property
+    def stream(self) -> Any:
+        """The communication stream packs, all-reduces and unpacks run on."""
+        return self._stream
+
     def empty(self, count: int, dtype: np.dtype[Any]) -> Any:
         with self._cp.cuda.Device(self._device):
             return self._cp.empty(count, dtype=dtype)
 
-    def capture(self) -> contextlib.AbstractContextManager[None]:
+    def mark_launch(self, number: int) -> None:
         with self._cp.cuda.Device(self._device):
-            stream = self._cp.cuda.get_current_stream()
-        return _gpu_scope(self._cp, self._device, stream)
+            event = self._ready.get(number)
+            if event is None:
+                event = self._ready[number] = self._cp.cuda.Event(disable_timing=True)
+            event.record(self._cp.cuda.get_current_stream())
+
+    @contextlib.contextmanager
+    def worker_scope(self, number: int) -> Iterator[None]:
+        # CuPy's current device and stream are thread-local: the worker sets both.
+        with self._cp.cuda.Device(self._device), self._stream:
+            self._stream.wait_event(self._ready[number])
+            yield
+
+    def join_caller(self) -> None:
+        with self._cp.cuda.Device(self._device):
+            self._final.record(self._stream)
+            self._cp.cuda.get_current_stream().wait_event(self._final)

@@ -1,344 +1,310 @@
-"""A tiny stand-in for ``cupy``, installed at the package's one CuPy seam.
+"""A fake ``cupy`` for the one seam (``nccl._import_cupy``), modelling what broke on GPUs.
 
-Its arrays behave like real device arrays where it matters for correctness:
-they are not numpy arrays, ``np.asarray``/``np.array``/numpy functions on them
-raise ``TypeError`` (CuPy: "Implicit conversion to a NumPy array is not
-allowed"), and arithmetic refuses numpy operands. So code that runs against it
-provably crosses between host and device only through ``asnumpy``/``asarray``.
-Memory is separate too: ``asarray`` copies, ``asnumpy`` copies back.
+What it models, after CuPy's ``cupy_backends/cuda/libs/nccl.pyx`` and
+``cupy/cuda/stream.pyx``:
 
-The NCCL part serves a world of one rank (collectives leave the data as it is),
-enough for the example to run end to end on the nccl backend without a GPU.
-``install(monkeypatch)`` for in-process tests; ``install_globally()`` for a
-worker process.
+* streams and events: ``record`` snapshots the work queued on a stream,
+  ``wait_event`` and every op are appended to one ordered ``trace`` with the
+  stream they ran on; an event is ``done`` once the NCCL ops it covers
+  completed; ``synchronize`` on unfinished work fails the test (it would block).
+  The current stream is thread-local, like CuPy's, and ``with stream:`` sets it.
+* NCCL ops complete at once unless ``hang`` is set; ``async_error`` makes the
+  next enqueued op never complete and ``check_async_error`` raise afterwards.
+* ``abort()`` zeroes the handle (later calls raise status 4, as NCCL does on a
+  null communicator) and completes pending ops; a call into NCCL running
+  while another thread aborts is recorded in ``races`` (a use-after-free on a GPU).
+* ``NcclError(status)`` with ``old_table`` raises ``KeyError(6)`` for status 6,
+  like CuPy < 13.4.
+* init can block on ``init_gate`` or fail with the errors queued in ``init_errors``;
+  every ``get_unique_id`` returns a fresh id.
 """
 
 from __future__ import annotations
 
-import operator
+import itertools
 import threading
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-UNIQUE_ID = bytes(range(1, 129))
-_state = threading.local()
-counts: dict[str, int] = {"asnumpy": 0, "asarray": 0}
+_tls = threading.local()
 
 
-def current_device() -> int:
-    return int(getattr(_state, "device", 0))
+class FakeNcclError(RuntimeError):
+    old_table = False
 
+    def __init__(self, status: int) -> None:
+        if status == 6 and FakeNcclError.old_table:
+            raise KeyError(6)  # CuPy < 13.4: ERROR2 has no entry for ncclRemoteError
+        self.status = status
+        super().__init__(f"NCCL_ERROR_{status}: fake")
 
-def _refuse(what: str) -> TypeError:
-    return TypeError(
-        f"Implicit conversion to a NumPy array is not allowed ({what}); "
-        "use .get() or cupy.asnumpy() to copy to the host explicitly"
-    )
 
-
-def _unwrap(value: Any) -> Any:
-    if isinstance(value, ndarray):
-        return value._host
-    if isinstance(value, np.ndarray):
-        raise TypeError(f"Unsupported type {type(value)}: a host array mixed with device arrays")
-    if isinstance(value, tuple):
-        return tuple(_unwrap(v) for v in value)
-    return value
-
-
-def _wrap(value: Any, device: int | None = None) -> Any:
-    if isinstance(value, np.generic):  # CuPy reductions return 0-d device arrays
-        value = np.asarray(value)
-    if isinstance(value, np.ndarray):
-        return ndarray(value, current_device() if device is None else device)
-    return value
-
-
-class ndarray:
-    """A device array: host memory underneath, but no implicit way to reach it."""
-
-    __module__ = "cupy._fake"  # what nccl.is_cupy_array recognises
-    __array_ufunc__ = None  # numpy ufuncs and ndarray operators refuse it
-
-    def __init__(self, host: np.ndarray, device: int) -> None:
-        self._host = host
-        self._device = device
-
-    def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        raise _refuse("__array__")
-
-    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        raise _refuse(f"numpy.{func.__name__}")
-
-    def __repr__(self) -> str:
-        return f"fake_cupy.ndarray(device={self._device}, shape={self.shape}, dtype={self.dtype})"
-
-    # -- attributes NCCL, the reducer and the example read --
-    shape = property(lambda self: self._host.shape)
-    dtype = property(lambda self: self._host.dtype)
-    size = property(lambda self: self._host.size)
-    nbytes = property(lambda self: self._host.nbytes)
-    ndim = property(lambda self: self._host.ndim)
-    flags = property(lambda self: self._host.flags)
-    T = property(lambda self: ndarray(self._host.T, self._device))
-
-    @property
-    def data(self) -> Any:
-        return SimpleNamespace(ptr=self._host.ctypes.data)
-
-    @property
-    def device(self) -> Any:
-        return SimpleNamespace(id=self._device)
-
-    def __len__(self) -> int:
-        return len(self._host)
-
-    def __float__(self) -> float:
-        return float(self._host)
-
-    def __int__(self) -> int:
-        return int(self._host)
-
-    def __getitem__(self, key: Any) -> ndarray:
-        return ndarray(self._host[_unwrap(key)], self._device)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._host[_unwrap(key)] = _unwrap(value)
-
-    def get(self) -> np.ndarray:
-        counts["asnumpy"] += 1
-        return self._host.copy()
-
-    def astype(self, dtype: Any, copy: bool = True) -> ndarray:
-        return ndarray(self._host.astype(dtype, copy=copy), self._device)
-
-    def sum(self, axis: Any = None) -> ndarray:
-        return _wrap(self._host.sum(axis=axis), self._device)  # type: ignore[no-any-return]
-
-    def reshape(self, *shape: Any) -> ndarray:
-        return ndarray(self._host.reshape(*shape), self._device)
-
-    def copy(self) -> ndarray:
-        return ndarray(self._host.copy(), self._device)
-
-    def _binary(self, other: Any, op: Callable[[Any, Any], Any], reflected: bool) -> Any:
-        if isinstance(other, ndarray) and other._device != self._device:
-            raise ValueError(f"arrays on devices {self._device} and {other._device}")
-        a, b = self._host, _unwrap(other)
-        return _wrap(op(b, a) if reflected else op(a, b), self._device)
-
-    def _inplace(self, other: Any, op: Callable[[Any, Any], Any]) -> ndarray:
-        op(self._host, _unwrap(other))
-        return self
-
-    def __add__(self, o: Any) -> Any:
-        return self._binary(o, operator.add, False)
-
-    def __radd__(self, o: Any) -> Any:
-        return self._binary(o, operator.add, True)
-
-    def __sub__(self, o: Any) -> Any:
-        return self._binary(o, operator.sub, False)
-
-    def __rsub__(self, o: Any) -> Any:
-        return self._binary(o, operator.sub, True)
-
-    def __mul__(self, o: Any) -> Any:
-        return self._binary(o, operator.mul, False)
-
-    def __rmul__(self, o: Any) -> Any:
-        return self._binary(o, operator.mul, True)
-
-    def __truediv__(self, o: Any) -> Any:
-        return self._binary(o, operator.truediv, False)
-
-    def __rtruediv__(self, o: Any) -> Any:
-        return self._binary(o, operator.truediv, True)
-
-    def __matmul__(self, o: Any) -> Any:
-        return self._binary(o, operator.matmul, False)
-
-    def __pow__(self, o: Any) -> Any:
-        return self._binary(o, operator.pow, False)
-
-    def __neg__(self) -> ndarray:
-        return ndarray(-self._host, self._device)
-
-    def __iadd__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.iadd)
-
-    def __isub__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.isub)
-
-    def __itruediv__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.itruediv)
-
-    def __ifloordiv__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.ifloordiv)
-
-
-def _lift(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A numpy function as a CuPy one: device arrays in, device arrays out."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        out = kwargs.get("out")
-        result = fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
-        return out if out is not None else _wrap(result)
-
-    return call
-
-
-def asarray(value: Any, dtype: Any = None) -> ndarray:
-    """Host to device: a copy, as on a real GPU."""
-    if isinstance(value, ndarray):
-        return value if dtype is None else value.astype(dtype)
-    counts["asarray"] += 1
-    return ndarray(np.array(value, dtype=dtype, copy=True), current_device())
-
-
-def asnumpy(value: Any) -> np.ndarray:
-    if isinstance(value, ndarray):
-        return value.get()
-    return np.asarray(value)
-
-
-def get_array_module(*args: Any) -> Any:
-    import sys
-
-    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
-
-
-tanh = _lift(np.tanh)
-mean = _lift(np.mean)
-max = _lift(np.max)
-abs = _lift(np.abs)
-divide = _lift(np.divide)
-zeros = _lift(np.zeros)
-ones = _lift(np.ones)
-empty = _lift(np.empty)
-zeros_like = _lift(np.zeros_like)
-ascontiguousarray = _lift(np.ascontiguousarray)
-array = asarray
-__version__ = "14.0.0-fake"
-
-
-# -- cupy.cuda ---------------------------------------------------------------
-
-
-class Device:
-    def __init__(self, device: int = 0) -> None:
-        self.id = device
-        self._saved: list[int] = []
-
-    def use(self) -> None:
-        _state.device = self.id
-
-    def __enter__(self) -> Device:
-        self._saved.append(current_device())
-        _state.device = self.id
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _state.device = self._saved.pop()
-
-
-class Stream:
-    def __init__(self, non_blocking: bool = False) -> None:
-        self.ptr = id(self)
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-_NULL_STREAM = Stream()
-
-
-class Event:
-    done = True
-
-    def __init__(self, disable_timing: bool = False) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-
-class NcclError(RuntimeError):
-    status = 0
-
-
-class CUDARuntimeError(RuntimeError):
+class FakeCudaError(RuntimeError):
     pass
 
 
-class NcclCommunicator:
-    """One rank alone: every collective leaves its buffer as it is."""
+class World:
+    """Shared state of one fake CUDA machine: the ordered trace and NCCL's knobs."""
 
-    def __init__(self, world_size: int, unique_id: Any, rank: int) -> None:
-        if (world_size, rank) != (1, 0):
-            raise NcclError("the fake NCCL serves a world of one rank")
+    def __init__(self) -> None:
+        self.trace: list[tuple[Any, ...]] = []
+        self.lock = threading.Lock()
+        self.hang = False
+        self.async_error: int | None = None
+        self.pending: list[list[bool]] = []  # completion flags of unfinished NCCL ops
+        self.names = itertools.count()
 
-    def allReduce(self, *args: Any) -> None:
-        pass
+    def add(self, *entry: Any) -> None:
+        with self.lock:
+            self.trace.append(entry)
 
-    def broadcast(self, *args: Any) -> None:
-        pass
-
-    def check_async_error(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    def destroy(self) -> None:
-        pass
+    def complete_all(self) -> None:
+        for flag in self.pending:
+            flag[0] = True
+        self.pending.clear()
 
 
-device_count = 1
-cuda = SimpleNamespace(
-    Device=Device,
-    Stream=Stream,
-    Event=Event,
-    get_current_stream=lambda: _NULL_STREAM,
-    runtime=SimpleNamespace(getDeviceCount=lambda: device_count, CUDARuntimeError=CUDARuntimeError),
-    nccl=SimpleNamespace(
-        available=True,
-        NcclError=NcclError,
-        NcclCommunicator=NcclCommunicator,
-        get_version=lambda: 22000,
-        get_unique_id=lambda: UNIQUE_ID,
-    ),
-)
+class FakeStream:
+    def __init__(self, world: World, non_blocking: bool = False, name: str = "") -> None:
+        self.world = world
+        self.non_blocking = non_blocking
+        self.name = name or f"stream{next(world.names)}"
+        self.ptr = id(self)
+        self.work: list[list[bool]] = []  # completion flags, in queue order
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.world.add("wait_event", self.name, event.name)
+        self.queue(event.covers)
+
+    def queue(self, flags: list[list[bool]]) -> None:
+        # Finished work no longer matters; keeping it would grow without bound.
+        self.work = [f for f in self.work if not f[0]] + [f for f in flags if not f[0]]
+
+    def synchronize(self) -> None:
+        assert all(f[0] for f in self.work), f"{self.name}.synchronize() would block forever"
+
+    def __enter__(self) -> FakeStream:
+        stack = getattr(_tls, "stack", None)
+        if stack is None:
+            stack = _tls.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.stack.pop()
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name})"
 
 
-def module() -> Any:
-    import sys
+class FakeEvent:
+    def __init__(self, world: World, disable_timing: bool = False) -> None:
+        self.world = world
+        self.name = f"event{next(world.names)}"
+        self.covers: list[list[bool]] = []
 
-    return sys.modules[__name__]
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or current_stream(self.world)
+        self.world.add("record", self.name, stream.name)
+        self.covers = [f for f in stream.work if not f[0]]
+
+    @property
+    def done(self) -> bool:
+        return all(f[0] for f in self.covers)
+
+    def synchronize(self) -> None:
+        assert self.done, f"{self.name}.synchronize() would block forever"
 
 
-def install(monkeypatch: Any) -> Any:
-    """Make ``nccl._import_cupy`` return this module for one test."""
-    from rendezvousd.trainer import nccl
+def current_stream(world: World) -> FakeStream:
+    stack = getattr(_tls, "stack", None)
+    if stack:
+        return stack[-1]  # type: ignore[no-any-return]
+    default: FakeStream = world.default_stream  # type: ignore[attr-defined]
+    return default
 
-    monkeypatch.setattr(nccl, "_import_cupy", module)
-    return module()
+
+class FakeArray(np.ndarray):
+    __module__ = "cupy._fake"
+    world: World | None = None
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+    @property
+    def device(self) -> Any:  # type: ignore[override]
+        return SimpleNamespace(id=0)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if FakeArray.world is not None:
+            FakeArray.world.add("copy", current_stream(FakeArray.world).name)
+        super().__setitem__(key, value)
 
 
-def install_globally() -> None:
-    """For a worker process: every later CuPy import through the seam gets the fake."""
-    from rendezvousd.trainer import nccl
+class FakeNccl:
+    NcclError = FakeNcclError
 
-    nccl._import_cupy = module
+    def __init__(self, world: World, version: int) -> None:
+        self.world = world
+        self.log: list[tuple[Any, ...]] = []
+        self.version = version
+        self.fail: BaseException | None = None
+        self.reject_bytes_id = False
+        self.init_gate: threading.Event | None = None
+        self.init_errors: list[BaseException] = []
+        self.enqueue_gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.races: list[str] = []
+        self.inside = 0
+        self.ids = itertools.count(1)
+        self.comms: list[Any] = []
+        self.NcclCommunicator = self._comm_class()
+
+    def _comm_class(self) -> type:
+        fake = self
+
+        class Comm:
+            def __init__(self, ndev: int, comm_id: Any, rank: int) -> None:
+                if fake.reject_bytes_id and isinstance(comm_id, bytes):
+                    raise TypeError("Argument 'commId' has incorrect type")
+                fake.log.append(("NcclCommunicator", ndev, comm_id, rank))
+                if fake.init_gate is not None:
+                    fake.init_gate.wait()
+                if fake.init_errors:
+                    raise fake.init_errors.pop(0)
+                if fake.fail is not None:
+                    raise fake.fail
+                self.handle = 1
+                self.async_status: int | None = None
+                fake.comms.append(self)
+
+            def _enter(self, name: str, *args: Any) -> None:
+                fake.log.append((name, *args))
+                fake.inside += 1
+
+            def _leave(self) -> None:
+                fake.inside -= 1
+
+            def _enqueue(self, name: str, *args: Any) -> None:
+                self._enter(name, *args)
+                try:
+                    if fake.enqueue_gate is not None:
+                        fake.entered.set()
+                        fake.enqueue_gate.wait(10)
+                    if not self.handle:
+                        raise FakeNcclError(4)  # ncclInvalidArgument: null communicator
+                    if fake.fail is not None:
+                        raise fake.fail
+                    stream = next(s for s in fake.streams if s.ptr == args[-1])
+                    fake.world.add(name, stream.name)
+                    flag = [not fake.world.hang and fake.world.async_error is None]
+                    if fake.world.async_error is not None:
+                        self.async_status = fake.world.async_error
+                    if not flag[0]:
+                        fake.world.pending.append(flag)
+                    stream.queue([flag])
+                finally:
+                    self._leave()
+
+            def allReduce(self, *args: Any) -> None:
+                self._enqueue("allReduce", *args)
+
+            def broadcast(self, *args: Any) -> None:
+                self._enqueue("broadcast", *args)
+
+            def check_async_error(self) -> None:
+                self._enter("check_async_error")
+                try:
+                    if not self.handle:
+                        raise FakeNcclError(4)
+                    if self.async_status is not None:
+                        raise FakeNcclError(self.async_status)
+                finally:
+                    self._leave()
+
+            def abort(self) -> None:
+                fake.log.append(("abort",))
+                if fake.inside:
+                    fake.races.append("abort() while another thread was inside NCCL")
+                if self.handle:
+                    self.handle = 0
+                    fake.world.complete_all()
+
+            def destroy(self) -> None:
+                fake.log.append(("destroy",))
+                if fake.inside:
+                    fake.races.append("destroy() while another thread was inside NCCL")
+                self.handle = 0
+
+        return Comm
+
+    streams: list[FakeStream]
+
+    def get_unique_id(self) -> bytes:
+        self.log.append(("get_unique_id",))
+        n = next(self.ids)
+        return bytes((n + i) % 255 + 1 for i in range(128))
+
+    def get_version(self) -> int:
+        return self.version
+
+    def names(self) -> list[str]:
+        return [entry[0] for entry in self.log]
+
+
+def make_cupy(version: int = 21805, cupy_version: str = "14.0.0", old_table: bool = False) -> Any:
+    """A fake ``cupy`` module; ``.world`` is its trace, ``.cuda.nccl`` its NCCL log."""
+    world = World()
+    FakeNcclError.old_table = old_table
+    fake_nccl = FakeNccl(world, version)
+    fake_nccl.streams = []
+    FakeArray.world = world
+
+    def stream(non_blocking: bool = False) -> FakeStream:
+        made = FakeStream(world, non_blocking)
+        fake_nccl.streams.append(made)
+        return made
+
+    world.default_stream = stream()  # type: ignore[attr-defined]
+    world.default_stream.name = "default"  # type: ignore[attr-defined]
+
+    def wrap(array: Any) -> Any:
+        return np.asarray(array).view(FakeArray)
+
+    def divide(a: Any, b: Any, out: Any) -> Any:
+        world.add("divide", current_stream(world).name)
+        return np.divide(np.asarray(a), b, out=np.asarray(out))
+
+    class Device:
+        def __init__(self, device: int = 0) -> None:
+            self.id = device
+
+        def __enter__(self) -> Device:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    return SimpleNamespace(
+        __version__=cupy_version,
+        world=world,
+        ndarray=FakeArray,
+        zeros=lambda n, dtype: wrap(np.zeros(n, dtype)),
+        empty=lambda n, dtype: wrap(np.empty(n, dtype)),
+        divide=divide,
+        cuda=SimpleNamespace(
+            nccl=fake_nccl,
+            Stream=stream,
+            Event=lambda disable_timing=False: FakeEvent(world, disable_timing),
+            Device=Device,
+            get_current_stream=lambda: current_stream(world),
+            runtime=SimpleNamespace(getDeviceCount=lambda: 2, CUDARuntimeError=FakeCudaError),
+        ),
+    )
+
+
+def device_array(values: Any, dtype: Any = np.float32) -> Any:
+    return np.array(values, dtype=dtype).view(FakeArray)

@@ -18,10 +18,22 @@ import pytest
 from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import ReduceOp
-from rendezvousd.trainer.errors import CommunicatorAborted
+from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorTimeout
 
-DEVICES = nccl.device_count()
-REASON = "needs CuPy with NCCL and a CUDA device" if not nccl.cupy_available() else "no CUDA device"
+
+def _nccl_built() -> bool:
+    cp = nccl._cupy_or_none()
+    return cp is not None and bool(getattr(cp.cuda.nccl, "available", True))
+
+
+DEVICES = nccl.device_count() if _nccl_built() else 0
+REASON = (
+    "needs CuPy with NCCL and a CUDA device"
+    if not nccl.cupy_available()
+    else "CuPy lacks NCCL"
+    if not _nccl_built()
+    else "no CUDA device"
+)
 
 if DEVICES == 0 and os.environ.get("RENDEZVOUSD_REQUIRE_GPU") == "1":
     raise RuntimeError(f"RENDEZVOUSD_REQUIRE_GPU=1 but the GPU tests cannot run: {REASON}")
@@ -116,6 +128,7 @@ def run_ranks(fn: Callable[[int, nccl.NcclCommunicator], Any]) -> list[Any]:
         thread.start()
     for thread in threads:
         thread.join(120)
+        assert not thread.is_alive(), f"{thread.name} hangs"
     assert not errors, errors
     return results
 
@@ -162,3 +175,80 @@ def test_two_ranks_bucketed_mean(cp: Any) -> None:
     for result in results:
         for got, want in zip(result, means, strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_reducer_on_a_user_stream_matches_and_orders_only_at_wait(
+    cp: Any, comm: nccl.NcclCommunicator
+) -> None:
+    grads = [cp.arange(n, dtype=cp.float32) for n in (70_000, 13, 5000)]
+    expected = [host(g).copy() for g in grads]
+    user = cp.cuda.Stream(non_blocking=True)
+    with user, BucketedAllReducer(grads, comm, cap_bytes=64 * 1024) as reducer:
+        for index in reversed(range(len(grads))):
+            reducer.mark_ready(index)
+        reducer.wait()
+        user.synchronize()
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(host(got), want)
+
+
+@two_gpus
+def test_absent_peer_times_out_and_aborts(cp: Any) -> None:
+    uid = nccl.create_unique_id()
+    errors: list[BaseException] = []
+    comms: list[nccl.NcclCommunicator] = []
+    ready = threading.Barrier(2, timeout=120)
+
+    def rank_main(rank: int) -> None:
+        try:
+            with cp.cuda.Device(rank):
+                communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=2)
+                comms.append(communicator)
+                ready.wait()
+                if rank == 0:  # rank 1 never joins the collective
+                    communicator.all_reduce(cp.ones(16, dtype=cp.float32))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), f"{thread.name} hangs"
+    assert len(errors) == 1 and isinstance(errors[0], CommunicatorTimeout), errors
+    assert "peers: ranks 1" in str(errors[0])
+    for communicator in comms:
+        communicator.abort("test over")
+        communicator.close()
+
+
+@two_gpus
+def test_abort_from_another_thread_ends_a_waiting_collective(cp: Any) -> None:
+    uid = nccl.create_unique_id()
+    errors: list[BaseException] = []
+    comms: list[nccl.NcclCommunicator] = []
+    ready = threading.Barrier(2, timeout=120)
+
+    def rank_main(rank: int) -> None:
+        try:
+            with cp.cuda.Device(rank):
+                communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=60)
+                comms.append(communicator)
+                ready.wait()
+                if rank == 0:
+                    threading.Timer(0.5, communicator.abort, args=("peer 1 died",)).start()
+                    communicator.all_reduce(cp.ones(16, dtype=cp.float32))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), f"{thread.name} hangs"
+    assert len(errors) == 1 and isinstance(errors[0], CommunicatorAborted), errors
+    for communicator in comms:
+        communicator.abort("test over")
+        communicator.close()

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -31,159 +30,16 @@ from rendezvousd.trainer.errors import (
     PeerConnectionError,
 )
 
+from .fake_cupy import (
+    FakeCudaError,
+    FakeNccl,
+    FakeNcclError,
+    current_stream,
+    device_array,
+    make_cupy,
+)
+
 UID = bytes(range(1, 129))
-
-
-class FakeArray(np.ndarray):
-    __module__ = "cupy._fake"
-
-    @property
-    def data(self) -> Any:  # type: ignore[override]
-        return SimpleNamespace(ptr=self.ctypes.data)
-
-    @property
-    def device(self) -> Any:  # type: ignore[override]
-        return SimpleNamespace(id=0)
-
-
-def device_array(values: Any, dtype: Any = np.float32) -> Any:
-    return np.array(values, dtype=dtype).view(FakeArray)
-
-
-class FakeNcclError(RuntimeError):
-    def __init__(self, status: int) -> None:
-        self.status = status
-        super().__init__(f"NCCL_ERROR_{status}: fake")
-
-
-class FakeCudaError(RuntimeError):
-    pass
-
-
-class FakeStream:
-    current: dict[int, FakeStream] = {}
-
-    def __init__(self, non_blocking: bool = False, ptr: int = 0) -> None:
-        self.ptr = ptr or id(self)
-        self.non_blocking = non_blocking
-        self.waited: list[Any] = []
-        self._saved: list[FakeStream] = []
-
-    def wait_event(self, event: Any) -> None:
-        self.waited.append(event)
-
-    def synchronize(self) -> None:
-        pass
-
-    def __enter__(self) -> FakeStream:
-        self._saved.append(current_stream())
-        FakeStream.current[threading.get_ident()] = self
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        FakeStream.current[threading.get_ident()] = self._saved.pop()
-
-
-NULL_STREAM = FakeStream(ptr=1)
-
-
-def current_stream() -> FakeStream:
-    return FakeStream.current.get(threading.get_ident(), NULL_STREAM)
-
-
-class FakeEvent:
-    def __init__(self, disable_timing: bool = False) -> None:
-        self.done = True
-        self.recorded_on: list[Any] = []
-
-    def record(self, stream: Any = None) -> None:
-        self.recorded_on.append(stream)
-
-
-class FakeDevice:
-    def __init__(self, device: int) -> None:
-        self.id = device
-
-    def __enter__(self) -> FakeDevice:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-class FakeNccl:
-    NcclError = FakeNcclError
-
-    def __init__(self, version: int, unique_id: Any) -> None:
-        self.log: list[tuple[Any, ...]] = []
-        self.version = version
-        self.unique_id = unique_id
-        self.fail: BaseException | None = None
-        self.reject_bytes_id = False
-        fake = self
-
-        class Comm:
-            def __init__(self, ndev: int, comm_id: Any, rank: int) -> None:
-                if fake.reject_bytes_id and isinstance(comm_id, bytes):
-                    raise TypeError("Argument 'commId' has incorrect type")
-                fake.log.append(("NcclCommunicator", ndev, comm_id, rank))
-                if fake.fail is not None:
-                    raise fake.fail
-
-            def allReduce(self, *args: Any) -> None:
-                fake.call("allReduce", *args)
-
-            def broadcast(self, *args: Any) -> None:
-                fake.call("broadcast", *args)
-
-            def check_async_error(self) -> None:
-                fake.call("check_async_error")
-
-            def abort(self) -> None:
-                fake.log.append(("abort",))
-
-            def destroy(self) -> None:
-                fake.log.append(("destroy",))
-
-        self.NcclCommunicator = Comm
-
-    def call(self, name: str, *args: Any) -> None:
-        self.log.append((name, *args))
-        if self.fail is not None:
-            raise self.fail
-
-    def get_unique_id(self) -> Any:
-        self.log.append(("get_unique_id",))
-        return self.unique_id
-
-    def get_version(self) -> int:
-        return self.version
-
-    def names(self) -> list[str]:
-        return [entry[0] for entry in self.log]
-
-
-def make_cupy(version: int = 21805, cupy_version: str = "14.0.0", unique_id: Any = UID) -> Any:
-    fake_nccl = FakeNccl(version, unique_id)
-
-    def wrap(array: Any) -> Any:
-        return np.asarray(array).view(FakeArray)
-
-    return SimpleNamespace(
-        __version__=cupy_version,
-        ndarray=FakeArray,
-        zeros=lambda n, dtype: wrap(np.zeros(n, dtype)),
-        empty=lambda n, dtype: wrap(np.empty(n, dtype)),
-        divide=lambda a, b, out: np.divide(a, b, out=out),
-        cuda=SimpleNamespace(
-            nccl=fake_nccl,
-            Stream=FakeStream,
-            Event=FakeEvent,
-            Device=FakeDevice,
-            get_current_stream=current_stream,
-            runtime=SimpleNamespace(getDeviceCount=lambda: 2, CUDARuntimeError=FakeCudaError),
-        ),
-    )
 
 
 @pytest.fixture
@@ -228,8 +84,8 @@ def test_unique_id_of_wrong_type_is_rejected() -> None:
 
 def test_only_rank_zero_creates_the_id(cupy: Any) -> None:
     published: list[bytes] = []
-    assert nccl.exchange_unique_id(0, published.append, lambda: b"") == UID
-    assert published == [UID] and log_of(cupy).names() == ["get_unique_id"]
+    made = nccl.exchange_unique_id(0, published.append, lambda: b"")
+    assert published == [made] and log_of(cupy).names() == ["get_unique_id"]
     log_of(cupy).log.clear()
     assert nccl.exchange_unique_id(1, published.append, lambda: UID) == UID
     nccl.NcclCommunicator(1, 2, UID, 0)
@@ -241,7 +97,8 @@ def test_create_unique_id_normalises_old_and_new_cupy(
     monkeypatch: pytest.MonkeyPatch, cupy_version: str
 ) -> None:
     raw: Any = nccl.unique_id_to_tuple(UID) if cupy_version < "14" else UID
-    fake = make_cupy(cupy_version=cupy_version, unique_id=raw)
+    fake = make_cupy(cupy_version=cupy_version)
+    monkeypatch.setattr(fake.cuda.nccl, "get_unique_id", lambda: raw)
     monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
     assert nccl.create_unique_id() == UID
 
@@ -318,19 +175,29 @@ def test_op_table_and_avg_version_gate() -> None:
 
 def test_all_reduce_call_sequence(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0)
-    caller = current_stream()
+    caller = current_stream(cupy.world)
     array = device_array(np.arange(8))
+    cupy.world.trace.clear()
     comm.all_reduce(array, ReduceOp.AVG)
     stream = comm._stream
     assert stream.non_blocking and stream is not caller
-    entry = log_of(cupy).log[-1]
+    entry = [e for e in log_of(cupy).log if e[0] == "allReduce"][-1]
     assert entry == ("allReduce", array.ctypes.data, array.ctypes.data, 8, 7, 4, stream.ptr)
-    assert stream.waited == [comm._ready] and caller.waited[-1] is comm._done
-    assert comm._ready.recorded_on[-1] is caller and comm._done.recorded_on[-1] is stream
+    ready, done = comm._ready.name, comm._done.name
+    assert cupy.world.trace == [
+        ("record", ready, "default"),
+        ("wait_event", stream.name, ready),
+        ("allReduce", stream.name),
+        ("record", done, stream.name),
+        ("wait_event", "default", done),
+    ]
     comm.broadcast(array, root=1)
-    assert log_of(cupy).log[-1] == ("broadcast", *entry[1:3], 8, 7, 1, stream.ptr)
+    assert [e for e in log_of(cupy).log if e[0] == "broadcast"] == [
+        ("broadcast", *entry[1:3], 8, 7, 1, stream.ptr)
+    ]
+    before = len(log_of(cupy).log)
     comm.all_reduce(device_array([], np.float32))  # empty: no NCCL call
-    assert log_of(cupy).log[-1][0] == "broadcast"
+    assert len(log_of(cupy).log) == before
 
 
 def test_avg_falls_back_to_sum_and_divide_on_old_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -339,7 +206,9 @@ def test_avg_falls_back_to_sum_and_divide_on_old_nccl(monkeypatch: pytest.Monkey
     comm = nccl.NcclCommunicator(0, 4, UID, 0)
     floats = device_array([4.0, 8.0, 2.0])
     comm.all_reduce(floats, ReduceOp.AVG)
-    assert log_of(fake).log[-1][5] == 0  # SUM; the fake leaves the sum unchanged
+    assert [e for e in log_of(fake).log if e[0] == "allReduce"][-1][
+        5
+    ] == 0  # SUM; the fake leaves the sum unchanged
     np.testing.assert_array_equal(floats, [1.0, 2.0, 0.5])
     ints = device_array([9, 8], np.int64)
     comm.all_reduce(ints, ReduceOp.AVG)
@@ -399,7 +268,7 @@ def test_abort_then_collective_raises_aborted(cupy: Any) -> None:
 
 def test_abort_from_another_thread_ends_a_barrier(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0)
-    comm._done.done = False  # the barrier's all-reduce never completes
+    cupy.world.hang = True  # the barrier's all-reduce never completes
     threading.Timer(0.05, comm.abort, args=("peer 1 died",)).start()
     started = time.monotonic()
     with pytest.raises(CommunicatorAborted, match="peer 1 died"):
@@ -410,8 +279,8 @@ def test_abort_from_another_thread_ends_a_barrier(cupy: Any) -> None:
 
 def test_barrier_timeout_aborts(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=0.05)
-    comm._done.done = False
-    with pytest.raises(CommunicatorTimeout, match="barrier"):
+    cupy.world.hang = True
+    with pytest.raises(CommunicatorTimeout, match=r"barrier did not finish .* \(peers: ranks 1\)"):
         comm.barrier()
     assert log_of(cupy).names()[-1] == "abort"
     with pytest.raises(CommunicatorAborted):
@@ -421,7 +290,7 @@ def test_barrier_timeout_aborts(cupy: Any) -> None:
 def test_barrier_and_close(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 1, UID, 0)
     comm.barrier()
-    assert log_of(cupy).names()[-1] == "allReduce"
+    assert "allReduce" in log_of(cupy).names()
     comm.close()
     comm.close()
     assert log_of(cupy).names().count("destroy") == 1
@@ -467,42 +336,227 @@ def test_cupy_is_imported_only_in_nccl_py() -> None:
 # --- bucketing on (fake) CuPy arrays ---------------------------------------------
 
 
-def test_bucketed_reducer_on_cupy_arrays_uses_the_callers_stream(cupy: Any) -> None:
-    comm = nccl.NcclCommunicator(0, 1, UID, 0)
-    base = device_array(np.arange(24).reshape(4, 6))
-    grads = [device_array(np.arange(5)), base[:, ::2], device_array(np.ones(300))]
-    expected = [np.asarray(g).copy() for g in grads]
-    user_stream = FakeStream(non_blocking=True)
-    seen: list[FakeStream] = []
-    real_all_reduce = comm.all_reduce
-
-    def spy(array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
-        assert isinstance(array, FakeArray)
-        seen.append(current_stream())
-        real_all_reduce(array, op)
-
-    comm.all_reduce = spy  # type: ignore[method-assign]
-    with (
-        user_stream,
-        BucketedAllReducer(grads, comm, cap_bytes=1024, first_bucket_bytes=None) as reducer,
-    ):
-        assert len(reducer.buckets) == 2
-        reducer.all_reduce_all()
-    assert seen == [user_stream, user_stream]  # the worker thread re-entered it
-    counts = [e[3] for e in log_of(cupy).log if e[0] == "allReduce"]
-    assert counts == [300, 5 + 12]
-    for got, want in zip(grads, expected, strict=True):
-        np.testing.assert_array_equal(got, want)
-
-
 def test_close_drains_abortably(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0)
-    comm._done.done = False  # work in flight that never finishes (a dead peer)
+    cupy.world.hang = True  # work in flight that never finishes (a dead peer)
+    comm._stream.queue([[False]])
     threading.Timer(0.05, comm.abort, args=("peer 1 died",)).start()
     comm.close()  # returns once abort() lands, without destroying
     assert "destroy" not in log_of(cupy).names() and log_of(cupy).names()[-1] == "abort"
     timed = nccl.NcclCommunicator(0, 2, UID, 0, timeout=0.05)
-    timed._done.done = False
+    timed._stream.queue([[False]])
     with pytest.raises(CommunicatorTimeout, match="close"):
         timed.close()
     timed.close()
+
+
+# --- fault paths: asynchronous errors, timeouts, abort races, old CuPy ------------
+
+
+def join_alive(thread: threading.Thread, timeout: float = 10) -> None:
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{thread.name} is still running: something hangs"
+
+
+def test_async_error_after_enqueue_aborts_never_destroys(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(0, 3, UID, 0, timeout=30)
+    cupy.world.async_error = 6  # a peer died after the all-reduce was enqueued
+    with pytest.raises(PeerConnectionError, match=r"rank 0/3: NCCL all_reduce .*ranks 1, 2"):
+        comm.all_reduce(device_array([1.0, 2.0]))
+    names = log_of(cupy).names()
+    assert names.index("allReduce") < names.index("check_async_error") < names.index("abort")
+    assert comm.aborted is not None and cupy.cuda.nccl.comms[0].handle == 0
+    with pytest.raises(CommunicatorAborted, match="after abort"):
+        comm.broadcast(device_array([1.0]))
+    comm.close()
+    assert "destroy" not in log_of(cupy).names()
+
+
+def test_collective_timeout_aborts_and_names_op_and_peers(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(2, 4, UID, 0, timeout=0.05)
+    cupy.world.hang = True
+    with pytest.raises(
+        CommunicatorTimeout, match=r"rank 2/4: NCCL all_reduce .*0\.05 s \(peers: ranks 0, 1, 3\)"
+    ):
+        comm.all_reduce(device_array([1.0]))
+    assert log_of(cupy).names()[-1] == "abort" and "destroy" not in log_of(cupy).names()
+
+
+def test_old_cupy_keyerror_for_remote_error_is_a_peer_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = make_cupy(old_table=True)
+    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    with pytest.raises(KeyError):
+        FakeNcclError(6)  # what CuPy < 13.4 does for ncclRemoteError
+    comm = nccl.NcclCommunicator(1, 2, UID, 0)
+    fake.world.async_error = 6
+    with pytest.raises(PeerConnectionError, match="status 6") as info:
+        comm.all_reduce(device_array([1.0]))
+    assert isinstance(info.value.__cause__, KeyError) and comm.aborted is not None
+
+
+def test_cupy_older_than_13_4_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = make_cupy(cupy_version="13.3.1")
+    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    with pytest.raises(ConfigError, match=r"CuPy >= 13\.4 .* CuPy 13\.3\.1 is installed"):
+        nccl.NcclCommunicator(0, 1, UID, 0)
+
+
+def test_abort_waits_for_a_call_inside_nccl(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=30)
+    fake: FakeNccl = cupy.cuda.nccl
+    fake.enqueue_gate = threading.Event()
+    errors: list[BaseException] = []
+
+    def collective() -> None:
+        try:
+            comm.all_reduce(device_array([1.0]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    caller = threading.Thread(target=collective, name="collective")
+    caller.start()
+    assert fake.entered.wait(10)
+    aborter = threading.Thread(target=comm.abort, args=("heartbeat: peer 1 died",), name="abort")
+    aborter.start()
+    deadline = time.monotonic() + 10
+    while comm.aborted is None:  # abort() has begun, and must now wait for the enqueue
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert "abort" not in fake.names()
+    fake.enqueue_gate.set()
+    join_alive(aborter)
+    join_alive(caller)
+    assert fake.races == [] and fake.names().index("allReduce") < fake.names().index("abort")
+    assert len(errors) == 1 and isinstance(errors[0], CommunicatorAborted)
+
+
+def test_concurrent_collectives_from_two_threads(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=30)
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            for _ in range(50):
+                comm.all_reduce(device_array([1.0, 2.0]))
+                comm.barrier()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, name=f"t{i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        join_alive(thread, 30)
+    assert errors == [] and cupy.cuda.nccl.races == []
+    assert cupy.cuda.nccl.names().count("allReduce") == 200
+
+
+def test_init_watchdog_reports_then_exits(cupy: Any) -> None:
+    from rendezvousd.trainer.nccl_watchdog import INIT_TIMEOUT_EXIT_CODE, InitWatchdog
+
+    reports: list[str] = []
+    exits: list[int] = []
+    gate = threading.Event()
+    with InitWatchdog(0.05, "rank 3/4: NCCL init", on_timeout=reports.append, exit=exits.append):
+        assert not gate.wait(0.01)
+        deadline = time.monotonic() + 10
+        while not exits:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    assert exits == [INIT_TIMEOUT_EXIT_CODE] and "rank 3/4: NCCL init" in reports[0]
+    with InitWatchdog(5, "fast", exit=exits.append) as quick:
+        pass
+    assert not quick.fired and len(exits) == 1
+
+
+WATCHDOG_SCRIPT = """
+import sys, threading
+from rendezvousd.trainer import nccl
+from tests.trainer.fake_cupy import make_cupy
+fake = make_cupy()
+fake.cuda.nccl.init_gate = threading.Event()  # a peer that never arrives
+nccl._import_cupy = lambda: fake
+def told(message):
+    print("daemon told:", message.split(";")[0], flush=True)
+nccl.NcclCommunicator(1, 2, bytes(range(1, 129)), 0, setup_timeout=0.2, on_setup_timeout=told)
+print("init returned", flush=True)
+"""
+
+
+def test_init_hang_ends_the_process_with_its_own_code() -> None:
+    from rendezvousd.trainer.nccl_watchdog import INIT_TIMEOUT_EXIT_CODE
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", WATCHDOG_SCRIPT],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == INIT_TIMEOUT_EXIT_CODE, done.stderr
+    assert "daemon told: rank 1/2: NCCL init on device 0 did not finish" in done.stdout
+    assert "init returned" not in done.stdout and "setup_timeout_s=0.2" in done.stderr
+
+
+# --- the reducer's streams (DDP's scheme) -------------------------------------------
+
+
+def test_reducer_never_makes_the_callers_stream_wait_before_wait(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(0, 1, UID, 0, timeout=30)
+    base = device_array(np.arange(24).reshape(4, 6))
+    grads = [device_array(np.arange(5)), base[:, ::2], device_array(np.ones(300))]
+    expected = [np.asarray(g).copy() for g in grads]
+    user = cupy.cuda.Stream(non_blocking=True)  # e.g. a per-thread default stream
+    trace = cupy.world.trace
+    with user, BucketedAllReducer(grads, comm, cap_bytes=1024, first_bucket_bytes=None) as r:
+        assert len(r.buckets) == 2
+        comm_stream = r._ops.stream.name
+        trace.clear()
+        r.mark_ready(2)  # bucket 0 launches: its all-reduce completes on the worker
+        deadline = time.monotonic() + 10
+        while ("allReduce", comm._stream.name) not in trace:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        r.mark_ready(1)
+        r.mark_ready(0)
+        before_wait = len(trace)
+        r.wait()
+    waits_on_user = [i for i, e in enumerate(trace) if e[:2] == ("wait_event", user.name)]
+    assert waits_on_user and min(waits_on_user) >= before_wait  # only wait() orders the caller
+    assert len(waits_on_user) == 1 and trace[-2] == ("record", r._ops._final.name, comm_stream)
+    # Every copy (pack/unpack) and division ran on the communication stream.
+    assert {e[1] for e in trace if e[0] in ("copy", "divide")} == {comm_stream}
+    # Each bucket: mark on the caller's stream, then the communication stream waits on it.
+    ready = {e[1]: i for i, e in enumerate(trace) if e[0] == "record" and e[2] == user.name}
+    for event in r._ops._ready.values():
+        assert trace.index(("wait_event", comm_stream, event.name)) > ready[event.name]
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_reducer_after_abort_raises_and_leaves_no_garbage(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=30)
+    grads = [device_array(np.full(10, 4.0)), device_array(np.full(300, 8.0))]
+    cupy.world.hang = True
+    reducer = BucketedAllReducer(grads, comm, cap_bytes=1024, first_bucket_bytes=None)
+    threading.Timer(0.05, comm.abort, args=("peer 1 died",)).start()
+    with pytest.raises(CommunicatorAborted, match=r"peer 1 died.*\[bucket 0 of 2: gradients \[1\]"):
+        reducer.wait()
+    # The aborted bucket was never unpacked: the gradients hold what they held.
+    np.testing.assert_array_equal(grads[1], np.full(300, 8.0))
+    with pytest.raises(CommunicatorAborted):
+        reducer.wait()
+    reducer.close()
+
+
+def test_reducer_timeout_names_bucket_op_and_peers(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(1, 2, UID, 0, timeout=0.05)
+    cupy.world.hang = True
+    with (
+        BucketedAllReducer([device_array(np.ones(8))], comm) as reducer,
+        pytest.raises(CommunicatorTimeout, match=r"all_reduce .*peers: ranks 0\).*\[bucket 0 of 1"),
+    ):
+        reducer.wait()

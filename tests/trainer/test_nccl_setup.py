@@ -1,0 +1,71 @@
+"""NCCL setup in ``init_distributed`` against a real daemon, CuPy faked at the seam.
+
+Two ranks run as threads of this process (the fake CuPy is process-global);
+the daemon is a real process.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rendezvousd.trainer import nccl
+from rendezvousd.trainer.distributed import DistributedContext, init_distributed
+from tests.support import DaemonProcess
+
+from .fake_cupy import FakeNcclError, make_cupy
+
+
+def _env(d: DaemonProcess, job: str, local: int) -> dict[str, str]:
+    return {
+        "RENDEZVOUSD_LOCAL_RANK": str(local),
+        "RENDEZVOUSD_ENDPOINT": d.endpoint,
+        "RENDEZVOUSD_JOB_ID": job,
+        "RENDEZVOUSD_NUM_NODES": "1",
+        "RENDEZVOUSD_GPUS_PER_NODE": "2",
+        "RENDEZVOUSD_NODE_RANK": "0",
+        "RENDEZVOUSD_BACKEND": "nccl",
+        "RENDEZVOUSD_RETRIES": "1",
+    }
+
+
+def test_transient_init_failure_retries_on_a_fresh_generation_and_id(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        "[distributed]\nsetup_timeout_s = 30\ncollective_timeout_s = 30\n"
+        'heartbeat_interval_s = 0.5\n[distributed.rendezvous]\nkind = "daemon"\n'
+        f'token_file = "{daemon.token_file}"\n'
+    )
+    fake = make_cupy()
+    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    fake.cuda.nccl.init_errors.append(FakeNcclError(6))  # one rank's first init fails
+    contexts: list[DistributedContext] = []
+    errors: list[BaseException] = []
+
+    def rank(local: int) -> None:
+        try:
+            contexts.append(init_distributed(str(config), env=_env(daemon, job_id, local)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), f"{thread.name} hangs in init_distributed"
+    assert errors == [] and len(contexts) == 2
+    inits: list[Any] = [e for e in fake.cuda.nccl.log if e[0] == "NcclCommunicator"]
+    ids = {bytes(e[2]) for e in inits}
+    assert len(inits) == 4 and len(ids) == 2  # two generations, each with its own id
+    assert fake.cuda.nccl.names().count("get_unique_id") == 2
+    generations = {c.rendezvous.membership.generation for c in contexts}  # type: ignore[attr-defined]
+    assert len(generations) == 1 and generations.pop() > 1  # both on the retried generation
+    for context in contexts:
+        assert context.communicator.backend == "nccl"
+        context.close()
