@@ -24,6 +24,10 @@ class Limits:
     max_kv_bytes: int = 128 * MIB
     max_waiters: int = 65536
     max_concurrent_rpcs: int = 100_000
+    # Health calls carry no token: small budgets of their own, so that they never
+    # take authenticated calls' slots, and watch streams never those of checks.
+    max_health_checks: int = 64
+    max_health_watches: int = 16
     max_host_bytes: int = 255
     max_reason_bytes: int = 1024
 

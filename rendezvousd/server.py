@@ -217,11 +217,17 @@ class Daemon:
             on_reject=lambda m: self.metrics.observe_rpc(
                 m.rsplit("/", 1)[-1], "UNAUTHENTICATED", 0.0
             ),
+            limits=self.state.limits,
         )
         server = grpc.aio.server(
             interceptors=[interceptor, DecodeGuardInterceptor()],
             options=self._options(),
-            maximum_concurrent_rpcs=self.state.limits.max_concurrent_rpcs,
+            # No server-wide cap: gRPC's one pool is counted before authentication,
+            # so token-less health streams could fill it and starve every call and
+            # the health check itself. The interceptor caps each class instead
+            # (max_concurrent_rpcs for authenticated calls); calls it refuses for a
+            # bad token end at once, and pending calls stay bounded by the options.
+            maximum_concurrent_rpcs=None,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
         self._health = health_aio.HealthServicer()
