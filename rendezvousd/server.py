@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -196,6 +197,16 @@ class Daemon:
         c = self.config
         if c.tls_cert is None or c.tls_key is None:
             return None
+        try:
+            key_mode = c.tls_key.stat().st_mode
+        except OSError as exc:
+            raise DaemonError(f"cannot read TLS file {c.tls_key}: {exc.strerror}") from exc
+        if key_mode & 0o177:
+            raise DaemonError(
+                f"TLS private key {c.tls_key} has mode {stat.S_IMODE(key_mode):04o}, more than "
+                f"0600: anyone else who can read it can impersonate the daemon; run: "
+                f"chmod 600 {c.tls_key}"
+            )
         try:
             key, cert = c.tls_key.read_bytes(), c.tls_cert.read_bytes()
             ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
