@@ -44,7 +44,21 @@ def read_token_file(path: Path) -> list[str]:
             f"token file {path} is accessible by group/others (mode {stat.filemode(info.st_mode)}); "
             f"run: chmod 600 {path}"
         )
-    tokens = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
+            f"point --token-file at a file created with `rendezvousd token FILE`"
+        )
+    try:
+        text = path.read_text(encoding="ascii")
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        # Clients send the token in an HTTP/2 header: only ASCII can get through.
+        raise ConfigError(
+            f"token file {path} holds non-ASCII bytes; create one with `rendezvousd token {path}`"
+        ) from None
+    tokens = [line.strip() for line in text.splitlines() if line.strip()]
     if not tokens:
         raise ConfigError(
             f"token file {path} holds no token; create one with `rendezvousd token {path}`"
@@ -54,10 +68,14 @@ def read_token_file(path: Path) -> list[str]:
 
 def validate_tokens(tokens: Sequence[str], origin: str) -> list[str]:
     for token in tokens:
-        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in token):
+        if (
+            len(token) < MIN_TOKEN_CHARS
+            or not token.isascii()  # sent in an HTTP/2 header: no client could send it
+            or any(c.isspace() or not c.isprintable() for c in token)
+        ):
             raise ConfigError(
                 f"{origin} holds a token shorter than {MIN_TOKEN_CHARS} characters or with "
-                "spaces/control characters; create one with `rendezvousd token FILE`"
+                "spaces/control/non-ASCII characters; create one with `rendezvousd token FILE`"
             )
     return list(tokens)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.errors import DaemonError
+from rendezvousd.auth import read_token_file, validate_tokens
+from rendezvousd.errors import ConfigError, DaemonError
 from rendezvousd.persistence import STATE_FILE, StateStore
 from tests.support import DaemonProcess, Pki
 
@@ -69,3 +70,20 @@ def test_a_state_file_that_is_a_link_is_refused_and_replaced_not_followed(
     store.write({"schema": 1, "jobs": []})
     assert victim.read_text() == "precious"
     assert stat.S_ISREG(store.path.lstat().st_mode)
+
+
+def test_a_token_file_that_is_a_directory_is_a_clear_error(tmp_path: Path) -> None:
+    folder = tmp_path / "tokens"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        read_token_file(folder)
+
+
+def test_a_non_ascii_token_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("ü" * 20 + "\n")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="non-ASCII"):
+        read_token_file(path)
+    with pytest.raises(ConfigError, match="non-ASCII"):
+        validate_tokens(["x" * 16 + "é"], "$RENDEZVOUSD_TOKEN")

@@ -153,3 +153,14 @@ def test_kv_add_accepts_only_plain_decimal_counters(bad: bytes) -> None:
     assert f.reason == "NOT_A_COUNTER" and sm.jobs["j"].kv["n"] == bad
     sm.kv_set("j", gen, 0, "n", b"-12", instance_id=inst(sm, 0))
     assert sm.kv_add("j", gen, 0, "n", 5, instance_id=inst(sm, 0)) == -7
+
+
+@pytest.mark.parametrize("sneaky", ["\u202eexe.txt", "h\x85ost", "a\u2066b", "x\u200fy", "\x9b31m"])
+def test_c1_controls_and_bidi_overrides_never_reach_logs_or_status(sneaky: str) -> None:
+    sm = RendezvousState()
+    f = fault(sm.join, args(0, 0, nodes=1, gpus=1, host=sneaky, uid=ID), 0.0)
+    assert f.code is Code.INVALID_ARGUMENT and "control characters" in f.message
+    gen = form(sm, nodes=1, gpus=1)[0].generation
+    assert fault(sm.abort, "j", gen, sneaky, 1.0).code is Code.INVALID_ARGUMENT
+    key = fault(sm.kv_set, "j", gen, 0, sneaky, b"v", instance_id=inst(sm, 0))
+    assert key.code is Code.INVALID_ARGUMENT
