@@ -138,6 +138,29 @@ class Session:
         self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
         return self.barrier_counts[name]
 
+    def scope(self) -> dict[str, str | int]:
+        """The fields naming this member on Barrier and key-value requests: the daemon
+        answers only the worker instance that joined as the rank."""
+        m = self.member()
+        return {
+            "job_id": m.job_id,
+            "generation": m.generation,
+            "rank": m.rank,
+            "instance_id": self.instance_id,
+        }
+
+    def barrier_request(self, name: str, wait: float) -> pb.BarrierRequest:
+        m = self.member()
+        return pb.BarrierRequest(
+            job_id=m.job_id,
+            generation=m.generation,
+            rank=m.rank,
+            instance_id=self.instance_id,
+            name=name,
+            sequence=self.next_barrier(name),
+            wait_timeout_ms=int(wait * 1000),
+        )
+
     def event_error(self, event: pb.JobEvent) -> RendezvousError | None:
         """The error a heartbeat event means for this member, if any."""
         me = self.joined.rank if self.joined else None

@@ -200,21 +200,12 @@ class AsyncRendezvousClient:
         return m
 
     async def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
-        m = self._s.member()
         wait = timeout or self._s.call_timeout
-        request = pb.BarrierRequest(
-            job_id=m.job_id,
-            generation=m.generation,
-            rank=m.rank,
-            name=name,
-            sequence=self._s.next_barrier(name),
-            wait_timeout_ms=int(wait * 1000),
-        )
+        request = self._s.barrier_request(name, wait)
         await self._call("Barrier", request, timeout=wait + SLACK_S)
 
     def _kv_scope(self) -> dict[str, Any]:
-        m = self._s.member()
-        return {"job_id": m.job_id, "generation": m.generation, "rank": m.rank}
+        return self._s.scope()
 
     async def kv_set(self, key: str, value: bytes) -> None:
         await self._call("KvSet", pb.KvSetRequest(key=key, value=value, **self._kv_scope()))

@@ -218,16 +218,8 @@ class RendezvousClient:
         return m
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
-        m = self._s.member()
         wait = timeout or self._s.call_timeout
-        request = pb.BarrierRequest(
-            job_id=m.job_id,
-            generation=m.generation,
-            rank=m.rank,
-            name=name,
-            sequence=self._s.next_barrier(name),
-            wait_timeout_ms=int(wait * 1000),
-        )
+        request = self._s.barrier_request(name, wait)
         self._call("Barrier", request, timeout=wait + SLACK_S)
 
     def leave(self) -> None:
@@ -267,8 +259,7 @@ class RendezvousClient:
     # -- key-value store --------------------------------------------------------
 
     def _kv_scope(self) -> dict[str, Any]:
-        m = self._s.member()
-        return {"job_id": m.job_id, "generation": m.generation, "rank": m.rank}
+        return self._s.scope()
 
     def kv_set(self, key: str, value: bytes) -> None:
         self._call("KvSet", pb.KvSetRequest(key=key, value=value, **self._kv_scope()))

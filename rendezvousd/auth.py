@@ -19,10 +19,13 @@ from typing import Any
 
 import grpc
 
+from rendezvousd.budget import Gate, gated
 from rendezvousd.errors import ConfigError
+from rendezvousd.limits import Limits
 
 MIN_TOKEN_CHARS = 16
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_WATCH = HEALTH_PREFIX + "Watch"
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 
 
@@ -41,7 +44,21 @@ def read_token_file(path: Path) -> list[str]:
             f"token file {path} is accessible by group/others (mode {stat.filemode(info.st_mode)}); "
             f"run: chmod 600 {path}"
         )
-    tokens = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
+            f"point --token-file at a file created with `rendezvousd token FILE`"
+        )
+    try:
+        text = path.read_text(encoding="ascii")
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        # Clients send the token in an HTTP/2 header: only ASCII can get through.
+        raise ConfigError(
+            f"token file {path} holds non-ASCII bytes; create one with `rendezvousd token {path}`"
+        ) from None
+    tokens = [line.strip() for line in text.splitlines() if line.strip()]
     if not tokens:
         raise ConfigError(
             f"token file {path} holds no token; create one with `rendezvousd token {path}`"
@@ -51,10 +68,14 @@ def read_token_file(path: Path) -> list[str]:
 
 def validate_tokens(tokens: Sequence[str], origin: str) -> list[str]:
     for token in tokens:
-        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in token):
+        if (
+            len(token) < MIN_TOKEN_CHARS
+            or not token.isascii()  # sent in an HTTP/2 header: no client could send it
+            or any(c.isspace() or not c.isprintable() for c in token)
+        ):
             raise ConfigError(
                 f"{origin} holds a token shorter than {MIN_TOKEN_CHARS} characters or with "
-                "spaces/control characters; create one with `rendezvousd token FILE`"
+                "spaces/control/non-ASCII characters; create one with `rendezvousd token FILE`"
             )
     return list(tokens)
 
@@ -72,11 +93,28 @@ def load_tokens(token_file: Path | None) -> list[str]:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Checks the token, then counts the call against its class's budget: health
+    calls (no token) have small budgets of their own, so they can never take the
+    slots of authenticated calls, and watches can never take those of checks."""
+
     def __init__(
-        self, tokens: Sequence[str], on_reject: Callable[[str], None] | None = None
+        self,
+        tokens: Sequence[str],
+        on_reject: Callable[[str], None] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self._digests = [_digest(t) for t in tokens]
         self._on_reject = on_reject
+        limits = limits or Limits()
+        self.calls = Gate("max_concurrent_rpcs", limits.max_concurrent_rpcs, "calls at once")
+        self.health_checks = Gate(
+            "max_health_checks", limits.max_health_checks, "health checks at once"
+        )
+        self.health_watches = Gate(
+            "max_health_watches", limits.max_health_watches, "health watch streams"
+        )
+        # Known methods only (an unknown one has no handler): bounded.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
         values = [v for k, v in metadata or () if k == "authorization"]
@@ -101,12 +139,27 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = details.method or ""
-        if method.startswith(HEALTH_PREFIX) or self.authorized(details.invocation_metadata):
-            return await continuation(details)
+        if method == HEALTH_WATCH:
+            return self._gated(method, await continuation(details), self.health_watches)
+        if method.startswith(HEALTH_PREFIX):
+            return self._gated(method, await continuation(details), self.health_checks)
+        if self.authorized(details.invocation_metadata):
+            return self._gated(method, await continuation(details), self.calls)
         if self._on_reject is not None:
             self._on_reject(method)
         handler = await continuation(details)
         return _rejecting(handler)
+
+    def _gated(
+        self, method: str, handler: grpc.RpcMethodHandler | None, gate: Gate
+    ) -> grpc.RpcMethodHandler | None:
+        if handler is None:
+            return None
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = (handler, gated(handler, gate))
+            self._wrapped[method] = cached
+        return cached[1]
 
 
 async def _reject(context: Any) -> None:

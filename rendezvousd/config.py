@@ -106,6 +106,11 @@ class DaemonConfig:
     max_value_bytes: int = _opt(
         "largest key-value value", default=Limits.max_value_bytes, kind=_COUNT
     )
+    max_kv_bytes: int = _opt(
+        "key-value bytes (keys + values) held across all jobs",
+        default=Limits.max_kv_bytes,
+        kind=_COUNT,
+    )
     log_level: str = _opt(
         "DEBUG, INFO, WARNING or ERROR",
         default="INFO",
@@ -139,6 +144,7 @@ class DaemonConfig:
             max_waiters=self.max_waiters,
             max_keys_per_job=self.max_keys_per_job,
             max_value_bytes=self.max_value_bytes,
+            max_kv_bytes=self.max_kv_bytes,
         )
 
     def timing(self) -> Timing:

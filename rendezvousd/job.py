@@ -67,6 +67,8 @@ class Job:
     # Set when a joiner's topology contradicted the forming generation's: that
     # fault, not PEER_FAILED, is what every call on the failed generation gets.
     conflict: RendezvousFault | None = None
+    # When rank 0, answered id_required, loses its rank unless it publishes the id.
+    id_deadline: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -130,6 +132,7 @@ class Job:
         self.restored = False
         self.restored_id_digest = None
         self.conflict = None
+        self.id_deadline = None
 
     def topology_conflict(self, host: str, num_nodes: int, gpus_per_node: int) -> RendezvousFault:
         """Why a joiner asking for another topology is refused; when the generation

@@ -19,8 +19,15 @@ class Limits:
     max_value_bytes: int = 32 * KIB
     max_keys_per_job: int = 32768
     max_kv_bytes_per_job: int = 64 * MIB
+    # Daemon-wide: all jobs' keys and values together. Sized for the shipped 1 GiB
+    # container limit: a state-dir snapshot briefly holds ~3 copies (base64, JSON).
+    max_kv_bytes: int = 128 * MIB
     max_waiters: int = 65536
     max_concurrent_rpcs: int = 100_000
+    # Health calls carry no token: small budgets of their own, so that they never
+    # take authenticated calls' slots, and watch streams never those of checks.
+    max_health_checks: int = 64
+    max_health_watches: int = 16
     max_host_bytes: int = 255
     max_reason_bytes: int = 1024
 

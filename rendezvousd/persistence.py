@@ -12,6 +12,8 @@ import hashlib
 import json
 import logging
 import os
+import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -32,18 +34,34 @@ class StateStore:
     def prepare(self) -> None:
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            mode = self.directory.stat().st_mode
         except OSError as exc:
             raise DaemonError(f"cannot create state dir {self.directory}: {exc.strerror}") from exc
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            # Another user could plant a symlink or file the daemon (often root)
+            # then writes through; the job state is nobody else's to touch either.
+            raise DaemonError(
+                f"state dir {self.directory} is writable by group/others (mode "
+                f"{stat.filemode(mode)}); run: chmod 700 {self.directory}"
+            )
         if not os.access(self.directory, os.W_OK):
             raise DaemonError(f"state dir {self.directory} is not writable by this user")
+        for stale in self.directory.glob(f".{STATE_FILE}.*.tmp"):
+            # Left by a crash mid-write; unlink removes a link itself, never its target.
+            stale.unlink(missing_ok=True)
 
     def read(self) -> dict[str, Any] | None:
         try:
-            raw = self.path.read_bytes()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise DaemonError(f"cannot read state file {self.path}: {exc.strerror}") from exc
+            raise DaemonError(
+                f"cannot read state file {self.path}: {exc.strerror} (a symlink is refused); "
+                "move it aside to start with no jobs"
+            ) from exc
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
         try:
             envelope = json.loads(raw)
             payload = envelope["payload"]
@@ -62,8 +80,9 @@ class StateStore:
     def write(self, payload: dict[str, Any]) -> None:
         body = json.dumps(payload, sort_keys=True)
         envelope = {"sha256": hashlib.sha256(body.encode()).hexdigest(), "payload": payload}
-        tmp = self.path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp = self.path.with_name(f".{STATE_FILE}.{secrets.token_hex(8)}.tmp")
+        # A fresh name that must not exist: never write through a planted file or link.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(envelope, f, sort_keys=True)

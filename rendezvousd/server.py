@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -197,6 +198,16 @@ class Daemon:
         if c.tls_cert is None or c.tls_key is None:
             return None
         try:
+            key_mode = c.tls_key.stat().st_mode
+        except OSError as exc:
+            raise DaemonError(f"cannot read TLS file {c.tls_key}: {exc.strerror}") from exc
+        if key_mode & 0o177:
+            raise DaemonError(
+                f"TLS private key {c.tls_key} has mode {stat.S_IMODE(key_mode):04o}, more than "
+                f"0600: anyone else who can read it can impersonate the daemon; run: "
+                f"chmod 600 {c.tls_key}"
+            )
+        try:
             key, cert = c.tls_key.read_bytes(), c.tls_cert.read_bytes()
             ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
         except OSError as exc:
@@ -217,11 +228,17 @@ class Daemon:
             on_reject=lambda m: self.metrics.observe_rpc(
                 m.rsplit("/", 1)[-1], "UNAUTHENTICATED", 0.0
             ),
+            limits=self.state.limits,
         )
         server = grpc.aio.server(
             interceptors=[interceptor, DecodeGuardInterceptor()],
             options=self._options(),
-            maximum_concurrent_rpcs=self.state.limits.max_concurrent_rpcs,
+            # No server-wide cap: gRPC's one pool is counted before authentication,
+            # so token-less health streams could fill it and starve every call and
+            # the health check itself. The interceptor caps each class instead
+            # (max_concurrent_rpcs for authenticated calls); calls it refuses for a
+            # bad token end at once, and pending calls stay bounded by the options.
+            maximum_concurrent_rpcs=None,
         )
         server.add_generic_rpc_handlers((servicer.handler(),))
         self._health = health_aio.HealthServicer()

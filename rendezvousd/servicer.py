@@ -108,6 +108,15 @@ class RendezvousServicer:
 
     # -- waiting ----------------------------------------------------------
 
+    def _wait_s(self, wait_timeout_ms: int, context: Any) -> float:
+        timeout = wait_timeout_ms / 1000 or self.state.timing.default_wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Answer just before the caller's deadline, so it gets our message
+            # naming the missing ranks rather than a bare DEADLINE_EXCEEDED.
+            timeout = min(timeout, max(0.0, remaining - min(0.25, remaining * 0.1)))
+        return timeout
+
     async def _settle(self, outcome: T | Parked, wait_timeout_ms: int, context: Any) -> Any:
         self.apply()
         if not isinstance(outcome, Parked):
@@ -115,12 +124,7 @@ class RendezvousServicer:
         waiter = outcome.waiter
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._futures[waiter] = future
-        timeout = wait_timeout_ms / 1000 or self.state.timing.default_wait_s
-        remaining = context.time_remaining()
-        if remaining is not None:
-            # Answer just before the caller's deadline, so it gets our message
-            # naming the missing ranks rather than a bare DEADLINE_EXCEEDED.
-            timeout = min(timeout, max(0.0, remaining - min(0.25, remaining * 0.1)))
+        timeout = self._wait_s(wait_timeout_ms, context)
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
@@ -183,6 +187,7 @@ class RendezvousServicer:
             address=request.address,
             unique_id=request.unique_id,
             instance_id=request.instance_id,
+            wait_s=self._wait_s(request.wait_timeout_ms, context),
         )
         result = await self._settle(self.state.join(args, _now()), request.wait_timeout_ms, context)
         self.metrics.joins.inc()
@@ -203,27 +208,49 @@ class RendezvousServicer:
 
     async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
         outcome = self.state.barrier(
-            request.job_id, request.generation, request.rank, request.name, request.sequence, _now()
+            request.job_id,
+            request.generation,
+            request.rank,
+            request.name,
+            request.sequence,
+            _now(),
+            instance_id=request.instance_id,
         )
         sequence = await self._settle(outcome, request.wait_timeout_ms, context)
         return pb.BarrierResponse(sequence=sequence)
 
     async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
         self.state.kv_set(
-            request.job_id, request.generation, request.rank, request.key, request.value
+            request.job_id,
+            request.generation,
+            request.rank,
+            request.key,
+            request.value,
+            instance_id=request.instance_id,
         )
         self.apply()
         return pb.KvSetResponse()
 
     async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
         outcome = self.state.kv_get(
-            request.job_id, request.generation, request.rank, request.key, request.wait, _now()
+            request.job_id,
+            request.generation,
+            request.rank,
+            request.key,
+            request.wait,
+            _now(),
+            instance_id=request.instance_id,
         )
         return pb.KvGetResponse(value=await self._settle(outcome, request.wait_timeout_ms, context))
 
     async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
         value = self.state.kv_add(
-            request.job_id, request.generation, request.rank, request.key, request.delta
+            request.job_id,
+            request.generation,
+            request.rank,
+            request.key,
+            request.delta,
+            instance_id=request.instance_id,
         )
         self.apply()
         return pb.KvAddResponse(value=value)
@@ -238,6 +265,7 @@ class RendezvousServicer:
             request.key,
             request.expected if request.HasField("expected") else None,
             request.desired,
+            instance_id=request.instance_id,
         )
         self.apply()
         response = pb.KvCompareAndSetResponse(swapped=swapped)
@@ -247,7 +275,11 @@ class RendezvousServicer:
 
     async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
         deleted = self.state.kv_delete(
-            request.job_id, request.generation, request.rank, request.key
+            request.job_id,
+            request.generation,
+            request.rank,
+            request.key,
+            instance_id=request.instance_id,
         )
         return pb.KvDeleteResponse(deleted=deleted)
 

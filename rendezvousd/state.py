@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rendezvousd import validation
+from rendezvousd import kv, validation
 from rendezvousd.errors import Code, RendezvousFault, ranks_text
 from rendezvousd.job import BarrierState, Job, Member
 from rendezvousd.limits import Limits, Timing
@@ -48,6 +48,9 @@ class JoinArgs:
     address: str
     unique_id: bytes
     instance_id: str
+    # How long this Join may wait (0: the daemon's default). Rank 0 answered
+    # id_required holds its rank this long at most without publishing the id.
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,27 @@ class RendezvousState:
             raise job.generation_fault()
         return job, member
 
+    def _caller(
+        self, job_id: str, generation: int, rank: int, instance_id: str, *, running: bool = True
+    ) -> tuple[Job, Member]:
+        """``_member``, and the caller must be the worker instance that joined as ``rank``:
+        holding the token is not enough to act for another job's or another process's rank."""
+        job, member = self._member(job_id, generation, rank, running=running)
+        if member.instance_id != instance_id:
+            hint = (
+                "the call names no instance_id (an SDK older than the daemon?)"
+                if not instance_id
+                else "the caller is not the worker that joined as this rank"
+            )
+            raise RendezvousFault(
+                Code.ALREADY_EXISTS,
+                "DUPLICATE_RANK",
+                f"rank {rank} of job {job_id!r} generation {generation} belongs to another "
+                f"worker instance: {hint}; rejoin to take part",
+                {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
+            )
+        return job, member
+
     # -- join -------------------------------------------------------------
 
     def join(self, args: JoinArgs, now: float) -> JoinResult | Parked:
@@ -202,12 +226,17 @@ class RendezvousState:
             if args.node_rank is None:
                 job.host_nodes.setdefault(args.host, node_rank)
         try:
-            return self._join_outcome(job, member, now)
+            outcome = self._join_outcome(job, member, now)
         except RendezvousFault as fault:
             if added and fault.reason == "LIMIT_EXCEEDED":
                 # Refused for capacity: the rank must stay free for the retry.
                 self._drop_joiner(job, rank, now)
             raise
+        if isinstance(outcome, JoinResult) and outcome.id_required:
+            # Like any parked call, the rank is held until the Join's own deadline:
+            # a rank 0 that crashes before PublishId must not keep it forever.
+            job.id_deadline = now + (args.wait_s or self.timing.default_wait_s)
+        return outcome
 
     def publish_id(
         self,
@@ -230,6 +259,7 @@ class RendezvousState:
                 {"job_id": job_id, "ranks": str(rank)},
             )
         self._accept_id(job, unique_id)
+        job.id_deadline = None
         return self._join_outcome(job, member, now)
 
     def _job_for_join(self, args: JoinArgs, now: float) -> Job:
@@ -465,10 +495,18 @@ class RendezvousState:
     # -- barrier ----------------------------------------------------------
 
     def barrier(
-        self, job_id: str, generation: int, rank: int, name: str, sequence: int, now: float
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        name: str,
+        sequence: int,
+        now: float,
+        *,
+        instance_id: str,
     ) -> int | Parked:
         validation.text_field("barrier name", name, self.limits.max_key_bytes, required=True)
-        job, member = self._member(job_id, generation, rank)
+        job, member = self._caller(job_id, generation, rank, instance_id)
         barrier = job.barriers.setdefault(name, BarrierState())
         if sequence <= barrier.completed:
             return sequence
@@ -503,16 +541,26 @@ class RendezvousState:
 
     # -- key-value store --------------------------------------------------
 
-    def kv_set(self, job_id: str, generation: int, rank: int, key: str, value: bytes) -> None:
-        job, _ = self._member(job_id, generation, rank)
+    def kv_set(
+        self, job_id: str, generation: int, rank: int, key: str, value: bytes, *, instance_id: str
+    ) -> None:
+        job, _ = self._caller(job_id, generation, rank, instance_id)
         self._store(
             job, validation.kv_key(key, self.limits), validation.kv_value(value, self.limits)
         )
 
     def kv_get(
-        self, job_id: str, generation: int, rank: int, key: str, wait: bool, now: float
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        key: str,
+        wait: bool,
+        now: float,
+        *,
+        instance_id: str,
     ) -> bytes | Parked:
-        job, _ = self._member(job_id, generation, rank)
+        job, _ = self._caller(job_id, generation, rank, instance_id)
         validation.kv_key(key, self.limits)
         value = job.kv.get(key)
         if value is not None:
@@ -528,24 +576,14 @@ class RendezvousState:
         job.kv_waiters.setdefault(key, set()).add(parked.waiter)
         return parked
 
-    def kv_add(self, job_id: str, generation: int, rank: int, key: str, delta: int) -> int:
-        job, _ = self._member(job_id, generation, rank)
+    def kv_add(
+        self, job_id: str, generation: int, rank: int, key: str, delta: int, *, instance_id: str
+    ) -> int:
+        job, _ = self._caller(job_id, generation, rank, instance_id)
         validation.kv_key(key, self.limits)
-        raw = job.kv.get(key, b"0")
-        try:
-            current = int(raw.decode("ascii"), 10)
-        except (UnicodeDecodeError, ValueError):
-            raise RendezvousFault(
-                Code.FAILED_PRECONDITION,
-                "NOT_A_COUNTER",
-                f"key {key!r} holds a value that is not a decimal integer; KvAdd needs a counter",
-                {"job_id": job_id},
-            ) from None
-        total = current + delta
-        if not -(2**63) <= total < 2**63:
-            raise validation.invalid("INVALID_ARGUMENT", f"KvAdd on {key!r} would overflow int64")
-        self._store(job, key, str(total).encode("ascii"))
-        return total
+        value = kv.counter(job, key, delta)
+        self._store(job, key, value)
+        return int(value)
 
     def kv_compare_and_set(
         self,
@@ -555,8 +593,10 @@ class RendezvousState:
         key: str,
         expected: bytes | None,
         desired: bytes,
+        *,
+        instance_id: str,
     ) -> tuple[bool, bytes | None]:
-        job, _ = self._member(job_id, generation, rank)
+        job, _ = self._caller(job_id, generation, rank, instance_id)
         validation.kv_key(key, self.limits)
         validation.kv_value(desired, self.limits)
         current = job.kv.get(key)
@@ -565,33 +605,20 @@ class RendezvousState:
         self._store(job, key, desired)
         return True, desired
 
-    def kv_delete(self, job_id: str, generation: int, rank: int, key: str) -> bool:
-        job, _ = self._member(job_id, generation, rank)
+    def kv_delete(
+        self, job_id: str, generation: int, rank: int, key: str, *, instance_id: str
+    ) -> bool:
+        job, _ = self._caller(job_id, generation, rank, instance_id)
         validation.kv_key(key, self.limits)
-        value = job.kv.pop(key, None)
-        if value is None:
-            return False
-        job.kv_bytes -= len(key) + len(value)
-        return True
+        return kv.delete(job, key)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Key-value bytes held across every job (the ``max_kv_bytes`` budget)."""
+        return kv.daemon_bytes(self.jobs.values())
 
     def _store(self, job: Job, key: str, value: bytes) -> None:
-        old = job.kv.get(key)
-        if old is None and len(job.kv) >= self.limits.max_keys_per_job:
-            raise validation.limit_exceeded(
-                "max_keys_per_job",
-                f"job {job.job_id!r} already has max_keys_per_job={self.limits.max_keys_per_job} keys",
-                job_id=job.job_id,
-            )
-        grown = job.kv_bytes + len(value) - (len(old) if old is not None else -len(key))
-        if grown > self.limits.max_kv_bytes_per_job:
-            raise validation.limit_exceeded(
-                "max_kv_bytes_per_job",
-                f"job {job.job_id!r} would exceed max_kv_bytes_per_job={self.limits.max_kv_bytes_per_job}",
-                job_id=job.job_id,
-            )
-        job.kv[key] = value
-        job.kv_bytes = grown
-        for w in job.kv_waiters.pop(key, set()):
+        for w in kv.put(job, key, value, self.limits, self.kv_bytes):
             self._wake(w, value)
 
     # -- liveness ---------------------------------------------------------
@@ -600,14 +627,7 @@ class RendezvousState:
         self, job_id: str, generation: int, rank: int, instance_id: str, now: float
     ) -> int:
         """A heartbeat stream opened; returns its token for ``detach_stream``."""
-        _, member = self._member(job_id, generation, rank)
-        if member.instance_id != instance_id:
-            raise RendezvousFault(
-                Code.ALREADY_EXISTS,
-                "DUPLICATE_RANK",
-                f"rank {rank} of job {job_id!r} belongs to another worker instance",
-                {"job_id": job_id, "ranks": str(rank)},
-            )
+        _, member = self._caller(job_id, generation, rank, instance_id)
         member.stream_token += 1
         member.stream_open = True
         member.last_seen = now
@@ -635,6 +655,8 @@ class RendezvousState:
         """Time-driven decisions: silent members are lost, old jobs forgotten."""
         timeout = self.timing.heartbeat_timeout_s
         for job in list(self.jobs.values()):
+            if job.id_deadline is not None and now > job.id_deadline:
+                self._id_overdue(job, now)
             if job.state is JobState.RUNNING:
                 for member in list(job.members.values()):
                     if member.state is MemberState.ACTIVE and now - member.last_seen > timeout:
@@ -645,6 +667,26 @@ class RendezvousState:
                 self._effects.append(
                     Transition(job.job_id, job.generation, job.state, None, "expired")
                 )
+
+    def _id_overdue(self, job: Job, now: float) -> None:
+        """Rank 0 was told id_required and neither published nor waited since."""
+        job.id_deadline = None
+        rank_zero = job.members.get(0)
+        if job.state is not JobState.FORMING or rank_zero is None or job.unique_id is not None:
+            return
+        if 0 in job.join_waiters.values():
+            return  # its PublishId is parked: that call's own deadline applies
+        self._drop_joiner(job, 0, now)
+        self._effects.append(
+            Transition(
+                job.job_id,
+                job.generation,
+                JobState.FORMING,
+                JobState.FORMING,
+                f"rank 0 on {rank_zero.host} did not publish the id within its Join's wait; "
+                "rank 0 is free for a restarted worker",
+            )
+        )
 
     def _lose(self, job: Job, member: Member, cause: str, now: float) -> None:
         member.state = MemberState.LOST
@@ -675,14 +717,7 @@ class RendezvousState:
     # -- endings ----------------------------------------------------------
 
     def leave(self, job_id: str, generation: int, rank: int, instance_id: str, now: float) -> None:
-        job, member = self._member(job_id, generation, rank, running=False)
-        if member.instance_id != instance_id:
-            raise RendezvousFault(
-                Code.ALREADY_EXISTS,
-                "DUPLICATE_RANK",
-                f"rank {rank} of job {job_id!r} belongs to another worker instance",
-                {"job_id": job_id, "ranks": str(rank)},
-            )
+        job, member = self._caller(job_id, generation, rank, instance_id, running=False)
         if job.state is JobState.FORMING:
             for waiter, r in list(job.join_waiters.items()):
                 if r == rank:

@@ -9,7 +9,9 @@ from rendezvousd.limits import Limits
 
 UNIQUE_ID_BYTES = 128
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 controls, and the bidi marks and overrides that make a log line or
+# `rendezvousd status` show text other than what it holds (Trojan Source).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def invalid(reason: str, message: str, **metadata: str) -> RendezvousFault:

@@ -37,16 +37,16 @@ def test_running_job_survives_with_kv_and_barrier_counts_but_never_the_id(tmp_pa
     sm = RendezvousState()
     sm.join(_args(0, uid=ID), 0.0)
     sm.join(_args(1), 0.0)
-    sm.kv_set("j", 1, 0, "addr", b"10.0.0.1:5")
-    sm.barrier("j", 1, 0, "b", 1, 0.0)
-    sm.barrier("j", 1, 1, "b", 1, 0.0)
+    sm.kv_set("j", 1, 0, "addr", b"10.0.0.1:5", instance_id="i0")
+    sm.barrier("j", 1, 0, "b", 1, 0.0, instance_id="i0")
+    sm.barrier("j", 1, 1, "b", 1, 0.0, instance_id="i1")
     text = json.dumps(snapshot.dump(sm))
     assert ID.hex() not in text and "BwcHBwcH" not in text  # neither hex nor base64 of the id
     back = _roundtrip(sm, tmp_path)
     job = back.jobs["j"]
     assert job.state is JobState.RUNNING and job.generation == 1 and job.unique_id is None
-    assert back.kv_get("j", 1, 1, "addr", False, 1.0) == b"10.0.0.1:5"
-    assert back.barrier("j", 1, 0, "b", 1, 1.0) == 1  # completed round remembered
+    assert back.kv_get("j", 1, 1, "addr", False, 1.0, instance_id="i1") == b"10.0.0.1:5"
+    assert back.barrier("j", 1, 0, "b", 1, 1.0, instance_id="i0") == 1  # completed round remembered
     token = back.attach_stream("j", 1, 1, "i1", 1.0)  # heartbeats reattach
     assert token == 1
     with pytest.raises(RendezvousFault) as info:  # a member that never got the id is fenced

@@ -38,10 +38,15 @@ def args(
     )
 
 
-def fault(fn: object, *a: object) -> RendezvousFault:
+def fault(fn: object, *a: object, **kw: object) -> RendezvousFault:
     with pytest.raises(RendezvousFault) as info:
-        fn(*a)  # type: ignore[operator]
+        fn(*a, **kw)  # type: ignore[operator]
     return info.value
+
+
+def inst(sm: RendezvousState, rank: int, job: str = "j") -> str:
+    """The instance id that joined as ``rank``: Barrier and KV calls must name it."""
+    return sm.jobs[job].members[rank].instance_id
 
 
 def form(sm: RendezvousState, nodes: int = 2, gpus: int = 2, job: str = "j") -> list[JoinResult]:
@@ -216,7 +221,9 @@ def test_lost_member_fails_generation_wakes_waiters_and_notifies_survivors() -> 
     results = form(sm)
     gen = results[0].generation
     for r in (0, 1, 2):
-        assert isinstance(sm.barrier("j", gen, r, "b", 1, 1.0), Parked)
+        assert isinstance(
+            sm.barrier("j", gen, r, "b", 1, 1.0, instance_id=inst(sm, r, "j")), Parked
+        )
     token = sm.attach_stream("j", gen, 3, "i1-1-None", 1.0)
     sm.take_effects()
     sm.detach_stream("j", gen, 3, token, 2.0)
@@ -256,7 +263,7 @@ def test_stale_generation_is_aborted_with_current_and_new_generation_needs_fresh
     fresh = b"\x03" * 128
     assert isinstance(sm.join(args(0, 0, nodes=1, gpus=2, uid=fresh, inst="new0"), 2.0), Parked)
     assert sm.jobs["j"].generation == old + 1
-    f = fault(sm.kv_set, "j", old, 0, "k", b"v")
+    f = fault(sm.kv_set, "j", old, 0, "k", b"v", instance_id="stale")
     assert f.code is Code.ABORTED and f.reason == "STALE_GENERATION"
     assert f.metadata["current_generation"] == str(old + 1)
 
@@ -266,7 +273,7 @@ def test_failed_generation_rejects_calls_until_rejoin() -> None:
     gen = form(sm, nodes=1, gpus=2)[0].generation
     token = sm.attach_stream("j", gen, 1, "i0-1-None", 0.0)
     sm.detach_stream("j", gen, 1, token, 0.5)
-    f = fault(sm.barrier, "j", gen, 0, "b", 1, 1.0)
+    f = fault(sm.barrier, "j", gen, 0, "b", 1, 1.0, instance_id=inst(sm, 0))
     assert f.code is Code.ABORTED and f.reason == "PEER_FAILED" and f.metadata["ranks"] == "1"
 
 
@@ -282,20 +289,22 @@ def test_old_stream_closing_after_reconnect_is_not_a_failure() -> None:
 def test_barrier_sequences_retry_and_mismatch() -> None:
     sm = RendezvousState()
     gen = form(sm, nodes=1, gpus=2)[0].generation
-    w = sm.barrier("j", gen, 0, "b", 1, 0.0)
+    w = sm.barrier("j", gen, 0, "b", 1, 0.0, instance_id=inst(sm, 0, "j"))
     assert isinstance(w, Parked)
-    assert sm.barrier("j", gen, 1, "b", 1, 0.0) == 1
+    assert sm.barrier("j", gen, 1, "b", 1, 0.0, instance_id=inst(sm, 1, "j")) == 1
     assert [e.value for e in sm.take_effects() if isinstance(e, Wake)] == [1]
-    assert sm.barrier("j", gen, 0, "b", 1, 0.0) == 1  # a retried, completed round returns at once
-    f = fault(sm.barrier, "j", gen, 0, "b", 5, 0.0)
+    assert (
+        sm.barrier("j", gen, 0, "b", 1, 0.0, instance_id=inst(sm, 0, "j")) == 1
+    )  # a retried, completed round returns at once
+    f = fault(sm.barrier, "j", gen, 0, "b", 5, 0.0, instance_id=inst(sm, 0))
     assert f.code is Code.FAILED_PRECONDITION and f.reason == "BARRIER_MISMATCH"
 
 
 def test_barrier_timeout_names_missing_ranks_and_withdraws_arrival() -> None:
     sm = RendezvousState()
     gen = form(sm, nodes=1, gpus=3)[0].generation
-    w = sm.barrier("j", gen, 0, "b", 1, 0.0)
-    sm.barrier("j", gen, 1, "b", 1, 0.0)
+    w = sm.barrier("j", gen, 0, "b", 1, 0.0, instance_id=inst(sm, 0, "j"))
+    sm.barrier("j", gen, 1, "b", 1, 0.0, instance_id=inst(sm, 1, "j"))
     assert isinstance(w, Parked)
     f = sm.cancel_wait(w.waiter, 5.0, timed_out=True)
     assert f is not None and f.reason == "BARRIER_TIMEOUT" and f.metadata["ranks"] == "2"
@@ -305,7 +314,7 @@ def test_barrier_timeout_names_missing_ranks_and_withdraws_arrival() -> None:
 def test_leave_lets_barrier_finish_and_last_leave_ends_job() -> None:
     sm = RendezvousState()
     gen = form(sm, nodes=1, gpus=2)[0].generation
-    w = sm.barrier("j", gen, 0, "b", 1, 0.0)
+    w = sm.barrier("j", gen, 0, "b", 1, 0.0, instance_id=inst(sm, 0, "j"))
     sm.leave("j", gen, 1, "i0-1-None", 0.0)
     assert [e.waiter for e in sm.take_effects() if isinstance(e, Wake)] == [w.waiter]  # type: ignore[union-attr]
     sm.leave("j", gen, 0, "i0-0-None", 0.0)
@@ -349,28 +358,51 @@ def test_rank_zero_leaving_before_formed_drops_its_id() -> None:
 def test_kv_wait_cas_add_delete() -> None:
     sm = RendezvousState()
     gen = form(sm, nodes=1, gpus=2)[0].generation
-    w = sm.kv_get("j", gen, 1, "k", True, 0.0)
+    w = sm.kv_get("j", gen, 1, "k", True, 0.0, instance_id=inst(sm, 1, "j"))
     assert isinstance(w, Parked)
-    assert sm.kv_compare_and_set("j", gen, 0, "k", None, b"a") == (True, b"a")
+    assert sm.kv_compare_and_set("j", gen, 0, "k", None, b"a", instance_id=inst(sm, 0, "j")) == (
+        True,
+        b"a",
+    )
     assert [e.value for e in sm.take_effects() if isinstance(e, Wake)] == [b"a"]
-    assert sm.kv_compare_and_set("j", gen, 0, "k", None, b"b") == (False, b"a")
-    assert sm.kv_compare_and_set("j", gen, 0, "k", b"a", b"c") == (True, b"c")
-    assert sm.kv_add("j", gen, 0, "n", 5) == 5 and sm.kv_add("j", gen, 1, "n", -2) == 3
-    assert fault(sm.kv_add, "j", gen, 0, "k", 1).reason == "NOT_A_COUNTER"
-    assert sm.kv_delete("j", gen, 0, "k") and not sm.kv_delete("j", gen, 0, "k")
-    assert fault(sm.kv_get, "j", gen, 0, "k", False, 0.0).reason == "KEY_NOT_FOUND"
+    assert sm.kv_compare_and_set("j", gen, 0, "k", None, b"b", instance_id=inst(sm, 0, "j")) == (
+        False,
+        b"a",
+    )
+    assert sm.kv_compare_and_set("j", gen, 0, "k", b"a", b"c", instance_id=inst(sm, 0, "j")) == (
+        True,
+        b"c",
+    )
+    assert (
+        sm.kv_add("j", gen, 0, "n", 5, instance_id=inst(sm, 0, "j")) == 5
+        and sm.kv_add("j", gen, 1, "n", -2, instance_id=inst(sm, 1, "j")) == 3
+    )
+    assert fault(sm.kv_add, "j", gen, 0, "k", 1, instance_id=inst(sm, 0)).reason == "NOT_A_COUNTER"
+    assert sm.kv_delete("j", gen, 0, "k", instance_id=inst(sm, 0, "j")) and not sm.kv_delete(
+        "j", gen, 0, "k", instance_id=inst(sm, 0, "j")
+    )
+    assert (
+        fault(sm.kv_get, "j", gen, 0, "k", False, 0.0, instance_id=inst(sm, 0)).reason
+        == "KEY_NOT_FOUND"
+    )
     assert sm.jobs["j"].kv_bytes == len("n") + len("3")
 
 
 def test_kv_limits_name_the_limit() -> None:
     sm = RendezvousState(Limits(max_keys_per_job=2, max_value_bytes=8, max_key_bytes=4))
     gen = form(sm, nodes=1, gpus=1)[0].generation
-    assert fault(sm.kv_set, "j", gen, 0, "k", b"x" * 9).metadata["limit"] == "max_value_bytes"
-    assert fault(sm.kv_set, "j", gen, 0, "kkkkk", b"x").metadata["limit"] == "max_key_bytes"
-    sm.kv_set("j", gen, 0, "a", b"1")
-    sm.kv_set("j", gen, 0, "b", b"1")
-    sm.kv_set("j", gen, 0, "a", b"2")  # replacing is not a new key
-    f = fault(sm.kv_set, "j", gen, 0, "c", b"1")
+    assert (
+        fault(sm.kv_set, "j", gen, 0, "k", b"x" * 9, instance_id=inst(sm, 0)).metadata["limit"]
+        == "max_value_bytes"
+    )
+    assert (
+        fault(sm.kv_set, "j", gen, 0, "kkkkk", b"x", instance_id=inst(sm, 0)).metadata["limit"]
+        == "max_key_bytes"
+    )
+    sm.kv_set("j", gen, 0, "a", b"1", instance_id=inst(sm, 0, "j"))
+    sm.kv_set("j", gen, 0, "b", b"1", instance_id=inst(sm, 0, "j"))
+    sm.kv_set("j", gen, 0, "a", b"2", instance_id=inst(sm, 0, "j"))  # replacing is not a new key
+    f = fault(sm.kv_set, "j", gen, 0, "c", b"1", instance_id=inst(sm, 0))
     assert f.code is Code.RESOURCE_EXHAUSTED and f.metadata["limit"] == "max_keys_per_job"
 
 
@@ -393,7 +425,7 @@ def test_bad_job_ids_are_invalid(bad: str) -> None:
 def test_drain_releases_waiters_and_refuses_joins() -> None:
     sm = RendezvousState()
     gen = form(sm, nodes=1, gpus=2)[0].generation
-    w = sm.kv_get("j", gen, 0, "k", True, 0.0)
+    w = sm.kv_get("j", gen, 0, "k", True, 0.0, instance_id=inst(sm, 0, "j"))
     sm.take_effects()
     sm.drain()
     effects = sm.take_effects()

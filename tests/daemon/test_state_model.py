@@ -125,7 +125,16 @@ class RendezvousModel(RuleBasedStateMachine):
         job = self._job()
         seq = job.barriers["b"].completed + 1 if "b" in job.barriers else 1
         try:
-            out = self.sm.barrier(JOB, job.generation, rank, "b", seq, self.now)
+            member = job.members.get(rank)
+            out = self.sm.barrier(
+                JOB,
+                job.generation,
+                rank,
+                "b",
+                seq,
+                self.now,
+                instance_id=member.instance_id if member else "",
+            )
         except RendezvousFault:
             self._apply()
             return
@@ -186,7 +195,7 @@ class RendezvousModel(RuleBasedStateMachine):
         if old < 1:
             return
         try:
-            self.sm.kv_set(JOB, old, 0, "k", b"v")
+            self.sm.kv_set(JOB, old, 0, "k", b"v", instance_id="any")
         except RendezvousFault as fault:
             assert fault.code is Code.ABORTED and fault.reason == "STALE_GENERATION"
             assert fault.metadata["current_generation"] == str(job.generation)

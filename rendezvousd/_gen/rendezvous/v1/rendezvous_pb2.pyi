@@ -370,6 +370,7 @@ class BarrierRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -379,6 +380,11 @@ class BarrierRequest(_message.Message):
     A retried call with an already completed sequence returns at once.
     """
     wait_timeout_ms: _builtins.int
+    instance_id: _builtins.str
+    """The caller's instance_id from its Join: the daemon refuses a call whose
+    instance does not hold this rank (a non-member, or a stale process of an
+    earlier generation). Empty is refused (older SDKs did not send it).
+    """
     def __init__(
         self,
         *,
@@ -388,10 +394,11 @@ class BarrierRequest(_message.Message):
         name: _builtins.str = ...,
         sequence: _builtins.int = ...,
         wait_timeout_ms: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "name", b"name", "rank", b"rank", "sequence", b"sequence", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "name", b"name", "rank", b"rank", "sequence", b"sequence", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -425,11 +432,17 @@ class KvSetRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
     VALUE_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     key: _builtins.str
     value: _builtins.bytes
+    instance_id: _builtins.str
+    """The caller's instance_id from its Join: the daemon refuses a call whose
+    instance does not hold this rank (a non-member, or a stale process of an
+    earlier generation). Empty is refused (older SDKs did not send it).
+    """
     def __init__(
         self,
         *,
@@ -438,10 +451,11 @@ class KvSetRequest(_message.Message):
         rank: _builtins.int = ...,
         key: _builtins.str = ...,
         value: _builtins.bytes = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "key", b"key", "rank", b"rank", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "key", b"key", "rank", b"rank", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -472,12 +486,18 @@ class KvGetRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     key: _builtins.str
     wait: _builtins.bool
     wait_timeout_ms: _builtins.int
+    instance_id: _builtins.str
+    """The caller's instance_id from its Join: the daemon refuses a call whose
+    instance does not hold this rank (a non-member, or a stale process of an
+    earlier generation). Empty is refused (older SDKs did not send it).
+    """
     def __init__(
         self,
         *,
@@ -487,10 +507,11 @@ class KvGetRequest(_message.Message):
         key: _builtins.str = ...,
         wait: _builtins.bool = ...,
         wait_timeout_ms: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "key", b"key", "rank", b"rank", "wait", b"wait", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "key", b"key", "rank", b"rank", "wait", b"wait", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -524,11 +545,17 @@ class KvAddRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     key: _builtins.str
     delta: _builtins.int
+    instance_id: _builtins.str
+    """The caller's instance_id from its Join: the daemon refuses a call whose
+    instance does not hold this rank (a non-member, or a stale process of an
+    earlier generation). Empty is refused (older SDKs did not send it).
+    """
     def __init__(
         self,
         *,
@@ -537,10 +564,11 @@ class KvAddRequest(_message.Message):
         rank: _builtins.int = ...,
         key: _builtins.str = ...,
         delta: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "generation", b"generation", "job_id", b"job_id", "key", b"key", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "key", b"key", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -575,6 +603,7 @@ class KvCompareAndSetRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     EXPECTED_FIELD_NUMBER: _builtins.int
     DESIRED_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -582,6 +611,11 @@ class KvCompareAndSetRequest(_message.Message):
     expected: _builtins.bytes
     """Absent: set only if the key does not exist."""
     desired: _builtins.bytes
+    instance_id: _builtins.str
+    """The caller's instance_id from its Join: the daemon refuses a call whose
+    instance does not hold this rank (a non-member, or a stale process of an
+    earlier generation). Empty is refused (older SDKs did not send it).
+    """
     def __init__(
         self,
         *,
@@ -591,10 +625,11 @@ class KvCompareAndSetRequest(_message.Message):
         key: _builtins.str = ...,
         expected: _builtins.bytes | None = ...,
         desired: _builtins.bytes = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_expected", b"_expected", "expected", b"expected"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected", b"_expected", "desired", b"desired", "expected", b"expected", "generation", b"generation", "job_id", b"job_id", "key", b"key", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected", b"_expected", "desired", b"desired", "expected", b"expected", "generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "key", b"key", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expected: _TypeAlias = _typing.Literal["expected"]  # noqa: Y015
     _WhichOneofArgType__expected: _TypeAlias = _typing.Literal["_expected", b"_expected"]  # noqa: Y015
@@ -635,10 +670,16 @@ class KvDeleteRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     key: _builtins.str
+    instance_id: _builtins.str
+    """The caller's instance_id from its Join: the daemon refuses a call whose
+    instance does not hold this rank (a non-member, or a stale process of an
+    earlier generation). Empty is refused (older SDKs did not send it).
+    """
     def __init__(
         self,
         *,
@@ -646,10 +687,11 @@ class KvDeleteRequest(_message.Message):
         generation: _builtins.int = ...,
         rank: _builtins.int = ...,
         key: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "key", b"key", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "key", b"key", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

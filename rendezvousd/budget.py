@@ -1,0 +1,101 @@
+"""Concurrency budgets per class of call, enforced around the handlers.
+
+gRPC's own ``maximum_concurrent_rpcs`` is one pool for every call, checked
+before authentication: unauthenticated health streams (which cannot carry a
+token) could fill it and starve every authenticated call and the health check
+itself. So each class (authenticated calls, health checks, health watches) gets
+its own ``Gate`` here, and a call beyond its class's cap is refused at once
+with RESOURCE_EXHAUSTED naming the limit.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from rendezvousd import validation
+from rendezvousd.fault_status import to_grpc_status
+
+
+@dataclass
+class Gate:
+    """How many calls of one class run now, and how many may."""
+
+    limit: str  # the limit's name, as in Limits and the settings
+    cap: int
+    what: str
+    active: int = 0
+
+    async def enter(self, context: Any) -> None:
+        if self.active >= self.cap:
+            fault = validation.limit_exceeded(
+                self.limit,
+                f"the daemon already runs {self.limit}={self.cap} {self.what}; retry later",
+            )
+            await context.abort_with_status(to_grpc_status(fault))
+        self.active += 1
+
+
+def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
+    """``handler`` with the same shape, counted against ``gate`` while it runs.
+
+    Counting starts inside the handler's own coroutine and ends in its
+    ``finally``, so a call cancelled before it started is never counted and one
+    that ends in any way is always released.
+    """
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if not handler.request_streaming and not handler.response_streaming:
+        inner = handler.unary_unary
+
+        async def unary_unary(request: Any, context: Any) -> Any:
+            await gate.enter(context)
+            try:
+                return await inner(request, context)
+            finally:
+                gate.active -= 1
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+    if handler.request_streaming and not handler.response_streaming:
+        inner = handler.stream_unary
+
+        async def stream_unary(requests: Any, context: Any) -> Any:
+            await gate.enter(context)
+            try:
+                return await inner(requests, context)
+            finally:
+                gate.active -= 1
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+    inner = handler.unary_stream if not handler.request_streaming else handler.stream_stream
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if not handler.request_streaming
+        else grpc.stream_stream_rpc_method_handler
+    )
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
+            await gate.enter(context)
+            try:
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                gate.active -= 1
+
+        return make(stream_gen, **kw)
+
+    async def stream_writes(request: Any, context: Any) -> None:
+        await gate.enter(context)
+        try:
+            await inner(request, context)
+        finally:
+            gate.active -= 1
+
+    return make(stream_writes, **kw)

@@ -1,0 +1,89 @@
+"""Files the daemon trusts: a state dir others can write and a private key others can
+read are refused at start-up, and state files are never written through a link."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.auth import read_token_file, validate_tokens
+from rendezvousd.errors import ConfigError, DaemonError
+from rendezvousd.persistence import STATE_FILE, StateStore
+from tests.support import DaemonProcess, Pki
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_a_state_dir_others_can_write_is_refused_at_start(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path, mode: int
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(mode)
+    with pytest.raises(RuntimeError, match=r"writable by group/others .*chmod 700"):
+        start_daemon("--state-dir", str(state))
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o644, 0o700])
+def test_a_private_key_with_a_mode_above_0600_is_refused_at_start(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path, pki: Pki, mode: int
+) -> None:
+    key = tmp_path / "server.key"
+    shutil.copy(pki.server_key, key)
+    key.chmod(mode)
+    with pytest.raises(RuntimeError, match=r"more than 0600.*chmod 600") as info:
+        start_daemon("--tls-cert", str(pki.server), "--tls-key", str(key))
+    assert "Traceback" not in str(info.value)
+    assert "PRIVATE KEY" not in str(info.value)
+
+
+def test_a_planted_link_at_a_temp_name_is_never_written_through(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = StateStore(state)
+    store.prepare()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    # The name an older daemon used for its temp file, and a link left "from a crash".
+    (state / f".{STATE_FILE}.{os.getpid()}.tmp").symlink_to(victim)
+    store.write({"schema": 1, "jobs": []})
+    assert victim.read_text() == "precious"
+    assert store.read() == {"schema": 1, "jobs": []}
+    store.prepare()  # a restart clears temp leftovers (the link, not its target)
+    assert not list(state.glob(f".{STATE_FILE}.*.tmp")) and victim.read_text() == "precious"
+
+
+def test_a_state_file_that_is_a_link_is_refused_and_replaced_not_followed(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    store = StateStore(state)
+    store.prepare()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    store.path.symlink_to(victim)
+    with pytest.raises(DaemonError, match="symlink is refused"):
+        store.read()
+    store.write({"schema": 1, "jobs": []})
+    assert victim.read_text() == "precious"
+    assert stat.S_ISREG(store.path.lstat().st_mode)
+
+
+def test_a_token_file_that_is_a_directory_is_a_clear_error(tmp_path: Path) -> None:
+    folder = tmp_path / "tokens"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        read_token_file(folder)
+
+
+def test_a_non_ascii_token_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("ü" * 20 + "\n")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="non-ASCII"):
+        read_token_file(path)
+    with pytest.raises(ConfigError, match="non-ASCII"):
+        validate_tokens(["x" * 16 + "é"], "$RENDEZVOUSD_TOKEN")

@@ -1,0 +1,147 @@
+"""Hostile and buggy callers against a real daemon process: unauthenticated work
+has its own budget, calls are bound to the member that made them, rank 0 cannot
+hold its slot forever, and key-value memory has a daemon-wide budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client import LimitExceeded, RendezvousClient
+from tests.daemon.raw_calls import assert_healthy, bearer, join_one, raw, reason_of
+from tests.support import DaemonProcess, members, parallel, wait_for
+
+UNIQUE_ID = b"\x07" * 128
+
+
+def test_token_less_health_watches_cannot_starve_calls_or_health_checks(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon("--max-concurrent-rpcs", "40")
+    watches = []
+    refused = 0
+    with grpc.insecure_channel(d.endpoint) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for _ in range(60):  # more than the whole --max-concurrent-rpcs
+            call = health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            try:
+                assert next(call).status == health_pb2.HealthCheckResponse.SERVING
+                watches.append(call)
+            except grpc.RpcError as exc:
+                assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert reason_of(exc)[1].get("limit") == "max_health_watches"
+                refused += 1
+        assert 0 < len(watches) < 40 and refused == 60 - len(watches)
+        # With every watch slot taken, the probe and the workers still get through.
+        for _ in range(5):
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+        assert_healthy(d, job_id)
+        for call in watches:
+            call.cancel()
+
+
+def _joined(d: DaemonProcess, job_id: str) -> tuple[RendezvousClient, int]:
+    client = RendezvousClient(d.endpoint, job_id, token=d.token)
+    return client, join_one(client).generation
+
+
+def test_a_token_holder_cannot_touch_another_jobs_keys_or_barriers(
+    daemon: DaemonProcess, channel: grpc.Channel, job_id: str
+) -> None:
+    client, gen = _joined(daemon, job_id)
+    with client:
+        client.kv_set("secret", b"mine")
+        scope = {"job_id": job_id, "generation": gen, "rank": 0, "instance_id": "guessed"}
+        attempts = {
+            "KvGet": pb.KvGetRequest(key="secret", **scope),
+            "KvSet": pb.KvSetRequest(key="secret", value=b"theirs", **scope),
+            "KvDelete": pb.KvDeleteRequest(key="secret", **scope),
+            "KvAdd": pb.KvAddRequest(key="n", delta=1, **scope),
+            "KvCompareAndSet": pb.KvCompareAndSetRequest(key="secret", desired=b"x", **scope),
+            "Barrier": pb.BarrierRequest(name="b", sequence=1, wait_timeout_ms=500, **scope),
+        }
+        for method, request in attempts.items():
+            for body in (request, _without_instance(request)):
+                error = raw(channel, method, body.SerializeToString(), bearer(daemon))
+                assert error is not None, f"{method} of a non-member was answered"
+                assert error.code() is grpc.StatusCode.ALREADY_EXISTS, method
+                assert reason_of(error)[0] == "DUPLICATE_RANK"
+        assert client.kv_get("secret", wait=False) == b"mine"
+        assert client.get_job().kv_keys == 1
+        client.barrier("b", timeout=5)  # the member itself still passes
+
+
+def _without_instance(request: object) -> object:
+    copy = type(request)()  # type: ignore[operator]
+    copy.CopyFrom(request)  # type: ignore[attr-defined]
+    copy.ClearField("instance_id")  # type: ignore[attr-defined]
+    return copy
+
+
+def test_a_crashed_rank_zero_without_id_frees_its_rank_for_its_restart(
+    daemon: DaemonProcess, channel: grpc.Channel, job_id: str
+) -> None:
+    join = pb.JoinRequest(
+        job_id=job_id,
+        topology=pb.Topology(num_nodes=1, gpus_per_node=2),
+        local_rank=0,
+        host="h",
+        instance_id="crashed-before-publish",
+        wait_timeout_ms=1500,
+    )
+    error = raw(channel, "Join", join.SerializeToString(), bearer(daemon))
+    assert error is None  # answered id_required at once, then the worker "crashed"
+    # Its restart (a new instance) is told DUPLICATE_RANK only until the deadline.
+    join.instance_id = "restarted"
+    error = raw(channel, "Join", join.SerializeToString(), bearer(daemon))
+    assert error is not None and reason_of(error)[0] == "DUPLICATE_RANK"
+    wait_for("rank 0 to be freed", lambda: members(daemon, job_id) == [], timeout=10)
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as zero,
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as one,
+    ):
+        joined = parallel(
+            [
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=10),
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=10),
+            ]
+        )
+        assert sorted(m.rank for m in joined) == [0, 1]
+
+
+def test_the_daemon_wide_kv_budget_refuses_and_frees(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon("--max-kv-bytes", "100000", "--job-ttl-s", "1")
+    a, _ = _joined(d, job_id + "-a")
+    b, _ = _joined(d, job_id + "-b")
+    with a, b:
+        a.kv_set("big", b"x" * 30_000)
+        a.kv_set("big2", b"x" * 30_000)
+        b.kv_set("big", b"x" * 30_000)
+        with pytest.raises(LimitExceeded) as info:
+            b.kv_set("more", b"x" * 30_000)
+        assert info.value.limit == "max_kv_bytes" and info.value.code == "RESOURCE_EXHAUSTED"
+        assert "max_kv_bytes=100000" in str(info.value)
+        a.kv_delete("big2")
+        b.kv_set("more", b"x" * 30_000)  # freed by the delete
+        with pytest.raises(LimitExceeded):
+            b.kv_set("again", b"x" * 30_000)
+        a.leave()
+    # The ended job is forgotten after its TTL and gives its bytes back.
+    with RendezvousClient(d.endpoint, job_id + "-c", token=d.token) as c:
+        join_one(c)
+
+        def stored() -> bool:
+            try:
+                c.kv_set("fits", b"x" * 30_000)
+            except LimitExceeded:
+                return False
+            return True
+
+        wait_for("the forgotten job's bytes to be freed", stored, timeout=15)
