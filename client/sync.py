@@ -241,12 +241,15 @@ class RendezvousClient:
             self._stop_heartbeat()
             self._s.joined = None
 
-    def abort(self, reason: str, *, job_id: str | None = None) -> int:
-        response = self._call(
-            "AbortJob", pb.AbortJobRequest(job_id=job_id or self._s.job_id, reason=reason)
+    def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
+        """Abort the job's current generation, or only ``generation`` (a generation
+        already replaced is left alone); returns the generation aborted."""
+        request = pb.AbortJobRequest(
+            job_id=job_id or self._s.job_id, generation=generation, reason=reason
         )
-        generation: int = response.generation
-        return generation
+        response = self._call("AbortJob", request)
+        aborted: int = response.generation
+        return aborted
 
     def raise_if_failed(self) -> None:
         if self._s.failure is not None:

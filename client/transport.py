@@ -72,6 +72,8 @@ class Rendezvous(Protocol):
 
     def raise_if_failed(self) -> None: ...
 
+    def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int: ...
+
     def leave(self) -> None: ...
 
     def close(self) -> None: ...
@@ -341,6 +343,12 @@ class FileRendezvous:
 
     def raise_if_failed(self) -> None:
         self._joined().raise_if_failed()
+
+    def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
+        client = self._joined()
+        return self._through_rank0(
+            lambda: client.abort(reason, job_id=job_id, generation=generation)
+        )
 
     def leave(self) -> None:
         """Leave; rank 0 then waits (bounded) for the others, whose daemon it hosts."""

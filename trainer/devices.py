@@ -12,6 +12,9 @@ array), so every crossing between host and device goes through ``to_host`` and
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -68,3 +71,34 @@ def to_device(array: Any, xp: Any) -> Any:
     if is_device_array(array):
         return array
     return xp.asarray(array)
+
+
+#: Test mode: every local rank on GPU 0, each process its own NCCL "host".
+SHARED_DEVICE_ENV = "RENDEZVOUSD_NCCL_SHARED_DEVICE"
+
+
+def shares_one_device(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``RENDEZVOUSD_NCCL_SHARED_DEVICE=1`` asks for all ranks on GPU 0.
+
+    Stock NCCL refuses two ranks on one device ("Duplicate GPU detected"); ranks in
+    processes with different ``NCCL_HOSTID`` (sockets on loopback, no InfiniBand)
+    are treated as separate hosts instead. That is how a machine with one GPU runs
+    world > 1 (the GPU check); it measures no NVLink or PCIe path, only sockets.
+    """
+    return (os.environ if env is None else env).get(SHARED_DEVICE_ENV, "") == "1"
+
+
+def device_for(local_rank: int, env: Mapping[str, str] | None = None) -> int:
+    """The GPU this worker drives: its local rank, or 0 in the shared-device mode."""
+    return 0 if shares_one_device(env) else local_rank
+
+
+def prepare_nccl(local_rank: int, env: MutableMapping[str, str] | None = None) -> None:
+    """Before the first NCCL call of this process (NCCL reads its environment then):
+    in the shared-device mode, give this process its own NCCL host identity."""
+    environ = os.environ if env is None else env
+    if not shares_one_device(environ):
+        return
+    environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-rendezvousd-{local_rank}")
+    environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    environ.setdefault("NCCL_IB_DISABLE", "1")

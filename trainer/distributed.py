@@ -22,12 +22,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import AddressError, route_source
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.membership import Membership
-from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
+from rendezvousd.client.transport import Rendezvous, connect
+from rendezvousd.trainer import devices
 from rendezvousd.trainer.communicator import Communicator
 from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
 from rendezvousd.trainer.errors import (
@@ -149,9 +148,13 @@ def init_distributed(
         from rendezvousd.trainer import nccl
 
         # The per-node count, not the raw world_size field (unset when the launcher
-        # gives only gpus_per_node on a single node).
-        layout = MultiNodeTopology(config.num_nodes, config.local_world_size, 0, 0)
-        check_device_count(nccl.device_count(), layout)
+        # gives only gpus_per_node on a single node); one GPU in the shared-device mode.
+        devices.prepare_nccl(local_rank)
+        if not devices.shares_one_device():
+            layout = MultiNodeTopology(config.num_nodes, config.local_world_size, 0, 0)
+            check_device_count(nccl.device_count(), layout)
+        elif nccl.device_count() < 1:
+            raise ConfigError(f"{devices.SHARED_DEVICE_ENV}=1 needs one GPU, and none is visible")
         id_factory = nccl.create_unique_id
     started = time.monotonic()
     membership = rdzv.join(
@@ -277,7 +280,7 @@ def _nccl_setup(
                 m.rank,
                 m.world_size,
                 m.unique_id,
-                topology.local_rank,
+                devices.device_for(topology.local_rank),
                 timeout=config.collective_timeout_s,
                 setup_timeout=config.setup_timeout_s,
                 on_setup_timeout=functools.partial(_fail_generation, rdzv, m),
@@ -316,17 +319,10 @@ def _nccl_setup(
 
 
 def _fail_generation(rdzv: Rendezvous, m: Membership, reason: str) -> None:
-    """Abort exactly generation ``m.generation``; one already fenced is left alone.
-
-    The SDK's public ``abort`` names no generation (it hits the current one, which
-    may be a newer generation another rank already opened), so the request names it.
-    """
-    client = rdzv._joined() if isinstance(rdzv, FileRendezvous) else rdzv
-    if not isinstance(client, RendezvousClient):
-        return
-    request = pb.AbortJobRequest(job_id=m.job_id, generation=m.generation, reason=reason)
+    """Abort exactly generation ``m.generation``; one already fenced is left alone
+    (another rank may already have opened the next generation)."""
     try:
-        client._call("AbortJob", request)
+        rdzv.abort(reason, generation=m.generation)
     except RendezvousError as exc:
         log.warning("rank %d: could not abort generation %d: %s", m.rank, m.generation, exc)
 

@@ -37,7 +37,13 @@ from rendezvousd.trainer.checkpoint import (
 )
 from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.data import ShardedLoader, shard_indices
-from rendezvousd.trainer.devices import array_module, set_device, to_device, to_host
+from rendezvousd.trainer.devices import (
+    array_module,
+    device_for,
+    set_device,
+    to_device,
+    to_host,
+)
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import CheckpointError, TrainerError
 from rendezvousd.trainer.topology import MultiNodeTopology
@@ -195,7 +201,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         topo, comm = ctx.topology, ctx.communicator
         xp = array_module(ctx.config.backend)
         # Before the first allocation: every array below belongs on this rank's GPU.
-        set_device(xp, topo.local_rank)
+        set_device(xp, device_for(topo.local_rank))
         # Generated on the host, so every backend trains on the same bytes; the
         # host copies also feed rank 0's single-process baseline.
         x_host, y_host = make_data(args.samples, args.features, args.seed)

@@ -98,3 +98,24 @@ def test_set_device_makes_the_local_rank_current_for_allocations(fake: Any) -> N
         assert devices.to_device(np.ones(2), fake).device.id == 1
     finally:
         devices.set_device(fake, 0)
+
+
+def test_shared_device_mode_puts_every_rank_on_gpu_0_as_its_own_nccl_host() -> None:
+    from rendezvousd.trainer import devices
+
+    off: dict[str, str] = {}
+    on = {devices.SHARED_DEVICE_ENV: "1"}
+    assert [devices.device_for(r, off) for r in range(3)] == [0, 1, 2]
+    assert [devices.device_for(r, on) for r in range(3)] == [0, 0, 0]
+    envs = [dict(on), dict(on)]
+    for rank, env in enumerate(envs):
+        devices.prepare_nccl(rank, env)
+    assert envs[0]["NCCL_HOSTID"] != envs[1]["NCCL_HOSTID"]
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" and e["NCCL_IB_DISABLE"] == "1" for e in envs)
+    untouched: dict[str, str] = {}
+    devices.prepare_nccl(0, untouched)
+    assert untouched == {}
+    # A user's own NCCL settings win.
+    mine = {**on, "NCCL_SOCKET_IFNAME": "eth0"}
+    devices.prepare_nccl(1, mine)
+    assert mine["NCCL_SOCKET_IFNAME"] == "eth0"
