@@ -337,7 +337,7 @@ def test_refuses_token_file_mode_variants(
     ("content", "message"),
     [
         ("Zq9-tiny", "shorter than 16 characters"),
-        ("Zq9 Xv8-middle-0123456789", "spaces/control characters"),
+        ("Zq9 Xv8-middle-0123456789", "spaces/control/non-ASCII characters"),
         ("good-token-0123456789\nZq9short", "shorter than 16 characters"),  # every line counts
         ("\n\n", "holds no token"),
     ],
