@@ -12,7 +12,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from rendezvousd.errors import RendezvousFault
+from rendezvousd.errors import Code, RendezvousFault
 
 DOMAIN = "rendezvous.v1"
 
@@ -37,3 +37,18 @@ class _WithTrailers(grpc.Status):  # type: ignore[misc]
         self.code = base.code
         self.details = base.details
         self.trailing_metadata = tuple(base.trailing_metadata) + extra
+
+
+STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
+
+
+def storage_unavailable(job_id: str) -> RendezvousFault:
+    """A change could not be made durable, so it was not applied (no paths: they are
+    the operator's business, logged by the daemon, not the caller's)."""
+    return RendezvousFault(
+        Code.UNAVAILABLE,
+        STORAGE_UNAVAILABLE,
+        f"the daemon cannot write its state storage, so this change to job {job_id!r} was not "
+        "applied; retry once the daemon's health is SERVING again",
+        {"job_id": job_id},
+    )

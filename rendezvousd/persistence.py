@@ -1,8 +1,24 @@
-"""Durable job state in ``--state-dir``: atomic, fsync'd, checksummed, group-committed.
+"""Durable job state in ``--state-dir``: incremental, group-committed SQLite writes.
 
-Every RPC that changed state waits for a snapshot containing its change to be on
-disk before it answers (so an acknowledged KvSet or Join survives SIGKILL), but
-concurrent changes share one write: the writer snapshots whatever is pending.
+The state machine stays pure: callers tell the Persister what they touched (a job,
+and for key-value calls the key), and ``durable()`` writes the touched jobs' rows
+and keys in one transaction on a worker thread, shared by every change made
+meanwhile (group commit). An RPC answers only after its change is committed.
+
+Storage failure (disk full, state dir removed): the design is *undo on failure*.
+Before a key-value call runs, the Persister remembers the key's durable value;
+if the commit carrying the change fails, every change not yet durable is undone
+in memory, each of their callers gets UNAVAILABLE / STORAGE_UNAVAILABLE, parked
+readers woken by them get the same fault instead of the value, and the daemon
+refuses every further change up front (nothing applied) and reports NOT_SERVING
+until a probe rewrites the whole state successfully. Undo rather than write-ahead
+because the state machine decides and mutates in one step (limits, counters,
+waiters); undo needs only the old value of one key, not a second state machine.
+Membership calls (Join, Barrier, Leave, AbortJob) are not undone: they are
+idempotent by instance id / sequence number, so their retry after the fault finds
+the same answer, and the change is written once storage is back.
+
+``StateStore`` is the pre-SQLite ``state.json`` format, kept only to import it once.
 """
 
 from __future__ import annotations
@@ -13,17 +29,25 @@ import json
 import logging
 import os
 import secrets
+import sqlite3
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rendezvousd import kv as kvrules
 from rendezvousd import snapshot
 from rendezvousd.errors import DaemonError
+from rendezvousd.fault_status import storage_unavailable
 from rendezvousd.state import RendezvousState
+from rendezvousd.store_sqlite import JobWrite, SqliteStore
 
 log = logging.getLogger("rendezvousd")
 STATE_FILE = "state.json"
+IMPORTED_SUFFIX = ".imported"
+_MISSING = object()
+_UndoKey = tuple[str, str]
 
 
 class StateStore:
@@ -100,42 +124,236 @@ class StateStore:
 
 
 class Persister:
-    def __init__(self, store: StateStore | None, state: RendezvousState) -> None:
-        self.store = store
+    def __init__(self, directory: Path | None, state: RendezvousState) -> None:
+        self.directory = directory
+        self.store = SqliteStore(directory) if directory is not None else None
         self.state = state
-        self._version = 0
-        self._saved = 0
+        self.healthy = True
+        self.on_health: Callable[[bool], None] | None = None
+        self._version = 0  # bumped by every touch
+        self._saved = 0  # every change up to this version is committed
+        self._failed = 0  # every change up to this version was refused and undone
+        self._dirty: dict[str, set[str]] = {}  # job id -> touched KV keys
+        self._written_gen: dict[str, int] = {}  # job id -> generation its KV rows hold
+        # (job, key) -> (version recorded, generation, durable value or None)
+        self._undo: dict[_UndoKey, tuple[int, int, bytes | None]] = {}
         self._lock = asyncio.Lock()
 
+    # -- start ------------------------------------------------------------
+
     def restore(self) -> int:
-        """Load the last snapshot into the state machine; returns the number of jobs."""
-        if self.store is None:
+        """Load the database (importing an old state.json once); returns the job count."""
+        if self.store is None or self.directory is None:
             return 0
-        self.store.prepare()
-        doc = self.store.read()
-        if doc is None:
-            return 0
-        try:
-            snapshot.load(self.state, doc, time.monotonic())
-        except (KeyError, ValueError, TypeError) as exc:
-            raise DaemonError(
-                f"state file {self.store.path} is not a valid snapshot: {exc}"
-            ) from exc
-        self.mark()
+        legacy = StateStore(self.directory)
+        legacy.prepare()  # creates the dir 0700, refuses one others can write
+        self.store.open()
+        now = time.monotonic()
+        stored = self.store.load()
+        for job_id, job in stored.items():
+            try:
+                snapshot.restore_job(self.state, job.record, job.kv, now)
+            except (ValueError, TypeError) as exc:
+                raise self.store.bad_row(f"table jobs, row job_id={job_id!r}", str(exc)) from exc
+            self._written_gen[job_id] = int(job.record["generation"])
+        doc = legacy.read()
+        if doc is not None:
+            self._import(legacy, doc, bool(stored), now)
+        for job_id in self.state.jobs:
+            self.touch(job_id)  # fenced jobs got a new generation: write them now
+        self._commit_sync()
         return len(self.state.jobs)
 
-    def mark(self) -> None:
+    def _import(
+        self, legacy: StateStore, doc: dict[str, object], have_jobs: bool, now: float
+    ) -> None:
+        if have_jobs:
+            raise DaemonError(
+                f"{legacy.path} and {self.store.path if self.store else ''} both hold jobs; "
+                f"the database is authoritative: move {legacy.path} aside"
+            )
+        try:
+            snapshot.load(self.state, doc, now)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise DaemonError(f"state file {legacy.path} is not a valid snapshot: {exc}") from exc
+        for job_id in self.state.jobs:
+            self.touch(job_id)
+        self._commit_sync()
+        legacy.path.rename(legacy.path.with_name(STATE_FILE + IMPORTED_SUFFIX))
+        log.info(
+            "imported %d job(s) from %s into the state database",
+            len(self.state.jobs),
+            legacy.path,
+        )
+
+    def _commit_sync(self) -> None:
+        if self.store is None or not self._dirty:
+            return
+        version, writes, written = self._version, *self._collect()
+        try:
+            self.store.commit(writes)
+        except (sqlite3.Error, OSError) as exc:
+            raise DaemonError(f"cannot write state database {self.store.path}: {exc}") from exc
+        self._committed(version, writes, written)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    # -- what changed -------------------------------------------------------
+
+    def check(self, job_id: str) -> None:
+        """Refuse a change up front while storage is known to be failing."""
+        if self.store is not None and not self.healthy:
+            raise storage_unavailable(job_id)
+
+    def before_kv(self, job_id: str, key: str) -> None:
+        """Call before a key-value change: remembers the durable value to undo to."""
+        job = self.state.jobs.get(job_id)
+        if self.store is None or job is None or (job_id, key) in self._undo:
+            return
+        self._undo[(job_id, key)] = (self._version, job.generation, job.kv.get(key))
+
+    def touch(self, job_id: str, key: str | None = None) -> None:
+        """``job_id`` changed (and its key ``key``): the next commit writes it."""
+        if self.store is None:
+            return
+        keys = self._dirty.setdefault(job_id, set())
+        if key is not None:
+            keys.add(key)
         self._version += 1
 
-    async def durable(self) -> None:
-        """Return once every change made so far is on disk."""
-        if self.store is None or self._saved >= self._version:
+    def _collect(self) -> tuple[list[JobWrite], dict[_UndoKey, bytes | None]]:
+        """The pending changes as rows, cut on the event loop (a consistent cut)."""
+        writes: list[JobWrite] = []
+        written: dict[_UndoKey, bytes | None] = {}
+        for job_id, keys in self._dirty.items():
+            job = self.state.jobs.get(job_id)
+            if job is None:
+                if job_id in self._written_gen:
+                    writes.append(JobWrite(job_id, None))
+                continue
+            w = JobWrite(job_id, snapshot.job_record(job))
+            if self._written_gen.get(job_id) != job.generation:
+                w.kv_replace, w.kv_put = True, dict(job.kv)
+                written.update(((job_id, k), v) for k, v in job.kv.items())
+            for k in keys:
+                value = job.kv.get(k)
+                written[(job_id, k)] = value
+                if value is None:
+                    w.kv_delete.add(k)
+                elif not w.kv_replace:
+                    w.kv_put[k] = value
+            writes.append(w)
+        self._dirty = {}
+        return writes, written
+
+    # -- commit -------------------------------------------------------------
+
+    async def durable(self, job_id: str = "") -> None:
+        """Return once every change made so far is committed; raises STORAGE_UNAVAILABLE
+        (after undoing it) when the commit carrying one of them failed."""
+        if self.store is None:
             return
         target = self._version
-        async with self._lock:
+        while True:
+            if self._failed >= target:
+                raise storage_unavailable(job_id)
             if self._saved >= target:
-                return  # a concurrent writer already covered our change
+                return
+            async with self._lock:
+                if self._saved < target and self._failed < target:
+                    await self._commit()
+
+    async def _commit(self) -> None:
+        assert self.store is not None
+        version = self._version
+        writes, written = self._collect()
+        try:
+            await asyncio.to_thread(self.store.commit, writes)
+        except (sqlite3.Error, OSError) as exc:
+            self._fail(writes, exc)
+            return
+        self._committed(version, writes, written)
+
+    def _committed(
+        self, version: int, writes: list[JobWrite], written: dict[_UndoKey, bytes | None]
+    ) -> None:
+        self._saved = max(self._saved, version)
+        for w in writes:
+            if w.record is None:
+                self._written_gen.pop(w.job_id, None)
+            else:
+                self._written_gen[w.job_id] = int(w.record["generation"])
+        for k, (recorded, generation, _) in list(self._undo.items()):
+            if recorded >= version:
+                continue  # touched after the cut: its change is still pending
+            job = self.state.jobs.get(k[0])
+            now = job.kv.get(k[1]) if job is not None else None
+            value = written.get(k, _MISSING)
+            if job is None or job.generation != generation or value is _MISSING or now is value:
+                del self._undo[k]
+            else:  # changed again since the cut: the committed value is what to undo to
+                self._undo[k] = (self._version, generation, written[k])
+
+    def _fail(self, writes: list[JobWrite], exc: BaseException) -> None:
+        log.error(
+            "cannot write the state database %s: %s; refusing changes (health NOT_SERVING) "
+            "until it takes writes again",
+            self.store.path if self.store else "",
+            exc,
+        )
+        for w in writes:  # still to be written once storage is back
+            self._dirty.setdefault(w.job_id, set()).update(w.kv_put, w.kv_delete)
+        self._failed = self._version
+        for (job_id, key), (_, generation, before) in self._undo.items():
+            job = self.state.jobs.get(job_id)
+            if job is None or job.generation != generation:
+                continue
+            current = job.kv.pop(key, None)
+            if current is not None:
+                job.kv_bytes -= kvrules.entry_bytes(key, current)
+            if before is not None:
+                job.kv[key] = before
+                job.kv_bytes += kvrules.entry_bytes(key, before)
+        self._undo.clear()
+        self._set_health(False)
+
+    def _set_health(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            if self.on_health is not None:
+                self.on_health(healthy)
+
+    async def recover(self) -> bool:
+        """While unhealthy: try to write the whole state again (reopening the database
+        if it was removed); True once storage takes writes."""
+        if self.store is None or self.healthy:
+            return True
+        async with self._lock:
+            store = self.store
+            for job_id in self.state.jobs:
+                self.touch(job_id)
+            self._written_gen.clear()  # rewrite every KV row: the old file may be gone
             version = self._version
-            doc = snapshot.dump(self.state)  # taken on the loop: a consistent cut
-            await asyncio.to_thread(self.store.write, doc)
-            self._saved = version
+            writes, written = self._collect()
+            try:
+                await asyncio.to_thread(_reopen_and_commit, store, writes)
+            except (sqlite3.Error, OSError, DaemonError) as exc:
+                for w in writes:
+                    self._dirty.setdefault(w.job_id, set())
+                log.debug("state storage still failing: %s", exc)
+                return False
+            self._committed(version, writes, written)
+        log.info("state storage %s takes writes again; serving", store.path)
+        self._set_health(True)
+        return True
+
+
+def _reopen_and_commit(store: SqliteStore, writes: list[JobWrite]) -> None:
+    if store.replaced():
+        store.close()
+        if not store.directory.is_dir():
+            raise OSError(f"{store.directory} does not exist")
+        store.open()
+    store.commit(writes, replace_all=True)

@@ -26,10 +26,10 @@ from grpc_reflection.v1alpha import reflection
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.auth import TokenAuthInterceptor
 from rendezvousd.config import DaemonConfig
-from rendezvousd.errors import DaemonError
+from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import MemberState
-from rendezvousd.persistence import Persister, StateStore
+from rendezvousd.persistence import Persister
 from rendezvousd.servicer import SERVICE, RendezvousServicer
 from rendezvousd.state import RendezvousState
 
@@ -164,6 +164,7 @@ class Daemon:
     _ticker: asyncio.Task[None] | None = field(init=False, default=None)
     _metrics_server: object | None = field(init=False, default=None)
     metrics_port: int | None = field(init=False, default=None)
+    _health_updates: set[asyncio.Future[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
@@ -217,8 +218,8 @@ class Daemon:
         )
 
     async def start(self) -> int:
-        store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
-        self.persister = Persister(store, self.state)
+        self.persister = Persister(self.config.state_dir, self.state)
+        self.persister.on_health = self._storage_health
         restored = self.persister.restore()
         if restored:
             log.info("restored %d job(s) from %s", restored, self.config.state_dir)
@@ -304,10 +305,26 @@ class Daemon:
             self.state.tick(now)
             self._servicer.apply()
             self.metrics.observe_heartbeats(self.state, now)
-            try:
+            if not self.persister.healthy:
+                await self.persister.recover()
+                continue
+            with contextlib.suppress(RendezvousFault):  # logged; health says NOT_SERVING
                 await self.persister.durable()
-            except OSError as exc:
-                log.error("cannot write state to %s: %s", self.config.state_dir, exc)
+
+    def _storage_health(self, healthy: bool) -> None:
+        """Storage failing: NOT_SERVING (a probe can route traffic elsewhere) until
+        a rewrite of the whole state succeeds again."""
+        if self._health is None or self.state.draining:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if healthy
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE):
+            task = asyncio.ensure_future(self._health.set(service, status))
+            self._health_updates.add(task)
+            task.add_done_callback(self._health_updates.discard)
 
     def parent_exited(self) -> None:
         """The process that started this daemon (rank 0 of its jobs) is gone.
@@ -340,7 +357,8 @@ class Daemon:
             self.on_stopping()
         self.state.drain()
         self._servicer.apply()
-        await self.persister.durable()
+        with contextlib.suppress(RendezvousFault):  # logged by the Persister
+            await self.persister.durable()
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -351,6 +369,7 @@ class Daemon:
             if shutdown is not None:
                 shutdown()
         self._server = None
+        self.persister.close()
         log.info("rendezvousd stopped")
 
     async def wait(self) -> None:

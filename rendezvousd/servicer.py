@@ -17,7 +17,7 @@ import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.fault_status import to_grpc_status
+from rendezvousd.fault_status import STORAGE_UNAVAILABLE, to_grpc_status
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import (
     Effect,
@@ -74,7 +74,7 @@ class RendezvousServicer:
             elif isinstance(effect, Notify):
                 self._push(effect)
             elif isinstance(effect, Transition):
-                self.persister.mark()
+                self.persister.touch(effect.job_id)
                 self._transition(effect)
         self.metrics.waiters.set(self.state.waiter_count)
 
@@ -206,6 +206,26 @@ class RendezvousServicer:
 
     # -- barrier and key-value ---------------------------------------------
 
+    async def _kv_change(self, job_id: str, key: str, change: Callable[[], T]) -> T:
+        """A key-value change, answered and seen by woken readers only once durable;
+        on storage failure the Persister undoes it and readers get the fault too."""
+        self.persister.before_kv(job_id, key)
+        result = change()
+        effects = self.state.take_effects()
+        self.persister.touch(job_id, key)
+        try:
+            await self.persister.durable(job_id)
+        except RendezvousFault as fault:
+            self.apply(
+                [
+                    Wake(e.waiter, None, fault) if isinstance(e, Wake) and e.fault is None else e
+                    for e in effects
+                ]
+            )
+            raise
+        self.apply(effects)
+        return result
+
     async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
         outcome = self.state.barrier(
             request.job_id,
@@ -220,15 +240,18 @@ class RendezvousServicer:
         return pb.BarrierResponse(sequence=sequence)
 
     async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
-        self.state.kv_set(
+        await self._kv_change(
             request.job_id,
-            request.generation,
-            request.rank,
             request.key,
-            request.value,
-            instance_id=request.instance_id,
+            lambda: self.state.kv_set(
+                request.job_id,
+                request.generation,
+                request.rank,
+                request.key,
+                request.value,
+                instance_id=request.instance_id,
+            ),
         )
-        self.apply()
         return pb.KvSetResponse()
 
     async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
@@ -244,42 +267,52 @@ class RendezvousServicer:
         return pb.KvGetResponse(value=await self._settle(outcome, request.wait_timeout_ms, context))
 
     async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
-        value = self.state.kv_add(
+        value = await self._kv_change(
             request.job_id,
-            request.generation,
-            request.rank,
             request.key,
-            request.delta,
-            instance_id=request.instance_id,
+            lambda: self.state.kv_add(
+                request.job_id,
+                request.generation,
+                request.rank,
+                request.key,
+                request.delta,
+                instance_id=request.instance_id,
+            ),
         )
-        self.apply()
         return pb.KvAddResponse(value=value)
 
     async def KvCompareAndSet(
         self, request: pb.KvCompareAndSetRequest, context: Any
     ) -> pb.KvCompareAndSetResponse:
-        swapped, current = self.state.kv_compare_and_set(
+        swapped, current = await self._kv_change(
             request.job_id,
-            request.generation,
-            request.rank,
             request.key,
-            request.expected if request.HasField("expected") else None,
-            request.desired,
-            instance_id=request.instance_id,
+            lambda: self.state.kv_compare_and_set(
+                request.job_id,
+                request.generation,
+                request.rank,
+                request.key,
+                request.expected if request.HasField("expected") else None,
+                request.desired,
+                instance_id=request.instance_id,
+            ),
         )
-        self.apply()
         response = pb.KvCompareAndSetResponse(swapped=swapped)
         if current is not None:
             response.current = current
         return response
 
     async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
-        deleted = self.state.kv_delete(
+        deleted = await self._kv_change(
             request.job_id,
-            request.generation,
-            request.rank,
             request.key,
-            instance_id=request.instance_id,
+            lambda: self.state.kv_delete(
+                request.job_id,
+                request.generation,
+                request.rank,
+                request.key,
+                instance_id=request.instance_id,
+            ),
         )
         return pb.KvDeleteResponse(deleted=deleted)
 
@@ -425,15 +458,20 @@ class RendezvousServicer:
         async def call(request: Any, context: Any) -> Any:
             started = time.perf_counter()
             code = "OK"
+            mutating = name not in _READ_ONLY
             try:
+                if mutating:
+                    self.persister.check(request.job_id)  # storage down: apply nothing
                 response = await fn(request, context)
-                if name not in _READ_ONLY:
+                if mutating:
                     # Answer only once the change is on disk (group-committed).
-                    self.persister.mark()
-                    await self.persister.durable()
+                    self.persister.touch(request.job_id)
+                    await self.persister.durable(request.job_id)
                 return response
             except RendezvousFault as fault:
                 code = fault.code.value
+                if mutating and fault.reason != STORAGE_UNAVAILABLE:
+                    self.persister.touch(request.job_id)  # a refusal can still change state
                 self.apply()
                 await context.abort_with_status(to_grpc_status(fault))
             except asyncio.CancelledError:

@@ -1,4 +1,7 @@
-"""Job state to and from a JSON document (pure: no files here).
+"""Job state to and from plain records (pure: no files here).
+
+``job_record``/``restore_job`` are one job's row for the SQLite store; ``dump``/``load``
+are the whole-state JSON document of the old ``state.json`` (read once, to import it).
 
 What survives a restart: jobs, generations, membership, barrier counts, the
 key-value store and the digests of used ids. What never does: the unique id
@@ -11,6 +14,7 @@ heartbeats within the heartbeat timeout.
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from typing import Any
 
 from rendezvousd.job import BarrierState, Job, Member
@@ -24,7 +28,8 @@ def dump(state: RendezvousState) -> dict[str, Any]:
     return {"schema": SCHEMA, "jobs": [_job(job) for job in state.jobs.values()]}
 
 
-def _job(job: Job) -> dict[str, Any]:
+def job_record(job: Job) -> dict[str, Any]:
+    """Everything of ``job`` that survives a restart except its key-value store."""
     return {
         "job_id": job.job_id,
         "num_nodes": job.num_nodes,
@@ -43,14 +48,19 @@ def _job(job: Job) -> dict[str, Any]:
             }
             for m in job.members.values()
         ],
-        "host_nodes": job.host_nodes,
+        "host_nodes": dict(job.host_nodes),  # a copy: a writer thread encodes it
         "id_digest": (job.id_digest() or b"").hex(),
         "used_id_digests": sorted(d.hex() for d in job.used_id_digests),
         "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.failed],
         "abort_reason": job.abort_reason,
         "barriers": {name: b.completed for name, b in job.barriers.items()},
-        "kv": {key: base64.b64encode(value).decode("ascii") for key, value in job.kv.items()},
     }
+
+
+def _job(job: Job) -> dict[str, Any]:
+    record = job_record(job)
+    record["kv"] = {k: base64.b64encode(v).decode("ascii") for k, v in job.kv.items()}
+    return record
 
 
 def load(state: RendezvousState, doc: dict[str, Any], now: float) -> None:
@@ -58,57 +68,131 @@ def load(state: RendezvousState, doc: dict[str, Any], now: float) -> None:
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"unsupported state schema {doc.get('schema')!r} (expected {SCHEMA})")
     for raw in doc["jobs"]:
-        job = Job(
-            str(raw["job_id"]),
-            int(raw["num_nodes"]),
-            int(raw["gpus_per_node"]),
-            int(raw["generation"]),
-            JobState[raw["state"]],
-            now,
-        )
-        job.used_id_digests = {bytes.fromhex(d) for d in raw["used_id_digests"]}
-        if raw["id_digest"]:
-            job.restored_id_digest = bytes.fromhex(raw["id_digest"])
-            job.used_id_digests.add(job.restored_id_digest)
-        if job.state is JobState.FORMING:
-            # Mid-bootstrap: nobody can have the id from us any more. Fence it.
-            job.state = JobState.ENDED
-            job.open_generation(now)
-            state.jobs[job.job_id] = job
-            state.take_effects()
-            state._effects.append(
-                Transition(
-                    job.job_id,
-                    job.generation,
-                    None,
-                    JobState.FORMING,
-                    "fenced by a new generation after restart",
-                )
-            )
-            continue
-        for m in raw["members"]:
-            member = Member(
-                int(m["rank"]),
-                int(m["node_rank"]),
-                int(m["local_rank"]),
-                str(m["host"]),
-                str(m["address"]),
-                str(m["instance_id"]),
-                MemberState[m["state"]],
-            )
-            member.last_seen = now  # a full heartbeat timeout to reattach
-            job.members[member.rank] = member
-        job.left = sum(m.state is MemberState.LEFT for m in job.members.values())
-        job.host_nodes = {str(h): int(n) for h, n in raw["host_nodes"].items()}
-        job.failed = [
-            FailedInfo(int(f["rank"]), str(f["host"]), str(f["cause"])) for f in raw["failed"]
-        ]
-        job.abort_reason = str(raw["abort_reason"])
-        job.barriers = {str(n): BarrierState(completed=int(c)) for n, c in raw["barriers"].items()}
-        job.kv = {str(k): base64.b64decode(v) for k, v in raw["kv"].items()}
-        job.kv_bytes = sum(len(k) + len(v) for k, v in job.kv.items())
-        if job.state is JobState.RUNNING:
-            job.member_table = tuple(job.members[r].info() for r in sorted(job.members))
-            job.restored = True
+        kv = {str(k): base64.b64decode(v, validate=True) for k, v in _map(raw, "kv").items()}
+        restore_job(state, raw, kv, now)
+
+
+_MAX_INT = 2**63 - 1
+# Far above any limit; stored sizes are checked against it, not the current flags,
+# so a restart with a lower --max-members-per-job still restores existing jobs.
+_MAX_WORLD = 1 << 20
+
+
+def _int(raw: Mapping[str, Any], name: str, low: int = 0, high: int = _MAX_INT) -> int:
+    value = raw.get(name)
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, not {value!r}")
+    return value
+
+
+def _str(raw: Mapping[str, Any], name: str) -> str:
+    value = raw.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, not {value!r}")
+    return value
+
+
+def _map(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, not {type(value).__name__}")
+    return value
+
+
+def _list(raw: Mapping[str, Any], name: str) -> list[Any]:
+    value = raw.get(name)
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, not {type(value).__name__}")
+    return value
+
+
+def _digest(text: object, name: str) -> bytes:
+    if not isinstance(text, str) or len(text) != 64:
+        raise ValueError(f"{name} must be a 64-digit hex SHA-256 digest")
+    return bytes.fromhex(text)
+
+
+def restore_job(
+    state: RendezvousState, raw: Mapping[str, Any], kv: dict[str, bytes], now: float
+) -> None:
+    """Put one stored job back into ``state``; a malformed record raises ValueError
+    (types and ranges are checked, so a hand-edited row cannot corrupt the daemon)."""
+    job_id = _str(raw, "job_id")
+    job_state = _str(raw, "state")
+    if job_state not in JobState.__members__:
+        raise ValueError(f"state must be one of {', '.join(JobState.__members__)}")
+    job = Job(
+        job_id,
+        _int(raw, "num_nodes", 1, _MAX_WORLD),
+        _int(raw, "gpus_per_node", 1, _MAX_WORLD),
+        _int(raw, "generation", 1),
+        JobState[job_state],
+        now,
+    )
+    job.used_id_digests = {_digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")}
+    id_digest = _str(raw, "id_digest")
+    if id_digest:
+        job.restored_id_digest = _digest(id_digest, "id_digest")
+        job.used_id_digests.add(job.restored_id_digest)
+    if job.state is JobState.FORMING:
+        # Mid-bootstrap: nobody can have the id from us any more. Fence it.
+        job.state = JobState.ENDED
+        job.open_generation(now)
         state.jobs[job.job_id] = job
-        state._effects.append(Transition(job.job_id, job.generation, None, job.state, "restored"))
+        state.take_effects()
+        state._effects.append(
+            Transition(
+                job.job_id,
+                job.generation,
+                None,
+                JobState.FORMING,
+                "fenced by a new generation after restart",
+            )
+        )
+        return
+    for m in _list(raw, "members"):
+        if not isinstance(m, dict):
+            raise ValueError("members[] must be objects")
+        member_state = _str(m, "state")
+        if member_state not in MemberState.__members__:
+            raise ValueError(f"members[].state must be one of {', '.join(MemberState.__members__)}")
+        member = Member(
+            _int(m, "rank", 0, job.world_size - 1),
+            _int(m, "node_rank", 0, job.num_nodes - 1),
+            _int(m, "local_rank", 0, job.gpus_per_node - 1),
+            _str(m, "host"),
+            _str(m, "address"),
+            _str(m, "instance_id"),
+            MemberState[member_state],
+        )
+        if member.rank != job.rank_of(member.node_rank, member.local_rank):
+            raise ValueError(f"member rank {member.rank} does not match its node/local rank")
+        member.last_seen = now  # a full heartbeat timeout to reattach
+        job.members[member.rank] = member
+    job.left = sum(m.state is MemberState.LEFT for m in job.members.values())
+    job.host_nodes = {
+        str(h): _int({"node": n}, "node", 0, job.num_nodes - 1)
+        for h, n in _map(raw, "host_nodes").items()
+    }
+    failed = []
+    for f in _list(raw, "failed"):
+        if not isinstance(f, dict):
+            raise ValueError("failed[] must be objects")
+        failed.append(
+            FailedInfo(_int(f, "rank", 0, job.world_size - 1), _str(f, "host"), _str(f, "cause"))
+        )
+    job.failed = failed
+    job.abort_reason = _str(raw, "abort_reason")
+    job.barriers = {
+        str(n): BarrierState(completed=_int({"completed": c}, "completed"))
+        for n, c in _map(raw, "barriers").items()
+    }
+    job.kv = dict(kv)
+    job.kv_bytes = sum(len(k.encode()) + len(v) for k, v in job.kv.items())
+    if job.state is JobState.RUNNING:
+        if sorted(job.members) != list(range(job.world_size)):
+            raise ValueError("a RUNNING job must have every rank of its world as a member")
+        job.member_table = tuple(job.members[r].info() for r in sorted(job.members))
+        job.restored = True
+    state.jobs[job.job_id] = job
+    state._effects.append(Transition(job.job_id, job.generation, None, job.state, "restored"))

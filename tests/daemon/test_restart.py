@@ -1,8 +1,9 @@
-"""The daemon restarts without losing jobs: snapshots, fencing, and a real SIGKILL."""
+"""The daemon restarts without losing jobs: the state database, fencing, and a real SIGKILL."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -24,12 +25,17 @@ def _args(local: int, *, uid: bytes = b"", inst: str = "") -> JoinArgs:
     return JoinArgs("j", 1, 2, 0, local, "h", "", uid, inst or f"i{local}")
 
 
+def _save(sm: RendezvousState, tmp: Path) -> None:
+    """Opening a database for a state machine that holds jobs writes them all."""
+    saver = Persister(tmp, sm)
+    saver.restore()
+    saver.close()
+
+
 def _roundtrip(sm: RendezvousState, tmp: Path) -> RendezvousState:
-    store = StateStore(tmp)
-    store.prepare()
-    store.write(snapshot.dump(sm))
+    _save(sm, tmp)
     fresh = RendezvousState()
-    Persister(store, fresh).restore()
+    Persister(tmp, fresh).restore()
     return fresh
 
 
@@ -85,23 +91,80 @@ def test_forming_job_is_fenced_by_a_new_generation_and_old_id_refused(tmp_path: 
     assert isinstance(back.join(_args(1), 1.0), JoinResult)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
-def test_torn_or_corrupt_state_file_is_a_clear_startup_error(tmp_path: Path, damage: str) -> None:
+def test_the_database_never_holds_the_id_or_its_encodings(tmp_path: Path) -> None:
     sm = RendezvousState()
     sm.join(_args(0, uid=ID), 0.0)
-    store = StateStore(tmp_path)
-    store.prepare()
-    store.write(snapshot.dump(sm))
-    raw = store.path.read_bytes()
-    store.path.write_bytes(
-        raw[: len(raw) // 2]
-        if damage == "truncate"
-        else raw.replace(b'"num_nodes": 1', b'"num_nodes": 9')
-        if damage == "flip"
-        else b"\x00\xff"
-    )
-    with pytest.raises(DaemonError, match="torn or corrupt"):
-        Persister(store, RendezvousState()).restore()
+    sm.join(_args(1), 0.0)
+    sm.kv_set("j", 1, 0, "k", b"v", instance_id="i0")
+    _save(sm, tmp_path)
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
+    assert ID not in raw and ID.hex().encode() not in raw and b"BwcHBwcH" not in raw
+    db = sqlite3.connect(tmp_path / "state.db")
+    assert db.execute("SELECT state, generation FROM jobs").fetchall() == [("RUNNING", 1)]
+    assert db.execute("SELECT key, value FROM kv").fetchall() == [("k", b"v")]
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        ("UPDATE jobs SET num_nodes = 'x'", "num_nodes must be an integer"),
+        ("UPDATE jobs SET num_nodes = 0", "num_nodes must be an integer in 1"),
+        ("UPDATE jobs SET state = 'BOGUS'", "state must be one of"),
+        ("UPDATE jobs SET detail = '{'", "detail:"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.members[0].rank', -1)", "rank must be"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.id_digest', 'zz')", "id_digest must be"),
+        ("UPDATE kv SET job_id = 'other'", "no job with this job_id"),
+        ("UPDATE kv SET value = 'text'", "value a BLOB"),
+    ],
+)
+def test_a_hand_edited_row_is_a_clear_startup_error_naming_it(
+    tmp_path: Path, edit: str, problem: str
+) -> None:
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    sm.kv_set("j", 1, 0, "k", b"v", instance_id="i0")
+    _save(sm, tmp_path)
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute(edit)
+    db.commit()
+    db.close()
+    with pytest.raises(DaemonError, match=r"state database .*table (jobs|kv), row") as info:
+        Persister(tmp_path, RendezvousState()).restore()
+    assert problem in str(info.value)
+
+
+def test_a_file_that_is_not_a_database_is_a_clear_startup_error(tmp_path: Path) -> None:
+    tmp_path.chmod(0o700)
+    (tmp_path / "state.db").write_bytes(b"\x00\xff" * 100)
+    with pytest.raises(DaemonError, match=r"cannot open state database .*move it"):
+        Persister(tmp_path, RendezvousState()).restore()
+
+
+def test_an_old_state_json_is_imported_once_and_renamed(tmp_path: Path) -> None:
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    sm.kv_set("j", 1, 0, "k", b"v", instance_id="i0")
+    tmp_path.chmod(0o700)
+    legacy = StateStore(tmp_path)
+    legacy.write(snapshot.dump(sm))
+    back = RendezvousState()
+    assert Persister(tmp_path, back).restore() == 1
+    assert not legacy.path.exists() and (tmp_path / "state.json.imported").exists()
+    assert back.kv_get("j", 1, 1, "k", False, 1.0, instance_id="i1") == b"v"
+    again = RendezvousState()  # the next start reads the database alone
+    assert Persister(tmp_path, again).restore() == 1 and again.jobs["j"].kv == {"k": b"v"}
+
+
+def test_a_state_json_next_to_a_database_with_jobs_is_refused(tmp_path: Path) -> None:
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    _save(sm, tmp_path)
+    StateStore(tmp_path).write(snapshot.dump(sm))
+    with pytest.raises(DaemonError, match=r"both hold jobs.*move .*state.json aside"):
+        Persister(tmp_path, RendezvousState()).restore()
 
 
 def test_sigkill_and_restart_keeps_running_members_and_their_data(tmp_path: Path) -> None:

@@ -1,0 +1,203 @@
+"""The ``--state-dir`` database: ``state.db``, SQLite in WAL mode (no I/O policy here).
+
+Schema (``schema_version`` 2 in ``meta``; documented in docs/operations.md):
+
+    meta(key TEXT PRIMARY KEY, value TEXT)
+    jobs(job_id TEXT PRIMARY KEY, generation INTEGER, state TEXT,
+         num_nodes INTEGER, gpus_per_node INTEGER, detail TEXT)   -- detail: JSON
+    kv(job_id TEXT, key TEXT, value BLOB, PRIMARY KEY (job_id, key))
+
+One ``commit`` is one transaction: a job's row, the KV rows that changed and the
+deletions of expired jobs become durable together or not at all (``synchronous=FULL``
+so a commit survives power loss, not only a process crash). The connection is
+used from one writer thread at a time (``check_same_thread=False``; the
+Persister's lock serialises it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rendezvousd.errors import DaemonError
+
+DB_FILE = "state.db"
+SCHEMA_VERSION = 2
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, generation INTEGER NOT NULL, "
+    "state TEXT NOT NULL, num_nodes INTEGER NOT NULL, gpus_per_node INTEGER NOT NULL, "
+    "detail TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS kv (job_id TEXT NOT NULL, key TEXT NOT NULL, "
+    "value BLOB NOT NULL, PRIMARY KEY (job_id, key))",
+)
+_SCALARS = ("generation", "state", "num_nodes", "gpus_per_node")
+
+
+@dataclass
+class JobWrite:
+    """What one commit writes for one job: its row, and KV rows to put or delete."""
+
+    job_id: str
+    record: dict[str, Any] | None  # None: the job is gone (expired)
+    kv_put: dict[str, bytes] = field(default_factory=dict)
+    kv_delete: set[str] = field(default_factory=set)
+    kv_replace: bool = False  # a new generation: drop every old KV row first
+
+
+@dataclass
+class StoredJob:
+    record: dict[str, Any]
+    kv: dict[str, bytes]
+
+
+class SqliteStore:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / DB_FILE
+        self._db: sqlite3.Connection | None = None
+        self._inode = 0
+
+    def open(self) -> None:
+        for suffix in ("", "-wal", "-shm"):
+            if Path(f"{self.path}{suffix}").is_symlink():
+                # The directory is ours alone (checked by the caller), so a link here
+                # was planted or left by hand: never let SQLite write through it.
+                raise DaemonError(
+                    f"{self.path}{suffix} is a symbolic link; the daemon refuses to write "
+                    "through it: move it aside"
+                )
+        old_umask = os.umask(0o077)  # the database and its -wal/-shm are 0600
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            for statement in _SCHEMA:
+                db.execute(statement)
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] != str(SCHEMA_VERSION):
+                raise DaemonError(
+                    f"state database {self.path} has schema_version {row[0]!r}, this daemon "
+                    f"reads {SCHEMA_VERSION}; use the matching rendezvousd or move it aside"
+                )
+        except sqlite3.Error as exc:
+            raise DaemonError(
+                f"cannot open state database {self.path}: {exc}; if it is damaged, move it "
+                "(and its -wal/-shm files) aside to start with no jobs"
+            ) from exc
+        finally:
+            os.umask(old_umask)
+        self._db = db
+        self._inode = self.path.stat().st_ino
+
+    def replaced(self) -> bool:
+        """Whether the open database file is no longer the one at ``path``: SQLite
+        would keep writing into a deleted file, and nothing would survive a restart."""
+        try:
+            return self.path.stat().st_ino != self._inode
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("state database used before open()")
+        return self._db
+
+    def load(self) -> dict[str, StoredJob]:
+        """Every stored job; a row that does not parse is a DaemonError naming it."""
+        db = self._conn()
+        jobs: dict[str, StoredJob] = {}
+        try:
+            for job_id, generation, state, num_nodes, gpus, detail in db.execute(
+                "SELECT job_id, generation, state, num_nodes, gpus_per_node, detail FROM jobs"
+            ):
+                where = f"table jobs, row job_id={job_id!r}"
+                try:
+                    record = json.loads(detail)
+                    if not isinstance(record, dict):
+                        raise ValueError("detail is not a JSON object")
+                except ValueError as exc:
+                    raise self._bad(where, f"detail: {exc}") from exc
+                record.update(
+                    job_id=job_id,
+                    generation=generation,
+                    state=state,
+                    num_nodes=num_nodes,
+                    gpus_per_node=gpus,
+                )
+                jobs[str(job_id)] = StoredJob(record, {})
+            for job_id, key, value in db.execute("SELECT job_id, key, value FROM kv"):
+                where = f"table kv, row (job_id={job_id!r}, key={key!r})"
+                stored = jobs.get(job_id)
+                if stored is None:
+                    raise self._bad(where, "no job with this job_id in table jobs")
+                if not isinstance(key, str) or not isinstance(value, bytes):
+                    raise self._bad(where, "key must be TEXT and value a BLOB")
+                stored.kv[key] = value
+        except sqlite3.Error as exc:
+            raise DaemonError(
+                f"cannot read state database {self.path}: {exc}; move it aside to start "
+                "with no jobs"
+            ) from exc
+        return jobs
+
+    def bad_row(self, where: str, problem: str) -> DaemonError:
+        return self._bad(where, problem)
+
+    def _bad(self, where: str, problem: str) -> DaemonError:
+        return DaemonError(
+            f"state database {self.path}, {where} is invalid: {problem}; fix or delete "
+            "that row (sqlite3 CLI), or move the database aside to start with no jobs"
+        )
+
+    def commit(self, writes: list[JobWrite], *, replace_all: bool = False) -> None:
+        """One transaction for the whole batch (``replace_all``: the batch is the whole
+        state, drop every other row); raises sqlite3.Error/OSError on failure."""
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if replace_all:
+                db.execute("DELETE FROM kv")
+                db.execute("DELETE FROM jobs")
+            for w in writes:
+                if w.record is None or w.kv_replace:
+                    db.execute("DELETE FROM kv WHERE job_id=?", (w.job_id,))
+                if w.record is None:
+                    db.execute("DELETE FROM jobs WHERE job_id=?", (w.job_id,))
+                    continue
+                detail = {k: v for k, v in w.record.items() if k not in (*_SCALARS, "job_id")}
+                db.execute(
+                    "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        w.job_id,
+                        *(w.record[k] for k in _SCALARS),
+                        json.dumps(detail, sort_keys=True),
+                    ),
+                )
+                db.executemany(
+                    "DELETE FROM kv WHERE job_id=? AND key=?",
+                    ((w.job_id, k) for k in w.kv_delete),
+                )
+                db.executemany(
+                    "INSERT OR REPLACE INTO kv VALUES (?, ?, ?)",
+                    ((w.job_id, k, v) for k, v in w.kv_put.items()),
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        if self.replaced():
+            # Checked after the commit: a removal during it left it in a dead file.
+            raise OSError(f"{self.path} was removed or replaced")
