@@ -1,0 +1,136 @@
+"""Storage failure applies nothing: a change is durable before it is applied and answered.
+
+A real daemon whose ``--state-dir`` is taken away: its key-value calls fail with
+UNAVAILABLE / STORAGE_UNAVAILABLE and change nothing, health says NOT_SERVING, and
+once the directory is back the daemon rewrites its state and serves again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client import RendezvousClient, RendezvousError
+from tests.daemon.raw_calls import bearer, raw, reason_of
+from tests.support import DaemonProcess, scrape, spawn_daemon, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _health(d: DaemonProcess) -> int:
+    with grpc.insecure_channel(d.endpoint) as ch:
+        status: int = (
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        )
+        return status
+
+
+def _start(tmp_path: Path) -> tuple[DaemonProcess, Path]:
+    state = tmp_path / "state"
+    flags = ("--state-dir", str(state), "--heartbeat-timeout-s", "5")
+    return spawn_daemon(tmp_path, *flags, "--metrics-listen", "127.0.0.1:0"), state
+
+
+def _stored(state: Path, job_id: str, key: str) -> bytes | None:
+    db = sqlite3.connect(state / "state.db")
+    try:
+        row = db.execute("SELECT value FROM kv WHERE job_id=? AND key=?", (job_id, key)).fetchone()
+    finally:
+        db.close()
+    return None if row is None else bytes(row[0])
+
+
+def test_a_removed_state_dir_refuses_changes_applies_nothing_and_recovers(tmp_path: Path) -> None:
+    d, state = _start(tmp_path)
+    client = RendezvousClient(d.endpoint, "counted", token=d.token)
+    try:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        assert client.kv_add("n", 1) == 1
+        assert _stored(state, "counted", "n") == b"1"  # incremental: that key's row
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError) as info:
+            client.kv_add("n", 1)
+        assert info.value.code == "UNAVAILABLE" and info.value.reason == "STORAGE_UNAVAILABLE"
+        assert str(state) not in str(info.value) and "state.db" not in str(info.value)
+        assert _health(d) == NOT_SERVING
+        # Refused up front while storage is down: not applied, so a retry cannot double-count.
+        with pytest.raises(RendezvousError, match="not applied"):
+            client.kv_set("other", b"x")
+        assert client.kv_get("n", wait=False) == b"1"
+        with pytest.raises(RendezvousError) as missing:
+            client.kv_get("other", wait=False)
+        assert missing.value.reason == "KEY_NOT_FOUND"
+        assert "cannot write the state database" in d.log()
+
+        state.mkdir(mode=0o700)
+        wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
+        assert client.kv_add("n", 1) == 2  # the retry counts once
+        assert _stored(state, "counted", "n") == b"2"
+    finally:
+        client.close()
+        d.kill()
+    # The rewritten database is the whole state: a restart finds the job and its counter.
+    d2 = spawn_daemon(tmp_path, "--state-dir", str(state))
+    try:
+        assert "restored 1 job" in d2.log()
+    finally:
+        d2.kill()
+
+
+def test_a_reader_woken_by_a_change_that_failed_gets_the_fault_not_the_value(
+    tmp_path: Path,
+) -> None:
+    d, state = _start(tmp_path)
+    writer = RendezvousClient(d.endpoint, "woken", token=d.token)
+    reader = RendezvousClient(d.endpoint, "woken", token=d.token)
+    outcome: list[object] = []
+    try:
+        threads = [
+            threading.Thread(
+                target=c.join,
+                kwargs={"num_nodes": 1, "gpus_per_node": 2, "local_rank": i, "timeout": 10},
+            )
+            for i, c in enumerate((writer, reader))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+
+        # A raw call without the SDK's channel retries: the first answer is what is
+        # asserted, not that of a re-sent KvGet parked again.
+        request = pb.KvGetRequest(key="k", wait=True, wait_timeout_ms=20_000)
+        request.MergeFrom(pb.KvGetRequest(**reader._kv_scope()))
+        channel = grpc.insecure_channel(d.endpoint, options=[("grpc.enable_retries", 0)])
+
+        def read() -> None:
+            outcome.append(raw(channel, "KvGet", request.SerializeToString(), bearer(d), 25))
+
+        t = threading.Thread(target=read)
+        t.start()
+        wait_for("the reader to park", lambda: scrape(d.metrics_url)["rendezvousd_waiters"] == 1)
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError) as info:
+            writer.kv_set("k", b"never")  # the change that woke the reader, then failed
+        assert info.value.reason == "STORAGE_UNAVAILABLE"
+        t.join(20)
+        channel.close()
+        assert len(outcome) == 1 and isinstance(outcome[0], grpc.RpcError)
+        assert reason_of(outcome[0])[0] == "STORAGE_UNAVAILABLE"
+        state.mkdir(mode=0o700)
+        wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
+        with pytest.raises(RendezvousError) as undone:
+            reader.kv_get("k", wait=False)
+        assert undone.value.reason == "KEY_NOT_FOUND"
+    finally:
+        writer.close()
+        reader.close()
+        d.kill()
