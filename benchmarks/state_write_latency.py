@@ -43,6 +43,7 @@ def run(big_mb: int, sets: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         flags = ("--state-dir", str(work / "state"), "--max-value-bytes", str(VALUE))
+        flags += ("--heartbeat-timeout-s", "600")  # the old whole-state writes stall the loop
         daemon = spawn(work, *flags, "--max-kv-bytes", str(4 * big_mb * MIB + MIB))
         token = daemon.token_file.read_text().strip()
         big = RendezvousClient(daemon.endpoint, "big", token=token)
