@@ -98,7 +98,15 @@ class DaemonConfig:
         "calls in flight, streams included", default=Limits.max_concurrent_rpcs, kind=_COUNT
     )
     max_waiters: int = _opt(
-        "parked Join/Barrier/KvGet calls", default=Limits.max_waiters, kind=_COUNT
+        "parked Join/Barrier/KvGet calls (~26 KiB each)", default=Limits.max_waiters, kind=_COUNT
+    )
+    max_waiters_per_job: int = _opt(
+        "parked calls one job may hold (so one job cannot block the others' joins)",
+        default=Limits.max_waiters_per_job,
+        kind=_COUNT,
+    )
+    max_barriers_per_job: int = _opt(
+        "barrier names per job generation", default=Limits.max_barriers_per_job, kind=_COUNT
     )
     max_keys_per_job: int = _opt(
         "key-value keys per job", default=Limits.max_keys_per_job, kind=_COUNT
@@ -142,6 +150,8 @@ class DaemonConfig:
             max_members_per_job=self.max_members_per_job,
             max_concurrent_rpcs=self.max_concurrent_rpcs,
             max_waiters=self.max_waiters,
+            max_waiters_per_job=self.max_waiters_per_job,
+            max_barriers_per_job=self.max_barriers_per_job,
             max_keys_per_job=self.max_keys_per_job,
             max_value_bytes=self.max_value_bytes,
             max_kv_bytes=self.max_kv_bytes,
