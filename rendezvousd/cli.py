@@ -17,6 +17,7 @@ from rendezvousd import config as config_mod
 from rendezvousd.auth import load_tokens, read_token_file
 from rendezvousd.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.escape import EscapingFormatter
 from rendezvousd.scope import derive_job_token
 from rendezvousd.server import Daemon
 
@@ -24,11 +25,9 @@ from rendezvousd.server import Daemon
 def _serve(args: argparse.Namespace) -> int:
     # The Namespace also holds non-setting flags (command, func, config); they are skipped.
     cfg = config_mod.load(args.config, overrides=vars(args))
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
     tokens = load_tokens(cfg.token_file)
     if cfg.tls_cert is not None and cfg.tls_key is not None:
         config_mod.check_tls_pair(cfg.tls_cert, cfg.tls_key)
