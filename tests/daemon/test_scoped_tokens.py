@@ -210,3 +210,19 @@ def test_daemon_refuses_a_job_token_as_its_own(tmp_path: Path, daemon: DaemonPro
     assert done.returncode == 2
     assert "job-scoped token" in done.stderr
     assert path.read_text().strip() not in done.stderr
+
+
+def test_job_token_aborts_its_own_job_only(
+    daemon: DaemonProcess, tmp_path: Path, job_id: str
+) -> None:
+    token_file = job_token(daemon, tmp_path, job_id)
+    other = job_id + "-other"
+    _create(daemon, other)
+    with RendezvousClient(daemon.endpoint, job_id, token_file=token_file) as client:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0)
+        with pytest.raises(AuthenticationError):
+            client.abort("not mine", job_id=other)
+        client.abort("a rank failed")
+        assert client.get_job().summary.state == pb.JOB_STATE_ABORTED
+    with RendezvousClient(daemon.endpoint, other, token=daemon.token) as admin:
+        assert admin.get_job().summary.state != pb.JOB_STATE_ABORTED
