@@ -22,11 +22,13 @@ import grpc
 from rendezvousd.budget import Gate, gated
 from rendezvousd.errors import ConfigError
 from rendezvousd.limits import Limits
+from rendezvousd.scope import ADMIN, CALLER, JOB_TOKEN_PREFIX, Scope, allowed, verify_job_token
 
 MIN_TOKEN_CHARS = 16
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_WATCH = HEALTH_PREFIX + "Watch"
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
+RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
 
 
 def _digest(token: str | bytes) -> bytes:
@@ -77,6 +79,12 @@ def validate_tokens(tokens: Sequence[str], origin: str) -> list[str]:
                 f"{origin} holds a token shorter than {MIN_TOKEN_CHARS} characters or with "
                 "spaces/control/non-ASCII characters; create one with `rendezvousd token FILE`"
             )
+        if token.startswith(JOB_TOKEN_PREFIX):
+            # It would act as an admin token here; the daemon derives job tokens itself.
+            raise ConfigError(
+                f"{origin} holds a job-scoped token; the daemon needs the admin token(s) "
+                "the job tokens were derived from (`rendezvousd token FILE`)"
+            )
     return list(tokens)
 
 
@@ -103,6 +111,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         on_reject: Callable[[str], None] | None = None,
         limits: Limits | None = None,
     ) -> None:
+        # An admin token's digest is also the key its job tokens are derived with.
         self._digests = [_digest(t) for t in tokens]
         self._on_reject = on_reject
         limits = limits or Limits()
@@ -117,21 +126,28 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+        return self.scope_of(metadata) is not None
+
+    def scope_of(self, metadata: Sequence[tuple[str, Any]] | None) -> Scope | None:
+        """The scope the call's bearer token grants, or None when it is invalid."""
         values = [v for k, v in metadata or () if k == "authorization"]
         if len(values) != 1:
-            return False  # missing or duplicated: ambiguous, refuse
+            return None  # missing or duplicated: ambiguous, refuse
         value = values[0]
         if isinstance(value, bytes):
             try:
                 value = value.decode("ascii")
             except UnicodeDecodeError:
-                return False
+                return None
         scheme, _, token = str(value).partition(" ")
         if scheme.lower() != "bearer" or not token:
-            return False
-        presented = _digest(token.strip())
+            return None
+        token = token.strip()
+        presented = _digest(token)
         # Compare against every token, without an early exit, in constant time.
-        return sum(hmac.compare_digest(presented, d) for d in self._digests) > 0
+        if sum(hmac.compare_digest(presented, d) for d in self._digests) > 0:
+            return ADMIN
+        return verify_job_token(token, self._digests)
 
     async def intercept_service(
         self,
@@ -143,7 +159,18 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return self._gated(method, await continuation(details), self.health_watches)
         if method.startswith(HEALTH_PREFIX):
             return self._gated(method, await continuation(details), self.health_checks)
-        if self.authorized(details.invocation_metadata):
+        scope = self.scope_of(details.invocation_metadata)
+        if scope is not None:
+            # Read by the servicer's dispatch: this runs in the task that runs the handler.
+            CALLER.set(scope)
+            service, _, name = method.rpartition("/")
+            if service != RENDEZVOUS_PATH and not allowed(scope, name, None):
+                return _rejecting(
+                    await continuation(details),
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"a token scoped to {scope} may not call {method}; "
+                    "only the admin token may call it",
+                )
             return self._gated(method, await continuation(details), self.calls)
         if self._on_reject is not None:
             self._on_reject(method)
@@ -162,20 +189,20 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return cached[1]
 
 
-async def _reject(context: Any) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-
-def _rejecting(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+def _rejecting(
+    handler: grpc.RpcMethodHandler | None,
+    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+    message: str = "missing or invalid bearer token",
+) -> grpc.RpcMethodHandler:
     """A handler of the same streaming shape that only refuses (no deserialization)."""
     streaming_in = bool(handler and handler.request_streaming)
     streaming_out = bool(handler and handler.response_streaming)
 
     async def unary(request: Any, context: Any) -> None:
-        await _reject(context)
+        await context.abort(code, message)
 
     async def stream_out(request: Any, context: Any) -> Any:
-        await _reject(context)
+        await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
     if streaming_in and streaming_out:

@@ -14,21 +14,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rendezvousd import config as config_mod
-from rendezvousd.auth import load_tokens
+from rendezvousd.auth import load_tokens, read_token_file
 from rendezvousd.embedded import EXIT_WITH_PARENT, write_token_file
-from rendezvousd.errors import DaemonError
+from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.escape import EscapingFormatter
+from rendezvousd.scope import derive_job_token
 from rendezvousd.server import Daemon
 
 
 def _serve(args: argparse.Namespace) -> int:
     # The Namespace also holds non-setting flags (command, func, config); they are skipped.
     cfg = config_mod.load(args.config, overrides=vars(args))
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
     tokens = load_tokens(cfg.token_file)
+    if cfg.tls_cert is not None and cfg.tls_key is not None:
+        config_mod.check_tls_pair(cfg.tls_cert, cfg.tls_key)
     _raise_fd_limit()
     return asyncio.run(_run(cfg, tokens, exit_with_parent=args.exit_with_parent))
 
@@ -107,12 +109,35 @@ def _watch_parent(loop: asyncio.AbstractEventLoop, daemon: Daemon, stop: asyncio
 def _token(args: argparse.Namespace) -> int:
     path: Path = args.path
     try:
-        write_token_file(path, replace=args.force)
+        if args.job is None:
+            write_token_file(path, replace=args.force)
+        else:
+            _write_job_token(path, args.job, args.admin_token_file, replace=args.force)
     except FileExistsError:
         print(f"rendezvousd token: {path} exists; pass --force to replace it", file=sys.stderr)
         return 1
-    print(f"rendezvousd token: wrote a new token to {path} (mode 0600)")
+    what = "a new token" if args.job is None else f"a token for job {args.job!r}"
+    print(f"rendezvousd token: wrote {what} to {path} (mode 0600)")
     return 0
+
+
+def _write_job_token(path: Path, job_id: str, admin_file: Path | None, *, replace: bool) -> None:
+    if admin_file is None:
+        raise ConfigError(
+            "--job needs --admin-token-file FILE: the daemon's token file the job token "
+            "is derived from"
+        )
+    # The first line is the token clients use now (later lines are being rotated out).
+    admin = read_token_file(admin_file)[0]
+    try:
+        token = derive_job_token(admin, job_id)
+    except RendezvousFault as fault:
+        raise ConfigError(fault.message) from None
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
+        f.write(token + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,9 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    token = sub.add_parser("token", help="write a new random token file (mode 0600)")
+    token = sub.add_parser(
+        "token",
+        help="write a new random (admin) token file, or with --job a job-scoped one (mode 0600)",
+    )
     token.add_argument("path", type=Path)
     token.add_argument("--force", action="store_true", help="replace an existing file")
+    token.add_argument(
+        "--job",
+        metavar="JOB_ID",
+        help="write a token that may only touch this job, derived from --admin-token-file",
+    )
+    token.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="FILE",
+        help="the daemon's token file (its first line) to derive the --job token from",
+    )
     token.set_defaults(func=_token)
 
     from rendezvousd.probe_cli import add_probe_commands

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ssl
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -73,6 +74,11 @@ class DaemonConfig:
         default=None,
         kind=AddressText("metrics_listen", optional=True, allow_port_zero=True),
     )
+    insecure_metrics: bool = _opt(
+        "allow --metrics-listen on a non-loopback address without --tls-cert",
+        default=False,
+        kind=Bool(),
+    )
     state_dir: Path | None = _opt(
         "directory where job state survives restarts", default=None, kind=OptionalPath()
     )
@@ -98,7 +104,15 @@ class DaemonConfig:
         "calls in flight, streams included", default=Limits.max_concurrent_rpcs, kind=_COUNT
     )
     max_waiters: int = _opt(
-        "parked Join/Barrier/KvGet calls", default=Limits.max_waiters, kind=_COUNT
+        "parked Join/Barrier/KvGet calls (~26 KiB each)", default=Limits.max_waiters, kind=_COUNT
+    )
+    max_waiters_per_job: int = _opt(
+        "parked calls one job may hold (so one job cannot block the others' joins)",
+        default=Limits.max_waiters_per_job,
+        kind=_COUNT,
+    )
+    max_barriers_per_job: int = _opt(
+        "barrier names per job generation", default=Limits.max_barriers_per_job, kind=_COUNT
     )
     max_keys_per_job: int = _opt(
         "key-value keys per job", default=Limits.max_keys_per_job, kind=_COUNT
@@ -135,6 +149,21 @@ class DaemonConfig:
                 "pass --tls-cert/--tls-key, or --insecure-plaintext if the network is trusted"
             )
 
+        if self.metrics_listen is not None:
+            mhost, _ = split_listen(self.metrics_listen)
+            if (
+                mhost is not None
+                and not is_loopback(mhost)
+                and self.tls_cert is None
+                and not self.insecure_metrics
+            ):
+                raise ConfigError(
+                    f"refusing to serve /metrics in plaintext on non-loopback address "
+                    f"{self.metrics_listen!r} (it names jobs' states to anyone who connects): "
+                    "listen on 127.0.0.1 and scrape through a sidecar, pass --tls-cert/--tls-key, "
+                    "or --insecure-metrics if a network policy limits who can reach it"
+                )
+
     def limits(self) -> Limits:
         return dataclasses.replace(
             Limits(),
@@ -142,6 +171,8 @@ class DaemonConfig:
             max_members_per_job=self.max_members_per_job,
             max_concurrent_rpcs=self.max_concurrent_rpcs,
             max_waiters=self.max_waiters,
+            max_waiters_per_job=self.max_waiters_per_job,
+            max_barriers_per_job=self.max_barriers_per_job,
             max_keys_per_job=self.max_keys_per_job,
             max_value_bytes=self.max_value_bytes,
             max_kv_bytes=self.max_kv_bytes,
@@ -149,6 +180,30 @@ class DaemonConfig:
 
     def timing(self) -> Timing:
         return Timing(self.heartbeat_timeout_s, self.default_wait_s, self.job_ttl_s)
+
+
+def check_tls_pair(cert: Path, key: Path) -> None:
+    """Refuses a certificate and key that do not belong together, saying so.
+
+    gRPC only reports a failed bind for them, which reads like a taken port.
+    Unreadable files are left to the server, which names the file.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback keeps OpenSSL from prompting on a terminal.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except OSError as exc:
+        if not isinstance(exc, ssl.SSLError):
+            return
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(
+                f"TLS private key {key} does not belong to certificate {cert} "
+                "(key values mismatch); give the key the certificate was issued for"
+            ) from None
+        raise ConfigError(
+            f"cannot load TLS certificate {cert} with key {key}: {exc.reason or exc.strerror}; "
+            "both must be PEM, the key unencrypted"
+        ) from None
 
 
 def split_listen(listen: str) -> tuple[str | None, int]:

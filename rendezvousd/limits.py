@@ -14,7 +14,7 @@ class Limits:
 
     max_message_bytes: int = 64 * KIB
     max_jobs: int = 1024
-    max_members_per_job: int = 16384
+    max_members_per_job: int = 8192
     max_key_bytes: int = 512
     max_value_bytes: int = 32 * KIB
     max_keys_per_job: int = 32768
@@ -22,7 +22,15 @@ class Limits:
     # Daemon-wide: all jobs' keys and values together. Sized for the shipped 1 GiB
     # container limit: a state-dir snapshot briefly holds ~3 copies (base64, JSON).
     max_kv_bytes: int = 128 * MIB
-    max_waiters: int = 65536
+    # Parked calls cost ~26 KiB each (measured: gRPC call state, future, member
+    # record): 16384 is ~420 MiB, inside the shipped 1 GiB container limit next to
+    # max_kv_bytes' snapshot copies. A job may hold half, so one job can never
+    # block every other job's joins, and a world of max_members_per_job fits.
+    max_waiters: int = 16384
+    max_waiters_per_job: int = 8192
+    # Barrier names per job generation (each is a sequence of rounds, so a
+    # training loop needs a handful): bounds what one member can make us hold.
+    max_barriers_per_job: int = 1024
     max_concurrent_rpcs: int = 100_000
     # Health calls carry no token: small budgets of their own, so that they never
     # take authenticated calls' slots, and watch streams never those of checks.

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.escape import escape
 
 EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
 DEFAULT_ENDPOINT = "127.0.0.1:29420"
@@ -92,30 +93,33 @@ def _status(args: argparse.Namespace) -> int:
                 else [client.get_job(j.job_id) for j in client.list_jobs()]
             )
     except RendezvousError as exc:
-        print(f"rendezvousd status: {exc}", file=sys.stderr)
+        print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
         return EXIT_RPC
     print(render(jobs))
     return 0
 
 
 def render(jobs: list[Any]) -> str:
+    """The status table; every client-provided text in it is escaped."""
     lines = [f"{'JOB':<24} {'STATE':<8} {'GEN':>4} {'WORLD':>6} {'PRESENT':>8} {'AGE':>8}"]
     for job in jobs:
         s = job.summary
         state = pb.JobState.Name(s.state).removeprefix("JOB_STATE_")
         lines.append(
-            f"{s.job_id:<24} {state:<8} {s.generation:>4} {s.world_size:>6} "
+            f"{escape(s.job_id):<24} {state:<8} {s.generation:>4} {s.world_size:>6} "
             f"{s.members_present:>8} {_age(s.state_age_ms):>8}"
         )
         for m in job.members:
             mstate = pb.MemberState.Name(m.state).removeprefix("MEMBER_STATE_")
             lines.append(
                 f"    rank {m.member.rank:>5}  node {m.member.node_rank:>4}  local "
-                f"{m.member.local_rank:>3}  {m.member.host:<20} {mstate:<8} "
+                f"{m.member.local_rank:>3}  {escape(m.member.host):<20} {mstate:<8} "
                 f"heartbeat {_age(m.heartbeat_age_ms)}"
             )
         for f in job.failed:
-            lines.append(f"    lost rank {f.rank} on {f.host}: {f.cause}")
+            lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {escape(f.cause)}")
+        if job.abort_reason:
+            lines.append(f"    aborted: {escape(job.abort_reason)}")
     if not jobs:
         lines.append("(no jobs)")
     return "\n".join(lines)

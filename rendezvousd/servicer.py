@@ -32,6 +32,7 @@ from rendezvousd.model import (
     Wake,
 )
 from rendezvousd.persistence import Persister
+from rendezvousd.scope import CALLER, FILTERED_METHODS, Scope, allowed, denied
 from rendezvousd.state import JoinArgs, RendezvousState
 
 log = logging.getLogger("rendezvousd")
@@ -326,6 +327,7 @@ class RendezvousServicer:
             first = await iterator.__anext__()
         except StopAsyncIteration:
             return
+        _authorize("Heartbeat", first.job_id)
         key = (first.job_id, first.generation, first.rank)
         token = self.state.attach_stream(
             first.job_id, first.generation, first.rank, first.instance_id, _now()
@@ -392,7 +394,11 @@ class RendezvousServicer:
     # -- inspection -----------------------------------------------------------
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[_summary(v) for v in self.state.views(_now())])
+        scope = _caller()
+        views = self.state.views(_now())
+        return pb.ListJobsResponse(
+            jobs=[_summary(v) for v in views if scope.admin or v.job_id == scope.job]
+        )
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
         view = self.state.view(request.job_id, _now())
@@ -460,6 +466,8 @@ class RendezvousServicer:
             code = "OK"
             mutating = name not in _READ_ONLY
             try:
+                if name not in FILTERED_METHODS:
+                    _authorize(name, request.job_id)
                 if mutating:
                     self.persister.check(request.job_id)  # storage down: apply nothing
                 response = await fn(request, context)
@@ -494,6 +502,20 @@ class RendezvousServicer:
                 await context.abort_with_status(to_grpc_status(fault))
 
         return call
+
+
+def _caller() -> Scope:
+    scope = CALLER.get()
+    if scope is None:
+        # Only the auth interceptor sets it: without one, nothing is allowed.
+        raise denied(Scope("?"), "any method", None)
+    return scope
+
+
+def _authorize(method: str, job_id: str) -> None:
+    scope = _caller()
+    if not allowed(scope, method, job_id):
+        raise denied(scope, method, job_id)
 
 
 def _raw(data: bytes) -> bytes:

@@ -15,9 +15,9 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rendezvousd import kv, validation
+from rendezvousd import barriers, kv, validation
 from rendezvousd.errors import Code, RendezvousFault, ranks_text
-from rendezvousd.job import BarrierState, Job, Member
+from rendezvousd.job import Job, Member
 from rendezvousd.limits import Limits, Timing
 from rendezvousd.model import (
     Effect,
@@ -70,6 +70,7 @@ class RendezvousState:
         self.jobs: dict[str, Job] = {}
         self.draining = False
         self._waiters: dict[int, _Waiter] = {}
+        self._job_waiters: dict[str, int] = {}  # job id -> its entries in _waiters
         self._next_waiter = itertools.count(1)
         self._effects: list[Effect] = []
 
@@ -89,14 +90,32 @@ class RendezvousState:
                 "max_waiters",
                 f"the daemon already holds max_waiters={self.limits.max_waiters} waiting calls",
             )
+        held = self._job_waiters.get(job.job_id, 0)
+        if held >= self.limits.max_waiters_per_job:
+            # One job (one buggy or hostile token holder) must not take every slot.
+            raise validation.limit_exceeded(
+                "max_waiters_per_job",
+                f"job {job.job_id!r} already holds max_waiters_per_job="
+                f"{self.limits.max_waiters_per_job} waiting calls",
+                job_id=job.job_id,
+            )
         waiter = next(self._next_waiter)
         self._waiters[waiter] = _Waiter(job.job_id, job.generation, kind, rank, key, now)
+        self._job_waiters[job.job_id] = held + 1
         return Parked(waiter)
+
+    def _unpark(self, waiter: int) -> _Waiter | None:
+        w = self._waiters.pop(waiter, None)
+        if w is not None:
+            held = self._job_waiters.pop(w.job_id) - 1
+            if held:
+                self._job_waiters[w.job_id] = held
+        return w
 
     def _wake(
         self, waiter: int, value: object = None, fault: RendezvousFault | None = None
     ) -> None:
-        if self._waiters.pop(waiter, None) is not None:
+        if self._unpark(waiter) is not None:
             self._effects.append(Wake(waiter, value, fault))
 
     def _set_state(self, job: Job, new: JobState, now: float, detail: str) -> None:
@@ -411,7 +430,7 @@ class RendezvousState:
 
     def cancel_wait(self, waiter: int, now: float, *, timed_out: bool) -> RendezvousFault | None:
         """A parked call ended without a wake (deadline, cancel). Returns its fault."""
-        w = self._waiters.pop(waiter, None)
+        w = self._unpark(waiter)
         if w is None:
             return None
         job = self.jobs.get(w.job_id)
@@ -431,27 +450,11 @@ class RendezvousState:
                 Code.DEADLINE_EXCEEDED,
                 "WORLD_INCOMPLETE",
                 f"job {job.job_id!r} generation {job.generation}: {job.world_size - len(missing)} of "
-                f"{job.world_size} ranks joined after {waited}; missing ranks {_short(missing)}",
+                f"{job.world_size} ranks joined after {waited}; missing ranks {barriers.short_ranks(missing)}",
                 meta,
             )
         if w.kind == "barrier":
-            barrier = job.barriers.get(w.key)
-            if barrier is not None:
-                ws = barrier.arrived.get(w.rank, set())
-                ws.discard(waiter)
-                if not ws:
-                    barrier.arrived.pop(w.rank, None)
-                missing = sorted(job.participants() - set(barrier.arrived) - {w.rank})
-            else:
-                missing = []
-            meta["ranks"] = ranks_text(missing[:64])
-            return RendezvousFault(
-                Code.DEADLINE_EXCEEDED,
-                "BARRIER_TIMEOUT",
-                f"barrier {w.key!r} of job {job.job_id!r} generation {job.generation} timed out on "
-                f"rank {w.rank} after {waited}; still waiting for ranks {_short(missing)}",
-                meta,
-            )
+            return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
         waiting = job.kv_waiters.get(w.key)
         if waiting is not None:
             waiting.discard(waiter)
@@ -505,39 +508,17 @@ class RendezvousState:
         *,
         instance_id: str,
     ) -> int | Parked:
-        validation.text_field("barrier name", name, self.limits.max_key_bytes, required=True)
         job, member = self._caller(job_id, generation, rank, instance_id)
-        barrier = job.barriers.setdefault(name, BarrierState())
-        if sequence <= barrier.completed:
+        barrier, done = barriers.enter(job, member, name, sequence, self.limits)
+        if done:
             return sequence
-        if sequence != barrier.completed + 1:
-            raise RendezvousFault(
-                Code.FAILED_PRECONDITION,
-                "BARRIER_MISMATCH",
-                f"rank {rank} entered barrier {name!r} #{sequence} but job {job_id!r} is at "
-                f"#{barrier.completed + 1}; every rank must run the same barriers in the same order",
-                {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
-            )
-        if member.state is MemberState.LEFT:
-            raise RendezvousFault(
-                Code.FAILED_PRECONDITION,
-                "NOT_A_MEMBER",
-                f"rank {rank} already left job {job_id!r}; it cannot enter barrier {name!r}",
-                {"job_id": job_id, "ranks": str(rank)},
-            )
         if job.barrier_complete(len(barrier.arrived) + (rank not in barrier.arrived)):
-            self._release_barrier(barrier)
+            for w in barriers.release(barrier):
+                self._wake(w, barrier.completed)
             return sequence
         parked = self._park(job, "barrier", rank, name, now)
         barrier.arrived.setdefault(rank, set()).add(parked.waiter)
         return parked
-
-    def _release_barrier(self, barrier: BarrierState) -> None:
-        barrier.completed += 1
-        for waiters in barrier.arrived.values():
-            for w in waiters:
-                self._wake(w, barrier.completed)
-        barrier.arrived.clear()
 
     # -- key-value store --------------------------------------------------
 
@@ -741,7 +722,8 @@ class RendezvousState:
                 return
             for barrier in job.barriers.values():
                 if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
-                    self._release_barrier(barrier)
+                    for w in barriers.release(barrier):
+                        self._wake(w, barrier.completed)
 
     def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
@@ -802,8 +784,3 @@ class RendezvousState:
             len(job.kv),
             job.abort_reason,
         )
-
-
-def _short(ranks: list[int], limit: int = 16) -> str:
-    shown = ", ".join(str(r) for r in ranks[:limit])
-    return f"[{shown}{', ...' if len(ranks) > limit else ''}] ({len(ranks)} total)"

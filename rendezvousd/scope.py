@@ -1,0 +1,120 @@
+"""Who may call what: admin tokens and job-scoped tokens derived from them.
+
+A job token is ``rdzv-job.<job id>.<mac>`` with the MAC an HMAC-SHA256 of
+``"job:" + job id`` under an admin token. It carries its job in clear, so the
+daemon verifies it from its admin tokens alone (no extra state); replacing an
+admin token invalidates every job token derived from it.
+
+``allowed`` is the one place that decides whether a scope may call a method for
+a job; the servicer calls it for every Rendezvous call (which name a job in
+their bodies), the interceptor for the other methods (reflection).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rendezvousd import validation
+from rendezvousd.errors import Code, RendezvousFault
+
+JOB_TOKEN_PREFIX = "rdzv-job."
+
+# Calls that name one job and act on it only: a job token may make them for its job.
+JOB_METHODS = frozenset(
+    {
+        "Join",
+        "PublishId",
+        "Barrier",
+        "KvSet",
+        "KvGet",
+        "KvAdd",
+        "KvCompareAndSet",
+        "KvDelete",
+        "Heartbeat",
+        "Leave",
+        "GetJob",
+        # The SDK's abort() (the trainer's NCCL init retry, a failing rank) aborts
+        # its own job: a job token must be able to.
+        "AbortJob",
+    }
+)
+# Answered for every scope, but a job token sees only its own job.
+FILTERED_METHODS = frozenset({"ListJobs"})
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a caller's token lets it touch: every job (``job`` None) or one job."""
+
+    job: str | None = None
+
+    @property
+    def admin(self) -> bool:
+        return self.job is None
+
+    def __str__(self) -> str:
+        return "admin" if self.job is None else f"job:{self.job}"
+
+
+ADMIN = Scope()
+# Set by the auth interceptor for the call being handled (same task as the handler).
+CALLER: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("caller_scope", default=None)
+
+
+def allowed(scope: Scope, method: str, job_id: str | None) -> bool:
+    """Whether ``scope`` may call ``method`` (bare name) naming ``job_id``."""
+    if scope.job is None or method in FILTERED_METHODS:
+        return True
+    if method in JOB_METHODS:
+        return job_id is not None and scope.job == job_id
+    return False
+
+
+def denied(scope: Scope, method: str, job_id: str | None) -> RendezvousFault:
+    target = f" for job {job_id[:128]!r}" if job_id is not None else ""
+    if method in JOB_METHODS:
+        hint = "use that job's token or the admin token"
+    else:
+        hint = "only the admin token may call it"
+    return RendezvousFault(
+        Code.PERMISSION_DENIED,
+        "SCOPE_DENIED",
+        f"a token scoped to {scope} may not call {method}{target}; {hint}",
+        {"scope": str(scope), "method": method},
+    )
+
+
+def admin_key(admin_token: str) -> bytes:
+    """The MAC key of an admin token: its SHA-256, so the daemon keeps only digests."""
+    return hashlib.sha256(admin_token.encode()).digest()
+
+
+def _mac(key: bytes, job_id: str) -> str:
+    return hmac.new(key, f"job:{job_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def derive_job_token(admin_token: str, job_id: str) -> str:
+    """The token for ``job_id`` under ``admin_token`` (raises INVALID_JOB_ID)."""
+    validation.job_id(job_id)
+    return f"{JOB_TOKEN_PREFIX}{job_id}.{_mac(admin_key(admin_token), job_id)}"
+
+
+def verify_job_token(token: str, admin_keys: Sequence[bytes]) -> Scope | None:
+    """The job scope ``token`` grants under any of ``admin_keys``, or None."""
+    if not token.startswith(JOB_TOKEN_PREFIX):
+        return None
+    job_id, dot, mac = token[len(JOB_TOKEN_PREFIX) :].rpartition(".")
+    if not dot or not job_id:
+        return None
+    try:
+        validation.job_id(job_id)
+    except RendezvousFault:
+        return None
+    presented = mac.encode()
+    # Every admin token is tried, without an early exit (constant time per count).
+    ok = sum(hmac.compare_digest(presented, _mac(a, job_id).encode()) for a in admin_keys)
+    return Scope(job_id) if ok else None

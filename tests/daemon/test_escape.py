@@ -1,0 +1,85 @@
+"""Client-provided text is printed escaped: `rendezvousd status` and log lines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.escape import EscapingFormatter, escape
+from rendezvousd.probe_cli import render
+
+UNSAFE = ["\x1b[2J", "\x85", "\x9b31m", "\u202e", "\u2066", "\u200f", "\n", "\r", "\x00"]
+
+
+@pytest.mark.parametrize("char", UNSAFE)
+def test_escape_removes_every_unsafe_character(char: str) -> None:
+    shown = escape(f"a{char}b")
+    assert shown.isprintable() and shown.isascii()
+    assert "\\" in shown
+
+
+def test_escape_keeps_ordinary_text() -> None:
+    assert escape("node-1.example ünïcode 東京") == "node-1.example ünïcode 東京"
+
+
+def test_status_table_escapes_client_text() -> None:
+    job = pb.GetJobResponse(
+        summary=pb.JobSummary(job_id="j\u202eevil", state=pb.JOB_STATE_FAILED),
+        members=[pb.MemberStatus(member=pb.Member(rank=0, host="h\x9b2J"))],
+        failed=[pb.FailedMember(rank=0, host="h\x1b[31m", cause="c\u2066x\nfake line")],
+        abort_reason="r\x85",
+    )
+    out = render([job])
+    for line in out.splitlines():
+        assert line.isprintable(), repr(line)
+    assert "j\\u202eevil" in out and "h\\x9b2J" in out and "c\\u2066x\\x0afake line" in out
+    assert len(out.splitlines()) == 5  # header, job, member, lost rank, aborted
+
+
+def test_log_lines_escape_their_arguments() -> None:
+    record = logging.LogRecord(
+        "rendezvousd",
+        logging.WARNING,
+        __file__,
+        1,
+        "job %s: %s",
+        ("j", "x\u202e\nINFO forged"),
+        None,
+    )
+    line = EscapingFormatter("%(levelname)s %(message)s").format(record)
+    assert line == "WARNING job j: x\\u202e\\x0aINFO forged"
+
+
+def test_daemon_log_lines_are_escaped() -> None:
+    """`serve`'s own log handler escapes (a log line of a real process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    env["RENDEZVOUSD_TOKEN"] = secrets.token_urlsafe(32)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "x\\u202ey" in done.stderr and "\u202e" not in done.stderr
+
+
+# `serve`'s logging set-up, then one log line with client text; the daemon is not started.
+_PROBE = """
+import sys
+from rendezvousd import cli
+async def run(*a, **k):
+    import logging
+    logging.getLogger("rendezvousd").warning("job %s", "x\\u202ey")
+    return 0
+cli._run = run
+sys.exit(cli.main(["serve", "--listen", "127.0.0.1:0"]))
+"""

@@ -1,0 +1,72 @@
+"""``rendezvousd serve`` refusals: /metrics exposure, TLS certificate/key pairs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.support import DaemonProcess, Pki, write_token
+
+
+def _serve(tmp: Path, *args: str) -> tuple[int, str, str]:
+    token = tmp / "token"
+    if not token.exists():
+        write_token(token)
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_metrics_on_a_non_loopback_address_without_tls_is_refused(tmp_path: Path) -> None:
+    code, out, err = _serve(tmp_path, "--listen", "127.0.0.1:0", "--metrics-listen", "0.0.0.0:0")
+    assert code == 2, err
+    assert "refusing to serve /metrics in plaintext" in err
+    assert "--insecure-metrics" in err and "serving" not in out
+
+
+def test_insecure_metrics_opt_in_serves_on_any_address(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--metrics-listen", "0.0.0.0:0", "--insecure-metrics")
+    port = d.metrics_url.rsplit(":", 1)[1].split("/")[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+        assert b"rendezvousd_waiters" in page.read()
+
+
+def test_metrics_on_loopback_needs_no_opt_in(start_daemon: Callable[..., DaemonProcess]) -> None:
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    assert d.metrics_url.startswith("http://127.0.0.1:")
+
+
+def test_cert_key_mismatch_is_named(tmp_path: Path, pki: Pki) -> None:
+    key_text = pki.rogue_key.read_text()
+    tls = ("--tls-cert", str(pki.server), "--tls-key", str(pki.rogue_key))
+    code, _, err = _serve(tmp_path, "--listen", "127.0.0.1:0", *tls)
+    assert code == 2, err
+    assert "does not belong to certificate" in err
+    assert "another rendezvousd" not in err
+    assert key_text.splitlines()[1] not in err
+
+
+def test_a_key_that_is_not_pem_is_named(tmp_path: Path, pki: Pki) -> None:
+    bogus = tmp_path / "bogus.key"
+    bogus.write_text("not a key\n")
+    bogus.chmod(0o600)
+    code, _, err = _serve(
+        tmp_path, "--listen", "127.0.0.1:0", "--tls-cert", str(pki.server), "--tls-key", str(bogus)
+    )
+    assert code == 2, err
+    assert f"cannot load TLS certificate {pki.server} with key {bogus}" in err
+
+
+def test_matching_pair_serves(start_daemon: Callable[..., DaemonProcess], pki: Pki) -> None:
+    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    assert d.proc.poll() is None
