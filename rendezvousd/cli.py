@@ -60,8 +60,10 @@ async def _run(
         print(f"rendezvousd: serving on {shown}", flush=True)
         if daemon.metrics_port is not None:
             mhost, _ = config_mod.split_listen(cfg.metrics_listen or "")
+            scheme = "https" if cfg.tls_cert is not None else "http"
             print(
-                f"rendezvousd: metrics on http://{mhost}:{daemon.metrics_port}/metrics", flush=True
+                f"rendezvousd: metrics on {scheme}://{mhost}:{daemon.metrics_port}/metrics",
+                flush=True,
             )
         notifier.ready(f"serving on {shown}")
 

@@ -25,8 +25,8 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.auth import TokenAuthInterceptor
-from rendezvousd.config import DaemonConfig
-from rendezvousd.errors import DaemonError, RendezvousFault
+from rendezvousd.config import DaemonConfig, check_tls_pair
+from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import MemberState
 from rendezvousd.persistence import Persister
@@ -35,7 +35,8 @@ from rendezvousd.state import RendezvousState
 
 log = logging.getLogger("rendezvousd")
 
-# The largest answer is a Join with a 16384-member table (~1 MiB); requests stay small.
+# The largest answer is a Join with a whole member table (8192 members by default,
+# ~0.5 MiB; 16 MiB leaves room for larger --max-members-per-job); requests stay small.
 MAX_SEND_BYTES = 16 * 1024 * 1024
 _MALFORMED = "request body is not a valid protobuf message for this method"
 
@@ -213,6 +214,10 @@ class Daemon:
             ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
+        try:
+            check_tls_pair(c.tls_cert, c.tls_key)  # else gRPC reports only a failed bind
+        except ConfigError as exc:
+            raise DaemonError(str(exc)) from None
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
@@ -289,8 +294,15 @@ class Daemon:
 
         host, port = split_listen(listen)
         try:
+            # With the daemon's certificate, /metrics is served over TLS too: only
+            # then may it listen beyond loopback without --insecure-metrics.
+            tls = self.config.tls_cert
             server, _ = start_http_server(
-                port, addr=host or "127.0.0.1", registry=self.metrics.registry
+                port,
+                addr=host or "127.0.0.1",
+                registry=self.metrics.registry,
+                certfile=str(tls) if tls is not None else None,
+                keyfile=str(self.config.tls_key) if tls is not None else None,
             )
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {listen}: {exc.strerror}") from exc

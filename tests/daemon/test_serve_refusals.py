@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tests.support import DaemonProcess, Pki, write_token
 
@@ -70,3 +74,18 @@ def test_a_key_that_is_not_pem_is_named(tmp_path: Path, pki: Pki) -> None:
 def test_matching_pair_serves(start_daemon: Callable[..., DaemonProcess], pki: Pki) -> None:
     d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
     assert d.proc.poll() is None
+
+
+def test_metrics_are_served_over_tls_with_the_daemons_certificate(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    d = start_daemon(
+        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
+        "--metrics-listen", "127.0.0.1:0",
+    )  # fmt: skip
+    assert d.metrics_url.startswith("https://127.0.0.1:"), d.metrics_url
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    page = urllib.request.urlopen(d.metrics_url, timeout=5, context=context).read()
+    assert b"rendezvousd_jobs" in page
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(d.metrics_url.replace("https", "http"), timeout=5).read()
