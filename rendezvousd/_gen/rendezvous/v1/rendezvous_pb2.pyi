@@ -123,6 +123,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     UNAUTHENTICATED: _ErrorReason.ValueType  # 25
     JOB_ENDED: _ErrorReason.ValueType  # 26
     NOT_RUNNING: _ErrorReason.ValueType  # 27
+    STORAGE_UNAVAILABLE: _ErrorReason.ValueType  # 28
+    """The state directory cannot be written: nothing was applied; retry once health
+    is SERVING again.
+    """
+    SCOPE_DENIED: _ErrorReason.ValueType  # 29
+    """A job-scoped token used for another job, or for an admin-only call."""
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Reasons carried in google.rpc.ErrorInfo.reason (as the enum value's name)."""
@@ -155,6 +161,12 @@ INVALID_ARGUMENT: ErrorReason.ValueType  # 24
 UNAUTHENTICATED: ErrorReason.ValueType  # 25
 JOB_ENDED: ErrorReason.ValueType  # 26
 NOT_RUNNING: ErrorReason.ValueType  # 27
+STORAGE_UNAVAILABLE: ErrorReason.ValueType  # 28
+"""The state directory cannot be written: nothing was applied; retry once health
+is SERVING again.
+"""
+SCOPE_DENIED: ErrorReason.ValueType  # 29
+"""A job-scoped token used for another job, or for an admin-only call."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
