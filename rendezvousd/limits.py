@@ -20,11 +20,12 @@ class Limits:
     max_keys_per_job: int = 32768
     max_kv_bytes_per_job: int = 64 * MIB
     # Daemon-wide: all jobs' keys and values together. Sized for the shipped 1 GiB
-    # container limit: a state-dir snapshot briefly holds ~3 copies (base64, JSON).
+    # container limit: held once in memory; SQLite commits (incremental, or the whole
+    # state after a storage failure) hand it the same bytes objects, not copies.
     max_kv_bytes: int = 128 * MIB
     # Parked calls cost ~26 KiB each (measured: gRPC call state, future, member
     # record): 16384 is ~420 MiB, inside the shipped 1 GiB container limit next to
-    # max_kv_bytes' snapshot copies. A job may hold half, so one job can never
+    # max_kv_bytes. A job may hold half, so one job can never
     # block every other job's joins, and a world of max_members_per_job fits.
     max_waiters: int = 16384
     max_waiters_per_job: int = 8192
