@@ -10,13 +10,11 @@ is what lets tests and the Hypothesis model drive it directly.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from rendezvousd import barriers, kv, validation
-from rendezvousd.errors import Code, RendezvousFault, ranks_text
+from rendezvousd import barriers, fences, kv, placement, validation, waits
+from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member
 from rendezvousd.limits import Limits, Timing
 from rendezvousd.model import (
@@ -27,40 +25,18 @@ from rendezvousd.model import (
     JobView,
     JoinResult,
     MemberState,
-    MemberView,
     Notify,
     Parked,
     Transition,
     Wake,
 )
+from rendezvousd.placement import JoinArgs
+from rendezvousd.views import job_view
+
+# JoinArgs is part of this module's interface: callers build the request they pass to join().
+__all__ = ["JoinArgs", "RendezvousState"]
 
 _TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
-
-
-@dataclass(frozen=True)
-class JoinArgs:
-    job_id: str
-    num_nodes: int
-    gpus_per_node: int
-    node_rank: int | None
-    local_rank: int
-    host: str
-    address: str
-    unique_id: bytes
-    instance_id: str
-    # How long this Join may wait (0: the daemon's default). Rank 0 answered
-    # id_required holds its rank this long at most without publishing the id.
-    wait_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Waiter:
-    job_id: str
-    generation: int
-    kind: str  # "join" | "barrier" | "kv"
-    rank: int
-    key: str = ""  # barrier name or KV key
-    since: float = 0.0
 
 
 class RendezvousState:
@@ -69,7 +45,7 @@ class RendezvousState:
         self.timing = timing or Timing()
         self.jobs: dict[str, Job] = {}
         self.draining = False
-        self._waiters: dict[int, _Waiter] = {}
+        self._waiters: dict[int, waits.Waiter] = {}
         self._job_waiters: dict[str, int] = {}  # job id -> its entries in _waiters
         self._next_waiter = itertools.count(1)
         self._effects: list[Effect] = []
@@ -100,11 +76,11 @@ class RendezvousState:
                 job_id=job.job_id,
             )
         waiter = next(self._next_waiter)
-        self._waiters[waiter] = _Waiter(job.job_id, job.generation, kind, rank, key, now)
+        self._waiters[waiter] = waits.Waiter(job.job_id, job.generation, kind, rank, key, now)
         self._job_waiters[job.job_id] = held + 1
         return Parked(waiter)
 
-    def _unpark(self, waiter: int) -> _Waiter | None:
+    def _unpark(self, waiter: int) -> waits.Waiter | None:
         w = self._waiters.pop(waiter, None)
         if w is not None:
             held = self._job_waiters.pop(w.job_id) - 1
@@ -127,12 +103,7 @@ class RendezvousState:
     def _job(self, job_id: str) -> Job:
         job = self.jobs.get(validation.job_id(job_id))
         if job is None:
-            raise RendezvousFault(
-                Code.NOT_FOUND,
-                "JOB_NOT_FOUND",
-                f"job {job_id!r} does not exist",
-                {"job_id": job_id},
-            )
+            raise fences.no_such_job(job_id)
         return job
 
     def _member(
@@ -141,25 +112,10 @@ class RendezvousState:
         """The caller's job and membership, or the fault that fences it off."""
         job = self._job(job_id)
         if generation != job.generation:
-            raise RendezvousFault(
-                Code.ABORTED,
-                "STALE_GENERATION",
-                f"job {job_id!r} is at generation {job.generation}, the call named generation "
-                f"{generation}; rejoin to take part in the current generation",
-                {
-                    "job_id": job_id,
-                    "generation": str(generation),
-                    "current_generation": str(job.generation),
-                },
-            )
+            raise fences.stale_generation(job, generation)
         member = job.members.get(rank)
         if member is None:
-            raise RendezvousFault(
-                Code.NOT_FOUND,
-                "NOT_A_MEMBER",
-                f"rank {rank} is not a member of job {job_id!r} generation {generation}",
-                {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
-            )
+            raise fences.not_a_member(job, generation, rank)
         if running and job.state is not JobState.RUNNING:
             raise job.generation_fault()
         return job, member
@@ -171,69 +127,23 @@ class RendezvousState:
         holding the token is not enough to act for another job's or another process's rank."""
         job, member = self._member(job_id, generation, rank, running=running)
         if member.instance_id != instance_id:
-            hint = (
-                "the call names no instance_id (an SDK older than the daemon?)"
-                if not instance_id
-                else "the caller is not the worker that joined as this rank"
-            )
-            raise RendezvousFault(
-                Code.ALREADY_EXISTS,
-                "DUPLICATE_RANK",
-                f"rank {rank} of job {job_id!r} generation {generation} belongs to another "
-                f"worker instance: {hint}; rejoin to take part",
-                {"job_id": job_id, "generation": str(generation), "ranks": str(rank)},
-            )
+            raise fences.other_instance(job, generation, rank, instance_id)
         return job, member
 
     # -- join -------------------------------------------------------------
 
     def join(self, args: JoinArgs, now: float) -> JoinResult | Parked:
         if self.draining:
-            raise RendezvousFault(
-                Code.UNAVAILABLE, "DRAINING", "the daemon is shutting down; retry after it restarts"
-            )
-        validation.job_id(args.job_id)
-        validation.topology(args.num_nodes, args.gpus_per_node, self.limits)
-        validation.text_field("host", args.host, self.limits.max_host_bytes, required=True)
-        validation.text_field("address", args.address, self.limits.max_host_bytes, required=False)
-        validation.text_field("instance_id", args.instance_id, 128, required=True)
-        if args.unique_id:
-            validation.unique_id(args.unique_id)
-        if args.local_rank >= args.gpus_per_node:
-            raise validation.invalid(
-                "RANK_OUT_OF_RANGE",
-                f"local_rank={args.local_rank} is out of range for gpus_per_node={args.gpus_per_node} "
-                f"(expected 0..{args.gpus_per_node - 1})",
-                job_id=args.job_id,
-            )
-        if args.node_rank is not None and args.node_rank >= args.num_nodes:
-            raise validation.invalid(
-                "RANK_OUT_OF_RANGE",
-                f"node_rank={args.node_rank} is out of range for num_nodes={args.num_nodes} "
-                f"(expected 0..{args.num_nodes - 1})",
-                job_id=args.job_id,
-            )
+            raise fences.draining()
+        placement.check(args, self.limits)
         job = self._job_for_join(args, now)
-        node_rank = self._node_rank(job, args)
+        node_rank = placement.node_rank(job, args)
         rank = job.rank_of(node_rank, args.local_rank)
         member = job.members.get(rank)
         if member is not None and member.instance_id != args.instance_id:
-            raise RendezvousFault(
-                Code.ALREADY_EXISTS,
-                "DUPLICATE_RANK",
-                f"rank {rank} (node_rank={node_rank}, local_rank={args.local_rank}) of job "
-                f"{args.job_id!r} is already held by a worker on {member.host}; give each worker "
-                "a distinct (node_rank, local_rank)",
-                {"job_id": args.job_id, "generation": str(job.generation), "ranks": str(rank)},
-            )
+            raise placement.duplicate_rank(job, args, rank, node_rank, member)
         if args.unique_id:
-            if rank != 0:
-                raise validation.invalid(
-                    "INVALID_ID",
-                    f"only global rank 0 supplies the unique id; this worker is rank {rank}",
-                    job_id=args.job_id,
-                )
-            self._accept_id(job, args.unique_id)
+            placement.accept_id(job, rank, args.unique_id)
         added = member is None
         if member is None:
             if job.state is not JobState.FORMING:
@@ -249,7 +159,7 @@ class RendezvousState:
         except RendezvousFault as fault:
             if added and fault.reason == "LIMIT_EXCEEDED":
                 # Refused for capacity: the rank must stay free for the retry.
-                self._drop_joiner(job, rank, now)
+                placement.unplace(job, rank, now)
             raise
         if isinstance(outcome, JoinResult) and outcome.id_required:
             # Like any parked call, the rank is held until the Join's own deadline:
@@ -277,7 +187,7 @@ class RendezvousState:
                 f"only the worker holding global rank 0 publishes the id of job {job_id!r}",
                 {"job_id": job_id, "ranks": str(rank)},
             )
-        self._accept_id(job, unique_id)
+        placement.accept_id(job, rank, unique_id)
         job.id_deadline = None
         return self._join_outcome(job, member, now)
 
@@ -295,7 +205,7 @@ class RendezvousState:
                 Transition(job.job_id, job.generation, None, JobState.FORMING, "created")
             )
             return job
-        if job.state in _TERMINAL and not self._rejoin_of_current(job, args):
+        if job.state in _TERMINAL and not placement.rejoin_of_current(job, args):
             if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
                 # Late workers of the launch that had the conflict hear about it too,
                 # instead of opening a generation nobody else will join.
@@ -322,57 +232,6 @@ class RendezvousState:
             raise fault
         return job
 
-    @staticmethod
-    def _rejoin_of_current(job: Job, args: JoinArgs) -> bool:
-        """A retried Join of a member whose generation already ended stays fenced."""
-        return any(m.instance_id == args.instance_id for m in job.members.values()) and (
-            job.state is not JobState.ENDED
-        )
-
-    def _node_rank(self, job: Job, args: JoinArgs) -> int:
-        if args.node_rank is not None:
-            return args.node_rank
-        known = job.host_nodes.get(args.host)
-        if known is not None:
-            return known
-        taken = set(job.host_nodes.values()) | {m.node_rank for m in job.members.values()}
-        for node in range(job.num_nodes):
-            if node not in taken:
-                return node
-        raise RendezvousFault(
-            Code.RESOURCE_EXHAUSTED,
-            "WORLD_FULL",
-            f"job {job.job_id!r} already has num_nodes={job.num_nodes} hosts; {args.host!r} cannot "
-            "get a node rank",
-            {"job_id": job.job_id, "generation": str(job.generation)},
-        )
-
-    def _accept_id(self, job: Job, unique_id: bytes) -> None:
-        digest = hashlib.sha256(unique_id).digest()
-        if job.unique_id == unique_id:
-            return
-        if job.unique_id is None and job.restored_id_digest == digest:
-            # Restored after a restart with only the digest: a replay of the same id
-            # (e.g. a PublishId retried across the restart) is accepted, nothing else.
-            job.unique_id = unique_id
-            return
-        if job.id_digest() is not None:
-            raise RendezvousFault(
-                Code.ALREADY_EXISTS,
-                "ID_CONFLICT",
-                f"job {job.job_id!r} generation {job.generation} already has a different unique id; "
-                "the first one is kept",
-                {"job_id": job.job_id, "generation": str(job.generation)},
-            )
-        if digest in job.used_id_digests:
-            raise validation.invalid(
-                "ID_REUSED",
-                f"this unique id was already used by an earlier generation of job {job.job_id!r}; "
-                "every generation needs a fresh id",
-                job_id=job.job_id,
-            )
-        job.unique_id = unique_id
-
     def _join_outcome(self, job: Job, member: Member, now: float) -> JoinResult | Parked:
         if job.state is JobState.FORMING and len(job.members) == job.world_size and job.unique_id:
             self._start(job, now)
@@ -382,21 +241,11 @@ class RendezvousState:
                 # rank can no longer be given it. Fence the generation.
                 self._lose(job, member, "daemon restarted before this rank received the id", now)
                 raise job.generation_fault()
-            return self._result(job, member)
+            return placement.result(job, member)
         if job.state in _TERMINAL:
             raise job.generation_fault()
         if member.rank == 0 and job.unique_id is None:
-            return JoinResult(
-                job.job_id,
-                job.generation,
-                0,
-                job.world_size,
-                member.node_rank,
-                member.local_rank,
-                True,
-                b"",
-                (),
-            )
+            return placement.id_required(job, member)
         parked = self._park(job, "join", member.rank, "", now)
         job.join_waiters[parked.waiter] = member.rank
         return parked
@@ -408,23 +257,8 @@ class RendezvousState:
         job.member_table = tuple(job.members[r].info() for r in range(job.world_size))
         self._set_state(job, JobState.RUNNING, now, f"all {job.world_size} ranks joined")
         for waiter, rank in list(job.join_waiters.items()):
-            self._wake(waiter, self._result(job, job.members[rank]))
+            self._wake(waiter, placement.result(job, job.members[rank]))
         job.join_waiters.clear()
-
-    @staticmethod
-    def _result(job: Job, member: Member) -> JoinResult:
-        assert job.unique_id is not None
-        return JoinResult(
-            job.job_id,
-            job.generation,
-            member.rank,
-            job.world_size,
-            member.node_rank,
-            member.local_rank,
-            False,
-            job.unique_id,
-            job.member_table,
-        )
 
     # -- waiting calls that end ------------------------------------------
 
@@ -437,35 +271,18 @@ class RendezvousState:
         if job is None or job.generation != w.generation:
             return None
         waited = f"{now - w.since:.1f} s"
-        meta = {"job_id": job.job_id, "generation": str(job.generation)}
         if w.kind == "join":
             job.join_waiters.pop(waiter, None)
             if not timed_out:
                 self._abandon_join(job, w.rank, now)
                 return None
             missing = job.missing_ranks()
-            self._drop_joiner(job, w.rank, now)
-            meta["ranks"] = ranks_text(missing[:64])
-            return RendezvousFault(
-                Code.DEADLINE_EXCEEDED,
-                "WORLD_INCOMPLETE",
-                f"job {job.job_id!r} generation {job.generation}: {job.world_size - len(missing)} of "
-                f"{job.world_size} ranks joined after {waited}; missing ranks {barriers.short_ranks(missing)}",
-                meta,
-            )
+            placement.unplace(job, w.rank, now)
+            return waits.world_incomplete(job, missing, waited)
         if w.kind == "barrier":
+            meta = {"job_id": job.job_id, "generation": str(job.generation)}
             return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
-        waiting = job.kv_waiters.get(w.key)
-        if waiting is not None:
-            waiting.discard(waiter)
-            if not waiting:
-                del job.kv_waiters[w.key]
-        return RendezvousFault(
-            Code.DEADLINE_EXCEEDED,
-            "KEY_WAIT_TIMEOUT",
-            f"key {w.key!r} of job {job.job_id!r} was not set within {waited}",
-            meta,
-        )
+        return waits.key_wait_timeout(job, w.key, waiter, waited)
 
     def _abandon_join(self, job: Job, rank: int, now: float) -> None:
         """A parked Join vanished (the worker died or disconnected): everyone
@@ -478,22 +295,6 @@ class RendezvousState:
         job.failed.append(FailedInfo(rank, member.host, cause))
         self._set_state(job, JobState.FAILED, now, f"rank {rank} on {member.host}: {cause}")
         self._fail_waiters(job)
-
-    def _drop_joiner(self, job: Job, rank: int, now: float) -> None:
-        """A joiner gave up before the world was complete: free its rank."""
-        if job.state is not JobState.FORMING or rank in job.join_waiters.values():
-            return  # a retry of the same join is still waiting for the rank
-        member = job.members.pop(rank, None)
-        if member is None:
-            return
-        if not any(m.host == member.host for m in job.members.values()):
-            job.host_nodes.pop(member.host, None)
-        if rank == 0 and job.unique_id is not None:
-            # rank 0's process (and the listener behind its id) may be gone.
-            job.remember_id()
-            job.unique_id = None
-        if not job.members:
-            job.state_since = now
 
     # -- barrier ----------------------------------------------------------
 
@@ -657,7 +458,7 @@ class RendezvousState:
             return
         if 0 in job.join_waiters.values():
             return  # its PublishId is parked: that call's own deadline applies
-        self._drop_joiner(job, 0, now)
+        placement.unplace(job, 0, now)
         self._effects.append(
             Transition(
                 job.job_id,
@@ -711,7 +512,7 @@ class RendezvousState:
                             f"rank {rank} left job {job_id!r} before it formed",
                         ),
                     )
-            self._drop_joiner(job, rank, now)
+            placement.unplace(job, rank, now)
             return
         if member.state is MemberState.ACTIVE:
             member.state = MemberState.LEFT
@@ -740,9 +541,7 @@ class RendezvousState:
     def drain(self) -> None:
         """Shutdown began: refuse new joins, release every waiter, tell every member."""
         self.draining = True
-        fault = RendezvousFault(
-            Code.UNAVAILABLE, "DRAINING", "the daemon is shutting down; retry after it restarts"
-        )
+        fault = fences.draining()
         for waiter in list(self._waiters):
             self._wake(waiter, fault=fault)
         for job in self.jobs.values():
@@ -760,27 +559,4 @@ class RendezvousState:
             yield self.view(job_id, now)
 
     def view(self, job_id: str, now: float) -> JobView:
-        job = self._job(job_id)
-        members = tuple(
-            MemberView(
-                m.info(),
-                m.state,
-                max(0.0, now - m.last_seen) if m.state is MemberState.ACTIVE else 0.0,
-                m.stream_open,
-            )
-            for _, m in sorted(job.members.items())
-        )
-        return JobView(
-            job.job_id,
-            job.state,
-            job.generation,
-            job.num_nodes,
-            job.gpus_per_node,
-            len(job.present()),
-            max(0.0, now - job.state_since),
-            members,
-            tuple(job.failed),
-            job.unique_id is not None,
-            len(job.kv),
-            job.abort_reason,
-        )
+        return job_view(self._job(job_id), now)

@@ -1,0 +1,181 @@
+"""Where a joiner goes: the Join request's checks, its node rank, rank 0's id, Join's answers.
+
+Pure functions over one job. ``RendezvousState`` decides whether a joiner is
+admitted, parks it, starts the generation and fails it; this module only places
+a joiner in the world (or frees its rank again) and words what a Join is told.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from rendezvousd import validation
+from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.job import Job, Member
+from rendezvousd.limits import Limits
+from rendezvousd.model import JobState, JoinResult
+
+
+@dataclass(frozen=True)
+class JoinArgs:
+    job_id: str
+    num_nodes: int
+    gpus_per_node: int
+    node_rank: int | None
+    local_rank: int
+    host: str
+    address: str
+    unique_id: bytes
+    instance_id: str
+    # How long this Join may wait (0: the daemon's default). Rank 0 answered
+    # id_required holds its rank this long at most without publishing the id.
+    wait_s: float = 0.0
+
+
+def check(args: JoinArgs, limits: Limits) -> None:
+    """Refuses a malformed request before it can create or touch a job."""
+    validation.job_id(args.job_id)
+    validation.topology(args.num_nodes, args.gpus_per_node, limits)
+    validation.text_field("host", args.host, limits.max_host_bytes, required=True)
+    validation.text_field("address", args.address, limits.max_host_bytes, required=False)
+    validation.text_field("instance_id", args.instance_id, 128, required=True)
+    if args.unique_id:
+        validation.unique_id(args.unique_id)
+    if args.local_rank >= args.gpus_per_node:
+        raise validation.invalid(
+            "RANK_OUT_OF_RANGE",
+            f"local_rank={args.local_rank} is out of range for gpus_per_node={args.gpus_per_node} "
+            f"(expected 0..{args.gpus_per_node - 1})",
+            job_id=args.job_id,
+        )
+    if args.node_rank is not None and args.node_rank >= args.num_nodes:
+        raise validation.invalid(
+            "RANK_OUT_OF_RANGE",
+            f"node_rank={args.node_rank} is out of range for num_nodes={args.num_nodes} "
+            f"(expected 0..{args.num_nodes - 1})",
+            job_id=args.job_id,
+        )
+
+
+def rejoin_of_current(job: Job, args: JoinArgs) -> bool:
+    """A retried Join of a member whose generation already ended stays fenced."""
+    return any(m.instance_id == args.instance_id for m in job.members.values()) and (
+        job.state is not JobState.ENDED
+    )
+
+
+def node_rank(job: Job, args: JoinArgs) -> int:
+    """The joiner's node: the one it named, else its host's, else the first free one."""
+    if args.node_rank is not None:
+        return args.node_rank
+    known = job.host_nodes.get(args.host)
+    if known is not None:
+        return known
+    taken = set(job.host_nodes.values()) | {m.node_rank for m in job.members.values()}
+    for node in range(job.num_nodes):
+        if node not in taken:
+            return node
+    raise RendezvousFault(
+        Code.RESOURCE_EXHAUSTED,
+        "WORLD_FULL",
+        f"job {job.job_id!r} already has num_nodes={job.num_nodes} hosts; {args.host!r} cannot "
+        "get a node rank",
+        {"job_id": job.job_id, "generation": str(job.generation)},
+    )
+
+
+def duplicate_rank(
+    job: Job, args: JoinArgs, rank: int, node: int, holder: Member
+) -> RendezvousFault:
+    """Another worker instance already holds the rank this joiner was placed on."""
+    return RendezvousFault(
+        Code.ALREADY_EXISTS,
+        "DUPLICATE_RANK",
+        f"rank {rank} (node_rank={node}, local_rank={args.local_rank}) of job "
+        f"{args.job_id!r} is already held by a worker on {holder.host}; give each worker "
+        "a distinct (node_rank, local_rank)",
+        {"job_id": args.job_id, "generation": str(job.generation), "ranks": str(rank)},
+    )
+
+
+def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
+    """Takes rank 0's id for the generation, or raises why it cannot be used."""
+    if rank != 0:
+        raise validation.invalid(
+            "INVALID_ID",
+            f"only global rank 0 supplies the unique id; this worker is rank {rank}",
+            job_id=job.job_id,
+        )
+    digest = hashlib.sha256(unique_id).digest()
+    if job.unique_id == unique_id:
+        return
+    if job.unique_id is None and job.restored_id_digest == digest:
+        # Restored after a restart with only the digest: a replay of the same id
+        # (e.g. a PublishId retried across the restart) is accepted, nothing else.
+        job.unique_id = unique_id
+        return
+    if job.id_digest() is not None:
+        raise RendezvousFault(
+            Code.ALREADY_EXISTS,
+            "ID_CONFLICT",
+            f"job {job.job_id!r} generation {job.generation} already has a different unique id; "
+            "the first one is kept",
+            {"job_id": job.job_id, "generation": str(job.generation)},
+        )
+    if digest in job.used_id_digests:
+        raise validation.invalid(
+            "ID_REUSED",
+            f"this unique id was already used by an earlier generation of job {job.job_id!r}; "
+            "every generation needs a fresh id",
+            job_id=job.job_id,
+        )
+    job.unique_id = unique_id
+
+
+def result(job: Job, member: Member) -> JoinResult:
+    """A running generation's answer: the id and the member table."""
+    assert job.unique_id is not None
+    return JoinResult(
+        job.job_id,
+        job.generation,
+        member.rank,
+        job.world_size,
+        member.node_rank,
+        member.local_rank,
+        False,
+        job.unique_id,
+        job.member_table,
+    )
+
+
+def id_required(job: Job, member: Member) -> JoinResult:
+    """Rank 0's answer while the generation has no id: create one and PublishId it."""
+    return JoinResult(
+        job.job_id,
+        job.generation,
+        0,
+        job.world_size,
+        member.node_rank,
+        member.local_rank,
+        True,
+        b"",
+        (),
+    )
+
+
+def unplace(job: Job, rank: int, now: float) -> None:
+    """A joiner gave up before the world was complete: free its rank."""
+    if job.state is not JobState.FORMING or rank in job.join_waiters.values():
+        return  # a retry of the same join is still waiting for the rank
+    member = job.members.pop(rank, None)
+    if member is None:
+        return
+    if not any(m.host == member.host for m in job.members.values()):
+        job.host_nodes.pop(member.host, None)
+    if rank == 0 and job.unique_id is not None:
+        # rank 0's process (and the listener behind its id) may be gone.
+        job.remember_id()
+        job.unique_id = None
+    if not job.members:
+        job.state_since = now

@@ -1,0 +1,54 @@
+"""Parked calls: the record of one, and what a Join or KvGet is told when its deadline passes.
+
+``RendezvousState`` parks, wakes and cancels the calls; a barrier's timeout is
+worded by ``barriers.timed_out``, next to the rounds it reports on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rendezvousd.barriers import short_ranks
+from rendezvousd.errors import Code, RendezvousFault, ranks_text
+from rendezvousd.job import Job
+
+
+@dataclass(frozen=True)
+class Waiter:
+    job_id: str
+    # A wait belongs to one generation: its cancel after the next one opened changes nothing.
+    generation: int
+    kind: str  # "join" | "barrier" | "kv"
+    rank: int
+    key: str = ""  # barrier name or KV key
+    since: float = 0.0
+
+
+def world_incomplete(job: Job, missing: list[int], waited: str) -> RendezvousFault:
+    """A Join's deadline passed before every rank joined: it names who is missing."""
+    return RendezvousFault(
+        Code.DEADLINE_EXCEEDED,
+        "WORLD_INCOMPLETE",
+        f"job {job.job_id!r} generation {job.generation}: {job.world_size - len(missing)} of "
+        f"{job.world_size} ranks joined after {waited}; missing ranks {short_ranks(missing)}",
+        {
+            "job_id": job.job_id,
+            "generation": str(job.generation),
+            "ranks": ranks_text(missing[:64]),
+        },
+    )
+
+
+def key_wait_timeout(job: Job, key: str, waiter: int, waited: str) -> RendezvousFault:
+    """Forgets ``waiter``'s wait for ``key``; the fault saying the key never came."""
+    waiting = job.kv_waiters.get(key)
+    if waiting is not None:
+        waiting.discard(waiter)
+        if not waiting:
+            del job.kv_waiters[key]
+    return RendezvousFault(
+        Code.DEADLINE_EXCEEDED,
+        "KEY_WAIT_TIMEOUT",
+        f"key {key!r} of job {job.job_id!r} was not set within {waited}",
+        {"job_id": job.job_id, "generation": str(job.generation)},
+    )
