@@ -22,7 +22,7 @@ from rendezvousd.trainer.checkpoint import (
 )
 from rendezvousd.trainer.errors import CheckpointError
 from rendezvousd.trainer.topology import MultiNodeTopology
-from tests.trainer import fake_device_cupy
+from tests.trainer import fake_cupy
 
 # Each worker is a separate interpreter: node/local rank from argv, one JSON line out.
 WORKER = """
@@ -87,13 +87,13 @@ def test_device_arrays_round_trip_through_an_explicit_host_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The fake's arrays raise on np.asarray, as CuPy's do: saving must copy explicitly.
-    fake = fake_device_cupy.install(monkeypatch)
+    fake = fake_cupy.install(monkeypatch)
     path = tmp_path / "c.npz"
     host = arrays()
     on_device = {name: fake.asarray(value) for name, value in host.items()}
-    copies = fake_device_cupy.counts["asnumpy"]
+    copies = fake.counts["asnumpy"]
     assert save_checkpoint(path, on_device, {"step": 1}, rank=0)
-    assert fake_device_cupy.counts["asnumpy"] == copies + len(host)
+    assert fake.counts["asnumpy"] == copies + len(host)
     back, meta = load_checkpoint(path, xp=fake)
     assert meta == {"step": 1} and set(back) == set(host)
     for name, value in host.items():
@@ -108,7 +108,7 @@ def test_device_arrays_round_trip_through_an_explicit_host_copy(
 def test_resume_onto_device_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rendezvousd.trainer.example import init_params, load_into, params_digest
 
-    fake = fake_device_cupy.install(monkeypatch)
+    fake = fake_cupy.install(monkeypatch)
     host = init_params(features=4, hidden=3, seed=0)
     saved = {k: v + 1 for k, v in host.items()}
     path = checkpoint_path(tmp_path, 5)

@@ -12,12 +12,12 @@ import pytest
 
 from rendezvousd.trainer import devices, nccl
 from rendezvousd.trainer.errors import ConfigError
-from tests.trainer import fake_device_cupy
+from tests.trainer import fake_cupy
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
-    return fake_device_cupy.install(monkeypatch)
+    return fake_cupy.install(monkeypatch)
 
 
 def test_the_fake_refuses_implicit_host_conversion_like_real_device_arrays(fake: Any) -> None:
@@ -76,7 +76,7 @@ def test_unknown_backend_is_a_config_error() -> None:
 
 def test_host_device_round_trip_copies_both_ways(fake: Any) -> None:
     host = np.arange(6, dtype=np.float64).reshape(2, 3)
-    before = fake_device_cupy.counts["asarray"], fake_device_cupy.counts["asnumpy"]
+    before = fake.counts["asarray"], fake.counts["asnumpy"]
     device = devices.to_device(host, fake)
     assert devices.is_device_array(device)
     assert devices.to_device(device, fake) is device  # already there: no copy
@@ -85,7 +85,7 @@ def test_host_device_round_trip_copies_both_ways(fake: Any) -> None:
     assert isinstance(back, np.ndarray) and back.dtype == np.float64
     np.testing.assert_array_equal(back, np.arange(6.0).reshape(2, 3))
     assert devices.to_device(device, np).tolist() == back.tolist()
-    assert (fake_device_cupy.counts["asarray"], fake_device_cupy.counts["asnumpy"]) == (
+    assert (fake.counts["asarray"], fake.counts["asnumpy"]) == (
         before[0] + 1,
         before[1] + 2,
     )

@@ -1,7 +1,7 @@
 """The example trainer written once for host and device arrays.
 
 In process: the model math, digest and baseline against the fake CuPy of
-``fake_device_cupy`` (arrays that refuse implicit host conversion, as CuPy's do). As
+``fake_cupy`` (arrays that refuse implicit host conversion, as CuPy's do). As
 real processes with a real daemon: the example on the nccl backend with that
 fake at the CuPy seam trains, checkpoints and resumes from device arrays, and
 ends bit-identical to the cpu backend on the same data.
@@ -22,7 +22,7 @@ import pytest
 
 from rendezvousd.trainer import demo, devices, example, nccl
 from tests.support import ROOT, WORKERS, DaemonProcess
-from tests.trainer import fake_device_cupy
+from tests.trainer import fake_cupy
 
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
 # Small enough to be quick, big enough for several buckets and two epochs.
@@ -31,7 +31,7 @@ TRAIN = ["--samples", "256", "--features", "8", "--hidden", "16", "--batch", "64
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
-    return fake_device_cupy.install(monkeypatch)
+    return fake_cupy.install(monkeypatch)
 
 
 def test_model_math_on_device_equals_host_bit_for_bit(fake: Any) -> None:

@@ -1,8 +1,9 @@
 """NcclCommunicator against a fake ``cupy`` installed at the one seam, ``_import_cupy``.
 
 The fake records every NCCL call so the tests can pin the exact arguments
-CuPy's bindings receive; fake arrays are numpy arrays whose ``data.ptr`` is
-their host address, so pointers in the log can be checked against them.
+CuPy's bindings receive; fake device arrays refuse implicit host conversion like
+CuPy's, so results are read through ``asnumpy``, and their ``data.ptr`` is the
+address of their memory, so pointers in the log can be checked against them.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def test_id_never_in_repr_errors_or_state(cupy: Any) -> None:
         assert not (isinstance(value, tuple) and len(value) == 128)
     log_of(cupy).fail = FakeNcclError(3)
     with pytest.raises(CommunicatorError) as info:
-        comm.all_reduce(device_array([1.0]))
+        comm.all_reduce(device_array(cupy, [1.0]))
     assert UID.hex()[:8] not in str(info.value) and "\\x01\\x02" not in str(info.value)
 
 
@@ -176,13 +177,13 @@ def test_op_table_and_avg_version_gate() -> None:
 def test_all_reduce_call_sequence(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0)
     caller = current_stream(cupy.world)
-    array = device_array(np.arange(8))
+    array = device_array(cupy, np.arange(8))
     cupy.world.trace.clear()
     comm.all_reduce(array, ReduceOp.AVG)
     stream = comm._stream
     assert stream.non_blocking and stream is not caller
     entry = [e for e in log_of(cupy).log if e[0] == "allReduce"][-1]
-    assert entry == ("allReduce", array.ctypes.data, array.ctypes.data, 8, 7, 4, stream.ptr)
+    assert entry == ("allReduce", array.data.ptr, array.data.ptr, 8, 7, 4, stream.ptr)
     ready, done = comm._ready.name, comm._done.name
     assert cupy.world.trace == [
         ("record", ready, "default"),
@@ -196,7 +197,7 @@ def test_all_reduce_call_sequence(cupy: Any) -> None:
         ("broadcast", *entry[1:3], 8, 7, 1, stream.ptr)
     ]
     before = len(log_of(cupy).log)
-    comm.all_reduce(device_array([], np.float32))  # empty: no NCCL call
+    comm.all_reduce(device_array(cupy, [], np.float32))  # empty: no NCCL call
     assert len(log_of(cupy).log) == before
 
 
@@ -204,15 +205,15 @@ def test_avg_falls_back_to_sum_and_divide_on_old_nccl(monkeypatch: pytest.Monkey
     fake = make_cupy(version=20804)
     monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
     comm = nccl.NcclCommunicator(0, 4, UID, 0)
-    floats = device_array([4.0, 8.0, 2.0])
+    floats = device_array(fake, [4.0, 8.0, 2.0])
     comm.all_reduce(floats, ReduceOp.AVG)
     assert [e for e in log_of(fake).log if e[0] == "allReduce"][-1][
         5
     ] == 0  # SUM; the fake leaves the sum unchanged
-    np.testing.assert_array_equal(floats, [1.0, 2.0, 0.5])
-    ints = device_array([9, 8], np.int64)
+    np.testing.assert_array_equal(fake.asnumpy(floats), [1.0, 2.0, 0.5])
+    ints = device_array(fake, [9, 8], np.int64)
     comm.all_reduce(ints, ReduceOp.AVG)
-    np.testing.assert_array_equal(ints, [2, 2])
+    np.testing.assert_array_equal(fake.asnumpy(ints), [2, 2])
 
 
 def test_bad_buffers_are_refused_before_nccl(cupy: Any) -> None:
@@ -221,11 +222,11 @@ def test_bad_buffers_are_refused_before_nccl(cupy: Any) -> None:
     with pytest.raises(CollectiveArgumentError, match="rank 0: NCCL all_reduce needs a CuPy"):
         comm.all_reduce(np.zeros(3, np.float32))
     with pytest.raises(CollectiveArgumentError, match="contiguous"):
-        comm.all_reduce(device_array(np.zeros((4, 4)))[:, ::2])
+        comm.all_reduce(device_array(cupy, np.zeros((4, 4)))[:, ::2])
     with pytest.raises(CollectiveArgumentError, match="root"):
-        comm.broadcast(device_array([1.0]), root=1)
+        comm.broadcast(device_array(cupy, [1.0]), root=1)
     with pytest.raises(CollectiveArgumentError, match="cannot reduce dtype int16"):
-        comm.all_reduce(device_array([1, 2], np.int16))
+        comm.all_reduce(device_array(cupy, [1, 2], np.int16))
     assert "allReduce" not in log_of(cupy).names()
 
 
@@ -244,7 +245,7 @@ def test_errors_are_mapped_with_rank_and_operation(
     comm = nccl.NcclCommunicator(1, 2, UID, 0)
     log_of(cupy).fail = error
     with pytest.raises(kind, match=r"rank 1/2: NCCL all_reduce") as info:
-        comm.all_reduce(device_array([1.0]))
+        comm.all_reduce(device_array(cupy, [1.0]))
     assert info.value.__cause__ is error
 
 
@@ -259,7 +260,7 @@ def test_abort_then_collective_raises_aborted(cupy: Any) -> None:
     comm.abort("peer 1 failed")
     comm.abort("again")
     assert log_of(cupy).names().count("abort") == 1
-    for call in (lambda: comm.all_reduce(device_array([1.0])), comm.barrier):
+    for call in (lambda: comm.all_reduce(device_array(cupy, [1.0])), comm.barrier):
         with pytest.raises(CommunicatorAborted, match="peer 1 failed"):
             call()
     comm.close()
@@ -295,7 +296,7 @@ def test_barrier_and_close(cupy: Any) -> None:
     comm.close()
     assert log_of(cupy).names().count("destroy") == 1
     with pytest.raises(CommunicatorError, match="closed"):
-        comm.all_reduce(device_array([1.0]))
+        comm.all_reduce(device_array(cupy, [1.0]))
 
 
 # --- availability and the import boundary -------------------------------------------
@@ -362,12 +363,12 @@ def test_async_error_after_enqueue_aborts_never_destroys(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 3, UID, 0, timeout=30)
     cupy.world.async_error = 6  # a peer died after the all-reduce was enqueued
     with pytest.raises(PeerConnectionError, match=r"rank 0/3: NCCL all_reduce .*ranks 1, 2"):
-        comm.all_reduce(device_array([1.0, 2.0]))
+        comm.all_reduce(device_array(cupy, [1.0, 2.0]))
     names = log_of(cupy).names()
     assert names.index("allReduce") < names.index("check_async_error") < names.index("abort")
     assert comm.aborted is not None and cupy.cuda.nccl.comms[0].handle == 0
     with pytest.raises(CommunicatorAborted, match="after abort"):
-        comm.broadcast(device_array([1.0]))
+        comm.broadcast(device_array(cupy, [1.0]))
     comm.close()
     assert "destroy" not in log_of(cupy).names()
 
@@ -378,7 +379,7 @@ def test_collective_timeout_aborts_and_names_op_and_peers(cupy: Any) -> None:
     with pytest.raises(
         CommunicatorTimeout, match=r"rank 2/4: NCCL all_reduce .*0\.05 s \(peers: ranks 0, 1, 3\)"
     ):
-        comm.all_reduce(device_array([1.0]))
+        comm.all_reduce(device_array(cupy, [1.0]))
     assert log_of(cupy).names()[-1] == "abort" and "destroy" not in log_of(cupy).names()
 
 
@@ -392,7 +393,7 @@ def test_old_cupy_keyerror_for_remote_error_is_a_peer_error(
     comm = nccl.NcclCommunicator(1, 2, UID, 0)
     fake.world.async_error = 6
     with pytest.raises(PeerConnectionError, match="status 6") as info:
-        comm.all_reduce(device_array([1.0]))
+        comm.all_reduce(device_array(fake, [1.0]))
     assert isinstance(info.value.__cause__, KeyError) and comm.aborted is not None
 
 
@@ -411,7 +412,7 @@ def test_abort_waits_for_a_call_inside_nccl(cupy: Any) -> None:
 
     def collective() -> None:
         try:
-            comm.all_reduce(device_array([1.0]))
+            comm.all_reduce(device_array(cupy, [1.0]))
         except BaseException as exc:
             errors.append(exc)
 
@@ -439,7 +440,7 @@ def test_concurrent_collectives_from_two_threads(cupy: Any) -> None:
     def loop() -> None:
         try:
             for _ in range(50):
-                comm.all_reduce(device_array([1.0, 2.0]))
+                comm.all_reduce(device_array(cupy, [1.0, 2.0]))
                 comm.barrier()
         except BaseException as exc:
             errors.append(exc)
@@ -506,9 +507,9 @@ def test_init_hang_ends_the_process_with_its_own_code() -> None:
 
 def test_reducer_never_makes_the_callers_stream_wait_before_wait(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 1, UID, 0, timeout=30)
-    base = device_array(np.arange(24).reshape(4, 6))
-    grads = [device_array(np.arange(5)), base[:, ::2], device_array(np.ones(300))]
-    expected = [np.asarray(g).copy() for g in grads]
+    base = device_array(cupy, np.arange(24).reshape(4, 6))
+    grads = [device_array(cupy, np.arange(5)), base[:, ::2], device_array(cupy, np.ones(300))]
+    expected = [cupy.asnumpy(g) for g in grads]
     user = cupy.cuda.Stream(non_blocking=True)  # e.g. a per-thread default stream
     trace = cupy.world.trace
     with user, BucketedAllReducer(grads, comm, cap_bytes=1024, first_bucket_bytes=None) as r:
@@ -534,19 +535,19 @@ def test_reducer_never_makes_the_callers_stream_wait_before_wait(cupy: Any) -> N
     for event in r._ops._ready.values():
         assert trace.index(("wait_event", comm_stream, event.name)) > ready[event.name]
     for got, want in zip(grads, expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
 
 
 def test_reducer_after_abort_raises_and_leaves_no_garbage(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=30)
-    grads = [device_array(np.full(10, 4.0)), device_array(np.full(300, 8.0))]
+    grads = [device_array(cupy, np.full(10, 4.0)), device_array(cupy, np.full(300, 8.0))]
     cupy.world.hang = True
     reducer = BucketedAllReducer(grads, comm, cap_bytes=1024, first_bucket_bytes=None)
     threading.Timer(0.05, comm.abort, args=("peer 1 died",)).start()
     with pytest.raises(CommunicatorAborted, match=r"peer 1 died.*\[bucket 0 of 2: gradients \[1\]"):
         reducer.wait()
     # The aborted bucket was never unpacked: the gradients hold what they held.
-    np.testing.assert_array_equal(grads[1], np.full(300, 8.0))
+    np.testing.assert_array_equal(cupy.asnumpy(grads[1]), np.full(300, 8.0))
     with pytest.raises(CommunicatorAborted):
         reducer.wait()
     reducer.close()
@@ -556,7 +557,7 @@ def test_reducer_timeout_names_bucket_op_and_peers(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(1, 2, UID, 0, timeout=0.05)
     cupy.world.hang = True
     with (
-        BucketedAllReducer([device_array(np.ones(8))], comm) as reducer,
+        BucketedAllReducer([device_array(cupy, np.ones(8))], comm) as reducer,
         pytest.raises(CommunicatorTimeout, match=r"all_reduce .*peers: ranks 0\).*\[bucket 0 of 1"),
     ):
         reducer.wait()

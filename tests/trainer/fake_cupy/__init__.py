@@ -1,0 +1,92 @@
+"""A fake ``cupy`` for the trainer's one CuPy seam, ``nccl._import_cupy``.
+
+``make_cupy()`` builds one fake machine with:
+
+* device arrays that refuse implicit host conversion, as CuPy's do
+  (``arrays.py``): host and device meet only through ``asnumpy``/``asarray``;
+* streams and events whose ordering is recorded in ``world.trace``, and a
+  thread-local current stream and device (``streams.py``);
+* NCCL with its error table, asynchronous errors, abort, init failures and
+  races recorded (``nccl.py``), in ``cuda.nccl``.
+
+``install(monkeypatch)`` puts a fresh one at the seam for one test;
+``install_globally()`` does it for a worker process (a world of one rank).
+Tests read results through ``asnumpy``; the fake's knobs are on ``.world``
+(``hang``, ``async_error``, ``trace``, ``counts``) and ``.cuda.nccl``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from .arrays import functions, ndarray
+from .nccl import FakeCudaError, FakeNccl, FakeNcclError
+from .streams import FakeEvent, FakeStream, World, current_stream, device_class
+
+__all__ = [
+    "FakeCudaError",
+    "FakeEvent",
+    "FakeNccl",
+    "FakeNcclError",
+    "FakeStream",
+    "World",
+    "current_stream",
+    "device_array",
+    "install",
+    "install_globally",
+    "make_cupy",
+    "ndarray",
+]
+
+
+def make_cupy(
+    version: int = 21805,
+    cupy_version: str = "14.0.0",
+    old_table: bool = False,
+    *,
+    devices: int = 2,
+    solo: bool = False,
+) -> Any:
+    """A fake ``cupy`` module; ``.world`` is its machine, ``.cuda.nccl`` its NCCL log."""
+    world = World()
+    FakeNcclError.old_table = old_table
+    return SimpleNamespace(
+        __version__=cupy_version,
+        world=world,
+        counts=world.counts,
+        **functions(world),
+        cuda=SimpleNamespace(
+            nccl=FakeNccl(world, version, solo=solo),
+            Stream=lambda non_blocking=False: world.stream(non_blocking),
+            Event=lambda disable_timing=False: FakeEvent(world, disable_timing),
+            Device=device_class(world),
+            get_current_stream=lambda: current_stream(world),
+            runtime=SimpleNamespace(getDeviceCount=lambda: devices, CUDARuntimeError=FakeCudaError),
+        ),
+    )
+
+
+def device_array(cupy: Any, values: Any, dtype: Any = np.float32) -> Any:
+    """``values`` on ``cupy``'s current device, without counting it as a copy under test."""
+    return ndarray(np.array(values, dtype=dtype), cupy.world.device, cupy.world)
+
+
+def install(monkeypatch: Any, **options: Any) -> Any:
+    """A fresh fake at the seam for one test; ``options`` as for ``make_cupy``."""
+    from rendezvousd.trainer import nccl
+
+    fake = make_cupy(**options)
+    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    return fake
+
+
+def install_globally() -> None:
+    """For a worker process: every later CuPy import through the seam gets one fake,
+    a machine with one GPU whose NCCL serves a world of one rank."""
+    from rendezvousd.trainer import nccl
+
+    fake = make_cupy(devices=1, solo=True)
+    nccl._import_cupy = lambda: fake

@@ -1,0 +1,220 @@
+"""Fake CuPy device arrays: host memory underneath, but no implicit way to reach it.
+
+Like real device arrays where it matters for correctness: they are not numpy
+arrays, ``np.asarray``/``np.array``/numpy functions on them raise ``TypeError``
+(CuPy: "Implicit conversion to a NumPy array is not allowed"), and arithmetic
+refuses numpy operands. So code that runs against them provably crosses between
+host and device only through ``asnumpy``/``asarray``/``get``, which copy (and
+are counted in ``world.counts``). Element copies (``a[...] = b``) and ``divide``
+are recorded in the world's trace with the stream they ran on; ``data.ptr`` is
+the host address of the memory underneath.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from .streams import World, current_stream
+
+
+def _refuse(what: str) -> TypeError:
+    return TypeError(
+        f"Implicit conversion to a NumPy array is not allowed ({what}); "
+        "use .get() or cupy.asnumpy() to copy to the host explicitly"
+    )
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, ndarray):
+        return value._host
+    if isinstance(value, np.ndarray):
+        raise TypeError(f"Unsupported type {type(value)}: a host array mixed with device arrays")
+    if isinstance(value, tuple):
+        return tuple(_unwrap(v) for v in value)
+    return value
+
+
+def _wrap(value: Any, world: World, device: int | None = None) -> Any:
+    if isinstance(value, np.generic):  # CuPy reductions return 0-d device arrays
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        return ndarray(value, world.device if device is None else device, world)
+    return value
+
+
+class ndarray:
+    """A device array of one fake machine (``world``) on one device."""
+
+    __module__ = "cupy._fake"  # what nccl.is_cupy_array recognises
+    __array_ufunc__ = None  # numpy ufuncs and ndarray operators refuse it
+
+    def __init__(self, host: np.ndarray, device: int, world: World) -> None:
+        self._host = host
+        self._device = device
+        self._world = world
+
+    def _same(self, host: np.ndarray) -> ndarray:
+        return ndarray(host, self._device, self._world)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("__array__")
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        raise _refuse(f"numpy.{func.__name__}")
+
+    def __repr__(self) -> str:
+        return f"fake_cupy.ndarray(device={self._device}, shape={self.shape}, dtype={self.dtype})"
+
+    # -- attributes NCCL, the reducer and the example read --
+    shape = property(lambda self: self._host.shape)
+    dtype = property(lambda self: self._host.dtype)
+    size = property(lambda self: self._host.size)
+    nbytes = property(lambda self: self._host.nbytes)
+    ndim = property(lambda self: self._host.ndim)
+    flags = property(lambda self: self._host.flags)
+    T = property(lambda self: self._same(self._host.T))
+
+    @property
+    def data(self) -> Any:
+        return SimpleNamespace(ptr=self._host.ctypes.data)
+
+    @property
+    def device(self) -> Any:
+        return SimpleNamespace(id=self._device)
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def __float__(self) -> float:
+        return float(self._host)
+
+    def __int__(self) -> int:
+        return int(self._host)
+
+    def __getitem__(self, key: Any) -> ndarray:
+        return self._same(self._host[_unwrap(key)])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._world.add("copy", current_stream(self._world).name)
+        self._host[_unwrap(key)] = _unwrap(value)
+
+    def get(self) -> np.ndarray:
+        self._world.counts["asnumpy"] += 1
+        return self._host.copy()
+
+    def astype(self, dtype: Any, copy: bool = True) -> ndarray:
+        return self._same(self._host.astype(dtype, copy=copy))
+
+    def sum(self, axis: Any = None) -> ndarray:
+        return _wrap(self._host.sum(axis=axis), self._world, self._device)  # type: ignore[no-any-return]
+
+    def reshape(self, *shape: Any) -> ndarray:
+        return self._same(self._host.reshape(*shape))
+
+    def copy(self) -> ndarray:
+        return self._same(self._host.copy())
+
+    def _binary(self, other: Any, op: Callable[[Any, Any], Any], reflected: bool) -> Any:
+        if isinstance(other, ndarray) and other._device != self._device:
+            raise ValueError(f"arrays on devices {self._device} and {other._device}")
+        a, b = self._host, _unwrap(other)
+        return _wrap(op(b, a) if reflected else op(a, b), self._world, self._device)
+
+    def _inplace(self, other: Any, op: Callable[[Any, Any], Any]) -> ndarray:
+        op(self._host, _unwrap(other))
+        return self
+
+    def __add__(self, o: Any) -> Any:
+        return self._binary(o, operator.add, False)
+
+    def __radd__(self, o: Any) -> Any:
+        return self._binary(o, operator.add, True)
+
+    def __sub__(self, o: Any) -> Any:
+        return self._binary(o, operator.sub, False)
+
+    def __rsub__(self, o: Any) -> Any:
+        return self._binary(o, operator.sub, True)
+
+    def __mul__(self, o: Any) -> Any:
+        return self._binary(o, operator.mul, False)
+
+    def __rmul__(self, o: Any) -> Any:
+        return self._binary(o, operator.mul, True)
+
+    def __truediv__(self, o: Any) -> Any:
+        return self._binary(o, operator.truediv, False)
+
+    def __rtruediv__(self, o: Any) -> Any:
+        return self._binary(o, operator.truediv, True)
+
+    def __matmul__(self, o: Any) -> Any:
+        return self._binary(o, operator.matmul, False)
+
+    def __pow__(self, o: Any) -> Any:
+        return self._binary(o, operator.pow, False)
+
+    def __neg__(self) -> ndarray:
+        return self._same(-self._host)
+
+    def __iadd__(self, o: Any) -> ndarray:
+        return self._inplace(o, operator.iadd)
+
+    def __isub__(self, o: Any) -> ndarray:
+        return self._inplace(o, operator.isub)
+
+    def __itruediv__(self, o: Any) -> ndarray:
+        return self._inplace(o, operator.itruediv)
+
+    def __ifloordiv__(self, o: Any) -> ndarray:
+        return self._inplace(o, operator.ifloordiv)
+
+
+def functions(world: World) -> dict[str, Any]:
+    """The array half of a fake ``cupy`` module whose arrays live in ``world``."""
+
+    def lift(fn: Callable[..., Any], traced: str = "") -> Callable[..., Any]:
+        """A numpy function as a CuPy one: device arrays in, device arrays out."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if traced:
+                world.add(traced, current_stream(world).name)
+            out = kwargs.get("out")
+            result = fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
+            return out if out is not None else _wrap(result, world)
+
+        return call
+
+    def asarray(value: Any, dtype: Any = None) -> ndarray:
+        """Host to device: a copy, as on a real GPU."""
+        if isinstance(value, ndarray):
+            return value if dtype is None else value.astype(dtype)
+        world.counts["asarray"] += 1
+        return ndarray(np.array(value, dtype=dtype, copy=True), world.device, world)
+
+    def asnumpy(value: Any) -> np.ndarray:
+        if isinstance(value, ndarray):
+            return value.get()
+        return np.asarray(value)
+
+    return {
+        "ndarray": ndarray,
+        "asarray": asarray,
+        "array": asarray,
+        "asnumpy": asnumpy,
+        "tanh": lift(np.tanh),
+        "mean": lift(np.mean),
+        "max": lift(np.max),
+        "abs": lift(np.abs),
+        "divide": lift(np.divide, traced="divide"),
+        "zeros": lift(np.zeros),
+        "ones": lift(np.ones),
+        "empty": lift(np.empty),
+        "zeros_like": lift(np.zeros_like),
+        "ascontiguousarray": lift(np.ascontiguousarray),
+    }
