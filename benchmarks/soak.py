@@ -209,12 +209,15 @@ def _spawn(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _raise_fd_limit()
     with tempfile.TemporaryDirectory() as tmp:
+        persist = ["--state-dir", str(Path(tmp) / "state")] if args.state_dir else []
+        (Path(tmp) / "state").mkdir(mode=0o700)
         embedded = spawn(
             Path(tmp),
             "--log-level",
             "WARNING",
             "--heartbeat-timeout-s",
             str(args.heartbeat_timeout_s),
+            *persist,
         )
         daemon, endpoint = embedded.proc, embedded.endpoint
         token = str(embedded.token_file)
@@ -287,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "soak",
         "members": args.members,
+        "state_dir": bool(args.state_dir),
         "job_size": args.job_size,
         "duration_s": round(elapsed, 1),
         "operations": {k: _percentiles(v) for k, v in latencies.items()},
@@ -323,6 +327,9 @@ def main() -> None:
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
     p.add_argument("--period-s", type=float, default=30.0, help="barrier + KV every this often")
     p.add_argument("--json-out", type=Path)
+    p.add_argument(
+        "--state-dir", action="store_true", help="the daemon persists to SQLite (--state-dir)"
+    )
     p.add_argument("--role", choices=("members", "probe", "victim"), help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--token-file", help=argparse.SUPPRESS)
