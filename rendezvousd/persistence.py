@@ -33,6 +33,7 @@ import sqlite3
 import stat
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,13 @@ class Persister:
         # (job, key) -> (version recorded, generation, durable value or None)
         self._undo: dict[_UndoKey, tuple[int, int, bytes | None]] = {}
         self._lock = asyncio.Lock()
+        # One writer thread, always the same: SQLite's connection (and the malloc
+        # arena its allocations land in) stays with one thread, where the default
+        # executor would spread commits over up to min(32, cpus + 4) threads.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+
+    async def _in_writer(self, fn: Callable[..., None], *args: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
 
     # -- start ------------------------------------------------------------
 
@@ -197,6 +205,7 @@ class Persister:
         self._committed(version, writes, written)
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
 
@@ -270,7 +279,7 @@ class Persister:
         version = self._version
         writes, written = self._collect()
         try:
-            await asyncio.to_thread(self.store.commit, writes)
+            await self._in_writer(self.store.commit, writes)
         except (sqlite3.Error, OSError) as exc:
             self._fail(writes, exc)
             return
@@ -338,7 +347,7 @@ class Persister:
             version = self._version
             writes, written = self._collect()
             try:
-                await asyncio.to_thread(_reopen_and_commit, store, writes)
+                await self._in_writer(_reopen_and_commit, store, writes)
             except (sqlite3.Error, OSError, DaemonError) as exc:
                 for w in writes:
                     self._dirty.setdefault(w.job_id, set())

@@ -10,8 +10,8 @@ Schema (``schema_version`` 2 in ``meta``; documented in docs/operations.md):
 One ``commit`` is one transaction: a job's row, the KV rows that changed and the
 deletions of expired jobs become durable together or not at all (``synchronous=FULL``
 so a commit survives power loss, not only a process crash). The connection is
-used from one writer thread at a time (``check_same_thread=False``; the
-Persister's lock serialises it).
+used from the Persister's one writer thread (``check_same_thread=False`` only because
+restore and close run on the daemon's main thread, before and after it).
 """
 
 from __future__ import annotations
