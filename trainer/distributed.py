@@ -156,8 +156,9 @@ def init_distributed(
         elif nccl.device_count() < 1:
             raise ConfigError(f"{devices.SHARED_DEVICE_ENV}=1 needs one GPU, and none is visible")
         id_factory = nccl.create_unique_id
-    started = time.monotonic()
-    membership = rdzv.join(
+    # The same Join again is how the NCCL setup gets a fresh generation and id.
+    join = functools.partial(
+        rdzv.join,
         num_nodes=config.num_nodes,
         gpus_per_node=config.local_world_size,
         node_rank=placement.node_rank if placement is not None else None,
@@ -166,48 +167,32 @@ def init_distributed(
         id_factory=id_factory,
         timeout=config.join_timeout_s,
     )
+    started = time.monotonic()
+    membership = join()
     rendezvous_s = time.monotonic() - started
     # Liveness from the first moment: a slow communicator setup must not read as a
     # silent member, and a peer lost during setup must end it at once.
     relay = _FailureRelay()
     rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
+    communicator: Communicator
     if config.backend == "nccl":
-        assert id_factory is not None
-        rejoin = functools.partial(
-            rdzv.join,
-            num_nodes=config.num_nodes,
-            gpus_per_node=config.local_world_size,
-            node_rank=placement.node_rank if placement is not None else None,
-            local_rank=local_rank,
-            address="",
-            id_factory=id_factory,
-            timeout=config.join_timeout_s,
+        membership, communicator, relay = _nccl_setup(config, rdzv, membership, relay, join)
+    else:
+        cpu = membership
+        placed = MultiNodeTopology.from_global_rank(
+            cpu.rank, config.num_nodes, config.local_world_size
         )
-        membership, communicator, relay = _nccl_setup(config, rdzv, membership, relay, rejoin)
-        topology = MultiNodeTopology.from_global_rank(
-            membership.rank, config.num_nodes, config.local_world_size
+        communicator = with_retry(
+            f"{config.backend} communicator setup for rank {cpu.rank}",
+            lambda: _cpu_ring(
+                config, rdzv, cpu.rank, cpu.world_size, cpu.unique_id, placed.node_rank, ring_host
+            ),
+            attempts=config.retry_attempts,
         )
-        if topology.is_global_rank_zero:
-            log.info("%s rendezvous=%.3fs", config.rank0_log_line(), rendezvous_s)
-        return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
+        relay.attach(communicator)
     topology = MultiNodeTopology.from_global_rank(
         membership.rank, config.num_nodes, config.local_world_size
     )
-    communicator = with_retry(
-        f"{config.backend} communicator setup for rank {membership.rank}",
-        lambda: _communicator(
-            config,
-            rdzv,
-            membership.rank,
-            membership.world_size,
-            membership.unique_id,
-            topology.local_rank,
-            topology.node_rank,
-            ring_host,
-        ),
-        attempts=config.retry_attempts,
-    )
-    relay.attach(communicator)
     if topology.is_global_rank_zero:
         log.info("%s rendezvous=%.3fs", config.rank0_log_line(), rendezvous_s)
     return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
@@ -327,13 +312,12 @@ def _fail_generation(rdzv: Rendezvous, m: Membership, reason: str) -> None:
         log.warning("rank %d: could not abort generation %d: %s", m.rank, m.generation, exc)
 
 
-def _communicator(
+def _cpu_ring(
     config: DistributedConfig,
     rdzv: Rendezvous,
     rank: int,
     world_size: int,
     secret: bytes,
-    local_rank: int,
     node_rank: int,
     ring_host: str,
 ) -> Communicator:
