@@ -16,7 +16,9 @@ because the state machine decides and mutates in one step (limits, counters,
 waiters); undo needs only the old value of one key, not a second state machine.
 Membership calls (Join, Barrier, Leave, AbortJob) are not undone: they are
 idempotent by instance id / sequence number, so their retry after the fault finds
-the same answer, and the change is written once storage is back.
+the same answer, and the change is written once storage is back. Reads wait for
+the commit of their job's pending changes (``settled``), so none answers with a
+value that is undone a moment later.
 
 ``StateStore`` is the pre-SQLite ``state.json`` format, kept only to import it once.
 """
@@ -132,6 +134,7 @@ class Persister:
         self.healthy = True
         self.on_health: Callable[[bool], None] | None = None
         self._version = 0  # bumped by every touch
+        self._job_version: dict[str, int] = {}  # job id -> version of its newest touch
         self._saved = 0  # every change up to this version is committed
         self._failed = 0  # every change up to this version was refused and undone
         self._dirty: dict[str, set[str]] = {}  # job id -> touched KV keys
@@ -231,6 +234,7 @@ class Persister:
         if key is not None:
             keys.add(key)
         self._version += 1
+        self._job_version[job_id] = self._version
 
     def _collect(self) -> tuple[list[JobWrite], dict[_UndoKey, bytes | None]]:
         """The pending changes as rows, cut on the event loop (a consistent cut)."""
@@ -274,6 +278,26 @@ class Persister:
                 if self._saved < target and self._failed < target:
                     await self._commit()
 
+    async def settled(self, job_id: str | None = None) -> bool:
+        """Wait until the changes made so far (to ``job_id``, or to any job) are
+        committed or refused; False when the commit carrying one of them failed.
+
+        Reads call it so that they never answer with a value whose commit is still in
+        flight: a refused change is undone, and a value read before the refusal would
+        be one that never existed. It never raises, so reads keep working (from the
+        undone, durable state) while storage is down."""
+        if self.store is None:
+            return True
+        target = self._version if job_id is None else self._job_version.get(job_id, 0)
+        while True:
+            if self._saved >= target:
+                return True
+            if self._failed >= target or not self.healthy:
+                return False
+            async with self._lock:
+                if self._saved < target and self._failed < target and self.healthy:
+                    await self._commit()
+
     async def _commit(self) -> None:
         assert self.store is not None
         version = self._version
@@ -289,6 +313,8 @@ class Persister:
         self, version: int, writes: list[JobWrite], written: dict[_UndoKey, bytes | None]
     ) -> None:
         self._saved = max(self._saved, version)
+        for job_id in [j for j, v in self._job_version.items() if v <= self._saved]:
+            del self._job_version[job_id]
         for w in writes:
             if w.record is None:
                 self._written_gen.pop(w.job_id, None)

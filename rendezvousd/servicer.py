@@ -475,6 +475,10 @@ class RendezvousServicer:
                     # Answer only once the change is on disk (group-committed).
                     self.persister.touch(request.job_id)
                     await self.persister.durable(request.job_id)
+                elif not await self.persister.settled(getattr(request, "job_id", "") or None):
+                    # What was read may have been a change whose commit then failed
+                    # and was undone: read again, from what is durable.
+                    response = await fn(request, context)
                 return response
             except RendezvousFault as fault:
                 code = fault.code.value

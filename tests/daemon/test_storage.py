@@ -33,9 +33,9 @@ def _health(d: DaemonProcess) -> int:
         return status
 
 
-def _start(tmp_path: Path) -> tuple[DaemonProcess, Path]:
+def _start(tmp_path: Path, heartbeat_timeout_s: int = 5) -> tuple[DaemonProcess, Path]:
     state = tmp_path / "state"
-    flags = ("--state-dir", str(state), "--heartbeat-timeout-s", "5")
+    flags = ("--state-dir", str(state), "--heartbeat-timeout-s", str(heartbeat_timeout_s))
     return spawn_daemon(tmp_path, *flags, "--metrics-listen", "127.0.0.1:0"), state
 
 
@@ -127,6 +127,59 @@ def test_a_reader_woken_by_a_change_that_failed_gets_the_fault_not_the_value(
         assert reason_of(outcome[0])[0] == "STORAGE_UNAVAILABLE"
         state.mkdir(mode=0o700)
         wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
+        with pytest.raises(RendezvousError) as undone:
+            reader.kv_get("k", wait=False)
+        assert undone.value.reason == "KEY_NOT_FOUND"
+    finally:
+        writer.close()
+        reader.close()
+        d.kill()
+
+
+def test_a_read_never_answers_with_a_change_whose_commit_is_in_flight(tmp_path: Path) -> None:
+    """A KvGet that arrives while a KvSet's commit is in flight waits for it: when that
+    commit then fails and the set is undone, no reader has seen the value."""
+    d, state = _start(tmp_path, heartbeat_timeout_s=60)  # members outlive the 5 s lock
+    writer = RendezvousClient(d.endpoint, "inflight", token=d.token)
+    reader = RendezvousClient(d.endpoint, "inflight", token=d.token)
+    try:
+        threads = [
+            threading.Thread(
+                target=c.join,
+                kwargs={"num_nodes": 1, "gpus_per_node": 2, "local_rank": i, "timeout": 10},
+            )
+            for i, c in enumerate((writer, reader))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        # Another connection holds SQLite's write lock: the daemon's commit waits out
+        # its busy timeout (5 s) and then fails, with the set already made in memory.
+        locker = sqlite3.connect(state / "state.db", isolation_level=None)
+        locker.execute("BEGIN EXCLUSIVE")
+        failed: list[RendezvousError] = []
+
+        def write() -> None:
+            try:
+                writer.kv_set("k", b"in-flight")
+            except RendezvousError as exc:
+                failed.append(exc)
+
+        t = threading.Thread(target=write)
+        t.start()
+        seen: list[bytes | str] = []
+        while t.is_alive():
+            try:
+                seen.append(reader.kv_get("k", wait=False, timeout=10))
+            except RendezvousError as exc:
+                seen.append(exc.reason)
+        t.join(10)
+        locker.execute("ROLLBACK")
+        locker.close()
+        assert failed and failed[0].reason == "STORAGE_UNAVAILABLE"
+        assert seen and b"in-flight" not in seen, seen
+        wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
         with pytest.raises(RendezvousError) as undone:
             reader.kv_get("k", wait=False)
         assert undone.value.reason == "KEY_NOT_FOUND"
