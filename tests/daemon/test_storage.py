@@ -48,6 +48,22 @@ def _stored(state: Path, job_id: str, key: str) -> bytes | None:
     return None if row is None else bytes(row[0])
 
 
+def _join_pair(*clients: RendezvousClient) -> None:
+    """Join the clients as local ranks 0.. of one 1-node job, concurrently."""
+    threads = [
+        threading.Thread(
+            target=c.join,
+            kwargs={"num_nodes": 1, "gpus_per_node": len(clients), "local_rank": i, "timeout": 10},
+        )
+        for i, c in enumerate(clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert all(c.membership is not None for c in clients), "the pair did not form"
+
+
 def test_a_removed_state_dir_refuses_changes_applies_nothing_and_recovers(tmp_path: Path) -> None:
     d, state = _start(tmp_path)
     client = RendezvousClient(d.endpoint, "counted", token=d.token)
@@ -93,17 +109,7 @@ def test_a_reader_woken_by_a_change_that_failed_gets_the_fault_not_the_value(
     reader = RendezvousClient(d.endpoint, "woken", token=d.token)
     outcome: list[object] = []
     try:
-        threads = [
-            threading.Thread(
-                target=c.join,
-                kwargs={"num_nodes": 1, "gpus_per_node": 2, "local_rank": i, "timeout": 10},
-            )
-            for i, c in enumerate((writer, reader))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(15)
+        _join_pair(writer, reader)
 
         # A raw call without the SDK's channel retries: the first answer is what is
         # asserted, not that of a re-sent KvGet parked again.
@@ -143,17 +149,7 @@ def test_a_read_never_answers_with_a_change_whose_commit_is_in_flight(tmp_path: 
     writer = RendezvousClient(d.endpoint, "inflight", token=d.token)
     reader = RendezvousClient(d.endpoint, "inflight", token=d.token)
     try:
-        threads = [
-            threading.Thread(
-                target=c.join,
-                kwargs={"num_nodes": 1, "gpus_per_node": 2, "local_rank": i, "timeout": 10},
-            )
-            for i, c in enumerate((writer, reader))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(15)
+        _join_pair(writer, reader)
         # Another connection holds SQLite's write lock: the daemon's commit waits out
         # its busy timeout (5 s) and then fails, with the set already made in memory.
         locker = sqlite3.connect(state / "state.db", isolation_level=None)
