@@ -35,7 +35,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -230,12 +229,7 @@ class CpuRingCommunicator:
     def __enter__(self) -> CpuRingCommunicator:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- failure handling -------------------------------------------------------------

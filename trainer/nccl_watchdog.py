@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from types import TracebackType
 
 log = logging.getLogger("rendezvousd.trainer")
 
@@ -54,12 +53,7 @@ class InitWatchdog:
         self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._finished.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
