@@ -245,6 +245,9 @@ class RendezvousClient:
         ``attach()`` with ``membership_for(i)`` / ``member_instance_id(i)``.
         """
         self.check_health()
+        # A re-join (next generation): the last generation's stream must not report
+        # into this one.
+        self._stop_heartbeat()
         wait = timeout if timeout is not None else 600.0
         started = time.monotonic()
         request = self._s.plan_join_node(

@@ -348,6 +348,7 @@ class RendezvousServicer:
         )
         entry = (token, queue)
         self._streams[key] = entry
+        self.apply()  # events owed to a stream as it attaches (NODES_WAITING)
         reader = asyncio.create_task(self._read_heartbeats(key, iterator, queue))
         self.metrics.streams.inc()
         try:
