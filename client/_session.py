@@ -3,13 +3,14 @@ building and the heartbeat-stream decisions. No I/O here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,7 +27,13 @@ from rendezvousd.client.errors import (
     RendezvousTimeout,
     from_rpc_error,
 )
-from rendezvousd.client.membership import Membership, from_join_response
+from rendezvousd.client.membership import (
+    LazyTable,
+    Membership,
+    NodeMembership,
+    from_join_node_response,
+    from_join_response,
+)
 
 log = logging.getLogger("rendezvousd.client")
 
@@ -60,6 +67,13 @@ class Session:
     daemon_heartbeat_timeout: float = 0.0
     # Set by leave(): the job's work is done, so losing the daemon now is no failure.
     leaving: bool = False
+    # A node agent's join (join_node): the node heartbeats and leaves, not a rank.
+    node: NodeMembership | None = None
+    # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
+    nodes_waiting: int = 0
+    on_nodes_waiting: Callable[[int], None] | None = None
+    # Makes one GetMembers call (blocking): how a slim join's table is fetched.
+    get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
     # The heartbeat thread and the watchdog may both report; on_failure runs once.
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -101,6 +115,130 @@ class Session:
             )
         return self.joined
 
+    def page_fetcher(
+        self, job_id: str, generation: int, rank: int, instance_id: str
+    ) -> Callable[[int], pb.GetMembersResponse] | None:
+        """``start_rank -> page`` of a generation's table, asked as member ``rank``."""
+        call = self.get_members
+        if call is None:
+            return None
+
+        def fetch(start: int) -> pb.GetMembersResponse:
+            request = pb.GetMembersRequest(
+                job_id=job_id,
+                generation=generation,
+                rank=rank,
+                instance_id=instance_id,
+                start_rank=start,
+            )
+            return call(request)
+
+        return fetch
+
+    def stream_member(self) -> Membership:
+        """Who the heartbeat stream speaks for in errors: the member, or a node's first rank."""
+        if self.node is not None:
+            if self.failure is not None:
+                raise self.failure
+            return self.node.membership_for(0)
+        return self.member()
+
+    def heartbeat_request(self) -> pb.HeartbeatRequest:
+        if self.node is not None:
+            n = self.node
+            return pb.HeartbeatRequest(
+                job_id=n.job_id,
+                generation=n.generation,
+                rank=n.node_rank,
+                instance_id=self.instance_id,
+                node=True,
+            )
+        m = self.member()
+        return pb.HeartbeatRequest(
+            job_id=m.job_id, generation=m.generation, rank=m.rank, instance_id=self.instance_id
+        )
+
+    def plan_join_node(
+        self,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        gpus_per_node: int,
+        node_rank: int | None,
+        host: str | None,
+        addresses: Sequence[str],
+        last_call: float | None,
+        timeout: float,
+    ) -> pb.JoinNodeRequest:
+        """Start a node join: a fresh node instance id, cleared state, the request."""
+        self.new_instance()
+        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
+        self.leaving, self.nodes_waiting = False, 0
+        request = pb.JoinNodeRequest(
+            job_id=self.job_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            gpus_per_node=gpus_per_node,
+            host=host or socket.gethostname(),
+            addresses=list(addresses),
+            instance_id=self.instance_id,
+            wait_timeout_ms=int(timeout * 1000),
+            last_call_ms=int((last_call or 0) * 1000),
+            slim=True,
+        )
+        if node_rank is not None:
+            request.node_rank = node_rank
+        return request
+
+    def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
+        self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
+        first = response.node_rank * response.gpus_per_node
+        ids = response.member_instance_ids
+        fetch = (
+            self.page_fetcher(response.job_id, response.generation, first, ids[0]) if ids else None
+        )
+        self.node = from_join_node_response(response, fetch)
+        return self.node
+
+    def report_request(self, local_rank: int, cause: str) -> pb.ReportFailureRequest:
+        n = self.node
+        if n is None:
+            raise InvalidRequest(
+                f"report_failure() needs a node join of job {self.job_id!r}: call join_node() "
+                "first",
+                job_id=self.job_id,
+            )
+        return pb.ReportFailureRequest(
+            job_id=n.job_id,
+            generation=n.generation,
+            node_rank=n.node_rank,
+            instance_id=self.instance_id,
+            local_rank=local_rank,
+            cause=cause,
+        )
+
+    def attach(self, membership: Membership, instance_id: str) -> None:
+        """Act as a member an agent registered: no join, no heartbeat of our own."""
+        if not instance_id:
+            raise InvalidRequest(
+                f"attach() to job {membership.job_id!r} rank {membership.rank} needs the "
+                "member instance id its node agent got from join_node()",
+                job_id=membership.job_id,
+                rank=membership.rank,
+            )
+        self.instance_id = instance_id
+        if not isinstance(membership._table, LazyTable) and not membership._table:
+            # Handed over without its table (e.g. rebuilt from the agent's message):
+            # fetch it on first use as this member.
+            fetch = self.page_fetcher(
+                membership.job_id, membership.generation, membership.rank, instance_id
+            )
+            if fetch is not None:
+                table = LazyTable(fetch, membership.world_size)
+                membership = dataclasses.replace(membership, _table=table)
+        self.joined, self.node, self.failure, self.barrier_counts = membership, None, None, {}
+        self.leaving = False
+
     def plan_join(
         self,
         *,
@@ -116,7 +254,7 @@ class Session:
     ) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
         self.new_instance()
-        self.joined, self.failure, self.barrier_counts = None, None, {}
+        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
         self.leaving = False
         plan = JoinPlan(self, unique_id, id_factory, timeout, time.monotonic())
         known_rank_zero = node_rank == 0 and local_rank == 0
@@ -129,6 +267,7 @@ class Session:
             unique_id=plan.make_id() if known_rank_zero else b"",
             instance_id=self.instance_id,
             wait_timeout_ms=int(timeout * 1000),
+            slim=True,
         )
         if node_rank is not None:
             plan.request.node_rank = node_rank
@@ -204,6 +343,16 @@ class Session:
     def leave_request(self) -> pb.LeaveRequest | None:
         """The Leave to send, or None when not joined; from here on the job's
         work is over and a lost daemon is not reported as a failure."""
+        n = self.node
+        if n is not None:
+            self.leaving = True
+            return pb.LeaveRequest(
+                job_id=n.job_id,
+                generation=n.generation,
+                rank=n.node_rank,
+                instance_id=self.instance_id,
+                node=True,
+            )
         m = self.joined
         if m is None:
             return None
@@ -288,6 +437,11 @@ class StreamWatch:
         """ "stop" (the member failed), "reconnect" (daemon draining) or "continue"."""
         self.heard = time.monotonic()
         self.outage_since, self.attempt = None, 0
+        if event.kind == pb.JobEvent.NODES_WAITING:
+            self.session.nodes_waiting = event.nodes_waiting
+            if self.session.on_nodes_waiting is not None:
+                self.session.on_nodes_waiting(event.nodes_waiting)
+            return "continue"
         error = self.session.event_error(event)
         if error is not None:
             self.session.fail(error)
@@ -394,9 +548,12 @@ class JoinPlan:
             instance_id=self.session.instance_id,
             unique_id=self.make_id(),
             wait_timeout_ms=int(self.left() * 1000),
+            slim=True,
         )
 
     def finish(self, response: pb.JoinResponse) -> Membership:
-        self.session.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
-        self.session.joined = from_join_response(response)
-        return self.session.joined
+        s = self.session
+        s.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
+        fetch = s.page_fetcher(response.job_id, response.generation, response.rank, s.instance_id)
+        s.joined = from_join_response(response, fetch)
+        return s.joined

@@ -33,6 +33,9 @@ TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 IDEMPOTENT = frozenset(
     {
         "Join",
+        "JoinNode",
+        "ReportFailure",
+        "GetMembers",
         "PublishId",
         "Barrier",
         "KvSet",
@@ -47,7 +50,7 @@ IDEMPOTENT = frozenset(
     }
 )
 # Reads may also be retried after DEADLINE_EXCEEDED (gRFC A6 leaves this to the caller).
-READS = frozenset({"KvGet", "ListJobs", "GetJob", "Check"})
+READS = frozenset({"KvGet", "ListJobs", "GetJob", "GetMembers", "Check"})
 
 
 @dataclass(frozen=True)
