@@ -22,7 +22,7 @@ class _Table:
     members: tuple[MemberInfo, ...]
     messages: list[pb.Member] = field(default_factory=list)
     digest: bytes = b""
-    # Answer message ("join", "node") -> the table as that message's repeated field.
+    # Answer message type name -> the table as that message's repeated field.
     encoded: dict[str, bytes] = field(default_factory=dict)
 
 
@@ -57,16 +57,6 @@ class JoinAnswers:
                 self._tables[key] = table
         return table
 
-    def _full(self, table: _Table, message: str) -> bytes:
-        """The table as ``message``'s repeated field; concatenated protobuf encodings
-        merge and repeated fields append, so it is appended to the answer's header."""
-        encoded = table.encoded.get(message)
-        if encoded is None:
-            holder = pb.JoinResponse() if message == "join" else pb.JoinNodeResponse()
-            holder.members.extend(table.messages)
-            encoded = table.encoded[message] = holder.SerializeToString()
-        return encoded
-
     def join(self, result: JoinResult, *, slim: bool = False) -> bytes:
         header = pb.JoinResponse(
             job_id=result.job_id,
@@ -79,13 +69,7 @@ class JoinAnswers:
             unique_id=result.unique_id,
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
         )
-        if not result.members:
-            return header.SerializeToString()
-        table = self._table(result.job_id, result.generation, result.members)
-        header.table_digest = table.digest
-        if slim:
-            return header.SerializeToString()
-        return header.SerializeToString() + self._full(table, "join")
+        return self._with_table(header, result.members, slim)
 
     def join_node(self, result: NodeJoinResult, *, slim: bool = False) -> bytes:
         header = pb.JoinNodeResponse(
@@ -100,13 +84,29 @@ class JoinAnswers:
             member_instance_ids=result.member_instance_ids,
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
         )
-        if not result.members:
+        return self._with_table(header, result.members, slim)
+
+    def _with_table(
+        self,
+        header: pb.JoinResponse | pb.JoinNodeResponse,
+        members: tuple[MemberInfo, ...],
+        slim: bool,
+    ) -> bytes:
+        """``header`` with the table's digest and, unless ``slim``, the table: concatenated
+        protobuf encodings merge and repeated fields append, so the table's encoding as
+        ``header``'s repeated field is made once and appended to each answer's header."""
+        if not members:
             return header.SerializeToString()
-        table = self._table(result.job_id, result.generation, result.members)
+        table = self._table(header.job_id, header.generation, members)
         header.table_digest = table.digest
         if slim:
             return header.SerializeToString()
-        return header.SerializeToString() + self._full(table, "node")
+        kind = type(header).__name__
+        encoded = table.encoded.get(kind)
+        if encoded is None:
+            encoded = type(header)(members=table.messages).SerializeToString()
+            table.encoded[kind] = encoded
+        return header.SerializeToString() + encoded
 
     def members(
         self,

@@ -51,34 +51,12 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
-    if not handler.request_streaming and not handler.response_streaming:
-        inner = handler.unary_unary
-
-        async def unary_unary(request: Any, context: Any) -> Any:
-            await gate.enter(context)
-            try:
-                return await inner(request, context)
-            finally:
-                gate.active -= 1
-
-        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
-    if handler.request_streaming and not handler.response_streaming:
-        inner = handler.stream_unary
-
-        async def stream_unary(requests: Any, context: Any) -> Any:
-            await gate.enter(context)
-            try:
-                return await inner(requests, context)
-            finally:
-                gate.active -= 1
-
-        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
-    inner = handler.unary_stream if not handler.request_streaming else handler.stream_stream
-    make = (
-        grpc.unary_stream_rpc_method_handler
-        if not handler.request_streaming
-        else grpc.stream_stream_rpc_method_handler
-    )
+    inner, make = {
+        (False, False): (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (True, False): (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (False, True): (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (True, True): (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    }[(handler.request_streaming, handler.response_streaming)]
     if inspect.isasyncgenfunction(inner):
 
         async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
@@ -91,11 +69,12 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
 
         return make(stream_gen, **kw)
 
-    async def stream_writes(request: Any, context: Any) -> None:
+    # A unary answer, or a streamed one written with ``context.write``.
+    async def call(request: Any, context: Any) -> Any:
         await gate.enter(context)
         try:
-            await inner(request, context)
+            return await inner(request, context)
         finally:
             gate.active -= 1
 
-    return make(stream_writes, **kw)
+    return make(call, **kw)

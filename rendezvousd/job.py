@@ -9,27 +9,48 @@ from rendezvousd.errors import Code, RendezvousFault, ranks_text
 from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState
 
 
+@dataclass(kw_only=True)
+class Attendee:
+    """What a heartbeat stream keeps alive: a member, or a node agent for its members."""
+
+    state: MemberState = MemberState.JOINING
+    last_seen: float = 0.0
+    # Increases with every heartbeat stream attached, so that an old stream
+    # closing after a reconnect is not mistaken for the attendee dying.
+    stream_token: int = 0
+    stream_open: bool = False
+
+    def attach(self, now: float) -> int:
+        """A heartbeat stream opened; returns its token for ``detach``."""
+        self.stream_token += 1
+        self.stream_open = True
+        self.last_seen = now
+        return self.stream_token
+
+    def detach(self, token: int) -> bool:
+        """The stream ``token`` ended; True when that loses an active attendee (no
+        Leave came first). An older stream, replaced by a reconnect, changes nothing."""
+        if self.stream_token != token:
+            return False
+        self.stream_open = False
+        return self.state is MemberState.ACTIVE
+
+
 @dataclass
-class Member:
+class Member(Attendee):
     rank: int
     node_rank: int
     local_rank: int
     host: str
     address: str
     instance_id: str
-    state: MemberState = MemberState.JOINING
-    last_seen: float = 0.0
-    # Increases with every heartbeat stream attached, so that an old stream
-    # closing after a reconnect is not mistaken for the member dying.
-    stream_token: int = 0
-    stream_open: bool = False
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.rank, self.node_rank, self.local_rank, self.host, self.address)
 
 
 @dataclass
-class Node:
+class Node(Attendee):
     """A node agent joined by JoinNode, holding gpus_per_node members once the
     generation forms. Its one heartbeat stream is the liveness of all of them."""
 
@@ -40,10 +61,6 @@ class Node:
     node_rank: int
     named: bool
     arrived: float
-    state: MemberState = MemberState.JOINING
-    last_seen: float = 0.0
-    stream_token: int = 0
-    stream_open: bool = False
 
 
 @dataclass

@@ -268,9 +268,7 @@ class NodeJoins(StateCore):
         self, job_id: str, generation: int, node_rank: int, instance_id: str, now: float
     ) -> int:
         job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=True)
-        node.stream_token += 1
-        node.stream_open = True
-        node.last_seen = now
+        token = node.attach(now)
         if job.scaleup_waiters:
             # Nodes parked before this stream (re)attached: it would miss the event.
             waiting = len(set(job.scaleup_waiters.values()))
@@ -284,7 +282,7 @@ class NodeJoins(StateCore):
                     nodes_waiting=waiting,
                 )
             )
-        return node.stream_token
+        return token
 
     def node_heartbeat(self, job_id: str, generation: int, node_rank: int, now: float) -> None:
         job = self._job(job_id)
@@ -298,14 +296,9 @@ class NodeJoins(StateCore):
     def detach_node_stream(
         self, job_id: str, generation: int, node_rank: int, token: int, now: float
     ) -> None:
-        job = self.jobs.get(job_id)
-        if job is None or job.generation != generation or self.draining:
-            return
-        node = job.node_at.get(node_rank)
-        if node is None or node.stream_token != token:
-            return
-        node.stream_open = False
-        if node.state is MemberState.ACTIVE:
+        job = self._stream_job(job_id, generation)
+        node = job.node_at.get(node_rank) if job else None
+        if job and node and node.detach(token):
             self._lose_node(job, node, "node agent's heartbeat stream closed", now)
 
     def _lose_node(self, job: Job, node: Node, cause: str, now: float) -> None:

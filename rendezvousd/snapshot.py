@@ -120,6 +120,20 @@ def _list(raw: Mapping[str, Any], name: str) -> list[Any]:
     return value
 
 
+def _rows(raw: Mapping[str, Any], name: str) -> list[dict[str, Any]]:
+    rows = _list(raw, name)
+    if not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{name}[] must be objects")
+    return rows
+
+
+def _member_state(row: Mapping[str, Any], table: str) -> MemberState:
+    state = _str(row, "state")
+    if state not in MemberState.__members__:
+        raise ValueError(f"{table}[].state must be one of {', '.join(MemberState.__members__)}")
+    return MemberState[state]
+
+
 def _digest(text: object, name: str) -> bytes:
     if not isinstance(text, str) or len(text) != 64:
         raise ValueError(f"{name} must be a 64-digit hex SHA-256 digest")
@@ -164,12 +178,8 @@ def restore_job(
             )
         )
         return
-    for m in _list(raw, "members"):
-        if not isinstance(m, dict):
-            raise ValueError("members[] must be objects")
-        member_state = _str(m, "state")
-        if member_state not in MemberState.__members__:
-            raise ValueError(f"members[].state must be one of {', '.join(MemberState.__members__)}")
+    for m in _rows(raw, "members"):
+        member_state = _member_state(m, "members")
         member = Member(
             _int(m, "rank", 0, job.world_size - 1),
             _int(m, "node_rank", 0, job.num_nodes - 1),
@@ -177,7 +187,7 @@ def restore_job(
             _str(m, "host"),
             _str(m, "address"),
             _str(m, "instance_id"),
-            MemberState[member_state],
+            state=member_state,
         )
         if member.rank != job.rank_of(member.node_rank, member.local_rank):
             raise ValueError(f"member rank {member.rank} does not match its node/local rank")
@@ -189,9 +199,7 @@ def restore_job(
         for h, n in _map(raw, "host_nodes").items()
     }
     failed = []
-    for f in _list(raw, "failed"):
-        if not isinstance(f, dict):
-            raise ValueError("failed[] must be objects")
+    for f in _rows(raw, "failed"):
         failed.append(
             FailedInfo(_int(f, "rank", 0, job.world_size - 1), _str(f, "host"), _str(f, "cause"))
         )
@@ -223,12 +231,8 @@ def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
         return
     job.min_nodes = _int(raw, "min_nodes", 1, _MAX_WORLD)
     job.max_nodes = _int(raw, "max_nodes", job.min_nodes, _MAX_WORLD)
-    for n in _list(raw, "nodes"):
-        if not isinstance(n, dict):
-            raise ValueError("nodes[] must be objects")
-        state = _str(n, "state")
-        if state not in MemberState.__members__:
-            raise ValueError(f"nodes[].state must be one of {', '.join(MemberState.__members__)}")
+    for n in _rows(raw, "nodes"):
+        state = _member_state(n, "nodes")
         addresses = _list(n, "addresses")
         if not all(isinstance(a, str) for a in addresses):
             raise ValueError("nodes[].addresses must be strings")
@@ -239,7 +243,7 @@ def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
             _int(n, "node_rank", 0, job.num_nodes - 1),
             False,
             now,
-            MemberState[state],
+            state=state,
             last_seen=now,  # a full heartbeat timeout to reattach, like members
         )
         job.nodes[node.instance_id] = node

@@ -334,11 +334,7 @@ class RendezvousState(NodeJoins):
         self, job_id: str, generation: int, rank: int, instance_id: str, now: float
     ) -> int:
         """A heartbeat stream opened; returns its token for ``detach_stream``."""
-        _, member = self._caller(job_id, generation, rank, instance_id)
-        member.stream_token += 1
-        member.stream_open = True
-        member.last_seen = now
-        return member.stream_token
+        return self._caller(job_id, generation, rank, instance_id)[1].attach(now)
 
     def heartbeat(self, job_id: str, generation: int, rank: int, now: float) -> None:
         _, member = self._member(job_id, generation, rank)
@@ -348,14 +344,9 @@ class RendezvousState(NodeJoins):
         self, job_id: str, generation: int, rank: int, token: int, now: float
     ) -> None:
         """A heartbeat stream ended. Without a Leave first, the member is lost."""
-        job = self.jobs.get(job_id)
-        if job is None or job.generation != generation or self.draining:
-            return
-        member = job.members.get(rank)
-        if member is None or member.stream_token != token:
-            return
-        member.stream_open = False
-        if member.state is MemberState.ACTIVE:
+        job = self._stream_job(job_id, generation)
+        member = job.members.get(rank) if job else None
+        if job and member and member.detach(token):
             self._lose(job, [member], "heartbeat stream closed", now)
 
     def tick(self, now: float) -> None:

@@ -102,6 +102,14 @@ class StateCore:
             raise fences.no_such_job(job_id)
         return job
 
+    def _stream_job(self, job_id: str, generation: int) -> Job | None:
+        """The job a heartbeat stream that just ended served, unless its generation moved
+        on (the stream's end says nothing about the new one) or the daemon is draining."""
+        job = self.jobs.get(job_id)
+        if job is None or job.generation != generation or self.draining:
+            return None
+        return job
+
     def _member(
         self, job_id: str, generation: int, rank: int, *, running: bool = True
     ) -> tuple[Job, Member]:
