@@ -12,6 +12,7 @@ from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import is_loopback
 from rendezvousd.client.errors import ProtocolError
+from rendezvousd.model import MemberInfo
 
 __all__ = [
     "LazyTable",
@@ -26,14 +27,9 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Member:
-    """One worker of a formed generation: its ranks, host and advertised address."""
-
-    rank: int
-    node_rank: int
-    local_rank: int
-    host: str
-    address: str
+class Member(MemberInfo):
+    """One worker of a formed generation: its ranks, host and advertised address
+    (the daemon's record of it, under the SDK's name)."""
 
 
 class LazyTable:

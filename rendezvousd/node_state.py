@@ -23,7 +23,6 @@ from rendezvousd.model import (
     NodeJoinResult,
     Notify,
     Parked,
-    Transition,
 )
 from rendezvousd.nodes import NodeJoinArgs
 from rendezvousd.state_core import TERMINAL, StateCore
@@ -96,24 +95,9 @@ class NodeJoins(StateCore):
     def _job_for_node_join(self, args: NodeJoinArgs, now: float) -> Job:
         job = self.jobs.get(args.job_id)
         if job is None:
-            if len(self.jobs) >= self.limits.max_jobs:
-                raise validation.limit_exceeded(
-                    "max_jobs", f"the daemon already holds max_jobs={self.limits.max_jobs} jobs"
-                )
-            job = Job(args.job_id, args.max_nodes, args.gpus_per_node, 0, JobState.FORMING, now)
-            self.jobs[args.job_id] = job
-            job.open_generation(now)
-            self._effects.append(
-                Transition(job.job_id, job.generation, None, JobState.FORMING, "created")
-            )
+            job = self._open_job(args.job_id, args.max_nodes, args.gpus_per_node, now)
         elif job.state in TERMINAL and args.instance_id not in job.nodes:
-            if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
-                raise job.conflict
-            old = job.state
-            job.open_generation(now)
-            self._effects.append(
-                Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
-            )
+            self._next_generation(job, now)
         if job.state is JobState.FORMING and not job.members and not job.nodes:
             # Nobody waits on this generation yet: the first node sets its bounds.
             job.join_mode = "node"
@@ -125,12 +109,7 @@ class NodeJoins(StateCore):
             raise nodes.mode_mismatch(job, "node", args.host)
         bounds = (job.min_nodes, job.max_nodes, job.gpus_per_node)
         if bounds != (args.min_nodes, args.max_nodes, args.gpus_per_node):
-            fault = nodes.bounds_conflict(job, args)
-            if job.state is JobState.FORMING:
-                job.conflict = fault
-                self._set_state(job, JobState.FAILED, now, fault.message)
-                self._fail_waiters(job)
-            raise fault
+            raise self._conflict(job, nodes.bounds_conflict(job, args), now)
         return job
 
     def _park_scaleup(self, job: Job, args: NodeJoinArgs, now: float) -> Parked:
@@ -254,12 +233,9 @@ class NodeJoins(StateCore):
     ) -> None:
         validation.text_field("cause", cause, self.limits.max_reason_bytes, required=True)
         job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=False)
-        if local_rank >= job.gpus_per_node:
-            raise validation.invalid(
-                "RANK_OUT_OF_RANGE",
-                f"local_rank={local_rank} is out of range for gpus_per_node={job.gpus_per_node}",
-                job_id=job_id,
-            )
+        validation.rank_in_range(
+            "local_rank", local_rank, "gpus_per_node", job.gpus_per_node, job_id=job_id
+        )
         member = job.members[job.rank_of(node.node_rank, local_rank)]
         if member.state in (MemberState.ACTIVE, MemberState.JOINING):
             self._lose(job, [member], cause, now, told=node.node_rank)

@@ -57,12 +57,9 @@ def check(args: NodeJoinArgs, limits: Limits) -> None:
         validation.text_field("address", address, limits.max_host_bytes, required=False)
     if args.unique_id:
         validation.unique_id(args.unique_id)
-    if args.node_rank is not None and args.node_rank >= args.max_nodes:
-        raise validation.invalid(
-            "RANK_OUT_OF_RANGE",
-            f"node_rank={args.node_rank} is out of range for max_nodes={args.max_nodes} "
-            f"(expected 0..{args.max_nodes - 1})",
-            job_id=args.job_id,
+    if args.node_rank is not None:
+        validation.rank_in_range(
+            "node_rank", args.node_rank, "max_nodes", args.max_nodes, job_id=args.job_id
         )
 
 

@@ -42,19 +42,12 @@ def check(args: JoinArgs, limits: Limits) -> None:
     validation.text_field("instance_id", args.instance_id, 128, required=True)
     if args.unique_id:
         validation.unique_id(args.unique_id)
-    if args.local_rank >= args.gpus_per_node:
-        raise validation.invalid(
-            "RANK_OUT_OF_RANGE",
-            f"local_rank={args.local_rank} is out of range for gpus_per_node={args.gpus_per_node} "
-            f"(expected 0..{args.gpus_per_node - 1})",
-            job_id=args.job_id,
-        )
-    if args.node_rank is not None and args.node_rank >= args.num_nodes:
-        raise validation.invalid(
-            "RANK_OUT_OF_RANGE",
-            f"node_rank={args.node_rank} is out of range for num_nodes={args.num_nodes} "
-            f"(expected 0..{args.num_nodes - 1})",
-            job_id=args.job_id,
+    validation.rank_in_range(
+        "local_rank", args.local_rank, "gpus_per_node", args.gpus_per_node, job_id=args.job_id
+    )
+    if args.node_rank is not None:
+        validation.rank_in_range(
+            "node_rank", args.node_rank, "num_nodes", args.num_nodes, job_id=args.job_id
         )
 
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -38,6 +38,18 @@ from rendezvousd.state import JoinArgs, NodeJoinArgs, RendezvousState
 
 log = logging.getLogger("rendezvousd")
 T = TypeVar("T")
+
+
+class _KeyCall(Protocol):
+    """What every key-value change request carries: the caller and the key."""
+
+    job_id: str
+    generation: int
+    rank: int
+    instance_id: str
+    key: str
+
+
 SERVICE = "rendezvous.v1.Rendezvous"
 _READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob", "GetMembers"})
 # (job, generation, "rank" or "node", its rank): members and node agents stream alike.
@@ -241,11 +253,15 @@ class RendezvousServicer:
 
     # -- barrier and key-value ---------------------------------------------
 
-    async def _kv_change(self, job_id: str, key: str, change: Callable[[], T]) -> T:
-        """A key-value change, answered and seen by woken readers only once durable;
-        on storage failure the Persister undoes it and readers get the fault too."""
+    async def _kv_change(self, request: _KeyCall, change: Callable[..., T], *args: object) -> T:
+        """The state's key-value ``change`` for ``request``'s caller and key, with ``args``
+        after the key; answered and seen by woken readers only once durable; on storage
+        failure the Persister undoes it and readers get the fault too."""
+        job_id, key = request.job_id, request.key
         self.persister.before_kv(job_id, key)
-        result = change()
+        result = change(
+            job_id, request.generation, request.rank, key, *args, instance_id=request.instance_id
+        )
         effects = self.state.take_effects()
         self.persister.touch(job_id, key)
         try:
@@ -275,18 +291,7 @@ class RendezvousServicer:
         return pb.BarrierResponse(sequence=sequence)
 
     async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
-        await self._kv_change(
-            request.job_id,
-            request.key,
-            lambda: self.state.kv_set(
-                request.job_id,
-                request.generation,
-                request.rank,
-                request.key,
-                request.value,
-                instance_id=request.instance_id,
-            ),
-        )
+        await self._kv_change(request, self.state.kv_set, request.value)
         return pb.KvSetResponse()
 
     async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
@@ -302,35 +307,15 @@ class RendezvousServicer:
         return pb.KvGetResponse(value=await self._settle(outcome, request.wait_timeout_ms, context))
 
     async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
-        value = await self._kv_change(
-            request.job_id,
-            request.key,
-            lambda: self.state.kv_add(
-                request.job_id,
-                request.generation,
-                request.rank,
-                request.key,
-                request.delta,
-                instance_id=request.instance_id,
-            ),
-        )
+        value = await self._kv_change(request, self.state.kv_add, request.delta)
         return pb.KvAddResponse(value=value)
 
     async def KvCompareAndSet(
         self, request: pb.KvCompareAndSetRequest, context: Any
     ) -> pb.KvCompareAndSetResponse:
+        expected = request.expected if request.HasField("expected") else None
         swapped, current = await self._kv_change(
-            request.job_id,
-            request.key,
-            lambda: self.state.kv_compare_and_set(
-                request.job_id,
-                request.generation,
-                request.rank,
-                request.key,
-                request.expected if request.HasField("expected") else None,
-                request.desired,
-                instance_id=request.instance_id,
-            ),
+            request, self.state.kv_compare_and_set, expected, request.desired
         )
         response = pb.KvCompareAndSetResponse(swapped=swapped)
         if current is not None:
@@ -338,17 +323,7 @@ class RendezvousServicer:
         return response
 
     async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
-        deleted = await self._kv_change(
-            request.job_id,
-            request.key,
-            lambda: self.state.kv_delete(
-                request.job_id,
-                request.generation,
-                request.rank,
-                request.key,
-                instance_id=request.instance_id,
-            ),
-        )
+        deleted = await self._kv_change(request, self.state.kv_delete)
         return pb.KvDeleteResponse(deleted=deleted)
 
     # -- liveness -------------------------------------------------------------

@@ -102,30 +102,13 @@ class RendezvousState(NodeJoins):
     def _job_for_join(self, args: JoinArgs, now: float) -> Job:
         job = self.jobs.get(args.job_id)
         if job is None:
-            if len(self.jobs) >= self.limits.max_jobs:
-                raise validation.limit_exceeded(
-                    "max_jobs", f"the daemon already holds max_jobs={self.limits.max_jobs} jobs"
-                )
-            job = Job(args.job_id, args.num_nodes, args.gpus_per_node, 0, JobState.FORMING, now)
-            self.jobs[args.job_id] = job
-            job.open_generation(now)
+            job = self._open_job(args.job_id, args.num_nodes, args.gpus_per_node, now)
             job.join_mode = "rank"
-            self._effects.append(
-                Transition(job.job_id, job.generation, None, JobState.FORMING, "created")
-            )
             return job
         if job.state in TERMINAL and not placement.rejoin_of_current(job, args):
-            if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
-                # Late workers of the launch that had the conflict hear about it too,
-                # instead of opening a generation nobody else will join.
-                raise job.conflict
+            self._next_generation(job, now)
             # A new generation may change the topology: it starts from scratch.
-            old = job.state
-            job.open_generation(now)
             job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
-            self._effects.append(
-                Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
-            )
         if job.state is JobState.FORMING and not job.members and not job.nodes:
             job.join_mode = "rank"
         elif job.join_mode != "rank":
@@ -136,13 +119,7 @@ class RendezvousState(NodeJoins):
                 job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
                 return job
             fault = job.topology_conflict(args.host, args.num_nodes, args.gpus_per_node)
-            if job.state is JobState.FORMING:
-                # Either side may be the wrong one: fail the generation so that every
-                # waiter learns now, not at its join timeout.
-                job.conflict = fault
-                self._set_state(job, JobState.FAILED, now, fault.message)
-                self._fail_waiters(job)
-            raise fault
+            raise self._conflict(job, fault, now)
         return job
 
     def _join_outcome(self, job: Job, member: Member, now: float) -> JoinResult | Parked:

@@ -96,6 +96,42 @@ class StateCore:
                 self._wake(waiter, Rejoin())
             job.scaleup_waiters.clear()
 
+    def _open_job(self, job_id: str, num_nodes: int, gpus_per_node: int, now: float) -> Job:
+        """A job's first joiner creates it, FORMING its first generation."""
+        if len(self.jobs) >= self.limits.max_jobs:
+            raise validation.limit_exceeded(
+                "max_jobs", f"the daemon already holds max_jobs={self.limits.max_jobs} jobs"
+            )
+        job = Job(job_id, num_nodes, gpus_per_node, 0, JobState.FORMING, now)
+        self.jobs[job_id] = job
+        job.open_generation(now)
+        self._effects.append(
+            Transition(job.job_id, job.generation, None, JobState.FORMING, "created")
+        )
+        return job
+
+    def _next_generation(self, job: Job, now: float) -> None:
+        """A newcomer to an ended generation opens the next one."""
+        if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
+            # Late workers of the launch that had the conflict hear about it too,
+            # instead of opening a generation nobody else will join.
+            raise job.conflict
+        old = job.state
+        job.open_generation(now)
+        self._effects.append(
+            Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
+        )
+
+    def _conflict(self, job: Job, fault: RendezvousFault, now: float) -> RendezvousFault:
+        """``fault``, a joiner's conflict with the job's topology, to raise. Either side
+        may be the wrong one: a forming generation fails, so that every waiter learns
+        now, not at its join timeout, and late joiners of the launch hear it too."""
+        if job.state is JobState.FORMING:
+            job.conflict = fault
+            self._set_state(job, JobState.FAILED, now, fault.message)
+            self._fail_waiters(job)
+        return fault
+
     def _job(self, job_id: str) -> Job:
         job = self.jobs.get(validation.job_id(job_id))
         if job is None:

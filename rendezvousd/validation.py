@@ -25,6 +25,16 @@ def limit_exceeded(limit: str, message: str, **metadata: str) -> RendezvousFault
     )
 
 
+def rank_in_range(name: str, value: int, bound_name: str, bound: int, *, job_id: str) -> None:
+    """Refuses a rank ``value`` outside 0..``bound`` - 1 (``bound_name`` counts them)."""
+    if value >= bound:
+        raise invalid(
+            "RANK_OUT_OF_RANGE",
+            f"{name}={value} is out of range for {bound_name}={bound} (expected 0..{bound - 1})",
+            job_id=job_id,
+        )
+
+
 def job_id(value: str) -> str:
     if not _JOB_ID.fullmatch(value) or value in (".", ".."):
         shown = value[:40].encode("unicode_escape").decode("ascii")
