@@ -302,35 +302,42 @@ class Session:
 
     def event_error(self, event: pb.JobEvent) -> RendezvousError | None:
         """The error a heartbeat event means for this member, if any."""
-        me = self.joined.rank if self.joined else None
+        generation = f"job {event.job_id!r} generation {event.generation}"
         if event.kind == pb.JobEvent.PEER_FAILED:
             lost = ", ".join(f"rank {f.rank} on {f.host} ({f.cause})" for f in event.failed[:8])
-            return PeerFailed(
-                f"job {event.job_id!r} generation {event.generation} failed: lost {lost}",
-                code="ABORTED",
-                reason="PEER_FAILED",
-                endpoint=self.endpoint,
-                method="Heartbeat",
-                job_id=event.job_id,
-                rank=me,
-                metadata={
-                    "ranks": ",".join(str(f.rank) for f in event.failed),
-                    "hosts": ",".join(sorted({f.host for f in event.failed})),
-                    "generation": str(event.generation),
-                },
+            metadata = {
+                "ranks": ",".join(str(f.rank) for f in event.failed),
+                "hosts": ",".join(sorted({f.host for f in event.failed})),
+                "generation": str(event.generation),
+            }
+            return self._event_error(
+                PeerFailed, "PEER_FAILED", f"{generation} failed: lost {lost}", event, metadata
             )
         if event.kind == pb.JobEvent.JOB_ABORTED:
-            return JobAborted(
-                f"job {event.job_id!r} generation {event.generation} was aborted: {event.reason}",
-                code="ABORTED",
-                reason="JOB_ABORTED",
-                endpoint=self.endpoint,
-                method="Heartbeat",
-                job_id=event.job_id,
-                rank=me,
-                metadata={"reason": event.reason},
-            )
+            message = f"{generation} was aborted: {event.reason}"
+            metadata = {"reason": event.reason}
+            return self._event_error(JobAborted, "JOB_ABORTED", message, event, metadata)
         return None
+
+    def _event_error(
+        self,
+        kind: type[RendezvousError],
+        reason: str,
+        message: str,
+        event: pb.JobEvent,
+        metadata: dict[str, str],
+    ) -> RendezvousError:
+        """An event that ends the generation, as the ABORTED error the daemon would give."""
+        return kind(
+            message,
+            code="ABORTED",
+            reason=reason,
+            endpoint=self.endpoint,
+            method="Heartbeat",
+            job_id=event.job_id,
+            rank=self.joined.rank if self.joined else None,
+            metadata=metadata,
+        )
 
     def fail(self, error: RendezvousError) -> None:
         with self._fail_lock:

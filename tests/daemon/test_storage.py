@@ -7,9 +7,11 @@ once the directory is back the daemon rewrites its state and serves again.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -64,6 +66,31 @@ def _join_pair(*clients: RendezvousClient) -> None:
     assert all(c.membership is not None for c in clients), "the pair did not form"
 
 
+@contextlib.contextmanager
+def _writer_and_reader(
+    tmp_path: Path, job_id: str, heartbeat_timeout_s: int = 5
+) -> Iterator[tuple[DaemonProcess, Path, RendezvousClient, RendezvousClient]]:
+    """A daemon with a state dir, and two clients joined to one job; all closed after."""
+    d, state = _start(tmp_path, heartbeat_timeout_s)
+    writer = RendezvousClient(d.endpoint, job_id, token=d.token)
+    reader = RendezvousClient(d.endpoint, job_id, token=d.token)
+    try:
+        _join_pair(writer, reader)
+        yield d, state, writer, reader
+    finally:
+        writer.close()
+        reader.close()
+        d.kill()
+
+
+def _assert_undone(d: DaemonProcess, reader: RendezvousClient, why: str) -> None:
+    """Once the daemon serves again, the failed set of key "k" is not there."""
+    wait_for(f"health SERVING once {why}", lambda: _health(d) == SERVING)
+    with pytest.raises(RendezvousError) as undone:
+        reader.kv_get("k", wait=False)
+    assert undone.value.reason == "KEY_NOT_FOUND"
+
+
 def test_a_removed_state_dir_refuses_changes_applies_nothing_and_recovers(tmp_path: Path) -> None:
     d, state = _start(tmp_path)
     client = RendezvousClient(d.endpoint, "counted", token=d.token)
@@ -104,13 +131,8 @@ def test_a_removed_state_dir_refuses_changes_applies_nothing_and_recovers(tmp_pa
 def test_a_reader_woken_by_a_change_that_failed_gets_the_fault_not_the_value(
     tmp_path: Path,
 ) -> None:
-    d, state = _start(tmp_path)
-    writer = RendezvousClient(d.endpoint, "woken", token=d.token)
-    reader = RendezvousClient(d.endpoint, "woken", token=d.token)
     outcome: list[object] = []
-    try:
-        _join_pair(writer, reader)
-
+    with _writer_and_reader(tmp_path, "woken") as (d, state, writer, reader):
         # A raw call without the SDK's channel retries: the first answer is what is
         # asserted, not that of a re-sent KvGet parked again.
         request = pb.KvGetRequest(key="k", wait=True, wait_timeout_ms=20_000)
@@ -132,24 +154,14 @@ def test_a_reader_woken_by_a_change_that_failed_gets_the_fault_not_the_value(
         assert len(outcome) == 1 and isinstance(outcome[0], grpc.RpcError)
         assert reason_of(outcome[0])[0] == "STORAGE_UNAVAILABLE"
         state.mkdir(mode=0o700)
-        wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
-        with pytest.raises(RendezvousError) as undone:
-            reader.kv_get("k", wait=False)
-        assert undone.value.reason == "KEY_NOT_FOUND"
-    finally:
-        writer.close()
-        reader.close()
-        d.kill()
+        _assert_undone(d, reader, "storage is back")
 
 
 def test_a_read_never_answers_with_a_change_whose_commit_is_in_flight(tmp_path: Path) -> None:
     """A KvGet that arrives while a KvSet's commit is in flight waits for it: when that
     commit then fails and the set is undone, no reader has seen the value."""
-    d, state = _start(tmp_path, heartbeat_timeout_s=60)  # members outlive the 5 s lock
-    writer = RendezvousClient(d.endpoint, "inflight", token=d.token)
-    reader = RendezvousClient(d.endpoint, "inflight", token=d.token)
-    try:
-        _join_pair(writer, reader)
+    # A 60 s heartbeat timeout: the members outlive the 5 s lock below.
+    with _writer_and_reader(tmp_path, "inflight", 60) as (d, state, writer, reader):
         # Another connection holds SQLite's write lock: the daemon's commit waits out
         # its busy timeout (5 s) and then fails, with the set already made in memory.
         locker = sqlite3.connect(state / "state.db", isolation_level=None)
@@ -175,11 +187,4 @@ def test_a_read_never_answers_with_a_change_whose_commit_is_in_flight(tmp_path: 
         locker.close()
         assert failed and failed[0].reason == "STORAGE_UNAVAILABLE"
         assert seen and b"in-flight" not in seen, seen
-        wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
-        with pytest.raises(RendezvousError) as undone:
-            reader.kv_get("k", wait=False)
-        assert undone.value.reason == "KEY_NOT_FOUND"
-    finally:
-        writer.close()
-        reader.close()
-        d.kill()
+        _assert_undone(d, reader, "the lock is gone")
