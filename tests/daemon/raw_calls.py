@@ -10,11 +10,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import (
     Membership,
     RendezvousClient,
 )
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, members, wait_for
 
 KIB = 1024
 SERVICE = "rendezvous.v1.Rendezvous"
@@ -65,3 +66,46 @@ def assert_healthy(d: DaemonProcess, job_id: str) -> None:
 
 def join_one(client: RendezvousClient) -> Membership:
     return client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+
+
+def join_request(job_id: str, world: int, local_rank: int, **fields: Any) -> pb.JoinRequest:
+    """``local_rank``'s Join of a 1 x ``world`` job, with the other ``fields`` given."""
+    return pb.JoinRequest(
+        job_id=job_id,
+        topology=pb.Topology(num_nodes=1, gpus_per_node=world),
+        node_rank=0,
+        local_rank=local_rank,
+        **fields,
+    )
+
+
+def park_joins(
+    d: DaemonProcess,
+    job_id: str,
+    ranks: list[int],
+    world: int,
+    *,
+    host: str = "parked",
+    wait_s: int = 30,
+) -> list[Any]:
+    """Start raw Join calls of a 1 x ``world`` job that park (rank 0 never comes)."""
+    stub = pb_grpc.RendezvousStub(grpc.insecure_channel(d.endpoint))
+    return [
+        stub.Join.future(
+            join_request(
+                job_id,
+                world,
+                rank,
+                host=host,
+                instance_id=f"{host}-{rank}",
+                wait_timeout_ms=wait_s * 1000,
+            ),
+            metadata=bearer(d),
+            timeout=wait_s + 5,
+        )
+        for rank in ranks
+    ]
+
+
+def wait_members(d: DaemonProcess, job_id: str, n: int) -> None:
+    wait_for(f"{n} joins to register", lambda: len(members(d, job_id)) == n)

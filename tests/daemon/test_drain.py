@@ -7,34 +7,19 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import DaemonUnavailable, RendezvousClient, RendezvousError
+from tests.daemon.raw_calls import bearer, join_request, park_joins, reason_of, wait_members
 from tests.support import DaemonProcess, members, wait_for
 
 # Long, so that "exited well before the grace" proves the drain finished by itself.
 GRACE_S = 10.0
-
-
-def reason_of(exc: grpc.RpcError) -> str:
-    for key, value in exc.trailing_metadata() or ():
-        if key == "grpc-status-details-bin":
-            for detail in status_pb2.Status.FromString(value).details:
-                info = error_details_pb2.ErrorInfo()
-                if detail.Unpack(info):
-                    return str(info.reason)
-    return ""
-
-
-def wait_members(d: DaemonProcess, job_id: str, n: int) -> None:
-    wait_for(f"{n} joins to register", lambda: len(members(d, job_id)) == n)
 
 
 class HealthWatch:
@@ -66,29 +51,6 @@ class HealthWatch:
         self.channel.close()
 
 
-def park_joins(d: DaemonProcess, job_id: str, ranks: list[int]) -> list[Any]:
-    """Raw Join calls of a 1x3 job (rank 0 never comes), parked in the daemon."""
-    channel = grpc.insecure_channel(d.endpoint)
-    stub = pb_grpc.RendezvousStub(channel)
-    metadata = [("authorization", f"Bearer {d.token}")]
-    return [
-        stub.Join.future(
-            pb.JoinRequest(
-                job_id=job_id,
-                topology=pb.Topology(num_nodes=1, gpus_per_node=3),
-                node_rank=0,
-                local_rank=rank,
-                host="drain-host",
-                instance_id=f"drain-{rank}",
-                wait_timeout_ms=60_000,
-            ),
-            metadata=metadata,
-            timeout=60,
-        )
-        for rank in ranks
-    ]
-
-
 class HeartbeatStream:
     """A running 1x1 member's raw heartbeat stream; records the events it gets.
 
@@ -98,16 +60,10 @@ class HeartbeatStream:
     def __init__(self, d: DaemonProcess, job_id: str, *, hang_up: bool) -> None:
         self.channel = grpc.insecure_channel(d.endpoint)
         stub = pb_grpc.RendezvousStub(self.channel)
-        metadata = [("authorization", f"Bearer {d.token}")]
+        metadata = bearer(d)
         joined = stub.Join(
-            pb.JoinRequest(
-                job_id=job_id,
-                topology=pb.Topology(num_nodes=1, gpus_per_node=1),
-                node_rank=0,
-                local_rank=0,
-                host="drain-host",
-                instance_id="running-0",
-                unique_id=bytes(range(1, 129)),
+            join_request(
+                job_id, 1, 0, host="drain", instance_id="running-0", unique_id=bytes(range(1, 129))
             ),
             metadata=metadata,
             timeout=10,
@@ -156,7 +112,7 @@ def test_sigterm_releases_parked_waiters_and_exits_zero(
     start_daemon: Callable[..., DaemonProcess], job_id: str
 ) -> None:
     d = start_daemon("--drain-grace-s", str(GRACE_S))
-    joins = park_joins(d, job_id, [1, 2])
+    joins = park_joins(d, job_id, [1, 2], 3, host="drain", wait_s=60)
     wait_members(d, job_id, 2)
     member = HeartbeatStream(d, job_id + "-running", hang_up=True)
     wait_stream_open(d, job_id + "-running")
@@ -172,7 +128,7 @@ def test_sigterm_releases_parked_waiters_and_exits_zero(
         with pytest.raises(grpc.RpcError) as info:
             future.result(timeout=5)
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert reason_of(info.value) == "DRAINING"
+        assert reason_of(info.value)[0] == "DRAINING"
     released = time.monotonic() - sent
     assert released < 3.0, f"parked joins were released only after {released:.2f} s"
     assert member.draining.wait(5), f"the member got no DAEMON_DRAINING event: {member.events}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,25 +28,29 @@ from tests.daemon.raw_calls import (
     assert_healthy,
     bearer,
     join_one,
+    park_joins,
     raw,
     reason_of,
+    wait_members,
 )
-from tests.support import DaemonProcess, members, spawn_daemon, wait_for
+from tests.support import DaemonProcess, spawn_daemon, wait_for
+
+
+def limited_daemon(tmp: Path, **limits: int) -> Iterator[DaemonProcess]:
+    """A daemon with ``limits`` (its settings' names) as flags, killed after: for a fixture."""
+    flags = [arg for k, v in limits.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    d = spawn_daemon(tmp, *flags)
+    try:
+        yield d
+    finally:
+        d.kill()
 
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = spawn_daemon(
-        tmp_path_factory.mktemp("limited"),
-        "--max-keys-per-job",
-        "4",
-        "--max-members-per-job",
-        "8",
-        "--max-waiters",
-        "2",
+    yield from limited_daemon(
+        tmp_path_factory.mktemp("limited"), max_keys_per_job=4, max_members_per_job=8, max_waiters=2
     )
-    yield d
-    d.kill()
 
 
 # -- message and metadata size ---------------------------------------------------
@@ -190,29 +194,6 @@ def test_max_members_per_job(limited: DaemonProcess, job_id: str) -> None:
             client.get_job()
 
 
-def _park_joins(d: DaemonProcess, job_id: str, ranks: list[int], world: int) -> list[Any]:
-    """Start raw Join calls of a 1 x ``world`` job that park (rank 0 never comes)."""
-    channel = grpc.insecure_channel(d.endpoint)
-    stub = pb_grpc.RendezvousStub(channel)
-    futures = []
-    for rank in ranks:
-        request = pb.JoinRequest(
-            job_id=job_id,
-            topology=pb.Topology(num_nodes=1, gpus_per_node=world),
-            node_rank=0,
-            local_rank=rank,
-            host="parked",
-            instance_id=f"parked-{rank}",
-            wait_timeout_ms=30_000,
-        )
-        futures.append(stub.Join.future(request, metadata=bearer(d), timeout=35))
-    return futures
-
-
-def _wait_members(d: DaemonProcess, job_id: str, n: int) -> None:
-    wait_for(f"{n} parked joins to register", lambda: len(members(d, job_id)) == n)
-
-
 def _failed(d: DaemonProcess, job_id: str) -> bool:
     with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
         return bool(probe.get_job().summary.state == pb.JOB_STATE_FAILED)
@@ -222,9 +203,9 @@ def test_max_waiters(limited: DaemonProcess, job_id: str) -> None:
     with RendezvousClient(limited.endpoint, job_id, token=limited.token) as client:
         join_one(client)
         # Two parked joins of another job fill --max-waiters 2 (observable via GetJob).
-        parked = _park_joins(limited, job_id + "-world", [1, 2], 3)
+        parked = park_joins(limited, job_id + "-world", [1, 2], 3)
         try:
-            _wait_members(limited, job_id + "-world", 2)
+            wait_members(limited, job_id + "-world", 2)
             started = time.monotonic()
             with pytest.raises(LimitExceeded) as info:
                 client.kv_get("never-set", wait=True, timeout=20)
@@ -248,10 +229,10 @@ def test_max_waiters(limited: DaemonProcess, job_id: str) -> None:
 def test_join_refused_by_max_waiters_does_not_hold_the_rank(
     limited: DaemonProcess, job_id: str
 ) -> None:
-    parked = _park_joins(limited, job_id + "-full", [1, 2], 3)
+    parked = park_joins(limited, job_id + "-full", [1, 2], 3)
     probe = RendezvousClient(limited.endpoint, job_id, token=limited.token)
     try:
-        _wait_members(limited, job_id + "-full", 2)
+        wait_members(limited, job_id + "-full", 2)
         with pytest.raises(LimitExceeded):
             probe.join(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1, timeout=5)
     finally:
@@ -271,7 +252,7 @@ def test_join_refused_by_max_waiters_does_not_hold_the_rank(
 
 def test_max_concurrent_rpcs(start_daemon: Callable[..., DaemonProcess], job_id: str) -> None:
     d = start_daemon("--max-concurrent-rpcs", "4")
-    parked = _park_joins(d, job_id, [1, 2, 3, 4], 5)
+    parked = park_joins(d, job_id, [1, 2, 3, 4], 5)
     with grpc.insecure_channel(d.endpoint) as ch:
         try:
             deadline = time.monotonic() + 10
@@ -286,7 +267,7 @@ def test_max_concurrent_rpcs(start_daemon: Callable[..., DaemonProcess], job_id:
             assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert elapsed < 2.0, f"refusal took {elapsed:.2f} s"
             # A fifth waiting call is refused just as fast.
-            fifth = _park_joins(d, job_id, [0], 5)[0]
+            fifth = park_joins(d, job_id, [0], 5)[0]
             with pytest.raises(grpc.RpcError) as info:
                 fifth.result(timeout=5)
             assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -11,17 +11,17 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import DuplicateRank, NotFound, ProtocolError, RendezvousClient
 from rendezvousd.client.membership import LazyTable
+from tests.daemon.raw_calls import join_request
 from tests.support import DaemonProcess, parallel
 
 ID = b"\x05" * 128
 
 
 def _raw_join(stub: pb_grpc.RendezvousStub, token: str, job: str, local: int, slim: bool) -> bytes:
-    request = pb.JoinRequest(
-        job_id=job,
-        topology=pb.Topology(num_nodes=1, gpus_per_node=3),
-        node_rank=0,
-        local_rank=local,
+    request = join_request(
+        job,
+        3,
+        local,
         host="h",
         address=f"10.0.0.1:{5000 + local}",
         unique_id=ID if local == 0 else b"",

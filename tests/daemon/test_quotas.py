@@ -9,33 +9,28 @@ import pytest
 
 from rendezvousd.client import LimitExceeded, RendezvousClient, RendezvousTimeout
 from rendezvousd.limits import KIB, Limits
-from tests.daemon.raw_calls import assert_healthy, join_one
-from tests.daemon.test_limits import _park_joins, _wait_members
-from tests.support import DaemonProcess, spawn_daemon
+from tests.daemon.raw_calls import assert_healthy, join_one, park_joins, wait_members
+from tests.daemon.test_limits import limited_daemon
+from tests.support import DaemonProcess
 
 
 @pytest.fixture(scope="module")
 def quota(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = spawn_daemon(
+    yield from limited_daemon(
         tmp_path_factory.mktemp("quota"),
-        "--max-waiters",
-        "6",
-        "--max-waiters-per-job",
-        "3",
-        "--max-barriers-per-job",
-        "2",
+        max_waiters=6,
+        max_waiters_per_job=3,
+        max_barriers_per_job=2,
     )
-    yield d
-    d.kill()
 
 
 def test_one_job_cannot_take_every_waiter_slot(quota: DaemonProcess, job_id: str) -> None:
     hog = job_id + "-hog"
-    parked = _park_joins(quota, hog, [1, 2, 3], 8)
+    parked = park_joins(quota, hog, [1, 2, 3], 8)
     try:
-        _wait_members(quota, hog, 3)
+        wait_members(quota, hog, 3)
         # The hog's fourth parked call is refused, naming the per-job quota ...
-        fourth = _park_joins(quota, hog, [4], 8)[0]
+        fourth = park_joins(quota, hog, [4], 8)[0]
         with pytest.raises(Exception) as info:
             fourth.result(timeout=10)
         assert "max_waiters_per_job" in str(info.value)
