@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from rendezvousd.client import (
+    AsyncRendezvousClient,
     DuplicateRank,
     IdConflict,
     InvalidRequest,
@@ -108,13 +109,21 @@ def test_assigned_node_ranks_group_local_ranks_by_host(daemon: DaemonProcess, jo
     assert len({h for h, _ in by_host}) == 2 and len(by_host) == 2  # one node rank per host
 
 
-async def test_rejections_name_the_problem(inproc_daemon: InProcessDaemon, job_id: str) -> None:
-    d = inproc_daemon
-    holder_client = d.client(job_id)
-    holder = asyncio.create_task(
-        holder_client.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=3)
+async def _park_rank_2(
+    d: InProcessDaemon, job_id: str, *, timeout: float
+) -> tuple[AsyncRendezvousClient, asyncio.Task[Membership]]:
+    """A 2 x 2 job's rank 2 (node 1, local rank 0), parked in its Join for ``timeout`` s."""
+    client = d.client(job_id)
+    joined = asyncio.create_task(
+        client.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=timeout)
     )
     await d.until("rank 2 parked in Join", lambda: d.members_present(job_id) == 1)
+    return client, joined
+
+
+async def test_rejections_name_the_problem(inproc_daemon: InProcessDaemon, job_id: str) -> None:
+    d = inproc_daemon
+    holder_client, holder = await _park_rank_2(d, job_id, timeout=3)
     async with d.client(job_id) as c:
         with pytest.raises(DuplicateRank, match="rank 2"):
             await c.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=2)
@@ -140,11 +149,7 @@ async def test_topology_mismatch_fails_the_waiting_joiner_too(
     inproc_daemon: InProcessDaemon, job_id: str
 ) -> None:
     d = inproc_daemon
-    holder_client = d.client(job_id)
-    holder = asyncio.create_task(
-        holder_client.join(num_nodes=2, gpus_per_node=2, node_rank=1, local_rank=0, timeout=30)
-    )
-    await d.until("rank 2 parked in Join", lambda: d.members_present(job_id) == 1)
+    holder_client, holder = await _park_rank_2(d, job_id, timeout=30)
     async with d.client(job_id) as c:
         with pytest.raises(TopologyMismatch, match=r"num_nodes=2 gpus_per_node=2.*num_nodes=3"):
             await c.join(
