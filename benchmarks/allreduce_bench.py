@@ -238,13 +238,7 @@ def pack_unpack(args: argparse.Namespace) -> dict[str, Any] | None:
     plan = layout()
 
     def best(fn: Any, iters: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
+        return min(_time_loop(fn, lambda: None, iters, warmup=1))
 
     def pack_unpack_once(divisor: int) -> None:
         for gs, offs in plan:

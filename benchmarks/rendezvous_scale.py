@@ -136,6 +136,26 @@ def _rpc_count(metrics_url: str) -> int:
     )
 
 
+def _spawn_children(
+    world: int, procs: int, start_at: float, *flags: str
+) -> list[subprocess.Popen[str]]:
+    """``procs`` copies of this script run with ``flags``, sharing ``world``'s ranks,
+    each starting its ranks at ``start_at``."""
+    per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
+    children, first = [], 0
+    for count in per:
+        argv = [sys.executable, __file__, *flags, "--first", str(first), "--count", str(count)]
+        argv += ["--world", str(world), "--start-at", repr(start_at)]
+        children.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        first += count
+    return children
+
+
+def _results(children: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    """What each child printed last: its JSON result."""
+    return [json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children]
+
+
 def run_ours(world: int, procs: int, gpus_per_node: int = 0) -> dict[str, Any]:
     """Per-rank mode; with ``gpus_per_node``, agent mode (``world`` = node agents)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,40 +165,21 @@ def run_ours(world: int, procs: int, gpus_per_node: int = 0) -> dict[str, Any]:
             procs = max(1, min(procs, world))
             start_at = time.time() + 2.0 + world / 1000
             job = f"scale-{world}-{secrets.token_hex(3)}"
-            per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
-            children, first = [], 0
-            for count in per:
-                children.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            __file__,
-                            "--child",
-                            "--endpoint",
-                            endpoint,
-                            "--token-file",
-                            str(embedded.token_file),
-                            "--job",
-                            job,
-                            "--first",
-                            str(first),
-                            "--count",
-                            str(count),
-                            "--world",
-                            str(world),
-                            "--start-at",
-                            repr(start_at),
-                            "--gpus-per-node",
-                            str(gpus_per_node),
-                        ],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                    )
-                )
-                first += count
-            results = [
-                json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children
-            ]
+            children = _spawn_children(
+                world,
+                procs,
+                start_at,
+                "--child",
+                "--endpoint",
+                endpoint,
+                "--token-file",
+                str(embedded.token_file),
+                "--job",
+                job,
+                "--gpus-per-node",
+                str(gpus_per_node),
+            )
+            results = _results(children)
             errors: dict[str, int] = {}
             for r in results:
                 for k, v in r["errors"].items():
@@ -257,38 +258,14 @@ def run_tcpstore(world: int, procs: int) -> dict[str, Any] | None:
     )
     server.set("nccl_id", os.urandom(128))
     start_at = time.time() + 2.0 + world / 200
-    per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
-    children, first = [], 0
-    for count in per:
-        children.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    "--tcpstore-child",
-                    "--port",
-                    str(server.port),
-                    "--first",
-                    str(first),
-                    "--count",
-                    str(count),
-                    "--world",
-                    str(world),
-                    "--start-at",
-                    repr(start_at),
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        )
-        first += count
+    children = _spawn_children(
+        world, procs, start_at, "--tcpstore-child", "--port", str(server.port)
+    )
     deadline = time.time() + 600
     while int(server.add("arrived", 0)) < world and time.time() < deadline:
         time.sleep(0.001)
     server.set("go", b"1")
-    done = [
-        json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1])["done"] for c in children
-    ]
+    done = [r["done"] for r in _results(children)]
     return {
         "system": "torch.TCPStore",
         "ranks": world,
