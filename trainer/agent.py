@@ -26,6 +26,7 @@ from rendezvousd.client.sync import RendezvousClient
 
 from .agent_worker import Assignment
 from .config import DistributedConfig
+from .errors import RestartsExhausted
 from .recovery import Failure, RestartBudget
 from .state_copy import StateCopy
 from .warm_workers import Exited, SparePool, WorkerProcess, stop_all
@@ -100,7 +101,6 @@ class NodeAgent:
         self.pool = SparePool(cmd, env, self.events, self.state)
         self.budget = RestartBudget(config.max_restarts)
         self.active: list[WorkerProcess] = []
-        self.last_failure: Failure | None = None
         self._interrupt: int | None = None
         self._interrupted = threading.Event()
 
@@ -114,6 +114,8 @@ class NodeAgent:
         self._interrupted.set()
 
     def run(self) -> int:
+        """0 once every worker of the final generation exited 0; 128+N after signal
+        N; ``RestartsExhausted`` when a failure finds no restart left."""
         self.pool.fill(self.per_node)
         first = True
         try:
@@ -127,10 +129,9 @@ class NodeAgent:
                 if isinstance(outcome, Rescale):
                     self.note(f"{outcome.count} node(s) waiting to join: re-forming the job")
                     continue
-                self.last_failure = outcome
                 if not self.budget.record(outcome):
-                    self.note(self.budget.exhausted_message(self.config.job_id))
-                    return outcome.exit_status
+                    message = self.budget.exhausted_message(self.config.job_id)
+                    raise RestartsExhausted(message, outcome.exit_status)
                 self.note(
                     f"{outcome.describe()}; restart {self.budget.restarts} of "
                     f"{self.budget.max_restarts}"

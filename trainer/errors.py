@@ -94,4 +94,9 @@ class AgentChannelError(AgentError):
 
 
 class RestartsExhausted(AgentError):
-    """``max_restarts`` restarts were used up; the message names every failure."""
+    """``max_restarts`` restarts were used up; the message names every failure.
+    ``exit_status``: the launcher's, from the last failure (128+N for a signal)."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status

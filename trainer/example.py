@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -242,7 +243,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         reducer.verify_layout(ctx.rendezvous, topo.rank, topo.world_size, timeout=60)
         loader = ShardedLoader(x, y, batch_size=args.batch, topology=topo, seed=args.seed)
         steps_per_epoch = len(loader)
-        step_log = Path(args.step_log) if args.step_log and topo.is_global_rank_zero else None
+        step_log = Path(args.step_log) if args.step_log else None
         max_diff, loss = 0.0, float("nan")
         step = start_step
         started = time.perf_counter()
@@ -281,9 +282,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             # The node agent keeps it: a restart loses at most this one step.
             ctx.save_state(step, params, {"loss": loss})
             if step_log is not None:
+                # One short O_APPEND write per line: ranks share the file.
+                line = {"rank": topo.rank, "pid": os.getpid(), "gen": ctx.generation}
+                line.update(step=step, t=time.time())
                 with step_log.open("a") as fh:
-                    fh.write(json.dumps({"step": step, "gen": ctx.generation, "t": time.time()}))
-                    fh.write("\n")
+                    fh.write(json.dumps(line) + "\n")
             every = args.checkpoint_every
             if ckpt_dir is not None and every > 0 and step % every == 0 and step < args.steps:
                 save_checkpoint(
@@ -359,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--result-dir", default=None, help="each rank writes rank-N.json here")
     p.add_argument(
-        "--step-log", default=None, help="rank 0 appends one JSON line per step (step, gen, time)"
+        "--step-log",
+        default=None,
+        help="every rank appends one JSON line per step (rank, pid, generation, step, time)",
     )
     args = p.parse_args(argv)
     logging.basicConfig(

@@ -45,7 +45,7 @@ from rendezvousd.trainer.config import (
     config_env,
     load_layers,
 )
-from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
 from rendezvousd.trainer.root_cause import lost_member
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
@@ -193,14 +193,15 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
     for s in previous:
         signal.signal(s, forward)
     try:
-        status = agent.run()
+        return agent.run()
+    except RestartsExhausted as exc:
+        print(f"rendezvous-run: error: {exc}", file=sys.stderr, flush=True)
+        _root_cause(config)
+        return exc.exit_status
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if status != 0 and agent.last_failure is not None:
-        _root_cause(config)
-    client.close()
-    return status
+        client.close()
 
 
 def _root_cause(config: DistributedConfig) -> None:
