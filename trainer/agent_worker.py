@@ -118,6 +118,7 @@ class AgentLink:
         self.channel = channel
         self.assignment: Assignment | None = None
         self._reader: threading.Thread | None = None
+        self._closing = threading.Event()
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
@@ -169,9 +170,11 @@ class AgentLink:
                 while (frame := self.channel.recv()) is not None:
                     if frame.kind == "abort":
                         on_abort(str(frame.header.get("cause", "the node agent aborted")))
-                on_abort("the node agent closed the channel")
+                if not self._closing.is_set():
+                    on_abort("the node agent closed the channel")
             except (AgentChannelError, OSError) as exc:
-                on_abort(f"the channel to the node agent broke: {exc}")
+                if not self._closing.is_set():
+                    on_abort(f"the channel to the node agent broke: {exc}")
 
         self._reader = threading.Thread(target=read, daemon=True, name="rendezvous-agent-link")
         self._reader.start()
@@ -188,5 +191,6 @@ class AgentLink:
         self.channel.send("state", {"step": step, "meta": dict(meta), "arrays": entries}, payload)
 
     def close(self) -> None:
+        self._closing.set()  # our own close is not the agent going away
         with contextlib.suppress(OSError):
             self.channel.close()

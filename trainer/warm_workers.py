@@ -145,11 +145,13 @@ class WorkerProcess:
         self.channel.close()
 
 
-def stop_all(workers: Sequence[WorkerProcess], cause: str, grace_s: float) -> None:
-    """Abort, SIGTERM, and SIGKILL whatever is left after ``grace_s``; returns once
-    every one has exited (bounded: a process SIGKILL cannot end is a kernel bug)."""
+def stop_all(workers: Sequence[WorkerProcess], cause: str | None, grace_s: float) -> None:
+    """Abort (when ``cause`` is given), SIGTERM, and SIGKILL whatever is left after
+    ``grace_s``; returns once every one has exited (bounded: a process SIGKILL
+    cannot end would be a kernel bug)."""
     for w in workers:
-        w.abort(cause)
+        if cause is not None:
+            w.abort(cause)
         w.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for w in workers:
@@ -200,5 +202,5 @@ class SparePool:
         return False
 
     def stop(self) -> None:
-        stop_all(self.spares, "the node agent is exiting", 0.0)
+        stop_all(self.spares, None, 0.0)  # unassigned: nothing to tell them
         self.spares = []

@@ -78,7 +78,7 @@ def test_a_killed_worker_is_replaced_and_training_resumes_losing_at_most_one_ste
     try:
         wait_for(
             "rank 3 to train",
-            lambda: any(e["rank"] == 3 for e in nodes[1].events("resumed")),
+            lambda: any(e["rank"] == 3 and e["step"] >= 5 for e in nodes[1].events("step")),
             timeout=60,
         )
         victim = next(e for e in nodes[1].events("ready") if e["rank"] == 3)

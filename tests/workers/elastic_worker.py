@@ -62,6 +62,8 @@ def main() -> int:
         ctx.communicator.all_reduce(buf)
         buf[:] = 1.0
         ctx.save_state(step + 1, {"buf": buf})
+        if (step + 1) % 5 == 0:
+            emit({"event": "step", "rank": ctx.rank, "step": step + 1})
         time.sleep(args.step_s)  # stands in for the step's compute
     emit({"event": "done", "rank": ctx.rank, "world_size": ctx.world_size})
     ctx.close()
