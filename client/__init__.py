@@ -21,7 +21,7 @@ from rendezvousd.client.errors import (
     StaleGeneration,
     TopologyMismatch,
 )
-from rendezvousd.client.membership import Member, Membership
+from rendezvousd.client.membership import Member, Membership, NodeMembership
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
 
@@ -40,6 +40,7 @@ __all__ = [
     "LimitExceeded",
     "Member",
     "Membership",
+    "NodeMembership",
     "NotFound",
     "PeerFailed",
     "ProtocolError",

@@ -9,7 +9,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,7 +26,12 @@ from rendezvousd.client.errors import (
     RendezvousTimeout,
     from_rpc_error,
 )
-from rendezvousd.client.membership import Membership, from_join_response
+from rendezvousd.client.membership import (
+    Membership,
+    NodeMembership,
+    from_join_node_response,
+    from_join_response,
+)
 
 log = logging.getLogger("rendezvousd.client")
 
@@ -60,6 +65,11 @@ class Session:
     daemon_heartbeat_timeout: float = 0.0
     # Set by leave(): the job's work is done, so losing the daemon now is no failure.
     leaving: bool = False
+    # A node agent's join (join_node): the node heartbeats and leaves, not a rank.
+    node: NodeMembership | None = None
+    # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
+    nodes_waiting: int = 0
+    on_nodes_waiting: Callable[[int], None] | None = None
     # The heartbeat thread and the watchdog may both report; on_failure runs once.
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -101,6 +111,95 @@ class Session:
             )
         return self.joined
 
+    def stream_member(self) -> Membership:
+        """Who the heartbeat stream speaks for in errors: the member, or a node's first rank."""
+        if self.node is not None:
+            if self.failure is not None:
+                raise self.failure
+            return self.node.membership_for(0)
+        return self.member()
+
+    def heartbeat_request(self) -> pb.HeartbeatRequest:
+        if self.node is not None:
+            n = self.node
+            return pb.HeartbeatRequest(
+                job_id=n.job_id,
+                generation=n.generation,
+                rank=n.node_rank,
+                instance_id=self.instance_id,
+                node=True,
+            )
+        m = self.member()
+        return pb.HeartbeatRequest(
+            job_id=m.job_id, generation=m.generation, rank=m.rank, instance_id=self.instance_id
+        )
+
+    def plan_join_node(
+        self,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        gpus_per_node: int,
+        node_rank: int | None,
+        host: str | None,
+        addresses: Sequence[str],
+        last_call: float | None,
+        timeout: float,
+    ) -> pb.JoinNodeRequest:
+        """Start a node join: a fresh node instance id, cleared state, the request."""
+        self.new_instance()
+        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
+        self.leaving, self.nodes_waiting = False, 0
+        request = pb.JoinNodeRequest(
+            job_id=self.job_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            gpus_per_node=gpus_per_node,
+            host=host or socket.gethostname(),
+            addresses=list(addresses),
+            instance_id=self.instance_id,
+            wait_timeout_ms=int(timeout * 1000),
+            last_call_ms=int((last_call or 0) * 1000),
+        )
+        if node_rank is not None:
+            request.node_rank = node_rank
+        return request
+
+    def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
+        self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
+        self.node = from_join_node_response(response)
+        return self.node
+
+    def report_request(self, local_rank: int, cause: str) -> pb.ReportFailureRequest:
+        n = self.node
+        if n is None:
+            raise InvalidRequest(
+                f"report_failure() needs a node join of job {self.job_id!r}: call join_node() "
+                "first",
+                job_id=self.job_id,
+            )
+        return pb.ReportFailureRequest(
+            job_id=n.job_id,
+            generation=n.generation,
+            node_rank=n.node_rank,
+            instance_id=self.instance_id,
+            local_rank=local_rank,
+            cause=cause,
+        )
+
+    def attach(self, membership: Membership, instance_id: str) -> None:
+        """Act as a member an agent registered: no join, no heartbeat of our own."""
+        if not instance_id:
+            raise InvalidRequest(
+                f"attach() to job {membership.job_id!r} rank {membership.rank} needs the "
+                "member instance id its node agent got from join_node()",
+                job_id=membership.job_id,
+                rank=membership.rank,
+            )
+        self.instance_id = instance_id
+        self.joined, self.node, self.failure, self.barrier_counts = membership, None, None, {}
+        self.leaving = False
+
     def plan_join(
         self,
         *,
@@ -116,7 +215,7 @@ class Session:
     ) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
         self.new_instance()
-        self.joined, self.failure, self.barrier_counts = None, None, {}
+        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
         self.leaving = False
         plan = JoinPlan(self, unique_id, id_factory, timeout, time.monotonic())
         known_rank_zero = node_rank == 0 and local_rank == 0
@@ -204,6 +303,16 @@ class Session:
     def leave_request(self) -> pb.LeaveRequest | None:
         """The Leave to send, or None when not joined; from here on the job's
         work is over and a lost daemon is not reported as a failure."""
+        n = self.node
+        if n is not None:
+            self.leaving = True
+            return pb.LeaveRequest(
+                job_id=n.job_id,
+                generation=n.generation,
+                rank=n.node_rank,
+                instance_id=self.instance_id,
+                node=True,
+            )
         m = self.joined
         if m is None:
             return None
@@ -288,6 +397,11 @@ class StreamWatch:
         """ "stop" (the member failed), "reconnect" (daemon draining) or "continue"."""
         self.heard = time.monotonic()
         self.outage_since, self.attempt = None, 0
+        if event.kind == pb.JobEvent.NODES_WAITING:
+            self.session.nodes_waiting = event.nodes_waiting
+            if self.session.on_nodes_waiting is not None:
+                self.session.on_nodes_waiting(event.nodes_waiting)
+            return "continue"
         error = self.session.event_error(event)
         if error is not None:
             self.session.fail(error)

@@ -33,6 +33,8 @@ TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 IDEMPOTENT = frozenset(
     {
         "Join",
+        "JoinNode",
+        "ReportFailure",
         "PublishId",
         "Barrier",
         "KvSet",

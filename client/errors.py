@@ -178,6 +178,7 @@ def _ints(text: str) -> list[int]:
 
 _BY_REASON: dict[str, type[RendezvousError]] = {
     "TOPOLOGY_MISMATCH": TopologyMismatch,
+    "JOIN_MODE_MISMATCH": InvalidRequest,
     "DUPLICATE_RANK": DuplicateRank,
     "ID_CONFLICT": IdConflict,
     "STALE_GENERATION": StaleGeneration,

@@ -9,7 +9,14 @@ from typing import Any
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import is_loopback
 
-__all__ = ["Member", "Membership", "from_join_response", "loopback_conflict"]
+__all__ = [
+    "Member",
+    "Membership",
+    "NodeMembership",
+    "from_join_node_response",
+    "from_join_response",
+    "loopback_conflict",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,71 @@ class Membership:
     @property
     def num_nodes(self) -> int:
         return len({m.node_rank for m in self.members}) or 1
+
+
+@dataclass(frozen=True)
+class NodeMembership:
+    """What ``join_node()`` gives a node agent: its node's block of ranks in this
+    generation, the id, and the instance id of each local rank's member.
+    ``unique_id`` and the instance ids are kept out of repr and logs."""
+
+    job_id: str
+    generation: int
+    node_rank: int
+    num_nodes: int
+    gpus_per_node: int
+    world_size: int
+    unique_id: bytes = field(repr=False)
+    heartbeat_timeout_ms: int = 0
+    _member_ids: tuple[str, ...] = field(repr=False, compare=False, default=())
+    _table: Any = field(repr=False, compare=False, default=())
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.gpus_per_node
+
+    def _check(self, local_rank: int) -> None:
+        if not 0 <= local_rank < self.gpus_per_node:
+            raise ValueError(
+                f"local_rank={local_rank} is out of range for gpus_per_node="
+                f"{self.gpus_per_node} (expected 0..{self.gpus_per_node - 1})"
+            )
+
+    def membership_for(self, local_rank: int) -> Membership:
+        """The ``Membership`` of this node's worker at ``local_rank``."""
+        self._check(local_rank)
+        return Membership(
+            job_id=self.job_id,
+            generation=self.generation,
+            rank=self.first_rank + local_rank,
+            world_size=self.world_size,
+            node_rank=self.node_rank,
+            local_rank=local_rank,
+            unique_id=self.unique_id,
+            _table=self._table,
+        )
+
+    def member_instance_id(self, local_rank: int) -> str:
+        """The instance id the daemon registered for the worker at ``local_rank``: the
+        worker passes it to ``attach()``. A secret: hand it over privately (a pipe, a
+        0600 file), never in argv or the environment."""
+        self._check(local_rank)
+        return self._member_ids[local_rank]
+
+
+def from_join_node_response(response: pb.JoinNodeResponse) -> NodeMembership:
+    return NodeMembership(
+        job_id=response.job_id,
+        generation=response.generation,
+        node_rank=response.node_rank,
+        num_nodes=response.num_nodes,
+        gpus_per_node=response.gpus_per_node,
+        world_size=response.world_size,
+        unique_id=response.unique_id,
+        heartbeat_timeout_ms=response.heartbeat_timeout_ms,
+        _member_ids=tuple(response.member_instance_ids),
+        _table=response.members,
+    )
 
 
 def from_join_response(response: pb.JoinResponse) -> Membership:

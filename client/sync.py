@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -15,7 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._session import LEAVE_TIMEOUT_S, SLACK_S, Session, StreamWatch
+from rendezvousd.client._session import (
+    LEAVE_TIMEOUT_S,
+    SLACK_S,
+    Session,
+    StreamWatch,
+    rank_zero_id,
+)
 from rendezvousd.client.connection import (
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
@@ -33,7 +39,7 @@ from rendezvousd.client.errors import (
     RendezvousError,
     from_rpc_error,
 )
-from rendezvousd.client.membership import Membership, loopback_conflict
+from rendezvousd.client.membership import Membership, NodeMembership, loopback_conflict
 
 
 class RendezvousClient:
@@ -217,6 +223,76 @@ class RendezvousClient:
             raise InvalidRequest(problem, reason="LOOPBACK_ADDRESS", job_id=m.job_id, rank=m.rank)
         return m
 
+    def join_node(
+        self,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        gpus_per_node: int,
+        node_rank: int | None = None,
+        addresses: Sequence[str] = (),
+        id_factory: Callable[[], bytes] | None = None,
+        last_call: float | None = None,
+        timeout: float | None = None,
+        host: str | None = None,
+    ) -> NodeMembership:
+        """Join once for this whole node (a node agent holding ``gpus_per_node`` local
+        ranks) and wait for the generation to form: when ``max_nodes`` nodes joined,
+        or when at least ``min_nodes`` joined and ``last_call`` seconds passed since
+        the last arrival (the daemon's default when None). ``id_factory`` runs only if
+        this node becomes node 0 (else 128 random bytes). Then ``start_heartbeat()``
+        heartbeats the node, ``leave()`` leaves all its members, and the workers
+        ``attach()`` with ``membership_for(i)`` / ``member_instance_id(i)``.
+        """
+        self.check_health()
+        wait = timeout if timeout is not None else 600.0
+        started = time.monotonic()
+        request = self._s.plan_join_node(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            gpus_per_node=gpus_per_node,
+            node_rank=node_rank,
+            host=host,
+            addresses=addresses,
+            last_call=last_call,
+            timeout=wait,
+        )
+        while True:
+            left = max(0.001, wait - (time.monotonic() - started))
+            request.wait_timeout_ms = int(left * 1000)
+            try:
+                response = self._call("JoinNode", request, timeout=left + SLACK_S)
+            except InvalidRequest as exc:
+                # A restarted daemon fenced the generation our id was made for.
+                if exc.reason != "ID_REUSED" or not request.unique_id:
+                    raise
+                request.unique_id = rank_zero_id(None, id_factory)
+                continue
+            if not response.id_required:
+                return self._s.finish_node(response)
+            # This node is node 0 of the generation: it makes rank 0's id.
+            request.unique_id = rank_zero_id(None, id_factory)
+
+    def report_failure(self, local_rank: int, cause: str) -> None:
+        """Tell the daemon this node's worker at ``local_rank`` failed: it marks that
+        rank lost with ``cause``, fails the generation and tells the other nodes."""
+        self._call("ReportFailure", self._s.report_request(local_rank, cause))
+
+    def attach(self, membership: Membership, instance_id: str) -> None:
+        """Act as ``membership``'s member (registered by a node agent's join_node) for
+        barrier(), kv_*() and abort(), without joining and without a heartbeat of our
+        own: the agent's node heartbeat covers this worker. A wrong ``instance_id`` is
+        refused by the daemon at the first call (DuplicateRank)."""
+        self._s.attach(membership, instance_id)
+
+    def nodes_waiting(self) -> int:
+        """Nodes parked for the next generation (NODES_WAITING from the daemon), 0 if none."""
+        return self._s.nodes_waiting
+
+    @property
+    def node_membership(self) -> NodeMembership | None:
+        return self._s.node
+
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         wait = timeout or self._s.call_timeout
         request = self._s.barrier_request(name, wait)
@@ -239,7 +315,7 @@ class RendezvousClient:
                     self._s.leave_failed(request, exc)
         finally:
             self._stop_heartbeat()
-            self._s.joined = None
+            self._s.joined = self._s.node = None
 
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
         """Abort the job's current generation, or only ``generation`` (a generation
@@ -310,13 +386,19 @@ class RendezvousClient:
     # -- heartbeat ----------------------------------------------------------------
 
     def start_heartbeat(
-        self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
+        self,
+        interval: float = 1.0,
+        on_failure: Callable[[RendezvousError], None] | None = None,
+        on_nodes_waiting: Callable[[int], None] | None = None,
     ) -> None:
         """Heartbeat on a daemon thread; ``on_failure`` runs on that thread or the
-        watchdog's, once: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``..."""
-        m = self._s.member()
+        watchdog's, once: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``...
+        After join_node() the stream is the whole node's; ``on_nodes_waiting(count)``
+        runs on the heartbeat thread when nodes park for a next generation."""
+        m = self._s.stream_member()
         interval = self._s.heartbeat_interval(interval)
         self._s.on_failure = on_failure
+        self._s.on_nodes_waiting = on_nodes_waiting
         self._hb_stop.clear()
         watch = StreamWatch(self._s, m, self._reconnect_window)
         name = f"rendezvous-heartbeat-{m.job_id}-{m.rank}"
@@ -329,10 +411,8 @@ class RendezvousClient:
         self._hb_thread.start()
         self._hb_watchdog.start()
 
-    def _heartbeat_requests(self, m: Membership, interval: float) -> Iterator[pb.HeartbeatRequest]:
-        request = pb.HeartbeatRequest(
-            job_id=m.job_id, generation=m.generation, rank=m.rank, instance_id=self._s.instance_id
-        )
+    def _heartbeat_requests(self, interval: float) -> Iterator[pb.HeartbeatRequest]:
+        request = self._s.heartbeat_request()
         yield request
         while not self._hb_stop.wait(interval):
             yield request
@@ -340,7 +420,7 @@ class RendezvousClient:
     def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not self._hb_stop.is_set() and not watch.done:
             call = self._stub.Heartbeat(
-                self._heartbeat_requests(watch.member, interval),
+                self._heartbeat_requests(interval),
                 metadata=self._s.metadata,
                 timeout=3600.0,
             )
@@ -403,7 +483,8 @@ class RendezvousClient:
         tb: TracebackType | None,
     ) -> None:
         try:
-            if exc_type is None and self._s.joined is not None and self._s.failure is None:
+            joined = self._s.joined is not None or self._s.node is not None
+            if exc_type is None and joined and self._s.failure is None:
                 self.leave()
         finally:
             self.close()

@@ -93,6 +93,12 @@ class DaemonConfig:
     job_ttl_s: float = _opt(
         "how long ended or failed jobs stay visible", default=Timing.job_ttl_s, kind=_POSITIVE
     )
+    last_call_s: float = _opt(
+        "node joins (JoinNode) naming none: once min_nodes joined, wait this long after the "
+        "last arrival for more",
+        default=Timing.default_last_call_s,
+        kind=_POSITIVE,
+    )
     drain_grace_s: float = _opt(
         "how long SIGTERM waits for calls to finish", default=10.0, kind=Float(positive=False)
     )
@@ -179,7 +185,9 @@ class DaemonConfig:
         )
 
     def timing(self) -> Timing:
-        return Timing(self.heartbeat_timeout_s, self.default_wait_s, self.job_ttl_s)
+        return Timing(
+            self.heartbeat_timeout_s, self.default_wait_s, self.job_ttl_s, self.last_call_s
+        )
 
 
 def check_tls_pair(cert: Path, key: Path) -> None:

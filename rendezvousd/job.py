@@ -29,6 +29,24 @@ class Member:
 
 
 @dataclass
+class Node:
+    """A node agent joined by JoinNode, holding gpus_per_node members once the
+    generation forms. Its one heartbeat stream is the liveness of all of them."""
+
+    instance_id: str
+    host: str
+    addresses: tuple[str, ...]
+    # The rank it asked for (``named``) while forming; its assigned rank once formed.
+    node_rank: int
+    named: bool
+    arrived: float
+    state: MemberState = MemberState.JOINING
+    last_seen: float = 0.0
+    stream_token: int = 0
+    stream_open: bool = False
+
+
+@dataclass
 class BarrierState:
     completed: int = 0
     # rank -> waiters parked for the current round (a retried call adds one).
@@ -69,6 +87,22 @@ class Job:
     conflict: RendezvousFault | None = None
     # When rank 0, answered id_required, loses its rank unless it publishes the id.
     id_deadline: float | None = None
+    # How the generation is joined: "" (nobody yet), "rank" (Join) or "node" (JoinNode).
+    join_mode: str = ""
+    # JoinNode generations: the elastic bounds (num_nodes is max_nodes while
+    # forming, the formed count after), the last call, and the node agents.
+    min_nodes: int = 0
+    max_nodes: int = 0
+    last_call_s: float = 0.0
+    last_arrival: float = 0.0
+    nodes: dict[str, Node] = field(default_factory=dict)  # by node instance id
+    node_at: dict[int, Node] = field(default_factory=dict)  # by node rank, once formed
+    # The node instance that supplied the id (it must stay node 0).
+    id_node: str = ""
+    # waiter -> node instance id: JoinNode calls waiting for this generation to form,
+    # and (scaleup) for the next one while this one runs.
+    node_waiters: dict[int, str] = field(default_factory=dict)
+    scaleup_waiters: dict[int, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -94,7 +128,7 @@ class Job:
         return arrived >= len(self.members) - self.left
 
     def all_waiters(self) -> set[int]:
-        waiters = set(self.join_waiters)
+        waiters = set(self.join_waiters) | set(self.node_waiters) | set(self.scaleup_waiters)
         for barrier in self.barriers.values():
             for ws in barrier.arrived.values():
                 waiters |= ws
@@ -133,6 +167,11 @@ class Job:
         self.restored_id_digest = None
         self.conflict = None
         self.id_deadline = None
+        self.join_mode = ""
+        self.nodes.clear()
+        self.node_at.clear()
+        self.id_node = ""
+        self.node_waiters.clear()
 
     def topology_conflict(self, host: str, num_nodes: int, gpus_per_node: int) -> RendezvousFault:
         """Why a joiner asking for another topology is refused; when the generation

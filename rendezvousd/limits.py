@@ -51,3 +51,6 @@ class Timing:
     default_wait_s: float = 600.0
     # Ended, failed and empty jobs are forgotten this long after their last change.
     job_ttl_s: float = 600.0
+    # Node joins (JoinNode) that ask for 0: once min_nodes joined, how long after the
+    # last arrival more nodes may still join before the generation forms.
+    default_last_call_s: float = 30.0

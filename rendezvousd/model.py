@@ -32,6 +32,7 @@ class EventKind(enum.Enum):
     JOB_ABORTED = 2
     JOB_ENDED = 3
     DAEMON_DRAINING = 4
+    NODES_WAITING = 6
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,34 @@ class JoinResult:
 
 
 @dataclass(frozen=True)
+class NodeJoinResult:
+    """A JoinNode's answer: the node's rank block, the id and its members' instance ids."""
+
+    job_id: str
+    generation: int
+    node_rank: int
+    num_nodes: int
+    gpus_per_node: int
+    id_required: bool
+    unique_id: bytes
+    member_instance_ids: tuple[str, ...]
+    members: tuple[MemberInfo, ...]
+
+    def __repr__(self) -> str:  # the id and instance ids are secrets: keep them out of logs
+        return (
+            f"NodeJoinResult(job_id={self.job_id!r}, generation={self.generation}, "
+            f"node_rank={self.node_rank}, num_nodes={self.num_nodes}, "
+            f"id_required={self.id_required})"
+        )
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """A parked scale-up JoinNode's generation ended: the adapter asks again, which
+    places the node in the next generation."""
+
+
+@dataclass(frozen=True)
 class Parked:
     """The call must wait; the adapter parks it under ``waiter``."""
 
@@ -96,6 +125,9 @@ class Notify:
     kind: EventKind
     failed: tuple[FailedInfo, ...] = ()
     reason: str = ""
+    # Node agents' streams (JoinNode generations) by node rank, and NODES_WAITING's count.
+    nodes: tuple[int, ...] = ()
+    nodes_waiting: int = 0
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ JOB_METHODS = frozenset(
     {
         "Join",
         "PublishId",
+        # A node agent joins and reports its workers' failures for its own job.
+        "JoinNode",
+        "ReportFailure",
         "Barrier",
         "KvSet",
         "KvGet",

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.answers import JoinAnswers
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.fault_status import STORAGE_UNAVAILABLE, to_grpc_status
 from rendezvousd.metrics import Metrics
@@ -24,22 +25,22 @@ from rendezvousd.model import (
     EventKind,
     JobState,
     JobView,
-    JoinResult,
-    MemberInfo,
     Notify,
     Parked,
+    Rejoin,
     Transition,
     Wake,
 )
 from rendezvousd.persistence import Persister
 from rendezvousd.scope import CALLER, FILTERED_METHODS, Scope, allowed, denied
-from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.state import JoinArgs, NodeJoinArgs, RendezvousState
 
 log = logging.getLogger("rendezvousd")
 T = TypeVar("T")
 SERVICE = "rendezvous.v1.Rendezvous"
 _READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob"})
-_StreamKey = tuple[str, int, int]
+# (job, generation, "rank" or "node", its rank): members and node agents stream alike.
+_StreamKey = tuple[str, int, str, int]
 
 
 def _now() -> float:
@@ -58,8 +59,7 @@ class RendezvousServicer:
         self.persister = persister or Persister(None, state)
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[_StreamKey, tuple[int, asyncio.Queue[pb.JobEvent | None]]] = {}
-        # The member table is the same for every rank of a generation: encode it once.
-        self._tables: dict[tuple[str, int], tuple[tuple[MemberInfo, ...], bytes]] = {}
+        self._answers = JoinAnswers(state.timing)
 
     # -- effects ----------------------------------------------------------
 
@@ -88,9 +88,11 @@ class RendezvousServicer:
                 pb.FailedMember(rank=f.rank, host=f.host, cause=f.cause) for f in effect.failed
             ],
             reason=effect.reason,
+            nodes_waiting=effect.nodes_waiting,
         )
-        for rank in effect.ranks:
-            stream = self._streams.get((effect.job_id, effect.generation, rank))
+        targets = [("rank", r) for r in effect.ranks] + [("node", n) for n in effect.nodes]
+        for kind, rank in targets:
+            stream = self._streams.get((effect.job_id, effect.generation, kind, rank))
             if stream is not None:
                 stream[1].put_nowait(event)
         if effect.kind is EventKind.PEER_FAILED:
@@ -104,7 +106,7 @@ class RendezvousServicer:
             level, "job %s generation %d: %s -> %s (%s)", t.job_id, t.generation, old, new, t.detail
         )
         if t.new is None or t.new is not JobState.RUNNING:
-            self._tables.pop((t.job_id, t.generation), None)
+            self._answers.forget(t.job_id, t.generation)
         self.metrics.observe_jobs(self.state)
 
     # -- waiting ----------------------------------------------------------
@@ -143,40 +145,6 @@ class RendezvousServicer:
 
     # -- join ---------------------------------------------------------------
 
-    def _encode_join(self, result: JoinResult) -> bytes:
-        header = pb.JoinResponse(
-            job_id=result.job_id,
-            generation=result.generation,
-            rank=result.rank,
-            world_size=result.world_size,
-            node_rank=result.node_rank,
-            local_rank=result.local_rank,
-            id_required=result.id_required,
-            unique_id=result.unique_id,
-            heartbeat_timeout_ms=int(self.state.timing.heartbeat_timeout_s * 1000),
-        ).SerializeToString()
-        if not result.members:
-            return header
-        key = (result.job_id, result.generation)
-        cached = self._tables.get(key)
-        if cached is None or cached[0] is not result.members:
-            table = pb.JoinResponse(
-                members=[
-                    pb.Member(
-                        rank=m.rank,
-                        node_rank=m.node_rank,
-                        local_rank=m.local_rank,
-                        host=m.host,
-                        address=m.address,
-                    )
-                    for m in result.members
-                ]
-            ).SerializeToString()
-            cached = (result.members, table)
-            self._tables[key] = cached
-        # Concatenated protobuf encodings merge, and repeated fields append.
-        return header + cached[1]
-
     async def Join(self, request: pb.JoinRequest, context: Any) -> bytes:
         args = JoinArgs(
             job_id=request.job_id,
@@ -192,7 +160,48 @@ class RendezvousServicer:
         )
         result = await self._settle(self.state.join(args, _now()), request.wait_timeout_ms, context)
         self.metrics.joins.inc()
-        return self._encode_join(result)
+        return self._answers.join(result)
+
+    async def JoinNode(self, request: pb.JoinNodeRequest, context: Any) -> bytes:
+        wait_s = self._wait_s(request.wait_timeout_ms, context)
+        deadline = _now() + wait_s
+        args = NodeJoinArgs(
+            job_id=request.job_id,
+            min_nodes=request.min_nodes,
+            max_nodes=request.max_nodes,
+            gpus_per_node=request.gpus_per_node,
+            node_rank=request.node_rank if request.HasField("node_rank") else None,
+            host=request.host,
+            addresses=tuple(request.addresses),
+            unique_id=request.unique_id,
+            instance_id=request.instance_id,
+            wait_s=wait_s,
+            last_call_s=request.last_call_ms / 1000,
+        )
+        while True:
+            left_ms = max(1, int((deadline - _now()) * 1000))
+            outcome = self.state.join_node(args, _now())
+            result = await self._settle(outcome, left_ms, context)
+            if not isinstance(result, Rejoin):
+                break
+            # A scale-up node's wait ended with the running generation: it joins the next.
+        self.metrics.joins.inc()
+        return self._answers.join_node(result)
+
+    async def ReportFailure(
+        self, request: pb.ReportFailureRequest, context: Any
+    ) -> pb.ReportFailureResponse:
+        self.state.report_failure(
+            request.job_id,
+            request.generation,
+            request.node_rank,
+            request.instance_id,
+            request.local_rank,
+            request.cause,
+            _now(),
+        )
+        self.apply()
+        return pb.ReportFailureResponse()
 
     async def PublishId(self, request: pb.PublishIdRequest, context: Any) -> bytes:
         outcome = self.state.publish_id(
@@ -203,7 +212,7 @@ class RendezvousServicer:
             request.unique_id,
             _now(),
         )
-        return self._encode_join(await self._settle(outcome, request.wait_timeout_ms, context))
+        return self._answers.join(await self._settle(outcome, request.wait_timeout_ms, context))
 
     # -- barrier and key-value ---------------------------------------------
 
@@ -328,10 +337,9 @@ class RendezvousServicer:
         except StopAsyncIteration:
             return
         _authorize("Heartbeat", first.job_id)
-        key = (first.job_id, first.generation, first.rank)
-        token = self.state.attach_stream(
-            first.job_id, first.generation, first.rank, first.instance_id, _now()
-        )
+        key = (first.job_id, first.generation, "node" if first.node else "rank", first.rank)
+        attach = self.state.attach_node_stream if first.node else self.state.attach_stream
+        token = attach(first.job_id, first.generation, first.rank, first.instance_id, _now())
         queue: asyncio.Queue[pb.JobEvent | None] = asyncio.Queue()
         # Acknowledge the attach at once: a client reattaching after a restart
         # knows it is heard again without waiting for the next heartbeat.
@@ -350,7 +358,8 @@ class RendezvousServicer:
             self.metrics.streams.dec()
             if self._streams.get(key) is entry:
                 del self._streams[key]
-            self.state.detach_stream(*key, token, _now())
+            detach = self.state.detach_node_stream if first.node else self.state.detach_stream
+            detach(first.job_id, first.generation, first.rank, token, _now())
             self.apply()
 
     async def _read_heartbeats(
@@ -364,11 +373,12 @@ class RendezvousServicer:
         ack_every = self.state.timing.heartbeat_timeout_s / 10
         ack = pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
         acked = _now()
+        beat = self.state.node_heartbeat if key[2] == "node" else self.state.heartbeat
         try:
             async for _ in iterator:
                 now = _now()
                 try:
-                    self.state.heartbeat(*key, now)
+                    beat(key[0], key[1], key[3], now)
                 except RendezvousFault:
                     break  # the generation ended; its events were already pushed
                 if now - acked >= ack_every:
@@ -380,9 +390,8 @@ class RendezvousServicer:
             queue.put_nowait(None)
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        self.state.leave(
-            request.job_id, request.generation, request.rank, request.instance_id, _now()
-        )
+        leave = self.state.leave_node if request.node else self.state.leave
+        leave(request.job_id, request.generation, request.rank, request.instance_id, _now())
         self.apply()
         return pb.LeaveResponse()
 
@@ -434,6 +443,8 @@ class RendezvousServicer:
         ] = {
             "Join": (self.Join, pb.JoinRequest, _raw),
             "PublishId": (self.PublishId, pb.PublishIdRequest, _raw),
+            "JoinNode": (self.JoinNode, pb.JoinNodeRequest, _raw),
+            "ReportFailure": (self.ReportFailure, pb.ReportFailureRequest, _encode),
             "Barrier": (self.Barrier, pb.BarrierRequest, _encode),
             "KvSet": (self.KvSet, pb.KvSetRequest, _encode),
             "KvGet": (self.KvGet, pb.KvGetRequest, _encode),

@@ -17,7 +17,7 @@ import base64
 from collections.abc import Mapping
 from typing import Any
 
-from rendezvousd.job import BarrierState, Job, Member
+from rendezvousd.job import BarrierState, Job, Member, Node
 from rendezvousd.model import FailedInfo, JobState, MemberState, Transition
 from rendezvousd.state import RendezvousState
 
@@ -54,6 +54,20 @@ def job_record(job: Job) -> dict[str, Any]:
         "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.failed],
         "abort_reason": job.abort_reason,
         "barriers": {name: b.completed for name, b in job.barriers.items()},
+        # Node joins (absent in rows written before them: a per-rank job).
+        "join_mode": job.join_mode,
+        "min_nodes": job.min_nodes,
+        "max_nodes": job.max_nodes,
+        "nodes": [
+            {
+                "node_rank": n.node_rank,
+                "host": n.host,
+                "instance_id": n.instance_id,
+                "state": n.state.name,
+                "addresses": list(n.addresses),
+            }
+            for n in job.node_at.values()
+        ],
     }
 
 
@@ -187,6 +201,7 @@ def restore_job(
         str(n): BarrierState(completed=_int({"completed": c}, "completed"))
         for n, c in _map(raw, "barriers").items()
     }
+    _restore_nodes(job, raw, now)
     job.kv = dict(kv)
     job.kv_bytes = sum(len(k.encode()) + len(v) for k, v in job.kv.items())
     if job.state is JobState.RUNNING:
@@ -196,3 +211,36 @@ def restore_job(
         job.restored = True
     state.jobs[job.job_id] = job
     state._effects.append(Transition(job.job_id, job.generation, None, job.state, "restored"))
+
+
+def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
+    """A formed JoinNode generation's node agents; rows from before node joins have none."""
+    mode = raw.get("join_mode", "rank" if job.members else "")
+    if mode not in ("", "rank", "node"):
+        raise ValueError(f"join_mode must be '', 'rank' or 'node', not {mode!r}")
+    job.join_mode = mode
+    if mode != "node":
+        return
+    job.min_nodes = _int(raw, "min_nodes", 1, _MAX_WORLD)
+    job.max_nodes = _int(raw, "max_nodes", job.min_nodes, _MAX_WORLD)
+    for n in _list(raw, "nodes"):
+        if not isinstance(n, dict):
+            raise ValueError("nodes[] must be objects")
+        state = _str(n, "state")
+        if state not in MemberState.__members__:
+            raise ValueError(f"nodes[].state must be one of {', '.join(MemberState.__members__)}")
+        addresses = _list(n, "addresses")
+        if not all(isinstance(a, str) for a in addresses):
+            raise ValueError("nodes[].addresses must be strings")
+        node = Node(
+            _str(n, "instance_id"),
+            _str(n, "host"),
+            tuple(addresses),
+            _int(n, "node_rank", 0, job.num_nodes - 1),
+            False,
+            now,
+            MemberState[state],
+            last_seen=now,  # a full heartbeat timeout to reattach, like members
+        )
+        job.nodes[node.instance_id] = node
+        job.node_at[node.node_rank] = node

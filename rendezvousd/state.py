@@ -10,126 +10,33 @@ is what lets tests and the Hypothesis model drive it directly.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
-from rendezvousd import barriers, fences, kv, placement, validation, waits
+from rendezvousd import barriers, fences, kv, nodes, placement, validation, waits
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member
-from rendezvousd.limits import Limits, Timing
 from rendezvousd.model import (
-    Effect,
     EventKind,
     FailedInfo,
     JobState,
     JobView,
     JoinResult,
     MemberState,
-    Notify,
     Parked,
     Transition,
-    Wake,
 )
+from rendezvousd.node_state import NodeJoins
+from rendezvousd.nodes import NodeJoinArgs
 from rendezvousd.placement import JoinArgs
+from rendezvousd.state_core import TERMINAL
 from rendezvousd.views import job_view
 
-# JoinArgs is part of this module's interface: callers build the request they pass to join().
-__all__ = ["JoinArgs", "RendezvousState"]
+# JoinArgs/NodeJoinArgs are part of this module's interface: callers build the requests
+# they pass to join() and join_node().
+__all__ = ["JoinArgs", "NodeJoinArgs", "RendezvousState"]
 
-_TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
 
-
-class RendezvousState:
-    def __init__(self, limits: Limits | None = None, timing: Timing | None = None) -> None:
-        self.limits = limits or Limits()
-        self.timing = timing or Timing()
-        self.jobs: dict[str, Job] = {}
-        self.draining = False
-        self._waiters: dict[int, waits.Waiter] = {}
-        self._job_waiters: dict[str, int] = {}  # job id -> its entries in _waiters
-        self._next_waiter = itertools.count(1)
-        self._effects: list[Effect] = []
-
-    # -- plumbing ---------------------------------------------------------
-
-    def take_effects(self) -> list[Effect]:
-        effects, self._effects = self._effects, []
-        return effects
-
-    @property
-    def waiter_count(self) -> int:
-        return len(self._waiters)
-
-    def _park(self, job: Job, kind: str, rank: int, key: str, now: float) -> Parked:
-        if len(self._waiters) >= self.limits.max_waiters:
-            raise validation.limit_exceeded(
-                "max_waiters",
-                f"the daemon already holds max_waiters={self.limits.max_waiters} waiting calls",
-            )
-        held = self._job_waiters.get(job.job_id, 0)
-        if held >= self.limits.max_waiters_per_job:
-            # One job (one buggy or hostile token holder) must not take every slot.
-            raise validation.limit_exceeded(
-                "max_waiters_per_job",
-                f"job {job.job_id!r} already holds max_waiters_per_job="
-                f"{self.limits.max_waiters_per_job} waiting calls",
-                job_id=job.job_id,
-            )
-        waiter = next(self._next_waiter)
-        self._waiters[waiter] = waits.Waiter(job.job_id, job.generation, kind, rank, key, now)
-        self._job_waiters[job.job_id] = held + 1
-        return Parked(waiter)
-
-    def _unpark(self, waiter: int) -> waits.Waiter | None:
-        w = self._waiters.pop(waiter, None)
-        if w is not None:
-            held = self._job_waiters.pop(w.job_id) - 1
-            if held:
-                self._job_waiters[w.job_id] = held
-        return w
-
-    def _wake(
-        self, waiter: int, value: object = None, fault: RendezvousFault | None = None
-    ) -> None:
-        if self._unpark(waiter) is not None:
-            self._effects.append(Wake(waiter, value, fault))
-
-    def _set_state(self, job: Job, new: JobState, now: float, detail: str) -> None:
-        old = job.state
-        job.state = new
-        job.state_since = now
-        self._effects.append(Transition(job.job_id, job.generation, old, new, detail))
-
-    def _job(self, job_id: str) -> Job:
-        job = self.jobs.get(validation.job_id(job_id))
-        if job is None:
-            raise fences.no_such_job(job_id)
-        return job
-
-    def _member(
-        self, job_id: str, generation: int, rank: int, *, running: bool = True
-    ) -> tuple[Job, Member]:
-        """The caller's job and membership, or the fault that fences it off."""
-        job = self._job(job_id)
-        if generation != job.generation:
-            raise fences.stale_generation(job, generation)
-        member = job.members.get(rank)
-        if member is None:
-            raise fences.not_a_member(job, generation, rank)
-        if running and job.state is not JobState.RUNNING:
-            raise job.generation_fault()
-        return job, member
-
-    def _caller(
-        self, job_id: str, generation: int, rank: int, instance_id: str, *, running: bool = True
-    ) -> tuple[Job, Member]:
-        """``_member``, and the caller must be the worker instance that joined as ``rank``:
-        holding the token is not enough to act for another job's or another process's rank."""
-        job, member = self._member(job_id, generation, rank, running=running)
-        if member.instance_id != instance_id:
-            raise fences.other_instance(job, generation, rank, instance_id)
-        return job, member
-
+class RendezvousState(NodeJoins):
     # -- join -------------------------------------------------------------
 
     def join(self, args: JoinArgs, now: float) -> JoinResult | Parked:
@@ -178,7 +85,7 @@ class RendezvousState:
     ) -> JoinResult | Parked:
         validation.unique_id(unique_id)
         job, member = self._member(job_id, generation, rank, running=False)
-        if job.state in _TERMINAL:
+        if job.state in TERMINAL:
             raise job.generation_fault()
         if rank != 0 or member.instance_id != instance_id:
             raise RendezvousFault(
@@ -201,11 +108,12 @@ class RendezvousState:
             job = Job(args.job_id, args.num_nodes, args.gpus_per_node, 0, JobState.FORMING, now)
             self.jobs[args.job_id] = job
             job.open_generation(now)
+            job.join_mode = "rank"
             self._effects.append(
                 Transition(job.job_id, job.generation, None, JobState.FORMING, "created")
             )
             return job
-        if job.state in _TERMINAL and not placement.rejoin_of_current(job, args):
+        if job.state in TERMINAL and not placement.rejoin_of_current(job, args):
             if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
                 # Late workers of the launch that had the conflict hear about it too,
                 # instead of opening a generation nobody else will join.
@@ -217,6 +125,10 @@ class RendezvousState:
             self._effects.append(
                 Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
             )
+        if job.state is JobState.FORMING and not job.members and not job.nodes:
+            job.join_mode = "rank"
+        elif job.join_mode != "rank":
+            raise nodes.mode_mismatch(job, "rank", args.host)
         if (job.num_nodes, job.gpus_per_node) != (args.num_nodes, args.gpus_per_node):
             if job.state is JobState.FORMING and not job.members:
                 # Nobody is waiting on the old topology: the next joiner sets it.
@@ -239,10 +151,10 @@ class RendezvousState:
             if job.unique_id is None:
                 # Restored after a restart: the id was never on disk, so this
                 # rank can no longer be given it. Fence the generation.
-                self._lose(job, member, "daemon restarted before this rank received the id", now)
+                self._lose(job, [member], "daemon restarted before this rank received the id", now)
                 raise job.generation_fault()
             return placement.result(job, member)
-        if job.state in _TERMINAL:
+        if job.state in TERMINAL:
             raise job.generation_fault()
         if member.rank == 0 and job.unique_id is None:
             return placement.id_required(job, member)
@@ -270,6 +182,8 @@ class RendezvousState:
         job = self.jobs.get(w.job_id)
         if job is None or job.generation != w.generation:
             return None
+        if w.kind in ("node", "scaleup"):
+            return self._node_wait_ended(job, w, waiter, now, timed_out=timed_out)
         waited = f"{now - w.since:.1f} s"
         if w.kind == "join":
             job.join_waiters.pop(waiter, None)
@@ -431,19 +345,24 @@ class RendezvousState:
             return
         member.stream_open = False
         if member.state is MemberState.ACTIVE:
-            self._lose(job, member, "heartbeat stream closed", now)
+            self._lose(job, [member], "heartbeat stream closed", now)
 
     def tick(self, now: float) -> None:
         """Time-driven decisions: silent members are lost, old jobs forgotten."""
         timeout = self.timing.heartbeat_timeout_s
         for job in list(self.jobs.values()):
-            if job.id_deadline is not None and now > job.id_deadline:
-                self._id_overdue(job, now)
-            if job.state is JobState.RUNNING:
-                for member in list(job.members.values()):
-                    if member.state is MemberState.ACTIVE and now - member.last_seen > timeout:
-                        self._lose(job, member, f"no heartbeat for {timeout:g} s", now)
-            idle = job.state in _TERMINAL or (job.state is JobState.FORMING and not job.members)
+            if job.join_mode == "node":
+                self._node_tick(job, now)
+            else:
+                if job.id_deadline is not None and now > job.id_deadline:
+                    self._id_overdue(job, now)
+                if job.state is JobState.RUNNING:
+                    for member in list(job.members.values()):
+                        if member.state is MemberState.ACTIVE and now - member.last_seen > timeout:
+                            self._lose(job, [member], f"no heartbeat for {timeout:g} s", now)
+            idle = job.state in TERMINAL or (
+                job.state is JobState.FORMING and not job.members and not job.nodes
+            )
             if idle and now - job.state_since > self.timing.job_ttl_s and not job.all_waiters():
                 del self.jobs[job.job_id]
                 self._effects.append(
@@ -470,32 +389,6 @@ class RendezvousState:
             )
         )
 
-    def _lose(self, job: Job, member: Member, cause: str, now: float) -> None:
-        member.state = MemberState.LOST
-        member.stream_open = False
-        job.failed.append(FailedInfo(member.rank, member.host, cause))
-        if job.state is not JobState.RUNNING:
-            return  # the generation already ended: survivors were told once
-        self._set_state(job, JobState.FAILED, now, f"rank {member.rank} on {member.host}: {cause}")
-        self._fail_waiters(job)
-        self._notify(job, EventKind.PEER_FAILED, reason=cause)
-
-    def _fail_waiters(self, job: Job) -> None:
-        fault = job.generation_fault()
-        for w in job.all_waiters():
-            self._wake(w, fault=fault)
-        job.join_waiters.clear()
-        job.kv_waiters.clear()
-        for barrier in job.barriers.values():
-            barrier.arrived.clear()
-
-    def _notify(self, job: Job, kind: EventKind, reason: str = "") -> None:
-        ranks = tuple(r for r, m in job.members.items() if m.state is MemberState.ACTIVE)
-        if ranks:
-            self._effects.append(
-                Notify(job.job_id, job.generation, ranks, kind, tuple(job.failed), reason)
-            )
-
     # -- endings ----------------------------------------------------------
 
     def leave(self, job_id: str, generation: int, rank: int, instance_id: str, now: float) -> None:
@@ -514,17 +407,7 @@ class RendezvousState:
                     )
             placement.unplace(job, rank, now)
             return
-        if member.state is MemberState.ACTIVE:
-            member.state = MemberState.LEFT
-            job.left += 1
-        if job.state is JobState.RUNNING:
-            if job.left == len(job.members):
-                self._set_state(job, JobState.ENDED, now, "every member left")
-                return
-            for barrier in job.barriers.values():
-                if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
-                    for w in barriers.release(barrier):
-                        self._wake(w, barrier.completed)
+        self._member_left(job, member, now)
 
     def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
@@ -546,6 +429,8 @@ class RendezvousState:
             self._wake(waiter, fault=fault)
         for job in self.jobs.values():
             job.join_waiters.clear()
+            job.node_waiters.clear()
+            job.scaleup_waiters.clear()
             job.kv_waiters.clear()
             for barrier in job.barriers.values():
                 barrier.arrived.clear()

@@ -29,6 +29,7 @@ EXPORTS: dict[str, set[str]] = {
         "LimitExceeded",
         "Member",
         "Membership",
+        "NodeMembership",
         "NotFound",
         "PeerFailed",
         "ProtocolError",

@@ -129,6 +129,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """
     SCOPE_DENIED: _ErrorReason.ValueType  # 29
     """A job-scoped token used for another job, or for an admin-only call."""
+    JOIN_MODE_MISMATCH: _ErrorReason.ValueType  # 30
+    """A per-rank Join in a generation joined by nodes (JoinNode), or the reverse."""
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Reasons carried in google.rpc.ErrorInfo.reason (as the enum value's name)."""
@@ -167,6 +169,8 @@ is SERVING again.
 """
 SCOPE_DENIED: ErrorReason.ValueType  # 29
 """A job-scoped token used for another job, or for an admin-only call."""
+JOIN_MODE_MISMATCH: ErrorReason.ValueType  # 30
+"""A per-rank Join in a generation joined by nodes (JoinNode), or the reverse."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
@@ -337,6 +341,181 @@ class JoinResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinResponse: _TypeAlias = JoinResponse  # noqa: Y015
+
+@_typing.final
+class JoinNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    MIN_NODES_FIELD_NUMBER: _builtins.int
+    MAX_NODES_FIELD_NUMBER: _builtins.int
+    GPUS_PER_NODE_FIELD_NUMBER: _builtins.int
+    NODE_RANK_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    UNIQUE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    LAST_CALL_MS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """[A-Za-z0-9._-]{1,128}"""
+    min_nodes: _builtins.int
+    """The generation forms with min_nodes..max_nodes nodes (1 <= min <= max)."""
+    max_nodes: _builtins.int
+    gpus_per_node: _builtins.int
+    node_rank: _builtins.int
+    """Absent: the daemon assigns node ranks in arrival order when the generation
+    forms. Named node ranks must end up dense (0..nodes-1).
+    """
+    host: _builtins.str
+    unique_id: _builtins.bytes
+    """Only when the previous answer was id_required: exactly 128 bytes."""
+    instance_id: _builtins.str
+    """Random per node agent join; makes a retried JoinNode idempotent."""
+    wait_timeout_ms: _builtins.int
+    last_call_ms: _builtins.int
+    """Elastic: once min_nodes joined, wait this long after the last arrival for
+    more before forming; 0 = the daemon's default. The first node of a
+    generation sets it.
+    """
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per local rank, optional ("" = none); at most gpus_per_node entries."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        min_nodes: _builtins.int = ...,
+        max_nodes: _builtins.int = ...,
+        gpus_per_node: _builtins.int = ...,
+        node_rank: _builtins.int | None = ...,
+        host: _builtins.str = ...,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
+        unique_id: _builtins.bytes = ...,
+        instance_id: _builtins.str = ...,
+        wait_timeout_ms: _builtins.int = ...,
+        last_call_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "node_rank", b"node_rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
+    _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__node_rank) -> _WhichOneofReturnType__node_rank | None: ...
+
+Global___JoinNodeRequest: _TypeAlias = JoinNodeRequest  # noqa: Y015
+
+@_typing.final
+class JoinNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    NODE_RANK_FIELD_NUMBER: _builtins.int
+    NUM_NODES_FIELD_NUMBER: _builtins.int
+    GPUS_PER_NODE_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    ID_REQUIRED_FIELD_NUMBER: _builtins.int
+    UNIQUE_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    generation: _builtins.int
+    node_rank: _builtins.int
+    num_nodes: _builtins.int
+    """Nodes in this generation."""
+    gpus_per_node: _builtins.int
+    world_size: _builtins.int
+    id_required: _builtins.bool
+    """This node will be node 0: repeat the JoinNode with unique_id. Nothing
+    else is set but job_id and generation.
+    """
+    unique_id: _builtins.bytes
+    heartbeat_timeout_ms: _builtins.int
+    @_builtins.property
+    def member_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The instance id of each local rank's member (a secret of the node)."""
+
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]:
+        """Every member, ordered by rank."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        node_rank: _builtins.int = ...,
+        num_nodes: _builtins.int = ...,
+        gpus_per_node: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        id_required: _builtins.bool = ...,
+        unique_id: _builtins.bytes = ...,
+        member_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
+        members: _abc.Iterable[Global___Member] | None = ...,
+        heartbeat_timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "gpus_per_node", b"gpus_per_node", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_required", b"id_required", "job_id", b"job_id", "member_instance_ids", b"member_instance_ids", "members", b"members", "node_rank", b"node_rank", "num_nodes", b"num_nodes", "unique_id", b"unique_id", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinNodeResponse: _TypeAlias = JoinNodeResponse  # noqa: Y015
+
+@_typing.final
+class ReportFailureRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    NODE_RANK_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    generation: _builtins.int
+    node_rank: _builtins.int
+    instance_id: _builtins.str
+    """The node's instance id (from its JoinNode)."""
+    local_rank: _builtins.int
+    cause: _builtins.str
+    """Why the worker failed ("exit code -9", "hung for 60 s", ...)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        node_rank: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
+        local_rank: _builtins.int = ...,
+        cause: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "local_rank", b"local_rank", "node_rank", b"node_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFailureRequest: _TypeAlias = ReportFailureRequest  # noqa: Y015
+
+@_typing.final
+class ReportFailureResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFailureResponse: _TypeAlias = ReportFailureResponse  # noqa: Y015
 
 @_typing.final
 class PublishIdRequest(_message.Message):
@@ -736,10 +915,15 @@ class HeartbeatRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     instance_id: _builtins.str
+    node: _builtins.bool
+    """A node agent's stream: rank is its node_rank and instance_id the node's.
+    The one stream is the liveness of every member of the node.
+    """
     def __init__(
         self,
         *,
@@ -747,10 +931,11 @@ class HeartbeatRequest(_message.Message):
         generation: _builtins.int = ...,
         rank: _builtins.int = ...,
         instance_id: _builtins.str = ...,
+        node: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -806,6 +991,11 @@ class JobEvent(_message.Message):
         most every heartbeat_timeout / 10 while heartbeats arrive (older clients
         ignore an unknown kind).
         """
+        NODES_WAITING: JobEvent._Kind.ValueType  # 6
+        """Nodes joined by JoinNode wait for a next generation (scale-up); see
+        nodes_waiting. Sent to the nodes of a running generation with fewer than
+        max_nodes nodes, again whenever the count changes.
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: JobEvent.Kind.ValueType  # 0
@@ -822,16 +1012,23 @@ class JobEvent(_message.Message):
     most every heartbeat_timeout / 10 while heartbeats arrive (older clients
     ignore an unknown kind).
     """
+    NODES_WAITING: JobEvent.Kind.ValueType  # 6
+    """Nodes joined by JoinNode wait for a next generation (scale-up); see
+    nodes_waiting. Sent to the nodes of a running generation with fewer than
+    max_nodes nodes, again whenever the count changes.
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    NODES_WAITING_FIELD_NUMBER: _builtins.int
     kind: Global___JobEvent.Kind.ValueType
     job_id: _builtins.str
     generation: _builtins.int
     reason: _builtins.str
+    nodes_waiting: _builtins.int
     @_builtins.property
     def failed(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedMember]: ...
     def __init__(
@@ -842,10 +1039,11 @@ class JobEvent(_message.Message):
         generation: _builtins.int = ...,
         failed: _abc.Iterable[Global___FailedMember] | None = ...,
         reason: _builtins.str = ...,
+        nodes_waiting: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "nodes_waiting", b"nodes_waiting", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -859,10 +1057,15 @@ class LeaveRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     instance_id: _builtins.str
+    node: _builtins.bool
+    """A node agent leaving: rank is its node_rank, instance_id the node's, and
+    every member of the node leaves.
+    """
     def __init__(
         self,
         *,
@@ -870,10 +1073,11 @@ class LeaveRequest(_message.Message):
         generation: _builtins.int = ...,
         rank: _builtins.int = ...,
         instance_id: _builtins.str = ...,
+        node: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,6 +44,16 @@ class RendezvousStub:
                 request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.PublishIdRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.JoinResponse.FromString,
                 _registered_method=True)
+        self.JoinNode = channel.unary_unary(
+                '/rendezvous.v1.Rendezvous/JoinNode',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.JoinNodeRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.JoinNodeResponse.FromString,
+                _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/rendezvous.v1.Rendezvous/ReportFailure',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
         self.Barrier = channel.unary_unary(
                 '/rendezvous.v1.Rendezvous/Barrier',
                 request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.BarrierRequest.SerializeToString,
@@ -135,6 +145,46 @@ class RendezvousServicer:
         INVALID_ARGUMENT (INVALID_ID, ID_REUSED), ALREADY_EXISTS (ID_CONFLICT),
         PERMISSION_DENIED (NOT_RANK_ZERO), NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER),
         ABORTED (STALE_GENERATION, PEER_FAILED, JOB_ABORTED), DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinNode(self, request, context):
+        """JoinNode registers a whole node (a node agent holding gpus_per_node local
+        ranks) in the job's current generation and returns once the generation
+        forms: when max_nodes nodes joined, or when at least min_nodes joined and
+        last_call passed since the last arrival (min_nodes == max_nodes: a
+        fixed-size job). Every node gets its block of ranks (node_rank *
+        gpus_per_node ..), the id, and the instance ids the daemon registered for
+        its members (workers act as those members through Barrier/Kv calls). The
+        node that will be node 0 gets id_required = true at once (or when it
+        becomes node 0) and repeats the same JoinNode with unique_id set.
+        Repeating a JoinNode with the same instance_id is idempotent. A job's
+        generation is joined either by JoinNode or by Join, never both.
+        While a generation runs with fewer than max_nodes nodes, a new node parks
+        (its generation is the next one) and the running nodes get NODES_WAITING.
+
+        INVALID_ARGUMENT    bad job id, node counts, node rank, host, addresses, id
+        FAILED_PRECONDITION another min/max/gpus_per_node than the forming
+        generation's (TOPOLOGY_MISMATCH), or the generation is
+        joined per rank (JOIN_MODE_MISMATCH)
+        ALREADY_EXISTS      node rank held by another node (DUPLICATE_RANK), ID_CONFLICT
+        ABORTED             the generation failed or was aborted while waiting
+        DEADLINE_EXCEEDED   fewer than min_nodes joined within wait_timeout_ms
+        (WORLD_INCOMPLETE)
+        RESOURCE_EXHAUSTED  LIMIT_EXCEEDED, WORLD_FULL; UNAVAILABLE (DRAINING)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFailure(self, request, context):
+        """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
+        that member LOST with cause, fails the generation and pushes PEER_FAILED
+        to every other node. Only the node's own agent (node instance id) may call it.
+        NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+        ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -255,6 +305,16 @@ def add_RendezvousServicer_to_server(servicer, server):
                     request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.PublishIdRequest.FromString,
                     response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.JoinResponse.SerializeToString,
             ),
+            'JoinNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinNode,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.JoinNodeRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.JoinNodeResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureResponse.SerializeToString,
+            ),
             'Barrier': grpc.unary_unary_rpc_method_handler(
                     servicer.Barrier,
                     request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.BarrierRequest.FromString,
@@ -365,6 +425,60 @@ class Rendezvous:
             '/rendezvous.v1.Rendezvous/PublishId',
             rendezvous_dot_v1_dot_rendezvous__pb2.PublishIdRequest.SerializeToString,
             rendezvous_dot_v1_dot_rendezvous__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.Rendezvous/JoinNode',
+            rendezvous_dot_v1_dot_rendezvous__pb2.JoinNodeRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.JoinNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.Rendezvous/ReportFailure',
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

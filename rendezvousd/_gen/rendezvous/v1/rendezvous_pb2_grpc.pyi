@@ -75,6 +75,38 @@ class RendezvousStub:
     PERMISSION_DENIED (NOT_RANK_ZERO), NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER),
     ABORTED (STALE_GENERATION, PEER_FAILED, JOB_ABORTED), DEADLINE_EXCEEDED.
     """
+    JoinNode: _grpc.UnaryUnaryMultiCallable[_rendezvous_pb2.JoinNodeRequest, _rendezvous_pb2.JoinNodeResponse]
+    """JoinNode registers a whole node (a node agent holding gpus_per_node local
+    ranks) in the job's current generation and returns once the generation
+    forms: when max_nodes nodes joined, or when at least min_nodes joined and
+    last_call passed since the last arrival (min_nodes == max_nodes: a
+    fixed-size job). Every node gets its block of ranks (node_rank *
+    gpus_per_node ..), the id, and the instance ids the daemon registered for
+    its members (workers act as those members through Barrier/Kv calls). The
+    node that will be node 0 gets id_required = true at once (or when it
+    becomes node 0) and repeats the same JoinNode with unique_id set.
+    Repeating a JoinNode with the same instance_id is idempotent. A job's
+    generation is joined either by JoinNode or by Join, never both.
+    While a generation runs with fewer than max_nodes nodes, a new node parks
+    (its generation is the next one) and the running nodes get NODES_WAITING.
+
+    INVALID_ARGUMENT    bad job id, node counts, node rank, host, addresses, id
+    FAILED_PRECONDITION another min/max/gpus_per_node than the forming
+                        generation's (TOPOLOGY_MISMATCH), or the generation is
+                        joined per rank (JOIN_MODE_MISMATCH)
+    ALREADY_EXISTS      node rank held by another node (DUPLICATE_RANK), ID_CONFLICT
+    ABORTED             the generation failed or was aborted while waiting
+    DEADLINE_EXCEEDED   fewer than min_nodes joined within wait_timeout_ms
+                        (WORLD_INCOMPLETE)
+    RESOURCE_EXHAUSTED  LIMIT_EXCEEDED, WORLD_FULL; UNAVAILABLE (DRAINING)
+    """
+    ReportFailure: _grpc.UnaryUnaryMultiCallable[_rendezvous_pb2.ReportFailureRequest, _rendezvous_pb2.ReportFailureResponse]
+    """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
+    that member LOST with cause, fails the generation and pushes PEER_FAILED
+    to every other node. Only the node's own agent (node instance id) may call it.
+    NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+    ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
+    """
     Barrier: _grpc.UnaryUnaryMultiCallable[_rendezvous_pb2.BarrierRequest, _rendezvous_pb2.BarrierResponse]
     """Barrier returns once every member of the generation that has not left has
     called it with the same name and sequence number.
@@ -161,6 +193,38 @@ class RendezvousAsyncStub(RendezvousStub):
     INVALID_ARGUMENT (INVALID_ID, ID_REUSED), ALREADY_EXISTS (ID_CONFLICT),
     PERMISSION_DENIED (NOT_RANK_ZERO), NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER),
     ABORTED (STALE_GENERATION, PEER_FAILED, JOB_ABORTED), DEADLINE_EXCEEDED.
+    """
+    JoinNode: _aio.UnaryUnaryMultiCallable[_rendezvous_pb2.JoinNodeRequest, _rendezvous_pb2.JoinNodeResponse]  # type: ignore[assignment]
+    """JoinNode registers a whole node (a node agent holding gpus_per_node local
+    ranks) in the job's current generation and returns once the generation
+    forms: when max_nodes nodes joined, or when at least min_nodes joined and
+    last_call passed since the last arrival (min_nodes == max_nodes: a
+    fixed-size job). Every node gets its block of ranks (node_rank *
+    gpus_per_node ..), the id, and the instance ids the daemon registered for
+    its members (workers act as those members through Barrier/Kv calls). The
+    node that will be node 0 gets id_required = true at once (or when it
+    becomes node 0) and repeats the same JoinNode with unique_id set.
+    Repeating a JoinNode with the same instance_id is idempotent. A job's
+    generation is joined either by JoinNode or by Join, never both.
+    While a generation runs with fewer than max_nodes nodes, a new node parks
+    (its generation is the next one) and the running nodes get NODES_WAITING.
+
+    INVALID_ARGUMENT    bad job id, node counts, node rank, host, addresses, id
+    FAILED_PRECONDITION another min/max/gpus_per_node than the forming
+                        generation's (TOPOLOGY_MISMATCH), or the generation is
+                        joined per rank (JOIN_MODE_MISMATCH)
+    ALREADY_EXISTS      node rank held by another node (DUPLICATE_RANK), ID_CONFLICT
+    ABORTED             the generation failed or was aborted while waiting
+    DEADLINE_EXCEEDED   fewer than min_nodes joined within wait_timeout_ms
+                        (WORLD_INCOMPLETE)
+    RESOURCE_EXHAUSTED  LIMIT_EXCEEDED, WORLD_FULL; UNAVAILABLE (DRAINING)
+    """
+    ReportFailure: _aio.UnaryUnaryMultiCallable[_rendezvous_pb2.ReportFailureRequest, _rendezvous_pb2.ReportFailureResponse]  # type: ignore[assignment]
+    """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
+    that member LOST with cause, fails the generation and pushes PEER_FAILED
+    to every other node. Only the node's own agent (node instance id) may call it.
+    NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+    ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
     """
     Barrier: _aio.UnaryUnaryMultiCallable[_rendezvous_pb2.BarrierRequest, _rendezvous_pb2.BarrierResponse]  # type: ignore[assignment]
     """Barrier returns once every member of the generation that has not left has
@@ -257,6 +321,50 @@ class RendezvousServicer(metaclass=_abc_1.ABCMeta):
         INVALID_ARGUMENT (INVALID_ID, ID_REUSED), ALREADY_EXISTS (ID_CONFLICT),
         PERMISSION_DENIED (NOT_RANK_ZERO), NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER),
         ABORTED (STALE_GENERATION, PEER_FAILED, JOB_ABORTED), DEADLINE_EXCEEDED.
+        """
+
+    @_abc_1.abstractmethod
+    def JoinNode(
+        self,
+        request: _rendezvous_pb2.JoinNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rendezvous_pb2.JoinNodeResponse, _abc.Awaitable[_rendezvous_pb2.JoinNodeResponse]]:
+        """JoinNode registers a whole node (a node agent holding gpus_per_node local
+        ranks) in the job's current generation and returns once the generation
+        forms: when max_nodes nodes joined, or when at least min_nodes joined and
+        last_call passed since the last arrival (min_nodes == max_nodes: a
+        fixed-size job). Every node gets its block of ranks (node_rank *
+        gpus_per_node ..), the id, and the instance ids the daemon registered for
+        its members (workers act as those members through Barrier/Kv calls). The
+        node that will be node 0 gets id_required = true at once (or when it
+        becomes node 0) and repeats the same JoinNode with unique_id set.
+        Repeating a JoinNode with the same instance_id is idempotent. A job's
+        generation is joined either by JoinNode or by Join, never both.
+        While a generation runs with fewer than max_nodes nodes, a new node parks
+        (its generation is the next one) and the running nodes get NODES_WAITING.
+
+        INVALID_ARGUMENT    bad job id, node counts, node rank, host, addresses, id
+        FAILED_PRECONDITION another min/max/gpus_per_node than the forming
+                            generation's (TOPOLOGY_MISMATCH), or the generation is
+                            joined per rank (JOIN_MODE_MISMATCH)
+        ALREADY_EXISTS      node rank held by another node (DUPLICATE_RANK), ID_CONFLICT
+        ABORTED             the generation failed or was aborted while waiting
+        DEADLINE_EXCEEDED   fewer than min_nodes joined within wait_timeout_ms
+                            (WORLD_INCOMPLETE)
+        RESOURCE_EXHAUSTED  LIMIT_EXCEEDED, WORLD_FULL; UNAVAILABLE (DRAINING)
+        """
+
+    @_abc_1.abstractmethod
+    def ReportFailure(
+        self,
+        request: _rendezvous_pb2.ReportFailureRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rendezvous_pb2.ReportFailureResponse, _abc.Awaitable[_rendezvous_pb2.ReportFailureResponse]]:
+        """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
+        that member LOST with cause, fails the generation and pushes PEER_FAILED
+        to every other node. Only the node's own agent (node instance id) may call it.
+        NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+        ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod

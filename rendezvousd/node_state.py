@@ -1,0 +1,326 @@
+"""Node joins in the state machine: node agents join once for all their local ranks,
+heartbeat once per node, report their workers' failures, and re-join elastically.
+
+A generation is joined either per rank (``RendezvousState.join``) or per node (here),
+never both. Forming: the generation forms when max_nodes nodes joined, or when at
+least min_nodes joined and ``last_call`` passed since the last arrival (checked on
+each arrival and each tick), once node 0's id is known. While it runs with fewer
+than max_nodes nodes, another node parks for the next generation and the running
+nodes hear NODES_WAITING; when the generation ends the parked node is placed in
+the next one. Pure, like the rest of the state machine.
+"""
+
+from __future__ import annotations
+
+from rendezvousd import fences, nodes, placement, validation, waits
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.job import Job, Node
+from rendezvousd.model import (
+    EventKind,
+    FailedInfo,
+    JobState,
+    MemberState,
+    NodeJoinResult,
+    Parked,
+    Transition,
+)
+from rendezvousd.nodes import NodeJoinArgs
+from rendezvousd.state_core import TERMINAL, StateCore
+
+
+class NodeJoins(StateCore):
+    # -- joining ------------------------------------------------------------
+
+    def join_node(self, args: NodeJoinArgs, now: float) -> NodeJoinResult | Parked:
+        if self.draining:
+            raise fences.draining()
+        nodes.check(args, self.limits)
+        job = self._job_for_node_join(args, now)
+        node = job.nodes.get(args.instance_id)
+        if job.state is JobState.RUNNING:
+            if node is not None and job.unique_id is None:
+                # Restored after a restart: the id never reached the disk, so this
+                # node can no longer be given it. Fence the generation.
+                self._lose_node(job, node, "daemon restarted before this node got the id", now)
+                raise job.generation_fault()
+            if node is not None:
+                return nodes.result(job, node)  # a retry of a formed node's JoinNode
+            return self._park_scaleup(job, args, now)
+        if job.state in TERMINAL:
+            raise job.generation_fault()
+        added = node is None
+        if node is None:
+            if len(job.nodes) >= job.max_nodes:
+                raise nodes.world_full(job, args.host)
+            if args.node_rank is not None:
+                for other in job.nodes.values():
+                    if other.named and other.node_rank == args.node_rank:
+                        raise nodes.duplicate_node(job, args, other.host)
+            node = Node(
+                args.instance_id,
+                args.host,
+                args.addresses,
+                args.node_rank or 0,
+                args.node_rank is not None,
+                now,
+            )
+            job.nodes[args.instance_id] = node
+            job.last_arrival = now
+        if args.unique_id:
+            if nodes.holder(job) is not node:
+                raise validation.invalid(
+                    "INVALID_ID",
+                    f"only node 0 of job {job.job_id!r} supplies the unique id; the node "
+                    f"agent on {args.host!r} is not node 0",
+                    job_id=job.job_id,
+                )
+            placement.accept_id(job, 0, args.unique_id)
+            job.id_node, job.id_deadline = node.instance_id, None
+        self._settle_holder(job, now)
+        if self._try_form(job, now):
+            return nodes.result(job, node)
+        if nodes.holder(job) is node and job.unique_id is None:
+            # Held until this JoinNode's own deadline, like rank 0's id_required.
+            job.id_deadline = now + (args.wait_s or self.timing.default_wait_s)
+            return nodes.id_required(job)
+        try:
+            parked = self._park(job, "node", -1, node.instance_id, now)
+        except RendezvousFault:
+            if added:  # refused for capacity: the slot stays free for the retry
+                self._remove_node(job, node, now)
+            raise
+        job.node_waiters[parked.waiter] = node.instance_id
+        return parked
+
+    def _job_for_node_join(self, args: NodeJoinArgs, now: float) -> Job:
+        job = self.jobs.get(args.job_id)
+        if job is None:
+            if len(self.jobs) >= self.limits.max_jobs:
+                raise validation.limit_exceeded(
+                    "max_jobs", f"the daemon already holds max_jobs={self.limits.max_jobs} jobs"
+                )
+            job = Job(args.job_id, args.max_nodes, args.gpus_per_node, 0, JobState.FORMING, now)
+            self.jobs[args.job_id] = job
+            job.open_generation(now)
+            self._effects.append(
+                Transition(job.job_id, job.generation, None, JobState.FORMING, "created")
+            )
+        elif job.state in TERMINAL and args.instance_id not in job.nodes:
+            if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
+                raise job.conflict
+            old = job.state
+            job.open_generation(now)
+            self._effects.append(
+                Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
+            )
+        if job.state is JobState.FORMING and not job.members and not job.nodes:
+            # Nobody waits on this generation yet: the first node sets its bounds.
+            job.join_mode = "node"
+            job.num_nodes, job.gpus_per_node = args.max_nodes, args.gpus_per_node
+            job.min_nodes, job.max_nodes = args.min_nodes, args.max_nodes
+            job.last_call_s = args.last_call_s or self.timing.default_last_call_s
+            return job
+        if job.join_mode != "node":
+            raise nodes.mode_mismatch(job, "node", args.host)
+        bounds = (job.min_nodes, job.max_nodes, job.gpus_per_node)
+        if bounds != (args.min_nodes, args.max_nodes, args.gpus_per_node):
+            fault = nodes.bounds_conflict(job, args)
+            if job.state is JobState.FORMING:
+                job.conflict = fault
+                self._set_state(job, JobState.FAILED, now, fault.message)
+                self._fail_waiters(job)
+            raise fault
+        return job
+
+    def _park_scaleup(self, job: Job, args: NodeJoinArgs, now: float) -> Parked:
+        if job.num_nodes + len(set(job.scaleup_waiters.values()) | {args.instance_id}) > (
+            job.max_nodes
+        ):
+            raise nodes.world_full(job, args.host)
+        parked = self._park(job, "scaleup", -1, args.instance_id, now)
+        job.scaleup_waiters[parked.waiter] = args.instance_id
+        self._tell_waiting(job)
+        return parked
+
+    def _tell_waiting(self, job: Job) -> None:
+        if job.state is JobState.RUNNING:
+            count = len(set(job.scaleup_waiters.values()))
+            self._notify(job, EventKind.NODES_WAITING, nodes_waiting=count)
+
+    def _settle_holder(self, job: Job, now: float) -> None:
+        """Keeps the id with node 0: an id from a node that is no longer node 0 is
+        dropped, and a parked node that became node 0 is asked for one."""
+        head = nodes.holder(job)
+        if job.unique_id is not None and (head is None or head.instance_id != job.id_node):
+            job.remember_id()
+            job.unique_id, job.id_node = None, ""
+        if head is None or job.unique_id is not None:
+            return
+        for waiter, instance in list(job.node_waiters.items()):
+            if instance == head.instance_id:
+                del job.node_waiters[waiter]
+                self._wake(waiter, nodes.id_required(job))
+                # Its SDK answers at once; one heartbeat timeout is ample to hear it.
+                job.id_deadline = now + self.timing.heartbeat_timeout_s
+
+    def _try_form(self, job: Job, now: float) -> bool:
+        """Forms the generation if it may form now; whether it did."""
+        count = len(job.nodes)
+        if job.state is not JobState.FORMING or job.join_mode != "node" or count < job.min_nodes:
+            return False
+        if count < job.max_nodes and now < job.last_arrival + job.last_call_s:
+            return False
+        ranks = nodes.assignment(job)
+        if job.unique_id is None or ranks is None:
+            return False
+        nodes.place(job, ranks)
+        for node in job.nodes.values():
+            node.state = MemberState.ACTIVE
+            node.last_seen = now
+        for m in job.members.values():
+            m.state = MemberState.ACTIVE
+            m.last_seen = now
+        job.member_table = nodes.member_infos(job)
+        self._set_state(
+            job, JobState.RUNNING, now, f"{count} node(s) joined ({job.world_size} ranks)"
+        )
+        for waiter, instance in list(job.node_waiters.items()):
+            self._wake(waiter, nodes.result(job, job.nodes[instance]))
+        job.node_waiters.clear()
+        return True
+
+    def _remove_node(self, job: Job, node: Node, now: float) -> None:
+        """A forming node gave up: its slot is free, and node 0 may be another now."""
+        if job.state is not JobState.FORMING or node.instance_id in job.node_waiters.values():
+            return
+        job.nodes.pop(node.instance_id, None)
+        self._settle_holder(job, now)
+        if not job.nodes:
+            job.state_since = now
+
+    # -- waits that end (called by RendezvousState.cancel_wait) ------------------
+
+    def _node_wait_ended(
+        self, job: Job, w: waits.Waiter, waiter: int, now: float, *, timed_out: bool
+    ) -> RendezvousFault | None:
+        waited = f"{now - w.since:.1f} s"
+        if w.kind == "scaleup":
+            job.scaleup_waiters.pop(waiter, None)
+            self._tell_waiting(job)
+            return nodes.scaleup_timeout(job, waited) if timed_out else None
+        job.node_waiters.pop(waiter, None)
+        node = job.nodes.get(w.key)
+        if node is None:
+            return None
+        if timed_out:
+            fault = nodes.nodes_incomplete(job, waited)
+            self._remove_node(job, node, now)
+            return fault
+        if job.state is JobState.FORMING and w.key not in job.node_waiters.values():
+            # A node agent that died while forming: everyone hears now, not at its timeout.
+            node.state = MemberState.LOST
+            cause = "its JoinNode was cancelled (node agent died or disconnected)"
+            rank = nodes.provisional_first_rank(job, node)
+            job.failed.append(FailedInfo(rank, node.host, cause))
+            self._set_state(job, JobState.FAILED, now, f"node agent on {node.host}: {cause}")
+            self._fail_waiters(job)
+        return None
+
+    # -- a formed node ------------------------------------------------------------
+
+    def _node_caller(
+        self, job_id: str, generation: int, node_rank: int, instance_id: str, *, running: bool
+    ) -> tuple[Job, Node]:
+        job = self._job(job_id)
+        if generation != job.generation:
+            raise fences.stale_generation(job, generation)
+        node = job.node_at.get(node_rank)
+        if node is None or node.instance_id != instance_id:
+            raise nodes.not_this_node(job, generation, node_rank)
+        if running and job.state is not JobState.RUNNING:
+            raise job.generation_fault()
+        return job, node
+
+    def report_failure(
+        self,
+        job_id: str,
+        generation: int,
+        node_rank: int,
+        instance_id: str,
+        local_rank: int,
+        cause: str,
+        now: float,
+    ) -> None:
+        validation.text_field("cause", cause, self.limits.max_reason_bytes, required=True)
+        job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=False)
+        if local_rank >= job.gpus_per_node:
+            raise validation.invalid(
+                "RANK_OUT_OF_RANGE",
+                f"local_rank={local_rank} is out of range for gpus_per_node={job.gpus_per_node}",
+                job_id=job_id,
+            )
+        member = job.members[job.rank_of(node.node_rank, local_rank)]
+        if member.state in (MemberState.ACTIVE, MemberState.JOINING):
+            self._lose(job, [member], cause, now, told=node.node_rank)
+
+    def attach_node_stream(
+        self, job_id: str, generation: int, node_rank: int, instance_id: str, now: float
+    ) -> int:
+        _, node = self._node_caller(job_id, generation, node_rank, instance_id, running=True)
+        node.stream_token += 1
+        node.stream_open = True
+        node.last_seen = now
+        return node.stream_token
+
+    def node_heartbeat(self, job_id: str, generation: int, node_rank: int, now: float) -> None:
+        job = self._job(job_id)
+        node = job.node_at.get(node_rank)
+        if generation != job.generation or node is None or job.state is not JobState.RUNNING:
+            raise job.generation_fault()
+        node.last_seen = now
+        for m in nodes.node_members(job, node):
+            m.last_seen = now  # what GetJob shows as each member's heartbeat age
+
+    def detach_node_stream(
+        self, job_id: str, generation: int, node_rank: int, token: int, now: float
+    ) -> None:
+        job = self.jobs.get(job_id)
+        if job is None or job.generation != generation or self.draining:
+            return
+        node = job.node_at.get(node_rank)
+        if node is None or node.stream_token != token:
+            return
+        node.stream_open = False
+        if node.state is MemberState.ACTIVE:
+            self._lose_node(job, node, "node agent's heartbeat stream closed", now)
+
+    def _lose_node(self, job: Job, node: Node, cause: str, now: float) -> None:
+        node.state = MemberState.LOST
+        node.stream_open = False
+        lost = [m for m in nodes.node_members(job, node) if m.state is MemberState.ACTIVE]
+        self._lose(job, lost, cause, now)
+
+    def leave_node(
+        self, job_id: str, generation: int, node_rank: int, instance_id: str, now: float
+    ) -> None:
+        job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=False)
+        if node.state is MemberState.ACTIVE:
+            node.state = MemberState.LEFT
+        for m in nodes.node_members(job, node):
+            self._member_left(job, m, now)
+
+    def _node_tick(self, job: Job, now: float) -> None:
+        """A node job's time-driven decisions: the last call, silent node agents, and a
+        node 0 that was asked for the id and never sent it."""
+        if job.state is JobState.FORMING:
+            if job.id_deadline is not None and now > job.id_deadline:
+                head = nodes.holder(job)
+                job.id_deadline = None
+                if head is not None and job.unique_id is None:
+                    self._remove_node(job, head, now)
+            self._try_form(job, now)
+        elif job.state is JobState.RUNNING:
+            timeout = self.timing.heartbeat_timeout_s
+            for node in list(job.node_at.values()):
+                if node.state is MemberState.ACTIVE and now - node.last_seen > timeout:
+                    self._lose_node(job, node, f"no node heartbeat for {timeout:g} s", now)

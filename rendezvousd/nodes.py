@@ -1,0 +1,245 @@
+"""Node joins (JoinNode): the request and its checks, who is node 0, the rank blocks a
+forming generation hands out, and what a JoinNode is told.
+
+Pure functions over one job, like ``placement`` for per-rank joins; ``NodeJoins``
+decides when a node is admitted, parked, formed or failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from rendezvousd import validation
+from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.job import Job, Member, Node
+from rendezvousd.limits import Limits
+from rendezvousd.model import MemberInfo, NodeJoinResult
+
+
+@dataclass(frozen=True)
+class NodeJoinArgs:
+    job_id: str
+    min_nodes: int
+    max_nodes: int
+    gpus_per_node: int
+    node_rank: int | None
+    host: str
+    addresses: tuple[str, ...]
+    unique_id: bytes
+    instance_id: str
+    # How long this JoinNode may wait, and the last call it asks for (0: defaults).
+    wait_s: float = 0.0
+    last_call_s: float = 0.0
+
+
+def check(args: NodeJoinArgs, limits: Limits) -> None:
+    """Refuses a malformed request before it can create or touch a job."""
+    validation.job_id(args.job_id)
+    if not 1 <= args.min_nodes <= args.max_nodes:
+        raise validation.invalid(
+            "INVALID_TOPOLOGY",
+            f"min_nodes={args.min_nodes} max_nodes={args.max_nodes} is invalid: need "
+            "1 <= min_nodes <= max_nodes (--nnodes MIN:MAX)",
+            job_id=args.job_id,
+        )
+    validation.topology(args.max_nodes, args.gpus_per_node, limits)
+    validation.text_field("host", args.host, limits.max_host_bytes, required=True)
+    validation.text_field("instance_id", args.instance_id, 128, required=True)
+    if len(args.addresses) > args.gpus_per_node:
+        raise validation.invalid(
+            "INVALID_ARGUMENT",
+            f"{len(args.addresses)} addresses for gpus_per_node={args.gpus_per_node}: "
+            "give at most one per local rank",
+            job_id=args.job_id,
+        )
+    for address in args.addresses:
+        validation.text_field("address", address, limits.max_host_bytes, required=False)
+    if args.unique_id:
+        validation.unique_id(args.unique_id)
+    if args.node_rank is not None and args.node_rank >= args.max_nodes:
+        raise validation.invalid(
+            "RANK_OUT_OF_RANGE",
+            f"node_rank={args.node_rank} is out of range for max_nodes={args.max_nodes} "
+            f"(expected 0..{args.max_nodes - 1})",
+            job_id=args.job_id,
+        )
+
+
+def member_instance_id(node_instance: str, local_rank: int) -> str:
+    """The instance id a node's worker acts under: derived from the node's own secret
+    instance id, so only that node's agent (and whom it tells) knows it."""
+    return hashlib.sha256(f"{node_instance}/{local_rank}".encode()).hexdigest()[:32]
+
+
+def holder(job: Job) -> Node | None:
+    """The node that becomes node 0 and so supplies the id: the one that named rank 0,
+    else the earliest arrival that named none."""
+    named = [n for n in job.nodes.values() if n.named and n.node_rank == 0]
+    if named:
+        return named[0]
+    free = [n for n in job.nodes.values() if not n.named]
+    return min(free, key=lambda n: n.arrived) if free else None
+
+
+def assignment(job: Job) -> dict[str, int] | None:
+    """Node ranks for the nodes now present (by instance id), or None when the named
+    ranks do not fit 0..n-1 yet: named ranks are kept, the others fill the free
+    ranks in arrival order."""
+    count = len(job.nodes)
+    named = {n.node_rank for n in job.nodes.values() if n.named}
+    if any(r >= count for r in named):
+        return None
+    free = iter(r for r in range(count) if r not in named)
+    ranks = {n.instance_id: n.node_rank for n in job.nodes.values() if n.named}
+    for node in sorted((n for n in job.nodes.values() if not n.named), key=lambda n: n.arrived):
+        ranks[node.instance_id] = next(free)
+    return ranks
+
+
+def place(job: Job, ranks: dict[str, int]) -> None:
+    """Turns the forming nodes into members: node r holds ranks r * gpus_per_node ..."""
+    job.num_nodes = len(ranks)
+    job.members.clear()
+    job.node_at.clear()
+    for node in job.nodes.values():
+        node.node_rank = ranks[node.instance_id]
+        job.node_at[node.node_rank] = node
+        for local in range(job.gpus_per_node):
+            rank = job.rank_of(node.node_rank, local)
+            address = node.addresses[local] if local < len(node.addresses) else ""
+            job.members[rank] = Member(
+                rank,
+                node.node_rank,
+                local,
+                node.host,
+                address,
+                member_instance_id(node.instance_id, local),
+            )
+
+
+def node_members(job: Job, node: Node) -> list[Member]:
+    first = job.rank_of(node.node_rank, 0)
+    return [job.members[r] for r in range(first, first + job.gpus_per_node) if r in job.members]
+
+
+def result(job: Job, node: Node) -> NodeJoinResult:
+    assert job.unique_id is not None
+    return NodeJoinResult(
+        job.job_id,
+        job.generation,
+        node.node_rank,
+        job.num_nodes,
+        job.gpus_per_node,
+        False,
+        job.unique_id,
+        tuple(member_instance_id(node.instance_id, g) for g in range(job.gpus_per_node)),
+        job.member_table,
+    )
+
+
+def id_required(job: Job) -> NodeJoinResult:
+    return NodeJoinResult(
+        job.job_id, job.generation, 0, job.num_nodes, job.gpus_per_node, True, b"", (), ()
+    )
+
+
+def provisional_first_rank(job: Job, node: Node) -> int:
+    """The first rank ``node`` would hold if the generation formed now (for errors)."""
+    ranks = assignment(job) or {}
+    return job.rank_of(ranks.get(node.instance_id, node.node_rank), 0)
+
+
+def bounds_conflict(job: Job, args: NodeJoinArgs) -> RendezvousFault:
+    """A node asked for other bounds than the generation's: either side may be wrong."""
+    hosts = sorted({n.host for n in job.nodes.values()})
+    return RendezvousFault(
+        Code.FAILED_PRECONDITION,
+        "TOPOLOGY_MISMATCH",
+        f"job {job.job_id!r} generation {job.generation} has nodes {job.min_nodes}:"
+        f"{job.max_nodes} x gpus_per_node={job.gpus_per_node}, but the node agent on host "
+        f"{args.host!r} asked for {args.min_nodes}:{args.max_nodes} x "
+        f"gpus_per_node={args.gpus_per_node}; every node of a job must use the same "
+        "--nnodes and --nproc-per-node: fix them and relaunch",
+        {
+            "job_id": job.job_id,
+            "generation": str(job.generation),
+            "topology": f"{job.min_nodes}:{job.max_nodes}x{job.gpus_per_node}",
+            "requested_topology": f"{args.min_nodes}:{args.max_nodes}x{args.gpus_per_node}",
+            "offending_host": args.host,
+            "hosts": ",".join(hosts),
+        },
+    )
+
+
+def mode_mismatch(job: Job, wanted: str, host: str) -> RendezvousFault:
+    """A per-rank Join in a node-joined generation, or the reverse."""
+    have = "node agents (JoinNode)" if job.join_mode == "node" else "per-rank Join calls"
+    asked = "a node join (JoinNode)" if wanted == "node" else "a per-rank Join"
+    return RendezvousFault(
+        Code.FAILED_PRECONDITION,
+        "JOIN_MODE_MISMATCH",
+        f"job {job.job_id!r} generation {job.generation} is joined by {have}; {asked} from "
+        f"host {host!r} cannot take part: start every node of a job the same way (all under "
+        "rendezvous-run's node agent, or all workers joining per rank)",
+        {"job_id": job.job_id, "generation": str(job.generation), "offending_host": host},
+    )
+
+
+def duplicate_node(job: Job, args: NodeJoinArgs, holder_host: str) -> RendezvousFault:
+    return RendezvousFault(
+        Code.ALREADY_EXISTS,
+        "DUPLICATE_RANK",
+        f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
+        f"on {holder_host}; give each node a distinct --node-rank (or none)",
+        {"job_id": args.job_id, "generation": str(job.generation)},
+    )
+
+
+def world_full(job: Job, host: str) -> RendezvousFault:
+    return RendezvousFault(
+        Code.RESOURCE_EXHAUSTED,
+        "WORLD_FULL",
+        f"job {job.job_id!r} generation {job.generation} already has max_nodes="
+        f"{job.max_nodes} nodes; the node agent on {host!r} cannot join it",
+        {"job_id": job.job_id, "generation": str(job.generation)},
+    )
+
+
+def nodes_incomplete(job: Job, waited: str) -> RendezvousFault:
+    hosts = sorted({n.host for n in job.nodes.values()})
+    return RendezvousFault(
+        Code.DEADLINE_EXCEEDED,
+        "WORLD_INCOMPLETE",
+        f"job {job.job_id!r} generation {job.generation}: {len(job.nodes)} node(s) joined "
+        f"after {waited}, the generation needs min_nodes={job.min_nodes}"
+        + ("" if job.unique_id is not None or not job.nodes else " and node 0's id")
+        + "; start the missing node agents or lower --nnodes",
+        {"job_id": job.job_id, "generation": str(job.generation), "hosts": ",".join(hosts)},
+    )
+
+
+def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
+    return RendezvousFault(
+        Code.DEADLINE_EXCEEDED,
+        "WORLD_INCOMPLETE",
+        f"job {job.job_id!r} generation {job.generation} kept running with {job.num_nodes} of "
+        f"max_nodes={job.max_nodes} nodes for {waited}; the running nodes did not end it to "
+        "take this node in",
+        {"job_id": job.job_id, "generation": str(job.generation)},
+    )
+
+
+def not_this_node(job: Job, generation: int, node_rank: int) -> RendezvousFault:
+    """The caller names a node rank it does not hold (another agent, or no node at all)."""
+    return RendezvousFault(
+        Code.ALREADY_EXISTS,
+        "DUPLICATE_RANK",
+        f"node_rank={node_rank} of job {job.job_id!r} generation {generation} belongs to "
+        "another node agent instance (or to none); rejoin to take part",
+        {"job_id": job.job_id, "generation": str(generation)},
+    )
+
+
+def member_infos(job: Job) -> tuple[MemberInfo, ...]:
+    return tuple(job.members[r].info() for r in range(job.world_size))

@@ -1,0 +1,206 @@
+"""The state machine's plumbing: parking and waking calls, queued effects, the
+lookups that fence a caller off, and failing a generation.
+
+``RendezvousState`` (per-rank joins, barriers, key-value, liveness) and
+``NodeJoins`` (node agents) make the decisions on top of it. Pure, like them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from rendezvousd import barriers, fences, validation, waits
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.job import Job, Member
+from rendezvousd.limits import Limits, Timing
+from rendezvousd.model import (
+    Effect,
+    EventKind,
+    FailedInfo,
+    JobState,
+    MemberState,
+    Notify,
+    Parked,
+    Rejoin,
+    Transition,
+    Wake,
+)
+
+TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
+
+
+class StateCore:
+    def __init__(self, limits: Limits | None = None, timing: Timing | None = None) -> None:
+        self.limits = limits or Limits()
+        self.timing = timing or Timing()
+        self.jobs: dict[str, Job] = {}
+        self.draining = False
+        self._waiters: dict[int, waits.Waiter] = {}
+        self._job_waiters: dict[str, int] = {}  # job id -> its entries in _waiters
+        self._next_waiter = itertools.count(1)
+        self._effects: list[Effect] = []
+
+    # -- plumbing ---------------------------------------------------------
+
+    def take_effects(self) -> list[Effect]:
+        effects, self._effects = self._effects, []
+        return effects
+
+    @property
+    def waiter_count(self) -> int:
+        return len(self._waiters)
+
+    def _park(self, job: Job, kind: str, rank: int, key: str, now: float) -> Parked:
+        if len(self._waiters) >= self.limits.max_waiters:
+            raise validation.limit_exceeded(
+                "max_waiters",
+                f"the daemon already holds max_waiters={self.limits.max_waiters} waiting calls",
+            )
+        held = self._job_waiters.get(job.job_id, 0)
+        if held >= self.limits.max_waiters_per_job:
+            # One job (one buggy or hostile token holder) must not take every slot.
+            raise validation.limit_exceeded(
+                "max_waiters_per_job",
+                f"job {job.job_id!r} already holds max_waiters_per_job="
+                f"{self.limits.max_waiters_per_job} waiting calls",
+                job_id=job.job_id,
+            )
+        waiter = next(self._next_waiter)
+        self._waiters[waiter] = waits.Waiter(job.job_id, job.generation, kind, rank, key, now)
+        self._job_waiters[job.job_id] = held + 1
+        return Parked(waiter)
+
+    def _unpark(self, waiter: int) -> waits.Waiter | None:
+        w = self._waiters.pop(waiter, None)
+        if w is not None:
+            held = self._job_waiters.pop(w.job_id) - 1
+            if held:
+                self._job_waiters[w.job_id] = held
+        return w
+
+    def _wake(
+        self, waiter: int, value: object = None, fault: RendezvousFault | None = None
+    ) -> None:
+        if self._unpark(waiter) is not None:
+            self._effects.append(Wake(waiter, value, fault))
+
+    def _set_state(self, job: Job, new: JobState, now: float, detail: str) -> None:
+        old = job.state
+        job.state = new
+        job.state_since = now
+        self._effects.append(Transition(job.job_id, job.generation, old, new, detail))
+        if new in TERMINAL:
+            # Nodes parked for a scale-up wanted the next generation, not this one:
+            # they ask again and open it, instead of hearing this one's fault.
+            for waiter in list(job.scaleup_waiters):
+                self._wake(waiter, Rejoin())
+            job.scaleup_waiters.clear()
+
+    def _job(self, job_id: str) -> Job:
+        job = self.jobs.get(validation.job_id(job_id))
+        if job is None:
+            raise fences.no_such_job(job_id)
+        return job
+
+    def _member(
+        self, job_id: str, generation: int, rank: int, *, running: bool = True
+    ) -> tuple[Job, Member]:
+        """The caller's job and membership, or the fault that fences it off."""
+        job = self._job(job_id)
+        if generation != job.generation:
+            raise fences.stale_generation(job, generation)
+        member = job.members.get(rank)
+        if member is None:
+            raise fences.not_a_member(job, generation, rank)
+        if running and job.state is not JobState.RUNNING:
+            raise job.generation_fault()
+        return job, member
+
+    def _caller(
+        self, job_id: str, generation: int, rank: int, instance_id: str, *, running: bool = True
+    ) -> tuple[Job, Member]:
+        """``_member``, and the caller must be the worker instance that joined as ``rank``:
+        holding the token is not enough to act for another job's or another process's rank."""
+        job, member = self._member(job_id, generation, rank, running=running)
+        if member.instance_id != instance_id:
+            raise fences.other_instance(job, generation, rank, instance_id)
+        return job, member
+
+    def _lose(
+        self, job: Job, lost: list[Member], cause: str, now: float, *, told: int | None = None
+    ) -> None:
+        """``lost`` members are gone: the generation fails, every other member (node
+        agent in a JoinNode generation; but the node ``told``, which reported it) hears."""
+        for member in lost:
+            member.state = MemberState.LOST
+            member.stream_open = False
+            job.failed.append(FailedInfo(member.rank, member.host, cause))
+        if job.state is not JobState.RUNNING or not lost:
+            return  # the generation already ended: survivors were told once
+        first = lost[0]
+        more = f" (and {len(lost) - 1} more of its node)" if len(lost) > 1 else ""
+        self._set_state(
+            job, JobState.FAILED, now, f"rank {first.rank} on {first.host}{more}: {cause}"
+        )
+        self._fail_waiters(job)
+        self._notify(job, EventKind.PEER_FAILED, reason=cause, skip_node=told)
+
+    def _fail_waiters(self, job: Job) -> None:
+        fault = job.generation_fault()
+        for w in job.all_waiters():
+            self._wake(w, fault=fault)
+        job.join_waiters.clear()
+        job.node_waiters.clear()
+        job.kv_waiters.clear()
+        for barrier in job.barriers.values():
+            barrier.arrived.clear()
+
+    def _notify(
+        self,
+        job: Job,
+        kind: EventKind,
+        reason: str = "",
+        *,
+        skip_node: int | None = None,
+        nodes_waiting: int = 0,
+    ) -> None:
+        if job.join_mode == "node":
+            # Nodes heartbeat, ranks do not: the node agents' streams hear it.
+            nodes = tuple(
+                r
+                for r, n in job.node_at.items()
+                if n.state is MemberState.ACTIVE and r != skip_node
+            )
+            if nodes:
+                self._effects.append(
+                    Notify(
+                        job.job_id,
+                        job.generation,
+                        (),
+                        kind,
+                        tuple(job.failed),
+                        reason,
+                        nodes,
+                        nodes_waiting,
+                    )
+                )
+            return
+        ranks = tuple(r for r, m in job.members.items() if m.state is MemberState.ACTIVE)
+        if ranks:
+            self._effects.append(
+                Notify(job.job_id, job.generation, ranks, kind, tuple(job.failed), reason)
+            )
+
+    def _member_left(self, job: Job, member: Member, now: float) -> None:
+        """A member of a formed generation is done; the last one ends the job."""
+        if member.state is MemberState.ACTIVE:
+            member.state = MemberState.LEFT
+            job.left += 1
+        if job.state is JobState.RUNNING:
+            if job.left == len(job.members):
+                self._set_state(job, JobState.ENDED, now, "every member left")
+                return
+            for barrier in job.barriers.values():
+                if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
+                    for w in barriers.release(barrier):
+                        self._wake(w, barrier.completed)

@@ -1,0 +1,216 @@
+"""Node-level joins through the SDK against a real daemon process: node agents join
+once per node, heartbeat once per node, report failures, and re-join elastically."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    DuplicateRank,
+    InvalidRequest,
+    NodeMembership,
+    PeerFailed,
+    RendezvousClient,
+    RendezvousError,
+)
+from tests.support import WORKERS, DaemonProcess, parallel, wait_for
+
+ID0 = b"\x07" * 128
+
+
+def clients(d: DaemonProcess, job: str, n: int) -> list[RendezvousClient]:
+    return [RendezvousClient(d.endpoint, job, token=d.token) for _ in range(n)]
+
+
+@pytest.fixture
+def agents(daemon: DaemonProcess, job_id: str) -> Iterator[list[RendezvousClient]]:
+    made = clients(daemon, job_id, 3)
+    yield made
+    for c in made:
+        c.close()
+
+
+def join_all(
+    agents: list[RendezvousClient], low: int, high: int, gpus: int = 2, **kw: object
+) -> list[NodeMembership]:
+    results = parallel(
+        [
+            lambda c=c, i=i: c.join_node(  # type: ignore[misc]
+                min_nodes=low, max_nodes=high, gpus_per_node=gpus, host=f"node{i}", timeout=20, **kw
+            )
+            for i, c in enumerate(agents)
+        ]
+    )
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_two_nodes_of_two_form_with_rank_blocks_and_one_id(
+    agents: list[RendezvousClient],
+) -> None:
+    made: list[int] = []
+
+    def factory() -> bytes:
+        made.append(1)
+        return ID0
+
+    ms = join_all(agents[:2], 2, 2, id_factory=factory)
+    assert made == [1]  # only node 0 makes the id
+    assert sorted(m.node_rank for m in ms) == [0, 1]
+    assert all(m.unique_id == ID0 and m.world_size == 4 and m.num_nodes == 2 for m in ms)
+    for m in ms:
+        assert m.first_rank == m.node_rank * 2
+        w = m.membership_for(1)
+        assert (w.rank, w.local_rank, w.world_size) == (m.first_rank + 1, 1, 4)
+        assert [x.rank for x in w.members] == [0, 1, 2, 3]
+        assert w.members[w.rank].host == f"node{ms.index(m)}"
+    assert "unique_id" not in repr(ms[0]) and ms[0].member_instance_id(0) not in repr(ms[0])
+
+
+def test_elastic_forms_with_min_after_last_call(agents: list[RendezvousClient]) -> None:
+    ms = join_all(agents[:2], 1, 3, last_call=0.3)
+    assert [m.num_nodes for m in ms] == [2, 2]
+
+
+def test_elastic_forms_at_once_with_max(agents: list[RendezvousClient]) -> None:
+    # A last call far beyond the join timeout: only reaching max_nodes can form it.
+    ms = join_all(agents[:2], 1, 2, last_call=300)
+    assert [m.num_nodes for m in ms] == [2, 2]
+
+
+def test_elastic_aio_forms_with_min(daemon: DaemonProcess, job_id: str) -> None:
+    async def main() -> list[NodeMembership]:
+        async with (
+            AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token) as a,
+            AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token) as b,
+        ):
+            ms = await asyncio.wait_for(
+                asyncio.gather(
+                    a.join_node(min_nodes=2, max_nodes=4, gpus_per_node=1, last_call=0.2),
+                    b.join_node(min_nodes=2, max_nodes=4, gpus_per_node=1, last_call=0.2),
+                ),
+                20,
+            )
+            return list(ms)
+
+    ms = asyncio.run(main())
+    assert sorted(m.node_rank for m in ms) == [0, 1] and ms[0].unique_id == ms[1].unique_id
+
+
+def test_report_failure_reaches_the_other_node_and_getjob_names_the_rank(
+    agents: list[RendezvousClient],
+) -> None:
+    ms = join_all(agents[:2], 2, 2)
+    heard: list[RendezvousError] = []
+    got = threading.Event()
+    for c in agents[:2]:
+        c.start_heartbeat(0.2, on_failure=lambda e: (heard.append(e), got.set()))
+    reporter = next(i for i, m in enumerate(ms) if m.node_rank == 1)
+    agents[reporter].report_failure(1, "worker exited with signal 9")
+    assert got.wait(10)
+    assert len(heard) == 1 and isinstance(heard[0], PeerFailed)
+    assert heard[0].metadata["ranks"] == "3"
+    assert "node1" in heard[0].message or f"node{reporter}" in heard[0].message
+    assert "worker exited with signal 9" in heard[0].message
+    failed = list(agents[0].get_job().failed)
+    assert (failed[0].rank, failed[0].cause) == (3, "worker exited with signal 9")
+    assert failed[0].host == f"node{reporter}"
+
+
+def test_killed_node_process_fails_the_generation(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    cmd = [sys.executable, str(WORKERS / "node_worker.py"), "--endpoint", daemon.endpoint]
+    cmd += ["--token-file", str(daemon.token_file), "--job", job_id, "--nodes", "2:2"]
+    proc = subprocess.Popen(
+        [*cmd, "--gpus", "2", "--host", "doomed"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        m = agents[0].join_node(min_nodes=2, max_nodes=2, gpus_per_node=2, host="ok", timeout=20)
+        got = threading.Event()
+        heard: list[RendezvousError] = []
+        agents[0].start_heartbeat(0.2, on_failure=lambda e: (heard.append(e), got.set()))
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["event"] == "joined"
+        proc.kill()
+        assert got.wait(10)
+        assert isinstance(heard[0], PeerFailed) and "doomed" in heard[0].message
+        # the killed node's ranks are the first lost (survivors' streams close after)
+        lost = {f.rank for f in list(agents[0].get_job().failed)[:2]}
+        assert lost == {r for r in range(4) if r // 2 != m.node_rank}
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_attached_worker_uses_barrier_and_kv_and_a_wrong_instance_is_refused(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    ms = join_all(agents[:2], 2, 2)
+    for c in agents[:2]:
+        c.start_heartbeat(0.2)
+    workers = clients(daemon, job_id, 4)
+    try:
+        for m in ms:
+            for local in range(2):
+                w = workers[m.first_rank + local]
+                w.attach(m.membership_for(local), m.member_instance_id(local))
+        workers[0].kv_set("k", b"v")
+        assert workers[3].kv_get("k", timeout=5) == b"v"
+        parallel([lambda w=w: w.barrier("b", timeout=10) for w in workers])  # type: ignore[misc]
+        intruder = clients(daemon, job_id, 1)[0]
+        intruder.attach(ms[0].membership_for(0), ms[1].member_instance_id(0))
+        with pytest.raises(DuplicateRank):
+            intruder.kv_set("k", b"forged")
+        intruder.close()
+        with pytest.raises(InvalidRequest):
+            workers[0].attach(ms[0].membership_for(0), "")
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_rejoin_of_next_generation_gets_a_fresh_id(agents: list[RendezvousClient]) -> None:
+    first = join_all(agents[:2], 2, 2)
+    agents[0].abort("restart", generation=first[0].generation)
+    second = join_all(agents[:2], 2, 2)
+    assert second[0].generation == first[0].generation + 1
+    assert second[0].unique_id == second[1].unique_id != first[0].unique_id
+
+
+def test_nodes_waiting_reaches_a_running_node_and_scale_up_rejoins(
+    agents: list[RendezvousClient],
+) -> None:
+    (m,) = join_all(agents[:1], 1, 2, last_call=0.1)
+    counts: list[int] = []
+    agents[0].start_heartbeat(0.2, on_nodes_waiting=counts.append)
+    box: list[object] = []
+    joiner = threading.Thread(
+        target=lambda: box.append(
+            agents[1].join_node(
+                min_nodes=1, max_nodes=2, gpus_per_node=2, host="late", timeout=20, last_call=0.1
+            )
+        ),
+        daemon=True,
+    )
+    joiner.start()
+    wait_for("NODES_WAITING", lambda: agents[0].nodes_waiting() == 1)
+    assert counts == [1]
+    agents[0].abort("scale-up", generation=m.generation)
+    again = agents[0].join_node(min_nodes=1, max_nodes=2, gpus_per_node=2, host="n0", timeout=20)
+    joiner.join(20)
+    assert not joiner.is_alive()
+    late = box[0]
+    assert isinstance(late, NodeMembership)
+    assert again.generation == late.generation == m.generation + 1
+    assert again.num_nodes == 2 and {again.node_rank, late.node_rank} == {0, 1}

@@ -1,0 +1,286 @@
+"""Node joins (JoinNode) in the pure state machine, driven with an explicit clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.limits import Timing
+from rendezvousd.model import (
+    EventKind,
+    JobState,
+    MemberState,
+    NodeJoinResult,
+    Notify,
+    Parked,
+    Rejoin,
+    Wake,
+)
+from rendezvousd.persistence import Persister
+from rendezvousd.state import JoinArgs, NodeJoinArgs, RendezvousState
+
+ID = b"\x02" * 128
+ID2 = b"\x03" * 128
+
+
+def node(
+    inst: str,
+    *,
+    lo: int = 2,
+    hi: int = 2,
+    gpus: int = 2,
+    uid: bytes = b"",
+    rank: int | None = None,
+    last_call: float = 5.0,
+    job: str = "j",
+) -> NodeJoinArgs:
+    return NodeJoinArgs(
+        job, lo, hi, gpus, rank, f"host-{inst}", (), uid, inst, 60.0, last_call_s=last_call
+    )
+
+
+def fault(fn: object, *a: object, **kw: object) -> RendezvousFault:
+    with pytest.raises(RendezvousFault) as info:
+        fn(*a, **kw)  # type: ignore[operator]
+    return info.value
+
+
+def woken(sm: RendezvousState) -> dict[int, object]:
+    return {
+        e.waiter: e.value if e.fault is None else e.fault
+        for e in sm.take_effects()
+        if isinstance(e, Wake)
+    }
+
+
+def join_first(
+    sm: RendezvousState, args: NodeJoinArgs, now: float = 0.0
+) -> NodeJoinResult | Parked:
+    """Node 0's two calls: asked for the id, then joins with it."""
+    out = sm.join_node(args, now)
+    assert isinstance(out, NodeJoinResult) and out.id_required
+    return sm.join_node(
+        node(
+            args.instance_id,
+            lo=args.min_nodes,
+            hi=args.max_nodes,
+            gpus=args.gpus_per_node,
+            uid=ID,
+            last_call=args.last_call_s,
+            job=args.job_id,
+        ),
+        now,
+    )
+
+
+def test_fixed_size_forms_with_rank_blocks_and_one_id() -> None:
+    sm = RendezvousState()
+    first = join_first(sm, node("a"))
+    assert isinstance(first, Parked)
+    second = sm.join_node(node("b"), 1.0)
+    assert isinstance(second, NodeJoinResult) and not second.id_required
+    a = woken(sm)[first.waiter]
+    assert isinstance(a, NodeJoinResult)
+    assert (a.node_rank, second.node_rank) == (0, 1)
+    assert a.unique_id == second.unique_id == ID
+    assert a.num_nodes == 2 and len(a.members) == 4
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING
+    assert [m.rank for m in a.members] == [0, 1, 2, 3]
+    assert {m.host for m in a.members[2:]} == {"host-b"}
+    # each worker's member answers to the instance id handed to its node only
+    assert job.members[3].instance_id == second.member_instance_ids[1]
+    assert len(set(a.member_instance_ids) | set(second.member_instance_ids)) == 4
+
+
+def test_elastic_forms_with_min_after_last_call_and_at_once_with_max() -> None:
+    sm = RendezvousState()
+    join_first(sm, node("a", lo=1, hi=3, last_call=5.0), 0.0)
+    assert isinstance(sm.join_node(node("b", lo=1, hi=3, last_call=5.0), 2.0), Parked)
+    sm.tick(6.9)  # 4.9 s after the last arrival: still waiting for more
+    assert sm.jobs["j"].state is JobState.FORMING
+    sm.tick(7.1)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and job.num_nodes == 2 and job.world_size == 4
+
+    sm2 = RendezvousState()
+    join_first(sm2, node("a", lo=1, hi=2, last_call=60.0))
+    out = sm2.join_node(node("b", lo=1, hi=2, last_call=60.0), 0.1)
+    assert isinstance(out, NodeJoinResult) and out.num_nodes == 2
+
+
+def test_named_node_zero_takes_the_id_from_an_earlier_unnamed_node() -> None:
+    sm = RendezvousState()
+    first = join_first(sm, node("a", hi=3, lo=3))
+    assert isinstance(first, Parked)
+    out = sm.join_node(node("b", hi=3, lo=3, rank=0), 1.0)
+    assert isinstance(out, NodeJoinResult) and out.id_required  # b is node 0 now
+    assert sm.jobs["j"].unique_id is None
+    fault(sm.join_node, node("a", hi=3, lo=3, uid=ID2), 1.5)  # a is not node 0 any more
+    assert isinstance(sm.join_node(node("b", hi=3, lo=3, rank=0, uid=ID2), 2.0), Parked)
+    out = sm.join_node(node("c", hi=3, lo=3), 3.0)
+    assert isinstance(out, NodeJoinResult) and out.node_rank == 2 and out.unique_id == ID2
+    ranks = {n.instance_id: n.node_rank for n in sm.jobs["j"].nodes.values()}
+    assert ranks == {"b": 0, "a": 1, "c": 2}
+
+
+def test_mixing_per_rank_and_node_joins_is_refused_both_ways() -> None:
+    sm = RendezvousState()
+    join_first(sm, node("a"))
+    f = fault(sm.join, JoinArgs("j", 2, 2, 1, 0, "h", "", b"", "w"), 1.0)
+    assert (f.code.value, f.reason) == ("FAILED_PRECONDITION", "JOIN_MODE_MISMATCH")
+    assert "JoinNode" in f.message and "'h'" in f.message
+    sm.join(JoinArgs("k", 2, 2, 1, 0, "h", "", b"", "w"), 1.0)
+    f = fault(sm.join_node, node("x", job="k"), 1.0)
+    assert f.reason == "JOIN_MODE_MISMATCH"
+
+
+def formed(sm: RendezvousState) -> tuple[NodeJoinResult, NodeJoinResult]:
+    first = join_first(sm, node("a"))
+    assert isinstance(first, Parked)
+    b = sm.join_node(node("b"), 0.0)
+    a = woken(sm)[first.waiter]
+    assert isinstance(a, NodeJoinResult) and isinstance(b, NodeJoinResult)
+    return a, b
+
+
+def test_report_failure_fails_the_generation_and_tells_the_other_node_first_lost() -> None:
+    sm = RendezvousState()
+    formed(sm)
+    sm.attach_node_stream("j", 1, 0, "a", 0.0)
+    sm.attach_node_stream("j", 1, 1, "b", 0.0)
+    sm.take_effects()
+    sm.report_failure("j", 1, 1, "b", 1, "exit code -9", 1.0)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    assert job.failed[0].rank == 3 and job.failed[0].cause == "exit code -9"
+    notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
+    assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED
+    assert notes[0].nodes == (0,) and notes[0].ranks == ()
+    assert notes[0].failed[0].host == "host-b"
+    # only the node's own agent may report
+    f = fault(sm.report_failure, "j", 1, 0, "b", 0, "x", 2.0)
+    assert f.reason == "DUPLICATE_RANK"
+
+
+def test_node_stream_closing_loses_every_member_of_the_node() -> None:
+    sm = RendezvousState()
+    formed(sm)
+    token = sm.attach_node_stream("j", 1, 1, "b", 0.0)
+    sm.attach_node_stream("j", 1, 0, "a", 0.0)
+    sm.detach_node_stream("j", 1, 1, token, 1.0)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    assert sorted(f.rank for f in job.failed) == [2, 3]
+    assert job.members[2].state is MemberState.LOST
+
+
+def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
+    formed(sm)
+    sm.node_heartbeat("j", 1, 0, 2.0)
+    sm.tick(3.5)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {2, 3}
+
+
+def test_attached_workers_use_barrier_with_member_instance_ids() -> None:
+    sm = RendezvousState()
+    a, b = formed(sm)
+    outs = [
+        sm.barrier("j", 1, r, "x", 1, 0.0, instance_id=ids[r % 2])
+        for r, ids in (
+            (0, a.member_instance_ids),
+            (1, a.member_instance_ids),
+            (2, b.member_instance_ids),
+        )
+    ]
+    assert all(isinstance(o, Parked) for o in outs)
+    assert sm.barrier("j", 1, 3, "x", 1, 0.0, instance_id=b.member_instance_ids[1]) == 1
+    f = fault(sm.kv_set, "j", 1, 3, "k", b"v", instance_id=a.member_instance_ids[1])
+    assert f.reason == "DUPLICATE_RANK"
+
+
+def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:
+    sm = RendezvousState()
+    first = join_first(sm, node("a", lo=1, hi=3, last_call=1.0))
+    assert isinstance(first, Parked)
+    sm.tick(1.5)
+    assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 1
+    sm.attach_node_stream("j", 1, 0, "a", 1.5)
+    sm.take_effects()
+    parked = sm.join_node(node("c", lo=1, hi=3, last_call=1.0), 2.0)
+    assert isinstance(parked, Parked)
+    notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
+    assert notes[0].kind is EventKind.NODES_WAITING and notes[0].nodes_waiting == 1
+    sm.abort("j", 1, "scale-up", 3.0)
+    assert isinstance(woken(sm)[parked.waiter], Rejoin)
+    # the adapter asks again: c opens generation 2 and is node 0 of it
+    again = sm.join_node(node("c", lo=1, hi=3, last_call=1.0), 3.0)
+    assert isinstance(again, NodeJoinResult) and again.id_required and again.generation == 2
+    fault(sm.join_node, node("c", lo=1, hi=3, uid=ID, last_call=1.0), 3.0)  # ID used in gen 1
+    assert isinstance(sm.join_node(node("c", lo=1, hi=3, uid=ID2, last_call=1.0), 3.0), Parked)
+
+
+def test_node_timing_out_while_forming_frees_its_slot() -> None:
+    sm = RendezvousState()
+    first = join_first(sm, node("a", lo=3, hi=3))
+    assert isinstance(first, Parked)
+    f = sm.cancel_wait(first.waiter, 10.0, timed_out=True)
+    assert f is not None and f.reason == "WORLD_INCOMPLETE" and "min_nodes=3" in f.message
+    assert not sm.jobs["j"].nodes and sm.jobs["j"].unique_id is None
+
+
+def test_node_dying_while_forming_fails_the_others() -> None:
+    sm = RendezvousState()
+    first = join_first(sm, node("a", lo=3, hi=3))
+    other = sm.join_node(node("b", lo=3, hi=3), 1.0)
+    assert isinstance(first, Parked) and isinstance(other, Parked)
+    assert sm.cancel_wait(other.waiter, 2.0, timed_out=False) is None
+    got = woken(sm)[first.waiter]
+    assert isinstance(got, RendezvousFault) and got.reason == "PEER_FAILED"
+    assert "host-b" in got.message
+
+
+def test_bounds_mismatch_while_forming_fails_the_generation() -> None:
+    sm = RendezvousState()
+    first = join_first(sm, node("a", lo=2, hi=4))
+    f = fault(sm.join_node, node("b", lo=2, hi=3), 1.0)
+    assert f.reason == "TOPOLOGY_MISMATCH" and "2:4" in f.message and "2:3" in f.message
+    assert isinstance(first, Parked)
+    assert isinstance(woken(sm)[first.waiter], RendezvousFault)
+
+
+def test_node_leave_leaves_every_member_and_ends_the_job() -> None:
+    sm = RendezvousState()
+    formed(sm)
+    sm.leave_node("j", 1, 0, "a", 1.0)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    sm.leave_node("j", 1, 1, "b", 1.0)
+    assert sm.jobs["j"].state is JobState.ENDED
+
+
+def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -> None:
+    sm = RendezvousState()
+    _, b = formed(sm)
+    sm.kv_set("j", 1, 2, "k", b"v", instance_id=b.member_instance_ids[0])
+    saver = Persister(tmp_path, sm)
+    saver.restore()
+    saver.close()
+    back = RendezvousState()
+    Persister(tmp_path, back).restore()
+    job = back.jobs["j"]
+    assert job.state is JobState.RUNNING and job.join_mode == "node"
+    assert (job.min_nodes, job.max_nodes, job.num_nodes) == (2, 2, 2)
+    restored = job.node_at[0].last_seen  # the restore's clock: a full timeout to reattach
+    assert back.attach_node_stream("j", 1, 1, "b", restored) == 1
+    assert back.kv_get("j", 1, 3, "k", False, 1.0, instance_id=b.member_instance_ids[1]) == b"v"
+    timeout = back.timing.heartbeat_timeout_s
+    back.node_heartbeat("j", 1, 1, restored + timeout)
+    back.tick(restored + timeout + 0.5)  # node a never reattached
+    assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {0, 1}
+    # node b retrying its JoinNode hears why the generation ended
+    f = fault(back.join_node, node("b"), restored + timeout + 1)
+    assert f.reason == "PEER_FAILED"
