@@ -147,7 +147,7 @@ class NodeAgent:
         config = self.config
         timeout = config.join_timeout_s if first else config.rejoin_timeout_s
         try:
-            m = self.client.join_node(  # type: ignore[attr-defined]
+            m = self.client.join_node(
                 min_nodes=config.fewest_nodes,
                 max_nodes=config.num_nodes,
                 gpus_per_node=self.per_node,
@@ -181,7 +181,7 @@ class NodeAgent:
                 restored,
             )
         gen = m.generation
-        self.client.start_heartbeat(  # type: ignore[call-arg]
+        self.client.start_heartbeat(
             config.heartbeat_interval_s,
             on_failure=lambda e: self.events.put(RemoteFailure(e, gen)),
             on_nodes_waiting=lambda n: self.events.put(NodesWaiting(n, gen)),
@@ -254,7 +254,7 @@ class NodeAgent:
         self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {cause}")
         try:
             # Before stopping our other workers: the other nodes hear of it sooner.
-            self.client.report_failure(local, cause)  # type: ignore[attr-defined]
+            self.client.report_failure(local, cause)
         except RendezvousError as exc:
             self.note(f"could not report the failure to the daemon: {exc}")
         failure = Failure(gen, cause, rank, self.host, status)

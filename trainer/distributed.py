@@ -398,7 +398,7 @@ def _init_from_agent(
         tls=transport.tls(),
         retry_attempts=config.retry_attempts,
     )
-    rdzv.attach(assignment.membership(), assignment.instance_id)  # type: ignore[attr-defined]
+    rdzv.attach(assignment.membership(), assignment.instance_id)
     relay = _FailureRelay()
     link.start(lambda cause: relay.fail(AgentError(cause)))
     topology = MultiNodeTopology(

@@ -283,8 +283,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             ctx.save_state(step, params, {"loss": loss})
             if step_log is not None:
                 # One short O_APPEND write per line: ranks share the file.
-                line = {"rank": topo.rank, "pid": os.getpid(), "gen": ctx.generation}
-                line.update(step=step, t=time.time())
+                line: dict[str, float] = {"rank": topo.rank, "pid": os.getpid()}
+                line.update(gen=ctx.generation, step=step, t=time.time())
                 with step_log.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
             every = args.checkpoint_every
