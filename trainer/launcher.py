@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from rendezvousd.address import AddressError, route_source
+from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.embedded import EmbeddedDaemon, spawn
 from rendezvousd.settings import Value
@@ -169,13 +170,16 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
         return _fail(f"cannot tell which address this node's workers advertise: {exc}")
     target = ["-m", args.target] if args.module else [args.target]
     cmd = target + [a for a in args.args if a != "--"]
-    client = RendezvousClient(
-        transport.endpoint,
-        config.job_id,
-        token_file=transport.token_file,
-        tls=transport.tls(),
-        retry_attempts=config.retry_attempts,
-    )
+    try:
+        client = RendezvousClient(
+            transport.endpoint,
+            config.job_id,
+            token_file=transport.token_file,
+            tls=transport.tls(),
+            retry_attempts=config.retry_attempts,
+        )
+    except RendezvousError as exc:
+        return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
     agent = NodeAgent(
         config,
         cmd,

@@ -117,14 +117,10 @@ def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
         for n in nodes:
             if n.poll() is None:
                 n.kill()
-    errors = [json.loads(line) for line in out.splitlines() if '"error"' in line]
-    assert len(errors) == 2, out
-    for e in errors:
-        # Told by whichever comes first: the daemon (PeerFailed, or the abort it
-        # triggers) or the ring connection to a dead neighbour.
-        assert e["type"] in {"PeerFailed", "CommunicatorAborted", "PeerConnectionError"}, e
-        assert re.search(r"rank [23]\b", e["message"]), e
-    assert nodes[0].returncode == 3, err  # the workers' own exit code, passed on
+    # Node 0's agent heard it from the daemon (the node's stream closed), stopped
+    # its own workers, and without restarts left names the lost ranks and gives up.
+    assert nodes[0].returncode == 1, err
+    assert "gave up after 0 restarts" in err and "heartbeat stream closed" in err, err
     assert re.search(r"root cause: rank [23] .* was lost", err), err
 
 
