@@ -111,7 +111,7 @@ def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
             lambda: all(_gone(pids[r]) for r in (2, 3)),
             timeout=3,
         )
-        out, err = nodes[0].communicate(timeout=30)
+        _out, err = nodes[0].communicate(timeout=30)
     finally:
         (tmp_path / "stop").touch()
         for n in nodes:
