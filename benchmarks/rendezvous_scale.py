@@ -1,6 +1,11 @@
 """Rendezvous at scale: N ranks join one job and pass one barrier.
 
     python benchmarks/rendezvous_scale.py --ranks 64 256 1024 4096 --json-out out.json
+    python benchmarks/rendezvous_scale.py --ranks --agents 1024 --gpus-per-node 8
+
+Agent mode (``--agents N``): N simulated node agents each make one JoinNode for
+``--gpus-per-node`` ranks (N x 8 = 8,192 ranks for 1,024 agents) and the clock stops
+when the last agent has its answer. Each case prints a verdict against its target.
 
 One daemon process; ranks are asyncio clients spread over a few processes. Each
 rank runs the SDK's real path: health check, Join (long-poll for the world, id
@@ -31,6 +36,8 @@ from typing import Any
 from rendezvousd.embedded import spawn
 
 TARGETS_S = {64: 0.060, 1024: 0.8, 4096: 4.0}
+# Agent mode, by node count: 1,024 agents x 8 ranks within 1 s.
+AGENT_TARGETS_S = {1024: 1.0}
 ANCHOR_TCPSTORE_S = {64: 10.1, 1024: 110.0}  # shared/ANCHORS.md, measured on these machines
 
 
@@ -45,7 +52,13 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _client_process(
-    endpoint: str, token_file: str, job: str, ranks: list[int], world: int, start_at: float
+    endpoint: str,
+    token_file: str,
+    job: str,
+    ranks: list[int],
+    world: int,
+    start_at: float,
+    gpus_per_node: int = 0,
 ) -> dict[str, Any]:
     from rendezvousd.client import AsyncRendezvousClient, RendezvousError
 
@@ -64,6 +77,17 @@ async def _client_process(
 
     async def one(client: Any, rank: int) -> None:
         try:
+            if gpus_per_node:  # agent mode: ``rank`` is a node, ``world`` the node count
+                await client.join_node(
+                    min_nodes=world,
+                    max_nodes=world,
+                    gpus_per_node=gpus_per_node,
+                    node_rank=rank,
+                    host=f"n{rank}",
+                    timeout=120,
+                )
+                done.append(time.time())
+                return
             await client.join(
                 num_nodes=world,
                 gpus_per_node=1,
@@ -87,7 +111,15 @@ async def _client_process(
 def _child(args: argparse.Namespace) -> None:
     ranks = list(range(args.first, args.first + args.count))
     out = asyncio.run(
-        _client_process(args.endpoint, args.token_file, args.job, ranks, args.world, args.start_at)
+        _client_process(
+            args.endpoint,
+            args.token_file,
+            args.job,
+            ranks,
+            args.world,
+            args.start_at,
+            args.gpus_per_node,
+        )
     )
     print(json.dumps(out), flush=True)
 
@@ -104,7 +136,8 @@ def _rpc_count(metrics_url: str) -> int:
     )
 
 
-def run_ours(world: int, procs: int) -> dict[str, Any]:
+def run_ours(world: int, procs: int, gpus_per_node: int = 0) -> dict[str, Any]:
+    """Per-rank mode; with ``gpus_per_node``, agent mode (``world`` = node agents)."""
     with tempfile.TemporaryDirectory() as tmp:
         embedded = spawn(Path(tmp), "--log-level", "WARNING", metrics=True)
         daemon, endpoint, metrics_url = embedded.proc, embedded.endpoint, embedded.metrics_url
@@ -135,6 +168,8 @@ def run_ours(world: int, procs: int) -> dict[str, Any]:
                             str(world),
                             "--start-at",
                             repr(start_at),
+                            "--gpus-per-node",
+                            str(gpus_per_node),
                         ],
                         stdout=subprocess.PIPE,
                         text=True,
@@ -151,19 +186,22 @@ def run_ours(world: int, procs: int) -> dict[str, Any]:
             ok = sum(r["ok"] for r in results)
             # Only a run in which every rank finished has a wall time.
             wall = max(r["done"] for r in results) - start_at if ok == world else None
+            targets = AGENT_TARGETS_S if gpus_per_node else TARGETS_S
             return {
                 "system": "rendezvousd",
-                "ranks": world,
+                "mode": "agents" if gpus_per_node else "per-rank",
+                "ranks": world * (gpus_per_node or 1),
+                "agents": world if gpus_per_node else None,
                 "client_processes": procs,
                 "wall_s": round(wall, 4) if wall is not None else None,
                 "ok_ranks": ok,
                 "errors": errors,
                 "rpcs_per_rank": round(_rpc_count(metrics_url) / world, 2),
                 "daemon_peak_rss_mib": round(_rss_kib(daemon.pid) / 1024, 1),
-                "target_s": TARGETS_S.get(world),
-                "anchor_tcpstore_s": ANCHOR_TCPSTORE_S.get(world),
-                "meets_target": (wall is not None and wall <= TARGETS_S[world] and not errors)
-                if world in TARGETS_S
+                "target_s": targets.get(world),
+                "anchor_tcpstore_s": None if gpus_per_node else ANCHOR_TCPSTORE_S.get(world),
+                "meets_target": (wall is not None and wall <= targets[world] and not errors)
+                if world in targets
                 else None,
             }
         finally:
@@ -259,11 +297,28 @@ def run_tcpstore(world: int, procs: int) -> dict[str, Any] | None:
     }
 
 
+def _verdict(r: dict[str, Any]) -> str:
+    """One line per case: the wall time against its target, MET or MISSED."""
+    what = (
+        f"{r['agents']} agents x {r['ranks'] // r['agents']} = {r['ranks']} ranks"
+        if r.get("agents")
+        else f"{r['ranks']} ranks"
+    )
+    wall = "no wall time (errors)" if r["wall_s"] is None else f"{r['wall_s']:.3f} s"
+    if r["target_s"] is None:
+        return f"{what}: {wall} (no target)"
+    verdict = "MET" if r["meets_target"] else "MISSED"
+    return f"{what}: {wall}, target <= {r['target_s']:g} s: {verdict}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    p.add_argument("--ranks", type=int, nargs="*", default=[64, 256, 1024, 4096])
+    p.add_argument(
+        "--agents", type=int, nargs="*", default=[], help="agent mode: node agent counts"
+    )
     p.add_argument("--processes", type=int, default=4, help="client processes")
     p.add_argument(
         "--no-anchor", action="store_true", help="skip TCPStore even if torch is importable"
@@ -274,6 +329,7 @@ def main() -> None:
     p.add_argument("--json-out", type=Path)
     for hidden in ("--endpoint", "--token-file", "--job"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="agent mode: ranks per node")
     for hidden in ("--first", "--count", "--world", "--port"):
         p.add_argument(hidden, type=int, help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
@@ -288,11 +344,16 @@ def main() -> None:
     for world in args.ranks:
         results.append(run_ours(world, args.processes))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        print(_verdict(results[-1]), file=sys.stderr, flush=True)
         if not args.no_anchor and world <= args.anchor_max_ranks:
             anchor = run_tcpstore(world, args.processes)
             if anchor is not None:
                 results.append(anchor)
                 print(json.dumps(anchor), file=sys.stderr, flush=True)
+    for agents in args.agents:
+        results.append(run_ours(agents, args.processes, args.gpus_per_node))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        print(_verdict(results[-1]), file=sys.stderr, flush=True)
     doc = {
         "benchmark": "rendezvous_scale",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

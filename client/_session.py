@@ -3,6 +3,7 @@ building and the heartbeat-stream decisions. No I/O here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -27,6 +28,7 @@ from rendezvousd.client.errors import (
     from_rpc_error,
 )
 from rendezvousd.client.membership import (
+    LazyTable,
     Membership,
     NodeMembership,
     from_join_node_response,
@@ -70,6 +72,8 @@ class Session:
     # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
     nodes_waiting: int = 0
     on_nodes_waiting: Callable[[int], None] | None = None
+    # Makes one GetMembers call (blocking): how a slim join's table is fetched.
+    get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
     # The heartbeat thread and the watchdog may both report; on_failure runs once.
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -110,6 +114,26 @@ class Session:
                 f"not joined to job {self.job_id!r}: call join() first", job_id=self.job_id
             )
         return self.joined
+
+    def page_fetcher(
+        self, job_id: str, generation: int, rank: int, instance_id: str
+    ) -> Callable[[int], pb.GetMembersResponse] | None:
+        """``start_rank -> page`` of a generation's table, asked as member ``rank``."""
+        call = self.get_members
+        if call is None:
+            return None
+
+        def fetch(start: int) -> pb.GetMembersResponse:
+            request = pb.GetMembersRequest(
+                job_id=job_id,
+                generation=generation,
+                rank=rank,
+                instance_id=instance_id,
+                start_rank=start,
+            )
+            return call(request)
+
+        return fetch
 
     def stream_member(self) -> Membership:
         """Who the heartbeat stream speaks for in errors: the member, or a node's first rank."""
@@ -160,6 +184,7 @@ class Session:
             instance_id=self.instance_id,
             wait_timeout_ms=int(timeout * 1000),
             last_call_ms=int((last_call or 0) * 1000),
+            slim=True,
         )
         if node_rank is not None:
             request.node_rank = node_rank
@@ -167,7 +192,12 @@ class Session:
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
-        self.node = from_join_node_response(response)
+        first = response.node_rank * response.gpus_per_node
+        ids = response.member_instance_ids
+        fetch = (
+            self.page_fetcher(response.job_id, response.generation, first, ids[0]) if ids else None
+        )
+        self.node = from_join_node_response(response, fetch)
         return self.node
 
     def report_request(self, local_rank: int, cause: str) -> pb.ReportFailureRequest:
@@ -197,6 +227,15 @@ class Session:
                 rank=membership.rank,
             )
         self.instance_id = instance_id
+        if not isinstance(membership._table, LazyTable) and not membership._table:
+            # Handed over without its table (e.g. rebuilt from the agent's message):
+            # fetch it on first use as this member.
+            fetch = self.page_fetcher(
+                membership.job_id, membership.generation, membership.rank, instance_id
+            )
+            if fetch is not None:
+                table = LazyTable(fetch, membership.world_size)
+                membership = dataclasses.replace(membership, _table=table)
         self.joined, self.node, self.failure, self.barrier_counts = membership, None, None, {}
         self.leaving = False
 
@@ -228,6 +267,7 @@ class Session:
             unique_id=plan.make_id() if known_rank_zero else b"",
             instance_id=self.instance_id,
             wait_timeout_ms=int(timeout * 1000),
+            slim=True,
         )
         if node_rank is not None:
             plan.request.node_rank = node_rank
@@ -508,9 +548,12 @@ class JoinPlan:
             instance_id=self.session.instance_id,
             unique_id=self.make_id(),
             wait_timeout_ms=int(self.left() * 1000),
+            slim=True,
         )
 
     def finish(self, response: pb.JoinResponse) -> Membership:
-        self.session.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
-        self.session.joined = from_join_response(response)
-        return self.session.joined
+        s = self.session
+        s.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
+        fetch = s.page_fetcher(response.job_id, response.generation, response.rank, s.instance_id)
+        s.joined = from_join_response(response, fetch)
+        return s.joined

@@ -22,6 +22,7 @@ from rendezvousd.client._session import (
     StreamWatch,
     rank_zero_id,
 )
+from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import (
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
@@ -39,7 +40,14 @@ from rendezvousd.client.errors import (
     RendezvousError,
     from_rpc_error,
 )
-from rendezvousd.client.membership import Membership, NodeMembership, loopback_conflict
+from rendezvousd.client.membership import (
+    LazyTable,
+    Member,
+    Membership,
+    NodeMembership,
+    advertises_loopback,
+    loopback_conflict,
+)
 
 
 class AsyncRendezvousClient:
@@ -75,6 +83,10 @@ class AsyncRendezvousClient:
             self._channel = grpc.aio.insecure_channel(endpoint, options=options)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # A slim join's table is fetched on first use of Membership.members, a plain
+        # property: that blocking call goes over a channel of its own, made then.
+        self._blocking = BlockingMembers(self._s, tls)
+        self._s.get_members = self._blocking
         self._reconnect_window = reconnect_window
         self._leave_timeout = leave_timeout
         self._hb_task: asyncio.Task[None] | None = None
@@ -198,6 +210,8 @@ class AsyncRendezvousClient:
             publish = plan.publish_request(response)
             response = await self._call("PublishId", publish, timeout=plan.left() + SLACK_S)
         m = plan.finish(response)
+        if advertises_loopback(address):
+            await self.fetch_members()  # the check reads the table: never block the loop
         if (problem := loopback_conflict(m, address)) is not None:
             # Every rank must hear why, not just this one: abort the job with it.
             with contextlib.suppress(RendezvousError):
@@ -227,6 +241,9 @@ class AsyncRendezvousClient:
         ``attach()`` with ``membership_for(i)`` / ``member_instance_id(i)``.
         """
         await self.check_health()
+        # A re-join (next generation): the last generation's stream must not report
+        # into this one.
+        await self._stop_heartbeat()
         wait = timeout if timeout is not None else 600.0
         started = time.monotonic()
         request = self._s.plan_join_node(
@@ -412,9 +429,38 @@ class AsyncRendezvousClient:
             self._s.joined = self._s.node = None
             await self._stop_heartbeat()
 
+    async def fetch_members(self) -> tuple[Member, ...]:
+        """The joined (or attached) member's table without blocking the event loop.
+
+        After a slim join, the first read of ``membership.members`` fetches the table
+        with a blocking call; in a coroutine, await this first instead (required when
+        the daemon runs in this same event loop, as in tests).
+        """
+        m = self._s.member()
+        table = m._table
+        if isinstance(table, LazyTable) and not table.loaded:
+            members: list[pb.Member] = []
+            digest = b""
+            while len(members) < m.world_size:
+                request = pb.GetMembersRequest(
+                    job_id=m.job_id,
+                    generation=m.generation,
+                    rank=m.rank,
+                    instance_id=self._s.instance_id,
+                    start_rank=len(members),
+                )
+                page = await self._call("GetMembers", request)
+                digest = digest or page.table_digest
+                if not page.members or page.table_digest != digest:
+                    break
+                members.extend(page.members)
+            table.accept(members, digest)
+        return m.members
+
     async def close(self) -> None:
         await self._stop_heartbeat()
         await self._channel.close()
+        self._blocking.close()
 
     async def __aenter__(self) -> AsyncRendezvousClient:
         return self

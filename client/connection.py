@@ -35,6 +35,7 @@ IDEMPOTENT = frozenset(
         "Join",
         "JoinNode",
         "ReportFailure",
+        "GetMembers",
         "PublishId",
         "Barrier",
         "KvSet",
@@ -49,7 +50,7 @@ IDEMPOTENT = frozenset(
     }
 )
 # Reads may also be retried after DEADLINE_EXCEEDED (gRFC A6 leaves this to the caller).
-READS = frozenset({"KvGet", "ListJobs", "GetJob", "Check"})
+READS = frozenset({"KvGet", "ListJobs", "GetJob", "GetMembers", "Check"})
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import is_loopback
+from rendezvousd.client.errors import ProtocolError
 
 __all__ = [
+    "LazyTable",
     "Member",
     "Membership",
     "NodeMembership",
+    "advertises_loopback",
     "from_join_node_response",
     "from_join_response",
     "loopback_conflict",
@@ -28,6 +34,58 @@ class Member:
     local_rank: int
     host: str
     address: str
+
+
+class LazyTable:
+    """A slim join's member table: fetched with GetMembers on first use (pages by rank
+    range), checked against the digest the join answered (or, for a worker attached
+    without one, the digest every page carries), then kept."""
+
+    def __init__(
+        self,
+        fetch_page: Callable[[int], pb.GetMembersResponse],
+        world_size: int,
+        digest: bytes = b"",
+    ) -> None:
+        self._fetch_page = fetch_page
+        self._world_size = world_size
+        self._digest = digest
+        self._lock = threading.Lock()
+        self._members: list[pb.Member] | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._members is not None
+
+    def load(self) -> Sequence[pb.Member]:
+        with self._lock:
+            if self._members is None:
+                members: list[pb.Member] = []
+                digest = self._digest
+                while len(members) < self._world_size:
+                    page = self._fetch_page(len(members))
+                    digest = digest or page.table_digest
+                    if not page.members or page.table_digest != digest:
+                        break
+                    members.extend(page.members)
+                self._members = self.checked(members, digest)
+            return self._members
+
+    def accept(self, members: list[pb.Member], page_digest: bytes) -> None:
+        """Keep a table fetched elsewhere (the asyncio client's ``fetch_members``)."""
+        with self._lock:
+            self._members = self.checked(members, self._digest or page_digest)
+
+    def checked(self, members: list[pb.Member], digest: bytes) -> list[pb.Member]:
+        if len(members) != self._world_size or member_table.digest(members) != digest:
+            raise ProtocolError(
+                f"the member table assembled from GetMembers ({len(members)} of "
+                f"{self._world_size} members) does not match the digest of the join's "
+                "table: the generation changed while it was fetched, or the daemon is "
+                "misbehaving; rejoin",
+                reason="TABLE_DIGEST_MISMATCH",
+            )
+        return members
 
 
 @dataclass(frozen=True)
@@ -47,9 +105,11 @@ class Membership:
 
     @functools.cached_property
     def members(self) -> tuple[Member, ...]:
-        return tuple(
-            Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in self._table
-        )
+        """Every member by rank. After a slim join (current SDKs) the first access
+        fetches the table from the daemon (one GetMembers call per 4096 members) and
+        checks its digest; raises the SDK's errors if that fails."""
+        table = self._table.load() if isinstance(self._table, LazyTable) else self._table
+        return tuple(Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in table)
 
     @property
     def num_nodes(self) -> int:
@@ -106,7 +166,19 @@ class NodeMembership:
         return self._member_ids[local_rank]
 
 
-def from_join_node_response(response: pb.JoinNodeResponse) -> NodeMembership:
+def _table_of(
+    response: pb.JoinResponse | pb.JoinNodeResponse,
+    fetch_page: Callable[[int], pb.GetMembersResponse] | None,
+) -> Any:
+    if response.members or fetch_page is None or not response.table_digest:
+        return response.members  # an older daemon, or an SDK call without a fetcher
+    return LazyTable(fetch_page, response.world_size, response.table_digest)
+
+
+def from_join_node_response(
+    response: pb.JoinNodeResponse,
+    fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
+) -> NodeMembership:
     return NodeMembership(
         job_id=response.job_id,
         generation=response.generation,
@@ -117,12 +189,16 @@ def from_join_node_response(response: pb.JoinNodeResponse) -> NodeMembership:
         unique_id=response.unique_id,
         heartbeat_timeout_ms=response.heartbeat_timeout_ms,
         _member_ids=tuple(response.member_instance_ids),
-        _table=response.members,
+        _table=_table_of(response, fetch_page),
     )
 
 
-def from_join_response(response: pb.JoinResponse) -> Membership:
-    """The ``Membership`` a JoinResponse (or PublishId's) describes."""
+def from_join_response(
+    response: pb.JoinResponse,
+    fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
+) -> Membership:
+    """The ``Membership`` a JoinResponse (or PublishId's) describes; after a slim
+    answer ``fetch_page(start_rank)`` serves its table on first use."""
     return Membership(
         job_id=response.job_id,
         generation=response.generation,
@@ -131,8 +207,13 @@ def from_join_response(response: pb.JoinResponse) -> Membership:
         node_rank=response.node_rank,
         local_rank=response.local_rank,
         unique_id=response.unique_id,
-        _table=response.members,
+        _table=_table_of(response, fetch_page),
     )
+
+
+def advertises_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+    return bool(address) and is_loopback(host.strip("[]"))
 
 
 def loopback_conflict(m: Membership, address: str) -> str | None:
@@ -142,8 +223,7 @@ def loopback_conflict(m: Membership, address: str) -> str | None:
     other hosts the peers would dial themselves and hang until their timeout. Only
     a rank advertising loopback decodes the table (the common case stays O(1)).
     """
-    host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
-    if not address or not is_loopback(host.strip("[]")):
+    if not advertises_loopback(address):
         return None
     mine = m.members[m.rank].host
     others = sorted({x.host for x in m.members} - {mine})

@@ -22,6 +22,7 @@ from rendezvousd.client._session import (
     StreamWatch,
     rank_zero_id,
 )
+from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import (
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
@@ -83,6 +84,12 @@ class RendezvousClient:
             self._channel = grpc.insecure_channel(endpoint, options=options)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # After close() the table of a slim join is still readable: over a channel of its own.
+        self._closed = False
+        self._after_close = BlockingMembers(self._s, tls)
+        self._s.get_members = lambda request: (
+            self._after_close(request) if self._closed else self._call("GetMembers", request)
+        )
         self._reconnect_window = reconnect_window
         self._leave_timeout = leave_timeout
         self._hb_thread: threading.Thread | None = None
@@ -245,6 +252,9 @@ class RendezvousClient:
         ``attach()`` with ``membership_for(i)`` / ``member_instance_id(i)``.
         """
         self.check_health()
+        # A re-join (next generation): the last generation's stream must not report
+        # into this one.
+        self._stop_heartbeat()
         wait = timeout if timeout is not None else 600.0
         started = time.monotonic()
         request = self._s.plan_join_node(
@@ -471,6 +481,7 @@ class RendezvousClient:
     def close(self) -> None:
         """Close without Leave: a joined worker closing this way counts as lost."""
         self._stop_heartbeat()
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> RendezvousClient:

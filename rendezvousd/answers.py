@@ -1,27 +1,73 @@
-"""Join's and JoinNode's answers on the wire, with the member table encoded once per
-generation: it is the same for every rank, and at thousands of ranks encoding it per
-answer would cost more than the whole rendezvous."""
+"""Join's, JoinNode's and GetMembers' answers on the wire.
+
+The member table is the same for every rank of a generation, so everything made
+from it (its messages, its digest, its encoding as Join's or JoinNode's repeated
+field) is made once per generation and reused. A slim answer (what current SDKs ask
+for) carries only the digest: its size, and the daemon's work for it, do not grow
+with the world; the table is served on demand by GetMembers.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.limits import Timing
 from rendezvousd.model import JoinResult, MemberInfo, NodeJoinResult
 
 
+@dataclass
+class _Table:
+    members: tuple[MemberInfo, ...]
+    messages: list[pb.Member] = field(default_factory=list)
+    digest: bytes = b""
+    # Answer message ("join", "node") -> the table as that message's repeated field.
+    encoded: dict[str, bytes] = field(default_factory=dict)
+
+
 class JoinAnswers:
     def __init__(self, timing: Timing) -> None:
         self.timing = timing
-        # (job, generation, answer message) -> the table and its encoding: Join's and
-        # JoinNode's answers carry it in different fields.
-        self._tables: dict[tuple[str, int, str], tuple[tuple[MemberInfo, ...], bytes]] = {}
+        self._tables: dict[tuple[str, int], _Table] = {}
 
     def forget(self, job_id: str, generation: int) -> None:
-        """The generation stopped running: its tables are not needed any more."""
-        for message in ("join", "node"):
-            self._tables.pop((job_id, generation, message), None)
+        """The generation stopped running: its table is not needed any more."""
+        self._tables.pop((job_id, generation), None)
 
-    def join(self, result: JoinResult) -> bytes:
+    def _table(
+        self, job_id: str, generation: int, members: tuple[MemberInfo, ...], keep: bool = True
+    ) -> _Table:
+        key = (job_id, generation)
+        table = self._tables.get(key)
+        if table is None or table.members is not members:
+            table = _Table(members)
+            table.messages = [
+                pb.Member(
+                    rank=m.rank,
+                    node_rank=m.node_rank,
+                    local_rank=m.local_rank,
+                    host=m.host,
+                    address=m.address,
+                )
+                for m in members
+            ]
+            table.digest = member_table.digest(table.messages)
+            if keep:
+                self._tables[key] = table
+        return table
+
+    def _full(self, table: _Table, message: str) -> bytes:
+        """The table as ``message``'s repeated field; concatenated protobuf encodings
+        merge and repeated fields append, so it is appended to the answer's header."""
+        encoded = table.encoded.get(message)
+        if encoded is None:
+            holder = pb.JoinResponse() if message == "join" else pb.JoinNodeResponse()
+            holder.members.extend(table.messages)
+            encoded = table.encoded[message] = holder.SerializeToString()
+        return encoded
+
+    def join(self, result: JoinResult, *, slim: bool = False) -> bytes:
         header = pb.JoinResponse(
             job_id=result.job_id,
             generation=result.generation,
@@ -32,39 +78,16 @@ class JoinAnswers:
             id_required=result.id_required,
             unique_id=result.unique_id,
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
-        ).SerializeToString()
-        return header + self._table(result.job_id, result.generation, "join", result.members)
+        )
+        if not result.members:
+            return header.SerializeToString()
+        table = self._table(result.job_id, result.generation, result.members)
+        header.table_digest = table.digest
+        if slim:
+            return header.SerializeToString()
+        return header.SerializeToString() + self._full(table, "join")
 
-    def _table(
-        self, job_id: str, generation: int, message: str, members: tuple[MemberInfo, ...]
-    ) -> bytes:
-        """The member table encoded as ``message``'s repeated field, cached per generation."""
-        if not members:
-            return b""
-        key = (job_id, generation, message)
-        cached = self._tables.get(key)
-        if cached is None or cached[0] is not members:
-            encoded = [
-                pb.Member(
-                    rank=m.rank,
-                    node_rank=m.node_rank,
-                    local_rank=m.local_rank,
-                    host=m.host,
-                    address=m.address,
-                )
-                for m in members
-            ]
-            table = (
-                pb.JoinResponse(members=encoded)
-                if message == "join"
-                else pb.JoinNodeResponse(members=encoded)
-            ).SerializeToString()
-            cached = (members, table)
-            self._tables[key] = cached
-        # Concatenated protobuf encodings merge, and repeated fields append.
-        return cached[1]
-
-    def join_node(self, result: NodeJoinResult) -> bytes:
+    def join_node(self, result: NodeJoinResult, *, slim: bool = False) -> bytes:
         header = pb.JoinNodeResponse(
             job_id=result.job_id,
             generation=result.generation,
@@ -76,5 +99,30 @@ class JoinAnswers:
             unique_id=result.unique_id,
             member_instance_ids=result.member_instance_ids,
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
-        ).SerializeToString()
-        return header + self._table(result.job_id, result.generation, "node", result.members)
+        )
+        if not result.members:
+            return header.SerializeToString()
+        table = self._table(result.job_id, result.generation, result.members)
+        header.table_digest = table.digest
+        if slim:
+            return header.SerializeToString()
+        return header.SerializeToString() + self._full(table, "node")
+
+    def members(
+        self,
+        job_id: str,
+        generation: int,
+        members: tuple[MemberInfo, ...],
+        start: int,
+        count: int,
+        *,
+        keep: bool = True,
+    ) -> pb.GetMembersResponse:
+        """One page of the table: ranks ``start`` .. ``start + count - 1`` (clipped)."""
+        table = self._table(job_id, generation, members, keep)
+        count = min(count or member_table.PAGE_MAX, member_table.PAGE_MAX)
+        return pb.GetMembersResponse(
+            members=table.messages[start : start + count],
+            world_size=len(members),
+            table_digest=table.digest,
+        )

@@ -21,6 +21,7 @@ from rendezvousd.model import (
     JobState,
     MemberState,
     NodeJoinResult,
+    Notify,
     Parked,
     Transition,
 )
@@ -266,10 +267,23 @@ class NodeJoins(StateCore):
     def attach_node_stream(
         self, job_id: str, generation: int, node_rank: int, instance_id: str, now: float
     ) -> int:
-        _, node = self._node_caller(job_id, generation, node_rank, instance_id, running=True)
+        job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=True)
         node.stream_token += 1
         node.stream_open = True
         node.last_seen = now
+        if job.scaleup_waiters:
+            # Nodes parked before this stream (re)attached: it would miss the event.
+            waiting = len(set(job.scaleup_waiters.values()))
+            self._effects.append(
+                Notify(
+                    job.job_id,
+                    job.generation,
+                    (),
+                    EventKind.NODES_WAITING,
+                    nodes=(node_rank,),
+                    nodes_waiting=waiting,
+                )
+            )
         return node.stream_token
 
     def node_heartbeat(self, job_id: str, generation: int, node_rank: int, now: float) -> None:

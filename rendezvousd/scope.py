@@ -31,6 +31,8 @@ JOB_METHODS = frozenset(
         # A node agent joins and reports its workers' failures for its own job.
         "JoinNode",
         "ReportFailure",
+        # A member's lazy fetch of its generation's table (slim joins).
+        "GetMembers",
         "Barrier",
         "KvSet",
         "KvGet",

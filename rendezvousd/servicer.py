@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rendezvousd import validation
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.answers import JoinAnswers
 from rendezvousd.errors import RendezvousFault
@@ -38,7 +39,7 @@ from rendezvousd.state import JoinArgs, NodeJoinArgs, RendezvousState
 log = logging.getLogger("rendezvousd")
 T = TypeVar("T")
 SERVICE = "rendezvous.v1.Rendezvous"
-_READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob"})
+_READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob", "GetMembers"})
 # (job, generation, "rank" or "node", its rank): members and node agents stream alike.
 _StreamKey = tuple[str, int, str, int]
 
@@ -160,7 +161,7 @@ class RendezvousServicer:
         )
         result = await self._settle(self.state.join(args, _now()), request.wait_timeout_ms, context)
         self.metrics.joins.inc()
-        return self._answers.join(result)
+        return self._answers.join(result, slim=request.slim)
 
     async def JoinNode(self, request: pb.JoinNodeRequest, context: Any) -> bytes:
         wait_s = self._wait_s(request.wait_timeout_ms, context)
@@ -186,7 +187,7 @@ class RendezvousServicer:
                 break
             # A scale-up node's wait ended with the running generation: it joins the next.
         self.metrics.joins.inc()
-        return self._answers.join_node(result)
+        return self._answers.join_node(result, slim=request.slim)
 
     async def ReportFailure(
         self, request: pb.ReportFailureRequest, context: Any
@@ -212,7 +213,31 @@ class RendezvousServicer:
             request.unique_id,
             _now(),
         )
-        return self._answers.join(await self._settle(outcome, request.wait_timeout_ms, context))
+        result = await self._settle(outcome, request.wait_timeout_ms, context)
+        return self._answers.join(result, slim=request.slim)
+
+    async def GetMembers(
+        self, request: pb.GetMembersRequest, context: Any
+    ) -> pb.GetMembersResponse:
+        table = self.state.member_table(
+            request.job_id, request.generation, request.rank, request.instance_id
+        )
+        if request.start_rank >= len(table):
+            raise validation.invalid(
+                "RANK_OUT_OF_RANGE",
+                f"start_rank={request.start_rank} is beyond job {request.job_id!r}'s world of "
+                f"{len(table)} ranks",
+                job_id=request.job_id,
+            )
+        running = self.state.jobs[request.job_id].state is JobState.RUNNING
+        return self._answers.members(
+            request.job_id,
+            request.generation,
+            table,
+            request.start_rank,
+            request.max_members,
+            keep=running,  # an ended generation's table is not cached again
+        )
 
     # -- barrier and key-value ---------------------------------------------
 
@@ -348,6 +373,7 @@ class RendezvousServicer:
         )
         entry = (token, queue)
         self._streams[key] = entry
+        self.apply()  # events owed to a stream as it attaches (NODES_WAITING)
         reader = asyncio.create_task(self._read_heartbeats(key, iterator, queue))
         self.metrics.streams.inc()
         try:
@@ -445,6 +471,7 @@ class RendezvousServicer:
             "PublishId": (self.PublishId, pb.PublishIdRequest, _raw),
             "JoinNode": (self.JoinNode, pb.JoinNodeRequest, _raw),
             "ReportFailure": (self.ReportFailure, pb.ReportFailureRequest, _encode),
+            "GetMembers": (self.GetMembers, pb.GetMembersRequest, _encode),
             "Barrier": (self.Barrier, pb.BarrierRequest, _encode),
             "KvSet": (self.KvSet, pb.KvSetRequest, _encode),
             "KvGet": (self.KvGet, pb.KvGetRequest, _encode),

@@ -21,6 +21,7 @@ from rendezvousd.model import (
     JobState,
     JobView,
     JoinResult,
+    MemberInfo,
     MemberState,
     Parked,
     Transition,
@@ -209,6 +210,16 @@ class RendezvousState(NodeJoins):
         job.failed.append(FailedInfo(rank, member.host, cause))
         self._set_state(job, JobState.FAILED, now, f"rank {rank} on {member.host}: {cause}")
         self._fail_waiters(job)
+
+    def member_table(
+        self, job_id: str, generation: int, rank: int, instance_id: str
+    ) -> tuple[MemberInfo, ...]:
+        """A formed generation's member table, for one of its members (GetMembers); a
+        generation that ended keeps it, so a worker may read it after its peers left."""
+        job, _ = self._caller(job_id, generation, rank, instance_id, running=False)
+        if not job.member_table:
+            raise job.generation_fault()  # still forming: NOT_RUNNING
+        return job.member_table
 
     # -- barrier ----------------------------------------------------------
 

@@ -284,3 +284,16 @@ def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -
     # node b retrying its JoinNode hears why the generation ended
     f = fault(back.join_node, node("b"), restored + timeout + 1)
     assert f.reason == "PEER_FAILED"
+
+
+def test_a_node_stream_attaching_after_a_node_parked_hears_nodes_waiting() -> None:
+    sm = RendezvousState()
+    join_first(sm, node("a", lo=1, hi=2, last_call=0.05))
+    sm.tick(0.1)
+    assert isinstance(sm.join_node(node("c", lo=1, hi=2, last_call=0.05), 0.2), Parked)
+    sm.take_effects()
+    sm.attach_node_stream("j", 1, 0, "a", 0.3)
+    notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
+    assert [(n.kind, n.nodes, n.nodes_waiting) for n in notes] == [
+        (EventKind.NODES_WAITING, (0,), 1)
+    ]

@@ -243,6 +243,7 @@ class JoinRequest(_message.Message):
     UNIQUE_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    SLIM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """[A-Za-z0-9._-]{1,128}"""
     node_rank: _builtins.int
@@ -261,6 +262,11 @@ class JoinRequest(_message.Message):
     """How long the daemon waits for the world; 0 = the daemon's default. The
     daemon also stops waiting at the call's deadline.
     """
+    slim: _builtins.bool
+    """Answer without the member table (members stays empty; table_digest is set):
+    the caller fetches it with GetMembers if it needs it. Older SDKs leave it
+    unset and get the full table.
+    """
     @_builtins.property
     def topology(self) -> Global___Topology: ...
     def __init__(
@@ -275,10 +281,11 @@ class JoinRequest(_message.Message):
         unique_id: _builtins.bytes = ...,
         instance_id: _builtins.str = ...,
         wait_timeout_ms: _builtins.int = ...,
+        slim: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "node_rank", b"node_rank", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "address", b"address", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "local_rank", b"local_rank", "node_rank", b"node_rank", "topology", b"topology", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "address", b"address", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "local_rank", b"local_rank", "node_rank", b"node_rank", "slim", b"slim", "topology", b"topology", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
     _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015
@@ -300,6 +307,7 @@ class JoinResponse(_message.Message):
     UNIQUE_ID_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TABLE_DIGEST_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -315,6 +323,10 @@ class JoinResponse(_message.Message):
     """The daemon's heartbeat timeout. Non-zero means the daemon acknowledges
     heartbeats (JobEvent HEARTBEAT_ACK), so a client that hears nothing on its
     stream for this long knows the daemon is unreachable. 0: an older daemon.
+    """
+    table_digest: _builtins.bytes
+    """SHA-256 of the member table (see GetMembersResponse.table_digest); empty
+    from an older daemon or with id_required.
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]:
@@ -333,10 +345,11 @@ class JoinResponse(_message.Message):
         unique_id: _builtins.bytes = ...,
         members: _abc.Iterable[Global___Member] | None = ...,
         heartbeat_timeout_ms: _builtins.int = ...,
+        table_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_required", b"id_required", "job_id", b"job_id", "local_rank", b"local_rank", "members", b"members", "node_rank", b"node_rank", "rank", b"rank", "unique_id", b"unique_id", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_required", b"id_required", "job_id", b"job_id", "local_rank", b"local_rank", "members", b"members", "node_rank", b"node_rank", "rank", b"rank", "table_digest", b"table_digest", "unique_id", b"unique_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -357,6 +370,7 @@ class JoinNodeRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     LAST_CALL_MS_FIELD_NUMBER: _builtins.int
+    SLIM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """[A-Za-z0-9._-]{1,128}"""
     min_nodes: _builtins.int
@@ -378,6 +392,8 @@ class JoinNodeRequest(_message.Message):
     more before forming; 0 = the daemon's default. The first node of a
     generation sets it.
     """
+    slim: _builtins.bool
+    """As JoinRequest.slim: no member table in the answer, only its digest."""
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per local rank, optional ("" = none); at most gpus_per_node entries."""
@@ -396,10 +412,11 @@ class JoinNodeRequest(_message.Message):
         instance_id: _builtins.str = ...,
         wait_timeout_ms: _builtins.int = ...,
         last_call_ms: _builtins.int = ...,
+        slim: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "node_rank", b"node_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "slim", b"slim", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
     _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015
@@ -422,6 +439,7 @@ class JoinNodeResponse(_message.Message):
     MEMBER_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TABLE_DIGEST_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     node_rank: _builtins.int
@@ -435,6 +453,7 @@ class JoinNodeResponse(_message.Message):
     """
     unique_id: _builtins.bytes
     heartbeat_timeout_ms: _builtins.int
+    table_digest: _builtins.bytes
     @_builtins.property
     def member_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The instance id of each local rank's member (a secret of the node)."""
@@ -457,14 +476,83 @@ class JoinNodeResponse(_message.Message):
         member_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
         members: _abc.Iterable[Global___Member] | None = ...,
         heartbeat_timeout_ms: _builtins.int = ...,
+        table_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "gpus_per_node", b"gpus_per_node", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_required", b"id_required", "job_id", b"job_id", "member_instance_ids", b"member_instance_ids", "members", b"members", "node_rank", b"node_rank", "num_nodes", b"num_nodes", "unique_id", b"unique_id", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "gpus_per_node", b"gpus_per_node", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_required", b"id_required", "job_id", b"job_id", "member_instance_ids", b"member_instance_ids", "members", b"members", "node_rank", b"node_rank", "num_nodes", b"num_nodes", "table_digest", b"table_digest", "unique_id", b"unique_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinNodeResponse: _TypeAlias = JoinNodeResponse  # noqa: Y015
+
+@_typing.final
+class GetMembersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    START_RANK_FIELD_NUMBER: _builtins.int
+    MAX_MEMBERS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    generation: _builtins.int
+    rank: _builtins.int
+    """The caller's rank and instance_id (a worker's, or an agent's member's)."""
+    instance_id: _builtins.str
+    start_rank: _builtins.int
+    """The first rank wanted, and how many (0 or more than 4096: 4096)."""
+    max_members: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
+        start_rank: _builtins.int = ...,
+        max_members: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "max_members", b"max_members", "rank", b"rank", "start_rank", b"start_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMembersRequest: _TypeAlias = GetMembersRequest  # noqa: Y015
+
+@_typing.final
+class GetMembersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    TABLE_DIGEST_FIELD_NUMBER: _builtins.int
+    world_size: _builtins.int
+    table_digest: _builtins.bytes
+    """SHA-256 over every member in rank order, each as a 4-byte big-endian
+    length followed by its Member encoding (fields in number order, defaults
+    omitted), so a client can check the pages it assembled.
+    """
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]:
+        """Members start_rank.. in rank order."""
+
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[Global___Member] | None = ...,
+        world_size: _builtins.int = ...,
+        table_digest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "table_digest", b"table_digest", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMembersResponse: _TypeAlias = GetMembersResponse  # noqa: Y015
 
 @_typing.final
 class ReportFailureRequest(_message.Message):
@@ -527,12 +615,15 @@ class PublishIdRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     UNIQUE_ID_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    SLIM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     instance_id: _builtins.str
     unique_id: _builtins.bytes
     wait_timeout_ms: _builtins.int
+    slim: _builtins.bool
+    """As JoinRequest.slim."""
     def __init__(
         self,
         *,
@@ -542,10 +633,11 @@ class PublishIdRequest(_message.Message):
         instance_id: _builtins.str = ...,
         unique_id: _builtins.bytes = ...,
         wait_timeout_ms: _builtins.int = ...,
+        slim: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "rank", b"rank", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "rank", b"rank", "slim", b"slim", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -54,6 +54,11 @@ class RendezvousStub:
                 request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureResponse.FromString,
                 _registered_method=True)
+        self.GetMembers = channel.unary_unary(
+                '/rendezvous.v1.Rendezvous/GetMembers',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetMembersRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetMembersResponse.FromString,
+                _registered_method=True)
         self.Barrier = channel.unary_unary(
                 '/rendezvous.v1.Rendezvous/Barrier',
                 request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.BarrierRequest.SerializeToString,
@@ -190,6 +195,18 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMembers(self, request, context):
+        """GetMembers serves a formed generation's member table by rank range (a page
+        of at most 4096 members), for callers whose Join/JoinNode asked for a slim
+        answer. Only a member of the generation may call it (rank + instance_id).
+        NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+        ALREADY_EXISTS (DUPLICATE_RANK), FAILED_PRECONDITION (NOT_RUNNING: the
+        generation has not formed), INVALID_ARGUMENT (RANK_OUT_OF_RANGE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Barrier(self, request, context):
         """Barrier returns once every member of the generation that has not left has
         called it with the same name and sequence number.
@@ -314,6 +331,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureRequest.FromString,
                     response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'GetMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMembers,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetMembersRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetMembersResponse.SerializeToString,
             ),
             'Barrier': grpc.unary_unary_rpc_method_handler(
                     servicer.Barrier,
@@ -479,6 +501,33 @@ class Rendezvous:
             '/rendezvous.v1.Rendezvous/ReportFailure',
             rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureRequest.SerializeToString,
             rendezvous_dot_v1_dot_rendezvous__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.Rendezvous/GetMembers',
+            rendezvous_dot_v1_dot_rendezvous__pb2.GetMembersRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.GetMembersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -107,6 +107,14 @@ class RendezvousStub:
     NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
     ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
     """
+    GetMembers: _grpc.UnaryUnaryMultiCallable[_rendezvous_pb2.GetMembersRequest, _rendezvous_pb2.GetMembersResponse]
+    """GetMembers serves a formed generation's member table by rank range (a page
+    of at most 4096 members), for callers whose Join/JoinNode asked for a slim
+    answer. Only a member of the generation may call it (rank + instance_id).
+    NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+    ALREADY_EXISTS (DUPLICATE_RANK), FAILED_PRECONDITION (NOT_RUNNING: the
+    generation has not formed), INVALID_ARGUMENT (RANK_OUT_OF_RANGE).
+    """
     Barrier: _grpc.UnaryUnaryMultiCallable[_rendezvous_pb2.BarrierRequest, _rendezvous_pb2.BarrierResponse]
     """Barrier returns once every member of the generation that has not left has
     called it with the same name and sequence number.
@@ -225,6 +233,14 @@ class RendezvousAsyncStub(RendezvousStub):
     to every other node. Only the node's own agent (node instance id) may call it.
     NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
     ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
+    """
+    GetMembers: _aio.UnaryUnaryMultiCallable[_rendezvous_pb2.GetMembersRequest, _rendezvous_pb2.GetMembersResponse]  # type: ignore[assignment]
+    """GetMembers serves a formed generation's member table by rank range (a page
+    of at most 4096 members), for callers whose Join/JoinNode asked for a slim
+    answer. Only a member of the generation may call it (rank + instance_id).
+    NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+    ALREADY_EXISTS (DUPLICATE_RANK), FAILED_PRECONDITION (NOT_RUNNING: the
+    generation has not formed), INVALID_ARGUMENT (RANK_OUT_OF_RANGE).
     """
     Barrier: _aio.UnaryUnaryMultiCallable[_rendezvous_pb2.BarrierRequest, _rendezvous_pb2.BarrierResponse]  # type: ignore[assignment]
     """Barrier returns once every member of the generation that has not left has
@@ -365,6 +381,20 @@ class RendezvousServicer(metaclass=_abc_1.ABCMeta):
         to every other node. Only the node's own agent (node instance id) may call it.
         NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
         ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
+        """
+
+    @_abc_1.abstractmethod
+    def GetMembers(
+        self,
+        request: _rendezvous_pb2.GetMembersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rendezvous_pb2.GetMembersResponse, _abc.Awaitable[_rendezvous_pb2.GetMembersResponse]]:
+        """GetMembers serves a formed generation's member table by rank range (a page
+        of at most 4096 members), for callers whose Join/JoinNode asked for a slim
+        answer. Only a member of the generation may call it (rank + instance_id).
+        NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
+        ALREADY_EXISTS (DUPLICATE_RANK), FAILED_PRECONDITION (NOT_RUNNING: the
+        generation has not formed), INVALID_ARGUMENT (RANK_OUT_OF_RANGE).
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,54 @@
+"""GetMembers over a blocking channel of its own, for the fetches ``Membership.members``
+makes when the client's channel cannot serve them: the asyncio client's (a plain
+property cannot await), or a sync client already closed."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from rendezvousd.client._session import Session
+from rendezvousd.client.connection import TlsConfig, channel_options
+from rendezvousd.client.errors import from_rpc_error
+
+
+class BlockingMembers:
+    def __init__(self, session: Session, tls: TlsConfig | None) -> None:
+        self._s = session
+        self._tls = tls
+        self._channel: grpc.Channel | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, request: pb.GetMembersRequest) -> pb.GetMembersResponse:
+        with self._lock:
+            if self._channel is None:
+                tls = self._tls
+                options = channel_options(self._s.retry, tls.server_name if tls else None)
+                self._channel = (
+                    grpc.secure_channel(self._s.endpoint, tls.credentials(), options=options)
+                    if tls is not None
+                    else grpc.insecure_channel(self._s.endpoint, options=options)
+                )
+            stub = pb_grpc.RendezvousStub(self._channel)
+        try:
+            response: pb.GetMembersResponse = stub.GetMembers(
+                request, timeout=self._s.call_timeout, metadata=self._s.metadata
+            )
+            return response
+        except grpc.RpcError as exc:
+            raise from_rpc_error(
+                exc,
+                endpoint=self._s.endpoint,
+                method="GetMembers",
+                job_id=request.job_id,
+                rank=request.rank,
+            ) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
