@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.errors import PeerFailed, RendezvousError
+from rendezvousd.client.membership import NodeMembership
 from rendezvousd.client.sync import RendezvousClient
 
-from .agent_worker import Assignment
+from .agent_worker import Assignment, start_env
 from .config import DistributedConfig
 from .errors import RestartsExhausted
 from .recovery import Failure, RestartBudget
 from .state_copy import StateCopy
-from .warm_workers import Exited, SparePool, WorkerProcess, stop_all
+from .warm_workers import Exited, Reported, SparePool, WorkerProcess, stop_all
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
 # their last log line, so every node is stopped well within 100 ms.
@@ -38,6 +39,9 @@ STOP_GRACE_S = 0.05
 # on a small machine their start-up would otherwise slow the resumption down.
 SPARE_DELAY_S = 1.0
 POLL_S = 0.02
+# A worker that reported its own failure exits right after; one that does not
+# within this long is stopped and its report is the failure.
+REPORTED_EXIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,15 @@ class Rescale:
 @dataclass(frozen=True)
 class Interrupted:
     signum: int
+
+
+@dataclass(frozen=True)
+class Joined:
+    """``join_node``'s answer (or error), from the thread that waited for it."""
+
+    serial: int
+    membership: NodeMembership | None
+    error: RendezvousError | None
 
 
 Outcome = Failure | Rescale | Interrupted | None
@@ -98,15 +111,35 @@ class NodeAgent:
         self.host = socket.gethostname()
         self.events: queue.Queue[Any] = queue.Queue()
         self.state = StateCopy()
-        self.pool = SparePool(cmd, env, self.events, self.state)
+        self.pool = SparePool(cmd, env, self.events, self.state, self._start_env)
         self.budget = RestartBudget(config.max_restarts)
         self.active: list[WorkerProcess] = []
+        #: The first failure of one of this node's own workers, if any: the root
+        #: cause to name when the daemon cannot be asked.
+        self.first_local: Failure | None = None
+        self._joins = 0
         self._interrupt: int | None = None
         self._interrupted = threading.Event()
 
     @property
     def per_node(self) -> int:
         return self.config.local_world_size
+
+    @property
+    def fixed_node_rank(self) -> int | None:
+        """This node's rank in every generation, when the config fixes it: a fixed
+        job size (not elastic) and a given node rank (not 'auto')."""
+        config = self.config
+        if not config.is_multi_node:
+            return 0
+        if config.fewest_nodes != config.num_nodes:
+            return None  # a shrunk generation renumbers the nodes
+        return config.node_rank
+
+    def _start_env(self, local_rank: int) -> dict[str, str]:
+        node_rank = self.fixed_node_rank
+        num_nodes = self.config.num_nodes if node_rank is not None else None
+        return start_env(local_rank, self.per_node, node_rank, num_nodes)
 
     def interrupt(self, signum: int) -> None:
         """From a signal handler: stop this node's workers and end the job."""
@@ -145,22 +178,10 @@ class NodeAgent:
 
     def _generation(self, first: bool) -> Outcome:
         config = self.config
-        timeout = config.join_timeout_s if first else config.rejoin_timeout_s
-        try:
-            m = self.client.join_node(
-                min_nodes=config.fewest_nodes,
-                max_nodes=config.num_nodes,
-                gpus_per_node=self.per_node,
-                node_rank=config.node_rank if config.is_multi_node else 0,
-                addresses=[self.ring_host] * self.per_node if self.ring_host else (),
-                id_factory=self.id_factory,
-                last_call=config.last_call_s or None,
-                timeout=timeout,
-            )
-        except RendezvousError as exc:
-            return Failure(None, f"joining failed: {type(exc).__name__}: {exc}", host=self.host)
-        if self._interrupted.is_set():
-            return self._interrupted_outcome(m.generation)
+        joined = self._join(config.join_timeout_s if first else config.rejoin_timeout_s)
+        if not isinstance(joined, NodeMembership):
+            return joined
+        m = joined
         self.active = self.pool.take(self.per_node)
         restored = self.state.latest()
         for i, worker in enumerate(self.active):
@@ -188,6 +209,77 @@ class NodeAgent:
         )
         return self._watch(gen, m.first_rank)
 
+    def _join(self, timeout: float) -> NodeMembership | Outcome:
+        """``join_node`` on a helper thread while this thread keeps watching: a spare
+        that dies meanwhile (a script failing at import) or a signal must not wait
+        for the other nodes, which may never come. Given up on, the join is
+        cancelled when the launcher closes its client (the daemon then fails the
+        forming generation for the other nodes)."""
+        config = self.config
+        self._joins += 1
+        serial = self._joins
+
+        def join() -> None:
+            try:
+                m = self.client.join_node(
+                    min_nodes=config.fewest_nodes,
+                    max_nodes=config.num_nodes,
+                    gpus_per_node=self.per_node,
+                    node_rank=config.node_rank if config.is_multi_node else 0,
+                    addresses=[self.ring_host] * self.per_node if self.ring_host else (),
+                    id_factory=self.id_factory,
+                    last_call=config.last_call_s or None,
+                    timeout=timeout,
+                )
+            except RendezvousError as exc:
+                self.events.put(Joined(serial, None, exc))
+            else:
+                self.events.put(Joined(serial, m, None))
+
+        threading.Thread(target=join, daemon=True, name="rendezvous-agent-join").start()
+        while True:
+            if self._interrupted.is_set():
+                return self._interrupted_outcome(None)
+            try:
+                event = self.events.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(event, Joined) and event.serial == serial:
+                if event.membership is not None:
+                    return event.membership
+                exc = event.error
+                return Failure(None, f"joining failed: {type(exc).__name__}: {exc}", host=self.host)
+            if isinstance(event, Exited) and self.pool.discard(event.worker):
+                failure = self._spare_died(None, event)
+                if failure is not None:
+                    return failure
+                self.pool.fill(self.per_node)
+            elif isinstance(event, Reported):
+                event.worker.ack_failure()  # a spare has no rank to report
+
+    def _spare_died(self, gen: int | None, event: Exited) -> Failure | None:
+        """Count a spare's death; the failure to give up with when none is left.
+
+        A spare exits only if its script failed before ``init_distributed()`` took
+        an assignment (or never called it): a fault of this node's worker, so the
+        launcher ends with that worker's exit status (1 for a clean exit, which
+        is still a worker that did not train)."""
+        w = event.worker
+        node_rank = self.fixed_node_rank
+        rank = None if node_rank is None else node_rank * self.per_node + w.slot
+        code = event.code
+        cause = f"{event.how} before it was assigned a rank"
+        if code == 0:
+            cause += " (a script started by rendezvous-run must call init_distributed())"
+        status = code if code > 0 else (128 - code if code < 0 else 1)
+        failure = Failure(gen, cause, rank, self.host, status, local_rank=w.slot)
+        who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
+        self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
+        self.first_local = self.first_local or failure
+        if self.budget.record(failure):
+            return None
+        return failure
+
     def _watch(self, gen: int, first_rank: int) -> Outcome:
         assigned_at = time.monotonic()
         refilled = False
@@ -206,6 +298,12 @@ class NodeAgent:
                 self.pool.fill(self.per_node)
                 refilled = True
             for w in self.active:
+                if (
+                    w.reported_cause is not None
+                    and not w.exited.is_set()
+                    and now - w.last_progress > REPORTED_EXIT_S
+                ):
+                    return self._local_failure(gen, first_rank, w, w.reported_cause, 1)
                 silent = now - w.last_progress
                 if (
                     w.reported_progress
@@ -225,16 +323,16 @@ class NodeAgent:
                         continue
                     code = event.code
                     status = code if code > 0 else 128 - code
-                    return self._local_failure(gen, first_rank, event.worker, event.how, status)
+                    how = event.how
+                    if event.worker.reported_cause:
+                        how += f" after {event.worker.reported_cause}"
+                    return self._local_failure(gen, first_rank, event.worker, how, status)
                 if self.pool.discard(event.worker):
-                    spare = Failure(
-                        gen,
-                        f"a warm spare (pid {event.worker.pid}) died with {event.how}",
-                        host=self.host,
-                    )
-                    self.note(spare.describe())
-                    if not self.budget.record(spare):
+                    spare = self._spare_died(gen, event)
+                    if spare is not None:
                         return self._stop(gen, spare, f"restarts exhausted: {spare.cause}")
+            elif isinstance(event, Reported):
+                self._reported(event)
             elif isinstance(event, RemoteFailure) and event.generation == gen:
                 cause, rank, host = describe_remote(event.error)
                 failure = Failure(gen, cause, rank, host)
@@ -246,18 +344,31 @@ class NodeAgent:
                 self._end_generation()
                 return Rescale(event.count)
 
+    def _reported(self, event: Reported) -> None:
+        w = event.worker
+        if w in self.active and w.local_rank is not None and w.reported_cause is None:
+            w.reported_cause = event.cause or "a failure it did not describe"
+            w.last_progress = time.monotonic()  # REPORTED_EXIT_S counts from here
+            try:
+                self.client.report_failure(w.local_rank, w.reported_cause)
+            except RendezvousError as exc:
+                self.note(f"could not report the failure to the daemon: {exc}")
+        w.ack_failure()
+
     def _local_failure(
         self, gen: int, first_rank: int, w: WorkerProcess, cause: str, status: int
     ) -> Failure:
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
         self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {cause}")
-        try:
-            # Before stopping our other workers: the other nodes hear of it sooner.
-            self.client.report_failure(local, cause)
-        except RendezvousError as exc:
-            self.note(f"could not report the failure to the daemon: {exc}")
-        failure = Failure(gen, cause, rank, self.host, status)
+        if w.reported_cause is None:
+            try:
+                # Before stopping our other workers: the other nodes hear of it sooner.
+                self.client.report_failure(local, cause)
+            except RendezvousError as exc:
+                self.note(f"could not report the failure to the daemon: {exc}")
+        failure = Failure(gen, cause, rank, self.host, status, local_rank=local)
+        self.first_local = self.first_local or failure
         return self._stop(gen, failure, f"rank {rank} on host {self.host} failed: {cause}")
 
     def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
@@ -271,14 +382,16 @@ class NodeAgent:
         with contextlib.suppress(RendezvousError):
             self.client.leave()
 
-    def _interrupted_outcome(self, gen: int) -> Interrupted:
+    def _interrupted_outcome(self, gen: int | None) -> Interrupted:
+        """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
         signum = self._interrupt or 15
         stop_all(self.active, f"rendezvous-run on {self.host} got signal {signum}", 1.0)
         self.active = []
-        with contextlib.suppress(RendezvousError):
-            self.client.abort(
-                f"rendezvous-run on host {self.host} was stopped by signal {signum}",
-                generation=gen,
-            )
-        self._end_generation()
+        if gen is not None:
+            with contextlib.suppress(RendezvousError):
+                self.client.abort(
+                    f"rendezvous-run on host {self.host} was stopped by signal {signum}",
+                    generation=gen,
+                )
+            self._end_generation()
         return Interrupted(signum)

@@ -111,6 +111,29 @@ class Assignment:
         }
 
 
+def start_env(
+    local_rank: int, per_node: int, node_rank: int | None, num_nodes: int | None
+) -> dict[str, str]:
+    """torchrun's names a spare for ``local_rank`` starts with. The global ones
+    (``RANK``, ``WORLD_SIZE``, ``NODE_RANK``) only when every generation gives this
+    node the same ranks (``node_rank``/``num_nodes`` not None: a fixed node rank
+    and a fixed job size); otherwise the assignment sets them in
+    ``init_distributed()``."""
+    env = {
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "RENDEZVOUSD_LOCAL_RANK": str(local_rank),
+    }
+    if node_rank is not None and num_nodes is not None:
+        env.update(
+            RANK=str(node_rank * per_node + local_rank),
+            WORLD_SIZE=str(num_nodes * per_node),
+            NODE_RANK=str(node_rank),
+            GROUP_RANK=str(node_rank),
+        )
+    return env
+
+
 class AgentLink:
     """The worker's end of its channel to the node agent."""
 
@@ -119,6 +142,7 @@ class AgentLink:
         self.assignment: Assignment | None = None
         self._reader: threading.Thread | None = None
         self._closing = threading.Event()
+        self._noted = threading.Event()
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
@@ -170,6 +194,8 @@ class AgentLink:
                 while (frame := self.channel.recv()) is not None:
                     if frame.kind == "abort":
                         on_abort(str(frame.header.get("cause", "the node agent aborted")))
+                    elif frame.kind == "failure-noted":
+                        self._noted.set()
                 if not self._closing.is_set():
                     on_abort("the node agent closed the channel")
             except (AgentChannelError, OSError) as exc:
@@ -178,6 +204,19 @@ class AgentLink:
 
         self._reader = threading.Thread(target=read, daemon=True, name="rendezvous-agent-link")
         self._reader.start()
+
+    def report_failure(self, cause: str, timeout: float) -> bool:
+        """Tell the agent this worker failed by itself, and wait (bounded) until the
+        daemon knows: only then may the worker close its ring, or a peer failing
+        on the closed ring could be recorded as the job's root cause. Whether the
+        agent confirmed in time."""
+        if self._reader is None:
+            self.start(lambda _cause: None)
+        try:
+            self.channel.send("failed", {"cause": cause})
+        except AgentChannelError:
+            return False
+        return self._noted.wait(timeout)
 
     def progress(self, step: int) -> None:
         self.channel.send("progress", {"step": step})

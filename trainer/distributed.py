@@ -93,6 +93,10 @@ class DistributedContext:
         if self.agent is not None:
             # The agent leaves for the whole node; a worker only lets go.
             try:
+                if not clean and _own_failure(error):
+                    # The agent reports it to the daemon before our ring closes: see
+                    # ``_drop_out`` for why the order decides the root cause.
+                    self.agent.report_failure(_describe(error), PEER_SETTLE_S)
                 self.communicator.close()
                 self.rendezvous.close()
             finally:
@@ -126,6 +130,19 @@ class DistributedContext:
 # worker's own watchdog to see the daemon gone; a host that vanished silently takes
 # the daemon's heartbeat timeout, which no worker should wait out.
 PEER_SETTLE_S = 2.0
+
+
+def _own_failure(error: BaseException | None) -> bool:
+    """Whether this worker failed by itself, not as the victim of a failure
+    elsewhere (a peer's death seen on the ring, the daemon's or the agent's word)."""
+    return not isinstance(error, CommunicatorError | RendezvousError | AgentError)
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return "the worker closed its context after a failure"
+    # The daemon bounds a cause's length; the head of the message names the fault.
+    return f"{type(error).__name__}: {error}"[:500]
 
 
 def _drop_out(

@@ -10,8 +10,9 @@ and the flags below, exactly as in the workers (``load_config``). The launcher i
 the node agent (``agent.py``): it joins the daemon once for the node, holding all
 its local ranks, and hands each worker its rank, generation and the unique id over
 a private channel (never argv or the environment). Workers are started warm,
-before the job forms; ``init_distributed`` then sets torchrun's RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE and NODE_RANK in the worker's ``os.environ``. The
+before the job forms, one per local rank with torchrun's LOCAL_RANK and
+LOCAL_WORLD_SIZE (and RANK, WORLD_SIZE, NODE_RANK when the node's ranks are fixed)
+in their environment; ``init_distributed`` sets the rest from the assignment. The
 agent heartbeats the daemon for the node and watches its workers (exit, and
 progress when they report it); a failure anywhere stops every node's workers
 and, while ``--max-restarts`` allows, every agent re-joins the next generation
@@ -47,6 +48,7 @@ from rendezvousd.trainer.config import (
     load_layers,
 )
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
+from rendezvousd.trainer.recovery import Failure
 from rendezvousd.trainer.root_cause import lost_member
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
@@ -200,7 +202,7 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
         return agent.run()
     except RestartsExhausted as exc:
         print(f"rendezvous-run: error: {exc}", file=sys.stderr, flush=True)
-        _root_cause(config)
+        _root_cause(config, agent.first_local)
         return exc.exit_status
     finally:
         for s, handler in previous.items():
@@ -208,7 +210,9 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
         client.close()
 
 
-def _root_cause(config: DistributedConfig) -> None:
+def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
+    """The daemon's record of the first rank lost, on any node; failing that, this
+    node's first failed worker."""
     transport = config.rendezvous
     assert transport.endpoint is not None
     lost = lost_member(
@@ -216,6 +220,12 @@ def _root_cause(config: DistributedConfig) -> None:
     )
     if lost is not None:
         _note(f"root cause: {lost.describe()}")
+    elif local is not None:
+        who = f"rank {local.rank}" if local.rank is not None else f"local rank {local.local_rank}"
+        _note(
+            f"root cause: worker {who} on this node ({local.cause}), the first to fail "
+            "here; the daemon recorded no lost rank or could not be asked"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

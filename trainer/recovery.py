@@ -23,6 +23,8 @@ class Failure:
     host: str | None = None
     #: The launcher's exit status if this is the failure it ends on.
     exit_status: int = 1
+    #: This node's local rank of the worker, for a failure of one of its own.
+    local_rank: int | None = None
 
     def describe(self) -> str:
         gen = f"generation {self.generation}" if self.generation is not None else "no generation"

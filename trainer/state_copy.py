@@ -30,6 +30,9 @@ NOTHING = -1
 
 @dataclass(frozen=True)
 class StepState:
+    """One step's training state as the node agent holds it (``ctx.restored``):
+    the step it completed, JSON ``meta`` and host arrays (``arrays()``)."""
+
     step: int
     meta: dict[str, Any]
     entries: list[dict[str, Any]] = field(repr=False)

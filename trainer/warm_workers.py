@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,18 +55,31 @@ class Ready:
     worker: WorkerProcess
 
 
+@dataclass(frozen=True)
+class Reported:
+    """The worker failed by itself and is about to exit: the agent tells the daemon
+    (and acknowledges) before the worker closes its ring, so that the daemon
+    records this rank, not a peer that fails on the closed ring a moment later."""
+
+    worker: WorkerProcess
+    cause: str
+
+
 class WorkerProcess:
-    """One worker process and its channel; ``local_rank`` is None while a spare."""
+    """One worker process and its channel; ``local_rank`` is None while a spare.
+    ``slot``: the local rank it was started for (its ``LOCAL_RANK``)."""
 
     def __init__(
         self,
         serial: int,
+        slot: int,
         cmd: Sequence[str],
         env: Mapping[str, str],
         events: queue.Queue[Any],
         state: StateCopy,
     ) -> None:
         self.serial = serial
+        self.slot = slot
         self.channel, theirs = Channel.pair()
         child_env = {**env, ENV_AGENT_FD: str(theirs.fileno()), ENV_AGENT_PID: str(os.getpid())}
         boot = [sys.executable, "-m", "rendezvousd.trainer._agent_boot", *cmd]
@@ -79,6 +92,8 @@ class WorkerProcess:
         self.exited = threading.Event()
         self.last_progress = time.monotonic()
         self.reported_progress = False
+        #: What the worker said when it reported its own failure (``Reported``).
+        self.reported_cause: str | None = None
         self._events = events
         self._state = state
         for target, name in ((self._reap, "reaper"), (self._read, "reader")):
@@ -111,6 +126,8 @@ class WorkerProcess:
                     self.reported_progress = True
                     if frame.kind == "state":
                         self._state.offer(frame)
+                elif frame.kind == "failed":
+                    self._events.put(Reported(self, str(frame.header.get("cause", ""))))
         except (AgentChannelError, OSError):
             pass  # the reaper reports the process itself
 
@@ -141,6 +158,11 @@ class WorkerProcess:
         with contextlib.suppress(AgentChannelError):
             self.channel.send("abort", {"cause": cause})
 
+    def ack_failure(self) -> None:
+        """The reported failure is known to the daemon: the worker may close its ring."""
+        with contextlib.suppress(AgentChannelError):
+            self.channel.send("failure-noted")
+
     def close(self) -> None:
         self.channel.close()
 
@@ -164,7 +186,13 @@ def stop_all(workers: Sequence[WorkerProcess], cause: str | None, grace_s: float
 
 
 class SparePool:
-    """Warm processes waiting for an assignment."""
+    """Warm processes waiting for an assignment, one per local rank ("slot").
+
+    A spare is started for one local rank, with that rank's torchrun variables
+    (``slot_env``) in its environment from the first instruction on, so a script
+    that reads ``LOCAL_RANK`` at import time works as under torchrun; it is then
+    only ever assigned that local rank.
+    """
 
     def __init__(
         self,
@@ -172,27 +200,39 @@ class SparePool:
         env: Mapping[str, str],
         events: queue.Queue[Any],
         state: StateCopy,
+        slot_env: Callable[[int], Mapping[str, str]] | None = None,
     ) -> None:
         self._cmd = list(cmd)
         self._env = dict(env)
         self._events = events
         self._state = state
+        self._slot_env = slot_env
         self._serial = 0
         self.spares: list[WorkerProcess] = []
 
     def fill(self, count: int) -> None:
-        while len(self.spares) < count:
-            self._serial += 1
-            self.spares.append(
-                WorkerProcess(self._serial, self._cmd, self._env, self._events, self._state)
-            )
+        """One live spare for each of local ranks ``0..count-1``."""
+        for slot in range(count):
+            if not any(w.slot == slot and not w.exited.is_set() for w in self.spares):
+                self._serial += 1
+                env = {**self._env, **(self._slot_env(slot) if self._slot_env else {})}
+                self.spares.append(
+                    WorkerProcess(self._serial, slot, self._cmd, env, self._events, self._state)
+                )
 
     def take(self, count: int) -> list[WorkerProcess]:
-        """``count`` processes, warmest first (ready ones, then the oldest)."""
+        """The spare for each local rank ``0..count-1``, the warmest of its slot
+        (ready ones, then the oldest)."""
         self.spares = [w for w in self.spares if not w.exited.is_set()]
         self.fill(count)
-        self.spares.sort(key=lambda w: (not w.ready.is_set(), w.serial))
-        taken, self.spares = self.spares[:count], self.spares[count:]
+        taken = []
+        for slot in range(count):
+            mine = sorted(
+                (w for w in self.spares if w.slot == slot),
+                key=lambda w: (not w.ready.is_set(), w.serial),
+            )
+            taken.append(mine[0])
+            self.spares.remove(mine[0])
         return taken
 
     def discard(self, worker: WorkerProcess) -> bool:
