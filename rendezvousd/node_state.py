@@ -110,7 +110,9 @@ class NodeJoins(StateCore):
             if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
                 raise job.conflict
             old = job.state
+            expected = nodes.expected_back(job)
             job.open_generation(now)
+            job.rejoin_expected = expected
             self._effects.append(
                 Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation")
             )
@@ -169,7 +171,11 @@ class NodeJoins(StateCore):
         count = len(job.nodes)
         if job.state is not JobState.FORMING or job.join_mode != "node" or count < job.min_nodes:
             return False
-        if count < job.max_nodes and now < job.last_arrival + job.last_call_s:
+        if (
+            count < job.max_nodes
+            and now < job.last_arrival + job.last_call_s
+            and not nodes.everyone_back(job)
+        ):
             return False
         ranks = nodes.assignment(job)
         if job.unique_id is None or ranks is None:

@@ -14,7 +14,7 @@ from rendezvousd import validation
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member, Node
 from rendezvousd.limits import Limits
-from rendezvousd.model import MemberInfo, NodeJoinResult
+from rendezvousd.model import JobState, MemberInfo, MemberState, NodeJoinResult
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,31 @@ def place(job: Job, ranks: dict[str, int]) -> None:
                 address,
                 member_instance_id(node.instance_id, local),
             )
+
+
+def expected_back(job: Job) -> int:
+    """How many nodes should re-join after ``job``'s node generation failed or was
+    aborted: its nodes that were not lost, and the scale-up nodes woken to re-join;
+    0 (nobody in particular) after any other end."""
+    if job.join_mode != "node" or job.state not in (JobState.FAILED, JobState.ABORTED):
+        return 0
+    kept = sum(1 for n in job.nodes.values() if n.state is not MemberState.LOST)
+    return kept + job.scaleups_woken
+
+
+def everyone_back(job: Job) -> bool:
+    """Every node the last generation expects back has joined this one: forming need
+    not wait out the last call.
+
+    The last call exists so that nodes starting at about the same time land in one
+    generation. After a failure the daemon knows who is coming: the survivors (the
+    lost nodes' agents are gone) and any node that was waiting for a scale-up. Once
+    they are all here, waiting ``last_call_s`` (30 s by default) would only stall the
+    survivors. A replacement for a lost node that starts later is not waited for: it
+    parks, the running nodes hear NODES_WAITING and re-form with it, which costs no
+    restart. A generation that ended cleanly (ENDED) expects nobody, so a relaunch
+    with the same job id keeps the last call."""
+    return job.rejoin_expected > 0 and len(job.nodes) >= job.rejoin_expected
 
 
 def node_members(job: Job, node: Node) -> list[Member]:
