@@ -311,7 +311,9 @@ class NodeJoins(StateCore):
         if node is None or node.stream_token != token:
             return
         node.stream_open = False
-        if node.state is MemberState.ACTIVE:
+        # Once the generation failed, the survivors' streams end as a matter of course:
+        # that is no loss (it would also count them out of the nodes expected back).
+        if node.state is MemberState.ACTIVE and job.state is JobState.RUNNING:
             self._lose_node(job, node, "node agent's heartbeat stream closed", now)
 
     def _lose_node(self, job: Job, node: Node, cause: str, now: float) -> None:

@@ -322,6 +322,9 @@ def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> No
     nodes = three_elastic(sm)
     sm.detach_node_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0)  # c's agent died
     assert sm.jobs["j"].state is JobState.FAILED
+    # The survivors' streams end after PEER_FAILED: not a loss of theirs.
+    sm.detach_node_stream("j", 1, nodes["b-rank"], nodes["b"], 1.1)
+    assert [f.rank // 2 for f in sm.jobs["j"].failed] == [nodes["c-rank"]] * 2
     # a comes back first (node 0: asked for the id), alone it waits for b...
     asked = rejoin(sm, "a2", 2.0)
     assert isinstance(asked, NodeJoinResult) and asked.id_required and asked.generation == 2
