@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.errors import PeerFailed, RendezvousError
-from rendezvousd.client.membership import NodeMembership
+from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 
 from .agent_worker import Assignment, start_env
@@ -39,6 +39,7 @@ STOP_GRACE_S = 0.05
 # on a small machine their start-up would otherwise slow the resumption down.
 SPARE_DELAY_S = 1.0
 POLL_S = 0.02
+STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
@@ -82,9 +83,10 @@ Outcome = Failure | Rescale | Interrupted | None
 
 def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
     """(cause, rank, host) of a failure the daemon pushed."""
+    cause = f"{type(error).__name__}: {error}"
     if isinstance(error, PeerFailed) and error.ranks:
-        return str(error), error.ranks[0], error.hosts[0] if error.hosts else None
-    return f"{type(error).__name__}: {error}", None, None
+        return cause, error.ranks[0], error.hosts[0] if error.hosts else None
+    return cause, None, None
 
 
 class NodeAgent:
@@ -182,6 +184,13 @@ class NodeAgent:
         if not isinstance(joined, NodeMembership):
             return joined
         m = joined
+        if (problem := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
+            # The workers would dial themselves until their timeout: every node hears why.
+            with contextlib.suppress(RendezvousError):
+                self.client.abort(problem, generation=m.generation)
+            self._end_generation()
+            self.note(f"error: {problem}")
+            return Failure(m.generation, problem, host=self.host, fatal=True)
         self.active = self.pool.take(self.per_node)
         restored = self.state.latest()
         for i, worker in enumerate(self.active):
@@ -369,9 +378,13 @@ class NodeAgent:
                 self.note(f"could not report the failure to the daemon: {exc}")
         failure = Failure(gen, cause, rank, self.host, status, local_rank=local)
         self.first_local = self.first_local or failure
-        return self._stop(gen, failure, f"rank {rank} on host {self.host} failed: {cause}")
+        # Worded as the daemon words it to the other nodes: every node's workers log
+        # the same cause for the same failure.
+        return self._stop(gen, failure, f"PeerFailed: lost rank {rank} on {self.host} ({cause})")
 
     def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
+        # Said here, at once, on every node: the workers may be gone before they log it.
+        self.note(f"{STOPPING}{cause}")
         stop_all(self.active, cause, self.stop_grace_s)
         self.active = []
         self._end_generation()

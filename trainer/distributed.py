@@ -280,9 +280,10 @@ class _FailureRelay:
 
 def _abort(communicator: Communicator, error: BaseException) -> None:
     # The error's class is the cause: PeerFailed (a peer died), JobAborted, or
-    # DaemonUnreachable (failure detection is gone: this node may be cut off), or
-    # AgentError (the node agent heard of a failure elsewhere).
-    cause = f"{type(error).__name__}: {error}"
+    # DaemonUnreachable (failure detection is gone: this node may be cut off). Under
+    # the node agent the abort is an AgentError whose text is the agent's cause,
+    # which already starts with the class of what it saw: the relay is not the cause.
+    cause = str(error) if isinstance(error, AgentError) else f"{type(error).__name__}: {error}"
     log.error("aborting collectives: %s", cause)
     communicator.abort(cause)
 

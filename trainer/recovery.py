@@ -25,6 +25,8 @@ class Failure:
     exit_status: int = 1
     #: This node's local rank of the worker, for a failure of one of its own.
     local_rank: int | None = None
+    #: A setup error no restart can fix (e.g. a loopback ring address across hosts).
+    fatal: bool = False
 
     def describe(self) -> str:
         gen = f"generation {self.generation}" if self.generation is not None else "no generation"
@@ -42,7 +44,7 @@ class RestartBudget:
     def record(self, failure: Failure) -> bool:
         """Count ``failure``; True if the job may restart, False if it must give up."""
         self.failures.append(failure)
-        if self.restarts >= self.max_restarts:
+        if failure.fatal or self.restarts >= self.max_restarts:
             return False
         self.restarts += 1
         return True
