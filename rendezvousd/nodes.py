@@ -178,11 +178,14 @@ def provisional_first_rank(job: Job, node: Node) -> int:
 def bounds_conflict(job: Job, args: NodeJoinArgs) -> RendezvousFault:
     """A node asked for other bounds than the generation's: either side may be wrong."""
     hosts = sorted({n.host for n in job.nodes.values()})
+    # Either side may be the wrong one: name the hosts of both.
+    shown = ", ".join(repr(h) for h in hosts[:8]) + (" ..." if len(hosts) > 8 else "")
+    joined = f" (nodes so far on hosts {shown})" if hosts else ""
     return RendezvousFault(
         Code.FAILED_PRECONDITION,
         "TOPOLOGY_MISMATCH",
         f"job {job.job_id!r} generation {job.generation} has nodes {job.min_nodes}:"
-        f"{job.max_nodes} x gpus_per_node={job.gpus_per_node}, but the node agent on host "
+        f"{job.max_nodes} x gpus_per_node={job.gpus_per_node}{joined}, but the node agent on host "
         f"{args.host!r} asked for {args.min_nodes}:{args.max_nodes} x "
         f"gpus_per_node={args.gpus_per_node}; every node of a job must use the same "
         "--nnodes and --nproc-per-node: fix them and relaunch",
