@@ -120,6 +120,11 @@ class Job:
     # and (scaleup) for the next one while this one runs.
     node_waiters: dict[int, str] = field(default_factory=dict)
     scaleup_waiters: dict[int, str] = field(default_factory=dict)
+    # Nodes parked for a scale-up when this generation ended (woken to re-join).
+    scaleups_woken: int = 0
+    # How many nodes the generation before this one expects back (its nodes not
+    # lost, and its woken scale-ups) after it failed or was aborted; 0: none.
+    rejoin_expected: int = 0
 
     @property
     def world_size(self) -> int:
@@ -189,6 +194,8 @@ class Job:
         self.node_at.clear()
         self.id_node = ""
         self.node_waiters.clear()
+        self.scaleups_woken = 0
+        self.rejoin_expected = 0
 
     def topology_conflict(self, host: str, num_nodes: int, gpus_per_node: int) -> RendezvousFault:
         """Why a joiner asking for another topology is refused; when the generation

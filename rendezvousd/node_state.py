@@ -97,7 +97,9 @@ class NodeJoins(StateCore):
         if job is None:
             job = self._open_job(args.job_id, args.max_nodes, args.gpus_per_node, now)
         elif job.state in TERMINAL and args.instance_id not in job.nodes:
+            expected = nodes.expected_back(job)
             self._next_generation(job, now)
+            job.rejoin_expected = expected
         if job.state is JobState.FORMING and not job.members and not job.nodes:
             # Nobody waits on this generation yet: the first node sets its bounds.
             job.join_mode = "node"
@@ -148,7 +150,11 @@ class NodeJoins(StateCore):
         count = len(job.nodes)
         if job.state is not JobState.FORMING or job.join_mode != "node" or count < job.min_nodes:
             return False
-        if count < job.max_nodes and now < job.last_arrival + job.last_call_s:
+        if (
+            count < job.max_nodes
+            and now < job.last_arrival + job.last_call_s
+            and not nodes.everyone_back(job)
+        ):
             return False
         ranks = nodes.assignment(job)
         if job.unique_id is None or ranks is None:
@@ -274,7 +280,9 @@ class NodeJoins(StateCore):
     ) -> None:
         job = self._stream_job(job_id, generation)
         node = job.node_at.get(node_rank) if job else None
-        if job and node and node.detach(token):
+        # Once the generation failed, the survivors' streams end as a matter of course:
+        # that is no loss (it would also count them out of the nodes expected back).
+        if job and node and node.detach(token) and job.state is JobState.RUNNING:
             self._lose_node(job, node, "node agent's heartbeat stream closed", now)
 
     def _lose_node(self, job: Job, node: Node, cause: str, now: float) -> None:

@@ -14,7 +14,7 @@ from rendezvousd import validation
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member, Node
 from rendezvousd.limits import Limits
-from rendezvousd.model import MemberInfo, NodeJoinResult
+from rendezvousd.model import JobState, MemberInfo, MemberState, NodeJoinResult
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,31 @@ def place(job: Job, ranks: dict[str, int]) -> None:
             )
 
 
+def expected_back(job: Job) -> int:
+    """How many nodes should re-join after ``job``'s node generation failed or was
+    aborted: its nodes that were not lost, and the scale-up nodes woken to re-join;
+    0 (nobody in particular) after any other end."""
+    if job.join_mode != "node" or job.state not in (JobState.FAILED, JobState.ABORTED):
+        return 0
+    kept = sum(1 for n in job.nodes.values() if n.state is not MemberState.LOST)
+    return kept + job.scaleups_woken
+
+
+def everyone_back(job: Job) -> bool:
+    """Every node the last generation expects back has joined this one: forming need
+    not wait out the last call.
+
+    The last call exists so that nodes starting at about the same time land in one
+    generation. After a failure the daemon knows who is coming: the survivors (the
+    lost nodes' agents are gone) and any node that was waiting for a scale-up. Once
+    they are all here, waiting ``last_call_s`` (30 s by default) would only stall the
+    survivors. A replacement for a lost node that starts later is not waited for: it
+    parks, the running nodes hear NODES_WAITING and re-form with it, which costs no
+    restart. A generation that ended cleanly (ENDED) expects nobody, so a relaunch
+    with the same job id keeps the last call."""
+    return job.rejoin_expected > 0 and len(job.nodes) >= job.rejoin_expected
+
+
 def node_members(job: Job, node: Node) -> list[Member]:
     first = job.rank_of(node.node_rank, 0)
     return [job.members[r] for r in range(first, first + job.gpus_per_node) if r in job.members]
@@ -150,11 +175,14 @@ def provisional_first_rank(job: Job, node: Node) -> int:
 def bounds_conflict(job: Job, args: NodeJoinArgs) -> RendezvousFault:
     """A node asked for other bounds than the generation's: either side may be wrong."""
     hosts = sorted({n.host for n in job.nodes.values()})
+    # Either side may be the wrong one: name the hosts of both.
+    shown = ", ".join(repr(h) for h in hosts[:8]) + (" ..." if len(hosts) > 8 else "")
+    joined = f" (nodes so far on hosts {shown})" if hosts else ""
     return RendezvousFault(
         Code.FAILED_PRECONDITION,
         "TOPOLOGY_MISMATCH",
         f"job {job.job_id!r} generation {job.generation} has nodes {job.min_nodes}:"
-        f"{job.max_nodes} x gpus_per_node={job.gpus_per_node}, but the node agent on host "
+        f"{job.max_nodes} x gpus_per_node={job.gpus_per_node}{joined}, but the node agent on host "
         f"{args.host!r} asked for {args.min_nodes}:{args.max_nodes} x "
         f"gpus_per_node={args.gpus_per_node}; every node of a job must use the same "
         "--nnodes and --nproc-per-node: fix them and relaunch",

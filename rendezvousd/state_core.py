@@ -92,6 +92,7 @@ class StateCore:
         if new in TERMINAL:
             # Nodes parked for a scale-up wanted the next generation, not this one:
             # they ask again and open it, instead of hearing this one's fault.
+            job.scaleups_woken = len(set(job.scaleup_waiters.values()))
             for waiter in list(job.scaleup_waiters):
                 self._wake(waiter, Rejoin())
             job.scaleup_waiters.clear()

@@ -12,6 +12,8 @@ from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.data import ShardedLoader
 from rendezvousd.trainer.distributed import DistributedContext, init_distributed
 from rendezvousd.trainer.errors import (
+    AgentChannelError,
+    AgentError,
     BucketingError,
     BucketLayoutMismatch,
     CheckpointError,
@@ -23,12 +25,16 @@ from rendezvousd.trainer.errors import (
     DeviceCountError,
     PeerConnectionError,
     ReducerClosed,
+    RestartsExhausted,
     RetriesExhausted,
     TrainerError,
 )
+from rendezvousd.trainer.state_copy import StepState, agree_on_step
 from rendezvousd.trainer.topology import MultiNodeTopology
 
 __all__ = [
+    "AgentChannelError",
+    "AgentError",
     "BucketLayoutMismatch",
     "BucketedAllReducer",
     "BucketingError",
@@ -46,9 +52,12 @@ __all__ = [
     "PeerConnectionError",
     "ReduceOp",
     "ReducerClosed",
+    "RestartsExhausted",
     "RetriesExhausted",
     "ShardedLoader",
+    "StepState",
     "TrainerError",
+    "agree_on_step",
     "init_distributed",
     "latest_checkpoint",
     "load_checkpoint",

@@ -53,6 +53,12 @@ def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
     return Path(directory) / f"ckpt-{step:010d}.npz"
 
 
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The step in a canonical checkpoint file name; -1 for any other name."""
+    match = _NAME_RE.match(Path(path).name)
+    return int(match.group(1)) if match else -1
+
+
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     """The highest-step ``ckpt-<step>.npz`` in ``directory``, or None if there is none."""
     folder = Path(directory)

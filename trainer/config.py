@@ -257,9 +257,44 @@ class DistributedConfig:
         "communicator setup (ring connections, NCCL init) must finish within",
         _POSITIVE,
     )
+    # The node agent's (rendezvous-run's) recovery settings; workers ignore them.
+    min_nodes: int | None = setting(
+        None,
+        "elastic: fewest nodes a generation may form with (default num_nodes; "
+        "rendezvous-run --nnodes MIN:MAX)",
+        Int(1, True),
+        env="RENDEZVOUSD_MIN_NODES",
+    )
+    max_restarts: int = setting(
+        0,
+        "rendezvous-run: restarts of the whole job after a failure, then give up",
+        Int(0),
+        env="RENDEZVOUSD_MAX_RESTARTS",
+    )
+    hang_timeout_s: float = setting(
+        300.0,
+        "rendezvous-run: a worker that reported progress and then none for this long is hung",
+        _POSITIVE,
+    )
+    last_call_s: float = setting(
+        0.0,
+        "elastic: with >= min_nodes joined, wait this long for more before forming "
+        "(0: the daemon's default)",
+        Float(positive=False),
+    )
+    rejoin_timeout_s: float = setting(
+        60.0,
+        "rendezvous-run: a restart waits this long for min_nodes nodes, then counts as failed",
+        _POSITIVE,
+    )
 
     def __post_init__(self) -> None:
         validate(self, ConfigError)
+        if self.min_nodes is not None and self.min_nodes > self.num_nodes:
+            raise ConfigError(
+                f"min_nodes={self.min_nodes} exceeds num_nodes={self.num_nodes} (the maximum); "
+                "pass --nnodes MIN:MAX with MIN <= MAX"
+            )
         if self.is_multi_node:
             self._validate_multi_node()
         elif self.node_rank not in (None, 0):
@@ -320,6 +355,11 @@ class DistributedConfig:
     @property
     def is_multi_node(self) -> bool:
         return self.num_nodes >= 2
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The elastic minimum: ``min_nodes``, else ``num_nodes`` (a fixed size)."""
+        return self.num_nodes if self.min_nodes is None else self.min_nodes
 
     @property
     def local_world_size(self) -> int:

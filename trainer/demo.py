@@ -239,6 +239,11 @@ def _run(
         "allreduce_busbw_gbps": r0.get("allreduce_busbw_gbps"),
         "buckets": r0.get("buckets"),
         "checkpoints_written": checkpoints,
+        # The generation trained in and the node agents' restarts (0 in a clean run).
+        "recovery": {
+            "generation": r0.get("generation"),
+            "restarts": max((r.get("restart_count", 0) for r in per_rank), default=None),
+        },
         "node_exit_codes": codes,
         "daemon_exit_code": daemon_code,
         "wall_s": round(time.monotonic() - started, 2),

@@ -18,24 +18,28 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 from rendezvousd.address import AddressError, route_source
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.trainer import devices
+from rendezvousd.trainer.agent_worker import AgentLink
 from rendezvousd.trainer.communicator import Communicator
 from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
 from rendezvousd.trainer.errors import (
+    AgentError,
     CommunicatorAborted,
     CommunicatorError,
     ConfigError,
     RetriesExhausted,
 )
 from rendezvousd.trainer.retry import TRANSIENT, with_retry
+from rendezvousd.trainer.state_copy import StepState
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
 log = logging.getLogger("rendezvousd.trainer")
@@ -49,6 +53,27 @@ class DistributedContext:
     communicator: Communicator
     rendezvous_s: float
     unique_id_bytes: int = field(default=128, repr=False)
+    #: Generation of the job this worker trains in, and how many times this
+    #: node's agent restarted its workers before (0 without an agent).
+    generation: int = 0
+    restart_count: int = 0
+    #: The newest step state this node's agent held when it (re)started us.
+    restored: StepState | None = field(default=None, repr=False)
+    agent: AgentLink | None = field(default=None, repr=False)
+
+    def save_state(
+        self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+    ) -> None:
+        """Hand the state after ``step`` to the node agent (kept in its memory, so a
+        restart loses at most one step) and mark progress; no-op without an agent."""
+        if self.agent is None:
+            return
+        self.agent.save_state(step, {k: devices.to_host(v) for k, v in arrays.items()}, meta or {})
+
+    def progress(self, step: int) -> None:
+        """Tell the node agent this worker is not hung (no-op without an agent)."""
+        if self.agent is not None:
+            self.agent.progress(step)
 
     @property
     def rank(self) -> int:
@@ -65,6 +90,18 @@ class DistributedContext:
     def close(self, *, clean: bool = True, error: BaseException | None = None) -> None:
         """Leave on success. After a failure (``clean=False``, ``error`` if known), drop
         out so that the daemon blames the right rank: see ``_drop_out``."""
+        if self.agent is not None:
+            # The agent leaves for the whole node; a worker only lets go.
+            try:
+                if not clean and _own_failure(error):
+                    # The agent reports it to the daemon before our ring closes: see
+                    # ``_drop_out`` for why the order decides the root cause.
+                    self.agent.report_failure(_describe(error), PEER_SETTLE_S)
+                self.communicator.close()
+                self.rendezvous.close()
+            finally:
+                self.agent.close()
+            return
         if clean:
             try:
                 self.rendezvous.leave()
@@ -95,6 +132,19 @@ class DistributedContext:
 PEER_SETTLE_S = 2.0
 
 
+def _own_failure(error: BaseException | None) -> bool:
+    """Whether this worker failed by itself, not as the victim of a failure
+    elsewhere (a peer's death seen on the ring, the daemon's or the agent's word)."""
+    return not isinstance(error, CommunicatorError | RendezvousError | AgentError)
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return "the worker closed its context after a failure"
+    # The daemon bounds a cause's length; the head of the message names the fault.
+    return f"{type(error).__name__}: {error}"[:500]
+
+
 def _drop_out(
     rdzv: Rendezvous, error: BaseException | None, settle_s: float = PEER_SETTLE_S
 ) -> None:
@@ -123,7 +173,10 @@ def init_distributed(
     config_path: str | None = None, *, env: Mapping[str, str] | None = None
 ) -> DistributedContext:
     environ = os.environ if env is None else env
+    link = AgentLink.from_env(environ)
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
+    if link is not None:
+        return _init_from_agent(config, link, os.environ if env is None else None)
     transport = config.rendezvous
     try:
         tls = transport.tls()
@@ -208,9 +261,9 @@ class _FailureRelay:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._communicator: Communicator | None = None
-        self._error: RendezvousError | None = None
+        self._error: BaseException | None = None
 
-    def fail(self, error: RendezvousError) -> None:
+    def fail(self, error: BaseException) -> None:
         with self._lock:
             self._error = self._error or error
             communicator = self._communicator
@@ -225,10 +278,12 @@ class _FailureRelay:
             _abort(communicator, error)
 
 
-def _abort(communicator: Communicator, error: RendezvousError) -> None:
+def _abort(communicator: Communicator, error: BaseException) -> None:
     # The error's class is the cause: PeerFailed (a peer died), JobAborted, or
-    # DaemonUnreachable (failure detection is gone: this node may be cut off).
-    cause = f"{type(error).__name__}: {error}"
+    # DaemonUnreachable (failure detection is gone: this node may be cut off). Under
+    # the node agent the abort is an AgentError whose text is the agent's cause,
+    # which already starts with the class of what it saw: the relay is not the cause.
+    cause = str(error) if isinstance(error, AgentError) else f"{type(error).__name__}: {error}"
     log.error("aborting collectives: %s", cause)
     communicator.abort(cause)
 
@@ -333,4 +388,82 @@ def _cpu_ring(
         setup_timeout=config.setup_timeout_s,
         node_rank=node_rank,
         shared_memory=config.cpu_shared_memory,
+    )
+
+
+def _init_from_agent(
+    config: DistributedConfig, link: AgentLink, environ: MutableMapping[str, str] | None
+) -> DistributedContext:
+    """Wait (warm) for the agent's assignment, attach to that member, build the
+    communicator. ``environ``: where the torchrun names go (``os.environ``)."""
+    from rendezvousd.client.sync import RendezvousClient
+
+    assignment, restored = link.wait_assignment()
+    started = time.monotonic()
+    if environ is not None:
+        environ.update(assignment.torchrun_env())
+    transport = config.rendezvous
+    if transport.kind != "daemon" or transport.endpoint is None:
+        raise ConfigError("a worker started by the node agent needs the daemon endpoint")
+    try:
+        ring_host = config.ring_host or route_source(transport.endpoint)
+    except (AddressError, OSError) as exc:
+        raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
+    rdzv = RendezvousClient(
+        transport.endpoint,
+        assignment.job_id,
+        token_file=transport.token_file,
+        tls=transport.tls(),
+        retry_attempts=config.retry_attempts,
+    )
+    rdzv.attach(assignment.membership(), assignment.instance_id)
+    relay = _FailureRelay()
+    link.start(lambda cause: relay.fail(AgentError(cause)))
+    topology = MultiNodeTopology(
+        assignment.num_nodes, assignment.gpus_per_node, assignment.node_rank, assignment.local_rank
+    )
+    communicator: Communicator
+    if config.backend == "nccl":
+        from rendezvousd.trainer.nccl import NcclCommunicator
+
+        devices.prepare_nccl(assignment.local_rank)
+        # No rejoin here: a failed init fails this worker, and the agent's restart
+        # is the retry (a fresh generation and id for every node).
+        communicator = NcclCommunicator(
+            assignment.rank,
+            assignment.world_size,
+            assignment.unique_id,
+            devices.device_for(assignment.local_rank),
+            timeout=config.collective_timeout_s,
+            setup_timeout=config.setup_timeout_s,
+        )
+        rdzv.barrier("nccl-init", timeout=config.setup_timeout_s)
+    else:
+        communicator = _cpu_ring(
+            config,
+            rdzv,
+            assignment.rank,
+            assignment.world_size,
+            assignment.unique_id,
+            assignment.node_rank,
+            ring_host,
+        )
+    relay.attach(communicator)
+    if topology.is_global_rank_zero:
+        log.info(
+            "%s generation=%d restart_count=%d",
+            config.rank0_log_line(),
+            assignment.generation,
+            assignment.restart_count,
+        )
+    return DistributedContext(
+        config,
+        topology,
+        rdzv,
+        communicator,
+        time.monotonic() - started,
+        generation=assignment.generation,
+        restart_count=assignment.restart_count,
+        restored=restored,
+        agent=link,
     )

@@ -13,7 +13,10 @@
     ├── BucketingError             the bucketed all-reduce cannot go on
     │   ├── BucketLayoutMismatch   ranks registered different gradient layouts
     │   └── ReducerClosed          the reducer was used after close()
-    └── CheckpointError            a checkpoint could not be written or read
+    ├── CheckpointError            a checkpoint could not be written or read
+    └── AgentError                 the node agent (rendezvous-run) cannot go on
+        ├── AgentChannelError      the agent <-> worker channel broke or is corrupt
+        └── RestartsExhausted      every allowed restart was used; lists each failure
 
 Errors raised by the client SDK (``rendezvousd.client.errors``), such as the
 peer-failed error, pass through unchanged.
@@ -80,3 +83,20 @@ class ReducerClosed(BucketingError):
 
 class CheckpointError(TrainerError):
     """A checkpoint could not be written, read or validated."""
+
+
+class AgentError(TrainerError):
+    """The node agent (``rendezvous-run``) or its link to a worker cannot go on."""
+
+
+class AgentChannelError(AgentError):
+    """The private agent <-> worker channel broke, or carried a malformed frame."""
+
+
+class RestartsExhausted(AgentError):
+    """``max_restarts`` restarts were used up; the message names every failure.
+    ``exit_status``: the launcher's, from the last failure (128+N for a signal)."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status

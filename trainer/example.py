@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ import numpy.typing as npt
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.checkpoint import (
     checkpoint_path,
+    checkpoint_step,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -46,6 +48,7 @@ from rendezvousd.trainer.devices import (
 )
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import CheckpointError, TrainerError
+from rendezvousd.trainer.state_copy import NOTHING, StepState, agree_on_step
 from rendezvousd.trainer.topology import MultiNodeTopology
 
 log = logging.getLogger("rendezvousd.example")
@@ -115,28 +118,47 @@ def agree_on_start(
     comm: Any,
     params: dict[str, XArray],
     xp: Any = np,
+    restored: StepState | None = None,
 ) -> int:
-    """The step every rank resumes at; ``params`` then hold rank 0's state on all.
+    """The step every rank resumes at; ``params`` then hold that step's state on all.
 
-    Only rank 0 reads checkpoints (they may exist on its node's disk alone): it
-    decides from its newest one, and the step and parameters reach every rank by
-    broadcast, so a node without the files resumes from the same step and bytes.
-    ``ckpt_dir`` None: no resume, everyone starts from rank 0's initial values.
-    The step travels in an ``xp`` array: NCCL broadcasts device memory only.
+    Each rank offers the newest step it can restore: the state its node agent
+    kept (``restored``, after an automatic restart) and, on rank 0 only, its
+    newest checkpoint (they may exist on its node's disk alone). The largest
+    wins, and the lowest rank offering it broadcasts its parameters, so a node
+    without the files or the copy resumes from the same step and bytes.
+    Nothing offered: everyone starts at step 0 from rank 0's initial values.
+    The steps travel in ``xp`` arrays: NCCL reduces device memory only.
     """
-    step = xp.zeros(1, dtype=np.int64)
+    offered = NOTHING
+    if restored is not None:
+        offered = load_state(restored.arrays(), params, xp, restored.step)
     if ckpt_dir is not None and topo.is_global_rank_zero:
         latest = latest_checkpoint(ckpt_dir)
         if latest is None:
-            log.info("resume: no checkpoint in %s; starting at step 0", ckpt_dir)
-        else:
-            resumed = load_into(latest, params, xp)
-            step[0] = resumed
-            log.info("resume: %s, step %d", latest, resumed)
-    comm.broadcast(step, root=0)
+            log.info("resume: no checkpoint in %s", ckpt_dir)
+        elif checkpoint_step(latest) > offered:
+            offered = load_into(latest, params, xp)
+            log.info("resume: %s, step %d", latest, offered)
+    step, root = agree_on_step(comm, offered, xp)
     for name in PARAMS:
-        comm.broadcast(params[name], root=0)
-    return int(step[0])
+        comm.broadcast(params[name], root=root)
+    if step != NOTHING and topo.is_global_rank_zero:
+        log.info("resume: step %d from rank %d", step, root)
+    return max(step, 0)
+
+
+def load_state(arrays: dict[str, Array], params: dict[str, XArray], xp: Any, step: int) -> int:
+    """Copy an agent-held step state into ``params``; its step, or NOTHING if it
+    does not fit this model (then it is not offered, rather than trained on)."""
+    for name in PARAMS:
+        saved = arrays.get(name)
+        if saved is None or saved.shape != params[name].shape or saved.dtype != params[name].dtype:
+            log.warning("the node agent's state copy does not match this model; not offered")
+            return NOTHING
+    for name in PARAMS:
+        params[name][...] = to_device(arrays[name], xp)
+    return step
 
 
 def load_into(path: Path, params: dict[str, XArray], xp: Any = np) -> int:
@@ -213,12 +235,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         if ckpt_dir is not None and topo.is_global_rank_zero:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
-        start_step = agree_on_start(ckpt_dir if args.resume else None, topo, comm, params, xp)
+        start_step = agree_on_start(
+            ckpt_dir if args.resume else None, topo, comm, params, xp, ctx.restored
+        )
         grads = {k: xp.zeros_like(v) for k, v in params.items()}
         reducer = BucketedAllReducer.from_config([grads[k] for k in PARAMS], comm, ctx.config)
         reducer.verify_layout(ctx.rendezvous, topo.rank, topo.world_size, timeout=60)
         loader = ShardedLoader(x, y, batch_size=args.batch, topology=topo, seed=args.seed)
         steps_per_epoch = len(loader)
+        step_log = Path(args.step_log) if args.step_log else None
         max_diff, loss = 0.0, float("nan")
         step = start_step
         started = time.perf_counter()
@@ -254,6 +279,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             for k in PARAMS:
                 params[k] -= (args.lr * grads[k]).astype(params[k].dtype)
             step += 1
+            # The node agent keeps it: a restart loses at most this one step.
+            ctx.save_state(step, params, {"loss": loss})
+            if step_log is not None:
+                # One short O_APPEND write per line: ranks share the file.
+                line: dict[str, float] = {"rank": topo.rank, "pid": os.getpid()}
+                line.update(gen=ctx.generation, step=step, t=time.time())
+                with step_log.open("a") as fh:
+                    fh.write(json.dumps(line) + "\n")
             every = args.checkpoint_every
             if ckpt_dir is not None and every > 0 and step % every == 0 and step < args.steps:
                 save_checkpoint(
@@ -281,6 +314,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "final_loss": loss,
             "max_abs_grad_diff_vs_single_process": max_diff,
             "rendezvous_s": round(ctx.rendezvous_s, 4),
+            "generation": ctx.generation,
+            "restart_count": ctx.restart_count,
             "allreduce_busbw_gbps": round(busbw, 3),
             "train_s": round(train_s, 3),
             "checkpoint_written": wrote,
@@ -326,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         help="continue from rank 0's newest checkpoint; every rank gets its step and state",
     )
     p.add_argument("--result-dir", default=None, help="each rank writes rank-N.json here")
+    p.add_argument(
+        "--step-log",
+        default=None,
+        help="every rank appends one JSON line per step (rank, pid, generation, step, time)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr

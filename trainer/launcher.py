@@ -1,20 +1,25 @@
-"""``rendezvous-run``: start this node's workers, torchrun-style.
+"""``rendezvous-run``: this node's agent, torchrun-style (elastic agent included).
 
-    rendezvous-run --nnodes 2 --node-rank 0 --nproc-per-node 4 \\
+    rendezvous-run --nnodes 2 --node-rank 0 --nproc-per-node 4 --max-restarts 3 \\
         --rdzv-endpoint head:29420 --token-file /etc/rendezvousd/token train.py --lr 0.1
+    rendezvous-run --nnodes 2:4 --node-rank auto --nproc-per-node 4 --max-restarts 3 ...
     rendezvous-run --standalone --nproc-per-node 4 -m mypkg.train
 
 Settings come from ``--config`` (the trainer TOML), the ``RENDEZVOUSD_*`` env vars
-and the flags below, exactly as in the workers (``load_config``). ``--node-rank
-auto`` lets the daemon assign node ranks at join; global ranks are then unknown
-until the workers have joined. Each worker gets the resolved settings as
-``RENDEZVOUSD_*`` variables plus ``RENDEZVOUSD_LOCAL_RANK``, and, for user
-scripts, torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE and (when the node
-rank is known) RANK and NODE_RANK. Workers die with the launcher (parent-death
-signal). If one worker fails, the others on this node are stopped, and the exit
-status is non-zero with a message naming the worker that failed first and the
-root cause the daemon recorded (the first rank it lost, on any node).
-``--standalone`` runs an embedded daemon with a fresh token for single-machine jobs.
+and the flags below, exactly as in the workers (``load_config``). The launcher is
+the node agent (``agent.py``): it joins the daemon once for the node, holding all
+its local ranks, and hands each worker its rank, generation and the unique id over
+a private channel (never argv or the environment). Workers are started warm,
+before the job forms, one per local rank with torchrun's LOCAL_RANK and
+LOCAL_WORLD_SIZE (and RANK, WORLD_SIZE, NODE_RANK when the node's ranks are fixed)
+in their environment; ``init_distributed`` sets the rest from the assignment. The
+agent heartbeats the daemon for the node and watches its workers (exit, and
+progress when they report it); a failure anywhere stops every node's workers
+and, while ``--max-restarts`` allows, every agent re-joins the next generation
+and restarts its workers from the newest step state any agent holds. ``--nnodes
+MIN:MAX`` makes the job elastic. When the restarts are used up the exit status
+is non-zero with one message listing every failure, and the root cause the
+daemon recorded. ``--standalone`` runs an embedded daemon with a fresh token.
 """
 
 from __future__ import annotations
@@ -25,28 +30,30 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from rendezvousd.address import AddressError, route_source
+from rendezvousd.client.errors import RendezvousError
+from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.embedded import EmbeddedDaemon, spawn
+from rendezvousd.settings import Value
+from rendezvousd.trainer.agent import NodeAgent
 from rendezvousd.trainer.config import (
     CONFIG_ENV,
-    ENV_LOCAL_RANK,
     SCHEMA,
     DistributedConfig,
     RendezvousTransport,
     config_env,
     load_layers,
 )
-from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
+from rendezvousd.trainer.recovery import Failure
 from rendezvousd.trainer.root_cause import lost_member
-from rendezvousd.trainer.supervisor import Workers
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
-STOP_GRACE_S = 10.0
 # torchrun's spellings, kept as aliases of the config's own flags.
 ALIASES = {
-    "num_nodes": ["--nnodes"],
     "gpus_per_node": ["--nproc-per-node"],
     "rendezvous.endpoint": ["--rdzv-endpoint"],
     "retry_attempts": ["--retries"],
@@ -65,7 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config", default=None, help=f"trainer TOML config, also passed to workers ({CONFIG_ENV})"
     )
-    SCHEMA.add_arguments(p.add_argument_group("distributed"), aliases=ALIASES, exclude=PER_WORKER)
+    group = p.add_argument_group("distributed")
+    group.add_argument(
+        "--nnodes",
+        "--num-nodes",
+        dest="nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="number of nodes, or the elastic range MIN:MAX (env RENDEZVOUSD_NUM_NODES, "
+        "RENDEZVOUSD_MIN_NODES)",
+    )
+    SCHEMA.add_arguments(group, aliases=ALIASES, exclude=(*PER_WORKER, "num_nodes"))
     p.add_argument(
         "--standalone", action="store_true", help="run an embedded daemon (single machine)"
     )
@@ -89,6 +106,7 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
     shared_env = {k: v for k, v in env.items() if k not in _per_worker_env()}
     layers = load_layers(args.config, env=shared_env)
     layers.update(SCHEMA.from_cli(args, ALIASES))
+    layers.update(_nnodes(args.nnodes))
     config = SCHEMA.build([layers])
     if config.is_multi_node and "node_rank" not in layers:
         # The default 0 would put every node on node 0.
@@ -107,67 +125,107 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
     return config
 
 
+def _nnodes(text: str | None) -> dict[str, Value]:
+    """``--nnodes N`` or torchrun's elastic ``--nnodes MIN:MAX``, as config values."""
+    if text is None:
+        return {}
+    low, sep, high = text.partition(":")
+    values = {"num_nodes": high if sep else low}
+    if sep:
+        values["min_nodes"] = low
+    layer = SCHEMA.from_cli(values)
+    return {k: Value(v.value, "--nnodes") for k, v in layer.items()}
+
+
 def _per_worker_env() -> set[str]:
     return {o.env for k, o in SCHEMA.options.items() if k in PER_WORKER and o.env is not None}
 
 
-def worker_env(
-    config: DistributedConfig, local_rank: int, config_path: str | None, base: Mapping[str, str]
+def spare_env(
+    config: DistributedConfig, config_path: str | None, base: Mapping[str, str]
 ) -> dict[str, str]:
-    """Env for one worker: the resolved settings, its local rank, and torchrun's names."""
-    worker = dataclasses.replace(config, local_rank=local_rank)
+    """Env for a warm worker: the resolved settings, no rank (that comes over the
+    channel, and ``init_distributed`` sets torchrun's names from it)."""
     env = {k: v for k, v in base.items() if k not in _per_worker_env() and k not in TORCHRUN_ENV}
-    env.update(config_env(worker))
-    env[ENV_LOCAL_RANK] = str(local_rank)
+    env.update(config_env(config))
     if config.rendezvous.token_file is not None:
         env[TOKEN_FILE_ENV] = config.rendezvous.token_file
     if config_path is not None:
         env[CONFIG_ENV] = config_path
-    env.update(
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(config.local_world_size),
-        WORLD_SIZE=str(config.effective_world_size),
-    )
-    if (topo := worker.topology()) is not None:
-        env.update(RANK=str(topo.rank), NODE_RANK=str(topo.node_rank))
     return env
 
 
-def supervise(workers: Workers, config: DistributedConfig) -> int:
-    """Wait for every worker; on the first failure stop the rest and name the cause."""
-    failed = workers.wait()
-    if failed is None:
-        return 0
-    _note(
-        f"worker {failed.name} (pid {failed.pid}) failed first, with {failed.how}; "
-        "stopping the other workers on this node"
-    )
+def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
+    if config.backend != "nccl":
+        return None  # the SDK's 128 random bytes key the CPU ring
+    from rendezvousd.trainer import nccl
+
+    return nccl.create_unique_id
+
+
+def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
     transport = config.rendezvous
-    # Asked while the siblings still run: stopping them first would add their
-    # losses to the daemon's record, possibly ahead of a loss it has not seen yet.
-    lost = (
-        lost_member(transport.endpoint, config.job_id, transport.token_file, tls=transport.tls())
-        if transport.kind == "daemon" and transport.endpoint is not None
-        else None
+    assert transport.endpoint is not None  # resolve() refused a config without one
+    try:
+        ring_host = config.ring_host or route_source(transport.endpoint)
+    except (AddressError, OSError) as exc:
+        return _fail(f"cannot tell which address this node's workers advertise: {exc}")
+    target = ["-m", args.target] if args.module else [args.target]
+    cmd = target + [a for a in args.args if a != "--"]
+    try:
+        client = RendezvousClient(
+            transport.endpoint,
+            config.job_id,
+            token_file=transport.token_file,
+            tls=transport.tls(),
+            retry_attempts=config.retry_attempts,
+        )
+    except RendezvousError as exc:
+        return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
+    agent = NodeAgent(
+        config,
+        cmd,
+        spare_env(config, args.config, base),
+        client,
+        ring_host=ring_host if config.backend == "cpu" else "",
+        note=_note,
+        id_factory=_id_factory(config),
     )
-    workers.stop(STOP_GRACE_S)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def forward(signum: int, _frame: object) -> None:
+        agent.interrupt(signum)
+
+    for s in previous:
+        signal.signal(s, forward)
+    try:
+        return agent.run()
+    except RestartsExhausted as exc:
+        print(f"rendezvous-run: error: {exc}", file=sys.stderr, flush=True)
+        _root_cause(config, agent.first_local)
+        return exc.exit_status
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        client.close()
+
+
+def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
+    """The daemon's record of the first rank lost, on any node; failing that, this
+    node's first failed worker."""
+    transport = config.rendezvous
+    assert transport.endpoint is not None
+    lost = lost_member(
+        transport.endpoint, config.job_id, transport.token_file, tls=transport.tls(), settle_s=1.0
+    )
     if lost is not None:
         _note(f"root cause: {lost.describe()}")
-    else:
+    elif local is not None:
+        who = f"rank {local.rank}" if local.rank is not None else f"local rank {local.local_rank}"
         _note(
-            f"root cause: worker {failed.name} on this node ({failed.how}), the first to "
-            "fail here; the daemon recorded no lost rank or could not be asked"
+            f"root cause: worker {who} on this node ({local.cause}), the first to fail "
+            "here; the daemon recorded no lost rank or could not be asked"
         )
-    return failed.exit_status
-
-
-def _names(config: DistributedConfig) -> list[str]:
-    """How failures name each worker: global rank when known, else local rank."""
-    names = []
-    for i in range(config.local_world_size):
-        topo = dataclasses.replace(config, local_rank=i).topology()
-        names.append(f"rank {topo.rank}" if topo is not None else f"local rank {i}")
-    return names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -177,37 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = resolve(args, base)
     except ConfigError as exc:
         return _fail(str(exc))
-    if config.is_multi_node and config.node_rank is None:
-        _note(
-            "node rank 'auto': the daemon assigns this node's rank at join, so global "
-            "ranks are not known here; workers get no RANK/NODE_RANK variables "
-            "(use ctx.rank after init_distributed) and failures name local ranks"
-        )
-    daemon: EmbeddedDaemon | None = None
     with tempfile.TemporaryDirectory(prefix="rendezvous-run-") as tmp:
+        daemon: EmbeddedDaemon | None = None
         if args.standalone:
             daemon = spawn(Path(tmp), "--log-level", "WARNING")
             transport = RendezvousTransport.daemon(daemon.endpoint, str(daemon.token_file))
             config = dataclasses.replace(config, rendezvous=transport)
-        cmd = [sys.executable, "-m", args.target] if args.module else [sys.executable, args.target]
-        cmd += [a for a in args.args if a != "--"]
-        workers = Workers(
-            cmd,
-            [worker_env(config, i, args.config, base) for i in range(config.local_world_size)],
-            _names(config),
-        )
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-        def forward(signum: int, _frame: object) -> None:
-            workers.send(signum)
-
-        for s in previous:
-            signal.signal(s, forward)
         try:
-            return supervise(workers, config)
+            return run_agent(args, config, base)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             if daemon is not None:
                 daemon.stop()
 

@@ -297,3 +297,56 @@ def test_a_node_stream_attaching_after_a_node_parked_hears_nodes_waiting() -> No
     assert [(n.kind, n.nodes, n.nodes_waiting) for n in notes] == [
         (EventKind.NODES_WAITING, (0,), 1)
     ]
+
+
+def three_elastic(sm: RendezvousState) -> dict[str, int]:
+    """a, b, c formed with --nnodes 2:3 and a 5 s last call, streams attached;
+    instance -> node rank and stream token."""
+    first = join_first(sm, node("a", lo=2, hi=3))
+    assert isinstance(first, Parked)
+    assert isinstance(sm.join_node(node("b", lo=2, hi=3), 0.0), Parked)
+    assert isinstance(sm.join_node(node("c", lo=2, hi=3), 0.0), NodeJoinResult)  # max: at once
+    job = sm.jobs["j"]
+    ranks = {inst: job.nodes[inst].node_rank for inst in "abc"}
+    tokens = {inst: sm.attach_node_stream("j", 1, r, inst, 0.0) for inst, r in ranks.items()}
+    sm.take_effects()
+    return {inst: tokens[inst] for inst in "abc"} | {f"{i}-rank": r for i, r in ranks.items()}
+
+
+def rejoin(sm: RendezvousState, inst: str, now: float, uid: bytes = b"") -> object:
+    return sm.join_node(node(inst, lo=2, hi=3, uid=uid), now)
+
+
+def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> None:
+    sm = RendezvousState()
+    nodes = three_elastic(sm)
+    sm.detach_node_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0)  # c's agent died
+    assert sm.jobs["j"].state is JobState.FAILED
+    # The survivors' streams end after PEER_FAILED: not a loss of theirs.
+    sm.detach_node_stream("j", 1, nodes["b-rank"], nodes["b"], 1.1)
+    assert [f.rank // 2 for f in sm.jobs["j"].failed] == [nodes["c-rank"]] * 2
+    # a comes back first (node 0: asked for the id), alone it waits for b...
+    asked = rejoin(sm, "a2", 2.0)
+    assert isinstance(asked, NodeJoinResult) and asked.id_required and asked.generation == 2
+    assert isinstance(rejoin(sm, "a2", 2.0, ID2), Parked)
+    sm.tick(2.5)
+    assert sm.jobs["j"].state is JobState.FORMING
+    # ...and forms the moment b, the last survivor, is back: 5 s before the last call.
+    out = rejoin(sm, "b2", 3.0)
+    assert isinstance(out, NodeJoinResult) and out.num_nodes == 2
+    assert sm.jobs["j"].state is JobState.RUNNING
+
+
+def test_after_a_clean_end_a_relaunch_still_waits_the_last_call() -> None:
+    sm = RendezvousState()
+    nodes = three_elastic(sm)
+    for inst in "abc":
+        sm.leave_node("j", 1, nodes[f"{inst}-rank"], inst, 1.0)
+    assert sm.jobs["j"].state is JobState.ENDED
+    assert rejoin(sm, "a2", 2.0).id_required  # type: ignore[attr-defined]
+    assert isinstance(rejoin(sm, "a2", 2.0, ID2), Parked)
+    assert isinstance(rejoin(sm, "b2", 2.0), Parked)
+    sm.tick(6.9)  # a third node may still come: nobody was expected back
+    assert sm.jobs["j"].state is JobState.FORMING
+    sm.tick(7.1)
+    assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 2

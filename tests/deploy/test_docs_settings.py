@@ -10,6 +10,7 @@ import pytest
 from rendezvousd import auth
 from rendezvousd import config as daemon_config
 from rendezvousd.client import connection
+from rendezvousd.trainer import agent_channel
 from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.launcher import build_parser
 from tests.support import ROOT
@@ -43,7 +44,7 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
     known = {o.env for o in daemon_config.SCHEMA.options.values()}
     known |= {o.env for o in trainer_config.SCHEMA.options.values()}
     known |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
-    known |= {trainer_config.CONFIG_ENV}
+    known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD}
     for doc in ("trainer.md", "operations.md"):
         named = set(re.findall(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b", (DOCS / doc).read_text()))
         assert named - known == set(), doc

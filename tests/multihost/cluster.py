@@ -126,6 +126,22 @@ class Cluster:
         folder = self.workdir / job / "results"
         return [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
 
+    def job_exists(self, job: str) -> bool:
+        """Whether the daemon knows ``job`` (asked from h0)."""
+        probe = (
+            "import sys\n"
+            "from rendezvousd.client import NotFound, RendezvousClient\n"
+            "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
+            "    try:\n"
+            "        c.get_job()\n"
+            "    except NotFound:\n"
+            "        sys.exit(1)\n"
+        )
+        cmd = [sys.executable, "-c", probe, self.daemon.endpoint, job, str(self.daemon.token_file)]
+        return (
+            subprocess.run(self.head.command(cmd), capture_output=True, timeout=30).returncode == 0
+        )
+
     def job_members(self, job: str) -> list[dict[str, Any]]:
         """The daemon's member table of ``job`` (asked from h0, where it is reachable)."""
         probe = (

@@ -31,6 +31,7 @@ from tests.support import (
 )
 
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
+TORCHRUN_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
 
 
 def test_two_nodes_by_two_workers_match_single_process_baseline_and_one_checkpoint(
@@ -151,28 +152,51 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     assert time.monotonic() - started < 30  # the sleeping workers were stopped, not waited for
 
 
-def test_launcher_sets_torchrun_style_environment(tmp_path: Path) -> None:
+def test_launcher_sets_torchrun_style_environment(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    # Read at import time, as torchrun scripts do, and again after init_distributed.
     script = tmp_path / "env.py"
     out = tmp_path / "env"
     script.write_text(
-        "import json, os, sys\n"
-        f"open('{out}-' + os.environ['LOCAL_RANK'], 'w').write(json.dumps({{k: os.environ[k] for k in "
-        "('RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE','NODE_RANK','RENDEZVOUSD_ENDPOINT')}))\n"
+        "import json, os\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        f"NAMES = {TORCHRUN_NAMES!r}\n"
+        "at_start = {k: os.environ.get(k) for k in NAMES}\n"
+        "ctx = init_distributed()\n"
+        "after = {k: os.environ.get(k) for k in NAMES}\n"
+        f"open('{out}-' + str(ctx.rank), 'w').write(json.dumps([at_start, after]))\n"
+        "ctx.close()\n"
     )
-    run = subprocess.run(
-        [
-            *launcher_cmd(2, 1, 2, endpoint="127.0.0.1:1"),
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 0, run.stderr
-    envs = [json.loads(Path(f"{out}-{i}").read_text()) for i in range(2)]
-    assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("2", "0"), ("3", "1")]
-    assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["NODE_RANK"] for e in envs} == {"1"}
-    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    d = start_daemon()
+    nodes = [
+        subprocess.Popen(
+            [
+                *launcher_cmd(2, n, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+                str(script),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        errs = [n.communicate(timeout=60)[1] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], errs
+    for rank in range(4):
+        at_start, after = json.loads(Path(f"{out}-{rank}").read_text())
+        expected = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % 2),
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "NODE_RANK": str(rank // 2),
+        }
+        assert at_start == expected and after == expected, (rank, at_start, after)
 
 
 def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path: Path) -> None:
@@ -296,9 +320,10 @@ def test_launcher_with_node_rank_auto_takes_ranks_from_the_daemon(
             deadline = time.monotonic() + 30
             while True:
                 assert time.monotonic() < deadline and nodes[0].poll() is None
+                # Node 0's JoinNode created the job (its members exist once it forms).
                 with contextlib.suppress(RendezvousError):
-                    if len(probe.get_job(job_id).members) == 1:
-                        break
+                    probe.get_job(job_id)
+                    break
                 time.sleep(0.05)  # poll interval of the condition above
         nodes.append(node("auto"))
         outs = [n.communicate(timeout=60) for n in nodes]
@@ -311,8 +336,9 @@ def test_launcher_with_node_rank_auto_takes_ranks_from_the_daemon(
     assert (fixed["rank"], fixed["node_rank"], fixed["env_rank"]) == (0, 0, "0")
     # The daemon's membership decides: not the config's default node rank 0.
     assert (auto["rank"], auto["node_rank"]) == (1, 1)
-    assert auto["env_rank"] is None  # not known when the launcher started the worker
-    assert "global ranks are not known" in outs[1][1]
+    # Not known when the agent started the worker: init_distributed set it from the
+    # daemon's assignment, before the script read it.
+    assert auto["env_rank"] == "1"
 
 
 def test_example_without_a_launcher_runs_as_a_world_of_one(tmp_path: Path) -> None:

@@ -1,0 +1,190 @@
+"""The agent <-> worker channel, the agent's state copy and its restart budget,
+and warm spares as real processes (no daemon needed for any of these)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rendezvousd.trainer.agent_channel import Channel, Frame, pack_arrays, unpack_arrays
+from rendezvousd.trainer.agent_worker import Assignment
+from rendezvousd.trainer.errors import AgentChannelError
+from rendezvousd.trainer.recovery import Failure, RestartBudget
+from rendezvousd.trainer.state_copy import StateCopy
+from rendezvousd.trainer.warm_workers import Exited, Ready, SparePool, stop_all
+from tests.support import WORKERS, wait_for
+
+SECRET = bytes(range(128))
+
+
+def _pair() -> tuple[Channel, Channel]:
+    a, b = socket.socketpair()
+    return Channel(a), Channel(b)
+
+
+def test_frames_carry_header_and_raw_arrays_exactly() -> None:
+    a, b = _pair()
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([1.5])}
+    entries, payload = pack_arrays(arrays)
+    a.send("state", {"step": 7, "arrays": entries}, payload)
+    frame = b.recv(timeout=5)
+    assert frame is not None and frame.kind == "state" and frame.header["step"] == 7
+    out = unpack_arrays(frame.header["arrays"], frame.payload)
+    assert out.keys() == arrays.keys()
+    for k, v in arrays.items():
+        assert out[k].dtype == v.dtype and np.array_equal(out[k], v)
+    a.close()
+    assert b.recv(timeout=5) is None  # a clean end of stream
+
+
+def test_object_arrays_and_lying_array_lists_are_refused() -> None:
+    with pytest.raises(AgentChannelError, match="plain numeric"):
+        pack_arrays({"x": np.array([object()])})
+    entries, payload = pack_arrays({"x": np.zeros(4)})
+    with pytest.raises(AgentChannelError, match="shorter"):
+        unpack_arrays(entries, payload[:-1])
+    with pytest.raises(AgentChannelError, match="longer"):
+        unpack_arrays(entries, payload + b"\0")
+    with pytest.raises(AgentChannelError, match="plain numeric"):
+        unpack_arrays([{"name": "x", "dtype": "|O", "shape": [1], "nbytes": 8}], b"\0" * 8)
+
+
+def test_a_corrupt_or_truncated_stream_is_an_error_not_a_hang() -> None:
+    a, b = _pair()
+    a.sock.sendall(struct.pack("!IQ", 1 << 30, 0))
+    with pytest.raises(AgentChannelError, match="corrupt"):
+        b.recv(timeout=5)
+    a, b = _pair()
+    a.sock.sendall(struct.pack("!IQ", 10, 0) + b"{}")
+    a.close()
+    with pytest.raises(AgentChannelError, match="middle of a frame"):
+        b.recv(timeout=5)
+    a, b = _pair()
+    with pytest.raises(TimeoutError):
+        b.recv(timeout=0.05)
+
+
+def test_assignment_keeps_the_secrets_out_of_header_and_repr() -> None:
+    a = Assignment("job", 3, 1, 5, 1, 2, 3, 2, 6, SECRET, "instance-secret")
+    text = json.dumps(a.header()) + repr(a)
+    assert "instance-secret" not in text and SECRET.hex() not in text
+    again = Assignment.decode(a.header(), a.secrets_payload())
+    assert again == a
+    assert a.torchrun_env()["RANK"] == "5" and a.torchrun_env()["WORLD_SIZE"] == "6"
+
+
+def _state(step: int) -> Frame:
+    entries, payload = pack_arrays({"w": np.full(2, step, dtype=np.float64)})
+    return Frame("state", {"step": step, "arrays": entries}, payload)
+
+
+def test_state_copy_keeps_the_newest_step_only() -> None:
+    copy = StateCopy()
+    assert copy.latest() is None
+    assert copy.offer(_state(4)) and copy.offer(_state(5))
+    assert not copy.offer(_state(3))  # a restarted worker cannot roll it back
+    assert not copy.offer(Frame("state", {"step": "x"}))
+    latest = copy.latest()
+    assert latest is not None and latest.step == 5
+    assert latest.arrays()["w"].tolist() == [5.0, 5.0]
+
+
+def test_restart_budget_gives_up_after_max_restarts_and_names_every_failure() -> None:
+    budget = RestartBudget(2)
+    assert budget.record(Failure(1, "signal SIGKILL", 3, "hostA", 137))
+    assert budget.record(Failure(None, "joining failed: timeout", host="hostB"))
+    assert not budget.record(Failure(3, "hung: no progress for 2.0 s", 0, "hostA"))
+    message = budget.exhausted_message("job1")
+    assert "gave up after 2 restarts (max_restarts=2); 3 failures" in message
+    assert "1. generation 1: rank 3 on host hostA: signal SIGKILL" in message
+    assert "2. no generation: node on host hostB: joining failed: timeout" in message
+    assert "3. generation 3: rank 0 on host hostA: hung" in message
+
+
+def _events_until(events: queue.Queue[Any], kind: type, count: int) -> list[Any]:
+    got: list[Any] = []
+    while len(got) < count:
+        event = events.get(timeout=20)
+        if isinstance(event, kind):
+            got.append(event)
+    return got
+
+
+def test_warm_spares_are_assigned_and_the_copy_only_moves_forward() -> None:
+    events: queue.Queue[Any] = queue.Queue()
+    state = StateCopy()
+    state.offer(_state(9))
+    pool = SparePool(
+        [str(WORKERS / "spare_worker.py"), "--states", "3"], dict(os.environ), events, state
+    )
+    pool.fill(2)
+    ready = _events_until(events, Ready, 2)
+    assert {r.worker for r in ready} == set(pool.spares)
+    workers = pool.take(2)
+    restored = state.latest()
+    for i, w in enumerate(workers):
+        w.assign(Assignment("job", 4, 0, 2 + i, i, 1, 2, 2, 4, SECRET, f"inst{i}"), restored)
+    exits = _events_until(events, Exited, 2)
+    assert all(e.code == 0 for e in exits)
+    # local rank 0 sent states 1..3, but the copy never goes back below step 9
+    latest = state.latest()
+    assert latest is not None and latest.step == 9
+    for w in workers:
+        w.close()
+    assert pool.spares == []
+
+
+def test_stop_all_ends_every_worker() -> None:
+    events: queue.Queue[Any] = queue.Queue()
+    pool = SparePool(
+        [str(WORKERS / "spare_worker.py"), "--wait"], dict(os.environ), events, StateCopy()
+    )
+    pool.fill(2)
+    _events_until(events, Ready, 2)
+    workers = pool.take(2)
+    for i, w in enumerate(workers):
+        w.assign(Assignment("job", 1, 0, i, i, 0, 1, 2, 2, SECRET, "i"), None)
+    stop_all(workers, "test stop", 0.05)
+    exits = _events_until(events, Exited, 2)
+    # The abort frame reached both: each left its wait and exited 0, or was
+    # stopped by a signal if it had not yet read the frame.
+    assert all(e.code in (0, -15, -9) for e in exits)
+    wait_for("both reaped", lambda: all(w.exited.is_set() for w in workers), timeout=5)
+
+
+def test_spare_gets_assignment_and_state_only_over_the_channel() -> None:
+    """End to end through a real spare: its report on stdout shows what it got."""
+    script = (
+        "import os, sys, queue\n"
+        "from rendezvousd.trainer.warm_workers import SparePool, Exited\n"
+        "from rendezvousd.trainer.state_copy import StateCopy\n"
+        "from rendezvousd.trainer.agent_worker import Assignment\n"
+        "from tests.trainer.test_agent_channel import _state, SECRET\n"
+        "ev = queue.Queue(); st = StateCopy(); st.offer(_state(9))\n"
+        f"pool = SparePool([{str(WORKERS / 'spare_worker.py')!r}], dict(os.environ), ev, st)\n"
+        "pool.fill(1); w = pool.take(1)[0]\n"
+        "w.assign(Assignment('job', 4, 1, 3, 0, 1, 2, 2, 4, SECRET, 'inst'), st.latest())\n"
+        "while not isinstance(e := ev.get(timeout=20), Exited): pass\n"
+        "sys.exit(e.code)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["rank"] == 3 and report["generation"] == 4
+    assert report["id_len"] == 128 and report["instance_id_len"] == 4
+    assert report["restored_step"] == 9 and report["restored_w"] == [9.0, 9.0]
+    assert report["env_has_fd"]  # only the descriptor number: the secrets are not there
+    assert SECRET.hex() not in done.stdout

@@ -1,0 +1,202 @@
+"""rendezvous-run as the node agent, on real processes and a real daemon (loopback):
+recovery from a worker's death, a hung worker, a node's death (shrink), a failure
+during recovery, restarts exhausted, and a node that comes back late (scale-up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, wait_for
+
+WORKER = str(WORKERS / "elastic_worker.py")
+
+
+class Node:
+    """One launcher; its workers' JSON lines land in a file (they share stdout)."""
+
+    def __init__(
+        self,
+        d: DaemonProcess,
+        job: str,
+        tmp: Path,
+        name: str,
+        nnodes: str,
+        node_rank: str,
+        flags: Sequence[str],
+        worker_args: Sequence[str],
+    ) -> None:
+        self.out = tmp / f"{name}.out"
+        self.err = tmp / f"{name}.err"
+        cmd = launcher_cmd(nnodes, node_rank, 2, endpoint=d.endpoint, token_file=d.token_file)
+        cmd += ["--job-id", job, "--heartbeat-interval-s", "0.5", *flags, WORKER, *worker_args]
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        events = []
+        for line in self.out.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue  # a line still being written, or not ours
+        return [e for e in events if kind is None or e.get("event") == kind]
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _nodes(
+    d: DaemonProcess, job: str, tmp: Path, count: int, flags: Sequence[str], args: Sequence[str]
+) -> list[Node]:
+    return [Node(d, job, tmp, f"node{n}", str(count), str(n), flags, args) for n in range(count)]
+
+
+def _cleanup(nodes: list[Node]) -> None:
+    for n in nodes:
+        n.kill()
+
+
+def test_a_killed_worker_is_replaced_and_training_resumes_losing_at_most_one_step(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], ["--steps", "100"])
+    try:
+        wait_for(
+            "rank 3 to train",
+            lambda: any(e["rank"] == 3 and e["step"] >= 5 for e in nodes[1].events("step")),
+            timeout=60,
+        )
+        victim = next(e for e in nodes[1].events("ready") if e["rank"] == 3)
+        assert victim["env_rank"] == "3" and victim["restart_count"] == 0
+        os.kill(victim["pid"], signal.SIGKILL)
+        codes = [n.wait(90) for n in nodes]
+    finally:
+        _cleanup(nodes)
+    assert codes == [0, 0], [n.stderr() for n in nodes]
+    ready = nodes[0].events("ready") + nodes[1].events("ready")
+    second = [e for e in ready if e["restart_count"] == 1]
+    assert sorted(e["rank"] for e in second) == [0, 1, 2, 3]
+    assert len({e["generation"] for e in second}) == 1
+    assert second[0]["generation"] > victim["generation"]
+    resumed = [e for n in nodes for e in n.events("resumed") if e["generation"] > 1]
+    # Nobody restarts from scratch: the agents held the last step's state.
+    assert resumed and all(e["step"] > 0 for e in resumed)
+    assert len(nodes[0].events("done")) == 2 and len(nodes[1].events("done")) == 2
+    assert "signal SIGKILL" in nodes[1].stderr()
+
+
+def test_exhausted_restarts_end_with_one_message_naming_every_failure(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    args = ["--exit-rank", "1", "--always"]
+    nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], args)
+    try:
+        codes = [n.wait(90) for n in nodes]
+    finally:
+        _cleanup(nodes)
+    assert codes[0] == 3 and codes[1] != 0, [n.stderr() for n in nodes]
+    for n in nodes:
+        err = n.stderr()
+        assert "gave up after 1 restart (max_restarts=1); 2 failures" in err, err
+        failures = [line for line in err.splitlines() if line.startswith("  ") and ". gen" in line]
+        assert len(failures) == 2, err
+        assert all("rank 1" in line and "exit code 3" in line for line in failures), err
+        assert "root cause: rank 1" in err, err
+
+
+def test_a_hung_worker_is_detected_by_its_agent_and_the_job_restarts(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    flags = ["--max-restarts", "1", "--hang-timeout-s", "1"]
+    nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--hang-rank", "2", "--steps", "10"])
+    try:
+        codes = [n.wait(90) for n in nodes]
+    finally:
+        _cleanup(nodes)
+    assert codes == [0, 0], [n.stderr() for n in nodes]
+    # Ranks blocked in a collective with the hung one stop progressing too, so
+    # either agent may be the first to call it hung.
+    assert "hung: no progress for" in nodes[0].stderr() + nodes[1].stderr()
+    assert {e["restart_count"] for e in nodes[0].events("ready")} == {0, 1}
+
+
+def test_a_lost_node_shrinks_the_elastic_job_to_the_survivors(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    flags = ["--max-restarts", "1", "--last-call-s", "1"]
+    nodes = [
+        Node(d, job_id, tmp_path, f"node{n}", "1:2", "auto", flags, ["--steps", "60"])
+        for n in range(2)
+    ]
+    try:
+        wait_for(
+            "both nodes in one generation",
+            lambda: [e["world_size"] for e in nodes[1].events("ready")][-2:] == [4, 4],
+            timeout=60,
+        )
+        nodes[1].proc.kill()  # the whole node: agent and (by PDEATHSIG) its workers
+        code = nodes[0].wait(90)
+    finally:
+        _cleanup(nodes)
+    assert code == 0, nodes[0].stderr()
+    done = nodes[0].events("done")
+    assert len(done) == 2 and all(e["world_size"] == 2 for e in done)
+
+
+def test_failure_during_recovery_counts_and_a_missing_node_is_waited_for_bounded(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    flags = ["--max-restarts", "1", "--rejoin-timeout-s", "1"]
+    nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "200"])
+    try:
+        wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
+        nodes[1].proc.kill()  # a fixed-size job: node 0 waits for a replacement
+        code = nodes[0].wait(60)
+    finally:
+        _cleanup(nodes)
+    err = nodes[0].stderr()
+    assert code != 0, err
+    assert "gave up after 1 restart (max_restarts=1); 2 failures" in err, err
+    assert "joining failed" in err, err
+
+
+def test_a_node_arriving_late_joins_the_running_elastic_job(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    flags = ["--last-call-s", "0.2"]
+    args = ["--steps", "150", "--step-s", "0.03"]
+    early = Node(d, job_id, tmp_path, "early", "1:2", "auto", flags, args)
+    late: Node | None = None
+    try:
+        wait_for("the one-node job to train", lambda: len(early.events("resumed")) == 2, 60)
+        late = Node(d, job_id, tmp_path, "late", "1:2", "auto", flags, args)
+        codes = [early.wait(120), late.wait(120)]
+    finally:
+        _cleanup([early] + ([late] if late else []))
+    assert late is not None
+    assert codes == [0, 0], [early.stderr(), late.stderr()]
+    assert "waiting to join" in early.stderr()
+    done = early.events("done") + late.events("done")
+    assert len(done) == 4 and all(e["world_size"] == 4 for e in done)
+    # The scale-up used no restart: the re-formed generation still has restart_count 0.
+    assert all(e["restart_count"] == 0 for e in early.events("ready"))

@@ -1,0 +1,176 @@
+"""The private channel between ``rendezvous-run`` (the node agent) and one worker.
+
+One end of a ``socketpair`` is inherited by the worker; only its descriptor
+number travels in the environment (``RENDEZVOUSD_AGENT_FD``). Everything secret —
+the 128-byte unique id and the member instance id — travels over the socket, so
+it never appears in argv, the environment, a file, or ``/proc``.
+
+A frame is ``!IQ`` (header length, payload length), a UTF-8 JSON header with a
+``kind``, then raw payload bytes. Arrays travel as the payload: the header lists
+each array's name, dtype, shape and byte count, the bytes follow in that order.
+No pickle: a peer can only make this side decode JSON and copy bytes into
+arrays of a plain numeric dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import AgentChannelError
+
+ENV_AGENT_FD = "RENDEZVOUSD_AGENT_FD"
+_PREFIX = struct.Struct("!IQ")
+MAX_HEADER = 1 << 20
+# A model's state may be large; the bound only stops a corrupt length from
+# making the reader try to allocate exabytes.
+MAX_PAYLOAD = 1 << 40
+
+HostArrays = dict[str, npt.NDArray[Any]]
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: str
+    header: dict[str, Any]
+    payload: bytes = field(default=b"", repr=False)
+
+
+class Channel:
+    """Frames over a connected stream socket; ``send`` may be called from any thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def pair(cls) -> tuple[Channel, socket.socket]:
+        """This side's channel and the socket to hand to a child (inheritable)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.set_inheritable(True)
+        return cls(ours), theirs
+
+    @classmethod
+    def from_fd(cls, fd: int) -> Channel:
+        sock = socket.socket(fileno=fd)
+        sock.set_inheritable(False)  # the worker's own children must not hold it
+        return cls(sock)
+
+    def send(
+        self, kind: str, header: Mapping[str, Any] | None = None, payload: bytes = b""
+    ) -> None:
+        body = json.dumps({"kind": kind, **(header or {})}).encode("utf-8")
+        if len(body) > MAX_HEADER:
+            raise AgentChannelError(f"channel frame header of {len(body)} bytes is too large")
+        data = _PREFIX.pack(len(body), len(payload))
+        try:
+            with self._send_lock:
+                self.sock.sendall(data + body)
+                if payload:
+                    self.sock.sendall(payload)
+        except OSError as exc:
+            raise AgentChannelError(f"channel send of {kind!r} failed: {exc}") from exc
+
+    def recv(self, timeout: float | None = None) -> Frame | None:
+        """The next frame; None at a clean end of stream. ``timeout`` bounds the wait
+        for the frame to start (``TimeoutError``); one frame is read from one sender."""
+        self.sock.settimeout(timeout)
+        try:
+            first = self.sock.recv(_PREFIX.size, socket.MSG_PEEK)
+        finally:
+            self.sock.settimeout(None)
+        if not first:
+            return None
+        head_len, pay_len = _PREFIX.unpack(self._exactly(_PREFIX.size))
+        if head_len > MAX_HEADER or pay_len > MAX_PAYLOAD:
+            raise AgentChannelError(
+                f"channel frame announces {head_len} header / {pay_len} payload bytes: "
+                "corrupt stream or not an agent channel"
+            )
+        try:
+            header = json.loads(self._exactly(head_len).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise AgentChannelError(f"channel frame header is not JSON: {exc}") from exc
+        if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+            raise AgentChannelError("channel frame header has no 'kind'")
+        payload = self._exactly(pay_len) if pay_len else b""
+        return Frame(header.pop("kind"), header, payload)
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            read = self.sock.recv_into(view[got:], n - got)
+            if read == 0:
+                raise AgentChannelError(
+                    f"channel closed in the middle of a frame ({got}/{n} bytes)"
+                )
+            got += read
+        return bytes(buf)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def pack_arrays(arrays: Mapping[str, npt.ArrayLike]) -> tuple[list[dict[str, Any]], bytes]:
+    """Host arrays as (header entries, payload)."""
+    entries: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for name, value in arrays.items():
+        array = np.ascontiguousarray(value)
+        if array.dtype.hasobject or array.dtype.fields is not None:
+            raise AgentChannelError(
+                f"state array {name!r} has dtype {array.dtype}; only plain numeric dtypes travel"
+            )
+        data = array.tobytes()
+        entries.append(
+            {
+                "name": name,
+                "dtype": array.dtype.str,
+                "shape": list(array.shape),
+                "nbytes": len(data),
+            }
+        )
+        chunks.append(data)
+    return entries, b"".join(chunks)
+
+
+def unpack_arrays(entries: Any, payload: bytes) -> HostArrays:
+    """The arrays ``pack_arrays`` described; AgentChannelError if the two disagree."""
+    if not isinstance(entries, list):
+        raise AgentChannelError("state frame has no array list")
+    out: HostArrays = {}
+    offset = 0
+    try:
+        for entry in entries:
+            dtype = np.dtype(str(entry["dtype"]))
+            if dtype.hasobject or dtype.fields is not None:
+                raise AgentChannelError(f"state array dtype {dtype} is not a plain numeric dtype")
+            shape = tuple(int(d) for d in entry["shape"])
+            nbytes = int(entry["nbytes"])
+            chunk = payload[offset : offset + nbytes]
+            if len(chunk) != nbytes:
+                raise AgentChannelError("state frame payload is shorter than its array list")
+            out[str(entry["name"])] = np.frombuffer(chunk, dtype=dtype).reshape(shape).copy()
+            offset += nbytes
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AgentChannelError(f"state frame array list is malformed: {exc}") from exc
+    if offset != len(payload):
+        raise AgentChannelError("state frame payload is longer than its array list")
+    return out

@@ -1,0 +1,64 @@
+"""The node agent's restart decisions: which failures count, when to give up, and
+the one message that names every failure. Pure: no processes, no clock.
+
+Every failure of a generation this node saw or was told of (a local worker died
+or hung, a peer node's failure pushed by the daemon, a join that failed during
+recovery, a spare that died) uses one restart; a membership change (a waiting
+node joining, ``NODES_WAITING``) does not, as in torchrun. After
+``max_restarts`` restarts the next failure ends the launcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure, as the final error lists it."""
+
+    generation: int | None
+    cause: str
+    rank: int | None = None
+    host: str | None = None
+    #: The launcher's exit status if this is the failure it ends on.
+    exit_status: int = 1
+    #: This node's local rank of the worker, for a failure of one of its own.
+    local_rank: int | None = None
+    #: A setup error no restart can fix (e.g. a loopback ring address across hosts).
+    fatal: bool = False
+
+    def describe(self) -> str:
+        gen = f"generation {self.generation}" if self.generation is not None else "no generation"
+        who = f"rank {self.rank}" if self.rank is not None else "node"
+        where = f" on host {self.host}" if self.host else ""
+        return f"{gen}: {who}{where}: {self.cause}"
+
+
+@dataclass
+class RestartBudget:
+    max_restarts: int
+    failures: list[Failure] = field(default_factory=list)
+    restarts: int = 0
+
+    def record(self, failure: Failure) -> bool:
+        """Count ``failure``; True if the job may restart, False if it must give up."""
+        self.failures.append(failure)
+        if failure.fatal or self.restarts >= self.max_restarts:
+            return False
+        self.restarts += 1
+        return True
+
+    def exhausted_message(self, job_id: str) -> str:
+        n = len(self.failures)
+        lines = [
+            f"job {job_id!r} gave up after {self.restarts} restart"
+            f"{'s' if self.restarts != 1 else ''} (max_restarts={self.max_restarts}); "
+            f"{n} failure{'s' if n != 1 else ''}, oldest first:"
+        ]
+        lines += [f"  {i}. {f.describe()}" for i, f in enumerate(self.failures, 1)]
+        lines.append(
+            "fix the cause named above, then rerun (raise --max-restarts to ride out "
+            "more transient failures)"
+        )
+        return "\n".join(lines)

@@ -1,0 +1,246 @@
+"""The node agent's worker processes: warm spares, assigned workers, and their events.
+
+Every worker starts as a spare: it imports the user's script up to
+``init_distributed()`` and blocks there until the agent assigns it a rank, so a
+restart hands the new generation to processes that already paid Python, numpy
+and gRPC start-up. Each process has a private channel (``agent_channel``), a
+reaper thread blocked in ``waitid`` (the agent learns of a death at once, in the
+kernel's order) and a reader thread for its frames; both only post events to
+the agent's queue, where the agent's main thread decides.
+
+Processes are spawned from the agent's main thread only: the parent-death
+signal fires when the *thread* that forked exits, so a spare forked from a
+short-lived thread would be killed with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._agent_boot import ENV_AGENT_PID
+from .agent_channel import ENV_AGENT_FD, Channel
+from .agent_worker import Assignment
+from .errors import AgentChannelError
+from .state_copy import StateCopy, StepState
+
+
+@dataclass(frozen=True)
+class Exited:
+    worker: WorkerProcess
+    code: int
+    at: float
+
+    @property
+    def how(self) -> str:
+        if self.code < 0:
+            try:
+                return f"signal {signal.Signals(-self.code).name}"
+            except ValueError:
+                return f"signal {-self.code}"
+        return f"exit code {self.code}"
+
+
+@dataclass(frozen=True)
+class Ready:
+    worker: WorkerProcess
+
+
+@dataclass(frozen=True)
+class Reported:
+    """The worker failed by itself and is about to exit: the agent tells the daemon
+    (and acknowledges) before the worker closes its ring, so that the daemon
+    records this rank, not a peer that fails on the closed ring a moment later."""
+
+    worker: WorkerProcess
+    cause: str
+
+
+class WorkerProcess:
+    """One worker process and its channel; ``local_rank`` is None while a spare.
+    ``slot``: the local rank it was started for (its ``LOCAL_RANK``)."""
+
+    def __init__(
+        self,
+        serial: int,
+        slot: int,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        events: queue.Queue[Any],
+        state: StateCopy,
+    ) -> None:
+        self.serial = serial
+        self.slot = slot
+        self.channel, theirs = Channel.pair()
+        child_env = {**env, ENV_AGENT_FD: str(theirs.fileno()), ENV_AGENT_PID: str(os.getpid())}
+        boot = [sys.executable, "-m", "rendezvousd.trainer._agent_boot", *cmd]
+        try:
+            self.proc = subprocess.Popen(boot, env=child_env, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.local_rank: int | None = None
+        self.ready = threading.Event()
+        self.exited = threading.Event()
+        self.last_progress = time.monotonic()
+        self.reported_progress = False
+        #: What the worker said when it reported its own failure (``Reported``).
+        self.reported_cause: str | None = None
+        self._events = events
+        self._state = state
+        for target, name in ((self._reap, "reaper"), (self._read, "reader")):
+            threading.Thread(
+                target=target, daemon=True, name=f"rendezvous-agent-{name}-{serial}"
+            ).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _reap(self) -> None:
+        # WNOWAIT: learn of the exit but keep the zombie, so that ``kill`` can
+        # never signal a recycled pid before ``exited`` is set.
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        at = time.monotonic()
+        self.exited.set()
+        code = self.proc.wait()
+        self._events.put(Exited(self, code, at))
+
+    def _read(self) -> None:
+        try:
+            while (frame := self.channel.recv()) is not None:
+                if frame.kind == "ready":
+                    self.ready.set()
+                    self._events.put(Ready(self))
+                elif frame.kind in ("progress", "state"):
+                    self.last_progress = time.monotonic()
+                    self.reported_progress = True
+                    if frame.kind == "state":
+                        self._state.offer(frame)
+                elif frame.kind == "failed":
+                    self._events.put(Reported(self, str(frame.header.get("cause", ""))))
+        except (AgentChannelError, OSError):
+            pass  # the reaper reports the process itself
+
+    def assign(self, assignment: Assignment, restored: StepState | None) -> None:
+        """Make this spare the worker of ``assignment`` (one frame; the spare reads
+        it as soon as it is warm, so there is nothing to wait for here)."""
+        self.local_rank = assignment.local_rank
+        self.last_progress = time.monotonic()
+        secrets = assignment.secrets_payload()
+        header: dict[str, Any] = {**assignment.header(), "secrets_bytes": len(secrets)}
+        payload = secrets
+        if restored is not None:
+            header["state"] = {
+                "step": restored.step,
+                "meta": restored.meta,
+                "arrays": restored.entries,
+            }
+            payload += restored.payload
+        self.channel.send("assign", header, payload)
+
+    def signal(self, signum: int) -> None:
+        if not self.exited.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signum)
+
+    def abort(self, cause: str) -> None:
+        """Tell the worker why it is about to be stopped (best effort)."""
+        with contextlib.suppress(AgentChannelError):
+            self.channel.send("abort", {"cause": cause})
+
+    def ack_failure(self) -> None:
+        """The reported failure is known to the daemon: the worker may close its ring."""
+        with contextlib.suppress(AgentChannelError):
+            self.channel.send("failure-noted")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def stop_all(workers: Sequence[WorkerProcess], cause: str | None, grace_s: float) -> None:
+    """Abort (when ``cause`` is given), SIGTERM, and SIGKILL whatever is left after
+    ``grace_s``; returns once every one has exited (bounded: a process SIGKILL
+    cannot end would be a kernel bug)."""
+    for w in workers:
+        if cause is not None:
+            w.abort(cause)
+        w.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        w.exited.wait(max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        w.signal(signal.SIGKILL)
+    for w in workers:
+        w.exited.wait(5.0)
+        w.close()
+
+
+class SparePool:
+    """Warm processes waiting for an assignment, one per local rank ("slot").
+
+    A spare is started for one local rank, with that rank's torchrun variables
+    (``slot_env``) in its environment from the first instruction on, so a script
+    that reads ``LOCAL_RANK`` at import time works as under torchrun; it is then
+    only ever assigned that local rank.
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        events: queue.Queue[Any],
+        state: StateCopy,
+        slot_env: Callable[[int], Mapping[str, str]] | None = None,
+    ) -> None:
+        self._cmd = list(cmd)
+        self._env = dict(env)
+        self._events = events
+        self._state = state
+        self._slot_env = slot_env
+        self._serial = 0
+        self.spares: list[WorkerProcess] = []
+
+    def fill(self, count: int) -> None:
+        """One live spare for each of local ranks ``0..count-1``."""
+        for slot in range(count):
+            if not any(w.slot == slot and not w.exited.is_set() for w in self.spares):
+                self._serial += 1
+                env = {**self._env, **(self._slot_env(slot) if self._slot_env else {})}
+                self.spares.append(
+                    WorkerProcess(self._serial, slot, self._cmd, env, self._events, self._state)
+                )
+
+    def take(self, count: int) -> list[WorkerProcess]:
+        """The spare for each local rank ``0..count-1``, the warmest of its slot
+        (ready ones, then the oldest)."""
+        self.spares = [w for w in self.spares if not w.exited.is_set()]
+        self.fill(count)
+        taken = []
+        for slot in range(count):
+            mine = sorted(
+                (w for w in self.spares if w.slot == slot),
+                key=lambda w: (not w.ready.is_set(), w.serial),
+            )
+            taken.append(mine[0])
+            self.spares.remove(mine[0])
+        return taken
+
+    def discard(self, worker: WorkerProcess) -> bool:
+        if worker in self.spares:
+            self.spares.remove(worker)
+            return True
+        return False
+
+    def stop(self) -> None:
+        stop_all(self.spares, None, 0.0)  # unassigned: nothing to tell them
+        self.spares = []
