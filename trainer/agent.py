@@ -39,6 +39,8 @@ STOP_GRACE_S = 0.05
 # on a small machine their start-up would otherwise slow the resumption down.
 SPARE_DELAY_S = 1.0
 POLL_S = 0.02
+# A worker's silence limit when the daemon advertises no heartbeat timeout (older).
+DEFAULT_SILENCE_S = 10.0
 STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
@@ -120,6 +122,7 @@ class NodeAgent:
         #: cause to name when the daemon cannot be asked.
         self.first_local: Failure | None = None
         self._joins = 0
+        self._silence_s = DEFAULT_SILENCE_S
         self._interrupt: int | None = None
         self._interrupted = threading.Event()
 
@@ -193,6 +196,10 @@ class NodeAgent:
             return Failure(m.generation, problem, host=self.host, fatal=True)
         self.active = self.pool.take(self.per_node)
         restored = self.state.latest()
+        # A worker's process is held to the daemon's own liveness rule for ranks: one
+        # silent for the heartbeat timeout is lost (stopped, or frozen holding the GIL).
+        self._silence_s = m.heartbeat_timeout_ms / 1000 or DEFAULT_SILENCE_S
+        alive_interval = min(config.heartbeat_interval_s, self._silence_s / 3)
         for i, worker in enumerate(self.active):
             worker.assign(
                 Assignment(
@@ -207,6 +214,7 @@ class NodeAgent:
                     world_size=m.world_size,
                     unique_id=m.unique_id,
                     instance_id=m.member_instance_id(i),
+                    alive_interval_s=alive_interval,
                 ),
                 restored,
             )
@@ -313,6 +321,16 @@ class NodeAgent:
                     and now - w.last_progress > REPORTED_EXIT_S
                 ):
                     return self._local_failure(gen, first_rank, w, w.reported_cause, 1)
+                quiet = now - w.last_heard
+                if w.ready.is_set() and not w.exited.is_set() and quiet > self._silence_s:
+                    return self._local_failure(
+                        gen,
+                        first_rank,
+                        w,
+                        f"no heartbeat from its process for {quiet:.1f} s (stopped, or frozen "
+                        "without releasing the GIL)",
+                        1,
+                    )
                 silent = now - w.last_progress
                 if (
                     w.reported_progress

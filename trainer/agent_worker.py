@@ -5,8 +5,10 @@ imported everything and blocks in ``wait_assignment``. The agent then sends one
 ``assign`` frame: rank block and generation in the header, the unique id and the
 member instance id in the payload (never in a header that could be logged), and
 the newest step state the agent holds, if any. After that the worker sends
-``progress`` (hung-worker detection) and ``state`` frames, and hears ``abort``
-when another worker or node failed.
+``alive`` frames from a thread of its own (a frozen process: stopped, or stuck
+in a call that holds the GIL), ``progress`` (a worker alive but making no
+progress) and ``state`` frames, and hears ``abort`` when another worker or node
+failed.
 """
 
 from __future__ import annotations
@@ -42,9 +44,12 @@ class Assignment:
     world_size: int
     unique_id: bytes = field(repr=False)
     instance_id: str = field(repr=False)
+    #: How often the worker tells the agent its process is alive (0: never).
+    alive_interval_s: float = 0.0
 
     def header(self) -> dict[str, Any]:
         return {
+            "alive_interval_s": self.alive_interval_s,
             "job_id": self.job_id,
             "generation": self.generation,
             "restart_count": self.restart_count,
@@ -79,6 +84,7 @@ class Assignment:
             }
             return cls(
                 job_id=str(header["job_id"]),
+                alive_interval_s=float(header.get("alive_interval_s", 0.0)),
                 unique_id=payload[:ID_BYTES],
                 instance_id=payload[ID_BYTES:].decode("utf-8"),
                 **ints,
@@ -204,6 +210,20 @@ class AgentLink:
 
         self._reader = threading.Thread(target=read, daemon=True, name="rendezvous-agent-link")
         self._reader.start()
+        interval = self.assignment.alive_interval_s if self.assignment else 0.0
+        if interval > 0:
+            threading.Thread(
+                target=self._beat, args=(interval,), daemon=True, name="rendezvous-agent-alive"
+            ).start()
+
+    def _beat(self, interval: float) -> None:
+        # From a thread, not the training loop: a worker blocked in a collective
+        # (waiting for a slow or dead peer) is alive; only a frozen process goes quiet.
+        while not self._closing.wait(interval):
+            try:
+                self.channel.send("alive")
+            except (AgentChannelError, OSError):
+                return
 
     def report_failure(self, cause: str, timeout: float) -> bool:
         """Tell the agent this worker failed by itself, and wait (bounded) until the

@@ -92,6 +92,8 @@ class WorkerProcess:
         self.exited = threading.Event()
         self.last_progress = time.monotonic()
         self.reported_progress = False
+        #: The last frame of any kind from the worker (its ``alive`` beats included).
+        self.last_heard = time.monotonic()
         #: What the worker said when it reported its own failure (``Reported``).
         self.reported_cause: str | None = None
         self._events = events
@@ -118,6 +120,7 @@ class WorkerProcess:
     def _read(self) -> None:
         try:
             while (frame := self.channel.recv()) is not None:
+                self.last_heard = time.monotonic()
                 if frame.kind == "ready":
                     self.ready.set()
                     self._events.put(Ready(self))
@@ -135,7 +138,7 @@ class WorkerProcess:
         """Make this spare the worker of ``assignment`` (one frame; the spare reads
         it as soon as it is warm, so there is nothing to wait for here)."""
         self.local_rank = assignment.local_rank
-        self.last_progress = time.monotonic()
+        self.last_progress = self.last_heard = time.monotonic()
         secrets = assignment.secrets_payload()
         header: dict[str, Any] = {**assignment.header(), "secrets_bytes": len(secrets)}
         payload = secrets

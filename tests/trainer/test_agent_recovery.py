@@ -137,6 +137,32 @@ def test_a_hung_worker_is_detected_by_its_agent_and_the_job_restarts(
     assert {e["restart_count"] for e in nodes[0].events("ready")} == {0, 1}
 
 
+def test_a_frozen_worker_is_lost_after_the_heartbeat_timeout_and_the_job_restarts(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """SIGSTOP: the frozen process stops its alive beats; its agent (not a peer blocked
+    in the same collective) names it after the daemon's heartbeat timeout."""
+    d = start_daemon("--heartbeat-timeout-s", "2")
+    nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], ["--steps", "100"])
+    try:
+        wait_for(
+            "rank 3 to train",
+            lambda: any(e["rank"] == 3 and e["step"] >= 5 for e in nodes[1].events("step")),
+            timeout=60,
+        )
+        victim = next(e for e in nodes[1].events("ready") if e["rank"] == 3)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        codes = [n.wait(90) for n in nodes]
+    finally:
+        _cleanup(nodes)
+    assert codes == [0, 0], [n.stderr() for n in nodes]
+    assert "rank 3 (pid" in nodes[1].stderr() and "no heartbeat from its process" in (
+        nodes[1].stderr()
+    ), nodes[1].stderr()
+    assert "no heartbeat from its process" not in nodes[0].stderr().split("stopping")[0]
+    assert {e["restart_count"] for e in nodes[1].events("ready")} == {0, 1}
+
+
 def test_a_lost_node_shrinks_the_elastic_job_to_the_survivors(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
