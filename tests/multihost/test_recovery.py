@@ -1,0 +1,98 @@
+"""Automatic recovery across real network hosts: the node agents restart the job after
+a worker's death, and shrink an elastic job after a whole node's death, losing at most
+one step, with the same final model as a fault-free run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.multihost.cluster import Cluster, Node
+from tests.support import wait_for
+
+STEPS = (
+    "--steps", "60", "--log-every", "10", "--step-sleep", "0.02",
+    "--samples", "1024", "--hidden", "32",
+)  # fmt: skip
+
+
+def _step_log(cluster: Cluster, job: str) -> Path:
+    return cluster.workdir / f"{job}.steps"
+
+
+def _steps(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line still being appended
+    return out
+
+
+def _launch(cluster: Cluster, job: str, nnodes: str, flags: tuple[str, ...] = ()) -> list[Node]:
+    args = (*STEPS, "--step-log", str(_step_log(cluster, job)))
+    return cluster.launch(
+        3, 2, job=job, launcher_args=("--nnodes", nnodes, *flags), example_args=args
+    )
+
+
+def _lost_steps(log: list[dict[str, Any]], start_step: int) -> int:
+    """Steps the first generation completed that the next one did again."""
+    first = min(e["gen"] for e in log)
+    done = max(e["step"] for e in log if e["gen"] == first)
+    return done - start_step
+
+
+def test_a_killed_worker_is_recovered_on_every_host_like_a_fault_free_run(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(3)
+    straight = _launch(cluster, "straight", "3")
+    assert cluster.wait(straight) == [0, 0, 0], [n.text()[-2000:] for n in straight]
+    reference = {r["params_sha256"] for r in cluster.results("straight")}
+    assert len(reference) == 1
+
+    nodes = _launch(cluster, "recover", "3", ("--max-restarts", "1"))
+    log = _step_log(cluster, "recover")
+    wait_for(
+        "rank 3 to train", lambda: any(e["rank"] == 3 and e["step"] >= 10 for e in _steps(log)), 60
+    )
+    victim = next(e["pid"] for e in _steps(log) if e["rank"] == 3)
+    os.kill(victim, signal.SIGKILL)
+    assert cluster.wait(nodes) == [0, 0, 0], [n.text()[-2000:] for n in nodes]
+    results = cluster.results("recover")
+    assert sorted(r["rank"] for r in results) == list(range(6))
+    assert {r["restart_count"] for r in results} == {1}
+    assert {r["params_sha256"] for r in results} == reference  # bit-identical model
+    assert _lost_steps(_steps(log), min(r["start_step"] for r in results)) <= 1
+    for n in (nodes[0], nodes[2]):  # the other hosts were told who died, and why
+        assert "lost rank 3 on h2" in n.text() and "SIGKILL" in n.text(), n.text()[-2000:]
+
+
+def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(3)
+    nodes = _launch(cluster, "shrink", "2:3", ("--max-restarts", "1"))
+    log = _step_log(cluster, "shrink")
+    wait_for(
+        "rank 5 to train", lambda: any(e["rank"] == 5 and e["step"] >= 10 for e in _steps(log)), 60
+    )
+    nodes[2].proc.kill()  # the whole node: its agent, and with it its workers
+    codes = cluster.wait(nodes)
+    assert codes[:2] == [0, 0], [n.text()[-2000:] for n in nodes[:2]]
+    results = cluster.results("shrink")
+    survivors = [r for r in results if r["restart_count"] == 1]
+    assert sorted(r["rank"] for r in survivors) == [0, 1, 2, 3]
+    assert {(r["world_size"], r["num_nodes"]) for r in survivors} == {(4, 2)}
+    assert len({r["params_sha256"] for r in survivors}) == 1
+    assert _lost_steps(_steps(log), min(r["start_step"] for r in survivors)) <= 1
+    for n in nodes[:2]:
+        assert "on h3" in n.text(), n.text()[-2000:]
