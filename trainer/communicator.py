@@ -7,8 +7,12 @@ an abort, a timeout) raises a ``CommunicatorError`` subclass instead of hanging.
 
 from __future__ import annotations
 
+import abc
 import enum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
+
+from .errors import CollectiveArgumentError, ConfigError
+from .topology import check_rank
 
 
 class ReduceOp(enum.Enum):
@@ -50,3 +54,40 @@ class Communicator(Protocol):
 
     def close(self) -> None:
         """Release sockets/streams; idempotent."""
+
+
+class RankedCommunicator(abc.ABC):
+    """What every backend shares: its place in the group, the check of a collective's
+    root, and ``with`` closing it. A backend implements the collectives and ``close``."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        if not isinstance(rank, int) or not isinstance(world_size, int):
+            raise ConfigError(f"rank and world_size must be ints, got {rank!r} and {world_size!r}")
+        check_rank("rank", rank, "world_size", world_size)
+        self._rank = rank
+        self._world_size = world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _check_root(self, root: object) -> None:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self._world_size:
+            raise CollectiveArgumentError(
+                f"rank {self._rank}: broadcast root={root!r} is out of range "
+                f"[0, {self._world_size})"
+            )
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets/streams; idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

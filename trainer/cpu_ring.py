@@ -44,7 +44,7 @@ from rendezvousd.address import AddressError, parse_host_port
 
 from . import ring_wire as wire
 from . import shm_group
-from .communicator import ReduceOp
+from .communicator import RankedCommunicator, ReduceOp
 from .cpu_transport import build_shm_group, shared_memory_plan
 from .errors import (
     CollectiveArgumentError,
@@ -82,7 +82,7 @@ _UFUNCS = {
 Array = npt.NDArray[Any]
 
 
-class CpuRingCommunicator:
+class CpuRingCommunicator(RankedCommunicator):
     """One rank of a CPU ring; see the module docstring for semantics.
 
     ``listener`` is a bound, listening socket (the communicator takes ownership and
@@ -109,11 +109,10 @@ class CpuRingCommunicator:
         shared_memory: SharedMemoryPeers | None = None,
         setup_timeout: float | None = None,
     ) -> None:
-        _validate(rank, world_size, addresses, secret, timeout, chunk_bytes)
+        super().__init__(rank, world_size)
+        _validate(world_size, addresses, secret, timeout, chunk_bytes)
         # Connecting may wait for peers still starting; a collective may not wait that long.
         setup = timeout if setup_timeout is None else setup_timeout
-        self._rank = rank
-        self._world = world_size
         self._left_rank = (rank - 1) % world_size
         self._right_rank = (rank + 1) % world_size
         self._timeout = timeout
@@ -152,14 +151,6 @@ class CpuRingCommunicator:
                 raise
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
     def backend(self) -> str:
         return "cpu"
 
@@ -177,24 +168,21 @@ class CpuRingCommunicator:
                 expect = (wire.ALL_REDUCE, _OPS[op], dtype_code, seq, flat.nbytes)
                 finish = self._average if op is ReduceOp.AVG else None
                 self._shm.all_reduce(flat, _UFUNCS[op], finish, expect)
-            elif self._world > 1:
+            elif self._world_size > 1:
                 self._ring_all_reduce(flat, op, dtype_code, wire.ALL_REDUCE, seq)
 
     def broadcast(self, array: Any, root: int = 0) -> None:
         flat, dtype_code = _flatten(array)
-        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self._world:
-            raise CollectiveArgumentError(
-                f"root must be a rank in [0, {self._world}), got {root!r}"
-            )
+        self._check_root(root)
         with self._collective() as seq:
-            if self._world > 1:
+            if self._world_size > 1:
                 self._ring_broadcast(flat.view(np.uint8), dtype_code, root, seq)
 
     def barrier(self) -> None:
         # An empty all-reduce still passes one frame per step around the ring, so no rank
         # can leave before every rank has entered.
         with self._collective() as seq:
-            if self._world > 1:
+            if self._world_size > 1:
                 self._ring_all_reduce(np.empty(0, np.uint8), ReduceOp.SUM, 0, wire.BARRIER, seq)
 
     def abort(self, reason: str) -> None:
@@ -225,12 +213,6 @@ class CpuRingCommunicator:
                     sock.close()
             if self._shm is not None:
                 self._shm.close()
-
-    def __enter__(self) -> CpuRingCommunicator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- failure handling -------------------------------------------------------------
 
@@ -337,7 +319,7 @@ class CpuRingCommunicator:
     def _ring_all_reduce(
         self, flat: Array, op: ReduceOp, dtype_code: int, coll: int, seq: int
     ) -> None:
-        n, r = self._world, self._rank
+        n, r = self._world_size, self._rank
         count, size = flat.size, flat.itemsize
         raw = flat.view(np.uint8).data
         step = _chunk_size(count // n * size + size, self._chunk_bytes) // size
@@ -375,7 +357,7 @@ class CpuRingCommunicator:
         self._finish(seq, received=True, sent=True)
 
     def _average(self, segment: Array) -> None:
-        _divide(segment, self._world)
+        _divide(segment, self._world_size)
 
     def _ring_broadcast(self, raw_array: Array, dtype_code: int, root: int, seq: int) -> None:
         raw = raw_array.data
@@ -509,17 +491,12 @@ def _parse_address(value: bytes, rank: int) -> tuple[str, int]:
 
 
 def _validate(
-    rank: int,
     world_size: int,
     addresses: Sequence[tuple[str, int]],
     secret: bytes,
     timeout: float,
     chunk_bytes: int,
 ) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError(f"rank must be in [0, {world_size}), got {rank!r}")
     if len(addresses) != world_size:
         raise ConfigError(f"need {world_size} ring addresses, got {len(addresses)}")
     for host, port in addresses:

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import ConfigError
-from .topology import MultiNodeTopology
+from .topology import MultiNodeTopology, check_rank
 
 IndexArray = npt.NDArray[np.int64]
 
@@ -45,13 +45,7 @@ def shard_indices(
     """Dataset indices for global ``rank`` of ``world_size`` in ``epoch``."""
     if num_samples < 1:
         raise ConfigError(f"num_samples={num_samples} must be at least 1")
-    if world_size < 1:
-        raise ConfigError(f"world_size={world_size} must be at least 1")
-    if not 0 <= rank < world_size:
-        raise ConfigError(
-            f"rank={rank} is out of range for world_size={world_size} "
-            f"(expected 0..{world_size - 1})"
-        )
+    check_rank("rank", rank, "world_size", world_size)
     if epoch < 0 or seed < 0:
         raise ConfigError(f"epoch={epoch} and seed={seed} must both be >= 0")
     per_rank = shard_length(num_samples, world_size, drop_last=drop_last)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .communicator import ReduceOp
+from .communicator import RankedCommunicator, ReduceOp
 from .errors import (
     CollectiveArgumentError,
     CommunicatorAborted,
@@ -230,7 +230,7 @@ def _peers_text(rank: int, world_size: int) -> str:
     return f"ranks 0..{world_size - 1} except {rank}"
 
 
-class NcclCommunicator:
+class NcclCommunicator(RankedCommunicator):
     """One rank of an NCCL group on one GPU (backend ``"nccl"``).
 
     Collectives run on a dedicated non-blocking stream, ordered after the
@@ -256,10 +256,7 @@ class NcclCommunicator:
         setup_timeout: float | None = None,
         on_setup_timeout: Callable[[str], None] | None = None,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ConfigError(f"rank={rank} is out of range for world_size={world_size}")
-        self._rank = rank
-        self._world_size = world_size
+        super().__init__(rank, world_size)
         self._device = device
         self._timeout = timeout
         self._cp = _require_cupy()
@@ -310,14 +307,6 @@ class NcclCommunicator:
             KeyError,  # CuPy < 13.4 building NcclError(6): see _status_of
         )
         return tuple(c for c in candidates if isinstance(c, type) and issubclass(c, BaseException))
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
 
     @property
     def backend(self) -> str:
@@ -378,8 +367,14 @@ class NcclCommunicator:
             self._check_usable(operation)
             yield self._comm
 
-    def _run(self, operation: str, enqueue: Callable[[Any, Any], None]) -> None:
-        """Order after the caller's stream, enqueue, wait abortably, order the caller after."""
+    def _run(self, operation: str, count: int, enqueue: Callable[[Any, Any], None]) -> None:
+        """Order after the caller's stream, enqueue, wait abortably, order the caller after.
+
+        An empty buffer (``count`` 0) makes no NCCL call: only the state is checked.
+        """
+        if count == 0:
+            self._check_usable(operation)
+            return
         with self._lock:
             self._check_usable(operation)
             try:
@@ -439,15 +434,12 @@ class NcclCommunicator:
     def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
         ptr, count, dtype = self._buffer_args(array, "all_reduce")
         code, divide = nccl_op(op, self._version)
-        if count == 0:
-            self._check_usable("all_reduce")
-            return
 
         def enqueue(comm: Any, stream: Any) -> None:
             comm.allReduce(ptr, ptr, count, dtype, code, stream.ptr)
 
-        self._run("all_reduce", enqueue)
-        if divide:
+        self._run("all_reduce", count, enqueue)
+        if divide and count:
             # On the caller's stream, which _run ordered after the sum.
             if array.dtype.kind in "iu":
                 array //= self._world_size
@@ -456,18 +448,12 @@ class NcclCommunicator:
 
     def broadcast(self, array: Any, root: int = 0) -> None:
         ptr, count, dtype = self._buffer_args(array, "broadcast")
-        if not 0 <= root < self._world_size:
-            raise CollectiveArgumentError(
-                f"rank {self._rank}: broadcast root={root} is out of range [0, {self._world_size})"
-            )
-        if count == 0:
-            self._check_usable("broadcast")
-            return
+        self._check_root(root)
 
         def enqueue(comm: Any, stream: Any) -> None:
             comm.broadcast(ptr, ptr, count, dtype, root, stream.ptr)
 
-        self._run("broadcast", enqueue)
+        self._run("broadcast", count, enqueue)
 
     def barrier(self) -> None:
         ptr, count, dtype = self._buffer_args(self._token, "barrier")
@@ -475,7 +461,7 @@ class NcclCommunicator:
         def enqueue(comm: Any, stream: Any) -> None:
             comm.allReduce(ptr, ptr, count, dtype, _OP_CODES[ReduceOp.SUM], stream.ptr)
 
-        self._run("barrier", enqueue)
+        self._run("barrier", count, enqueue)
 
     def abort(self, reason: str) -> None:
         # Not self._lock: abort must get through while a collective waits on it.

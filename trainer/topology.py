@@ -20,6 +20,16 @@ def _require_int(name: str, value: object) -> int:
     return value
 
 
+def check_rank(name: str, rank: int, size_name: str, size: int) -> None:
+    """Raise ``ConfigError`` unless ``size >= 1`` and ``rank`` is one of its ``size`` places."""
+    if size < 1:
+        raise ConfigError(f"{size_name}={size} must be at least 1")
+    if not 0 <= rank < size:
+        raise ConfigError(
+            f"{name}={rank} is out of range for {size_name}={size} (expected 0..{size - 1})"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class MultiNodeTopology:
     """One worker's coordinates; validated on construction."""
@@ -34,20 +44,8 @@ class MultiNodeTopology:
         gpus = _require_int("gpus_per_node", self.gpus_per_node)
         node_rank = _require_int("node_rank", self.node_rank)
         local_rank = _require_int("local_rank", self.local_rank)
-        if num_nodes < 1:
-            raise ConfigError(f"num_nodes={num_nodes} must be at least 1")
-        if gpus < 1:
-            raise ConfigError(f"gpus_per_node={gpus} must be at least 1")
-        if not 0 <= node_rank < num_nodes:
-            raise ConfigError(
-                f"node_rank={node_rank} is out of range for num_nodes={num_nodes} "
-                f"(expected 0..{num_nodes - 1})"
-            )
-        if not 0 <= local_rank < gpus:
-            raise ConfigError(
-                f"local_rank={local_rank} is out of range for gpus_per_node={gpus} "
-                f"(expected 0..{gpus - 1})"
-            )
+        check_rank("node_rank", node_rank, "num_nodes", num_nodes)
+        check_rank("local_rank", local_rank, "gpus_per_node", gpus)
 
     @classmethod
     def from_global_rank(cls, rank: int, num_nodes: int, gpus_per_node: int) -> MultiNodeTopology:

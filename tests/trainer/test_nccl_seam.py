@@ -299,6 +299,15 @@ def test_barrier_and_close(cupy: Any) -> None:
         comm.all_reduce(device_array(cupy, [1.0]))
 
 
+def test_a_rank_outside_the_world_is_refused_and_with_closes(cupy: Any) -> None:
+    with pytest.raises(ConfigError, match=r"rank=1 is out of range for world_size=1"):
+        nccl.NcclCommunicator(1, 1, UID, 0)
+    assert "NcclCommunicator" not in log_of(cupy).names()
+    with nccl.NcclCommunicator(0, 1, UID, 0) as comm:
+        comm.barrier()
+    assert log_of(cupy).names().count("destroy") == 1
+
+
 # --- availability and the import boundary -------------------------------------------
 
 
