@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import secrets
@@ -115,6 +116,20 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.005)  # poll interval, not a synchronisation
+
+
+def json_lines(path: Path) -> list[Any]:
+    """The JSON values in a file another process is still appending lines to: a line
+    still being written, or one that is not JSON, is skipped; no file, no values."""
+    if not path.exists():
+        return []
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            values.append(json.loads(line))
+        except ValueError:
+            continue
+    return values
 
 
 def scrape(url: str) -> dict[str, float]:

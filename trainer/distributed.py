@@ -178,12 +178,8 @@ def init_distributed(
     if link is not None:
         return _init_from_agent(config, link, os.environ if env is None else None)
     transport = config.rendezvous
-    try:
-        tls = transport.tls()
-        endpoint_for_route = transport.endpoint or "unix:local"
-        ring_host = config.ring_host or route_source(endpoint_for_route)
-    except (AddressError, OSError) as exc:
-        raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
+    tls = transport.tls()
+    ring_host = _ring_host(config, transport.endpoint or "unix:local")
     rdzv = connect(
         transport.kind,
         path=transport.path,
@@ -307,8 +303,6 @@ def _nccl_setup(
     daemon opens a new generation whose rank 0 makes a new id. Init runs under
     the watchdog: a hang tells the daemon and ends the process.
     """
-    from rendezvousd.trainer.nccl import NcclCommunicator
-
     for attempt in range(config.retry_attempts + 1):
         m = membership
         topology = MultiNodeTopology.from_global_rank(
@@ -316,13 +310,12 @@ def _nccl_setup(
         )
         failure: BaseException | None = None
         try:
-            communicator = NcclCommunicator(
+            communicator = _nccl(
+                config,
                 m.rank,
                 m.world_size,
                 m.unique_id,
-                devices.device_for(topology.local_rank),
-                timeout=config.collective_timeout_s,
-                setup_timeout=config.setup_timeout_s,
+                topology.local_rank,
                 on_setup_timeout=functools.partial(_fail_generation, rdzv, m),
             )
         except TRANSIENT as exc:
@@ -367,6 +360,36 @@ def _fail_generation(rdzv: Rendezvous, m: Membership, reason: str) -> None:
         log.warning("rank %d: could not abort generation %d: %s", m.rank, m.generation, exc)
 
 
+def _ring_host(config: DistributedConfig, endpoint: str) -> str:
+    """The address this worker's ring peers reach it at: the configured one, or this
+    host's address on the route towards the daemon."""
+    try:
+        return config.ring_host or route_source(endpoint)
+    except (AddressError, OSError) as exc:
+        raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
+
+
+def _nccl(
+    config: DistributedConfig,
+    rank: int,
+    world_size: int,
+    unique_id: bytes,
+    local_rank: int,
+    on_setup_timeout: Callable[[str], None] | None = None,
+) -> Communicator:
+    from rendezvousd.trainer.nccl import NcclCommunicator
+
+    return NcclCommunicator(
+        rank,
+        world_size,
+        unique_id,
+        devices.device_for(local_rank),
+        timeout=config.collective_timeout_s,
+        setup_timeout=config.setup_timeout_s,
+        on_setup_timeout=on_setup_timeout,
+    )
+
+
 def _cpu_ring(
     config: DistributedConfig,
     rdzv: Rendezvous,
@@ -405,10 +428,7 @@ def _init_from_agent(
     transport = config.rendezvous
     if transport.kind != "daemon" or transport.endpoint is None:
         raise ConfigError("a worker started by the node agent needs the daemon endpoint")
-    try:
-        ring_host = config.ring_host or route_source(transport.endpoint)
-    except (AddressError, OSError) as exc:
-        raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
+    ring_host = _ring_host(config, transport.endpoint)
     rdzv = RendezvousClient(
         transport.endpoint,
         assignment.job_id,
@@ -424,18 +444,15 @@ def _init_from_agent(
     )
     communicator: Communicator
     if config.backend == "nccl":
-        from rendezvousd.trainer.nccl import NcclCommunicator
-
         devices.prepare_nccl(assignment.local_rank)
         # No rejoin here: a failed init fails this worker, and the agent's restart
         # is the retry (a fresh generation and id for every node).
-        communicator = NcclCommunicator(
+        communicator = _nccl(
+            config,
             assignment.rank,
             assignment.world_size,
             assignment.unique_id,
-            devices.device_for(assignment.local_rank),
-            timeout=config.collective_timeout_s,
-            setup_timeout=config.setup_timeout_s,
+            assignment.local_rank,
         )
         rdzv.barrier("nccl-init", timeout=config.setup_timeout_s)
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -18,17 +18,18 @@ from tests.support import spawn_daemon, wait_for
 HEARTBEAT_TIMEOUT_S = 3.0
 DAEMON = ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
 LAUNCHER = ("--heartbeat-interval-s", "0.5")
-LONG_RUN = (
-    "--steps", "100000", "--step-sleep", "0.02", "--log-every", "10",
-    "--samples", "1024", "--hidden", "32",
-)  # fmt: skip
+# The example's workload; each test picks its number of steps.
+WORKLOAD = ("--step-sleep", "0.02", "--log-every", "10", "--samples", "1024", "--hidden", "32")
+LONG_RUN = ("--steps", "100000", *WORKLOAD)
 # Each node's agent says so the moment it hears of a failure (its workers, stopped
 # within 50 ms, may not get to log their own "aborting collectives" line).
 ABORT = "stopping this node's workers: "
 
 
-def _training(cluster: Cluster, job: str, num_nodes: int = 3) -> list[Node]:
-    nodes = cluster.launch(num_nodes, 2, job=job, launcher_args=LAUNCHER, example_args=LONG_RUN)
+def _training(
+    cluster: Cluster, job: str, num_nodes: int = 3, example_args: tuple[str, ...] = LONG_RUN
+) -> list[Node]:
+    nodes = cluster.launch(num_nodes, 2, job=job, launcher_args=LAUNCHER, example_args=example_args)
     wait_for("rank 0's first steps", lambda: nodes[0].first("step 11/") is not None, 60)
     return nodes
 
@@ -46,6 +47,13 @@ def _detected(node: Node, cause: str, since: float, within: float) -> str:
     return next(line for _, line in node.lines if ABORT + cause in line)
 
 
+def _reported(nodes: Sequence[Node], cause: str, since: float, within: float, *naming: str) -> None:
+    """Every node's abort line for ``cause`` comes in time and names each of ``naming``."""
+    for node in nodes:
+        line = _detected(node, cause, since, within)
+        assert all(text in line for text in naming), line
+
+
 def test_killed_worker_is_reported_on_every_node_within_a_second(
     make_cluster: Callable[..., Cluster],
 ) -> None:
@@ -53,9 +61,7 @@ def test_killed_worker_is_reported_on_every_node_within_a_second(
     nodes = _training(cluster, "kill9")
     killed_at = time.time()
     os.kill(nodes[2].worker_pids()[0], signal.SIGKILL)  # global rank 4
-    for node in nodes:
-        line = _detected(node, "PeerFailed", killed_at, 1.0)
-        assert "lost rank 4 on h3" in line, line
+    _reported(nodes, "PeerFailed", killed_at, 1.0, "lost rank 4 on h3")
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 
@@ -68,9 +74,9 @@ def test_stopped_worker_is_reported_after_the_heartbeat_timeout(
     stopped_at = time.time()
     os.kill(victim, signal.SIGSTOP)
     try:
-        for node in (nodes[0], nodes[2]):
-            line = _detected(node, "PeerFailed", stopped_at, HEARTBEAT_TIMEOUT_S + 1.0)
-            assert "lost rank 3 on h2" in line and "no heartbeat" in line, line
+        within = HEARTBEAT_TIMEOUT_S + 1.0
+        naming = ("lost rank 3 on h2", "no heartbeat")
+        _reported([nodes[0], nodes[2]], "PeerFailed", stopped_at, within, *naming)
     finally:
         os.kill(victim, signal.SIGKILL)
     assert all(code != 0 for code in cluster.wait(nodes, 30))
@@ -84,11 +90,8 @@ def test_cut_off_node_blames_the_daemon_and_the_others_blame_it(
     cut_at = time.time()
     cluster.hosts.link(nodes[2].host, up=False)
     within = HEARTBEAT_TIMEOUT_S + 1.0
-    for node in nodes[:2]:
-        line = _detected(node, "PeerFailed", cut_at, within)
-        assert "on h3" in line, line
-    line = _detected(nodes[2], "DaemonUnreachable", cut_at, within)
-    assert cluster.daemon.endpoint in line, line
+    _reported(nodes[:2], "PeerFailed", cut_at, within, "on h3")
+    _reported(nodes[2:], "DaemonUnreachable", cut_at, within, cluster.daemon.endpoint)
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 
@@ -101,12 +104,7 @@ def test_daemon_killed_and_restarted_with_its_state_dir_does_not_stop_training(
     state = ("--state-dir", str(workdir / "state"), *DAEMON)
     cluster = start_cluster(make_hosts(3), workdir, *state, listen_port=29420)
     try:
-        nodes = cluster.launch(
-            2, 2, job="restart", launcher_args=LAUNCHER,
-            example_args=("--steps", "150", "--step-sleep", "0.02", "--log-every", "10",
-                          "--samples", "1024", "--hidden", "32"),
-        )  # fmt: skip
-        wait_for("rank 0's first steps", lambda: nodes[0].first("step 11/") is not None, 60)
+        nodes = _training(cluster, "restart", 2, ("--steps", "150", *WORKLOAD))
         cluster.daemon.kill()
         cluster.daemon = spawn_daemon(
             workdir,
@@ -129,9 +127,8 @@ def test_daemon_gone_for_good_is_reported_on_every_node(
     nodes = _training(cluster, "gone", num_nodes=2)
     gone_at = time.time()
     cluster.daemon.kill()
-    for node in nodes:
-        line = _detected(node, "DaemonUnreachable", gone_at, HEARTBEAT_TIMEOUT_S + 1.0)
-        assert cluster.daemon.endpoint in line, line
+    within = HEARTBEAT_TIMEOUT_S + 1.0
+    _reported(nodes, "DaemonUnreachable", gone_at, within, cluster.daemon.endpoint)
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 

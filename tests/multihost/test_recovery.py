@@ -4,7 +4,6 @@ one step, with the same final model as a fault-free run."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.multihost.cluster import Cluster, Node
-from tests.support import wait_for
+from tests.support import json_lines, wait_for
 
 STEPS = (
     "--steps", "60", "--log-every", "10", "--step-sleep", "0.02",
@@ -22,18 +21,6 @@ STEPS = (
 
 def _step_log(cluster: Cluster, job: str) -> Path:
     return cluster.workdir / f"{job}.steps"
-
-
-def _steps(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line still being appended
-    return out
 
 
 def _launch(cluster: Cluster, job: str, nnodes: str, flags: tuple[str, ...] = ()) -> list[Node]:
@@ -62,16 +49,18 @@ def test_a_killed_worker_is_recovered_on_every_host_like_a_fault_free_run(
     nodes = _launch(cluster, "recover", "3", ("--max-restarts", "1"))
     log = _step_log(cluster, "recover")
     wait_for(
-        "rank 3 to train", lambda: any(e["rank"] == 3 and e["step"] >= 10 for e in _steps(log)), 60
+        "rank 3 to train",
+        lambda: any(e["rank"] == 3 and e["step"] >= 10 for e in json_lines(log)),
+        60,
     )
-    victim = next(e["pid"] for e in _steps(log) if e["rank"] == 3)
+    victim = next(e["pid"] for e in json_lines(log) if e["rank"] == 3)
     os.kill(victim, signal.SIGKILL)
     assert cluster.wait(nodes) == [0, 0, 0], [n.text()[-2000:] for n in nodes]
     results = cluster.results("recover")
     assert sorted(r["rank"] for r in results) == list(range(6))
     assert {r["restart_count"] for r in results} == {1}
     assert {r["params_sha256"] for r in results} == reference  # bit-identical model
-    assert _lost_steps(_steps(log), min(r["start_step"] for r in results)) <= 1
+    assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
     for n in (nodes[0], nodes[2]):  # the other hosts were told who died, and why
         assert "lost rank 3 on h2" in n.text() and "SIGKILL" in n.text(), n.text()[-2000:]
 
@@ -83,7 +72,9 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
     nodes = _launch(cluster, "shrink", "2:3", ("--max-restarts", "1"))
     log = _step_log(cluster, "shrink")
     wait_for(
-        "rank 5 to train", lambda: any(e["rank"] == 5 and e["step"] >= 10 for e in _steps(log)), 60
+        "rank 5 to train",
+        lambda: any(e["rank"] == 5 and e["step"] >= 10 for e in json_lines(log)),
+        60,
     )
     nodes[2].proc.kill()  # the whole node: its agent, and with it its workers
     codes = cluster.wait(nodes)
@@ -93,6 +84,6 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
     assert sorted(r["rank"] for r in survivors) == [0, 1, 2, 3]
     assert {(r["world_size"], r["num_nodes"]) for r in survivors} == {(4, 2)}
     assert len({r["params_sha256"] for r in survivors}) == 1
-    assert _lost_steps(_steps(log), min(r["start_step"] for r in survivors)) <= 1
+    assert _lost_steps(json_lines(log), min(r["start_step"] for r in survivors)) <= 1
     for n in nodes[:2]:
         assert "on h3" in n.text(), n.text()[-2000:]

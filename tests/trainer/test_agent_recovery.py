@@ -4,7 +4,6 @@ during recovery, restarts exhausted, and a node that comes back late (scale-up).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, wait_for
+from tests.support import ROOT, WORKERS, DaemonProcess, json_lines, launcher_cmd, wait_for
 
 WORKER = str(WORKERS / "elastic_worker.py")
 
@@ -39,13 +38,7 @@ class Node:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        events = []
-        for line in self.out.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue  # a line still being written, or not ours
-        return [e for e in events if kind is None or e.get("event") == kind]
+        return [e for e in json_lines(self.out) if kind is None or e.get("event") == kind]
 
     def wait(self, timeout: float = 60) -> int:
         return self.proc.wait(timeout)
@@ -70,18 +63,23 @@ def _cleanup(nodes: list[Node]) -> None:
         n.kill()
 
 
+def _training_rank_3(nodes: list[Node]) -> dict[str, Any]:
+    """Rank 3's ready event, once it has trained a few steps."""
+    wait_for(
+        "rank 3 to train",
+        lambda: any(e["rank"] == 3 and e["step"] >= 5 for e in nodes[1].events("step")),
+        timeout=60,
+    )
+    return next(e for e in nodes[1].events("ready") if e["rank"] == 3)
+
+
 def test_a_killed_worker_is_replaced_and_training_resumes_losing_at_most_one_step(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
     d = start_daemon()
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], ["--steps", "100"])
     try:
-        wait_for(
-            "rank 3 to train",
-            lambda: any(e["rank"] == 3 and e["step"] >= 5 for e in nodes[1].events("step")),
-            timeout=60,
-        )
-        victim = next(e for e in nodes[1].events("ready") if e["rank"] == 3)
+        victim = _training_rank_3(nodes)
         assert victim["env_rank"] == "3" and victim["restart_count"] == 0
         os.kill(victim["pid"], signal.SIGKILL)
         codes = [n.wait(90) for n in nodes]
@@ -145,12 +143,7 @@ def test_a_frozen_worker_is_lost_after_the_heartbeat_timeout_and_the_job_restart
     d = start_daemon("--heartbeat-timeout-s", "2")
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], ["--steps", "100"])
     try:
-        wait_for(
-            "rank 3 to train",
-            lambda: any(e["rank"] == 3 and e["step"] >= 5 for e in nodes[1].events("step")),
-            timeout=60,
-        )
-        victim = next(e for e in nodes[1].events("ready") if e["rank"] == 3)
+        victim = _training_rank_3(nodes)
         os.kill(victim["pid"], signal.SIGSTOP)
         codes = [n.wait(90) for n in nodes]
     finally:

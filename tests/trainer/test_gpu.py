@@ -7,6 +7,7 @@ the skips into failures on a machine that is supposed to have a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorTimeout
+from tests.support import parallel
 
 
 def _nccl_built() -> bool:
@@ -107,28 +109,29 @@ def test_bucketed_all_reduce_on_cupy(cp: Any, comm: nccl.NcclCommunicator) -> No
                 np.testing.assert_array_equal(host(got), want, err_msg=f"step {step}")
 
 
+def on_two_devices(rank_main: Callable[[int], Any]) -> list[Any]:
+    """``rank_main(rank)`` for ranks 0 and 1, each in a thread on its own device; what
+    each returned, or the exception it raised."""
+
+    def on_device(rank: int) -> Any:
+        with nccl._import_cupy().cuda.Device(rank):
+            return rank_main(rank)
+
+    return parallel([functools.partial(on_device, rank) for rank in range(2)], limit=120)
+
+
 def run_ranks(fn: Callable[[int, nccl.NcclCommunicator], Any]) -> list[Any]:
     uid = nccl.create_unique_id()
-    results: list[Any] = [None, None]
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
+    def rank_main(rank: int) -> Any:
+        communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=60)
         try:
-            with nccl._import_cupy().cuda.Device(rank):
-                communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=60)
-                try:
-                    results[rank] = fn(rank, communicator)
-                finally:
-                    communicator.close()
-        except BaseException as exc:
-            errors.append(exc)
+            return fn(rank, communicator)
+        finally:
+            communicator.close()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), f"{thread.name} hangs"
+    results = on_two_devices(rank_main)
+    errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors
     return results
 
@@ -192,63 +195,42 @@ def test_reducer_on_a_user_stream_matches_and_orders_only_at_wait(
         np.testing.assert_array_equal(host(got), want)
 
 
-@two_gpus
-def test_absent_peer_times_out_and_aborts(cp: Any) -> None:
+def rank_zero_alone(
+    timeout: float, collective: Callable[[nccl.NcclCommunicator], None]
+) -> list[BaseException]:
+    """Rank 0 runs ``collective`` while rank 1 never joins it; the errors raised.
+    Both communicators are aborted afterwards (never destroyed: the group failed)."""
     uid = nccl.create_unique_id()
-    errors: list[BaseException] = []
     comms: list[nccl.NcclCommunicator] = []
     ready = threading.Barrier(2, timeout=120)
 
     def rank_main(rank: int) -> None:
-        try:
-            with cp.cuda.Device(rank):
-                communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=2)
-                comms.append(communicator)
-                ready.wait()
-                if rank == 0:  # rank 1 never joins the collective
-                    communicator.all_reduce(cp.ones(16, dtype=cp.float32))
-        except BaseException as exc:
-            errors.append(exc)
+        communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=timeout)
+        comms.append(communicator)
+        ready.wait()
+        if rank == 0:
+            collective(communicator)
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), f"{thread.name} hangs"
+    try:
+        return [r for r in on_two_devices(rank_main) if isinstance(r, BaseException)]
+    finally:
+        for communicator in comms:
+            communicator.abort("test over")
+            communicator.close()
+
+
+@two_gpus
+def test_absent_peer_times_out_and_aborts(cp: Any) -> None:
+    errors = rank_zero_alone(2, lambda c: c.all_reduce(cp.ones(16, dtype=cp.float32)))
     assert len(errors) == 1 and isinstance(errors[0], CommunicatorTimeout), errors
     assert "peers: ranks 1" in str(errors[0])
-    for communicator in comms:
-        communicator.abort("test over")
-        communicator.close()
 
 
 @two_gpus
 def test_abort_from_another_thread_ends_a_waiting_collective(cp: Any) -> None:
-    uid = nccl.create_unique_id()
-    errors: list[BaseException] = []
-    comms: list[nccl.NcclCommunicator] = []
-    ready = threading.Barrier(2, timeout=120)
+    def aborted_soon(communicator: nccl.NcclCommunicator) -> None:
+        threading.Timer(0.5, communicator.abort, args=("peer 1 died",)).start()
+        communicator.all_reduce(cp.ones(16, dtype=cp.float32))
 
-    def rank_main(rank: int) -> None:
-        try:
-            with cp.cuda.Device(rank):
-                communicator = nccl.NcclCommunicator(rank, 2, uid, rank, timeout=60)
-                comms.append(communicator)
-                ready.wait()
-                if rank == 0:
-                    threading.Timer(0.5, communicator.abort, args=("peer 1 died",)).start()
-                    communicator.all_reduce(cp.ones(16, dtype=cp.float32))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), f"{thread.name} hangs"
+    errors = rank_zero_alone(60, aborted_soon)
     assert len(errors) == 1 and isinstance(errors[0], CommunicatorAborted), errors
-    for communicator in comms:
-        communicator.abort("test over")
-        communicator.close()

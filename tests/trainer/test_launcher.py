@@ -10,7 +10,8 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.support import (
@@ -44,6 +45,22 @@ def _launch_node(d: DaemonProcess, job: str, node: int, stop: Path) -> subproces
     )
 
 
+@contextmanager
+def _nodes(
+    d: DaemonProcess, job: str, stop: Path, node_ranks: Sequence[int] = (0, 1)
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """Simulated nodes (``_launch_node``); on the way out their workers are told to stop
+    and any launcher still running is killed."""
+    nodes = [_launch_node(d, job, n, stop) for n in node_ranks]
+    try:
+        yield nodes
+    finally:
+        stop.touch()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+
+
 def _running_pids(nodes: list[subprocess.Popen[str]]) -> dict[int, int]:
     """Global rank -> worker pid, once every worker of every node is in its loop."""
     pids: dict[int, int] = {}
@@ -69,16 +86,10 @@ def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
     d = start_daemon("--heartbeat-timeout-s", "5")
-    nodes = [_launch_node(d, job_id, n, tmp_path / "stop") for n in range(2)]
-    try:
+    with _nodes(d, job_id, tmp_path / "stop") as nodes:
         pids = _running_pids(nodes)
         os.kill(pids[3], signal.SIGKILL)
         outs = [n.communicate(timeout=30) for n in nodes]
-    finally:
-        (tmp_path / "stop").touch()
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
     host = socket.gethostname()
     for n, (_, err) in zip(nodes, outs, strict=True):
         assert n.returncode != 0, err
@@ -100,8 +111,7 @@ def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
     d = start_daemon("--heartbeat-timeout-s", "5")
-    nodes = [_launch_node(d, job_id, n, tmp_path / "stop") for n in range(2)]
-    try:
+    with _nodes(d, job_id, tmp_path / "stop") as nodes:
         pids = _running_pids(nodes)
         nodes[1].kill()
         nodes[1].wait(10)
@@ -111,11 +121,6 @@ def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
             timeout=3,
         )
         _out, err = nodes[0].communicate(timeout=30)
-    finally:
-        (tmp_path / "stop").touch()
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
     # Node 0's agent heard it from the daemon (the node's stream closed), stopped
     # its own workers, and without restarts left names the lost ranks and gives up.
     assert nodes[0].returncode == 1, err
@@ -261,8 +266,7 @@ def test_sigterm_while_joining_ends_the_launcher_promptly(
 
     d = start_daemon()
     # Node 1 never comes: node 0's join would wait for it until join_timeout_s.
-    node = _launch_node(d, job_id, 0, tmp_path / "stop")
-    try:
+    with _nodes(d, job_id, tmp_path / "stop", [0]) as [node]:
         with RendezvousClient(d.endpoint, token=d.token) as probe:
 
             def joined() -> bool:
@@ -277,9 +281,5 @@ def test_sigterm_while_joining_ends_the_launcher_promptly(
         started = time.monotonic()
         node.send_signal(signal.SIGTERM)
         _out, err = node.communicate(timeout=30)
-    finally:
-        (tmp_path / "stop").touch()
-        if node.poll() is None:
-            node.kill()
     assert node.returncode == 128 + signal.SIGTERM, err
     assert time.monotonic() - started < 5, err

@@ -6,7 +6,7 @@ the daemon is a real process.
 
 from __future__ import annotations
 
-import threading
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import pytest
 
 from rendezvousd.trainer import nccl
 from rendezvousd.trainer.distributed import DistributedContext, init_distributed
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, parallel
 
 from .fake_cupy import FakeNcclError, make_cupy
 
@@ -44,22 +44,14 @@ def test_transient_init_failure_retries_on_a_fresh_generation_and_id(
     fake = make_cupy()
     monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
     fake.cuda.nccl.init_errors.append(FakeNcclError(6))  # one rank's first init fails
-    contexts: list[DistributedContext] = []
-    errors: list[BaseException] = []
-
-    def rank(local: int) -> None:
-        try:
-            contexts.append(init_distributed(str(config), env=_env(daemon, job_id, local)))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-        assert not thread.is_alive(), f"{thread.name} hangs in init_distributed"
-    assert errors == [] and len(contexts) == 2
+    contexts: list[DistributedContext] = parallel(
+        [
+            functools.partial(init_distributed, str(config), env=_env(daemon, job_id, local))
+            for local in range(2)
+        ],
+        limit=60,
+    )
+    assert all(isinstance(c, DistributedContext) for c in contexts), contexts
     inits: list[Any] = [e for e in fake.cuda.nccl.log if e[0] == "NcclCommunicator"]
     ids = {bytes(e[2]) for e in inits}
     assert len(inits) == 4 and len(ids) == 2  # two generations, each with its own id
