@@ -30,6 +30,14 @@ def _launch(cluster: Cluster, job: str, nnodes: str, flags: tuple[str, ...] = ()
     )
 
 
+def _wait_training(log: Path, rank: int) -> None:
+    wait_for(
+        f"rank {rank} to train",
+        lambda: any(e["rank"] == rank and e["step"] >= 10 for e in json_lines(log)),
+        60,
+    )
+
+
 def _lost_steps(log: list[dict[str, Any]], start_step: int) -> int:
     """Steps the first generation completed that the next one did again."""
     first = min(e["gen"] for e in log)
@@ -48,11 +56,7 @@ def test_a_killed_worker_is_recovered_on_every_host_like_a_fault_free_run(
 
     nodes = _launch(cluster, "recover", "3", ("--max-restarts", "1"))
     log = _step_log(cluster, "recover")
-    wait_for(
-        "rank 3 to train",
-        lambda: any(e["rank"] == 3 and e["step"] >= 10 for e in json_lines(log)),
-        60,
-    )
+    _wait_training(log, 3)
     victim = next(e["pid"] for e in json_lines(log) if e["rank"] == 3)
     os.kill(victim, signal.SIGKILL)
     assert cluster.wait(nodes) == [0, 0, 0], [n.text()[-2000:] for n in nodes]
@@ -71,11 +75,7 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
     cluster = make_cluster(3)
     nodes = _launch(cluster, "shrink", "2:3", ("--max-restarts", "1"))
     log = _step_log(cluster, "shrink")
-    wait_for(
-        "rank 5 to train",
-        lambda: any(e["rank"] == 5 and e["step"] >= 10 for e in json_lines(log)),
-        60,
-    )
+    _wait_training(log, 5)
     nodes[2].proc.kill()  # the whole node: its agent, and with it its workers
     codes = cluster.wait(nodes)
     assert codes[:2] == [0, 0], [n.text()[-2000:] for n in nodes[:2]]
