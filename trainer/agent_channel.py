@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import AgentChannelError
+from .worker_boot import ENV_AGENT_FD as ENV_AGENT_FD
 
-ENV_AGENT_FD = "RENDEZVOUSD_AGENT_FD"
 _PREFIX = struct.Struct("!IQ")
 MAX_HEADER = 1 << 20
 # A model's state may be large; the bound only stops a corrupt length from
