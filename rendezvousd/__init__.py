@@ -2,13 +2,28 @@
 
 The daemon runs as ``rendezvousd serve``; workers use the client SDK in
 ``rendezvousd.client`` and the training side in ``rendezvousd.trainer``. This
-package itself exports only the daemon's configuration and its error tree, so
-importing it (which every import of the SDK or trainer does) loads neither gRPC
-server machinery nor numpy.
+package itself exports only the daemon's configuration and its error tree, each
+imported on first use, so importing it (which every import of the SDK or trainer
+does) loads neither gRPC server machinery nor numpy, nor even the daemon's
+settings.
 """
 
-from rendezvousd.config import DaemonConfig
-from rendezvousd.errors import ConfigError, DaemonError
-from rendezvousd.limits import Limits, Timing
+from typing import TYPE_CHECKING
+
+from rendezvousd._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from rendezvousd.config import DaemonConfig
+    from rendezvousd.errors import ConfigError, DaemonError
+    from rendezvousd.limits import Limits, Timing
 
 __all__ = ["ConfigError", "DaemonConfig", "DaemonError", "Limits", "Timing"]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "rendezvousd.config": ("DaemonConfig",),
+        "rendezvousd.errors": ("ConfigError", "DaemonError"),
+        "rendezvousd.limits": ("Limits", "Timing"),
+    },
+)

@@ -2,35 +2,41 @@
 
 ``init_distributed()`` joins the rendezvous and returns the communicator; the NCCL
 backend (``rendezvousd.trainer.nccl``) loads CuPy only when it is chosen, so
-importing this package never imports CuPy.
+importing this package never imports CuPy. Every public name is imported on
+first use: a worker or the node agent pays only for the modules it touches.
 """
 
-from rendezvousd.trainer.bucketing import BucketedAllReducer
-from rendezvousd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rendezvousd.trainer.communicator import Communicator, ReduceOp
-from rendezvousd.trainer.config import DistributedConfig
-from rendezvousd.trainer.data import ShardedLoader
-from rendezvousd.trainer.distributed import DistributedContext, init_distributed
-from rendezvousd.trainer.errors import (
-    AgentChannelError,
-    AgentError,
-    BucketingError,
-    BucketLayoutMismatch,
-    CheckpointError,
-    CollectiveArgumentError,
-    CommunicatorAborted,
-    CommunicatorError,
-    CommunicatorTimeout,
-    ConfigError,
-    DeviceCountError,
-    PeerConnectionError,
-    ReducerClosed,
-    RestartsExhausted,
-    RetriesExhausted,
-    TrainerError,
-)
-from rendezvousd.trainer.state_copy import StepState, agree_on_step
-from rendezvousd.trainer.topology import MultiNodeTopology
+from typing import TYPE_CHECKING
+
+from rendezvousd._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from rendezvousd.trainer.bucketing import BucketedAllReducer
+    from rendezvousd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from rendezvousd.trainer.communicator import Communicator, ReduceOp
+    from rendezvousd.trainer.config import DistributedConfig
+    from rendezvousd.trainer.data import ShardedLoader
+    from rendezvousd.trainer.distributed import DistributedContext, init_distributed
+    from rendezvousd.trainer.errors import (
+        AgentChannelError,
+        AgentError,
+        BucketingError,
+        BucketLayoutMismatch,
+        CheckpointError,
+        CollectiveArgumentError,
+        CommunicatorAborted,
+        CommunicatorError,
+        CommunicatorTimeout,
+        ConfigError,
+        DeviceCountError,
+        PeerConnectionError,
+        ReducerClosed,
+        RestartsExhausted,
+        RetriesExhausted,
+        TrainerError,
+    )
+    from rendezvousd.trainer.state_copy import StepState, agree_on_step
+    from rendezvousd.trainer.topology import MultiNodeTopology
 
 __all__ = [
     "AgentChannelError",
@@ -63,3 +69,48 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "rendezvousd.trainer.bucketing": ("BucketedAllReducer",),
+        "rendezvousd.trainer.checkpoint": (
+            "latest_checkpoint",
+            "load_checkpoint",
+            "save_checkpoint",
+        ),
+        "rendezvousd.trainer.communicator": (
+            "Communicator",
+            "ReduceOp",
+        ),
+        "rendezvousd.trainer.config": ("DistributedConfig",),
+        "rendezvousd.trainer.data": ("ShardedLoader",),
+        "rendezvousd.trainer.distributed": (
+            "DistributedContext",
+            "init_distributed",
+        ),
+        "rendezvousd.trainer.errors": (
+            "AgentChannelError",
+            "AgentError",
+            "BucketingError",
+            "BucketLayoutMismatch",
+            "CheckpointError",
+            "CollectiveArgumentError",
+            "CommunicatorAborted",
+            "CommunicatorError",
+            "CommunicatorTimeout",
+            "ConfigError",
+            "DeviceCountError",
+            "PeerConnectionError",
+            "ReducerClosed",
+            "RestartsExhausted",
+            "RetriesExhausted",
+            "TrainerError",
+        ),
+        "rendezvousd.trainer.state_copy": (
+            "StepState",
+            "agree_on_step",
+        ),
+        "rendezvousd.trainer.topology": ("MultiNodeTopology",),
+    },
+)

@@ -25,12 +25,13 @@ from rendezvousd.client.errors import PeerFailed, RendezvousError
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 
-from .agent_worker import Assignment, start_env
+from .agent_worker import Assignment
 from .config import DistributedConfig
 from .errors import RestartsExhausted
 from .recovery import Failure, RestartBudget
 from .state_copy import StateCopy
 from .warm_workers import Exited, Reported, SparePool, WorkerProcess, stop_all
+from .worker_boot import Booted, fixed_node_rank, slot_env
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
 # their last log line, so every node is stopped well within 100 ms.
@@ -105,7 +106,10 @@ class NodeAgent:
         note: Callable[[str], None] = print,
         id_factory: Callable[[], bytes] | None = None,
         stop_grace_s: float = STOP_GRACE_S,
+        booted: Sequence[Booted] = (),
     ) -> None:
+        """``booted``: this node's first spares, when the launcher started them
+        before it had an agent (``worker_boot.boot_spares``)."""
         self.config = config
         self.client = client
         self.ring_host = ring_host
@@ -116,6 +120,7 @@ class NodeAgent:
         self.events: queue.Queue[Any] = queue.Queue()
         self.state = StateCopy()
         self.pool = SparePool(cmd, env, self.events, self.state, self._start_env)
+        self.pool.adopt(booted)
         self.budget = RestartBudget(config.max_restarts)
         self.active: list[WorkerProcess] = []
         #: The first failure of one of this node's own workers, if any: the root
@@ -132,19 +137,11 @@ class NodeAgent:
 
     @property
     def fixed_node_rank(self) -> int | None:
-        """This node's rank in every generation, when the config fixes it: a fixed
-        job size (not elastic) and a given node rank (not 'auto')."""
-        config = self.config
-        if not config.is_multi_node:
-            return 0
-        if config.fewest_nodes != config.num_nodes:
-            return None  # a shrunk generation renumbers the nodes
-        return config.node_rank
+        """This node's rank in every generation, when the config fixes it."""
+        return fixed_node_rank(self.config)
 
     def _start_env(self, local_rank: int) -> dict[str, str]:
-        node_rank = self.fixed_node_rank
-        num_nodes = self.config.num_nodes if node_rank is not None else None
-        return start_env(local_rank, self.per_node, node_rank, num_nodes)
+        return slot_env(self.config, local_rank)
 
     def interrupt(self, signum: int) -> None:
         """From a signal handler: stop this node's workers and end the job."""

@@ -21,21 +21,23 @@ import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .errors import AgentChannelError
+from .worker_boot import ENV_AGENT_FD as ENV_AGENT_FD
 
-ENV_AGENT_FD = "RENDEZVOUSD_AGENT_FD"
 _PREFIX = struct.Struct("!IQ")
 MAX_HEADER = 1 << 20
 # A model's state may be large; the bound only stops a corrupt length from
 # making the reader try to allocate exabytes.
 MAX_PAYLOAD = 1 << 40
 
-HostArrays = dict[str, npt.NDArray[Any]]
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+# numpy is imported where arrays are (un)packed: the node agent only relays
+# frames, and its start-up on a fresh node competes with its spares' (2 cores).
+HostArrays: TypeAlias = dict[str, "npt.NDArray[Any]"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,8 @@ class Channel:
 
 def pack_arrays(arrays: Mapping[str, npt.ArrayLike]) -> tuple[list[dict[str, Any]], bytes]:
     """Host arrays as (header entries, payload)."""
+    import numpy as np
+
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for name, value in arrays.items():
@@ -153,6 +157,8 @@ def pack_arrays(arrays: Mapping[str, npt.ArrayLike]) -> tuple[list[dict[str, Any
 
 def unpack_arrays(entries: Any, payload: bytes) -> HostArrays:
     """The arrays ``pack_arrays`` described; AgentChannelError if the two disagree."""
+    import numpy as np
+
     if not isinstance(entries, list):
         raise AgentChannelError("state frame has no array list")
     out: HostArrays = {}

@@ -117,29 +117,6 @@ class Assignment:
         }
 
 
-def start_env(
-    local_rank: int, per_node: int, node_rank: int | None, num_nodes: int | None
-) -> dict[str, str]:
-    """torchrun's names a spare for ``local_rank`` starts with. The global ones
-    (``RANK``, ``WORLD_SIZE``, ``NODE_RANK``) only when every generation gives this
-    node the same ranks (``node_rank``/``num_nodes`` not None: a fixed node rank
-    and a fixed job size); otherwise the assignment sets them in
-    ``init_distributed()``."""
-    env = {
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(per_node),
-        "RENDEZVOUSD_LOCAL_RANK": str(local_rank),
-    }
-    if node_rank is not None and num_nodes is not None:
-        env.update(
-            RANK=str(node_rank * per_node + local_rank),
-            WORLD_SIZE=str(num_nodes * per_node),
-            NODE_RANK=str(node_rank),
-            GROUP_RANK=str(node_rank),
-        )
-    return env
-
-
 class AgentLink:
     """The worker's end of its channel to the node agent."""
 

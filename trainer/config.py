@@ -19,9 +19,8 @@ import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from rendezvousd.client.connection import TlsConfig
 from rendezvousd.settings import (
     AddressText,
     Bool,
@@ -39,6 +38,9 @@ from rendezvousd.settings import (
 
 from .errors import ConfigError
 from .topology import MultiNodeTopology
+
+if TYPE_CHECKING:
+    from rendezvousd.client.connection import TlsConfig
 
 Backend = Literal["cpu", "nccl"]
 TransportKind = Literal["file", "daemon"]
@@ -196,6 +198,10 @@ class RendezvousTransport:
         """The SDK's TLS settings, or None for plaintext."""
         if self.tls_ca is None:
             return None
+        # Here, not at the top: reading settings (the launcher, before it starts its
+        # spares) must not wait for gRPC's import.
+        from rendezvousd.client.connection import TlsConfig
+
         return TlsConfig(
             ca=Path(self.tls_ca),
             cert=Path(self.tls_cert) if self.tls_cert else None,

@@ -20,6 +20,11 @@ and restarts its workers from the newest step state any agent holds. ``--nnodes
 MIN:MAX`` makes the job elastic. When the restarts are used up the exit status
 is non-zero with one message listing every failure, and the root cause the
 daemon recorded. ``--standalone`` runs an embedded daemon with a fresh token.
+
+Start-up order matters when a fresh node replaces a lost one (the other nodes
+wait for it): this module imports only what reading the settings needs, starts
+the node's spares (``worker_boot``), and only then imports the agent, the SDK
+and numpy, while the spares import theirs on the other cores.
 """
 
 from __future__ import annotations
@@ -32,13 +37,10 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rendezvousd.address import AddressError, route_source
-from rendezvousd.client.errors import RendezvousError
-from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.embedded import EmbeddedDaemon, spawn
 from rendezvousd.settings import Value
-from rendezvousd.trainer.agent import NodeAgent
 from rendezvousd.trainer.config import (
     CONFIG_ENV,
     SCHEMA,
@@ -48,8 +50,12 @@ from rendezvousd.trainer.config import (
     load_layers,
 )
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
-from rendezvousd.trainer.recovery import Failure
-from rendezvousd.trainer.root_cause import lost_member
+from rendezvousd.trainer.worker_boot import Booted, boot_spares, discard
+
+if TYPE_CHECKING:
+    from rendezvousd.embedded import EmbeddedDaemon
+    from rendezvousd.trainer.agent import NodeAgent
+    from rendezvousd.trainer.recovery import Failure
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 # torchrun's spellings, kept as aliases of the config's own flags.
@@ -172,25 +178,17 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
         return _fail(f"cannot tell which address this node's workers advertise: {exc}")
     target = ["-m", args.target] if args.module else [args.target]
     cmd = target + [a for a in args.args if a != "--"]
+    env = spare_env(config, args.config, base)
+    # Before the imports below, so that the spares' start-up overlaps this process's.
+    booted = boot_spares(config, cmd, env)
     try:
-        client = RendezvousClient(
-            transport.endpoint,
-            config.job_id,
-            token_file=transport.token_file,
-            tls=transport.tls(),
-            retry_attempts=config.retry_attempts,
-        )
-    except RendezvousError as exc:
-        return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
-    agent = NodeAgent(
-        config,
-        cmd,
-        spare_env(config, args.config, base),
-        client,
-        ring_host=ring_host if config.backend == "cpu" else "",
-        note=_note,
-        id_factory=_id_factory(config),
-    )
+        agent = _make_agent(config, cmd, env, ring_host, booted)
+    except BaseException:
+        discard(booted)
+        raise
+    if isinstance(agent, int):
+        discard(booted)
+        return agent
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def forward(signum: int, _frame: object) -> None:
@@ -207,12 +205,50 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        client.close()
+        agent.client.close()
+
+
+def _make_agent(
+    config: DistributedConfig,
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    ring_host: str,
+    booted: Sequence[Booted],
+) -> NodeAgent | int:
+    """The node agent, owning ``booted``; the exit status if there is none."""
+    from rendezvousd.client.errors import RendezvousError
+    from rendezvousd.client.sync import RendezvousClient
+    from rendezvousd.trainer.agent import NodeAgent
+
+    transport = config.rendezvous
+    assert transport.endpoint is not None
+    try:
+        client = RendezvousClient(
+            transport.endpoint,
+            config.job_id,
+            token_file=transport.token_file,
+            tls=transport.tls(),
+            retry_attempts=config.retry_attempts,
+        )
+    except RendezvousError as exc:
+        return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
+    return NodeAgent(
+        config,
+        cmd,
+        env,
+        client,
+        ring_host=ring_host if config.backend == "cpu" else "",
+        note=_note,
+        id_factory=_id_factory(config),
+        booted=booted,
+    )
 
 
 def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
     """The daemon's record of the first rank lost, on any node; failing that, this
     node's first failed worker."""
+    from rendezvousd.trainer.root_cause import lost_member
+
     transport = config.rendezvous
     assert transport.endpoint is not None
     lost = lost_member(
@@ -238,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rendezvous-run-") as tmp:
         daemon: EmbeddedDaemon | None = None
         if args.standalone:
+            from rendezvousd.embedded import spawn
+
             daemon = spawn(Path(tmp), "--log-level", "WARNING")
             transport = RendezvousTransport.daemon(daemon.endpoint, str(daemon.token_file))
             config = dataclasses.replace(config, rendezvous=transport)

@@ -20,8 +20,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .agent_channel import Frame, HostArrays, unpack_arrays
 from .communicator import Communicator, ReduceOp
 
@@ -75,9 +73,13 @@ class StateCopy:
             return self._latest
 
 
-def agree_on_step(comm: Communicator, offered: int, xp: Any = np) -> tuple[int, int]:
+def agree_on_step(comm: Communicator, offered: int, xp: Any = None) -> tuple[int, int]:
     """(the largest step any rank offered, the lowest rank offering it); (NOTHING, 0)
-    when no rank has anything. Every rank must call it (two collectives)."""
+    when no rank has anything. Every rank must call it (two collectives). ``xp``:
+    the array module of the communicator's buffers (default numpy)."""
+    import numpy as np  # here: the node agent imports this module, and needs no numpy
+
+    xp = np if xp is None else xp
     buf = xp.array([offered], dtype=np.int64)
     comm.all_reduce(buf, ReduceOp.MAX)
     best = int(buf[0])

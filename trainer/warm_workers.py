@@ -19,19 +19,17 @@ import contextlib
 import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._agent_boot import ENV_AGENT_PID
-from .agent_channel import ENV_AGENT_FD, Channel
+from .agent_channel import Channel
 from .agent_worker import Assignment
 from .errors import AgentChannelError
 from .state_copy import StateCopy, StepState
+from .worker_boot import Booted, boot
 
 
 @dataclass(frozen=True)
@@ -66,27 +64,17 @@ class Reported:
 
 
 class WorkerProcess:
-    """One worker process and its channel; ``local_rank`` is None while a spare.
-    ``slot``: the local rank it was started for (its ``LOCAL_RANK``)."""
+    """One worker process (started by ``worker_boot.boot``) and its channel;
+    ``local_rank`` is None while a spare. ``slot``: the local rank it was started
+    for (its ``LOCAL_RANK``)."""
 
     def __init__(
-        self,
-        serial: int,
-        slot: int,
-        cmd: Sequence[str],
-        env: Mapping[str, str],
-        events: queue.Queue[Any],
-        state: StateCopy,
+        self, serial: int, booted: Booted, events: queue.Queue[Any], state: StateCopy
     ) -> None:
         self.serial = serial
-        self.slot = slot
-        self.channel, theirs = Channel.pair()
-        child_env = {**env, ENV_AGENT_FD: str(theirs.fileno()), ENV_AGENT_PID: str(os.getpid())}
-        boot = [sys.executable, "-m", "rendezvousd.trainer._agent_boot", *cmd]
-        try:
-            self.proc = subprocess.Popen(boot, env=child_env, pass_fds=(theirs.fileno(),))
-        finally:
-            theirs.close()
+        self.slot = booted.slot
+        self.proc = booted.proc
+        self.channel = Channel(booted.sock)
         self.local_rank: int | None = None
         self.ready = threading.Event()
         self.exited = threading.Event()
@@ -213,15 +201,20 @@ class SparePool:
         self._serial = 0
         self.spares: list[WorkerProcess] = []
 
+    def adopt(self, booted: Sequence[Booted]) -> None:
+        """Take over spares started before the agent existed (``worker_boot.boot_spares``)."""
+        for b in booted:
+            self._serial += 1
+            self.spares.append(WorkerProcess(self._serial, b, self._events, self._state))
+
     def fill(self, count: int) -> None:
         """One live spare for each of local ranks ``0..count-1``."""
         for slot in range(count):
             if not any(w.slot == slot and not w.exited.is_set() for w in self.spares):
                 self._serial += 1
                 env = {**self._env, **(self._slot_env(slot) if self._slot_env else {})}
-                self.spares.append(
-                    WorkerProcess(self._serial, slot, self._cmd, env, self._events, self._state)
-                )
+                started = boot(slot, self._cmd, env)
+                self.spares.append(WorkerProcess(self._serial, started, self._events, self._state))
 
     def take(self, count: int) -> list[WorkerProcess]:
         """The spare for each local rank ``0..count-1``, the warmest of its slot
