@@ -56,13 +56,6 @@ class Channel:
         self._closed = False
 
     @classmethod
-    def pair(cls) -> tuple[Channel, socket.socket]:
-        """This side's channel and the socket to hand to a child (inheritable)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        theirs.set_inheritable(True)
-        return cls(ours), theirs
-
-    @classmethod
     def from_fd(cls, fd: int) -> Channel:
         sock = socket.socket(fileno=fd)
         sock.set_inheritable(False)  # the worker's own children must not hold it
