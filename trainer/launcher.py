@@ -164,9 +164,17 @@ def spare_env(
 def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
     if config.backend != "nccl":
         return None  # the SDK's 128 random bytes key the CPU ring
-    from rendezvousd.trainer import nccl
 
-    return nccl.create_unique_id
+    def create() -> bytes:
+        # Imported when node 0 makes the id, not at start-up (numpy, CuPy).
+        from rendezvousd.trainer import devices, nccl
+
+        # This process hosts NCCL's bootstrap root for the id it makes, so it must
+        # listen where the ranks look: on loopback in the one-GPU shared-device mode.
+        devices.prepare_nccl(-1)
+        return nccl.create_unique_id()
+
+    return create
 
 
 def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:

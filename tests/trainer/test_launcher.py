@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from tests.support import (
     ROOT,
     WORKERS,
@@ -283,3 +285,26 @@ def test_sigterm_while_joining_ends_the_launcher_promptly(
         _out, err = node.communicate(timeout=30)
     assert node.returncode == 128 + signal.SIGTERM, err
     assert time.monotonic() - started < 5, err
+
+
+def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Node 0's agent hosts NCCL's bootstrap root for the id it makes: in the one-GPU
+    shared-device mode that must be on loopback, like the ranks' own sockets."""
+    from rendezvousd.trainer import launcher, nccl
+    from rendezvousd.trainer.config import load_config
+
+    for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_HOSTID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RENDEZVOUSD_NCCL_SHARED_DEVICE", "1")
+    seen: dict[str, str | None] = {}
+
+    def fake_id() -> bytes:
+        seen.update((k, os.environ.get(k)) for k in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"))
+        return bytes(range(1, 129))
+
+    monkeypatch.setattr(nccl, "create_unique_id", fake_id)
+    factory = launcher._id_factory(load_config(None, env={"RENDEZVOUSD_BACKEND": "nccl"}))
+    assert factory is not None and factory() == bytes(range(1, 129))
+    assert seen == {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
