@@ -37,6 +37,13 @@ class Node:
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
+    def summary(self) -> str:
+        """For a failed assertion: what the launcher itself said (the cause and the
+        root cause), then the last lines — worker logs would crowd out the cause."""
+        own = [line for _, line in self.lines if "rendezvous-run" in line]
+        tail = [line for _, line in self.lines[-10:] if line not in own]
+        return "\n".join([f"--- node {self.index} on {self.host.name}:", *own, "...", *tail])
+
     def first(self, needle: str) -> float | None:
         """When the first stderr line containing ``needle`` was logged (epoch seconds)."""
         for seen, line in self.lines:

@@ -50,7 +50,7 @@ def test_a_killed_worker_is_recovered_on_every_host_like_a_fault_free_run(
 ) -> None:
     cluster = make_cluster(3)
     straight = _launch(cluster, "straight", "3")
-    assert cluster.wait(straight) == [0, 0, 0], [n.text()[-2000:] for n in straight]
+    assert cluster.wait(straight) == [0, 0, 0], "\n".join(n.summary() for n in straight)
     reference = {r["params_sha256"] for r in cluster.results("straight")}
     assert len(reference) == 1
 
@@ -59,14 +59,14 @@ def test_a_killed_worker_is_recovered_on_every_host_like_a_fault_free_run(
     _wait_training(log, 3)
     victim = next(e["pid"] for e in json_lines(log) if e["rank"] == 3)
     os.kill(victim, signal.SIGKILL)
-    assert cluster.wait(nodes) == [0, 0, 0], [n.text()[-2000:] for n in nodes]
+    assert cluster.wait(nodes) == [0, 0, 0], "\n".join(n.summary() for n in nodes)
     results = cluster.results("recover")
     assert sorted(r["rank"] for r in results) == list(range(6))
     assert {r["restart_count"] for r in results} == {1}
     assert {r["params_sha256"] for r in results} == reference  # bit-identical model
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
     for n in (nodes[0], nodes[2]):  # the other hosts were told who died, and why
-        assert "lost rank 3 on h2" in n.text() and "SIGKILL" in n.text(), n.text()[-2000:]
+        assert "lost rank 3 on h2" in n.text() and "SIGKILL" in n.text(), n.summary()
 
 
 def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
@@ -78,7 +78,7 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
     _wait_training(log, 5)
     nodes[2].proc.kill()  # the whole node: its agent, and with it its workers
     codes = cluster.wait(nodes)
-    assert codes[:2] == [0, 0], [n.text()[-2000:] for n in nodes[:2]]
+    assert codes[:2] == [0, 0], "\n".join(n.summary() for n in nodes[:2])
     results = cluster.results("shrink")
     survivors = [r for r in results if r["restart_count"] == 1]
     assert sorted(r["rank"] for r in survivors) == [0, 1, 2, 3]
@@ -86,4 +86,4 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
     assert len({r["params_sha256"] for r in survivors}) == 1
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in survivors)) <= 1
     for n in nodes[:2]:
-        assert "on h3" in n.text(), n.text()[-2000:]
+        assert "on h3" in n.text(), n.summary()

@@ -19,7 +19,7 @@ def test_three_nodes_train_like_one_process_with_no_address_set(
 ) -> None:
     cluster = make_cluster(3)
     nodes = cluster.launch(3, 2, job="plain", example_args=STEPS)
-    assert cluster.wait(nodes) == [0, 0, 0], [n.text()[-2000:] for n in nodes]
+    assert cluster.wait(nodes) == [0, 0, 0], "\n".join(n.summary() for n in nodes)
     results = cluster.results("plain")
     assert sorted(r["rank"] for r in results) == list(range(6))
     assert {r["final_loss"] for r in results} == {results[0]["final_loss"]}
@@ -55,7 +55,7 @@ def test_training_over_mutual_tls(make_cluster: Callable[..., Cluster], tmp_path
     tls = ("--tls-ca", str(paths["ca.pem"]), "--tls-cert", str(paths["client.pem"]),
            "--tls-key", str(paths["client.key"]))  # fmt: skip
     nodes = cluster.launch(2, 2, job="tls", launcher_args=tls, example_args=STEPS)
-    assert cluster.wait(nodes) == [0, 0], [n.text()[-2000:] for n in nodes]
+    assert cluster.wait(nodes) == [0, 0], "\n".join(n.summary() for n in nodes)
     assert len(cluster.results("tls")) == 4
     # Without the client certificate the daemon refuses the node, and it says so at once.
     started = time.monotonic()
@@ -100,7 +100,7 @@ def test_resume_with_node_local_checkpoint_dirs_agrees_on_the_step(
             )[0]
             for n in range(2)
         ]  # fmt: skip
-        assert cluster.wait(nodes) == [0, 0], [n.text()[-2000:] for n in nodes]
+        assert cluster.wait(nodes) == [0, 0], "\n".join(n.summary() for n in nodes)
         return cluster.results(job)
 
     run("first", "--steps", "5", "--checkpoint-every", "5")
