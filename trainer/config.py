@@ -41,6 +41,7 @@ from .topology import MultiNodeTopology
 
 if TYPE_CHECKING:
     from rendezvousd.client.connection import TlsConfig
+    from rendezvousd.client.sync import RendezvousClient
 
 Backend = Literal["cpu", "nccl"]
 TransportKind = Literal["file", "daemon"]
@@ -207,6 +208,23 @@ class RendezvousTransport:
             cert=Path(self.tls_cert) if self.tls_cert else None,
             key=Path(self.tls_key) if self.tls_key else None,
             server_name=self.tls_server_name,
+        )
+
+    def client(self, job_id: str, retry_attempts: int) -> RendezvousClient:
+        """A sync SDK client of this daemon for ``job_id`` (the launcher's and an
+        agent-started worker's); ConfigError when no daemon endpoint is set."""
+        if self.kind != "daemon" or self.endpoint is None:
+            raise ConfigError(
+                "no rendezvous daemon endpoint: pass --rdzv-endpoint or set RENDEZVOUSD_ENDPOINT"
+            )
+        from rendezvousd.client.sync import RendezvousClient
+
+        return RendezvousClient(
+            self.endpoint,
+            job_id,
+            token_file=self.token_file,
+            tls=self.tls(),
+            retry_attempts=retry_attempts,
         )
 
 

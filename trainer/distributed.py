@@ -419,7 +419,6 @@ def _init_from_agent(
 ) -> DistributedContext:
     """Wait (warm) for the agent's assignment, attach to that member, build the
     communicator. ``environ``: where the torchrun names go (``os.environ``)."""
-    from rendezvousd.client.sync import RendezvousClient
 
     assignment, restored = link.wait_assignment()
     started = time.monotonic()
@@ -429,13 +428,7 @@ def _init_from_agent(
     if transport.kind != "daemon" or transport.endpoint is None:
         raise ConfigError("a worker started by the node agent needs the daemon endpoint")
     ring_host = _ring_host(config, transport.endpoint)
-    rdzv = RendezvousClient(
-        transport.endpoint,
-        assignment.job_id,
-        token_file=transport.token_file,
-        tls=transport.tls(),
-        retry_attempts=config.retry_attempts,
-    )
+    rdzv = transport.client(assignment.job_id, config.retry_attempts)
     rdzv.attach(assignment.membership(), assignment.instance_id)
     relay = _FailureRelay()
     link.start(lambda cause: relay.fail(AgentError(cause)))

@@ -225,19 +225,12 @@ def _make_agent(
 ) -> NodeAgent | int:
     """The node agent, owning ``booted``; the exit status if there is none."""
     from rendezvousd.client.errors import RendezvousError
-    from rendezvousd.client.sync import RendezvousClient
     from rendezvousd.trainer.agent import NodeAgent
 
     transport = config.rendezvous
     assert transport.endpoint is not None
     try:
-        client = RendezvousClient(
-            transport.endpoint,
-            config.job_id,
-            token_file=transport.token_file,
-            tls=transport.tls(),
-            retry_attempts=config.retry_attempts,
-        )
+        client = transport.client(config.job_id, config.retry_attempts)
     except RendezvousError as exc:
         return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
     return NodeAgent(
