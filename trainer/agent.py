@@ -309,7 +309,10 @@ class NodeAgent:
             if not refilled and (
                 now - assigned_at > SPARE_DELAY_S or any(w.reported_progress for w in self.active)
             ):
-                self.pool.fill(self.per_node)
+                # Only a restart or a re-form could use spares; without either
+                # their start-up would only take CPU from the training.
+                if self.budget.can_restart or self.config.fewest_nodes < self.config.num_nodes:
+                    self.pool.fill(self.per_node)
                 refilled = True
             for w in self.active:
                 if (

@@ -41,6 +41,10 @@ class RestartBudget:
     failures: list[Failure] = field(default_factory=list)
     restarts: int = 0
 
+    @property
+    def can_restart(self) -> bool:
+        return self.restarts < self.max_restarts
+
     def record(self, failure: Failure) -> bool:
         """Count ``failure``; True if the job may restart, False if it must give up."""
         self.failures.append(failure)
