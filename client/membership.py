@@ -12,7 +12,7 @@ from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import is_loopback
 from rendezvousd.client.errors import ProtocolError
-from rendezvousd.model import MemberInfo
+from rendezvousd.model import MemberInfo, Seat, seat_of
 
 __all__ = [
     "LazyTable",
@@ -85,15 +85,11 @@ class LazyTable:
 
 
 @dataclass(frozen=True)
-class Membership:
-    """What a join gives a worker. ``unique_id`` is kept out of repr and logs."""
+class Membership(Seat):
+    """What a join gives a worker: its seat (``job_id``, ``generation``, ``rank``,
+    ``world_size``, ``node_rank``, ``local_rank``) and the id. ``unique_id`` is kept
+    out of repr and logs."""
 
-    job_id: str
-    generation: int
-    rank: int
-    world_size: int
-    node_rank: int
-    local_rank: int
     unique_id: bytes = field(repr=False)
     # Decoded on first use: at thousands of ranks, building every rank's copy
     # of the table eagerly costs more than the whole rendezvous.
@@ -196,14 +192,7 @@ def from_join_response(
     """The ``Membership`` a JoinResponse (or PublishId's) describes; after a slim
     answer ``fetch_page(start_rank)`` serves its table on first use."""
     return Membership(
-        job_id=response.job_id,
-        generation=response.generation,
-        rank=response.rank,
-        world_size=response.world_size,
-        node_rank=response.node_rank,
-        local_rank=response.local_rank,
-        unique_id=response.unique_id,
-        _table=_table_of(response, fetch_page),
+        **seat_of(response), unique_id=response.unique_id, _table=_table_of(response, fetch_page)
     )
 
 

@@ -7,7 +7,8 @@ serializes straight onto the wire.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from rendezvousd.errors import RendezvousFault
 
@@ -52,13 +53,26 @@ class FailedInfo:
 
 
 @dataclass(frozen=True)
-class JoinResult:
+class Seat:
+    """Where one rank sits in a generation: what Join answers every rank, and what
+    the SDK's ``Membership`` (a subclass) gives a worker."""
+
     job_id: str
     generation: int
     rank: int
     world_size: int
     node_rank: int
     local_rank: int
+
+
+def seat_of(source: object) -> dict[str, Any]:
+    """The ``Seat`` fields of anything that has them (a ``JoinResult``, a JoinResponse,
+    a node agent's assignment), as keyword arguments for another of them."""
+    return {f.name: getattr(source, f.name) for f in fields(Seat)}
+
+
+@dataclass(frozen=True)
+class JoinResult(Seat):
     id_required: bool
     unique_id: bytes
     # Shared by every rank of a generation, so adapters may cache its encoding.
