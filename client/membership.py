@@ -12,7 +12,8 @@ from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import is_loopback
 from rendezvousd.client.errors import ProtocolError
-from rendezvousd.model import MemberInfo, Seat, seat_of
+from rendezvousd.errors import shown
+from rendezvousd.model import MemberInfo, NodeSeat, Seat, seat_of
 
 __all__ = [
     "LazyTable",
@@ -109,16 +110,12 @@ class Membership(Seat):
 
 
 @dataclass(frozen=True)
-class NodeMembership:
+class NodeMembership(NodeSeat):
     """What ``join_node()`` gives a node agent: its node's block of ranks in this
-    generation, the id, and the instance id of each local rank's member.
+    generation (``job_id``, ``generation``, ``node_rank``, ``num_nodes``,
+    ``gpus_per_node``), the id, and the instance id of each local rank's member.
     ``unique_id`` and the instance ids are kept out of repr and logs."""
 
-    job_id: str
-    generation: int
-    node_rank: int
-    num_nodes: int
-    gpus_per_node: int
     world_size: int
     unique_id: bytes = field(repr=False)
     heartbeat_timeout_ms: int = 0
@@ -172,11 +169,7 @@ def from_join_node_response(
     fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
 ) -> NodeMembership:
     return NodeMembership(
-        job_id=response.job_id,
-        generation=response.generation,
-        node_rank=response.node_rank,
-        num_nodes=response.num_nodes,
-        gpus_per_node=response.gpus_per_node,
+        **seat_of(response, NodeSeat),
         world_size=response.world_size,
         unique_id=response.unique_id,
         heartbeat_timeout_ms=response.heartbeat_timeout_ms,
@@ -214,10 +207,9 @@ def loopback_conflict(m: Membership, address: str) -> str | None:
     others = sorted({x.host for x in m.members} - {mine})
     if not others:
         return None
-    shown = ", ".join(repr(h) for h in others[:3]) + (" ..." if len(others) > 3 else "")
     return (
         f"rank {m.rank} on host {mine!r} advertises the loopback address {address!r}, but "
-        f"job {m.job_id!r} also has ranks on {shown}, which cannot reach it. Advertise an "
+        f"job {m.job_id!r} also has ranks on {shown(others, 3)}, which cannot reach it. Advertise an "
         f"address of {mine!r} that the other hosts can reach (rendezvousd.trainer: unset "
         "RENDEZVOUSD_RING_HOST, and workers advertise their address towards the daemon)"
     )

@@ -65,10 +65,25 @@ class Seat:
     local_rank: int
 
 
-def seat_of(source: object) -> dict[str, Any]:
-    """The ``Seat`` fields of anything that has them (a ``JoinResult``, a JoinResponse,
-    a node agent's assignment), as keyword arguments for another of them."""
-    return {f.name: getattr(source, f.name) for f in fields(Seat)}
+@dataclass(frozen=True)
+class NodeSeat:
+    """Where one node agent's block of ranks sits in a generation: what JoinNode
+    answers, and what the SDK's ``NodeMembership`` (a subclass) gives an agent."""
+
+    job_id: str
+    generation: int
+    node_rank: int
+    num_nodes: int
+    gpus_per_node: int
+
+
+def seat_of(source: object, kind: type[Seat | NodeSeat] = Seat, **given: Any) -> dict[str, Any]:
+    """The fields of a ``kind`` (``Seat`` or ``NodeSeat``) as keyword arguments: the
+    ``given`` ones, the rest copied from ``source`` (a result, a Join or JoinNode
+    response, a node agent's assignment, or a job, which knows all but the rank)."""
+    return {
+        f.name: given[f.name] if f.name in given else getattr(source, f.name) for f in fields(kind)
+    }
 
 
 @dataclass(frozen=True)
@@ -86,14 +101,9 @@ class JoinResult(Seat):
 
 
 @dataclass(frozen=True)
-class NodeJoinResult:
+class NodeJoinResult(NodeSeat):
     """A JoinNode's answer: the node's rank block, the id and its members' instance ids."""
 
-    job_id: str
-    generation: int
-    node_rank: int
-    num_nodes: int
-    gpus_per_node: int
     id_required: bool
     unique_id: bytes
     member_instance_ids: tuple[str, ...]
