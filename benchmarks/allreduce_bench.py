@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import numpy as np
+from _report import emit
 
 MiB = 1 << 20
 # (world, size in MiB) -> minimum busbw in GB/s; gloo's figures measured on the 2-core
@@ -65,6 +66,20 @@ def _time_loop(run: Any, barrier: Any, iters: int, warmup: int) -> list[float]:
     return times
 
 
+def _time_sizes(
+    sizes: str, iters: int, ones: Any, all_reduce: Any, barrier: Any
+) -> list[dict[str, Any]]:
+    """Per size (bytes, comma-separated): the times of all-reducing ``ones(size // 4)``
+    float32 values, ``iters`` times (default: ``default_iters``) after 2 warm-ups."""
+    results = []
+    for size in (int(s) for s in sizes.split(",")):
+        data = ones(size // 4)
+        n = iters or default_iters(size)
+        times = _time_loop(lambda d=data: all_reduce(d), barrier, n, 2)
+        results.append({"size_bytes": size, "times": times})
+    return results
+
+
 def _ring_worker(
     rank: int,
     world: int,
@@ -97,13 +112,9 @@ def _ring_worker(
         chunk_bytes=chunk,
         shared_memory=peers,
     )
-    results = []
-    for size in (int(s) for s in sizes.split(",")):
-        array = np.ones(size // 4, np.float32)
-        n = iters or default_iters(size)
-        times = _time_loop(lambda a=array: comm.all_reduce(a), comm.barrier, n, 2)
-        array.fill(0)
-        results.append({"size_bytes": size, "times": times})
+    results = _time_sizes(
+        sizes, iters, lambda n: np.ones(n, np.float32), comm.all_reduce, comm.barrier
+    )
     comm.close()
     _send_line(control, {"rank": rank, "results": results})
 
@@ -124,13 +135,9 @@ def _gloo_worker(
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank, world_size=world
     )
-    results = []
-    for size in (int(s) for s in sizes.split(",")):
-        tensor = torch.ones(size // 4, dtype=torch.float32)
-        n = iters or default_iters(size)
-        times = _time_loop(lambda t=tensor: dist.all_reduce(t), dist.barrier, n, 2)
-        tensor.fill_(0)
-        results.append({"size_bytes": size, "times": times})
+    results = _time_sizes(
+        sizes, iters, lambda n: torch.ones(n, dtype=torch.float32), dist.all_reduce, dist.barrier
+    )
     dist.destroy_process_group()
     _send_line(control, {"rank": rank, "results": results})
 
@@ -361,11 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
         "pack_unpack": pack_unpack(args),
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as out:
-            out.write(text + "\n")
+    emit(doc, args.json_out)
     return 0
 
 

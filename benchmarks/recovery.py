@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _report import emit
+
 from rendezvousd.embedded import EmbeddedDaemon, spawn
 
 TARGETS = {"recovery_s_max": 1.0, "steps_lost_max": 1}
@@ -283,10 +285,7 @@ def main() -> int:
                 and max(x.get("steps_lost", 99) for x in each) <= TARGETS["steps_lost_max"]
             )
     report["torchrun"] = torchrun_side(args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit(report, args.json_out)
     return 0
 
 

@@ -33,6 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _report import emit
+
 from rendezvousd.embedded import spawn
 
 TARGETS_S = {64: 0.060, 1024: 0.8, 4096: 4.0}
@@ -337,10 +339,7 @@ def main() -> None:
         "results": results,
         "self_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    emit(doc, args.json_out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import emit
+
 from rendezvousd.embedded import spawn
 
 TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0}
@@ -347,10 +349,7 @@ def main() -> None:
         asyncio.run(_victim(args))
         return
     doc = run(args)
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    emit(doc, args.json_out)
 
 
 if __name__ == "__main__":

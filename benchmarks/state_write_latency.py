@@ -11,7 +11,6 @@ Run it against another checkout (PYTHONPATH=that/checkout) for a before/after.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from _report import emit
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd.client import RendezvousClient
@@ -101,10 +101,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     result = run(args.big_mb, args.sets)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out is not None:
-        args.json_out.write_text(text + "\n")
+    emit(result, args.json_out)
 
 
 if __name__ == "__main__":

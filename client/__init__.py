@@ -67,30 +67,13 @@ __all__ = [
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
+    __all__,
     {
         "rendezvousd.client.aio": ("AsyncRendezvousClient",),
         "rendezvousd.client.connection": ("RetryPolicy", "TlsConfig"),
-        "rendezvousd.client.errors": (
-            "AuthenticationError",
-            "DaemonUnavailable",
-            "DaemonUnreachable",
-            "DuplicateRank",
-            "IdConflict",
-            "InvalidRequest",
-            "JobAborted",
-            "JobEnded",
-            "KeyNotFound",
-            "LimitExceeded",
-            "NotFound",
-            "PeerFailed",
-            "ProtocolError",
-            "RendezvousError",
-            "RendezvousTimeout",
-            "StaleGeneration",
-            "TopologyMismatch",
-        ),
         "rendezvousd.client.membership": ("Member", "Membership", "NodeMembership"),
         "rendezvousd.client.sync": ("RendezvousClient",),
         "rendezvousd.client.transport": ("FileRendezvous", "Rendezvous", "connect"),
     },
+    errors="rendezvousd.client.errors",
 )

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NotRequired, TypedDict
 
 import grpc
 
@@ -46,6 +47,27 @@ SLACK_S = 5.0
 DEFAULT_WINDOW_S = 10.0
 # Leave after the job's work is done is a courtesy: never worth more than this.
 LEAVE_TIMEOUT_S = 2.0
+JOIN_TIMEOUT_S = 600.0
+
+
+class JoinRequest(TypedDict):
+    """The keywords of every transport's ``join()``: declared once, so that the
+    clients, ``FileRendezvous`` and the ``Rendezvous`` protocol cannot drift apart."""
+
+    num_nodes: int
+    gpus_per_node: int
+    local_rank: int
+    # None: the daemon assigns the node rank.
+    node_rank: NotRequired[int | None]
+    # Default: this host's name.
+    host: NotRequired[str | None]
+    # Where peers reach this worker (the CPU ring's address); "" for none.
+    address: NotRequired[str]
+    # Global rank 0's id: these bytes, else id_factory(), else 128 random bytes.
+    unique_id: NotRequired[bytes | None]
+    id_factory: NotRequired[Callable[[], bytes] | None]
+    # Seconds to wait for the world (JOIN_TIMEOUT_S when left out).
+    timeout: NotRequired[float]
 
 
 @dataclass
@@ -145,18 +167,8 @@ class Session:
 
     def heartbeat_request(self) -> pb.HeartbeatRequest:
         if self.node is not None:
-            n = self.node
-            return pb.HeartbeatRequest(
-                job_id=n.job_id,
-                generation=n.generation,
-                rank=n.node_rank,
-                instance_id=self.instance_id,
-                node=True,
-            )
-        m = self.member()
-        return pb.HeartbeatRequest(
-            job_id=m.job_id, generation=m.generation, rank=m.rank, instance_id=self.instance_id
-        )
+            return pb.HeartbeatRequest(**self._fields(self.node))
+        return pb.HeartbeatRequest(**self.scope())
 
     def plan_join_node(
         self,
@@ -245,12 +257,12 @@ class Session:
         num_nodes: int,
         gpus_per_node: int,
         local_rank: int,
-        node_rank: int | None,
-        host: str | None,
-        address: str,
-        unique_id: bytes | None,
-        id_factory: Callable[[], bytes] | None,
-        timeout: float,
+        node_rank: int | None = None,
+        host: str | None = None,
+        address: str = "",
+        unique_id: bytes | None = None,
+        id_factory: Callable[[], bytes] | None = None,
+        timeout: float = JOIN_TIMEOUT_S,
     ) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
         self.new_instance()
@@ -277,24 +289,26 @@ class Session:
         self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
         return self.barrier_counts[name]
 
-    def scope(self) -> dict[str, str | int]:
-        """The fields naming this member on Barrier and key-value requests: the daemon
-        answers only the worker instance that joined as the rank."""
-        m = self.member()
-        return {
-            "job_id": m.job_id,
-            "generation": m.generation,
-            "rank": m.rank,
+    def scope(self) -> dict[str, Any]:
+        """The fields naming this member on Barrier, key-value and Heartbeat requests:
+        the daemon answers only the worker instance that joined as the rank."""
+        return self._fields(self.member())
+
+    def _fields(self, who: Membership | NodeMembership) -> dict[str, Any]:
+        """``scope()`` of a member, or of a node agent: its node rank, as a node."""
+        fields = {
+            "job_id": who.job_id,
+            "generation": who.generation,
             "instance_id": self.instance_id,
         }
+        if isinstance(who, NodeMembership):
+            return fields | {"rank": who.node_rank, "node": True}
+        return fields | {"rank": who.rank}
 
     def barrier_request(self, name: str, wait: float) -> pb.BarrierRequest:
-        m = self.member()
+        # The scope first: a failed member must not count a barrier round.
         return pb.BarrierRequest(
-            job_id=m.job_id,
-            generation=m.generation,
-            rank=m.rank,
-            instance_id=self.instance_id,
+            **self.scope(),
             name=name,
             sequence=self.next_barrier(name),
             wait_timeout_ms=int(wait * 1000),
@@ -350,23 +364,11 @@ class Session:
     def leave_request(self) -> pb.LeaveRequest | None:
         """The Leave to send, or None when not joined; from here on the job's
         work is over and a lost daemon is not reported as a failure."""
-        n = self.node
-        if n is not None:
-            self.leaving = True
-            return pb.LeaveRequest(
-                job_id=n.job_id,
-                generation=n.generation,
-                rank=n.node_rank,
-                instance_id=self.instance_id,
-                node=True,
-            )
-        m = self.joined
-        if m is None:
+        who = self.node or self.joined
+        if who is None:
             return None
         self.leaving = True
-        return pb.LeaveRequest(
-            job_id=m.job_id, generation=m.generation, rank=m.rank, instance_id=self.instance_id
-        )
+        return pb.LeaveRequest(**self._fields(who))
 
     def leave_failed(self, request: pb.LeaveRequest, exc: grpc.RpcError) -> None:
         """One warning, no exception: a finished job must not turn into a failed one."""
@@ -529,9 +531,7 @@ class JoinPlan:
 
     def make_id(self) -> bytes:
         """Rank 0's id: the caller's bytes, else ``id_factory()``, else 128 random bytes."""
-        return self.unique_id or (
-            self.id_factory() if self.id_factory else os.urandom(UNIQUE_ID_BYTES)
-        )
+        return rank_zero_id(self.unique_id, self.id_factory)
 
     def left(self) -> float:
         return max(0.001, self.timeout - (time.monotonic() - self.started))

@@ -7,8 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,6 +17,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client._session import (
     LEAVE_TIMEOUT_S,
     SLACK_S,
+    JoinRequest,
     Session,
     StreamWatch,
     rank_zero_id,
@@ -175,31 +175,11 @@ class AsyncRendezvousClient:
                     return
             await asyncio.sleep(0.2)
 
-    async def join(
-        self,
-        *,
-        num_nodes: int,
-        gpus_per_node: int,
-        local_rank: int,
-        node_rank: int | None = None,
-        host: str | None = None,
-        address: str = "",
-        unique_id: bytes | None = None,
-        id_factory: Callable[[], bytes] | None = None,
-        timeout: float = 600.0,
-    ) -> Membership:
+    async def join(self, **request: Unpack[JoinRequest]) -> Membership:
+        """``RendezvousClient.join``, awaited."""
         await self.check_health()
-        plan = self._s.plan_join(
-            num_nodes=num_nodes,
-            gpus_per_node=gpus_per_node,
-            local_rank=local_rank,
-            node_rank=node_rank,
-            host=host,
-            address=address,
-            unique_id=unique_id,
-            id_factory=id_factory,
-            timeout=timeout,
-        )
+        plan = self._s.plan_join(**request)
+        timeout, address = plan.timeout, plan.request.address
         try:
             response = await self._call("Join", plan.request, timeout=timeout + SLACK_S)
         except InvalidRequest as exc:
@@ -465,12 +445,7 @@ class AsyncRendezvousClient:
     async def __aenter__(self) -> AsyncRendezvousClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
             joined = self._s.joined is not None or self._s.node is not None
             if exc_type is None and joined and self._s.failure is None:

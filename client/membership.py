@@ -12,7 +12,8 @@ from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.address import is_loopback
 from rendezvousd.client.errors import ProtocolError
-from rendezvousd.model import MemberInfo
+from rendezvousd.errors import shown
+from rendezvousd.model import MemberInfo, NodeSeat, Seat, seat_of
 
 __all__ = [
     "LazyTable",
@@ -85,15 +86,11 @@ class LazyTable:
 
 
 @dataclass(frozen=True)
-class Membership:
-    """What a join gives a worker. ``unique_id`` is kept out of repr and logs."""
+class Membership(Seat):
+    """What a join gives a worker: its seat (``job_id``, ``generation``, ``rank``,
+    ``world_size``, ``node_rank``, ``local_rank``) and the id. ``unique_id`` is kept
+    out of repr and logs."""
 
-    job_id: str
-    generation: int
-    rank: int
-    world_size: int
-    node_rank: int
-    local_rank: int
     unique_id: bytes = field(repr=False)
     # Decoded on first use: at thousands of ranks, building every rank's copy
     # of the table eagerly costs more than the whole rendezvous.
@@ -113,16 +110,12 @@ class Membership:
 
 
 @dataclass(frozen=True)
-class NodeMembership:
+class NodeMembership(NodeSeat):
     """What ``join_node()`` gives a node agent: its node's block of ranks in this
-    generation, the id, and the instance id of each local rank's member.
+    generation (``job_id``, ``generation``, ``node_rank``, ``num_nodes``,
+    ``gpus_per_node``), the id, and the instance id of each local rank's member.
     ``unique_id`` and the instance ids are kept out of repr and logs."""
 
-    job_id: str
-    generation: int
-    node_rank: int
-    num_nodes: int
-    gpus_per_node: int
     world_size: int
     unique_id: bytes = field(repr=False)
     heartbeat_timeout_ms: int = 0
@@ -176,11 +169,7 @@ def from_join_node_response(
     fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
 ) -> NodeMembership:
     return NodeMembership(
-        job_id=response.job_id,
-        generation=response.generation,
-        node_rank=response.node_rank,
-        num_nodes=response.num_nodes,
-        gpus_per_node=response.gpus_per_node,
+        **seat_of(response, NodeSeat),
         world_size=response.world_size,
         unique_id=response.unique_id,
         heartbeat_timeout_ms=response.heartbeat_timeout_ms,
@@ -196,14 +185,7 @@ def from_join_response(
     """The ``Membership`` a JoinResponse (or PublishId's) describes; after a slim
     answer ``fetch_page(start_rank)`` serves its table on first use."""
     return Membership(
-        job_id=response.job_id,
-        generation=response.generation,
-        rank=response.rank,
-        world_size=response.world_size,
-        node_rank=response.node_rank,
-        local_rank=response.local_rank,
-        unique_id=response.unique_id,
-        _table=_table_of(response, fetch_page),
+        **seat_of(response), unique_id=response.unique_id, _table=_table_of(response, fetch_page)
     )
 
 
@@ -225,10 +207,9 @@ def loopback_conflict(m: Membership, address: str) -> str | None:
     others = sorted({x.host for x in m.members} - {mine})
     if not others:
         return None
-    shown = ", ".join(repr(h) for h in others[:3]) + (" ..." if len(others) > 3 else "")
     return (
         f"rank {m.rank} on host {mine!r} advertises the loopback address {address!r}, but "
-        f"job {m.job_id!r} also has ranks on {shown}, which cannot reach it. Advertise an "
+        f"job {m.job_id!r} also has ranks on {shown(others, 3)}, which cannot reach it. Advertise an "
         f"address of {mine!r} that the other hosts can reach (rendezvousd.trainer: unset "
         "RENDEZVOUSD_RING_HOST, and workers advertise their address towards the daemon)"
     )

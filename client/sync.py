@@ -7,8 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,6 +17,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client._session import (
     LEAVE_TIMEOUT_S,
     SLACK_S,
+    JoinRequest,
     Session,
     StreamWatch,
     rank_zero_id,
@@ -183,36 +183,18 @@ class RendezvousClient:
 
     # -- membership -----------------------------------------------------------
 
-    def join(
-        self,
-        *,
-        num_nodes: int,
-        gpus_per_node: int,
-        local_rank: int,
-        node_rank: int | None = None,
-        host: str | None = None,
-        address: str = "",
-        unique_id: bytes | None = None,
-        id_factory: Callable[[], bytes] | None = None,
-        timeout: float = 600.0,
-    ) -> Membership:
+    def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """Register and wait for the world; returns rank, id and member table.
 
-        Global rank 0 provides the id: ``unique_id``, else ``id_factory()`` (e.g.
-        NCCL's get_unique_id), else 128 random bytes (enough for the CPU backend).
+        The keywords are ``JoinRequest``'s: the topology and ``local_rank``, and
+        optionally ``node_rank``, ``host``, ``address``, ``unique_id``, ``id_factory`` and
+        ``timeout`` (600 s). Global rank 0 provides the id: ``unique_id``, else
+        ``id_factory()`` (e.g. NCCL's get_unique_id), else 128 random bytes (enough for
+        the CPU backend).
         """
         self.check_health()
-        plan = self._s.plan_join(
-            num_nodes=num_nodes,
-            gpus_per_node=gpus_per_node,
-            local_rank=local_rank,
-            node_rank=node_rank,
-            host=host,
-            address=address,
-            unique_id=unique_id,
-            id_factory=id_factory,
-            timeout=timeout,
-        )
+        plan = self._s.plan_join(**request)
+        timeout, address = plan.timeout, plan.request.address
         try:
             response = self._call("Join", plan.request, timeout=timeout + SLACK_S)
         except InvalidRequest as exc:
@@ -487,12 +469,7 @@ class RendezvousClient:
     def __enter__(self) -> RendezvousClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
             joined = self._s.joined is not None or self._s.node is not None
             if exc_type is None and joined and self._s.failure is None:

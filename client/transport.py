@@ -18,10 +18,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
-from typing import Protocol, Self, TypeVar, runtime_checkable
+from typing import Protocol, Self, TypeVar, Unpack, runtime_checkable
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._session import JOIN_TIMEOUT_S, JoinRequest
 from rendezvousd.client.connection import TlsConfig
 from rendezvousd.client.errors import (
     DaemonUnavailable,
@@ -46,19 +46,7 @@ TRANSPORT_KINDS = ("file", "daemon")
 class Rendezvous(Protocol):
     """What a worker needs from either transport (and what ``JobStore`` needs)."""
 
-    def join(
-        self,
-        *,
-        num_nodes: int,
-        gpus_per_node: int,
-        local_rank: int,
-        node_rank: int | None = None,
-        host: str | None = None,
-        address: str = "",
-        unique_id: bytes | None = None,
-        id_factory: Callable[[], bytes] | None = None,
-        timeout: float = 600.0,
-    ) -> Membership: ...
+    def join(self, **request: Unpack[JoinRequest]) -> Membership: ...
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None: ...
 
@@ -80,12 +68,7 @@ class Rendezvous(Protocol):
 
     def __enter__(self) -> Self: ...
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None: ...
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None: ...
 
 
 def connect(
@@ -178,20 +161,9 @@ class FileRendezvous:
     def failure(self) -> RendezvousError | None:
         return self._client.failure if self._client else None
 
-    def join(
-        self,
-        *,
-        num_nodes: int,
-        gpus_per_node: int,
-        local_rank: int,
-        node_rank: int | None = None,
-        host: str | None = None,
-        address: str = "",
-        unique_id: bytes | None = None,
-        id_factory: Callable[[], bytes] | None = None,
-        timeout: float = 600.0,
-    ) -> Membership:
+    def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """Start (local_rank 0) or find (the others) the daemon, then join through it."""
+        num_nodes, node_rank = request["num_nodes"], request.get("node_rank")
         if num_nodes != 1 or node_rank not in (None, 0):
             raise InvalidRequest(
                 f"the file transport is single-node (num_nodes={num_nodes}, node_rank="
@@ -202,8 +174,8 @@ class FileRendezvous:
             raise InvalidRequest(
                 "this FileRendezvous is already joined; make a new one", job_id=self._job_id
             )
-        deadline = time.monotonic() + timeout
-        sock = self._directory(gpus_per_node * num_nodes) / f"{self._job_id}.sock"
+        deadline = time.monotonic() + request.get("timeout", JOIN_TIMEOUT_S)
+        sock = self._directory(request["gpus_per_node"] * num_nodes) / f"{self._job_id}.sock"
         token = sock.with_suffix(".token")
         if len(os.fsencode(sock)) > _SUN_PATH_MAX:
             raise InvalidRequest(
@@ -213,25 +185,16 @@ class FileRendezvous:
             )
         self._socket = sock
         try:
-            if local_rank == 0 and not _serving(sock):
+            if request["local_rank"] == 0 and not _serving(sock):
                 self._daemon = self._start(sock, token)
             else:
                 # A second local_rank 0 joins the live daemon, which refuses it.
-                self._wait_for_daemon(sock, deadline, local_rank)
+                self._wait_for_daemon(sock, deadline, request["local_rank"])
             self._client = RendezvousClient(
                 f"unix:{sock}", self._job_id, token_file=token, retry_attempts=self._retry_attempts
             )
-            return self._client.join(
-                num_nodes=num_nodes,
-                gpus_per_node=gpus_per_node,
-                local_rank=local_rank,
-                node_rank=node_rank,
-                host=host,
-                address=address,
-                unique_id=unique_id,
-                id_factory=id_factory,
-                timeout=max(0.001, deadline - time.monotonic()),
-            )
+            request["timeout"] = max(0.001, deadline - time.monotonic())
+            return self._client.join(**request)
         except BaseException:
             self.close()
             raise
@@ -395,12 +358,7 @@ class FileRendezvous:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
             if exc_type is None and self.membership is not None and self.failure is None:
                 self.leave()

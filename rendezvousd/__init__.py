@@ -21,9 +21,10 @@ __all__ = ["ConfigError", "DaemonConfig", "DaemonError", "Limits", "Timing"]
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
+    __all__,
     {
         "rendezvousd.config": ("DaemonConfig",),
-        "rendezvousd.errors": ("ConfigError", "DaemonError"),
         "rendezvousd.limits": ("Limits", "Timing"),
     },
+    errors="rendezvousd.errors",
 )

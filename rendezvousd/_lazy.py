@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 
 def lazy_exports(
-    package: str, homes: Mapping[str, tuple[str, ...]]
+    package: str, exported: Sequence[str], homes: Mapping[str, tuple[str, ...]], *, errors: str
 ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``; ``homes``: module -> the names
-    it defines. A name is looked up once, then kept in the package's namespace."""
-    where = {name: module for module, names in homes.items() for name in names}
+    """``(__getattr__, __dir__)`` for ``package``, which exports ``exported`` (its
+    ``__all__``); ``homes``: module -> the names it defines. Every other exported name
+    is an exception from ``errors``, the module holding the package's exception tree.
+    A name is looked up once, then kept in the package's namespace."""
+    where = {name: errors for name in exported}
+    where.update({name: module for module, names in homes.items() for name in names})
 
     def __getattr__(name: str) -> object:
         module = where.get(name)

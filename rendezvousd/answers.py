@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.limits import Timing
-from rendezvousd.model import JoinResult, MemberInfo, NodeJoinResult
+from rendezvousd.model import JoinResult, MemberInfo, NodeJoinResult, NodeSeat, seat_of
 
 
 @dataclass
@@ -59,12 +59,7 @@ class JoinAnswers:
 
     def join(self, result: JoinResult, *, slim: bool = False) -> bytes:
         header = pb.JoinResponse(
-            job_id=result.job_id,
-            generation=result.generation,
-            rank=result.rank,
-            world_size=result.world_size,
-            node_rank=result.node_rank,
-            local_rank=result.local_rank,
+            **seat_of(result),
             id_required=result.id_required,
             unique_id=result.unique_id,
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
@@ -73,11 +68,7 @@ class JoinAnswers:
 
     def join_node(self, result: NodeJoinResult, *, slim: bool = False) -> bytes:
         header = pb.JoinNodeResponse(
-            job_id=result.job_id,
-            generation=result.generation,
-            node_rank=result.node_rank,
-            num_nodes=result.num_nodes,
-            gpus_per_node=result.gpus_per_node,
+            **seat_of(result, NodeSeat),
             world_size=result.num_nodes * result.gpus_per_node,
             id_required=result.id_required,
             unique_id=result.unique_id,

@@ -37,12 +37,12 @@ def enter(
     if sequence <= barrier.completed:
         return barrier, True
     if sequence != barrier.completed + 1:
-        raise RendezvousFault(
+        raise job.fault(
             Code.FAILED_PRECONDITION,
             "BARRIER_MISMATCH",
             f"rank {rank} entered barrier {name!r} #{sequence} but job {job.job_id!r} is at "
             f"#{barrier.completed + 1}; every rank must run the same barriers in the same order",
-            {"job_id": job.job_id, "generation": str(job.generation), "ranks": str(rank)},
+            ranks=str(rank),
         )
     if member.state is MemberState.LEFT:
         raise RendezvousFault(

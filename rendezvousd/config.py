@@ -44,6 +44,11 @@ def _opt(help: str, default: Any, kind: Kind) -> Any:
     return setting(default, help, kind)
 
 
+def _limit(help: str, default: int) -> Any:
+    """A setting for the ``Limits`` field of the same name (``limits()`` copies it)."""
+    return _opt(help, default, _COUNT)
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """Validated daemon settings; ``load()`` builds one from defaults, TOML, env and flags."""
@@ -102,34 +107,23 @@ class DaemonConfig:
     drain_grace_s: float = _opt(
         "how long SIGTERM waits for calls to finish", default=10.0, kind=Float(positive=False)
     )
-    max_jobs: int = _opt("jobs held at once", default=Limits.max_jobs, kind=_COUNT)
-    max_members_per_job: int = _opt(
-        "largest world size", default=Limits.max_members_per_job, kind=_COUNT
+    max_jobs: int = _limit("jobs held at once", Limits.max_jobs)
+    max_members_per_job: int = _limit("largest world size", Limits.max_members_per_job)
+    max_concurrent_rpcs: int = _limit(
+        "calls in flight, streams included", Limits.max_concurrent_rpcs
     )
-    max_concurrent_rpcs: int = _opt(
-        "calls in flight, streams included", default=Limits.max_concurrent_rpcs, kind=_COUNT
-    )
-    max_waiters: int = _opt(
-        "parked Join/Barrier/KvGet calls (~26 KiB each)", default=Limits.max_waiters, kind=_COUNT
-    )
-    max_waiters_per_job: int = _opt(
+    max_waiters: int = _limit("parked Join/Barrier/KvGet calls (~26 KiB each)", Limits.max_waiters)
+    max_waiters_per_job: int = _limit(
         "parked calls one job may hold (so one job cannot block the others' joins)",
-        default=Limits.max_waiters_per_job,
-        kind=_COUNT,
+        Limits.max_waiters_per_job,
     )
-    max_barriers_per_job: int = _opt(
-        "barrier names per job generation", default=Limits.max_barriers_per_job, kind=_COUNT
+    max_barriers_per_job: int = _limit(
+        "barrier names per job generation", Limits.max_barriers_per_job
     )
-    max_keys_per_job: int = _opt(
-        "key-value keys per job", default=Limits.max_keys_per_job, kind=_COUNT
-    )
-    max_value_bytes: int = _opt(
-        "largest key-value value", default=Limits.max_value_bytes, kind=_COUNT
-    )
-    max_kv_bytes: int = _opt(
-        "key-value bytes (keys + values) held across all jobs",
-        default=Limits.max_kv_bytes,
-        kind=_COUNT,
+    max_keys_per_job: int = _limit("key-value keys per job", Limits.max_keys_per_job)
+    max_value_bytes: int = _limit("largest key-value value", Limits.max_value_bytes)
+    max_kv_bytes: int = _limit(
+        "key-value bytes (keys + values) held across all jobs", Limits.max_kv_bytes
     )
     log_level: str = _opt(
         "DEBUG, INFO, WARNING or ERROR",
@@ -143,46 +137,24 @@ class DaemonConfig:
             raise ConfigError("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("tls_client_ca (mTLS) needs tls_cert and tls_key")
-        host, _ = split_listen(self.listen)
-        if (
-            host is not None
-            and not is_loopback(host)
-            and self.tls_cert is None
-            and not self.insecure_plaintext
-        ):
+        tls = self.tls_cert is not None
+        if _plaintext_off_host(self.listen, tls, allowed=self.insecure_plaintext):
             raise ConfigError(
                 f"refusing to serve plaintext on non-loopback address {self.listen!r}: "
                 "pass --tls-cert/--tls-key, or --insecure-plaintext if the network is trusted"
             )
-
-        if self.metrics_listen is not None:
-            mhost, _ = split_listen(self.metrics_listen)
-            if (
-                mhost is not None
-                and not is_loopback(mhost)
-                and self.tls_cert is None
-                and not self.insecure_metrics
-            ):
-                raise ConfigError(
-                    f"refusing to serve /metrics in plaintext on non-loopback address "
-                    f"{self.metrics_listen!r} (it names jobs' states to anyone who connects): "
-                    "listen on 127.0.0.1 and scrape through a sidecar, pass --tls-cert/--tls-key, "
-                    "or --insecure-metrics if a network policy limits who can reach it"
-                )
+        if _plaintext_off_host(self.metrics_listen, tls, allowed=self.insecure_metrics):
+            raise ConfigError(
+                f"refusing to serve /metrics in plaintext on non-loopback address "
+                f"{self.metrics_listen!r} (it names jobs' states to anyone who connects): "
+                "listen on 127.0.0.1 and scrape through a sidecar, pass --tls-cert/--tls-key, "
+                "or --insecure-metrics if a network policy limits who can reach it"
+            )
 
     def limits(self) -> Limits:
-        return dataclasses.replace(
-            Limits(),
-            max_jobs=self.max_jobs,
-            max_members_per_job=self.max_members_per_job,
-            max_concurrent_rpcs=self.max_concurrent_rpcs,
-            max_waiters=self.max_waiters,
-            max_waiters_per_job=self.max_waiters_per_job,
-            max_barriers_per_job=self.max_barriers_per_job,
-            max_keys_per_job=self.max_keys_per_job,
-            max_value_bytes=self.max_value_bytes,
-            max_kv_bytes=self.max_kv_bytes,
-        )
+        """``Limits`` with the configured fields; those without a setting keep their default."""
+        settable = {f.name for f in dataclasses.fields(Limits)} & FIELDS.keys()
+        return dataclasses.replace(Limits(), **{name: getattr(self, name) for name in settable})
 
     def timing(self) -> Timing:
         return Timing(
@@ -212,6 +184,14 @@ def check_tls_pair(cert: Path, key: Path) -> None:
             f"cannot load TLS certificate {cert} with key {key}: {exc.reason or exc.strerror}; "
             "both must be PEM, the key unencrypted"
         ) from None
+
+
+def _plaintext_off_host(listen: str | None, tls: bool, *, allowed: bool) -> bool:
+    """Whether serving on ``listen`` would send plaintext beyond this host unasked."""
+    if listen is None or tls or allowed:
+        return False
+    host, _ = split_listen(listen)
+    return host is not None and not is_loopback(host)
 
 
 def split_listen(listen: str) -> tuple[str | None, int]:

@@ -13,7 +13,7 @@ Messages never contain the unique id or a token.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 
 class DaemonError(Exception):
@@ -53,6 +53,11 @@ class RendezvousFault(Exception):
         self.reason = reason
         self.message = message
         self.metadata: dict[str, str] = dict(metadata or {})
+
+
+def shown(names: Sequence[str], most: int = 8) -> str:
+    """The first ``most`` names, quoted, for a message; " ..." when there are more."""
+    return ", ".join(repr(n) for n in names[:most]) + (" ..." if len(names) > most else "")
 
 
 def ranks_text(ranks: Iterable[int]) -> str:

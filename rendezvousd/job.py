@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from rendezvousd.errors import Code, RendezvousFault, ranks_text
+from rendezvousd.errors import Code, RendezvousFault, ranks_text, shown
 from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState
 
 
@@ -197,65 +197,60 @@ class Job:
         self.scaleups_woken = 0
         self.rejoin_expected = 0
 
+    def fault(self, code: Code, reason: str, message: str, /, **metadata: str) -> RendezvousFault:
+        """A fault about this job's current generation: its metadata names both."""
+        scope = {"job_id": self.job_id, "generation": str(self.generation)}
+        return RendezvousFault(code, reason, message, scope | metadata)
+
     def topology_conflict(self, host: str, num_nodes: int, gpus_per_node: int) -> RendezvousFault:
         """Why a joiner asking for another topology is refused; when the generation
         is forming, the same fault fails it, so it names both sides."""
         hosts = sorted({m.host for m in self.members.values()})
-        shown = ", ".join(repr(h) for h in hosts[:8]) + (" ..." if len(hosts) > 8 else "")
-        joined = f" (hosts so far: {shown})" if hosts else ""
-        return RendezvousFault(
+        joined = f" (hosts so far: {shown(hosts)})" if hosts else ""
+        return self.fault(
             Code.FAILED_PRECONDITION,
             "TOPOLOGY_MISMATCH",
             f"job {self.job_id!r} generation {self.generation} has num_nodes={self.num_nodes} "
             f"gpus_per_node={self.gpus_per_node}{joined}, but a worker on host {host!r} asked for "
             f"num_nodes={num_nodes} gpus_per_node={gpus_per_node}; every worker of a job must "
             "use the same topology: fix --nnodes / --nproc-per-node and relaunch",
-            {
-                "job_id": self.job_id,
-                "generation": str(self.generation),
-                "topology": f"{self.num_nodes}x{self.gpus_per_node}",
-                "requested_topology": f"{num_nodes}x{gpus_per_node}",
-                "offending_host": host,
-                "hosts": ",".join(hosts),
-            },
+            topology=f"{self.num_nodes}x{self.gpus_per_node}",
+            requested_topology=f"{num_nodes}x{gpus_per_node}",
+            offending_host=host,
+            hosts=",".join(hosts),
         )
 
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""
         if self.conflict is not None:
             return self.conflict
-        meta = {"job_id": self.job_id, "generation": str(self.generation)}
         if self.state is JobState.FAILED:
             lost = ", ".join(f"rank {f.rank} on {f.host} ({f.cause})" for f in self.failed[:8])
             more = f" and {len(self.failed) - 8} more" if len(self.failed) > 8 else ""
-            meta["ranks"] = ranks_text(f.rank for f in self.failed)
-            meta["hosts"] = ",".join(sorted({f.host for f in self.failed}))
-            return RendezvousFault(
+            return self.fault(
                 Code.ABORTED,
                 "PEER_FAILED",
                 f"job {self.job_id!r} generation {self.generation} failed: lost {lost}{more}; "
                 "restart the job (a new Join opens the next generation)",
-                meta,
+                ranks=ranks_text(f.rank for f in self.failed),
+                hosts=",".join(sorted({f.host for f in self.failed})),
             )
         if self.state is JobState.ABORTED:
-            meta["reason"] = self.abort_reason
-            return RendezvousFault(
+            return self.fault(
                 Code.ABORTED,
                 "JOB_ABORTED",
                 f"job {self.job_id!r} generation {self.generation} was aborted: {self.abort_reason}",
-                meta,
+                reason=self.abort_reason,
             )
         if self.state is JobState.ENDED:
-            return RendezvousFault(
+            return self.fault(
                 Code.FAILED_PRECONDITION,
                 "JOB_ENDED",
                 f"job {self.job_id!r} generation {self.generation} has ended: every member left",
-                meta,
             )
-        return RendezvousFault(
+        return self.fault(
             Code.FAILED_PRECONDITION,
             "NOT_RUNNING",
             f"job {self.job_id!r} generation {self.generation} is still forming "
             f"({len(self.members)} of {self.world_size} ranks joined); wait for Join to return",
-            meta,
         )

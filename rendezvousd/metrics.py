@@ -6,6 +6,7 @@ embedded daemon) from colliding in the global one.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import grpc
@@ -37,30 +38,27 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.jobs = Gauge("rendezvousd_jobs", "Jobs by state", ["state"], registry=r)
-        self.members = Gauge(
-            "rendezvousd_members", "Members present in current generations", registry=r
-        )
-        self.joins = Counter("rendezvousd_joins", "Completed joins", registry=r)
-        self.failures = Counter(
-            "rendezvousd_failures_detected", "Generations failed by a lost member", registry=r
+        # Every metric goes into this daemon's registry, never the global one.
+        gauge = functools.partial(Gauge, registry=self.registry)
+        counter = functools.partial(Counter, registry=self.registry)
+        self.jobs = gauge("rendezvousd_jobs", "Jobs by state", ["state"])
+        self.members = gauge("rendezvousd_members", "Members present in current generations")
+        self.joins = counter("rendezvousd_joins", "Completed joins")
+        self.failures = counter(
+            "rendezvousd_failures_detected", "Generations failed by a lost member"
         )
         self.rpc = Histogram(
             "rendezvousd_rpc_duration_seconds",
             "RPC handling time including waiting",
             ["method", "code"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
+            registry=self.registry,
         )
-        self.streams = Gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams", registry=r)
-        self.waiters = Gauge(
-            "rendezvousd_waiters", "Parked calls (join, barrier, kv wait)", registry=r
-        )
-        self.heartbeat_lag = Gauge(
+        self.streams = gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams")
+        self.waiters = gauge("rendezvousd_waiters", "Parked calls (join, barrier, kv wait)")
+        self.heartbeat_lag = gauge(
             "rendezvousd_heartbeat_age_max_seconds",
             "Largest time since an active member's last heartbeat",
-            registry=r,
         )
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:

@@ -7,7 +7,8 @@ serializes straight onto the wire.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from rendezvousd.errors import RendezvousFault
 
@@ -52,13 +53,41 @@ class FailedInfo:
 
 
 @dataclass(frozen=True)
-class JoinResult:
+class Seat:
+    """Where one rank sits in a generation: what Join answers every rank, and what
+    the SDK's ``Membership`` (a subclass) gives a worker."""
+
     job_id: str
     generation: int
     rank: int
     world_size: int
     node_rank: int
     local_rank: int
+
+
+@dataclass(frozen=True)
+class NodeSeat:
+    """Where one node agent's block of ranks sits in a generation: what JoinNode
+    answers, and what the SDK's ``NodeMembership`` (a subclass) gives an agent."""
+
+    job_id: str
+    generation: int
+    node_rank: int
+    num_nodes: int
+    gpus_per_node: int
+
+
+def seat_of(source: object, kind: type[Seat | NodeSeat] = Seat, **given: Any) -> dict[str, Any]:
+    """The fields of a ``kind`` (``Seat`` or ``NodeSeat``) as keyword arguments: the
+    ``given`` ones, the rest copied from ``source`` (a result, a Join or JoinNode
+    response, a node agent's assignment, or a job, which knows all but the rank)."""
+    return {
+        f.name: given[f.name] if f.name in given else getattr(source, f.name) for f in fields(kind)
+    }
+
+
+@dataclass(frozen=True)
+class JoinResult(Seat):
     id_required: bool
     unique_id: bytes
     # Shared by every rank of a generation, so adapters may cache its encoding.
@@ -72,14 +101,9 @@ class JoinResult:
 
 
 @dataclass(frozen=True)
-class NodeJoinResult:
+class NodeJoinResult(NodeSeat):
     """A JoinNode's answer: the node's rank block, the id and its members' instance ids."""
 
-    job_id: str
-    generation: int
-    node_rank: int
-    num_nodes: int
-    gpus_per_node: int
     id_required: bool
     unique_id: bytes
     member_instance_ids: tuple[str, ...]

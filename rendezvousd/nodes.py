@@ -11,10 +11,10 @@ import hashlib
 from dataclasses import dataclass
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, RendezvousFault, shown
 from rendezvousd.job import Job, Member, Node
 from rendezvousd.limits import Limits
-from rendezvousd.model import JobState, MemberInfo, MemberState, NodeJoinResult
+from rendezvousd.model import JobState, MemberInfo, MemberState, NodeJoinResult, NodeSeat, seat_of
 
 
 @dataclass(frozen=True)
@@ -148,21 +148,23 @@ def node_members(job: Job, node: Node) -> list[Member]:
 def result(job: Job, node: Node) -> NodeJoinResult:
     assert job.unique_id is not None
     return NodeJoinResult(
-        job.job_id,
-        job.generation,
-        node.node_rank,
-        job.num_nodes,
-        job.gpus_per_node,
-        False,
-        job.unique_id,
-        tuple(member_instance_id(node.instance_id, g) for g in range(job.gpus_per_node)),
-        job.member_table,
+        **seat_of(job, NodeSeat, node_rank=node.node_rank),
+        id_required=False,
+        unique_id=job.unique_id,
+        member_instance_ids=tuple(
+            member_instance_id(node.instance_id, g) for g in range(job.gpus_per_node)
+        ),
+        members=job.member_table,
     )
 
 
 def id_required(job: Job) -> NodeJoinResult:
     return NodeJoinResult(
-        job.job_id, job.generation, 0, job.num_nodes, job.gpus_per_node, True, b"", (), ()
+        **seat_of(job, NodeSeat, node_rank=0),
+        id_required=True,
+        unique_id=b"",
+        member_instance_ids=(),
+        members=(),
     )
 
 
@@ -176,9 +178,8 @@ def bounds_conflict(job: Job, args: NodeJoinArgs) -> RendezvousFault:
     """A node asked for other bounds than the generation's: either side may be wrong."""
     hosts = sorted({n.host for n in job.nodes.values()})
     # Either side may be the wrong one: name the hosts of both.
-    shown = ", ".join(repr(h) for h in hosts[:8]) + (" ..." if len(hosts) > 8 else "")
-    joined = f" (nodes so far on hosts {shown})" if hosts else ""
-    return RendezvousFault(
+    joined = f" (nodes so far on hosts {shown(hosts)})" if hosts else ""
+    return job.fault(
         Code.FAILED_PRECONDITION,
         "TOPOLOGY_MISMATCH",
         f"job {job.job_id!r} generation {job.generation} has nodes {job.min_nodes}:"
@@ -186,14 +187,10 @@ def bounds_conflict(job: Job, args: NodeJoinArgs) -> RendezvousFault:
         f"{args.host!r} asked for {args.min_nodes}:{args.max_nodes} x "
         f"gpus_per_node={args.gpus_per_node}; every node of a job must use the same "
         "--nnodes and --nproc-per-node: fix them and relaunch",
-        {
-            "job_id": job.job_id,
-            "generation": str(job.generation),
-            "topology": f"{job.min_nodes}:{job.max_nodes}x{job.gpus_per_node}",
-            "requested_topology": f"{args.min_nodes}:{args.max_nodes}x{args.gpus_per_node}",
-            "offending_host": args.host,
-            "hosts": ",".join(hosts),
-        },
+        topology=f"{job.min_nodes}:{job.max_nodes}x{job.gpus_per_node}",
+        requested_topology=f"{args.min_nodes}:{args.max_nodes}x{args.gpus_per_node}",
+        offending_host=args.host,
+        hosts=",".join(hosts),
     )
 
 
@@ -201,57 +198,58 @@ def mode_mismatch(job: Job, wanted: str, host: str) -> RendezvousFault:
     """A per-rank Join in a node-joined generation, or the reverse."""
     have = "node agents (JoinNode)" if job.join_mode == "node" else "per-rank Join calls"
     asked = "a node join (JoinNode)" if wanted == "node" else "a per-rank Join"
-    return RendezvousFault(
+    return job.fault(
         Code.FAILED_PRECONDITION,
         "JOIN_MODE_MISMATCH",
         f"job {job.job_id!r} generation {job.generation} is joined by {have}; {asked} from "
         f"host {host!r} cannot take part: start every node of a job the same way (all under "
         "rendezvous-run's node agent, or all workers joining per rank)",
-        {"job_id": job.job_id, "generation": str(job.generation), "offending_host": host},
+        offending_host=host,
     )
 
 
 def duplicate_node(job: Job, args: NodeJoinArgs, holder_host: str) -> RendezvousFault:
-    return RendezvousFault(
+    """Another node agent instance holds the node rank this one named."""
+    return job.fault(
         Code.ALREADY_EXISTS,
         "DUPLICATE_RANK",
         f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
         f"on {holder_host}; give each node a distinct --node-rank (or none)",
-        {"job_id": args.job_id, "generation": str(job.generation)},
     )
 
 
 def world_full(job: Job, host: str) -> RendezvousFault:
-    return RendezvousFault(
+    """The generation already has max_nodes nodes: a newcomer cannot join it."""
+    return job.fault(
         Code.RESOURCE_EXHAUSTED,
         "WORLD_FULL",
         f"job {job.job_id!r} generation {job.generation} already has max_nodes="
         f"{job.max_nodes} nodes; the node agent on {host!r} cannot join it",
-        {"job_id": job.job_id, "generation": str(job.generation)},
     )
 
 
 def nodes_incomplete(job: Job, waited: str) -> RendezvousFault:
+    """A JoinNode's wait ended before min_nodes nodes (and node 0's id) were there."""
     hosts = sorted({n.host for n in job.nodes.values()})
-    return RendezvousFault(
+    return job.fault(
         Code.DEADLINE_EXCEEDED,
         "WORLD_INCOMPLETE",
         f"job {job.job_id!r} generation {job.generation}: {len(job.nodes)} node(s) joined "
         f"after {waited}, the generation needs min_nodes={job.min_nodes}"
         + ("" if job.unique_id is not None or not job.nodes else " and node 0's id")
         + "; start the missing node agents or lower --nnodes",
-        {"job_id": job.job_id, "generation": str(job.generation), "hosts": ",".join(hosts)},
+        hosts=",".join(hosts),
     )
 
 
 def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
-    return RendezvousFault(
+    """A parked scale-up JoinNode waited in vain for the running generation to end."""
+    return job.fault(
         Code.DEADLINE_EXCEEDED,
         "WORLD_INCOMPLETE",
         f"job {job.job_id!r} generation {job.generation} kept running with {job.num_nodes} of "
         f"max_nodes={job.max_nodes} nodes for {waited}; the running nodes did not end it to "
         "take this node in",
-        {"job_id": job.job_id, "generation": str(job.generation)},
     )
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 from rendezvousd import validation
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member
 from rendezvousd.limits import Limits
-from rendezvousd.model import JobState, JoinResult
+from rendezvousd.model import JobState, JoinResult, seat_of
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,11 @@ def node_rank(job: Job, args: JoinArgs) -> int:
     for node in range(job.num_nodes):
         if node not in taken:
             return node
-    raise RendezvousFault(
+    raise job.fault(
         Code.RESOURCE_EXHAUSTED,
         "WORLD_FULL",
         f"job {job.job_id!r} already has num_nodes={job.num_nodes} hosts; {args.host!r} cannot "
         "get a node rank",
-        {"job_id": job.job_id, "generation": str(job.generation)},
     )
 
 
@@ -82,13 +82,13 @@ def duplicate_rank(
     job: Job, args: JoinArgs, rank: int, node: int, holder: Member
 ) -> RendezvousFault:
     """Another worker instance already holds the rank this joiner was placed on."""
-    return RendezvousFault(
+    return job.fault(
         Code.ALREADY_EXISTS,
         "DUPLICATE_RANK",
         f"rank {rank} (node_rank={node}, local_rank={args.local_rank}) of job "
         f"{args.job_id!r} is already held by a worker on {holder.host}; give each worker "
         "a distinct (node_rank, local_rank)",
-        {"job_id": args.job_id, "generation": str(job.generation), "ranks": str(rank)},
+        ranks=str(rank),
     )
 
 
@@ -109,12 +109,11 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
         job.unique_id = unique_id
         return
     if job.id_digest() is not None:
-        raise RendezvousFault(
+        raise job.fault(
             Code.ALREADY_EXISTS,
             "ID_CONFLICT",
             f"job {job.job_id!r} generation {job.generation} already has a different unique id; "
             "the first one is kept",
-            {"job_id": job.job_id, "generation": str(job.generation)},
         )
     if digest in job.used_id_digests:
         raise validation.invalid(
@@ -130,31 +129,17 @@ def result(job: Job, member: Member) -> JoinResult:
     """A running generation's answer: the id and the member table."""
     assert job.unique_id is not None
     return JoinResult(
-        job.job_id,
-        job.generation,
-        member.rank,
-        job.world_size,
-        member.node_rank,
-        member.local_rank,
-        False,
-        job.unique_id,
-        job.member_table,
+        **_seat(job, member), id_required=False, unique_id=job.unique_id, members=job.member_table
     )
 
 
 def id_required(job: Job, member: Member) -> JoinResult:
     """Rank 0's answer while the generation has no id: create one and PublishId it."""
-    return JoinResult(
-        job.job_id,
-        job.generation,
-        0,
-        job.world_size,
-        member.node_rank,
-        member.local_rank,
-        True,
-        b"",
-        (),
-    )
+    return JoinResult(**_seat(job, member), id_required=True, unique_id=b"", members=())
+
+
+def _seat(job: Job, member: Member) -> dict[str, Any]:
+    return seat_of(job, rank=member.rank, node_rank=member.node_rank, local_rank=member.local_rank)
 
 
 def unplace(job: Job, rank: int, now: float) -> None:

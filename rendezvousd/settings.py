@@ -194,14 +194,24 @@ def setting(
     env: str | None = _DEFAULT,
     flag: str | None = _DEFAULT,
     implies: Mapping[str, Any] | None = None,
+    unprefixed: bool = False,
 ) -> Any:
     """A dataclass field that is also a TOML key, an env var and a flag.
 
     ``env``/``flag`` default to ``PREFIX_KEY`` and ``--key``; None means none.
+    ``unprefixed``: in a sub-table, those defaults come from the field's name alone
+    (``PREFIX_NAME``, ``--name``), not from its dotted key.
     ``implies``: sibling values an env var or flag sets along with this one (a
     TOML file states them itself).
     """
-    meta = {"help": help, "kind": kind, "env": env, "flag": flag, "implies": implies or {}}
+    meta = {
+        "help": help,
+        "kind": kind,
+        "env": env,
+        "flag": flag,
+        "implies": implies or {},
+        "unprefixed": unprefixed,
+    }
     return field(default=default, metadata=meta)
 
 
@@ -294,13 +304,14 @@ class Schema(Generic[T]):
             meta = f.metadata
             env = meta["env"]
             flag = meta["flag"]
+            name = f.name if meta["unprefixed"] else key
             self.options[key] = Option(
                 key=key,
                 kind=meta["kind"],
                 default=f.default,
                 help=meta["help"],
-                env=self.env_prefix + key.replace(".", "_").upper() if env is _DEFAULT else env,
-                flag="--" + key.replace(".", "-").replace("_", "-") if flag is _DEFAULT else flag,
+                env=self.env_prefix + name.replace(".", "_").upper() if env is _DEFAULT else env,
+                flag="--" + name.replace(".", "-").replace("_", "-") if flag is _DEFAULT else flag,
                 implies={prefix + k: v for k, v in meta["implies"].items()},
             )
 

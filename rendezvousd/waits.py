@@ -26,16 +26,12 @@ class Waiter:
 
 def world_incomplete(job: Job, missing: list[int], waited: str) -> RendezvousFault:
     """A Join's deadline passed before every rank joined: it names who is missing."""
-    return RendezvousFault(
+    return job.fault(
         Code.DEADLINE_EXCEEDED,
         "WORLD_INCOMPLETE",
         f"job {job.job_id!r} generation {job.generation}: {job.world_size - len(missing)} of "
         f"{job.world_size} ranks joined after {waited}; missing ranks {short_ranks(missing)}",
-        {
-            "job_id": job.job_id,
-            "generation": str(job.generation),
-            "ranks": ranks_text(missing[:64]),
-        },
+        ranks=ranks_text(missing[:64]),
     )
 
 
@@ -46,9 +42,8 @@ def key_wait_timeout(job: Job, key: str, waiter: int, waited: str) -> Rendezvous
         waiting.discard(waiter)
         if not waiting:
             del job.kv_waiters[key]
-    return RendezvousFault(
+    return job.fault(
         Code.DEADLINE_EXCEEDED,
         "KEY_WAIT_TIMEOUT",
         f"key {key!r} of job {job.job_id!r} was not set within {waited}",
-        {"job_id": job.job_id, "generation": str(job.generation)},
     )

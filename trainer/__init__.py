@@ -72,6 +72,7 @@ __all__ = [
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
+    __all__,
     {
         "rendezvousd.trainer.bucketing": ("BucketedAllReducer",),
         "rendezvousd.trainer.checkpoint": (
@@ -89,28 +90,11 @@ __getattr__, __dir__ = lazy_exports(
             "DistributedContext",
             "init_distributed",
         ),
-        "rendezvousd.trainer.errors": (
-            "AgentChannelError",
-            "AgentError",
-            "BucketingError",
-            "BucketLayoutMismatch",
-            "CheckpointError",
-            "CollectiveArgumentError",
-            "CommunicatorAborted",
-            "CommunicatorError",
-            "CommunicatorTimeout",
-            "ConfigError",
-            "DeviceCountError",
-            "PeerConnectionError",
-            "ReducerClosed",
-            "RestartsExhausted",
-            "RetriesExhausted",
-            "TrainerError",
-        ),
         "rendezvousd.trainer.state_copy": (
             "StepState",
             "agree_on_step",
         ),
         "rendezvousd.trainer.topology": ("MultiNodeTopology",),
     },
+    errors="rendezvousd.trainer.errors",
 )

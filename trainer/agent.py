@@ -254,10 +254,7 @@ class NodeAgent:
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)
-            try:
-                event = self.events.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
+            event = self._next_event()
             if isinstance(event, Joined) and event.serial == serial:
                 if event.membership is not None:
                     return event.membership
@@ -270,6 +267,14 @@ class NodeAgent:
                 self.pool.fill(self.per_node)
             elif isinstance(event, Reported):
                 event.worker.ack_failure()  # a spare has no rank to report
+
+    def _next_event(self) -> Any:
+        """The next event, or None when POLL_S passed without one (the callers'
+        loops look at their interrupt flag and clocks between events)."""
+        try:
+            return self.events.get(timeout=POLL_S)
+        except queue.Empty:
+            return None
 
     def _spare_died(self, gen: int | None, event: Exited) -> Failure | None:
         """Count a spare's death; the failure to give up with when none is left.
@@ -301,10 +306,7 @@ class NodeAgent:
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
-            try:
-                event = self.events.get(timeout=POLL_S)
-            except queue.Empty:
-                event = None
+            event = self._next_event()
             now = time.monotonic()
             if not refilled and (
                 now - assigned_at > SPARE_DELAY_S or any(w.reported_progress for w in self.active)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rendezvousd.client.membership import Membership
+from rendezvousd.model import seat_of
 
 from .agent_channel import ENV_AGENT_FD, Channel, pack_arrays
 from .errors import AgentChannelError
@@ -93,15 +94,7 @@ class Assignment:
             raise AgentChannelError(f"malformed assignment from the node agent: {exc}") from exc
 
     def membership(self) -> Membership:
-        return Membership(
-            job_id=self.job_id,
-            generation=self.generation,
-            rank=self.rank,
-            world_size=self.world_size,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            unique_id=self.unique_id,
-        )
+        return Membership(**seat_of(self), unique_id=self.unique_id)
 
     def torchrun_env(self) -> dict[str, str]:
         """torchrun's names, for user scripts (known only once assigned)."""

@@ -90,6 +90,11 @@ class NodeRank(Int):
         return AUTO if value is None else str(value)
 
 
+def _tls(help: str) -> Any:
+    """A TLS setting under the daemon's names: ``RENDEZVOUSD_TLS_*`` and ``--tls-*``."""
+    return setting(None, help, Text(optional=True), unprefixed=True)
+
+
 @dataclass(frozen=True, slots=True)
 class RendezvousTransport:
     """How workers find each other.
@@ -122,33 +127,11 @@ class RendezvousTransport:
     )
     # The daemon's own names (tls_cert/tls_key), so one set of files and variables
     # configures both ends; here they are this worker's client certificate (mTLS).
-    tls_ca: str | None = setting(
-        None,
-        "PEM CA bundle that signed the daemon's certificate (enables TLS)",
-        Text(optional=True),
-        env="RENDEZVOUSD_TLS_CA",
-        flag="--tls-ca",
-    )
-    tls_cert: str | None = setting(
-        None,
-        "PEM client certificate, for a daemon that requires mTLS",
-        Text(optional=True),
-        env="RENDEZVOUSD_TLS_CERT",
-        flag="--tls-cert",
-    )
-    tls_key: str | None = setting(
-        None,
-        "PEM private key for tls_cert",
-        Text(optional=True),
-        env="RENDEZVOUSD_TLS_KEY",
-        flag="--tls-key",
-    )
-    tls_server_name: str | None = setting(
-        None,
-        "name to verify in the daemon's certificate, when the endpoint's host differs",
-        Text(optional=True),
-        env="RENDEZVOUSD_TLS_SERVER_NAME",
-        flag="--tls-server-name",
+    tls_ca: str | None = _tls("PEM CA bundle that signed the daemon's certificate (enables TLS)")
+    tls_cert: str | None = _tls("PEM client certificate, for a daemon that requires mTLS")
+    tls_key: str | None = _tls("PEM private key for tls_cert")
+    tls_server_name: str | None = _tls(
+        "name to verify in the daemon's certificate, when the endpoint's host differs"
     )
 
     def __post_init__(self) -> None:

@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from rendezvousd.address import AddressError, route_source
@@ -117,12 +116,7 @@ class DistributedContext:
     def __enter__(self) -> DistributedContext:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(clean=exc_type is None, error=exc)
 
 

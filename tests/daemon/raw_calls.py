@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -15,6 +13,7 @@ from rendezvousd.client import (
     Membership,
     RendezvousClient,
 )
+from rendezvousd.client.errors import error_info
 from tests.support import DaemonProcess, members, wait_for
 
 KIB = 1024
@@ -32,12 +31,8 @@ def bearer(d: DaemonProcess) -> list[tuple[str, str]]:
 
 
 def reason_of(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
-    status = rpc_status.from_call(exc)
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason, dict(info.metadata)
-    return "", {}
+    """(reason, metadata) of the status's ErrorInfo, as the SDK reads them."""
+    return error_info(exc)
 
 
 def raw(

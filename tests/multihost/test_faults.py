@@ -34,6 +34,21 @@ def _training(
     return nodes
 
 
+Training = Callable[..., tuple[Cluster, list[Node]]]
+
+
+@pytest.fixture
+def training(make_cluster: Callable[..., Cluster]) -> Training:
+    """``training(job, num_nodes=3)``: rendezvousd on h0 with the short heartbeat
+    timeout, and that many nodes training ``job`` past rank 0's first steps."""
+
+    def start(job: str, num_nodes: int = 3) -> tuple[Cluster, list[Node]]:
+        cluster = make_cluster(num_nodes, *DAEMON)
+        return cluster, _training(cluster, job, num_nodes)
+
+    return start
+
+
 def _detected(node: Node, cause: str, since: float, within: float) -> str:
     """The node's abort line naming ``cause``, logged within ``within`` s of ``since``."""
     wait_for(
@@ -54,22 +69,16 @@ def _reported(nodes: Sequence[Node], cause: str, since: float, within: float, *n
         assert all(text in line for text in naming), line
 
 
-def test_killed_worker_is_reported_on_every_node_within_a_second(
-    make_cluster: Callable[..., Cluster],
-) -> None:
-    cluster = make_cluster(3, *DAEMON)
-    nodes = _training(cluster, "kill9")
+def test_killed_worker_is_reported_on_every_node_within_a_second(training: Training) -> None:
+    cluster, nodes = training("kill9")
     killed_at = time.time()
     os.kill(nodes[2].worker_pids()[0], signal.SIGKILL)  # global rank 4
     _reported(nodes, "PeerFailed", killed_at, 1.0, "lost rank 4 on h3")
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 
-def test_stopped_worker_is_reported_after_the_heartbeat_timeout(
-    make_cluster: Callable[..., Cluster],
-) -> None:
-    cluster = make_cluster(3, *DAEMON)
-    nodes = _training(cluster, "sigstop")
+def test_stopped_worker_is_reported_after_the_heartbeat_timeout(training: Training) -> None:
+    cluster, nodes = training("sigstop")
     victim = nodes[1].worker_pids()[1]  # global rank 3
     stopped_at = time.time()
     os.kill(victim, signal.SIGSTOP)
@@ -82,11 +91,8 @@ def test_stopped_worker_is_reported_after_the_heartbeat_timeout(
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 
-def test_cut_off_node_blames_the_daemon_and_the_others_blame_it(
-    make_cluster: Callable[..., Cluster],
-) -> None:
-    cluster = make_cluster(3, *DAEMON)
-    nodes = _training(cluster, "partition")
+def test_cut_off_node_blames_the_daemon_and_the_others_blame_it(training: Training) -> None:
+    cluster, nodes = training("partition")
     cut_at = time.time()
     cluster.hosts.link(nodes[2].host, up=False)
     within = HEARTBEAT_TIMEOUT_S + 1.0
@@ -123,11 +129,8 @@ def test_daemon_killed_and_restarted_with_its_state_dir_does_not_stop_training(
         cluster.stop()
 
 
-def test_daemon_gone_for_good_is_reported_on_every_node(
-    make_cluster: Callable[..., Cluster],
-) -> None:
-    cluster = make_cluster(2, *DAEMON)
-    nodes = _training(cluster, "gone", num_nodes=2)
+def test_daemon_gone_for_good_is_reported_on_every_node(training: Training) -> None:
+    cluster, nodes = training("gone", num_nodes=2)
     gone_at = time.time()
     cluster.daemon.kill()
     within = HEARTBEAT_TIMEOUT_S + 1.0

@@ -84,14 +84,26 @@ def _gone(pid: int) -> bool:
     return "\nState:\tZ" in status
 
 
-def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
+Running = tuple[list[subprocess.Popen[str]], dict[int, int]]
+
+
+@pytest.fixture
+def running(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
-) -> None:
+) -> Iterator[Running]:
+    """Two simulated nodes with every worker in its loop, and their pids by global
+    rank, under a daemon that loses a silent member after 5 s."""
     d = start_daemon("--heartbeat-timeout-s", "5")
     with _nodes(d, job_id, tmp_path / "stop") as nodes:
-        pids = _running_pids(nodes)
-        os.kill(pids[3], signal.SIGKILL)
-        outs = [n.communicate(timeout=30) for n in nodes]
+        yield nodes, _running_pids(nodes)
+
+
+def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
+    running: Running,
+) -> None:
+    nodes, pids = running
+    os.kill(pids[3], signal.SIGKILL)
+    outs = [n.communicate(timeout=30) for n in nodes]
     host = socket.gethostname()
     for n, (_, err) in zip(nodes, outs, strict=True):
         assert n.returncode != 0, err
@@ -110,19 +122,17 @@ def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
 
 
 def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    running: Running,
 ) -> None:
-    d = start_daemon("--heartbeat-timeout-s", "5")
-    with _nodes(d, job_id, tmp_path / "stop") as nodes:
-        pids = _running_pids(nodes)
-        nodes[1].kill()
-        nodes[1].wait(10)
-        wait_for(
-            "node 1's workers to die with their launcher",
-            lambda: all(_gone(pids[r]) for r in (2, 3)),
-            timeout=3,
-        )
-        _out, err = nodes[0].communicate(timeout=30)
+    nodes, pids = running
+    nodes[1].kill()
+    nodes[1].wait(10)
+    wait_for(
+        "node 1's workers to die with their launcher",
+        lambda: all(_gone(pids[r]) for r in (2, 3)),
+        timeout=3,
+    )
+    _out, err = nodes[0].communicate(timeout=30)
     # Node 0's agent heard it from the daemon (the node's stream closed), stopped
     # its own workers, and without restarts left names the lost ranks and gives up.
     assert nodes[0].returncode == 1, err

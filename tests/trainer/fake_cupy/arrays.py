@@ -47,6 +47,24 @@ def _wrap(value: Any, world: World, device: int | None = None) -> Any:
     return value
 
 
+def _operator(op: Callable[[Any, Any], Any], reflected: bool = False) -> Any:
+    """An arithmetic operator of ``ndarray``: both operands on one device, the result on it."""
+
+    def method(self: ndarray, other: Any) -> Any:
+        return self._binary(other, op, reflected)
+
+    return method
+
+
+def _in_place(op: Callable[[Any, Any], Any]) -> Any:
+    """An in-place operator of ``ndarray`` (``+=``, ...): the memory underneath changes."""
+
+    def method(self: ndarray, other: Any) -> ndarray:
+        return self._inplace(other, op)
+
+    return method
+
+
 class ndarray:
     """A device array of one fake machine (``world``) on one device."""
 
@@ -129,50 +147,23 @@ class ndarray:
         op(self._host, _unwrap(other))
         return self
 
-    def __add__(self, o: Any) -> Any:
-        return self._binary(o, operator.add, False)
-
-    def __radd__(self, o: Any) -> Any:
-        return self._binary(o, operator.add, True)
-
-    def __sub__(self, o: Any) -> Any:
-        return self._binary(o, operator.sub, False)
-
-    def __rsub__(self, o: Any) -> Any:
-        return self._binary(o, operator.sub, True)
-
-    def __mul__(self, o: Any) -> Any:
-        return self._binary(o, operator.mul, False)
-
-    def __rmul__(self, o: Any) -> Any:
-        return self._binary(o, operator.mul, True)
-
-    def __truediv__(self, o: Any) -> Any:
-        return self._binary(o, operator.truediv, False)
-
-    def __rtruediv__(self, o: Any) -> Any:
-        return self._binary(o, operator.truediv, True)
-
-    def __matmul__(self, o: Any) -> Any:
-        return self._binary(o, operator.matmul, False)
-
-    def __pow__(self, o: Any) -> Any:
-        return self._binary(o, operator.pow, False)
-
     def __neg__(self) -> ndarray:
         return self._same(-self._host)
 
-    def __iadd__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.iadd)
-
-    def __isub__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.isub)
-
-    def __itruediv__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.itruediv)
-
-    def __ifloordiv__(self, o: Any) -> ndarray:
-        return self._inplace(o, operator.ifloordiv)
+    __add__ = _operator(operator.add)
+    __radd__ = _operator(operator.add, reflected=True)
+    __sub__ = _operator(operator.sub)
+    __rsub__ = _operator(operator.sub, reflected=True)
+    __mul__ = _operator(operator.mul)
+    __rmul__ = _operator(operator.mul, reflected=True)
+    __truediv__ = _operator(operator.truediv)
+    __rtruediv__ = _operator(operator.truediv, reflected=True)
+    __matmul__ = _operator(operator.matmul)
+    __pow__ = _operator(operator.pow)
+    __iadd__ = _in_place(operator.iadd)
+    __isub__ = _in_place(operator.isub)
+    __itruediv__ = _in_place(operator.itruediv)
+    __ifloordiv__ = _in_place(operator.ifloordiv)
 
 
 def functions(world: World) -> dict[str, Any]:
