@@ -354,3 +354,39 @@ def test_a_stream_of_a_member_that_is_undone_ends_with_the_fault(
         locker.close()
     wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
     assert _get_job(stub, d, "f") is None and _stored(state, "f") is None
+
+
+def test_a_call_woken_by_an_undone_leave_gets_the_fault_even_past_its_deadline(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    """A Leave that completes a barrier round wakes the waiter only once it is durable;
+    the waiter's own deadline passing meanwhile does not lose that answer."""
+    d, state = daemon
+    stub = _stub(d)
+    meta = bearer(d)
+    a = RendezvousClient(d.endpoint, "g", token=d.token)
+    b = RendezvousClient(d.endpoint, "g", token=d.token)
+    try:
+        _join_pair(a, b)
+        request = pb.BarrierRequest(name="step", sequence=1, wait_timeout_ms=1_000)
+        request.MergeFrom(pb.BarrierRequest(**a._kv_scope()))
+        waiting = stub.Barrier.future(request, metadata=meta, timeout=30)
+        wait_for("the arrival to park", lambda: _waiters(d) == 1)
+        # The commit of the Leave waits out SQLite's busy timeout (5 s), past the
+        # barrier's 1 s, and then fails.
+        locker = sqlite3.connect(state / "state.db", isolation_level=None)
+        locker.execute("BEGIN EXCLUSIVE")
+        try:
+            leave = pb.LeaveRequest(**b._kv_scope())
+            assert _refused(lambda: stub.Leave(leave, metadata=meta, timeout=30)) == (
+                "STORAGE_UNAVAILABLE"
+            )
+            assert _refused(waiting) == "STORAGE_UNAVAILABLE"
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
+        assert _ranks(_get_job(stub, d, "g")) == {0: "ACTIVE", 1: "ACTIVE"}
+    finally:
+        a.close()
+        b.close()
