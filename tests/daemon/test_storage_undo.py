@@ -22,7 +22,7 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client import RendezvousClient
+from rendezvousd.client import RendezvousClient, RendezvousError
 from tests.daemon.raw_calls import bearer, join_request, reason_of
 from tests.daemon.test_storage import SERVING, _health, _join_pair, _start
 from tests.support import DaemonProcess, scrape, wait_for
@@ -390,3 +390,20 @@ def test_a_call_woken_by_an_undone_leave_gets_the_fault_even_past_its_deadline(
     finally:
         a.close()
         b.close()
+
+
+def test_the_sdk_sends_an_undone_barrier_round_again(daemon: tuple[DaemonProcess, Path]) -> None:
+    """barrier() numbers rounds itself: after one the daemon undid, the next barrier()
+    of that name is the same round, not one the daemon would refuse as ahead."""
+    d, state = daemon
+    with RendezvousClient(d.endpoint, "h", token=d.token) as alone:
+        alone.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError) as undone:
+            alone.barrier("step", timeout=10)
+        assert undone.value.reason == "STORAGE_UNAVAILABLE"
+        _storage_back(d, state)
+        alone.barrier("step", timeout=10)
+        alone.barrier("step", timeout=10)
+        stored = _stored(state, "h")
+        assert stored is not None and stored["barriers"]["step"] == 2
