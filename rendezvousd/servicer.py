@@ -52,6 +52,10 @@ class _KeyCall(Protocol):
 
 SERVICE = "rendezvous.v1.Rendezvous"
 _READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob", "GetMembers"})
+# Changes whose handler makes them durable itself (``_durably``), before their effects.
+_SELF_DURABLE = frozenset(
+    {"KvSet", "KvAdd", "KvCompareAndSet", "KvDelete", "Leave", "AbortJob", "ReportFailure"}
+)
 
 
 def _now() -> float:
@@ -429,9 +433,10 @@ class RendezvousServicer:
                     self.persister.check(request.job_id)  # storage down: apply nothing
                 response = await fn(request, context)
                 if mutating:
-                    # Answer only once the change is on disk (group-committed).
-                    self.persister.touch(request.job_id)
-                    await self.persister.durable(request.job_id)
+                    if name not in _SELF_DURABLE:
+                        # Answer only once the change is on disk (group-committed).
+                        self.persister.touch(request.job_id)
+                        await self.persister.durable(request.job_id)
                 elif not await self.persister.settled(getattr(request, "job_id", "") or None):
                     # What was read may have been a change whose commit then failed
                     # and was undone: read again, from what is durable.
