@@ -18,7 +18,9 @@ reports NOT_SERVING until a probe rewrites the whole, now durable, state. Undo r
 than write-ahead because the state machine decides and mutates in one step (limits,
 counters, waiters): undo needs only what is already durable, not a second state
 machine. A retry after the fault (same instance id, sequence number) applies the
-change once. Reads wait for the commit of their job's pending changes
+change once. Not recalled: an event already pushed for a change made by time or by a
+stream's end (a member lost) whose commit then failed; the loss is undone with the rest
+and the liveness rules find it again. Reads wait for the commit of their job's pending changes
 (``settled``), so none answers with a value that is undone a moment later.
 
 ``StateStore`` is the pre-SQLite ``state.json`` format, kept only to import it once.
