@@ -289,6 +289,13 @@ class Session:
         self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
         return self.barrier_counts[name]
 
+    def barrier_failed(self, name: str, error: RendezvousError) -> None:
+        """The daemon did not apply this round (its storage failed, so it undid it): the
+        next barrier() of ``name`` sends the same round again, which the daemon answers at
+        once should it have completed after all."""
+        if error.reason == "STORAGE_UNAVAILABLE":
+            self.barrier_counts[name] -= 1
+
     def scope(self) -> dict[str, Any]:
         """The fields naming this member on Barrier, key-value and Heartbeat requests:
         the daemon answers only the worker instance that joined as the rank."""

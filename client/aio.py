@@ -275,7 +275,11 @@ class AsyncRendezvousClient:
     async def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         wait = timeout or self._s.call_timeout
         request = self._s.barrier_request(name, wait)
-        await self._call("Barrier", request, timeout=wait + SLACK_S)
+        try:
+            await self._call("Barrier", request, timeout=wait + SLACK_S)
+        except RendezvousError as exc:
+            self._s.barrier_failed(name, exc)
+            raise
 
     def _kv_scope(self) -> dict[str, Any]:
         return self._s.scope()

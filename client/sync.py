@@ -288,7 +288,11 @@ class RendezvousClient:
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         wait = timeout or self._s.call_timeout
         request = self._s.barrier_request(name, wait)
-        self._call("Barrier", request, timeout=wait + SLACK_S)
+        try:
+            self._call("Barrier", request, timeout=wait + SLACK_S)
+        except RendezvousError as exc:
+            self._s.barrier_failed(name, exc)
+            raise
 
     def leave(self) -> None:
         """Say goodbye first, then close the stream: otherwise peers see a failure.

@@ -179,7 +179,9 @@ class Job:
         self.failed.clear()
         self.abort_reason = ""
         self.barriers.clear()
-        self.kv.clear()
+        # A new dict, not clear(): the Persister keeps the last committed generation's
+        # store, to put back should opening this one be undone by a failed commit.
+        self.kv = {}
         self.kv_bytes = 0
         self.kv_waiters.clear()
         self.join_waiters.clear()

@@ -6,19 +6,22 @@ and keys in one transaction on a worker thread, shared by every change made
 meanwhile (group commit). An RPC answers only after its change is committed.
 
 Storage failure (disk full, state dir removed): the design is *undo on failure*.
-Before a key-value call runs, the Persister remembers the key's durable value;
-if the commit carrying the change fails, every change not yet durable is undone
-in memory, each of their callers gets UNAVAILABLE / STORAGE_UNAVAILABLE, parked
-readers woken by them get the same fault instead of the value, and the daemon
-refuses every further change up front (nothing applied) and reports NOT_SERVING
-until a probe rewrites the whole state successfully. Undo rather than write-ahead
-because the state machine decides and mutates in one step (limits, counters,
-waiters); undo needs only the old value of one key, not a second state machine.
-Membership calls (Join, Barrier, Leave, AbortJob) are not undone: they are
-idempotent by instance id / sequence number, so their retry after the fault finds
-the same answer, and the change is written once storage is back. Reads wait for
-the commit of their job's pending changes (``settled``), so none answers with a
-value that is undone a moment later.
+When the commit carrying a change fails, everything not yet durable is undone in
+memory: each key changed since its last commit gets its committed value back (the
+Persister remembers it before a key-value call runs), and each job changed since its
+last commit is put back to the record that commit wrote (``rollback``), or removed if
+it has none. Every caller of an undone change gets UNAVAILABLE / STORAGE_UNAVAILABLE,
+so do the calls parked on a job put back and the calls a change woke (never the
+answer it would have had), heartbeat streams of members that exist no more end with
+it, and the daemon refuses every further change up front (nothing applied) and
+reports NOT_SERVING until a probe rewrites the whole, now durable, state. Undo rather
+than write-ahead because the state machine decides and mutates in one step (limits,
+counters, waiters): undo needs only what is already durable, not a second state
+machine. A retry after the fault (same instance id, sequence number) applies the
+change once. Not recalled: an event already pushed for a change made by time or by a
+stream's end (a member lost) whose commit then failed; the loss is undone with the rest
+and the liveness rules find it again. Reads wait for the commit of their job's pending changes
+(``settled``), so none answers with a value that is undone a moment later.
 
 ``StateStore`` is the pre-SQLite ``state.json`` format, kept only to import it once.
 """
@@ -36,11 +39,12 @@ import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rendezvousd import kv as kvrules
-from rendezvousd import snapshot
+from rendezvousd import rollback, snapshot
 from rendezvousd.errors import DaemonError
 from rendezvousd.fault_status import storage_unavailable
 from rendezvousd.state import RendezvousState
@@ -51,6 +55,17 @@ STATE_FILE = "state.json"
 IMPORTED_SUFFIX = ".imported"
 _MISSING = object()
 _UndoKey = tuple[str, str]
+
+
+@dataclass
+class _Cut:
+    """One commit's pending changes, cut on the event loop."""
+
+    writes: list[JobWrite] = field(default_factory=list)
+    # (job, key) -> the value written (None: deleted).
+    written: dict[_UndoKey, bytes | None] = field(default_factory=dict)
+    # job id -> its key-value store (the dict itself) when its record was cut.
+    stores: dict[str, dict[str, bytes]] = field(default_factory=dict)
 
 
 class StateStore:
@@ -139,6 +154,15 @@ class Persister:
         self._failed = 0  # every change up to this version was refused and undone
         self._dirty: dict[str, set[str]] = {}  # job id -> touched KV keys
         self._written_gen: dict[str, int] = {}  # job id -> generation its KV rows hold
+        # job id -> its last committed record, and that generation's key-value store.
+        # The record rather than a copy taken before a job's first change after a commit:
+        # it is by construction what is durable, whichever path changed the job (an RPC,
+        # a tick, a stream's end, a parked call's deadline), where a copy would need a
+        # hook on every one of them. The store is the job's own dict (a new generation
+        # gets a new one), kept at its committed values by the key-value undo.
+        self._durable: dict[str, tuple[dict[str, Any], dict[str, bytes]]] = {}
+        # Told which jobs a failed commit put back (the servicer releases their calls).
+        self.on_undo: Callable[[set[str]], None] | None = None
         # (job, key) -> (version recorded, generation, durable value or None)
         self._undo: dict[_UndoKey, tuple[int, int, bytes | None]] = {}
         self._lock = asyncio.Lock()
@@ -200,12 +224,12 @@ class Persister:
     def _commit_sync(self) -> None:
         if self.store is None or not self._dirty:
             return
-        version, writes, written = self._version, *self._collect()
+        version, cut = self._version, self._collect()
         try:
-            self.store.commit(writes)
+            self.store.commit(cut.writes)
         except (sqlite3.Error, OSError) as exc:
             raise DaemonError(f"cannot write state database {self.store.path}: {exc}") from exc
-        self._committed(version, writes, written)
+        self._committed(version, cut)
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
@@ -236,10 +260,10 @@ class Persister:
         self._version += 1
         self._job_version[job_id] = self._version
 
-    def _collect(self) -> tuple[list[JobWrite], dict[_UndoKey, bytes | None]]:
+    def _collect(self) -> _Cut:
         """The pending changes as rows, cut on the event loop (a consistent cut)."""
-        writes: list[JobWrite] = []
-        written: dict[_UndoKey, bytes | None] = {}
+        cut = _Cut()
+        writes, written = cut.writes, cut.written
         for job_id, keys in self._dirty.items():
             job = self.state.jobs.get(job_id)
             if job is None:
@@ -247,6 +271,7 @@ class Persister:
                     writes.append(JobWrite(job_id, None))
                 continue
             w = JobWrite(job_id, snapshot.job_record(job))
+            cut.stores[job_id] = job.kv
             if self._written_gen.get(job_id) != job.generation:
                 w.kv_replace, w.kv_put = True, dict(job.kv)
                 written.update(((job_id, k), v) for k, v in job.kv.items())
@@ -259,7 +284,7 @@ class Persister:
                     w.kv_put[k] = value
             writes.append(w)
         self._dirty = {}
-        return writes, written
+        return cut
 
     # -- commit -------------------------------------------------------------
 
@@ -301,32 +326,32 @@ class Persister:
     async def _commit(self) -> None:
         assert self.store is not None
         version = self._version
-        writes, written = self._collect()
+        cut = self._collect()
         try:
-            await self._in_writer(self.store.commit, writes)
+            await self._in_writer(self.store.commit, cut.writes)
         except (sqlite3.Error, OSError) as exc:
-            self._fail(writes, exc)
+            self._fail(cut.writes, exc)
             return
-        self._committed(version, writes, written)
+        self._committed(version, cut)
 
-    def _committed(
-        self, version: int, writes: list[JobWrite], written: dict[_UndoKey, bytes | None]
-    ) -> None:
+    def _committed(self, version: int, cut: _Cut) -> None:
         self._saved = max(self._saved, version)
         for job_id in [j for j, v in self._job_version.items() if v <= self._saved]:
             del self._job_version[job_id]
-        for w in writes:
+        written = cut.written
+        for w in cut.writes:
             if w.record is None:
                 self._written_gen.pop(w.job_id, None)
+                self._durable.pop(w.job_id, None)
             else:
                 self._written_gen[w.job_id] = int(w.record["generation"])
+                self._durable[w.job_id] = (w.record, cut.stores[w.job_id])
         for k, (recorded, generation, _) in list(self._undo.items()):
             if recorded >= version:
                 continue  # touched after the cut: its change is still pending
-            job = self.state.jobs.get(k[0])
-            now = job.kv.get(k[1]) if job is not None else None
+            store = self._store_of(k[0], generation)
             value = written.get(k, _MISSING)
-            if job is None or job.generation != generation or value is _MISSING or now is value:
+            if store is None or value is _MISSING or store.get(k[1]) is value:
                 del self._undo[k]
             else:  # changed again since the cut: the committed value is what to undo to
                 self._undo[k] = (self._version, generation, written[k])
@@ -341,18 +366,61 @@ class Persister:
         for w in writes:  # still to be written once storage is back
             self._dirty.setdefault(w.job_id, set()).update(w.kv_put, w.kv_delete)
         self._failed = self._version
-        for (job_id, key), (_, generation, before) in self._undo.items():
-            job = self.state.jobs.get(job_id)
-            if job is None or job.generation != generation:
-                continue
-            current = job.kv.pop(key, None)
-            if current is not None:
-                job.kv_bytes -= kvrules.entry_bytes(key, current)
-            if before is not None:
-                job.kv[key] = before
-                job.kv_bytes += kvrules.entry_bytes(key, before)
-        self._undo.clear()
+        self._undo_kv()
+        undone = self._put_back()
         self._set_health(False)
+        if undone and self.on_undo is not None:
+            self.on_undo(undone)
+
+    def _undo_kv(self) -> None:
+        """Every key changed since its last commit gets its committed value back."""
+        for (job_id, key), (_, generation, before) in self._undo.items():
+            store = self._store_of(job_id, generation)
+            if store is None:
+                continue
+            current = store.pop(key, None)
+            if before is not None:
+                store[key] = before
+            job = self.state.jobs.get(job_id)
+            if job is not None and store is job.kv:
+                job.kv_bytes -= kvrules.entry_bytes(key, current) if current is not None else 0
+                job.kv_bytes += kvrules.entry_bytes(key, before) if before is not None else 0
+        self._undo.clear()
+
+    def _store_of(self, job_id: str, generation: int) -> dict[str, bytes] | None:
+        """The key-value store of ``job_id``'s ``generation``: the job's own while it is at
+        that generation, else the committed one of a job that moved on since."""
+        job = self.state.jobs.get(job_id)
+        if job is not None and job.generation == generation:
+            return job.kv
+        durable = self._durable.get(job_id)
+        if durable is not None and durable[0]["generation"] == generation:
+            return durable[1]
+        return None
+
+    def _put_back(self) -> set[str]:
+        """Every job changed since its last commit goes back to that commit's record (a
+        job with none goes); returns the ones that changed."""
+        now = time.monotonic()
+        undone: set[str] = set()
+        for job_id in list(self._dirty):
+            live = self.state.jobs.get(job_id)
+            durable = self._durable.get(job_id)
+            record = durable[0] if durable is not None else None
+            if (snapshot.job_record(live) if live is not None else None) == record:
+                continue  # only keys changed, or nothing: the key-value undo did it
+            job = None
+            if durable is not None:
+                job = rollback.durable_job(durable[0], durable[1], live, now)
+                self._durable[job_id] = (durable[0], job.kv)
+            self.state.put_back(
+                job_id,
+                job,
+                storage_unavailable(job_id, waiting=True),
+                "undone: the commit of its changes failed; back to its last durable state",
+            )
+            undone.add(job_id)
+        return undone
 
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -371,15 +439,15 @@ class Persister:
                 self.touch(job_id)
             self._written_gen.clear()  # rewrite every KV row: the old file may be gone
             version = self._version
-            writes, written = self._collect()
+            cut = self._collect()
             try:
-                await self._in_writer(_reopen_and_commit, store, writes)
+                await self._in_writer(_reopen_and_commit, store, cut.writes)
             except (sqlite3.Error, OSError, DaemonError) as exc:
-                for w in writes:
+                for w in cut.writes:
                     self._dirty.setdefault(w.job_id, set())
                 log.debug("state storage still failing: %s", exc)
                 return False
-            self._committed(version, writes, written)
+            self._committed(version, cut)
         log.info("state storage %s takes writes again; serving", store.path)
         self._set_health(True)
         return True

@@ -15,7 +15,7 @@ from rendezvousd import validation
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member
 from rendezvousd.limits import Limits
-from rendezvousd.model import JobState, JoinResult, seat_of
+from rendezvousd.model import JobState, JoinResult, MemberState, seat_of
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,17 @@ def duplicate_rank(
         "a distinct (node_rank, local_rank)",
         ranks=str(rank),
     )
+
+
+def abandoned(job: Job, member: Member) -> bool:
+    """Whether nobody holds ``member``'s rank any more: a joiner of a forming generation
+    with no Join parked and no id owed. Only an undone commit leaves one (it wakes every
+    parked call of the job): its worker may retry, or another instance take the rank."""
+    if job.state is not JobState.FORMING or member.state is not MemberState.JOINING:
+        return False
+    if member.rank in job.join_waiters.values():
+        return False
+    return not (member.rank == 0 and job.id_deadline is not None)
 
 
 def accept_id(job: Job, rank: int, unique_id: bytes) -> None:

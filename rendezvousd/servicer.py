@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -19,11 +19,10 @@ from rendezvousd import validation
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.answers import JoinAnswers
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.fault_status import STORAGE_UNAVAILABLE, to_grpc_status
+from rendezvousd.fault_status import STORAGE_UNAVAILABLE, storage_unavailable, to_grpc_status
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import (
     Effect,
-    EventKind,
     JobState,
     JobView,
     Notify,
@@ -35,6 +34,7 @@ from rendezvousd.model import (
 from rendezvousd.persistence import Persister
 from rendezvousd.scope import CALLER, FILTERED_METHODS, Scope, allowed, denied
 from rendezvousd.state import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.streams import HeartbeatStreams
 
 log = logging.getLogger("rendezvousd")
 T = TypeVar("T")
@@ -52,8 +52,10 @@ class _KeyCall(Protocol):
 
 SERVICE = "rendezvous.v1.Rendezvous"
 _READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob", "GetMembers"})
-# (job, generation, "rank" or "node", its rank): members and node agents stream alike.
-_StreamKey = tuple[str, int, str, int]
+# Changes whose handler makes them durable itself (``_durably``), before their effects.
+_SELF_DURABLE = frozenset(
+    {"KvSet", "KvAdd", "KvCompareAndSet", "KvDelete", "Leave", "AbortJob", "ReportFailure"}
+)
 
 
 def _now() -> float:
@@ -70,13 +72,14 @@ class RendezvousServicer:
         self.state = state
         self.metrics = metrics or Metrics(None)
         self.persister = persister or Persister(None, state)
+        self.persister.on_undo = self._undone
         self._futures: dict[int, asyncio.Future[Any]] = {}
-        self._streams: dict[_StreamKey, tuple[int, asyncio.Queue[pb.JobEvent | None]]] = {}
+        self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now)
         self._answers = JoinAnswers(state.timing)
 
     # -- effects ----------------------------------------------------------
 
-    def apply(self, effects: list[Effect] | None = None) -> None:
+    def apply(self, effects: Sequence[Effect] | None = None) -> None:
         for effect in self.state.take_effects() if effects is None else effects:
             if isinstance(effect, Wake):
                 future = self._futures.get(effect.waiter)
@@ -86,34 +89,15 @@ class RendezvousServicer:
                     else:
                         future.set_result(effect.value)
             elif isinstance(effect, Notify):
-                self._push(effect)
+                self.streams.push(effect)
             elif isinstance(effect, Transition):
                 self.persister.touch(effect.job_id)
                 self._transition(effect)
         self.metrics.waiters.set(self.state.waiter_count)
 
-    def _push(self, effect: Notify) -> None:
-        event = pb.JobEvent(
-            kind=pb.JobEvent.Kind.ValueType(effect.kind.value),
-            job_id=effect.job_id,
-            generation=effect.generation,
-            failed=[
-                pb.FailedMember(rank=f.rank, host=f.host, cause=f.cause) for f in effect.failed
-            ],
-            reason=effect.reason,
-            nodes_waiting=effect.nodes_waiting,
-        )
-        targets = [("rank", r) for r in effect.ranks] + [("node", n) for n in effect.nodes]
-        for kind, rank in targets:
-            stream = self._streams.get((effect.job_id, effect.generation, kind, rank))
-            if stream is not None:
-                stream[1].put_nowait(event)
-        if effect.kind is EventKind.PEER_FAILED:
-            self.metrics.failures.inc()
-
     def _transition(self, t: Transition) -> None:
         old = t.old.name if t.old else "-"
-        new = t.new.name if t.new else "EXPIRED"
+        new = t.new.name if t.new else "GONE"
         level = logging.WARNING if t.new in (JobState.FAILED, JobState.ABORTED) else logging.INFO
         log.log(
             level, "job %s generation %d: %s -> %s (%s)", t.job_id, t.generation, old, new, t.detail
@@ -121,6 +105,28 @@ class RendezvousServicer:
         if t.new is None or t.new is not JobState.RUNNING:
             self._answers.forget(t.job_id, t.generation)
         self.metrics.observe_jobs(self.state)
+
+    def _undone(self, job_ids: set[str]) -> None:
+        """A failed commit put ``job_ids`` back to their durable state: the calls parked on
+        them wake (the state queued their faults) and undone members' streams end."""
+        self.apply()
+        for job_id in job_ids:
+            self.streams.end_undone(job_id, storage_unavailable(job_id, waiting=True))
+
+    async def _durably(self, job_id: str, effects: list[Effect]) -> None:
+        """A change to ``job_id`` with ``effects`` was just made: its wakes and events go
+        out only once it is durable. When its commit fails (the Persister undid the
+        change), the calls it woke get STORAGE_UNAVAILABLE instead, and no event is sent."""
+        # Transitions are logs and counts: they may go first, and so precede an undo's.
+        self.apply([e for e in effects if isinstance(e, Transition)])
+        held = [e for e in effects if not isinstance(e, Transition)]
+        self.persister.touch(job_id)
+        try:
+            await self.persister.durable(job_id)
+        except RendezvousFault as fault:
+            self.apply([Wake(e.waiter, None, fault) for e in held if isinstance(e, Wake)])
+            raise
+        self.apply(held)
 
     # -- waiting ----------------------------------------------------------
 
@@ -142,12 +148,15 @@ class RendezvousServicer:
         self._futures[waiter] = future
         timeout = self._wait_s(wait_timeout_ms, context)
         try:
-            return await asyncio.wait_for(future, timeout)
+            # Shielded: a deadline must not cancel an answer that is already on its way.
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
             fault = self.state.cancel_wait(waiter, _now(), timed_out=True)
             self.apply()
             if fault is None:
-                raise RuntimeError("waiter vanished without an answer") from None
+                # Woken just before its deadline by a change whose wakes are held until
+                # it is durable (``_durably``): the answer, or STORAGE_UNAVAILABLE, follows.
+                return await future
             raise fault from None
         except asyncio.CancelledError:
             self.state.cancel_wait(waiter, _now(), timed_out=False)
@@ -213,7 +222,7 @@ class RendezvousServicer:
             request.cause,
             _now(),
         )
-        self.apply()
+        await self._durably(request.job_id, self.state.take_effects())
         return pb.ReportFailureResponse()
 
     async def PublishId(self, request: pb.PublishIdRequest, context: Any) -> bytes:
@@ -262,19 +271,8 @@ class RendezvousServicer:
         result = change(
             job_id, request.generation, request.rank, key, *args, instance_id=request.instance_id
         )
-        effects = self.state.take_effects()
         self.persister.touch(job_id, key)
-        try:
-            await self.persister.durable(job_id)
-        except RendezvousFault as fault:
-            self.apply(
-                [
-                    Wake(e.waiter, None, fault) if isinstance(e, Wake) and e.fault is None else e
-                    for e in effects
-                ]
-            )
-            raise
-        self.apply(effects)
+        await self._durably(job_id, self.state.take_effects())
         return result
 
     async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
@@ -337,68 +335,18 @@ class RendezvousServicer:
         except StopAsyncIteration:
             return
         _authorize("Heartbeat", first.job_id)
-        key = (first.job_id, first.generation, "node" if first.node else "rank", first.rank)
-        attach = self.state.attach_node_stream if first.node else self.state.attach_stream
-        token = attach(first.job_id, first.generation, first.rank, first.instance_id, _now())
-        queue: asyncio.Queue[pb.JobEvent | None] = asyncio.Queue()
-        # Acknowledge the attach at once: a client reattaching after a restart
-        # knows it is heard again without waiting for the next heartbeat.
-        queue.put_nowait(
-            pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
-        )
-        entry = (token, queue)
-        self._streams[key] = entry
-        self.apply()  # events owed to a stream as it attaches (NODES_WAITING)
-        reader = asyncio.create_task(self._read_heartbeats(key, iterator, queue))
-        self.metrics.streams.inc()
-        try:
-            while (event := await queue.get()) is not None:
-                yield event
-        finally:
-            reader.cancel()
-            self.metrics.streams.dec()
-            if self._streams.get(key) is entry:
-                del self._streams[key]
-            detach = self.state.detach_node_stream if first.node else self.state.detach_stream
-            detach(first.job_id, first.generation, first.rank, token, _now())
-            self.apply()
-
-    async def _read_heartbeats(
-        self,
-        key: _StreamKey,
-        iterator: AsyncIterator[pb.HeartbeatRequest],
-        queue: asyncio.Queue[pb.JobEvent | None],
-    ) -> None:
-        # Acks let the client tell "the daemon hears me" from a silent network; a
-        # tenth of the timeout bounds their cost when clients heartbeat often.
-        ack_every = self.state.timing.heartbeat_timeout_s / 10
-        ack = pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
-        acked = _now()
-        beat = self.state.node_heartbeat if key[2] == "node" else self.state.heartbeat
-        try:
-            async for _ in iterator:
-                now = _now()
-                try:
-                    beat(key[0], key[1], key[3], now)
-                except RendezvousFault:
-                    break  # the generation ended; its events were already pushed
-                if now - acked >= ack_every:
-                    acked = now
-                    queue.put_nowait(ack)
-        except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
-            pass
-        finally:
-            queue.put_nowait(None)
+        async for event in self.streams.serve(first, iterator):
+            yield event
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
         leave = self.state.leave_node if request.node else self.state.leave
         leave(request.job_id, request.generation, request.rank, request.instance_id, _now())
-        self.apply()
+        await self._durably(request.job_id, self.state.take_effects())
         return pb.LeaveResponse()
 
     async def AbortJob(self, request: pb.AbortJobRequest, context: Any) -> pb.AbortJobResponse:
         generation = self.state.abort(request.job_id, request.generation, request.reason, _now())
-        self.apply()
+        await self._durably(request.job_id, self.state.take_effects())
         return pb.AbortJobResponse(generation=generation)
 
     # -- inspection -----------------------------------------------------------
@@ -485,9 +433,10 @@ class RendezvousServicer:
                     self.persister.check(request.job_id)  # storage down: apply nothing
                 response = await fn(request, context)
                 if mutating:
-                    # Answer only once the change is on disk (group-committed).
-                    self.persister.touch(request.job_id)
-                    await self.persister.durable(request.job_id)
+                    if name not in _SELF_DURABLE:
+                        # Answer only once the change is on disk (group-committed).
+                        self.persister.touch(request.job_id)
+                        await self.persister.durable(request.job_id)
                 elif not await self.persister.settled(getattr(request, "job_id", "") or None):
                     # What was read may have been a change whose commit then failed
                     # and was undone: read again, from what is durable.

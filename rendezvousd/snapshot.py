@@ -143,24 +143,12 @@ def _digest(text: object, name: str) -> bytes:
 def restore_job(
     state: RendezvousState, raw: Mapping[str, Any], kv: dict[str, bytes], now: float
 ) -> None:
-    """Put one stored job back into ``state``; a malformed record raises ValueError
-    (types and ranges are checked, so a hand-edited row cannot corrupt the daemon)."""
-    job_id = _str(raw, "job_id")
-    job_state = _str(raw, "state")
-    if job_state not in JobState.__members__:
-        raise ValueError(f"state must be one of {', '.join(JobState.__members__)}")
-    job = Job(
-        job_id,
-        _int(raw, "num_nodes", 1, _MAX_WORLD),
-        _int(raw, "gpus_per_node", 1, _MAX_WORLD),
-        _int(raw, "generation", 1),
-        JobState[job_state],
-        now,
-    )
-    job.used_id_digests = {_digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")}
-    id_digest = _str(raw, "id_digest")
-    if id_digest:
-        job.restored_id_digest = _digest(id_digest, "id_digest")
+    """Put one stored job back into ``state`` after a restart; a malformed record raises
+    ValueError (types and ranges are checked, so a hand-edited row cannot corrupt the
+    daemon)."""
+    job = job_from_record(raw, kv, now)
+    if job.restored_id_digest is not None:
+        # Only the digest survives: a later generation must still refuse this id.
         job.used_id_digests.add(job.restored_id_digest)
     if job.state is JobState.FORMING:
         # Mid-bootstrap: nobody can have the id from us any more. Fence it.
@@ -178,6 +166,32 @@ def restore_job(
             )
         )
         return
+    if job.state is JobState.RUNNING:
+        job.restored = True
+    state.jobs[job.job_id] = job
+    state._effects.append(Transition(job.job_id, job.generation, None, job.state, "restored"))
+
+
+def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) -> Job:
+    """The job ``raw`` (a ``job_record``) describes, exactly: no fencing, no id (only its
+    digest, as ``restored_id_digest``), heartbeats as of ``now``, ``kv`` as its store.
+    Raises ValueError when the record is malformed."""
+    job_id = _str(raw, "job_id")
+    job_state = _str(raw, "state")
+    if job_state not in JobState.__members__:
+        raise ValueError(f"state must be one of {', '.join(JobState.__members__)}")
+    job = Job(
+        job_id,
+        _int(raw, "num_nodes", 1, _MAX_WORLD),
+        _int(raw, "gpus_per_node", 1, _MAX_WORLD),
+        _int(raw, "generation", 1),
+        JobState[job_state],
+        now,
+    )
+    job.used_id_digests = {_digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")}
+    id_digest = _str(raw, "id_digest")
+    if id_digest:
+        job.restored_id_digest = _digest(id_digest, "id_digest")
     for m in _rows(raw, "members"):
         member_state = _member_state(m, "members")
         member = Member(
@@ -216,9 +230,7 @@ def restore_job(
         if sorted(job.members) != list(range(job.world_size)):
             raise ValueError("a RUNNING job must have every rank of its world as a member")
         job.member_table = tuple(job.members[r].info() for r in sorted(job.members))
-        job.restored = True
-    state.jobs[job.job_id] = job
-    state._effects.append(Transition(job.job_id, job.generation, None, job.state, "restored"))
+    return job
 
 
 def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:

@@ -49,7 +49,10 @@ class RendezvousState(NodeJoins):
         rank = job.rank_of(node_rank, args.local_rank)
         member = job.members.get(rank)
         if member is not None and member.instance_id != args.instance_id:
-            raise placement.duplicate_rank(job, args, rank, node_rank, member)
+            if not placement.abandoned(job, member):
+                raise placement.duplicate_rank(job, args, rank, node_rank, member)
+            placement.unplace(job, rank, now)
+            member = None
         if args.unique_id:
             placement.accept_id(job, rank, args.unique_id)
         added = member is None

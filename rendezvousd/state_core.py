@@ -11,7 +11,7 @@ import itertools
 
 from rendezvousd import barriers, fences, validation, waits
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.job import Job, Member
+from rendezvousd.job import Attendee, Job, Member
 from rendezvousd.limits import Limits, Timing
 from rendezvousd.model import (
     Effect,
@@ -83,6 +83,39 @@ class StateCore:
     ) -> None:
         if self._unpark(waiter) is not None:
             self._effects.append(Wake(waiter, value, fault))
+
+    def put_back(self, job_id: str, job: Job | None, fault: RendezvousFault, detail: str) -> None:
+        """``job`` (None: no job) replaces ``job_id``'s job: the durable form it had
+        before changes that are undone. What a call parked on it waited for may be gone,
+        so each wakes with ``fault``."""
+        if self._job_waiters.get(job_id):
+            for waiter in [w for w, rec in self._waiters.items() if rec.job_id == job_id]:
+                self._wake(waiter, fault=fault)
+        old = self.jobs.pop(job_id, None)
+        if job is not None:
+            self.jobs[job_id] = job
+        shown = job or old
+        if shown is not None:
+            self._effects.append(
+                Transition(
+                    job_id,
+                    shown.generation,
+                    old.state if old else None,
+                    job.state if job else None,
+                    detail,
+                )
+            )
+
+    def stream_current(
+        self, job_id: str, generation: int, rank: int, token: int, *, node: bool
+    ) -> bool:
+        """Whether the heartbeat stream ``token`` of member (node agent) ``rank`` still
+        serves one: false once the job put back has no such member of that generation."""
+        job = self.jobs.get(job_id)
+        if job is None or job.generation != generation:
+            return False
+        attendee: Attendee | None = job.node_at.get(rank) if node else job.members.get(rank)
+        return attendee is not None and attendee.stream_token == token
 
     def _set_state(self, job: Job, new: JobState, now: float, detail: str) -> None:
         old = job.state

@@ -1,0 +1,409 @@
+"""A membership change whose commit fails is undone: nothing of it survives the outage.
+
+Real daemon processes with a ``--state-dir`` that is taken away (removed, or its
+SQLite write lock held) under a change: the caller and every call parked on the job
+get UNAVAILABLE / STORAGE_UNAVAILABLE, and once storage is back GetJob and the
+database show the job exactly as it was last committed, and the same calls retried
+(same instance ids, same sequence numbers) succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from rendezvousd.client import RendezvousClient, RendezvousError
+from tests.daemon.raw_calls import bearer, join_request, reason_of
+from tests.daemon.test_storage import SERVING, _health, _join_pair, _start
+from tests.support import DaemonProcess, scrape, wait_for
+
+ID = bytes(range(128))
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A daemon with a state dir; a 60 s heartbeat timeout, so that members without a
+    heartbeat stream outlive every step below."""
+    d, state = _start(tmp_path, 60)
+    try:
+        yield d, state
+    finally:
+        d.kill()
+
+
+def _stub(d: DaemonProcess) -> Any:
+    """A stub without channel retries: each assertion is about one call's answer."""
+    channel = grpc.insecure_channel(d.endpoint, options=[("grpc.enable_retries", 0)])
+    return pb_grpc.RendezvousStub(channel)
+
+
+def _refused(call: Any) -> str:
+    """The reason of the error that ``call`` (a thunk or a future) ends with."""
+    with pytest.raises(grpc.RpcError) as info:
+        call.result(timeout=30) if hasattr(call, "result") else call()
+    return reason_of(info.value)[0]
+
+
+def _get_job(stub: Any, d: DaemonProcess, job_id: str) -> pb.GetJobResponse | None:
+    try:
+        job: pb.GetJobResponse = stub.GetJob(
+            pb.GetJobRequest(job_id=job_id), metadata=bearer(d), timeout=10
+        )
+    except grpc.RpcError as exc:
+        assert exc.code() is grpc.StatusCode.NOT_FOUND, exc
+        return None
+    return job
+
+
+def _ranks(job: pb.GetJobResponse | None) -> dict[int, str]:
+    """rank -> member state name."""
+    assert job is not None
+    return {
+        m.member.rank: pb.MemberState.Name(m.state).removeprefix("MEMBER_STATE_")
+        for m in job.members
+    }
+
+
+def _stored(state: Path, job_id: str) -> dict[str, Any] | None:
+    """The job's row in the database: generation, state and its JSON detail."""
+    db = sqlite3.connect(state / "state.db")
+    try:
+        row = db.execute(
+            "SELECT generation, state, detail FROM jobs WHERE job_id=?", (job_id,)
+        ).fetchone()
+    finally:
+        db.close()
+    if row is None:
+        return None
+    return {"generation": row[0], "state": row[1], **json.loads(row[2])}
+
+
+def _storage_back(d: DaemonProcess, state: Path) -> None:
+    state.mkdir(mode=0o700)
+    wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
+
+
+def _waiters(d: DaemonProcess) -> float:
+    return scrape(d.metrics_url)["rendezvousd_waiters"]
+
+
+def _one_beat(done: threading.Event) -> Iterator[pb.HeartbeatRequest]:
+    """Rank 1's heartbeat stream of job "f": one beat, then open (silent) until ``done``."""
+    yield pb.HeartbeatRequest(job_id="f", generation=1, rank=1, instance_id="r1")
+    done.wait(30)
+
+
+def test_a_join_whose_commit_fails_is_undone_and_its_retry_joins(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    d, state = daemon
+    stub = _stub(d)
+    # Generation 1 ran, kept a key, and ended: that much is durable.
+    with RendezvousClient(d.endpoint, "a", token=d.token) as first:
+        first.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        first.kv_set("k", b"v")
+        first.leave()
+    shutil.rmtree(state)
+    # A Join that opens and forms generation 2 at once; its commit fails.
+    join = join_request("a", 1, 0, host="h", unique_id=ID, instance_id="again")
+    assert _refused(lambda: stub.Join(join, metadata=bearer(d), timeout=10)) == (
+        "STORAGE_UNAVAILABLE"
+    )
+    _storage_back(d, state)
+
+    job = _get_job(stub, d, "a")
+    assert job is not None
+    assert (job.summary.generation, job.summary.state) == (1, pb.JOB_STATE_ENDED)
+    assert _ranks(job) == {0: "LEFT"} and job.kv_keys == 1
+    stored = _stored(state, "a")
+    assert stored is not None and (stored["generation"], stored["state"]) == (1, "ENDED")
+
+    # The same Join again (same instance, same id: it was never used) gets its rank.
+    answer = stub.Join(join, metadata=bearer(d), timeout=10)
+    assert (answer.generation, answer.rank, answer.unique_id) == (2, 0, ID)
+    stored = _stored(state, "a")
+    assert stored is not None and (stored["generation"], stored["state"]) == (2, "RUNNING")
+
+
+def test_a_join_that_completes_the_world_and_fails_releases_every_joiner(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    d, state = daemon
+    stub = _stub(d)
+
+    def join(rank: int, instance: str, **fields: Any) -> pb.JoinRequest:
+        return join_request(
+            "b", 3, rank, host="h", instance_id=instance, wait_timeout_ms=30_000, **fields
+        )
+
+    meta = bearer(d)
+    rank1 = stub.Join.future(join(1, "r1"), metadata=meta, timeout=35)
+    wait_for("rank 1 to park", lambda: _waiters(d) == 1)
+    # Rank 0 without the id is told to publish it: answered, so committed with rank 1.
+    told = stub.Join(join(0, "r0"), metadata=meta, timeout=10)
+    assert told.id_required
+    publish = pb.PublishIdRequest(
+        job_id="b", generation=1, rank=0, instance_id="r0", unique_id=ID, wait_timeout_ms=30_000
+    )
+    rank0 = stub.PublishId.future(publish, metadata=meta, timeout=35)
+    wait_for("rank 0's PublishId to park", lambda: _waiters(d) == 2)
+
+    shutil.rmtree(state)
+    assert _refused(lambda: stub.Join(join(2, "r2"), metadata=meta, timeout=10)) == (
+        "STORAGE_UNAVAILABLE"
+    )
+    assert _refused(rank1) == "STORAGE_UNAVAILABLE"
+    assert _refused(rank0) == "STORAGE_UNAVAILABLE"
+    _storage_back(d, state)
+
+    job = _get_job(stub, d, "b")
+    assert job is not None
+    assert (job.summary.generation, job.summary.state) == (1, pb.JOB_STATE_FORMING)
+    assert _ranks(job) == {0: "JOINING", 1: "JOINING"} and not job.id_published
+    assert _waiters(d) == 0
+
+    # Rank 1's worker gave up; a restarted one (another instance) takes the rank
+    # nobody holds, rank 2 retries, and rank 0's retried Join with the id forms it.
+    later = [
+        stub.Join.future(join(1, "r1-restarted"), metadata=meta, timeout=35),
+        stub.Join.future(join(2, "r2"), metadata=meta, timeout=35),
+    ]
+    wait_for("ranks 1 and 2 to park", lambda: _waiters(d) == 2)
+    formed = stub.Join(join(0, "r0", unique_id=ID), metadata=meta, timeout=10)
+    answers = [formed] + [f.result(timeout=10) for f in later]
+    assert [(a.generation, a.rank, a.unique_id) for a in answers] == [
+        (1, 0, ID),
+        (1, 1, ID),
+        (1, 2, ID),
+    ]
+
+
+def test_a_barrier_round_whose_commit_fails_is_not_counted(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    d, state = daemon
+    stub = _stub(d)
+    a = RendezvousClient(d.endpoint, "c", token=d.token)
+    b = RendezvousClient(d.endpoint, "c", token=d.token)
+    try:
+        _join_pair(a, b)
+
+        def barrier(client: RendezvousClient) -> pb.BarrierRequest:
+            return pb.BarrierRequest(
+                name="step", sequence=1, wait_timeout_ms=30_000, **client._kv_scope()
+            )
+
+        meta = bearer(d)
+        first = stub.Barrier.future(barrier(a), metadata=meta, timeout=35)
+        wait_for("the first arrival to park", lambda: _waiters(d) == 1)
+        shutil.rmtree(state)
+        # The last arrival completes the round; its commit fails.
+        assert _refused(lambda: stub.Barrier(barrier(b), metadata=meta, timeout=10)) == (
+            "STORAGE_UNAVAILABLE"
+        )
+        assert _refused(first) == "STORAGE_UNAVAILABLE"
+        _storage_back(d, state)
+        stored = _stored(state, "c")
+        assert stored is not None and stored["barriers"].get("step", 0) == 0
+
+        # Not counted: the retried first arrival waits for the other rank again
+        # (a counted round would answer it at once), and the retries release both.
+        retried = stub.Barrier.future(barrier(a), metadata=meta, timeout=35)
+        wait_for("the retried arrival to park", lambda: _waiters(d) == 1)
+        assert stub.Barrier(barrier(b), metadata=meta, timeout=10).sequence == 1
+        assert retried.result(timeout=10).sequence == 1
+        stored = _stored(state, "c")
+        assert stored is not None and stored["barriers"]["step"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_leave_or_abort_whose_commit_fails_leaves_the_job_as_it_was(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    d, state = daemon
+    stub = _stub(d)
+    a = RendezvousClient(d.endpoint, "d", token=d.token)
+    b = RendezvousClient(d.endpoint, "d", token=d.token)
+    try:
+        _join_pair(a, b)
+        a.start_heartbeat()
+        b.start_heartbeat()
+        meta = bearer(d)
+
+        def streams_open() -> bool:
+            job = _get_job(stub, d, "d")
+            return job is not None and all(m.heartbeat_stream_open for m in job.members)
+
+        wait_for("both heartbeat streams", streams_open)
+        leave = pb.LeaveRequest(**b._kv_scope())
+
+        shutil.rmtree(state)
+        assert _refused(lambda: stub.Leave(leave, metadata=meta, timeout=10)) == (
+            "STORAGE_UNAVAILABLE"
+        )
+        _storage_back(d, state)
+        job = _get_job(stub, d, "d")
+        assert job is not None and job.summary.state == pb.JOB_STATE_RUNNING
+        assert _ranks(job) == {0: "ACTIVE", 1: "ACTIVE"}
+        stored = _stored(state, "d")
+        assert stored is not None
+        assert [m["state"] for m in stored["members"]] == ["ACTIVE", "ACTIVE"]
+
+        shutil.rmtree(state)
+        abort = pb.AbortJobRequest(job_id="d", reason="undone abort")
+        assert _refused(lambda: stub.AbortJob(abort, metadata=meta, timeout=10)) == (
+            "STORAGE_UNAVAILABLE"
+        )
+        _storage_back(d, state)
+        job = _get_job(stub, d, "d")
+        assert job is not None and job.summary.state == pb.JOB_STATE_RUNNING
+        assert job.abort_reason == "" and _ranks(job) == {0: "ACTIVE", 1: "ACTIVE"}
+        # Both members kept their streams, which never heard of either undone change:
+        # the first event they get is the abort that does happen now.
+        assert all(m.heartbeat_stream_open for m in job.members)
+        assert a.failure is None and b.failure is None
+        stub.AbortJob(
+            pb.AbortJobRequest(job_id="d", reason="real abort"), metadata=meta, timeout=10
+        )
+        wait_for("both members to hear the abort", lambda: bool(a.failure and b.failure))
+        for client in (a, b):
+            assert client.failure is not None and client.failure.reason == "JOB_ABORTED"
+            assert "real abort" in str(client.failure)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_join_node_whose_commit_fails_is_undone_and_its_retry_joins(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    d, state = daemon
+    stub = _stub(d)
+    request = pb.JoinNodeRequest(
+        job_id="e",
+        min_nodes=1,
+        max_nodes=1,
+        gpus_per_node=2,
+        host="h",
+        unique_id=ID,
+        instance_id="node-a",
+        wait_timeout_ms=10_000,
+    )
+    shutil.rmtree(state)
+    # One node of one: the generation forms at once; its commit fails.
+    assert _refused(lambda: stub.JoinNode(request, metadata=bearer(d), timeout=10)) == (
+        "STORAGE_UNAVAILABLE"
+    )
+    _storage_back(d, state)
+    assert _get_job(stub, d, "e") is None  # it had never been committed: it is gone
+    assert _stored(state, "e") is None
+
+    answer = stub.JoinNode(request, metadata=bearer(d), timeout=10)
+    assert (answer.generation, answer.node_rank, answer.unique_id) == (1, 0, ID)
+    assert _ranks(_get_job(stub, d, "e")) == {0: "ACTIVE", 1: "ACTIVE"}
+
+
+def test_a_stream_of_a_member_that_is_undone_ends_with_the_fault(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    d, state = daemon
+    stub = _stub(d)
+    meta = bearer(d)
+    # Another connection holds SQLite's write lock: the commit that forms the job waits
+    # out its busy timeout (5 s) with the job RUNNING in memory, and then fails.
+    locker = sqlite3.connect(state / "state.db", isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    stream_done = threading.Event()
+    try:
+        rank1 = stub.Join.future(
+            join_request("f", 2, 1, host="h", instance_id="r1", wait_timeout_ms=30_000),
+            metadata=meta,
+            timeout=35,
+        )
+        wait_for("rank 1 to park", lambda: _waiters(d) == 1)
+        rank0 = stub.Join.future(
+            join_request("f", 2, 0, host="h", instance_id="r0", unique_id=ID),
+            metadata=meta,
+            timeout=35,
+        )
+        wait_for("the job to form in memory", lambda: _waiters(d) == 0)
+        # Rank 1 of that generation attaches its stream before the commit is decided.
+        beats = stub.Heartbeat(_one_beat(stream_done), metadata=meta, timeout=30)
+        assert next(beats).kind == pb.JobEvent.HEARTBEAT_ACK
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in beats:
+                pass
+        assert reason_of(ended.value)[0] == "STORAGE_UNAVAILABLE"
+        assert _refused(rank0) == "STORAGE_UNAVAILABLE"
+        assert _refused(rank1) == "STORAGE_UNAVAILABLE"
+    finally:
+        stream_done.set()
+        locker.execute("ROLLBACK")
+        locker.close()
+    wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
+    assert _get_job(stub, d, "f") is None and _stored(state, "f") is None
+
+
+def test_a_call_woken_by_an_undone_leave_gets_the_fault_even_past_its_deadline(
+    daemon: tuple[DaemonProcess, Path],
+) -> None:
+    """A Leave that completes a barrier round wakes the waiter only once it is durable;
+    the waiter's own deadline passing meanwhile does not lose that answer."""
+    d, state = daemon
+    stub = _stub(d)
+    meta = bearer(d)
+    a = RendezvousClient(d.endpoint, "g", token=d.token)
+    b = RendezvousClient(d.endpoint, "g", token=d.token)
+    try:
+        _join_pair(a, b)
+        request = pb.BarrierRequest(name="step", sequence=1, wait_timeout_ms=1_000)
+        request.MergeFrom(pb.BarrierRequest(**a._kv_scope()))
+        waiting = stub.Barrier.future(request, metadata=meta, timeout=30)
+        wait_for("the arrival to park", lambda: _waiters(d) == 1)
+        # The commit of the Leave waits out SQLite's busy timeout (5 s), past the
+        # barrier's 1 s, and then fails.
+        locker = sqlite3.connect(state / "state.db", isolation_level=None)
+        locker.execute("BEGIN EXCLUSIVE")
+        try:
+            leave = pb.LeaveRequest(**b._kv_scope())
+            assert _refused(lambda: stub.Leave(leave, metadata=meta, timeout=30)) == (
+                "STORAGE_UNAVAILABLE"
+            )
+            assert _refused(waiting) == "STORAGE_UNAVAILABLE"
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
+        assert _ranks(_get_job(stub, d, "g")) == {0: "ACTIVE", 1: "ACTIVE"}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_sdk_sends_an_undone_barrier_round_again(daemon: tuple[DaemonProcess, Path]) -> None:
+    """barrier() numbers rounds itself: after one the daemon undid, the next barrier()
+    of that name is the same round, not one the daemon would refuse as ahead."""
+    d, state = daemon
+    with RendezvousClient(d.endpoint, "h", token=d.token) as alone:
+        alone.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError) as undone:
+            alone.barrier("step", timeout=10)
+        assert undone.value.reason == "STORAGE_UNAVAILABLE"
+        _storage_back(d, state)
+        alone.barrier("step", timeout=10)
+        alone.barrier("step", timeout=10)
+        stored = _stored(state, "h")
+        assert stored is not None and stored["barriers"]["step"] == 2
