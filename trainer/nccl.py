@@ -21,15 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from . import errors as errs
 from .communicator import RankedCommunicator, ReduceOp
-from .errors import (
-    CollectiveArgumentError,
-    CommunicatorAborted,
-    CommunicatorError,
-    CommunicatorTimeout,
-    ConfigError,
-    PeerConnectionError,
-)
 from .nccl_id import NCCL_ID_BYTES, unique_id_to_bytes, unique_id_to_tuple
 from .nccl_watchdog import InitWatchdog
 
@@ -127,16 +120,16 @@ def device_count() -> int:
 def _require_cupy() -> Any:
     cp = _cupy_or_none()
     if cp is None:
-        raise ConfigError(
+        raise errs.ConfigError(
             "backend 'nccl' needs CuPy with NCCL; install the extra matching the CUDA "
             "driver: rendezvousd[gpu-cuda12] (cupy-cuda12x) or rendezvousd[gpu-cuda13] "
             "(cupy-cuda13x)"
         )
     if not getattr(cp.cuda.nccl, "available", True):
-        raise ConfigError("backend 'nccl': CuPy was built without NCCL support")
+        raise errs.ConfigError("backend 'nccl': CuPy was built without NCCL support")
     version = _cupy_version(cp)
     if version is not None and version < _MIN_CUPY:
-        raise ConfigError(
+        raise errs.ConfigError(
             f"backend 'nccl' needs CuPy >= 13.4 (older releases cannot report NCCL's "
             f"remote error), but CuPy {cp.__version__} is installed; upgrade CuPy"
         )
@@ -174,7 +167,7 @@ def create_unique_id() -> bytes:
     try:
         raw = cp.cuda.nccl.get_unique_id()
     except Exception as exc:
-        raise CommunicatorError(f"rank 0: NCCL get_unique_id failed: {exc}") from exc
+        raise errs.CommunicatorError(f"rank 0: NCCL get_unique_id failed: {exc}") from exc
     return unique_id_to_bytes(raw)
 
 
@@ -202,9 +195,11 @@ def nccl_dtype(dtype: Any, version: int) -> int:
     code = _DTYPE_CODES.get(name)
     if code is None:
         supported = ", ".join(_DTYPE_CODES)
-        raise CollectiveArgumentError(f"NCCL cannot reduce dtype {name}; supported: {supported}")
+        raise errs.CollectiveArgumentError(
+            f"NCCL cannot reduce dtype {name}; supported: {supported}"
+        )
     if name == "bfloat16" and version < _AVG_MIN_VERSION:
-        raise CollectiveArgumentError(
+        raise errs.CollectiveArgumentError(
             "NCCL bfloat16 needs NCCL >= 2.10.3; upgrade NCCL or reduce in float32"
         )
     return code
@@ -334,31 +329,33 @@ class NcclCommunicator(RankedCommunicator):
 
     # -- error seam --
 
-    def _failure(self, operation: str, exc: BaseException) -> CommunicatorError:
+    def _failure(self, operation: str, exc: BaseException) -> errs.CommunicatorError:
         where = f"rank {self._rank}/{self._world_size}: NCCL {operation}"
         if self._aborted is not None:
-            return CommunicatorAborted(f"{where} failed after abort: {self._aborted}")
+            return errs.CommunicatorAborted(f"{where} failed after abort: {self._aborted}")
         status = _status_of(exc)
         if isinstance(exc, KeyError) and status is None:
-            return CommunicatorError(f"{where} failed: KeyError: {exc}")
+            return errs.CommunicatorError(f"{where} failed: KeyError: {exc}")
         if operation != "init":
             # An NCCL error leaves the communicator unusable; abort frees it
             # without the hang destroy() risks on a failed group.
             self.abort(f"NCCL {operation} failed: {_error_text(exc, status)}")
         if status in _PEER_STATUSES:
             peers = _peers_text(self._rank, self._world_size)
-            return PeerConnectionError(
+            return errs.PeerConnectionError(
                 f"{where} failed, a peer ({peers}) is unreachable: {_error_text(exc, status)}"
             )
-        return CommunicatorError(f"{where} failed: {_error_text(exc, status)}")
+        return errs.CommunicatorError(f"{where} failed: {_error_text(exc, status)}")
 
     def _check_usable(self, operation: str) -> None:
         if self._aborted is not None:
-            raise CommunicatorAborted(
+            raise errs.CommunicatorAborted(
                 f"rank {self._rank}: NCCL {operation} after abort: {self._aborted}"
             )
         if self._closed:
-            raise CommunicatorError(f"rank {self._rank}: NCCL {operation} on a closed communicator")
+            raise errs.CommunicatorError(
+                f"rank {self._rank}: NCCL {operation} on a closed communicator"
+            )
 
     @contextlib.contextmanager
     def _in_nccl(self, operation: str) -> Iterator[Any]:
@@ -403,7 +400,7 @@ class NcclCommunicator(RankedCommunicator):
                     peers = _peers_text(self._rank, self._world_size)
                     reason = f"{operation} timed out after {self._timeout:g} s waiting for {peers}"
                     self.abort(reason)
-                    raise CommunicatorTimeout(
+                    raise errs.CommunicatorTimeout(
                         f"rank {self._rank}/{self._world_size}: NCCL {operation} did not "
                         f"finish within collective_timeout_s={self._timeout:g} s (peers: "
                         f"{peers}); communicator aborted. A peer is likely dead or stuck"
@@ -413,17 +410,17 @@ class NcclCommunicator(RankedCommunicator):
 
     def _buffer_args(self, array: Any, operation: str) -> tuple[int, int, int]:
         if not isinstance(array, self._cp.ndarray):
-            raise CollectiveArgumentError(
+            raise errs.CollectiveArgumentError(
                 f"rank {self._rank}: NCCL {operation} needs a CuPy array, "
                 f"not {type(array).__name__}"
             )
         if not array.flags.c_contiguous:
-            raise CollectiveArgumentError(
+            raise errs.CollectiveArgumentError(
                 f"rank {self._rank}: NCCL {operation} needs a C-contiguous array; "
                 "pass cupy.ascontiguousarray(array) and copy the result back"
             )
         if array.device.id != self._device:
-            raise CollectiveArgumentError(
+            raise errs.CollectiveArgumentError(
                 f"rank {self._rank}: NCCL {operation}: array is on device {array.device.id}, "
                 f"communicator on device {self._device}"
             )
@@ -495,7 +492,7 @@ class NcclCommunicator(RankedCommunicator):
                     self._wait_done("close")
                     with self._in_nccl("close") as comm, self._cp.cuda.Device(self._device):
                         comm.destroy()
-            except CommunicatorAborted:
+            except errs.CommunicatorAborted:
                 pass  # abort() has already released NCCL's resources
             except self._errors as exc:
                 raise self._failure("close", exc) from exc

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer.bucketing import (
     BucketedAllReducer,
     GradSpec,
@@ -34,15 +35,6 @@ from rendezvousd.trainer.bucketing import (
 )
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
 from rendezvousd.trainer.config import DistributedConfig
-from rendezvousd.trainer.errors import (
-    BucketingError,
-    BucketLayoutMismatch,
-    CollectiveArgumentError,
-    CommunicatorError,
-    ConfigError,
-    ReducerClosed,
-    TrainerError,
-)
 
 F32 = 4
 
@@ -78,7 +70,7 @@ class SoloCommunicator:
         self.entered.set()
         assert self.release.wait(10)
         if self.fail_on_call == len(self.calls):
-            raise CommunicatorError("rank 0: all_reduce failed: peer reset")
+            raise errs.CommunicatorError("rank 0: all_reduce failed: peer reset")
         array *= self.world_size
 
     def broadcast(self, array: Any, root: int = 0) -> None: ...
@@ -142,9 +134,9 @@ def test_zero_size_gradients_take_no_bucket() -> None:
 
 
 def test_bad_caps_are_rejected() -> None:
-    with pytest.raises(ConfigError, match="cap_bytes"):
+    with pytest.raises(errs.ConfigError, match="cap_bytes"):
         plan_buckets(f32(1), cap_bytes=0)
-    with pytest.raises(ConfigError, match="first_bucket_bytes"):
+    with pytest.raises(errs.ConfigError, match="first_bucket_bytes"):
         plan_buckets(f32(1), cap_bytes=10, first_bucket_bytes=0)
     # A first-bucket cap above the cap is clamped to it.
     assert plan_buckets(f32(2, 2, 2), cap_bytes=8, first_bucket_bytes=1 << 20) == plan_buckets(
@@ -333,11 +325,11 @@ def test_unmarked_and_zero_size_gradients_do_not_hang() -> None:
         reducer.wait()  # the rest is marked by wait()
         assert len(comm.calls) == len(reducer.buckets)
         with pytest.raises(
-            CollectiveArgumentError, match=r"rank 0: gradient index 7 is out of range 0\.\.6"
+            errs.CollectiveArgumentError, match=r"rank 0: gradient index 7 is out of range 0\.\.6"
         ):
             reducer.mark_ready(len(grads))
         reducer.mark_ready(0)
-        with pytest.raises(BucketingError, match="already marked"):
+        with pytest.raises(errs.BucketingError, match="already marked"):
             reducer.mark_ready(0)
 
 
@@ -346,23 +338,23 @@ def test_communicator_error_is_reraised_and_sticky() -> None:
     comm = SoloCommunicator()
     comm.fail_on_call = 2
     reducer = BucketedAllReducer(grads, comm, cap_bytes=256, first_bucket_bytes=None)
-    with pytest.raises(CommunicatorError, match="peer reset"):
+    with pytest.raises(errs.CommunicatorError, match="peer reset"):
         reducer.all_reduce_all()
     assert len(comm.calls) == 2  # the bucket after the failed one never ran
-    with pytest.raises(CommunicatorError):
+    with pytest.raises(errs.CommunicatorError):
         reducer.mark_ready(0)
     reducer.close()
     reducer.close()
 
 
 def test_bad_gradients_are_rejected() -> None:
-    with pytest.raises(CollectiveArgumentError, match="floating"):
+    with pytest.raises(errs.CollectiveArgumentError, match="floating"):
         BucketedAllReducer([np.zeros(3, np.int32)], SoloCommunicator())
     readonly = np.zeros(3, np.float32)
     readonly.flags.writeable = False
-    with pytest.raises(CollectiveArgumentError, match="gradient 0 is read-only"):
+    with pytest.raises(errs.CollectiveArgumentError, match="gradient 0 is read-only"):
         BucketedAllReducer([readonly], SoloCommunicator())
-    with pytest.raises(CollectiveArgumentError, match="numpy or CuPy"):
+    with pytest.raises(errs.CollectiveArgumentError, match="numpy or CuPy"):
         BucketedAllReducer([[1.0, 2.0]], SoloCommunicator())
     with BucketedAllReducer([np.zeros(3, np.int32)], SoloCommunicator(), average=False) as r:
         r.all_reduce_all()
@@ -371,9 +363,9 @@ def test_bad_gradients_are_rejected() -> None:
 def test_closed_reducer_refuses_work() -> None:
     reducer = BucketedAllReducer([np.zeros(3, np.float32)], SoloCommunicator())
     reducer.close()
-    with pytest.raises(ReducerClosed, match="closed") as info:
+    with pytest.raises(errs.ReducerClosed, match="closed") as info:
         reducer.mark_ready(0)
-    assert isinstance(info.value, TrainerError)
+    assert isinstance(info.value, errs.TrainerError)
 
 
 def test_from_config_takes_the_caps_from_the_config() -> None:
@@ -436,7 +428,7 @@ def test_verify_layout_passes_when_layouts_match(daemon: Any, job_id: str) -> No
 def test_verify_layout_fails_on_every_rank_naming_the_odd_one(daemon: Any, job_id: str) -> None:
     outcomes = verify_in_threads(daemon, job_id, [800, 800, 1600])
     for outcome in outcomes:
-        assert isinstance(outcome, BucketLayoutMismatch), outcome
+        assert isinstance(outcome, errs.BucketLayoutMismatch), outcome
         assert "rank(s) [2]" in str(outcome)
 
 

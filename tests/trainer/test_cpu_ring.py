@@ -19,17 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
 from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
-from rendezvousd.trainer.errors import (
-    CollectiveArgumentError,
-    CommunicatorAborted,
-    CommunicatorError,
-    CommunicatorTimeout,
-    ConfigError,
-    PeerConnectionError,
-    TrainerError,
-)
 from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener, unsupported_reason
 from tests.support import parallel, wait_for
 
@@ -210,7 +202,7 @@ def _proc_worker(rank: int, world: int, control_port: int, mode: str, transport:
                     comm.all_reduce(array, ReduceOp.AVG)
                     if i == 0:
                         _send(control, b'{"started": true}')
-            except CommunicatorError as exc:
+            except errs.CommunicatorError as exc:
                 report = {"error": type(exc).__name__, "message": str(exc)}
                 _send(control, json.dumps(report).encode())
     finally:
@@ -374,13 +366,13 @@ def test_abort_unblocks_a_pending_all_reduce(transport: str) -> None:
         thread.join(5)
         assert not thread.is_alive()
         assert time.monotonic() - started < 2.0
-        assert isinstance(outcome[0], CommunicatorAborted)
+        assert isinstance(outcome[0], errs.CommunicatorAborted)
         assert "peer 7 failed (unit test)" in str(outcome[0])
-        with pytest.raises(CommunicatorAborted, match="unit test"):
+        with pytest.raises(errs.CommunicatorAborted, match="unit test"):
             comms[0].barrier()
         # The aborted rank's neighbour learns who left instead of waiting 30 s.
         started = time.monotonic()
-        with pytest.raises(PeerConnectionError, match="rank 0"):
+        with pytest.raises(errs.PeerConnectionError, match="rank 0"):
             comms[1].all_reduce(np.ones(1 << 20, np.float32))
         assert time.monotonic() - started < 5.0
 
@@ -389,7 +381,7 @@ def test_abort_unblocks_a_pending_all_reduce(transport: str) -> None:
 def test_timeout_names_the_rank_waited_on(transport: str) -> None:
     with thread_ring(2, timeout=0.5, transport=transport) as comms:
         started = time.monotonic()
-        with pytest.raises(CommunicatorTimeout, match="rank 1"):
+        with pytest.raises(errs.CommunicatorTimeout, match="rank 1"):
             comms[0].all_reduce(np.ones(10, np.float64))
         assert time.monotonic() - started < 3.0
 
@@ -402,7 +394,7 @@ def test_mismatched_collectives_fail_instead_of_corrupting(transport: str) -> No
             lambda: comms[1].all_reduce(np.ones(12, np.float32)),
         ]
         errors = parallel(calls)
-        assert all(isinstance(e, CommunicatorError) for e in errors), errors
+        assert all(isinstance(e, errs.CommunicatorError) for e in errors), errors
         assert any("mismatch" in str(e) for e in errors)
 
 
@@ -419,7 +411,7 @@ def test_wrong_secret_is_rejected_and_never_shown() -> None:
     # Each side's MAC is refused by the other, so neither waits for its 20 s timeout.
     assert time.monotonic() - started < 5.0
     for result in outcome:
-        assert isinstance(result, PeerConnectionError), result
+        assert isinstance(result, errs.PeerConnectionError), result
         assert "rejected" in str(result)
         text = str(result)
         assert SECRET.hex() not in text and other.hex() not in text and "\\x" not in text
@@ -482,10 +474,10 @@ def test_bad_arguments_raise_and_leave_the_ring_usable() -> None:
             (np.ones(4, np.float32), "sum"),
         ]
         for array, op in bad:
-            with pytest.raises(CollectiveArgumentError) as info:
+            with pytest.raises(errs.CollectiveArgumentError) as info:
                 comms[0].all_reduce(array, op)
-            assert isinstance(info.value, (TrainerError, ValueError))
-        with pytest.raises(CollectiveArgumentError, match="root"):
+            assert isinstance(info.value, (errs.TrainerError, ValueError))
+        with pytest.raises(errs.CollectiveArgumentError, match="root"):
             comms[0].broadcast(np.ones(3), root=2)
         arrays = [np.ones(3, np.float32) for _ in range(2)]
         parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
@@ -495,13 +487,13 @@ def test_bad_arguments_raise_and_leave_the_ring_usable() -> None:
 def test_constructor_validates_configuration() -> None:
     socks, addrs = _listeners(1)
     try:
-        with pytest.raises(ConfigError, match="rank"):
+        with pytest.raises(errs.ConfigError, match="rank"):
             CpuRingCommunicator(1, 1, socks[0], addrs, SECRET, 1.0)
-        with pytest.raises(ConfigError, match="secret"):
+        with pytest.raises(errs.ConfigError, match="secret"):
             CpuRingCommunicator(0, 1, socks[0], addrs, b"short", 1.0)
-        with pytest.raises(ConfigError, match="timeout"):
+        with pytest.raises(errs.ConfigError, match="timeout"):
             CpuRingCommunicator(0, 1, socks[0], addrs, SECRET, 0.0)
-        with pytest.raises(ConfigError, match="addresses"):
+        with pytest.raises(errs.ConfigError, match="addresses"):
             CpuRingCommunicator(0, 2, socks[0], addrs, SECRET, 1.0)
     finally:
         socks[0].close()
@@ -511,5 +503,5 @@ def test_close_is_idempotent_and_final() -> None:
     with thread_ring(2) as comms:
         comms[0].close()
         comms[0].close()
-        with pytest.raises(CommunicatorError, match="closed"):
+        with pytest.raises(errs.CommunicatorError, match="closed"):
             comms[0].all_reduce(np.ones(2))

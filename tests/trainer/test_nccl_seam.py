@@ -19,17 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
-from rendezvousd.trainer.errors import (
-    CollectiveArgumentError,
-    CommunicatorAborted,
-    CommunicatorError,
-    CommunicatorTimeout,
-    ConfigError,
-    PeerConnectionError,
-)
 
 from .fake_cupy import (
     FakeCudaError,
@@ -74,12 +67,12 @@ def test_unique_id_normalisation_both_directions() -> None:
     [bytes(128), b"\x01" * 127, b"\x01" * 129, (0,) * 128, (1,) * 127, (300,) + (1,) * 127],
 )
 def test_bad_unique_ids_are_rejected(bad: Any) -> None:
-    with pytest.raises(CollectiveArgumentError):
+    with pytest.raises(errs.CollectiveArgumentError):
         nccl.unique_id_to_bytes(bad)
 
 
 def test_unique_id_of_wrong_type_is_rejected() -> None:
-    with pytest.raises(CollectiveArgumentError, match="not str"):
+    with pytest.raises(errs.CollectiveArgumentError, match="not str"):
         nccl.unique_id_to_bytes("x" * 128)
 
 
@@ -133,7 +126,7 @@ def test_id_never_in_repr_errors_or_state(cupy: Any) -> None:
         assert not (isinstance(value, bytes | bytearray) and value == UID)
         assert not (isinstance(value, tuple) and len(value) == 128)
     log_of(cupy).fail = FakeNcclError(3)
-    with pytest.raises(CommunicatorError) as info:
+    with pytest.raises(errs.CommunicatorError) as info:
         comm.all_reduce(device_array(cupy, [1.0]))
     assert UID.hex()[:8] not in str(info.value) and "\\x01\\x02" not in str(info.value)
 
@@ -156,10 +149,10 @@ def test_dtype_table() -> None:
     for dtype, code in table.items():
         assert nccl.nccl_dtype(np.dtype(dtype), 21805) == code
     assert nccl.nccl_dtype("bfloat16", 21003) == 9
-    with pytest.raises(CollectiveArgumentError, match=r"2\.10\.3"):
+    with pytest.raises(errs.CollectiveArgumentError, match=r"2\.10\.3"):
         nccl.nccl_dtype("bfloat16", 21002)
     for bad in (np.int16, np.bool_, np.complex64):
-        with pytest.raises(CollectiveArgumentError, match="cannot reduce"):
+        with pytest.raises(errs.CollectiveArgumentError, match="cannot reduce"):
             nccl.nccl_dtype(np.dtype(bad), 21805)
 
 
@@ -219,13 +212,13 @@ def test_avg_falls_back_to_sum_and_divide_on_old_nccl(monkeypatch: pytest.Monkey
 def test_bad_buffers_are_refused_before_nccl(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 1, UID, 0)
     # The same error the cpu backend raises for the same misuse.
-    with pytest.raises(CollectiveArgumentError, match="rank 0: NCCL all_reduce needs a CuPy"):
+    with pytest.raises(errs.CollectiveArgumentError, match="rank 0: NCCL all_reduce needs a CuPy"):
         comm.all_reduce(np.zeros(3, np.float32))
-    with pytest.raises(CollectiveArgumentError, match="contiguous"):
+    with pytest.raises(errs.CollectiveArgumentError, match="contiguous"):
         comm.all_reduce(device_array(cupy, np.zeros((4, 4)))[:, ::2])
-    with pytest.raises(CollectiveArgumentError, match="root"):
+    with pytest.raises(errs.CollectiveArgumentError, match="root"):
         comm.broadcast(device_array(cupy, [1.0]), root=1)
-    with pytest.raises(CollectiveArgumentError, match="cannot reduce dtype int16"):
+    with pytest.raises(errs.CollectiveArgumentError, match="cannot reduce dtype int16"):
         comm.all_reduce(device_array(cupy, [1, 2], np.int16))
     assert "allReduce" not in log_of(cupy).names()
 
@@ -233,10 +226,10 @@ def test_bad_buffers_are_refused_before_nccl(cupy: Any) -> None:
 @pytest.mark.parametrize(
     ("error", "kind"),
     [
-        (FakeNcclError(6), PeerConnectionError),
-        (FakeNcclError(2), PeerConnectionError),
-        (FakeNcclError(3), CommunicatorError),
-        (FakeCudaError("cudaErrorIllegalAddress"), CommunicatorError),
+        (FakeNcclError(6), errs.PeerConnectionError),
+        (FakeNcclError(2), errs.PeerConnectionError),
+        (FakeNcclError(3), errs.CommunicatorError),
+        (FakeCudaError("cudaErrorIllegalAddress"), errs.CommunicatorError),
     ],
 )
 def test_errors_are_mapped_with_rank_and_operation(
@@ -251,7 +244,7 @@ def test_errors_are_mapped_with_rank_and_operation(
 
 def test_init_failure_is_mapped(cupy: Any) -> None:
     log_of(cupy).fail = FakeNcclError(6)
-    with pytest.raises(PeerConnectionError, match="rank 0/2: NCCL init"):
+    with pytest.raises(errs.PeerConnectionError, match="rank 0/2: NCCL init"):
         nccl.NcclCommunicator(0, 2, UID, 0)
 
 
@@ -261,7 +254,7 @@ def test_abort_then_collective_raises_aborted(cupy: Any) -> None:
     comm.abort("again")
     assert log_of(cupy).names().count("abort") == 1
     for call in (lambda: comm.all_reduce(device_array(cupy, [1.0])), comm.barrier):
-        with pytest.raises(CommunicatorAborted, match="peer 1 failed"):
+        with pytest.raises(errs.CommunicatorAborted, match="peer 1 failed"):
             call()
     comm.close()
     assert "destroy" not in log_of(cupy).names() and "aborted" in repr(comm)
@@ -272,7 +265,7 @@ def test_abort_from_another_thread_ends_a_barrier(cupy: Any) -> None:
     cupy.world.hang = True  # the barrier's all-reduce never completes
     threading.Timer(0.05, comm.abort, args=("peer 1 died",)).start()
     started = time.monotonic()
-    with pytest.raises(CommunicatorAborted, match="peer 1 died"):
+    with pytest.raises(errs.CommunicatorAborted, match="peer 1 died"):
         comm.barrier()
     assert time.monotonic() - started < 5
     assert "check_async_error" in log_of(cupy).names()
@@ -281,10 +274,12 @@ def test_abort_from_another_thread_ends_a_barrier(cupy: Any) -> None:
 def test_barrier_timeout_aborts(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=0.05)
     cupy.world.hang = True
-    with pytest.raises(CommunicatorTimeout, match=r"barrier did not finish .* \(peers: ranks 1\)"):
+    with pytest.raises(
+        errs.CommunicatorTimeout, match=r"barrier did not finish .* \(peers: ranks 1\)"
+    ):
         comm.barrier()
     assert log_of(cupy).names()[-1] == "abort"
-    with pytest.raises(CommunicatorAborted):
+    with pytest.raises(errs.CommunicatorAborted):
         comm.barrier()
 
 
@@ -295,12 +290,12 @@ def test_barrier_and_close(cupy: Any) -> None:
     comm.close()
     comm.close()
     assert log_of(cupy).names().count("destroy") == 1
-    with pytest.raises(CommunicatorError, match="closed"):
+    with pytest.raises(errs.CommunicatorError, match="closed"):
         comm.all_reduce(device_array(cupy, [1.0]))
 
 
 def test_a_rank_outside_the_world_is_refused_and_with_closes(cupy: Any) -> None:
-    with pytest.raises(ConfigError, match=r"rank=1 is out of range for world_size=1"):
+    with pytest.raises(errs.ConfigError, match=r"rank=1 is out of range for world_size=1"):
         nccl.NcclCommunicator(1, 1, UID, 0)
     assert "NcclCommunicator" not in log_of(cupy).names()
     with nccl.NcclCommunicator(0, 1, UID, 0) as comm:
@@ -317,7 +312,7 @@ def test_without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(nccl, "_import_cupy", missing)
     assert not nccl.cupy_available() and nccl.device_count() == 0
-    with pytest.raises(ConfigError, match="CuPy"):
+    with pytest.raises(errs.ConfigError, match="CuPy"):
         nccl.NcclCommunicator(0, 1, UID, 0)
 
 
@@ -355,7 +350,7 @@ def test_close_drains_abortably(cupy: Any) -> None:
     assert "destroy" not in log_of(cupy).names() and log_of(cupy).names()[-1] == "abort"
     timed = nccl.NcclCommunicator(0, 2, UID, 0, timeout=0.05)
     timed._stream.queue([[False]])
-    with pytest.raises(CommunicatorTimeout, match="close"):
+    with pytest.raises(errs.CommunicatorTimeout, match="close"):
         timed.close()
     timed.close()
 
@@ -371,12 +366,12 @@ def join_alive(thread: threading.Thread, timeout: float = 10) -> None:
 def test_async_error_after_enqueue_aborts_never_destroys(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 3, UID, 0, timeout=30)
     cupy.world.async_error = 6  # a peer died after the all-reduce was enqueued
-    with pytest.raises(PeerConnectionError, match=r"rank 0/3: NCCL all_reduce .*ranks 1, 2"):
+    with pytest.raises(errs.PeerConnectionError, match=r"rank 0/3: NCCL all_reduce .*ranks 1, 2"):
         comm.all_reduce(device_array(cupy, [1.0, 2.0]))
     names = log_of(cupy).names()
     assert names.index("allReduce") < names.index("check_async_error") < names.index("abort")
     assert comm.aborted is not None and cupy.cuda.nccl.comms[0].handle == 0
-    with pytest.raises(CommunicatorAborted, match="after abort"):
+    with pytest.raises(errs.CommunicatorAborted, match="after abort"):
         comm.broadcast(device_array(cupy, [1.0]))
     comm.close()
     assert "destroy" not in log_of(cupy).names()
@@ -386,7 +381,8 @@ def test_collective_timeout_aborts_and_names_op_and_peers(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(2, 4, UID, 0, timeout=0.05)
     cupy.world.hang = True
     with pytest.raises(
-        CommunicatorTimeout, match=r"rank 2/4: NCCL all_reduce .*0\.05 s \(peers: ranks 0, 1, 3\)"
+        errs.CommunicatorTimeout,
+        match=r"rank 2/4: NCCL all_reduce .*0\.05 s \(peers: ranks 0, 1, 3\)",
     ):
         comm.all_reduce(device_array(cupy, [1.0]))
     assert log_of(cupy).names()[-1] == "abort" and "destroy" not in log_of(cupy).names()
@@ -401,7 +397,7 @@ def test_old_cupy_keyerror_for_remote_error_is_a_peer_error(
         FakeNcclError(6)  # what CuPy < 13.4 does for ncclRemoteError
     comm = nccl.NcclCommunicator(1, 2, UID, 0)
     fake.world.async_error = 6
-    with pytest.raises(PeerConnectionError, match="status 6") as info:
+    with pytest.raises(errs.PeerConnectionError, match="status 6") as info:
         comm.all_reduce(device_array(fake, [1.0]))
     assert isinstance(info.value.__cause__, KeyError) and comm.aborted is not None
 
@@ -409,7 +405,7 @@ def test_old_cupy_keyerror_for_remote_error_is_a_peer_error(
 def test_cupy_older_than_13_4_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = make_cupy(cupy_version="13.3.1")
     monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
-    with pytest.raises(ConfigError, match=r"CuPy >= 13\.4 .* CuPy 13\.3\.1 is installed"):
+    with pytest.raises(errs.ConfigError, match=r"CuPy >= 13\.4 .* CuPy 13\.3\.1 is installed"):
         nccl.NcclCommunicator(0, 1, UID, 0)
 
 
@@ -439,7 +435,7 @@ def test_abort_waits_for_a_call_inside_nccl(cupy: Any) -> None:
     join_alive(aborter)
     join_alive(caller)
     assert fake.races == [] and fake.names().index("allReduce") < fake.names().index("abort")
-    assert len(errors) == 1 and isinstance(errors[0], CommunicatorAborted)
+    assert len(errors) == 1 and isinstance(errors[0], errs.CommunicatorAborted)
 
 
 def test_concurrent_collectives_from_two_threads(cupy: Any) -> None:
@@ -553,11 +549,13 @@ def test_reducer_after_abort_raises_and_leaves_no_garbage(cupy: Any) -> None:
     cupy.world.hang = True
     reducer = BucketedAllReducer(grads, comm, cap_bytes=1024, first_bucket_bytes=None)
     threading.Timer(0.05, comm.abort, args=("peer 1 died",)).start()
-    with pytest.raises(CommunicatorAborted, match=r"peer 1 died.*\[bucket 0 of 2: gradients \[1\]"):
+    with pytest.raises(
+        errs.CommunicatorAborted, match=r"peer 1 died.*\[bucket 0 of 2: gradients \[1\]"
+    ):
         reducer.wait()
     # The aborted bucket was never unpacked: the gradients hold what they held.
     np.testing.assert_array_equal(cupy.asnumpy(grads[1]), np.full(300, 8.0))
-    with pytest.raises(CommunicatorAborted):
+    with pytest.raises(errs.CommunicatorAborted):
         reducer.wait()
     reducer.close()
 
@@ -567,6 +565,8 @@ def test_reducer_timeout_names_bucket_op_and_peers(cupy: Any) -> None:
     cupy.world.hang = True
     with (
         BucketedAllReducer([device_array(cupy, np.ones(8))], comm) as reducer,
-        pytest.raises(CommunicatorTimeout, match=r"all_reduce .*peers: ranks 0\).*\[bucket 0 of 1"),
+        pytest.raises(
+            errs.CommunicatorTimeout, match=r"all_reduce .*peers: ranks 0\).*\[bucket 0 of 1"
+        ),
     ):
         reducer.wait()
