@@ -50,20 +50,33 @@ def _stored(state: Path, job_id: str, key: str) -> bytes | None:
     return None if row is None else bytes(row[0])
 
 
-def _join_pair(*clients: RendezvousClient) -> None:
-    """Join the clients as local ranks 0.. of one 1-node job, concurrently."""
-    threads = [
-        threading.Thread(
-            target=c.join,
-            kwargs={"num_nodes": 1, "gpus_per_node": len(clients), "local_rank": i, "timeout": 10},
-        )
-        for i, c in enumerate(clients)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-    assert all(c.membership is not None for c in clients), "the pair did not form"
+@contextlib.contextmanager
+def joined_pair(
+    d: DaemonProcess, job_id: str
+) -> Iterator[tuple[RendezvousClient, RendezvousClient]]:
+    """Two clients joined, concurrently, as local ranks 0 and 1 of one 1-node job;
+    closed after."""
+    pair = (
+        RendezvousClient(d.endpoint, job_id, token=d.token),
+        RendezvousClient(d.endpoint, job_id, token=d.token),
+    )
+    try:
+        threads = [
+            threading.Thread(
+                target=c.join,
+                kwargs={"num_nodes": 1, "gpus_per_node": 2, "local_rank": i, "timeout": 10},
+            )
+            for i, c in enumerate(pair)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert all(c.membership is not None for c in pair), "the pair did not form"
+        yield pair
+    finally:
+        for c in pair:
+            c.close()
 
 
 @contextlib.contextmanager
@@ -72,14 +85,10 @@ def _writer_and_reader(
 ) -> Iterator[tuple[DaemonProcess, Path, RendezvousClient, RendezvousClient]]:
     """A daemon with a state dir, and two clients joined to one job; all closed after."""
     d, state = _start(tmp_path, heartbeat_timeout_s)
-    writer = RendezvousClient(d.endpoint, job_id, token=d.token)
-    reader = RendezvousClient(d.endpoint, job_id, token=d.token)
     try:
-        _join_pair(writer, reader)
-        yield d, state, writer, reader
+        with joined_pair(d, job_id) as (writer, reader):
+            yield d, state, writer, reader
     finally:
-        writer.close()
-        reader.close()
         d.kill()
 
 

@@ -24,19 +24,19 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import RendezvousClient, RendezvousError
 from tests.daemon.raw_calls import bearer, join_request, reason_of
-from tests.daemon.test_storage import SERVING, _health, _join_pair, _start
+from tests.daemon.test_storage import SERVING, _health, _start, joined_pair
 from tests.support import DaemonProcess, scrape, wait_for
 
 ID = bytes(range(128))
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
-    """A daemon with a state dir; a 60 s heartbeat timeout, so that members without a
-    heartbeat stream outlive every step below."""
+def daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path, Any]]:
+    """A daemon with a state dir (a 60 s heartbeat timeout, so that members without a
+    heartbeat stream outlive every step below), and a stub without retries for it."""
     d, state = _start(tmp_path, 60)
     try:
-        yield d, state
+        yield d, state, _stub(d)
     finally:
         d.kill()
 
@@ -104,10 +104,9 @@ def _one_beat(done: threading.Event) -> Iterator[pb.HeartbeatRequest]:
 
 
 def test_a_join_whose_commit_fails_is_undone_and_its_retry_joins(
-    daemon: tuple[DaemonProcess, Path],
+    daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
-    d, state = daemon
-    stub = _stub(d)
+    d, state, stub = daemon
     # Generation 1 ran, kept a key, and ended: that much is durable.
     with RendezvousClient(d.endpoint, "a", token=d.token) as first:
         first.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
@@ -136,10 +135,9 @@ def test_a_join_whose_commit_fails_is_undone_and_its_retry_joins(
 
 
 def test_a_join_that_completes_the_world_and_fails_releases_every_joiner(
-    daemon: tuple[DaemonProcess, Path],
+    daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
-    d, state = daemon
-    stub = _stub(d)
+    d, state, stub = daemon
 
     def join(rank: int, instance: str, **fields: Any) -> pb.JoinRequest:
         return join_request(
@@ -189,14 +187,10 @@ def test_a_join_that_completes_the_world_and_fails_releases_every_joiner(
 
 
 def test_a_barrier_round_whose_commit_fails_is_not_counted(
-    daemon: tuple[DaemonProcess, Path],
+    daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
-    d, state = daemon
-    stub = _stub(d)
-    a = RendezvousClient(d.endpoint, "c", token=d.token)
-    b = RendezvousClient(d.endpoint, "c", token=d.token)
-    try:
-        _join_pair(a, b)
+    d, state, stub = daemon
+    with joined_pair(d, "c") as (a, b):
 
         def barrier(client: RendezvousClient) -> pb.BarrierRequest:
             return pb.BarrierRequest(
@@ -224,20 +218,13 @@ def test_a_barrier_round_whose_commit_fails_is_not_counted(
         assert retried.result(timeout=10).sequence == 1
         stored = _stored(state, "c")
         assert stored is not None and stored["barriers"]["step"] == 1
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_leave_or_abort_whose_commit_fails_leaves_the_job_as_it_was(
-    daemon: tuple[DaemonProcess, Path],
+    daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
-    d, state = daemon
-    stub = _stub(d)
-    a = RendezvousClient(d.endpoint, "d", token=d.token)
-    b = RendezvousClient(d.endpoint, "d", token=d.token)
-    try:
-        _join_pair(a, b)
+    d, state, stub = daemon
+    with joined_pair(d, "d") as (a, b):
         a.start_heartbeat()
         b.start_heartbeat()
         meta = bearer(d)
@@ -281,16 +268,12 @@ def test_a_leave_or_abort_whose_commit_fails_leaves_the_job_as_it_was(
         for client in (a, b):
             assert client.failure is not None and client.failure.reason == "JOB_ABORTED"
             assert "real abort" in str(client.failure)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_join_node_whose_commit_fails_is_undone_and_its_retry_joins(
-    daemon: tuple[DaemonProcess, Path],
+    daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
-    d, state = daemon
-    stub = _stub(d)
+    d, state, stub = daemon
     request = pb.JoinNodeRequest(
         job_id="e",
         min_nodes=1,
@@ -316,10 +299,9 @@ def test_a_join_node_whose_commit_fails_is_undone_and_its_retry_joins(
 
 
 def test_a_stream_of_a_member_that_is_undone_ends_with_the_fault(
-    daemon: tuple[DaemonProcess, Path],
+    daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
-    d, state = daemon
-    stub = _stub(d)
+    d, state, stub = daemon
     meta = bearer(d)
     # Another connection holds SQLite's write lock: the commit that forms the job waits
     # out its busy timeout (5 s) with the job RUNNING in memory, and then fails.
@@ -357,17 +339,13 @@ def test_a_stream_of_a_member_that_is_undone_ends_with_the_fault(
 
 
 def test_a_call_woken_by_an_undone_leave_gets_the_fault_even_past_its_deadline(
-    daemon: tuple[DaemonProcess, Path],
+    daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
     """A Leave that completes a barrier round wakes the waiter only once it is durable;
     the waiter's own deadline passing meanwhile does not lose that answer."""
-    d, state = daemon
-    stub = _stub(d)
+    d, state, stub = daemon
     meta = bearer(d)
-    a = RendezvousClient(d.endpoint, "g", token=d.token)
-    b = RendezvousClient(d.endpoint, "g", token=d.token)
-    try:
-        _join_pair(a, b)
+    with joined_pair(d, "g") as (a, b):
         request = pb.BarrierRequest(name="step", sequence=1, wait_timeout_ms=1_000)
         request.MergeFrom(pb.BarrierRequest(**a._kv_scope()))
         waiting = stub.Barrier.future(request, metadata=meta, timeout=30)
@@ -387,15 +365,12 @@ def test_a_call_woken_by_an_undone_leave_gets_the_fault_even_past_its_deadline(
             locker.close()
         wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
         assert _ranks(_get_job(stub, d, "g")) == {0: "ACTIVE", 1: "ACTIVE"}
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_sdk_sends_an_undone_barrier_round_again(daemon: tuple[DaemonProcess, Path]) -> None:
     """barrier() numbers rounds itself: after one the daemon undid, the next barrier()
     of that name is the same round, not one the daemon would refuse as ahead."""
-    d, state = daemon
+    d, state, _ = daemon
     with RendezvousClient(d.endpoint, "h", token=d.token) as alone:
         alone.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
         shutil.rmtree(state)
