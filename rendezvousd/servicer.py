@@ -62,6 +62,11 @@ def _now() -> float:
     return time.monotonic()
 
 
+def _member_of(request: Any) -> tuple[str, int, int]:
+    """Who a member's call comes from, as the state machine's methods take it first."""
+    return request.job_id, request.generation, request.rank
+
+
 class RendezvousServicer:
     def __init__(
         self,
@@ -227,12 +232,7 @@ class RendezvousServicer:
 
     async def PublishId(self, request: pb.PublishIdRequest, context: Any) -> bytes:
         outcome = self.state.publish_id(
-            request.job_id,
-            request.generation,
-            request.rank,
-            request.instance_id,
-            request.unique_id,
-            _now(),
+            *_member_of(request), request.instance_id, request.unique_id, _now()
         )
         result = await self._settle(outcome, request.wait_timeout_ms, context)
         return self._answers.join(result, slim=request.slim)
@@ -240,9 +240,7 @@ class RendezvousServicer:
     async def GetMembers(
         self, request: pb.GetMembersRequest, context: Any
     ) -> pb.GetMembersResponse:
-        table = self.state.member_table(
-            request.job_id, request.generation, request.rank, request.instance_id
-        )
+        table = self.state.member_table(*_member_of(request), request.instance_id)
         if request.start_rank >= len(table):
             raise validation.invalid(
                 "RANK_OUT_OF_RANGE",
@@ -277,9 +275,7 @@ class RendezvousServicer:
 
     async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
         outcome = self.state.barrier(
-            request.job_id,
-            request.generation,
-            request.rank,
+            *_member_of(request),
             request.name,
             request.sequence,
             _now(),
@@ -294,13 +290,7 @@ class RendezvousServicer:
 
     async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
         outcome = self.state.kv_get(
-            request.job_id,
-            request.generation,
-            request.rank,
-            request.key,
-            request.wait,
-            _now(),
-            instance_id=request.instance_id,
+            *_member_of(request), request.key, request.wait, _now(), instance_id=request.instance_id
         )
         return pb.KvGetResponse(value=await self._settle(outcome, request.wait_timeout_ms, context))
 
