@@ -253,11 +253,10 @@ class RendezvousState(NodeJoins):
         if value is not None:
             return value
         if not wait:
-            raise RendezvousFault(
+            raise job.fault(
                 Code.NOT_FOUND,
                 "KEY_NOT_FOUND",
                 f"key {key!r} is not set in job {job_id!r} generation {generation}",
-                {"job_id": job_id, "generation": str(generation)},
             )
         parked = self._park(job, "kv", rank, key, now)
         job.kv_waiters.setdefault(key, set()).add(parked.waiter)
