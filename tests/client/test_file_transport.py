@@ -412,6 +412,23 @@ def test_a_process_of_another_user_cannot_use_it(tmp_path: Path) -> None:
 # -- failure detection -------------------------------------------------------------
 
 
+def _wait_streams_open(directory: Path, job_id: str, ranks: list[int]) -> None:
+    client = RendezvousClient(
+        f"unix:{directory / (job_id + '.sock')}", job_id, token_file=directory / f"{job_id}.token"
+    )
+    try:
+        wait_for(
+            f"the heartbeat streams of ranks {ranks}",
+            lambda: (
+                {m.member.rank for m in client.get_job().members if m.heartbeat_stream_open}
+                >= set(ranks)
+            ),
+            10,
+        )
+    finally:
+        client.close()
+
+
 def run_with_victim(
     tmp_path: Path, victim: int, heartbeat: bool
 ) -> tuple[list[dict[str, dict[str, Any]]], int]:
@@ -433,6 +450,13 @@ def run_with_victim(
         for r, proc in enumerate(procs):
             if r != victim:
                 next_event(proc, "holding")
+        # Every stream up first: a victim killed before its stream is up is found only
+        # by the heartbeat timeout (10 s), and a survivor whose stream comes up only
+        # after the failure is refused, so rank 0's daemon waits out that timeout for
+        # it before exiting. This test is about streams that were there.
+        _wait_streams_open(
+            tmp_path / "rdv", "kill", [r for r in range(world) if heartbeat or r != victim]
+        )
         procs[victim].send_signal(signal.SIGKILL)
         survivors = [p for r, p in enumerate(procs) if r != victim]
         heard = [(next_event(p, "barrier_error"), next_event(p, "callback")) for p in survivors]
