@@ -432,11 +432,19 @@ class RendezvousServicer:
                     # and was undone: read again, from what is durable.
                     response = await fn(request, context)
                 return response
-            except RendezvousFault as fault:
-                code = fault.code.value
+            except RendezvousFault as refused:
+                fault = refused
+                effects = self.state.take_effects()
                 if mutating and fault.reason != STORAGE_UNAVAILABLE:
-                    self.persister.touch(request.job_id)  # a refusal can still change state
-                self.apply()
+                    # A refusal can still change state (a conflicting joiner fails the
+                    # forming generation): told, like a change, only once durable.
+                    try:
+                        await self._durably(request.job_id, effects)
+                    except RendezvousFault as storage:
+                        fault = storage
+                else:
+                    self.apply(effects)
+                code = fault.code.value
                 await context.abort_with_status(to_grpc_status(fault))
             except asyncio.CancelledError:
                 code = "CANCELLED"

@@ -382,3 +382,34 @@ def test_the_sdk_sends_an_undone_barrier_round_again(daemon: tuple[DaemonProcess
         alone.barrier("step", timeout=10)
         stored = _stored(state, "h")
         assert stored is not None and stored["barriers"]["step"] == 2
+
+
+def test_a_refusal_that_would_fail_the_generation_is_not_answered_when_its_commit_fails(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """A joiner with another topology fails a forming generation (both sides are
+    told): when that cannot be committed, neither is told the mismatch, and the
+    generation is still forming once storage is back."""
+    d, state, stub = daemon
+    meta = bearer(d)
+    parked = stub.Join.future(
+        join_request("t", 2, 1, host="h", instance_id="r1", wait_timeout_ms=30_000),
+        metadata=meta,
+        timeout=35,
+    )
+    wait_for("rank 1 to park", lambda: _waiters(d) == 1)
+    assert _get_job(stub, d, "t") is not None  # a read commits the job's pending join
+    shutil.rmtree(state)
+    conflicting = join_request("t", 3, 0, host="h", instance_id="r0", wait_timeout_ms=30_000)
+    assert _refused(lambda: stub.Join(conflicting, metadata=meta, timeout=10)) == (
+        "STORAGE_UNAVAILABLE"
+    )
+    assert _refused(parked) == "STORAGE_UNAVAILABLE"
+    _storage_back(d, state)
+    job = _get_job(stub, d, "t")
+    assert job is not None
+    assert (job.summary.generation, job.summary.state) == (1, pb.JOB_STATE_FORMING)
+    # Told now that storage is back: the mismatch itself.
+    assert _refused(lambda: stub.Join(conflicting, metadata=meta, timeout=10)) == (
+        "TOPOLOGY_MISMATCH"
+    )
