@@ -326,6 +326,41 @@ def test_device_count(cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert nccl.device_count() == 0
 
 
+@pytest.mark.parametrize(
+    ("missing", "expected"),
+    [
+        ("nothing", None),
+        ("cupy", r"^CuPy does not import \(ImportError: libcudart.so.12: cannot open"),
+        ("nccl", r"^CuPy cannot load the NCCL library .* install nvidia-nccl-cu12"),
+        ("driver", r"^no CUDA device \(FakeCudaError: cudaErrorInsufficientDriver: "),
+        ("device", r"^no CUDA device \(CuPy sees none\)$"),
+    ],
+)
+def test_unavailable_reason_names_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, missing: str, expected: str | None
+) -> None:
+    fake = make_cupy(devices=0 if missing == "device" else 1)
+
+    def seam() -> Any:
+        if missing == "cupy":
+            raise ImportError("libcudart.so.12: cannot open shared object file")
+        return fake
+
+    def no_driver() -> int:
+        raise FakeCudaError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    monkeypatch.setattr(nccl, "_import_cupy", seam)
+    if missing == "nccl":  # what real CuPy says when libnccl does not load
+        monkeypatch.setattr(fake.cuda.nccl, "available", False)
+    if missing == "driver":
+        monkeypatch.setattr(fake.cuda.runtime, "getDeviceCount", no_driver)
+    reason = nccl.unavailable_reason()
+    assert reason is None if expected is None else re.search(expected, str(reason)), reason
+    if missing == "nccl":
+        with pytest.raises(errs.ConfigError, match="cannot load the NCCL library"):
+            nccl.create_unique_id()
+
+
 def test_cupy_is_imported_only_in_nccl_py() -> None:
     trainer = Path(nccl.__file__).parent
     pattern = re.compile(r"^\s*(import cupy|from cupy)", re.MULTILINE)
