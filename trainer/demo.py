@@ -81,9 +81,14 @@ def gpu_layout(visible: list[str]) -> list[list[str]]:
 def _visible_gpus() -> list[str]:
     missing = nccl.unavailable_reason()
     if missing is not None:
+        install = (
+            ""
+            if missing.startswith("no CUDA device")
+            else "install rendezvousd[gpu-cuda12] or rendezvousd[gpu-cuda13], or "
+        )
         raise SystemExit(
             f"demo: --backend nccl needs CuPy with NCCL and a CUDA device: {missing}; "
-            "install rendezvousd[gpu-cuda12] or rendezvousd[gpu-cuda13], or use --backend cpu"
+            f"{install}use --backend cpu"
         )
     count = nccl.device_count()
     # Ordinals relative to the parent's own restriction, if it has one.
