@@ -181,6 +181,7 @@ def lookup_or_fail(path: str) -> Any:
 
 
 def kind(attr: Any) -> str:
+    """What an attribute is, in the terms the fake and CuPy must agree on."""
     if isinstance(attr, type):
         return "exception" if issubclass(attr, BaseException) else "callable"
     if isinstance(attr, ModuleType | SimpleNamespace | fake_nccl.FakeNccl):
@@ -358,7 +359,15 @@ FAKE_INSTANCES: dict[str, Callable[[Any], Any]] = {
     "cuda.nccl.NcclError": lambda fake: fake.cuda.nccl.NcclError(6),
     "ndarray": lambda fake: fake_cupy.device_array(fake, [1.0]),
 }
-_NOT_API = {"__dict__", "__module__", "__weakref__", "__annotations__", "__static_attributes__"}
+# Python's own class attributes, not the API a class models.
+_NOT_API = {
+    "__dict__",
+    "__module__",
+    "__weakref__",
+    "__annotations__",
+    "__firstlineno__",
+    "__static_attributes__",
+}
 
 
 def _fake_members(obj: Any) -> Iterator[tuple[str, Any]]:
@@ -368,7 +377,7 @@ def _fake_members(obj: Any) -> Iterator[tuple[str, Any]]:
     inherited = set(dir(BaseException if isinstance(obj, BaseException) else object))
     for name in dir(obj):
         private = name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
-        if not (private or name in inherited or name in _NOT_API or name.startswith("__firstl")):
+        if not (private or name in inherited or name in _NOT_API):
             yield name, inspect.getattr_static(obj, name)
 
 
