@@ -219,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
     parser.add_argument("--token-file", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not nccl.cupy_available() or nccl.device_count() == 0:
-        print("gpu_check: no CuPy with a CUDA device here", file=sys.stderr)
+    missing = nccl.unavailable_reason()
+    if missing is not None:
+        print(f"gpu_check: needs CuPy with NCCL and a CUDA device: {missing}", file=sys.stderr)
         return 1
     if args.child:
         return child(args)

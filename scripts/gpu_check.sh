@@ -3,8 +3,8 @@
 # must already have CuPy with NCCL (e.g. cupy-cuda13x + nvidia-nccl-cu13) and the
 # project's dependencies. Nothing is downloaded: what is missing is named, exactly.
 #
-#   1. the GPU tests (tests/trainer/test_gpu.py, test_gpu_example.py) against real
-#      CuPy/NCCL;
+#   1. the GPU tests (tests/trainer/test_gpu.py, test_gpu_example.py) and the check of
+#      our CuPy seam and its fake against the installed CuPy (test_cupy_api.py);
 #   2. 1 node x 2 ranks on one GPU through `rendezvous-run --backend nccl`, with the
 #      gradient equality check against a single-process baseline;
 #   3. benchmarks/gpu_check.py at world 2: bucketed vs raw all-reduce, pack/unpack
@@ -53,15 +53,53 @@ missing=()
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   missing+=("an NVIDIA driver (nvidia-smi -L failed)")
 fi
+# What CuPy lacks, one line each, with CuPy's or CUDA's own words for why: a CuPy
+# that is installed but fails to import, a driver CUDA finds too old, a library that
+# does not load are each named as what they are.
+cupy_missing() {
+  "$py" - "$py" 2>/dev/null <<'PY'
+import importlib, importlib.util, sys
+
+def why(exc):
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+
+try:
+    import cupy
+except Exception as exc:
+    if importlib.util.find_spec("cupy") is None:
+        print(f"CuPy in {sys.argv[1]} (cupy-cuda13x or cupy-cuda12x, >= 13.4)")
+    else:
+        print(f"a CuPy that imports in {sys.argv[1]} (import cupy: {why(exc)})")
+    sys.exit()
+try:
+    major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+    cu, toolkit = f"cu{major}", f"a CUDA toolkit, or pip install 'cupy-cuda{major}x[ctk]'"
+except Exception:
+    cu, toolkit = "cu12 or -cu13", "a CUDA toolkit"
+try:
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        print("a CUDA device (CuPy sees none)")
+except Exception as exc:
+    print(f"a CUDA device that CuPy can use (getDeviceCount: {why(exc)})")
+try:
+    nccl = importlib.import_module("cupy.cuda.nccl")
+    if not getattr(nccl, "available", True):
+        raise ImportError("CuPy cannot load libnccl.so.2")
+    nccl.get_version()
+except Exception as exc:
+    print(f"NCCL for CuPy (nvidia-nccl-{cu}, or a system NCCL; {why(exc)})")
+try:
+    cupy.cuda.nvrtc.getVersion()
+except Exception as exc:
+    print(f"NVRTC, which CuPy compiles its kernels with (nvidia-cuda-nvrtc-{cu}, or {toolkit}; {why(exc)})")
+try:
+    cupy.cuda.cublas  # loaded on first use, which finds the library first
+except Exception as exc:
+    print(f"cuBLAS, which the example's matrix products need (nvidia-cublas-{cu}, or {toolkit}; {why(exc)})")
+PY
+}
+while IFS= read -r line; do missing+=("$line"); done < <(cupy_missing)
 probe() { "$py" -c "$1" >/dev/null 2>&1; }
-if ! probe "import cupy"; then
-  missing+=("CuPy in $py (cupy-cuda13x or cupy-cuda12x, >= 13.4)")
-else
-  probe "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" ||
-    missing+=("a CUDA device that CuPy can use (CUDA runtime or driver mismatch?)")
-  probe "from cupy.cuda import nccl; nccl.get_version()" ||
-    missing+=("NCCL for CuPy (nvidia-nccl-cu13 or nvidia-nccl-cu12)")
-fi
 for mod in grpc grpc_health grpc_reflection grpc_status google.rpc google.protobuf \
   prometheus_client numpy pytest setuptools; do
   probe "import $mod" || missing+=("the Python module $mod")
@@ -100,7 +138,8 @@ failed=0
 # 1. The GPU tests (--noconftest: they need none of the daemon-side fixtures).
 RENDEZVOUSD_REQUIRE_GPU=1 run_step gpu_tests 120 \
   "$py" -m pytest -q -p no:cacheprovider --noconftest -rs --rootdir "$root" \
-  "$root/tests/trainer/test_gpu.py" "$root/tests/trainer/test_gpu_example.py"
+  "$root/tests/trainer/test_gpu.py" "$root/tests/trainer/test_gpu_example.py" \
+  "$root/tests/trainer/test_cupy_api.py"
 
 # 2. 1 node x 2 ranks on one GPU: each rank its own NCCL "host" (NCCL_HOSTID).
 run_step train_world2 120 env RENDEZVOUSD_NCCL_SHARED_DEVICE=1 \

@@ -79,13 +79,18 @@ def gpu_layout(visible: list[str]) -> list[list[str]]:
 
 
 def _visible_gpus() -> list[str]:
-    count = nccl.device_count()
-    if count == 0:
-        reason = "CuPy with NCCL does not import" if not nccl.cupy_available() else "no GPU"
-        raise SystemExit(
-            f"demo: --backend nccl needs CuPy with NCCL and a CUDA device, but {reason} here; "
-            "install rendezvousd[gpu-cuda12] or rendezvousd[gpu-cuda13], or use --backend cpu"
+    missing = nccl.unavailable_reason()
+    if missing is not None:
+        install = (
+            ""
+            if missing.startswith("no CUDA device")
+            else "install rendezvousd[gpu-cuda12] or rendezvousd[gpu-cuda13], or "
         )
+        raise SystemExit(
+            f"demo: --backend nccl needs CuPy with NCCL and a CUDA device: {missing}; "
+            f"{install}use --backend cpu"
+        )
+    count = nccl.device_count()
     # Ordinals relative to the parent's own restriction, if it has one.
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = inherited.split(",") if inherited else [str(i) for i in range(count)]

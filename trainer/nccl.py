@@ -35,6 +35,7 @@ __all__ = [
     "device_count",
     "exchange_unique_id",
     "is_cupy_array",
+    "unavailable_reason",
     "unique_id_to_bytes",
     "unique_id_to_tuple",
 ]
@@ -102,8 +103,33 @@ def _cupy_or_none() -> Any | None:
 
 
 def cupy_available() -> bool:
-    """True when CuPy (with NCCL bindings) imports on this machine."""
+    """True when CuPy imports on this machine (whether it can load NCCL or not)."""
     return _cupy_or_none() is not None
+
+
+# CuPy's wheels bring no NCCL: cupy.cuda.nccl imports anyway and says
+# available = False when it cannot load libnccl, which a pip install fixes.
+_NO_NCCL = (
+    "CuPy cannot load the NCCL library (libnccl.so.2); install nvidia-nccl-cu12 or "
+    "nvidia-nccl-cu13 to match CuPy's CUDA (the rendezvousd[gpu-cuda12] and "
+    "rendezvousd[gpu-cuda13] extras include it), or a system NCCL"
+)
+
+
+def unavailable_reason() -> str | None:
+    """None when the nccl backend can run here, else what is missing, in words:
+    CuPy, its NCCL library, or a CUDA device (with CUDA's own error)."""
+    try:
+        cp = _import_cupy()
+    except Exception as exc:  # ImportError, or a CUDA library failing to load
+        return f"CuPy does not import ({type(exc).__name__}: {exc})"
+    if not getattr(cp.cuda.nccl, "available", True):
+        return _NO_NCCL
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError: no driver, or one too old for CuPy
+        return f"no CUDA device ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA device (CuPy sees none)"
 
 
 def device_count() -> int:
@@ -126,7 +152,7 @@ def _require_cupy() -> Any:
             "(cupy-cuda13x)"
         )
     if not getattr(cp.cuda.nccl, "available", True):
-        raise errs.ConfigError("backend 'nccl': CuPy was built without NCCL support")
+        raise errs.ConfigError(f"backend 'nccl': {_NO_NCCL}")
     version = _cupy_version(cp)
     if version is not None and version < _MIN_CUPY:
         raise errs.ConfigError(

@@ -95,6 +95,11 @@ def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None
     requires = meta.get_all("Requires-Dist") or []
     assert any(r.startswith("cupy-cuda12x>=13.4") and "gpu-cuda12" in r for r in requires)
     assert any(r.startswith("cupy-cuda13x>=13.6") and "gpu-cuda13" in r for r in requires)
+    # CuPy's wheels load NCCL from these, or cupy.cuda.nccl is unavailable.
+    for cuda in ("12", "13"):
+        assert any(
+            r.startswith(f"nvidia-nccl-cu{cuda}") and f"gpu-cuda{cuda}" in r for r in requires
+        )
     assert meta["License-Expression"] == "Apache-2.0"
 
 

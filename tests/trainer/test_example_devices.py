@@ -146,6 +146,14 @@ def test_demo_nccl_without_a_gpu_says_what_is_missing(
     assert not (tmp_path / "card.json").exists()
 
 
+def test_demo_nccl_without_a_device_asks_for_none_of_the_installs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake_cupy.install(monkeypatch, devices=0)
+    with pytest.raises(SystemExit, match=r"no CUDA device \(CuPy sees none\); use --backend cpu$"):
+        demo.run(1, tmp_path / "card.json", tmp_path, backend="nccl")
+
+
 def test_host_baseline_data_is_the_data_the_device_trains_on(fake: Any) -> None:
     x_host, _ = example.make_data(16, 4, seed=3)
     x = devices.to_device(x_host, fake)

@@ -22,20 +22,9 @@ from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorTimeout
 from tests.support import parallel
 
-
-def _nccl_built() -> bool:
-    cp = nccl._cupy_or_none()
-    return cp is not None and bool(getattr(cp.cuda.nccl, "available", True))
-
-
-DEVICES = nccl.device_count() if _nccl_built() else 0
-REASON = (
-    "needs CuPy with NCCL and a CUDA device"
-    if not nccl.cupy_available()
-    else "CuPy lacks NCCL"
-    if not _nccl_built()
-    else "no CUDA device"
-)
+MISSING = nccl.unavailable_reason()
+DEVICES = 0 if MISSING is not None else nccl.device_count()
+REASON = f"needs CuPy with NCCL and a CUDA device: {MISSING}"
 
 if DEVICES == 0 and os.environ.get("RENDEZVOUSD_REQUIRE_GPU") == "1":
     raise RuntimeError(f"RENDEZVOUSD_REQUIRE_GPU=1 but the GPU tests cannot run: {REASON}")

@@ -43,6 +43,71 @@ def test_gpu_check_names_what_is_missing_in_its_json_result(tmp_path: Path) -> N
     assert "pip install" not in run.stderr
 
 
+# A CuPy that imports on a machine without a device, with NCCL's library but neither
+# NVRTC nor cuBLAS: the probes must name each in CUDA's words, and never claim that
+# CuPy itself is missing.
+NO_DEVICE = {
+    "__init__.py": "from . import cuda\n__version__ = '14.2.0'\n",
+    "cuda/__init__.py": (
+        "from . import nccl, nvrtc, runtime\n"
+        "def __getattr__(name):\n"
+        "    raise ImportError(f'Failure finding \"lib{name}.so.12\"')\n"
+    ),
+    "cuda/runtime.py": (
+        "class CUDARuntimeError(RuntimeError): pass\n"
+        "def getDeviceCount():\n"
+        "    raise CUDARuntimeError('cudaErrorInsufficientDriver: CUDA driver version is "
+        "insufficient for CUDA runtime version')\n"
+        "def runtimeGetVersion(): return 12090\n"
+    ),
+    "cuda/nccl.py": "available = True\ndef get_version(): return 23203\n",
+    "cuda/nvrtc.py": (
+        "def getVersion():\n    raise RuntimeError('Failure finding \"libnvrtc.so.12\"')\n"
+    ),
+}
+BROKEN = {"__init__.py": "raise ImportError('libcuda.so.1: cannot open shared object file')\n"}
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a driver")
+@pytest.mark.parametrize(
+    ("stub", "expected"),
+    [
+        (
+            NO_DEVICE,
+            [
+                "a CUDA device that CuPy can use (getDeviceCount: CUDARuntimeError: "
+                "cudaErrorInsufficientDriver: CUDA driver version is insufficient",
+                "NVRTC, which CuPy compiles its kernels with (nvidia-cuda-nvrtc-cu12, or a "
+                "CUDA toolkit, or pip install 'cupy-cuda12x[ctk]'; RuntimeError: Failure "
+                'finding "libnvrtc.so.12"',
+                "cuBLAS, which the example's matrix products need (nvidia-cublas-cu12",
+            ],
+        ),
+        (BROKEN, ["a CuPy that imports in ", "(import cupy: ImportError: libcuda.so.1"]),
+    ],
+    ids=["imports-without-device", "fails-to-import"],
+)
+def test_gpu_check_says_what_an_installed_cupy_lacks(
+    tmp_path: Path, stub: dict[str, str], expected: list[str]
+) -> None:
+    for name, text in stub.items():
+        (tmp_path / "stub" / "cupy" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "stub" / "cupy" / name).write_text(text)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+        env={**env, "PYTHONPATH": str(tmp_path / "stub")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    missing = json.loads((tmp_path / "gpu_check.json").read_text())["missing"]
+    for words in expected:
+        assert any(words in m for m in missing), (words, missing)
+    assert not any(m.startswith("CuPy in ") or "NCCL" in m for m in missing), missing
+
+
 def _row(
     size: int, bucketed_over_raw: float, pack: float, unpack: float, copy: float
 ) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from rendezvousd.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tests.support import DaemonProcess, spawn_daemon
 from tests.trainer.test_example_devices import EXAMPLE, run_example
 
-DEVICES = nccl.device_count()
-REASON = "needs CuPy with NCCL and a CUDA device" if not nccl.cupy_available() else "no CUDA device"
+MISSING = nccl.unavailable_reason()
+DEVICES = 0 if MISSING is not None else nccl.device_count()
+REASON = f"needs CuPy with NCCL and a CUDA device: {MISSING}"
 
 if DEVICES == 0 and os.environ.get("RENDEZVOUSD_REQUIRE_GPU") == "1":
     raise RuntimeError(f"RENDEZVOUSD_REQUIRE_GPU=1 but the GPU tests cannot run: {REASON}")

@@ -12,7 +12,9 @@
 ``install(monkeypatch)`` puts a fresh one at the seam for one test;
 ``install_globally()`` does it for a worker process (a world of one rank).
 Tests read results through ``asnumpy``; the fake's knobs are on ``.world``
-(``hang``, ``async_error``, ``trace``, ``counts``) and ``.cuda.nccl``.
+(``hang``, ``async_error``, ``trace``, ``counts``) and ``.cuda.nccl``, and
+``NOT_CUPY`` lists them: every other name the fake has is checked against the real
+CuPy by tests/trainer/test_cupy_api.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .nccl import FakeCudaError, FakeNccl, FakeNcclError
 from .streams import FakeEvent, FakeStream, World, current_stream, device_class
 
 __all__ = [
+    "NOT_CUPY",
     "FakeCudaError",
     "FakeEvent",
     "FakeNccl",
@@ -40,6 +43,49 @@ __all__ = [
     "make_cupy",
     "ndarray",
 ]
+
+#: What the fake has that CuPy has not: knobs, records and helpers, as paths from the
+#: module ("X()" is an instance of X, "X(name=)" a keyword of X's); the numpy hook the
+#: fake sets to None refuses numpy ufuncs on device arrays, which CuPy would convert.
+NOT_CUPY = frozenset(
+    {
+        "world",
+        "counts",
+        *(
+            f"cuda.nccl.{name}"
+            for name in [
+                "world",
+                "solo",
+                "log",
+                "version",
+                "fail",
+                "reject_bytes_id",
+                "init_gate",
+                "init_errors",
+                "enqueue_gate",
+                "entered",
+                "races",
+                "inside",
+                "ids",
+                "comms",
+                "names",
+            ]
+        ),
+        "cuda.nccl.NcclCommunicator().handle",
+        "cuda.nccl.NcclCommunicator().async_status",
+        "cuda.nccl.NcclError().old_table",
+        "cuda.nccl.NcclError(detail=)",
+        "cuda.Stream().world",
+        "cuda.Stream().non_blocking",
+        "cuda.Stream().name",
+        "cuda.Stream().work",
+        "cuda.Stream().queue",
+        "cuda.Event().world",
+        "cuda.Event().name",
+        "cuda.Event().covers",
+        "ndarray().__array_ufunc__",
+    }
+)
 
 
 def make_cupy(

@@ -7,8 +7,9 @@
 * ``abort()`` zeroes the handle (later calls raise status 4, as NCCL does on a
   null communicator) and completes pending ops; a call into NCCL running
   while another thread aborts is recorded in ``races`` (a use-after-free on a GPU).
-* ``NcclError(status)`` with ``old_table`` raises ``KeyError(6)`` for status 6,
-  like CuPy < 13.4.
+* ``NcclError(status)`` is worded with CuPy's name for the status (``STATUS_NAMES``)
+  and raises ``KeyError(status)`` for a status CuPy cannot name, as CuPy does (7,
+  ncclInProgress, in 14.2); with ``old_table`` that includes 6, like CuPy < 13.4.
 * init can block on ``init_gate`` or fail with the errors queued in ``init_errors``;
   ``solo`` refuses any world but one rank (where leaving data as it is is right);
   every ``get_unique_id`` returns a fresh id.
@@ -22,15 +23,28 @@ from typing import Any
 
 from .streams import World
 
+#: CuPy's names for NCCL statuses, 13.4 to 14.2 (tests/trainer/test_cupy_api.py compares
+#: them with the installed CuPy's).
+STATUS_NAMES = {
+    0: "NCCL_ERROR_SUCCESS",
+    1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR",
+    2: "NCCL_ERROR_SYSTEM_ERROR",
+    3: "NCCL_ERROR_INTERNAL_ERROR",
+    4: "NCCL_ERROR_INVALID_ARGUMENT",
+    5: "NCCL_ERROR_INVALID_USAGE",
+    6: "NCCL_ERROR_REMOTE_ERROR",
+}
+
 
 class FakeNcclError(RuntimeError):
     old_table = False
 
     def __init__(self, status: int, detail: str = "fake") -> None:
-        if status == 6 and FakeNcclError.old_table:
-            raise KeyError(6)  # CuPy < 13.4: ERROR2 has no entry for ncclRemoteError
+        if status not in STATUS_NAMES or (status == 6 and FakeNcclError.old_table):
+            # CuPy looks the name up in a dict; < 13.4 had no entry for ncclRemoteError.
+            raise KeyError(status)
         self.status = status
-        super().__init__(f"NCCL_ERROR_{status}: {detail}")
+        super().__init__(f"{STATUS_NAMES[status]}: {detail}")
 
 
 class FakeCudaError(RuntimeError):
