@@ -8,7 +8,6 @@ the skips into failures on a machine that is supposed to have a GPU.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,15 +20,9 @@ from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import ReduceOp
 from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorTimeout
 from tests.support import parallel
+from tests.trainer.gpu_gate import DEVICES, GPU_MARKS, REASON
 
-MISSING = nccl.unavailable_reason()
-DEVICES = 0 if MISSING is not None else nccl.device_count()
-REASON = f"needs CuPy with NCCL and a CUDA device: {MISSING}"
-
-if DEVICES == 0 and os.environ.get("RENDEZVOUSD_REQUIRE_GPU") == "1":
-    raise RuntimeError(f"RENDEZVOUSD_REQUIRE_GPU=1 but the GPU tests cannot run: {REASON}")
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICES == 0, reason=REASON)]
+pytestmark = GPU_MARKS
 two_gpus = pytest.mark.skipif(DEVICES < 2, reason=REASON if DEVICES == 0 else "needs 2 devices")
 
 

@@ -8,7 +8,6 @@ Self-contained (its own daemon, no conftest fixtures) so it also runs under
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,19 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import demo, devices, example, nccl
+from rendezvousd.trainer import demo, devices, example
 from rendezvousd.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tests.support import DaemonProcess, spawn_daemon
+from tests.trainer.gpu_gate import DEVICES, GPU_MARKS
 from tests.trainer.test_example_devices import EXAMPLE, run_example
 
-MISSING = nccl.unavailable_reason()
-DEVICES = 0 if MISSING is not None else nccl.device_count()
-REASON = f"needs CuPy with NCCL and a CUDA device: {MISSING}"
-
-if DEVICES == 0 and os.environ.get("RENDEZVOUSD_REQUIRE_GPU") == "1":
-    raise RuntimeError(f"RENDEZVOUSD_REQUIRE_GPU=1 but the GPU tests cannot run: {REASON}")
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICES == 0, reason=REASON)]
+pytestmark = GPU_MARKS
 
 
 @pytest.fixture

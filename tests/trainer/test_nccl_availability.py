@@ -20,13 +20,6 @@ from .fake_cupy import FakeCudaError, make_cupy
 UID = bytes(range(1, 129))
 
 
-@pytest.fixture
-def cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
-    fake = make_cupy()
-    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
-    return fake
-
-
 def test_without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing() -> Any:
         raise ImportError("No module named 'cupy'")

@@ -35,13 +35,6 @@ from .fake_cupy import (
 UID = bytes(range(1, 129))
 
 
-@pytest.fixture
-def cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
-    fake = make_cupy()
-    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
-    return fake
-
-
 def log_of(cp: Any) -> FakeNccl:
     fake: FakeNccl = cp.cuda.nccl
     return fake
