@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,58 +67,52 @@ def shard_indices(
     return order[rank:total:world_size].astype(np.int64, copy=False)
 
 
+@dataclass(eq=False)
 class ShardedLoader:
     """Batches of this rank's shard of ``(x, y)``; sharded by the topology's global world."""
 
-    def __init__(
-        self,
-        x: npt.NDArray[Any],
-        y: npt.NDArray[Any],
-        *,
-        batch_size: int,
-        topology: MultiNodeTopology,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-    ) -> None:
+    x: npt.NDArray[Any] = field(repr=False)
+    y: npt.NDArray[Any] = field(repr=False)
+    _: KW_ONLY
+    batch_size: int
+    topology: MultiNodeTopology
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        x, y, batch_size = self.x, self.y, self.batch_size
         if len(x) != len(y):
             raise ConfigError(f"x has {len(x)} samples but y has {len(y)}; they must match")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
-        self._x = x
-        self._y = y
-        self._batch_size = batch_size
-        self._topology = topology
-        self._seed = seed
-        self._shuffle = shuffle
-        self._drop_last = drop_last
         # Validate now rather than on the first epoch.
         self.indices(0)
 
     @property
     def samples_per_rank(self) -> int:
-        return shard_length(len(self._x), self._topology.world_size, drop_last=self._drop_last)
+        return shard_length(len(self.x), self.topology.world_size, drop_last=self.drop_last)
 
     def __len__(self) -> int:
         """Batches per epoch; identical on every rank (the last one may be short)."""
-        return math.ceil(self.samples_per_rank / self._batch_size)
+        return math.ceil(self.samples_per_rank / self.batch_size)
 
     def indices(self, epoch: int) -> IndexArray:
         return shard_indices(
-            len(self._x),
-            self._topology.world_size,
-            self._topology.rank,
+            len(self.x),
+            self.topology.world_size,
+            self.topology.rank,
             epoch,
-            self._seed,
-            self._shuffle,
-            drop_last=self._drop_last,
+            self.seed,
+            self.shuffle,
+            drop_last=self.drop_last,
         )
 
     def index_batches(self, epoch: int) -> Iterator[IndexArray]:
         idx = self.indices(epoch)
-        for start in range(0, len(idx), self._batch_size):
-            yield idx[start : start + self._batch_size]
+        for start in range(0, len(idx), self.batch_size):
+            yield idx[start : start + self.batch_size]
 
     def batches(self, epoch: int) -> Iterator[tuple[npt.NDArray[Any], npt.NDArray[Any]]]:
         for idx in self.index_batches(epoch):
-            yield self._x[idx], self._y[idx]
+            yield self.x[idx], self.y[idx]
