@@ -133,7 +133,9 @@ def test_daemon_gone_for_good_is_reported_on_every_node(training: Training) -> N
     cluster, nodes = training("gone", num_nodes=2)
     gone_at = time.time()
     cluster.daemon.kill()
-    within = HEARTBEAT_TIMEOUT_S + 1.0
+    # The daemon's silence is judged once the heartbeat timeout has passed; 2 s on top
+    # covers the SDK's retry and this test reading the line on 2 loaded cores.
+    within = HEARTBEAT_TIMEOUT_S + 2.0
     _reported(nodes, "DaemonUnreachable", gone_at, within, cluster.daemon.endpoint)
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from rendezvousd.client import RendezvousClient
 from rendezvousd.trainer import nccl
 from rendezvousd.trainer.distributed import DistributedContext, init_distributed
-from tests.support import DaemonProcess, parallel
+from tests.support import DaemonProcess, parallel, wait_for
 
 from .fake_cupy import FakeNcclError, make_cupy
 
@@ -32,18 +33,19 @@ def _env(d: DaemonProcess, job: str, local: int) -> dict[str, str]:
     }
 
 
-def test_transient_init_failure_retries_on_a_fresh_generation_and_id(
-    daemon: DaemonProcess, job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _config(tmp_path: Path, daemon: DaemonProcess) -> Path:
     config = tmp_path / "c.toml"
     config.write_text(
         "[distributed]\nsetup_timeout_s = 30\ncollective_timeout_s = 30\n"
         'heartbeat_interval_s = 0.5\n[distributed.rendezvous]\nkind = "daemon"\n'
         f'token_file = "{daemon.token_file}"\n'
     )
-    fake = make_cupy()
-    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
-    fake.cuda.nccl.init_errors.append(FakeNcclError(6))  # one rank's first init fails
+    return config
+
+
+def _both_retry_on_one_fresh_generation(
+    fake: Any, config: Path, daemon: DaemonProcess, job_id: str
+) -> None:
     contexts: list[DistributedContext] = parallel(
         [
             functools.partial(init_distributed, str(config), env=_env(daemon, job_id, local))
@@ -61,3 +63,42 @@ def test_transient_init_failure_retries_on_a_fresh_generation_and_id(
     for context in contexts:
         assert context.communicator.backend == "nccl"
         context.close()
+
+
+def test_transient_init_failure_retries_on_a_fresh_generation_and_id(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = make_cupy()
+    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    fake.cuda.nccl.init_errors.append(FakeNcclError(6))  # one rank's first init fails
+    _both_retry_on_one_fresh_generation(fake, _config(tmp_path, daemon), daemon, job_id)
+
+
+def test_a_rank_that_finds_the_retry_generation_already_open_rejoins_it_too(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other rank's init succeeds only after the failed rank has aborted generation
+    1 and opened generation 2 (a loaded machine): its confirmation barrier then hears
+    STALE_GENERATION, not the abort, and it must rejoin all the same."""
+    fake = make_cupy()
+    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    fake.cuda.nccl.init_errors.append(FakeNcclError(6))  # the first init fails
+    real = fake.cuda.nccl.NcclCommunicator
+    calls: list[int] = []
+    observer = RendezvousClient(daemon.endpoint, job_id, token_file=daemon.token_file)
+
+    def second_init_late(*args: Any) -> Any:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            wait_for(
+                "the failed rank to open generation 2",
+                lambda: observer.get_job().summary.generation >= 2,
+                20,
+            )
+        return real(*args)
+
+    monkeypatch.setattr(fake.cuda.nccl, "NcclCommunicator", second_init_late)
+    try:
+        _both_retry_on_one_fresh_generation(fake, _config(tmp_path, daemon), daemon, job_id)
+    finally:
+        observer.close()
