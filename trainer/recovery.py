@@ -48,7 +48,7 @@ class RestartBudget:
     def record(self, failure: Failure) -> bool:
         """Count ``failure``; True if the job may restart, False if it must give up."""
         self.failures.append(failure)
-        if failure.fatal or self.restarts >= self.max_restarts:
+        if failure.fatal or not self.can_restart:
             return False
         self.restarts += 1
         return True

@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 
 from rendezvousd.client import RendezvousClient
-from rendezvousd.trainer import nccl
 from rendezvousd.trainer.distributed import DistributedContext, init_distributed
 from tests.support import DaemonProcess, parallel, wait_for
 
-from .fake_cupy import FakeNcclError, make_cupy
+from .fake_cupy import FakeNcclError, install
 
 
 def _env(d: DaemonProcess, job: str, local: int) -> dict[str, str]:
@@ -68,8 +67,7 @@ def _both_retry_on_one_fresh_generation(
 def test_transient_init_failure_retries_on_a_fresh_generation_and_id(
     daemon: DaemonProcess, job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake = make_cupy()
-    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    fake = install(monkeypatch)
     fake.cuda.nccl.init_errors.append(FakeNcclError(6))  # one rank's first init fails
     _both_retry_on_one_fresh_generation(fake, _config(tmp_path, daemon), daemon, job_id)
 
@@ -80,8 +78,7 @@ def test_a_rank_that_finds_the_retry_generation_already_open_rejoins_it_too(
     """The other rank's init succeeds only after the failed rank has aborted generation
     1 and opened generation 2 (a loaded machine): its confirmation barrier then hears
     STALE_GENERATION, not the abort, and it must rejoin all the same."""
-    fake = make_cupy()
-    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    fake = install(monkeypatch)
     fake.cuda.nccl.init_errors.append(FakeNcclError(6))  # the first init fails
     real = fake.cuda.nccl.NcclCommunicator
     calls: list[int] = []
