@@ -28,9 +28,9 @@ def enter(
         if len(job.barriers) >= limits.max_barriers_per_job:
             raise validation.limit_exceeded(
                 "max_barriers_per_job",
-                f"job {job.job_id!r} generation {job.generation} already has "
-                f"max_barriers_per_job={limits.max_barriers_per_job} barrier names; reuse "
-                "names (each is a sequence of rounds) instead of a new name per round",
+                f"{job.named} already has max_barriers_per_job={limits.max_barriers_per_job} "
+                "barrier names; reuse names (each is a sequence of rounds) instead of a new name "
+                "per round",
                 job_id=job.job_id,
             )
         barrier = job.barriers[name] = BarrierState()
@@ -79,8 +79,8 @@ def timed_out(
     return RendezvousFault(
         Code.DEADLINE_EXCEEDED,
         "BARRIER_TIMEOUT",
-        f"barrier {name!r} of job {job.job_id!r} generation {job.generation} timed out on "
-        f"rank {rank} after {waited}; still waiting for ranks {short_ranks(missing)}",
+        f"barrier {name!r} of {job.named} timed out on rank {rank} after {waited}; still "
+        f"waiting for ranks {short_ranks(missing)}",
         meta,
     )
 

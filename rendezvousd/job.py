@@ -199,25 +199,52 @@ class Job:
         self.scaleups_woken = 0
         self.rejoin_expected = 0
 
+    @property
+    def named(self) -> str:
+        """How messages name this job's current generation."""
+        return f"job {self.job_id!r} generation {self.generation}"
+
     def fault(self, code: Code, reason: str, message: str, /, **metadata: str) -> RendezvousFault:
         """A fault about this job's current generation: its metadata names both."""
         scope = {"job_id": self.job_id, "generation": str(self.generation)}
         return RendezvousFault(code, reason, message, scope | metadata)
 
-    def topology_conflict(self, host: str, num_nodes: int, gpus_per_node: int) -> RendezvousFault:
-        """Why a joiner asking for another topology is refused; when the generation
-        is forming, the same fault fails it, so it names both sides."""
-        hosts = sorted({m.host for m in self.members.values()})
+    def topology_conflict(self, host: str, asked: tuple[int, ...]) -> RendezvousFault:
+        """Why a joiner asking for another topology is refused. When the generation
+        is forming, the same fault fails it and either side may be the wrong one, so
+        it names both topologies and every host joined so far.
+
+        ``asked`` is ``(num_nodes, gpus_per_node)`` from a per-rank Join, or
+        ``(min_nodes, max_nodes, gpus_per_node)`` from a node agent's JoinNode.
+        """
+        by_node = self.join_mode == "node"
+        ours = (self.min_nodes, self.max_nodes) if by_node else (self.num_nodes,)
+        have, have_code = _topology_text((*ours, self.gpus_per_node))
+        want, want_code = _topology_text(asked)
+        hosts = sorted(
+            {m.host for m in self.members.values()} | {n.host for n in self.nodes.values()}
+        )
         joined = f" (hosts so far: {shown(hosts)})" if hosts else ""
+        asker, fix = (
+            (
+                "the node agent",
+                "every node of a job must use the same --nnodes and --nproc-per-node: "
+                "fix them and relaunch",
+            )
+            if by_node
+            else (
+                "a worker",
+                "every worker of a job must use the same topology: "
+                "fix --nnodes / --nproc-per-node and relaunch",
+            )
+        )
         return self.fault(
             Code.FAILED_PRECONDITION,
             "TOPOLOGY_MISMATCH",
-            f"job {self.job_id!r} generation {self.generation} has num_nodes={self.num_nodes} "
-            f"gpus_per_node={self.gpus_per_node}{joined}, but a worker on host {host!r} asked for "
-            f"num_nodes={num_nodes} gpus_per_node={gpus_per_node}; every worker of a job must "
-            "use the same topology: fix --nnodes / --nproc-per-node and relaunch",
-            topology=f"{self.num_nodes}x{self.gpus_per_node}",
-            requested_topology=f"{num_nodes}x{gpus_per_node}",
+            f"{self.named} has {have}{joined}, but {asker} on host {host!r} asked for {want}; "
+            f"{fix}",
+            topology=have_code,
+            requested_topology=want_code,
             offending_host=host,
             hosts=",".join(hosts),
         )
@@ -232,8 +259,8 @@ class Job:
             return self.fault(
                 Code.ABORTED,
                 "PEER_FAILED",
-                f"job {self.job_id!r} generation {self.generation} failed: lost {lost}{more}; "
-                "restart the job (a new Join opens the next generation)",
+                f"{self.named} failed: lost {lost}{more}; restart the job (a new Join opens "
+                "the next generation)",
                 ranks=ranks_text(f.rank for f in self.failed),
                 hosts=",".join(sorted({f.host for f in self.failed})),
             )
@@ -241,18 +268,27 @@ class Job:
             return self.fault(
                 Code.ABORTED,
                 "JOB_ABORTED",
-                f"job {self.job_id!r} generation {self.generation} was aborted: {self.abort_reason}",
+                f"{self.named} was aborted: {self.abort_reason}",
                 reason=self.abort_reason,
             )
         if self.state is JobState.ENDED:
             return self.fault(
                 Code.FAILED_PRECONDITION,
                 "JOB_ENDED",
-                f"job {self.job_id!r} generation {self.generation} has ended: every member left",
+                f"{self.named} has ended: every member left",
             )
         return self.fault(
             Code.FAILED_PRECONDITION,
             "NOT_RUNNING",
-            f"job {self.job_id!r} generation {self.generation} is still forming "
-            f"({len(self.members)} of {self.world_size} ranks joined); wait for Join to return",
+            f"{self.named} is still forming ({len(self.members)} of {self.world_size} ranks "
+            "joined); wait for Join to return",
         )
+
+
+def _topology_text(topology: tuple[int, ...]) -> tuple[str, str]:
+    """A topology in words and in the compact form of a fault's metadata."""
+    if len(topology) == 3:
+        low, high, gpus = topology
+        return f"nodes {low}:{high} x gpus_per_node={gpus}", f"{low}:{high}x{gpus}"
+    num_nodes, gpus = topology
+    return f"num_nodes={num_nodes} gpus_per_node={gpus}", f"{num_nodes}x{gpus}"

@@ -32,8 +32,7 @@ class NodeJoins(StateCore):
     # -- joining ------------------------------------------------------------
 
     def join_node(self, args: NodeJoinArgs, now: float) -> NodeJoinResult | Parked:
-        if self.draining:
-            raise fences.draining()
+        self._check_not_draining()
         nodes.check(args, self.limits)
         job = self._job_for_node_join(args, now)
         node = job.nodes.get(args.instance_id)
@@ -109,9 +108,10 @@ class NodeJoins(StateCore):
             return job
         if job.join_mode != "node":
             raise nodes.mode_mismatch(job, "node", args.host)
-        bounds = (job.min_nodes, job.max_nodes, job.gpus_per_node)
-        if bounds != (args.min_nodes, args.max_nodes, args.gpus_per_node):
-            raise self._conflict(job, nodes.bounds_conflict(job, args), now)
+        asked = (args.min_nodes, args.max_nodes, args.gpus_per_node)
+        if (job.min_nodes, job.max_nodes, job.gpus_per_node) != asked:
+            fault = job.topology_conflict(args.host, asked)
+            raise self._conflict(job, fault, now)
         return job
 
     def _park_scaleup(self, job: Job, args: NodeJoinArgs, now: float) -> Parked:

@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault, shown
+from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member, Node
 from rendezvousd.limits import Limits
 from rendezvousd.model import JobState, MemberInfo, MemberState, NodeJoinResult, NodeSeat, seat_of
@@ -174,26 +174,6 @@ def provisional_first_rank(job: Job, node: Node) -> int:
     return job.rank_of(ranks.get(node.instance_id, node.node_rank), 0)
 
 
-def bounds_conflict(job: Job, args: NodeJoinArgs) -> RendezvousFault:
-    """A node asked for other bounds than the generation's: either side may be wrong."""
-    hosts = sorted({n.host for n in job.nodes.values()})
-    # Either side may be the wrong one: name the hosts of both.
-    joined = f" (nodes so far on hosts {shown(hosts)})" if hosts else ""
-    return job.fault(
-        Code.FAILED_PRECONDITION,
-        "TOPOLOGY_MISMATCH",
-        f"job {job.job_id!r} generation {job.generation} has nodes {job.min_nodes}:"
-        f"{job.max_nodes} x gpus_per_node={job.gpus_per_node}{joined}, but the node agent on host "
-        f"{args.host!r} asked for {args.min_nodes}:{args.max_nodes} x "
-        f"gpus_per_node={args.gpus_per_node}; every node of a job must use the same "
-        "--nnodes and --nproc-per-node: fix them and relaunch",
-        topology=f"{job.min_nodes}:{job.max_nodes}x{job.gpus_per_node}",
-        requested_topology=f"{args.min_nodes}:{args.max_nodes}x{args.gpus_per_node}",
-        offending_host=args.host,
-        hosts=",".join(hosts),
-    )
-
-
 def mode_mismatch(job: Job, wanted: str, host: str) -> RendezvousFault:
     """A per-rank Join in a node-joined generation, or the reverse."""
     have = "node agents (JoinNode)" if job.join_mode == "node" else "per-rank Join calls"
@@ -201,9 +181,9 @@ def mode_mismatch(job: Job, wanted: str, host: str) -> RendezvousFault:
     return job.fault(
         Code.FAILED_PRECONDITION,
         "JOIN_MODE_MISMATCH",
-        f"job {job.job_id!r} generation {job.generation} is joined by {have}; {asked} from "
-        f"host {host!r} cannot take part: start every node of a job the same way (all under "
-        "rendezvous-run's node agent, or all workers joining per rank)",
+        f"{job.named} is joined by {have}; {asked} from host {host!r} cannot take part: "
+        "start every node of a job the same way (all under rendezvous-run's node agent, or "
+        "all workers joining per rank)",
         offending_host=host,
     )
 
@@ -215,6 +195,9 @@ def duplicate_node(job: Job, args: NodeJoinArgs, holder_host: str) -> Rendezvous
         "DUPLICATE_RANK",
         f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
         f"on {holder_host}; give each node a distinct --node-rank (or none)",
+        node_rank=str(args.node_rank),
+        holder_host=holder_host,
+        offending_host=args.host,
     )
 
 
@@ -223,8 +206,10 @@ def world_full(job: Job, host: str) -> RendezvousFault:
     return job.fault(
         Code.RESOURCE_EXHAUSTED,
         "WORLD_FULL",
-        f"job {job.job_id!r} generation {job.generation} already has max_nodes="
-        f"{job.max_nodes} nodes; the node agent on {host!r} cannot join it",
+        f"{job.named} already has max_nodes={job.max_nodes} nodes; the node agent on {host!r} "
+        "cannot join it",
+        max_nodes=str(job.max_nodes),
+        offending_host=host,
     )
 
 
@@ -234,8 +219,8 @@ def nodes_incomplete(job: Job, waited: str) -> RendezvousFault:
     return job.fault(
         Code.DEADLINE_EXCEEDED,
         "WORLD_INCOMPLETE",
-        f"job {job.job_id!r} generation {job.generation}: {len(job.nodes)} node(s) joined "
-        f"after {waited}, the generation needs min_nodes={job.min_nodes}"
+        f"{job.named}: {len(job.nodes)} node(s) joined after {waited}, the generation needs "
+        f"min_nodes={job.min_nodes}"
         + ("" if job.unique_id is not None or not job.nodes else " and node 0's id")
         + "; start the missing node agents or lower --nnodes",
         hosts=",".join(hosts),
@@ -247,9 +232,8 @@ def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
     return job.fault(
         Code.DEADLINE_EXCEEDED,
         "WORLD_INCOMPLETE",
-        f"job {job.job_id!r} generation {job.generation} kept running with {job.num_nodes} of "
-        f"max_nodes={job.max_nodes} nodes for {waited}; the running nodes did not end it to "
-        "take this node in",
+        f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
+        f"for {waited}; the running nodes did not end it to take this node in",
     )
 
 

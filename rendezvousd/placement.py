@@ -123,8 +123,7 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
         raise job.fault(
             Code.ALREADY_EXISTS,
             "ID_CONFLICT",
-            f"job {job.job_id!r} generation {job.generation} already has a different unique id; "
-            "the first one is kept",
+            f"{job.named} already has a different unique id; the first one is kept",
         )
     if digest in job.used_id_digests:
         raise validation.invalid(

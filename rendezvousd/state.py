@@ -41,8 +41,7 @@ class RendezvousState(NodeJoins):
     # -- join -------------------------------------------------------------
 
     def join(self, args: JoinArgs, now: float) -> JoinResult | Parked:
-        if self.draining:
-            raise fences.draining()
+        self._check_not_draining()
         placement.check(args, self.limits)
         job = self._job_for_join(args, now)
         node_rank = placement.node_rank(job, args)
@@ -121,7 +120,7 @@ class RendezvousState(NodeJoins):
                 # Nobody is waiting on the old topology: the next joiner sets it.
                 job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
                 return job
-            fault = job.topology_conflict(args.host, args.num_nodes, args.gpus_per_node)
+            fault = job.topology_conflict(args.host, (args.num_nodes, args.gpus_per_node))
             raise self._conflict(job, fault, now)
         return job
 
@@ -222,19 +221,15 @@ class RendezvousState(NodeJoins):
             for w in barriers.release(barrier):
                 self._wake(w, barrier.completed)
             return sequence
-        parked = self._park(job, "barrier", rank, name, now)
-        barrier.arrived.setdefault(rank, set()).add(parked.waiter)
-        return parked
+        return self._park_under(barrier.arrived, rank, job, "barrier", rank, name, now)
 
     # -- key-value store --------------------------------------------------
 
     def kv_set(
         self, job_id: str, generation: int, rank: int, key: str, value: bytes, *, instance_id: str
     ) -> None:
-        job, _ = self._caller(job_id, generation, rank, instance_id)
-        self._store(
-            job, validation.kv_key(key, self.limits), validation.kv_value(value, self.limits)
-        )
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        self._store(job, key, validation.kv_value(value, self.limits))
 
     def kv_get(
         self,
@@ -247,26 +242,20 @@ class RendezvousState(NodeJoins):
         *,
         instance_id: str,
     ) -> bytes | Parked:
-        job, _ = self._caller(job_id, generation, rank, instance_id)
-        validation.kv_key(key, self.limits)
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
         value = job.kv.get(key)
         if value is not None:
             return value
         if not wait:
             raise job.fault(
-                Code.NOT_FOUND,
-                "KEY_NOT_FOUND",
-                f"key {key!r} is not set in job {job_id!r} generation {generation}",
+                Code.NOT_FOUND, "KEY_NOT_FOUND", f"key {key!r} is not set in {job.named}"
             )
-        parked = self._park(job, "kv", rank, key, now)
-        job.kv_waiters.setdefault(key, set()).add(parked.waiter)
-        return parked
+        return self._park_under(job.kv_waiters, key, job, "kv", rank, key, now)
 
     def kv_add(
         self, job_id: str, generation: int, rank: int, key: str, delta: int, *, instance_id: str
     ) -> int:
-        job, _ = self._caller(job_id, generation, rank, instance_id)
-        validation.kv_key(key, self.limits)
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
         value = kv.counter(job, key, delta)
         self._store(job, key, value)
         return int(value)
@@ -282,8 +271,7 @@ class RendezvousState(NodeJoins):
         *,
         instance_id: str,
     ) -> tuple[bool, bytes | None]:
-        job, _ = self._caller(job_id, generation, rank, instance_id)
-        validation.kv_key(key, self.limits)
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
         validation.kv_value(desired, self.limits)
         current = job.kv.get(key)
         if current != expected:
@@ -294,9 +282,13 @@ class RendezvousState(NodeJoins):
     def kv_delete(
         self, job_id: str, generation: int, rank: int, key: str, *, instance_id: str
     ) -> bool:
+        return kv.delete(self._kv_job(job_id, generation, rank, key, instance_id), key)
+
+    def _kv_job(self, job_id: str, generation: int, rank: int, key: str, instance_id: str) -> Job:
+        """The calling member's job, once ``key`` is a valid key."""
         job, _ = self._caller(job_id, generation, rank, instance_id)
         validation.kv_key(key, self.limits)
-        return kv.delete(job, key)
+        return job
 
     @property
     def kv_bytes(self) -> int:

@@ -8,6 +8,7 @@ lookups that fence a caller off, and failing a generation.
 from __future__ import annotations
 
 import itertools
+from typing import TypeVar
 
 from rendezvousd import barriers, fences, validation, waits
 from rendezvousd.errors import RendezvousFault
@@ -27,6 +28,8 @@ from rendezvousd.model import (
 )
 
 TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
+
+_K = TypeVar("_K")
 
 
 class StateCore:
@@ -50,6 +53,11 @@ class StateCore:
     def waiter_count(self) -> int:
         return len(self._waiters)
 
+    def _check_not_draining(self) -> None:
+        """A daemon shutting down refuses joins as UNAVAILABLE: clients retry once it is back."""
+        if self.draining:
+            raise fences.draining()
+
     def _park(self, job: Job, kind: str, rank: int, key: str, now: float) -> Parked:
         if len(self._waiters) >= self.limits.max_waiters:
             raise validation.limit_exceeded(
@@ -69,6 +77,21 @@ class StateCore:
         self._waiters[waiter] = waits.Waiter(job.job_id, job.generation, kind, rank, key, now)
         self._job_waiters[job.job_id] = held + 1
         return Parked(waiter)
+
+    def _park_under(
+        self,
+        waiters: dict[_K, set[int]],
+        under: _K,
+        job: Job,
+        kind: str,
+        rank: int,
+        key: str,
+        now: float,
+    ) -> Parked:
+        """``_park``, and list the waiter in ``waiters[under]`` once it is admitted."""
+        parked = self._park(job, kind, rank, key, now)
+        waiters.setdefault(under, set()).add(parked.waiter)
+        return parked
 
     def _unpark(self, waiter: int) -> waits.Waiter | None:
         w = self._waiters.pop(waiter, None)

@@ -29,8 +29,8 @@ def world_incomplete(job: Job, missing: list[int], waited: str) -> RendezvousFau
     return job.fault(
         Code.DEADLINE_EXCEEDED,
         "WORLD_INCOMPLETE",
-        f"job {job.job_id!r} generation {job.generation}: {job.world_size - len(missing)} of "
-        f"{job.world_size} ranks joined after {waited}; missing ranks {short_ranks(missing)}",
+        f"{job.named}: {job.world_size - len(missing)} of {job.world_size} ranks joined after "
+        f"{waited}; missing ranks {short_ranks(missing)}",
         ranks=ranks_text(missing[:64]),
     )
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.errors import RendezvousFault
+from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.limits import Timing
 from rendezvousd.model import (
     EventKind,
@@ -249,6 +249,12 @@ def test_bounds_mismatch_while_forming_fails_the_generation() -> None:
     first = join_first(sm, node("a", lo=2, hi=4))
     f = fault(sm.join_node, node("b", lo=2, hi=3), 1.0)
     assert f.reason == "TOPOLOGY_MISMATCH" and "2:4" in f.message and "2:3" in f.message
+    assert (
+        "the node agent on host 'host-b'" in f.message and "(hosts so far: 'host-a')" in f.message
+    )
+    assert f.metadata["topology"] == "2:4x2" and f.metadata["requested_topology"] == "2:3x2"
+    assert f.metadata["offending_host"] == "host-b" and f.metadata["hosts"] == "host-a"
+    assert f.metadata["job_id"] == "j" and f.metadata["generation"] == "1"
     assert isinstance(first, Parked)
     assert isinstance(woken(sm)[first.waiter], RendezvousFault)
 
@@ -350,3 +356,29 @@ def test_after_a_clean_end_a_relaunch_still_waits_the_last_call() -> None:
     assert sm.jobs["j"].state is JobState.FORMING
     sm.tick(7.1)
     assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 2
+
+
+def test_a_node_rank_held_by_another_agent_is_refused_with_both_hosts() -> None:
+    sm = RendezvousState()
+    join_first(sm, node("a", rank=0))
+    f = fault(sm.join_node, node("b", rank=0), 1.0)
+    assert f.code is Code.ALREADY_EXISTS and f.reason == "DUPLICATE_RANK"
+    assert "node_rank=0" in f.message and "host-a" in f.message
+    assert f.metadata["node_rank"] == "0" and f.metadata["holder_host"] == "host-a"
+    assert f.metadata["offending_host"] == "host-b"
+    assert set(sm.jobs["j"].nodes) == {"a"}  # the refused node took no seat
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_node_beyond_max_nodes_is_refused_world_full(running: bool) -> None:
+    sm = RendezvousState()
+    if running:
+        join_first(sm, node("a", lo=1, hi=2))
+    else:  # node 0 has not given the id yet: the generation is still forming
+        assert isinstance(sm.join_node(node("a", lo=1, hi=2), 0.0), NodeJoinResult)
+    sm.join_node(node("b", lo=1, hi=2), 0.0)
+    assert sm.jobs["j"].state is (JobState.RUNNING if running else JobState.FORMING)
+    f = fault(sm.join_node, node("c", lo=1, hi=2), 2.0)
+    assert f.code is Code.RESOURCE_EXHAUSTED and f.reason == "WORLD_FULL"
+    assert "max_nodes=2" in f.message and "'host-c'" in f.message
+    assert f.metadata["max_nodes"] == "2" and f.metadata["offending_host"] == "host-c"
