@@ -37,8 +37,8 @@ def test_two_nodes_by_two_workers_as_real_processes(daemon: DaemonProcess, job_i
     assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
     joined = [json.loads(o.splitlines()[0]) for o in outs]
     assert sorted(j["rank"] for j in joined) == [0, 1, 2, 3]
-    assert {j["world"] for j in joined} == {4}
-    assert len({j["id_digest"] for j in joined}) == 1  # every rank got the same id
+    assert {j["world_size"] for j in joined} == {4}
+    assert len({j["id_sha256"] for j in joined}) == 1  # every rank got the same id
 
 
 async def test_sixteen_nodes_by_eight_gpus_async(

@@ -52,7 +52,7 @@ def test_hosts_join_one_job_through_a_daemon_on_another_host(
         assert [p.returncode for p in procs] == [0, 0], outs
         joined = [json.loads(o.splitlines()[0]) for o in outs]
         assert sorted(j["rank"] for j in joined) == [0, 1]
-        assert len({j["id_digest"] for j in joined}) == 1
+        assert len({j["id_sha256"] for j in joined}) == 1
     finally:
         d.kill()
 

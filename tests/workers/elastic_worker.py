@@ -9,21 +9,16 @@ there; ``--exit-ranks`` / ``--hang`` act on the first generation unless
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
 import time
 
 import numpy as np
+from report import emit
 
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.state_copy import NOTHING, agree_on_step
-
-
-def emit(event: dict[str, object]) -> None:
-    sys.stdout.write(json.dumps(event) + "\n")
-    sys.stdout.flush()
 
 
 def main() -> int:
@@ -37,23 +32,21 @@ def main() -> int:
     args = p.parse_args()
     ctx = init_distributed()
     emit(
-        {
-            "event": "ready",
-            "rank": ctx.rank,
-            "generation": ctx.generation,
-            "restart_count": ctx.restart_count,
-            "world_size": ctx.world_size,
-            "pid": os.getpid(),
-            "env_rank": os.environ.get("RANK"),
-            "restored": None if ctx.restored is None else ctx.restored.step,
-        }
+        "ready",
+        rank=ctx.rank,
+        generation=ctx.generation,
+        restart_count=ctx.restart_count,
+        world_size=ctx.world_size,
+        pid=os.getpid(),
+        env_rank=os.environ.get("RANK"),
+        restored=None if ctx.restored is None else ctx.restored.step,
     )
     faulty = args.always or ctx.restart_count == 0
     buf = np.ones(4, dtype=np.float64)
     offered = NOTHING if ctx.restored is None else ctx.restored.step
     start, _root = agree_on_step(ctx.communicator, offered)
     start = max(start, 0)
-    emit({"event": "resumed", "rank": ctx.rank, "step": start, "generation": ctx.generation})
+    emit("resumed", rank=ctx.rank, step=start, generation=ctx.generation)
     for step in range(start, args.steps):
         if faulty and step == args.fault_step and ctx.rank == args.exit_rank:
             return 3
@@ -63,9 +56,9 @@ def main() -> int:
         buf[:] = 1.0
         ctx.save_state(step + 1, {"buf": buf})
         if (step + 1) % 5 == 0:
-            emit({"event": "step", "rank": ctx.rank, "step": step + 1})
+            emit("step", rank=ctx.rank, step=step + 1)
         time.sleep(args.step_s)  # stands in for the step's compute
-    emit({"event": "done", "rank": ctx.rank, "world_size": ctx.world_size})
+    emit("done", rank=ctx.rank, world_size=ctx.world_size)
     ctx.close()
     return 0
 

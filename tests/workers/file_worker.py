@@ -9,7 +9,6 @@ can be scanned for leaks, and times from the system-wide monotonic clock.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
@@ -17,12 +16,10 @@ import threading
 import time
 from typing import Any
 
+from report import emit, joined
+
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.transport import FileRendezvous, connect
-
-
-def emit(**fields: Any) -> None:
-    print(json.dumps({**fields, "t": time.monotonic()}), flush=True)
 
 
 def wait_for_test() -> None:
@@ -50,15 +47,10 @@ def main() -> None:
                 timeout=float(cfg.get("timeout", 30.0)),
             )
         except RendezvousError as exc:
-            emit(event="join_error", **error_fields(exc))
+            emit("join_error", **error_fields(exc))
             return
-        emit(
-            event="joined",
-            rank=m.rank,
-            world_size=m.world_size,
-            generation=m.generation,
-            id_sha256=hashlib.sha256(m.unique_id).hexdigest(),
-            id_len=len(m.unique_id),
+        joined(
+            m,
             members=[[p.rank, p.node_rank, p.local_rank, p.host] for p in m.members],
             daemon_pid=rv.daemon.proc.pid if rv.daemon else None,
         )
@@ -70,7 +62,7 @@ def main() -> None:
             if cfg.get("heartbeat"):
                 rv.start_heartbeat(0.2)
             wait_for_test()  # killed while blocked here
-        emit(event="done")
+        emit("done")
 
 
 def roundtrip(rv: FileRendezvous, rank: int, world: int) -> None:
@@ -78,19 +70,19 @@ def roundtrip(rv: FileRendezvous, rank: int, world: int) -> None:
     # every other rank start waiting for it.
     if rank == 0:
         wait_for_test()
-    emit(event="barrier_enter")
+    emit("barrier_enter")
     rv.barrier("slow", timeout=30.0)
-    emit(event="barrier_pass")
+    emit("barrier_pass")
     rv.kv_set(f"from/{rank}", f"value-{rank}".encode())
     if rank == 0:
         wait_for_test()
-        emit(event="kv_set_late")
+        emit("kv_set_late")
         rv.kv_set("late", b"\x00\xffpayload")
     else:
-        emit(event="kv_ask_late")
+        emit("kv_ask_late")
     late = rv.kv_get("late", wait=True, timeout=30.0)
     values = {str(r): rv.kv_get(f"from/{r}", timeout=30.0).decode() for r in range(world)}
-    emit(event="kv", values=values, late=late.hex())
+    emit("kv", values=values, late=late.hex())
     rv.barrier("end", timeout=30.0)
 
 
@@ -103,17 +95,17 @@ def hold(rv: FileRendezvous) -> None:
         called.set()
 
     rv.start_heartbeat(0.2, on_failure)
-    emit(event="holding")
+    emit("holding")
     started = time.monotonic()
     try:
         rv.barrier("after", timeout=30.0)  # the victim never arrives
-        emit(event="barrier_passed")
+        emit("barrier_passed")
     except RendezvousError as exc:
-        emit(event="barrier_error", after=time.monotonic() - started, **error_fields(exc))
+        emit("barrier_error", after=time.monotonic() - started, **error_fields(exc))
     if called.wait(10.0):
-        emit(event="callback", **error_fields(seen[0]))
+        emit("callback", **error_fields(seen[0]))
     else:
-        emit(event="no_callback")
+        emit("no_callback")
     wait_for_test()  # rank 0 must not take its daemon away while others still ask it
 
 

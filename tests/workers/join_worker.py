@@ -7,16 +7,12 @@ Prints one JSON line per event on stdout so the test can follow it:
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import sys
 import threading
 
+from report import emit, joined
+
 from rendezvousd.client import RendezvousClient, RendezvousError
-
-
-def emit(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def main() -> int:
@@ -45,32 +41,26 @@ def main() -> int:
             host=args.host,
             timeout=30,
         )
-        emit(
-            event="joined",
-            rank=m.rank,
-            generation=m.generation,
-            world=m.world_size,
-            id_digest=hashlib.sha256(m.unique_id).hexdigest(),
-        )
+        joined(m)
         failed = threading.Event()
         client.start_heartbeat(args.heartbeat_s, on_failure=lambda _error: failed.set())
         if args.action == "barrier":
             client.barrier("sync", timeout=args.hold_s)
-            emit(event="barrier-passed")
+            emit("barrier-passed")
         elif args.action == "kv-wait":
             client.kv_get("never-set", timeout=args.hold_s)
         elif args.action == "leave":
             client.leave()
-            emit(event="left")
+            emit("left")
             return 0
         else:
             failed.wait(args.hold_s)
         client.raise_if_failed()
-        emit(event="done")
+        emit("done")
         return 0
     except RendezvousError as exc:
         emit(
-            event="error",
+            "error",
             type=type(exc).__name__,
             message=str(exc),
             ranks=exc.metadata.get("ranks", ""),
