@@ -20,11 +20,11 @@ import os
 import platform
 import socket
 import sys
-import time
 from typing import Any
 
 import numpy as np
 from _report import emit
+from _timing import timed_calls
 
 MiB = 1 << 20
 # (world, size in MiB) -> minimum busbw in GB/s; gloo's figures measured on the 2-core
@@ -54,18 +54,6 @@ def _recv_line(reader: Any) -> dict[str, Any]:
     return doc
 
 
-def _time_loop(run: Any, barrier: Any, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        run()
-    barrier()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _time_sizes(
     sizes: str, iters: int, ones: Any, all_reduce: Any, barrier: Any
 ) -> list[dict[str, Any]]:
@@ -75,7 +63,7 @@ def _time_sizes(
     for size in (int(s) for s in sizes.split(",")):
         data = ones(size // 4)
         n = iters or default_iters(size)
-        times = _time_loop(lambda d=data: all_reduce(d), barrier, n, 2)
+        times = timed_calls(lambda d=data: all_reduce(d), n, 2, after_warmup=barrier)
         results.append({"size_bytes": size, "times": times})
     return results
 
@@ -245,7 +233,7 @@ def pack_unpack(args: argparse.Namespace) -> dict[str, Any] | None:
     plan = layout()
 
     def best(fn: Any, iters: int = 5) -> float:
-        return min(_time_loop(fn, lambda: None, iters, warmup=1))
+        return min(timed_calls(fn, iters, 1))
 
     def pack_unpack_once(divisor: int) -> None:
         for gs, offs in plan:

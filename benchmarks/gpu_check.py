@@ -31,10 +31,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _timing import timed_calls
 
 from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer, pack, unpack
@@ -46,16 +47,8 @@ PACK_OVER_COPY_TARGET = 0.5
 
 
 def median_ms(fn: Callable[[], None], sync: Callable[[], None], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return round(statistics.median(samples), 4)
+    times = timed_calls(fn, iters, warmup, after_warmup=sync, after_each=sync)
+    return round(statistics.median(times) * 1e3, 4)
 
 
 def gbps(nbytes: float, ms: float) -> float:

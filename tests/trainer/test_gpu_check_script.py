@@ -18,7 +18,10 @@ import pytest
 from tests.support import ROOT
 
 
-def _bench() -> Any:
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """benchmarks/gpu_check.py as a module; it imports its siblings as a script does."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_check.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -120,8 +123,7 @@ def _row(
     }
 
 
-def test_benchmark_targets_judge_the_largest_size() -> None:
-    bench = _bench()
+def test_benchmark_targets_judge_the_largest_size(bench: Any) -> None:
     rows = [_row(1 << 20, 2.0, 1.0, 1.0, 100.0), _row(64 << 20, 1.03, 600.0, 700.0, 1000.0)]
     verdict = bench.targets(rows, world=2)
     assert verdict["bucketed_over_raw"]["met"] and verdict["bucketed_over_raw"]["measured"] == 1.03
@@ -133,7 +135,7 @@ def test_benchmark_targets_judge_the_largest_size() -> None:
     assert not bench.targets(rows, world=1)["bucketed_over_raw"]["met"]
 
 
-def test_ranks_on_one_gpu_are_told_they_are_separate_hosts() -> None:
-    env = [_bench().shared_device_env(r) for r in range(2)]
+def test_ranks_on_one_gpu_are_told_they_are_separate_hosts(bench: Any) -> None:
+    env = [bench.shared_device_env(r) for r in range(2)]
     assert env[0]["NCCL_HOSTID"] != env[1]["NCCL_HOSTID"]
     assert all(e["NCCL_SOCKET_IFNAME"] == "lo" and e["NCCL_IB_DISABLE"] == "1" for e in env)
