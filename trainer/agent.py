@@ -50,38 +50,37 @@ REPORTED_EXIT_S = 5.0
 
 @dataclass(frozen=True)
 class RemoteFailure:
+    """The daemon pushed a failure (a lost peer, an abort) for ``generation``."""
+
     error: RendezvousError
     generation: int
 
 
 @dataclass(frozen=True)
 class NodesWaiting:
+    """``count`` nodes wait to join: the running ``generation`` ends to take them in.
+    As a generation's outcome, it re-forms the job without using a restart."""
+
     count: int
     generation: int
 
 
 @dataclass(frozen=True)
-class Rescale:
-    """The generation ended for a membership change; no restart is used."""
+class Joined:
+    """``join_node``'s answer or error, from the thread that waited for it."""
 
-    count: int
+    serial: int
+    answer: NodeMembership | RendezvousError
 
 
 @dataclass(frozen=True)
 class Interrupted:
+    """The agent got SIGINT or SIGTERM: it stops the workers and exits with 128 + signum."""
+
     signum: int
 
 
-@dataclass(frozen=True)
-class Joined:
-    """``join_node``'s answer (or error), from the thread that waited for it."""
-
-    serial: int
-    membership: NodeMembership | None
-    error: RendezvousError | None
-
-
-Outcome = Failure | Rescale | Interrupted | None
+Outcome = Failure | NodesWaiting | Interrupted | None
 
 
 def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
@@ -161,7 +160,7 @@ class NodeAgent:
                     return 0
                 if isinstance(outcome, Interrupted):
                     return 128 + outcome.signum
-                if isinstance(outcome, Rescale):
+                if isinstance(outcome, NodesWaiting):
                     self.note(f"{outcome.count} node(s) waiting to join: re-forming the job")
                     continue
                 if not self.budget.record(outcome):
@@ -246,9 +245,9 @@ class NodeAgent:
                     timeout=timeout,
                 )
             except RendezvousError as exc:
-                self.events.put(Joined(serial, None, exc))
+                self.events.put(Joined(serial, exc))
             else:
-                self.events.put(Joined(serial, m, None))
+                self.events.put(Joined(serial, m))
 
         threading.Thread(target=join, daemon=True, name="rendezvous-agent-join").start()
         while True:
@@ -256,9 +255,9 @@ class NodeAgent:
                 return self._interrupted_outcome(None)
             event = self._next_event()
             if isinstance(event, Joined) and event.serial == serial:
-                if event.membership is not None:
-                    return event.membership
-                exc = event.error
+                exc = event.answer
+                if not isinstance(exc, RendezvousError):
+                    return exc
                 return Failure(None, f"joining failed: {type(exc).__name__}: {exc}", host=self.host)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 failure = self._spare_died(None, event)
@@ -371,7 +370,7 @@ class NodeAgent:
                     self.client.abort("scale-up", generation=gen)
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
-                return Rescale(event.count)
+                return event
 
     def _reported(self, event: Reported) -> None:
         w = event.worker
