@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Final, Protocol, Self, runtime_checkable
 
 from .errors import CollectiveArgumentError, ConfigError
 from .topology import check_rank
@@ -64,22 +64,13 @@ class RankedCommunicator(abc.ABC):
         if not isinstance(rank, int) or not isinstance(world_size, int):
             raise ConfigError(f"rank and world_size must be ints, got {rank!r} and {world_size!r}")
         check_rank("rank", rank, "world_size", world_size)
-        self._rank = rank
-        self._world_size = world_size
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
+        self.rank: Final = rank
+        self.world_size: Final = world_size
 
     def _check_root(self, root: object) -> None:
-        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self._world_size:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
             raise CollectiveArgumentError(
-                f"rank {self._rank}: broadcast root={root!r} is out of range "
-                f"[0, {self._world_size})"
+                f"rank {self.rank}: broadcast root={root!r} is out of range [0, {self.world_size})"
             )
 
     @abc.abstractmethod

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 from rendezvousd.settings import (
     AddressText,
@@ -442,37 +442,41 @@ def with_cli_overrides(
     return SCHEMA.build([SCHEMA.from_instance(config), SCHEMA.from_cli(overrides)])
 
 
+class ConfigSources(TypedDict, total=False):
+    """Where ``load_layers`` and ``load_config`` read besides the TOML file.
+
+    ``env`` defaults to ``os.environ``; ``cli`` is an argparse result or a mapping
+    of field names; ``allow_sections`` names other top-level tables the file may
+    carry for other readers (any other top-level key is rejected as a likely typo).
+    """
+
+    env: Mapping[str, str] | None
+    cli: argparse.Namespace | Mapping[str, object] | None
+    allow_sections: Collection[str]
+
+
 def load_layers(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    cli: argparse.Namespace | Mapping[str, object] | None = None,
-    allow_sections: Collection[str] = (),
+    path: str | os.PathLike[str] | None = None, **sources: Unpack[ConfigSources]
 ) -> Layer:
     """The merged values with their origins (``$VAR``, ``--flag``, ``key in file``);
     what was not set anywhere is absent."""
+    cli = sources.get("cli")
     return SCHEMA.merge(
         [
-            SCHEMA.from_toml(Path(path), allow_sections) if path is not None else {},
-            SCHEMA.from_env(_env(env)),
+            SCHEMA.from_toml(Path(path), sources.get("allow_sections", ()))
+            if path is not None
+            else {},
+            SCHEMA.from_env(_env(sources.get("env"))),
             SCHEMA.from_cli(cli) if cli is not None else {},
         ]
     )
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    cli: argparse.Namespace | Mapping[str, object] | None = None,
-    allow_sections: Collection[str] = (),
+    path: str | os.PathLike[str] | None = None, **sources: Unpack[ConfigSources]
 ) -> DistributedConfig:
-    """TOML file (optional), then env (default ``os.environ``), then CLI; validated once.
-
-    ``allow_sections`` names other top-level tables the file may carry for other
-    readers; any other top-level key is rejected as a likely typo.
-    """
-    return SCHEMA.build([load_layers(path, env=env, cli=cli, allow_sections=allow_sections)])
+    """TOML file (optional), then env (default ``os.environ``), then CLI; validated once."""
+    return SCHEMA.build([load_layers(path, **sources)])
 
 
 def config_env(config: DistributedConfig) -> dict[str, str]:

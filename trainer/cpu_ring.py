@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -95,6 +95,8 @@ class CpuRingCommunicator(RankedCommunicator):
     autotuning on, which measured as fast as fixed 1-4 MiB buffers on loopback.
     """
 
+    backend: Final = "cpu"
+
     def __init__(
         self,
         rank: int,
@@ -151,10 +153,6 @@ class CpuRingCommunicator(RankedCommunicator):
                 raise
 
     @property
-    def backend(self) -> str:
-        return "cpu"
-
-    @property
     def transport(self) -> str:
         """How all_reduce moves data: "shared-memory" (one host) or "tcp-ring"."""
         return "shared-memory" if self._shm is not None else "tcp-ring"
@@ -168,36 +166,36 @@ class CpuRingCommunicator(RankedCommunicator):
                 expect = (wire.ALL_REDUCE, _OPS[op], dtype_code, seq, flat.nbytes)
                 finish = self._average if op is ReduceOp.AVG else None
                 self._shm.all_reduce(flat, _UFUNCS[op], finish, expect)
-            elif self._world_size > 1:
+            elif self.world_size > 1:
                 self._ring_all_reduce(flat, op, dtype_code, wire.ALL_REDUCE, seq)
 
     def broadcast(self, array: Any, root: int = 0) -> None:
         flat, dtype_code = _flatten(array)
         self._check_root(root)
         with self._collective() as seq:
-            if self._world_size > 1:
+            if self.world_size > 1:
                 self._ring_broadcast(flat.view(np.uint8), dtype_code, root, seq)
 
     def barrier(self) -> None:
         # An empty all-reduce still passes one frame per step around the ring, so no rank
         # can leave before every rank has entered.
         with self._collective() as seq:
-            if self._world_size > 1:
+            if self.world_size > 1:
                 self._ring_all_reduce(np.empty(0, np.uint8), ReduceOp.SUM, 0, wire.BARRIER, seq)
 
     def abort(self, reason: str) -> None:
         with self._state_lock:
             if self._abort_reason is None:
                 self._abort_reason = reason
-        self._record(wire.LinkError(self._rank, wire.ABORTED, reason))
+        self._record(wire.LinkError(self.rank, wire.ABORTED, reason))
 
     def close(self) -> None:
         with self._state_lock:
             if self._closed:
                 return
             self._closed = True
-        closed = CommunicatorError(f"rank {self._rank}: communicator is closed")
-        self._record(wire.LinkError(self._rank, wire.ABORTED, "communicator closed"), closed)
+        closed = CommunicatorError(f"rank {self.rank}: communicator is closed")
+        self._record(wire.LinkError(self.rank, wire.ABORTED, "communicator closed"), closed)
         if self._sender is not None:
             # The sender forwards the failure notice downstream first, so survivors past
             # the neighbour still learn which rank failed; a stuck peer costs one grace.
@@ -229,7 +227,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 raise self._current_error() from exc
             except BaseException as exc:
                 detail = f"interrupted by {type(exc).__name__}"
-                self._record(wire.LinkError(self._rank, wire.INTERRUPTED, detail))
+                self._record(wire.LinkError(self.rank, wire.INTERRUPTED, detail))
                 self._reset_left()
                 raise
 
@@ -243,7 +241,7 @@ class CpuRingCommunicator(RankedCommunicator):
         with self._state_lock:
             if self._abort_reason is not None:
                 return CommunicatorAborted(
-                    f"rank {self._rank}: communicator aborted: {self._abort_reason}"
+                    f"rank {self.rank}: communicator aborted: {self._abort_reason}"
                 )
             assert self._failure is not None
             return type(self._failure)(str(self._failure))
@@ -287,9 +285,9 @@ class CpuRingCommunicator(RankedCommunicator):
             sock.close()
 
     def _public_error(self, link: wire.LinkError) -> CommunicatorError:
-        me, origin = f"rank {self._rank}", link.origin
+        me, origin = f"rank {self.rank}", link.origin
         via = f" (reported by rank {link.via})" if link.via not in (None, origin) else ""
-        if origin == self._rank and link.via is not None:
+        if origin == self.rank and link.via is not None:
             # A neighbour blamed this rank (e.g. timed out on it) before disconnecting.
             text = f"{me}: rank {link.via} gave up on this rank: {link.detail}"
             if link.code == wire.TIMEOUT:
@@ -303,7 +301,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 f"{link.detail}"
             )
         if link.code == wire.ABORTED:
-            if origin == self._rank:
+            if origin == self.rank:
                 return CommunicatorAborted(f"{me}: communicator aborted: {link.detail}")
             return PeerConnectionError(f"{me}: rank {origin} aborted{via}: {link.detail}")
         if link.code == wire.MISMATCH:
@@ -319,7 +317,7 @@ class CpuRingCommunicator(RankedCommunicator):
     def _ring_all_reduce(
         self, flat: Array, op: ReduceOp, dtype_code: int, coll: int, seq: int
     ) -> None:
-        n, r = self._world_size, self._rank
+        n, r = self.world_size, self.rank
         count, size = flat.size, flat.itemsize
         raw = flat.view(np.uint8).data
         step = _chunk_size(count // n * size + size, self._chunk_bytes) // size
@@ -357,12 +355,12 @@ class CpuRingCommunicator(RankedCommunicator):
         self._finish(seq, received=True, sent=True)
 
     def _average(self, segment: Array) -> None:
-        _divide(segment, self._world_size)
+        _divide(segment, self.world_size)
 
     def _ring_broadcast(self, raw_array: Array, dtype_code: int, root: int, seq: int) -> None:
         raw = raw_array.data
         expect = (wire.BROADCAST, 0, dtype_code, seq, raw_array.nbytes, root)
-        receives = self._rank != root
+        receives = self.rank != root
         sends = self._right_rank != root
         step = _chunk_size(raw_array.nbytes, self._chunk_bytes)
         for index, (a, b) in enumerate(_chunks(0, raw_array.nbytes, step)):
@@ -393,7 +391,7 @@ class CpuRingCommunicator(RankedCommunicator):
         """Acknowledge upstream, then wait until downstream has everything we sent."""
         if received:
             assert self._left is not None
-            ack = wire.FRAME.pack(wire.ACK, 0, 0, 0, seq, 0, self._rank, 0, 0)
+            ack = wire.FRAME.pack(wire.ACK, 0, 0, 0, seq, 0, self.rank, 0, 0)
             try:
                 self._left.sendall(ack, socket.MSG_NOSIGNAL)
             except OSError as exc:

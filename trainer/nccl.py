@@ -17,7 +17,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -266,6 +266,8 @@ class NcclCommunicator(RankedCommunicator):
     later call raises ``CommunicatorAborted``.
     """
 
+    backend: Final = "nccl"
+
     def __init__(
         self,
         rank: int,
@@ -278,7 +280,7 @@ class NcclCommunicator(RankedCommunicator):
         on_setup_timeout: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(rank, world_size)
-        self._device = device
+        self.device: Final = device
         self._timeout = timeout
         self._cp = _require_cupy()
         self._nccl = self._cp.cuda.nccl
@@ -294,7 +296,7 @@ class NcclCommunicator(RankedCommunicator):
         self._comm: Any = None
         uid = unique_id_to_bytes(unique_id)
         try:
-            self._version = int(self._nccl.get_version())
+            self.nccl_version: Final = int(self._nccl.get_version())
             with self._cp.cuda.Device(device):
                 self._stream = self._cp.cuda.Stream(non_blocking=True)
                 self._ready = self._cp.cuda.Event(disable_timing=True)
@@ -314,11 +316,11 @@ class NcclCommunicator(RankedCommunicator):
         first: Any = uid if _cupy_major(self._cp) >= 14 else tuple_form
         second: Any = tuple_form if first is uid else uid
         try:
-            return self._nccl.NcclCommunicator(self._world_size, first, self._rank)
+            return self._nccl.NcclCommunicator(self.world_size, first, self.rank)
         except TypeError:
             # The constructor's Cython signature rejects the other form before
             # NCCL sees anything, so retrying with it is safe.
-            return self._nccl.NcclCommunicator(self._world_size, second, self._rank)
+            return self._nccl.NcclCommunicator(self.world_size, second, self.rank)
 
     def _foreign_error_types(self) -> tuple[type[BaseException], ...]:
         candidates = (
@@ -330,18 +332,6 @@ class NcclCommunicator(RankedCommunicator):
         return tuple(c for c in candidates if isinstance(c, type) and issubclass(c, BaseException))
 
     @property
-    def backend(self) -> str:
-        return "nccl"
-
-    @property
-    def device(self) -> int:
-        return self._device
-
-    @property
-    def nccl_version(self) -> int:
-        return self._version
-
-    @property
     def aborted(self) -> str | None:
         """The abort reason once ``abort()`` ran, else None."""
         return self._aborted
@@ -349,14 +339,14 @@ class NcclCommunicator(RankedCommunicator):
     def __repr__(self) -> str:
         state = "aborted" if self._aborted is not None else "closed" if self._closed else "open"
         return (
-            f"NcclCommunicator(rank={self._rank}, world_size={self._world_size}, "
-            f"device={self._device}, {state})"
+            f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device}, {state})"
         )
 
     # -- error seam --
 
     def _failure(self, operation: str, exc: BaseException) -> errs.CommunicatorError:
-        where = f"rank {self._rank}/{self._world_size}: NCCL {operation}"
+        where = f"rank {self.rank}/{self.world_size}: NCCL {operation}"
         if self._aborted is not None:
             return errs.CommunicatorAborted(f"{where} failed after abort: {self._aborted}")
         status = _status_of(exc)
@@ -367,7 +357,7 @@ class NcclCommunicator(RankedCommunicator):
             # without the hang destroy() risks on a failed group.
             self.abort(f"NCCL {operation} failed: {_error_text(exc, status)}")
         if status in _PEER_STATUSES:
-            peers = _peers_text(self._rank, self._world_size)
+            peers = _peers_text(self.rank, self.world_size)
             return errs.PeerConnectionError(
                 f"{where} failed, a peer ({peers}) is unreachable: {_error_text(exc, status)}"
             )
@@ -376,11 +366,11 @@ class NcclCommunicator(RankedCommunicator):
     def _check_usable(self, operation: str) -> None:
         if self._aborted is not None:
             raise errs.CommunicatorAborted(
-                f"rank {self._rank}: NCCL {operation} after abort: {self._aborted}"
+                f"rank {self.rank}: NCCL {operation} after abort: {self._aborted}"
             )
         if self._closed:
             raise errs.CommunicatorError(
-                f"rank {self._rank}: NCCL {operation} on a closed communicator"
+                f"rank {self.rank}: NCCL {operation} on a closed communicator"
             )
 
     @contextlib.contextmanager
@@ -401,7 +391,7 @@ class NcclCommunicator(RankedCommunicator):
         with self._lock:
             self._check_usable(operation)
             try:
-                with self._cp.cuda.Device(self._device):
+                with self._cp.cuda.Device(self.device):
                     caller = self._cp.cuda.get_current_stream()
                     self._ready.record(caller)
                     self._stream.wait_event(self._ready)
@@ -409,7 +399,7 @@ class NcclCommunicator(RankedCommunicator):
                         enqueue(comm, self._stream)
                     self._done.record(self._stream)
                 self._wait_done(operation)
-                with self._cp.cuda.Device(self._device):
+                with self._cp.cuda.Device(self.device):
                     caller.wait_event(self._done)
             except self._errors as exc:
                 raise self._failure(operation, exc) from exc
@@ -418,16 +408,16 @@ class NcclCommunicator(RankedCommunicator):
         # Polling instead of synchronize() keeps the wait abortable: a blocked
         # cudaEventSynchronize would notice neither abort() nor a timeout.
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        with self._cp.cuda.Device(self._device):
+        with self._cp.cuda.Device(self.device):
             while not self._done.done:
                 with self._in_nccl(operation) as comm:
                     comm.check_async_error()
                 if deadline is not None and time.monotonic() > deadline:
-                    peers = _peers_text(self._rank, self._world_size)
+                    peers = _peers_text(self.rank, self.world_size)
                     reason = f"{operation} timed out after {self._timeout:g} s waiting for {peers}"
                     self.abort(reason)
                     raise errs.CommunicatorTimeout(
-                        f"rank {self._rank}/{self._world_size}: NCCL {operation} did not "
+                        f"rank {self.rank}/{self.world_size}: NCCL {operation} did not "
                         f"finish within collective_timeout_s={self._timeout:g} s (peers: "
                         f"{peers}); communicator aborted. A peer is likely dead or stuck"
                     )
@@ -437,26 +427,25 @@ class NcclCommunicator(RankedCommunicator):
     def _buffer_args(self, array: Any, operation: str) -> tuple[int, int, int]:
         if not isinstance(array, self._cp.ndarray):
             raise errs.CollectiveArgumentError(
-                f"rank {self._rank}: NCCL {operation} needs a CuPy array, "
-                f"not {type(array).__name__}"
+                f"rank {self.rank}: NCCL {operation} needs a CuPy array, not {type(array).__name__}"
             )
         if not array.flags.c_contiguous:
             raise errs.CollectiveArgumentError(
-                f"rank {self._rank}: NCCL {operation} needs a C-contiguous array; "
+                f"rank {self.rank}: NCCL {operation} needs a C-contiguous array; "
                 "pass cupy.ascontiguousarray(array) and copy the result back"
             )
-        if array.device.id != self._device:
+        if array.device.id != self.device:
             raise errs.CollectiveArgumentError(
-                f"rank {self._rank}: NCCL {operation}: array is on device {array.device.id}, "
-                f"communicator on device {self._device}"
+                f"rank {self.rank}: NCCL {operation}: array is on device {array.device.id}, "
+                f"communicator on device {self.device}"
             )
-        return int(array.data.ptr), int(array.size), nccl_dtype(array.dtype, self._version)
+        return int(array.data.ptr), int(array.size), nccl_dtype(array.dtype, self.nccl_version)
 
     # -- collectives --
 
     def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
         ptr, count, dtype = self._buffer_args(array, "all_reduce")
-        code, divide = nccl_op(op, self._version)
+        code, divide = nccl_op(op, self.nccl_version)
 
         def enqueue(comm: Any, stream: Any) -> None:
             comm.allReduce(ptr, ptr, count, dtype, code, stream.ptr)
@@ -465,9 +454,9 @@ class NcclCommunicator(RankedCommunicator):
         if divide and count:
             # On the caller's stream, which _run ordered after the sum.
             if array.dtype.kind in "iu":
-                array //= self._world_size
+                array //= self.world_size
             else:
-                array /= self._world_size
+                array /= self.world_size
 
     def broadcast(self, array: Any, root: int = 0) -> None:
         ptr, count, dtype = self._buffer_args(array, "broadcast")
@@ -499,7 +488,7 @@ class NcclCommunicator(RankedCommunicator):
             comm = None if self._closed else self._comm
             if comm is not None:
                 # The communicator is unusable whatever abort() reports.
-                with contextlib.suppress(Exception), self._cp.cuda.Device(self._device):
+                with contextlib.suppress(Exception), self._cp.cuda.Device(self.device):
                     comm.abort()
         finally:
             if locked:
@@ -513,10 +502,10 @@ class NcclCommunicator(RankedCommunicator):
                 if self._comm is not None and self._aborted is None:
                     # Drain first, abortably: destroying a communicator with work
                     # in flight can block forever on a dead peer.
-                    with self._cp.cuda.Device(self._device):
+                    with self._cp.cuda.Device(self.device):
                         self._done.record(self._stream)
                     self._wait_done("close")
-                    with self._in_nccl("close") as comm, self._cp.cuda.Device(self._device):
+                    with self._in_nccl("close") as comm, self._cp.cuda.Device(self.device):
                         comm.destroy()
             except errs.CommunicatorAborted:
                 pass  # abort() has already released NCCL's resources
@@ -544,45 +533,37 @@ class CupyBufferOps:
     """
 
     def __init__(self, device: int) -> None:
-        self._cp = _require_cupy()
-        self._device = device
-        with self._cp.cuda.Device(device):
-            self._stream = self._cp.cuda.Stream(non_blocking=True)
-            self._final = self._cp.cuda.Event(disable_timing=True)
+        self.xp: Final = _require_cupy()
+        self.device: Final = device
+        with self.xp.cuda.Device(device):
+            # The communication stream packs, all-reduces and unpacks run on.
+            self.stream: Final = self.xp.cuda.Stream(non_blocking=True)
+            self._final = self.xp.cuda.Event(disable_timing=True)
         self._ready: dict[int, Any] = {}
 
     @staticmethod
     def device_of(array: Any) -> int:
         return int(array.device.id)
 
-    @property
-    def xp(self) -> Any:
-        return self._cp
-
-    @property
-    def stream(self) -> Any:
-        """The communication stream packs, all-reduces and unpacks run on."""
-        return self._stream
-
     def empty(self, count: int, dtype: np.dtype[Any]) -> Any:
-        with self._cp.cuda.Device(self._device):
-            return self._cp.empty(count, dtype=dtype)
+        with self.xp.cuda.Device(self.device):
+            return self.xp.empty(count, dtype=dtype)
 
     def mark_launch(self, number: int) -> None:
-        with self._cp.cuda.Device(self._device):
+        with self.xp.cuda.Device(self.device):
             event = self._ready.get(number)
             if event is None:
-                event = self._ready[number] = self._cp.cuda.Event(disable_timing=True)
-            event.record(self._cp.cuda.get_current_stream())
+                event = self._ready[number] = self.xp.cuda.Event(disable_timing=True)
+            event.record(self.xp.cuda.get_current_stream())
 
     @contextlib.contextmanager
     def worker_scope(self, number: int) -> Iterator[None]:
         # CuPy's current device and stream are thread-local: the worker sets both.
-        with self._cp.cuda.Device(self._device), self._stream:
-            self._stream.wait_event(self._ready[number])
+        with self.xp.cuda.Device(self.device), self.stream:
+            self.stream.wait_event(self._ready[number])
             yield
 
     def join_caller(self) -> None:
-        with self._cp.cuda.Device(self._device):
-            self._final.record(self._stream)
-            self._cp.cuda.get_current_stream().wait_event(self._final)
+        with self.xp.cuda.Device(self.device):
+            self._final.record(self.stream)
+            self.xp.cuda.get_current_stream().wait_event(self._final)

@@ -111,16 +111,8 @@ class _Pending:
 
 @dataclass(frozen=True)
 class _Ring:
-    auth: peer_auth.PeerAuth
+    auth: peer_auth.PeerAuth  # this rank's place and the ring's size: auth.rank, auth.world
     timeout: float
-
-    @property
-    def rank(self) -> int:
-        return self.auth.rank
-
-    @property
-    def world(self) -> int:
-        return self.auth.world
 
 
 def establish_ring(
@@ -176,7 +168,7 @@ def _connect(
     deadline: float,
     buffer_bytes: int | None,
 ) -> socket.socket:
-    where = f"rank {ring.rank}: rank {peer} at {address[0]}:{address[1]}"
+    where = f"rank {ring.auth.rank}: rank {peer} at {address[0]}:{address[1]}"
     delay = 0.02
     while True:
         remaining = deadline - time.monotonic()
@@ -215,7 +207,7 @@ class _Acceptor:
     def __init__(self, ring: _Ring, listener: socket.socket) -> None:
         self._ring = ring
         self._listener = listener
-        self._peer = (ring.rank - 1) % ring.world
+        self._peer = (ring.auth.rank - 1) % ring.auth.world
         self._pending: dict[int, _Pending] = {}
         self._selector = selectors.DefaultSelector()
         self.last_rejection = ""
@@ -255,7 +247,7 @@ class _Acceptor:
     def _timeout(self) -> CommunicatorTimeout:
         note = f" (last rejected connection: {self.last_rejection})" if self.last_rejection else ""
         return CommunicatorTimeout(
-            f"rank {self._ring.rank}: rank {self._peer} did not connect and authenticate "
+            f"rank {self._ring.auth.rank}: rank {self._peer} did not connect and authenticate "
             f"within {self._ring.timeout:g} s{note}"
         )
 

@@ -285,9 +285,9 @@ def test_cupy_has_what_our_code_uses(path: str, use: Call | str) -> None:
         assert why is None, f"{path} refuses our {use}: {why}"
 
 
-# Where our code reaches CuPy by a module: cp/xp/cupy, self._cp, self._nccl, _import_cupy().
+# Where our code reaches CuPy by a module: cp/xp/cupy, self._cp, self.xp, self._nccl, _import_cupy().
 CODE = ["nccl.py", "devices.py", "bucketing.py", "example.py", "checkpoint.py"]
-ROOTS = {"cp": "", "xp": "", "cupy": "", "self._cp": "", "self._nccl": "cuda.nccl"}
+ROOTS = {"cp": "", "xp": "", "cupy": "", "self._cp": "", "self.xp": "", "self._nccl": "cuda.nccl"}
 
 
 def _chain(node: ast.expr) -> str | None:
