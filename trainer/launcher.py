@@ -143,6 +143,10 @@ def _nnodes(text: str | None) -> dict[str, Value]:
     return {k: Value(v.value, "--nnodes") for k, v in layer.items()}
 
 
+# Threads per worker for OpenMP and the BLAS numpy uses (OpenBLAS reads it too).
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
 def _per_worker_env() -> set[str]:
     return {o.env for k, o in SCHEMA.options.items() if k in PER_WORKER and o.env is not None}
 
@@ -158,6 +162,10 @@ def spare_env(
         env[TOKEN_FILE_ENV] = config.rendezvous.token_file
     if config_path is not None:
         env[CONFIG_ENV] = config_path
+    if config.local_world_size > 1 and THREADS_ENV not in base:
+        # torchrun's rule: each of a node's workers would otherwise start one
+        # OpenMP/OpenBLAS thread per core, N workers x N threads on N cores.
+        env[THREADS_ENV] = "1"
     return env
 
 
@@ -187,6 +195,11 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
     target = ["-m", args.target] if args.module else [args.target]
     cmd = target + [a for a in args.args if a != "--"]
     env = spare_env(config, args.config, base)
+    if env.get(THREADS_ENV) == "1" and THREADS_ENV not in base:
+        _note(
+            f"{THREADS_ENV}=1 for each of the {config.local_world_size} workers of this node "
+            "so their threads do not overload it; set it to tune"
+        )
     # Before the imports below, so that the spares' start-up overlaps this process's.
     booted = boot_spares(config, cmd, env)
     try:

@@ -341,6 +341,33 @@ def test_launcher_with_node_rank_auto_takes_ranks_from_the_daemon(
     assert auto["env_rank"] == "1"
 
 
+@pytest.mark.parametrize("chosen", [None, "3"])
+def test_several_workers_of_a_node_get_one_thread_each_unless_the_user_chose(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, chosen: str | None
+) -> None:
+    d = start_daemon()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if chosen is not None:
+        env["OMP_NUM_THREADS"] = chosen
+    run = subprocess.run(
+        [
+            *launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+            str(WORKERS / "trainer_worker.py"),
+            str(tmp_path / "stop"),
+            "--ready-only",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    ready = [e for e in map(json.loads, run.stdout.splitlines()) if e["event"] == "ready"]
+    assert [e["threads"] for e in ready] == [chosen or "1"] * 2
+    told = "OMP_NUM_THREADS=1 for each of the 2 workers of this node" in run.stderr
+    assert told == (chosen is None), run.stderr
+
+
 def test_example_without_a_launcher_runs_as_a_world_of_one(tmp_path: Path) -> None:
     # No launcher, no config, no RENDEZVOUSD_* variables: the default file transport
     # with no path gives a private world of one (rank 0 starts and stops its own daemon).

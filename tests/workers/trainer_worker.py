@@ -28,6 +28,7 @@ def main() -> int:
         node_rank=ctx.topology.node_rank,
         transport=transport,
         env_rank=os.environ.get("RANK"),
+        threads=os.environ.get("OMP_NUM_THREADS"),
         pid=os.getpid(),
     )
     if len(sys.argv) > 2 and sys.argv[2] == "--ready-only":
