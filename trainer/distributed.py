@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rendezvousd.address import AddressError, route_source
-from rendezvousd.client.errors import RendezvousError
+from rendezvousd.client.errors import RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.trainer import devices
@@ -324,7 +324,11 @@ def _nccl_setup(
             except RendezvousError as exc:
                 communicator.abort(f"another rank's NCCL init failed: {exc}")
                 communicator.close()
-                if _RETRY_MARK not in str(exc):
+                # A failed rank aborts the generation with _RETRY_MARK, which the
+                # barrier (or the abort pushed before it) reports. When that rank has
+                # already rejoined, the barrier hears STALE_GENERATION instead: this
+                # generation is over either way and the next one waits for this rank.
+                if _RETRY_MARK not in str(exc) and not isinstance(exc, StaleGeneration):
                     raise
                 failure = exc
         if attempt == config.retry_attempts:
