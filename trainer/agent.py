@@ -255,10 +255,11 @@ class NodeAgent:
                 return self._interrupted_outcome(None)
             event = self._next_event()
             if isinstance(event, Joined) and event.serial == serial:
-                exc = event.answer
-                if not isinstance(exc, RendezvousError):
-                    return exc
-                return Failure(None, f"joining failed: {type(exc).__name__}: {exc}", host=self.host)
+                answer = event.answer
+                if not isinstance(answer, RendezvousError):
+                    return answer
+                cause = f"joining failed: {type(answer).__name__}: {answer}"
+                return Failure(None, cause, host=self.host)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 failure = self._spare_died(None, event)
                 if failure is not None:
