@@ -26,6 +26,7 @@ from rendezvousd.client.errors import (
     PeerFailed,
     RendezvousError,
     RendezvousTimeout,
+    failed_members,
     from_rpc_error,
 )
 from rendezvousd.client.membership import (
@@ -35,6 +36,8 @@ from rendezvousd.client.membership import (
     from_join_node_response,
     from_join_response,
 )
+from rendezvousd.escape import bounded
+from rendezvousd.model import failed_text
 
 log = logging.getLogger("rendezvousd.client")
 
@@ -226,7 +229,8 @@ class Session:
             node_rank=n.node_rank,
             instance_id=self.instance_id,
             local_rank=local_rank,
-            cause=cause,
+            # Any text: the daemon keeps this much of it (a longer one is cut, not refused).
+            cause=bounded(cause),
         )
 
     def attach(self, membership: Membership, instance_id: str) -> None:
@@ -325,14 +329,16 @@ class Session:
         """The error a heartbeat event means for this member, if any."""
         generation = f"job {event.job_id!r} generation {event.generation}"
         if event.kind == pb.JobEvent.PEER_FAILED:
-            lost = ", ".join(f"rank {f.rank} on {f.host} ({f.cause})" for f in event.failed[:8])
+            failed = failed_members(event.failed)
+            # The daemon's own words and metadata for this failure (Job.generation_fault).
             metadata = {
-                "ranks": ",".join(str(f.rank) for f in event.failed),
-                "hosts": ",".join(sorted({f.host for f in event.failed})),
+                "ranks": ",".join(str(f.rank) for f in failed),
+                "hosts": ",".join(dict.fromkeys(f.host for f in failed)),
                 "generation": str(event.generation),
             }
+            message = failed_text(generation, failed)
             return self._event_error(
-                PeerFailed, "PEER_FAILED", f"{generation} failed: lost {lost}", event, metadata
+                PeerFailed, "PEER_FAILED", message, event, metadata, failed=failed
             )
         if event.kind == pb.JobEvent.JOB_ABORTED:
             message = f"{generation} was aborted: {event.reason}"
@@ -347,10 +353,12 @@ class Session:
         message: str,
         event: pb.JobEvent,
         metadata: dict[str, str],
+        **extra: Any,
     ) -> RendezvousError:
         """An event that ends the generation, as the ABORTED error the daemon would give."""
         return kind(
             message,
+            **extra,
             code="ABORTED",
             reason=reason,
             endpoint=self.endpoint,

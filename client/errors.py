@@ -10,7 +10,8 @@
     ├── DuplicateRank               another worker holds this (node_rank, local_rank)
     ├── IdConflict                  a different unique id is already published
     ├── StaleGeneration             the job moved on; .current_generation
-    ├── PeerFailed                  a member died; .ranks .hosts .generation
+    ├── PeerFailed                  a member died; .failed (FailedMember, in order of
+    │                               loss) .ranks .hosts .generation
     ├── JobAborted                  someone called abort; .abort_reason
     ├── JobEnded                    every member left
     ├── RendezvousTimeout           a join, barrier or key wait ran out of time
@@ -25,12 +26,17 @@ contain the unique id or the token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.model import FailedInfo
 
 
 class RendezvousError(Exception):
@@ -113,16 +119,53 @@ class StaleGeneration(RendezvousError):
         return int(self.metadata.get("current_generation", "0"))
 
 
+@dataclass(frozen=True)
+class FailedMember(FailedInfo):
+    """A member the daemon lost: ``rank``, ``host``, ``node_rank``, ``local_rank``,
+    ``cause`` (any text: ``describe()`` shows it escaped and shortened) and
+    ``lost_at`` (``time.time()`` on this host, estimated; None if unknown)."""
+
+
+def failed_members(messages: Iterable[pb.FailedMember]) -> tuple[FailedMember, ...]:
+    """The daemon's ``FailedMember`` messages, in their order (the order of loss)."""
+    now = time.time()
+    return tuple(
+        FailedMember(
+            f.rank,
+            f.host,
+            f.cause,
+            f.node_rank,
+            f.local_rank,
+            now - f.age_ms / 1000 if f.age_ms else None,
+        )
+        for f in messages
+    )
+
+
 class PeerFailed(RendezvousError):
-    """A member died or went silent; ``.ranks``, ``.hosts`` and ``.generation`` say which."""
+    """A member died or went silent. ``.failed`` lists the lost members in the order
+    the daemon lost them (the first is the root cause), each with its own host and
+    cause; ``.ranks`` and ``.hosts`` list the same order; ``.generation`` is theirs.
+
+    From a heartbeat event ``.failed`` is every loss known then, whole; from a call's
+    error, at most the first 16 with causes cut short (``.ranks`` has them all):
+    ``get_job().failed`` is the whole record.
+    """
+
+    def __init__(self, message: str, *, failed: Sequence[FailedMember] = (), **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.failed = tuple(failed)
 
     @property
     def ranks(self) -> list[int]:
-        return _ints(self.metadata.get("ranks", ""))
+        listed = _ints(self.metadata.get("ranks", ""))
+        return listed if len(listed) >= len(self.failed) else [f.rank for f in self.failed]
 
     @property
     def hosts(self) -> list[str]:
-        return [h for h in self.metadata.get("hosts", "").split(",") if h]
+        """Each host with a lost rank, once, in the order of its first loss."""
+        listed = [h for h in self.metadata.get("hosts", "").split(",") if h]
+        return list(dict.fromkeys([*(f.host for f in self.failed), *listed]))
 
     @property
     def generation(self) -> int:
@@ -215,15 +258,25 @@ def error_info(call: grpc.Call) -> tuple[str, dict[str, str]]:
     message disagrees with the call's own status (then it describes some other
     failure, e.g. a proxy rewrote the status, and must not pick the error class).
     """
+    reason, metadata, _ = _status_details(call)
+    return reason, metadata
+
+
+def _status_details(call: grpc.Call) -> tuple[str, dict[str, str], list[pb.FailedMember]]:
+    """``error_info``, and the FailedMember details that follow it (PEER_FAILED)."""
     try:
         status = rpc_status.from_call(call)
     except ValueError:
-        return "", {}
+        return "", {}, []
+    reason, metadata, failed = "", {}, []
     for detail in status.details if status is not None else ():
         info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason, dict(info.metadata)
-    return "", {}
+        lost = pb.FailedMember()
+        if not reason and detail.Unpack(info):
+            reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Unpack(lost):
+            failed.append(lost)
+    return reason, metadata, failed
 
 
 def from_rpc_error(
@@ -231,7 +284,7 @@ def from_rpc_error(
 ) -> RendezvousError:
     code: grpc.StatusCode = exc.code()
     details: str = exc.details() or ""
-    reason, metadata = error_info(exc)
+    reason, metadata, lost = _status_details(exc)
     cls = _BY_REASON.get(reason) or _BY_CODE.get(code, ProtocolError)
     where = f"{method} on rendezvousd at {endpoint}"
     who = f" (job {job_id!r}" + (f", rank {rank})" if rank is not None else ")") if job_id else ""
@@ -246,8 +299,10 @@ def from_rpc_error(
         message = f"{where}{who} exceeded its deadline; the daemon did not answer in time"
     else:
         message = f"{where}{who} failed with {code.name}: {details}"
+    extra: dict[str, Any] = {"failed": failed_members(lost)} if cls is PeerFailed else {}
     return cls(
         message,
+        **extra,
         code=code.name,
         reason=reason,
         metadata=metadata,

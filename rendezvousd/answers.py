@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.limits import Timing
-from rendezvousd.model import JoinResult, MemberInfo, NodeJoinResult, NodeSeat, seat_of
+from rendezvousd.model import (
+    FailedInfo,
+    JoinResult,
+    MemberInfo,
+    NodeJoinResult,
+    NodeSeat,
+    seat_of,
+)
 
 
 @dataclass
@@ -117,3 +124,19 @@ class JoinAnswers:
             world_size=len(members),
             table_digest=table.digest,
         )
+
+
+def failed_member(f: FailedInfo, now: float, cause_bytes: int | None = None) -> pb.FailedMember:
+    """``f`` on the wire; ``cause_bytes``: its cause cut to that many bytes (an error's
+    trailer is small), else whole."""
+    cause = f.cause
+    if cause_bytes is not None and len(cause.encode()) > cause_bytes:
+        cause = cause.encode()[:cause_bytes].decode("utf-8", "ignore")
+    return pb.FailedMember(
+        rank=f.rank,
+        host=f.host,
+        cause=cause,
+        node_rank=f.node_rank or 0,
+        local_rank=f.local_rank or 0,
+        age_ms=int(max(0.0, now - f.lost_at) * 1000) if f.lost_at is not None else 0,
+    )

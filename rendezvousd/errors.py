@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rendezvousd.model import FailedInfo
 
 
 class DaemonError(Exception):
@@ -47,12 +51,15 @@ class RendezvousFault(Exception):
         reason: str,
         message: str,
         metadata: Mapping[str, str] | None = None,
+        failed: Sequence[FailedInfo] = (),
     ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
         self.metadata: dict[str, str] = dict(metadata or {})
+        # PEER_FAILED: the losses, in order, as structured details beside the ErrorInfo.
+        self.failed = tuple(failed)
 
 
 def shown(names: Sequence[str], most: int = 8) -> str:

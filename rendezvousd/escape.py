@@ -1,4 +1,5 @@
-"""Client-provided text made safe to print: in logs and ``rendezvousd status``.
+"""Client-provided text made safe to print (in logs, messages and ``rendezvousd status``)
+and bounded where it is kept.
 
 Requests are validated, but text restored from an older state file, or any
 future field, could still hold C0/C1 controls (a forged log line, a terminal
@@ -11,6 +12,12 @@ from __future__ import annotations
 import logging
 import re
 
+# How much of a failure's cause a record keeps: enough for a whole traceback, little
+# enough that a job's record and the event every survivor gets stay small.
+MAX_CAUSE_BYTES = 64 * 1024
+# How much of one cause a message shows: a message names several failures on one line.
+SHOWN_CHARS = 120
+
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -22,6 +29,26 @@ def _escaped(match: re.Match[str]) -> str:
 def escape(text: str) -> str:
     """``text`` with every control and bidi-override character escaped."""
     return _UNSAFE.sub(_escaped, text)
+
+
+def shortened(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` escaped (one line, nothing a terminal acts on), cut to ``limit``
+    characters with a marker saying how much was left out."""
+    shown = escape(text)
+    if len(shown) <= limit:
+        return shown
+    return f"{shown[:limit]}... ({len(shown) - limit} more characters)"
+
+
+def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:
+    """``text`` whole up to ``max_bytes`` of UTF-8; longer, its head and a marker
+    saying it was cut. Lone surrogates (an exception's text may hold them) are
+    escaped, so the result can always go on the wire."""
+    raw = text.encode("utf-8", "backslashreplace")
+    if len(raw) <= max_bytes:
+        return raw.decode()
+    marker = f" ... [cut: {len(raw)} bytes in all]"
+    return raw[: max(0, max_bytes - len(marker))].decode("utf-8", "ignore") + marker
 
 
 class EscapingFormatter(logging.Formatter):

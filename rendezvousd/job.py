@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from rendezvousd.errors import Code, RendezvousFault, ranks_text, shown
-from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState
+from rendezvousd.errors import Code, RendezvousFault, shown
+from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState, failed_text
 
 
 @dataclass(kw_only=True)
@@ -47,6 +47,10 @@ class Member(Attendee):
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.rank, self.node_rank, self.local_rank, self.host, self.address)
+
+    def loss(self, cause: str, now: float) -> FailedInfo:
+        """The record of losing this member at ``now``."""
+        return FailedInfo(self.rank, self.host, cause, self.node_rank, self.local_rank, now)
 
 
 @dataclass
@@ -254,15 +258,20 @@ class Job:
         if self.conflict is not None:
             return self.conflict
         if self.state is JobState.FAILED:
-            lost = ", ".join(f"rank {f.rank} on {f.host} ({f.cause})" for f in self.failed[:8])
-            more = f" and {len(self.failed) - 8} more" if len(self.failed) > 8 else ""
-            return self.fault(
+            # In the order of loss, the first being the root cause; each loss with its
+            # host is in the fault's details (fault_status), the metadata only lists.
+            return RendezvousFault(
                 Code.ABORTED,
                 "PEER_FAILED",
-                f"{self.named} failed: lost {lost}{more}; restart the job (a new Join opens "
+                f"{failed_text(self.named, self.failed)}; restart the job (a new Join opens "
                 "the next generation)",
-                ranks=ranks_text(f.rank for f in self.failed),
-                hosts=",".join(sorted({f.host for f in self.failed})),
+                {
+                    "job_id": self.job_id,
+                    "generation": str(self.generation),
+                    "ranks": ",".join(str(f.rank) for f in self.failed),
+                    "hosts": ",".join(dict.fromkeys(f.host for f in self.failed)),
+                },
+                self.failed,
             )
         if self.state is JobState.ABORTED:
             return self.fault(

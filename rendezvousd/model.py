@@ -7,10 +7,12 @@ serializes straight onto the wire.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.escape import escape, shortened
 
 
 class JobState(enum.Enum):
@@ -47,9 +49,37 @@ class MemberInfo:
 
 @dataclass(frozen=True)
 class FailedInfo:
+    """A member the daemon lost, and why: its record, a ``FailedMember`` on the wire,
+    and the SDK's ``FailedMember``. Lists of them keep the order of loss, so the
+    first is the root cause."""
+
     rank: int
     host: str
+    # Whole (the daemon keeps up to escape.MAX_CAUSE_BYTES): any text, so shown
+    # only through ``describe``.
     cause: str
+    node_rank: int | None = None
+    local_rank: int | None = None
+    # When it was lost: the daemon's monotonic clock in the daemon; in the SDK,
+    # time.time() on the receiving host, from the age the daemon sent. None: not
+    # known (a loss recorded before the daemon restarted).
+    lost_at: float | None = None
+
+    def describe(self) -> str:
+        """The one way every layer words a loss: rank, host and the cause shortened."""
+        return f"rank {self.rank} on {escape(self.host)} ({shortened(self.cause)})"
+
+
+# How many losses a failure sentence names; the rest are counted.
+NAMED_LOSSES = 8
+
+
+def failed_text(named: str, failed: Sequence[FailedInfo]) -> str:
+    """The failure sentence the daemon, the SDK and the node agent all say:
+    "<job J generation G> failed: lost rank R on HOST (cause), ... and N more"."""
+    lost = ", ".join(f.describe() for f in failed[:NAMED_LOSSES])
+    more = f" and {len(failed) - NAMED_LOSSES} more" if len(failed) > NAMED_LOSSES else ""
+    return f"{named} failed: lost {lost}{more}"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from rendezvousd import fences, nodes, placement, validation, waits
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.escape import bounded
 from rendezvousd.job import Job, Node
 from rendezvousd.model import (
     EventKind,
@@ -207,7 +208,7 @@ class NodeJoins(StateCore):
             node.state = MemberState.LOST
             cause = "its JoinNode was cancelled (node agent died or disconnected)"
             rank = nodes.provisional_first_rank(job, node)
-            job.failed.append(FailedInfo(rank, node.host, cause))
+            job.failed.append(FailedInfo(rank, node.host, cause, node.node_rank, 0, now))
             self._set_state(job, JobState.FAILED, now, f"node agent on {node.host}: {cause}")
             self._fail_waiters(job)
         return None
@@ -237,7 +238,9 @@ class NodeJoins(StateCore):
         cause: str,
         now: float,
     ) -> None:
-        validation.text_field("cause", cause, self.limits.max_reason_bytes, required=True)
+        # Any text is a cause (a traceback has newlines): kept bounded, escaped only
+        # where shown. Refusing it would leave a healthy rank, lost after, as the root cause.
+        cause = bounded(cause) or "its node agent reported a failure without a cause"
         job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=False)
         validation.rank_in_range(
             "local_rank", local_rank, "gpus_per_node", job.gpus_per_node, job_id=job_id

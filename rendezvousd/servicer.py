@@ -17,7 +17,7 @@ import grpc
 
 from rendezvousd import validation
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.answers import JoinAnswers
+from rendezvousd.answers import JoinAnswers, failed_member
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.fault_status import STORAGE_UNAVAILABLE, storage_unavailable, to_grpc_status
 from rendezvousd.metrics import Metrics
@@ -349,7 +349,8 @@ class RendezvousServicer:
         )
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
-        view = self.state.view(request.job_id, _now())
+        now = _now()
+        view = self.state.view(request.job_id, now)
         return pb.GetJobResponse(
             summary=_summary(view),
             members=[
@@ -367,7 +368,7 @@ class RendezvousServicer:
                 )
                 for m in view.members
             ],
-            failed=[pb.FailedMember(rank=f.rank, host=f.host, cause=f.cause) for f in view.failed],
+            failed=[failed_member(f, now) for f in view.failed],
             id_published=view.id_published,
             kv_keys=view.kv_keys,
             abort_reason=view.abort_reason,

@@ -214,9 +214,11 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
     }
     failed = []
     for f in _rows(raw, "failed"):
-        failed.append(
-            FailedInfo(_int(f, "rank", 0, job.world_size - 1), _str(f, "host"), _str(f, "cause"))
-        )
+        # Node and local rank follow from the rank; when it was lost is not kept (the
+        # monotonic clock it was read on died with the old process).
+        rank = _int(f, "rank", 0, job.world_size - 1)
+        node_rank, local_rank = divmod(rank, job.gpus_per_node)
+        failed.append(FailedInfo(rank, _str(f, "host"), _str(f, "cause"), node_rank, local_rank))
     job.failed = failed
     job.abort_reason = _str(raw, "abort_reason")
     job.barriers = {

@@ -17,7 +17,6 @@ from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.job import Job, Member
 from rendezvousd.model import (
     EventKind,
-    FailedInfo,
     JobState,
     JobView,
     JoinResult,
@@ -186,7 +185,7 @@ class RendezvousState(NodeJoins):
             return
         member.state = MemberState.LOST
         cause = "its Join was cancelled (worker died or disconnected)"
-        job.failed.append(FailedInfo(rank, member.host, cause))
+        job.failed.append(member.loss(cause, now))
         self._set_state(job, JobState.FAILED, now, f"rank {rank} on {member.host}: {cause}")
         self._fail_waiters(job)
 

@@ -12,12 +12,12 @@ from typing import TypeVar
 
 from rendezvousd import barriers, fences, validation, waits
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.escape import shortened
 from rendezvousd.job import Attendee, Job, Member
 from rendezvousd.limits import Limits, Timing
 from rendezvousd.model import (
     Effect,
     EventKind,
-    FailedInfo,
     JobState,
     MemberState,
     Notify,
@@ -235,16 +235,15 @@ class StateCore:
         for member in lost:
             member.state = MemberState.LOST
             member.stream_open = False
-            job.failed.append(FailedInfo(member.rank, member.host, cause))
+            job.failed.append(member.loss(cause, now))
         if job.state is not JobState.RUNNING or not lost:
             return  # the generation already ended: survivors were told once
-        first = lost[0]
+        first = job.failed[-len(lost)]
         more = f" (and {len(lost) - 1} more of its node)" if len(lost) > 1 else ""
-        self._set_state(
-            job, JobState.FAILED, now, f"rank {first.rank} on {first.host}{more}: {cause}"
-        )
+        self._set_state(job, JobState.FAILED, now, f"{first.describe()}{more}")
         self._fail_waiters(job)
-        self._notify(job, EventKind.PEER_FAILED, reason=cause, skip_node=told)
+        # The event's failed list holds the whole cause; its reason only shows it.
+        self._notify(job, EventKind.PEER_FAILED, reason=shortened(cause), skip_node=told)
 
     def _fail_waiters(self, job: Job) -> None:
         fault = job.generation_fault()

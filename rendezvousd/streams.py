@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.answers import failed_member
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import EventKind, Notify
@@ -40,13 +41,12 @@ class HeartbeatStreams:
         self._open: dict[_StreamKey, tuple[int, asyncio.Queue[_Item]]] = {}
 
     def push(self, effect: Notify) -> None:
+        now = self._now()
         event = pb.JobEvent(
             kind=pb.JobEvent.Kind.ValueType(effect.kind.value),
             job_id=effect.job_id,
             generation=effect.generation,
-            failed=[
-                pb.FailedMember(rank=f.rank, host=f.host, cause=f.cause) for f in effect.failed
-            ],
+            failed=[failed_member(f, now) for f in effect.failed],
             reason=effect.reason,
             nodes_waiting=effect.nodes_waiting,
         )

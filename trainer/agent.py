@@ -24,6 +24,8 @@ from typing import Any
 from rendezvousd.client.errors import PeerFailed, RendezvousError
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
+from rendezvousd.escape import shortened
+from rendezvousd.model import FailedInfo, failed_text
 
 from .agent_worker import Assignment
 from .config import DistributedConfig
@@ -84,10 +86,14 @@ Outcome = Failure | NodesWaiting | Interrupted | None
 
 
 def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
-    """(cause, rank, host) of a failure the daemon pushed."""
+    """(cause, rank, host) of a failure the daemon pushed: the first member it lost,
+    with that member's own host."""
     cause = f"{type(error).__name__}: {error}"
+    if isinstance(error, PeerFailed) and error.failed:
+        first = error.failed[0]
+        return cause, first.rank, first.host
     if isinstance(error, PeerFailed) and error.ranks:
-        return cause, error.ranks[0], error.hosts[0] if error.hosts else None
+        return cause, error.ranks[0], None
     return cause, None, None
 
 
@@ -387,20 +393,23 @@ class NodeAgent:
     def _local_failure(
         self, gen: int, first_rank: int, w: WorkerProcess, cause: str, status: int
     ) -> Failure:
+        """``cause``: any text (a worker's exception), reported whole and shown shortened."""
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
-        self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {cause}")
+        self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}")
         if w.reported_cause is None:
             try:
                 # Before stopping our other workers: the other nodes hear of it sooner.
                 self.client.report_failure(local, cause)
             except RendezvousError as exc:
                 self.note(f"could not report the failure to the daemon: {exc}")
-        failure = Failure(gen, cause, rank, self.host, status, local_rank=local)
+        failure = Failure(gen, shortened(cause), rank, self.host, status, local_rank=local)
         self.first_local = self.first_local or failure
         # Worded as the daemon words it to the other nodes: every node's workers log
         # the same cause for the same failure.
-        return self._stop(gen, failure, f"PeerFailed: lost rank {rank} on {self.host} ({cause})")
+        named = f"job {self.config.job_id!r} generation {gen}"
+        lost = FailedInfo(rank, self.host, cause, local_rank=local)
+        return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
 
     def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
         # Said here, at once, on every node: the workers may be gone before they log it.

@@ -26,6 +26,7 @@ from rendezvousd.address import AddressError, route_source
 from rendezvousd.client.errors import RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.transport import Rendezvous, connect
+from rendezvousd.escape import bounded
 from rendezvousd.trainer import devices
 from rendezvousd.trainer.agent_worker import AgentLink
 from rendezvousd.trainer.communicator import Communicator
@@ -135,8 +136,9 @@ def _own_failure(error: BaseException | None) -> bool:
 def _describe(error: BaseException | None) -> str:
     if error is None:
         return "the worker closed its context after a failure"
-    # The daemon bounds a cause's length; the head of the message names the fault.
-    return f"{type(error).__name__}: {error}"[:500]
+    # Whole (a traceback's newlines included) up to what the daemon keeps: the cause
+    # of record. It is escaped and shortened only where it is shown.
+    return bounded(f"{type(error).__name__}: {error}")
 
 
 def _drop_out(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from rendezvousd.client import RendezvousClient, TlsConfig
 from rendezvousd.client.errors import RendezvousError
+from rendezvousd.escape import escape, shortened
 
 # How long to wait for the daemon to record a loss the launcher already saw: a
 # SIGKILLed worker is reaped locally a moment before the daemon notices its
@@ -39,7 +40,8 @@ class LostMember:
             if self.node_rank is not None
             else ""
         )
-        return f"rank {self.rank}{where} on host {self.host} was lost ({self.cause})"
+        # ``cause`` is whatever the worker or its agent reported: shown escaped, shortened.
+        return f"rank {self.rank}{where} on host {escape(self.host)} was lost ({shortened(self.cause)})"
 
 
 def lost_member(

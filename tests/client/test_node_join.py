@@ -128,6 +128,74 @@ def test_report_failure_reaches_the_other_node_and_getjob_names_the_rank(
     assert failed[0].host == f"node{reporter}"
 
 
+def test_two_ranks_lost_on_two_hosts_are_each_named_with_their_own_host(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    # Hosts in the opposite order to the ranks, and rank 2 lost before rank 1: an
+    # answer that sorts ranks and hosts separately pairs rank 1 with "a-host".
+    hosts = ["survivor", "z-host", "a-host"]
+    results = parallel(
+        [
+            lambda c=c, i=i: c.join_node(  # type: ignore[misc]
+                min_nodes=3, max_nodes=3, gpus_per_node=1, host=hosts[i], node_rank=i, timeout=20
+            )
+            for i, c in enumerate(agents)
+        ]
+    )
+    ms: list[NodeMembership] = []
+    for r in results:
+        assert isinstance(r, NodeMembership), r
+        ms.append(r)
+    heard: list[RendezvousError] = []
+    got = threading.Event()
+    agents[0].start_heartbeat(0.2, on_failure=lambda e: (heard.append(e), got.set()))
+    agents[2].report_failure(0, "worker exited with signal 9")
+    assert got.wait(10)
+    agents[1].report_failure(0, "hung: no progress for 60.0 s")
+    wait_for("both losses recorded", lambda: len(agents[0].get_job().failed) == 2)
+    # The event every survivor hears: the first loss, with its own host.
+    assert isinstance(heard[0], PeerFailed)
+    assert [(f.rank, f.host, f.node_rank) for f in heard[0].failed] == [(2, "a-host", 2)]
+    assert heard[0].failed[0].cause == "worker exited with signal 9"
+    # A call on the failed generation: both losses, in the order they happened.
+    worker = clients(daemon, job_id, 1)[0]
+    try:
+        worker.attach(ms[0].membership_for(0), ms[0].member_instance_id(0))
+        with pytest.raises(PeerFailed) as caught:
+            worker.barrier("b", timeout=5)
+    finally:
+        worker.close()
+    error = caught.value
+    assert [(f.rank, f.host) for f in error.failed] == [(2, "a-host"), (1, "z-host")]
+    assert error.ranks == [2, 1]
+    assert [f.cause for f in error.failed] == [
+        "worker exited with signal 9",
+        "hung: no progress for 60.0 s",
+    ]
+    assert "rank 2 on a-host (worker exited" in error.message
+    assert "rank 1 on z-host (hung" in error.message
+
+
+def test_a_long_multiline_cause_is_kept_whole_and_shown_escaped(
+    agents: list[RendezvousClient],
+) -> None:
+    ms = join_all(agents[:2], 2, 2)
+    reporter = next(i for i, m in enumerate(ms) if m.node_rank == 1)
+    other = 1 - reporter
+    heard: list[RendezvousError] = []
+    got = threading.Event()
+    agents[other].start_heartbeat(0.2, on_failure=lambda e: (heard.append(e), got.set()))
+    cause = "RuntimeError: line1\nline2" + "x" * 5000 + "\x1b[31m"
+    agents[reporter].report_failure(1, cause)
+    assert got.wait(10)
+    assert isinstance(heard[0], PeerFailed) and heard[0].failed[0].cause == cause
+    # One line, escaped, shortened: the message names the rank, not 5,000 x's.
+    assert "\n" not in heard[0].message and "\x1b" not in heard[0].message
+    assert "rank 3 on node" in heard[0].message and "line1\\x0aline2" in heard[0].message
+    assert len(heard[0].message) < 1000, heard[0].message
+    assert agents[other].get_job().failed[0].cause == cause
+
+
 def test_killed_node_process_fails_the_generation(
     daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
 ) -> None:

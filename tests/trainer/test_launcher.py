@@ -121,6 +121,48 @@ def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
     assert nodes[1].returncode == 128 + signal.SIGKILL
 
 
+def test_a_worker_raising_a_long_multiline_error_is_every_launchers_root_cause(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    # The documented ``with init_distributed()`` form: rank 3 raises, its peers' ring
+    # breaks and they exit too. The daemon must take the raiser's report (any length,
+    # newlines included) first, not record the healthy rank 0 that exited after it.
+    d = start_daemon()
+    nodes = [
+        subprocess.Popen(
+            [
+                *launcher_cmd(2, n, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+                "--config",
+                str(SMOKE),
+                str(WORKERS / "raising_worker.py"),
+                "3",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        outs = [n.communicate(timeout=60)[1] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    host = re.escape(socket.gethostname())
+    for n, err in zip(nodes, outs, strict=True):
+        assert n.returncode != 0, err
+        causes = [line for line in err.splitlines() if "root cause:" in line]
+        assert len(causes) == 1, err
+        # Shown on one line, escaped and shortened; the record keeps it whole.
+        assert re.search(
+            rf"root cause: rank 3 \(node 1, local rank 1\) on host {host} was lost "
+            r"\(RuntimeError: line1\\x0aline2x+",
+            causes[0],
+        ), err
+        assert len(causes[0]) < 1000, causes[0]
+
+
 def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
     running: Running,
 ) -> None:

@@ -571,7 +571,9 @@ class ReportFailureRequest(_message.Message):
     """The node's instance id (from its JoinNode)."""
     local_rank: _builtins.int
     cause: _builtins.str
-    """Why the worker failed ("exit code -9", "hung for 60 s", ...)."""
+    """Why the worker failed ("exit code -9", "hung for 60 s", an exception's
+    text...): any text; the daemon keeps up to 64 KiB of it, marked where cut.
+    """
     def __init__(
         self,
         *,
@@ -1035,25 +1037,45 @@ Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
 
 @_typing.final
 class FailedMember(_message.Message):
+    """A member the daemon lost. Lists of them are in the order it lost them: the
+    first is the generation's root cause. In a call's error (google.rpc.Status
+    details, after the ErrorInfo) the first 16 are given, their causes cut to 120
+    bytes; events and GetJob give every one with its whole cause.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RANK_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     CAUSE_FIELD_NUMBER: _builtins.int
+    NODE_RANK_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    AGE_MS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     host: _builtins.str
     cause: _builtins.str
-    """Why the daemon considers it lost ("heartbeat stream closed", ...)."""
+    """Why the daemon considers it lost ("heartbeat stream closed", or the cause
+    its node agent reported, kept up to 64 KiB). Any text: escape it to show it.
+    """
+    node_rank: _builtins.int
+    local_rank: _builtins.int
+    age_ms: _builtins.int
+    """Milliseconds between the daemon losing it and sending this message (0 for a
+    loss recorded before the daemon restarted).
+    """
     def __init__(
         self,
         *,
         rank: _builtins.int = ...,
         host: _builtins.str = ...,
         cause: _builtins.str = ...,
+        node_rank: _builtins.int = ...,
+        local_rank: _builtins.int = ...,
+        age_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "host", b"host", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "cause", b"cause", "host", b"host", "local_rank", b"local_rank", "node_rank", b"node_rank", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
