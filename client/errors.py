@@ -148,7 +148,7 @@ class PeerFailed(RendezvousError):
     cause; ``.ranks`` and ``.hosts`` list the same order; ``.generation`` is theirs.
 
     From a heartbeat event ``.failed`` is every loss known then, whole; from a call's
-    error, at most the first 16 with causes cut short (``.ranks`` has them all):
+    error, at most the first 8 with causes cut short (``.ranks`` has them all):
     ``get_job().failed`` is the whole record.
     """
 

@@ -20,7 +20,8 @@ def lazy_exports(
 ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``, which exports ``exported`` (its
     ``__all__``); ``homes``: module -> the names it defines. Every other exported name
-    is an exception from ``errors``, the module holding the package's exception tree.
+    is from ``errors``, the module holding the package's exception tree (and what
+    its exceptions carry, such as the SDK's ``FailedMember``).
     A name is looked up once, then kept in the package's namespace."""
     where = {name: errors for name in exported}
     where.update({name: module for module, names in homes.items() for name in names})

@@ -13,8 +13,9 @@ import logging
 import re
 
 # How much of a failure's cause a record keeps: enough for a whole traceback, little
-# enough that a job's record and the event every survivor gets stay small.
-MAX_CAUSE_BYTES = 64 * 1024
+# enough that a job's record and the event every survivor gets stay small, and that
+# ReportFailure fits the daemon's 64 KiB request cap with room to spare.
+MAX_CAUSE_BYTES = 32 * 1024
 # How much of one cause a message shows: a message names several failures on one line.
 SHOWN_CHARS = 120
 

@@ -21,7 +21,7 @@ from rendezvousd.errors import Code, RendezvousFault
 DOMAIN = "rendezvous.v1"
 # A status travels in a trailer, which gRPC caps at 8 KiB by default: the first
 # losses with their causes cut short; GetJob has the whole record.
-DETAILED_LOSSES = 16
+DETAILED_LOSSES = 8
 DETAIL_CAUSE_BYTES = 120
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.escape import MAX_CAUSE_BYTES
 from rendezvousd.limits import Timing
 from rendezvousd.model import (
     EventKind,
@@ -163,6 +164,24 @@ def test_report_failure_fails_the_generation_and_tells_the_other_node_first_lost
     # only the node's own agent may report
     f = fault(sm.report_failure, "j", 1, 0, "b", 0, "x", 2.0)
     assert f.reason == "DUPLICATE_RANK"
+
+
+def test_report_failure_keeps_any_cause_bounded_and_in_order_of_report() -> None:
+    sm = RendezvousState()
+    formed(sm)
+    traceback = "Traceback:\n  line\r\x1b[31m\u202e" + "x" * 100_000
+    sm.report_failure("j", 1, 1, "b", 1, traceback, 1.0)
+    sm.report_failure("j", 1, 0, "a", 0, "", 2.0)
+    first, second = sm.jobs["j"].failed
+    assert (first.rank, first.node_rank, first.local_rank, first.lost_at) == (3, 1, 1, 1.0)
+    assert first.cause.startswith("Traceback:\n  line\r\x1b[31m\u202exxx")
+    assert len(first.cause.encode()) <= MAX_CAUSE_BYTES
+    assert first.cause.endswith(f"[cut: {len(traceback.encode())} bytes in all]")
+    assert (second.rank, second.host) == (0, "host-a") and second.cause
+    f = sm.jobs["j"].generation_fault()  # what every call on the generation gets
+    assert f.reason == "PEER_FAILED" and f.metadata["ranks"] == "3,0"
+    assert f.metadata["hosts"] == "host-b,host-a" and f.failed == (first, second)
+    assert "\n" not in f.message and "\x1b" not in f.message and len(f.message) < 600
 
 
 def test_node_stream_closing_loses_every_member_of_the_node() -> None:

@@ -572,7 +572,7 @@ class ReportFailureRequest(_message.Message):
     local_rank: _builtins.int
     cause: _builtins.str
     """Why the worker failed ("exit code -9", "hung for 60 s", an exception's
-    text...): any text; the daemon keeps up to 64 KiB of it, marked where cut.
+    text...): any text; the daemon keeps up to 32 KiB of it, marked where cut.
     """
     def __init__(
         self,
@@ -1039,7 +1039,7 @@ Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
 class FailedMember(_message.Message):
     """A member the daemon lost. Lists of them are in the order it lost them: the
     first is the generation's root cause. In a call's error (google.rpc.Status
-    details, after the ErrorInfo) the first 16 are given, their causes cut to 120
+    details, after the ErrorInfo) the first 8 are given, their causes cut to 120
     bytes; events and GetJob give every one with its whole cause.
     """
 
@@ -1055,7 +1055,7 @@ class FailedMember(_message.Message):
     host: _builtins.str
     cause: _builtins.str
     """Why the daemon considers it lost ("heartbeat stream closed", or the cause
-    its node agent reported, kept up to 64 KiB). Any text: escape it to show it.
+    its node agent reported, kept up to 32 KiB). Any text: escape it to show it.
     """
     node_rank: _builtins.int
     local_rank: _builtins.int
