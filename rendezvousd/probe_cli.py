@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.escape import escape
+from rendezvousd.escape import escape, shortened
 
 EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
 DEFAULT_ENDPOINT = "127.0.0.1:29420"
@@ -117,7 +117,7 @@ def render(jobs: list[Any]) -> str:
                 f"heartbeat {_age(m.heartbeat_age_ms)}"
             )
         for f in job.failed:
-            lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {escape(f.cause)}")
+            lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}")
         if job.abort_reason:
             lines.append(f"    aborted: {escape(job.abort_reason)}")
     if not jobs:

@@ -21,6 +21,7 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousError,
 )
+from rendezvousd.trainer.agent import describe_remote
 from tests.support import WORKERS, DaemonProcess, parallel, wait_for
 
 ID0 = b"\x07" * 128
@@ -174,6 +175,9 @@ def test_two_ranks_lost_on_two_hosts_are_each_named_with_their_own_host(
     ]
     assert "rank 2 on a-host (worker exited" in error.message
     assert "rank 1 on z-host (hung" in error.message
+    # What a node agent (and so its launcher) blames: the first loss, on its own host.
+    assert describe_remote(error)[1:] == (2, "a-host")
+    assert describe_remote(heard[0])[1:] == (2, "a-host")
 
 
 def test_a_long_multiline_cause_is_kept_whole_and_shown_escaped(
