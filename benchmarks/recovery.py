@@ -11,9 +11,19 @@ would); ``node_kill_shrink`` (``--nnodes 2:3``: the job goes on with 2 nodes).
 Recovery time is from the kill to the first step of the next generation (from
 every rank's step log); steps lost is the newest step reached before the kill
 minus the step the job resumed at. ``--repeat N`` runs each fault scenario N
-times and reports every run and the median. ``torchrun --max-restarts`` runs the
-same scenario when torch is importable, else the report says why it was skipped.
-Prints one JSON document.
+times and reports every run and the median. Prints one JSON document.
+
+**torchrun side by side** (run with ``scripts/torch_venv.sh``'s python; without torch
+the report says it was skipped): the same 3 nodes x 2 workers on loopback, gloo,
+``torchrun --max-restarts 3 --monitor-interval 0.1``, a stock training script
+(tests/workers/torch_worker.py: one all-reduce per step, the same step pause), the
+``worker_kill`` and ``node_kill_shrink`` faults at the same step, with three rendezvous
+backends: ``c10d`` as shipped, ``c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+(the setting shared/ANCHORS.md found it needs to restart at all), and ``rendezvousd``
+(ours, through torch's plugin point). A node kill takes the agent's whole process
+session (torchrun's workers outlive a SIGKILLed agent; a dead machine's do not).
+Each run reports whether a next round trained at all, and the time from the kill to
+its first step and to every rank's; a stock script restarts from step 0.
 
 The observer must not compete with what it measures (2 cores): it reads the
 step log incrementally and looks every 10 ms; the times it reports come from
@@ -23,10 +33,12 @@ the workers' own step timestamps, not from when it looked.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -231,13 +243,191 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def torchrun_side(args: argparse.Namespace) -> dict[str, Any]:
+TORCH_WORKER = Path(__file__).resolve().parents[1] / "tests" / "workers" / "torch_worker.py"
+TORCHRUN_BACKENDS = ("c10d", "c10d-unshared-store", "rendezvousd")
+TORCHRUN_FAULTS = ("worker_kill", "node_kill_shrink")
+
+
+class TorchrunRun:
+    """3 torchrun agents x 2 gloo workers of tests/workers/torch_worker.py (a stock
+    script: no checkpoint, so a restarted round trains from step 0)."""
+
+    def __init__(
+        self,
+        work: Path,
+        backend: str,
+        fault: str,
+        args: argparse.Namespace,
+        d: EmbeddedDaemon,
+        port: int,
+    ) -> None:
+        self.work, self.backend, self.fault, self.args = work, backend, fault, args
+        self.work.mkdir(parents=True)
+        self.log = self.work / "steps.jsonl"
+        self.steps = StepLog(self.log)
+        nnodes = f"2:{NODES}" if fault == "node_kill_shrink" else str(NODES)
+        if backend == "rendezvousd":
+            rdzv = [
+                "--rdzv-backend",
+                "rendezvousd",
+                "--rdzv-endpoint",
+                d.endpoint,
+                "--rdzv-conf",
+                f"token_file={d.token_file}",
+            ]
+        else:
+            # c10d's last call (min < max) defaults to 30 s; 1 s is its smallest
+            # (an integer), against rendezvous-run's 0.3 s.
+            rdzv = [
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-conf",
+                "last_call_timeout=1",
+            ]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            str(PER_NODE),
+            *rdzv,
+            "--rdzv-id",
+            f"{backend}-{fault}",
+            "--max-restarts",
+            "3",
+            "--monitor-interval",
+            "0.1",
+            str(TORCH_WORKER),
+            "--steps",
+            str(args.steps),
+            "--step-sleep",
+            str(args.step_sleep),
+            "--step-log",
+            str(self.log),
+        ]
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if backend == "c10d-unshared-store":
+            self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.agents: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        for n in range(NODES):
+            err = (self.work / f"agent{n}.err").open("w")
+            # Its own session: a node kill takes the agent and its workers, as a
+            # machine's death would (torchrun's workers outlive a SIGKILLed agent).
+            self.agents.append(
+                subprocess.Popen(
+                    self.cmd,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    env=self.env,
+                    start_new_session=True,
+                )
+            )
+
+    def run(self) -> dict[str, Any]:
+        world = (NODES - 1 if self.fault == "node_kill_shrink" else NODES) * PER_NODE
+        self.start()
+        try:
+            _wait(
+                f"step {self.args.kill_step} on every rank",
+                lambda: (
+                    len({s["rank"] for s in self.steps.read() if s["step"] >= self.args.kill_step})
+                    == NODES * PER_NODE
+                ),
+                180,
+            )
+            before = self.steps.read()
+            old_pids = {s["pid"] for s in before}
+            victim = max(before, key=lambda s: s["rank"])  # node 2's last worker
+            killed_at = time.time()
+            if self.fault == "worker_kill":
+                os.kill(victim["pid"], signal.SIGKILL)
+            else:
+                os.killpg(self.agents[-1].pid, signal.SIGKILL)
+
+            def new_round() -> list[dict[str, Any]]:
+                return [s for s in self.steps.read() if s["pid"] not in old_pids]
+
+            out: dict[str, Any] = {"steps_reached_before_kill": max(s["step"] for s in before)}
+            try:
+                _wait(
+                    "every rank of the next round to step",
+                    lambda: len({s["rank"] for s in new_round()}) >= world,
+                    120,
+                )
+            except RuntimeError:
+                out["restarted"] = False
+                out["error"] = "no next round trained within 120 s of the kill"
+                return out
+            after = new_round()
+            first = min(s["t"] for s in after)
+            by_rank: dict[int, float] = {}
+            for s in sorted(after, key=lambda s: s["t"]):
+                by_rank.setdefault(s["rank"], round(s["t"] - killed_at, 3))
+            out.update(
+                {
+                    "restarted": True,
+                    "recovery_s": round(first - killed_at, 3),
+                    "all_ranks_s": max(by_rank.values()),
+                    "resumed_at_step": min(s["step"] for s in after) - 1,
+                    "world_after": world,
+                }
+            )
+            survivors = self.agents[:-1] if self.fault == "node_kill_shrink" else self.agents
+            out["exit_codes"] = [a.wait(180) for a in survivors]
+            return out
+        finally:
+            for a in self.agents:
+                if a.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(a.pid, signal.SIGKILL)
+                    a.wait(10)
+
+
+def torchrun_side(args: argparse.Namespace, d: EmbeddedDaemon, work: Path) -> dict[str, Any]:
+    """torchrun --max-restarts 3 on the same 3 x 2 and the same faults: with its c10d
+    backend (as shipped, and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the
+    anchors found it needs to restart at all) and with ours."""
     if importlib.util.find_spec("torch") is None:
         return {
-            "skipped": "torch is not importable here (not installed on this machine), so "
-            "torchrun --max-restarts could not run side by side"
+            "skipped": "torch is not importable here: run with scripts/torch_venv.sh's "
+            "python to measure torchrun side by side"
         }
-    return {"skipped": "torch is importable, but the torchrun scenario is not scripted yet"}
+    report: dict[str, Any] = {}
+    for backend in TORCHRUN_BACKENDS:
+        for fault in TORCHRUN_FAULTS:
+            runs = []
+            for i in range(max(1, args.repeat)):
+                port = _free_port()
+                run = TorchrunRun(
+                    work / f"torchrun-{backend}-{fault}-{i}", backend, fault, args, d, port
+                )
+                runs.append(run.run())
+                print(
+                    json.dumps({"torchrun": backend, "fault": fault, **runs[-1]}),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            ok = [r for r in runs if r.get("restarted")]
+            report[f"{backend}/{fault}"] = {
+                "restarted": f"{len(ok)} of {len(runs)}",
+                "recovery_s_median": statistics.median([r["recovery_s"] for r in ok])
+                if ok
+                else None,
+                "runs": runs,
+            }
+    return report
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def main() -> int:
@@ -252,6 +442,7 @@ def main() -> int:
     p.add_argument(
         "--scenarios", default="fault_free,worker_kill,node_kill_replaced,node_kill_shrink"
     )
+    p.add_argument("--no-torchrun", action="store_true", help="rendezvous-run alone")
     args = p.parse_args()
     report: dict[str, Any] = {
         "nodes": NODES,
@@ -268,6 +459,8 @@ def main() -> int:
                 runs = 1 if name == "fault_free" else max(1, args.repeat)
                 results = [scenario(d, Path(tmp) / str(i), name, args) for i in range(runs)]
                 report[name] = _summary(results)
+            if not args.no_torchrun:
+                report["torchrun"] = torchrun_side(args, d, Path(tmp))
         finally:
             d.stop()
     base = report.get("fault_free", {})
@@ -284,7 +477,6 @@ def main() -> int:
                 r.get("recovery_s", 99) <= TARGETS["recovery_s_max"]
                 and max(x.get("steps_lost", 99) for x in each) <= TARGETS["steps_lost_max"]
             )
-    report["torchrun"] = torchrun_side(args)
     emit(report, args.json_out)
     return 0
 

@@ -363,6 +363,18 @@ class Schema(Generic[T]):
                 raise self.error(f"unknown key {shown} in {path}; expected one of {known}")
         return layer
 
+    def from_mapping(self, values: Mapping[str, object], origin: str) -> Layer:
+        """Values keyed by option key from somewhere else (torchrun's ``--rdzv-conf``);
+        an error names ``origin`` and the key."""
+        layer: Layer = {}
+        for key, raw in values.items():
+            if key not in self.options:
+                raise self.error(
+                    f"unknown key {key!r} in {origin}; expected one of {sorted(self.options)}"
+                )
+            layer[key] = self._coerce(self.options[key], raw, f"{origin} {key}")
+        return self._imply(layer)
+
     def from_env(self, env: Mapping[str, str]) -> Layer:
         layer: Layer = {}
         for option in self.options.values():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,12 @@ import pytest_asyncio
 from rendezvousd.config import DaemonConfig
 from rendezvousd.server import Daemon
 from tests.support import (
+    TORCH_PYTHON_ENV,
+    TORCH_WORKER,
     DaemonProcess,
     InProcessDaemon,
     Pki,
+    Torchrun,
     job_name,
     make_pki,
     spawn_daemon,
@@ -69,3 +74,73 @@ async def inproc_daemon() -> AsyncIterator[InProcessDaemon]:
         yield InProcessDaemon(server, f"127.0.0.1:{port}", token)
     finally:
         await server.stop(grace=0)
+
+
+@pytest.fixture(scope="session")
+def torch_python() -> str:
+    path = os.environ.get(TORCH_PYTHON_ENV)
+    if not path:
+        pytest.skip(f"no torch venv: run scripts/test.sh, or set ${TORCH_PYTHON_ENV}")
+    if not Path(path).exists():
+        pytest.fail(f"${TORCH_PYTHON_ENV}={path} does not exist: run scripts/torch_venv.sh")
+    return path
+
+
+@pytest.fixture
+def torchrun(torch_python: str, tmp_path: Path) -> Iterator[Callable[..., Torchrun]]:
+    """``torchrun(d, job, nnodes, *worker_args, conf=..., prefix=...)`` starts one agent."""
+    started: list[Torchrun] = []
+
+    def start(
+        d: DaemonProcess | None,
+        job: str,
+        nnodes: str,
+        *worker_args: str,
+        nproc: int = 2,
+        max_restarts: int = 0,
+        conf: str | None = None,
+        endpoint: str | None = None,
+        prefix: Sequence[str] = (),
+    ) -> Torchrun:
+        n = len(started)
+        log, out = tmp_path / f"torchrun-{n}.err", tmp_path / f"torchrun-{n}.out"
+        cmd = [
+            *prefix,
+            torch_python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "rendezvousd",
+            "--rdzv-endpoint",
+            endpoint or (d.endpoint if d else ""),
+            "--rdzv-id",
+            job,
+            "--rdzv-conf",
+            conf or f"token_file={d.token_file if d else ''}",
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.1",
+            str(TORCH_WORKER),
+            *worker_args,
+        ]
+        with log.open("w") as err, out.open("w") as stdout:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=stdout,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        agent = Torchrun(proc, log, out)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        agent.kill()

@@ -297,3 +297,30 @@ class InProcessDaemon:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what}")
             await asyncio.sleep(0.005)
+
+
+# --- torchrun (tests/torchrun, tests/multihost/test_torchrun.py) ----------------------
+
+#: The torch venv's python (scripts/torch_venv.sh; scripts/test.sh sets it).
+TORCH_PYTHON_ENV = "RENDEZVOUSD_TEST_TORCH_PYTHON"
+TORCH_WORKER = WORKERS / "torch_worker.py"
+
+
+@dataclass
+class Torchrun:
+    """One torchrun agent (its own process group: a kill takes its workers too)."""
+
+    proc: subprocess.Popen[str]
+    log: Path
+    out: Path
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")

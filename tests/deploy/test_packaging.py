@@ -91,7 +91,8 @@ def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None
     with zipfile.ZipFile(wheel) as archive:
         (meta_name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
         meta = email.parser.Parser().parsestr(archive.read(meta_name).decode())
-    assert set(meta.get_all("Provides-Extra") or []) == {"gpu", "gpu-cuda12", "gpu-cuda13", "test"}
+    extras = {"gpu", "gpu-cuda12", "gpu-cuda13", "test", "torch"}
+    assert set(meta.get_all("Provides-Extra") or []) == extras
     requires = meta.get_all("Requires-Dist") or []
     assert any(r.startswith("cupy-cuda12x>=13.4") and "gpu-cuda12" in r for r in requires)
     assert any(r.startswith("cupy-cuda13x>=13.6") and "gpu-cuda13" in r for r in requires)
@@ -101,6 +102,18 @@ def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None
             r.startswith(f"nvidia-nccl-cu{cuda}") and f"gpu-cuda{cuda}" in r for r in requires
         )
     assert meta["License-Expression"] == "Apache-2.0"
+
+
+def test_wheel_registers_the_torchrun_handler(built: tuple[str, Path]) -> None:
+    """``torchrun --rdzv-backend rendezvousd`` works because torch finds this entry
+    point (group ``torchrun.handlers``) in an installed wheel, not only in a checkout."""
+    _, wheel = built
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        text = archive.read(name).decode()
+        assert "rendezvousd/trainer/torchrun.py" in archive.namelist()
+    assert "[torchrun.handlers]" in text
+    assert "rendezvousd = rendezvousd.trainer.torchrun:handler_factory" in text
 
 
 @pytest.mark.parametrize("backend", ["build_backend", "setuptools.build_meta"])

@@ -1,0 +1,211 @@
+"""``torchrun --rdzv-backend rendezvousd``: real torchrun agents, gloo workers, a real
+daemon on 127.0.0.1 (the same across network hosts: tests/multihost/test_torchrun.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rendezvousd.client import RendezvousClient
+from tests.support import (
+    WORKERS,
+    DaemonProcess,
+    Torchrun,
+    free_port,
+    json_lines,
+    scrape,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _steps(log: Path) -> list[dict[str, Any]]:
+    return [s for s in json_lines(log) if isinstance(s, dict)]
+
+
+def _job_state(d: DaemonProcess, job: str) -> str:
+    with RendezvousClient(d.endpoint, job, token=d.token) as probe:
+        from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+
+        return str(pb.JobState.Name(probe.get_job().summary.state))
+
+
+def _rpcs(d: DaemonProcess, method: str) -> float:
+    assert d.metrics_url is not None
+    return sum(
+        v
+        for k, v in scrape(d.metrics_url).items()
+        if k.startswith("rendezvousd_rpc_duration_seconds_count") and f'"{method}"' in k
+    )
+
+
+def test_a_two_node_job_trains_with_one_join_per_agent(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    log = tmp_path / "steps.jsonl"
+    agents = [torchrun(d, job_id, "2", "--steps", "5", "--step-log", str(log)) for _ in range(2)]
+    for a in agents:
+        assert a.wait(120) == 0, a.stderr()[-3000:]
+    steps = _steps(log)
+    assert {s["rank"] for s in steps} == {0, 1, 2, 3}
+    assert {s["world"] for s in steps} == {4}
+    assert max(s["step"] for s in steps) == 5
+    # One JoinNode per agent, plus node 0's repeat carrying the id the protocol asks for.
+    assert _rpcs(d, "JoinNode") == 3
+    # Both agents left after their workers succeeded: a clean end, nobody blamed.
+    assert _job_state(d, job_id) == "JOB_STATE_ENDED"
+
+
+def test_a_killed_peer_node_restarts_the_survivors_from_the_daemons_push(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """Workers of the 3-node world hang after step 2, as if stuck in a collective: only
+    their agent can get them out. --max-restarts 0: torch counts only local failures,
+    so what restarts the survivors is num_nodes_waiting() > 0 after the daemon's push.
+    --nnodes 2:3 lets the two survivors re-form without the dead node."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
+    agents = [torchrun(d, job_id, "2:3", *worker) for _ in range(3)]
+    wait_for(
+        "all 6 ranks at step 2",
+        lambda: len({s["rank"] for s in _steps(log) if s["step"] == 2}) == 6,
+        timeout=90,
+    )
+    killed_at = time.time()
+    agents[2].kill()
+    for a in agents[:2]:
+        assert a.wait(90) == 0, a.stderr()[-3000:]
+    after = [s for s in _steps(log) if s["world"] == 4]
+    assert {s["rank"] for s in after} == {0, 1, 2, 3}
+    assert max(s["step"] for s in after) == 4
+    # The survivors heard the loss from the daemon, naming it.
+    for a in agents[:2]:
+        assert "rendezvousd: job" in a.stderr() and "lost rank" in a.stderr(), a.stderr()[-2000:]
+    first = min(s["t"] for s in after)
+    print(f"kill -> survivors training again: {first - killed_at:.2f} s")
+
+
+def test_a_wrong_token_is_torchs_connection_error_with_our_message(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    d = start_daemon()
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token\n")
+    wrong.chmod(0o600)
+    agent = torchrun(d, job_id, "1", "--step-log", str(tmp_path / "s"), conf=f"token_file={wrong}")
+    assert agent.wait(60) != 0
+    err = agent.stderr()
+    assert "RendezvousConnectionError" in err, err[-3000:]
+    assert f"rendezvousd at {d.endpoint}, job {job_id!r}" in err
+    assert "not-the-token" not in err
+
+
+def test_an_unreachable_daemon_is_torchs_connection_error_naming_it(
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
+    agent = torchrun(
+        None,
+        job_id,
+        "1",
+        "--step-log",
+        str(tmp_path / "s"),
+        endpoint=endpoint,
+        conf=f"token_file={token},connect_timeout=1",
+    )
+    assert agent.wait(60) != 0
+    err = agent.stderr()
+    assert "RendezvousConnectionError" in err, err[-3000:]
+    assert endpoint in err
+
+
+def test_agents_that_disagree_on_nnodes_get_torchs_rendezvous_error_with_ours(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    d = start_daemon()
+    log = str(tmp_path / "s")
+    first = torchrun(d, job_id, "3", "--step-log", log, nproc=1)
+    wait_for("the first agent's node to park", lambda: _parked(d, job_id), timeout=30)
+    second = torchrun(d, job_id, "2", "--step-log", log, nproc=1)
+    for a in (first, second):
+        assert a.wait(60) != 0
+    err = second.stderr() + first.stderr()
+    assert "RendezvousError" in err, err[-3000:]
+    assert "TopologyMismatch" in err or "topology" in err.lower(), err[-3000:]
+
+
+def _parked(d: DaemonProcess, job: str) -> bool:
+    """The job exists: the first agent's JoinNode created it and waits in it."""
+    from rendezvousd.client import NotFound
+
+    with RendezvousClient(d.endpoint, job, token=d.token) as probe:
+        try:
+            probe.get_job()
+        except NotFound:
+            return False
+        return True
+
+
+def test_the_agent_store_behaves_as_torchs_tcpstore(
+    start_daemon: Callable[..., DaemonProcess],
+    torch_python: str,
+    job_id: str,
+) -> None:
+    """The same store operations on a TCPStore and on the handler's DaemonStore give
+    the same answers (torch's agent and helpers rely on TCPStore's semantics)."""
+    d = start_daemon()
+    out = subprocess.run(
+        [
+            torch_python,
+            str(WORKERS / "torch_store_contract.py"),
+            d.endpoint,
+            str(d.token_file),
+            job_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results["daemon"] == results["tcpstore"], results
+    assert len(results["daemon"]) >= 12
+
+
+def test_the_entry_point_is_what_torch_loads(torch_python: str) -> None:
+    """torch's registry finds ``rendezvousd`` among its out-of-tree handlers."""
+    code = (
+        "from torch.distributed.elastic.rendezvous import registry, rendezvous_handler_registry"
+        " as r; registry._register_out_of_tree_handlers(); print(r._registry['rendezvousd'])"
+    )
+    out = subprocess.run([torch_python, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "create_handler" in out.stdout

@@ -1,0 +1,59 @@
+"""A stock torchrun training script: ``init_process_group("gloo")`` from the environment
+torchrun sets, then steps of one all-reduce each. Nothing in it knows rendezvousd.
+
+    torchrun ... tests/workers/torch_worker.py --steps 20 --step-log steps.jsonl
+
+Each step appends one line to ``--step-log`` (rank, world, restart count, step, wall
+time, pid), which tests and benchmarks/recovery.py read. ``--hang-after K`` makes every
+worker of a world of ``--hang-world`` ranks sleep after step K, as if stuck in a
+collective whose peer is gone: only its agent can get it out (by restarting it). The last line on stdout is a "done" event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--step-log", required=True)
+    p.add_argument("--hang-after", type=int, default=-1)
+    p.add_argument("--hang-world", type=int, default=0)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for step in range(1, a.steps + 1):
+        t = torch.ones(4) * (rank + 1)
+        dist.all_reduce(t)
+        # Every rank must see the sum over the whole world: 1 + 2 + ... + world.
+        assert t[0].item() == world * (world + 1) / 2, (t, world)
+        line = {
+            "rank": rank,
+            "world": world,
+            "restart": restart,
+            "step": step,
+            "t": time.time(),
+            "pid": os.getpid(),
+        }
+        with open(a.step_log, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        if step == a.hang_after and world == a.hang_world:
+            time.sleep(3600)
+        time.sleep(a.step_sleep)
+    dist.destroy_process_group()
+    print(
+        json.dumps({"event": "done", "rank": rank, "world": world, "restart": restart}), flush=True
+    )
+
+
+if __name__ == "__main__":
+    main()
