@@ -95,6 +95,12 @@ class DaemonConfig:
         default=Timing.default_wait_s,
         kind=_POSITIVE,
     )
+    max_wait_s: float = _opt(
+        "the longest any Join/JoinNode/PublishId/Barrier/KvGet waits, whatever it asks "
+        "(and rank 0 may owe the id)",
+        default=Timing.max_wait_s,
+        kind=_POSITIVE,
+    )
     job_ttl_s: float = _opt(
         "how long ended or failed jobs stay visible", default=Timing.job_ttl_s, kind=_POSITIVE
     )
@@ -185,7 +191,11 @@ class DaemonConfig:
 
     def timing(self) -> Timing:
         return Timing(
-            self.heartbeat_timeout_s, self.default_wait_s, self.job_ttl_s, self.last_call_s
+            self.heartbeat_timeout_s,
+            self.default_wait_s,
+            self.job_ttl_s,
+            self.last_call_s,
+            self.max_wait_s,
         )
 
 
