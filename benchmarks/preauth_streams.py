@@ -121,6 +121,10 @@ class HalfOpen:
         with self._ready:
             self._ready.wait_for(lambda: self._pongs >= expected or self.closed, timeout)
 
+    @property
+    def ended(self) -> int:
+        return len(self._ended)
+
     def close(self) -> None:
         self.closed = True
         self._sock.close()
@@ -199,6 +203,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in conns:
                 c.settle()
             sent_s = time.monotonic() - started
+            # A test's way to wait for every stream's end (it cannot know when a loaded
+            # daemon gets to the last one) rather than for a fixed time.
+            total = args.sockets * args.streams
+            until = time.monotonic() + args.until_ended_s
+            while sum(c.ended for c in conns) < total and time.monotonic() < until:
+                time.sleep(0.05)
             time.sleep(args.hold_s)
             held = rss_kib(pid)
             peak = held
@@ -245,6 +255,12 @@ def main() -> None:
     parser.add_argument("--method", choices=sorted(METHODS), default="health")
     parser.add_argument(
         "--with-token", action="store_true", help="send the admin token (a token holder's cost)"
+    )
+    parser.add_argument(
+        "--until-ended-s",
+        type=float,
+        default=0.0,
+        help="first wait up to this long for every stream to be refused or answered",
     )
     parser.add_argument("--hold-s", type=float, default=5.0)
     parser.add_argument("--after-s", type=float, default=3.0)

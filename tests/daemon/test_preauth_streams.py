@@ -40,7 +40,8 @@ def test_half_open_token_less_streams_are_refused_or_answered_and_memory_stays_b
         "--sockets=3",
         "--streams=1500",
         "--method=join",
-        "--hold-s=1",
+        "--until-ended-s=30",
+        "--hold-s=0.5",
         "--after-s=0.5",
         "--daemon-flag=--max-concurrent-streams=50",
     )
@@ -60,7 +61,8 @@ def test_half_open_health_checks_are_counted_and_end_after_the_body_timeout() ->
         "--sockets=2",
         "--streams=300",
         "--method=health",
-        "--hold-s=2",
+        "--until-ended-s=30",
+        "--hold-s=0",
         "--after-s=0.5",
         "--daemon-flag=--request-body-timeout-s=0.5",
     )
