@@ -10,6 +10,7 @@ measurement); here it runs small.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient
-from tests.support import ROOT, DaemonProcess, parallel
+from tests.support import ROOT, DaemonProcess, parallel, wait_for
 
 MIB = 1024  # in KiB, as RSS is reported
 
@@ -72,6 +73,54 @@ def test_half_open_health_checks_are_counted_and_end_after_the_body_timeout() ->
     # whose body never comes.
     assert report["held_open"] == 0, report
     assert report["answered"] >= 1, report
+
+
+# The client preface and an empty SETTINGS frame: enough for gRPC to answer.
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+
+
+def _connection(d: DaemonProcess) -> tuple[socket.socket, bool]:
+    """A raw connection, and whether the daemon answered it (False: it closed it)."""
+    host, port = d.endpoint.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn.sendall(_PREFACE)
+    try:
+        return conn, bool(conn.recv(64))
+    except ConnectionResetError:
+        return conn, False
+
+
+def test_connections_beyond_max_connections_are_closed_at_once(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--max-connections", "2")
+    held = [_connection(d) for _ in range(2)]
+    assert [answered for _, answered in held] == [True, True]
+    extra, answered = _connection(d)
+    extra.close()
+    assert not answered, "a third connection was served"
+    held[0][0].close()
+
+    def one_more() -> bool:
+        conn, answered = _connection(d)
+        conn.close()
+        return answered
+
+    wait_for("a freed connection slot", one_more)
+    held[1][0].close()
+
+
+def test_a_connection_without_calls_is_closed_after_connection_idle_s(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--connection-idle-s", "0.3")
+    conn, answered = _connection(d)
+    with conn:
+        assert answered
+        started = time.monotonic()
+        while conn.recv(4096):  # SETTINGS, its ACK, then GOAWAY
+            pass
+        assert time.monotonic() - started < 8
 
 
 def test_clients_join_meet_and_heartbeat_under_tight_connection_limits(
