@@ -159,6 +159,11 @@ def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[s
         # Redial quickly once the daemon is back (default backoff grows to 120 s).
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # A connection of its own per client: gRPC otherwise shares one between every
+        # channel of a process to the same daemon, and the daemon caps the streams a
+        # connection may open (--max-concurrent-streams); a process hosting many
+        # members (tests, benchmarks) would queue their heartbeat streams behind it.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))

@@ -8,14 +8,17 @@ a ``RendezvousClient`` of it. The id lives in that daemon's memory only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import socket
 import stat
+import struct
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, Self, TypeVar, Unpack, runtime_checkable
@@ -107,6 +110,7 @@ def connect(
 
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
+_MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup (ELOOP)
 
 
 class FileRendezvous:
@@ -138,6 +142,10 @@ class FileRendezvous:
         self._daemon: EmbeddedDaemon | None = None
         self._temp: Path | None = None
         self._socket: Path | None = None
+        # The directory, opened once: every later use goes through this descriptor
+        # (``_via``), so swapping a link on the path afterwards changes nothing.
+        self._dir_fd: int | None = None
+        self._via: Path | None = None
 
     def __repr__(self) -> str:
         m = self.membership
@@ -175,23 +183,32 @@ class FileRendezvous:
                 "this FileRendezvous is already joined; make a new one", job_id=self._job_id
             )
         deadline = time.monotonic() + request.get("timeout", JOIN_TIMEOUT_S)
-        sock = self._directory(request["gpus_per_node"] * num_nodes) / f"{self._job_id}.sock"
-        token = sock.with_suffix(".token")
-        if len(os.fsencode(sock)) > _SUN_PATH_MAX:
-            raise InvalidRequest(
-                f"rendezvous socket path {sock} is longer than {_SUN_PATH_MAX} bytes; "
-                "give the file transport a shorter directory",
-                job_id=self._job_id,
-            )
-        self._socket = sock
+        directory = self._directory(request["gpus_per_node"] * num_nodes)
+        sock = directory / f"{self._job_id}.sock"
+        self._dir_fd = _open_private_directory(directory, self._job_id)
         try:
-            if request["local_rank"] == 0 and not _serving(sock):
-                self._daemon = self._start(sock, token)
+            if len(os.fsencode(sock)) > _SUN_PATH_MAX:
+                raise InvalidRequest(
+                    f"rendezvous socket path {sock} is longer than {_SUN_PATH_MAX} bytes; "
+                    "give the file transport a shorter directory",
+                    job_id=self._job_id,
+                )
+            self._socket = sock
+            self._via = Path(f"/proc/self/fd/{self._dir_fd}")
+            via_sock = self._via / sock.name
+            token = self._via / f"{self._job_id}.token"
+            if request["local_rank"] == 0 and not _serving(via_sock):
+                self._daemon = self._start(via_sock, token, self._dir_fd)
             else:
                 # A second local_rank 0 joins the live daemon, which refuses it.
-                self._wait_for_daemon(sock, deadline, request["local_rank"])
+                self._wait_for_daemon(via_sock, deadline, request["local_rank"])
+            # Before the token or anything else goes to it.
+            _check_daemon_owner(via_sock, sock, self._job_id, request["local_rank"])
             self._client = RendezvousClient(
-                f"unix:{sock}", self._job_id, token_file=token, retry_attempts=self._retry_attempts
+                f"unix:{via_sock}",
+                self._job_id,
+                token_file=token,
+                retry_attempts=self._retry_attempts,
             )
             request["timeout"] = max(0.001, deadline - time.monotonic())
             return self._client.join(**request)
@@ -201,7 +218,7 @@ class FileRendezvous:
 
     def _directory(self, world: int) -> Path:
         if self._path is not None:
-            return _private_directory(self._path, self._job_id)
+            return self._path
         if world != 1:
             raise InvalidRequest(
                 f"the file transport has no path, so the other {world - 1} workers cannot find "
@@ -213,9 +230,11 @@ class FileRendezvous:
             self._temp = Path(tempfile.mkdtemp(prefix="rendezvous-"))  # mode 0700
         return self._temp
 
-    def _start(self, sock: Path, token: Path) -> EmbeddedDaemon:
+    def _start(self, sock: Path, token: Path, dir_fd: int) -> EmbeddedDaemon:
         sock.unlink(missing_ok=True)  # left by a rank 0 that was killed
         try:
+            # The daemon inherits the directory's descriptor under the same number, so
+            # it binds and reads its token through it too.
             return spawn(
                 sock.parent,
                 "--log-level",
@@ -225,11 +244,12 @@ class FileRendezvous:
                 listen=f"unix:{sock}",
                 token_file=token,
                 exit_with_parent=True,
+                pass_fds=(dir_fd,),
             )
         except (DaemonError, OSError) as exc:
             raise DaemonUnavailable(
-                f"rank 0 could not start the file transport's rendezvousd at {sock}: {exc}",
-                endpoint=f"unix:{sock}",
+                f"rank 0 could not start the file transport's rendezvousd at {self._socket}: {exc}",
+                endpoint=f"unix:{self._socket}",
                 method="Join",
                 job_id=self._job_id,
                 rank=0,
@@ -242,11 +262,11 @@ class FileRendezvous:
             if left <= 0:
                 raise RendezvousTimeout(
                     f"local_rank {local_rank} of job {self._job_id!r} waited for rank 0's "
-                    f"rendezvous socket at {sock}, which never came: check that local_rank 0 "
-                    "is running and was given the same path and job id",
+                    f"rendezvous socket at {self._socket}, which never came: check that "
+                    "local_rank 0 is running and was given the same path and job id",
                     reason="WORLD_INCOMPLETE",
                     metadata={"ranks": "0"},
-                    endpoint=f"unix:{sock}",
+                    endpoint=f"unix:{self._socket}",
                     method="Join",
                     job_id=self._job_id,
                     rank=local_rank,
@@ -348,9 +368,12 @@ class FileRendezvous:
         daemon, self._daemon = self._daemon, None
         if daemon is not None:
             daemon.stop()
-            if self._socket is not None:
-                self._socket.unlink(missing_ok=True)
+            if self._socket is not None and self._via is not None:
+                (self._via / self._socket.name).unlink(missing_ok=True)
             daemon.token_file.unlink(missing_ok=True)
+        dir_fd, self._dir_fd, self._via = self._dir_fd, None, None
+        if dir_fd is not None:
+            os.close(dir_fd)
         temp, self._temp = self._temp, None
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
@@ -366,17 +389,81 @@ class FileRendezvous:
             self.close()
 
 
-def _private_directory(path: Path, job_id: str) -> Path:
-    """``path``, created 0700 if missing; refused unless this user alone can use it."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = path.stat()
-    except OSError as exc:
-        raise InvalidRequest(
-            f"cannot use {path} as the rendezvous directory: {exc.strerror}; give the file "
-            "transport a directory of your own",
+def _open_private_directory(path: Path, job_id: str) -> int:
+    """A descriptor of ``path``, created 0700 if missing; refused unless this user
+    alone can use it, or when the path goes through a link another user owns.
+
+    The path is walked one name at a time (openat, O_NOFOLLOW): a symbolic link is
+    followed only when root or this user owns it, since another user could point
+    theirs elsewhere at any moment (in a sticky /tmp, they may replace their own).
+    The checks apply to what the descriptor holds, and every later use goes
+    through it: nothing is looked up by name again. (The standard library has no
+    openat2(RESOLVE_NO_SYMLINKS) nor a walk that vets links: hence by hand.)
+    """
+    uid = os.getuid()
+
+    def refuse(why: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"cannot use {path} as the rendezvous directory: {why}; give the file transport "
+            "a directory of your own",
             job_id=job_id,
-        ) from exc
+        )
+
+    names = deque(path.absolute().parts[1:])
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    links = 0
+    walked = Path("/")
+    try:
+        while names:
+            name = names.popleft()
+            if name in ("", "."):
+                continue
+            try:
+                try:
+                    step = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except FileNotFoundError:
+                    # As mkdir -p: parents by the umask, the directory itself 0700.
+                    mode = 0o777 if names else 0o700
+                    with contextlib.suppress(FileExistsError):  # made meanwhile: same checks
+                        os.mkdir(name, mode, dir_fd=fd)
+                    step = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                info = os.fstat(step)
+            except OSError as exc:
+                raise refuse(f"{walked / name}: {exc.strerror}") from exc
+            if stat.S_ISLNK(info.st_mode):
+                try:
+                    target = os.readlink("", dir_fd=step)
+                finally:
+                    os.close(step)
+                if info.st_uid not in (0, uid):
+                    raise refuse(
+                        f"{walked / name} is a symbolic link owned by uid {info.st_uid}, not by "
+                        f"root or this user (uid {uid}), who could point it elsewhere"
+                    )
+                links += 1
+                if links > _MAX_LINKS:
+                    raise refuse(f"more than {_MAX_LINKS} symbolic links on the path")
+                parts = Path(target).parts
+                if parts and parts[0] == "/":
+                    os.close(fd)
+                    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                    walked, parts = Path("/"), parts[1:]
+                names.extendleft(reversed(parts))
+                continue
+            os.close(fd)
+            fd = step
+            if not stat.S_ISDIR(info.st_mode):
+                raise refuse(f"{walked / name} is not a directory")
+            walked = walked.parent if name == ".." else walked / name
+        _check_private(path, os.fstat(fd), job_id)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_private(path: Path, info: os.stat_result, job_id: str) -> None:
+    """Refuses a directory that is not this user's alone."""
     uid = os.getuid()
     if info.st_uid != uid:
         raise InvalidRequest(
@@ -390,7 +477,33 @@ def _private_directory(path: Path, job_id: str) -> Path:
             f"{stat.S_IMODE(info.st_mode):o}); run 'chmod 700 {path}' or give another directory",
             job_id=job_id,
         )
-    return path
+
+
+def _check_daemon_owner(sock: Path, shown: Path, job_id: str, local_rank: int) -> None:
+    """Refuses a daemon at ``sock`` (``shown`` in messages) run by another user.
+
+    The directory is this user's alone, so only this user or root could have put
+    a socket there; the peer's credentials (SO_PEERCRED, the listening process's)
+    say so without trusting that. gRPC opens its own connection afterwards, through
+    the same directory descriptor.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(sock))
+        except OSError:
+            return  # nobody listens: the join reports the daemon unreachable
+        ucred = struct.Struct("iII")  # struct ucred: pid, uid, gid
+        pid, uid, _gid = ucred.unpack(
+            probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size)
+        )
+    if uid != os.getuid():
+        raise InvalidRequest(
+            f"the rendezvous socket {shown} is served by process {pid} of uid {uid}, not by "
+            f"this user (uid {os.getuid()}): local_rank {local_rank} of job {job_id!r} "
+            "refuses to send it the token or to join through it; find out who runs that "
+            "process, and give the file transport a directory of your own",
+            job_id=job_id,
+        )
 
 
 def _serving(sock: Path) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from rendezvousd.budget import Gate, gated
+from rendezvousd.budget import Gate, gated, gated_before_body
 from rendezvousd.errors import ConfigError
 from rendezvousd.limits import Limits
 from rendezvousd.scope import ADMIN, CALLER, JOB_TOKEN_PREFIX, Scope, allowed, verify_job_token
@@ -110,6 +110,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         tokens: Sequence[str],
         on_reject: Callable[[str], None] | None = None,
         limits: Limits | None = None,
+        body_timeout_s: float = 5.0,
     ) -> None:
         # An admin token's digest is also the key its job tokens are derived with.
         self._digests = [_digest(t) for t in tokens]
@@ -122,6 +123,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.health_watches = Gate(
             "max_health_watches", limits.max_health_watches, "health watch streams"
         )
+        self._body_timeout_s = body_timeout_s
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
@@ -184,7 +186,15 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:
-            cached = (handler, gated(handler, gate))
+            # Token-less calls are counted from their headers on: a caller that
+            # never sends a body must not hold calls that no budget counts.
+            early = gate is not self.calls
+            wrapped = (
+                gated_before_body(handler, gate, self._body_timeout_s)
+                if early
+                else gated(handler, gate)
+            )
+            cached = (handler, wrapped)
             self._wrapped[method] = cached
         return cached[1]
 
@@ -194,8 +204,12 @@ def _rejecting(
     code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
     message: str = "missing or invalid bearer token",
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming shape that only refuses (no deserialization)."""
-    streaming_in = bool(handler and handler.request_streaming)
+    """A handler that only refuses, as soon as the call's headers arrived.
+
+    It always takes a request stream (the same bytes on the wire as one message):
+    grpcio would wait for a unary request's body before running the handler, and
+    a caller without a token that never sends one would hold the call meanwhile.
+    """
     streaming_out = bool(handler and handler.response_streaming)
 
     async def unary(request: Any, context: Any) -> None:
@@ -205,10 +219,6 @@ def _rejecting(
         await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
-    if streaming_in and streaming_out:
-        return grpc.stream_stream_rpc_method_handler(stream_out)
-    if streaming_in:
-        return grpc.stream_unary_rpc_method_handler(unary)
     if streaming_out:
-        return grpc.unary_stream_rpc_method_handler(stream_out)
-    return grpc.unary_unary_rpc_method_handler(unary)
+        return grpc.stream_stream_rpc_method_handler(stream_out)
+    return grpc.stream_unary_rpc_method_handler(unary)

@@ -10,6 +10,7 @@ with RESOURCE_EXHAUSTED naming the limit.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -78,3 +79,60 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
             gate.active -= 1
 
     return make(call, **kw)
+
+
+def gated_before_body(
+    handler: grpc.RpcMethodHandler, gate: Gate, body_timeout_s: float
+) -> grpc.RpcMethodHandler:
+    """``handler`` counted against ``gate`` from its headers on, not its body.
+
+    grpcio runs a unary-request handler only once the request message arrived, so
+    a caller that sends HEADERS and never a body holds a call (~20 KiB) that no
+    budget sees. As a request-streaming handler (the same bytes on the wire) it
+    runs at once: the gate counts the call, and one whose body does not come
+    within ``body_timeout_s`` ends.
+    """
+    if handler.request_streaming:
+        return gated(handler, gate)
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+    async def first(requests: AsyncIterator[Any], context: Any) -> Any:
+        try:
+            return await asyncio.wait_for(anext(aiter(requests)), body_timeout_s)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no request message within {body_timeout_s:g} s of the call's headers",
+            )
+        except StopAsyncIteration:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message"
+            )
+
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream_gen(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            await gate.enter(context)
+            try:
+                request = await first(requests, context)
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                gate.active -= 1
+
+        return grpc.stream_stream_rpc_method_handler(stream_gen, **kw)
+
+    async def call(requests: AsyncIterator[Any], context: Any) -> Any:
+        await gate.enter(context)
+        try:
+            return await inner(await first(requests, context), context)
+        finally:
+            gate.active -= 1
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(call, **kw)
+    return grpc.stream_unary_rpc_method_handler(call, **kw)

@@ -95,6 +95,12 @@ class DaemonConfig:
         default=Timing.default_wait_s,
         kind=_POSITIVE,
     )
+    max_wait_s: float = _opt(
+        "the longest any Join/JoinNode/PublishId/Barrier/KvGet waits, whatever it asks "
+        "(and rank 0 may owe the id)",
+        default=Timing.max_wait_s,
+        kind=_POSITIVE,
+    )
     job_ttl_s: float = _opt(
         "how long ended or failed jobs stay visible", default=Timing.job_ttl_s, kind=_POSITIVE
     )
@@ -111,6 +117,33 @@ class DaemonConfig:
     max_members_per_job: int = _limit("largest world size", Limits.max_members_per_job)
     max_concurrent_rpcs: int = _limit(
         "calls in flight, streams included", Limits.max_concurrent_rpcs
+    )
+    max_concurrent_streams: int = _opt(
+        "HTTP/2 streams one connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS); "
+        "more are refused before any handler or token check runs (~20 KiB each)",
+        # The SDK opens a connection per client, each with a handful of calls. Also
+        # the peak of a flood: calls refused for want of a token still cost ~20 KiB
+        # each until Python gets to them (50,000 from 5 sockets: +29 MiB at 256,
+        # +99 MiB at 1024).
+        default=256,
+        kind=_COUNT,
+    )
+    max_connections: int = _opt(
+        "client connections held at once, all peers together (gRPC has no per-peer cap)",
+        default=16384,
+        kind=_COUNT,
+    )
+    connection_idle_s: float = _opt(
+        "a connection with no call open is closed after this long (clients reconnect on "
+        "their next call; a heartbeat stream is an open call)",
+        default=300.0,
+        kind=_POSITIVE,
+    )
+    request_body_timeout_s: float = _opt(
+        "a token-less (health) call whose request message has not arrived this long after "
+        "its headers ends",
+        default=5.0,
+        kind=_POSITIVE,
     )
     max_waiters: int = _limit("parked Join/Barrier/KvGet calls (~26 KiB each)", Limits.max_waiters)
     max_waiters_per_job: int = _limit(
@@ -158,7 +191,11 @@ class DaemonConfig:
 
     def timing(self) -> Timing:
         return Timing(
-            self.heartbeat_timeout_s, self.default_wait_s, self.job_ttl_s, self.last_call_s
+            self.heartbeat_timeout_s,
+            self.default_wait_s,
+            self.job_ttl_s,
+            self.last_call_s,
+            self.max_wait_s,
         )
 
 

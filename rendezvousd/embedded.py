@@ -77,12 +77,14 @@ def spawn(
     token_file: Path | None = None,
     exit_with_parent: bool = False,
     prefix: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
 ) -> EmbeddedDaemon:
     """Start ``rendezvousd serve`` on ``listen`` with a new token in ``workdir``.
 
     ``exit_with_parent``: the daemon's stdin is a pipe from this process, and it
     exits when that pipe closes, which the kernel does even on SIGKILL. ``prefix``
-    wraps the command (e.g. to run it on a namespace host). Its
+    wraps the command (e.g. to run it on a namespace host); ``pass_fds`` stay open
+    in the daemon under the same numbers (``/proc/self/fd/N`` paths work there too). Its
     settings then come from the flags alone: inherited ``RENDEZVOUSD_*`` variables
     (a state directory, say) could otherwise put a job's id on disk.
     """
@@ -103,6 +105,7 @@ def spawn(
         stderr=stderr,
         text=True,
         env=env,
+        pass_fds=tuple(pass_fds),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

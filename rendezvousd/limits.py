@@ -54,3 +54,6 @@ class Timing:
     # Node joins (JoinNode) that ask for 0: once min_nodes joined, how long after the
     # last arrival more nodes may still join before the generation forms.
     default_last_call_s: float = 30.0
+    # The longest any call waits, whatever it asks (wait_timeout_ms is a uint32: up to
+    # ~49.7 days): a parked call, or rank 0's id owed, holds a slot meanwhile.
+    max_wait_s: float = 600.0

@@ -93,14 +93,19 @@ def duplicate_rank(
 
 
 def abandoned(job: Job, member: Member) -> bool:
-    """Whether nobody holds ``member``'s rank any more: a joiner of a forming generation
-    with no Join parked and no id owed. Only an undone commit leaves one (it wakes every
-    parked call of the job): its worker may retry, or another instance take the rank."""
+    """Whether no call holds ``member``'s rank any more: a joiner of a forming generation
+    with no Join (or PublishId) parked. An undone commit leaves one (it wakes every
+    parked call of the job), and so does rank 0 answered ``id_required`` until its
+    PublishId arrives: its worker may retry, or another instance take the rank.
+
+    Rank 0 owing the id is held by no call: nothing tells the daemon that its worker
+    died before PublishId, so its restart takes the rank at once rather than waiting
+    out the old Join's wait; a PublishId of the old instance is then refused as
+    another instance's (a parked one ties the rank to its call: its end fails the
+    generation at once)."""
     if job.state is not JobState.FORMING or member.state is not MemberState.JOINING:
         return False
-    if member.rank in job.join_waiters.values():
-        return False
-    return not (member.rank == 0 and job.id_deadline is not None)
+    return member.rank not in job.join_waiters.values()
 
 
 def accept_id(job: Job, rank: int, unique_id: bytes) -> None:

@@ -172,7 +172,7 @@ class Daemon:
         self.metrics = Metrics(None)
 
     def _options(self) -> list[tuple[str, int]]:
-        limits = self.state.limits
+        limits, c = self.state.limits, self.config
         pending = min(limits.max_concurrent_rpcs, max(3000, limits.max_members_per_job + 1024))
         return [
             # A second daemon on the same port must fail, not share the port.
@@ -193,6 +193,19 @@ class Daemon:
             # pending calls are queued before authentication.
             ("grpc.server.max_pending_requests", pending),
             ("grpc.server.max_pending_requests_hard_limit", pending),
+            # Before any handler or token check: a connection's streams beyond the cap
+            # are refused by gRPC core (RST_STREAM REFUSED_STREAM), so a client that
+            # opens calls and never sends a body holds at most this many per
+            # connection. gRPC core has no per-peer connection cap, only this total.
+            ("grpc.max_concurrent_streams", c.max_concurrent_streams),
+            ("grpc.max_allowed_incoming_connections", c.max_connections),
+            # Idle means no call open: a member's heartbeat stream or a parked Join
+            # keeps its connection, and an idle client's channel reconnects on its next
+            # call. There is deliberately no grpc.max_connection_age_ms: ending a
+            # connection ends its heartbeat streams, and the daemon takes a closed
+            # stream as the member lost (the job FAILED) before the SDK's StreamWatch
+            # could reattach; parked calls would end too.
+            ("grpc.max_connection_idle_ms", round(c.connection_idle_s * 1000)),
         ]
 
     def _credentials(self) -> grpc.ServerCredentials | None:
@@ -235,6 +248,7 @@ class Daemon:
                 m.rsplit("/", 1)[-1], "UNAUTHENTICATED", 0.0
             ),
             limits=self.state.limits,
+            body_timeout_s=self.config.request_body_timeout_s,
         )
         server = grpc.aio.server(
             interceptors=[interceptor, DecodeGuardInterceptor()],

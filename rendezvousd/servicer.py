@@ -136,7 +136,8 @@ class RendezvousServicer:
     # -- waiting ----------------------------------------------------------
 
     def _wait_s(self, wait_timeout_ms: int, context: Any) -> float:
-        timeout = wait_timeout_ms / 1000 or self.state.timing.default_wait_s
+        timing = self.state.timing
+        timeout = min(wait_timeout_ms / 1000 or timing.default_wait_s, timing.max_wait_s)
         remaining = context.time_remaining()
         if remaining is not None:
             # Answer just before the caller's deadline, so it gets our message
@@ -203,7 +204,7 @@ class RendezvousServicer:
             unique_id=request.unique_id,
             instance_id=request.instance_id,
             wait_s=wait_s,
-            last_call_s=request.last_call_ms / 1000,
+            last_call_s=min(request.last_call_ms / 1000, self.state.timing.max_wait_s),
         )
         while True:
             left_ms = max(1, int((deadline - _now()) * 1000))

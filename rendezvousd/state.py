@@ -71,9 +71,11 @@ class RendezvousState(NodeJoins):
                 placement.unplace(job, rank, now)
             raise
         if isinstance(outcome, JoinResult) and outcome.id_required:
-            # Like any parked call, the rank is held until the Join's own deadline:
-            # a rank 0 that crashes before PublishId must not keep it forever.
-            job.id_deadline = now + (args.wait_s or self.timing.default_wait_s)
+            # A rank 0 that crashes before PublishId must not keep the job forming
+            # forever: it is freed at the Join's own (capped) deadline. Its restart
+            # need not wait for that: no call holds the rank (placement.abandoned).
+            wait = min(args.wait_s or self.timing.default_wait_s, self.timing.max_wait_s)
+            job.id_deadline = now + wait
         return outcome
 
     def publish_id(
@@ -89,7 +91,10 @@ class RendezvousState(NodeJoins):
         job, member = self._member(job_id, generation, rank, running=False)
         if job.state in TERMINAL:
             raise job.generation_fault()
-        if rank != 0 or member.instance_id != instance_id:
+        if rank == 0 and member.instance_id != instance_id:
+            # Rank 0 was taken by a restarted worker while this one owed the id.
+            raise fences.other_instance(job, generation, rank, instance_id)
+        if rank != 0:
             raise RendezvousFault(
                 Code.PERMISSION_DENIED,
                 "NOT_RANK_ZERO",

@@ -26,6 +26,18 @@ class Waiter:
 
 def world_incomplete(job: Job, missing: list[int], waited: str) -> RendezvousFault:
     """A Join's deadline passed before every rank joined: it names who is missing."""
+    zero = job.members.get(0)
+    if not missing and zero is not None and job.unique_id is None:
+        # Every rank is in: what the generation lacks is rank 0's id.
+        return job.fault(
+            Code.DEADLINE_EXCEEDED,
+            "WORLD_INCOMPLETE",
+            f"{job.named}: rank 0 joined but never published the id (rank 0 on "
+            f"{zero.host} was told id_required and sent no PublishId; all "
+            f"{job.world_size} ranks are in after {waited}): check why rank 0's worker "
+            "stopped before publishing, or restart it",
+            ranks="0",
+        )
     return job.fault(
         Code.DEADLINE_EXCEEDED,
         "WORLD_INCOMPLETE",

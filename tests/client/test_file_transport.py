@@ -409,6 +409,103 @@ def test_a_process_of_another_user_cannot_use_it(tmp_path: Path) -> None:
         ours.close()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to own a link as another uid")
+def test_a_path_through_another_users_link_is_refused(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    # Another user's link, in a sticky /tmp say: they may repoint it at any moment.
+    for link, path in ((tmp_path / "last", None), (tmp_path / "middle", "sub")):
+        link.symlink_to(mine)
+        os.lchown(link, OTHER_UID, OTHER_UID)
+        target = link / path if path else link
+        with pytest.raises(InvalidRequest, match=rf"{link} is a symbolic link owned by uid 65534"):
+            FileRendezvous(target, "j").join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=5)
+    assert list(mine.iterdir()) == []
+    # Root's links and our own are followed.
+    ours = tmp_path / "ours"
+    ours.symlink_to(mine)
+    with FileRendezvous(ours, "ok") as rv:
+        assert rv.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=30).rank == 0
+
+
+def test_a_waiting_rank_keeps_the_directory_it_checked(tmp_path: Path) -> None:
+    """Rank 1 opens the directory once: what its path names later does not matter."""
+    checked, moved = tmp_path / "checked", tmp_path / "moved"
+    one = FileRendezvous(checked, "pinned")
+    joined: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: joined.append(
+            one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30)
+        )
+    )
+    thread.start()
+    wait_for("rank 1 to create the directory", checked.exists, 20)
+    checked.rename(moved)  # e.g. swapped for another user's directory
+    checked.mkdir(mode=0o700)
+    zero = FileRendezvous(moved, "pinned")
+    try:
+        assert zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30).rank == 0
+        thread.join(30)
+        assert [m.rank for m in joined] == [1]
+        assert list(checked.iterdir()) == []
+        parallel([one.leave, zero.leave], 30.0)
+    finally:
+        one.close()
+        zero.close()
+
+
+# Binds the socket as root in our directory, then listens as the other uid (the
+# credentials SO_PEERCRED reports are the listener's), and counts what it receives.
+_IMPOSTOR = """
+import os, socket, sys, threading
+path, uid = sys.argv[1], int(sys.argv[2])
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(path)
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+server.listen(16)
+received = [0]
+def serve():
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=drain, args=(conn,), daemon=True).start()
+def drain(conn):
+    while data := conn.recv(65536):
+        received[0] += len(data)
+threading.Thread(target=serve, daemon=True).start()
+print("listening", flush=True)
+sys.stdin.read()
+print(received[0], flush=True)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another uid")
+def test_a_socket_served_by_another_user_is_refused_before_anything_is_sent(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "rdv"
+    directory.mkdir(mode=0o700)
+    impostor = subprocess.Popen(
+        [sys.executable, "-c", _IMPOSTOR, str(directory / "job.sock"), str(OTHER_UID)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert impostor.stdout is not None and impostor.stdout.readline() == "listening\n"
+        (directory / "job.token").write_text("a-token-that-must-stay-here\n")
+        rv = FileRendezvous(directory, "job")
+        with pytest.raises(InvalidRequest, match=rf"process {impostor.pid} of uid {OTHER_UID}"):
+            rv.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=5)
+        rv.close()
+        received, _ = impostor.communicate("", timeout=30)
+        assert received.strip() == "0", "bytes reached the other user's socket"
+    finally:
+        impostor.kill()
+        impostor.wait(10)
+
+
 # -- failure detection -------------------------------------------------------------
 
 

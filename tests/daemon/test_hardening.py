@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import LimitExceeded, RendezvousClient
 from tests.daemon.raw_calls import assert_healthy, bearer, join_one, raw, reason_of
-from tests.support import DaemonProcess, members, parallel, wait_for
+from tests.support import DaemonProcess, parallel, wait_for
 
 UNIQUE_ID = b"\x07" * 128
 
@@ -94,24 +94,34 @@ def test_a_crashed_rank_zero_without_id_frees_its_rank_for_its_restart(
         instance_id="crashed-before-publish",
         wait_timeout_ms=1500,
     )
+    join.wait_timeout_ms = 2**32 - 1  # the longest a client can ask
     error = raw(channel, "Join", join.SerializeToString(), bearer(daemon))
     assert error is None  # answered id_required at once, then the worker "crashed"
-    # Its restart (a new instance) is told DUPLICATE_RANK only until the deadline.
+    # No call holds rank 0 while it owes the id: its restart (a new instance) takes
+    # the rank at once, not after the old Join's wait.
     join.instance_id = "restarted"
     error = raw(channel, "Join", join.SerializeToString(), bearer(daemon))
+    assert error is None
+    # The crashed instance, had it lived, is now another instance's rank 0.
+    publish = pb.PublishIdRequest(
+        job_id=job_id, generation=1, rank=0, instance_id="crashed-before-publish"
+    )
+    publish.unique_id = UNIQUE_ID
+    error = raw(channel, "PublishId", publish.SerializeToString(), bearer(daemon))
     assert error is not None and reason_of(error)[0] == "DUPLICATE_RANK"
-    wait_for("rank 0 to be freed", lambda: members(daemon, job_id) == [], timeout=10)
+    # The restart, too, left without publishing: the next worker on that host takes
+    # rank 0 at once.
     with (
         RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as zero,
         RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as one,
     ):
         joined = parallel(
             [
-                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=10),
-                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=10),
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, host="h", timeout=10),
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, host="h", timeout=10),
             ]
         )
-        assert sorted(m.rank for m in joined) == [0, 1]
+        assert sorted(m.rank for m in joined) == [0, 1], joined
 
 
 def test_the_daemon_wide_kv_budget_refuses_and_frees(

@@ -235,9 +235,12 @@ async def test_join_storm_beyond_grpc_pending_call_limits(
     from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
     world = 3200
+    # 16 connections: each may open --max-concurrent-streams (256) calls at once,
+    # and a client queues any more behind them.
+    conns = 16
     channels = [
         grpc.aio.insecure_channel(daemon.endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
-        for _ in range(8)
+        for _ in range(conns)
     ]
     stubs = [pb_grpc.RendezvousStub(c) for c in channels]
     auth = (("authorization", f"Bearer {daemon.token}"),)
@@ -253,7 +256,7 @@ async def test_join_storm_beyond_grpc_pending_call_limits(
             wait_timeout_ms=60_000,
             unique_id=b"\x01" * 128 if rank == 0 else b"",
         )
-        response = await stubs[rank % 8].Join(request, timeout=90, metadata=auth)
+        response = await stubs[rank % conns].Join(request, timeout=90, metadata=auth)
         return int(response.rank)
 
     try:
