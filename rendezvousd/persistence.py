@@ -320,8 +320,10 @@ class Persister:
         version, cut = self._version, self._collect()
         try:
             self.store.commit(cut.writes)
-        except (sqlite3.Error, OSError) as exc:
-            raise DaemonError(f"cannot write state database {self.store.path}: {exc}") from exc
+        except Exception as exc:  # any failure is a start-up error naming it, not a traceback
+            raise DaemonError(
+                f"cannot write state database {self.store.path}: {_described(exc)}"
+            ) from exc
         self._committed(version, cut)
 
     def close(self) -> None:
@@ -424,7 +426,11 @@ class Persister:
         cut = self._collect()
         try:
             await self._in_writer(self.store.commit, cut.writes)
-        except (sqlite3.Error, OSError) as exc:
+        except Exception as exc:
+            # Not only sqlite3.Error/OSError: whatever stopped the commit (a value SQLite
+            # cannot bind raises OverflowError), the change is not durable and must be
+            # undone, or it stays applied, its caller gets UNKNOWN, and the exception
+            # escapes into the tick task and kills it.
             self._fail(cut.writes, exc)
             return
         self._committed(version, cut)
@@ -456,7 +462,7 @@ class Persister:
             "cannot write the state database %s: %s; refusing changes (health NOT_SERVING) "
             "until it takes writes again",
             self.store.path if self.store else "",
-            exc,
+            _described(exc),
         )
         for w in writes:  # still to be written once storage is back
             self._dirty.setdefault(w.job_id, set()).update(w.kv_put, w.kv_delete)
@@ -537,7 +543,7 @@ class Persister:
             cut = self._collect()
             try:
                 await self._in_writer(_reopen_and_commit, store, self.lock, cut.writes)
-            except (sqlite3.Error, OSError, DaemonError) as exc:
+            except Exception as exc:
                 for w in cut.writes:
                     self._dirty.setdefault(w.job_id, set())
                 log.debug("state storage still failing: %s", exc)
@@ -546,6 +552,14 @@ class Persister:
         log.info("state storage %s takes writes again; serving", store.path)
         self._set_health(True)
         return True
+
+
+def _described(exc: BaseException) -> str:
+    """The storage error as a log line names it; a type other than the expected
+    sqlite3/OS errors is named too (it points at a bad value, not a bad disk)."""
+    if isinstance(exc, (sqlite3.Error, OSError, DaemonError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _reopen_and_commit(
