@@ -19,6 +19,7 @@ from typing import Any
 
 from rendezvousd import validation
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.id_history import IdHistory
 from rendezvousd.job import BarrierState, Job, Member, Node
 from rendezvousd.model import FailedInfo, JobState, MemberState, Transition
 from rendezvousd.state import RendezvousState
@@ -52,7 +53,8 @@ def job_record(job: Job) -> dict[str, Any]:
         ],
         "host_nodes": dict(job.host_nodes),  # a copy: a writer thread encodes it
         "id_digest": (job.id_digest() or b"").hex(),
-        "used_id_digests": sorted(d.hex() for d in job.used_id_digests),
+        # Oldest first: the order the bounded history forgets them in.
+        "used_id_digests": [d.hex() for d in job.used_id_digests],
         "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.failed],
         "abort_reason": job.abort_reason,
         "barriers": {name: b.completed for name, b in job.barriers.items()},
@@ -222,7 +224,11 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         now,
     )
     _world(job.num_nodes, job.gpus_per_node, "num_nodes")
-    job.used_id_digests = {_digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")}
+    # Rows written before the history was bounded may hold more (sorted, so which ones
+    # are kept is arbitrary then): the newest USED_ID_HISTORY are kept.
+    job.used_id_digests = IdHistory(
+        _digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")
+    )
     id_digest = _str(raw, "id_digest")
     if id_digest:
         job.restored_id_digest = _digest(id_digest, "id_digest")
