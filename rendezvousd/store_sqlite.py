@@ -45,6 +45,13 @@ _SCHEMA = (
     "PRIMARY KEY (job_id, digest))",
 )
 _IDS = "used_id_digests"
+# The -wal file's size once a checkpoint has copied it into the database: without a
+# limit SQLite reuses the file from its start but never shrinks it, so one long reader
+# (a `sqlite3` shell left open) that held checkpoints back left it at its high-water
+# mark (699 MB seen) for good. The first commit after a complete checkpoint truncates
+# it to this. 4 MiB: just above one auto-checkpoint cycle (1000 pages of 4 KiB plus
+# frame headers), so a WAL of normal size is reused, never truncated and regrown.
+WAL_SIZE_LIMIT = 4 * 1024 * 1024
 _SCALARS = ("generation", "state", "num_nodes", "gpus_per_node")
 
 
@@ -90,6 +97,7 @@ class SqliteStore:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
+            db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             for statement in _SCHEMA:
                 db.execute(statement)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
