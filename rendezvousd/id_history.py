@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 # 256 generations of a job: far more restarts than any job lives through before its old
-# workers are gone, at 68 bytes each on disk (about 17 KiB) and about 100 bytes each in
-# memory (25 MiB with every one of 1,024 --max-jobs full). Documented in operations.md.
+# workers are gone, at about 180 bytes each on disk (a row and its index entry: 45 KiB a
+# job) and about 100 bytes each in memory (25 KiB a job, 25 MiB with all 1,024 of
+# --max-jobs full). Documented in operations.md.
 USED_ID_HISTORY = 256
 
 
