@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from rendezvousd.errors import Code, RendezvousFault, shown
+from rendezvousd.id_history import IdHistory
 from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState, failed_text
 
 
@@ -85,8 +86,8 @@ class Job:
     members: dict[int, Member] = field(default_factory=dict)
     host_nodes: dict[str, int] = field(default_factory=dict)
     unique_id: bytes | None = None
-    # SHA-256 of every id this job has used: a new generation needs a fresh id.
-    used_id_digests: set[bytes] = field(default_factory=set)
+    # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
+    used_id_digests: IdHistory = field(default_factory=IdHistory)
     failed: list[FailedInfo] = field(default_factory=list)
     abort_reason: str = ""
     barriers: dict[str, BarrierState] = field(default_factory=dict)

@@ -29,6 +29,8 @@ and the liveness rules find it again. Reads wait for the commit of their job's p
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -53,6 +55,7 @@ from rendezvousd.store_sqlite import JobWrite, SqliteStore
 log = logging.getLogger("rendezvousd")
 STATE_FILE = "state.json"
 IMPORTED_SUFFIX = ".imported"
+LOCK_FILE = "rendezvousd.lock"
 _MISSING = object()
 _UndoKey = tuple[str, str]
 
@@ -74,6 +77,11 @@ class StateStore:
         self.path = directory / STATE_FILE
 
     def prepare(self) -> None:
+        self.check_dir()
+        self.remove_stale()
+
+    def check_dir(self) -> None:
+        """Creates the directory 0700; refuses one that others could write into."""
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             mode = self.directory.stat().st_mode
@@ -88,6 +96,8 @@ class StateStore:
             )
         if not os.access(self.directory, os.W_OK):
             raise DaemonError(f"state dir {self.directory} is not writable by this user")
+
+    def remove_stale(self) -> None:
         for stale in self.directory.glob(f".{STATE_FILE}.*.tmp"):
             # Left by a crash mid-write; unlink removes a link itself, never its target.
             stale.unlink(missing_ok=True)
@@ -141,10 +151,79 @@ class StateStore:
             os.close(dir_fd)
 
 
+class StateDirLock:
+    """One daemon per state dir: an exclusive ``flock`` on ``DIR/rendezvousd.lock``.
+
+    Two daemons on one directory would serve the same jobs with different state and
+    interleave their rows, which the next restart then restores. ``flock`` rather
+    than a pid file alone: the kernel drops it when the holder dies however it dies
+    (SIGKILL, OOM), so a stale file never blocks a restart. The file holds the
+    holder's pid only to name it in the refusal."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            # O_NOFOLLOW: a link planted here must not make us create or lock its target.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise DaemonError(
+                f"cannot open the state dir lock file {self.path}: {exc.strerror}"
+                + (
+                    " (a symbolic link is refused: move it aside)"
+                    if exc.errno == errno.ELOOP
+                    else ""
+                )
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise DaemonError(f"cannot lock {self.path}: {exc.strerror}") from exc
+            who = f"pid {holder}" if holder else "a process that has not written its pid yet"
+            raise DaemonError(
+                f"state dir {self.path.parent} is in use by another rendezvousd ({who}, "
+                f"holding {self.path}); two daemons on one state dir would serve the same "
+                "jobs with different state: stop that daemon first, or give this one "
+                "another --state-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def held(self) -> bool:
+        """Whether the lock we hold is still the file at ``path`` (the directory may
+        have been removed and recreated under a running daemon)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self._fd).st_ino
+        except OSError:
+            return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
+def _read_pid(fd: int) -> int:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
 class Persister:
     def __init__(self, directory: Path | None, state: RendezvousState) -> None:
         self.directory = directory
         self.store = SqliteStore(directory) if directory is not None else None
+        self.lock = StateDirLock(directory) if directory is not None else None
         self.state = state
         self.healthy = True
         self.on_health: Callable[[bool], None] | None = None
@@ -181,7 +260,21 @@ class Persister:
         if self.store is None or self.directory is None:
             return 0
         legacy = StateStore(self.directory)
-        legacy.prepare()  # creates the dir 0700, refuses one others can write
+        legacy.check_dir()
+        assert self.lock is not None
+        self.lock.acquire()  # before anything in the directory is read or changed
+        try:
+            return self._restore(legacy)
+        except BaseException:
+            # Refused to start: let go of the directory (a daemon in this process, or a
+            # fixed restart, may take it).
+            self.store.close()
+            self.lock.release()
+            raise
+
+    def _restore(self, legacy: StateStore) -> int:
+        assert self.store is not None
+        legacy.remove_stale()
         self.store.open()
         now = time.monotonic()
         stored = self.store.load()
@@ -227,14 +320,18 @@ class Persister:
         version, cut = self._version, self._collect()
         try:
             self.store.commit(cut.writes)
-        except (sqlite3.Error, OSError) as exc:
-            raise DaemonError(f"cannot write state database {self.store.path}: {exc}") from exc
+        except Exception as exc:  # any failure is a start-up error naming it, not a traceback
+            raise DaemonError(
+                f"cannot write state database {self.store.path}: {_described(exc)}"
+            ) from exc
         self._committed(version, cut)
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
+        if self.lock is not None:
+            self.lock.release()  # last: the database is closed before another may open it
 
     # -- what changed -------------------------------------------------------
 
@@ -329,7 +426,11 @@ class Persister:
         cut = self._collect()
         try:
             await self._in_writer(self.store.commit, cut.writes)
-        except (sqlite3.Error, OSError) as exc:
+        except Exception as exc:
+            # Not only sqlite3.Error/OSError: whatever stopped the commit (a value SQLite
+            # cannot bind raises OverflowError), the change is not durable and must be
+            # undone, or it stays applied, its caller gets UNKNOWN, and the exception
+            # escapes into the tick task and kills it.
             self._fail(cut.writes, exc)
             return
         self._committed(version, cut)
@@ -361,7 +462,7 @@ class Persister:
             "cannot write the state database %s: %s; refusing changes (health NOT_SERVING) "
             "until it takes writes again",
             self.store.path if self.store else "",
-            exc,
+            _described(exc),
         )
         for w in writes:  # still to be written once storage is back
             self._dirty.setdefault(w.job_id, set()).update(w.kv_put, w.kv_delete)
@@ -441,8 +542,8 @@ class Persister:
             version = self._version
             cut = self._collect()
             try:
-                await self._in_writer(_reopen_and_commit, store, cut.writes)
-            except (sqlite3.Error, OSError, DaemonError) as exc:
+                await self._in_writer(_reopen_and_commit, store, self.lock, cut.writes)
+            except Exception as exc:
                 for w in cut.writes:
                     self._dirty.setdefault(w.job_id, set())
                 log.debug("state storage still failing: %s", exc)
@@ -453,10 +554,25 @@ class Persister:
         return True
 
 
-def _reopen_and_commit(store: SqliteStore, writes: list[JobWrite]) -> None:
+def _described(exc: BaseException) -> str:
+    """The storage error as a log line names it; a type other than the expected
+    sqlite3/OS errors is named too (it points at a bad value, not a bad disk)."""
+    if isinstance(exc, (sqlite3.Error, OSError, DaemonError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _reopen_and_commit(
+    store: SqliteStore, lock: StateDirLock | None, writes: list[JobWrite]
+) -> None:
     if store.replaced():
         store.close()
         if not store.directory.is_dir():
             raise OSError(f"{store.directory} does not exist")
+        if lock is not None and not lock.held():
+            # The directory was recreated: our lock went with the old one, and another
+            # daemon may have started on the new one meanwhile (then this refuses).
+            lock.release()
+            lock.acquire()
         store.open()
     store.commit(writes, replace_all=True)

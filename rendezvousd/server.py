@@ -166,6 +166,7 @@ class Daemon:
     _metrics_server: object | None = field(init=False, default=None)
     metrics_port: int | None = field(init=False, default=None)
     _health_updates: set[asyncio.Future[None]] = field(init=False, default_factory=set)
+    _ticker_died: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
@@ -291,6 +292,7 @@ class Daemon:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._ticker = asyncio.create_task(self._tick())
+        self._ticker.add_done_callback(self._tick_ended)
         log.info(
             "rendezvousd serving on %s (port %d, tls=%s)",
             self.config.listen,
@@ -337,6 +339,23 @@ class Daemon:
             with contextlib.suppress(RendezvousFault):  # logged; health says NOT_SERVING
                 await self.persister.durable()
 
+    def _tick_ended(self, task: asyncio.Task[None]) -> None:
+        """The timer ends only when stop() cancels it. Dead otherwise, no member is
+        ever marked lost, no job expires and storage is never retried, while health
+        would go on saying SERVING: say it, and stop serving."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        self._ticker_died = True
+        log.error(
+            "the daemon's timer task died (%s); members are no longer marked lost and "
+            "jobs no longer expire: health is NOT_SERVING until the daemon is restarted "
+            "(with --state-dir its jobs survive the restart)",
+            f"{type(exc).__name__}: {exc}" if exc is not None else "it returned",
+            exc_info=exc,
+        )
+        self._storage_health(False)
+
     def _storage_health(self, healthy: bool) -> None:
         """Storage failing: NOT_SERVING (a probe can route traffic elsewhere) until
         a rewrite of the whole state succeeds again."""
@@ -344,7 +363,7 @@ class Daemon:
             return
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if healthy
+            if healthy and not self._ticker_died
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for service in ("", SERVICE):
@@ -385,7 +404,7 @@ class Daemon:
         self._servicer.apply()
         with contextlib.suppress(RendezvousFault):  # logged by the Persister
             await self.persister.durable()
-        if self._ticker is not None:
+        if self._ticker is not None and not self._ticker.done():  # a dead one was logged
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker

@@ -17,6 +17,9 @@ import base64
 from collections.abc import Mapping
 from typing import Any
 
+from rendezvousd import validation
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.id_history import IdHistory
 from rendezvousd.job import BarrierState, Job, Member, Node
 from rendezvousd.model import FailedInfo, JobState, MemberState, Transition
 from rendezvousd.state import RendezvousState
@@ -50,7 +53,8 @@ def job_record(job: Job) -> dict[str, Any]:
         ],
         "host_nodes": dict(job.host_nodes),  # a copy: a writer thread encodes it
         "id_digest": (job.id_digest() or b"").hex(),
-        "used_id_digests": sorted(d.hex() for d in job.used_id_digests),
+        # Oldest first: the order the bounded history forgets them in.
+        "used_id_digests": [d.hex() for d in job.used_id_digests],
         "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.failed],
         "abort_reason": job.abort_reason,
         "barriers": {name: b.completed for name, b in job.barriers.items()},
@@ -87,8 +91,14 @@ def load(state: RendezvousState, doc: dict[str, Any], now: float) -> None:
 
 
 _MAX_INT = 2**63 - 1
+# Counters that only grow (generations, barrier rounds) must leave room to grow: SQLite
+# stores at most 2**63 - 1, and a restored generation of 2**63 - 1 made the next one an
+# OverflowError in the commit. 2**62 more is more than any job can use up (at 150
+# generations a second, 10**9 years), so only a hand-edited row gets near it.
+MAX_COUNTER = 2**62
 # Far above any limit; stored sizes are checked against it, not the current flags,
-# so a restart with a lower --max-members-per-job still restores existing jobs.
+# so a restart with a lower --max-members-per-job still restores existing jobs. The
+# world (a product) too: 2**20 x 2**20 overflowed ListJobs' uint32 world size.
 _MAX_WORLD = 1 << 20
 
 
@@ -134,6 +144,31 @@ def _member_state(row: Mapping[str, Any], table: str) -> MemberState:
     return MemberState[state]
 
 
+def _instance_id(raw: Mapping[str, Any], table: str) -> str:
+    value = _str(raw, "instance_id")
+    if not value:
+        # Calls are bound to the instance that joined: an empty one would match a
+        # caller that names none, and let any token holder act as this member.
+        raise ValueError(f"{table}[].instance_id must not be empty")
+    return value
+
+
+def _job_id(raw: Mapping[str, Any]) -> str:
+    value = _str(raw, "job_id")
+    try:
+        return validation.job_id(value)
+    except RendezvousFault as fault:
+        raise ValueError(fault.message) from None
+
+
+def _world(num_nodes: int, gpus_per_node: int, what: str) -> None:
+    if num_nodes * gpus_per_node > _MAX_WORLD:
+        raise ValueError(
+            f"the world {what} x gpus_per_node = {num_nodes} x {gpus_per_node} exceeds "
+            f"{_MAX_WORLD} ranks"
+        )
+
+
 def _digest(text: object, name: str) -> bytes:
     if not isinstance(text, str) or len(text) != 64:
         raise ValueError(f"{name} must be a 64-digit hex SHA-256 digest")
@@ -176,7 +211,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
     """The job ``raw`` (a ``job_record``) describes, exactly: no fencing, no id (only its
     digest, as ``restored_id_digest``), heartbeats as of ``now``, ``kv`` as its store.
     Raises ValueError when the record is malformed."""
-    job_id = _str(raw, "job_id")
+    job_id = _job_id(raw)
     job_state = _str(raw, "state")
     if job_state not in JobState.__members__:
         raise ValueError(f"state must be one of {', '.join(JobState.__members__)}")
@@ -184,11 +219,16 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         job_id,
         _int(raw, "num_nodes", 1, _MAX_WORLD),
         _int(raw, "gpus_per_node", 1, _MAX_WORLD),
-        _int(raw, "generation", 1),
+        _int(raw, "generation", 1, MAX_COUNTER),
         JobState[job_state],
         now,
     )
-    job.used_id_digests = {_digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")}
+    _world(job.num_nodes, job.gpus_per_node, "num_nodes")
+    # Rows written before the history was bounded may hold more (sorted, so which ones
+    # are kept is arbitrary then): the newest USED_ID_HISTORY are kept.
+    job.used_id_digests = IdHistory(
+        _digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")
+    )
     id_digest = _str(raw, "id_digest")
     if id_digest:
         job.restored_id_digest = _digest(id_digest, "id_digest")
@@ -200,7 +240,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
             _int(m, "local_rank", 0, job.gpus_per_node - 1),
             _str(m, "host"),
             _str(m, "address"),
-            _str(m, "instance_id"),
+            _instance_id(m, "members"),
             state=member_state,
         )
         if member.rank != job.rank_of(member.node_rank, member.local_rank):
@@ -222,7 +262,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
     job.failed = failed
     job.abort_reason = _str(raw, "abort_reason")
     job.barriers = {
-        str(n): BarrierState(completed=_int({"completed": c}, "completed"))
+        str(n): BarrierState(completed=_int({"completed": c}, "completed", 0, MAX_COUNTER))
         for n, c in _map(raw, "barriers").items()
     }
     _restore_nodes(job, raw, now)
@@ -245,13 +285,14 @@ def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
         return
     job.min_nodes = _int(raw, "min_nodes", 1, _MAX_WORLD)
     job.max_nodes = _int(raw, "max_nodes", job.min_nodes, _MAX_WORLD)
+    _world(job.max_nodes, job.gpus_per_node, "max_nodes")
     for n in _rows(raw, "nodes"):
         state = _member_state(n, "nodes")
         addresses = _list(n, "addresses")
         if not all(isinstance(a, str) for a in addresses):
             raise ValueError("nodes[].addresses must be strings")
         node = Node(
-            _str(n, "instance_id"),
+            _instance_id(n, "nodes"),
             _str(n, "host"),
             tuple(addresses),
             _int(n, "node_rank", 0, job.num_nodes - 1),

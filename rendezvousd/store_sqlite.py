@@ -1,11 +1,17 @@
 """The ``--state-dir`` database: ``state.db``, SQLite in WAL mode (no I/O policy here).
 
-Schema (``schema_version`` 2 in ``meta``; documented in docs/operations.md):
+Schema (``schema_version`` 3 in ``meta``; documented in docs/operations.md):
 
     meta(key TEXT PRIMARY KEY, value TEXT)
     jobs(job_id TEXT PRIMARY KEY, generation INTEGER, state TEXT,
          num_nodes INTEGER, gpus_per_node INTEGER, detail TEXT)   -- detail: JSON
     kv(job_id TEXT, key TEXT, value BLOB, PRIMARY KEY (job_id, key))
+    used_ids(job_id TEXT, digest TEXT, PRIMARY KEY (job_id, digest))  -- oldest first by rowid
+
+The used-id history has a table of its own, not the job's row: the row is rewritten on
+every commit of its job (a KvSet, a barrier), the history changes only when a
+generation opens. Version 2 kept it in ``detail``; such a database is read as it is
+and moves the history to ``used_ids`` as each job's row is next written.
 
 One ``commit`` is one transaction: a job's row, the KV rows that changed and the
 deletions of expired jobs become durable together or not at all (``synchronous=FULL``
@@ -26,7 +32,8 @@ from typing import Any
 from rendezvousd.errors import DaemonError
 
 DB_FILE = "state.db"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+_MIGRATES = ("2",)  # versions this one reads and upgrades in place
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, generation INTEGER NOT NULL, "
@@ -34,7 +41,17 @@ _SCHEMA = (
     "detail TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS kv (job_id TEXT NOT NULL, key TEXT NOT NULL, "
     "value BLOB NOT NULL, PRIMARY KEY (job_id, key))",
+    "CREATE TABLE IF NOT EXISTS used_ids (job_id TEXT NOT NULL, digest TEXT NOT NULL, "
+    "PRIMARY KEY (job_id, digest))",
 )
+_IDS = "used_id_digests"
+# The -wal file's size once a checkpoint has copied it into the database: without a
+# limit SQLite reuses the file from its start but never shrinks it, so one long reader
+# (a `sqlite3` shell left open) that held checkpoints back left it at its high-water
+# mark (699 MB seen) for good. The first commit after a complete checkpoint truncates
+# it to this. 4 MiB: just above one auto-checkpoint cycle (1000 pages of 4 KiB plus
+# frame headers), so a WAL of normal size is reused, never truncated and regrown.
+WAL_SIZE_LIMIT = 4 * 1024 * 1024
 _SCALARS = ("generation", "state", "num_nodes", "gpus_per_node")
 
 
@@ -61,6 +78,10 @@ class SqliteStore:
         self.path = directory / DB_FILE
         self._db: sqlite3.Connection | None = None
         self._inode = 0
+        # job id -> its history as the used_ids table holds it (what is committed), so
+        # that a commit writes the history only when it changed, and then only the
+        # difference. Used by whichever thread commits (one at a time).
+        self._ids_written: dict[str, list[str]] = {}
 
     def open(self) -> None:
         for suffix in ("", "-wal", "-shm"):
@@ -76,11 +97,16 @@ class SqliteStore:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
+            db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             for statement in _SCHEMA:
                 db.execute(statement)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] in _MIGRATES:
+                db.execute(
+                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
+                )
             elif row[0] != str(SCHEMA_VERSION):
                 raise DaemonError(
                     f"state database {self.path} has schema_version {row[0]!r}, this daemon "
@@ -95,6 +121,7 @@ class SqliteStore:
             os.umask(old_umask)
         self._db = db
         self._inode = self.path.stat().st_ino
+        self._ids_written = {}
 
     def replaced(self) -> bool:
         """Whether the open database file is no longer the one at ``path``: SQLite
@@ -136,6 +163,7 @@ class SqliteStore:
                     num_nodes=num_nodes,
                     gpus_per_node=gpus,
                 )
+                record.setdefault(_IDS, [])  # a version 2 row holds it, else used_ids
                 jobs[str(job_id)] = StoredJob(record, {})
             for job_id, key, value in db.execute("SELECT job_id, key, value FROM kv"):
                 where = f"table kv, row (job_id={job_id!r}, key={key!r})"
@@ -145,6 +173,15 @@ class SqliteStore:
                 if not isinstance(key, str) or not isinstance(value, bytes):
                     raise self._bad(where, "key must be TEXT and value a BLOB")
                 stored.kv[key] = value
+            tables: dict[str, list[str]] = {}
+            for job_id, digest in db.execute("SELECT job_id, digest FROM used_ids ORDER BY rowid"):
+                where = f"table used_ids, row (job_id={job_id!r})"
+                if job_id not in jobs:
+                    raise self._bad(where, "no job with this job_id in table jobs")
+                tables.setdefault(job_id, []).append(digest)  # restore checks each digest
+            for job_id, ids in tables.items():
+                jobs[job_id].record[_IDS] = ids
+            self._ids_written = {job_id: list(ids) for job_id, ids in tables.items()}
         except sqlite3.Error as exc:
             raise DaemonError(
                 f"cannot read state database {self.path}: {exc}; move it aside to start "
@@ -165,18 +202,29 @@ class SqliteStore:
         """One transaction for the whole batch (``replace_all``: the batch is the whole
         state, drop every other row); raises sqlite3.Error/OSError on failure."""
         db = self._conn()
+        # What used_ids holds once this commits (None: nothing for that job).
+        ids_after: dict[str, list[str] | None] = {}
         db.execute("BEGIN IMMEDIATE")
         try:
             if replace_all:
                 db.execute("DELETE FROM kv")
                 db.execute("DELETE FROM jobs")
+                db.execute("DELETE FROM used_ids")
             for w in writes:
                 if w.record is None or w.kv_replace:
                     db.execute("DELETE FROM kv WHERE job_id=?", (w.job_id,))
                 if w.record is None:
                     db.execute("DELETE FROM jobs WHERE job_id=?", (w.job_id,))
+                    db.execute("DELETE FROM used_ids WHERE job_id=?", (w.job_id,))
+                    ids_after[w.job_id] = None
                     continue
-                detail = {k: v for k, v in w.record.items() if k not in (*_SCALARS, "job_id")}
+                ids = list(w.record.get(_IDS, ()))
+                before = ids_after.get(w.job_id, self._ids_written.get(w.job_id))
+                before = None if replace_all and w.job_id not in ids_after else before
+                if ids != (before or []):
+                    _write_ids(db, w.job_id, before or [], ids)
+                ids_after[w.job_id] = ids
+                detail = {k: v for k, v in w.record.items() if k not in (*_SCALARS, "job_id", _IDS)}
                 db.execute(
                     "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?)",
                     (
@@ -198,6 +246,29 @@ class SqliteStore:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
+        if replace_all:
+            self._ids_written = {}
+        for job_id, after in ids_after.items():
+            if after is None:
+                self._ids_written.pop(job_id, None)
+            else:
+                self._ids_written[job_id] = after
         if self.replaced():
             # Checked after the commit: a removal during it left it in a dead file.
             raise OSError(f"{self.path} was removed or replaced")
+
+
+def _write_ids(db: sqlite3.Connection, job_id: str, before: list[str], after: list[str]) -> None:
+    """Turns ``job_id``'s rows in used_ids from ``before`` into ``after`` (both oldest
+    first): usually the oldest few go and a new one comes, so only those are written."""
+    wanted = set(after)
+    kept = [d for d in before if d in wanted]
+    if after[: len(kept)] != kept:
+        # Reordered (an old id used again moved to the newest): write the job's afresh.
+        db.execute("DELETE FROM used_ids WHERE job_id=?", (job_id,))
+        kept, before = [], []
+    db.executemany(
+        "DELETE FROM used_ids WHERE job_id=? AND digest=?",
+        ((job_id, d) for d in before if d not in wanted),
+    )
+    db.executemany("INSERT INTO used_ids VALUES (?, ?)", ((job_id, d) for d in after[len(kept) :]))

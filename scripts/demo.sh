@@ -5,5 +5,6 @@
 # --hosts N (as root): the same run with the daemon and N nodes on their own network
 # hosts (Linux namespaces with their own addresses), torn down afterwards.
 set -euo pipefail
-source "$(dirname "$0")/_venv.sh"
+# "" (no extra) explicitly: sourced without arguments, _venv.sh would get our "$1".
+source "$(dirname "$0")/_venv.sh" ""
 exec .venv/bin/python -m rendezvousd.trainer.demo "$@"

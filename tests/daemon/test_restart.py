@@ -150,7 +150,9 @@ def test_an_old_state_json_is_imported_once_and_renamed(tmp_path: Path) -> None:
     legacy = StateStore(tmp_path)
     legacy.write(snapshot.dump(sm))
     back = RendezvousState()
-    assert Persister(tmp_path, back).restore() == 1
+    first = Persister(tmp_path, back)
+    assert first.restore() == 1
+    first.close()  # one daemon at a time on a state dir
     assert not legacy.path.exists() and (tmp_path / "state.json.imported").exists()
     assert back.kv_get("j", 1, 1, "k", False, 1.0, instance_id="i1") == b"v"
     again = RendezvousState()  # the next start reads the database alone

@@ -1,0 +1,173 @@
+"""A damaged or hand-edited ``state.db`` cannot break a running daemon: every restored
+field is checked at start-up, a commit that fails for any reason is undone, and a
+timer task that dies turns health NOT_SERVING instead of going unnoticed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import sqlite3
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvousd.client import RendezvousError
+from rendezvousd.config import DaemonConfig
+from rendezvousd.persistence import Persister
+from rendezvousd.server import Daemon
+from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.store_sqlite import SqliteStore
+from tests.support import InProcessDaemon, write_token
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+ID = b"\x07" * 128
+
+
+def _state_dir_with_a_running_job(state: Path) -> None:
+    sm = RendezvousState()
+    for local in (0, 1):
+        sm.join(JoinArgs("j", 1, 2, 0, local, "h", "", ID if local == 0 else b"", f"i{local}"), 0.0)
+    saver = Persister(state, sm)
+    saver.restore()
+    saver.close()
+
+
+def _serve(tmp: Path, state: Path) -> subprocess.CompletedProcess[str]:
+    token = tmp / "token"
+    write_token(token)
+    return subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token),
+         "--listen", "127.0.0.1:0", "--state-dir", str(state)],
+        capture_output=True, text=True, timeout=20, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        # Forming: the restart opens the next generation, 2**63, which SQLite cannot store.
+        ("UPDATE jobs SET generation = 9223372036854775807, state = 'FORMING', "
+         "detail = json_set(detail, '$.members', json('[]'))",
+         "generation must be an integer in 1..4611686018427387904"),
+        # Failed: restored, then the next Join's new generation killed the timer.
+        ("UPDATE jobs SET generation = 9223372036854775807, state = 'FAILED'",
+         "generation must be an integer in 1..4611686018427387904"),
+        ("UPDATE jobs SET num_nodes = 1048576, gpus_per_node = 1048576, "
+         "detail = json_set(detail, '$.members', json('[]')), state = 'ENDED'",
+         "num_nodes x gpus_per_node = 1048576 x 1048576 exceeds 1048576 ranks"),
+        ("UPDATE jobs SET job_id = 'no/such id'; UPDATE kv SET job_id = 'no/such id'",
+         "job id 'no/such id' is invalid"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.members[1].instance_id', '')",
+         "members[].instance_id must not be empty"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.barriers', json('{\"b\": 9223372036854775807}'))",
+         "completed must be an integer in 0..4611686018427387904"),
+    ],
+)  # fmt: skip
+def test_a_bad_restored_field_refuses_start_up_naming_the_row(
+    tmp_path: Path, edit: str, problem: str
+) -> None:
+    state = tmp_path / "state"
+    _state_dir_with_a_running_job(state)
+    db = sqlite3.connect(state / "state.db")
+    db.executescript(edit)
+    db.commit()
+    db.close()
+    done = _serve(tmp_path, state)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "serving" not in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"state database {state / 'state.db'}, table jobs, row job_id=" in done.stderr
+    assert problem in done.stderr, done.stderr
+    assert "fix or delete that row" in done.stderr
+
+
+async def _health(endpoint: str) -> int:
+    async with grpc.aio.insecure_channel(endpoint) as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        status: int = reply.status
+        return status
+
+
+@pytest_asyncio.fixture
+async def stored_daemon(tmp_path: Path) -> AsyncIterator[InProcessDaemon]:
+    """An in-process daemon with a state dir (its state machine and store at hand)."""
+    token = secrets.token_urlsafe(32)
+    config = DaemonConfig(
+        listen="127.0.0.1:0", heartbeat_timeout_s=2.0, state_dir=tmp_path / "state"
+    )
+    server = Daemon(config, [token])
+    port = await server.start()
+    try:
+        yield InProcessDaemon(server, f"127.0.0.1:{port}", token)
+    finally:
+        await server.stop(grace=0)
+
+
+async def test_a_commit_failing_with_any_exception_is_undone_and_the_timer_lives_on(
+    stored_daemon: InProcessDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = stored_daemon
+    async with d.client("j") as c:
+        await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        await c.kv_set("kept", b"1")
+        store = d.server.persister.store
+        assert store is not None
+        broken = True
+        real_commit = SqliteStore.commit
+
+        def commit(self: SqliteStore, *args: Any, **kw: Any) -> None:
+            if broken:
+                # What a value SQLite cannot bind raises: not a sqlite3.Error.
+                raise OverflowError("Python int too large to convert to SQLite INTEGER")
+            real_commit(self, *args, **kw)
+
+        monkeypatch.setattr(SqliteStore, "commit", commit)
+        with pytest.raises(RendezvousError) as info:
+            await c.kv_set("lost", b"2")
+        assert (info.value.code, info.value.reason) == ("UNAVAILABLE", "STORAGE_UNAVAILABLE")
+        assert "lost" not in d.server.state.jobs["j"].kv  # undone, not left applied
+        assert await _health(d.endpoint) == NOT_SERVING
+        broken = False
+        await d.until("health SERVING once commits work", lambda: d.server.persister.healthy)
+        assert d.server._ticker is not None and not d.server._ticker.done()
+        assert await _health(d.endpoint) == SERVING
+        with pytest.raises(RendezvousError) as missing:
+            await c.kv_get("lost", wait=False)
+        assert missing.value.reason == "KEY_NOT_FOUND"
+        assert await c.kv_get("kept", wait=False) == b"1"
+        await c.kv_set("lost", b"2")  # the retry, once storage takes writes
+        assert await c.kv_get("lost", wait=False) == b"2"
+
+
+async def test_a_timer_task_that_dies_is_logged_and_turns_health_not_serving(
+    stored_daemon: InProcessDaemon,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d = stored_daemon
+    assert await _health(d.endpoint) == SERVING
+
+    def tick(now: float) -> None:
+        raise RuntimeError("a bug in the state machine")
+
+    monkeypatch.setattr(d.server.state, "tick", tick)
+    with caplog.at_level(logging.ERROR, logger="rendezvousd"):
+        await d.until("the timer task to end", lambda: d.server._ticker is not None
+                      and d.server._ticker.done())  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + 5
+        while await _health(d.endpoint) != NOT_SERVING:
+            assert asyncio.get_running_loop().time() < deadline, "health stayed SERVING"
+            await asyncio.sleep(0.01)
+    assert "timer task died (RuntimeError: a bug in the state machine)" in caplog.text
+    assert "health is NOT_SERVING until the daemon is restarted" in caplog.text
