@@ -6,8 +6,18 @@ it reports, and nothing a caller does with one reaches back into the job.
 
 from __future__ import annotations
 
-from rendezvousd.job import Job
+from rendezvousd.job import Attendee, Job
 from rendezvousd.model import JobView, MemberState, MemberView
+
+
+def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
+    """Whose heartbeat keeps ``rank`` alive: in a node job its node agent's (nodes
+    heartbeat, ranks do not), else the member's own."""
+    if job.node_at and job.gpus_per_node:
+        node = job.node_at.get(rank // job.gpus_per_node)
+        if node is not None:
+            return node
+    return member
 
 
 def job_view(job: Job, now: float) -> JobView:
@@ -16,10 +26,10 @@ def job_view(job: Job, now: float) -> JobView:
             m.info(),
             m.state,
             # Only an active member's silence means anything; others are not expected to beat.
-            max(0.0, now - m.last_seen) if m.state is MemberState.ACTIVE else 0.0,
-            m.stream_open,
+            max(0.0, now - _beating(job, r, m).last_seen) if m.state is MemberState.ACTIVE else 0.0,
+            _beating(job, r, m).stream_open,
         )
-        for _, m in sorted(job.members.items())
+        for r, m in sorted(job.members.items())
     )
     return JobView(
         job.job_id,

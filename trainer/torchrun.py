@@ -42,9 +42,7 @@ What each torchrun agent does here:
   world full...) → ``RendezvousError``.
 
 Settings: ``--rdzv-conf key=value,...`` over ``RENDEZVOUSD_*`` variables; the keys are
-:class:`TorchrunSettings`' fields (``token_file``, ``tls_ca``, ``tls_cert``, ``tls_key``,
-``tls_server_name``, ``join_timeout``, ``last_call_timeout``, ``retries``,
-``connect_timeout``).
+:class:`~rendezvousd.trainer.torchrun_config.TorchrunSettings`' fields.
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -71,11 +68,11 @@ from rendezvousd.client import (
     RendezvousError,
     RendezvousTimeout,
 )
-from rendezvousd.client.connection import TlsConfig
 from rendezvousd.client.membership import NodeMembership
-from rendezvousd.settings import Float, Int, Schema, Text, setting
+from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.torchrun_config import TorchrunSettings, load_settings
 
-__all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "TorchrunSettings", "handler_factory"]
+__all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "handler_factory"]
 
 log = logging.getLogger(__name__)
 
@@ -87,62 +84,6 @@ DEFAULT_PORT = 29420
 SCALE_UP = "scale-up"
 #: The abort reason ``set_closed()`` gives; other agents read it as "closed".
 CLOSED = "rendezvous closed by torchrun"
-
-
-def _tls(help: str) -> Any:
-    return setting(None, help, Text(optional=True), unprefixed=True)
-
-
-@dataclass(frozen=True, slots=True)
-class TorchrunSettings:
-    """The handler's settings: ``--rdzv-conf`` keys over ``RENDEZVOUSD_*`` variables."""
-
-    token_file: str | None = setting(
-        None, "daemon token file (else $RENDEZVOUSD_TOKEN)", Text(optional=True)
-    )
-    tls_ca: str | None = _tls("PEM CA bundle that signed the daemon's certificate (enables TLS)")
-    tls_cert: str | None = _tls("PEM client certificate, for a daemon that requires mTLS")
-    tls_key: str | None = _tls("PEM private key for tls_cert")
-    tls_server_name: str | None = _tls("name to verify in the daemon's certificate")
-    join_timeout: float = setting(
-        600.0, "seconds to wait for the round to form (torch's name and default)", Float()
-    )
-    last_call_timeout: float = setting(
-        0.0,
-        "seconds after the last arrival before forming with >= MIN nodes "
-        "(0: the daemon's --last-call-s)",
-        Float(positive=False),
-    )
-    retries: int = setting(1, "retries of a transient daemon error", Int(minimum=0))
-    connect_timeout: float = setting(
-        30.0, "seconds to wait for the daemon to answer at all", Float()
-    )
-
-    def tls(self) -> TlsConfig | None:
-        if self.tls_ca is None:
-            return None
-        from pathlib import Path
-
-        return TlsConfig(
-            ca=Path(self.tls_ca),
-            cert=Path(self.tls_cert) if self.tls_cert else None,
-            key=Path(self.tls_key) if self.tls_key else None,
-            server_name=self.tls_server_name,
-        )
-
-
-class ConfigError(torch_rdzv.RendezvousError, ValueError):
-    """A ``--rdzv-conf`` key or ``RENDEZVOUSD_*`` value the handler cannot use."""
-
-
-SCHEMA = Schema(TorchrunSettings, ConfigError)
-
-
-def load_settings(conf: Mapping[str, Any], env: Mapping[str, str]) -> TorchrunSettings:
-    """``RENDEZVOUSD_*`` variables, then ``--rdzv-conf`` (which wins). torch puts keys
-    of its own in the conf (``timeout``, ``is_host``...): ours are picked by name."""
-    given = {k: v for k, v in conf.items() if k in SCHEMA.options and v is not None}
-    return SCHEMA.build([SCHEMA.from_env(env), SCHEMA.from_mapping(given, "--rdzv-conf")])
 
 
 def interface_of(address: str) -> str | None:

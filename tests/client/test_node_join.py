@@ -189,6 +189,16 @@ def test_a_long_multiline_cause_is_kept_whole_and_shown_escaped(
     heard: list[RendezvousError] = []
     got = threading.Event()
     agents[other].start_heartbeat(0.2, on_failure=lambda e: (heard.append(e), got.set()))
+    # Report only once the stream is up: a stream opened after the failure hears it
+    # as its call's error, whose details carry causes cut short (a status stays small).
+    first = ms[other].first_rank
+    wait_for(
+        "the other node's heartbeat stream",
+        lambda: any(
+            s.member.rank == first and s.heartbeat_stream_open
+            for s in agents[other].get_job().members
+        ),
+    )
     cause = "RuntimeError: line1\nline2" + "x" * 5000 + "\x1b[31m"
     agents[reporter].report_failure(1, cause)
     assert got.wait(10)

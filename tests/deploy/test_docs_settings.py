@@ -10,7 +10,7 @@ import pytest
 from rendezvousd import auth
 from rendezvousd import config as daemon_config
 from rendezvousd.client import connection
-from rendezvousd.trainer import agent_channel
+from rendezvousd.trainer import agent_channel, torchrun_config
 from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.launcher import build_parser
 from tests.support import ROOT
@@ -24,11 +24,19 @@ def _block(text: str, name: str) -> str:
     return match.group(1)
 
 
+_MODULES = {
+    "daemon": "rendezvousd.config",
+    "trainer": "rendezvousd.trainer.config",
+    "torchrun": "rendezvousd.trainer.torchrun_config",
+}
+
+
 @pytest.mark.parametrize(
     ("doc", "name", "table"),
     [
         ("trainer.md", "trainer", trainer_config.settings_table),
         ("operations.md", "daemon", daemon_config.SCHEMA.markdown_table),
+        ("trainer.md", "torchrun", torchrun_config.settings_table),
     ],
 )
 def test_docs_settings_table_is_generated_from_the_fields(
@@ -36,13 +44,14 @@ def test_docs_settings_table_is_generated_from_the_fields(
 ) -> None:
     assert callable(table)
     assert _block((DOCS / doc).read_text(), name) == table(), (
-        f"regenerate with: python -m {'rendezvousd.config' if name == 'daemon' else 'rendezvousd.trainer.config'}"
+        f"regenerate with: python -m {_MODULES[name]}"
     )
 
 
 def test_every_documented_env_var_is_read_somewhere() -> None:
     known = {o.env for o in daemon_config.SCHEMA.options.values()}
     known |= {o.env for o in trainer_config.SCHEMA.options.values()}
+    known |= {o.env for o in torchrun_config.SCHEMA.options.values()}
     known |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
     known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD}
     for doc in ("trainer.md", "operations.md"):
@@ -52,7 +61,7 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
 
 def test_every_documented_launcher_flag_exists() -> None:
     text = (DOCS / "trainer.md").read_text()
-    section = text[text.index("## Launcher") : text.index("## Communicators")]
+    section = text[text.index("## Launcher") : text.index("## From torchrun")]
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", section))
     known = {s for a in build_parser()._actions for s in a.option_strings}
     assert flags and flags - known == set()

@@ -119,6 +119,26 @@ def test_a_wrong_token_is_torchs_connection_error_with_our_message(
     assert "not-the-token" not in err
 
 
+def test_a_bad_rdzv_conf_value_is_refused_naming_the_key(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    d = start_daemon()
+    agent = torchrun(
+        d,
+        job_id,
+        "1",
+        "--step-log",
+        str(tmp_path / "s"),
+        conf=f"token_file={d.token_file},join_timeout=soon",
+    )
+    assert agent.wait(60) != 0
+    err = agent.stderr()
+    assert "--rdzv-conf join_timeout='soon' is invalid" in err, err[-3000:]
+
+
 def test_an_unreachable_daemon_is_torchs_connection_error_naming_it(
     torchrun: Callable[..., Torchrun],
     tmp_path: Path,

@@ -7,6 +7,7 @@ one-node round of the torchrun handler); prints both answer lists as one JSON li
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 from typing import Any
@@ -58,13 +59,10 @@ def main() -> None:
     tcp = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=timedelta(seconds=5), wait_for_workers=False
     )
+    # The token file through the environment: the handler's other settings layer.
+    os.environ["RENDEZVOUSD_TOKEN_FILE"] = token_file
     params = RendezvousParameters(
-        backend="rendezvousd",
-        endpoint=endpoint,
-        run_id=job,
-        min_nodes=1,
-        max_nodes=1,
-        token_file=token_file,
+        backend="rendezvousd", endpoint=endpoint, run_id=job, min_nodes=1, max_nodes=1
     )
     handler = create_handler(params)
     info = handler.next_rendezvous()
