@@ -20,8 +20,9 @@ the report says it was skipped): the same 3 nodes x 2 workers on loopback, gloo,
 ``worker_kill`` and ``node_kill_shrink`` faults at the same step, with three rendezvous
 backends: ``c10d`` as shipped, ``c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 (the setting shared/ANCHORS.md found it needs to restart at all), and ``rendezvousd``
-(ours, through torch's plugin point). A node kill takes the agent's whole process
-session (torchrun's workers outlive a SIGKILLed agent; a dead machine's do not).
+(ours, through torch's plugin point). A node kill SIGKILLs the agent and every
+process below it (torch starts each worker in a session of its own, so its workers
+would outlive a SIGKILLed agent; a dead machine's do not).
 Each run reports whether a next round trained at all, and the time from the kill to
 its first step and to every rank's; a stock script restarts from step 0.
 
@@ -348,7 +349,7 @@ class TorchrunRun:
             if self.fault == "worker_kill":
                 os.kill(victim["pid"], signal.SIGKILL)
             else:
-                os.killpg(self.agents[-1].pid, signal.SIGKILL)
+                _kill_node(self.agents[-1].pid)
 
             def new_round() -> list[dict[str, Any]]:
                 return [s for s in self.steps.read() if s["pid"] not in old_pids]
@@ -383,10 +384,8 @@ class TorchrunRun:
             return out
         finally:
             for a in self.agents:
-                if a.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(a.pid, signal.SIGKILL)
-                    a.wait(10)
+                _kill_node(a.pid)
+                a.wait(10)
 
 
 def torchrun_side(args: argparse.Namespace, d: EmbeddedDaemon, work: Path) -> dict[str, Any]:
@@ -422,6 +421,21 @@ def torchrun_side(args: argparse.Namespace, d: EmbeddedDaemon, work: Path) -> di
                 "runs": runs,
             }
     return report
+
+
+def _kill_node(agent: int) -> None:
+    """SIGKILL a torchrun agent and every process below it, as a machine's death would:
+    torch starts each worker in a session of its own, so they outlive their agent."""
+    pids, todo = [agent], [agent]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                pids += kids
+                todo += kids
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -299,6 +300,20 @@ class InProcessDaemon:
             await asyncio.sleep(0.005)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first found, deepest last), from /proc."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                found += kids
+                todo += kids
+    return found
+
+
 # --- torchrun (tests/torchrun, tests/multihost/test_torchrun.py) ----------------------
 
 #: The torch venv's python (scripts/torch_venv.sh; scripts/test.sh sets it).
@@ -318,8 +333,12 @@ class Torchrun:
         return self.proc.wait(timeout)
 
     def kill(self) -> None:
+        """The agent and its workers, as a machine's death would: torch starts each
+        worker in a session of its own, so killing the agent's group misses them."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in [*descendants(self.proc.pid), self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.wait(10)
 
     def stderr(self) -> str:
