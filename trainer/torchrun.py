@@ -47,16 +47,34 @@ Settings: ``--rdzv-conf key=value,...`` over ``RENDEZVOUSD_*`` variables; the ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+
+# The entry point comes before torch's imports: importing torch's rendezvous package
+# registers every out-of-tree handler, so a program that imports this module first
+# makes torch load this entry point while the module is still half-initialised.
+def handler_factory() -> Callable[[RendezvousParameters], RendezvousdHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it with no argument."""
+    return create_handler
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousdHandler:
+    return RendezvousdHandler.from_parameters(params)
+
+
 import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.rendezvous import api as torch_rdzv
 
 from rendezvousd.address import route_source
@@ -141,7 +159,12 @@ class DaemonStore(dist.Store):
     """
 
     def __init__(self, client: RendezvousClient, timeout: timedelta) -> None:
+        # Here, not at the top: torch's agent module imports its rendezvous package,
+        # which loads this module's entry point (see handler_factory).
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+
         super().__init__()
+        self._terminal_key = _TERMINAL_STATE_SYNC_ID
         self._client = client
         self.set_timeout(timeout)
         #: Set when torch's agent enters its exit barrier: its workers succeeded.
@@ -166,7 +189,7 @@ class DaemonStore(dist.Store):
 
     @_store_errors
     def add(self, key: str, value: int) -> int:
-        if key.startswith(_TERMINAL_STATE_SYNC_ID):
+        if key.startswith(self._terminal_key):
             self.workers_succeeded = True
         return self._client.kv_add(key, value)
 
@@ -384,12 +407,3 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         finally:
             self._store_client.close()
             self._client.close()
-
-
-def create_handler(params: torch_rdzv.RendezvousParameters) -> RendezvousdHandler:
-    return RendezvousdHandler.from_parameters(params)
-
-
-def handler_factory() -> Callable[[torch_rdzv.RendezvousParameters], RendezvousdHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it with no argument."""
-    return create_handler

@@ -220,12 +220,20 @@ def test_the_agent_store_behaves_as_torchs_tcpstore(
     assert len(results["daemon"]) >= 12
 
 
-def test_the_entry_point_is_what_torch_loads(torch_python: str) -> None:
-    """torch's registry finds ``rendezvousd`` among its out-of-tree handlers."""
+@pytest.mark.parametrize("first", ["torch", "ours"])
+def test_the_entry_point_is_what_torch_loads(torch_python: str, first: str) -> None:
+    """torch's registry finds ``rendezvousd`` among its out-of-tree handlers, whether
+    torch's rendezvous package or our module is imported first (torch registers the
+    handlers while importing that package, which our module itself imports)."""
+    imports = {
+        "torch": "import torch.distributed.elastic.rendezvous",
+        "ours": "import rendezvousd.trainer.torchrun",
+    }[first]
     code = (
-        "from torch.distributed.elastic.rendezvous import registry, rendezvous_handler_registry"
-        " as r; registry._register_out_of_tree_handlers(); print(r._registry['rendezvousd'])"
+        f"{imports}; from torch.distributed.elastic.rendezvous import "
+        "rendezvous_handler_registry as r; print(r._registry['rendezvousd'])"
     )
     out = subprocess.run([torch_python, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "create_handler" in out.stdout
+    assert "Exception while registering" not in out.stderr, out.stderr[-2000:]
