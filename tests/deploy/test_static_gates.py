@@ -28,6 +28,7 @@ FORBIDDEN_MODULES = frozenset(
     {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "jsonpickle"}
 )
 FORBIDDEN_CALLS = frozenset({"eval", "exec"})
+TORCH_HOME = "trainer/torchrun.py"
 CUPY_HOME = "trainer/nccl.py"
 
 
@@ -172,6 +173,20 @@ def test_cupy_only_inside_functions_of_nccl_module(scans: dict[str, Scan]) -> No
         "CPU-only installs could not import it"
     )
     assert cupy.get(CUPY_HOME), f"{CUPY_HOME} no longer imports CuPy: update this gate"
+
+
+def test_torch_only_in_the_torchrun_handler(scans: dict[str, Scan]) -> None:
+    """torch is an optional extra: only the module torch itself loads (through its
+    ``torchrun.handlers`` entry point) and the settings it reads may see it."""
+    found = sorted(
+        name
+        for name, s in scans.items()
+        if any(_top(i.module) == "torch" for i in s.imports) and name != TORCH_HOME
+    )
+    assert not found, f"torch is imported outside {TORCH_HOME}: {found}"
+    assert any(_top(i.module) == "torch" for i in scans[TORCH_HOME].imports), (
+        f"{TORCH_HOME} no longer imports torch: update this gate"
+    )
 
 
 # -- dependency floors --------------------------------------------------------------
