@@ -309,7 +309,19 @@ class RendezvousState(NodeJoins):
         self, job_id: str, generation: int, rank: int, instance_id: str, now: float
     ) -> int:
         """A heartbeat stream opened; returns its token for ``detach_stream``."""
-        return self._caller(job_id, generation, rank, instance_id)[1].attach(now)
+        job, member = self._caller(job_id, generation, rank, instance_id)
+        if job.join_mode == "node":
+            # Its node agent's stream is this rank's liveness: a stream of the rank's own
+            # would fail the whole generation when it closed (the worker exiting).
+            raise job.fault(
+                Code.FAILED_PRECONDITION,
+                "JOIN_MODE_MISMATCH",
+                f"{job.named}: rank {rank} belongs to a node joined by its node agent, "
+                "whose heartbeat covers it; an attached worker does not open a heartbeat "
+                "stream of its own (call attach(), not start_heartbeat())",
+                rank=str(rank),
+            )
+        return member.attach(now)
 
     def heartbeat(self, job_id: str, generation: int, rank: int, now: float) -> None:
         _, member = self._member(job_id, generation, rank)

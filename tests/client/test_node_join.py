@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import (
     AsyncRendezvousClient,
     DuplicateRank,
@@ -297,3 +298,22 @@ def test_nodes_waiting_reaches_a_running_node_and_scale_up_rejoins(
     assert isinstance(late, NodeMembership)
     assert again.generation == late.generation == m.generation + 1
     assert again.num_nodes == 2 and {again.node_rank, late.node_rank} == {0, 1}
+
+
+def test_an_attached_worker_cannot_open_a_heartbeat_stream_of_its_own(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    """Nodes heartbeat, ranks do not: a rank's own stream in a node generation is
+    refused, so the worker closing it cannot fail its healthy job."""
+    ms = join_all(agents[:2], 2, 2)
+    (worker,) = clients(daemon, job_id, 1)
+    worker.attach(ms[0].membership_for(1), ms[0].member_instance_id(1))
+    heard: list[RendezvousError] = []
+    got = threading.Event()
+    worker.start_heartbeat(0.2, on_failure=lambda e: (heard.append(e), got.set()))
+    assert got.wait(10)
+    assert heard[0].reason == "JOIN_MODE_MISMATCH", heard[0]
+    assert "attach(), not start_heartbeat()" in heard[0].message
+    worker.close()
+    job = agents[0].get_job()
+    assert job.summary.state == pb.JobState.JOB_STATE_RUNNING, job.failed
