@@ -68,6 +68,54 @@ class Node(Attendee):
     arrived: float
 
 
+class NodeTable(dict[str, Node]):
+    """A generation's node agents by instance id, in arrival order, with the two
+    lookups every JoinNode makes kept O(1): who holds a named node rank, and the
+    earliest arrival that named none. (A scan of every node on each join made forming
+    1,024+ nodes quadratic: 11 of 24 s of the daemon's CPU at 4,096 agents.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.named_at: dict[int, Node] = {}
+        self.unnamed: dict[str, Node] = {}  # arrival order, as the table itself
+
+    def _index(self, node: Node) -> None:
+        if node.named:
+            self.named_at[node.node_rank] = node
+        else:
+            self.unnamed[node.instance_id] = node
+
+    def _unindex(self, node: Node) -> None:
+        if node.named:
+            if self.named_at.get(node.node_rank) is node:
+                del self.named_at[node.node_rank]
+        else:
+            self.unnamed.pop(node.instance_id, None)
+
+    def __setitem__(self, key: str, node: Node) -> None:
+        if key in self:
+            self._unindex(self[key])
+        super().__setitem__(key, node)
+        self._index(node)
+
+    def __delitem__(self, key: str) -> None:
+        self._unindex(self[key])
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Node | None) -> Node | None:  # type: ignore[override]
+        if key in self:
+            self._unindex(self[key])
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self.named_at.clear()
+        self.unnamed.clear()
+
+    def first_unnamed(self) -> Node | None:
+        return next(iter(self.unnamed.values()), None)
+
+
 @dataclass
 class BarrierState:
     completed: int = 0
@@ -117,10 +165,13 @@ class Job:
     max_nodes: int = 0
     last_call_s: float = 0.0
     last_arrival: float = 0.0
-    nodes: dict[str, Node] = field(default_factory=dict)  # by node instance id
+    nodes: NodeTable = field(default_factory=NodeTable)  # by node instance id
     node_at: dict[int, Node] = field(default_factory=dict)  # by node rank, once formed
     # The node instance that supplied the id (it must stay node 0).
     id_node: str = ""
+    # The node 0 whose parked JoinNode was last looked for (``_settle_holder``): node 0
+    # never parks while it is node 0, so only a new node 0 needs the look.
+    holder_seen: str = ""
     # waiter -> node instance id: JoinNode calls waiting for this generation to form,
     # and (scaleup) for the next one while this one runs.
     node_waiters: dict[int, str] = field(default_factory=dict)
@@ -200,6 +251,7 @@ class Job:
         self.nodes.clear()
         self.node_at.clear()
         self.id_node = ""
+        self.holder_seen = ""
         self.node_waiters.clear()
         self.scaleups_woken = 0
         self.rejoin_expected = 0

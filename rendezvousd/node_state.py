@@ -52,10 +52,8 @@ class NodeJoins(StateCore):
         if node is None:
             if len(job.nodes) >= job.max_nodes:
                 raise nodes.world_full(job, args.host)
-            if args.node_rank is not None:
-                for other in job.nodes.values():
-                    if other.named and other.node_rank == args.node_rank:
-                        raise nodes.duplicate_node(job, args, other.host)
+            if args.node_rank is not None and (other := job.nodes.named_at.get(args.node_rank)):
+                raise nodes.duplicate_node(job, args, other.host)
             node = Node(
                 args.instance_id,
                 args.host,
@@ -137,8 +135,12 @@ class NodeJoins(StateCore):
         if job.unique_id is not None and (head is None or head.instance_id != job.id_node):
             job.remember_id()
             job.unique_id, job.id_node = None, ""
-        if head is None or job.unique_id is not None:
+        if head is None or job.unique_id is not None or job.holder_seen == head.instance_id:
             return
+        # Node 0 is answered id_required at once rather than parked, so its parked
+        # call, if any, predates its becoming node 0: look once per new node 0, not on
+        # every join (that look was O(parked nodes) a join, quadratic in all).
+        job.holder_seen = head.instance_id
         for waiter, instance in list(job.node_waiters.items()):
             if instance == head.instance_id:
                 del job.node_waiters[waiter]

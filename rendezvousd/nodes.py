@@ -72,11 +72,9 @@ def member_instance_id(node_instance: str, local_rank: int) -> str:
 def holder(job: Job) -> Node | None:
     """The node that becomes node 0 and so supplies the id: the one that named rank 0,
     else the earliest arrival that named none."""
-    named = [n for n in job.nodes.values() if n.named and n.node_rank == 0]
-    if named:
-        return named[0]
-    free = [n for n in job.nodes.values() if not n.named]
-    return min(free, key=lambda n: n.arrived) if free else None
+    # Nodes are kept in arrival order (a returning node is a new arrival), so the
+    # earliest unnamed one is the first.
+    return job.nodes.named_at.get(0) or job.nodes.first_unnamed()
 
 
 def assignment(job: Job) -> dict[str, int] | None:

@@ -401,3 +401,27 @@ def test_a_node_beyond_max_nodes_is_refused_world_full(running: bool) -> None:
     assert f.code is Code.RESOURCE_EXHAUSTED and f.reason == "WORLD_FULL"
     assert "max_nodes=2" in f.message and "'host-c'" in f.message
     assert f.metadata["max_nodes"] == "2" and f.metadata["offending_host"] == "host-c"
+
+
+def test_node_table_keeps_its_lookups_in_step_with_its_nodes() -> None:
+    """The O(1) lookups every JoinNode makes (a named rank's holder, the earliest
+    arrival that named none) follow adds, replacements, removals and a reset."""
+    from rendezvousd.job import Node, NodeTable
+
+    def node(iid: str, rank: int | None, t: float) -> Node:
+        return Node(iid, f"h-{iid}", (), rank or 0, rank is not None, t)
+
+    table = NodeTable()
+    table["a"] = node("a", None, 1.0)
+    table["b"] = node("b", 3, 2.0)
+    table["c"] = node("c", None, 3.0)
+    assert table.first_unnamed() is table["a"] and table.named_at[3] is table["b"]
+    table.pop("a", None)
+    assert table.first_unnamed() is table["c"]
+    table["b"] = node("b", None, 4.0)  # the same instance again, now unnamed
+    assert 3 not in table.named_at and list(table.unnamed) == ["c", "b"]
+    del table["c"]
+    assert table.first_unnamed() is table["b"]
+    assert table.pop("missing", None) is None
+    table.clear()
+    assert not table and not table.named_at and table.first_unnamed() is None
