@@ -4,6 +4,7 @@ once per node, heartbeat once per node, report failures, and re-join elastically
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from rendezvousd.client import (
     DuplicateRank,
     InvalidRequest,
     NodeMembership,
+    NotFound,
     PeerFailed,
     RendezvousClient,
     RendezvousError,
@@ -251,6 +253,34 @@ def test_attached_worker_uses_barrier_and_kv_and_a_wrong_instance_is_refused(
     finally:
         for w in workers:
             w.close()
+
+
+def test_a_node_rank_held_by_another_agent_is_refused_naming_both_ways_to_fix_it(
+    agents: list[RendezvousClient],
+) -> None:
+    def first() -> None:
+        with contextlib.suppress(RendezvousError):  # cancelled when the fixture closes it
+            agents[0].join_node(
+                min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, host="first", timeout=20
+            )
+
+    def first_holds_the_id() -> bool:
+        try:
+            return agents[2].get_job().id_published
+        except NotFound:
+            return False
+
+    threading.Thread(target=first, daemon=True).start()
+    wait_for("node 0 to join with the id", first_holds_the_id)
+    with pytest.raises(DuplicateRank) as caught:
+        agents[1].join_node(
+            min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, host="second", timeout=5
+        )
+    message = str(caught.value)
+    assert "node_rank=0" in message and "node agent on first" in message, message
+    # --nnodes 2 needs a node rank: "(or none)" named a way that does not exist.
+    assert "give each node a distinct --node-rank (0..1), or --node-rank auto" in message
+    assert "(or none)" not in message
 
 
 def test_rejoin_of_next_generation_gets_a_fresh_id(agents: list[RendezvousClient]) -> None:

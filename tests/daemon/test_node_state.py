@@ -386,6 +386,9 @@ def test_a_node_rank_held_by_another_agent_is_refused_with_both_hosts() -> None:
     assert f.metadata["node_rank"] == "0" and f.metadata["holder_host"] == "host-a"
     assert f.metadata["offending_host"] == "host-b"
     assert set(sm.jobs["j"].nodes) == {"a"}  # the refused node took no seat
+    # --nnodes >= 2 needs a node rank: the hint names both ways to give one.
+    assert "give each node a distinct --node-rank (0..1), or --node-rank auto" in f.message
+    assert "(or none)" not in f.message
 
 
 @pytest.mark.parametrize("running", [False, True])
