@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rendezvousd.trainer import agent_worker
 from rendezvousd.trainer.agent_channel import (
     MAX_DEPTH,
     Channel,
@@ -29,7 +30,7 @@ from rendezvousd.trainer.agent_channel import (
     pack_arrays,
     unpack_arrays,
 )
-from rendezvousd.trainer.agent_worker import Assignment
+from rendezvousd.trainer.agent_worker import AgentLink, Assignment
 from rendezvousd.trainer.errors import AgentChannelError
 from rendezvousd.trainer.recovery import Failure, RestartBudget
 from rendezvousd.trainer.state_copy import MAX_STEP_ADVANCE, StateCopy
@@ -146,6 +147,21 @@ def test_an_announced_payload_costs_only_the_bytes_that_arrived() -> None:
     reader.join(5)
     assert peak < 16 << 20, f"{peak} bytes allocated for 1,000 received"
     assert len(failed) == 1 and isinstance(failed[0], ChannelClosed), failed
+
+
+def test_a_state_over_the_limit_is_refused_by_the_worker_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker says so itself, before sending (64 GiB is not allocated in a test)."""
+    monkeypatch.setattr(agent_worker, "MAX_STATE_BYTES", 16)
+    a, b = _pair()
+    link = AgentLink(a)
+    link.assignment = Assignment("job", 1, 0, 0, 0, 0, 1, 1, 1, SECRET, "i")
+    with pytest.raises(AgentChannelError, match=r"step 3 is 32 bytes; .* at most 16"):
+        link.save_state(3, {"w": np.zeros(4)}, {})
+    link.save_state(3, {"w": np.zeros(2)}, {})
+    frame = b.recv(timeout=5)
+    assert frame is not None and frame.kind == "state" and frame.header["step"] == 3
 
 
 def test_assignment_keeps_the_secrets_out_of_header_and_repr() -> None:
