@@ -4,7 +4,11 @@ and bounded where it is kept.
 Requests are validated, but text restored from an older state file, or any
 future field, could still hold C0/C1 controls (a forged log line, a terminal
 escape sequence) or bidi overrides (a line that shows other text than it holds,
-"Trojan Source"). They are shown as Python-style escapes instead.
+"Trojan Source"); and a failure's cause is any text. They are shown as
+Python-style escapes instead, and so are the line and paragraph separators
+(U+2028/2029: a line break to many viewers and log collectors) and the invisible
+zero-width space, word joiner and byte order mark (U+200B, U+2060, U+FEFF: two
+hosts or causes that look the same but differ, text that hides a word).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ MAX_CAUSE_BYTES = 32 * 1024
 # How much of one cause a message shows: a message names several failures on one line.
 SHOWN_CHARS = 120
 
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200b\u200e\u200f\u2028-\u202e\u2060\u2066-\u2069\ufeff]"
+)
 
 
 def _escaped(match: re.Match[str]) -> str:

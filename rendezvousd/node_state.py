@@ -288,7 +288,8 @@ class NodeJoins(StateCore):
         # Once the generation failed, the survivors' streams end as a matter of course:
         # that is no loss (it would also count them out of the nodes expected back).
         if job and node and node.detach(token) and job.state is JobState.RUNNING:
-            self._lose_node(job, node, "node agent's heartbeat stream closed", now)
+            closed = "node agent's heartbeat stream closed"
+            self._lose_node(job, node, self._stream_end_cause(node, closed, "node", now), now)
 
     def _lose_node(self, job: Job, node: Node, cause: str, now: float) -> None:
         node.state = MemberState.LOST
@@ -319,4 +320,4 @@ class NodeJoins(StateCore):
             timeout = self.timing.heartbeat_timeout_s
             for node in list(job.node_at.values()):
                 if node.state is MemberState.ACTIVE and now - node.last_seen > timeout:
-                    self._lose_node(job, node, f"no node heartbeat for {timeout:g} s", now)
+                    self._lose_node(job, node, self._silent("node"), now)

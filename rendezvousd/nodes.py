@@ -187,12 +187,15 @@ def mode_mismatch(job: Job, wanted: str, host: str) -> RendezvousFault:
 
 
 def duplicate_node(job: Job, args: NodeJoinArgs, holder_host: str) -> RendezvousFault:
-    """Another node agent instance holds the node rank this one named."""
+    """Another node agent instance holds the node rank this one named. Only a job of
+    two or more nodes gets here (a single node's second agent finds the world full),
+    and there every node must give its rank: a number, or ``auto``."""
     return job.fault(
         Code.ALREADY_EXISTS,
         "DUPLICATE_RANK",
         f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
-        f"on {holder_host}; give each node a distinct --node-rank (or none)",
+        f"on {holder_host}; give each node a distinct --node-rank (0..{args.max_nodes - 1}), "
+        "or --node-rank auto to let the daemon assign it",
         node_rank=str(args.node_rank),
         holder_host=holder_host,
         offending_host=args.host,

@@ -38,6 +38,8 @@ log = logging.getLogger("rendezvousd")
 # The largest answer is a Join with a whole member table (8192 members by default,
 # ~0.5 MiB; 16 MiB leaves room for larger --max-members-per-job); requests stay small.
 MAX_SEND_BYTES = 16 * 1024 * 1024
+# How often the daemon pings each connection (HTTP/2 keepalive).
+KEEPALIVE_MS = 5_000
 _MALFORMED = "request body is not a valid protobuf message for this method"
 
 
@@ -173,7 +175,7 @@ class Daemon:
         self.metrics = Metrics(None)
 
     def _options(self) -> list[tuple[str, int]]:
-        limits, c = self.state.limits, self.config
+        limits, timing, c = self.state.limits, self.state.timing, self.config
         pending = min(limits.max_concurrent_rpcs, max(3000, limits.max_members_per_job + 1024))
         return [
             # A second daemon on the same port must fail, not share the port.
@@ -181,10 +183,16 @@ class Daemon:
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
             ("grpc.max_metadata_size", 16 * 1024),
-            # Detect dead TCP peers (power loss, cable) without waiting for the
-            # heartbeat timeout; accept clients' keepalive pings as often.
-            ("grpc.keepalive_time_ms", 5_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
+            # Detect dead TCP peers (power loss, cable) under parked calls. gRPC also
+            # makes the keepalive timeout the socket's TCP_USER_TIMEOUT: a connection
+            # whose packets go unacknowledged that long is ended by the kernel. At 5 s
+            # a cut cable ended a node's stream before the heartbeat timeout, and the
+            # survivors heard "heartbeat stream closed", as for a process that died.
+            # Past the timeout (plus one ping interval, as the first unacknowledged
+            # packet may precede the last heartbeat), the tick names the silence first
+            # ("no heartbeat for T s (node unreachable)"). Accept clients' pings as often.
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS + round(timing.heartbeat_timeout_s * 1000)),
             ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_ping_strikes", 0),

@@ -334,7 +334,8 @@ class RendezvousState(NodeJoins):
         job = self._stream_job(job_id, generation)
         member = job.members.get(rank) if job else None
         if job and member and member.detach(token):
-            self._lose(job, [member], "heartbeat stream closed", now)
+            cause = self._stream_end_cause(member, "heartbeat stream closed", "worker", now)
+            self._lose(job, [member], cause, now)
 
     def tick(self, now: float) -> None:
         """Time-driven decisions: silent members are lost, old jobs forgotten."""
@@ -348,7 +349,7 @@ class RendezvousState(NodeJoins):
                 if job.state is JobState.RUNNING:
                     for member in list(job.members.values()):
                         if member.state is MemberState.ACTIVE and now - member.last_seen > timeout:
-                            self._lose(job, [member], f"no heartbeat for {timeout:g} s", now)
+                            self._lose(job, [member], self._silent("worker"), now)
             idle = job.state in TERMINAL or (
                 job.state is JobState.FORMING and not job.members and not job.nodes
             )

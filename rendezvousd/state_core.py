@@ -227,6 +227,22 @@ class StateCore:
             raise fences.other_instance(job, generation, rank, instance_id)
         return job, member
 
+    def _silent(self, who: str) -> str:
+        """The cause of losing an attendee to the heartbeat timeout; ``who``: "node" or
+        "worker". Worded apart from a closed stream: survivors can tell a host that went
+        silent (partition, power loss, a stopped process) from a process that died."""
+        return f"no heartbeat for {self.timing.heartbeat_timeout_s:.1f} s ({who} unreachable)"
+
+    def _stream_end_cause(self, attendee: Attendee, closed: str, who: str, now: float) -> str:
+        """Why the end of ``attendee``'s stream loses it: ``closed``, unless it had been
+        silent for the heartbeat timeout by then. The daemon's own keepalive ends the
+        connection of a peer that stopped answering (``server.py``), which may come a
+        moment before the tick that would have named the silence: the silence is still
+        the cause, not the cut that followed it."""
+        if now - attendee.last_seen >= self.timing.heartbeat_timeout_s:
+            return self._silent(who)
+        return closed
+
     def _lose(
         self, job: Job, lost: list[Member], cause: str, now: float, *, told: int | None = None
     ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import signal
 import socket
 import threading
 import time
@@ -32,7 +33,7 @@ from .config import DistributedConfig
 from .errors import RestartsExhausted
 from .recovery import Failure, RestartBudget
 from .state_copy import StateCopy
-from .warm_workers import Exited, Reported, SparePool, WorkerProcess, stop_all
+from .warm_workers import Exited, Misbehaved, Reported, SparePool, WorkerProcess, stop_all
 from .worker_boot import Booted, fixed_node_rank, slot_env
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
@@ -273,6 +274,8 @@ class NodeAgent:
                 self.pool.fill(self.per_node)
             elif isinstance(event, Reported):
                 event.worker.ack_failure()  # a spare has no rank to report
+            elif isinstance(event, Misbehaved):
+                self._misbehaved_spare(event)
 
     def _next_event(self) -> Any:
         """The next event, or None when POLL_S passed without one (the callers'
@@ -294,7 +297,10 @@ class NodeAgent:
         rank = None if node_rank is None else node_rank * self.per_node + w.slot
         code = event.code
         cause = f"{event.how} before it was assigned a rank"
-        if code == 0:
+        if w.fault is not None:
+            cause = f"{w.fault} (stopped before it was assigned a rank)"
+            code = 1
+        elif code == 0:
             cause += " (a script started by rendezvous-run must call init_distributed())"
         status = code if code > 0 else (128 - code if code < 0 else 1)
         failure = Failure(gen, cause, rank, self.host, status, local_rank=w.slot)
@@ -368,6 +374,10 @@ class NodeAgent:
                         return self._stop(gen, spare, f"restarts exhausted: {spare.cause}")
             elif isinstance(event, Reported):
                 self._reported(event)
+            elif isinstance(event, Misbehaved):
+                if event.worker in self.active:
+                    return self._local_failure(gen, first_rank, event.worker, event.cause, 1)
+                self._misbehaved_spare(event)
             elif isinstance(event, RemoteFailure) and event.generation == gen:
                 cause, rank, host = describe_remote(event.error)
                 failure = Failure(gen, cause, rank, host)
@@ -378,6 +388,14 @@ class NodeAgent:
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
                 return event
+
+    def _misbehaved_spare(self, event: Misbehaved) -> None:
+        """A spare sent a bad frame: stopped, its exit is counted as its failure
+        (``_spare_died`` names the frame)."""
+        w = event.worker
+        if w in self.pool.spares and w.fault is None:
+            w.fault = event.cause
+            w.signal(signal.SIGKILL)
 
     def _reported(self, event: Reported) -> None:
         w = event.worker

@@ -23,7 +23,7 @@ from typing import Any
 from rendezvousd.client.membership import Membership
 from rendezvousd.model import seat_of
 
-from .agent_channel import ENV_AGENT_FD, Channel, pack_arrays
+from .agent_channel import ENV_AGENT_FD, MAX_STATE_BYTES, Channel, pack_arrays
 from .errors import AgentChannelError
 from .state_copy import StepState
 
@@ -217,6 +217,12 @@ class AgentLink:
             self.progress(step)
             return
         entries, payload = pack_arrays(arrays)
+        if len(payload) > MAX_STATE_BYTES:
+            raise AgentChannelError(
+                f"the state for step {step} is {len(payload)} bytes; the node agent keeps at "
+                f"most {MAX_STATE_BYTES} (MAX_STATE_BYTES): save fewer arrays (e.g. the "
+                "parameters without optimizer state) and checkpoint the rest"
+            )
         self.channel.send("state", {"step": step, "meta": dict(meta), "arrays": entries}, payload)
 
     def close(self) -> None:

@@ -6,7 +6,9 @@ restart hands the new generation to processes that already paid Python, numpy
 and gRPC start-up. Each process has a private channel (``agent_channel``), a
 reaper thread blocked in ``waitid`` (the agent learns of a death at once, in the
 kernel's order) and a reader thread for its frames; both only post events to
-the agent's queue, where the agent's main thread decides.
+the agent's queue, where the agent's main thread decides. A frame the worker
+should not have sent (``FrameError``, or anything else reading it raised) ends
+its reader with a ``Misbehaved`` event: the worker is failed with that cause.
 
 Processes are spawned from the agent's main thread only: the parent-death
 signal fires when the *thread* that forked exits, so a spare forked from a
@@ -25,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .agent_channel import Channel
+from .agent_channel import Channel, ChannelClosed
 from .agent_worker import Assignment
 from .errors import AgentChannelError
 from .state_copy import StateCopy, StepState
@@ -63,6 +65,15 @@ class Reported:
     cause: str
 
 
+@dataclass(frozen=True)
+class Misbehaved:
+    """The worker sent a frame its agent cannot take (``cause`` says which and why);
+    its reader stopped, since the channel's position is lost with it."""
+
+    worker: WorkerProcess
+    cause: str
+
+
 class WorkerProcess:
     """One worker process (started by ``worker_boot.boot``) and its channel;
     ``local_rank`` is None while a spare. ``slot``: the local rank it was started
@@ -84,6 +95,10 @@ class WorkerProcess:
         self.last_heard = time.monotonic()
         #: What the worker said when it reported its own failure (``Reported``).
         self.reported_cause: str | None = None
+        #: Why the agent stopped a spare that sent a bad frame (``Misbehaved``).
+        self.fault: str | None = None
+        # The step of this worker's last state frame: the next may not be far past it.
+        self._state_step: int | None = None
         self._events = events
         self._state = state
         for target, name in ((self._reap, "reaper"), (self._read, "reader")):
@@ -116,11 +131,18 @@ class WorkerProcess:
                     self.last_progress = time.monotonic()
                     self.reported_progress = True
                     if frame.kind == "state":
-                        self._state.offer(frame)
+                        self._state.offer(frame, self._state_step)
+                        self._state_step = frame.header["step"]
                 elif frame.kind == "failed":
                     self._events.put(Reported(self, str(frame.header.get("cause", ""))))
-        except (AgentChannelError, OSError):
-            pass  # the reaper reports the process itself
+        except (ChannelClosed, OSError):
+            pass  # the worker is going away (or we closed it): the reaper reports it
+        except Exception as exc:
+            # Anything a frame provokes (a limit, MemoryError, a bug here) is the
+            # sending worker's failure, told with its cause, never a dead thread.
+            if not self.channel.closed:
+                what = str(exc) if isinstance(exc, AgentChannelError) else repr(exc)
+                self._events.put(Misbehaved(self, f"a bad frame on its agent channel: {what}"))
 
     def assign(self, assignment: Assignment, restored: StepState | None) -> None:
         """Make this spare the worker of ``assignment`` (one frame; the spare reads

@@ -4,11 +4,14 @@ once per node, heartbeat once per node, report failures, and re-join elastically
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -18,11 +21,13 @@ from rendezvousd.client import (
     DuplicateRank,
     InvalidRequest,
     NodeMembership,
+    NotFound,
     PeerFailed,
     RendezvousClient,
     RendezvousError,
 )
 from rendezvousd.trainer.agent import describe_remote
+from tests.daemon.test_blackhole import BlackHoleProxy
 from tests.support import WORKERS, DaemonProcess, parallel, wait_for
 
 ID0 = b"\x07" * 128
@@ -262,6 +267,73 @@ def test_attached_worker_uses_barrier_and_kv_and_a_wrong_instance_is_refused(
     finally:
         for w in workers:
             w.close()
+
+
+def test_a_node_rank_held_by_another_agent_is_refused_naming_both_ways_to_fix_it(
+    agents: list[RendezvousClient],
+) -> None:
+    def first() -> None:
+        with contextlib.suppress(RendezvousError):  # cancelled when the fixture closes it
+            agents[0].join_node(
+                min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, host="first", timeout=20
+            )
+
+    def first_holds_the_id() -> bool:
+        try:
+            return agents[2].get_job().id_published
+        except NotFound:
+            return False
+
+    threading.Thread(target=first, daemon=True).start()
+    wait_for("node 0 to join with the id", first_holds_the_id)
+    with pytest.raises(DuplicateRank) as caught:
+        agents[1].join_node(
+            min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, host="second", timeout=5
+        )
+    message = str(caught.value)
+    assert "node_rank=0" in message and "node agent on first" in message, message
+    # --nnodes 2 needs a node rank: "(or none)" named a way that does not exist.
+    assert "give each node a distinct --node-rank (0..1), or --node-rank auto" in message
+    assert "(or none)" not in message
+
+
+def test_a_silent_partition_is_named_as_silence_not_as_a_closed_stream(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """A node behind a black hole (no FIN, no RST: bytes vanish) keeps its stream open
+    and silent: survivors hear it named as silence once the heartbeat timeout passed.
+    (A real cut cable, whose unacknowledged packets end the connection early, is
+    tests/multihost/test_faults.py's.)"""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    proxy = BlackHoleProxy(d.port)
+    cut_off = RendezvousClient(f"127.0.0.1:{proxy.port}", job_id, token=d.token)
+    survivor = RendezvousClient(d.endpoint, job_id, token=d.token)
+    heard: queue.Queue[RendezvousError] = queue.Queue()
+    try:
+        joined = parallel(
+            [
+                lambda c=c, h=h: c.join_node(  # type: ignore[misc]
+                    min_nodes=2, max_nodes=2, gpus_per_node=1, host=h, timeout=20
+                )
+                for c, h in ((cut_off, "partitioned"), (survivor, "survivor"))
+            ]
+        )
+        assert all(isinstance(m, NodeMembership) for m in joined), joined
+        cut_off.start_heartbeat(0.2)
+        survivor.start_heartbeat(0.2, on_failure=heard.put)
+        proxy.cut()
+        started = time.monotonic()
+        error = heard.get(timeout=20)
+        elapsed = time.monotonic() - started
+    finally:
+        cut_off.close()
+        survivor.close()
+        proxy.close()
+    assert isinstance(error, PeerFailed), error
+    silence = "no heartbeat for 3.0 s (node unreachable)"
+    assert [(f.host, f.cause) for f in error.failed] == [("partitioned", silence)], error
+    assert f"on partitioned ({silence})" in error.message, error.message
+    assert elapsed >= 3 - 0.2 - 0.2, elapsed  # its last beat came at most 0.2 s before
 
 
 def test_rejoin_of_next_generation_gets_a_fresh_id(agents: list[RendezvousClient]) -> None:

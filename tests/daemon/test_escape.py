@@ -11,13 +11,18 @@ import sys
 import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client import RendezvousClient
 from rendezvousd.escape import EscapingFormatter, escape
 from rendezvousd.probe_cli import render
+from tests.support import DaemonProcess, parallel, wait_for
 
 UNSAFE = ["\x1b[2J", "\x85", "\x9b31m", "\u202e", "\u2066", "\u200f", "\n", "\r", "\x00"]
+# Line and paragraph separators (a line break to many viewers and log collectors), and
+# the invisible zero-width space, word joiner and byte order mark.
+INVISIBLE = ["\u2028", "\u2029", "\u200b", "\u2060", "\ufeff"]
 
 
-@pytest.mark.parametrize("char", UNSAFE)
+@pytest.mark.parametrize("char", UNSAFE + INVISIBLE)
 def test_escape_removes_every_unsafe_character(char: str) -> None:
     shown = escape(f"a{char}b")
     assert shown.isprintable() and shown.isascii()
@@ -40,6 +45,47 @@ def test_status_table_escapes_client_text() -> None:
         assert line.isprintable(), repr(line)
     assert "j\\u202eevil" in out and "h\\x9b2J" in out and "c\\u2066x\\x0afake line" in out
     assert len(out.splitlines()) == 5  # header, job, member, lost rank, aborted
+
+
+def test_separators_and_invisible_characters_are_escaped_in_status_and_the_log(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A failure's cause is any text: through a real daemon, its `status` table and log."""
+    cause = "boom\u2028INFO forged line\u2029x\u200by\u2060z\ufeffend"
+    agents = [RendezvousClient(daemon.endpoint, job_id, token=daemon.token) for _ in range(2)]
+    try:
+        ms = parallel(
+            [
+                lambda c=c, i=i: c.join_node(  # type: ignore[misc]
+                    min_nodes=2, max_nodes=2, gpus_per_node=1, host=f"h{i}", timeout=20
+                )
+                for i, c in enumerate(agents)
+            ]
+        )
+        for c in agents:
+            c.start_heartbeat(0.2)
+        reporter = next(i for i, m in enumerate(ms) if m.node_rank == 1)
+        agents[reporter].report_failure(0, cause)
+        assert agents[0].get_job().failed[0].cause == cause  # kept whole, as sent
+    finally:
+        for c in agents:
+            c.close()
+    status = subprocess.run(
+        [
+            *(sys.executable, "-m", "rendezvousd.cli", "status"),
+            *("--endpoint", daemon.endpoint, "--token-file", str(daemon.token_file), job_id),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert status.returncode == 0, status.stderr
+    shown = "boom\\u2028INFO forged line\\u2029x\\u200by\\u2060z\\ufeffend"
+    assert shown in status.stdout, status.stdout
+    wait_for("the failure in the daemon's log", lambda: shown in daemon.log())
+    for char in INVISIBLE:
+        assert char not in status.stdout and char not in daemon.log()
 
 
 def test_log_lines_escape_their_arguments() -> None:

@@ -194,6 +194,7 @@ def test_node_stream_closing_loses_every_member_of_the_node() -> None:
     assert job.state is JobState.FAILED
     assert sorted(f.rank for f in job.failed) == [2, 3]
     assert job.members[2].state is MemberState.LOST
+    assert {f.cause for f in job.failed} == {"node agent's heartbeat stream closed"}
 
 
 def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
@@ -203,6 +204,21 @@ def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
     sm.tick(3.5)
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {2, 3}
+    assert {f.cause for f in job.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
+
+
+def test_a_stream_cut_after_the_heartbeat_timeout_of_silence_is_lost_to_the_silence() -> None:
+    """The daemon's keepalive ends a silent peer's connection; if that comes before the
+    tick, the cause is still the silence, not the cut."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
+    formed(sm)
+    token = sm.attach_node_stream("j", 1, 1, "b", 0.0)
+    sm.attach_node_stream("j", 1, 0, "a", 0.0)
+    sm.node_heartbeat("j", 1, 0, 3.0)
+    sm.detach_node_stream("j", 1, 1, token, 3.0)  # silent for the whole timeout
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {2, 3}
+    assert {f.cause for f in job.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
 
 
 def test_attached_workers_use_barrier_with_member_instance_ids() -> None:
@@ -386,6 +402,9 @@ def test_a_node_rank_held_by_another_agent_is_refused_with_both_hosts() -> None:
     assert f.metadata["node_rank"] == "0" and f.metadata["holder_host"] == "host-a"
     assert f.metadata["offending_host"] == "host-b"
     assert set(sm.jobs["j"].nodes) == {"a"}  # the refused node took no seat
+    # --nnodes >= 2 needs a node rank: the hint names both ways to give one.
+    assert "give each node a distinct --node-rank (0..1), or --node-rank auto" in f.message
+    assert "(or none)" not in f.message
 
 
 @pytest.mark.parametrize("running", [False, True])

@@ -252,6 +252,25 @@ def test_silent_member_is_lost_after_heartbeat_timeout_only() -> None:
     assert [f.rank for f in job.failed] == [1] and "no heartbeat" in job.failed[0].cause
 
 
+@pytest.mark.parametrize(
+    ("closed_at", "cause"),
+    [
+        (4.9, "heartbeat stream closed"),
+        (5.0, "no heartbeat for 5.0 s (worker unreachable)"),
+    ],
+)
+def test_a_stream_ending_after_the_timeout_of_silence_is_lost_to_the_silence(
+    closed_at: float, cause: str
+) -> None:
+    """A stream the daemon's keepalive ended once its member was silent for the whole
+    timeout is that silence, even before the tick; sooner, it is a closed stream."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=5))
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    token = sm.attach_stream("j", gen, 1, inst(sm, 1), 0.0)
+    sm.detach_stream("j", gen, 1, token, closed_at)
+    assert [(f.rank, f.cause) for f in sm.jobs["j"].failed] == [(1, cause)]
+
+
 def test_stale_generation_is_aborted_with_current_and_new_generation_needs_fresh_id() -> None:
     sm = RendezvousState()
     results = form(sm, nodes=1, gpus=2)

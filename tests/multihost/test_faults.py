@@ -4,8 +4,11 @@ h1..h3 with 2 workers each (node n's local rank l is global rank 2n + l)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -13,7 +16,7 @@ import pytest
 
 from rendezvousd.trainer.netns import Hosts
 from tests.multihost.cluster import Cluster, Node, start_cluster
-from tests.support import spawn_daemon, wait_for
+from tests.support import WORKERS, spawn_daemon, wait_for
 
 HEARTBEAT_TIMEOUT_S = 3.0
 DAEMON = ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
@@ -99,6 +102,66 @@ def test_cut_off_node_blames_the_daemon_and_the_others_blame_it(training: Traini
     _reported(nodes[:2], "PeerFailed", cut_at, within, "on h3")
     _reported(nodes[2:], "DaemonUnreachable", cut_at, within, cluster.daemon.endpoint)
     assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+def test_cut_off_node_is_lost_to_silence_not_to_a_closed_stream(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """A cut cable leaves the daemon's packets to that node unacknowledged, and the
+    kernel ends such a connection after its TCP user timeout (gRPC's keepalive
+    timeout). At the default heartbeat timeout (10 s) that came first, and the
+    survivors heard "heartbeat stream closed", as for a dead process."""
+    cluster = make_cluster(2)  # the daemon's defaults
+    job = "silent-partition"
+    agents = [
+        cluster.hosts[1 + n].popen(
+            [
+                sys.executable,
+                str(WORKERS / "node_worker.py"),
+                *("--endpoint", cluster.daemon.endpoint, "--token-file"),
+                *(str(cluster.daemon.token_file), "--job", job, "--nodes", "2:2"),
+                *("--gpus", "1", "--host", f"h{1 + n}"),
+            ],
+            stdout=subprocess.PIPE,
+        )
+        for n in range(2)
+    ]
+    try:
+        for agent in agents:
+            assert agent.stdout is not None
+            assert json.loads(agent.stdout.readline())["event"] == "joined"
+        cut_at = time.monotonic()
+        cluster.hosts.link(cluster.hosts[2], up=False)
+        wait_for("the daemon to lose h2", lambda: bool(_failed(cluster, job)), 30)
+        lost_after = time.monotonic() - cut_at
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait(10)
+    assert _failed(cluster, job)[0] == ("h2", "no heartbeat for 10.0 s (node unreachable)")
+    assert lost_after >= 10.0 - 0.2 - 1.0, lost_after  # beats every 0.2 s; the tick every 1 s
+
+
+def _failed(cluster: Cluster, job: str) -> list[tuple[str, str]]:
+    """(host, cause) of each member the daemon lost from ``job`` (asked from h0)."""
+    probe = (
+        "import json, sys\n"
+        "from rendezvousd.client import RendezvousClient\n"
+        "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
+        "    print(json.dumps([[f.host, f.cause] for f in c.get_job().failed]))\n"
+    )
+    argv = [
+        sys.executable,
+        "-c",
+        probe,
+        cluster.daemon.endpoint,
+        job,
+        str(cluster.daemon.token_file),
+    ]
+    out = subprocess.run(
+        cluster.head.command(argv), capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    return [(host, cause) for host, cause in json.loads(out)]
 
 
 def test_daemon_killed_and_restarted_with_its_state_dir_does_not_stop_training(

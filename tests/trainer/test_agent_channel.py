@@ -3,6 +3,7 @@ and warm spares as real processes (no daemon needed for any of these)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import queue
@@ -10,17 +11,29 @@ import socket
 import struct
 import subprocess
 import sys
+import termios
+import threading
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from rendezvousd.trainer.agent_channel import Channel, Frame, pack_arrays, unpack_arrays
-from rendezvousd.trainer.agent_worker import Assignment
+from rendezvousd.trainer import agent_worker
+from rendezvousd.trainer.agent_channel import (
+    MAX_DEPTH,
+    Channel,
+    ChannelClosed,
+    Frame,
+    FrameError,
+    pack_arrays,
+    unpack_arrays,
+)
+from rendezvousd.trainer.agent_worker import AgentLink, Assignment
 from rendezvousd.trainer.errors import AgentChannelError
 from rendezvousd.trainer.recovery import Failure, RestartBudget
-from rendezvousd.trainer.state_copy import StateCopy
+from rendezvousd.trainer.state_copy import MAX_STEP_ADVANCE, StateCopy
 from rendezvousd.trainer.warm_workers import Exited, Ready, SparePool, stop_all
 from tests.support import WORKERS, wait_for
 
@@ -62,16 +75,93 @@ def test_object_arrays_and_lying_array_lists_are_refused() -> None:
 def test_a_corrupt_or_truncated_stream_is_an_error_not_a_hang() -> None:
     a, b = _pair()
     a.sock.sendall(struct.pack("!IQ", 1 << 30, 0))
-    with pytest.raises(AgentChannelError, match="corrupt"):
+    with pytest.raises(FrameError, match="header; the limit is"):
         b.recv(timeout=5)
     a, b = _pair()
     a.sock.sendall(struct.pack("!IQ", 10, 0) + b"{}")
     a.close()
-    with pytest.raises(AgentChannelError, match="middle of a frame"):
+    with pytest.raises(ChannelClosed, match="middle of a frame"):
         b.recv(timeout=5)
     a, b = _pair()
     with pytest.raises(TimeoutError):
         b.recv(timeout=0.05)
+
+
+def _feed(sock: socket.socket, data: bytes) -> threading.Thread:
+    """Sends ``data`` from a thread: more than a socket buffer would block the test."""
+    sender = threading.Thread(target=sock.sendall, args=(data,), daemon=True)
+    sender.start()
+    return sender
+
+
+def _raw(header: bytes, payload_len: int = 0) -> bytes:
+    return struct.pack("!IQ", len(header), payload_len) + header
+
+
+def test_a_deeply_nested_header_is_a_frame_error_not_a_recursion_error() -> None:
+    a, b = _pair()
+    _feed(a.sock, _raw(b'{"kind": "progress", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"))
+    with pytest.raises(FrameError, match=f"nests deeper than {MAX_DEPTH} levels"):
+        b.recv(timeout=5)
+    # Brackets inside strings are text, not levels; MAX_DEPTH levels are fine.
+    a, b = _pair()
+    deep = "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1)
+    header = json.dumps({"kind": "failed", "cause": "[" * 5000, "x": json.loads(deep)})
+    a.sock.sendall(_raw(header.encode()))
+    frame = b.recv(timeout=5)
+    assert frame is not None and frame.header["cause"] == "[" * 5000
+
+
+def test_a_payload_over_the_limit_is_refused_before_any_allocation() -> None:
+    a, b = _pair()
+    a.sock.sendall(_raw(b'{"kind": "state", "step": 1}', 1 << 40))
+    with pytest.raises(FrameError, match="payload; the limit is"):
+        b.recv(timeout=5)
+
+
+def test_an_announced_payload_costs_only_the_bytes_that_arrived() -> None:
+    """1 GiB announced, 1,000 bytes sent: the reader holds about what arrived."""
+    a, b = _pair()
+    a.sock.sendall(_raw(b'{"kind": "state", "step": 1}', 1 << 30) + b"x" * 1000)
+    failed: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            b.recv()
+        except BaseException as exc:
+            failed.append(exc)
+
+    def unread() -> int:
+        got = fcntl.ioctl(b.sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        return int(struct.unpack("i", got)[0])
+
+    tracemalloc.start()
+    try:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        wait_for("the reader to take every byte sent", lambda: unread() == 0 or bool(failed))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    a.close()
+    reader.join(5)
+    assert peak < 16 << 20, f"{peak} bytes allocated for 1,000 received"
+    assert len(failed) == 1 and isinstance(failed[0], ChannelClosed), failed
+
+
+def test_a_state_over_the_limit_is_refused_by_the_worker_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker says so itself, before sending (64 GiB is not allocated in a test)."""
+    monkeypatch.setattr(agent_worker, "MAX_STATE_BYTES", 16)
+    a, b = _pair()
+    link = AgentLink(a)
+    link.assignment = Assignment("job", 1, 0, 0, 0, 0, 1, 1, 1, SECRET, "i")
+    with pytest.raises(AgentChannelError, match=r"step 3 is 32 bytes; .* at most 16"):
+        link.save_state(3, {"w": np.zeros(4)}, {})
+    link.save_state(3, {"w": np.zeros(2)}, {})
+    frame = b.recv(timeout=5)
+    assert frame is not None and frame.kind == "state" and frame.header["step"] == 3
 
 
 def test_assignment_keeps_the_secrets_out_of_header_and_repr() -> None:
@@ -93,10 +183,45 @@ def test_state_copy_keeps_the_newest_step_only() -> None:
     assert copy.latest() is None
     assert copy.offer(_state(4)) and copy.offer(_state(5))
     assert not copy.offer(_state(3))  # a restarted worker cannot roll it back
-    assert not copy.offer(Frame("state", {"step": "x"}))
     latest = copy.latest()
     assert latest is not None and latest.step == 5
     assert latest.arrays()["w"].tolist() == [5.0, 5.0]
+
+
+def test_a_state_out_of_range_is_refused_and_cannot_pin_the_copy() -> None:
+    copy = StateCopy()
+    for step in (1 << 62, -1, "x", True, None):
+        with pytest.raises(FrameError, match="step"):
+            copy.offer(Frame("state", {"step": step}))
+    assert copy.latest() is None
+    assert copy.offer(_state(4))
+    # A worker's counter jumping far past its own previous state is broken.
+    with pytest.raises(FrameError, match="past the same worker's previous state"):
+        copy.offer(_state(4 + MAX_STEP_ADVANCE + 1), after=4)
+    assert copy.offer(_state(5), after=4)
+    # A fresh worker's first state may resume from anywhere (an old checkpoint).
+    assert copy.offer(_state(5 + 10 * MAX_STEP_ADVANCE))
+    latest = copy.latest()
+    assert latest is not None and latest.step == 5 + 10 * MAX_STEP_ADVANCE
+
+
+def test_a_state_whose_array_list_lies_is_refused_by_the_agent() -> None:
+    """Kept, it would be handed to every restarted worker, each failing to restore it."""
+    copy = StateCopy()
+    entries, payload = pack_arrays({"w": np.zeros(4)})
+    for bad_entries, bad_payload in (
+        (entries, payload[:-1]),
+        (entries, payload + b"\0"),
+        ([{**entries[0], "nbytes": -1}], payload),
+        ([{**entries[0], "shape": "4"}], payload),
+        ([{"name": "w"}], payload),
+        ({"w": entries[0]}, payload),
+    ):
+        with pytest.raises(FrameError, match="array"):
+            copy.offer(Frame("state", {"step": 1, "arrays": bad_entries}, bad_payload))
+    with pytest.raises(FrameError, match="meta"):
+        copy.offer(Frame("state", {"step": 1, "meta": [1], "arrays": entries}, payload))
+    assert copy.latest() is None
 
 
 def test_restart_budget_gives_up_after_max_restarts_and_names_every_failure() -> None:
