@@ -172,6 +172,10 @@ class Job:
     # The node 0 whose parked JoinNode was last looked for (``_settle_holder``): node 0
     # never parks while it is node 0, so only a new node 0 needs the look.
     holder_seen: str = ""
+    # The nodes-waiting count the running nodes were last told, and when (the events
+    # are coalesced: NodeJoins._tell_waiting).
+    waiting_told: int = 0
+    waiting_told_at: float = 0.0
     # waiter -> node instance id: JoinNode calls waiting for this generation to form,
     # and (scaleup) for the next one while this one runs.
     node_waiters: dict[int, str] = field(default_factory=dict)
@@ -252,6 +256,7 @@ class Job:
         self.node_at.clear()
         self.id_node = ""
         self.holder_seen = ""
+        self.waiting_told, self.waiting_told_at = 0, 0.0
         self.node_waiters.clear()
         self.scaleups_woken = 0
         self.rejoin_expected = 0

@@ -28,6 +28,9 @@ from rendezvousd.model import (
 from rendezvousd.nodes import NodeJoinArgs
 from rendezvousd.state_core import TERMINAL, StateCore
 
+#: The least time between two NODES_WAITING events of one job (the first is at once).
+NODES_WAITING_INTERVAL_S = 0.5
+
 
 class NodeJoins(StateCore):
     # -- joining ------------------------------------------------------------
@@ -120,13 +123,23 @@ class NodeJoins(StateCore):
             raise nodes.world_full(job, args.host)
         parked = self._park(job, "scaleup", -1, args.instance_id, now)
         job.scaleup_waiters[parked.waiter] = args.instance_id
-        self._tell_waiting(job)
+        self._tell_waiting(job, now)
         return parked
 
-    def _tell_waiting(self, job: Job) -> None:
-        if job.state is JobState.RUNNING:
-            count = len(set(job.scaleup_waiters.values()))
-            self._notify(job, EventKind.NODES_WAITING, nodes_waiting=count)
+    def _tell_waiting(self, job: Job, now: float) -> None:
+        """NODES_WAITING to the running nodes when the count of parked nodes changed:
+        the first change at once (it is what makes the agents re-form), later ones at
+        most every NODES_WAITING_INTERVAL_S, the latest count, from the tick (200 nodes
+        parking one by one made 200 events for every node)."""
+        if job.state is not JobState.RUNNING:
+            return
+        count = len(set(job.scaleup_waiters.values()))
+        if count == job.waiting_told:
+            return
+        if job.waiting_told and now - job.waiting_told_at < NODES_WAITING_INTERVAL_S:
+            return  # the tick tells the latest count
+        job.waiting_told, job.waiting_told_at = count, now
+        self._notify(job, EventKind.NODES_WAITING, nodes_waiting=count)
 
     def _settle_holder(self, job: Job, now: float) -> None:
         """Keeps the id with node 0: an id from a node that is no longer node 0 is
@@ -195,7 +208,7 @@ class NodeJoins(StateCore):
         waited = f"{now - w.since:.1f} s"
         if w.kind == "scaleup":
             job.scaleup_waiters.pop(waiter, None)
-            self._tell_waiting(job)
+            self._tell_waiting(job, now)
             return nodes.scaleup_timeout(job, waited) if timed_out else None
         job.node_waiters.pop(waiter, None)
         node = job.nodes.get(w.key)
@@ -317,6 +330,7 @@ class NodeJoins(StateCore):
                     self._remove_node(job, head, now)
             self._try_form(job, now)
         elif job.state is JobState.RUNNING:
+            self._tell_waiting(job, now)
             timeout = self.timing.heartbeat_timeout_s
             for node in list(job.node_at.values()):
                 if node.state is MemberState.ACTIVE and now - node.last_seen > timeout:

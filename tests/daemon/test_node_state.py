@@ -444,3 +444,23 @@ def test_node_table_keeps_its_lookups_in_step_with_its_nodes() -> None:
     assert table.pop("missing", None) is None
     table.clear()
     assert not table and not table.named_at and table.first_unnamed() is None
+
+
+def test_nodes_parking_one_by_one_make_few_nodes_waiting_events() -> None:
+    """The first parked node is told at once; a burst of them is coalesced into the
+    latest count at the next tick, not one event each (200 parks made 200 events)."""
+    sm = RendezvousState()
+    join_first(sm, node("a", lo=1, hi=300, gpus=1, last_call=0.05))
+    sm.tick(0.1)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    sm.take_effects()
+    for i in range(200):
+        out = sm.join_node(node(f"n{i}", lo=1, hi=300, gpus=1, last_call=0.05), 1.0 + i / 1000)
+        assert isinstance(out, Parked)
+    told = [e.nodes_waiting for e in sm.take_effects() if isinstance(e, Notify)]
+    assert told == [1]
+    sm.tick(1.6)
+    told = [e.nodes_waiting for e in sm.take_effects() if isinstance(e, Notify)]
+    assert told == [200]
+    sm.tick(2.6)  # nothing changed: nothing told
+    assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
