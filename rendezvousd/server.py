@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.auth import TokenAuthInterceptor
-from rendezvousd.config import DaemonConfig, check_tls_pair
+from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import MemberState
@@ -229,7 +229,10 @@ class Daemon:
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
         try:
-            check_tls_pair(c.tls_cert, c.tls_key)  # else gRPC reports only a failed bind
+            # Else gRPC reports only a failed bind.
+            check_tls_pair(c.tls_cert, c.tls_key)
+            if c.tls_client_ca is not None:
+                check_client_ca(c.tls_client_ca)
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
         return grpc.ssl_server_credentials(
