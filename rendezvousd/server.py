@@ -235,6 +235,14 @@ class Daemon:
                 check_client_ca(c.tls_client_ca)
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
+        # gRPC core logs each failed handshake at INFO, one line per connection
+        # ("Handshake failed ... WRONG_VERSION_NUMBER" for a plaintext client). The
+        # flood an operator saw was the SDK reconnecting for a minute; it now makes one
+        # attempt and tells the client (client/connection.py, TlsProbe), so one line is
+        # left per misconfigured client. grpcio offers no per-message rate limit, only
+        # a process-wide threshold (GRPC_VERBOSITY; GRPC_TRACE only adds), and ERROR
+        # would also hide that line, the operator's one sign of such clients: the
+        # default is kept, and operations.md says how to drop it.
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
