@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -302,6 +303,7 @@ def speaks_tls(endpoint: str, timeout: float = TLS_SNIFF_TIMEOUT_S) -> bool:
         address = parse_address(endpoint, what="endpoint", allow_unix=True)
     except AddressError:
         return False
+    deadline = time.monotonic() + timeout
     try:
         if address.unix_path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -315,10 +317,10 @@ def speaks_tls(endpoint: str, timeout: float = TLS_SNIFF_TIMEOUT_S) -> bool:
             assert address.host is not None
             sock = socket.create_connection((address.host, address.port), timeout=timeout)
         with sock:
-            sock.settimeout(timeout)
-            sock.sendall(_client_hello())
             head = b""
-            while len(head) < 2:
+            sock.sendall(_client_hello())
+            while len(head) < 2 and (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
                 chunk = sock.recv(2 - len(head))
                 if not chunk:
                     break
