@@ -26,7 +26,6 @@ from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import (
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
-    TLS_PROBES,
     RetryPolicy,
     TlsConfig,
     TlsProbe,
@@ -75,7 +74,7 @@ class AsyncRendezvousClient:
             call_timeout,
             connect_timeout,
         )
-        self._tls_probe = TlsProbe(endpoint) if tls is not None else None
+        self._tls_probe = TlsProbe(endpoint, tls=tls is not None)
         options = channel_options(self._s.retry, tls.server_name if tls else None)
         if tls is not None:
             self._channel = grpc.aio.secure_channel(endpoint, tls.credentials(), options=options)
@@ -127,7 +126,9 @@ class AsyncRendezvousClient:
             # Connected already: the daemon is reachable, and a draining daemon
             # answers the Join itself with DRAINING, which the SDK raises at once.
             return
-        await self._probe_tls(request)
+        probed = await self._probe_tls(request)
+        if probed is not None and probed.status == health_pb2.HealthCheckResponse.SERVING:
+            return
         attempt = 0
         while True:
             attempt += 1
@@ -148,32 +149,42 @@ class AsyncRendezvousClient:
                 )
             await asyncio.sleep(self._s.retry.backoff(attempt))
 
-    async def _probe_tls(self, request: health_pb2.HealthCheckRequest) -> None:
-        """Raise at once when the daemon refuses our TLS; see ``TlsProbe``."""
+    async def _probe_tls(
+        self, request: health_pb2.HealthCheckRequest
+    ) -> health_pb2.HealthCheckResponse | None:
+        """Raise at once when the daemon refuses our TLS, or speaks TLS to a plaintext
+        client; see ``TlsProbe``. The daemon's answer when it gave one."""
         probe = self._tls_probe
-        for _ in range(TLS_PROBES if probe is not None else 0):
-            assert probe is not None
+        if probe.seen_tls and (known := await asyncio.to_thread(probe.known_refusal)):
+            raise self._tls_refused(known)
+        for _ in range(probe.attempts):
             try:
-                await self._health.Check(
+                response: health_pb2.HealthCheckResponse = await self._health.Check(
                     request,
                     timeout=TLS_PROBE_TIMEOUT_S,
                     wait_for_ready=False,
                     metadata=self._s.metadata,
                 )
-                return
+                return response
             except grpc.RpcError as exc:
-                refusal = probe.refusal(exc)
+                # A plaintext client's refusal asks the daemon over a socket of its
+                # own (blocking, up to TLS_SNIFF_TIMEOUT_S): off the event loop.
+                refusal = await asyncio.to_thread(probe.refusal, exc)
                 if refusal is not None:
-                    raise AuthenticationError(
-                        refusal,
-                        code="UNAVAILABLE",
-                        endpoint=self._s.endpoint,
-                        method="Check",
-                        job_id=self._s.job_id,
-                    ) from None
-                if "socket closed" not in str(exc.details() or "").lower():
-                    return
+                    raise self._tls_refused(refusal) from None
+                if not probe.again(exc):
+                    return None
             await asyncio.sleep(0.2)
+        return None
+
+    def _tls_refused(self, refusal: str) -> AuthenticationError:
+        return AuthenticationError(
+            refusal,
+            code="UNAVAILABLE",
+            endpoint=self._s.endpoint,
+            method="Check",
+            job_id=self._s.job_id,
+        )
 
     async def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """``RendezvousClient.join``, awaited."""

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import socket
+import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from rendezvousd.address import AddressError, parse_address
 from rendezvousd.client.errors import InvalidRequest
 
 __all__ = [
@@ -173,26 +178,65 @@ def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[s
 #: Fast probes of a TLS channel before the patient, wait-for-ready health check.
 TLS_PROBES = 3
 TLS_PROBE_TIMEOUT_S = 2.0
+#: How long a plaintext client looks for a TLS daemon: one TCP connect, one answer.
+TLS_SNIFF_TIMEOUT_S = 2.0
+#: The record types a TLS server answers a ClientHello with (RFC 8446 5.1): alert, handshake.
+TLS_RECORD_TYPES = frozenset({21, 22})
+#: Endpoints a plaintext client of this process found speaking TLS (``TlsProbe``).
+_SEEN_TLS: set[str] = set()
 
 
 class TlsProbe:
-    """Tells a TLS refusal from a daemon that is merely not up yet.
+    """Tells a TLS mismatch from a daemon that is merely not up yet.
 
     A waiting (waitForReady) call never reports why it cannot connect, so a wrong
-    CA or a missing client certificate would look like "daemon unreachable" after
-    the whole connect timeout. One call that does not wait reports the transport's
-    reason at once: a failed handshake is final; a connection the daemon keeps
-    closing right after accepting it is how a mutual-TLS daemon refuses a client
-    without an acceptable certificate. Anything else is left to the patient check.
+    CA, a missing client certificate or a forgotten CA (plaintext to a TLS daemon)
+    would look like "daemon unreachable" after the whole connect timeout, retries
+    included. One call that does not wait reports the transport's reason at once:
+    a failed handshake is final; a connection the daemon keeps closing right after
+    accepting it is how a mutual-TLS daemon refuses a client without an acceptable
+    certificate. A plaintext client whose call fails cannot tell a TLS daemon from
+    gRPC's reason (the daemon just drops the connection), so it then asks the
+    daemon directly (``speaks_tls``). Anything else is left to the patient check.
     """
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, tls: bool) -> None:
         self.endpoint = endpoint
+        self.tls = tls
         self.closed = 0
 
+    @property
+    def seen_tls(self) -> bool:
+        """Whether this plaintext client's daemon was found speaking TLS before."""
+        return not self.tls and self.endpoint in _SEEN_TLS
+
+    def known_refusal(self) -> str | None:
+        """Before any call: the mismatch of a daemon this process already found
+        speaking TLS to a plaintext client, asked again directly (it may have been
+        restarted without TLS). gRPC is not let try: each of its attempts is one more
+        "Handshake failed" line in the daemon's log, which would otherwise get one per
+        client (the launcher's, its root-cause query's, each restart's)."""
+        if not self.seen_tls:
+            return None
+        if speaks_tls(self.endpoint):
+            return self._speaks_tls()
+        _SEEN_TLS.discard(self.endpoint)
+        return None
+
+    @property
+    def attempts(self) -> int:
+        """Non-waiting calls to make: a plaintext client's first failure is conclusive."""
+        return TLS_PROBES if self.tls else 1
+
     def refusal(self, exc: grpc.RpcError) -> str | None:
-        """The TLS refusal ``exc`` shows, or None to keep going (returns, too, when
-        the daemon answered or is simply down)."""
+        """The TLS refusal or mismatch ``exc`` shows, or None to keep going (returns,
+        too, when the daemon answered or is simply down). A plaintext client may block
+        for up to ``TLS_SNIFF_TIMEOUT_S`` here."""
+        if not self.tls:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and speaks_tls(self.endpoint):
+                _SEEN_TLS.add(self.endpoint)
+                return self._speaks_tls()
+            return None
         details = str(exc.details() or "")
         lowered = details.lower()
         if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
@@ -211,3 +255,76 @@ class TlsProbe:
                     "signed by that CA"
                 )
         return None
+
+    def _speaks_tls(self) -> str:
+        return (
+            f"the daemon at {self.endpoint} speaks TLS: pass --tls-ca "
+            "(RENDEZVOUSD_TLS_CA / tls_ca=), the CA that signed its certificate; "
+            "this client connected in plaintext"
+        )
+
+    @staticmethod
+    def again(exc: grpc.RpcError) -> bool:
+        """Whether another non-waiting call may tell more: the daemon closed the
+        connection (an mTLS refusal shows only as that, repeatedly)."""
+        return "socket closed" in str(exc.details() or "").lower()
+
+
+def _client_hello() -> bytes:
+    """The first flight of a TLS client, as the standard library's ssl writes it.
+
+    Only the answer's first record header is read, so nothing is verified: nothing
+    secret is sent, and the handshake is never finished.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):  # it waits for the ServerHello
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def speaks_tls(endpoint: str, timeout: float = TLS_SNIFF_TIMEOUT_S) -> bool:
+    """Whether the server at ``endpoint`` answers a TLS ClientHello with a TLS record.
+
+    A TLS daemon answers it with its ServerHello (or an alert), a plaintext gRPC
+    daemon with an HTTP/2 frame or by closing. A plaintext HTTP/2 preface would not
+    do: gRPC's TLS server drops it without an alert (measured with grpcio 1.85), as
+    it drops gRPC's own plaintext attempt. Neither gRPC nor the ssl module tells
+    "this peer speaks TLS" apart from every other failure, so the record header (its
+    type, then major version 3) is read here; ssl writes the hello. The daemon logs
+    nothing for it (the connection ends before its handshake fails). False for
+    anything unreachable and for target forms this probe does not resolve.
+    """
+    try:
+        address = parse_address(endpoint, what="endpoint", allow_unix=True)
+    except AddressError:
+        return False
+    deadline = time.monotonic() + timeout
+    try:
+        if address.unix_path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(address.unix_path)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            assert address.host is not None
+            sock = socket.create_connection((address.host, address.port), timeout=timeout)
+        with sock:
+            head = b""
+            sock.sendall(_client_hello())
+            while len(head) < 2 and (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                chunk = sock.recv(2 - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except OSError:  # refused, reset, timed out: not a TLS answer
+        return False
+    return len(head) == 2 and head[0] in TLS_RECORD_TYPES and head[1] == 3

@@ -26,7 +26,6 @@ from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import (
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
-    TLS_PROBES,
     RetryPolicy,
     TlsConfig,
     TlsProbe,
@@ -76,7 +75,7 @@ class RendezvousClient:
             call_timeout,
             connect_timeout,
         )
-        self._tls_probe = TlsProbe(endpoint) if tls is not None else None
+        self._tls_probe = TlsProbe(endpoint, tls=tls is not None)
         options = channel_options(self._s.retry, tls.server_name if tls else None)
         if tls is not None:
             self._channel = grpc.secure_channel(endpoint, tls.credentials(), options=options)
@@ -132,7 +131,9 @@ class RendezvousClient:
     def check_health(self) -> None:
         """Fail fast, with one clear error, when the daemon is down or draining."""
         request = health_pb2.HealthCheckRequest(service=SERVICE)
-        self._probe_tls(request)
+        probed = self._probe_tls(request)
+        if probed is not None and probed.status == health_pb2.HealthCheckResponse.SERVING:
+            return
         attempt = 0
         while True:
             attempt += 1
@@ -154,32 +155,40 @@ class RendezvousClient:
                 )
             time.sleep(self._s.retry.backoff(attempt))
 
-    def _probe_tls(self, request: health_pb2.HealthCheckRequest) -> None:
-        """Raise at once when the daemon refuses our TLS; see ``TlsProbe``."""
+    def _probe_tls(
+        self, request: health_pb2.HealthCheckRequest
+    ) -> health_pb2.HealthCheckResponse | None:
+        """Raise at once when the daemon refuses our TLS, or speaks TLS to a plaintext
+        client; see ``TlsProbe``. The daemon's answer when it gave one."""
         probe = self._tls_probe
-        for _ in range(TLS_PROBES if probe is not None else 0):
-            assert probe is not None
+        if (known := probe.known_refusal()) is not None:
+            raise self._tls_refused(known)
+        for _ in range(probe.attempts):
             try:
-                self._health.Check(
+                response: health_pb2.HealthCheckResponse = self._health.Check(
                     request,
                     timeout=TLS_PROBE_TIMEOUT_S,
                     wait_for_ready=False,
                     metadata=self._s.metadata,
                 )
-                return
+                return response
             except grpc.RpcError as exc:
                 refusal = probe.refusal(exc)
                 if refusal is not None:
-                    raise AuthenticationError(
-                        refusal,
-                        code="UNAVAILABLE",
-                        endpoint=self._s.endpoint,
-                        method="Check",
-                        job_id=self._s.job_id,
-                    ) from None
-                if "socket closed" not in str(exc.details() or "").lower():
-                    return
+                    raise self._tls_refused(refusal) from None
+                if not probe.again(exc):
+                    return None
             time.sleep(0.2)
+        return None
+
+    def _tls_refused(self, refusal: str) -> AuthenticationError:
+        return AuthenticationError(
+            refusal,
+            code="UNAVAILABLE",
+            endpoint=self._s.endpoint,
+            method="Check",
+            job_id=self._s.job_id,
+        )
 
     # -- membership -----------------------------------------------------------
 

@@ -31,6 +31,8 @@ def _serve(args: argparse.Namespace) -> int:
     tokens = load_tokens(cfg.token_file)
     if cfg.tls_cert is not None and cfg.tls_key is not None:
         config_mod.check_tls_pair(cfg.tls_cert, cfg.tls_key)
+    if cfg.tls_client_ca is not None:
+        config_mod.check_client_ca(cfg.tls_client_ca)
     _raise_fd_limit()
     return asyncio.run(_run(cfg, tokens, exit_with_parent=args.exit_with_parent))
 

@@ -223,6 +223,33 @@ def check_tls_pair(cert: Path, key: Path) -> None:
         ) from None
 
 
+def check_client_ca(ca: Path) -> None:
+    """Refuses a ``--tls-client-ca`` holding no PEM certificate, naming the file.
+
+    gRPC only reports a failed bind for it, which reads like a taken port.
+    Unreadable files are left to the server, which names the file.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cafile=ca)
+    except ssl.SSLError as exc:
+        why = f" ({exc.reason})" if exc.reason else ""
+        raise ConfigError(_not_pem_ca(ca, why)) from None
+    except OSError:
+        return
+    # OpenSSL also takes a file of CRLs alone, which gRPC refuses.
+    if context.cert_store_stats()["x509"] == 0:
+        raise ConfigError(_not_pem_ca(ca, " (no certificate in it)"))
+
+
+def _not_pem_ca(ca: Path, why: str) -> str:
+    return (
+        f"TLS client CA {ca} (--tls-client-ca) is not a PEM certificate bundle{why}: give "
+        "the CA certificate that signed the clients' certificates, in PEM "
+        "(-----BEGIN CERTIFICATE-----; convert DER with openssl x509 -inform der)"
+    )
+
+
 def _plaintext_off_host(listen: str | None, tls: bool, *, allowed: bool) -> bool:
     """Whether serving on ``listen`` would send plaintext beyond this host unasked."""
     if listen is None or tls or allowed:

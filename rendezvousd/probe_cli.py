@@ -47,10 +47,15 @@ def _health(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                print(
-                    f"rendezvousd health: cannot reach {args.endpoint}: {code.name}",
-                    file=sys.stderr,
+                from rendezvousd.client.connection import speaks_tls
+
+                # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
+                why = (
+                    f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
+                    if args.tls_ca is None and speaks_tls(args.endpoint)
+                    else f"cannot reach {args.endpoint}: {code.name}"
                 )
+                print(f"rendezvousd health: {why}", file=sys.stderr)
                 return EXIT_CONNECTION
             print(
                 f"rendezvousd health: Check failed: {code.name}: {exc.details()}", file=sys.stderr

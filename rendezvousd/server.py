@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.auth import TokenAuthInterceptor
-from rendezvousd.config import DaemonConfig, check_tls_pair
+from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import MemberState
@@ -237,9 +237,20 @@ class Daemon:
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
         try:
-            check_tls_pair(c.tls_cert, c.tls_key)  # else gRPC reports only a failed bind
+            # Else gRPC reports only a failed bind.
+            check_tls_pair(c.tls_cert, c.tls_key)
+            if c.tls_client_ca is not None:
+                check_client_ca(c.tls_client_ca)
         except ConfigError as exc:
             raise DaemonError(str(exc)) from None
+        # gRPC core logs each failed handshake at INFO, one line per connection
+        # ("Handshake failed ... WRONG_VERSION_NUMBER" for a plaintext client). The
+        # flood an operator saw was the SDK reconnecting for a minute; it now makes one
+        # attempt and tells the client (client/connection.py, TlsProbe), so one line is
+        # left per misconfigured client. grpcio offers no per-message rate limit, only
+        # a process-wide threshold (GRPC_VERBOSITY; GRPC_TRACE only adds), and ERROR
+        # would also hide that line, the operator's one sign of such clients: the
+        # default is kept, and operations.md says how to drop it.
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )

@@ -66,6 +66,10 @@ def lost_member(
             call_timeout=CALL_TIMEOUT_S,
             connect_timeout=CALL_TIMEOUT_S,
         ) as client:
+            # A daemon that speaks TLS to this plaintext client ends the query at once,
+            # where the call below would reconnect until its deadline: each attempt
+            # one more "Handshake failed" line in the daemon's log.
+            client.check_health()
             while True:
                 job = client.get_job()
                 if job.failed:

@@ -71,6 +71,25 @@ def test_a_key_that_is_not_pem_is_named(tmp_path: Path, pki: Pki) -> None:
     assert f"cannot load TLS certificate {pki.server} with key {bogus}" in err
 
 
+@pytest.mark.parametrize(
+    "content", ["not a certificate\n", "", "DER"], ids=["text", "empty", "der"]
+)
+def test_a_client_ca_that_is_not_pem_is_named(tmp_path: Path, pki: Pki, content: str) -> None:
+    bogus = tmp_path / "clients-ca.pem"
+    if content == "DER":
+        der = ssl.PEM_cert_to_DER_cert(pki.ca.read_text())
+        bogus.write_bytes(der)
+    else:
+        bogus.write_text(content)
+    tls = ("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    code, out, err = _serve(
+        tmp_path, "--listen", "127.0.0.1:0", *tls, "--tls-client-ca", str(bogus)
+    )
+    assert code == 2, err
+    assert f"TLS client CA {bogus} (--tls-client-ca) is not a PEM certificate bundle" in err
+    assert "another rendezvousd" not in err and "serving" not in out
+
+
 def test_matching_pair_serves(start_daemon: Callable[..., DaemonProcess], pki: Pki) -> None:
     d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
     assert d.proc.poll() is None

@@ -101,6 +101,10 @@ def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None
         assert any(
             r.startswith(f"nvidia-nccl-cu{cuda}") and f"gpu-cuda{cuda}" in r for r in requires
         )
+    # The test extra brings the CUDA 12 build, so test_cupy_api.py runs on every run.
+    assert any(
+        r.startswith("rendezvousd[gpu-cuda12]") and 'extra == "test"' in r for r in requires
+    ), requires
     assert meta["License-Expression"] == "Apache-2.0"
 
 

@@ -12,8 +12,9 @@ GPU session. Against the installed CuPy this checks that:
 * the NCCL codes nccl.py hard-codes are CuPy's, and what nccl.py assumes of CuPy
   (how NcclError is built, which unique-id form it takes) holds.
 
-Skipped where CuPy does not import (CI). scripts/gpu_check.sh runs it; so does a
-scratch venv with ``cupy-cuda12x nvidia-nccl-cu12`` on any machine.
+The ``test`` extra installs ``cupy-cuda12x`` and its NCCL, so every test run (CI
+included) runs it; it is skipped only where CuPy does not import (a venv without that
+extra). scripts/gpu_check.sh runs it on a GPU host.
 """
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""A client without the CA (plaintext) against a TLS daemon is told so at once.
+
+Before, the SDK waited for the daemon through the whole connect timeout, retried,
+and after about a minute called it unreachable ("is the daemon running?"), while
+the daemon logged a failed handshake for every reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    AuthenticationError,
+    DaemonUnavailable,
+    RendezvousClient,
+)
+from rendezvousd.client.connection import speaks_tls
+from tests.support import DaemonProcess, Pki, free_port, launcher_cmd
+
+SPEAKS_TLS = "speaks TLS: pass --tls-ca (RENDEZVOUSD_TLS_CA / tls_ca=)"
+#: Long enough that waiting for it (the old behaviour) fails the test's time limit.
+CONNECT_TIMEOUT_S = 30.0
+PROMPTLY_S = 5.0
+
+
+def _tls_daemon(start_daemon: Callable[..., DaemonProcess], pki: Pki, mtls: bool) -> DaemonProcess:
+    args = ["--tls-cert", str(pki.server), "--tls-key", str(pki.server_key)]
+    if mtls:
+        args += ["--tls-client-ca", str(pki.ca)]
+    return start_daemon(*args)
+
+
+@pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
+def test_sync_client_without_the_ca_is_told_the_daemon_speaks_tls(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str, mtls: bool
+) -> None:
+    d = _tls_daemon(start_daemon, pki, mtls)
+    started = time.monotonic()
+    with (
+        RendezvousClient(d.endpoint, job_id, token=d.token, connect_timeout=CONNECT_TIMEOUT_S) as c,
+        pytest.raises(AuthenticationError) as info,
+    ):
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    assert time.monotonic() - started < PROMPTLY_S, "it waited for the connect timeout"
+    assert f"the daemon at {d.endpoint} {SPEAKS_TLS}" in str(info.value)
+    assert d.token not in str(info.value)
+
+
+@pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
+async def test_asyncio_client_without_the_ca_is_told_the_daemon_speaks_tls(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str, mtls: bool
+) -> None:
+    d = _tls_daemon(start_daemon, pki, mtls)
+    started = time.monotonic()
+    client = AsyncRendezvousClient(
+        d.endpoint, job_id, token=d.token, connect_timeout=CONNECT_TIMEOUT_S
+    )
+    try:
+        with pytest.raises(AuthenticationError) as info:
+            await asyncio.wait_for(
+                client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10),
+                CONNECT_TIMEOUT_S / 2,
+            )
+    finally:
+        await client.close()
+    assert time.monotonic() - started < PROMPTLY_S, "it waited for the connect timeout"
+    assert f"the daemon at {d.endpoint} {SPEAKS_TLS}" in str(info.value)
+
+
+def test_launcher_without_the_ca_names_the_tls_daemon_and_stops(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = _tls_daemon(start_daemon, pki, mtls=False)
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "init_distributed()\n"
+        "raise SystemExit('a worker was assigned a rank without a rendezvous')\n"
+    )
+    started = time.monotonic()
+    # The old launcher waited out two connect timeouts (about a minute).
+    run = subprocess.run(
+        [
+            *launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+            "--max-restarts",
+            "2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    elapsed = time.monotonic() - started
+    assert run.returncode != 0, run.stderr
+    assert f"the daemon at {d.endpoint} {SPEAKS_TLS}" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "assigned a rank without" not in run.stderr
+    assert elapsed < 20, f"{elapsed:.1f} s: {run.stderr}"
+    # Its first client's one attempt; its restarts and root-cause query ask directly.
+    d.terminate()
+    assert d.log().count("Handshake failed") == 1, d.log()
+
+
+def test_a_plaintext_client_still_waits_for_a_daemon_not_up_yet(job_id: str) -> None:
+    """Nothing listening is not TLS: the patient check runs (and here times out)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    with (
+        RendezvousClient(endpoint, job_id, token="t" * 32, connect_timeout=1.5) as c,
+        pytest.raises(DaemonUnavailable, match=re.escape(endpoint)) as info,
+    ):
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    assert "speaks TLS" not in str(info.value)
+
+
+def test_speaks_tls_tells_the_daemons_apart(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    assert speaks_tls(_tls_daemon(start_daemon, pki, mtls=False).endpoint)
+    assert speaks_tls(_tls_daemon(start_daemon, pki, mtls=True).endpoint)
+    assert not speaks_tls(start_daemon().endpoint)
+    assert not speaks_tls(f"127.0.0.1:{free_port()}")
+    assert not speaks_tls("dns:///localhost:1")  # a gRPC target form it does not resolve
+
+
+def test_plaintext_client_leaves_one_handshake_line_in_the_daemons_log(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = _tls_daemon(start_daemon, pki, mtls=False)
+    with (
+        RendezvousClient(d.endpoint, job_id, token=d.token, connect_timeout=CONNECT_TIMEOUT_S) as c,
+        pytest.raises(AuthenticationError),
+    ):
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    d.terminate()
+    # gRPC's one attempt; the SDK's own look (a ClientHello) ends before a handshake fails.
+    assert d.log().count("Handshake failed") == 1, d.log()
+
+
+def test_health_command_without_the_ca_says_the_daemon_speaks_tls(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    d = _tls_daemon(start_daemon, pki, mtls=False)
+    health = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", d.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert health.returncode == 2, health.stderr
+    assert f"the daemon at {d.endpoint} speaks TLS: pass --tls-ca" in health.stderr
+
+
+def test_a_daemon_found_speaking_tls_then_restarted_without_it_is_joined(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """The process remembers the TLS daemon only to ask it again directly, not to
+    refuse a daemon that has since dropped TLS on the same address."""
+    tls = _tls_daemon(start_daemon, pki, mtls=False)
+    with (
+        RendezvousClient(tls.endpoint, job_id, token=tls.token) as c,
+        pytest.raises(AuthenticationError, match=re.escape(SPEAKS_TLS)),
+    ):
+        c.check_health()
+    tls.kill()
+    plain = start_daemon(listen=tls.endpoint)
+    with RendezvousClient(plain.endpoint, job_id, token=plain.token) as c:
+        m = c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        assert m.world_size == 1
