@@ -126,6 +126,24 @@ class TlsConfig:
     key: Path | None = None
     server_name: str | None = None
 
+    @classmethod
+    def from_paths(
+        cls,
+        ca: str | None,
+        cert: str | None = None,
+        key: str | None = None,
+        server_name: str | None = None,
+    ) -> TlsConfig | None:
+        """From settings that hold paths as text (``tls_ca``...): None without a CA."""
+        if ca is None:
+            return None
+        return cls(
+            ca=Path(ca),
+            cert=Path(cert) if cert else None,
+            key=Path(key) if key else None,
+            server_name=server_name,
+        )
+
     def credentials(self) -> grpc.ChannelCredentials:
         def read(p: Path | None) -> bytes | None:
             return p.read_bytes() if p is not None else None

@@ -343,3 +343,39 @@ class Torchrun:
 
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def torch_steps(log: Path) -> list[dict[str, Any]]:
+    """The step lines torch_worker.py appended to ``log`` so far."""
+    return [s for s in json_lines(log) if isinstance(s, dict)]
+
+
+def three_nodes_stuck_at_step_two(
+    torchrun: Callable[..., Torchrun],
+    d: DaemonProcess,
+    job: str,
+    log: Path,
+    prefixes: Sequence[Sequence[str]] = ((), (), ()),
+) -> list[Torchrun]:
+    """Three torchrun agents (--nnodes 2:3, 2 workers each, --max-restarts 0) whose
+    6-rank world hangs after step 2, as if stuck in a collective: only their agents
+    can get them out. Returns once every rank reached step 2."""
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
+    agents = [torchrun(d, job, "2:3", *worker, prefix=p) for p in prefixes]
+    wait_for(
+        "all 6 ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,
+        timeout=120,
+    )
+    return agents
+
+
+def survivors_trained_on(agents: Sequence[Torchrun], log: Path) -> list[dict[str, Any]]:
+    """The first two agents re-formed as a 4-rank world and trained it to the end;
+    the steps of that world."""
+    for a in agents[:2]:
+        assert a.wait(90) == 0, a.stderr()[-3000:]
+    after = [s for s in torch_steps(log) if s["world"] == 4]
+    assert {s["rank"] for s in after} == {0, 1, 2, 3}
+    assert max(s["step"] for s in after) == 4
+    return after

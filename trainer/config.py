@@ -186,12 +186,7 @@ class RendezvousTransport:
         # spares) must not wait for gRPC's import.
         from rendezvousd.client.connection import TlsConfig
 
-        return TlsConfig(
-            ca=Path(self.tls_ca),
-            cert=Path(self.tls_cert) if self.tls_cert else None,
-            key=Path(self.tls_key) if self.tls_key else None,
-            server_name=self.tls_server_name,
-        )
+        return TlsConfig.from_paths(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
     def client(self, job_id: str, retry_attempts: int) -> RendezvousClient:
         """A sync SDK client of this daemon for ``job_id`` (the launcher's and an

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rendezvousd.client.connection import TlsConfig
@@ -56,14 +55,7 @@ class TorchrunSettings:
     )
 
     def tls(self) -> TlsConfig | None:
-        if self.tls_ca is None:
-            return None
-        return TlsConfig(
-            ca=Path(self.tls_ca),
-            cert=Path(self.tls_cert) if self.tls_cert else None,
-            key=Path(self.tls_key) if self.tls_key else None,
-            server_name=self.tls_server_name,
-        )
+        return TlsConfig.from_paths(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
 
 SCHEMA = Schema(TorchrunSettings, ConfigError)

@@ -7,18 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.multihost.cluster import Cluster
-from tests.support import Torchrun, json_lines, wait_for
+from tests.support import Torchrun, survivors_trained_on, three_nodes_stuck_at_step_two
 
 pytestmark = pytest.mark.slow
-
-
-def _steps(log: Path) -> list[dict[str, Any]]:
-    return [s for s in json_lines(log) if isinstance(s, dict)]
 
 
 def test_torchrun_trains_across_hosts_and_drops_a_cut_off_node(
@@ -34,20 +29,11 @@ def test_torchrun_trains_across_hosts_and_drops_a_cut_off_node(
     cluster = make_cluster(3, "--heartbeat-timeout-s", "3")
     d, hosts = cluster.daemon, cluster.hosts
     log = tmp_path / "steps.jsonl"
-    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    agents = [torchrun(d, job_id, "2:3", *worker, prefix=hosts[i].command([])) for i in (1, 2, 3)]
-    wait_for(
-        "all 6 ranks at step 2",
-        lambda: len({s["rank"] for s in _steps(log) if s["step"] == 2}) == 6,
-        timeout=120,
-    )
+    prefixes = [hosts[i].command([]) for i in (1, 2, 3)]
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, prefixes)
     cut_at = time.time()
     hosts.link(hosts[3], up=False)
-    for a in agents[:2]:
-        assert a.wait(90) == 0, a.stderr()[-3000:]
-    after = [s for s in _steps(log) if s["world"] == 4]
-    assert {s["rank"] for s in after} == {0, 1, 2, 3}
-    assert max(s["step"] for s in after) == 4
+    after = survivors_trained_on(agents, log)
     for a in agents[:2]:
         err = a.stderr()
         # Blamed by name and cause: h3's address and the silence, not a timeout of gloo's.

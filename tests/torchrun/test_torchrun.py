@@ -9,7 +9,6 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,16 +18,14 @@ from tests.support import (
     DaemonProcess,
     Torchrun,
     free_port,
-    json_lines,
     scrape,
+    survivors_trained_on,
+    three_nodes_stuck_at_step_two,
+    torch_steps,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _steps(log: Path) -> list[dict[str, Any]]:
-    return [s for s in json_lines(log) if isinstance(s, dict)]
 
 
 def _job_state(d: DaemonProcess, job: str) -> str:
@@ -58,7 +55,7 @@ def test_a_two_node_job_trains_with_one_join_per_agent(
     agents = [torchrun(d, job_id, "2", "--steps", "5", "--step-log", str(log)) for _ in range(2)]
     for a in agents:
         assert a.wait(120) == 0, a.stderr()[-3000:]
-    steps = _steps(log)
+    steps = torch_steps(log)
     assert {s["rank"] for s in steps} == {0, 1, 2, 3}
     assert {s["world"] for s in steps} == {4}
     assert max(s["step"] for s in steps) == 5
@@ -80,25 +77,24 @@ def test_a_killed_peer_node_restarts_the_survivors_from_the_daemons_push(
     --nnodes 2:3 lets the two survivors re-form without the dead node."""
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
-    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    agents = [torchrun(d, job_id, "2:3", *worker) for _ in range(3)]
-    wait_for(
-        "all 6 ranks at step 2",
-        lambda: len({s["rank"] for s in _steps(log) if s["step"] == 2}) == 6,
-        timeout=90,
-    )
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log)
     killed_at = time.time()
     agents[2].kill()
-    for a in agents[:2]:
-        assert a.wait(90) == 0, a.stderr()[-3000:]
-    after = [s for s in _steps(log) if s["world"] == 4]
-    assert {s["rank"] for s in after} == {0, 1, 2, 3}
-    assert max(s["step"] for s in after) == 4
+    after = survivors_trained_on(agents, log)
     # The survivors heard the loss from the daemon, naming it.
     for a in agents[:2]:
         assert "rendezvousd: job" in a.stderr() and "lost rank" in a.stderr(), a.stderr()[-2000:]
     first = min(s["t"] for s in after)
     print(f"kill -> survivors training again: {first - killed_at:.2f} s")
+
+
+def _refused(
+    torchrun: Callable[..., Torchrun], d: DaemonProcess | None, job: str, tmp: Path, **kw: str
+) -> str:
+    """A one-node torchrun that must fail before training; its stderr."""
+    agent = torchrun(d, job, "1", "--step-log", str(tmp / "steps"), **kw)
+    assert agent.wait(60) != 0
+    return agent.stderr()
 
 
 def test_a_wrong_token_is_torchs_connection_error_with_our_message(
@@ -111,9 +107,7 @@ def test_a_wrong_token_is_torchs_connection_error_with_our_message(
     wrong = tmp_path / "wrong-token"
     wrong.write_text("not-the-token\n")
     wrong.chmod(0o600)
-    agent = torchrun(d, job_id, "1", "--step-log", str(tmp_path / "s"), conf=f"token_file={wrong}")
-    assert agent.wait(60) != 0
-    err = agent.stderr()
+    err = _refused(torchrun, d, job_id, tmp_path, conf=f"token_file={wrong}")
     assert "RendezvousConnectionError" in err, err[-3000:]
     assert f"rendezvousd at {d.endpoint}, job {job_id!r}" in err
     assert "not-the-token" not in err
@@ -126,16 +120,8 @@ def test_a_bad_rdzv_conf_value_is_refused_naming_the_key(
     job_id: str,
 ) -> None:
     d = start_daemon()
-    agent = torchrun(
-        d,
-        job_id,
-        "1",
-        "--step-log",
-        str(tmp_path / "s"),
-        conf=f"token_file={d.token_file},join_timeout=soon",
-    )
-    assert agent.wait(60) != 0
-    err = agent.stderr()
+    conf = f"token_file={d.token_file},join_timeout=soon"
+    err = _refused(torchrun, d, job_id, tmp_path, conf=conf)
     assert "--rdzv-conf join_timeout='soon' is invalid" in err, err[-3000:]
 
 
@@ -148,17 +134,8 @@ def test_an_unreachable_daemon_is_torchs_connection_error_naming_it(
     token = tmp_path / "token"
     token.write_text("t" * 32 + "\n")
     token.chmod(0o600)
-    agent = torchrun(
-        None,
-        job_id,
-        "1",
-        "--step-log",
-        str(tmp_path / "s"),
-        endpoint=endpoint,
-        conf=f"token_file={token},connect_timeout=1",
-    )
-    assert agent.wait(60) != 0
-    err = agent.stderr()
+    conf = f"token_file={token},connect_timeout=1"
+    err = _refused(torchrun, None, job_id, tmp_path, endpoint=endpoint, conf=conf)
     assert "RendezvousConnectionError" in err, err[-3000:]
     assert endpoint in err
 
