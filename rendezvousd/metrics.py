@@ -56,6 +56,13 @@ class Metrics:
         )
         self.streams = gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams")
         self.waiters = gauge("rendezvousd_waiters", "Parked calls (join, barrier, kv wait)")
+        self.commits = Histogram(
+            "rendezvousd_storage_commit_seconds",
+            "State-database commits (--state-dir), by outcome",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.heartbeat_lag = gauge(
             "rendezvousd_heartbeat_age_max_seconds",
             "Largest time since an active member's last heartbeat",
@@ -66,6 +73,9 @@ class Metrics:
             method if method in _KNOWN_METHODS else UNKNOWN_LABEL,
             code if code in _CODES else UNKNOWN_LABEL,
         ).observe(seconds)
+
+    def observe_commit(self, seconds: float, ok: bool) -> None:
+        self.commits.labels("ok" if ok else "failed").observe(seconds)
 
     def observe_jobs(self, state: RendezvousState) -> None:
         counts = dict.fromkeys(JobState, 0)

@@ -242,6 +242,8 @@ class Persister:
         self._durable: dict[str, tuple[dict[str, Any], dict[str, bytes]]] = {}
         # Told which jobs a failed commit put back (the servicer releases their calls).
         self.on_undo: Callable[[set[str]], None] | None = None
+        # Each commit's duration and whether it took (the daemon's metrics).
+        self.on_commit: Callable[[float, bool], None] | None = None
         # (job, key) -> (version recorded, generation, durable value or None)
         self._undo: dict[_UndoKey, tuple[int, int, bytes | None]] = {}
         self._lock = asyncio.Lock()
@@ -424,6 +426,7 @@ class Persister:
         assert self.store is not None
         version = self._version
         cut = self._collect()
+        started = time.perf_counter()
         try:
             await self._in_writer(self.store.commit, cut.writes)
         except Exception as exc:
@@ -431,9 +434,29 @@ class Persister:
             # cannot bind raises OverflowError), the change is not durable and must be
             # undone, or it stays applied, its caller gets UNKNOWN, and the exception
             # escapes into the tick task and kills it.
+            self._observe(started, ok=False)
             self._fail(cut.writes, exc)
             return
+        self._observe(started, ok=True)
         self._committed(version, cut)
+
+    def _observe(self, started: float, *, ok: bool) -> None:
+        if self.on_commit is not None:
+            self.on_commit(time.perf_counter() - started, ok)
+
+    def unchanged(self, job_id: str) -> bool:
+        """Whether ``job_id`` is as its last commit left it (a refused call that changed
+        nothing then needs no commit: one fsync per refusal was a token holder's lever).
+        Compares the job's record with the durable one; pending changes count as some."""
+        if self.store is None:
+            return True
+        if job_id in self._dirty or job_id in self._job_version:
+            return False
+        job = self.state.jobs.get(job_id)
+        durable = self._durable.get(job_id)
+        if job is None or durable is None:
+            return job is None and durable is None
+        return durable[0] == snapshot.job_record(job)
 
     def _committed(self, version: int, cut: _Cut) -> None:
         self._saved = max(self._saved, version)

@@ -258,6 +258,7 @@ class Daemon:
     async def start(self) -> int:
         self.persister = Persister(self.config.state_dir, self.state)
         self.persister.on_health = self._storage_health
+        self.persister.on_commit = self.metrics.observe_commit
         restored = self.persister.restore()
         if restored:
             log.info("restored %d job(s) from %s", restored, self.config.state_dir)

@@ -437,7 +437,8 @@ class RendezvousServicer:
             except RendezvousFault as refused:
                 fault = refused
                 effects = self.state.take_effects()
-                if mutating and fault.reason != STORAGE_UNAVAILABLE:
+                changed = bool(effects) or not self.persister.unchanged(request.job_id)
+                if mutating and changed and fault.reason != STORAGE_UNAVAILABLE:
                     # A refusal can still change state (a conflicting joiner fails the
                     # forming generation): told, like a change, only once durable.
                     try:

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import RendezvousClient, RendezvousError
 from tests.daemon.raw_calls import bearer, raw, reason_of
 from tests.support import DaemonProcess, scrape, spawn_daemon, wait_for
@@ -197,3 +198,56 @@ def test_a_read_never_answers_with_a_change_whose_commit_is_in_flight(tmp_path: 
         assert failed and failed[0].reason == "STORAGE_UNAVAILABLE"
         assert seen and b"in-flight" not in seen, seen
         _assert_undone(d, reader, "the lock is gone")
+
+
+def _commits(d: DaemonProcess) -> float:
+    assert d.metrics_url is not None
+    return sum(
+        v
+        for k, v in scrape(d.metrics_url).items()
+        if k.startswith("rendezvousd_storage_commit_seconds_count")
+    )
+
+
+def test_refused_calls_that_change_nothing_do_not_commit(tmp_path: Path) -> None:
+    """A token holder's refused calls (here a member's KvSet under another instance id,
+    and a stale generation's barrier) cost no fsync; a real change still commits."""
+    d, _ = _start(tmp_path)
+    try:
+        with joined_pair(d, "quiet") as (a, _b):
+            m = a.membership
+            assert m is not None
+            stub = pb_grpc.RendezvousStub(grpc.insecure_channel(d.endpoint))
+            auth = bearer(d)
+            before = _commits(d)
+            for i in range(20):
+                with pytest.raises(grpc.RpcError):
+                    stub.KvSet(
+                        pb.KvSetRequest(
+                            job_id="quiet",
+                            generation=m.generation,
+                            rank=m.rank,
+                            instance_id="not-the-member",
+                            key=f"k{i}",
+                            value=b"v",
+                        ),
+                        metadata=auth,
+                        timeout=5,
+                    )
+                with pytest.raises(grpc.RpcError):
+                    stub.Barrier(
+                        pb.BarrierRequest(
+                            job_id="quiet",
+                            generation=m.generation + 7,
+                            rank=m.rank,
+                            instance_id="x",
+                            name="b",
+                        ),
+                        metadata=auth,
+                        timeout=5,
+                    )
+            assert _commits(d) == before
+            a.kv_set("real", b"change")
+            assert _commits(d) > before
+    finally:
+        d.kill()
