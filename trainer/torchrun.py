@@ -70,7 +70,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -114,7 +114,7 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def point_gloo_at(address: str, env: dict[str, str] | os._Environ[str]) -> str | None:
+def point_gloo_at(address: str, env: MutableMapping[str, str]) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` in ``env`` (the agent's, which its workers inherit) to
     the interface holding ``address``, unless the user chose one; returns what was set."""
     if env.get("GLOO_SOCKET_IFNAME"):

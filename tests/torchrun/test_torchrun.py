@@ -195,6 +195,7 @@ def test_the_agent_store_behaves_as_torchs_tcpstore(
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert results["daemon"] == results["tcpstore"], results
     assert len(results["daemon"]) >= 12
+    assert results["closed"] == [True, "RendezvousClosedError"]
 
 
 @pytest.mark.parametrize("first", ["torch", "ours"])

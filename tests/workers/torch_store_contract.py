@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
 from rendezvousd.trainer.torchrun import create_handler
 
@@ -67,7 +67,15 @@ def main() -> None:
     handler = create_handler(params)
     info = handler.next_rendezvous()
     info.store.set_timeout(timedelta(seconds=5))
-    result = {"tcpstore": ops(tcp), "daemon": ops(info.store)}
+    result: dict[str, Any] = {"tcpstore": ops(tcp), "daemon": ops(info.store)}
+    # set_closed(): this agent says no more rounds; a next_rendezvous() is refused.
+    handler.set_closed()
+    try:
+        handler.next_rendezvous()
+        refused = "no"
+    except RendezvousClosedError:
+        refused = "RendezvousClosedError"
+    result["closed"] = [handler.is_closed(), refused]
     handler.shutdown()
     print(json.dumps(result), flush=True)
 
