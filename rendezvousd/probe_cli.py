@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,10 @@ def _age(ms: int) -> str:
 def _status(args: argparse.Namespace) -> int:
     from rendezvousd.client import RendezvousClient, RendezvousError, TlsConfig
 
-    tls = None
-    if args.tls_ca is not None:
-        tls = TlsConfig(
-            ca=Path(args.tls_ca),
-            cert=Path(args.tls_cert) if args.tls_cert else None,
-            key=Path(args.tls_key) if args.tls_key else None,
-            server_name=args.tls_server_name,
-        )
+    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    # Watching redraws a terminal; piped or redirected, it is the one snapshot a
+    # script can read.
+    watch = args.watch is not None and sys.stdout.isatty()
     try:
         with RendezvousClient(
             args.endpoint,
@@ -92,16 +89,34 @@ def _status(args: argparse.Namespace) -> int:
             connect_timeout=args.timeout,
             call_timeout=args.timeout,
         ) as client:
-            jobs = (
-                [client.get_job(args.job)]
-                if args.job
-                else [client.get_job(j.job_id) for j in client.list_jobs()]
-            )
+
+            def snapshot() -> str:
+                jobs = (
+                    [client.get_job(args.job)]
+                    if args.job
+                    else [client.get_job(j.job_id) for j in client.list_jobs()]
+                )
+                return render(jobs)
+
+            if not watch:
+                print(snapshot())
+                return 0
+            while True:
+                try:
+                    text = snapshot()
+                except RendezvousError as exc:  # the daemon restarting: keep watching
+                    text = f"rendezvousd status: {escape(str(exc))}"
+                stamp = time.strftime("%H:%M:%S")
+                head = f"{args.endpoint}  every {args.watch:g} s  {stamp}  (Ctrl-C to stop)"
+                # Home and clear, then the frame: one write, so it never flickers half-drawn.
+                sys.stdout.write(f"\x1b[H\x1b[2J{head}\n\n{text}\n")
+                sys.stdout.flush()
+                time.sleep(args.watch)
     except RendezvousError as exc:
         print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
         return EXIT_RPC
-    print(render(jobs))
-    return 0
+    except KeyboardInterrupt:
+        return 0
 
 
 def render(jobs: list[Any]) -> str:
@@ -152,6 +167,15 @@ def add_probe_commands(sub: Any) -> None:
     common(status)
     status.add_argument(
         "--token-file", type=Path, default=None, help="token file (or $RENDEZVOUSD_TOKEN)"
+    )
+    status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 1) on a terminal; piped, print one snapshot",
     )
     status.add_argument("job", nargs="?", help="only this job")
     status.set_defaults(func=_status)
