@@ -19,6 +19,7 @@ import grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.connection import RetryPolicy
 from rendezvousd.client.errors import (
+    AuthenticationError,
     DaemonUnavailable,
     DaemonUnreachable,
     InvalidRequest,
@@ -214,6 +215,16 @@ class Session:
         )
         self.node = from_join_node_response(response, fetch)
         return self.node
+
+    def tls_refused(self, refusal: str) -> AuthenticationError:
+        """The error for a plaintext client of a TLS daemon (``TlsProbe``'s words)."""
+        return AuthenticationError(
+            refusal,
+            code="UNAVAILABLE",
+            endpoint=self.endpoint,
+            method="Check",
+            job_id=self.job_id,
+        )
 
     def report_request(self, local_rank: int, cause: str) -> pb.ReportFailureRequest:
         n = self.node

@@ -33,7 +33,6 @@ from rendezvousd.client.connection import (
     resolve_token,
 )
 from rendezvousd.client.errors import (
-    AuthenticationError,
     DaemonUnavailable,
     InvalidRequest,
     RendezvousError,
@@ -156,7 +155,7 @@ class AsyncRendezvousClient:
         client; see ``TlsProbe``. The daemon's answer when it gave one."""
         probe = self._tls_probe
         if probe.seen_tls and (known := await asyncio.to_thread(probe.known_refusal)):
-            raise self._tls_refused(known)
+            raise self._s.tls_refused(known)
         for _ in range(probe.attempts):
             try:
                 response: health_pb2.HealthCheckResponse = await self._health.Check(
@@ -171,20 +170,11 @@ class AsyncRendezvousClient:
                 # own (blocking, up to TLS_SNIFF_TIMEOUT_S): off the event loop.
                 refusal = await asyncio.to_thread(probe.refusal, exc)
                 if refusal is not None:
-                    raise self._tls_refused(refusal) from None
+                    raise self._s.tls_refused(refusal) from None
                 if not probe.again(exc):
                     return None
             await asyncio.sleep(0.2)
         return None
-
-    def _tls_refused(self, refusal: str) -> AuthenticationError:
-        return AuthenticationError(
-            refusal,
-            code="UNAVAILABLE",
-            endpoint=self._s.endpoint,
-            method="Check",
-            job_id=self._s.job_id,
-        )
 
     async def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """``RendezvousClient.join``, awaited."""

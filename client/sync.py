@@ -33,7 +33,6 @@ from rendezvousd.client.connection import (
     resolve_token,
 )
 from rendezvousd.client.errors import (
-    AuthenticationError,
     DaemonUnavailable,
     InvalidRequest,
     RendezvousError,
@@ -162,7 +161,7 @@ class RendezvousClient:
         client; see ``TlsProbe``. The daemon's answer when it gave one."""
         probe = self._tls_probe
         if (known := probe.known_refusal()) is not None:
-            raise self._tls_refused(known)
+            raise self._s.tls_refused(known)
         for _ in range(probe.attempts):
             try:
                 response: health_pb2.HealthCheckResponse = self._health.Check(
@@ -175,20 +174,11 @@ class RendezvousClient:
             except grpc.RpcError as exc:
                 refusal = probe.refusal(exc)
                 if refusal is not None:
-                    raise self._tls_refused(refusal) from None
+                    raise self._s.tls_refused(refusal) from None
                 if not probe.again(exc):
                     return None
             time.sleep(0.2)
         return None
-
-    def _tls_refused(self, refusal: str) -> AuthenticationError:
-        return AuthenticationError(
-            refusal,
-            code="UNAVAILABLE",
-            endpoint=self._s.endpoint,
-            method="Check",
-            job_id=self._s.job_id,
-        )
 
     # -- membership -----------------------------------------------------------
 
