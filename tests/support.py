@@ -102,6 +102,22 @@ def spawn_daemon(
     raise RuntimeError(f"daemon did not start: {line!r} {log_path.read_text()}")
 
 
+def serve_refused(
+    tmp: Path, state_dir: Path, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """``rendezvousd serve --state-dir`` expected to refuse to start: its exit and output
+    (with a fresh token, on 127.0.0.1:0)."""
+    token = tmp / f"token-{secrets.token_hex(4)}"
+    write_token(token)
+    return subprocess.run(
+        serve_command("127.0.0.1:0", token, "--state-dir", str(state_dir)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def job_name(request: pytest.FixtureRequest) -> str:
     """A job id unique to this test (ids are per daemon, daemons are per module)."""
     return re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:100] + "-" + secrets.token_hex(3)

@@ -8,8 +8,6 @@ import asyncio
 import logging
 import secrets
 import sqlite3
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from rendezvousd.persistence import Persister
 from rendezvousd.server import Daemon
 from rendezvousd.state import JoinArgs, RendezvousState
 from rendezvousd.store_sqlite import SqliteStore
-from tests.support import InProcessDaemon, write_token
+from tests.support import InProcessDaemon, serve_refused
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -39,16 +37,6 @@ def _state_dir_with_a_running_job(state: Path) -> None:
     saver = Persister(state, sm)
     saver.restore()
     saver.close()
-
-
-def _serve(tmp: Path, state: Path) -> subprocess.CompletedProcess[str]:
-    token = tmp / "token"
-    write_token(token)
-    return subprocess.run(
-        [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token),
-         "--listen", "127.0.0.1:0", "--state-dir", str(state)],
-        capture_output=True, text=True, timeout=20, check=False,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -81,7 +69,7 @@ def test_a_bad_restored_field_refuses_start_up_naming_the_row(
     db.executescript(edit)
     db.commit()
     db.close()
-    done = _serve(tmp_path, state)
+    done = serve_refused(tmp_path, state, timeout=20)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "serving" not in done.stdout
     assert "Traceback" not in done.stderr, done.stderr

@@ -3,23 +3,11 @@ a daemon killed with SIGKILL holds nothing, so its restart is not refused."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from rendezvousd.client import RendezvousClient
-from tests.support import DaemonProcess, write_token
-
-
-def _serve(tmp: Path, state: Path) -> subprocess.CompletedProcess[str]:
-    token = tmp / "second-token"
-    write_token(token)
-    return subprocess.run(
-        [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token),
-         "--listen", "127.0.0.1:0", "--state-dir", str(state)],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+from tests.support import DaemonProcess, serve_refused
 
 
 def _one_job(d: DaemonProcess, job_id: str) -> None:
@@ -34,7 +22,7 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_holder(
     state = tmp_path / "state"
     first = start_daemon("--state-dir", str(state))
     _one_job(first, "held")
-    second = _serve(tmp_path, state)
+    second = serve_refused(tmp_path, state)
     assert second.returncode == 2, second.stderr
     assert "serving" not in second.stdout
     err = second.stderr
