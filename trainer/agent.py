@@ -31,7 +31,7 @@ from rendezvousd.model import FailedInfo, failed_text
 from .agent_worker import Assignment
 from .config import DistributedConfig
 from .errors import RestartsExhausted
-from .recovery import Failure, RestartBudget
+from .recovery import SCALE_UP_REASON, Failure, RestartBudget
 from .state_copy import StateCopy
 from .warm_workers import Exited, Misbehaved, Reported, SparePool, WorkerProcess, stop_all
 from .worker_boot import Booted, fixed_node_rank, slot_env
@@ -384,7 +384,7 @@ class NodeAgent:
                 return self._stop(gen, failure, cause)
             elif isinstance(event, NodesWaiting) and event.generation == gen:
                 with contextlib.suppress(RendezvousError):
-                    self.client.abort("scale-up", generation=gen)
+                    self.client.abort(SCALE_UP_REASON, generation=gen)
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
                 return event

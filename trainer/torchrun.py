@@ -88,6 +88,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.recovery import SCALE_UP_REASON
 from rendezvousd.trainer.torchrun_config import TorchrunSettings, load_settings
 
 __all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "handler_factory"]
@@ -98,8 +99,6 @@ log = logging.getLogger(__name__)
 BACKEND = "rendezvousd"
 #: The daemon's port when ``--rdzv-endpoint`` names only a host.
 DEFAULT_PORT = 29420
-#: The reason a torchrun agent ends a round for nodes waiting to join (our agent's too).
-SCALE_UP = "scale-up"
 #: The abort reason ``set_closed()`` gives; other agents read it as "closed".
 CLOSED = "rendezvous closed by torchrun"
 
@@ -354,7 +353,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             return
         try:
             if self._client.nodes_waiting():
-                self._client.abort(SCALE_UP, generation=node.generation)
+                self._client.abort(SCALE_UP_REASON, generation=node.generation)
             else:
                 self._client.report_failure(
                     0,
