@@ -30,6 +30,10 @@ SPEAKS_TLS = "speaks TLS: pass --tls-ca (RENDEZVOUSD_TLS_CA / tls_ca=)"
 #: Long enough that waiting for it (the old behaviour) fails the test's time limit.
 CONNECT_TIMEOUT_S = 30.0
 PROMPTLY_S = 5.0
+#: gRPC's one connection attempt, or two: gRPC transparently retries, on a new
+#: connection, a call the dropped connection never sent (seen under CPU load, about
+#: 1 run in 8). Each further client or reconnect would add a line.
+HANDSHAKE_LINES_MAX = 2
 
 
 def _tls_daemon(start_daemon: Callable[..., DaemonProcess], pki: Pki, mtls: bool) -> DaemonProcess:
@@ -104,9 +108,9 @@ def test_launcher_without_the_ca_names_the_tls_daemon_and_stops(
     assert f"the daemon at {d.endpoint} {SPEAKS_TLS}" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and "assigned a rank without" not in run.stderr
     assert elapsed < 20, f"{elapsed:.1f} s: {run.stderr}"
-    # Its first client's one attempt; its restarts and root-cause query ask directly.
+    # Its first client's attempt; its restarts and root-cause query ask directly.
     d.terminate()
-    assert d.log().count("Handshake failed") == 1, d.log()
+    assert 1 <= d.log().count("Handshake failed") <= HANDSHAKE_LINES_MAX, d.log()
 
 
 def test_a_plaintext_client_still_waits_for_a_daemon_not_up_yet(job_id: str) -> None:
@@ -140,8 +144,11 @@ def test_plaintext_client_leaves_one_handshake_line_in_the_daemons_log(
     ):
         c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
     d.terminate()
-    # gRPC's one attempt; the SDK's own look (a ClientHello) ends before a handshake fails.
-    assert d.log().count("Handshake failed") == 1, d.log()
+    # gRPC's attempt (its HTTP/2 preface is not TLS: WRONG_VERSION_NUMBER); the SDK's
+    # own look (a ClientHello) ends before a handshake fails, so adds no other line.
+    lines = [line for line in d.log().splitlines() if "Handshake failed" in line]
+    assert 1 <= len(lines) <= HANDSHAKE_LINES_MAX, d.log()
+    assert all("WRONG_VERSION_NUMBER" in line for line in lines), d.log()
 
 
 def test_health_command_without_the_ca_says_the_daemon_speaks_tls(
