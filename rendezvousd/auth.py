@@ -22,13 +22,22 @@ import grpc
 from rendezvousd.budget import Gate, gated, gated_before_body
 from rendezvousd.errors import ConfigError
 from rendezvousd.limits import Limits
-from rendezvousd.scope import ADMIN, CALLER, JOB_TOKEN_PREFIX, Scope, allowed, verify_job_token
+from rendezvousd.scope import (
+    ADMIN,
+    CALLER,
+    JOB_TOKEN_PREFIX,
+    Scope,
+    allowed,
+    read_job_token,
+    verify_job_token,
+)
 
 MIN_TOKEN_CHARS = 16
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_WATCH = HEALTH_PREFIX + "Watch"
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
+UNAUTHENTICATED = "missing or invalid bearer token"
 
 
 def _digest(token: str | bytes) -> bytes:
@@ -132,24 +141,28 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def scope_of(self, metadata: Sequence[tuple[str, Any]] | None) -> Scope | None:
         """The scope the call's bearer token grants, or None when it is invalid."""
-        values = [v for k, v in metadata or () if k == "authorization"]
-        if len(values) != 1:
-            return None  # missing or duplicated: ambiguous, refuse
-        value = values[0]
-        if isinstance(value, bytes):
-            try:
-                value = value.decode("ascii")
-            except UnicodeDecodeError:
-                return None
-        scheme, _, token = str(value).partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = _bearer(metadata)
+        if token is None:
             return None
-        token = token.strip()
         presented = _digest(token)
         # Compare against every token, without an early exit, in constant time.
         if sum(hmac.compare_digest(presented, d) for d in self._digests) > 0:
             return ADMIN
         return verify_job_token(token, self._digests)
+
+    def refusal(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
+        """Why a call without a valid token is refused: an expired job token says
+        so (its MAC matched, so its job and date are the daemon's to tell);
+        anything else gets the one message that reveals nothing."""
+        token = _bearer(metadata)
+        read = read_job_token(token, self._digests) if token is not None else None
+        if read is None or read.until is None:
+            return UNAUTHENTICATED
+        return (
+            f"the job token for job {read.job!r} expired at {read.expiry_text()}; mint a new "
+            f"one: rendezvousd token --job {read.job} --admin-token-file FILE --valid-for "
+            "DURATION OUT"
+        )
 
     async def intercept_service(
         self,
@@ -177,7 +190,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if self._on_reject is not None:
             self._on_reject(method)
         handler = await continuation(details)
-        return _rejecting(handler)
+        return _rejecting(handler, message=self.refusal(details.invocation_metadata))
 
     def _gated(
         self, method: str, handler: grpc.RpcMethodHandler | None, gate: Gate
@@ -199,10 +212,27 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return cached[1]
 
 
+def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    """The call's one bearer token, or None (missing, duplicated: ambiguous)."""
+    values = [v for k, v in metadata or () if k == "authorization"]
+    if len(values) != 1:
+        return None
+    value = values[0]
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    scheme, _, token = str(value).partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
 def _rejecting(
     handler: grpc.RpcMethodHandler | None,
     code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
-    message: str = "missing or invalid bearer token",
+    message: str = UNAUTHENTICATED,
 ) -> grpc.RpcMethodHandler:
     """A handler that only refuses, as soon as the call's headers arrived.
 

@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from rendezvousd.auth import load_tokens, read_token_file
 from rendezvousd.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.escape import EscapingFormatter
-from rendezvousd.scope import derive_job_token
+from rendezvousd.scope import JobToken, derive_job_token
 from rendezvousd.server import Daemon
 
 
@@ -112,20 +113,49 @@ def _watch_parent(loop: asyncio.AbstractEventLoop, daemon: Daemon, stop: asyncio
 
 def _token(args: argparse.Namespace) -> int:
     path: Path = args.path
+    if args.valid_for is not None and args.job is None:
+        raise ConfigError(
+            "--valid-for applies to job tokens (--job J); an admin token ends when it is "
+            "removed from the daemon's token file"
+        )
+    until = None if args.valid_for is None else int(time.time()) + args.valid_for
     try:
         if args.job is None:
             write_token_file(path, replace=args.force)
         else:
-            _write_job_token(path, args.job, args.admin_token_file, replace=args.force)
+            _write_job_token(path, args.job, args.admin_token_file, until, replace=args.force)
     except FileExistsError:
         print(f"rendezvousd token: {path} exists; pass --force to replace it", file=sys.stderr)
         return 1
-    what = "a new token" if args.job is None else f"a token for job {args.job!r}"
+    if args.job is None:
+        what = "a new token"
+    else:
+        ends = "" if until is None else f", valid until {JobToken(args.job, until).expiry_text()}"
+        what = f"a token for job {args.job!r}{ends}"
     print(f"rendezvousd token: wrote {what} to {path} (mode 0600)")
     return 0
 
 
-def _write_job_token(path: Path, job_id: str, admin_file: Path | None, *, replace: bool) -> None:
+MAX_VALID_FOR_S = 3650 * 86400
+
+
+def _duration(text: str) -> int:
+    """``--valid-for``: seconds, or a number with s, m, h or d (argparse's type)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+    seconds = int(number) * unit if number.isascii() and number.isdigit() else 0
+    # Ten years at most: the date stays a plain number of a fixed, small width.
+    if not 1 <= seconds <= MAX_VALID_FOR_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration of 1 s to 3650 d: give seconds, or a whole number "
+            "with s, m, h or d (90m, 12h, 7d)"
+        )
+    return seconds
+
+
+def _write_job_token(
+    path: Path, job_id: str, admin_file: Path | None, until: int | None, *, replace: bool
+) -> None:
     if admin_file is None:
         raise ConfigError(
             "--job needs --admin-token-file FILE: the daemon's token file the job token "
@@ -134,7 +164,7 @@ def _write_job_token(path: Path, job_id: str, admin_file: Path | None, *, replac
     # The first line is the token clients use now (later lines are being rotated out).
     admin = read_token_file(admin_file)[0]
     try:
-        token = derive_job_token(admin, job_id)
+        token = derive_job_token(admin, job_id, until)
     except RendezvousFault as fault:
         raise ConfigError(fault.message) from None
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
@@ -173,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="FILE",
         help="the daemon's token file (its first line) to derive the --job token from",
+    )
+    token.add_argument(
+        "--valid-for",
+        type=_duration,
+        metavar="DURATION",
+        help="with --job: the token expires after this long (seconds, or 90m, 12h, 7d); "
+        "calls started later are refused. Default: it never expires",
     )
     token.set_defaults(func=_token)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -11,7 +12,16 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import AuthenticationError, RendezvousClient
-from rendezvousd.scope import ADMIN, JOB_METHODS, Scope, allowed, derive_job_token
+from rendezvousd.scope import (
+    ADMIN,
+    JOB_METHODS,
+    Scope,
+    admin_key,
+    allowed,
+    derive_job_token,
+    read_job_token,
+    verify_job_token,
+)
 from tests.daemon.raw_calls import SERVICE, UNARY, raw, reason_of
 from tests.support import DaemonProcess
 
@@ -226,3 +236,85 @@ def test_job_token_aborts_its_own_job_only(
         assert client.get_job().summary.state == pb.JOB_STATE_ABORTED
     with RendezvousClient(daemon.endpoint, other, token=daemon.token) as admin:
         assert admin.get_job().summary.state != pb.JOB_STATE_ABORTED
+
+
+# -- expiring job tokens ------------------------------------------------------
+
+
+def test_an_expiring_token_grants_its_job_until_its_date_only() -> None:
+    keys = [admin_key("a" * 32)]
+    token = derive_job_token("a" * 32, "j.until-5", until=2_000_000_000)
+    assert token.endswith(".until-2000000000")
+    assert verify_job_token(token, keys, now=1_999_999_999) == Scope("j.until-5")
+    assert verify_job_token(token, keys, now=2_000_000_000) is None
+    # The date is under the MAC: a holder cannot move it.
+    longer = token.replace("until-2000000000", "until-2000000001")
+    assert read_job_token(longer, keys) is None
+    assert read_job_token(token.replace("until-", "until-+"), keys) is None
+    # A token without a date never expires, whatever its job id looks like.
+    forever = derive_job_token("a" * 32, "j.until-5")
+    assert verify_job_token(forever, keys, now=10**12) == Scope("j.until-5")
+
+
+def test_cli_writes_a_token_valid_for_a_duration_and_the_daemon_takes_it(
+    daemon: DaemonProcess, tmp_path: Path, job_id: str
+) -> None:
+    path = tmp_path / "job-token"
+    done = subprocess.run(
+        [*CLI, "token", "--job", job_id, "--admin-token-file", str(daemon.token_file),
+         "--valid-for", "2h", str(path)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    read = read_job_token(path.read_text().strip(), [admin_key(daemon.token)])
+    assert read is not None and read.job == job_id and read.until is not None
+    assert abs(read.until - (time.time() + 7200)) < 60
+    assert f"valid until {read.expiry_text()}" in done.stdout
+    with RendezvousClient(daemon.endpoint, job_id, token_file=path) as client:
+        assert client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10).rank == 0
+
+
+def test_an_expired_job_token_is_refused_naming_its_job_and_date(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    expired = derive_job_token(daemon.token, job_id, until=int(time.time()) - 1)
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=expired) as client,
+        pytest.raises(AuthenticationError) as info,
+    ):
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    date = read_job_token(expired, [admin_key(daemon.token)])
+    assert date is not None
+    assert f"job token for job {job_id!r} expired at {date.expiry_text()}" in str(info.value)
+    assert "--valid-for" in str(info.value)
+    assert expired not in str(info.value) and daemon.token not in str(info.value)
+    # A forged date is just a wrong token: nothing about the job is told.
+    forged = expired.rsplit(".", 1)[0] + f".until-{int(time.time()) + 3600}"
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=forged) as client,
+        pytest.raises(AuthenticationError) as info,
+    ):
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    assert "expired at" not in str(info.value)
+    assert "missing or invalid bearer token" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--valid-for", "1h"], "--valid-for applies to job tokens"),
+        (["--job", "j", "--valid-for", "soon"], "is not a duration"),
+        (["--job", "j", "--valid-for", "0s"], "is not a duration"),
+        (["--job", "j", "--valid-for", "4000d"], "is not a duration"),
+    ],
+)
+def test_cli_refuses_a_validity_it_cannot_honour(
+    daemon: DaemonProcess, tmp_path: Path, args: list[str], says: str
+) -> None:
+    path = tmp_path / "t"
+    done = subprocess.run(
+        [*CLI, "token", *args, "--admin-token-file", str(daemon.token_file), str(path)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert not path.exists()
