@@ -1,5 +1,6 @@
 """What the sync and asyncio clients share: per-client session state, request
-building and the heartbeat-stream decisions. No I/O here."""
+building and the heartbeat-stream decisions. No I/O here; the calls that use it
+are ``_calls``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client.connection import RetryPolicy
+from rendezvousd.client.connection import RetryPolicy, TlsConfig
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -74,6 +76,48 @@ class JoinRequest(TypedDict):
     timeout: NotRequired[float]
 
 
+class NodeJoinRequest(TypedDict):
+    """The keywords of both clients' ``join_node()``, declared once."""
+
+    min_nodes: int
+    max_nodes: int
+    gpus_per_node: int
+    # None: the daemon assigns the node rank.
+    node_rank: NotRequired[int | None]
+    # One per local rank: where peers reach each worker.
+    addresses: NotRequired[Sequence[str]]
+    # Runs only if this node becomes node 0 (else 128 random bytes).
+    id_factory: NotRequired[Callable[[], bytes] | None]
+    # Seconds after the last arrival that form a generation of >= min_nodes
+    # (None: the daemon's default).
+    last_call: NotRequired[float | None]
+    # Seconds to wait for the generation (None: JOIN_TIMEOUT_S).
+    timeout: NotRequired[float | None]
+    # Default: this host's name.
+    host: NotRequired[str | None]
+
+
+class ClientOptions(TypedDict, total=False):
+    """The keywords of both clients' constructors, declared once."""
+
+    # The bearer token, else read from token_file, else from the environment.
+    token: str | None
+    token_file: Path | str | None
+    # None: plaintext.
+    tls: TlsConfig | None
+    # Attempts after the first for a retryable failure (1).
+    retry_attempts: int
+    # Seconds for one call that does not wait for peers (30).
+    call_timeout: float
+    # Seconds for the health check to reach the daemon (30).
+    connect_timeout: float
+    # Silence on the heartbeat stream before DaemonUnreachable (None: the daemon's
+    # heartbeat timeout, 10 s for an older daemon).
+    reconnect_window: float | None
+    # The one attempt leave() makes to tell the daemon (LEAVE_TIMEOUT_S).
+    leave_timeout: float
+
+
 @dataclass
 class Session:
     """Per-client state: the membership, barrier counts and any failure seen."""
@@ -100,8 +144,22 @@ class Session:
     on_nodes_waiting: Callable[[int], None] | None = None
     # Makes one GetMembers call (blocking): how a slim join's table is fetched.
     get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
+    leave_timeout: float = LEAVE_TIMEOUT_S
     # The heartbeat thread and the watchdog may both report; on_failure runs once.
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def create(cls, endpoint: str, job_id: str, token: str, options: ClientOptions) -> Session:
+        """A client's session, with the constructor's defaults for what it left out."""
+        return cls(
+            endpoint,
+            job_id,
+            token,
+            RetryPolicy(options.get("retry_attempts", 1)),
+            options.get("call_timeout", 30.0),
+            options.get("connect_timeout", 30.0),
+            leave_timeout=options.get("leave_timeout", LEAVE_TIMEOUT_S),
+        )
 
     def heartbeat_interval(self, requested: float) -> float:
         """``requested``, or less: a third of the daemon's heartbeat timeout at most.
@@ -180,16 +238,18 @@ class Session:
         min_nodes: int,
         max_nodes: int,
         gpus_per_node: int,
-        node_rank: int | None,
-        host: str | None,
-        addresses: Sequence[str],
-        last_call: float | None,
-        timeout: float,
-    ) -> pb.JoinNodeRequest:
+        node_rank: int | None = None,
+        addresses: Sequence[str] = (),
+        id_factory: Callable[[], bytes] | None = None,
+        last_call: float | None = None,
+        timeout: float | None = None,
+        host: str | None = None,
+    ) -> JoinPlan:
         """Start a node join: a fresh node instance id, cleared state, the request."""
         self.new_instance()
         self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
         self.leaving, self.nodes_waiting = False, 0
+        wait = JOIN_TIMEOUT_S if timeout is None else timeout
         request = pb.JoinNodeRequest(
             job_id=self.job_id,
             min_nodes=min_nodes,
@@ -198,13 +258,14 @@ class Session:
             host=host or socket.gethostname(),
             addresses=list(addresses),
             instance_id=self.instance_id,
-            wait_timeout_ms=int(timeout * 1000),
+            wait_timeout_ms=int(wait * 1000),
             last_call_ms=int((last_call or 0) * 1000),
             slim=True,
         )
         if node_rank is not None:
             request.node_rank = node_rank
-        return request
+        # A node cannot pin the id: only id_factory makes it, for node 0.
+        return JoinPlan(self, None, id_factory, wait, time.monotonic(), request)
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
@@ -553,7 +614,7 @@ class JoinPlan:
     id_factory: Callable[[], bytes] | None
     timeout: float
     started: float
-    request: pb.JoinRequest = field(default_factory=pb.JoinRequest)
+    request: pb.JoinRequest | pb.JoinNodeRequest = field(default_factory=pb.JoinRequest)
 
     def make_id(self) -> bytes:
         """Rank 0's id: the caller's bytes, else ``id_factory()``, else 128 random bytes."""
@@ -563,12 +624,12 @@ class JoinPlan:
         return max(0.001, self.timeout - (time.monotonic() - self.started))
 
     def fresh_id_after(self, error: RendezvousError) -> bool:
-        """True when the Join should be sent again with a new id.
+        """True when the join (Join or JoinNode) should be sent again with a new id.
 
-        A restarted daemon fenced the generation our id belonged to: a fresh id is
-        all rank 0 needs, unless the caller pinned the bytes.
+        A restarted daemon fenced the generation the id we sent belonged to: a fresh
+        id is all rank 0 needs, unless the caller pinned the bytes.
         """
-        if error.reason != "ID_REUSED" or self.unique_id is not None:
+        if error.reason != "ID_REUSED" or self.unique_id is not None or not self.request.unique_id:
             return False
         self.request.unique_id = self.make_id()
         return True
