@@ -12,7 +12,7 @@ so the two cannot drift.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -106,21 +106,27 @@ Steps = Generator[Step, Any, T]
 
 
 class Run(Generic[T]):
-    """Steps one call: ``advance`` feeds the last step's outcome and tells whether
-    another step (``step``) is due; once not, the call's result is ``value``."""
+    """Steps one call: iterating gives each step due; the driver leaves the step's
+    ``answer`` (or ``error``) before taking the next. Then the result is ``value``."""
 
     def __init__(self, steps: Steps[T]) -> None:
         self._steps = steps
-        self.step: Step = StopStream()
+        self.answer: Any = None
+        self.error: BaseException | None = None
         self.value: T
 
-    def advance(self, answer: Any = None, error: BaseException | None = None) -> bool:
-        try:
-            self.step = self._steps.send(answer) if error is None else self._steps.throw(error)
-        except StopIteration as done:
-            self.value = done.value
-            return False
-        return True
+    def __iter__(self) -> Iterator[Step]:
+        while True:
+            outcome, self.answer, self.error = (self.answer, self.error), None, None
+            try:
+                if outcome[1] is None:
+                    step = self._steps.send(outcome[0])
+                else:
+                    step = self._steps.throw(outcome[1])
+            except StopIteration as done:
+                self.value = done.value
+                return
+            yield step
 
 
 class Calls:
@@ -396,3 +402,63 @@ class Calls:
     def forget(self) -> None:
         """After leave(): no member or node is held any more."""
         self.s.joined = self.s.node = None
+
+
+class ClientBase:
+    """What both clients answer without I/O: the session's state, and ``attach``."""
+
+    def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
+        self._c = Calls(endpoint, job_id, options)
+        self._s = self._c.s
+
+    @property
+    def endpoint(self) -> str:
+        return self._s.endpoint
+
+    @property
+    def membership(self) -> Membership | None:
+        return self._s.joined
+
+    @property
+    def node_membership(self) -> NodeMembership | None:
+        return self._s.node
+
+    @property
+    def failure(self) -> RendezvousError | None:
+        return self._s.failure
+
+    def _kv_scope(self) -> dict[str, Any]:
+        """The fields naming this member on a request (tests build raw ones with it)."""
+        return self._s.scope()
+
+    def raise_if_failed(self) -> None:
+        if self._s.failure is not None:
+            raise self._s.failure
+
+    def nodes_waiting(self) -> int:
+        """Nodes parked for the next generation (NODES_WAITING from the daemon), 0 if none."""
+        return self._s.nodes_waiting
+
+    def start_heartbeat(
+        self,
+        interval: float = 1.0,
+        on_failure: Callable[[RendezvousError], None] | None = None,
+        on_nodes_waiting: Callable[[int], None] | None = None,
+    ) -> None:
+        """Heartbeat in the background (the sync client's thread, the asyncio one's
+        task); ``on_failure`` runs once, on the heartbeat's thread or the sync
+        watchdog's: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``... After
+        join_node() the stream is the whole node's; ``on_nodes_waiting(count)`` runs
+        when nodes park for a next generation."""
+        watch, interval = self._c.stream(interval, on_failure, on_nodes_waiting)
+        self._start_stream(watch, interval)
+
+    def _start_stream(self, watch: StreamWatch, interval: float) -> None:
+        raise NotImplementedError  # each client streams with its own I/O
+
+    def attach(self, membership: Membership, instance_id: str) -> None:
+        """Act as ``membership``'s member (registered by a node agent's join_node) for
+        barrier(), kv_*() and abort(), without joining and without a heartbeat of our
+        own: the agent's node heartbeat covers this worker. A wrong ``instance_id`` is
+        refused by the daemon at the first call (DuplicateRank)."""
+        self._s.attach(membership, instance_id)

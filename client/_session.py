@@ -569,6 +569,13 @@ class StreamWatch:
             self.session.fail(self.unreachable(now - self.outage_since))
         return self.done
 
+    def ended(self, error: grpc.RpcError | None) -> float | None:
+        """The stream ended, by ``error`` or not: seconds to wait before reconnecting,
+        or None once this member is over."""
+        if error is not None and not self.on_error(error):
+            return None
+        return self.next_backoff()
+
     def next_backoff(self) -> float | None:
         """Seconds to wait before reconnecting, or None once this member is over."""
         self.outage_since = self.outage_since or time.monotonic()

@@ -1,14 +1,14 @@
 """``AsyncRendezvousClient``: the asyncio SDK, with heartbeats on a background task.
 
-It only performs I/O: every call's decisions are ``_calls.Calls``', shared with
-``RendezvousClient``."""
+The twin of ``sync``: the same ``_calls.Calls`` steps, awaited on the event loop
+(blocking work on a thread)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -16,31 +16,19 @@ from grpc_health.v1 import health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._calls import (
-    Blocking,
-    Calls,
-    Connected,
-    Rpc,
-    Run,
-    Sleep,
-    Step,
-    Steps,
-    StopStream,
-)
+from rendezvousd.client import _calls as steps
 from rendezvousd.client._session import ClientOptions, JoinRequest, NodeJoinRequest, StreamWatch
 from rendezvousd.client._tables import BlockingMembers
-from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.membership import Member, Membership, NodeMembership
 
 T = TypeVar("T")
 
 
-class AsyncRendezvousClient:
+class AsyncRendezvousClient(steps.ClientBase):
     """Same methods and parameters as ``RendezvousClient``, as coroutines."""
 
     def __init__(self, endpoint: str, job_id: str = "", **options: Unpack[ClientOptions]) -> None:
-        self._c = Calls(endpoint, job_id, options)
-        self._s = self._c.s
+        super().__init__(endpoint, job_id, options)
         self._channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -50,39 +38,25 @@ class AsyncRendezvousClient:
         self._s.get_members = self._blocking
         self._hb_task: asyncio.Task[None] | None = None
 
-    @property
-    def endpoint(self) -> str:
-        return self._s.endpoint
-
-    @property
-    def membership(self) -> Membership | None:
-        return self._s.joined
-
-    @property
-    def failure(self) -> RendezvousError | None:
-        return self._s.failure
-
-    async def _run(self, steps: Steps[T]) -> T:
-        run = Run(steps)
-        answer: Any = None
-        error: BaseException | None = None
-        while run.advance(answer, error):
+    async def _run(self, calls: steps.Steps[T]) -> T:
+        run = steps.Run(calls)
+        for step in run:
             try:
-                answer, error = await self._perform(run.step), None
+                run.answer = await self._perform(step)
             except BaseException as exc:  # thrown into the call, which decides
-                answer, error = None, exc
+                run.error = exc
         return run.value
 
-    async def _perform(self, step: Step) -> Any:
-        if isinstance(step, Rpc):
+    async def _perform(self, step: steps.Step) -> Any:
+        if isinstance(step, steps.Rpc):
             return await step.invoke(self._stub, self._health, self._s.metadata)
-        if isinstance(step, Sleep):
+        if isinstance(step, steps.Sleep):
             await asyncio.sleep(step.seconds)
-        elif isinstance(step, Blocking):
+        elif isinstance(step, steps.Blocking):
             return await asyncio.to_thread(step.work)
-        elif isinstance(step, StopStream):
+        elif isinstance(step, steps.StopStream):
             await self._stop_heartbeat()
-        elif isinstance(step, Connected):
+        elif isinstance(step, steps.Connected):
             return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
         return None
 
@@ -101,18 +75,6 @@ class AsyncRendezvousClient:
     async def report_failure(self, local_rank: int, cause: str) -> None:
         """``RendezvousClient.report_failure``, awaited."""
         await self._run(self._c.report_failure(local_rank, cause))
-
-    def attach(self, membership: Membership, instance_id: str) -> None:
-        """``RendezvousClient.attach``: act as an agent-registered member."""
-        self._s.attach(membership, instance_id)
-
-    def nodes_waiting(self) -> int:
-        """Nodes parked for the next generation (NODES_WAITING from the daemon), 0 if none."""
-        return self._s.nodes_waiting
-
-    @property
-    def node_membership(self) -> NodeMembership | None:
-        return self._s.node
 
     async def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         await self._run(self._c.barrier(name, timeout))
@@ -144,18 +106,7 @@ class AsyncRendezvousClient:
         """``RendezvousClient.abort``, awaited."""
         return await self._run(self._c.abort(reason, job_id, generation))
 
-    def raise_if_failed(self) -> None:
-        if self._s.failure is not None:
-            raise self._s.failure
-
-    def start_heartbeat(
-        self,
-        interval: float = 1.0,
-        on_failure: Callable[[RendezvousError], None] | None = None,
-        on_nodes_waiting: Callable[[int], None] | None = None,
-    ) -> None:
-        """``RendezvousClient.start_heartbeat`` on a task of the running loop."""
-        watch, interval = self._c.stream(interval, on_failure, on_nodes_waiting)
+    def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         loop = asyncio.get_running_loop()
         self._hb_task = loop.create_task(self._heartbeat_loop(watch, interval))
 
@@ -170,6 +121,7 @@ class AsyncRendezvousClient:
             call = self._stub.Heartbeat(
                 self._heartbeat_requests(interval), metadata=self._s.metadata, timeout=3600.0
             )
+            error: grpc.aio.AioRpcError | None = None
             try:
                 while True:
                     # Bounded by the unreachable deadline: a dead route or a daemon
@@ -180,19 +132,13 @@ class AsyncRendezvousClient:
                         event = await asyncio.wait_for(call.read(), wait)
                     except TimeoutError:
                         break
-                    if event is grpc.aio.EOF:
-                        break
-                    action = watch.on_event(event)
-                    if action == "stop":
-                        return
-                    if action == "reconnect":
+                    if event is grpc.aio.EOF or watch.on_event(event) != "continue":
                         break
             except grpc.aio.AioRpcError as exc:
-                if not watch.on_error(exc):
-                    return
+                error = exc
             finally:
                 call.cancel()
-            delay = watch.next_backoff()
+            delay = watch.ended(error)
             if delay is None:
                 return
             await asyncio.sleep(delay)

@@ -1,13 +1,13 @@
 """``RendezvousClient``: the blocking SDK, with heartbeats on a background thread.
 
-It only performs I/O: every call's decisions are ``_calls.Calls``', shared with
-``AsyncRendezvousClient``."""
+Its calls are the shared ``_calls.Calls`` steps, performed here as blocking gRPC
+calls and sleeps: this module decides nothing, so it cannot drift from ``aio``."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -15,26 +15,15 @@ from grpc_health.v1 import health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._calls import (
-    Blocking,
-    Calls,
-    Connected,
-    Rpc,
-    Run,
-    Sleep,
-    Step,
-    Steps,
-    StopStream,
-)
+from rendezvousd.client import _calls as steps
 from rendezvousd.client._session import ClientOptions, JoinRequest, NodeJoinRequest, StreamWatch
 from rendezvousd.client._tables import BlockingMembers
-from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.membership import Membership, NodeMembership
 
 T = TypeVar("T")
 
 
-class RendezvousClient:
+class RendezvousClient(steps.ClientBase):
     """The blocking SDK: join a job, then barrier, key-value and leave; heartbeats run
     on a background thread and a peer failure surfaces as ``PeerFailed``.
 
@@ -48,8 +37,7 @@ class RendezvousClient:
     """
 
     def __init__(self, endpoint: str, job_id: str = "", **options: Unpack[ClientOptions]) -> None:
-        self._c = Calls(endpoint, job_id, options)
-        self._s = self._c.s
+        super().__init__(endpoint, job_id, options)
         self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -66,39 +54,29 @@ class RendezvousClient:
 
     # -- plumbing: the I/O of the shared steps -------------------------------------
 
-    @property
-    def endpoint(self) -> str:
-        return self._s.endpoint
-
-    @property
-    def membership(self) -> Membership | None:
-        return self._s.joined
-
-    def _run(self, steps: Steps[T]) -> T:
-        run = Run(steps)
-        answer: Any = None
-        error: BaseException | None = None
-        while run.advance(answer, error):
+    def _run(self, calls: steps.Steps[T]) -> T:
+        run = steps.Run(calls)
+        for step in run:
             try:
-                answer, error = self._perform(run.step), None
+                run.answer = self._perform(step)
             except BaseException as exc:  # thrown into the call, which decides
-                answer, error = None, exc
+                run.error = exc
         return run.value
 
     def _call(self, method: str, request: Any) -> Any:
         """One call with the retry policy (tests ask the daemon directly with it)."""
         return self._run(self._c.call(method, request))
 
-    def _perform(self, step: Step) -> Any:
-        if isinstance(step, Rpc):
+    def _perform(self, step: steps.Step) -> Any:
+        if isinstance(step, steps.Rpc):
             return step.invoke(self._stub, self._health, self._s.metadata)
-        if isinstance(step, Sleep):
+        if isinstance(step, steps.Sleep):
             time.sleep(step.seconds)
-        elif isinstance(step, Blocking):
+        elif isinstance(step, steps.Blocking):
             return step.work()
-        elif isinstance(step, StopStream):
+        elif isinstance(step, steps.StopStream):
             self._stop_heartbeat()
-        elif isinstance(step, Connected):
+        elif isinstance(step, steps.Connected):
             # A blocking channel cannot say without connecting: always health-check
             # (one round trip per join, which a blocking client makes rarely).
             return False
@@ -138,21 +116,6 @@ class RendezvousClient:
         rank lost with ``cause``, fails the generation and tells the other nodes."""
         self._run(self._c.report_failure(local_rank, cause))
 
-    def attach(self, membership: Membership, instance_id: str) -> None:
-        """Act as ``membership``'s member (registered by a node agent's join_node) for
-        barrier(), kv_*() and abort(), without joining and without a heartbeat of our
-        own: the agent's node heartbeat covers this worker. A wrong ``instance_id`` is
-        refused by the daemon at the first call (DuplicateRank)."""
-        self._s.attach(membership, instance_id)
-
-    def nodes_waiting(self) -> int:
-        """Nodes parked for the next generation (NODES_WAITING from the daemon), 0 if none."""
-        return self._s.nodes_waiting
-
-    @property
-    def node_membership(self) -> NodeMembership | None:
-        return self._s.node
-
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         self._run(self._c.barrier(name, timeout))
 
@@ -172,14 +135,6 @@ class RendezvousClient:
         """Abort the job's current generation, or only ``generation`` (a generation
         already replaced is left alone); returns the generation aborted."""
         return self._run(self._c.abort(reason, job_id, generation))
-
-    def raise_if_failed(self) -> None:
-        if self._s.failure is not None:
-            raise self._s.failure
-
-    @property
-    def failure(self) -> RendezvousError | None:
-        return self._s.failure
 
     # -- key-value store --------------------------------------------------------
 
@@ -210,17 +165,7 @@ class RendezvousClient:
 
     # -- heartbeat ----------------------------------------------------------------
 
-    def start_heartbeat(
-        self,
-        interval: float = 1.0,
-        on_failure: Callable[[RendezvousError], None] | None = None,
-        on_nodes_waiting: Callable[[int], None] | None = None,
-    ) -> None:
-        """Heartbeat on a daemon thread; ``on_failure`` runs on that thread or the
-        watchdog's, once: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``...
-        After join_node() the stream is the whole node's; ``on_nodes_waiting(count)``
-        runs on the heartbeat thread when nodes park for a next generation."""
-        watch, interval = self._c.stream(interval, on_failure, on_nodes_waiting)
+    def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         self._hb_stop.clear()
         name = f"rendezvous-heartbeat-{watch.member.job_id}-{watch.member.rank}"
         self._hb_thread = threading.Thread(
@@ -246,19 +191,16 @@ class RendezvousClient:
                 timeout=3600.0,
             )
             self._hb_call = call
+            error: grpc.RpcError | None = None
             try:
                 for event in call:
-                    action = watch.on_event(event)
-                    if action == "stop":
-                        return
-                    if action == "reconnect":
-                        break
+                    if watch.on_event(event) != "continue":
+                        break  # this member failed, or the daemon is draining
             except grpc.RpcError as exc:
-                if self._hb_stop.is_set() or not watch.on_error(exc):
-                    return
+                error = exc
             finally:
                 call.cancel()
-            delay = watch.next_backoff()
+            delay = None if self._hb_stop.is_set() else watch.ended(error)
             if delay is None:
                 return
             self._hb_stop.wait(delay)
