@@ -12,6 +12,7 @@ so the two cannot drift.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -34,7 +35,6 @@ from rendezvousd.client.connection import (
     TLS_PROBE_TIMEOUT_S,
     TlsProbe,
     channel_options,
-    resolve_token,
 )
 from rendezvousd.client.errors import (
     DaemonUnavailable,
@@ -117,12 +117,9 @@ class Run(Generic[T]):
 
     def __iter__(self) -> Iterator[Step]:
         while True:
-            outcome, self.answer, self.error = (self.answer, self.error), None, None
+            answer, error, self.answer, self.error = self.answer, self.error, None, None
             try:
-                if outcome[1] is None:
-                    step = self._steps.send(outcome[0])
-                else:
-                    step = self._steps.throw(outcome[1])
+                step = self._steps.send(answer) if error is None else self._steps.throw(error)
             except StopIteration as done:
                 self.value = done.value
                 return
@@ -133,17 +130,10 @@ class Calls:
     """The SDK's calls for one client: its session, TLS probe and leave timeout."""
 
     def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
-        tls = options.get("tls")
-        self.s = Session.create(
-            endpoint,
-            job_id,
-            resolve_token(options.get("token"), options.get("token_file")),
-            options,
-        )
-        self.tls = tls
-        self.probe = TlsProbe(endpoint, tls=tls is not None)
+        self.s = Session.create(endpoint, job_id, options)
+        self.tls = options.get("tls")
+        self.probe = TlsProbe(endpoint, tls=self.tls is not None)
         self.reconnect_window = options.get("reconnect_window")
-        self.leave_timeout = self.s.leave_timeout
 
     def channel(self, secure: Callable[..., C], insecure: Callable[..., C]) -> C:
         """The client's channel, made by its gRPC flavour's ``secure``/``insecure_channel``."""
@@ -226,7 +216,7 @@ class Calls:
             except grpc.RpcError as exc:
                 # A plaintext client's refusal asks the daemon over a socket of
                 # its own (blocking, up to TLS_SNIFF_TIMEOUT_S).
-                refusal = yield Blocking(lambda exc=exc: probe.refusal(exc))  # type: ignore[misc]
+                refusal = yield Blocking(functools.partial(probe.refusal, exc))
                 if refusal is not None:
                     raise self.s.tls_refused(refusal) from None
                 if not probe.again(exc):
@@ -288,22 +278,20 @@ class Calls:
         m = s.member()
         table = m._table
         if isinstance(table, LazyTable) and not table.loaded:
-            members: list[pb.Member] = []
-            digest = b""
-            while len(members) < m.world_size:
-                request = pb.GetMembersRequest(
-                    job_id=m.job_id,
-                    generation=m.generation,
-                    rank=m.rank,
-                    instance_id=s.instance_id,
-                    start_rank=len(members),
-                )
-                page = yield from self.call("GetMembers", request)
-                digest = digest or page.table_digest
-                if not page.members or page.table_digest != digest:
-                    break
-                members.extend(page.members)
-            table.accept(members, digest)
+            pages = table.pages()
+            try:
+                start = next(pages)
+                while True:
+                    request = pb.GetMembersRequest(
+                        job_id=m.job_id,
+                        generation=m.generation,
+                        rank=m.rank,
+                        instance_id=s.instance_id,
+                        start_rank=start,
+                    )
+                    start = pages.send((yield from self.call("GetMembers", request)))
+            except StopIteration as done:
+                table.accept(done.value)
         return m.members
 
     def report_failure(self, local_rank: int, cause: str) -> Steps[None]:
@@ -324,7 +312,7 @@ class Calls:
         if request is None:
             return
         try:
-            yield Rpc("Leave", request, self.leave_timeout)
+            yield Rpc("Leave", request, self.s.leave_timeout)
         except grpc.RpcError as exc:
             self.s.leave_failed(request, exc)
 

@@ -19,7 +19,7 @@ from typing import Any, NotRequired, TypedDict
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client.connection import RetryPolicy, TlsConfig
+from rendezvousd.client.connection import RetryPolicy, TlsConfig, resolve_token
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -149,12 +149,12 @@ class Session:
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def create(cls, endpoint: str, job_id: str, token: str, options: ClientOptions) -> Session:
+    def create(cls, endpoint: str, job_id: str, options: ClientOptions) -> Session:
         """A client's session, with the constructor's defaults for what it left out."""
         return cls(
             endpoint,
             job_id,
-            token,
+            resolve_token(options.get("token"), options.get("token_file")),
             RetryPolicy(options.get("retry_attempts", 1)),
             options.get("call_timeout", 30.0),
             options.get("connect_timeout", 30.0),
@@ -185,10 +185,12 @@ class Session:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),)
 
-    def new_instance(self) -> str:
-        # A fresh identity per join() call; retries inside that call reuse it.
-        self.instance_id = secrets.token_hex(16)
-        return self.instance_id
+    def begin(self, instance_id: str = "") -> None:
+        """A new join (a fresh identity per call; retries inside it reuse it), or an
+        attach as ``instance_id``: nothing of the last one is kept."""
+        self.instance_id = instance_id or secrets.token_hex(16)
+        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
+        self.leaving, self.nodes_waiting = False, 0
 
     def member(self) -> Membership:
         if self.failure is not None:
@@ -246,9 +248,7 @@ class Session:
         host: str | None = None,
     ) -> JoinPlan:
         """Start a node join: a fresh node instance id, cleared state, the request."""
-        self.new_instance()
-        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
-        self.leaving, self.nodes_waiting = False, 0
+        self.begin()
         wait = JOIN_TIMEOUT_S if timeout is None else timeout
         request = pb.JoinNodeRequest(
             job_id=self.job_id,
@@ -314,7 +314,7 @@ class Session:
                 job_id=membership.job_id,
                 rank=membership.rank,
             )
-        self.instance_id = instance_id
+        self.begin(instance_id)
         if not isinstance(membership._table, LazyTable) and not membership._table:
             # Handed over without its table (e.g. rebuilt from the agent's message):
             # fetch it on first use as this member.
@@ -324,8 +324,7 @@ class Session:
             if fetch is not None:
                 table = LazyTable(fetch, membership.world_size)
                 membership = dataclasses.replace(membership, _table=table)
-        self.joined, self.node, self.failure, self.barrier_counts = membership, None, None, {}
-        self.leaving = False
+        self.joined = membership
 
     def plan_join(
         self,
@@ -341,9 +340,7 @@ class Session:
         timeout: float = JOIN_TIMEOUT_S,
     ) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
-        self.new_instance()
-        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
-        self.leaving = False
+        self.begin()
         plan = JoinPlan(self, unique_id, id_factory, timeout, time.monotonic())
         known_rank_zero = node_rank == 0 and local_rank == 0
         plan.request = pb.JoinRequest(

@@ -27,13 +27,8 @@ class RendezvousClient(steps.ClientBase):
     """The blocking SDK: join a job, then barrier, key-value and leave; heartbeats run
     on a background thread and a peer failure surfaces as ``PeerFailed``.
 
-    The keywords are ``ClientOptions``': ``token`` / ``token_file``, ``tls``,
-    ``retry_attempts`` (1), ``call_timeout`` (30 s), ``connect_timeout`` (30 s),
-    ``reconnect_window``: how long the heartbeat stream may hear nothing from the
-    daemon before ``DaemonUnreachable`` is reported (default: the heartbeat timeout
-    the daemon advertises at join, 10 s for an older daemon); a daemon restarted
-    within it is reattached silently. ``leave_timeout``: the one attempt ``leave()``
-    makes to tell the daemon.
+    The keywords are ``ClientOptions``' (token, TLS, retries, timeouts). A daemon
+    restarted within ``reconnect_window`` is reattached silently.
     """
 
     def __init__(self, endpoint: str, job_id: str = "", **options: Unpack[ClientOptions]) -> None:
