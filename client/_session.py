@@ -631,12 +631,14 @@ class JoinPlan:
         """True when the join (Join or JoinNode) should be sent again with a new id.
 
         A restarted daemon fenced the generation the id we sent belonged to: a fresh
-        id is all rank 0 needs, unless the caller pinned the bytes.
+        id is all rank 0 needs, unless the caller pinned the bytes. An id factory that
+        makes the refused id again cannot help: the error stands (not a loop).
         """
-        if error.reason != "ID_REUSED" or self.unique_id is not None or not self.request.unique_id:
+        refused = self.request.unique_id
+        if error.reason != "ID_REUSED" or self.unique_id is not None or not refused:
             return False
         self.request.unique_id = self.make_id()
-        return True
+        return self.request.unique_id != refused
 
     def publish_request(self, response: pb.JoinResponse) -> pb.PublishIdRequest:
         return pb.PublishIdRequest(

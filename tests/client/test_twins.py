@@ -178,6 +178,29 @@ def fenced_node_id_is_replaced(w: World) -> object:
     return first.unique_id == ID1, again.unique_id == ID0, again.generation - first.generation
 
 
+def factory_of_a_fenced_id_is_refused(w: World) -> object:
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, unique_id=ID0, timeout=10)
+    c.abort("next generation")
+    made: list[int] = []
+
+    def used_id() -> bytes:
+        made.append(1)
+        return ID0
+
+    rank = error_of(
+        lambda: c.join(
+            num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, id_factory=used_id, timeout=5
+        )
+    )
+    # The node join used to send the same fenced id again and again, without end.
+    (node,) = parallel(
+        [lambda: c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, id_factory=used_id)]
+    )
+    assert isinstance(node, RendezvousError), node
+    return rank, (type(node).__name__, node.reason), len(made)
+
+
 def peer_failure_reaches_the_other_node(w: World) -> object:
     a, b = w.client(), w.client()
     nodes = all_of(
@@ -292,6 +315,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "a fenced id is replaced": (fenced_id_is_replaced, True),
     "a fenced pinned id is refused": (fenced_pinned_id_is_refused, ("InvalidRequest", "ID_REUSED")),
     "a fenced node id is replaced": (fenced_node_id_is_replaced, (True, True, 1)),
+    "an id factory making a fenced id": (
+        factory_of_a_fenced_id_is_refused,
+        (("InvalidRequest", "ID_REUSED"), ("InvalidRequest", "ID_REUSED"), 4),
+    ),
     "peer failure": (peer_failure_reaches_the_other_node, ("PeerFailed", [1], True)),
     "abort": (abort_reaches_a_member, ("JobAborted", True)),
     "leave": (leave_ends_membership, (None, None, ("InvalidRequest", ""))),
