@@ -29,6 +29,7 @@ from rendezvousd.client._session import (
     NodeJoinRequest,
     Session,
     StreamWatch,
+    page_request,
 )
 from rendezvousd.client.connection import (
     SERVICE,
@@ -282,13 +283,7 @@ class Calls:
             try:
                 start = next(pages)
                 while True:
-                    request = pb.GetMembersRequest(
-                        job_id=m.job_id,
-                        generation=m.generation,
-                        rank=m.rank,
-                        instance_id=s.instance_id,
-                        start_rank=start,
-                    )
+                    request = page_request(m.job_id, m.generation, m.rank, s.instance_id, start)
                     start = pages.send((yield from self.call("GetMembers", request)))
             except StopIteration as done:
                 table.accept(done.value)
@@ -366,31 +361,6 @@ class Calls:
         response: pb.GetJobResponse = yield from self.call("GetJob", request)
         return response
 
-    # -- heartbeat and lifetime ------------------------------------------------------------
-
-    def stream(
-        self,
-        interval: float,
-        on_failure: Callable[[RendezvousError], None] | None,
-        on_nodes_waiting: Callable[[int], None] | None,
-    ) -> tuple[StreamWatch, float]:
-        """Start watching a heartbeat stream: its decisions and the beat interval."""
-        m = self.s.stream_member()
-        interval = self.s.heartbeat_interval(interval)
-        self.s.on_failure = on_failure
-        self.s.on_nodes_waiting = on_nodes_waiting
-        return StreamWatch(self.s, m, self.reconnect_window), interval
-
-    def leaves_on_exit(self, exc_type: object) -> bool:
-        """Whether leaving a ``with`` block says goodbye: a clean exit of a live member."""
-        s = self.s
-        joined = s.joined is not None or s.node is not None
-        return exc_type is None and joined and s.failure is None
-
-    def forget(self) -> None:
-        """After leave(): no member or node is held any more."""
-        self.s.joined = self.s.node = None
-
 
 class ClientBase:
     """What both clients answer without I/O: the session's state, and ``attach``."""
@@ -438,8 +408,12 @@ class ClientBase:
         watchdog's: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``... After
         join_node() the stream is the whole node's; ``on_nodes_waiting(count)`` runs
         when nodes park for a next generation."""
-        watch, interval = self._c.stream(interval, on_failure, on_nodes_waiting)
-        self._start_stream(watch, interval)
+        s = self._s
+        m = s.stream_member()
+        s.on_failure, s.on_nodes_waiting = on_failure, on_nodes_waiting
+        self._start_stream(
+            StreamWatch(s, m, self._c.reconnect_window), s.heartbeat_interval(interval)
+        )
 
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         raise NotImplementedError  # each client streams with its own I/O
@@ -450,3 +424,13 @@ class ClientBase:
         own: the agent's node heartbeat covers this worker. A wrong ``instance_id`` is
         refused by the daemon at the first call (DuplicateRank)."""
         self._s.attach(membership, instance_id)
+
+    def _leaves_on_exit(self, exc_type: object) -> bool:
+        """Whether leaving a ``with`` block says goodbye: a clean exit of a live member."""
+        s = self._s
+        live = (s.joined is not None or s.node is not None) and s.failure is None
+        return exc_type is None and live
+
+    def _forget(self) -> None:
+        """After leave(): no member or node is held any more."""
+        self._s.joined = self._s.node = None

@@ -82,40 +82,29 @@ class NodeJoinRequest(TypedDict):
     min_nodes: int
     max_nodes: int
     gpus_per_node: int
-    # None: the daemon assigns the node rank.
-    node_rank: NotRequired[int | None]
-    # One per local rank: where peers reach each worker.
-    addresses: NotRequired[Sequence[str]]
-    # Runs only if this node becomes node 0 (else 128 random bytes).
-    id_factory: NotRequired[Callable[[], bytes] | None]
-    # Seconds after the last arrival that form a generation of >= min_nodes
-    # (None: the daemon's default).
+    node_rank: NotRequired[int | None]  # None: the daemon assigns it
+    addresses: NotRequired[Sequence[str]]  # one per local rank: where peers reach it
+    id_factory: NotRequired[Callable[[], bytes] | None]  # runs only on node 0
+    # Seconds after the last arrival that form a generation of >= min_nodes (None:
+    # the daemon's default).
     last_call: NotRequired[float | None]
-    # Seconds to wait for the generation (None: JOIN_TIMEOUT_S).
-    timeout: NotRequired[float | None]
-    # Default: this host's name.
-    host: NotRequired[str | None]
+    timeout: NotRequired[float | None]  # seconds to wait (None: JOIN_TIMEOUT_S)
+    host: NotRequired[str | None]  # default: this host's name
 
 
 class ClientOptions(TypedDict, total=False):
-    """The keywords of both clients' constructors, declared once."""
+    """The keywords of both clients' constructors, declared once (defaults in ())."""
 
-    # The bearer token, else read from token_file, else from the environment.
-    token: str | None
+    token: str | None  # else read from token_file, else from the environment
     token_file: Path | str | None
-    # None: plaintext.
-    tls: TlsConfig | None
-    # Attempts after the first for a retryable failure (1).
-    retry_attempts: int
-    # Seconds for one call that does not wait for peers (30).
-    call_timeout: float
-    # Seconds for the health check to reach the daemon (30).
-    connect_timeout: float
+    tls: TlsConfig | None  # None: plaintext
+    retry_attempts: int  # after the first, for a retryable failure (1)
+    call_timeout: float  # seconds for a call that does not wait for peers (30)
+    connect_timeout: float  # seconds for the health check to reach the daemon (30)
     # Silence on the heartbeat stream before DaemonUnreachable (None: the daemon's
     # heartbeat timeout, 10 s for an older daemon).
     reconnect_window: float | None
-    # The one attempt leave() makes to tell the daemon (LEAVE_TIMEOUT_S).
-    leave_timeout: float
+    leave_timeout: float  # the one attempt leave() makes (LEAVE_TIMEOUT_S)
 
 
 @dataclass
@@ -210,14 +199,7 @@ class Session:
             return None
 
         def fetch(start: int) -> pb.GetMembersResponse:
-            request = pb.GetMembersRequest(
-                job_id=job_id,
-                generation=generation,
-                rank=rank,
-                instance_id=instance_id,
-                start_rank=start,
-            )
-            return call(request)
+            return call(page_request(job_id, generation, rank, instance_id, start))
 
         return fetch
 
@@ -488,6 +470,15 @@ class Session:
         return last
 
 
+def page_request(
+    job_id: str, generation: int, rank: int, instance_id: str, start: int
+) -> pb.GetMembersRequest:
+    """The GetMembers for the page from ``start``, asked as member ``rank``."""
+    return pb.GetMembersRequest(
+        job_id=job_id, generation=generation, rank=rank, instance_id=instance_id, start_rank=start
+    )
+
+
 _TRANSIENT_STREAM_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
@@ -603,12 +594,6 @@ class StreamWatch:
         )
 
 
-def rank_zero_id(unique_id: bytes | None, id_factory: Callable[[], bytes] | None) -> bytes:
-    """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128
-    random bytes (all the CPU backend needs: it keys the ring's HMAC)."""
-    return unique_id or (id_factory() if id_factory else os.urandom(UNIQUE_ID_BYTES))
-
-
 @dataclass
 class JoinPlan:
     """The decisions of one ``join()`` call, shared by the sync and asyncio clients."""
@@ -621,8 +606,10 @@ class JoinPlan:
     request: pb.JoinRequest | pb.JoinNodeRequest = field(default_factory=pb.JoinRequest)
 
     def make_id(self) -> bytes:
-        """Rank 0's id: the caller's bytes, else ``id_factory()``, else 128 random bytes."""
-        return rank_zero_id(self.unique_id, self.id_factory)
+        """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128
+        random bytes (all the CPU backend needs: it keys the ring's HMAC)."""
+        factory = self.id_factory
+        return self.unique_id or (factory() if factory else os.urandom(UNIQUE_ID_BYTES))
 
     def left(self) -> float:
         return max(0.001, self.timeout - (time.monotonic() - self.started))

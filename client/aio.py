@@ -157,7 +157,7 @@ class AsyncRendezvousClient(steps.ClientBase):
             await self._run(self._c.leave())
         finally:
             await self._stop_heartbeat()
-            self._c.forget()
+            self._forget()
 
     async def fetch_members(self) -> tuple[Member, ...]:
         """The joined (or attached) member's table without blocking the event loop.
@@ -178,7 +178,7 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
-            if self._c.leaves_on_exit(exc_type):
+            if self._leaves_on_exit(exc_type):
                 await self.leave()
         finally:
             await self.close()

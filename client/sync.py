@@ -124,7 +124,7 @@ class RendezvousClient(steps.ClientBase):
             self._run(self._c.leave())
         finally:
             self._stop_heartbeat()
-            self._c.forget()
+            self._forget()
 
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
         """Abort the job's current generation, or only ``generation`` (a generation
@@ -237,7 +237,7 @@ class RendezvousClient(steps.ClientBase):
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
-            if self._c.leaves_on_exit(exc_type):
+            if self._leaves_on_exit(exc_type):
                 self.leave()
         finally:
             self.close()
