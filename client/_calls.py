@@ -238,8 +238,10 @@ class Calls:
             response = yield from self.call("PublishId", publish, timeout=plan.left() + SLACK_S)
         m = plan.finish(response)
         if advertises_loopback(address):
-            # The check reads the table: fetched here, as a step of this call, both
-            # clients fetch it alike (the asyncio one without blocking its loop).
+            # Both clients prefetch: the check below reads the whole table, which the
+            # sync client would otherwise fetch lazily with the same GetMembers pages.
+            # As steps of this call, the fetch is the same in both (retries included)
+            # and the asyncio one never blocks its loop on it.
             yield from self.fetch_members()
         if (problem := loopback_conflict(m, address)) is not None:
             # Every rank must hear why, not just this one: abort the job with it.
