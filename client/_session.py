@@ -1,5 +1,6 @@
 """What the sync and asyncio clients share: per-client session state, request
-building and the heartbeat-stream decisions. No I/O here."""
+building and the heartbeat-stream decisions. No I/O here; the calls that use it
+are ``_calls``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client.connection import RetryPolicy
+from rendezvousd.client.connection import RetryPolicy, TlsConfig, resolve_token
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -74,6 +76,37 @@ class JoinRequest(TypedDict):
     timeout: NotRequired[float]
 
 
+class NodeJoinRequest(TypedDict):
+    """The keywords of both clients' ``join_node()``, declared once."""
+
+    min_nodes: int
+    max_nodes: int
+    gpus_per_node: int
+    node_rank: NotRequired[int | None]  # None: the daemon assigns it
+    addresses: NotRequired[Sequence[str]]  # one per local rank: where peers reach it
+    id_factory: NotRequired[Callable[[], bytes] | None]  # runs only on node 0
+    # Seconds after the last arrival that form a generation of >= min_nodes (None:
+    # the daemon's default).
+    last_call: NotRequired[float | None]
+    timeout: NotRequired[float | None]  # seconds to wait (None: JOIN_TIMEOUT_S)
+    host: NotRequired[str | None]  # default: this host's name
+
+
+class ClientOptions(TypedDict, total=False):
+    """The keywords of both clients' constructors, declared once (defaults in ())."""
+
+    token: str | None  # else read from token_file, else from the environment
+    token_file: Path | str | None
+    tls: TlsConfig | None  # None: plaintext
+    retry_attempts: int  # after the first, for a retryable failure (1)
+    call_timeout: float  # seconds for a call that does not wait for peers (30)
+    connect_timeout: float  # seconds for the health check to reach the daemon (30)
+    # Silence on the heartbeat stream before DaemonUnreachable (None: the daemon's
+    # heartbeat timeout, 10 s for an older daemon).
+    reconnect_window: float | None
+    leave_timeout: float  # the one attempt leave() makes (LEAVE_TIMEOUT_S)
+
+
 @dataclass
 class Session:
     """Per-client state: the membership, barrier counts and any failure seen."""
@@ -100,8 +133,22 @@ class Session:
     on_nodes_waiting: Callable[[int], None] | None = None
     # Makes one GetMembers call (blocking): how a slim join's table is fetched.
     get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
+    leave_timeout: float = LEAVE_TIMEOUT_S
     # The heartbeat thread and the watchdog may both report; on_failure runs once.
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def create(cls, endpoint: str, job_id: str, options: ClientOptions) -> Session:
+        """A client's session, with the constructor's defaults for what it left out."""
+        return cls(
+            endpoint,
+            job_id,
+            resolve_token(options.get("token"), options.get("token_file")),
+            RetryPolicy(options.get("retry_attempts", 1)),
+            options.get("call_timeout", 30.0),
+            options.get("connect_timeout", 30.0),
+            leave_timeout=options.get("leave_timeout", LEAVE_TIMEOUT_S),
+        )
 
     def heartbeat_interval(self, requested: float) -> float:
         """``requested``, or less: a third of the daemon's heartbeat timeout at most.
@@ -127,10 +174,12 @@ class Session:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),)
 
-    def new_instance(self) -> str:
-        # A fresh identity per join() call; retries inside that call reuse it.
-        self.instance_id = secrets.token_hex(16)
-        return self.instance_id
+    def begin(self, instance_id: str = "") -> None:
+        """A new join (a fresh identity per call; retries inside it reuse it), or an
+        attach as ``instance_id``: nothing of the last one is kept."""
+        self.instance_id = instance_id or secrets.token_hex(16)
+        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
+        self.leaving, self.nodes_waiting = False, 0
 
     def member(self) -> Membership:
         if self.failure is not None:
@@ -150,14 +199,7 @@ class Session:
             return None
 
         def fetch(start: int) -> pb.GetMembersResponse:
-            request = pb.GetMembersRequest(
-                job_id=job_id,
-                generation=generation,
-                rank=rank,
-                instance_id=instance_id,
-                start_rank=start,
-            )
-            return call(request)
+            return call(page_request(job_id, generation, rank, instance_id, start))
 
         return fetch
 
@@ -180,16 +222,16 @@ class Session:
         min_nodes: int,
         max_nodes: int,
         gpus_per_node: int,
-        node_rank: int | None,
-        host: str | None,
-        addresses: Sequence[str],
-        last_call: float | None,
-        timeout: float,
-    ) -> pb.JoinNodeRequest:
+        node_rank: int | None = None,
+        addresses: Sequence[str] = (),
+        id_factory: Callable[[], bytes] | None = None,
+        last_call: float | None = None,
+        timeout: float | None = None,
+        host: str | None = None,
+    ) -> JoinPlan:
         """Start a node join: a fresh node instance id, cleared state, the request."""
-        self.new_instance()
-        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
-        self.leaving, self.nodes_waiting = False, 0
+        self.begin()
+        wait = JOIN_TIMEOUT_S if timeout is None else timeout
         request = pb.JoinNodeRequest(
             job_id=self.job_id,
             min_nodes=min_nodes,
@@ -198,13 +240,14 @@ class Session:
             host=host or socket.gethostname(),
             addresses=list(addresses),
             instance_id=self.instance_id,
-            wait_timeout_ms=int(timeout * 1000),
+            wait_timeout_ms=int(wait * 1000),
             last_call_ms=int((last_call or 0) * 1000),
             slim=True,
         )
         if node_rank is not None:
             request.node_rank = node_rank
-        return request
+        # A node cannot pin the id: only id_factory makes it, for node 0.
+        return JoinPlan(self, None, id_factory, wait, time.monotonic(), request)
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
@@ -253,7 +296,7 @@ class Session:
                 job_id=membership.job_id,
                 rank=membership.rank,
             )
-        self.instance_id = instance_id
+        self.begin(instance_id)
         if not isinstance(membership._table, LazyTable) and not membership._table:
             # Handed over without its table (e.g. rebuilt from the agent's message):
             # fetch it on first use as this member.
@@ -263,8 +306,7 @@ class Session:
             if fetch is not None:
                 table = LazyTable(fetch, membership.world_size)
                 membership = dataclasses.replace(membership, _table=table)
-        self.joined, self.node, self.failure, self.barrier_counts = membership, None, None, {}
-        self.leaving = False
+        self.joined = membership
 
     def plan_join(
         self,
@@ -280,9 +322,7 @@ class Session:
         timeout: float = JOIN_TIMEOUT_S,
     ) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
-        self.new_instance()
-        self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
-        self.leaving = False
+        self.begin()
         plan = JoinPlan(self, unique_id, id_factory, timeout, time.monotonic())
         known_rank_zero = node_rank == 0 and local_rank == 0
         plan.request = pb.JoinRequest(
@@ -430,6 +470,15 @@ class Session:
         return last
 
 
+def page_request(
+    job_id: str, generation: int, rank: int, instance_id: str, start: int
+) -> pb.GetMembersRequest:
+    """The GetMembers for the page from ``start``, asked as member ``rank``."""
+    return pb.GetMembersRequest(
+        job_id=job_id, generation=generation, rank=rank, instance_id=instance_id, start_rank=start
+    )
+
+
 _TRANSIENT_STREAM_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
@@ -508,6 +557,13 @@ class StreamWatch:
             self.session.fail(self.unreachable(now - self.outage_since))
         return self.done
 
+    def ended(self, error: grpc.RpcError | None) -> float | None:
+        """The stream ended, by ``error`` or not: seconds to wait before reconnecting,
+        or None once this member is over."""
+        if error is not None and not self.on_error(error):
+            return None
+        return self.next_backoff()
+
     def next_backoff(self) -> float | None:
         """Seconds to wait before reconnecting, or None once this member is over."""
         self.outage_since = self.outage_since or time.monotonic()
@@ -538,12 +594,6 @@ class StreamWatch:
         )
 
 
-def rank_zero_id(unique_id: bytes | None, id_factory: Callable[[], bytes] | None) -> bytes:
-    """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128
-    random bytes (all the CPU backend needs: it keys the ring's HMAC)."""
-    return unique_id or (id_factory() if id_factory else os.urandom(UNIQUE_ID_BYTES))
-
-
 @dataclass
 class JoinPlan:
     """The decisions of one ``join()`` call, shared by the sync and asyncio clients."""
@@ -553,25 +603,29 @@ class JoinPlan:
     id_factory: Callable[[], bytes] | None
     timeout: float
     started: float
-    request: pb.JoinRequest = field(default_factory=pb.JoinRequest)
+    request: pb.JoinRequest | pb.JoinNodeRequest = field(default_factory=pb.JoinRequest)
 
     def make_id(self) -> bytes:
-        """Rank 0's id: the caller's bytes, else ``id_factory()``, else 128 random bytes."""
-        return rank_zero_id(self.unique_id, self.id_factory)
+        """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128
+        random bytes (all the CPU backend needs: it keys the ring's HMAC)."""
+        factory = self.id_factory
+        return self.unique_id or (factory() if factory else os.urandom(UNIQUE_ID_BYTES))
 
     def left(self) -> float:
         return max(0.001, self.timeout - (time.monotonic() - self.started))
 
     def fresh_id_after(self, error: RendezvousError) -> bool:
-        """True when the Join should be sent again with a new id.
+        """True when the join (Join or JoinNode) should be sent again with a new id.
 
-        A restarted daemon fenced the generation our id belonged to: a fresh id is
-        all rank 0 needs, unless the caller pinned the bytes.
+        A restarted daemon fenced the generation the id we sent belonged to: a fresh
+        id is all rank 0 needs, unless the caller pinned the bytes. An id factory that
+        makes the refused id again cannot help: the error stands (not a loop).
         """
-        if error.reason != "ID_REUSED" or self.unique_id is not None:
+        refused = self.request.unique_id
+        if error.reason != "ID_REUSED" or self.unique_id is not None or not refused:
             return False
         self.request.unique_id = self.make_id()
-        return True
+        return self.request.unique_id != refused
 
     def publish_request(self, response: pb.JoinResponse) -> pb.PublishIdRequest:
         return pb.PublishIdRequest(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,24 +54,35 @@ class LazyTable:
     def loaded(self) -> bool:
         return self._members is not None
 
+    def pages(self) -> Generator[int, pb.GetMembersResponse, list[pb.Member]]:
+        """Assembling the table (sans-IO): yields each page's start rank, is sent
+        that page, returns the checked table."""
+        members: list[pb.Member] = []
+        digest = self._digest
+        while len(members) < self._world_size:
+            page = yield len(members)
+            digest = digest or page.table_digest
+            if not page.members or page.table_digest != digest:
+                break
+            members.extend(page.members)
+        return self.checked(members, digest)
+
     def load(self) -> Sequence[pb.Member]:
         with self._lock:
             if self._members is None:
-                members: list[pb.Member] = []
-                digest = self._digest
-                while len(members) < self._world_size:
-                    page = self._fetch_page(len(members))
-                    digest = digest or page.table_digest
-                    if not page.members or page.table_digest != digest:
-                        break
-                    members.extend(page.members)
-                self._members = self.checked(members, digest)
+                pages = self.pages()
+                try:
+                    start = next(pages)
+                    while True:
+                        start = pages.send(self._fetch_page(start))
+                except StopIteration as done:
+                    self._members = done.value
             return self._members
 
-    def accept(self, members: list[pb.Member], page_digest: bytes) -> None:
-        """Keep a table fetched elsewhere (the asyncio client's ``fetch_members``)."""
+    def accept(self, members: list[pb.Member]) -> None:
+        """Keep a table assembled elsewhere (as steps of an SDK call: ``pages()``)."""
         with self._lock:
-            self._members = self.checked(members, self._digest or page_digest)
+            self._members = members
 
     def checked(self, members: list[pb.Member], digest: bytes) -> list[pb.Member]:
         if len(members) != self._world_size or member_table.digest(members) != digest:

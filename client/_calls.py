@@ -1,0 +1,438 @@
+"""Every SDK call as steps: the one client loop both clients run (sans-IO).
+
+Each call is a generator that yields the I/O it needs (``Rpc``, ``Sleep``,
+``Blocking``, ``StopStream``, ``Connected``) and is sent each step's answer, or
+has its exception thrown in. All decisions live here: which request to send, how
+to read the answer or error, whether to retry, back off or re-plan a fresh id,
+and which exception to raise. ``RendezvousClient`` performs the steps with
+blocking calls, ``AsyncRendezvousClient`` awaits them: neither decides anything,
+so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._session import (
+    SLACK_S,
+    ClientOptions,
+    JoinPlan,
+    JoinRequest,
+    NodeJoinRequest,
+    Session,
+    StreamWatch,
+    page_request,
+)
+from rendezvousd.client.connection import (
+    SERVICE,
+    TLS_PROBE_TIMEOUT_S,
+    TlsProbe,
+    channel_options,
+)
+from rendezvousd.client.errors import (
+    DaemonUnavailable,
+    InvalidRequest,
+    RendezvousError,
+    from_rpc_error,
+)
+from rendezvousd.client.membership import (
+    LazyTable,
+    Member,
+    Membership,
+    NodeMembership,
+    advertises_loopback,
+    loopback_conflict,
+)
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+# Between non-waiting TLS probes: long enough for a refused handshake to show.
+PROBE_PAUSE_S = 0.2
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """One unary gRPC call, made once: retries are the core's decision, not gRPC's."""
+
+    method: str
+    request: Any
+    timeout: float
+    # The health service's stub instead of the rendezvous one.
+    health: bool = False
+    # None: the channel's default (wait for the daemon to be up).
+    wait_for_ready: bool | None = None
+
+    def invoke(self, rendezvous: Any, health: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
+        """The call's result (sync stubs) or awaitable (asyncio stubs)."""
+        extra = {} if self.wait_for_ready is None else {"wait_for_ready": self.wait_for_ready}
+        rpc = getattr(health if self.health else rendezvous, self.method)
+        return rpc(self.request, timeout=self.timeout, metadata=metadata, **extra)
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """Blocking work other than gRPC (a TLS sniff over a socket of its own): inline in
+    the sync client, on a thread in the asyncio one, so it never stalls the loop."""
+
+    work: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class StopStream:
+    """End this client's heartbeat stream and wait for it to be gone."""
+
+
+@dataclass(frozen=True)
+class Connected:
+    """Answered True when the channel is known to be connected already."""
+
+
+Step = Rpc | Sleep | Blocking | StopStream | Connected
+Steps = Generator[Step, Any, T]
+
+
+class Run(Generic[T]):
+    """Steps one call: iterating gives each step due; the driver leaves the step's
+    ``answer`` (or ``error``) before taking the next. Then the result is ``value``."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self._steps = steps
+        self.answer: Any = None
+        self.error: BaseException | None = None
+        self.value: T
+
+    def __iter__(self) -> Iterator[Step]:
+        while True:
+            answer, error, self.answer, self.error = self.answer, self.error, None, None
+            try:
+                step = self._steps.send(answer) if error is None else self._steps.throw(error)
+            except StopIteration as done:
+                self.value = done.value
+                return
+            yield step
+
+
+class Calls:
+    """The SDK's calls for one client: its session, TLS probe and leave timeout."""
+
+    def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
+        self.s = Session.create(endpoint, job_id, options)
+        self.tls = options.get("tls")
+        self.probe = TlsProbe(endpoint, tls=self.tls is not None)
+        self.reconnect_window = options.get("reconnect_window")
+
+    def channel(self, secure: Callable[..., C], insecure: Callable[..., C]) -> C:
+        """The client's channel, made by its gRPC flavour's ``secure``/``insecure_channel``."""
+        options = channel_options(self.s.retry, self.tls.server_name if self.tls else None)
+        if self.tls is not None:
+            return secure(self.s.endpoint, self.tls.credentials(), options=options)
+        return insecure(self.s.endpoint, options=options)
+
+    # -- one call, with the retry policy ---------------------------------------
+
+    def call(
+        self, method: str, request: Any, *, timeout: float | None = None, health: bool = False
+    ) -> Steps[Any]:
+        """``method`` with retries as the policy allows; errors as ``RendezvousError``."""
+        s = self.s
+        rank = s.joined.rank if s.joined else None
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return (yield Rpc(method, request, timeout or s.call_timeout, health))
+            except grpc.RpcError as exc:
+                error = from_rpc_error(
+                    exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank
+                )
+                if error.reason == "DRAINING" or not s.retry.retryable(method, exc.code()):
+                    raise error from None
+                if attempt > s.retry.attempts:
+                    raise s.exhausted(method, attempt, error) from None
+            yield Sleep(s.retry.backoff(attempt))
+
+    # -- health and TLS ------------------------------------------------------------
+
+    def check_health(self) -> Steps[None]:
+        """Fail fast, with one clear error, when the daemon is down or draining."""
+        if (yield Connected()):
+            # Connected already: the daemon is reachable, and a draining daemon
+            # answers the call itself with DRAINING, which is raised at once.
+            return
+        request = health_pb2.HealthCheckRequest(service=SERVICE)
+        probed = yield from self.probe_tls(request)
+        if probed is not None and probed.status == SERVING:
+            return
+        s = self.s
+        attempt = 0
+        while True:
+            attempt += 1
+            response = yield from self.call(
+                "Check", request, timeout=s.connect_timeout, health=True
+            )
+            if response.status == SERVING:
+                return
+            if attempt > s.retry.attempts:
+                raise DaemonUnavailable(
+                    f"rendezvousd at {s.endpoint} is not serving (status "
+                    f"{health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}) after "
+                    f"{attempt} health checks; it may be draining or restarting",
+                    attempts=attempt,
+                    code="UNAVAILABLE",
+                    endpoint=s.endpoint,
+                    method="Check",
+                    job_id=s.job_id,
+                )
+            yield Sleep(s.retry.backoff(attempt))
+
+    def probe_tls(
+        self, request: health_pb2.HealthCheckRequest
+    ) -> Steps[health_pb2.HealthCheckResponse | None]:
+        """Raise at once when the daemon refuses our TLS, or speaks TLS to a plaintext
+        client; see ``TlsProbe``. The daemon's answer when it gave one."""
+        probe = self.probe
+        if probe.seen_tls and (known := (yield Blocking(probe.known_refusal))):
+            raise self.s.tls_refused(known)
+        for _ in range(probe.attempts):
+            try:
+                response: health_pb2.HealthCheckResponse = yield Rpc(
+                    "Check", request, TLS_PROBE_TIMEOUT_S, health=True, wait_for_ready=False
+                )
+                return response
+            except grpc.RpcError as exc:
+                # A plaintext client's refusal asks the daemon over a socket of
+                # its own (blocking, up to TLS_SNIFF_TIMEOUT_S).
+                refusal = yield Blocking(functools.partial(probe.refusal, exc))
+                if refusal is not None:
+                    raise self.s.tls_refused(refusal) from None
+                if not probe.again(exc):
+                    return None
+            yield Sleep(PROBE_PAUSE_S)
+        return None
+
+    # -- membership ------------------------------------------------------------------
+
+    def join(self, request: JoinRequest) -> Steps[Membership]:
+        """Register one rank and wait for the world: rank, id and member table."""
+        yield from self.check_health()
+        plan = self.s.plan_join(**request)
+        address = request.get("address", "")
+        response = yield from self._send_join(plan, "Join")
+        if response.id_required:
+            publish = plan.publish_request(response)
+            response = yield from self.call("PublishId", publish, timeout=plan.left() + SLACK_S)
+        m = plan.finish(response)
+        if advertises_loopback(address):
+            # Both clients prefetch: the check below reads the whole table, which the
+            # sync client would otherwise fetch lazily with the same GetMembers pages.
+            # As steps of this call, the fetch is the same in both (retries included)
+            # and the asyncio one never blocks its loop on it.
+            yield from self.fetch_members()
+        if (problem := loopback_conflict(m, address)) is not None:
+            # Every rank must hear why, not just this one: abort the job with it.
+            with contextlib.suppress(RendezvousError):
+                yield from self.abort(problem, None, 0)
+            raise InvalidRequest(problem, reason="LOOPBACK_ADDRESS", job_id=m.job_id, rank=m.rank)
+        return m
+
+    def join_node(self, request: NodeJoinRequest) -> Steps[NodeMembership]:
+        """Join once for a whole node and wait for the generation to form."""
+        yield from self.check_health()
+        # A re-join (next generation): the last generation's stream must not report
+        # into this one.
+        yield StopStream()
+        plan = self.s.plan_join_node(**request)
+        while True:
+            response = yield from self._send_join(plan, "JoinNode")
+            if not response.id_required:
+                return self.s.finish_node(response)
+            # This node is node 0 of the generation: it makes rank 0's id.
+            plan.request.unique_id = plan.make_id()
+
+    def _send_join(self, plan: JoinPlan, method: str) -> Steps[Any]:
+        """Send the plan's join until answered; a fenced id is replaced, not fatal."""
+        while True:
+            left = plan.left()
+            plan.request.wait_timeout_ms = int(left * 1000)
+            try:
+                return (yield from self.call(method, plan.request, timeout=left + SLACK_S))
+            except InvalidRequest as exc:
+                if not plan.fresh_id_after(exc):
+                    raise
+
+    def fetch_members(self) -> Steps[tuple[Member, ...]]:
+        """The joined (or attached) member's table, fetched page by page as steps."""
+        s = self.s
+        m = s.member()
+        table = m._table
+        if isinstance(table, LazyTable) and not table.loaded:
+            pages = table.pages()
+            try:
+                start = next(pages)
+                while True:
+                    request = page_request(m.job_id, m.generation, m.rank, s.instance_id, start)
+                    start = pages.send((yield from self.call("GetMembers", request)))
+            except StopIteration as done:
+                table.accept(done.value)
+        return m.members
+
+    def report_failure(self, local_rank: int, cause: str) -> Steps[None]:
+        yield from self.call("ReportFailure", self.s.report_request(local_rank, cause))
+
+    def barrier(self, name: str, timeout: float | None) -> Steps[None]:
+        wait = timeout or self.s.call_timeout
+        request = self.s.barrier_request(name, wait)
+        try:
+            yield from self.call("Barrier", request, timeout=wait + SLACK_S)
+        except RendezvousError as exc:
+            self.s.barrier_failed(name, exc)
+            raise
+
+    def leave(self) -> Steps[None]:
+        """One attempt within the leave timeout; a failure is one warning, not an error."""
+        request = self.s.leave_request()
+        if request is None:
+            return
+        try:
+            yield Rpc("Leave", request, self.s.leave_timeout)
+        except grpc.RpcError as exc:
+            self.s.leave_failed(request, exc)
+
+    def abort(self, reason: str, job_id: str | None, generation: int) -> Steps[int]:
+        request = pb.AbortJobRequest(
+            job_id=job_id or self.s.job_id, generation=generation, reason=reason
+        )
+        response = yield from self.call("AbortJob", request)
+        aborted: int = response.generation
+        return aborted
+
+    # -- key-value store -----------------------------------------------------------------
+
+    def kv_set(self, key: str, value: bytes) -> Steps[None]:
+        yield from self.call("KvSet", pb.KvSetRequest(key=key, value=value, **self.s.scope()))
+
+    def kv_get(self, key: str, wait: bool, timeout: float | None) -> Steps[bytes]:
+        limit = timeout or self.s.call_timeout
+        request = pb.KvGetRequest(
+            key=key, wait=wait, wait_timeout_ms=int(limit * 1000), **self.s.scope()
+        )
+        value: bytes = (yield from self.call("KvGet", request, timeout=limit + SLACK_S)).value
+        return value
+
+    def kv_add(self, key: str, delta: int) -> Steps[int]:
+        request = pb.KvAddRequest(key=key, delta=delta, **self.s.scope())
+        value: int = (yield from self.call("KvAdd", request)).value
+        return value
+
+    def kv_compare_and_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> Steps[tuple[bool, bytes | None]]:
+        request = pb.KvCompareAndSetRequest(key=key, desired=desired, **self.s.scope())
+        if expected is not None:
+            request.expected = expected
+        response = yield from self.call("KvCompareAndSet", request)
+        return response.swapped, response.current if response.HasField("current") else None
+
+    def kv_delete(self, key: str) -> Steps[bool]:
+        request = pb.KvDeleteRequest(key=key, **self.s.scope())
+        deleted: bool = (yield from self.call("KvDelete", request)).deleted
+        return deleted
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def list_jobs(self) -> Steps[list[pb.JobSummary]]:
+        return list((yield from self.call("ListJobs", pb.ListJobsRequest())).jobs)
+
+    def get_job(self, job_id: str | None) -> Steps[pb.GetJobResponse]:
+        request = pb.GetJobRequest(job_id=job_id or self.s.job_id)
+        response: pb.GetJobResponse = yield from self.call("GetJob", request)
+        return response
+
+
+class ClientBase:
+    """What both clients answer without I/O: the session's state, and ``attach``."""
+
+    def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
+        self._c = Calls(endpoint, job_id, options)
+        self._s = self._c.s
+
+    @property
+    def endpoint(self) -> str:
+        return self._s.endpoint
+
+    @property
+    def membership(self) -> Membership | None:
+        return self._s.joined
+
+    @property
+    def node_membership(self) -> NodeMembership | None:
+        return self._s.node
+
+    @property
+    def failure(self) -> RendezvousError | None:
+        return self._s.failure
+
+    def _kv_scope(self) -> dict[str, Any]:
+        """The fields naming this member on a request (tests build raw ones with it)."""
+        return self._s.scope()
+
+    def raise_if_failed(self) -> None:
+        if self._s.failure is not None:
+            raise self._s.failure
+
+    def nodes_waiting(self) -> int:
+        """Nodes parked for the next generation (NODES_WAITING from the daemon), 0 if none."""
+        return self._s.nodes_waiting
+
+    def start_heartbeat(
+        self,
+        interval: float = 1.0,
+        on_failure: Callable[[RendezvousError], None] | None = None,
+        on_nodes_waiting: Callable[[int], None] | None = None,
+    ) -> None:
+        """Heartbeat in the background (the sync client's thread, the asyncio one's
+        task); ``on_failure`` runs once, on the heartbeat's thread or the sync
+        watchdog's: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``... After
+        join_node() the stream is the whole node's; ``on_nodes_waiting(count)`` runs
+        when nodes park for a next generation."""
+        s = self._s
+        m = s.stream_member()
+        s.on_failure, s.on_nodes_waiting = on_failure, on_nodes_waiting
+        self._start_stream(
+            StreamWatch(s, m, self._c.reconnect_window), s.heartbeat_interval(interval)
+        )
+
+    def _start_stream(self, watch: StreamWatch, interval: float) -> None:
+        raise NotImplementedError  # each client streams with its own I/O
+
+    def attach(self, membership: Membership, instance_id: str) -> None:
+        """Act as ``membership``'s member (registered by a node agent's join_node) for
+        barrier(), kv_*() and abort(), without joining and without a heartbeat of our
+        own: the agent's node heartbeat covers this worker. A wrong ``instance_id`` is
+        refused by the daemon at the first call (DuplicateRank)."""
+        self._s.attach(membership, instance_id)
+
+    def _leaves_on_exit(self, exc_type: object) -> bool:
+        """Whether leaving a ``with`` block says goodbye: a clean exit of a live member."""
+        s = self._s
+        live = (s.joined is not None or s.node is not None) and s.failure is None
+        return exc_type is None and live
+
+    def _forget(self) -> None:
+        """After leave(): no member or node is held any more."""
+        self._s.joined = self._s.node = None

@@ -1,0 +1,360 @@
+"""One scenario list, run through both clients against real daemons: the blocking
+``RendezvousClient`` and the ``AsyncRendezvousClient`` share one call core, so every
+scenario must end the same way for both (the same outcome, the same error)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    AuthenticationError,
+    DaemonUnavailable,
+    JobAborted,
+    PeerFailed,
+    RendezvousClient,
+    RendezvousError,
+)
+from tests.support import DaemonProcess, Pki, free_port, parallel, wait_for
+
+KINDS = ("sync", "aio")
+ID0 = b"\x07" * 128
+ID1 = b"\x08" * 128
+
+
+class Twin:
+    """A client of either kind, called from the test's thread; an asyncio client
+    lives on an event loop of its own thread, where each of its methods runs."""
+
+    def __init__(self, kind: str, endpoint: str, job_id: str, **options: Any) -> None:
+        self.kind = kind
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if kind == "sync":
+            self.client: Any = RendezvousClient(endpoint, job_id, **options)
+            return
+        loop = self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncRendezvousClient:
+            return AsyncRendezvousClient(endpoint, job_id, **options)
+
+        self.client = self._on_loop(make())
+
+    def _on_loop(self, coro: Any) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(60)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        if not callable(attr) or self._loop is None:
+            return attr
+
+        async def call(*args: Any, **kw: Any) -> Any:
+            result = attr(*args, **kw)
+            return await result if inspect.isawaitable(result) else result
+
+        return lambda *args, **kw: self._on_loop(call(*args, **kw))
+
+    def close(self) -> None:
+        self.__getattr__("close")()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+
+@dataclass
+class World:
+    """What a scenario may use: the kind under test, the module's daemon, a fresh job,
+    and ways to start daemons of its own."""
+
+    kind: str
+    daemon: DaemonProcess
+    job_id: str
+    tmp: Path
+    pki: Pki
+    start_daemon: Callable[..., DaemonProcess]
+    made: list[Twin]
+
+    def client(self, d: DaemonProcess | None = None, **options: Any) -> Twin:
+        d = d or self.daemon
+        twin = Twin(self.kind, d.endpoint, self.job_id, token=d.token, **options)
+        self.made.append(twin)
+        return twin
+
+
+def all_of(results: list[Any]) -> list[Any]:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def join_two(w: World, **kw: Any) -> tuple[list[Twin], list[Any]]:
+    a, b = w.client(), w.client()
+    ms = all_of(
+        parallel(
+            [
+                lambda c=c, i=i: c.join(  # type: ignore[misc]
+                    num_nodes=2, gpus_per_node=1, local_rank=0, host=f"h{i}", timeout=20, **kw
+                )
+                for i, c in enumerate((a, b))
+            ]
+        )
+    )
+    return [a, b], ms
+
+
+def error_of(fn: Callable[[], Any]) -> tuple[str, str]:
+    with pytest.raises(RendezvousError) as info:
+        fn()
+    return type(info.value).__name__, info.value.reason
+
+
+# -- the scenarios: each returns its outcome, the same for both kinds ----------------
+
+
+def join_barrier_kv(w: World) -> object:
+    (a, b), ms = join_two(w, unique_id=None)
+    all_of(parallel([lambda c=c: c.barrier("step", timeout=20) for c in (a, b)]))  # type: ignore[misc]
+    a.kv_set("k", b"v")
+    got = b.kv_get("k", timeout=5)
+    added = [a.kv_add("n", 2), b.kv_add("n", 3)]
+    swapped = b.kv_compare_and_set("k", b"v", b"w")
+    refused = a.kv_compare_and_set("k", b"v", b"x")
+    deleted = [a.kv_delete("k"), b.kv_delete("k")]
+    hosts = [x.host for x in ms[0].members]
+    return (
+        sorted(m.rank for m in ms),
+        {m.world_size for m in ms},
+        ms[0].unique_id == ms[1].unique_id != b"",
+        hosts == ["h0", "h1"] or hosts == ["h1", "h0"],
+        got,
+        sorted(added),
+        swapped,
+        refused,
+        deleted,
+    )
+
+
+def fenced_id_is_replaced(w: World) -> object:
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, unique_id=ID0, timeout=10)
+    c.abort("next generation")
+    made = [ID1, ID0]  # pop(): the used id again first, then a new one
+    m = c.join(
+        num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, id_factory=made.pop, timeout=10
+    )
+    return m.unique_id == ID1 and made == []
+
+
+def fenced_pinned_id_is_refused(w: World) -> object:
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, unique_id=ID0, timeout=10)
+    c.abort("next generation")
+    return error_of(
+        lambda: c.join(
+            num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, unique_id=ID0, timeout=10
+        )
+    )
+
+
+def fenced_node_id_is_replaced(w: World) -> object:
+    c = w.client()
+    first = c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, id_factory=lambda: ID1)
+    c.abort("next generation")
+    made = [ID0, ID1]  # pop(): ID1 (fenced) first, then ID0
+    again = c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, id_factory=made.pop)
+    return first.unique_id == ID1, again.unique_id == ID0, again.generation - first.generation
+
+
+def factory_of_a_fenced_id_is_refused(w: World) -> object:
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, unique_id=ID0, timeout=10)
+    c.abort("next generation")
+    made: list[int] = []
+
+    def used_id() -> bytes:
+        made.append(1)
+        return ID0
+
+    rank = error_of(
+        lambda: c.join(
+            num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, id_factory=used_id, timeout=5
+        )
+    )
+    # The node join used to send the same fenced id again and again, without end.
+    (node,) = parallel(
+        [lambda: c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, id_factory=used_id)]
+    )
+    assert isinstance(node, RendezvousError), node
+    return rank, (type(node).__name__, node.reason), len(made)
+
+
+def peer_failure_reaches_the_other_node(w: World) -> object:
+    a, b = w.client(), w.client()
+    nodes = all_of(
+        parallel(
+            [
+                lambda c=c, i=i: c.join_node(  # type: ignore[misc]
+                    min_nodes=2, max_nodes=2, gpus_per_node=1, host=f"n{i}", timeout=20
+                )
+                for i, c in enumerate((a, b))
+            ]
+        )
+    )
+    seen: list[RendezvousError] = []
+    survivor, failing = (a, b) if nodes[0].node_rank == 0 else (b, a)
+    survivor.start_heartbeat(0.2, on_failure=seen.append)
+    failing.report_failure(0, "boom\nat line 2")
+    wait_for("the survivor's failure", lambda: survivor.failure is not None, 20)
+    failure = survivor.failure
+    assert isinstance(failure, PeerFailed)
+    return type(failure).__name__, failure.ranks, seen == [failure]
+
+
+def abort_reaches_a_member(w: World) -> object:
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    c.start_heartbeat(0.2)
+    w.client().abort("operator said so")
+    wait_for("the abort", lambda: c.failure is not None, 20)
+    assert isinstance(c.failure, JobAborted)
+    return type(c.failure).__name__, "operator said so" in str(c.failure)
+
+
+def leave_ends_membership(w: World) -> object:
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    c.start_heartbeat(0.2)
+    c.leave()
+    return c.membership, c.failure, error_of(lambda: c.kv_set("k", b"v"))
+
+
+def loopback_address_aborts_a_multi_host_job(w: World) -> object:
+    a, b = w.client(), w.client()
+    outcomes = parallel(
+        [
+            lambda c=c, i=i: c.join(  # type: ignore[misc]
+                num_nodes=2,
+                gpus_per_node=1,
+                local_rank=0,
+                host=f"h{i}",
+                address="127.0.0.1:29500",
+                timeout=20,
+            )
+            for i, c in enumerate((a, b))
+        ]
+    )
+    assert all(isinstance(o, RendezvousError) for o in outcomes), outcomes
+    return sorted({(type(o).__name__, o.reason) for o in outcomes})
+
+
+def plaintext_client_of_a_tls_daemon_is_refused(w: World) -> object:
+    d = w.start_daemon("--tls-cert", str(w.pki.server), "--tls-key", str(w.pki.server_key))
+    c = w.client(d, connect_timeout=10)
+    first = error_of(lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5))
+    # Known now: the second join is refused before gRPC tries (the sniff alone).
+    again = error_of(lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5))
+    with pytest.raises(AuthenticationError, match="speaks TLS"):
+        c.check_health()
+    return first, again
+
+
+def daemon_down_is_unavailable(w: World) -> object:
+    port = free_port()
+    c = Twin(w.kind, f"127.0.0.1:{port}", w.job_id, token="t", connect_timeout=1)
+    w.made.append(c)
+    with pytest.raises(DaemonUnavailable) as info:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
+    return type(info.value).__name__, info.value.method
+
+
+def daemon_restart_is_survived(w: World) -> object:
+    state = w.tmp / f"state-{w.kind}"
+    port = free_port()
+    listen = f"127.0.0.1:{port}"
+    d = w.start_daemon("--state-dir", str(state), "--heartbeat-timeout-s", "10", listen=listen)
+    c = w.client(d, retry_attempts=5)
+    m = c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    c.start_heartbeat(0.2)
+    c.kv_set("k", b"before")
+    d.terminate()
+    again = w.start_daemon(
+        "--state-dir", str(state), "--heartbeat-timeout-s", "10", listen=listen, token=d.token
+    )
+    deadline = time.monotonic() + 20
+    while True:  # the client's own retries bridge the restart; these bound the test
+        try:
+            got = c.kv_get("k", timeout=5)
+            break
+        except RendezvousError:
+            if time.monotonic() > deadline:
+                raise
+    c.kv_set("k", b"after")
+    c.barrier("after-restart", timeout=10)
+    assert again.endpoint == d.endpoint
+    return m.generation, got, c.kv_get("k", timeout=5), c.failure
+
+
+SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
+    "join, barrier and kv": (
+        join_barrier_kv,
+        ([0, 1], {2}, True, True, b"v", [2, 5], (True, b"w"), (False, b"w"), [True, False]),
+    ),
+    "a fenced id is replaced": (fenced_id_is_replaced, True),
+    "a fenced pinned id is refused": (fenced_pinned_id_is_refused, ("InvalidRequest", "ID_REUSED")),
+    "a fenced node id is replaced": (fenced_node_id_is_replaced, (True, True, 1)),
+    "an id factory making a fenced id": (
+        factory_of_a_fenced_id_is_refused,
+        (("InvalidRequest", "ID_REUSED"), ("InvalidRequest", "ID_REUSED"), 4),
+    ),
+    "peer failure": (peer_failure_reaches_the_other_node, ("PeerFailed", [1], True)),
+    "abort": (abort_reaches_a_member, ("JobAborted", True)),
+    "leave": (leave_ends_membership, (None, None, ("InvalidRequest", ""))),
+    "loopback address": (
+        loopback_address_aborts_a_multi_host_job,
+        [("InvalidRequest", "LOOPBACK_ADDRESS")],
+    ),
+    "tls refusal": (
+        plaintext_client_of_a_tls_daemon_is_refused,
+        (("AuthenticationError", ""), ("AuthenticationError", "")),
+    ),
+    "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check")),
+    "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
+}
+
+
+@pytest.fixture
+def made() -> Iterator[list[Twin]]:
+    twins: list[Twin] = []
+    yield twins
+    for t in twins:
+        t.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_both_clients_end_each_scenario_alike(
+    name: str,
+    kind: str,
+    daemon: DaemonProcess,
+    job_id: str,
+    tmp_path: Path,
+    pki: Pki,
+    start_daemon: Callable[..., DaemonProcess],
+    made: list[Twin],
+) -> None:
+    scenario, expected = SCENARIOS[name]
+    world = World(kind, daemon, job_id, tmp_path, pki, start_daemon, made)
+    assert scenario(world) == expected
