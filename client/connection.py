@@ -251,7 +251,11 @@ class TlsProbe:
         too, when the daemon answered or is simply down). A plaintext client may block
         for up to ``TLS_SNIFF_TIMEOUT_S`` here."""
         if not self.tls:
-            if exc.code() is grpc.StatusCode.UNAVAILABLE and speaks_tls(self.endpoint):
+            # DEADLINE_EXCEEDED too: on a starved machine the probe's deadline can pass
+            # before gRPC reports the dropped connection, and the patient check would
+            # then make gRPC reconnect (one more "Handshake failed" line each time).
+            failed = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if failed and speaks_tls(self.endpoint):
                 _SEEN_TLS.add(self.endpoint)
                 return self._speaks_tls()
             return None
