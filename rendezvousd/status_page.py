@@ -218,7 +218,9 @@ class StatusPage:
             "nodes_present": len(nodes),
             "nodes_waiting": v.nodes_waiting,
             "state_age_s": round(v.state_age_s, 1),
-            "last_failure": v.failed[0].describe() if v.failed else "",
+            "last_failure": (
+                v.failed[0].describe() if v.failed else self.timeline.last_failure(v.job_id)
+            ),
             "failures": self.timeline.restarts(v.job_id),
             "abort_reason": shortened(v.abort_reason),
             "heartbeat_age_max_s": round(

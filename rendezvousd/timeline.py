@@ -53,6 +53,11 @@ class Timeline:
     def of(self, job_id: str) -> list[Entry]:
         return list(self._jobs.get(job_id, ()))
 
+    def last_failure(self, job_id: str) -> str:
+        """What failed the job's latest failed generation (kept after it re-formed)."""
+        failed = [e for e in self._jobs.get(job_id, ()) if e.new == "FAILED"]
+        return f"generation {failed[-1].generation}: {failed[-1].detail}" if failed else ""
+
     def restarts(self, job_id: str) -> int:
         """Generations that ended in failure or abort while this daemon watched."""
         return sum(e.new in ("FAILED", "ABORTED") for e in self._jobs.get(job_id, ()))
