@@ -31,7 +31,7 @@ from rendezvousd.errors import RendezvousFault
 from rendezvousd.escape import escape, shortened
 from rendezvousd.http_server import Request, Response
 from rendezvousd.metrics import Metrics
-from rendezvousd.model import JobView, MemberState
+from rendezvousd.model import JobView, MemberState, Transition
 from rendezvousd.scope import Scope
 from rendezvousd.state import RendezvousState
 from rendezvousd.timeline import Timeline
@@ -53,6 +53,15 @@ SEAT = {
     MemberState.LOST: "X",
 }
 LATE, EMPTY = "H", "-"
+# A job's view is built once for the page's two requests of one update (the overview,
+# then the job): at 4,096 members a view costs ~30 ms of the daemon's loop. A state
+# change (a Transition) drops it at once; heartbeat ages may be this much old.
+VIEW_TTL_S = 0.5
+# How often the page polls: every POLL_S, slower past POLL_MEMBERS members in all (a
+# second per 1,024 members), so that one open page costs the daemon's loop about
+# the same few percent at 8,192 members as at 2,048 (benchmarks/status_page.py).
+POLL_S = 2.0
+POLL_MEMBERS = 2048
 
 _STATIC = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -105,6 +114,8 @@ class StatusPage:
         self._secure = secure_cookie
         self._sessions: dict[str, Session] = {}
         self._files: dict[str, bytes] = {}
+        self._views_made: dict[str, tuple[float, JobView]] = {}
+        metrics.transition_listeners.append(self._changed)
 
     # -- routing -------------------------------------------------------------
 
@@ -187,22 +198,42 @@ class StatusPage:
 
     # -- what they see ----------------------------------------------------------
 
-    def _views(self, scope: Scope) -> list[JobView]:
+    def _changed(self, t: Transition) -> None:
+        self._views_made.pop(t.job_id, None)
+
+    def _view(self, job_id: str) -> JobView:
+        """The job's view (raises NOT_FOUND), reused for ``VIEW_TTL_S``."""
         now = time.monotonic()
-        if scope.admin:
-            return list(self.state.views(now))
-        try:
-            return [self.state.view(scope.job or "", now)]
-        except RendezvousFault:
-            return []
+        made = self._views_made.get(job_id)
+        if made is not None and now - made[0] < VIEW_TTL_S:
+            return made[1]
+        if len(self._views_made) > 2 * len(self.state.jobs) + 16:
+            # Jobs forgotten without a listener hearing it (a restore): bounded anyway.
+            self._views_made.clear()
+        view = self.state.view(job_id, now)
+        self._views_made[job_id] = (now, view)
+        return view
+
+    def _views(self, scope: Scope) -> list[JobView]:
+        ids = sorted(self.state.jobs) if scope.admin else [scope.job or ""]
+        views = []
+        for job_id in ids:
+            try:
+                views.append(self._view(job_id))
+            except RendezvousFault:
+                continue
+        return views
 
     def overview(self, scope: Scope) -> dict[str, Any]:
+        views = self._views(scope)
+        members = sum(len(v.members) for v in views)
         return {
             "admin": scope.admin,
             "scope": str(scope),
             "now": time.time(),
             "heartbeat_timeout_s": self.state.timing.heartbeat_timeout_s,
-            "jobs": [self._summary(v) for v in self._views(scope)],
+            "poll_s": POLL_S if members <= POLL_MEMBERS else members / 1024,
+            "jobs": [self._summary(v) for v in views],
         }
 
     def _summary(self, v: JobView) -> dict[str, Any]:
@@ -234,7 +265,7 @@ class StatusPage:
             # nothing about other jobs, not even that they exist.
             return _json(404, {"error": "no such job"})
         try:
-            view = self.state.view(job_id, time.monotonic())
+            view = self._view(job_id)
         except RendezvousFault:
             return _json(404, {"error": "no such job"})
         try:
@@ -247,24 +278,25 @@ class StatusPage:
     def job(self, v: JobView, offset: int = 0, limit: int = NODE_PAGE) -> dict[str, Any]:
         late = self.state.timing.heartbeat_timeout_s * LATE_SHARE
         per_node = max(1, v.gpus_per_node)
-        rows: dict[int, dict[str, Any]] = {}
-        seats: dict[int, list[str]] = {}
+        end = offset + limit
+        # One pass over the members (rank order, so node by node): at 4,096 members
+        # this runs on every poll, on the daemon's loop.
+        rows: dict[int, tuple[str, list[str], list[float]]] = {}
+        active = MemberState.ACTIVE
         for m in v.members:
-            node = m.info.node_rank
-            if not offset <= node < offset + limit:
+            info = m.info
+            node = info.node_rank
+            if node < offset or node >= end:
                 continue
             row = rows.get(node)
             if row is None:
-                row = rows[node] = {"node": node, "host": escape(m.info.host), "age": 0.0}
-                seats[node] = [EMPTY] * per_node
-            letter = SEAT[m.state]
-            if m.state is MemberState.ACTIVE and m.heartbeat_age_s > late:
-                letter = LATE
-            if 0 <= m.info.local_rank < per_node:
-                seats[node][m.info.local_rank] = letter
-            row["age"] = max(row["age"], round(m.heartbeat_age_s, 1))
-        for node, row in rows.items():
-            row["seats"] = "".join(seats[node])
+                row = rows[node] = (info.host, [EMPTY] * per_node, [0.0])
+            age = m.heartbeat_age_s
+            letter = LATE if m.state is active and age > late else SEAT[m.state]
+            if 0 <= info.local_rank < per_node:
+                row[1][info.local_rank] = letter
+            if age > row[2][0]:
+                row[2][0] = age
         now = time.monotonic()
         return {
             **self._summary(v),
@@ -273,7 +305,15 @@ class StatusPage:
                 "offset": offset,
                 "limit": limit,
                 "total": v.num_nodes,
-                "rows": [rows[n] for n in sorted(rows)],
+                "rows": [
+                    {
+                        "node": n,
+                        "host": escape(host),
+                        "seats": "".join(seats),
+                        "age": round(age[0], 1),
+                    }
+                    for n, (host, seats, age) in sorted(rows.items())
+                ],
             },
             "failed": [
                 {

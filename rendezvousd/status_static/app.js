@@ -3,8 +3,8 @@
 // as markup: hosts and failure causes come from clients.
 "use strict";
 
-const POLL_MS = 2000;
-const HISTORY = 90; // sparkline samples: three minutes at POLL_MS
+let pollMs = 2000; // the daemon says how often (slower for very large jobs)
+const HISTORY = 90; // sparkline samples
 const STATES = { A: "active", H: "late heartbeat", X: "lost", J: "joining", D: "left", "-": "empty" };
 const history = new Map(); // job id -> [members present, ...]
 let admin = false;
@@ -42,6 +42,7 @@ async function getJSON(url) {
 
 function drawOverview(data) {
   admin = data.admin;
+  pollMs = Math.max(1000, (data.poll_s || 2) * 1000);
   $("scope").textContent = data.admin ? "admin" : data.scope;
   const body = $("jobs").tBodies[0];
   body.replaceChildren();
@@ -68,25 +69,50 @@ function drawOverview(data) {
   $("nojobs").hidden = data.jobs.length > 0;
 }
 
-function drawGrid(rows, total, gpus) {
-  const body = $("grid").tBodies[0];
-  const frag = document.createDocumentFragment();
-  for (const r of rows) {
-    const tr = el("tr");
-    tr.append(el("td", r.node, "num"));
-    tr.append(el("td", r.host, "host"));
-    const seats = el("td", null, "seats");
-    for (let i = 0; i < r.seats.length; i++) {
-      const c = r.seats[i];
-      const s = el("span", null, "seat " + c);
-      s.title = "node " + r.node + " local rank " + i + " (rank " + (r.node * gpus + i) + "): " + STATES[c];
-      seats.append(s);
+// The grid's rows by node, kept between updates: a 1,024 x 8 grid is 9,000 elements,
+// so an update only touches what changed (a seat's state, a heartbeat age).
+let grid = { key: "", rows: new Map() };
+
+function gridRow(r, gpus) {
+  const tr = el("tr");
+  const host = el("td", r.host, "host");
+  const seats = el("td", null, "seats");
+  // Fixed markup only (no daemon data): one parse instead of a call per seat.
+  seats.innerHTML = '<span class="seat"></span>'.repeat(r.seats.length);
+  const spans = Array.from(seats.children);
+  seats.dataset.node = r.node;
+  const ageCell = el("td", null, "num");
+  tr.append(el("td", r.node, "num"), host, seats, ageCell);
+  return { tr, host, spans, ageCell, node: r.node, gpus, seats: "", age: "", hostText: r.host };
+}
+
+function updateRow(g, r) {
+  if (g.hostText !== r.host) { g.host.textContent = r.host; g.hostText = r.host; }
+  if (g.seats !== r.seats) {
+    for (let i = 0; i < g.spans.length; i++) {
+      const c = r.seats[i] || "-";
+      if (g.seats[i] !== c) g.spans[i].className = "seat " + c;
     }
-    tr.append(seats);
-    tr.append(el("td", age(r.age), "num"));
-    frag.append(tr);
+    g.seats = r.seats;
   }
-  body.replaceChildren(frag);
+  const a = age(r.age);
+  if (g.age !== a) { g.ageCell.textContent = a; g.age = a; }
+}
+
+function drawGrid(jobId, rows, total, gpus) {
+  const key = jobId + "/" + gpus + "/" + rows.map(r => r.node).join(",");
+  if (grid.key !== key) {
+    // Another job, or nodes came or went: built afresh.
+    grid = { key, rows: new Map() };
+    const frag = document.createDocumentFragment();
+    for (const r of rows) {
+      const g = gridRow(r, gpus);
+      grid.rows.set(r.node, g);
+      frag.append(g.tr);
+    }
+    $("grid").tBodies[0].replaceChildren(frag);
+  }
+  for (const r of rows) updateRow(grid.rows.get(r.node), r);
   $("grid-more").textContent = rows.length < total ? rows.length + " of " + total + " nodes shown" : "";
 }
 
@@ -110,7 +136,7 @@ function drawJob(job, rows) {
     " members · " + job.num_nodes + " × " + job.gpus_per_node + " · in state " + age(job.state_age_s) +
     (job.abort_reason ? " · " + job.abort_reason : "");
   $("abort").hidden = !admin || !(job.state === "RUNNING" || job.state === "FORMING");
-  drawGrid(rows, job.nodes.total, job.gpus_per_node);
+  drawGrid(job.job_id, rows, job.nodes.total, job.gpus_per_node);
   drawSpark(job);
   $("waiting").textContent = job.nodes_waiting;
   const failed = $("failed");
@@ -138,7 +164,10 @@ function drawJob(job, rows) {
 
 async function refresh() {
   try {
+    // Marks (first update only) for benchmarks/status_page.py's breakdown.
+    performance.mark("rdzv-start");
     const data = await getJSON("/api/jobs");
+    performance.mark("rdzv-overview");
     drawOverview(data);
     const id = selected() || (data.jobs.length === 1 ? data.jobs[0].job_id : null);
     if (id === null) {
@@ -152,7 +181,9 @@ async function refresh() {
         const more = await getJSON(url + "?node_offset=" + off + "&node_limit=" + job.nodes.limit);
         rows = rows.concat(more.nodes.rows);
       }
+      performance.mark("rdzv-job");
       drawJob(job, rows);
+      performance.mark("rdzv-drawn");
     }
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     $("updated").classList.remove("stale");
@@ -179,11 +210,24 @@ async function abortJob() {
 
 function loop() {
   clearTimeout(timer);
-  refresh().finally(() => { timer = setTimeout(loop, POLL_MS); });
+  refresh().finally(() => { timer = setTimeout(loop, pollMs); });
+}
+
+// A seat's tooltip is made when hovered: 8,192 titles kept up to date would cost
+// every update.
+function seatTitle(ev) {
+  const s = ev.target;
+  if (!s.classList || !s.classList.contains("seat") || !s.parentNode.dataset.node) return;
+  const node = Number(s.parentNode.dataset.node);
+  const i = Array.prototype.indexOf.call(s.parentNode.children, s);
+  const gpus = s.parentNode.children.length;
+  s.title = "node " + node + " local rank " + i + " (rank " + (node * gpus + i) + "): " +
+    STATES[s.className.slice(5)];
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   $("abort").addEventListener("click", abortJob);
+  $("grid").addEventListener("mouseover", seatTitle);
   window.addEventListener("hashchange", loop);
   loop();
 });

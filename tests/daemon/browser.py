@@ -8,6 +8,7 @@ the status page's browser test and benchmarks/status_page.py.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import queue
@@ -43,6 +44,12 @@ def chromium_missing() -> str | None:
     return None
 
 
+def _high(fd: int) -> int:
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 5)
+    os.close(fd)
+    return moved
+
+
 class BrowserError(Exception):
     pass
 
@@ -52,8 +59,9 @@ class Chromium:
 
     def __init__(self, width: int = 1400, height: int = 900) -> None:
         self._profile = tempfile.mkdtemp(prefix="rdzv-chromium-")
-        to_browser_r, self._to_browser = os.pipe()
-        self._from_browser, from_browser_w = os.pipe()
+        # Above 4, so that putting one end on 3 cannot close the other before it is moved.
+        to_browser_r, self._to_browser = (_high(fd) for fd in os.pipe())
+        self._from_browser, from_browser_w = (_high(fd) for fd in os.pipe())
 
         def fds() -> None:
             os.dup2(to_browser_r, 3)
