@@ -120,8 +120,11 @@ function drawSpark(job) {
   const h = history.get(job.job_id) || [];
   const max = Math.max(1, job.world_size, ...h);
   const step = h.length > 1 ? 240 / (h.length - 1) : 240;
-  const pts = h.map((v, i) => (i * step).toFixed(1) + "," + (46 - (v / max) * 44).toFixed(1));
+  const pts = h.map((v, i) => (i * step).toFixed(1) + "," + (46 - (v / max) * 40).toFixed(1));
+  if (pts.length === 1) pts.push("240," + pts[0].split(",")[1]);
   $("spark").querySelector("polyline").setAttribute("points", pts.join(" "));
+  const right = pts[pts.length - 1].split(",")[0];
+  $("spark").querySelector("polygon").setAttribute("points", "0,48 " + pts.join(" ") + " " + right + ",48");
   $("spark-note").textContent = h.length + " samples, now " + job.members_present + " of " + job.world_size;
 }
 
