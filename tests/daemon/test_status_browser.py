@@ -126,6 +126,19 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
         assert d.token not in page
         browser.screenshot(SCREENSHOT)
         assert SCREENSHOT.stat().st_size > 10_000
+
+        # Abort, confirmed in the dialog: the job and its workers stop, and the page says who.
+        browser.accept_dialogs()
+        browser.evaluate("document.getElementById('abort').click(); true")
+        browser.wait_for(
+            "the job ABORTED",
+            "document.getElementById('job-state').textContent === 'ABORTED' && "
+            "document.getElementById('job-facts').textContent.includes('by admin session')",
+        )
+        assert browser.evaluate("document.getElementById('abort').hidden")
+        wait_for(
+            "the abort in the log", lambda: f"job {job_id} aborted by admin session" in d.log()
+        )
     finally:
         for proc, _ in nodes:
             if proc.poll() is None:
