@@ -6,7 +6,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from collections.abc import Iterator
+import ssl
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 from rendezvousd.client import RendezvousClient
 from rendezvousd.http_server import MAX_CONNECTIONS
 from rendezvousd.scope import derive_job_token
-from tests.support import DaemonProcess, wait_for
+from tests.support import DaemonProcess, Pki, wait_for
 
 UID = b"\x5a" * 128
 
@@ -204,3 +205,28 @@ def test_connections_are_bounded_and_heads_are_limited(daemon: DaemonProcess) ->
         assert len(idle) == MAX_CONNECTIONS
     # The idle ones closed: served again.
     wait_for("the page to be served again", lambda: request(daemon, "GET", "/metrics")[0] == 200)
+
+
+def test_under_tls_the_page_is_https_and_its_cookie_secure(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    d = start_daemon(
+        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
+        "--metrics-listen", "127.0.0.1:0",
+    )  # fmt: skip
+    host, port = _address(d)
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    conn = http.client.HTTPSConnection(host, port, timeout=10, context=context)
+    try:
+        conn.request(
+            "POST",
+            "/login",
+            body=f"token={d.token}",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 303
+        assert "; Secure" in (r.getheader("Set-Cookie") or "")
+    finally:
+        conn.close()
