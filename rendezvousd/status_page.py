@@ -40,6 +40,7 @@ log = logging.getLogger("rendezvousd.status")
 
 COOKIE = "rdzv_session"
 SESSION_S = 12 * 3600
+LOG_EVERY_S = 10.0
 MAX_SESSIONS = 1024
 # One job's JSON lists at most this many nodes per page (the grid asks for the rest).
 NODE_PAGE = 1024
@@ -115,6 +116,8 @@ class StatusPage:
         self._sessions: dict[str, Session] = {}
         self._files: dict[str, bytes] = {}
         self._views_made: dict[str, tuple[float, JobView]] = {}
+        self._refused = 0
+        self._refused_logged = -LOG_EVERY_S
         metrics.transition_listeners.append(self._changed)
 
     # -- routing -------------------------------------------------------------
@@ -172,7 +175,16 @@ class StatusPage:
         form = dict(parse_qsl(r.body.decode("utf-8", "replace")))
         scope = self._scope_of(form.get("token", "").strip())
         if scope is None:
-            log.warning("status page: a login from %s with an invalid token", r.peer)
+            self._refused += 1
+            now = time.monotonic()
+            # At most one line per LOG_EVERY_S: anyone who reaches the port can try.
+            if now - self._refused_logged >= LOG_EVERY_S:
+                log.warning(
+                    "status page: %d login(s) with an invalid token, the last from %s",
+                    self._refused,
+                    r.peer,
+                )
+                self._refused, self._refused_logged = 0, now
             return self._file("login.html", "text/html; charset=utf-8", 401)
         now = time.monotonic()
         if len(self._sessions) >= MAX_SESSIONS:
@@ -183,7 +195,7 @@ class StatusPage:
         sid = secrets.token_urlsafe(32)
         tag = hashlib.sha256(sid.encode()).hexdigest()[:8]
         self._sessions[sid] = Session(scope, now + SESSION_S, r.peer, tag)
-        log.info("status page: %s logged in from %s (session %s)", scope, r.peer, tag)
+        log.info("status page: %s logged in from %s (session %s)", escape(str(scope)), r.peer, tag)
         cookie = f"{COOKIE}={sid}; Path=/; HttpOnly; SameSite=Strict; Max-Age={SESSION_S}"
         if self._secure:
             cookie += "; Secure"
@@ -351,7 +363,7 @@ class StatusPage:
         except (ValueError, AttributeError):
             return _json(400, {"error": 'the body is JSON: {"reason": "..."}'})
         reason = f"aborted from the status page by {caller.who}" + (f": {reason}" if reason else "")
-        log.warning("status page: job %s aborted by %s", escape(job_id), caller.who)
+        log.warning("status page: job %s aborted by %s", escape(job_id), escape(caller.who))
         try:
             generation = await self._abort(job_id, reason)
         except RendezvousFault as fault:

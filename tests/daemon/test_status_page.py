@@ -151,6 +151,8 @@ def test_login_sets_a_session_cookie_that_is_not_the_token(
             daemon, "POST", "/login", body=b"token=wrong-token-but-long-enough"
         )
         assert status == 401 and "set-cookie" not in headers and b'action="/login"' in page
+        wait_for("the refused login in the log", lambda: "with an invalid token" in daemon.log())
+        assert "wrong-token-but-long-enough" not in daemon.log()
 
 
 def test_abort_needs_the_admin_token_and_is_logged_with_who(
