@@ -117,7 +117,8 @@ class HttpServer:
         assert task is not None
         if len(self._open) >= self._max:
             # Over the cap: answered and closed at once, so it holds no slot.
-            await _send(writer, Response(503, b"too many connections\n"), close=True)
+            with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
+                await _send(writer, Response(503, b"too many connections\n"), close=True)
             await _close(writer)
             return
         self._open.add(task)
