@@ -75,12 +75,13 @@ class DaemonConfig:
     )
     reflection: bool = _opt("serve gRPC reflection (behind the token)", default=True, kind=Bool())
     metrics_listen: str | None = _opt(
-        "HOST:PORT for the Prometheus /metrics endpoint",
+        "HOST:PORT for the Prometheus /metrics endpoint and the status page (/)",
         default=None,
         kind=AddressText("metrics_listen", optional=True, allow_port_zero=True),
     )
     insecure_metrics: bool = _opt(
-        "allow --metrics-listen on a non-loopback address without --tls-cert",
+        "allow --metrics-listen (/metrics, the status page) on a non-loopback address "
+        "without --tls-cert",
         default=False,
         kind=Bool(),
     )

@@ -7,6 +7,7 @@ embedded daemon) from colliding in the global one.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.model import JobState, MemberState
+from rendezvousd.model import JobState, MemberState, Transition
 
 if TYPE_CHECKING:
     from rendezvousd.state import RendezvousState
@@ -63,6 +64,16 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.transitions = counter(
+            "rendezvousd_job_transitions",
+            "Jobs entering a state (forming, running, failed, aborted, ended)",
+            ["state"],
+        )
+        # Who else hears of each transition (the status page's generation timeline).
+        self.transition_listeners: list[Callable[[Transition], None]] = []
+        self.serving = gauge(
+            "rendezvousd_serving", "1 while health says SERVING, 0 when NOT_SERVING"
+        )
         self.heartbeat_lag = gauge(
             "rendezvousd_heartbeat_age_max_seconds",
             "Largest time since an active member's last heartbeat",
@@ -76,6 +87,12 @@ class Metrics:
 
     def observe_commit(self, seconds: float, ok: bool) -> None:
         self.commits.labels("ok" if ok else "failed").observe(seconds)
+
+    def observe_transition(self, t: Transition) -> None:
+        if t.new is not None and t.new is not t.old:
+            self.transitions.labels(t.new.name.lower()).inc()
+        for listener in self.transition_listeners:
+            listener(t)
 
     def observe_jobs(self, state: RendezvousState) -> None:
         counts = dict.fromkeys(JobState, 0)

@@ -222,6 +222,8 @@ class JobView:
     id_published: bool
     kv_keys: int
     abort_reason: str
+    # Node agents parked to join (a scale-up while RUNNING, or forming): the status page.
+    nodes_waiting: int = 0
 
     @property
     def world_size(self) -> int:

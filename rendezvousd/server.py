@@ -27,11 +27,14 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.auth import TokenAuthInterceptor
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.http_server import HttpServer
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import MemberState
 from rendezvousd.persistence import Persister
 from rendezvousd.servicer import SERVICE, RendezvousServicer
 from rendezvousd.state import RendezvousState
+from rendezvousd.status_page import StatusPage
+from rendezvousd.timeline import Timeline
 
 log = logging.getLogger("rendezvousd")
 
@@ -161,11 +164,12 @@ class Daemon:
     on_stopping: Callable[[], None] | None = None
     state: RendezvousState = field(init=False)
     metrics: Metrics = field(init=False)
+    timeline: Timeline = field(init=False)
     port: int = field(init=False, default=0)
     _server: grpc.aio.Server | None = field(init=False, default=None)
     _health: health_aio.HealthServicer | None = field(init=False, default=None)
     _ticker: asyncio.Task[None] | None = field(init=False, default=None)
-    _metrics_server: object | None = field(init=False, default=None)
+    _metrics_server: HttpServer | None = field(init=False, default=None)
     metrics_port: int | None = field(init=False, default=None)
     _health_updates: set[asyncio.Future[None]] = field(init=False, default_factory=set)
     _ticker_died: bool = field(init=False, default=False)
@@ -173,6 +177,8 @@ class Daemon:
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
         self.metrics = Metrics(None)
+        self.timeline = Timeline()
+        self.metrics.transition_listeners.append(self.timeline.record)
 
     def _options(self) -> list[tuple[str, int]]:
         limits, timing, c = self.state.limits, self.state.timing, self.config
@@ -294,8 +300,9 @@ class Daemon:
                 server,
             )
         credentials = self._credentials()
+        self._auth = interceptor
         if self.config.metrics_listen:
-            self._start_metrics(self.config.metrics_listen)
+            await self._start_http(self.config.metrics_listen)
         try:
             if credentials is None:
                 port: int = server.add_insecure_port(self.config.listen)
@@ -311,6 +318,7 @@ class Daemon:
         self._servicer = servicer
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self.metrics.serving.set(1)
         self._ticker = asyncio.create_task(self._tick())
         self._ticker.add_done_callback(self._tick_ended)
         log.info(
@@ -323,27 +331,44 @@ class Daemon:
             self.on_ready(port)
         return self.port
 
-    def _start_metrics(self, listen: str) -> None:
-        from prometheus_client import start_http_server
+    async def _start_http(self, listen: str) -> None:
+        """/metrics and the status page, on the event loop (``http_server``)."""
+        import ssl
 
         from rendezvousd.config import split_listen
 
         host, port = split_listen(listen)
+        context = None
+        tls = self.config.tls_cert
+        if tls is not None:
+            # With the daemon's certificate, /metrics and the page are served over TLS
+            # too: only then may they listen beyond loopback without --insecure-metrics.
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(str(tls), str(self.config.tls_key))
+        page = StatusPage(
+            self.state,
+            self.metrics,
+            self.timeline,
+            lambda token: self._auth.scope_of([("authorization", f"Bearer {token}")]),
+            self._abort_from_page,
+            secure_cookie=tls is not None,
+        )
+        server = HttpServer(page.handle, ssl_context=context)
         try:
-            # With the daemon's certificate, /metrics is served over TLS too: only
-            # then may it listen beyond loopback without --insecure-metrics.
-            tls = self.config.tls_cert
-            server, _ = start_http_server(
-                port,
-                addr=host or "127.0.0.1",
-                registry=self.metrics.registry,
-                certfile=str(tls) if tls is not None else None,
-                keyfile=str(self.config.tls_key) if tls is not None else None,
-            )
+            self.metrics_port = await server.start(host or "127.0.0.1", port)
         except OSError as exc:
             raise DaemonError(f"cannot serve metrics on {listen}: {exc.strerror}") from exc
         self._metrics_server = server
-        self.metrics_port = server.server_port
+
+    async def _abort_from_page(self, job_id: str, reason: str) -> int:
+        """The status page's Abort button: AbortJob's own path, durable before it answers."""
+        self.persister.check(job_id)
+        response = await self._servicer.AbortJob(
+            pb.AbortJobRequest(job_id=job_id, reason=reason), None
+        )
+        self.persister.touch(job_id)
+        await self.persister.durable(job_id)
+        return int(response.generation)
 
     async def _tick(self) -> None:
         interval = min(1.0, self.state.timing.heartbeat_timeout_s / 4)
@@ -386,6 +411,7 @@ class Daemon:
             if healthy and not self._ticker_died
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
+        self.metrics.serving.set(status == health_pb2.HealthCheckResponse.SERVING)
         for service in ("", SERVICE):
             task = asyncio.ensure_future(self._health.set(service, status))
             self._health_updates.add(task)
@@ -418,6 +444,7 @@ class Daemon:
             return
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        self.metrics.serving.set(0)
         if self.on_stopping is not None:
             self.on_stopping()
         self.state.drain()
@@ -430,9 +457,7 @@ class Daemon:
                 await self._ticker
         await self._server.stop(self.config.drain_grace_s if grace is None else grace)
         if self._metrics_server is not None:
-            shutdown = getattr(self._metrics_server, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            await self._metrics_server.stop()
         self._server = None
         self.persister.close()
         log.info("rendezvousd stopped")

@@ -109,6 +109,7 @@ class RendezvousServicer:
         )
         if t.new is None or t.new is not JobState.RUNNING:
             self._answers.forget(t.job_id, t.generation)
+        self.metrics.observe_transition(t)
         self.metrics.observe_jobs(self.state)
 
     def _undone(self, job_ids: set[str]) -> None:

@@ -45,4 +45,5 @@ def job_view(job: Job, now: float) -> JobView:
         job.unique_id is not None,
         len(job.kv),
         job.abort_reason,
+        len(set(job.scaleup_waiters.values()) | set(job.node_waiters.values())),
     )

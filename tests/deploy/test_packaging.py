@@ -80,6 +80,12 @@ def test_wheel_ships_configs_and_type_markers(built: tuple[str, Path]) -> None:
         f"rendezvousd/trainer/configs/{p.name}" for p in (ROOT / "trainer/configs").iterdir()
     }
     assert configs and configs <= names
+    page = {
+        f"rendezvousd/status_static/{p.name}"
+        for p in (ROOT / "rendezvousd/status_static").iterdir()
+        if p.suffix in (".html", ".js", ".css")
+    }
+    assert len(page) == 4 and page <= names
     for package in ("rendezvousd", "rendezvousd/client", "rendezvousd/trainer"):
         assert f"{package}/py.typed" in names
     assert "rendezvousd/trainer/demo.py" in names

@@ -1,0 +1,220 @@
+"""A small HTTP/1.1 server on the daemon's asyncio loop: /metrics and the status page.
+
+prometheus_client's server starts a thread per connection, without a cap, so a
+client opening connections could make the daemon start threads without bound
+(issue 21). This one runs on the event loop that already serves gRPC, with a
+fixed number of connections, bounded request heads and bodies, and timeouts for
+a client that sends a request slowly or never. It is not a general web server:
+one request at a time per connection, Content-Length bodies only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+log = logging.getLogger("rendezvousd.http")
+
+MAX_HEAD_BYTES = 16 * 1024
+MAX_BODY_BYTES = 16 * 1024
+MAX_CONNECTIONS = 64
+# A request's head and body must arrive within this; an idle kept-alive connection
+# is closed after IDLE_S.
+REQUEST_TIMEOUT_S = 10.0
+IDLE_S = 30.0
+
+_REASONS = {
+    200: "OK",
+    303: "See Other",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: bytes
+    peer: str
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str = "text/plain; charset=utf-8"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class HttpError(Exception):
+    """A request this server refuses before any handler sees it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class HttpServer:
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self._handler = handler
+        self._ssl = ssl_context
+        self._max = max_connections
+        self._open: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(
+            self._connection,
+            host,
+            port,
+            ssl=self._ssl,
+            limit=MAX_HEAD_BYTES,
+            ssl_handshake_timeout=REQUEST_TIMEOUT_S if self._ssl else None,
+            reuse_address=True,
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._open):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 5)
+        self._server = None
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._open) >= self._max:
+            # Over the cap: answered and closed at once, so it holds no slot.
+            with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
+                await _send(writer, Response(503, b"too many connections\n"), close=True)
+            await _close(writer)
+            return
+        self._open.add(task)
+        peername = writer.get_extra_info("peername")
+        peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "unix"
+        try:
+            await self._serve(reader, writer, peer)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ssl.SSLError):
+            pass
+        finally:
+            self._open.discard(task)
+            await _close(writer)
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+    ) -> None:
+        first = True
+        while True:
+            try:
+                # The first request gets the request timeout; a kept-alive connection may
+                # idle longer before its next one.
+                head = await asyncio.wait_for(
+                    reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S if first else IDLE_S
+                )
+                first = False
+                request, keep = await asyncio.wait_for(
+                    _parse(head, reader, peer), REQUEST_TIMEOUT_S
+                )
+            except asyncio.LimitOverrunError:
+                await _send(writer, Response(431, b"request head too large\n"), close=True)
+                return
+            except HttpError as exc:
+                await _send(writer, Response(exc.status, f"{exc}\n".encode()), close=True)
+                return
+            try:
+                response = await self._handler(request)
+            except Exception:
+                log.exception("status page: %s %s failed", request.method, request.path)
+                response = Response(500, b"internal error; see the daemon's log\n")
+            await _send(writer, response, close=not keep, head_only=request.method == "HEAD")
+            if not keep:
+                return
+
+
+async def _parse(head: bytes, reader: asyncio.StreamReader, peer: str) -> tuple[Request, bool]:
+    try:
+        text = head.decode("latin-1")
+        line, *header_lines = text[:-4].split("\r\n")
+        method, target, version = line.split(" ")
+    except ValueError:
+        raise HttpError(400, "malformed request line") from None
+    if version not in ("HTTP/1.1", "HTTP/1.0"):
+        raise HttpError(400, "only HTTP/1.0 and HTTP/1.1 are served")
+    headers: dict[str, str] = {}
+    for h in header_lines:
+        name, colon, value = h.partition(":")
+        if not colon:
+            raise HttpError(400, "malformed header line")
+        headers[name.strip().lower()] = value.strip()
+    if "transfer-encoding" in headers:
+        raise HttpError(411, "send a Content-Length body, not a chunked one")
+    try:
+        length = int(headers.get("content-length", "0"))
+    except ValueError:
+        raise HttpError(400, "Content-Length is not a number") from None
+    if length < 0 or length > MAX_BODY_BYTES:
+        raise HttpError(413, f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+    body = await reader.readexactly(length) if length else b""
+    url = urlsplit(target)
+    connection = headers.get("connection", "").lower()
+    keep = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
+    return (
+        Request(method, unquote(url.path), dict(parse_qsl(url.query)), headers, body, peer),
+        keep,
+    )
+
+
+async def _send(
+    writer: asyncio.StreamWriter, r: Response, *, close: bool, head_only: bool = False
+) -> None:
+    lines = [
+        f"HTTP/1.1 {r.status} {_REASONS.get(r.status, 'Status')}",
+        f"Content-Type: {r.content_type}",
+        f"Content-Length: {len(r.body)}",
+        "X-Content-Type-Options: nosniff",
+        *(f"{k}: {v}" for k, v in r.headers),
+    ]
+    if close:
+        lines.append("Connection: close")
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+    if not head_only:
+        writer.write(r.body)
+    await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(writer.wait_closed(), 1)

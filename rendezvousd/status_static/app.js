@@ -1,0 +1,236 @@
+// The status page: polls /api/jobs and /api/jobs/{id} (the same JSON scripts read)
+// and redraws without a reload. Every value from the daemon is set as text, never
+// as markup: hosts and failure causes come from clients.
+"use strict";
+
+let pollMs = 2000; // the daemon says how often (slower for very large jobs)
+const HISTORY = 90; // sparkline samples
+const STATES = { A: "active", H: "late heartbeat", X: "lost", J: "joining", D: "left", "-": "empty" };
+const history = new Map(); // job id -> [members present, ...]
+let admin = false;
+let timer = null;
+
+function $(id) { return document.getElementById(id); }
+
+function el(tag, text, cls) {
+  const e = document.createElement(tag);
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  if (cls) e.className = cls;
+  return e;
+}
+
+function age(s) {
+  if (s === null || s === undefined) return "?";
+  if (s < 60) return s.toFixed(1) + " s";
+  if (s < 3600) return Math.floor(s / 60) + " min " + Math.floor(s % 60) + " s";
+  return Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+}
+
+function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
+
+function selected() {
+  const m = location.hash.match(/^#job=(.+)$/);
+  return m ? decodeURIComponent(m[1]) : null;
+}
+
+async function getJSON(url) {
+  const r = await fetch(url, { credentials: "same-origin", cache: "no-store" });
+  if (r.status === 401) { location.reload(); throw new Error("logged out"); }
+  if (!r.ok) throw new Error(url + ": HTTP " + r.status);
+  return r.json();
+}
+
+function drawOverview(data) {
+  admin = data.admin;
+  pollMs = Math.max(1000, (data.poll_s || 2) * 1000);
+  $("scope").textContent = data.admin ? "admin" : data.scope;
+  const body = $("jobs").tBodies[0];
+  body.replaceChildren();
+  for (const j of data.jobs) {
+    const tr = el("tr");
+    tr.dataset.job = j.job_id;
+    const a = el("a", j.job_id);
+    a.href = "#job=" + encodeURIComponent(j.job_id);
+    const name = el("td"); name.append(a); tr.append(name);
+    const st = el("td"); st.append(el("span", j.state, "badge " + j.state)); tr.append(st);
+    tr.append(el("td", j.generation, "num"));
+    tr.append(el("td", j.members_present + "/" + j.world_size, "num"));
+    tr.append(el("td", j.nodes_present + "/" + j.num_nodes, "num"));
+    tr.append(el("td", j.nodes_waiting, "num"));
+    tr.append(el("td", age(j.state_age_s), "num"));
+    tr.append(el("td", j.failures, "num"));
+    tr.append(el("td", j.last_failure || "—", "cause"));
+    body.append(tr);
+    const h = history.get(j.job_id) || [];
+    h.push(j.members_present);
+    if (h.length > HISTORY) h.shift();
+    history.set(j.job_id, h);
+  }
+  $("nojobs").hidden = data.jobs.length > 0;
+}
+
+// The grid's rows by node, kept between updates: a 1,024 x 8 grid is 9,000 elements,
+// so an update only touches what changed (a seat's state, a heartbeat age).
+let grid = { key: "", rows: new Map() };
+
+function gridRow(r, gpus) {
+  const tr = el("tr");
+  const host = el("td", r.host, "host");
+  const seats = el("td", null, "seats");
+  // Fixed markup only (no daemon data): one parse instead of a call per seat.
+  seats.innerHTML = '<span class="seat"></span>'.repeat(r.seats.length);
+  const spans = Array.from(seats.children);
+  seats.dataset.node = r.node;
+  const ageCell = el("td", null, "num");
+  tr.append(el("td", r.node, "num"), host, seats, ageCell);
+  return { tr, host, spans, ageCell, node: r.node, gpus, seats: "", age: "", hostText: r.host };
+}
+
+function updateRow(g, r) {
+  if (g.hostText !== r.host) { g.host.textContent = r.host; g.hostText = r.host; }
+  if (g.seats !== r.seats) {
+    for (let i = 0; i < g.spans.length; i++) {
+      const c = r.seats[i] || "-";
+      if (g.seats[i] !== c) g.spans[i].className = "seat " + c;
+    }
+    g.seats = r.seats;
+  }
+  const a = age(r.age);
+  if (g.age !== a) { g.ageCell.textContent = a; g.age = a; }
+}
+
+function drawGrid(jobId, rows, total, gpus) {
+  const key = jobId + "/" + gpus + "/" + rows.map(r => r.node).join(",");
+  if (grid.key !== key) {
+    // Another job, or nodes came or went: built afresh.
+    grid = { key, rows: new Map() };
+    const frag = document.createDocumentFragment();
+    for (const r of rows) {
+      const g = gridRow(r, gpus);
+      grid.rows.set(r.node, g);
+      frag.append(g.tr);
+    }
+    $("grid").tBodies[0].replaceChildren(frag);
+  }
+  for (const r of rows) updateRow(grid.rows.get(r.node), r);
+  $("grid-more").textContent = rows.length < total ? rows.length + " of " + total + " nodes shown" : "";
+}
+
+function drawSpark(job) {
+  const h = history.get(job.job_id) || [];
+  const max = Math.max(1, job.world_size, ...h);
+  const step = h.length > 1 ? 240 / (h.length - 1) : 240;
+  const pts = h.map((v, i) => (i * step).toFixed(1) + "," + (46 - (v / max) * 40).toFixed(1));
+  if (pts.length === 1) pts.push("240," + pts[0].split(",")[1]);
+  $("spark").querySelector("polyline").setAttribute("points", pts.join(" "));
+  const right = pts[pts.length - 1].split(",")[0];
+  $("spark").querySelector("polygon").setAttribute("points", "0,48 " + pts.join(" ") + " " + right + ",48");
+  $("spark-note").textContent = h.length + " samples, now " + job.members_present + " of " + job.world_size;
+}
+
+function drawJob(job, rows) {
+  $("job").hidden = false;
+  $("job-title").textContent = job.job_id;
+  const st = $("job-state");
+  st.textContent = job.state;
+  st.className = "badge " + job.state;
+  $("job-facts").textContent =
+    "generation " + job.generation + " · " + job.members_present + "/" + job.world_size +
+    " members · " + job.num_nodes + " × " + job.gpus_per_node + " · in state " + age(job.state_age_s) +
+    (job.abort_reason ? " · " + job.abort_reason : "");
+  $("abort").hidden = !admin || !(job.state === "RUNNING" || job.state === "FORMING");
+  drawGrid(job.job_id, rows, job.nodes.total, job.gpus_per_node);
+  drawSpark(job);
+  $("waiting").textContent = job.nodes_waiting;
+  const failed = $("failed");
+  failed.replaceChildren();
+  for (const f of job.failed) {
+    const li = el("li");
+    li.append(el("strong", "rank " + f.rank));
+    li.append(el("span", " on " + f.host + " (node " + f.node_rank + ", local rank " + f.local_rank + ")"));
+    if (f.age_s !== null) li.append(el("span", " " + age(f.age_s) + " ago", "muted"));
+    li.append(el("div", f.cause, "cause"));
+    failed.append(li);
+  }
+  $("nofailed").hidden = job.failed.length > 0;
+  const tl = $("timeline");
+  tl.replaceChildren();
+  for (const e of job.timeline.slice().reverse()) {
+    const li = el("li", null, "t-" + e.to);
+    li.append(el("span", clock(e.at), "muted"));
+    li.append(el("span", " gen " + e.generation + " "));
+    li.append(el("span", e.to, "badge " + e.to));
+    li.append(el("div", e.detail, "cause"));
+    tl.append(li);
+  }
+}
+
+async function refresh() {
+  try {
+    // Marks (first update only) for benchmarks/status_page.py's breakdown.
+    performance.mark("rdzv-start");
+    const data = await getJSON("/api/jobs");
+    performance.mark("rdzv-overview");
+    drawOverview(data);
+    const id = selected() || (data.jobs.length === 1 ? data.jobs[0].job_id : null);
+    if (id === null) {
+      $("job").hidden = true;
+    } else {
+      const url = "/api/jobs/" + encodeURIComponent(id);
+      const job = await getJSON(url);
+      let rows = job.nodes.rows;
+      // Past one page (1,024 nodes) the grid asks for the rest, a page at a time.
+      for (let off = job.nodes.offset + job.nodes.limit; off < job.nodes.total; off += job.nodes.limit) {
+        const more = await getJSON(url + "?node_offset=" + off + "&node_limit=" + job.nodes.limit);
+        rows = rows.concat(more.nodes.rows);
+      }
+      performance.mark("rdzv-job");
+      drawJob(job, rows);
+      performance.mark("rdzv-drawn");
+    }
+    $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+    $("updated").classList.remove("stale");
+  } catch (err) {
+    $("updated").textContent = "not updated: " + err.message;
+    $("updated").classList.add("stale");
+  }
+  document.body.dataset.ready = "1";
+}
+
+async function abortJob() {
+  const id = $("job-title").textContent;
+  if (!confirm("Abort job " + id + "? Every worker is told to stop.")) return;
+  const r = await fetch("/api/jobs/" + encodeURIComponent(id) + "/abort", {
+    method: "POST",
+    credentials: "same-origin",
+    headers: { "Content-Type": "application/json", "X-Requested-With": "rendezvousd" },
+    body: JSON.stringify({ reason: "" }),
+  });
+  const body = await r.json().catch(() => ({}));
+  if (!r.ok) alert("Abort failed: " + (body.error || r.status));
+  refresh();
+}
+
+function loop() {
+  clearTimeout(timer);
+  refresh().finally(() => { timer = setTimeout(loop, pollMs); });
+}
+
+// A seat's tooltip is made when hovered: 8,192 titles kept up to date would cost
+// every update.
+function seatTitle(ev) {
+  const s = ev.target;
+  if (!s.classList || !s.classList.contains("seat") || !s.parentNode.dataset.node) return;
+  const node = Number(s.parentNode.dataset.node);
+  const i = Array.prototype.indexOf.call(s.parentNode.children, s);
+  const gpus = s.parentNode.children.length;
+  s.title = "node " + node + " local rank " + i + " (rank " + (node * gpus + i) + "): " +
+    STATES[s.className.slice(5)];
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("abort").addEventListener("click", abortJob);
+  $("grid").addEventListener("mouseover", seatTitle);
+  window.addEventListener("hashchange", loop);
+  loop();
+});

@@ -1,0 +1,157 @@
+"""The status page in a real browser (headless Debian Chromium) against a real daemon
+and a real 2-node x 2-worker CPU job: log in, watch the job run, kill a worker, see
+the failure and the next generation appear without a reload; a token for another
+job sees nothing, and no token gets the login page only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rendezvousd.scope import derive_job_token
+from tests.daemon.browser import Chromium, chromium_missing
+from tests.support import ROOT, WORKERS, DaemonProcess, json_lines, launcher_cmd, wait_for
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing())),
+]
+
+SCREENSHOT = ROOT / "artifacts" / "status-page.png"
+
+
+@pytest.fixture
+def browser() -> Iterator[Chromium]:
+    with Chromium() as b:
+        yield b
+
+
+def _launch(d: DaemonProcess, job: str, tmp: Path, node: int) -> tuple[subprocess.Popen[str], Path]:
+    out = tmp / f"node{node}.out"
+    cmd = launcher_cmd(2, node, 2, endpoint=d.endpoint, token_file=d.token_file, job=job)
+    cmd += ["--heartbeat-interval-s", "0.5", "--max-restarts", "1"]
+    cmd += [str(WORKERS / "elastic_worker.py"), "--steps", "1000000", "--step-s", "0.05"]
+    with out.open("w") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    return proc, out
+
+
+def _log_in(b: Chromium, base: str, token: str) -> None:
+    b.navigate(base + "/")
+    b.wait_for("the login form", "!!document.querySelector('form[action=\"/login\"]')")
+    b.evaluate(
+        f"document.getElementById('token').value = {json.dumps(token)};"
+        "document.querySelector('form').submit(); true"
+    )
+    b.wait_for("the page's first update", "document.body.dataset.ready === '1'")
+
+
+def _text(b: Chromium) -> str:
+    return str(b.evaluate("document.body.innerText"))
+
+
+def test_the_page_follows_a_job_through_a_failure_without_a_reload(
+    start_daemon: Callable[..., DaemonProcess],
+    browser: Chromium,
+    job_id: str,
+    tmp_path: Path,
+) -> None:
+    d = start_daemon("--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout-s", "3")
+    base = d.metrics_url.removesuffix("/metrics")
+    nodes = [_launch(d, job_id, tmp_path, n) for n in range(2)]
+    try:
+        # No token: the login page only, and the API says 401 to the browser too.
+        browser.navigate(base + "/")
+        browser.wait_for("the login form", "!!document.querySelector('form[action=\"/login\"]')")
+        assert job_id not in _text(browser)
+        assert browser.evaluate("fetch('/api/jobs').then(r => r.status)") == 401
+
+        # Another job's token: logged in, and sees no job at all.
+        _log_in(browser, base, derive_job_token(d.token, "another-job"))
+        wait_for(
+            "the job to exist",
+            lambda: any(e.get("event") == "ready" for _, out in nodes for e in json_lines(out)),
+            timeout=60,
+        )
+        browser.evaluate("location.reload(); true")
+        browser.wait_for("a fresh update", "document.body.dataset.ready === '1'")
+        browser.wait_for("the empty overview", "!document.getElementById('nojobs').hidden")
+        assert job_id not in _text(browser)
+        assert browser.evaluate("document.querySelectorAll('#jobs tbody tr').length") == 0
+        browser.evaluate("document.querySelector('header form').submit(); true")
+        browser.wait_for("the login form", "!!document.querySelector('form[action=\"/login\"]')")
+
+        # The admin token: the job, its grid, and (admin only) the Abort button.
+        _log_in(browser, base, d.token)
+        browser.navigate(f"{base}/#job={job_id}")
+        browser.wait_for(
+            "the job RUNNING with four active ranks",
+            "document.getElementById('job-state').textContent === 'RUNNING' && "
+            "document.querySelectorAll('#grid .seat.A').length === 4",
+            timeout=60,
+        )
+        assert not browser.evaluate("document.getElementById('abort').hidden")
+        assert job_id in _text(browser)
+        # Gone on a reload: proves the updates below came without one.
+        browser.evaluate("window.__noReload = 1; true")
+
+        victim = _ready_rank(nodes, 3)
+        os.kill(victim["pid"], signal.SIGKILL)
+        browser.wait_for(
+            "the failure in the generation timeline",
+            "[...document.querySelectorAll('#timeline li')].some(li => "
+            "li.innerText.includes('FAILED') && li.innerText.includes('rank 3 on'))",
+            timeout=60,
+        )
+        browser.wait_for(
+            "generation 2 RUNNING",
+            "document.getElementById('job-state').textContent === 'RUNNING' && "
+            "document.getElementById('job-facts').textContent.includes('generation 2') && "
+            "document.querySelectorAll('#grid .seat.A').length === 4",
+            timeout=60,
+        )
+        assert browser.evaluate("window.__noReload") == 1
+        overview = browser.evaluate(
+            "[...document.querySelectorAll('#jobs tbody tr')].map(tr => tr.innerText)"
+        )
+        assert len(overview) == 1 and "generation 1: rank 3 on" in overview[0], overview
+        page = _text(browser)
+        assert d.token not in page
+        browser.screenshot(SCREENSHOT)
+        assert SCREENSHOT.stat().st_size > 10_000
+
+        # Abort, confirmed in the dialog: the job and its workers stop, and the page says who.
+        browser.accept_dialogs()
+        browser.evaluate("document.getElementById('abort').click(); true")
+        browser.wait_for(
+            "the job ABORTED",
+            "document.getElementById('job-state').textContent === 'ABORTED' && "
+            "document.getElementById('job-facts').textContent.includes('by admin session')",
+        )
+        assert browser.evaluate("document.getElementById('abort').hidden")
+        wait_for(
+            "the abort in the log", lambda: f"job {job_id} aborted by admin session" in d.log()
+        )
+    finally:
+        for proc, _ in nodes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def _ready_rank(nodes: list[tuple[subprocess.Popen[str], Path]], rank: int) -> dict[str, Any]:
+    def found() -> dict[str, Any] | None:
+        events = [e for _, out in nodes for e in json_lines(out) if e.get("event") == "ready"]
+        return next((e for e in events if e.get("rank") == rank), None)
+
+    wait_for(f"rank {rank} to be ready", lambda: found() is not None, timeout=60)
+    event = found()
+    assert event is not None
+    return event

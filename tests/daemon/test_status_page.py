@@ -1,0 +1,234 @@
+"""The status page's HTTP side, on a live daemon: who sees what, the login cookie,
+the JSON the page draws from, the Abort button, and the server's bounds."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+from rendezvousd.client import RendezvousClient
+from rendezvousd.http_server import MAX_CONNECTIONS
+from rendezvousd.scope import derive_job_token
+from tests.support import DaemonProcess, Pki, wait_for
+
+UID = b"\x5a" * 128
+
+
+def _address(d: DaemonProcess) -> tuple[str, int]:
+    url = urlsplit(d.metrics_url)
+    assert url.hostname is not None and url.port is not None
+    return url.hostname, url.port
+
+
+def request(
+    d: DaemonProcess,
+    method: str,
+    path: str,
+    *,
+    token: str | None = None,
+    cookie: str | None = None,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    host, port = _address(d)
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    sent = dict(headers or {})
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    if cookie is not None:
+        sent["Cookie"] = cookie
+    try:
+        conn.request(method, path, body=body, headers=sent)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def api(d: DaemonProcess, path: str, **kw: Any) -> Any:
+    status, _, body = request(d, "GET", path, **kw)
+    assert status == 200, (status, body)
+    return json.loads(body)
+
+
+@contextmanager
+def running_job(d: DaemonProcess, job_id: str) -> Iterator[RendezvousClient]:
+    """A one-rank job, RUNNING while the block lasts."""
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+        c.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, unique_id=UID, timeout=20)
+        c.start_heartbeat(0.2)
+        yield c
+
+
+def test_no_token_gets_only_the_login_page(daemon: DaemonProcess, job_id: str) -> None:
+    with running_job(daemon, job_id):
+        status, headers, page = request(daemon, "GET", "/")
+        assert status == 200
+        assert b'action="/login"' in page and job_id.encode() not in page
+        assert "script-src 'self'" in headers["content-security-policy"]
+        for path in ("/api/jobs", f"/api/jobs/{job_id}"):
+            status, _, body = request(daemon, "GET", path)
+            assert status == 401, path
+            assert job_id.encode() not in body
+        status, _, body = request(daemon, "GET", "/api/jobs", token="not-a-valid-token-at-all")
+        assert status == 401 and job_id.encode() not in body
+        # Prometheus still scrapes without a token, as before.
+        assert request(daemon, "GET", "/metrics")[0] == 200
+
+
+def test_the_json_shows_the_job_and_none_of_its_secrets(daemon: DaemonProcess, job_id: str) -> None:
+    with running_job(daemon, job_id) as c:
+        wait_for(
+            "the job to run",
+            lambda: any(
+                j["job_id"] == job_id and j["state"] == "RUNNING"
+                for j in api(daemon, "/api/jobs", token=daemon.token)["jobs"]
+            ),
+        )
+        status, _, raw = request(daemon, "GET", f"/api/jobs/{job_id}", token=daemon.token)
+        assert status == 200
+        job = json.loads(raw)
+        assert job["generation"] == 1 and job["world_size"] == 1
+        assert job["nodes"]["total"] == 1
+        [row] = job["nodes"]["rows"]
+        assert row["seats"] == "A" and row["node"] == 0
+        assert [e["to"] for e in job["timeline"]] == ["FORMING", "RUNNING"]
+        # The worker's instance id (what fences its rank): the SDK's own record of it.
+        instance_id = c._s.instance_id
+        assert instance_id
+        secrets = [UID, UID.hex().encode(), daemon.token.encode(), instance_id.encode()]
+        for secret in secrets:
+            assert secret not in raw
+        overview = request(daemon, "GET", "/api/jobs", token=daemon.token)[2]
+        assert all(s not in overview for s in secrets)
+
+
+def test_a_job_token_sees_only_its_job(daemon: DaemonProcess, job_id: str) -> None:
+    other = job_id + "-other"
+    with running_job(daemon, job_id), running_job(daemon, other):
+        mine = derive_job_token(daemon.token, job_id)
+        theirs = derive_job_token(daemon.token, other)
+        seen = api(daemon, "/api/jobs", token=mine)
+        assert [j["job_id"] for j in seen["jobs"]] == [job_id]
+        assert seen["admin"] is False
+        assert request(daemon, "GET", f"/api/jobs/{other}", token=mine)[0] == 404
+        assert api(daemon, f"/api/jobs/{job_id}", token=mine)["job_id"] == job_id
+        # A token for a job that does not exist sees nothing at all.
+        ghost = derive_job_token(daemon.token, job_id + "-ghost")
+        assert api(daemon, "/api/jobs", token=ghost)["jobs"] == []
+        assert [j["job_id"] for j in api(daemon, "/api/jobs", token=theirs)["jobs"]] == [other]
+
+
+def test_login_sets_a_session_cookie_that_is_not_the_token(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    with running_job(daemon, job_id):
+        status, headers, _ = request(
+            daemon,
+            "POST",
+            "/login",
+            body=f"token={daemon.token}".encode(),
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert status == 303 and headers["location"] == "/"
+        cookie = headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Max-Age=" in cookie
+        assert daemon.token not in cookie
+        session = cookie.split(";", 1)[0]
+        status, _, page = request(daemon, "GET", "/", cookie=session)
+        assert status == 200 and b"/static/app.js" in page
+        assert job_id in [j["job_id"] for j in api(daemon, "/api/jobs", cookie=session)["jobs"]]
+        status, _, _ = request(daemon, "POST", "/logout", cookie=session)
+        assert status == 303
+        assert request(daemon, "GET", "/api/jobs", cookie=session)[0] == 401
+        status, headers, page = request(
+            daemon, "POST", "/login", body=b"token=wrong-token-but-long-enough"
+        )
+        assert status == 401 and "set-cookie" not in headers and b'action="/login"' in page
+        wait_for("the refused login in the log", lambda: "with an invalid token" in daemon.log())
+        assert "wrong-token-but-long-enough" not in daemon.log()
+
+
+def test_abort_needs_the_admin_token_and_is_logged_with_who(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    with running_job(daemon, job_id):
+        path = f"/api/jobs/{job_id}/abort"
+        marker = {"X-Requested-With": "rendezvousd"}
+        job_token = derive_job_token(daemon.token, job_id)
+        assert request(daemon, "POST", path, token=job_token, headers=marker)[0] == 403
+        # Without the page's header (what a cross-site form would send): refused.
+        assert request(daemon, "POST", path, token=daemon.token)[0] == 403
+        assert api(daemon, f"/api/jobs/{job_id}", token=daemon.token)["state"] == "RUNNING"
+        status, _, body = request(daemon, "POST", path, token=daemon.token, headers=marker)
+        assert status == 200, body
+        job = api(daemon, f"/api/jobs/{job_id}", token=daemon.token)
+        assert job["state"] == "ABORTED"
+        assert (
+            "aborted from the status page by admin bearer token from 127.0.0.1"
+            in (job["abort_reason"])
+        )
+        assert [e["to"] for e in job["timeline"]][-1] == "ABORTED"
+        wait_for("the abort in the log", lambda: f"job {job_id} aborted by admin" in daemon.log())
+        assert daemon.token not in daemon.log()
+
+
+def test_the_grid_is_paged_by_node(daemon: DaemonProcess, job_id: str) -> None:
+    with running_job(daemon, job_id):
+        page = api(daemon, f"/api/jobs/{job_id}?node_offset=1&node_limit=5", token=daemon.token)
+        assert page["nodes"]["rows"] == [] and page["nodes"]["offset"] == 1
+        status, _, _ = request(
+            daemon, "GET", f"/api/jobs/{job_id}?node_offset=x", token=daemon.token
+        )
+        assert status == 400
+
+
+def test_connections_are_bounded_and_heads_are_limited(daemon: DaemonProcess) -> None:
+    host, port = _address(daemon)
+    status, _, _ = request(daemon, "GET", "/", headers={"X-Big": "x" * 20_000})
+    assert status == 431
+    with ExitStack() as stack:
+        idle = [
+            stack.enter_context(socket.create_connection((host, port), timeout=10))
+            for _ in range(MAX_CONNECTIONS)
+        ]
+
+        def refused() -> bool:
+            with socket.create_connection((host, port), timeout=10) as extra:
+                return extra.recv(64).startswith(b"HTTP/1.1 503")
+
+        wait_for("a connection past the cap to be refused", refused)
+        assert len(idle) == MAX_CONNECTIONS
+    # The idle ones closed: served again.
+    wait_for("the page to be served again", lambda: request(daemon, "GET", "/metrics")[0] == 200)
+
+
+def test_under_tls_the_page_is_https_and_its_cookie_secure(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    d = start_daemon(
+        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
+        "--metrics-listen", "127.0.0.1:0",
+    )  # fmt: skip
+    host, port = _address(d)
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    conn = http.client.HTTPSConnection(host, port, timeout=10, context=context)
+    try:
+        conn.request(
+            "POST",
+            "/login",
+            body=f"token={d.token}",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 303
+        assert "; Secure" in (r.getheader("Set-Cookie") or "")
+    finally:
+        conn.close()
