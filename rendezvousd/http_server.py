@@ -5,7 +5,10 @@ client opening connections could make the daemon start threads without bound
 (issue 21). This one runs on the event loop that already serves gRPC, with a
 fixed number of connections, bounded request heads and bodies, and timeouts for
 a client that sends a request slowly or never. It is not a general web server:
-one request at a time per connection, Content-Length bodies only.
+one request at a time per connection, Content-Length bodies only. aiohttp or
+uvicorn were the alternatives: a dependency tree (uvicorn's an ASGI stack too) for
+a handful of GET routes and one POST, with a whole-request-head deadline and a
+connection cap still to be added around them; this is that and only that.
 """
 
 from __future__ import annotations
