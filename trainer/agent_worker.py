@@ -22,12 +22,11 @@ from typing import Any
 
 from rendezvousd.client.membership import Membership
 from rendezvousd.model import seat_of
+from rendezvousd.validation import UNIQUE_ID_BYTES
 
 from .agent_channel import ENV_AGENT_FD, MAX_STATE_BYTES, Channel, pack_arrays
 from .errors import AgentChannelError
 from .state_copy import StepState
-
-ID_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,8 @@ class Assignment:
         }
 
     def secrets_payload(self) -> bytes:
-        if len(self.unique_id) != ID_BYTES:
-            raise AgentChannelError(f"unique id must be {ID_BYTES} bytes")
+        if len(self.unique_id) != UNIQUE_ID_BYTES:
+            raise AgentChannelError(f"unique id must be {UNIQUE_ID_BYTES} bytes")
         return self.unique_id + self.instance_id.encode("utf-8")
 
     @classmethod
@@ -86,8 +85,8 @@ class Assignment:
             return cls(
                 job_id=str(header["job_id"]),
                 alive_interval_s=float(header.get("alive_interval_s", 0.0)),
-                unique_id=payload[:ID_BYTES],
-                instance_id=payload[ID_BYTES:].decode("utf-8"),
+                unique_id=payload[:UNIQUE_ID_BYTES],
+                instance_id=payload[UNIQUE_ID_BYTES:].decode("utf-8"),
                 **ints,
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -52,7 +52,6 @@ class DistributedContext:
     rendezvous: Rendezvous
     communicator: Communicator
     rendezvous_s: float
-    unique_id_bytes: int = field(default=128, repr=False)
     #: Generation of the job this worker trains in, and how many times this
     #: node's agent restarted its workers before (0 without an agent).
     generation: int = 0

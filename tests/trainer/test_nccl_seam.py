@@ -20,6 +20,7 @@ import pytest
 
 from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer import nccl
+from rendezvousd.validation import UNIQUE_ID_BYTES
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
 
@@ -68,12 +69,10 @@ def test_unique_id_of_wrong_type_is_rejected() -> None:
         nccl.unique_id_to_bytes("x" * 128)
 
 
-def test_only_rank_zero_creates_the_id(cupy: Any) -> None:
-    published: list[bytes] = []
-    made = nccl.exchange_unique_id(0, published.append, lambda: b"")
-    assert published == [made] and log_of(cupy).names() == ["get_unique_id"]
+def test_only_the_id_maker_calls_get_unique_id(cupy: Any) -> None:
+    made = nccl.create_unique_id()
+    assert len(made) == UNIQUE_ID_BYTES and log_of(cupy).names() == ["get_unique_id"]
     log_of(cupy).log.clear()
-    assert nccl.exchange_unique_id(1, published.append, lambda: UID) == UID
     nccl.NcclCommunicator(1, 2, UID, 0)
     assert "get_unique_id" not in log_of(cupy).names()
 
@@ -437,6 +436,7 @@ def test_init_watchdog_reports_then_exits(cupy: Any) -> None:
 WATCHDOG_SCRIPT = """
 import sys, threading
 from rendezvousd.trainer import nccl
+from rendezvousd.validation import UNIQUE_ID_BYTES
 from tests.trainer.fake_cupy import make_cupy
 fake = make_cupy()
 fake.cuda.nccl.init_gate = threading.Event()  # a peer that never arrives
