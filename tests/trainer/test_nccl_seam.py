@@ -20,9 +20,9 @@ import pytest
 
 from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer import nccl
-from rendezvousd.validation import UNIQUE_ID_BYTES
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
+from rendezvousd.validation import UNIQUE_ID_BYTES
 
 from .fake_cupy import (
     FakeCudaError,
