@@ -341,7 +341,8 @@ class NcclCommunicator(RankedCommunicator):
             self.abort(f"NCCL {operation} failed: {_error_text(exc, status)}")
         if status in _PEER_STATUSES:
             peers = _peers_text(self.rank, self.world_size)
-            return errs.PeerConnectionError(
+            kind = errs.TransientInitError if operation == "init" else errs.PeerConnectionError
+            return kind(
                 f"{where} failed, a peer ({peers}) is unreachable: {_error_text(exc, status)}"
             )
         return errs.CommunicatorError(f"{where} failed: {_error_text(exc, status)}")
