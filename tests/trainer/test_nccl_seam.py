@@ -231,6 +231,21 @@ def test_errors_are_mapped_with_rank_and_operation(
     with pytest.raises(kind, match=r"rank 1/2: NCCL all_reduce") as info:
         comm.all_reduce(device_array(cupy, [1.0]))
     assert info.value.__cause__ is error
+    assert not isinstance(info.value, errs.TransientInitError)  # only init is retried
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [(FakeNcclError(6), True), (FakeNcclError(2), True), (FakeNcclError(3), False)],
+)
+def test_only_an_init_failure_on_an_unreachable_peer_is_transient(
+    cupy: Any, error: BaseException, transient: bool
+) -> None:
+    """The seam types it: init's caller retries on the class, never on the text."""
+    log_of(cupy).fail = error
+    with pytest.raises(errs.CommunicatorError, match="rank 0/2: NCCL init") as info:
+        nccl.NcclCommunicator(0, 2, UID, 0)
+    assert isinstance(info.value, errs.TransientInitError) is transient
 
 
 def test_init_failure_is_mapped(cupy: Any) -> None:
