@@ -133,7 +133,6 @@ class Assignment:
             "NODE_RANK": str(self.node_rank),
             "GROUP_RANK": str(self.node_rank),
             "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
-            "RENDEZVOUSD_LOCAL_RANK": str(self.local_rank),
         }
 
 

@@ -235,7 +235,7 @@ class DistributedConfig:
     )
     local_rank: int | None = setting(
         None,
-        "this worker's rank on its node (set by the launcher)",
+        "this worker's rank on its node (without rendezvous-run, which hands it over)",
         Int(0, True),
         env=ENV_LOCAL_RANK,
     )
