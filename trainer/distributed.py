@@ -342,8 +342,7 @@ def _nccl_setup(
                 on_setup_timeout=functools.partial(_fail_generation, rdzv, m),
             )
         except TransientInitError as exc:
-            failure = exc
-            log.warning("rank %d: NCCL init failed: %s", m.rank, exc)
+            failure = exc  # logged below, with the retry it leads to
             _fail_generation(rdzv, m, RETRY_REASON)
         else:
             try:
