@@ -41,10 +41,10 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.escape import bounded
 from rendezvousd.model import failed_text
+from rendezvousd.validation import UNIQUE_ID_BYTES
 
 log = logging.getLogger("rendezvousd.client")
 
-UNIQUE_ID_BYTES = 128
 # Extra deadline beyond a waiting call's own timeout, so the daemon's answer
 # (which names the missing ranks) arrives before the transport gives up.
 SLACK_S = 5.0

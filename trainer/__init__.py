@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         RestartsExhausted,
         RetriesExhausted,
         TrainerError,
+        TransientInitError,
     )
     from rendezvousd.trainer.state_copy import StepState, agree_on_step
     from rendezvousd.trainer.topology import MultiNodeTopology
@@ -63,6 +64,7 @@ __all__ = [
     "ShardedLoader",
     "StepState",
     "TrainerError",
+    "TransientInitError",
     "agree_on_step",
     "init_distributed",
     "latest_checkpoint",

@@ -109,16 +109,19 @@ class NodeAgent:
         client: RendezvousClient,
         *,
         ring_host: str = "",
+        token: str = "",
         note: Callable[[str], None] = print,
         id_factory: Callable[[], bytes] | None = None,
         stop_grace_s: float = STOP_GRACE_S,
         booted: Sequence[Booted] = (),
     ) -> None:
         """``booted``: this node's first spares, when the launcher started them
-        before it had an agent (``worker_boot.boot_spares``)."""
+        before it had an agent (``worker_boot.boot_spares``); ``token``: the daemon
+        token ``client`` uses, handed to the workers with their assignment."""
         self.config = config
         self.client = client
         self.ring_host = ring_host
+        self._token = token
         self.note = note
         self.id_factory = id_factory
         self.stop_grace_s = stop_grace_s
@@ -217,6 +220,9 @@ class NodeAgent:
                     world_size=m.world_size,
                     unique_id=m.unique_id,
                     instance_id=m.member_instance_id(i),
+                    config=config,
+                    token=self._token,
+                    ring_host=self.ring_host,
                     alive_interval_s=alive_interval,
                 ),
                 restored,

@@ -2,9 +2,10 @@
 
 A worker started by ``rendezvous-run`` is a warm spare until assigned: it has
 imported everything and blocks in ``wait_assignment``. The agent then sends one
-``assign`` frame: rank block and generation in the header, the unique id and the
-member instance id in the payload (never in a header that could be logged), and
-the newest step state the agent holds, if any. After that the worker sends
+``assign`` frame, the whole hand-off (``Assignment``): rank, topology, generation
+and the agent's resolved config in the header; the unique id, the member instance
+id and the daemon token in the payload (never in a header that could be logged);
+then the newest step state the agent holds, if any. After that the worker sends
 ``alive`` frames from a thread of its own (a frozen process: stopped, or stuck
 in a call that holds the GIL), ``progress`` (a worker alive but making no
 progress) and ``state`` frames, and hears ``abort`` when another worker or node
@@ -22,17 +23,22 @@ from typing import Any
 
 from rendezvousd.client.membership import Membership
 from rendezvousd.model import seat_of
+from rendezvousd.validation import UNIQUE_ID_BYTES
 
 from .agent_channel import ENV_AGENT_FD, MAX_STATE_BYTES, Channel, pack_arrays
+from .config import DistributedConfig
 from .errors import AgentChannelError
 from .state_copy import StepState
-
-ID_BYTES = 128
+from .topology import MultiNodeTopology
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """What the agent tells a warm worker: who it is in which generation."""
+    """The one hand-off from the agent to a warm worker: who it is in which
+    generation, the config the agent resolved, and the member's credentials.
+
+    The worker reads nothing else: no TOML, no ``RENDEZVOUSD_*`` variable, no
+    torchrun variable (it sets those for user code, ``torchrun_env``)."""
 
     job_id: str
     generation: int
@@ -45,8 +51,20 @@ class Assignment:
     world_size: int
     unique_id: bytes = field(repr=False)
     instance_id: str = field(repr=False)
+    config: DistributedConfig = field(repr=False)
+    #: The daemon's bearer token, which the agent's own client uses.
+    token: str = field(default="", repr=False)
+    #: The address the agent advertised for this member's ring ("" for NCCL).
+    ring_host: str = ""
     #: How often the worker tells the agent its process is alive (0: never).
     alive_interval_s: float = 0.0
+
+    @property
+    def topology(self) -> MultiNodeTopology:
+        """This worker's place in the world that formed."""
+        return MultiNodeTopology(
+            self.num_nodes, self.gpus_per_node, self.node_rank, self.local_rank
+        )
 
     def header(self) -> dict[str, Any]:
         return {
@@ -60,12 +78,16 @@ class Assignment:
             "num_nodes": self.num_nodes,
             "gpus_per_node": self.gpus_per_node,
             "world_size": self.world_size,
+            "ring_host": self.ring_host,
+            "config": self.config.handoff(),
+            # Sizes only; the secrets travel in the payload, never in a header.
+            "instance_id_bytes": len(self.instance_id.encode("utf-8")),
         }
 
     def secrets_payload(self) -> bytes:
-        if len(self.unique_id) != ID_BYTES:
-            raise AgentChannelError(f"unique id must be {ID_BYTES} bytes")
-        return self.unique_id + self.instance_id.encode("utf-8")
+        if len(self.unique_id) != UNIQUE_ID_BYTES:
+            raise AgentChannelError(f"unique id must be {UNIQUE_ID_BYTES} bytes")
+        return self.unique_id + self.instance_id.encode("utf-8") + self.token.encode("utf-8")
 
     @classmethod
     def decode(cls, header: Mapping[str, Any], payload: bytes) -> Assignment:
@@ -83,14 +105,19 @@ class Assignment:
                     "world_size",
                 )
             }
+            instance_end = UNIQUE_ID_BYTES + int(header["instance_id_bytes"])
             return cls(
                 job_id=str(header["job_id"]),
                 alive_interval_s=float(header.get("alive_interval_s", 0.0)),
-                unique_id=payload[:ID_BYTES],
-                instance_id=payload[ID_BYTES:].decode("utf-8"),
+                ring_host=str(header["ring_host"]),
+                config=DistributedConfig.resolved(header["config"]),
+                unique_id=payload[:UNIQUE_ID_BYTES],
+                instance_id=payload[UNIQUE_ID_BYTES:instance_end].decode("utf-8"),
+                token=payload[instance_end:].decode("utf-8"),
                 **ints,
             )
         except (KeyError, TypeError, ValueError) as exc:
+            # The exception's text names a field, never a secret's bytes.
             raise AgentChannelError(f"malformed assignment from the node agent: {exc}") from exc
 
     def membership(self) -> Membership:
@@ -106,7 +133,6 @@ class Assignment:
             "NODE_RANK": str(self.node_rank),
             "GROUP_RANK": str(self.node_rank),
             "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
-            "RENDEZVOUSD_LOCAL_RANK": str(self.local_rank),
         }
 
 

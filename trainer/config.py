@@ -14,12 +14,13 @@ world is ``world_size`` (else ``gpus_per_node``, else 1) workers on one node.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
 from rendezvousd.settings import (
     AddressText,
@@ -171,12 +172,13 @@ class RendezvousTransport:
         return cls(kind="daemon", endpoint=endpoint, token_file=token_file)
 
     def describe(self) -> str:
-        """A log-safe summary: the token file is mentioned, its contents never read."""
+        """A log-safe summary: whether a token and TLS are used, never the token."""
         if self.kind == "file":
             return f"file({self.path if self.path is not None else '<private temp dir, world of one>'})"
-        auth = "token_file" if self.token_file is not None else "none"
+        # The SDK connects only with a token (argument, token_file or its environment
+        # variables): a daemon client always authenticates, whatever token_file says.
         tls = "mtls" if self.tls_cert else "tls" if self.tls_ca else "off"
-        return f"daemon({self.endpoint}, auth={auth}, tls={tls})"
+        return f"daemon({self.endpoint}, auth=token, tls={tls})"
 
     def tls(self) -> TlsConfig | None:
         """The SDK's TLS settings, or None for plaintext."""
@@ -188,9 +190,12 @@ class RendezvousTransport:
 
         return TlsConfig.from_paths(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
-    def client(self, job_id: str, retry_attempts: int) -> RendezvousClient:
+    def client(
+        self, job_id: str, retry_attempts: int, *, token: str | None = None
+    ) -> RendezvousClient:
         """A sync SDK client of this daemon for ``job_id`` (the launcher's and an
-        agent-started worker's); ConfigError when no daemon endpoint is set."""
+        agent-started worker's, which is handed the agent's ``token``); ConfigError
+        when no daemon endpoint is set."""
         if self.kind != "daemon" or self.endpoint is None:
             raise ConfigError(
                 "no rendezvous daemon endpoint: pass --rdzv-endpoint or set RENDEZVOUSD_ENDPOINT"
@@ -200,6 +205,7 @@ class RendezvousTransport:
         return RendezvousClient(
             self.endpoint,
             job_id,
+            token=token,
             token_file=self.token_file,
             tls=self.tls(),
             retry_attempts=retry_attempts,
@@ -229,7 +235,7 @@ class DistributedConfig:
     )
     local_rank: int | None = setting(
         None,
-        "this worker's rank on its node (set by the launcher)",
+        "this worker's rank on its node (without rendezvous-run, which hands it over)",
         Int(0, True),
         env=ENV_LOCAL_RANK,
     )
@@ -395,18 +401,22 @@ class DistributedConfig:
         local = self.local_rank if self.local_rank is not None else 0
         return MultiNodeTopology(self.num_nodes, per_node, node, local)
 
-    def rank0_log_line(self) -> str:
-        """One summary line for global rank 0 to log; never contains a token."""
-        parts = [f"backend={self.backend}", f"world_size={self.effective_world_size}"]
+    def rank0_log_line(self, formed: MultiNodeTopology) -> str:
+        """One summary line for global rank 0 to log, of the world that ``formed``
+        (an elastic job may form with fewer nodes than ``num_nodes``); never
+        contains a token."""
+        parts = [f"backend={self.backend}", f"world_size={formed.world_size}"]
         if self.is_multi_node:
-            node = AUTO if self.node_rank is None else str(self.node_rank)
+            nodes = f"{formed.num_nodes}"
+            if self.fewest_nodes != self.num_nodes:
+                nodes += f" (elastic {self.fewest_nodes}..{self.num_nodes})"
             parts += [
-                f"num_nodes={self.num_nodes}",
-                f"gpus_per_node={self.gpus_per_node}",
-                f"node_rank={node}",
+                f"num_nodes={nodes}",
+                f"gpus_per_node={formed.gpus_per_node}",
+                f"node_rank={formed.node_rank}",
             ]
         else:
-            parts.append(f"rank={self.rank or 0}")
+            parts.append(f"rank={formed.rank}")
         parts += [
             f"rendezvous={self.rendezvous.describe()}",
             f"retry_attempts={self.retry_attempts}",
@@ -414,6 +424,34 @@ class DistributedConfig:
             f"first_bucket_mib={self.first_bucket_mib:g}",
         ]
         return "distributed: " + " ".join(parts)
+
+    def handoff(self) -> dict[str, Any]:
+        """Every field as JSON values: what the node agent hands its workers
+        (``resolved`` rebuilds the config on their side)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def resolved(cls, values: Mapping[str, Any]) -> DistributedConfig:
+        """The config a node agent resolved and validated, rebuilt in its worker from
+        ``handoff()``'s values. Not validated again: the agent, the worker's parent,
+        already did, and a worker started by it reads no TOML and no environment.
+        ``KeyError`` when the fields are not exactly the config's."""
+        transport = _unchecked(RendezvousTransport, values["rendezvous"])
+        return _unchecked(cls, {**values, "rendezvous": transport})
+
+
+_T = TypeVar("_T")
+
+
+def _unchecked(cls: type[_T], values: Mapping[str, Any]) -> _T:
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    if set(values) != set(names):
+        raise KeyError(f"{cls.__name__} fields differ: {sorted(set(values) ^ set(names))}")
+    instance = object.__new__(cls)
+    for name in names:
+        # How a frozen dataclass's own __init__ sets its fields.
+        object.__setattr__(instance, name, values[name])
+    return instance
 
 
 SCHEMA = Schema(DistributedConfig, ConfigError, section=SECTION)
@@ -472,12 +510,6 @@ def load_config(
 ) -> DistributedConfig:
     """TOML file (optional), then env (default ``os.environ``), then CLI; validated once."""
     return SCHEMA.build([load_layers(path, **sources)])
-
-
-def config_env(config: DistributedConfig) -> dict[str, str]:
-    """The ``RENDEZVOUSD_*`` variables that make ``load_config`` in a child process
-    reproduce ``config`` (the launcher hands its resolved config to workers this way)."""
-    return SCHEMA.to_env(config)
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,14 +1,18 @@
-"""Worker bootstrap: config + launcher env -> joined rendezvous + communicator.
+"""Worker bootstrap: one hand-off (or, without an agent, the config) -> joined
+rendezvous + communicator.
 
     ctx = init_distributed()          # in a process started by rendezvous-run
-    ...train with ctx.communicator...
+    ...train with ctx.communicator and ctx.reducer(grads)...
     ctx.close()
 
-Everything is read through ``load_config``: the TOML file named by
-``RENDEZVOUSD_CONFIG`` (or the argument), then the ``RENDEZVOUSD_*`` variables the
-launcher sets (``RENDEZVOUSD_LOCAL_RANK``, ``RENDEZVOUSD_NODE_RANK``, ...). The
-torchrun-style RANK/LOCAL_RANK/... the launcher also sets are for user scripts
-only; the rank and node rank a worker uses are the ones the daemon returns at join.
+A worker started by ``rendezvous-run`` reads one thing: the agent's ``Assignment``
+(its rank and the formed topology, the generation, the agent's resolved config,
+the unique id and the member's credentials). It reads no TOML and no
+``RENDEZVOUSD_*`` variable, and sets torchrun's RANK/LOCAL_RANK/... for user
+scripts only. A worker started otherwise reads its settings through
+``load_config``: the TOML file named by ``RENDEZVOUSD_CONFIG`` (or the argument),
+then the ``RENDEZVOUSD_*`` variables; the rank and node rank it uses are the ones
+the daemon returns at join.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rendezvousd.address import AddressError, route_source
-from rendezvousd.client.errors import RendezvousError, StaleGeneration
+from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.escape import bounded
@@ -37,22 +41,30 @@ from rendezvousd.trainer.errors import (
     CommunicatorError,
     ConfigError,
     RetriesExhausted,
+    TransientInitError,
 )
-from rendezvousd.trainer.retry import TRANSIENT, with_retry
+from rendezvousd.trainer.retry import with_retry
 from rendezvousd.trainer.state_copy import StepState
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from rendezvousd.trainer.bucketing import BucketedAllReducer
 
 log = logging.getLogger("rendezvousd.trainer")
 
 
 @dataclass
 class DistributedContext:
+    """A joined worker: its config, place in the formed world, rendezvous and
+    communicator (``init_distributed`` builds it; ``with`` closes it)."""
+
     config: DistributedConfig
     topology: MultiNodeTopology
     rendezvous: Rendezvous
     communicator: Communicator
     rendezvous_s: float
-    unique_id_bytes: int = field(default=128, repr=False)
     #: Generation of the job this worker trains in, and how many times this
     #: node's agent restarted its workers before (0 without an agent).
     generation: int = 0
@@ -74,6 +86,16 @@ class DistributedContext:
         """Tell the node agent this worker is not hung (no-op without an agent)."""
         if self.agent is not None:
             self.agent.progress(step)
+
+    def reducer(self, grads: Sequence[Any], *, average: bool = True) -> BucketedAllReducer:
+        """A bucketed all-reduce of ``grads`` over this context's communicator, with
+        the configured ``bucket_cap_mib`` and ``first_bucket_mib`` (every rank has
+        the same config, and so the same layout)."""
+        from rendezvousd.trainer.bucketing import BucketedAllReducer
+
+        return BucketedAllReducer.from_config(
+            grads, self.communicator, self.config, average=average
+        )
 
     @property
     def rank(self) -> int:
@@ -168,11 +190,14 @@ def _drop_out(
 def init_distributed(
     config_path: str | None = None, *, env: Mapping[str, str] | None = None
 ) -> DistributedContext:
+    """Join the job and build the communicator. Under ``rendezvous-run`` the node
+    agent's hand-off is the whole configuration (``config_path`` and ``env`` are
+    not read); otherwise ``load_config(config_path, env=env)``."""
     environ = os.environ if env is None else env
     link = AgentLink.from_env(environ)
-    config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     if link is not None:
-        return _init_from_agent(config, link, os.environ if env is None else None)
+        return _init_from_agent(link, os.environ if env is None else None)
+    config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
     tls = transport.tls()
     ring_host = _ring_host(config, transport.endpoint or "unix:local")
@@ -239,7 +264,7 @@ def init_distributed(
         membership.rank, config.num_nodes, config.local_world_size
     )
     if topology.is_global_rank_zero:
-        log.info("%s rendezvous=%.3fs", config.rank0_log_line(), rendezvous_s)
+        log.info("%s rendezvous=%.3fs", config.rank0_log_line(topology), rendezvous_s)
     return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
 
 
@@ -280,7 +305,9 @@ def _abort(communicator: Communicator, error: BaseException) -> None:
     communicator.abort(cause)
 
 
-_RETRY_MARK = "NCCL init failed transiently; every rank rejoins for a fresh id"
+#: The abort reason of a generation whose NCCL init failed transiently on some rank:
+#: every rank recognises it by this exact reason (the abort's structured field).
+RETRY_REASON = "NCCL init failed transiently; every rank rejoins for a fresh id"
 
 
 def _nccl_setup(
@@ -314,9 +341,9 @@ def _nccl_setup(
                 topology.local_rank,
                 on_setup_timeout=functools.partial(_fail_generation, rdzv, m),
             )
-        except TRANSIENT as exc:
-            failure = exc
-            _fail_generation(rdzv, m, f"{_RETRY_MARK}: rank {m.rank}: {exc}")
+        except TransientInitError as exc:
+            failure = exc  # logged below, with the retry it leads to
+            _fail_generation(rdzv, m, RETRY_REASON)
         else:
             try:
                 # Every rank's init must have worked before any rank trains.
@@ -326,11 +353,11 @@ def _nccl_setup(
             except RendezvousError as exc:
                 communicator.abort(f"another rank's NCCL init failed: {exc}")
                 communicator.close()
-                # A failed rank aborts the generation with _RETRY_MARK, which the
+                # A failed rank aborts the generation with RETRY_REASON, which the
                 # barrier (or the abort pushed before it) reports. When that rank has
                 # already rejoined, the barrier hears STALE_GENERATION instead: this
                 # generation is over either way and the next one waits for this rank.
-                if _RETRY_MARK not in str(exc) and not isinstance(exc, StaleGeneration):
+                if not _retried_elsewhere(exc):
                     raise
                 failure = exc
         if attempt == config.retry_attempts:
@@ -349,6 +376,13 @@ def _nccl_setup(
         relay = _FailureRelay()
         rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _retried_elsewhere(error: RendezvousError) -> bool:
+    """Whether another rank's transient NCCL init failure ended this generation."""
+    if isinstance(error, StaleGeneration):
+        return True
+    return isinstance(error, JobAborted) and error.abort_reason == RETRY_REASON
 
 
 def _fail_generation(rdzv: Rendezvous, m: Membership, reason: str) -> None:
@@ -415,7 +449,7 @@ def _cpu_ring(
 
 
 def _init_from_agent(
-    config: DistributedConfig, link: AgentLink, environ: MutableMapping[str, str] | None
+    link: AgentLink, environ: MutableMapping[str, str] | None
 ) -> DistributedContext:
     """Wait (warm) for the agent's assignment, attach to that member, build the
     communicator. ``environ``: where the torchrun names go (``os.environ``)."""
@@ -424,17 +458,14 @@ def _init_from_agent(
     started = time.monotonic()
     if environ is not None:
         environ.update(assignment.torchrun_env())
-    transport = config.rendezvous
-    if transport.kind != "daemon" or transport.endpoint is None:
-        raise ConfigError("a worker started by the node agent needs the daemon endpoint")
-    ring_host = _ring_host(config, transport.endpoint)
-    rdzv = transport.client(assignment.job_id, config.retry_attempts)
+    config = assignment.config
+    rdzv = config.rendezvous.client(
+        assignment.job_id, config.retry_attempts, token=assignment.token
+    )
     rdzv.attach(assignment.membership(), assignment.instance_id)
     relay = _FailureRelay()
     link.start(lambda cause: relay.fail(AgentError(cause)))
-    topology = MultiNodeTopology(
-        assignment.num_nodes, assignment.gpus_per_node, assignment.node_rank, assignment.local_rank
-    )
+    topology = assignment.topology
     communicator: Communicator
     if config.backend == "nccl":
         devices.prepare_nccl(assignment.local_rank)
@@ -456,13 +487,13 @@ def _init_from_agent(
             assignment.world_size,
             assignment.unique_id,
             assignment.node_rank,
-            ring_host,
+            assignment.ring_host,
         )
     relay.attach(communicator)
     if topology.is_global_rank_zero:
         log.info(
             "%s generation=%d restart_count=%d",
-            config.rank0_log_line(),
+            config.rank0_log_line(topology),
             assignment.generation,
             assignment.restart_count,
         )

@@ -7,6 +7,8 @@
     │   ├── CommunicatorAborted    abort() was called (e.g. a peer died)
     │   ├── CommunicatorTimeout    a peer did not answer within the timeout
     │   └── PeerConnectionError    a peer's connection broke or was refused
+    │       └── TransientInitError communicator init failed on an unreachable peer:
+    │                              a fresh id (the next generation) may succeed
     ├── RetriesExhausted           a transient bootstrap failure outlasted every retry
     ├── CollectiveArgumentError    an array or argument a collective cannot use
     │                              (also a ValueError)
@@ -51,6 +53,12 @@ class CommunicatorTimeout(CommunicatorError):
 
 class PeerConnectionError(CommunicatorError):
     """A connection to a peer rank was refused, reset or closed."""
+
+
+class TransientInitError(PeerConnectionError):
+    """Communicator init (NCCL's) failed because a peer was unreachable. Its id is
+    used up; a retry needs a fresh generation and id. Raised by the backend's
+    error seam (``NcclCommunicator._failure``), so no caller reads error text."""
 
 
 class CollectiveArgumentError(TrainerError, ValueError):

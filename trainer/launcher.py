@@ -6,10 +6,11 @@
     rendezvous-run --standalone --nproc-per-node 4 -m mypkg.train
 
 Settings come from ``--config`` (the trainer TOML), the ``RENDEZVOUSD_*`` env vars
-and the flags below, exactly as in the workers (``load_config``). The launcher is
-the node agent (``agent.py``): it joins the daemon once for the node, holding all
-its local ranks, and hands each worker its rank, generation and the unique id over
-a private channel (never argv or the environment). Workers are started warm,
+and the flags below (``load_layers``), resolved and validated here once. The
+launcher is the node agent (``agent.py``): it joins the daemon once for the node,
+holding all its local ranks, and hands each worker one assignment over a private
+channel (never argv or the environment): its rank and the formed topology, the
+generation, the resolved config, the unique id and the member's credentials. Workers are started warm,
 before the job forms, one per local rank with torchrun's LOCAL_RANK and
 LOCAL_WORLD_SIZE (and RANK, WORLD_SIZE, NODE_RANK when the node's ranks are fixed)
 in their environment; ``init_distributed`` sets the rest from the assignment. The
@@ -46,7 +47,6 @@ from rendezvousd.trainer.config import (
     SCHEMA,
     DistributedConfig,
     RendezvousTransport,
-    config_env,
     load_layers,
 )
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
@@ -154,10 +154,10 @@ def _per_worker_env() -> set[str]:
 def spare_env(
     config: DistributedConfig, config_path: str | None, base: Mapping[str, str]
 ) -> dict[str, str]:
-    """Env for a warm worker: the resolved settings, no rank (that comes over the
-    channel, and ``init_distributed`` sets torchrun's names from it)."""
+    """Env for a warm worker, for its user code only: the config file's path and
+    the token file's (the worker itself is handed its settings, rank and token
+    over the channel, and ``init_distributed`` sets torchrun's names from them)."""
     env = {k: v for k, v in base.items() if k not in _per_worker_env() and k not in TORCHRUN_ENV}
-    env.update(config_env(config))
     if config.rendezvous.token_file is not None:
         env[TOKEN_FILE_ENV] = config.rendezvous.token_file
     if config_path is not None:
@@ -237,13 +237,16 @@ def _make_agent(
     booted: Sequence[Booted],
 ) -> NodeAgent | int:
     """The node agent, owning ``booted``; the exit status if there is none."""
+    from rendezvousd.client.connection import resolve_token
     from rendezvousd.client.errors import RendezvousError
     from rendezvousd.trainer.agent import NodeAgent
 
     transport = config.rendezvous
     assert transport.endpoint is not None
     try:
-        client = transport.client(config.job_id, config.retry_attempts)
+        # Read once, here: the workers are handed it with their assignment.
+        token = resolve_token(None, transport.token_file)
+        client = transport.client(config.job_id, config.retry_attempts, token=token)
     except RendezvousError as exc:
         return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
     return NodeAgent(
@@ -252,6 +255,7 @@ def _make_agent(
         env,
         client,
         ring_host=ring_host if config.backend == "cpu" else "",
+        token=token,
         note=_note,
         id_factory=_id_factory(config),
         booted=booted,

@@ -6,7 +6,7 @@ machines without CuPy or a GPU: ``import cupy`` happens only inside
 exceptions are translated into the trainer's exception tree in exactly one
 place, ``NcclCommunicator._failure``.
 
-The 128-byte NCCL unique id is a bearer credential (whoever holds it while the
+The NCCL unique id is a bearer credential (whoever holds it while the
 group forms can claim a rank), so it is never logged, never put into an error
 message or repr, and not kept after the communicator is built.
 """
@@ -23,17 +23,15 @@ import numpy as np
 
 from . import errors as errs
 from .communicator import RankedCommunicator, ReduceOp
-from .nccl_id import NCCL_ID_BYTES, unique_id_to_bytes, unique_id_to_tuple
+from .nccl_id import unique_id_to_bytes, unique_id_to_tuple
 from .nccl_watchdog import InitWatchdog
 
 __all__ = [
-    "NCCL_ID_BYTES",
     "CupyBufferOps",
     "NcclCommunicator",
     "create_unique_id",
     "cupy_available",
     "device_count",
-    "exchange_unique_id",
     "is_cupy_array",
     "unavailable_reason",
     "unique_id_to_bytes",
@@ -197,21 +195,6 @@ def create_unique_id() -> bytes:
     return unique_id_to_bytes(raw)
 
 
-def exchange_unique_id(
-    rank: int, publish: Callable[[bytes], None], fetch: Callable[[], bytes]
-) -> bytes:
-    """Rank 0 creates and publishes the id; every other rank fetches it.
-
-    ``publish``/``fetch`` are the daemon's id RPCs; keeping them as callables
-    means only rank 0 ever starts NCCL's bootstrap listener.
-    """
-    if rank == 0:
-        uid = create_unique_id()
-        publish(uid)
-        return uid
-    return unique_id_to_bytes(fetch())
-
-
 # --- type and op mapping ---------------------------------------------------
 
 
@@ -358,7 +341,8 @@ class NcclCommunicator(RankedCommunicator):
             self.abort(f"NCCL {operation} failed: {_error_text(exc, status)}")
         if status in _PEER_STATUSES:
             peers = _peers_text(self.rank, self.world_size)
-            return errs.PeerConnectionError(
+            kind = errs.TransientInitError if operation == "init" else errs.PeerConnectionError
+            return kind(
                 f"{where} failed, a peer ({peers}) is unreachable: {_error_text(exc, status)}"
             )
         return errs.CommunicatorError(f"{where} failed: {_error_text(exc, status)}")

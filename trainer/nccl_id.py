@@ -1,4 +1,5 @@
-"""The 128-byte NCCL unique id in the forms CuPy's releases use.
+"""The NCCL unique id in the forms CuPy's releases use; its size is the one the
+daemon accepts (``rendezvousd.validation.UNIQUE_ID_BYTES``, defined once).
 
 The id is a bearer credential (whoever holds it while the group forms can claim
 a rank): nothing here logs it or puts it into an error message.
@@ -6,13 +7,13 @@ a rank): nothing here logs it or puts it into an error message.
 
 from __future__ import annotations
 
-from .errors import CollectiveArgumentError
+from rendezvousd.validation import UNIQUE_ID_BYTES
 
-NCCL_ID_BYTES = 128
+from .errors import CollectiveArgumentError
 
 
 def unique_id_to_bytes(raw: object) -> bytes:
-    """Normalise ``get_unique_id()``'s result to exactly 128 bytes.
+    """Normalise ``get_unique_id()``'s result to exactly ``UNIQUE_ID_BYTES``.
 
     CuPy >= 14 returns ``bytes``; older releases return a tuple of C ``char``
     values (signed, -128..127 on x86). All-zero ids are rejected: NCCL never
@@ -30,9 +31,9 @@ def unique_id_to_bytes(raw: object) -> bytes:
         raise CollectiveArgumentError(
             f"NCCL unique id must be bytes or a tuple of ints, not {type(raw).__name__}"
         )
-    if len(out) != NCCL_ID_BYTES:
+    if len(out) != UNIQUE_ID_BYTES:
         raise CollectiveArgumentError(
-            f"NCCL unique id must be {NCCL_ID_BYTES} bytes, got {len(out)}"
+            f"NCCL unique id must be {UNIQUE_ID_BYTES} bytes, got {len(out)}"
         )
     if not any(out):
         raise CollectiveArgumentError("NCCL unique id is all zero")

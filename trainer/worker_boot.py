@@ -68,16 +68,13 @@ def fixed_node_rank(config: DistributedConfig) -> int | None:
 
 
 def slot_env(config: DistributedConfig, local_rank: int) -> dict[str, str]:
-    """torchrun's names a spare for ``local_rank`` starts with. The global ones
+    """torchrun's names a spare for ``local_rank`` starts with, for user code (the
+    worker itself reads its place from the assignment). The global ones
     (``RANK``, ``WORLD_SIZE``, ``NODE_RANK``) only when every generation gives this
     node the same ranks (``fixed_node_rank``); otherwise the assignment sets them
     in ``init_distributed()``."""
     per_node = config.local_world_size
-    env = {
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(per_node),
-        "RENDEZVOUSD_LOCAL_RANK": str(local_rank),
-    }
+    env = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(per_node)}
     node_rank = fixed_node_rank(config)
     if node_rank is not None:
         env.update(

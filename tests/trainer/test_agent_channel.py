@@ -31,6 +31,7 @@ from rendezvousd.trainer.agent_channel import (
     unpack_arrays,
 )
 from rendezvousd.trainer.agent_worker import AgentLink, Assignment
+from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError
 from rendezvousd.trainer.recovery import Failure, RestartBudget
 from rendezvousd.trainer.state_copy import MAX_STEP_ADVANCE, StateCopy
@@ -38,6 +39,7 @@ from rendezvousd.trainer.warm_workers import Exited, Ready, SparePool, stop_all
 from tests.support import WORKERS, wait_for
 
 SECRET = bytes(range(128))
+CONFIG = DistributedConfig()
 
 
 def _pair() -> tuple[Channel, Channel]:
@@ -156,7 +158,7 @@ def test_a_state_over_the_limit_is_refused_by_the_worker_naming_it(
     monkeypatch.setattr(agent_worker, "MAX_STATE_BYTES", 16)
     a, b = _pair()
     link = AgentLink(a)
-    link.assignment = Assignment("job", 1, 0, 0, 0, 0, 1, 1, 1, SECRET, "i")
+    link.assignment = Assignment("job", 1, 0, 0, 0, 0, 1, 1, 1, SECRET, "i", CONFIG)
     with pytest.raises(AgentChannelError, match=r"step 3 is 32 bytes; .* at most 16"):
         link.save_state(3, {"w": np.zeros(4)}, {})
     link.save_state(3, {"w": np.zeros(2)}, {})
@@ -165,9 +167,12 @@ def test_a_state_over_the_limit_is_refused_by_the_worker_naming_it(
 
 
 def test_assignment_keeps_the_secrets_out_of_header_and_repr() -> None:
-    a = Assignment("job", 3, 1, 5, 1, 2, 3, 2, 6, SECRET, "instance-secret")
+    a = Assignment(
+        "job", 3, 1, 5, 1, 2, 3, 2, 6, SECRET, "instance-secret", CONFIG, token="token-secret"
+    )
     text = json.dumps(a.header()) + repr(a)
     assert "instance-secret" not in text and SECRET.hex() not in text
+    assert "token-secret" not in text
     again = Assignment.decode(a.header(), a.secrets_payload())
     assert again == a
     assert a.torchrun_env()["RANK"] == "5" and a.torchrun_env()["WORLD_SIZE"] == "6"
@@ -258,7 +263,9 @@ def test_warm_spares_are_assigned_and_the_copy_only_moves_forward() -> None:
     workers = pool.take(2)
     restored = state.latest()
     for i, w in enumerate(workers):
-        w.assign(Assignment("job", 4, 0, 2 + i, i, 1, 2, 2, 4, SECRET, f"inst{i}"), restored)
+        w.assign(
+            Assignment("job", 4, 0, 2 + i, i, 1, 2, 2, 4, SECRET, f"inst{i}", CONFIG), restored
+        )
     exits = _events_until(events, Exited, 2)
     assert all(e.code == 0 for e in exits)
     # local rank 0 sent states 1..3, but the copy never goes back below step 9
@@ -278,7 +285,7 @@ def test_stop_all_ends_every_worker() -> None:
     _events_until(events, Ready, 2)
     workers = pool.take(2)
     for i, w in enumerate(workers):
-        w.assign(Assignment("job", 1, 0, i, i, 0, 1, 2, 2, SECRET, "i"), None)
+        w.assign(Assignment("job", 1, 0, i, i, 0, 1, 2, 2, SECRET, "i", CONFIG), None)
     stop_all(workers, "test stop", 0.05)
     exits = _events_until(events, Exited, 2)
     # The abort frame reached both: each left its wait and exited 0, or was
@@ -294,11 +301,12 @@ def test_spare_gets_assignment_and_state_only_over_the_channel() -> None:
         "from rendezvousd.trainer.warm_workers import SparePool, Exited\n"
         "from rendezvousd.trainer.state_copy import StateCopy\n"
         "from rendezvousd.trainer.agent_worker import Assignment\n"
+        "from rendezvousd.trainer.config import DistributedConfig\n"
         "from tests.trainer.test_agent_channel import _state, SECRET\n"
         "ev = queue.Queue(); st = StateCopy(); st.offer(_state(9))\n"
         f"pool = SparePool([{str(WORKERS / 'spare_worker.py')!r}], dict(os.environ), ev, st)\n"
         "pool.fill(1); w = pool.take(1)[0]\n"
-        "w.assign(Assignment('job', 4, 1, 3, 0, 1, 2, 2, 4, SECRET, 'inst'), st.latest())\n"
+        "w.assign(Assignment('job', 4, 1, 3, 0, 1, 2, 2, 4, SECRET, 'inst', DistributedConfig()), st.latest())\n"
         "while not isinstance(e := ev.get(timeout=20), Exited): pass\n"
         "sys.exit(e.code)\n"
     )

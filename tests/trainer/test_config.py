@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
+from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.config import (
     SCHEMA,
     DistributedConfig,
     RendezvousTransport,
     add_cli_arguments,
-    config_env,
     load_config,
     settings_table,
     with_cli_overrides,
     with_env_overrides,
 )
 from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.topology import MultiNodeTopology
 
 CONFIGS = Path(__file__).resolve().parents[2] / "trainer" / "configs"
 DAEMON = RendezvousTransport.daemon("127.0.0.1:29400")
@@ -292,7 +294,7 @@ def test_rank0_log_line_includes_multi_node_fields_and_no_token(tmp_path: Path) 
         node_rank=1,
         rendezvous=RendezvousTransport.daemon("10.0.0.1:29400", str(token)),
     )
-    line = config.rank0_log_line()
+    line = config.rank0_log_line(MultiNodeTopology(2, 2, 1, 0))
     assert "\n" not in line
     for part in ("num_nodes=2", "gpus_per_node=2", "node_rank=1", "daemon(10.0.0.1:29400"):
         assert part in line
@@ -300,9 +302,23 @@ def test_rank0_log_line_includes_multi_node_fields_and_no_token(tmp_path: Path) 
 
 
 def test_rank0_log_line_single_node_has_no_multi_node_fields() -> None:
-    line = DistributedConfig(world_size=2, rank=1).rank0_log_line()
+    line = DistributedConfig(world_size=2, rank=1).rank0_log_line(MultiNodeTopology(1, 2, 0, 1))
     assert "world_size=2" in line and "rank=1" in line
     assert "num_nodes" not in line and "node_rank" not in line
+
+
+def test_rank0_log_line_names_the_world_that_formed_not_the_configured_maximum() -> None:
+    config = DistributedConfig(
+        num_nodes=4, min_nodes=1, gpus_per_node=2, node_rank=None, rendezvous=DAEMON
+    )
+    line = config.rank0_log_line(MultiNodeTopology(1, 2, 0, 0))
+    assert "world_size=2 " in line and "num_nodes=1 (elastic 1..4)" in line, line
+
+
+def test_a_daemon_transport_always_authenticates_even_without_a_token_file() -> None:
+    # The SDK takes the token from RENDEZVOUSD_TOKEN(_FILE) when token_file is unset.
+    assert "auth=token," in DAEMON.describe() and "auth=none" not in DAEMON.describe()
+    assert "tls=off" in DAEMON.describe()
 
 
 def test_cpu_shared_memory_from_toml_and_cli(tmp_path: Path) -> None:
@@ -323,19 +339,23 @@ def test_cpu_shared_memory_from_toml_and_cli(tmp_path: Path) -> None:
 # ---- one field-driven path: launcher hand-over, local rank, origins, single-node world
 
 
-def test_config_env_reproduces_the_config_in_a_child(tmp_path: Path) -> None:
+def test_the_handoff_rebuilds_the_config_without_validating_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = load_config(
         write(tmp_path, MULTI.replace("[distributed]", '[distributed]\nnode_rank = "auto"')),
         env={},
         cli={"bucket_cap_mib": 0.5, "cpu_shared_memory": False, "job_id": "j1"},
     )
-    env = config_env(config)
-    assert env["RENDEZVOUSD_NODE_RANK"] == "auto" and env["RENDEZVOUSD_BUCKET_CAP_MIB"] == "0.5"
-    assert "RENDEZVOUSD_TOKEN_FILE" not in env  # the client SDK's own variable
-    child = load_config(None, env=env)
-    assert child == dataclasses.replace(
-        config, rendezvous=RendezvousTransport.daemon("10.0.0.1:29400")
-    )
+    values = json.loads(json.dumps(config.handoff()))  # as it crosses the channel
+
+    def validated_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the worker validated the agent's config again")
+
+    monkeypatch.setattr(trainer_config, "validate", validated_again)
+    assert DistributedConfig.resolved(values) == config
+    with pytest.raises(KeyError, match="bucket_cap_mib"):
+        DistributedConfig.resolved({k: v for k, v in values.items() if k != "bucket_cap_mib"})
 
 
 def test_local_rank_places_the_worker_and_must_agree_with_a_fixed_rank() -> None:

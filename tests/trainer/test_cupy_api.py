@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from rendezvousd.trainer import nccl
+from rendezvousd.validation import UNIQUE_ID_BYTES
 from tests.support import ROOT
 from tests.trainer import fake_cupy
 from tests.trainer.fake_cupy import nccl as fake_nccl
@@ -505,7 +506,7 @@ def test_the_unique_id_comes_and_goes_in_the_form_nccl_py_picks() -> None:
     cupy_major = nccl._cupy_major(REAL)
     raw = REAL.cuda.nccl.get_unique_id()  # NCCL's bootstrap only: no device
     assert isinstance(raw, bytes) == (cupy_major >= 14)
-    assert len(nccl.unique_id_to_bytes(raw)) == nccl.NCCL_ID_BYTES
+    assert len(nccl.unique_id_to_bytes(raw)) == UNIQUE_ID_BYTES
     # The fake (CuPy 14 by default) gives bytes like the real 14.
     assert isinstance(fake_cupy.make_cupy().cuda.nccl.get_unique_id(), bytes)
     # _init_comm retries with the other form on TypeError: Cython checks the declared

@@ -22,6 +22,7 @@ from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.communicator import Communicator, ReduceOp
+from rendezvousd.validation import UNIQUE_ID_BYTES
 
 from .fake_cupy import (
     FakeCudaError,
@@ -68,12 +69,10 @@ def test_unique_id_of_wrong_type_is_rejected() -> None:
         nccl.unique_id_to_bytes("x" * 128)
 
 
-def test_only_rank_zero_creates_the_id(cupy: Any) -> None:
-    published: list[bytes] = []
-    made = nccl.exchange_unique_id(0, published.append, lambda: b"")
-    assert published == [made] and log_of(cupy).names() == ["get_unique_id"]
+def test_only_the_id_maker_calls_get_unique_id(cupy: Any) -> None:
+    made = nccl.create_unique_id()
+    assert len(made) == UNIQUE_ID_BYTES and log_of(cupy).names() == ["get_unique_id"]
     log_of(cupy).log.clear()
-    assert nccl.exchange_unique_id(1, published.append, lambda: UID) == UID
     nccl.NcclCommunicator(1, 2, UID, 0)
     assert "get_unique_id" not in log_of(cupy).names()
 
@@ -232,6 +231,21 @@ def test_errors_are_mapped_with_rank_and_operation(
     with pytest.raises(kind, match=r"rank 1/2: NCCL all_reduce") as info:
         comm.all_reduce(device_array(cupy, [1.0]))
     assert info.value.__cause__ is error
+    assert not isinstance(info.value, errs.TransientInitError)  # only init is retried
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [(FakeNcclError(6), True), (FakeNcclError(2), True), (FakeNcclError(3), False)],
+)
+def test_only_an_init_failure_on_an_unreachable_peer_is_transient(
+    cupy: Any, error: BaseException, transient: bool
+) -> None:
+    """The seam types it: init's caller retries on the class, never on the text."""
+    log_of(cupy).fail = error
+    with pytest.raises(errs.CommunicatorError, match="rank 0/2: NCCL init") as info:
+        nccl.NcclCommunicator(0, 2, UID, 0)
+    assert isinstance(info.value, errs.TransientInitError) is transient
 
 
 def test_init_failure_is_mapped(cupy: Any) -> None:
@@ -437,6 +451,7 @@ def test_init_watchdog_reports_then_exits(cupy: Any) -> None:
 WATCHDOG_SCRIPT = """
 import sys, threading
 from rendezvousd.trainer import nccl
+from rendezvousd.validation import UNIQUE_ID_BYTES
 from tests.trainer.fake_cupy import make_cupy
 fake = make_cupy()
 fake.cuda.nccl.init_gate = threading.Event()  # a peer that never arrives
