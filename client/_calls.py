@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -398,6 +398,19 @@ class ClientBase:
     def nodes_waiting(self) -> int:
         """Nodes parked for the next generation (NODES_WAITING from the daemon), 0 if none."""
         return self._s.nodes_waiting
+
+    def report_progress(
+        self, steps: Sequence[int | None], *, restarts_used: int = 0, max_restarts: int = 0
+    ) -> None:
+        """Where training stands, sent with every heartbeat from now on (no call of its
+        own): the last step of each of this stream's ranks (a node's by local rank,
+        None before its first), and a node agent's restart budget. The daemon shows
+        it in GetJob and on its status page."""
+        self._s.progress = pb.Progress(
+            steps=[-1 if s is None else s for s in steps],
+            restarts_used=restarts_used,
+            max_restarts=max_restarts,
+        )
 
     def start_heartbeat(
         self,

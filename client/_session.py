@@ -130,6 +130,8 @@ class Session:
     node: NodeMembership | None = None
     # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
     nodes_waiting: int = 0
+    # The last report_progress, sent with every beat (None: never reported).
+    progress: pb.Progress | None = None
     on_nodes_waiting: Callable[[int], None] | None = None
     # Makes one GetMembers call (blocking): how a slim join's table is fetched.
     get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
@@ -212,9 +214,19 @@ class Session:
         return self.member()
 
     def heartbeat_request(self) -> pb.HeartbeatRequest:
+        """A stream's first beat: who it speaks for (fixed for the stream's life)."""
         if self.node is not None:
-            return pb.HeartbeatRequest(**self._fields(self.node))
-        return pb.HeartbeatRequest(**self.scope())
+            return self.beat(pb.HeartbeatRequest(**self._fields(self.node)))
+        return self.beat(pb.HeartbeatRequest(**self.scope()))
+
+    def beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
+        """The stream's next beat: ``request`` with the latest ``report_progress``."""
+        if self.progress is None or request.progress == self.progress:
+            return request
+        again = pb.HeartbeatRequest()
+        again.CopyFrom(request)
+        again.progress.CopyFrom(self.progress)
+        return again
 
     def plan_join_node(
         self,

@@ -115,6 +115,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         while True:
             yield request
             await asyncio.sleep(interval)
+            request = self._s.beat(request)
 
     async def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not watch.done:

@@ -176,6 +176,7 @@ class RendezvousClient(steps.ClientBase):
         request = self._s.heartbeat_request()
         yield request
         while not self._hb_stop.wait(interval):
+            request = self._s.beat(request)
             yield request
 
     def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:

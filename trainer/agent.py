@@ -131,6 +131,8 @@ class NodeAgent:
         self.pool = SparePool(cmd, env, self.events, self.state, self._start_env)
         self.pool.adopt(booted)
         self.budget = RestartBudget(config.max_restarts)
+        # What _report_progress last gave the heartbeat: steps, restarts, their cap.
+        self._progress_sent: tuple[tuple[int | None, ...], int, int] | None = None
         self.active: list[WorkerProcess] = []
         #: The first failure of one of this node's own workers, if any: the root
         #: cause to name when the daemon cannot be asked.
@@ -283,6 +285,20 @@ class NodeAgent:
             elif isinstance(event, Misbehaved):
                 self._misbehaved_spare(event)
 
+    def _report_progress(self) -> None:
+        """Give the node's heartbeat its workers' last steps and the restart budget
+        (the daemon's GetJob and status page show them), when they changed."""
+        steps: list[int | None] = [None] * self.per_node
+        for w in self.active:
+            if w.local_rank is not None and 0 <= w.local_rank < self.per_node:
+                steps[w.local_rank] = w.last_step
+        now = (tuple(steps), self.budget.restarts, self.budget.max_restarts)
+        if now != self._progress_sent:
+            self._progress_sent = now
+            self.client.report_progress(
+                steps, restarts_used=self.budget.restarts, max_restarts=self.budget.max_restarts
+            )
+
     def _next_event(self) -> Any:
         """The next event, or None when POLL_S passed without one (the callers'
         loops look at their interrupt flag and clocks between events)."""
@@ -325,6 +341,7 @@ class NodeAgent:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
             event = self._next_event()
+            self._report_progress()
             now = time.monotonic()
             if not refilled and (
                 now - assigned_at > SPARE_DELAY_S or any(w.reported_progress for w in self.active)

@@ -30,7 +30,7 @@ from typing import Any
 from .agent_channel import Channel, ChannelClosed
 from .agent_worker import Assignment
 from .errors import AgentChannelError
-from .state_copy import StateCopy, StepState
+from .state_copy import MAX_STEP, StateCopy, StepState
 from .worker_boot import Booted, boot
 
 
@@ -91,6 +91,9 @@ class WorkerProcess:
         self.exited = threading.Event()
         self.last_progress = time.monotonic()
         self.reported_progress = False
+        #: The step of the worker's last progress or state frame (what the node's
+        #: heartbeat shows the daemon); None before one with a valid step.
+        self.last_step: int | None = None
         #: The last frame of any kind from the worker (its ``alive`` beats included).
         self.last_heard = time.monotonic()
         #: What the worker said when it reported its own failure (``Reported``).
@@ -130,6 +133,10 @@ class WorkerProcess:
                 elif frame.kind in ("progress", "state"):
                     self.last_progress = time.monotonic()
                     self.reported_progress = True
+                    step = frame.header.get("step")
+                    # Only shown, never acted on: a value out of range is not kept.
+                    if type(step) is int and 0 <= step <= MAX_STEP:
+                        self.last_step = step
                     if frame.kind == "state":
                         self._state.offer(frame, self._state_step)
                         self._state_step = frame.header["step"]

@@ -1010,6 +1010,7 @@ class HeartbeatRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -1018,6 +1019,12 @@ class HeartbeatRequest(_message.Message):
     """A node agent's stream: rank is its node_rank and instance_id the node's.
     The one stream is the liveness of every member of the node.
     """
+    @_builtins.property
+    def progress(self) -> Global___Progress:
+        """Where training stands, for the status page and GetJob: sent with every
+        beat once known (the daemon keeps the latest). Absent: not reported.
+        """
+
     def __init__(
         self,
         *,
@@ -1026,14 +1033,48 @@ class HeartbeatRequest(_message.Message):
         rank: _builtins.int = ...,
         instance_id: _builtins.str = ...,
         node: _builtins.bool = ...,
+        progress: Global___Progress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class Progress(_message.Message):
+    """A stream's training progress: the last step each of its ranks reported (a
+    node's by local rank; a per-rank stream's one entry), -1 before the first.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_FIELD_NUMBER: _builtins.int
+    RESTARTS_USED_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    restarts_used: _builtins.int
+    """The node agent's restart budget: restarts used so far and the maximum
+    (--max-restarts); both 0 where nothing restarts workers.
+    """
+    max_restarts: _builtins.int
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        steps: _abc.Iterable[_builtins.int] | None = ...,
+        restarts_used: _builtins.int = ...,
+        max_restarts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_restarts", b"max_restarts", "restarts_used", b"restarts_used", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Progress: _TypeAlias = Progress  # noqa: Y015
 
 @_typing.final
 class FailedMember(_message.Message):
