@@ -7,7 +7,7 @@ wakes the calls.
 from __future__ import annotations
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault, ranks_text
+from rendezvousd.errors import Code, Reason, RendezvousFault, ranks_text
 from rendezvousd.job import BarrierState, Job, Member
 from rendezvousd.limits import Limits
 from rendezvousd.model import MemberState
@@ -39,7 +39,7 @@ def enter(
     if sequence != barrier.completed + 1:
         raise job.fault(
             Code.FAILED_PRECONDITION,
-            "BARRIER_MISMATCH",
+            Reason.BARRIER_MISMATCH,
             f"rank {rank} entered barrier {name!r} #{sequence} but job {job.job_id!r} is at "
             f"#{barrier.completed + 1}; every rank must run the same barriers in the same order",
             ranks=str(rank),
@@ -47,7 +47,7 @@ def enter(
     if member.state is MemberState.LEFT:
         raise RendezvousFault(
             Code.FAILED_PRECONDITION,
-            "NOT_A_MEMBER",
+            Reason.NOT_A_MEMBER,
             f"rank {rank} already left job {job.job_id!r}; it cannot enter barrier {name!r}",
             {"job_id": job.job_id, "ranks": str(rank)},
         )
@@ -78,7 +78,7 @@ def timed_out(
     meta["ranks"] = ranks_text(missing[:64])
     return RendezvousFault(
         Code.DEADLINE_EXCEEDED,
-        "BARRIER_TIMEOUT",
+        Reason.BARRIER_TIMEOUT,
         f"barrier {name!r} of {job.named} timed out on rank {rank} after {waited}; still "
         f"waiting for ranks {short_ranks(missing)}",
         meta,

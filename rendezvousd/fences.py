@@ -7,26 +7,26 @@ worker does next, so every RPC words the same refusal the same way.
 
 from __future__ import annotations
 
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job
 
 
 def draining() -> RendezvousFault:
     return RendezvousFault(
-        Code.UNAVAILABLE, "DRAINING", "the daemon is shutting down; retry after it restarts"
+        Code.UNAVAILABLE, Reason.DRAINING, "the daemon is shutting down; retry after it restarts"
     )
 
 
 def no_such_job(job_id: str) -> RendezvousFault:
     return RendezvousFault(
-        Code.NOT_FOUND, "JOB_NOT_FOUND", f"job {job_id!r} does not exist", {"job_id": job_id}
+        Code.NOT_FOUND, Reason.JOB_NOT_FOUND, f"job {job_id!r} does not exist", {"job_id": job_id}
     )
 
 
 def stale_generation(job: Job, generation: int) -> RendezvousFault:
     return RendezvousFault(
         Code.ABORTED,
-        "STALE_GENERATION",
+        Reason.STALE_GENERATION,
         f"job {job.job_id!r} is at generation {job.generation}, the call named generation "
         f"{generation}; rejoin to take part in the current generation",
         {
@@ -40,7 +40,7 @@ def stale_generation(job: Job, generation: int) -> RendezvousFault:
 def not_a_member(job: Job, generation: int, rank: int) -> RendezvousFault:
     return RendezvousFault(
         Code.NOT_FOUND,
-        "NOT_A_MEMBER",
+        Reason.NOT_A_MEMBER,
         f"rank {rank} is not a member of job {job.job_id!r} generation {generation}",
         {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},
     )
@@ -55,7 +55,7 @@ def other_instance(job: Job, generation: int, rank: int, instance_id: str) -> Re
     )
     return RendezvousFault(
         Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
+        Reason.DUPLICATE_RANK,
         f"rank {rank} of job {job.job_id!r} generation {generation} belongs to another "
         f"worker instance: {hint}; rejoin to take part",
         {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},

@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from rendezvousd.errors import Code, RendezvousFault, shown
+from rendezvousd.errors import Code, Reason, RendezvousFault, shown
 from rendezvousd.id_history import IdHistory
-from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState, failed_text
+from rendezvousd.model import FailedInfo, JobState, JoinMode, MemberInfo, MemberState, failed_text
 
 
 @dataclass(kw_only=True)
@@ -157,8 +157,7 @@ class Job:
     conflict: RendezvousFault | None = None
     # When rank 0, answered id_required, loses its rank unless it publishes the id.
     id_deadline: float | None = None
-    # How the generation is joined: "" (nobody yet), "rank" (Join) or "node" (JoinNode).
-    join_mode: str = ""
+    join_mode: JoinMode = JoinMode.NONE
     # JoinNode generations: the elastic bounds (num_nodes is max_nodes while
     # forming, the formed count after), the last call, and the node agents.
     min_nodes: int = 0
@@ -251,7 +250,7 @@ class Job:
         self.restored_id_digest = None
         self.conflict = None
         self.id_deadline = None
-        self.join_mode = ""
+        self.join_mode = JoinMode.NONE
         self.nodes.clear()
         self.node_at.clear()
         self.id_node = ""
@@ -266,7 +265,9 @@ class Job:
         """How messages name this job's current generation."""
         return f"job {self.job_id!r} generation {self.generation}"
 
-    def fault(self, code: Code, reason: str, message: str, /, **metadata: str) -> RendezvousFault:
+    def fault(
+        self, code: Code, reason: Reason, message: str, /, **metadata: str
+    ) -> RendezvousFault:
         """A fault about this job's current generation: its metadata names both."""
         scope = {"job_id": self.job_id, "generation": str(self.generation)}
         return RendezvousFault(code, reason, message, scope | metadata)
@@ -279,7 +280,7 @@ class Job:
         ``asked`` is ``(num_nodes, gpus_per_node)`` from a per-rank Join, or
         ``(min_nodes, max_nodes, gpus_per_node)`` from a node agent's JoinNode.
         """
-        by_node = self.join_mode == "node"
+        by_node = self.join_mode is JoinMode.NODE
         ours = (self.min_nodes, self.max_nodes) if by_node else (self.num_nodes,)
         have, have_code = _topology_text((*ours, self.gpus_per_node))
         want, want_code = _topology_text(asked)
@@ -302,7 +303,7 @@ class Job:
         )
         return self.fault(
             Code.FAILED_PRECONDITION,
-            "TOPOLOGY_MISMATCH",
+            Reason.TOPOLOGY_MISMATCH,
             f"{self.named} has {have}{joined}, but {asker} on host {host!r} asked for {want}; "
             f"{fix}",
             topology=have_code,
@@ -320,7 +321,7 @@ class Job:
             # host is in the fault's details (fault_status), the metadata only lists.
             return RendezvousFault(
                 Code.ABORTED,
-                "PEER_FAILED",
+                Reason.PEER_FAILED,
                 f"{failed_text(self.named, self.failed)}; restart the job (a new Join opens "
                 "the next generation)",
                 {
@@ -334,19 +335,19 @@ class Job:
         if self.state is JobState.ABORTED:
             return self.fault(
                 Code.ABORTED,
-                "JOB_ABORTED",
+                Reason.JOB_ABORTED,
                 f"{self.named} was aborted: {self.abort_reason}",
                 reason=self.abort_reason,
             )
         if self.state is JobState.ENDED:
             return self.fault(
                 Code.FAILED_PRECONDITION,
-                "JOB_ENDED",
+                Reason.JOB_ENDED,
                 f"{self.named} has ended: every member left",
             )
         return self.fault(
             Code.FAILED_PRECONDITION,
-            "NOT_RUNNING",
+            Reason.NOT_RUNNING,
             f"{self.named} is still forming ({len(self.members)} of {self.world_size} ranks "
             "joined); wait for Join to return",
         )

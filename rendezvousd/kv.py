@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job
 from rendezvousd.limits import Limits
 
@@ -79,7 +79,7 @@ def counter(job: Job, key: str, delta: int) -> bytes:
     if not _COUNTER.fullmatch(raw):
         raise RendezvousFault(
             Code.FAILED_PRECONDITION,
-            "NOT_A_COUNTER",
+            Reason.NOT_A_COUNTER,
             f"key {key!r} of job {job.job_id!r} holds a value that is not a plain decimal "
             "integer (digits with an optional leading '-'); KvAdd needs a counter",
             {"job_id": job.job_id},
@@ -87,6 +87,6 @@ def counter(job: Job, key: str, delta: int) -> bytes:
     total = int(raw) + delta
     if not -(2**63) <= total < 2**63:
         raise validation.invalid(
-            "INVALID_ARGUMENT", f"KvAdd on {key!r} of job {job.job_id!r} would overflow int64"
+            Reason.INVALID_ARGUMENT, f"KvAdd on {key!r} of job {job.job_id!r} would overflow int64"
         )
     return str(total).encode("ascii")

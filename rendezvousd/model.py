@@ -30,6 +30,16 @@ class MemberState(enum.Enum):
     LOST = 4
 
 
+class JoinMode(enum.Enum):
+    """How a generation is joined: by nobody yet, per rank (``Join``, each worker its
+    own attendee) or per node (``JoinNode``, one agent attending for its ranks). Its
+    value is the stored form (``snapshot.py``)."""
+
+    NONE = ""
+    RANK = "rank"
+    NODE = "node"
+
+
 class EventKind(enum.Enum):
     PEER_FAILED = 1
     JOB_ABORTED = 2

@@ -13,13 +13,14 @@ the next one. Pure, like the rest of the state machine.
 from __future__ import annotations
 
 from rendezvousd import fences, nodes, placement, validation, waits
-from rendezvousd.errors import RendezvousFault
+from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.escape import bounded
 from rendezvousd.job import Job, Node
 from rendezvousd.model import (
     EventKind,
     FailedInfo,
     JobState,
+    JoinMode,
     MemberState,
     NodeJoinResult,
     Notify,
@@ -70,7 +71,7 @@ class NodeJoins(StateCore):
         if args.unique_id:
             if nodes.holder(job) is not node:
                 raise validation.invalid(
-                    "INVALID_ID",
+                    Reason.INVALID_ID,
                     f"only node 0 of job {job.job_id!r} supplies the unique id; the node "
                     f"agent on {args.host!r} is not node 0",
                     job_id=job.job_id,
@@ -85,7 +86,7 @@ class NodeJoins(StateCore):
             job.id_deadline = now + (args.wait_s or self.timing.default_wait_s)
             return nodes.id_required(job)
         try:
-            parked = self._park(job, "node", -1, node.instance_id, now)
+            parked = self._park(job, waits.WaitKind.NODE, -1, node.instance_id, now)
         except RendezvousFault:
             if added:  # refused for capacity: the slot stays free for the retry
                 self._remove_node(job, node, now)
@@ -103,13 +104,13 @@ class NodeJoins(StateCore):
             job.rejoin_expected = expected
         if job.state is JobState.FORMING and not job.members and not job.nodes:
             # Nobody waits on this generation yet: the first node sets its bounds.
-            job.join_mode = "node"
+            job.join_mode = JoinMode.NODE
             job.num_nodes, job.gpus_per_node = args.max_nodes, args.gpus_per_node
             job.min_nodes, job.max_nodes = args.min_nodes, args.max_nodes
             job.last_call_s = args.last_call_s or self.timing.default_last_call_s
             return job
-        if job.join_mode != "node":
-            raise nodes.mode_mismatch(job, "node", args.host)
+        if job.join_mode is not JoinMode.NODE:
+            raise nodes.mode_mismatch(job, JoinMode.NODE, args.host)
         asked = (args.min_nodes, args.max_nodes, args.gpus_per_node)
         if (job.min_nodes, job.max_nodes, job.gpus_per_node) != asked:
             fault = job.topology_conflict(args.host, asked)
@@ -121,7 +122,7 @@ class NodeJoins(StateCore):
             job.max_nodes
         ):
             raise nodes.world_full(job, args.host)
-        parked = self._park(job, "scaleup", -1, args.instance_id, now)
+        parked = self._park(job, waits.WaitKind.SCALEUP, -1, args.instance_id, now)
         job.scaleup_waiters[parked.waiter] = args.instance_id
         self._tell_waiting(job, now)
         return parked
@@ -164,7 +165,11 @@ class NodeJoins(StateCore):
     def _try_form(self, job: Job, now: float) -> bool:
         """Forms the generation if it may form now; whether it did."""
         count = len(job.nodes)
-        if job.state is not JobState.FORMING or job.join_mode != "node" or count < job.min_nodes:
+        if (
+            job.state is not JobState.FORMING
+            or job.join_mode is not JoinMode.NODE
+            or count < job.min_nodes
+        ):
             return False
         if (
             count < job.max_nodes
@@ -206,7 +211,7 @@ class NodeJoins(StateCore):
         self, job: Job, w: waits.Waiter, waiter: int, now: float, *, timed_out: bool
     ) -> RendezvousFault | None:
         waited = f"{now - w.since:.1f} s"
-        if w.kind == "scaleup":
+        if w.kind is waits.WaitKind.SCALEUP:
             job.scaleup_waiters.pop(waiter, None)
             self._tell_waiting(job, now)
             return nodes.scaleup_timeout(job, waited) if timed_out else None

@@ -11,10 +11,18 @@ import hashlib
 from dataclasses import dataclass
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job, Member, Node
 from rendezvousd.limits import Limits
-from rendezvousd.model import JobState, MemberInfo, MemberState, NodeJoinResult, NodeSeat, seat_of
+from rendezvousd.model import (
+    JobState,
+    JoinMode,
+    MemberInfo,
+    MemberState,
+    NodeJoinResult,
+    NodeSeat,
+    seat_of,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ def check(args: NodeJoinArgs, limits: Limits) -> None:
     validation.job_id(args.job_id)
     if not 1 <= args.min_nodes <= args.max_nodes:
         raise validation.invalid(
-            "INVALID_TOPOLOGY",
+            Reason.INVALID_TOPOLOGY,
             f"min_nodes={args.min_nodes} max_nodes={args.max_nodes} is invalid: need "
             "1 <= min_nodes <= max_nodes (--nnodes MIN:MAX)",
             job_id=args.job_id,
@@ -48,7 +56,7 @@ def check(args: NodeJoinArgs, limits: Limits) -> None:
     validation.text_field("instance_id", args.instance_id, 128, required=True)
     if len(args.addresses) > args.gpus_per_node:
         raise validation.invalid(
-            "INVALID_ARGUMENT",
+            Reason.INVALID_ARGUMENT,
             f"{len(args.addresses)} addresses for gpus_per_node={args.gpus_per_node}: "
             "give at most one per local rank",
             job_id=args.job_id,
@@ -117,7 +125,7 @@ def expected_back(job: Job) -> int:
     """How many nodes should re-join after ``job``'s node generation failed or was
     aborted: its nodes that were not lost, and the scale-up nodes woken to re-join;
     0 (nobody in particular) after any other end."""
-    if job.join_mode != "node" or job.state not in (JobState.FAILED, JobState.ABORTED):
+    if job.join_mode is not JoinMode.NODE or job.state not in (JobState.FAILED, JobState.ABORTED):
         return 0
     kept = sum(1 for n in job.nodes.values() if n.state is not MemberState.LOST)
     return kept + job.scaleups_woken
@@ -172,13 +180,13 @@ def provisional_first_rank(job: Job, node: Node) -> int:
     return job.rank_of(ranks.get(node.instance_id, node.node_rank), 0)
 
 
-def mode_mismatch(job: Job, wanted: str, host: str) -> RendezvousFault:
+def mode_mismatch(job: Job, wanted: JoinMode, host: str) -> RendezvousFault:
     """A per-rank Join in a node-joined generation, or the reverse."""
-    have = "node agents (JoinNode)" if job.join_mode == "node" else "per-rank Join calls"
-    asked = "a node join (JoinNode)" if wanted == "node" else "a per-rank Join"
+    have = "node agents (JoinNode)" if job.join_mode is JoinMode.NODE else "per-rank Join calls"
+    asked = "a node join (JoinNode)" if wanted is JoinMode.NODE else "a per-rank Join"
     return job.fault(
         Code.FAILED_PRECONDITION,
-        "JOIN_MODE_MISMATCH",
+        Reason.JOIN_MODE_MISMATCH,
         f"{job.named} is joined by {have}; {asked} from host {host!r} cannot take part: "
         "start every node of a job the same way (all under rendezvous-run's node agent, or "
         "all workers joining per rank)",
@@ -192,7 +200,7 @@ def duplicate_node(job: Job, args: NodeJoinArgs, holder_host: str) -> Rendezvous
     and there every node must give its rank: a number, or ``auto``."""
     return job.fault(
         Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
+        Reason.DUPLICATE_RANK,
         f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
         f"on {holder_host}; give each node a distinct --node-rank (0..{args.max_nodes - 1}), "
         "or --node-rank auto to let the daemon assign it",
@@ -206,7 +214,7 @@ def world_full(job: Job, host: str) -> RendezvousFault:
     """The generation already has max_nodes nodes: a newcomer cannot join it."""
     return job.fault(
         Code.RESOURCE_EXHAUSTED,
-        "WORLD_FULL",
+        Reason.WORLD_FULL,
         f"{job.named} already has max_nodes={job.max_nodes} nodes; the node agent on {host!r} "
         "cannot join it",
         max_nodes=str(job.max_nodes),
@@ -219,7 +227,7 @@ def nodes_incomplete(job: Job, waited: str) -> RendezvousFault:
     hosts = sorted({n.host for n in job.nodes.values()})
     return job.fault(
         Code.DEADLINE_EXCEEDED,
-        "WORLD_INCOMPLETE",
+        Reason.WORLD_INCOMPLETE,
         f"{job.named}: {len(job.nodes)} node(s) joined after {waited}, the generation needs "
         f"min_nodes={job.min_nodes}"
         + ("" if job.unique_id is not None or not job.nodes else " and node 0's id")
@@ -232,7 +240,7 @@ def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
     """A parked scale-up JoinNode waited in vain for the running generation to end."""
     return job.fault(
         Code.DEADLINE_EXCEEDED,
-        "WORLD_INCOMPLETE",
+        Reason.WORLD_INCOMPLETE,
         f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
         f"for {waited}; the running nodes did not end it to take this node in",
     )
@@ -242,7 +250,7 @@ def not_this_node(job: Job, generation: int, node_rank: int) -> RendezvousFault:
     """The caller names a node rank it does not hold (another agent, or no node at all)."""
     return RendezvousFault(
         Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
+        Reason.DUPLICATE_RANK,
         f"node_rank={node_rank} of job {job.job_id!r} generation {generation} belongs to "
         "another node agent instance (or to none); rejoin to take part",
         {"job_id": job.job_id, "generation": str(generation)},

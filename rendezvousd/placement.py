@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job, Member
 from rendezvousd.limits import Limits
 from rendezvousd.model import JobState, JoinResult, MemberState, seat_of
@@ -72,7 +72,7 @@ def node_rank(job: Job, args: JoinArgs) -> int:
             return node
     raise job.fault(
         Code.RESOURCE_EXHAUSTED,
-        "WORLD_FULL",
+        Reason.WORLD_FULL,
         f"job {job.job_id!r} already has num_nodes={job.num_nodes} hosts; {args.host!r} cannot "
         "get a node rank",
     )
@@ -84,7 +84,7 @@ def duplicate_rank(
     """Another worker instance already holds the rank this joiner was placed on."""
     return job.fault(
         Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
+        Reason.DUPLICATE_RANK,
         f"rank {rank} (node_rank={node}, local_rank={args.local_rank}) of job "
         f"{args.job_id!r} is already held by a worker on {holder.host}; give each worker "
         "a distinct (node_rank, local_rank)",
@@ -112,7 +112,7 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
     """Takes rank 0's id for the generation, or raises why it cannot be used."""
     if rank != 0:
         raise validation.invalid(
-            "INVALID_ID",
+            Reason.INVALID_ID,
             f"only global rank 0 supplies the unique id; this worker is rank {rank}",
             job_id=job.job_id,
         )
@@ -127,12 +127,12 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
     if job.id_digest() is not None:
         raise job.fault(
             Code.ALREADY_EXISTS,
-            "ID_CONFLICT",
+            Reason.ID_CONFLICT,
             f"{job.named} already has a different unique id; the first one is kept",
         )
     if digest in job.used_id_digests:
         raise validation.invalid(
-            "ID_REUSED",
+            Reason.ID_REUSED,
             f"this unique id was already used by an earlier generation of job {job.job_id!r}; "
             "every generation needs a fresh id",
             job_id=job.job_id,

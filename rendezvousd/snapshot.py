@@ -21,7 +21,7 @@ from rendezvousd import validation
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.id_history import IdHistory
 from rendezvousd.job import BarrierState, Job, Member, Node
-from rendezvousd.model import FailedInfo, JobState, MemberState, Transition
+from rendezvousd.model import FailedInfo, JobState, JoinMode, MemberState, Transition
 from rendezvousd.state import RendezvousState
 
 SCHEMA = 1
@@ -59,7 +59,7 @@ def job_record(job: Job) -> dict[str, Any]:
         "abort_reason": job.abort_reason,
         "barriers": {name: b.completed for name, b in job.barriers.items()},
         # Node joins (absent in rows written before them: a per-rank job).
-        "join_mode": job.join_mode,
+        "join_mode": job.join_mode.value,
         "min_nodes": job.min_nodes,
         "max_nodes": job.max_nodes,
         "nodes": [
@@ -277,11 +277,13 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
 
 def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
     """A formed JoinNode generation's node agents; rows from before node joins have none."""
-    mode = raw.get("join_mode", "rank" if job.members else "")
-    if mode not in ("", "rank", "node"):
-        raise ValueError(f"join_mode must be '', 'rank' or 'node', not {mode!r}")
+    stored = raw.get("join_mode", "rank" if job.members else "")
+    try:
+        mode = JoinMode(stored)
+    except ValueError:
+        raise ValueError(f"join_mode must be '', 'rank' or 'node', not {stored!r}") from None
     job.join_mode = mode
-    if mode != "node":
+    if mode is not JoinMode.NODE:
         return
     job.min_nodes = _int(raw, "min_nodes", 1, _MAX_WORLD)
     job.max_nodes = _int(raw, "max_nodes", job.min_nodes, _MAX_WORLD)

@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from rendezvousd import barriers, fences, kv, nodes, placement, validation, waits
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job, Member
 from rendezvousd.model import (
     EventKind,
     JobState,
     JobView,
+    JoinMode,
     JoinResult,
     MemberInfo,
     MemberState,
@@ -66,7 +67,7 @@ class RendezvousState(NodeJoins):
         try:
             outcome = self._join_outcome(job, member, now)
         except RendezvousFault as fault:
-            if added and fault.reason == "LIMIT_EXCEEDED":
+            if added and fault.reason == Reason.LIMIT_EXCEEDED:
                 # Refused for capacity: the rank must stay free for the retry.
                 placement.unplace(job, rank, now)
             raise
@@ -97,7 +98,7 @@ class RendezvousState(NodeJoins):
         if rank != 0:
             raise RendezvousFault(
                 Code.PERMISSION_DENIED,
-                "NOT_RANK_ZERO",
+                Reason.NOT_RANK_ZERO,
                 f"only the worker holding global rank 0 publishes the id of job {job_id!r}",
                 {"job_id": job_id, "ranks": str(rank)},
             )
@@ -109,16 +110,16 @@ class RendezvousState(NodeJoins):
         job = self.jobs.get(args.job_id)
         if job is None:
             job = self._open_job(args.job_id, args.num_nodes, args.gpus_per_node, now)
-            job.join_mode = "rank"
+            job.join_mode = JoinMode.RANK
             return job
         if job.state in TERMINAL and not placement.rejoin_of_current(job, args):
             self._next_generation(job, now)
             # A new generation may change the topology: it starts from scratch.
             job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
         if job.state is JobState.FORMING and not job.members and not job.nodes:
-            job.join_mode = "rank"
-        elif job.join_mode != "rank":
-            raise nodes.mode_mismatch(job, "rank", args.host)
+            job.join_mode = JoinMode.RANK
+        elif job.join_mode is not JoinMode.RANK:
+            raise nodes.mode_mismatch(job, JoinMode.RANK, args.host)
         if (job.num_nodes, job.gpus_per_node) != (args.num_nodes, args.gpus_per_node):
             if job.state is JobState.FORMING and not job.members:
                 # Nobody is waiting on the old topology: the next joiner sets it.
@@ -142,7 +143,7 @@ class RendezvousState(NodeJoins):
             raise job.generation_fault()
         if member.rank == 0 and job.unique_id is None:
             return placement.id_required(job, member)
-        parked = self._park(job, "join", member.rank, "", now)
+        parked = self._park(job, waits.WaitKind.JOIN, member.rank, "", now)
         job.join_waiters[parked.waiter] = member.rank
         return parked
 
@@ -166,10 +167,10 @@ class RendezvousState(NodeJoins):
         job = self.jobs.get(w.job_id)
         if job is None or job.generation != w.generation:
             return None
-        if w.kind in ("node", "scaleup"):
+        if w.kind in (waits.WaitKind.NODE, waits.WaitKind.SCALEUP):
             return self._node_wait_ended(job, w, waiter, now, timed_out=timed_out)
         waited = f"{now - w.since:.1f} s"
-        if w.kind == "join":
+        if w.kind is waits.WaitKind.JOIN:
             job.join_waiters.pop(waiter, None)
             if not timed_out:
                 self._abandon_join(job, w.rank, now)
@@ -177,7 +178,7 @@ class RendezvousState(NodeJoins):
             missing = job.missing_ranks()
             placement.unplace(job, w.rank, now)
             return waits.world_incomplete(job, missing, waited)
-        if w.kind == "barrier":
+        if w.kind is waits.WaitKind.BARRIER:
             meta = {"job_id": job.job_id, "generation": str(job.generation)}
             return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
         return waits.key_wait_timeout(job, w.key, waiter, waited)
@@ -225,7 +226,7 @@ class RendezvousState(NodeJoins):
             for w in barriers.release(barrier):
                 self._wake(w, barrier.completed)
             return sequence
-        return self._park_under(barrier.arrived, rank, job, "barrier", rank, name, now)
+        return self._park_under(barrier.arrived, rank, job, waits.WaitKind.BARRIER, rank, name, now)
 
     # -- key-value store --------------------------------------------------
 
@@ -252,9 +253,9 @@ class RendezvousState(NodeJoins):
             return value
         if not wait:
             raise job.fault(
-                Code.NOT_FOUND, "KEY_NOT_FOUND", f"key {key!r} is not set in {job.named}"
+                Code.NOT_FOUND, Reason.KEY_NOT_FOUND, f"key {key!r} is not set in {job.named}"
             )
-        return self._park_under(job.kv_waiters, key, job, "kv", rank, key, now)
+        return self._park_under(job.kv_waiters, key, job, waits.WaitKind.KV, rank, key, now)
 
     def kv_add(
         self, job_id: str, generation: int, rank: int, key: str, delta: int, *, instance_id: str
@@ -310,12 +311,12 @@ class RendezvousState(NodeJoins):
     ) -> int:
         """A heartbeat stream opened; returns its token for ``detach_stream``."""
         job, member = self._caller(job_id, generation, rank, instance_id)
-        if job.join_mode == "node":
+        if job.join_mode is JoinMode.NODE:
             # Its node agent's stream is this rank's liveness: a stream of the rank's own
             # would fail the whole generation when it closed (the worker exiting).
             raise job.fault(
                 Code.FAILED_PRECONDITION,
-                "JOIN_MODE_MISMATCH",
+                Reason.JOIN_MODE_MISMATCH,
                 f"{job.named}: rank {rank} belongs to a node joined by its node agent, "
                 "whose heartbeat covers it; an attached worker does not open a heartbeat "
                 "stream of its own (call attach(), not start_heartbeat())",
@@ -341,7 +342,7 @@ class RendezvousState(NodeJoins):
         """Time-driven decisions: silent members are lost, old jobs forgotten."""
         timeout = self.timing.heartbeat_timeout_s
         for job in list(self.jobs.values()):
-            if job.join_mode == "node":
+            if job.join_mode is JoinMode.NODE:
                 self._node_tick(job, now)
             else:
                 if job.id_deadline is not None and now > job.id_deadline:
@@ -391,7 +392,7 @@ class RendezvousState(NodeJoins):
                         waiter,
                         fault=RendezvousFault(
                             Code.ABORTED,
-                            "JOB_ABORTED",
+                            Reason.JOB_ABORTED,
                             f"rank {rank} left job {job_id!r} before it formed",
                         ),
                     )

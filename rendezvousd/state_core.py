@@ -19,6 +19,7 @@ from rendezvousd.model import (
     Effect,
     EventKind,
     JobState,
+    JoinMode,
     MemberState,
     Notify,
     Parked,
@@ -58,7 +59,7 @@ class StateCore:
         if self.draining:
             raise fences.draining()
 
-    def _park(self, job: Job, kind: str, rank: int, key: str, now: float) -> Parked:
+    def _park(self, job: Job, kind: waits.WaitKind, rank: int, key: str, now: float) -> Parked:
         if len(self._waiters) >= self.limits.max_waiters:
             raise validation.limit_exceeded(
                 "max_waiters",
@@ -83,7 +84,7 @@ class StateCore:
         waiters: dict[_K, set[int]],
         under: _K,
         job: Job,
-        kind: str,
+        kind: waits.WaitKind,
         rank: int,
         key: str,
         now: float,
@@ -280,7 +281,7 @@ class StateCore:
         skip_node: int | None = None,
         nodes_waiting: int = 0,
     ) -> None:
-        if job.join_mode == "node":
+        if job.join_mode is JoinMode.NODE:
             # Nodes heartbeat, ranks do not: the node agents' streams hear it.
             nodes = tuple(
                 r

@@ -12,6 +12,7 @@ from rendezvousd.limits import Timing
 from rendezvousd.model import (
     EventKind,
     JobState,
+    JoinMode,
     MemberState,
     NodeJoinResult,
     Notify,
@@ -313,7 +314,7 @@ def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -
     back = RendezvousState()
     Persister(tmp_path, back).restore()
     job = back.jobs["j"]
-    assert job.state is JobState.RUNNING and job.join_mode == "node"
+    assert job.state is JobState.RUNNING and job.join_mode is JoinMode.NODE
     assert (job.min_nodes, job.max_nodes, job.num_nodes) == (2, 2, 2)
     restored = job.node_at[0].last_seen  # the restore's clock: a full timeout to reattach
     assert back.attach_node_stream("j", 1, 1, "b", restored) == 1
