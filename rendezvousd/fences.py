@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job
+from rendezvousd.model import JoinMode
 
 
 def draining() -> RendezvousFault:
@@ -43,6 +44,32 @@ def not_a_member(job: Job, generation: int, rank: int) -> RendezvousFault:
         Reason.NOT_A_MEMBER,
         f"rank {rank} is not a member of job {job.job_id!r} generation {generation}",
         {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},
+    )
+
+
+def not_seated(job: Job, generation: int, who: int, mode: JoinMode) -> RendezvousFault:
+    """No such member; for a node agent, no node of that rank this caller holds (its
+    instance id is its secret: another agent's node is not told apart from none)."""
+    if mode is not JoinMode.NODE:
+        return not_a_member(job, generation, who)
+    return RendezvousFault(
+        Code.ALREADY_EXISTS,
+        Reason.DUPLICATE_RANK,
+        f"node_rank={who} of job {job.job_id!r} generation {generation} belongs to "
+        "another node agent instance (or to none); rejoin to take part",
+        {"job_id": job.job_id, "generation": str(generation)},
+    )
+
+
+def rank_stream_in_node_job(job: Job, rank: int) -> RendezvousFault:
+    """A worker of a node generation opened a heartbeat stream of its own."""
+    return job.fault(
+        Code.FAILED_PRECONDITION,
+        Reason.JOIN_MODE_MISMATCH,
+        f"{job.named}: rank {rank} belongs to a node joined by its node agent, "
+        "whose heartbeat covers it; an attached worker does not open a heartbeat "
+        "stream of its own (call attach(), not start_heartbeat())",
+        rank=str(rank),
     )
 
 

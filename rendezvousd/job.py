@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rendezvousd.errors import Code, Reason, RendezvousFault, shown
 from rendezvousd.id_history import IdHistory
@@ -13,6 +15,10 @@ from rendezvousd.model import FailedInfo, JobState, JoinMode, MemberInfo, Member
 @dataclass(kw_only=True)
 class Attendee:
     """What a heartbeat stream keeps alive: a member, or a node agent for its members."""
+
+    # How a loss of it is worded: by silence, and by its stream's end.
+    who: ClassVar[str] = "worker"
+    stream_closed: ClassVar[str] = "heartbeat stream closed"
 
     state: MemberState = MemberState.JOINING
     last_seen: float = 0.0
@@ -58,6 +64,9 @@ class Member(Attendee):
 class Node(Attendee):
     """A node agent joined by JoinNode, holding gpus_per_node members once the
     generation forms. Its one heartbeat stream is the liveness of all of them."""
+
+    who: ClassVar[str] = "node"
+    stream_closed: ClassVar[str] = "node agent's heartbeat stream closed"
 
     instance_id: str
     host: str
@@ -191,6 +200,21 @@ class Job:
 
     def rank_of(self, node_rank: int, local_rank: int) -> int:
         return node_rank * self.gpus_per_node + local_rank
+
+    def attendees(self, mode: JoinMode) -> Mapping[int, Member | Node]:
+        """Who a call of ``mode`` names by its rank: in a per-rank generation each worker
+        (its global rank), in a node generation each formed node agent (its node rank).
+        Streams, heartbeats, leaves and losses are the one path over these."""
+        return self.node_at if mode is JoinMode.NODE else self.members
+
+    def covered(self, seated: Member | Node) -> list[Member]:
+        """The members whose liveness ``seated``'s heartbeat stream is: a worker is its
+        own, a node agent holds gpus_per_node."""
+        if isinstance(seated, Member):
+            return [seated]
+        first = self.rank_of(seated.node_rank, 0)
+        ranks = range(first, first + self.gpus_per_node)
+        return [self.members[r] for r in ranks if r in self.members]
 
     def missing_ranks(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.members]

@@ -39,6 +39,11 @@ class JoinMode(enum.Enum):
     RANK = "rank"
     NODE = "node"
 
+    @classmethod
+    def of_caller(cls, node: bool) -> JoinMode:
+        """The mode a call's ``node`` flag says its caller joined in."""
+        return cls.NODE if node else cls.RANK
+
 
 class EventKind(enum.Enum):
     PEER_FAILED = 1
@@ -181,16 +186,16 @@ class Wake:
 
 @dataclass(frozen=True)
 class Notify:
-    """Push an event to the heartbeat streams of ``ranks``."""
+    """Push an event to the heartbeat streams of ``to``: attendees of ``mode`` (workers
+    by rank, node agents by node rank)."""
 
     job_id: str
     generation: int
-    ranks: tuple[int, ...]
+    mode: JoinMode
+    to: tuple[int, ...]
     kind: EventKind
     failed: tuple[FailedInfo, ...] = ()
     reason: str = ""
-    # Node agents' streams (JoinNode generations) by node rank, and NODES_WAITING's count.
-    nodes: tuple[int, ...] = ()
     nodes_waiting: int = 0
 
 

@@ -12,7 +12,7 @@ the next one. Pure, like the rest of the state machine.
 
 from __future__ import annotations
 
-from rendezvousd import fences, nodes, placement, validation, waits
+from rendezvousd import nodes, placement, validation, waits
 from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.escape import bounded
 from rendezvousd.job import Job, Node
@@ -23,7 +23,6 @@ from rendezvousd.model import (
     JoinMode,
     MemberState,
     NodeJoinResult,
-    Notify,
     Parked,
 )
 from rendezvousd.nodes import NodeJoinArgs
@@ -45,7 +44,7 @@ class NodeJoins(StateCore):
             if node is not None and job.unique_id is None:
                 # Restored after a restart: the id never reached the disk, so this
                 # node can no longer be given it. Fence the generation.
-                self._lose_node(job, node, "daemon restarted before this node got the id", now)
+                self._lose_seated(job, node, "daemon restarted before this node got the id", now)
                 raise job.generation_fault()
             if node is not None:
                 return nodes.result(job, node)  # a retry of a formed node's JoinNode
@@ -235,19 +234,6 @@ class NodeJoins(StateCore):
 
     # -- a formed node ------------------------------------------------------------
 
-    def _node_caller(
-        self, job_id: str, generation: int, node_rank: int, instance_id: str, *, running: bool
-    ) -> tuple[Job, Node]:
-        job = self._job(job_id)
-        if generation != job.generation:
-            raise fences.stale_generation(job, generation)
-        node = job.node_at.get(node_rank)
-        if node is None or node.instance_id != instance_id:
-            raise nodes.not_this_node(job, generation, node_rank)
-        if running and job.state is not JobState.RUNNING:
-            raise job.generation_fault()
-        return job, node
-
     def report_failure(
         self,
         job_id: str,
@@ -261,82 +247,12 @@ class NodeJoins(StateCore):
         # Any text is a cause (a traceback has newlines): kept bounded, escaped only
         # where shown. Refusing it would leave a healthy rank, lost after, as the root cause.
         cause = bounded(cause) or "its node agent reported a failure without a cause"
-        job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=False)
+        job, node = self._seated(
+            job_id, generation, node_rank, instance_id, JoinMode.NODE, running=False
+        )
         validation.rank_in_range(
             "local_rank", local_rank, "gpus_per_node", job.gpus_per_node, job_id=job_id
         )
         member = job.members[job.rank_of(node.node_rank, local_rank)]
         if member.state in (MemberState.ACTIVE, MemberState.JOINING):
             self._lose(job, [member], cause, now, told=node.node_rank)
-
-    def attach_node_stream(
-        self, job_id: str, generation: int, node_rank: int, instance_id: str, now: float
-    ) -> int:
-        job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=True)
-        token = node.attach(now)
-        if job.scaleup_waiters:
-            # Nodes parked before this stream (re)attached: it would miss the event.
-            waiting = len(set(job.scaleup_waiters.values()))
-            self._effects.append(
-                Notify(
-                    job.job_id,
-                    job.generation,
-                    (),
-                    EventKind.NODES_WAITING,
-                    nodes=(node_rank,),
-                    nodes_waiting=waiting,
-                )
-            )
-        return token
-
-    def node_heartbeat(self, job_id: str, generation: int, node_rank: int, now: float) -> None:
-        job = self._job(job_id)
-        node = job.node_at.get(node_rank)
-        if generation != job.generation or node is None or job.state is not JobState.RUNNING:
-            raise job.generation_fault()
-        node.last_seen = now
-        for m in nodes.node_members(job, node):
-            m.last_seen = now  # what GetJob shows as each member's heartbeat age
-
-    def detach_node_stream(
-        self, job_id: str, generation: int, node_rank: int, token: int, now: float
-    ) -> None:
-        job = self._stream_job(job_id, generation)
-        node = job.node_at.get(node_rank) if job else None
-        # Once the generation failed, the survivors' streams end as a matter of course:
-        # that is no loss (it would also count them out of the nodes expected back).
-        if job and node and node.detach(token) and job.state is JobState.RUNNING:
-            closed = "node agent's heartbeat stream closed"
-            self._lose_node(job, node, self._stream_end_cause(node, closed, "node", now), now)
-
-    def _lose_node(self, job: Job, node: Node, cause: str, now: float) -> None:
-        node.state = MemberState.LOST
-        node.stream_open = False
-        lost = [m for m in nodes.node_members(job, node) if m.state is MemberState.ACTIVE]
-        self._lose(job, lost, cause, now)
-
-    def leave_node(
-        self, job_id: str, generation: int, node_rank: int, instance_id: str, now: float
-    ) -> None:
-        job, node = self._node_caller(job_id, generation, node_rank, instance_id, running=False)
-        if node.state is MemberState.ACTIVE:
-            node.state = MemberState.LEFT
-        for m in nodes.node_members(job, node):
-            self._member_left(job, m, now)
-
-    def _node_tick(self, job: Job, now: float) -> None:
-        """A node job's time-driven decisions: the last call, silent node agents, and a
-        node 0 that was asked for the id and never sent it."""
-        if job.state is JobState.FORMING:
-            if job.id_deadline is not None and now > job.id_deadline:
-                head = nodes.holder(job)
-                job.id_deadline = None
-                if head is not None and job.unique_id is None:
-                    self._remove_node(job, head, now)
-            self._try_form(job, now)
-        elif job.state is JobState.RUNNING:
-            self._tell_waiting(job, now)
-            timeout = self.timing.heartbeat_timeout_s
-            for node in list(job.node_at.values()):
-                if node.state is MemberState.ACTIVE and now - node.last_seen > timeout:
-                    self._lose_node(job, node, self._silent("node"), now)

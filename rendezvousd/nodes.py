@@ -146,11 +146,6 @@ def everyone_back(job: Job) -> bool:
     return job.rejoin_expected > 0 and len(job.nodes) >= job.rejoin_expected
 
 
-def node_members(job: Job, node: Node) -> list[Member]:
-    first = job.rank_of(node.node_rank, 0)
-    return [job.members[r] for r in range(first, first + job.gpus_per_node) if r in job.members]
-
-
 def result(job: Job, node: Node) -> NodeJoinResult:
     assert job.unique_id is not None
     return NodeJoinResult(
@@ -243,17 +238,6 @@ def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
         Reason.WORLD_INCOMPLETE,
         f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
         f"for {waited}; the running nodes did not end it to take this node in",
-    )
-
-
-def not_this_node(job: Job, generation: int, node_rank: int) -> RendezvousFault:
-    """The caller names a node rank it does not hold (another agent, or no node at all)."""
-    return RendezvousFault(
-        Code.ALREADY_EXISTS,
-        Reason.DUPLICATE_RANK,
-        f"node_rank={node_rank} of job {job.job_id!r} generation {generation} belongs to "
-        "another node agent instance (or to none); rejoin to take part",
-        {"job_id": job.job_id, "generation": str(generation)},
     )
 
 

@@ -26,6 +26,7 @@ from rendezvousd.model import (
     Effect,
     JobState,
     JobView,
+    JoinMode,
     Notify,
     Parked,
     Rejoin,
@@ -327,8 +328,12 @@ class RendezvousServicer:
             yield event
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        leave = self.state.leave_node if request.node else self.state.leave
-        leave(request.job_id, request.generation, request.rank, request.instance_id, _now())
+        self.state.leave(
+            *_member_of(request),
+            request.instance_id,
+            _now(),
+            mode=JoinMode.of_caller(request.node),
+        )
         await self._durably(request.job_id, self.state.take_effects())
         return pb.LeaveResponse()
 

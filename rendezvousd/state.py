@@ -23,6 +23,7 @@ from rendezvousd.model import (
     JoinResult,
     MemberInfo,
     MemberState,
+    Notify,
     Parked,
     Transition,
 )
@@ -89,7 +90,8 @@ class RendezvousState(NodeJoins):
         now: float,
     ) -> JoinResult | Parked:
         validation.unique_id(unique_id)
-        job, member = self._member(job_id, generation, rank, running=False)
+        job, member = self._seat(job_id, generation, rank)
+        assert isinstance(member, Member)  # RANK seats are members
         if job.state in TERMINAL:
             raise job.generation_fault()
         if rank == 0 and member.instance_id != instance_id:
@@ -307,50 +309,80 @@ class RendezvousState(NodeJoins):
     # -- liveness ---------------------------------------------------------
 
     def attach_stream(
-        self, job_id: str, generation: int, rank: int, instance_id: str, now: float
+        self,
+        job_id: str,
+        generation: int,
+        who: int,
+        instance_id: str,
+        now: float,
+        *,
+        mode: JoinMode = JoinMode.RANK,
     ) -> int:
-        """A heartbeat stream opened; returns its token for ``detach_stream``."""
-        job, member = self._caller(job_id, generation, rank, instance_id)
-        if job.join_mode is JoinMode.NODE:
+        """A heartbeat stream of attendee ``who`` opened; returns its token for
+        ``detach_stream``."""
+        job, seated = self._seated(job_id, generation, who, instance_id, mode)
+        if mode is not job.join_mode:
             # Its node agent's stream is this rank's liveness: a stream of the rank's own
             # would fail the whole generation when it closed (the worker exiting).
-            raise job.fault(
-                Code.FAILED_PRECONDITION,
-                Reason.JOIN_MODE_MISMATCH,
-                f"{job.named}: rank {rank} belongs to a node joined by its node agent, "
-                "whose heartbeat covers it; an attached worker does not open a heartbeat "
-                "stream of its own (call attach(), not start_heartbeat())",
-                rank=str(rank),
+            raise fences.rank_stream_in_node_job(job, who)
+        token = seated.attach(now)
+        if job.scaleup_waiters:
+            # Nodes parked before this stream (re)attached: it would miss the event.
+            waiting = len(set(job.scaleup_waiters.values()))
+            self._effects.append(
+                Notify(
+                    job.job_id,
+                    job.generation,
+                    mode,
+                    (who,),
+                    EventKind.NODES_WAITING,
+                    nodes_waiting=waiting,
+                )
             )
-        return member.attach(now)
+        return token
 
-    def heartbeat(self, job_id: str, generation: int, rank: int, now: float) -> None:
-        _, member = self._member(job_id, generation, rank)
-        member.last_seen = now
+    def heartbeat(
+        self, job_id: str, generation: int, who: int, now: float, *, mode: JoinMode = JoinMode.RANK
+    ) -> None:
+        job, seated = self._seat(job_id, generation, who, mode)
+        if job.state is not JobState.RUNNING:
+            raise job.generation_fault()
+        seated.last_seen = now
+        for m in job.covered(seated):
+            m.last_seen = now  # what GetJob shows as each member's heartbeat age
 
     def detach_stream(
-        self, job_id: str, generation: int, rank: int, token: int, now: float
+        self,
+        job_id: str,
+        generation: int,
+        who: int,
+        token: int,
+        now: float,
+        *,
+        mode: JoinMode = JoinMode.RANK,
     ) -> None:
-        """A heartbeat stream ended. Without a Leave first, the member is lost."""
+        """A heartbeat stream ended. Without a Leave first, its attendee is lost. Once
+        the generation failed, the survivors' streams end as a matter of course: that is
+        no loss (it would also count them out of the nodes expected back)."""
         job = self._stream_job(job_id, generation)
-        member = job.members.get(rank) if job else None
-        if job and member and member.detach(token):
-            cause = self._stream_end_cause(member, "heartbeat stream closed", "worker", now)
-            self._lose(job, [member], cause, now)
+        seated = job.attendees(mode).get(who) if job else None
+        if job and seated and seated.detach(token) and job.state is JobState.RUNNING:
+            self._lose_seated(job, seated, self._stream_end_cause(seated, now), now)
 
     def tick(self, now: float) -> None:
-        """Time-driven decisions: silent members are lost, old jobs forgotten."""
+        """Time-driven decisions: an id owed too long, a node generation's last call,
+        silent attendees lost, old jobs forgotten."""
         timeout = self.timing.heartbeat_timeout_s
         for job in list(self.jobs.values()):
-            if job.join_mode is JoinMode.NODE:
-                self._node_tick(job, now)
-            else:
-                if job.id_deadline is not None and now > job.id_deadline:
-                    self._id_overdue(job, now)
-                if job.state is JobState.RUNNING:
-                    for member in list(job.members.values()):
-                        if member.state is MemberState.ACTIVE and now - member.last_seen > timeout:
-                            self._lose(job, [member], self._silent("worker"), now)
+            if job.id_deadline is not None and now > job.id_deadline:
+                self._id_overdue(job, now)
+            if job.state is JobState.FORMING:
+                self._try_form(job, now)
+            elif job.state is JobState.RUNNING:
+                self._tell_waiting(job, now)
+                for seated in list(job.attendees(job.join_mode).values()):
+                    if seated.state is MemberState.ACTIVE and now - seated.last_seen > timeout:
+                        self._lose_seated(job, seated, self._silent(seated.who), now)
             idle = job.state in TERMINAL or (
                 job.state is JobState.FORMING and not job.members and not job.nodes
             )
@@ -361,12 +393,17 @@ class RendezvousState(NodeJoins):
                 )
 
     def _id_overdue(self, job: Job, now: float) -> None:
-        """Rank 0 was told id_required and neither published nor waited since."""
+        """Rank 0 (node 0) was told id_required and neither published nor waited since:
+        its seat is free for a restarted worker (node agent)."""
         job.id_deadline = None
-        rank_zero = job.members.get(0)
-        if job.state is not JobState.FORMING or rank_zero is None or job.unique_id is not None:
+        if job.state is not JobState.FORMING or job.unique_id is not None:
             return
-        if 0 in job.join_waiters.values():
+        if job.join_mode is JoinMode.NODE:
+            if (head := nodes.holder(job)) is not None:
+                self._remove_node(job, head, now)
+            return
+        rank_zero = job.members.get(0)
+        if rank_zero is None or 0 in job.join_waiters.values():
             return  # its PublishId is parked: that call's own deadline applies
         placement.unplace(job, 0, now)
         self._effects.append(
@@ -382,29 +419,42 @@ class RendezvousState(NodeJoins):
 
     # -- endings ----------------------------------------------------------
 
-    def leave(self, job_id: str, generation: int, rank: int, instance_id: str, now: float) -> None:
-        job, member = self._caller(job_id, generation, rank, instance_id, running=False)
+    def leave(
+        self,
+        job_id: str,
+        generation: int,
+        who: int,
+        instance_id: str,
+        now: float,
+        *,
+        mode: JoinMode = JoinMode.RANK,
+    ) -> None:
+        job, seated = self._seated(job_id, generation, who, instance_id, mode, running=False)
         if job.state is JobState.FORMING:
+            # Only a worker holds a seat while forming (a node's comes as it forms).
             for waiter, r in list(job.join_waiters.items()):
-                if r == rank:
+                if r == who:
                     job.join_waiters.pop(waiter)
                     self._wake(
                         waiter,
                         fault=RendezvousFault(
                             Code.ABORTED,
                             Reason.JOB_ABORTED,
-                            f"rank {rank} left job {job_id!r} before it formed",
+                            f"rank {who} left job {job_id!r} before it formed",
                         ),
                     )
-            placement.unplace(job, rank, now)
+            placement.unplace(job, who, now)
             return
-        self._member_left(job, member, now)
+        for member in job.covered(seated):
+            self._member_left(job, member, now)
+        if seated.state is MemberState.ACTIVE:
+            seated.state = MemberState.LEFT
 
     def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
         job = self._job(job_id)
         if generation not in (0, job.generation):
-            self._member(job_id, generation, 0, running=False)  # raises STALE_GENERATION
+            self._seat(job_id, generation, 0)  # raises STALE_GENERATION
         if job.state in (JobState.FORMING, JobState.RUNNING):
             job.abort_reason = reason or "aborted by request"
             self._set_state(job, JobState.ABORTED, now, job.abort_reason)

@@ -13,7 +13,7 @@ from typing import TypeVar
 from rendezvousd import barriers, fences, validation, waits
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.escape import shortened
-from rendezvousd.job import Attendee, Job, Member
+from rendezvousd.job import Attendee, Job, Member, Node
 from rendezvousd.limits import Limits, Timing
 from rendezvousd.model import (
     Effect,
@@ -131,14 +131,14 @@ class StateCore:
             )
 
     def stream_current(
-        self, job_id: str, generation: int, rank: int, token: int, *, node: bool
+        self, job_id: str, generation: int, who: int, token: int, mode: JoinMode
     ) -> bool:
-        """Whether the heartbeat stream ``token`` of member (node agent) ``rank`` still
-        serves one: false once the job put back has no such member of that generation."""
+        """Whether the heartbeat stream ``token`` of attendee ``who`` still serves one:
+        false once the job put back has no such attendee of that generation."""
         job = self.jobs.get(job_id)
         if job is None or job.generation != generation:
             return False
-        attendee: Attendee | None = job.node_at.get(rank) if node else job.members.get(rank)
+        attendee = job.attendees(mode).get(who)
         return attendee is not None and attendee.stream_token == token
 
     def _set_state(self, job: Job, new: JobState, now: float, detail: str) -> None:
@@ -204,28 +204,45 @@ class StateCore:
             return None
         return job
 
-    def _member(
-        self, job_id: str, generation: int, rank: int, *, running: bool = True
-    ) -> tuple[Job, Member]:
-        """The caller's job and membership, or the fault that fences it off."""
+    def _seat(
+        self, job_id: str, generation: int, who: int, mode: JoinMode = JoinMode.RANK
+    ) -> tuple[Job, Member | Node]:
+        """The caller's job and seat (``Job.attendees``), or the fault that fences it off."""
         job = self._job(job_id)
         if generation != job.generation:
             raise fences.stale_generation(job, generation)
-        member = job.members.get(rank)
-        if member is None:
-            raise fences.not_a_member(job, generation, rank)
+        seated = job.attendees(mode).get(who)
+        if seated is None:
+            raise fences.not_seated(job, generation, who, mode)
+        return job, seated
+
+    def _seated(
+        self,
+        job_id: str,
+        generation: int,
+        who: int,
+        instance_id: str,
+        mode: JoinMode = JoinMode.RANK,
+        *,
+        running: bool = True,
+    ) -> tuple[Job, Member | Node]:
+        """``_seat``, and the caller must be the instance that took it: holding the token
+        is not enough to act for another job's or another process's seat."""
+        job, seated = self._seat(job_id, generation, who, mode)
+        if mode is JoinMode.NODE and seated.instance_id != instance_id:
+            raise fences.not_seated(job, generation, who, mode)
         if running and job.state is not JobState.RUNNING:
             raise job.generation_fault()
-        return job, member
+        if seated.instance_id != instance_id:
+            raise fences.other_instance(job, generation, who, instance_id)
+        return job, seated
 
     def _caller(
         self, job_id: str, generation: int, rank: int, instance_id: str, *, running: bool = True
     ) -> tuple[Job, Member]:
-        """``_member``, and the caller must be the worker instance that joined as ``rank``:
-        holding the token is not enough to act for another job's or another process's rank."""
-        job, member = self._member(job_id, generation, rank, running=running)
-        if member.instance_id != instance_id:
-            raise fences.other_instance(job, generation, rank, instance_id)
+        """``_seated`` for a worker's own call (barrier, key-value, its table, its id)."""
+        job, member = self._seated(job_id, generation, rank, instance_id, running=running)
+        assert isinstance(member, Member)  # RANK seats are members
         return job, member
 
     def _silent(self, who: str) -> str:
@@ -234,15 +251,23 @@ class StateCore:
         silent (partition, power loss, a stopped process) from a process that died."""
         return f"no heartbeat for {self.timing.heartbeat_timeout_s:.1f} s ({who} unreachable)"
 
-    def _stream_end_cause(self, attendee: Attendee, closed: str, who: str, now: float) -> str:
-        """Why the end of ``attendee``'s stream loses it: ``closed``, unless it had been
-        silent for the heartbeat timeout by then. The daemon's own keepalive ends the
+    def _stream_end_cause(self, attendee: Attendee, now: float) -> str:
+        """Why the end of ``attendee``'s stream loses it: its stream closed, unless it had
+        been silent for the heartbeat timeout by then. The daemon's own keepalive ends the
         connection of a peer that stopped answering (``server.py``), which may come a
         moment before the tick that would have named the silence: the silence is still
         the cause, not the cut that followed it."""
         if now - attendee.last_seen >= self.timing.heartbeat_timeout_s:
-            return self._silent(who)
-        return closed
+            return self._silent(attendee.who)
+        return attendee.stream_closed
+
+    def _lose_seated(self, job: Job, seated: Member | Node, cause: str, now: float) -> None:
+        """``seated`` is gone (silent, its stream closed), and with it the active members
+        it attends for."""
+        lost = [m for m in job.covered(seated) if m.state is MemberState.ACTIVE]
+        seated.state = MemberState.LOST
+        seated.stream_open = False
+        self._lose(job, lost, cause, now)
 
     def _lose(
         self, job: Job, lost: list[Member], cause: str, now: float, *, told: int | None = None
@@ -260,7 +285,7 @@ class StateCore:
         self._set_state(job, JobState.FAILED, now, f"{first.describe()}{more}")
         self._fail_waiters(job)
         # The event's failed list holds the whole cause; its reason only shows it.
-        self._notify(job, EventKind.PEER_FAILED, reason=shortened(cause), skip_node=told)
+        self._notify(job, EventKind.PEER_FAILED, reason=shortened(cause), skip=told)
 
     def _fail_waiters(self, job: Job) -> None:
         fault = job.generation_fault()
@@ -278,34 +303,28 @@ class StateCore:
         kind: EventKind,
         reason: str = "",
         *,
-        skip_node: int | None = None,
+        skip: int | None = None,
         nodes_waiting: int = 0,
     ) -> None:
-        if job.join_mode is JoinMode.NODE:
-            # Nodes heartbeat, ranks do not: the node agents' streams hear it.
-            nodes = tuple(
-                r
-                for r, n in job.node_at.items()
-                if n.state is MemberState.ACTIVE and r != skip_node
-            )
-            if nodes:
-                self._effects.append(
-                    Notify(
-                        job.job_id,
-                        job.generation,
-                        (),
-                        kind,
-                        tuple(job.failed),
-                        reason,
-                        nodes,
-                        nodes_waiting,
-                    )
-                )
-            return
-        ranks = tuple(r for r, m in job.members.items() if m.state is MemberState.ACTIVE)
-        if ranks:
+        # Attendees hear it on their streams: a node agent's covers its ranks, which
+        # have none of their own.
+        to = tuple(
+            r
+            for r, a in job.attendees(job.join_mode).items()
+            if a.state is MemberState.ACTIVE and r != skip
+        )
+        if to:
             self._effects.append(
-                Notify(job.job_id, job.generation, ranks, kind, tuple(job.failed), reason)
+                Notify(
+                    job.job_id,
+                    job.generation,
+                    job.join_mode,
+                    to,
+                    kind,
+                    tuple(job.failed),
+                    reason,
+                    nodes_waiting,
+                )
             )
 
     def _member_left(self, job: Job, member: Member, now: float) -> None:

@@ -151,8 +151,8 @@ def formed(sm: RendezvousState) -> tuple[NodeJoinResult, NodeJoinResult]:
 def test_report_failure_fails_the_generation_and_tells_the_other_node_first_lost() -> None:
     sm = RendezvousState()
     formed(sm)
-    sm.attach_node_stream("j", 1, 0, "a", 0.0)
-    sm.attach_node_stream("j", 1, 1, "b", 0.0)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.take_effects()
     sm.report_failure("j", 1, 1, "b", 1, "exit code -9", 1.0)
     job = sm.jobs["j"]
@@ -160,7 +160,7 @@ def test_report_failure_fails_the_generation_and_tells_the_other_node_first_lost
     assert job.failed[0].rank == 3 and job.failed[0].cause == "exit code -9"
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
     assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED
-    assert notes[0].nodes == (0,) and notes[0].ranks == ()
+    assert notes[0].mode is JoinMode.NODE and notes[0].to == (0,)
     assert notes[0].failed[0].host == "host-b"
     # only the node's own agent may report
     f = fault(sm.report_failure, "j", 1, 0, "b", 0, "x", 2.0)
@@ -188,9 +188,9 @@ def test_report_failure_keeps_any_cause_bounded_and_in_order_of_report() -> None
 def test_node_stream_closing_loses_every_member_of_the_node() -> None:
     sm = RendezvousState()
     formed(sm)
-    token = sm.attach_node_stream("j", 1, 1, "b", 0.0)
-    sm.attach_node_stream("j", 1, 0, "a", 0.0)
-    sm.detach_node_stream("j", 1, 1, token, 1.0)
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE)
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED
     assert sorted(f.rank for f in job.failed) == [2, 3]
@@ -201,7 +201,7 @@ def test_node_stream_closing_loses_every_member_of_the_node() -> None:
 def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
     formed(sm)
-    sm.node_heartbeat("j", 1, 0, 2.0)
+    sm.heartbeat("j", 1, 0, 2.0, mode=JoinMode.NODE)
     sm.tick(3.5)
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {2, 3}
@@ -213,10 +213,10 @@ def test_a_stream_cut_after_the_heartbeat_timeout_of_silence_is_lost_to_the_sile
     tick, the cause is still the silence, not the cut."""
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
     formed(sm)
-    token = sm.attach_node_stream("j", 1, 1, "b", 0.0)
-    sm.attach_node_stream("j", 1, 0, "a", 0.0)
-    sm.node_heartbeat("j", 1, 0, 3.0)
-    sm.detach_node_stream("j", 1, 1, token, 3.0)  # silent for the whole timeout
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.heartbeat("j", 1, 0, 3.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 3.0, mode=JoinMode.NODE)  # silent for the whole timeout
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {2, 3}
     assert {f.cause for f in job.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
@@ -245,7 +245,7 @@ def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:
     assert isinstance(first, Parked)
     sm.tick(1.5)
     assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 1
-    sm.attach_node_stream("j", 1, 0, "a", 1.5)
+    sm.attach_stream("j", 1, 0, "a", 1.5, mode=JoinMode.NODE)
     sm.take_effects()
     parked = sm.join_node(node("c", lo=1, hi=3, last_call=1.0), 2.0)
     assert isinstance(parked, Parked)
@@ -298,9 +298,9 @@ def test_bounds_mismatch_while_forming_fails_the_generation() -> None:
 def test_node_leave_leaves_every_member_and_ends_the_job() -> None:
     sm = RendezvousState()
     formed(sm)
-    sm.leave_node("j", 1, 0, "a", 1.0)
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
     assert sm.jobs["j"].state is JobState.RUNNING
-    sm.leave_node("j", 1, 1, "b", 1.0)
+    sm.leave("j", 1, 1, "b", 1.0, mode=JoinMode.NODE)
     assert sm.jobs["j"].state is JobState.ENDED
 
 
@@ -317,10 +317,10 @@ def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -
     assert job.state is JobState.RUNNING and job.join_mode is JoinMode.NODE
     assert (job.min_nodes, job.max_nodes, job.num_nodes) == (2, 2, 2)
     restored = job.node_at[0].last_seen  # the restore's clock: a full timeout to reattach
-    assert back.attach_node_stream("j", 1, 1, "b", restored) == 1
+    assert back.attach_stream("j", 1, 1, "b", restored, mode=JoinMode.NODE) == 1
     assert back.kv_get("j", 1, 3, "k", False, 1.0, instance_id=b.member_instance_ids[1]) == b"v"
     timeout = back.timing.heartbeat_timeout_s
-    back.node_heartbeat("j", 1, 1, restored + timeout)
+    back.heartbeat("j", 1, 1, restored + timeout, mode=JoinMode.NODE)
     back.tick(restored + timeout + 0.5)  # node a never reattached
     assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {0, 1}
     # node b retrying its JoinNode hears why the generation ended
@@ -334,11 +334,9 @@ def test_a_node_stream_attaching_after_a_node_parked_hears_nodes_waiting() -> No
     sm.tick(0.1)
     assert isinstance(sm.join_node(node("c", lo=1, hi=2, last_call=0.05), 0.2), Parked)
     sm.take_effects()
-    sm.attach_node_stream("j", 1, 0, "a", 0.3)
+    sm.attach_stream("j", 1, 0, "a", 0.3, mode=JoinMode.NODE)
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
-    assert [(n.kind, n.nodes, n.nodes_waiting) for n in notes] == [
-        (EventKind.NODES_WAITING, (0,), 1)
-    ]
+    assert [(n.kind, n.to, n.nodes_waiting) for n in notes] == [(EventKind.NODES_WAITING, (0,), 1)]
 
 
 def three_elastic(sm: RendezvousState) -> dict[str, int]:
@@ -350,7 +348,10 @@ def three_elastic(sm: RendezvousState) -> dict[str, int]:
     assert isinstance(sm.join_node(node("c", lo=2, hi=3), 0.0), NodeJoinResult)  # max: at once
     job = sm.jobs["j"]
     ranks = {inst: job.nodes[inst].node_rank for inst in "abc"}
-    tokens = {inst: sm.attach_node_stream("j", 1, r, inst, 0.0) for inst, r in ranks.items()}
+    tokens = {
+        inst: sm.attach_stream("j", 1, r, inst, 0.0, mode=JoinMode.NODE)
+        for inst, r in ranks.items()
+    }
     sm.take_effects()
     return {inst: tokens[inst] for inst in "abc"} | {f"{i}-rank": r for i, r in ranks.items()}
 
@@ -362,10 +363,10 @@ def rejoin(sm: RendezvousState, inst: str, now: float, uid: bytes = b"") -> obje
 def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> None:
     sm = RendezvousState()
     nodes = three_elastic(sm)
-    sm.detach_node_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0)  # c's agent died
+    sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)  # c's agent died
     assert sm.jobs["j"].state is JobState.FAILED
     # The survivors' streams end after PEER_FAILED: not a loss of theirs.
-    sm.detach_node_stream("j", 1, nodes["b-rank"], nodes["b"], 1.1)
+    sm.detach_stream("j", 1, nodes["b-rank"], nodes["b"], 1.1, mode=JoinMode.NODE)
     assert [f.rank // 2 for f in sm.jobs["j"].failed] == [nodes["c-rank"]] * 2
     # a comes back first (node 0: asked for the id), alone it waits for b...
     asked = rejoin(sm, "a2", 2.0)
@@ -383,7 +384,7 @@ def test_after_a_clean_end_a_relaunch_still_waits_the_last_call() -> None:
     sm = RendezvousState()
     nodes = three_elastic(sm)
     for inst in "abc":
-        sm.leave_node("j", 1, nodes[f"{inst}-rank"], inst, 1.0)
+        sm.leave("j", 1, nodes[f"{inst}-rank"], inst, 1.0, mode=JoinMode.NODE)
     assert sm.jobs["j"].state is JobState.ENDED
     assert rejoin(sm, "a2", 2.0).id_required  # type: ignore[attr-defined]
     assert isinstance(rejoin(sm, "a2", 2.0, ID2), Parked)

@@ -232,9 +232,7 @@ def test_lost_member_fails_generation_wakes_waiters_and_notifies_survivors() -> 
     assert len(wakes) == 3 and all(w.fault and w.fault.reason == "PEER_FAILED" for w in wakes)
     assert "rank 3 on h1" in wakes[0].fault.message  # type: ignore[union-attr]
     notes = [e for e in effects if isinstance(e, Notify)]
-    assert (
-        len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED and notes[0].ranks == (0, 1, 2)
-    )
+    assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED and notes[0].to == (0, 1, 2)
     assert sm.jobs["j"].state is JobState.FAILED
     assert sm.waiter_count == 0
 
