@@ -180,19 +180,7 @@ class NodeJoins(StateCore):
         if job.unique_id is None or ranks is None:
             return False
         nodes.place(job, ranks)
-        for node in job.nodes.values():
-            node.state = MemberState.ACTIVE
-            node.last_seen = now
-        for m in job.members.values():
-            m.state = MemberState.ACTIVE
-            m.last_seen = now
-        job.member_table = nodes.member_infos(job)
-        self._set_state(
-            job, JobState.RUNNING, now, f"{count} node(s) joined ({job.world_size} ranks)"
-        )
-        for waiter, instance in list(job.node_waiters.items()):
-            self._wake(waiter, nodes.result(job, job.nodes[instance]))
-        job.node_waiters.clear()
+        self._form(job, now, f"{count} node(s) joined ({job.world_size} ranks)")
         return True
 
     def _remove_node(self, job: Job, node: Node, now: float) -> None:
@@ -223,13 +211,10 @@ class NodeJoins(StateCore):
             self._remove_node(job, node, now)
             return fault
         if job.state is JobState.FORMING and w.key not in job.node_waiters.values():
-            # A node agent that died while forming: everyone hears now, not at its timeout.
-            node.state = MemberState.LOST
             cause = "its JoinNode was cancelled (node agent died or disconnected)"
             rank = nodes.provisional_first_rank(job, node)
-            job.failed.append(FailedInfo(rank, node.host, cause, node.node_rank, 0, now))
-            self._set_state(job, JobState.FAILED, now, f"node agent on {node.host}: {cause}")
-            self._fail_waiters(job)
+            loss = FailedInfo(rank, node.host, cause, node.node_rank, 0, now)
+            self._joiner_died(job, node, loss, f"node agent on {node.host}", now)
         return None
 
     # -- a formed node ------------------------------------------------------------

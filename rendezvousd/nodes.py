@@ -17,7 +17,6 @@ from rendezvousd.limits import Limits
 from rendezvousd.model import (
     JobState,
     JoinMode,
-    MemberInfo,
     MemberState,
     NodeJoinResult,
     NodeSeat,
@@ -239,7 +238,3 @@ def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
         f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
         f"for {waited}; the running nodes did not end it to take this node in",
     )
-
-
-def member_infos(job: Job) -> tuple[MemberInfo, ...]:
-    return tuple(job.members[r].info() for r in range(job.world_size))

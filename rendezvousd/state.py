@@ -133,7 +133,7 @@ class RendezvousState(NodeJoins):
 
     def _join_outcome(self, job: Job, member: Member, now: float) -> JoinResult | Parked:
         if job.state is JobState.FORMING and len(job.members) == job.world_size and job.unique_id:
-            self._start(job, now)
+            self._form(job, now, f"all {job.world_size} ranks joined")
         if job.state is JobState.RUNNING:
             if job.unique_id is None:
                 # Restored after a restart: the id was never on disk, so this
@@ -148,16 +148,6 @@ class RendezvousState(NodeJoins):
         parked = self._park(job, waits.WaitKind.JOIN, member.rank, "", now)
         job.join_waiters[parked.waiter] = member.rank
         return parked
-
-    def _start(self, job: Job, now: float) -> None:
-        for m in job.members.values():
-            m.state = MemberState.ACTIVE
-            m.last_seen = now
-        job.member_table = tuple(job.members[r].info() for r in range(job.world_size))
-        self._set_state(job, JobState.RUNNING, now, f"all {job.world_size} ranks joined")
-        for waiter, rank in list(job.join_waiters.items()):
-            self._wake(waiter, placement.result(job, job.members[rank]))
-        job.join_waiters.clear()
 
     # -- waiting calls that end ------------------------------------------
 
@@ -186,16 +176,13 @@ class RendezvousState(NodeJoins):
         return waits.key_wait_timeout(job, w.key, waiter, waited)
 
     def _abandon_join(self, job: Job, rank: int, now: float) -> None:
-        """A parked Join vanished (the worker died or disconnected): everyone
-        waiting for this world is told at once, rather than at their timeout."""
         member = job.members.get(rank)
         if job.state is not JobState.FORMING or member is None or rank in job.join_waiters.values():
             return
-        member.state = MemberState.LOST
         cause = "its Join was cancelled (worker died or disconnected)"
-        job.failed.append(member.loss(cause, now))
-        self._set_state(job, JobState.FAILED, now, f"rank {rank} on {member.host}: {cause}")
-        self._fail_waiters(job)
+        self._joiner_died(
+            job, member, member.loss(cause, now), f"rank {rank} on {member.host}", now
+        )
 
     def member_table(
         self, job_id: str, generation: int, rank: int, instance_id: str

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import TypeVar
 
-from rendezvousd import barriers, fences, validation, waits
+from rendezvousd import barriers, fences, nodes, placement, validation, waits
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.escape import shortened
 from rendezvousd.job import Attendee, Job, Member, Node
@@ -18,6 +18,7 @@ from rendezvousd.limits import Limits, Timing
 from rendezvousd.model import (
     Effect,
     EventKind,
+    FailedInfo,
     JobState,
     JoinMode,
     MemberState,
@@ -340,3 +341,28 @@ class StateCore:
                 if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
                     for w in barriers.release(barrier):
                         self._wake(w, barrier.completed)
+
+    def _form(self, job: Job, now: float, detail: str) -> None:
+        """Every rank is placed and the id known: the generation runs, each attendee and
+        member is live, and every parked join gets its answer."""
+        for seated in (*job.nodes.values(), *job.members.values()):
+            seated.state = MemberState.ACTIVE
+            seated.last_seen = now
+        job.member_table = tuple(job.members[r].info() for r in range(job.world_size))
+        self._set_state(job, JobState.RUNNING, now, detail)
+        for waiter, rank in job.join_waiters.items():
+            self._wake(waiter, placement.result(job, job.members[rank]))
+        for waiter, instance in job.node_waiters.items():
+            self._wake(waiter, nodes.result(job, job.nodes[instance]))
+        job.join_waiters.clear()
+        job.node_waiters.clear()
+
+    def _joiner_died(
+        self, job: Job, seated: Attendee, loss: FailedInfo, whom: str, now: float
+    ) -> None:
+        """A forming joiner's parked call vanished (its process died or disconnected):
+        everyone waiting for this world is told at once, rather than at their timeout."""
+        seated.state = MemberState.LOST
+        job.failed.append(loss)
+        self._set_state(job, JobState.FAILED, now, f"{whom}: {loss.cause}")
+        self._fail_waiters(job)
