@@ -23,9 +23,9 @@ def enter(
     """
     validation.text_field("barrier name", name, limits.max_key_bytes, required=True)
     rank = member.rank
-    barrier = job.barriers.get(name)
+    barrier = job.gen.barriers.get(name)
     if barrier is None:
-        if len(job.barriers) >= limits.max_barriers_per_job:
+        if len(job.gen.barriers) >= limits.max_barriers_per_job:
             raise validation.limit_exceeded(
                 "max_barriers_per_job",
                 f"{job.named} already has max_barriers_per_job={limits.max_barriers_per_job} "
@@ -33,7 +33,7 @@ def enter(
                 "per round",
                 job_id=job.job_id,
             )
-        barrier = job.barriers[name] = BarrierState()
+        barrier = job.gen.barriers[name] = BarrierState()
     if sequence <= barrier.completed:
         return barrier, True
     if sequence != barrier.completed + 1:
@@ -66,7 +66,7 @@ def timed_out(
     job: Job, name: str, rank: int, waiter: int, waited: str, meta: dict[str, str]
 ) -> RendezvousFault:
     """Forgets ``waiter``'s arrival; the fault naming the ranks still missing."""
-    barrier = job.barriers.get(name)
+    barrier = job.gen.barriers.get(name)
     if barrier is not None:
         ws = barrier.arrived.get(rank, set())
         ws.discard(waiter)

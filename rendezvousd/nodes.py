@@ -81,20 +81,20 @@ def holder(job: Job) -> Node | None:
     else the earliest arrival that named none."""
     # Nodes are kept in arrival order (a returning node is a new arrival), so the
     # earliest unnamed one is the first.
-    return job.nodes.named_at.get(0) or job.nodes.first_unnamed()
+    return job.gen.nodes.named_at.get(0) or job.gen.nodes.first_unnamed()
 
 
 def assignment(job: Job) -> dict[str, int] | None:
     """Node ranks for the nodes now present (by instance id), or None when the named
     ranks do not fit 0..n-1 yet: named ranks are kept, the others fill the free
     ranks in arrival order."""
-    count = len(job.nodes)
-    named = {n.node_rank for n in job.nodes.values() if n.named}
+    count = len(job.gen.nodes)
+    named = {n.node_rank for n in job.gen.nodes.values() if n.named}
     if any(r >= count for r in named):
         return None
     free = iter(r for r in range(count) if r not in named)
-    ranks = {n.instance_id: n.node_rank for n in job.nodes.values() if n.named}
-    for node in sorted((n for n in job.nodes.values() if not n.named), key=lambda n: n.arrived):
+    ranks = {n.instance_id: n.node_rank for n in job.gen.nodes.values() if n.named}
+    for node in sorted((n for n in job.gen.nodes.values() if not n.named), key=lambda n: n.arrived):
         ranks[node.instance_id] = next(free)
     return ranks
 
@@ -102,15 +102,15 @@ def assignment(job: Job) -> dict[str, int] | None:
 def place(job: Job, ranks: dict[str, int]) -> None:
     """Turns the forming nodes into members: node r holds ranks r * gpus_per_node ..."""
     job.num_nodes = len(ranks)
-    job.members.clear()
-    job.node_at.clear()
-    for node in job.nodes.values():
+    job.gen.members.clear()
+    job.gen.node_at.clear()
+    for node in job.gen.nodes.values():
         node.node_rank = ranks[node.instance_id]
-        job.node_at[node.node_rank] = node
+        job.gen.node_at[node.node_rank] = node
         for local in range(job.gpus_per_node):
             rank = job.rank_of(node.node_rank, local)
             address = node.addresses[local] if local < len(node.addresses) else ""
-            job.members[rank] = Member(
+            job.gen.members[rank] = Member(
                 rank,
                 node.node_rank,
                 local,
@@ -124,10 +124,13 @@ def expected_back(job: Job) -> int:
     """How many nodes should re-join after ``job``'s node generation failed or was
     aborted: its nodes that were not lost, and the scale-up nodes woken to re-join;
     0 (nobody in particular) after any other end."""
-    if job.join_mode is not JoinMode.NODE or job.state not in (JobState.FAILED, JobState.ABORTED):
+    if job.gen.join_mode is not JoinMode.NODE or job.state not in (
+        JobState.FAILED,
+        JobState.ABORTED,
+    ):
         return 0
-    kept = sum(1 for n in job.nodes.values() if n.state is not MemberState.LOST)
-    return kept + job.scaleups_woken
+    kept = sum(1 for n in job.gen.nodes.values() if n.state is not MemberState.LOST)
+    return kept + job.gen.scaleups_woken
 
 
 def everyone_back(job: Job) -> bool:
@@ -142,19 +145,19 @@ def everyone_back(job: Job) -> bool:
     parks, the running nodes hear NODES_WAITING and re-form with it, which costs no
     restart. A generation that ended cleanly (ENDED) expects nobody, so a relaunch
     with the same job id keeps the last call."""
-    return job.rejoin_expected > 0 and len(job.nodes) >= job.rejoin_expected
+    return job.gen.rejoin_expected > 0 and len(job.gen.nodes) >= job.gen.rejoin_expected
 
 
 def result(job: Job, node: Node) -> NodeJoinResult:
-    assert job.unique_id is not None
+    assert job.gen.unique_id is not None
     return NodeJoinResult(
         **seat_of(job, NodeSeat, node_rank=node.node_rank),
         id_required=False,
-        unique_id=job.unique_id,
+        unique_id=job.gen.unique_id,
         member_instance_ids=tuple(
             member_instance_id(node.instance_id, g) for g in range(job.gpus_per_node)
         ),
-        members=job.member_table,
+        members=job.gen.member_table,
     )
 
 
@@ -176,7 +179,7 @@ def provisional_first_rank(job: Job, node: Node) -> int:
 
 def mode_mismatch(job: Job, wanted: JoinMode, host: str) -> RendezvousFault:
     """A per-rank Join in a node-joined generation, or the reverse."""
-    have = "node agents (JoinNode)" if job.join_mode is JoinMode.NODE else "per-rank Join calls"
+    have = "node agents (JoinNode)" if job.gen.join_mode is JoinMode.NODE else "per-rank Join calls"
     asked = "a node join (JoinNode)" if wanted is JoinMode.NODE else "a per-rank Join"
     return job.fault(
         Code.FAILED_PRECONDITION,
@@ -218,13 +221,13 @@ def world_full(job: Job, host: str) -> RendezvousFault:
 
 def nodes_incomplete(job: Job, waited: str) -> RendezvousFault:
     """A JoinNode's wait ended before min_nodes nodes (and node 0's id) were there."""
-    hosts = sorted({n.host for n in job.nodes.values()})
+    hosts = sorted({n.host for n in job.gen.nodes.values()})
     return job.fault(
         Code.DEADLINE_EXCEEDED,
         Reason.WORLD_INCOMPLETE,
-        f"{job.named}: {len(job.nodes)} node(s) joined after {waited}, the generation needs "
+        f"{job.named}: {len(job.gen.nodes)} node(s) joined after {waited}, the generation needs "
         f"min_nodes={job.min_nodes}"
-        + ("" if job.unique_id is not None or not job.nodes else " and node 0's id")
+        + ("" if job.gen.unique_id is not None or not job.gen.nodes else " and node 0's id")
         + "; start the missing node agents or lower --nnodes",
         hosts=",".join(hosts),
     )

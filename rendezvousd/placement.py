@@ -54,7 +54,7 @@ def check(args: JoinArgs, limits: Limits) -> None:
 
 def rejoin_of_current(job: Job, args: JoinArgs) -> bool:
     """A retried Join of a member whose generation already ended stays fenced."""
-    return any(m.instance_id == args.instance_id for m in job.members.values()) and (
+    return any(m.instance_id == args.instance_id for m in job.gen.members.values()) and (
         job.state is not JobState.ENDED
     )
 
@@ -63,10 +63,10 @@ def node_rank(job: Job, args: JoinArgs) -> int:
     """The joiner's node: the one it named, else its host's, else the first free one."""
     if args.node_rank is not None:
         return args.node_rank
-    known = job.host_nodes.get(args.host)
+    known = job.gen.host_nodes.get(args.host)
     if known is not None:
         return known
-    taken = set(job.host_nodes.values()) | {m.node_rank for m in job.members.values()}
+    taken = set(job.gen.host_nodes.values()) | {m.node_rank for m in job.gen.members.values()}
     for node in range(job.num_nodes):
         if node not in taken:
             return node
@@ -105,7 +105,7 @@ def abandoned(job: Job, member: Member) -> bool:
     generation at once)."""
     if job.state is not JobState.FORMING or member.state is not MemberState.JOINING:
         return False
-    return member.rank not in job.join_waiters.values()
+    return member.rank not in job.gen.join_waiters.values()
 
 
 def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
@@ -117,12 +117,12 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
             job_id=job.job_id,
         )
     digest = hashlib.sha256(unique_id).digest()
-    if job.unique_id == unique_id:
+    if job.gen.unique_id == unique_id:
         return
-    if job.unique_id is None and job.restored_id_digest == digest:
+    if job.gen.unique_id is None and job.gen.restored_id_digest == digest:
         # Restored after a restart with only the digest: a replay of the same id
         # (e.g. a PublishId retried across the restart) is accepted, nothing else.
-        job.unique_id = unique_id
+        job.gen.unique_id = unique_id
         return
     if job.id_digest() is not None:
         raise job.fault(
@@ -137,14 +137,17 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
             "every generation needs a fresh id",
             job_id=job.job_id,
         )
-    job.unique_id = unique_id
+    job.gen.unique_id = unique_id
 
 
 def result(job: Job, member: Member) -> JoinResult:
     """A running generation's answer: the id and the member table."""
-    assert job.unique_id is not None
+    assert job.gen.unique_id is not None
     return JoinResult(
-        **_seat(job, member), id_required=False, unique_id=job.unique_id, members=job.member_table
+        **_seat(job, member),
+        id_required=False,
+        unique_id=job.gen.unique_id,
+        members=job.gen.member_table,
     )
 
 
@@ -159,16 +162,16 @@ def _seat(job: Job, member: Member) -> dict[str, Any]:
 
 def unplace(job: Job, rank: int, now: float) -> None:
     """A joiner gave up before the world was complete: free its rank."""
-    if job.state is not JobState.FORMING or rank in job.join_waiters.values():
+    if job.state is not JobState.FORMING or rank in job.gen.join_waiters.values():
         return  # a retry of the same join is still waiting for the rank
-    member = job.members.pop(rank, None)
+    member = job.gen.members.pop(rank, None)
     if member is None:
         return
-    if not any(m.host == member.host for m in job.members.values()):
-        job.host_nodes.pop(member.host, None)
-    if rank == 0 and job.unique_id is not None:
+    if not any(m.host == member.host for m in job.gen.members.values()):
+        job.gen.host_nodes.pop(member.host, None)
+    if rank == 0 and job.gen.unique_id is not None:
         # rank 0's process (and the listener behind its id) may be gone.
         job.remember_id()
-        job.unique_id = None
-    if not job.members:
+        job.gen.unique_id = None
+    if not job.gen.members:
         job.state_since = now

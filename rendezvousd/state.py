@@ -47,7 +47,7 @@ class RendezvousState(NodeJoins):
         job = self._job_for_join(args, now)
         node_rank = placement.node_rank(job, args)
         rank = job.rank_of(node_rank, args.local_rank)
-        member = job.members.get(rank)
+        member = job.gen.members.get(rank)
         if member is not None and member.instance_id != args.instance_id:
             if not placement.abandoned(job, member):
                 raise placement.duplicate_rank(job, args, rank, node_rank, member)
@@ -62,9 +62,9 @@ class RendezvousState(NodeJoins):
             member = Member(
                 rank, node_rank, args.local_rank, args.host, args.address, args.instance_id
             )
-            job.members[rank] = member
+            job.gen.members[rank] = member
             if args.node_rank is None:
-                job.host_nodes.setdefault(args.host, node_rank)
+                job.gen.host_nodes.setdefault(args.host, node_rank)
         try:
             outcome = self._join_outcome(job, member, now)
         except RendezvousFault as fault:
@@ -77,7 +77,7 @@ class RendezvousState(NodeJoins):
             # forever: it is freed at the Join's own (capped) deadline. Its restart
             # need not wait for that: no call holds the rank (placement.abandoned).
             wait = min(args.wait_s or self.timing.default_wait_s, self.timing.max_wait_s)
-            job.id_deadline = now + wait
+            job.gen.id_deadline = now + wait
         return outcome
 
     def publish_id(
@@ -105,25 +105,25 @@ class RendezvousState(NodeJoins):
                 {"job_id": job_id, "ranks": str(rank)},
             )
         placement.accept_id(job, rank, unique_id)
-        job.id_deadline = None
+        job.gen.id_deadline = None
         return self._join_outcome(job, member, now)
 
     def _job_for_join(self, args: JoinArgs, now: float) -> Job:
         job = self.jobs.get(args.job_id)
         if job is None:
             job = self._open_job(args.job_id, args.num_nodes, args.gpus_per_node, now)
-            job.join_mode = JoinMode.RANK
+            job.gen.join_mode = JoinMode.RANK
             return job
         if job.state in TERMINAL and not placement.rejoin_of_current(job, args):
             self._next_generation(job, now)
             # A new generation may change the topology: it starts from scratch.
             job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
-        if job.state is JobState.FORMING and not job.members and not job.nodes:
-            job.join_mode = JoinMode.RANK
-        elif job.join_mode is not JoinMode.RANK:
+        if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
+            job.gen.join_mode = JoinMode.RANK
+        elif job.gen.join_mode is not JoinMode.RANK:
             raise nodes.mode_mismatch(job, JoinMode.RANK, args.host)
         if (job.num_nodes, job.gpus_per_node) != (args.num_nodes, args.gpus_per_node):
-            if job.state is JobState.FORMING and not job.members:
+            if job.state is JobState.FORMING and not job.gen.members:
                 # Nobody is waiting on the old topology: the next joiner sets it.
                 job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
                 return job
@@ -132,10 +132,14 @@ class RendezvousState(NodeJoins):
         return job
 
     def _join_outcome(self, job: Job, member: Member, now: float) -> JoinResult | Parked:
-        if job.state is JobState.FORMING and len(job.members) == job.world_size and job.unique_id:
+        if (
+            job.state is JobState.FORMING
+            and len(job.gen.members) == job.world_size
+            and job.gen.unique_id
+        ):
             self._form(job, now, f"all {job.world_size} ranks joined")
         if job.state is JobState.RUNNING:
-            if job.unique_id is None:
+            if job.gen.unique_id is None:
                 # Restored after a restart: the id was never on disk, so this
                 # rank can no longer be given it. Fence the generation.
                 self._lose(job, [member], "daemon restarted before this rank received the id", now)
@@ -143,10 +147,10 @@ class RendezvousState(NodeJoins):
             return placement.result(job, member)
         if job.state in TERMINAL:
             raise job.generation_fault()
-        if member.rank == 0 and job.unique_id is None:
+        if member.rank == 0 and job.gen.unique_id is None:
             return placement.id_required(job, member)
         parked = self._park(job, waits.WaitKind.JOIN, member.rank, "", now)
-        job.join_waiters[parked.waiter] = member.rank
+        job.gen.join_waiters[parked.waiter] = member.rank
         return parked
 
     # -- waiting calls that end ------------------------------------------
@@ -163,7 +167,7 @@ class RendezvousState(NodeJoins):
             return self._node_wait_ended(job, w, waiter, now, timed_out=timed_out)
         waited = f"{now - w.since:.1f} s"
         if w.kind is waits.WaitKind.JOIN:
-            job.join_waiters.pop(waiter, None)
+            job.gen.join_waiters.pop(waiter, None)
             if not timed_out:
                 self._abandon_join(job, w.rank, now)
                 return None
@@ -176,8 +180,12 @@ class RendezvousState(NodeJoins):
         return waits.key_wait_timeout(job, w.key, waiter, waited)
 
     def _abandon_join(self, job: Job, rank: int, now: float) -> None:
-        member = job.members.get(rank)
-        if job.state is not JobState.FORMING or member is None or rank in job.join_waiters.values():
+        member = job.gen.members.get(rank)
+        if (
+            job.state is not JobState.FORMING
+            or member is None
+            or rank in job.gen.join_waiters.values()
+        ):
             return
         cause = "its Join was cancelled (worker died or disconnected)"
         self._joiner_died(
@@ -190,9 +198,9 @@ class RendezvousState(NodeJoins):
         """A formed generation's member table, for one of its members (GetMembers); a
         generation that ended keeps it, so a worker may read it after its peers left."""
         job, _ = self._caller(job_id, generation, rank, instance_id, running=False)
-        if not job.member_table:
+        if not job.gen.member_table:
             raise job.generation_fault()  # still forming: NOT_RUNNING
-        return job.member_table
+        return job.gen.member_table
 
     # -- barrier ----------------------------------------------------------
 
@@ -237,14 +245,14 @@ class RendezvousState(NodeJoins):
         instance_id: str,
     ) -> bytes | Parked:
         job = self._kv_job(job_id, generation, rank, key, instance_id)
-        value = job.kv.get(key)
+        value = job.gen.kv.get(key)
         if value is not None:
             return value
         if not wait:
             raise job.fault(
                 Code.NOT_FOUND, Reason.KEY_NOT_FOUND, f"key {key!r} is not set in {job.named}"
             )
-        return self._park_under(job.kv_waiters, key, job, waits.WaitKind.KV, rank, key, now)
+        return self._park_under(job.gen.kv_waiters, key, job, waits.WaitKind.KV, rank, key, now)
 
     def kv_add(
         self, job_id: str, generation: int, rank: int, key: str, delta: int, *, instance_id: str
@@ -267,7 +275,7 @@ class RendezvousState(NodeJoins):
     ) -> tuple[bool, bytes | None]:
         job = self._kv_job(job_id, generation, rank, key, instance_id)
         validation.kv_value(desired, self.limits)
-        current = job.kv.get(key)
+        current = job.gen.kv.get(key)
         if current != expected:
             return False, current
         self._store(job, key, desired)
@@ -308,7 +316,7 @@ class RendezvousState(NodeJoins):
         """A heartbeat stream of attendee ``who`` opened; returns its token for
         ``detach_stream``."""
         job, seated = self._seated(job_id, generation, who, instance_id, mode)
-        if mode is not job.join_mode:
+        if mode is not job.gen.join_mode:
             # Its node agent's stream is this rank's liveness: a stream of the rank's own
             # would fail the whole generation when it closed (the worker exiting).
             raise fences.rank_stream_in_node_job(job, who)
@@ -361,17 +369,17 @@ class RendezvousState(NodeJoins):
         silent attendees lost, old jobs forgotten."""
         timeout = self.timing.heartbeat_timeout_s
         for job in list(self.jobs.values()):
-            if job.id_deadline is not None and now > job.id_deadline:
+            if job.gen.id_deadline is not None and now > job.gen.id_deadline:
                 self._id_overdue(job, now)
             if job.state is JobState.FORMING:
                 self._try_form(job, now)
             elif job.state is JobState.RUNNING:
                 self._tell_waiting(job, now)
-                for seated in list(job.attendees(job.join_mode).values()):
+                for seated in list(job.attendees(job.gen.join_mode).values()):
                     if seated.state is MemberState.ACTIVE and now - seated.last_seen > timeout:
                         self._lose_seated(job, seated, self._silent(seated.who), now)
             idle = job.state in TERMINAL or (
-                job.state is JobState.FORMING and not job.members and not job.nodes
+                job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes
             )
             if idle and now - job.state_since > self.timing.job_ttl_s and not job.all_waiters():
                 del self.jobs[job.job_id]
@@ -382,15 +390,15 @@ class RendezvousState(NodeJoins):
     def _id_overdue(self, job: Job, now: float) -> None:
         """Rank 0 (node 0) was told id_required and neither published nor waited since:
         its seat is free for a restarted worker (node agent)."""
-        job.id_deadline = None
-        if job.state is not JobState.FORMING or job.unique_id is not None:
+        job.gen.id_deadline = None
+        if job.state is not JobState.FORMING or job.gen.unique_id is not None:
             return
-        if job.join_mode is JoinMode.NODE:
+        if job.gen.join_mode is JoinMode.NODE:
             if (head := nodes.holder(job)) is not None:
                 self._remove_node(job, head, now)
             return
-        rank_zero = job.members.get(0)
-        if rank_zero is None or 0 in job.join_waiters.values():
+        rank_zero = job.gen.members.get(0)
+        if rank_zero is None or 0 in job.gen.join_waiters.values():
             return  # its PublishId is parked: that call's own deadline applies
         placement.unplace(job, 0, now)
         self._effects.append(
@@ -419,9 +427,9 @@ class RendezvousState(NodeJoins):
         job, seated = self._seated(job_id, generation, who, instance_id, mode, running=False)
         if job.state is JobState.FORMING:
             # Only a worker holds a seat while forming (a node's comes as it forms).
-            for waiter, r in list(job.join_waiters.items()):
+            for waiter, r in list(job.gen.join_waiters.items()):
                 if r == who:
-                    job.join_waiters.pop(waiter)
+                    job.gen.join_waiters.pop(waiter)
                     self._wake(
                         waiter,
                         fault=RendezvousFault(
@@ -443,10 +451,10 @@ class RendezvousState(NodeJoins):
         if generation not in (0, job.generation):
             self._seat(job_id, generation, 0)  # raises STALE_GENERATION
         if job.state in (JobState.FORMING, JobState.RUNNING):
-            job.abort_reason = reason or "aborted by request"
-            self._set_state(job, JobState.ABORTED, now, job.abort_reason)
+            job.gen.abort_reason = reason or "aborted by request"
+            self._set_state(job, JobState.ABORTED, now, job.gen.abort_reason)
             self._fail_waiters(job)
-            self._notify(job, EventKind.JOB_ABORTED, reason=job.abort_reason)
+            self._notify(job, EventKind.JOB_ABORTED, reason=job.gen.abort_reason)
         return job.generation
 
     def drain(self) -> None:
@@ -456,11 +464,11 @@ class RendezvousState(NodeJoins):
         for waiter in list(self._waiters):
             self._wake(waiter, fault=fault)
         for job in self.jobs.values():
-            job.join_waiters.clear()
-            job.node_waiters.clear()
+            job.gen.join_waiters.clear()
+            job.gen.node_waiters.clear()
             job.scaleup_waiters.clear()
-            job.kv_waiters.clear()
-            for barrier in job.barriers.values():
+            job.gen.kv_waiters.clear()
+            for barrier in job.gen.barriers.values():
                 barrier.arrived.clear()
             if job.state is JobState.RUNNING:
                 self._notify(job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")

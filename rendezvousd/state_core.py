@@ -150,7 +150,7 @@ class StateCore:
         if new in TERMINAL:
             # Nodes parked for a scale-up wanted the next generation, not this one:
             # they ask again and open it, instead of hearing this one's fault.
-            job.scaleups_woken = len(set(job.scaleup_waiters.values()))
+            job.gen.scaleups_woken = len(set(job.scaleup_waiters.values()))
             for waiter in list(job.scaleup_waiters):
                 self._wake(waiter, Rejoin())
             job.scaleup_waiters.clear()
@@ -171,10 +171,10 @@ class StateCore:
 
     def _next_generation(self, job: Job, now: float) -> None:
         """A newcomer to an ended generation opens the next one."""
-        if job.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
+        if job.gen.conflict is not None and now - job.state_since < self.timing.heartbeat_timeout_s:
             # Late workers of the launch that had the conflict hear about it too,
             # instead of opening a generation nobody else will join.
-            raise job.conflict
+            raise job.gen.conflict
         old = job.state
         job.open_generation(now)
         self._effects.append(
@@ -186,7 +186,7 @@ class StateCore:
         may be the wrong one: a forming generation fails, so that every waiter learns
         now, not at its join timeout, and late joiners of the launch hear it too."""
         if job.state is JobState.FORMING:
-            job.conflict = fault
+            job.gen.conflict = fault
             self._set_state(job, JobState.FAILED, now, fault.message)
             self._fail_waiters(job)
         return fault
@@ -278,10 +278,10 @@ class StateCore:
         for member in lost:
             member.state = MemberState.LOST
             member.stream_open = False
-            job.failed.append(member.loss(cause, now))
+            job.gen.failed.append(member.loss(cause, now))
         if job.state is not JobState.RUNNING or not lost:
             return  # the generation already ended: survivors were told once
-        first = job.failed[-len(lost)]
+        first = job.gen.failed[-len(lost)]
         more = f" (and {len(lost) - 1} more of its node)" if len(lost) > 1 else ""
         self._set_state(job, JobState.FAILED, now, f"{first.describe()}{more}")
         self._fail_waiters(job)
@@ -292,10 +292,10 @@ class StateCore:
         fault = job.generation_fault()
         for w in job.all_waiters():
             self._wake(w, fault=fault)
-        job.join_waiters.clear()
-        job.node_waiters.clear()
-        job.kv_waiters.clear()
-        for barrier in job.barriers.values():
+        job.gen.join_waiters.clear()
+        job.gen.node_waiters.clear()
+        job.gen.kv_waiters.clear()
+        for barrier in job.gen.barriers.values():
             barrier.arrived.clear()
 
     def _notify(
@@ -311,7 +311,7 @@ class StateCore:
         # have none of their own.
         to = tuple(
             r
-            for r, a in job.attendees(job.join_mode).items()
+            for r, a in job.attendees(job.gen.join_mode).items()
             if a.state is MemberState.ACTIVE and r != skip
         )
         if to:
@@ -319,10 +319,10 @@ class StateCore:
                 Notify(
                     job.job_id,
                     job.generation,
-                    job.join_mode,
+                    job.gen.join_mode,
                     to,
                     kind,
-                    tuple(job.failed),
+                    tuple(job.gen.failed),
                     reason,
                     nodes_waiting,
                 )
@@ -332,12 +332,12 @@ class StateCore:
         """A member of a formed generation is done; the last one ends the job."""
         if member.state is MemberState.ACTIVE:
             member.state = MemberState.LEFT
-            job.left += 1
+            job.gen.left += 1
         if job.state is JobState.RUNNING:
-            if job.left == len(job.members):
+            if job.gen.left == len(job.gen.members):
                 self._set_state(job, JobState.ENDED, now, "every member left")
                 return
-            for barrier in job.barriers.values():
+            for barrier in job.gen.barriers.values():
                 if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
                     for w in barriers.release(barrier):
                         self._wake(w, barrier.completed)
@@ -345,17 +345,17 @@ class StateCore:
     def _form(self, job: Job, now: float, detail: str) -> None:
         """Every rank is placed and the id known: the generation runs, each attendee and
         member is live, and every parked join gets its answer."""
-        for seated in (*job.nodes.values(), *job.members.values()):
+        for seated in (*job.gen.nodes.values(), *job.gen.members.values()):
             seated.state = MemberState.ACTIVE
             seated.last_seen = now
-        job.member_table = tuple(job.members[r].info() for r in range(job.world_size))
+        job.gen.member_table = tuple(job.gen.members[r].info() for r in range(job.world_size))
         self._set_state(job, JobState.RUNNING, now, detail)
-        for waiter, rank in job.join_waiters.items():
-            self._wake(waiter, placement.result(job, job.members[rank]))
-        for waiter, instance in job.node_waiters.items():
-            self._wake(waiter, nodes.result(job, job.nodes[instance]))
-        job.join_waiters.clear()
-        job.node_waiters.clear()
+        for waiter, rank in job.gen.join_waiters.items():
+            self._wake(waiter, placement.result(job, job.gen.members[rank]))
+        for waiter, instance in job.gen.node_waiters.items():
+            self._wake(waiter, nodes.result(job, job.gen.nodes[instance]))
+        job.gen.join_waiters.clear()
+        job.gen.node_waiters.clear()
 
     def _joiner_died(
         self, job: Job, seated: Attendee, loss: FailedInfo, whom: str, now: float
@@ -363,6 +363,6 @@ class StateCore:
         """A forming joiner's parked call vanished (its process died or disconnected):
         everyone waiting for this world is told at once, rather than at their timeout."""
         seated.state = MemberState.LOST
-        job.failed.append(loss)
+        job.gen.failed.append(loss)
         self._set_state(job, JobState.FAILED, now, f"{whom}: {loss.cause}")
         self._fail_waiters(job)

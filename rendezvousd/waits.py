@@ -37,8 +37,8 @@ class Waiter:
 
 def world_incomplete(job: Job, missing: list[int], waited: str) -> RendezvousFault:
     """A Join's deadline passed before every rank joined: it names who is missing."""
-    zero = job.members.get(0)
-    if not missing and zero is not None and job.unique_id is None:
+    zero = job.gen.members.get(0)
+    if not missing and zero is not None and job.gen.unique_id is None:
         # Every rank is in: what the generation lacks is rank 0's id.
         return job.fault(
             Code.DEADLINE_EXCEEDED,
@@ -60,11 +60,11 @@ def world_incomplete(job: Job, missing: list[int], waited: str) -> RendezvousFau
 
 def key_wait_timeout(job: Job, key: str, waiter: int, waited: str) -> RendezvousFault:
     """Forgets ``waiter``'s wait for ``key``; the fault saying the key never came."""
-    waiting = job.kv_waiters.get(key)
+    waiting = job.gen.kv_waiters.get(key)
     if waiting is not None:
         waiting.discard(waiter)
         if not waiting:
-            del job.kv_waiters[key]
+            del job.gen.kv_waiters[key]
     return job.fault(
         Code.DEADLINE_EXCEEDED,
         Reason.KEY_WAIT_TIMEOUT,

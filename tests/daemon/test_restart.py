@@ -50,7 +50,7 @@ def test_running_job_survives_with_kv_and_barrier_counts_but_never_the_id(tmp_pa
     assert ID.hex() not in text and "BwcHBwcH" not in text  # neither hex nor base64 of the id
     back = _roundtrip(sm, tmp_path)
     job = back.jobs["j"]
-    assert job.state is JobState.RUNNING and job.generation == 1 and job.unique_id is None
+    assert job.state is JobState.RUNNING and job.generation == 1 and job.gen.unique_id is None
     assert back.kv_get("j", 1, 1, "addr", False, 1.0, instance_id="i1") == b"10.0.0.1:5"
     assert back.barrier("j", 1, 0, "b", 1, 1.0, instance_id="i0") == 1  # completed round remembered
     token = back.attach_stream("j", 1, 1, "i1", 1.0)  # heartbeats reattach
@@ -71,7 +71,7 @@ def test_restored_running_job_takes_back_only_its_own_id(tmp_path: Path) -> None
     with pytest.raises(RendezvousFault) as info:
         back.publish_id("j", 1, 0, "i0", b"\x09" * 128, 1.0)
     assert info.value.reason == "ID_CONFLICT"
-    assert back.jobs["j"].unique_id is None
+    assert back.jobs["j"].gen.unique_id is None
     # A PublishId retried across the restart (same id) is answered normally.
     out = back.publish_id("j", 1, 0, "i0", ID, 1.0)
     assert isinstance(out, JoinResult) and out.unique_id == ID and out.generation == 1
@@ -83,7 +83,7 @@ def test_forming_job_is_fenced_by_a_new_generation_and_old_id_refused(tmp_path: 
     assert isinstance(sm.join(_args(0, uid=ID), 0.0), Parked)
     back = _roundtrip(sm, tmp_path)
     assert back.jobs["j"].generation == 2 and back.jobs["j"].state is JobState.FORMING
-    assert not back.jobs["j"].members
+    assert not back.jobs["j"].gen.members
     with pytest.raises(RendezvousFault) as info:
         back.join(_args(0, uid=ID), 1.0)
     assert info.value.reason == "ID_REUSED"
@@ -156,7 +156,7 @@ def test_an_old_state_json_is_imported_once_and_renamed(tmp_path: Path) -> None:
     assert not legacy.path.exists() and (tmp_path / "state.json.imported").exists()
     assert back.kv_get("j", 1, 1, "k", False, 1.0, instance_id="i1") == b"v"
     again = RendezvousState()  # the next start reads the database alone
-    assert Persister(tmp_path, again).restore() == 1 and again.jobs["j"].kv == {"k": b"v"}
+    assert Persister(tmp_path, again).restore() == 1 and again.jobs["j"].gen.kv == {"k": b"v"}
 
 
 def test_a_state_json_next_to_a_database_with_jobs_is_refused(tmp_path: Path) -> None:
