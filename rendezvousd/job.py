@@ -170,11 +170,11 @@ class Generation:
     node_at: dict[int, Node] = field(default_factory=dict)  # by node rank, once formed
     # The node instance that supplied the id (it must stay node 0).
     id_node: str = ""
-    # The node 0 whose parked JoinNode was last looked for (``_settle_holder``): node 0
+    # The node 0 whose parked JoinNode was last looked for (``joins.settle_holder``): node 0
     # never parks while it is node 0, so only a new node 0 needs the look.
     holder_seen: str = ""
     # The nodes-waiting count the running nodes were last told, and when (the events
-    # are coalesced: NodeJoins._tell_waiting).
+    # are coalesced: joins.tell_waiting).
     waiting_told: int = 0
     waiting_told_at: float = 0.0
     # waiter -> node instance id: JoinNode calls waiting for this generation to form.

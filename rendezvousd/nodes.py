@@ -1,7 +1,7 @@
 """Node joins (JoinNode): the request and its checks, who is node 0, the rank blocks a
 forming generation hands out, and what a JoinNode is told.
 
-Pure functions over one job, like ``placement`` for per-rank joins; ``NodeJoins``
+Pure functions over one job, like ``placement`` for per-rank joins; ``joins``
 decides when a node is admitted, parked, formed or failed.
 """
 

@@ -191,7 +191,7 @@ def restore_job(
         job.open_generation(now)
         state.jobs[job.job_id] = job
         state.take_effects()
-        state._effects.append(
+        state.calls.emit(
             Transition(
                 job.job_id,
                 job.generation,
@@ -204,7 +204,7 @@ def restore_job(
     if job.state is JobState.RUNNING:
         job.gen.restored = True
     state.jobs[job.job_id] = job
-    state._effects.append(Transition(job.job_id, job.generation, None, job.state, "restored"))
+    state.calls.emit(Transition(job.job_id, job.generation, None, job.state, "restored"))
 
 
 def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) -> Job:
