@@ -39,7 +39,19 @@ NODES_WAITING_INTERVAL_S = 0.5
 def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinResult | Parked:
     seats.not_draining(sm)
     nodes.check(args, sm.limits)
-    job = job_for_node_join(sm, args, now)
+    bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
+    old = sm.jobs.get(args.job_id)
+    returning = old is not None and args.instance_id in old.gen.nodes
+    job = job_for(
+        sm,
+        args.job_id,
+        JoinMode.NODE,
+        bounds,
+        args.host,
+        now,
+        returning=returning,
+        last_call_s=args.last_call_s,
+    )
     node = job.gen.nodes.get(args.instance_id)
     if job.state is JobState.RUNNING:
         if node is not None and job.gen.unique_id is None:
@@ -93,30 +105,6 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
         raise
     job.gen.node_waiters[parked.waiter] = node.instance_id
     return parked
-
-
-def job_for_node_join(sm: RendezvousState, args: NodeJoinArgs, now: float) -> Job:
-    job = sm.jobs.get(args.job_id)
-    if job is None:
-        job = rounds.open_job(sm, args.job_id, args.max_nodes, args.gpus_per_node, now)
-    elif job.state in rounds.TERMINAL and args.instance_id not in job.gen.nodes:
-        expected = nodes.expected_back(job)
-        rounds.next_generation(sm, job, now)
-        job.gen.rejoin_expected = expected
-    if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
-        # Nobody waits on this generation yet: the first node sets its bounds.
-        job.gen.join_mode = JoinMode.NODE
-        job.num_nodes, job.gpus_per_node = args.max_nodes, args.gpus_per_node
-        job.min_nodes, job.max_nodes = args.min_nodes, args.max_nodes
-        job.last_call_s = args.last_call_s or sm.timing.default_last_call_s
-        return job
-    if job.gen.join_mode is not JoinMode.NODE:
-        raise nodes.mode_mismatch(job, JoinMode.NODE, args.host)
-    asked = (args.min_nodes, args.max_nodes, args.gpus_per_node)
-    if (job.min_nodes, job.max_nodes, job.gpus_per_node) != asked:
-        fault = job.topology_conflict(args.host, asked)
-        raise rounds.conflict(sm, job, fault, now)
-    return job
 
 
 def park_scaleup(sm: RendezvousState, job: Job, args: NodeJoinArgs, now: float) -> Parked:
@@ -227,7 +215,10 @@ def node_wait_ended(
 def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked:
     seats.not_draining(sm)
     placement.check(args, sm.limits)
-    job = job_for_join(sm, args, now)
+    bounds = (args.num_nodes, args.num_nodes, args.gpus_per_node)
+    old = sm.jobs.get(args.job_id)
+    returning = old is not None and placement.rejoin_of_current(old, args)
+    job = job_for(sm, args.job_id, JoinMode.RANK, bounds, args.host, now, returning=returning)
     node_rank = placement.node_rank(job, args)
     rank = job.rank_of(node_rank, args.local_rank)
     member = job.gen.members.get(rank)
@@ -289,30 +280,6 @@ def publish_id(
     placement.accept_id(job, rank, unique_id)
     job.gen.id_deadline = None
     return join_outcome(sm, job, member, now)
-
-
-def job_for_join(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
-    job = sm.jobs.get(args.job_id)
-    if job is None:
-        job = rounds.open_job(sm, args.job_id, args.num_nodes, args.gpus_per_node, now)
-        job.gen.join_mode = JoinMode.RANK
-        return job
-    if job.state in rounds.TERMINAL and not placement.rejoin_of_current(job, args):
-        rounds.next_generation(sm, job, now)
-        # A new generation may change the topology: it starts from scratch.
-        job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
-    if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
-        job.gen.join_mode = JoinMode.RANK
-    elif job.gen.join_mode is not JoinMode.RANK:
-        raise nodes.mode_mismatch(job, JoinMode.RANK, args.host)
-    if (job.num_nodes, job.gpus_per_node) != (args.num_nodes, args.gpus_per_node):
-        if job.state is JobState.FORMING and not job.gen.members:
-            # Nobody is waiting on the old topology: the next joiner sets it.
-            job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
-            return job
-        fault = job.topology_conflict(args.host, (args.num_nodes, args.gpus_per_node))
-        raise rounds.conflict(sm, job, fault, now)
-    return job
 
 
 def join_outcome(sm: RendezvousState, job: Job, member: Member, now: float) -> JoinResult | Parked:
@@ -399,3 +366,42 @@ def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
             "rank 0 is free for a restarted worker",
         )
     )
+
+
+def job_for(
+    sm: RendezvousState,
+    job_id: str,
+    mode: JoinMode,
+    bounds: tuple[int, int, int],
+    host: str,
+    now: float,
+    *,
+    returning: bool,
+    last_call_s: float = 0.0,
+) -> Job:
+    """The job a joiner of ``mode`` asking for ``bounds`` (min_nodes, max_nodes,
+    gpus_per_node; a per-rank Join's are num_nodes, num_nodes, gpus_per_node) joins:
+    created, or its next generation opened unless the joiner is ``returning`` to the
+    current one. The first joiner of a generation sets its mode and bounds; a joiner
+    of the other mode is refused, and other bounds conflict with the generation."""
+    low, high, gpus = bounds
+    job = sm.jobs.get(job_id)
+    if job is None:
+        job = rounds.open_job(sm, job_id, high, gpus, now)
+    elif job.state in rounds.TERMINAL and not returning:
+        expected = nodes.expected_back(job)
+        rounds.next_generation(sm, job, now)
+        job.gen.rejoin_expected = expected
+    if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
+        # Nobody waits on this generation yet: the first joiner sets its bounds.
+        job.gen.join_mode = mode
+        job.num_nodes, job.gpus_per_node = high, gpus
+        job.min_nodes, job.max_nodes = low, high
+        job.last_call_s = last_call_s or sm.timing.default_last_call_s
+        return job
+    if job.gen.join_mode is not mode:
+        raise nodes.mode_mismatch(job, mode, host)
+    if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
+        asked = bounds if mode is JoinMode.NODE else (high, gpus)
+        raise rounds.conflict(sm, job, job.topology_conflict(host, asked), now)
+    return job

@@ -284,6 +284,8 @@ def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
         raise ValueError(f"join_mode must be '', 'rank' or 'node', not {stored!r}") from None
     job.gen.join_mode = mode
     if mode is not JoinMode.NODE:
+        # A per-rank generation's bounds are its node count (rows never held them).
+        job.min_nodes = job.max_nodes = job.num_nodes
         return
     job.min_nodes = _int(raw, "min_nodes", 1, _MAX_WORLD)
     job.max_nodes = _int(raw, "max_nodes", job.min_nodes, _MAX_WORLD)

@@ -60,6 +60,26 @@ def test_running_job_survives_with_kv_and_barrier_counts_but_never_the_id(tmp_pa
     assert info.value.reason == "PEER_FAILED"
 
 
+def test_a_per_rank_row_written_before_join_bounds_restores_and_keeps_its_topology() -> None:
+    # Rows of per-rank jobs held min_nodes = max_nodes = 0; a per-rank Join is now the
+    # thin form of a node join, whose bounds are num_nodes..num_nodes.
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    record = snapshot.job_record(sm.jobs["j"]) | {"min_nodes": 0, "max_nodes": 0}
+    back = RendezvousState()
+    snapshot.restore_job(back, record, {}, 1.0)
+    with pytest.raises(RendezvousFault) as same:  # its own member, fenced for the lost id
+        back.join(_args(1), 2.0)
+    assert same.value.reason == "PEER_FAILED"
+    other = RendezvousState()
+    snapshot.restore_job(other, record, {}, 1.0)
+    with pytest.raises(RendezvousFault) as wider:
+        other.join(JoinArgs("j", 2, 2, 1, 0, "h2", "", b"", "x"), 2.0)
+    assert wider.value.reason == "TOPOLOGY_MISMATCH"
+    assert wider.value.metadata["topology"] == "1x2"
+
+
 def test_restored_running_job_takes_back_only_its_own_id(tmp_path: Path) -> None:
     # Found by the Hypothesis model: after a restart the daemon had no id for a running
     # generation, so rank 0 could publish a second, different one.
