@@ -11,6 +11,10 @@ from rendezvousd.errors import Code, Reason, RendezvousFault, shown
 from rendezvousd.id_history import IdHistory
 from rendezvousd.model import FailedInfo, JobState, JoinMode, MemberInfo, MemberState, failed_text
 
+# Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
+# descriptor call (~0.2 us), and a join or heartbeat made several.
+_NODE = JoinMode.NODE
+
 
 @dataclass(kw_only=True)
 class Attendee:
@@ -217,7 +221,7 @@ class Job:
         """Who a call of ``mode`` names by its rank: in a per-rank generation each worker
         (its global rank), in a node generation each formed node agent (its node rank).
         Streams, heartbeats, leaves and losses are the one path over these."""
-        return self.gen.node_at if mode is JoinMode.NODE else self.gen.members
+        return self.gen.node_at if mode is _NODE else self.gen.members
 
     def covered(self, seated: Member | Node) -> list[Member]:
         """The members whose liveness ``seated``'s heartbeat stream is: a worker is its

@@ -32,6 +32,10 @@ from rendezvousd.placement import JoinArgs
 if TYPE_CHECKING:
     from rendezvousd.state import RendezvousState
 
+# Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
+# descriptor call (~0.2 us), and a join or heartbeat made several.
+_RANK, _JOIN = JoinMode.RANK, waits.WaitKind.JOIN
+
 #: The least time between two NODES_WAITING events of one job (the first is at once).
 NODES_WAITING_INTERVAL_S = 0.5
 
@@ -217,8 +221,11 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     placement.check(args, sm.limits)
     bounds = (args.num_nodes, args.num_nodes, args.gpus_per_node)
     old = sm.jobs.get(args.job_id)
-    returning = old is not None and placement.rejoin_of_current(old, args)
-    job = job_for(sm, args.job_id, JoinMode.RANK, bounds, args.host, now, returning=returning)
+    # Only an ended generation asks (the look is a scan of its members).
+    returning = (
+        old is not None and old.state in rounds.TERMINAL and placement.rejoin_of_current(old, args)
+    )
+    job = job_for(sm, args.job_id, _RANK, bounds, args.host, now, returning=returning)
     node_rank = placement.node_rank(job, args)
     rank = job.rank_of(node_rank, args.local_rank)
     member = job.gen.members.get(rank)
@@ -300,7 +307,7 @@ def join_outcome(sm: RendezvousState, job: Job, member: Member, now: float) -> J
         raise job.generation_fault()
     if member.rank == 0 and job.gen.unique_id is None:
         return placement.id_required(job, member)
-    parked = sm.calls.park(job, waits.WaitKind.JOIN, member.rank, "", now)
+    parked = sm.calls.park(job, _JOIN, member.rank, "", now)
     job.gen.join_waiters[parked.waiter] = member.rank
     return parked
 
