@@ -7,7 +7,7 @@ wakes the calls.
 from __future__ import annotations
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault, ranks_text
+from rendezvousd.errors import Code, Reason, RendezvousFault, ranks_text
 from rendezvousd.job import BarrierState, Job, Member
 from rendezvousd.limits import Limits
 from rendezvousd.model import MemberState
@@ -23,9 +23,9 @@ def enter(
     """
     validation.text_field("barrier name", name, limits.max_key_bytes, required=True)
     rank = member.rank
-    barrier = job.barriers.get(name)
+    barrier = job.gen.barriers.get(name)
     if barrier is None:
-        if len(job.barriers) >= limits.max_barriers_per_job:
+        if len(job.gen.barriers) >= limits.max_barriers_per_job:
             raise validation.limit_exceeded(
                 "max_barriers_per_job",
                 f"{job.named} already has max_barriers_per_job={limits.max_barriers_per_job} "
@@ -33,13 +33,13 @@ def enter(
                 "per round",
                 job_id=job.job_id,
             )
-        barrier = job.barriers[name] = BarrierState()
+        barrier = job.gen.barriers[name] = BarrierState()
     if sequence <= barrier.completed:
         return barrier, True
     if sequence != barrier.completed + 1:
         raise job.fault(
             Code.FAILED_PRECONDITION,
-            "BARRIER_MISMATCH",
+            Reason.BARRIER_MISMATCH,
             f"rank {rank} entered barrier {name!r} #{sequence} but job {job.job_id!r} is at "
             f"#{barrier.completed + 1}; every rank must run the same barriers in the same order",
             ranks=str(rank),
@@ -47,7 +47,7 @@ def enter(
     if member.state is MemberState.LEFT:
         raise RendezvousFault(
             Code.FAILED_PRECONDITION,
-            "NOT_A_MEMBER",
+            Reason.NOT_A_MEMBER,
             f"rank {rank} already left job {job.job_id!r}; it cannot enter barrier {name!r}",
             {"job_id": job.job_id, "ranks": str(rank)},
         )
@@ -66,7 +66,7 @@ def timed_out(
     job: Job, name: str, rank: int, waiter: int, waited: str, meta: dict[str, str]
 ) -> RendezvousFault:
     """Forgets ``waiter``'s arrival; the fault naming the ranks still missing."""
-    barrier = job.barriers.get(name)
+    barrier = job.gen.barriers.get(name)
     if barrier is not None:
         ws = barrier.arrived.get(rank, set())
         ws.discard(waiter)
@@ -78,7 +78,7 @@ def timed_out(
     meta["ranks"] = ranks_text(missing[:64])
     return RendezvousFault(
         Code.DEADLINE_EXCEEDED,
-        "BARRIER_TIMEOUT",
+        Reason.BARRIER_TIMEOUT,
         f"barrier {name!r} of {job.named} timed out on rank {rank} after {waited}; still "
         f"waiting for ranks {short_ranks(missing)}",
         meta,

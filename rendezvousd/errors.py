@@ -3,7 +3,7 @@
     DaemonError                   startup/configuration problems (never sent on the wire)
     └── ConfigError               a bad flag, env var, config or token file
     RendezvousFault               a request the state machine refuses; carries a
-                                  status Code, an ErrorReason name and metadata
+                                  status Code, a Reason (the proto's ErrorReason) and metadata
 
 ``RendezvousFault`` is pure (no gRPC import): the servicer maps it to a gRPC
 status with a google.rpc.ErrorInfo detail in one place (``rendezvousd.fault_status``).
@@ -42,13 +42,50 @@ class Code(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"
 
 
+class Reason(enum.StrEnum):
+    """Why a call was refused: the proto's ``ErrorReason`` names (a test pins the two
+    lists together), sent as the ErrorInfo's reason. A ``StrEnum``, so a reason read
+    back from the wire (a string) compares equal to its member."""
+
+    INVALID_JOB_ID = "INVALID_JOB_ID"
+    INVALID_TOPOLOGY = "INVALID_TOPOLOGY"
+    RANK_OUT_OF_RANGE = "RANK_OUT_OF_RANGE"
+    TOPOLOGY_MISMATCH = "TOPOLOGY_MISMATCH"
+    DUPLICATE_RANK = "DUPLICATE_RANK"
+    INVALID_ID = "INVALID_ID"
+    ID_CONFLICT = "ID_CONFLICT"
+    ID_REUSED = "ID_REUSED"
+    NOT_RANK_ZERO = "NOT_RANK_ZERO"
+    STALE_GENERATION = "STALE_GENERATION"
+    PEER_FAILED = "PEER_FAILED"
+    JOB_ABORTED = "JOB_ABORTED"
+    WORLD_INCOMPLETE = "WORLD_INCOMPLETE"
+    WORLD_FULL = "WORLD_FULL"
+    BARRIER_TIMEOUT = "BARRIER_TIMEOUT"
+    BARRIER_MISMATCH = "BARRIER_MISMATCH"
+    KEY_NOT_FOUND = "KEY_NOT_FOUND"
+    KEY_WAIT_TIMEOUT = "KEY_WAIT_TIMEOUT"
+    NOT_A_COUNTER = "NOT_A_COUNTER"
+    JOB_NOT_FOUND = "JOB_NOT_FOUND"
+    NOT_A_MEMBER = "NOT_A_MEMBER"
+    LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
+    DRAINING = "DRAINING"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    JOB_ENDED = "JOB_ENDED"
+    NOT_RUNNING = "NOT_RUNNING"
+    STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
+    SCOPE_DENIED = "SCOPE_DENIED"
+    JOIN_MODE_MISMATCH = "JOIN_MODE_MISMATCH"
+
+
 class RendezvousFault(Exception):
     """A refused request: what failed, for which job/rank, and what to do."""
 
     def __init__(
         self,
         code: Code,
-        reason: str,
+        reason: Reason,
         message: str,
         metadata: Mapping[str, str] | None = None,
         failed: Sequence[FailedInfo] = (),

@@ -16,7 +16,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rendezvousd.answers import failed_member
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 
 DOMAIN = "rendezvous.v1"
 # A status travels in a trailer, which gRPC caps at 8 KiB by default: the first
@@ -38,7 +38,7 @@ def to_grpc_status(fault: RendezvousFault) -> grpc.Status:
         code=code_pb2.Code.Value(fault.code.value), message=fault.message, details=details
     )
     grpc_status = rpc_status.to_status(status)
-    if fault.reason == "DRAINING":
+    if fault.reason == Reason.DRAINING:
         # gRFC A6 pushback: tell clients' channel-level retries not to re-send to a
         # daemon that is shutting down (the SDK raises DaemonUnavailable instead).
         return _WithTrailers(grpc_status, (("grpc-retry-pushback-ms", "-1"),))
@@ -52,7 +52,7 @@ class _WithTrailers(grpc.Status):  # type: ignore[misc]
         self.trailing_metadata = tuple(base.trailing_metadata) + extra
 
 
-STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
+STORAGE_UNAVAILABLE = Reason.STORAGE_UNAVAILABLE
 
 
 def storage_unavailable(job_id: str, *, waiting: bool = False) -> RendezvousFault:

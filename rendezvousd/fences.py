@@ -7,26 +7,27 @@ worker does next, so every RPC words the same refusal the same way.
 
 from __future__ import annotations
 
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job
+from rendezvousd.model import JoinMode
 
 
 def draining() -> RendezvousFault:
     return RendezvousFault(
-        Code.UNAVAILABLE, "DRAINING", "the daemon is shutting down; retry after it restarts"
+        Code.UNAVAILABLE, Reason.DRAINING, "the daemon is shutting down; retry after it restarts"
     )
 
 
 def no_such_job(job_id: str) -> RendezvousFault:
     return RendezvousFault(
-        Code.NOT_FOUND, "JOB_NOT_FOUND", f"job {job_id!r} does not exist", {"job_id": job_id}
+        Code.NOT_FOUND, Reason.JOB_NOT_FOUND, f"job {job_id!r} does not exist", {"job_id": job_id}
     )
 
 
 def stale_generation(job: Job, generation: int) -> RendezvousFault:
     return RendezvousFault(
         Code.ABORTED,
-        "STALE_GENERATION",
+        Reason.STALE_GENERATION,
         f"job {job.job_id!r} is at generation {job.generation}, the call named generation "
         f"{generation}; rejoin to take part in the current generation",
         {
@@ -40,9 +41,35 @@ def stale_generation(job: Job, generation: int) -> RendezvousFault:
 def not_a_member(job: Job, generation: int, rank: int) -> RendezvousFault:
     return RendezvousFault(
         Code.NOT_FOUND,
-        "NOT_A_MEMBER",
+        Reason.NOT_A_MEMBER,
         f"rank {rank} is not a member of job {job.job_id!r} generation {generation}",
         {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},
+    )
+
+
+def not_seated(job: Job, generation: int, who: int, mode: JoinMode) -> RendezvousFault:
+    """No such member; for a node agent, no node of that rank this caller holds (its
+    instance id is its secret: another agent's node is not told apart from none)."""
+    if mode is not JoinMode.NODE:
+        return not_a_member(job, generation, who)
+    return RendezvousFault(
+        Code.ALREADY_EXISTS,
+        Reason.DUPLICATE_RANK,
+        f"node_rank={who} of job {job.job_id!r} generation {generation} belongs to "
+        "another node agent instance (or to none); rejoin to take part",
+        {"job_id": job.job_id, "generation": str(generation)},
+    )
+
+
+def rank_stream_in_node_job(job: Job, rank: int) -> RendezvousFault:
+    """A worker of a node generation opened a heartbeat stream of its own."""
+    return job.fault(
+        Code.FAILED_PRECONDITION,
+        Reason.JOIN_MODE_MISMATCH,
+        f"{job.named}: rank {rank} belongs to a node joined by its node agent, "
+        "whose heartbeat covers it; an attached worker does not open a heartbeat "
+        "stream of its own (call attach(), not start_heartbeat())",
+        rank=str(rank),
     )
 
 
@@ -55,7 +82,7 @@ def other_instance(job: Job, generation: int, rank: int, instance_id: str) -> Re
     )
     return RendezvousFault(
         Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
+        Reason.DUPLICATE_RANK,
         f"rank {rank} of job {job.job_id!r} generation {generation} belongs to another "
         f"worker instance: {hint}; rejoin to take part",
         {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from rendezvousd.errors import Code, RendezvousFault, shown
+from rendezvousd.errors import Code, Reason, RendezvousFault, shown
 from rendezvousd.id_history import IdHistory
-from rendezvousd.model import FailedInfo, JobState, MemberInfo, MemberState, failed_text
+from rendezvousd.model import FailedInfo, JobState, JoinMode, MemberInfo, MemberState, failed_text
+
+# Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
+# descriptor call (~0.2 us), and a join or heartbeat made several.
+_NODE = JoinMode.NODE
 
 
 @dataclass(kw_only=True)
 class Attendee:
     """What a heartbeat stream keeps alive: a member, or a node agent for its members."""
+
+    # How a loss of it is worded: by silence, and by its stream's end.
+    who: ClassVar[str] = "worker"
+    stream_closed: ClassVar[str] = "heartbeat stream closed"
 
     state: MemberState = MemberState.JOINING
     last_seen: float = 0.0
@@ -58,6 +68,9 @@ class Member(Attendee):
 class Node(Attendee):
     """A node agent joined by JoinNode, holding gpus_per_node members once the
     generation forms. Its one heartbeat stream is the liveness of all of them."""
+
+    who: ClassVar[str] = "node"
+    stream_closed: ClassVar[str] = "node agent's heartbeat stream closed"
 
     instance_id: str
     host: str
@@ -124,21 +137,20 @@ class BarrierState:
 
 
 @dataclass
-class Job:
-    job_id: str
-    num_nodes: int
-    gpus_per_node: int
-    generation: int
-    state: JobState
-    state_since: float
+class Generation:
+    """What one round of a job owns: its members and node agents, the id, barriers, the
+    key-value store, its parked calls and how it ended. The next round gets a new one
+    (``Job.open_generation``): nothing is reset by hand, so nothing can be forgotten."""
+
+    join_mode: JoinMode = JoinMode.NONE
     members: dict[int, Member] = field(default_factory=dict)
     host_nodes: dict[str, int] = field(default_factory=dict)
     unique_id: bytes | None = None
-    # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
-    used_id_digests: IdHistory = field(default_factory=IdHistory)
     failed: list[FailedInfo] = field(default_factory=list)
     abort_reason: str = ""
     barriers: dict[str, BarrierState] = field(default_factory=dict)
+    # The Persister keeps the last committed generation's store, to put back should
+    # opening the next one be undone by a failed commit.
     kv: dict[str, bytes] = field(default_factory=dict)
     kv_bytes: int = 0
     kv_waiters: dict[str, set[int]] = field(default_factory=dict)
@@ -149,42 +161,54 @@ class Job:
     left: int = 0
     # Restored from disk after a restart: the id is gone (it is never written).
     restored: bool = False
-    # The current generation's id digest when only the digest survived a restart, so a
-    # replayed PublishId can be told from a second, different id.
+    # The id digest when only the digest survived a restart, so a replayed PublishId
+    # can be told from a second, different id.
     restored_id_digest: bytes | None = None
     # Set when a joiner's topology contradicted the forming generation's: that
     # fault, not PEER_FAILED, is what every call on the failed generation gets.
     conflict: RendezvousFault | None = None
-    # When rank 0, answered id_required, loses its rank unless it publishes the id.
+    # When rank 0 (node 0), answered id_required, loses its seat unless it sends the id.
     id_deadline: float | None = None
-    # How the generation is joined: "" (nobody yet), "rank" (Join) or "node" (JoinNode).
-    join_mode: str = ""
-    # JoinNode generations: the elastic bounds (num_nodes is max_nodes while
-    # forming, the formed count after), the last call, and the node agents.
-    min_nodes: int = 0
-    max_nodes: int = 0
-    last_call_s: float = 0.0
     last_arrival: float = 0.0
     nodes: NodeTable = field(default_factory=NodeTable)  # by node instance id
     node_at: dict[int, Node] = field(default_factory=dict)  # by node rank, once formed
     # The node instance that supplied the id (it must stay node 0).
     id_node: str = ""
-    # The node 0 whose parked JoinNode was last looked for (``_settle_holder``): node 0
+    # The node 0 whose parked JoinNode was last looked for (``joins.settle_holder``): node 0
     # never parks while it is node 0, so only a new node 0 needs the look.
     holder_seen: str = ""
     # The nodes-waiting count the running nodes were last told, and when (the events
-    # are coalesced: NodeJoins._tell_waiting).
+    # are coalesced: joins.tell_waiting).
     waiting_told: int = 0
     waiting_told_at: float = 0.0
-    # waiter -> node instance id: JoinNode calls waiting for this generation to form,
-    # and (scaleup) for the next one while this one runs.
+    # waiter -> node instance id: JoinNode calls waiting for this generation to form.
     node_waiters: dict[int, str] = field(default_factory=dict)
-    scaleup_waiters: dict[int, str] = field(default_factory=dict)
     # Nodes parked for a scale-up when this generation ended (woken to re-join).
     scaleups_woken: int = 0
     # How many nodes the generation before this one expects back (its nodes not
     # lost, and its woken scale-ups) after it failed or was aborted; 0: none.
     rejoin_expected: int = 0
+
+
+@dataclass
+class Job:
+    job_id: str
+    num_nodes: int
+    gpus_per_node: int
+    generation: int
+    state: JobState
+    state_since: float
+    gen: Generation = field(default_factory=Generation)
+    # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
+    used_id_digests: IdHistory = field(default_factory=IdHistory)
+    # JoinNode generations: the elastic bounds (num_nodes is max_nodes while
+    # forming, the formed count after) and the last call.
+    min_nodes: int = 0
+    max_nodes: int = 0
+    last_call_s: float = 0.0
+    # waiter -> node instance id: JoinNode calls parked, while this generation runs,
+    # for the next one.
+    scaleup_waiters: dict[int, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -193,39 +217,58 @@ class Job:
     def rank_of(self, node_rank: int, local_rank: int) -> int:
         return node_rank * self.gpus_per_node + local_rank
 
+    def attendees(self, mode: JoinMode) -> Mapping[int, Member | Node]:
+        """Who a call of ``mode`` names by its rank: in a per-rank generation each worker
+        (its global rank), in a node generation each formed node agent (its node rank).
+        Streams, heartbeats, leaves and losses are the one path over these."""
+        return self.gen.node_at if mode is _NODE else self.gen.members
+
+    def covered(self, seated: Member | Node) -> list[Member]:
+        """The members whose liveness ``seated``'s heartbeat stream is: a worker is its
+        own, a node agent holds gpus_per_node."""
+        if isinstance(seated, Member):
+            return [seated]
+        first = self.rank_of(seated.node_rank, 0)
+        ranks = range(first, first + self.gpus_per_node)
+        return [self.gen.members[r] for r in ranks if r in self.gen.members]
+
     def missing_ranks(self) -> list[int]:
-        return [r for r in range(self.world_size) if r not in self.members]
+        return [r for r in range(self.world_size) if r not in self.gen.members]
 
     def present(self) -> list[Member]:
         return [
-            m for m in self.members.values() if m.state in (MemberState.JOINING, MemberState.ACTIVE)
+            m
+            for m in self.gen.members.values()
+            if m.state in (MemberState.JOINING, MemberState.ACTIVE)
         ]
 
     def participants(self) -> set[int]:
         """Ranks a barrier waits for: everyone who has not left."""
-        return {r for r, m in self.members.items() if m.state is not MemberState.LEFT}
+        return {r for r, m in self.gen.members.items() if m.state is not MemberState.LEFT}
 
     def barrier_complete(self, arrived: int) -> bool:
         """Whether ``arrived`` distinct non-leaving ranks are everyone a barrier waits for."""
-        return arrived >= len(self.members) - self.left
+        return arrived >= len(self.gen.members) - self.gen.left
 
     def all_waiters(self) -> set[int]:
-        waiters = set(self.join_waiters) | set(self.node_waiters) | set(self.scaleup_waiters)
-        for barrier in self.barriers.values():
+        waiters = (
+            set(self.gen.join_waiters) | set(self.gen.node_waiters) | set(self.scaleup_waiters)
+        )
+        for barrier in self.gen.barriers.values():
             for ws in barrier.arrived.values():
                 waiters |= ws
-        for ws in self.kv_waiters.values():
+        for ws in self.gen.kv_waiters.values():
             waiters |= ws
         return waiters
 
     def id_digest(self) -> bytes | None:
-        if self.unique_id is None:
-            return self.restored_id_digest
-        return hashlib.sha256(self.unique_id).digest()
+        if self.gen.unique_id is None:
+            return self.gen.restored_id_digest
+        return hashlib.sha256(self.gen.unique_id).digest()
 
     def remember_id(self) -> None:
-        if self.unique_id is not None:
-            self.used_id_digests.add(hashlib.sha256(self.unique_id).digest())
+        if self.gen.unique_id is not None:
+            self.used_id_digests.add(hashlib.sha256(self.gen.unique_id).digest())
 
     def open_generation(self, now: float) -> None:
         """Start over with no members; everything scoped to the old generation goes."""
@@ -233,40 +276,16 @@ class Job:
         self.generation += 1
         self.state = JobState.FORMING
         self.state_since = now
-        self.members.clear()
-        self.host_nodes.clear()
-        self.unique_id = None
-        self.failed.clear()
-        self.abort_reason = ""
-        self.barriers.clear()
-        # A new dict, not clear(): the Persister keeps the last committed generation's
-        # store, to put back should opening this one be undone by a failed commit.
-        self.kv = {}
-        self.kv_bytes = 0
-        self.kv_waiters.clear()
-        self.join_waiters.clear()
-        self.member_table = ()
-        self.left = 0
-        self.restored = False
-        self.restored_id_digest = None
-        self.conflict = None
-        self.id_deadline = None
-        self.join_mode = ""
-        self.nodes.clear()
-        self.node_at.clear()
-        self.id_node = ""
-        self.holder_seen = ""
-        self.waiting_told, self.waiting_told_at = 0, 0.0
-        self.node_waiters.clear()
-        self.scaleups_woken = 0
-        self.rejoin_expected = 0
+        self.gen = Generation()
 
     @property
     def named(self) -> str:
         """How messages name this job's current generation."""
         return f"job {self.job_id!r} generation {self.generation}"
 
-    def fault(self, code: Code, reason: str, message: str, /, **metadata: str) -> RendezvousFault:
+    def fault(
+        self, code: Code, reason: Reason, message: str, /, **metadata: str
+    ) -> RendezvousFault:
         """A fault about this job's current generation: its metadata names both."""
         scope = {"job_id": self.job_id, "generation": str(self.generation)}
         return RendezvousFault(code, reason, message, scope | metadata)
@@ -279,12 +298,12 @@ class Job:
         ``asked`` is ``(num_nodes, gpus_per_node)`` from a per-rank Join, or
         ``(min_nodes, max_nodes, gpus_per_node)`` from a node agent's JoinNode.
         """
-        by_node = self.join_mode == "node"
+        by_node = self.gen.join_mode is JoinMode.NODE
         ours = (self.min_nodes, self.max_nodes) if by_node else (self.num_nodes,)
         have, have_code = _topology_text((*ours, self.gpus_per_node))
         want, want_code = _topology_text(asked)
         hosts = sorted(
-            {m.host for m in self.members.values()} | {n.host for n in self.nodes.values()}
+            {m.host for m in self.gen.members.values()} | {n.host for n in self.gen.nodes.values()}
         )
         joined = f" (hosts so far: {shown(hosts)})" if hosts else ""
         asker, fix = (
@@ -302,7 +321,7 @@ class Job:
         )
         return self.fault(
             Code.FAILED_PRECONDITION,
-            "TOPOLOGY_MISMATCH",
+            Reason.TOPOLOGY_MISMATCH,
             f"{self.named} has {have}{joined}, but {asker} on host {host!r} asked for {want}; "
             f"{fix}",
             topology=have_code,
@@ -313,41 +332,41 @@ class Job:
 
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""
-        if self.conflict is not None:
-            return self.conflict
+        if self.gen.conflict is not None:
+            return self.gen.conflict
         if self.state is JobState.FAILED:
             # In the order of loss, the first being the root cause; each loss with its
             # host is in the fault's details (fault_status), the metadata only lists.
             return RendezvousFault(
                 Code.ABORTED,
-                "PEER_FAILED",
-                f"{failed_text(self.named, self.failed)}; restart the job (a new Join opens "
+                Reason.PEER_FAILED,
+                f"{failed_text(self.named, self.gen.failed)}; restart the job (a new Join opens "
                 "the next generation)",
                 {
                     "job_id": self.job_id,
                     "generation": str(self.generation),
-                    "ranks": ",".join(str(f.rank) for f in self.failed),
-                    "hosts": ",".join(dict.fromkeys(f.host for f in self.failed)),
+                    "ranks": ",".join(str(f.rank) for f in self.gen.failed),
+                    "hosts": ",".join(dict.fromkeys(f.host for f in self.gen.failed)),
                 },
-                self.failed,
+                self.gen.failed,
             )
         if self.state is JobState.ABORTED:
             return self.fault(
                 Code.ABORTED,
-                "JOB_ABORTED",
-                f"{self.named} was aborted: {self.abort_reason}",
-                reason=self.abort_reason,
+                Reason.JOB_ABORTED,
+                f"{self.named} was aborted: {self.gen.abort_reason}",
+                reason=self.gen.abort_reason,
             )
         if self.state is JobState.ENDED:
             return self.fault(
                 Code.FAILED_PRECONDITION,
-                "JOB_ENDED",
+                Reason.JOB_ENDED,
                 f"{self.named} has ended: every member left",
             )
         return self.fault(
             Code.FAILED_PRECONDITION,
-            "NOT_RUNNING",
-            f"{self.named} is still forming ({len(self.members)} of {self.world_size} ranks "
+            Reason.NOT_RUNNING,
+            f"{self.named} is still forming ({len(self.gen.members)} of {self.world_size} ranks "
             "joined); wait for Join to return",
         )
 

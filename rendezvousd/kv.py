@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job
 from rendezvousd.limits import Limits
 
@@ -26,7 +26,7 @@ def entry_bytes(key: str, value: bytes) -> int:
 
 def daemon_bytes(jobs: Iterable[Job]) -> int:
     """Key-value bytes held by every job (summed, so it can never drift from the stores)."""
-    return sum(job.kv_bytes for job in jobs)
+    return sum(job.gen.kv_bytes for job in jobs)
 
 
 def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]:
@@ -34,8 +34,8 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
 
     ``held`` is the daemon-wide total before this change.
     """
-    old = job.kv.get(key)
-    if old is None and len(job.kv) >= limits.max_keys_per_job:
+    old = job.gen.kv.get(key)
+    if old is None and len(job.gen.kv) >= limits.max_keys_per_job:
         raise validation.limit_exceeded(
             "max_keys_per_job",
             f"job {job.job_id!r} already has max_keys_per_job={limits.max_keys_per_job} keys; "
@@ -43,7 +43,9 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
             job_id=job.job_id,
         )
     grown = (
-        job.kv_bytes + entry_bytes(key, value) - (entry_bytes(key, old) if old is not None else 0)
+        job.gen.kv_bytes
+        + entry_bytes(key, value)
+        - (entry_bytes(key, old) if old is not None else 0)
     )
     if grown > limits.max_kv_bytes_per_job:
         raise validation.limit_exceeded(
@@ -52,7 +54,7 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
             "delete keys it no longer needs",
             job_id=job.job_id,
         )
-    if grown > job.kv_bytes and held - job.kv_bytes + grown > limits.max_kv_bytes:
+    if grown > job.gen.kv_bytes and held - job.gen.kv_bytes + grown > limits.max_kv_bytes:
         raise validation.limit_exceeded(
             "max_kv_bytes",
             f"the daemon already holds {held} key-value bytes of max_kv_bytes="
@@ -60,26 +62,26 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
             f"{len(value)} more bytes until keys are deleted or jobs end (or raise --max-kv-bytes)",
             job_id=job.job_id,
         )
-    job.kv[key] = value
-    job.kv_bytes = grown
-    return job.kv_waiters.pop(key, set())
+    job.gen.kv[key] = value
+    job.gen.kv_bytes = grown
+    return job.gen.kv_waiters.pop(key, set())
 
 
 def delete(job: Job, key: str) -> bool:
-    value = job.kv.pop(key, None)
+    value = job.gen.kv.pop(key, None)
     if value is None:
         return False
-    job.kv_bytes -= entry_bytes(key, value)
+    job.gen.kv_bytes -= entry_bytes(key, value)
     return True
 
 
 def counter(job: Job, key: str, delta: int) -> bytes:
     """The counter under ``key`` (absent = 0) plus ``delta``, encoded for storing."""
-    raw = job.kv.get(key, b"0")
+    raw = job.gen.kv.get(key, b"0")
     if not _COUNTER.fullmatch(raw):
         raise RendezvousFault(
             Code.FAILED_PRECONDITION,
-            "NOT_A_COUNTER",
+            Reason.NOT_A_COUNTER,
             f"key {key!r} of job {job.job_id!r} holds a value that is not a plain decimal "
             "integer (digits with an optional leading '-'); KvAdd needs a counter",
             {"job_id": job.job_id},
@@ -87,6 +89,6 @@ def counter(job: Job, key: str, delta: int) -> bytes:
     total = int(raw) + delta
     if not -(2**63) <= total < 2**63:
         raise validation.invalid(
-            "INVALID_ARGUMENT", f"KvAdd on {key!r} of job {job.job_id!r} would overflow int64"
+            Reason.INVALID_ARGUMENT, f"KvAdd on {key!r} of job {job.job_id!r} would overflow int64"
         )
     return str(total).encode("ascii")

@@ -100,7 +100,8 @@ class Metrics:
         for job in state.jobs.values():
             counts[job.state] += 1
             present += sum(
-                m.state in (MemberState.JOINING, MemberState.ACTIVE) for m in job.members.values()
+                m.state in (MemberState.JOINING, MemberState.ACTIVE)
+                for m in job.gen.members.values()
             )
         for job_state, n in counts.items():
             self.jobs.labels(job_state.name.lower()).set(n)
@@ -110,7 +111,7 @@ class Metrics:
         ages = [
             now - m.last_seen
             for job in state.jobs.values()
-            for m in job.members.values()
+            for m in job.gen.members.values()
             if m.state is MemberState.ACTIVE
         ]
         self.heartbeat_lag.set(max(ages, default=0.0))

@@ -30,6 +30,21 @@ class MemberState(enum.Enum):
     LOST = 4
 
 
+class JoinMode(enum.Enum):
+    """How a generation is joined: by nobody yet, per rank (``Join``, each worker its
+    own attendee) or per node (``JoinNode``, one agent attending for its ranks). Its
+    value is the stored form (``snapshot.py``)."""
+
+    NONE = ""
+    RANK = "rank"
+    NODE = "node"
+
+    @classmethod
+    def of_caller(cls, node: bool) -> JoinMode:
+        """The mode a call's ``node`` flag says its caller joined in."""
+        return cls.NODE if node else cls.RANK
+
+
 class EventKind(enum.Enum):
     PEER_FAILED = 1
     JOB_ABORTED = 2
@@ -171,16 +186,16 @@ class Wake:
 
 @dataclass(frozen=True)
 class Notify:
-    """Push an event to the heartbeat streams of ``ranks``."""
+    """Push an event to the heartbeat streams of ``to``: attendees of ``mode`` (workers
+    by rank, node agents by node rank)."""
 
     job_id: str
     generation: int
-    ranks: tuple[int, ...]
+    mode: JoinMode
+    to: tuple[int, ...]
     kind: EventKind
     failed: tuple[FailedInfo, ...] = ()
     reason: str = ""
-    # Node agents' streams (JoinNode generations) by node rank, and NODES_WAITING's count.
-    nodes: tuple[int, ...] = ()
     nodes_waiting: int = 0
 
 

@@ -1,7 +1,7 @@
 """Node joins (JoinNode): the request and its checks, who is node 0, the rank blocks a
 forming generation hands out, and what a JoinNode is told.
 
-Pure functions over one job, like ``placement`` for per-rank joins; ``NodeJoins``
+Pure functions over one job, like ``placement`` for per-rank joins; ``joins``
 decides when a node is admitted, parked, formed or failed.
 """
 
@@ -11,10 +11,17 @@ import hashlib
 from dataclasses import dataclass
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job, Member, Node
 from rendezvousd.limits import Limits
-from rendezvousd.model import JobState, MemberInfo, MemberState, NodeJoinResult, NodeSeat, seat_of
+from rendezvousd.model import (
+    JobState,
+    JoinMode,
+    MemberState,
+    NodeJoinResult,
+    NodeSeat,
+    seat_of,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ def check(args: NodeJoinArgs, limits: Limits) -> None:
     validation.job_id(args.job_id)
     if not 1 <= args.min_nodes <= args.max_nodes:
         raise validation.invalid(
-            "INVALID_TOPOLOGY",
+            Reason.INVALID_TOPOLOGY,
             f"min_nodes={args.min_nodes} max_nodes={args.max_nodes} is invalid: need "
             "1 <= min_nodes <= max_nodes (--nnodes MIN:MAX)",
             job_id=args.job_id,
@@ -48,7 +55,7 @@ def check(args: NodeJoinArgs, limits: Limits) -> None:
     validation.text_field("instance_id", args.instance_id, 128, required=True)
     if len(args.addresses) > args.gpus_per_node:
         raise validation.invalid(
-            "INVALID_ARGUMENT",
+            Reason.INVALID_ARGUMENT,
             f"{len(args.addresses)} addresses for gpus_per_node={args.gpus_per_node}: "
             "give at most one per local rank",
             job_id=args.job_id,
@@ -74,20 +81,20 @@ def holder(job: Job) -> Node | None:
     else the earliest arrival that named none."""
     # Nodes are kept in arrival order (a returning node is a new arrival), so the
     # earliest unnamed one is the first.
-    return job.nodes.named_at.get(0) or job.nodes.first_unnamed()
+    return job.gen.nodes.named_at.get(0) or job.gen.nodes.first_unnamed()
 
 
 def assignment(job: Job) -> dict[str, int] | None:
     """Node ranks for the nodes now present (by instance id), or None when the named
     ranks do not fit 0..n-1 yet: named ranks are kept, the others fill the free
     ranks in arrival order."""
-    count = len(job.nodes)
-    named = {n.node_rank for n in job.nodes.values() if n.named}
+    count = len(job.gen.nodes)
+    named = {n.node_rank for n in job.gen.nodes.values() if n.named}
     if any(r >= count for r in named):
         return None
     free = iter(r for r in range(count) if r not in named)
-    ranks = {n.instance_id: n.node_rank for n in job.nodes.values() if n.named}
-    for node in sorted((n for n in job.nodes.values() if not n.named), key=lambda n: n.arrived):
+    ranks = {n.instance_id: n.node_rank for n in job.gen.nodes.values() if n.named}
+    for node in sorted((n for n in job.gen.nodes.values() if not n.named), key=lambda n: n.arrived):
         ranks[node.instance_id] = next(free)
     return ranks
 
@@ -95,15 +102,15 @@ def assignment(job: Job) -> dict[str, int] | None:
 def place(job: Job, ranks: dict[str, int]) -> None:
     """Turns the forming nodes into members: node r holds ranks r * gpus_per_node ..."""
     job.num_nodes = len(ranks)
-    job.members.clear()
-    job.node_at.clear()
-    for node in job.nodes.values():
+    job.gen.members.clear()
+    job.gen.node_at.clear()
+    for node in job.gen.nodes.values():
         node.node_rank = ranks[node.instance_id]
-        job.node_at[node.node_rank] = node
+        job.gen.node_at[node.node_rank] = node
         for local in range(job.gpus_per_node):
             rank = job.rank_of(node.node_rank, local)
             address = node.addresses[local] if local < len(node.addresses) else ""
-            job.members[rank] = Member(
+            job.gen.members[rank] = Member(
                 rank,
                 node.node_rank,
                 local,
@@ -117,10 +124,13 @@ def expected_back(job: Job) -> int:
     """How many nodes should re-join after ``job``'s node generation failed or was
     aborted: its nodes that were not lost, and the scale-up nodes woken to re-join;
     0 (nobody in particular) after any other end."""
-    if job.join_mode != "node" or job.state not in (JobState.FAILED, JobState.ABORTED):
+    if job.gen.join_mode is not JoinMode.NODE or job.state not in (
+        JobState.FAILED,
+        JobState.ABORTED,
+    ):
         return 0
-    kept = sum(1 for n in job.nodes.values() if n.state is not MemberState.LOST)
-    return kept + job.scaleups_woken
+    kept = sum(1 for n in job.gen.nodes.values() if n.state is not MemberState.LOST)
+    return kept + job.gen.scaleups_woken
 
 
 def everyone_back(job: Job) -> bool:
@@ -135,24 +145,19 @@ def everyone_back(job: Job) -> bool:
     parks, the running nodes hear NODES_WAITING and re-form with it, which costs no
     restart. A generation that ended cleanly (ENDED) expects nobody, so a relaunch
     with the same job id keeps the last call."""
-    return job.rejoin_expected > 0 and len(job.nodes) >= job.rejoin_expected
-
-
-def node_members(job: Job, node: Node) -> list[Member]:
-    first = job.rank_of(node.node_rank, 0)
-    return [job.members[r] for r in range(first, first + job.gpus_per_node) if r in job.members]
+    return job.gen.rejoin_expected > 0 and len(job.gen.nodes) >= job.gen.rejoin_expected
 
 
 def result(job: Job, node: Node) -> NodeJoinResult:
-    assert job.unique_id is not None
+    assert job.gen.unique_id is not None
     return NodeJoinResult(
         **seat_of(job, NodeSeat, node_rank=node.node_rank),
         id_required=False,
-        unique_id=job.unique_id,
+        unique_id=job.gen.unique_id,
         member_instance_ids=tuple(
             member_instance_id(node.instance_id, g) for g in range(job.gpus_per_node)
         ),
-        members=job.member_table,
+        members=job.gen.member_table,
     )
 
 
@@ -172,13 +177,13 @@ def provisional_first_rank(job: Job, node: Node) -> int:
     return job.rank_of(ranks.get(node.instance_id, node.node_rank), 0)
 
 
-def mode_mismatch(job: Job, wanted: str, host: str) -> RendezvousFault:
+def mode_mismatch(job: Job, wanted: JoinMode, host: str) -> RendezvousFault:
     """A per-rank Join in a node-joined generation, or the reverse."""
-    have = "node agents (JoinNode)" if job.join_mode == "node" else "per-rank Join calls"
-    asked = "a node join (JoinNode)" if wanted == "node" else "a per-rank Join"
+    have = "node agents (JoinNode)" if job.gen.join_mode is JoinMode.NODE else "per-rank Join calls"
+    asked = "a node join (JoinNode)" if wanted is JoinMode.NODE else "a per-rank Join"
     return job.fault(
         Code.FAILED_PRECONDITION,
-        "JOIN_MODE_MISMATCH",
+        Reason.JOIN_MODE_MISMATCH,
         f"{job.named} is joined by {have}; {asked} from host {host!r} cannot take part: "
         "start every node of a job the same way (all under rendezvous-run's node agent, or "
         "all workers joining per rank)",
@@ -192,7 +197,7 @@ def duplicate_node(job: Job, args: NodeJoinArgs, holder_host: str) -> Rendezvous
     and there every node must give its rank: a number, or ``auto``."""
     return job.fault(
         Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
+        Reason.DUPLICATE_RANK,
         f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
         f"on {holder_host}; give each node a distinct --node-rank (0..{args.max_nodes - 1}), "
         "or --node-rank auto to let the daemon assign it",
@@ -206,7 +211,7 @@ def world_full(job: Job, host: str) -> RendezvousFault:
     """The generation already has max_nodes nodes: a newcomer cannot join it."""
     return job.fault(
         Code.RESOURCE_EXHAUSTED,
-        "WORLD_FULL",
+        Reason.WORLD_FULL,
         f"{job.named} already has max_nodes={job.max_nodes} nodes; the node agent on {host!r} "
         "cannot join it",
         max_nodes=str(job.max_nodes),
@@ -216,13 +221,13 @@ def world_full(job: Job, host: str) -> RendezvousFault:
 
 def nodes_incomplete(job: Job, waited: str) -> RendezvousFault:
     """A JoinNode's wait ended before min_nodes nodes (and node 0's id) were there."""
-    hosts = sorted({n.host for n in job.nodes.values()})
+    hosts = sorted({n.host for n in job.gen.nodes.values()})
     return job.fault(
         Code.DEADLINE_EXCEEDED,
-        "WORLD_INCOMPLETE",
-        f"{job.named}: {len(job.nodes)} node(s) joined after {waited}, the generation needs "
+        Reason.WORLD_INCOMPLETE,
+        f"{job.named}: {len(job.gen.nodes)} node(s) joined after {waited}, the generation needs "
         f"min_nodes={job.min_nodes}"
-        + ("" if job.unique_id is not None or not job.nodes else " and node 0's id")
+        + ("" if job.gen.unique_id is not None or not job.gen.nodes else " and node 0's id")
         + "; start the missing node agents or lower --nnodes",
         hosts=",".join(hosts),
     )
@@ -232,22 +237,7 @@ def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
     """A parked scale-up JoinNode waited in vain for the running generation to end."""
     return job.fault(
         Code.DEADLINE_EXCEEDED,
-        "WORLD_INCOMPLETE",
+        Reason.WORLD_INCOMPLETE,
         f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
         f"for {waited}; the running nodes did not end it to take this node in",
     )
-
-
-def not_this_node(job: Job, generation: int, node_rank: int) -> RendezvousFault:
-    """The caller names a node rank it does not hold (another agent, or no node at all)."""
-    return RendezvousFault(
-        Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
-        f"node_rank={node_rank} of job {job.job_id!r} generation {generation} belongs to "
-        "another node agent instance (or to none); rejoin to take part",
-        {"job_id": job.job_id, "generation": str(generation)},
-    )
-
-
-def member_infos(job: Job) -> tuple[MemberInfo, ...]:
-    return tuple(job.members[r].info() for r in range(job.world_size))

@@ -347,7 +347,7 @@ class Persister:
         job = self.state.jobs.get(job_id)
         if self.store is None or job is None or (job_id, key) in self._undo:
             return
-        self._undo[(job_id, key)] = (self._version, job.generation, job.kv.get(key))
+        self._undo[(job_id, key)] = (self._version, job.generation, job.gen.kv.get(key))
 
     def touch(self, job_id: str, key: str | None = None) -> None:
         """``job_id`` changed (and its key ``key``): the next commit writes it."""
@@ -370,12 +370,12 @@ class Persister:
                     writes.append(JobWrite(job_id, None))
                 continue
             w = JobWrite(job_id, snapshot.job_record(job))
-            cut.stores[job_id] = job.kv
+            cut.stores[job_id] = job.gen.kv
             if self._written_gen.get(job_id) != job.generation:
-                w.kv_replace, w.kv_put = True, dict(job.kv)
-                written.update(((job_id, k), v) for k, v in job.kv.items())
+                w.kv_replace, w.kv_put = True, dict(job.gen.kv)
+                written.update(((job_id, k), v) for k, v in job.gen.kv.items())
             for k in keys:
-                value = job.kv.get(k)
+                value = job.gen.kv.get(k)
                 written[(job_id, k)] = value
                 if value is None:
                     w.kv_delete.add(k)
@@ -506,9 +506,9 @@ class Persister:
             if before is not None:
                 store[key] = before
             job = self.state.jobs.get(job_id)
-            if job is not None and store is job.kv:
-                job.kv_bytes -= kvrules.entry_bytes(key, current) if current is not None else 0
-                job.kv_bytes += kvrules.entry_bytes(key, before) if before is not None else 0
+            if job is not None and store is job.gen.kv:
+                job.gen.kv_bytes -= kvrules.entry_bytes(key, current) if current is not None else 0
+                job.gen.kv_bytes += kvrules.entry_bytes(key, before) if before is not None else 0
         self._undo.clear()
 
     def _store_of(self, job_id: str, generation: int) -> dict[str, bytes] | None:
@@ -516,7 +516,7 @@ class Persister:
         that generation, else the committed one of a job that moved on since."""
         job = self.state.jobs.get(job_id)
         if job is not None and job.generation == generation:
-            return job.kv
+            return job.gen.kv
         durable = self._durable.get(job_id)
         if durable is not None and durable[0]["generation"] == generation:
             return durable[1]
@@ -536,7 +536,7 @@ class Persister:
             job = None
             if durable is not None:
                 job = rollback.durable_job(durable[0], durable[1], live, now)
-                self._durable[job_id] = (durable[0], job.kv)
+                self._durable[job_id] = (durable[0], job.gen.kv)
             self.state.put_back(
                 job_id,
                 job,

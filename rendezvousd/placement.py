@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.job import Job, Member
 from rendezvousd.limits import Limits
 from rendezvousd.model import JobState, JoinResult, MemberState, seat_of
@@ -54,7 +54,7 @@ def check(args: JoinArgs, limits: Limits) -> None:
 
 def rejoin_of_current(job: Job, args: JoinArgs) -> bool:
     """A retried Join of a member whose generation already ended stays fenced."""
-    return any(m.instance_id == args.instance_id for m in job.members.values()) and (
+    return any(m.instance_id == args.instance_id for m in job.gen.members.values()) and (
         job.state is not JobState.ENDED
     )
 
@@ -63,16 +63,16 @@ def node_rank(job: Job, args: JoinArgs) -> int:
     """The joiner's node: the one it named, else its host's, else the first free one."""
     if args.node_rank is not None:
         return args.node_rank
-    known = job.host_nodes.get(args.host)
+    known = job.gen.host_nodes.get(args.host)
     if known is not None:
         return known
-    taken = set(job.host_nodes.values()) | {m.node_rank for m in job.members.values()}
+    taken = set(job.gen.host_nodes.values()) | {m.node_rank for m in job.gen.members.values()}
     for node in range(job.num_nodes):
         if node not in taken:
             return node
     raise job.fault(
         Code.RESOURCE_EXHAUSTED,
-        "WORLD_FULL",
+        Reason.WORLD_FULL,
         f"job {job.job_id!r} already has num_nodes={job.num_nodes} hosts; {args.host!r} cannot "
         "get a node rank",
     )
@@ -84,7 +84,7 @@ def duplicate_rank(
     """Another worker instance already holds the rank this joiner was placed on."""
     return job.fault(
         Code.ALREADY_EXISTS,
-        "DUPLICATE_RANK",
+        Reason.DUPLICATE_RANK,
         f"rank {rank} (node_rank={node}, local_rank={args.local_rank}) of job "
         f"{args.job_id!r} is already held by a worker on {holder.host}; give each worker "
         "a distinct (node_rank, local_rank)",
@@ -105,46 +105,49 @@ def abandoned(job: Job, member: Member) -> bool:
     generation at once)."""
     if job.state is not JobState.FORMING or member.state is not MemberState.JOINING:
         return False
-    return member.rank not in job.join_waiters.values()
+    return member.rank not in job.gen.join_waiters.values()
 
 
 def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
     """Takes rank 0's id for the generation, or raises why it cannot be used."""
     if rank != 0:
         raise validation.invalid(
-            "INVALID_ID",
+            Reason.INVALID_ID,
             f"only global rank 0 supplies the unique id; this worker is rank {rank}",
             job_id=job.job_id,
         )
     digest = hashlib.sha256(unique_id).digest()
-    if job.unique_id == unique_id:
+    if job.gen.unique_id == unique_id:
         return
-    if job.unique_id is None and job.restored_id_digest == digest:
+    if job.gen.unique_id is None and job.gen.restored_id_digest == digest:
         # Restored after a restart with only the digest: a replay of the same id
         # (e.g. a PublishId retried across the restart) is accepted, nothing else.
-        job.unique_id = unique_id
+        job.gen.unique_id = unique_id
         return
     if job.id_digest() is not None:
         raise job.fault(
             Code.ALREADY_EXISTS,
-            "ID_CONFLICT",
+            Reason.ID_CONFLICT,
             f"{job.named} already has a different unique id; the first one is kept",
         )
     if digest in job.used_id_digests:
         raise validation.invalid(
-            "ID_REUSED",
+            Reason.ID_REUSED,
             f"this unique id was already used by an earlier generation of job {job.job_id!r}; "
             "every generation needs a fresh id",
             job_id=job.job_id,
         )
-    job.unique_id = unique_id
+    job.gen.unique_id = unique_id
 
 
 def result(job: Job, member: Member) -> JoinResult:
     """A running generation's answer: the id and the member table."""
-    assert job.unique_id is not None
+    assert job.gen.unique_id is not None
     return JoinResult(
-        **_seat(job, member), id_required=False, unique_id=job.unique_id, members=job.member_table
+        **_seat(job, member),
+        id_required=False,
+        unique_id=job.gen.unique_id,
+        members=job.gen.member_table,
     )
 
 
@@ -159,16 +162,16 @@ def _seat(job: Job, member: Member) -> dict[str, Any]:
 
 def unplace(job: Job, rank: int, now: float) -> None:
     """A joiner gave up before the world was complete: free its rank."""
-    if job.state is not JobState.FORMING or rank in job.join_waiters.values():
+    if job.state is not JobState.FORMING or rank in job.gen.join_waiters.values():
         return  # a retry of the same join is still waiting for the rank
-    member = job.members.pop(rank, None)
+    member = job.gen.members.pop(rank, None)
     if member is None:
         return
-    if not any(m.host == member.host for m in job.members.values()):
-        job.host_nodes.pop(member.host, None)
-    if rank == 0 and job.unique_id is not None:
+    if not any(m.host == member.host for m in job.gen.members.values()):
+        job.gen.host_nodes.pop(member.host, None)
+    if rank == 0 and job.gen.unique_id is not None:
         # rank 0's process (and the listener behind its id) may be gone.
         job.remember_id()
-        job.unique_id = None
-    if not job.members:
+        job.gen.unique_id = None
+    if not job.gen.members:
         job.state_since = now

@@ -31,35 +31,41 @@ def durable_job(
         return job
     if live.state is job.state:
         job.state_since = live.state_since  # the job TTL and the conflict window go on
-    if job.restored_id_digest is not None and live.id_digest() == job.restored_id_digest:
-        job.unique_id, job.restored_id_digest = live.unique_id, live.restored_id_digest
+    if job.gen.restored_id_digest is not None and live.id_digest() == job.gen.restored_id_digest:
+        job.gen.unique_id, job.gen.restored_id_digest = (
+            live.gen.unique_id,
+            live.gen.restored_id_digest,
+        )
     _only_digest(job)
-    if job.state is not JobState.FORMING and live.member_table:
-        job.member_table = live.member_table
-    for rank, member in job.members.items():
-        was = live.members.get(rank)
+    if job.state is not JobState.FORMING and live.gen.member_table:
+        job.gen.member_table = live.gen.member_table
+    for rank, member in job.gen.members.items():
+        was = live.gen.members.get(rank)
         if was is not None and was.instance_id == member.instance_id:
             _keep_liveness(member, was)
-    for node in job.nodes.values():
-        had = live.nodes.get(node.instance_id)
+    for node in job.gen.nodes.values():
+        had = live.gen.nodes.get(node.instance_id)
         if had is not None and had.node_rank == node.node_rank:
             _keep_liveness(node, had)
             node.named, node.arrived = had.named, had.arrived
     if job.state is JobState.FAILED:
-        job.conflict = live.conflict
+        job.gen.conflict = live.gen.conflict
     if job.state is JobState.FORMING:
-        job.id_deadline = live.id_deadline
-    job.last_call_s, job.last_arrival = live.last_call_s, live.last_arrival
-    job.id_node = live.id_node
-    job.scaleups_woken, job.rejoin_expected = live.scaleups_woken, live.rejoin_expected
+        job.gen.id_deadline = live.gen.id_deadline
+    job.last_call_s, job.gen.last_arrival = live.last_call_s, live.gen.last_arrival
+    job.gen.id_node = live.gen.id_node
+    job.gen.scaleups_woken, job.gen.rejoin_expected = (
+        live.gen.scaleups_woken,
+        live.gen.rejoin_expected,
+    )
     return job
 
 
 def _only_digest(job: Job) -> None:
     """Without the id itself the generation is in the state a restart leaves it in."""
-    if job.unique_id is None and job.restored_id_digest is not None:
-        job.used_id_digests.add(job.restored_id_digest)  # a later generation refuses it
-        job.restored = job.state is JobState.RUNNING
+    if job.gen.unique_id is None and job.gen.restored_id_digest is not None:
+        job.used_id_digests.add(job.gen.restored_id_digest)  # a later generation refuses it
+        job.gen.restored = job.state is JobState.RUNNING
 
 
 def _keep_liveness(kept: Attendee, was: Attendee) -> None:

@@ -24,38 +24,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from rendezvousd import validation
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
+from rendezvousd.methods import policy
 
 JOB_TOKEN_PREFIX = "rdzv-job."
 # The last dot-separated field of an expiring token; a MAC (hex) never starts so.
 UNTIL = "until-"
-
-# Calls that name one job and act on it only: a job token may make them for its job.
-JOB_METHODS = frozenset(
-    {
-        "Join",
-        "PublishId",
-        # A node agent joins and reports its workers' failures for its own job.
-        "JoinNode",
-        "ReportFailure",
-        # A member's lazy fetch of its generation's table (slim joins).
-        "GetMembers",
-        "Barrier",
-        "KvSet",
-        "KvGet",
-        "KvAdd",
-        "KvCompareAndSet",
-        "KvDelete",
-        "Heartbeat",
-        "Leave",
-        "GetJob",
-        # The SDK's abort() (the trainer's NCCL init retry, a failing rank) aborts
-        # its own job: a job token must be able to.
-        "AbortJob",
-    }
-)
-# Answered for every scope, but a job token sees only its own job.
-FILTERED_METHODS = frozenset({"ListJobs"})
 
 
 @dataclass(frozen=True)
@@ -79,22 +53,23 @@ CALLER: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("caller_sc
 
 def allowed(scope: Scope, method: str, job_id: str | None) -> bool:
     """Whether ``scope`` may call ``method`` (bare name) naming ``job_id``."""
-    if scope.job is None or method in FILTERED_METHODS:
+    rule = policy(method)
+    if scope.job is None or rule.filtered:
         return True
-    if method in JOB_METHODS:
+    if rule.job_scoped:
         return job_id is not None and scope.job == job_id
     return False
 
 
 def denied(scope: Scope, method: str, job_id: str | None) -> RendezvousFault:
     target = f" for job {job_id[:128]!r}" if job_id is not None else ""
-    if method in JOB_METHODS:
+    if policy(method).job_scoped:
         hint = "use that job's token or the admin token"
     else:
         hint = "only the admin token may call it"
     return RendezvousFault(
         Code.PERMISSION_DENIED,
-        "SCOPE_DENIED",
+        Reason.SCOPE_DENIED,
         f"a token scoped to {scope} may not call {method}{target}; {hint}",
         {"scope": str(scope), "method": method},
     )

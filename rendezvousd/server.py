@@ -426,7 +426,7 @@ class Daemon:
         """
         now = time.monotonic()
         for job in list(self.state.jobs.values()):
-            member = job.members.get(0)
+            member = job.gen.members.get(0)
             if member is not None:
                 self.state.detach_stream(job.job_id, job.generation, 0, member.stream_token, now)
         self._servicer.apply()
@@ -435,7 +435,7 @@ class Daemon:
         return any(
             m.state is MemberState.ACTIVE
             for job in self.state.jobs.values()
-            for m in job.members.values()
+            for m in job.gen.members.values()
         )
 
     async def stop(self, grace: float | None = None) -> None:

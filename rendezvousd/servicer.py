@@ -18,13 +18,15 @@ import grpc
 from rendezvousd import validation
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.answers import JoinAnswers, failed_member
-from rendezvousd.errors import RendezvousFault
+from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.fault_status import STORAGE_UNAVAILABLE, storage_unavailable, to_grpc_status
+from rendezvousd.methods import policy
 from rendezvousd.metrics import Metrics
 from rendezvousd.model import (
     Effect,
     JobState,
     JobView,
+    JoinMode,
     Notify,
     Parked,
     Rejoin,
@@ -32,7 +34,7 @@ from rendezvousd.model import (
     Wake,
 )
 from rendezvousd.persistence import Persister
-from rendezvousd.scope import CALLER, FILTERED_METHODS, Scope, allowed, denied
+from rendezvousd.scope import CALLER, Scope, allowed, denied
 from rendezvousd.state import JoinArgs, NodeJoinArgs, RendezvousState
 from rendezvousd.streams import HeartbeatStreams
 
@@ -51,11 +53,6 @@ class _KeyCall(Protocol):
 
 
 SERVICE = "rendezvous.v1.Rendezvous"
-_READ_ONLY = frozenset({"KvGet", "ListJobs", "GetJob", "GetMembers"})
-# Changes whose handler makes them durable itself (``_durably``), before their effects.
-_SELF_DURABLE = frozenset(
-    {"KvSet", "KvAdd", "KvCompareAndSet", "KvDelete", "Leave", "AbortJob", "ReportFailure"}
-)
 
 
 def _now() -> float:
@@ -245,7 +242,7 @@ class RendezvousServicer:
         table = self.state.member_table(*_member_of(request), request.instance_id)
         if request.start_rank >= len(table):
             raise validation.invalid(
-                "RANK_OUT_OF_RANGE",
+                Reason.RANK_OUT_OF_RANGE,
                 f"start_rank={request.start_rank} is beyond job {request.job_id!r}'s world of "
                 f"{len(table)} ranks",
                 job_id=request.job_id,
@@ -331,8 +328,12 @@ class RendezvousServicer:
             yield event
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        leave = self.state.leave_node if request.node else self.state.leave
-        leave(request.job_id, request.generation, request.rank, request.instance_id, _now())
+        self.state.leave(
+            *_member_of(request),
+            request.instance_id,
+            _now(),
+            mode=JoinMode.of_caller(request.node),
+        )
         await self._durably(request.job_id, self.state.take_effects())
         return pb.LeaveResponse()
 
@@ -418,15 +419,16 @@ class RendezvousServicer:
         async def call(request: Any, context: Any) -> Any:
             started = time.perf_counter()
             code = "OK"
-            mutating = name not in _READ_ONLY
+            rule = policy(name)
+            mutating = not rule.read_only
             try:
-                if name not in FILTERED_METHODS:
+                if not rule.filtered:
                     _authorize(name, request.job_id)
                 if mutating:
                     self.persister.check(request.job_id)  # storage down: apply nothing
                 response = await fn(request, context)
                 if mutating:
-                    if name not in _SELF_DURABLE:
+                    if not rule.self_durable:
                         # Answer only once the change is on disk (group-committed).
                         self.persister.touch(request.job_id)
                         await self.persister.durable(request.job_id)

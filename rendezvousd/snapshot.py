@@ -21,7 +21,7 @@ from rendezvousd import validation
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.id_history import IdHistory
 from rendezvousd.job import BarrierState, Job, Member, Node
-from rendezvousd.model import FailedInfo, JobState, MemberState, Transition
+from rendezvousd.model import FailedInfo, JobState, JoinMode, MemberState, Transition
 from rendezvousd.state import RendezvousState
 
 SCHEMA = 1
@@ -49,17 +49,17 @@ def job_record(job: Job) -> dict[str, Any]:
                 "instance_id": m.instance_id,
                 "state": m.state.name,
             }
-            for m in job.members.values()
+            for m in job.gen.members.values()
         ],
-        "host_nodes": dict(job.host_nodes),  # a copy: a writer thread encodes it
+        "host_nodes": dict(job.gen.host_nodes),  # a copy: a writer thread encodes it
         "id_digest": (job.id_digest() or b"").hex(),
         # Oldest first: the order the bounded history forgets them in.
         "used_id_digests": [d.hex() for d in job.used_id_digests],
-        "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.failed],
-        "abort_reason": job.abort_reason,
-        "barriers": {name: b.completed for name, b in job.barriers.items()},
+        "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.gen.failed],
+        "abort_reason": job.gen.abort_reason,
+        "barriers": {name: b.completed for name, b in job.gen.barriers.items()},
         # Node joins (absent in rows written before them: a per-rank job).
-        "join_mode": job.join_mode,
+        "join_mode": job.gen.join_mode.value,
         "min_nodes": job.min_nodes,
         "max_nodes": job.max_nodes,
         "nodes": [
@@ -70,14 +70,14 @@ def job_record(job: Job) -> dict[str, Any]:
                 "state": n.state.name,
                 "addresses": list(n.addresses),
             }
-            for n in job.node_at.values()
+            for n in job.gen.node_at.values()
         ],
     }
 
 
 def _job(job: Job) -> dict[str, Any]:
     record = job_record(job)
-    record["kv"] = {k: base64.b64encode(v).decode("ascii") for k, v in job.kv.items()}
+    record["kv"] = {k: base64.b64encode(v).decode("ascii") for k, v in job.gen.kv.items()}
     return record
 
 
@@ -182,16 +182,16 @@ def restore_job(
     ValueError (types and ranges are checked, so a hand-edited row cannot corrupt the
     daemon)."""
     job = job_from_record(raw, kv, now)
-    if job.restored_id_digest is not None:
+    if job.gen.restored_id_digest is not None:
         # Only the digest survives: a later generation must still refuse this id.
-        job.used_id_digests.add(job.restored_id_digest)
+        job.used_id_digests.add(job.gen.restored_id_digest)
     if job.state is JobState.FORMING:
         # Mid-bootstrap: nobody can have the id from us any more. Fence it.
         job.state = JobState.ENDED
         job.open_generation(now)
         state.jobs[job.job_id] = job
         state.take_effects()
-        state._effects.append(
+        state.calls.emit(
             Transition(
                 job.job_id,
                 job.generation,
@@ -202,9 +202,9 @@ def restore_job(
         )
         return
     if job.state is JobState.RUNNING:
-        job.restored = True
+        job.gen.restored = True
     state.jobs[job.job_id] = job
-    state._effects.append(Transition(job.job_id, job.generation, None, job.state, "restored"))
+    state.calls.emit(Transition(job.job_id, job.generation, None, job.state, "restored"))
 
 
 def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) -> Job:
@@ -231,7 +231,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
     )
     id_digest = _str(raw, "id_digest")
     if id_digest:
-        job.restored_id_digest = _digest(id_digest, "id_digest")
+        job.gen.restored_id_digest = _digest(id_digest, "id_digest")
     for m in _rows(raw, "members"):
         member_state = _member_state(m, "members")
         member = Member(
@@ -246,9 +246,9 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         if member.rank != job.rank_of(member.node_rank, member.local_rank):
             raise ValueError(f"member rank {member.rank} does not match its node/local rank")
         member.last_seen = now  # a full heartbeat timeout to reattach
-        job.members[member.rank] = member
-    job.left = sum(m.state is MemberState.LEFT for m in job.members.values())
-    job.host_nodes = {
+        job.gen.members[member.rank] = member
+    job.gen.left = sum(m.state is MemberState.LEFT for m in job.gen.members.values())
+    job.gen.host_nodes = {
         str(h): _int({"node": n}, "node", 0, job.num_nodes - 1)
         for h, n in _map(raw, "host_nodes").items()
     }
@@ -259,29 +259,33 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         rank = _int(f, "rank", 0, job.world_size - 1)
         node_rank, local_rank = divmod(rank, job.gpus_per_node)
         failed.append(FailedInfo(rank, _str(f, "host"), _str(f, "cause"), node_rank, local_rank))
-    job.failed = failed
-    job.abort_reason = _str(raw, "abort_reason")
-    job.barriers = {
+    job.gen.failed = failed
+    job.gen.abort_reason = _str(raw, "abort_reason")
+    job.gen.barriers = {
         str(n): BarrierState(completed=_int({"completed": c}, "completed", 0, MAX_COUNTER))
         for n, c in _map(raw, "barriers").items()
     }
     _restore_nodes(job, raw, now)
-    job.kv = dict(kv)
-    job.kv_bytes = sum(len(k.encode()) + len(v) for k, v in job.kv.items())
+    job.gen.kv = dict(kv)
+    job.gen.kv_bytes = sum(len(k.encode()) + len(v) for k, v in job.gen.kv.items())
     if job.state is JobState.RUNNING:
-        if sorted(job.members) != list(range(job.world_size)):
+        if sorted(job.gen.members) != list(range(job.world_size)):
             raise ValueError("a RUNNING job must have every rank of its world as a member")
-        job.member_table = tuple(job.members[r].info() for r in sorted(job.members))
+        job.gen.member_table = tuple(job.gen.members[r].info() for r in sorted(job.gen.members))
     return job
 
 
 def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
     """A formed JoinNode generation's node agents; rows from before node joins have none."""
-    mode = raw.get("join_mode", "rank" if job.members else "")
-    if mode not in ("", "rank", "node"):
-        raise ValueError(f"join_mode must be '', 'rank' or 'node', not {mode!r}")
-    job.join_mode = mode
-    if mode != "node":
+    stored = raw.get("join_mode", "rank" if job.gen.members else "")
+    try:
+        mode = JoinMode(stored)
+    except ValueError:
+        raise ValueError(f"join_mode must be '', 'rank' or 'node', not {stored!r}") from None
+    job.gen.join_mode = mode
+    if mode is not JoinMode.NODE:
+        # A per-rank generation's bounds are its node count (rows never held them).
+        job.min_nodes = job.max_nodes = job.num_nodes
         return
     job.min_nodes = _int(raw, "min_nodes", 1, _MAX_WORLD)
     job.max_nodes = _int(raw, "max_nodes", job.min_nodes, _MAX_WORLD)
@@ -301,5 +305,5 @@ def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
             state=state,
             last_seen=now,  # a full heartbeat timeout to reattach, like members
         )
-        job.nodes[node.instance_id] = node
-        job.node_at[node.node_rank] = node
+        job.gen.nodes[node.instance_id] = node
+        job.gen.node_at[node.node_rank] = node

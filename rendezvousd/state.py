@@ -3,32 +3,28 @@
 Every method takes the current monotonic time, mutates in-memory state, and
 either returns a value, returns ``Parked`` (the caller must wait), or raises
 ``RendezvousFault``. Side effects for other callers (wake a parked call, push
-an event to a heartbeat stream, log a transition) are queued and collected
-with ``take_effects()``. There is no I/O, no clock and no asyncio here, which
-is what lets tests and the Hypothesis model drive it directly.
+an event to a heartbeat stream, log a transition) are queued on ``calls`` and
+collected with ``take_effects()``. There is no I/O, no clock and no asyncio here,
+which is what lets tests and the Hypothesis model drive it directly.
+
+One class, its decisions split by concept into modules of functions over it:
+``joins`` (Join, PublishId, JoinNode, forming), ``liveness`` (streams, heartbeats,
+silence, Leave, ReportFailure), ``rounds`` (a generation's life), ``seats`` (who may
+call); barriers, the key-value store, aborts and draining are here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from rendezvousd import barriers, fences, kv, nodes, placement, validation, waits
-from rendezvousd.errors import Code, RendezvousFault
-from rendezvousd.job import Job, Member
-from rendezvousd.model import (
-    EventKind,
-    JobState,
-    JobView,
-    JoinResult,
-    MemberInfo,
-    MemberState,
-    Parked,
-    Transition,
-)
-from rendezvousd.node_state import NodeJoins
+from rendezvousd import barriers, fences, joins, kv, liveness, rounds, seats, validation, waits
+from rendezvousd.calls import Calls
+from rendezvousd.errors import Code, Reason
+from rendezvousd.job import Job
+from rendezvousd.limits import Limits, Timing
+from rendezvousd.model import Effect, EventKind, JobState, JobView, MemberInfo, Parked
 from rendezvousd.nodes import NodeJoinArgs
 from rendezvousd.placement import JoinArgs
-from rendezvousd.state_core import TERMINAL
 from rendezvousd.views import job_view
 
 # JoinArgs/NodeJoinArgs are part of this module's interface: callers build the requests
@@ -36,175 +32,50 @@ from rendezvousd.views import job_view
 __all__ = ["JoinArgs", "NodeJoinArgs", "RendezvousState"]
 
 
-class RendezvousState(NodeJoins):
-    # -- join -------------------------------------------------------------
+class RendezvousState:
+    def __init__(self, limits: Limits | None = None, timing: Timing | None = None) -> None:
+        self.limits = limits or Limits()
+        self.timing = timing or Timing()
+        self.jobs: dict[str, Job] = {}
+        self.draining = False
+        self.calls = Calls(self.limits)
 
-    def join(self, args: JoinArgs, now: float) -> JoinResult | Parked:
-        self._check_not_draining()
-        placement.check(args, self.limits)
-        job = self._job_for_join(args, now)
-        node_rank = placement.node_rank(job, args)
-        rank = job.rank_of(node_rank, args.local_rank)
-        member = job.members.get(rank)
-        if member is not None and member.instance_id != args.instance_id:
-            if not placement.abandoned(job, member):
-                raise placement.duplicate_rank(job, args, rank, node_rank, member)
-            placement.unplace(job, rank, now)
-            member = None
-        if args.unique_id:
-            placement.accept_id(job, rank, args.unique_id)
-        added = member is None
-        if member is None:
-            if job.state is not JobState.FORMING:
-                raise job.generation_fault()
-            member = Member(
-                rank, node_rank, args.local_rank, args.host, args.address, args.instance_id
-            )
-            job.members[rank] = member
-            if args.node_rank is None:
-                job.host_nodes.setdefault(args.host, node_rank)
-        try:
-            outcome = self._join_outcome(job, member, now)
-        except RendezvousFault as fault:
-            if added and fault.reason == "LIMIT_EXCEEDED":
-                # Refused for capacity: the rank must stay free for the retry.
-                placement.unplace(job, rank, now)
-            raise
-        if isinstance(outcome, JoinResult) and outcome.id_required:
-            # A rank 0 that crashes before PublishId must not keep the job forming
-            # forever: it is freed at the Join's own (capped) deadline. Its restart
-            # need not wait for that: no call holds the rank (placement.abandoned).
-            wait = min(args.wait_s or self.timing.default_wait_s, self.timing.max_wait_s)
-            job.id_deadline = now + wait
-        return outcome
+    def take_effects(self) -> list[Effect]:
+        return self.calls.take()
 
-    def publish_id(
-        self,
-        job_id: str,
-        generation: int,
-        rank: int,
-        instance_id: str,
-        unique_id: bytes,
-        now: float,
-    ) -> JoinResult | Parked:
-        validation.unique_id(unique_id)
-        job, member = self._member(job_id, generation, rank, running=False)
-        if job.state in TERMINAL:
-            raise job.generation_fault()
-        if rank == 0 and member.instance_id != instance_id:
-            # Rank 0 was taken by a restarted worker while this one owed the id.
-            raise fences.other_instance(job, generation, rank, instance_id)
-        if rank != 0:
-            raise RendezvousFault(
-                Code.PERMISSION_DENIED,
-                "NOT_RANK_ZERO",
-                f"only the worker holding global rank 0 publishes the id of job {job_id!r}",
-                {"job_id": job_id, "ranks": str(rank)},
-            )
-        placement.accept_id(job, rank, unique_id)
-        job.id_deadline = None
-        return self._join_outcome(job, member, now)
+    @property
+    def waiter_count(self) -> int:
+        return len(self.calls.waiting)
 
-    def _job_for_join(self, args: JoinArgs, now: float) -> Job:
-        job = self.jobs.get(args.job_id)
-        if job is None:
-            job = self._open_job(args.job_id, args.num_nodes, args.gpus_per_node, now)
-            job.join_mode = "rank"
-            return job
-        if job.state in TERMINAL and not placement.rejoin_of_current(job, args):
-            self._next_generation(job, now)
-            # A new generation may change the topology: it starts from scratch.
-            job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
-        if job.state is JobState.FORMING and not job.members and not job.nodes:
-            job.join_mode = "rank"
-        elif job.join_mode != "rank":
-            raise nodes.mode_mismatch(job, "rank", args.host)
-        if (job.num_nodes, job.gpus_per_node) != (args.num_nodes, args.gpus_per_node):
-            if job.state is JobState.FORMING and not job.members:
-                # Nobody is waiting on the old topology: the next joiner sets it.
-                job.num_nodes, job.gpus_per_node = args.num_nodes, args.gpus_per_node
-                return job
-            fault = job.topology_conflict(args.host, (args.num_nodes, args.gpus_per_node))
-            raise self._conflict(job, fault, now)
-        return job
+    # joins.py
+    join = joins.join
+    publish_id = joins.publish_id
+    join_node = joins.join_node
+    cancel_wait = joins.cancel_wait
 
-    def _join_outcome(self, job: Job, member: Member, now: float) -> JoinResult | Parked:
-        if job.state is JobState.FORMING and len(job.members) == job.world_size and job.unique_id:
-            self._start(job, now)
-        if job.state is JobState.RUNNING:
-            if job.unique_id is None:
-                # Restored after a restart: the id was never on disk, so this
-                # rank can no longer be given it. Fence the generation.
-                self._lose(job, [member], "daemon restarted before this rank received the id", now)
-                raise job.generation_fault()
-            return placement.result(job, member)
-        if job.state in TERMINAL:
-            raise job.generation_fault()
-        if member.rank == 0 and job.unique_id is None:
-            return placement.id_required(job, member)
-        parked = self._park(job, "join", member.rank, "", now)
-        job.join_waiters[parked.waiter] = member.rank
-        return parked
+    # liveness.py
+    attach_stream = liveness.attach_stream
+    heartbeat = liveness.heartbeat
+    detach_stream = liveness.detach_stream
+    tick = liveness.tick
+    leave = liveness.leave
+    report_failure = liveness.report_failure
 
-    def _start(self, job: Job, now: float) -> None:
-        for m in job.members.values():
-            m.state = MemberState.ACTIVE
-            m.last_seen = now
-        job.member_table = tuple(job.members[r].info() for r in range(job.world_size))
-        self._set_state(job, JobState.RUNNING, now, f"all {job.world_size} ranks joined")
-        for waiter, rank in list(job.join_waiters.items()):
-            self._wake(waiter, placement.result(job, job.members[rank]))
-        job.join_waiters.clear()
+    # rounds.py
+    put_back = rounds.put_back
 
-    # -- waiting calls that end ------------------------------------------
-
-    def cancel_wait(self, waiter: int, now: float, *, timed_out: bool) -> RendezvousFault | None:
-        """A parked call ended without a wake (deadline, cancel). Returns its fault."""
-        w = self._unpark(waiter)
-        if w is None:
-            return None
-        job = self.jobs.get(w.job_id)
-        if job is None or job.generation != w.generation:
-            return None
-        if w.kind in ("node", "scaleup"):
-            return self._node_wait_ended(job, w, waiter, now, timed_out=timed_out)
-        waited = f"{now - w.since:.1f} s"
-        if w.kind == "join":
-            job.join_waiters.pop(waiter, None)
-            if not timed_out:
-                self._abandon_join(job, w.rank, now)
-                return None
-            missing = job.missing_ranks()
-            placement.unplace(job, w.rank, now)
-            return waits.world_incomplete(job, missing, waited)
-        if w.kind == "barrier":
-            meta = {"job_id": job.job_id, "generation": str(job.generation)}
-            return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
-        return waits.key_wait_timeout(job, w.key, waiter, waited)
-
-    def _abandon_join(self, job: Job, rank: int, now: float) -> None:
-        """A parked Join vanished (the worker died or disconnected): everyone
-        waiting for this world is told at once, rather than at their timeout."""
-        member = job.members.get(rank)
-        if job.state is not JobState.FORMING or member is None or rank in job.join_waiters.values():
-            return
-        member.state = MemberState.LOST
-        cause = "its Join was cancelled (worker died or disconnected)"
-        job.failed.append(member.loss(cause, now))
-        self._set_state(job, JobState.FAILED, now, f"rank {rank} on {member.host}: {cause}")
-        self._fail_waiters(job)
+    # seats.py
+    stream_current = seats.stream_current
 
     def member_table(
         self, job_id: str, generation: int, rank: int, instance_id: str
     ) -> tuple[MemberInfo, ...]:
         """A formed generation's member table, for one of its members (GetMembers); a
         generation that ended keeps it, so a worker may read it after its peers left."""
-        job, _ = self._caller(job_id, generation, rank, instance_id, running=False)
-        if not job.member_table:
+        job, _ = seats.caller(self, job_id, generation, rank, instance_id, running=False)
+        if not job.gen.member_table:
             raise job.generation_fault()  # still forming: NOT_RUNNING
-        return job.member_table
-
-    # -- barrier ----------------------------------------------------------
+        return job.gen.member_table
 
     def barrier(
         self,
@@ -217,17 +88,17 @@ class RendezvousState(NodeJoins):
         *,
         instance_id: str,
     ) -> int | Parked:
-        job, member = self._caller(job_id, generation, rank, instance_id)
+        job, member = seats.caller(self, job_id, generation, rank, instance_id)
         barrier, done = barriers.enter(job, member, name, sequence, self.limits)
         if done:
             return sequence
         if job.barrier_complete(len(barrier.arrived) + (rank not in barrier.arrived)):
             for w in barriers.release(barrier):
-                self._wake(w, barrier.completed)
+                self.calls.wake(w, barrier.completed)
             return sequence
-        return self._park_under(barrier.arrived, rank, job, "barrier", rank, name, now)
-
-    # -- key-value store --------------------------------------------------
+        return self.calls.park_under(
+            barrier.arrived, rank, job, waits.WaitKind.BARRIER, rank, name, now
+        )
 
     def kv_set(
         self, job_id: str, generation: int, rank: int, key: str, value: bytes, *, instance_id: str
@@ -247,14 +118,16 @@ class RendezvousState(NodeJoins):
         instance_id: str,
     ) -> bytes | Parked:
         job = self._kv_job(job_id, generation, rank, key, instance_id)
-        value = job.kv.get(key)
+        value = job.gen.kv.get(key)
         if value is not None:
             return value
         if not wait:
             raise job.fault(
-                Code.NOT_FOUND, "KEY_NOT_FOUND", f"key {key!r} is not set in {job.named}"
+                Code.NOT_FOUND, Reason.KEY_NOT_FOUND, f"key {key!r} is not set in {job.named}"
             )
-        return self._park_under(job.kv_waiters, key, job, "kv", rank, key, now)
+        return self.calls.park_under(
+            job.gen.kv_waiters, key, job, waits.WaitKind.KV, rank, key, now
+        )
 
     def kv_add(
         self, job_id: str, generation: int, rank: int, key: str, delta: int, *, instance_id: str
@@ -277,7 +150,7 @@ class RendezvousState(NodeJoins):
     ) -> tuple[bool, bytes | None]:
         job = self._kv_job(job_id, generation, rank, key, instance_id)
         validation.kv_value(desired, self.limits)
-        current = job.kv.get(key)
+        current = job.gen.kv.get(key)
         if current != expected:
             return False, current
         self._store(job, key, desired)
@@ -290,7 +163,7 @@ class RendezvousState(NodeJoins):
 
     def _kv_job(self, job_id: str, generation: int, rank: int, key: str, instance_id: str) -> Job:
         """The calling member's job, once ``key`` is a valid key."""
-        job, _ = self._caller(job_id, generation, rank, instance_id)
+        job, _ = seats.caller(self, job_id, generation, rank, instance_id)
         validation.kv_key(key, self.limits)
         return job
 
@@ -301,137 +174,39 @@ class RendezvousState(NodeJoins):
 
     def _store(self, job: Job, key: str, value: bytes) -> None:
         for w in kv.put(job, key, value, self.limits, self.kv_bytes):
-            self._wake(w, value)
-
-    # -- liveness ---------------------------------------------------------
-
-    def attach_stream(
-        self, job_id: str, generation: int, rank: int, instance_id: str, now: float
-    ) -> int:
-        """A heartbeat stream opened; returns its token for ``detach_stream``."""
-        job, member = self._caller(job_id, generation, rank, instance_id)
-        if job.join_mode == "node":
-            # Its node agent's stream is this rank's liveness: a stream of the rank's own
-            # would fail the whole generation when it closed (the worker exiting).
-            raise job.fault(
-                Code.FAILED_PRECONDITION,
-                "JOIN_MODE_MISMATCH",
-                f"{job.named}: rank {rank} belongs to a node joined by its node agent, "
-                "whose heartbeat covers it; an attached worker does not open a heartbeat "
-                "stream of its own (call attach(), not start_heartbeat())",
-                rank=str(rank),
-            )
-        return member.attach(now)
-
-    def heartbeat(self, job_id: str, generation: int, rank: int, now: float) -> None:
-        _, member = self._member(job_id, generation, rank)
-        member.last_seen = now
-
-    def detach_stream(
-        self, job_id: str, generation: int, rank: int, token: int, now: float
-    ) -> None:
-        """A heartbeat stream ended. Without a Leave first, the member is lost."""
-        job = self._stream_job(job_id, generation)
-        member = job.members.get(rank) if job else None
-        if job and member and member.detach(token):
-            cause = self._stream_end_cause(member, "heartbeat stream closed", "worker", now)
-            self._lose(job, [member], cause, now)
-
-    def tick(self, now: float) -> None:
-        """Time-driven decisions: silent members are lost, old jobs forgotten."""
-        timeout = self.timing.heartbeat_timeout_s
-        for job in list(self.jobs.values()):
-            if job.join_mode == "node":
-                self._node_tick(job, now)
-            else:
-                if job.id_deadline is not None and now > job.id_deadline:
-                    self._id_overdue(job, now)
-                if job.state is JobState.RUNNING:
-                    for member in list(job.members.values()):
-                        if member.state is MemberState.ACTIVE and now - member.last_seen > timeout:
-                            self._lose(job, [member], self._silent("worker"), now)
-            idle = job.state in TERMINAL or (
-                job.state is JobState.FORMING and not job.members and not job.nodes
-            )
-            if idle and now - job.state_since > self.timing.job_ttl_s and not job.all_waiters():
-                del self.jobs[job.job_id]
-                self._effects.append(
-                    Transition(job.job_id, job.generation, job.state, None, "expired")
-                )
-
-    def _id_overdue(self, job: Job, now: float) -> None:
-        """Rank 0 was told id_required and neither published nor waited since."""
-        job.id_deadline = None
-        rank_zero = job.members.get(0)
-        if job.state is not JobState.FORMING or rank_zero is None or job.unique_id is not None:
-            return
-        if 0 in job.join_waiters.values():
-            return  # its PublishId is parked: that call's own deadline applies
-        placement.unplace(job, 0, now)
-        self._effects.append(
-            Transition(
-                job.job_id,
-                job.generation,
-                JobState.FORMING,
-                JobState.FORMING,
-                f"rank 0 on {rank_zero.host} did not publish the id within its Join's wait; "
-                "rank 0 is free for a restarted worker",
-            )
-        )
-
-    # -- endings ----------------------------------------------------------
-
-    def leave(self, job_id: str, generation: int, rank: int, instance_id: str, now: float) -> None:
-        job, member = self._caller(job_id, generation, rank, instance_id, running=False)
-        if job.state is JobState.FORMING:
-            for waiter, r in list(job.join_waiters.items()):
-                if r == rank:
-                    job.join_waiters.pop(waiter)
-                    self._wake(
-                        waiter,
-                        fault=RendezvousFault(
-                            Code.ABORTED,
-                            "JOB_ABORTED",
-                            f"rank {rank} left job {job_id!r} before it formed",
-                        ),
-                    )
-            placement.unplace(job, rank, now)
-            return
-        self._member_left(job, member, now)
+            self.calls.wake(w, value)
 
     def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
-        job = self._job(job_id)
+        job = seats.find_job(self, job_id)
         if generation not in (0, job.generation):
-            self._member(job_id, generation, 0, running=False)  # raises STALE_GENERATION
+            seats.seat(self, job_id, generation, 0)  # raises STALE_GENERATION
         if job.state in (JobState.FORMING, JobState.RUNNING):
-            job.abort_reason = reason or "aborted by request"
-            self._set_state(job, JobState.ABORTED, now, job.abort_reason)
-            self._fail_waiters(job)
-            self._notify(job, EventKind.JOB_ABORTED, reason=job.abort_reason)
+            job.gen.abort_reason = reason or "aborted by request"
+            rounds.set_state(self, job, JobState.ABORTED, now, job.gen.abort_reason)
+            rounds.fail_waiters(self, job)
+            rounds.notify(self, job, EventKind.JOB_ABORTED, reason=job.gen.abort_reason)
         return job.generation
 
     def drain(self) -> None:
         """Shutdown began: refuse new joins, release every waiter, tell every member."""
         self.draining = True
         fault = fences.draining()
-        for waiter in list(self._waiters):
-            self._wake(waiter, fault=fault)
+        for waiter in list(self.calls.waiting):
+            self.calls.wake(waiter, fault=fault)
         for job in self.jobs.values():
-            job.join_waiters.clear()
-            job.node_waiters.clear()
+            job.gen.join_waiters.clear()
+            job.gen.node_waiters.clear()
             job.scaleup_waiters.clear()
-            job.kv_waiters.clear()
-            for barrier in job.barriers.values():
+            job.gen.kv_waiters.clear()
+            for barrier in job.gen.barriers.values():
                 barrier.arrived.clear()
             if job.state is JobState.RUNNING:
-                self._notify(job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")
-
-    # -- inspection -------------------------------------------------------
+                rounds.notify(self, job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")
 
     def views(self, now: float) -> Iterator[JobView]:
         for job_id in sorted(self.jobs):
             yield self.view(job_id, now)
 
     def view(self, job_id: str, now: float) -> JobView:
-        return job_view(self._job(job_id), now)
+        return job_view(seats.find_job(self, job_id), now)

@@ -17,11 +17,12 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.answers import failed_member
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.metrics import Metrics
-from rendezvousd.model import EventKind, Notify
+from rendezvousd.model import EventKind, JoinMode, Notify
 from rendezvousd.state import RendezvousState
 
-# (job, generation, "rank" or "node", its rank): members and node agents stream alike.
-_StreamKey = tuple[str, int, str, int]
+# (job, generation, the mode its attendee joined in, its rank): workers and node agents
+# stream alike.
+_StreamKey = tuple[str, int, JoinMode, int]
 # What a stream's writer takes: an event, a fault that ends the stream, or None (its end).
 _Item = pb.JobEvent | RendezvousFault | None
 
@@ -50,9 +51,8 @@ class HeartbeatStreams:
             reason=effect.reason,
             nodes_waiting=effect.nodes_waiting,
         )
-        targets = [("rank", r) for r in effect.ranks] + [("node", n) for n in effect.nodes]
-        for kind, rank in targets:
-            stream = self._open.get((effect.job_id, effect.generation, kind, rank))
+        for who in effect.to:
+            stream = self._open.get((effect.job_id, effect.generation, effect.mode, who))
             if stream is not None:
                 stream[1].put_nowait(event)
         if effect.kind is EventKind.PEER_FAILED:
@@ -63,7 +63,7 @@ class HeartbeatStreams:
         agent) is no longer in it ends with ``fault``; the others go on."""
         for key, (token, queue) in list(self._open.items()):
             if key[0] == job_id and not self.state.stream_current(
-                job_id, key[1], key[3], token, node=key[2] == "node"
+                job_id, key[1], key[3], token, key[2]
             ):
                 queue.put_nowait(fault)
 
@@ -71,9 +71,11 @@ class HeartbeatStreams:
         self, first: pb.HeartbeatRequest, iterator: AsyncIterator[pb.HeartbeatRequest]
     ) -> AsyncIterator[pb.JobEvent]:
         """The stream whose first request is ``first``: events until it ends."""
-        key = (first.job_id, first.generation, "node" if first.node else "rank", first.rank)
-        attach = self.state.attach_node_stream if first.node else self.state.attach_stream
-        token = attach(first.job_id, first.generation, first.rank, first.instance_id, self._now())
+        mode = JoinMode.of_caller(first.node)
+        key = (first.job_id, first.generation, mode, first.rank)
+        token = self.state.attach_stream(
+            first.job_id, first.generation, first.rank, first.instance_id, self._now(), mode=mode
+        )
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         # Acknowledge the attach at once: a client reattaching after a restart
         # knows it is heard again without waiting for the next heartbeat.
@@ -95,8 +97,7 @@ class HeartbeatStreams:
             self.metrics.streams.dec()
             if self._open.get(key) is entry:
                 del self._open[key]
-            detach = self.state.detach_node_stream if first.node else self.state.detach_stream
-            detach(first.job_id, first.generation, first.rank, token, self._now())
+            self.state.detach_stream(*key[:2], first.rank, token, self._now(), mode=mode)
             self._apply()
 
     async def _read(
@@ -110,12 +111,11 @@ class HeartbeatStreams:
         ack_every = self.state.timing.heartbeat_timeout_s / 10
         ack = pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
         acked = self._now()
-        beat = self.state.node_heartbeat if key[2] == "node" else self.state.heartbeat
         try:
             async for _ in iterator:
                 now = self._now()
                 try:
-                    beat(key[0], key[1], key[3], now)
+                    self.state.heartbeat(key[0], key[1], key[3], now, mode=key[2])
                 except RendezvousFault:
                     break  # the generation ended; its events were already pushed
                 if now - acked >= ack_every:

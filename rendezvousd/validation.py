@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.limits import Limits
 
 UNIQUE_ID_BYTES = 128
@@ -14,14 +14,14 @@ _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
-def invalid(reason: str, message: str, **metadata: str) -> RendezvousFault:
+def invalid(reason: Reason, message: str, **metadata: str) -> RendezvousFault:
     return RendezvousFault(Code.INVALID_ARGUMENT, reason, message, metadata)
 
 
 def limit_exceeded(limit: str, message: str, **metadata: str) -> RendezvousFault:
     """RESOURCE_EXHAUSTED naming the limit (``limit`` in the ErrorInfo metadata)."""
     return RendezvousFault(
-        Code.RESOURCE_EXHAUSTED, "LIMIT_EXCEEDED", message, {"limit": limit, **metadata}
+        Code.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED, message, {"limit": limit, **metadata}
     )
 
 
@@ -29,7 +29,7 @@ def rank_in_range(name: str, value: int, bound_name: str, bound: int, *, job_id:
     """Refuses a rank ``value`` outside 0..``bound`` - 1 (``bound_name`` counts them)."""
     if value >= bound:
         raise invalid(
-            "RANK_OUT_OF_RANGE",
+            Reason.RANK_OUT_OF_RANGE,
             f"{name}={value} is out of range for {bound_name}={bound} (expected 0..{bound - 1})",
             job_id=job_id,
         )
@@ -39,7 +39,7 @@ def job_id(value: str) -> str:
     if not _JOB_ID.fullmatch(value) or value in (".", ".."):
         shown = value[:40].encode("unicode_escape").decode("ascii")
         raise invalid(
-            "INVALID_JOB_ID",
+            Reason.INVALID_JOB_ID,
             f"job id {shown!r} is invalid: use 1-128 characters from [A-Za-z0-9._-]",
         )
     return value
@@ -48,7 +48,7 @@ def job_id(value: str) -> str:
 def topology(num_nodes: int, gpus_per_node: int, limits: Limits) -> None:
     if num_nodes < 1 or gpus_per_node < 1:
         raise invalid(
-            "INVALID_TOPOLOGY",
+            Reason.INVALID_TOPOLOGY,
             f"topology num_nodes={num_nodes} gpus_per_node={gpus_per_node} is invalid: "
             "both must be at least 1",
         )
@@ -63,11 +63,11 @@ def topology(num_nodes: int, gpus_per_node: int, limits: Limits) -> None:
 
 def text_field(name: str, value: str, max_bytes: int, *, required: bool) -> str:
     if required and not value:
-        raise invalid("INVALID_ARGUMENT", f"{name} must not be empty")
+        raise invalid(Reason.INVALID_ARGUMENT, f"{name} must not be empty")
     if len(value.encode()) > max_bytes:
-        raise invalid("INVALID_ARGUMENT", f"{name} is longer than {max_bytes} bytes")
+        raise invalid(Reason.INVALID_ARGUMENT, f"{name} is longer than {max_bytes} bytes")
     if _CONTROL.search(value):
-        raise invalid("INVALID_ARGUMENT", f"{name} contains control characters")
+        raise invalid(Reason.INVALID_ARGUMENT, f"{name} contains control characters")
     return value
 
 
@@ -75,23 +75,23 @@ def unique_id(value: bytes) -> bytes:
     # Never echo the bytes: the id is a bearer credential for the NCCL world.
     if len(value) != UNIQUE_ID_BYTES:
         raise invalid(
-            "INVALID_ID",
+            Reason.INVALID_ID,
             f"unique id must be exactly {UNIQUE_ID_BYTES} bytes, got {len(value)}",
         )
     if not any(value):
-        raise invalid("INVALID_ID", "unique id is all zero bytes; generate a fresh one")
+        raise invalid(Reason.INVALID_ID, "unique id is all zero bytes; generate a fresh one")
     return value
 
 
 def kv_key(key: str, limits: Limits) -> str:
     if not key:
-        raise invalid("INVALID_ARGUMENT", "key must not be empty")
+        raise invalid(Reason.INVALID_ARGUMENT, "key must not be empty")
     if len(key.encode()) > limits.max_key_bytes:
         raise limit_exceeded(
             "max_key_bytes", f"key is longer than max_key_bytes={limits.max_key_bytes}"
         )
     if _CONTROL.search(key):
-        raise invalid("INVALID_ARGUMENT", "key contains control characters")
+        raise invalid(Reason.INVALID_ARGUMENT, "key contains control characters")
     return key
 
 

@@ -13,8 +13,8 @@ from rendezvousd.model import JobView, MemberState, MemberView
 def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
     """Whose heartbeat keeps ``rank`` alive: in a node job its node agent's (nodes
     heartbeat, ranks do not), else the member's own."""
-    if job.node_at and job.gpus_per_node:
-        node = job.node_at.get(rank // job.gpus_per_node)
+    if job.gen.node_at and job.gpus_per_node:
+        node = job.gen.node_at.get(rank // job.gpus_per_node)
         if node is not None:
             return node
     return member
@@ -29,7 +29,7 @@ def job_view(job: Job, now: float) -> JobView:
             max(0.0, now - _beating(job, r, m).last_seen) if m.state is MemberState.ACTIVE else 0.0,
             _beating(job, r, m).stream_open,
         )
-        for r, m in sorted(job.members.items())
+        for r, m in sorted(job.gen.members.items())
     )
     return JobView(
         job.job_id,
@@ -40,10 +40,10 @@ def job_view(job: Job, now: float) -> JobView:
         len(job.present()),
         max(0.0, now - job.state_since),
         members,
-        tuple(job.failed),
+        tuple(job.gen.failed),
         # Whether an id is held, never the id: views reach logs and the status command.
-        job.unique_id is not None,
-        len(job.kv),
-        job.abort_reason,
-        len(set(job.scaleup_waiters.values()) | set(job.node_waiters.values())),
+        job.gen.unique_id is not None,
+        len(job.gen.kv),
+        job.gen.abort_reason,
+        len(set(job.scaleup_waiters.values()) | set(job.gen.node_waiters.values())),
     )

@@ -12,6 +12,7 @@ from rendezvousd.limits import Timing
 from rendezvousd.model import (
     EventKind,
     JobState,
+    JoinMode,
     MemberState,
     NodeJoinResult,
     Notify,
@@ -92,7 +93,7 @@ def test_fixed_size_forms_with_rank_blocks_and_one_id() -> None:
     assert [m.rank for m in a.members] == [0, 1, 2, 3]
     assert {m.host for m in a.members[2:]} == {"host-b"}
     # each worker's member answers to the instance id handed to its node only
-    assert job.members[3].instance_id == second.member_instance_ids[1]
+    assert job.gen.members[3].instance_id == second.member_instance_ids[1]
     assert len(set(a.member_instance_ids) | set(second.member_instance_ids)) == 4
 
 
@@ -118,12 +119,12 @@ def test_named_node_zero_takes_the_id_from_an_earlier_unnamed_node() -> None:
     assert isinstance(first, Parked)
     out = sm.join_node(node("b", hi=3, lo=3, rank=0), 1.0)
     assert isinstance(out, NodeJoinResult) and out.id_required  # b is node 0 now
-    assert sm.jobs["j"].unique_id is None
+    assert sm.jobs["j"].gen.unique_id is None
     fault(sm.join_node, node("a", hi=3, lo=3, uid=ID2), 1.5)  # a is not node 0 any more
     assert isinstance(sm.join_node(node("b", hi=3, lo=3, rank=0, uid=ID2), 2.0), Parked)
     out = sm.join_node(node("c", hi=3, lo=3), 3.0)
     assert isinstance(out, NodeJoinResult) and out.node_rank == 2 and out.unique_id == ID2
-    ranks = {n.instance_id: n.node_rank for n in sm.jobs["j"].nodes.values()}
+    ranks = {n.instance_id: n.node_rank for n in sm.jobs["j"].gen.nodes.values()}
     assert ranks == {"b": 0, "a": 1, "c": 2}
 
 
@@ -150,16 +151,16 @@ def formed(sm: RendezvousState) -> tuple[NodeJoinResult, NodeJoinResult]:
 def test_report_failure_fails_the_generation_and_tells_the_other_node_first_lost() -> None:
     sm = RendezvousState()
     formed(sm)
-    sm.attach_node_stream("j", 1, 0, "a", 0.0)
-    sm.attach_node_stream("j", 1, 1, "b", 0.0)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.take_effects()
     sm.report_failure("j", 1, 1, "b", 1, "exit code -9", 1.0)
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED
-    assert job.failed[0].rank == 3 and job.failed[0].cause == "exit code -9"
+    assert job.gen.failed[0].rank == 3 and job.gen.failed[0].cause == "exit code -9"
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
     assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED
-    assert notes[0].nodes == (0,) and notes[0].ranks == ()
+    assert notes[0].mode is JoinMode.NODE and notes[0].to == (0,)
     assert notes[0].failed[0].host == "host-b"
     # only the node's own agent may report
     f = fault(sm.report_failure, "j", 1, 0, "b", 0, "x", 2.0)
@@ -172,7 +173,7 @@ def test_report_failure_keeps_any_cause_bounded_and_in_order_of_report() -> None
     traceback = "Traceback:\n  line\r\x1b[31m\u202e" + "x" * 100_000
     sm.report_failure("j", 1, 1, "b", 1, traceback, 1.0)
     sm.report_failure("j", 1, 0, "a", 0, "", 2.0)
-    first, second = sm.jobs["j"].failed
+    first, second = sm.jobs["j"].gen.failed
     assert (first.rank, first.node_rank, first.local_rank, first.lost_at) == (3, 1, 1, 1.0)
     assert first.cause.startswith("Traceback:\n  line\r\x1b[31m\u202exxx")
     assert len(first.cause.encode()) <= MAX_CAUSE_BYTES
@@ -187,24 +188,24 @@ def test_report_failure_keeps_any_cause_bounded_and_in_order_of_report() -> None
 def test_node_stream_closing_loses_every_member_of_the_node() -> None:
     sm = RendezvousState()
     formed(sm)
-    token = sm.attach_node_stream("j", 1, 1, "b", 0.0)
-    sm.attach_node_stream("j", 1, 0, "a", 0.0)
-    sm.detach_node_stream("j", 1, 1, token, 1.0)
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE)
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED
-    assert sorted(f.rank for f in job.failed) == [2, 3]
-    assert job.members[2].state is MemberState.LOST
-    assert {f.cause for f in job.failed} == {"node agent's heartbeat stream closed"}
+    assert sorted(f.rank for f in job.gen.failed) == [2, 3]
+    assert job.gen.members[2].state is MemberState.LOST
+    assert {f.cause for f in job.gen.failed} == {"node agent's heartbeat stream closed"}
 
 
 def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
     formed(sm)
-    sm.node_heartbeat("j", 1, 0, 2.0)
+    sm.heartbeat("j", 1, 0, 2.0, mode=JoinMode.NODE)
     sm.tick(3.5)
     job = sm.jobs["j"]
-    assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {2, 3}
-    assert {f.cause for f in job.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
+    assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {2, 3}
+    assert {f.cause for f in job.gen.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
 
 
 def test_a_stream_cut_after_the_heartbeat_timeout_of_silence_is_lost_to_the_silence() -> None:
@@ -212,13 +213,13 @@ def test_a_stream_cut_after_the_heartbeat_timeout_of_silence_is_lost_to_the_sile
     tick, the cause is still the silence, not the cut."""
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
     formed(sm)
-    token = sm.attach_node_stream("j", 1, 1, "b", 0.0)
-    sm.attach_node_stream("j", 1, 0, "a", 0.0)
-    sm.node_heartbeat("j", 1, 0, 3.0)
-    sm.detach_node_stream("j", 1, 1, token, 3.0)  # silent for the whole timeout
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.heartbeat("j", 1, 0, 3.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 3.0, mode=JoinMode.NODE)  # silent for the whole timeout
     job = sm.jobs["j"]
-    assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {2, 3}
-    assert {f.cause for f in job.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
+    assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {2, 3}
+    assert {f.cause for f in job.gen.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
 
 
 def test_attached_workers_use_barrier_with_member_instance_ids() -> None:
@@ -244,7 +245,7 @@ def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:
     assert isinstance(first, Parked)
     sm.tick(1.5)
     assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 1
-    sm.attach_node_stream("j", 1, 0, "a", 1.5)
+    sm.attach_stream("j", 1, 0, "a", 1.5, mode=JoinMode.NODE)
     sm.take_effects()
     parked = sm.join_node(node("c", lo=1, hi=3, last_call=1.0), 2.0)
     assert isinstance(parked, Parked)
@@ -265,7 +266,7 @@ def test_node_timing_out_while_forming_frees_its_slot() -> None:
     assert isinstance(first, Parked)
     f = sm.cancel_wait(first.waiter, 10.0, timed_out=True)
     assert f is not None and f.reason == "WORLD_INCOMPLETE" and "min_nodes=3" in f.message
-    assert not sm.jobs["j"].nodes and sm.jobs["j"].unique_id is None
+    assert not sm.jobs["j"].gen.nodes and sm.jobs["j"].gen.unique_id is None
 
 
 def test_node_dying_while_forming_fails_the_others() -> None:
@@ -297,9 +298,9 @@ def test_bounds_mismatch_while_forming_fails_the_generation() -> None:
 def test_node_leave_leaves_every_member_and_ends_the_job() -> None:
     sm = RendezvousState()
     formed(sm)
-    sm.leave_node("j", 1, 0, "a", 1.0)
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
     assert sm.jobs["j"].state is JobState.RUNNING
-    sm.leave_node("j", 1, 1, "b", 1.0)
+    sm.leave("j", 1, 1, "b", 1.0, mode=JoinMode.NODE)
     assert sm.jobs["j"].state is JobState.ENDED
 
 
@@ -313,15 +314,15 @@ def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -
     back = RendezvousState()
     Persister(tmp_path, back).restore()
     job = back.jobs["j"]
-    assert job.state is JobState.RUNNING and job.join_mode == "node"
+    assert job.state is JobState.RUNNING and job.gen.join_mode is JoinMode.NODE
     assert (job.min_nodes, job.max_nodes, job.num_nodes) == (2, 2, 2)
-    restored = job.node_at[0].last_seen  # the restore's clock: a full timeout to reattach
-    assert back.attach_node_stream("j", 1, 1, "b", restored) == 1
+    restored = job.gen.node_at[0].last_seen  # the restore's clock: a full timeout to reattach
+    assert back.attach_stream("j", 1, 1, "b", restored, mode=JoinMode.NODE) == 1
     assert back.kv_get("j", 1, 3, "k", False, 1.0, instance_id=b.member_instance_ids[1]) == b"v"
     timeout = back.timing.heartbeat_timeout_s
-    back.node_heartbeat("j", 1, 1, restored + timeout)
+    back.heartbeat("j", 1, 1, restored + timeout, mode=JoinMode.NODE)
     back.tick(restored + timeout + 0.5)  # node a never reattached
-    assert job.state is JobState.FAILED and {f.rank for f in job.failed} == {0, 1}
+    assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {0, 1}
     # node b retrying its JoinNode hears why the generation ended
     f = fault(back.join_node, node("b"), restored + timeout + 1)
     assert f.reason == "PEER_FAILED"
@@ -333,11 +334,9 @@ def test_a_node_stream_attaching_after_a_node_parked_hears_nodes_waiting() -> No
     sm.tick(0.1)
     assert isinstance(sm.join_node(node("c", lo=1, hi=2, last_call=0.05), 0.2), Parked)
     sm.take_effects()
-    sm.attach_node_stream("j", 1, 0, "a", 0.3)
+    sm.attach_stream("j", 1, 0, "a", 0.3, mode=JoinMode.NODE)
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
-    assert [(n.kind, n.nodes, n.nodes_waiting) for n in notes] == [
-        (EventKind.NODES_WAITING, (0,), 1)
-    ]
+    assert [(n.kind, n.to, n.nodes_waiting) for n in notes] == [(EventKind.NODES_WAITING, (0,), 1)]
 
 
 def three_elastic(sm: RendezvousState) -> dict[str, int]:
@@ -348,8 +347,11 @@ def three_elastic(sm: RendezvousState) -> dict[str, int]:
     assert isinstance(sm.join_node(node("b", lo=2, hi=3), 0.0), Parked)
     assert isinstance(sm.join_node(node("c", lo=2, hi=3), 0.0), NodeJoinResult)  # max: at once
     job = sm.jobs["j"]
-    ranks = {inst: job.nodes[inst].node_rank for inst in "abc"}
-    tokens = {inst: sm.attach_node_stream("j", 1, r, inst, 0.0) for inst, r in ranks.items()}
+    ranks = {inst: job.gen.nodes[inst].node_rank for inst in "abc"}
+    tokens = {
+        inst: sm.attach_stream("j", 1, r, inst, 0.0, mode=JoinMode.NODE)
+        for inst, r in ranks.items()
+    }
     sm.take_effects()
     return {inst: tokens[inst] for inst in "abc"} | {f"{i}-rank": r for i, r in ranks.items()}
 
@@ -361,11 +363,11 @@ def rejoin(sm: RendezvousState, inst: str, now: float, uid: bytes = b"") -> obje
 def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> None:
     sm = RendezvousState()
     nodes = three_elastic(sm)
-    sm.detach_node_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0)  # c's agent died
+    sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)  # c's agent died
     assert sm.jobs["j"].state is JobState.FAILED
     # The survivors' streams end after PEER_FAILED: not a loss of theirs.
-    sm.detach_node_stream("j", 1, nodes["b-rank"], nodes["b"], 1.1)
-    assert [f.rank // 2 for f in sm.jobs["j"].failed] == [nodes["c-rank"]] * 2
+    sm.detach_stream("j", 1, nodes["b-rank"], nodes["b"], 1.1, mode=JoinMode.NODE)
+    assert [f.rank // 2 for f in sm.jobs["j"].gen.failed] == [nodes["c-rank"]] * 2
     # a comes back first (node 0: asked for the id), alone it waits for b...
     asked = rejoin(sm, "a2", 2.0)
     assert isinstance(asked, NodeJoinResult) and asked.id_required and asked.generation == 2
@@ -382,7 +384,7 @@ def test_after_a_clean_end_a_relaunch_still_waits_the_last_call() -> None:
     sm = RendezvousState()
     nodes = three_elastic(sm)
     for inst in "abc":
-        sm.leave_node("j", 1, nodes[f"{inst}-rank"], inst, 1.0)
+        sm.leave("j", 1, nodes[f"{inst}-rank"], inst, 1.0, mode=JoinMode.NODE)
     assert sm.jobs["j"].state is JobState.ENDED
     assert rejoin(sm, "a2", 2.0).id_required  # type: ignore[attr-defined]
     assert isinstance(rejoin(sm, "a2", 2.0, ID2), Parked)
@@ -401,7 +403,7 @@ def test_a_node_rank_held_by_another_agent_is_refused_with_both_hosts() -> None:
     assert "node_rank=0" in f.message and "host-a" in f.message
     assert f.metadata["node_rank"] == "0" and f.metadata["holder_host"] == "host-a"
     assert f.metadata["offending_host"] == "host-b"
-    assert set(sm.jobs["j"].nodes) == {"a"}  # the refused node took no seat
+    assert set(sm.jobs["j"].gen.nodes) == {"a"}  # the refused node took no seat
     # --nnodes >= 2 needs a node rank: the hint names both ways to give one.
     assert "give each node a distinct --node-rank (0..1), or --node-rank auto" in f.message
     assert "(or none)" not in f.message

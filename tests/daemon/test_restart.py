@@ -50,7 +50,7 @@ def test_running_job_survives_with_kv_and_barrier_counts_but_never_the_id(tmp_pa
     assert ID.hex() not in text and "BwcHBwcH" not in text  # neither hex nor base64 of the id
     back = _roundtrip(sm, tmp_path)
     job = back.jobs["j"]
-    assert job.state is JobState.RUNNING and job.generation == 1 and job.unique_id is None
+    assert job.state is JobState.RUNNING and job.generation == 1 and job.gen.unique_id is None
     assert back.kv_get("j", 1, 1, "addr", False, 1.0, instance_id="i1") == b"10.0.0.1:5"
     assert back.barrier("j", 1, 0, "b", 1, 1.0, instance_id="i0") == 1  # completed round remembered
     token = back.attach_stream("j", 1, 1, "i1", 1.0)  # heartbeats reattach
@@ -58,6 +58,26 @@ def test_running_job_survives_with_kv_and_barrier_counts_but_never_the_id(tmp_pa
     with pytest.raises(RendezvousFault) as info:  # a member that never got the id is fenced
         back.join(_args(1), 2.0)
     assert info.value.reason == "PEER_FAILED"
+
+
+def test_a_per_rank_row_written_before_join_bounds_restores_and_keeps_its_topology() -> None:
+    # Rows of per-rank jobs held min_nodes = max_nodes = 0; a per-rank Join is now the
+    # thin form of a node join, whose bounds are num_nodes..num_nodes.
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    record = snapshot.job_record(sm.jobs["j"]) | {"min_nodes": 0, "max_nodes": 0}
+    back = RendezvousState()
+    snapshot.restore_job(back, record, {}, 1.0)
+    with pytest.raises(RendezvousFault) as same:  # its own member, fenced for the lost id
+        back.join(_args(1), 2.0)
+    assert same.value.reason == "PEER_FAILED"
+    other = RendezvousState()
+    snapshot.restore_job(other, record, {}, 1.0)
+    with pytest.raises(RendezvousFault) as wider:
+        other.join(JoinArgs("j", 2, 2, 1, 0, "h2", "", b"", "x"), 2.0)
+    assert wider.value.reason == "TOPOLOGY_MISMATCH"
+    assert wider.value.metadata["topology"] == "1x2"
 
 
 def test_restored_running_job_takes_back_only_its_own_id(tmp_path: Path) -> None:
@@ -71,7 +91,7 @@ def test_restored_running_job_takes_back_only_its_own_id(tmp_path: Path) -> None
     with pytest.raises(RendezvousFault) as info:
         back.publish_id("j", 1, 0, "i0", b"\x09" * 128, 1.0)
     assert info.value.reason == "ID_CONFLICT"
-    assert back.jobs["j"].unique_id is None
+    assert back.jobs["j"].gen.unique_id is None
     # A PublishId retried across the restart (same id) is answered normally.
     out = back.publish_id("j", 1, 0, "i0", ID, 1.0)
     assert isinstance(out, JoinResult) and out.unique_id == ID and out.generation == 1
@@ -83,7 +103,7 @@ def test_forming_job_is_fenced_by_a_new_generation_and_old_id_refused(tmp_path: 
     assert isinstance(sm.join(_args(0, uid=ID), 0.0), Parked)
     back = _roundtrip(sm, tmp_path)
     assert back.jobs["j"].generation == 2 and back.jobs["j"].state is JobState.FORMING
-    assert not back.jobs["j"].members
+    assert not back.jobs["j"].gen.members
     with pytest.raises(RendezvousFault) as info:
         back.join(_args(0, uid=ID), 1.0)
     assert info.value.reason == "ID_REUSED"
@@ -156,7 +176,7 @@ def test_an_old_state_json_is_imported_once_and_renamed(tmp_path: Path) -> None:
     assert not legacy.path.exists() and (tmp_path / "state.json.imported").exists()
     assert back.kv_get("j", 1, 1, "k", False, 1.0, instance_id="i1") == b"v"
     again = RendezvousState()  # the next start reads the database alone
-    assert Persister(tmp_path, again).restore() == 1 and again.jobs["j"].kv == {"k": b"v"}
+    assert Persister(tmp_path, again).restore() == 1 and again.jobs["j"].gen.kv == {"k": b"v"}
 
 
 def test_a_state_json_next_to_a_database_with_jobs_is_refused(tmp_path: Path) -> None:

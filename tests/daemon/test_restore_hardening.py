@@ -124,7 +124,7 @@ async def test_a_commit_failing_with_any_exception_is_undone_and_the_timer_lives
         with pytest.raises(RendezvousError) as info:
             await c.kv_set("lost", b"2")
         assert (info.value.code, info.value.reason) == ("UNAVAILABLE", "STORAGE_UNAVAILABLE")
-        assert "lost" not in d.server.state.jobs["j"].kv  # undone, not left applied
+        assert "lost" not in d.server.state.jobs["j"].gen.kv  # undone, not left applied
         assert await _health(d.endpoint) == NOT_SERVING
         broken = False
         await d.until("health SERVING once commits work", lambda: d.server.persister.healthy)

@@ -12,9 +12,9 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import AuthenticationError, RendezvousClient
+from rendezvousd.methods import JOB_METHODS, POLICY
 from rendezvousd.scope import (
     ADMIN,
-    JOB_METHODS,
     Scope,
     admin_key,
     allowed,
@@ -56,6 +56,7 @@ def test_job_scope_lists_jobs_but_nothing_else() -> None:
 
 def test_every_rpc_has_a_scope_rule() -> None:
     methods = set(pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name)
+    assert methods == set(POLICY)  # one policy table entry per method, none stale
     assert methods == JOB_METHODS | {"ListJobs"}
 
 

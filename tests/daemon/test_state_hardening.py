@@ -51,7 +51,7 @@ def test_key_value_calls_of_another_instance_are_refused(
     sm.kv_set("j", gen, 0, "k", b"v", instance_id=inst(sm, 0))
     f = fault(getattr(sm, call), "j", gen, 0, *extra, instance_id="other-job-worker")
     assert f.reason == "DUPLICATE_RANK"
-    assert sm.jobs["j"].kv == {"k": b"v"}  # nothing read, changed or deleted
+    assert sm.jobs["j"].gen.kv == {"k": b"v"}  # nothing read, changed or deleted
 
 
 def test_a_stale_instance_of_an_earlier_generation_is_refused() -> None:
@@ -82,10 +82,10 @@ def test_rank_zero_that_never_publishes_frees_its_rank_at_its_join_deadline() ->
     assert isinstance(peer, Parked)
     sm.take_effects()
     sm.tick(4.0)
-    assert 0 in sm.jobs["j"].members  # not yet
+    assert 0 in sm.jobs["j"].gen.members  # not yet
     sm.tick(5.5)
     job = sm.jobs["j"]
-    assert 0 not in job.members and job.state is JobState.FORMING
+    assert 0 not in job.gen.members and job.state is JobState.FORMING
     effects = sm.take_effects()
     assert not any(isinstance(e, Wake) for e in effects), "the peer keeps waiting"
     assert any(isinstance(e, Transition) and "did not publish" in e.detail for e in effects)
@@ -99,9 +99,9 @@ def test_the_default_wait_bounds_rank_zero_when_the_join_named_none() -> None:
     sm = RendezvousState(timing=Timing(default_wait_s=7.0))
     _rank_zero_without_id(sm, wait_s=0.0)
     sm.tick(6.9)
-    assert 0 in sm.jobs["j"].members
+    assert 0 in sm.jobs["j"].gen.members
     sm.tick(7.1)
-    assert 0 not in sm.jobs["j"].members
+    assert 0 not in sm.jobs["j"].gen.members
 
 
 def test_an_abandoned_single_rank_job_expires_instead_of_filling_max_jobs() -> None:
@@ -121,7 +121,7 @@ def test_a_parked_publish_id_keeps_the_rank_past_the_join_deadline() -> None:
     parked = sm.publish_id("j", out.generation, 0, "r0", ID, 0.5)
     assert isinstance(parked, Parked)
     sm.tick(5.0)
-    assert 0 in sm.jobs["j"].members
+    assert 0 in sm.jobs["j"].gen.members
 
 
 def test_the_daemon_wide_kv_budget_is_shared_by_jobs_and_freed_on_delete_and_expiry() -> None:
@@ -150,7 +150,7 @@ def test_kv_add_accepts_only_plain_decimal_counters(bad: bytes) -> None:
     gen = form(sm, nodes=1, gpus=1)[0].generation
     sm.kv_set("j", gen, 0, "n", bad, instance_id=inst(sm, 0))
     f = fault(sm.kv_add, "j", gen, 0, "n", 1, instance_id=inst(sm, 0))
-    assert f.reason == "NOT_A_COUNTER" and sm.jobs["j"].kv["n"] == bad
+    assert f.reason == "NOT_A_COUNTER" and sm.jobs["j"].gen.kv["n"] == bad
     sm.kv_set("j", gen, 0, "n", b"-12", instance_id=inst(sm, 0))
     assert sm.kv_add("j", gen, 0, "n", 5, instance_id=inst(sm, 0)) == -7
 

@@ -68,12 +68,14 @@ class RendezvousModel(RuleBasedStateMachine):
     @rule()
     @precondition(
         lambda self: (
-            self._job() is not None and self._job().unique_id is None and 0 in self._job().members
+            self._job() is not None
+            and self._job().gen.unique_id is None
+            and 0 in self._job().gen.members
         )
     )
     def publish(self) -> None:
         job = self._job()
-        member = job.members[0]
+        member = job.gen.members[0]
         try:
             out = self.sm.publish_id(
                 JOB, job.generation, 0, member.instance_id, os.urandom(128), self.now
@@ -95,7 +97,7 @@ class RendezvousModel(RuleBasedStateMachine):
         conflict = (
             job is not None
             and job.state is JobState.FORMING
-            and bool(job.members)
+            and bool(job.gen.members)
             and (job.num_nodes, job.gpus_per_node) != (NODES + 1, GPUS)
         )
         self.instances += 1
@@ -123,9 +125,9 @@ class RendezvousModel(RuleBasedStateMachine):
     @precondition(lambda self: self._job() is not None and self._job().state is JobState.RUNNING)
     def barrier(self, rank: int) -> None:
         job = self._job()
-        seq = job.barriers["b"].completed + 1 if "b" in job.barriers else 1
+        seq = job.gen.barriers["b"].completed + 1 if "b" in job.gen.barriers else 1
         try:
-            member = job.members.get(rank)
+            member = job.gen.members.get(rank)
             out = self.sm.barrier(
                 JOB,
                 job.generation,
@@ -146,7 +148,7 @@ class RendezvousModel(RuleBasedStateMachine):
     @precondition(lambda self: self._job() is not None and self._job().state is JobState.RUNNING)
     def lose_stream(self, rank: int) -> None:
         job = self._job()
-        member = job.members[rank]
+        member = job.gen.members[rank]
         token = (
             self.sm.attach_stream(JOB, job.generation, rank, member.instance_id, self.now)
             if member.state is MemberState.ACTIVE
@@ -165,7 +167,7 @@ class RendezvousModel(RuleBasedStateMachine):
     @precondition(lambda self: self._job() is not None)
     def leave(self, rank: int) -> None:
         job = self._job()
-        member = job.members.get(rank)
+        member = job.gen.members.get(rank)
         if member is None:
             return
         with contextlib.suppress(RendezvousFault):
@@ -214,12 +216,12 @@ class RendezvousModel(RuleBasedStateMachine):
         job = self._job()
         if job is None:
             return
-        for rank, member in job.members.items():
+        for rank, member in job.gen.members.items():
             assert member.rank == rank == member.node_rank * GPUS + member.local_rank
             assert 0 <= rank < job.world_size
         if job.state is JobState.RUNNING:
-            assert sorted(job.members) == list(range(job.world_size))
-            assert [m.rank for m in job.member_table] == list(range(job.world_size))
+            assert sorted(job.gen.members) == list(range(job.world_size))
+            assert [m.rank for m in job.gen.member_table] == list(range(job.world_size))
 
     @invariant()
     def no_waiter_outlives_its_generation(self) -> None:
