@@ -9,7 +9,15 @@ from typing import ClassVar
 
 from rendezvousd.errors import Code, Reason, RendezvousFault, shown
 from rendezvousd.id_history import IdHistory
-from rendezvousd.model import FailedInfo, JobState, JoinMode, MemberInfo, MemberState, failed_text
+from rendezvousd.model import (
+    FailedInfo,
+    JobState,
+    JoinMode,
+    MemberInfo,
+    MemberState,
+    Progress,
+    failed_text,
+)
 
 # Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
 # descriptor call (~0.2 us), and a join or heartbeat made several.
@@ -30,6 +38,9 @@ class Attendee:
     # closing after a reconnect is not mistaken for the attendee dying.
     stream_token: int = 0
     stream_open: bool = False
+    # The latest Progress its stream's beats carried (not durable: the next beat
+    # after a daemon restart brings it back).
+    progress: Progress | None = None
 
     def attach(self, now: float) -> int:
         """A heartbeat stream opened; returns its token for ``detach``."""

@@ -4,12 +4,21 @@ ending, silence found by the tick, a Leave, and a node agent's ReportFailure. Pu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rendezvousd import fences, joins, placement, rounds, seats, validation
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.escape import bounded
-from rendezvousd.model import EventKind, JobState, JoinMode, MemberState, Notify, Transition
+from rendezvousd.model import (
+    EventKind,
+    JobState,
+    JoinMode,
+    MemberState,
+    Notify,
+    Progress,
+    Transition,
+)
 
 if TYPE_CHECKING:
     from rendezvousd.state import RendezvousState
@@ -88,6 +97,25 @@ def heartbeat(
     seated.last_seen = now
     for m in job.covered(seated):
         m.last_seen = now  # what GetJob shows as each member's heartbeat age
+
+
+def report_progress(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    progress: Progress,
+    *,
+    mode: JoinMode = JoinMode.RANK,
+) -> None:
+    """A beat carried ``progress``: kept on its attendee for views, as many steps as
+    the attendee has ranks (a client's longer list is cut, not refused: it is only
+    shown). A stale or unseated stream's report is dropped: its beat is refused."""
+    job, seated = seats.seat(sm, job_id, generation, who, mode)
+    ranks = job.gpus_per_node if mode is JoinMode.NODE else 1
+    if len(progress.steps) > ranks:
+        progress = replace(progress, steps=progress.steps[:ranks])
+    seated.progress = progress
 
 
 def detach_stream(

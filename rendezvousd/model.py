@@ -214,11 +214,24 @@ Effect = Wake | Notify | Transition
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Where a heartbeat stream's training stands, as its last beat said: the last
+    step of each of its ranks (a node's by local rank; None before the first) and
+    the node agent's restart budget. Shown only, never decided on."""
+
+    steps: tuple[int | None, ...]
+    restarts_used: int = 0
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
 class MemberView:
     info: MemberInfo
     state: MemberState
     heartbeat_age_s: float
     stream_open: bool
+    # The rank's last step, as its stream (its node agent's) reported it.
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +252,10 @@ class JobView:
     abort_reason: str
     # Node agents parked to join (a scale-up while RUNNING, or forming): the status page.
     nodes_waiting: int = 0
+    # The restart budget the job's node agents reported: the most restarts any node
+    # used, and the fewest any node has left (the first to run out ends the job).
+    restarts_used: int | None = None
+    restarts_left: int | None = None
 
     @property
     def world_size(self) -> int:

@@ -368,6 +368,7 @@ class RendezvousServicer:
                     state=pb.MemberState.ValueType(m.state.value),
                     heartbeat_age_ms=int(m.heartbeat_age_s * 1000),
                     heartbeat_stream_open=m.stream_open,
+                    step=m.step,
                 )
                 for m in view.members
             ],
@@ -375,6 +376,8 @@ class RendezvousServicer:
             id_published=view.id_published,
             kv_keys=view.kv_keys,
             abort_reason=view.abort_reason,
+            restarts_used=view.restarts_used,
+            restarts_left=view.restarts_left,
         )
 
     # -- registration ---------------------------------------------------------

@@ -56,6 +56,7 @@ class RendezvousState:
     # liveness.py
     attach_stream = liveness.attach_stream
     heartbeat = liveness.heartbeat
+    report_progress = liveness.report_progress
     detach_stream = liveness.detach_stream
     tick = liveness.tick
     leave = liveness.leave

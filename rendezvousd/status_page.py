@@ -19,6 +19,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -63,6 +64,8 @@ VIEW_TTL_S = 0.5
 # the same few percent at 8,192 members as at 2,048 (benchmarks/status_page.py).
 POLL_S = 2.0
 POLL_MEMBERS = 2048
+# Steps per second are measured over this much of the job's recent step samples.
+RATE_WINDOW_S = 30.0
 
 _STATIC = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -116,6 +119,8 @@ class StatusPage:
         self._sessions: dict[str, Session] = {}
         self._files: dict[str, bytes] = {}
         self._views_made: dict[str, tuple[float, JobView]] = {}
+        # (when, the job's step) per job, one per view made: the step rate's samples.
+        self._steps: dict[str, deque[tuple[float, int]]] = {}
         self._refused = 0
         self._refused_logged = -LOG_EVERY_S
         metrics.transition_listeners.append(self._changed)
@@ -224,7 +229,33 @@ class StatusPage:
             self._views_made.clear()
         view = self.state.view(job_id, now)
         self._views_made[job_id] = (now, view)
+        self._sample_step(job_id, now, view)
         return view
+
+    def _sample_step(self, job_id: str, now: float, v: JobView) -> None:
+        step = _job_step(v)
+        samples = self._steps.get(job_id)
+        if step is None or (samples and step < samples[-1][1]):
+            # No step yet, or training went back (resumed from an older state): the
+            # rate starts again from here.
+            self._steps.pop(job_id, None)
+            if step is None:
+                return
+            samples = None
+        if samples is None:
+            if len(self._steps) > 2 * len(self.state.jobs) + 16:
+                self._steps.clear()  # forgotten jobs: bounded like the views
+            samples = self._steps[job_id] = deque()
+        samples.append((now, step))
+        while samples and now - samples[0][0] > RATE_WINDOW_S:
+            samples.popleft()
+
+    def _rate(self, job_id: str) -> float | None:
+        samples = self._steps.get(job_id)
+        if not samples or samples[-1][0] - samples[0][0] < 1.0:
+            return None
+        (t0, s0), (t1, s1) = samples[0], samples[-1]
+        return round((s1 - s0) / (t1 - t0), 2)
 
     def _views(self, scope: Scope) -> list[JobView]:
         ids = sorted(self.state.jobs) if scope.admin else [scope.job or ""]
@@ -269,6 +300,11 @@ class StatusPage:
             "heartbeat_age_max_s": round(
                 max((m.heartbeat_age_s for m in v.members if m.state in _PRESENT), default=0.0), 1
             ),
+            # Progress the node agents' heartbeats carry (None where none reported).
+            "step": _job_step(v),
+            "steps_per_s": self._rate(v.job_id),
+            "restarts_used": v.restarts_used,
+            "restarts_left": v.restarts_left,
         }
 
     def _job(self, scope: Scope, job_id: str, query: dict[str, str]) -> Response:
@@ -293,7 +329,7 @@ class StatusPage:
         end = offset + limit
         # One pass over the members (rank order, so node by node): at 4,096 members
         # this runs on every poll, on the daemon's loop.
-        rows: dict[int, tuple[str, list[str], list[float]]] = {}
+        rows: dict[int, tuple[str, list[str], list[float], list[int | None]]] = {}
         active = MemberState.ACTIVE
         for m in v.members:
             info = m.info
@@ -302,13 +338,16 @@ class StatusPage:
                 continue
             row = rows.get(node)
             if row is None:
-                row = rows[node] = (info.host, [EMPTY] * per_node, [0.0])
+                row = rows[node] = (info.host, [EMPTY] * per_node, [0.0], [None])
             age = m.heartbeat_age_s
             letter = LATE if m.state is active and age > late else SEAT[m.state]
             if 0 <= info.local_rank < per_node:
                 row[1][info.local_rank] = letter
             if age > row[2][0]:
                 row[2][0] = age
+            # A node's step is its slowest rank's.
+            if m.step is not None and (row[3][0] is None or m.step < row[3][0]):
+                row[3][0] = m.step
         now = time.monotonic()
         return {
             **self._summary(v),
@@ -323,8 +362,9 @@ class StatusPage:
                         "host": escape(host),
                         "seats": "".join(seats),
                         "age": round(age[0], 1),
+                        "step": step[0],
                     }
-                    for n, (host, seats, age) in sorted(rows.items())
+                    for n, (host, seats, age, step) in sorted(rows.items())
                 ],
             },
             "failed": [
@@ -373,6 +413,12 @@ class StatusPage:
 
 
 _PRESENT = (MemberState.JOINING, MemberState.ACTIVE)
+
+
+def _job_step(v: JobView) -> int | None:
+    """The job's step: its slowest active rank's (None until one reported a step)."""
+    steps = [m.step for m in v.members if m.step is not None and m.state is MemberState.ACTIVE]
+    return min(steps) if steps else None
 
 
 def _cookie(header: str) -> str:

@@ -17,7 +17,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.answers import failed_member
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.metrics import Metrics
-from rendezvousd.model import EventKind, JoinMode, Notify
+from rendezvousd.model import EventKind, JoinMode, Notify, Progress
 from rendezvousd.state import RendezvousState
 
 # (job, generation, the mode its attendee joined in, its rank): workers and node agents
@@ -82,6 +82,8 @@ class HeartbeatStreams:
         queue.put_nowait(
             pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
         )
+        if first.HasField("progress"):
+            self.state.report_progress(*key[:2], key[3], _progress(first.progress), mode=mode)
         entry = (token, queue)
         self._open[key] = entry
         self._apply()  # events owed to a stream as it attaches (NODES_WAITING)
@@ -111,11 +113,18 @@ class HeartbeatStreams:
         ack_every = self.state.timing.heartbeat_timeout_s / 10
         ack = pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
         acked = self._now()
+        reported: pb.Progress | None = None
         try:
-            async for _ in iterator:
+            async for request in iterator:
                 now = self._now()
                 try:
                     self.state.heartbeat(key[0], key[1], key[3], now, mode=key[2])
+                    # Converted only when it changed: most beats repeat the last one.
+                    if request.HasField("progress") and request.progress != reported:
+                        reported = request.progress
+                        self.state.report_progress(
+                            *key[:2], key[3], _progress(reported), mode=key[2]
+                        )
                 except RendezvousFault:
                     break  # the generation ended; its events were already pushed
                 if now - acked >= ack_every:
@@ -125,3 +134,12 @@ class HeartbeatStreams:
             pass
         finally:
             queue.put_nowait(None)
+
+
+def _progress(message: pb.Progress) -> Progress:
+    """A beat's Progress as the state machine keeps it (-1: no step yet)."""
+    return Progress(
+        tuple(None if s < 0 else s for s in message.steps),
+        message.restarts_used,
+        message.max_restarts,
+    )

@@ -6,8 +6,8 @@ it reports, and nothing a caller does with one reaches back into the job.
 
 from __future__ import annotations
 
-from rendezvousd.job import Attendee, Job
-from rendezvousd.model import JobView, MemberState, MemberView
+from rendezvousd.job import Attendee, Job, Member
+from rendezvousd.model import JobView, JoinMode, MemberState, MemberView
 
 
 def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
@@ -20,17 +20,33 @@ def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
     return member
 
 
+def _step(beating: Attendee, member: Member) -> int | None:
+    """``member``'s last step from its stream's progress (a node's by local rank)."""
+    progress = beating.progress
+    if progress is None:
+        return None
+    at = 0 if beating is member else member.local_rank
+    return progress.steps[at] if at < len(progress.steps) else None
+
+
 def job_view(job: Job, now: float) -> JobView:
-    members = tuple(
-        MemberView(
-            m.info(),
-            m.state,
-            # Only an active member's silence means anything; others are not expected to beat.
-            max(0.0, now - _beating(job, r, m).last_seen) if m.state is MemberState.ACTIVE else 0.0,
-            _beating(job, r, m).stream_open,
+    members = []
+    for r, m in sorted(job.gen.members.items()):
+        beating = _beating(job, r, m)
+        members.append(
+            MemberView(
+                m.info(),
+                m.state,
+                # Only an active member's silence means anything; others are not expected
+                # to beat.
+                max(0.0, now - beating.last_seen) if m.state is MemberState.ACTIVE else 0.0,
+                beating.stream_open,
+                _step(beating, m),
+            )
         )
-        for r, m in sorted(job.gen.members.items())
-    )
+    # Restart budgets are node agents' (a per-rank worker has none to report).
+    nodes = job.gen.node_at.values() if job.gen.join_mode is JoinMode.NODE else ()
+    budgets = [n.progress for n in nodes if n.progress is not None]
     return JobView(
         job.job_id,
         job.state,
@@ -39,11 +55,13 @@ def job_view(job: Job, now: float) -> JobView:
         job.gpus_per_node,
         len(job.present()),
         max(0.0, now - job.state_since),
-        members,
+        tuple(members),
         tuple(job.gen.failed),
         # Whether an id is held, never the id: views reach logs and the status command.
         job.gen.unique_id is not None,
         len(job.gen.kv),
         job.gen.abort_reason,
         len(set(job.scaleup_waiters.values()) | set(job.gen.node_waiters.values())),
+        max((p.restarts_used for p in budgets), default=None),
+        min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
     )

@@ -7,6 +7,7 @@ let pollMs = 2000; // the daemon says how often (slower for very large jobs)
 const HISTORY = 90; // sparkline samples
 const STATES = { A: "active", H: "late heartbeat", X: "lost", J: "joining", D: "left", "-": "empty" };
 const history = new Map(); // job id -> [members present, ...]
+const rates = new Map(); // job id -> [steps per second, ...] once the job reports steps
 let admin = false;
 let timer = null;
 
@@ -24,6 +25,14 @@ function age(s) {
   if (s < 60) return s.toFixed(1) + " s";
   if (s < 3600) return Math.floor(s / 60) + " min " + Math.floor(s % 60) + " s";
   return Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+}
+
+function num(v) { return v === null || v === undefined ? "—" : String(v); }
+
+// "1 used, 2 left", from the node agents' restart budgets (— where none reported).
+function restarts(j) {
+  if (j.restarts_used === null || j.restarts_used === undefined) return "—";
+  return j.restarts_used + " used, " + j.restarts_left + " left";
 }
 
 function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
@@ -58,6 +67,9 @@ function drawOverview(data) {
     tr.append(el("td", j.nodes_present + "/" + j.num_nodes, "num"));
     tr.append(el("td", j.nodes_waiting, "num"));
     tr.append(el("td", age(j.state_age_s), "num"));
+    tr.append(el("td", num(j.step), "num"));
+    tr.append(el("td", num(j.steps_per_s), "num"));
+    tr.append(el("td", restarts(j), "num"));
     tr.append(el("td", j.failures, "num"));
     tr.append(el("td", j.last_failure || "—", "cause"));
     body.append(tr);
@@ -65,6 +77,12 @@ function drawOverview(data) {
     h.push(j.members_present);
     if (h.length > HISTORY) h.shift();
     history.set(j.job_id, h);
+    if (j.steps_per_s !== null && j.steps_per_s !== undefined) {
+      const r = rates.get(j.job_id) || [];
+      r.push(j.steps_per_s);
+      if (r.length > HISTORY) r.shift();
+      rates.set(j.job_id, r);
+    }
   }
   $("nojobs").hidden = data.jobs.length > 0;
 }
@@ -82,8 +100,9 @@ function gridRow(r, gpus) {
   const spans = Array.from(seats.children);
   seats.dataset.node = r.node;
   const ageCell = el("td", null, "num");
-  tr.append(el("td", r.node, "num"), host, seats, ageCell);
-  return { tr, host, spans, ageCell, node: r.node, gpus, seats: "", age: "", hostText: r.host };
+  const stepCell = el("td", null, "num");
+  tr.append(el("td", r.node, "num"), host, seats, ageCell, stepCell);
+  return { tr, host, spans, ageCell, stepCell, node: r.node, gpus, seats: "", age: "", step: "", hostText: r.host };
 }
 
 function updateRow(g, r) {
@@ -97,6 +116,8 @@ function updateRow(g, r) {
   }
   const a = age(r.age);
   if (g.age !== a) { g.ageCell.textContent = a; g.age = a; }
+  const s = num(r.step);
+  if (g.step !== s) { g.stepCell.textContent = s; g.step = s; }
 }
 
 function drawGrid(jobId, rows, total, gpus) {
@@ -117,15 +138,21 @@ function drawGrid(jobId, rows, total, gpus) {
 }
 
 function drawSpark(job) {
-  const h = history.get(job.job_id) || [];
-  const max = Math.max(1, job.world_size, ...h);
+  // The step rate once the job reports steps; until then, who is present.
+  const r = rates.get(job.job_id);
+  const byRate = r !== undefined && r.length > 0;
+  const h = byRate ? r : history.get(job.job_id) || [];
+  $("spark-title").textContent = byRate ? "Steps per second" : "Members present";
+  const max = Math.max(1, ...h, byRate ? 0 : job.world_size);
   const step = h.length > 1 ? 240 / (h.length - 1) : 240;
   const pts = h.map((v, i) => (i * step).toFixed(1) + "," + (46 - (v / max) * 40).toFixed(1));
   if (pts.length === 1) pts.push("240," + pts[0].split(",")[1]);
   $("spark").querySelector("polyline").setAttribute("points", pts.join(" "));
   const right = pts[pts.length - 1].split(",")[0];
   $("spark").querySelector("polygon").setAttribute("points", "0,48 " + pts.join(" ") + " " + right + ",48");
-  $("spark-note").textContent = h.length + " samples, now " + job.members_present + " of " + job.world_size;
+  $("spark-note").textContent = byRate
+    ? h.length + " samples, now " + job.steps_per_s + " steps/s at step " + num(job.step)
+    : h.length + " samples, now " + job.members_present + " of " + job.world_size;
 }
 
 function drawJob(job, rows) {
@@ -137,6 +164,8 @@ function drawJob(job, rows) {
   $("job-facts").textContent =
     "generation " + job.generation + " · " + job.members_present + "/" + job.world_size +
     " members · " + job.num_nodes + " × " + job.gpus_per_node + " · in state " + age(job.state_age_s) +
+    (job.step !== null && job.step !== undefined ? " · step " + job.step : "") +
+    (job.restarts_used !== null && job.restarts_used !== undefined ? " · restarts " + restarts(job) : "") +
     (job.abort_reason ? " · " + job.abort_reason : "");
   $("abort").hidden = !admin || !(job.state === "RUNNING" || job.state === "FORMING");
   drawGrid(job.job_id, rows, job.nodes.total, job.gpus_per_node);

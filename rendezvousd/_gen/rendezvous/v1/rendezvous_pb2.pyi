@@ -1400,10 +1400,15 @@ class MemberStatus(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_AGE_MS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_STREAM_OPEN_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     state: Global___MemberState.ValueType
     heartbeat_age_ms: _builtins.int
     """Milliseconds since the member's last heartbeat (or join); 0 if not active."""
     heartbeat_stream_open: _builtins.bool
+    step: _builtins.int
+    """The rank's last training step, as its heartbeat stream (its node agent's)
+    reported it (HeartbeatRequest.progress); absent when none was.
+    """
     @_builtins.property
     def member(self) -> Global___Member: ...
     def __init__(
@@ -1413,12 +1418,15 @@ class MemberStatus(_message.Message):
         state: Global___MemberState.ValueType = ...,
         heartbeat_age_ms: _builtins.int = ...,
         heartbeat_stream_open: _builtins.bool = ...,
+        step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["member", b"member"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "member", b"member", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_age_ms", b"heartbeat_age_ms", "heartbeat_stream_open", b"heartbeat_stream_open", "member", b"member", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "heartbeat_age_ms", b"heartbeat_age_ms", "heartbeat_stream_open", b"heartbeat_stream_open", "member", b"member", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
 
 Global___MemberStatus: _TypeAlias = MemberStatus  # noqa: Y015
 
@@ -1432,10 +1440,18 @@ class GetJobResponse(_message.Message):
     ID_PUBLISHED_FIELD_NUMBER: _builtins.int
     KV_KEYS_FIELD_NUMBER: _builtins.int
     ABORT_REASON_FIELD_NUMBER: _builtins.int
+    RESTARTS_USED_FIELD_NUMBER: _builtins.int
+    RESTARTS_LEFT_FIELD_NUMBER: _builtins.int
     id_published: _builtins.bool
     """Whether rank 0's id is published (the id itself is never returned)."""
     kv_keys: _builtins.int
     abort_reason: _builtins.str
+    restarts_used: _builtins.int
+    """The node agents' restart budget (their heartbeats' progress): the most
+    restarts any node used, and the fewest any node has left. Absent when no
+    agent reported one.
+    """
+    restarts_left: _builtins.int
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
     @_builtins.property
@@ -1451,11 +1467,20 @@ class GetJobResponse(_message.Message):
         id_published: _builtins.bool = ...,
         kv_keys: _builtins.int = ...,
         abort_reason: _builtins.str = ...,
+        restarts_used: _builtins.int | None = ...,
+        restarts_left: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_reason", b"abort_reason", "failed", b"failed", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "failed", b"failed", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__restarts_left: _TypeAlias = _typing.Literal["restarts_left"]  # noqa: Y015
+    _WhichOneofArgType__restarts_left: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left"]  # noqa: Y015
+    _WhichOneofReturnType__restarts_used: _TypeAlias = _typing.Literal["restarts_used"]  # noqa: Y015
+    _WhichOneofArgType__restarts_used: _TypeAlias = _typing.Literal["_restarts_used", b"_restarts_used"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restarts_left) -> _WhichOneofReturnType__restarts_left | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restarts_used) -> _WhichOneofReturnType__restarts_used | None: ...
 
 Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015
