@@ -150,9 +150,10 @@ function drawSpark(job) {
   $("spark").querySelector("polyline").setAttribute("points", pts.join(" "));
   const right = pts[pts.length - 1].split(",")[0];
   $("spark").querySelector("polygon").setAttribute("points", "0,48 " + pts.join(" ") + " " + right + ",48");
+  const samples = h.length + (h.length === 1 ? " sample" : " samples");
   $("spark-note").textContent = byRate
-    ? h.length + " samples, now " + job.steps_per_s + " steps/s at step " + num(job.step)
-    : h.length + " samples, now " + job.members_present + " of " + job.world_size;
+    ? samples + ", now " + job.steps_per_s + " steps/s at step " + num(job.step)
+    : samples + ", now " + job.members_present + " of " + job.world_size;
 }
 
 function drawJob(job, rows) {

@@ -118,6 +118,16 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
             timeout=60,
         )
         assert browser.evaluate("window.__noReload") == 1
+        # The example saves its state every step: the agents' heartbeats carry the steps
+        # and their restart budget (one restart used, of --max-restarts).
+        browser.wait_for(
+            "the step rate drawn",
+            "document.getElementById('spark-title').textContent === 'Steps per second' && "
+            "/step \\d+ · restarts 1 used/.test(document.getElementById('job-facts').textContent) "
+            "&& [...document.querySelectorAll('#grid tbody tr')].every("
+            "tr => /^\\d+$/.test(tr.lastChild.textContent))",
+            timeout=60,
+        )
         overview = browser.evaluate(
             "[...document.querySelectorAll('#jobs tbody tr')].map(tr => tr.innerText)"
         )
