@@ -41,6 +41,18 @@ class Calls:
                 f"the daemon already holds max_waiters={self.limits.max_waiters} waiting calls",
             )
         held = self.per_job.get(job.job_id, 0)
+        reserve = self.limits.waiters_reserve
+        if held >= reserve and len(self.waiting) >= self.limits.max_waiters - reserve:
+            # Fair share: jobs already holding many parked calls leave the last slots to
+            # jobs holding few, so that two big jobs cannot take every slot between them
+            # (max_waiters_per_job alone lets two jobs fill the daemon).
+            raise validation.limit_exceeded(
+                "max_waiters",
+                f"the daemon holds {len(self.waiting)} of max_waiters="
+                f"{self.limits.max_waiters} waiting calls and keeps the last {reserve} for "
+                f"jobs holding fewer than {reserve}; job {job.job_id!r} holds {held}",
+                job_id=job.job_id,
+            )
         if held >= self.limits.max_waiters_per_job:
             # One job (one buggy or hostile token holder) must not take every slot.
             raise validation.limit_exceeded(

@@ -40,6 +40,13 @@ class Limits:
     max_host_bytes: int = 255
     max_reason_bytes: int = 1024
 
+    @property
+    def waiters_reserve(self) -> int:
+        """The last parked-call slots, an eighth of ``max_waiters`` (2048 by default),
+        kept for jobs holding fewer than that many: two jobs at max_waiters_per_job
+        would otherwise fill the daemon, and a third could not even form."""
+        return self.max_waiters // 8
+
 
 @dataclass(frozen=True)
 class Timing:

@@ -472,3 +472,30 @@ def test_random_ids_never_collide_with_reuse_check() -> None:
         sm.join(args(0, 0, nodes=1, gpus=1, uid=os.urandom(128), inst=f"x{i}"), float(i))
         sm.abort("j", 0, "again", float(i))
     assert sm.jobs["j"].generation == 5 and len(sm.jobs["j"].used_id_digests) == 4
+
+
+def test_big_jobs_leave_the_last_waiter_slots_to_small_ones() -> None:
+    """Fair share: max_waiters 64 keeps its last 8 slots for jobs holding fewer than 8."""
+    sm = RendezvousState(Limits(max_waiters=64, max_waiters_per_job=32))
+    assert sm.limits.waiters_reserve == 8
+
+    def park(job: str, n: int, world: int) -> int:
+        parked = 0
+        for local in range(1, n + 1):  # rank 0 would be asked for the id instead
+            try:
+                assert isinstance(
+                    sm.join(args(0, local, job=job, nodes=1, gpus=world), 0.0), Parked
+                )
+            except RendezvousFault as f:
+                assert f.metadata["limit"] == "max_waiters" and "keeps the last 8" in f.message
+                assert f"job {job!r} holds {parked}" in f.message
+                break
+            parked += 1
+        return parked
+
+    assert park("a", 32, 100) == 32  # the per-job cap
+    assert park("b", 32, 100) == 24  # not the 32 it could take before: 8 slots kept
+    assert park("c", 8, 100) == 8  # a small job still starts
+    assert fault(sm.join, args(0, 1, job="d", nodes=1, gpus=2), 0.0).metadata["limit"] == (
+        "max_waiters"
+    )
