@@ -89,16 +89,6 @@ async def _start(token: str) -> Daemon:
     return daemon
 
 
-def _log_in(b: Chromium, base: str, token: str) -> None:
-    b.navigate(base + "/")
-    b.wait_for("the login form", "!!document.getElementById('token')")
-    b.evaluate(
-        f"document.getElementById('token').value = {token!r};"
-        "document.querySelector('form').submit(); true"
-    )
-    b.wait_for("the page", "document.body.dataset.ready === '1'")
-
-
 # Resolves, in the page, once the grid holds every seat: ms since navigation began.
 _SEATS_DRAWN = """new Promise(resolve => {
   const want = %d;
@@ -115,7 +105,7 @@ def render(loop: LoopThread, daemon: Daemon, token: str, nodes: int, gpus: int) 
     base = f"http://127.0.0.1:{daemon.metrics_port}"
     loads = []
     with Chromium() as b:
-        _log_in(b, base, token)
+        b.log_in(base, token)
         for _ in range(5):
             b.navigate(f"{base}/?fresh={secrets.token_hex(4)}#job=big")
             b.wait_for("the new document", "document.readyState !== 'loading'")
@@ -150,7 +140,7 @@ def cpu_share(
     idle = window()
     base = f"http://127.0.0.1:{daemon.metrics_port}"
     with Chromium() as b:
-        _log_in(b, base, token)
+        b.log_in(base, token)
         b.navigate(f"{base}/#job=members4096")
         b.wait_for("the grid", f"document.querySelectorAll('#grid .seat').length >= {nodes * gpus}")
         poll_s = b.evaluate("pollMs") / 1000

@@ -168,6 +168,16 @@ class Chromium:
             time.sleep(0.05)  # poll interval, not a synchronisation
         raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
 
+    def log_in(self, base: str, token: str) -> None:
+        """Present ``token`` through the status page's login form, as a person would."""
+        self.navigate(base + "/")
+        self.wait_for("the login form", "!!document.querySelector('form[action=\"/login\"]')")
+        self.evaluate(
+            f"document.getElementById('token').value = {json.dumps(token)};"
+            "document.querySelector('form').submit(); true"
+        )
+        self.wait_for("the page's first update", "document.body.dataset.ready === '1'")
+
     def accept_dialogs(self) -> None:
         """Confirm every dialog (the Abort button's confirm()) as it opens."""
 

@@ -5,7 +5,6 @@ job sees nothing, and no token gets the login page only."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -43,16 +42,6 @@ def _launch(d: DaemonProcess, job: str, tmp: Path, node: int) -> tuple[subproces
     return proc, out
 
 
-def _log_in(b: Chromium, base: str, token: str) -> None:
-    b.navigate(base + "/")
-    b.wait_for("the login form", "!!document.querySelector('form[action=\"/login\"]')")
-    b.evaluate(
-        f"document.getElementById('token').value = {json.dumps(token)};"
-        "document.querySelector('form').submit(); true"
-    )
-    b.wait_for("the page's first update", "document.body.dataset.ready === '1'")
-
-
 def _text(b: Chromium) -> str:
     return str(b.evaluate("document.body.innerText"))
 
@@ -74,7 +63,7 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
         assert browser.evaluate("fetch('/api/jobs').then(r => r.status)") == 401
 
         # Another job's token: logged in, and sees no job at all.
-        _log_in(browser, base, derive_job_token(d.token, "another-job"))
+        browser.log_in(base, derive_job_token(d.token, "another-job"))
         wait_for(
             "the job to exist",
             lambda: any(e.get("event") == "ready" for _, out in nodes for e in json_lines(out)),
@@ -89,7 +78,7 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
         browser.wait_for("the login form", "!!document.querySelector('form[action=\"/login\"]')")
 
         # The admin token: the job, its grid, and (admin only) the Abort button.
-        _log_in(browser, base, d.token)
+        browser.log_in(base, d.token)
         browser.navigate(f"{base}/#job={job_id}")
         browser.wait_for(
             "the job RUNNING with four active ranks",
