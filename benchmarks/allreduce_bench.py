@@ -77,8 +77,8 @@ def _ring_worker(
     chunk: int,
     shared: int = 0,
 ) -> None:
-    from rendezvousd.trainer import shm_group
-    from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
+    from rendezvousd.trainer.comm import shm_group
+    from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator
 
     control = socket.create_connection(("127.0.0.1", control_port))
     reader = control.makefile("rb")
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]
     backends = [b for b in args.backends.split(",") if b]
-    from rendezvousd.trainer.shm_group import unsupported_reason
+    from rendezvousd.trainer.comm.shm_group import unsupported_reason
 
     shm_off = unsupported_reason()
     if "cpu_shm" in backends and shm_off is not None:

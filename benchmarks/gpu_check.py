@@ -37,9 +37,9 @@ from typing import Any
 
 from _timing import timed_calls
 
-from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer, pack, unpack
-from rendezvousd.trainer.communicator import ReduceOp
+from rendezvousd.trainer.comm import nccl
+from rendezvousd.trainer.comm.communicator import ReduceOp
 
 MIB = 1 << 20
 BUCKETED_OVER_RAW_TARGET = 1.05
@@ -166,7 +166,7 @@ def shared_device_env(rank: int) -> dict[str, str]:
 
 
 def parent(args: argparse.Namespace) -> dict[str, Any]:
-    from rendezvousd.embedded import spawn
+    from rendezvousd.cli.embedded import spawn
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         daemon = spawn(Path(tmp), "--log-level", "WARNING")

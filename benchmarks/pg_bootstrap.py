@@ -10,7 +10,7 @@ records the choice).
 
 W worker processes each: import torch, open its store (TCPStore: rank 0 serves it;
 daemon: the SDK joins rank r of a W-rank job and wraps the member's KV store in
-``rendezvousd.trainer.torchrun.DaemonStore``), report ready; once every worker is
+``rendezvousd.trainer.torchrun.handler.DaemonStore``), report ready; once every worker is
 ready the parent sends one start instant, and each times
 ``init_process_group("gloo", store=PrefixStore(...))`` plus one all-reduce. Imports,
 daemon start, joins and connects are outside the clock on both sides; the daemon runs
@@ -34,7 +34,7 @@ from typing import Any
 
 from _report import emit
 
-from rendezvousd.embedded import spawn
+from rendezvousd.cli.embedded import spawn
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -48,7 +48,7 @@ def _worker(args: argparse.Namespace) -> None:
         )
     else:
         from rendezvousd.client import RendezvousClient
-        from rendezvousd.trainer.torchrun import DaemonStore
+        from rendezvousd.trainer.torchrun.handler import DaemonStore
 
         client = RendezvousClient(args.endpoint, args.job, token_file=args.token_file)
         client.join(num_nodes=world, gpus_per_node=1, node_rank=rank, local_rank=0)

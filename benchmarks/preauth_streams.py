@@ -40,7 +40,7 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
-from rendezvousd.embedded import spawn
+from rendezvousd.cli.embedded import spawn
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 REFUSED_STREAM = 0x7

@@ -54,7 +54,7 @@ from typing import Any
 
 from _report import emit
 
-from rendezvousd.embedded import EmbeddedDaemon, spawn
+from rendezvousd.cli.embedded import EmbeddedDaemon, spawn
 
 TARGETS = {"recovery_s_max": 1.0, "steps_lost_max": 1}
 NODES, PER_NODE = 3, 2
@@ -106,7 +106,7 @@ class Run:
         cmd = [
             sys.executable,
             "-m",
-            "rendezvousd.trainer.launcher",
+            "rendezvousd.trainer.agent.launcher",
             "--nnodes",
             nnodes,
             "--node-rank",

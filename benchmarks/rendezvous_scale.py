@@ -67,7 +67,7 @@ from typing import Any
 
 from _report import emit
 
-from rendezvousd.embedded import spawn
+from rendezvousd.cli.embedded import spawn
 
 CONDITIONS = ("connected", "cold")
 FAST_DNS_ENV = "RENDEZVOUS_SCALE_FAST_DNS"

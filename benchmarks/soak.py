@@ -39,7 +39,7 @@ from typing import Any
 
 from _report import emit
 
-from rendezvousd.embedded import spawn
+from rendezvousd.cli.embedded import spawn
 
 TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0}
 # Every operation's p99 (issue 21): the node shape is what jobs run now.

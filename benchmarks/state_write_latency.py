@@ -22,8 +22,8 @@ import grpc
 from _report import emit
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rendezvousd.cli.embedded import spawn
 from rendezvousd.client import RendezvousClient
-from rendezvousd.embedded import spawn
 
 MIB = 1024 * 1024
 VALUE = 60 * 1024

@@ -39,9 +39,9 @@ from rendezvousd.client.membership import (
     from_join_node_response,
     from_join_response,
 )
-from rendezvousd.escape import bounded
-from rendezvousd.model import failed_text
-from rendezvousd.validation import UNIQUE_ID_BYTES
+from rendezvousd.common.escape import bounded
+from rendezvousd.common.model import failed_text
+from rendezvousd.common.validation import UNIQUE_ID_BYTES
 
 log = logging.getLogger("rendezvousd.client")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 
-from rendezvousd.address import AddressError, parse_address
 from rendezvousd.client.errors import InvalidRequest
+from rendezvousd.common.address import AddressError, parse_address
 
 __all__ = [
     "HEALTH_SERVICE",

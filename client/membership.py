@@ -8,12 +8,12 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.address import is_loopback
 from rendezvousd.client.errors import ProtocolError
+from rendezvousd.common import member_table
+from rendezvousd.common.address import is_loopback
+from rendezvousd.common.model import MemberInfo, NodeSeat, Seat, seat_of
 from rendezvousd.errors import shown
-from rendezvousd.model import MemberInfo, NodeSeat, Seat, seat_of
 
 __all__ = [
     "LazyTable",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol, Self, TypeVar, Unpack, runtime_checkable
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.cli.embedded import EmbeddedDaemon, spawn
 from rendezvousd.client._session import JOIN_TIMEOUT_S, JoinRequest
 from rendezvousd.client.connection import TlsConfig
 from rendezvousd.client.errors import (
@@ -36,7 +37,6 @@ from rendezvousd.client.errors import (
 )
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.embedded import EmbeddedDaemon, spawn
 from rendezvousd.errors import DaemonError
 
 log = logging.getLogger("rendezvousd.client.file")

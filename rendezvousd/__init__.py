@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from rendezvousd._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from rendezvousd.common.limits import Limits, Timing
     from rendezvousd.config import DaemonConfig
     from rendezvousd.errors import ConfigError, DaemonError
-    from rendezvousd.limits import Limits, Timing
 
 __all__ = ["ConfigError", "DaemonConfig", "DaemonError", "Limits", "Timing"]
 
@@ -24,7 +24,7 @@ __getattr__, __dir__ = lazy_exports(
     __all__,
     {
         "rendezvousd.config": ("DaemonConfig",),
-        "rendezvousd.limits": ("Limits", "Timing"),
+        "rendezvousd.common.limits": ("Limits", "Timing"),
     },
     errors="rendezvousd.errors",
 )

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rendezvousd.address import AddressError, is_loopback, parse_address
-from rendezvousd.errors import ConfigError
-from rendezvousd.limits import Limits, Timing
-from rendezvousd.settings import (
+from rendezvousd.common.address import AddressError, is_loopback, parse_address
+from rendezvousd.common.limits import Limits, Timing
+from rendezvousd.common.settings import (
     AddressText,
     Bool,
     Choice,
@@ -33,6 +32,7 @@ from rendezvousd.settings import (
     setting,
     validate,
 )
+from rendezvousd.errors import ConfigError
 
 ENV_PREFIX = "RENDEZVOUSD_"
 DEFAULT_PORT = 29420

@@ -6,7 +6,7 @@
                                   status Code, a Reason (the proto's ErrorReason) and metadata
 
 ``RendezvousFault`` is pure (no gRPC import): the servicer maps it to a gRPC
-status with a google.rpc.ErrorInfo detail in one place (``rendezvousd.fault_status``).
+status with a google.rpc.ErrorInfo detail in one place (``rendezvousd.server.fault_status``).
 Messages never contain the unique id or a token.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rendezvousd.model import FailedInfo
+    from rendezvousd.common.model import FailedInfo
 
 
 class DaemonError(Exception):

@@ -143,7 +143,7 @@ RENDEZVOUSD_REQUIRE_GPU=1 run_step gpu_tests 120 \
 
 # 2. 1 node x 2 ranks on one GPU: each rank its own NCCL "host" (NCCL_HOSTID).
 run_step train_world2 120 env RENDEZVOUSD_NCCL_SHARED_DEVICE=1 \
-  "$py" -m rendezvousd.trainer.launcher --standalone --nproc-per-node 2 --backend nccl \
+  "$py" -m rendezvousd.trainer.agent.launcher --standalone --nproc-per-node 2 --backend nccl \
   -m rendezvousd.trainer.example --steps 20 --result-dir "$work/results"
 if [ -f "$work/results/rank-0.json" ]; then
   diff=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_abs_grad_diff_vs_single_process"])' "$work/results/rank-0.json")

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
+from rendezvousd.cli.embedded import serve_command
 from rendezvousd.client import AsyncRendezvousClient
-from rendezvousd.embedded import serve_command
-from rendezvousd.model import JobView
-from rendezvousd.server import Daemon
+from rendezvousd.common.model import JobView
+from rendezvousd.server.assembly import Daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 _SERVING = re.compile(r"rendezvousd: serving on (\S+)")
@@ -211,7 +211,7 @@ def launcher_cmd(
     job: str | None = None,
 ) -> list[str]:
     """``rendezvous-run`` for one node, up to (not including) its own further flags."""
-    cmd = [sys.executable, "-m", "rendezvousd.trainer.launcher", "--nnodes", str(nnodes)]
+    cmd = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", "--nnodes", str(nnodes)]
     cmd += ["--node-rank", str(node_rank), "--nproc-per-node", str(per_node)]
     if endpoint is not None:
         cmd += ["--rdzv-endpoint", endpoint]

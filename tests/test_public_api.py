@@ -27,9 +27,14 @@ UNDOCUMENTED_FOR_NOW: set[tuple[str, str]] = set()
 
 # What importing each package must not load.
 TOO_HEAVY: dict[str, set[str]] = {
-    "rendezvousd": {"grpc", "numpy", "rendezvousd.server", "rendezvousd.servicer"},
-    "rendezvousd.client": {"numpy", "rendezvousd.server", "rendezvousd.servicer", "cupy"},
-    "rendezvousd.trainer": {"cupy", "rendezvousd.server", "rendezvousd.servicer"},
+    "rendezvousd": {"grpc", "numpy", "rendezvousd.server.assembly", "rendezvousd.server.servicer"},
+    "rendezvousd.client": {
+        "numpy",
+        "rendezvousd.server.assembly",
+        "rendezvousd.server.servicer",
+        "cupy",
+    },
+    "rendezvousd.trainer": {"cupy", "rendezvousd.server.assembly", "rendezvousd.server.servicer"},
 }
 
 

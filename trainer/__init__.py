@@ -1,7 +1,7 @@
 """Training side: topology, communicators, bucketed all-reduce, data, checkpoints.
 
 ``init_distributed()`` joins the rendezvous and returns the communicator; the NCCL
-backend (``rendezvousd.trainer.nccl``) loads CuPy only when it is chosen, so
+backend (``rendezvousd.trainer.comm.nccl``) loads CuPy only when it is chosen, so
 importing this package never imports CuPy. Every public name is imported on
 first use: a worker or the node agent pays only for the modules it touches.
 """
@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 from rendezvousd._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from rendezvousd.trainer.agent.state_copy import StepState, agree_on_step
     from rendezvousd.trainer.bucketing import BucketedAllReducer
     from rendezvousd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from rendezvousd.trainer.communicator import Communicator, ReduceOp
+    from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
     from rendezvousd.trainer.config import DistributedConfig
     from rendezvousd.trainer.data import ShardedLoader
     from rendezvousd.trainer.distributed import DistributedContext, init_distributed
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
         TrainerError,
         TransientInitError,
     )
-    from rendezvousd.trainer.state_copy import StepState, agree_on_step
     from rendezvousd.trainer.topology import MultiNodeTopology
 
 __all__ = [
@@ -82,7 +82,7 @@ __getattr__, __dir__ = lazy_exports(
             "load_checkpoint",
             "save_checkpoint",
         ),
-        "rendezvousd.trainer.communicator": (
+        "rendezvousd.trainer.comm.communicator": (
             "Communicator",
             "ReduceOp",
         ),
@@ -92,7 +92,7 @@ __getattr__, __dir__ = lazy_exports(
             "DistributedContext",
             "init_distributed",
         ),
-        "rendezvousd.trainer.state_copy": (
+        "rendezvousd.trainer.agent.state_copy": (
             "StepState",
             "agree_on_step",
         ),

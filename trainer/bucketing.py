@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .communicator import Communicator, ReduceOp
-from .errors import (
+from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
+from rendezvousd.trainer.comm.store import JobStore
+from rendezvousd.trainer.errors import (
     BucketingError,
     BucketLayoutMismatch,
     CollectiveArgumentError,
@@ -50,10 +51,9 @@ from .errors import (
     ConfigError,
     ReducerClosed,
 )
-from .store import JobStore
 
 if TYPE_CHECKING:
-    from .config import DistributedConfig
+    from rendezvousd.trainer.config import DistributedConfig
 
 MiB = 1 << 20
 DEFAULT_CAP_BYTES = 25 * MiB
@@ -235,7 +235,8 @@ class _NumpyOps:
 
 
 def _buffer_ops(grads: Sequence[Any], rank: int) -> _BufferOps:
-    from . import nccl  # imports fine without CuPy; CuPy itself loads only for CuPy arrays
+    # Imports fine without CuPy; CuPy itself loads only for CuPy arrays.
+    from rendezvousd.trainer.comm import nccl
 
     kinds = {nccl.is_cupy_array(g) for g in grads}
     if kinds == {True, False}:

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .devices import to_device, to_host
-from .errors import CheckpointError
-from .topology import MultiNodeTopology
+from rendezvousd.trainer.comm.devices import to_device, to_host
+from rendezvousd.trainer.errors import CheckpointError
+from rendezvousd.trainer.topology import MultiNodeTopology
 
 FORMAT = "rendezvousd-checkpoint/1"
 _META_KEY = "__rendezvousd_meta__"

@@ -2,7 +2,7 @@
 
 Every field of :class:`DistributedConfig` (and of the ``[distributed.rendezvous]``
 sub-table, :class:`RendezvousTransport`) is a TOML key, an env var and a flag,
-through the same field-driven layering as the daemon (``rendezvousd.settings``):
+through the same field-driven layering as the daemon (``rendezvousd.common.settings``):
 defaults < TOML < env < CLI, merged into one set of values and validated once, so
 a file may leave out what the environment supplies (e.g. the daemon endpoint).
 ``python -m rendezvousd.trainer.config`` prints the table of names.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
-from rendezvousd.settings import (
+from rendezvousd.common.settings import (
     AddressText,
     Bool,
     Choice,
@@ -36,9 +36,8 @@ from rendezvousd.settings import (
     table,
     validate,
 )
-
-from .errors import ConfigError
-from .topology import MultiNodeTopology
+from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.topology import MultiNodeTopology
 
 if TYPE_CHECKING:
     from rendezvousd.client.connection import TlsConfig

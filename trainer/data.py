@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ConfigError
-from .topology import MultiNodeTopology, check_rank
+from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.topology import MultiNodeTopology, check_rank
 
 IndexArray = npt.NDArray[np.int64]
 

@@ -26,14 +26,15 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rendezvousd.address import AddressError, route_source
 from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.transport import Rendezvous, connect
-from rendezvousd.escape import bounded
-from rendezvousd.trainer import devices
-from rendezvousd.trainer.agent_worker import AgentLink
-from rendezvousd.trainer.communicator import Communicator
+from rendezvousd.common.address import AddressError, route_source
+from rendezvousd.common.escape import bounded
+from rendezvousd.trainer.agent.agent_worker import AgentLink
+from rendezvousd.trainer.agent.state_copy import StepState
+from rendezvousd.trainer.comm import devices
+from rendezvousd.trainer.comm.communicator import Communicator
 from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
 from rendezvousd.trainer.errors import (
     AgentError,
@@ -44,7 +45,6 @@ from rendezvousd.trainer.errors import (
     TransientInitError,
 )
 from rendezvousd.trainer.retry import with_retry
-from rendezvousd.trainer.state_copy import StepState
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def init_distributed(
     local_rank = placement.local_rank if placement is not None else (config.local_rank or 0)
     id_factory = None
     if config.backend == "nccl":
-        from rendezvousd.trainer import nccl
+        from rendezvousd.trainer.comm import nccl
 
         # The per-node count, not the raw world_size field (unset when the launcher
         # gives only gpus_per_node on a single node); one GPU in the shared-device mode.
@@ -411,7 +411,7 @@ def _nccl(
     local_rank: int,
     on_setup_timeout: Callable[[str], None] | None = None,
 ) -> Communicator:
-    from rendezvousd.trainer.nccl import NcclCommunicator
+    from rendezvousd.trainer.comm.nccl import NcclCommunicator
 
     return NcclCommunicator(
         rank,
@@ -433,7 +433,7 @@ def _cpu_ring(
     node_rank: int,
     ring_host: str,
 ) -> Communicator:
-    from rendezvousd.trainer.cpu_ring import connect_cpu_ring
+    from rendezvousd.trainer.comm.cpu_ring import connect_cpu_ring
 
     return connect_cpu_ring(
         rdzv,

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from rendezvousd.trainer.agent.state_copy import NOTHING, StepState, agree_on_step
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.checkpoint import (
     checkpoint_path,
@@ -37,18 +38,17 @@ from rendezvousd.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from rendezvousd.trainer.communicator import ReduceOp
-from rendezvousd.trainer.data import ShardedLoader, shard_indices
-from rendezvousd.trainer.devices import (
+from rendezvousd.trainer.comm.communicator import ReduceOp
+from rendezvousd.trainer.comm.devices import (
     array_module,
     device_for,
     set_device,
     to_device,
     to_host,
 )
+from rendezvousd.trainer.data import ShardedLoader, shard_indices
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import CheckpointError, TrainerError
-from rendezvousd.trainer.state_copy import NOTHING, StepState, agree_on_step
 from rendezvousd.trainer.topology import MultiNodeTopology
 
 log = logging.getLogger("rendezvousd.example")

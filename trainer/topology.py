@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .errors import ConfigError, DeviceCountError
+from rendezvousd.trainer.errors import ConfigError, DeviceCountError
 
 
 def _require_int(name: str, value: object) -> int:

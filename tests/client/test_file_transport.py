@@ -36,7 +36,7 @@ from rendezvousd.client.errors import (
 )
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
-from rendezvousd.trainer.store import JobStore
+from rendezvousd.trainer.comm.store import JobStore
 from tests.support import WORKERS, parallel, wait_for
 
 WORKER = WORKERS / "file_worker.py"

@@ -26,7 +26,7 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousError,
 )
-from rendezvousd.trainer.agent import describe_remote
+from rendezvousd.trainer.agent.node_agent import describe_remote
 from tests.daemon.test_blackhole import BlackHoleProxy
 from tests.support import WORKERS, DaemonProcess, parallel, wait_for
 

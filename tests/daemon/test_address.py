@@ -1,11 +1,11 @@
-"""The one host:port parser (rendezvousd.address) and how both config loaders report it."""
+"""The one host:port parser (rendezvousd.common.address) and how both config loaders report it."""
 
 from __future__ import annotations
 
 import pytest
 
 from rendezvousd import config as daemon_config
-from rendezvousd.address import Address, AddressError, parse_address, parse_host_port
+from rendezvousd.common.address import Address, AddressError, parse_address, parse_host_port
 from rendezvousd.errors import ConfigError as DaemonConfigError
 from rendezvousd.trainer.config import load_config
 from rendezvousd.trainer.errors import ConfigError as TrainerConfigError

@@ -289,7 +289,7 @@ def serve_in_process(
 ) -> Callable[..., tuple[int, str]]:
     """``rendezvousd serve`` in this process for more refusal variants; should it get
     past its checks, it returns 99 instead of serving."""
-    from rendezvousd import cli
+    from rendezvousd.cli import serve as cli
 
     async def would_serve(*args: object, **kwargs: object) -> int:
         return 99

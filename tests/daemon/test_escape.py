@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.cli.probe import render
 from rendezvousd.client import RendezvousClient
-from rendezvousd.escape import EscapingFormatter, escape
-from rendezvousd.probe_cli import render
+from rendezvousd.common.escape import EscapingFormatter, escape
 from tests.support import DaemonProcess, parallel, wait_for
 
 UNSAFE = ["\x1b[2J", "\x85", "\x9b31m", "\u202e", "\u2066", "\u200f", "\n", "\r", "\x00"]
@@ -121,7 +121,7 @@ def test_daemon_log_lines_are_escaped() -> None:
 # `serve`'s logging set-up, then one log line with client text; the daemon is not started.
 _PROBE = """
 import sys
-from rendezvousd import cli
+from rendezvousd.cli import serve as cli
 async def run(*a, **k):
     import logging
     logging.getLogger("rendezvousd").warning("job %s", "x\\u202ey")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.auth import read_token_file, validate_tokens
 from rendezvousd.errors import ConfigError, DaemonError
-from rendezvousd.persistence import STATE_FILE, StateStore
+from rendezvousd.server.auth import read_token_file, validate_tokens
+from rendezvousd.storage.persistence import STATE_FILE, StateStore
 from tests.support import DaemonProcess, Pki
 
 

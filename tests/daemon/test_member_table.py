@@ -6,11 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rendezvousd import member_table
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import DuplicateRank, NotFound, ProtocolError, RendezvousClient
 from rendezvousd.client.membership import LazyTable
+from rendezvousd.common import member_table
 from tests.daemon.raw_calls import join_request
 from tests.support import DaemonProcess, parallel
 

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.errors import Code, RendezvousFault
-from rendezvousd.escape import MAX_CAUSE_BYTES
-from rendezvousd.limits import Timing
-from rendezvousd.model import (
+from rendezvousd.common.escape import MAX_CAUSE_BYTES
+from rendezvousd.common.limits import Timing
+from rendezvousd.common.model import (
     EventKind,
     JobState,
     JoinMode,
@@ -20,8 +19,9 @@ from rendezvousd.model import (
     Rejoin,
     Wake,
 )
-from rendezvousd.persistence import Persister
-from rendezvousd.state import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.storage.persistence import Persister
 
 ID = b"\x02" * 128
 ID2 = b"\x03" * 128
@@ -427,7 +427,7 @@ def test_a_node_beyond_max_nodes_is_refused_world_full(running: bool) -> None:
 def test_node_table_keeps_its_lookups_in_step_with_its_nodes() -> None:
     """The O(1) lookups every JoinNode makes (a named rank's holder, the earliest
     arrival that named none) follow adds, replacements, removals and a reset."""
-    from rendezvousd.job import Node, NodeTable
+    from rendezvousd.state.job import Node, NodeTable
 
     def node(iid: str, rank: int | None, t: float) -> Node:
         return Node(iid, f"h-{iid}", (), rank or 0, rank is not None, t)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.client import RendezvousClient, RendezvousError
+from rendezvousd.common.model import JoinMode, MemberState, NodeJoinResult, Progress
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.job import Node
-from rendezvousd.model import JoinMode, MemberState, NodeJoinResult, Progress
-from rendezvousd.state import NodeJoinArgs, RendezvousState
+from rendezvousd.state.job import Node
+from rendezvousd.state.machine import NodeJoinArgs, RendezvousState
 from tests.daemon.test_status_page import api
 from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, wait_for
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from rendezvousd.client import LimitExceeded, RendezvousClient, RendezvousTimeout
-from rendezvousd.limits import KIB, Limits
+from rendezvousd.common.limits import KIB, Limits
 from tests.daemon.raw_calls import assert_healthy, join_one, park_joins, wait_members
 from tests.daemon.test_limits import limited_daemon
 from tests.support import DaemonProcess

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd import snapshot
 from rendezvousd.client import RendezvousClient
+from rendezvousd.common.model import JobState, JoinResult, Parked
 from rendezvousd.errors import DaemonError, RendezvousFault
-from rendezvousd.model import JobState, JoinResult, Parked
-from rendezvousd.persistence import Persister, StateStore
-from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.storage import snapshot
+from rendezvousd.storage.persistence import Persister, StateStore
 from tests.support import free_port, members, spawn_daemon, wait_for, write_token
 
 ID = b"\x07" * 128

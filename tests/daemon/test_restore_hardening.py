@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd.client import RendezvousError
 from rendezvousd.config import DaemonConfig
-from rendezvousd.persistence import Persister
-from rendezvousd.server import Daemon
-from rendezvousd.state import JoinArgs, RendezvousState
-from rendezvousd.store_sqlite import SqliteStore
+from rendezvousd.server.assembly import Daemon
+from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.storage.persistence import Persister
+from rendezvousd.storage.store_sqlite import SqliteStore
 from tests.support import InProcessDaemon, serve_refused
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -12,8 +12,8 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import AuthenticationError, RendezvousClient
-from rendezvousd.methods import JOB_METHODS, POLICY
-from rendezvousd.scope import (
+from rendezvousd.server.methods import JOB_METHODS, POLICY
+from rendezvousd.server.scope import (
     ADMIN,
     Scope,
     admin_key,

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
+from rendezvousd.common.limits import Limits, Timing
+from rendezvousd.common.model import JobState, JoinResult, Parked, Transition, Wake
 from rendezvousd.errors import Code
-from rendezvousd.limits import Limits, Timing
-from rendezvousd.model import JobState, JoinResult, Parked, Transition, Wake
-from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 from tests.daemon.test_state_machine import ID, args, fault, form, inst
 
 

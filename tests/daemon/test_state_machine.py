@@ -6,10 +6,18 @@ import os
 
 import pytest
 
+from rendezvousd.common.limits import Limits, Timing
+from rendezvousd.common.model import (
+    EventKind,
+    JobState,
+    JoinResult,
+    MemberState,
+    Notify,
+    Parked,
+    Wake,
+)
 from rendezvousd.errors import Code, RendezvousFault
-from rendezvousd.limits import Limits, Timing
-from rendezvousd.model import EventKind, JobState, JoinResult, MemberState, Notify, Parked, Wake
-from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 
 ID = b"\x01" * 128
 

@@ -12,10 +12,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rendezvousd import snapshot
+from rendezvousd.common.model import JobState, JoinResult, MemberState, Parked, Wake
 from rendezvousd.errors import Code, RendezvousFault
-from rendezvousd.model import JobState, JoinResult, MemberState, Parked, Wake
-from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.storage import snapshot
 
 NODES, GPUS = 2, 2
 JOB = "model"

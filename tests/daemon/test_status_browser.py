@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rendezvousd.scope import derive_job_token
+from rendezvousd.server.scope import derive_job_token
 from tests.daemon.browser import Chromium, chromium_missing
 from tests.support import ROOT, WORKERS, DaemonProcess, json_lines, launcher_cmd, wait_for
 

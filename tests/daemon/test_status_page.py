@@ -13,8 +13,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rendezvousd.client import RendezvousClient
-from rendezvousd.http_server import MAX_CONNECTIONS
-from rendezvousd.scope import derive_job_token
+from rendezvousd.server.scope import derive_job_token
+from rendezvousd.web.http_server import MAX_CONNECTIONS
 from tests.support import DaemonProcess, Pki, wait_for
 
 UID = b"\x5a" * 128

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.client import RendezvousClient, RendezvousError
-from rendezvousd.id_history import USED_ID_HISTORY
-from rendezvousd.model import JoinResult
-from rendezvousd.persistence import Persister
-from rendezvousd.state import JoinArgs, RendezvousState
+from rendezvousd.common.model import JoinResult
+from rendezvousd.state.id_history import USED_ID_HISTORY
+from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.storage.persistence import Persister
 from tests.support import DaemonProcess
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rendezvousd.client import RendezvousClient
-from rendezvousd.store_sqlite import WAL_SIZE_LIMIT
+from rendezvousd.storage.store_sqlite import WAL_SIZE_LIMIT
 from tests.support import DaemonProcess, wait_for
 
 MIB = 1024 * 1024

@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from rendezvousd import auth
 from rendezvousd import config as config_mod
-from rendezvousd.cli import build_parser
+from rendezvousd.cli.serve import build_parser
+from rendezvousd.server import auth
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -52,7 +52,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def _launcher_module() -> Any:
     try:
-        return importlib.import_module("rendezvousd.trainer.launcher")
+        return importlib.import_module("rendezvousd.trainer.agent.launcher")
     except ModuleNotFoundError:
         return None
 

@@ -26,9 +26,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rendezvousd import auth
-from rendezvousd.cli import main as cli_main
-from rendezvousd.sdnotify import Notifier
+from rendezvousd.cli.sdnotify import Notifier
+from rendezvousd.cli.serve import main as cli_main
+from rendezvousd.server import auth
 
 # ---------------------------------------------------------------------------
 # 4. The running daemon: sd_notify, health, token files.

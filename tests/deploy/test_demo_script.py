@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer.netns import unavailable_reason
+from rendezvousd.trainer.demo.netns import unavailable_reason
 from tests.support import ROOT
 
 DEMO = ROOT / "scripts" / "demo.sh"

@@ -51,7 +51,7 @@ def test_deploy_files_do_call_the_cli() -> None:
 def test_rendezvous_run_flags_in_deploy_files_exist() -> None:
     known = known_flags()
     if "rendezvous-run" not in known:
-        pytest.skip("rendezvousd.trainer.launcher has no build_parser() yet")
+        pytest.skip("rendezvousd.trainer.agent.launcher has no build_parser() yet")
     test_deploy_files_do_call_the_cli()
     for path in deploy_files():
         assert drift_problems(path, path.read_text(), known, known_env_vars()) == []
@@ -135,7 +135,7 @@ def test_drift_checker_catches_a_bogus_flag_in_a_copy_of_a_real_file(
 def test_drift_checker_catches_a_bogus_launcher_flag(path: Path, old: str, new: str) -> None:
     known = known_flags()
     if "rendezvous-run" not in known:
-        pytest.skip("rendezvousd.trainer.launcher has no build_parser() yet")
+        pytest.skip("rendezvousd.trainer.agent.launcher has no build_parser() yet")
     text = path.read_text()
     assert old in text
     problems = drift_problems(path, text.replace(old, new), known, known_env_vars())

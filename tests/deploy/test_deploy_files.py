@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from rendezvousd import auth
 from rendezvousd import config as config_mod
-from rendezvousd.cli import build_parser
+from rendezvousd.cli.sdnotify import Notifier
+from rendezvousd.cli.serve import build_parser
 from rendezvousd.errors import ConfigError
-from rendezvousd.sdnotify import Notifier
+from rendezvousd.server import auth
 from tests.deploy.deploy_tree import (
     COMPOSE,
     DEPLOY,

@@ -7,12 +7,13 @@ import re
 
 import pytest
 
-from rendezvousd import auth
 from rendezvousd import config as daemon_config
 from rendezvousd.client import connection
-from rendezvousd.trainer import agent_channel, torchrun_config
+from rendezvousd.server import auth
 from rendezvousd.trainer import config as trainer_config
-from rendezvousd.trainer.launcher import build_parser
+from rendezvousd.trainer.agent import agent_channel
+from rendezvousd.trainer.agent.launcher import build_parser
+from rendezvousd.trainer.torchrun import config as torchrun_config
 from tests.support import ROOT
 
 DOCS = ROOT / "docs"
@@ -27,7 +28,7 @@ def _block(text: str, name: str) -> str:
 _MODULES = {
     "daemon": "rendezvousd.config",
     "trainer": "rendezvousd.trainer.config",
-    "torchrun": "rendezvousd.trainer.torchrun_config",
+    "torchrun": "rendezvousd.trainer.torchrun.config",
 }
 
 

@@ -81,14 +81,21 @@ def test_wheel_ships_configs_and_type_markers(built: tuple[str, Path]) -> None:
     }
     assert configs and configs <= names
     page = {
-        f"rendezvousd/status_static/{p.name}"
-        for p in (ROOT / "rendezvousd/status_static").iterdir()
+        f"rendezvousd/web/status_static/{p.name}"
+        for p in (ROOT / "rendezvousd/web/status_static").iterdir()
         if p.suffix in (".html", ".js", ".css")
     }
     assert len(page) == 4 and page <= names
     for package in ("rendezvousd", "rendezvousd/client", "rendezvousd/trainer"):
         assert f"{package}/py.typed" in names
-    assert "rendezvousd/trainer/demo.py" in names
+    # Every module of the tree, subpackages included (each must be listed in pyproject.toml).
+    for folder, installed in (
+        ("rendezvousd", "rendezvousd"),
+        ("client", "rendezvousd/client"),
+        ("trainer", "rendezvousd/trainer"),
+    ):
+        for module in (ROOT / folder).rglob("*.py"):
+            assert f"{installed}/{module.relative_to(ROOT / folder).as_posix()}" in names
     assert not any(n.startswith("tests/") for n in names)
 
 
@@ -121,9 +128,9 @@ def test_wheel_registers_the_torchrun_handler(built: tuple[str, Path]) -> None:
     with zipfile.ZipFile(wheel) as archive:
         (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
         text = archive.read(name).decode()
-        assert "rendezvousd/trainer/torchrun.py" in archive.namelist()
+        assert "rendezvousd/trainer/torchrun/handler.py" in archive.namelist()
     assert "[torchrun.handlers]" in text
-    assert "rendezvousd = rendezvousd.trainer.torchrun:handler_factory" in text
+    assert "rendezvousd = rendezvousd.trainer.torchrun.handler:handler_factory" in text
 
 
 @pytest.mark.parametrize("backend", ["build_backend", "setuptools.build_meta"])

@@ -2,7 +2,7 @@
 
 * No pickle/marshal (or friends) imports, no eval/exec calls, no
   ``allow_pickle=True``: parsed with ``ast`` so strings and comments don't count.
-* CuPy is imported only inside functions of trainer/nccl.py (CPU-only installs
+* CuPy is imported only inside functions of trainer/comm/nccl.py (CPU-only installs
   must import everything else).
 * grpcio and protobuf, installed and as declared floors in pyproject.toml, are
   at or above the releases that fix the CVEs below; lowering a floor fails here.
@@ -28,8 +28,8 @@ FORBIDDEN_MODULES = frozenset(
     {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "jsonpickle"}
 )
 FORBIDDEN_CALLS = frozenset({"eval", "exec"})
-TORCH_HOME = "trainer/torchrun.py"
-CUPY_HOME = "trainer/nccl.py"
+TORCH_HOME = "trainer/torchrun/handler.py"
+CUPY_HOME = "trainer/comm/nccl.py"
 
 
 def product_files() -> list[Path]:

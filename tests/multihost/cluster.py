@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
-from rendezvousd.trainer.netns import Host, Hosts
+from rendezvousd.trainer.demo.netns import Host, Hosts
 from tests.support import DaemonProcess, launcher_cmd, spawn_daemon
 
 EXAMPLE = ("-m", "rendezvousd.trainer.example")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer.netns import Hosts, unavailable_reason
+from rendezvousd.trainer.demo.netns import Hosts, unavailable_reason
 from tests.multihost.cluster import Cluster, start_cluster
 
 

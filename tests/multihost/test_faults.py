@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from rendezvousd.trainer.netns import Hosts
+from rendezvousd.trainer.demo.netns import Hosts
 from tests.multihost.cluster import Cluster, Node, start_cluster
 from tests.support import WORKERS, spawn_daemon, wait_for
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer.netns import Hosts
+from rendezvousd.trainer.demo.netns import Hosts
 from tests.support import spawn_daemon, worker_cmd
 
 
@@ -92,7 +92,7 @@ def test_demo_runs_on_real_network_hosts(
     make_hosts: Callable[[int], Hosts], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # make_hosts only for its skip (root and ip); the demo builds its own hosts.
-    from rendezvousd.trainer import demo
+    from rendezvousd.trainer.demo import run as demo
 
     built: list[Hosts] = []
 
@@ -114,7 +114,8 @@ def test_demo_runs_on_real_network_hosts(
 def test_demo_on_hosts_says_why_it_cannot_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from rendezvousd.trainer import demo, netns
+    from rendezvousd.trainer.demo import netns
+    from rendezvousd.trainer.demo import run as demo
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit, match="needs root"):

@@ -205,7 +205,7 @@ def test_the_entry_point_is_what_torch_loads(torch_python: str, first: str) -> N
     handlers while importing that package, which our module itself imports)."""
     imports = {
         "torch": "import torch.distributed.elastic.rendezvous",
-        "ours": "import rendezvousd.trainer.torchrun",
+        "ours": "import rendezvousd.trainer.torchrun.handler",
     }[first]
     code = (
         f"{imports}; from torch.distributed.elastic.rendezvous import "

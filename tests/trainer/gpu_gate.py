@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from rendezvousd.trainer import nccl
+from rendezvousd.trainer.comm import nccl
 
 MISSING = nccl.unavailable_reason()
 DEVICES = 0 if MISSING is not None else nccl.device_count()

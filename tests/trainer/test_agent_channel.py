@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import agent_worker
-from rendezvousd.trainer.agent_channel import (
+from rendezvousd.trainer.agent import agent_worker
+from rendezvousd.trainer.agent.agent_channel import (
     MAX_DEPTH,
     Channel,
     ChannelClosed,
@@ -30,12 +30,12 @@ from rendezvousd.trainer.agent_channel import (
     pack_arrays,
     unpack_arrays,
 )
-from rendezvousd.trainer.agent_worker import AgentLink, Assignment
+from rendezvousd.trainer.agent.agent_worker import AgentLink, Assignment
+from rendezvousd.trainer.agent.recovery import Failure, RestartBudget
+from rendezvousd.trainer.agent.state_copy import MAX_STEP_ADVANCE, StateCopy
+from rendezvousd.trainer.agent.warm_workers import Exited, Ready, SparePool, stop_all
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError
-from rendezvousd.trainer.recovery import Failure, RestartBudget
-from rendezvousd.trainer.state_copy import MAX_STEP_ADVANCE, StateCopy
-from rendezvousd.trainer.warm_workers import Exited, Ready, SparePool, stop_all
 from tests.support import WORKERS, wait_for
 
 SECRET = bytes(range(128))
@@ -298,9 +298,9 @@ def test_spare_gets_assignment_and_state_only_over_the_channel() -> None:
     """End to end through a real spare: its report on stdout shows what it got."""
     script = (
         "import os, sys, queue\n"
-        "from rendezvousd.trainer.warm_workers import SparePool, Exited\n"
-        "from rendezvousd.trainer.state_copy import StateCopy\n"
-        "from rendezvousd.trainer.agent_worker import Assignment\n"
+        "from rendezvousd.trainer.agent.warm_workers import SparePool, Exited\n"
+        "from rendezvousd.trainer.agent.state_copy import StateCopy\n"
+        "from rendezvousd.trainer.agent.agent_worker import Assignment\n"
         "from rendezvousd.trainer.config import DistributedConfig\n"
         "from tests.trainer.test_agent_channel import _state, SECRET\n"
         "ev = queue.Queue(); st = StateCopy(); st.offer(_state(9))\n"

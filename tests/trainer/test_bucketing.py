@@ -3,7 +3,7 @@
 The single-process tests drive the reducer with small in-test communicators
 (world 1, or a world-2 stand-in whose other rank holds identical gradients);
 the multi-rank equality test uses the real CPU ring communicator in real
-processes and is skipped until ``trainer/cpu_ring.py`` exists.
+processes and is skipped until ``trainer/comm/cpu_ring.py`` exists.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from rendezvousd.trainer.bucketing import (
     plan_buckets,
     unpack,
 )
-from rendezvousd.trainer.communicator import Communicator, ReduceOp
+from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
 from rendezvousd.trainer.config import DistributedConfig
 
 F32 = 4
@@ -434,13 +434,13 @@ def test_verify_layout_fails_on_every_rank_naming_the_odd_one(daemon: Any, job_i
 
 # --- two real ranks over the CPU ring ------------------------------------------
 
-HAVE_RING = importlib.util.find_spec("rendezvousd.trainer.cpu_ring") is not None
+HAVE_RING = importlib.util.find_spec("rendezvousd.trainer.comm.cpu_ring") is not None
 
 RANK_SCRIPT = """
 import json, socket, sys
 import numpy as np
 from rendezvousd.trainer.bucketing import BucketedAllReducer
-from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
+from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator
 
 rank, fd, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 peers = [tuple(p) for p in json.loads(sys.argv[4])]
@@ -460,7 +460,7 @@ np.savez(out, *[np.ascontiguousarray(g) for g in grads])
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not HAVE_RING, reason="trainer/cpu_ring.py (CpuRingCommunicator) not written yet"
+    not HAVE_RING, reason="trainer/comm/cpu_ring.py (CpuRingCommunicator) not written yet"
 )
 def test_two_rank_bucketed_all_reduce_equals_the_mean(tmp_path: Path) -> None:
     listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]

@@ -2,7 +2,7 @@
 processes for the multi-rank result matrix and for a peer killed mid-all-reduce.
 
 Checks marked with TRANSPORTS run twice: over the TCP ring, and with all_reduce going
-through the one-host shared-memory group (trainer/shm_group.py)."""
+through the one-host shared-memory group (trainer/comm/shm_group.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,13 @@ import numpy as np
 import pytest
 
 from rendezvousd.trainer import errors as errs
-from rendezvousd.trainer.communicator import Communicator, ReduceOp
-from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
-from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener, unsupported_reason
+from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
+from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator
+from rendezvousd.trainer.comm.shm_group import (
+    SharedMemoryPeers,
+    create_listener,
+    unsupported_reason,
+)
 from tests.support import parallel, wait_for
 
 SECRET = bytes(range(128))

@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from rendezvousd.trainer import nccl
-from rendezvousd.validation import UNIQUE_ID_BYTES
+from rendezvousd.common.validation import UNIQUE_ID_BYTES
+from rendezvousd.trainer.comm import nccl
 from tests.support import ROOT
 from tests.trainer import fake_cupy
 from tests.trainer.fake_cupy import nccl as fake_nccl
@@ -65,7 +65,7 @@ CAUGHT = "caught"  # an exception class our code catches
 # instance of X, or what calling X returns (HOLDS). Rows reached through a local name
 # (comm, stream, event, array) are listed by hand; the others must match the source.
 SEAM: list[tuple[str, Call | str]] = [
-    # trainer/nccl.py
+    # trainer/comm/nccl.py
     ("__version__", READ),
     ("cuda.nccl", READ),
     ("cuda.nccl.available", READ),
@@ -105,7 +105,7 @@ SEAM: list[tuple[str, Call | str]] = [
     ("ndarray().__itruediv__", Call(1)),
     ("zeros", Call(1, ("dtype",))),
     ("empty", Call(1, ("dtype",))),
-    # trainer/devices.py
+    # trainer/comm/devices.py
     ("cuda.Device().use", Call()),
     ("asarray", Call(1)),
     ("asnumpy", Call(1)),
@@ -288,7 +288,7 @@ def test_cupy_has_what_our_code_uses(path: str, use: Call | str) -> None:
 
 
 # Where our code reaches CuPy by a module: cp/xp/cupy, self._cp, self.xp, self._nccl, _import_cupy().
-CODE = ["nccl.py", "devices.py", "bucketing.py", "example.py", "checkpoint.py"]
+CODE = ["comm/nccl.py", "comm/devices.py", "bucketing.py", "example.py", "checkpoint.py"]
 ROOTS = {"cp": "", "xp": "", "cupy": "", "self._cp": "", "self.xp": "", "self._nccl": "cuda.nccl"}
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import devices, nccl
+from rendezvousd.trainer.comm import devices, nccl
 from rendezvousd.trainer.errors import ConfigError
 from tests.trainer import fake_cupy
 
@@ -48,7 +48,7 @@ def test_cpu_backend_is_numpy_and_never_touches_cupy(monkeypatch: pytest.MonkeyP
 def test_importing_the_trainer_modules_does_not_import_cupy() -> None:
     code = (
         "import sys\n"
-        "import rendezvousd.trainer.devices, rendezvousd.trainer.example, "
+        "import rendezvousd.trainer.comm.devices, rendezvousd.trainer.example, "
         "rendezvousd.trainer.checkpoint, rendezvousd.trainer.demo\n"
         "print('cupy' in sys.modules)\n"
     )
@@ -101,7 +101,7 @@ def test_set_device_makes_the_local_rank_current_for_allocations(fake: Any) -> N
 
 
 def test_shared_device_mode_puts_every_rank_on_gpu_0_as_its_own_nccl_host() -> None:
-    from rendezvousd.trainer import devices
+    from rendezvousd.trainer.comm import devices
 
     off: dict[str, str] = {}
     on = {devices.SHARED_DEVICE_ENV: "1"}

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import demo, devices, example, nccl
+from rendezvousd.trainer import example
+from rendezvousd.trainer.comm import devices, nccl
+from rendezvousd.trainer.demo import run as demo
 from tests.support import ROOT, WORKERS, DaemonProcess
 from tests.trainer import fake_cupy
 

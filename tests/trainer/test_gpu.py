@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer
-from rendezvousd.trainer.communicator import ReduceOp
+from rendezvousd.trainer.comm import nccl
+from rendezvousd.trainer.comm.communicator import ReduceOp
 from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorTimeout
 from tests.support import parallel
 from tests.trainer.gpu_gate import DEVICES, GPU_MARKS, REASON

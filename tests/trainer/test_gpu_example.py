@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import demo, devices, example
+from rendezvousd.trainer import example
 from rendezvousd.trainer.checkpoint import load_checkpoint, save_checkpoint
+from rendezvousd.trainer.comm import devices
+from rendezvousd.trainer.demo import run as demo
 from tests.support import DaemonProcess, spawn_daemon
 from tests.trainer.gpu_gate import DEVICES, GPU_MARKS
 from tests.trainer.test_example_devices import EXAMPLE, run_example

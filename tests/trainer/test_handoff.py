@@ -38,7 +38,7 @@ def test_the_unique_id_size_is_defined_in_one_module() -> None:
         for name, value in _module_constants(path).items()
         if name.endswith("ID_BYTES") and value == 128
     ]
-    assert defining == ["rendezvousd/validation.py:UNIQUE_ID_BYTES"]
+    assert defining == ["rendezvousd/common/validation.py:UNIQUE_ID_BYTES"]
 
 
 WORKER = """\

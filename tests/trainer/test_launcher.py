@@ -344,7 +344,8 @@ def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
 ) -> None:
     """Node 0's agent hosts NCCL's bootstrap root for the id it makes: in the one-GPU
     shared-device mode that must be on loopback, like the ranks' own sockets."""
-    from rendezvousd.trainer import launcher, nccl
+    from rendezvousd.trainer.agent import launcher
+    from rendezvousd.trainer.comm import nccl
     from rendezvousd.trainer.config import load_config
 
     for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_HOSTID"):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rendezvousd.trainer import launcher
+from rendezvousd.trainer.agent import launcher
 from tests.support import DaemonProcess, launcher_cmd
 
 # Runs rendezvous-run in this process, noting in $ORDER_FILE, in order, the first
@@ -29,7 +29,7 @@ def hook(event, args):
 sys.addaudithook(hook)
 sys.argv = ["rendezvous-run", *sys.argv[1:]]
 try:
-    runpy.run_module("rendezvousd.trainer.launcher", run_name="__main__", alter_sys=True)
+    runpy.run_module("rendezvousd.trainer.agent.launcher", run_name="__main__", alter_sys=True)
 finally:
     with open(os.environ["ORDER_FILE"], "w") as fh:
         fh.write(" ".join(order) + "\n" + str(len(spawned)))
@@ -41,7 +41,7 @@ def test_spares_start_before_the_launcher_imports_grpc_and_the_agent_needs_no_nu
 ) -> None:
     order_file = tmp_path / "order"
     args = launcher_cmd(1, 0, 2, endpoint=daemon.endpoint, token_file=daemon.token_file, job=job_id)
-    args = args[3:]  # the flags, without "python -m rendezvousd.trainer.launcher"
+    args = args[3:]  # the flags, without "python -m rendezvousd.trainer.agent.launcher"
     example = ["-m", "rendezvousd.trainer.example", "--steps", "30", "--log-every", "1000"]
     done = subprocess.run(
         [sys.executable, "-c", ORDER_PROBE, *args, *example],

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from rendezvousd.trainer import errors as errs
-from rendezvousd.trainer import nccl
+from rendezvousd.trainer.comm import nccl
 
 from .fake_cupy import FakeCudaError, make_cupy
 
@@ -81,7 +81,7 @@ def test_cupy_is_imported_only_in_nccl_py() -> None:
     importers = sorted(p.name for p in trainer.glob("*.py") if pattern.search(p.read_text()))
     assert importers == ["nccl.py"]
     code = (
-        "import sys, rendezvousd.trainer.bucketing, rendezvousd.trainer.nccl; "
+        "import sys, rendezvousd.trainer.bucketing, rendezvousd.trainer.comm.nccl; "
         "assert not any(m == 'cupy' or m.startswith('cupy.') for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rendezvousd.common.validation import UNIQUE_ID_BYTES
 from rendezvousd.trainer import errors as errs
-from rendezvousd.trainer import nccl
 from rendezvousd.trainer.bucketing import BucketedAllReducer
-from rendezvousd.trainer.communicator import Communicator, ReduceOp
-from rendezvousd.validation import UNIQUE_ID_BYTES
+from rendezvousd.trainer.comm import nccl
+from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
 
 from .fake_cupy import (
     FakeCudaError,
@@ -431,7 +431,7 @@ def test_concurrent_collectives_from_two_threads(cupy: Any) -> None:
 
 
 def test_init_watchdog_reports_then_exits(cupy: Any) -> None:
-    from rendezvousd.trainer.nccl_watchdog import INIT_TIMEOUT_EXIT_CODE, InitWatchdog
+    from rendezvousd.trainer.comm.nccl_watchdog import INIT_TIMEOUT_EXIT_CODE, InitWatchdog
 
     reports: list[str] = []
     exits: list[int] = []
@@ -450,8 +450,8 @@ def test_init_watchdog_reports_then_exits(cupy: Any) -> None:
 
 WATCHDOG_SCRIPT = """
 import sys, threading
-from rendezvousd.trainer import nccl
-from rendezvousd.validation import UNIQUE_ID_BYTES
+from rendezvousd.trainer.comm import nccl
+from rendezvousd.common.validation import UNIQUE_ID_BYTES
 from tests.trainer.fake_cupy import make_cupy
 fake = make_cupy()
 fake.cuda.nccl.init_gate = threading.Event()  # a peer that never arrives
@@ -464,7 +464,7 @@ print("init returned", flush=True)
 
 
 def test_init_hang_ends_the_process_with_its_own_code() -> None:
-    from rendezvousd.trainer.nccl_watchdog import INIT_TIMEOUT_EXIT_CODE
+    from rendezvousd.trainer.comm.nccl_watchdog import INIT_TIMEOUT_EXIT_CODE
 
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(

@@ -1,4 +1,4 @@
-"""The one peer handshake both cpu transports use (trainer/peer_auth.py), over real
+"""The one peer handshake both cpu transports use (trainer/comm/peer_auth.py), over real
 socket pairs: mutual proof of the key, ranks bound, fresh nonces, key never shown.
 
 Each transport's own wrong-key test lives beside it (test_cpu_ring, test_shm_group)."""
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from rendezvousd.trainer import peer_auth
+from rendezvousd.trainer.comm import peer_auth
+from rendezvousd.trainer.comm.peer_auth import Acceptance, PeerAuth
 from rendezvousd.trainer.errors import PeerConnectionError
-from rendezvousd.trainer.peer_auth import Acceptance, PeerAuth
 from tests.support import parallel
 
 KEY = peer_auth.derive_key(b"s" * 32)

@@ -20,19 +20,19 @@ import numpy as np
 import pytest
 
 from rendezvousd.client import RendezvousClient
-from rendezvousd.trainer import futex
-from rendezvousd.trainer.cpu_ring import CpuRingCommunicator, connect_cpu_ring
+from rendezvousd.trainer.comm import futex
+from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator, connect_cpu_ring
+from rendezvousd.trainer.comm.shm_group import (
+    ShmGroup,
+    create_listener,
+    host_identity,
+    unsupported_reason,
+)
 from rendezvousd.trainer.errors import (
     CommunicatorError,
     CommunicatorTimeout,
     ConfigError,
     PeerConnectionError,
-)
-from rendezvousd.trainer.shm_group import (
-    ShmGroup,
-    create_listener,
-    host_identity,
-    unsupported_reason,
 )
 from tests.support import parallel, wait_for
 

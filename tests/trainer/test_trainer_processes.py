@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer import demo, shm_group
+from rendezvousd.trainer.comm import shm_group
+from rendezvousd.trainer.demo import run as demo
 from rendezvousd.trainer.errors import CommunicatorTimeout, RetriesExhausted
 from rendezvousd.trainer.retry import with_retry
 from tests.support import (
@@ -137,7 +138,7 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
         [
             sys.executable,
             "-m",
-            "rendezvousd.trainer.launcher",
+            "rendezvousd.trainer.agent.launcher",
             "--standalone",
             "--nproc-per-node",
             "3",
@@ -273,7 +274,7 @@ def test_launcher_refuses_a_bad_node_rank_from_env_instead_of_dropping_it(tmp_pa
         [
             sys.executable,
             "-m",
-            "rendezvousd.trainer.launcher",
+            "rendezvousd.trainer.agent.launcher",
             "--nnodes",
             "2",
             "--nproc-per-node",

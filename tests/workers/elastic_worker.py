@@ -17,8 +17,8 @@ import time
 import numpy as np
 from report import emit
 
+from rendezvousd.trainer.agent.state_copy import NOTHING, agree_on_step
 from rendezvousd.trainer.distributed import init_distributed
-from rendezvousd.trainer.state_copy import NOTHING, agree_on_step
 
 
 def main() -> int:

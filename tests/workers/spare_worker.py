@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from rendezvousd.trainer.agent_worker import AgentLink
+from rendezvousd.trainer.agent.agent_worker import AgentLink
 
 
 def main() -> int:

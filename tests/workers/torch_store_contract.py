@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
-from rendezvousd.trainer.torchrun import create_handler
+from rendezvousd.trainer.torchrun.handler import create_handler
 
 
 def ops(store: Any) -> list[Any]:

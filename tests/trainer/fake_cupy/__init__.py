@@ -122,7 +122,7 @@ def device_array(cupy: Any, values: Any, dtype: Any = np.float32) -> Any:
 
 def install(monkeypatch: Any, **options: Any) -> Any:
     """A fresh fake at the seam for one test; ``options`` as for ``make_cupy``."""
-    from rendezvousd.trainer import nccl
+    from rendezvousd.trainer.comm import nccl
 
     fake = make_cupy(**options)
     monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
@@ -132,7 +132,7 @@ def install(monkeypatch: Any, **options: Any) -> Any:
 def install_globally() -> None:
     """For a worker process: every later CuPy import through the seam gets one fake,
     a machine with one GPU whose NCCL serves a world of one rank."""
-    from rendezvousd.trainer import nccl
+    from rendezvousd.trainer.comm import nccl
 
     fake = make_cupy(devices=1, solo=True)
     nccl._import_cupy = lambda: fake

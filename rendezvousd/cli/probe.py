@@ -1,0 +1,181 @@
+"""``rendezvousd health`` and ``rendezvousd status``: look at a running daemon.
+
+``health`` mirrors grpc_health_probe's exit codes: 0 serving, 1 bad arguments,
+2 connection failure or timeout, 3 RPC failure, 4 not serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common.escape import escape, shortened
+
+EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
+DEFAULT_ENDPOINT = "127.0.0.1:29420"
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if args.tls_ca is not None:
+        creds = grpc.ssl_channel_credentials(
+            Path(args.tls_ca).read_bytes(),
+            Path(args.tls_key).read_bytes() if args.tls_key else None,
+            Path(args.tls_cert).read_bytes() if args.tls_cert else None,
+        )
+        options = (
+            [("grpc.ssl_target_name_override", args.tls_server_name)]
+            if args.tls_server_name
+            else []
+        )
+        return grpc.secure_channel(args.endpoint, creds, options=options)
+    return grpc.insecure_channel(args.endpoint)
+
+
+def _health(args: argparse.Namespace) -> int:
+    with _channel(args) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                from rendezvousd.client.connection import speaks_tls
+
+                # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
+                why = (
+                    f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
+                    if args.tls_ca is None and speaks_tls(args.endpoint)
+                    else f"cannot reach {args.endpoint}: {code.name}"
+                )
+                print(f"rendezvousd health: {why}", file=sys.stderr)
+                return EXIT_CONNECTION
+            print(
+                f"rendezvousd health: Check failed: {code.name}: {exc.details()}", file=sys.stderr
+            )
+            return EXIT_RPC
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    if response.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"rendezvousd health: {args.endpoint} is {status}", file=sys.stderr)
+        return EXIT_NOT_SERVING
+    print(f"rendezvousd health: {args.endpoint} is SERVING")
+    return EXIT_SERVING
+
+
+def _age(ms: int) -> str:
+    return f"{ms / 1000:.1f}s"
+
+
+def _status(args: argparse.Namespace) -> int:
+    from rendezvousd.client import RendezvousClient, RendezvousError, TlsConfig
+
+    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    # Watching redraws a terminal; piped or redirected, it is the one snapshot a
+    # script can read.
+    watch = args.watch is not None and sys.stdout.isatty()
+    try:
+        with RendezvousClient(
+            args.endpoint,
+            token_file=args.token_file,
+            tls=tls,
+            connect_timeout=args.timeout,
+            call_timeout=args.timeout,
+        ) as client:
+
+            def snapshot() -> str:
+                jobs = (
+                    [client.get_job(args.job)]
+                    if args.job
+                    else [client.get_job(j.job_id) for j in client.list_jobs()]
+                )
+                return render(jobs)
+
+            if not watch:
+                print(snapshot())
+                return 0
+            while True:
+                try:
+                    text = snapshot()
+                except RendezvousError as exc:  # the daemon restarting: keep watching
+                    text = f"rendezvousd status: {escape(str(exc))}"
+                stamp = time.strftime("%H:%M:%S")
+                head = f"{args.endpoint}  every {args.watch:g} s  {stamp}  (Ctrl-C to stop)"
+                # Home and clear, then the frame: one write, so it never flickers half-drawn.
+                sys.stdout.write(f"\x1b[H\x1b[2J{head}\n\n{text}\n")
+                sys.stdout.flush()
+                time.sleep(args.watch)
+    except RendezvousError as exc:
+        print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
+        return EXIT_RPC
+    except KeyboardInterrupt:
+        return 0
+
+
+def render(jobs: list[Any]) -> str:
+    """The status table; every client-provided text in it is escaped."""
+    lines = [f"{'JOB':<24} {'STATE':<8} {'GEN':>4} {'WORLD':>6} {'PRESENT':>8} {'AGE':>8}"]
+    for job in jobs:
+        s = job.summary
+        state = pb.JobState.Name(s.state).removeprefix("JOB_STATE_")
+        lines.append(
+            f"{escape(s.job_id):<24} {state:<8} {s.generation:>4} {s.world_size:>6} "
+            f"{s.members_present:>8} {_age(s.state_age_ms):>8}"
+        )
+        for m in job.members:
+            mstate = pb.MemberState.Name(m.state).removeprefix("MEMBER_STATE_")
+            lines.append(
+                f"    rank {m.member.rank:>5}  node {m.member.node_rank:>4}  local "
+                f"{m.member.local_rank:>3}  {escape(m.member.host):<20} {mstate:<8} "
+                f"heartbeat {_age(m.heartbeat_age_ms)}"
+            )
+        for f in job.failed:
+            lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}")
+        if job.abort_reason:
+            lines.append(f"    aborted: {escape(job.abort_reason)}")
+    if not jobs:
+        lines.append("(no jobs)")
+    return "\n".join(lines)
+
+
+def add_probe_commands(sub: Any) -> None:
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="HOST:PORT of the daemon")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds before giving up")
+        p.add_argument("--tls-ca", default=None, help="PEM CA that signed the daemon's certificate")
+        p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS)")
+        p.add_argument("--tls-key", default=None, help="PEM client key (mTLS)")
+        p.add_argument(
+            "--tls-server-name",
+            default=None,
+            help="name to verify in the daemon's certificate (e.g. when probing 127.0.0.1)",
+        )
+
+    health = sub.add_parser("health", help="check grpc.health.v1 (exit 0 when SERVING)")
+    common(health)
+    health.add_argument("--service", default="", help="service name to check ('' = whole daemon)")
+    health.set_defaults(func=_health)
+
+    status = sub.add_parser("status", help="table of jobs, members, hosts and heartbeat ages")
+    common(status)
+    status.add_argument(
+        "--token-file", type=Path, default=None, help="token file (or $RENDEZVOUSD_TOKEN)"
+    )
+    status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 1) on a terminal; piped, print one snapshot",
+    )
+    status.add_argument("job", nargs="?", help="only this job")
+    status.set_defaults(func=_status)

@@ -1,0 +1,233 @@
+"""``rendezvousd`` command line: serve, health, status, token."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rendezvousd import config as config_mod
+from rendezvousd.cli.embedded import EXIT_WITH_PARENT, write_token_file
+from rendezvousd.common.escape import EscapingFormatter
+from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.server.assembly import Daemon
+from rendezvousd.server.auth import load_tokens, read_token_file
+from rendezvousd.server.scope import JobToken, derive_job_token
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # The Namespace also holds non-setting flags (command, func, config); they are skipped.
+    cfg = config_mod.load(args.config, overrides=vars(args))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
+    tokens = load_tokens(cfg.token_file)
+    if cfg.tls_cert is not None and cfg.tls_key is not None:
+        config_mod.check_tls_pair(cfg.tls_cert, cfg.tls_key)
+    if cfg.tls_client_ca is not None:
+        config_mod.check_client_ca(cfg.tls_client_ca)
+    _raise_fd_limit()
+    return asyncio.run(_run(cfg, tokens, exit_with_parent=args.exit_with_parent))
+
+
+def _raise_fd_limit() -> None:
+    """Each member holds a connection; the default soft limit (often 1024) is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def _run(
+    cfg: config_mod.DaemonConfig, tokens: list[str], *, exit_with_parent: bool = False
+) -> int:
+    from rendezvousd.cli.sdnotify import Notifier
+
+    notifier = Notifier.from_env()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(port: int) -> None:
+        host, _ = config_mod.split_listen(cfg.listen)
+        shown = cfg.listen if host is None else f"{host}:{port}"
+        # One stable line on stdout: scripts and tests read the bound port here.
+        print(f"rendezvousd: serving on {shown}", flush=True)
+        if daemon.metrics_port is not None:
+            mhost, _ = config_mod.split_listen(cfg.metrics_listen or "")
+            scheme = "https" if cfg.tls_cert is not None else "http"
+            print(
+                f"rendezvousd: metrics on {scheme}://{mhost}:{daemon.metrics_port}/metrics",
+                flush=True,
+            )
+        notifier.ready(f"serving on {shown}")
+
+    daemon = Daemon(cfg, tokens, on_ready=ready, on_stopping=notifier.stopping)
+    await daemon.start()
+    if exit_with_parent:
+        _watch_parent(loop, daemon, stop)
+    watchdog = asyncio.create_task(notifier.watchdog_loop()) if notifier.watchdog_interval else None
+    await stop.wait()
+    logging.getLogger("rendezvousd").info("signal received: draining")
+    if watchdog is not None:
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+    await daemon.stop()
+    return 0
+
+
+def _watch_parent(loop: asyncio.AbstractEventLoop, daemon: Daemon, stop: asyncio.Event) -> None:
+    """Stop when stdin reaches end of file: the kernel closes the parent's end of
+    the pipe however the parent dies, SIGKILL included, and unlike
+    PR_SET_PDEATHSIG this does not fire when merely the spawning thread ends."""
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        if os.read(fd, 4096):
+            return
+        loop.remove_reader(fd)
+        daemon.parent_exited()
+        tasks.add(loop.create_task(stop_once_heard()))
+
+    async def stop_once_heard() -> None:
+        # A survivor stays active until its heartbeat stream hears PEER_FAILED and
+        # closes; a call it makes meanwhile must still find the daemon to be told
+        # why. The heartbeat timeout bounds the wait for members without a stream.
+        deadline = loop.time() + daemon.state.timing.heartbeat_timeout_s
+        while daemon.has_active_members() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+
+    tasks: set[asyncio.Task[None]] = set()
+    loop.add_reader(fd, readable)
+
+
+def _token(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    if args.valid_for is not None and args.job is None:
+        raise ConfigError(
+            "--valid-for applies to job tokens (--job J); an admin token ends when it is "
+            "removed from the daemon's token file"
+        )
+    until = None if args.valid_for is None else int(time.time()) + args.valid_for
+    try:
+        if args.job is None:
+            write_token_file(path, replace=args.force)
+        else:
+            _write_job_token(path, args.job, args.admin_token_file, until, replace=args.force)
+    except FileExistsError:
+        print(f"rendezvousd token: {path} exists; pass --force to replace it", file=sys.stderr)
+        return 1
+    if args.job is None:
+        what = "a new token"
+    else:
+        ends = "" if until is None else f", valid until {JobToken(args.job, until).expiry_text()}"
+        what = f"a token for job {args.job!r}{ends}"
+    print(f"rendezvousd token: wrote {what} to {path} (mode 0600)")
+    return 0
+
+
+MAX_VALID_FOR_S = 3650 * 86400
+
+
+def _duration(text: str) -> int:
+    """``--valid-for``: seconds, or a number with s, m, h or d (argparse's type)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+    seconds = int(number) * unit if number.isascii() and number.isdigit() else 0
+    # Ten years at most: the date stays a plain number of a fixed, small width.
+    if not 1 <= seconds <= MAX_VALID_FOR_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration of 1 s to 3650 d: give seconds, or a whole number "
+            "with s, m, h or d (90m, 12h, 7d)"
+        )
+    return seconds
+
+
+def _write_job_token(
+    path: Path, job_id: str, admin_file: Path | None, until: int | None, *, replace: bool
+) -> None:
+    if admin_file is None:
+        raise ConfigError(
+            "--job needs --admin-token-file FILE: the daemon's token file the job token "
+            "is derived from"
+        )
+    # The first line is the token clients use now (later lines are being rotated out).
+    admin = read_token_file(admin_file)[0]
+    try:
+        token = derive_job_token(admin, job_id, until)
+    except RendezvousFault as fault:
+        raise ConfigError(fault.message) from None
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
+        f.write(token + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rendezvousd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the daemon")
+    config_mod.add_arguments(serve)
+    serve.add_argument(
+        EXIT_WITH_PARENT,
+        action="store_true",
+        help="exit when stdin closes (a pipe from the process that started the daemon, "
+        "rank 0 of its jobs, which is then lost)",
+    )
+    serve.set_defaults(func=_serve)
+
+    token = sub.add_parser(
+        "token",
+        help="write a new random (admin) token file, or with --job a job-scoped one (mode 0600)",
+    )
+    token.add_argument("path", type=Path)
+    token.add_argument("--force", action="store_true", help="replace an existing file")
+    token.add_argument(
+        "--job",
+        metavar="JOB_ID",
+        help="write a token that may only touch this job, derived from --admin-token-file",
+    )
+    token.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="FILE",
+        help="the daemon's token file (its first line) to derive the --job token from",
+    )
+    token.add_argument(
+        "--valid-for",
+        type=_duration,
+        metavar="DURATION",
+        help="with --job: the token expires after this long (seconds, or 90m, 12h, 7d); "
+        "calls started later are refused. Default: it never expires",
+    )
+    token.set_defaults(func=_token)
+
+    from rendezvousd.cli.probe import add_probe_commands
+
+    add_probe_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except DaemonError as exc:
+        print(f"rendezvousd: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Values the state machine hands to its adapters: states, results and effects.
+
+Nothing here holds the unique id except ``JoinResult``, which the servicer
+serializes straight onto the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from rendezvousd.common.escape import escape, shortened
+from rendezvousd.errors import RendezvousFault
+
+
+class JobState(enum.Enum):
+    FORMING = 1
+    RUNNING = 2
+    FAILED = 3
+    ABORTED = 4
+    ENDED = 5
+
+
+class MemberState(enum.Enum):
+    JOINING = 1
+    ACTIVE = 2
+    LEFT = 3
+    LOST = 4
+
+
+class JoinMode(enum.Enum):
+    """How a generation is joined: by nobody yet, per rank (``Join``, each worker its
+    own attendee) or per node (``JoinNode``, one agent attending for its ranks). Its
+    value is the stored form (``snapshot.py``)."""
+
+    NONE = ""
+    RANK = "rank"
+    NODE = "node"
+
+    @classmethod
+    def of_caller(cls, node: bool) -> JoinMode:
+        """The mode a call's ``node`` flag says its caller joined in."""
+        return cls.NODE if node else cls.RANK
+
+
+class EventKind(enum.Enum):
+    PEER_FAILED = 1
+    JOB_ABORTED = 2
+    JOB_ENDED = 3
+    DAEMON_DRAINING = 4
+    NODES_WAITING = 6
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    rank: int
+    node_rank: int
+    local_rank: int
+    host: str
+    address: str
+
+
+@dataclass(frozen=True)
+class FailedInfo:
+    """A member the daemon lost, and why: its record, a ``FailedMember`` on the wire,
+    and the SDK's ``FailedMember``. Lists of them keep the order of loss, so the
+    first is the root cause."""
+
+    rank: int
+    host: str
+    # Whole (the daemon keeps up to escape.MAX_CAUSE_BYTES): any text, so shown
+    # only through ``describe``.
+    cause: str
+    node_rank: int | None = None
+    local_rank: int | None = None
+    # When it was lost: the daemon's monotonic clock in the daemon; in the SDK,
+    # time.time() on the receiving host, from the age the daemon sent. None: not
+    # known (a loss recorded before the daemon restarted).
+    lost_at: float | None = None
+
+    def describe(self) -> str:
+        """The one way every layer words a loss: rank, host and the cause shortened."""
+        return f"rank {self.rank} on {escape(self.host)} ({shortened(self.cause)})"
+
+
+# How many losses a failure sentence names; the rest are counted.
+NAMED_LOSSES = 8
+
+
+def failed_text(named: str, failed: Sequence[FailedInfo]) -> str:
+    """The failure sentence the daemon, the SDK and the node agent all say:
+    "<job J generation G> failed: lost rank R on HOST (cause), ... and N more"."""
+    lost = ", ".join(f.describe() for f in failed[:NAMED_LOSSES])
+    more = f" and {len(failed) - NAMED_LOSSES} more" if len(failed) > NAMED_LOSSES else ""
+    return f"{named} failed: lost {lost}{more}"
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where one rank sits in a generation: what Join answers every rank, and what
+    the SDK's ``Membership`` (a subclass) gives a worker."""
+
+    job_id: str
+    generation: int
+    rank: int
+    world_size: int
+    node_rank: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class NodeSeat:
+    """Where one node agent's block of ranks sits in a generation: what JoinNode
+    answers, and what the SDK's ``NodeMembership`` (a subclass) gives an agent."""
+
+    job_id: str
+    generation: int
+    node_rank: int
+    num_nodes: int
+    gpus_per_node: int
+
+
+def seat_of(source: object, kind: type[Seat | NodeSeat] = Seat, **given: Any) -> dict[str, Any]:
+    """The fields of a ``kind`` (``Seat`` or ``NodeSeat``) as keyword arguments: the
+    ``given`` ones, the rest copied from ``source`` (a result, a Join or JoinNode
+    response, a node agent's assignment, or a job, which knows all but the rank)."""
+    return {
+        f.name: given[f.name] if f.name in given else getattr(source, f.name) for f in fields(kind)
+    }
+
+
+@dataclass(frozen=True)
+class JoinResult(Seat):
+    id_required: bool
+    unique_id: bytes
+    # Shared by every rank of a generation, so adapters may cache its encoding.
+    members: tuple[MemberInfo, ...]
+
+    def __repr__(self) -> str:  # the id is a bearer credential: keep it out of logs
+        return (
+            f"JoinResult(job_id={self.job_id!r}, generation={self.generation}, "
+            f"rank={self.rank}, world_size={self.world_size}, id_required={self.id_required})"
+        )
+
+
+@dataclass(frozen=True)
+class NodeJoinResult(NodeSeat):
+    """A JoinNode's answer: the node's rank block, the id and its members' instance ids."""
+
+    id_required: bool
+    unique_id: bytes
+    member_instance_ids: tuple[str, ...]
+    members: tuple[MemberInfo, ...]
+
+    def __repr__(self) -> str:  # the id and instance ids are secrets: keep them out of logs
+        return (
+            f"NodeJoinResult(job_id={self.job_id!r}, generation={self.generation}, "
+            f"node_rank={self.node_rank}, num_nodes={self.num_nodes}, "
+            f"id_required={self.id_required})"
+        )
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """A parked scale-up JoinNode's generation ended: the adapter asks again, which
+    places the node in the next generation."""
+
+
+@dataclass(frozen=True)
+class Parked:
+    """The call must wait; the adapter parks it under ``waiter``."""
+
+    waiter: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Resolve a parked call with a value or a fault."""
+
+    waiter: int
+    value: object = None
+    fault: RendezvousFault | None = None
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Push an event to the heartbeat streams of ``to``: attendees of ``mode`` (workers
+    by rank, node agents by node rank)."""
+
+    job_id: str
+    generation: int
+    mode: JoinMode
+    to: tuple[int, ...]
+    kind: EventKind
+    failed: tuple[FailedInfo, ...] = ()
+    reason: str = ""
+    nodes_waiting: int = 0
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A job changed state; adapters log it and count it."""
+
+    job_id: str
+    generation: int
+    old: JobState | None
+    new: JobState | None
+    detail: str
+
+
+Effect = Wake | Notify | Transition
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a heartbeat stream's training stands, as its last beat said: the last
+    step of each of its ranks (a node's by local rank; None before the first) and
+    the node agent's restart budget. Shown only, never decided on."""
+
+    steps: tuple[int | None, ...]
+    restarts_used: int = 0
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class MemberView:
+    info: MemberInfo
+    state: MemberState
+    heartbeat_age_s: float
+    stream_open: bool
+    # The rank's last step, as its stream (its node agent's) reported it.
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What inspection may show: everything but the id."""
+
+    job_id: str
+    state: JobState
+    generation: int
+    num_nodes: int
+    gpus_per_node: int
+    members_present: int
+    state_age_s: float
+    members: tuple[MemberView, ...]
+    failed: tuple[FailedInfo, ...]
+    id_published: bool
+    kv_keys: int
+    abort_reason: str
+    # Node agents parked to join (a scale-up while RUNNING, or forming): the status page.
+    nodes_waiting: int = 0
+    # The restart budget the job's node agents reported: the most restarts any node
+    # used, and the fewest any node has left (the first to run out ends the job).
+    restarts_used: int | None = None
+    restarts_left: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node

@@ -1,0 +1,104 @@
+"""Checks on request fields that need no job state."""
+
+from __future__ import annotations
+
+import re
+
+from rendezvousd.common.limits import Limits
+from rendezvousd.errors import Code, Reason, RendezvousFault
+
+UNIQUE_ID_BYTES = 128
+_JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# C0 and C1 controls, and the bidi marks and overrides that make a log line or
+# `rendezvousd status` show text other than what it holds (Trojan Source).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def invalid(reason: Reason, message: str, **metadata: str) -> RendezvousFault:
+    return RendezvousFault(Code.INVALID_ARGUMENT, reason, message, metadata)
+
+
+def limit_exceeded(limit: str, message: str, **metadata: str) -> RendezvousFault:
+    """RESOURCE_EXHAUSTED naming the limit (``limit`` in the ErrorInfo metadata)."""
+    return RendezvousFault(
+        Code.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED, message, {"limit": limit, **metadata}
+    )
+
+
+def rank_in_range(name: str, value: int, bound_name: str, bound: int, *, job_id: str) -> None:
+    """Refuses a rank ``value`` outside 0..``bound`` - 1 (``bound_name`` counts them)."""
+    if value >= bound:
+        raise invalid(
+            Reason.RANK_OUT_OF_RANGE,
+            f"{name}={value} is out of range for {bound_name}={bound} (expected 0..{bound - 1})",
+            job_id=job_id,
+        )
+
+
+def job_id(value: str) -> str:
+    if not _JOB_ID.fullmatch(value) or value in (".", ".."):
+        shown = value[:40].encode("unicode_escape").decode("ascii")
+        raise invalid(
+            Reason.INVALID_JOB_ID,
+            f"job id {shown!r} is invalid: use 1-128 characters from [A-Za-z0-9._-]",
+        )
+    return value
+
+
+def topology(num_nodes: int, gpus_per_node: int, limits: Limits) -> None:
+    if num_nodes < 1 or gpus_per_node < 1:
+        raise invalid(
+            Reason.INVALID_TOPOLOGY,
+            f"topology num_nodes={num_nodes} gpus_per_node={gpus_per_node} is invalid: "
+            "both must be at least 1",
+        )
+    world = num_nodes * gpus_per_node
+    if world > limits.max_members_per_job:
+        raise limit_exceeded(
+            "max_members_per_job",
+            f"world size {world} exceeds the daemon's max_members_per_job="
+            f"{limits.max_members_per_job}",
+        )
+
+
+def text_field(name: str, value: str, max_bytes: int, *, required: bool) -> str:
+    if required and not value:
+        raise invalid(Reason.INVALID_ARGUMENT, f"{name} must not be empty")
+    if len(value.encode()) > max_bytes:
+        raise invalid(Reason.INVALID_ARGUMENT, f"{name} is longer than {max_bytes} bytes")
+    if _CONTROL.search(value):
+        raise invalid(Reason.INVALID_ARGUMENT, f"{name} contains control characters")
+    return value
+
+
+def unique_id(value: bytes) -> bytes:
+    # Never echo the bytes: the id is a bearer credential for the NCCL world.
+    if len(value) != UNIQUE_ID_BYTES:
+        raise invalid(
+            Reason.INVALID_ID,
+            f"unique id must be exactly {UNIQUE_ID_BYTES} bytes, got {len(value)}",
+        )
+    if not any(value):
+        raise invalid(Reason.INVALID_ID, "unique id is all zero bytes; generate a fresh one")
+    return value
+
+
+def kv_key(key: str, limits: Limits) -> str:
+    if not key:
+        raise invalid(Reason.INVALID_ARGUMENT, "key must not be empty")
+    if len(key.encode()) > limits.max_key_bytes:
+        raise limit_exceeded(
+            "max_key_bytes", f"key is longer than max_key_bytes={limits.max_key_bytes}"
+        )
+    if _CONTROL.search(key):
+        raise invalid(Reason.INVALID_ARGUMENT, "key contains control characters")
+    return key
+
+
+def kv_value(value: bytes, limits: Limits) -> bytes:
+    if len(value) > limits.max_value_bytes:
+        raise limit_exceeded(
+            "max_value_bytes",
+            f"value of {len(value)} bytes exceeds max_value_bytes={limits.max_value_bytes}",
+        )
+    return value

@@ -1,0 +1,467 @@
+"""Assembles and runs the daemon: gRPC server, auth, health, reflection, timers.
+
+Start-up order matters: bind (fails fast when the port is taken), start, then
+health SERVING and the ready callback. Shutdown is the reverse: health
+NOT_SERVING at once, release parked calls, drain within the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import stat
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common.model import MemberState
+from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
+from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.server.auth import TokenAuthInterceptor
+from rendezvousd.server.metrics import Metrics
+from rendezvousd.server.servicer import SERVICE, RendezvousServicer
+from rendezvousd.state.machine import RendezvousState
+from rendezvousd.storage.persistence import Persister
+from rendezvousd.web.http_server import HttpServer
+from rendezvousd.web.status_page import StatusPage
+from rendezvousd.web.timeline import Timeline
+
+log = logging.getLogger("rendezvousd")
+
+# The largest answer is a Join with a whole member table (8192 members by default,
+# ~0.5 MiB; 16 MiB leaves room for larger --max-members-per-job); requests stay small.
+MAX_SEND_BYTES = 16 * 1024 * 1024
+# How often the daemon pings each connection (HTTP/2 keepalive).
+KEEPALIVE_MS = 5_000
+_MALFORMED = "request body is not a valid protobuf message for this method"
+
+
+class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A garbled request body is the caller's error: INVALID_ARGUMENT, not UNKNOWN.
+
+    grpcio answers a body its deserializer cannot parse with UNKNOWN ("Unexpected
+    DecodeError") and logs a traceback per call, which lets any token holder flood
+    the log. Handlers are wrapped to take raw bytes and decode them here instead.
+    """
+
+    def __init__(self) -> None:
+        # Known methods only (unknown ones have no handler): bounded.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        cached = self._wrapped.get(details.method)
+        if cached is None or cached[0] is not handler:
+            cached = (handler, _decode_guarded(handler))
+            self._wrapped[details.method] = cached
+        return cached[1]
+
+
+def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    decode = handler.request_deserializer
+    serialize = handler.response_serializer
+
+    async def one(raw: bytes, context: Any) -> Any:
+        try:
+            return decode(raw)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+
+    class Stream:
+        """Decodes a request stream; a garbled message ends it and marks it failed."""
+
+        def __init__(self, raw: AsyncIterator[bytes]) -> None:
+            self.raw, self.failed = raw, False
+
+        async def messages(self) -> AsyncIterator[Any]:
+            async for data in self.raw:
+                try:
+                    message = decode(data)
+                except DecodeError:
+                    self.failed = True
+                    return
+                yield message
+
+    async def check(stream: Stream, context: Any) -> None:
+        if stream.failed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+
+    if not handler.request_streaming and not handler.response_streaming:
+        inner = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context: Any) -> Any:
+            return await inner(await one(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
+    if handler.request_streaming and not handler.response_streaming:
+        inner = handler.stream_unary
+
+        async def stream_unary(raw: AsyncIterator[bytes], context: Any) -> Any:
+            stream = Stream(raw)
+            result = await inner(stream.messages(), context)
+            await check(stream, context)
+            return result
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=serialize)
+    if not handler.request_streaming:
+        inner = handler.unary_stream
+        if inspect.isasyncgenfunction(inner):
+
+            async def unary_stream_gen(raw: bytes, context: Any) -> AsyncIterator[Any]:
+                async for item in inner(await one(raw, context), context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_gen, response_serializer=serialize
+            )
+
+        async def unary_stream(raw: bytes, context: Any) -> None:
+            await inner(await one(raw, context), context)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serialize)
+    inner = handler.stream_stream
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream_stream_gen(raw: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
+            stream = Stream(raw)
+            async for item in inner(stream.messages(), context):
+                yield item
+            await check(stream, context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream_gen, response_serializer=serialize
+        )
+
+    async def stream_stream(raw: AsyncIterator[bytes], context: Any) -> None:
+        stream = Stream(raw)
+        await inner(stream.messages(), context)
+        await check(stream, context)
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=serialize)
+
+
+@dataclass
+class Daemon:
+    config: DaemonConfig
+    tokens: list[str]
+    on_ready: Callable[[int], None] | None = None
+    on_stopping: Callable[[], None] | None = None
+    state: RendezvousState = field(init=False)
+    metrics: Metrics = field(init=False)
+    timeline: Timeline = field(init=False)
+    port: int = field(init=False, default=0)
+    _server: grpc.aio.Server | None = field(init=False, default=None)
+    _health: health_aio.HealthServicer | None = field(init=False, default=None)
+    _ticker: asyncio.Task[None] | None = field(init=False, default=None)
+    _metrics_server: HttpServer | None = field(init=False, default=None)
+    metrics_port: int | None = field(init=False, default=None)
+    _health_updates: set[asyncio.Future[None]] = field(init=False, default_factory=set)
+    _ticker_died: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.state = RendezvousState(self.config.limits(), self.config.timing())
+        self.metrics = Metrics(None)
+        self.timeline = Timeline()
+        self.metrics.transition_listeners.append(self.timeline.record)
+
+    def _options(self) -> list[tuple[str, int]]:
+        limits, timing, c = self.state.limits, self.state.timing, self.config
+        pending = min(limits.max_concurrent_rpcs, max(3000, limits.max_members_per_job + 1024))
+        return [
+            # A second daemon on the same port must fail, not share the port.
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.max_metadata_size", 16 * 1024),
+            # Detect dead TCP peers (power loss, cable) under parked calls. gRPC also
+            # makes the keepalive timeout the socket's TCP_USER_TIMEOUT: a connection
+            # whose packets go unacknowledged that long is ended by the kernel. At 5 s
+            # a cut cable ended a node's stream before the heartbeat timeout, and the
+            # survivors heard "heartbeat stream closed", as for a process that died.
+            # Past the timeout (plus one ping interval, as the first unacknowledged
+            # packet may precede the last heartbeat), the tick names the silence first
+            # ("no heartbeat for T s (node unreachable)"). Accept clients' pings as often.
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS + round(timing.heartbeat_timeout_s * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0),
+            # gRPC core cancels calls that wait to be handed to the application
+            # once more than 1000 are pending (3000 hard). A join storm of a whole
+            # world is exactly that: allow one world (plus slack), no more, since
+            # pending calls are queued before authentication.
+            ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", pending),
+            # Before any handler or token check: a connection's streams beyond the cap
+            # are refused by gRPC core (RST_STREAM REFUSED_STREAM), so a client that
+            # opens calls and never sends a body holds at most this many per
+            # connection. gRPC core has no per-peer connection cap, only this total.
+            ("grpc.max_concurrent_streams", c.max_concurrent_streams),
+            ("grpc.max_allowed_incoming_connections", c.max_connections),
+            # Idle means no call open: a member's heartbeat stream or a parked Join
+            # keeps its connection, and an idle client's channel reconnects on its next
+            # call. There is deliberately no grpc.max_connection_age_ms: ending a
+            # connection ends its heartbeat streams, and the daemon takes a closed
+            # stream as the member lost (the job FAILED) before the SDK's StreamWatch
+            # could reattach; parked calls would end too.
+            ("grpc.max_connection_idle_ms", round(c.connection_idle_s * 1000)),
+        ]
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        c = self.config
+        if c.tls_cert is None or c.tls_key is None:
+            return None
+        try:
+            key_mode = c.tls_key.stat().st_mode
+        except OSError as exc:
+            raise DaemonError(f"cannot read TLS file {c.tls_key}: {exc.strerror}") from exc
+        if key_mode & 0o177:
+            raise DaemonError(
+                f"TLS private key {c.tls_key} has mode {stat.S_IMODE(key_mode):04o}, more than "
+                f"0600: anyone else who can read it can impersonate the daemon; run: "
+                f"chmod 600 {c.tls_key}"
+            )
+        try:
+            key, cert = c.tls_key.read_bytes(), c.tls_cert.read_bytes()
+            ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
+        except OSError as exc:
+            raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
+        try:
+            # Else gRPC reports only a failed bind.
+            check_tls_pair(c.tls_cert, c.tls_key)
+            if c.tls_client_ca is not None:
+                check_client_ca(c.tls_client_ca)
+        except ConfigError as exc:
+            raise DaemonError(str(exc)) from None
+        # gRPC core logs each failed handshake at INFO, one line per connection
+        # ("Handshake failed ... WRONG_VERSION_NUMBER" for a plaintext client). The
+        # flood an operator saw was the SDK reconnecting for a minute; it now makes one
+        # attempt and tells the client (client/connection.py, TlsProbe), so one line is
+        # left per misconfigured client. grpcio offers no per-message rate limit, only
+        # a process-wide threshold (GRPC_VERBOSITY; GRPC_TRACE only adds), and ERROR
+        # would also hide that line, the operator's one sign of such clients: the
+        # default is kept, and operations.md says how to drop it.
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    async def start(self) -> int:
+        self.persister = Persister(self.config.state_dir, self.state)
+        self.persister.on_health = self._storage_health
+        self.persister.on_commit = self.metrics.observe_commit
+        restored = self.persister.restore()
+        if restored:
+            log.info("restored %d job(s) from %s", restored, self.config.state_dir)
+        servicer = RendezvousServicer(self.state, self.metrics, self.persister)
+        interceptor = TokenAuthInterceptor(
+            self.tokens,
+            on_reject=lambda m: self.metrics.observe_rpc(
+                m.rsplit("/", 1)[-1], "UNAUTHENTICATED", 0.0
+            ),
+            limits=self.state.limits,
+            body_timeout_s=self.config.request_body_timeout_s,
+        )
+        server = grpc.aio.server(
+            interceptors=[interceptor, DecodeGuardInterceptor()],
+            options=self._options(),
+            # No server-wide cap: gRPC's one pool is counted before authentication,
+            # so token-less health streams could fill it and starve every call and
+            # the health check itself. The interceptor caps each class instead
+            # (max_concurrent_rpcs for authenticated calls); calls it refuses for a
+            # bad token end at once, and pending calls stay bounded by the options.
+            maximum_concurrent_rpcs=None,
+        )
+        server.add_generic_rpc_handlers((servicer.handler(),))
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if self.config.reflection:
+            reflection.enable_server_reflection(
+                (
+                    pb.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
+                server,
+            )
+        credentials = self._credentials()
+        self._auth = interceptor
+        if self.config.metrics_listen:
+            await self._start_http(self.config.metrics_listen)
+        try:
+            if credentials is None:
+                port: int = server.add_insecure_port(self.config.listen)
+            else:
+                port = server.add_secure_port(self.config.listen, credentials)
+        except RuntimeError as exc:
+            raise DaemonError(
+                f"cannot bind {self.config.listen}: {exc}; is another rendezvousd already using it?"
+            ) from exc
+        await server.start()
+        self._server = server
+        self.port = port
+        self._servicer = servicer
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self.metrics.serving.set(1)
+        self._ticker = asyncio.create_task(self._tick())
+        self._ticker.add_done_callback(self._tick_ended)
+        log.info(
+            "rendezvousd serving on %s (port %d, tls=%s)",
+            self.config.listen,
+            port,
+            credentials is not None,
+        )
+        if self.on_ready is not None:
+            self.on_ready(port)
+        return self.port
+
+    async def _start_http(self, listen: str) -> None:
+        """/metrics and the status page, on the event loop (``http_server``)."""
+        import ssl
+
+        from rendezvousd.config import split_listen
+
+        host, port = split_listen(listen)
+        context = None
+        tls = self.config.tls_cert
+        if tls is not None:
+            # With the daemon's certificate, /metrics and the page are served over TLS
+            # too: only then may they listen beyond loopback without --insecure-metrics.
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(str(tls), str(self.config.tls_key))
+        page = StatusPage(
+            self.state,
+            self.metrics,
+            self.timeline,
+            lambda token: self._auth.scope_of([("authorization", f"Bearer {token}")]),
+            self._abort_from_page,
+            secure_cookie=tls is not None,
+        )
+        server = HttpServer(page.handle, ssl_context=context)
+        try:
+            self.metrics_port = await server.start(host or "127.0.0.1", port)
+        except OSError as exc:
+            raise DaemonError(f"cannot serve metrics on {listen}: {exc.strerror}") from exc
+        self._metrics_server = server
+
+    async def _abort_from_page(self, job_id: str, reason: str) -> int:
+        """The status page's Abort button: AbortJob's own path, durable before it answers."""
+        self.persister.check(job_id)
+        response = await self._servicer.AbortJob(
+            pb.AbortJobRequest(job_id=job_id, reason=reason), None
+        )
+        self.persister.touch(job_id)
+        await self.persister.durable(job_id)
+        return int(response.generation)
+
+    async def _tick(self) -> None:
+        interval = min(1.0, self.state.timing.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            self.state.tick(now)
+            self._servicer.apply()
+            self.metrics.observe_heartbeats(self.state, now)
+            if not self.persister.healthy:
+                await self.persister.recover()
+                continue
+            with contextlib.suppress(RendezvousFault):  # logged; health says NOT_SERVING
+                await self.persister.durable()
+
+    def _tick_ended(self, task: asyncio.Task[None]) -> None:
+        """The timer ends only when stop() cancels it. Dead otherwise, no member is
+        ever marked lost, no job expires and storage is never retried, while health
+        would go on saying SERVING: say it, and stop serving."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        self._ticker_died = True
+        log.error(
+            "the daemon's timer task died (%s); members are no longer marked lost and "
+            "jobs no longer expire: health is NOT_SERVING until the daemon is restarted "
+            "(with --state-dir its jobs survive the restart)",
+            f"{type(exc).__name__}: {exc}" if exc is not None else "it returned",
+            exc_info=exc,
+        )
+        self._storage_health(False)
+
+    def _storage_health(self, healthy: bool) -> None:
+        """Storage failing: NOT_SERVING (a probe can route traffic elsewhere) until
+        a rewrite of the whole state succeeds again."""
+        if self._health is None or self.state.draining:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if healthy and not self._ticker_died
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.metrics.serving.set(status == health_pb2.HealthCheckResponse.SERVING)
+        for service in ("", SERVICE):
+            task = asyncio.ensure_future(self._health.set(service, status))
+            self._health_updates.add(task)
+            task.add_done_callback(self._health_updates.discard)
+
+    def parent_exited(self) -> None:
+        """The process that started this daemon (rank 0 of its jobs) is gone.
+
+        Its connections closed together with our stdin, in no set order. Closing
+        rank 0's stream here, before the drain, gives survivors the same
+        PEER_FAILED whichever the daemon noticed first, not DAEMON_DRAINING.
+        """
+        now = time.monotonic()
+        for job in list(self.state.jobs.values()):
+            member = job.gen.members.get(0)
+            if member is not None:
+                self.state.detach_stream(job.job_id, job.generation, 0, member.stream_token, now)
+        self._servicer.apply()
+
+    def has_active_members(self) -> bool:
+        return any(
+            m.state is MemberState.ACTIVE
+            for job in self.state.jobs.values()
+            for m in job.gen.members.values()
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful: NOT_SERVING first, release waiters, then drain."""
+        if self._server is None:
+            return
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        self.metrics.serving.set(0)
+        if self.on_stopping is not None:
+            self.on_stopping()
+        self.state.drain()
+        self._servicer.apply()
+        with contextlib.suppress(RendezvousFault):  # logged by the Persister
+            await self.persister.durable()
+        if self._ticker is not None and not self._ticker.done():  # a dead one was logged
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        await self._server.stop(self.config.drain_grace_s if grace is None else grace)
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        self._server = None
+        self.persister.close()
+        log.info("rendezvousd stopped")
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()

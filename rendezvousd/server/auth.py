@@ -1,0 +1,254 @@
+"""Bearer-token authentication, checked before any handler runs.
+
+gRPC's own call credentials authenticate clients, not servers' callers, and
+grpcio has no server-side token check; so this interceptor is ours. Every
+method is covered, unknown ones and reflection included; only the standard
+health service is exempt so that load balancers and Kubernetes probes, which
+cannot send tokens, still work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rendezvousd.common.limits import Limits
+from rendezvousd.errors import ConfigError
+from rendezvousd.server.budget import Gate, gated, gated_before_body
+from rendezvousd.server.scope import (
+    ADMIN,
+    CALLER,
+    JOB_TOKEN_PREFIX,
+    Scope,
+    allowed,
+    read_job_token,
+    verify_job_token,
+)
+
+MIN_TOKEN_CHARS = 16
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_WATCH = HEALTH_PREFIX + "Watch"
+TOKEN_ENV = "RENDEZVOUSD_TOKEN"
+RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
+UNAUTHENTICATED = "missing or invalid bearer token"
+
+
+def _digest(token: str | bytes) -> bytes:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
+
+
+def read_token_file(path: Path) -> list[str]:
+    """Tokens from ``path``, one per line (several allow rotation without downtime)."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"token file {path} is accessible by group/others (mode {stat.filemode(info.st_mode)}); "
+            f"run: chmod 600 {path}"
+        )
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
+            f"point --token-file at a file created with `rendezvousd token FILE`"
+        )
+    try:
+        text = path.read_text(encoding="ascii")
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        # Clients send the token in an HTTP/2 header: only ASCII can get through.
+        raise ConfigError(
+            f"token file {path} holds non-ASCII bytes; create one with `rendezvousd token {path}`"
+        ) from None
+    tokens = [line.strip() for line in text.splitlines() if line.strip()]
+    if not tokens:
+        raise ConfigError(
+            f"token file {path} holds no token; create one with `rendezvousd token {path}`"
+        )
+    return validate_tokens(tokens, f"token file {path}")
+
+
+def validate_tokens(tokens: Sequence[str], origin: str) -> list[str]:
+    for token in tokens:
+        if (
+            len(token) < MIN_TOKEN_CHARS
+            or not token.isascii()  # sent in an HTTP/2 header: no client could send it
+            or any(c.isspace() or not c.isprintable() for c in token)
+        ):
+            raise ConfigError(
+                f"{origin} holds a token shorter than {MIN_TOKEN_CHARS} characters or with "
+                "spaces/control/non-ASCII characters; create one with `rendezvousd token FILE`"
+            )
+        if token.startswith(JOB_TOKEN_PREFIX):
+            # It would act as an admin token here; the daemon derives job tokens itself.
+            raise ConfigError(
+                f"{origin} holds a job-scoped token; the daemon needs the admin token(s) "
+                "the job tokens were derived from (`rendezvousd token FILE`)"
+            )
+    return list(tokens)
+
+
+def load_tokens(token_file: Path | None) -> list[str]:
+    if token_file is not None:
+        return read_token_file(token_file)
+    env = os.environ.get(TOKEN_ENV, "").strip()
+    if env:
+        return validate_tokens([env], f"${TOKEN_ENV}")
+    raise ConfigError(
+        f"no token configured: pass --token-file FILE or set ${TOKEN_ENV} "
+        "(create a token with `rendezvousd token FILE`)"
+    )
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Checks the token, then counts the call against its class's budget: health
+    calls (no token) have small budgets of their own, so they can never take the
+    slots of authenticated calls, and watches can never take those of checks."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        on_reject: Callable[[str], None] | None = None,
+        limits: Limits | None = None,
+        body_timeout_s: float = 5.0,
+    ) -> None:
+        # An admin token's digest is also the key its job tokens are derived with.
+        self._digests = [_digest(t) for t in tokens]
+        self._on_reject = on_reject
+        limits = limits or Limits()
+        self.calls = Gate("max_concurrent_rpcs", limits.max_concurrent_rpcs, "calls at once")
+        self.health_checks = Gate(
+            "max_health_checks", limits.max_health_checks, "health checks at once"
+        )
+        self.health_watches = Gate(
+            "max_health_watches", limits.max_health_watches, "health watch streams"
+        )
+        self._body_timeout_s = body_timeout_s
+        # Known methods only (an unknown one has no handler): bounded.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+        return self.scope_of(metadata) is not None
+
+    def scope_of(self, metadata: Sequence[tuple[str, Any]] | None) -> Scope | None:
+        """The scope the call's bearer token grants, or None when it is invalid."""
+        token = _bearer(metadata)
+        if token is None:
+            return None
+        presented = _digest(token)
+        # Compare against every token, without an early exit, in constant time.
+        if sum(hmac.compare_digest(presented, d) for d in self._digests) > 0:
+            return ADMIN
+        return verify_job_token(token, self._digests)
+
+    def refusal(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
+        """Why a call without a valid token is refused: an expired job token says
+        so (its MAC matched, so its job and date are the daemon's to tell);
+        anything else gets the one message that reveals nothing."""
+        token = _bearer(metadata)
+        read = read_job_token(token, self._digests) if token is not None else None
+        if read is None or read.until is None:
+            return UNAUTHENTICATED
+        return (
+            f"the job token for job {read.job!r} expired at {read.expiry_text()}; mint a new "
+            f"one: rendezvousd token --job {read.job} --admin-token-file FILE --valid-for "
+            "DURATION OUT"
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = details.method or ""
+        if method == HEALTH_WATCH:
+            return self._gated(method, await continuation(details), self.health_watches)
+        if method.startswith(HEALTH_PREFIX):
+            return self._gated(method, await continuation(details), self.health_checks)
+        scope = self.scope_of(details.invocation_metadata)
+        if scope is not None:
+            # Read by the servicer's dispatch: this runs in the task that runs the handler.
+            CALLER.set(scope)
+            service, _, name = method.rpartition("/")
+            if service != RENDEZVOUS_PATH and not allowed(scope, name, None):
+                return _rejecting(
+                    await continuation(details),
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"a token scoped to {scope} may not call {method}; "
+                    "only the admin token may call it",
+                )
+            return self._gated(method, await continuation(details), self.calls)
+        if self._on_reject is not None:
+            self._on_reject(method)
+        handler = await continuation(details)
+        return _rejecting(handler, message=self.refusal(details.invocation_metadata))
+
+    def _gated(
+        self, method: str, handler: grpc.RpcMethodHandler | None, gate: Gate
+    ) -> grpc.RpcMethodHandler | None:
+        if handler is None:
+            return None
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            # Token-less calls are counted from their headers on: a caller that
+            # never sends a body must not hold calls that no budget counts.
+            early = gate is not self.calls
+            wrapped = (
+                gated_before_body(handler, gate, self._body_timeout_s)
+                if early
+                else gated(handler, gate)
+            )
+            cached = (handler, wrapped)
+            self._wrapped[method] = cached
+        return cached[1]
+
+
+def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    """The call's one bearer token, or None (missing, duplicated: ambiguous)."""
+    values = [v for k, v in metadata or () if k == "authorization"]
+    if len(values) != 1:
+        return None
+    value = values[0]
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    scheme, _, token = str(value).partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _rejecting(
+    handler: grpc.RpcMethodHandler | None,
+    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+    message: str = UNAUTHENTICATED,
+) -> grpc.RpcMethodHandler:
+    """A handler that only refuses, as soon as the call's headers arrived.
+
+    It always takes a request stream (the same bytes on the wire as one message):
+    grpcio would wait for a unary request's body before running the handler, and
+    a caller without a token that never sends one would hold the call meanwhile.
+    """
+    streaming_out = bool(handler and handler.response_streaming)
+
+    async def unary(request: Any, context: Any) -> None:
+        await context.abort(code, message)
+
+    async def stream_out(request: Any, context: Any) -> Any:
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if streaming_out:
+        return grpc.stream_stream_rpc_method_handler(stream_out)
+    return grpc.stream_unary_rpc_method_handler(unary)

@@ -1,0 +1,138 @@
+"""Concurrency budgets per class of call, enforced around the handlers.
+
+gRPC's own ``maximum_concurrent_rpcs`` is one pool for every call, checked
+before authentication: unauthenticated health streams (which cannot carry a
+token) could fill it and starve every authenticated call and the health check
+itself. So each class (authenticated calls, health checks, health watches) gets
+its own ``Gate`` here, and a call beyond its class's cap is refused at once
+with RESOURCE_EXHAUSTED naming the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from rendezvousd.common import validation
+from rendezvousd.server.fault_status import to_grpc_status
+
+
+@dataclass
+class Gate:
+    """How many calls of one class run now, and how many may."""
+
+    limit: str  # the limit's name, as in Limits and the settings
+    cap: int
+    what: str
+    active: int = 0
+
+    async def enter(self, context: Any) -> None:
+        if self.active >= self.cap:
+            fault = validation.limit_exceeded(
+                self.limit,
+                f"the daemon already runs {self.limit}={self.cap} {self.what}; retry later",
+            )
+            await context.abort_with_status(to_grpc_status(fault))
+        self.active += 1
+
+
+def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
+    """``handler`` with the same shape, counted against ``gate`` while it runs.
+
+    Counting starts inside the handler's own coroutine and ends in its
+    ``finally``, so a call cancelled before it started is never counted and one
+    that ends in any way is always released.
+    """
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    inner, make = {
+        (False, False): (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (True, False): (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (False, True): (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (True, True): (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    }[(handler.request_streaming, handler.response_streaming)]
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
+            await gate.enter(context)
+            try:
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                gate.active -= 1
+
+        return make(stream_gen, **kw)
+
+    # A unary answer, or a streamed one written with ``context.write``.
+    async def call(request: Any, context: Any) -> Any:
+        await gate.enter(context)
+        try:
+            return await inner(request, context)
+        finally:
+            gate.active -= 1
+
+    return make(call, **kw)
+
+
+def gated_before_body(
+    handler: grpc.RpcMethodHandler, gate: Gate, body_timeout_s: float
+) -> grpc.RpcMethodHandler:
+    """``handler`` counted against ``gate`` from its headers on, not its body.
+
+    grpcio runs a unary-request handler only once the request message arrived, so
+    a caller that sends HEADERS and never a body holds a call (~20 KiB) that no
+    budget sees. As a request-streaming handler (the same bytes on the wire) it
+    runs at once: the gate counts the call, and one whose body does not come
+    within ``body_timeout_s`` ends.
+    """
+    if handler.request_streaming:
+        return gated(handler, gate)
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+    async def first(requests: AsyncIterator[Any], context: Any) -> Any:
+        try:
+            return await asyncio.wait_for(anext(aiter(requests)), body_timeout_s)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no request message within {body_timeout_s:g} s of the call's headers",
+            )
+        except StopAsyncIteration:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message"
+            )
+
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream_gen(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            await gate.enter(context)
+            try:
+                request = await first(requests, context)
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                gate.active -= 1
+
+        return grpc.stream_stream_rpc_method_handler(stream_gen, **kw)
+
+    async def call(requests: AsyncIterator[Any], context: Any) -> Any:
+        await gate.enter(context)
+        try:
+            return await inner(await first(requests, context), context)
+        finally:
+            gate.active -= 1
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(call, **kw)
+    return grpc.stream_unary_rpc_method_handler(call, **kw)

@@ -1,0 +1,117 @@
+"""Prometheus metrics (prometheus-client), one private registry per daemon.
+
+A private registry keeps several daemons in one process (tests, the launcher's
+embedded daemon) from colliding in the global one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common.model import JobState, MemberState, Transition
+
+if TYPE_CHECKING:
+    from rendezvousd.state.machine import RendezvousState
+
+# Method labels come from the request path, which an unauthenticated caller
+# chooses: only the methods the daemon serves become labels, so a flood of made-up
+# paths cannot grow the registry (and the /metrics page) without bound.
+_KNOWN_METHODS = frozenset(
+    [
+        *pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name,
+        *health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name,
+        "ServerReflectionInfo",
+    ]
+)
+_CODES = frozenset(code.name for code in grpc.StatusCode)
+UNKNOWN_LABEL = "unknown"
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.registry = registry or CollectorRegistry()
+        # Every metric goes into this daemon's registry, never the global one.
+        gauge = functools.partial(Gauge, registry=self.registry)
+        counter = functools.partial(Counter, registry=self.registry)
+        self.jobs = gauge("rendezvousd_jobs", "Jobs by state", ["state"])
+        self.members = gauge("rendezvousd_members", "Members present in current generations")
+        self.joins = counter("rendezvousd_joins", "Completed joins")
+        self.failures = counter(
+            "rendezvousd_failures_detected", "Generations failed by a lost member"
+        )
+        self.rpc = Histogram(
+            "rendezvousd_rpc_duration_seconds",
+            "RPC handling time including waiting",
+            ["method", "code"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.streams = gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams")
+        self.waiters = gauge("rendezvousd_waiters", "Parked calls (join, barrier, kv wait)")
+        self.commits = Histogram(
+            "rendezvousd_storage_commit_seconds",
+            "State-database commits (--state-dir), by outcome",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.transitions = counter(
+            "rendezvousd_job_transitions",
+            "Jobs entering a state (forming, running, failed, aborted, ended)",
+            ["state"],
+        )
+        # Who else hears of each transition (the status page's generation timeline).
+        self.transition_listeners: list[Callable[[Transition], None]] = []
+        self.serving = gauge(
+            "rendezvousd_serving", "1 while health says SERVING, 0 when NOT_SERVING"
+        )
+        self.heartbeat_lag = gauge(
+            "rendezvousd_heartbeat_age_max_seconds",
+            "Largest time since an active member's last heartbeat",
+        )
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpc.labels(
+            method if method in _KNOWN_METHODS else UNKNOWN_LABEL,
+            code if code in _CODES else UNKNOWN_LABEL,
+        ).observe(seconds)
+
+    def observe_commit(self, seconds: float, ok: bool) -> None:
+        self.commits.labels("ok" if ok else "failed").observe(seconds)
+
+    def observe_transition(self, t: Transition) -> None:
+        if t.new is not None and t.new is not t.old:
+            self.transitions.labels(t.new.name.lower()).inc()
+        for listener in self.transition_listeners:
+            listener(t)
+
+    def observe_jobs(self, state: RendezvousState) -> None:
+        counts = dict.fromkeys(JobState, 0)
+        present = 0
+        for job in state.jobs.values():
+            counts[job.state] += 1
+            present += sum(
+                m.state in (MemberState.JOINING, MemberState.ACTIVE)
+                for m in job.gen.members.values()
+            )
+        for job_state, n in counts.items():
+            self.jobs.labels(job_state.name.lower()).set(n)
+        self.members.set(present)
+
+    def observe_heartbeats(self, state: RendezvousState, now: float) -> None:
+        ages = [
+            now - m.last_seen
+            for job in state.jobs.values()
+            for m in job.gen.members.values()
+            if m.state is MemberState.ACTIVE
+        ]
+        self.heartbeat_lag.set(max(ages, default=0.0))

@@ -1,0 +1,512 @@
+"""The gRPC adapter: decode requests, ask the state machine, park or answer.
+
+All decisions live in ``RendezvousState``; this module only turns its results
+into wire messages, its ``Parked`` answers into awaited futures, and its
+effects into woken futures, heartbeat-stream events and log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common import validation
+from rendezvousd.common.model import (
+    Effect,
+    JobState,
+    JobView,
+    JoinMode,
+    Notify,
+    Parked,
+    Rejoin,
+    Transition,
+    Wake,
+)
+from rendezvousd.errors import Reason, RendezvousFault
+from rendezvousd.server.answers import JoinAnswers, failed_member
+from rendezvousd.server.fault_status import STORAGE_UNAVAILABLE, storage_unavailable, to_grpc_status
+from rendezvousd.server.methods import policy
+from rendezvousd.server.metrics import Metrics
+from rendezvousd.server.scope import CALLER, Scope, allowed, denied
+from rendezvousd.server.streams import HeartbeatStreams
+from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.storage.persistence import Persister
+
+log = logging.getLogger("rendezvousd")
+T = TypeVar("T")
+
+
+class _KeyCall(Protocol):
+    """What every key-value change request carries: the caller and the key."""
+
+    job_id: str
+    generation: int
+    rank: int
+    instance_id: str
+    key: str
+
+
+SERVICE = "rendezvous.v1.Rendezvous"
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _member_of(request: Any) -> tuple[str, int, int]:
+    """Who a member's call comes from, as the state machine's methods take it first."""
+    return request.job_id, request.generation, request.rank
+
+
+class RendezvousServicer:
+    def __init__(
+        self,
+        state: RendezvousState,
+        metrics: Metrics | None = None,
+        persister: Persister | None = None,
+    ) -> None:
+        self.state = state
+        self.metrics = metrics or Metrics(None)
+        self.persister = persister or Persister(None, state)
+        self.persister.on_undo = self._undone
+        self._futures: dict[int, asyncio.Future[Any]] = {}
+        self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now)
+        self._answers = JoinAnswers(state.timing)
+
+    # -- effects ----------------------------------------------------------
+
+    def apply(self, effects: Sequence[Effect] | None = None) -> None:
+        for effect in self.state.take_effects() if effects is None else effects:
+            if isinstance(effect, Wake):
+                future = self._futures.get(effect.waiter)
+                if future is not None and not future.done():
+                    if effect.fault is not None:
+                        future.set_exception(effect.fault)
+                    else:
+                        future.set_result(effect.value)
+            elif isinstance(effect, Notify):
+                self.streams.push(effect)
+            elif isinstance(effect, Transition):
+                self.persister.touch(effect.job_id)
+                self._transition(effect)
+        self.metrics.waiters.set(self.state.waiter_count)
+
+    def _transition(self, t: Transition) -> None:
+        old = t.old.name if t.old else "-"
+        new = t.new.name if t.new else "GONE"
+        level = logging.WARNING if t.new in (JobState.FAILED, JobState.ABORTED) else logging.INFO
+        log.log(
+            level, "job %s generation %d: %s -> %s (%s)", t.job_id, t.generation, old, new, t.detail
+        )
+        if t.new is None or t.new is not JobState.RUNNING:
+            self._answers.forget(t.job_id, t.generation)
+        self.metrics.observe_transition(t)
+        self.metrics.observe_jobs(self.state)
+
+    def _undone(self, job_ids: set[str]) -> None:
+        """A failed commit put ``job_ids`` back to their durable state: the calls parked on
+        them wake (the state queued their faults) and undone members' streams end."""
+        self.apply()
+        for job_id in job_ids:
+            self.streams.end_undone(job_id, storage_unavailable(job_id, waiting=True))
+
+    async def _durably(self, job_id: str, effects: list[Effect]) -> None:
+        """A change to ``job_id`` with ``effects`` was just made: its wakes and events go
+        out only once it is durable. When its commit fails (the Persister undid the
+        change), the calls it woke get STORAGE_UNAVAILABLE instead, and no event is sent."""
+        # Transitions are logs and counts: they may go first, and so precede an undo's.
+        self.apply([e for e in effects if isinstance(e, Transition)])
+        held = [e for e in effects if not isinstance(e, Transition)]
+        self.persister.touch(job_id)
+        try:
+            await self.persister.durable(job_id)
+        except RendezvousFault as fault:
+            self.apply([Wake(e.waiter, None, fault) for e in held if isinstance(e, Wake)])
+            raise
+        self.apply(held)
+
+    # -- waiting ----------------------------------------------------------
+
+    def _wait_s(self, wait_timeout_ms: int, context: Any) -> float:
+        timing = self.state.timing
+        timeout = min(wait_timeout_ms / 1000 or timing.default_wait_s, timing.max_wait_s)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Answer just before the caller's deadline, so it gets our message
+            # naming the missing ranks rather than a bare DEADLINE_EXCEEDED.
+            timeout = min(timeout, max(0.0, remaining - min(0.25, remaining * 0.1)))
+        return timeout
+
+    async def _settle(self, outcome: T | Parked, wait_timeout_ms: int, context: Any) -> Any:
+        self.apply()
+        if not isinstance(outcome, Parked):
+            return outcome
+        waiter = outcome.waiter
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._futures[waiter] = future
+        timeout = self._wait_s(wait_timeout_ms, context)
+        try:
+            # Shielded: a deadline must not cancel an answer that is already on its way.
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            fault = self.state.cancel_wait(waiter, _now(), timed_out=True)
+            self.apply()
+            if fault is None:
+                # Woken just before its deadline by a change whose wakes are held until
+                # it is durable (``_durably``): the answer, or STORAGE_UNAVAILABLE, follows.
+                return await future
+            raise fault from None
+        except asyncio.CancelledError:
+            self.state.cancel_wait(waiter, _now(), timed_out=False)
+            self.apply()
+            raise
+        finally:
+            self._futures.pop(waiter, None)
+
+    # -- join ---------------------------------------------------------------
+
+    async def Join(self, request: pb.JoinRequest, context: Any) -> bytes:
+        args = JoinArgs(
+            job_id=request.job_id,
+            num_nodes=request.topology.num_nodes,
+            gpus_per_node=request.topology.gpus_per_node,
+            node_rank=request.node_rank if request.HasField("node_rank") else None,
+            local_rank=request.local_rank,
+            host=request.host,
+            address=request.address,
+            unique_id=request.unique_id,
+            instance_id=request.instance_id,
+            wait_s=self._wait_s(request.wait_timeout_ms, context),
+        )
+        result = await self._settle(self.state.join(args, _now()), request.wait_timeout_ms, context)
+        self.metrics.joins.inc()
+        return self._answers.join(result, slim=request.slim)
+
+    async def JoinNode(self, request: pb.JoinNodeRequest, context: Any) -> bytes:
+        wait_s = self._wait_s(request.wait_timeout_ms, context)
+        deadline = _now() + wait_s
+        args = NodeJoinArgs(
+            job_id=request.job_id,
+            min_nodes=request.min_nodes,
+            max_nodes=request.max_nodes,
+            gpus_per_node=request.gpus_per_node,
+            node_rank=request.node_rank if request.HasField("node_rank") else None,
+            host=request.host,
+            addresses=tuple(request.addresses),
+            unique_id=request.unique_id,
+            instance_id=request.instance_id,
+            wait_s=wait_s,
+            last_call_s=min(request.last_call_ms / 1000, self.state.timing.max_wait_s),
+        )
+        while True:
+            left_ms = max(1, int((deadline - _now()) * 1000))
+            outcome = self.state.join_node(args, _now())
+            result = await self._settle(outcome, left_ms, context)
+            if not isinstance(result, Rejoin):
+                break
+            # A scale-up node's wait ended with the running generation: it joins the next.
+        self.metrics.joins.inc()
+        return self._answers.join_node(result, slim=request.slim)
+
+    async def ReportFailure(
+        self, request: pb.ReportFailureRequest, context: Any
+    ) -> pb.ReportFailureResponse:
+        self.state.report_failure(
+            request.job_id,
+            request.generation,
+            request.node_rank,
+            request.instance_id,
+            request.local_rank,
+            request.cause,
+            _now(),
+        )
+        await self._durably(request.job_id, self.state.take_effects())
+        return pb.ReportFailureResponse()
+
+    async def PublishId(self, request: pb.PublishIdRequest, context: Any) -> bytes:
+        outcome = self.state.publish_id(
+            *_member_of(request), request.instance_id, request.unique_id, _now()
+        )
+        result = await self._settle(outcome, request.wait_timeout_ms, context)
+        return self._answers.join(result, slim=request.slim)
+
+    async def GetMembers(
+        self, request: pb.GetMembersRequest, context: Any
+    ) -> pb.GetMembersResponse:
+        table = self.state.member_table(*_member_of(request), request.instance_id)
+        if request.start_rank >= len(table):
+            raise validation.invalid(
+                Reason.RANK_OUT_OF_RANGE,
+                f"start_rank={request.start_rank} is beyond job {request.job_id!r}'s world of "
+                f"{len(table)} ranks",
+                job_id=request.job_id,
+            )
+        running = self.state.jobs[request.job_id].state is JobState.RUNNING
+        return self._answers.members(
+            request.job_id,
+            request.generation,
+            table,
+            request.start_rank,
+            request.max_members,
+            keep=running,  # an ended generation's table is not cached again
+        )
+
+    # -- barrier and key-value ---------------------------------------------
+
+    async def _kv_change(self, request: _KeyCall, change: Callable[..., T], *args: object) -> T:
+        """The state's key-value ``change`` for ``request``'s caller and key, with ``args``
+        after the key; answered and seen by woken readers only once durable; on storage
+        failure the Persister undoes it and readers get the fault too."""
+        job_id, key = request.job_id, request.key
+        self.persister.before_kv(job_id, key)
+        result = change(
+            job_id, request.generation, request.rank, key, *args, instance_id=request.instance_id
+        )
+        self.persister.touch(job_id, key)
+        await self._durably(job_id, self.state.take_effects())
+        return result
+
+    async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
+        outcome = self.state.barrier(
+            *_member_of(request),
+            request.name,
+            request.sequence,
+            _now(),
+            instance_id=request.instance_id,
+        )
+        sequence = await self._settle(outcome, request.wait_timeout_ms, context)
+        return pb.BarrierResponse(sequence=sequence)
+
+    async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
+        await self._kv_change(request, self.state.kv_set, request.value)
+        return pb.KvSetResponse()
+
+    async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
+        outcome = self.state.kv_get(
+            *_member_of(request), request.key, request.wait, _now(), instance_id=request.instance_id
+        )
+        return pb.KvGetResponse(value=await self._settle(outcome, request.wait_timeout_ms, context))
+
+    async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
+        value = await self._kv_change(request, self.state.kv_add, request.delta)
+        return pb.KvAddResponse(value=value)
+
+    async def KvCompareAndSet(
+        self, request: pb.KvCompareAndSetRequest, context: Any
+    ) -> pb.KvCompareAndSetResponse:
+        expected = request.expected if request.HasField("expected") else None
+        swapped, current = await self._kv_change(
+            request, self.state.kv_compare_and_set, expected, request.desired
+        )
+        response = pb.KvCompareAndSetResponse(swapped=swapped)
+        if current is not None:
+            response.current = current
+        return response
+
+    async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
+        deleted = await self._kv_change(request, self.state.kv_delete)
+        return pb.KvDeleteResponse(deleted=deleted)
+
+    # -- liveness -------------------------------------------------------------
+
+    async def Heartbeat(
+        self, requests: AsyncIterator[pb.HeartbeatRequest], context: Any
+    ) -> AsyncIterator[pb.JobEvent]:
+        iterator = requests.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        _authorize("Heartbeat", first.job_id)
+        async for event in self.streams.serve(first, iterator):
+            yield event
+
+    async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        self.state.leave(
+            *_member_of(request),
+            request.instance_id,
+            _now(),
+            mode=JoinMode.of_caller(request.node),
+        )
+        await self._durably(request.job_id, self.state.take_effects())
+        return pb.LeaveResponse()
+
+    async def AbortJob(self, request: pb.AbortJobRequest, context: Any) -> pb.AbortJobResponse:
+        generation = self.state.abort(request.job_id, request.generation, request.reason, _now())
+        await self._durably(request.job_id, self.state.take_effects())
+        return pb.AbortJobResponse(generation=generation)
+
+    # -- inspection -----------------------------------------------------------
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
+        scope = _caller()
+        views = self.state.views(_now())
+        return pb.ListJobsResponse(
+            jobs=[_summary(v) for v in views if scope.admin or v.job_id == scope.job]
+        )
+
+    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
+        now = _now()
+        view = self.state.view(request.job_id, now)
+        return pb.GetJobResponse(
+            summary=_summary(view),
+            members=[
+                pb.MemberStatus(
+                    member=pb.Member(
+                        rank=m.info.rank,
+                        node_rank=m.info.node_rank,
+                        local_rank=m.info.local_rank,
+                        host=m.info.host,
+                        address=m.info.address,
+                    ),
+                    state=pb.MemberState.ValueType(m.state.value),
+                    heartbeat_age_ms=int(m.heartbeat_age_s * 1000),
+                    heartbeat_stream_open=m.stream_open,
+                    step=m.step,
+                )
+                for m in view.members
+            ],
+            failed=[failed_member(f, now) for f in view.failed],
+            id_published=view.id_published,
+            kv_keys=view.kv_keys,
+            abort_reason=view.abort_reason,
+            restarts_used=view.restarts_used,
+            restarts_left=view.restarts_left,
+        )
+
+    # -- registration ---------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Method table with one fault seam; Join/PublishId return pre-encoded bytes."""
+        unary: dict[
+            str, tuple[Callable[[Any, Any], Awaitable[Any]], Any, Callable[[Any], bytes]]
+        ] = {
+            "Join": (self.Join, pb.JoinRequest, _raw),
+            "PublishId": (self.PublishId, pb.PublishIdRequest, _raw),
+            "JoinNode": (self.JoinNode, pb.JoinNodeRequest, _raw),
+            "ReportFailure": (self.ReportFailure, pb.ReportFailureRequest, _encode),
+            "GetMembers": (self.GetMembers, pb.GetMembersRequest, _encode),
+            "Barrier": (self.Barrier, pb.BarrierRequest, _encode),
+            "KvSet": (self.KvSet, pb.KvSetRequest, _encode),
+            "KvGet": (self.KvGet, pb.KvGetRequest, _encode),
+            "KvAdd": (self.KvAdd, pb.KvAddRequest, _encode),
+            "KvCompareAndSet": (self.KvCompareAndSet, pb.KvCompareAndSetRequest, _encode),
+            "KvDelete": (self.KvDelete, pb.KvDeleteRequest, _encode),
+            "Leave": (self.Leave, pb.LeaveRequest, _encode),
+            "AbortJob": (self.AbortJob, pb.AbortJobRequest, _encode),
+            "ListJobs": (self.ListJobs, pb.ListJobsRequest, _encode),
+            "GetJob": (self.GetJob, pb.GetJobRequest, _encode),
+        }
+        handlers: dict[str, grpc.RpcMethodHandler] = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._guard(name, fn), request_deserializer=req.FromString, response_serializer=ser
+            )
+            for name, (fn, req, ser) in unary.items()
+        }
+        handlers["Heartbeat"] = grpc.stream_stream_rpc_method_handler(
+            self._guard_stream(self.Heartbeat),
+            request_deserializer=pb.HeartbeatRequest.FromString,
+            response_serializer=_encode,
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def _guard(
+        self, name: str, fn: Callable[[Any, Any], Awaitable[Any]]
+    ) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def call(request: Any, context: Any) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            rule = policy(name)
+            mutating = not rule.read_only
+            try:
+                if not rule.filtered:
+                    _authorize(name, request.job_id)
+                if mutating:
+                    self.persister.check(request.job_id)  # storage down: apply nothing
+                response = await fn(request, context)
+                if mutating:
+                    if not rule.self_durable:
+                        # Answer only once the change is on disk (group-committed).
+                        self.persister.touch(request.job_id)
+                        await self.persister.durable(request.job_id)
+                elif not await self.persister.settled(getattr(request, "job_id", "") or None):
+                    # What was read may have been a change whose commit then failed
+                    # and was undone: read again, from what is durable.
+                    response = await fn(request, context)
+                return response
+            except RendezvousFault as refused:
+                fault = refused
+                effects = self.state.take_effects()
+                changed = bool(effects) or not self.persister.unchanged(request.job_id)
+                if mutating and changed and fault.reason != STORAGE_UNAVAILABLE:
+                    # A refusal can still change state (a conflicting joiner fails the
+                    # forming generation): told, like a change, only once durable.
+                    try:
+                        await self._durably(request.job_id, effects)
+                    except RendezvousFault as storage:
+                        fault = storage
+                else:
+                    self.apply(effects)
+                code = fault.code.value
+                await context.abort_with_status(to_grpc_status(fault))
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            finally:
+                self.metrics.observe_rpc(name, code, time.perf_counter() - started)
+
+        return call
+
+    def _guard_stream(
+        self, fn: Callable[[Any, Any], AsyncIterator[Any]]
+    ) -> Callable[[Any, Any], AsyncIterator[Any]]:
+        async def call(requests: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(requests, context):
+                    yield item
+            except RendezvousFault as fault:
+                self.apply()
+                await context.abort_with_status(to_grpc_status(fault))
+
+        return call
+
+
+def _caller() -> Scope:
+    scope = CALLER.get()
+    if scope is None:
+        # Only the auth interceptor sets it: without one, nothing is allowed.
+        raise denied(Scope("?"), "any method", None)
+    return scope
+
+
+def _authorize(method: str, job_id: str) -> None:
+    scope = _caller()
+    if not allowed(scope, method, job_id):
+        raise denied(scope, method, job_id)
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+def _encode(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def _summary(view: JobView) -> pb.JobSummary:
+    return pb.JobSummary(
+        job_id=view.job_id,
+        state=pb.JobState.ValueType(view.state.value),
+        generation=view.generation,
+        topology=pb.Topology(num_nodes=view.num_nodes, gpus_per_node=view.gpus_per_node),
+        world_size=view.world_size,
+        members_present=view.members_present,
+        state_age_ms=int(view.state_age_s * 1000),
+    )

@@ -1,0 +1,145 @@
+"""Heartbeat streams: one per member (node agent), carrying its heartbeats in and the
+job's events and acks out, and how each ends.
+
+The state machine decides what a heartbeat, a stream's attach and its end mean; this
+module only keeps the open streams, pushes ``Notify`` effects onto them, and ends a
+stream whose member a failed commit undid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common.model import EventKind, JoinMode, Notify, Progress
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.server.answers import failed_member
+from rendezvousd.server.metrics import Metrics
+from rendezvousd.state.machine import RendezvousState
+
+# (job, generation, the mode its attendee joined in, its rank): workers and node agents
+# stream alike.
+_StreamKey = tuple[str, int, JoinMode, int]
+# What a stream's writer takes: an event, a fault that ends the stream, or None (its end).
+_Item = pb.JobEvent | RendezvousFault | None
+
+
+class HeartbeatStreams:
+    def __init__(
+        self,
+        state: RendezvousState,
+        metrics: Metrics,
+        apply: Callable[[], None],
+        now: Callable[[], float],
+    ) -> None:
+        self.state = state
+        self.metrics = metrics
+        self._apply = apply
+        self._now = now
+        self._open: dict[_StreamKey, tuple[int, asyncio.Queue[_Item]]] = {}
+
+    def push(self, effect: Notify) -> None:
+        now = self._now()
+        event = pb.JobEvent(
+            kind=pb.JobEvent.Kind.ValueType(effect.kind.value),
+            job_id=effect.job_id,
+            generation=effect.generation,
+            failed=[failed_member(f, now) for f in effect.failed],
+            reason=effect.reason,
+            nodes_waiting=effect.nodes_waiting,
+        )
+        for who in effect.to:
+            stream = self._open.get((effect.job_id, effect.generation, effect.mode, who))
+            if stream is not None:
+                stream[1].put_nowait(event)
+        if effect.kind is EventKind.PEER_FAILED:
+            self.metrics.failures.inc()
+
+    def end_undone(self, job_id: str, fault: RendezvousFault) -> None:
+        """``job_id`` was put back to its durable state: a stream whose member (node
+        agent) is no longer in it ends with ``fault``; the others go on."""
+        for key, (token, queue) in list(self._open.items()):
+            if key[0] == job_id and not self.state.stream_current(
+                job_id, key[1], key[3], token, key[2]
+            ):
+                queue.put_nowait(fault)
+
+    async def serve(
+        self, first: pb.HeartbeatRequest, iterator: AsyncIterator[pb.HeartbeatRequest]
+    ) -> AsyncIterator[pb.JobEvent]:
+        """The stream whose first request is ``first``: events until it ends."""
+        mode = JoinMode.of_caller(first.node)
+        key = (first.job_id, first.generation, mode, first.rank)
+        token = self.state.attach_stream(
+            first.job_id, first.generation, first.rank, first.instance_id, self._now(), mode=mode
+        )
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        # Acknowledge the attach at once: a client reattaching after a restart
+        # knows it is heard again without waiting for the next heartbeat.
+        queue.put_nowait(
+            pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
+        )
+        if first.HasField("progress"):
+            self.state.report_progress(*key[:2], key[3], _progress(first.progress), mode=mode)
+        entry = (token, queue)
+        self._open[key] = entry
+        self._apply()  # events owed to a stream as it attaches (NODES_WAITING)
+        reader = asyncio.create_task(self._read(key, iterator, queue))
+        self.metrics.streams.inc()
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, RendezvousFault):
+                    raise item
+                yield item
+        finally:
+            reader.cancel()
+            self.metrics.streams.dec()
+            if self._open.get(key) is entry:
+                del self._open[key]
+            self.state.detach_stream(*key[:2], first.rank, token, self._now(), mode=mode)
+            self._apply()
+
+    async def _read(
+        self,
+        key: _StreamKey,
+        iterator: AsyncIterator[pb.HeartbeatRequest],
+        queue: asyncio.Queue[_Item],
+    ) -> None:
+        # Acks let the client tell "the daemon hears me" from a silent network; a
+        # tenth of the timeout bounds their cost when clients heartbeat often.
+        ack_every = self.state.timing.heartbeat_timeout_s / 10
+        ack = pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
+        acked = self._now()
+        reported: pb.Progress | None = None
+        try:
+            async for request in iterator:
+                now = self._now()
+                try:
+                    self.state.heartbeat(key[0], key[1], key[3], now, mode=key[2])
+                    # Converted only when it changed: most beats repeat the last one.
+                    if request.HasField("progress") and request.progress != reported:
+                        reported = request.progress
+                        self.state.report_progress(
+                            *key[:2], key[3], _progress(reported), mode=key[2]
+                        )
+                except RendezvousFault:
+                    break  # the generation ended; its events were already pushed
+                if now - acked >= ack_every:
+                    acked = now
+                    queue.put_nowait(ack)
+        except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            queue.put_nowait(None)
+
+
+def _progress(message: pb.Progress) -> Progress:
+    """A beat's Progress as the state machine keeps it (-1: no step yet)."""
+    return Progress(
+        tuple(None if s < 0 else s for s in message.steps),
+        message.restarts_used,
+        message.max_restarts,
+    )

@@ -1,0 +1,89 @@
+"""The faults that fence a call off: a daemon shutting down, a job that does not
+exist, an old generation, a rank that is not a member, a rank another worker holds.
+
+``RendezvousState`` decides when a call is fenced; these say why, and what the
+worker does next, so every RPC words the same refusal the same way.
+"""
+
+from __future__ import annotations
+
+from rendezvousd.common.model import JoinMode
+from rendezvousd.errors import Code, Reason, RendezvousFault
+from rendezvousd.state.job import Job
+
+
+def draining() -> RendezvousFault:
+    return RendezvousFault(
+        Code.UNAVAILABLE, Reason.DRAINING, "the daemon is shutting down; retry after it restarts"
+    )
+
+
+def no_such_job(job_id: str) -> RendezvousFault:
+    return RendezvousFault(
+        Code.NOT_FOUND, Reason.JOB_NOT_FOUND, f"job {job_id!r} does not exist", {"job_id": job_id}
+    )
+
+
+def stale_generation(job: Job, generation: int) -> RendezvousFault:
+    return RendezvousFault(
+        Code.ABORTED,
+        Reason.STALE_GENERATION,
+        f"job {job.job_id!r} is at generation {job.generation}, the call named generation "
+        f"{generation}; rejoin to take part in the current generation",
+        {
+            "job_id": job.job_id,
+            "generation": str(generation),
+            "current_generation": str(job.generation),
+        },
+    )
+
+
+def not_a_member(job: Job, generation: int, rank: int) -> RendezvousFault:
+    return RendezvousFault(
+        Code.NOT_FOUND,
+        Reason.NOT_A_MEMBER,
+        f"rank {rank} is not a member of job {job.job_id!r} generation {generation}",
+        {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},
+    )
+
+
+def not_seated(job: Job, generation: int, who: int, mode: JoinMode) -> RendezvousFault:
+    """No such member; for a node agent, no node of that rank this caller holds (its
+    instance id is its secret: another agent's node is not told apart from none)."""
+    if mode is not JoinMode.NODE:
+        return not_a_member(job, generation, who)
+    return RendezvousFault(
+        Code.ALREADY_EXISTS,
+        Reason.DUPLICATE_RANK,
+        f"node_rank={who} of job {job.job_id!r} generation {generation} belongs to "
+        "another node agent instance (or to none); rejoin to take part",
+        {"job_id": job.job_id, "generation": str(generation)},
+    )
+
+
+def rank_stream_in_node_job(job: Job, rank: int) -> RendezvousFault:
+    """A worker of a node generation opened a heartbeat stream of its own."""
+    return job.fault(
+        Code.FAILED_PRECONDITION,
+        Reason.JOIN_MODE_MISMATCH,
+        f"{job.named}: rank {rank} belongs to a node joined by its node agent, "
+        "whose heartbeat covers it; an attached worker does not open a heartbeat "
+        "stream of its own (call attach(), not start_heartbeat())",
+        rank=str(rank),
+    )
+
+
+def other_instance(job: Job, generation: int, rank: int, instance_id: str) -> RendezvousFault:
+    """The caller holds the token but is not the worker that joined as ``rank``."""
+    hint = (
+        "the call names no instance_id (an SDK older than the daemon?)"
+        if not instance_id
+        else "the caller is not the worker that joined as this rank"
+    )
+    return RendezvousFault(
+        Code.ALREADY_EXISTS,
+        Reason.DUPLICATE_RANK,
+        f"rank {rank} of job {job.job_id!r} generation {generation} belongs to another "
+        f"worker instance: {hint}; rejoin to take part",
+        {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},
+    )

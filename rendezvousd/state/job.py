@@ -1,0 +1,391 @@
+"""One job's mutable state: its generation, members, barriers and key-value store."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from rendezvousd.common.model import (
+    FailedInfo,
+    JobState,
+    JoinMode,
+    MemberInfo,
+    MemberState,
+    Progress,
+    failed_text,
+)
+from rendezvousd.errors import Code, Reason, RendezvousFault, shown
+from rendezvousd.state.id_history import IdHistory
+
+# Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
+# descriptor call (~0.2 us), and a join or heartbeat made several.
+_NODE = JoinMode.NODE
+
+
+@dataclass(kw_only=True)
+class Attendee:
+    """What a heartbeat stream keeps alive: a member, or a node agent for its members."""
+
+    # How a loss of it is worded: by silence, and by its stream's end.
+    who: ClassVar[str] = "worker"
+    stream_closed: ClassVar[str] = "heartbeat stream closed"
+
+    state: MemberState = MemberState.JOINING
+    last_seen: float = 0.0
+    # Increases with every heartbeat stream attached, so that an old stream
+    # closing after a reconnect is not mistaken for the attendee dying.
+    stream_token: int = 0
+    stream_open: bool = False
+    # The latest Progress its stream's beats carried (not durable: the next beat
+    # after a daemon restart brings it back).
+    progress: Progress | None = None
+
+    def attach(self, now: float) -> int:
+        """A heartbeat stream opened; returns its token for ``detach``."""
+        self.stream_token += 1
+        self.stream_open = True
+        self.last_seen = now
+        return self.stream_token
+
+    def detach(self, token: int) -> bool:
+        """The stream ``token`` ended; True when that loses an active attendee (no
+        Leave came first). An older stream, replaced by a reconnect, changes nothing."""
+        if self.stream_token != token:
+            return False
+        self.stream_open = False
+        return self.state is MemberState.ACTIVE
+
+
+@dataclass
+class Member(Attendee):
+    rank: int
+    node_rank: int
+    local_rank: int
+    host: str
+    address: str
+    instance_id: str
+
+    def info(self) -> MemberInfo:
+        return MemberInfo(self.rank, self.node_rank, self.local_rank, self.host, self.address)
+
+    def loss(self, cause: str, now: float) -> FailedInfo:
+        """The record of losing this member at ``now``."""
+        return FailedInfo(self.rank, self.host, cause, self.node_rank, self.local_rank, now)
+
+
+@dataclass
+class Node(Attendee):
+    """A node agent joined by JoinNode, holding gpus_per_node members once the
+    generation forms. Its one heartbeat stream is the liveness of all of them."""
+
+    who: ClassVar[str] = "node"
+    stream_closed: ClassVar[str] = "node agent's heartbeat stream closed"
+
+    instance_id: str
+    host: str
+    addresses: tuple[str, ...]
+    # The rank it asked for (``named``) while forming; its assigned rank once formed.
+    node_rank: int
+    named: bool
+    arrived: float
+
+
+class NodeTable(dict[str, Node]):
+    """A generation's node agents by instance id, in arrival order, with the two
+    lookups every JoinNode makes kept O(1): who holds a named node rank, and the
+    earliest arrival that named none. (A scan of every node on each join made forming
+    1,024+ nodes quadratic: 11 of 24 s of the daemon's CPU at 4,096 agents.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.named_at: dict[int, Node] = {}
+        self.unnamed: dict[str, Node] = {}  # arrival order, as the table itself
+
+    def _index(self, node: Node) -> None:
+        if node.named:
+            self.named_at[node.node_rank] = node
+        else:
+            self.unnamed[node.instance_id] = node
+
+    def _unindex(self, node: Node) -> None:
+        if node.named:
+            if self.named_at.get(node.node_rank) is node:
+                del self.named_at[node.node_rank]
+        else:
+            self.unnamed.pop(node.instance_id, None)
+
+    def __setitem__(self, key: str, node: Node) -> None:
+        if key in self:
+            self._unindex(self[key])
+        super().__setitem__(key, node)
+        self._index(node)
+
+    def __delitem__(self, key: str) -> None:
+        self._unindex(self[key])
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Node | None) -> Node | None:  # type: ignore[override]
+        if key in self:
+            self._unindex(self[key])
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self.named_at.clear()
+        self.unnamed.clear()
+
+    def first_unnamed(self) -> Node | None:
+        return next(iter(self.unnamed.values()), None)
+
+
+@dataclass
+class BarrierState:
+    completed: int = 0
+    # rank -> waiters parked for the current round (a retried call adds one).
+    arrived: dict[int, set[int]] = field(default_factory=dict)
+
+
+@dataclass
+class Generation:
+    """What one round of a job owns: its members and node agents, the id, barriers, the
+    key-value store, its parked calls and how it ended. The next round gets a new one
+    (``Job.open_generation``): nothing is reset by hand, so nothing can be forgotten."""
+
+    join_mode: JoinMode = JoinMode.NONE
+    members: dict[int, Member] = field(default_factory=dict)
+    host_nodes: dict[str, int] = field(default_factory=dict)
+    unique_id: bytes | None = None
+    failed: list[FailedInfo] = field(default_factory=list)
+    abort_reason: str = ""
+    barriers: dict[str, BarrierState] = field(default_factory=dict)
+    # The Persister keeps the last committed generation's store, to put back should
+    # opening the next one be undone by a failed commit.
+    kv: dict[str, bytes] = field(default_factory=dict)
+    kv_bytes: int = 0
+    kv_waiters: dict[str, set[int]] = field(default_factory=dict)
+    # waiter -> rank, for Join/PublishId calls waiting for the world.
+    join_waiters: dict[int, int] = field(default_factory=dict)
+    member_table: tuple[MemberInfo, ...] = ()
+    # Kept as a count so a barrier arrival is O(1), not a scan of every member.
+    left: int = 0
+    # Restored from disk after a restart: the id is gone (it is never written).
+    restored: bool = False
+    # The id digest when only the digest survived a restart, so a replayed PublishId
+    # can be told from a second, different id.
+    restored_id_digest: bytes | None = None
+    # Set when a joiner's topology contradicted the forming generation's: that
+    # fault, not PEER_FAILED, is what every call on the failed generation gets.
+    conflict: RendezvousFault | None = None
+    # When rank 0 (node 0), answered id_required, loses its seat unless it sends the id.
+    id_deadline: float | None = None
+    last_arrival: float = 0.0
+    nodes: NodeTable = field(default_factory=NodeTable)  # by node instance id
+    node_at: dict[int, Node] = field(default_factory=dict)  # by node rank, once formed
+    # The node instance that supplied the id (it must stay node 0).
+    id_node: str = ""
+    # The node 0 whose parked JoinNode was last looked for (``joins.settle_holder``): node 0
+    # never parks while it is node 0, so only a new node 0 needs the look.
+    holder_seen: str = ""
+    # The nodes-waiting count the running nodes were last told, and when (the events
+    # are coalesced: joins.tell_waiting).
+    waiting_told: int = 0
+    waiting_told_at: float = 0.0
+    # waiter -> node instance id: JoinNode calls waiting for this generation to form.
+    node_waiters: dict[int, str] = field(default_factory=dict)
+    # Nodes parked for a scale-up when this generation ended (woken to re-join).
+    scaleups_woken: int = 0
+    # How many nodes the generation before this one expects back (its nodes not
+    # lost, and its woken scale-ups) after it failed or was aborted; 0: none.
+    rejoin_expected: int = 0
+
+
+@dataclass
+class Job:
+    job_id: str
+    num_nodes: int
+    gpus_per_node: int
+    generation: int
+    state: JobState
+    state_since: float
+    gen: Generation = field(default_factory=Generation)
+    # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
+    used_id_digests: IdHistory = field(default_factory=IdHistory)
+    # JoinNode generations: the elastic bounds (num_nodes is max_nodes while
+    # forming, the formed count after) and the last call.
+    min_nodes: int = 0
+    max_nodes: int = 0
+    last_call_s: float = 0.0
+    # waiter -> node instance id: JoinNode calls parked, while this generation runs,
+    # for the next one.
+    scaleup_waiters: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def rank_of(self, node_rank: int, local_rank: int) -> int:
+        return node_rank * self.gpus_per_node + local_rank
+
+    def attendees(self, mode: JoinMode) -> Mapping[int, Member | Node]:
+        """Who a call of ``mode`` names by its rank: in a per-rank generation each worker
+        (its global rank), in a node generation each formed node agent (its node rank).
+        Streams, heartbeats, leaves and losses are the one path over these."""
+        return self.gen.node_at if mode is _NODE else self.gen.members
+
+    def covered(self, seated: Member | Node) -> list[Member]:
+        """The members whose liveness ``seated``'s heartbeat stream is: a worker is its
+        own, a node agent holds gpus_per_node."""
+        if isinstance(seated, Member):
+            return [seated]
+        first = self.rank_of(seated.node_rank, 0)
+        ranks = range(first, first + self.gpus_per_node)
+        return [self.gen.members[r] for r in ranks if r in self.gen.members]
+
+    def missing_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.gen.members]
+
+    def present(self) -> list[Member]:
+        return [
+            m
+            for m in self.gen.members.values()
+            if m.state in (MemberState.JOINING, MemberState.ACTIVE)
+        ]
+
+    def participants(self) -> set[int]:
+        """Ranks a barrier waits for: everyone who has not left."""
+        return {r for r, m in self.gen.members.items() if m.state is not MemberState.LEFT}
+
+    def barrier_complete(self, arrived: int) -> bool:
+        """Whether ``arrived`` distinct non-leaving ranks are everyone a barrier waits for."""
+        return arrived >= len(self.gen.members) - self.gen.left
+
+    def all_waiters(self) -> set[int]:
+        waiters = (
+            set(self.gen.join_waiters) | set(self.gen.node_waiters) | set(self.scaleup_waiters)
+        )
+        for barrier in self.gen.barriers.values():
+            for ws in barrier.arrived.values():
+                waiters |= ws
+        for ws in self.gen.kv_waiters.values():
+            waiters |= ws
+        return waiters
+
+    def id_digest(self) -> bytes | None:
+        if self.gen.unique_id is None:
+            return self.gen.restored_id_digest
+        return hashlib.sha256(self.gen.unique_id).digest()
+
+    def remember_id(self) -> None:
+        if self.gen.unique_id is not None:
+            self.used_id_digests.add(hashlib.sha256(self.gen.unique_id).digest())
+
+    def open_generation(self, now: float) -> None:
+        """Start over with no members; everything scoped to the old generation goes."""
+        self.remember_id()
+        self.generation += 1
+        self.state = JobState.FORMING
+        self.state_since = now
+        self.gen = Generation()
+
+    @property
+    def named(self) -> str:
+        """How messages name this job's current generation."""
+        return f"job {self.job_id!r} generation {self.generation}"
+
+    def fault(
+        self, code: Code, reason: Reason, message: str, /, **metadata: str
+    ) -> RendezvousFault:
+        """A fault about this job's current generation: its metadata names both."""
+        scope = {"job_id": self.job_id, "generation": str(self.generation)}
+        return RendezvousFault(code, reason, message, scope | metadata)
+
+    def topology_conflict(self, host: str, asked: tuple[int, ...]) -> RendezvousFault:
+        """Why a joiner asking for another topology is refused. When the generation
+        is forming, the same fault fails it and either side may be the wrong one, so
+        it names both topologies and every host joined so far.
+
+        ``asked`` is ``(num_nodes, gpus_per_node)`` from a per-rank Join, or
+        ``(min_nodes, max_nodes, gpus_per_node)`` from a node agent's JoinNode.
+        """
+        by_node = self.gen.join_mode is JoinMode.NODE
+        ours = (self.min_nodes, self.max_nodes) if by_node else (self.num_nodes,)
+        have, have_code = _topology_text((*ours, self.gpus_per_node))
+        want, want_code = _topology_text(asked)
+        hosts = sorted(
+            {m.host for m in self.gen.members.values()} | {n.host for n in self.gen.nodes.values()}
+        )
+        joined = f" (hosts so far: {shown(hosts)})" if hosts else ""
+        asker, fix = (
+            (
+                "the node agent",
+                "every node of a job must use the same --nnodes and --nproc-per-node: "
+                "fix them and relaunch",
+            )
+            if by_node
+            else (
+                "a worker",
+                "every worker of a job must use the same topology: "
+                "fix --nnodes / --nproc-per-node and relaunch",
+            )
+        )
+        return self.fault(
+            Code.FAILED_PRECONDITION,
+            Reason.TOPOLOGY_MISMATCH,
+            f"{self.named} has {have}{joined}, but {asker} on host {host!r} asked for {want}; "
+            f"{fix}",
+            topology=have_code,
+            requested_topology=want_code,
+            offending_host=host,
+            hosts=",".join(hosts),
+        )
+
+    def generation_fault(self) -> RendezvousFault:
+        """Why calls on this (no longer usable) generation fail."""
+        if self.gen.conflict is not None:
+            return self.gen.conflict
+        if self.state is JobState.FAILED:
+            # In the order of loss, the first being the root cause; each loss with its
+            # host is in the fault's details (fault_status), the metadata only lists.
+            return RendezvousFault(
+                Code.ABORTED,
+                Reason.PEER_FAILED,
+                f"{failed_text(self.named, self.gen.failed)}; restart the job (a new Join opens "
+                "the next generation)",
+                {
+                    "job_id": self.job_id,
+                    "generation": str(self.generation),
+                    "ranks": ",".join(str(f.rank) for f in self.gen.failed),
+                    "hosts": ",".join(dict.fromkeys(f.host for f in self.gen.failed)),
+                },
+                self.gen.failed,
+            )
+        if self.state is JobState.ABORTED:
+            return self.fault(
+                Code.ABORTED,
+                Reason.JOB_ABORTED,
+                f"{self.named} was aborted: {self.gen.abort_reason}",
+                reason=self.gen.abort_reason,
+            )
+        if self.state is JobState.ENDED:
+            return self.fault(
+                Code.FAILED_PRECONDITION,
+                Reason.JOB_ENDED,
+                f"{self.named} has ended: every member left",
+            )
+        return self.fault(
+            Code.FAILED_PRECONDITION,
+            Reason.NOT_RUNNING,
+            f"{self.named} is still forming ({len(self.gen.members)} of {self.world_size} ranks "
+            "joined); wait for Join to return",
+        )
+
+
+def _topology_text(topology: tuple[int, ...]) -> tuple[str, str]:
+    """A topology in words and in the compact form of a fault's metadata."""
+    if len(topology) == 3:
+        low, high, gpus = topology
+        return f"nodes {low}:{high} x gpus_per_node={gpus}", f"{low}:{high}x{gpus}"
+    num_nodes, gpus = topology
+    return f"num_nodes={num_nodes} gpus_per_node={gpus}", f"{num_nodes}x{gpus}"

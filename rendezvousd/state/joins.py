@@ -1,0 +1,415 @@
+"""Joining, in the state machine: a per-rank Join (with PublishId), a node agent's
+JoinNode, the forming of a generation, and a parked join that ends.
+
+A join seats an attendee: a worker of one rank (``Join``, the thin form) or a node agent
+of gpus_per_node ranks (``JoinNode``), never both in one generation. Node generations
+form when max_nodes nodes joined, or when at least min_nodes joined and ``last_call``
+passed since the last arrival (checked on each arrival and each tick), once node 0's
+id is known. While one runs with fewer than max_nodes nodes, another node parks for the
+next generation and the running nodes hear NODES_WAITING; when the generation ends the
+parked node is placed in the next one. Pure."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rendezvousd.common import validation
+from rendezvousd.common.model import (
+    EventKind,
+    FailedInfo,
+    JobState,
+    JoinMode,
+    JoinResult,
+    NodeJoinResult,
+    Parked,
+    Transition,
+)
+from rendezvousd.errors import Code, Reason, RendezvousFault
+from rendezvousd.state import barriers, fences, nodes, placement, rounds, seats, waits
+from rendezvousd.state.job import Job, Member, Node
+from rendezvousd.state.nodes import NodeJoinArgs
+from rendezvousd.state.placement import JoinArgs
+
+if TYPE_CHECKING:
+    from rendezvousd.state.machine import RendezvousState
+
+# Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
+# descriptor call (~0.2 us), and a join or heartbeat made several.
+_RANK, _JOIN = JoinMode.RANK, waits.WaitKind.JOIN
+
+#: The least time between two NODES_WAITING events of one job (the first is at once).
+NODES_WAITING_INTERVAL_S = 0.5
+
+
+def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinResult | Parked:
+    seats.not_draining(sm)
+    nodes.check(args, sm.limits)
+    bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
+    old = sm.jobs.get(args.job_id)
+    returning = old is not None and args.instance_id in old.gen.nodes
+    job = job_for(
+        sm,
+        args.job_id,
+        JoinMode.NODE,
+        bounds,
+        args.host,
+        now,
+        returning=returning,
+        last_call_s=args.last_call_s,
+    )
+    node = job.gen.nodes.get(args.instance_id)
+    if job.state is JobState.RUNNING:
+        if node is not None and job.gen.unique_id is None:
+            # Restored after a restart: the id never reached the disk, so this
+            # node can no longer be given it. Fence the generation.
+            rounds.lose_seated(sm, job, node, "daemon restarted before this node got the id", now)
+            raise job.generation_fault()
+        if node is not None:
+            return nodes.result(job, node)  # a retry of a formed node's JoinNode
+        return park_scaleup(sm, job, args, now)
+    if job.state in rounds.TERMINAL:
+        raise job.generation_fault()
+    added = node is None
+    if node is None:
+        if len(job.gen.nodes) >= job.max_nodes:
+            raise nodes.world_full(job, args.host)
+        if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
+            raise nodes.duplicate_node(job, args, other.host)
+        node = Node(
+            args.instance_id,
+            args.host,
+            args.addresses,
+            args.node_rank or 0,
+            args.node_rank is not None,
+            now,
+        )
+        job.gen.nodes[args.instance_id] = node
+        job.gen.last_arrival = now
+    if args.unique_id:
+        if nodes.holder(job) is not node:
+            raise validation.invalid(
+                Reason.INVALID_ID,
+                f"only node 0 of job {job.job_id!r} supplies the unique id; the node "
+                f"agent on {args.host!r} is not node 0",
+                job_id=job.job_id,
+            )
+        placement.accept_id(job, 0, args.unique_id)
+        job.gen.id_node, job.gen.id_deadline = node.instance_id, None
+    settle_holder(sm, job, now)
+    if try_form(sm, job, now):
+        return nodes.result(job, node)
+    if nodes.holder(job) is node and job.gen.unique_id is None:
+        # Held until this JoinNode's own deadline, like rank 0's id_required.
+        job.gen.id_deadline = now + (args.wait_s or sm.timing.default_wait_s)
+        return nodes.id_required(job)
+    try:
+        parked = sm.calls.park(job, waits.WaitKind.NODE, -1, node.instance_id, now)
+    except RendezvousFault:
+        if added:  # refused for capacity: the slot stays free for the retry
+            remove_node(sm, job, node, now)
+        raise
+    job.gen.node_waiters[parked.waiter] = node.instance_id
+    return parked
+
+
+def park_scaleup(sm: RendezvousState, job: Job, args: NodeJoinArgs, now: float) -> Parked:
+    if job.num_nodes + len(set(job.scaleup_waiters.values()) | {args.instance_id}) > (
+        job.max_nodes
+    ):
+        raise nodes.world_full(job, args.host)
+    parked = sm.calls.park(job, waits.WaitKind.SCALEUP, -1, args.instance_id, now)
+    job.scaleup_waiters[parked.waiter] = args.instance_id
+    tell_waiting(sm, job, now)
+    return parked
+
+
+def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
+    """NODES_WAITING to the running nodes when the count of parked nodes changed:
+    the first change at once (it is what makes the agents re-form), later ones at
+    most every NODES_WAITING_INTERVAL_S, the latest count, from the tick (200 nodes
+    parking one by one made 200 events for every node)."""
+    if job.state is not JobState.RUNNING:
+        return
+    count = len(set(job.scaleup_waiters.values()))
+    if count == job.gen.waiting_told:
+        return
+    if job.gen.waiting_told and now - job.gen.waiting_told_at < NODES_WAITING_INTERVAL_S:
+        return  # the tick tells the latest count
+    job.gen.waiting_told, job.gen.waiting_told_at = count, now
+    rounds.notify(sm, job, EventKind.NODES_WAITING, nodes_waiting=count)
+
+
+def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
+    """Keeps the id with node 0: an id from a node that is no longer node 0 is
+    dropped, and a parked node that became node 0 is asked for one."""
+    head = nodes.holder(job)
+    if job.gen.unique_id is not None and (head is None or head.instance_id != job.gen.id_node):
+        job.remember_id()
+        job.gen.unique_id, job.gen.id_node = None, ""
+    if head is None or job.gen.unique_id is not None or job.gen.holder_seen == head.instance_id:
+        return
+    # Node 0 is answered id_required at once rather than parked, so its parked
+    # call, if any, predates its becoming node 0: look once per new node 0, not on
+    # every join (that look was O(parked nodes) a join, quadratic in all).
+    job.gen.holder_seen = head.instance_id
+    for waiter, instance in list(job.gen.node_waiters.items()):
+        if instance == head.instance_id:
+            del job.gen.node_waiters[waiter]
+            sm.calls.wake(waiter, nodes.id_required(job))
+            # Its SDK answers at once; one heartbeat timeout is ample to hear it.
+            job.gen.id_deadline = now + sm.timing.heartbeat_timeout_s
+
+
+def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
+    """Forms the generation if it may form now; whether it did."""
+    count = len(job.gen.nodes)
+    if (
+        job.state is not JobState.FORMING
+        or job.gen.join_mode is not JoinMode.NODE
+        or count < job.min_nodes
+    ):
+        return False
+    if (
+        count < job.max_nodes
+        and now < job.gen.last_arrival + job.last_call_s
+        and not nodes.everyone_back(job)
+    ):
+        return False
+    ranks = nodes.assignment(job)
+    if job.gen.unique_id is None or ranks is None:
+        return False
+    nodes.place(job, ranks)
+    rounds.form(sm, job, now, f"{count} node(s) joined ({job.world_size} ranks)")
+    return True
+
+
+def remove_node(sm: RendezvousState, job: Job, node: Node, now: float) -> None:
+    """A forming node gave up: its slot is free, and node 0 may be another now."""
+    if job.state is not JobState.FORMING or node.instance_id in job.gen.node_waiters.values():
+        return
+    job.gen.nodes.pop(node.instance_id, None)
+    settle_holder(sm, job, now)
+    if not job.gen.nodes:
+        job.state_since = now
+
+
+def node_wait_ended(
+    sm: RendezvousState, job: Job, w: waits.Waiter, waiter: int, now: float, *, timed_out: bool
+) -> RendezvousFault | None:
+    waited = f"{now - w.since:.1f} s"
+    if w.kind is waits.WaitKind.SCALEUP:
+        job.scaleup_waiters.pop(waiter, None)
+        tell_waiting(sm, job, now)
+        return nodes.scaleup_timeout(job, waited) if timed_out else None
+    job.gen.node_waiters.pop(waiter, None)
+    node = job.gen.nodes.get(w.key)
+    if node is None:
+        return None
+    if timed_out:
+        fault = nodes.nodes_incomplete(job, waited)
+        remove_node(sm, job, node, now)
+        return fault
+    if job.state is JobState.FORMING and w.key not in job.gen.node_waiters.values():
+        cause = "its JoinNode was cancelled (node agent died or disconnected)"
+        rank = nodes.provisional_first_rank(job, node)
+        loss = FailedInfo(rank, node.host, cause, node.node_rank, 0, now)
+        rounds.joiner_died(sm, job, node, loss, f"node agent on {node.host}", now)
+    return None
+
+
+def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked:
+    seats.not_draining(sm)
+    placement.check(args, sm.limits)
+    bounds = (args.num_nodes, args.num_nodes, args.gpus_per_node)
+    old = sm.jobs.get(args.job_id)
+    # Only an ended generation asks (the look is a scan of its members).
+    returning = (
+        old is not None and old.state in rounds.TERMINAL and placement.rejoin_of_current(old, args)
+    )
+    job = job_for(sm, args.job_id, _RANK, bounds, args.host, now, returning=returning)
+    node_rank = placement.node_rank(job, args)
+    rank = job.rank_of(node_rank, args.local_rank)
+    member = job.gen.members.get(rank)
+    if member is not None and member.instance_id != args.instance_id:
+        if not placement.abandoned(job, member):
+            raise placement.duplicate_rank(job, args, rank, node_rank, member)
+        placement.unplace(job, rank, now)
+        member = None
+    if args.unique_id:
+        placement.accept_id(job, rank, args.unique_id)
+    added = member is None
+    if member is None:
+        if job.state is not JobState.FORMING:
+            raise job.generation_fault()
+        member = Member(rank, node_rank, args.local_rank, args.host, args.address, args.instance_id)
+        job.gen.members[rank] = member
+        if args.node_rank is None:
+            job.gen.host_nodes.setdefault(args.host, node_rank)
+    try:
+        outcome = join_outcome(sm, job, member, now)
+    except RendezvousFault as fault:
+        if added and fault.reason == Reason.LIMIT_EXCEEDED:
+            # Refused for capacity: the rank must stay free for the retry.
+            placement.unplace(job, rank, now)
+        raise
+    if isinstance(outcome, JoinResult) and outcome.id_required:
+        # A rank 0 that crashes before PublishId must not keep the job forming
+        # forever: it is freed at the Join's own (capped) deadline. Its restart
+        # need not wait for that: no call holds the rank (placement.abandoned).
+        wait = min(args.wait_s or sm.timing.default_wait_s, sm.timing.max_wait_s)
+        job.gen.id_deadline = now + wait
+    return outcome
+
+
+def publish_id(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    rank: int,
+    instance_id: str,
+    unique_id: bytes,
+    now: float,
+) -> JoinResult | Parked:
+    validation.unique_id(unique_id)
+    job, member = seats.seat(sm, job_id, generation, rank)
+    assert isinstance(member, Member)  # RANK seats are members
+    if job.state in rounds.TERMINAL:
+        raise job.generation_fault()
+    if rank == 0 and member.instance_id != instance_id:
+        # Rank 0 was taken by a restarted worker while this one owed the id.
+        raise fences.other_instance(job, generation, rank, instance_id)
+    if rank != 0:
+        raise RendezvousFault(
+            Code.PERMISSION_DENIED,
+            Reason.NOT_RANK_ZERO,
+            f"only the worker holding global rank 0 publishes the id of job {job_id!r}",
+            {"job_id": job_id, "ranks": str(rank)},
+        )
+    placement.accept_id(job, rank, unique_id)
+    job.gen.id_deadline = None
+    return join_outcome(sm, job, member, now)
+
+
+def join_outcome(sm: RendezvousState, job: Job, member: Member, now: float) -> JoinResult | Parked:
+    if (
+        job.state is JobState.FORMING
+        and len(job.gen.members) == job.world_size
+        and job.gen.unique_id
+    ):
+        rounds.form(sm, job, now, f"all {job.world_size} ranks joined")
+    if job.state is JobState.RUNNING:
+        if job.gen.unique_id is None:
+            # Restored after a restart: the id was never on disk, so this
+            # rank can no longer be given it. Fence the generation.
+            rounds.lose(sm, job, [member], "daemon restarted before this rank received the id", now)
+            raise job.generation_fault()
+        return placement.result(job, member)
+    if job.state in rounds.TERMINAL:
+        raise job.generation_fault()
+    if member.rank == 0 and job.gen.unique_id is None:
+        return placement.id_required(job, member)
+    parked = sm.calls.park(job, _JOIN, member.rank, "", now)
+    job.gen.join_waiters[parked.waiter] = member.rank
+    return parked
+
+
+def cancel_wait(
+    sm: RendezvousState, waiter: int, now: float, *, timed_out: bool
+) -> RendezvousFault | None:
+    """A parked call ended without a wake (deadline, cancel). Returns its fault."""
+    w = sm.calls.unpark(waiter)
+    if w is None:
+        return None
+    job = sm.jobs.get(w.job_id)
+    if job is None or job.generation != w.generation:
+        return None
+    if w.kind in (waits.WaitKind.NODE, waits.WaitKind.SCALEUP):
+        return node_wait_ended(sm, job, w, waiter, now, timed_out=timed_out)
+    waited = f"{now - w.since:.1f} s"
+    if w.kind is waits.WaitKind.JOIN:
+        job.gen.join_waiters.pop(waiter, None)
+        if not timed_out:
+            abandon_join(sm, job, w.rank, now)
+            return None
+        missing = job.missing_ranks()
+        placement.unplace(job, w.rank, now)
+        return waits.world_incomplete(job, missing, waited)
+    if w.kind is waits.WaitKind.BARRIER:
+        meta = {"job_id": job.job_id, "generation": str(job.generation)}
+        return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
+    return waits.key_wait_timeout(job, w.key, waiter, waited)
+
+
+def abandon_join(sm: RendezvousState, job: Job, rank: int, now: float) -> None:
+    member = job.gen.members.get(rank)
+    if job.state is not JobState.FORMING or member is None or rank in job.gen.join_waiters.values():
+        return
+    cause = "its Join was cancelled (worker died or disconnected)"
+    rounds.joiner_died(
+        sm, job, member, member.loss(cause, now), f"rank {rank} on {member.host}", now
+    )
+
+
+def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
+    """Rank 0 (node 0) was told id_required and neither published nor waited since:
+    its seat is free for a restarted worker (node agent)."""
+    job.gen.id_deadline = None
+    if job.state is not JobState.FORMING or job.gen.unique_id is not None:
+        return
+    if job.gen.join_mode is JoinMode.NODE:
+        if (head := nodes.holder(job)) is not None:
+            remove_node(sm, job, head, now)
+        return
+    rank_zero = job.gen.members.get(0)
+    if rank_zero is None or 0 in job.gen.join_waiters.values():
+        return  # its PublishId is parked: that call's own deadline applies
+    placement.unplace(job, 0, now)
+    sm.calls.emit(
+        Transition(
+            job.job_id,
+            job.generation,
+            JobState.FORMING,
+            JobState.FORMING,
+            f"rank 0 on {rank_zero.host} did not publish the id within its Join's wait; "
+            "rank 0 is free for a restarted worker",
+        )
+    )
+
+
+def job_for(
+    sm: RendezvousState,
+    job_id: str,
+    mode: JoinMode,
+    bounds: tuple[int, int, int],
+    host: str,
+    now: float,
+    *,
+    returning: bool,
+    last_call_s: float = 0.0,
+) -> Job:
+    """The job a joiner of ``mode`` asking for ``bounds`` (min_nodes, max_nodes,
+    gpus_per_node; a per-rank Join's are num_nodes, num_nodes, gpus_per_node) joins:
+    created, or its next generation opened unless the joiner is ``returning`` to the
+    current one. The first joiner of a generation sets its mode and bounds; a joiner
+    of the other mode is refused, and other bounds conflict with the generation."""
+    low, high, gpus = bounds
+    job = sm.jobs.get(job_id)
+    if job is None:
+        job = rounds.open_job(sm, job_id, high, gpus, now)
+    elif job.state in rounds.TERMINAL and not returning:
+        expected = nodes.expected_back(job)
+        rounds.next_generation(sm, job, now)
+        job.gen.rejoin_expected = expected
+    if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
+        # Nobody waits on this generation yet: the first joiner sets its bounds.
+        job.gen.join_mode = mode
+        job.num_nodes, job.gpus_per_node = high, gpus
+        job.min_nodes, job.max_nodes = low, high
+        job.last_call_s = last_call_s or sm.timing.default_last_call_s
+        return job
+    if job.gen.join_mode is not mode:
+        raise nodes.mode_mismatch(job, mode, host)
+    if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
+        asked = bounds if mode is JoinMode.NODE else (high, gpus)
+        raise rounds.conflict(sm, job, job.topology_conflict(host, asked), now)
+    return job

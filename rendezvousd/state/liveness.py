@@ -1,0 +1,192 @@
+"""Liveness, in the state machine: one path over attendees (workers of a per-rank
+generation, node agents of a node generation): heartbeat streams attached, beating and
+ending, silence found by the tick, a Leave, and a node agent's ReportFailure. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from rendezvousd.common import validation
+from rendezvousd.common.escape import bounded
+from rendezvousd.common.model import (
+    EventKind,
+    JobState,
+    JoinMode,
+    MemberState,
+    Notify,
+    Progress,
+    Transition,
+)
+from rendezvousd.errors import Code, Reason, RendezvousFault
+from rendezvousd.state import fences, joins, placement, rounds, seats
+
+if TYPE_CHECKING:
+    from rendezvousd.state.machine import RendezvousState
+
+
+def report_failure(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    node_rank: int,
+    instance_id: str,
+    local_rank: int,
+    cause: str,
+    now: float,
+) -> None:
+    # Any text is a cause (a traceback has newlines): kept bounded, escaped only
+    # where shown. Refusing it would leave a healthy rank, lost after, as the root cause.
+    cause = bounded(cause) or "its node agent reported a failure without a cause"
+    job, node = seats.seated(
+        sm, job_id, generation, node_rank, instance_id, JoinMode.NODE, running=False
+    )
+    validation.rank_in_range(
+        "local_rank", local_rank, "gpus_per_node", job.gpus_per_node, job_id=job_id
+    )
+    member = job.gen.members[job.rank_of(node.node_rank, local_rank)]
+    if member.state in (MemberState.ACTIVE, MemberState.JOINING):
+        rounds.lose(sm, job, [member], cause, now, told=node.node_rank)
+
+
+def attach_stream(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    instance_id: str,
+    now: float,
+    *,
+    mode: JoinMode = JoinMode.RANK,
+) -> int:
+    """A heartbeat stream of attendee ``who`` opened; returns its token for
+    ``detach_stream``."""
+    job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode)
+    if mode is not job.gen.join_mode:
+        # Its node agent's stream is this rank's liveness: a stream of the rank's own
+        # would fail the whole generation when it closed (the worker exiting).
+        raise fences.rank_stream_in_node_job(job, who)
+    token = seated.attach(now)
+    if job.scaleup_waiters:
+        # Nodes parked before this stream (re)attached: it would miss the event.
+        waiting = len(set(job.scaleup_waiters.values()))
+        sm.calls.emit(
+            Notify(
+                job.job_id,
+                job.generation,
+                mode,
+                (who,),
+                EventKind.NODES_WAITING,
+                nodes_waiting=waiting,
+            )
+        )
+    return token
+
+
+def heartbeat(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    now: float,
+    *,
+    mode: JoinMode = JoinMode.RANK,
+) -> None:
+    job, seated = seats.seat(sm, job_id, generation, who, mode)
+    if job.state is not JobState.RUNNING:
+        raise job.generation_fault()
+    seated.last_seen = now
+    for m in job.covered(seated):
+        m.last_seen = now  # what GetJob shows as each member's heartbeat age
+
+
+def report_progress(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    progress: Progress,
+    *,
+    mode: JoinMode = JoinMode.RANK,
+) -> None:
+    """A beat carried ``progress``: kept on its attendee for views, as many steps as
+    the attendee has ranks (a client's longer list is cut, not refused: it is only
+    shown). A stale or unseated stream's report is dropped: its beat is refused."""
+    job, seated = seats.seat(sm, job_id, generation, who, mode)
+    ranks = job.gpus_per_node if mode is JoinMode.NODE else 1
+    if len(progress.steps) > ranks:
+        progress = replace(progress, steps=progress.steps[:ranks])
+    seated.progress = progress
+
+
+def detach_stream(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    token: int,
+    now: float,
+    *,
+    mode: JoinMode = JoinMode.RANK,
+) -> None:
+    """A heartbeat stream ended. Without a Leave first, its attendee is lost. Once
+    the generation failed, the survivors' streams end as a matter of course: that is
+    no loss (it would also count them out of the nodes expected back)."""
+    job = seats.stream_job(sm, job_id, generation)
+    seated = job.attendees(mode).get(who) if job else None
+    if job and seated and seated.detach(token) and job.state is JobState.RUNNING:
+        rounds.lose_seated(sm, job, seated, rounds.stream_end_cause(sm, seated, now), now)
+
+
+def tick(sm: RendezvousState, now: float) -> None:
+    """Time-driven decisions: an id owed too long, a node generation's last call,
+    silent attendees lost, old jobs forgotten."""
+    timeout = sm.timing.heartbeat_timeout_s
+    for job in list(sm.jobs.values()):
+        if job.gen.id_deadline is not None and now > job.gen.id_deadline:
+            joins.id_overdue(sm, job, now)
+        if job.state is JobState.FORMING:
+            joins.try_form(sm, job, now)
+        elif job.state is JobState.RUNNING:
+            joins.tell_waiting(sm, job, now)
+            for seated in list(job.attendees(job.gen.join_mode).values()):
+                if seated.state is MemberState.ACTIVE and now - seated.last_seen > timeout:
+                    rounds.lose_seated(sm, job, seated, rounds.silent(sm, seated.who), now)
+        idle = job.state in rounds.TERMINAL or (
+            job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes
+        )
+        if idle and now - job.state_since > sm.timing.job_ttl_s and not job.all_waiters():
+            del sm.jobs[job.job_id]
+            sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, "expired"))
+
+
+def leave(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    instance_id: str,
+    now: float,
+    *,
+    mode: JoinMode = JoinMode.RANK,
+) -> None:
+    job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode, running=False)
+    if job.state is JobState.FORMING:
+        # Only a worker holds a seat while forming (a node's comes as it forms).
+        for waiter, r in list(job.gen.join_waiters.items()):
+            if r == who:
+                job.gen.join_waiters.pop(waiter)
+                sm.calls.wake(
+                    waiter,
+                    fault=RendezvousFault(
+                        Code.ABORTED,
+                        Reason.JOB_ABORTED,
+                        f"rank {who} left job {job_id!r} before it formed",
+                    ),
+                )
+        placement.unplace(job, who, now)
+        return
+    for member in job.covered(seated):
+        rounds.member_left(sm, job, member, now)
+    if seated.state is MemberState.ACTIVE:
+        seated.state = MemberState.LEFT

@@ -1,0 +1,214 @@
+"""The daemon's decisions, as a pure state machine.
+
+Every method takes the current monotonic time, mutates in-memory state, and
+either returns a value, returns ``Parked`` (the caller must wait), or raises
+``RendezvousFault``. Side effects for other callers (wake a parked call, push
+an event to a heartbeat stream, log a transition) are queued on ``calls`` and
+collected with ``take_effects()``. There is no I/O, no clock and no asyncio here,
+which is what lets tests and the Hypothesis model drive it directly.
+
+One class, its decisions split by concept into modules of functions over it:
+``joins`` (Join, PublishId, JoinNode, forming), ``liveness`` (streams, heartbeats,
+silence, Leave, ReportFailure), ``rounds`` (a generation's life), ``seats`` (who may
+call); barriers, the key-value store, aborts and draining are here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from rendezvousd.common import validation
+from rendezvousd.common.limits import Limits, Timing
+from rendezvousd.common.model import Effect, EventKind, JobState, JobView, MemberInfo, Parked
+from rendezvousd.errors import Code, Reason
+from rendezvousd.state import barriers, fences, joins, kv, liveness, rounds, seats, waits
+from rendezvousd.state.calls import Calls
+from rendezvousd.state.job import Job
+from rendezvousd.state.nodes import NodeJoinArgs
+from rendezvousd.state.placement import JoinArgs
+from rendezvousd.state.views import job_view
+
+# JoinArgs/NodeJoinArgs are part of this module's interface: callers build the requests
+# they pass to join() and join_node().
+__all__ = ["JoinArgs", "NodeJoinArgs", "RendezvousState"]
+
+
+class RendezvousState:
+    def __init__(self, limits: Limits | None = None, timing: Timing | None = None) -> None:
+        self.limits = limits or Limits()
+        self.timing = timing or Timing()
+        self.jobs: dict[str, Job] = {}
+        self.draining = False
+        self.calls = Calls(self.limits)
+
+    def take_effects(self) -> list[Effect]:
+        return self.calls.take()
+
+    @property
+    def waiter_count(self) -> int:
+        return len(self.calls.waiting)
+
+    # joins.py
+    join = joins.join
+    publish_id = joins.publish_id
+    join_node = joins.join_node
+    cancel_wait = joins.cancel_wait
+
+    # liveness.py
+    attach_stream = liveness.attach_stream
+    heartbeat = liveness.heartbeat
+    report_progress = liveness.report_progress
+    detach_stream = liveness.detach_stream
+    tick = liveness.tick
+    leave = liveness.leave
+    report_failure = liveness.report_failure
+
+    # rounds.py
+    put_back = rounds.put_back
+
+    # seats.py
+    stream_current = seats.stream_current
+
+    def member_table(
+        self, job_id: str, generation: int, rank: int, instance_id: str
+    ) -> tuple[MemberInfo, ...]:
+        """A formed generation's member table, for one of its members (GetMembers); a
+        generation that ended keeps it, so a worker may read it after its peers left."""
+        job, _ = seats.caller(self, job_id, generation, rank, instance_id, running=False)
+        if not job.gen.member_table:
+            raise job.generation_fault()  # still forming: NOT_RUNNING
+        return job.gen.member_table
+
+    def barrier(
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        name: str,
+        sequence: int,
+        now: float,
+        *,
+        instance_id: str,
+    ) -> int | Parked:
+        job, member = seats.caller(self, job_id, generation, rank, instance_id)
+        barrier, done = barriers.enter(job, member, name, sequence, self.limits)
+        if done:
+            return sequence
+        if job.barrier_complete(len(barrier.arrived) + (rank not in barrier.arrived)):
+            for w in barriers.release(barrier):
+                self.calls.wake(w, barrier.completed)
+            return sequence
+        return self.calls.park_under(
+            barrier.arrived, rank, job, waits.WaitKind.BARRIER, rank, name, now
+        )
+
+    def kv_set(
+        self, job_id: str, generation: int, rank: int, key: str, value: bytes, *, instance_id: str
+    ) -> None:
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        self._store(job, key, validation.kv_value(value, self.limits))
+
+    def kv_get(
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        key: str,
+        wait: bool,
+        now: float,
+        *,
+        instance_id: str,
+    ) -> bytes | Parked:
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        value = job.gen.kv.get(key)
+        if value is not None:
+            return value
+        if not wait:
+            raise job.fault(
+                Code.NOT_FOUND, Reason.KEY_NOT_FOUND, f"key {key!r} is not set in {job.named}"
+            )
+        return self.calls.park_under(
+            job.gen.kv_waiters, key, job, waits.WaitKind.KV, rank, key, now
+        )
+
+    def kv_add(
+        self, job_id: str, generation: int, rank: int, key: str, delta: int, *, instance_id: str
+    ) -> int:
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        value = kv.counter(job, key, delta)
+        self._store(job, key, value)
+        return int(value)
+
+    def kv_compare_and_set(
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        key: str,
+        expected: bytes | None,
+        desired: bytes,
+        *,
+        instance_id: str,
+    ) -> tuple[bool, bytes | None]:
+        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        validation.kv_value(desired, self.limits)
+        current = job.gen.kv.get(key)
+        if current != expected:
+            return False, current
+        self._store(job, key, desired)
+        return True, desired
+
+    def kv_delete(
+        self, job_id: str, generation: int, rank: int, key: str, *, instance_id: str
+    ) -> bool:
+        return kv.delete(self._kv_job(job_id, generation, rank, key, instance_id), key)
+
+    def _kv_job(self, job_id: str, generation: int, rank: int, key: str, instance_id: str) -> Job:
+        """The calling member's job, once ``key`` is a valid key."""
+        job, _ = seats.caller(self, job_id, generation, rank, instance_id)
+        validation.kv_key(key, self.limits)
+        return job
+
+    @property
+    def kv_bytes(self) -> int:
+        """Key-value bytes held across every job (the ``max_kv_bytes`` budget)."""
+        return kv.daemon_bytes(self.jobs.values())
+
+    def _store(self, job: Job, key: str, value: bytes) -> None:
+        for w in kv.put(job, key, value, self.limits, self.kv_bytes):
+            self.calls.wake(w, value)
+
+    def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
+        validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
+        job = seats.find_job(self, job_id)
+        if generation not in (0, job.generation):
+            seats.seat(self, job_id, generation, 0)  # raises STALE_GENERATION
+        if job.state in (JobState.FORMING, JobState.RUNNING):
+            job.gen.abort_reason = reason or "aborted by request"
+            rounds.set_state(self, job, JobState.ABORTED, now, job.gen.abort_reason)
+            rounds.fail_waiters(self, job)
+            rounds.notify(self, job, EventKind.JOB_ABORTED, reason=job.gen.abort_reason)
+        return job.generation
+
+    def drain(self) -> None:
+        """Shutdown began: refuse new joins, release every waiter, tell every member."""
+        self.draining = True
+        fault = fences.draining()
+        for waiter in list(self.calls.waiting):
+            self.calls.wake(waiter, fault=fault)
+        for job in self.jobs.values():
+            job.gen.join_waiters.clear()
+            job.gen.node_waiters.clear()
+            job.scaleup_waiters.clear()
+            job.gen.kv_waiters.clear()
+            for barrier in job.gen.barriers.values():
+                barrier.arrived.clear()
+            if job.state is JobState.RUNNING:
+                rounds.notify(self, job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")
+
+    def views(self, now: float) -> Iterator[JobView]:
+        for job_id in sorted(self.jobs):
+            yield self.view(job_id, now)
+
+    def view(self, job_id: str, now: float) -> JobView:
+        return job_view(seats.find_job(self, job_id), now)

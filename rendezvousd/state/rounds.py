@@ -1,0 +1,242 @@
+"""A generation's life in the state machine: a job created and its next generation opened,
+formed, failed by a loss or a conflicting joiner, ended by its members leaving, and put back
+after an undone commit; the events its attendees hear. Pure, like every module of the
+state machine: functions over ``RendezvousState``, which they queue effects on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rendezvousd.common import validation
+from rendezvousd.common.escape import shortened
+from rendezvousd.common.model import (
+    EventKind,
+    FailedInfo,
+    JobState,
+    MemberState,
+    Notify,
+    Rejoin,
+    Transition,
+)
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.state import barriers, nodes, placement
+from rendezvousd.state.job import Attendee, Job, Member, Node
+
+if TYPE_CHECKING:
+    from rendezvousd.state.machine import RendezvousState
+
+TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
+
+
+def put_back(
+    sm: RendezvousState, job_id: str, job: Job | None, fault: RendezvousFault, detail: str
+) -> None:
+    """``job`` (None: no job) replaces ``job_id``'s job: the durable form it had
+    before changes that are undone. What a call parked on it waited for may be gone,
+    so each wakes with ``fault``."""
+    if sm.calls.per_job.get(job_id):
+        for waiter in [w for w, rec in sm.calls.waiting.items() if rec.job_id == job_id]:
+            sm.calls.wake(waiter, fault=fault)
+    old = sm.jobs.pop(job_id, None)
+    if job is not None:
+        sm.jobs[job_id] = job
+    shown = job or old
+    if shown is not None:
+        sm.calls.emit(
+            Transition(
+                job_id,
+                shown.generation,
+                old.state if old else None,
+                job.state if job else None,
+                detail,
+            )
+        )
+
+
+def set_state(sm: RendezvousState, job: Job, new: JobState, now: float, detail: str) -> None:
+    old = job.state
+    job.state = new
+    job.state_since = now
+    sm.calls.emit(Transition(job.job_id, job.generation, old, new, detail))
+    if new in TERMINAL:
+        # Nodes parked for a scale-up wanted the next generation, not this one:
+        # they ask again and open it, instead of hearing this one's fault.
+        job.gen.scaleups_woken = len(set(job.scaleup_waiters.values()))
+        for waiter in list(job.scaleup_waiters):
+            sm.calls.wake(waiter, Rejoin())
+        job.scaleup_waiters.clear()
+
+
+def open_job(
+    sm: RendezvousState, job_id: str, num_nodes: int, gpus_per_node: int, now: float
+) -> Job:
+    """A job's first joiner creates it, FORMING its first generation."""
+    if len(sm.jobs) >= sm.limits.max_jobs:
+        raise validation.limit_exceeded(
+            "max_jobs", f"the daemon already holds max_jobs={sm.limits.max_jobs} jobs"
+        )
+    job = Job(job_id, num_nodes, gpus_per_node, 0, JobState.FORMING, now)
+    sm.jobs[job_id] = job
+    job.open_generation(now)
+    sm.calls.emit(Transition(job.job_id, job.generation, None, JobState.FORMING, "created"))
+    return job
+
+
+def next_generation(sm: RendezvousState, job: Job, now: float) -> None:
+    """A newcomer to an ended generation opens the next one."""
+    if job.gen.conflict is not None and now - job.state_since < sm.timing.heartbeat_timeout_s:
+        # Late workers of the launch that had the conflict hear about it too,
+        # instead of opening a generation nobody else will join.
+        raise job.gen.conflict
+    old = job.state
+    job.open_generation(now)
+    sm.calls.emit(Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation"))
+
+
+def conflict(sm: RendezvousState, job: Job, fault: RendezvousFault, now: float) -> RendezvousFault:
+    """``fault``, a joiner's conflict with the job's topology, to raise. Either side
+    may be the wrong one: a forming generation fails, so that every waiter learns
+    now, not at its join timeout, and late joiners of the launch hear it too."""
+    if job.state is JobState.FORMING:
+        job.gen.conflict = fault
+        set_state(sm, job, JobState.FAILED, now, fault.message)
+        fail_waiters(sm, job)
+    return fault
+
+
+def silent(sm: RendezvousState, who: str) -> str:
+    """The cause of losing an attendee to the heartbeat timeout; ``who``: "node" or
+    "worker". Worded apart from a closed stream: survivors can tell a host that went
+    silent (partition, power loss, a stopped process) from a process that died."""
+    return f"no heartbeat for {sm.timing.heartbeat_timeout_s:.1f} s ({who} unreachable)"
+
+
+def stream_end_cause(sm: RendezvousState, attendee: Attendee, now: float) -> str:
+    """Why the end of ``attendee``'s stream loses it: its stream closed, unless it had
+    been silent for the heartbeat timeout by then. The daemon's own keepalive ends the
+    connection of a peer that stopped answering (``server/assembly.py``), which may come a
+    moment before the tick that would have named the silence: the silence is still
+    the cause, not the cut that followed it."""
+    if now - attendee.last_seen >= sm.timing.heartbeat_timeout_s:
+        return silent(sm, attendee.who)
+    return attendee.stream_closed
+
+
+def lose_seated(
+    sm: RendezvousState, job: Job, seated: Member | Node, cause: str, now: float
+) -> None:
+    """``seated`` is gone (silent, its stream closed), and with it the active members
+    it attends for."""
+    lost = [m for m in job.covered(seated) if m.state is MemberState.ACTIVE]
+    seated.state = MemberState.LOST
+    seated.stream_open = False
+    lose(sm, job, lost, cause, now)
+
+
+def lose(
+    sm: RendezvousState,
+    job: Job,
+    lost: list[Member],
+    cause: str,
+    now: float,
+    *,
+    told: int | None = None,
+) -> None:
+    """``lost`` members are gone: the generation fails, every other member (node
+    agent in a JoinNode generation; but the node ``told``, which reported it) hears."""
+    for member in lost:
+        member.state = MemberState.LOST
+        member.stream_open = False
+        job.gen.failed.append(member.loss(cause, now))
+    if job.state is not JobState.RUNNING or not lost:
+        return  # the generation already ended: survivors were told once
+    first = job.gen.failed[-len(lost)]
+    more = f" (and {len(lost) - 1} more of its node)" if len(lost) > 1 else ""
+    set_state(sm, job, JobState.FAILED, now, f"{first.describe()}{more}")
+    fail_waiters(sm, job)
+    # The event's failed list holds the whole cause; its reason only shows it.
+    notify(sm, job, EventKind.PEER_FAILED, reason=shortened(cause), skip=told)
+
+
+def fail_waiters(sm: RendezvousState, job: Job) -> None:
+    fault = job.generation_fault()
+    for w in job.all_waiters():
+        sm.calls.wake(w, fault=fault)
+    job.gen.join_waiters.clear()
+    job.gen.node_waiters.clear()
+    job.gen.kv_waiters.clear()
+    for barrier in job.gen.barriers.values():
+        barrier.arrived.clear()
+
+
+def notify(
+    sm: RendezvousState,
+    job: Job,
+    kind: EventKind,
+    reason: str = "",
+    *,
+    skip: int | None = None,
+    nodes_waiting: int = 0,
+) -> None:
+    # Attendees hear it on their streams: a node agent's covers its ranks, which
+    # have none of their own.
+    to = tuple(
+        r
+        for r, a in job.attendees(job.gen.join_mode).items()
+        if a.state is MemberState.ACTIVE and r != skip
+    )
+    if to:
+        sm.calls.emit(
+            Notify(
+                job.job_id,
+                job.generation,
+                job.gen.join_mode,
+                to,
+                kind,
+                tuple(job.gen.failed),
+                reason,
+                nodes_waiting,
+            )
+        )
+
+
+def member_left(sm: RendezvousState, job: Job, member: Member, now: float) -> None:
+    """A member of a formed generation is done; the last one ends the job."""
+    if member.state is MemberState.ACTIVE:
+        member.state = MemberState.LEFT
+        job.gen.left += 1
+    if job.state is JobState.RUNNING:
+        if job.gen.left == len(job.gen.members):
+            set_state(sm, job, JobState.ENDED, now, "every member left")
+            return
+        for barrier in job.gen.barriers.values():
+            if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
+                for w in barriers.release(barrier):
+                    sm.calls.wake(w, barrier.completed)
+
+
+def form(sm: RendezvousState, job: Job, now: float, detail: str) -> None:
+    """Every rank is placed and the id known: the generation runs, each attendee and
+    member is live, and every parked join gets its answer."""
+    for seated in (*job.gen.nodes.values(), *job.gen.members.values()):
+        seated.state = MemberState.ACTIVE
+        seated.last_seen = now
+    job.gen.member_table = tuple(job.gen.members[r].info() for r in range(job.world_size))
+    set_state(sm, job, JobState.RUNNING, now, detail)
+    for waiter, rank in job.gen.join_waiters.items():
+        sm.calls.wake(waiter, placement.result(job, job.gen.members[rank]))
+    for waiter, instance in job.gen.node_waiters.items():
+        sm.calls.wake(waiter, nodes.result(job, job.gen.nodes[instance]))
+    job.gen.join_waiters.clear()
+    job.gen.node_waiters.clear()
+
+
+def joiner_died(
+    sm: RendezvousState, job: Job, seated: Attendee, loss: FailedInfo, whom: str, now: float
+) -> None:
+    """A forming joiner's parked call vanished (its process died or disconnected):
+    everyone waiting for this world is told at once, rather than at their timeout."""
+    seated.state = MemberState.LOST
+    job.gen.failed.append(loss)
+    set_state(sm, job, JobState.FAILED, now, f"{whom}: {loss.cause}")
+    fail_waiters(sm, job)

@@ -1,0 +1,102 @@
+"""The lookups that fence a caller off: its job, its seat (a member, or a node agent by
+node rank: ``Job.attendees``) and whether it is the instance that took it. Pure."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rendezvousd.common import validation
+from rendezvousd.common.model import JobState, JoinMode
+from rendezvousd.state import fences
+from rendezvousd.state.job import Job, Member, Node
+
+if TYPE_CHECKING:
+    from rendezvousd.state.machine import RendezvousState
+
+# Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
+# descriptor call (~0.2 us), and a join or heartbeat made several.
+_NODE = JoinMode.NODE
+
+
+def not_draining(sm: RendezvousState) -> None:
+    """A daemon shutting down refuses joins as UNAVAILABLE: clients retry once it is back."""
+    if sm.draining:
+        raise fences.draining()
+
+
+def stream_current(
+    sm: RendezvousState, job_id: str, generation: int, who: int, token: int, mode: JoinMode
+) -> bool:
+    """Whether the heartbeat stream ``token`` of attendee ``who`` still serves one:
+    false once the job put back has no such attendee of that generation."""
+    job = sm.jobs.get(job_id)
+    if job is None or job.generation != generation:
+        return False
+    attendee = job.attendees(mode).get(who)
+    return attendee is not None and attendee.stream_token == token
+
+
+def find_job(sm: RendezvousState, job_id: str) -> Job:
+    job = sm.jobs.get(validation.job_id(job_id))
+    if job is None:
+        raise fences.no_such_job(job_id)
+    return job
+
+
+def stream_job(sm: RendezvousState, job_id: str, generation: int) -> Job | None:
+    """The job a heartbeat stream that just ended served, unless its generation moved
+    on (the stream's end says nothing about the new one) or the daemon is draining."""
+    job = sm.jobs.get(job_id)
+    if job is None or job.generation != generation or sm.draining:
+        return None
+    return job
+
+
+def seat(
+    sm: RendezvousState, job_id: str, generation: int, who: int, mode: JoinMode = JoinMode.RANK
+) -> tuple[Job, Member | Node]:
+    """The caller's job and seat (``Job.attendees``), or the fault that fences it off."""
+    job = find_job(sm, job_id)
+    if generation != job.generation:
+        raise fences.stale_generation(job, generation)
+    seated = job.attendees(mode).get(who)
+    if seated is None:
+        raise fences.not_seated(job, generation, who, mode)
+    return job, seated
+
+
+def seated(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    instance_id: str,
+    mode: JoinMode = JoinMode.RANK,
+    *,
+    running: bool = True,
+) -> tuple[Job, Member | Node]:
+    """``_seat``, and the caller must be the instance that took it: holding the token
+    is not enough to act for another job's or another process's seat."""
+    job, seated = seat(sm, job_id, generation, who, mode)
+    if mode is _NODE and seated.instance_id != instance_id:
+        raise fences.not_seated(job, generation, who, mode)
+    if running and job.state is not JobState.RUNNING:
+        raise job.generation_fault()
+    if seated.instance_id != instance_id:
+        raise fences.other_instance(job, generation, who, instance_id)
+    return job, seated
+
+
+def caller(
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    rank: int,
+    instance_id: str,
+    *,
+    running: bool = True,
+) -> tuple[Job, Member]:
+    """``_seated`` for a worker's own call (barrier, key-value, its table, its id)."""
+    job, member = seated(sm, job_id, generation, rank, instance_id, running=running)
+    assert isinstance(member, Member)  # RANK seats are members
+    return job, member

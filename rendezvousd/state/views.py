@@ -1,0 +1,67 @@
+"""What inspection sees of a job (GetJob, ListJobs, the ``status`` command): read-only snapshots.
+
+Built from the job record on demand, so a view can never drift from the state
+it reports, and nothing a caller does with one reaches back into the job.
+"""
+
+from __future__ import annotations
+
+from rendezvousd.common.model import JobView, JoinMode, MemberState, MemberView
+from rendezvousd.state.job import Attendee, Job, Member
+
+
+def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
+    """Whose heartbeat keeps ``rank`` alive: in a node job its node agent's (nodes
+    heartbeat, ranks do not), else the member's own."""
+    if job.gen.node_at and job.gpus_per_node:
+        node = job.gen.node_at.get(rank // job.gpus_per_node)
+        if node is not None:
+            return node
+    return member
+
+
+def _step(beating: Attendee, member: Member) -> int | None:
+    """``member``'s last step from its stream's progress (a node's by local rank)."""
+    progress = beating.progress
+    if progress is None:
+        return None
+    at = 0 if beating is member else member.local_rank
+    return progress.steps[at] if at < len(progress.steps) else None
+
+
+def job_view(job: Job, now: float) -> JobView:
+    members = []
+    for r, m in sorted(job.gen.members.items()):
+        beating = _beating(job, r, m)
+        members.append(
+            MemberView(
+                m.info(),
+                m.state,
+                # Only an active member's silence means anything; others are not expected
+                # to beat.
+                max(0.0, now - beating.last_seen) if m.state is MemberState.ACTIVE else 0.0,
+                beating.stream_open,
+                _step(beating, m),
+            )
+        )
+    # Restart budgets are node agents' (a per-rank worker has none to report).
+    nodes = job.gen.node_at.values() if job.gen.join_mode is JoinMode.NODE else ()
+    budgets = [n.progress for n in nodes if n.progress is not None]
+    return JobView(
+        job.job_id,
+        job.state,
+        job.generation,
+        job.num_nodes,
+        job.gpus_per_node,
+        len(job.present()),
+        max(0.0, now - job.state_since),
+        tuple(members),
+        tuple(job.gen.failed),
+        # Whether an id is held, never the id: views reach logs and the status command.
+        job.gen.unique_id is not None,
+        len(job.gen.kv),
+        job.gen.abort_reason,
+        len(set(job.scaleup_waiters.values()) | set(job.gen.node_waiters.values())),
+        max((p.restarts_used for p in budgets), default=None),
+        min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
+    )

@@ -1,0 +1,1 @@
+"""``--state-dir``: SQLite persistence, snapshots and the undo of a failed commit."""

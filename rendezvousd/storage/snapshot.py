@@ -1,0 +1,309 @@
+"""Job state to and from plain records (pure: no files here).
+
+``job_record``/``restore_job`` are one job's row for the SQLite store; ``dump``/``load``
+are the whole-state JSON document of the old ``state.json`` (read once, to import it).
+
+What survives a restart: jobs, generations, membership, barrier counts, the
+key-value store and the digests of used ids. What never does: the unique id
+itself (a bearer credential) and tokens. On restore, a job that was still
+forming is fenced by a new generation (its members redo the join, rank 0 with a
+fresh id); a running job keeps running and its members reattach their
+heartbeats within the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Any
+
+from rendezvousd.common import validation
+from rendezvousd.common.model import FailedInfo, JobState, JoinMode, MemberState, Transition
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.state.id_history import IdHistory
+from rendezvousd.state.job import BarrierState, Job, Member, Node
+from rendezvousd.state.machine import RendezvousState
+
+SCHEMA = 1
+
+
+def dump(state: RendezvousState) -> dict[str, Any]:
+    return {"schema": SCHEMA, "jobs": [_job(job) for job in state.jobs.values()]}
+
+
+def job_record(job: Job) -> dict[str, Any]:
+    """Everything of ``job`` that survives a restart except its key-value store."""
+    return {
+        "job_id": job.job_id,
+        "num_nodes": job.num_nodes,
+        "gpus_per_node": job.gpus_per_node,
+        "generation": job.generation,
+        "state": job.state.name,
+        "members": [
+            {
+                "rank": m.rank,
+                "node_rank": m.node_rank,
+                "local_rank": m.local_rank,
+                "host": m.host,
+                "address": m.address,
+                "instance_id": m.instance_id,
+                "state": m.state.name,
+            }
+            for m in job.gen.members.values()
+        ],
+        "host_nodes": dict(job.gen.host_nodes),  # a copy: a writer thread encodes it
+        "id_digest": (job.id_digest() or b"").hex(),
+        # Oldest first: the order the bounded history forgets them in.
+        "used_id_digests": [d.hex() for d in job.used_id_digests],
+        "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.gen.failed],
+        "abort_reason": job.gen.abort_reason,
+        "barriers": {name: b.completed for name, b in job.gen.barriers.items()},
+        # Node joins (absent in rows written before them: a per-rank job).
+        "join_mode": job.gen.join_mode.value,
+        "min_nodes": job.min_nodes,
+        "max_nodes": job.max_nodes,
+        "nodes": [
+            {
+                "node_rank": n.node_rank,
+                "host": n.host,
+                "instance_id": n.instance_id,
+                "state": n.state.name,
+                "addresses": list(n.addresses),
+            }
+            for n in job.gen.node_at.values()
+        ],
+    }
+
+
+def _job(job: Job) -> dict[str, Any]:
+    record = job_record(job)
+    record["kv"] = {k: base64.b64encode(v).decode("ascii") for k, v in job.gen.kv.items()}
+    return record
+
+
+def load(state: RendezvousState, doc: dict[str, Any], now: float) -> None:
+    """Rebuild ``state`` from ``dump`` output. Raises KeyError/ValueError/TypeError if malformed."""
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"unsupported state schema {doc.get('schema')!r} (expected {SCHEMA})")
+    for raw in doc["jobs"]:
+        kv = {str(k): base64.b64decode(v, validate=True) for k, v in _map(raw, "kv").items()}
+        restore_job(state, raw, kv, now)
+
+
+_MAX_INT = 2**63 - 1
+# Counters that only grow (generations, barrier rounds) must leave room to grow: SQLite
+# stores at most 2**63 - 1, and a restored generation of 2**63 - 1 made the next one an
+# OverflowError in the commit. 2**62 more is more than any job can use up (at 150
+# generations a second, 10**9 years), so only a hand-edited row gets near it.
+MAX_COUNTER = 2**62
+# Far above any limit; stored sizes are checked against it, not the current flags,
+# so a restart with a lower --max-members-per-job still restores existing jobs. The
+# world (a product) too: 2**20 x 2**20 overflowed ListJobs' uint32 world size.
+_MAX_WORLD = 1 << 20
+
+
+def _int(raw: Mapping[str, Any], name: str, low: int = 0, high: int = _MAX_INT) -> int:
+    value = raw.get(name)
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, not {value!r}")
+    return value
+
+
+def _str(raw: Mapping[str, Any], name: str) -> str:
+    value = raw.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, not {value!r}")
+    return value
+
+
+def _map(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, not {type(value).__name__}")
+    return value
+
+
+def _list(raw: Mapping[str, Any], name: str) -> list[Any]:
+    value = raw.get(name)
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, not {type(value).__name__}")
+    return value
+
+
+def _rows(raw: Mapping[str, Any], name: str) -> list[dict[str, Any]]:
+    rows = _list(raw, name)
+    if not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{name}[] must be objects")
+    return rows
+
+
+def _member_state(row: Mapping[str, Any], table: str) -> MemberState:
+    state = _str(row, "state")
+    if state not in MemberState.__members__:
+        raise ValueError(f"{table}[].state must be one of {', '.join(MemberState.__members__)}")
+    return MemberState[state]
+
+
+def _instance_id(raw: Mapping[str, Any], table: str) -> str:
+    value = _str(raw, "instance_id")
+    if not value:
+        # Calls are bound to the instance that joined: an empty one would match a
+        # caller that names none, and let any token holder act as this member.
+        raise ValueError(f"{table}[].instance_id must not be empty")
+    return value
+
+
+def _job_id(raw: Mapping[str, Any]) -> str:
+    value = _str(raw, "job_id")
+    try:
+        return validation.job_id(value)
+    except RendezvousFault as fault:
+        raise ValueError(fault.message) from None
+
+
+def _world(num_nodes: int, gpus_per_node: int, what: str) -> None:
+    if num_nodes * gpus_per_node > _MAX_WORLD:
+        raise ValueError(
+            f"the world {what} x gpus_per_node = {num_nodes} x {gpus_per_node} exceeds "
+            f"{_MAX_WORLD} ranks"
+        )
+
+
+def _digest(text: object, name: str) -> bytes:
+    if not isinstance(text, str) or len(text) != 64:
+        raise ValueError(f"{name} must be a 64-digit hex SHA-256 digest")
+    return bytes.fromhex(text)
+
+
+def restore_job(
+    state: RendezvousState, raw: Mapping[str, Any], kv: dict[str, bytes], now: float
+) -> None:
+    """Put one stored job back into ``state`` after a restart; a malformed record raises
+    ValueError (types and ranges are checked, so a hand-edited row cannot corrupt the
+    daemon)."""
+    job = job_from_record(raw, kv, now)
+    if job.gen.restored_id_digest is not None:
+        # Only the digest survives: a later generation must still refuse this id.
+        job.used_id_digests.add(job.gen.restored_id_digest)
+    if job.state is JobState.FORMING:
+        # Mid-bootstrap: nobody can have the id from us any more. Fence it.
+        job.state = JobState.ENDED
+        job.open_generation(now)
+        state.jobs[job.job_id] = job
+        state.take_effects()
+        state.calls.emit(
+            Transition(
+                job.job_id,
+                job.generation,
+                None,
+                JobState.FORMING,
+                "fenced by a new generation after restart",
+            )
+        )
+        return
+    if job.state is JobState.RUNNING:
+        job.gen.restored = True
+    state.jobs[job.job_id] = job
+    state.calls.emit(Transition(job.job_id, job.generation, None, job.state, "restored"))
+
+
+def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) -> Job:
+    """The job ``raw`` (a ``job_record``) describes, exactly: no fencing, no id (only its
+    digest, as ``restored_id_digest``), heartbeats as of ``now``, ``kv`` as its store.
+    Raises ValueError when the record is malformed."""
+    job_id = _job_id(raw)
+    job_state = _str(raw, "state")
+    if job_state not in JobState.__members__:
+        raise ValueError(f"state must be one of {', '.join(JobState.__members__)}")
+    job = Job(
+        job_id,
+        _int(raw, "num_nodes", 1, _MAX_WORLD),
+        _int(raw, "gpus_per_node", 1, _MAX_WORLD),
+        _int(raw, "generation", 1, MAX_COUNTER),
+        JobState[job_state],
+        now,
+    )
+    _world(job.num_nodes, job.gpus_per_node, "num_nodes")
+    # Rows written before the history was bounded may hold more (sorted, so which ones
+    # are kept is arbitrary then): the newest USED_ID_HISTORY are kept.
+    job.used_id_digests = IdHistory(
+        _digest(d, "used_id_digests[]") for d in _list(raw, "used_id_digests")
+    )
+    id_digest = _str(raw, "id_digest")
+    if id_digest:
+        job.gen.restored_id_digest = _digest(id_digest, "id_digest")
+    for m in _rows(raw, "members"):
+        member_state = _member_state(m, "members")
+        member = Member(
+            _int(m, "rank", 0, job.world_size - 1),
+            _int(m, "node_rank", 0, job.num_nodes - 1),
+            _int(m, "local_rank", 0, job.gpus_per_node - 1),
+            _str(m, "host"),
+            _str(m, "address"),
+            _instance_id(m, "members"),
+            state=member_state,
+        )
+        if member.rank != job.rank_of(member.node_rank, member.local_rank):
+            raise ValueError(f"member rank {member.rank} does not match its node/local rank")
+        member.last_seen = now  # a full heartbeat timeout to reattach
+        job.gen.members[member.rank] = member
+    job.gen.left = sum(m.state is MemberState.LEFT for m in job.gen.members.values())
+    job.gen.host_nodes = {
+        str(h): _int({"node": n}, "node", 0, job.num_nodes - 1)
+        for h, n in _map(raw, "host_nodes").items()
+    }
+    failed = []
+    for f in _rows(raw, "failed"):
+        # Node and local rank follow from the rank; when it was lost is not kept (the
+        # monotonic clock it was read on died with the old process).
+        rank = _int(f, "rank", 0, job.world_size - 1)
+        node_rank, local_rank = divmod(rank, job.gpus_per_node)
+        failed.append(FailedInfo(rank, _str(f, "host"), _str(f, "cause"), node_rank, local_rank))
+    job.gen.failed = failed
+    job.gen.abort_reason = _str(raw, "abort_reason")
+    job.gen.barriers = {
+        str(n): BarrierState(completed=_int({"completed": c}, "completed", 0, MAX_COUNTER))
+        for n, c in _map(raw, "barriers").items()
+    }
+    _restore_nodes(job, raw, now)
+    job.gen.kv = dict(kv)
+    job.gen.kv_bytes = sum(len(k.encode()) + len(v) for k, v in job.gen.kv.items())
+    if job.state is JobState.RUNNING:
+        if sorted(job.gen.members) != list(range(job.world_size)):
+            raise ValueError("a RUNNING job must have every rank of its world as a member")
+        job.gen.member_table = tuple(job.gen.members[r].info() for r in sorted(job.gen.members))
+    return job
+
+
+def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
+    """A formed JoinNode generation's node agents; rows from before node joins have none."""
+    stored = raw.get("join_mode", "rank" if job.gen.members else "")
+    try:
+        mode = JoinMode(stored)
+    except ValueError:
+        raise ValueError(f"join_mode must be '', 'rank' or 'node', not {stored!r}") from None
+    job.gen.join_mode = mode
+    if mode is not JoinMode.NODE:
+        # A per-rank generation's bounds are its node count (rows never held them).
+        job.min_nodes = job.max_nodes = job.num_nodes
+        return
+    job.min_nodes = _int(raw, "min_nodes", 1, _MAX_WORLD)
+    job.max_nodes = _int(raw, "max_nodes", job.min_nodes, _MAX_WORLD)
+    _world(job.max_nodes, job.gpus_per_node, "max_nodes")
+    for n in _rows(raw, "nodes"):
+        state = _member_state(n, "nodes")
+        addresses = _list(n, "addresses")
+        if not all(isinstance(a, str) for a in addresses):
+            raise ValueError("nodes[].addresses must be strings")
+        node = Node(
+            _instance_id(n, "nodes"),
+            _str(n, "host"),
+            tuple(addresses),
+            _int(n, "node_rank", 0, job.num_nodes - 1),
+            False,
+            now,
+            state=state,
+            last_seen=now,  # a full heartbeat timeout to reattach, like members
+        )
+        job.gen.nodes[node.instance_id] = node
+        job.gen.node_at[node.node_rank] = node

@@ -1,0 +1,442 @@
+"""The status page and its JSON (issue 22), served beside /metrics.
+
+Who may see what: the admin token sees every job, a job token only its job, and
+no token only the login page (``/metrics`` stays open, as before, for Prometheus).
+A browser presents its token once, through the login form; the token is never
+kept in the browser: the cookie is a random session id that the daemon maps to
+the token's scope, HttpOnly and SameSite=Strict, ending after ``SESSION_S``.
+Scripts send ``Authorization: Bearer TOKEN`` instead.
+
+What is shown comes from ``JobView`` (never the id, tokens or instance ids) and
+the generation ``Timeline``; client-provided text (hosts, causes) is escaped here
+and set as text, never markup, by the page's script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qsl
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.model import JobView, MemberState, Transition
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.server.metrics import Metrics
+from rendezvousd.server.scope import Scope
+from rendezvousd.state.machine import RendezvousState
+from rendezvousd.web.http_server import Request, Response
+from rendezvousd.web.timeline import Timeline
+
+log = logging.getLogger("rendezvousd.status")
+
+COOKIE = "rdzv_session"
+SESSION_S = 12 * 3600
+LOG_EVERY_S = 10.0
+MAX_SESSIONS = 1024
+# One job's JSON lists at most this many nodes per page (the grid asks for the rest).
+NODE_PAGE = 1024
+# A member is drawn as late once its heartbeat is this share of the timeout old.
+LATE_SHARE = 0.5
+# One letter per seat in a node's row: the grid of 1,024 nodes x 8 stays ~40 KB.
+SEAT = {
+    MemberState.JOINING: "J",
+    MemberState.ACTIVE: "A",
+    MemberState.LEFT: "D",
+    MemberState.LOST: "X",
+}
+LATE, EMPTY = "H", "-"
+# A job's view is built once for the page's two requests of one update (the overview,
+# then the job): at 4,096 members a view costs ~30 ms of the daemon's loop. A state
+# change (a Transition) drops it at once; heartbeat ages may be this much old.
+VIEW_TTL_S = 0.5
+# How often the page polls: every POLL_S, slower past POLL_MEMBERS members in all (a
+# second per 1,024 members), so that one open page costs the daemon's loop about
+# the same few percent at 8,192 members as at 2,048 (benchmarks/status_page.py).
+POLL_S = 2.0
+POLL_MEMBERS = 2048
+# Steps per second are measured over this much of the job's recent step samples.
+RATE_WINDOW_S = 30.0
+
+_STATIC = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/static/style.css": ("style.css", "text/css; charset=utf-8"),
+}
+_SECURITY = [
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    ),
+    ("Referrer-Policy", "no-referrer"),
+    ("Cache-Control", "no-store"),
+]
+
+
+@dataclass(frozen=True)
+class Session:
+    scope: Scope
+    expires: float
+    # Who logged in, for the log of what they did: the address it came from and a
+    # name for the session that is not the cookie itself.
+    peer: str
+    tag: str
+
+
+@dataclass(frozen=True)
+class Caller:
+    scope: Scope
+    who: str
+
+
+class StatusPage:
+    def __init__(
+        self,
+        state: RendezvousState,
+        metrics: Metrics,
+        timeline: Timeline,
+        scope_of: Callable[[str], Scope | None],
+        abort: Callable[[str, str], Awaitable[int]],
+        *,
+        secure_cookie: bool,
+    ) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.timeline = timeline
+        self._scope_of = scope_of
+        self._abort = abort
+        self._secure = secure_cookie
+        self._sessions: dict[str, Session] = {}
+        self._files: dict[str, bytes] = {}
+        self._views_made: dict[str, tuple[float, JobView]] = {}
+        # (when, the job's step) per job, one per view made: the step rate's samples.
+        self._steps: dict[str, deque[tuple[float, int]]] = {}
+        self._refused = 0
+        self._refused_logged = -LOG_EVERY_S
+        metrics.transition_listeners.append(self._changed)
+
+    # -- routing -------------------------------------------------------------
+
+    async def handle(self, r: Request) -> Response:
+        if r.path == "/metrics" and r.method in ("GET", "HEAD"):
+            return Response(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
+        if r.path == "/login" and r.method == "POST":
+            return self._login(r)
+        if r.path == "/logout" and r.method == "POST":
+            return self._logout(r)
+        caller = self._caller(r)
+        if r.path in _STATIC and r.method in ("GET", "HEAD"):
+            if r.path == "/" and caller is None:
+                return self._file("login.html", "text/html; charset=utf-8", 200)
+            return self._file(*_STATIC[r.path], 200)
+        if not r.path.startswith("/api/"):
+            return _text(404, "no such page; the status page is at /")
+        if caller is None:
+            return _json(401, {"error": "log in with the admin token or the job's token"})
+        if r.path == "/api/jobs" and r.method == "GET":
+            return _json(200, self.overview(caller.scope))
+        parts = r.path.split("/")
+        if len(parts) == 4 and r.method == "GET":
+            return self._job(caller.scope, parts[3], r.query)
+        if len(parts) == 5 and parts[4] == "abort" and r.method == "POST":
+            return await self._abort_job(caller, parts[3], r)
+        return _json(404, {"error": f"no such API path {escape(r.path)[:200]!r}"})
+
+    def _file(self, name: str, content_type: str, status: int) -> Response:
+        body = self._files.get(name)
+        if body is None:
+            body = resources.files("rendezvousd.web").joinpath("status_static", name).read_bytes()
+            self._files[name] = body
+        return Response(status, body, content_type, list(_SECURITY))
+
+    # -- who is asking --------------------------------------------------------
+
+    def _caller(self, r: Request) -> Caller | None:
+        auth = r.headers.get("authorization", "")
+        if auth:
+            scheme, _, token = auth.partition(" ")
+            scope = self._scope_of(token.strip()) if scheme.lower() == "bearer" else None
+            return Caller(scope, f"{scope} bearer token from {r.peer}") if scope else None
+        sid = _cookie(r.headers.get("cookie", ""))
+        session = self._sessions.get(sid) if sid else None
+        if session is None:
+            return None
+        if session.expires < time.monotonic():
+            del self._sessions[sid]
+            return None
+        return Caller(session.scope, f"{session.scope} session {session.tag} from {session.peer}")
+
+    def _login(self, r: Request) -> Response:
+        form = dict(parse_qsl(r.body.decode("utf-8", "replace")))
+        scope = self._scope_of(form.get("token", "").strip())
+        if scope is None:
+            self._refused += 1
+            now = time.monotonic()
+            # At most one line per LOG_EVERY_S: anyone who reaches the port can try.
+            if now - self._refused_logged >= LOG_EVERY_S:
+                log.warning(
+                    "status page: %d login(s) with an invalid token, the last from %s",
+                    self._refused,
+                    r.peer,
+                )
+                self._refused, self._refused_logged = 0, now
+            return self._file("login.html", "text/html; charset=utf-8", 401)
+        now = time.monotonic()
+        if len(self._sessions) >= MAX_SESSIONS:
+            self._sessions = {k: s for k, s in self._sessions.items() if s.expires > now}
+            if len(self._sessions) >= MAX_SESSIONS:
+                # The oldest goes: sessions cannot grow without bound.
+                del self._sessions[next(iter(self._sessions))]
+        sid = secrets.token_urlsafe(32)
+        tag = hashlib.sha256(sid.encode()).hexdigest()[:8]
+        self._sessions[sid] = Session(scope, now + SESSION_S, r.peer, tag)
+        log.info("status page: %s logged in from %s (session %s)", escape(str(scope)), r.peer, tag)
+        cookie = f"{COOKIE}={sid}; Path=/; HttpOnly; SameSite=Strict; Max-Age={SESSION_S}"
+        if self._secure:
+            cookie += "; Secure"
+        return Response(303, b"", headers=[("Location", "/"), ("Set-Cookie", cookie)])
+
+    def _logout(self, r: Request) -> Response:
+        sid = _cookie(r.headers.get("cookie", ""))
+        if sid:
+            self._sessions.pop(sid, None)
+        cookie = f"{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0"
+        return Response(303, b"", headers=[("Location", "/"), ("Set-Cookie", cookie)])
+
+    # -- what they see ----------------------------------------------------------
+
+    def _changed(self, t: Transition) -> None:
+        self._views_made.pop(t.job_id, None)
+
+    def _view(self, job_id: str) -> JobView:
+        """The job's view (raises NOT_FOUND), reused for ``VIEW_TTL_S``."""
+        now = time.monotonic()
+        made = self._views_made.get(job_id)
+        if made is not None and now - made[0] < VIEW_TTL_S:
+            return made[1]
+        if len(self._views_made) > 2 * len(self.state.jobs) + 16:
+            # Jobs forgotten without a listener hearing it (a restore): bounded anyway.
+            self._views_made.clear()
+        view = self.state.view(job_id, now)
+        self._views_made[job_id] = (now, view)
+        self._sample_step(job_id, now, view)
+        return view
+
+    def _sample_step(self, job_id: str, now: float, v: JobView) -> None:
+        step = _job_step(v)
+        samples = self._steps.get(job_id)
+        if step is None or (samples and step < samples[-1][1]):
+            # No step yet, or training went back (resumed from an older state): the
+            # rate starts again from here.
+            self._steps.pop(job_id, None)
+            if step is None:
+                return
+            samples = None
+        if samples is None:
+            if len(self._steps) > 2 * len(self.state.jobs) + 16:
+                self._steps.clear()  # forgotten jobs: bounded like the views
+            samples = self._steps[job_id] = deque()
+        samples.append((now, step))
+        while samples and now - samples[0][0] > RATE_WINDOW_S:
+            samples.popleft()
+
+    def _rate(self, job_id: str) -> float | None:
+        samples = self._steps.get(job_id)
+        if not samples or samples[-1][0] - samples[0][0] < 1.0:
+            return None
+        (t0, s0), (t1, s1) = samples[0], samples[-1]
+        return round((s1 - s0) / (t1 - t0), 2)
+
+    def _views(self, scope: Scope) -> list[JobView]:
+        ids = sorted(self.state.jobs) if scope.admin else [scope.job or ""]
+        views = []
+        for job_id in ids:
+            try:
+                views.append(self._view(job_id))
+            except RendezvousFault:
+                continue
+        return views
+
+    def overview(self, scope: Scope) -> dict[str, Any]:
+        views = self._views(scope)
+        members = sum(len(v.members) for v in views)
+        return {
+            "admin": scope.admin,
+            "scope": str(scope),
+            "now": time.time(),
+            "heartbeat_timeout_s": self.state.timing.heartbeat_timeout_s,
+            "poll_s": POLL_S if members <= POLL_MEMBERS else members / 1024,
+            "jobs": [self._summary(v) for v in views],
+        }
+
+    def _summary(self, v: JobView) -> dict[str, Any]:
+        nodes = {m.info.node_rank for m in v.members if m.state in _PRESENT}
+        return {
+            "job_id": escape(v.job_id),
+            "state": v.state.name,
+            "generation": v.generation,
+            "world_size": v.world_size,
+            "members_present": v.members_present,
+            "num_nodes": v.num_nodes,
+            "gpus_per_node": v.gpus_per_node,
+            "nodes_present": len(nodes),
+            "nodes_waiting": v.nodes_waiting,
+            "state_age_s": round(v.state_age_s, 1),
+            "last_failure": (
+                v.failed[0].describe() if v.failed else self.timeline.last_failure(v.job_id)
+            ),
+            "failures": self.timeline.restarts(v.job_id),
+            "abort_reason": shortened(v.abort_reason),
+            "heartbeat_age_max_s": round(
+                max((m.heartbeat_age_s for m in v.members if m.state in _PRESENT), default=0.0), 1
+            ),
+            # Progress the node agents' heartbeats carry (None where none reported).
+            "step": _job_step(v),
+            "steps_per_s": self._rate(v.job_id),
+            "restarts_used": v.restarts_used,
+            "restarts_left": v.restarts_left,
+        }
+
+    def _job(self, scope: Scope, job_id: str, query: dict[str, str]) -> Response:
+        if not scope.admin and scope.job != job_id:
+            # The same answer as for a job that does not exist: a job token learns
+            # nothing about other jobs, not even that they exist.
+            return _json(404, {"error": "no such job"})
+        try:
+            view = self._view(job_id)
+        except RendezvousFault:
+            return _json(404, {"error": "no such job"})
+        try:
+            offset = max(0, int(query.get("node_offset", "0")))
+            limit = min(NODE_PAGE, max(1, int(query.get("node_limit", str(NODE_PAGE)))))
+        except ValueError:
+            return _json(400, {"error": "node_offset and node_limit are numbers"})
+        return _json(200, self.job(view, offset, limit))
+
+    def job(self, v: JobView, offset: int = 0, limit: int = NODE_PAGE) -> dict[str, Any]:
+        late = self.state.timing.heartbeat_timeout_s * LATE_SHARE
+        per_node = max(1, v.gpus_per_node)
+        end = offset + limit
+        # One pass over the members (rank order, so node by node): at 4,096 members
+        # this runs on every poll, on the daemon's loop.
+        rows: dict[int, tuple[str, list[str], list[float], list[int | None]]] = {}
+        active = MemberState.ACTIVE
+        for m in v.members:
+            info = m.info
+            node = info.node_rank
+            if node < offset or node >= end:
+                continue
+            row = rows.get(node)
+            if row is None:
+                row = rows[node] = (info.host, [EMPTY] * per_node, [0.0], [None])
+            age = m.heartbeat_age_s
+            letter = LATE if m.state is active and age > late else SEAT[m.state]
+            if 0 <= info.local_rank < per_node:
+                row[1][info.local_rank] = letter
+            if age > row[2][0]:
+                row[2][0] = age
+            # A node's step is its slowest rank's.
+            if m.step is not None and (row[3][0] is None or m.step < row[3][0]):
+                row[3][0] = m.step
+        now = time.monotonic()
+        return {
+            **self._summary(v),
+            "late_after_s": late,
+            "nodes": {
+                "offset": offset,
+                "limit": limit,
+                "total": v.num_nodes,
+                "rows": [
+                    {
+                        "node": n,
+                        "host": escape(host),
+                        "seats": "".join(seats),
+                        "age": round(age[0], 1),
+                        "step": step[0],
+                    }
+                    for n, (host, seats, age, step) in sorted(rows.items())
+                ],
+            },
+            "failed": [
+                {
+                    "rank": f.rank,
+                    "host": escape(f.host),
+                    "node_rank": f.node_rank,
+                    "local_rank": f.local_rank,
+                    "cause": shortened(f.cause),
+                    "age_s": round(now - f.lost_at, 1) if f.lost_at is not None else None,
+                }
+                for f in v.failed[:64]
+            ],
+            "failed_total": len(v.failed),
+            "timeline": [
+                {
+                    "at": e.at,
+                    "generation": e.generation,
+                    "from": e.old,
+                    "to": e.new,
+                    "detail": e.detail,
+                }
+                for e in self.timeline.of(v.job_id)
+            ],
+        }
+
+    async def _abort_job(self, caller: Caller, job_id: str, r: Request) -> Response:
+        if not caller.scope.admin:
+            return _json(403, {"error": "only the admin token may abort a job from this page"})
+        # A cross-site form cannot set this header (SameSite already keeps the
+        # cookie from such a request; this also covers Bearer callers' browsers).
+        if r.headers.get("x-requested-with") != "rendezvousd":
+            return _json(403, {"error": "send the X-Requested-With: rendezvousd header"})
+        try:
+            reason = str(json.loads(r.body or b"{}").get("reason") or "")[:200]
+        except (ValueError, AttributeError):
+            return _json(400, {"error": 'the body is JSON: {"reason": "..."}'})
+        reason = f"aborted from the status page by {caller.who}" + (f": {reason}" if reason else "")
+        log.warning("status page: job %s aborted by %s", escape(job_id), escape(caller.who))
+        try:
+            generation = await self._abort(job_id, reason)
+        except RendezvousFault as fault:
+            status = 404 if fault.code.name == "NOT_FOUND" else 409
+            return _json(status, {"error": fault.message})
+        return _json(200, {"job_id": escape(job_id), "generation": generation})
+
+
+_PRESENT = (MemberState.JOINING, MemberState.ACTIVE)
+
+
+def _job_step(v: JobView) -> int | None:
+    """The job's step: its slowest active rank's (None until one reported a step)."""
+    steps = [m.step for m in v.members if m.step is not None and m.state is MemberState.ACTIVE]
+    return min(steps) if steps else None
+
+
+def _cookie(header: str) -> str:
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == COOKIE:
+            return value
+    return ""
+
+
+def _json(status: int, body: dict[str, Any]) -> Response:
+    return Response(
+        status,
+        json.dumps(body, separators=(",", ":")).encode(),
+        "application/json",
+        [("Cache-Control", "no-store")],
+    )
+
+
+def _text(status: int, text: str) -> Response:
+    return Response(status, f"{text}\n".encode())

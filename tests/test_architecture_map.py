@@ -1,0 +1,75 @@
+"""docs/architecture.md draws the tree: one table per folder, every module in it.
+
+And `rendezvousd/common/`, the one home of what the three packages share, stays
+importable without the daemon's other parts.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rendezvousd", "client", "trainer")
+# Generated (scripts/gen_protos.py), listed as one folder in the map.
+SKIP = {ROOT / "rendezvousd" / "_gen"}
+
+
+def _sections() -> dict[str, str]:
+    """Folder (as its heading names it, e.g. ``trainer/comm/``) -> its section's text."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    parts = re.split(r"^### ", text, flags=re.M)[1:]
+    sections: dict[str, str] = {}
+    for part in parts:
+        folder = re.match(r"`([\w/]+/)`", part)
+        if folder:
+            sections[folder.group(1)] = part
+    return sections
+
+
+def _folders() -> list[Path]:
+    found = []
+    for package in PACKAGES:
+        for init in sorted((ROOT / package).rglob("__init__.py")):
+            folder = init.parent
+            if not any(folder.is_relative_to(skip) for skip in SKIP):
+                found.append(folder)
+    return found
+
+
+def test_every_module_is_in_its_folders_table() -> None:
+    sections = _sections()
+    missing = []
+    for folder in _folders():
+        name = folder.relative_to(ROOT).as_posix() + "/"
+        section = sections.get(name)
+        if section is None:
+            missing.append(f"a section for {name}")
+            continue
+        for module in sorted(folder.glob("*.py")):
+            if module.name in ("__init__.py", "__main__.py"):
+                continue
+            if f"`{module.name}`" not in section:
+                missing.append(f"{name}{module.name}")
+    assert not missing, f"docs/architecture.md lacks: {', '.join(missing)}"
+
+
+def test_the_map_names_no_folder_that_is_gone() -> None:
+    for folder in _sections():
+        assert (ROOT / folder).is_dir(), f"docs/architecture.md maps {folder}, which is gone"
+
+
+def test_common_imports_nothing_of_the_daemons_other_parts() -> None:
+    allowed = ("rendezvousd.common", "rendezvousd.errors", "rendezvousd._gen")
+    for module in sorted((ROOT / "rendezvousd" / "common").glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name == "rendezvousd" or name.startswith("rendezvousd."):
+                    assert name.startswith(allowed), f"{module.name} imports {name}"

@@ -1,0 +1,51 @@
+"""Entry point of a worker process the node agent starts: arm the parent-death
+signal, then run the user's script or module as ``__main__`` in this process.
+
+Arming it here instead of in a ``preexec_fn`` lets the agent spawn spares while
+its gRPC and reaper threads run (a ``preexec_fn`` is unsafe once threads exist).
+The agent's pid travels in ``RENDEZVOUSD_AGENT_PID``: if it is no longer our
+parent when the signal is armed, the agent died in between and no signal would
+ever come, so the worker must not start unsupervised.
+
+    python -m rendezvousd.trainer.agent._agent_boot SCRIPT [ARGS...]
+    python -m rendezvousd.trainer.agent._agent_boot -m MODULE [ARGS...]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+ENV_AGENT_PID = "RENDEZVOUSD_AGENT_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_agent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            os._exit(126)
+    expected = os.environ.pop(ENV_AGENT_PID, "")
+    if expected and os.getppid() != int(expected):
+        os._exit(126)
+
+
+def main() -> None:
+    _die_with_agent()
+    argv = sys.argv[1:]
+    if not argv:
+        sys.exit("usage: python -m rendezvousd.trainer.agent._agent_boot [-m] TARGET [ARGS...]")
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""A worker's side of the agent channel: its assignment, progress, state and aborts.
+
+A worker started by ``rendezvous-run`` is a warm spare until assigned: it has
+imported everything and blocks in ``wait_assignment``. The agent then sends one
+``assign`` frame, the whole hand-off (``Assignment``): rank, topology, generation
+and the agent's resolved config in the header; the unique id, the member instance
+id and the daemon token in the payload (never in a header that could be logged);
+then the newest step state the agent holds, if any. After that the worker sends
+``alive`` frames from a thread of its own (a frozen process: stopped, or stuck
+in a call that holds the GIL), ``progress`` (a worker alive but making no
+progress) and ``state`` frames, and hears ``abort`` when another worker or node
+failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rendezvousd.client.membership import Membership
+from rendezvousd.common.model import seat_of
+from rendezvousd.common.validation import UNIQUE_ID_BYTES
+from rendezvousd.trainer.agent.agent_channel import (
+    ENV_AGENT_FD,
+    MAX_STATE_BYTES,
+    Channel,
+    pack_arrays,
+)
+from rendezvousd.trainer.agent.state_copy import StepState
+from rendezvousd.trainer.config import DistributedConfig
+from rendezvousd.trainer.errors import AgentChannelError
+from rendezvousd.trainer.topology import MultiNodeTopology
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The one hand-off from the agent to a warm worker: who it is in which
+    generation, the config the agent resolved, and the member's credentials.
+
+    The worker reads nothing else: no TOML, no ``RENDEZVOUSD_*`` variable, no
+    torchrun variable (it sets those for user code, ``torchrun_env``)."""
+
+    job_id: str
+    generation: int
+    restart_count: int
+    rank: int
+    local_rank: int
+    node_rank: int
+    num_nodes: int
+    gpus_per_node: int
+    world_size: int
+    unique_id: bytes = field(repr=False)
+    instance_id: str = field(repr=False)
+    config: DistributedConfig = field(repr=False)
+    #: The daemon's bearer token, which the agent's own client uses.
+    token: str = field(default="", repr=False)
+    #: The address the agent advertised for this member's ring ("" for NCCL).
+    ring_host: str = ""
+    #: How often the worker tells the agent its process is alive (0: never).
+    alive_interval_s: float = 0.0
+
+    @property
+    def topology(self) -> MultiNodeTopology:
+        """This worker's place in the world that formed."""
+        return MultiNodeTopology(
+            self.num_nodes, self.gpus_per_node, self.node_rank, self.local_rank
+        )
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "alive_interval_s": self.alive_interval_s,
+            "job_id": self.job_id,
+            "generation": self.generation,
+            "restart_count": self.restart_count,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "node_rank": self.node_rank,
+            "num_nodes": self.num_nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "world_size": self.world_size,
+            "ring_host": self.ring_host,
+            "config": self.config.handoff(),
+            # Sizes only; the secrets travel in the payload, never in a header.
+            "instance_id_bytes": len(self.instance_id.encode("utf-8")),
+        }
+
+    def secrets_payload(self) -> bytes:
+        if len(self.unique_id) != UNIQUE_ID_BYTES:
+            raise AgentChannelError(f"unique id must be {UNIQUE_ID_BYTES} bytes")
+        return self.unique_id + self.instance_id.encode("utf-8") + self.token.encode("utf-8")
+
+    @classmethod
+    def decode(cls, header: Mapping[str, Any], payload: bytes) -> Assignment:
+        try:
+            ints = {
+                k: int(header[k])
+                for k in (
+                    "generation",
+                    "restart_count",
+                    "rank",
+                    "local_rank",
+                    "node_rank",
+                    "num_nodes",
+                    "gpus_per_node",
+                    "world_size",
+                )
+            }
+            instance_end = UNIQUE_ID_BYTES + int(header["instance_id_bytes"])
+            return cls(
+                job_id=str(header["job_id"]),
+                alive_interval_s=float(header.get("alive_interval_s", 0.0)),
+                ring_host=str(header["ring_host"]),
+                config=DistributedConfig.resolved(header["config"]),
+                unique_id=payload[:UNIQUE_ID_BYTES],
+                instance_id=payload[UNIQUE_ID_BYTES:instance_end].decode("utf-8"),
+                token=payload[instance_end:].decode("utf-8"),
+                **ints,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            # The exception's text names a field, never a secret's bytes.
+            raise AgentChannelError(f"malformed assignment from the node agent: {exc}") from exc
+
+    def membership(self) -> Membership:
+        return Membership(**seat_of(self), unique_id=self.unique_id)
+
+    def torchrun_env(self) -> dict[str, str]:
+        """torchrun's names, for user scripts (known only once assigned)."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.gpus_per_node),
+            "NODE_RANK": str(self.node_rank),
+            "GROUP_RANK": str(self.node_rank),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+        }
+
+
+class AgentLink:
+    """The worker's end of its channel to the node agent."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.assignment: Assignment | None = None
+        self._reader: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._noted = threading.Event()
+
+    @classmethod
+    def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
+        """The link if this process was started by an agent (``RENDEZVOUSD_AGENT_FD``)."""
+        text = env.get(ENV_AGENT_FD)
+        if not text:
+            return None
+        try:
+            fd = int(text)
+            os.fstat(fd)
+        except (ValueError, OSError) as exc:
+            raise AgentChannelError(
+                f"{ENV_AGENT_FD}={text!r} is not an open descriptor ({exc}); only "
+                "rendezvous-run sets it: unset it to run this worker without the agent"
+            ) from exc
+        return cls(Channel.from_fd(fd))
+
+    def wait_assignment(self) -> tuple[Assignment, StepState | None]:
+        """Tell the agent this worker is warm, then block until it is assigned."""
+        self.channel.send("ready", {"pid": os.getpid()})
+        frame = self.channel.recv()
+        if frame is None:
+            raise AgentChannelError(
+                "the node agent closed the channel before assigning this worker"
+            )
+        if frame.kind != "assign":
+            raise AgentChannelError(
+                f"expected an assignment from the node agent, got {frame.kind!r}"
+            )
+        secrets_len = int(frame.header.get("secrets_bytes", 0))
+        assignment = Assignment.decode(frame.header, frame.payload[:secrets_len])
+        state = frame.header.get("state")
+        restored = None
+        if isinstance(state, dict):
+            restored = StepState(
+                int(state["step"]),
+                dict(state.get("meta") or {}),
+                list(state.get("arrays") or []),
+                frame.payload[secrets_len:],
+            )
+        self.assignment = assignment
+        return assignment, restored
+
+    def start(self, on_abort: Callable[[str], None]) -> None:
+        """Relay the agent's ``abort`` (and its disappearance) to ``on_abort``."""
+
+        def read() -> None:
+            try:
+                while (frame := self.channel.recv()) is not None:
+                    if frame.kind == "abort":
+                        on_abort(str(frame.header.get("cause", "the node agent aborted")))
+                    elif frame.kind == "failure-noted":
+                        self._noted.set()
+                if not self._closing.is_set():
+                    on_abort("the node agent closed the channel")
+            except (AgentChannelError, OSError) as exc:
+                if not self._closing.is_set():
+                    on_abort(f"the channel to the node agent broke: {exc}")
+
+        self._reader = threading.Thread(target=read, daemon=True, name="rendezvous-agent-link")
+        self._reader.start()
+        interval = self.assignment.alive_interval_s if self.assignment else 0.0
+        if interval > 0:
+            threading.Thread(
+                target=self._beat, args=(interval,), daemon=True, name="rendezvous-agent-alive"
+            ).start()
+
+    def _beat(self, interval: float) -> None:
+        # From a thread, not the training loop: a worker blocked in a collective
+        # (waiting for a slow or dead peer) is alive; only a frozen process goes quiet.
+        while not self._closing.wait(interval):
+            try:
+                self.channel.send("alive")
+            except (AgentChannelError, OSError):
+                return
+
+    def report_failure(self, cause: str, timeout: float) -> bool:
+        """Tell the agent this worker failed by itself, and wait (bounded) until the
+        daemon knows: only then may the worker close its ring, or a peer failing
+        on the closed ring could be recorded as the job's root cause. Whether the
+        agent confirmed in time."""
+        if self._reader is None:
+            self.start(lambda _cause: None)
+        try:
+            self.channel.send("failed", {"cause": cause})
+        except AgentChannelError:
+            return False
+        return self._noted.wait(timeout)
+
+    def progress(self, step: int) -> None:
+        self.channel.send("progress", {"step": step})
+
+    def save_state(self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        """Progress from every rank; the state itself from local rank 0 only."""
+        if self.assignment is None or self.assignment.local_rank != 0:
+            self.progress(step)
+            return
+        entries, payload = pack_arrays(arrays)
+        if len(payload) > MAX_STATE_BYTES:
+            raise AgentChannelError(
+                f"the state for step {step} is {len(payload)} bytes; the node agent keeps at "
+                f"most {MAX_STATE_BYTES} (MAX_STATE_BYTES): save fewer arrays (e.g. the "
+                "parameters without optimizer state) and checkpoint the rest"
+            )
+        self.channel.send("state", {"step": step, "meta": dict(meta), "arrays": entries}, payload)
+
+    def close(self) -> None:
+        self._closing.set()  # our own close is not the agent going away
+        with contextlib.suppress(OSError):
+            self.channel.close()

@@ -1,0 +1,308 @@
+"""``rendezvous-run``: this node's agent, torchrun-style (elastic agent included).
+
+    rendezvous-run --nnodes 2 --node-rank 0 --nproc-per-node 4 --max-restarts 3 \\
+        --rdzv-endpoint head:29420 --token-file /etc/rendezvousd/token train.py --lr 0.1
+    rendezvous-run --nnodes 2:4 --node-rank auto --nproc-per-node 4 --max-restarts 3 ...
+    rendezvous-run --standalone --nproc-per-node 4 -m mypkg.train
+
+Settings come from ``--config`` (the trainer TOML), the ``RENDEZVOUSD_*`` env vars
+and the flags below (``load_layers``), resolved and validated here once. The
+launcher is the node agent (``node_agent.py``): it joins the daemon once for the node,
+holding all its local ranks, and hands each worker one assignment over a private
+channel (never argv or the environment): its rank and the formed topology, the
+generation, the resolved config, the unique id and the member's credentials. Workers are started warm,
+before the job forms, one per local rank with torchrun's LOCAL_RANK and
+LOCAL_WORLD_SIZE (and RANK, WORLD_SIZE, NODE_RANK when the node's ranks are fixed)
+in their environment; ``init_distributed`` sets the rest from the assignment. The
+agent heartbeats the daemon for the node and watches its workers (exit, and
+progress when they report it); a failure anywhere stops every node's workers
+and, while ``--max-restarts`` allows, every agent re-joins the next generation
+and restarts its workers from the newest step state any agent holds. ``--nnodes
+MIN:MAX`` makes the job elastic. When the restarts are used up the exit status
+is non-zero with one message listing every failure, and the root cause the
+daemon recorded. ``--standalone`` runs an embedded daemon with a fresh token.
+
+Start-up order matters when a fresh node replaces a lost one (the other nodes
+wait for it): this module imports only what reading the settings needs, starts
+the node's spares (``worker_boot``), and only then imports the agent, the SDK
+and numpy, while the spares import theirs on the other cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rendezvousd.common.address import AddressError, route_source
+from rendezvousd.common.settings import Value
+from rendezvousd.trainer.agent.worker_boot import Booted, boot_spares, discard
+from rendezvousd.trainer.config import (
+    CONFIG_ENV,
+    SCHEMA,
+    DistributedConfig,
+    RendezvousTransport,
+    load_layers,
+)
+from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
+
+if TYPE_CHECKING:
+    from rendezvousd.cli.embedded import EmbeddedDaemon
+    from rendezvousd.trainer.agent.node_agent import NodeAgent
+    from rendezvousd.trainer.agent.recovery import Failure
+
+TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
+# torchrun's spellings, kept as aliases of the config's own flags.
+ALIASES = {
+    "gpus_per_node": ["--nproc-per-node"],
+    "rendezvous.endpoint": ["--rdzv-endpoint"],
+    "retry_attempts": ["--retries"],
+}
+# Per-worker settings: the launcher assigns them, never inherits them.
+PER_WORKER = ("rank", "local_rank")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rendezvous-run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", default=None, help=f"trainer TOML config, also passed to workers ({CONFIG_ENV})"
+    )
+    group = p.add_argument_group("distributed")
+    group.add_argument(
+        "--nnodes",
+        "--num-nodes",
+        dest="nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="number of nodes, or the elastic range MIN:MAX (env RENDEZVOUSD_NUM_NODES, "
+        "RENDEZVOUSD_MIN_NODES)",
+    )
+    SCHEMA.add_arguments(group, aliases=ALIASES, exclude=(*PER_WORKER, "num_nodes"))
+    p.add_argument(
+        "--standalone", action="store_true", help="run an embedded daemon (single machine)"
+    )
+    p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
+    p.add_argument("target", help="script path (or module with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the target")
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"rendezvous-run: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _note(message: str) -> None:
+    print(f"rendezvous-run: {message}", file=sys.stderr, flush=True)
+
+
+def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConfig:
+    """The node's config, as its workers will load it; ConfigError if unusable."""
+    shared_env = {k: v for k, v in env.items() if k not in _per_worker_env()}
+    layers = load_layers(args.config, env=shared_env)
+    layers.update(SCHEMA.from_cli(args, ALIASES))
+    layers.update(_nnodes(args.nnodes))
+    config = SCHEMA.build([layers])
+    if config.is_multi_node and "node_rank" not in layers:
+        # The default 0 would put every node on node 0.
+        raise ConfigError(
+            f"num_nodes={config.num_nodes} needs this node's rank: pass --node-rank "
+            "(0..num_nodes-1, or 'auto' to let the daemon assign it), or set "
+            "RENDEZVOUSD_NODE_RANK or node_rank in the config file"
+        )
+    if args.standalone and config.is_multi_node:
+        raise ConfigError("--standalone runs a single-machine job: use --nnodes 1")
+    if not args.standalone and config.rendezvous.kind != "daemon":
+        raise ConfigError(
+            "no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, "
+            "or use --standalone"
+        )
+    return config
+
+
+def _nnodes(text: str | None) -> dict[str, Value]:
+    """``--nnodes N`` or torchrun's elastic ``--nnodes MIN:MAX``, as config values."""
+    if text is None:
+        return {}
+    low, sep, high = text.partition(":")
+    values = {"num_nodes": high if sep else low}
+    if sep:
+        values["min_nodes"] = low
+    layer = SCHEMA.from_cli(values)
+    return {k: Value(v.value, "--nnodes") for k, v in layer.items()}
+
+
+# Threads per worker for OpenMP and the BLAS numpy uses (OpenBLAS reads it too).
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def _per_worker_env() -> set[str]:
+    return {o.env for k, o in SCHEMA.options.items() if k in PER_WORKER and o.env is not None}
+
+
+def spare_env(
+    config: DistributedConfig, config_path: str | None, base: Mapping[str, str]
+) -> dict[str, str]:
+    """Env for a warm worker, for its user code only: the config file's path and
+    the token file's (the worker itself is handed its settings, rank and token
+    over the channel, and ``init_distributed`` sets torchrun's names from them)."""
+    env = {k: v for k, v in base.items() if k not in _per_worker_env() and k not in TORCHRUN_ENV}
+    if config.rendezvous.token_file is not None:
+        env[TOKEN_FILE_ENV] = config.rendezvous.token_file
+    if config_path is not None:
+        env[CONFIG_ENV] = config_path
+    if config.local_world_size > 1 and THREADS_ENV not in base:
+        # torchrun's rule: each of a node's workers would otherwise start one
+        # OpenMP/OpenBLAS thread per core, N workers x N threads on N cores.
+        env[THREADS_ENV] = "1"
+    return env
+
+
+def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
+    if config.backend != "nccl":
+        return None  # the SDK's 128 random bytes key the CPU ring
+
+    def create() -> bytes:
+        # Imported when node 0 makes the id, not at start-up (numpy, CuPy).
+        from rendezvousd.trainer.comm import devices, nccl
+
+        # This process hosts NCCL's bootstrap root for the id it makes, so it must
+        # listen where the ranks look: on loopback in the one-GPU shared-device mode.
+        devices.prepare_nccl(-1)
+        return nccl.create_unique_id()
+
+    return create
+
+
+def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
+    transport = config.rendezvous
+    assert transport.endpoint is not None  # resolve() refused a config without one
+    try:
+        ring_host = config.ring_host or route_source(transport.endpoint)
+    except (AddressError, OSError) as exc:
+        return _fail(f"cannot tell which address this node's workers advertise: {exc}")
+    target = ["-m", args.target] if args.module else [args.target]
+    cmd = target + [a for a in args.args if a != "--"]
+    env = spare_env(config, args.config, base)
+    if env.get(THREADS_ENV) == "1" and THREADS_ENV not in base:
+        _note(
+            f"{THREADS_ENV}=1 for each of the {config.local_world_size} workers of this node "
+            "so their threads do not overload it; set it to tune"
+        )
+    # Before the imports below, so that the spares' start-up overlaps this process's.
+    booted = boot_spares(config, cmd, env)
+    try:
+        agent = _make_agent(config, cmd, env, ring_host, booted)
+    except BaseException:
+        discard(booted)
+        raise
+    if isinstance(agent, int):
+        discard(booted)
+        return agent
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def forward(signum: int, _frame: object) -> None:
+        agent.interrupt(signum)
+
+    for s in previous:
+        signal.signal(s, forward)
+    try:
+        return agent.run()
+    except RestartsExhausted as exc:
+        print(f"rendezvous-run: error: {exc}", file=sys.stderr, flush=True)
+        _root_cause(config, agent.first_local)
+        return exc.exit_status
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        agent.client.close()
+
+
+def _make_agent(
+    config: DistributedConfig,
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    ring_host: str,
+    booted: Sequence[Booted],
+) -> NodeAgent | int:
+    """The node agent, owning ``booted``; the exit status if there is none."""
+    from rendezvousd.client.connection import resolve_token
+    from rendezvousd.client.errors import RendezvousError
+    from rendezvousd.trainer.agent.node_agent import NodeAgent
+
+    transport = config.rendezvous
+    assert transport.endpoint is not None
+    try:
+        # Read once, here: the workers are handed it with their assignment.
+        token = resolve_token(None, transport.token_file)
+        client = transport.client(config.job_id, config.retry_attempts, token=token)
+    except RendezvousError as exc:
+        return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
+    return NodeAgent(
+        config,
+        cmd,
+        env,
+        client,
+        ring_host=ring_host if config.backend == "cpu" else "",
+        token=token,
+        note=_note,
+        id_factory=_id_factory(config),
+        booted=booted,
+    )
+
+
+def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
+    """The daemon's record of the first rank lost, on any node; failing that, this
+    node's first failed worker."""
+    from rendezvousd.trainer.agent.root_cause import lost_member
+
+    transport = config.rendezvous
+    assert transport.endpoint is not None
+    lost = lost_member(
+        transport.endpoint, config.job_id, transport.token_file, tls=transport.tls(), settle_s=1.0
+    )
+    if lost is not None:
+        _note(f"root cause: {lost.describe()}")
+    elif local is not None:
+        who = f"rank {local.rank}" if local.rank is not None else f"local rank {local.local_rank}"
+        _note(
+            f"root cause: worker {who} on this node ({local.cause}), the first to fail "
+            "here; the daemon recorded no lost rank or could not be asked"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    base = dict(os.environ)
+    try:
+        config = resolve(args, base)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    with tempfile.TemporaryDirectory(prefix="rendezvous-run-") as tmp:
+        daemon: EmbeddedDaemon | None = None
+        if args.standalone:
+            from rendezvousd.cli.embedded import spawn
+
+            daemon = spawn(Path(tmp), "--log-level", "WARNING")
+            transport = RendezvousTransport.daemon(daemon.endpoint, str(daemon.token_file))
+            config = dataclasses.replace(config, rendezvous=transport)
+        try:
+            return run_agent(args, config, base)
+        finally:
+            if daemon is not None:
+                daemon.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

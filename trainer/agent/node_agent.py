@@ -1,0 +1,486 @@
+"""The node agent ``rendezvous-run`` runs: one join per node, workers restarted
+after a failure, torchrun's elastic agent as the model.
+
+Per generation: ``join_node`` (all local ranks at once) -> hand each warm spare
+its rank, the id and the newest step state over its private channel -> watch
+(``waitpid`` per worker, progress for hangs, the node's heartbeat stream for
+the daemon's pushes) -> on a failure report it (if local), stop the workers
+within ``stop_grace_s``, and either re-join the next generation with fresh
+spares or give up (``recovery.RestartBudget``). Decisions happen on the main
+thread only; reaper, reader and heartbeat threads just post events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rendezvousd.client.errors import PeerFailed, RendezvousError
+from rendezvousd.client.membership import NodeMembership, loopback_conflict
+from rendezvousd.client.sync import RendezvousClient
+from rendezvousd.common.escape import shortened
+from rendezvousd.common.model import FailedInfo, failed_text
+from rendezvousd.trainer.agent.agent_worker import Assignment
+from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, Failure, RestartBudget
+from rendezvousd.trainer.agent.state_copy import StateCopy
+from rendezvousd.trainer.agent.warm_workers import (
+    Exited,
+    Misbehaved,
+    Reported,
+    SparePool,
+    WorkerProcess,
+    stop_all,
+)
+from rendezvousd.trainer.agent.worker_boot import Booted, fixed_node_rank, slot_env
+from rendezvousd.trainer.config import DistributedConfig
+from rendezvousd.trainer.errors import RestartsExhausted
+
+# Workers' state is already in the agent: a short SIGTERM grace is only for
+# their last log line, so every node is stopped well within 100 ms.
+STOP_GRACE_S = 0.05
+# Fresh spares start once the new generation has stepped, or after this long:
+# on a small machine their start-up would otherwise slow the resumption down.
+SPARE_DELAY_S = 1.0
+POLL_S = 0.02
+# A worker's silence limit when the daemon advertises no heartbeat timeout (older).
+DEFAULT_SILENCE_S = 10.0
+STOPPING = "stopping this node's workers: "
+# A worker that reported its own failure exits right after; one that does not
+# within this long is stopped and its report is the failure.
+REPORTED_EXIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """The daemon pushed a failure (a lost peer, an abort) for ``generation``."""
+
+    error: RendezvousError
+    generation: int
+
+
+@dataclass(frozen=True)
+class NodesWaiting:
+    """``count`` nodes wait to join: the running ``generation`` ends to take them in.
+    As a generation's outcome, it re-forms the job without using a restart."""
+
+    count: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Joined:
+    """``join_node``'s answer or error, from the thread that waited for it."""
+
+    serial: int
+    answer: NodeMembership | RendezvousError
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """The agent got SIGINT or SIGTERM: it stops the workers and exits with 128 + signum."""
+
+    signum: int
+
+
+Outcome = Failure | NodesWaiting | Interrupted | None
+
+
+def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
+    """(cause, rank, host) of a failure the daemon pushed: the first member it lost,
+    with that member's own host."""
+    cause = f"{type(error).__name__}: {error}"
+    if isinstance(error, PeerFailed) and error.failed:
+        first = error.failed[0]
+        return cause, first.rank, first.host
+    if isinstance(error, PeerFailed) and error.ranks:
+        return cause, error.ranks[0], None
+    return cause, None, None
+
+
+class NodeAgent:
+    """This node's agent; ``run()`` returns the launcher's exit status."""
+
+    def __init__(
+        self,
+        config: DistributedConfig,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        client: RendezvousClient,
+        *,
+        ring_host: str = "",
+        token: str = "",
+        note: Callable[[str], None] = print,
+        id_factory: Callable[[], bytes] | None = None,
+        stop_grace_s: float = STOP_GRACE_S,
+        booted: Sequence[Booted] = (),
+    ) -> None:
+        """``booted``: this node's first spares, when the launcher started them
+        before it had an agent (``worker_boot.boot_spares``); ``token``: the daemon
+        token ``client`` uses, handed to the workers with their assignment."""
+        self.config = config
+        self.client = client
+        self.ring_host = ring_host
+        self._token = token
+        self.note = note
+        self.id_factory = id_factory
+        self.stop_grace_s = stop_grace_s
+        self.host = socket.gethostname()
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.state = StateCopy()
+        self.pool = SparePool(cmd, env, self.events, self.state, self._start_env)
+        self.pool.adopt(booted)
+        self.budget = RestartBudget(config.max_restarts)
+        # What _report_progress last gave the heartbeat: steps, restarts, their cap.
+        self._progress_sent: tuple[tuple[int | None, ...], int, int] | None = None
+        self.active: list[WorkerProcess] = []
+        #: The first failure of one of this node's own workers, if any: the root
+        #: cause to name when the daemon cannot be asked.
+        self.first_local: Failure | None = None
+        self._joins = 0
+        self._silence_s = DEFAULT_SILENCE_S
+        self._interrupt: int | None = None
+        self._interrupted = threading.Event()
+
+    @property
+    def per_node(self) -> int:
+        return self.config.local_world_size
+
+    @property
+    def fixed_node_rank(self) -> int | None:
+        """This node's rank in every generation, when the config fixes it."""
+        return fixed_node_rank(self.config)
+
+    def _start_env(self, local_rank: int) -> dict[str, str]:
+        return slot_env(self.config, local_rank)
+
+    def interrupt(self, signum: int) -> None:
+        """From a signal handler: stop this node's workers and end the job."""
+        self._interrupt = signum
+        self._interrupted.set()
+
+    def run(self) -> int:
+        """0 once every worker of the final generation exited 0; 128+N after signal
+        N; ``RestartsExhausted`` when a failure finds no restart left."""
+        self.pool.fill(self.per_node)
+        first = True
+        try:
+            while True:
+                outcome = self._generation(first)
+                first = False
+                if outcome is None:
+                    return 0
+                if isinstance(outcome, Interrupted):
+                    return 128 + outcome.signum
+                if isinstance(outcome, NodesWaiting):
+                    self.note(f"{outcome.count} node(s) waiting to join: re-forming the job")
+                    continue
+                if not self.budget.record(outcome):
+                    message = self.budget.exhausted_message(self.config.job_id)
+                    raise RestartsExhausted(message, outcome.exit_status)
+                self.note(
+                    f"{outcome.describe()}; restart {self.budget.restarts} of "
+                    f"{self.budget.max_restarts}"
+                )
+        finally:
+            stop_all(self.active, "the node agent is exiting", 0.0)
+            self.active = []
+            self.pool.stop()
+
+    # -- one generation ---------------------------------------------------------
+
+    def _generation(self, first: bool) -> Outcome:
+        config = self.config
+        joined = self._join(config.join_timeout_s if first else config.rejoin_timeout_s)
+        if not isinstance(joined, NodeMembership):
+            return joined
+        m = joined
+        if (problem := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
+            # The workers would dial themselves until their timeout: every node hears why.
+            with contextlib.suppress(RendezvousError):
+                self.client.abort(problem, generation=m.generation)
+            self._end_generation()
+            self.note(f"error: {problem}")
+            return Failure(m.generation, problem, host=self.host, fatal=True)
+        self.active = self.pool.take(self.per_node)
+        restored = self.state.latest()
+        # A worker's process is held to the daemon's own liveness rule for ranks: one
+        # silent for the heartbeat timeout is lost (stopped, or frozen holding the GIL).
+        self._silence_s = m.heartbeat_timeout_ms / 1000 or DEFAULT_SILENCE_S
+        alive_interval = min(config.heartbeat_interval_s, self._silence_s / 3)
+        for i, worker in enumerate(self.active):
+            worker.assign(
+                Assignment(
+                    job_id=m.job_id,
+                    generation=m.generation,
+                    restart_count=self.budget.restarts,
+                    rank=m.first_rank + i,
+                    local_rank=i,
+                    node_rank=m.node_rank,
+                    num_nodes=m.num_nodes,
+                    gpus_per_node=m.gpus_per_node,
+                    world_size=m.world_size,
+                    unique_id=m.unique_id,
+                    instance_id=m.member_instance_id(i),
+                    config=config,
+                    token=self._token,
+                    ring_host=self.ring_host,
+                    alive_interval_s=alive_interval,
+                ),
+                restored,
+            )
+        gen = m.generation
+        self.client.start_heartbeat(
+            config.heartbeat_interval_s,
+            on_failure=lambda e: self.events.put(RemoteFailure(e, gen)),
+            on_nodes_waiting=lambda n: self.events.put(NodesWaiting(n, gen)),
+        )
+        return self._watch(gen, m.first_rank)
+
+    def _join(self, timeout: float) -> NodeMembership | Outcome:
+        """``join_node`` on a helper thread while this thread keeps watching: a spare
+        that dies meanwhile (a script failing at import) or a signal must not wait
+        for the other nodes, which may never come. Given up on, the join is
+        cancelled when the launcher closes its client (the daemon then fails the
+        forming generation for the other nodes)."""
+        config = self.config
+        self._joins += 1
+        serial = self._joins
+
+        def join() -> None:
+            try:
+                m = self.client.join_node(
+                    min_nodes=config.fewest_nodes,
+                    max_nodes=config.num_nodes,
+                    gpus_per_node=self.per_node,
+                    node_rank=config.node_rank if config.is_multi_node else 0,
+                    addresses=[self.ring_host] * self.per_node if self.ring_host else (),
+                    id_factory=self.id_factory,
+                    last_call=config.last_call_s or None,
+                    timeout=timeout,
+                )
+            except RendezvousError as exc:
+                self.events.put(Joined(serial, exc))
+            else:
+                self.events.put(Joined(serial, m))
+
+        threading.Thread(target=join, daemon=True, name="rendezvous-agent-join").start()
+        while True:
+            if self._interrupted.is_set():
+                return self._interrupted_outcome(None)
+            event = self._next_event()
+            if isinstance(event, Joined) and event.serial == serial:
+                answer = event.answer
+                if not isinstance(answer, RendezvousError):
+                    return answer
+                cause = f"joining failed: {type(answer).__name__}: {answer}"
+                return Failure(None, cause, host=self.host)
+            if isinstance(event, Exited) and self.pool.discard(event.worker):
+                failure = self._spare_died(None, event)
+                if failure is not None:
+                    return failure
+                self.pool.fill(self.per_node)
+            elif isinstance(event, Reported):
+                event.worker.ack_failure()  # a spare has no rank to report
+            elif isinstance(event, Misbehaved):
+                self._misbehaved_spare(event)
+
+    def _report_progress(self) -> None:
+        """Give the node's heartbeat its workers' last steps and the restart budget
+        (the daemon's GetJob and status page show them), when they changed."""
+        steps: list[int | None] = [None] * self.per_node
+        for w in self.active:
+            if w.local_rank is not None and 0 <= w.local_rank < self.per_node:
+                steps[w.local_rank] = w.last_step
+        now = (tuple(steps), self.budget.restarts, self.budget.max_restarts)
+        if now != self._progress_sent:
+            self._progress_sent = now
+            self.client.report_progress(
+                steps, restarts_used=self.budget.restarts, max_restarts=self.budget.max_restarts
+            )
+
+    def _next_event(self) -> Any:
+        """The next event, or None when POLL_S passed without one (the callers'
+        loops look at their interrupt flag and clocks between events)."""
+        try:
+            return self.events.get(timeout=POLL_S)
+        except queue.Empty:
+            return None
+
+    def _spare_died(self, gen: int | None, event: Exited) -> Failure | None:
+        """Count a spare's death; the failure to give up with when none is left.
+
+        A spare exits only if its script failed before ``init_distributed()`` took
+        an assignment (or never called it): a fault of this node's worker, so the
+        launcher ends with that worker's exit status (1 for a clean exit, which
+        is still a worker that did not train)."""
+        w = event.worker
+        node_rank = self.fixed_node_rank
+        rank = None if node_rank is None else node_rank * self.per_node + w.slot
+        code = event.code
+        cause = f"{event.how} before it was assigned a rank"
+        if w.fault is not None:
+            cause = f"{w.fault} (stopped before it was assigned a rank)"
+            code = 1
+        elif code == 0:
+            cause += " (a script started by rendezvous-run must call init_distributed())"
+        status = code if code > 0 else (128 - code if code < 0 else 1)
+        failure = Failure(gen, cause, rank, self.host, status, local_rank=w.slot)
+        who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
+        self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
+        self.first_local = self.first_local or failure
+        if self.budget.record(failure):
+            return None
+        return failure
+
+    def _watch(self, gen: int, first_rank: int) -> Outcome:
+        assigned_at = time.monotonic()
+        refilled = False
+        succeeded: set[WorkerProcess] = set()
+        while True:
+            if self._interrupted.is_set():
+                return self._interrupted_outcome(gen)
+            event = self._next_event()
+            self._report_progress()
+            now = time.monotonic()
+            if not refilled and (
+                now - assigned_at > SPARE_DELAY_S or any(w.reported_progress for w in self.active)
+            ):
+                # Only a restart or a re-form could use spares; without either
+                # their start-up would only take CPU from the training.
+                if self.budget.can_restart or self.config.fewest_nodes < self.config.num_nodes:
+                    self.pool.fill(self.per_node)
+                refilled = True
+            for w in self.active:
+                if (
+                    w.reported_cause is not None
+                    and not w.exited.is_set()
+                    and now - w.last_progress > REPORTED_EXIT_S
+                ):
+                    return self._local_failure(gen, first_rank, w, w.reported_cause, 1)
+                quiet = now - w.last_heard
+                if w.ready.is_set() and not w.exited.is_set() and quiet > self._silence_s:
+                    return self._local_failure(
+                        gen,
+                        first_rank,
+                        w,
+                        f"no heartbeat from its process for {quiet:.1f} s (stopped, or frozen "
+                        "without releasing the GIL)",
+                        1,
+                    )
+                silent = now - w.last_progress
+                if (
+                    w.reported_progress
+                    and not w.exited.is_set()
+                    and silent > self.config.hang_timeout_s
+                ):
+                    return self._local_failure(
+                        gen, first_rank, w, f"hung: no progress for {silent:.1f} s", 1
+                    )
+            if isinstance(event, Exited):
+                if event.worker in self.active:
+                    if event.code == 0:
+                        succeeded.add(event.worker)
+                        if len(succeeded) == len(self.active):
+                            self._end_generation()
+                            return None
+                        continue
+                    code = event.code
+                    status = code if code > 0 else 128 - code
+                    how = event.how
+                    if event.worker.reported_cause:
+                        how += f" after {event.worker.reported_cause}"
+                    return self._local_failure(gen, first_rank, event.worker, how, status)
+                if self.pool.discard(event.worker):
+                    spare = self._spare_died(gen, event)
+                    if spare is not None:
+                        return self._stop(gen, spare, f"restarts exhausted: {spare.cause}")
+            elif isinstance(event, Reported):
+                self._reported(event)
+            elif isinstance(event, Misbehaved):
+                if event.worker in self.active:
+                    return self._local_failure(gen, first_rank, event.worker, event.cause, 1)
+                self._misbehaved_spare(event)
+            elif isinstance(event, RemoteFailure) and event.generation == gen:
+                cause, rank, host = describe_remote(event.error)
+                failure = Failure(gen, cause, rank, host)
+                return self._stop(gen, failure, cause)
+            elif isinstance(event, NodesWaiting) and event.generation == gen:
+                with contextlib.suppress(RendezvousError):
+                    self.client.abort(SCALE_UP_REASON, generation=gen)
+                stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
+                self._end_generation()
+                return event
+
+    def _misbehaved_spare(self, event: Misbehaved) -> None:
+        """A spare sent a bad frame: stopped, its exit is counted as its failure
+        (``_spare_died`` names the frame)."""
+        w = event.worker
+        if w in self.pool.spares and w.fault is None:
+            w.fault = event.cause
+            w.signal(signal.SIGKILL)
+
+    def _reported(self, event: Reported) -> None:
+        w = event.worker
+        if w in self.active and w.local_rank is not None and w.reported_cause is None:
+            w.reported_cause = event.cause or "a failure it did not describe"
+            w.last_progress = time.monotonic()  # REPORTED_EXIT_S counts from here
+            try:
+                self.client.report_failure(w.local_rank, w.reported_cause)
+            except RendezvousError as exc:
+                self.note(f"could not report the failure to the daemon: {exc}")
+        w.ack_failure()
+
+    def _local_failure(
+        self, gen: int, first_rank: int, w: WorkerProcess, cause: str, status: int
+    ) -> Failure:
+        """``cause``: any text (a worker's exception), reported whole and shown shortened."""
+        local = w.local_rank if w.local_rank is not None else 0
+        rank = first_rank + local
+        self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}")
+        if w.reported_cause is None:
+            try:
+                # Before stopping our other workers: the other nodes hear of it sooner.
+                self.client.report_failure(local, cause)
+            except RendezvousError as exc:
+                self.note(f"could not report the failure to the daemon: {exc}")
+        failure = Failure(gen, shortened(cause), rank, self.host, status, local_rank=local)
+        self.first_local = self.first_local or failure
+        # Worded as the daemon words it to the other nodes: every node's workers log
+        # the same cause for the same failure.
+        named = f"job {self.config.job_id!r} generation {gen}"
+        lost = FailedInfo(rank, self.host, cause, local_rank=local)
+        return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
+
+    def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
+        # Said here, at once, on every node: the workers may be gone before they log it.
+        self.note(f"{STOPPING}{cause}")
+        stop_all(self.active, cause, self.stop_grace_s)
+        self.active = []
+        self._end_generation()
+        return failure
+
+    def _end_generation(self) -> None:
+        # Stops the node's heartbeat; a failed generation is over either way.
+        with contextlib.suppress(RendezvousError):
+            self.client.leave()
+
+    def _interrupted_outcome(self, gen: int | None) -> Interrupted:
+        """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
+        signum = self._interrupt or 15
+        stop_all(self.active, f"rendezvous-run on {self.host} got signal {signum}", 1.0)
+        self.active = []
+        if gen is not None:
+            with contextlib.suppress(RendezvousError):
+                self.client.abort(
+                    f"rendezvous-run on host {self.host} was stopped by signal {signum}",
+                    generation=gen,
+                )
+            self._end_generation()
+        return Interrupted(signum)

@@ -1,0 +1,90 @@
+"""Ask the daemon which member of a failed generation was lost first, and why.
+
+A launcher only sees its own node: when a worker on another node dies, every
+local worker fails with ``PeerFailed`` and the local exit order names a victim,
+not the cause. The daemon records lost members in the order it lost them, so
+``GetJob``'s first ``failed`` entry is the root cause for every node alike.
+
+Best effort by design: a short deadline, no retries, and any error (daemon gone,
+bad token, unknown job) yields None, so a diagnostic can never hang the launcher
+or turn a worker's failure into a launcher crash.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rendezvousd.client import RendezvousClient, TlsConfig
+from rendezvousd.client.errors import RendezvousError
+from rendezvousd.common.escape import escape, shortened
+
+# How long to wait for the daemon to record a loss the launcher already saw: a
+# SIGKILLed worker is reaped locally a moment before the daemon notices its
+# heartbeat stream closing.
+SETTLE_S = 3.0
+CALL_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class LostMember:
+    rank: int
+    host: str
+    cause: str
+    node_rank: int | None = None
+    local_rank: int | None = None
+
+    def describe(self) -> str:
+        where = (
+            f" (node {self.node_rank}, local rank {self.local_rank})"
+            if self.node_rank is not None
+            else ""
+        )
+        # ``cause`` is whatever the worker or its agent reported: shown escaped, shortened.
+        return f"rank {self.rank}{where} on host {escape(self.host)} was lost ({shortened(self.cause)})"
+
+
+def lost_member(
+    endpoint: str,
+    job_id: str,
+    token_file: str | None,
+    *,
+    tls: TlsConfig | None = None,
+    settle_s: float = SETTLE_S,
+) -> LostMember | None:
+    """The first member the daemon recorded as lost in ``job_id``'s current
+    generation, or None if there is none within ``settle_s`` or the daemon cannot
+    say (unreachable, unknown job, no token)."""
+    deadline = time.monotonic() + settle_s
+    try:
+        with RendezvousClient(
+            endpoint,
+            job_id,
+            token_file=token_file,
+            tls=tls,
+            retry_attempts=0,
+            call_timeout=CALL_TIMEOUT_S,
+            connect_timeout=CALL_TIMEOUT_S,
+        ) as client:
+            # A daemon that speaks TLS to this plaintext client ends the query at once,
+            # where the call below would reconnect until its deadline: each attempt
+            # one more "Handshake failed" line in the daemon's log.
+            client.check_health()
+            while True:
+                job = client.get_job()
+                if job.failed:
+                    first = job.failed[0]
+                    placed = {m.member.rank: m.member for m in job.members}
+                    member = placed.get(first.rank)
+                    return LostMember(
+                        first.rank,
+                        first.host,
+                        first.cause,
+                        member.node_rank if member is not None else None,
+                        member.local_rank if member is not None else None,
+                    )
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)  # poll interval while the daemon catches up
+    except (RendezvousError, OSError, ValueError):
+        return None

@@ -1,0 +1,271 @@
+"""The node agent's worker processes: warm spares, assigned workers, and their events.
+
+Every worker starts as a spare: it imports the user's script up to
+``init_distributed()`` and blocks there until the agent assigns it a rank, so a
+restart hands the new generation to processes that already paid Python, numpy
+and gRPC start-up. Each process has a private channel (``agent_channel``), a
+reaper thread blocked in ``waitid`` (the agent learns of a death at once, in the
+kernel's order) and a reader thread for its frames; both only post events to
+the agent's queue, where the agent's main thread decides. A frame the worker
+should not have sent (``FrameError``, or anything else reading it raised) ends
+its reader with a ``Misbehaved`` event: the worker is failed with that cause.
+
+Processes are spawned from the agent's main thread only: the parent-death
+signal fires when the *thread* that forked exits, so a spare forked from a
+short-lived thread would be killed with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rendezvousd.trainer.agent.agent_channel import Channel, ChannelClosed
+from rendezvousd.trainer.agent.agent_worker import Assignment
+from rendezvousd.trainer.agent.state_copy import MAX_STEP, StateCopy, StepState
+from rendezvousd.trainer.agent.worker_boot import Booted, boot
+from rendezvousd.trainer.errors import AgentChannelError
+
+
+@dataclass(frozen=True)
+class Exited:
+    worker: WorkerProcess
+    code: int
+    at: float
+
+    @property
+    def how(self) -> str:
+        if self.code < 0:
+            try:
+                return f"signal {signal.Signals(-self.code).name}"
+            except ValueError:
+                return f"signal {-self.code}"
+        return f"exit code {self.code}"
+
+
+@dataclass(frozen=True)
+class Ready:
+    worker: WorkerProcess
+
+
+@dataclass(frozen=True)
+class Reported:
+    """The worker failed by itself and is about to exit: the agent tells the daemon
+    (and acknowledges) before the worker closes its ring, so that the daemon
+    records this rank, not a peer that fails on the closed ring a moment later."""
+
+    worker: WorkerProcess
+    cause: str
+
+
+@dataclass(frozen=True)
+class Misbehaved:
+    """The worker sent a frame its agent cannot take (``cause`` says which and why);
+    its reader stopped, since the channel's position is lost with it."""
+
+    worker: WorkerProcess
+    cause: str
+
+
+class WorkerProcess:
+    """One worker process (started by ``worker_boot.boot``) and its channel;
+    ``local_rank`` is None while a spare. ``slot``: the local rank it was started
+    for (its ``LOCAL_RANK``)."""
+
+    def __init__(
+        self, serial: int, booted: Booted, events: queue.Queue[Any], state: StateCopy
+    ) -> None:
+        self.serial = serial
+        self.slot = booted.slot
+        self.proc = booted.proc
+        self.channel = Channel(booted.sock)
+        self.local_rank: int | None = None
+        self.ready = threading.Event()
+        self.exited = threading.Event()
+        self.last_progress = time.monotonic()
+        self.reported_progress = False
+        #: The step of the worker's last progress or state frame (what the node's
+        #: heartbeat shows the daemon); None before one with a valid step.
+        self.last_step: int | None = None
+        #: The last frame of any kind from the worker (its ``alive`` beats included).
+        self.last_heard = time.monotonic()
+        #: What the worker said when it reported its own failure (``Reported``).
+        self.reported_cause: str | None = None
+        #: Why the agent stopped a spare that sent a bad frame (``Misbehaved``).
+        self.fault: str | None = None
+        # The step of this worker's last state frame: the next may not be far past it.
+        self._state_step: int | None = None
+        self._events = events
+        self._state = state
+        for target, name in ((self._reap, "reaper"), (self._read, "reader")):
+            threading.Thread(
+                target=target, daemon=True, name=f"rendezvous-agent-{name}-{serial}"
+            ).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _reap(self) -> None:
+        # WNOWAIT: learn of the exit but keep the zombie, so that ``kill`` can
+        # never signal a recycled pid before ``exited`` is set.
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        at = time.monotonic()
+        self.exited.set()
+        code = self.proc.wait()
+        self._events.put(Exited(self, code, at))
+
+    def _read(self) -> None:
+        try:
+            while (frame := self.channel.recv()) is not None:
+                self.last_heard = time.monotonic()
+                if frame.kind == "ready":
+                    self.ready.set()
+                    self._events.put(Ready(self))
+                elif frame.kind in ("progress", "state"):
+                    self.last_progress = time.monotonic()
+                    self.reported_progress = True
+                    step = frame.header.get("step")
+                    # Only shown, never acted on: a value out of range is not kept.
+                    if type(step) is int and 0 <= step <= MAX_STEP:
+                        self.last_step = step
+                    if frame.kind == "state":
+                        self._state.offer(frame, self._state_step)
+                        self._state_step = frame.header["step"]
+                elif frame.kind == "failed":
+                    self._events.put(Reported(self, str(frame.header.get("cause", ""))))
+        except (ChannelClosed, OSError):
+            pass  # the worker is going away (or we closed it): the reaper reports it
+        except Exception as exc:
+            # Anything a frame provokes (a limit, MemoryError, a bug here) is the
+            # sending worker's failure, told with its cause, never a dead thread.
+            if not self.channel.closed:
+                what = str(exc) if isinstance(exc, AgentChannelError) else repr(exc)
+                self._events.put(Misbehaved(self, f"a bad frame on its agent channel: {what}"))
+
+    def assign(self, assignment: Assignment, restored: StepState | None) -> None:
+        """Make this spare the worker of ``assignment`` (one frame; the spare reads
+        it as soon as it is warm, so there is nothing to wait for here)."""
+        self.local_rank = assignment.local_rank
+        self.last_progress = self.last_heard = time.monotonic()
+        secrets = assignment.secrets_payload()
+        header: dict[str, Any] = {**assignment.header(), "secrets_bytes": len(secrets)}
+        payload = secrets
+        if restored is not None:
+            header["state"] = {
+                "step": restored.step,
+                "meta": restored.meta,
+                "arrays": restored.entries,
+            }
+            payload += restored.payload
+        self.channel.send("assign", header, payload)
+
+    def signal(self, signum: int) -> None:
+        if not self.exited.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signum)
+
+    def abort(self, cause: str) -> None:
+        """Tell the worker why it is about to be stopped (best effort)."""
+        with contextlib.suppress(AgentChannelError):
+            self.channel.send("abort", {"cause": cause})
+
+    def ack_failure(self) -> None:
+        """The reported failure is known to the daemon: the worker may close its ring."""
+        with contextlib.suppress(AgentChannelError):
+            self.channel.send("failure-noted")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def stop_all(workers: Sequence[WorkerProcess], cause: str | None, grace_s: float) -> None:
+    """Abort (when ``cause`` is given), SIGTERM, and SIGKILL whatever is left after
+    ``grace_s``; returns once every one has exited (bounded: a process SIGKILL
+    cannot end would be a kernel bug)."""
+    for w in workers:
+        if cause is not None:
+            w.abort(cause)
+        w.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        w.exited.wait(max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        w.signal(signal.SIGKILL)
+    for w in workers:
+        w.exited.wait(5.0)
+        w.close()
+
+
+class SparePool:
+    """Warm processes waiting for an assignment, one per local rank ("slot").
+
+    A spare is started for one local rank, with that rank's torchrun variables
+    (``slot_env``) in its environment from the first instruction on, so a script
+    that reads ``LOCAL_RANK`` at import time works as under torchrun; it is then
+    only ever assigned that local rank.
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        events: queue.Queue[Any],
+        state: StateCopy,
+        slot_env: Callable[[int], Mapping[str, str]] | None = None,
+    ) -> None:
+        self._cmd = list(cmd)
+        self._env = dict(env)
+        self._events = events
+        self._state = state
+        self._slot_env = slot_env
+        self._serial = 0
+        self.spares: list[WorkerProcess] = []
+
+    def adopt(self, booted: Sequence[Booted]) -> None:
+        """Take over spares started before the agent existed (``worker_boot.boot_spares``)."""
+        for b in booted:
+            self._serial += 1
+            self.spares.append(WorkerProcess(self._serial, b, self._events, self._state))
+
+    def fill(self, count: int) -> None:
+        """One live spare for each of local ranks ``0..count-1``."""
+        for slot in range(count):
+            if not any(w.slot == slot and not w.exited.is_set() for w in self.spares):
+                self._serial += 1
+                env = {**self._env, **(self._slot_env(slot) if self._slot_env else {})}
+                started = boot(slot, self._cmd, env)
+                self.spares.append(WorkerProcess(self._serial, started, self._events, self._state))
+
+    def take(self, count: int) -> list[WorkerProcess]:
+        """The spare for each local rank ``0..count-1``, the warmest of its slot
+        (ready ones, then the oldest)."""
+        self.spares = [w for w in self.spares if not w.exited.is_set()]
+        self.fill(count)
+        taken = []
+        for slot in range(count):
+            mine = sorted(
+                (w for w in self.spares if w.slot == slot),
+                key=lambda w: (not w.ready.is_set(), w.serial),
+            )
+            taken.append(mine[0])
+            self.spares.remove(mine[0])
+        return taken
+
+    def discard(self, worker: WorkerProcess) -> bool:
+        if worker in self.spares:
+            self.spares.remove(worker)
+            return True
+        return False
+
+    def stop(self) -> None:
+        stop_all(self.spares, None, 0.0)  # unassigned: nothing to tell them
+        self.spares = []

@@ -1,0 +1,1 @@
+"""Communicators: the interface, the CPU ring and shared-memory transports, and NCCL."""

@@ -1,0 +1,104 @@
+"""Where arrays live: numpy on the host for the cpu backend, CuPy on a GPU for nccl.
+
+Training code written against the returned array module ("xp") runs unchanged
+on both. CuPy is never imported here: the module object comes from
+``nccl._import_cupy``, the package's one CuPy seam, so the cpu backend never
+touches CuPy and tests can inject a fake there.
+
+Device arrays refuse implicit conversion (``np.asarray`` raises on a CuPy
+array), so every crossing between host and device goes through ``to_host`` and
+``to_device`` and is explicit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from rendezvousd.trainer.comm import nccl
+from rendezvousd.trainer.errors import ConfigError
+
+
+def array_module(backend: str) -> Any:
+    """numpy for ``backend`` "cpu", CuPy for "nccl"; ConfigError if CuPy is missing."""
+    if backend == "cpu":
+        return np
+    if backend != "nccl":
+        raise ConfigError(f"backend {backend!r} has no array module; expected 'cpu' or 'nccl'")
+    try:
+        return nccl._import_cupy()
+    except Exception as exc:  # ImportError, or a CUDA library failing to load
+        raise ConfigError(
+            f"backend 'nccl' keeps arrays on the GPU with CuPy, which does not import here "
+            f"({type(exc).__name__}: {exc}); install rendezvousd[gpu-cuda12] or "
+            "rendezvousd[gpu-cuda13] to match the CUDA driver, or use backend 'cpu'"
+        ) from exc
+
+
+def is_device_array(array: object) -> bool:
+    """True for a CuPy (device) array; never imports CuPy to find out."""
+    return nccl.is_cupy_array(array)
+
+
+def set_device(xp: Any, local_rank: int) -> None:
+    """Make GPU ``local_rank`` current before anything is allocated; no-op on numpy.
+
+    One process drives one GPU, the one its node-local rank names: without this
+    every rank on a node would allocate on device 0, where its communicator is not.
+    """
+    if xp is np:
+        return
+    xp.cuda.Device(local_rank).use()
+
+
+def to_host(array: Any) -> npt.NDArray[Any]:
+    """``array`` as a host numpy array: a device-to-host copy for CuPy, as-is for numpy."""
+    if is_device_array(array):
+        host: npt.NDArray[Any] = nccl._import_cupy().asnumpy(array)
+        return host
+    return np.asarray(array)
+
+
+def to_device(array: Any, xp: Any) -> Any:
+    """``array`` in ``xp``'s memory: a host-to-device copy for CuPy, as-is for numpy."""
+    if xp is np:
+        return to_host(array)
+    if is_device_array(array):
+        return array
+    return xp.asarray(array)
+
+
+#: Test mode: every local rank on GPU 0, each process its own NCCL "host".
+SHARED_DEVICE_ENV = "RENDEZVOUSD_NCCL_SHARED_DEVICE"
+
+
+def shares_one_device(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``RENDEZVOUSD_NCCL_SHARED_DEVICE=1`` asks for all ranks on GPU 0.
+
+    Stock NCCL refuses two ranks on one device ("Duplicate GPU detected"); ranks in
+    processes with different ``NCCL_HOSTID`` (sockets on loopback, no InfiniBand)
+    are treated as separate hosts instead. That is how a machine with one GPU runs
+    world > 1 (the GPU check); it measures no NVLink or PCIe path, only sockets.
+    """
+    return (os.environ if env is None else env).get(SHARED_DEVICE_ENV, "") == "1"
+
+
+def device_for(local_rank: int, env: Mapping[str, str] | None = None) -> int:
+    """The GPU this worker drives: its local rank, or 0 in the shared-device mode."""
+    return 0 if shares_one_device(env) else local_rank
+
+
+def prepare_nccl(local_rank: int, env: MutableMapping[str, str] | None = None) -> None:
+    """Before the first NCCL call of this process (NCCL reads its environment then):
+    in the shared-device mode, give this process its own NCCL host identity."""
+    environ = os.environ if env is None else env
+    if not shares_one_device(environ):
+        return
+    environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-rendezvousd-{local_rank}")
+    environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    environ.setdefault("NCCL_IB_DISABLE", "1")

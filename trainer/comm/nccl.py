@@ -1,0 +1,553 @@
+"""NCCL communicator over CuPy, and the package's only CuPy import.
+
+Everything CuPy-specific lives here so the rest of the trainer imports on
+machines without CuPy or a GPU: ``import cupy`` happens only inside
+``_import_cupy`` (the test seam), never at module import time. CuPy and NCCL
+exceptions are translated into the trainer's exception tree in exactly one
+place, ``NcclCommunicator._failure``.
+
+The NCCL unique id is a bearer credential (whoever holds it while the
+group forms can claim a rank), so it is never logged, never put into an error
+message or repr, and not kept after the communicator is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Final
+
+import numpy as np
+
+from rendezvousd.trainer import errors as errs
+from rendezvousd.trainer.comm.communicator import RankedCommunicator, ReduceOp
+from rendezvousd.trainer.comm.nccl_id import unique_id_to_bytes, unique_id_to_tuple
+from rendezvousd.trainer.comm.nccl_watchdog import InitWatchdog
+
+__all__ = [
+    "CupyBufferOps",
+    "NcclCommunicator",
+    "create_unique_id",
+    "cupy_available",
+    "device_count",
+    "is_cupy_array",
+    "unavailable_reason",
+    "unique_id_to_bytes",
+    "unique_id_to_tuple",
+]
+
+
+# NCCL encodes versions as major*10000 + minor*100 + patch from 2.9 on.
+_AVG_MIN_VERSION = 21003
+_NCCL_AVG = 4
+
+# ncclDataType_t values are part of NCCL's ABI, so the table does not depend on
+# which constants a given CuPy release happens to re-export.
+_DTYPE_CODES: dict[str, int] = {
+    "int8": 0,
+    "uint8": 1,
+    "int32": 2,
+    "uint32": 3,
+    "int64": 4,
+    "uint64": 5,
+    "float16": 6,
+    "float32": 7,
+    "float64": 8,
+    "bfloat16": 9,
+}
+_OP_CODES: dict[ReduceOp, int] = {ReduceOp.SUM: 0, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
+
+# ncclSystemError (sockets, shared memory) and ncclRemoteError (a peer went away)
+# are what a dead or unreachable peer produces.
+_PEER_STATUSES = frozenset({2, 6})
+
+_POLL_S = 0.0005
+# How long abort() lets a thread finish enqueueing before aborting under it.
+_ABORT_GRACE_S = 2.0
+# CuPy < 13.4 has no name for ncclRemoteError (6): building its NcclError raises
+# KeyError(6) instead, which the error seam maps like the status it stands for.
+_MIN_CUPY = (13, 4)
+
+
+def _status_of(exc: BaseException) -> int | None:
+    if isinstance(exc, KeyError):
+        key = exc.args[0] if exc.args else None
+        return key if isinstance(key, int) and 0 <= key < 16 else None
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def _error_text(exc: BaseException, status: int | None) -> str:
+    if isinstance(exc, KeyError):
+        return f"NCCL status {status} (CuPy could not name it)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _import_cupy() -> Any:
+    """Import CuPy with its NCCL bindings; tests replace this function."""
+    # Importing the submodule explicitly: older CuPy does not load it with cupy.
+    import cupy.cuda.nccl
+
+    return cupy
+
+
+def _cupy_or_none() -> Any | None:
+    try:
+        return _import_cupy()
+    except Exception:  # ImportError, or a CUDA library failing to load
+        return None
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports on this machine (whether it can load NCCL or not)."""
+    return _cupy_or_none() is not None
+
+
+# CuPy's wheels bring no NCCL: cupy.cuda.nccl imports anyway and says
+# available = False when it cannot load libnccl, which a pip install fixes.
+_NO_NCCL = (
+    "CuPy cannot load the NCCL library (libnccl.so.2); install nvidia-nccl-cu12 or "
+    "nvidia-nccl-cu13 to match CuPy's CUDA (the rendezvousd[gpu-cuda12] and "
+    "rendezvousd[gpu-cuda13] extras include it), or a system NCCL"
+)
+
+
+def unavailable_reason() -> str | None:
+    """None when the nccl backend can run here, else what is missing, in words:
+    CuPy, its NCCL library, or a CUDA device (with CUDA's own error)."""
+    try:
+        cp = _import_cupy()
+    except Exception as exc:  # ImportError, or a CUDA library failing to load
+        return f"CuPy does not import ({type(exc).__name__}: {exc})"
+    if not getattr(cp.cuda.nccl, "available", True):
+        return _NO_NCCL
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError: no driver, or one too old for CuPy
+        return f"no CUDA device ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA device (CuPy sees none)"
+
+
+def device_count() -> int:
+    """Number of visible CUDA devices; 0 without CuPy, a driver or a GPU."""
+    cp = _cupy_or_none()
+    if cp is None:
+        return 0
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:  # CUDARuntimeError when no driver or device is present
+        return 0
+
+
+def _require_cupy() -> Any:
+    cp = _cupy_or_none()
+    if cp is None:
+        raise errs.ConfigError(
+            "backend 'nccl' needs CuPy with NCCL; install the extra matching the CUDA "
+            "driver: rendezvousd[gpu-cuda12] (cupy-cuda12x) or rendezvousd[gpu-cuda13] "
+            "(cupy-cuda13x)"
+        )
+    if not getattr(cp.cuda.nccl, "available", True):
+        raise errs.ConfigError(f"backend 'nccl': {_NO_NCCL}")
+    version = _cupy_version(cp)
+    if version is not None and version < _MIN_CUPY:
+        raise errs.ConfigError(
+            f"backend 'nccl' needs CuPy >= 13.4 (older releases cannot report NCCL's "
+            f"remote error), but CuPy {cp.__version__} is installed; upgrade CuPy"
+        )
+    return cp
+
+
+def _cupy_version(cp: Any) -> tuple[int, int] | None:
+    """(major, minor), or None for a version string that does not parse (dev builds)."""
+    parts = str(getattr(cp, "__version__", "")).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def is_cupy_array(array: object) -> bool:
+    """Recognise a CuPy array without importing CuPy (none exist if it is not loaded)."""
+    module = type(array).__module__
+    return module == "cupy" or module.startswith("cupy.")
+
+
+# --- the unique id ---------------------------------------------------------
+
+
+def _cupy_major(cp: Any) -> int:
+    try:
+        return int(str(cp.__version__).split(".", 1)[0])
+    except (AttributeError, ValueError):
+        return 0
+
+
+def create_unique_id() -> bytes:
+    """Create a fresh id on global rank 0; it serves exactly one communicator init."""
+    cp = _require_cupy()
+    try:
+        raw = cp.cuda.nccl.get_unique_id()
+    except Exception as exc:
+        raise errs.CommunicatorError(f"rank 0: NCCL get_unique_id failed: {exc}") from exc
+    return unique_id_to_bytes(raw)
+
+
+# --- type and op mapping ---------------------------------------------------
+
+
+def nccl_dtype(dtype: Any, version: int) -> int:
+    """NCCL datatype code for a numpy/CuPy dtype; CollectiveArgumentError when NCCL has none."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    code = _DTYPE_CODES.get(name)
+    if code is None:
+        supported = ", ".join(_DTYPE_CODES)
+        raise errs.CollectiveArgumentError(
+            f"NCCL cannot reduce dtype {name}; supported: {supported}"
+        )
+    if name == "bfloat16" and version < _AVG_MIN_VERSION:
+        raise errs.CollectiveArgumentError(
+            "NCCL bfloat16 needs NCCL >= 2.10.3; upgrade NCCL or reduce in float32"
+        )
+    return code
+
+
+def nccl_op(op: ReduceOp, version: int) -> tuple[int, bool]:
+    """(op code, divide afterwards); AVG falls back to SUM + division on old NCCL."""
+    if op is ReduceOp.AVG:
+        if version >= _AVG_MIN_VERSION:
+            return _NCCL_AVG, False
+        return _OP_CODES[ReduceOp.SUM], True
+    return _OP_CODES[op], False
+
+
+# --- the communicator ------------------------------------------------------
+
+
+def _peers_text(rank: int, world_size: int) -> str:
+    """The peer set named in errors; long worlds are summarised, not listed."""
+    if world_size <= 9:
+        others = [str(r) for r in range(world_size) if r != rank]
+        return "ranks " + ", ".join(others) if others else "no peers"
+    return f"ranks 0..{world_size - 1} except {rank}"
+
+
+class NcclCommunicator(RankedCommunicator):
+    """One rank of an NCCL group on one GPU (backend ``"nccl"``).
+
+    Collectives run on a dedicated non-blocking stream, ordered after the
+    caller's current stream through an event. Every collective then waits on
+    the host until NCCL has finished it, polling the completion event and
+    NCCL's asynchronous error state instead of blocking in CUDA, so a dead peer,
+    ``abort()`` from another thread or ``timeout`` ends the wait with an error;
+    the caller's stream is made to wait for the collective before returning.
+
+    NCCL errors are asynchronous: after one the communicator is ``abort()``ed
+    (never destroyed, which can block forever on a failed group) and every
+    later call raises ``CommunicatorAborted``.
+    """
+
+    backend: Final = "nccl"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        unique_id: bytes,
+        device: int,
+        *,
+        timeout: float | None = None,
+        setup_timeout: float | None = None,
+        on_setup_timeout: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self.device: Final = device
+        self._timeout = timeout
+        self._cp = _require_cupy()
+        self._nccl = self._cp.cuda.nccl
+        self._errors = self._foreign_error_types()
+        # _lock serialises collectives (they share the events); _handle_lock
+        # serialises calls into the NCCL handle against abort()/destroy(), which
+        # free it: CuPy zeroes the handle on abort, but a call already inside
+        # NCCL would still use the freed one.
+        self._lock = threading.Lock()
+        self._handle_lock = threading.Lock()
+        self._aborted: str | None = None
+        self._closed = False
+        self._comm: Any = None
+        uid = unique_id_to_bytes(unique_id)
+        try:
+            self.nccl_version: Final = int(self._nccl.get_version())
+            with self._cp.cuda.Device(device):
+                self._stream = self._cp.cuda.Stream(non_blocking=True)
+                self._ready = self._cp.cuda.Event(disable_timing=True)
+                self._done = self._cp.cuda.Event(disable_timing=True)
+                self._token = self._cp.zeros(1, dtype=np.float32)
+                if setup_timeout is None:
+                    self._comm = self._init_comm(uid)
+                else:
+                    what = f"rank {rank}/{world_size}: NCCL init on device {device}"
+                    with InitWatchdog(setup_timeout, what, on_timeout=on_setup_timeout):
+                        self._comm = self._init_comm(uid)
+        except self._errors as exc:
+            raise self._failure("init", exc) from exc
+
+    def _init_comm(self, uid: bytes) -> Any:
+        tuple_form = unique_id_to_tuple(uid)
+        first: Any = uid if _cupy_major(self._cp) >= 14 else tuple_form
+        second: Any = tuple_form if first is uid else uid
+        try:
+            return self._nccl.NcclCommunicator(self.world_size, first, self.rank)
+        except TypeError:
+            # The constructor's Cython signature rejects the other form before
+            # NCCL sees anything, so retrying with it is safe.
+            return self._nccl.NcclCommunicator(self.world_size, second, self.rank)
+
+    def _foreign_error_types(self) -> tuple[type[BaseException], ...]:
+        candidates = (
+            getattr(self._nccl, "NcclError", None),
+            getattr(self._cp.cuda.runtime, "CUDARuntimeError", None),
+            getattr(getattr(self._cp.cuda, "driver", None), "CUDADriverError", None),
+            KeyError,  # CuPy < 13.4 building NcclError(6): see _status_of
+        )
+        return tuple(c for c in candidates if isinstance(c, type) and issubclass(c, BaseException))
+
+    @property
+    def aborted(self) -> str | None:
+        """The abort reason once ``abort()`` ran, else None."""
+        return self._aborted
+
+    def __repr__(self) -> str:
+        state = "aborted" if self._aborted is not None else "closed" if self._closed else "open"
+        return (
+            f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device}, {state})"
+        )
+
+    # -- error seam --
+
+    def _failure(self, operation: str, exc: BaseException) -> errs.CommunicatorError:
+        where = f"rank {self.rank}/{self.world_size}: NCCL {operation}"
+        if self._aborted is not None:
+            return errs.CommunicatorAborted(f"{where} failed after abort: {self._aborted}")
+        status = _status_of(exc)
+        if isinstance(exc, KeyError) and status is None:
+            return errs.CommunicatorError(f"{where} failed: KeyError: {exc}")
+        if operation != "init":
+            # An NCCL error leaves the communicator unusable; abort frees it
+            # without the hang destroy() risks on a failed group.
+            self.abort(f"NCCL {operation} failed: {_error_text(exc, status)}")
+        if status in _PEER_STATUSES:
+            peers = _peers_text(self.rank, self.world_size)
+            kind = errs.TransientInitError if operation == "init" else errs.PeerConnectionError
+            return kind(
+                f"{where} failed, a peer ({peers}) is unreachable: {_error_text(exc, status)}"
+            )
+        return errs.CommunicatorError(f"{where} failed: {_error_text(exc, status)}")
+
+    def _check_usable(self, operation: str) -> None:
+        if self._aborted is not None:
+            raise errs.CommunicatorAborted(
+                f"rank {self.rank}: NCCL {operation} after abort: {self._aborted}"
+            )
+        if self._closed:
+            raise errs.CommunicatorError(
+                f"rank {self.rank}: NCCL {operation} on a closed communicator"
+            )
+
+    @contextlib.contextmanager
+    def _in_nccl(self, operation: str) -> Iterator[Any]:
+        """The live handle, held against a concurrent abort for one NCCL call."""
+        with self._handle_lock:
+            self._check_usable(operation)
+            yield self._comm
+
+    def _run(self, operation: str, count: int, enqueue: Callable[[Any, Any], None]) -> None:
+        """Order after the caller's stream, enqueue, wait abortably, order the caller after.
+
+        An empty buffer (``count`` 0) makes no NCCL call: only the state is checked.
+        """
+        if count == 0:
+            self._check_usable(operation)
+            return
+        with self._lock:
+            self._check_usable(operation)
+            try:
+                with self._cp.cuda.Device(self.device):
+                    caller = self._cp.cuda.get_current_stream()
+                    self._ready.record(caller)
+                    self._stream.wait_event(self._ready)
+                    with self._in_nccl(operation) as comm:
+                        enqueue(comm, self._stream)
+                    self._done.record(self._stream)
+                self._wait_done(operation)
+                with self._cp.cuda.Device(self.device):
+                    caller.wait_event(self._done)
+            except self._errors as exc:
+                raise self._failure(operation, exc) from exc
+
+    def _wait_done(self, operation: str) -> None:
+        # Polling instead of synchronize() keeps the wait abortable: a blocked
+        # cudaEventSynchronize would notice neither abort() nor a timeout.
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        with self._cp.cuda.Device(self.device):
+            while not self._done.done:
+                with self._in_nccl(operation) as comm:
+                    comm.check_async_error()
+                if deadline is not None and time.monotonic() > deadline:
+                    peers = _peers_text(self.rank, self.world_size)
+                    reason = f"{operation} timed out after {self._timeout:g} s waiting for {peers}"
+                    self.abort(reason)
+                    raise errs.CommunicatorTimeout(
+                        f"rank {self.rank}/{self.world_size}: NCCL {operation} did not "
+                        f"finish within collective_timeout_s={self._timeout:g} s (peers: "
+                        f"{peers}); communicator aborted. A peer is likely dead or stuck"
+                    )
+                time.sleep(_POLL_S)
+        self._check_usable(operation)
+
+    def _buffer_args(self, array: Any, operation: str) -> tuple[int, int, int]:
+        if not isinstance(array, self._cp.ndarray):
+            raise errs.CollectiveArgumentError(
+                f"rank {self.rank}: NCCL {operation} needs a CuPy array, not {type(array).__name__}"
+            )
+        if not array.flags.c_contiguous:
+            raise errs.CollectiveArgumentError(
+                f"rank {self.rank}: NCCL {operation} needs a C-contiguous array; "
+                "pass cupy.ascontiguousarray(array) and copy the result back"
+            )
+        if array.device.id != self.device:
+            raise errs.CollectiveArgumentError(
+                f"rank {self.rank}: NCCL {operation}: array is on device {array.device.id}, "
+                f"communicator on device {self.device}"
+            )
+        return int(array.data.ptr), int(array.size), nccl_dtype(array.dtype, self.nccl_version)
+
+    # -- collectives --
+
+    def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
+        ptr, count, dtype = self._buffer_args(array, "all_reduce")
+        code, divide = nccl_op(op, self.nccl_version)
+
+        def enqueue(comm: Any, stream: Any) -> None:
+            comm.allReduce(ptr, ptr, count, dtype, code, stream.ptr)
+
+        self._run("all_reduce", count, enqueue)
+        if divide and count:
+            # On the caller's stream, which _run ordered after the sum.
+            if array.dtype.kind in "iu":
+                array //= self.world_size
+            else:
+                array /= self.world_size
+
+    def broadcast(self, array: Any, root: int = 0) -> None:
+        ptr, count, dtype = self._buffer_args(array, "broadcast")
+        self._check_root(root)
+
+        def enqueue(comm: Any, stream: Any) -> None:
+            comm.broadcast(ptr, ptr, count, dtype, root, stream.ptr)
+
+        self._run("broadcast", count, enqueue)
+
+    def barrier(self) -> None:
+        ptr, count, dtype = self._buffer_args(self._token, "barrier")
+
+        def enqueue(comm: Any, stream: Any) -> None:
+            comm.allReduce(ptr, ptr, count, dtype, _OP_CODES[ReduceOp.SUM], stream.ptr)
+
+        self._run("barrier", count, enqueue)
+
+    def abort(self, reason: str) -> None:
+        # Not self._lock: abort must get through while a collective waits on it.
+        if self._aborted is not None:
+            return
+        self._aborted = reason
+        # A thread inside an NCCL call holds _handle_lock for the enqueue only;
+        # if it is stuck there (a blocking first call connecting to a dead peer),
+        # ncclCommAbort is the documented way to unblock it, so go ahead.
+        locked = self._handle_lock.acquire(timeout=_ABORT_GRACE_S)
+        try:
+            comm = None if self._closed else self._comm
+            if comm is not None:
+                # The communicator is unusable whatever abort() reports.
+                with contextlib.suppress(Exception), self._cp.cuda.Device(self.device):
+                    comm.abort()
+        finally:
+            if locked:
+                self._handle_lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                if self._comm is not None and self._aborted is None:
+                    # Drain first, abortably: destroying a communicator with work
+                    # in flight can block forever on a dead peer.
+                    with self._cp.cuda.Device(self.device):
+                        self._done.record(self._stream)
+                    self._wait_done("close")
+                    with self._in_nccl("close") as comm, self._cp.cuda.Device(self.device):
+                        comm.destroy()
+            except errs.CommunicatorAborted:
+                pass  # abort() has already released NCCL's resources
+            except self._errors as exc:
+                raise self._failure("close", exc) from exc
+            finally:
+                with self._handle_lock:
+                    self._closed = True
+                    self._comm = None
+
+
+# --- helpers for bucketing.py (it must not import CuPy itself) -------------
+
+
+class CupyBufferOps:
+    """The bucketed reducer's device side for CuPy gradients on one device (DDP's scheme).
+
+    At a bucket's launch, on the caller's thread, an event is recorded on the
+    caller's *current* stream (whatever it is: legacy, per-thread default or a
+    user stream). The reducer's worker makes its own communication stream wait
+    on that event and packs, all-reduces and unpacks there, so backward
+    kernels queued after the launch never wait on communication. ``join_caller``
+    (from ``wait()``) makes the caller's stream wait once, on the communication
+    stream's final event.
+    """
+
+    def __init__(self, device: int) -> None:
+        self.xp: Final = _require_cupy()
+        self.device: Final = device
+        with self.xp.cuda.Device(device):
+            # The communication stream packs, all-reduces and unpacks run on.
+            self.stream: Final = self.xp.cuda.Stream(non_blocking=True)
+            self._final = self.xp.cuda.Event(disable_timing=True)
+        self._ready: dict[int, Any] = {}
+
+    @staticmethod
+    def device_of(array: Any) -> int:
+        return int(array.device.id)
+
+    def empty(self, count: int, dtype: np.dtype[Any]) -> Any:
+        with self.xp.cuda.Device(self.device):
+            return self.xp.empty(count, dtype=dtype)
+
+    def mark_launch(self, number: int) -> None:
+        with self.xp.cuda.Device(self.device):
+            event = self._ready.get(number)
+            if event is None:
+                event = self._ready[number] = self.xp.cuda.Event(disable_timing=True)
+            event.record(self.xp.cuda.get_current_stream())
+
+    @contextlib.contextmanager
+    def worker_scope(self, number: int) -> Iterator[None]:
+        # CuPy's current device and stream are thread-local: the worker sets both.
+        with self.xp.cuda.Device(self.device), self.stream:
+            self.stream.wait_event(self._ready[number])
+            yield
+
+    def join_caller(self) -> None:
+        with self.xp.cuda.Device(self.device):
+            self._final.record(self.stream)
+            self.xp.cuda.get_current_stream().wait_event(self._final)

@@ -1,0 +1,463 @@
+"""Wire layer of the CPU ring: authenticated connection setup, frames, the sender thread.
+
+Sockets are written by hand on purpose: gloo and torch are not dependencies, and a
+ring needs only two TCP streams per rank.
+
+Every rank connects to its right neighbour and accepts from its left. Both ends
+authenticate with the handshake of ``peer_auth`` (HMAC over fresh nonces from both
+sides, binding rank, world size and the rank they meant to reach); handshakes advance
+under one selector, so a stray or foreign connection never blocks the accept loop.
+
+After setup, data flows left to right as frames (a fixed header, then the payload).
+The otherwise idle right-to-left direction carries acknowledgements and failure
+notices, so a failing rank can tell its upstream neighbour why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rendezvousd.trainer.comm import peer_auth
+from rendezvousd.trainer.errors import CommunicatorTimeout, PeerConnectionError
+
+# Frame kinds.
+DATA = 1
+ACK = 2
+FAIL = 3
+
+# Collectives, carried in every data frame so mismatched calls are caught, not summed.
+ALL_REDUCE = 1
+BROADCAST = 2
+BARRIER = 3
+COLLECTIVE_NAMES = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier"}
+
+# Failure codes, carried in FAIL frames so every survivor names the rank that failed.
+LOST = 1
+TIMEOUT = 2
+ABORTED = 3
+MISMATCH = 4
+INTERRUPTED = 5
+
+# kind, collective, op (or failure code), dtype, sequence, total bytes, aux (root or
+# origin rank), frame index, payload length.
+FRAME = struct.Struct("<BBBBIQIII")
+MAX_DETAIL_BYTES = 512
+
+_MAGIC = b"RDVRING2"
+# A real peer answers in milliseconds; a silent stray is dropped after this.
+_HANDSHAKE_S = 5.0
+_MAX_PENDING = 32
+
+
+class LinkError(Exception):
+    """Internal: a ring link failed; the communicator turns it into a public error."""
+
+    def __init__(self, origin: int, code: int, detail: str, via: int | None = None) -> None:
+        super().__init__(detail)
+        self.origin = origin
+        self.code = code
+        self.detail = detail
+        self.via = via
+
+
+def create_listener(host: str, buffer_bytes: int | None = None, port: int = 0) -> socket.socket:
+    """Bind a listening TCP socket on ``host`` (an ephemeral port by default)."""
+    family, stype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, stype, proto)
+    try:
+        tune_socket(sock, buffer_bytes)
+        sock.bind(addr)
+        sock.listen(64)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:
+    # Set before connect/listen so the window scale is negotiated for the buffer size.
+    if buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket with kernel-side timeouts, so MSG_WAITALL reads stay one syscall."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    micros = min(999_999, round((seconds - whole) * 1e6))
+    tv = struct.pack("ll", whole, micros if whole or micros else 1)  # 0 would mean "never"
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+@dataclass
+class _Pending:
+    sock: socket.socket
+    acceptance: peer_auth.Acceptance
+    deadline: float
+    buffer: bytearray
+
+
+@dataclass(frozen=True)
+class _Ring:
+    auth: peer_auth.PeerAuth  # this rank's place and the ring's size: auth.rank, auth.world
+    timeout: float
+
+
+def establish_ring(
+    listener: socket.socket,
+    addresses: Sequence[tuple[str, int]],
+    secret: bytes,
+    rank: int,
+    world: int,
+    timeout: float,
+    buffer_bytes: int | None,
+) -> tuple[socket.socket, socket.socket]:
+    """Return authenticated (left, right) sockets; accept and connect run concurrently."""
+    ring = _Ring(peer_auth.PeerAuth(peer_auth.derive_key(secret), _MAGIC, rank, world), timeout)
+    deadline = time.monotonic() + timeout
+    right = (rank + 1) % world
+    outcome: list[socket.socket | BaseException] = []
+
+    def connect() -> None:
+        try:
+            outcome.append(_connect(ring, right, addresses[right], deadline, buffer_bytes))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    def connect_failed() -> bool:
+        return bool(outcome) and isinstance(outcome[0], BaseException)
+
+    thread = threading.Thread(target=connect, name=f"cpu-ring-connect-r{rank}", daemon=True)
+    thread.start()
+    try:
+        # Stops early once the connect side failed: setup is lost either way.
+        left = _Acceptor(ring, listener).run(deadline, connect_failed)
+    except BaseException:
+        thread.join()
+        if outcome and isinstance(outcome[0], socket.socket):
+            outcome[0].close()
+        raise
+    thread.join()
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        if left is not None:
+            left.close()
+        raise result
+    assert left is not None
+    for sock in (left, result):
+        set_io_timeout(sock, timeout)
+    return left, result
+
+
+def _connect(
+    ring: _Ring,
+    peer: int,
+    address: tuple[str, int],
+    deadline: float,
+    buffer_bytes: int | None,
+) -> socket.socket:
+    where = f"rank {ring.auth.rank}: rank {peer} at {address[0]}:{address[1]}"
+    delay = 0.02
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CommunicatorTimeout(f"{where} was not reachable within {ring.timeout:g} s")
+        family, stype, proto, _, addr = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, stype, proto)
+        try:
+            tune_socket(sock, buffer_bytes)
+            sock.settimeout(remaining)
+            sock.connect(addr)
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError):
+            sock.close()
+            # The peer may still be binding (direct construction); retry until the deadline.
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)
+            continue
+        except OSError as exc:
+            sock.close()
+            raise PeerConnectionError(f"{where} could not be reached: {exc.strerror}") from exc
+        try:
+            peer_auth.dial(sock, ring.auth, peer, where)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
+class _Acceptor:
+    """Accepts on the listener until the left neighbour authenticates.
+
+    Handshakes advance concurrently under one selector, so a silent or hostile
+    connection costs nothing but a slot until its own short deadline.
+    """
+
+    def __init__(self, ring: _Ring, listener: socket.socket) -> None:
+        self._ring = ring
+        self._listener = listener
+        self._peer = (ring.auth.rank - 1) % ring.auth.world
+        self._pending: dict[int, _Pending] = {}
+        self._selector = selectors.DefaultSelector()
+        self.last_rejection = ""
+
+    def run(self, deadline: float, give_up: Callable[[], bool]) -> socket.socket | None:
+        self._listener.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        try:
+            while True:
+                now = time.monotonic()
+                for entry in [e for e in self._pending.values() if e.deadline <= now]:
+                    self._drop(entry)
+                if give_up():
+                    return None
+                if now >= deadline:
+                    raise self._timeout()
+                wake = min([deadline, now + 0.1, *(e.deadline for e in self._pending.values())])
+                for key, _ in self._selector.select(max(0.0, wake - now)):
+                    if key.fileobj is self._listener:
+                        self._accept_new(now)
+                        continue
+                    entry = self._pending[key.fd]
+                    verdict = _serve_hello(entry)
+                    if verdict == "":
+                        self._selector.unregister(entry.sock)
+                        del self._pending[key.fd]
+                        entry.sock.setblocking(True)
+                        return entry.sock
+                    if verdict is not None:
+                        self.last_rejection = verdict
+                        self._drop(entry)
+        finally:
+            for entry in list(self._pending.values()):
+                self._drop(entry)
+            self._selector.close()
+
+    def _timeout(self) -> CommunicatorTimeout:
+        note = f" (last rejected connection: {self.last_rejection})" if self.last_rejection else ""
+        return CommunicatorTimeout(
+            f"rank {self._ring.auth.rank}: rank {self._peer} did not connect and authenticate "
+            f"within {self._ring.timeout:g} s{note}"
+        )
+
+    def _drop(self, entry: _Pending) -> None:
+        self._selector.unregister(entry.sock)
+        self._pending.pop(entry.sock.fileno(), None)
+        entry.sock.close()
+
+    def _accept_new(self, now: float) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setblocking(False)
+            acceptance = peer_auth.Acceptance(self._ring.auth, lambda r: r == self._peer)
+            try:
+                # A fresh socket's buffer takes the whole challenge at once.
+                conn.send(acceptance.challenge)
+            except OSError:
+                conn.close()
+                continue
+            if len(self._pending) >= _MAX_PENDING:
+                self._drop(min(self._pending.values(), key=lambda e: e.deadline))
+            self._pending[conn.fileno()] = _Pending(
+                conn, acceptance, now + _HANDSHAKE_S, bytearray()
+            )
+            self._selector.register(conn, selectors.EVENT_READ)
+
+
+def _serve_hello(entry: _Pending) -> str | None:
+    """Advance one pending handshake: None = need more bytes, "" = accepted, else why not."""
+    try:
+        data = entry.sock.recv(peer_auth.HELLO_SIZE - len(entry.buffer))
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as exc:
+        return f"connection error {exc.strerror}"
+    if not data:
+        return "closed before completing the handshake"
+    entry.buffer += data
+    if len(entry.buffer) < peer_auth.HELLO_SIZE:
+        return None
+    try:
+        _, welcome = entry.acceptance.verify(bytes(entry.buffer))
+        entry.sock.send(welcome)
+    except PeerConnectionError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"connection error {exc.strerror}"
+    return ""
+
+
+def recv_exact(sock: socket.socket, view: memoryview, peer: int) -> None:
+    """Fill ``view`` from ``sock``; EOF, reset or no progress within the timeout raise."""
+    got = 0
+    size = len(view)
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError) as exc:
+            raise LinkError(peer, TIMEOUT, "no data arrived within the timeout") from exc
+        except OSError as exc:
+            raise LinkError(peer, LOST, f"connection error: {exc.strerror}") from exc
+        if n == 0:
+            raise LinkError(peer, LOST, "connection closed (process exited?)")
+        got += n
+
+
+def peek_failure(sock: socket.socket) -> tuple[int, int, str] | None:
+    """A FAIL frame the peer left in our receive queue before it reset the connection."""
+    try:
+        data = sock.recv(2 * FRAME.size + MAX_DETAIL_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return None
+    return parse_failure(data)
+
+
+def parse_failure(data: bytes) -> tuple[int, int, str] | None:
+    offset = 0
+    while offset + FRAME.size <= len(data):
+        kind, _, code, _, _, _, origin, _, length = FRAME.unpack_from(data, offset)
+        offset += FRAME.size
+        if kind == FAIL:
+            detail = data[offset : offset + min(length, MAX_DETAIL_BYTES)]
+            return origin, code, detail.decode("utf-8", "replace")
+        if kind != ACK:
+            return None
+    return None
+
+
+def read_failure(sock: socket.socket, header: tuple[int, ...], via: int) -> LinkError:
+    """The LinkError a FAIL frame (``header``, already read) describes; reads its detail."""
+    detail = bytearray(min(header[8], MAX_DETAIL_BYTES))
+    with contextlib.suppress(LinkError):
+        recv_exact(sock, memoryview(detail), via)
+    return LinkError(header[6], header[2], detail.decode("utf-8", "replace"), via=via)
+
+
+def fail_frame(origin: int, code: int, detail: str) -> bytes:
+    payload = detail.encode("utf-8", "replace")[:MAX_DETAIL_BYTES]
+    return FRAME.pack(FAIL, 0, code, 0, 0, 0, origin, 0, len(payload)) + payload
+
+
+class FrameWriter:
+    """Writes frames to one socket, used by a single sender thread."""
+
+    def __init__(self, sock: socket.socket, peer: int) -> None:
+        self._sock = sock
+        self._peer = peer
+
+    def send(self, header: bytes, payload: memoryview) -> None:
+        """Send one frame; raises LinkError naming the peer on failure."""
+        try:
+            self._send_all([header, payload])
+        except (BlockingIOError, TimeoutError) as exc:
+            raise LinkError(self._peer, TIMEOUT, "send stalled past the timeout") from exc
+        except OSError as exc:
+            found = peek_failure(self._sock)
+            if found is not None:
+                origin, code, detail = found
+                raise LinkError(origin, code, detail, via=self._peer) from exc
+            raise LinkError(self._peer, LOST, f"connection error: {exc.strerror}") from exc
+
+    def send_raw(self, data: bytes) -> None:
+        self._send_all([data])
+
+    def _send_all(self, buffers: list[bytes | memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        while views:
+            sent = self._sock.sendmsg(views, [], socket.MSG_NOSIGNAL)
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+
+
+class SenderThread:
+    """Streams posted frames to the right neighbour, in posting order, on its own thread.
+
+    After a failure it skips queued data and, if the stream is still frame-aligned,
+    forwards one FAIL frame so ranks further down the ring learn who failed.
+    """
+
+    def __init__(
+        self,
+        writer: FrameWriter,
+        sock: socket.socket,
+        rank: int,
+        *,
+        failed: Callable[[], bool],
+        on_error: Callable[[LinkError], None],
+    ) -> None:
+        self._writer = writer
+        self._sock = sock
+        self._rank = rank
+        self._failed = failed
+        self._on_error = on_error
+        self._queue: queue.SimpleQueue[tuple[bytes, memoryview] | str] = queue.SimpleQueue()
+        self._fail_frame = b""
+        self._thread = threading.Thread(
+            target=self._run, name=f"cpu-ring-sender-r{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def post(self, header: bytes, view: memoryview) -> None:
+        self._queue.put((header, view))
+
+    def signal_failure(self, frame: bytes) -> None:
+        self._fail_frame = frame
+        self._queue.put("fail")
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the thread to exit after the queued items; True once it has."""
+        self._queue.put("stop")
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        aligned = True  # False once a frame was cut short: a FAIL frame would be misread
+        while True:
+            item = self._queue.get()
+            if item == "stop":
+                return
+            if item == "fail":
+                with contextlib.suppress(OSError):
+                    if aligned:
+                        self._writer.send_raw(self._fail_frame)
+                    self._sock.shutdown(socket.SHUT_WR)
+                continue
+            if self._failed() or isinstance(item, str):
+                continue
+            try:
+                self._writer.send(*item)
+            except LinkError as exc:
+                aligned = False
+                self._on_error(exc)
+            except Exception as exc:  # a bug here must not leave the ring waiting
+                aligned = False
+                detail = f"sender crashed: {type(exc).__name__}"
+                self._on_error(LinkError(self._rank, INTERRUPTED, detail))
+
+
+def describe_mismatch(got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    def show(f: tuple[int, ...]) -> str:
+        name = COLLECTIVE_NAMES.get(f[1], f"collective {f[1]}")
+        return (
+            f"{name} #{f[4]} (op {f[2]}, dtype {f[3]}, {f[5]} bytes, aux {f[6]}, "
+            f"frame {f[7]} of {f[8]} bytes)"
+        )
+
+    return f"received {show(got)}, expected {show(want)}"

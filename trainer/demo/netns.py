@@ -1,0 +1,122 @@
+"""Real network hosts on one machine: Linux network namespaces on a bridge (a demo and
+test helper shipped in the library, not used by training).
+
+For seeing (``scripts/demo.sh --hosts N``) and testing (``tests/multihost``) the
+multi-node path for real without a cluster: addresses, TLS and partitions behave
+as between machines, which loopback hides.
+
+Each host is a namespace with its own loopback and one veth interface ``eth0``
+holding an address from the benchmarking range 198.18.0.0/15 (RFC 2544), the
+only range these tests may use. The bridge lives in a namespace of its own, so
+nothing is added to the machine's own network: deleting the namespaces removes
+every interface. A host's link can be cut with ``link(host, up=False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+SUBNET = ipaddress.ip_network("198.18.0.0/24")
+_IP_TIMEOUT_S = 10.0
+
+
+def unavailable_reason() -> str | None:
+    """Why namespace hosts cannot be built here, or None when they can."""
+    if os.geteuid() != 0:
+        return "building network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "the 'ip' command (iproute2) is not installed"
+    return None
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(
+        ["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+
+
+@dataclass
+class Host:
+    name: str
+    netns: str
+    address: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host's namespace, under its own hostname (a UTS
+        namespace), as a process on a separate machine would see itself."""
+        if not argv:
+            return ["ip", "netns", "exec", self.netns]
+        setname = 'hostname "$0" && exec "$@"'
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.netns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            setname,
+            self.name,
+            *argv,
+        ]
+
+    def popen(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kw: object
+    ) -> subprocess.Popen[str]:
+        return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+            self.command(argv), env={**os.environ, **(env or {})}, text=True, **kw
+        )
+
+
+@dataclass
+class Hosts:
+    """``count`` hosts named h0..h{count-1} at 198.18.0.1, .2, ..."""
+
+    count: int
+    prefix: str = field(default_factory=lambda: f"rdzv{secrets.token_hex(3)}")
+    hosts: list[Host] = field(default_factory=list)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def __getitem__(self, index: int) -> Host:
+        return self.hosts[index]
+
+    def build(self) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i in range(self.count):
+            netns = f"{self.prefix}-h{i}"
+            address = str(SUBNET.network_address + i + 1)
+            _ip("netns", "add", netns)
+            self.hosts.append(Host(f"h{i}", netns, address))
+            # Created inside the switch namespace, then one end moved to the host:
+            # no interface ever exists in the machine's own namespace.
+            _ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "eth0")
+            _ip("-n", self.switch, "link", "set", "eth0", "netns", netns)
+            _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", netns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", "eth0")
+            _ip("-n", netns, "link", "set", "eth0", "up")
+            _ip("-n", netns, "link", "set", "lo", "up")
+
+    def link(self, host: Host, *, up: bool) -> None:
+        """Plug or unplug ``host``'s cable (its interface, as seen from the host)."""
+        _ip("-n", host.netns, "link", "set", "eth0", "up" if up else "down")
+
+    def teardown(self) -> None:
+        for netns in [h.netns for h in self.hosts] + [self.switch]:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                _ip("netns", "delete", netns)
+        self.hosts.clear()

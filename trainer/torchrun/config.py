@@ -1,0 +1,77 @@
+"""The torchrun handler's settings (``rendezvousd.trainer.torchrun.handler``): ``--rdzv-conf``
+keys over ``RENDEZVOUSD_*`` variables, on the field-driven settings layer.
+
+Apart from the handler because that module imports torch at its top (its classes
+subclass torch's), and these are read without torch: by the docs' settings table and
+its test.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rendezvousd.client.connection import TlsConfig
+from rendezvousd.common.settings import Float, Int, Schema, Text, setting
+from rendezvousd.trainer.errors import ConfigError
+
+__all__ = ["SCHEMA", "TorchrunSettings", "load_settings", "settings_table"]
+
+
+def _tls(help: str) -> Any:
+    return setting(None, help, Text(optional=True), unprefixed=True, flag=None)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchrunSettings:
+    """The handler's settings: ``--rdzv-conf`` keys over ``RENDEZVOUSD_*`` variables
+    (torchrun's own flags are the command line: none of ours are flags)."""
+
+    token_file: str | None = setting(
+        None, "daemon token file (else $RENDEZVOUSD_TOKEN)", Text(optional=True), flag=None
+    )
+    tls_ca: str | None = _tls("PEM CA bundle that signed the daemon's certificate (enables TLS)")
+    tls_cert: str | None = _tls("PEM client certificate, for a daemon that requires mTLS")
+    tls_key: str | None = _tls("PEM private key for tls_cert")
+    tls_server_name: str | None = _tls("name to verify in the daemon's certificate")
+    join_timeout: float = setting(
+        600.0,
+        "seconds to wait for the round to form (torch's name and default)",
+        Float(),
+        flag=None,
+    )
+    last_call_timeout: float = setting(
+        0.0,
+        "seconds after the last arrival before forming with >= MIN nodes "
+        "(0: the daemon's --last-call-s)",
+        Float(positive=False),
+        flag=None,
+    )
+    retries: int = setting(1, "retries of a transient daemon error", Int(minimum=0), flag=None)
+    connect_timeout: float = setting(
+        30.0, "seconds to wait for the daemon to answer at all", Float(), flag=None
+    )
+
+    def tls(self) -> TlsConfig | None:
+        return TlsConfig.from_paths(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
+
+
+SCHEMA = Schema(TorchrunSettings, ConfigError)
+
+
+def load_settings(conf: Mapping[str, Any], env: Mapping[str, str]) -> TorchrunSettings:
+    """``RENDEZVOUSD_*`` variables, then ``--rdzv-conf`` (which wins). torch puts keys
+    of its own in the conf (``timeout``, ``is_host``...): ours are picked by name."""
+    given = {k: v for k, v in conf.items() if k in SCHEMA.options and v is not None}
+    return SCHEMA.build([SCHEMA.from_env(env), SCHEMA.from_mapping(given, "--rdzv-conf")])
+
+
+def settings_table() -> str:
+    """Markdown table of the handler's settings (docs/trainer.md holds it; a test compares)."""
+    return SCHEMA.markdown_table()
+
+
+if __name__ == "__main__":
+    sys.stdout.write(settings_table())

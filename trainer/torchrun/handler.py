@@ -1,0 +1,408 @@
+"""torchrun's rendezvous through rendezvousd: ``torchrun --rdzv-backend rendezvousd``.
+
+torch finds this handler through the ``torchrun.handlers`` entry point (a zero-argument
+factory returning ``RendezvousParameters -> RendezvousHandler``; torch's
+``elastic/rendezvous/registry.py``). Training scripts stay as they are:
+``init_process_group("nccl" | "gloo")`` from the environment torchrun sets.
+
+What each torchrun agent does here:
+
+- ``next_rendezvous()`` is **one JoinNode** (node 0 repeats it once with the id the
+  protocol asks for), then the node's heartbeat stream. The daemon answers every agent
+  when the round forms; nobody polls. Each agent is one member of the round (a node of
+  one rank): torchrun numbers its workers itself, from ``--nproc-per-node``, which a
+  handler is not told.
+- **Peer failure.** The daemon pushes a peer's loss (a node's agent killed or cut off,
+  or a worker failure another agent reported) over the heartbeat stream within
+  milliseconds. ``num_nodes_waiting()`` then answers at least 1: torchrun's agent polls
+  it every ``--monitor-interval`` (0.1 s) while its workers look healthy and restarts
+  them into the next round — the hook torch itself uses for scale-up, so survivors stuck
+  in a collective do not wait for the NCCL/gloo timeout (pytorch/pytorch#111646). It
+  costs no restart on the survivors: torch counts only local failures.
+- A local restart (torchrun calls ``next_rendezvous()`` while our round still runs)
+  reports the failure first, so every other agent hears it at once and re-joins too; a
+  restart for waiting nodes ends the round with the ``scale-up`` reason instead.
+- **The store.** torch's agent makes a few store calls per round (the worker rank
+  table, the master address, the exit barrier): they go to :class:`DaemonStore`, the
+  daemon's authenticated, per-round key-value store. The *workers'* process-group
+  bootstrap does not: gloo's full mesh makes O(N²) store reads, and an RPC through the
+  daemon costs ~0.5 ms of its CPU, so the workers use torch's own TCPStore on node 0's
+  worker rank 0 at ``MASTER_ADDR:MASTER_PORT`` (``use_agent_store`` is False), as stock
+  torchrun does with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. That store is torch's and,
+  as in stock torch, unauthenticated: docs/trainer.md ("From torchrun") says so.
+- **Addresses.** Like ``rendezvous-run``'s workers, torchrun's advertise the address
+  this host routes towards the daemon (``--local-addr`` overrides): it is node 0's
+  MASTER_ADDR, and, unless ``GLOO_SOCKET_IFNAME`` is set, the handler points gloo at
+  the interface that holds it. gloo otherwise resolves the hostname, which on many
+  machines (and network namespaces) is 127.0.0.1 or nothing, and its full mesh then
+  fails with "connection refused" across hosts.
+- **Errors** are torch's own rendezvous exceptions carrying our message: an unreachable
+  daemon or a refused token → ``RendezvousConnectionError``, a join that timed out →
+  ``RendezvousTimeoutError``, anything else the daemon refused (topology mismatch,
+  world full...) → ``RendezvousError``.
+
+Settings: ``--rdzv-conf key=value,...`` over ``RENDEZVOUSD_*`` variables; the keys are
+:class:`~rendezvousd.trainer.torchrun.config.TorchrunSettings`' fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+
+# The entry point comes before torch's imports: importing torch's rendezvous package
+# registers every out-of-tree handler, so a program that imports this module first
+# makes torch load this entry point while the module is still half-initialised.
+def handler_factory() -> Callable[[RendezvousParameters], RendezvousdHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it with no argument."""
+    return create_handler
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousdHandler:
+    return RendezvousdHandler.from_parameters(params)
+
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import MutableMapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import api as torch_rdzv
+
+from rendezvousd.client import (
+    AuthenticationError,
+    DaemonUnavailable,
+    JobAborted,
+    RendezvousClient,
+    RendezvousError,
+    RendezvousTimeout,
+)
+from rendezvousd.client.membership import NodeMembership
+from rendezvousd.common.address import route_source
+from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON
+from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
+
+__all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "handler_factory"]
+
+log = logging.getLogger(__name__)
+
+#: The ``--rdzv-backend`` name; torch requires ``get_backend()`` to return it.
+BACKEND = "rendezvousd"
+#: The daemon's port when ``--rdzv-endpoint`` names only a host.
+DEFAULT_PORT = 29420
+#: The abort reason ``set_closed()`` gives; other agents read it as "closed".
+CLOSED = "rendezvous closed by torchrun"
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding ``address``, or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == address for a in addrs):
+            return str(name)
+    return None
+
+
+def point_gloo_at(address: str, env: MutableMapping[str, str]) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` in ``env`` (the agent's, which its workers inherit) to
+    the interface holding ``address``, unless the user chose one; returns what was set."""
+    if env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    name = interface_of(address)
+    if name is not None:
+        env["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
+def _torch_error(exc: RendezvousError, what: str) -> torch_rdzv.RendezvousError:
+    """The one seam where our SDK's errors become torch's, keeping our message."""
+    message = f"{what}: {exc}"
+    if isinstance(exc, DaemonUnavailable | AuthenticationError):
+        return torch_rdzv.RendezvousConnectionError(message)
+    if isinstance(exc, RendezvousTimeout):
+        return torch_rdzv.RendezvousTimeoutError(message)
+    if isinstance(exc, JobAborted) and CLOSED in str(exc):
+        return torch_rdzv.RendezvousClosedError(message)
+    return torch_rdzv.RendezvousError(message)
+
+
+def _store_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A store call's failure is torch's ``DistStoreError`` (what TCPStore raises, and
+    what torch's store helpers catch), with our message."""
+
+    def call(self: DaemonStore, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except RendezvousError as exc:
+            raise dist.DistStoreError(f"rendezvousd store, {method.__name__}: {exc}") from exc
+
+    call.__name__ = method.__name__
+    return call
+
+
+class DaemonStore(dist.Store):
+    """torch's Store over the daemon's key-value store, as one member of one round.
+
+    The KV store is per round (a new generation starts empty), like the c10d backend's
+    per-round prefix. Waits use the store's ``timeout`` (torch's ``set_timeout``).
+    """
+
+    def __init__(self, client: RendezvousClient, timeout: timedelta) -> None:
+        # Here, not at the top: torch's agent module imports its rendezvous package,
+        # which loads this module's entry point (see handler_factory).
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+
+        super().__init__()
+        self._terminal_key = _TERMINAL_STATE_SYNC_ID
+        self._client = client
+        self.set_timeout(timeout)
+        #: Set when torch's agent enters its exit barrier: its workers succeeded.
+        self.workers_succeeded = False
+
+    @staticmethod
+    def _bytes(value: str | bytes | Sequence[int]) -> bytes:
+        if isinstance(value, str):
+            return value.encode()
+        return bytes(value)
+
+    def _wait_s(self) -> float:
+        return max(0.001, float(self.timeout.total_seconds()))
+
+    @_store_errors
+    def set(self, key: str, value: str | bytes) -> None:
+        self._client.kv_set(key, self._bytes(value))
+
+    @_store_errors
+    def get(self, key: str) -> bytes:
+        return self._client.kv_get(key, wait=True, timeout=self._wait_s())
+
+    @_store_errors
+    def add(self, key: str, value: int) -> int:
+        if key.startswith(self._terminal_key):
+            self.workers_succeeded = True
+        return self._client.kv_add(key, value)
+
+    @_store_errors
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """torch's semantics: an empty ``expected`` means "the key is absent"; the
+        answer is the value after the call (``expected`` when an absent key stays so)."""
+        want = self._bytes(expected)
+        new = self._bytes(desired)
+        swapped, current = self._client.kv_compare_and_set(key, want or None, new)
+        if swapped:
+            return new
+        return current if current is not None else want
+
+    @_store_errors
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        limit = self._wait_s() if timeout is None else max(0.001, timeout.total_seconds())
+        for key in keys:
+            self._client.kv_get(key, wait=True, timeout=limit)
+
+    @_store_errors
+    def check(self, keys: Sequence[str]) -> bool:
+        from rendezvousd.client import KeyNotFound
+
+        try:
+            for key in keys:
+                self._client.kv_get(key, wait=False)
+        except KeyNotFound:
+            return False
+        return True
+
+    @_store_errors
+    def delete_key(self, key: str) -> bool:
+        return self._client.kv_delete(key)
+
+    def num_keys(self) -> int:
+        raise NotImplementedError("the daemon's key-value store does not count keys")
+
+
+class RendezvousdHandler(torch_rdzv.RendezvousHandler):
+    """One torchrun agent's rendezvous: a node of one member per round."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        settings: TorchrunSettings,
+        local_addr: str | None = None,
+    ) -> None:
+        if not 1 <= min_nodes <= max_nodes:
+            raise ConfigError(
+                f"--nnodes {min_nodes}:{max_nodes}: need 1 <= MIN <= MAX for job {run_id!r}"
+            )
+        self._endpoint, self._run_id = endpoint, run_id
+        self._min, self._max = min_nodes, max_nodes
+        self._settings = settings
+        try:
+            self._host = local_addr or route_source(endpoint)
+            self._client = self._new_client()
+            # The store speaks as this node's member; the node client heartbeats.
+            self._store_client = self._new_client()
+        except RendezvousError as exc:
+            raise _torch_error(exc, f"rendezvousd at {endpoint} for job {run_id!r}") from exc
+        if (ifname := point_gloo_at(self._host, os.environ)) is not None:
+            log.info(
+                "rendezvousd: GLOO_SOCKET_IFNAME=%s (holds %s, this host's address "
+                "towards the daemon)",
+                ifname,
+                self._host,
+            )
+        self._node: NodeMembership | None = None
+        self._store: DaemonStore | None = None
+        self._closed = threading.Event()
+
+    @classmethod
+    def from_parameters(cls, params: torch_rdzv.RendezvousParameters) -> RendezvousdHandler:
+        endpoint = params.endpoint or ""
+        if not endpoint:
+            raise ConfigError("--rdzv-endpoint HOST[:PORT] of the rendezvousd daemon is required")
+        if ":" not in endpoint.rsplit("]", 1)[-1]:
+            endpoint = f"{endpoint}:{DEFAULT_PORT}"
+        settings = load_settings(params.config, os.environ)
+        return cls(
+            endpoint,
+            params.run_id,
+            params.min_nodes,
+            params.max_nodes,
+            settings,
+            params.local_addr,
+        )
+
+    def _new_client(self) -> RendezvousClient:
+        return RendezvousClient(
+            self._endpoint,
+            self._run_id,
+            token_file=self._settings.token_file,
+            tls=self._settings.tls(),
+            retry_attempts=self._settings.retries,
+            connect_timeout=self._settings.connect_timeout,
+        )
+
+    def _what(self) -> str:
+        return f"rendezvousd at {self._endpoint}, job {self._run_id!r}, host {self._host}"
+
+    # -- torch's interface ---------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def next_rendezvous(self) -> torch_rdzv.RendezvousInfo:
+        if self.is_closed():
+            raise torch_rdzv.RendezvousClosedError(f"{self._what()}: the rendezvous is closed")
+        try:
+            if self._node is not None:
+                self._end_round(self._node)
+            node = self._client.join_node(
+                min_nodes=self._min,
+                max_nodes=self._max,
+                gpus_per_node=1,
+                host=self._host,
+                last_call=self._settings.last_call_timeout or None,
+                timeout=self._settings.join_timeout,
+            )
+            self._node = node
+            self._client.start_heartbeat(on_failure=self._heard_failure)
+            self._store_client.attach(node.membership_for(0), node.member_instance_id(0))
+            store = DaemonStore(self._store_client, timedelta(seconds=300))
+            self._store = store
+            # Node 0 picks a free port for the workers' TCPStore; everyone reads it.
+            bootstrap = torch_rdzv.RendezvousStoreInfo.build(
+                node.node_rank, store, local_addr=self._host
+            )
+        except RendezvousError as exc:
+            raise _torch_error(exc, self._what()) from exc
+        log.info(
+            "rendezvousd: job %r generation %d formed: node %d of %d (host %s)",
+            self._run_id,
+            node.generation,
+            node.node_rank,
+            node.num_nodes,
+            self._host,
+        )
+        return torch_rdzv.RendezvousInfo(store, node.node_rank, node.num_nodes, bootstrap)
+
+    def _heard_failure(self, exc: RendezvousError) -> None:
+        # The SDK keeps the failure (client.failure); num_nodes_waiting() reads it.
+        log.warning("rendezvousd: job %r: %s", self._run_id, exc)
+
+    def _end_round(self, node: NodeMembership) -> None:
+        """torchrun asks for a new round while ours runs: tell every other agent why,
+        unless the daemon already ended the round (and so told them)."""
+        if self._client.failure is not None:
+            return
+        try:
+            if self._client.nodes_waiting():
+                self._client.abort(SCALE_UP_REASON, generation=node.generation)
+            else:
+                self._client.report_failure(
+                    0,
+                    f"torchrun's agent on {self._host} restarted its workers "
+                    "(a local worker failed; its log says which)",
+                )
+        except RendezvousError as exc:
+            # The round ended meanwhile (a peer's failure crossed ours): the join finds
+            # the next one either way.
+            log.info("rendezvousd: job %r: ending round %d: %s", self._run_id, node.generation, exc)
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join, or at least 1 once the daemon ended our round: torch
+        restarts its workers into the next round when this is above 0."""
+        waiting = self._client.nodes_waiting()
+        if self._node is not None and self._client.failure is not None:
+            return max(1, waiting)
+        return waiting
+
+    def is_closed(self) -> bool:
+        failure = self._client.failure
+        return self._closed.is_set() or (isinstance(failure, JobAborted) and CLOSED in str(failure))
+
+    def set_closed(self) -> None:
+        self._closed.set()
+        node = self._node
+        if node is not None and self._client.failure is None:
+            with contextlib.suppress(RendezvousError):
+                self._client.abort(CLOSED, generation=node.generation)
+
+    def shutdown(self) -> bool:
+        """Leave cleanly after the workers succeeded; otherwise (restarts spent) tell
+        the other agents this node gave up, so they stop at once too."""
+        self._closed.set()
+        node, store = self._node, self._store
+        try:
+            if node is not None and self._client.failure is None:
+                if store is not None and store.workers_succeeded:
+                    self._client.leave()
+                else:
+                    self._client.report_failure(
+                        0,
+                        f"torchrun's agent on {self._host} gave up: its workers failed "
+                        "and no restarts are left",
+                    )
+            return True
+        except RendezvousError as exc:
+            log.warning("rendezvousd: job %r: shutdown: %s", self._run_id, exc)
+            return False
+        finally:
+            self._store_client.close()
+            self._client.close()
