@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rendezvousd.config import DaemonConfig  # noqa: E402
-from rendezvousd.server.assembly import Daemon  # noqa: E402
+from rendezvousd.daemon import Daemon  # noqa: E402
 from rendezvousd.state.placement import JoinArgs  # noqa: E402
 from tests.daemon.browser import Chromium, chromium_missing  # noqa: E402
 

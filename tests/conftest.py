@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from rendezvousd.config import DaemonConfig
-from rendezvousd.server.assembly import Daemon
+from rendezvousd.daemon import Daemon
 from tests.support import (
     TORCH_PYTHON_ENV,
     TORCH_WORKER,

@@ -25,7 +25,7 @@ import pytest
 from rendezvousd.cli.embedded import serve_command
 from rendezvousd.client import AsyncRendezvousClient
 from rendezvousd.common.model import JobView
-from rendezvousd.server.assembly import Daemon
+from rendezvousd.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 _SERVING = re.compile(r"rendezvousd: serving on (\S+)")

@@ -73,3 +73,37 @@ def test_common_imports_nothing_of_the_daemons_other_parts() -> None:
             for name in names:
                 if name == "rendezvousd" or name.startswith("rendezvousd."):
                     assert name.startswith(allowed), f"{module.name} imports {name}"
+
+
+# The daemon's parts, lowest first: each imports only the parts below it (and the
+# package's own errors.py, config.py and _gen/), so the folders draw its layers.
+LAYERS = ("common", "state", "storage", "server", "web", "daemon", "cli")
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "rendezvousd" or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return LAYERS.index(parts[1])
+
+
+def test_the_daemons_parts_import_downwards_only() -> None:
+    upward = []
+    for path in sorted((ROOT / "rendezvousd").rglob("*.py")):
+        if (ROOT / "rendezvousd" / "_gen") in path.parents:
+            continue
+        here = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        if here is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                there = _layer(name)
+                if there is not None and there > here:
+                    upward.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not upward, upward

@@ -27,14 +27,14 @@ UNDOCUMENTED_FOR_NOW: set[tuple[str, str]] = set()
 
 # What importing each package must not load.
 TOO_HEAVY: dict[str, set[str]] = {
-    "rendezvousd": {"grpc", "numpy", "rendezvousd.server.assembly", "rendezvousd.server.servicer"},
+    "rendezvousd": {"grpc", "numpy", "rendezvousd.daemon", "rendezvousd.server.servicer"},
     "rendezvousd.client": {
         "numpy",
-        "rendezvousd.server.assembly",
+        "rendezvousd.daemon",
         "rendezvousd.server.servicer",
         "cupy",
     },
-    "rendezvousd.trainer": {"cupy", "rendezvousd.server.assembly", "rendezvousd.server.servicer"},
+    "rendezvousd.trainer": {"cupy", "rendezvousd.daemon", "rendezvousd.server.servicer"},
 }
 
 

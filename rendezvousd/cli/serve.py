@@ -17,8 +17,8 @@ from pathlib import Path
 from rendezvousd import config as config_mod
 from rendezvousd.cli.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.common.escape import EscapingFormatter
+from rendezvousd.daemon import Daemon
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
-from rendezvousd.server.assembly import Daemon
 from rendezvousd.server.auth import load_tokens, read_token_file
 from rendezvousd.server.scope import JobToken, derive_job_token
 

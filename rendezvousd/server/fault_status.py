@@ -15,7 +15,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from rendezvousd.errors import Code, Reason, RendezvousFault
+from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.server.answers import failed_member
 
 DOMAIN = "rendezvous.v1"
@@ -50,24 +50,3 @@ class _WithTrailers(grpc.Status):  # type: ignore[misc]
         self.code = base.code
         self.details = base.details
         self.trailing_metadata = tuple(base.trailing_metadata) + extra
-
-
-STORAGE_UNAVAILABLE = Reason.STORAGE_UNAVAILABLE
-
-
-def storage_unavailable(job_id: str, *, waiting: bool = False) -> RendezvousFault:
-    """A change could not be made durable, so it was not applied (no paths: they are
-    the operator's business, logged by the daemon, not the caller's); ``waiting``: the
-    words for a parked call released because its job was put back to its durable state."""
-    what = (
-        f"job {job_id!r} was put back to its last durable state and this waiting call released"
-        if waiting
-        else f"this change to job {job_id!r} was not applied"
-    )
-    return RendezvousFault(
-        Code.UNAVAILABLE,
-        STORAGE_UNAVAILABLE,
-        f"the daemon cannot write its state storage, so {what}; retry once the daemon's "
-        "health is SERVING again",
-        {"job_id": job_id},
-    )

@@ -30,12 +30,13 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member
-from rendezvousd.server.fault_status import STORAGE_UNAVAILABLE, storage_unavailable, to_grpc_status
+from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.scope import CALLER, Scope, allowed, denied
 from rendezvousd.server.streams import HeartbeatStreams
 from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, storage_unavailable
 from rendezvousd.storage.persistence import Persister
 
 log = logging.getLogger("rendezvousd")

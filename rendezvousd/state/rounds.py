@@ -114,7 +114,7 @@ def silent(sm: RendezvousState, who: str) -> str:
 def stream_end_cause(sm: RendezvousState, attendee: Attendee, now: float) -> str:
     """Why the end of ``attendee``'s stream loses it: its stream closed, unless it had
     been silent for the heartbeat timeout by then. The daemon's own keepalive ends the
-    connection of a peer that stopped answering (``server/assembly.py``), which may come a
+    connection of a peer that stopped answering (``rendezvousd/daemon.py``), which may come a
     moment before the tick that would have named the silence: the silence is still
     the cause, not the cut that followed it."""
     if now - attendee.last_seen >= sm.timing.heartbeat_timeout_s:

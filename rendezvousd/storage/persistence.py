@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from rendezvousd.errors import DaemonError
-from rendezvousd.server.fault_status import storage_unavailable
 from rendezvousd.state import kv as kvrules
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.storage import rollback, snapshot
+from rendezvousd.storage.faults import storage_unavailable
 from rendezvousd.storage.store_sqlite import JobWrite, SqliteStore
 
 log = logging.getLogger("rendezvousd")

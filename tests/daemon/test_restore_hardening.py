@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd.client import RendezvousError
 from rendezvousd.config import DaemonConfig
-from rendezvousd.server.assembly import Daemon
+from rendezvousd.daemon import Daemon
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage.persistence import Persister
 from rendezvousd.storage.store_sqlite import SqliteStore

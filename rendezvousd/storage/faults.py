@@ -1,0 +1,29 @@
+"""The fault a change gets when it cannot be made durable (``STORAGE_UNAVAILABLE``).
+
+Raised by the persister and by the servicer for the calls a failed commit
+released; the fault becomes a gRPC status in ``server/fault_status.py`` like any other.
+"""
+
+from __future__ import annotations
+
+from rendezvousd.errors import Code, Reason, RendezvousFault
+
+STORAGE_UNAVAILABLE = Reason.STORAGE_UNAVAILABLE
+
+
+def storage_unavailable(job_id: str, *, waiting: bool = False) -> RendezvousFault:
+    """A change could not be made durable, so it was not applied (no paths: they are
+    the operator's business, logged by the daemon, not the caller's); ``waiting``: the
+    words for a parked call released because its job was put back to its durable state."""
+    what = (
+        f"job {job_id!r} was put back to its last durable state and this waiting call released"
+        if waiting
+        else f"this change to job {job_id!r} was not applied"
+    )
+    return RendezvousFault(
+        Code.UNAVAILABLE,
+        STORAGE_UNAVAILABLE,
+        f"the daemon cannot write its state storage, so {what}; retry once the daemon's "
+        "health is SERVING again",
+        {"job_id": job_id},
+    )
