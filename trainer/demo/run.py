@@ -269,7 +269,10 @@ def _run(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        # Run through the package's __main__.py, whose file name argparse would show.
+        prog="python -m rendezvousd.trainer.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", type=Path, default=Path("artifacts/multinode_smoke.json"))
