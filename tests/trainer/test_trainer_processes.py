@@ -204,7 +204,9 @@ def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path:
     port = free_port()
     token_file = tmp_path / "tok"
     token = write_token(token_file)
-    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "6")
+    # Long enough for the new daemon process to start on a loaded CI machine: the
+    # agents give up when the daemon stays silent for a whole heartbeat timeout.
+    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "15")
     d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
     results = tmp_path / "results"
     nodes = [
