@@ -17,11 +17,19 @@ from grpc_health.v1 import health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
-from rendezvousd.client._session import ClientOptions, JoinRequest, NodeJoinRequest, StreamWatch
+from rendezvousd.client._session import (
+    ClientOptions,
+    JoinRequest,
+    NodeJoinRequest,
+    StreamWatch,
+    log,
+)
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Member, Membership, NodeMembership
 
 T = TypeVar("T")
+# How long leave()/close() wait for the heartbeat task to end once cancelled.
+STOP_HEARTBEAT_S = 5.0
 
 
 class AsyncRendezvousClient(steps.ClientBase):
@@ -129,8 +137,13 @@ class AsyncRendezvousClient(steps.ClientBase):
                     # that is gone never answers, and silence is the signal.
                     deadline = watch.deadline()
                     wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
+                    # cancellation that lands as the read completes (an ack arrives
+                    # right after the stream opens), and the stream then ran on with
+                    # leave()/close() waiting for it forever.
                     try:
-                        event = await asyncio.wait_for(call.read(), wait)
+                        async with asyncio.timeout(wait):
+                            event = await call.read()
                     except TimeoutError:
                         break
                     if event is grpc.aio.EOF or watch.on_event(event) != "continue":
@@ -145,11 +158,27 @@ class AsyncRendezvousClient(steps.ClientBase):
             await asyncio.sleep(delay)
 
     async def _stop_heartbeat(self) -> None:
+        """Cancel the stream's task and wait for it, within STOP_HEARTBEAT_S: a task
+        that outlives its cancellation (a library swallowing it) is cancelled again
+        each round, and after that left behind with a warning, never waited on
+        without end."""
         task, self._hb_task = self._hb_task, None
-        if task is not None:
+        if task is None:
+            return
+        deadline = time.monotonic() + STOP_HEARTBEAT_S
+        while not task.done() and time.monotonic() < deadline:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task}, timeout=0.1)
+        if not task.done():
+            log.warning(
+                "the heartbeat stream of job %r did not stop within %.0f s of its "
+                "cancellation; leaving it behind",
+                self._s.job_id,
+                STOP_HEARTBEAT_S,
+            )
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            task.result()
 
     async def leave(self) -> None:
         """Best effort, like ``RendezvousClient.leave``: one attempt within

@@ -1,0 +1,56 @@
+"""The asyncio client's leave() and close() end in bounded time, whatever its
+heartbeat task does with its cancellation (Python 3.11's asyncio.wait_for could
+swallow one that landed as a read completed, and close() then waited forever)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from rendezvousd.client import AsyncRendezvousClient, aio
+from tests.support import DaemonProcess
+
+
+async def test_close_does_not_wait_forever_for_a_task_that_ignores_cancellation(
+    daemon: DaemonProcess,
+    job_id: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(aio, "STOP_HEARTBEAT_S", 1.0)
+    c = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    stop = asyncio.Event()
+
+    async def stubborn() -> None:
+        # What a swallowed cancellation looks like from outside: the task runs on.
+        while not stop.is_set():
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                continue
+
+    c._hb_task = asyncio.get_running_loop().create_task(stubborn())
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="rendezvousd.client"):
+        await asyncio.wait_for(c.close(), 10)
+    assert time.monotonic() - started < 5
+    assert "did not stop within 1 s of its cancellation" in caplog.text
+    stop.set()
+
+
+async def test_leave_right_after_start_heartbeat_ends_the_stream(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """The reported shape, repeated: leave() as the stream's first ack arrives."""
+    for i in range(20):
+        c = AsyncRendezvousClient(daemon.endpoint, f"{job_id}-{i}", token=daemon.token)
+        await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        c.start_heartbeat(0.05)
+        await asyncio.sleep(0.001 * (i % 5))
+        await asyncio.wait_for(c.leave(), 10)
+        await asyncio.wait_for(c.close(), 10)
+        assert c._hb_task is None
