@@ -21,7 +21,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,8 @@ class World:
     # A join this transport refuses for its topology (what each accepts differs, the
     # exception class may not).
     refuse_bad_topology: Callable[[], Any]
+    # A newcomer to this job asking for another topology (gpus_per_node + 1).
+    join_conflicting: Callable[[], Any]
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -117,7 +119,10 @@ class World:
         return len(self.api)
 
 
-def _joined(results: list[Any]) -> list[Any]:
+def together(fns: Sequence[Callable[[], Any]], limit: float = 30.0) -> list[Any]:
+    """Each callable on its own thread (a rank each); their results, or the first
+    exception any of them raised."""
+    results = parallel(fns, limit)
     for r in results:
         if isinstance(r, BaseException):
             raise r
@@ -127,17 +132,22 @@ def _joined(results: list[Any]) -> list[Any]:
 def _per_rank_world(
     transport: str, job_id: str, make: Callable[[], Any], refuse: Callable[[], Any]
 ) -> World:
+    def conflicting() -> Any:
+        newcomer = make()
+        try:
+            return newcomer.join(num_nodes=1, gpus_per_node=WORLD + 1, local_rank=1, timeout=5)
+        finally:
+            newcomer.close()
+
     clients = [make() for _ in range(WORLD)]
-    ms = _joined(
-        parallel(
-            [
-                lambda c=c, i=i: c.join(
-                    num_nodes=1, gpus_per_node=WORLD, local_rank=i, timeout=JOIN_TIMEOUT_S
-                )
-                for i, c in enumerate(clients)
-            ],
-            limit=JOIN_TIMEOUT_S + 10,
-        )
+    ms = together(
+        [
+            lambda c=c, i=i: c.join(
+                num_nodes=1, gpus_per_node=WORLD, local_rank=i, timeout=JOIN_TIMEOUT_S
+            )
+            for i, c in enumerate(clients)
+        ],
+        limit=JOIN_TIMEOUT_S + 10,
     )
     for c in clients:
         c.start_heartbeat(0.2)
@@ -148,6 +158,7 @@ def _per_rank_world(
         ms,
         lose=lambda r: clients[r].close(),  # gone without leaving, as a dead process
         refuse_bad_topology=refuse,
+        join_conflicting=conflicting,
         closers=[c.close for c in clients],
     )
 
@@ -166,6 +177,10 @@ def _node_world(d: DaemonProcess, job_id: str) -> World:
         with RendezvousClient(d.endpoint, job_id + "-bad", token=d.token) as c:
             return c.join_node(min_nodes=2, max_nodes=1, gpus_per_node=WORLD, timeout=5)
 
+    def conflicting() -> Any:
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+            return c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=WORLD + 1, timeout=5)
+
     return World(
         "node-agent",
         job_id,
@@ -173,6 +188,7 @@ def _node_world(d: DaemonProcess, job_id: str) -> World:
         [node.membership_for(i) for i in range(WORLD)],
         lose=lambda r: agent.report_failure(r, "lost by the contract test"),
         refuse_bad_topology=refuse,
+        join_conflicting=conflicting,
         closers=[w.close for w in workers] + [agent.close],
     )
 
@@ -269,7 +285,7 @@ def _ring(n: int, backend: str) -> list[CpuRingCommunicator]:
         made = [create_listener() for _ in range(n)]
         names = [name for _, name in made]
         shm = [SharedMemoryPeers(sock, names, 80 * 1024) for sock, _ in made]
-    built = parallel(
+    return together(
         [
             lambda r=r: CpuRingCommunicator(
                 r, n, socks[r], addrs, SECRET, 10.0, shared_memory=shm[r]
@@ -277,7 +293,6 @@ def _ring(n: int, backend: str) -> list[CpuRingCommunicator]:
             for r in range(n)
         ]
     )
-    return _joined(built)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -17,7 +17,7 @@ from rendezvousd.trainer import (
 )
 from tests.support import parallel
 
-from .conftest import Comms
+from .conftest import Comms, together
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
 # 0 and 1 are the edges; 7 and 1001 are not multiples of the ring's world of 3.
@@ -58,7 +58,7 @@ def test_all_reduce_gives_every_rank_the_same_reduction(
     for seed, size in enumerate(SIZES):
         values = inputs(world, dtype, size, seed)
         arrays = [comms.to_device(v.copy()) for v in values]
-        parallel([lambda r=r, a=arrays[r]: comms.ranks[r].all_reduce(a, op) for r in range(world)])
+        together([lambda r=r, a=arrays[r]: comms.ranks[r].all_reduce(a, op) for r in range(world)])
         got = [comms.to_host(a) for a in arrays]
         label = f"{comms.backend} {op.name} {dtype} size {size}"
         assert all(g.dtype == np.dtype(dtype) and g.shape == (size,) for g in got), label
@@ -78,7 +78,7 @@ def test_all_reduce_over_several_ranks(comms: Comms) -> None:
         pytest.skip(comms.no_cross_rank)
     world = len(comms.ranks)
     arrays = [comms.to_device(np.full(5, r + 1, np.int64)) for r in range(world)]
-    parallel([lambda r=r: comms.ranks[r].all_reduce(arrays[r]) for r in range(world)])
+    together([lambda r=r: comms.ranks[r].all_reduce(arrays[r]) for r in range(world)])
     total = world * (world + 1) // 2
     assert all((comms.to_host(a) == total).all() for a in arrays)
 
@@ -90,14 +90,14 @@ def test_broadcast_from_a_non_zero_root(comms: Comms) -> None:
     root = world - 1
     for size in SIZES:
         arrays = [comms.to_device(np.full(size, r, np.float32)) for r in range(world)]
-        parallel([lambda r=r, a=arrays[r]: comms.ranks[r].broadcast(a, root) for r in range(world)])
+        together([lambda r=r, a=arrays[r]: comms.ranks[r].broadcast(a, root) for r in range(world)])
         assert all((comms.to_host(a) == root).all() for a in arrays), size
 
 
 def test_broadcast_from_root_zero_keeps_its_data(comms: Comms) -> None:
     world = len(comms.ranks)
     arrays = [comms.to_device(np.arange(7, dtype=np.int32) + 10 * r) for r in range(world)]
-    parallel([lambda r=r: comms.ranks[r].broadcast(arrays[r], 0) for r in range(world)])
+    together([lambda r=r: comms.ranks[r].broadcast(arrays[r], 0) for r in range(world)])
     assert all((comms.to_host(a) == np.arange(7)).all() for a in arrays)
 
 
@@ -118,7 +118,7 @@ def test_barrier_returns_after_the_last_rank_arrived(comms: Comms) -> None:
         comms.ranks[r].barrier()
         return list(arrived)
 
-    seen = parallel([lambda r=r: enter(r) for r in range(world)])
+    seen = together([lambda r=r: enter(r) for r in range(world)])
     assert seen == [[last]] * world, seen
 
 

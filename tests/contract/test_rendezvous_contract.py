@@ -16,11 +16,12 @@ from rendezvousd.client import (
     KeyNotFound,
     PeerFailed,
     RendezvousTimeout,
+    TopologyMismatch,
 )
 from rendezvousd.validation import UNIQUE_ID_BYTES
 from tests.support import parallel
 
-from .conftest import World
+from .conftest import World, together
 
 # FileRendezvous is the ``Rendezvous`` protocol only (join, barrier, kv_set, kv_get):
 # the counters, compare-and-set and delete of the daemon's KV are not reachable through
@@ -66,7 +67,7 @@ def test_barrier_releases_only_when_every_rank_arrived(world: World) -> None:
         world.api[r].barrier("full", timeout=15)
         return bytes(world.api[r].kv_get("arrived-last", wait=False))
 
-    assert parallel([lambda r=r: arrive(r) for r in range(world.size)]) == [b"yes"] * world.size
+    assert together([lambda r=r: arrive(r) for r in range(world.size)]) == [b"yes"] * world.size
 
 
 def test_kv_set_get_overwrite_and_missing(world: World) -> None:
@@ -94,7 +95,7 @@ def test_kv_add_counts_across_ranks(world: World, request: pytest.FixtureRequest
     rich_kv(world, request)
     assert world.api[0].kv_add("n", 5) == 5
     assert world.api[1].kv_add("n", -2) == 3
-    totals = parallel([lambda r=r: world.api[r].kv_add("n") for r in range(world.size)])
+    totals = together([lambda r=r: world.api[r].kv_add("n") for r in range(world.size)])
     assert sorted(totals) == list(range(4, 4 + world.size))
     assert world.api[-1].kv_get("n", wait=False) == str(3 + world.size).encode()
 
@@ -131,3 +132,17 @@ def test_a_lost_rank_is_peer_failed_for_the_others(world: World) -> None:
 def test_a_bad_topology_is_invalid_request(world: World) -> None:
     with pytest.raises(InvalidRequest):
         world.refuse_bad_topology()
+
+
+def test_a_rank_that_left_is_not_waited_for(world: World) -> None:
+    # docs/protocol.md: a barrier releases once every non-leaving member arrived.
+    left = world.size - 1
+    world.api[left].leave()
+    together([lambda r=r: world.api[r].barrier("after-leave", timeout=15) for r in range(left)])
+    world.api[0].kv_set("still", b"here")
+    assert world.api[left - 1].kv_get("still", wait=False) == b"here"
+
+
+def test_a_newcomer_with_another_topology_is_topology_mismatch(world: World) -> None:
+    with pytest.raises(TopologyMismatch):
+        world.join_conflicting()
