@@ -142,8 +142,8 @@ def _per_rank_world(
     clients = [make() for _ in range(WORLD)]
     ms = together(
         [
-            lambda c=c, i=i: c.join(
-                num_nodes=1, gpus_per_node=WORLD, local_rank=i, timeout=JOIN_TIMEOUT_S
+            functools.partial(
+                c.join, num_nodes=1, gpus_per_node=WORLD, local_rank=i, timeout=JOIN_TIMEOUT_S
             )
             for i, c in enumerate(clients)
         ],
@@ -243,7 +243,7 @@ def world(request: pytest.FixtureRequest, daemon: DaemonProcess, job_id: str) ->
     finally:
         # Every rank says goodbye first: a job whose ranks all left ends, and then the
         # file transport's rank 0 stops its daemon without waiting out a drain.
-        parallel([lambda a=a: a.leave() for a in made.api])
+        parallel([a.leave for a in made.api])
         for close in made.closers:
             close()
 
@@ -287,8 +287,8 @@ def _ring(n: int, backend: str) -> list[CpuRingCommunicator]:
         shm = [SharedMemoryPeers(sock, names, 80 * 1024) for sock, _ in made]
     return together(
         [
-            lambda r=r: CpuRingCommunicator(
-                r, n, socks[r], addrs, SECRET, 10.0, shared_memory=shm[r]
+            functools.partial(
+                CpuRingCommunicator, r, n, socks[r], addrs, SECRET, 10.0, shared_memory=shm[r]
             )
             for r in range(n)
         ]

@@ -6,6 +6,8 @@ NCCL's own thread tests do.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -41,12 +43,12 @@ def expected(values: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     stack = np.stack(values)
     n, dt = len(values), stack.dtype
     if op is ReduceOp.MAX:
-        return stack.max(axis=0)
+        return np.asarray(stack.max(axis=0))
     if dt.kind == "f":
         total = stack.astype(np.float64).sum(axis=0)
-        return (total / n if op is ReduceOp.AVG else total).astype(dt)
+        return np.asarray(total / n if op is ReduceOp.AVG else total).astype(dt)
     total = stack.sum(axis=0, dtype=dt)
-    return total // n if op is ReduceOp.AVG else total
+    return np.asarray(total // n if op is ReduceOp.AVG else total)
 
 
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
@@ -58,7 +60,12 @@ def test_all_reduce_gives_every_rank_the_same_reduction(
     for seed, size in enumerate(SIZES):
         values = inputs(world, dtype, size, seed)
         arrays = [comms.to_device(v.copy()) for v in values]
-        together([lambda r=r, a=arrays[r]: comms.ranks[r].all_reduce(a, op) for r in range(world)])
+        together(
+            [
+                functools.partial(c.all_reduce, a, op)
+                for c, a in zip(comms.ranks, arrays, strict=True)
+            ]
+        )
         got = [comms.to_host(a) for a in arrays]
         label = f"{comms.backend} {op.name} {dtype} size {size}"
         assert all(g.dtype == np.dtype(dtype) and g.shape == (size,) for g in got), label
@@ -78,7 +85,7 @@ def test_all_reduce_over_several_ranks(comms: Comms) -> None:
         pytest.skip(comms.no_cross_rank)
     world = len(comms.ranks)
     arrays = [comms.to_device(np.full(5, r + 1, np.int64)) for r in range(world)]
-    together([lambda r=r: comms.ranks[r].all_reduce(arrays[r]) for r in range(world)])
+    together([functools.partial(c.all_reduce, a) for c, a in zip(comms.ranks, arrays, strict=True)])
     total = world * (world + 1) // 2
     assert all((comms.to_host(a) == total).all() for a in arrays)
 
@@ -90,14 +97,21 @@ def test_broadcast_from_a_non_zero_root(comms: Comms) -> None:
     root = world - 1
     for size in SIZES:
         arrays = [comms.to_device(np.full(size, r, np.float32)) for r in range(world)]
-        together([lambda r=r, a=arrays[r]: comms.ranks[r].broadcast(a, root) for r in range(world)])
+        together(
+            [
+                functools.partial(c.broadcast, a, root)
+                for c, a in zip(comms.ranks, arrays, strict=True)
+            ]
+        )
         assert all((comms.to_host(a) == root).all() for a in arrays), size
 
 
 def test_broadcast_from_root_zero_keeps_its_data(comms: Comms) -> None:
     world = len(comms.ranks)
     arrays = [comms.to_device(np.arange(7, dtype=np.int32) + 10 * r) for r in range(world)]
-    together([lambda r=r: comms.ranks[r].broadcast(arrays[r], 0) for r in range(world)])
+    together(
+        [functools.partial(c.broadcast, a, 0) for c, a in zip(comms.ranks, arrays, strict=True)]
+    )
     assert all((comms.to_host(a) == np.arange(7)).all() for a in arrays)
 
 
@@ -118,7 +132,7 @@ def test_barrier_returns_after_the_last_rank_arrived(comms: Comms) -> None:
         comms.ranks[r].barrier()
         return list(arrived)
 
-    seen = together([lambda r=r: enter(r) for r in range(world)])
+    seen = together([functools.partial(enter, r) for r in range(world)])
     assert seen == [[last]] * world, seen
 
 
@@ -140,5 +154,5 @@ def test_a_failed_peer_is_a_peer_connection_error(comms: Comms) -> None:
     failed = len(comms.ranks) - 1
     survivors = comms.fail_peer(failed)
     arrays = {r: comms.to_device(np.ones(1001, np.float32)) for r in survivors}
-    errors = parallel([lambda r=r: comms.ranks[r].all_reduce(arrays[r]) for r in survivors])
+    errors = parallel([functools.partial(comms.ranks[r].all_reduce, arrays[r]) for r in survivors])
     assert all(isinstance(e, PeerConnectionError) for e in errors), errors

@@ -7,6 +7,7 @@ After torch's ``RendezvousBackendTestMixin``: the same tests, one fixture per ba
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -56,7 +57,7 @@ def test_barrier_releases_only_when_every_rank_arrived(world: World) -> None:
     last = world.size - 1
     # Without the last rank, the others' barrier never releases.
     early = parallel(
-        [lambda r=r: world.api[r].barrier("partial", timeout=1.0) for r in range(last)]
+        [functools.partial(world.api[r].barrier, "partial", timeout=1.0) for r in range(last)]
     )
     assert all(isinstance(e, RendezvousTimeout) for e in early), early
 
@@ -67,7 +68,9 @@ def test_barrier_releases_only_when_every_rank_arrived(world: World) -> None:
         world.api[r].barrier("full", timeout=15)
         return bytes(world.api[r].kv_get("arrived-last", wait=False))
 
-    assert together([lambda r=r: arrive(r) for r in range(world.size)]) == [b"yes"] * world.size
+    assert (
+        together([functools.partial(arrive, r) for r in range(world.size)]) == [b"yes"] * world.size
+    )
 
 
 def test_kv_set_get_overwrite_and_missing(world: World) -> None:
@@ -95,7 +98,7 @@ def test_kv_add_counts_across_ranks(world: World, request: pytest.FixtureRequest
     rich_kv(world, request)
     assert world.api[0].kv_add("n", 5) == 5
     assert world.api[1].kv_add("n", -2) == 3
-    totals = together([lambda r=r: world.api[r].kv_add("n") for r in range(world.size)])
+    totals = together([functools.partial(a.kv_add, "n") for a in world.api])
     assert sorted(totals) == list(range(4, 4 + world.size))
     assert world.api[-1].kv_get("n", wait=False) == str(3 + world.size).encode()
 
@@ -138,7 +141,7 @@ def test_a_rank_that_left_is_not_waited_for(world: World) -> None:
     # docs/protocol.md: a barrier releases once every non-leaving member arrived.
     left = world.size - 1
     world.api[left].leave()
-    together([lambda r=r: world.api[r].barrier("after-leave", timeout=15) for r in range(left)])
+    together([functools.partial(a.barrier, "after-leave", timeout=15) for a in world.api[:left]])
     world.api[0].kv_set("still", b"here")
     assert world.api[left - 1].kv_get("still", wait=False) == b"here"
 
