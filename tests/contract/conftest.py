@@ -40,7 +40,13 @@ from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
 from rendezvousd.trainer.nccl import NcclCommunicator
 from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener, unsupported_reason
 from tests.support import DaemonProcess, parallel
+from tests.trainer import test_cpu_ring
 from tests.trainer.fake_cupy import device_array, install
+
+# The ring's process helper (its fork server imports that module once, then forks each
+# rank): a peer that is SIGKILLed needs a process of its own.
+process_ring = test_cpu_ring.process_ring
+recv_report = test_cpu_ring._recv
 
 WORLD = 3
 JOIN_TIMEOUT_S = 20.0

@@ -7,6 +7,7 @@ NCCL's own thread tests do.
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from rendezvousd.trainer import (
 )
 from tests.support import parallel
 
-from .conftest import Comms, together
+from .conftest import BACKENDS, Comms, process_ring, recv_report, together
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
 # 0 and 1 are the edges; 7 and 1001 are not multiples of the ring's world of 3.
@@ -156,3 +157,18 @@ def test_a_failed_peer_is_a_peer_connection_error(comms: Comms) -> None:
     arrays = {r: comms.to_device(np.ones(1001, np.float32)) for r in survivors}
     errors = parallel([functools.partial(comms.ranks[r].all_reduce, arrays[r]) for r in survivors])
     assert all(isinstance(e, PeerConnectionError) for e in errors), errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sigkilled_peer_process_is_a_peer_connection_error(backend: str) -> None:
+    if backend == "fake-nccl":
+        pytest.skip("the fake NCCL has no peer processes: its lost peer is ncclRemoteError above")
+    # Ranks in processes (mid all-reduce when one dies); each survivor reports the
+    # class of what its all_reduce raised.
+    with process_ring(3, "kill", backend) as (procs, conns):
+        for c in conns:
+            assert json.loads(recv_report(c)) == {"started": True}
+        procs[1].kill()
+        reports = [json.loads(recv_report(conns[r])) for r in (0, 2)]
+    assert [r["error"] for r in reports] == ["PeerConnectionError"] * 2, reports
+    assert all("rank 1" in r["message"] for r in reports), reports
