@@ -39,7 +39,7 @@ from rendezvousd.trainer.communicator import Communicator
 from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
 from rendezvousd.trainer.nccl import NcclCommunicator
 from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener, unsupported_reason
-from tests.support import DaemonProcess, parallel
+from tests.support import DaemonProcess, parallel, wait_for
 from tests.trainer import test_cpu_ring
 from tests.trainer.fake_cupy import device_array, install
 
@@ -58,48 +58,61 @@ TRANSPORTS = ["daemon-sync", "daemon-async", "node-agent", "file"]
 # -- rendezvous transports ------------------------------------------------------------
 
 
-class AsyncAsSync:
-    """An ``AsyncRendezvousClient`` driven from plain threads: each call runs on one
-    event loop thread of its own, where the client (and its heartbeat task) lives."""
+class EventLoopThread:
+    """One event loop on a thread of its own, for every asyncio client of a world:
+    grpc.aio serves one loop per process, so each rank gets no loop of its own."""
 
-    def __init__(self, endpoint: str, job_id: str, token: str) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
+
+    def run(self, coro: Any) -> Any:
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("the world's event loop is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def close(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+
+class AsyncAsSync:
+    """An ``AsyncRendezvousClient`` driven from plain threads (one per rank): each call
+    runs on the world's event loop, where the client and its heartbeat task live."""
+
+    def __init__(self, loop: EventLoopThread, endpoint: str, job_id: str, token: str) -> None:
+        self._loop = loop
+        self._closed = False
 
         async def make() -> AsyncRendezvousClient:
             return AsyncRendezvousClient(endpoint, job_id, token=token)
 
-        self._client = self._submit(make())
-
-    def _submit(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(60)
+        self._client = loop.run(make())
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._client, name)
 
         @functools.wraps(method)
         def call(*args: Any, **kw: Any) -> Any:
-            if self._loop.is_closed():
+            if self._closed:
                 raise RuntimeError(f"{name}() on a closed client (its rank was lost)")
 
             async def run() -> Any:
                 out = method(*args, **kw)
                 return await out if inspect.isawaitable(out) else out
 
-            return self._submit(run())
+            return self._loop.run(run())
 
         return call
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self._submit(self._client.close())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
+        if not self._closed:
+            self._closed = True
+            self._loop.run(self._client.close())
 
 
 @dataclass
@@ -135,6 +148,17 @@ def together(fns: Sequence[Callable[[], Any]], limit: float = 30.0) -> list[Any]
     return results
 
 
+def streams_open(client: Any, world: int) -> bool:
+    """Whether the daemon has every rank's heartbeat stream attached.
+
+    The asyncio client's leave()/close() sometimes hang (60 s and more) when they come
+    right after start_heartbeat(): the heartbeat task, cancelled inside
+    ``wait_for(call.read())``, stays cancelling. Reported to the lead; until then the
+    contract tests start from open streams."""
+    members = client.get_job().members
+    return len(members) == world and all(m.heartbeat_stream_open for m in members)
+
+
 def _per_rank_world(
     transport: str, job_id: str, make: Callable[[], Any], refuse: Callable[[], Any]
 ) -> World:
@@ -157,6 +181,10 @@ def _per_rank_world(
     )
     for c in clients:
         c.start_heartbeat(0.2)
+    if transport != "file":  # FileRendezvous has no get_job
+        # Every rank's stream open before a test begins: a loss is then the stream's end,
+        # and no leave() or close() races the stream's start (see streams_open).
+        wait_for("every rank's heartbeat stream", lambda: streams_open(clients[0], WORLD))
     return World(
         transport,
         job_id,
@@ -216,17 +244,22 @@ def world(request: pytest.FixtureRequest, daemon: DaemonProcess, job_id: str) ->
             refuse_sync,
         )
     elif kind == "daemon-async":
+        loop = EventLoopThread()
 
         def refuse_async() -> Any:
-            c = AsyncAsSync(daemon.endpoint, job_id + "-bad", daemon.token)
+            c = AsyncAsSync(loop, daemon.endpoint, job_id + "-bad", daemon.token)
             try:
                 return c.join(num_nodes=1, gpus_per_node=WORLD, local_rank=WORLD, timeout=5)
             finally:
                 c.close()
 
         made = _per_rank_world(
-            kind, job_id, lambda: AsyncAsSync(daemon.endpoint, job_id, daemon.token), refuse_async
+            kind,
+            job_id,
+            lambda: AsyncAsSync(loop, daemon.endpoint, job_id, daemon.token),
+            refuse_async,
         )
+        made.closers.append(loop.close)
     elif kind == "node-agent":
         made = _node_world(daemon, job_id)
     else:
