@@ -1,0 +1,174 @@
+"""One communicator contract, asserted for every backend (``conftest.comms``): the CPU
+ring over TCP, the ring with its shared-memory all-reduce group, and NCCL through the
+fake CuPy at its one seam. Ranks run as threads of this process, as the ring's and
+NCCL's own thread tests do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+from rendezvousd.trainer import (
+    CollectiveArgumentError,
+    CommunicatorError,
+    PeerConnectionError,
+    ReduceOp,
+)
+from tests.support import parallel
+
+from .conftest import BACKENDS, Comms, process_ring, recv_report, together
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
+# 0 and 1 are the edges; 7 and 1001 are not multiples of the ring's world of 3.
+SIZES = [0, 1, 7, 1001]
+OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX]
+
+
+def inputs(world: int, dtype: str, size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([seed, size])
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return [(rng.standard_normal(size) * 4).astype(dt) for _ in range(world)]
+    info = np.iinfo(dt)
+    # Values far from the type's ends, so that a sum cannot wrap.
+    bound = min(int(info.max) // (4 * world), 1 << 20)
+    low = 0 if dt.kind == "u" else -bound
+    return [rng.integers(low, bound, size=size, dtype=dt) for _ in range(world)]
+
+
+def expected(values: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    stack = np.stack(values)
+    n, dt = len(values), stack.dtype
+    if op is ReduceOp.MAX:
+        return np.asarray(stack.max(axis=0))
+    if dt.kind == "f":
+        total = stack.astype(np.float64).sum(axis=0)
+        return np.asarray(total / n if op is ReduceOp.AVG else total).astype(dt)
+    total = stack.sum(axis=0, dtype=dt)
+    return np.asarray(total // n if op is ReduceOp.AVG else total)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_gives_every_rank_the_same_reduction(
+    comms: Comms, op: ReduceOp, dtype: str
+) -> None:
+    world = len(comms.ranks)
+    for seed, size in enumerate(SIZES):
+        values = inputs(world, dtype, size, seed)
+        arrays = [comms.to_device(v.copy()) for v in values]
+        together(
+            [
+                functools.partial(c.all_reduce, a, op)
+                for c, a in zip(comms.ranks, arrays, strict=True)
+            ]
+        )
+        got = [comms.to_host(a) for a in arrays]
+        label = f"{comms.backend} {op.name} {dtype} size {size}"
+        assert all(g.dtype == np.dtype(dtype) and g.shape == (size,) for g in got), label
+        assert all(g.tobytes() == got[0].tobytes() for g in got), f"{label}: ranks differ"
+        want = expected(values, op)
+        if np.dtype(dtype).kind == "f" and op is not ReduceOp.MAX:
+            tolerance = 2 * world * float(np.finfo(dtype).eps)
+            scale = np.abs(np.stack(values).astype(np.float64)).sum(axis=0)
+            error = np.abs(got[0].astype(np.float64) - want.astype(np.float64))
+            assert np.all(error <= tolerance * scale + 1e-30), label
+        else:
+            assert got[0].tobytes() == want.tobytes(), label
+
+
+def test_all_reduce_over_several_ranks(comms: Comms) -> None:
+    if comms.no_cross_rank is not None:
+        pytest.skip(comms.no_cross_rank)
+    world = len(comms.ranks)
+    arrays = [comms.to_device(np.full(5, r + 1, np.int64)) for r in range(world)]
+    together([functools.partial(c.all_reduce, a) for c, a in zip(comms.ranks, arrays, strict=True)])
+    total = world * (world + 1) // 2
+    assert all((comms.to_host(a) == total).all() for a in arrays)
+
+
+def test_broadcast_from_a_non_zero_root(comms: Comms) -> None:
+    world = len(comms.ranks)
+    if world == 1:
+        pytest.skip(f"a world of one has no non-zero root: {comms.no_cross_rank}")
+    root = world - 1
+    for size in SIZES:
+        arrays = [comms.to_device(np.full(size, r, np.float32)) for r in range(world)]
+        together(
+            [
+                functools.partial(c.broadcast, a, root)
+                for c, a in zip(comms.ranks, arrays, strict=True)
+            ]
+        )
+        assert all((comms.to_host(a) == root).all() for a in arrays), size
+
+
+def test_broadcast_from_root_zero_keeps_its_data(comms: Comms) -> None:
+    world = len(comms.ranks)
+    arrays = [comms.to_device(np.arange(7, dtype=np.int32) + 10 * r) for r in range(world)]
+    together(
+        [functools.partial(c.broadcast, a, 0) for c, a in zip(comms.ranks, arrays, strict=True)]
+    )
+    assert all((comms.to_host(a) == np.arange(7)).all() for a in arrays)
+
+
+def test_a_root_outside_the_world_is_refused(comms: Comms) -> None:
+    array = comms.to_device(np.zeros(3, np.float32))
+    with pytest.raises(CollectiveArgumentError):
+        comms.ranks[0].broadcast(array, len(comms.ranks))
+
+
+def test_barrier_returns_after_the_last_rank_arrived(comms: Comms) -> None:
+    world = len(comms.ranks)
+    last = world - 1
+    arrived: list[int] = []
+
+    def enter(r: int) -> list[int]:
+        if r == last:
+            arrived.append(r)
+        comms.ranks[r].barrier()
+        return list(arrived)
+
+    seen = together([functools.partial(enter, r) for r in range(world)])
+    assert seen == [[last]] * world, seen
+
+
+def test_a_closed_communicator_refuses_every_collective(comms: Comms) -> None:
+    comm = comms.ranks[0]
+    comm.close()
+    comm.close()  # idempotent
+    array = comms.to_device(np.ones(4, np.float32))
+    for call in (
+        lambda: comm.all_reduce(array),
+        lambda: comm.broadcast(array, 0),
+        comm.barrier,
+    ):
+        with pytest.raises(CommunicatorError, match="closed"):
+            call()
+
+
+def test_a_failed_peer_is_a_peer_connection_error(comms: Comms) -> None:
+    failed = len(comms.ranks) - 1
+    survivors = comms.fail_peer(failed)
+    arrays = {r: comms.to_device(np.ones(1001, np.float32)) for r in survivors}
+    errors = parallel([functools.partial(comms.ranks[r].all_reduce, arrays[r]) for r in survivors])
+    assert all(isinstance(e, PeerConnectionError) for e in errors), errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sigkilled_peer_process_is_a_peer_connection_error(backend: str) -> None:
+    if backend == "fake-nccl":
+        pytest.skip("the fake NCCL has no peer processes: its lost peer is ncclRemoteError above")
+    # Ranks in processes (mid all-reduce when one dies); each survivor reports the
+    # class of what its all_reduce raised.
+    with process_ring(3, "kill", backend) as (procs, conns):
+        for c in conns:
+            assert json.loads(recv_report(c)) == {"started": True}
+        procs[1].kill()
+        reports = [json.loads(recv_report(conns[r])) for r in (0, 2)]
+    assert [r["error"] for r in reports] == ["PeerConnectionError"] * 2, reports
+    assert all("rank 1" in r["message"] for r in reports), reports
