@@ -35,10 +35,14 @@ from rendezvousd.client import (
     Membership,
     RendezvousClient,
 )
-from rendezvousd.trainer.communicator import Communicator
-from rendezvousd.trainer.cpu_ring import CpuRingCommunicator
-from rendezvousd.trainer.nccl import NcclCommunicator
-from rendezvousd.trainer.shm_group import SharedMemoryPeers, create_listener, unsupported_reason
+from rendezvousd.trainer.comm.communicator import Communicator
+from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator
+from rendezvousd.trainer.comm.nccl import NcclCommunicator
+from rendezvousd.trainer.comm.shm_group import (
+    SharedMemoryPeers,
+    create_listener,
+    unsupported_reason,
+)
 from tests.support import DaemonProcess, parallel, wait_for
 from tests.trainer import test_cpu_ring
 from tests.trainer.fake_cupy import device_array, install
@@ -151,10 +155,10 @@ def together(fns: Sequence[Callable[[], Any]], limit: float = 30.0) -> list[Any]
 def streams_open(client: Any, world: int) -> bool:
     """Whether the daemon has every rank's heartbeat stream attached.
 
-    The asyncio client's leave()/close() sometimes hang (60 s and more) when they come
-    right after start_heartbeat(): the heartbeat task, cancelled inside
-    ``wait_for(call.read())``, stays cancelling. Reported to the lead; until then the
-    contract tests start from open streams."""
+    Every world starts from open streams, so that a lost rank is the end of its
+    stream on both clients (not a heartbeat timeout). A leave() right after
+    start_heartbeat() once hung the asyncio client (Python 3.11's wait_for swallowed
+    the cancellation); tests/client/test_aio_stop.py covers that shape now."""
     members = client.get_job().members
     return len(members) == world and all(m.heartbeat_stream_open for m in members)
 

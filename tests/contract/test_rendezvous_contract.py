@@ -19,7 +19,7 @@ from rendezvousd.client import (
     RendezvousTimeout,
     TopologyMismatch,
 )
-from rendezvousd.validation import UNIQUE_ID_BYTES
+from rendezvousd.common.validation import UNIQUE_ID_BYTES
 from tests.support import parallel
 
 from .conftest import World, together
