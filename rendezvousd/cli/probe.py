@@ -16,7 +16,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common import grid
 from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.model import MemberState
 
 EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
 DEFAULT_ENDPOINT = "127.0.0.1:29420"
@@ -91,12 +93,9 @@ def _status(args: argparse.Namespace) -> int:
         ) as client:
 
             def snapshot() -> str:
-                jobs = (
-                    [client.get_job(args.job)]
-                    if args.job
-                    else [client.get_job(j.job_id) for j in client.list_jobs()]
-                )
-                return render(jobs)
+                if args.job:
+                    return render_job(client.get_job(args.job))
+                return render([client.get_job(j.job_id) for j in client.list_jobs()])
 
             if not watch:
                 print(snapshot())
@@ -142,6 +141,44 @@ def render(jobs: list[Any]) -> str:
             lines.append(f"    aborted: {escape(job.abort_reason)}")
     if not jobs:
         lines.append("(no jobs)")
+    return "\n".join(lines)
+
+
+def render_job(job: Any) -> str:
+    """One job: its line of the table, then the node x local-rank grid the status
+    page draws (the same letters), its losses and its abort reason."""
+    late_s = job.heartbeat_timeout_ms / 1000 * grid.LATE_SHARE
+    table = render([pb.GetJobResponse(summary=job.summary)]).splitlines()
+    facts = []
+    steps = [m.step for m in job.members if m.HasField("step")]
+    if steps:
+        facts.append(f"step {min(steps)}")
+    if job.HasField("restarts_used"):
+        facts.append(f"restarts {job.restarts_used} used, {job.restarts_left} left")
+    lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
+    per_node = max(1, job.summary.topology.gpus_per_node)
+    rows: dict[int, tuple[str, list[str], list[float], list[int]]] = {}
+    for m in job.members:
+        who = m.member
+        row = rows.setdefault(who.node_rank, (who.host, [grid.EMPTY] * per_node, [0.0], []))
+        age = m.heartbeat_age_ms / 1000
+        if 0 <= who.local_rank < per_node:
+            row[1][who.local_rank] = grid.seat(MemberState(m.state), age, late_s)
+        row[2][0] = max(row[2][0], age)
+        if m.HasField("step"):
+            row[3].append(m.step)
+    lines.append(f"    {'NODE':>5}  {'HOST':<20} {'RANKS':<{max(5, per_node)}}  HEARTBEAT   STEP")
+    for node, (host, seats, age, node_steps) in sorted(rows.items()):
+        step = str(min(node_steps)) if node_steps else "-"
+        lines.append(
+            f"    {node:>5}  {escape(host):<20} {''.join(seats):<{max(5, per_node)}}  "
+            f"{age[0]:>8.1f}s {step:>6}"
+        )
+    lines.append(f"    ({grid.LEGEND})")
+    for f in job.failed:
+        lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}")
+    if job.abort_reason:
+        lines.append(f"    aborted: {escape(job.abort_reason)}")
     return "\n".join(lines)
 
 

@@ -379,6 +379,7 @@ class RendezvousServicer:
             abort_reason=view.abort_reason,
             restarts_used=view.restarts_used,
             restarts_left=view.restarts_left,
+            heartbeat_timeout_ms=int(self.state.timing.heartbeat_timeout_s * 1000),
         )
 
     # -- registration ---------------------------------------------------------

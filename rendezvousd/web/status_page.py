@@ -29,6 +29,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.grid import EMPTY, LATE_SHARE, seat
 from rendezvousd.common.model import JobView, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.metrics import Metrics
@@ -45,16 +46,6 @@ LOG_EVERY_S = 10.0
 MAX_SESSIONS = 1024
 # One job's JSON lists at most this many nodes per page (the grid asks for the rest).
 NODE_PAGE = 1024
-# A member is drawn as late once its heartbeat is this share of the timeout old.
-LATE_SHARE = 0.5
-# One letter per seat in a node's row: the grid of 1,024 nodes x 8 stays ~40 KB.
-SEAT = {
-    MemberState.JOINING: "J",
-    MemberState.ACTIVE: "A",
-    MemberState.LEFT: "D",
-    MemberState.LOST: "X",
-}
-LATE, EMPTY = "H", "-"
 # A job's view is built once for the page's two requests of one update (the overview,
 # then the job): at 4,096 members a view costs ~30 ms of the daemon's loop. A state
 # change (a Transition) drops it at once; heartbeat ages may be this much old.
@@ -330,7 +321,6 @@ class StatusPage:
         # One pass over the members (rank order, so node by node): at 4,096 members
         # this runs on every poll, on the daemon's loop.
         rows: dict[int, tuple[str, list[str], list[float], list[int | None]]] = {}
-        active = MemberState.ACTIVE
         for m in v.members:
             info = m.info
             node = info.node_rank
@@ -340,7 +330,7 @@ class StatusPage:
             if row is None:
                 row = rows[node] = (info.host, [EMPTY] * per_node, [0.0], [None])
             age = m.heartbeat_age_s
-            letter = LATE if m.state is active and age > late else SEAT[m.state]
+            letter = seat(m.state, age, late)
             if 0 <= info.local_rank < per_node:
                 row[1][info.local_rank] = letter
             if age > row[2][0]:

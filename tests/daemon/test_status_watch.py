@@ -11,7 +11,7 @@ import sys
 import time
 
 from rendezvousd.client import RendezvousClient
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, parallel, wait_for
 
 
 def _status(d: DaemonProcess, job: str) -> list[str]:
@@ -67,3 +67,48 @@ def test_watch_on_a_terminal_redraws_as_the_job_changes(daemon: DaemonProcess, j
         proc.terminate()
         proc.wait(10)
         os.close(primary)
+
+
+def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str) -> None:
+    """`status JOB`: the job's line, then a row per node with one letter per local rank
+    (the status page's letters), its host, heartbeat age and step, and the budget."""
+    agents = [RendezvousClient(daemon.endpoint, job_id, token=daemon.token) for _ in range(2)]
+    try:
+        members = parallel(
+            [
+                lambda c=c, i=i: c.join_node(  # type: ignore[misc]
+                    min_nodes=2, max_nodes=2, gpus_per_node=3, host=f"grid-host-{i}", timeout=20
+                )
+                for i, c in enumerate(agents)
+            ]
+        )
+        for c, m in zip(agents, members, strict=True):
+            c.report_progress([10 + m.node_rank, None, 12], restarts_used=1, max_restarts=4)
+            c.start_heartbeat(0.1)
+        wait_for(
+            "both nodes' steps",
+            lambda: sum(m.HasField("step") for m in agents[0].get_job().members) == 4,
+        )
+        running = subprocess.run(
+            _status(daemon, job_id)[:-3] + [job_id], capture_output=True, text=True, timeout=30
+        )
+        node1 = next(i for i, m in enumerate(members) if m.node_rank == 1)
+        agents[node1].report_failure(1, "boom")
+        wait_for("the loss", lambda: bool(agents[0].get_job().failed))
+        failed = subprocess.run(
+            _status(daemon, job_id)[:-3] + [job_id], capture_output=True, text=True, timeout=30
+        )
+    finally:
+        for c in agents:
+            c.close()
+    assert running.returncode == failed.returncode == 0, running.stderr + failed.stderr
+    out = running.stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[4:6]}
+    host = {m.node_rank: f"grid-host-{i}" for i, m in enumerate(members)}
+    assert rows["0"][1:3] == [host[0], "AAA"] and rows["0"][-1] == "10", out
+    assert rows["1"][1:3] == [host[1], "AAA"] and rows["1"][-1] == "11", out
+    assert "step 10 · restarts 1 used, 3 left" in out
+    assert "A active, H late heartbeat, X lost" in out
+    row1 = next(line.split() for line in failed.stdout.splitlines() if host[1] in line)
+    assert row1[2][1] == "X", failed.stdout  # local rank 1 of node 1: rank 4
+    assert f"lost rank 4 on {host[1]}: boom" in failed.stdout
