@@ -90,13 +90,13 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
             lambda: sum(m.HasField("step") for m in agents[0].get_job().members) == 4,
         )
         running = subprocess.run(
-            _status(daemon, job_id)[:-3] + [job_id], capture_output=True, text=True, timeout=30
+            [*_status(daemon, job_id)[:-3], job_id], capture_output=True, text=True, timeout=30
         )
         node1 = next(i for i, m in enumerate(members) if m.node_rank == 1)
         agents[node1].report_failure(1, "boom")
         wait_for("the loss", lambda: bool(agents[0].get_job().failed))
         failed = subprocess.run(
-            _status(daemon, job_id)[:-3] + [job_id], capture_output=True, text=True, timeout=30
+            [*_status(daemon, job_id)[:-3], job_id], capture_output=True, text=True, timeout=30
         )
     finally:
         for c in agents:
