@@ -60,19 +60,23 @@ def test_the_map_names_no_folder_that_is_gone() -> None:
         assert (ROOT / folder).is_dir(), f"docs/architecture.md maps {folder}, which is gone"
 
 
+def _imports(module: Path) -> list[str]:
+    """Every module name ``module`` imports (``from X import`` and ``import X``)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+    return names
+
+
 def test_common_imports_nothing_of_the_daemons_other_parts() -> None:
     allowed = ("rendezvousd.common", "rendezvousd.errors", "rendezvousd._gen")
     for module in sorted((ROOT / "rendezvousd" / "common").glob("*.py")):
-        for node in ast.walk(ast.parse(module.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            for name in names:
-                if name == "rendezvousd" or name.startswith("rendezvousd."):
-                    assert name.startswith(allowed), f"{module.name} imports {name}"
+        for name in _imports(module):
+            if name == "rendezvousd" or name.startswith("rendezvousd."):
+                assert name.startswith(allowed), f"{module.name} imports {name}"
 
 
 # The daemon's parts, lowest first: each imports only the parts below it (and the
@@ -95,15 +99,8 @@ def test_the_daemons_parts_import_downwards_only() -> None:
         here = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
         if here is None:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            for name in names:
-                there = _layer(name)
-                if there is not None and there > here:
-                    upward.append(f"{path.relative_to(ROOT)} imports {name}")
+        for name in _imports(path):
+            there = _layer(name)
+            if there is not None and there > here:
+                upward.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not upward, upward
