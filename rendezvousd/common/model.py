@@ -208,9 +208,17 @@ class Transition:
     old: JobState | None
     new: JobState | None
     detail: str
+    # The job's world (num_nodes x gpus_per_node) as of the change: what formed.
+    world_size: int = 0
 
 
 Effect = Wake | Notify | Transition
+
+#: The AbortJob reason a node agent gives when it ends a running generation for nodes
+#: waiting to join (NODES_WAITING): a membership change, not a failure. Both agents
+#: (rendezvous-run's and the torchrun handler) say it, so that the other agents and
+#: the daemon's status page tell it apart from a failure.
+SCALE_UP_REASON = "scale-up"
 
 
 @dataclass(frozen=True)

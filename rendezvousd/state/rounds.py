@@ -57,7 +57,7 @@ def set_state(sm: RendezvousState, job: Job, new: JobState, now: float, detail: 
     old = job.state
     job.state = new
     job.state_since = now
-    sm.calls.emit(Transition(job.job_id, job.generation, old, new, detail))
+    sm.calls.emit(Transition(job.job_id, job.generation, old, new, detail, job.world_size))
     if new in TERMINAL:
         # Nodes parked for a scale-up wanted the next generation, not this one:
         # they ask again and open it, instead of hearing this one's fault.

@@ -376,6 +376,7 @@ class StatusPage:
                     "from": e.old,
                     "to": e.new,
                     "detail": e.detail,
+                    "change": e.change,
                 }
                 for e in self.timeline.of(v.job_id)
             ],

@@ -1,5 +1,5 @@
 """Each job's recent generations as the status page shows them: formed, failed (with
-the root cause), aborted, re-formed, with wall-clock times.
+the root cause), aborted, re-formed, scaled up, grown or shrunk, with wall-clock times.
 
 Heard from the state machine's ``Transition`` effects (through ``Metrics``), not
 kept in the job record: it is for looking at, it is not durable, and a daemon
@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.model import Transition
+from rendezvousd.common.model import SCALE_UP_REASON, JobState, Transition
 
 # Transitions kept per job: a few dozen generations, whatever a job's restart budget.
 KEPT = 64
@@ -26,16 +26,23 @@ class Entry:
     old: str
     new: str
     detail: str
+    # What the change means for the job, beyond its state: "scale-up" (an agent ended
+    # the generation for nodes waiting to join: not a failure), "grew 4 -> 6 ranks",
+    # "shrank 6 -> 4 ranks", "re-formed" (the same world again); "" otherwise.
+    change: str = ""
 
 
 class Timeline:
     def __init__(self) -> None:
         self._jobs: dict[str, deque[Entry]] = {}
+        # Each job's world when it last formed: what the next formation is compared to.
+        self._formed: dict[str, int] = {}
 
     def record(self, t: Transition) -> None:
         if t.new is None:
             # The job expired or was forgotten: so is its history.
             self._jobs.pop(t.job_id, None)
+            self._formed.pop(t.job_id, None)
             return
         entries = self._jobs.setdefault(t.job_id, deque(maxlen=KEPT))
         entries.append(
@@ -47,8 +54,11 @@ class Timeline:
                 # The detail may quote a worker's failure text: shortened and escaped
                 # like every client-provided text shown.
                 shortened(t.detail),
+                _change(t, self._formed.get(t.job_id)),
             )
         )
+        if t.new is JobState.RUNNING:
+            self._formed[t.job_id] = t.world_size
 
     def of(self, job_id: str) -> list[Entry]:
         return list(self._jobs.get(job_id, ()))
@@ -59,5 +69,21 @@ class Timeline:
         return f"generation {failed[-1].generation}: {failed[-1].detail}" if failed else ""
 
     def restarts(self, job_id: str) -> int:
-        """Generations that ended in failure or abort while this daemon watched."""
-        return sum(e.new in ("FAILED", "ABORTED") for e in self._jobs.get(job_id, ()))
+        """Generations that ended in failure or abort while this daemon watched (a
+        scale-up is a membership change, not counted)."""
+        return sum(
+            e.new in ("FAILED", "ABORTED") and e.change != "scale-up"
+            for e in self._jobs.get(job_id, ())
+        )
+
+
+def _change(t: Transition, formed_before: int | None) -> str:
+    if t.new is JobState.ABORTED and t.detail == SCALE_UP_REASON:
+        return "scale-up"
+    if t.new is not JobState.RUNNING or formed_before is None:
+        return ""
+    if t.world_size > formed_before:
+        return f"grew {formed_before} -> {t.world_size} ranks"
+    if t.world_size < formed_before:
+        return f"shrank {formed_before} -> {t.world_size} ranks"
+    return "re-formed"

@@ -100,6 +100,12 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
             timeout=60,
         )
         browser.wait_for(
+            "generation 2 named re-formed in the timeline",
+            "[...document.querySelectorAll('#timeline li')].some(li => "
+            "li.innerText.includes('gen 2') && li.innerText.includes('re-formed'))",
+            timeout=60,
+        )
+        browser.wait_for(
             "generation 2 RUNNING",
             "document.getElementById('job-state').textContent === 'RUNNING' && "
             "document.getElementById('job-facts').textContent.includes('generation 2') && "

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: The AbortJob reason a node agent gives when it ends a running generation for nodes
-#: waiting to join (NODES_WAITING): a membership change, not a failure. Both agents
-#: (rendezvous-run's and the torchrun handler) say it, so the others can tell it apart.
-SCALE_UP_REASON = "scale-up"
+from rendezvousd.common.model import SCALE_UP_REASON
+
+__all__ = ["SCALE_UP_REASON", "Failure", "RestartBudget"]
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,7 @@ function drawJob(job, rows) {
     li.append(el("span", clock(e.at), "muted"));
     li.append(el("span", " gen " + e.generation + " "));
     li.append(el("span", e.to, "badge " + e.to));
+    if (e.change) li.append(el("span", " " + e.change, "change"));
     li.append(el("div", e.detail, "cause"));
     tl.append(li);
   }
