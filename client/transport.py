@@ -57,6 +57,14 @@ class Rendezvous(Protocol):
 
     def kv_get(self, key: str, *, wait: bool = True, timeout: float | None = None) -> bytes: ...
 
+    def kv_add(self, key: str, delta: int = 1) -> int: ...
+
+    def kv_compare_and_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]: ...
+
+    def kv_delete(self, key: str) -> bool: ...
+
     def start_heartbeat(
         self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
     ) -> None: ...
@@ -318,6 +326,20 @@ class FileRendezvous:
     def kv_get(self, key: str, *, wait: bool = True, timeout: float | None = None) -> bytes:
         client = self._joined()
         return self._through_rank0(lambda: client.kv_get(key, wait=wait, timeout=timeout))
+
+    def kv_add(self, key: str, delta: int = 1) -> int:
+        client = self._joined()
+        return self._through_rank0(lambda: client.kv_add(key, delta))
+
+    def kv_compare_and_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
+        client = self._joined()
+        return self._through_rank0(lambda: client.kv_compare_and_set(key, expected, desired))
+
+    def kv_delete(self, key: str) -> bool:
+        client = self._joined()
+        return self._through_rank0(lambda: client.kv_delete(key))
 
     def start_heartbeat(
         self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None

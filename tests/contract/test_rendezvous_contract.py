@@ -24,19 +24,6 @@ from tests.support import parallel
 
 from .conftest import World, together
 
-# FileRendezvous is the ``Rendezvous`` protocol only (join, barrier, kv_set, kv_get):
-# the counters, compare-and-set and delete of the daemon's KV are not reachable through
-# it, though the daemon it starts serves them.
-NO_RICH_KV = "FileRendezvous has no kv_add/kv_compare_and_set/kv_delete (Rendezvous protocol)"
-
-
-def rich_kv(world: World, request: pytest.FixtureRequest) -> None:
-    if world.transport == "file":
-        # Strict: the day FileRendezvous gains these, this test must be made plain.
-        request.applymarker(
-            pytest.mark.xfail(strict=True, raises=AttributeError, reason=NO_RICH_KV)
-        )
-
 
 def test_every_rank_once_in_one_world_of_one_id_and_one_table(world: World) -> None:
     ms = world.memberships
@@ -94,8 +81,7 @@ def test_kv_get_waits_for_a_later_set(world: World) -> None:
     assert got == [b"value"]
 
 
-def test_kv_add_counts_across_ranks(world: World, request: pytest.FixtureRequest) -> None:
-    rich_kv(world, request)
+def test_kv_add_counts_across_ranks(world: World) -> None:
     assert world.api[0].kv_add("n", 5) == 5
     assert world.api[1].kv_add("n", -2) == 3
     totals = together([functools.partial(a.kv_add, "n") for a in world.api])
@@ -103,8 +89,7 @@ def test_kv_add_counts_across_ranks(world: World, request: pytest.FixtureRequest
     assert world.api[-1].kv_get("n", wait=False) == str(3 + world.size).encode()
 
 
-def test_kv_compare_and_set(world: World, request: pytest.FixtureRequest) -> None:
-    rich_kv(world, request)
+def test_kv_compare_and_set(world: World) -> None:
     a, b = world.api[0], world.api[-1]
     assert a.kv_compare_and_set("c", None, b"first") == (True, b"first")
     assert b.kv_compare_and_set("c", None, b"again") == (False, b"first")
@@ -113,8 +98,7 @@ def test_kv_compare_and_set(world: World, request: pytest.FixtureRequest) -> Non
     assert a.kv_get("c", wait=False) == b"second"
 
 
-def test_kv_delete(world: World, request: pytest.FixtureRequest) -> None:
-    rich_kv(world, request)
+def test_kv_delete(world: World) -> None:
     a, b = world.api[0], world.api[-1]
     a.kv_set("d", b"v")
     assert b.kv_delete("d") is True
