@@ -133,10 +133,7 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         return workers
 
     async def join(job: str, rank: int) -> Any:
-        c = AsyncRendezvousClient(
-            args.endpoint, job, token_file=args.token_file, connect_timeout=120, call_timeout=120
-        )
-        clients.append(c)
+        c = client(job)
         t = time.perf_counter()
         try:
             await c.join(
