@@ -264,6 +264,8 @@ class JobView:
     # used, and the fewest any node has left (the first to run out ends the job).
     restarts_used: int | None = None
     restarts_left: int | None = None
+    # The job's step: its slowest active rank's (None until one reported a step).
+    step: int | None = None
 
     @property
     def world_size(self) -> int:

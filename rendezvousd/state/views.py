@@ -31,17 +31,22 @@ def _step(beating: Attendee, member: Member) -> int | None:
 
 def job_view(job: Job, now: float) -> JobView:
     members = []
+    slowest: int | None = None
     for r, m in sorted(job.gen.members.items()):
         beating = _beating(job, r, m)
+        step = _step(beating, m)
+        active = m.state is MemberState.ACTIVE
+        if active and step is not None and (slowest is None or step < slowest):
+            slowest = step
         members.append(
             MemberView(
                 m.info(),
                 m.state,
                 # Only an active member's silence means anything; others are not expected
                 # to beat.
-                max(0.0, now - beating.last_seen) if m.state is MemberState.ACTIVE else 0.0,
+                max(0.0, now - beating.last_seen) if active else 0.0,
                 beating.stream_open,
-                _step(beating, m),
+                step,
             )
         )
     # Restart budgets are node agents' (a per-rank worker has none to report).
@@ -64,4 +69,5 @@ def job_view(job: Job, now: float) -> JobView:
         len(set(job.scaleup_waiters.values()) | set(job.gen.node_waiters.values())),
         max((p.restarts_used for p in budgets), default=None),
         min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
+        slowest,
     )

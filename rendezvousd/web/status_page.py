@@ -224,7 +224,7 @@ class StatusPage:
         return view
 
     def _sample_step(self, job_id: str, now: float, v: JobView) -> None:
-        step = _job_step(v)
+        step = v.step
         samples = self._steps.get(job_id)
         if step is None or (samples and step < samples[-1][1]):
             # No step yet, or training went back (resumed from an older state): the
@@ -292,7 +292,7 @@ class StatusPage:
                 max((m.heartbeat_age_s for m in v.members if m.state in _PRESENT), default=0.0), 1
             ),
             # Progress the node agents' heartbeats carry (None where none reported).
-            "step": _job_step(v),
+            "step": v.step,
             "steps_per_s": self._rate(v.job_id),
             "restarts_used": v.restarts_used,
             "restarts_left": v.restarts_left,
@@ -404,12 +404,6 @@ class StatusPage:
 
 
 _PRESENT = (MemberState.JOINING, MemberState.ACTIVE)
-
-
-def _job_step(v: JobView) -> int | None:
-    """The job's step: its slowest active rank's (None until one reported a step)."""
-    steps = [m.step for m in v.members if m.step is not None and m.state is MemberState.ACTIVE]
-    return min(steps) if steps else None
 
 
 def _cookie(header: str) -> str:
