@@ -157,22 +157,27 @@ def render_job(job: Any) -> str:
         facts.append(f"restarts {job.restarts_used} used, {job.restarts_left} left")
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
     per_node = max(1, job.summary.topology.gpus_per_node)
-    rows: dict[int, tuple[str, list[str], list[float], list[int]]] = {}
-    for m in job.members:
-        who = m.member
-        row = rows.setdefault(who.node_rank, (who.host, [grid.EMPTY] * per_node, [0.0], []))
-        age = m.heartbeat_age_ms / 1000
-        if 0 <= who.local_rank < per_node:
-            row[1][who.local_rank] = grid.seat(MemberState(m.state), age, late_s)
-        row[2][0] = max(row[2][0], age)
-        if m.HasField("step"):
-            row[3].append(m.step)
+    rows = grid.node_rows(
+        (
+            (
+                m.member.node_rank,
+                m.member.local_rank,
+                m.member.host,
+                MemberState(m.state),
+                m.heartbeat_age_ms / 1000,
+                m.step if m.HasField("step") else None,
+            )
+            for m in job.members
+        ),
+        per_node,
+        late_s,
+    )
     lines.append(f"    {'NODE':>5}  {'HOST':<20} {'RANKS':<{max(5, per_node)}}  HEARTBEAT   STEP")
-    for node, (host, seats, age, node_steps) in sorted(rows.items()):
-        step = str(min(node_steps)) if node_steps else "-"
+    for node, row in sorted(rows.items()):
+        step = "-" if row.step is None else str(row.step)
         lines.append(
-            f"    {node:>5}  {escape(host):<20} {''.join(seats):<{max(5, per_node)}}  "
-            f"{age[0]:>8.1f}s {step:>6}"
+            f"    {node:>5}  {escape(row.host):<20} {''.join(row.seats):<{max(5, per_node)}}  "
+            f"{row.age_s:>8.1f}s {step:>6}"
         )
     lines.append(f"    ({grid.LEGEND})")
     for f in job.failed:

@@ -4,6 +4,9 @@ terminal (and 1,024 nodes x 8 stay small on the wire)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from rendezvousd.common.model import MemberState
 
 # A member is drawn late once its heartbeat is this share of the timeout old.
@@ -23,3 +26,39 @@ def seat(state: MemberState, heartbeat_age_s: float, late_after_s: float) -> str
     if state is MemberState.ACTIVE and heartbeat_age_s > late_after_s:
         return LATE
     return SEAT[state]
+
+
+# One member as the grid needs it: node rank, local rank, host, state, heartbeat
+# age (s), last step (None before its first).
+GridSeat = tuple[int, int, str, MemberState, float, int | None]
+
+
+@dataclass
+class NodeRow:
+    """One node's row: its host, a letter per local rank, its oldest heartbeat and
+    its slowest rank's step."""
+
+    host: str
+    seats: list[str]
+    age_s: float = 0.0
+    step: int | None = None
+
+
+def node_rows(
+    members: Iterable[GridSeat], per_node: int, late_after_s: float, nodes: range | None = None
+) -> dict[int, NodeRow]:
+    """The rows of the nodes in ``nodes`` (every node when None), by node rank."""
+    rows: dict[int, NodeRow] = {}
+    for node, local, host, state, age, step in members:
+        if nodes is not None and node not in nodes:
+            continue
+        row = rows.get(node)
+        if row is None:
+            row = rows[node] = NodeRow(host, [EMPTY] * per_node)
+        if 0 <= local < per_node:
+            row.seats[local] = seat(state, age, late_after_s)
+        if age > row.age_s:
+            row.age_s = age
+        if step is not None and (row.step is None or step < row.step):
+            row.step = step
+    return rows

@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rendezvousd.common.escape import escape, shortened
-from rendezvousd.common.grid import EMPTY, LATE_SHARE, seat
+from rendezvousd.common.grid import LATE_SHARE, node_rows
 from rendezvousd.common.model import JobView, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.metrics import Metrics
@@ -316,28 +316,24 @@ class StatusPage:
 
     def job(self, v: JobView, offset: int = 0, limit: int = NODE_PAGE) -> dict[str, Any]:
         late = self.state.timing.heartbeat_timeout_s * LATE_SHARE
-        per_node = max(1, v.gpus_per_node)
-        end = offset + limit
-        # One pass over the members (rank order, so node by node): at 4,096 members
-        # this runs on every poll, on the daemon's loop.
-        rows: dict[int, tuple[str, list[str], list[float], list[int | None]]] = {}
-        for m in v.members:
-            info = m.info
-            node = info.node_rank
-            if node < offset or node >= end:
-                continue
-            row = rows.get(node)
-            if row is None:
-                row = rows[node] = (info.host, [EMPTY] * per_node, [0.0], [None])
-            age = m.heartbeat_age_s
-            letter = seat(m.state, age, late)
-            if 0 <= info.local_rank < per_node:
-                row[1][info.local_rank] = letter
-            if age > row[2][0]:
-                row[2][0] = age
-            # A node's step is its slowest rank's.
-            if m.step is not None and (row[3][0] is None or m.step < row[3][0]):
-                row[3][0] = m.step
+        # One pass over the members: at 4,096 members this runs on every poll, on the
+        # daemon's loop.
+        rows = node_rows(
+            (
+                (
+                    m.info.node_rank,
+                    m.info.local_rank,
+                    m.info.host,
+                    m.state,
+                    m.heartbeat_age_s,
+                    m.step,
+                )
+                for m in v.members
+            ),
+            max(1, v.gpus_per_node),
+            late,
+            range(offset, offset + limit),
+        )
         now = time.monotonic()
         return {
             **self._summary(v),
@@ -349,12 +345,12 @@ class StatusPage:
                 "rows": [
                     {
                         "node": n,
-                        "host": escape(host),
-                        "seats": "".join(seats),
-                        "age": round(age[0], 1),
-                        "step": step[0],
+                        "host": escape(row.host),
+                        "seats": "".join(row.seats),
+                        "age": round(row.age_s, 1),
+                        "step": row.step,
                     }
-                    for n, (host, seats, age, step) in sorted(rows.items())
+                    for n, row in sorted(rows.items())
                 ],
             },
             "failed": [
