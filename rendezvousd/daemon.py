@@ -349,7 +349,7 @@ class Daemon:
             self.state,
             self.metrics,
             self.timeline,
-            lambda token: self._auth.scope_of([("authorization", f"Bearer {token}")]),
+            self._auth.token_scope,
             self._abort_from_page,
             secure_cookie=tls is not None,
         )

@@ -142,8 +142,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def scope_of(self, metadata: Sequence[tuple[str, Any]] | None) -> Scope | None:
         """The scope the call's bearer token grants, or None when it is invalid."""
         token = _bearer(metadata)
-        if token is None:
-            return None
+        return None if token is None else self.token_scope(token)
+
+    def token_scope(self, token: str) -> Scope | None:
+        """The scope ``token`` grants (the status page's login and Bearer callers
+        too), or None when it is invalid."""
         presented = _digest(token)
         # Compare against every token, without an early exit, in constant time.
         if sum(hmac.compare_digest(presented, d) for d in self._digests) > 0:
@@ -215,15 +218,18 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     """The call's one bearer token, or None (missing, duplicated: ambiguous)."""
     values = [v for k, v in metadata or () if k == "authorization"]
-    if len(values) != 1:
-        return None
-    value = values[0]
+    return bearer_token(values[0]) if len(values) == 1 else None
+
+
+def bearer_token(value: str | bytes) -> str | None:
+    """The token of one ``Authorization: Bearer TOKEN`` value (gRPC metadata or an
+    HTTP header), or None for another scheme, no token or non-ASCII bytes."""
     if isinstance(value, bytes):
         try:
             value = value.decode("ascii")
         except UnicodeDecodeError:
             return None
-    scheme, _, token = str(value).partition(" ")
+    scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()

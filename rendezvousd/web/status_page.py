@@ -32,6 +32,7 @@ from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.grid import LATE_SHARE, node_rows
 from rendezvousd.common.model import JobView, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.server.auth import bearer_token
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.scope import Scope
 from rendezvousd.state.machine import RendezvousState
@@ -155,8 +156,8 @@ class StatusPage:
     def _caller(self, r: Request) -> Caller | None:
         auth = r.headers.get("authorization", "")
         if auth:
-            scheme, _, token = auth.partition(" ")
-            scope = self._scope_of(token.strip()) if scheme.lower() == "bearer" else None
+            token = bearer_token(auth)
+            scope = self._scope_of(token) if token is not None else None
             return Caller(scope, f"{scope} bearer token from {r.peer}") if scope else None
         sid = _cookie(r.headers.get("cookie", ""))
         session = self._sessions.get(sid) if sid else None
