@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,57 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+# The daemon's method names for the soak's operations.
+_SERVED = {
+    "JoinNode": "join",
+    "Join": "join",
+    "Barrier": "barrier",
+    "KvSet": "kv_set",
+    "KvGet": "kv_get",
+}
+
+
+def _served_latencies(metrics_url: str) -> dict[str, dict[str, float]]:
+    """p50/p99 per operation from the daemon's rendezvousd_rpc_duration_seconds buckets
+    (successful calls): the bucket bound at or above each quantile, in ms."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        text = r.read().decode()
+    buckets: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "rendezvousd_rpc_duration_seconds":
+            continue
+        for sample in family.samples:
+            op = _SERVED.get(sample.labels.get("method", ""))
+            if sample.name.endswith("_bucket") and op and sample.labels.get("code") == "OK":
+                le = float(sample.labels["le"])
+                per_op = buckets.setdefault(op, {})
+                per_op[le] = per_op.get(le, 0.0) + sample.value
+    out: dict[str, dict[str, float]] = {}
+    for op, cumulative in buckets.items():
+        bounds = sorted(cumulative)
+        count = cumulative[bounds[-1]]
+        if not count:
+            continue
+
+        def q(
+            p: float,
+            bounds: list[float] = bounds,
+            cumulative: dict[float, float] = cumulative,
+            count: float = count,
+        ) -> float:
+            return next(b for b in bounds if cumulative[b] >= p * count) * 1000
+
+        out[op] = {"count": int(count), "p50_le_ms": q(0.5), "p99_le_ms": q(0.99)}
+    return out
+
+
 def _percentiles(samples: list[float]) -> dict[str, float]:
     if not samples:
         return {}
@@ -94,10 +146,15 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         "kv_get": [],
     }
     errors: dict[str, int] = {}
+    samples: dict[str, list[str]] = {}
     clients: list[Any] = []
 
-    def err(exc: RendezvousError) -> None:
-        errors[exc.code or type(exc).__name__] = errors.get(exc.code or type(exc).__name__, 0) + 1
+    def err(exc: RendezvousError, op: str) -> None:
+        code = exc.code or type(exc).__name__
+        errors[code] = errors.get(code, 0) + 1
+        # A few messages per code, so a report with errors says which call and why.
+        if len(seen := samples.setdefault(code, [])) < 3:
+            seen.append(f"{op}: {exc}"[:300])
 
     def client(job: str) -> Any:
         c = AsyncRendezvousClient(
@@ -121,10 +178,10 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
                 timeout=300,
             )
         except RendezvousError as exc:
-            err(exc)
+            err(exc, "join_node")
             return [None] * args.gpus_per_node
         latencies["join"].append(time.perf_counter() - t)
-        agent.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e))
+        agent.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e, "node heartbeat"))
         workers = []
         for local in range(args.gpus_per_node):
             w = client(job)
@@ -145,10 +202,10 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
                 timeout=300,
             )
         except RendezvousError as exc:
-            err(exc)
+            err(exc, "join")
             return None
         latencies["join"].append(time.perf_counter() - t)
-        c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e))
+        c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e, "heartbeat"))
         return c
 
     async def steady(c: Any, job_index: int, rank: int, rounds: int) -> None:
@@ -158,18 +215,21 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         # A fixed number of rounds: every member of a job runs the same barriers (a
         # time-based stop would leave some members waiting for peers that quit).
         for _ in range(rounds):
+            op = "kv_set"
             try:
                 t = time.perf_counter()
                 await c.kv_set(f"m{rank}", secrets.token_bytes(64))
                 latencies["kv_set"].append(time.perf_counter() - t)
+                op = "kv_get"
                 t = time.perf_counter()
                 await c.kv_get(f"m{(rank + 1) % args.job_size}", timeout=60)
                 latencies["kv_get"].append(time.perf_counter() - t)
+                op = "barrier"
                 t = time.perf_counter()
                 await c.barrier("soak", timeout=120)
                 latencies["barrier"].append(time.perf_counter() - t)
             except RendezvousError as exc:
-                err(exc)
+                err(exc, op)
                 return
             await asyncio.sleep(args.period_s)
 
@@ -197,7 +257,7 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         *[c.leave() for c in clients if c.membership is not None], return_exceptions=True
     )
     await asyncio.gather(*[c.close() for c in clients])
-    return {"latencies": latencies, "errors": errors}
+    return {"latencies": latencies, "errors": errors, "error_samples": samples}
 
 
 async def _probe(args: argparse.Namespace) -> dict[str, Any]:
@@ -278,6 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--heartbeat-timeout-s",
             str(args.heartbeat_timeout_s),
             *persist,
+            metrics=True,
         )
         daemon, endpoint = embedded.proc, embedded.endpoint
         token = str(embedded.token_file)
@@ -315,6 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 assert w.stdout is not None
                 json.loads(w.stdout.readline())  # every member of this process joined
             started = time.time()
+            clients_cpu_at_start = _children_cpu_s()
             steady_stats = _proc_stats(daemon.pid)
             cpu_at_start = _cpu_s(daemon.pid)
             # RSS every 10 s under load. Growth is measured from the first sample after
@@ -340,18 +402,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 json.loads(w.communicate(timeout=args.duration + 600)[0].strip().splitlines()[-1])
                 for w in workers
             ]
+            served = _served_latencies(embedded.metrics_url)
             end_stats = _proc_stats(daemon.pid)
             elapsed = time.time() - started
+            # The member processes were reaped above (probe and victim too); the daemon
+            # is not yet, so this is the clients' CPU alone.
+            clients_cpu_per_s = (_children_cpu_s() - clients_cpu_at_start) / elapsed
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
     latencies: dict[str, list[float]] = {}
     errors: dict[str, int] = {}
+    error_samples: dict[str, list[str]] = {}
     for r in results:
         for k, v in r["latencies"].items():
             latencies.setdefault(k, []).extend(v)
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
+        for k, msgs in r["error_samples"].items():
+            error_samples[k] = (error_samples.get(k, []) + msgs)[:3]
     notify = [round(t - killed_at, 4) for t in probe_out["fired"]]
     ops = sum(len(v) for v in latencies.values())
     streams = args.members // (args.gpus_per_node if args.shape == "node" else 1)
@@ -371,13 +440,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "state_dir": bool(args.state_dir),
         "job_size": args.job_size,
         "duration_s": round(elapsed, 1),
+        # As the clients saw them: on this machine 4,000+ client channels and the daemon
+        # share the same cores, so these include the clients' own queueing.
         "operations": {k: _percentiles(v) for k, v in latencies.items()},
+        # As the daemon measured them (its rpc histogram: handler time including a
+        # barrier's wait for the last member), as the upper bound of the bucket holding
+        # the quantile; the gap to "operations" is time spent in the clients.
+        "operations_served": served,
         "total_ops": ops,
         "ops_per_s": round(ops / elapsed, 1),
         "heartbeats_sent_approx": heartbeats,
         "heartbeats_per_s_approx": round(heartbeats / elapsed, 1),
         "daemon_cpu_s_per_s": round(daemon_cpu_per_s, 3),
+        "clients_cpu_s_per_s": round(clients_cpu_per_s, 3),
+        "daemon_cpu_ms_per_call": round(
+            1000 * daemon_cpu_per_s / max(1e-9, (ops + heartbeats) / elapsed), 3
+        ),
         "errors_by_code": errors,
+        "error_samples": error_samples,
         "daemon": {
             "start": start_stats,
             "steady": steady_stats,
