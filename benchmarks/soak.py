@@ -41,6 +41,7 @@ from typing import Any
 from _report import emit
 
 from rendezvousd.cli.embedded import spawn
+from rendezvousd.client._session import DEFAULT_HEARTBEAT_S
 
 TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0}
 # Every operation's p99 (issue 21): the node shape is what jobs run now.
@@ -309,8 +310,7 @@ def _spawn(
             token,
             "--duration",
             str(args.duration),
-            "--heartbeat-s",
-            str(args.heartbeat_s),
+            *(["--heartbeat-s", str(args.heartbeat_s)] if args.heartbeat_s else []),
             "--period-s",
             str(args.period_s),
             "--job-size",
@@ -424,7 +424,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notify = [round(t - killed_at, 4) for t in probe_out["fired"]]
     ops = sum(len(v) for v in latencies.values())
     streams = args.members // (args.gpus_per_node if args.shape == "node" else 1)
-    heartbeats = int(streams * elapsed / args.heartbeat_s)
+    beat_s = args.heartbeat_s or min(DEFAULT_HEARTBEAT_S, args.heartbeat_timeout_s / 3)
+    heartbeats = int(streams * elapsed / beat_s)
     worst_p99 = max(
         (q.get("p99_ms", 0.0) for q in map(_percentiles, latencies.values())), default=0
     )
@@ -449,6 +450,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "operations_served": served,
         "total_ops": ops,
         "ops_per_s": round(ops / elapsed, 1),
+        "heartbeat_s": round(beat_s, 3),
         "heartbeats_sent_approx": heartbeats,
         "heartbeats_per_s_approx": round(heartbeats / elapsed, 1),
         "daemon_cpu_s_per_s": round(daemon_cpu_per_s, 3),
@@ -491,7 +493,12 @@ def main() -> None:
         "--gpus-per-node", type=int, default=8, help="--shape node: ranks per node agent"
     )
     p.add_argument("--processes", type=int, default=4)
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=None,
+        help="beat interval (default: the SDK's, a third of the daemon's timeout, at most 5 s)",
+    )
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
     p.add_argument("--period-s", type=float, default=30.0, help="barrier + KV every this often")
     p.add_argument("--json-out", type=Path)

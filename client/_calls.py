@@ -414,12 +414,13 @@ class ClientBase:
 
     def start_heartbeat(
         self,
-        interval: float = 1.0,
+        interval: float | None = None,
         on_failure: Callable[[RendezvousError], None] | None = None,
         on_nodes_waiting: Callable[[int], None] | None = None,
     ) -> None:
         """Heartbeat in the background (the sync client's thread, the asyncio one's
-        task); ``on_failure`` runs once, on the heartbeat's thread or the sync
+        task), every ``interval`` seconds: by default a third of the daemon's heartbeat
+        timeout, at most 5 s (see ``Session.heartbeat_interval``); ``on_failure`` runs once, on the heartbeat's thread or the sync
         watchdog's: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``... After
         join_node() the stream is the whole node's; ``on_nodes_waiting(count)`` runs
         when nodes park for a next generation."""

@@ -66,7 +66,9 @@ class Rendezvous(Protocol):
     def kv_delete(self, key: str) -> bool: ...
 
     def start_heartbeat(
-        self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
+        self,
+        interval: float | None = None,
+        on_failure: Callable[[RendezvousError], None] | None = None,
     ) -> None: ...
 
     def raise_if_failed(self) -> None: ...
@@ -342,7 +344,9 @@ class FileRendezvous:
         return self._through_rank0(lambda: client.kv_delete(key))
 
     def start_heartbeat(
-        self, interval: float = 1.0, on_failure: Callable[[RendezvousError], None] | None = None
+        self,
+        interval: float | None = None,
+        on_failure: Callable[[RendezvousError], None] | None = None,
     ) -> None:
         self._joined().start_heartbeat(interval, on_failure)
 
