@@ -26,6 +26,7 @@ from rendezvousd.client.errors import (
     DaemonUnreachable,
     InvalidRequest,
     JobAborted,
+    JobEnded,
     PeerFailed,
     RendezvousError,
     RendezvousTimeout,
@@ -445,6 +446,12 @@ class Session:
     def fail(self, error: RendezvousError) -> None:
         with self._fail_lock:
             if self.failure is not None or self.leaving:
+                return
+            if isinstance(error, JobEnded) and self.node is not None:
+                # A node's ranks are left by its attached workers, not by this
+                # client: the job ending because every member left is the job's
+                # normal end, and the node's stream is simply over.
+                self.leaving = True
                 return
             self.failure = error
         if self.on_failure is not None:

@@ -389,3 +389,33 @@ def test_an_attached_worker_cannot_open_a_heartbeat_stream_of_its_own(
     worker.close()
     job = agents[0].get_job()
     assert job.summary.state == pb.JobState.JOB_STATE_RUNNING, job.failed
+
+
+def test_a_node_whose_workers_all_left_hears_the_job_end_as_no_failure(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    """Every rank's worker leave()s (the job finished): the agents' node heartbeats then
+    hear JOB_ENDED, which is the job's normal end, not a failure to report. The soak
+    counted 31-52 such on_failure calls per run when its workers left before agents."""
+    ms = join_all(agents[:2], 2, 2, gpus=1)
+    heard: list[RendezvousError] = []
+    for c in agents[:2]:
+        c.start_heartbeat(0.1, on_failure=heard.append)
+    workers = clients(daemon, job_id, 2)
+    try:
+        for m, w in zip(ms, workers, strict=True):
+            w.attach(m.membership_for(0), m.member_instance_id(0))
+        for w in workers:
+            w.leave()
+        wait_for("the job to end", lambda: agents[2].get_job().summary.state == pb.JOB_STATE_ENDED)
+        # Several beats (0.1 s apart) and the ENDED push have had their chance.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not heard:
+            time.sleep(0.05)
+        assert heard == []
+        for c in agents[:2]:
+            c.raise_if_failed()
+            c.leave()  # one warning at most: the job is over
+    finally:
+        for w in workers:
+            w.close()
