@@ -1,0 +1,259 @@
+"""The daemon's own CPU per call, beside a bare grpc.aio server's: where a call's cost is.
+
+    python benchmarks/rpc_cost.py [--calls 6000] [--concurrency 32] [--state-dir]
+
+A client process (asyncio, one channel) makes --calls calls of each kind, --concurrency
+at a time, after a warm-up round of the same; the parent reads the daemon's CPU seconds
+(/proc, user + system) before and after each kind and divides. Kinds: KvGet, KvSet,
+Barrier (a job of one rank, so it never waits), gRPC's Health.Check, and heartbeats
+(--streams members of one job, each with a raw Heartbeat stream sending the next beat
+as soon as the daemon acknowledges the last, counted from the acknowledgements).
+
+The anchor is the floor Python gRPC sets: the same client loop against a bare
+``grpc.aio.server()`` holding only grpcio-health-checking's servicer, in its own process,
+measured the same way. Start-up, imports and connects are outside the measurement on
+both sides. What our daemon adds to the floor is its interceptors (auth, decode guard,
+budget), metrics, the state machine and (with --state-dir) the SQLite commit handed to
+its writer thread, whose CPU is counted too. Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _report import emit
+
+KINDS = ("kv_get", "kv_set", "barrier", "health", "heartbeat")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _client(args: argparse.Namespace) -> None:
+    """Tells the parent "go KIND" before each measured round and "done KIND N" after."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+    from rendezvousd.client import AsyncRendezvousClient
+
+    def say(*words: object) -> None:
+        print(*words, flush=True)
+        sys.stdin.readline()  # the parent has read the CPU clock
+
+    async def rounds(kind: str, call: Any, per_name: bool = False) -> None:
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def one() -> None:
+            async with sem:
+                await call()
+
+        async def lane() -> None:  # one task's share of the calls, in order
+            for _ in range(args.calls // args.concurrency):
+                await call()
+
+        for measured in (False, True):
+            if measured:
+                say("go", kind)
+            if per_name:
+                await asyncio.gather(*[lane() for _ in range(args.concurrency)])
+            else:
+                await asyncio.gather(*[one() for _ in range(args.calls)])
+        calls = args.calls // args.concurrency * args.concurrency if per_name else args.calls
+        say("done", kind, calls)
+
+    channel = grpc.aio.insecure_channel(args.endpoint)
+    health = health_pb2_grpc.HealthStub(channel)
+    if args.bare:
+        await rounds("health", lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=30))
+        return
+    token = args.token
+    solo = AsyncRendezvousClient(args.endpoint, "cost-solo", token_file=args.token_file)
+    await solo.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=60)
+    solo.start_heartbeat()
+    await solo.kv_set("k", b"v" * 64)
+    await rounds("kv_get", lambda: solo.kv_get("k"))
+    await rounds("kv_set", lambda: solo.kv_set("k", b"v" * 64))
+    # One rank's rounds of a barrier are ordered, and names are capped: 32 names, each
+    # called by one task in turn.
+    names = itertools.cycle([f"b{i}" for i in range(args.concurrency)])
+    await rounds("barrier", lambda: solo.barrier(next(names), timeout=30), per_name=True)
+    await rounds("health", lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=30))
+    await solo.leave()
+    await solo.close()
+
+    # Heartbeats: --streams one-rank jobs (a fresh set per round: a stream's end is
+    # its member's loss), each sending its share of the beats on a raw stream as fast
+    # as HTTP/2 flow control lets it, then half-closing; the daemon acknowledges only
+    # every tenth of its timeout, so the round ends when every stream has ended.
+    stub = pb_grpc.RendezvousStub(channel)
+    metadata = (("authorization", f"Bearer {token}"),)
+    per_stream = max(1, args.calls // args.streams)
+
+    async def beats(job: str, ready: list[int], started: asyncio.Event) -> int:
+        c = AsyncRendezvousClient(args.endpoint, job, token_file=args.token_file)
+        await c.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=60)
+        ready.append(1)
+        # The member's own beat, as the SDK's session builds it (a private seam: the
+        # SDK has no public way to send one beat).
+        request: pb.HeartbeatRequest = c._s.heartbeat_request()
+
+        async def requests() -> Any:
+            await started.wait()
+            for _ in range(per_stream):
+                yield request
+
+        async for _event in stub.Heartbeat(requests(), metadata=metadata, timeout=120):
+            pass
+        await c.close()
+        return per_stream
+
+    for measured in (False, True):
+        started, ready = asyncio.Event(), []
+        streams = [
+            asyncio.create_task(beats(f"cost-{measured:d}-{i}", ready, started))
+            for i in range(args.streams)
+        ]
+        # Every member joined before the clock starts (the joins are not beats).
+        while len(ready) < args.streams:
+            await asyncio.sleep(0.01)
+        if measured:
+            say("go", "heartbeat")
+        started.set()
+        sent = sum(await asyncio.gather(*streams))
+    say("done", "heartbeat", sent)
+
+
+def _measure(pid: int, client: subprocess.Popen[str]) -> dict[str, dict[str, float]]:
+    assert client.stdout is not None and client.stdin is not None
+    out: dict[str, dict[str, float]] = {}
+    started: dict[str, tuple[float, float]] = {}
+    for line in client.stdout:
+        words = line.split()
+        if words and words[0] == "go":
+            started[words[1]] = (_cpu_s(pid), time.perf_counter())
+        elif words and words[0] == "done":
+            cpu0, t0 = started[words[1]]
+            calls = int(words[2])
+            out[words[1]] = {
+                "calls": calls,
+                "cpu_us_per_call": round(1e6 * (_cpu_s(pid) - cpu0) / calls, 1),
+                "calls_per_s": round(calls / (time.perf_counter() - t0), 1),
+            }
+        client.stdin.write("\n")
+        client.stdin.flush()
+    if client.wait(120) != 0:
+        raise SystemExit(f"client failed with exit {client.returncode}")
+    return out
+
+
+def _spawn_client(args: argparse.Namespace, endpoint: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "client",
+            "--endpoint",
+            endpoint,
+            "--calls",
+            str(args.calls),
+            "--concurrency",
+            str(args.concurrency),
+            "--streams",
+            str(args.streams),
+            *extra,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+_BARE_SERVER = """
+import asyncio, grpc
+from grpc_health.v1 import _async as health, health_pb2_grpc
+async def main():
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rendezvousd.cli.embedded import spawn
+
+    report: dict[str, Any] = {
+        "benchmark": "rpc_cost",
+        "calls": args.calls,
+        "concurrency": args.concurrency,
+        "streams": args.streams,
+        "state_dir": bool(args.state_dir),
+        "load_average_at_start": os.getloadavg()[0],
+    }
+    bare = subprocess.Popen([sys.executable, "-c", _BARE_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bare.stdout is not None
+        port = bare.stdout.readline().strip()
+        client = _spawn_client(args, f"127.0.0.1:{port}", "--bare")
+        report["bare_grpc_aio"] = _measure(bare.pid, client)
+    finally:
+        bare.kill()
+        bare.wait()
+    with tempfile.TemporaryDirectory() as tmp:
+        persist = ["--state-dir", str(Path(tmp) / "state")] if args.state_dir else []
+        daemon = spawn(Path(tmp), "--log-level", "WARNING", *persist)
+        try:
+            client = _spawn_client(args, daemon.endpoint, "--token-file", str(daemon.token_file))
+            report["rendezvousd"] = _measure(daemon.proc.pid, client)
+        finally:
+            daemon.proc.terminate()
+            daemon.proc.wait(30)
+    floor = report["bare_grpc_aio"]["health"]["cpu_us_per_call"]
+    report["rendezvousd_over_floor"] = {
+        k: round(v["cpu_us_per_call"] / floor, 2) for k, v in report["rendezvousd"].items()
+    }
+    report["load_average_at_end"] = os.getloadavg()[0]
+    return report
+
+
+def _client_main(args: argparse.Namespace) -> None:
+    args.token = Path(args.token_file).read_text().strip() if args.token_file else ""
+    asyncio.run(_client(args))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--calls", type=int, default=6000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--streams", type=int, default=32, help="heartbeat streams (members)")
+    p.add_argument("--state-dir", action="store_true", help="the daemon persists to SQLite")
+    p.add_argument("--json-out")
+    p.add_argument("--role", default="parent", choices=["parent", "client"])
+    p.add_argument("--endpoint")
+    p.add_argument("--token-file")
+    p.add_argument("--bare", action="store_true")
+    args = p.parse_args()
+    if args.role == "client":
+        _client_main(args)
+        return
+    emit(run(args), args.json_out)
+
+
+if __name__ == "__main__":
+    main()
