@@ -9,6 +9,7 @@ import pytest
 from rendezvousd.common.escape import MAX_CAUSE_BYTES
 from rendezvousd.common.limits import Timing
 from rendezvousd.common.model import (
+    NEVER_ATTACHED,
     EventKind,
     JobState,
     JoinMode,
@@ -201,11 +202,26 @@ def test_node_stream_closing_loses_every_member_of_the_node() -> None:
 def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
     formed(sm)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.heartbeat("j", 1, 0, 2.0, mode=JoinMode.NODE)
     sm.tick(3.5)
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {2, 3}
     assert {f.cause for f in job.gen.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
+
+
+def test_a_node_that_never_attached_after_placement_is_lost_as_such() -> None:
+    """A stray JoinNode that never heartbeats is worded apart from a silent node, so
+    that the other agents re-form without using a restart (recovery.stray)."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
+    formed(sm)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.heartbeat("j", 1, 0, 2.0, mode=JoinMode.NODE)
+    sm.tick(3.5)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {2, 3}
+    causes = {f.cause for f in job.gen.failed}
+    assert causes == {f"{NEVER_ATTACHED} (none within 3.0 s)"}
 
 
 def test_a_stream_cut_after_the_heartbeat_timeout_of_silence_is_lost_to_the_silence() -> None:
