@@ -276,6 +276,7 @@ class Daemon:
             ),
             limits=self.state.limits,
             body_timeout_s=self.config.request_body_timeout_s,
+            job_ended=self.persister.ended,
         )
         server = grpc.aio.server(
             interceptors=[interceptor, DecodeGuardInterceptor()],

@@ -150,9 +150,11 @@ def render_job(job: Any) -> str:
     late_s = job.heartbeat_timeout_ms / 1000 * grid.LATE_SHARE
     table = render([pb.GetJobResponse(summary=job.summary)]).splitlines()
     facts = []
-    steps = [m.step for m in job.members if m.HasField("step")]
-    if steps:
-        facts.append(f"step {min(steps)}")
+    job_step = grid.job_step(
+        (MemberState(m.state), m.step if m.HasField("step") else None) for m in job.members
+    )
+    if job_step is not None:
+        facts.append(f"step {job_step}")
     if job.HasField("restarts_used"):
         facts.append(f"restarts {job.restarts_used} used, {job.restarts_left} left")
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]

@@ -44,6 +44,18 @@ class NodeRow:
     step: int | None = None
 
 
+def job_step(members: Iterable[tuple[MemberState, int | None]]) -> int | None:
+    """The job's step: its slowest active rank's (None until one reported a step).
+    A lost or departed rank's last step is history, not where training stands: the
+    one definition the daemon's views (``JobView.step``, the status page) and
+    ``rendezvousd status JOB`` share."""
+    slowest: int | None = None
+    for state, step in members:
+        if state is MemberState.ACTIVE and step is not None and (slowest is None or step < slowest):
+            slowest = step
+    return slowest
+
+
 def node_rows(
     members: Iterable[GridSeat], per_node: int, late_after_s: float, nodes: range | None = None
 ) -> dict[int, NodeRow]:

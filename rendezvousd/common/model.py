@@ -214,6 +214,22 @@ class Transition:
 
 Effect = Wake | Notify | Transition
 
+#: The Transition detail of a job the daemon forgot (idle past ``job_ttl_s``): the end
+#: of that job, after which a job token minted earlier opens no job of its id.
+FORGOTTEN = "expired"
+
+#: How the daemon words the loss of a node agent that was placed in a generation and
+#: never attached its heartbeat stream (a stray JoinNode by a token holder, or an agent
+#: that died at once): the survivors' agents re-form without using a restart, since
+#: nothing of theirs failed.
+NEVER_ATTACHED = "placed, then never attached its heartbeat stream"
+
+
+def never_attached(cause: str) -> bool:
+    """Whether a loss's ``cause`` is a node that never attached (``NEVER_ATTACHED``)."""
+    return cause.startswith(NEVER_ATTACHED)
+
+
 #: The AbortJob reason a node agent gives when it ends a running generation for nodes
 #: waiting to join (NODES_WAITING): a membership change, not a failure. Both agents
 #: (rendezvous-run's and the torchrun handler) say it, so that the other agents and

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,11 +28,13 @@ from rendezvousd.server.scope import (
     ADMIN,
     CALLER,
     JOB_TOKEN_PREFIX,
+    JobToken,
     Scope,
     allowed,
     read_job_token,
-    verify_job_token,
 )
+
+log = logging.getLogger("rendezvousd")
 
 MIN_TOKEN_CHARS = 16
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -38,6 +42,8 @@ HEALTH_WATCH = HEALTH_PREFIX + "Watch"
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
 UNAUTHENTICATED = "missing or invalid bearer token"
+# Job ids whose tokens of the earlier form were warned about (then no more, bounded).
+LEGACY_WARNED = 1024
 
 
 def _digest(token: str | bytes) -> bytes:
@@ -120,7 +126,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         on_reject: Callable[[str], None] | None = None,
         limits: Limits | None = None,
         body_timeout_s: float = 5.0,
+        job_ended: Callable[[str], float | None] | None = None,
     ) -> None:
+        """``job_ended``: when the last job of an id ended (None: none known); a job
+        token minted before it is refused (the daemon's ``Persister.ended``)."""
         # An admin token's digest is also the key its job tokens are derived with.
         self._digests = [_digest(t) for t in tokens]
         self._on_reject = on_reject
@@ -133,6 +142,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             "max_health_watches", limits.max_health_watches, "health watch streams"
         )
         self._body_timeout_s = body_timeout_s
+        self._job_ended: Callable[[str], float | None] = job_ended or (lambda job_id: None)
+        self._legacy_warned: set[str] = set()
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
@@ -151,7 +162,26 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # Compare against every token, without an early exit, in constant time.
         if sum(hmac.compare_digest(presented, d) for d in self._digests) > 0:
             return ADMIN
-        return verify_job_token(token, self._digests)
+        read = read_job_token(token, self._digests)
+        if read is None or read.expired(time.time()) or read.predates(self._job_ended(read.job)):
+            return None
+        if read.issued is None:
+            self._warn_legacy(read)
+        return Scope(read.job)
+
+    def _warn_legacy(self, read: JobToken) -> None:
+        """A token of the earlier form (no minting time) is accepted for one release,
+        while no job of its id has ended here; said once per job id."""
+        if read.job in self._legacy_warned or len(self._legacy_warned) >= LEGACY_WARNED:
+            return
+        self._legacy_warned.add(read.job)
+        log.warning(
+            "job %s: a job token without a minting time (made by an earlier rendezvousd) "
+            "was accepted; it cannot be bound to this job, and the next release refuses it: "
+            "mint a new one: rendezvousd token --job %s --admin-token-file FILE OUT",
+            read.job,
+            read.job,
+        )
 
     def refusal(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
         """Why a call without a valid token is refused: an expired job token says
@@ -159,7 +189,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         anything else gets the one message that reveals nothing."""
         token = _bearer(metadata)
         read = read_job_token(token, self._digests) if token is not None else None
-        if read is None or read.until is None:
+        if read is None:
+            return UNAUTHENTICATED
+        ended = self._job_ended(read.job)
+        if ended is not None and read.predates(ended):
+            return read.stale_text(ended)
+        if not read.expired(time.time()):
             return UNAUTHENTICATED
         return (
             f"the job token for job {read.job!r} expired at {read.expiry_text()}; mint a new "

@@ -1,12 +1,16 @@
 """Who may call what: admin tokens and job-scoped tokens derived from them.
 
-A job token is ``rdzv-job.<job id>.<mac>`` with the MAC an HMAC-SHA256 of
-``"job:" + job id`` under an admin token; one that expires is
-``rdzv-job.<job id>.<mac>.until-<unix seconds>``, its MAC over
-``"job:" + job id + ":until:" + seconds`` (a job id has no ``:``, so neither form's
-message can be the other's). It carries its job (and its end) in clear, so the
-daemon verifies it from its admin tokens alone (no extra state); replacing an
-admin token invalidates every job token derived from it.
+A job token is ``rdzv-job.<job id>.<mac>.issued-<unix seconds>`` with the MAC an
+HMAC-SHA256 of ``"job:" + job id + ":issued:" + seconds`` under an admin token: the
+time it was minted, which binds it to the job created after it (a token minted before
+the last job of its id ended opens no later job of that id: ``storage/job_ends.py``,
+checked by the auth interceptor). One that expires ends in ``.until-<unix seconds>``,
+its MAC over the same message + ``":until:" + seconds``. The forms of earlier
+releases, without ``issued``, are ``rdzv-job.<job id>.<mac>[.until-<seconds>]`` with the
+MAC over ``"job:" + job id [+ ":until:" + seconds]``: still read, for one release (a
+job id has no ``:``, so no form's message can be another's). A token carries its job
+and dates in clear, so the daemon verifies it from its admin tokens alone; replacing
+an admin token invalidates every job token derived from it.
 
 ``allowed`` is the one place that decides whether a scope may call a method for
 a job; the servicer calls it for every Rendezvous call (which name a job in
@@ -28,7 +32,9 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.methods import policy
 
 JOB_TOKEN_PREFIX = "rdzv-job."
-# The last dot-separated field of an expiring token; a MAC (hex) never starts so.
+# The last dot-separated fields of a token: when it was minted, and when it expires.
+# A MAC (hex) never starts so.
+ISSUED = "issued-"
 UNTIL = "until-"
 
 
@@ -80,17 +86,30 @@ def admin_key(admin_token: str) -> bytes:
     return hashlib.sha256(admin_token.encode()).digest()
 
 
-def _mac(key: bytes, job_id: str, until: int | None = None) -> str:
-    message = f"job:{job_id}" if until is None else f"job:{job_id}:until:{until}"
+def _mac(key: bytes, job_id: str, until: int | None = None, issued: int | None = None) -> str:
+    message = f"job:{job_id}"
+    if issued is not None:
+        message += f":issued:{issued}"
+    if until is not None:
+        message += f":until:{until}"
     return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
 
 
-def derive_job_token(admin_token: str, job_id: str, until: int | None = None) -> str:
-    """The token for ``job_id`` under ``admin_token``, valid until the Unix time
-    ``until`` (forever when None). Raises INVALID_JOB_ID."""
+def derive_job_token(
+    admin_token: str, job_id: str, until: int | None = None, *, issued: int | None = None
+) -> str:
+    """The token for ``job_id`` under ``admin_token``, minted at the Unix time ``issued``
+    (now when None), valid until the Unix time ``until`` (forever when None). Raises
+    INVALID_JOB_ID."""
     validation.job_id(job_id)
-    token = f"{JOB_TOKEN_PREFIX}{job_id}.{_mac(admin_key(admin_token), job_id, until)}"
+    issued = int(time.time()) if issued is None else issued
+    mac = _mac(admin_key(admin_token), job_id, until, issued)
+    token = f"{JOB_TOKEN_PREFIX}{job_id}.{mac}.{ISSUED}{issued}"
     return token if until is None else f"{token}.{UNTIL}{until}"
+
+
+def _date(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -99,29 +118,59 @@ class JobToken:
 
     job: str
     until: int | None  # Unix seconds; None: no expiry
+    # Unix seconds it was minted at; None: the form of earlier releases, without it.
+    issued: int | None = None
 
     def expired(self, now: float) -> bool:
         return self.until is not None and now >= self.until
 
     def expiry_text(self) -> str:
-        if self.until is None:
-            return "never"
-        return datetime.fromtimestamp(self.until, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return "never" if self.until is None else _date(self.until)
+
+    def predates(self, ended: float | None) -> bool:
+        """Whether this token was minted before ``ended``, the end of the last job of
+        its id (None: none known): it then opens no later job of that id. A token
+        without its minting time counts as minted before any end."""
+        return ended is not None and (self.issued is None or self.issued < ended)
+
+    def stale_text(self, ended: float) -> str:
+        """Why a token that ``predates`` the end ``ended`` is refused, and what to do."""
+        minted = (
+            "carries no minting time"
+            if self.issued is None
+            else (f"was minted at {_date(self.issued)}")
+        )
+        return (
+            f"the job token for job {self.job!r} {minted}, before the last job {self.job!r} "
+            f"ended at {_date(ended)}; a job token opens only the job created after it was "
+            f"minted: mint a new one: rendezvousd token --job {self.job} --admin-token-file "
+            "FILE OUT"
+        )
+
+
+def _field(rest: str, name: str) -> tuple[str, int | None] | None:
+    """``rest`` without its last field when that is ``name`` + seconds, and the
+    seconds (None: no such field); None when the field is malformed."""
+    head, dot, last = rest.rpartition(".")
+    if not (dot and last.startswith(name)):
+        return rest, None
+    digits = last[len(name) :]
+    # Plain decimal only (no sign, no "_"), so one date has one spelling.
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 12:
+        return None
+    return head, int(digits)
 
 
 def read_job_token(token: str, admin_keys: Sequence[bytes]) -> JobToken | None:
-    """``token``'s job and expiry when its MAC matches under any of ``admin_keys``
+    """``token``'s job and dates when its MAC matches under any of ``admin_keys``
     (expired or not), else None."""
     if not token.startswith(JOB_TOKEN_PREFIX):
         return None
-    rest, until = token[len(JOB_TOKEN_PREFIX) :], None
-    head, dot, last = rest.rpartition(".")
-    if dot and last.startswith(UNTIL):
-        digits = last[len(UNTIL) :]
-        # Plain decimal only (no sign, no "_"), so one expiry has one spelling.
-        if not (digits.isascii() and digits.isdigit()) or len(digits) > 12:
-            return None
-        rest, until = head, int(digits)
+    until_field = _field(token[len(JOB_TOKEN_PREFIX) :], UNTIL)
+    issued_field = None if until_field is None else _field(until_field[0], ISSUED)
+    if until_field is None or issued_field is None:
+        return None
+    (rest, issued), until = issued_field, until_field[1]
     job_id, dot, mac = rest.rpartition(".")
     if not dot or not job_id:
         return None
@@ -131,8 +180,10 @@ def read_job_token(token: str, admin_keys: Sequence[bytes]) -> JobToken | None:
         return None
     presented = mac.encode()
     # Every admin token is tried, without an early exit (constant time per count).
-    ok = sum(hmac.compare_digest(presented, _mac(a, job_id, until).encode()) for a in admin_keys)
-    return JobToken(job_id, until) if ok else None
+    ok = sum(
+        hmac.compare_digest(presented, _mac(a, job_id, until, issued).encode()) for a in admin_keys
+    )
+    return JobToken(job_id, until, issued) if ok else None
 
 
 def verify_job_token(

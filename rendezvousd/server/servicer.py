@@ -18,6 +18,7 @@ import grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import validation
 from rendezvousd.common.model import (
+    FORGOTTEN,
     Effect,
     JobState,
     JobView,
@@ -94,6 +95,9 @@ class RendezvousServicer:
             elif isinstance(effect, Notify):
                 self.streams.push(effect)
             elif isinstance(effect, Transition):
+                if effect.new is None and effect.detail == FORGOTTEN:
+                    # Wall clock: job tokens carry the Unix time they were minted at.
+                    self.persister.job_ended(effect.job_id, time.time())
                 self.persister.touch(effect.job_id)
                 self._transition(effect)
         self.metrics.waiters.set(self.state.waiter_count)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from rendezvousd.common import validation
 from rendezvousd.common.escape import bounded
 from rendezvousd.common.model import (
+    FORGOTTEN,
     EventKind,
     JobState,
     JoinMode,
@@ -151,13 +152,13 @@ def tick(sm: RendezvousState, now: float) -> None:
             joins.tell_waiting(sm, job, now)
             for seated in list(job.attendees(job.gen.join_mode).values()):
                 if seated.state is MemberState.ACTIVE and now - seated.last_seen > timeout:
-                    rounds.lose_seated(sm, job, seated, rounds.silent(sm, seated.who), now)
+                    rounds.lose_seated(sm, job, seated, rounds.silence_cause(sm, seated), now)
         idle = job.state in rounds.TERMINAL or (
             job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes
         )
         if idle and now - job.state_since > sm.timing.job_ttl_s and not job.all_waiters():
             del sm.jobs[job.job_id]
-            sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, "expired"))
+            sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, FORGOTTEN))
 
 
 def leave(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from rendezvousd.common import validation
 from rendezvousd.common.escape import shortened
 from rendezvousd.common.model import (
+    NEVER_ATTACHED,
     EventKind,
     FailedInfo,
     JobState,
@@ -109,6 +110,15 @@ def silent(sm: RendezvousState, who: str) -> str:
     "worker". Worded apart from a closed stream: survivors can tell a host that went
     silent (partition, power loss, a stopped process) from a process that died."""
     return f"no heartbeat for {sm.timing.heartbeat_timeout_s:.1f} s ({who} unreachable)"
+
+
+def silence_cause(sm: RendezvousState, seated: Attendee) -> str:
+    """Why the tick loses ``seated``: a node agent that never attached a heartbeat
+    stream since it was placed is worded apart (``NEVER_ATTACHED``), so that the
+    other agents do not count a stray JoinNode as a failure of the job."""
+    if isinstance(seated, Node) and seated.stream_token == 0:
+        return f"{NEVER_ATTACHED} (none within {sm.timing.heartbeat_timeout_s:.1f} s)"
+    return silent(sm, seated.who)
 
 
 def stream_end_cause(sm: RendezvousState, attendee: Attendee, now: float) -> str:

@@ -6,6 +6,7 @@ it reports, and nothing a caller does with one reaches back into the job.
 
 from __future__ import annotations
 
+from rendezvousd.common import grid
 from rendezvousd.common.model import JobView, JoinMode, MemberState, MemberView
 from rendezvousd.state.job import Attendee, Job, Member
 
@@ -31,13 +32,10 @@ def _step(beating: Attendee, member: Member) -> int | None:
 
 def job_view(job: Job, now: float) -> JobView:
     members = []
-    slowest: int | None = None
     for r, m in sorted(job.gen.members.items()):
         beating = _beating(job, r, m)
         step = _step(beating, m)
         active = m.state is MemberState.ACTIVE
-        if active and step is not None and (slowest is None or step < slowest):
-            slowest = step
         members.append(
             MemberView(
                 m.info(),
@@ -69,5 +67,5 @@ def job_view(job: Job, now: float) -> JobView:
         len(set(job.scaleup_waiters.values()) | set(job.gen.node_waiters.values())),
         max((p.restarts_used for p in budgets), default=None),
         min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
-        slowest,
+        grid.job_step((m.state, m.step) for m in members),
     )

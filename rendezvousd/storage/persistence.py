@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from rendezvousd.state import kv as kvrules
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.storage import rollback, snapshot
 from rendezvousd.storage.faults import storage_unavailable
+from rendezvousd.storage.job_ends import EndsWrite, JobEnds
 from rendezvousd.storage.store_sqlite import JobWrite, SqliteStore
 
 log = logging.getLogger("rendezvousd")
@@ -69,6 +71,7 @@ class _Cut:
     written: dict[_UndoKey, bytes | None] = field(default_factory=dict)
     # job id -> its key-value store (the dict itself) when its record was cut.
     stores: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    ends: EndsWrite = field(default_factory=EndsWrite)
 
 
 class StateStore:
@@ -225,6 +228,8 @@ class Persister:
         self.store = SqliteStore(directory) if directory is not None else None
         self.lock = StateDirLock(directory) if directory is not None else None
         self.state = state
+        # When the last job of each id ended: job tokens minted before it are refused.
+        self.job_ends = JobEnds()
         self.healthy = True
         self.on_health: Callable[[bool], None] | None = None
         self._version = 0  # bumped by every touch
@@ -280,6 +285,11 @@ class Persister:
         self.store.open()
         now = time.monotonic()
         stored = self.store.load()
+        rows, floor = self.store.load_ends()
+        try:
+            self.job_ends.restore(rows, floor)
+        except ValueError as exc:
+            raise self.store.bad_row("table job_ends", str(exc)) from exc
         for job_id, job in stored.items():
             try:
                 snapshot.restore_job(self.state, job.record, job.kv, now)
@@ -321,7 +331,7 @@ class Persister:
             return
         version, cut = self._version, self._collect()
         try:
-            self.store.commit(cut.writes)
+            self.store.commit(cut.writes, ends=cut.ends)
         except Exception as exc:  # any failure is a start-up error naming it, not a traceback
             raise DaemonError(
                 f"cannot write state database {self.store.path}: {_described(exc)}"
@@ -336,6 +346,16 @@ class Persister:
             self.lock.release()  # last: the database is closed before another may open it
 
     # -- what changed -------------------------------------------------------
+
+    def job_ended(self, job_id: str, at: float) -> None:
+        """The daemon forgot ``job_id``'s job at ``at`` (Unix seconds): the commit that
+        deletes its row records the end with it."""
+        self.job_ends.record(job_id, at)
+
+    def ended(self, job_id: str) -> float | None:
+        """When the last job of ``job_id`` ended, as the token check asks: None when
+        none is known (the history's floor applies to an id the daemon does not hold)."""
+        return self.job_ends.ended(job_id, held=job_id in self.state.jobs)
 
     def check(self, job_id: str) -> None:
         """Refuse a change up front while storage is known to be failing."""
@@ -383,6 +403,7 @@ class Persister:
                     w.kv_put[k] = value
             writes.append(w)
         self._dirty = {}
+        cut.ends = self.job_ends.take()
         return cut
 
     # -- commit -------------------------------------------------------------
@@ -428,13 +449,14 @@ class Persister:
         cut = self._collect()
         started = time.perf_counter()
         try:
-            await self._in_writer(self.store.commit, cut.writes)
+            await self._in_writer(partial(self.store.commit, cut.writes, ends=cut.ends))
         except Exception as exc:
             # Not only sqlite3.Error/OSError: whatever stopped the commit (a value SQLite
             # cannot bind raises OverflowError), the change is not durable and must be
             # undone, or it stays applied, its caller gets UNKNOWN, and the exception
             # escapes into the tick task and kills it.
             self._observe(started, ok=False)
+            self.job_ends.unsent(cut.ends)
             self._fail(cut.writes, exc)
             return
         self._observe(started, ok=True)
@@ -564,9 +586,11 @@ class Persister:
             self._written_gen.clear()  # rewrite every KV row: the old file may be gone
             version = self._version
             cut = self._collect()
+            cut.ends = self.job_ends.whole()
             try:
-                await self._in_writer(_reopen_and_commit, store, self.lock, cut.writes)
+                await self._in_writer(_reopen_and_commit, store, self.lock, cut.writes, cut.ends)
             except Exception as exc:
+                self.job_ends.unsent(cut.ends)
                 for w in cut.writes:
                     self._dirty.setdefault(w.job_id, set())
                 log.debug("state storage still failing: %s", exc)
@@ -586,7 +610,7 @@ def _described(exc: BaseException) -> str:
 
 
 def _reopen_and_commit(
-    store: SqliteStore, lock: StateDirLock | None, writes: list[JobWrite]
+    store: SqliteStore, lock: StateDirLock | None, writes: list[JobWrite], ends: EndsWrite
 ) -> None:
     if store.replaced():
         store.close()
@@ -598,4 +622,4 @@ def _reopen_and_commit(
             lock.release()
             lock.acquire()
         store.open()
-    store.commit(writes, replace_all=True)
+    store.commit(writes, replace_all=True, ends=ends)

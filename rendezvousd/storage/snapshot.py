@@ -304,6 +304,9 @@ def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:
             now,
             state=state,
             last_seen=now,  # a full heartbeat timeout to reattach, like members
+            # It may have attached before the restart: its silence is a loss like any
+            # other, never a stray's (rounds.silence_cause).
+            stream_token=1,
         )
         job.gen.nodes[node.instance_id] = node
         job.gen.node_at[node.node_rank] = node

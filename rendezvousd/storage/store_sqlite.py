@@ -7,6 +7,12 @@ Schema (``schema_version`` 3 in ``meta``; documented in docs/operations.md):
          num_nodes INTEGER, gpus_per_node INTEGER, detail TEXT)   -- detail: JSON
     kv(job_id TEXT, key TEXT, value BLOB, PRIMARY KEY (job_id, key))
     used_ids(job_id TEXT, digest TEXT, PRIMARY KEY (job_id, digest))  -- oldest first by rowid
+    job_ends(job_id TEXT PRIMARY KEY, ended_at REAL)  -- Unix seconds; meta: job_ends_floor
+
+``job_ends`` is when the last job of each id was forgotten (``job_ends.py``), written
+in the commit that deletes that job's row. A version 3 database without it gets the
+table empty (no end known), and one written here is still read by a daemon that
+does not know the table (it ignores it).
 
 The used-id history has a table of its own, not the job's row: the row is rewritten on
 every commit of its job (a KvSet, a barrier), the history changes only when a
@@ -30,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rendezvousd.errors import DaemonError
+from rendezvousd.storage.job_ends import EndsWrite
 
 DB_FILE = "state.db"
 SCHEMA_VERSION = 3
@@ -43,7 +50,9 @@ _SCHEMA = (
     "value BLOB NOT NULL, PRIMARY KEY (job_id, key))",
     "CREATE TABLE IF NOT EXISTS used_ids (job_id TEXT NOT NULL, digest TEXT NOT NULL, "
     "PRIMARY KEY (job_id, digest))",
+    "CREATE TABLE IF NOT EXISTS job_ends (job_id TEXT PRIMARY KEY, ended_at REAL NOT NULL)",
 )
+_FLOOR = "job_ends_floor"
 _IDS = "used_id_digests"
 # The -wal file's size once a checkpoint has copied it into the database: without a
 # limit SQLite reuses the file from its start but never shrinks it, so one long reader
@@ -189,6 +198,25 @@ class SqliteStore:
             ) from exc
         return jobs
 
+    def load_ends(self) -> tuple[list[tuple[object, object]], object]:
+        """The stored job ends, oldest first, and the floor (0 when none is stored)."""
+        db = self._conn()
+        try:
+            rows = db.execute("SELECT job_id, ended_at FROM job_ends ORDER BY ended_at, rowid")
+            ends: list[tuple[object, object]] = [(j, t) for j, t in rows]
+            floor = db.execute("SELECT value FROM meta WHERE key=?", (_FLOOR,)).fetchone()
+        except sqlite3.Error as exc:
+            raise DaemonError(
+                f"cannot read state database {self.path}: {exc}; move it aside to start "
+                "with no jobs"
+            ) from exc
+        if floor is None:
+            return ends, 0.0
+        try:
+            return ends, float(floor[0])
+        except ValueError:
+            return ends, floor[0]
+
     def bad_row(self, where: str, problem: str) -> DaemonError:
         return self._bad(where, problem)
 
@@ -198,9 +226,16 @@ class SqliteStore:
             "that row (sqlite3 CLI), or move the database aside to start with no jobs"
         )
 
-    def commit(self, writes: list[JobWrite], *, replace_all: bool = False) -> None:
+    def commit(
+        self,
+        writes: list[JobWrite],
+        *,
+        replace_all: bool = False,
+        ends: EndsWrite | None = None,
+    ) -> None:
         """One transaction for the whole batch (``replace_all``: the batch is the whole
-        state, drop every other row); raises sqlite3.Error/OSError on failure."""
+        state, drop every other row) and the job ends heard meanwhile; raises
+        sqlite3.Error/OSError on failure."""
         db = self._conn()
         # What used_ids holds once this commits (None: nothing for that job).
         ids_after: dict[str, list[str] | None] = {}
@@ -241,6 +276,8 @@ class SqliteStore:
                     "INSERT OR REPLACE INTO kv VALUES (?, ?, ?)",
                     ((w.job_id, k, v) for k, v in w.kv_put.items()),
                 )
+            if ends:
+                _write_ends(db, ends)
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -272,3 +309,12 @@ def _write_ids(db: sqlite3.Connection, job_id: str, before: list[str], after: li
         ((job_id, d) for d in before if d not in wanted),
     )
     db.executemany("INSERT INTO used_ids VALUES (?, ?)", ((job_id, d) for d in after[len(kept) :]))
+
+
+def _write_ends(db: sqlite3.Connection, ends: EndsWrite) -> None:
+    if ends.replace_all:
+        db.execute("DELETE FROM job_ends")
+    db.executemany("DELETE FROM job_ends WHERE job_id=?", ((j,) for j in ends.drop))
+    db.executemany("INSERT OR REPLACE INTO job_ends VALUES (?, ?)", ends.put.items())
+    if ends.floor is not None:
+        db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_FLOOR, repr(ends.floor)))

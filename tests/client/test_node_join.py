@@ -321,6 +321,11 @@ def test_a_silent_partition_is_named_as_silence_not_as_a_closed_stream(
         assert all(isinstance(m, NodeMembership) for m in joined), joined
         cut_off.start_heartbeat(0.2)
         survivor.start_heartbeat(0.2, on_failure=heard.put)
+        # Cut once both streams are attached: a node never attached is a stray's loss.
+        wait_for(
+            "both nodes' streams",
+            lambda: all(m.heartbeat_stream_open for m in survivor.get_job().members),
+        )
         proxy.cut()
         started = time.monotonic()
         error = heard.get(timeout=20)

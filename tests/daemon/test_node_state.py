@@ -9,6 +9,7 @@ import pytest
 from rendezvousd.common.escape import MAX_CAUSE_BYTES
 from rendezvousd.common.limits import Timing
 from rendezvousd.common.model import (
+    NEVER_ATTACHED,
     EventKind,
     JobState,
     JoinMode,
@@ -22,6 +23,7 @@ from rendezvousd.common.model import (
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
 from rendezvousd.storage.persistence import Persister
+from rendezvousd.trainer.agent.recovery import stray
 
 ID = b"\x02" * 128
 ID2 = b"\x03" * 128
@@ -201,11 +203,27 @@ def test_node_stream_closing_loses_every_member_of_the_node() -> None:
 def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
     formed(sm)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.heartbeat("j", 1, 0, 2.0, mode=JoinMode.NODE)
     sm.tick(3.5)
     job = sm.jobs["j"]
     assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {2, 3}
     assert {f.cause for f in job.gen.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
+
+
+def test_a_node_that_never_attached_after_placement_is_lost_as_such() -> None:
+    """A stray JoinNode that never heartbeats is worded apart from a silent node, so
+    that the other agents re-form without using a restart (recovery.stray)."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
+    formed(sm)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.heartbeat("j", 1, 0, 2.0, mode=JoinMode.NODE)
+    sm.tick(3.5)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {2, 3}
+    causes = {f.cause for f in job.gen.failed}
+    assert causes == {f"{NEVER_ATTACHED} (none within 3.0 s)"}
+    assert stray(list(causes)) and not stray(["no heartbeat for 3.0 s (node unreachable)"])
 
 
 def test_a_stream_cut_after_the_heartbeat_timeout_of_silence_is_lost_to_the_silence() -> None:
@@ -317,12 +335,15 @@ def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -
     assert job.state is JobState.RUNNING and job.gen.join_mode is JoinMode.NODE
     assert (job.min_nodes, job.max_nodes, job.num_nodes) == (2, 2, 2)
     restored = job.gen.node_at[0].last_seen  # the restore's clock: a full timeout to reattach
-    assert back.attach_stream("j", 1, 1, "b", restored, mode=JoinMode.NODE) == 1
+    # A restored node counts as attached once (it may have been before the restart).
+    assert back.attach_stream("j", 1, 1, "b", restored, mode=JoinMode.NODE) == 2
     assert back.kv_get("j", 1, 3, "k", False, 1.0, instance_id=b.member_instance_ids[1]) == b"v"
     timeout = back.timing.heartbeat_timeout_s
     back.heartbeat("j", 1, 1, restored + timeout, mode=JoinMode.NODE)
     back.tick(restored + timeout + 0.5)  # node a never reattached
     assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {0, 1}
+    # A silence, not a stray that never attached: the other agents count it.
+    assert all(f.cause.startswith("no heartbeat for") for f in job.gen.failed)
     # node b retrying its JoinNode hears why the generation ended
     f = fault(back.join_node, node("b"), restored + timeout + 1)
     assert f.reason == "PEER_FAILED"

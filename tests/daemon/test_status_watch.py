@@ -83,11 +83,13 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
             ]
         )
         for c, m in zip(agents, members, strict=True):
-            c.report_progress([10 + m.node_rank, None, 12], restarts_used=1, max_restarts=4)
+            # Node 1's local rank 1 (rank 4) is the slowest, and is lost below.
+            steps = [10 + m.node_rank, 2 if m.node_rank == 1 else None, 12]
+            c.report_progress(steps, restarts_used=1, max_restarts=4)
             c.start_heartbeat(0.1)
         wait_for(
             "both nodes' steps",
-            lambda: sum(m.HasField("step") for m in agents[0].get_job().members) == 4,
+            lambda: sum(m.HasField("step") for m in agents[0].get_job().members) == 5,
         )
         running = subprocess.run(
             [*_status(daemon, job_id)[:-3], job_id], capture_output=True, text=True, timeout=30
@@ -106,9 +108,12 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
     rows = {line.split()[0]: line.split() for line in out.splitlines()[4:6]}
     host = {m.node_rank: f"grid-host-{i}" for i, m in enumerate(members)}
     assert rows["0"][1:3] == [host[0], "AAA"] and rows["0"][-1] == "10", out
-    assert rows["1"][1:3] == [host[1], "AAA"] and rows["1"][-1] == "11", out
-    assert "step 10 · restarts 1 used, 3 left" in out
+    assert rows["1"][1:3] == [host[1], "AAA"] and rows["1"][-1] == "2", out
+    assert "step 2 · restarts 1 used, 3 left" in out
     assert "A active, H late heartbeat, X lost" in out
     row1 = next(line.split() for line in failed.stdout.splitlines() if host[1] in line)
     assert row1[2][1] == "X", failed.stdout  # local rank 1 of node 1: rank 4
     assert f"lost rank 4 on {host[1]}: boom" in failed.stdout
+    # The job's step is its slowest ACTIVE rank's, as on the status page (JobView.step):
+    # lost rank 4's step 2 is no longer where the job stands.
+    assert "step 10 · restarts" in failed.stdout, failed.stdout

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rendezvousd.client import RendezvousClient
 from tests.support import ROOT, WORKERS, DaemonProcess, json_lines, launcher_cmd, wait_for
 
 WORKER = str(WORKERS / "elastic_worker.py")
@@ -221,3 +222,40 @@ def test_a_node_arriving_late_joins_the_running_elastic_job(
     assert len(done) == 4 and all(e["world_size"] == 4 for e in done)
     # The scale-up used no restart: the re-formed generation still has restart_count 0.
     assert all(e["restart_count"] == 0 for e in early.events("ready"))
+
+
+def test_stray_join_nodes_that_never_attach_use_no_restart(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Two JoinNodes by a token holder that never heartbeats: each is placed, then lost
+    after the heartbeat timeout; the real agent re-forms without it each time, using
+    none of its one restart (they used up a --max-restarts 1 budget)."""
+    d = start_daemon("--heartbeat-timeout-s", "2")
+    flags = ["--max-restarts", "1", "--last-call-s", "0.2"]
+    agent = Node(d, job_id, tmp_path, "agent", "1:3", "auto", flags, ["--steps", "100000"])
+    strays: list[RendezvousClient] = []
+    try:
+        for n in (1, 2):
+            wait_for(
+                f"the agent to train before stray {n}",
+                lambda n=n: len(agent.events("resumed")) >= 2 * n,  # type: ignore[misc]
+                timeout=90,
+            )
+            stray = RendezvousClient(d.endpoint, job_id, token=d.token)
+            strays.append(stray)
+            # Placed in the re-formed generation; then silent: no heartbeat stream.
+            stray.join_node(min_nodes=1, max_nodes=3, gpus_per_node=2, timeout=60)
+        wait_for(
+            "the agent to re-form without the second stray",
+            lambda: len(agent.events("resumed")) >= 6,
+            timeout=90,
+        )
+        assert agent.proc.poll() is None, agent.stderr()
+    finally:
+        _cleanup([agent])
+        for stray in strays:
+            stray.close()
+    err = agent.stderr()
+    assert err.count("never attached its heartbeat stream") >= 2, err
+    assert "no restart used" in err and "restart 1 of 1" not in err, err
+    assert all(e["restart_count"] == 0 for e in agent.events("ready")), err

@@ -28,7 +28,7 @@ from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
 from rendezvousd.common.model import FailedInfo, failed_text
 from rendezvousd.trainer.agent.agent_worker import Assignment
-from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, Failure, RestartBudget
+from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, Failure, RestartBudget, stray
 from rendezvousd.trainer.agent.state_copy import StateCopy
 from rendezvousd.trainer.agent.warm_workers import (
     Exited,
@@ -89,7 +89,17 @@ class Interrupted:
     signum: int
 
 
-Outcome = Failure | NodesWaiting | Interrupted | None
+@dataclass(frozen=True)
+class StrayLost:
+    """A node placed in ``generation`` never attached its heartbeat stream (a stray
+    JoinNode, or an agent that died at once): the job re-forms without it, and no
+    restart is used."""
+
+    generation: int
+    cause: str
+
+
+Outcome = Failure | NodesWaiting | StrayLost | Interrupted | None
 
 
 def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
@@ -180,6 +190,12 @@ class NodeAgent:
                     return 128 + outcome.signum
                 if isinstance(outcome, NodesWaiting):
                     self.note(f"{outcome.count} node(s) waiting to join: re-forming the job")
+                    continue
+                if isinstance(outcome, StrayLost):
+                    self.note(
+                        f"generation {outcome.generation}: {outcome.cause}; re-forming the "
+                        "job without it (no restart used)"
+                    )
                     continue
                 if not self.budget.record(outcome):
                     message = self.budget.exhausted_message(self.config.job_id)
@@ -409,6 +425,11 @@ class NodeAgent:
                 self._misbehaved_spare(event)
             elif isinstance(event, RemoteFailure) and event.generation == gen:
                 cause, rank, host = describe_remote(event.error)
+                lost = event.error.failed if isinstance(event.error, PeerFailed) else ()
+                if stray([f.cause for f in lost]):
+                    self._stop(gen, Failure(gen, cause, rank, host), cause)
+                    # Its host and cause are the stray's own text: shown escaped.
+                    return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
                 failure = Failure(gen, cause, rank, host)
                 return self._stop(gen, failure, cause)
             elif isinstance(event, NodesWaiting) and event.generation == gen:

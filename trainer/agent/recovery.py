@@ -4,17 +4,26 @@ the one message that names every failure. Pure: no processes, no clock.
 Every failure of a generation this node saw or was told of (a local worker died
 or hung, a peer node's failure pushed by the daemon, a join that failed during
 recovery, a spare that died) uses one restart; a membership change (a waiting
-node joining, ``NODES_WAITING``) does not, as in torchrun. After
-``max_restarts`` restarts the next failure ends the launcher.
+node joining, ``NODES_WAITING``) does not, as in torchrun, and neither does the loss
+of a node that was placed and never attached its heartbeat stream (``stray``): a
+JoinNode by any holder of the job's token would otherwise use up the job's restarts.
+After ``max_restarts`` restarts the next failure ends the launcher.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rendezvousd.common.model import SCALE_UP_REASON
+from rendezvousd.common.model import SCALE_UP_REASON, never_attached
 
-__all__ = ["SCALE_UP_REASON", "Failure", "RestartBudget"]
+__all__ = ["SCALE_UP_REASON", "Failure", "RestartBudget", "stray"]
+
+
+def stray(causes: Sequence[str]) -> bool:
+    """Whether a generation's losses (their causes, as the daemon pushed them) are all
+    of nodes that never attached after placement: a re-form, not a failure."""
+    return bool(causes) and all(never_attached(c) for c in causes)
 
 
 @dataclass(frozen=True)
