@@ -115,8 +115,8 @@ class RendezvousTransport:
     )
     endpoint: str | None = setting(
         None,
-        "rendezvous daemon HOST:PORT (sets kind='daemon')",
-        AddressText("endpoint", optional=True),
+        "rendezvous daemon HOST:PORT or unix:PATH (sets kind='daemon')",
+        AddressText("endpoint", optional=True, allow_unix=True),
         env=ENV_ENDPOINT,
         flag="--endpoint",
         implies={"kind": "daemon", "path": None},

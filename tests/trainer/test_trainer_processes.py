@@ -1,6 +1,6 @@
 """The trainer with real processes and a real daemon: the seed's multi-node
 catalogue (all-reduce equals the single-process baseline, one checkpoint
-writer, retry policy, loud failures) plus worker and daemon deaths."""
+writer, loud failures; the retry policy is in test_nccl_setup.py) plus worker and daemon deaths."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -19,8 +20,6 @@ import pytest
 
 from rendezvousd.trainer.comm import shm_group
 from rendezvousd.trainer.demo import run as demo
-from rendezvousd.trainer.errors import CommunicatorTimeout, RetriesExhausted
-from rendezvousd.trainer.retry import with_retry
 from tests.support import (
     ROOT,
     WORKERS,
@@ -46,30 +45,6 @@ def test_two_nodes_by_two_workers_match_single_process_baseline_and_one_checkpoi
     assert card["max_abs_grad_diff_vs_single_process"] <= 1e-5
     assert card["checkpoints_written"] == ["ckpt-0000000012.npz"]
     assert json.loads((tmp_path / "card.json").read_text()) == card
-
-
-def test_transient_timeout_gets_exactly_one_retry_then_fails_loudly() -> None:
-    calls: list[int] = []
-
-    def always_times_out() -> None:
-        calls.append(1)
-        raise CommunicatorTimeout("rank 2 did not answer within 5 s")
-
-    with pytest.raises(RetriesExhausted, match=r"failed 2 times.*rank 2 did not answer"):
-        with_retry("ring setup", always_times_out, attempts=1, backoff_s=0.01)
-    assert len(calls) == 2
-    flaky = iter([CommunicatorTimeout("blip"), None])
-
-    def once() -> str:
-        if (e := next(flaky)) is not None:
-            raise e
-        return "ok"
-
-    assert with_retry("ring setup", once, attempts=1, backoff_s=0.01) == "ok"
-    with pytest.raises(ValueError):  # permanent errors are never retried
-        with_retry(
-            "x", lambda: (_ for _ in ()).throw(ValueError("bad")), attempts=3, backoff_s=0.01
-        )
 
 
 def _worker_env(d: DaemonProcess, job: str, local: int, gpus: int) -> dict[str, str]:
@@ -151,6 +126,42 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     assert run.returncode == 7
     assert "worker rank 1" in run.stderr and "exit code 7" in run.stderr
     assert time.monotonic() - started < 30  # the sleeping workers were stopped, not waited for
+
+
+def test_standalone_is_the_file_transport_hosted_by_the_launcher(tmp_path: Path) -> None:
+    # One way to run a single node: its daemon listens on a UNIX socket in a private
+    # directory (here the one given), never on TCP, and goes when the launcher ends.
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import json\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        f"    open('{tmp_path}/seen-' + str(ctx.rank), 'w').write(\n"
+        "        json.dumps([ctx.rank, ctx.config.rendezvous.endpoint]))\n"
+    )
+    directory = tmp_path / "rdzv"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.trainer.agent.launcher",
+            "--standalone",
+            "--rendezvous-path",
+            str(directory),
+            "--nproc-per-node",
+            "2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    seen = [json.loads((tmp_path / f"seen-{rank}").read_text()) for rank in range(2)]
+    socket_path = f"unix:{directory.resolve()}/default.sock"
+    assert seen == [[0, socket_path], [1, socket_path]]
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert list(directory.iterdir()) == []  # socket and token removed with the daemon
 
 
 def test_launcher_sets_torchrun_style_environment(
