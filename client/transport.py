@@ -381,6 +381,8 @@ class PrivateDirectory:
         self.socket = path / f"{job_id}.sock"  # as shown in messages
         self.fd = _open_private_directory(path, job_id)
         self.daemon: EmbeddedDaemon | None = None
+        self._via = Path(f"/proc/self/fd/{self.fd}")
+        self._sock = self._via / self.socket.name
         if len(os.fsencode(self.socket)) > _SUN_PATH_MAX:
             self.close()
             raise InvalidRequest(
@@ -388,12 +390,11 @@ class PrivateDirectory:
                 "give the file transport a shorter directory",
                 job_id=job_id,
             )
-        self._via = Path(f"/proc/self/fd/{self.fd}")
 
     @property
     def endpoint(self) -> str:
         """The daemon's endpoint for this process (through the descriptor)."""
-        return f"unix:{self._via / self.socket.name}"
+        return f"unix:{self._sock}"
 
     @property
     def token(self) -> Path:
@@ -407,7 +408,7 @@ class PrivateDirectory:
         """(pid, uid) of the process listening on the socket (SO_PEERCRED), if any."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
-                probe.connect(str(self._via / self.socket.name))
+                probe.connect(str(self._sock))
             except OSError:
                 return None
             ucred = struct.Struct("iII")  # struct ucred: pid, uid, gid
@@ -418,7 +419,7 @@ class PrivateDirectory:
 
     def host(self) -> EmbeddedDaemon:
         """Start the daemon here with a fresh token; it exits with this process."""
-        (self._via / self.socket.name).unlink(missing_ok=True)  # left by a killed host
+        self._sock.unlink(missing_ok=True)  # left by a killed host
         try:
             self.daemon = spawn(
                 self._via,
@@ -467,7 +468,7 @@ class PrivateDirectory:
         daemon, self.daemon = self.daemon, None
         if daemon is not None:
             daemon.stop()
-            (self._via / self.socket.name).unlink(missing_ok=True)
+            self._sock.unlink(missing_ok=True)
             daemon.token_file.unlink(missing_ok=True)
         fd, self.fd = self.fd, -1
         if fd >= 0:

@@ -164,6 +164,38 @@ def test_standalone_is_the_file_transport_hosted_by_the_launcher(tmp_path: Path)
     assert list(directory.iterdir()) == []  # socket and token removed with the daemon
 
 
+@pytest.mark.parametrize("max_restarts", [1, 0])
+def test_under_the_launcher_a_transient_setup_failure_is_retried_by_the_agents_restart(
+    tmp_path: Path, max_restarts: int
+) -> None:
+    # The one retry model: the agent joined for the node, so its restart (a fresh
+    # generation) is the retry; with none left the run fails naming the worker's error.
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.trainer.agent.launcher",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            str(max_restarts),
+            str(WORKERS / "flaky_setup_worker.py"),
+            str(tmp_path / "failed-once"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "PeerConnectionError: injected" in run.stderr, run.stderr
+    if max_restarts:
+        assert run.returncode == 0, run.stderr
+        rank, generation, restarts = json.loads(run.stdout.splitlines()[-1])
+        assert (rank, restarts) == (0, 1) and generation >= 2
+    else:
+        assert run.returncode != 0 and not run.stdout
+
+
 def test_launcher_sets_torchrun_style_environment(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
