@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.transport import Rendezvous, connect
-from rendezvousd.common.address import AddressError, route_source
 from rendezvousd.common.escape import bounded
 from rendezvousd.trainer.agent.agent_worker import AgentLink
 from rendezvousd.trainer.agent.state_copy import StepState
@@ -200,7 +199,7 @@ def init_distributed(
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
     tls = transport.tls()
-    ring_host = _ring_host(config, transport.endpoint or "unix:local")
+    ring_host = config.ring_address()
     rdzv = connect(
         transport.kind,
         path=transport.path,
@@ -395,15 +394,6 @@ def _fail_generation(rdzv: Rendezvous, m: Membership, reason: str) -> None:
         rdzv.abort(reason, generation=m.generation)
     except RendezvousError as exc:
         log.warning("rank %d: could not abort generation %d: %s", m.rank, m.generation, exc)
-
-
-def _ring_host(config: DistributedConfig, endpoint: str) -> str:
-    """The address this worker's ring peers reach it at: the configured one, or this
-    host's address on the route towards the daemon."""
-    try:
-        return config.ring_host or route_source(endpoint)
-    except (AddressError, OSError) as exc:
-        raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
 
 
 def _communicator(

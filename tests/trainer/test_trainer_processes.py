@@ -128,7 +128,10 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     assert time.monotonic() - started < 30  # the sleeping workers were stopped, not waited for
 
 
-def test_standalone_is_the_file_transport_hosted_by_the_launcher(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [["--standalone"], []])
+def test_standalone_is_the_file_transport_hosted_by_the_launcher(
+    tmp_path: Path, flags: list[str]
+) -> None:
     # One way to run a single node: its daemon listens on a UNIX socket in a private
     # directory (here the one given), never on TCP, and goes when the launcher ends.
     script = tmp_path / "where.py"
@@ -145,7 +148,7 @@ def test_standalone_is_the_file_transport_hosted_by_the_launcher(tmp_path: Path)
             sys.executable,
             "-m",
             "rendezvousd.trainer.agent.launcher",
-            "--standalone",
+            *flags,
             "--rendezvous-path",
             str(directory),
             "--nproc-per-node",

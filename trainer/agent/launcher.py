@@ -4,6 +4,7 @@
         --rdzv-endpoint head:29420 --token-file /etc/rendezvousd/token train.py --lr 0.1
     rendezvous-run --nnodes 2:4 --node-rank auto --nproc-per-node 4 --max-restarts 3 ...
     rendezvous-run --standalone --nproc-per-node 4 -m mypkg.train
+    rendezvous-run --rendezvous-path /run/user/1000/job --nproc-per-node 4 train.py
 
 Settings come from ``--config`` (the trainer TOML), the ``RENDEZVOUSD_*`` env vars
 and the flags below (``load_layers``), resolved and validated here once. The
@@ -43,7 +44,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rendezvousd.common.address import AddressError, route_source
 from rendezvousd.common.settings import Value
 from rendezvousd.trainer.agent.worker_boot import Booted, boot_spares, discard
 from rendezvousd.trainer.config import (
@@ -132,10 +132,10 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
         return dataclasses.replace(
             config, rendezvous=RendezvousTransport.file(config.rendezvous.path)
         )
-    if config.rendezvous.kind != "daemon":
+    if config.rendezvous.kind != "daemon" and config.rendezvous.path is None:
         raise ConfigError(
             "no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, "
-            "or use --standalone"
+            "or use --standalone (or --rendezvous-path) for a single node"
         )
     return config
 
@@ -195,12 +195,10 @@ def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
 
 
 def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
-    transport = config.rendezvous
-    assert transport.endpoint is not None  # resolve() refused a config without one
     try:
-        ring_host = config.ring_host or route_source(transport.endpoint)
-    except (AddressError, OSError) as exc:
-        return _fail(f"cannot tell which address this node's workers advertise: {exc}")
+        ring_host = config.ring_address()
+    except ConfigError as exc:
+        return _fail(str(exc))
     target = ["-m", args.target] if args.module else [args.target]
     cmd = target + [a for a in args.args if a != "--"]
     env = spare_env(config, args.config, base)
