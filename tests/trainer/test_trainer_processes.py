@@ -101,6 +101,12 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
             p.wait(10)
 
 
+def _standalone(per_node: int, *flags: str) -> list[str]:
+    """``rendezvous-run --standalone`` for ``per_node`` workers, before its script."""
+    launcher = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", "--standalone"]
+    return [*launcher, "--nproc-per-node", str(per_node), *flags]
+
+
 def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) -> None:
     script = tmp_path / "w.py"
     script.write_text(
@@ -110,15 +116,7 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     )
     started = time.monotonic()
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rendezvousd.trainer.agent.launcher",
-            "--standalone",
-            "--nproc-per-node",
-            "3",
-            str(script),
-        ],
+        [*_standalone(3), str(script)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -175,14 +173,7 @@ def test_under_the_launcher_a_transient_setup_failure_is_retried_by_the_agents_r
     # generation) is the retry; with none left the run fails naming the worker's error.
     run = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "rendezvousd.trainer.agent.launcher",
-            "--standalone",
-            "--nproc-per-node",
-            "1",
-            "--max-restarts",
-            str(max_restarts),
+            *_standalone(1, "--max-restarts", str(max_restarts)),
             str(WORKERS / "flaky_setup_worker.py"),
             str(tmp_path / "failed-once"),
         ],
