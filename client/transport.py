@@ -19,7 +19,7 @@ import struct
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol, Self, TypeVar, Unpack, runtime_checkable
 
@@ -149,13 +149,8 @@ class FileRendezvous:
         self._retry_attempts = retry_attempts
         self._leave_timeout = leave_timeout
         self._client: RendezvousClient | None = None
-        self._daemon: EmbeddedDaemon | None = None
         self._temp: Path | None = None
-        self._socket: Path | None = None
-        # The directory, opened once: every later use goes through this descriptor
-        # (``_via``), so swapping a link on the path afterwards changes nothing.
-        self._dir_fd: int | None = None
-        self._via: Path | None = None
+        self._dir: PrivateDirectory | None = None
 
     def __repr__(self) -> str:
         m = self.membership
@@ -164,12 +159,12 @@ class FileRendezvous:
     @property
     def socket_path(self) -> Path | None:
         """The daemon's socket, once ``join`` has chosen the directory."""
-        return self._socket
+        return self._dir.socket if self._dir else None
 
     @property
     def daemon(self) -> EmbeddedDaemon | None:
         """The daemon this worker started (global rank 0 only)."""
-        return self._daemon
+        return self._dir.daemon if self._dir else None
 
     @property
     def membership(self) -> Membership | None:
@@ -180,7 +175,8 @@ class FileRendezvous:
         return self._client.failure if self._client else None
 
     def join(self, **request: Unpack[JoinRequest]) -> Membership:
-        """Start (local_rank 0) or find (the others) the daemon, then join through it."""
+        """Start (local_rank 0) or find (the others) the daemon, then join through it.
+        Joined before (and left since): the next generation, through the same daemon."""
         num_nodes, node_rank = request["num_nodes"], request.get("node_rank")
         if num_nodes != 1 or node_rank not in (None, 0):
             raise InvalidRequest(
@@ -189,35 +185,25 @@ class FileRendezvous:
                 job_id=self._job_id,
             )
         if self._client is not None:
-            raise InvalidRequest(
-                "this FileRendezvous is already joined; make a new one", job_id=self._job_id
-            )
+            # A retry's fresh generation (the trainer's one retry model): the daemon
+            # and the directory are the ones this worker already found.
+            client = self._client
+            return self._through_rank0(lambda: client.join(**request))
         deadline = time.monotonic() + request.get("timeout", JOIN_TIMEOUT_S)
-        directory = self._directory(request["gpus_per_node"] * num_nodes)
-        sock = directory / f"{self._job_id}.sock"
-        self._dir_fd = _open_private_directory(directory, self._job_id)
+        path = self._directory(request["gpus_per_node"] * num_nodes)
         try:
-            if len(os.fsencode(sock)) > _SUN_PATH_MAX:
-                raise InvalidRequest(
-                    f"rendezvous socket path {sock} is longer than {_SUN_PATH_MAX} bytes; "
-                    "give the file transport a shorter directory",
-                    job_id=self._job_id,
-                )
-            self._socket = sock
-            self._via = Path(f"/proc/self/fd/{self._dir_fd}")
-            via_sock = self._via / sock.name
-            token = self._via / f"{self._job_id}.token"
-            if request["local_rank"] == 0 and not _serving(via_sock):
-                self._daemon = self._start(via_sock, token, self._dir_fd)
+            self._dir = directory = PrivateDirectory(path, self._job_id)
+            if request["local_rank"] == 0 and not directory.serving():
+                directory.host()
             else:
                 # A second local_rank 0 joins the live daemon, which refuses it.
-                self._wait_for_daemon(via_sock, deadline, request["local_rank"])
+                self._wait_for_daemon(directory, deadline, request["local_rank"])
             # Before the token or anything else goes to it.
-            _check_daemon_owner(via_sock, sock, self._job_id, request["local_rank"])
+            directory.check_owner(request["local_rank"])
             self._client = RendezvousClient(
-                f"unix:{via_sock}",
+                directory.endpoint,
                 self._job_id,
-                token_file=token,
+                token_file=directory.token,
                 retry_attempts=self._retry_attempts,
             )
             request["timeout"] = max(0.001, deadline - time.monotonic())
@@ -240,46 +226,21 @@ class FileRendezvous:
             self._temp = Path(tempfile.mkdtemp(prefix="rendezvous-"))  # mode 0700
         return self._temp
 
-    def _start(self, sock: Path, token: Path, dir_fd: int) -> EmbeddedDaemon:
-        sock.unlink(missing_ok=True)  # left by a rank 0 that was killed
-        try:
-            # The daemon inherits the directory's descriptor under the same number, so
-            # it binds and reads its token through it too.
-            return spawn(
-                sock.parent,
-                "--log-level",
-                "WARNING",
-                "--drain-grace-s",
-                "5",
-                listen=f"unix:{sock}",
-                token_file=token,
-                exit_with_parent=True,
-                pass_fds=(dir_fd,),
-            )
-        except (DaemonError, OSError) as exc:
-            raise DaemonUnavailable(
-                f"rank 0 could not start the file transport's rendezvousd at {self._socket}: {exc}",
-                endpoint=f"unix:{self._socket}",
-                method="Join",
-                job_id=self._job_id,
-                rank=0,
-            ) from exc
-
-    def _wait_for_daemon(self, sock: Path, deadline: float, local_rank: int) -> None:
+    def _wait_for_daemon(self, directory: PrivateDirectory, deadline: float, local: int) -> None:
         delay = 0.01
-        while not _serving(sock):
+        while not directory.serving():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousTimeout(
-                    f"local_rank {local_rank} of job {self._job_id!r} waited for rank 0's "
-                    f"rendezvous socket at {self._socket}, which never came: check that "
+                    f"local_rank {local} of job {self._job_id!r} waited for rank 0's "
+                    f"rendezvous socket at {directory.socket}, which never came: check that "
                     "local_rank 0 is running and was given the same path and job id",
                     reason="WORLD_INCOMPLETE",
                     metadata={"ranks": "0"},
-                    endpoint=f"unix:{self._socket}",
+                    endpoint=f"unix:{directory.socket}",
                     method="Join",
                     job_id=self._job_id,
-                    rank=local_rank,
+                    rank=local,
                 )
             time.sleep(min(delay, left))
             delay = min(0.2, delay * 2)
@@ -300,13 +261,13 @@ class FileRendezvous:
         try:
             return call()
         except (DaemonUnavailable, ProtocolError) as exc:
-            if self._daemon is not None or exc.code not in ("UNAVAILABLE", "CANCELLED"):
+            if self.daemon is not None or exc.code not in ("UNAVAILABLE", "CANCELLED"):
                 raise
             if self.failure is not None:  # the heartbeat already heard the cause
                 raise self.failure from exc
             raise PeerFailed(
                 f"job {self._job_id!r} failed: lost rank 0 (its rendezvous daemon at "
-                f"{self._socket} shut down during {exc.method}: rank 0 exited or closed the "
+                f"{self.socket_path} shut down during {exc.method}: rank 0 exited or closed the "
                 "rendezvous); restart the job",
                 code="ABORTED",
                 reason="PEER_FAILED",
@@ -365,7 +326,7 @@ class FileRendezvous:
         if client is None:
             return
         client.leave()
-        if self._daemon is None:
+        if self.daemon is None:
             return
         deadline = time.monotonic() + self._leave_timeout
         delay = 0.01
@@ -378,7 +339,7 @@ class FileRendezvous:
                     "job %r: stopping the rendezvous daemon at %s while %d member(s) have not "
                     "left after %g s",
                     self._job_id,
-                    self._socket,
+                    self.socket_path,
                     job.summary.members_present,
                     self._leave_timeout,
                 )
@@ -391,15 +352,9 @@ class FileRendezvous:
         client, self._client = self._client, None
         if client is not None:
             client.close()
-        daemon, self._daemon = self._daemon, None
-        if daemon is not None:
-            daemon.stop()
-            if self._socket is not None and self._via is not None:
-                (self._via / self._socket.name).unlink(missing_ok=True)
-            daemon.token_file.unlink(missing_ok=True)
-        dir_fd, self._dir_fd, self._via = self._dir_fd, None, None
-        if dir_fd is not None:
-            os.close(dir_fd)
+        directory, self._dir = self._dir, None
+        if directory is not None:
+            directory.close()
         temp, self._temp = self._temp, None
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
@@ -413,6 +368,129 @@ class FileRendezvous:
                 self.leave()
         finally:
             self.close()
+
+
+class PrivateDirectory:
+    """Where a single node's daemon lives: ``<job_id>.sock`` and ``<job_id>.token`` in
+    a directory only this user may use, opened once (``_open_private_directory``).
+
+    Every use goes through that descriptor (``/proc/self/fd/N``; a daemon started
+    here inherits it under the same number), so swapping a link on the path later
+    changes nothing. The node's first process hosts the daemon: local_rank 0 of a
+    ``FileRendezvous``, or ``rendezvous-run --standalone`` (``host_single_node``).
+    """
+
+    def __init__(self, path: Path, job_id: str) -> None:
+        self.job_id = job_id
+        self.socket = path / f"{job_id}.sock"  # as shown in messages
+        self.fd = _open_private_directory(path, job_id)
+        self.daemon: EmbeddedDaemon | None = None
+        self._via = Path(f"/proc/self/fd/{self.fd}")
+        self._sock = self._via / self.socket.name
+        if len(os.fsencode(self.socket)) > _SUN_PATH_MAX:
+            self.close()
+            raise InvalidRequest(
+                f"rendezvous socket path {self.socket} is longer than {_SUN_PATH_MAX} bytes; "
+                "give the file transport a shorter directory",
+                job_id=job_id,
+            )
+
+    @property
+    def endpoint(self) -> str:
+        """The daemon's endpoint for this process (through the descriptor)."""
+        return f"unix:{self._sock}"
+
+    @property
+    def token(self) -> Path:
+        return self._via / f"{self.job_id}.token"
+
+    def serving(self) -> bool:
+        """Whether a process accepts connections on the socket (a stale file does not)."""
+        return self._listener() is not None
+
+    def _listener(self) -> tuple[int, int] | None:
+        """(pid, uid) of the process listening on the socket (SO_PEERCRED), if any."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(self._sock))
+            except OSError:
+                return None
+            ucred = struct.Struct("iII")  # struct ucred: pid, uid, gid
+            pid, uid, _gid = ucred.unpack(
+                probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size)
+            )
+        return pid, uid
+
+    def host(self) -> EmbeddedDaemon:
+        """Start the daemon here with a fresh token; it exits with this process."""
+        self._sock.unlink(missing_ok=True)  # left by a killed host
+        try:
+            self.daemon = spawn(
+                self._via,
+                "--log-level",
+                "WARNING",
+                "--drain-grace-s",
+                "5",
+                listen=self.endpoint,
+                token_file=self.token,
+                exit_with_parent=True,
+                pass_fds=(self.fd,),
+            )
+        except (DaemonError, OSError) as exc:
+            raise DaemonUnavailable(
+                f"rank 0 could not start the file transport's rendezvousd at {self.socket}: {exc}",
+                endpoint=f"unix:{self.socket}",
+                method="Join",
+                job_id=self.job_id,
+                rank=0,
+            ) from exc
+        return self.daemon
+
+    def check_owner(self, local_rank: int) -> None:
+        """Refuses a daemon run by another user, before the token goes to it.
+
+        The directory is this user's alone, so only this user or root could have put
+        a socket there; the peer's credentials (SO_PEERCRED, the listening process's)
+        say so without trusting that. gRPC opens its own connection afterwards, through
+        the same directory descriptor.
+        """
+        listener = self._listener()
+        if listener is None:
+            return  # nobody listens: the join reports the daemon unreachable
+        pid, uid = listener
+        if uid != os.getuid():
+            raise InvalidRequest(
+                f"the rendezvous socket {self.socket} is served by process {pid} of uid {uid}, "
+                f"not by this user (uid {os.getuid()}): local_rank {local_rank} of job "
+                f"{self.job_id!r} refuses to send it the token or to join through it; find out "
+                "who runs that process, and give the file transport a directory of your own",
+                job_id=self.job_id,
+            )
+
+    def close(self) -> None:
+        """Stop the daemon hosted here (its socket and token go with it)."""
+        daemon, self.daemon = self.daemon, None
+        if daemon is not None:
+            daemon.stop()
+            self._sock.unlink(missing_ok=True)
+            daemon.token_file.unlink(missing_ok=True)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def host_single_node(path: Path, job_id: str) -> Iterator[tuple[str, Path]]:
+    """``rendezvous-run --standalone``: host the node's daemon as the file transport's
+    rank 0 does, and yield its endpoint and token file for the node's other processes
+    (the agent's workers), named by the directory's real path: nothing listens on TCP."""
+    directory = PrivateDirectory(path, job_id)
+    try:
+        directory.host()
+        real = Path(os.readlink(f"/proc/self/fd/{directory.fd}"))
+        yield f"unix:{real / directory.socket.name}", real / f"{job_id}.token"
+    finally:
+        directory.close()
 
 
 def _open_private_directory(path: Path, job_id: str) -> int:
@@ -503,40 +581,3 @@ def _check_private(path: Path, info: os.stat_result, job_id: str) -> None:
             f"{stat.S_IMODE(info.st_mode):o}); run 'chmod 700 {path}' or give another directory",
             job_id=job_id,
         )
-
-
-def _check_daemon_owner(sock: Path, shown: Path, job_id: str, local_rank: int) -> None:
-    """Refuses a daemon at ``sock`` (``shown`` in messages) run by another user.
-
-    The directory is this user's alone, so only this user or root could have put
-    a socket there; the peer's credentials (SO_PEERCRED, the listening process's)
-    say so without trusting that. gRPC opens its own connection afterwards, through
-    the same directory descriptor.
-    """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(sock))
-        except OSError:
-            return  # nobody listens: the join reports the daemon unreachable
-        ucred = struct.Struct("iII")  # struct ucred: pid, uid, gid
-        pid, uid, _gid = ucred.unpack(
-            probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size)
-        )
-    if uid != os.getuid():
-        raise InvalidRequest(
-            f"the rendezvous socket {shown} is served by process {pid} of uid {uid}, not by "
-            f"this user (uid {os.getuid()}): local_rank {local_rank} of job {job_id!r} "
-            "refuses to send it the token or to join through it; find out who runs that "
-            "process, and give the file transport a directory of your own",
-            job_id=job_id,
-        )
-
-
-def _serving(sock: Path) -> bool:
-    """Whether a process accepts connections on ``sock`` (a stale file does not)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(sock))
-        except OSError:
-            return False
-    return True

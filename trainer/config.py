@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
+from rendezvousd.common.address import AddressError, route_source
 from rendezvousd.common.settings import (
     AddressText,
     Bool,
@@ -115,8 +116,8 @@ class RendezvousTransport:
     )
     endpoint: str | None = setting(
         None,
-        "rendezvous daemon HOST:PORT (sets kind='daemon')",
-        AddressText("endpoint", optional=True),
+        "rendezvous daemon HOST:PORT or unix:PATH (sets kind='daemon')",
+        AddressText("endpoint", optional=True, allow_unix=True),
         env=ENV_ENDPOINT,
         flag="--endpoint",
         implies={"kind": "daemon", "path": None},
@@ -399,6 +400,15 @@ class DistributedConfig:
             return None
         local = self.local_rank if self.local_rank is not None else 0
         return MultiNodeTopology(self.num_nodes, per_node, node, local)
+
+    def ring_address(self) -> str:
+        """The address this worker's (or node's) ring peers reach it at: ``ring_host``,
+        else this host's address on the route towards the daemon (loopback for a
+        ``unix:`` endpoint or the file transport)."""
+        try:
+            return self.ring_host or route_source(self.rendezvous.endpoint or "unix:local")
+        except (AddressError, OSError) as exc:
+            raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
 
     def rank0_log_line(self, formed: MultiNodeTopology) -> str:
         """One summary line for global rank 0 to log, of the world that ``formed``

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.transport import Rendezvous, connect
-from rendezvousd.common.address import AddressError, route_source
 from rendezvousd.common.escape import bounded
 from rendezvousd.trainer.agent.agent_worker import AgentLink
 from rendezvousd.trainer.agent.state_copy import StepState
@@ -40,11 +39,11 @@ from rendezvousd.trainer.errors import (
     AgentError,
     CommunicatorAborted,
     CommunicatorError,
+    CommunicatorTimeout,
     ConfigError,
+    PeerConnectionError,
     RetriesExhausted,
-    TransientInitError,
 )
-from rendezvousd.trainer.retry import with_retry
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
 if TYPE_CHECKING:
@@ -200,7 +199,7 @@ def init_distributed(
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
     tls = transport.tls()
-    ring_host = _ring_host(config, transport.endpoint or "unix:local")
+    ring_host = config.ring_address()
     rdzv = connect(
         transport.kind,
         path=transport.path,
@@ -226,7 +225,7 @@ def init_distributed(
         elif nccl.device_count() < 1:
             raise ConfigError(f"{devices.SHARED_DEVICE_ENV}=1 needs one GPU, and none is visible")
         id_factory = nccl.create_unique_id
-    # The same Join again is how the NCCL setup gets a fresh generation and id.
+    # The same Join again is how a retry gets a fresh generation and id.
     join = functools.partial(
         rdzv.join,
         num_nodes=config.num_nodes,
@@ -237,29 +236,24 @@ def init_distributed(
         id_factory=id_factory,
         timeout=config.join_timeout_s,
     )
-    started = time.monotonic()
-    membership = join()
-    rendezvous_s = time.monotonic() - started
-    # Liveness from the first moment: a slow communicator setup must not read as a
-    # silent member, and a peer lost during setup must end it at once.
-    relay = _FailureRelay()
-    rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
-    communicator: Communicator
-    if config.backend == "nccl":
-        membership, communicator, relay = _nccl_setup(config, rdzv, membership, relay, join)
-    else:
-        cpu = membership
+
+    def watch(relay: _FailureRelay) -> None:
+        rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
+
+    def build(m: Membership, on_setup_timeout: Callable[[str], None] | None) -> Communicator:
         placed = MultiNodeTopology.from_global_rank(
-            cpu.rank, config.num_nodes, config.local_world_size
+            m.rank, config.num_nodes, config.local_world_size
         )
-        communicator = with_retry(
-            f"{config.backend} communicator setup for rank {cpu.rank}",
-            lambda: _cpu_ring(
-                config, rdzv, cpu.rank, cpu.world_size, cpu.unique_id, placed.node_rank, ring_host
-            ),
-            attempts=config.retry_attempts,
-        )
-        relay.attach(communicator)
+        return _communicator(config, rdzv, placed, m.unique_id, ring_host, on_setup_timeout)
+
+    started = time.monotonic()
+    try:
+        membership = join()
+        rendezvous_s = time.monotonic() - started
+        membership, communicator = _bring_up(config, rdzv, membership, build, watch, rejoin=join)
+    except BaseException:
+        rdzv.close()  # gone without leaving: its peers learn it at once
+        raise
     topology = MultiNodeTopology.from_global_rank(
         membership.rank, config.num_nodes, config.local_world_size
     )
@@ -305,76 +299,84 @@ def _abort(communicator: Communicator, error: BaseException) -> None:
     communicator.abort(cause)
 
 
-#: The abort reason of a generation whose NCCL init failed transiently on some rank:
-#: every rank recognises it by this exact reason (the abort's structured field).
-RETRY_REASON = "NCCL init failed transiently; every rank rejoins for a fresh id"
+#: The abort reason of a generation whose communicator setup failed transiently on
+#: some rank: every rank recognises it by this exact reason (the abort's structured field).
+RETRY_REASON = "communicator setup failed transiently; every rank rejoins for a fresh id"
+#: Setup failures a fresh generation may cure (a peer not yet listening or lost, a
+#: timeout); NCCL's seam raises ``TransientInitError``, a ``PeerConnectionError``.
+TRANSIENT = (CommunicatorTimeout, PeerConnectionError)
 
 
-def _nccl_setup(
+def _bring_up(
     config: DistributedConfig,
     rdzv: Rendezvous,
     membership: Membership,
-    relay: _FailureRelay,
-    rejoin: Callable[[], Membership],
-) -> tuple[Membership, Communicator, _FailureRelay]:
-    """NCCL init with ``retry_attempts`` retries, each on a fresh generation and id.
+    build: Callable[[Membership, Callable[[str], None] | None], Communicator],
+    watch: Callable[[_FailureRelay], None],
+    rejoin: Callable[[], Membership] | None,
+) -> tuple[Membership, Communicator]:
+    """The one retry model: a transient setup failure ends the generation, and the
+    retry is the next generation, with a fresh id, joined by whoever joined this one.
 
-    An ncclUniqueId serves exactly one init (rank 0's listener is used up), so a
-    retry cannot reuse it: the rank that failed aborts the generation (scoped to
-    it, so a newer one is never hit), every rank learns it (its init fails, or
-    the confirmation barrier below does), leaves and joins again, and the
-    daemon opens a new generation whose rank 0 makes a new id. Init runs under
-    the watchdog: a hang tells the daemon and ends the process.
+    ``rejoin``: this worker's own join (without an agent): up to ``retry_attempts``
+    times the failing rank aborts the generation (scoped to it, so a newer one is
+    never hit), every rank learns it (its setup fails, or the confirmation barrier
+    does), leaves and joins again, and rank 0 of the new generation makes the id (an
+    ncclUniqueId serves exactly one init, so it cannot be reused). ``None``: the
+    node agent joined for the node, and its restart is the retry, so the error
+    fails this worker as it is. ``watch`` starts relaying failures (the heartbeat)
+    before setup, so a peer lost meanwhile ends it at once.
     """
-    for attempt in range(config.retry_attempts + 1):
+    attempts = config.retry_attempts if rejoin is not None else 0
+    for attempt in range(attempts + 1):
         m = membership
-        topology = MultiNodeTopology.from_global_rank(
-            m.rank, config.num_nodes, config.local_world_size
-        )
-        failure: BaseException | None = None
+        relay = _FailureRelay()
+        watch(relay)
+        failure: BaseException
         try:
-            communicator = _nccl(
-                config,
-                m.rank,
-                m.world_size,
-                m.unique_id,
-                topology.local_rank,
-                on_setup_timeout=functools.partial(_fail_generation, rdzv, m),
-            )
-        except TransientInitError as exc:
+            # An NCCL init hang tells the daemon (watchdog) where this worker joined.
+            on_hang = functools.partial(_fail_generation, rdzv, m) if rejoin else None
+            communicator = build(m, on_hang)
+        except TRANSIENT as exc:
+            if rejoin is None:
+                raise
             failure = exc  # logged below, with the retry it leads to
             _fail_generation(rdzv, m, RETRY_REASON)
+        except RendezvousError as exc:
+            # The ring's address exchange through the daemon heard the generation end.
+            if rejoin is None or not _retried_elsewhere(exc):
+                raise
+            failure = exc
         else:
             try:
-                # Every rank's init must have worked before any rank trains.
-                rdzv.barrier("nccl-init", timeout=config.setup_timeout_s)
+                # Every rank's setup must have worked before any rank trains (a ring's
+                # own handshakes confirm it where nothing is retried).
+                if config.backend == "nccl" or attempts:
+                    rdzv.barrier("comm-init", timeout=config.setup_timeout_s)
                 relay.attach(communicator)
-                return m, communicator, relay
+                return m, communicator
             except RendezvousError as exc:
-                communicator.abort(f"another rank's NCCL init failed: {exc}")
+                communicator.abort(f"another rank's communicator setup failed: {exc}")
                 communicator.close()
                 # A failed rank aborts the generation with RETRY_REASON, which the
                 # barrier (or the abort pushed before it) reports. When that rank has
                 # already rejoined, the barrier hears STALE_GENERATION instead: this
                 # generation is over either way and the next one waits for this rank.
-                if not _retried_elsewhere(exc):
+                if rejoin is None or not _retried_elsewhere(exc):
                     raise
                 failure = exc
-        if attempt == config.retry_attempts:
-            raise RetriesExhausted(
-                f"nccl communicator setup for rank {m.rank}", attempt + 1, failure
-            ) from failure
+        what = f"{config.backend} communicator setup for rank {m.rank}"
+        if attempt == attempts:
+            raise RetriesExhausted(what, attempt + 1, failure) from failure
         log.warning(
-            "rank %d: NCCL init failed (%s); rejoining for a fresh id (retry %d of %d)",
-            m.rank,
+            "%s failed (%s); rejoining for a fresh generation and id (retry %d of %d)",
+            what,
             failure,
             attempt + 1,
-            config.retry_attempts,
+            attempts,
         )
         rdzv.leave()  # stops this generation's heartbeat; the generation is fenced
         membership = rejoin()
-        relay = _FailureRelay()
-        rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -394,56 +396,38 @@ def _fail_generation(rdzv: Rendezvous, m: Membership, reason: str) -> None:
         log.warning("rank %d: could not abort generation %d: %s", m.rank, m.generation, exc)
 
 
-def _ring_host(config: DistributedConfig, endpoint: str) -> str:
-    """The address this worker's ring peers reach it at: the configured one, or this
-    host's address on the route towards the daemon."""
-    try:
-        return config.ring_host or route_source(endpoint)
-    except (AddressError, OSError) as exc:
-        raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
-
-
-def _nccl(
-    config: DistributedConfig,
-    rank: int,
-    world_size: int,
-    unique_id: bytes,
-    local_rank: int,
-    on_setup_timeout: Callable[[str], None] | None = None,
-) -> Communicator:
-    from rendezvousd.trainer.comm.nccl import NcclCommunicator
-
-    return NcclCommunicator(
-        rank,
-        world_size,
-        unique_id,
-        devices.device_for(local_rank),
-        timeout=config.collective_timeout_s,
-        setup_timeout=config.setup_timeout_s,
-        on_setup_timeout=on_setup_timeout,
-    )
-
-
-def _cpu_ring(
+def _communicator(
     config: DistributedConfig,
     rdzv: Rendezvous,
-    rank: int,
-    world_size: int,
-    secret: bytes,
-    node_rank: int,
+    topology: MultiNodeTopology,
+    unique_id: bytes,
     ring_host: str,
+    on_setup_timeout: Callable[[str], None] | None,
 ) -> Communicator:
+    """The configured backend's communicator for this worker's place in the world."""
+    if config.backend == "nccl":
+        from rendezvousd.trainer.comm.nccl import NcclCommunicator
+
+        return NcclCommunicator(
+            topology.rank,
+            topology.world_size,
+            unique_id,
+            devices.device_for(topology.local_rank),
+            timeout=config.collective_timeout_s,
+            setup_timeout=config.setup_timeout_s,
+            on_setup_timeout=on_setup_timeout,
+        )
     from rendezvousd.trainer.comm.cpu_ring import connect_cpu_ring
 
     return connect_cpu_ring(
         rdzv,
-        rank=rank,
-        world_size=world_size,
-        secret=secret,
+        rank=topology.rank,
+        world_size=topology.world_size,
+        secret=unique_id,
         host=ring_host,
         timeout=config.collective_timeout_s,
         setup_timeout=config.setup_timeout_s,
-        node_rank=node_rank,
+        node_rank=topology.node_rank,
         shared_memory=config.cpu_shared_memory,
     )
 
@@ -462,34 +446,21 @@ def _init_from_agent(
     rdzv = config.rendezvous.client(
         assignment.job_id, config.retry_attempts, token=assignment.token
     )
-    rdzv.attach(assignment.membership(), assignment.instance_id)
-    relay = _FailureRelay()
-    link.start(lambda cause: relay.fail(AgentError(cause)))
+    membership = assignment.membership()
+    rdzv.attach(membership, assignment.instance_id)
     topology = assignment.topology
-    communicator: Communicator
     if config.backend == "nccl":
         devices.prepare_nccl(assignment.local_rank)
-        # No rejoin here: a failed init fails this worker, and the agent's restart
-        # is the retry (a fresh generation and id for every node).
-        communicator = _nccl(
-            config,
-            assignment.rank,
-            assignment.world_size,
-            assignment.unique_id,
-            assignment.local_rank,
+
+    def watch(relay: _FailureRelay) -> None:
+        link.start(lambda cause: relay.fail(AgentError(cause)))
+
+    def build(m: Membership, on_setup_timeout: Callable[[str], None] | None) -> Communicator:
+        return _communicator(
+            config, rdzv, topology, m.unique_id, assignment.ring_host, on_setup_timeout
         )
-        rdzv.barrier("nccl-init", timeout=config.setup_timeout_s)
-    else:
-        communicator = _cpu_ring(
-            config,
-            rdzv,
-            assignment.rank,
-            assignment.world_size,
-            assignment.unique_id,
-            assignment.node_rank,
-            assignment.ring_host,
-        )
-    relay.attach(communicator)
+
+    _, communicator = _bring_up(config, rdzv, membership, build, watch, rejoin=None)
     if topology.is_global_rank_zero:
         log.info(
             "%s generation=%d restart_count=%d",

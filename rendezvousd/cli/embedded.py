@@ -1,6 +1,6 @@
-"""A daemon process with a fresh token: on loopback for ``rendezvous-run
---standalone``, the demo and the benchmarks; on a private UNIX socket for the
-file transport (tests have their own fixture)."""
+"""A daemon process with a fresh token: on loopback for
+the demo and the benchmarks; on a private UNIX socket for the
+file transport and ``rendezvous-run --standalone`` (tests have their own fixture)."""
 
 from __future__ import annotations
 

@@ -263,6 +263,19 @@ def test_no_path_serves_a_world_of_one_in_a_private_temporary_directory() -> Non
     assert not directory.exists()
 
 
+def test_a_worker_that_left_joins_the_next_generation_through_the_same_daemon() -> None:
+    # The trainer's retry: leave, then join again for a fresh generation and id.
+    with connect("file", job_id="again") as rv:
+        first = rv.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=30)
+        assert isinstance(rv, FileRendezvous) and rv.daemon is not None
+        daemon = rv.daemon
+        rv.leave()
+        second = rv.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=30)
+        assert (first.generation, second.generation) == (1, 2)
+        assert second.unique_id != first.unique_id
+        assert rv.daemon is daemon
+
+
 def test_no_path_with_a_larger_world_names_the_fix() -> None:
     rv = connect("file", path=None, job_id="lonely")
     with pytest.raises(InvalidRequest, match=r"path=.*rendezvous-run") as info:

@@ -1,7 +1,9 @@
-"""NCCL setup in ``init_distributed`` against a real daemon, CuPy faked at the seam.
+"""Communicator setup in ``init_distributed`` and its one retry model (a transient
+failure is retried on a fresh generation and id, then fails loudly), against a real
+daemon: rendezvousd's process, or the one the file transport's rank 0 starts. CuPy
+is faked at the seam.
 
-Two ranks run as threads of this process (the fake CuPy is process-global);
-the daemon is a real process.
+Two ranks run as threads of this process (the fake CuPy is process-global).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from typing import Any
 
 import pytest
 
-from rendezvousd.client import RendezvousClient
+from rendezvousd.client import FileRendezvous, RendezvousClient
 from rendezvousd.client._session import Session
+from rendezvousd.trainer.comm import cpu_ring
 from rendezvousd.trainer.distributed import DistributedContext, init_distributed
+from rendezvousd.trainer.errors import PeerConnectionError, RetriesExhausted, TransientInitError
 from tests.support import DaemonProcess, parallel, wait_for
 
 from .fake_cupy import FakeNcclError, install
@@ -103,3 +107,113 @@ def test_a_rank_that_finds_the_retry_generation_already_open_rejoins_it_too(
         _both_retry_on_one_fresh_generation(fake, _config(tmp_path, daemon), daemon, job_id)
     finally:
         observer.close()
+
+
+def _failing_inits(fake: Any, monkeypatch: pytest.MonkeyPatch, failing: set[int]) -> list[int]:
+    """Makes NCCL init call number n (from 1, over all ranks) fail transiently for n
+    in ``failing``; the others are the fake's own."""
+    real = fake.cuda.nccl.NcclCommunicator
+    calls: list[int] = []
+
+    def init(*args: Any) -> Any:
+        calls.append(len(calls) + 1)
+        if calls[-1] in failing:
+            raise FakeNcclError(6)
+        return real(*args)
+
+    monkeypatch.setattr(fake.cuda.nccl, "NcclCommunicator", init)
+    return calls
+
+
+def test_a_second_transient_failure_fails_every_rank_loudly(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One rank's init fails in each generation: generation 1's (calls 1-2) is retried,
+    # generation 2's (calls 3-4, after every rank rejoined) uses up retry_attempts=1.
+    fake = install(monkeypatch)
+    calls = _failing_inits(fake, monkeypatch, {1, 3})
+    config = _config(tmp_path, daemon)
+    outcomes = parallel(
+        [
+            functools.partial(
+                _outcome,
+                functools.partial(init_distributed, str(config), env=_env(daemon, job_id, local)),
+            )
+            for local in range(2)
+        ],
+        limit=60,
+    )
+    assert len(calls) == 4, calls
+    for outcome in outcomes:
+        assert isinstance(outcome, RetriesExhausted), outcomes
+        assert "nccl communicator setup for rank" in str(outcome)
+        assert "failed 2 times (retry_attempts=1)" in str(outcome)
+    # The rank whose own init failed names that failure; the other, the generation's end.
+    causes = sorted(type(o.__cause__).__name__ for o in outcomes)
+    assert causes == ["JobAborted", "TransientInitError"], outcomes
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except RetriesExhausted as exc:
+        return exc
+
+
+def _file_env(job_id: str, backend: str) -> dict[str, str]:
+    # No endpoint and no path: the file transport's private world of one, whose
+    # rank 0 starts the daemon on a UNIX socket; nothing listens on TCP.
+    return {
+        "RENDEZVOUSD_JOB_ID": job_id,
+        "RENDEZVOUSD_BACKEND": backend,
+        "RENDEZVOUSD_RETRIES": "1",
+    }
+
+
+def _ring_fails(monkeypatch: pytest.MonkeyPatch, times: int) -> None:
+    """The CPU ring's setup fails transiently ``times`` times, then is the real one."""
+    real = cpu_ring.connect_cpu_ring
+    left = [times]
+
+    def connect(*args: Any, **kwargs: Any) -> Any:
+        if left[0]:
+            left[0] -= 1
+            raise PeerConnectionError("rank 0: peer could not be reached: Connection refused")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_ring, "connect_cpu_ring", connect)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu"])
+def test_the_file_transport_retries_on_a_fresh_generation_too(
+    backend: str, job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a FileRendezvous could not join twice: an NCCL retry there failed, and the
+    CPU ring retried in place, on the same generation, by a second model."""
+    fake = install(monkeypatch, devices=1)
+    if backend == "nccl":
+        fake.cuda.nccl.init_errors.append(FakeNcclError(6))
+    else:
+        _ring_fails(monkeypatch, 1)
+    with init_distributed(env=_file_env(job_id, backend)) as ctx:
+        assert isinstance(ctx.rendezvous, FileRendezvous)
+        assert ctx.communicator.backend == backend
+        membership = ctx.rendezvous.membership
+        assert membership is not None and membership.generation == 2
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu"])
+def test_the_file_transport_fails_loudly_after_the_retry(
+    backend: str, job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = install(monkeypatch, devices=1)
+    if backend == "nccl":
+        fake.cuda.nccl.init_errors.extend([FakeNcclError(6), FakeNcclError(6)])
+    else:
+        _ring_fails(monkeypatch, 2)
+    with pytest.raises(RetriesExhausted) as info:
+        init_distributed(env=_file_env(job_id, backend))
+    message = str(info.value)
+    assert f"{backend} communicator setup for rank 0 failed 2 times (retry_attempts=1)" in message
+    expected = TransientInitError if backend == "nccl" else PeerConnectionError
+    assert isinstance(info.value.__cause__, expected)

@@ -1,6 +1,6 @@
 """The trainer with real processes and a real daemon: the seed's multi-node
 catalogue (all-reduce equals the single-process baseline, one checkpoint
-writer, retry policy, loud failures) plus worker and daemon deaths."""
+writer, loud failures; the retry policy is in test_nccl_setup.py) plus worker and daemon deaths."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -19,8 +20,6 @@ import pytest
 
 from rendezvousd.trainer.comm import shm_group
 from rendezvousd.trainer.demo import run as demo
-from rendezvousd.trainer.errors import CommunicatorTimeout, RetriesExhausted
-from rendezvousd.trainer.retry import with_retry
 from tests.support import (
     ROOT,
     WORKERS,
@@ -46,30 +45,6 @@ def test_two_nodes_by_two_workers_match_single_process_baseline_and_one_checkpoi
     assert card["max_abs_grad_diff_vs_single_process"] <= 1e-5
     assert card["checkpoints_written"] == ["ckpt-0000000012.npz"]
     assert json.loads((tmp_path / "card.json").read_text()) == card
-
-
-def test_transient_timeout_gets_exactly_one_retry_then_fails_loudly() -> None:
-    calls: list[int] = []
-
-    def always_times_out() -> None:
-        calls.append(1)
-        raise CommunicatorTimeout("rank 2 did not answer within 5 s")
-
-    with pytest.raises(RetriesExhausted, match=r"failed 2 times.*rank 2 did not answer"):
-        with_retry("ring setup", always_times_out, attempts=1, backoff_s=0.01)
-    assert len(calls) == 2
-    flaky = iter([CommunicatorTimeout("blip"), None])
-
-    def once() -> str:
-        if (e := next(flaky)) is not None:
-            raise e
-        return "ok"
-
-    assert with_retry("ring setup", once, attempts=1, backoff_s=0.01) == "ok"
-    with pytest.raises(ValueError):  # permanent errors are never retried
-        with_retry(
-            "x", lambda: (_ for _ in ()).throw(ValueError("bad")), attempts=3, backoff_s=0.01
-        )
 
 
 def _worker_env(d: DaemonProcess, job: str, local: int, gpus: int) -> dict[str, str]:
@@ -126,6 +101,12 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
             p.wait(10)
 
 
+def _standalone(per_node: int, *flags: str) -> list[str]:
+    """``rendezvous-run --standalone`` for ``per_node`` workers, before its script."""
+    launcher = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", "--standalone"]
+    return [*launcher, "--nproc-per-node", str(per_node), *flags]
+
+
 def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) -> None:
     script = tmp_path / "w.py"
     script.write_text(
@@ -135,15 +116,7 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     )
     started = time.monotonic()
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rendezvousd.trainer.agent.launcher",
-            "--standalone",
-            "--nproc-per-node",
-            "3",
-            str(script),
-        ],
+        [*_standalone(3), str(script)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -151,6 +124,70 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     assert run.returncode == 7
     assert "worker rank 1" in run.stderr and "exit code 7" in run.stderr
     assert time.monotonic() - started < 30  # the sleeping workers were stopped, not waited for
+
+
+@pytest.mark.parametrize("flags", [["--standalone"], []])
+def test_standalone_is_the_file_transport_hosted_by_the_launcher(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    # One way to run a single node: its daemon listens on a UNIX socket in a private
+    # directory (here the one given), never on TCP, and goes when the launcher ends.
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import json\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        f"    open('{tmp_path}/seen-' + str(ctx.rank), 'w').write(\n"
+        "        json.dumps([ctx.rank, ctx.config.rendezvous.endpoint]))\n"
+    )
+    directory = tmp_path / "rdzv"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rendezvousd.trainer.agent.launcher",
+            *flags,
+            "--rendezvous-path",
+            str(directory),
+            "--nproc-per-node",
+            "2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    seen = [json.loads((tmp_path / f"seen-{rank}").read_text()) for rank in range(2)]
+    socket_path = f"unix:{directory.resolve()}/default.sock"
+    assert seen == [[0, socket_path], [1, socket_path]]
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert list(directory.iterdir()) == []  # socket and token removed with the daemon
+
+
+@pytest.mark.parametrize("max_restarts", [1, 0])
+def test_under_the_launcher_a_transient_setup_failure_is_retried_by_the_agents_restart(
+    tmp_path: Path, max_restarts: int
+) -> None:
+    # The one retry model: the agent joined for the node, so its restart (a fresh
+    # generation) is the retry; with none left the run fails naming the worker's error.
+    run = subprocess.run(
+        [
+            *_standalone(1, "--max-restarts", str(max_restarts)),
+            str(WORKERS / "flaky_setup_worker.py"),
+            str(tmp_path / "failed-once"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "PeerConnectionError: injected" in run.stderr, run.stderr
+    if max_restarts:
+        assert run.returncode == 0, run.stderr
+        rank, generation, restarts = json.loads(run.stdout.splitlines()[-1])
+        assert (rank, restarts) == (0, 1) and generation >= 2
+    else:
+        assert run.returncode != 0 and not run.stdout
 
 
 def test_launcher_sets_torchrun_style_environment(

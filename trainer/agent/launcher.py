@@ -4,6 +4,7 @@
         --rdzv-endpoint head:29420 --token-file /etc/rendezvousd/token train.py --lr 0.1
     rendezvous-run --nnodes 2:4 --node-rank auto --nproc-per-node 4 --max-restarts 3 ...
     rendezvous-run --standalone --nproc-per-node 4 -m mypkg.train
+    rendezvous-run --rendezvous-path /run/user/1000/job --nproc-per-node 4 train.py
 
 Settings come from ``--config`` (the trainer TOML), the ``RENDEZVOUSD_*`` env vars
 and the flags below (``load_layers``), resolved and validated here once. The
@@ -20,7 +21,9 @@ and, while ``--max-restarts`` allows, every agent re-joins the next generation
 and restarts its workers from the newest step state any agent holds. ``--nnodes
 MIN:MAX`` makes the job elastic. When the restarts are used up the exit status
 is non-zero with one message listing every failure, and the root cause the
-daemon recorded. ``--standalone`` runs an embedded daemon with a fresh token.
+daemon recorded. ``--standalone`` runs a single node on the file transport: this
+agent hosts its daemon on a UNIX socket in a private directory (``--rendezvous-path``,
+else a temporary one).
 
 Start-up order matters when a fresh node replaces a lost one (the other nodes
 wait for it): this module imports only what reading the settings needs, starts
@@ -31,6 +34,7 @@ and numpy, while the spares import theirs on the other cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -40,7 +44,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rendezvousd.common.address import AddressError, route_source
 from rendezvousd.common.settings import Value
 from rendezvousd.trainer.agent.worker_boot import Booted, boot_spares, discard
 from rendezvousd.trainer.config import (
@@ -53,7 +56,6 @@ from rendezvousd.trainer.config import (
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
 
 if TYPE_CHECKING:
-    from rendezvousd.cli.embedded import EmbeddedDaemon
     from rendezvousd.trainer.agent.node_agent import NodeAgent
     from rendezvousd.trainer.agent.recovery import Failure
 
@@ -90,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     SCHEMA.add_arguments(group, aliases=ALIASES, exclude=(*PER_WORKER, "num_nodes"))
     p.add_argument(
-        "--standalone", action="store_true", help="run an embedded daemon (single machine)"
+        "--standalone",
+        action="store_true",
+        help="a single node on the file transport: this launcher hosts its daemon",
     )
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     p.add_argument("target", help="script path (or module with -m)")
@@ -121,12 +125,17 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
             "(0..num_nodes-1, or 'auto' to let the daemon assign it), or set "
             "RENDEZVOUSD_NODE_RANK or node_rank in the config file"
         )
-    if args.standalone and config.is_multi_node:
-        raise ConfigError("--standalone runs a single-machine job: use --nnodes 1")
-    if not args.standalone and config.rendezvous.kind != "daemon":
+    if args.standalone:
+        if config.is_multi_node:
+            raise ConfigError("--standalone runs a single-machine job: use --nnodes 1")
+        # The file transport, whatever endpoint the environment names.
+        return dataclasses.replace(
+            config, rendezvous=RendezvousTransport.file(config.rendezvous.path)
+        )
+    if config.rendezvous.kind != "daemon" and config.rendezvous.path is None:
         raise ConfigError(
             "no rendezvous endpoint: pass --rdzv-endpoint, set RENDEZVOUSD_ENDPOINT, "
-            "or use --standalone"
+            "or use --standalone (or --rendezvous-path) for a single node"
         )
     return config
 
@@ -186,12 +195,10 @@ def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
 
 
 def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
-    transport = config.rendezvous
-    assert transport.endpoint is not None  # resolve() refused a config without one
     try:
-        ring_host = config.ring_host or route_source(transport.endpoint)
-    except (AddressError, OSError) as exc:
-        return _fail(f"cannot tell which address this node's workers advertise: {exc}")
+        ring_host = config.ring_address()
+    except ConfigError as exc:
+        return _fail(str(exc))
     target = ["-m", args.target] if args.module else [args.target]
     cmd = target + [a for a in args.args if a != "--"]
     env = spare_env(config, args.config, base)
@@ -289,19 +296,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = resolve(args, base)
     except ConfigError as exc:
         return _fail(str(exc))
-    with tempfile.TemporaryDirectory(prefix="rendezvous-run-") as tmp:
-        daemon: EmbeddedDaemon | None = None
-        if args.standalone:
-            from rendezvousd.cli.embedded import spawn
+    if config.rendezvous.kind == "daemon":
+        return run_agent(args, config, base)
+    # The one way to run a single node: the file transport, whose daemon this agent
+    # hosts, as a FileRendezvous' local_rank 0 does without a launcher.
+    from rendezvousd.client.transport import host_single_node
 
-            daemon = spawn(Path(tmp), "--log-level", "WARNING")
-            transport = RendezvousTransport.daemon(daemon.endpoint, str(daemon.token_file))
-            config = dataclasses.replace(config, rendezvous=transport)
-        try:
-            return run_agent(args, config, base)
-        finally:
-            if daemon is not None:
-                daemon.stop()
+    with contextlib.ExitStack() as stack:
+        path = config.rendezvous.path
+        if path is None:
+            path = stack.enter_context(tempfile.TemporaryDirectory(prefix="rendezvous-run-"))
+        endpoint, token_file = stack.enter_context(host_single_node(Path(path), config.job_id))
+        transport = RendezvousTransport.daemon(endpoint, str(token_file))
+        return run_agent(args, dataclasses.replace(config, rendezvous=transport), base)
 
 
 if __name__ == "__main__":
