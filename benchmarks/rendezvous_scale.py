@@ -2,6 +2,7 @@
 
     python benchmarks/rendezvous_scale.py --ranks 64 1024 --agents 16 128 1024 --json-out out.json
     python benchmarks/rendezvous_scale.py --ranks 4096 --no-anchor      # rendezvousd alone
+    python benchmarks/rendezvous_scale.py --ranks --agents 1024 4096 12500 --no-anchor
 
 Run it with the torch venv's python (``$(scripts/torch_venv.sh) benchmarks/...``) to get
 the anchors in the same run; without torch they are skipped and the report says why.
@@ -31,6 +32,17 @@ is inside anybody's clock. In the ``cold`` condition the connects happen inside 
 clock (TCPStore's constructor; our channel's first connect and the SDK's health probe).
 The clock stops when the last rank is done. Each case prints a verdict against its
 target, and the whole run one JSON document.
+
+**The daemon's own cost.** Clients and daemon share this machine's cores, so the wall
+time of a large case says as much about the other processes as about the daemon. Each
+of our cases also reports the daemon's CPU seconds from the start instant to the last
+answer (``daemon_cpu_s``, read from /proc every 10 ms), that per join
+(``daemon_cpu_per_join_ms``: per agent's JoinNode, or per rank's Join + Barrier), the
+client processes' CPU over the same race, the daemon's peak RSS, its RPCs by method
+and the load average. The daemon's limits are raised as far as the world needs
+(``--max-members-per-job``, ``--max-waiters-per-job``, ``--max-waiters``; 12,500
+agents x 8 = 100,000 ranks). ``--profile-daemon DIR`` samples the daemon with py-spy
+(``PROFILE_NATIVE=1`` adds gRPC's C frames) and reports its top functions.
 
 **DNS.** TCPStore reverse-resolves every peer address it accepts or connects to (for a
 log line). On these sandboxed machines the resolver drops about one query in 25 and
