@@ -2,6 +2,7 @@
 
     python benchmarks/rendezvous_scale.py --ranks 64 1024 --agents 16 128 1024 --json-out out.json
     python benchmarks/rendezvous_scale.py --ranks 4096 --no-anchor      # rendezvousd alone
+    python benchmarks/rendezvous_scale.py --ranks --agents 1024 4096 12500 --no-anchor
 
 Run it with the torch venv's python (``$(scripts/torch_venv.sh) benchmarks/...``) to get
 the anchors in the same run; without torch they are skipped and the report says why.
@@ -31,6 +32,17 @@ is inside anybody's clock. In the ``cold`` condition the connects happen inside 
 clock (TCPStore's constructor; our channel's first connect and the SDK's health probe).
 The clock stops when the last rank is done. Each case prints a verdict against its
 target, and the whole run one JSON document.
+
+**The daemon's own cost.** Clients and daemon share this machine's cores, so the wall
+time of a large case says as much about the other processes as about the daemon. Each
+of our cases also reports the daemon's CPU seconds from the start instant to the last
+answer (``daemon_cpu_s``, read from /proc every 10 ms), that per join
+(``daemon_cpu_per_join_ms``: per agent's JoinNode, or per rank's Join + Barrier), the
+client processes' CPU over the same race, the daemon's peak RSS, its RPCs by method
+and the load average. The daemon's limits are raised as far as the world needs
+(``--max-members-per-job``, ``--max-waiters-per-job``, ``--max-waiters``; 12,500
+agents x 8 = 100,000 ranks). ``--profile-daemon DIR`` samples the daemon with py-spy
+(``PROFILE_NATIVE=1`` adds gRPC's C frames) and reports its top functions.
 
 **DNS.** TCPStore reverse-resolves every peer address it accepts or connects to (for a
 log line). On these sandboxed machines the resolver drops about one query in 25 and
@@ -79,6 +91,41 @@ AGENT_TARGETS_S = {128: 0.075, 1024: 1.0}
 # The parent hands the start instant out this long after the last ready, so every
 # child has read it and is asleep before it comes.
 START_MARGIN_S = 0.5
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    # After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _CpuSampler(threading.Thread):
+    """The daemon's CPU seconds over time, read from /proc every 10 ms, so that a
+    formation's CPU is what the daemon spent between the start instant and the last
+    answer, not its start-up, the clients' connects or their closing."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.samples: list[tuple[float, float]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            self.samples.append((time.time(), _cpu_s(self.pid)))
+            self.stopped.wait(0.01)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+
+    def at(self, when: float) -> float:
+        """The CPU seconds at ``when``: the first sample taken at or after it."""
+        return next((cpu for t, cpu in self.samples if t >= when), self.samples[-1][1])
 
 
 def _rss_kib(pid: int) -> int:
@@ -141,6 +188,7 @@ async def _ours(args: argparse.Namespace) -> dict[str, Any]:
         # A connected channel also lets the SDK skip its health probe (see rpcs_per_rank).
         await asyncio.gather(*[c._channel.channel_ready() for c in clients])
     await asyncio.to_thread(_ready_then_wait_for_start)
+    cpu_at_start = time.process_time()
     errors: dict[str, int] = {}
     done: list[float] = []
 
@@ -170,8 +218,9 @@ async def _ours(args: argparse.Namespace) -> dict[str, Any]:
             _count(errors, exc, exc.code)
 
     await asyncio.gather(*[one(c, r) for c, r in zip(clients, ranks, strict=True)])
+    cpu = time.process_time() - cpu_at_start
     await asyncio.gather(*[c.close() for c in clients])
-    return {"done": max(done, default=0.0), "ok": len(done), "errors": errors}
+    return {"done": max(done, default=0.0), "ok": len(done), "errors": errors, "cpu_s": cpu}
 
 
 # --- torch children (imported only there) ---------------------------------------------
@@ -277,16 +326,94 @@ def _child(args: argparse.Namespace) -> None:
 # --- the parent -----------------------------------------------------------------------
 
 
-def _rpc_count(metrics_url: str) -> int:
-    """RPCs the daemon answered, from its own Prometheus counters."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return int(
-        sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("rendezvousd_rpc_duration_seconds_count")
+def _rpc_counts(metrics_url: str) -> dict[str, int]:
+    """RPCs the daemon answered by method, from its own Prometheus counters."""
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("rendezvousd_rpc_duration_seconds_count"):
+            method = line.split('method="', 1)[1].split('"', 1)[0]
+            counts[method] = counts.get(method, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+def _limit_flags(joins: int, ranks: int) -> list[str]:
+    """The daemon's limits raised as far as this world needs (docs/operations.md,
+    "A world of 100,000 ranks"): every rank a member, every join a parked call in one
+    job, and the daemon-wide pool large enough that the job's share fits beside the
+    eighth it keeps for other jobs. Below the defaults, nothing is passed."""
+    flags: list[str] = []
+    if ranks > 8192:
+        flags += ["--max-members-per-job", str(ranks)]
+    if joins > 8192:
+        flags += ["--max-waiters-per-job", str(joins), "--max-waiters", str(2 * joins)]
+    return flags
+
+
+class _Profiler:
+    """py-spy sampling the daemon (``--profile-daemon``): where its CPU goes, by
+    function, without touching its code. Absent when py-spy is not installed."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.out = out
+        # PROFILE_NATIVE=1: gRPC's Cython and C frames too, at the price of pausing
+        # the daemon for each sample (so its wall time means less).
+        how = ["--native"] if os.environ.get("PROFILE_NATIVE") else ["--nonblocking"]
+        self.proc = subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "200",
+                "--format",
+                "raw",
+                *how,
+                "--output",
+                str(out),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
-    )
+
+    def stop(self) -> dict[str, Any]:
+        self.proc.send_signal(2)  # SIGINT: py-spy writes its samples and exits
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        return _top_frames(self.out)
+
+
+def _top_frames(path: Path, count: int = 20) -> dict[str, Any]:
+    """The functions with the most samples in py-spy's collapsed stacks: self (on top
+    of the stack) and inclusive (anywhere in it), as shares of every sample."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        return {"error": f"no profile: {exc}"}
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        samples = int(n)
+        total += samples
+        frames = [
+            f.split(" (", 1)[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in stack.split(";")
+        ]
+        own[frames[-1]] = own.get(frames[-1], 0) + samples
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + samples
+
+    def top(table: dict[str, int]) -> list[str]:
+        ranked = sorted(table.items(), key=lambda kv: -kv[1])[:count]
+        return [f"{100 * n / max(total, 1):5.1f}% {frame}" for frame, n in ranked]
+
+    return {"samples": total, "file": str(path), "self": top(own), "inclusive": top(inclusive)}
 
 
 def _race(
@@ -367,11 +494,29 @@ def _outcome(world: int, start_at: float, results: list[dict[str, Any]]) -> dict
 
 
 def run_ours(
-    world: int, procs: int, condition: str, gpus_per_node: int = 0, timeout: float = 300
+    world: int,
+    procs: int,
+    condition: str,
+    gpus_per_node: int = 0,
+    timeout: float = 300,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """Per-rank mode; with ``gpus_per_node``, agent mode (``world`` = node agents)."""
+    ranks = world * (gpus_per_node or 1)
+    limits = _limit_flags(world, ranks)
     with tempfile.TemporaryDirectory() as tmp:
-        embedded = spawn(Path(tmp), "--log-level", "WARNING", metrics=True)
+        # The simulated ranks and agents open no heartbeat stream: a formation that
+        # takes longer than the default 10 s would lose them to silence meanwhile, and
+        # the daemon's work on that loss would be counted as the formation's.
+        quiet = ["--heartbeat-timeout-s", "600"]
+        embedded = spawn(Path(tmp), "--log-level", "WARNING", *quiet, *limits, metrics=True)
+        sampler = _CpuSampler(embedded.proc.pid)
+        sampler.start()
+        profiler = None
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+            mode = "agents" if gpus_per_node else "ranks"
+            profiler = _Profiler(embedded.proc.pid, profile / f"daemon-{mode}-{world}.txt")
         try:
             procs = max(1, min(procs, world))
             job = f"scale-{world}-{secrets.token_hex(3)}"
@@ -390,25 +535,51 @@ def run_ours(
                 str(gpus_per_node),
             ]
             start_at, results = _race(world, procs, flags, timeout=timeout)
+            sampler.stop()
             out = _outcome(world, start_at, results)
             targets = AGENT_TARGETS_S if gpus_per_node else TARGETS_S
             target = targets.get(world) if condition == "connected" else None
+            # The daemon's CPU from the start instant to the last answer (or, when
+            # some never came, to the last report), and, before the start, what its
+            # connections cost it idle (keepalive pings).
+            end = max([r["done"] for r in results if r["done"]], default=time.time())
+            cpu = sampler.at(end) - sampler.at(start_at)
+            idle = (sampler.at(start_at) - sampler.at(start_at - START_MARGIN_S)) / START_MARGIN_S
+            rpcs = _rpc_counts(embedded.metrics_url)
+            clients_cpu = sum(r.get("cpu_s", 0.0) for r in results)
+            joins = world
             return {
                 "system": "rendezvousd",
                 "mode": "agents" if gpus_per_node else "per-rank",
                 "condition": condition,
-                "ranks": world * (gpus_per_node or 1),
+                "ranks": ranks,
                 "agents": world if gpus_per_node else None,
                 "client_processes": procs,
                 **out,
-                "rpcs_per_rank": round(_rpc_count(embedded.metrics_url) / world, 2),
+                "rpcs_per_rank": round(sum(rpcs.values()) / world, 2),
+                "rpcs": rpcs,
+                "daemon_cpu_s": round(cpu, 3),
+                # Per agent (one JoinNode each; node 0 makes a second, with the id),
+                # or per rank (its Join and its Barrier).
+                "daemon_cpu_per_join_ms": round(1000 * cpu / joins, 3),
+                "daemon_idle_cpu_share": round(idle, 3),
+                # The client processes' own CPU over the same race: what shares the
+                # machine's cores with the daemon.
+                "clients_cpu_s": round(clients_cpu, 3),
+                "clients_cpu_per_join_ms": round(1000 * clients_cpu / joins, 3),
                 "daemon_peak_rss_mib": round(_rss_kib(embedded.proc.pid) / 1024, 1),
+                "daemon_limits": " ".join(limits) or "defaults",
+                "load_average": [round(x, 2) for x in os.getloadavg()],
                 "target_s": target,
                 "meets_target": None
                 if target is None
                 else (out["wall_s"] is not None and out["wall_s"] <= target and not out["errors"]),
+                **({"profile": profiler.stop()} if profiler is not None else {}),
             }
         finally:
+            sampler.stopped.set()
+            if profiler is not None and profiler.proc.poll() is None:
+                profiler.proc.kill()
             embedded.stop()
 
 
@@ -475,13 +646,19 @@ def _verdict(r: dict[str, Any]) -> str:
     else:
         what = f"{r['system']}: {r['ranks']} ranks"
     what += f" ({r['condition']})"
+    daemon = ""
+    if "daemon_cpu_s" in r:
+        daemon = (
+            f" [daemon: {r['daemon_cpu_s']:.2f} s CPU, {r['daemon_cpu_per_join_ms']:.3f} ms "
+            f"per join, peak RSS {r['daemon_peak_rss_mib']:.0f} MiB]"
+        )
     if r["wall_s"] is None:
-        return f"{what}: no wall time ({r['ok']} finished, errors {r['errors']})"
+        return f"{what}: no wall time ({r['ok']} finished, errors {r['errors']}){daemon}"
     wall = f"{r['wall_s']:.3f} s"
     if r.get("target_s") is None:
-        return f"{what}: {wall}"
+        return f"{what}: {wall}{daemon}"
     verdict = "MET" if r["meets_target"] else "MISSED"
-    return f"{what}: {wall}, target <= {r['target_s']:g} s: {verdict}"
+    return f"{what}: {wall}, target <= {r['target_s']:g} s: {verdict}{daemon}"
 
 
 def main() -> None:
@@ -514,6 +691,13 @@ def main() -> None:
     )
     p.add_argument("--json-out", type=Path)
     p.add_argument(
+        "--profile-daemon",
+        type=Path,
+        metavar="DIR",
+        help="sample the daemon with py-spy during each of our cases; collapsed stacks in "
+        "DIR, the top functions in the report",
+    )
+    p.add_argument(
         "--system-dns",
         action="store_true",
         help="keep the machine's resolver (see DNS in the description)",
@@ -543,11 +727,19 @@ def main() -> None:
 
     for world in args.ranks:
         for condition in args.conditions:
-            record(run_ours(world, args.processes, condition))
+            record(run_ours(world, args.processes, condition, profile=args.profile_daemon))
             if not skipped:
                 record(run_tcpstore(world, args.processes, condition, args.anchor_timeout))
     for agents in args.agents:
-        record(run_ours(agents, args.processes, "connected", args.gpus_per_node))
+        record(
+            run_ours(
+                agents,
+                args.processes,
+                "connected",
+                args.gpus_per_node,
+                profile=args.profile_daemon,
+            )
+        )
         if not skipped:
             record(run_c10d(agents, args.processes, args.anchor_timeout))
     doc = {
