@@ -35,7 +35,7 @@ from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.scope import CALLER, Scope, allowed, denied
 from rendezvousd.server.streams import HeartbeatStreams
-from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, storage_unavailable
 from rendezvousd.storage.persistence import Persister
 
@@ -173,7 +173,7 @@ class RendezvousServicer:
     # -- join ---------------------------------------------------------------
 
     async def Join(self, request: pb.JoinRequest, context: Any) -> bytes:
-        args = JoinArgs(
+        args = JoinArgs.worker(
             job_id=request.job_id,
             num_nodes=request.topology.num_nodes,
             gpus_per_node=request.topology.gpus_per_node,
@@ -192,7 +192,7 @@ class RendezvousServicer:
     async def JoinNode(self, request: pb.JoinNodeRequest, context: Any) -> bytes:
         wait_s = self._wait_s(request.wait_timeout_ms, context)
         deadline = _now() + wait_s
-        args = NodeJoinArgs(
+        args = JoinArgs(
             job_id=request.job_id,
             min_nodes=request.min_nodes,
             max_nodes=request.max_nodes,
@@ -207,7 +207,7 @@ class RendezvousServicer:
         )
         while True:
             left_ms = max(1, int((deadline - _now()) * 1000))
-            outcome = self.state.join_node(args, _now())
+            outcome = self.state.join(args, _now())
             result = await self._settle(outcome, left_ms, context)
             if not isinstance(result, Rejoin):
                 break

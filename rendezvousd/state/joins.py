@@ -25,9 +25,8 @@ from rendezvousd.common.model import (
     Transition,
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
-from rendezvousd.state import barriers, fences, nodes, placement, rounds, seats, waits
+from rendezvousd.state import barriers, fences, placement, rounds, seats, waits
 from rendezvousd.state.job import Job, Member, Node
-from rendezvousd.state.nodes import NodeJoinArgs
 from rendezvousd.state.placement import JoinArgs
 
 if TYPE_CHECKING:
@@ -35,28 +34,25 @@ if TYPE_CHECKING:
 
 # Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
 # descriptor call (~0.2 us), and a join or heartbeat made several.
-_RANK, _JOIN = JoinMode.RANK, waits.WaitKind.JOIN
+_JOIN = waits.WaitKind.JOIN
 
 #: The least time between two NODES_WAITING events of one job (the first is at once).
 NODES_WAITING_INTERVAL_S = 0.5
 
 
-def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinResult | Parked:
+def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | NodeJoinResult | Parked:
+    """A join: a worker's seats its one rank, a node agent's its node."""
     seats.not_draining(sm)
-    nodes.check(args, sm.limits)
-    bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
-    old = sm.jobs.get(args.job_id)
-    returning = old is not None and args.instance_id in old.gen.nodes
-    job = job_for(
-        sm,
-        args.job_id,
-        JoinMode.NODE,
-        bounds,
-        args.host,
-        now,
-        returning=returning,
-        last_call_s=args.last_call_s,
-    )
+    placement.check(args, sm.limits)
+    job = job_for(sm, args, now)
+    if args.local_rank is None:
+        return _seat_node(sm, job, args, now)
+    return _seat_worker(sm, job, args, args.local_rank, now)
+
+
+def _seat_node(
+    sm: RendezvousState, job: Job, args: JoinArgs, now: float
+) -> NodeJoinResult | Parked:
     node = job.gen.nodes.get(args.instance_id)
     if job.state is JobState.RUNNING:
         if node is not None and job.gen.unique_id is None:
@@ -65,16 +61,16 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
             rounds.lose_seated(sm, job, node, "daemon restarted before this node got the id", now)
             raise job.generation_fault()
         if node is not None:
-            return nodes.result(job, node)  # a retry of a formed node's JoinNode
+            return placement.node_result(job, node)  # a retry of a formed node's JoinNode
         return park_scaleup(sm, job, args, now)
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
     added = node is None
     if node is None:
         if len(job.gen.nodes) >= job.max_nodes:
-            raise nodes.world_full(job, args.host)
+            raise placement.world_full(job, args.host)
         if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
-            raise nodes.duplicate_node(job, args, other.host)
+            raise placement.duplicate(job, args, other)
         node = Node(
             args.instance_id,
             args.host,
@@ -86,7 +82,7 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
         job.gen.nodes[args.instance_id] = node
         job.gen.last_arrival = now
     if args.unique_id:
-        if nodes.holder(job) is not node:
+        if placement.holder(job) is not node:
             raise validation.invalid(
                 Reason.INVALID_ID,
                 f"only node 0 of job {job.job_id!r} supplies the unique id; the node "
@@ -97,11 +93,11 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
         job.gen.id_node, job.gen.id_deadline = node.instance_id, None
     settle_holder(sm, job, now)
     if try_form(sm, job, now):
-        return nodes.result(job, node)
-    if nodes.holder(job) is node and job.gen.unique_id is None:
+        return placement.node_result(job, node)
+    if placement.holder(job) is node and job.gen.unique_id is None:
         # Held until this JoinNode's own deadline, like rank 0's id_required.
         job.gen.id_deadline = now + (args.wait_s or sm.timing.default_wait_s)
-        return nodes.id_required(job)
+        return placement.node_id_required(job)
     try:
         parked = sm.calls.park(job, waits.WaitKind.NODE, -1, node.instance_id, now)
     except RendezvousFault:
@@ -112,11 +108,11 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
     return parked
 
 
-def park_scaleup(sm: RendezvousState, job: Job, args: NodeJoinArgs, now: float) -> Parked:
+def park_scaleup(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> Parked:
     if job.num_nodes + len(set(job.scaleup_waiters.values()) | {args.instance_id}) > (
         job.max_nodes
     ):
-        raise nodes.world_full(job, args.host)
+        raise placement.world_full(job, args.host)
     parked = sm.calls.park(job, waits.WaitKind.SCALEUP, -1, args.instance_id, now)
     job.scaleup_waiters[parked.waiter] = args.instance_id
     tell_waiting(sm, job, now)
@@ -142,7 +138,7 @@ def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
 def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     """Keeps the id with node 0: an id from a node that is no longer node 0 is
     dropped, and a parked node that became node 0 is asked for one."""
-    head = nodes.holder(job)
+    head = placement.holder(job)
     if job.gen.unique_id is not None and (head is None or head.instance_id != job.gen.id_node):
         job.remember_id()
         job.gen.unique_id, job.gen.id_node = None, ""
@@ -155,7 +151,7 @@ def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     for waiter, instance in list(job.gen.node_waiters.items()):
         if instance == head.instance_id:
             del job.gen.node_waiters[waiter]
-            sm.calls.wake(waiter, nodes.id_required(job))
+            sm.calls.wake(waiter, placement.node_id_required(job))
             # Its SDK answers at once; one heartbeat timeout is ample to hear it.
             job.gen.id_deadline = now + sm.timing.heartbeat_timeout_s
 
@@ -172,13 +168,13 @@ def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
     if (
         count < job.max_nodes
         and now < job.gen.last_arrival + job.last_call_s
-        and not nodes.everyone_back(job)
+        and not placement.everyone_back(job)
     ):
         return False
-    ranks = nodes.assignment(job)
+    ranks = placement.assignment(job)
     if job.gen.unique_id is None or ranks is None:
         return False
-    nodes.place(job, ranks)
+    placement.place(job, ranks)
     rounds.form(sm, job, now, f"{count} node(s) joined ({job.world_size} ranks)")
     return True
 
@@ -200,39 +196,32 @@ def node_wait_ended(
     if w.kind is waits.WaitKind.SCALEUP:
         job.scaleup_waiters.pop(waiter, None)
         tell_waiting(sm, job, now)
-        return nodes.scaleup_timeout(job, waited) if timed_out else None
+        return placement.scaleup_timeout(job, waited) if timed_out else None
     job.gen.node_waiters.pop(waiter, None)
     node = job.gen.nodes.get(w.key)
     if node is None:
         return None
     if timed_out:
-        fault = nodes.nodes_incomplete(job, waited)
+        fault = placement.nodes_incomplete(job, waited)
         remove_node(sm, job, node, now)
         return fault
     if job.state is JobState.FORMING and w.key not in job.gen.node_waiters.values():
         cause = "its JoinNode was cancelled (node agent died or disconnected)"
-        rank = nodes.provisional_first_rank(job, node)
+        rank = placement.provisional_first_rank(job, node)
         loss = FailedInfo(rank, node.host, cause, node.node_rank, 0, now)
         rounds.joiner_died(sm, job, node, loss, f"node agent on {node.host}", now)
     return None
 
 
-def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked:
-    seats.not_draining(sm)
-    placement.check(args, sm.limits)
-    bounds = (args.num_nodes, args.num_nodes, args.gpus_per_node)
-    old = sm.jobs.get(args.job_id)
-    # Only an ended generation asks (the look is a scan of its members).
-    returning = (
-        old is not None and old.state in rounds.TERMINAL and placement.rejoin_of_current(old, args)
-    )
-    job = job_for(sm, args.job_id, _RANK, bounds, args.host, now, returning=returning)
+def _seat_worker(
+    sm: RendezvousState, job: Job, args: JoinArgs, local_rank: int, now: float
+) -> JoinResult | Parked:
     node_rank = placement.node_rank(job, args)
-    rank = job.rank_of(node_rank, args.local_rank)
+    rank = job.rank_of(node_rank, local_rank)
     member = job.gen.members.get(rank)
     if member is not None and member.instance_id != args.instance_id:
         if not placement.abandoned(job, member):
-            raise placement.duplicate_rank(job, args, rank, node_rank, member)
+            raise placement.duplicate(job, args, member)
         placement.unplace(job, rank, now)
         member = None
     if args.unique_id:
@@ -241,7 +230,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     if member is None:
         if job.state is not JobState.FORMING:
             raise job.generation_fault()
-        member = Member(rank, node_rank, args.local_rank, args.host, args.address, args.instance_id)
+        address = args.addresses[0] if args.addresses else ""
+        member = Member(rank, node_rank, local_rank, args.host, address, args.instance_id)
         job.gen.members[rank] = member
         if args.node_rank is None:
             job.gen.host_nodes.setdefault(args.host, node_rank)
@@ -357,7 +347,7 @@ def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
     if job.state is not JobState.FORMING or job.gen.unique_id is not None:
         return
     if job.gen.join_mode is JoinMode.NODE:
-        if (head := nodes.holder(job)) is not None:
+        if (head := placement.holder(job)) is not None:
             remove_node(sm, job, head, now)
         return
     rank_zero = job.gen.members.get(0)
@@ -376,28 +366,18 @@ def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
     )
 
 
-def job_for(
-    sm: RendezvousState,
-    job_id: str,
-    mode: JoinMode,
-    bounds: tuple[int, int, int],
-    host: str,
-    now: float,
-    *,
-    returning: bool,
-    last_call_s: float = 0.0,
-) -> Job:
-    """The job a joiner of ``mode`` asking for ``bounds`` (min_nodes, max_nodes,
-    gpus_per_node; a per-rank Join's are num_nodes, num_nodes, gpus_per_node) joins:
-    created, or its next generation opened unless the joiner is ``returning`` to the
-    current one. The first joiner of a generation sets its mode and bounds; a joiner
-    of the other mode is refused, and other bounds conflict with the generation."""
-    low, high, gpus = bounds
-    job = sm.jobs.get(job_id)
+def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
+    """The job ``args`` joins: created, or its next generation opened unless the joiner
+    is returning to the current one. The first joiner of a generation sets its mode
+    (per rank or per node) and bounds (min_nodes, max_nodes, gpus_per_node); a joiner of
+    the other mode is refused, and other bounds conflict with the generation."""
+    mode = args.mode
+    low, high, gpus = bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
+    job = sm.jobs.get(args.job_id)
     if job is None:
-        job = rounds.open_job(sm, job_id, high, gpus, now)
-    elif job.state in rounds.TERMINAL and not returning:
-        expected = nodes.expected_back(job)
+        job = rounds.open_job(sm, args.job_id, high, gpus, now)
+    elif job.state in rounds.TERMINAL and not placement.returning(job, args):
+        expected = placement.expected_back(job)
         rounds.next_generation(sm, job, now)
         job.gen.rejoin_expected = expected
     if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
@@ -405,11 +385,11 @@ def job_for(
         job.gen.join_mode = mode
         job.num_nodes, job.gpus_per_node = high, gpus
         job.min_nodes, job.max_nodes = low, high
-        job.last_call_s = last_call_s or sm.timing.default_last_call_s
+        job.last_call_s = args.last_call_s or sm.timing.default_last_call_s
         return job
     if job.gen.join_mode is not mode:
-        raise nodes.mode_mismatch(job, mode, host)
+        raise placement.mode_mismatch(job, mode, args.host)
     if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
         asked = bounds if mode is JoinMode.NODE else (high, gpus)
-        raise rounds.conflict(sm, job, job.topology_conflict(host, asked), now)
+        raise rounds.conflict(sm, job, job.topology_conflict(args.host, asked), now)
     return job

@@ -19,7 +19,7 @@ from rendezvousd.common.model import (
     Transition,
 )
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.state import barriers, nodes, placement
+from rendezvousd.state import barriers, placement
 from rendezvousd.state.job import Attendee, Job, Member, Node
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ def form(sm: RendezvousState, job: Job, now: float, detail: str) -> None:
     for waiter, rank in job.gen.join_waiters.items():
         sm.calls.wake(waiter, placement.result(job, job.gen.members[rank]))
     for waiter, instance in job.gen.node_waiters.items():
-        sm.calls.wake(waiter, nodes.result(job, job.gen.nodes[instance]))
+        sm.calls.wake(waiter, placement.node_result(job, job.gen.nodes[instance]))
     job.gen.join_waiters.clear()
     job.gen.node_waiters.clear()
 
