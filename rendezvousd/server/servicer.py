@@ -213,7 +213,7 @@ class RendezvousServicer:
                 break
             # A scale-up node's wait ended with the running generation: it joins the next.
         self.metrics.joins.inc()
-        return self._answers.join_node(result, slim=request.slim)
+        return self._answers.join(result, slim=request.slim)
 
     async def ReportFailure(
         self, request: pb.ReportFailureRequest, context: Any

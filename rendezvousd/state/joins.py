@@ -20,7 +20,6 @@ from rendezvousd.common.model import (
     JobState,
     JoinMode,
     JoinResult,
-    NodeJoinResult,
     Parked,
     Transition,
 )
@@ -40,7 +39,7 @@ _JOIN = waits.WaitKind.JOIN
 NODES_WAITING_INTERVAL_S = 0.5
 
 
-def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | NodeJoinResult | Parked:
+def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked:
     """A join: a worker's seats its one rank, a node agent's its node."""
     seats.not_draining(sm)
     placement.check(args, sm.limits)
@@ -50,9 +49,7 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | NodeJo
     return _seat_worker(sm, job, args, args.local_rank, now)
 
 
-def _seat_node(
-    sm: RendezvousState, job: Job, args: JoinArgs, now: float
-) -> NodeJoinResult | Parked:
+def _seat_node(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> JoinResult | Parked:
     node = job.gen.nodes.get(args.instance_id)
     if job.state is JobState.RUNNING:
         if node is not None and job.gen.unique_id is None:
@@ -61,7 +58,7 @@ def _seat_node(
             rounds.lose_seated(sm, job, node, "daemon restarted before this node got the id", now)
             raise job.generation_fault()
         if node is not None:
-            return placement.node_result(job, node)  # a retry of a formed node's JoinNode
+            return placement.answer(job, node)  # a retry of a formed node's JoinNode
         return park_scaleup(sm, job, args, now)
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
@@ -93,11 +90,11 @@ def _seat_node(
         job.gen.id_node, job.gen.id_deadline = node.instance_id, None
     settle_holder(sm, job, now)
     if try_form(sm, job, now):
-        return placement.node_result(job, node)
+        return placement.answer(job, node)
     if placement.holder(job) is node and job.gen.unique_id is None:
         # Held until this JoinNode's own deadline, like rank 0's id_required.
         job.gen.id_deadline = now + (args.wait_s or sm.timing.default_wait_s)
-        return placement.node_id_required(job)
+        return placement.answer(job, node, id_required=True)
     try:
         parked = sm.calls.park(job, waits.WaitKind.NODE, -1, node.instance_id, now)
     except RendezvousFault:
@@ -151,7 +148,7 @@ def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     for waiter, instance in list(job.gen.node_waiters.items()):
         if instance == head.instance_id:
             del job.gen.node_waiters[waiter]
-            sm.calls.wake(waiter, placement.node_id_required(job))
+            sm.calls.wake(waiter, placement.answer(job, head, id_required=True))
             # Its SDK answers at once; one heartbeat timeout is ample to hear it.
             job.gen.id_deadline = now + sm.timing.heartbeat_timeout_s
 
@@ -293,11 +290,11 @@ def join_outcome(sm: RendezvousState, job: Job, member: Member, now: float) -> J
             # rank can no longer be given it. Fence the generation.
             rounds.lose(sm, job, [member], "daemon restarted before this rank received the id", now)
             raise job.generation_fault()
-        return placement.result(job, member)
+        return placement.answer(job, member)
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
     if member.rank == 0 and job.gen.unique_id is None:
-        return placement.id_required(job, member)
+        return placement.answer(job, member, id_required=True)
     parked = sm.calls.park(job, _JOIN, member.rank, "", now)
     job.gen.join_waiters[parked.waiter] = member.rank
     return parked

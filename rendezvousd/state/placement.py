@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 from rendezvousd.common import validation
 from rendezvousd.common.limits import Limits
-from rendezvousd.common.model import (
-    JobState,
-    JoinMode,
-    JoinResult,
-    MemberState,
-    NodeJoinResult,
-    NodeSeat,
-    seat_of,
-)
+from rendezvousd.common.model import JobState, JoinMode, JoinResult, MemberInfo, MemberState
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state.job import Job, Member, Node
 
@@ -306,46 +297,31 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
     job.gen.unique_id = unique_id
 
 
-def result(job: Job, member: Member) -> JoinResult:
-    """A running generation's answer: the id and the member table."""
-    assert job.gen.unique_id is not None
+def answer(job: Job, seat: Member | Node, *, id_required: bool = False) -> JoinResult:
+    """What ``seat``'s join is told: once the generation runs, the id and the member table
+    (and a node agent its members' instance ids); ``id_required``: rank 0 (node 0) is
+    asked for the id, which it sends (PublishId; a node agent its JoinNode again)."""
+    local = seat.local_rank if isinstance(seat, Member) else None
+    ids: tuple[str, ...] = ()
+    members: tuple[MemberInfo, ...] = ()
+    if id_required:
+        unique_id = b""
+    else:
+        assert job.gen.unique_id is not None
+        unique_id, members = job.gen.unique_id, job.gen.member_table
+        if local is None:
+            ids = tuple(member_instance_id(seat.instance_id, g) for g in range(job.gpus_per_node))
     return JoinResult(
-        **_seat(job, member),
-        id_required=False,
-        unique_id=job.gen.unique_id,
-        members=job.gen.member_table,
-    )
-
-
-def id_required(job: Job, member: Member) -> JoinResult:
-    """Rank 0's answer while the generation has no id: create one and PublishId it."""
-    return JoinResult(**_seat(job, member), id_required=True, unique_id=b"", members=())
-
-
-def _seat(job: Job, member: Member) -> dict[str, Any]:
-    return seat_of(job, rank=member.rank, node_rank=member.node_rank, local_rank=member.local_rank)
-
-
-def node_result(job: Job, node: Node) -> NodeJoinResult:
-    assert job.gen.unique_id is not None
-    return NodeJoinResult(
-        **seat_of(job, NodeSeat, node_rank=node.node_rank),
-        id_required=False,
-        unique_id=job.gen.unique_id,
-        member_instance_ids=tuple(
-            member_instance_id(node.instance_id, g) for g in range(job.gpus_per_node)
-        ),
-        members=job.gen.member_table,
-    )
-
-
-def node_id_required(job: Job) -> NodeJoinResult:
-    return NodeJoinResult(
-        **seat_of(job, NodeSeat, node_rank=0),
-        id_required=True,
-        unique_id=b"",
-        member_instance_ids=(),
-        members=(),
+        job.job_id,
+        job.generation,
+        seat.node_rank,
+        job.num_nodes,
+        job.gpus_per_node,
+        local,
+        id_required,
+        unique_id,
+        members,
+        ids,
     )
 
 

@@ -224,9 +224,9 @@ def form(sm: RendezvousState, job: Job, now: float, detail: str) -> None:
     job.gen.member_table = tuple(job.gen.members[r].info() for r in range(job.world_size))
     set_state(sm, job, JobState.RUNNING, now, detail)
     for waiter, rank in job.gen.join_waiters.items():
-        sm.calls.wake(waiter, placement.result(job, job.gen.members[rank]))
+        sm.calls.wake(waiter, placement.answer(job, job.gen.members[rank]))
     for waiter, instance in job.gen.node_waiters.items():
-        sm.calls.wake(waiter, placement.node_result(job, job.gen.nodes[instance]))
+        sm.calls.wake(waiter, placement.answer(job, job.gen.nodes[instance]))
     job.gen.join_waiters.clear()
     job.gen.node_waiters.clear()
 

@@ -12,8 +12,8 @@ from rendezvousd.common.model import (
     EventKind,
     JobState,
     JoinMode,
+    JoinResult,
     MemberState,
-    NodeJoinResult,
     Notify,
     Parked,
     Rejoin,
@@ -57,10 +57,10 @@ def woken(sm: RendezvousState) -> dict[int, object]:
     }
 
 
-def join_first(sm: RendezvousState, args: JoinArgs, now: float = 0.0) -> NodeJoinResult | Parked:
+def join_first(sm: RendezvousState, args: JoinArgs, now: float = 0.0) -> JoinResult | Parked:
     """Node 0's two calls: asked for the id, then joins with it."""
     out = sm.join(args, now)
-    assert isinstance(out, NodeJoinResult) and out.id_required
+    assert isinstance(out, JoinResult) and out.id_required
     return sm.join(
         node(
             args.instance_id,
@@ -80,9 +80,9 @@ def test_fixed_size_forms_with_rank_blocks_and_one_id() -> None:
     first = join_first(sm, node("a"))
     assert isinstance(first, Parked)
     second = sm.join(node("b"), 1.0)
-    assert isinstance(second, NodeJoinResult) and not second.id_required
+    assert isinstance(second, JoinResult) and not second.id_required
     a = woken(sm)[first.waiter]
-    assert isinstance(a, NodeJoinResult)
+    assert isinstance(a, JoinResult)
     assert (a.node_rank, second.node_rank) == (0, 1)
     assert a.unique_id == second.unique_id == ID
     assert a.num_nodes == 2 and len(a.members) == 4
@@ -108,7 +108,7 @@ def test_elastic_forms_with_min_after_last_call_and_at_once_with_max() -> None:
     sm2 = RendezvousState()
     join_first(sm2, node("a", lo=1, hi=2, last_call=60.0))
     out = sm2.join(node("b", lo=1, hi=2, last_call=60.0), 0.1)
-    assert isinstance(out, NodeJoinResult) and out.num_nodes == 2
+    assert isinstance(out, JoinResult) and out.num_nodes == 2
 
 
 def test_named_node_zero_takes_the_id_from_an_earlier_unnamed_node() -> None:
@@ -116,12 +116,12 @@ def test_named_node_zero_takes_the_id_from_an_earlier_unnamed_node() -> None:
     first = join_first(sm, node("a", hi=3, lo=3))
     assert isinstance(first, Parked)
     out = sm.join(node("b", hi=3, lo=3, rank=0), 1.0)
-    assert isinstance(out, NodeJoinResult) and out.id_required  # b is node 0 now
+    assert isinstance(out, JoinResult) and out.id_required  # b is node 0 now
     assert sm.jobs["j"].gen.unique_id is None
     fault(sm.join, node("a", hi=3, lo=3, uid=ID2), 1.5)  # a is not node 0 any more
     assert isinstance(sm.join(node("b", hi=3, lo=3, rank=0, uid=ID2), 2.0), Parked)
     out = sm.join(node("c", hi=3, lo=3), 3.0)
-    assert isinstance(out, NodeJoinResult) and out.node_rank == 2 and out.unique_id == ID2
+    assert isinstance(out, JoinResult) and out.node_rank == 2 and out.unique_id == ID2
     ranks = {n.instance_id: n.node_rank for n in sm.jobs["j"].gen.nodes.values()}
     assert ranks == {"b": 0, "a": 1, "c": 2}
 
@@ -137,12 +137,12 @@ def test_mixing_per_rank_and_node_joins_is_refused_both_ways() -> None:
     assert f.reason == "JOIN_MODE_MISMATCH"
 
 
-def formed(sm: RendezvousState) -> tuple[NodeJoinResult, NodeJoinResult]:
+def formed(sm: RendezvousState) -> tuple[JoinResult, JoinResult]:
     first = join_first(sm, node("a"))
     assert isinstance(first, Parked)
     b = sm.join(node("b"), 0.0)
     a = woken(sm)[first.waiter]
-    assert isinstance(a, NodeJoinResult) and isinstance(b, NodeJoinResult)
+    assert isinstance(a, JoinResult) and isinstance(b, JoinResult)
     return a, b
 
 
@@ -253,7 +253,7 @@ def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:
     assert isinstance(woken(sm)[parked.waiter], Rejoin)
     # the adapter asks again: c opens generation 2 and is node 0 of it
     again = sm.join(node("c", lo=1, hi=3, last_call=1.0), 3.0)
-    assert isinstance(again, NodeJoinResult) and again.id_required and again.generation == 2
+    assert isinstance(again, JoinResult) and again.id_required and again.generation == 2
     fault(sm.join, node("c", lo=1, hi=3, uid=ID, last_call=1.0), 3.0)  # ID used in gen 1
     assert isinstance(sm.join(node("c", lo=1, hi=3, uid=ID2, last_call=1.0), 3.0), Parked)
 
@@ -343,7 +343,7 @@ def three_elastic(sm: RendezvousState) -> dict[str, int]:
     first = join_first(sm, node("a", lo=2, hi=3))
     assert isinstance(first, Parked)
     assert isinstance(sm.join(node("b", lo=2, hi=3), 0.0), Parked)
-    assert isinstance(sm.join(node("c", lo=2, hi=3), 0.0), NodeJoinResult)  # max: at once
+    assert isinstance(sm.join(node("c", lo=2, hi=3), 0.0), JoinResult)  # max: at once
     job = sm.jobs["j"]
     ranks = {inst: job.gen.nodes[inst].node_rank for inst in "abc"}
     tokens = {
@@ -368,13 +368,13 @@ def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> No
     assert [f.rank // 2 for f in sm.jobs["j"].gen.failed] == [nodes["c-rank"]] * 2
     # a comes back first (node 0: asked for the id), alone it waits for b...
     asked = rejoin(sm, "a2", 2.0)
-    assert isinstance(asked, NodeJoinResult) and asked.id_required and asked.generation == 2
+    assert isinstance(asked, JoinResult) and asked.id_required and asked.generation == 2
     assert isinstance(rejoin(sm, "a2", 2.0, ID2), Parked)
     sm.tick(2.5)
     assert sm.jobs["j"].state is JobState.FORMING
     # ...and forms the moment b, the last survivor, is back: 5 s before the last call.
     out = rejoin(sm, "b2", 3.0)
-    assert isinstance(out, NodeJoinResult) and out.num_nodes == 2
+    assert isinstance(out, JoinResult) and out.num_nodes == 2
     assert sm.jobs["j"].state is JobState.RUNNING
 
 
@@ -413,7 +413,7 @@ def test_a_node_beyond_max_nodes_is_refused_world_full(running: bool) -> None:
     if running:
         join_first(sm, node("a", lo=1, hi=2))
     else:  # node 0 has not given the id yet: the generation is still forming
-        assert isinstance(sm.join(node("a", lo=1, hi=2), 0.0), NodeJoinResult)
+        assert isinstance(sm.join(node("a", lo=1, hi=2), 0.0), JoinResult)
     sm.join(node("b", lo=1, hi=2), 0.0)
     assert sm.jobs["j"].state is (JobState.RUNNING if running else JobState.FORMING)
     f = fault(sm.join, node("c", lo=1, hi=2), 2.0)
