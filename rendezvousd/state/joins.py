@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from rendezvousd.common import validation
 from rendezvousd.common.model import (
     EventKind,
-    FailedInfo,
     JobState,
     JoinMode,
     JoinResult,
@@ -96,12 +95,12 @@ def _seat_node(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> Joi
         job.gen.id_deadline = now + (args.wait_s or sm.timing.default_wait_s)
         return placement.answer(job, node, id_required=True)
     try:
-        parked = sm.calls.park(job, waits.WaitKind.NODE, -1, node.instance_id, now)
+        parked = sm.calls.park(job, _JOIN, -1, node.instance_id, now)
     except RendezvousFault:
         if added:  # refused for capacity: the slot stays free for the retry
-            remove_node(sm, job, node, now)
+            unseat(sm, job, node, now)
         raise
-    job.gen.node_waiters[parked.waiter] = node.instance_id
+    job.gen.join_waiters[parked.waiter] = node.instance_id
     return parked
 
 
@@ -145,9 +144,9 @@ def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     # call, if any, predates its becoming node 0: look once per new node 0, not on
     # every join (that look was O(parked nodes) a join, quadratic in all).
     job.gen.holder_seen = head.instance_id
-    for waiter, instance in list(job.gen.node_waiters.items()):
-        if instance == head.instance_id:
-            del job.gen.node_waiters[waiter]
+    for waiter, key in list(job.gen.join_waiters.items()):
+        if key == head.instance_id:
+            del job.gen.join_waiters[waiter]
             sm.calls.wake(waiter, placement.answer(job, head, id_required=True))
             # Its SDK answers at once; one heartbeat timeout is ample to hear it.
             job.gen.id_deadline = now + sm.timing.heartbeat_timeout_s
@@ -176,38 +175,17 @@ def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
     return True
 
 
-def remove_node(sm: RendezvousState, job: Job, node: Node, now: float) -> None:
-    """A forming node gave up: its slot is free, and node 0 may be another now."""
-    if job.state is not JobState.FORMING or node.instance_id in job.gen.node_waiters.values():
+def unseat(sm: RendezvousState, job: Job, seat: Member | Node, now: float) -> None:
+    """A forming joiner gave up: its seat is free; a node's may make another node 0."""
+    if isinstance(seat, Member):
+        placement.unplace(job, seat.rank, now)
         return
-    job.gen.nodes.pop(node.instance_id, None)
+    if job.state is not JobState.FORMING or seat.instance_id in job.gen.join_waiters.values():
+        return  # a retry of the same join is still waiting for the seat
+    job.gen.nodes.pop(seat.instance_id, None)
     settle_holder(sm, job, now)
     if not job.gen.nodes:
         job.state_since = now
-
-
-def node_wait_ended(
-    sm: RendezvousState, job: Job, w: waits.Waiter, waiter: int, now: float, *, timed_out: bool
-) -> RendezvousFault | None:
-    waited = f"{now - w.since:.1f} s"
-    if w.kind is waits.WaitKind.SCALEUP:
-        job.scaleup_waiters.pop(waiter, None)
-        tell_waiting(sm, job, now)
-        return placement.scaleup_timeout(job, waited) if timed_out else None
-    job.gen.node_waiters.pop(waiter, None)
-    node = job.gen.nodes.get(w.key)
-    if node is None:
-        return None
-    if timed_out:
-        fault = placement.nodes_incomplete(job, waited)
-        remove_node(sm, job, node, now)
-        return fault
-    if job.state is JobState.FORMING and w.key not in job.gen.node_waiters.values():
-        cause = "its JoinNode was cancelled (node agent died or disconnected)"
-        rank = placement.provisional_first_rank(job, node)
-        loss = FailedInfo(rank, node.host, cause, node.node_rank, 0, now)
-        rounds.joiner_died(sm, job, node, loss, f"node agent on {node.host}", now)
-    return None
 
 
 def _seat_worker(
@@ -237,7 +215,7 @@ def _seat_worker(
     except RendezvousFault as fault:
         if added and fault.reason == Reason.LIMIT_EXCEEDED:
             # Refused for capacity: the rank must stay free for the retry.
-            placement.unplace(job, rank, now)
+            unseat(sm, job, member, now)
         raise
     if isinstance(outcome, JoinResult) and outcome.id_required:
         # A rank 0 that crashes before PublishId must not keep the job forming
@@ -310,31 +288,46 @@ def cancel_wait(
     job = sm.jobs.get(w.job_id)
     if job is None or job.generation != w.generation:
         return None
-    if w.kind in (waits.WaitKind.NODE, waits.WaitKind.SCALEUP):
-        return node_wait_ended(sm, job, w, waiter, now, timed_out=timed_out)
     waited = f"{now - w.since:.1f} s"
-    if w.kind is waits.WaitKind.JOIN:
-        job.gen.join_waiters.pop(waiter, None)
-        if not timed_out:
-            abandon_join(sm, job, w.rank, now)
-            return None
-        missing = job.missing_ranks()
-        placement.unplace(job, w.rank, now)
-        return waits.world_incomplete(job, missing, waited)
+    if w.kind is _JOIN:
+        # The seat it waited in: a node agent's by instance id, a worker's by rank.
+        return join_wait_ended(sm, job, waiter, w.key or w.rank, waited, now, timed_out=timed_out)
+    if w.kind is waits.WaitKind.SCALEUP:
+        job.scaleup_waiters.pop(waiter, None)
+        tell_waiting(sm, job, now)
+        return placement.scaleup_timeout(job, waited) if timed_out else None
     if w.kind is waits.WaitKind.BARRIER:
         meta = {"job_id": job.job_id, "generation": str(job.generation)}
         return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
     return waits.key_wait_timeout(job, w.key, waiter, waited)
 
 
-def abandon_join(sm: RendezvousState, job: Job, rank: int, now: float) -> None:
-    member = job.gen.members.get(rank)
-    if job.state is not JobState.FORMING or member is None or rank in job.gen.join_waiters.values():
-        return
-    cause = "its Join was cancelled (worker died or disconnected)"
-    rounds.joiner_died(
-        sm, job, member, member.loss(cause, now), f"rank {rank} on {member.host}", now
-    )
+def join_wait_ended(
+    sm: RendezvousState,
+    job: Job,
+    waiter: int,
+    key: int | str,
+    waited: str,
+    now: float,
+    *,
+    timed_out: bool,
+) -> RendezvousFault | None:
+    """A parked join (in seat ``key``) ended unanswered. At its deadline the joiner gives
+    up: its seat is freed, and it is told what the world still lacks. Cancelled (its
+    process died or disconnected), it fails the forming generation at once, unless a
+    retry of it is parked still."""
+    job.gen.join_waiters.pop(waiter, None)
+    seat = job.seat(key)
+    if timed_out:
+        fault = waits.world_incomplete(job, waited)
+        if seat is not None:
+            unseat(sm, job, seat, now)
+        return fault
+    if seat is None or job.state is not JobState.FORMING or key in job.gen.join_waiters.values():
+        return None
+    loss, whom = placement.cancelled(job, seat, now)
+    rounds.joiner_died(sm, job, seat, loss, whom, now)
+    return None
 
 
 def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
@@ -345,7 +338,7 @@ def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
         return
     if job.gen.join_mode is JoinMode.NODE:
         if (head := placement.holder(job)) is not None:
-            remove_node(sm, job, head, now)
+            unseat(sm, job, head, now)
         return
     rank_zero = job.gen.members.get(0)
     if rank_zero is None or 0 in job.gen.join_waiters.values():

@@ -195,7 +195,6 @@ class RendezvousState:
             self.calls.wake(waiter, fault=fault)
         for job in self.jobs.values():
             job.gen.join_waiters.clear()
-            job.gen.node_waiters.clear()
             job.scaleup_waiters.clear()
             job.gen.kv_waiters.clear()
             for barrier in job.gen.barriers.values():

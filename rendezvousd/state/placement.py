@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 from rendezvousd.common import validation
 from rendezvousd.common.limits import Limits
-from rendezvousd.common.model import JobState, JoinMode, JoinResult, MemberInfo, MemberState
+from rendezvousd.common.model import (
+    FailedInfo,
+    JobState,
+    JoinMode,
+    JoinResult,
+    MemberInfo,
+    MemberState,
+)
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state.job import Job, Member, Node
 
@@ -231,10 +238,17 @@ def place(job: Job, ranks: dict[str, int]) -> None:
             )
 
 
-def provisional_first_rank(job: Job, node: Node) -> int:
-    """The first rank ``node`` would hold if the generation formed now (for errors)."""
-    ranks = assignment(job) or {}
-    return job.rank_of(ranks.get(node.instance_id, node.node_rank), 0)
+def cancelled(job: Job, seat: Member | Node, now: float) -> tuple[FailedInfo, str]:
+    """A forming joiner whose parked join was cancelled (its process died or
+    disconnected): its loss, and who it was."""
+    if isinstance(seat, Member):
+        cause = "its Join was cancelled (worker died or disconnected)"
+        return seat.loss(cause, now), f"rank {seat.rank} on {seat.host}"
+    cause = "its JoinNode was cancelled (node agent died or disconnected)"
+    # The first rank the node would hold if the generation formed now.
+    node_rank = (assignment(job) or {}).get(seat.instance_id, seat.node_rank)
+    loss = FailedInfo(job.rank_of(node_rank, 0), seat.host, cause, seat.node_rank, 0, now)
+    return loss, f"node agent on {seat.host}"
 
 
 def expected_back(job: Job) -> int:
@@ -374,20 +388,6 @@ def world_full(job: Job, host: str) -> RendezvousFault:
         "cannot join it",
         max_nodes=str(job.max_nodes),
         offending_host=host,
-    )
-
-
-def nodes_incomplete(job: Job, waited: str) -> RendezvousFault:
-    """A JoinNode's wait ended before min_nodes nodes (and node 0's id) were there."""
-    hosts = sorted({n.host for n in job.gen.nodes.values()})
-    return job.fault(
-        Code.DEADLINE_EXCEEDED,
-        Reason.WORLD_INCOMPLETE,
-        f"{job.named}: {len(job.gen.nodes)} node(s) joined after {waited}, the generation needs "
-        f"min_nodes={job.min_nodes}"
-        + ("" if job.gen.unique_id is not None or not job.gen.nodes else " and node 0's id")
-        + "; start the missing node agents or lower --nnodes",
-        hosts=",".join(hosts),
     )
 
 
