@@ -1,8 +1,9 @@
-"""Joining, in the state machine: a per-rank Join (with PublishId), a node agent's
-JoinNode, the forming of a generation, and a parked join that ends.
+"""Joining, in the state machine: one join (with PublishId), the forming of a
+generation, and a parked join that ends.
 
-A join seats an attendee: a worker of one rank (``Join``, the thin form) or a node agent
-of gpus_per_node ranks (``JoinNode``), never both in one generation. Node generations
+A join (one request, ``placement.JoinArgs``) seats an attendee: a worker of one rank
+(``Join``, the thin form) or a node agent of gpus_per_node ranks (``JoinNode``), never
+both in one generation. Node generations
 form when max_nodes nodes joined, or when at least min_nodes joined and ``last_call``
 passed since the last arrival (checked on each arrival and each tick), once node 0's
 id is known. While one runs with fewer than max_nodes nodes, another node parks for the
