@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
 # descriptor call (~0.2 us), and a join or heartbeat made several.
-_JOIN = waits.WaitKind.JOIN
+_JOIN, _NODE = waits.WaitKind.JOIN, JoinMode.NODE
 
 #: The least time between two NODES_WAITING events of one job (the first is at once).
 NODES_WAITING_INTERVAL_S = 0.5
@@ -154,22 +154,26 @@ def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
 
 
 def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
-    """Forms the generation if it may form now; whether it did."""
-    count = len(job.gen.nodes)
-    if (
-        job.state is not JobState.FORMING
-        or job.gen.join_mode is not JoinMode.NODE
-        or count < job.min_nodes
-    ):
+    """Forms the generation if it may form now, its id known; whether it did. Workers
+    form it when every rank joined; nodes when max_nodes joined, or min_nodes and the
+    last call passed (or every node expected back is here), and their named node ranks
+    fit."""
+    if job.state is not JobState.FORMING or job.gen.unique_id is None:
         return False
-    if (
+    if job.gen.join_mode is not _NODE:
+        if len(job.gen.members) != job.world_size:
+            return False
+        rounds.form(sm, job, now, f"all {job.world_size} ranks joined")
+        return True
+    count = len(job.gen.nodes)
+    if count < job.min_nodes or (
         count < job.max_nodes
         and now < job.gen.last_arrival + job.last_call_s
         and not placement.everyone_back(job)
     ):
         return False
     ranks = placement.assignment(job)
-    if job.gen.unique_id is None or ranks is None:
+    if ranks is None:
         return False
     placement.place(job, ranks)
     rounds.form(sm, job, now, f"{count} node(s) joined ({job.world_size} ranks)")
@@ -257,12 +261,7 @@ def publish_id(
 
 
 def join_outcome(sm: RendezvousState, job: Job, member: Member, now: float) -> JoinResult | Parked:
-    if (
-        job.state is JobState.FORMING
-        and len(job.gen.members) == job.world_size
-        and job.gen.unique_id
-    ):
-        rounds.form(sm, job, now, f"all {job.world_size} ranks joined")
+    try_form(sm, job, now)
     if job.state is JobState.RUNNING:
         if job.gen.unique_id is None:
             # Restored after a restart: the id was never on disk, so this
