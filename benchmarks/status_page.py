@@ -58,7 +58,7 @@ def _populate(daemon: Daemon, job: str, nodes: int, gpus: int) -> None:
     for node in range(nodes):
         for local in range(gpus):
             rank = node * gpus + local
-            args = JoinArgs(
+            args = JoinArgs.worker(
                 job,
                 nodes,
                 gpus,

@@ -99,8 +99,8 @@ def failed_text(named: str, failed: Sequence[FailedInfo]) -> str:
 
 @dataclass(frozen=True)
 class Seat:
-    """Where one rank sits in a generation: what Join answers every rank, and what
-    the SDK's ``Membership`` (a subclass) gives a worker."""
+    """Where one rank sits in a generation: the shape of Join's answer (a ``JoinResult``
+    of a worker) and the base of the SDK's ``Membership``."""
 
     job_id: str
     generation: int
@@ -112,8 +112,9 @@ class Seat:
 
 @dataclass(frozen=True)
 class NodeSeat:
-    """Where one node agent's block of ranks sits in a generation: what JoinNode
-    answers, and what the SDK's ``NodeMembership`` (a subclass) gives an agent."""
+    """Where one node agent's block of ranks sits in a generation: the shape of
+    JoinNode's answer (a ``JoinResult`` of a node agent) and the base of the SDK's
+    ``NodeMembership``."""
 
     job_id: str
     generation: int
@@ -124,41 +125,48 @@ class NodeSeat:
 
 def seat_of(source: object, kind: type[Seat | NodeSeat] = Seat, **given: Any) -> dict[str, Any]:
     """The fields of a ``kind`` (``Seat`` or ``NodeSeat``) as keyword arguments: the
-    ``given`` ones, the rest copied from ``source`` (a result, a Join or JoinNode
-    response, a node agent's assignment, or a job, which knows all but the rank)."""
+    ``given`` ones, the rest copied from ``source`` (a ``JoinResult``, a Join or
+    JoinNode response, a node agent's assignment)."""
     return {
         f.name: given[f.name] if f.name in given else getattr(source, f.name) for f in fields(kind)
     }
 
 
 @dataclass(frozen=True)
-class JoinResult(Seat):
+class JoinResult:
+    """A join's answer, per rank or per node alike: the joiner's seat (its node, and the
+    one rank a worker's Join holds in it, or every rank of a node agent's), the id and
+    the member table. ``Seat`` and ``NodeSeat`` are its two shapes on the wire (Join's
+    and JoinNode's answers) and in the SDK: ``seat_of`` copies either from it."""
+
+    job_id: str
+    generation: int
+    node_rank: int
+    num_nodes: int
+    gpus_per_node: int
+    # A worker's rank on its node; None: a node agent's join, holding every local rank.
+    local_rank: int | None
     id_required: bool
     unique_id: bytes
     # Shared by every rank of a generation, so adapters may cache its encoding.
     members: tuple[MemberInfo, ...]
+    # A node agent's: the instance id of each local rank's member (secrets, like the id).
+    member_instance_ids: tuple[str, ...] = ()
 
-    def __repr__(self) -> str:  # the id is a bearer credential: keep it out of logs
-        return (
-            f"JoinResult(job_id={self.job_id!r}, generation={self.generation}, "
-            f"rank={self.rank}, world_size={self.world_size}, id_required={self.id_required})"
-        )
+    @property
+    def rank(self) -> int:
+        """A worker's global rank; a node agent's first."""
+        return self.node_rank * self.gpus_per_node + (self.local_rank or 0)
 
-
-@dataclass(frozen=True)
-class NodeJoinResult(NodeSeat):
-    """A JoinNode's answer: the node's rank block, the id and its members' instance ids."""
-
-    id_required: bool
-    unique_id: bytes
-    member_instance_ids: tuple[str, ...]
-    members: tuple[MemberInfo, ...]
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
 
     def __repr__(self) -> str:  # the id and instance ids are secrets: keep them out of logs
         return (
-            f"NodeJoinResult(job_id={self.job_id!r}, generation={self.generation}, "
-            f"node_rank={self.node_rank}, num_nodes={self.num_nodes}, "
-            f"id_required={self.id_required})"
+            f"JoinResult(job_id={self.job_id!r}, generation={self.generation}, "
+            f"rank={self.rank}, world_size={self.world_size}, node_rank={self.node_rank}, "
+            f"local_rank={self.local_rank}, id_required={self.id_required})"
         )
 
 

@@ -1,4 +1,4 @@
-"""Join's, JoinNode's and GetMembers' answers on the wire.
+"""A join's answer (Join's, JoinNode's) and GetMembers' on the wire.
 
 The member table is the same for every rank of a generation, so everything made
 from it (its messages, its digest, its encoding as Join's or JoinNode's repeated
@@ -14,14 +14,7 @@ from dataclasses import dataclass, field
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import member_table
 from rendezvousd.common.limits import Timing
-from rendezvousd.common.model import (
-    FailedInfo,
-    JoinResult,
-    MemberInfo,
-    NodeJoinResult,
-    NodeSeat,
-    seat_of,
-)
+from rendezvousd.common.model import FailedInfo, JoinResult, MemberInfo, NodeSeat, Seat, seat_of
 
 
 @dataclass
@@ -65,23 +58,18 @@ class JoinAnswers:
         return table
 
     def join(self, result: JoinResult, *, slim: bool = False) -> bytes:
-        header = pb.JoinResponse(
-            **seat_of(result),
+        """A join's answer in its joiner's shape: a worker's (Join, PublishId) as a
+        JoinResponse, a node agent's as a JoinNodeResponse."""
+        node = result.local_rank is None
+        header = (pb.JoinNodeResponse if node else pb.JoinResponse)(
+            **seat_of(result, NodeSeat if node else Seat),
             id_required=result.id_required,
             unique_id=result.unique_id,
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
         )
-        return self._with_table(header, result.members, slim)
-
-    def join_node(self, result: NodeJoinResult, *, slim: bool = False) -> bytes:
-        header = pb.JoinNodeResponse(
-            **seat_of(result, NodeSeat),
-            world_size=result.num_nodes * result.gpus_per_node,
-            id_required=result.id_required,
-            unique_id=result.unique_id,
-            member_instance_ids=result.member_instance_ids,
-            heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
-        )
+        if isinstance(header, pb.JoinNodeResponse):
+            header.world_size = result.world_size
+            header.member_instance_ids.extend(result.member_instance_ids)
         return self._with_table(header, result.members, slim)
 
     def _with_table(

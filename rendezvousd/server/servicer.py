@@ -36,7 +36,7 @@ from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.scope import CALLER, Scope, allowed, denied
 from rendezvousd.server.streams import HeartbeatStreams
-from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, storage_unavailable
 from rendezvousd.storage.persistence import Persister
 
@@ -189,7 +189,8 @@ class RendezvousServicer:
     # -- join ---------------------------------------------------------------
 
     async def Join(self, request: pb.JoinRequest, context: Any) -> bytes:
-        args = JoinArgs(
+        """A worker's join: the thin form of JoinNode, one rank of its node."""
+        args = JoinArgs.worker(
             job_id=request.job_id,
             num_nodes=request.topology.num_nodes,
             gpus_per_node=request.topology.gpus_per_node,
@@ -201,14 +202,10 @@ class RendezvousServicer:
             instance_id=request.instance_id,
             wait_s=self._wait_s(request.wait_timeout_ms, context),
         )
-        result = await self._settle(self.state.join(args, _now()), request.wait_timeout_ms, context)
-        self.metrics.joins.inc()
-        return self._answers.join(result, slim=request.slim)
+        return await self._join(args, request.slim, context)
 
     async def JoinNode(self, request: pb.JoinNodeRequest, context: Any) -> bytes:
-        wait_s = self._wait_s(request.wait_timeout_ms, context)
-        deadline = _now() + wait_s
-        args = NodeJoinArgs(
+        args = JoinArgs(
             job_id=request.job_id,
             min_nodes=request.min_nodes,
             max_nodes=request.max_nodes,
@@ -218,18 +215,23 @@ class RendezvousServicer:
             addresses=tuple(request.addresses),
             unique_id=request.unique_id,
             instance_id=request.instance_id,
-            wait_s=wait_s,
+            wait_s=self._wait_s(request.wait_timeout_ms, context),
             last_call_s=min(request.last_call_ms / 1000, self.state.timing.max_wait_s),
         )
+        return await self._join(args, request.slim, context)
+
+    async def _join(self, args: JoinArgs, slim: bool, context: Any) -> bytes:
+        """The one join, answered in its joiner's shape once its generation formed (or
+        its wait ended); a scale-up node whose wait ended with the running generation
+        joins the next one."""
+        deadline = _now() + args.wait_s
         while True:
             left_ms = max(1, int((deadline - _now()) * 1000))
-            outcome = self.state.join_node(args, _now())
-            result = await self._settle(outcome, left_ms, context)
+            result = await self._settle(self.state.join(args, _now()), left_ms, context)
             if not isinstance(result, Rejoin):
                 break
-            # A scale-up node's wait ended with the running generation: it joins the next.
         self.metrics.joins.inc()
-        return self._answers.join_node(result, slim=request.slim)
+        return self._answers.join(result, slim=slim)
 
     async def ReportFailure(
         self, request: pb.ReportFailureRequest, context: Any

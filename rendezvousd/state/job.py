@@ -165,8 +165,9 @@ class Generation:
     kv: dict[str, bytes] = field(default_factory=dict)
     kv_bytes: int = 0
     kv_waiters: dict[str, set[int]] = field(default_factory=dict)
-    # waiter -> rank, for Join/PublishId calls waiting for the world.
-    join_waiters: dict[int, int] = field(default_factory=dict)
+    # waiter -> the seat its parked join waits in for the generation to form: a
+    # worker's rank (Join, PublishId), a node agent's instance id (JoinNode).
+    join_waiters: dict[int, int | str] = field(default_factory=dict)
     member_table: tuple[MemberInfo, ...] = ()
     # Kept as a count so a barrier arrival is O(1), not a scan of every member.
     left: int = 0
@@ -192,8 +193,6 @@ class Generation:
     # are coalesced: joins.tell_waiting).
     waiting_told: int = 0
     waiting_told_at: float = 0.0
-    # waiter -> node instance id: JoinNode calls waiting for this generation to form.
-    node_waiters: dict[int, str] = field(default_factory=dict)
     # Nodes parked for a scale-up when this generation ended (woken to re-join).
     scaleups_woken: int = 0
     # How many nodes the generation before this one expects back (its nodes not
@@ -243,6 +242,11 @@ class Job:
         ranks = range(first, first + self.gpus_per_node)
         return [self.gen.members[r] for r in ranks if r in self.gen.members]
 
+    def seat(self, key: int | str) -> Member | Node | None:
+        """A forming joiner's seat (``Generation.join_waiters``): a worker's by its rank, a
+        node agent's by its instance id."""
+        return self.gen.members.get(key) if isinstance(key, int) else self.gen.nodes.get(key)
+
     def missing_ranks(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.gen.members]
 
@@ -262,9 +266,7 @@ class Job:
         return arrived >= len(self.gen.members) - self.gen.left
 
     def all_waiters(self) -> set[int]:
-        waiters = (
-            set(self.gen.join_waiters) | set(self.gen.node_waiters) | set(self.scaleup_waiters)
-        )
+        waiters = set(self.gen.join_waiters) | set(self.scaleup_waiters)
         for barrier in self.gen.barriers.values():
             for ws in barrier.arrived.values():
                 waiters |= ws

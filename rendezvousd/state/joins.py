@@ -1,8 +1,9 @@
-"""Joining, in the state machine: a per-rank Join (with PublishId), a node agent's
-JoinNode, the forming of a generation, and a parked join that ends.
+"""Joining, in the state machine: one join (with PublishId), the forming of a
+generation, and a parked join that ends.
 
-A join seats an attendee: a worker of one rank (``Join``, the thin form) or a node agent
-of gpus_per_node ranks (``JoinNode``), never both in one generation. Node generations
+A join (one request, ``placement.JoinArgs``) seats an attendee: a worker of one rank
+(``Join``, the thin form) or a node agent of gpus_per_node ranks (``JoinNode``), never
+both in one generation. Node generations
 form when max_nodes nodes joined, or when at least min_nodes joined and ``last_call``
 passed since the last arrival (checked on each arrival and each tick), once node 0's
 id is known. While one runs with fewer than max_nodes nodes, another node parks for the
@@ -16,18 +17,15 @@ from typing import TYPE_CHECKING
 from rendezvousd.common import validation
 from rendezvousd.common.model import (
     EventKind,
-    FailedInfo,
     JobState,
     JoinMode,
     JoinResult,
-    NodeJoinResult,
     Parked,
     Transition,
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
-from rendezvousd.state import barriers, fences, nodes, placement, rounds, seats, waits
+from rendezvousd.state import barriers, fences, placement, rounds, seats, waits
 from rendezvousd.state.job import Job, Member, Node
-from rendezvousd.state.nodes import NodeJoinArgs
 from rendezvousd.state.placement import JoinArgs
 
 if TYPE_CHECKING:
@@ -35,28 +33,23 @@ if TYPE_CHECKING:
 
 # Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
 # descriptor call (~0.2 us), and a join or heartbeat made several.
-_RANK, _JOIN = JoinMode.RANK, waits.WaitKind.JOIN
+_JOIN, _NODE = waits.WaitKind.JOIN, JoinMode.NODE
 
 #: The least time between two NODES_WAITING events of one job (the first is at once).
 NODES_WAITING_INTERVAL_S = 0.5
 
 
-def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinResult | Parked:
+def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked:
+    """A join: a worker's seats its one rank, a node agent's its node."""
     seats.not_draining(sm)
-    nodes.check(args, sm.limits)
-    bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
-    old = sm.jobs.get(args.job_id)
-    returning = old is not None and args.instance_id in old.gen.nodes
-    job = job_for(
-        sm,
-        args.job_id,
-        JoinMode.NODE,
-        bounds,
-        args.host,
-        now,
-        returning=returning,
-        last_call_s=args.last_call_s,
-    )
+    placement.check(args, sm.limits)
+    job = job_for(sm, args, now)
+    if args.local_rank is None:
+        return _seat_node(sm, job, args, now)
+    return _seat_worker(sm, job, args, args.local_rank, now)
+
+
+def _seat_node(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> JoinResult | Parked:
     node = job.gen.nodes.get(args.instance_id)
     if job.state is JobState.RUNNING:
         if node is not None and job.gen.unique_id is None:
@@ -65,16 +58,16 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
             rounds.lose_seated(sm, job, node, "daemon restarted before this node got the id", now)
             raise job.generation_fault()
         if node is not None:
-            return nodes.result(job, node)  # a retry of a formed node's JoinNode
+            return placement.answer(job, node)  # a retry of a formed node's JoinNode
         return park_scaleup(sm, job, args, now)
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
     added = node is None
     if node is None:
         if len(job.gen.nodes) >= job.max_nodes:
-            raise nodes.world_full(job, args.host)
+            raise placement.world_full(job, args.host)
         if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
-            raise nodes.duplicate_node(job, args, other.host)
+            raise placement.duplicate(job, args, other)
         node = Node(
             args.instance_id,
             args.host,
@@ -86,7 +79,7 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
         job.gen.nodes[args.instance_id] = node
         job.gen.last_arrival = now
     if args.unique_id:
-        if nodes.holder(job) is not node:
+        if placement.holder(job) is not node:
             raise validation.invalid(
                 Reason.INVALID_ID,
                 f"only node 0 of job {job.job_id!r} supplies the unique id; the node "
@@ -97,26 +90,26 @@ def join_node(sm: RendezvousState, args: NodeJoinArgs, now: float) -> NodeJoinRe
         job.gen.id_node, job.gen.id_deadline = node.instance_id, None
     settle_holder(sm, job, now)
     if try_form(sm, job, now):
-        return nodes.result(job, node)
-    if nodes.holder(job) is node and job.gen.unique_id is None:
+        return placement.answer(job, node)
+    if placement.holder(job) is node and job.gen.unique_id is None:
         # Held until this JoinNode's own deadline, like rank 0's id_required.
         job.gen.id_deadline = now + (args.wait_s or sm.timing.default_wait_s)
-        return nodes.id_required(job)
+        return placement.answer(job, node, id_required=True)
     try:
-        parked = sm.calls.park(job, waits.WaitKind.NODE, -1, node.instance_id, now)
+        parked = sm.calls.park(job, _JOIN, -1, node.instance_id, now)
     except RendezvousFault:
         if added:  # refused for capacity: the slot stays free for the retry
-            remove_node(sm, job, node, now)
+            unseat(sm, job, node, now)
         raise
-    job.gen.node_waiters[parked.waiter] = node.instance_id
+    job.gen.join_waiters[parked.waiter] = node.instance_id
     return parked
 
 
-def park_scaleup(sm: RendezvousState, job: Job, args: NodeJoinArgs, now: float) -> Parked:
+def park_scaleup(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> Parked:
     if job.num_nodes + len(set(job.scaleup_waiters.values()) | {args.instance_id}) > (
         job.max_nodes
     ):
-        raise nodes.world_full(job, args.host)
+        raise placement.world_full(job, args.host)
     parked = sm.calls.park(job, waits.WaitKind.SCALEUP, -1, args.instance_id, now)
     job.scaleup_waiters[parked.waiter] = args.instance_id
     tell_waiting(sm, job, now)
@@ -142,7 +135,7 @@ def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
 def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     """Keeps the id with node 0: an id from a node that is no longer node 0 is
     dropped, and a parked node that became node 0 is asked for one."""
-    head = nodes.holder(job)
+    head = placement.holder(job)
     if job.gen.unique_id is not None and (head is None or head.instance_id != job.gen.id_node):
         job.remember_id()
         job.gen.unique_id, job.gen.id_node = None, ""
@@ -152,87 +145,63 @@ def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     # call, if any, predates its becoming node 0: look once per new node 0, not on
     # every join (that look was O(parked nodes) a join, quadratic in all).
     job.gen.holder_seen = head.instance_id
-    for waiter, instance in list(job.gen.node_waiters.items()):
-        if instance == head.instance_id:
-            del job.gen.node_waiters[waiter]
-            sm.calls.wake(waiter, nodes.id_required(job))
+    for waiter, key in list(job.gen.join_waiters.items()):
+        if key == head.instance_id:
+            del job.gen.join_waiters[waiter]
+            sm.calls.wake(waiter, placement.answer(job, head, id_required=True))
             # Its SDK answers at once; one heartbeat timeout is ample to hear it.
             job.gen.id_deadline = now + sm.timing.heartbeat_timeout_s
 
 
 def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
-    """Forms the generation if it may form now; whether it did."""
-    count = len(job.gen.nodes)
-    if (
-        job.state is not JobState.FORMING
-        or job.gen.join_mode is not JoinMode.NODE
-        or count < job.min_nodes
-    ):
+    """Forms the generation if it may form now, its id known; whether it did. Workers
+    form it when every rank joined; nodes when max_nodes joined, or min_nodes and the
+    last call passed (or every node expected back is here), and their named node ranks
+    fit."""
+    if job.state is not JobState.FORMING or job.gen.unique_id is None:
         return False
-    if (
+    if job.gen.join_mode is not _NODE:
+        if len(job.gen.members) != job.world_size:
+            return False
+        rounds.form(sm, job, now, f"all {job.world_size} ranks joined")
+        return True
+    count = len(job.gen.nodes)
+    if count < job.min_nodes or (
         count < job.max_nodes
         and now < job.gen.last_arrival + job.last_call_s
-        and not nodes.everyone_back(job)
+        and not placement.everyone_back(job)
     ):
         return False
-    ranks = nodes.assignment(job)
-    if job.gen.unique_id is None or ranks is None:
+    ranks = placement.assignment(job)
+    if ranks is None:
         return False
-    nodes.place(job, ranks)
+    placement.place(job, ranks)
     rounds.form(sm, job, now, f"{count} node(s) joined ({job.world_size} ranks)")
     return True
 
 
-def remove_node(sm: RendezvousState, job: Job, node: Node, now: float) -> None:
-    """A forming node gave up: its slot is free, and node 0 may be another now."""
-    if job.state is not JobState.FORMING or node.instance_id in job.gen.node_waiters.values():
+def unseat(sm: RendezvousState, job: Job, seat: Member | Node, now: float) -> None:
+    """A forming joiner gave up: its seat is free; a node's may make another node 0."""
+    if isinstance(seat, Member):
+        placement.unplace(job, seat.rank, now)
         return
-    job.gen.nodes.pop(node.instance_id, None)
+    if job.state is not JobState.FORMING or seat.instance_id in job.gen.join_waiters.values():
+        return  # a retry of the same join is still waiting for the seat
+    job.gen.nodes.pop(seat.instance_id, None)
     settle_holder(sm, job, now)
     if not job.gen.nodes:
         job.state_since = now
 
 
-def node_wait_ended(
-    sm: RendezvousState, job: Job, w: waits.Waiter, waiter: int, now: float, *, timed_out: bool
-) -> RendezvousFault | None:
-    waited = f"{now - w.since:.1f} s"
-    if w.kind is waits.WaitKind.SCALEUP:
-        job.scaleup_waiters.pop(waiter, None)
-        tell_waiting(sm, job, now)
-        return nodes.scaleup_timeout(job, waited) if timed_out else None
-    job.gen.node_waiters.pop(waiter, None)
-    node = job.gen.nodes.get(w.key)
-    if node is None:
-        return None
-    if timed_out:
-        fault = nodes.nodes_incomplete(job, waited)
-        remove_node(sm, job, node, now)
-        return fault
-    if job.state is JobState.FORMING and w.key not in job.gen.node_waiters.values():
-        cause = "its JoinNode was cancelled (node agent died or disconnected)"
-        rank = nodes.provisional_first_rank(job, node)
-        loss = FailedInfo(rank, node.host, cause, node.node_rank, 0, now)
-        rounds.joiner_died(sm, job, node, loss, f"node agent on {node.host}", now)
-    return None
-
-
-def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked:
-    seats.not_draining(sm)
-    placement.check(args, sm.limits)
-    bounds = (args.num_nodes, args.num_nodes, args.gpus_per_node)
-    old = sm.jobs.get(args.job_id)
-    # Only an ended generation asks (the look is a scan of its members).
-    returning = (
-        old is not None and old.state in rounds.TERMINAL and placement.rejoin_of_current(old, args)
-    )
-    job = job_for(sm, args.job_id, _RANK, bounds, args.host, now, returning=returning)
+def _seat_worker(
+    sm: RendezvousState, job: Job, args: JoinArgs, local_rank: int, now: float
+) -> JoinResult | Parked:
     node_rank = placement.node_rank(job, args)
-    rank = job.rank_of(node_rank, args.local_rank)
+    rank = job.rank_of(node_rank, local_rank)
     member = job.gen.members.get(rank)
     if member is not None and member.instance_id != args.instance_id:
         if not placement.abandoned(job, member):
-            raise placement.duplicate_rank(job, args, rank, node_rank, member)
+            raise placement.duplicate(job, args, member)
         placement.unplace(job, rank, now)
         member = None
     if args.unique_id:
@@ -241,7 +210,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     if member is None:
         if job.state is not JobState.FORMING:
             raise job.generation_fault()
-        member = Member(rank, node_rank, args.local_rank, args.host, args.address, args.instance_id)
+        address = args.addresses[0] if args.addresses else ""
+        member = Member(rank, node_rank, local_rank, args.host, address, args.instance_id)
         job.gen.members[rank] = member
         if args.node_rank is None:
             job.gen.host_nodes.setdefault(args.host, node_rank)
@@ -250,7 +220,7 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     except RendezvousFault as fault:
         if added and fault.reason == Reason.LIMIT_EXCEEDED:
             # Refused for capacity: the rank must stay free for the retry.
-            placement.unplace(job, rank, now)
+            unseat(sm, job, member, now)
         raise
     if isinstance(outcome, JoinResult) and outcome.id_required:
         # A rank 0 that crashes before PublishId must not keep the job forming
@@ -291,23 +261,18 @@ def publish_id(
 
 
 def join_outcome(sm: RendezvousState, job: Job, member: Member, now: float) -> JoinResult | Parked:
-    if (
-        job.state is JobState.FORMING
-        and len(job.gen.members) == job.world_size
-        and job.gen.unique_id
-    ):
-        rounds.form(sm, job, now, f"all {job.world_size} ranks joined")
+    try_form(sm, job, now)
     if job.state is JobState.RUNNING:
         if job.gen.unique_id is None:
             # Restored after a restart: the id was never on disk, so this
             # rank can no longer be given it. Fence the generation.
             rounds.lose(sm, job, [member], "daemon restarted before this rank received the id", now)
             raise job.generation_fault()
-        return placement.result(job, member)
+        return placement.answer(job, member)
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
     if member.rank == 0 and job.gen.unique_id is None:
-        return placement.id_required(job, member)
+        return placement.answer(job, member, id_required=True)
     parked = sm.calls.park(job, _JOIN, member.rank, "", now)
     job.gen.join_waiters[parked.waiter] = member.rank
     return parked
@@ -323,31 +288,46 @@ def cancel_wait(
     job = sm.jobs.get(w.job_id)
     if job is None or job.generation != w.generation:
         return None
-    if w.kind in (waits.WaitKind.NODE, waits.WaitKind.SCALEUP):
-        return node_wait_ended(sm, job, w, waiter, now, timed_out=timed_out)
     waited = f"{now - w.since:.1f} s"
-    if w.kind is waits.WaitKind.JOIN:
-        job.gen.join_waiters.pop(waiter, None)
-        if not timed_out:
-            abandon_join(sm, job, w.rank, now)
-            return None
-        missing = job.missing_ranks()
-        placement.unplace(job, w.rank, now)
-        return waits.world_incomplete(job, missing, waited)
+    if w.kind is _JOIN:
+        # The seat it waited in: a node agent's by instance id, a worker's by rank.
+        return join_wait_ended(sm, job, waiter, w.key or w.rank, waited, now, timed_out=timed_out)
+    if w.kind is waits.WaitKind.SCALEUP:
+        job.scaleup_waiters.pop(waiter, None)
+        tell_waiting(sm, job, now)
+        return placement.scaleup_timeout(job, waited) if timed_out else None
     if w.kind is waits.WaitKind.BARRIER:
         meta = {"job_id": job.job_id, "generation": str(job.generation)}
         return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
     return waits.key_wait_timeout(job, w.key, waiter, waited)
 
 
-def abandon_join(sm: RendezvousState, job: Job, rank: int, now: float) -> None:
-    member = job.gen.members.get(rank)
-    if job.state is not JobState.FORMING or member is None or rank in job.gen.join_waiters.values():
-        return
-    cause = "its Join was cancelled (worker died or disconnected)"
-    rounds.joiner_died(
-        sm, job, member, member.loss(cause, now), f"rank {rank} on {member.host}", now
-    )
+def join_wait_ended(
+    sm: RendezvousState,
+    job: Job,
+    waiter: int,
+    key: int | str,
+    waited: str,
+    now: float,
+    *,
+    timed_out: bool,
+) -> RendezvousFault | None:
+    """A parked join (in seat ``key``) ended unanswered. At its deadline the joiner gives
+    up: its seat is freed, and it is told what the world still lacks. Cancelled (its
+    process died or disconnected), it fails the forming generation at once, unless a
+    retry of it is parked still."""
+    job.gen.join_waiters.pop(waiter, None)
+    seat = job.seat(key)
+    if timed_out:
+        fault = waits.world_incomplete(job, waited)
+        if seat is not None:
+            unseat(sm, job, seat, now)
+        return fault
+    if seat is None or job.state is not JobState.FORMING or key in job.gen.join_waiters.values():
+        return None
+    loss, whom = placement.cancelled(job, seat, now)
+    rounds.joiner_died(sm, job, seat, loss, whom, now)
+    return None
 
 
 def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
@@ -357,8 +337,8 @@ def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
     if job.state is not JobState.FORMING or job.gen.unique_id is not None:
         return
     if job.gen.join_mode is JoinMode.NODE:
-        if (head := nodes.holder(job)) is not None:
-            remove_node(sm, job, head, now)
+        if (head := placement.holder(job)) is not None:
+            unseat(sm, job, head, now)
         return
     rank_zero = job.gen.members.get(0)
     if rank_zero is None or 0 in job.gen.join_waiters.values():
@@ -376,28 +356,18 @@ def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
     )
 
 
-def job_for(
-    sm: RendezvousState,
-    job_id: str,
-    mode: JoinMode,
-    bounds: tuple[int, int, int],
-    host: str,
-    now: float,
-    *,
-    returning: bool,
-    last_call_s: float = 0.0,
-) -> Job:
-    """The job a joiner of ``mode`` asking for ``bounds`` (min_nodes, max_nodes,
-    gpus_per_node; a per-rank Join's are num_nodes, num_nodes, gpus_per_node) joins:
-    created, or its next generation opened unless the joiner is ``returning`` to the
-    current one. The first joiner of a generation sets its mode and bounds; a joiner
-    of the other mode is refused, and other bounds conflict with the generation."""
-    low, high, gpus = bounds
-    job = sm.jobs.get(job_id)
+def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
+    """The job ``args`` joins: created, or its next generation opened unless the joiner
+    is returning to the current one. The first joiner of a generation sets its mode
+    (per rank or per node) and bounds (min_nodes, max_nodes, gpus_per_node); a joiner of
+    the other mode is refused, and other bounds conflict with the generation."""
+    mode = args.mode
+    low, high, gpus = bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
+    job = sm.jobs.get(args.job_id)
     if job is None:
-        job = rounds.open_job(sm, job_id, high, gpus, now)
-    elif job.state in rounds.TERMINAL and not returning:
-        expected = nodes.expected_back(job)
+        job = rounds.open_job(sm, args.job_id, high, gpus, now)
+    elif job.state in rounds.TERMINAL and not placement.returning(job, args):
+        expected = placement.expected_back(job)
         rounds.next_generation(sm, job, now)
         job.gen.rejoin_expected = expected
     if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
@@ -405,11 +375,11 @@ def job_for(
         job.gen.join_mode = mode
         job.num_nodes, job.gpus_per_node = high, gpus
         job.min_nodes, job.max_nodes = low, high
-        job.last_call_s = last_call_s or sm.timing.default_last_call_s
+        job.last_call_s = args.last_call_s or sm.timing.default_last_call_s
         return job
     if job.gen.join_mode is not mode:
-        raise nodes.mode_mismatch(job, mode, host)
+        raise placement.mode_mismatch(job, mode, args.host)
     if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
         asked = bounds if mode is JoinMode.NODE else (high, gpus)
-        raise rounds.conflict(sm, job, job.topology_conflict(host, asked), now)
+        raise rounds.conflict(sm, job, job.topology_conflict(args.host, asked), now)
     return job

@@ -8,7 +8,7 @@ collected with ``take_effects()``. There is no I/O, no clock and no asyncio here
 which is what lets tests and the Hypothesis model drive it directly.
 
 One class, its decisions split by concept into modules of functions over it:
-``joins`` (Join, PublishId, JoinNode, forming), ``liveness`` (streams, heartbeats,
+``joins`` (a join, per rank or per node, PublishId, forming), ``liveness`` (streams, heartbeats,
 silence, Leave, ReportFailure), ``rounds`` (a generation's life), ``seats`` (who may
 call); barriers, the key-value store, aborts and draining are here.
 """
@@ -24,13 +24,11 @@ from rendezvousd.errors import Code, Reason
 from rendezvousd.state import barriers, fences, joins, kv, liveness, rounds, seats, waits
 from rendezvousd.state.calls import Calls
 from rendezvousd.state.job import Job
-from rendezvousd.state.nodes import NodeJoinArgs
 from rendezvousd.state.placement import JoinArgs
 from rendezvousd.state.views import job_view
 
-# JoinArgs/NodeJoinArgs are part of this module's interface: callers build the requests
-# they pass to join() and join_node().
-__all__ = ["JoinArgs", "NodeJoinArgs", "RendezvousState"]
+# JoinArgs is part of this module's interface: callers build the requests they pass to join().
+__all__ = ["JoinArgs", "RendezvousState"]
 
 
 class RendezvousState:
@@ -51,7 +49,6 @@ class RendezvousState:
     # joins.py
     join = joins.join
     publish_id = joins.publish_id
-    join_node = joins.join_node
     cancel_wait = joins.cancel_wait
 
     # liveness.py
@@ -198,7 +195,6 @@ class RendezvousState:
             self.calls.wake(waiter, fault=fault)
         for job in self.jobs.values():
             job.gen.join_waiters.clear()
-            job.gen.node_waiters.clear()
             job.scaleup_waiters.clear()
             job.gen.kv_waiters.clear()
             for barrier in job.gen.barriers.values():

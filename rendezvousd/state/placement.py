@@ -1,66 +1,143 @@
-"""Where a joiner goes: the Join request's checks, its node rank, rank 0's id, Join's answers.
+"""Where a joiner sits: the one join request and its checks, node ranks (named, by host,
+or assigned at forming), node 0 and rank 0's id, freeing a seat, and what a join is told.
 
-Pure functions over one job. ``RendezvousState`` decides whether a joiner is
-admitted, parks it, starts the generation and fails it; this module only places
-a joiner in the world (or frees its rank again) and words what a Join is told.
+A join is a node contributing ranks to a generation of ``min_nodes``..``max_nodes`` nodes
+of ``gpus_per_node`` ranks: a node agent's JoinNode contributes its node's every rank; a
+worker's Join, the thin form (``JoinArgs.worker``), one, with bounds num_nodes..num_nodes.
+Pure functions over one job; ``joins`` decides when a joiner is admitted, parked,
+formed or failed.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 from rendezvousd.common import validation
 from rendezvousd.common.limits import Limits
-from rendezvousd.common.model import JobState, JoinResult, MemberState, seat_of
+from rendezvousd.common.model import (
+    FailedInfo,
+    JobState,
+    JoinMode,
+    JoinResult,
+    MemberInfo,
+    MemberState,
+)
 from rendezvousd.errors import Code, Reason, RendezvousFault
-from rendezvousd.state.job import Job, Member
+from rendezvousd.state.job import Job, Member, Node
 
 
 @dataclass(frozen=True)
 class JoinArgs:
     job_id: str
-    num_nodes: int
+    min_nodes: int
+    max_nodes: int
     gpus_per_node: int
     node_rank: int | None
-    local_rank: int
     host: str
-    address: str
+    # One per local rank contributed, from local rank 0 (a worker's: its own, if any).
+    addresses: tuple[str, ...]
     unique_id: bytes
     instance_id: str
-    # How long this Join may wait (0: the daemon's default). Rank 0 answered
-    # id_required holds its rank this long at most without publishing the id.
+    # How long this join may wait, and the last call it asks for (0: defaults). Rank 0
+    # (node 0) answered id_required holds its seat this long at most without the id.
     wait_s: float = 0.0
+    last_call_s: float = 0.0
+    # The one rank a worker's Join contributes, by its local rank; None: a node agent's
+    # JoinNode, contributing every local rank of its node.
+    local_rank: int | None = None
+
+    @classmethod
+    def worker(
+        cls,
+        job_id: str,
+        num_nodes: int,
+        gpus_per_node: int,
+        node_rank: int | None,
+        local_rank: int,
+        host: str,
+        address: str,
+        unique_id: bytes,
+        instance_id: str,
+        wait_s: float = 0.0,
+    ) -> JoinArgs:
+        """A worker's per-rank Join: a node join of one rank, its bounds num_nodes..num_nodes."""
+        return cls(
+            job_id,
+            num_nodes,
+            num_nodes,
+            gpus_per_node,
+            node_rank,
+            host,
+            (address,),
+            unique_id,
+            instance_id,
+            wait_s,
+            0.0,
+            local_rank,
+        )
+
+    @property
+    def mode(self) -> JoinMode:
+        return _NODE if self.local_rank is None else _RANK
+
+
+# Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
+# descriptor call (~0.2 us), and a join made several.
+_NODE, _RANK = JoinMode.NODE, JoinMode.RANK
 
 
 def check(args: JoinArgs, limits: Limits) -> None:
     """Refuses a malformed request before it can create or touch a job."""
     validation.job_id(args.job_id)
-    validation.topology(args.num_nodes, args.gpus_per_node, limits)
+    validation.topology(args.max_nodes, args.gpus_per_node, limits)
+    if not 1 <= args.min_nodes <= args.max_nodes:
+        raise validation.invalid(
+            Reason.INVALID_TOPOLOGY,
+            f"min_nodes={args.min_nodes} max_nodes={args.max_nodes} is invalid: need "
+            "1 <= min_nodes <= max_nodes (--nnodes MIN:MAX)",
+            job_id=args.job_id,
+        )
     validation.text_field("host", args.host, limits.max_host_bytes, required=True)
-    validation.text_field("address", args.address, limits.max_host_bytes, required=False)
     validation.text_field("instance_id", args.instance_id, 128, required=True)
+    if len(args.addresses) > args.gpus_per_node:
+        raise validation.invalid(
+            Reason.INVALID_ARGUMENT,
+            f"{len(args.addresses)} addresses for gpus_per_node={args.gpus_per_node}: "
+            "give at most one per local rank",
+            job_id=args.job_id,
+        )
+    for address in args.addresses:
+        validation.text_field("address", address, limits.max_host_bytes, required=False)
     if args.unique_id:
         validation.unique_id(args.unique_id)
-    validation.rank_in_range(
-        "local_rank", args.local_rank, "gpus_per_node", args.gpus_per_node, job_id=args.job_id
-    )
-    if args.node_rank is not None:
+    if args.local_rank is not None:
         validation.rank_in_range(
-            "node_rank", args.node_rank, "num_nodes", args.num_nodes, job_id=args.job_id
+            "local_rank", args.local_rank, "gpus_per_node", args.gpus_per_node, job_id=args.job_id
+        )
+    if args.node_rank is not None:
+        nodes = "num_nodes" if args.min_nodes == args.max_nodes else "max_nodes"
+        validation.rank_in_range(
+            "node_rank", args.node_rank, nodes, args.max_nodes, job_id=args.job_id
         )
 
 
-def rejoin_of_current(job: Job, args: JoinArgs) -> bool:
-    """A retried Join of a member whose generation already ended stays fenced."""
-    return any(m.instance_id == args.instance_id for m in job.gen.members.values()) and (
-        job.state is not JobState.ENDED
+def returning(job: Job | None, args: JoinArgs) -> bool:
+    """Whether the joiner is a retry of a seat in ``job``'s current generation, so that
+    its join does not open the next one: a node agent's while its node is listed; a
+    worker's only in a generation that failed or was aborted (a retried Join of a member
+    stays fenced; the look is a scan of its members)."""
+    if job is None:
+        return False
+    if args.local_rank is None:
+        return args.instance_id in job.gen.nodes
+    return job.state in (JobState.FAILED, JobState.ABORTED) and any(
+        m.instance_id == args.instance_id for m in job.gen.members.values()
     )
 
 
 def node_rank(job: Job, args: JoinArgs) -> int:
-    """The joiner's node: the one it named, else its host's, else the first free one."""
+    """A worker's node: the one it named, else its host's, else the first free one."""
     if args.node_rank is not None:
         return args.node_rank
     known = job.gen.host_nodes.get(args.host)
@@ -78,20 +155,6 @@ def node_rank(job: Job, args: JoinArgs) -> int:
     )
 
 
-def duplicate_rank(
-    job: Job, args: JoinArgs, rank: int, node: int, holder: Member
-) -> RendezvousFault:
-    """Another worker instance already holds the rank this joiner was placed on."""
-    return job.fault(
-        Code.ALREADY_EXISTS,
-        Reason.DUPLICATE_RANK,
-        f"rank {rank} (node_rank={node}, local_rank={args.local_rank}) of job "
-        f"{args.job_id!r} is already held by a worker on {holder.host}; give each worker "
-        "a distinct (node_rank, local_rank)",
-        ranks=str(rank),
-    )
-
-
 def abandoned(job: Job, member: Member) -> bool:
     """Whether no call holds ``member``'s rank any more: a joiner of a forming generation
     with no Join (or PublishId) parked. An undone commit leaves one (it wakes every
@@ -106,6 +169,114 @@ def abandoned(job: Job, member: Member) -> bool:
     if job.state is not JobState.FORMING or member.state is not MemberState.JOINING:
         return False
     return member.rank not in job.gen.join_waiters.values()
+
+
+def unplace(job: Job, rank: int, now: float) -> None:
+    """A worker gave up before the world was complete: free its rank."""
+    if job.state is not JobState.FORMING or rank in job.gen.join_waiters.values():
+        return  # a retry of the same join is still waiting for the rank
+    member = job.gen.members.pop(rank, None)
+    if member is None:
+        return
+    if not any(m.host == member.host for m in job.gen.members.values()):
+        job.gen.host_nodes.pop(member.host, None)
+    if rank == 0 and job.gen.unique_id is not None:
+        # rank 0's process (and the listener behind its id) may be gone.
+        job.remember_id()
+        job.gen.unique_id = None
+    if not job.gen.members:
+        job.state_since = now
+
+
+def member_instance_id(node_instance: str, local_rank: int) -> str:
+    """The instance id a node's worker acts under: derived from the node's own secret
+    instance id, so only that node's agent (and whom it tells) knows it."""
+    return hashlib.sha256(f"{node_instance}/{local_rank}".encode()).hexdigest()[:32]
+
+
+def holder(job: Job) -> Node | None:
+    """The node that becomes node 0 and so supplies the id: the one that named rank 0,
+    else the earliest arrival that named none."""
+    # Nodes are kept in arrival order (a returning node is a new arrival), so the
+    # earliest unnamed one is the first.
+    return job.gen.nodes.named_at.get(0) or job.gen.nodes.first_unnamed()
+
+
+def assignment(job: Job) -> dict[str, int] | None:
+    """Node ranks for the nodes now present (by instance id), or None when the named
+    ranks do not fit 0..n-1 yet: named ranks are kept, the others fill the free
+    ranks in arrival order."""
+    count = len(job.gen.nodes)
+    named = {n.node_rank for n in job.gen.nodes.values() if n.named}
+    if any(r >= count for r in named):
+        return None
+    free = iter(r for r in range(count) if r not in named)
+    ranks = {n.instance_id: n.node_rank for n in job.gen.nodes.values() if n.named}
+    for node in sorted((n for n in job.gen.nodes.values() if not n.named), key=lambda n: n.arrived):
+        ranks[node.instance_id] = next(free)
+    return ranks
+
+
+def place(job: Job, ranks: dict[str, int]) -> None:
+    """Turns the forming nodes into members: node r holds ranks r * gpus_per_node ..."""
+    job.num_nodes = len(ranks)
+    job.gen.members.clear()
+    job.gen.node_at.clear()
+    for node in job.gen.nodes.values():
+        node.node_rank = ranks[node.instance_id]
+        job.gen.node_at[node.node_rank] = node
+        for local in range(job.gpus_per_node):
+            rank = job.rank_of(node.node_rank, local)
+            address = node.addresses[local] if local < len(node.addresses) else ""
+            job.gen.members[rank] = Member(
+                rank,
+                node.node_rank,
+                local,
+                node.host,
+                address,
+                member_instance_id(node.instance_id, local),
+            )
+
+
+def cancelled(job: Job, seat: Member | Node, now: float) -> tuple[FailedInfo, str]:
+    """A forming joiner whose parked join was cancelled (its process died or
+    disconnected): its loss, and who it was."""
+    if isinstance(seat, Member):
+        cause = "its Join was cancelled (worker died or disconnected)"
+        return seat.loss(cause, now), f"rank {seat.rank} on {seat.host}"
+    cause = "its JoinNode was cancelled (node agent died or disconnected)"
+    # The first rank the node would hold if the generation formed now.
+    node_rank = (assignment(job) or {}).get(seat.instance_id, seat.node_rank)
+    loss = FailedInfo(job.rank_of(node_rank, 0), seat.host, cause, seat.node_rank, 0, now)
+    return loss, f"node agent on {seat.host}"
+
+
+def expected_back(job: Job) -> int:
+    """How many nodes should re-join after ``job``'s node generation failed or was
+    aborted: its nodes that were not lost, and the scale-up nodes woken to re-join;
+    0 (nobody in particular) after any other end."""
+    if job.gen.join_mode is not JoinMode.NODE or job.state not in (
+        JobState.FAILED,
+        JobState.ABORTED,
+    ):
+        return 0
+    kept = sum(1 for n in job.gen.nodes.values() if n.state is not MemberState.LOST)
+    return kept + job.gen.scaleups_woken
+
+
+def everyone_back(job: Job) -> bool:
+    """Every node the last generation expects back has joined this one: forming need
+    not wait out the last call.
+
+    The last call exists so that nodes starting at about the same time land in one
+    generation. After a failure the daemon knows who is coming: the survivors (the
+    lost nodes' agents are gone) and any node that was waiting for a scale-up. Once
+    they are all here, waiting ``last_call_s`` (30 s by default) would only stall the
+    survivors. A replacement for a lost node that starts later is not waited for: it
+    parks, the running nodes hear NODES_WAITING and re-form with it, which costs no
+    restart. A generation that ended cleanly (ENDED) expects nobody, so a relaunch
+    with the same job id keeps the last call."""
+    return job.gen.rejoin_expected > 0 and len(job.gen.nodes) >= job.gen.rejoin_expected
 
 
 def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
@@ -140,38 +311,91 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
     job.gen.unique_id = unique_id
 
 
-def result(job: Job, member: Member) -> JoinResult:
-    """A running generation's answer: the id and the member table."""
-    assert job.gen.unique_id is not None
+def answer(job: Job, seat: Member | Node, *, id_required: bool = False) -> JoinResult:
+    """What ``seat``'s join is told: once the generation runs, the id and the member table
+    (and a node agent its members' instance ids); ``id_required``: rank 0 (node 0) is
+    asked for the id, which it sends (PublishId; a node agent its JoinNode again)."""
+    local = seat.local_rank if isinstance(seat, Member) else None
+    ids: tuple[str, ...] = ()
+    members: tuple[MemberInfo, ...] = ()
+    if id_required:
+        unique_id = b""
+    else:
+        assert job.gen.unique_id is not None
+        unique_id, members = job.gen.unique_id, job.gen.member_table
+        if local is None:
+            ids = tuple(member_instance_id(seat.instance_id, g) for g in range(job.gpus_per_node))
     return JoinResult(
-        **_seat(job, member),
-        id_required=False,
-        unique_id=job.gen.unique_id,
-        members=job.gen.member_table,
+        job.job_id,
+        job.generation,
+        seat.node_rank,
+        job.num_nodes,
+        job.gpus_per_node,
+        local,
+        id_required,
+        unique_id,
+        members,
+        ids,
     )
 
 
-def id_required(job: Job, member: Member) -> JoinResult:
-    """Rank 0's answer while the generation has no id: create one and PublishId it."""
-    return JoinResult(**_seat(job, member), id_required=True, unique_id=b"", members=())
+def mode_mismatch(job: Job, wanted: JoinMode, host: str) -> RendezvousFault:
+    """A per-rank Join in a node-joined generation, or the reverse."""
+    have = "node agents (JoinNode)" if job.gen.join_mode is JoinMode.NODE else "per-rank Join calls"
+    asked = "a node join (JoinNode)" if wanted is JoinMode.NODE else "a per-rank Join"
+    return job.fault(
+        Code.FAILED_PRECONDITION,
+        Reason.JOIN_MODE_MISMATCH,
+        f"{job.named} is joined by {have}; {asked} from host {host!r} cannot take part: "
+        "start every node of a job the same way (all under rendezvous-run's node agent, or "
+        "all workers joining per rank)",
+        offending_host=host,
+    )
 
 
-def _seat(job: Job, member: Member) -> dict[str, Any]:
-    return seat_of(job, rank=member.rank, node_rank=member.node_rank, local_rank=member.local_rank)
+def duplicate(job: Job, args: JoinArgs, holder: Member | Node) -> RendezvousFault:
+    """Another instance holds the seat this joiner was placed on: a worker's rank, or the
+    node rank a node agent named. (Only a job of two or more nodes gets the latter: a
+    single node's second agent finds the world full, and there every node must give its
+    rank: a number, or ``auto``.)"""
+    if isinstance(holder, Member):
+        return job.fault(
+            Code.ALREADY_EXISTS,
+            Reason.DUPLICATE_RANK,
+            f"rank {holder.rank} (node_rank={holder.node_rank}, local_rank={args.local_rank}) "
+            f"of job {args.job_id!r} is already held by a worker on {holder.host}; give each "
+            "worker a distinct (node_rank, local_rank)",
+            ranks=str(holder.rank),
+        )
+    return job.fault(
+        Code.ALREADY_EXISTS,
+        Reason.DUPLICATE_RANK,
+        f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
+        f"on {holder.host}; give each node a distinct --node-rank (0..{args.max_nodes - 1}), "
+        "or --node-rank auto to let the daemon assign it",
+        node_rank=str(args.node_rank),
+        holder_host=holder.host,
+        offending_host=args.host,
+    )
 
 
-def unplace(job: Job, rank: int, now: float) -> None:
-    """A joiner gave up before the world was complete: free its rank."""
-    if job.state is not JobState.FORMING or rank in job.gen.join_waiters.values():
-        return  # a retry of the same join is still waiting for the rank
-    member = job.gen.members.pop(rank, None)
-    if member is None:
-        return
-    if not any(m.host == member.host for m in job.gen.members.values()):
-        job.gen.host_nodes.pop(member.host, None)
-    if rank == 0 and job.gen.unique_id is not None:
-        # rank 0's process (and the listener behind its id) may be gone.
-        job.remember_id()
-        job.gen.unique_id = None
-    if not job.gen.members:
-        job.state_since = now
+def world_full(job: Job, host: str) -> RendezvousFault:
+    """The generation already has max_nodes nodes: a newcomer cannot join it."""
+    return job.fault(
+        Code.RESOURCE_EXHAUSTED,
+        Reason.WORLD_FULL,
+        f"{job.named} already has max_nodes={job.max_nodes} nodes; the node agent on {host!r} "
+        "cannot join it",
+        max_nodes=str(job.max_nodes),
+        offending_host=host,
+    )
+
+
+def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
+    """A parked scale-up JoinNode waited in vain for the running generation to end."""
+    return job.fault(
+        Code.DEADLINE_EXCEEDED,
+        Reason.WORLD_INCOMPLETE,
+        f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
+        f"for {waited}; the running nodes did not end it to take this node in",
+    )

@@ -20,7 +20,7 @@ from rendezvousd.common.model import (
     Transition,
 )
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.state import barriers, nodes, placement
+from rendezvousd.state import barriers, placement
 from rendezvousd.state.job import Attendee, Job, Member, Node
 
 if TYPE_CHECKING:
@@ -173,7 +173,6 @@ def fail_waiters(sm: RendezvousState, job: Job) -> None:
     for w in job.all_waiters():
         sm.calls.wake(w, fault=fault)
     job.gen.join_waiters.clear()
-    job.gen.node_waiters.clear()
     job.gen.kv_waiters.clear()
     for barrier in job.gen.barriers.values():
         barrier.arrived.clear()
@@ -233,12 +232,11 @@ def form(sm: RendezvousState, job: Job, now: float, detail: str) -> None:
         seated.last_seen = now
     job.gen.member_table = tuple(job.gen.members[r].info() for r in range(job.world_size))
     set_state(sm, job, JobState.RUNNING, now, detail)
-    for waiter, rank in job.gen.join_waiters.items():
-        sm.calls.wake(waiter, placement.result(job, job.gen.members[rank]))
-    for waiter, instance in job.gen.node_waiters.items():
-        sm.calls.wake(waiter, nodes.result(job, job.gen.nodes[instance]))
+    for waiter, key in job.gen.join_waiters.items():
+        seat = job.seat(key)
+        assert seat is not None  # a seat with a parked join is not freed
+        sm.calls.wake(waiter, placement.answer(job, seat))
     job.gen.join_waiters.clear()
-    job.gen.node_waiters.clear()
 
 
 def joiner_died(

@@ -48,8 +48,13 @@ def job_view(job: Job, now: float) -> JobView:
             )
         )
     # Restart budgets are node agents' (a per-rank worker has none to report).
-    nodes = job.gen.node_at.values() if job.gen.join_mode is JoinMode.NODE else ()
+    by_node = job.gen.join_mode is JoinMode.NODE
+    nodes = job.gen.node_at.values() if by_node else ()
     budgets = [n.progress for n in nodes if n.progress is not None]
+    # Node agents parked to join: for the next generation (scale-up), or this one.
+    parked = set(job.scaleup_waiters.values()) | (
+        set(job.gen.join_waiters.values()) if by_node else set()
+    )
     return JobView(
         job.job_id,
         job.state,
@@ -64,7 +69,7 @@ def job_view(job: Job, now: float) -> JobView:
         job.gen.unique_id is not None,
         len(job.gen.kv),
         job.gen.abort_reason,
-        len(set(job.scaleup_waiters.values()) | set(job.gen.node_waiters.values())),
+        len(parked),
         max((p.restarts_used for p in budgets), default=None),
         min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
         grid.job_step((m.state, m.step) for m in members),

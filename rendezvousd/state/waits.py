@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from rendezvousd.common.model import JoinMode
 from rendezvousd.errors import Code, Reason, RendezvousFault, ranks_text
 from rendezvousd.state.barriers import short_ranks
 from rendezvousd.state.job import Job
@@ -17,8 +18,7 @@ from rendezvousd.state.job import Job
 class WaitKind(enum.Enum):
     """What a parked call waits for."""
 
-    JOIN = enum.auto()  # a Join or PublishId: the world
-    NODE = enum.auto()  # a JoinNode: its generation to form
+    JOIN = enum.auto()  # a Join, PublishId or JoinNode: its generation to form
     SCALEUP = enum.auto()  # a JoinNode: the running generation to end
     BARRIER = enum.auto()
     KV = enum.auto()  # a KvGet: its key
@@ -35,8 +35,21 @@ class Waiter:
     since: float = 0.0
 
 
-def world_incomplete(job: Job, missing: list[int], waited: str) -> RendezvousFault:
-    """A Join's deadline passed before every rank joined: it names who is missing."""
+def world_incomplete(job: Job, waited: str) -> RendezvousFault:
+    """A join's deadline passed before its generation formed: it names who is missing
+    (a worker's: the ranks; a node agent's: how many nodes, and node 0's id)."""
+    if job.gen.join_mode is JoinMode.NODE:
+        hosts = sorted({n.host for n in job.gen.nodes.values()})
+        return job.fault(
+            Code.DEADLINE_EXCEEDED,
+            Reason.WORLD_INCOMPLETE,
+            f"{job.named}: {len(job.gen.nodes)} node(s) joined after {waited}, the generation "
+            f"needs min_nodes={job.min_nodes}"
+            + ("" if job.gen.unique_id is not None or not job.gen.nodes else " and node 0's id")
+            + "; start the missing node agents or lower --nnodes",
+            hosts=",".join(hosts),
+        )
+    missing = job.missing_ranks()
     zero = job.gen.members.get(0)
     if not missing and zero is not None and job.gen.unique_id is None:
         # Every rank is in: what the generation lacks is rank 0's id.

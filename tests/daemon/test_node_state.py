@@ -13,15 +13,15 @@ from rendezvousd.common.model import (
     EventKind,
     JobState,
     JoinMode,
+    JoinResult,
     MemberState,
-    NodeJoinResult,
     Notify,
     Parked,
     Rejoin,
     Wake,
 )
 from rendezvousd.errors import Code, RendezvousFault
-from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage.persistence import Persister
 from rendezvousd.trainer.agent.recovery import stray
 
@@ -39,8 +39,8 @@ def node(
     rank: int | None = None,
     last_call: float = 5.0,
     job: str = "j",
-) -> NodeJoinArgs:
-    return NodeJoinArgs(
+) -> JoinArgs:
+    return JoinArgs(
         job, lo, hi, gpus, rank, f"host-{inst}", (), uid, inst, 60.0, last_call_s=last_call
     )
 
@@ -59,13 +59,11 @@ def woken(sm: RendezvousState) -> dict[int, object]:
     }
 
 
-def join_first(
-    sm: RendezvousState, args: NodeJoinArgs, now: float = 0.0
-) -> NodeJoinResult | Parked:
+def join_first(sm: RendezvousState, args: JoinArgs, now: float = 0.0) -> JoinResult | Parked:
     """Node 0's two calls: asked for the id, then joins with it."""
-    out = sm.join_node(args, now)
-    assert isinstance(out, NodeJoinResult) and out.id_required
-    return sm.join_node(
+    out = sm.join(args, now)
+    assert isinstance(out, JoinResult) and out.id_required
+    return sm.join(
         node(
             args.instance_id,
             lo=args.min_nodes,
@@ -83,10 +81,10 @@ def test_fixed_size_forms_with_rank_blocks_and_one_id() -> None:
     sm = RendezvousState()
     first = join_first(sm, node("a"))
     assert isinstance(first, Parked)
-    second = sm.join_node(node("b"), 1.0)
-    assert isinstance(second, NodeJoinResult) and not second.id_required
+    second = sm.join(node("b"), 1.0)
+    assert isinstance(second, JoinResult) and not second.id_required
     a = woken(sm)[first.waiter]
-    assert isinstance(a, NodeJoinResult)
+    assert isinstance(a, JoinResult)
     assert (a.node_rank, second.node_rank) == (0, 1)
     assert a.unique_id == second.unique_id == ID
     assert a.num_nodes == 2 and len(a.members) == 4
@@ -102,7 +100,7 @@ def test_fixed_size_forms_with_rank_blocks_and_one_id() -> None:
 def test_elastic_forms_with_min_after_last_call_and_at_once_with_max() -> None:
     sm = RendezvousState()
     join_first(sm, node("a", lo=1, hi=3, last_call=5.0), 0.0)
-    assert isinstance(sm.join_node(node("b", lo=1, hi=3, last_call=5.0), 2.0), Parked)
+    assert isinstance(sm.join(node("b", lo=1, hi=3, last_call=5.0), 2.0), Parked)
     sm.tick(6.9)  # 4.9 s after the last arrival: still waiting for more
     assert sm.jobs["j"].state is JobState.FORMING
     sm.tick(7.1)
@@ -111,21 +109,21 @@ def test_elastic_forms_with_min_after_last_call_and_at_once_with_max() -> None:
 
     sm2 = RendezvousState()
     join_first(sm2, node("a", lo=1, hi=2, last_call=60.0))
-    out = sm2.join_node(node("b", lo=1, hi=2, last_call=60.0), 0.1)
-    assert isinstance(out, NodeJoinResult) and out.num_nodes == 2
+    out = sm2.join(node("b", lo=1, hi=2, last_call=60.0), 0.1)
+    assert isinstance(out, JoinResult) and out.num_nodes == 2
 
 
 def test_named_node_zero_takes_the_id_from_an_earlier_unnamed_node() -> None:
     sm = RendezvousState()
     first = join_first(sm, node("a", hi=3, lo=3))
     assert isinstance(first, Parked)
-    out = sm.join_node(node("b", hi=3, lo=3, rank=0), 1.0)
-    assert isinstance(out, NodeJoinResult) and out.id_required  # b is node 0 now
+    out = sm.join(node("b", hi=3, lo=3, rank=0), 1.0)
+    assert isinstance(out, JoinResult) and out.id_required  # b is node 0 now
     assert sm.jobs["j"].gen.unique_id is None
-    fault(sm.join_node, node("a", hi=3, lo=3, uid=ID2), 1.5)  # a is not node 0 any more
-    assert isinstance(sm.join_node(node("b", hi=3, lo=3, rank=0, uid=ID2), 2.0), Parked)
-    out = sm.join_node(node("c", hi=3, lo=3), 3.0)
-    assert isinstance(out, NodeJoinResult) and out.node_rank == 2 and out.unique_id == ID2
+    fault(sm.join, node("a", hi=3, lo=3, uid=ID2), 1.5)  # a is not node 0 any more
+    assert isinstance(sm.join(node("b", hi=3, lo=3, rank=0, uid=ID2), 2.0), Parked)
+    out = sm.join(node("c", hi=3, lo=3), 3.0)
+    assert isinstance(out, JoinResult) and out.node_rank == 2 and out.unique_id == ID2
     ranks = {n.instance_id: n.node_rank for n in sm.jobs["j"].gen.nodes.values()}
     assert ranks == {"b": 0, "a": 1, "c": 2}
 
@@ -133,20 +131,20 @@ def test_named_node_zero_takes_the_id_from_an_earlier_unnamed_node() -> None:
 def test_mixing_per_rank_and_node_joins_is_refused_both_ways() -> None:
     sm = RendezvousState()
     join_first(sm, node("a"))
-    f = fault(sm.join, JoinArgs("j", 2, 2, 1, 0, "h", "", b"", "w"), 1.0)
+    f = fault(sm.join, JoinArgs.worker("j", 2, 2, 1, 0, "h", "", b"", "w"), 1.0)
     assert (f.code.value, f.reason) == ("FAILED_PRECONDITION", "JOIN_MODE_MISMATCH")
     assert "JoinNode" in f.message and "'h'" in f.message
-    sm.join(JoinArgs("k", 2, 2, 1, 0, "h", "", b"", "w"), 1.0)
-    f = fault(sm.join_node, node("x", job="k"), 1.0)
+    sm.join(JoinArgs.worker("k", 2, 2, 1, 0, "h", "", b"", "w"), 1.0)
+    f = fault(sm.join, node("x", job="k"), 1.0)
     assert f.reason == "JOIN_MODE_MISMATCH"
 
 
-def formed(sm: RendezvousState) -> tuple[NodeJoinResult, NodeJoinResult]:
+def formed(sm: RendezvousState) -> tuple[JoinResult, JoinResult]:
     first = join_first(sm, node("a"))
     assert isinstance(first, Parked)
-    b = sm.join_node(node("b"), 0.0)
+    b = sm.join(node("b"), 0.0)
     a = woken(sm)[first.waiter]
-    assert isinstance(a, NodeJoinResult) and isinstance(b, NodeJoinResult)
+    assert isinstance(a, JoinResult) and isinstance(b, JoinResult)
     return a, b
 
 
@@ -265,17 +263,17 @@ def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:
     assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 1
     sm.attach_stream("j", 1, 0, "a", 1.5, mode=JoinMode.NODE)
     sm.take_effects()
-    parked = sm.join_node(node("c", lo=1, hi=3, last_call=1.0), 2.0)
+    parked = sm.join(node("c", lo=1, hi=3, last_call=1.0), 2.0)
     assert isinstance(parked, Parked)
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
     assert notes[0].kind is EventKind.NODES_WAITING and notes[0].nodes_waiting == 1
     sm.abort("j", 1, "scale-up", 3.0)
     assert isinstance(woken(sm)[parked.waiter], Rejoin)
     # the adapter asks again: c opens generation 2 and is node 0 of it
-    again = sm.join_node(node("c", lo=1, hi=3, last_call=1.0), 3.0)
-    assert isinstance(again, NodeJoinResult) and again.id_required and again.generation == 2
-    fault(sm.join_node, node("c", lo=1, hi=3, uid=ID, last_call=1.0), 3.0)  # ID used in gen 1
-    assert isinstance(sm.join_node(node("c", lo=1, hi=3, uid=ID2, last_call=1.0), 3.0), Parked)
+    again = sm.join(node("c", lo=1, hi=3, last_call=1.0), 3.0)
+    assert isinstance(again, JoinResult) and again.id_required and again.generation == 2
+    fault(sm.join, node("c", lo=1, hi=3, uid=ID, last_call=1.0), 3.0)  # ID used in gen 1
+    assert isinstance(sm.join(node("c", lo=1, hi=3, uid=ID2, last_call=1.0), 3.0), Parked)
 
 
 def test_node_timing_out_while_forming_frees_its_slot() -> None:
@@ -290,7 +288,7 @@ def test_node_timing_out_while_forming_frees_its_slot() -> None:
 def test_node_dying_while_forming_fails_the_others() -> None:
     sm = RendezvousState()
     first = join_first(sm, node("a", lo=3, hi=3))
-    other = sm.join_node(node("b", lo=3, hi=3), 1.0)
+    other = sm.join(node("b", lo=3, hi=3), 1.0)
     assert isinstance(first, Parked) and isinstance(other, Parked)
     assert sm.cancel_wait(other.waiter, 2.0, timed_out=False) is None
     got = woken(sm)[first.waiter]
@@ -301,7 +299,7 @@ def test_node_dying_while_forming_fails_the_others() -> None:
 def test_bounds_mismatch_while_forming_fails_the_generation() -> None:
     sm = RendezvousState()
     first = join_first(sm, node("a", lo=2, hi=4))
-    f = fault(sm.join_node, node("b", lo=2, hi=3), 1.0)
+    f = fault(sm.join, node("b", lo=2, hi=3), 1.0)
     assert f.reason == "TOPOLOGY_MISMATCH" and "2:4" in f.message and "2:3" in f.message
     assert (
         "the node agent on host 'host-b'" in f.message and "(hosts so far: 'host-a')" in f.message
@@ -345,7 +343,7 @@ def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -
     # A silence, not a stray that never attached: the other agents count it.
     assert all(f.cause.startswith("no heartbeat for") for f in job.gen.failed)
     # node b retrying its JoinNode hears why the generation ended
-    f = fault(back.join_node, node("b"), restored + timeout + 1)
+    f = fault(back.join, node("b"), restored + timeout + 1)
     assert f.reason == "PEER_FAILED"
 
 
@@ -353,7 +351,7 @@ def test_a_node_stream_attaching_after_a_node_parked_hears_nodes_waiting() -> No
     sm = RendezvousState()
     join_first(sm, node("a", lo=1, hi=2, last_call=0.05))
     sm.tick(0.1)
-    assert isinstance(sm.join_node(node("c", lo=1, hi=2, last_call=0.05), 0.2), Parked)
+    assert isinstance(sm.join(node("c", lo=1, hi=2, last_call=0.05), 0.2), Parked)
     sm.take_effects()
     sm.attach_stream("j", 1, 0, "a", 0.3, mode=JoinMode.NODE)
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
@@ -365,8 +363,8 @@ def three_elastic(sm: RendezvousState) -> dict[str, int]:
     instance -> node rank and stream token."""
     first = join_first(sm, node("a", lo=2, hi=3))
     assert isinstance(first, Parked)
-    assert isinstance(sm.join_node(node("b", lo=2, hi=3), 0.0), Parked)
-    assert isinstance(sm.join_node(node("c", lo=2, hi=3), 0.0), NodeJoinResult)  # max: at once
+    assert isinstance(sm.join(node("b", lo=2, hi=3), 0.0), Parked)
+    assert isinstance(sm.join(node("c", lo=2, hi=3), 0.0), JoinResult)  # max: at once
     job = sm.jobs["j"]
     ranks = {inst: job.gen.nodes[inst].node_rank for inst in "abc"}
     tokens = {
@@ -378,7 +376,7 @@ def three_elastic(sm: RendezvousState) -> dict[str, int]:
 
 
 def rejoin(sm: RendezvousState, inst: str, now: float, uid: bytes = b"") -> object:
-    return sm.join_node(node(inst, lo=2, hi=3, uid=uid), now)
+    return sm.join(node(inst, lo=2, hi=3, uid=uid), now)
 
 
 def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> None:
@@ -391,13 +389,13 @@ def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> No
     assert [f.rank // 2 for f in sm.jobs["j"].gen.failed] == [nodes["c-rank"]] * 2
     # a comes back first (node 0: asked for the id), alone it waits for b...
     asked = rejoin(sm, "a2", 2.0)
-    assert isinstance(asked, NodeJoinResult) and asked.id_required and asked.generation == 2
+    assert isinstance(asked, JoinResult) and asked.id_required and asked.generation == 2
     assert isinstance(rejoin(sm, "a2", 2.0, ID2), Parked)
     sm.tick(2.5)
     assert sm.jobs["j"].state is JobState.FORMING
     # ...and forms the moment b, the last survivor, is back: 5 s before the last call.
     out = rejoin(sm, "b2", 3.0)
-    assert isinstance(out, NodeJoinResult) and out.num_nodes == 2
+    assert isinstance(out, JoinResult) and out.num_nodes == 2
     assert sm.jobs["j"].state is JobState.RUNNING
 
 
@@ -419,7 +417,7 @@ def test_after_a_clean_end_a_relaunch_still_waits_the_last_call() -> None:
 def test_a_node_rank_held_by_another_agent_is_refused_with_both_hosts() -> None:
     sm = RendezvousState()
     join_first(sm, node("a", rank=0))
-    f = fault(sm.join_node, node("b", rank=0), 1.0)
+    f = fault(sm.join, node("b", rank=0), 1.0)
     assert f.code is Code.ALREADY_EXISTS and f.reason == "DUPLICATE_RANK"
     assert "node_rank=0" in f.message and "host-a" in f.message
     assert f.metadata["node_rank"] == "0" and f.metadata["holder_host"] == "host-a"
@@ -436,10 +434,10 @@ def test_a_node_beyond_max_nodes_is_refused_world_full(running: bool) -> None:
     if running:
         join_first(sm, node("a", lo=1, hi=2))
     else:  # node 0 has not given the id yet: the generation is still forming
-        assert isinstance(sm.join_node(node("a", lo=1, hi=2), 0.0), NodeJoinResult)
-    sm.join_node(node("b", lo=1, hi=2), 0.0)
+        assert isinstance(sm.join(node("a", lo=1, hi=2), 0.0), JoinResult)
+    sm.join(node("b", lo=1, hi=2), 0.0)
     assert sm.jobs["j"].state is (JobState.RUNNING if running else JobState.FORMING)
-    f = fault(sm.join_node, node("c", lo=1, hi=2), 2.0)
+    f = fault(sm.join, node("c", lo=1, hi=2), 2.0)
     assert f.code is Code.RESOURCE_EXHAUSTED and f.reason == "WORLD_FULL"
     assert "max_nodes=2" in f.message and "'host-c'" in f.message
     assert f.metadata["max_nodes"] == "2" and f.metadata["offending_host"] == "host-c"
@@ -478,7 +476,7 @@ def test_nodes_parking_one_by_one_make_few_nodes_waiting_events() -> None:
     assert sm.jobs["j"].state is JobState.RUNNING
     sm.take_effects()
     for i in range(200):
-        out = sm.join_node(node(f"n{i}", lo=1, hi=300, gpus=1, last_call=0.05), 1.0 + i / 1000)
+        out = sm.join(node(f"n{i}", lo=1, hi=300, gpus=1, last_call=0.05), 1.0 + i / 1000)
         assert isinstance(out, Parked)
     told = [e.nodes_waiting for e in sm.take_effects() if isinstance(e, Notify)]
     assert told == [1]

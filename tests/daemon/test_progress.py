@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.client import RendezvousClient, RendezvousError
-from rendezvousd.common.model import JoinMode, MemberState, NodeJoinResult, Progress
+from rendezvousd.common.model import JoinMode, JoinResult, MemberState, Progress
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.state.job import Node
-from rendezvousd.state.machine import NodeJoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 from tests.daemon.test_status_page import api
 from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, wait_for
 
@@ -66,8 +66,8 @@ def test_a_job_without_progress_shows_none(daemon: DaemonProcess, job_id: str) -
 
 def test_the_state_keeps_as_many_steps_as_the_node_has_ranks() -> None:
     sm = RendezvousState()
-    one = NodeJoinArgs("j", 1, 1, 2, None, "host-a", (), UID, "a", 60.0)
-    assert isinstance(sm.join_node(one, 0.0), NodeJoinResult)
+    one = JoinArgs("j", 1, 1, 2, None, "host-a", (), UID, "a", 60.0)
+    assert isinstance(sm.join(one, 0.0), JoinResult)
     sm.report_progress("j", 1, 0, Progress((1, 2, 3, 4), 0, 0), mode=JoinMode.NODE)
     node = sm.jobs["j"].gen.node_at[0]
     assert isinstance(node, Node) and node.progress == Progress((1, 2), 0, 0)

@@ -22,7 +22,7 @@ ID = b"\x07" * 128
 
 
 def _args(local: int, *, uid: bytes = b"", inst: str = "") -> JoinArgs:
-    return JoinArgs("j", 1, 2, 0, local, "h", "", uid, inst or f"i{local}")
+    return JoinArgs.worker("j", 1, 2, 0, local, "h", "", uid, inst or f"i{local}")
 
 
 def _save(sm: RendezvousState, tmp: Path) -> None:
@@ -75,7 +75,7 @@ def test_a_per_rank_row_written_before_join_bounds_restores_and_keeps_its_topolo
     other = RendezvousState()
     snapshot.restore_job(other, record, {}, 1.0)
     with pytest.raises(RendezvousFault) as wider:
-        other.join(JoinArgs("j", 2, 2, 1, 0, "h2", "", b"", "x"), 2.0)
+        other.join(JoinArgs.worker("j", 2, 2, 1, 0, "h2", "", b"", "x"), 2.0)
     assert wider.value.reason == "TOPOLOGY_MISMATCH"
     assert wider.value.metadata["topology"] == "1x2"
 

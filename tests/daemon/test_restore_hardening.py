@@ -33,7 +33,10 @@ ID = b"\x07" * 128
 def _state_dir_with_a_running_job(state: Path) -> None:
     sm = RendezvousState()
     for local in (0, 1):
-        sm.join(JoinArgs("j", 1, 2, 0, local, "h", "", ID if local == 0 else b"", f"i{local}"), 0.0)
+        sm.join(
+            JoinArgs.worker("j", 1, 2, 0, local, "h", "", ID if local == 0 else b"", f"i{local}"),
+            0.0,
+        )
     saver = Persister(state, sm)
     saver.restore()
     saver.close()

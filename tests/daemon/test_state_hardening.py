@@ -107,12 +107,14 @@ def test_the_default_wait_bounds_rank_zero_when_the_join_named_none() -> None:
 def test_an_abandoned_single_rank_job_expires_instead_of_filling_max_jobs() -> None:
     sm = RendezvousState(Limits(max_jobs=1), Timing(job_ttl_s=10.0))
     sm.join(
-        JoinArgs("j", 1, 1, None, 0, "h", "", b"", "r0", wait_s=2.0), 0.0
+        JoinArgs.worker("j", 1, 1, None, 0, "h", "", b"", "r0", wait_s=2.0), 0.0
     )  # id_required, then crashed
     sm.tick(3.0)
     sm.tick(14.0)
     assert "j" not in sm.jobs
-    assert isinstance(sm.join(JoinArgs("k", 1, 1, None, 0, "h", "", ID, "x"), 15.0), JoinResult)
+    assert isinstance(
+        sm.join(JoinArgs.worker("k", 1, 1, None, 0, "h", "", ID, "x"), 15.0), JoinResult
+    )
 
 
 def test_a_parked_publish_id_keeps_the_rank_past_the_join_deadline() -> None:
@@ -127,7 +129,7 @@ def test_a_parked_publish_id_keeps_the_rank_past_the_join_deadline() -> None:
 def test_the_daemon_wide_kv_budget_is_shared_by_jobs_and_freed_on_delete_and_expiry() -> None:
     sm = RendezvousState(Limits(max_kv_bytes=100), Timing(job_ttl_s=1.0))
     form(sm, nodes=1, gpus=1, job="a")
-    sm.join(JoinArgs("b", 1, 1, 0, 0, "h", "", b"\x03" * 128, "ib"), 0.0)
+    sm.join(JoinArgs.worker("b", 1, 1, 0, 0, "h", "", b"\x03" * 128, "ib"), 0.0)
     sm.kv_set("a", 1, 0, "k", b"x" * 60, instance_id=inst(sm, 0, "a"))  # 61 bytes
     f = fault(sm.kv_set, "b", 1, 0, "k", b"x" * 40, instance_id="ib")  # 61 + 41 > 100
     assert f.code is Code.RESOURCE_EXHAUSTED and f.metadata["limit"] == "max_kv_bytes"

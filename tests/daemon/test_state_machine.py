@@ -33,7 +33,7 @@ def args(
     host: str | None = None,
     inst: str | None = None,
 ) -> JoinArgs:
-    return JoinArgs(
+    return JoinArgs.worker(
         job,
         nodes,
         gpus,

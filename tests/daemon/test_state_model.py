@@ -50,7 +50,7 @@ class RendezvousModel(RuleBasedStateMachine):
         uid = os.urandom(128) if with_id and (node, local) == (0, 0) else b""
         try:
             out = self.sm.join(
-                JoinArgs(
+                JoinArgs.worker(
                     JOB, NODES, GPUS, node, local, f"h{node}", "", uid, f"inst{self.instances}"
                 ),
                 self.now,
@@ -103,7 +103,7 @@ class RendezvousModel(RuleBasedStateMachine):
         self.instances += 1
         try:
             out = self.sm.join(
-                JoinArgs(
+                JoinArgs.worker(
                     JOB, NODES + 1, GPUS, None, local, "odd", "", b"", f"inst{self.instances}"
                 ),
                 self.now,

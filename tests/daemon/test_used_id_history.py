@@ -23,7 +23,7 @@ def _id(i: int) -> bytes:
 
 
 def _join_as_rank_0(sm: RendezvousState, uid: bytes, now: float) -> object:
-    return sm.join(JoinArgs("j", 1, 1, 0, 0, "h", "", uid, f"inst-{now}"), now)
+    return sm.join(JoinArgs.worker("j", 1, 1, 0, 0, "h", "", uid, f"inst-{now}"), now)
 
 
 def test_the_history_keeps_the_last_generations_and_refuses_their_ids() -> None:
