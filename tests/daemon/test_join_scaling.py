@@ -16,9 +16,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from rendezvousd.common.model import JoinResult, NodeJoinResult, Wake
+from rendezvousd.common.model import JoinResult, Wake
 from rendezvousd.server.answers import JoinAnswers
-from rendezvousd.state.machine import JoinArgs, NodeJoinArgs, RendezvousState
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 
 ID = b"\x07" * 128
 # 10 times the joiners may cost this many times the lines: linear work with a constant
@@ -60,19 +60,19 @@ def _form_nodes(n: int) -> None:
     sm = RendezvousState()
     answers = JoinAnswers(sm.timing)
 
-    def args(i: int, uid: bytes = b"") -> NodeJoinArgs:
-        return NodeJoinArgs("j", n, n, 8, None, f"host-{i}", (), uid, f"agent-{i}", 60.0)
+    def args(i: int, uid: bytes = b"") -> JoinArgs:
+        return JoinArgs("j", n, n, 8, None, f"host-{i}", (), uid, f"agent-{i}", 60.0)
 
-    first = sm.join_node(args(0), 0.0)
-    assert isinstance(first, NodeJoinResult) and first.id_required
-    out: object = sm.join_node(args(0, ID), 0.0)
+    first = sm.join(args(0), 0.0)
+    assert isinstance(first, JoinResult) and first.id_required
+    out: object = sm.join(args(0, ID), 0.0)
     for i in range(1, n):
-        out = sm.join_node(args(i), 0.001 * i)
+        out = sm.join(args(i), 0.001 * i)
     results = _answers(sm, out)
-    assert len(results) == n and all(isinstance(r, NodeJoinResult) for r in results)
+    assert len(results) == n and all(isinstance(r, JoinResult) for r in results)
     for r in results:
-        assert isinstance(r, NodeJoinResult)
-        answers.join_node(r, slim=True)
+        assert isinstance(r, JoinResult) and r.local_rank is None
+        answers.join(r, slim=True)
 
 
 def _form_ranks(n: int) -> None:
@@ -81,7 +81,9 @@ def _form_ranks(n: int) -> None:
     answers = JoinAnswers(sm.timing)
 
     def args(i: int) -> JoinArgs:
-        return JoinArgs("j", n, 1, i, 0, f"host-{i}", "", ID if i == 0 else b"", f"w-{i}", 60.0)
+        return JoinArgs.worker(
+            "j", n, 1, i, 0, f"host-{i}", "", ID if i == 0 else b"", f"w-{i}", 60.0
+        )
 
     out: object = None
     for i in range(n):
