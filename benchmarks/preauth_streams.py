@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _proc import status_kib
 from _report import emit
 from hpack import Decoder, Encoder
 from hyperframe.frame import (
@@ -48,13 +49,6 @@ METHODS = {
     "health": "/grpc.health.v1.Health/Check",
     "join": "/rendezvous.v1.Rendezvous/Join",
 }
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 @dataclass
@@ -187,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             host, port = daemon.endpoint.rsplit(":", 1)
             token = daemon.token_file.read_text().strip() if args.with_token else ""
             time.sleep(0.5)
-            before = rss_kib(pid)
+            before = status_kib(pid)
             started = time.monotonic()
             conns = [HalfOpen(host, int(port)) for _ in range(args.sockets)]
             openers = [
@@ -210,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             while sum(c.ended for c in conns) < total and time.monotonic() < until:
                 time.sleep(0.05)
             time.sleep(args.hold_s)
-            held = rss_kib(pid)
+            held = status_kib(pid)
             peak = held
             report: dict[str, Any] = {
                 "sockets": args.sockets,
@@ -234,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in conns:
                 c.close()
             time.sleep(args.after_s)
-            after = rss_kib(pid)
+            after = status_kib(pid)
             report["rss_kib"] = {
                 "before": before,
                 "held": held,

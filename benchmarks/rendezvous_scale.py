@@ -77,6 +77,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from _proc import cpu_s, status_kib
 from _report import emit
 
 from rendezvousd.cli.embedded import spawn
@@ -94,13 +95,11 @@ START_MARGIN_S = 0.5
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far."""
+    """``pid``'s CPU seconds so far; 0 once it is gone (the sampler outlives it)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return cpu_s(pid)
     except (OSError, IndexError):
         return 0.0
-    # After the command's closing parenthesis: state is field 3, utime 14, stime 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _CpuSampler(threading.Thread):
@@ -128,14 +127,11 @@ class _CpuSampler(threading.Thread):
         return next((cpu for t, cpu in self.samples if t >= when), self.samples[-1][1])
 
 
-def _rss_kib(pid: int) -> int:
+def _peak_rss_kib(pid: int) -> int:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        return status_kib(pid, "VmHWM")
+    except (OSError, RuntimeError):
+        return 0
 
 
 def _fast_dns_or_why_not(argv: list[str]) -> str:
@@ -567,7 +563,7 @@ def run_ours(
                 # machine's cores with the daemon.
                 "clients_cpu_s": round(clients_cpu, 3),
                 "clients_cpu_per_join_ms": round(1000 * clients_cpu / joins, 3),
-                "daemon_peak_rss_mib": round(_rss_kib(embedded.proc.pid) / 1024, 1),
+                "daemon_peak_rss_mib": round(_peak_rss_kib(embedded.proc.pid) / 1024, 1),
                 "daemon_limits": " ".join(limits) or "defaults",
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "target_s": target,

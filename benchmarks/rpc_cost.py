@@ -30,14 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _proc import cpu_s
 from _report import emit
 
 KINDS = ("kv_get", "kv_set", "barrier", "health", "heartbeat")
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _client(args: argparse.Namespace) -> None:
@@ -143,13 +139,13 @@ def _measure(pid: int, client: subprocess.Popen[str]) -> dict[str, dict[str, flo
     for line in client.stdout:
         words = line.split()
         if words and words[0] == "go":
-            started[words[1]] = (_cpu_s(pid), time.perf_counter())
+            started[words[1]] = (cpu_s(pid), time.perf_counter())
         elif words and words[0] == "done":
             cpu0, t0 = started[words[1]]
             calls = int(words[2])
             out[words[1]] = {
                 "calls": calls,
-                "cpu_us_per_call": round(1e6 * (_cpu_s(pid) - cpu0) / calls, 1),
+                "cpu_us_per_call": round(1e6 * (cpu_s(pid) - cpu0) / calls, 1),
                 "calls_per_s": round(calls / (time.perf_counter() - t0), 1),
             }
         client.stdin.write("\n")

@@ -38,6 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _proc import cpu_s, status_kib
 from _report import emit
 
 from rendezvousd.cli.embedded import spawn
@@ -54,17 +55,7 @@ def _raise_fd_limit() -> None:
 
 
 def _proc_stats(pid: int) -> dict[str, int]:
-    rss = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1])
-    return {"rss_kib": rss, "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
-
-
-def _cpu_s(pid: int) -> float:
-    """The process's user + system CPU seconds so far (/proc/PID/stat fields 14, 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {"rss_kib": status_kib(pid), "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
 def _children_cpu_s() -> float:
@@ -101,21 +92,19 @@ def _served_latencies(metrics_url: str) -> dict[str, dict[str, float]]:
                 per_op[le] = per_op.get(le, 0.0) + sample.value
     out: dict[str, dict[str, float]] = {}
     for op, cumulative in buckets.items():
-        bounds = sorted(cumulative)
-        count = cumulative[bounds[-1]]
-        if not count:
-            continue
-
-        def q(
-            p: float,
-            bounds: list[float] = bounds,
-            cumulative: dict[float, float] = cumulative,
-            count: float = count,
-        ) -> float:
-            return next(b for b in bounds if cumulative[b] >= p * count) * 1000
-
-        out[op] = {"count": int(count), "p50_le_ms": q(0.5), "p99_le_ms": q(0.99)}
+        count = cumulative[max(cumulative)]  # the +Inf bucket holds every call
+        if count:
+            out[op] = {
+                "count": int(count),
+                "p50_le_ms": _bucket_bound(cumulative, 0.5 * count) * 1000,
+                "p99_le_ms": _bucket_bound(cumulative, 0.99 * count) * 1000,
+            }
     return out
+
+
+def _bucket_bound(cumulative: dict[float, float], calls: float) -> float:
+    """The smallest bucket bound whose cumulative count reaches ``calls``."""
+    return min(le for le, n in cumulative.items() if n >= calls)
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
@@ -378,7 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started = time.time()
             clients_cpu_at_start = _children_cpu_s()
             steady_stats = _proc_stats(daemon.pid)
-            cpu_at_start = _cpu_s(daemon.pid)
+            cpu_at_start = cpu_s(daemon.pid)
             # RSS every 10 s under load. Growth is measured from the first sample after
             # two full barrier + KV periods: until every job has run a round, the
             # working set (KV values, SQLite's page cache, stream buffers) still fills,
@@ -389,7 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 series.append((round(time.time() - started, 1), _proc_stats(daemon.pid)["rss_kib"]))
             # Still under full load, every member connected: the growth baseline's pair.
             late_stats = _proc_stats(daemon.pid)
-            daemon_cpu_per_s = (_cpu_s(daemon.pid) - cpu_at_start) / (time.time() - started)
+            daemon_cpu_per_s = (cpu_s(daemon.pid) - cpu_at_start) / (time.time() - started)
             warm_after = 2 * args.period_s
             warm = next((kib for t, kib in series if t >= warm_after), steady_stats["rss_kib"])
             killed_at = time.time()
