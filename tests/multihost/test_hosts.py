@@ -4,8 +4,10 @@ isolated from the machine's network, cut off by a link going down, removed after
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,3 +122,38 @@ def test_demo_on_hosts_says_why_it_cannot_run(
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit, match="needs root"):
         demo.run(steps=4, out=tmp_path / "card.json", workdir=tmp_path, hosts=2)
+
+
+def test_a_killed_runs_hosts_are_swept_and_a_live_ones_kept(
+    make_hosts: Callable[[int], Hosts],
+) -> None:
+    from rendezvousd.trainer.demo import netns
+
+    # make_hosts only for its skip (root and ip): these sets are made by hand.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan, busy, live = (
+        f"rdzv-{dead.pid}-aa0001-sw",
+        f"rdzv-{dead.pid}-aa0002-h0",
+        f"rdzv-{os.getpid()}-aa0003-sw",
+    )
+    for name in (orphan, busy, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", busy, "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not subprocess.run(["ip", "netns", "pids", busy], capture_output=True).stdout:
+            assert time.monotonic() < deadline, "the sleeper never entered its namespace"
+            time.sleep(0.05)
+        swept = netns.sweep()
+        listed = _ip_netns()
+        assert orphan in swept and orphan not in listed
+        # A process still inside, or a builder still alive: kept.
+        assert busy in listed and busy not in swept
+        assert live in listed and live not in swept
+        assert Hosts(1).prefix.startswith(f"rdzv-{os.getpid()}-")
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+        for name in (orphan, busy, live):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)

@@ -10,6 +10,10 @@ holding an address from the benchmarking range 198.18.0.0/15 (RFC 2544), the
 only range these tests may use. The bridge lives in a namespace of its own, so
 nothing is added to the machine's own network: deleting the namespaces removes
 every interface. A host's link can be cut with ``link(host, up=False)``.
+
+A run killed before its teardown (a crashed test worker, a SIGKILLed demo) leaves its
+namespaces behind, so each set's name carries its builder's pid: the next ``build``
+deletes the sets whose builder is gone and that hold no process.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -25,6 +30,8 @@ from dataclasses import dataclass, field
 
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
 _IP_TIMEOUT_S = 10.0
+# rdzv-PID-HEX-sw / rdzv-PID-HEX-hN: the builder's pid tells a live set from a dead one.
+_NAME = re.compile(r"rdzv-(\d+)-[0-9a-f]+-(?:sw|h\d+)")
 
 
 def unavailable_reason() -> str | None:
@@ -36,12 +43,40 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _ip(*args: str) -> None:
+def _ip(*args: str) -> str:
     result = subprocess.run(
         ["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False
     )
     if result.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def sweep() -> list[str]:
+    """Deletes the namespaces of host sets whose builder process has died, unless a
+    process still runs inside one; the names deleted. A recycled pid keeps a dead
+    set until that process ends too, which errs towards keeping."""
+    gone = []
+    for line in _ip("netns", "list").splitlines():
+        name = line.split(" ", 1)[0]
+        match = _NAME.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+            if not _ip("netns", "pids", name).split():
+                _ip("netns", "delete", name)
+                gone.append(name)
+    return gone
 
 
 @dataclass
@@ -83,7 +118,7 @@ class Hosts:
     """``count`` hosts named h0..h{count-1} at 198.18.0.1, .2, ..."""
 
     count: int
-    prefix: str = field(default_factory=lambda: f"rdzv{secrets.token_hex(3)}")
+    prefix: str = field(default_factory=lambda: f"rdzv-{os.getpid()}-{secrets.token_hex(3)}")
     hosts: list[Host] = field(default_factory=list)
 
     @property
@@ -94,6 +129,7 @@ class Hosts:
         return self.hosts[index]
 
     def build(self) -> None:
+        sweep()
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
