@@ -104,3 +104,26 @@ def test_the_daemons_parts_import_downwards_only() -> None:
             if there is not None and there > here:
                 upward.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not upward, upward
+
+
+def _named_modules(text: str) -> set[str]:
+    return set(re.findall(r"`(\w+\.py)`", text))
+
+
+def test_the_map_and_the_readme_name_no_module_that_is_gone() -> None:
+    gone = [
+        f"docs/architecture.md, {folder}: {name}"
+        for folder, section in _sections().items()
+        for name in _named_modules(section)
+        if not (ROOT / folder / name).exists()
+    ]
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    for row in re.findall(r"^\| `([\w/]+/)` \|(.*)$", layout, flags=re.M):
+        folder, text = row
+        gone += [
+            f"README.md, {folder}: {name}"
+            for name in _named_modules(text)
+            if not (ROOT / folder / name).exists()
+        ]
+    assert not gone, f"named but not there: {gone}"
