@@ -8,11 +8,14 @@ Run it with the torch venv's python (``$(scripts/torch_venv.sh) benchmarks/...``
 the anchors in the same run; without torch they are skipped and the report says why.
 
 **Per-rank mode** (``--ranks N``): N ranks of one job each get the 128-byte id and pass
-one barrier. rendezvousd: each rank runs the SDK's real path, Join (long-poll for the
-world; the answer carries rank, world, id and the member table's digest) then Barrier.
-TCPStore: rank 0 sets the id, every rank gets it, adds itself to a counter and waits for
-the last arriver's "go" key: the smallest store-based equivalent (it exchanges no member
-table, which favours the anchor).
+one barrier. rendezvousd: each rank runs the SDK's real path, one Join: a long poll
+answered only once all N ranks joined and rank 0's id is in (rank 0 supplies it in its
+Join), so its answer is itself the barrier; it carries rank, world, id and the member
+table's digest. (Up to session 9 each rank also called Barrier after its Join, a second
+barrier no user needs, which doubled our RPCs.) TCPStore: rank 0 sets the id, every
+rank gets it, adds itself to a counter and waits for the last arriver's "go" key: the
+smallest store-based equivalent (it exchanges no member table, which favours the
+anchor).
 
 **Agent mode** (``--agents N``): N simulated node agents of ``--gpus-per-node`` ranks
 each form one generation. rendezvousd: one JoinNode per agent. torchrun: each agent runs
@@ -37,7 +40,7 @@ target, and the whole run one JSON document.
 time of a large case says as much about the other processes as about the daemon. Each
 of our cases also reports the daemon's CPU seconds from the start instant to the last
 answer (``daemon_cpu_s``, read from /proc every 10 ms), that per join
-(``daemon_cpu_per_join_ms``: per agent's JoinNode, or per rank's Join + Barrier), the
+(``daemon_cpu_per_join_ms``: per agent's JoinNode, or per rank's Join), the
 client processes' CPU over the same race, the daemon's peak RSS, its RPCs by method
 and the load average. The daemon's limits are raised as far as the world needs
 (``--max-members-per-job``, ``--max-waiters-per-job``, ``--max-waiters``; 12,500
@@ -208,7 +211,6 @@ async def _ours(args: argparse.Namespace) -> dict[str, Any]:
                     host=f"n{rank}",
                     timeout=args.timeout,
                 )
-                await client.barrier("bench", timeout=args.timeout)
             done.append(time.time())
         except RendezvousError as exc:
             _count(errors, exc, exc.code)
@@ -556,7 +558,7 @@ def run_ours(
                 "rpcs": rpcs,
                 "daemon_cpu_s": round(cpu, 3),
                 # Per agent (one JoinNode each; node 0 makes a second, with the id),
-                # or per rank (its Join and its Barrier).
+                # or per rank (its one Join).
                 "daemon_cpu_per_join_ms": round(1000 * cpu / joins, 3),
                 "daemon_idle_cpu_share": round(idle, 3),
                 # The client processes' own CPU over the same race: what shares the
