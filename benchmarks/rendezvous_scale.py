@@ -498,6 +498,7 @@ def run_ours(
     gpus_per_node: int = 0,
     timeout: float = 300,
     profile: Path | None = None,
+    state_dir: bool = False,
 ) -> dict[str, Any]:
     """Per-rank mode; with ``gpus_per_node``, agent mode (``world`` = node agents)."""
     ranks = world * (gpus_per_node or 1)
@@ -507,7 +508,11 @@ def run_ours(
         # takes longer than the default 10 s would lose them to silence meanwhile, and
         # the daemon's work on that loss would be counted as the formation's.
         quiet = ["--heartbeat-timeout-s", "600"]
-        embedded = spawn(Path(tmp), "--log-level", "WARNING", *quiet, *limits, metrics=True)
+        store = Path(tmp) / "state"
+        durable = ["--state-dir", str(store)] if state_dir else []
+        embedded = spawn(
+            Path(tmp), "--log-level", "WARNING", *quiet, *limits, *durable, metrics=True
+        )
         sampler = _CpuSampler(embedded.proc.pid)
         sampler.start()
         profiler = None
@@ -567,6 +572,8 @@ def run_ours(
                 "clients_cpu_per_join_ms": round(1000 * clients_cpu / joins, 3),
                 "daemon_peak_rss_mib": round(_peak_rss_kib(embedded.proc.pid) / 1024, 1),
                 "daemon_limits": " ".join(limits) or "defaults",
+                # The database and its WAL once the generation formed (--state-dir).
+                **({"state_dir_mib": _tree_mib(store)} if state_dir else {}),
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "target_s": target,
                 "meets_target": None
@@ -579,6 +586,10 @@ def run_ours(
             if profiler is not None and profiler.proc.poll() is None:
                 profiler.proc.kill()
             embedded.stop()
+
+
+def _tree_mib(folder: Path) -> float:
+    return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 1)
 
 
 def _torch_missing() -> str | None:
@@ -689,6 +700,12 @@ def main() -> None:
     )
     p.add_argument("--json-out", type=Path)
     p.add_argument(
+        "--state-dir",
+        action="store_true",
+        help="our daemon keeps its state on disk (--state-dir, SQLite) as a durable "
+        "deployment does; the report gives the database's size",
+    )
+    p.add_argument(
         "--profile-daemon",
         type=Path,
         metavar="DIR",
@@ -725,7 +742,15 @@ def main() -> None:
 
     for world in args.ranks:
         for condition in args.conditions:
-            record(run_ours(world, args.processes, condition, profile=args.profile_daemon))
+            record(
+                run_ours(
+                    world,
+                    args.processes,
+                    condition,
+                    profile=args.profile_daemon,
+                    state_dir=args.state_dir,
+                )
+            )
             if not skipped:
                 record(run_tcpstore(world, args.processes, condition, args.anchor_timeout))
     for agents in args.agents:
@@ -736,6 +761,7 @@ def main() -> None:
                 "connected",
                 args.gpus_per_node,
                 profile=args.profile_daemon,
+                state_dir=args.state_dir,
             )
         )
         if not skipped:
