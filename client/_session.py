@@ -672,5 +672,6 @@ class JoinPlan:
         s = self.session
         s.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
         fetch = s.page_fetcher(response.job_id, response.generation, response.rank, s.instance_id)
-        s.joined = from_join_response(response, fetch)
+        assert isinstance(self.request, pb.JoinRequest)  # a per-rank join's answer
+        s.joined = from_join_response(response, self.request.topology.gpus_per_node, fetch)
         return s.joined

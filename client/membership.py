@@ -12,7 +12,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import ProtocolError
 from rendezvousd.common import member_table
 from rendezvousd.common.address import is_loopback
-from rendezvousd.common.model import MemberInfo, NodeSeat, Seat, seat_of
+from rendezvousd.common.model import MemberInfo, Seat
 from rendezvousd.errors import shown
 
 __all__ = [
@@ -99,9 +99,10 @@ class LazyTable:
 @dataclass(frozen=True)
 class Membership(Seat):
     """What a join gives a worker: its seat (``job_id``, ``generation``, ``rank``,
-    ``world_size``, ``node_rank``, ``local_rank``) and the id. ``unique_id`` is kept
-    out of repr and logs."""
+    ``world_size``, ``node_rank``, ``num_nodes``, ``gpus_per_node``, ``local_rank``)
+    and the id. ``unique_id`` is kept out of repr and logs."""
 
+    local_rank: int
     unique_id: bytes = field(repr=False)
     # Decoded on first use: at thousands of ranks, building every rank's copy
     # of the table eagerly costs more than the whole rendezvous.
@@ -115,19 +116,15 @@ class Membership(Seat):
         table = self._table.load() if isinstance(self._table, LazyTable) else self._table
         return tuple(Member(m.rank, m.node_rank, m.local_rank, m.host, m.address) for m in table)
 
-    @property
-    def num_nodes(self) -> int:
-        return len({m.node_rank for m in self.members}) or 1
-
 
 @dataclass(frozen=True)
-class NodeMembership(NodeSeat):
+class NodeMembership(Seat):
     """What ``join_node()`` gives a node agent: its node's block of ranks in this
     generation (``job_id``, ``generation``, ``node_rank``, ``num_nodes``,
-    ``gpus_per_node``), the id, and the instance id of each local rank's member.
-    ``unique_id`` and the instance ids are kept out of repr and logs."""
+    ``gpus_per_node``, ``world_size``, ``first_rank``; ``local_rank`` is None: all of
+    them), the id, and the instance id of each local rank's member. ``unique_id`` and
+    the instance ids are kept out of repr and logs."""
 
-    world_size: int
     unique_id: bytes = field(repr=False)
     heartbeat_timeout_ms: int = 0
     _member_ids: tuple[str, ...] = field(repr=False, compare=False, default=())
@@ -135,7 +132,7 @@ class NodeMembership(NodeSeat):
 
     @property
     def first_rank(self) -> int:
-        return self.node_rank * self.gpus_per_node
+        return self.rank
 
     def _check(self, local_rank: int) -> None:
         if not 0 <= local_rank < self.gpus_per_node:
@@ -148,14 +145,14 @@ class NodeMembership(NodeSeat):
         """The ``Membership`` of this node's worker at ``local_rank``."""
         self._check(local_rank)
         return Membership(
-            job_id=self.job_id,
-            generation=self.generation,
-            rank=self.first_rank + local_rank,
-            world_size=self.world_size,
-            node_rank=self.node_rank,
-            local_rank=local_rank,
-            unique_id=self.unique_id,
-            _table=self._table,
+            self.job_id,
+            self.generation,
+            self.node_rank,
+            self.num_nodes,
+            self.gpus_per_node,
+            local_rank,
+            self.unique_id,
+            self._table,
         )
 
     def member_instance_id(self, local_rank: int) -> str:
@@ -180,23 +177,36 @@ def from_join_node_response(
     fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
 ) -> NodeMembership:
     return NodeMembership(
-        **seat_of(response, NodeSeat),
-        world_size=response.world_size,
-        unique_id=response.unique_id,
-        heartbeat_timeout_ms=response.heartbeat_timeout_ms,
-        _member_ids=tuple(response.member_instance_ids),
-        _table=_table_of(response, fetch_page),
+        response.job_id,
+        response.generation,
+        response.node_rank,
+        response.num_nodes,
+        response.gpus_per_node,
+        None,
+        response.unique_id,
+        response.heartbeat_timeout_ms,
+        tuple(response.member_instance_ids),
+        _table_of(response, fetch_page),
     )
 
 
 def from_join_response(
     response: pb.JoinResponse,
+    gpus_per_node: int,
     fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
 ) -> Membership:
-    """The ``Membership`` a JoinResponse (or PublishId's) describes; after a slim
-    answer ``fetch_page(start_rank)`` serves its table on first use."""
+    """The ``Membership`` a JoinResponse (or PublishId's) to a join of ``gpus_per_node``
+    ranks a node describes; after a slim answer ``fetch_page(start_rank)`` serves its
+    table on first use."""
     return Membership(
-        **seat_of(response), unique_id=response.unique_id, _table=_table_of(response, fetch_page)
+        response.job_id,
+        response.generation,
+        response.node_rank,
+        response.world_size // gpus_per_node,
+        gpus_per_node,
+        response.local_rank,
+        response.unique_id,
+        _table_of(response, fetch_page),
     )
 
 

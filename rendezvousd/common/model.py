@@ -99,59 +99,17 @@ def failed_text(named: str, failed: Sequence[FailedInfo]) -> str:
 
 @dataclass(frozen=True)
 class Seat:
-    """Where one rank sits in a generation: the shape of Join's answer (a ``JoinResult``
-    of a worker) and the base of the SDK's ``Membership``."""
-
-    job_id: str
-    generation: int
-    rank: int
-    world_size: int
-    node_rank: int
-    local_rank: int
-
-
-@dataclass(frozen=True)
-class NodeSeat:
-    """Where one node agent's block of ranks sits in a generation: the shape of
-    JoinNode's answer (a ``JoinResult`` of a node agent) and the base of the SDK's
-    ``NodeMembership``."""
+    """Where a joiner sits in a generation: node ``node_rank`` of ``num_nodes``, each of
+    ``gpus_per_node`` ranks, and on it a worker's one rank (``local_rank``) or, None, a
+    node agent's every rank. A join's answer (``JoinResult``), Join's and JoinNode's
+    on the wire, and the SDK's ``Membership`` and ``NodeMembership`` are this one seat."""
 
     job_id: str
     generation: int
     node_rank: int
     num_nodes: int
     gpus_per_node: int
-
-
-def seat_of(source: object, kind: type[Seat | NodeSeat] = Seat, **given: Any) -> dict[str, Any]:
-    """The fields of a ``kind`` (``Seat`` or ``NodeSeat``) as keyword arguments: the
-    ``given`` ones, the rest copied from ``source`` (a ``JoinResult``, a Join or
-    JoinNode response, a node agent's assignment)."""
-    return {
-        f.name: given[f.name] if f.name in given else getattr(source, f.name) for f in fields(kind)
-    }
-
-
-@dataclass(frozen=True)
-class JoinResult:
-    """A join's answer, per rank or per node alike: the joiner's seat (its node, and the
-    one rank a worker's Join holds in it, or every rank of a node agent's), the id and
-    the member table. ``Seat`` and ``NodeSeat`` are its two shapes on the wire (Join's
-    and JoinNode's answers) and in the SDK: ``seat_of`` copies either from it."""
-
-    job_id: str
-    generation: int
-    node_rank: int
-    num_nodes: int
-    gpus_per_node: int
-    # A worker's rank on its node; None: a node agent's join, holding every local rank.
     local_rank: int | None
-    id_required: bool
-    unique_id: bytes
-    # Shared by every rank of a generation, so adapters may cache its encoding.
-    members: tuple[MemberInfo, ...]
-    # A node agent's: the instance id of each local rank's member (secrets, like the id).
-    member_instance_ids: tuple[str, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -161,6 +119,27 @@ class JoinResult:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+
+def seat_of(source: object, **given: Any) -> dict[str, Any]:
+    """The fields of a ``Seat`` as keyword arguments: the ``given`` ones, the rest
+    copied from ``source`` (a node agent's assignment to its worker)."""
+    return {
+        f.name: given[f.name] if f.name in given else getattr(source, f.name) for f in fields(Seat)
+    }
+
+
+@dataclass(frozen=True)
+class JoinResult(Seat):
+    """A join's answer, per rank or per node alike: the joiner's seat, the id and the
+    member table."""
+
+    id_required: bool
+    unique_id: bytes
+    # Shared by every rank of a generation, so adapters may cache its encoding.
+    members: tuple[MemberInfo, ...]
+    # A node agent's: the instance id of each local rank's member (secrets, like the id).
+    member_instance_ids: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # the id and instance ids are secrets: keep them out of logs
         return (

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import member_table
 from rendezvousd.common.limits import Timing
-from rendezvousd.common.model import FailedInfo, JoinResult, MemberInfo, NodeSeat, Seat, seat_of
+from rendezvousd.common.model import FailedInfo, JoinResult, MemberInfo
 
 
 @dataclass
@@ -59,17 +59,21 @@ class JoinAnswers:
 
     def join(self, result: JoinResult, *, slim: bool = False) -> bytes:
         """A join's answer in its joiner's shape: a worker's (Join, PublishId) as a
-        JoinResponse, a node agent's as a JoinNodeResponse."""
-        node = result.local_rank is None
-        header = (pb.JoinNodeResponse if node else pb.JoinResponse)(
-            **seat_of(result, NodeSeat if node else Seat),
+        JoinResponse, a node agent's as a JoinNodeResponse; both say the seat's world."""
+        header = (pb.JoinNodeResponse if result.local_rank is None else pb.JoinResponse)(
+            job_id=result.job_id,
+            generation=result.generation,
+            node_rank=result.node_rank,
+            world_size=result.world_size,
             id_required=result.id_required,
             unique_id=result.unique_id,
             heartbeat_timeout_ms=int(self.timing.heartbeat_timeout_s * 1000),
         )
         if isinstance(header, pb.JoinNodeResponse):
-            header.world_size = result.world_size
+            header.num_nodes, header.gpus_per_node = result.num_nodes, result.gpus_per_node
             header.member_instance_ids.extend(result.member_instance_ids)
+        else:
+            header.rank, header.local_rank = result.rank, result.local_rank or 0
         return self._with_table(header, result.members, slim)
 
     def _with_table(

@@ -28,9 +28,13 @@ _NODE = JoinMode.NODE
 class Attendee:
     """What a heartbeat stream keeps alive: a member, or a node agent for its members."""
 
-    # How a loss of it is worded: by silence, and by its stream's end.
+    # How a loss of it is worded: by silence, by its stream's end, and by its parked
+    # join's cancel while forming.
     who: ClassVar[str] = "worker"
     stream_closed: ClassVar[str] = "heartbeat stream closed"
+    cancelled: ClassVar[str] = "its Join was cancelled (worker died or disconnected)"
+    # What it is called in a joiner's faults.
+    joiner: ClassVar[str] = "worker"
 
     state: MemberState = MemberState.JOINING
     last_seen: float = 0.0
@@ -82,6 +86,8 @@ class Node(Attendee):
 
     who: ClassVar[str] = "node"
     stream_closed: ClassVar[str] = "node agent's heartbeat stream closed"
+    cancelled: ClassVar[str] = "its JoinNode was cancelled (node agent died or disconnected)"
+    joiner: ClassVar[str] = "node agent"
 
     instance_id: str
     host: str
@@ -246,6 +252,12 @@ class Job:
         """A forming joiner's seat (``Generation.join_waiters``): a worker's by its rank, a
         node agent's by its instance id."""
         return self.gen.members.get(key) if isinstance(key, int) else self.gen.nodes.get(key)
+
+    @staticmethod
+    def key(seat: Member | Node) -> int | str:
+        """The key ``Job.seat`` finds ``seat`` by: a worker's rank, a node agent's
+        instance id."""
+        return seat.rank if isinstance(seat, Member) else seat.instance_id
 
     def missing_ranks(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.gen.members]

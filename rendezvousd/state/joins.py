@@ -40,68 +40,105 @@ NODES_WAITING_INTERVAL_S = 0.5
 
 
 def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked:
-    """A join: a worker's seats its one rank, a node agent's its node."""
+    """A join: it takes its seat (a worker's rank, a node agent's node), then one path
+    admits it: the id from the seat holding rank 0, forming, ``id_required``, parking."""
     seats.not_draining(sm)
     placement.check(args, sm.limits)
     job = job_for(sm, args, now)
-    if args.local_rank is None:
-        return _seat_node(sm, job, args, now)
-    return _seat_worker(sm, job, args, args.local_rank, now)
+    seat: Member | Node
+    if args.local_rank is not None:
+        seat, added = _worker_seat(sm, job, args, args.local_rank, now)
+        key: int | str = seat.rank  # ``job.key(seat)``, without the call per Join
+    elif job.state is JobState.RUNNING and args.instance_id not in job.gen.nodes:
+        return park_scaleup(sm, job, args, now)  # a newcomer waits for the next generation
+    else:
+        seat, added = _node_seat(sm, job, args, now)
+        key = seat.instance_id
+    try:
+        if args.unique_id:
+            placement.accept_id(job, seat, args.unique_id)
+        return admit(sm, job, seat, key, args.wait_s, now)
+    except RendezvousFault:
+        if added:  # refused (capacity, a bad id): the seat stays free for the retry
+            unseat(sm, job, seat, now)
+        raise
 
 
-def _seat_node(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> JoinResult | Parked:
+def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tuple[Node, bool]:
+    """A node agent's seat: its node, added unless this is a retry."""
     node = job.gen.nodes.get(args.instance_id)
-    if job.state is JobState.RUNNING:
-        if node is not None and job.gen.unique_id is None:
-            # Restored after a restart: the id never reached the disk, so this
-            # node can no longer be given it. Fence the generation.
-            rounds.lose_seated(sm, job, node, "daemon restarted before this node got the id", now)
-            raise job.generation_fault()
-        if node is not None:
-            return placement.answer(job, node)  # a retry of a formed node's JoinNode
-        return park_scaleup(sm, job, args, now)
+    if node is not None:
+        return node, False
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
-    added = node is None
-    if node is None:
-        if len(job.gen.nodes) >= job.max_nodes:
-            raise placement.world_full(job, args.host)
-        if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
-            raise placement.duplicate(job, args, other)
-        node = Node(
-            args.instance_id,
-            args.host,
-            args.addresses,
-            args.node_rank or 0,
-            args.node_rank is not None,
-            now,
-        )
-        job.gen.nodes[args.instance_id] = node
-        job.gen.last_arrival = now
-    if args.unique_id:
-        if placement.holder(job) is not node:
-            raise validation.invalid(
-                Reason.INVALID_ID,
-                f"only node 0 of job {job.job_id!r} supplies the unique id; the node "
-                f"agent on {args.host!r} is not node 0",
-                job_id=job.job_id,
-            )
-        placement.accept_id(job, 0, args.unique_id)
-        job.gen.id_node, job.gen.id_deadline = node.instance_id, None
-    settle_holder(sm, job, now)
-    if try_form(sm, job, now):
-        return placement.answer(job, node)
-    if placement.holder(job) is node and job.gen.unique_id is None:
-        # Held until this JoinNode's own deadline, like rank 0's id_required.
-        job.gen.id_deadline = now + (args.wait_s or sm.timing.default_wait_s)
-        return placement.answer(job, node, id_required=True)
-    try:
-        parked = sm.calls.park(job, _JOIN, -1, node.instance_id, now)
-    except RendezvousFault:
-        if added:  # refused for capacity: the slot stays free for the retry
-            unseat(sm, job, node, now)
-        raise
-    job.gen.join_waiters[parked.waiter] = node.instance_id
+    if len(job.gen.nodes) >= job.max_nodes:
+        raise placement.world_full(job, args.host)
+    if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
+        raise placement.duplicate(job, args, other)
+    node = Node(
+        args.instance_id,
+        args.host,
+        args.addresses,
+        args.node_rank or 0,
+        args.node_rank is not None,
+        now,
+    )
+    job.gen.nodes[args.instance_id] = node
+    job.gen.last_arrival = now
+    settle_holder(sm, job, now)  # it may be the new node 0
+    return node, True
+
+
+def _worker_seat(
+    sm: RendezvousState, job: Job, args: JoinArgs, local_rank: int, now: float
+) -> tuple[Member, bool]:
+    """A worker's seat: its rank on its node, added unless this is a retry; a rank no
+    call holds any more (``placement.abandoned``) is taken over by a new instance."""
+    node_rank = placement.node_rank(job, args)
+    rank = job.rank_of(node_rank, local_rank)
+    member = job.gen.members.get(rank)
+    if member is not None and member.instance_id != args.instance_id:
+        if not placement.abandoned(job, member):
+            raise placement.duplicate(job, args, member)
+        unseat(sm, job, member, now)
+        member = None
+    if member is not None:
+        return member, False
+    if job.state is not JobState.FORMING:
+        raise job.generation_fault()
+    address = args.addresses[0] if args.addresses else ""
+    member = Member(rank, node_rank, local_rank, args.host, address, args.instance_id)
+    job.gen.members[rank] = member
+    if args.node_rank is None:
+        job.gen.host_nodes.setdefault(args.host, node_rank)
+    return member, True
+
+
+def admit(
+    sm: RendezvousState, job: Job, seat: Member | Node, key: int | str, wait_s: float, now: float
+) -> JoinResult | Parked:
+    """A seated joiner's one outcome: answered once its generation runs; the seat holding
+    rank 0 asked for the id (``id_required``) while none is known; else parked until the
+    generation forms."""
+    try_form(sm, job, now)
+    if job.state is JobState.RUNNING:
+        if job.gen.unique_id is None:
+            # Restored after a restart: the id was never on disk, so this seat can no
+            # longer be given it. Fence the generation.
+            cause = f"daemon restarted before this {seat.joiner} got the id"
+            rounds.lose_seated(sm, job, seat, cause, now)
+            raise job.generation_fault()
+        return placement.answer(job, seat)
+    if job.state in rounds.TERMINAL:
+        raise job.generation_fault()
+    if job.gen.unique_id is None and placement.holder(job) is seat:
+        # A holder that crashes before sending the id must not keep the job forming
+        # forever: its seat is freed at its join's own (capped) deadline (``id_overdue``).
+        # Its restart need not wait for that: no call holds the seat.
+        job.gen.id_deadline = now + min(wait_s or sm.timing.default_wait_s, sm.timing.max_wait_s)
+        return placement.answer(job, seat, id_required=True)
+    parked = sm.calls.park(job, _JOIN, -1, "", now)
+    job.gen.join_waiters[parked.waiter] = key
     return parked
 
 
@@ -133,20 +170,20 @@ def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
 
 
 def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
-    """Keeps the id with node 0: an id from a node that is no longer node 0 is
-    dropped, and a parked node that became node 0 is asked for one."""
+    """Keeps the id with the seat holding rank 0: an id from a seat that no longer holds
+    it is dropped, and a parked node that became node 0 is asked for one."""
     head = placement.holder(job)
     if job.gen.unique_id is not None and (head is None or head.instance_id != job.gen.id_node):
         job.remember_id()
         job.gen.unique_id, job.gen.id_node = None, ""
     if head is None or job.gen.unique_id is not None or job.gen.holder_seen == head.instance_id:
         return
-    # Node 0 is answered id_required at once rather than parked, so its parked
-    # call, if any, predates its becoming node 0: look once per new node 0, not on
+    # The holder is answered id_required at once rather than parked, so its parked
+    # call, if any, predates its becoming the holder: look once per new holder, not on
     # every join (that look was O(parked nodes) a join, quadratic in all).
     job.gen.holder_seen = head.instance_id
     for waiter, key in list(job.gen.join_waiters.items()):
-        if key == head.instance_id:
+        if key == job.key(head):
             del job.gen.join_waiters[waiter]
             sm.calls.wake(waiter, placement.answer(job, head, id_required=True))
             # Its SDK answers at once; one heartbeat timeout is ample to hear it.
@@ -181,54 +218,19 @@ def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
 
 
 def unseat(sm: RendezvousState, job: Job, seat: Member | Node, now: float) -> None:
-    """A forming joiner gave up: its seat is free; a node's may make another node 0."""
-    if isinstance(seat, Member):
-        placement.unplace(job, seat.rank, now)
-        return
-    if job.state is not JobState.FORMING or seat.instance_id in job.gen.join_waiters.values():
+    """A forming joiner gave up: its seat is free (and with it the id, when it held rank
+    0; a node's leaving may make another node 0)."""
+    if job.state is not JobState.FORMING or job.key(seat) in job.gen.join_waiters.values():
         return  # a retry of the same join is still waiting for the seat
-    job.gen.nodes.pop(seat.instance_id, None)
+    if isinstance(seat, Node):
+        job.gen.nodes.pop(seat.instance_id, None)
+    elif job.gen.members.pop(seat.rank, None) and all(
+        m.host != seat.host for m in job.gen.members.values()
+    ):
+        job.gen.host_nodes.pop(seat.host, None)
     settle_holder(sm, job, now)
-    if not job.gen.nodes:
+    if not job.gen.members and not job.gen.nodes:
         job.state_since = now
-
-
-def _seat_worker(
-    sm: RendezvousState, job: Job, args: JoinArgs, local_rank: int, now: float
-) -> JoinResult | Parked:
-    node_rank = placement.node_rank(job, args)
-    rank = job.rank_of(node_rank, local_rank)
-    member = job.gen.members.get(rank)
-    if member is not None and member.instance_id != args.instance_id:
-        if not placement.abandoned(job, member):
-            raise placement.duplicate(job, args, member)
-        placement.unplace(job, rank, now)
-        member = None
-    if args.unique_id:
-        placement.accept_id(job, rank, args.unique_id)
-    added = member is None
-    if member is None:
-        if job.state is not JobState.FORMING:
-            raise job.generation_fault()
-        address = args.addresses[0] if args.addresses else ""
-        member = Member(rank, node_rank, local_rank, args.host, address, args.instance_id)
-        job.gen.members[rank] = member
-        if args.node_rank is None:
-            job.gen.host_nodes.setdefault(args.host, node_rank)
-    try:
-        outcome = join_outcome(sm, job, member, now)
-    except RendezvousFault as fault:
-        if added and fault.reason == Reason.LIMIT_EXCEEDED:
-            # Refused for capacity: the rank must stay free for the retry.
-            unseat(sm, job, member, now)
-        raise
-    if isinstance(outcome, JoinResult) and outcome.id_required:
-        # A rank 0 that crashes before PublishId must not keep the job forming
-        # forever: it is freed at the Join's own (capped) deadline. Its restart
-        # need not wait for that: no call holds the rank (placement.abandoned).
-        wait = min(args.wait_s or sm.timing.default_wait_s, sm.timing.max_wait_s)
-        job.gen.id_deadline = now + wait
-    return outcome
 
 
 def publish_id(
@@ -240,9 +242,9 @@ def publish_id(
     unique_id: bytes,
     now: float,
 ) -> JoinResult | Parked:
+    """Rank 0's id, after its Join was answered ``id_required``; answered like a join."""
     validation.unique_id(unique_id)
     job, member = seats.seat(sm, job_id, generation, rank)
-    assert isinstance(member, Member)  # RANK seats are members
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
     if rank == 0 and member.instance_id != instance_id:
@@ -255,27 +257,8 @@ def publish_id(
             f"only the worker holding global rank 0 publishes the id of job {job_id!r}",
             {"job_id": job_id, "ranks": str(rank)},
         )
-    placement.accept_id(job, rank, unique_id)
-    job.gen.id_deadline = None
-    return join_outcome(sm, job, member, now)
-
-
-def join_outcome(sm: RendezvousState, job: Job, member: Member, now: float) -> JoinResult | Parked:
-    try_form(sm, job, now)
-    if job.state is JobState.RUNNING:
-        if job.gen.unique_id is None:
-            # Restored after a restart: the id was never on disk, so this
-            # rank can no longer be given it. Fence the generation.
-            rounds.lose(sm, job, [member], "daemon restarted before this rank received the id", now)
-            raise job.generation_fault()
-        return placement.answer(job, member)
-    if job.state in rounds.TERMINAL:
-        raise job.generation_fault()
-    if member.rank == 0 and job.gen.unique_id is None:
-        return placement.answer(job, member, id_required=True)
-    parked = sm.calls.park(job, _JOIN, member.rank, "", now)
-    job.gen.join_waiters[parked.waiter] = member.rank
-    return parked
+    placement.accept_id(job, member, unique_id)
+    return admit(sm, job, member, rank, 0.0, now)
 
 
 def cancel_wait(
@@ -290,8 +273,7 @@ def cancel_wait(
         return None
     waited = f"{now - w.since:.1f} s"
     if w.kind is _JOIN:
-        # The seat it waited in: a node agent's by instance id, a worker's by rank.
-        return join_wait_ended(sm, job, waiter, w.key or w.rank, waited, now, timed_out=timed_out)
+        return join_wait_ended(sm, job, waiter, waited, now, timed_out=timed_out)
     if w.kind is waits.WaitKind.SCALEUP:
         job.scaleup_waiters.pop(waiter, None)
         tell_waiting(sm, job, now)
@@ -303,21 +285,14 @@ def cancel_wait(
 
 
 def join_wait_ended(
-    sm: RendezvousState,
-    job: Job,
-    waiter: int,
-    key: int | str,
-    waited: str,
-    now: float,
-    *,
-    timed_out: bool,
+    sm: RendezvousState, job: Job, waiter: int, waited: str, now: float, *, timed_out: bool
 ) -> RendezvousFault | None:
-    """A parked join (in seat ``key``) ended unanswered. At its deadline the joiner gives
-    up: its seat is freed, and it is told what the world still lacks. Cancelled (its
-    process died or disconnected), it fails the forming generation at once, unless a
-    retry of it is parked still."""
-    job.gen.join_waiters.pop(waiter, None)
-    seat = job.seat(key)
+    """A parked join ended unanswered. At its deadline the joiner gives up: its seat is
+    freed, and it is told what the world still lacks. Cancelled (its process died or
+    disconnected), it fails the forming generation at once, unless a retry of it is
+    parked still."""
+    key = job.gen.join_waiters.pop(waiter, None)
+    seat = None if key is None else job.seat(key)
     if timed_out:
         fault = waits.world_incomplete(job, waited)
         if seat is not None:
@@ -325,33 +300,28 @@ def join_wait_ended(
         return fault
     if seat is None or job.state is not JobState.FORMING or key in job.gen.join_waiters.values():
         return None
-    loss, whom = placement.cancelled(job, seat, now)
-    rounds.joiner_died(sm, job, seat, loss, whom, now)
+    rounds.joiner_died(sm, job, seat, placement.cancelled(job, seat, now), now)
     return None
 
 
 def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
-    """Rank 0 (node 0) was told id_required and neither published nor waited since:
-    its seat is free for a restarted worker (node agent)."""
+    """The seat holding rank 0 was told id_required and neither sent the id nor waited
+    since: its seat is free for a restarted worker (node agent)."""
     job.gen.id_deadline = None
     if job.state is not JobState.FORMING or job.gen.unique_id is not None:
         return
-    if job.gen.join_mode is JoinMode.NODE:
-        if (head := placement.holder(job)) is not None:
-            unseat(sm, job, head, now)
-        return
-    rank_zero = job.gen.members.get(0)
-    if rank_zero is None or 0 in job.gen.join_waiters.values():
-        return  # its PublishId is parked: that call's own deadline applies
-    placement.unplace(job, 0, now)
+    head = placement.holder(job)
+    if head is None or job.key(head) in job.gen.join_waiters.values():
+        return  # its PublishId (JoinNode) is parked: that call's own deadline applies
+    unseat(sm, job, head, now)
     sm.calls.emit(
         Transition(
             job.job_id,
             job.generation,
             JobState.FORMING,
             JobState.FORMING,
-            f"rank 0 on {rank_zero.host} did not publish the id within its Join's wait; "
-            "rank 0 is free for a restarted worker",
+            f"rank 0's {head.joiner} on {head.host} did not publish the id within its join's "
+            "wait; its seat is free for a restart",
         )
     )
 

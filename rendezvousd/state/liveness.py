@@ -20,7 +20,7 @@ from rendezvousd.common.model import (
     Transition,
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
-from rendezvousd.state import fences, joins, placement, rounds, seats
+from rendezvousd.state import fences, joins, rounds, seats
 
 if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
@@ -185,7 +185,7 @@ def leave(
                         f"rank {who} left job {job_id!r} before it formed",
                     ),
                 )
-        placement.unplace(job, who, now)
+        joins.unseat(sm, job, seated, now)
         return
     for member in job.covered(seated):
         rounds.member_left(sm, job, member, now)

@@ -171,32 +171,20 @@ def abandoned(job: Job, member: Member) -> bool:
     return member.rank not in job.gen.join_waiters.values()
 
 
-def unplace(job: Job, rank: int, now: float) -> None:
-    """A worker gave up before the world was complete: free its rank."""
-    if job.state is not JobState.FORMING or rank in job.gen.join_waiters.values():
-        return  # a retry of the same join is still waiting for the rank
-    member = job.gen.members.pop(rank, None)
-    if member is None:
-        return
-    if not any(m.host == member.host for m in job.gen.members.values()):
-        job.gen.host_nodes.pop(member.host, None)
-    if rank == 0 and job.gen.unique_id is not None:
-        # rank 0's process (and the listener behind its id) may be gone.
-        job.remember_id()
-        job.gen.unique_id = None
-    if not job.gen.members:
-        job.state_since = now
-
-
 def member_instance_id(node_instance: str, local_rank: int) -> str:
     """The instance id a node's worker acts under: derived from the node's own secret
     instance id, so only that node's agent (and whom it tells) knows it."""
     return hashlib.sha256(f"{node_instance}/{local_rank}".encode()).hexdigest()[:32]
 
 
-def holder(job: Job) -> Node | None:
-    """The node that becomes node 0 and so supplies the id: the one that named rank 0,
-    else the earliest arrival that named none."""
+def holder(job: Job) -> Member | Node | None:
+    """The seat holding global rank 0, which supplies the id: a worker's rank 0; in a node
+    generation node 0 once formed, while forming the node that named rank 0, else the
+    earliest arrival that named none."""
+    if job.gen.join_mode is not _NODE:
+        return job.gen.members.get(0)
+    if job.gen.node_at:
+        return job.gen.node_at.get(0)
     # Nodes are kept in arrival order (a returning node is a new arrival), so the
     # earliest unnamed one is the first.
     return job.gen.nodes.named_at.get(0) or job.gen.nodes.first_unnamed()
@@ -238,17 +226,13 @@ def place(job: Job, ranks: dict[str, int]) -> None:
             )
 
 
-def cancelled(job: Job, seat: Member | Node, now: float) -> tuple[FailedInfo, str]:
+def cancelled(job: Job, seat: Member | Node, now: float) -> FailedInfo:
     """A forming joiner whose parked join was cancelled (its process died or
-    disconnected): its loss, and who it was."""
+    disconnected): its loss, at its first rank (a node's as if the generation formed now)."""
     if isinstance(seat, Member):
-        cause = "its Join was cancelled (worker died or disconnected)"
-        return seat.loss(cause, now), f"rank {seat.rank} on {seat.host}"
-    cause = "its JoinNode was cancelled (node agent died or disconnected)"
-    # The first rank the node would hold if the generation formed now.
+        return seat.loss(seat.cancelled, now)
     node_rank = (assignment(job) or {}).get(seat.instance_id, seat.node_rank)
-    loss = FailedInfo(job.rank_of(node_rank, 0), seat.host, cause, seat.node_rank, 0, now)
-    return loss, f"node agent on {seat.host}"
+    return FailedInfo(job.rank_of(node_rank, 0), seat.host, seat.cancelled, node_rank, 0, now)
 
 
 def expected_back(job: Job) -> int:
@@ -279,29 +263,30 @@ def everyone_back(job: Job) -> bool:
     return job.gen.rejoin_expected > 0 and len(job.gen.nodes) >= job.gen.rejoin_expected
 
 
-def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
-    """Takes rank 0's id for the generation, or raises why it cannot be used."""
-    if rank != 0:
+def accept_id(job: Job, seat: Member | Node, unique_id: bytes) -> None:
+    """Takes the generation's id from ``seat``, which must hold global rank 0
+    (``holder``), or raises why it cannot be used."""
+    if seat is not holder(job):
+        held = f"rank {seat.rank}" if isinstance(seat, Member) else "a node other than node 0"
         raise validation.invalid(
             Reason.INVALID_ID,
-            f"only global rank 0 supplies the unique id; this worker is rank {rank}",
+            f"only global rank 0 (node 0's) supplies the unique id of {job.named}; the "
+            f"{seat.joiner} on {seat.host!r} holds {held}",
             job_id=job.job_id,
         )
     digest = hashlib.sha256(unique_id).digest()
-    if job.gen.unique_id == unique_id:
-        return
-    if job.gen.unique_id is None and job.gen.restored_id_digest == digest:
-        # Restored after a restart with only the digest: a replay of the same id
-        # (e.g. a PublishId retried across the restart) is accepted, nothing else.
-        job.gen.unique_id = unique_id
-        return
-    if job.id_digest() is not None:
+    # The same id again is a retry; so is, restored after a restart with only the
+    # digest, a replay of it (e.g. a PublishId retried across the restart).
+    replay = job.gen.unique_id == unique_id or (
+        job.gen.unique_id is None and job.gen.restored_id_digest == digest
+    )
+    if not replay and job.id_digest() is not None:
         raise job.fault(
             Code.ALREADY_EXISTS,
             Reason.ID_CONFLICT,
             f"{job.named} already has a different unique id; the first one is kept",
         )
-    if digest in job.used_id_digests:
+    if not replay and digest in job.used_id_digests:
         raise validation.invalid(
             Reason.ID_REUSED,
             f"this unique id was already used by an earlier generation of job {job.job_id!r}; "
@@ -309,6 +294,7 @@ def accept_id(job: Job, rank: int, unique_id: bytes) -> None:
             job_id=job.job_id,
         )
     job.gen.unique_id = unique_id
+    job.gen.id_node, job.gen.id_deadline = seat.instance_id, None
 
 
 def answer(job: Job, seat: Member | Node, *, id_required: bool = False) -> JoinResult:
@@ -358,22 +344,19 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node) -> RendezvousFaul
     node rank a node agent named. (Only a job of two or more nodes gets the latter: a
     single node's second agent finds the world full, and there every node must give its
     rank: a number, or ``auto``.)"""
-    if isinstance(holder, Member):
-        return job.fault(
-            Code.ALREADY_EXISTS,
-            Reason.DUPLICATE_RANK,
-            f"rank {holder.rank} (node_rank={holder.node_rank}, local_rank={args.local_rank}) "
-            f"of job {args.job_id!r} is already held by a worker on {holder.host}; give each "
-            "worker a distinct (node_rank, local_rank)",
-            ranks=str(holder.rank),
-        )
+    rank, local = job.rank_of(holder.node_rank, args.local_rank or 0), args.local_rank
+    seat = f"node_rank={holder.node_rank}"
+    if local is not None:
+        seat = f"rank {rank} ({seat}, local_rank={local})"
     return job.fault(
         Code.ALREADY_EXISTS,
         Reason.DUPLICATE_RANK,
-        f"node_rank={args.node_rank} of job {args.job_id!r} is already held by the node agent "
-        f"on {holder.host}; give each node a distinct --node-rank (0..{args.max_nodes - 1}), "
-        "or --node-rank auto to let the daemon assign it",
-        node_rank=str(args.node_rank),
+        f"{seat} of {job.named} is already held by the {holder.joiner} on {holder.host}; "
+        "give each node a distinct --node-rank "
+        f"(0..{job.max_nodes - 1}), or --node-rank auto to let the daemon assign it, and each "
+        "worker on a node a distinct local rank",
+        ranks=str(rank),
+        node_rank=str(holder.node_rank),
         holder_host=holder.host,
         offending_host=args.host,
     )

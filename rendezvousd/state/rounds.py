@@ -240,11 +240,11 @@ def form(sm: RendezvousState, job: Job, now: float, detail: str) -> None:
 
 
 def joiner_died(
-    sm: RendezvousState, job: Job, seated: Attendee, loss: FailedInfo, whom: str, now: float
+    sm: RendezvousState, job: Job, seated: Attendee, loss: FailedInfo, now: float
 ) -> None:
     """A forming joiner's parked call vanished (its process died or disconnected):
     everyone waiting for this world is told at once, rather than at their timeout."""
     seated.state = MemberState.LOST
     job.gen.failed.append(loss)
-    set_state(sm, job, JobState.FAILED, now, f"{whom}: {loss.cause}")
+    set_state(sm, job, JobState.FAILED, now, loss.describe())
     fail_waiters(sm, job)

@@ -18,6 +18,7 @@ from rendezvousd.common.model import (
     Notify,
     Parked,
     Rejoin,
+    Transition,
     Wake,
 )
 from rendezvousd.errors import Code, RendezvousFault
@@ -485,3 +486,26 @@ def test_nodes_parking_one_by_one_make_few_nodes_waiting_events() -> None:
     assert told == [200]
     sm.tick(2.6)  # nothing changed: nothing told
     assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
+
+
+def test_node_zero_that_never_sends_the_id_frees_its_seat_at_its_capped_wait() -> None:
+    """The one id-holder path: node 0 answered id_required is held to its JoinNode's
+    wait capped by max_wait_s, as rank 0 is, and its overdue seat is worded alike."""
+    sm = RendezvousState(timing=Timing(max_wait_s=10.0, job_ttl_s=600.0))
+    out = sm.join(node("a"), 0.0)  # asks for a 60 s wait
+    assert isinstance(out, JoinResult) and out.id_required
+    assert isinstance(sm.join(node("b"), 0.1), Parked)
+    sm.take_effects()
+    sm.tick(9.0)
+    assert "a" in sm.jobs["j"].gen.nodes  # not yet
+    sm.tick(10.5)
+    job = sm.jobs["j"]
+    assert "a" not in job.gen.nodes and job.state is JobState.FORMING
+    effects = sm.take_effects()
+    # b became node 0: its parked JoinNode is asked for the id instead.
+    asked = [e.value for e in effects if isinstance(e, Wake)]
+    assert len(asked) == 1 and isinstance(asked[0], JoinResult) and asked[0].id_required
+    assert any(
+        isinstance(e, Transition) and "node agent on host-a did not publish" in e.detail
+        for e in effects
+    )
