@@ -41,6 +41,17 @@ class Gate:
         self.active += 1
 
 
+def handler_shape(handler: grpc.RpcMethodHandler) -> tuple[Any, Any]:
+    """``handler``'s behaviour and the grpc factory that makes a handler of its shape
+    (unary or streaming request and response), for wrappers that keep the shape."""
+    return {
+        (False, False): (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (True, False): (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (False, True): (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (True, True): (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    }[(handler.request_streaming, handler.response_streaming)]
+
+
 def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
     """``handler`` with the same shape, counted against ``gate`` while it runs.
 
@@ -52,12 +63,7 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
-    inner, make = {
-        (False, False): (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
-        (True, False): (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
-        (False, True): (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
-        (True, True): (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
-    }[(handler.request_streaming, handler.response_streaming)]
+    inner, make = handler_shape(handler)
     if inspect.isasyncgenfunction(inner):
 
         async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
