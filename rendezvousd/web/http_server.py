@@ -19,6 +19,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 log = logging.getLogger("rendezvousd.http")
@@ -30,22 +31,6 @@ MAX_CONNECTIONS = 64
 # is closed after IDLE_S.
 REQUEST_TIMEOUT_S = 10.0
 IDLE_S = 30.0
-
-_REASONS = {
-    200: "OK",
-    303: "See Other",
-    400: "Bad Request",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    409: "Conflict",
-    411: "Length Required",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
 
 
 @dataclass
@@ -203,7 +188,7 @@ async def _send(
     writer: asyncio.StreamWriter, r: Response, *, close: bool, head_only: bool = False
 ) -> None:
     lines = [
-        f"HTTP/1.1 {r.status} {_REASONS.get(r.status, 'Status')}",
+        f"HTTP/1.1 {r.status} {HTTPStatus(r.status).phrase}",
         f"Content-Type: {r.content_type}",
         f"Content-Length: {len(r.body)}",
         "X-Content-Type-Options: nosniff",
