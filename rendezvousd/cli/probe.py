@@ -135,10 +135,7 @@ def render(jobs: list[Any]) -> str:
                 f"{m.member.local_rank:>3}  {escape(m.member.host):<20} {mstate:<8} "
                 f"heartbeat {_age(m.heartbeat_age_ms)}"
             )
-        for f in job.failed:
-            lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}")
-        if job.abort_reason:
-            lines.append(f"    aborted: {escape(job.abort_reason)}")
+        lines += _ending(job)
     if not jobs:
         lines.append("(no jobs)")
     return "\n".join(lines)
@@ -181,12 +178,16 @@ def render_job(job: Any) -> str:
             f"    {node:>5}  {escape(row.host):<20} {''.join(row.seats):<{max(5, per_node)}}  "
             f"{row.age_s:>8.1f}s {step:>6}"
         )
-    lines.append(f"    ({grid.LEGEND})")
-    for f in job.failed:
-        lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}")
-    if job.abort_reason:
-        lines.append(f"    aborted: {escape(job.abort_reason)}")
+    lines += [f"    ({grid.LEGEND})", *_ending(job)]
     return "\n".join(lines)
+
+
+def _ending(job: Any) -> list[str]:
+    """A job's losses and abort reason, escaped, as both views end with them."""
+    lines = [
+        f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}" for f in job.failed
+    ]
+    return lines + ([f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else [])
 
 
 def add_probe_commands(sub: Any) -> None:
