@@ -149,7 +149,7 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
-        self.metrics = Metrics(None)
+        self.metrics = Metrics()
         self.timeline = Timeline()
         self.metrics.transition_listeners.append(self.timeline.record)
 

@@ -119,17 +119,16 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(
         self,
         tokens: Sequence[str],
-        on_reject: Callable[[str], None] | None = None,
-        limits: Limits | None = None,
-        body_timeout_s: float = 5.0,
-        job_ended: Callable[[str], float | None] | None = None,
+        on_reject: Callable[[str], None],
+        limits: Limits,
+        body_timeout_s: float,
+        job_ended: Callable[[str], float | None],
     ) -> None:
         """``job_ended``: when the last job of an id ended (None: none known); a job
         token minted before it is refused (the daemon's ``Persister.ended``)."""
         # An admin token's digest is also the key its job tokens are derived with.
         self._digests = [admin_key(t) for t in tokens]
         self._on_reject = on_reject
-        limits = limits or Limits()
         self.calls = Gate("max_concurrent_rpcs", limits.max_concurrent_rpcs, "calls at once")
         self.health_checks = Gate(
             "max_health_checks", limits.max_health_checks, "health checks at once"
@@ -138,7 +137,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             "max_health_watches", limits.max_health_watches, "health watch streams"
         )
         self._body_timeout_s = body_timeout_s
-        self._job_ended: Callable[[str], float | None] = job_ended or (lambda job_id: None)
+        self._job_ended = job_ended
         self._legacy_warned: set[str] = set()
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
@@ -218,8 +217,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     "only the admin token may call it",
                 )
             return self._gated(method, await continuation(details), self.calls)
-        if self._on_reject is not None:
-            self._on_reject(method)
+        self._on_reject(method)
         handler = await continuation(details)
         return _rejecting(handler, message=self.refusal(details.invocation_metadata))
 

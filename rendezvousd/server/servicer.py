@@ -69,15 +69,10 @@ def _member_of(request: Any) -> tuple[str, int, int]:
 
 
 class RendezvousServicer:
-    def __init__(
-        self,
-        state: RendezvousState,
-        metrics: Metrics | None = None,
-        persister: Persister | None = None,
-    ) -> None:
+    def __init__(self, state: RendezvousState, metrics: Metrics, persister: Persister) -> None:
         self.state = state
-        self.metrics = metrics or Metrics(None)
-        self.persister = persister or Persister(None, state)
+        self.metrics = metrics
+        self.persister = persister
         self.persister.on_undo = self._undone
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now)

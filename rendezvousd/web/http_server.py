@@ -68,11 +68,9 @@ class HttpServer:
         handler: Handler,
         *,
         ssl_context: ssl.SSLContext | None = None,
-        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._handler = handler
         self._ssl = ssl_context
-        self._max = max_connections
         self._open: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -103,7 +101,7 @@ class HttpServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(self._open) >= self._max:
+        if len(self._open) >= MAX_CONNECTIONS:
             # Over the cap: answered and closed at once, so it holds no slot.
             with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
                 await _send(writer, Response(503, b"too many connections\n"), close=True)
