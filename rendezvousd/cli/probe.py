@@ -25,19 +25,13 @@ DEFAULT_ENDPOINT = "127.0.0.1:29420"
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
-    if args.tls_ca is not None:
-        creds = grpc.ssl_channel_credentials(
-            Path(args.tls_ca).read_bytes(),
-            Path(args.tls_key).read_bytes() if args.tls_key else None,
-            Path(args.tls_cert).read_bytes() if args.tls_cert else None,
-        )
-        options = (
-            [("grpc.ssl_target_name_override", args.tls_server_name)]
-            if args.tls_server_name
-            else []
-        )
-        return grpc.secure_channel(args.endpoint, creds, options=options)
-    return grpc.insecure_channel(args.endpoint)
+    from rendezvousd.client.connection import TlsConfig
+
+    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    if tls is None:
+        return grpc.insecure_channel(args.endpoint)
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return grpc.secure_channel(args.endpoint, tls.credentials(), options=options)
 
 
 def _health(args: argparse.Namespace) -> int:
