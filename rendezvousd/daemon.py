@@ -335,13 +335,12 @@ class Daemon:
         self._metrics_server = server
 
     async def _abort_from_page(self, job_id: str, reason: str) -> int:
-        """The status page's Abort button: AbortJob's own path, durable before it answers."""
+        """The status page's Abort button: AbortJob's own path, durable before it answers
+        (AbortJob makes its change durable itself)."""
         self.persister.check(job_id)
         response = await self._servicer.AbortJob(
             pb.AbortJobRequest(job_id=job_id, reason=reason), None
         )
-        self.persister.touch(job_id)
-        await self.persister.durable(job_id)
         return int(response.generation)
 
     async def _tick(self) -> None:
