@@ -219,7 +219,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rendezvousd: error: {exc}", file=sys.stderr)
         return 2
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
