@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
-from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor
 from rendezvousd.server.budget import handler_shape
 from rendezvousd.server.metrics import Metrics
@@ -215,13 +215,10 @@ class Daemon:
             ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
-        try:
-            # Else gRPC reports only a failed bind.
-            check_tls_pair(c.tls_cert, c.tls_key)
-            if c.tls_client_ca is not None:
-                check_client_ca(c.tls_client_ca)
-        except ConfigError as exc:
-            raise DaemonError(str(exc)) from None
+        # Else gRPC reports only a failed bind (a ConfigError is a DaemonError).
+        check_tls_pair(c.tls_cert, c.tls_key)
+        if c.tls_client_ca is not None:
+            check_client_ca(c.tls_client_ca)
         # gRPC core logs each failed handshake at INFO, one line per connection
         # ("Handshake failed ... WRONG_VERSION_NUMBER" for a plaintext client). The
         # flood an operator saw was the SDK reconnecting for a minute; it now makes one
