@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, Unpack
 
 import grpc
 
@@ -240,38 +240,27 @@ class Session:
         again.progress.CopyFrom(self.progress)
         return again
 
-    def plan_join_node(
-        self,
-        *,
-        min_nodes: int,
-        max_nodes: int,
-        gpus_per_node: int,
-        node_rank: int | None = None,
-        addresses: Sequence[str] = (),
-        id_factory: Callable[[], bytes] | None = None,
-        last_call: float | None = None,
-        timeout: float | None = None,
-        host: str | None = None,
-    ) -> JoinPlan:
+    def plan_join_node(self, **r: Unpack[NodeJoinRequest]) -> JoinPlan:
         """Start a node join: a fresh node instance id, cleared state, the request."""
         self.begin()
+        timeout = r.get("timeout")
         wait = JOIN_TIMEOUT_S if timeout is None else timeout
         request = pb.JoinNodeRequest(
             job_id=self.job_id,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            gpus_per_node=gpus_per_node,
-            host=host or socket.gethostname(),
-            addresses=list(addresses),
+            min_nodes=r["min_nodes"],
+            max_nodes=r["max_nodes"],
+            gpus_per_node=r["gpus_per_node"],
+            host=r.get("host") or socket.gethostname(),
+            addresses=list(r.get("addresses", ())),
             instance_id=self.instance_id,
             wait_timeout_ms=int(wait * 1000),
-            last_call_ms=int((last_call or 0) * 1000),
+            last_call_ms=int((r.get("last_call") or 0) * 1000),
             slim=True,
         )
-        if node_rank is not None:
+        if (node_rank := r.get("node_rank")) is not None:
             request.node_rank = node_rank
         # A node cannot pin the id: only id_factory makes it, for node 0.
-        return JoinPlan(self, None, id_factory, wait, time.monotonic(), request)
+        return JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request)
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
@@ -332,29 +321,18 @@ class Session:
                 membership = dataclasses.replace(membership, _table=table)
         self.joined = membership
 
-    def plan_join(
-        self,
-        *,
-        num_nodes: int,
-        gpus_per_node: int,
-        local_rank: int,
-        node_rank: int | None = None,
-        host: str | None = None,
-        address: str = "",
-        unique_id: bytes | None = None,
-        id_factory: Callable[[], bytes] | None = None,
-        timeout: float = JOIN_TIMEOUT_S,
-    ) -> JoinPlan:
+    def plan_join(self, **r: Unpack[JoinRequest]) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
         self.begin()
-        plan = JoinPlan(self, unique_id, id_factory, timeout, time.monotonic())
-        known_rank_zero = node_rank == 0 and local_rank == 0
+        timeout, node_rank = r.get("timeout", JOIN_TIMEOUT_S), r.get("node_rank")
+        plan = JoinPlan(self, r.get("unique_id"), r.get("id_factory"), timeout, time.monotonic())
+        known_rank_zero = node_rank == 0 and r["local_rank"] == 0
         plan.request = pb.JoinRequest(
             job_id=self.job_id,
-            topology=pb.Topology(num_nodes=num_nodes, gpus_per_node=gpus_per_node),
-            local_rank=local_rank,
-            host=host or socket.gethostname(),
-            address=address,
+            topology=pb.Topology(num_nodes=r["num_nodes"], gpus_per_node=r["gpus_per_node"]),
+            local_rank=r["local_rank"],
+            host=r.get("host") or socket.gethostname(),
+            address=r.get("address", ""),
             unique_id=plan.make_id() if known_rank_zero else b"",
             instance_id=self.instance_id,
             wait_timeout_ms=int(timeout * 1000),

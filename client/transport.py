@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import socket
 import stat
@@ -37,7 +36,8 @@ from rendezvousd.client.errors import (
 )
 from rendezvousd.client.membership import Membership
 from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.errors import DaemonError
+from rendezvousd.common import validation
+from rendezvousd.errors import DaemonError, RendezvousFault
 
 log = logging.getLogger("rendezvousd.client.file")
 T = TypeVar("T")
@@ -118,7 +118,6 @@ def connect(
     )
 
 
-_JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 _MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup (ELOOP)
 
@@ -140,10 +139,10 @@ class FileRendezvous:
         leave_timeout: float = 60.0,
     ) -> None:
         job = job_id or "default"
-        if not _JOB_ID.fullmatch(job) or job in (".", ".."):
-            raise InvalidRequest(
-                "job id is invalid: use 1-128 characters from [A-Za-z0-9._-]", job_id=job[:40]
-            )
+        try:
+            validation.job_id(job)  # it names the socket and token files
+        except RendezvousFault as fault:
+            raise InvalidRequest(fault.message, job_id=job[:40]) from None
         self._path = Path(path) if path is not None else None
         self._job_id = job
         self._retry_attempts = retry_attempts
@@ -187,8 +186,7 @@ class FileRendezvous:
         if self._client is not None:
             # A retry's fresh generation (the trainer's one retry model): the daemon
             # and the directory are the ones this worker already found.
-            client = self._client
-            return self._through_rank0(lambda: client.join(**request))
+            return self._through_rank0(lambda client: client.join(**request))
         deadline = time.monotonic() + request.get("timeout", JOIN_TIMEOUT_S)
         path = self._directory(request["gpus_per_node"] * num_nodes)
         try:
@@ -252,14 +250,15 @@ class FileRendezvous:
             )
         return self._client
 
-    def _through_rank0(self, call: Callable[[], T]) -> T:
-        """``call()``, with rank 0's daemon going away reported as losing rank 0.
+    def _through_rank0(self, call: Callable[[RendezvousClient], T]) -> T:
+        """``call(client)``, with rank 0's daemon going away reported as losing rank 0.
 
         It goes away only with rank 0, and a call that reaches it after its
         shutdown began is cancelled (or refused) rather than told PEER_FAILED.
         """
+        client = self._joined()
         try:
-            return call()
+            return call(client)
         except (DaemonUnavailable, ProtocolError) as exc:
             if self.daemon is not None or exc.code not in ("UNAVAILABLE", "CANCELLED"):
                 raise
@@ -279,30 +278,24 @@ class FileRendezvous:
             ) from exc
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
-        client = self._joined()
-        self._through_rank0(lambda: client.barrier(name, timeout=timeout))
+        self._through_rank0(lambda client: client.barrier(name, timeout=timeout))
 
     def kv_set(self, key: str, value: bytes) -> None:
-        client = self._joined()
-        self._through_rank0(lambda: client.kv_set(key, value))
+        self._through_rank0(lambda client: client.kv_set(key, value))
 
     def kv_get(self, key: str, *, wait: bool = True, timeout: float | None = None) -> bytes:
-        client = self._joined()
-        return self._through_rank0(lambda: client.kv_get(key, wait=wait, timeout=timeout))
+        return self._through_rank0(lambda client: client.kv_get(key, wait=wait, timeout=timeout))
 
     def kv_add(self, key: str, delta: int = 1) -> int:
-        client = self._joined()
-        return self._through_rank0(lambda: client.kv_add(key, delta))
+        return self._through_rank0(lambda client: client.kv_add(key, delta))
 
     def kv_compare_and_set(
         self, key: str, expected: bytes | None, desired: bytes
     ) -> tuple[bool, bytes | None]:
-        client = self._joined()
-        return self._through_rank0(lambda: client.kv_compare_and_set(key, expected, desired))
+        return self._through_rank0(lambda client: client.kv_compare_and_set(key, expected, desired))
 
     def kv_delete(self, key: str) -> bool:
-        client = self._joined()
-        return self._through_rank0(lambda: client.kv_delete(key))
+        return self._through_rank0(lambda client: client.kv_delete(key))
 
     def start_heartbeat(
         self,
@@ -315,9 +308,8 @@ class FileRendezvous:
         self._joined().raise_if_failed()
 
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
-        client = self._joined()
         return self._through_rank0(
-            lambda: client.abort(reason, job_id=job_id, generation=generation)
+            lambda client: client.abort(reason, job_id=job_id, generation=generation)
         )
 
     def leave(self) -> None:

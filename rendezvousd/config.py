@@ -26,7 +26,6 @@ from rendezvousd.common.settings import (
     Choice,
     Float,
     Int,
-    Kind,
     OptionalPath,
     Schema,
     setting,
@@ -40,129 +39,115 @@ _POSITIVE = Float()
 _COUNT = Int(minimum=1)
 
 
-def _opt(help: str, default: Any, kind: Kind) -> Any:
-    return setting(default, help, kind)
-
-
-def _limit(help: str, default: int) -> Any:
-    """A setting for the ``Limits`` field of the same name (``limits()`` copies it)."""
-    return _opt(help, default, _COUNT)
-
-
 @dataclass(frozen=True)
 class DaemonConfig:
     """Validated daemon settings; ``load()`` builds one from defaults, TOML, env and flags."""
 
-    listen: str = _opt(
+    listen: str = setting(
+        f"127.0.0.1:{DEFAULT_PORT}",
         "HOST:PORT or unix:PATH to serve on; port 0 picks a free port",
-        default=f"127.0.0.1:{DEFAULT_PORT}",
-        kind=AddressText("listen", allow_port_zero=True, allow_unix=True),
+        AddressText("listen", allow_port_zero=True, allow_unix=True),
     )
-    token_file: Path | None = _opt(
-        "file with the bearer token(s), mode 0600", default=None, kind=OptionalPath()
+    token_file: Path | None = setting(
+        None, "file with the bearer token(s), mode 0600", OptionalPath()
     )
-    tls_cert: Path | None = _opt(
-        "PEM server certificate (enables TLS)", default=None, kind=OptionalPath()
+    tls_cert: Path | None = setting(None, "PEM server certificate (enables TLS)", OptionalPath())
+    tls_key: Path | None = setting(None, "PEM private key for --tls-cert", OptionalPath())
+    tls_client_ca: Path | None = setting(
+        None, "PEM CA bundle; clients must present a certificate it signed (mTLS)", OptionalPath()
     )
-    tls_key: Path | None = _opt("PEM private key for --tls-cert", default=None, kind=OptionalPath())
-    tls_client_ca: Path | None = _opt(
-        "PEM CA bundle; clients must present a certificate it signed (mTLS)",
-        default=None,
-        kind=OptionalPath(),
-    )
-    insecure_plaintext: bool = _opt(
-        "allow plaintext on a non-loopback address", default=False, kind=Bool()
-    )
-    reflection: bool = _opt("serve gRPC reflection (behind the token)", default=True, kind=Bool())
-    metrics_listen: str | None = _opt(
+    insecure_plaintext: bool = setting(False, "allow plaintext on a non-loopback address", Bool())
+    reflection: bool = setting(True, "serve gRPC reflection (behind the token)", Bool())
+    metrics_listen: str | None = setting(
+        None,
         "HOST:PORT for the Prometheus /metrics endpoint and the status page (/)",
-        default=None,
-        kind=AddressText("metrics_listen", optional=True, allow_port_zero=True),
+        AddressText("metrics_listen", optional=True, allow_port_zero=True),
     )
-    insecure_metrics: bool = _opt(
+    insecure_metrics: bool = setting(
+        False,
         "allow --metrics-listen (/metrics, the status page) on a non-loopback address "
         "without --tls-cert",
-        default=False,
-        kind=Bool(),
+        Bool(),
     )
-    state_dir: Path | None = _opt(
-        "directory where job state survives restarts", default=None, kind=OptionalPath()
+    state_dir: Path | None = setting(
+        None, "directory where job state survives restarts", OptionalPath()
     )
-    heartbeat_timeout_s: float = _opt(
-        "silence after which a member is lost", default=Timing.heartbeat_timeout_s, kind=_POSITIVE
+    heartbeat_timeout_s: float = setting(
+        Timing.heartbeat_timeout_s, "silence after which a member is lost", _POSITIVE
     )
-    default_wait_s: float = _opt(
-        "wait for Join/Barrier/KvGet when the call names none",
-        default=Timing.default_wait_s,
-        kind=_POSITIVE,
+    default_wait_s: float = setting(
+        Timing.default_wait_s, "wait for Join/Barrier/KvGet when the call names none", _POSITIVE
     )
-    max_wait_s: float = _opt(
+    max_wait_s: float = setting(
+        Timing.max_wait_s,
         "the longest any Join/JoinNode/PublishId/Barrier/KvGet waits, whatever it asks "
         "(and rank 0 may owe the id)",
-        default=Timing.max_wait_s,
-        kind=_POSITIVE,
+        _POSITIVE,
     )
-    job_ttl_s: float = _opt(
-        "how long ended or failed jobs stay visible", default=Timing.job_ttl_s, kind=_POSITIVE
+    job_ttl_s: float = setting(
+        Timing.job_ttl_s, "how long ended or failed jobs stay visible", _POSITIVE
     )
-    last_call_s: float = _opt(
+    last_call_s: float = setting(
+        Timing.default_last_call_s,
         "node joins (JoinNode) naming none: once min_nodes joined, wait this long after the "
         "last arrival for more",
-        default=Timing.default_last_call_s,
-        kind=_POSITIVE,
+        _POSITIVE,
     )
-    drain_grace_s: float = _opt(
-        "how long SIGTERM waits for calls to finish", default=10.0, kind=Float(positive=False)
+    drain_grace_s: float = setting(
+        10.0, "how long SIGTERM waits for calls to finish", Float(positive=False)
     )
-    max_jobs: int = _limit("jobs held at once", Limits.max_jobs)
-    max_members_per_job: int = _limit("largest world size", Limits.max_members_per_job)
-    max_concurrent_rpcs: int = _limit(
-        "calls in flight, streams included", Limits.max_concurrent_rpcs
+    max_jobs: int = setting(Limits.max_jobs, "jobs held at once", _COUNT)
+    max_members_per_job: int = setting(Limits.max_members_per_job, "largest world size", _COUNT)
+    max_concurrent_rpcs: int = setting(
+        Limits.max_concurrent_rpcs, "calls in flight, streams included", _COUNT
     )
-    max_concurrent_streams: int = _opt(
-        "HTTP/2 streams one connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS); "
-        "more are refused before any handler or token check runs (~20 KiB each)",
+    max_concurrent_streams: int = setting(
         # The SDK opens a connection per client, each with a handful of calls. Also
         # the peak of a flood: calls refused for want of a token still cost ~20 KiB
         # each until Python gets to them (50,000 from 5 sockets: +29 MiB at 256,
         # +99 MiB at 1024).
-        default=256,
-        kind=_COUNT,
+        256,
+        "HTTP/2 streams one connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS); "
+        "more are refused before any handler or token check runs (~20 KiB each)",
+        _COUNT,
     )
-    max_connections: int = _opt(
+    max_connections: int = setting(
+        16384,
         "client connections held at once, all peers together (gRPC has no per-peer cap)",
-        default=16384,
-        kind=_COUNT,
+        _COUNT,
     )
-    connection_idle_s: float = _opt(
+    connection_idle_s: float = setting(
+        300.0,
         "a connection with no call open is closed after this long (clients reconnect on "
         "their next call; a heartbeat stream is an open call)",
-        default=300.0,
-        kind=_POSITIVE,
+        _POSITIVE,
     )
-    request_body_timeout_s: float = _opt(
+    request_body_timeout_s: float = setting(
+        5.0,
         "a token-less (health) call whose request message has not arrived this long after "
         "its headers ends",
-        default=5.0,
-        kind=_POSITIVE,
+        _POSITIVE,
     )
-    max_waiters: int = _limit("parked Join/Barrier/KvGet calls (~26 KiB each)", Limits.max_waiters)
-    max_waiters_per_job: int = _limit(
-        "parked calls one job may hold (so one job cannot block the others' joins)",
+    max_waiters: int = setting(
+        Limits.max_waiters, "parked Join/Barrier/KvGet calls (~26 KiB each)", _COUNT
+    )
+    max_waiters_per_job: int = setting(
         Limits.max_waiters_per_job,
+        "parked calls one job may hold (so one job cannot block the others' joins)",
+        _COUNT,
     )
-    max_barriers_per_job: int = _limit(
-        "barrier names per job generation", Limits.max_barriers_per_job
+    max_barriers_per_job: int = setting(
+        Limits.max_barriers_per_job, "barrier names per job generation", _COUNT
     )
-    max_keys_per_job: int = _limit("key-value keys per job", Limits.max_keys_per_job)
-    max_value_bytes: int = _limit("largest key-value value", Limits.max_value_bytes)
-    max_kv_bytes: int = _limit(
-        "key-value bytes (keys + values) held across all jobs", Limits.max_kv_bytes
+    max_keys_per_job: int = setting(Limits.max_keys_per_job, "key-value keys per job", _COUNT)
+    max_value_bytes: int = setting(Limits.max_value_bytes, "largest key-value value", _COUNT)
+    max_kv_bytes: int = setting(
+        Limits.max_kv_bytes, "key-value bytes (keys + values) held across all jobs", _COUNT
     )
-    log_level: str = _opt(
+    log_level: str = setting(
+        "INFO",
         "DEBUG, INFO, WARNING or ERROR",
-        default="INFO",
-        kind=Choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
+        Choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
     )
 
     def __post_init__(self) -> None:

@@ -26,8 +26,9 @@ from grpc_reflection.v1alpha import reflection
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
-from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor
+from rendezvousd.server.budget import handler_shape
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.servicer import SERVICE, RendezvousServicer
 from rendezvousd.state.machine import RendezvousState
@@ -75,13 +76,7 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     decode = handler.request_deserializer
-    serialize = handler.response_serializer
-
-    async def one(raw: bytes, context: Any) -> Any:
-        try:
-            return decode(raw)
-        except DecodeError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+    inner, make = handler_shape(handler)
 
     class Stream:
         """Decodes a request stream; a garbled message ends it and marks it failed."""
@@ -98,62 +93,40 @@ def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                     return
                 yield message
 
-    async def check(stream: Stream, context: Any) -> None:
-        if stream.failed:
+    async def request_of(raw: Any, context: Any) -> Any:
+        """The decoded request, or (request streaming) the stream that decodes them."""
+        if handler.request_streaming:
+            return Stream(raw)
+        try:
+            return decode(raw)
+        except DecodeError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
 
-    if not handler.request_streaming and not handler.response_streaming:
-        inner = handler.unary_unary
+    def given(request: Any) -> Any:
+        return request.messages() if isinstance(request, Stream) else request
 
-        async def unary_unary(raw: bytes, context: Any) -> Any:
-            return await inner(await one(raw, context), context)
+    async def check(request: Any, context: Any) -> None:
+        if isinstance(request, Stream) and request.failed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
-    if handler.request_streaming and not handler.response_streaming:
-        inner = handler.stream_unary
-
-        async def stream_unary(raw: AsyncIterator[bytes], context: Any) -> Any:
-            stream = Stream(raw)
-            result = await inner(stream.messages(), context)
-            await check(stream, context)
-            return result
-
-        return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=serialize)
-    if not handler.request_streaming:
-        inner = handler.unary_stream
-        if inspect.isasyncgenfunction(inner):
-
-            async def unary_stream_gen(raw: bytes, context: Any) -> AsyncIterator[Any]:
-                async for item in inner(await one(raw, context), context):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream_gen, response_serializer=serialize
-            )
-
-        async def unary_stream(raw: bytes, context: Any) -> None:
-            await inner(await one(raw, context), context)
-
-        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serialize)
-    inner = handler.stream_stream
     if inspect.isasyncgenfunction(inner):
 
-        async def stream_stream_gen(raw: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
-            stream = Stream(raw)
-            async for item in inner(stream.messages(), context):
+        async def generate(raw: Any, context: Any) -> AsyncIterator[Any]:
+            request = await request_of(raw, context)
+            async for item in inner(given(request), context):
                 yield item
-            await check(stream, context)
+            await check(request, context)
 
-        return grpc.stream_stream_rpc_method_handler(
-            stream_stream_gen, response_serializer=serialize
-        )
+        return make(generate, response_serializer=handler.response_serializer)
 
-    async def stream_stream(raw: AsyncIterator[bytes], context: Any) -> None:
-        stream = Stream(raw)
-        await inner(stream.messages(), context)
-        await check(stream, context)
+    # A unary answer, or a streamed one written with ``context.write``.
+    async def call(raw: Any, context: Any) -> Any:
+        request = await request_of(raw, context)
+        result = await inner(given(request), context)
+        await check(request, context)
+        return result
 
-    return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=serialize)
+    return make(call, response_serializer=handler.response_serializer)
 
 
 @dataclass
@@ -176,7 +149,7 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
-        self.metrics = Metrics(None)
+        self.metrics = Metrics()
         self.timeline = Timeline()
         self.metrics.transition_listeners.append(self.timeline.record)
 
@@ -242,13 +215,10 @@ class Daemon:
             ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
-        try:
-            # Else gRPC reports only a failed bind.
-            check_tls_pair(c.tls_cert, c.tls_key)
-            if c.tls_client_ca is not None:
-                check_client_ca(c.tls_client_ca)
-        except ConfigError as exc:
-            raise DaemonError(str(exc)) from None
+        # Else gRPC reports only a failed bind (a ConfigError is a DaemonError).
+        check_tls_pair(c.tls_cert, c.tls_key)
+        if c.tls_client_ca is not None:
+            check_client_ca(c.tls_client_ca)
         # gRPC core logs each failed handshake at INFO, one line per connection
         # ("Handshake failed ... WRONG_VERSION_NUMBER" for a plaintext client). The
         # flood an operator saw was the SDK reconnecting for a minute; it now makes one
@@ -362,13 +332,12 @@ class Daemon:
         self._metrics_server = server
 
     async def _abort_from_page(self, job_id: str, reason: str) -> int:
-        """The status page's Abort button: AbortJob's own path, durable before it answers."""
+        """The status page's Abort button: AbortJob's own path, durable before it answers
+        (AbortJob makes its change durable itself)."""
         self.persister.check(job_id)
         response = await self._servicer.AbortJob(
             pb.AbortJobRequest(job_id=job_id, reason=reason), None
         )
-        self.persister.touch(job_id)
-        await self.persister.durable(job_id)
         return int(response.generation)
 
     async def _tick(self) -> None:

@@ -20,9 +20,10 @@ METRICS = "rendezvousd: metrics on "
 EXIT_WITH_PARENT = "--exit-with-parent"
 
 
-def write_token_file(path: Path, *, replace: bool = False) -> str:
-    """Create ``path`` with a random token, mode 0600 from the first byte."""
-    token = secrets.token_urlsafe(32)
+def write_token_file(path: Path, *, replace: bool = False, token: str | None = None) -> str:
+    """Create ``path`` with ``token`` (default: a random one), mode 0600 from the first
+    byte."""
+    token = token or secrets.token_urlsafe(32)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
     fd = os.open(path, flags, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -25,19 +25,13 @@ DEFAULT_ENDPOINT = "127.0.0.1:29420"
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
-    if args.tls_ca is not None:
-        creds = grpc.ssl_channel_credentials(
-            Path(args.tls_ca).read_bytes(),
-            Path(args.tls_key).read_bytes() if args.tls_key else None,
-            Path(args.tls_cert).read_bytes() if args.tls_cert else None,
-        )
-        options = (
-            [("grpc.ssl_target_name_override", args.tls_server_name)]
-            if args.tls_server_name
-            else []
-        )
-        return grpc.secure_channel(args.endpoint, creds, options=options)
-    return grpc.insecure_channel(args.endpoint)
+    from rendezvousd.client.connection import TlsConfig
+
+    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    if tls is None:
+        return grpc.insecure_channel(args.endpoint)
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return grpc.secure_channel(args.endpoint, tls.credentials(), options=options)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -135,10 +129,7 @@ def render(jobs: list[Any]) -> str:
                 f"{m.member.local_rank:>3}  {escape(m.member.host):<20} {mstate:<8} "
                 f"heartbeat {_age(m.heartbeat_age_ms)}"
             )
-        for f in job.failed:
-            lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}")
-        if job.abort_reason:
-            lines.append(f"    aborted: {escape(job.abort_reason)}")
+        lines += _ending(job)
     if not jobs:
         lines.append("(no jobs)")
     return "\n".join(lines)
@@ -181,12 +172,16 @@ def render_job(job: Any) -> str:
             f"    {node:>5}  {escape(row.host):<20} {''.join(row.seats):<{max(5, per_node)}}  "
             f"{row.age_s:>8.1f}s {step:>6}"
         )
-    lines.append(f"    ({grid.LEGEND})")
-    for f in job.failed:
-        lines.append(f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}")
-    if job.abort_reason:
-        lines.append(f"    aborted: {escape(job.abort_reason)}")
+    lines += [f"    ({grid.LEGEND})", *_ending(job)]
     return "\n".join(lines)
+
+
+def _ending(job: Any) -> list[str]:
+    """A job's losses and abort reason, escaped, as both views end with them."""
+    lines = [
+        f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}" for f in job.failed
+    ]
+    return lines + ([f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else [])
 
 
 def add_probe_commands(sub: Any) -> None:

@@ -30,10 +30,6 @@ def _serve(args: argparse.Namespace) -> int:
     handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
     tokens = load_tokens(cfg.token_file)
-    if cfg.tls_cert is not None and cfg.tls_key is not None:
-        config_mod.check_tls_pair(cfg.tls_cert, cfg.tls_key)
-    if cfg.tls_client_ca is not None:
-        config_mod.check_client_ca(cfg.tls_client_ca)
     _raise_fd_limit()
     return asyncio.run(_run(cfg, tokens, exit_with_parent=args.exit_with_parent))
 
@@ -167,11 +163,7 @@ def _write_job_token(
         token = derive_job_token(admin, job_id, until)
     except RendezvousFault as fault:
         raise ConfigError(fault.message) from None
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
-    fd = os.open(path, flags, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
-        f.write(token + "\n")
+    write_token_file(path, replace=replace, token=token)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,7 +219,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rendezvousd: error: {exc}", file=sys.stderr)
         return 2
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

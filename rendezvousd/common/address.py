@@ -27,10 +27,6 @@ class Address:
     port: int
     unix_path: str | None = None
 
-    @property
-    def is_unix(self) -> bool:
-        return self.unix_path is not None
-
 
 def parse_address(
     text: str,
@@ -100,7 +96,7 @@ def route_source(endpoint: str) -> str:
     packet is sent. A ``unix:`` endpoint means one machine: loopback.
     """
     address = parse_address(endpoint, what="endpoint", allow_unix=True)
-    if address.is_unix or address.host is None:
+    if address.host is None:  # unix:PATH
         return "127.0.0.1"
     try:
         infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)

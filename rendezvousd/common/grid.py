@@ -21,13 +21,6 @@ LATE, EMPTY = "H", "-"
 LEGEND = "A active, H late heartbeat, X lost, J joining, D left, - empty"
 
 
-def seat(state: MemberState, heartbeat_age_s: float, late_after_s: float) -> str:
-    """The letter of a member in ``state`` whose heartbeat is ``heartbeat_age_s`` old."""
-    if state is MemberState.ACTIVE and heartbeat_age_s > late_after_s:
-        return LATE
-    return SEAT[state]
-
-
 # One member as the grid needs it: node rank, local rank, host, state, heartbeat
 # age (s), last step (None before its first).
 GridSeat = tuple[int, int, str, MemberState, float, int | None]
@@ -68,7 +61,8 @@ def node_rows(
         if row is None:
             row = rows[node] = NodeRow(host, [EMPTY] * per_node)
         if 0 <= local < per_node:
-            row.seats[local] = seat(state, age, late_after_s)
+            late = state is MemberState.ACTIVE and age > late_after_s
+            row.seats[local] = LATE if late else SEAT[state]
         if age > row.age_s:
             row.age_s = age
         if step is not None and (row.step is None or step < row.step):

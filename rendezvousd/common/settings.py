@@ -37,9 +37,7 @@ class Invalid(ValueError):
 
 class Kind:
     """How one field's values are checked (strictly, for Python callers), parsed from
-    text (env and flags) and written back as text (env for child processes)."""
-
-    text_parses = True
+    text (env and flags) and written back as text (the defaults in the docs' table)."""
 
     def check(self, value: Any) -> Any:
         return value
@@ -48,7 +46,7 @@ class Kind:
         return text
 
     def parse(self, raw: object) -> Any:
-        if isinstance(raw, str) and self.text_parses:
+        if isinstance(raw, str):
             return self.check(self.from_text(raw.strip()))
         return self.check(raw)
 
@@ -511,17 +509,6 @@ class Schema(Generic[T]):
 
         parse.__name__ = option.key
         return parse
-
-    def to_env(self, instance: T) -> dict[str, str]:
-        """The env vars that reproduce ``instance`` in a child process that loads
-        the same schema (unset optional values are left out)."""
-        env: dict[str, str] = {}
-        for key, value in self.from_instance(instance).items():
-            option = self.options[key]
-            text = option.kind.render(value.value)
-            if option.env is not None and text is not None:
-                env[option.env] = text
-        return env
 
     def markdown_table(self) -> str:
         """Every option's TOML key, env var, flag and default, for the docs."""

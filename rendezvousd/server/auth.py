@@ -9,7 +9,6 @@ cannot send tokens, still work.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -30,6 +29,7 @@ from rendezvousd.server.scope import (
     JOB_TOKEN_PREFIX,
     JobToken,
     Scope,
+    admin_key,
     allowed,
     read_job_token,
 )
@@ -44,10 +44,6 @@ RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
 UNAUTHENTICATED = "missing or invalid bearer token"
 # Job ids whose tokens of the earlier form were warned about (then no more, bounded).
 LEGACY_WARNED = 1024
-
-
-def _digest(token: str | bytes) -> bytes:
-    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
 
 
 def read_token_file(path: Path) -> list[str]:
@@ -123,17 +119,16 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(
         self,
         tokens: Sequence[str],
-        on_reject: Callable[[str], None] | None = None,
-        limits: Limits | None = None,
-        body_timeout_s: float = 5.0,
-        job_ended: Callable[[str], float | None] | None = None,
+        on_reject: Callable[[str], None],
+        limits: Limits,
+        body_timeout_s: float,
+        job_ended: Callable[[str], float | None],
     ) -> None:
         """``job_ended``: when the last job of an id ended (None: none known); a job
         token minted before it is refused (the daemon's ``Persister.ended``)."""
         # An admin token's digest is also the key its job tokens are derived with.
-        self._digests = [_digest(t) for t in tokens]
+        self._digests = [admin_key(t) for t in tokens]
         self._on_reject = on_reject
-        limits = limits or Limits()
         self.calls = Gate("max_concurrent_rpcs", limits.max_concurrent_rpcs, "calls at once")
         self.health_checks = Gate(
             "max_health_checks", limits.max_health_checks, "health checks at once"
@@ -142,13 +137,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             "max_health_watches", limits.max_health_watches, "health watch streams"
         )
         self._body_timeout_s = body_timeout_s
-        self._job_ended: Callable[[str], float | None] = job_ended or (lambda job_id: None)
+        self._job_ended = job_ended
         self._legacy_warned: set[str] = set()
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
-        return self.scope_of(metadata) is not None
 
     def scope_of(self, metadata: Sequence[tuple[str, Any]] | None) -> Scope | None:
         """The scope the call's bearer token grants, or None when it is invalid."""
@@ -158,7 +150,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def token_scope(self, token: str) -> Scope | None:
         """The scope ``token`` grants (the status page's login and Bearer callers
         too), or None when it is invalid."""
-        presented = _digest(token)
+        presented = admin_key(token)
         # Compare against every token, without an early exit, in constant time.
         if sum(hmac.compare_digest(presented, d) for d in self._digests) > 0:
             return ADMIN
@@ -225,8 +217,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     "only the admin token may call it",
                 )
             return self._gated(method, await continuation(details), self.calls)
-        if self._on_reject is not None:
-            self._on_reject(method)
+        self._on_reject(method)
         handler = await continuation(details)
         return _rejecting(handler, message=self.refusal(details.invocation_metadata))
 

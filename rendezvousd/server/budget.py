@@ -41,6 +41,17 @@ class Gate:
         self.active += 1
 
 
+def handler_shape(handler: grpc.RpcMethodHandler) -> tuple[Any, Any]:
+    """``handler``'s behaviour and the grpc factory that makes a handler of its shape
+    (unary or streaming request and response), for wrappers that keep the shape."""
+    return {
+        (False, False): (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (True, False): (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (False, True): (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (True, True): (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    }[(handler.request_streaming, handler.response_streaming)]
+
+
 def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
     """``handler`` with the same shape, counted against ``gate`` while it runs.
 
@@ -52,12 +63,7 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
-    inner, make = {
-        (False, False): (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
-        (True, False): (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
-        (False, True): (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
-        (True, True): (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
-    }[(handler.request_streaming, handler.response_streaming)]
+    inner, make = handler_shape(handler)
     if inspect.isasyncgenfunction(inner):
 
         async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
@@ -94,6 +100,12 @@ def gated_before_body(
     """
     if handler.request_streaming:
         return gated(handler, gate)
+    return gated(_on_headers(handler, body_timeout_s), gate)
+
+
+def _on_headers(handler: grpc.RpcMethodHandler, body_timeout_s: float) -> grpc.RpcMethodHandler:
+    """A unary-request ``handler`` as a request-streaming one: it runs once the call's
+    headers arrived, and waits at most ``body_timeout_s`` for the one request."""
     inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
     async def first(requests: AsyncIterator[Any], context: Any) -> Any:
@@ -116,22 +128,13 @@ def gated_before_body(
     if inspect.isasyncgenfunction(inner):
 
         async def stream_gen(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-            await gate.enter(context)
-            try:
-                request = await first(requests, context)
-                async for item in inner(request, context):
-                    yield item
-            finally:
-                gate.active -= 1
+            async for item in inner(await first(requests, context), context):
+                yield item
 
         return grpc.stream_stream_rpc_method_handler(stream_gen, **kw)
 
     async def call(requests: AsyncIterator[Any], context: Any) -> Any:
-        await gate.enter(context)
-        try:
-            return await inner(await first(requests, context), context)
-        finally:
-            gate.active -= 1
+        return await inner(await first(requests, context), context)
 
     if handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(call, **kw)

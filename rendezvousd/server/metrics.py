@@ -37,8 +37,8 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
         # Every metric goes into this daemon's registry, never the global one.
         gauge = functools.partial(Gauge, registry=self.registry)
         counter = functools.partial(Counter, registry=self.registry)

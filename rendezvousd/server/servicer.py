@@ -55,6 +55,8 @@ class _KeyCall(Protocol):
 
 
 SERVICE = "rendezvous.v1.Rendezvous"
+# Methods whose handlers return their answer already encoded.
+_PRE_ENCODED = frozenset({"Join", "PublishId", "JoinNode"})
 
 
 def _now() -> float:
@@ -67,15 +69,10 @@ def _member_of(request: Any) -> tuple[str, int, int]:
 
 
 class RendezvousServicer:
-    def __init__(
-        self,
-        state: RendezvousState,
-        metrics: Metrics | None = None,
-        persister: Persister | None = None,
-    ) -> None:
+    def __init__(self, state: RendezvousState, metrics: Metrics, persister: Persister) -> None:
         self.state = state
-        self.metrics = metrics or Metrics(None)
-        self.persister = persister or Persister(None, state)
+        self.metrics = metrics
+        self.persister = persister
         self.persister.on_undo = self._undone
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now)
@@ -403,37 +400,23 @@ class RendezvousServicer:
     # -- registration ---------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """Method table with one fault seam; Join/PublishId return pre-encoded bytes."""
-        unary: dict[
-            str, tuple[Callable[[Any, Any], Awaitable[Any]], Any, Callable[[Any], bytes]]
-        ] = {
-            "Join": (self.Join, pb.JoinRequest, _raw),
-            "PublishId": (self.PublishId, pb.PublishIdRequest, _raw),
-            "JoinNode": (self.JoinNode, pb.JoinNodeRequest, _raw),
-            "ReportFailure": (self.ReportFailure, pb.ReportFailureRequest, _encode),
-            "GetMembers": (self.GetMembers, pb.GetMembersRequest, _encode),
-            "Barrier": (self.Barrier, pb.BarrierRequest, _encode),
-            "KvSet": (self.KvSet, pb.KvSetRequest, _encode),
-            "KvGet": (self.KvGet, pb.KvGetRequest, _encode),
-            "KvAdd": (self.KvAdd, pb.KvAddRequest, _encode),
-            "KvCompareAndSet": (self.KvCompareAndSet, pb.KvCompareAndSetRequest, _encode),
-            "KvDelete": (self.KvDelete, pb.KvDeleteRequest, _encode),
-            "Leave": (self.Leave, pb.LeaveRequest, _encode),
-            "AbortJob": (self.AbortJob, pb.AbortJobRequest, _encode),
-            "ListJobs": (self.ListJobs, pb.ListJobsRequest, _encode),
-            "GetJob": (self.GetJob, pb.GetJobRequest, _encode),
-        }
-        handlers: dict[str, grpc.RpcMethodHandler] = {
-            name: grpc.unary_unary_rpc_method_handler(
-                self._guard(name, fn), request_deserializer=req.FromString, response_serializer=ser
+        """Every method of the service, as its descriptor lists it, with one fault seam;
+        the joins' answers come pre-encoded (``JoinAnswers``)."""
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for method in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods:
+            name, decode = method.name, getattr(pb, method.input_type.name).FromString
+            if method.client_streaming:  # Heartbeat
+                handlers[name] = grpc.stream_stream_rpc_method_handler(
+                    self._guard_stream(getattr(self, name)),
+                    request_deserializer=decode,
+                    response_serializer=_encode,
+                )
+                continue
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                self._guard(name, getattr(self, name)),
+                request_deserializer=decode,
+                response_serializer=_raw if name in _PRE_ENCODED else _encode,
             )
-            for name, (fn, req, ser) in unary.items()
-        }
-        handlers["Heartbeat"] = grpc.stream_stream_rpc_method_handler(
-            self._guard_stream(self.Heartbeat),
-            request_deserializer=pb.HeartbeatRequest.FromString,
-            response_serializer=_encode,
-        )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _guard(

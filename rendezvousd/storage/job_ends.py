@@ -58,12 +58,7 @@ class JobEnds:
         self.ends[job_id] = at
         self._pending.put[job_id] = at
         self._pending.drop.discard(job_id)
-        while len(self.ends) > self.kept:
-            oldest = next(iter(self.ends))
-            self.floor = max(self.floor, self.ends.pop(oldest))
-            self._pending.put.pop(oldest, None)
-            self._pending.drop.add(oldest)
-            self._pending.floor = self.floor
+        self._drop_oldest()
 
     def ended(self, job_id: str, *, held: bool) -> float | None:
         """When the last job of ``job_id`` ended (None: never, as far as is known);
@@ -105,9 +100,14 @@ class JobEnds:
                 raise ValueError(f"job id {job_id!r} is not a valid job id") from None
             assert isinstance(job_id, str)
             self.ends[job_id] = _time(f"the end of job {job_id!r}", at)
+        self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        """Beyond ``kept`` ends, the oldest go into the floor (and from the next commit)."""
         while len(self.ends) > self.kept:
             oldest = next(iter(self.ends))
             self.floor = max(self.floor, self.ends.pop(oldest))
+            self._pending.put.pop(oldest, None)
             self._pending.drop.add(oldest)
             self._pending.floor = self.floor
 

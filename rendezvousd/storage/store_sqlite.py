@@ -164,7 +164,7 @@ class SqliteStore:
                     if not isinstance(record, dict):
                         raise ValueError("detail is not a JSON object")
                 except ValueError as exc:
-                    raise self._bad(where, f"detail: {exc}") from exc
+                    raise self.bad_row(where, f"detail: {exc}") from exc
                 record.update(
                     job_id=job_id,
                     generation=generation,
@@ -178,15 +178,15 @@ class SqliteStore:
                 where = f"table kv, row (job_id={job_id!r}, key={key!r})"
                 stored = jobs.get(job_id)
                 if stored is None:
-                    raise self._bad(where, "no job with this job_id in table jobs")
+                    raise self.bad_row(where, "no job with this job_id in table jobs")
                 if not isinstance(key, str) or not isinstance(value, bytes):
-                    raise self._bad(where, "key must be TEXT and value a BLOB")
+                    raise self.bad_row(where, "key must be TEXT and value a BLOB")
                 stored.kv[key] = value
             tables: dict[str, list[str]] = {}
             for job_id, digest in db.execute("SELECT job_id, digest FROM used_ids ORDER BY rowid"):
                 where = f"table used_ids, row (job_id={job_id!r})"
                 if job_id not in jobs:
-                    raise self._bad(where, "no job with this job_id in table jobs")
+                    raise self.bad_row(where, "no job with this job_id in table jobs")
                 tables.setdefault(job_id, []).append(digest)  # restore checks each digest
             for job_id, ids in tables.items():
                 jobs[job_id].record[_IDS] = ids
@@ -218,9 +218,6 @@ class SqliteStore:
             return ends, floor[0]
 
     def bad_row(self, where: str, problem: str) -> DaemonError:
-        return self._bad(where, problem)
-
-    def _bad(self, where: str, problem: str) -> DaemonError:
         return DaemonError(
             f"state database {self.path}, {where} is invalid: {problem}; fix or delete "
             "that row (sqlite3 CLI), or move the database aside to start with no jobs"

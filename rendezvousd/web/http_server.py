@@ -19,6 +19,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 log = logging.getLogger("rendezvousd.http")
@@ -30,22 +31,6 @@ MAX_CONNECTIONS = 64
 # is closed after IDLE_S.
 REQUEST_TIMEOUT_S = 10.0
 IDLE_S = 30.0
-
-_REASONS = {
-    200: "OK",
-    303: "See Other",
-    400: "Bad Request",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    409: "Conflict",
-    411: "Length Required",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
 
 
 @dataclass
@@ -83,11 +68,9 @@ class HttpServer:
         handler: Handler,
         *,
         ssl_context: ssl.SSLContext | None = None,
-        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._handler = handler
         self._ssl = ssl_context
-        self._max = max_connections
         self._open: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -118,7 +101,7 @@ class HttpServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(self._open) >= self._max:
+        if len(self._open) >= MAX_CONNECTIONS:
             # Over the cap: answered and closed at once, so it holds no slot.
             with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
                 await _send(writer, Response(503, b"too many connections\n"), close=True)
@@ -203,7 +186,7 @@ async def _send(
     writer: asyncio.StreamWriter, r: Response, *, close: bool, head_only: bool = False
 ) -> None:
     lines = [
-        f"HTTP/1.1 {r.status} {_REASONS.get(r.status, 'Status')}",
+        f"HTTP/1.1 {r.status} {HTTPStatus(r.status).phrase}",
         f"Content-Type: {r.content_type}",
         f"Content-Length: {len(r.body)}",
         "X-Content-Type-Options: nosniff",

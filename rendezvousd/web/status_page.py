@@ -132,7 +132,7 @@ class StatusPage:
                 return self._file("login.html", "text/html; charset=utf-8", 200)
             return self._file(*_STATIC[r.path], 200)
         if not r.path.startswith("/api/"):
-            return _text(404, "no such page; the status page is at /")
+            return Response(404, b"no such page; the status page is at /\n")
         if caller is None:
             return _json(401, {"error": "log in with the admin token or the job's token"})
         if r.path == "/api/jobs" and r.method == "GET":
@@ -418,7 +418,3 @@ def _json(status: int, body: dict[str, Any]) -> Response:
         "application/json",
         [("Cache-Control", "no-store")],
     )
-
-
-def _text(status: int, text: str) -> Response:
-    return Response(status, f"{text}\n".encode())
