@@ -78,6 +78,7 @@ def _teardown(endpoint: str, token_file: str, jobs: list[str]) -> dict[str, Any]
     from rendezvousd.client import RendezvousClient
 
     states: dict[str, int] = {}
+    causes: dict[str, int] = {}
     lost = 0
     with RendezvousClient(endpoint, token_file=token_file) as c:
         for job in jobs:
@@ -85,7 +86,10 @@ def _teardown(endpoint: str, token_file: str, jobs: list[str]) -> dict[str, Any]
             state = pb.JobState.Name(view.summary.state).removeprefix("JOB_STATE_")
             states[state] = states.get(state, 0) + 1
             lost += sum(m.state == pb.MEMBER_STATE_LOST for m in view.members)
-    return {"ranks_lost": lost, "jobs_by_state": states}
+            for f in view.failed:
+                causes[f.cause] = causes.get(f.cause, 0) + 1
+    # By cause: a closed stream at the end is the teardown's; silence is the load's.
+    return {"ranks_lost": lost, "jobs_by_state": states, "losses_by_cause": causes}
 
 
 def _proc_stats(pid: int) -> dict[str, int]:
@@ -526,6 +530,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "leave_burst_s_max": round(max((r["leave_s"] for r in results), default=0.0), 3),
             "ranks_lost": teardown["ranks_lost"],
             "jobs_by_state": teardown["jobs_by_state"],
+            "losses_by_cause": teardown["losses_by_cause"],
         },
         "targets": {**TARGETS, "p99_ms_max": P99_MS_MAX[args.shape]},
         "meets": {
