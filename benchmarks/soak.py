@@ -61,15 +61,17 @@ def _raise_fd_limit() -> None:
 
 
 class _LeaveWarnings(logging.Handler):
-    """Counts the SDK's one warning per leave the daemon did not confirm."""
+    """The SDK's one warning per leave the daemon did not confirm: who warned, as
+    (job, rank) (a node agent's: its node rank)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.count = 0
+        self.who: list[tuple[str, int]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("could not tell the daemon"):
-            self.count += 1
+            _endpoint, rank, job = record.args[:3]  # type: ignore[index]
+            self.who.append((job, rank))
 
 
 def _teardown(endpoint: str, token_file: str, jobs: list[str]) -> dict[str, Any]:
@@ -288,6 +290,13 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
             if c
         ]
     )
+    # Members of a job that already failed under load (their streams over, so each
+    # leave is a Leave call) are told apart from the live ones, whose end it is.
+    failed_before = {
+        (c._s.job_id, c.node_membership.node_rank if c.node_membership else c.membership.rank)
+        for c in leavers
+        if c.failure is not None
+    }
     # Every member at once, as a job's end is: the burst issue 21 found.
     t = time.perf_counter()
     await asyncio.gather(*[c.leave() for c in leavers], return_exceptions=True)
@@ -298,7 +307,9 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         "errors": errors,
         "error_samples": samples,
         "leaves": len(leavers),
-        "leave_warnings": warnings.count,
+        "leaves_of_failed": len(failed_before),
+        "leave_warnings": len(warnings.who),
+        "leave_warnings_of_failed": sum(w in failed_before for w in warnings.who),
         "leave_s": leave_s,
     }
 
@@ -527,6 +538,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "teardown": {
             "leaves": sum(r["leaves"] for r in results),
             "leave_warnings": sum(r["leave_warnings"] for r in results),
+            # Of those, by members whose job had already failed under load (its loss
+            # was the load's, and their leave changes nothing).
+            "leaves_of_failed": sum(r["leaves_of_failed"] for r in results),
+            "leave_warnings_of_failed": sum(r["leave_warnings_of_failed"] for r in results),
             "leave_burst_s_max": round(max((r["leave_s"] for r in results), default=0.0), 3),
             "ranks_lost": teardown["ranks_lost"],
             "jobs_by_state": teardown["jobs_by_state"],
