@@ -84,8 +84,8 @@ class RendezvousClient(steps.ClientBase):
 
     def _leave_on_stream(self, timeout: float) -> bool | None:
         thread = self._hb_thread
-        if thread is None or not thread.is_alive():
-            return False
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return False  # no stream to say it on (or leave() from its own on_failure)
         self._hb_leave = True
         self._hb_wake.set()
         # The thread ends with the stream: LEFT read, or the stream over without it.

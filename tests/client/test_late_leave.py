@@ -198,3 +198,39 @@ def test_leave_gives_up_on_a_daemon_that_never_answers(
         d.proc.send_signal(signal.SIGCONT)
         c.close()
         d.kill()
+
+
+def test_leave_from_on_failure_on_the_heartbeat_thread_returns(
+    paused_daemon: DaemonProcess, job_id: str
+) -> None:
+    """on_failure runs on the stream's own thread, which cannot wait for itself: the
+    goodbye there goes by a Leave call."""
+    d = paused_daemon
+    outcome: queue.Queue[BaseException | None] = queue.Queue()
+    survivor = RendezvousClient(d.endpoint, job_id, token=d.token)
+    victim = RendezvousClient(d.endpoint, job_id, token=d.token)
+
+    def leave_at_once(error: RendezvousError) -> None:
+        try:
+            survivor.leave()
+            outcome.put(None)
+        except BaseException as exc:
+            outcome.put(exc)
+
+    try:
+        parallel(
+            [
+                lambda: survivor.join(num_nodes=2, gpus_per_node=1, node_rank=0, local_rank=0),
+                lambda: victim.join(num_nodes=2, gpus_per_node=1, node_rank=1, local_rank=0),
+            ]
+        )
+        survivor.start_heartbeat(0.2, on_failure=leave_at_once)
+        victim.start_heartbeat(0.2)
+        wait_for("both heartbeat streams", _streams_open(d, job_id, 2))
+        wait_for("the survivor's stream acknowledged", lambda: survivor._s.stream_leave)
+        victim.close()  # no goodbye: a loss, which the survivor hears
+        assert outcome.get(timeout=20) is None
+        assert _settled(d, job_id, 0) == pb.MEMBER_STATE_LEFT
+    finally:
+        survivor.close()
+        victim.close()
