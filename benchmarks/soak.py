@@ -1,5 +1,6 @@
 """Soak: thousands of members heartbeating for a bounded time, with barriers and
-KV traffic, then a process death whose notification latency is measured.
+KV traffic, then a process death whose notification latency is measured, then every
+member leaves at once (the job's normal end).
 
     python benchmarks/soak.py --duration 30 --members 4096 --json-out soak.json
 
@@ -19,6 +20,10 @@ failure-to-survivor notification. Prints one JSON document: operation counts,
 rate, p50/p90/p99/p99.9 latency per operation, errors by status code, daemon RSS and
 open fds at start, once every member joined, every 10 s of the load, at its end and
 after members left; RSS growth is judged from the first sample after two periods.
+At the end every member leaves at once, as a finished job does (per-rank: each client;
+node: each agent, for its node's ranks, as rendezvous-run does; its workers only close):
+the report counts the SDK's leave warnings, the ranks the daemon holds LOST and the
+jobs not ENDED after that teardown (a normal end must never look like a failure).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import resource
 import secrets
@@ -44,7 +50,7 @@ from _report import emit
 from rendezvousd.cli.embedded import spawn
 from rendezvousd.client._session import DEFAULT_HEARTBEAT_S
 
-TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0}
+TARGETS = {"errors": 0, "rss_growth_pct_max": 10.0, "notify_s_max": 1.0, "ranks_lost_at_end": 0}
 # Every operation's p99 (issue 21): the node shape is what jobs run now.
 P99_MS_MAX = {"node": 100.0, "rank": 1000.0}
 
@@ -52,6 +58,40 @@ P99_MS_MAX = {"node": 100.0, "rank": 1000.0}
 def _raise_fd_limit() -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class _LeaveWarnings(logging.Handler):
+    """The SDK's one warning per leave the daemon did not confirm: who warned, as
+    (job, rank) (a node agent's: its node rank)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.who: list[tuple[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("could not tell the daemon"):
+            _endpoint, rank, job = record.args[:3]  # type: ignore[index]
+            self.who.append((job, rank))
+
+
+def _teardown(endpoint: str, token_file: str, jobs: list[str]) -> dict[str, Any]:
+    """After every member left: the soak jobs' states and the ranks the daemon lost."""
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+    from rendezvousd.client import RendezvousClient
+
+    states: dict[str, int] = {}
+    causes: dict[str, int] = {}
+    lost = 0
+    with RendezvousClient(endpoint, token_file=token_file) as c:
+        for job in jobs:
+            view = c.get_job(job)
+            state = pb.JobState.Name(view.summary.state).removeprefix("JOB_STATE_")
+            states[state] = states.get(state, 0) + 1
+            lost += sum(m.state == pb.MEMBER_STATE_LOST for m in view.members)
+            for f in view.failed:
+                causes[f.cause] = causes.get(f.cause, 0) + 1
+    # By cause: a closed stream at the end is the teardown's; silence is the load's.
+    return {"ranks_lost": lost, "jobs_by_state": states, "losses_by_cause": causes}
 
 
 def _proc_stats(pid: int) -> dict[str, int]:
@@ -128,6 +168,8 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
     from rendezvousd.client import AsyncRendezvousClient, RendezvousError
 
     _raise_fd_limit()
+    warnings = _LeaveWarnings()
+    logging.getLogger("rendezvousd.client").addHandler(warnings)
     jobs = [f"{args.job_prefix}-{j}" for j in range(args.first_job, args.first_job + args.jobs)]
     latencies: dict[str, list[float]] = {
         "join": [],
@@ -138,6 +180,9 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
     errors: dict[str, int] = {}
     samples: dict[str, list[str]] = {}
     clients: list[Any] = []
+    # Who says goodbye at the end: each per-rank member, or each node agent (for its
+    # node's ranks, as rendezvous-run does; its attached workers only close).
+    leavers: list[Any] = []
 
     def err(exc: RendezvousError, op: str) -> None:
         code = exc.code or type(exc).__name__
@@ -172,6 +217,7 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
             return [None] * args.gpus_per_node
         latencies["join"].append(time.perf_counter() - t)
         agent.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e, "node heartbeat"))
+        leavers.append(agent)
         workers = []
         for local in range(args.gpus_per_node):
             w = client(job)
@@ -196,6 +242,7 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
             return None
         latencies["join"].append(time.perf_counter() - t)
         c.start_heartbeat(args.heartbeat_s, on_failure=lambda e: err(e, "heartbeat"))
+        leavers.append(c)
         return c
 
     async def steady(c: Any, job_index: int, rank: int, rounds: int) -> None:
@@ -243,11 +290,28 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
             if c
         ]
     )
-    await asyncio.gather(
-        *[c.leave() for c in clients if c.membership is not None], return_exceptions=True
-    )
+    # Members of a job that already failed under load (their streams over, so each
+    # leave is a Leave call) are told apart from the live ones, whose end it is.
+    failed_before = {
+        (c._s.job_id, c.node_membership.node_rank if c.node_membership else c.membership.rank)
+        for c in leavers
+        if c.failure is not None
+    }
+    # Every member at once, as a job's end is: the burst issue 21 found.
+    t = time.perf_counter()
+    await asyncio.gather(*[c.leave() for c in leavers], return_exceptions=True)
+    leave_s = time.perf_counter() - t
     await asyncio.gather(*[c.close() for c in clients])
-    return {"latencies": latencies, "errors": errors, "error_samples": samples}
+    return {
+        "latencies": latencies,
+        "errors": errors,
+        "error_samples": samples,
+        "leaves": len(leavers),
+        "leaves_of_failed": len(failed_before),
+        "leave_warnings": len(warnings.who),
+        "leave_warnings_of_failed": sum(w in failed_before for w in warnings.who),
+        "leave_s": leave_s,
+    }
 
 
 async def _probe(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,6 +381,8 @@ def _spawn(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _raise_fd_limit()
+    # Other work on the machine shares its cores with the daemon and the members.
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         persist = ["--state-dir", str(Path(tmp) / "state")] if args.state_dir else []
         (Path(tmp) / "state").mkdir(mode=0o700)
@@ -392,6 +458,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for w in workers
             ]
             served = _served_latencies(embedded.metrics_url)
+            teardown = _teardown(endpoint, token, [f"soak-{j}" for j in range(sum(per))])
             end_stats = _proc_stats(daemon.pid)
             elapsed = time.time() - started
             # The member processes were reaped above (probe and victim too); the daemon
@@ -430,6 +497,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "state_dir": bool(args.state_dir),
         "job_size": args.job_size,
         "duration_s": round(elapsed, 1),
+        "load_average_1_5_15": {
+            "start": [round(x, 2) for x in load_at_start],
+            "end": [round(x, 2) for x in os.getloadavg()],
+        },
         # As the clients saw them: on this machine 4,000+ client channels and the daemon
         # share the same cores, so these include the clients' own queueing.
         "operations": {k: _percentiles(v) for k, v in latencies.items()},
@@ -460,12 +531,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rss_growth_pct_warm_to_late": round(growth, 2),
         },
         "failure_notification_s": notify,
+        # The job's normal end, every member leaving at once: leave() calls (per-rank
+        # members, or node agents), the SDK's warnings (a leave the daemon did not
+        # confirm within leave_timeout), the slowest process's burst, and what the
+        # daemon then holds: LOST ranks and jobs by state (all ENDED when none was lost).
+        "teardown": {
+            "leaves": sum(r["leaves"] for r in results),
+            "leave_warnings": sum(r["leave_warnings"] for r in results),
+            # Of those, by members whose job had already failed under load (its loss
+            # was the load's, and their leave changes nothing).
+            "leaves_of_failed": sum(r["leaves_of_failed"] for r in results),
+            "leave_warnings_of_failed": sum(r["leave_warnings_of_failed"] for r in results),
+            "leave_burst_s_max": round(max((r["leave_s"] for r in results), default=0.0), 3),
+            "ranks_lost": teardown["ranks_lost"],
+            "jobs_by_state": teardown["jobs_by_state"],
+            "losses_by_cause": teardown["losses_by_cause"],
+        },
         "targets": {**TARGETS, "p99_ms_max": P99_MS_MAX[args.shape]},
         "meets": {
             "errors": not errors,
             "rss_growth": growth < TARGETS["rss_growth_pct_max"],
             "notify": bool(notify) and max(notify) <= TARGETS["notify_s_max"],
             "p99": worst_p99 <= P99_MS_MAX[args.shape],
+            "clean_end": teardown["ranks_lost"] == 0,
         },
     }
 

@@ -102,7 +102,17 @@ class Connected:
     """Answered True when the channel is known to be connected already."""
 
 
-Step = Rpc | Sleep | Blocking | StopStream | Connected
+@dataclass(frozen=True)
+class LeaveOnStream:
+    """Send the goodbye (``Session.leave_beat``) as the heartbeat stream's last message
+    and wait up to ``timeout`` for the stream to end. Answered True when the daemon
+    confirmed it (LEFT), False when there was no live stream to say it on or it ended
+    without the confirmation, None when it still runs at the timeout."""
+
+    timeout: float
+
+
+Step = Rpc | Sleep | Blocking | StopStream | Connected | LeaveOnStream
 Steps = Generator[Step, Any, T]
 
 
@@ -304,14 +314,35 @@ class Calls:
             raise
 
     def leave(self) -> Steps[None]:
-        """One attempt within the leave timeout; a failure is one warning, not an error."""
-        request = self.s.leave_request()
+        """One goodbye within the leave timeout; a failure is one warning, not an error.
+
+        Said on the heartbeat stream where its daemon offers it (issue 21), as its
+        last message, and the stream left open until the daemon confirms it (within
+        ``Session.leave_wait``): read in order before the stream's end, so that end is
+        never a loss however late the daemon gets to it. A Leave call cannot be
+        ordered against the stream, which is closed right after it: 4,096 of them at a
+        job's end outlasted the leave timeout, and each member whose stream then
+        closed first was lost. Otherwise (an older daemon, no stream), or when the
+        stream broke first, by a Leave call within the leave timeout."""
+        s = self.s
+        request = s.leave_request()
         if request is None:
             return
+        if s.stream_leave:
+            wait = s.leave_wait()
+            confirmed = yield LeaveOnStream(wait)
+            if confirmed is None:
+                s.leave_unconfirmed(request, wait)
+                return
+            if confirmed:
+                return
+            if (refused := s.leave_refused()) is not None:
+                s.leave_failed(request, refused)
+                return
         try:
-            yield Rpc("Leave", request, self.s.leave_timeout)
+            yield Rpc("Leave", request, s.leave_timeout)
         except grpc.RpcError as exc:
-            self.s.leave_failed(request, exc)
+            s.leave_failed(request, exc)
 
     def abort(self, reason: str, job_id: str | None, generation: int) -> Steps[int]:
         request = pb.AbortJobRequest(

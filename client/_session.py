@@ -141,6 +141,13 @@ class Session:
     # Makes one GetMembers call (blocking): how a slim join's table is fetched.
     get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
     leave_timeout: float = LEAVE_TIMEOUT_S
+    # The live heartbeat stream's daemon takes the goodbye on it (its attach's ack
+    # said so): leave() says it there, not by a Leave call.
+    stream_leave: bool = False
+    # The daemon confirmed the goodbye said on the stream (LEFT); or the error that
+    # ended the stream after it, if any.
+    left: bool = False
+    leave_error: grpc.RpcError | None = None
     # The heartbeat thread and the watchdog may both report; on_failure runs once.
     _fail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -194,6 +201,7 @@ class Session:
         self.instance_id = instance_id or secrets.token_hex(16)
         self.joined, self.node, self.failure, self.barrier_counts = None, None, None, {}
         self.leaving, self.nodes_waiting = False, 0
+        self.stream_leave, self.left, self.leave_error = False, False, None
 
     def member(self) -> Membership:
         if self.failure is not None:
@@ -444,6 +452,46 @@ class Session:
         self.leaving = True
         return pb.LeaveRequest(**self._fields(who))
 
+    def leave_beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
+        """The stream's last message: its goodbye (``HeartbeatRequest.leave``)."""
+        goodbye = pb.HeartbeatRequest()
+        goodbye.CopyFrom(request)
+        goodbye.leave = True
+        return goodbye
+
+    def leave_refused(self) -> grpc.RpcError | None:
+        """The daemon's refusal of the goodbye said on the stream (the stream's error
+        after it, as a Leave call's would be), or None: the stream only broke, and a
+        Leave call may still tell it."""
+        error = self.leave_error
+        if error is None or error.code() in _TRANSIENT_STREAM_CODES:
+            return None
+        return error
+
+    def leave_wait(self) -> float:
+        """How long a goodbye said on the stream waits for the daemon's LEFT: the
+        leave timeout, or the daemon's heartbeat timeout if longer.
+
+        Giving up means closing the stream, and gRPC may drop a message the daemon has
+        not read yet when the stream's reset follows it (1 in 4 with both arriving at
+        once, measured): the member would be lost after all, which is the failure
+        this wait avoids (issue 21). Waiting costs only this process's exit time, and
+        a daemon that has not read the goodbye within its own heartbeat timeout is
+        behind by more than it allows a silent member anyway."""
+        return max(self.leave_timeout, self.daemon_heartbeat_timeout)
+
+    def leave_unconfirmed(self, request: pb.LeaveRequest, waited: float) -> None:
+        """The goodbye on the stream was not confirmed in time: said, not raised."""
+        log.warning(
+            "could not tell the daemon at %s that rank %d of job %r left: no answer "
+            "within %g s to the goodbye on its heartbeat stream; the daemon may report "
+            "it lost; the job's results are unaffected",
+            self.endpoint,
+            request.rank,
+            request.job_id,
+            waited,
+        )
+
     def leave_failed(self, request: pb.LeaveRequest, exc: grpc.RpcError) -> None:
         """One warning, no exception: a finished job must not turn into a failed one."""
         error = from_rpc_error(
@@ -517,7 +565,7 @@ class StreamWatch:
 
     @property
     def done(self) -> bool:
-        return self.session.failure is not None
+        return self.session.failure is not None or self.session.left
 
     def deadline(self) -> float | None:
         """When silence becomes DaemonUnreachable; None while there is no clock."""
@@ -529,6 +577,11 @@ class StreamWatch:
         """ "stop" (the member failed), "reconnect" (daemon draining) or "continue"."""
         self.heard = time.monotonic()
         self.outage_since, self.attempt = None, 0
+        if event.stream_leave:
+            self.session.stream_leave = True
+        if event.kind == pb.JobEvent.LEFT:
+            self.session.left = True
+            return "stop"
         if event.kind == pb.JobEvent.NODES_WAITING:
             self.session.nodes_waiting = event.nodes_waiting
             if self.session.on_nodes_waiting is not None:
@@ -568,6 +621,13 @@ class StreamWatch:
     def ended(self, error: grpc.RpcError | None) -> float | None:
         """The stream ended, by ``error`` or not: seconds to wait before reconnecting,
         or None once this member is over."""
+        # A next stream (a restarted daemon, maybe an older one) says it again.
+        self.session.stream_leave = False
+        if self.session.leaving:
+            # After leave() said goodbye (here, or by a Leave call): no reconnect; how
+            # the stream ended is the goodbye's outcome.
+            self.session.leave_error = error
+            return None
         if error is not None and not self.on_error(error):
             return None
         return self.next_backoff()

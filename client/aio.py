@@ -45,6 +45,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._blocking = BlockingMembers(self._s, self._c.tls)
         self._s.get_members = self._blocking
         self._hb_task: asyncio.Task[None] | None = None
+        # Wakes the stream's request iterator before its next beat, to say goodbye.
+        self._hb_wake = asyncio.Event()
+        self._hb_leave = False
 
     async def _run(self, calls: steps.Steps[T]) -> T:
         run = steps.Run(calls)
@@ -66,7 +69,19 @@ class AsyncRendezvousClient(steps.ClientBase):
             await self._stop_heartbeat()
         elif isinstance(step, steps.Connected):
             return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
+        elif isinstance(step, steps.LeaveOnStream):
+            return await self._leave_on_stream(step.timeout)
         return None
+
+    async def _leave_on_stream(self, timeout: float) -> bool | None:
+        task = self._hb_task
+        if task is None or task.done():
+            return False
+        self._hb_leave = True
+        self._hb_wake.set()
+        # The task ends with the stream: LEFT read, or the stream over without it.
+        await asyncio.wait({task}, timeout=timeout)
+        return self._s.left if task.done() else None
 
     async def check_health(self) -> None:
         """``RendezvousClient.check_health``, awaited."""
@@ -116,13 +131,20 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         loop = asyncio.get_running_loop()
+        self._hb_wake.clear()
+        self._hb_leave = False
         self._hb_task = loop.create_task(self._heartbeat_loop(watch, interval))
 
     async def _heartbeat_requests(self, interval: float) -> AsyncIterator[pb.HeartbeatRequest]:
         request = self._s.heartbeat_request()
         while True:
             yield request
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._hb_wake.wait()
+            if self._hb_leave:
+                yield self._s.leave_beat(request)
+                return  # the daemon ends the stream once the goodbye is durable
             request = self._s.beat(request)
 
     async def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:

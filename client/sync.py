@@ -45,6 +45,9 @@ class RendezvousClient(steps.ClientBase):
         self._hb_thread: threading.Thread | None = None
         self._hb_watchdog: threading.Thread | None = None
         self._hb_stop = threading.Event()
+        # Wakes the stream's request iterator before its next beat: stop, or leave.
+        self._hb_wake = threading.Event()
+        self._hb_leave = False
         self._hb_call: Any = None
 
     # -- plumbing: the I/O of the shared steps -------------------------------------
@@ -75,7 +78,19 @@ class RendezvousClient(steps.ClientBase):
             # A blocking channel cannot say without connecting: always health-check
             # (one round trip per join, which a blocking client makes rarely).
             return False
+        elif isinstance(step, steps.LeaveOnStream):
+            return self._leave_on_stream(step.timeout)
         return None
+
+    def _leave_on_stream(self, timeout: float) -> bool | None:
+        thread = self._hb_thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return False  # no stream to say it on (or leave() from its own on_failure)
+        self._hb_leave = True
+        self._hb_wake.set()
+        # The thread ends with the stream: LEFT read, or the stream over without it.
+        thread.join(timeout)
+        return None if thread.is_alive() else self._s.left
 
     def check_health(self) -> None:
         """Fail fast, with one clear error, when the daemon is down or draining."""
@@ -162,6 +177,8 @@ class RendezvousClient(steps.ClientBase):
 
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         self._hb_stop.clear()
+        self._hb_wake.clear()
+        self._hb_leave = False
         name = f"rendezvous-heartbeat-{watch.member.job_id}-{watch.member.rank}"
         self._hb_thread = threading.Thread(
             target=self._heartbeat_loop, args=(watch, interval), daemon=True, name=name
@@ -175,7 +192,13 @@ class RendezvousClient(steps.ClientBase):
     def _heartbeat_requests(self, interval: float) -> Iterator[pb.HeartbeatRequest]:
         request = self._s.heartbeat_request()
         yield request
-        while not self._hb_stop.wait(interval):
+        while not self._hb_stop.is_set():
+            self._hb_wake.wait(interval)
+            if self._hb_stop.is_set():
+                return
+            if self._hb_leave:
+                yield self._s.leave_beat(request)
+                return  # the daemon ends the stream once the goodbye is durable
             request = self._s.beat(request)
             yield request
 
@@ -217,6 +240,7 @@ class RendezvousClient(steps.ClientBase):
 
     def _stop_heartbeat(self) -> None:
         self._hb_stop.set()
+        self._hb_wake.set()
         if self._hb_call is not None:
             self._hb_call.cancel()
         for attr in ("_hb_thread", "_hb_watchdog"):

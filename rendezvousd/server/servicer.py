@@ -75,7 +75,7 @@ class RendezvousServicer:
         self.persister = persister
         self.persister.on_undo = self._undone
         self._futures: dict[int, asyncio.Future[Any]] = {}
-        self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now)
+        self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now, self._durably)
         self._answers = JoinAnswers(state.timing)
 
     # -- effects ----------------------------------------------------------

@@ -4,17 +4,28 @@ job's events and acks out, and how each ends.
 The state machine decides what a heartbeat, a stream's attach and its end mean; this
 module only keeps the open streams, pushes ``Notify`` effects onto them, and ends a
 stream whose member a failed commit undid.
+
+A member may say goodbye on its stream (``HeartbeatRequest.leave``) rather than by a
+``Leave`` call (issue 21). Messages on one stream are read in order, so the goodbye is
+applied before the stream's end is seen, and that end is not read as a death however
+late the daemon reads it, as long as the client keeps the stream until LEFT (the SDK
+does; a reset right behind an unread message may drop it inside gRPC). A job's end at
+scale (4,096 Leaves at once) outlasted the SDK's leave deadline, and each stream the
+SDK then closed lost its member: nothing orders a unary Leave against the stream's
+end, and its deadline may cancel it before it is read. The goodbye is also cheaper:
+one message on an open stream, not a call.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.common.model import EventKind, JoinMode, Notify, Progress
+from rendezvousd.common.model import Effect, EventKind, JoinMode, Notify, Progress
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.answers import failed_member
 from rendezvousd.server.metrics import Metrics
@@ -34,12 +45,17 @@ class HeartbeatStreams:
         metrics: Metrics,
         apply: Callable[[], None],
         now: Callable[[], float],
+        durably: Callable[[str, list[Effect]], Coroutine[Any, Any, None]],
     ) -> None:
         self.state = state
         self.metrics = metrics
         self._apply = apply
         self._now = now
+        # The servicer's: a change's wakes and events go out once it is durable.
+        self._durably = durably
         self._open: dict[_StreamKey, tuple[int, asyncio.Queue[_Item]]] = {}
+        # Goodbyes being made durable: held here, as their streams may end first.
+        self._leaving: set[asyncio.Task[None]] = set()
 
     def push(self, effect: Notify) -> None:
         now = self._now()
@@ -80,14 +96,19 @@ class HeartbeatStreams:
         # Acknowledge the attach at once: a client reattaching after a restart
         # knows it is heard again without waiting for the next heartbeat.
         queue.put_nowait(
-            pb.JobEvent(kind=pb.JobEvent.HEARTBEAT_ACK, job_id=key[0], generation=key[1])
+            pb.JobEvent(
+                kind=pb.JobEvent.HEARTBEAT_ACK,
+                job_id=key[0],
+                generation=key[1],
+                stream_leave=True,
+            )
         )
         if first.HasField("progress"):
             self.state.report_progress(*key[:2], key[3], _progress(first.progress), mode=mode)
         entry = (token, queue)
         self._open[key] = entry
         self._apply()  # events owed to a stream as it attaches (NODES_WAITING)
-        reader = asyncio.create_task(self._read(key, iterator, queue))
+        reader = asyncio.create_task(self._read(key, first, iterator, queue))
         self.metrics.streams.inc()
         try:
             while (item := await queue.get()) is not None:
@@ -105,6 +126,7 @@ class HeartbeatStreams:
     async def _read(
         self,
         key: _StreamKey,
+        first: pb.HeartbeatRequest,
         iterator: AsyncIterator[pb.HeartbeatRequest],
         queue: asyncio.Queue[_Item],
     ) -> None:
@@ -115,7 +137,13 @@ class HeartbeatStreams:
         acked = self._now()
         reported: pb.Progress | None = None
         try:
+            if first.leave:
+                await self._leave(key, first.instance_id, queue)
+                return
             async for request in iterator:
+                if request.leave:
+                    await self._leave(key, first.instance_id, queue)
+                    return
                 now = self._now()
                 try:
                     self.state.heartbeat(key[0], key[1], key[3], now, mode=key[2])
@@ -134,6 +162,34 @@ class HeartbeatStreams:
             pass
         finally:
             queue.put_nowait(None)
+
+    async def _leave(self, key: _StreamKey, instance_id: str, queue: asyncio.Queue[_Item]) -> None:
+        """The stream's goodbye: applied at once, before anything can end the stream
+        (so its end, read next, finds the member LEFT), then LEFT once durable."""
+        try:
+            self.state.leave(*key[:2], key[3], instance_id, self._now(), mode=key[2])
+        except RendezvousFault as refused:
+            self._apply()
+            queue.put_nowait(refused)  # Leave's own error, as the call would give it
+            return
+        # Its own task: the client may close the stream before the commit, and the
+        # leave's events (JOB_ENDED, a barrier it completed) must still go out.
+        commit = asyncio.create_task(self._durably(key[0], self.state.take_effects()))
+        self._leaving.add(commit)
+        commit.add_done_callback(self._committed)
+        try:
+            await asyncio.shield(commit)
+        except RendezvousFault as fault:  # storage failed: the leave was undone
+            queue.put_nowait(fault)
+            return
+        queue.put_nowait(pb.JobEvent(kind=pb.JobEvent.LEFT, job_id=key[0], generation=key[1]))
+
+    def _committed(self, commit: asyncio.Task[None]) -> None:
+        self._leaving.discard(commit)
+        if not commit.cancelled():
+            # A failed commit was logged by the Persister and undone; its stream, if
+            # still open, ended with the fault: nothing is left to report here.
+            commit.exception()
 
 
 def _progress(message: pb.Progress) -> Progress:

@@ -1011,6 +1011,7 @@ class HeartbeatRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -1018,6 +1019,15 @@ class HeartbeatRequest(_message.Message):
     node: _builtins.bool
     """A node agent's stream: rank is its node_rank and instance_id the node's.
     The one stream is the liveness of every member of the node.
+    """
+    leave: _builtins.bool
+    """This member is done: the same as Leave (node: every member of the node),
+    read in order before the stream's end, so that end is not a loss however
+    late the daemon reads it. The daemon answers LEFT once the leave is durable
+    (or ends the stream with Leave's error) and then ends the stream. Keep the
+    stream until then: a reset right behind an unread message may drop it. Send
+    it only where the attach's ack said stream_leave: an older daemon ignores it
+    and reads the stream's end as a loss.
     """
     @_builtins.property
     def progress(self) -> Global___Progress:
@@ -1034,10 +1044,11 @@ class HeartbeatRequest(_message.Message):
         instance_id: _builtins.str = ...,
         node: _builtins.bool = ...,
         progress: Global___Progress | None = ...,
+        leave: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "leave", b"leave", "node", b"node", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1151,6 +1162,10 @@ class JobEvent(_message.Message):
         nodes_waiting. Sent to the nodes of a running generation with fewer than
         max_nodes nodes, again whenever the count changes.
         """
+        LEFT: JobEvent._Kind.ValueType  # 7
+        """The goodbye sent on this stream (HeartbeatRequest.leave) is recorded and
+        durable; the stream ends after it.
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: JobEvent.Kind.ValueType  # 0
@@ -1172,6 +1187,10 @@ class JobEvent(_message.Message):
     nodes_waiting. Sent to the nodes of a running generation with fewer than
     max_nodes nodes, again whenever the count changes.
     """
+    LEFT: JobEvent.Kind.ValueType  # 7
+    """The goodbye sent on this stream (HeartbeatRequest.leave) is recorded and
+    durable; the stream ends after it.
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
@@ -1179,11 +1198,16 @@ class JobEvent(_message.Message):
     FAILED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     NODES_WAITING_FIELD_NUMBER: _builtins.int
+    STREAM_LEAVE_FIELD_NUMBER: _builtins.int
     kind: Global___JobEvent.Kind.ValueType
     job_id: _builtins.str
     generation: _builtins.int
     reason: _builtins.str
     nodes_waiting: _builtins.int
+    stream_leave: _builtins.bool
+    """On the attach's HEARTBEAT_ACK: this daemon takes HeartbeatRequest.leave on
+    this stream (absent from an older daemon: leave with the Leave call).
+    """
     @_builtins.property
     def failed(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedMember]: ...
     def __init__(
@@ -1195,10 +1219,11 @@ class JobEvent(_message.Message):
         failed: _abc.Iterable[Global___FailedMember] | None = ...,
         reason: _builtins.str = ...,
         nodes_waiting: _builtins.int = ...,
+        stream_leave: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "nodes_waiting", b"nodes_waiting", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "nodes_waiting", b"nodes_waiting", "reason", b"reason", "stream_leave", b"stream_leave"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -268,7 +268,10 @@ class RendezvousServicer:
         streams JobEvents back (peer failed, job aborted, job ended) and, when its
         JoinResponse advertised heartbeat_timeout_ms, HEARTBEAT_ACKs. Closing the
         stream without Leave, or staying silent past the daemon's heartbeat
-        timeout, marks the member lost.
+        timeout, marks the member lost. A member may instead say goodbye on its
+        stream (HeartbeatRequest.leave, where the attach's ack offered it with
+        stream_leave): ordered before the stream's end, so that end is never read
+        as a death, however late the daemon reads it.
 
         NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
         ALREADY_EXISTS (DUPLICATE_RANK: another instance owns the rank).
@@ -279,6 +282,8 @@ class RendezvousServicer:
 
     def Leave(self, request, context):
         """Leave marks the member as finished; its stream may then close freely.
+        (The same as HeartbeatRequest.leave on the member's stream, which is what
+        the SDK sends where the daemon offers it.)
         Leaving before the world is complete frees the rank. When every member
         has left, the job ends and is garbage-collected after the job TTL.
         NOT_FOUND, ABORTED (STALE_GENERATION).
