@@ -140,9 +140,8 @@ class CpuRingCommunicator(RankedCommunicator):
         finally:
             listener.close()
         if self._right is not None:
-            writer = wire.FrameWriter(self._right, self._right_rank)
             self._sender = wire.SenderThread(
-                writer, self._right, rank, failed=self._has_failed, on_error=self._record
+                self._right, self._right_rank, rank, failed=self._has_failed, on_error=self._record
             )
         if shared_memory is not None:
             try:

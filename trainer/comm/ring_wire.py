@@ -323,10 +323,6 @@ def peek_failure(sock: socket.socket) -> tuple[int, int, str] | None:
         data = sock.recv(2 * FRAME.size + MAX_DETAIL_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except OSError:
         return None
-    return parse_failure(data)
-
-
-def parse_failure(data: bytes) -> tuple[int, int, str] | None:
     offset = 0
     while offset + FRAME.size <= len(data):
         kind, _, code, _, _, _, origin, _, length = FRAME.unpack_from(data, offset)
@@ -352,42 +348,20 @@ def fail_frame(origin: int, code: int, detail: str) -> bytes:
     return FRAME.pack(FAIL, 0, code, 0, 0, 0, origin, 0, len(payload)) + payload
 
 
-class FrameWriter:
-    """Writes frames to one socket, used by a single sender thread."""
-
-    def __init__(self, sock: socket.socket, peer: int) -> None:
-        self._sock = sock
-        self._peer = peer
-
-    def send(self, header: bytes, payload: memoryview) -> None:
-        """Send one frame; raises LinkError naming the peer on failure."""
-        try:
-            self._send_all([header, payload])
-        except (BlockingIOError, TimeoutError) as exc:
-            raise LinkError(self._peer, TIMEOUT, "send stalled past the timeout") from exc
-        except OSError as exc:
-            found = peek_failure(self._sock)
-            if found is not None:
-                origin, code, detail = found
-                raise LinkError(origin, code, detail, via=self._peer) from exc
-            raise LinkError(self._peer, LOST, f"connection error: {exc.strerror}") from exc
-
-    def send_raw(self, data: bytes) -> None:
-        self._send_all([data])
-
-    def _send_all(self, buffers: list[bytes | memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        while views:
-            sent = self._sock.sendmsg(views, [], socket.MSG_NOSIGNAL)
-            while views and sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            if views and sent:
-                views[0] = views[0][sent:]
+def _send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views, [], socket.MSG_NOSIGNAL)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 class SenderThread:
-    """Streams posted frames to the right neighbour, in posting order, on its own thread.
+    """Streams posted frames to the right neighbour ``peer`` over ``sock``, in posting
+    order, on its own thread.
 
     After a failure it skips queued data and, if the stream is still frame-aligned,
     forwards one FAIL frame so ranks further down the ring learn who failed.
@@ -395,15 +369,15 @@ class SenderThread:
 
     def __init__(
         self,
-        writer: FrameWriter,
         sock: socket.socket,
+        peer: int,
         rank: int,
         *,
         failed: Callable[[], bool],
         on_error: Callable[[LinkError], None],
     ) -> None:
-        self._writer = writer
         self._sock = sock
+        self._peer = peer
         self._rank = rank
         self._failed = failed
         self._on_error = on_error
@@ -436,13 +410,13 @@ class SenderThread:
             if item == "fail":
                 with contextlib.suppress(OSError):
                     if aligned:
-                        self._writer.send_raw(self._fail_frame)
+                        _send_all(self._sock, [self._fail_frame])
                     self._sock.shutdown(socket.SHUT_WR)
                 continue
             if self._failed() or isinstance(item, str):
                 continue
             try:
-                self._writer.send(*item)
+                self._send(*item)
             except LinkError as exc:
                 aligned = False
                 self._on_error(exc)
@@ -450,6 +424,19 @@ class SenderThread:
                 aligned = False
                 detail = f"sender crashed: {type(exc).__name__}"
                 self._on_error(LinkError(self._rank, INTERRUPTED, detail))
+
+    def _send(self, header: bytes, payload: memoryview) -> None:
+        """Send one frame; raises LinkError naming the peer on failure."""
+        try:
+            _send_all(self._sock, [header, payload])
+        except (BlockingIOError, TimeoutError) as exc:
+            raise LinkError(self._peer, TIMEOUT, "send stalled past the timeout") from exc
+        except OSError as exc:
+            found = peek_failure(self._sock)
+            if found is not None:
+                origin, code, detail = found
+                raise LinkError(origin, code, detail, via=self._peer) from exc
+            raise LinkError(self._peer, LOST, f"connection error: {exc.strerror}") from exc
 
 
 def describe_mismatch(got: tuple[int, ...], want: tuple[int, ...]) -> str:
