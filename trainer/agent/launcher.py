@@ -272,7 +272,7 @@ def _make_agent(
 def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
     """The daemon's record of the first rank lost, on any node; failing that, this
     node's first failed worker."""
-    from rendezvousd.trainer.agent.root_cause import lost_member
+    from rendezvousd.trainer.agent.root_cause import describe, lost_member
 
     transport = config.rendezvous
     assert transport.endpoint is not None
@@ -280,7 +280,7 @@ def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
         transport.endpoint, config.job_id, transport.token_file, tls=transport.tls(), settle_s=1.0
     )
     if lost is not None:
-        _note(f"root cause: {lost.describe()}")
+        _note(f"root cause: {describe(lost)}")
     elif local is not None:
         who = f"rank {local.rank}" if local.rank is not None else f"local rank {local.local_rank}"
         _note(
