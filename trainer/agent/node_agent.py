@@ -13,6 +13,7 @@ thread only; reaper, reader and heartbeat threads just post events.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import signal
 import socket
@@ -144,7 +145,9 @@ class NodeAgent:
         self.host = socket.gethostname()
         self.events: queue.Queue[Any] = queue.Queue()
         self.state = StateCopy()
-        self.pool = SparePool(cmd, env, self.events, self.state, self._start_env)
+        self.pool = SparePool(
+            cmd, env, self.events, self.state, functools.partial(slot_env, config)
+        )
         self.pool.adopt(booted)
         self.budget = RestartBudget(config.max_restarts)
         # What _report_progress last gave the heartbeat: steps, restarts, their cap.
@@ -161,14 +164,6 @@ class NodeAgent:
     @property
     def per_node(self) -> int:
         return self.config.local_world_size
-
-    @property
-    def fixed_node_rank(self) -> int | None:
-        """This node's rank in every generation, when the config fixes it."""
-        return fixed_node_rank(self.config)
-
-    def _start_env(self, local_rank: int) -> dict[str, str]:
-        return slot_env(self.config, local_rank)
 
     def interrupt(self, signum: int) -> None:
         """From a signal handler: stop this node's workers and end the job."""
@@ -337,7 +332,7 @@ class NodeAgent:
         launcher ends with that worker's exit status (1 for a clean exit, which
         is still a worker that did not train)."""
         w = event.worker
-        node_rank = self.fixed_node_rank
+        node_rank = fixed_node_rank(self.config)
         rank = None if node_rank is None else node_rank * self.per_node + w.slot
         code = event.code
         cause = f"{event.how} before it was assigned a rank"
