@@ -29,7 +29,6 @@ from rendezvousd.common.settings import (
     Choice,
     Float,
     Int,
-    Invalid,
     Layer,
     Schema,
     Text,
@@ -73,19 +72,14 @@ class NodeRank(Int):
     def __init__(self) -> None:
         super().__init__(minimum=0, optional=True)
 
+    def _wants(self) -> str:
+        return f"a node rank: an integer >= 0 or '{AUTO}'"
+
     def check(self, value: Any) -> Any:
-        if value == AUTO:
-            return None
-        try:
-            return super().check(value)
-        except ValueError:
-            raise Invalid(f"must be a node rank: an integer >= 0 or '{AUTO}'") from None
+        return None if value == AUTO else super().check(value)
 
     def from_text(self, text: str) -> Any:
-        try:
-            return text if text == AUTO else int(text)
-        except ValueError:
-            raise Invalid(f"must be a node rank: an integer >= 0 or '{AUTO}'") from None
+        return text if text == AUTO else super().from_text(text)
 
     def render(self, value: Any) -> str | None:
         return AUTO if value is None else str(value)
