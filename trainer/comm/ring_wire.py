@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rendezvousd.trainer.comm import peer_auth
 from rendezvousd.trainer.errors import CommunicatorTimeout, PeerConnectionError
@@ -68,27 +69,29 @@ class LinkError(Exception):
         self.via = via
 
 
-def create_listener(host: str, buffer_bytes: int | None = None, port: int = 0) -> socket.socket:
-    """Bind a listening TCP socket on ``host`` (an ephemeral port by default)."""
+def _tcp_socket(host: str, port: int) -> tuple[socket.socket, Any]:
+    """A TCP socket of the family ``host`` resolves to, and the address to use it on.
+
+    No Nagle delay: acks and the last chunk of a collective are small and latency-bound.
+    Socket buffers are left to Linux autotuning, which measured as fast as fixed
+    1-4 MiB buffers on loopback.
+    """
     family, stype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, stype, proto)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, addr
+
+
+def create_listener(host: str, port: int = 0) -> socket.socket:
+    """Bind a listening TCP socket on ``host`` (an ephemeral port by default)."""
+    sock, addr = _tcp_socket(host, port)
     try:
-        tune_socket(sock, buffer_bytes)
         sock.bind(addr)
         sock.listen(64)
     except BaseException:
         sock.close()
         raise
     return sock
-
-
-def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:
-    # Set before connect/listen so the window scale is negotiated for the buffer size.
-    if buffer_bytes:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -122,7 +125,6 @@ def establish_ring(
     rank: int,
     world: int,
     timeout: float,
-    buffer_bytes: int | None,
 ) -> tuple[socket.socket, socket.socket]:
     """Return authenticated (left, right) sockets; accept and connect run concurrently."""
     ring = _Ring(peer_auth.PeerAuth(peer_auth.derive_key(secret), _MAGIC, rank, world), timeout)
@@ -132,7 +134,7 @@ def establish_ring(
 
     def connect() -> None:
         try:
-            outcome.append(_connect(ring, right, addresses[right], deadline, buffer_bytes))
+            outcome.append(_connect(ring, right, addresses[right], deadline))
         except BaseException as exc:
             outcome.append(exc)
 
@@ -166,7 +168,6 @@ def _connect(
     peer: int,
     address: tuple[str, int],
     deadline: float,
-    buffer_bytes: int | None,
 ) -> socket.socket:
     where = f"rank {ring.auth.rank}: rank {peer} at {address[0]}:{address[1]}"
     delay = 0.02
@@ -174,10 +175,8 @@ def _connect(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CommunicatorTimeout(f"{where} was not reachable within {ring.timeout:g} s")
-        family, stype, proto, _, addr = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, stype, proto)
+        sock, addr = _tcp_socket(*address)
         try:
-            tune_socket(sock, buffer_bytes)
             sock.settimeout(remaining)
             sock.connect(addr)
         except (ConnectionRefusedError, ConnectionResetError, TimeoutError):
