@@ -369,31 +369,8 @@ class NodeAgent:
                     self.pool.fill(self.per_node)
                 refilled = True
             for w in self.active:
-                if (
-                    w.reported_cause is not None
-                    and not w.exited.is_set()
-                    and now - w.last_progress > REPORTED_EXIT_S
-                ):
-                    return self._local_failure(gen, first_rank, w, w.reported_cause, 1)
-                quiet = now - w.last_heard
-                if w.ready.is_set() and not w.exited.is_set() and quiet > self._silence_s:
-                    return self._local_failure(
-                        gen,
-                        first_rank,
-                        w,
-                        f"no heartbeat from its process for {quiet:.1f} s (stopped, or frozen "
-                        "without releasing the GIL)",
-                        1,
-                    )
-                silent = now - w.last_progress
-                if (
-                    w.reported_progress
-                    and not w.exited.is_set()
-                    and silent > self.config.hang_timeout_s
-                ):
-                    return self._local_failure(
-                        gen, first_rank, w, f"hung: no progress for {silent:.1f} s", 1
-                    )
+                if (cause := self._stuck(w, now)) is not None:
+                    return self._local_failure(gen, first_rank, w, cause, 1)
             if isinstance(event, Exited):
                 if event.worker in self.active:
                     if event.code == 0:
@@ -433,6 +410,24 @@ class NodeAgent:
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
                 return event
+
+    def _stuck(self, w: WorkerProcess, now: float) -> str | None:
+        """Why a worker that has not exited counts as failed, if it does: it reported
+        its own failure and did not exit, its process went silent, or it stopped
+        making progress."""
+        if w.exited.is_set():
+            return None
+        quiet, silent = now - w.last_heard, now - w.last_progress
+        if w.reported_cause is not None and silent > REPORTED_EXIT_S:
+            return w.reported_cause
+        if w.ready.is_set() and quiet > self._silence_s:
+            return (
+                f"no heartbeat from its process for {quiet:.1f} s (stopped, or frozen "
+                "without releasing the GIL)"
+            )
+        if w.reported_progress and silent > self.config.hang_timeout_s:
+            return f"hung: no progress for {silent:.1f} s"
+        return None
 
     def _misbehaved_spare(self, event: Misbehaved) -> None:
         """A spare sent a bad frame: stopped, its exit is counted as its failure
