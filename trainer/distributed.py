@@ -162,9 +162,7 @@ def _describe(error: BaseException | None) -> str:
     return bounded(f"{type(error).__name__}: {error}")
 
 
-def _drop_out(
-    rdzv: Rendezvous, error: BaseException | None, settle_s: float = PEER_SETTLE_S
-) -> None:
+def _drop_out(rdzv: Rendezvous, error: BaseException | None) -> None:
     """Leave the rendezvous before the ring, and after a broken ring connection wait
     (bounded) for the rendezvous to name the cause.
 
@@ -176,7 +174,7 @@ def _drop_out(
     waits until its rendezvous reports that, so its own log names the real cause.
     """
     if isinstance(error, CommunicatorError) and not isinstance(error, CommunicatorAborted):
-        deadline = time.monotonic() + settle_s
+        deadline = time.monotonic() + PEER_SETTLE_S
         while time.monotonic() < deadline:
             try:
                 rdzv.raise_if_failed()
