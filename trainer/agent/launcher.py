@@ -262,9 +262,7 @@ def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
 
     transport = config.rendezvous
     assert transport.endpoint is not None
-    lost = lost_member(
-        transport.endpoint, config.job_id, transport.token_file, tls=transport.tls(), settle_s=1.0
-    )
+    lost = lost_member(transport.endpoint, config.job_id, transport.token_file, tls=transport.tls())
     if lost is not None:
         _note(f"root cause: {describe(lost)}")
     elif local is not None:

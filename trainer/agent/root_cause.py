@@ -21,7 +21,7 @@ from rendezvousd.common.escape import escape, shortened
 # How long to wait for the daemon to record a loss the launcher already saw: a
 # SIGKILLed worker is reaped locally a moment before the daemon notices its
 # heartbeat stream closing.
-SETTLE_S = 3.0
+SETTLE_S = 1.0
 CALL_TIMEOUT_S = 1.0
 
 
@@ -38,12 +38,11 @@ def lost_member(
     token_file: str | None,
     *,
     tls: TlsConfig | None = None,
-    settle_s: float = SETTLE_S,
 ) -> FailedMember | None:
     """The first member the daemon recorded as lost in ``job_id``'s current
-    generation, or None if there is none within ``settle_s`` or the daemon cannot
+    generation, or None if there is none within ``SETTLE_S`` or the daemon cannot
     say (unreachable, unknown job, no token)."""
-    deadline = time.monotonic() + settle_s
+    deadline = time.monotonic() + SETTLE_S
     try:
         with RendezvousClient(
             endpoint,
