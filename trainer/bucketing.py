@@ -428,8 +428,6 @@ class BucketedAllReducer:
             if total:
                 self._ops.join_caller()
 
-    finish = wait
-
     def all_reduce_all(self) -> None:
         """Reduce every gradient now (no overlap): mark all ready and wait."""
         self.wait()

@@ -64,13 +64,9 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     folder = Path(directory)
     if not folder.is_dir():
         return None
-    best: tuple[int, Path] | None = None
-    for entry in folder.iterdir():
-        match = _NAME_RE.match(entry.name)
-        # Compare steps numerically: names are zero-padded but steps may outgrow the padding.
-        if match and entry.is_file() and (best is None or int(match.group(1)) > best[0]):
-            best = (int(match.group(1)), entry)
-    return None if best is None else best[1]
+    found = [e for e in folder.iterdir() if checkpoint_step(e) >= 0 and e.is_file()]
+    # Compare steps numerically: names are zero-padded but steps may outgrow the padding.
+    return max(found, key=checkpoint_step, default=None)
 
 
 def _encode(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> HostArrays:

@@ -29,7 +29,6 @@ from rendezvousd.common.settings import (
     Choice,
     Float,
     Int,
-    Invalid,
     Layer,
     Schema,
     Text,
@@ -50,14 +49,8 @@ TransportKind = Literal["file", "daemon"]
 BACKENDS: tuple[Backend, ...] = ("cpu", "nccl")
 TRANSPORT_KINDS: tuple[TransportKind, ...] = ("file", "daemon")
 
-ENV_NUM_NODES = "RENDEZVOUSD_NUM_NODES"
-ENV_NODE_RANK = "RENDEZVOUSD_NODE_RANK"
-ENV_LOCAL_RANK = "RENDEZVOUSD_LOCAL_RANK"
 ENV_GPUS_PER_NODE = "RENDEZVOUSD_GPUS_PER_NODE"
 ENV_ENDPOINT = "RENDEZVOUSD_ENDPOINT"
-ENV_RETRIES = "RENDEZVOUSD_RETRIES"
-ENV_BACKEND = "RENDEZVOUSD_BACKEND"
-ENV_JOB_ID = "RENDEZVOUSD_JOB_ID"
 #: Path of the TOML file itself (read by ``init_distributed``, set by the launcher).
 CONFIG_ENV = "RENDEZVOUSD_CONFIG"
 
@@ -73,19 +66,14 @@ class NodeRank(Int):
     def __init__(self) -> None:
         super().__init__(minimum=0, optional=True)
 
+    def _wants(self) -> str:
+        return f"a node rank: an integer >= 0 or '{AUTO}'"
+
     def check(self, value: Any) -> Any:
-        if value == AUTO:
-            return None
-        try:
-            return super().check(value)
-        except ValueError:
-            raise Invalid(f"must be a node rank: an integer >= 0 or '{AUTO}'") from None
+        return None if value == AUTO else super().check(value)
 
     def from_text(self, text: str) -> Any:
-        try:
-            return text if text == AUTO else int(text)
-        except ValueError:
-            raise Invalid(f"must be a node rank: an integer >= 0 or '{AUTO}'") from None
+        return text if text == AUTO else super().from_text(text)
 
     def render(self, value: Any) -> str | None:
         return AUTO if value is None else str(value)
@@ -219,30 +207,25 @@ _POSITIVE = Float()
 class DistributedConfig:
     """Validated distributed settings; see the module docstring for precedence."""
 
-    backend: Backend = setting("cpu", "collective backend", Choice(BACKENDS), env=ENV_BACKEND)
+    backend: Backend = setting("cpu", "collective backend", Choice(BACKENDS))
     world_size: int | None = setting(
         None, "single node: number of workers (default gpus_per_node, else 1)", Int(1, True)
     )
     rank: int | None = setting(None, "this worker's global rank, if fixed", Int(0, True))
-    num_nodes: int = setting(
-        1, "number of nodes; >= 2 is multi-node mode", Int(1), env=ENV_NUM_NODES
-    )
+    num_nodes: int = setting(1, "number of nodes; >= 2 is multi-node mode", Int(1))
     node_rank: int | None = setting(
-        0, f"this node's rank, or '{AUTO}' (the daemon assigns it)", NodeRank(), env=ENV_NODE_RANK
+        0, f"this node's rank, or '{AUTO}' (the daemon assigns it)", NodeRank()
     )
-    gpus_per_node: int | None = setting(
-        None, "workers (devices) per node", Int(1, True), env=ENV_GPUS_PER_NODE
-    )
+    gpus_per_node: int | None = setting(None, "workers (devices) per node", Int(1, True))
     local_rank: int | None = setting(
         None,
         "this worker's rank on its node (without rendezvous-run, which hands it over)",
         Int(0, True),
-        env=ENV_LOCAL_RANK,
     )
     rendezvous: RendezvousTransport = table(RendezvousTransport, "how workers find each other")
-    job_id: str = setting("default", "job id shared by every node", Text(), env=ENV_JOB_ID)
+    job_id: str = setting("default", "job id shared by every node", Text())
     retry_attempts: int = setting(
-        1, "retries of a transient failure, then fail", Int(0), env=ENV_RETRIES
+        1, "retries of a transient failure, then fail", Int(0), env="RENDEZVOUSD_RETRIES"
     )
     bucket_cap_mib: float = setting(25.0, "gradient bucket size, MiB", _POSITIVE)
     first_bucket_mib: float = setting(1.0, "first (smallest) gradient bucket, MiB", _POSITIVE)
@@ -271,13 +254,11 @@ class DistributedConfig:
         "elastic: fewest nodes a generation may form with (default num_nodes; "
         "rendezvous-run --nnodes MIN:MAX)",
         Int(1, True),
-        env="RENDEZVOUSD_MIN_NODES",
     )
     max_restarts: int = setting(
         0,
         "rendezvous-run: restarts of the whole job after a failure, then give up",
         Int(0),
-        env="RENDEZVOUSD_MAX_RESTARTS",
     )
     hang_timeout_s: float = setting(
         300.0,

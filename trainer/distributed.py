@@ -162,9 +162,7 @@ def _describe(error: BaseException | None) -> str:
     return bounded(f"{type(error).__name__}: {error}")
 
 
-def _drop_out(
-    rdzv: Rendezvous, error: BaseException | None, settle_s: float = PEER_SETTLE_S
-) -> None:
+def _drop_out(rdzv: Rendezvous, error: BaseException | None) -> None:
     """Leave the rendezvous before the ring, and after a broken ring connection wait
     (bounded) for the rendezvous to name the cause.
 
@@ -176,7 +174,7 @@ def _drop_out(
     waits until its rendezvous reports that, so its own log names the real cause.
     """
     if isinstance(error, CommunicatorError) and not isinstance(error, CommunicatorAborted):
-        deadline = time.monotonic() + settle_s
+        deadline = time.monotonic() + PEER_SETTLE_S
         while time.monotonic() < deadline:
             try:
                 rdzv.raise_if_failed()
@@ -240,23 +238,20 @@ def init_distributed(
     def watch(relay: _FailureRelay) -> None:
         rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)
 
-    def build(m: Membership, on_setup_timeout: Callable[[str], None] | None) -> Communicator:
-        placed = MultiNodeTopology.from_global_rank(
-            m.rank, config.num_nodes, config.local_world_size
-        )
-        return _communicator(config, rdzv, placed, m.unique_id, ring_host, on_setup_timeout)
+    def place(m: Membership) -> MultiNodeTopology:
+        return MultiNodeTopology.from_global_rank(m.rank, config.num_nodes, config.local_world_size)
 
     started = time.monotonic()
     try:
         membership = join()
         rendezvous_s = time.monotonic() - started
-        membership, communicator = _bring_up(config, rdzv, membership, build, watch, rejoin=join)
+        membership, communicator = _bring_up(
+            config, rdzv, membership, place, ring_host, watch, rejoin=join
+        )
     except BaseException:
         rdzv.close()  # gone without leaving: its peers learn it at once
         raise
-    topology = MultiNodeTopology.from_global_rank(
-        membership.rank, config.num_nodes, config.local_world_size
-    )
+    topology = place(membership)
     if topology.is_global_rank_zero:
         log.info("%s rendezvous=%.3fs", config.rank0_log_line(topology), rendezvous_s)
     return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
@@ -311,12 +306,14 @@ def _bring_up(
     config: DistributedConfig,
     rdzv: Rendezvous,
     membership: Membership,
-    build: Callable[[Membership, Callable[[str], None] | None], Communicator],
+    place: Callable[[Membership], MultiNodeTopology],
+    ring_host: str,
     watch: Callable[[_FailureRelay], None],
     rejoin: Callable[[], Membership] | None,
 ) -> tuple[Membership, Communicator]:
     """The one retry model: a transient setup failure ends the generation, and the
     retry is the next generation, with a fresh id, joined by whoever joined this one.
+    ``place``: where a membership puts this worker.
 
     ``rejoin``: this worker's own join (without an agent): up to ``retry_attempts``
     times the failing rank aborts the generation (scoped to it, so a newer one is
@@ -336,7 +333,7 @@ def _bring_up(
         try:
             # An NCCL init hang tells the daemon (watchdog) where this worker joined.
             on_hang = functools.partial(_fail_generation, rdzv, m) if rejoin else None
-            communicator = build(m, on_hang)
+            communicator = _communicator(config, rdzv, place(m), m.unique_id, ring_host, on_hang)
         except TRANSIENT as exc:
             if rejoin is None:
                 raise
@@ -455,12 +452,9 @@ def _init_from_agent(
     def watch(relay: _FailureRelay) -> None:
         link.start(lambda cause: relay.fail(AgentError(cause)))
 
-    def build(m: Membership, on_setup_timeout: Callable[[str], None] | None) -> Communicator:
-        return _communicator(
-            config, rdzv, topology, m.unique_id, assignment.ring_host, on_setup_timeout
-        )
-
-    _, communicator = _bring_up(config, rdzv, membership, build, watch, rejoin=None)
+    _, communicator = _bring_up(
+        config, rdzv, membership, lambda _: topology, assignment.ring_host, watch, rejoin=None
+    )
     if topology.is_global_rank_zero:
         log.info(
             "%s generation=%d restart_count=%d",

@@ -30,7 +30,6 @@ import numpy as np
 import numpy.typing as npt
 
 from rendezvousd.trainer.agent.state_copy import NOTHING, StepState, agree_on_step
-from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.checkpoint import (
     checkpoint_path,
     checkpoint_step,
@@ -151,11 +150,9 @@ def agree_on_start(
 def load_state(arrays: dict[str, Array], params: dict[str, XArray], xp: Any, step: int) -> int:
     """Copy an agent-held step state into ``params``; its step, or NOTHING if it
     does not fit this model (then it is not offered, rather than trained on)."""
-    for name in PARAMS:
-        saved = arrays.get(name)
-        if saved is None or saved.shape != params[name].shape or saved.dtype != params[name].dtype:
-            log.warning("the node agent's state copy does not match this model; not offered")
-            return NOTHING
+    if (why := _mismatch(arrays, params)) is not None:
+        log.warning("the node agent's state copy does not match this model (%s); not offered", why)
+        return NOTHING
     for name in PARAMS:
         params[name][...] = to_device(arrays[name], xp)
     return step
@@ -167,19 +164,11 @@ def load_into(path: Path, params: dict[str, XArray], xp: Any = np) -> int:
     to continue."""
     try:
         arrays, meta = load_checkpoint(path, xp=xp)
-        for name in PARAMS:
-            saved = arrays.get(name)
-            if (
-                saved is None
-                or saved.shape != params[name].shape
-                or saved.dtype != params[name].dtype
-            ):
-                raise CheckpointError(
-                    f"checkpoint {path} does not match this model: {name} is "
-                    f"{None if saved is None else (saved.shape, str(saved.dtype))}, expected "
-                    f"{(params[name].shape, str(params[name].dtype))}; resume with the same "
-                    "--features/--hidden, or from another checkpoint directory"
-                )
+        if (why := _mismatch(arrays, params)) is not None:
+            raise CheckpointError(
+                f"checkpoint {path} does not match this model: {why}; resume with the same "
+                "--features/--hidden, or from another checkpoint directory"
+            )
         step = meta.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"checkpoint {path} has no valid step (step={step!r})")
@@ -188,6 +177,16 @@ def load_into(path: Path, params: dict[str, XArray], xp: Any = np) -> int:
     for name in PARAMS:
         params[name][...] = arrays[name]
     return step
+
+
+def _mismatch(arrays: dict[str, Any], params: dict[str, XArray]) -> str | None:
+    """Which saved array does not fit this model's parameter, or None when all fit."""
+    for name in PARAMS:
+        saved, want = arrays.get(name), params[name]
+        if saved is None or saved.shape != want.shape or saved.dtype != want.dtype:
+            found = None if saved is None else (saved.shape, str(saved.dtype))
+            return f"{name} is {found}, expected {(want.shape, str(want.dtype))}"
+    return None
 
 
 def params_digest(params: dict[str, XArray]) -> str:
@@ -239,7 +238,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             ckpt_dir if args.resume else None, topo, comm, params, xp, ctx.restored
         )
         grads = {k: xp.zeros_like(v) for k, v in params.items()}
-        reducer = BucketedAllReducer.from_config([grads[k] for k in PARAMS], comm, ctx.config)
+        reducer = ctx.reducer([grads[k] for k in PARAMS])
         reducer.verify_layout(ctx.rendezvous, topo.rank, topo.world_size, timeout=60)
         loader = ShardedLoader(x, y, batch_size=args.batch, topology=topo, seed=args.seed)
         steps_per_epoch = len(loader)

@@ -8,9 +8,12 @@ world size and rank it yields are exactly the configured single-node values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Union
 
 from rendezvousd.trainer.errors import ConfigError, DeviceCountError
+
+if TYPE_CHECKING:
+    from rendezvousd.trainer.config import DistributedConfig
 
 
 def _require_int(name: str, value: object) -> int:
@@ -51,13 +54,7 @@ class MultiNodeTopology:
     def from_global_rank(cls, rank: int, num_nodes: int, gpus_per_node: int) -> MultiNodeTopology:
         """Invert ``rank = node_rank * gpus_per_node + local_rank``."""
         rank = _require_int("rank", rank)
-        if (
-            _require_int("num_nodes", num_nodes) < 1
-            or _require_int("gpus_per_node", gpus_per_node) < 1
-        ):
-            # Let __post_init__ name the bad count.
-            return cls(num_nodes, gpus_per_node, 0, 0)
-        world_size = num_nodes * gpus_per_node
+        world_size = cls(num_nodes, gpus_per_node, 0, 0).world_size  # names a bad count
         if not 0 <= rank < world_size:
             raise ConfigError(
                 f"rank={rank} is out of range for num_nodes={num_nodes} x "
@@ -84,17 +81,8 @@ class MultiNodeTopology:
         return self.num_nodes >= 2
 
 
-class DeviceLayout(Protocol):
-    """What the device-count rule reads; both a topology and a config provide it."""
-
-    @property
-    def num_nodes(self) -> int: ...
-
-    @property
-    def gpus_per_node(self) -> int | None: ...
-
-    @property
-    def world_size(self) -> int | None: ...
+#: What the device-count rule reads: a topology, or a config (whose counts may be unset).
+DeviceLayout = Union[MultiNodeTopology, "DistributedConfig"]
 
 
 def required_local_devices(layout: DeviceLayout) -> int:

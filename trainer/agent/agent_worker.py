@@ -18,7 +18,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rendezvousd.client.membership import Membership
@@ -71,22 +71,10 @@ class Assignment:
         )
 
     def header(self) -> dict[str, Any]:
-        return {
-            "alive_interval_s": self.alive_interval_s,
-            "job_id": self.job_id,
-            "generation": self.generation,
-            "restart_count": self.restart_count,
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "node_rank": self.node_rank,
-            "num_nodes": self.num_nodes,
-            "gpus_per_node": self.gpus_per_node,
-            "world_size": self.world_size,
-            "ring_host": self.ring_host,
-            "config": self.config.handoff(),
-            # Sizes only; the secrets travel in the payload, never in a header.
-            "instance_id_bytes": len(self.instance_id.encode("utf-8")),
-        }
+        plain = {name: getattr(self, name) for name in _HEADER_FIELDS}
+        # Sizes only; the secrets travel in the payload, never in a header.
+        instance_id_bytes = len(self.instance_id.encode("utf-8"))
+        return {**plain, "config": self.config.handoff(), "instance_id_bytes": instance_id_bytes}
 
     def secrets_payload(self) -> bytes:
         if len(self.unique_id) != UNIQUE_ID_BYTES:
@@ -96,29 +84,14 @@ class Assignment:
     @classmethod
     def decode(cls, header: Mapping[str, Any], payload: bytes) -> Assignment:
         try:
-            ints = {
-                k: int(header[k])
-                for k in (
-                    "generation",
-                    "restart_count",
-                    "rank",
-                    "local_rank",
-                    "node_rank",
-                    "num_nodes",
-                    "gpus_per_node",
-                    "world_size",
-                )
-            }
+            plain = {name: kind(header[name]) for name, kind in _HEADER_FIELDS.items()}
             instance_end = UNIQUE_ID_BYTES + int(header["instance_id_bytes"])
             return cls(
-                job_id=str(header["job_id"]),
-                alive_interval_s=float(header.get("alive_interval_s", 0.0)),
-                ring_host=str(header["ring_host"]),
                 config=DistributedConfig.resolved(header["config"]),
                 unique_id=payload[:UNIQUE_ID_BYTES],
                 instance_id=payload[UNIQUE_ID_BYTES:instance_end].decode("utf-8"),
                 token=payload[instance_end:].decode("utf-8"),
-                **ints,
+                **plain,
             )
         except (KeyError, TypeError, ValueError) as exc:
             # The exception's text names a field, never a secret's bytes.
@@ -138,6 +111,15 @@ class Assignment:
             "GROUP_RANK": str(self.node_rank),
             "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
         }
+
+
+#: The fields the header carries, with their types: those a repr may show. The
+#: config travels in its hand-off form, the secrets (``repr=False``) in the payload.
+_HEADER_FIELDS: dict[str, Callable[[Any], Any]] = {
+    f.name: {"int": int, "str": str, "float": float}[str(f.type)]
+    for f in fields(Assignment)
+    if f.repr
+}
 
 
 class AgentLink:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rendezvousd.common.settings import Value
-from rendezvousd.trainer.agent.worker_boot import Booted, boot_spares, discard
+from rendezvousd.trainer.agent.worker_boot import boot_spares, discard
 from rendezvousd.trainer.config import (
     CONFIG_ENV,
     SCHEMA,
@@ -56,7 +56,6 @@ from rendezvousd.trainer.config import (
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
 
 if TYPE_CHECKING:
-    from rendezvousd.trainer.agent.node_agent import NodeAgent
     from rendezvousd.trainer.agent.recovery import Failure
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
@@ -210,13 +209,33 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
     # Before the imports below, so that the spares' start-up overlaps this process's.
     booted = boot_spares(config, cmd, env)
     try:
-        agent = _make_agent(config, cmd, env, ring_host, booted)
+        from rendezvousd.client.connection import resolve_token
+        from rendezvousd.client.errors import RendezvousError
+        from rendezvousd.trainer.agent.node_agent import NodeAgent
+
+        transport = config.rendezvous
+        try:
+            # Read once, here: the workers are handed it with their assignment.
+            token = resolve_token(None, transport.token_file)
+            client = transport.client(config.job_id, config.retry_attempts, token=token)
+        except RendezvousError as exc:
+            discard(booted)
+            return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
+        # The agent owns the spares from here on.
+        agent = NodeAgent(
+            config,
+            cmd,
+            env,
+            client,
+            ring_host=ring_host if config.backend == "cpu" else "",
+            token=token,
+            note=_note,
+            id_factory=_id_factory(config),
+            booted=booted,
+        )
     except BaseException:
         discard(booted)
         raise
-    if isinstance(agent, int):
-        discard(booted)
-        return agent
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def forward(signum: int, _frame: object) -> None:
@@ -236,51 +255,16 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
         agent.client.close()
 
 
-def _make_agent(
-    config: DistributedConfig,
-    cmd: Sequence[str],
-    env: Mapping[str, str],
-    ring_host: str,
-    booted: Sequence[Booted],
-) -> NodeAgent | int:
-    """The node agent, owning ``booted``; the exit status if there is none."""
-    from rendezvousd.client.connection import resolve_token
-    from rendezvousd.client.errors import RendezvousError
-    from rendezvousd.trainer.agent.node_agent import NodeAgent
-
-    transport = config.rendezvous
-    assert transport.endpoint is not None
-    try:
-        # Read once, here: the workers are handed it with their assignment.
-        token = resolve_token(None, transport.token_file)
-        client = transport.client(config.job_id, config.retry_attempts, token=token)
-    except RendezvousError as exc:
-        return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
-    return NodeAgent(
-        config,
-        cmd,
-        env,
-        client,
-        ring_host=ring_host if config.backend == "cpu" else "",
-        token=token,
-        note=_note,
-        id_factory=_id_factory(config),
-        booted=booted,
-    )
-
-
 def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
     """The daemon's record of the first rank lost, on any node; failing that, this
     node's first failed worker."""
-    from rendezvousd.trainer.agent.root_cause import lost_member
+    from rendezvousd.trainer.agent.root_cause import describe, lost_member
 
     transport = config.rendezvous
     assert transport.endpoint is not None
-    lost = lost_member(
-        transport.endpoint, config.job_id, transport.token_file, tls=transport.tls(), settle_s=1.0
-    )
+    lost = lost_member(transport.endpoint, config.job_id, transport.token_file, tls=transport.tls())
     if lost is not None:
-        _note(f"root cause: {lost.describe()}")
+        _note(f"root cause: {describe(lost)}")
     elif local is not None:
         who = f"rank {local.rank}" if local.rank is not None else f"local rank {local.local_rank}"
         _note(

@@ -13,6 +13,7 @@ thread only; reaper, reader and heartbeat threads just post events.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import signal
 import socket
@@ -144,7 +145,9 @@ class NodeAgent:
         self.host = socket.gethostname()
         self.events: queue.Queue[Any] = queue.Queue()
         self.state = StateCopy()
-        self.pool = SparePool(cmd, env, self.events, self.state, self._start_env)
+        self.pool = SparePool(
+            cmd, env, self.events, self.state, functools.partial(slot_env, config)
+        )
         self.pool.adopt(booted)
         self.budget = RestartBudget(config.max_restarts)
         # What _report_progress last gave the heartbeat: steps, restarts, their cap.
@@ -161,14 +164,6 @@ class NodeAgent:
     @property
     def per_node(self) -> int:
         return self.config.local_world_size
-
-    @property
-    def fixed_node_rank(self) -> int | None:
-        """This node's rank in every generation, when the config fixes it."""
-        return fixed_node_rank(self.config)
-
-    def _start_env(self, local_rank: int) -> dict[str, str]:
-        return slot_env(self.config, local_rank)
 
     def interrupt(self, signum: int) -> None:
         """From a signal handler: stop this node's workers and end the job."""
@@ -337,7 +332,7 @@ class NodeAgent:
         launcher ends with that worker's exit status (1 for a clean exit, which
         is still a worker that did not train)."""
         w = event.worker
-        node_rank = self.fixed_node_rank
+        node_rank = fixed_node_rank(self.config)
         rank = None if node_rank is None else node_rank * self.per_node + w.slot
         code = event.code
         cause = f"{event.how} before it was assigned a rank"
@@ -374,31 +369,8 @@ class NodeAgent:
                     self.pool.fill(self.per_node)
                 refilled = True
             for w in self.active:
-                if (
-                    w.reported_cause is not None
-                    and not w.exited.is_set()
-                    and now - w.last_progress > REPORTED_EXIT_S
-                ):
-                    return self._local_failure(gen, first_rank, w, w.reported_cause, 1)
-                quiet = now - w.last_heard
-                if w.ready.is_set() and not w.exited.is_set() and quiet > self._silence_s:
-                    return self._local_failure(
-                        gen,
-                        first_rank,
-                        w,
-                        f"no heartbeat from its process for {quiet:.1f} s (stopped, or frozen "
-                        "without releasing the GIL)",
-                        1,
-                    )
-                silent = now - w.last_progress
-                if (
-                    w.reported_progress
-                    and not w.exited.is_set()
-                    and silent > self.config.hang_timeout_s
-                ):
-                    return self._local_failure(
-                        gen, first_rank, w, f"hung: no progress for {silent:.1f} s", 1
-                    )
+                if (cause := self._stuck(w, now)) is not None:
+                    return self._local_failure(gen, first_rank, w, cause, 1)
             if isinstance(event, Exited):
                 if event.worker in self.active:
                     if event.code == 0:
@@ -438,6 +410,24 @@ class NodeAgent:
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
                 return event
+
+    def _stuck(self, w: WorkerProcess, now: float) -> str | None:
+        """Why a worker that has not exited counts as failed, if it does: it reported
+        its own failure and did not exit, its process went silent, or it stopped
+        making progress."""
+        if w.exited.is_set():
+            return None
+        quiet, silent = now - w.last_heard, now - w.last_progress
+        if w.reported_cause is not None and silent > REPORTED_EXIT_S:
+            return w.reported_cause
+        if w.ready.is_set() and quiet > self._silence_s:
+            return (
+                f"no heartbeat from its process for {quiet:.1f} s (stopped, or frozen "
+                "without releasing the GIL)"
+            )
+        if w.reported_progress and silent > self.config.hang_timeout_s:
+            return f"hung: no progress for {silent:.1f} s"
+        return None
 
     def _misbehaved_spare(self, event: Misbehaved) -> None:
         """A spare sent a bad frame: stopped, its exit is counted as its failure

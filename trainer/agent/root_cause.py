@@ -13,35 +13,23 @@ or turn a worker's failure into a launcher crash.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from rendezvousd.client import RendezvousClient, TlsConfig
-from rendezvousd.client.errors import RendezvousError
+from rendezvousd.client.errors import FailedMember, RendezvousError, failed_members
 from rendezvousd.common.escape import escape, shortened
 
 # How long to wait for the daemon to record a loss the launcher already saw: a
 # SIGKILLed worker is reaped locally a moment before the daemon notices its
 # heartbeat stream closing.
-SETTLE_S = 3.0
+SETTLE_S = 1.0
 CALL_TIMEOUT_S = 1.0
 
 
-@dataclass(frozen=True)
-class LostMember:
-    rank: int
-    host: str
-    cause: str
-    node_rank: int | None = None
-    local_rank: int | None = None
-
-    def describe(self) -> str:
-        where = (
-            f" (node {self.node_rank}, local rank {self.local_rank})"
-            if self.node_rank is not None
-            else ""
-        )
-        # ``cause`` is whatever the worker or its agent reported: shown escaped, shortened.
-        return f"rank {self.rank}{where} on host {escape(self.host)} was lost ({shortened(self.cause)})"
+def describe(lost: FailedMember) -> str:
+    """The root cause in the launcher's words; ``cause`` is whatever the worker or
+    its agent reported: shown escaped, shortened."""
+    where = f"rank {lost.rank} (node {lost.node_rank}, local rank {lost.local_rank})"
+    return f"{where} on host {escape(lost.host)} was lost ({shortened(lost.cause)})"
 
 
 def lost_member(
@@ -50,12 +38,11 @@ def lost_member(
     token_file: str | None,
     *,
     tls: TlsConfig | None = None,
-    settle_s: float = SETTLE_S,
-) -> LostMember | None:
+) -> FailedMember | None:
     """The first member the daemon recorded as lost in ``job_id``'s current
-    generation, or None if there is none within ``settle_s`` or the daemon cannot
+    generation, or None if there is none within ``SETTLE_S`` or the daemon cannot
     say (unreachable, unknown job, no token)."""
-    deadline = time.monotonic() + settle_s
+    deadline = time.monotonic() + SETTLE_S
     try:
         with RendezvousClient(
             endpoint,
@@ -73,16 +60,7 @@ def lost_member(
             while True:
                 job = client.get_job()
                 if job.failed:
-                    first = job.failed[0]
-                    placed = {m.member.rank: m.member for m in job.members}
-                    member = placed.get(first.rank)
-                    return LostMember(
-                        first.rank,
-                        first.host,
-                        first.cause,
-                        member.node_rank if member is not None else None,
-                        member.local_rank if member is not None else None,
-                    )
+                    return failed_members(job.failed[:1])[0]
                 if time.monotonic() >= deadline:
                     return None
                 time.sleep(0.05)  # poll interval while the daemon catches up

@@ -38,7 +38,6 @@ from rendezvousd.trainer.errors import AgentChannelError
 class Exited:
     worker: WorkerProcess
     code: int
-    at: float
 
     @property
     def how(self) -> str:
@@ -118,10 +117,8 @@ class WorkerProcess:
         # never signal a recycled pid before ``exited`` is set.
         with contextlib.suppress(ChildProcessError):
             os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
-        at = time.monotonic()
         self.exited.set()
-        code = self.proc.wait()
-        self._events.put(Exited(self, code, at))
+        self._events.put(Exited(self, self.proc.wait()))
 
     def _read(self) -> None:
         try:

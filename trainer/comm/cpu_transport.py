@@ -15,13 +15,10 @@ import time
 from rendezvousd.trainer.comm import peer_auth, shm_group
 from rendezvousd.trainer.comm.shm_group import SharedMemoryPeers
 from rendezvousd.trainer.comm.store import JobStore
-from rendezvousd.trainer.errors import ConfigError
 
 __all__ = ["build_shm_group", "shared_memory_plan"]
 
 log = logging.getLogger("rendezvousd.trainer")
-
-_MIN_SLOT_BYTES = 64
 
 
 def shared_memory_plan(
@@ -84,13 +81,6 @@ def build_shm_group(
 ) -> shm_group.ShmGroup:
     """Join this host's group; takes ownership of ``peers.listener``."""
     try:
-        if len(peers.names) != world:
-            raise ConfigError(f"need {world} shared-memory names, got {len(peers.names)}")
-        if not isinstance(peers.slot_bytes, int) or peers.slot_bytes < _MIN_SLOT_BYTES:
-            raise ConfigError(
-                f"shared-memory slot_bytes must be an int >= {_MIN_SLOT_BYTES}, "
-                f"got {peers.slot_bytes!r}"
-            )
         key = peer_auth.derive_key(secret)
         return shm_group.ShmGroup(
             rank, range(world), peers.listener, peers.names, key, timeout, peers.slot_bytes

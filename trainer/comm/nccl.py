@@ -132,12 +132,9 @@ def unavailable_reason() -> str | None:
 
 def device_count() -> int:
     """Number of visible CUDA devices; 0 without CuPy, a driver or a GPU."""
-    cp = _cupy_or_none()
-    if cp is None:
-        return 0
     try:
-        return int(cp.cuda.runtime.getDeviceCount())
-    except Exception:  # CUDARuntimeError when no driver or device is present
+        return int(_import_cupy().cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, or CUDARuntimeError when no driver or device is present
         return 0
 
 

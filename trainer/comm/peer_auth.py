@@ -40,7 +40,6 @@ _HELLO = struct.Struct("<8s32sIII32s")  # magic, dialer nonce, rank, world, targ
 _WELCOME = struct.Struct("<II32s")  # rank, world, mac
 _KEY_LABEL = b"rendezvousd cpu-ring v1"
 
-CHALLENGE_SIZE = _CHALLENGE.size
 HELLO_SIZE = _HELLO.size
 
 

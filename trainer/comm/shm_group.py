@@ -408,8 +408,11 @@ class ShmGroup:
             current = int(words[_PROGRESS])
             if (current - target) & _MASK < 1 << 31:  # current >= target, modulo 2**32
                 return
-            if self._stopped or words[_FAILED]:
-                raise self._stop_reason(index)
+            if self._stopped:
+                # This rank's own abort; the communicator reports the failure it recorded.
+                raise wire.LinkError(self._rank, wire.ABORTED, "stopped")
+            if words[_FAILED]:
+                raise self._notice_from(index)
             now = time.monotonic()
             if not deadline:
                 deadline = now + self._timeout
@@ -434,12 +437,6 @@ class ShmGroup:
         for fd, _ in self._poller.poll(0):
             index = next(i for i, s in self._peers.items() if s.fileno() == fd)
             raise self._notice_from(index)
-
-    def _stop_reason(self, index: int) -> wire.LinkError:
-        if self._stopped:
-            # This rank's own abort; the communicator reports the failure it recorded.
-            return wire.LinkError(self._rank, wire.ABORTED, "stopped")
-        return self._notice_from(index)
 
     def _notice_from(self, index: int) -> wire.LinkError:
         peer = self._members[index]

@@ -103,25 +103,18 @@ DEFAULT_PORT = 29420
 CLOSED = "rendezvous closed by torchrun"
 
 
-def interface_of(address: str) -> str | None:
-    """The network interface holding ``address``, or None."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%", 1)[0] == address for a in addrs):
-            return str(name)
-    return None
-
-
 def point_gloo_at(address: str, env: MutableMapping[str, str]) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` in ``env`` (the agent's, which its workers inherit) to
     the interface holding ``address``, unless the user chose one; returns what was set."""
+    import psutil
+
     if env.get("GLOO_SOCKET_IFNAME"):
         return None
-    name = interface_of(address)
-    if name is not None:
-        env["GLOO_SOCKET_IFNAME"] = name
-    return name
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == address for a in addrs):
+            env["GLOO_SOCKET_IFNAME"] = str(name)
+            return str(name)
+    return None
 
 
 def _torch_error(exc: RendezvousError, what: str) -> torch_rdzv.RendezvousError:
