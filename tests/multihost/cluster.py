@@ -121,9 +121,24 @@ class Cluster:
         self.nodes += started
         return started
 
-    def wait(self, nodes: Sequence[Node], timeout: float = 120.0) -> list[int]:
+    def wait(self, nodes: Sequence[Node], timeout: float = 90.0) -> list[int]:
+        """The nodes' exit codes. Past ``timeout`` (below pytest's 120 s, which would
+        end the test with no word of the nodes) the nodes are killed and the failure
+        says what each launcher said, to tell a hang from a slow machine."""
         deadline = time.monotonic() + timeout
-        codes = [n.proc.wait(max(0.1, deadline - time.monotonic())) for n in nodes]
+        try:
+            codes = [n.proc.wait(max(0.1, deadline - time.monotonic())) for n in nodes]
+        except subprocess.TimeoutExpired:
+            for n in nodes:
+                n.proc.kill()
+                n.proc.wait(10)
+            for n in nodes:
+                assert n.reader is not None
+                n.reader.join(5)
+            summaries = "\n".join(n.summary() for n in nodes)
+            raise AssertionError(
+                f"nodes still running after {timeout:.0f} s:\n{summaries}"
+            ) from None
         for n in nodes:
             assert n.reader is not None
             n.reader.join(5)
