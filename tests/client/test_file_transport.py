@@ -452,7 +452,14 @@ def test_a_waiting_rank_keeps_the_directory_it_checked(tmp_path: Path) -> None:
         )
     )
     thread.start()
-    wait_for("rank 1 to create the directory", checked.exists, 20)
+
+    def opened() -> bool:
+        # Rank 1's descriptor of the directory, not only the directory: between its
+        # mkdir and its open a rename here would hand it the new one, as it should.
+        fds = Path("/proc/self/fd")
+        return any(_link(fds / fd) == str(checked) for fd in os.listdir(fds))
+
+    wait_for("rank 1 to open the directory", opened, 20)
     checked.rename(moved)  # e.g. swapped for another user's directory
     checked.mkdir(mode=0o700)
     zero = FileRendezvous(moved, "pinned")
@@ -664,3 +671,10 @@ def test_connect_picks_the_transport(tmp_path: Path) -> None:
         connect("file", endpoint="127.0.0.1:1", job_id="j")
     with pytest.raises(InvalidRequest, match="endpoint="):
         connect("daemon", path=tmp_path, job_id="j")
+
+
+def _link(path: Path) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile
+        return None
