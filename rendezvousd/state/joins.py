@@ -182,8 +182,9 @@ def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     # call, if any, predates its becoming the holder: look once per new holder, not on
     # every join (that look was O(parked nodes) a join, quadratic in all).
     job.gen.holder_seen = head.instance_id
+    seat = job.key(head)
     for waiter, key in list(job.gen.join_waiters.items()):
-        if key == job.key(head):
+        if key == seat:
             del job.gen.join_waiters[waiter]
             sm.calls.wake(waiter, placement.answer(job, head, id_required=True))
             # Its SDK answers at once; one heartbeat timeout is ample to hear it.
