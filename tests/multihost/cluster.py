@@ -126,22 +126,19 @@ class Cluster:
         end the test with no word of the nodes) the nodes are killed and the failure
         says what each launcher said, to tell a hang from a slow machine."""
         deadline = time.monotonic() + timeout
+        codes: list[int] | None = None
         try:
             codes = [n.proc.wait(max(0.1, deadline - time.monotonic())) for n in nodes]
         except subprocess.TimeoutExpired:
             for n in nodes:
                 n.proc.kill()
                 n.proc.wait(10)
-            for n in nodes:
-                assert n.reader is not None
-                n.reader.join(5)
-            summaries = "\n".join(n.summary() for n in nodes)
-            raise AssertionError(
-                f"nodes still running after {timeout:.0f} s:\n{summaries}"
-            ) from None
         for n in nodes:
             assert n.reader is not None
             n.reader.join(5)
+        if codes is None:
+            summaries = "\n".join(n.summary() for n in nodes)
+            raise AssertionError(f"nodes still running after {timeout:.0f} s:\n{summaries}")
         return codes
 
     def results(self, job: str) -> list[dict[str, Any]]:
