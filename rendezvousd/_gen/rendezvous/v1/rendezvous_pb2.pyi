@@ -1515,3 +1515,210 @@ class GetJobResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restarts_used) -> _WhichOneofReturnType__restarts_used | None: ...
 
 Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015
+
+@_typing.final
+class Call(_message.Message):
+    """One call on the Calls stream. Field names are the methods' in snake case;
+    each field's type is the unary method's request.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    JOIN_FIELD_NUMBER: _builtins.int
+    PUBLISH_ID_FIELD_NUMBER: _builtins.int
+    JOIN_NODE_FIELD_NUMBER: _builtins.int
+    REPORT_FAILURE_FIELD_NUMBER: _builtins.int
+    GET_MEMBERS_FIELD_NUMBER: _builtins.int
+    BARRIER_FIELD_NUMBER: _builtins.int
+    KV_SET_FIELD_NUMBER: _builtins.int
+    KV_GET_FIELD_NUMBER: _builtins.int
+    KV_ADD_FIELD_NUMBER: _builtins.int
+    KV_COMPARE_AND_SET_FIELD_NUMBER: _builtins.int
+    KV_DELETE_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
+    ABORT_JOB_FIELD_NUMBER: _builtins.int
+    LIST_JOBS_FIELD_NUMBER: _builtins.int
+    GET_JOB_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The caller's, unique among its calls in flight on this stream."""
+    timeout_ms: _builtins.int
+    """The call's deadline in milliseconds from its arrival (a unary call's
+    grpc-timeout); 0: the daemon's default for the method.
+    """
+    @_builtins.property
+    def join(self) -> Global___JoinRequest: ...
+    @_builtins.property
+    def publish_id(self) -> Global___PublishIdRequest: ...
+    @_builtins.property
+    def join_node(self) -> Global___JoinNodeRequest: ...
+    @_builtins.property
+    def report_failure(self) -> Global___ReportFailureRequest: ...
+    @_builtins.property
+    def get_members(self) -> Global___GetMembersRequest: ...
+    @_builtins.property
+    def barrier(self) -> Global___BarrierRequest: ...
+    @_builtins.property
+    def kv_set(self) -> Global___KvSetRequest: ...
+    @_builtins.property
+    def kv_get(self) -> Global___KvGetRequest: ...
+    @_builtins.property
+    def kv_add(self) -> Global___KvAddRequest: ...
+    @_builtins.property
+    def kv_compare_and_set(self) -> Global___KvCompareAndSetRequest: ...
+    @_builtins.property
+    def kv_delete(self) -> Global___KvDeleteRequest: ...
+    @_builtins.property
+    def leave(self) -> Global___LeaveRequest: ...
+    @_builtins.property
+    def abort_job(self) -> Global___AbortJobRequest: ...
+    @_builtins.property
+    def list_jobs(self) -> Global___ListJobsRequest: ...
+    @_builtins.property
+    def get_job(self) -> Global___GetJobRequest: ...
+    @_builtins.property
+    def cancel(self) -> Global___CancelCall:
+        """The caller gave up on its call `id` (its deadline passed, or it was
+        cancelled): a parked call is cancelled and gets no Reply.
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        timeout_ms: _builtins.int = ...,
+        join: Global___JoinRequest | None = ...,
+        publish_id: Global___PublishIdRequest | None = ...,
+        join_node: Global___JoinNodeRequest | None = ...,
+        report_failure: Global___ReportFailureRequest | None = ...,
+        get_members: Global___GetMembersRequest | None = ...,
+        barrier: Global___BarrierRequest | None = ...,
+        kv_set: Global___KvSetRequest | None = ...,
+        kv_get: Global___KvGetRequest | None = ...,
+        kv_add: Global___KvAddRequest | None = ...,
+        kv_compare_and_set: Global___KvCompareAndSetRequest | None = ...,
+        kv_delete: Global___KvDeleteRequest | None = ...,
+        leave: Global___LeaveRequest | None = ...,
+        abort_job: Global___AbortJobRequest | None = ...,
+        list_jobs: Global___ListJobsRequest | None = ...,
+        get_job: Global___GetJobRequest | None = ...,
+        cancel: Global___CancelCall | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_job", b"abort_job", "barrier", b"barrier", "cancel", b"cancel", "get_job", b"get_job", "get_members", b"get_members", "join", b"join", "join_node", b"join_node", "kv_add", b"kv_add", "kv_compare_and_set", b"kv_compare_and_set", "kv_delete", b"kv_delete", "kv_get", b"kv_get", "kv_set", b"kv_set", "leave", b"leave", "list_jobs", b"list_jobs", "publish_id", b"publish_id", "report_failure", b"report_failure", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_job", b"abort_job", "barrier", b"barrier", "cancel", b"cancel", "get_job", b"get_job", "get_members", b"get_members", "id", b"id", "join", b"join", "join_node", b"join_node", "kv_add", b"kv_add", "kv_compare_and_set", b"kv_compare_and_set", "kv_delete", b"kv_delete", "kv_get", b"kv_get", "kv_set", b"kv_set", "leave", b"leave", "list_jobs", b"list_jobs", "publish_id", b"publish_id", "report_failure", b"report_failure", "request", b"request", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["join", "publish_id", "join_node", "report_failure", "get_members", "barrier", "kv_set", "kv_get", "kv_add", "kv_compare_and_set", "kv_delete", "leave", "abort_job", "list_jobs", "get_job", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
+
+Global___Call: _TypeAlias = Call  # noqa: Y015
+
+@_typing.final
+class CancelCall(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelCall: _TypeAlias = CancelCall  # noqa: Y015
+
+@_typing.final
+class Reply(_message.Message):
+    """The answer to the Call with the same id: the field of the same name as the
+    Call's, holding the unary method's response, or error.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    JOIN_FIELD_NUMBER: _builtins.int
+    PUBLISH_ID_FIELD_NUMBER: _builtins.int
+    JOIN_NODE_FIELD_NUMBER: _builtins.int
+    REPORT_FAILURE_FIELD_NUMBER: _builtins.int
+    GET_MEMBERS_FIELD_NUMBER: _builtins.int
+    BARRIER_FIELD_NUMBER: _builtins.int
+    KV_SET_FIELD_NUMBER: _builtins.int
+    KV_GET_FIELD_NUMBER: _builtins.int
+    KV_ADD_FIELD_NUMBER: _builtins.int
+    KV_COMPARE_AND_SET_FIELD_NUMBER: _builtins.int
+    KV_DELETE_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
+    ABORT_JOB_FIELD_NUMBER: _builtins.int
+    LIST_JOBS_FIELD_NUMBER: _builtins.int
+    GET_JOB_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    error: _builtins.bytes
+    """A serialized google.rpc.Status: the code, message and details (one
+    google.rpc.ErrorInfo) the unary call's grpc-status-details-bin trailer
+    would carry. Bytes, so the protocol needs no googleapis import.
+    """
+    @_builtins.property
+    def join(self) -> Global___JoinResponse: ...
+    @_builtins.property
+    def publish_id(self) -> Global___JoinResponse: ...
+    @_builtins.property
+    def join_node(self) -> Global___JoinNodeResponse: ...
+    @_builtins.property
+    def report_failure(self) -> Global___ReportFailureResponse: ...
+    @_builtins.property
+    def get_members(self) -> Global___GetMembersResponse: ...
+    @_builtins.property
+    def barrier(self) -> Global___BarrierResponse: ...
+    @_builtins.property
+    def kv_set(self) -> Global___KvSetResponse: ...
+    @_builtins.property
+    def kv_get(self) -> Global___KvGetResponse: ...
+    @_builtins.property
+    def kv_add(self) -> Global___KvAddResponse: ...
+    @_builtins.property
+    def kv_compare_and_set(self) -> Global___KvCompareAndSetResponse: ...
+    @_builtins.property
+    def kv_delete(self) -> Global___KvDeleteResponse: ...
+    @_builtins.property
+    def leave(self) -> Global___LeaveResponse: ...
+    @_builtins.property
+    def abort_job(self) -> Global___AbortJobResponse: ...
+    @_builtins.property
+    def list_jobs(self) -> Global___ListJobsResponse: ...
+    @_builtins.property
+    def get_job(self) -> Global___GetJobResponse: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        join: Global___JoinResponse | None = ...,
+        publish_id: Global___JoinResponse | None = ...,
+        join_node: Global___JoinNodeResponse | None = ...,
+        report_failure: Global___ReportFailureResponse | None = ...,
+        get_members: Global___GetMembersResponse | None = ...,
+        barrier: Global___BarrierResponse | None = ...,
+        kv_set: Global___KvSetResponse | None = ...,
+        kv_get: Global___KvGetResponse | None = ...,
+        kv_add: Global___KvAddResponse | None = ...,
+        kv_compare_and_set: Global___KvCompareAndSetResponse | None = ...,
+        kv_delete: Global___KvDeleteResponse | None = ...,
+        leave: Global___LeaveResponse | None = ...,
+        abort_job: Global___AbortJobResponse | None = ...,
+        list_jobs: Global___ListJobsResponse | None = ...,
+        get_job: Global___GetJobResponse | None = ...,
+        error: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_job", b"abort_job", "barrier", b"barrier", "error", b"error", "get_job", b"get_job", "get_members", b"get_members", "join", b"join", "join_node", b"join_node", "kv_add", b"kv_add", "kv_compare_and_set", b"kv_compare_and_set", "kv_delete", b"kv_delete", "kv_get", b"kv_get", "kv_set", b"kv_set", "leave", b"leave", "list_jobs", b"list_jobs", "publish_id", b"publish_id", "report_failure", b"report_failure", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_job", b"abort_job", "barrier", b"barrier", "error", b"error", "get_job", b"get_job", "get_members", b"get_members", "id", b"id", "join", b"join", "join_node", b"join_node", "kv_add", b"kv_add", "kv_compare_and_set", b"kv_compare_and_set", "kv_delete", b"kv_delete", "kv_get", b"kv_get", "kv_set", b"kv_set", "leave", b"leave", "list_jobs", b"list_jobs", "publish_id", b"publish_id", "report_failure", b"report_failure", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["join", "publish_id", "join_node", "report_failure", "get_members", "barrier", "kv_set", "kv_get", "kv_add", "kv_compare_and_set", "kv_delete", "leave", "abort_job", "list_jobs", "get_job", "error"]  # noqa: Y015
+    _WhichOneofArgType_response: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
+
+Global___Reply: _TypeAlias = Reply  # noqa: Y015

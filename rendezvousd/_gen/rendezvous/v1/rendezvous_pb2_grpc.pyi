@@ -175,6 +175,23 @@ class RendezvousStub:
     ListJobs: _grpc.UnaryUnaryMultiCallable[_rendezvous_pb2.ListJobsRequest, _rendezvous_pb2.ListJobsResponse]
     """Inspection. Never returns the unique id. GetJob: NOT_FOUND (JOB_NOT_FOUND)."""
     GetJob: _grpc.UnaryUnaryMultiCallable[_rendezvous_pb2.GetJobRequest, _rendezvous_pb2.GetJobResponse]
+    Calls: _grpc.StreamStreamMultiCallable[_rendezvous_pb2.Call, _rendezvous_pb2.Reply]
+    """Calls carries every unary method above as messages on one stream, so a
+    client that makes many calls pays gRPC's per-call cost (HTTP/2 stream,
+    headers, authentication, dispatch: ~0.5 ms of daemon CPU in Python) once
+    instead of per call. Each Call names its method by the oneof field set,
+    carries the caller's id for it and its deadline, and is answered by one
+    Reply with the same id and the same field name, in any order: a Barrier
+    waiting on the stream does not hold up a KvGet behind it. A failed call's
+    Reply carries the google.rpc.Status the unary call would have ended with
+    (the same code, message and ErrorInfo), and the stream goes on. Semantics,
+    authorization and limits per call are the unary method's; the bearer token
+    is the stream's, checked once at its start. Cancel ends a parked call as
+    the unary call's cancellation would. The stream's own end (or a broken
+    connection) cancels every call still in flight on it.
+    A daemon without this method answers UNIMPLEMENTED: the SDK then makes
+    unary calls, as before.
+    """
 
 @_typing.type_check_only
 class RendezvousAsyncStub(RendezvousStub):
@@ -307,6 +324,23 @@ class RendezvousAsyncStub(RendezvousStub):
     ListJobs: _aio.UnaryUnaryMultiCallable[_rendezvous_pb2.ListJobsRequest, _rendezvous_pb2.ListJobsResponse]  # type: ignore[assignment]
     """Inspection. Never returns the unique id. GetJob: NOT_FOUND (JOB_NOT_FOUND)."""
     GetJob: _aio.UnaryUnaryMultiCallable[_rendezvous_pb2.GetJobRequest, _rendezvous_pb2.GetJobResponse]  # type: ignore[assignment]
+    Calls: _aio.StreamStreamMultiCallable[_rendezvous_pb2.Call, _rendezvous_pb2.Reply]  # type: ignore[assignment]
+    """Calls carries every unary method above as messages on one stream, so a
+    client that makes many calls pays gRPC's per-call cost (HTTP/2 stream,
+    headers, authentication, dispatch: ~0.5 ms of daemon CPU in Python) once
+    instead of per call. Each Call names its method by the oneof field set,
+    carries the caller's id for it and its deadline, and is answered by one
+    Reply with the same id and the same field name, in any order: a Barrier
+    waiting on the stream does not hold up a KvGet behind it. A failed call's
+    Reply carries the google.rpc.Status the unary call would have ended with
+    (the same code, message and ErrorInfo), and the stream goes on. Semantics,
+    authorization and limits per call are the unary method's; the bearer token
+    is the stream's, checked once at its start. Cancel ends a parked call as
+    the unary call's cancellation would. The stream's own end (or a broken
+    connection) cancels every call still in flight on it.
+    A daemon without this method answers UNIMPLEMENTED: the SDK then makes
+    unary calls, as before.
+    """
 
 class RendezvousServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -532,5 +566,28 @@ class RendezvousServicer(metaclass=_abc_1.ABCMeta):
         request: _rendezvous_pb2.GetJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rendezvous_pb2.GetJobResponse, _abc.Awaitable[_rendezvous_pb2.GetJobResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Calls(
+        self,
+        request_iterator: _MaybeAsyncIterator[_rendezvous_pb2.Call],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_rendezvous_pb2.Reply], _abc.AsyncIterator[_rendezvous_pb2.Reply]]:
+        """Calls carries every unary method above as messages on one stream, so a
+        client that makes many calls pays gRPC's per-call cost (HTTP/2 stream,
+        headers, authentication, dispatch: ~0.5 ms of daemon CPU in Python) once
+        instead of per call. Each Call names its method by the oneof field set,
+        carries the caller's id for it and its deadline, and is answered by one
+        Reply with the same id and the same field name, in any order: a Barrier
+        waiting on the stream does not hold up a KvGet behind it. A failed call's
+        Reply carries the google.rpc.Status the unary call would have ended with
+        (the same code, message and ErrorInfo), and the stream goes on. Semantics,
+        authorization and limits per call are the unary method's; the bearer token
+        is the stream's, checked once at its start. Cancel ends a parked call as
+        the unary call's cancellation would. The stream's own end (or a broken
+        connection) cancels every call still in flight on it.
+        A daemon without this method answers UNIMPLEMENTED: the SDK then makes
+        unary calls, as before.
+        """
 
 def add_RendezvousServicer_to_server(servicer: RendezvousServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
