@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._multiplex import carries
 from rendezvousd.client._session import (
     SLACK_S,
     ClientOptions,
@@ -72,6 +73,12 @@ class Rpc:
     # None: the channel's default (wait for the daemon to be up).
     wait_for_ready: bool | None = None
 
+    @property
+    def streamable(self) -> bool:
+        """Whether it may travel on the client's Calls stream: a Rendezvous method
+        made the patient way (the TLS probe's calls must fail fast, and say why)."""
+        return not self.health and self.wait_for_ready is None and carries(self.method)
+
     def invoke(self, rendezvous: Any, health: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
         """The call's result (sync stubs) or awaitable (asyncio stubs)."""
         extra = {} if self.wait_for_ready is None else {"wait_for_ready": self.wait_for_ready}
@@ -112,7 +119,15 @@ class LeaveOnStream:
     timeout: float
 
 
-Step = Rpc | Sleep | Blocking | StopStream | Connected | LeaveOnStream
+@dataclass(frozen=True)
+class Connect:
+    """Connect the channel and open the Calls stream (where the client uses one),
+    within ``timeout``: answered True once connected, False when it was not."""
+
+    timeout: float
+
+
+Step = Rpc | Sleep | Blocking | StopStream | Connected | LeaveOnStream | Connect
 Steps = Generator[Step, Any, T]
 
 
@@ -145,6 +160,8 @@ class Calls:
         self.tls = options.get("tls")
         self.probe = TlsProbe(endpoint, tls=self.tls is not None)
         self.reconnect_window = options.get("reconnect_window")
+        # Rpc steps as messages on one Calls stream (False: one unary call each).
+        self.call_stream = options.get("call_stream", True)
 
     def channel(self, secure: Callable[..., C], insecure: Callable[..., C]) -> C:
         """The client's channel, made by its gRPC flavour's ``secure``/``insecure_channel``."""
@@ -177,6 +194,21 @@ class Calls:
             yield Sleep(s.retry.backoff(attempt))
 
     # -- health and TLS ------------------------------------------------------------
+
+    def connect(self) -> Steps[None]:
+        """Connected, and the Calls stream open, within the connect timeout; no call."""
+        s = self.s
+        if not (yield Connect(s.connect_timeout)):
+            raise DaemonUnavailable(
+                f"rendezvousd at {s.endpoint} could not be connected to within "
+                f"{s.connect_timeout:g} s (connect_timeout): check that it runs and listens "
+                "there, and that this host can reach it",
+                attempts=1,
+                code="UNAVAILABLE",
+                endpoint=s.endpoint,
+                method="connect",
+                job_id=s.job_id,
+            )
 
     def check_health(self) -> Steps[None]:
         """Fail fast, with one clear error, when the daemon is down or draining."""

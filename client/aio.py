@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
+from rendezvousd.client._call_stream import AsyncCallStream
+from rendezvousd.client._multiplex import Unsupported
 from rendezvousd.client._session import (
     ClientOptions,
     JoinRequest,
@@ -40,6 +42,11 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._mux = (
+            AsyncCallStream(self._channel, self._s.metadata, self._s.endpoint)
+            if self._c.call_stream
+            else None
+        )
         # A slim join's table is fetched on first use of Membership.members, a plain
         # property: that blocking call goes over a channel of its own, made then.
         self._blocking = BlockingMembers(self._s, self._c.tls)
@@ -60,6 +67,9 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def _perform(self, step: steps.Step) -> Any:
         if isinstance(step, steps.Rpc):
+            if self._mux is not None and step.streamable:
+                with contextlib.suppress(Unsupported):  # an older daemon: unary
+                    return await self._mux.call(step.method, step.request, step.timeout)
             return await step.invoke(self._stub, self._health, self._s.metadata)
         if isinstance(step, steps.Sleep):
             await asyncio.sleep(step.seconds)
@@ -71,6 +81,15 @@ class AsyncRendezvousClient(steps.ClientBase):
             return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
         elif isinstance(step, steps.LeaveOnStream):
             return await self._leave_on_stream(step.timeout)
+        elif isinstance(step, steps.Connect):
+            try:
+                async with asyncio.timeout(step.timeout):
+                    await self._channel.channel_ready()
+            except TimeoutError:
+                return False
+            if self._mux is not None:
+                self._mux.open()
+            return True
         return None
 
     async def _leave_on_stream(self, timeout: float) -> bool | None:
@@ -86,6 +105,10 @@ class AsyncRendezvousClient(steps.ClientBase):
     async def check_health(self) -> None:
         """``RendezvousClient.check_health``, awaited."""
         await self._run(self._c.check_health())
+
+    async def connect(self) -> None:
+        """``RendezvousClient.connect``, awaited."""
+        await self._run(self._c.connect())
 
     async def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """``RendezvousClient.join``, awaited."""
@@ -222,6 +245,8 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def close(self) -> None:
         await self._stop_heartbeat()
+        if self._mux is not None:
+            await self._mux.close()
         await self._channel.close()
         self._blocking.close()
 

@@ -5,6 +5,7 @@ calls and sleeps: this module decides nothing, so it cannot drift from ``aio``."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from grpc_health.v1 import health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
+from rendezvousd.client._call_stream import BlockingCallStream
+from rendezvousd.client._multiplex import Unsupported
 from rendezvousd.client._session import ClientOptions, JoinRequest, NodeJoinRequest, StreamWatch
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Membership, NodeMembership
@@ -36,6 +39,11 @@ class RendezvousClient(steps.ClientBase):
         self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._mux = (
+            BlockingCallStream(self._channel, self._s.metadata, self._s.endpoint)
+            if self._c.call_stream
+            else None
+        )
         # After close() the table of a slim join is still readable: over a channel of its own.
         self._closed = False
         self._after_close = BlockingMembers(self._s, self._c.tls)
@@ -67,6 +75,9 @@ class RendezvousClient(steps.ClientBase):
 
     def _perform(self, step: steps.Step) -> Any:
         if isinstance(step, steps.Rpc):
+            if self._mux is not None and step.streamable:
+                with contextlib.suppress(Unsupported):  # an older daemon: unary
+                    return self._mux.call(step.method, step.request, step.timeout)
             return step.invoke(self._stub, self._health, self._s.metadata)
         if isinstance(step, steps.Sleep):
             time.sleep(step.seconds)
@@ -80,6 +91,14 @@ class RendezvousClient(steps.ClientBase):
             return False
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
+        elif isinstance(step, steps.Connect):
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=step.timeout)
+            except grpc.FutureTimeoutError:
+                return False
+            if self._mux is not None:
+                self._mux.open()
+            return True
         return None
 
     def _leave_on_stream(self, timeout: float) -> bool | None:
@@ -95,6 +114,12 @@ class RendezvousClient(steps.ClientBase):
     def check_health(self) -> None:
         """Fail fast, with one clear error, when the daemon is down or draining."""
         self._run(self._c.check_health())
+
+    def connect(self) -> None:
+        """Connect to the daemon and open the call stream now, without a call, within
+        ``connect_timeout``; ``DaemonUnavailable`` when it cannot be reached. Calls
+        connect on first use anyway: this puts the cost before a measured moment."""
+        self._run(self._c.connect())
 
     # -- membership -----------------------------------------------------------
 
@@ -255,6 +280,8 @@ class RendezvousClient(steps.ClientBase):
         """Close without Leave: a joined worker closing this way counts as lost."""
         self._stop_heartbeat()
         self._closed = True
+        if self._mux is not None:
+            self._mux.close()
         self._channel.close()
 
     def __enter__(self) -> RendezvousClient:

@@ -1,0 +1,327 @@
+"""The ``Calls`` stream's I/O: one multiplexed stream per client, blocking and asyncio.
+
+gRPC charges the daemon far more per unary call (HTTP/2 stream, headers,
+authentication, dispatch) than per message on an open stream, so each client makes
+its ``Rpc`` steps as messages on one stream, opened on first use. Each twin here only
+moves messages: ids, the Call and Reply forms, outcomes as ``grpc.RpcError`` and the
+fallback decision are ``_multiplex``'s, retries are the call core's (``_calls``).
+
+A call waits for its Reply up to its own deadline, then sends ``cancel`` and raises
+DEADLINE_EXCEEDED. The stream's end fails every call in flight with its status, and
+the next call opens a new stream. A daemon without the method (UNIMPLEMENTED before
+any Reply) makes ``call`` raise ``Unsupported`` for every call it held, none of which
+the daemon saw: the client then makes them, and every later call, unary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._multiplex import (
+    CALLS_METHOD,
+    Pending,
+    Unsupported,
+    cancel_message,
+    closed_error,
+    copy_error,
+    deadline_error,
+    ended_error,
+    unsupported,
+)
+
+log = logging.getLogger("rendezvousd.client")
+
+# How long close() waits for a stream's reader to end once the stream is cancelled.
+STOP_READER_S = 5.0
+
+
+def _fallback(endpoint: str) -> None:
+    log.debug(
+        "rendezvousd at %s has no Calls method (an older daemon): this client makes "
+        "unary calls from now on",
+        endpoint,
+    )
+
+
+def _sends(pending: Pending[Any], message: pb.Call) -> bool:
+    """Whether a queued message still goes out: not a call whose caller gave up
+    before it left (the daemon, counting its deadline from arrival, would run it)."""
+    return message.WhichOneof("request") == "cancel" or pending.waiting(message.id)
+
+
+class _BlockingStream:
+    """One open Calls stream of a blocking channel: a queue feeds its requests, one
+    reader thread hands each Reply to its caller's future."""
+
+    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.pending: Pending[Future[Any]] = Pending()
+        self.unsupported = False
+        self.closing = False
+        self._queue: queue.SimpleQueue[pb.Call | None] = queue.SimpleQueue()
+        multi = channel.stream_stream(
+            CALLS_METHOD,
+            request_serializer=pb.Call.SerializeToString,
+            response_deserializer=pb.Reply.FromString,
+        )
+        # wait_for_ready: a call made while the daemon restarts waits for it, within
+        # its own deadline, as a unary call does.
+        self._call: Any = multi(self._requests(), metadata=metadata, wait_for_ready=True)
+        self.reader = threading.Thread(
+            target=self._read, daemon=True, name="rendezvous-calls-reader"
+        )
+        self.reader.start()
+
+    @property
+    def over(self) -> bool:
+        return self.pending.failure is not None
+
+    def send(self, message: pb.Call) -> None:
+        self._queue.put(message)
+
+    def _requests(self) -> Iterator[pb.Call]:
+        while (message := self._queue.get()) is not None:
+            if _sends(self.pending, message):
+                yield message
+
+    def _read(self) -> None:
+        failure: grpc.RpcError = ended_error()
+        try:
+            for reply in self._call:
+                settled = self.pending.settle(reply)
+                if settled is not None:
+                    waiter, outcome = settled
+                    if isinstance(outcome, grpc.RpcError):
+                        waiter.set_exception(outcome)
+                    else:
+                        waiter.set_result(outcome)
+        except grpc.RpcError as exc:
+            failure = closed_error() if self.closing else exc
+            self.unsupported = unsupported(exc, self.pending.replied)
+        finally:
+            log.debug("the call stream ended: %s: %s", failure.code().name, failure.details())
+            for waiter in self.pending.end(failure):
+                waiter.set_exception(Unsupported() if self.unsupported else copy_error(failure))
+            self._queue.put(None)  # ends gRPC's thread feeding the requests
+
+    def close(self) -> None:
+        self.closing = True
+        self._queue.put(None)
+        self._call.cancel()
+
+
+class BlockingCallStream:
+    """A blocking client's Calls stream, opened on first use and again after it broke.
+    Safe from several threads: the user's, the heartbeat thread's, ``on_failure``'s."""
+
+    def __init__(
+        self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...], endpoint: str
+    ) -> None:
+        self._channel = channel
+        self._metadata = metadata
+        self._endpoint = endpoint
+        self._lock = threading.Lock()
+        self._stream: _BlockingStream | None = None
+        self._streams: list[_BlockingStream] = []
+        self._closed = False
+        # The daemon has no Calls method: every call is unary.
+        self.unary = False
+
+    def open(self) -> _BlockingStream | None:
+        """The live stream, opened now if there is none; None for a daemon without it."""
+        with self._lock:
+            if self.unary:
+                return None
+            stream = self._stream
+            if stream is not None and stream.over:
+                if stream.unsupported:
+                    self.unary = True
+                    _fallback(self._endpoint)
+                    return None
+                stream = None
+            if stream is None:
+                if self._closed:
+                    raise ValueError("Cannot invoke RPC on closed channel!")
+                stream = self._stream = _BlockingStream(self._channel, self._metadata)
+                # Streams that broke end their readers on their own: forget them.
+                self._streams = [s for s in self._streams if s.reader.is_alive()] + [stream]
+            return stream
+
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        """``method``'s response, or the ``grpc.RpcError`` its unary call would raise;
+        ``Unsupported`` when the daemon has no Calls method (the call was not made)."""
+        stream = self.open()
+        if stream is None:
+            raise Unsupported
+        waiter: Future[Any] = Future()
+        try:
+            call_id, message = stream.pending.add(method, request, timeout, waiter)
+        except grpc.RpcError:
+            # The stream ended between open() and now: as if it broke under the call.
+            if stream.unsupported:
+                raise Unsupported from None
+            raise
+        stream.send(message)
+        try:
+            return waiter.result(timeout)
+        except TimeoutError:
+            if stream.pending.drop(call_id):
+                stream.send(cancel_message(call_id))
+                raise deadline_error() from None
+        return waiter.result()  # answered as its deadline passed
+
+    def close(self) -> None:
+        """End the stream (the daemon cancels what is in flight) and its reader."""
+        with self._lock:
+            self._closed = True
+            streams, self._streams, self._stream = self._streams, [], None
+        for stream in streams:
+            stream.close()
+        for stream in streams:
+            if stream.reader is not threading.current_thread():
+                stream.reader.join(STOP_READER_S)
+
+
+class _AsyncStream:
+    """One open Calls stream of an asyncio channel: a queue feeds its requests, one
+    reader task hands each Reply to its caller's future."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.pending: Pending[asyncio.Future[Any]] = Pending()
+        self.unsupported = False
+        self.closing = False
+        self._queue: asyncio.Queue[pb.Call | None] = asyncio.Queue()
+        multi = channel.stream_stream(
+            CALLS_METHOD,
+            request_serializer=pb.Call.SerializeToString,
+            response_deserializer=pb.Reply.FromString,
+        )
+        self._call: Any = multi(self._requests(), metadata=metadata, wait_for_ready=True)
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @property
+    def over(self) -> bool:
+        return self.pending.failure is not None
+
+    def send(self, message: pb.Call) -> None:
+        self._queue.put_nowait(message)
+
+    async def _requests(self) -> AsyncIterator[pb.Call]:
+        while (message := await self._queue.get()) is not None:
+            if _sends(self.pending, message):
+                yield message
+
+    async def _read(self) -> None:
+        failure: grpc.RpcError = ended_error()
+        try:
+            async for reply in self._call:
+                settled = self.pending.settle(reply)
+                if settled is not None:
+                    waiter, outcome = settled
+                    if waiter.done():  # its caller was cancelled as the Reply came
+                        continue
+                    if isinstance(outcome, grpc.RpcError):
+                        waiter.set_exception(outcome)
+                    else:
+                        waiter.set_result(outcome)
+        except grpc.RpcError as exc:
+            failure = closed_error() if self.closing else exc
+            self.unsupported = unsupported(exc, self.pending.replied)
+        except asyncio.CancelledError:
+            failure = closed_error()
+            raise
+        finally:
+            for waiter in self.pending.end(failure):
+                if not waiter.done():
+                    waiter.set_exception(Unsupported() if self.unsupported else copy_error(failure))
+            self._queue.put_nowait(None)
+
+    def close(self) -> None:
+        self.closing = True
+        self._queue.put_nowait(None)
+        self._call.cancel()
+
+
+class AsyncCallStream:
+    """``BlockingCallStream``'s twin on the event loop."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], endpoint: str
+    ) -> None:
+        self._channel = channel
+        self._metadata = metadata
+        self._endpoint = endpoint
+        self._stream: _AsyncStream | None = None
+        self._streams: list[_AsyncStream] = []
+        self._closed = False
+        self.unary = False
+
+    def open(self) -> _AsyncStream | None:
+        if self.unary:
+            return None
+        stream = self._stream
+        if stream is not None and stream.over:
+            if stream.unsupported:
+                self.unary = True
+                _fallback(self._endpoint)
+                return None
+            stream = None
+        if stream is None:
+            if self._closed:
+                raise grpc.aio.UsageError("the client is closed")
+            stream = self._stream = _AsyncStream(self._channel, self._metadata)
+            self._streams = [s for s in self._streams if not s.reader.done()] + [stream]
+        return stream
+
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
+        stream = self.open()
+        if stream is None:
+            raise Unsupported
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        try:
+            call_id, message = stream.pending.add(method, request, timeout, waiter)
+        except grpc.RpcError:
+            if stream.unsupported:
+                raise Unsupported from None
+            raise
+        stream.send(message)
+        try:
+            async with asyncio.timeout(timeout):
+                # shield: the deadline or a cancellation leaves the future to the reader.
+                return await asyncio.shield(waiter)
+        except TimeoutError:
+            if not stream.pending.drop(call_id):
+                return await waiter  # answered as its deadline passed
+            stream.send(cancel_message(call_id))
+            raise deadline_error() from None
+        except asyncio.CancelledError:
+            if stream.pending.drop(call_id):
+                stream.send(cancel_message(call_id))
+            elif waiter.done() and not waiter.cancelled():
+                waiter.exception()  # answered as it was cancelled: nobody reads it now
+            raise
+
+    async def close(self) -> None:
+        self._closed = True
+        streams, self._streams, self._stream = self._streams, [], None
+        for stream in streams:
+            stream.close()
+        readers = {s.reader for s in streams if not s.reader.done()}
+        if readers:
+            await asyncio.wait(readers, timeout=STOP_READER_S)
+        for reader in readers:
+            if reader.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    reader.result()
+            else:
+                reader.cancel()

@@ -1,0 +1,203 @@
+"""The ``Calls`` stream's messages, without I/O: what both clients' call streams share.
+
+Every unary method of the Rendezvous service travels on one stream as a ``Call``
+(the caller's id, the deadline, the request in the oneof field named after the
+method) and comes back as a ``Reply`` with the same id: the response in the field of
+the same name, or ``error``, the google.rpc.Status the unary call would have ended
+with. Here: the method <-> field table (read from the descriptor, so a method added
+to the proto is carried without an edit here), the calls in flight on one stream
+(ids, their waiters), and every outcome as the ``grpc.RpcError`` a unary call would
+have raised (code, details, and the ``grpc-status-details-bin`` trailer), so the
+call core (``_calls``) reads a stream's errors exactly as it reads a unary call's.
+``_call_stream`` performs the I/O, blocking and asyncio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+import grpc.aio
+from google.rpc import status_pb2
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+
+W = TypeVar("W")
+
+#: The trailer a unary call's rich status travels in (grpcio-status reads it there).
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+#: The Calls method's path on the channel.
+CALLS_METHOD = "/rendezvous.v1.Rendezvous/Calls"
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _fields() -> dict[str, str]:
+    """Method name -> the Call/Reply field carrying it, matched by the request type
+    and checked against the response type, for every unary method of the service."""
+    service = pb.DESCRIPTOR.services_by_name["Rendezvous"]
+    requests = pb.Call.DESCRIPTOR.oneofs_by_name["request"].fields
+    responses = {f.name: f for f in pb.Reply.DESCRIPTOR.oneofs_by_name["response"].fields}
+    table: dict[str, str] = {}
+    for method in service.methods:
+        if method.client_streaming or method.server_streaming:
+            continue
+        (field,) = [f for f in requests if f.message_type is method.input_type]
+        answer = responses[field.name].message_type
+        if answer is not method.output_type:
+            raise RuntimeError(
+                f"Reply.{field.name} is a {answer.name if answer else 'scalar'}, but "
+                f"{method.name} answers {method.output_type.name}: the proto's Calls "
+                "messages disagree with its methods"
+            )
+        table[method.name] = field.name
+    return table
+
+
+#: Every unary method the Calls stream carries, by its name ("KvGet" -> "kv_get").
+FIELDS: dict[str, str] = _fields()
+
+
+def carries(method: str) -> bool:
+    """Whether ``method`` can travel on the Calls stream (every unary Rendezvous method)."""
+    return method in FIELDS
+
+
+def timeout_ms(timeout: float) -> int:
+    """A call's deadline on the wire: whole milliseconds, rounded up, never 0 (which
+    would ask for the daemon's default instead)."""
+    return max(1, math.ceil(timeout * 1000))
+
+
+def call_message(call_id: int, method: str, request: Any, timeout: float) -> pb.Call:
+    call = pb.Call(id=call_id, timeout_ms=timeout_ms(timeout))
+    getattr(call, FIELDS[method]).CopyFrom(request)
+    return call
+
+
+def cancel_message(call_id: int) -> pb.Call:
+    return pb.Call(id=call_id, cancel=pb.CancelCall())
+
+
+def rpc_error(
+    code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, Any], ...] = ()
+) -> grpc.RpcError:
+    """The error a unary call ending with this status raises (one object per caller:
+    an exception raised in several threads must not share its traceback)."""
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details
+    )
+
+
+def status_error(status_bytes: bytes) -> grpc.RpcError:
+    """An error Reply as the unary call's error: the status's code and message, and
+    the status itself in the trailer the unary call carries it in."""
+    status = status_pb2.Status.FromString(status_bytes)
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return rpc_error(code, status.message, ((STATUS_DETAILS_KEY, status_bytes),))
+
+
+def copy_error(exc: grpc.RpcError) -> grpc.RpcError:
+    """The stream's own failure, as each call in flight on it sees it: its status."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else ()
+    return rpc_error(code, details or "", tuple(trailing or ()))
+
+
+def deadline_error() -> grpc.RpcError:
+    """A call's own deadline passed before its Reply: what gRPC raises for a unary call."""
+    return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def ended_error() -> grpc.RpcError:
+    """The daemon ended the stream (status OK) with calls still in flight on it."""
+    return rpc_error(
+        grpc.StatusCode.UNAVAILABLE, "the daemon ended the call stream (draining or restarting)"
+    )
+
+
+def closed_error() -> grpc.RpcError:
+    """The client closed its stream with calls still in flight on it."""
+    return rpc_error(grpc.StatusCode.CANCELLED, "the client closed its call stream")
+
+
+def unsupported(exc: grpc.RpcError, replied: bool) -> bool:
+    """Whether the stream's failure means the daemon has no Calls method (an older
+    daemon): UNIMPLEMENTED before any Reply. A call's own UNIMPLEMENTED is a Reply."""
+    return not replied and exc.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+class Unsupported(Exception):
+    """The daemon has no Calls method: the call was never made; make it unary."""
+
+
+@dataclass(frozen=True)
+class InFlight(Generic[W]):
+    method: str
+    waiter: W
+
+
+class Pending(Generic[W]):
+    """The calls in flight on one stream, each with its caller's waiter (a future of
+    either kind). Safe from several threads: the sync client's callers and its reader."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._calls: dict[int, InFlight[W]] = {}
+        self._lock = threading.Lock()
+        # A Reply was read: the daemon has the method (see ``unsupported``).
+        self.replied = False
+        # The stream's end, once it ended: every later call fails with it at once.
+        self.failure: grpc.RpcError | None = None
+
+    def add(self, method: str, request: Any, timeout: float, waiter: W) -> tuple[int, pb.Call]:
+        """A new call's id and its message; raises the stream's failure if it ended."""
+        with self._lock:
+            if self.failure is not None:
+                raise copy_error(self.failure)
+            call_id = next(self._ids)
+            self._calls[call_id] = InFlight(method, waiter)
+        return call_id, call_message(call_id, method, request, timeout)
+
+    def settle(self, reply: pb.Reply) -> tuple[W, Any] | None:
+        """The waiter of the call ``reply`` answers and its outcome (the response, or
+        the error as ``grpc.RpcError``); None for a call no longer waited for."""
+        with self._lock:
+            self.replied = True
+            call = self._calls.pop(reply.id, None)
+        if call is None:
+            return None
+        field = reply.WhichOneof("response")
+        if field == "error":
+            return call.waiter, status_error(reply.error)
+        if field != FIELDS[call.method]:
+            return call.waiter, rpc_error(
+                grpc.StatusCode.INTERNAL,
+                f"the daemon answered {call.method} with a Reply of {field or 'nothing'}",
+            )
+        return call.waiter, getattr(reply, field)
+
+    def waiting(self, call_id: int) -> bool:
+        """Whether call ``call_id``'s caller still waits for it."""
+        with self._lock:
+            return call_id in self._calls
+
+    def drop(self, call_id: int) -> bool:
+        """The caller gave up (its deadline, or its cancellation): True when the call
+        was still in flight, and the daemon should be told (``cancel_message``)."""
+        with self._lock:
+            return self._calls.pop(call_id, None) is not None
+
+    def end(self, failure: grpc.RpcError) -> list[W]:
+        """The stream is over with ``failure``: the waiters of every call in flight,
+        which each get it (``copy_error``); later calls fail with it too."""
+        with self._lock:
+            self.failure = failure
+            waiters = [c.waiter for c in self._calls.values()]
+            self._calls.clear()
+        return waiters
