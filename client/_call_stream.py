@@ -20,6 +20,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -136,6 +137,9 @@ class BlockingCallStream:
         self._closed = False
         # The daemon has no Calls method: every call is unary.
         self.unary = False
+        # Streams opened and calls sent on them (tests, benchmarks).
+        self.opened = 0
+        self.sent: Counter[str] = Counter()
 
     def open(self) -> _BlockingStream | None:
         """The live stream, opened now if there is none; None for a daemon without it."""
@@ -153,6 +157,7 @@ class BlockingCallStream:
                 if self._closed:
                     raise ValueError("Cannot invoke RPC on closed channel!")
                 stream = self._stream = _BlockingStream(self._channel, self._metadata)
+                self.opened += 1
                 # Streams that broke end their readers on their own: forget them.
                 self._streams = [s for s in self._streams if s.reader.is_alive()] + [stream]
             return stream
@@ -172,6 +177,7 @@ class BlockingCallStream:
                 raise Unsupported from None
             raise
         stream.send(message)
+        self.sent[method] += 1
         try:
             return waiter.result(timeout)
         except TimeoutError:
@@ -265,6 +271,8 @@ class AsyncCallStream:
         self._streams: list[_AsyncStream] = []
         self._closed = False
         self.unary = False
+        self.opened = 0
+        self.sent: Counter[str] = Counter()
 
     def open(self) -> _AsyncStream | None:
         if self.unary:
@@ -280,6 +288,7 @@ class AsyncCallStream:
             if self._closed:
                 raise grpc.aio.UsageError("the client is closed")
             stream = self._stream = _AsyncStream(self._channel, self._metadata)
+            self.opened += 1
             self._streams = [s for s in self._streams if not s.reader.done()] + [stream]
         return stream
 
@@ -295,6 +304,7 @@ class AsyncCallStream:
                 raise Unsupported from None
             raise
         stream.send(message)
+        self.sent[method] += 1
         try:
             async with asyncio.timeout(timeout):
                 # shield: the deadline or a cancellation leaves the future to the reader.
