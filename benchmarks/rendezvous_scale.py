@@ -184,8 +184,9 @@ async def _ours(args: argparse.Namespace) -> dict[str, Any]:
         for _ in ranks
     ]
     if args.condition == "connected":
-        # A connected channel also lets the SDK skip its health probe (see rpcs_per_rank).
-        await asyncio.gather(*[c._channel.channel_ready() for c in clients])
+        # A connected channel also lets the SDK skip its health probe (see rpcs_per_rank);
+        # connect() opens each client's call stream too.
+        await asyncio.gather(*[c.connect() for c in clients])
     await asyncio.to_thread(_ready_then_wait_for_start)
     cpu_at_start = time.process_time()
     errors: dict[str, int] = {}

@@ -8,6 +8,9 @@ at a time, after a warm-up round of the same; the parent reads the daemon's CPU 
 Barrier (a job of one rank, so it never waits), gRPC's Health.Check, and heartbeats
 (--streams members of one job, each with a raw Heartbeat stream sending the next beat
 as soon as the daemon acknowledges the last, counted from the acknowledgements).
+The SDK's calls (KvGet, KvSet, Barrier) are measured per --transports: "stream", the
+SDK's default (every call a message on the client's one Calls stream), and "unary"
+(``call_stream=False``: one gRPC call each); the client's own CPU per call is read too.
 
 The anchor is the floor Python gRPC sets: the same client loop against a bare
 ``grpc.aio.server()`` holding only grpcio-health-checking's servicer, in its own process,
@@ -76,7 +79,12 @@ async def _client(args: argparse.Namespace) -> None:
         await rounds("health", lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=30))
         return
     token = args.token
-    solo = AsyncRendezvousClient(args.endpoint, "cost-solo", token_file=args.token_file)
+    solo = AsyncRendezvousClient(
+        args.endpoint,
+        f"cost-solo-{args.transport}",
+        token_file=args.token_file,
+        call_stream=args.transport == "stream",
+    )
     await solo.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=60)
     solo.start_heartbeat()
     await solo.kv_set("k", b"v" * 64)
@@ -86,9 +94,11 @@ async def _client(args: argparse.Namespace) -> None:
     # called by one task in turn.
     names = itertools.cycle([f"b{i}" for i in range(args.concurrency)])
     await rounds("barrier", lambda: solo.barrier(next(names), timeout=30), per_name=True)
-    await rounds("health", lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=30))
     await solo.leave()
     await solo.close()
+    if args.sdk_only:
+        return
+    await rounds("health", lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=30))
 
     # Heartbeats: --streams one-rank jobs (a fresh set per round: a stream's end is
     # its member's loss), each sending its share of the beats on a raw stream as fast
@@ -135,17 +145,18 @@ async def _client(args: argparse.Namespace) -> None:
 def _measure(pid: int, client: subprocess.Popen[str]) -> dict[str, dict[str, float]]:
     assert client.stdout is not None and client.stdin is not None
     out: dict[str, dict[str, float]] = {}
-    started: dict[str, tuple[float, float]] = {}
+    started: dict[str, tuple[float, float, float]] = {}
     for line in client.stdout:
         words = line.split()
         if words and words[0] == "go":
-            started[words[1]] = (cpu_s(pid), time.perf_counter())
+            started[words[1]] = (cpu_s(pid), cpu_s(client.pid), time.perf_counter())
         elif words and words[0] == "done":
-            cpu0, t0 = started[words[1]]
+            cpu0, client0, t0 = started[words[1]]
             calls = int(words[2])
             out[words[1]] = {
                 "calls": calls,
                 "cpu_us_per_call": round(1e6 * (cpu_s(pid) - cpu0) / calls, 1),
+                "client_cpu_us_per_call": round(1e6 * (cpu_s(client.pid) - client0) / calls, 1),
                 "calls_per_s": round(calls / (time.perf_counter() - t0), 1),
             }
         client.stdin.write("\n")
@@ -215,8 +226,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         persist = ["--state-dir", str(Path(tmp) / "state")] if args.state_dir else []
         daemon = spawn(Path(tmp), "--log-level", "WARNING", *persist)
         try:
-            client = _spawn_client(args, daemon.endpoint, "--token-file", str(daemon.token_file))
-            report["rendezvousd"] = _measure(daemon.proc.pid, client)
+            token = ("--token-file", str(daemon.token_file))
+            for n, transport in enumerate(args.transports.split(",")):
+                # The heartbeats and the health check do not use the SDK's calls:
+                # measured once, with the first transport.
+                extra = ("--transport", transport, *(("--sdk-only",) if n else ()))
+                client = _spawn_client(args, daemon.endpoint, *token, *extra)
+                measured = _measure(daemon.proc.pid, client)
+                report.setdefault("rendezvousd", {}).update(
+                    {k: v for k, v in measured.items() if k in ("health", "heartbeat")}
+                )
+                report["rendezvousd"].update(
+                    {
+                        f"{k}_{transport}": v
+                        for k, v in measured.items()
+                        if k not in ("health", "heartbeat")
+                    }
+                )
         finally:
             daemon.proc.terminate()
             daemon.proc.wait(30)
@@ -244,6 +270,13 @@ def main() -> None:
     p.add_argument("--endpoint")
     p.add_argument("--token-file")
     p.add_argument("--bare", action="store_true")
+    p.add_argument(
+        "--transports",
+        default="stream,unary",
+        help="the SDK's calls: on its Calls stream, unary calls, or both (comma-separated)",
+    )
+    p.add_argument("--transport", default="stream", choices=["stream", "unary"])
+    p.add_argument("--sdk-only", action="store_true")
     args = p.parse_args()
     if args.role == "client":
         _client_main(args)
