@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+_PINNED: dict[str, list[str]] = json.loads(Path(__file__).with_name("public_api.json").read_text())
 # Each package's __all__, pinned in a data file: add a name there along with its export.
 EXPORTS: dict[str, set[str]] = {
-    package: set(names)
-    for package, names in json.loads(
-        Path(__file__).with_name("public_api.json").read_text()
-    ).items()
+    path: set(names) for path, names in _PINNED.items() if path.rsplit(".", 1)[-1].islower()
+}
+# The public methods and properties of the SDK's clients, pinned the same way.
+MEMBERS: dict[str, set[str]] = {
+    path: set(names) for path, names in _PINNED.items() if path not in EXPORTS
 }
 
 # trainer/distributed.py is being rewritten by its owner, who documents these; drop
@@ -88,3 +90,19 @@ def test_public_types_live_in_public_modules() -> None:
             home = getattr(getattr(module, name), "__module__", package)
             private = [part for part in home.split(".") if part.startswith("_")]
             assert private == [], f"{package}.{name} is defined in private module {home}"
+
+
+@pytest.mark.parametrize("path", sorted(MEMBERS))
+def test_the_clients_public_methods_are_exact(path: str) -> None:
+    module, name = path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    public = {n for n in dir(cls) if not n.startswith("_")}
+    assert public == MEMBERS[path]
+
+
+def test_both_clients_offer_the_same_methods() -> None:
+    sync = MEMBERS["rendezvousd.client.RendezvousClient"]
+    aio = MEMBERS["rendezvousd.client.AsyncRendezvousClient"]
+    # fetch_members: the asyncio client's way to read a slim join's table without
+    # blocking its loop; the blocking client reads membership.members.
+    assert aio - sync == {"fetch_members"} and sync <= aio
