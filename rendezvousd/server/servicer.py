@@ -384,10 +384,13 @@ class RendezvousServicer:
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
         scope = _caller()
-        views = self.state.views(_now())
-        return pb.ListJobsResponse(
-            jobs=[_summary(v) for v in views if scope.admin or v.job_id == scope.job]
-        )
+        now = _now()
+        if scope.job is None:
+            views = list(self.state.views(now))
+        else:
+            # A job token sees its own job: build only that view (each costs O(members)).
+            views = [self.state.view(scope.job, now)] if scope.job in self.state.jobs else []
+        return pb.ListJobsResponse(jobs=[_summary(v) for v in views])
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
         now = _now()
