@@ -385,11 +385,13 @@ class RendezvousServicer:
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
         scope = _caller()
         now = _now()
+        # Summaries only (a view's member rows cost O(world)); a job token sees its job.
         if scope.job is None:
-            views = list(self.state.views(now))
+            views = list(self.state.views(now, with_members=False))
+        elif scope.job in self.state.jobs:
+            views = [self.state.view(scope.job, now, with_members=False)]
         else:
-            # A job token sees its own job: build only that view (each costs O(members)).
-            views = [self.state.view(scope.job, now)] if scope.job in self.state.jobs else []
+            views = []
         return pb.ListJobsResponse(jobs=[_summary(v) for v in views])
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
