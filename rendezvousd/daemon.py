@@ -238,7 +238,9 @@ class Daemon:
         restored = self.persister.restore()
         if restored:
             log.info("restored %d job(s) from %s", restored, self.config.state_dir)
-        servicer = RendezvousServicer(self.state, self.metrics, self.persister)
+        servicer = RendezvousServicer(
+            self.state, self.metrics, self.persister, self.config.max_concurrent_streams
+        )
         interceptor = TokenAuthInterceptor(
             self.tokens,
             on_reject=lambda m: self.metrics.observe_rpc(

@@ -42,6 +42,8 @@ POLICY: dict[str, Policy] = {
     # job: a job token must be able to.
     "AbortJob": _DURABLE,
     "ListJobs": Policy(job_scoped=False, filtered=True, read_only=True),
+    # Any valid token may open the stream: each call on it is authorized as its method.
+    "Calls": Policy(job_scoped=False, filtered=True),
 }
 
 # Not a Rendezvous method (reflection): only an admin token may call it.

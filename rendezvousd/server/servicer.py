@@ -31,6 +31,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member
+from rendezvousd.server.call_stream import CallStream, method_fields
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
@@ -69,7 +70,15 @@ def _member_of(request: Any) -> tuple[str, int, int]:
 
 
 class RendezvousServicer:
-    def __init__(self, state: RendezvousState, metrics: Metrics, persister: Persister) -> None:
+    def __init__(
+        self,
+        state: RendezvousState,
+        metrics: Metrics,
+        persister: Persister,
+        calls_per_stream: int = 256,
+    ) -> None:
+        """``calls_per_stream``: calls one Calls stream may have in flight (the daemon
+        passes max_concurrent_streams: what one connection may open as unary calls)."""
         self.state = state
         self.metrics = metrics
         self.persister = persister
@@ -77,6 +86,13 @@ class RendezvousServicer:
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now, self._durably)
         self._answers = JoinAnswers(state.timing)
+        self._calls = CallStream(
+            {
+                field: self._guard(method, getattr(self, method))
+                for field, method in method_fields().items()
+            },
+            calls_per_stream,
+        )
 
     # -- effects ----------------------------------------------------------
 
@@ -343,6 +359,12 @@ class RendezvousServicer:
         async for event in self.streams.serve(first, iterator):
             yield event
 
+    async def Calls(self, calls: AsyncIterator[pb.Call], context: Any) -> AsyncIterator[bytes]:
+        """Every unary method's calls on one stream (``call_stream``); each call is
+        authorized, limited and answered as its unary form would be."""
+        async for reply in self._calls.serve(calls):
+            yield reply
+
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
         self.state.leave(
             *_member_of(request),
@@ -362,10 +384,15 @@ class RendezvousServicer:
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
         scope = _caller()
-        views = self.state.views(_now())
-        return pb.ListJobsResponse(
-            jobs=[_summary(v) for v in views if scope.admin or v.job_id == scope.job]
-        )
+        now = _now()
+        # Summaries only (a view's member rows cost O(world)); a job token sees its job.
+        if scope.job is None:
+            views = list(self.state.views(now, with_members=False))
+        elif scope.job in self.state.jobs:
+            views = [self.state.view(scope.job, now, with_members=False)]
+        else:
+            views = []
+        return pb.ListJobsResponse(jobs=[_summary(v) for v in views])
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
         now = _now()
@@ -405,6 +432,11 @@ class RendezvousServicer:
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for method in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods:
             name, decode = method.name, getattr(pb, method.input_type.name).FromString
+            if name == "Calls":  # replies come encoded (call_stream.reply)
+                handlers[name] = grpc.stream_stream_rpc_method_handler(
+                    self.Calls, request_deserializer=decode, response_serializer=_raw
+                )
+                continue
             if method.client_streaming:  # Heartbeat
                 handlers[name] = grpc.stream_stream_rpc_method_handler(
                     self._guard_stream(getattr(self, name)),

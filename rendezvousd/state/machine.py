@@ -202,9 +202,9 @@ class RendezvousState:
             if job.state is JobState.RUNNING:
                 rounds.notify(self, job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")
 
-    def views(self, now: float) -> Iterator[JobView]:
+    def views(self, now: float, *, with_members: bool = True) -> Iterator[JobView]:
         for job_id in sorted(self.jobs):
-            yield self.view(job_id, now)
+            yield self.view(job_id, now, with_members=with_members)
 
-    def view(self, job_id: str, now: float) -> JobView:
-        return job_view(seats.find_job(self, job_id), now)
+    def view(self, job_id: str, now: float, *, with_members: bool = True) -> JobView:
+        return job_view(seats.find_job(self, job_id), now, with_members=with_members)

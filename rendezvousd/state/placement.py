@@ -310,7 +310,10 @@ def answer(job: Job, seat: Member | Node, *, id_required: bool = False) -> JoinR
         assert job.gen.unique_id is not None
         unique_id, members = job.gen.unique_id, job.gen.member_table
         if local is None:
-            ids = tuple(member_instance_id(seat.instance_id, g) for g in range(job.gpus_per_node))
+            # The ids ``place`` derived for the node's block (a hash each: not again).
+            first = job.rank_of(seat.node_rank, 0)
+            members_of = job.gen.members
+            ids = tuple(members_of[first + g].instance_id for g in range(job.gpus_per_node))
     return JoinResult(
         job.job_id,
         job.generation,

@@ -30,9 +30,11 @@ def _step(beating: Attendee, member: Member) -> int | None:
     return progress.steps[at] if at < len(progress.steps) else None
 
 
-def job_view(job: Job, now: float) -> JobView:
+def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
+    """``job`` as inspection shows it; without ``with_members``, a summary (no member
+    rows, the cost of which grows with the world: ListJobs shows only counts)."""
     members = []
-    for r, m in sorted(job.gen.members.items()):
+    for r, m in sorted(job.gen.members.items()) if with_members else ():
         beating = _beating(job, r, m)
         step = _step(beating, m)
         active = m.state is MemberState.ACTIVE

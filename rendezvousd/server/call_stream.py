@@ -1,0 +1,260 @@
+"""Calls: every unary method as messages on one stream, answered in any order.
+
+Why it exists: grpcio's Python server spends ~0.5 ms of CPU on each unary call
+(HTTP/2 stream, headers, the interceptors' token check, dispatch), about three times
+what a message on an open stream costs (benchmarks/rpc_cost.py). gRPC has no
+multiplexing of calls inside one stream, so this is ours. Each call runs through the
+same guarded handler as its unary form (``RendezvousServicer._guard``): the same
+authorization, durability, limits, metrics and faults; only the context differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, NoReturn
+
+import grpc
+from google.rpc import code_pb2, status_pb2
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common import validation
+from rendezvousd.server.fault_status import to_grpc_status
+
+log = logging.getLogger("rendezvousd")
+_BUG = "the daemon failed to handle this call (its log has the traceback); report it"
+Handler = Callable[[Any, Any], Awaitable[Any]]
+STATUS_TRAILER = "grpc-status-details-bin"
+_CALL_FIELDS = pb.Call.DESCRIPTOR.oneofs_by_name["request"].fields
+_REPLY_FIELDS = {f.name: f.number for f in pb.Reply.DESCRIPTOR.fields}
+_ERROR_FIELD = _REPLY_FIELDS["error"]
+_CANCEL = "cancel"
+
+
+def method_fields() -> dict[str, str]:
+    """Each Call field's method: the Rendezvous method whose request type it holds."""
+    by_input = {
+        m.input_type.full_name: m.name for m in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods
+    }
+    return {
+        f.name: by_input[f.message_type.full_name]
+        for f in _CALL_FIELDS
+        if f.name != _CANCEL and f.message_type is not None
+    }
+
+
+class _Ended(Exception):
+    """A call on the stream ended with a status instead of an answer."""
+
+    def __init__(self, status: bytes) -> None:
+        super().__init__("call ended")
+        self.status = status
+
+
+def _status_bytes(code: grpc.StatusCode, message: str) -> bytes:
+    status = status_pb2.Status(code=code_pb2.Code.Value(code.name), message=message)
+    data: bytes = status.SerializeToString()
+    return data
+
+
+class CallContext:
+    """What a guarded handler asks of its gRPC context, for one call on the stream:
+    its remaining time, and ending it with a status (the Reply's ``error``)."""
+
+    __slots__ = ("_deadline",)
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    async def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        raise _Ended(_ended_bytes(status))
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise _Ended(_status_bytes(code, details))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def reply(call_id: int, field_number: int, body: bytes) -> bytes:
+    """A Reply's bytes around an already-encoded response (or Status).
+
+    Written by hand because the joins' answers are cached encoded (``JoinAnswers``):
+    a Reply message would decode and copy them again for every joiner. The layout is
+    protobuf's: field 1 (varint) the id, then the response as a length-delimited field.
+    """
+    head = b"\x08" + _varint(call_id) if call_id else b""
+    return head + _varint(field_number << 3 | 2) + _varint(len(body)) + body
+
+
+class CallStream:
+    """Serves one Calls stream: each Call runs as its own task, so a parked Barrier
+    never holds up the calls behind it; replies leave in the order they finish."""
+
+    def __init__(self, handlers: dict[str, Handler], max_in_flight: int) -> None:
+        """``handlers``: the guarded unary handler of each Call field; at most
+        ``max_in_flight`` calls of one stream run at once (what one connection may
+        have open as unary calls: max_concurrent_streams)."""
+        self._handlers = handlers
+        self._max_in_flight = max_in_flight
+
+    async def serve(self, calls: AsyncIterator[pb.Call]) -> AsyncIterator[bytes]:
+        replies: asyncio.Queue[bytes | None] = asyncio.Queue()
+        running: dict[int, asyncio.Task[None]] = {}
+        reader = asyncio.create_task(self._read(calls, replies, running))
+        try:
+            while (answer := await replies.get()) is not None:
+                yield answer
+            await reader  # its error, if any, ends the stream
+        finally:
+            # The caller went away (or the stream failed): its calls are cancelled,
+            # as a unary call's handler is when its caller goes.
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+
+    async def _read(
+        self,
+        calls: AsyncIterator[pb.Call],
+        replies: asyncio.Queue[bytes | None],
+        running: dict[int, asyncio.Task[None]],
+    ) -> None:
+        try:
+            async for call in calls:
+                field = call.WhichOneof("request")
+                if field == _CANCEL:
+                    task = running.get(call.id)
+                    if task is not None:
+                        task.cancel()
+                    continue
+                refusal = self._refusal(call, field, running)
+                if refusal is not None:
+                    replies.put_nowait(reply(call.id, _ERROR_FIELD, refusal))
+                    continue
+                assert field is not None  # _refusal answered an empty Call
+                deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
+                coro = self._run(call.id, field, getattr(call, field), deadline, replies)
+                waiting_on = _start(coro)
+                if waiting_on is not _DONE:
+                    task = asyncio.create_task(_finish(coro, waiting_on))
+                    running[call.id] = task
+                    task.add_done_callback(functools.partial(_forget, running, call.id))
+            # The caller is done sending: its calls in flight are still answered.
+            while running:
+                await asyncio.wait(list(running.values()))
+        finally:
+            replies.put_nowait(None)
+
+    def _refusal(
+        self, call: pb.Call, field: str | None, running: dict[int, asyncio.Task[None]]
+    ) -> bytes | None:
+        """Why ``call`` is not run (an encoded Status), or None."""
+        if field is None:
+            return _status_bytes(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"call {call.id} sets no request field; set exactly one (e.g. kv_get)",
+            )
+        if call.id in running:
+            return _status_bytes(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"call id {call.id} is already in flight on this stream; use a new id per call",
+            )
+        if len(running) >= self._max_in_flight:
+            fault = validation.limit_exceeded(
+                "max_concurrent_streams",
+                f"this Calls stream already has max_concurrent_streams={self._max_in_flight} "
+                "calls in flight; wait for one to end, or open another stream",
+            )
+            return _ended_bytes(to_grpc_status(fault))
+        return None
+
+    async def _run(
+        self,
+        call_id: int,
+        field: str,
+        request: Any,
+        deadline: float | None,
+        replies: asyncio.Queue[bytes | None],
+    ) -> None:
+        try:
+            answer = await self._handlers[field](request, CallContext(deadline))
+        except _Ended as ended:
+            replies.put_nowait(reply(call_id, _ERROR_FIELD, ended.status))
+            return
+        except asyncio.CancelledError:
+            return  # cancelled by the caller or the stream's end: no reply
+        except Exception:
+            # A bug of ours: gRPC would answer a unary call UNKNOWN and log it; so do we,
+            # rather than leave the caller waiting for its deadline.
+            log.exception("Calls: %s (call %d) failed", field, call_id)
+            replies.put_nowait(
+                reply(call_id, _ERROR_FIELD, _status_bytes(grpc.StatusCode.UNKNOWN, _BUG))
+            )
+            return
+        body = answer if isinstance(answer, bytes) else answer.SerializeToString()
+        replies.put_nowait(reply(call_id, _REPLY_FIELDS[field], body))
+
+
+# Calls that never wait (a KvGet of a present key, a KvSet without a state dir) run to
+# their answer inline in the stream's reader; only one that waits becomes a task.
+# Measured with benchmarks/rpc_cost.py's KvGet, 32 in flight on one stream: a task per
+# call cost the daemon ~470 us of CPU per call, inline ~320 us (the task's extra loop
+# iterations, each with its epoll poll). It is asyncio's eager task start (3.12's
+# eager_task_factory), written out because the floor is Python 3.11.
+_DONE = object()
+
+
+def _start(coro: Coroutine[Any, Any, None]) -> Any:
+    """Run ``coro`` until it first waits: what it waits on, or ``_DONE``."""
+    try:
+        return coro.send(None)
+    except StopIteration:
+        return _DONE
+
+
+async def _finish(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+    """Go on with ``coro``, started by ``_start`` and now waiting on ``waiting_on``,
+    as a Task would: resume it once what it awaits is done; a cancellation cancels
+    what it awaits, so the coroutine sees its await cancelled."""
+    while True:
+        cancelled = False
+        if waiting_on is None:  # a bare yield (asyncio.sleep(0))
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                cancelled = True
+        else:
+            waiting_on._asyncio_future_blocking = False
+            while not waiting_on.done():
+                try:
+                    await asyncio.wait([waiting_on])
+                except asyncio.CancelledError:
+                    waiting_on.cancel()
+        try:
+            waiting_on = coro.throw(asyncio.CancelledError()) if cancelled else coro.send(None)
+        except StopIteration:
+            return
+
+
+def _forget(running: dict[int, asyncio.Task[None]], call_id: int, _task: object) -> None:
+    running.pop(call_id, None)
+
+
+def _ended_bytes(status: grpc.Status) -> bytes:
+    trailers = dict(status.trailing_metadata or ())
+    data: bytes = trailers[STATUS_TRAILER]
+    return data

@@ -1,0 +1,356 @@
+"""The Calls stream on the wire: every unary method as messages on one stream,
+answered by id in any order, with the same answers and statuses as the unary calls.
+Raw gRPC (not the SDK), against a real daemon process."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import status_pb2
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.server.call_stream import method_fields
+from tests.daemon.raw_calls import SERVICE, UNARY, assert_healthy
+from tests.daemon.test_scoped_tokens import job_token
+from tests.support import DaemonProcess, scrape, wait_for
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class Stream:
+    """One raw Calls stream: send Calls, read Replies by id."""
+
+    def __init__(self, d: DaemonProcess, token: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(d.endpoint)
+        self._out: queue.Queue[pb.Call | None] = queue.Queue()
+        self._replies: dict[int, pb.Reply] = {}
+        self._order: list[int] = []
+        self._cond = threading.Condition()
+        self.ended: grpc.RpcError | None = None
+        call = self.channel.stream_stream(
+            f"/{SERVICE}/Calls",
+            request_serializer=pb.Call.SerializeToString,
+            response_deserializer=pb.Reply.FromString,
+        )
+        self._call = call(
+            self._requests(),
+            metadata=[("authorization", f"Bearer {token or d.token}")],
+            timeout=60,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _requests(self) -> Iterator[pb.Call]:
+        while (call := self._out.get()) is not None:
+            yield call
+
+    def _read(self) -> None:
+        try:
+            for r in self._call:
+                with self._cond:
+                    self._replies[r.id] = r
+                    self._order.append(r.id)
+                    self._cond.notify_all()
+        except grpc.RpcError as exc:
+            with self._cond:
+                self.ended = exc
+                self._cond.notify_all()
+
+    def send(self, call_id: int, field: str, request: Any, timeout_ms: int = 0) -> None:
+        call = pb.Call(id=call_id, timeout_ms=timeout_ms)
+        getattr(call, field).CopyFrom(request)
+        self._out.put(call)
+
+    def reply(self, call_id: int, timeout: float = 20) -> pb.Reply:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: call_id in self._replies or self.ended is not None, timeout
+            ):
+                raise AssertionError(f"no reply to call {call_id} within {timeout} s")
+            if call_id not in self._replies:
+                raise AssertionError(f"the stream ended: {self.ended}")
+            return self._replies[call_id]
+
+    def order(self) -> list[int]:
+        with self._cond:
+            return list(self._order)
+
+    def wait_ended(self, timeout: float = 20) -> grpc.RpcError:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.ended is not None, timeout)
+            assert self.ended is not None
+            return self.ended
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._reader.join(20)
+        self.channel.close()
+
+
+@pytest.fixture
+def stream(daemon: DaemonProcess) -> Iterator[Stream]:
+    s = Stream(daemon)
+    yield s
+    s.close()
+
+
+def status_of(r: pb.Reply) -> status_pb2.Status:
+    assert r.WhichOneof("response") == "error", r
+    return status_pb2.Status.FromString(r.error)
+
+
+def unary(d: DaemonProcess, method: str, request: Any) -> Any:
+    with grpc.insecure_channel(d.endpoint) as ch:
+        out = getattr(pb, method + "Response", None) or pb.JoinResponse
+        return ch.unary_unary(
+            f"/{SERVICE}/{method}",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=out.FromString,
+        )(request, metadata=[("authorization", f"Bearer {d.token}")], timeout=20)
+
+
+def join_one(job_id: str) -> pb.JoinRequest:
+    return pb.JoinRequest(
+        job_id=job_id,
+        topology=pb.Topology(num_nodes=1, gpus_per_node=1),
+        node_rank=0,
+        local_rank=0,
+        host="h0",
+        unique_id=b"\x01" * 128,
+        instance_id="i0",
+    )
+
+
+def test_every_unary_method_has_a_call_and_a_reply_field_of_its_types() -> None:
+    fields = method_fields()
+    assert sorted(fields.values()) == sorted(UNARY)
+    methods = pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name
+    for field, method in fields.items():
+        reply_field = pb.Reply.DESCRIPTOR.fields_by_name[field]
+        assert reply_field.message_type is methods[method].output_type, field
+
+
+def test_calls_answer_as_the_unary_methods_do(stream: Stream, job_id: str) -> None:
+    stream.send(1, "join", join_one(job_id))
+    joined = stream.reply(1).join
+    assert (joined.rank, joined.world_size, joined.generation) == (0, 1, 1)
+    member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+    stream.send(2, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
+    assert stream.reply(2).WhichOneof("response") == "kv_set"
+    stream.send(3, "kv_add", pb.KvAddRequest(**member, key="n", delta=5))
+    assert stream.reply(3).kv_add.value == 5
+    stream.send(4, "kv_get", pb.KvGetRequest(**member, key="k"))
+    assert stream.reply(4).kv_get.value == b"v"
+    stream.send(5, "barrier", pb.BarrierRequest(**member, name="b", sequence=1))
+    assert stream.reply(5).WhichOneof("response") == "barrier"
+    stream.send(6, "get_job", pb.GetJobRequest(job_id=job_id))
+    assert stream.reply(6).get_job.summary.world_size == 1
+    stream.send(7, "list_jobs", pb.ListJobsRequest())
+    assert job_id in [j.job_id for j in stream.reply(7).list_jobs.jobs]
+
+
+def test_an_error_is_the_unary_calls_status_and_the_stream_goes_on(
+    daemon: DaemonProcess, stream: Stream, job_id: str
+) -> None:
+    unary(daemon, "Join", join_one(job_id))
+    missing = pb.KvGetRequest(
+        job_id=job_id, generation=1, rank=0, instance_id="i0", key="absent", wait=False
+    )
+    with pytest.raises(grpc.RpcError) as raised:
+        unary(daemon, "KvGet", missing)
+    trailer = dict(raised.value.trailing_metadata())["grpc-status-details-bin"]
+    stream.send(1, "kv_get", missing)
+    got = status_of(stream.reply(1))
+    assert got == status_pb2.Status.FromString(trailer)
+    assert got.code == raised.value.code().value[0]  # NOT_FOUND
+    stream.send(2, "get_job", pb.GetJobRequest(job_id=job_id))
+    assert stream.reply(2).get_job.summary.job_id == job_id
+
+
+def test_a_parked_call_does_not_hold_up_the_calls_behind_it(
+    daemon: DaemonProcess, stream: Stream, job_id: str
+) -> None:
+    two = pb.Topology(num_nodes=2, gpus_per_node=1)
+    stream.send(
+        1,
+        "join",
+        pb.JoinRequest(
+            job_id=job_id,
+            topology=two,
+            node_rank=0,
+            local_rank=0,
+            host="h0",
+            unique_id=b"\x02" * 128,
+            instance_id="i0",
+        ),
+    )
+    unary(
+        daemon,
+        "Join",
+        pb.JoinRequest(
+            job_id=job_id, topology=two, node_rank=1, local_rank=0, host="h1", instance_id="i1"
+        ),
+    )
+    stream.reply(1)
+    member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+    stream.send(2, "barrier", pb.BarrierRequest(**member, name="b", sequence=1))
+    stream.send(3, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
+    stream.reply(3)
+    assert 2 not in stream.order()  # rank 1 has not arrived: the barrier waits
+    unary(
+        daemon,
+        "Barrier",
+        pb.BarrierRequest(
+            job_id=job_id, generation=1, rank=1, instance_id="i1", name="b", sequence=1
+        ),
+    )
+    assert stream.reply(2).WhichOneof("response") == "barrier"
+    assert stream.order().index(3) < stream.order().index(2)
+
+
+def _parked(d: DaemonProcess) -> float:
+    return scrape(d.metrics_url)["rendezvousd_waiters"]
+
+
+def _two_rank_job(d: DaemonProcess, stream: Stream, job_id: str) -> dict[str, Any]:
+    two = pb.Topology(num_nodes=2, gpus_per_node=1)
+    stream.send(
+        100,
+        "join",
+        pb.JoinRequest(
+            job_id=job_id,
+            topology=two,
+            node_rank=0,
+            local_rank=0,
+            host="h0",
+            unique_id=b"\x03" * 128,
+            instance_id="i0",
+        ),
+    )
+    unary(
+        d,
+        "Join",
+        pb.JoinRequest(
+            job_id=job_id, topology=two, node_rank=1, local_rank=0, host="h1", instance_id="i1"
+        ),
+    )
+    stream.reply(100)
+    return {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+
+
+def test_cancel_releases_a_parked_call_and_sends_no_reply(
+    daemon: DaemonProcess, stream: Stream, job_id: str
+) -> None:
+    member = _two_rank_job(daemon, stream, job_id)
+    before = _parked(daemon)
+    stream.send(1, "kv_get", pb.KvGetRequest(**member, key="later", wait=True))
+    wait_for("the KvGet parked", lambda: _parked(daemon) == before + 1)
+    stream.send(1, "cancel", pb.CancelCall())
+    wait_for("the KvGet released", lambda: _parked(daemon) == before)
+    stream.send(2, "get_job", pb.GetJobRequest(job_id=job_id))
+    stream.reply(2)
+    assert 1 not in stream.order()
+
+
+def test_a_calls_deadline_answers_it_naming_what_was_missing(
+    daemon: DaemonProcess, stream: Stream, job_id: str
+) -> None:
+    member = _two_rank_job(daemon, stream, job_id)
+    stream.send(1, "kv_get", pb.KvGetRequest(**member, key="never", wait=True), timeout_ms=800)
+    got = status_of(stream.reply(1))
+    assert got.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "never" in got.message
+
+
+def test_the_streams_end_cancels_its_parked_calls(daemon: DaemonProcess, job_id: str) -> None:
+    s = Stream(daemon)
+    member = _two_rank_job(daemon, s, job_id)
+    before = _parked(daemon)
+    s.send(1, "kv_get", pb.KvGetRequest(**member, key="later", wait=True))
+    wait_for("the KvGet parked", lambda: _parked(daemon) == before + 1)
+    s.close()
+    wait_for("the KvGet released", lambda: _parked(daemon) == before)
+
+
+def test_a_call_without_a_request_or_with_an_id_in_flight_is_refused(
+    daemon: DaemonProcess, stream: Stream, job_id: str
+) -> None:
+    stream._out.put(pb.Call(id=1))
+    assert "sets no request field" in status_of(stream.reply(1)).message
+    member = _two_rank_job(daemon, stream, job_id)
+    stream.send(2, "kv_get", pb.KvGetRequest(**member, key="later", wait=True))
+    stream.send(2, "get_job", pb.GetJobRequest(job_id=job_id))
+    refused = status_of(stream.reply(2))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "already in flight" in refused.message
+
+
+def test_a_streams_calls_in_flight_are_capped(start_daemon: Any, job_id: str) -> None:
+    d = start_daemon(env={"RENDEZVOUSD_MAX_CONCURRENT_STREAMS": "2"})
+    s = Stream(d)
+    try:
+        member = _two_rank_job(d, s, job_id)
+        s.send(1, "kv_get", pb.KvGetRequest(**member, key="a", wait=True))
+        s.send(2, "kv_get", pb.KvGetRequest(**member, key="b", wait=True))
+        s.send(3, "kv_get", pb.KvGetRequest(**member, key="c", wait=True))
+        refused = status_of(s.reply(3))
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "max_concurrent_streams=2" in refused.message
+    finally:
+        s.close()
+
+
+def test_a_job_token_is_checked_per_call(
+    daemon: DaemonProcess, tmp_path: Path, job_id: str
+) -> None:
+    token = job_token(daemon, tmp_path, job_id).read_text().strip()
+    s = Stream(daemon, token)
+    try:
+        s.send(1, "get_job", pb.GetJobRequest(job_id=job_id + "-other"))
+        denied = status_of(s.reply(1))
+        assert denied.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        s.send(2, "join", join_one(job_id))
+        assert s.reply(2).join.world_size == 1
+    finally:
+        s.close()
+
+
+def test_a_wrong_token_ends_the_stream(daemon: DaemonProcess) -> None:
+    s = Stream(daemon, "x" * 40)
+    try:
+        s.send(1, "list_jobs", pb.ListJobsRequest())
+        assert s.wait_ended().code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        s.close()
+
+
+def test_a_garbled_call_ends_the_stream_as_invalid_and_the_daemon_serves_on(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    with grpc.insecure_channel(daemon.endpoint) as ch:
+        calls = ch.stream_stream(f"/{SERVICE}/Calls")
+        with pytest.raises(grpc.RpcError) as raised:
+            list(
+                calls(
+                    iter([b"\xff\xff\xff\xff"]),
+                    metadata=[("authorization", f"Bearer {daemon.token}")],
+                    timeout=10,
+                )
+            )
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert_healthy(daemon, job_id)
+
+
+def test_a_bad_request_inside_a_call_is_that_calls_error(stream: Stream) -> None:
+    stream.send(1, "get_job", pb.GetJobRequest(job_id="bad id with spaces"))
+    refused = status_of(stream.reply(1))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "bad id with spaces" in refused.message
