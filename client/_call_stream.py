@@ -8,7 +8,10 @@ fallback decision are ``_multiplex``'s, retries are the call core's (``_calls``)
 
 A call waits for its Reply up to its own deadline, then sends ``cancel`` and raises
 DEADLINE_EXCEEDED. The stream's end fails every call in flight with its status, and
-the next call opens a new stream. A daemon without the method (UNIMPLEMENTED before
+the next call opens a new stream. A daemon that drains (its heartbeat event, or a
+DRAINING answer) gets the stream half-closed: it answers what is in flight and ends
+the stream, which would otherwise hold up its exit for its whole grace period; the
+next call opens a new stream (to the daemon that replaces it). A daemon without the method (UNIMPLEMENTED before
 any Reply) makes ``call`` raise ``Unsupported`` for every call it held, none of which
 the daemon saw: the client then makes them, and every later call, unary.
 """
@@ -32,11 +35,13 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._multiplex import (
     CALLS_METHOD,
     Pending,
+    Retired,
     Unsupported,
     cancel_message,
     closed_error,
     copy_error,
     deadline_error,
+    draining,
     ended_error,
     unsupported,
 )
@@ -69,6 +74,9 @@ class _BlockingStream:
         self.pending: Pending[Future[Any]] = Pending()
         self.unsupported = False
         self.closing = False
+        # Half-closed: no new calls (``retire``).
+        self.retired = False
+        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[pb.Call | None] = queue.SimpleQueue()
         multi = channel.stream_stream(
             CALLS_METHOD,
@@ -85,10 +93,26 @@ class _BlockingStream:
 
     @property
     def over(self) -> bool:
-        return self.pending.failure is not None
+        return self.retired or self.pending.failure is not None
 
-    def send(self, message: pb.Call) -> None:
-        self._queue.put(message)
+    def submit(self, method: str, request: Any, timeout: float, waiter: Future[Any]) -> int:
+        """Send a new call; its id. ``Retired`` once half-closed, or the stream's end."""
+        with self._lock:  # never queued behind the half-close
+            if self.retired:
+                raise Retired
+            call_id, message = self.pending.add(method, request, timeout, waiter)
+            self._queue.put(message)
+        return call_id
+
+    def cancel(self, call_id: int) -> None:
+        self._queue.put(cancel_message(call_id))
+
+    def retire(self) -> None:
+        """Half-close: the daemon answers the calls in flight, then ends the stream."""
+        with self._lock:
+            if not self.retired:
+                self.retired = True
+                self._queue.put(None)
 
     def _requests(self) -> Iterator[pb.Call]:
         while (message := self._queue.get()) is not None:
@@ -102,6 +126,8 @@ class _BlockingStream:
                 settled = self.pending.settle(reply)
                 if settled is not None:
                     waiter, outcome = settled
+                    if draining(outcome):
+                        self.retire()
                     if isinstance(outcome, grpc.RpcError):
                         waiter.set_exception(outcome)
                     else:
@@ -117,7 +143,7 @@ class _BlockingStream:
 
     def close(self) -> None:
         self.closing = True
-        self._queue.put(None)
+        self.retire()
         self._call.cancel()
 
 
@@ -165,26 +191,36 @@ class BlockingCallStream:
     def call(self, method: str, request: Any, timeout: float) -> Any:
         """``method``'s response, or the ``grpc.RpcError`` its unary call would raise;
         ``Unsupported`` when the daemon has no Calls method (the call was not made)."""
-        stream = self.open()
-        if stream is None:
-            raise Unsupported
         waiter: Future[Any] = Future()
-        try:
-            call_id, message = stream.pending.add(method, request, timeout, waiter)
-        except grpc.RpcError:
-            # The stream ended between open() and now: as if it broke under the call.
-            if stream.unsupported:
-                raise Unsupported from None
-            raise
-        stream.send(message)
+        while True:
+            stream = self.open()
+            if stream is None:
+                raise Unsupported
+            try:
+                call_id = stream.submit(method, request, timeout, waiter)
+                break
+            except Retired:
+                continue  # half-closed since open(): a new stream
+            except grpc.RpcError:
+                # The stream ended since open(): as if it broke under the call.
+                if stream.unsupported:
+                    raise Unsupported from None
+                raise
         self.sent[method] += 1
         try:
             return waiter.result(timeout)
         except TimeoutError:
             if stream.pending.drop(call_id):
-                stream.send(cancel_message(call_id))
+                stream.cancel(call_id)
                 raise deadline_error() from None
         return waiter.result()  # answered as its deadline passed
+
+    def retire(self) -> None:
+        """The daemon drains: half-close the stream; the next call opens a new one."""
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.retire()
 
     def close(self) -> None:
         """End the stream (the daemon cancels what is in flight) and its reader."""
@@ -206,6 +242,7 @@ class _AsyncStream:
         self.pending: Pending[asyncio.Future[Any]] = Pending()
         self.unsupported = False
         self.closing = False
+        self.retired = False
         self._queue: asyncio.Queue[pb.Call | None] = asyncio.Queue()
         multi = channel.stream_stream(
             CALLS_METHOD,
@@ -217,10 +254,22 @@ class _AsyncStream:
 
     @property
     def over(self) -> bool:
-        return self.pending.failure is not None
+        return self.retired or self.pending.failure is not None
 
-    def send(self, message: pb.Call) -> None:
+    def submit(self, method: str, request: Any, timeout: float, waiter: asyncio.Future[Any]) -> int:
+        if self.retired:
+            raise Retired
+        call_id, message = self.pending.add(method, request, timeout, waiter)
         self._queue.put_nowait(message)
+        return call_id
+
+    def cancel(self, call_id: int) -> None:
+        self._queue.put_nowait(cancel_message(call_id))
+
+    def retire(self) -> None:
+        if not self.retired:
+            self.retired = True
+            self._queue.put_nowait(None)
 
     async def _requests(self) -> AsyncIterator[pb.Call]:
         while (message := await self._queue.get()) is not None:
@@ -234,6 +283,8 @@ class _AsyncStream:
                 settled = self.pending.settle(reply)
                 if settled is not None:
                     waiter, outcome = settled
+                    if draining(outcome):
+                        self.retire()
                     if waiter.done():  # its caller was cancelled as the Reply came
                         continue
                     if isinstance(outcome, grpc.RpcError):
@@ -254,7 +305,7 @@ class _AsyncStream:
 
     def close(self) -> None:
         self.closing = True
-        self._queue.put_nowait(None)
+        self.retire()
         self._call.cancel()
 
 
@@ -293,17 +344,20 @@ class AsyncCallStream:
         return stream
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
-        stream = self.open()
-        if stream is None:
-            raise Unsupported
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        try:
-            call_id, message = stream.pending.add(method, request, timeout, waiter)
-        except grpc.RpcError:
-            if stream.unsupported:
-                raise Unsupported from None
-            raise
-        stream.send(message)
+        while True:
+            stream = self.open()
+            if stream is None:
+                raise Unsupported
+            try:
+                call_id = stream.submit(method, request, timeout, waiter)
+                break
+            except Retired:
+                continue
+            except grpc.RpcError:
+                if stream.unsupported:
+                    raise Unsupported from None
+                raise
         self.sent[method] += 1
         try:
             async with asyncio.timeout(timeout):
@@ -312,14 +366,19 @@ class AsyncCallStream:
         except TimeoutError:
             if not stream.pending.drop(call_id):
                 return await waiter  # answered as its deadline passed
-            stream.send(cancel_message(call_id))
+            stream.cancel(call_id)
             raise deadline_error() from None
         except asyncio.CancelledError:
             if stream.pending.drop(call_id):
-                stream.send(cancel_message(call_id))
+                stream.cancel(call_id)
             elif waiter.done() and not waiter.cancelled():
                 waiter.exception()  # answered as it was cancelled: nobody reads it now
             raise
+
+    def retire(self) -> None:
+        """``BlockingCallStream.retire``."""
+        if self._stream is not None:
+            self._stream.retire()
 
     async def close(self) -> None:
         self._closed = True

@@ -25,6 +25,7 @@ import grpc.aio
 from google.rpc import status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client.errors import error_info
 
 W = TypeVar("W")
 
@@ -132,8 +133,18 @@ def unsupported(exc: grpc.RpcError, replied: bool) -> bool:
     return not replied and exc.code() is grpc.StatusCode.UNIMPLEMENTED
 
 
+def draining(outcome: Any) -> bool:
+    """Whether a call's outcome says the daemon is shutting down (DRAINING): its
+    stream is then retired, so it does not hold up the daemon's exit."""
+    return isinstance(outcome, grpc.RpcError) and error_info(outcome)[0] == "DRAINING"
+
+
 class Unsupported(Exception):
     """The daemon has no Calls method: the call was never made; make it unary."""
+
+
+class Retired(Exception):
+    """The stream takes no new calls (the daemon drains): make the call on a new one."""
 
 
 @dataclass(frozen=True)

@@ -191,10 +191,17 @@ class AsyncRendezvousClient(steps.ClientBase):
                             event = await call.read()
                     except TimeoutError:
                         break
-                    if event is grpc.aio.EOF or watch.on_event(event) != "continue":
+                    if event is grpc.aio.EOF:
+                        break
+                    verdict = watch.on_event(event)
+                    if verdict == "reconnect" and self._mux is not None:
+                        self._mux.retire()  # the daemon drains: let it go
+                    if verdict != "continue":
                         break
             except grpc.aio.AioRpcError as exc:
                 error = exc
+                if self._mux is not None:
+                    self._mux.retire()  # the daemon may be going: never hold it up
             finally:
                 call.cancel()
             delay = watch.ended(error)

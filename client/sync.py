@@ -238,10 +238,15 @@ class RendezvousClient(steps.ClientBase):
             error: grpc.RpcError | None = None
             try:
                 for event in call:
-                    if watch.on_event(event) != "continue":
+                    verdict = watch.on_event(event)
+                    if verdict == "reconnect" and self._mux is not None:
+                        self._mux.retire()  # the daemon drains: let it go
+                    if verdict != "continue":
                         break  # this member failed, or the daemon is draining
             except grpc.RpcError as exc:
                 error = exc
+                if self._mux is not None:
+                    self._mux.retire()  # the daemon may be going: never hold it up
             finally:
                 call.cancel()
             delay = None if self._hb_stop.is_set() else watch.ended(error)

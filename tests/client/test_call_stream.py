@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -396,3 +397,20 @@ def test_leave_and_close_work_after_the_stream_broke(
     never = Twin(kind, d.endpoint, job_id, token=d.token)
     never.close()  # its stream never opened
     assert never.client._mux.opened == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_draining_daemon_is_not_held_up_by_the_call_stream(
+    kind: str, start_daemon: Callable[..., DaemonProcess], job_id: str, made: Callable[..., Twin]
+) -> None:
+    # A grace far beyond the wait below: an open stream would hold the daemon up that long.
+    d = start_daemon("--drain-grace-s", "120")
+    c = made(kind, d.endpoint, job_id, token=d.token)
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    c.start_heartbeat(0.2)
+    # The drain is heard on the heartbeat stream: attached first.
+    wait_for("the heartbeat stream", lambda: c.get_job().members[0].heartbeat_stream_open)
+    stream = c._mux._stream
+    d.proc.send_signal(signal.SIGTERM)
+    wait_for("the call stream half-closed on the drain event", lambda: stream.retired)
+    assert d.proc.wait(60) == 0

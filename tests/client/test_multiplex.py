@@ -19,6 +19,7 @@ from rendezvousd.client._multiplex import (
     cancel_message,
     copy_error,
     deadline_error,
+    draining,
     status_error,
     unsupported,
 )
@@ -150,3 +151,11 @@ def test_unimplemented_means_an_older_daemon_only_before_any_reply() -> None:
     other = status_error(_status(grpc.StatusCode.NOT_FOUND, "no job 'j'", "JOB_NOT_FOUND"))
     assert not unsupported(other, replied=False)
     assert isinstance(from_rpc_error(other, endpoint="e:1", method="GetJob"), NotFound)
+
+
+def test_a_draining_answer_retires_the_stream_and_nothing_else_does() -> None:
+    drains = status_error(_status(grpc.StatusCode.UNAVAILABLE, "shutting down", "DRAINING"))
+    assert draining(drains)
+    assert not draining(status_error(_status(grpc.StatusCode.UNAVAILABLE, "gone", "")))
+    assert not draining(status_error(_status(grpc.StatusCode.NOT_FOUND, "x", "JOB_NOT_FOUND")))
+    assert not draining(pb.KvGetResponse())
