@@ -46,17 +46,20 @@ def test_metrics_follow_a_job_through_join_failure_and_rpcs(
         assert m['rendezvousd_jobs{state="failed"}'] == 1
     text = urllib.request.urlopen(d.metrics_url, timeout=5).read()
     assert uid not in text and uid.hex().encode() not in text and d.token.encode() not in text
-    with (
-        RendezvousClient(d.endpoint, "x", token="wrong-token-but-long-enough") as bad,
-        contextlib.suppress(AuthenticationError),
-    ):
-        bad.list_jobs()
-    assert (
-        scrape(d.metrics_url)[
-            'rendezvousd_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="ListJobs"}'
-        ]
-        == 1
-    )
+    # A refused token is counted under the method it was refused at: the unary call's,
+    # or, for the SDK's call stream, Calls (the token is checked once, as it opens).
+    for stream, method in ((False, "ListJobs"), (True, "Calls")):
+        with (
+            RendezvousClient(
+                d.endpoint, "x", token="wrong-token-but-long-enough", call_stream=stream
+            ) as bad,
+            contextlib.suppress(AuthenticationError),
+        ):
+            bad.list_jobs()
+        count = (
+            f'rendezvousd_rpc_duration_seconds_count{{code="UNAUTHENTICATED",method="{method}"}}'
+        )
+        assert scrape(d.metrics_url)[count] == 1
 
 
 def test_made_up_method_paths_do_not_grow_the_metrics(
