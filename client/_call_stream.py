@@ -224,14 +224,19 @@ class BlockingCallStream:
 
     def close(self) -> None:
         """End the stream (the daemon cancels what is in flight) and its reader."""
+        for stream in self.abandon():
+            if stream.reader is not threading.current_thread():
+                stream.reader.join(STOP_READER_S)
+
+    def abandon(self) -> list[_BlockingStream]:
+        """End the streams without waiting for their readers (a client collected
+        unclosed: its reader would otherwise keep the connection open); them."""
         with self._lock:
             self._closed = True
             streams, self._streams, self._stream = self._streams, [], None
         for stream in streams:
             stream.close()
-        for stream in streams:
-            if stream.reader is not threading.current_thread():
-                stream.reader.join(STOP_READER_S)
+        return streams
 
 
 class _AsyncStream:

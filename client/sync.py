@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, TypeVar, Unpack
 
@@ -44,6 +45,10 @@ class RendezvousClient(steps.ClientBase):
             if self._c.call_stream
             else None
         )
+        if self._mux is not None:
+            # The stream's reader holds the channel, not this client: a client dropped
+            # without close() must not leave its connection and threads behind.
+            weakref.finalize(self, self._mux.abandon)
         # After close() the table of a slim join is still readable: over a channel of its own.
         self._closed = False
         self._after_close = BlockingMembers(self._s, self._c.tls)
@@ -92,9 +97,11 @@ class RendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Connect):
+            ready = grpc.channel_ready_future(self._channel)
             try:
-                grpc.channel_ready_future(self._channel).result(timeout=step.timeout)
+                ready.result(timeout=step.timeout)
             except grpc.FutureTimeoutError:
+                ready.cancel()  # ends gRPC's thread watching the channel
                 return False
             if self._mux is not None:
                 self._mux.open()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import secrets
 import signal
@@ -370,6 +371,18 @@ def test_close_ends_the_reader_thread_and_a_closed_stream_fails_no_one(
     for c in clients:
         c.close()
     assert len(readers()) == before
+
+
+def test_a_client_dropped_without_close_leaves_no_reader_behind(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    before = len(readers())
+    c = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    c.connect()
+    assert len(readers()) == before + 1
+    del c
+    gc.collect()
+    wait_for("the dropped client's reader to end", lambda: len(readers()) == before)
 
 
 async def test_close_ends_the_reader_task(daemon: DaemonProcess, job_id: str) -> None:
