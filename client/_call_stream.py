@@ -13,7 +13,9 @@ DRAINING answer) gets the stream half-closed: it answers what is in flight and e
 the stream, which would otherwise hold up its exit for its whole grace period; the
 next call opens a new stream (to the daemon that replaces it). A daemon without the method (UNIMPLEMENTED before
 any Reply) makes ``call`` raise ``Unsupported`` for every call it held, none of which
-the daemon saw: the client then makes them, and every later call, unary.
+the daemon saw: the client then makes them, and every later call, unary. A call the
+daemon refuses because the stream is full (as many in flight as one connection may
+open) is made unary too, where gRPC queues it for a free slot.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from rendezvousd.client._multiplex import (
     deadline_error,
     draining,
     ended_error,
+    stream_full,
     unsupported,
 )
 
@@ -128,7 +131,9 @@ class _BlockingStream:
                     waiter, outcome = settled
                     if draining(outcome):
                         self.retire()
-                    if isinstance(outcome, grpc.RpcError):
+                    if stream_full(outcome):
+                        waiter.set_exception(Unsupported())
+                    elif isinstance(outcome, grpc.RpcError):
                         waiter.set_exception(outcome)
                     else:
                         waiter.set_result(outcome)
@@ -292,7 +297,9 @@ class _AsyncStream:
                         self.retire()
                     if waiter.done():  # its caller was cancelled as the Reply came
                         continue
-                    if isinstance(outcome, grpc.RpcError):
+                    if stream_full(outcome):
+                        waiter.set_exception(Unsupported())
+                    elif isinstance(outcome, grpc.RpcError):
                         waiter.set_exception(outcome)
                     else:
                         waiter.set_result(outcome)
@@ -303,6 +310,7 @@ class _AsyncStream:
             failure = closed_error()
             raise
         finally:
+            log.debug("the call stream ended: %s: %s", failure.code().name, failure.details())
             for waiter in self.pending.end(failure):
                 if not waiter.done():
                     waiter.set_exception(Unsupported() if self.unsupported else copy_error(failure))

@@ -139,8 +139,20 @@ def draining(outcome: Any) -> bool:
     return isinstance(outcome, grpc.RpcError) and error_info(outcome)[0] == "DRAINING"
 
 
+def stream_full(outcome: Any) -> bool:
+    """Whether the daemon refused a call because the stream already had as many calls
+    in flight as one connection may open (RESOURCE_EXHAUSTED, limit
+    max_concurrent_streams): it never ran, and is made unary, which gRPC queues for a
+    free slot as it always has."""
+    if not isinstance(outcome, grpc.RpcError):
+        return False
+    reason, metadata = error_info(outcome)
+    return reason == "LIMIT_EXCEEDED" and metadata.get("limit") == "max_concurrent_streams"
+
+
 class Unsupported(Exception):
-    """The daemon has no Calls method: the call was never made; make it unary."""
+    """Make this call unary: it was never run (the daemon has no Calls method, or its
+    stream was full)."""
 
 
 class Retired(Exception):

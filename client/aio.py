@@ -68,7 +68,7 @@ class AsyncRendezvousClient(steps.ClientBase):
     async def _perform(self, step: steps.Step) -> Any:
         if isinstance(step, steps.Rpc):
             if self._mux is not None and step.streamable:
-                with contextlib.suppress(Unsupported):  # an older daemon: unary
+                with contextlib.suppress(Unsupported):  # an older daemon, a full stream
                     return await self._mux.call(step.method, step.request, step.timeout)
             return await step.invoke(self._stub, self._health, self._s.metadata)
         if isinstance(step, steps.Sleep):

@@ -81,7 +81,7 @@ class RendezvousClient(steps.ClientBase):
     def _perform(self, step: steps.Step) -> Any:
         if isinstance(step, steps.Rpc):
             if self._mux is not None and step.streamable:
-                with contextlib.suppress(Unsupported):  # an older daemon: unary
+                with contextlib.suppress(Unsupported):  # an older daemon, a full stream
                     return self._mux.call(step.method, step.request, step.timeout)
             return step.invoke(self._stub, self._health, self._s.metadata)
         if isinstance(step, steps.Sleep):

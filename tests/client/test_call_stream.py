@@ -275,6 +275,37 @@ def test_a_call_in_flight_when_the_daemon_dies_is_retried_on_a_new_stream(
     assert c._mux.opened == 2
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_beyond_a_full_stream_is_made_unary_not_refused(
+    kind: str, start_daemon: Callable[..., DaemonProcess], job_id: str, made: Callable[..., Twin]
+) -> None:
+    # Two calls in flight per stream (and two HTTP/2 streams per connection).
+    env = {"RENDEZVOUSD_MAX_CONCURRENT_STREAMS": "2"}
+    d = start_daemon("--metrics-listen", "127.0.0.1:0", env=env)
+    c = made(kind, d.endpoint, job_id, token=d.token)
+    m = c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    got: dict[str, Any] = {}
+
+    def wait_for_key(key: str) -> None:
+        try:
+            got[key] = c.kv_get(key, timeout=30)
+        except RendezvousError as exc:
+            got[key] = exc
+
+    keys = [threading.Thread(target=wait_for_key, args=(k,)) for k in "abc"]
+    for t in keys:
+        t.start()
+    wait_for("three parked KvGets", lambda: waiters(d) == 3)
+    setter = made(kind, d.endpoint, job_id, token=d.token)  # a connection of its own
+    setter.attach(m, c._s.instance_id)
+    for k in "abc":
+        setter.kv_set(k, k.encode())
+    for t in keys:
+        t.join(30)
+    assert got == {"a": b"a", "b": b"b", "c": b"c"}
+    assert c._mux.sent["KvGet"] == 3  # all sent on the stream; one refused there
+
+
 class WithoutCalls(RendezvousServicer):
     """The real servicer with the wire surface of a daemon older than Calls."""
 

@@ -21,6 +21,7 @@ from rendezvousd.client._multiplex import (
     deadline_error,
     draining,
     status_error,
+    stream_full,
     unsupported,
 )
 from rendezvousd.client.errors import error_info, from_rpc_error
@@ -159,3 +160,22 @@ def test_a_draining_answer_retires_the_stream_and_nothing_else_does() -> None:
     assert not draining(status_error(_status(grpc.StatusCode.UNAVAILABLE, "gone", "")))
     assert not draining(status_error(_status(grpc.StatusCode.NOT_FOUND, "x", "JOB_NOT_FOUND")))
     assert not draining(pb.KvGetResponse())
+
+
+def test_only_the_streams_own_cap_sends_a_call_unary() -> None:
+    full = status_error(
+        _status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "2 in flight",
+            "LIMIT_EXCEEDED",
+            limit="max_concurrent_streams",
+        )
+    )
+    assert stream_full(full)
+    other_limit = status_error(
+        _status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "too many", "LIMIT_EXCEEDED", limit="max_waiters"
+        )
+    )
+    assert not stream_full(other_limit)
+    assert not stream_full(pb.KvGetResponse())
