@@ -45,6 +45,9 @@ from rendezvousd.client._multiplex import (
     deadline_error,
     draining,
     ended_error,
+    lost_error,
+    probed,
+    status_lost,
     stream_full,
     unsupported,
 )
@@ -53,6 +56,8 @@ log = logging.getLogger("rendezvousd.client")
 
 # How long close() waits for a stream's reader to end once the stream is cancelled.
 STOP_READER_S = 5.0
+# How long a probe for a lost status waits for the daemon's verdict on a new stream.
+PROBE_S = 10.0
 
 
 def _fallback(endpoint: str) -> None:
@@ -259,6 +264,8 @@ class _AsyncStream:
             request_serializer=pb.Call.SerializeToString,
             response_deserializer=pb.Reply.FromString,
         )
+        self._multi = multi
+        self._metadata = metadata
         self._call: Any = multi(self._requests(), metadata=metadata, wait_for_ready=True)
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -304,6 +311,8 @@ class _AsyncStream:
                     else:
                         waiter.set_result(outcome)
         except grpc.RpcError as exc:
+            if status_lost(exc) and not self.closing:
+                exc = await self._probe() if not self.pending.replied else lost_error()
             failure = closed_error() if self.closing else exc
             self.unsupported = unsupported(exc, self.pending.replied)
         except asyncio.CancelledError:
@@ -315,6 +324,23 @@ class _AsyncStream:
                 if not waiter.done():
                     waiter.set_exception(Unsupported() if self.unsupported else copy_error(failure))
             self._queue.put_nowait(None)
+
+    async def _probe(self) -> grpc.RpcError:
+        """The status this stream lost (``status_lost``), from a new stream that sends
+        nothing and half-closes at once, so no write can race the daemon's verdict: an
+        older daemon or a refused token ends it as it ended this one."""
+        probe = self._multi(metadata=self._metadata, wait_for_ready=True)
+        try:
+            async with asyncio.timeout(PROBE_S):
+                await probe.done_writing()
+                code = await probe.code()
+                return probed(
+                    code, await probe.details() or "", tuple(await probe.trailing_metadata() or ())
+                )
+        except (TimeoutError, grpc.RpcError):
+            return lost_error()
+        finally:
+            probe.cancel()
 
     def close(self) -> None:
         self.closing = True

@@ -127,6 +127,35 @@ def closed_error() -> grpc.RpcError:
     return rpc_error(grpc.StatusCode.CANCELLED, "the client closed its call stream")
 
 
+#: What grpc.aio reports when it sent a message on a call the daemon had already ended:
+#: the call's real status (an older daemon's UNIMPLEMENTED, a refused token's
+#: UNAUTHENTICATED, a daemon's exit) is replaced by this.
+LOST_STATUS = "Internal error from Core"
+
+
+def status_lost(exc: grpc.RpcError) -> bool:
+    """Whether the stream's status is grpc.aio's stand-in, not the daemon's."""
+    return exc.code() is grpc.StatusCode.INTERNAL and exc.details() == LOST_STATUS
+
+
+def lost_error() -> grpc.RpcError:
+    """A stream that served calls ended with its status lost: what a unary call in
+    flight gets when the daemon goes away, so the retry policy treats it alike."""
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, "the call stream ended as the daemon went away")
+
+
+def probed(
+    code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, Any], ...]
+) -> grpc.RpcError:
+    """A stream's lost status, from a probe stream that sent nothing: its own end.
+    OK (the daemon serves Calls: the first stream was lost as the daemon went) is
+    ``lost_error``; anything else (UNIMPLEMENTED, UNAUTHENTICATED, UNAVAILABLE) is the
+    status the first stream should have ended with."""
+    if code is grpc.StatusCode.OK:
+        return lost_error()
+    return rpc_error(code, details, trailing)
+
+
 def unsupported(exc: grpc.RpcError, replied: bool) -> bool:
     """Whether the stream's failure means the daemon has no Calls method (an older
     daemon): UNIMPLEMENTED before any Reply. A call's own UNIMPLEMENTED is a Reply."""

@@ -154,6 +154,23 @@ def test_errors_over_the_stream_are_the_unary_calls_errors(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_refused_token_is_an_authentication_error_on_either_transport(
+    kind: str, stream: bool, daemon: DaemonProcess, job_id: str, made: Callable[..., Twin]
+) -> None:
+    c = made(kind, daemon.endpoint, job_id, token="wrong-token-but-long-enough", call_stream=stream)
+    # Each refusal ends its stream and the next call opens another: grpc.aio may lose a
+    # stream's status when a Call is written as the daemon refuses it (then it is probed).
+    for _ in range(5):
+        error = error_of(c.list_jobs)
+        assert (type(error).__name__, error.code, error.method) == (
+            "AuthenticationError",
+            "UNAUTHENTICATED",
+            "ListJobs",
+        )
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_parked_barrier_does_not_hold_up_a_key_wait_behind_it(
     kind: str, start_daemon: Callable[..., DaemonProcess], job_id: str, made: Callable[..., Twin]
 ) -> None:

@@ -20,7 +20,11 @@ from rendezvousd.client._multiplex import (
     copy_error,
     deadline_error,
     draining,
+    lost_error,
+    probed,
+    rpc_error,
     status_error,
+    status_lost,
     stream_full,
     unsupported,
 )
@@ -179,3 +183,16 @@ def test_only_the_streams_own_cap_sends_a_call_unary() -> None:
     )
     assert not stream_full(other_limit)
     assert not stream_full(pb.KvGetResponse())
+
+
+def test_a_status_grpc_aio_lost_is_told_apart_and_recovered_from_a_probe() -> None:
+    lost = rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
+    assert status_lost(lost)
+    assert not status_lost(rpc_error(grpc.StatusCode.INTERNAL, "the daemon's own bug"))
+    # The probe stream ended OK: the daemon serves Calls, the stream was lost with it.
+    assert lost_error().code() is grpc.StatusCode.UNAVAILABLE
+    assert probed(grpc.StatusCode.OK, "", ()).code() is grpc.StatusCode.UNAVAILABLE
+    older = probed(grpc.StatusCode.UNIMPLEMENTED, "Method not found!", ())
+    assert unsupported(older, replied=False)
+    refused = probed(grpc.StatusCode.UNAUTHENTICATED, "bad token", ())
+    assert (refused.code(), refused.details()) == (grpc.StatusCode.UNAUTHENTICATED, "bad token")
