@@ -145,21 +145,33 @@ class CallStream:
         have open as unary calls: max_concurrent_streams)."""
         self._handlers = handlers
         self._max_in_flight = max_in_flight
+        self._readers: set[asyncio.Task[None]] = set()
+        self._draining = False
 
     async def serve(self, calls: AsyncIterator[pb.Call]) -> AsyncIterator[bytes]:
         replies = _Outbox(self._max_in_flight)
         running: dict[int, asyncio.Task[None]] = {}
         reader = asyncio.create_task(self._read(calls, replies, running))
+        self._readers.add(reader)
         try:
             while (answer := await replies.get()) is not None:
                 yield answer
             await reader  # its error, if any, ends the stream
         finally:
+            self._readers.discard(reader)
             # The caller went away (or the stream failed): its calls are cancelled,
             # as a unary call's handler is when its caller goes.
             reader.cancel()
             for task in running.values():
                 task.cancel()
+
+    def drain(self) -> None:
+        """The daemon is stopping (its parked calls were just released): every stream
+        reads no more calls, answers those in flight and ends, so a graceful stop need
+        not wait out its grace period for streams a client keeps open."""
+        self._draining = True
+        for reader in self._readers:
+            reader.cancel()
 
     async def _read(
         self,
@@ -168,31 +180,50 @@ class CallStream:
         running: dict[int, asyncio.Task[None]],
     ) -> None:
         try:
-            async for call in calls:
-                await replies.room()
-                field = call.WhichOneof("request")
-                if field == _CANCEL:
-                    task = running.get(call.id)
-                    if task is not None:
-                        task.cancel()
-                    continue
-                refusal = self._refusal(call, field, running)
-                if refusal is not None:
-                    replies.put(reply(call.id, _ERROR_FIELD, refusal))
-                    continue
-                assert field is not None  # _refusal answered an empty Call
-                deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
-                coro = self._run(call.id, field, getattr(call, field), deadline, replies)
-                waiting_on = _start(coro)
-                if waiting_on is not _DONE:
-                    task = asyncio.create_task(_finish(coro, waiting_on))
-                    running[call.id] = task
-                    task.add_done_callback(functools.partial(_forget, running, call.id))
-            # The caller is done sending: its calls in flight are still answered.
+            await self._read_calls(calls.__aiter__(), replies, running)
+        except asyncio.CancelledError:
+            if not self._draining:
+                raise
+        try:
+            # The caller is done sending (or the daemon drains): its calls in flight
+            # are still answered.
             while running:
                 await asyncio.wait(list(running.values()))
         finally:
             replies.put(None)
+
+    async def _read_calls(
+        self,
+        calls: AsyncIterator[pb.Call],
+        replies: _Outbox,
+        running: dict[int, asyncio.Task[None]],
+    ) -> None:
+        while not self._draining:
+            # Room first: a drain's cancellation then never lands between a call's
+            # arrival and its start.
+            await replies.room()
+            try:
+                call = await anext(calls)
+            except StopAsyncIteration:
+                return
+            field = call.WhichOneof("request")
+            if field == _CANCEL:
+                task = running.get(call.id)
+                if task is not None:
+                    task.cancel()
+                continue
+            refusal = self._refusal(call, field, running)
+            if refusal is not None:
+                replies.put(reply(call.id, _ERROR_FIELD, refusal))
+                continue
+            assert field is not None  # _refusal answered an empty Call
+            deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
+            coro = self._run(call.id, field, getattr(call, field), deadline, replies)
+            waiting_on = _start(coro)
+            if waiting_on is not _DONE:
+                task = asyncio.create_task(_finish(coro, waiting_on))
+                running[call.id] = task
+                task.add_done_callback(functools.partial(_forget, running, call.id))
 
     def _refusal(
         self, call: pb.Call, field: str | None, running: dict[int, asyncio.Task[None]]

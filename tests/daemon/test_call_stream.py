@@ -5,6 +5,7 @@ Raw gRPC (not the SDK), against a real daemon process."""
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -405,3 +406,23 @@ def test_a_caller_that_reads_no_replies_is_stopped_not_buffered(
         grown_mib = (_rss_kib(daemon.proc.pid) - before_rss) / 1024
         assert grown_mib < 64, f"the daemon grew {grown_mib:.0f} MiB holding unread replies"
         call.cancel()
+
+
+def test_a_stopping_daemon_answers_the_calls_in_flight_and_ends_the_stream(
+    start_daemon: Any, job_id: str
+) -> None:
+    """Graceful stop: a parked call on the stream is answered (DRAINING), then the
+    stream ends, so the daemon exits without waiting out its 60 s grace for it."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0", env={"RENDEZVOUSD_DRAIN_GRACE_S": "60"})
+    s = Stream(d)
+    try:
+        member = _two_rank_job(d, s, job_id)
+        s.send(1, "kv_get", pb.KvGetRequest(**member, key="never", wait=True))
+        wait_for("the KvGet parked", lambda: _parked(d) == 1)
+        d.proc.send_signal(signal.SIGTERM)
+        refused = status_of(s.reply(1))
+        assert refused.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert b"DRAINING" in refused.details[0].value
+        assert d.proc.wait(30) == 0
+    finally:
+        s.close()
