@@ -421,6 +421,7 @@ class Daemon:
             self.on_stopping()
         self.state.drain()
         self._servicer.apply()
+        self._servicer.drain()
         with contextlib.suppress(RendezvousFault):  # logged by the Persister
             await self.persister.durable()
         if self._ticker is not None and not self._ticker.done():  # a dead one was logged

@@ -11,6 +11,7 @@ authorization, durability, limits, metrics and faults; only the context differs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -101,6 +102,39 @@ def reply(call_id: int, field_number: int, body: bytes) -> bytes:
     return head + _varint(field_number << 3 | 2) + _varint(len(body)) + body
 
 
+class _Outbox:
+    """Encoded replies waiting to go out, and room for ``room`` of them: the reader
+    reads the next call only while there is room, so a caller that stops reading its
+    replies stops the reading of its calls (and HTTP/2 flow control then its sending)
+    instead of growing the daemon's memory. ``put`` never waits: a parked call's reply
+    may overshoot, by at most the calls in flight."""
+
+    def __init__(self, room: int) -> None:
+        self._items: collections.deque[bytes | None] = collections.deque()
+        self._room = room
+        self._ready = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+
+    def put(self, item: bytes | None) -> None:
+        self._items.append(item)
+        self._ready.set()
+        if len(self._items) >= self._room:
+            self._space.clear()
+
+    async def get(self) -> bytes | None:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if len(self._items) < self._room:
+            self._space.set()
+        return item
+
+    async def room(self) -> None:
+        await self._space.wait()
+
+
 class CallStream:
     """Serves one Calls stream: each Call runs as its own task, so a parked Barrier
     never holds up the calls behind it; replies leave in the order they finish."""
@@ -111,53 +145,85 @@ class CallStream:
         have open as unary calls: max_concurrent_streams)."""
         self._handlers = handlers
         self._max_in_flight = max_in_flight
+        self._readers: set[asyncio.Task[None]] = set()
+        self._draining = False
 
     async def serve(self, calls: AsyncIterator[pb.Call]) -> AsyncIterator[bytes]:
-        replies: asyncio.Queue[bytes | None] = asyncio.Queue()
+        replies = _Outbox(self._max_in_flight)
         running: dict[int, asyncio.Task[None]] = {}
         reader = asyncio.create_task(self._read(calls, replies, running))
+        self._readers.add(reader)
         try:
             while (answer := await replies.get()) is not None:
                 yield answer
             await reader  # its error, if any, ends the stream
         finally:
+            self._readers.discard(reader)
             # The caller went away (or the stream failed): its calls are cancelled,
             # as a unary call's handler is when its caller goes.
             reader.cancel()
             for task in running.values():
                 task.cancel()
 
+    def drain(self) -> None:
+        """The daemon is stopping (its parked calls were just released): every stream
+        reads no more calls, answers those in flight and ends, so a graceful stop need
+        not wait out its grace period for streams a client keeps open."""
+        self._draining = True
+        for reader in self._readers:
+            reader.cancel()
+
     async def _read(
         self,
         calls: AsyncIterator[pb.Call],
-        replies: asyncio.Queue[bytes | None],
+        replies: _Outbox,
         running: dict[int, asyncio.Task[None]],
     ) -> None:
         try:
-            async for call in calls:
-                field = call.WhichOneof("request")
-                if field == _CANCEL:
-                    task = running.get(call.id)
-                    if task is not None:
-                        task.cancel()
-                    continue
-                refusal = self._refusal(call, field, running)
-                if refusal is not None:
-                    replies.put_nowait(reply(call.id, _ERROR_FIELD, refusal))
-                    continue
-                assert field is not None  # _refusal answered an empty Call
-                deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
-                coro = self._run(call.id, field, getattr(call, field), deadline, replies)
-                waiting_on = _start(coro)
-                if waiting_on is not _DONE:
-                    task = asyncio.create_task(_finish(coro, waiting_on))
-                    running[call.id] = task
-                    task.add_done_callback(functools.partial(_forget, running, call.id))
-            # The caller is done sending: its calls in flight are still answered.
+            await self._read_calls(calls.__aiter__(), replies, running)
+        except asyncio.CancelledError:
+            if not self._draining:
+                raise
+        try:
+            # The caller is done sending (or the daemon drains): its calls in flight
+            # are still answered.
             while running:
                 await asyncio.wait(list(running.values()))
         finally:
-            replies.put_nowait(None)
+            replies.put(None)
+
+    async def _read_calls(
+        self,
+        calls: AsyncIterator[pb.Call],
+        replies: _Outbox,
+        running: dict[int, asyncio.Task[None]],
+    ) -> None:
+        while not self._draining:
+            # Room first: a drain's cancellation then never lands between a call's
+            # arrival and its start.
+            await replies.room()
+            try:
+                call = await anext(calls)
+            except StopAsyncIteration:
+                return
+            field = call.WhichOneof("request")
+            if field == _CANCEL:
+                task = running.get(call.id)
+                if task is not None:
+                    task.cancel()
+                continue
+            refusal = self._refusal(call, field, running)
+            if refusal is not None:
+                replies.put(reply(call.id, _ERROR_FIELD, refusal))
+                continue
+            assert field is not None  # _refusal answered an empty Call
+            deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
+            coro = self._run(call.id, field, getattr(call, field), deadline, replies)
+            waiting_on = _start(coro)
+            if waiting_on is not _DONE:
+                task = asyncio.create_task(_finish(coro, waiting_on))
+                running[call.id] = task
+                task.add_done_callback(functools.partial(_forget, running, call.id))
 
     def _refusal(
         self, call: pb.Call, field: str | None, running: dict[int, asyncio.Task[None]]
@@ -188,12 +254,12 @@ class CallStream:
         field: str,
         request: Any,
         deadline: float | None,
-        replies: asyncio.Queue[bytes | None],
+        replies: _Outbox,
     ) -> None:
         try:
             answer = await self._handlers[field](request, CallContext(deadline))
         except _Ended as ended:
-            replies.put_nowait(reply(call_id, _ERROR_FIELD, ended.status))
+            replies.put(reply(call_id, _ERROR_FIELD, ended.status))
             return
         except asyncio.CancelledError:
             return  # cancelled by the caller or the stream's end: no reply
@@ -201,12 +267,10 @@ class CallStream:
             # A bug of ours: gRPC would answer a unary call UNKNOWN and log it; so do we,
             # rather than leave the caller waiting for its deadline.
             log.exception("Calls: %s (call %d) failed", field, call_id)
-            replies.put_nowait(
-                reply(call_id, _ERROR_FIELD, _status_bytes(grpc.StatusCode.UNKNOWN, _BUG))
-            )
+            replies.put(reply(call_id, _ERROR_FIELD, _status_bytes(grpc.StatusCode.UNKNOWN, _BUG)))
             return
         body = answer if isinstance(answer, bytes) else answer.SerializeToString()
-        replies.put_nowait(reply(call_id, _REPLY_FIELDS[field], body))
+        replies.put(reply(call_id, _REPLY_FIELDS[field], body))
 
 
 # Calls that never wait (a KvGet of a present key, a KvSet without a state dir) run to

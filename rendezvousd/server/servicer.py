@@ -359,6 +359,10 @@ class RendezvousServicer:
         async for event in self.streams.serve(first, iterator):
             yield event
 
+    def drain(self) -> None:
+        """The daemon is stopping: the Calls streams end once their calls are answered."""
+        self._calls.drain()
+
     async def Calls(self, calls: AsyncIterator[pb.Call], context: Any) -> AsyncIterator[bytes]:
         """Every unary method's calls on one stream (``call_stream``); each call is
         authorized, limited and answered as its unary form would be."""

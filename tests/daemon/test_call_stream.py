@@ -5,6 +5,7 @@ Raw gRPC (not the SDK), against a real daemon process."""
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -354,3 +355,74 @@ def test_a_bad_request_inside_a_call_is_that_calls_error(stream: Stream) -> None
     refused = status_of(stream.reply(1))
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "bad id with spaces" in refused.message
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _served(d: DaemonProcess, method: str) -> float:
+    return scrape(d.metrics_url).get(
+        f'rendezvousd_rpc_duration_seconds_count{{code="OK",method="{method}"}}', 0.0
+    )
+
+
+def test_a_caller_that_reads_no_replies_is_stopped_not_buffered(
+    daemon: DaemonProcess, stream: Stream, job_id: str
+) -> None:
+    """The daemon reads the next call only while its replies have room, so a caller
+    that never reads them is held back by flow control; the replies are not queued
+    in the daemon's memory (20,000 replies of 8 KiB would be ~160 MiB)."""
+    stream.send(1, "join", join_one(job_id))
+    stream.reply(1)
+    member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+    stream.send(2, "kv_set", pb.KvSetRequest(**member, key="big", value=b"x" * 8192))
+    stream.reply(2)
+    before_rss, before = _rss_kib(daemon.proc.pid), _served(daemon, "KvGet")
+    total = 20_000
+
+    def calls() -> Iterator[pb.Call]:
+        for i in range(total):
+            call = pb.Call(id=i + 1)
+            call.kv_get.CopyFrom(pb.KvGetRequest(**member, key="big"))
+            yield call
+
+    with grpc.insecure_channel(daemon.endpoint) as ch:
+        call = ch.stream_stream(
+            f"/{SERVICE}/Calls",
+            request_serializer=pb.Call.SerializeToString,
+            response_deserializer=pb.Reply.FromString,
+        )(calls(), metadata=[("authorization", f"Bearer {daemon.token}")], timeout=60)
+        # Never read: wait until the daemon stops answering.
+        last, served = -1.0, 0.0
+        while served != last:
+            last = served
+            threading.Event().wait(1.0)  # progress check interval, not a synchronisation
+            served = _served(daemon, "KvGet") - before
+        assert 0 < served < total / 4, f"{served:.0f} of {total} calls answered, none read"
+        grown_mib = (_rss_kib(daemon.proc.pid) - before_rss) / 1024
+        assert grown_mib < 64, f"the daemon grew {grown_mib:.0f} MiB holding unread replies"
+        call.cancel()
+
+
+def test_a_stopping_daemon_answers_the_calls_in_flight_and_ends_the_stream(
+    start_daemon: Any, job_id: str
+) -> None:
+    """Graceful stop: a parked call on the stream is answered (DRAINING), then the
+    stream ends, so the daemon exits without waiting out its 60 s grace for it."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0", env={"RENDEZVOUSD_DRAIN_GRACE_S": "60"})
+    s = Stream(d)
+    try:
+        member = _two_rank_job(d, s, job_id)
+        s.send(1, "kv_get", pb.KvGetRequest(**member, key="never", wait=True))
+        wait_for("the KvGet parked", lambda: _parked(d) == 1)
+        d.proc.send_signal(signal.SIGTERM)
+        refused = status_of(s.reply(1))
+        assert refused.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert b"DRAINING" in refused.details[0].value
+        assert d.proc.wait(30) == 0
+    finally:
+        s.close()
