@@ -8,14 +8,14 @@ fallback decision are ``_multiplex``'s, retries are the call core's (``_calls``)
 
 A call waits for its Reply up to its own deadline, then sends ``cancel`` and raises
 DEADLINE_EXCEEDED. The stream's end fails every call in flight with its status, and
-the next call opens a new stream. A daemon that drains (its heartbeat event, or a
-DRAINING answer) gets the stream half-closed: it answers what is in flight and ends
-the stream, which would otherwise hold up its exit for its whole grace period; the
-next call opens a new stream (to the daemon that replaces it). A daemon without the method (UNIMPLEMENTED before
-any Reply) makes ``call`` raise ``Unsupported`` for every call it held, none of which
-the daemon saw: the client then makes them, and every later call, unary. A call the
-daemon refuses because the stream is full (as many in flight as one connection may
-open) is made unary too, where gRPC queues it for a free slot.
+the next call opens a new stream. A daemon heard draining (the heartbeat stream's
+event or end, a DRAINING answer) gets the stream half-closed: it answers what is in
+flight and ends the stream; the next call opens a new one (to the daemon that
+replaces it). A daemon without the method (UNIMPLEMENTED before any Reply) makes
+``call`` raise ``Unsupported`` for every call it held, none of which the daemon saw:
+the client then makes them, and every later call, unary. A call the daemon refuses
+because the stream is full (as many in flight as one connection may open) is made
+unary too, where gRPC queues it for a free slot.
 """
 
 from __future__ import annotations
