@@ -435,9 +435,14 @@ def _communicator(
 
 
 #: What an agent's worker needs once it is assigned (the client it attaches with,
-#: the CPU ring), imported while it waits as a spare: a warm spare's start after
-#: its assignment then pays no import (a cold one pays the same either way).
-_AFTER_ASSIGNMENT = ("rendezvousd.client.sync", "rendezvousd.trainer.comm.cpu_ring")
+#: the CPU ring, ``ctx.reducer()``'s buckets), imported while it waits as a spare:
+#: a warm spare's start after its assignment then pays no import (a cold one pays
+#: the same either way).
+_AFTER_ASSIGNMENT = (
+    "rendezvousd.client.sync",
+    "rendezvousd.trainer.comm.cpu_ring",
+    "rendezvousd.trainer.bucketing",
+)
 
 
 def _init_from_agent(
