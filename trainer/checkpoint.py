@@ -16,8 +16,6 @@ import json
 import logging
 import os
 import re
-import tempfile
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,6 +114,11 @@ def save_checkpoint(
     """
     if not _is_global_rank_zero(rank):
         return False
+    # Here, not at the top: the training example imports this module, and a worker
+    # that never writes or reads a checkpoint should not pay for them at start-up.
+    import tempfile
+    import zipfile
+
     target = Path(path)
     payload = _encode(arrays, meta)
     tmp_name: str | None = None
@@ -151,6 +154,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, xp: Any = np) -> tuple[Arra
     The arrays come back in ``xp``'s memory: numpy by default, on the current
     GPU with ``xp=cupy`` (only after the file has been fully validated).
     """
+    import zipfile  # see save_checkpoint
+
     source = Path(path)
     if not source.is_file():
         raise CheckpointError(f"checkpoint {source} does not exist or is not a file")

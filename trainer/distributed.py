@@ -18,6 +18,7 @@ the daemon returns at join.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import threading
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
-from rendezvousd.client.transport import Rendezvous, connect
 from rendezvousd.common.escape import bounded
 from rendezvousd.trainer.agent.agent_worker import AgentLink
 from rendezvousd.trainer.agent.state_copy import StepState
@@ -49,6 +49,7 @@ from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from rendezvousd.client.transport import Rendezvous
     from rendezvousd.trainer.bucketing import BucketedAllReducer
 
 log = logging.getLogger("rendezvousd.trainer")
@@ -194,6 +195,10 @@ def init_distributed(
     link = AgentLink.from_env(environ)
     if link is not None:
         return _init_from_agent(link, os.environ if env is None else None)
+    # Only here: the transports (the file one brings the embedded daemon and its
+    # settings) are for workers that join by themselves; an agent's worker attaches.
+    from rendezvousd.client.transport import connect
+
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
     tls = transport.tls()
@@ -429,12 +434,24 @@ def _communicator(
     )
 
 
+#: What an agent's worker needs once it is assigned (the client it attaches with,
+#: the CPU ring, ``ctx.reducer()``'s buckets), imported while it waits as a spare:
+#: a warm spare's start after its assignment then pays no import (a cold one pays
+#: the same either way).
+_AFTER_ASSIGNMENT = (
+    "rendezvousd.client.sync",
+    "rendezvousd.trainer.comm.cpu_ring",
+    "rendezvousd.trainer.bucketing",
+)
+
+
 def _init_from_agent(
     link: AgentLink, environ: MutableMapping[str, str] | None
 ) -> DistributedContext:
     """Wait (warm) for the agent's assignment, attach to that member, build the
     communicator. ``environ``: where the torchrun names go (``os.environ``)."""
-
+    for module in _AFTER_ASSIGNMENT:
+        importlib.import_module(module)
     assignment, restored = link.wait_assignment()
     started = time.monotonic()
     if environ is not None:

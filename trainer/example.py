@@ -217,20 +217,20 @@ def bus_bandwidth(comm: Any, xp: Any = np, mib: float = 8.0, iters: int = 3) -> 
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
+    # Generated on the host, so every backend trains on the same bytes; the host
+    # copies also feed rank 0's single-process baseline. The same on every rank, so
+    # made before joining: under rendezvous-run a spare makes them while it waits
+    # for its assignment, not on a restart's path after it.
+    x_host, y_host = make_data(args.samples, args.features, args.seed)
+    initial = init_params(args.features, args.hidden, args.seed)
     ctx = init_distributed(args.config)
     try:
         topo, comm = ctx.topology, ctx.communicator
         xp = array_module(ctx.config.backend)
         # Before the first allocation: every array below belongs on this rank's GPU.
         set_device(xp, device_for(topo.local_rank))
-        # Generated on the host, so every backend trains on the same bytes; the
-        # host copies also feed rank 0's single-process baseline.
-        x_host, y_host = make_data(args.samples, args.features, args.seed)
         x, y = to_device(x_host, xp), to_device(y_host, xp)
-        params = {
-            k: to_device(v, xp)
-            for k, v in init_params(args.features, args.hidden, args.seed).items()
-        }
+        params = {k: to_device(v, xp) for k, v in initial.items()}
         ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         if ckpt_dir is not None and topo.is_global_rank_zero:
             ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import math
 import re
-import tomllib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,6 +323,10 @@ class Schema(Generic[T]):
             raise self.error(f"{origin}={raw!r} is invalid: {exc}") from None
 
     def from_toml(self, path: Path, allow_sections: Collection[str] = ()) -> Layer:
+        # Here, not at the top: a worker started by the node agent (handed a resolved
+        # config) and the launcher without --config read no TOML.
+        import tomllib
+
         try:
             with path.open("rb") as fh:
                 doc = tomllib.load(fh)

@@ -1,16 +1,21 @@
 """rendezvous-run's start-up order: a fresh node's spares start before the launcher
 imports gRPC (and the node agent never imports numpy), so that on a replacement
-node the launcher's start-up and its spares' overlap (docs/benchmarks.md)."""
+node the launcher's start-up and its spares' overlap; what the launcher and a
+spare import at all, and that a spare imports before its assignment what it
+needs after it (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rendezvousd.trainer.agent import launcher
-from tests.support import DaemonProcess, launcher_cmd
+from tests.support import WORKERS, DaemonProcess, json_lines, launcher_cmd
 
 # Runs rendezvous-run in this process, noting in $ORDER_FILE, in order, the first
 # process it starts and its first imports of grpc and numpy (audit events), then
@@ -91,3 +96,63 @@ def test_spares_started_before_the_launcher_fails_are_stopped_and_reaped(
     )
     assert status == 2  # the client could not read its token
     assert _children() - before == set()
+
+
+# Modules that a node's start (the launcher until its spares run, a spare until it
+# waits for its assignment) must not load: each costs CPU that the 2 cores of a
+# replacement node share, and none is on that path.
+NOT_BEFORE_SPARES = ("tomllib", "tempfile", "ctypes", "grpc", "numpy")
+NOT_IN_A_SPARE = (
+    "rendezvousd.client.transport",  # the file transport, for workers without an agent
+    "rendezvousd.cli.embedded",  # the daemon it hosts
+    "rendezvousd.config",  # that daemon's settings
+    "rendezvousd.daemon",
+    "rendezvousd.common.limits",  # the daemon's bounds
+    "rendezvousd.client.aio",
+    "rendezvousd.trainer.agent.worker_boot",  # the agent's side of a worker's start
+    "tomllib",  # a spare is handed a resolved config; no TOML
+    "tempfile",  # checkpoints are written later, if ever
+    "zipfile",
+)
+
+
+@pytest.mark.parametrize(
+    ("entry", "unwanted"),
+    [
+        ("rendezvousd.trainer.agent.launcher", NOT_BEFORE_SPARES),
+        ("rendezvousd.trainer.example", NOT_IN_A_SPARE),
+    ],
+    ids=["launcher", "spare"],
+)
+def test_a_node_start_imports_nothing_it_does_not_use(
+    entry: str, unwanted: tuple[str, ...]
+) -> None:
+    probe = f"import json, sys, {entry}; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded = set(json.loads(done.stdout))
+    assert entry in loaded
+    assert sorted(loaded & set(unwanted)) == []
+
+
+def test_a_spare_imports_before_its_assignment_what_its_start_needs_after_it(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    args = launcher_cmd(1, 0, 2, endpoint=daemon.endpoint, token_file=daemon.token_file, job=job_id)
+    done = subprocess.run(
+        [*args, str(WORKERS / "assigned_imports_worker.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    out.write_text(done.stdout)
+    reports = [r for r in json_lines(out) if r.get("event") == "assigned-imports"]
+    assert sorted(r["rank"] for r in reports) == [0, 1], done.stdout
+    # Nothing of this project is left to import once assigned (the attach's client
+    # and the CPU ring were, on the path of every restart); ``waited``: the probe
+    # saw the assignment at all.
+    assert [(r["waited"], r["late"]) for r in reports] == [(True, [])] * 2, done.stdout

@@ -5,7 +5,11 @@ Arming it here instead of in a ``preexec_fn`` lets the agent spawn spares while
 its gRPC and reaper threads run (a ``preexec_fn`` is unsafe once threads exist).
 The agent's pid travels in ``RENDEZVOUSD_AGENT_PID``: if it is no longer our
 parent when the signal is armed, the agent died in between and no signal would
-ever come, so the worker must not start unsupervised.
+ever come, so the worker must not start unsupervised. Its channel's descriptor
+travels in ``RENDEZVOUSD_AGENT_FD`` (read by ``agent_worker``). Both names live
+here, the one module the agent's side (``worker_boot``) and the worker's share
+that imports nothing heavy: the launcher imports it before it starts its spares,
+and a worker without ``subprocess`` or the agent's side.
 
     python -m rendezvousd.trainer.agent._agent_boot SCRIPT [ARGS...]
     python -m rendezvousd.trainer.agent._agent_boot -m MODULE [ARGS...]
@@ -13,18 +17,21 @@ ever come, so the worker must not start unsupervised.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import runpy
 import signal
 import sys
 
 ENV_AGENT_PID = "RENDEZVOUSD_AGENT_PID"
+ENV_AGENT_FD = "RENDEZVOUSD_AGENT_FD"
 PR_SET_PDEATHSIG = 1
 
 
 def _die_with_agent() -> None:
     if sys.platform.startswith("linux"):
+        # Here: the launcher imports this module for its names, before its spares start.
+        import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
             os._exit(126)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from rendezvousd.trainer.agent.worker_boot import ENV_AGENT_FD as ENV_AGENT_FD
+from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_FD as ENV_AGENT_FD
 from rendezvousd.trainer.errors import AgentChannelError
 
 _PREFIX = struct.Struct("!IQ")

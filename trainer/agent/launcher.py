@@ -39,7 +39,6 @@ import dataclasses
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -283,7 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.rendezvous.kind == "daemon":
         return run_agent(args, config, base)
     # The one way to run a single node: the file transport, whose daemon this agent
-    # hosts, as a FileRendezvous' local_rank 0 does without a launcher.
+    # hosts, as a FileRendezvous' local_rank 0 does without a launcher. (Imported
+    # here: a node of a daemon's job starts its spares without paying for these.)
+    import tempfile
+
     from rendezvousd.client.transport import host_single_node
 
     with contextlib.ExitStack() as stack:

@@ -21,12 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_PID
+from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_FD, ENV_AGENT_PID
 
 if TYPE_CHECKING:
     from rendezvousd.trainer.config import DistributedConfig
-
-ENV_AGENT_FD = "RENDEZVOUSD_AGENT_FD"
 
 
 @dataclass(frozen=True)
