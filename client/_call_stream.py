@@ -28,7 +28,7 @@ import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -58,6 +58,28 @@ log = logging.getLogger("rendezvousd.client")
 STOP_READER_S = 5.0
 # How long a probe for a lost status waits for the daemon's verdict on a new stream.
 PROBE_S = 10.0
+
+
+class _Stream(Protocol):
+    unsupported: bool
+
+    @property
+    def over(self) -> bool: ...
+
+
+S = TypeVar("S", bound=_Stream)
+
+
+def _kept(stream: S | None, endpoint: str) -> tuple[bool, S | None]:
+    """What both clients' ``open`` decide about their current stream: (go unary, the
+    stream to keep). An ended stream is replaced (None), unless it found the daemon
+    has no Calls method: then every call is unary from now on."""
+    if stream is None or not stream.over:
+        return False, stream
+    if stream.unsupported:
+        _fallback(endpoint)
+        return True, None
+    return False, None
 
 
 def _fallback(endpoint: str) -> None:
@@ -182,13 +204,9 @@ class BlockingCallStream:
         with self._lock:
             if self.unary:
                 return None
-            stream = self._stream
-            if stream is not None and stream.over:
-                if stream.unsupported:
-                    self.unary = True
-                    _fallback(self._endpoint)
-                    return None
-                stream = None
+            self.unary, stream = _kept(self._stream, self._endpoint)
+            if self.unary:
+                return None
             if stream is None:
                 if self._closed:
                     raise ValueError("Cannot invoke RPC on closed channel!")
@@ -367,13 +385,9 @@ class AsyncCallStream:
     def open(self) -> _AsyncStream | None:
         if self.unary:
             return None
-        stream = self._stream
-        if stream is not None and stream.over:
-            if stream.unsupported:
-                self.unary = True
-                _fallback(self._endpoint)
-                return None
-            stream = None
+        self.unary, stream = _kept(self._stream, self._endpoint)
+        if self.unary:
+            return None
         if stream is None:
             if self._closed:
                 raise grpc.aio.UsageError("the client is closed")

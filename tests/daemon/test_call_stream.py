@@ -176,47 +176,6 @@ def test_an_error_is_the_unary_calls_status_and_the_stream_goes_on(
     assert stream.reply(2).get_job.summary.job_id == job_id
 
 
-def test_a_parked_call_does_not_hold_up_the_calls_behind_it(
-    daemon: DaemonProcess, stream: Stream, job_id: str
-) -> None:
-    two = pb.Topology(num_nodes=2, gpus_per_node=1)
-    stream.send(
-        1,
-        "join",
-        pb.JoinRequest(
-            job_id=job_id,
-            topology=two,
-            node_rank=0,
-            local_rank=0,
-            host="h0",
-            unique_id=b"\x02" * 128,
-            instance_id="i0",
-        ),
-    )
-    unary(
-        daemon,
-        "Join",
-        pb.JoinRequest(
-            job_id=job_id, topology=two, node_rank=1, local_rank=0, host="h1", instance_id="i1"
-        ),
-    )
-    stream.reply(1)
-    member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
-    stream.send(2, "barrier", pb.BarrierRequest(**member, name="b", sequence=1))
-    stream.send(3, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
-    stream.reply(3)
-    assert 2 not in stream.order()  # rank 1 has not arrived: the barrier waits
-    unary(
-        daemon,
-        "Barrier",
-        pb.BarrierRequest(
-            job_id=job_id, generation=1, rank=1, instance_id="i1", name="b", sequence=1
-        ),
-    )
-    assert stream.reply(2).WhichOneof("response") == "barrier"
-    assert stream.order().index(3) < stream.order().index(2)
-
-
 def _parked(d: DaemonProcess) -> float:
     return scrape(d.metrics_url)["rendezvousd_waiters"]
 
@@ -245,6 +204,25 @@ def _two_rank_job(d: DaemonProcess, stream: Stream, job_id: str) -> dict[str, An
     )
     stream.reply(100)
     return {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+
+
+def test_a_parked_call_does_not_hold_up_the_calls_behind_it(
+    daemon: DaemonProcess, stream: Stream, job_id: str
+) -> None:
+    member = _two_rank_job(daemon, stream, job_id)
+    stream.send(2, "barrier", pb.BarrierRequest(**member, name="b", sequence=1))
+    stream.send(3, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
+    stream.reply(3)
+    assert 2 not in stream.order()  # rank 1 has not arrived: the barrier waits
+    unary(
+        daemon,
+        "Barrier",
+        pb.BarrierRequest(
+            job_id=job_id, generation=1, rank=1, instance_id="i1", name="b", sequence=1
+        ),
+    )
+    assert stream.reply(2).WhichOneof("response") == "barrier"
+    assert stream.order().index(3) < stream.order().index(2)
 
 
 def test_cancel_releases_a_parked_call_and_sends_no_reply(
