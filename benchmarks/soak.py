@@ -9,7 +9,8 @@ Two shapes (--shape). ``rank``: members are asyncio SDK clients that each Join
 heartbeat every --heartbeat-s. ``node``: the shape rendezvous-run and torchrun
 jobs have: one agent client per node JoinNodes for --gpus-per-node ranks and
 heartbeats for them all, and each of its workers is a client of its own that
-attaches to its rank (no heartbeat of its own). Either way members are spread
+attaches to its rank (no heartbeat of its own). Members make their calls on the SDK's
+call stream (``--unary``: unary calls, as before it had one). Either way members are spread
 over worker processes, in jobs of --job-size ranks, and every --period-s each
 job runs a barrier and each member a KvSet + KvGet.
 
@@ -193,7 +194,12 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
 
     def client(job: str) -> Any:
         c = AsyncRendezvousClient(
-            args.endpoint, job, token_file=args.token_file, connect_timeout=120, call_timeout=120
+            args.endpoint,
+            job,
+            token_file=args.token_file,
+            connect_timeout=120,
+            call_timeout=120,
+            call_stream=not args.unary,
         )
         clients.append(c)
         return c
@@ -372,6 +378,7 @@ def _spawn(
             args.shape,
             "--gpus-per-node",
             str(args.gpus_per_node),
+            *(["--unary"] if args.unary else []),
             *extra,
         ],
         stdout=subprocess.PIPE,
@@ -492,6 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "soak",
         "shape": args.shape,
+        "calls": "unary" if args.unary else "stream",
         "members": args.members,
         "gpus_per_node": args.gpus_per_node if args.shape == "node" else 1,
         "state_dir": bool(args.state_dir),
@@ -578,6 +586,11 @@ def main() -> None:
     )
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
     p.add_argument("--period-s", type=float, default=30.0, help="barrier + KV every this often")
+    p.add_argument(
+        "--unary",
+        action="store_true",
+        help="members make unary calls (call_stream=False), as the SDK did before Calls",
+    )
     p.add_argument("--json-out", type=Path)
     p.add_argument(
         "--state-dir", action="store_true", help="the daemon persists to SQLite (--state-dir)"
