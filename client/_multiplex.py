@@ -26,41 +26,14 @@ from google.rpc import status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import error_info
+from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
 
 W = TypeVar("W")
 
-#: The trailer a unary call's rich status travels in (grpcio-status reads it there).
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
 #: The Calls method's path on the channel.
 CALLS_METHOD = "/rendezvous.v1.Rendezvous/Calls"
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _fields() -> dict[str, str]:
-    """Method name -> the Call/Reply field carrying it, matched by the request type
-    and checked against the response type, for every unary method of the service."""
-    service = pb.DESCRIPTOR.services_by_name["Rendezvous"]
-    requests = pb.Call.DESCRIPTOR.oneofs_by_name["request"].fields
-    responses = {f.name: f for f in pb.Reply.DESCRIPTOR.oneofs_by_name["response"].fields}
-    table: dict[str, str] = {}
-    for method in service.methods:
-        if method.client_streaming or method.server_streaming:
-            continue
-        (field,) = [f for f in requests if f.message_type is method.input_type]
-        answer = responses[field.name].message_type
-        if answer is not method.output_type:
-            raise RuntimeError(
-                f"Reply.{field.name} is a {answer.name if answer else 'scalar'}, but "
-                f"{method.name} answers {method.output_type.name}: the proto's Calls "
-                "messages disagree with its methods"
-            )
-        table[method.name] = field.name
-    return table
-
-
-#: Every unary method the Calls stream carries, by its name ("KvGet" -> "kv_get").
-FIELDS: dict[str, str] = _fields()
 
 
 def carries(method: str) -> bool:
@@ -99,7 +72,7 @@ def status_error(status_bytes: bytes) -> grpc.RpcError:
     the status itself in the trailer the unary call carries it in."""
     status = status_pb2.Status.FromString(status_bytes)
     code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-    return rpc_error(code, status.message, ((STATUS_DETAILS_KEY, status_bytes),))
+    return rpc_error(code, status.message, ((STATUS_TRAILER, status_bytes),))
 
 
 def copy_error(exc: grpc.RpcError) -> grpc.RpcError:

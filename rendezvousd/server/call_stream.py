@@ -23,28 +23,20 @@ from google.rpc import code_pb2, status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import validation
+from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
 from rendezvousd.server.fault_status import to_grpc_status
 
 log = logging.getLogger("rendezvousd")
 _BUG = "the daemon failed to handle this call (its log has the traceback); report it"
 Handler = Callable[[Any, Any], Awaitable[Any]]
-STATUS_TRAILER = "grpc-status-details-bin"
-_CALL_FIELDS = pb.Call.DESCRIPTOR.oneofs_by_name["request"].fields
 _REPLY_FIELDS = {f.name: f.number for f in pb.Reply.DESCRIPTOR.fields}
 _ERROR_FIELD = _REPLY_FIELDS["error"]
 _CANCEL = "cancel"
 
 
 def method_fields() -> dict[str, str]:
-    """Each Call field's method: the Rendezvous method whose request type it holds."""
-    by_input = {
-        m.input_type.full_name: m.name for m in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods
-    }
-    return {
-        f.name: by_input[f.message_type.full_name]
-        for f in _CALL_FIELDS
-        if f.name != _CANCEL and f.message_type is not None
-    }
+    """Each Call field's method (``common.calls.FIELDS`` turned round)."""
+    return {field: method for method, field in FIELDS.items()}
 
 
 class _Ended(Exception):
@@ -136,8 +128,9 @@ class _Outbox:
 
 
 class CallStream:
-    """Serves one Calls stream: each Call runs as its own task, so a parked Barrier
-    never holds up the calls behind it; replies leave in the order they finish."""
+    """Serves one Calls stream: a call that waits goes on as a task of its own (one
+    that does not is answered inline, ``_start``), so a parked Barrier never holds up
+    the calls behind it; replies leave in the order they finish."""
 
     def __init__(self, handlers: dict[str, Handler], max_in_flight: int) -> None:
         """``handlers``: the guarded unary handler of each Call field; at most

@@ -13,7 +13,6 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import NotFound, StaleGeneration
 from rendezvousd.client._multiplex import (
     FIELDS,
-    STATUS_DETAILS_KEY,
     Pending,
     call_message,
     cancel_message,
@@ -29,6 +28,7 @@ from rendezvousd.client._multiplex import (
     unsupported,
 )
 from rendezvousd.client.errors import error_info, from_rpc_error
+from rendezvousd.common.calls import STATUS_TRAILER
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Rendezvous"]
 
@@ -80,7 +80,7 @@ def test_an_error_reply_is_the_unary_calls_error_with_its_error_info() -> None:
     assert isinstance(exc, grpc.RpcError)
     assert exc.code() is grpc.StatusCode.ABORTED
     assert exc.details() == "job 'j' is at generation 3"
-    assert dict(exc.trailing_metadata())[STATUS_DETAILS_KEY] == raw
+    assert dict(exc.trailing_metadata())[STATUS_TRAILER] == raw
     # The seam the core reads unary errors through reads it alike: reason, class, metadata.
     assert error_info(exc) == ("STALE_GENERATION", {"current_generation": "3"})
     error = from_rpc_error(exc, endpoint="e:1", method="Barrier", job_id="j", rank=2)
