@@ -30,6 +30,7 @@ from rendezvousd.client._session import (
     NodeJoinRequest,
     Session,
     StreamWatch,
+    check_keywords,
     page_request,
 )
 from rendezvousd.client.connection import (
@@ -271,6 +272,7 @@ class Calls:
 
     def join(self, request: JoinRequest) -> Steps[Membership]:
         """Register one rank and wait for the world: rank, id and member table."""
+        check_keywords("join", JoinRequest, request)
         yield from self.check_health()
         plan = self.s.plan_join(**request)
         address = request.get("address", "")
@@ -294,6 +296,7 @@ class Calls:
 
     def join_node(self, request: NodeJoinRequest) -> Steps[NodeMembership]:
         """Join once for a whole node and wait for the generation to form."""
+        check_keywords("join_node", NodeJoinRequest, request)
         yield from self.check_health()
         # A re-join (next generation): the last generation's stream must not report
         # into this one.

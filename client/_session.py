@@ -5,16 +5,17 @@ are ``_calls``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, Unpack
+from typing import Any, NotRequired, TypedDict, Unpack, get_origin, get_type_hints
 
 import grpc
 
@@ -97,6 +98,37 @@ class NodeJoinRequest(TypedDict):
     host: NotRequired[str | None]  # default: this host's name
 
 
+@functools.cache
+def _keywords(declared: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """(every key, the required keys) of a TypedDict. Read from its resolved hints:
+    under ``from __future__ import annotations`` the class's own
+    ``__required_keys__`` cannot see ``NotRequired``."""
+    hints = get_type_hints(declared, include_extras=True)
+    optional = {k for k, hint in hints.items() if get_origin(hint) is NotRequired}
+    if not declared.__total__:
+        optional = set(hints)
+    return frozenset(hints), frozenset(hints) - optional
+
+
+def check_keywords(call: str, declared: Any, given: Mapping[str, object]) -> None:
+    """Python's own TypeError for ``call(**given)`` against the TypedDict that
+    declares its keywords. The interpreter checks no ``**kwargs: Unpack[...]``, so a
+    misspelt keyword would otherwise be dropped without a word (``reconect_window``)
+    or surface as a KeyError from deep inside (``join(world_size=...)``)."""
+    known, required = _keywords(declared)
+    unknown = sorted(set(given) - known)
+    missing = sorted(required - set(given))
+    if unknown:
+        raise TypeError(
+            f"{call}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))};"
+            f" it takes {', '.join(sorted(known))}"
+        )
+    if missing:
+        raise TypeError(
+            f"{call}() missing required keyword argument(s) {', '.join(map(repr, missing))}"
+        )
+
+
 class ClientOptions(TypedDict, total=False):
     """The keywords of both clients' constructors, declared once (defaults in ())."""
 
@@ -158,6 +190,7 @@ class Session:
     @classmethod
     def create(cls, endpoint: str, job_id: str, options: ClientOptions) -> Session:
         """A client's session, with the constructor's defaults for what it left out."""
+        check_keywords("RendezvousClient", ClientOptions, options)
         return cls(
             endpoint,
             job_id,

@@ -24,7 +24,7 @@ from typing import Protocol, Self, TypeVar, Unpack, runtime_checkable
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.cli.embedded import EmbeddedDaemon, spawn
-from rendezvousd.client._session import JOIN_TIMEOUT_S, JoinRequest
+from rendezvousd.client._session import JOIN_TIMEOUT_S, JoinRequest, check_keywords
 from rendezvousd.client.connection import TlsConfig
 from rendezvousd.client.errors import (
     DaemonUnavailable,
@@ -176,6 +176,7 @@ class FileRendezvous:
     def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """Start (local_rank 0) or find (the others) the daemon, then join through it.
         Joined before (and left since): the next generation, through the same daemon."""
+        check_keywords("join", JoinRequest, request)
         num_nodes, node_rank = request["num_nodes"], request.get("node_rank")
         if num_nodes != 1 or node_rank not in (None, 0):
             raise InvalidRequest(

@@ -1,0 +1,64 @@
+"""A misspelt or missing keyword is Python's own TypeError, naming it, in every
+client and transport: ``**kwargs: Unpack[...]`` is checked by mypy but not by the
+interpreter, so without the SDK's check a misspelt option was dropped silently and
+``join(world_size=4)`` failed with ``KeyError: 'num_nodes'`` from inside the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rendezvousd.client import AsyncRendezvousClient, FileRendezvous, RendezvousClient
+
+# Nothing listens there: each check must refuse before any call is made.
+ENDPOINT = "127.0.0.1:9"
+
+
+def test_a_misspelt_option_is_refused_by_both_clients() -> None:
+    for make in (RendezvousClient, AsyncRendezvousClient):
+        with pytest.raises(TypeError, match=r"'reconect_window'.*reconnect_window"):
+            make(ENDPOINT, "j", token="t", reconect_window=5.0)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"world_size": 4}, r"join\(\) got unexpected keyword argument\(s\) 'world_size'"),
+        ({"num_nodes": 1}, r"join\(\) missing .* 'gpus_per_node', 'local_rank'$"),
+    ],
+)
+def test_join_names_the_bad_keyword_in_every_transport(
+    keywords: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    with (
+        RendezvousClient(ENDPOINT, "j", token="t") as client,
+        pytest.raises(TypeError, match=message),
+    ):
+        client.join(**keywords)
+
+    async def aio() -> None:
+        async with AsyncRendezvousClient(ENDPOINT, "j", token="t") as client:
+            with pytest.raises(TypeError, match=message):
+                await client.join(**keywords)
+
+    asyncio.run(aio())
+    with pytest.raises(TypeError, match=message):
+        FileRendezvous(tmp_path / "rdzv", "j").join(**keywords)
+
+
+def test_join_node_names_the_missing_keywords() -> None:
+    missing = pytest.raises(TypeError, match=r"'gpus_per_node', 'max_nodes'$")
+    with RendezvousClient(ENDPOINT, "j", token="t") as client, missing:
+        client.join_node(min_nodes=1)  # type: ignore[call-arg]
+
+
+def test_the_optional_keywords_are_not_required() -> None:
+    # Only the required ones given: the check lets the call go on (here to a
+    # daemon that is not there, which is a different error).
+    client = RendezvousClient(ENDPOINT, "j", token="t", connect_timeout=0.2)
+    with client, pytest.raises(Exception) as raised:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=0.5)
+    assert not isinstance(raised.value, TypeError), raised.value
