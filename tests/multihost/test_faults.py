@@ -145,6 +145,9 @@ def test_cut_off_node_is_lost_to_silence_not_to_a_closed_stream(
 def _failed(cluster: Cluster, job: str) -> list[tuple[str, str]]:
     """(host, cause) of each member the daemon lost from ``job`` (asked from h0)."""
     probe = (
+        # A probe seen once not to exit after its answer: one still running at 20 s
+        # prints where each of its threads is, for the failure below.
+        "import faulthandler; faulthandler.dump_traceback_later(20, exit=True)\n"
         "import json, sys\n"
         "from rendezvousd.client import RendezvousClient\n"
         "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
@@ -158,10 +161,9 @@ def _failed(cluster: Cluster, job: str) -> list[tuple[str, str]]:
         job,
         str(cluster.daemon.token_file),
     ]
-    out = subprocess.run(
-        cluster.head.command(argv), capture_output=True, text=True, timeout=30, check=True
-    ).stdout
-    return [(host, cause) for host, cause in json.loads(out)]
+    done = subprocess.run(cluster.head.command(argv), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"the probe ended with {done.returncode}:\n{done.stderr}"
+    return [(host, cause) for host, cause in json.loads(done.stdout)]
 
 
 def test_daemon_killed_and_restarted_with_its_state_dir_does_not_stop_training(
