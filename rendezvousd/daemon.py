@@ -72,8 +72,8 @@ def serving_gc() -> None:
       objects of a call in flight mostly die by reference count before one sees them;
       and a full collection is considered only every GC_YOUNG_THRESHOLD x 10 x 10 =
       1 million net allocations instead of 70,000 (CPython still runs it only once a
-      quarter more objects survived since the last): none falls inside forming
-      100,000 ranks, which allocates ~0.7 million.
+      quarter more objects survived since the last): forming 100,000 ranks
+      allocates ~0.7 million, and 0 or 1 full collection fell inside it, not 3.
 
     Memory stays bounded: cyclic garbage is still collected, at most ~1 million net
     allocations later (``benchmarks/soak.py`` holds the daemon's RSS flat)."""
