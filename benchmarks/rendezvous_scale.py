@@ -31,7 +31,9 @@ torch's blocking clients); every client process imports what it needs and, in th
 ``connected`` condition, opens every rank's connection (the TCPStore client, the gRPC
 channel) and then reports ready. Only when *every* process has reported ready does the
 parent pick the start instant and hand it to them, so no import and no process start-up
-is inside anybody's clock. In the ``cold`` condition the connects happen inside the
+is inside anybody's clock; nor is the daemon's own work on the connects, which goes on
+for seconds after the clients' connects returned (12,500 of them): the start instant
+comes once its event loop is idle again (``daemon_settle_s``). In the ``cold`` condition the connects happen inside the
 clock (TCPStore's constructor; our channel's first connect and the SDK's health probe).
 The clock stops when the last rank is done. Each case prints a verdict against its
 target, and the whole run one JSON document.
@@ -45,7 +47,8 @@ client processes' CPU over the same race, the daemon's peak RSS, its RPCs by met
 and the load average. The daemon's limits are raised as far as the world needs
 (``--max-members-per-job``, ``--max-waiters-per-job``, ``--max-waiters``; 12,500
 agents x 8 = 100,000 ranks). ``--profile-daemon DIR`` samples the daemon with py-spy
-(``PROFILE_NATIVE=1`` adds gRPC's C frames) and reports its top functions.
+from the start instant to the last answer (``PROFILE_NATIVE=1`` adds gRPC's C frames)
+and reports its top functions.
 
 **DNS.** TCPStore reverse-resolves every peer address it accepts or connects to (for a
 log line). On these sandboxed machines the resolver drops about one query in 25 and
@@ -108,18 +111,41 @@ def _cpu_s(pid: int) -> float:
 class _CpuSampler(threading.Thread):
     """The daemon's CPU seconds over time, read from /proc every 10 ms, so that a
     formation's CPU is what the daemon spent between the start instant and the last
-    answer, not its start-up, the clients' connects or their closing."""
+    answer, not its start-up, the clients' connects or their closing; and whether its
+    event loop's thread was runnable at each sample (``settled``)."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid = pid
         self.samples: list[tuple[float, float]] = []
+        self.busy: list[tuple[float, bool]] = []
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
-            self.samples.append((time.time(), _cpu_s(self.pid)))
+            now = time.time()
+            self.samples.append((now, _cpu_s(self.pid)))
+            self.busy.append((now, _runnable(self.pid)))
             self.stopped.wait(0.01)
+
+    def settled(self, timeout: float, window: float = 1.0, busy_share: float = 0.3) -> float:
+        """Wait until the daemon has caught up with the connects (its event loop's
+        thread runnable in at most ``busy_share`` of the samples of the last ``window``
+        seconds); returns how long that took. Why: a client process reports ready once
+        its connects returned, but the daemon goes on working through them (accepting
+        each call stream, its token, its handler) for seconds at 12,500 connections:
+        without this, that backlog ran into the clock and was counted as the joins'
+        cost (0.66 vs 1.31 ms per JoinNode at 12,500 agents, base code). The thread's
+        state, not its CPU, says it: on a loaded machine a busy daemon gets little CPU
+        but stays runnable."""
+        began = time.time()
+        while time.time() - began < timeout:
+            time.sleep(0.1)
+            now = time.time()
+            recent = [b for t, b in self.busy if t >= now - window]
+            if now - began >= window and recent and sum(recent) <= busy_share * len(recent):
+                break
+        return time.time() - began
 
     def stop(self) -> None:
         self.stopped.set()
@@ -128,6 +154,14 @@ class _CpuSampler(threading.Thread):
     def at(self, when: float) -> float:
         """The CPU seconds at ``when``: the first sample taken at or after it."""
         return next((cpu for t, cpu in self.samples if t >= when), self.samples[-1][1])
+
+
+def _runnable(pid: int) -> bool:
+    """Whether ``pid``'s main thread (the daemon's event loop) is running or runnable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False
 
 
 def _peak_rss_kib(pid: int) -> int:
@@ -218,6 +252,9 @@ async def _ours(args: argparse.Namespace) -> dict[str, Any]:
 
     await asyncio.gather(*[one(c, r) for c, r in zip(clients, ranks, strict=True)])
     cpu = time.process_time() - cpu_at_start
+    # Before closing: the parent stops its profile of the daemon once every process
+    # said this, so closing 12,500 channels is not in the formation's profile.
+    print(json.dumps({"finished": True}), flush=True)
     await asyncio.gather(*[c.close() for c in clients])
     return {"done": max(done, default=0.0), "ok": len(done), "errors": errors, "cpu_s": cpu}
 
@@ -421,9 +458,13 @@ def _race(
     flags: list[str],
     env: dict[str, str] | None = None,
     timeout: float = 300,
+    ready: Callable[[], None] = lambda: None,
+    finished: Callable[[], None] | None = None,
 ) -> tuple[float, list[dict[str, Any]]]:
     """``procs`` children of this script share ``world``'s ranks; once every one is
-    ready, all start at one instant. Returns that instant and each child's result."""
+    ready (and then ``ready()`` returned), all start at one instant. Returns that
+    instant and each child's result. ``finished``: called once every child said its
+    last answer came (our children say it before closing their clients)."""
     per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
     children, first = [], 0
     for count in per:
@@ -460,11 +501,22 @@ def _race(
                 raise RuntimeError(f"a client process was not ready: {line!r}")
     finally:
         watchdog.cancel()
+    ready()
     start_at = time.time() + START_MARGIN_S
     for c in children:
         assert c.stdin is not None
         c.stdin.write(f"{start_at!r}\n")
         c.stdin.flush()
+    if finished is not None:
+        watchdog = threading.Timer(timeout + 60, lambda: [c.kill() for c in children])
+        watchdog.start()
+        try:
+            for c in children:
+                assert c.stdout is not None
+                c.stdout.readline()  # "finished", or "" from a child that died
+        finally:
+            watchdog.cancel()
+        finished()
     results = [_result(c, count, timeout + 60) for c, count in zip(children, per, strict=True)]
     return start_at, results
 
@@ -516,11 +568,24 @@ def run_ours(
         )
         sampler = _CpuSampler(embedded.proc.pid)
         sampler.start()
-        profiler = None
-        if profile is not None:
-            profile.mkdir(parents=True, exist_ok=True)
-            mode = "agents" if gpus_per_node else "ranks"
-            profiler = _Profiler(embedded.proc.pid, profile / f"daemon-{mode}-{world}.txt")
+        profiler: _Profiler | None = None
+        profiled: dict[str, Any] = {}
+        settle_s = 0.0
+
+        def ready() -> None:
+            # The daemon caught up with the connects first; then the profile starts,
+            # so that it covers the formation alone (it ends in ``finished``).
+            nonlocal profiler, settle_s
+            settle_s = sampler.settled(timeout)
+            if profile is not None:
+                profile.mkdir(parents=True, exist_ok=True)
+                mode = "agents" if gpus_per_node else "ranks"
+                profiler = _Profiler(embedded.proc.pid, profile / f"daemon-{mode}-{world}.txt")
+
+        def finished() -> None:
+            if profiler is not None:
+                profiled.update(profiler.stop())
+
         try:
             procs = max(1, min(procs, world))
             job = f"scale-{world}-{secrets.token_hex(3)}"
@@ -538,7 +603,9 @@ def run_ours(
                 "--gpus-per-node",
                 str(gpus_per_node),
             ]
-            start_at, results = _race(world, procs, flags, timeout=timeout)
+            start_at, results = _race(
+                world, procs, flags, timeout=timeout, ready=ready, finished=finished
+            )
             sampler.stop()
             out = _outcome(world, start_at, results)
             targets = AGENT_TARGETS_S if gpus_per_node else TARGETS_S
@@ -566,7 +633,13 @@ def run_ours(
                 # Per agent (one JoinNode each; node 0 makes a second, with the id),
                 # or per rank (its one Join).
                 "daemon_cpu_per_join_ms": round(1000 * cpu / joins, 3),
+                # After it caught up with the connects (that took ``daemon_settle_s``):
+                # what its idle connections cost it (keepalive pings).
                 "daemon_idle_cpu_share": round(idle, 3),
+                "daemon_settle_s": round(settle_s, 2),
+                # The clock, as epoch seconds (to line up a probe of the daemon's own).
+                "start_at": start_at,
+                "last_answer_at": end,
                 # The client processes' own CPU over the same race: what shares the
                 # machine's cores with the daemon.
                 "clients_cpu_s": round(clients_cpu, 3),
@@ -580,7 +653,7 @@ def run_ours(
                 "meets_target": None
                 if target is None
                 else (out["wall_s"] is not None and out["wall_s"] <= target and not out["errors"]),
-                **({"profile": profiler.stop()} if profiler is not None else {}),
+                **({"profile": profiled} if profile is not None else {}),
             }
         finally:
             sampler.stopped.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import logging
 import stat
@@ -45,6 +46,40 @@ MAX_SEND_BYTES = 16 * 1024 * 1024
 # How often the daemon pings each connection (HTTP/2 keepalive).
 KEEPALIVE_MS = 5_000
 _MALFORMED = "request body is not a valid protobuf message for this method"
+
+
+# The cyclic GC's young threshold in a serving daemon (CPython's default: 700);
+# see ``serving_gc``.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def serving_gc() -> None:
+    """The cyclic GC as a daemon process needs it, once started (``rendezvousd serve``
+    calls this; an application embedding ``Daemon`` keeps its own settings).
+
+    Why: almost all the daemon holds lives long, and CPython's full collections scan
+    all of it every time: its start-up (modules, the server: ~45,000 objects), ~85
+    objects per connection (grpc.aio's call and our call stream: tasks, coroutines,
+    contexts), ~25 per parked join, three per member of a formed generation. At
+    12,500 node agents that is 1.1 million objects connected, 1.5 million formed, and
+    each full collection held the event loop ~1 s; with the default thresholds three
+    fell inside forming 100,000 ranks: 2.6-3.4 s of that formation's 10-13 s of daemon
+    CPU, ~0.25 ms per JoinNode (benchmarks/rendezvous_scale.py, docs/benchmarks.md).
+
+    - Start-up's objects are frozen: no collection scans them again. They are never
+      garbage (modules, classes, the server), so freezing them keeps nothing alive.
+    - A young collection every GC_YOUNG_THRESHOLD net allocations instead of 700: the
+      objects of a call in flight mostly die by reference count before one sees them;
+      and a full collection is considered only every GC_YOUNG_THRESHOLD x 10 x 10 =
+      1 million net allocations instead of 70,000 (CPython still runs it only once a
+      quarter more objects survived since the last): forming 100,000 ranks
+      allocates ~0.7 million, and 0 or 1 full collection fell inside it, not 3.
+
+    Memory stays bounded: cyclic garbage is still collected, at most ~1 million net
+    allocations later (``benchmarks/soak.py`` holds the daemon's RSS flat)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

@@ -17,7 +17,7 @@ from pathlib import Path
 from rendezvousd import config as config_mod
 from rendezvousd.cli.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.common.escape import EscapingFormatter
-from rendezvousd.daemon import Daemon
+from rendezvousd.daemon import Daemon, serving_gc
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.server.auth import load_tokens, read_token_file
 from rendezvousd.server.scope import JobToken, derive_job_token
@@ -53,6 +53,8 @@ async def _run(
         loop.add_signal_handler(sig, stop.set)
 
     def ready(port: int) -> None:
+        # Before anyone is told the port: what it freezes is start-up's alone.
+        serving_gc()
         host, _ = config_mod.split_listen(cfg.listen)
         shown = cfg.listen if host is None else f"{host}:{port}"
         # One stable line on stdout: scripts and tests read the bound port here.
