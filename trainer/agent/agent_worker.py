@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rendezvousd.client.membership import Membership
-from rendezvousd.common.model import seat_of
+from rendezvousd.common.members import seat_of
 from rendezvousd.common.validation import UNIQUE_ID_BYTES
 from rendezvousd.trainer.agent.agent_channel import (
     ENV_AGENT_FD,

@@ -27,7 +27,7 @@ from rendezvousd.client.errors import PeerFailed, RendezvousError
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.model import FailedInfo, failed_text
+from rendezvousd.common.members import FailedInfo, failed_text
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, Failure, RestartBudget, stray
 from rendezvousd.trainer.agent.state_copy import StateCopy
