@@ -28,6 +28,7 @@ from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text
+from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, Failure, RestartBudget, stray
 from rendezvousd.trainer.agent.state_copy import StateCopy
@@ -212,6 +213,7 @@ class NodeAgent:
         if not isinstance(joined, NodeMembership):
             return joined
         m = joined
+        mark("joined", generation=m.generation, node_rank=m.node_rank)
         if (problem := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
             # The workers would dial themselves until their timeout: every node hears why.
             with contextlib.suppress(RendezvousError):
@@ -247,6 +249,7 @@ class NodeAgent:
                 restored,
             )
         gen = m.generation
+        mark("assigned", generation=gen)
         self.client.start_heartbeat(
             config.heartbeat_interval_s,
             on_failure=lambda e: self.events.put(RemoteFailure(e, gen)),
@@ -263,6 +266,7 @@ class NodeAgent:
         config = self.config
         self._joins += 1
         serial = self._joins
+        mark("join-start")
 
         def join() -> None:
             try:
@@ -396,6 +400,7 @@ class NodeAgent:
                     return self._local_failure(gen, first_rank, event.worker, event.cause, 1)
                 self._misbehaved_spare(event)
             elif isinstance(event, RemoteFailure) and event.generation == gen:
+                mark("failure-heard", generation=gen)
                 cause, rank, host = describe_remote(event.error)
                 lost = event.error.failed if isinstance(event.error, PeerFailed) else ()
                 if stray([f.cause for f in lost]):
@@ -452,6 +457,7 @@ class NodeAgent:
         self, gen: int, first_rank: int, w: WorkerProcess, cause: str, status: int
     ) -> Failure:
         """``cause``: any text (a worker's exception), reported whole and shown shortened."""
+        mark("failure-heard", generation=gen)
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
         self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}")
@@ -475,6 +481,7 @@ class NodeAgent:
         stop_all(self.active, cause, self.stop_grace_s)
         self.active = []
         self._end_generation()
+        mark("stopped", generation=gen)
         return failure
 
     def _end_generation(self) -> None:
