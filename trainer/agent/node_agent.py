@@ -47,8 +47,9 @@ from rendezvousd.trainer.errors import RestartsExhausted
 # Workers' state is already in the agent: a short SIGTERM grace is only for
 # their last log line, so every node is stopped well within 100 ms.
 STOP_GRACE_S = 0.05
-# Fresh spares start once the new generation has stepped, or after this long:
-# on a small machine their start-up would otherwise slow the resumption down.
+# Fresh spares start once the new generation has stepped, or this long after every
+# worker of it was warm (a script that reports no progress): on a small machine
+# their start-up would otherwise slow the resumption down.
 SPARE_DELAY_S = 1.0
 POLL_S = 0.02
 # A worker's silence limit when the daemon advertises no heartbeat timeout (older).
@@ -355,7 +356,10 @@ class NodeAgent:
         return failure
 
     def _watch(self, gen: int, first_rank: int) -> Outcome:
-        assigned_at = time.monotonic()
+        # Counted from when every worker is warm, not from the assignment: a fresh
+        # node's workers are still starting then, and spares started beside them
+        # would take their CPU (a replacement node at load 20 stepped 5 s later).
+        warm_at: float | None = None
         refilled = False
         succeeded: set[WorkerProcess] = set()
         while True:
@@ -364,8 +368,11 @@ class NodeAgent:
             event = self._next_event()
             self._report_progress()
             now = time.monotonic()
+            if warm_at is None and all(w.ready.is_set() for w in self.active):
+                warm_at = now
             if not refilled and (
-                now - assigned_at > SPARE_DELAY_S or any(w.reported_progress for w in self.active)
+                (warm_at is not None and now - warm_at > SPARE_DELAY_S)
+                or any(w.reported_progress for w in self.active)
             ):
                 # Only a restart or a re-form could use spares; without either
                 # their start-up would only take CPU from the training.
