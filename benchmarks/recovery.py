@@ -13,6 +13,15 @@ every rank's step log); steps lost is the newest step reached before the kill
 minus the step the job resumed at. ``--repeat N`` runs each fault scenario N
 times and reports every run and the median. Prints one JSON document.
 
+Each fault run also reports ``milestones_s``, where its time went (seconds after
+the kill): the daemon's transitions from its log (the failed generation, the next
+one formed), and the launchers' and workers' milestones from
+``RENDEZVOUSD_TRACE_FILE`` (``trainer/agent/_trace.py``): survivors told and their
+workers stopped, the replacement's launcher, its spares started and ready, every
+node joined and assigned, every worker attached and its ring up, the first step.
+The project's modules are byte-compiled first (``byte_compile``), so that the
+figures do not depend on ``PYTHONDONTWRITEBYTECODE``.
+
 **torchrun side by side** (run with ``scripts/torch_venv.sh``'s python; without torch
 the report says it was skipped): the same 3 nodes x 2 workers on loopback, gloo,
 ``torchrun --max-restarts 3 --monitor-interval 0.1``, a stock training script
@@ -37,10 +46,12 @@ the workers' own step timestamps, not from when it looked.
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -55,6 +66,9 @@ from typing import Any
 from _report import emit
 
 from rendezvousd.cli.embedded import EmbeddedDaemon, spawn
+from rendezvousd.trainer.agent._trace import TRACE_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGETS = {"recovery_s_max": 1.0, "steps_lost_max": 1}
 NODES, PER_NODE = 3, 2
@@ -93,13 +107,22 @@ def _wait(what: str, check: Callable[[], bool], timeout: float) -> None:
 
 
 class Run:
-    def __init__(self, d: EmbeddedDaemon, work: Path, name: str, args: argparse.Namespace) -> None:
+    def __init__(
+        self, d: EmbeddedDaemon, daemon_log: Path, work: Path, name: str, args: argparse.Namespace
+    ) -> None:
         self.d, self.work, self.name, self.args = d, work / name, name, args
         self.work.mkdir(parents=True)
         self.log = self.work / "steps.jsonl"
         self.steps = StepLog(self.log)
         self.launched_at: dict[int, float] = {}
         self.nodes: dict[int, subprocess.Popen[bytes]] = {}
+        # Every launcher of this run, the killed one's too, by pid: node.
+        self.launchers: dict[int, int] = {}
+        self.trace = self.work / "trace.jsonl"
+        self.env = {**os.environ, TRACE_ENV: str(self.trace)}
+        # The daemon's log is shared by every run: this run's lines start here.
+        self.daemon_log = daemon_log
+        self.daemon_log_from = daemon_log.stat().st_size
 
     def launch(self, node: int, nnodes: str, restarts: int) -> None:
         a = self.args
@@ -140,7 +163,10 @@ class Run:
         ]
         err = (self.work / f"node{node}-{len(self.nodes)}.err").open("w")
         self.launched_at[node] = time.time()
-        self.nodes[node] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        self.nodes[node] = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, env=self.env
+        )
+        self.launchers[self.nodes[node].pid] = node
 
     def wait(self, timeout: float) -> dict[int, int]:
         return {n: p.wait(timeout) for n, p in self.nodes.items()}
@@ -201,8 +227,97 @@ class Run:
         }
 
 
-def scenario(d: EmbeddedDaemon, work: Path, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    run = Run(d, work, name, args)
+# The daemon's log line of a generation's transition (INFO), with its milliseconds:
+# when it noticed the loss, and when the next generation formed.
+TRANSITION = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \w+ [\w.]+: "
+    r"job (\S+) generation (\d+): (\S+) -> (\S+)"
+)
+
+
+def daemon_transitions(run: Run) -> list[tuple[float, str, int, str]]:
+    """(time, job, generation, new state) of this run's transitions in the daemon's log."""
+    with run.daemon_log.open("rb") as fh:
+        fh.seek(run.daemon_log_from)
+        text = fh.read().decode("utf-8", "replace")
+    out = []
+    for line in text.splitlines():
+        if (m := TRANSITION.match(line)) is not None:
+            # asctime is local time with milliseconds.
+            t = time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000
+            out.append((t, m[3], int(m[4]), m[6]))
+    return out
+
+
+def breakdown(
+    run: Run, killed_at: float, first_step: float, killed: int | None, replaced: bool
+) -> dict[str, Any]:
+    """Where the time from the kill to the first step went: the milestones of the
+    daemon (its log), every node's launcher and workers (``RENDEZVOUSD_TRACE_FILE``),
+    in seconds after the kill. A milestone of several processes is the last of them
+    (the next one waits for all); ``replacement_*`` are the fresh node's own.
+    ``killed``: the node whose launcher was killed, if any; ``replaced``: whether
+    a fresh launcher took its place."""
+    events = []
+    if run.trace.exists():
+        for line in run.trace.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    window = [e for e in events if killed_at <= e["t"] <= first_step]
+    new_pid = run.nodes[killed].pid if killed is not None and replaced else None
+    survivors = {p for p, n in run.launchers.items() if n != killed}
+
+    def at(t: float | None) -> float | None:
+        return None if t is None else round(t - killed_at, 3)
+
+    def last(event: str, pids: set[int] | None = None, *, parent: bool = False) -> float | None:
+        ts = [
+            e["t"]
+            for e in window
+            if e["event"] == event and (pids is None or e["ppid" if parent else "pid"] in pids)
+        ]
+        return at(max(ts)) if ts else None
+
+    transitions = daemon_transitions(run)
+    failed = [t for t, job, _, new in transitions if job == run.name and new == "FAILED"]
+    formed = [t for t, job, _, new in transitions if job == run.name and new == "RUNNING"]
+    out: dict[str, Any] = {
+        # The log's milliseconds are truncated: a loss in the kill's millisecond is at -0.001.
+        "daemon_failed_generation_s": at(
+            min((t for t in failed if t >= killed_at - 0.001), default=None)
+        ),
+        "survivors_heard_s": last("failure-heard", survivors),
+        "survivors_stopped_workers_s": last("stopped", survivors),
+        "survivors_rejoining_s": last("join-start", survivors),
+    }
+    if new_pid is not None and killed is not None:
+        out.update(
+            {
+                "replacement_launched_s": at(run.launched_at[killed]),
+                "replacement_main_s": last("launcher-main", {new_pid}),
+                "replacement_spares_started_s": last("spares-started", {new_pid}),
+                "replacement_joining_s": last("join-start", {new_pid}),
+                "replacement_spares_ready_s": last("spare-ready", {new_pid}, parent=True),
+            }
+        )
+    out.update(
+        {
+            "daemon_formed_s": at(min((t for t in formed if t >= killed_at), default=None)),
+            "every_node_joined_s": last("joined"),
+            "every_node_assigned_s": last("assigned"),
+            "every_worker_assigned_s": last("assignment-heard"),
+            "every_worker_attached_s": last("attached"),
+            "every_ring_up_s": last("ring-up"),
+            "first_step_s": at(first_step),
+        }
+    )
+    return out
+
+
+def scenario(
+    d: EmbeddedDaemon, daemon_log: Path, work: Path, name: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    run = Run(d, daemon_log, work, name, args)
     nnodes = f"2:{NODES}" if name == "node_kill_shrink" else str(NODES)
     restarts = 0 if name == "fault_free" else 3
     world = (NODES - 1 if name == "node_kill_shrink" else NODES) * PER_NODE
@@ -223,6 +338,11 @@ def scenario(d: EmbeddedDaemon, work: Path, name: str, args: argparse.Namespace)
                     out["replacement_started_s"] = round(run.launched_at[NODES - 1] - killed_at, 3)
             _wait("the next generation's first step", lambda: run.recovered(killed_at, world), 60)
             out.update(run.recovery(killed_at))
+            if "recovery_s" in out:
+                killed = None if name == "worker_kill" else NODES - 1
+                first = killed_at + out["recovery_s"] + 0.001  # it is rounded to the ms
+                replaced = name == "node_kill_replaced"
+                out["milestones_s"] = breakdown(run, killed_at, first, killed, replaced)
         codes = run.wait(180)
         if name == "node_kill_shrink":
             codes.pop(NODES - 1)  # SIGKILLed on purpose
@@ -466,6 +586,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def byte_compile() -> bool:
+    """Compile the project's modules once, before anything is timed. An editable
+    install leaves them uncompiled, and with ``PYTHONDONTWRITEBYTECODE`` set (as on
+    the development machines) every process would compile them again (~50 ms of CPU
+    each, 3 per node): the figures would then depend on the environment, not the code.
+    Whether every module compiled."""
+    return all(
+        compileall.compile_dir(ROOT / part, quiet=1, workers=1)
+        for part in ("rendezvousd", "client", "trainer")
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=60)
@@ -489,12 +621,18 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "targets": TARGETS,
     }
+    report["byte_compiled"] = byte_compile()
     with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
-        d = spawn(Path(tmp), "--log-level", "WARNING", exit_with_parent=True)
+        daemon_log = Path(tmp) / "daemon.log"
+        with daemon_log.open("w") as log:
+            # INFO: the transitions the milestones read (a few lines per generation).
+            d = spawn(Path(tmp), "--log-level", "INFO", exit_with_parent=True, stderr=log.fileno())
         try:
             for name in filter(None, args.scenarios.split(",")):
                 runs = 1 if name == "fault_free" else max(1, args.repeat)
-                results = [scenario(d, Path(tmp) / str(i), name, args) for i in range(runs)]
+                results = [
+                    scenario(d, daemon_log, Path(tmp) / str(i), name, args) for i in range(runs)
+                ]
                 report[name] = _summary(results)
             if not args.no_torchrun:
                 report["torchrun"] = torchrun_side(args, d, Path(tmp))

@@ -42,7 +42,7 @@ from rendezvousd.client.membership import (
     from_join_response,
 )
 from rendezvousd.common.escape import bounded
-from rendezvousd.common.model import failed_text
+from rendezvousd.common.members import failed_text
 from rendezvousd.common.validation import UNIQUE_ID_BYTES
 
 log = logging.getLogger("rendezvousd.client")

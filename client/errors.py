@@ -36,7 +36,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.common.model import FailedInfo
+from rendezvousd.common.members import FailedInfo
 
 
 class RendezvousError(Exception):

@@ -12,7 +12,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import ProtocolError
 from rendezvousd.common import member_table
 from rendezvousd.common.address import is_loopback
-from rendezvousd.common.model import MemberInfo, Seat
+from rendezvousd.common.members import MemberInfo, Seat
 from rendezvousd.errors import shown
 
 __all__ = [

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rendezvousd.common.model import FailedInfo
+    from rendezvousd.common.members import FailedInfo
 
 
 class DaemonError(Exception):

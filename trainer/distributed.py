@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.common.escape import bounded
+from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import AgentLink
 from rendezvousd.trainer.agent.state_copy import StepState
 from rendezvousd.trainer.comm import devices
@@ -469,9 +470,11 @@ def _init_from_agent(
     def watch(relay: _FailureRelay) -> None:
         link.start(lambda cause: relay.fail(AgentError(cause)))
 
+    mark("attached", generation=assignment.generation, rank=assignment.rank)
     _, communicator = _bring_up(
         config, rdzv, membership, lambda _: topology, assignment.ring_host, watch, rejoin=None
     )
+    mark("ring-up", generation=assignment.generation, rank=assignment.rank)
     if topology.is_global_rank_zero:
         log.info(
             "%s generation=%d restart_count=%d",

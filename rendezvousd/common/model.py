@@ -1,18 +1,55 @@
 """Values the state machine hands to its adapters: states, results and effects.
 
 Nothing here holds the unique id except ``JoinResult``, which the servicer
-serializes straight onto the wire.
+serializes straight onto the wire. The member values the SDK and the node agent use
+too live in ``members.py`` (a node's processes import that, never this module) and
+are re-exported here with the daemon's own.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.members import (
+    NAMED_LOSSES,
+    NEVER_ATTACHED,
+    SCALE_UP_REASON,
+    FailedInfo,
+    MemberInfo,
+    Seat,
+    failed_text,
+    never_attached,
+    seat_of,
+)
 from rendezvousd.errors import RendezvousFault
+
+__all__ = [
+    "FORGOTTEN",
+    "NAMED_LOSSES",
+    "NEVER_ATTACHED",
+    "SCALE_UP_REASON",
+    "Effect",
+    "EventKind",
+    "FailedInfo",
+    "JobState",
+    "JobView",
+    "JoinMode",
+    "JoinResult",
+    "MemberInfo",
+    "MemberState",
+    "MemberView",
+    "Notify",
+    "Parked",
+    "Progress",
+    "Rejoin",
+    "Seat",
+    "Transition",
+    "Wake",
+    "failed_text",
+    "never_attached",
+    "seat_of",
+]
 
 
 class JobState(enum.Enum):
@@ -51,82 +88,6 @@ class EventKind(enum.Enum):
     JOB_ENDED = 3
     DAEMON_DRAINING = 4
     NODES_WAITING = 6
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    rank: int
-    node_rank: int
-    local_rank: int
-    host: str
-    address: str
-
-
-@dataclass(frozen=True)
-class FailedInfo:
-    """A member the daemon lost, and why: its record, a ``FailedMember`` on the wire,
-    and the SDK's ``FailedMember``. Lists of them keep the order of loss, so the
-    first is the root cause."""
-
-    rank: int
-    host: str
-    # Whole (the daemon keeps up to escape.MAX_CAUSE_BYTES): any text, so shown
-    # only through ``describe``.
-    cause: str
-    node_rank: int | None = None
-    local_rank: int | None = None
-    # When it was lost: the daemon's monotonic clock in the daemon; in the SDK,
-    # time.time() on the receiving host, from the age the daemon sent. None: not
-    # known (a loss recorded before the daemon restarted).
-    lost_at: float | None = None
-
-    def describe(self) -> str:
-        """The one way every layer words a loss: rank, host and the cause shortened."""
-        return f"rank {self.rank} on {escape(self.host)} ({shortened(self.cause)})"
-
-
-# How many losses a failure sentence names; the rest are counted.
-NAMED_LOSSES = 8
-
-
-def failed_text(named: str, failed: Sequence[FailedInfo]) -> str:
-    """The failure sentence the daemon, the SDK and the node agent all say:
-    "<job J generation G> failed: lost rank R on HOST (cause), ... and N more"."""
-    lost = ", ".join(f.describe() for f in failed[:NAMED_LOSSES])
-    more = f" and {len(failed) - NAMED_LOSSES} more" if len(failed) > NAMED_LOSSES else ""
-    return f"{named} failed: lost {lost}{more}"
-
-
-@dataclass(frozen=True)
-class Seat:
-    """Where a joiner sits in a generation: node ``node_rank`` of ``num_nodes``, each of
-    ``gpus_per_node`` ranks, and on it a worker's one rank (``local_rank``) or, None, a
-    node agent's every rank. A join's answer (``JoinResult``), Join's and JoinNode's
-    on the wire, and the SDK's ``Membership`` and ``NodeMembership`` are this one seat."""
-
-    job_id: str
-    generation: int
-    node_rank: int
-    num_nodes: int
-    gpus_per_node: int
-    local_rank: int | None
-
-    @property
-    def rank(self) -> int:
-        """A worker's global rank; a node agent's first."""
-        return self.node_rank * self.gpus_per_node + (self.local_rank or 0)
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.gpus_per_node
-
-
-def seat_of(source: object, **given: Any) -> dict[str, Any]:
-    """The fields of a ``Seat`` as keyword arguments: the ``given`` ones, the rest
-    copied from ``source`` (a node agent's assignment to its worker)."""
-    return {
-        f.name: given[f.name] if f.name in given else getattr(source, f.name) for f in fields(Seat)
-    }
 
 
 @dataclass(frozen=True)
@@ -204,24 +165,6 @@ Effect = Wake | Notify | Transition
 #: The Transition detail of a job the daemon forgot (idle past ``job_ttl_s``): the end
 #: of that job, after which a job token minted earlier opens no job of its id.
 FORGOTTEN = "expired"
-
-#: How the daemon words the loss of a node agent that was placed in a generation and
-#: never attached its heartbeat stream (a stray JoinNode by a token holder, or an agent
-#: that died at once): the survivors' agents re-form without using a restart, since
-#: nothing of theirs failed.
-NEVER_ATTACHED = "placed, then never attached its heartbeat stream"
-
-
-def never_attached(cause: str) -> bool:
-    """Whether a loss's ``cause`` is a node that never attached (``NEVER_ATTACHED``)."""
-    return cause.startswith(NEVER_ATTACHED)
-
-
-#: The AbortJob reason a node agent gives when it ends a running generation for nodes
-#: waiting to join (NODES_WAITING): a membership change, not a failure. Both agents
-#: (rendezvous-run's and the torchrun handler) say it, so that the other agents and
-#: the daemon's status page tell it apart from a failure.
-SCALE_UP_REASON = "scale-up"
 
 
 @dataclass(frozen=True)

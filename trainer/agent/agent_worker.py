@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rendezvousd.client.membership import Membership
-from rendezvousd.common.model import seat_of
+from rendezvousd.common.members import seat_of
 from rendezvousd.common.validation import UNIQUE_ID_BYTES
+from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_channel import (
     ENV_AGENT_FD,
     MAX_STATE_BYTES,
@@ -150,8 +151,10 @@ class AgentLink:
 
     def wait_assignment(self) -> tuple[Assignment, StepState | None]:
         """Tell the agent this worker is warm, then block until it is assigned."""
+        mark("spare-ready")
         self.channel.send("ready", {"pid": os.getpid()})
         frame = self.channel.recv()
+        mark("assignment-heard")
         if frame is None:
             raise AgentChannelError(
                 "the node agent closed the channel before assigning this worker"

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rendezvousd.common.settings import Value
+from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.worker_boot import boot_spares, discard
 from rendezvousd.trainer.config import (
     CONFIG_ENV,
@@ -207,6 +208,7 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
         )
     # Before the imports below, so that the spares' start-up overlaps this process's.
     booted = boot_spares(config, cmd, env)
+    mark("spares-started")
     try:
         from rendezvousd.client.connection import resolve_token
         from rendezvousd.client.errors import RendezvousError
@@ -273,6 +275,7 @@ def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    mark("launcher-main")
     args = build_parser().parse_args(argv)
     base = dict(os.environ)
     try:

@@ -27,7 +27,8 @@ from rendezvousd.client.errors import PeerFailed, RendezvousError
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.model import FailedInfo, failed_text
+from rendezvousd.common.members import FailedInfo, failed_text
+from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, Failure, RestartBudget, stray
 from rendezvousd.trainer.agent.state_copy import StateCopy
@@ -46,8 +47,9 @@ from rendezvousd.trainer.errors import RestartsExhausted
 # Workers' state is already in the agent: a short SIGTERM grace is only for
 # their last log line, so every node is stopped well within 100 ms.
 STOP_GRACE_S = 0.05
-# Fresh spares start once the new generation has stepped, or after this long:
-# on a small machine their start-up would otherwise slow the resumption down.
+# Fresh spares start once the new generation has stepped, or this long after every
+# worker of it was warm (a script that reports no progress): on a small machine
+# their start-up would otherwise slow the resumption down.
 SPARE_DELAY_S = 1.0
 POLL_S = 0.02
 # A worker's silence limit when the daemon advertises no heartbeat timeout (older).
@@ -212,6 +214,7 @@ class NodeAgent:
         if not isinstance(joined, NodeMembership):
             return joined
         m = joined
+        mark("joined", generation=m.generation, node_rank=m.node_rank)
         if (problem := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
             # The workers would dial themselves until their timeout: every node hears why.
             with contextlib.suppress(RendezvousError):
@@ -247,6 +250,7 @@ class NodeAgent:
                 restored,
             )
         gen = m.generation
+        mark("assigned", generation=gen)
         self.client.start_heartbeat(
             config.heartbeat_interval_s,
             on_failure=lambda e: self.events.put(RemoteFailure(e, gen)),
@@ -263,6 +267,7 @@ class NodeAgent:
         config = self.config
         self._joins += 1
         serial = self._joins
+        mark("join-start")
 
         def join() -> None:
             try:
@@ -351,7 +356,10 @@ class NodeAgent:
         return failure
 
     def _watch(self, gen: int, first_rank: int) -> Outcome:
-        assigned_at = time.monotonic()
+        # Counted from when every worker is warm, not from the assignment: a fresh
+        # node's workers are still starting then, and spares started beside them
+        # would take their CPU (a replacement node at load 20 stepped 5 s later).
+        warm_at: float | None = None
         refilled = False
         succeeded: set[WorkerProcess] = set()
         while True:
@@ -360,8 +368,11 @@ class NodeAgent:
             event = self._next_event()
             self._report_progress()
             now = time.monotonic()
+            if warm_at is None and all(w.ready.is_set() for w in self.active):
+                warm_at = now
             if not refilled and (
-                now - assigned_at > SPARE_DELAY_S or any(w.reported_progress for w in self.active)
+                (warm_at is not None and now - warm_at > SPARE_DELAY_S)
+                or any(w.reported_progress for w in self.active)
             ):
                 # Only a restart or a re-form could use spares; without either
                 # their start-up would only take CPU from the training.
@@ -396,6 +407,7 @@ class NodeAgent:
                     return self._local_failure(gen, first_rank, event.worker, event.cause, 1)
                 self._misbehaved_spare(event)
             elif isinstance(event, RemoteFailure) and event.generation == gen:
+                mark("failure-heard", generation=gen)
                 cause, rank, host = describe_remote(event.error)
                 lost = event.error.failed if isinstance(event.error, PeerFailed) else ()
                 if stray([f.cause for f in lost]):
@@ -452,6 +464,7 @@ class NodeAgent:
         self, gen: int, first_rank: int, w: WorkerProcess, cause: str, status: int
     ) -> Failure:
         """``cause``: any text (a worker's exception), reported whole and shown shortened."""
+        mark("failure-heard", generation=gen)
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
         self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}")
@@ -475,6 +488,7 @@ class NodeAgent:
         stop_all(self.active, cause, self.stop_grace_s)
         self.active = []
         self._end_generation()
+        mark("stopped", generation=gen)
         return failure
 
     def _end_generation(self) -> None:

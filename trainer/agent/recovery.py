@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rendezvousd.common.model import SCALE_UP_REASON, never_attached
+from rendezvousd.common.members import SCALE_UP_REASON, never_attached
 
 __all__ = ["SCALE_UP_REASON", "Failure", "RestartBudget", "stray"]
 
