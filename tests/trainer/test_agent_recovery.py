@@ -131,7 +131,8 @@ def test_a_hung_worker_is_detected_by_its_agent_and_the_job_restarts(
         codes = [n.wait(90) for n in nodes]
     finally:
         _cleanup(nodes)
-    assert codes == [0, 0], [n.stderr() for n in nodes]
+    # As one string: pytest shortens a list's repr, which hid the second failure once.
+    assert codes == [0, 0], "\n---\n".join(n.stderr() for n in nodes)
     # Ranks blocked in a collective with the hung one stop progressing too, so
     # either agent may be the first to call it hung.
     assert "hung: no progress for" in nodes[0].stderr() + nodes[1].stderr()
