@@ -589,8 +589,9 @@ def _free_port() -> int:
 def byte_compile() -> bool:
     """Compile the project's modules once, before anything is timed. An editable
     install leaves them uncompiled, and with ``PYTHONDONTWRITEBYTECODE`` set (as on
-    the development machines) every process would compile them again (~50 ms of CPU
-    each, 3 per node): the figures would then depend on the environment, not the code.
+    the development machines) every process would compile them again (a spare's
+    imports: ~150 ms more CPU, docs/benchmarks.md): the figures would then depend on
+    the environment, not the code.
     Whether every module compiled."""
     return all(
         compileall.compile_dir(ROOT / part, quiet=1, workers=1)

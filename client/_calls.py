@@ -434,6 +434,8 @@ class ClientBase:
     """What both clients answer without I/O: the session's state, and ``attach``."""
 
     def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
+        # Named by the client's own class: RendezvousClient or AsyncRendezvousClient.
+        check_keywords(type(self).__name__, ClientOptions, options)
         self._c = Calls(endpoint, job_id, options)
         self._s = self._c.s
 

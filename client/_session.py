@@ -104,9 +104,9 @@ def _keywords(declared: Any) -> tuple[frozenset[str], frozenset[str]]:
     under ``from __future__ import annotations`` the class's own
     ``__required_keys__`` cannot see ``NotRequired``."""
     hints = get_type_hints(declared, include_extras=True)
-    optional = {k for k, hint in hints.items() if get_origin(hint) is NotRequired}
     if not declared.__total__:
-        optional = set(hints)
+        return frozenset(hints), frozenset()
+    optional = {k for k, hint in hints.items() if get_origin(hint) is NotRequired}
     return frozenset(hints), frozenset(hints) - optional
 
 
@@ -190,7 +190,6 @@ class Session:
     @classmethod
     def create(cls, endpoint: str, job_id: str, options: ClientOptions) -> Session:
         """A client's session, with the constructor's defaults for what it left out."""
-        check_keywords("RendezvousClient", ClientOptions, options)
         return cls(
             endpoint,
             job_id,

@@ -19,7 +19,8 @@ ENDPOINT = "127.0.0.1:9"
 
 def test_a_misspelt_option_is_refused_by_both_clients() -> None:
     for make in (RendezvousClient, AsyncRendezvousClient):
-        with pytest.raises(TypeError, match=r"'reconect_window'.*reconnect_window"):
+        message = rf"^{make.__name__}\(\) got .*'reconect_window'.*reconnect_window"
+        with pytest.raises(TypeError, match=message):
             make(ENDPOINT, "j", token="t", reconect_window=5.0)  # type: ignore[call-arg]
 
 
