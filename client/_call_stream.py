@@ -25,6 +25,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
@@ -51,10 +52,12 @@ from rendezvousd.client._multiplex import (
     stream_full,
     unsupported,
 )
+from rendezvousd.client._stream_threads import RequestFeed, unraise
 
 log = logging.getLogger("rendezvousd.client")
 
-# How long close() waits for a stream's reader to end once the stream is cancelled.
+# How long close() waits for a stream's threads (its reader, gRPC's request feeder)
+# to end once the stream is cancelled.
 STOP_READER_S = 5.0
 # How long a probe for a lost status waits for the daemon's verdict on a new stream.
 PROBE_S = 10.0
@@ -113,9 +116,12 @@ class _BlockingStream:
             request_serializer=pb.Call.SerializeToString,
             response_deserializer=pb.Reply.FromString,
         )
+        self._feed = RequestFeed()
         # wait_for_ready: a call made while the daemon restarts waits for it, within
         # its own deadline, as a unary call does.
-        self._call: Any = multi(self._requests(), metadata=metadata, wait_for_ready=True)
+        self._call: Any = multi(
+            self._feed.wrap(self._requests()), metadata=metadata, wait_for_ready=True
+        )
         self.reader = threading.Thread(
             target=self._read, daemon=True, name="rendezvous-calls-reader"
         )
@@ -165,7 +171,8 @@ class _BlockingStream:
                     else:
                         waiter.set_result(outcome)
         except grpc.RpcError as exc:
-            failure = closed_error() if self.closing else exc
+            # A copy: the error raised is the call itself, which finish() frees.
+            failure = closed_error() if self.closing else copy_error(exc)
             self.unsupported = unsupported(exc, self.pending.replied)
         finally:
             log.debug("the call stream ended: %s: %s", failure.code().name, failure.details())
@@ -176,7 +183,22 @@ class _BlockingStream:
     def close(self) -> None:
         self.closing = True
         self.retire()
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
+
+    def finish(self, deadline: float) -> None:
+        """After ``close``: wait, until the monotonic ``deadline``, for the reader and
+        gRPC's request feeder to end, then free the call (see ``_stream_threads``)."""
+        if self.reader is not threading.current_thread():
+            self.reader.join(max(0.0, deadline - time.monotonic()))
+        fed = self._feed.join(deadline)
+        if self.reader.is_alive() or not fed:
+            log.warning(
+                "the call stream's threads did not end within %g s of its close", STOP_READER_S
+            )
+        if not self.reader.is_alive():
+            call, self._call = self._call, None
+            unraise(call)  # its __del__ runs now, not in the interpreter's exit
 
 
 class BlockingCallStream:
@@ -251,10 +273,10 @@ class BlockingCallStream:
             stream.retire()
 
     def close(self) -> None:
-        """End the stream (the daemon cancels what is in flight) and its reader."""
+        """End the stream (the daemon cancels what is in flight) and its threads."""
+        deadline = time.monotonic() + STOP_READER_S
         for stream in self.abandon():
-            if stream.reader is not threading.current_thread():
-                stream.reader.join(STOP_READER_S)
+            stream.finish(deadline)
 
     def abandon(self) -> list[_BlockingStream]:
         """End the streams without waiting for their readers (a client collected

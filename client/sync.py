@@ -5,6 +5,7 @@ calls and sleeps: this module decides nothing, so it cannot drift from ``aio``."
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -19,12 +20,25 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import BlockingCallStream
-from rendezvousd.client._multiplex import Unsupported
+from rendezvousd.client._multiplex import Unsupported, copy_error
 from rendezvousd.client._session import ClientOptions, JoinRequest, NodeJoinRequest, StreamWatch
+from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Membership, NodeMembership
 
 T = TypeVar("T")
+
+# Blocking clients not closed yet. One still open when the interpreter exits is closed
+# then (as a process exiting without close() would leave its daemon anyway), so that
+# no stream thread of gRPC's is left to finalization (see _stream_threads).
+_open: weakref.WeakSet[RendezvousClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for client in list(_open):
+        with contextlib.suppress(Exception):
+            client.close()
 
 
 class RendezvousClient(steps.ClientBase):
@@ -62,6 +76,8 @@ class RendezvousClient(steps.ClientBase):
         self._hb_wake = threading.Event()
         self._hb_leave = False
         self._hb_call: Any = None
+        self._hb_feed: RequestFeed | None = None
+        _open.add(self)
 
     # -- plumbing: the I/O of the shared steps -------------------------------------
 
@@ -236,12 +252,13 @@ class RendezvousClient(steps.ClientBase):
 
     def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not self._hb_stop.is_set() and not watch.done:
+            feed = RequestFeed()
             call = self._stub.Heartbeat(
-                self._heartbeat_requests(interval),
+                feed.wrap(self._heartbeat_requests(interval)),
                 metadata=self._s.metadata,
                 timeout=3600.0,
             )
-            self._hb_call = call
+            self._hb_call, self._hb_feed = call, feed
             error: grpc.RpcError | None = None
             try:
                 for event in call:
@@ -251,7 +268,9 @@ class RendezvousClient(steps.ClientBase):
                     if verdict != "continue":
                         break  # this member failed, or the daemon is draining
             except grpc.RpcError as exc:
-                error = exc
+                # A copy: the error raised is the call itself, which the session would
+                # keep alive into the interpreter's exit (see _stream_threads).
+                error = copy_error(exc)
                 if self._mux is not None:
                     self._mux.retire()  # the daemon may be going: never hold it up
             finally:
@@ -280,16 +299,23 @@ class RendezvousClient(steps.ClientBase):
         self._hb_wake.set()
         if self._hb_call is not None:
             self._hb_call.cancel()
+        deadline = time.monotonic() + 2.0
         for attr in ("_hb_thread", "_hb_watchdog"):
             thread = getattr(self, attr)
             setattr(self, attr, None)
             if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout=2.0)
+                thread.join(max(0.0, deadline - time.monotonic()))
+        feed, self._hb_feed = self._hb_feed, None
+        if feed is not None:
+            feed.join(deadline)
+        call, self._hb_call = self._hb_call, None
+        unraise(call)  # its __del__ runs now, not in the interpreter's exit
 
     # -- lifetime -----------------------------------------------------------------
 
     def close(self) -> None:
         """Close without Leave: a joined worker closing this way counts as lost."""
+        _open.discard(self)
         self._stop_heartbeat()
         self._closed = True
         if self._mux is not None:
