@@ -222,7 +222,11 @@ def test_a_calls_deadline_ends_its_parked_wait_on_the_daemon(
     # A wait asked for far longer than the call's own deadline (call_timeout).
     request = pb.KvGetRequest(key="never", wait=True, wait_timeout_ms=600_000, **c._kv_scope())
     error = error_of(lambda: c._run(c._c.call("KvGet", request)))
-    assert isinstance(error, RendezvousTimeout)
+    # The daemon answers a capped wait 0.2 s before the call's deadline (a timeout);
+    # on a loaded machine (load 12, once) that answer came after the client's own
+    # deadline, which the SDK retries once and then reports as DaemonUnavailable.
+    # Either way the daemon must not keep the wait parked.
+    assert isinstance(error, RendezvousTimeout | DaemonUnavailable), error
     wait_for("the parked KvGet gone from the daemon", lambda: waiters(d) == 0)
     # The stream goes on.
     c.kv_set("k", b"v")
