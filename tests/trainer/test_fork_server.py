@@ -6,6 +6,7 @@ cold spares when the server refuses one or dies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkedProcess, ForkServer, start
+from tests.support import DaemonProcess, descendants, launcher_cmd
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "pidfd_open") or not sys.platform.startswith("linux"),
@@ -284,3 +286,60 @@ def test_a_server_that_runs_threads_after_its_imports_starts_its_spares_cold(
     assert facts["numpy_preloaded"] is False
     assert facts["local_rank"] == "1"
     assert any("spares start cold" in n and "threads" in n for n in notes), notes
+
+
+def _fork_server_of(launcher_pid: int) -> int | None:
+    for pid in descendants(launcher_pid):
+        with contextlib.suppress(OSError):
+            if b"_fork_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+def _children_of(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def test_spares_lost_with_their_fork_server_are_replaced_cold_and_use_no_restart(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """No restart allowed: the spares the server took with it are no failure of the
+    script; the node's agent starts others cold and the job trains to its end."""
+    example = ["-m", "rendezvousd.trainer.example", "--steps", "5"]
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(2):
+            cmd = launcher_cmd(
+                2, rank, 2, endpoint=daemon.endpoint, token_file=daemon.token_file, job=job_id
+            )
+            nodes.append(
+                subprocess.Popen(
+                    [*cmd, "--max-restarts", "0", *example],
+                    stderr=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    text=True,
+                    cwd=tmp_path,
+                )
+            )
+            if rank == 1:
+                break
+            # Node 0 waits for node 1 in its join, its spares forked: lose its server.
+            deadline = time.monotonic() + 120
+            while (server := _fork_server_of(nodes[0].pid)) is None or len(
+                _children_of(server)
+            ) < 2:
+                assert time.monotonic() < deadline, "node 0's fork server forked no spares"
+                assert nodes[0].poll() is None
+                time.sleep(0.02)
+            os.kill(server, signal.SIGKILL)
+        outs = [n.communicate(timeout=180)[1] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait(30)
+    assert [n.returncode for n in nodes] == [0, 0], "\n---\n".join(outs)
+    assert "fork server unavailable" in outs[0], outs[0]
+    assert "failed first" not in outs[0], outs[0]
