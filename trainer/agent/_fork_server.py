@@ -176,6 +176,10 @@ def _threads() -> int:
         return 1
 
 
+class _AgentGone(Exception):
+    """End of file on the control socket: the agent closed it, or died."""
+
+
 class _Server:
     def __init__(self, control: socket.socket, agent: int) -> None:
         self.control = control
@@ -191,26 +195,39 @@ class _Server:
 
     def serve(self) -> _Child | None:
         """Forward exits and fork on request; returns in a forked child only (None:
-        the agent is gone, every worker is stopped)."""
-        while True:
-            for fd, _ in self.poller.poll():
-                if fd != self.control.fileno():
-                    self._exited(fd)
-                    continue
-                message, fds = recv(self.control)
-                if message is None:
-                    self._stop_all()
-                    return None
-                op = message.get("op")
-                if op == "spawn":
-                    child = self._spawn(message, fds)
+        the agent is gone or its socket failed, every worker is stopped)."""
+        try:
+            while True:
+                for fd, _ in self.poller.poll():
+                    child = self._handle(fd)
                     if child is not None:
                         return child
-                    continue
-                for extra in fds:
-                    os.close(extra)
-                if op == "reap" and type(pid := message.get("pid")) is int:
-                    self._reap(pid)
+        except _AgentGone:
+            pass
+        except (OSError, ValueError) as exc:
+            print(
+                f"rendezvous-run: fork server: {exc!r}; stopping its workers",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._stop_all()
+        return None
+
+    def _handle(self, fd: int) -> _Child | None:
+        if fd != self.control.fileno():
+            self._exited(fd)
+            return None
+        message, fds = recv(self.control)
+        if message is None:
+            raise _AgentGone
+        op = message.get("op")
+        if op == "spawn":
+            return self._spawn(message, fds)
+        for extra in fds:
+            os.close(extra)
+        if op == "reap" and type(pid := message.get("pid")) is int:
+            self._reap(pid)
+        return None
 
     def _exited(self, pidfd: int) -> None:
         pid = self.pids[pidfd]
@@ -259,12 +276,15 @@ class _Server:
                     stream.flush()
             pid = os.fork()
             if pid == 0:
-                die_with_parent(server)
-                self.control.close()
-                for pidfd in self.pids:
-                    os.close(pidfd)
-                for s, handler in self.signals.items():
-                    signal.signal(s, handler)
+                try:
+                    die_with_parent(server)
+                    self.control.close()
+                    for pidfd in self.pids:
+                        os.close(pidfd)
+                    for s, handler in self.signals.items():
+                        signal.signal(s, handler)
+                except BaseException:
+                    os._exit(126)  # never back into the server's loop
                 return _Child(fds[0], argv, env, self.agent)
             os.close(fds[0])
         pidfd = os.pidfd_open(pid)
