@@ -8,6 +8,11 @@ can start a node's first spares right after reading its settings: a fresh node
 then pays its own start-up and its spares' side by side, instead of one after
 the other (docs/benchmarks.md, "Recovery"). ``warm_workers`` wraps what it
 starts into a ``WorkerProcess``.
+
+``ForkServer`` is the agent's side of the node's fork server (``_fork_server``):
+the launcher starts it where it would start its spares, and a spare is then a
+request on its control socket (``ForkedProcess``, answered by the server's reader
+thread here); ``start`` falls back to ``boot`` when the server cannot fork it.
 """
 
 from __future__ import annotations
