@@ -27,8 +27,11 @@ pytestmark = pytest.mark.skipif(
 
 # Writes what it sees to $FACTS, then ends the way $ENDING says.
 WORKER = r"""
-import atexit, json, os, stat, sys, threading, time
+import atexit, json, os, signal, stat, sys, threading, time
 facts = {
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "sighup": signal.getsignal(signal.SIGHUP) == signal.SIG_DFL,
     "name": __name__,
     "argv": sys.argv,
     "path0": sys.path[0],
@@ -114,6 +117,8 @@ def test_a_forked_spare_sees_what_a_cold_one_does_and_exits_as_an_interpreter_do
     assert facts["local_rank"] == "1"  # its slot's env from the first instruction
     assert facts["omp"] == "1"
     assert facts["agent_pid_env"] is None
+    # The signals the server ignores are the worker's as in a fresh interpreter.
+    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == (True, True, True)
     # Forked by the server, with numpy already imported: the start-up it saves.
     assert facts["ppid"] == server.proc.pid
     assert facts["numpy_preloaded"] is True
@@ -285,6 +290,7 @@ def test_a_server_that_runs_threads_after_its_imports_starts_its_spares_cold(
     assert facts["ppid"] == server.proc.pid
     assert facts["numpy_preloaded"] is False
     assert facts["local_rank"] == "1"
+    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == (True, True, True)
     assert any("spares start cold" in n and "threads" in n for n in notes), notes
 
 

@@ -302,9 +302,15 @@ class _Server:
 
         child_env = {**env, ENV_AGENT_FD: str(fd), ENV_AGENT_PID: str(os.getpid())}
         cmd = [sys.executable, "-m", "rendezvousd.trainer.agent._agent_boot", *argv]
+        # An ignored signal stays ignored across exec: the spare gets the launcher's
+        # dispositions back for its start (a few ms without the server's own).
+        for s, handler in self.signals.items():
+            signal.signal(s, handler)
         try:
             proc = subprocess.Popen(cmd, env=child_env, pass_fds=(fd,))
         finally:
+            for s in self.signals:
+                signal.signal(s, signal.SIG_IGN)
             os.close(fd)
         # Kept, so that subprocess never reaps it: the zombie is the agent's to release.
         self.popens[proc.pid] = proc
