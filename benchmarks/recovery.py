@@ -17,7 +17,7 @@ Each fault run also reports ``milestones_s``, where its time went (seconds after
 the kill): the daemon's transitions from its log (the failed generation, the next
 one formed), and the launchers' and workers' milestones from
 ``RENDEZVOUSD_TRACE_FILE`` (``trainer/agent/_trace.py``): survivors told and their
-workers stopped, the replacement's launcher, its spares started and ready, every
+workers stopped, the replacement's launcher, its spares started (and its fork server ready) and ready, every
 node joined and assigned, every worker attached and its ring up, the first step.
 The project's modules are byte-compiled first (``byte_compile``), so that the
 figures do not depend on ``PYTHONDONTWRITEBYTECODE``.
@@ -296,6 +296,10 @@ def breakdown(
                 "replacement_launched_s": at(run.launched_at[killed]),
                 "replacement_main_s": last("launcher-main", {new_pid}),
                 "replacement_spares_started_s": last("spares-started", {new_pid}),
+                # Its fork server's imports done (absent with cold spares).
+                "replacement_fork_server_ready_s": last(
+                    "fork-server-ready", {new_pid}, parent=True
+                ),
                 "replacement_joining_s": last("join-start", {new_pid}),
                 "replacement_spares_ready_s": last("spare-ready", {new_pid}, parent=True),
             }

@@ -11,7 +11,7 @@ from rendezvousd import config as daemon_config
 from rendezvousd.client import connection
 from rendezvousd.server import auth
 from rendezvousd.trainer import config as trainer_config
-from rendezvousd.trainer.agent import _trace, agent_channel
+from rendezvousd.trainer.agent import _fork_server, _trace, agent_channel
 from rendezvousd.trainer.agent.launcher import build_parser
 from rendezvousd.trainer.torchrun import config as torchrun_config
 from tests.support import ROOT
@@ -55,6 +55,7 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
     known |= {o.env for o in torchrun_config.SCHEMA.options.values()}
     known |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
     known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD, _trace.TRACE_ENV}
+    known |= {_fork_server.ENV_FORK_SERVER}
     for doc in ("trainer.md", "operations.md"):
         named = set(re.findall(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b", (DOCS / doc).read_text()))
         assert named - known == set(), doc

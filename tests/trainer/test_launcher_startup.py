@@ -19,7 +19,7 @@ from tests.support import WORKERS, DaemonProcess, json_lines, launcher_cmd
 
 # Runs rendezvous-run in this process, noting in $ORDER_FILE, in order, the first
 # process it starts and its first imports of grpc and numpy (audit events), then
-# how many processes it started in all.
+# how many processes it started itself, and how many spares (forked or cold).
 ORDER_PROBE = r"""
 import os, runpy, sys
 order = []
@@ -32,17 +32,30 @@ def hook(event, args):
         if "spawn" not in order:
             order.append("spawn")
 sys.addaudithook(hook)
+# Spares, forked by the node's fork server or started cold.
+from rendezvousd.trainer.agent import worker_boot
+spares = []
+def counted(start):
+    def wrapper(*args, **kwargs):
+        booted = start(*args, **kwargs)
+        if booted is not None:
+            spares.append(1)
+        return booted
+    return wrapper
+worker_boot.boot = counted(worker_boot.boot)
+worker_boot.ForkServer.spawn = counted(worker_boot.ForkServer.spawn)
 sys.argv = ["rendezvous-run", *sys.argv[1:]]
 try:
     runpy.run_module("rendezvousd.trainer.agent.launcher", run_name="__main__", alter_sys=True)
 finally:
     with open(os.environ["ORDER_FILE"], "w") as fh:
-        fh.write(" ".join(order) + "\n" + str(len(spawned)))
+        fh.write(" ".join(order) + "\n" + str(len(spawned)) + "\n" + str(len(spares)))
 """
 
 
+@pytest.mark.parametrize("fork_server", ["1", "0"], ids=["forked", "cold"])
 def test_spares_start_before_the_launcher_imports_grpc_and_the_agent_needs_no_numpy_nor_spares_it_cannot_use(
-    daemon: DaemonProcess, job_id: str, tmp_path: Path
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, fork_server: str
 ) -> None:
     order_file = tmp_path / "order"
     args = launcher_cmd(1, 0, 2, endpoint=daemon.endpoint, token_file=daemon.token_file, job=job_id)
@@ -50,20 +63,22 @@ def test_spares_start_before_the_launcher_imports_grpc_and_the_agent_needs_no_nu
     example = ["-m", "rendezvousd.trainer.example", "--steps", "30", "--log-every", "1000"]
     done = subprocess.run(
         [sys.executable, "-c", ORDER_PROBE, *args, *example],
-        env={**os.environ, "ORDER_FILE": str(order_file)},
+        env={**os.environ, "ORDER_FILE": str(order_file), "RENDEZVOUSD_FORK_SERVER": fork_server},
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    order, spawned = order_file.read_text().splitlines()
-    # grpc once the spares run; numpy never: the agent relays the workers' state
-    # frames (three steps of them here) without decoding them.
+    order, spawned, spares = order_file.read_text().splitlines()
+    # grpc once the spares (or their fork server) run; numpy never: the agent relays
+    # the workers' state frames (three steps of them here) without decoding them.
     assert order.split() == ["spawn", "grpc"], done.stderr
     # No restarts allowed and a fixed size: no spare beyond the two workers, whose
     # start-up would only take CPU from the training.
-    assert spawned == "2", done.stderr
+    assert spares == "2", done.stderr
+    # The launcher itself starts the fork server, or both spares.
+    assert spawned == ("1" if fork_server == "1" else "2"), done.stderr
 
 
 def _children() -> set[int]:

@@ -27,7 +27,9 @@ ENV_AGENT_FD = "RENDEZVOUSD_AGENT_FD"
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_agent() -> None:
+def die_with_parent(expected: int | None) -> None:
+    """Arm SIGKILL on the parent's death; exit at once (126) if the parent is no
+    longer ``expected`` (it died before the signal was armed)."""
     if sys.platform.startswith("linux"):
         # Here: the launcher imports this module for its names, before its spares start.
         import ctypes
@@ -35,16 +37,18 @@ def _die_with_agent() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
             os._exit(126)
-    expected = os.environ.pop(ENV_AGENT_PID, "")
-    if expected and os.getppid() != int(expected):
+    if expected is not None and os.getppid() != expected:
         os._exit(126)
 
 
-def main() -> None:
-    _die_with_agent()
-    argv = sys.argv[1:]
-    if not argv:
-        sys.exit("usage: python -m rendezvousd.trainer.agent._agent_boot [-m] TARGET [ARGS...]")
+def _die_with_agent() -> None:
+    expected = os.environ.pop(ENV_AGENT_PID, "")
+    die_with_parent(int(expected) if expected else None)
+
+
+def run_target(argv: list[str]) -> None:
+    """Run ``SCRIPT [ARGS...]`` or ``-m MODULE [ARGS...]`` as ``__main__`` here, as
+    ``python`` would (``sys.argv``; ``sys.path[0]``: the script's directory)."""
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -52,6 +56,14 @@ def main() -> None:
         sys.argv = argv
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def main() -> None:
+    _die_with_agent()
+    argv = sys.argv[1:]
+    if not argv:
+        sys.exit("usage: python -m rendezvousd.trainer.agent._agent_boot [-m] TARGET [ARGS...]")
+    run_target(argv)
 
 
 if __name__ == "__main__":

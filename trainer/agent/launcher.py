@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from rendezvousd.common.settings import Value
 from rendezvousd.trainer.agent._trace import mark
-from rendezvousd.trainer.agent.worker_boot import boot_spares, discard
+from rendezvousd.trainer.agent.worker_boot import ForkServer, boot_spares, discard
 from rendezvousd.trainer.config import (
     CONFIG_ENV,
     SCHEMA,
@@ -57,6 +57,7 @@ from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
 
 if TYPE_CHECKING:
     from rendezvousd.trainer.agent.recovery import Failure
+    from rendezvousd.trainer.agent.worker_boot import Booted
 
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 # torchrun's spellings, kept as aliases of the config's own flags.
@@ -94,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--standalone",
         action="store_true",
         help="a single node on the file transport: this launcher hosts its daemon",
+    )
+    p.add_argument(
+        "--no-fork-server",
+        dest="fork_server",
+        action="store_false",
+        help="start every spare as a fresh interpreter instead of forking it from this "
+        "node's fork server (also RENDEZVOUSD_FORK_SERVER=0)",
+    )
+    p.add_argument(
+        "--preload",
+        default="",
+        metavar="MODULES",
+        help="comma-separated modules the fork server imports besides numpy, gRPC and "
+        "the trainer (e.g. torch), so that every spare starts with them",
     )
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     p.add_argument("target", help="script path (or module with -m)")
@@ -206,9 +221,35 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
             f"{THREADS_ENV}=1 for each of the {config.local_world_size} workers of this node "
             "so their threads do not overload it; set it to tune"
         )
-    # Before the imports below, so that the spares' start-up overlaps this process's.
-    booted = boot_spares(config, cmd, env)
+    # Before the imports below, so that the spares' start-up (or their fork
+    # server's) overlaps this process's.
+    server = None
+    if args.fork_server:
+        preload = [m.strip() for m in args.preload.split(",") if m.strip()]
+        server = ForkServer.start(env, preload, note=_note)
+    try:
+        booted = boot_spares(config, cmd, env, server)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
     mark("spares-started")
+    try:
+        return _run_agent(args, config, cmd, env, booted, server, ring_host)
+    finally:
+        if server is not None:
+            server.close()  # after the agent stopped every worker
+
+
+def _run_agent(
+    args: argparse.Namespace,
+    config: DistributedConfig,
+    cmd: list[str],
+    env: Mapping[str, str],
+    booted: list[Booted],
+    server: ForkServer | None,
+    ring_host: str,
+) -> int:
     try:
         from rendezvousd.client.connection import resolve_token
         from rendezvousd.client.errors import RendezvousError
@@ -233,6 +274,7 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
             note=_note,
             id_factory=_id_factory(config),
             booted=booted,
+            fork_server=server,
         )
     except BaseException:
         discard(booted)

@@ -40,7 +40,7 @@ from rendezvousd.trainer.agent.warm_workers import (
     WorkerProcess,
     stop_all,
 )
-from rendezvousd.trainer.agent.worker_boot import Booted, fixed_node_rank, slot_env
+from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node_rank, slot_env
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import RestartsExhausted
 
@@ -133,10 +133,12 @@ class NodeAgent:
         id_factory: Callable[[], bytes] | None = None,
         stop_grace_s: float = STOP_GRACE_S,
         booted: Sequence[Booted] = (),
+        fork_server: ForkServer | None = None,
     ) -> None:
         """``booted``: this node's first spares, when the launcher started them
         before it had an agent (``worker_boot.boot_spares``); ``token``: the daemon
-        token ``client`` uses, handed to the workers with their assignment."""
+        token ``client`` uses, handed to the workers with their assignment;
+        ``fork_server``: forks spares while it can (the launcher owns and closes it)."""
         self.config = config
         self.client = client
         self.ring_host = ring_host
@@ -148,7 +150,12 @@ class NodeAgent:
         self.events: queue.Queue[Any] = queue.Queue()
         self.state = StateCopy()
         self.pool = SparePool(
-            cmd, env, self.events, self.state, functools.partial(slot_env, config)
+            cmd,
+            env,
+            self.events,
+            self.state,
+            functools.partial(slot_env, config),
+            fork_server=fork_server,
         )
         self.pool.adopt(booted)
         self.budget = RestartBudget(config.max_restarts)
@@ -298,6 +305,9 @@ class NodeAgent:
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
                 return Failure(None, cause, host=self.host)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
+                if event.worker.lost:
+                    self.pool.fill(self.per_node)  # cold now: not the script's failure
+                    continue
                 failure = self._spare_died(None, event)
                 if failure is not None:
                     return failure
@@ -396,7 +406,8 @@ class NodeAgent:
                     if event.worker.reported_cause:
                         how += f" after {event.worker.reported_cause}"
                     return self._local_failure(gen, first_rank, event.worker, how, status)
-                if self.pool.discard(event.worker):
+                if self.pool.discard(event.worker) and not event.worker.lost:
+                    # (A lost spare is not counted: ``take`` starts another, cold.)
                     spare = self._spare_died(gen, event)
                     if spare is not None:
                         return self._stop(gen, spare, f"restarts exhausted: {spare.cause}")

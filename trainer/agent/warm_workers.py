@@ -5,7 +5,8 @@ Every worker starts as a spare: it imports the user's script up to
 restart hands the new generation to processes that already paid Python, numpy
 and gRPC start-up. Each process has a private channel (``agent_channel``), a
 reaper thread blocked in ``waitid`` (the agent learns of a death at once, in the
-kernel's order) and a reader thread for its frames; both only post events to
+kernel's order; for a spare the node's fork server forked, in the ``exited`` the
+server relays, ``worker_boot.ForkedProcess``) and a reader thread for its frames; both only post events to
 the agent's queue, where the agent's main thread decides. A frame the worker
 should not have sent (``FrameError``, or anything else reading it raised) ends
 its reader with a ``Misbehaved`` event: the worker is failed with that cause.
@@ -30,7 +31,7 @@ from typing import Any
 from rendezvousd.trainer.agent.agent_channel import Channel, ChannelClosed
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.state_copy import MAX_STEP, StateCopy, StepState
-from rendezvousd.trainer.agent.worker_boot import Booted, boot
+from rendezvousd.trainer.agent.worker_boot import Booted, ForkedProcess, ForkServer, start
 from rendezvousd.trainer.errors import AgentChannelError
 
 
@@ -41,6 +42,8 @@ class Exited:
 
     @property
     def how(self) -> str:
+        if self.worker.lost:
+            return "signal SIGKILL (its fork server was lost)"
         if self.code < 0:
             try:
                 return f"signal {signal.Signals(-self.code).name}"
@@ -109,16 +112,31 @@ class WorkerProcess:
             ).start()
 
     @property
-    def pid(self) -> int:
+    def pid(self) -> int | None:
+        """None: a spare the fork server never forked (``lost``)."""
         return self.proc.pid
 
+    @property
+    def lost(self) -> bool:
+        """The fork server refused this spare or died (its workers with it): the
+        process was never the script's to fail, it is replaced, not counted."""
+        return isinstance(self.proc, ForkedProcess) and self.proc.lost
+
     def _reap(self) -> None:
-        # WNOWAIT: learn of the exit but keep the zombie, so that ``kill`` can
-        # never signal a recycled pid before ``exited`` is set.
-        with contextlib.suppress(ChildProcessError):
-            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
-        self.exited.set()
-        self._events.put(Exited(self, self.proc.wait()))
+        # Learn of the exit but keep the zombie (WNOWAIT here, the fork server for
+        # its own), so that ``kill`` can never signal a recycled pid before
+        # ``exited`` is set.
+        proc = self.proc
+        if isinstance(proc, ForkedProcess):
+            code = proc.wait_exited()
+            self.exited.set()
+            proc.release()
+        else:
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            self.exited.set()
+            code = proc.wait()
+        self._events.put(Exited(self, code))
 
     def _read(self) -> None:
         try:
@@ -166,9 +184,12 @@ class WorkerProcess:
         self.channel.send("assign", header, payload)
 
     def signal(self, signum: int) -> None:
-        if not self.exited.is_set():
+        if self.exited.is_set():
+            return
+        pid = self.proc.pid  # a forked spare's: once its fork server answered
+        if pid is not None and not self.exited.is_set():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signum)
+                os.kill(pid, signum)
 
     def abort(self, cause: str) -> None:
         """Tell the worker why it is about to be stopped (best effort)."""
@@ -218,7 +239,10 @@ class SparePool:
         events: queue.Queue[Any],
         state: StateCopy,
         slot_env: Callable[[int], Mapping[str, str]] | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
+        """``fork_server``: forks the spares while it can (else they start cold)."""
+        self._fork_server = fork_server
         self._cmd = list(cmd)
         self._env = dict(env)
         self._events = events
@@ -239,7 +263,7 @@ class SparePool:
             if not any(w.slot == slot and not w.exited.is_set() for w in self.spares):
                 self._serial += 1
                 env = {**self._env, **(self._slot_env(slot) if self._slot_env else {})}
-                started = boot(slot, self._cmd, env)
+                started = start(slot, self._cmd, env, self._fork_server)
                 self.spares.append(WorkerProcess(self._serial, started, self._events, self._state))
 
     def take(self, count: int) -> list[WorkerProcess]:

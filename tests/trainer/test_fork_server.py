@@ -1,0 +1,351 @@
+"""The node's fork server (``_fork_server``, ``worker_boot.ForkServer``): a spare it
+forks sees what a cold one (``_agent_boot``) sees, and ends as an interpreter
+does; its exit reaches the agent with its status; no worker outlives its agent,
+none inherits another's channel or the server's socket; the agent falls back to
+cold spares when the server refuses one or dies."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.trainer.agent.worker_boot import Booted, ForkedProcess, ForkServer, start
+from tests.support import DaemonProcess, descendants, launcher_cmd
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "pidfd_open") or not sys.platform.startswith("linux"),
+    reason="the fork server needs Linux pidfds",
+)
+
+# Writes what it sees to $FACTS, then ends the way $ENDING says.
+WORKER = r"""
+import atexit, json, os, signal, stat, sys, threading, time
+facts = {
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "sighup": signal.getsignal(signal.SIGHUP) == signal.SIG_DFL,
+    "name": __name__,
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "local_rank": os.environ.get("LOCAL_RANK"),
+    "omp": os.environ.get("OMP_NUM_THREADS"),
+    "agent_pid_env": os.environ.get("RENDEZVOUSD_AGENT_PID"),
+    "ppid": os.getppid(),
+    "numpy_preloaded": "numpy" in sys.modules,
+    "channel": int(os.environ["RENDEZVOUSD_AGENT_FD"]),
+    "sockets": sorted(
+        int(fd) for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+        and stat.S_ISSOCK(os.stat(f"/proc/self/fd/{fd}").st_mode)
+    ),
+}
+with open(os.environ["FACTS"], "w") as fh:
+    json.dump(facts, fh)
+ending = os.environ.get("ENDING", "exit")
+if ending == "sleep":
+    time.sleep(600)
+def late():
+    time.sleep(0.2)
+    with open(os.environ["FACTS"] + ".thread", "w") as fh:
+        fh.write("joined")
+atexit.register(lambda: open(os.environ["FACTS"] + ".atexit", "w").write("ran"))
+threading.Thread(target=late).start()
+sys.stdout.write("unflushed output")
+if ending == "raise":
+    raise RuntimeError("the script failed")
+sys.exit(7)
+"""
+
+
+def _server(env: dict[str, str]) -> ForkServer:
+    notes: list[str] = []
+    server = ForkServer.start(env, note=notes.append)
+    assert server is not None
+    return server
+
+
+def _spare_env(tmp_path: Path, name: str, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "LOCAL_RANK": "1",
+        "FACTS": str(tmp_path / name),
+        **extra,
+    }
+
+
+def _run(server: ForkServer, script: Path, env: dict[str, str]) -> tuple[Booted, int]:
+    booted = server.spawn(1, [str(script), "--lr", "0.1"], env)
+    assert booted is not None, "the server did not take the spare"
+    assert isinstance(booted.proc, ForkedProcess)
+    code = booted.proc.wait(120)
+    booted.sock.close()
+    return booted, code
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "scripts" / "train.py"
+    path.parent.mkdir()
+    path.write_text(WORKER)
+    return path
+
+
+def test_a_forked_spare_sees_what_a_cold_one_does_and_exits_as_an_interpreter_does(
+    tmp_path: Path, script: Path
+) -> None:
+    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = _server(base)
+    try:
+        env = _spare_env(tmp_path, "facts")
+        _, code = _run(server, script, env)
+        facts = json.loads((tmp_path / "facts").read_text())
+    finally:
+        server.close()
+    assert code == 7  # SystemExit's code
+    assert facts["name"] == "__main__"
+    assert facts["argv"] == [str(script), "--lr", "0.1"]
+    assert facts["path0"] == str(script.parent)
+    assert facts["local_rank"] == "1"  # its slot's env from the first instruction
+    assert facts["omp"] == "1"
+    assert facts["agent_pid_env"] is None
+    # The signals the server ignores are the worker's as in a fresh interpreter.
+    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == (True, True, True)
+    # Forked by the server, with numpy already imported: the start-up it saves.
+    assert facts["ppid"] == server.proc.pid
+    assert facts["numpy_preloaded"] is True
+    # Its channel is its only socket: not the server's control socket.
+    assert facts["sockets"] == [facts["channel"]]
+    assert (tmp_path / "facts.atexit").read_text() == "ran"
+    assert (tmp_path / "facts.thread").read_text() == "joined"
+
+
+def test_stdout_is_flushed_and_an_uncaught_exception_exits_1_with_its_traceback(
+    tmp_path: Path, script: Path
+) -> None:
+    # The server inherits the launcher's stdio: run the agent's side in a child
+    # whose output we capture.
+    probe = f"""
+import os, sys
+from rendezvousd.trainer.agent.worker_boot import ForkServer
+server = ForkServer.start({{**os.environ, "OMP_NUM_THREADS": "1"}})
+env = {{**os.environ, "OMP_NUM_THREADS": "1", "FACTS": {str(tmp_path / "facts")!r}}}
+for ending in ("raise", "exit"):
+    booted = server.spawn(0, [{str(script)!r}], {{**env, "ENDING": ending}})
+    print("code", ending, booted.proc.wait(120), flush=True)
+server.close()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "code raise 1" in done.stdout
+    assert "code exit 7" in done.stdout
+    assert done.stdout.count("unflushed output") == 2
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "RuntimeError: the script failed" in done.stderr
+
+
+def test_spares_inherit_no_other_spares_channel_and_a_signal_reaches_the_agent(
+    tmp_path: Path, script: Path
+) -> None:
+    server = _server({**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        first = server.spawn(0, [str(script)], _spare_env(tmp_path, "a", ENDING="sleep"))
+        assert first is not None and isinstance(first.proc, ForkedProcess)
+        _wait_for(tmp_path / "a")
+        second = server.spawn(1, [str(script)], _spare_env(tmp_path, "b", ENDING="sleep"))
+        assert second is not None and isinstance(second.proc, ForkedProcess)
+        _wait_for(tmp_path / "b")
+        facts = json.loads((tmp_path / "b").read_text())
+        assert facts["sockets"] == [facts["channel"]]
+        # The first spare's channel: the agent's end sees EOF only once it exits.
+        pid = first.proc.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert first.proc.wait_exited() == -signal.SIGKILL
+        # The zombie is kept until the agent releases it: the pid cannot be reused.
+        assert _state(pid) == "Z"
+        first.proc.release()
+        assert first.sock.recv(1) == b""
+        second.proc.kill()
+        assert second.proc.wait(120) == -signal.SIGKILL
+        _wait_gone(pid)
+    finally:
+        server.close()
+
+
+def test_a_spare_whose_thread_settings_differ_starts_cold(tmp_path: Path, script: Path) -> None:
+    server = _server({**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        env = _spare_env(tmp_path, "facts", OMP_NUM_THREADS="4")
+        assert server.spawn(0, [str(script)], env) is None
+        booted = start(0, [str(script)], env, server)
+        assert isinstance(booted.proc, subprocess.Popen)  # cold
+        assert booted.proc.wait(120) == 7
+        booted.sock.close()
+        facts = json.loads((tmp_path / "facts").read_text())
+        assert facts["omp"] == "4"
+        assert facts["numpy_preloaded"] is False
+    finally:
+        server.close()
+
+
+def test_the_fork_server_s_death_kills_its_workers_reports_them_lost_and_later_spares_start_cold(
+    tmp_path: Path, script: Path
+) -> None:
+    server = _server({**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        booted = server.spawn(0, [str(script)], _spare_env(tmp_path, "a", ENDING="sleep"))
+        assert booted is not None and isinstance(booted.proc, ForkedProcess)
+        _wait_for(tmp_path / "a")
+        pid = booted.proc.pid
+        assert pid is not None
+        server.proc.kill()
+        assert booted.proc.wait_exited() == -signal.SIGKILL
+        assert booted.proc.lost
+        _wait_gone(pid)  # its parent-death signal
+        assert server.unavailable is not None
+        again = start(0, [str(script)], _spare_env(tmp_path, "b"), server)
+        assert isinstance(again.proc, subprocess.Popen)
+        assert again.proc.wait(120) == 7
+        again.sock.close()
+    finally:
+        server.close()
+
+
+def test_no_forked_worker_outlives_its_agent(tmp_path: Path, script: Path) -> None:
+    agent = f"""
+import os, sys, time
+from rendezvousd.trainer.agent.worker_boot import ForkServer
+server = ForkServer.start({{**os.environ, "OMP_NUM_THREADS": "1"}})
+env = {{**os.environ, "OMP_NUM_THREADS": "1", "FACTS": {str(tmp_path / "facts")!r}, "ENDING": "sleep"}}
+booted = server.spawn(0, [{str(script)!r}], env)
+print(server.proc.pid, booted.proc.pid, flush=True)
+time.sleep(600)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        server_pid, worker_pid = map(int, proc.stdout.readline().split())
+        _wait_for(tmp_path / "facts")
+        proc.kill()
+        proc.wait(30)
+        _wait_gone(server_pid)
+        _wait_gone(worker_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 120  # a generous bound, not a timing assertion
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return text.rsplit(")", 1)[1].split()[0]
+
+
+def _wait_gone(pid: int) -> None:
+    """Until ``pid`` is no live process (gone, or a zombie another parent reaps)."""
+    deadline = time.monotonic() + 60
+    while _state(pid) not in (None, "Z"):
+        assert time.monotonic() < deadline, f"pid {pid} still runs"
+        time.sleep(0.02)
+
+
+def test_a_server_that_runs_threads_after_its_imports_starts_its_spares_cold(
+    tmp_path: Path, script: Path
+) -> None:
+    notes: list[str] = []
+    server = ForkServer.start(
+        {**os.environ, "OMP_NUM_THREADS": "1"},
+        ["tests.trainer.fork_server_thread"],
+        note=notes.append,
+    )
+    assert server is not None
+    try:
+        _, code = _run(server, script, _spare_env(tmp_path, "facts"))
+        facts = json.loads((tmp_path / "facts").read_text())
+    finally:
+        server.close()
+    assert code == 7
+    # Still the server's child (its exit relayed the same way), but a fresh interpreter.
+    assert facts["ppid"] == server.proc.pid
+    assert facts["numpy_preloaded"] is False
+    assert facts["local_rank"] == "1"
+    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == (True, True, True)
+    assert any("spares start cold" in n and "threads" in n for n in notes), notes
+
+
+def _fork_server_of(launcher_pid: int) -> int | None:
+    for pid in descendants(launcher_pid):
+        with contextlib.suppress(OSError):
+            if b"_fork_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+def _children_of(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def test_spares_lost_with_their_fork_server_are_replaced_cold_and_use_no_restart(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """No restart allowed: the spares the server took with it are no failure of the
+    script; the node's agent starts others cold and the job trains to its end."""
+    example = ["-m", "rendezvousd.trainer.example", "--steps", "5"]
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(2):
+            cmd = launcher_cmd(
+                2, rank, 2, endpoint=daemon.endpoint, token_file=daemon.token_file, job=job_id
+            )
+            nodes.append(
+                subprocess.Popen(
+                    [*cmd, "--max-restarts", "0", *example],
+                    stderr=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    text=True,
+                    cwd=tmp_path,
+                )
+            )
+            if rank == 1:
+                break
+            # Node 0 waits for node 1 in its join, its spares forked: lose its server.
+            deadline = time.monotonic() + 120
+            while (server := _fork_server_of(nodes[0].pid)) is None or len(
+                _children_of(server)
+            ) < 2:
+                assert time.monotonic() < deadline, "node 0's fork server forked no spares"
+                assert nodes[0].poll() is None
+                time.sleep(0.02)
+            os.kill(server, signal.SIGKILL)
+        outs = [n.communicate(timeout=180)[1] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait(30)
+    assert [n.returncode for n in nodes] == [0, 0], "\n---\n".join(outs)
+    assert "fork server unavailable" in outs[0], outs[0]
+    assert "failed first" not in outs[0], outs[0]
