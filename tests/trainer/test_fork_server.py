@@ -12,11 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from rendezvousd.trainer.agent import worker_boot
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkedProcess, ForkServer, start
 from tests.support import DaemonProcess, descendants, launcher_cmd
 
@@ -218,6 +220,36 @@ def test_the_fork_server_s_death_kills_its_workers_reports_them_lost_and_later_s
         assert isinstance(again.proc, subprocess.Popen)
         assert again.proc.wait(120) == 7
         again.sock.close()
+    finally:
+        server.close()
+
+
+def test_a_server_stuck_in_an_import_is_given_up_and_its_spares_are_lost(
+    tmp_path: Path, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stop paths need each worker's pid: an unanswered request must not block them.
+    monkeypatch.setattr(worker_boot, "ANSWER_S", 2.0)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[2]))
+    notes: list[str] = []
+    server = ForkServer.start(
+        {**os.environ, "OMP_NUM_THREADS": "1"},
+        ["tests.trainer.fork_server_hang"],
+        note=notes.append,
+    )
+    assert server is not None
+    try:
+        booted = server.spawn(0, [str(script)], _spare_env(tmp_path, "a"))
+        assert booted is not None and isinstance(booted.proc, ForkedProcess)
+        answered: list[int | None] = []
+        asking = threading.Thread(target=lambda: answered.append(booted.proc.pid), daemon=True)
+        asking.start()
+        asking.join(30)
+        assert not asking.is_alive(), "the pid of an unanswered spare blocked its caller"
+        assert answered == [None]
+        assert booted.proc.lost and booted.proc.wait_exited() == -signal.SIGKILL
+        assert server.unavailable is not None and "no answer" in server.unavailable
+        assert server.proc.wait(10) == -signal.SIGKILL
+        booted.sock.close()
     finally:
         server.close()
 

@@ -52,6 +52,14 @@ class Booted:
     sock: socket.socket
 
 
+# How long the agent waits for its fork server to answer a spare's request (the
+# server's imports come first: a ``--preload`` of torch takes seconds on a loaded
+# node) before it gives the server up: it is killed, its spares are lost (replaced
+# cold, using no restart), so that a server stuck in an import can never hold up
+# the agent's stop paths, which need each worker's pid.
+ANSWER_S = 120.0
+
+
 class ForkedProcess:
     """A worker the fork server forks: what the agent uses of a ``Popen``.
 
@@ -71,7 +79,9 @@ class ForkedProcess:
 
     @property
     def pid(self) -> int | None:
-        self._answered.wait()
+        if not self._answered.wait(ANSWER_S):
+            self._server.give_up(f"no answer to a spare's request within {ANSWER_S:g} s")
+            self._answered.wait(10.0)  # its reader marks this spare lost at the EOF
         return self._pid
 
     def _spawned(self, pid: int) -> None:
@@ -195,6 +205,13 @@ class ForkServer:
     def reap(self, pid: int) -> None:
         with contextlib.suppress(OSError):
             send(self._sock, {"op": "reap", "pid": pid})
+
+    def give_up(self, why: str) -> None:
+        """The server stopped answering: kill it (its reader then reports every
+        spare it held as lost) and start spares cold from now on."""
+        self._unavailable(why)
+        with contextlib.suppress(OSError):
+            self.proc.kill()
 
     def _unavailable(self, why: str) -> None:
         if self.unavailable is None:
