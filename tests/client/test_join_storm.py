@@ -24,7 +24,7 @@ import grpc.aio
 import pytest
 import pytest_asyncio
 
-from rendezvousd.client import AsyncRendezvousClient
+from rendezvousd.client import AsyncRendezvousClient, RendezvousClient
 from rendezvousd.common.model import JobState
 from rendezvousd.config import DaemonConfig
 from rendezvousd.daemon import Daemon
@@ -73,16 +73,32 @@ async def backlogged(
         await daemon.stop(grace=0)
 
 
+Client = AsyncRendezvousClient | RendezvousClient
+
+
+def _client(d: InProcessDaemon, job_id: str, blocking: bool) -> Client:
+    if blocking:  # its blocking calls go on threads: the daemon runs on this loop
+        return RendezvousClient(d.endpoint, job_id, token=d.token)
+    return d.client(job_id)
+
+
+async def _call(method: Callable[..., Any], **kw: Any) -> Any:
+    """``method(**kw)`` of either client, awaited (a blocking one on a thread)."""
+    if asyncio.iscoroutinefunction(method):
+        return await method(**kw)
+    return await asyncio.to_thread(method, **kw)
+
+
 async def _storm_after_join(
     d: InProcessDaemon,
     backlog: _Backlog,
     job_id: str,
-    join: Callable[[AsyncRendezvousClient, int], Awaitable[Any]],
-    attendees: int,
+    blocking: bool,
+    join: Callable[[Client, int], Awaitable[Any]],
 ) -> None:
-    """``attendees`` clients join; then new Heartbeat calls are held, the heartbeats
-    start, and the job must stay RUNNING past its heartbeat timeout."""
-    clients = [d.client(job_id) for _ in range(attendees)]
+    """Two clients join; then new Heartbeat calls are held, the heartbeats start, and
+    the job must stay RUNNING past its heartbeat timeout."""
+    clients = [_client(d, job_id, blocking) for _ in range(2)]
     try:
         await asyncio.gather(*[join(c, i) for i, c in enumerate(clients)])
         backlog.on = True  # the storm: every Heartbeat call arriving now waits HOLD_S
@@ -102,45 +118,56 @@ async def _storm_after_join(
         assert all(c.failure is None for c in clients), [c.failure for c in clients]
         assert backlog.held == 0, "a heartbeat stream was opened only after the join"
     finally:
-        await asyncio.gather(*[c.close() for c in clients])
+        await asyncio.gather(*[_call(c.close) for c in clients])
 
 
+@pytest.mark.parametrize("blocking", [False, True], ids=["asyncio", "blocking"])
 async def test_a_ranks_stream_is_open_before_its_join_is_answered(
-    backlogged: tuple[InProcessDaemon, _Backlog], job_id: str
+    backlogged: tuple[InProcessDaemon, _Backlog], job_id: str, blocking: bool
 ) -> None:
-    async def join(c: AsyncRendezvousClient, rank: int) -> Any:
-        return await c.join(num_nodes=2, gpus_per_node=1, node_rank=rank, local_rank=0, timeout=30)
-
-    await _storm_after_join(*backlogged, job_id, join, attendees=2)
-
-
-async def test_a_node_agents_stream_is_open_before_its_join_node_is_answered(
-    backlogged: tuple[InProcessDaemon, _Backlog], job_id: str
-) -> None:
-    async def join(c: AsyncRendezvousClient, node: int) -> Any:
-        return await c.join_node(
-            min_nodes=2, max_nodes=2, gpus_per_node=2, node_rank=node, host=f"h{node}", timeout=30
+    async def join(c: Client, rank: int) -> Any:
+        return await _call(
+            c.join, num_nodes=2, gpus_per_node=1, node_rank=rank, local_rank=0, timeout=30
         )
 
-    await _storm_after_join(*backlogged, job_id, join, attendees=2)
+    await _storm_after_join(*backlogged, job_id, blocking, join)
 
 
+@pytest.mark.parametrize("blocking", [False, True], ids=["asyncio", "blocking"])
+async def test_a_node_agents_stream_is_open_before_its_join_node_is_answered(
+    backlogged: tuple[InProcessDaemon, _Backlog], job_id: str, blocking: bool
+) -> None:
+    async def join(c: Client, node: int) -> Any:
+        return await _call(
+            c.join_node,
+            min_nodes=2,
+            max_nodes=2,
+            gpus_per_node=2,
+            node_rank=node,
+            host=f"h{node}",
+            timeout=30,
+        )
+
+    await _storm_after_join(*backlogged, job_id, blocking, join)
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["asyncio", "blocking"])
 async def test_a_stream_opened_for_a_heartbeat_that_never_starts_ends_cleanly(
-    backlogged: tuple[InProcessDaemon, _Backlog], job_id: str
+    backlogged: tuple[InProcessDaemon, _Backlog], job_id: str, blocking: bool
 ) -> None:
     """A client that joins and leaves without heartbeating: the stream opened for it
     ends without a message, and its end loses no one."""
     d, _ = backlogged
-    clients = [d.client(job_id) for _ in range(2)]
+    clients = [_client(d, job_id, blocking) for _ in range(2)]
     await asyncio.gather(
         *[
-            c.join(num_nodes=2, gpus_per_node=1, node_rank=r, local_rank=0, timeout=30)
+            _call(c.join, num_nodes=2, gpus_per_node=1, node_rank=r, local_rank=0, timeout=30)
             for r, c in enumerate(clients)
         ]
     )
     job = d.server.state.jobs[job_id]
     for c in clients:
-        await c.leave()
-        await c.close()
+        await _call(c.leave)
+        await _call(c.close)
     assert job.state is JobState.ENDED, [f.cause for f in job.gen.failed]
     assert not job.gen.failed
