@@ -178,6 +178,10 @@ class AsyncRendezvousClient(steps.ClientBase):
             if not self._opened[0].done():
                 return
             self._release_opened()
+        if self._mux is not None:
+            # The Calls stream first: the join goes on it, and the daemon takes new
+            # calls in arrival order, so the join does not wait behind this stream.
+            self._mux.open()
         requests: asyncio.Future[_Requests | None] = asyncio.get_running_loop().create_future()
         call = self._stub.Heartbeat(
             _held(requests), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S

@@ -261,6 +261,10 @@ class RendezvousClient(steps.ClientBase):
             if self._opened is not None and not self._opened[0].done():
                 return
         self._release_opened()
+        if self._mux is not None:
+            # The Calls stream first: the join goes on it, and the daemon takes new
+            # calls in arrival order, so the join does not wait behind this stream.
+            self._mux.open()
         held, feed = _HeldRequests(), RequestFeed()
         call = self._stub.Heartbeat(
             feed.wrap(iter(held)), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
