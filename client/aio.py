@@ -196,7 +196,7 @@ class AsyncRendezvousClient(steps.ClientBase):
             return None
         call, held = opened
         if call.done():
-            held.cancel()
+            held.set_result(None)
             return None
         held.set_result(requests)
         return call
