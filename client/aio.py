@@ -31,6 +31,7 @@ from rendezvousd.client.membership import Member, Membership, NodeMembership
 
 T = TypeVar("T")
 _Requests = AsyncIterator[pb.HeartbeatRequest]
+INTERNAL = grpc.StatusCode.INTERNAL
 # How long leave()/close() wait for the heartbeat task to end once cancelled.
 STOP_HEARTBEAT_S = 5.0
 # Each heartbeat stream's deadline (the next one is made when it passes).
@@ -229,9 +230,11 @@ class AsyncRendezvousClient(steps.ClientBase):
     async def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not watch.done:
             requests = self._heartbeat_requests(interval)
-            call = self._take_opened(requests) or self._stub.Heartbeat(
+            opened = self._take_opened(requests)
+            call = opened or self._stub.Heartbeat(
                 requests, metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
             )
+            heard = False
             error: grpc.aio.AioRpcError | None = None
             try:
                 while True:
@@ -250,13 +253,19 @@ class AsyncRendezvousClient(steps.ClientBase):
                         break
                     if event is grpc.aio.EOF:
                         break
+                    heard = True
                     verdict = watch.on_event(event)
                     if verdict == "reconnect" and self._mux is not None:
                         self._mux.retire()  # the daemon drains: let it go
                     if verdict != "continue":
                         break
             except grpc.aio.AioRpcError as exc:
-                error = exc
+                # The first beat on the stream opened with the join can find its
+                # connection already gone (the daemon died since): gRPC fails such a
+                # write INTERNAL, on this side, not UNAVAILABLE. Nothing was heard on
+                # that stream: a new one is made, as after any broken stream.
+                lost = opened is not None and not heard and exc.code() is INTERNAL
+                error = None if lost else exc
                 if self._mux is not None:
                     self._mux.retire()  # the daemon may be going: never hold it up
             finally:
