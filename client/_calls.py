@@ -128,7 +128,19 @@ class Connect:
     timeout: float
 
 
-Step = Rpc | Sleep | Blocking | StopStream | Connected | LeaveOnStream | Connect
+@dataclass(frozen=True)
+class OpenStream:
+    """Open the heartbeat stream's call now, before the join is sent, without a message
+    yet (after the Calls stream, where the client has one): ``start_heartbeat()`` sends
+    its first beat on it. A daemon hands new calls to its handlers one at a time, in
+    arrival order; in a join storm (4,096 per-rank clients at once) a stream opened only
+    after the join's answer queued behind the other clients' connects for 6-10 s, past
+    the heartbeat timeout that started when the job formed, and both sides gave up on
+    each other (issue 21). Opened with the join, it is handed over while the join
+    waits, and the first beat is a message on it."""
+
+
+Step = Rpc | Sleep | Blocking | StopStream | Connected | LeaveOnStream | Connect | OpenStream
 Steps = Generator[Step, Any, T]
 
 
@@ -276,6 +288,7 @@ class Calls:
         yield from self.check_health()
         plan = self.s.plan_join(**request)
         address = request.get("address", "")
+        yield OpenStream()
         response = yield from self._send_join(plan, "Join")
         if response.id_required:
             publish = plan.publish_request(response)
@@ -302,6 +315,7 @@ class Calls:
         # into this one.
         yield StopStream()
         plan = self.s.plan_join_node(**request)
+        yield OpenStream()
         while True:
             response = yield from self._send_join(plan, "JoinNode")
             if not response.id_required:

@@ -30,8 +30,20 @@ from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Member, Membership, NodeMembership
 
 T = TypeVar("T")
+_Requests = AsyncIterator[pb.HeartbeatRequest]
+INTERNAL = grpc.StatusCode.INTERNAL
 # How long leave()/close() wait for the heartbeat task to end once cancelled.
 STOP_HEARTBEAT_S = 5.0
+# Each heartbeat stream's deadline (the next one is made when it passes).
+HEARTBEAT_CALL_S = 3600.0
+
+
+async def _held(requests: asyncio.Future[_Requests | None]) -> _Requests:
+    """An opened stream's requests: none until start_heartbeat() gives them."""
+    given = await requests
+    if given is not None:
+        async for request in given:
+            yield request
 
 
 class AsyncRendezvousClient(steps.ClientBase):
@@ -52,6 +64,10 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._blocking = BlockingMembers(self._s, self._c.tls)
         self._s.get_members = self._blocking
         self._hb_task: asyncio.Task[None] | None = None
+        # The heartbeat stream opened before the join (``steps.OpenStream``), and what
+        # its requests will be once start_heartbeat() gives them (None: none, ever).
+        self._opened: tuple[grpc.aio.StreamStreamCall, asyncio.Future[_Requests | None]] | None
+        self._opened = None
         # Wakes the stream's request iterator before its next beat, to say goodbye.
         self._hb_wake = asyncio.Event()
         self._hb_leave = False
@@ -77,6 +93,8 @@ class AsyncRendezvousClient(steps.ClientBase):
             return await asyncio.to_thread(step.work)
         elif isinstance(step, steps.StopStream):
             await self._stop_heartbeat()
+        elif isinstance(step, steps.OpenStream):
+            self._open_stream()
         elif isinstance(step, steps.Connected):
             return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
         elif isinstance(step, steps.LeaveOnStream):
@@ -152,6 +170,45 @@ class AsyncRendezvousClient(steps.ClientBase):
         """``RendezvousClient.abort``, awaited."""
         return await self._run(self._c.abort(reason, job_id, generation))
 
+    def _open_stream(self) -> None:
+        """``steps.OpenStream``: the heartbeat stream's call, open before the join, its
+        requests held back until start_heartbeat() (none while one is running)."""
+        if self._hb_task is not None and not self._hb_task.done():
+            return
+        if self._opened is not None:
+            if not self._opened[0].done():
+                return
+            self._release_opened()
+        if self._mux is not None:
+            # The Calls stream first: the join goes on it, and the daemon takes new
+            # calls in arrival order, so the join does not wait behind this stream.
+            self._mux.open()
+        requests: asyncio.Future[_Requests | None] = asyncio.get_running_loop().create_future()
+        call = self._stub.Heartbeat(
+            _held(requests), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
+        )
+        self._opened = (call, requests)
+
+    def _take_opened(self, requests: _Requests) -> grpc.aio.StreamStreamCall | None:
+        """The stream opened before the join, now sending ``requests``; None when
+        there is none, or it already ended (the stream is then made anew)."""
+        opened, self._opened = self._opened, None
+        if opened is None:
+            return None
+        call, held = opened
+        if call.done():
+            held.set_result(None)
+            return None
+        held.set_result(requests)
+        return call
+
+    def _release_opened(self) -> None:
+        """An opened stream that no heartbeat took: ended without a message (the
+        daemon's handler sees the end of its requests and returns)."""
+        opened, self._opened = self._opened, None
+        if opened is not None and not opened[1].done():
+            opened[1].set_result(None)
+
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         loop = asyncio.get_running_loop()
         self._hb_wake.clear()
@@ -172,9 +229,12 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not watch.done:
-            call = self._stub.Heartbeat(
-                self._heartbeat_requests(interval), metadata=self._s.metadata, timeout=3600.0
+            requests = self._heartbeat_requests(interval)
+            opened = self._take_opened(requests)
+            call = opened or self._stub.Heartbeat(
+                requests, metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
             )
+            heard = False
             error: grpc.aio.AioRpcError | None = None
             try:
                 while True:
@@ -193,13 +253,19 @@ class AsyncRendezvousClient(steps.ClientBase):
                         break
                     if event is grpc.aio.EOF:
                         break
+                    heard = True
                     verdict = watch.on_event(event)
                     if verdict == "reconnect" and self._mux is not None:
                         self._mux.retire()  # the daemon drains: let it go
                     if verdict != "continue":
                         break
             except grpc.aio.AioRpcError as exc:
-                error = exc
+                # The first beat on the stream opened with the join can find its
+                # connection already gone (the daemon died since): gRPC fails such a
+                # write INTERNAL, on this side, not UNAVAILABLE. Nothing was heard on
+                # that stream: a new one is made, as after any broken stream.
+                lost = opened is not None and not heard and exc.code() is INTERNAL
+                error = None if lost else exc
                 if self._mux is not None:
                     self._mux.retire()  # the daemon may be going: never hold it up
             finally:
@@ -213,7 +279,8 @@ class AsyncRendezvousClient(steps.ClientBase):
         """Cancel the stream's task and wait for it, within STOP_HEARTBEAT_S: a task
         that outlives its cancellation (a library swallowing it) is cancelled again
         each round, and after that left behind with a warning, never waited on
-        without end."""
+        without end. A stream opened for a heartbeat that never started ends."""
+        self._release_opened()
         task, self._hb_task = self._hb_task, None
         if task is None:
             return

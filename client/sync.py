@@ -27,6 +27,29 @@ from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Membership, NodeMembership
 
 T = TypeVar("T")
+# Each heartbeat stream's deadline (the next one is made when it passes).
+HEARTBEAT_CALL_S = 3600.0
+
+
+class _HeldRequests:
+    """An opened stream's requests (``steps.OpenStream``): none until start_heartbeat()
+    gives them, or the end of the stream without a message (``None``). gRPC's feeding
+    thread waits here meanwhile; it is always let go before the call is cancelled."""
+
+    def __init__(self) -> None:
+        self._given = threading.Event()
+        self._requests: Iterator[pb.HeartbeatRequest] | None = None
+
+    def give(self, requests: Iterator[pb.HeartbeatRequest] | None) -> None:
+        if not self._given.is_set():
+            self._requests = requests
+            self._given.set()
+
+    def __iter__(self) -> Iterator[pb.HeartbeatRequest]:
+        self._given.wait()
+        if self._requests is not None:
+            yield from self._requests
+
 
 # Blocking clients not closed yet. One still open when the interpreter exits is closed
 # then (as a process exiting without close() would leave its daemon anyway), so that
@@ -77,6 +100,9 @@ class RendezvousClient(steps.ClientBase):
         self._hb_leave = False
         self._hb_call: Any = None
         self._hb_feed: RequestFeed | None = None
+        # The heartbeat stream opened before the join, its feed and its held requests.
+        self._opened: tuple[Any, RequestFeed, _HeldRequests] | None = None
+        self._opened_lock = threading.Lock()
         _open.add(self)
 
     # -- plumbing: the I/O of the shared steps -------------------------------------
@@ -106,6 +132,8 @@ class RendezvousClient(steps.ClientBase):
             return step.work()
         elif isinstance(step, steps.StopStream):
             self._stop_heartbeat()
+        elif isinstance(step, steps.OpenStream):
+            self._open_stream()
         elif isinstance(step, steps.Connected):
             # A blocking channel cannot say without connecting: always health-check
             # (one round trip per join, which a blocking client makes rarely).
@@ -223,6 +251,60 @@ class RendezvousClient(steps.ClientBase):
 
     # -- heartbeat ----------------------------------------------------------------
 
+    def _open_stream(self) -> None:
+        """``steps.OpenStream``: the heartbeat stream's call, open before the join, its
+        requests held back until start_heartbeat() (none while one is running)."""
+        thread = self._hb_thread
+        if thread is not None and thread.is_alive():
+            return
+        with self._opened_lock:
+            if self._opened is not None and not self._opened[0].done():
+                return
+        self._release_opened()
+        if self._mux is not None:
+            # The Calls stream first: the join goes on it, and the daemon takes new
+            # calls in arrival order, so the join does not wait behind this stream.
+            self._mux.open()
+        held, feed = _HeldRequests(), RequestFeed()
+        call = self._stub.Heartbeat(
+            feed.wrap(iter(held)), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
+        )
+        # A client dropped without close() lets gRPC's feeding thread go.
+        weakref.finalize(self, held.give, None)
+        with self._opened_lock:
+            self._opened = (call, feed, held)
+
+    def _take_opened(
+        self, requests: Iterator[pb.HeartbeatRequest]
+    ) -> tuple[Any, RequestFeed] | None:
+        """The stream opened before the join and its feed, now sending ``requests``;
+        None when there is none, or it already ended (the stream is then made anew)."""
+        with self._opened_lock:
+            opened, self._opened = self._opened, None
+        if opened is None:
+            return None
+        call, feed, held = opened
+        if call.done():
+            self._end_opened(opened)
+            return None
+        held.give(requests)
+        return call, feed
+
+    def _release_opened(self) -> None:
+        """An opened stream that no heartbeat took ends without a message."""
+        with self._opened_lock:
+            opened, self._opened = self._opened, None
+        if opened is not None:
+            self._end_opened(opened)
+
+    @staticmethod
+    def _end_opened(opened: tuple[Any, RequestFeed, _HeldRequests]) -> None:
+        call, feed, held = opened
+        held.give(None)  # gRPC's feeding thread goes first (see _stream_threads)
+        call.cancel()
+        feed.join(time.monotonic() + 2.0)
+        unraise(call)
+
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         self._hb_stop.clear()
         self._hb_wake.clear()
@@ -252,12 +334,15 @@ class RendezvousClient(steps.ClientBase):
 
     def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not self._hb_stop.is_set() and not watch.done:
-            feed = RequestFeed()
-            call = self._stub.Heartbeat(
-                feed.wrap(self._heartbeat_requests(interval)),
-                metadata=self._s.metadata,
-                timeout=3600.0,
-            )
+            requests = self._heartbeat_requests(interval)
+            opened = self._take_opened(requests)
+            if opened is not None:
+                call, feed = opened
+            else:
+                feed = RequestFeed()
+                call = self._stub.Heartbeat(
+                    feed.wrap(requests), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
+                )
             self._hb_call, self._hb_feed = call, feed
             error: grpc.RpcError | None = None
             try:
@@ -295,6 +380,7 @@ class RendezvousClient(steps.ClientBase):
                 return
 
     def _stop_heartbeat(self) -> None:
+        self._release_opened()
         self._hb_stop.set()
         self._hb_wake.set()
         if self._hb_call is not None:

@@ -45,6 +45,14 @@ log = logging.getLogger("rendezvousd")
 MAX_SEND_BYTES = 16 * 1024 * 1024
 # How often the daemon pings each connection (HTTP/2 keepalive).
 KEEPALIVE_MS = 5_000
+# How long a call may wait to be handed to its handler before gRPC core cancels it
+# (its default: 30 s). Calls are handed over one at a time, in arrival order: in a
+# per-rank join storm (4,096 clients, each a health check, a Calls stream and a
+# heartbeat stream) the last ones waited longer than 30 s, and gRPC cancelled them
+# (the Join failed with CANCELLED; with the default, 488 of 4,096 in one soak run).
+# The queue's length is bounded by max_pending_requests, and a caller that gives up
+# cancels its own call: the age bound only failed calls that were about to be served.
+UNREQUESTED_S = 600
 _MALFORMED = "request body is not a valid protobuf message for this method"
 
 
@@ -216,6 +224,7 @@ class Daemon:
             # pending calls are queued before authentication.
             ("grpc.server.max_pending_requests", pending),
             ("grpc.server.max_pending_requests_hard_limit", pending),
+            ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_S),
             # Before any handler or token check: a connection's streams beyond the cap
             # are refused by gRPC core (RST_STREAM REFUSED_STREAM), so a client that
             # opens calls and never sends a body holds at most this many per

@@ -302,8 +302,9 @@ def test_a_call_in_flight_when_the_daemon_dies_is_retried_on_a_new_stream(
 def test_a_call_beyond_a_full_stream_is_made_unary_not_refused(
     kind: str, start_daemon: Callable[..., DaemonProcess], job_id: str, made: Callable[..., Twin]
 ) -> None:
-    # Two calls in flight per stream (and two HTTP/2 streams per connection).
-    env = {"RENDEZVOUSD_MAX_CONCURRENT_STREAMS": "2"}
+    # Three calls in flight per stream, and three HTTP/2 streams per connection: the
+    # Calls stream, the heartbeat stream join() opened, and one unary call.
+    env = {"RENDEZVOUSD_MAX_CONCURRENT_STREAMS": "3"}
     d = start_daemon("--metrics-listen", "127.0.0.1:0", env=env)
     c = made(kind, d.endpoint, job_id, token=d.token)
     m = c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
@@ -315,18 +316,18 @@ def test_a_call_beyond_a_full_stream_is_made_unary_not_refused(
         except RendezvousError as exc:
             got[key] = exc
 
-    keys = [threading.Thread(target=wait_for_key, args=(k,)) for k in "abc"]
+    keys = [threading.Thread(target=wait_for_key, args=(k,)) for k in "abcd"]
     for t in keys:
         t.start()
-    wait_for("three parked KvGets", lambda: waiters(d) == 3)
+    wait_for("four parked KvGets", lambda: waiters(d) == 4)
     setter = made(kind, d.endpoint, job_id, token=d.token)  # a connection of its own
     setter.attach(m, c._s.instance_id)
-    for k in "abc":
+    for k in "abcd":
         setter.kv_set(k, k.encode())
     for t in keys:
         t.join(30)
-    assert got == {"a": b"a", "b": b"b", "c": b"c"}
-    assert c._mux.sent["KvGet"] == 3  # all sent on the stream; one refused there
+    assert got == {k: k.encode() for k in "abcd"}
+    assert c._mux.sent["KvGet"] == 4  # all sent on the stream; one refused there
 
 
 class WithoutCalls(RendezvousServicer):
