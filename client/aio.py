@@ -92,7 +92,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.Blocking):
             return await asyncio.to_thread(step.work)
         elif isinstance(step, steps.StopStream):
-            await self._stop_heartbeat()
+            # A stream opened but never heartbeated (connect(), an earlier join) names
+            # no member yet: the join that follows takes it.
+            await self._stop_heartbeat(keep_opened=True)
         elif isinstance(step, steps.OpenStream):
             self._open_stream()
         elif isinstance(step, steps.Connected):
@@ -105,8 +107,9 @@ class AsyncRendezvousClient(steps.ClientBase):
                     await self._channel.channel_ready()
             except TimeoutError:
                 return False
-            if self._mux is not None:
-                self._mux.open()
+            # Everything a join sends on: the Calls stream and the heartbeat stream
+            # opened with the join (``steps.OpenStream``), its start out of the join.
+            self._open_stream()
             return True
         return None
 
@@ -202,6 +205,16 @@ class AsyncRendezvousClient(steps.ClientBase):
         held.set_result(requests)
         return call
 
+    async def _end_opened(self) -> None:
+        """``_release_opened``, then the call cancelled and waited for (within
+        STOP_HEARTBEAT_S), so that close() leaves none of gRPC's tasks behind."""
+        call = self._opened[0] if self._opened is not None else None
+        self._release_opened()
+        if call is not None and not call.done():
+            call.cancel()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, grpc.RpcError):
+                await asyncio.wait_for(call.code(), STOP_HEARTBEAT_S)
+
     def _release_opened(self) -> None:
         """An opened stream that no heartbeat took: ended without a message (the
         daemon's handler sees the end of its requests and returns)."""
@@ -275,12 +288,13 @@ class AsyncRendezvousClient(steps.ClientBase):
                 return
             await asyncio.sleep(delay)
 
-    async def _stop_heartbeat(self) -> None:
+    async def _stop_heartbeat(self, *, keep_opened: bool = False) -> None:
         """Cancel the stream's task and wait for it, within STOP_HEARTBEAT_S: a task
         that outlives its cancellation (a library swallowing it) is cancelled again
         each round, and after that left behind with a warning, never waited on
         without end. A stream opened for a heartbeat that never started ends."""
-        self._release_opened()
+        if not keep_opened:
+            await self._end_opened()
         task, self._hb_task = self._hb_task, None
         if task is None:
             return

@@ -131,7 +131,9 @@ class RendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.Blocking):
             return step.work()
         elif isinstance(step, steps.StopStream):
-            self._stop_heartbeat()
+            # A stream opened but never heartbeated (connect(), an earlier join) names
+            # no member yet: the join that follows takes it.
+            self._stop_heartbeat(keep_opened=True)
         elif isinstance(step, steps.OpenStream):
             self._open_stream()
         elif isinstance(step, steps.Connected):
@@ -147,8 +149,9 @@ class RendezvousClient(steps.ClientBase):
             except grpc.FutureTimeoutError:
                 ready.cancel()  # ends gRPC's thread watching the channel
                 return False
-            if self._mux is not None:
-                self._mux.open()
+            # Everything a join sends on: the Calls stream and the heartbeat stream
+            # opened with the join (``steps.OpenStream``), its start out of the join.
+            self._open_stream()
             return True
         return None
 
@@ -379,8 +382,9 @@ class RendezvousClient(steps.ClientBase):
                     call.cancel()  # ends the heartbeat thread's blocked read
                 return
 
-    def _stop_heartbeat(self) -> None:
-        self._release_opened()
+    def _stop_heartbeat(self, *, keep_opened: bool = False) -> None:
+        if not keep_opened:
+            self._release_opened()
         self._hb_stop.set()
         self._hb_wake.set()
         if self._hb_call is not None:

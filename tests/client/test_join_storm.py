@@ -41,15 +41,18 @@ class _Backlog(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self) -> None:
         self.on = False
         self.held = 0
+        self.seen = 0  # Heartbeat calls that reached the daemon, held or not
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
-        if self.on and details.method.endswith("/Heartbeat"):
-            self.held += 1
-            await asyncio.sleep(HOLD_S)
+        if details.method.endswith("/Heartbeat"):
+            self.seen += 1
+            if self.on:
+                self.held += 1
+                await asyncio.sleep(HOLD_S)
         return await continuation(details)
 
 
@@ -171,3 +174,48 @@ async def test_a_stream_opened_for_a_heartbeat_that_never_starts_ends_cleanly(
         await _call(c.close)
     assert job.state is JobState.ENDED, [f.cause for f in job.gen.failed]
     assert not job.gen.failed
+
+
+@pytest.mark.parametrize("kind", ["rank", "node"])
+@pytest.mark.parametrize("blocking", [False, True], ids=["asyncio", "blocking"])
+async def test_connect_opens_the_stream_the_join_then_uses(
+    backlogged: tuple[InProcessDaemon, _Backlog], job_id: str, blocking: bool, kind: str
+) -> None:
+    """connect() opens everything a join sends on, the heartbeat stream included: a join
+    after it opens no stream of its own (so a benchmark's "connected before the clock"
+    has no stream start inside the clock), and its heartbeats use that stream."""
+    d, backlog = backlogged
+    clients = [_client(d, job_id, blocking) for _ in range(2)]
+    try:
+        await asyncio.gather(*[_call(c.connect) for c in clients])
+        await d.until("both streams at the daemon", lambda: backlog.seen == 2, timeout=10)
+        backlog.on = True  # any Heartbeat call from here on would be held (and counted)
+
+        async def join(c: Client, i: int) -> Any:
+            if kind == "rank":
+                return await _call(
+                    c.join, num_nodes=2, gpus_per_node=1, node_rank=i, local_rank=0, timeout=30
+                )
+            return await _call(
+                c.join_node,
+                min_nodes=2,
+                max_nodes=2,
+                gpus_per_node=1,
+                node_rank=i,
+                host=f"h{i}",
+                timeout=30,
+            )
+
+        await asyncio.gather(*[join(c, i) for i, c in enumerate(clients)])
+        for c in clients:
+            c.start_heartbeat(0.2)
+        job = d.server.state.jobs[job_id]
+        seated = list(job.attendees(job.gen.join_mode).values())
+        await d.until(
+            "every member's stream attached",
+            lambda: all(s.stream_open for s in seated),
+            timeout=HOLD_S / 2,
+        )
+        assert backlog.held == 0, "the join opened a heartbeat stream of its own"
+    finally:
+        await asyncio.gather(*[_call(c.close) for c in clients])
