@@ -92,6 +92,24 @@ async def _call(method: Callable[..., Any], **kw: Any) -> Any:
     return await asyncio.to_thread(method, **kw)
 
 
+async def _rank_join(c: Client, rank: int) -> Any:
+    return await _call(
+        c.join, num_nodes=2, gpus_per_node=1, node_rank=rank, local_rank=0, timeout=30
+    )
+
+
+async def _node_join(c: Client, node: int) -> Any:
+    return await _call(
+        c.join_node,
+        min_nodes=2,
+        max_nodes=2,
+        gpus_per_node=2,
+        node_rank=node,
+        host=f"h{node}",
+        timeout=30,
+    )
+
+
 async def _storm_after_join(
     d: InProcessDaemon,
     backlog: _Backlog,
@@ -128,30 +146,14 @@ async def _storm_after_join(
 async def test_a_ranks_stream_is_open_before_its_join_is_answered(
     backlogged: tuple[InProcessDaemon, _Backlog], job_id: str, blocking: bool
 ) -> None:
-    async def join(c: Client, rank: int) -> Any:
-        return await _call(
-            c.join, num_nodes=2, gpus_per_node=1, node_rank=rank, local_rank=0, timeout=30
-        )
-
-    await _storm_after_join(*backlogged, job_id, blocking, join)
+    await _storm_after_join(*backlogged, job_id, blocking, _rank_join)
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["asyncio", "blocking"])
 async def test_a_node_agents_stream_is_open_before_its_join_node_is_answered(
     backlogged: tuple[InProcessDaemon, _Backlog], job_id: str, blocking: bool
 ) -> None:
-    async def join(c: Client, node: int) -> Any:
-        return await _call(
-            c.join_node,
-            min_nodes=2,
-            max_nodes=2,
-            gpus_per_node=2,
-            node_rank=node,
-            host=f"h{node}",
-            timeout=30,
-        )
-
-    await _storm_after_join(*backlogged, job_id, blocking, join)
+    await _storm_after_join(*backlogged, job_id, blocking, _node_join)
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["asyncio", "blocking"])
@@ -162,12 +164,7 @@ async def test_a_stream_opened_for_a_heartbeat_that_never_starts_ends_cleanly(
     ends without a message, and its end loses no one."""
     d, _ = backlogged
     clients = [_client(d, job_id, blocking) for _ in range(2)]
-    await asyncio.gather(
-        *[
-            _call(c.join, num_nodes=2, gpus_per_node=1, node_rank=r, local_rank=0, timeout=30)
-            for r, c in enumerate(clients)
-        ]
-    )
+    await asyncio.gather(*[_rank_join(c, r) for r, c in enumerate(clients)])
     job = d.server.state.jobs[job_id]
     for c in clients:
         await _call(c.leave)
@@ -190,22 +187,7 @@ async def test_connect_opens_the_stream_the_join_then_uses(
         await asyncio.gather(*[_call(c.connect) for c in clients])
         await d.until("both streams at the daemon", lambda: backlog.seen == 2, timeout=10)
         backlog.on = True  # any Heartbeat call from here on would be held (and counted)
-
-        async def join(c: Client, i: int) -> Any:
-            if kind == "rank":
-                return await _call(
-                    c.join, num_nodes=2, gpus_per_node=1, node_rank=i, local_rank=0, timeout=30
-                )
-            return await _call(
-                c.join_node,
-                min_nodes=2,
-                max_nodes=2,
-                gpus_per_node=1,
-                node_rank=i,
-                host=f"h{i}",
-                timeout=30,
-            )
-
+        join = _rank_join if kind == "rank" else _node_join
         await asyncio.gather(*[join(c, i) for i, c in enumerate(clients)])
         for c in clients:
             c.start_heartbeat(0.2)
