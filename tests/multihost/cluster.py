@@ -7,6 +7,7 @@ as ``results/rank-N.json``; each launcher's stderr is kept for the assertions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -55,9 +56,22 @@ class Node:
         return None
 
     def worker_pids(self) -> list[int]:
-        """The launcher's children: the workers of this node."""
-        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        return [int(p) for p in path.read_text().split()] if path.exists() else []
+        """The workers of this node, in start order: the children of its fork server
+        (which forks them), then any other child of the launcher (a spare started cold
+        after the server was lost); without a server, the launcher's children."""
+        kids = _children(self.proc.pid)
+        for pid in kids:
+            with contextlib.suppress(OSError):
+                if b"_fork_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return _children(pid) + [k for k in kids if k != pid]
+        return kids
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    with contextlib.suppress(OSError):
+        return [int(p) for p in path.read_text().split()]
+    return []
 
 
 def _pump(stream: IO[str], sink: list[tuple[float, str]]) -> None:
