@@ -59,6 +59,8 @@ DEFAULT_HEARTBEAT_S = 5.0
 LEGACY_HEARTBEAT_S = 1.0
 # Leave after the job's work is done is a courtesy: never worth more than this.
 LEAVE_TIMEOUT_S = 2.0
+# Each heartbeat stream's deadline (the next one is made when it passes).
+HEARTBEAT_CALL_S = 3600.0
 JOIN_TIMEOUT_S = 600.0
 
 

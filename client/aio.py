@@ -20,6 +20,7 @@ from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import AsyncCallStream
 from rendezvousd.client._multiplex import Unsupported
 from rendezvousd.client._session import (
+    HEARTBEAT_CALL_S,
     ClientOptions,
     JoinRequest,
     NodeJoinRequest,
@@ -34,8 +35,6 @@ _Requests = AsyncIterator[pb.HeartbeatRequest]
 INTERNAL = grpc.StatusCode.INTERNAL
 # How long leave()/close() wait for the heartbeat task to end once cancelled.
 STOP_HEARTBEAT_S = 5.0
-# Each heartbeat stream's deadline (the next one is made when it passes).
-HEARTBEAT_CALL_S = 3600.0
 
 
 async def _held(requests: asyncio.Future[_Requests | None]) -> _Requests:

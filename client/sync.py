@@ -21,29 +21,40 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import BlockingCallStream
 from rendezvousd.client._multiplex import Unsupported, copy_error
-from rendezvousd.client._session import ClientOptions, JoinRequest, NodeJoinRequest, StreamWatch
+from rendezvousd.client._session import (
+    HEARTBEAT_CALL_S,
+    ClientOptions,
+    JoinRequest,
+    NodeJoinRequest,
+    StreamWatch,
+)
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Membership, NodeMembership
 
 T = TypeVar("T")
-# Each heartbeat stream's deadline (the next one is made when it passes).
-HEARTBEAT_CALL_S = 3600.0
+# How long stopping the heartbeat waits for its threads and an opened stream's feeder.
+STOP_HEARTBEAT_S = 2.0
 
 
 class _HeldRequests:
     """An opened stream's requests (``steps.OpenStream``): none until start_heartbeat()
     gives them, or the end of the stream without a message (``None``). gRPC's feeding
-    thread waits here meanwhile; it is always let go before the call is cancelled."""
+    thread waits here meanwhile; it is always let go before the call is cancelled, and
+    when ``owner`` (the client) is dropped without close() before either."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: object) -> None:
         self._given = threading.Event()
         self._requests: Iterator[pb.HeartbeatRequest] | None = None
+        # Detached once given: a client that re-joins many times keeps no finalizer
+        # (nor the given requests, nor itself) per stream it ever opened.
+        self._dropped = weakref.finalize(owner, self.give, None)
 
     def give(self, requests: Iterator[pb.HeartbeatRequest] | None) -> None:
         if not self._given.is_set():
             self._requests = requests
             self._given.set()
+            self._dropped.detach()
 
     def __iter__(self) -> Iterator[pb.HeartbeatRequest]:
         self._given.wait()
@@ -268,12 +279,10 @@ class RendezvousClient(steps.ClientBase):
             # The Calls stream first: the join goes on it, and the daemon takes new
             # calls in arrival order, so the join does not wait behind this stream.
             self._mux.open()
-        held, feed = _HeldRequests(), RequestFeed()
+        held, feed = _HeldRequests(self), RequestFeed()
         call = self._stub.Heartbeat(
             feed.wrap(iter(held)), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
         )
-        # A client dropped without close() lets gRPC's feeding thread go.
-        weakref.finalize(self, held.give, None)
         with self._opened_lock:
             self._opened = (call, feed, held)
 
@@ -305,7 +314,7 @@ class RendezvousClient(steps.ClientBase):
         call, feed, held = opened
         held.give(None)  # gRPC's feeding thread goes first (see _stream_threads)
         call.cancel()
-        feed.join(time.monotonic() + 2.0)
+        feed.join(time.monotonic() + STOP_HEARTBEAT_S)
         unraise(call)
 
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
@@ -389,7 +398,7 @@ class RendezvousClient(steps.ClientBase):
         self._hb_wake.set()
         if self._hb_call is not None:
             self._hb_call.cancel()
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + STOP_HEARTBEAT_S
         for attr in ("_hb_thread", "_hb_watchdog"):
             thread = getattr(self, attr)
             setattr(self, attr, None)
