@@ -95,8 +95,11 @@ class RendezvousClient(steps.ClientBase):
         )
         if self._mux is not None:
             # The stream's reader holds the channel, not this client: a client dropped
-            # without close() must not leave its connection and threads behind.
-            weakref.finalize(self, self._mux.abandon)
+            # without close() must not leave its connection and threads behind. Not at
+            # the interpreter's exit: there _close_at_exit closes the client, waiting
+            # for its streams' threads, which an abandon run first (weakref's own exit
+            # hook runs before ours) would have taken out of close()'s reach.
+            weakref.finalize(self, self._mux.abandon).atexit = False
         # After close() the table of a slim join is still readable: over a channel of its own.
         self._closed = False
         self._after_close = BlockingMembers(self._s, self._c.tls)
