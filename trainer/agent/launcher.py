@@ -229,12 +229,7 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
         server = ForkServer.start(env, preload, note=_note)
     try:
         booted = boot_spares(config, cmd, env, server)
-    except BaseException:
-        if server is not None:
-            server.close()
-        raise
-    mark("spares-started")
-    try:
+        mark("spares-started")
         return _run_agent(args, config, cmd, env, booted, server, ring_host)
     finally:
         if server is not None:
