@@ -28,15 +28,21 @@ the report says it was skipped): the same 3 nodes x 2 workers on loopback, gloo,
 (tests/workers/torch_worker.py: one all-reduce per step, the same step pause), the
 ``worker_kill`` and ``node_kill_shrink`` faults at the same step, with three rendezvous
 backends: ``c10d`` as shipped, ``c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-(the setting shared/ANCHORS.md found it needs to restart at all), and ``rendezvousd``
-(ours, through torch's plugin point). A node kill SIGKILLs the agent and every
+(the setting shared/ANCHORS.md found it needs to restart at all), ``rendezvousd``
+(ours, through torch's plugin point), and ``rendezvousd-warm``: ours with
+``PYTHON_EXEC=rendezvous-python``, whose workers are forked from a per-node server that
+imported torch once (``trainer/torchrun/warm.py``). Everything else is the same in all
+four: the script, torchrun's flags, the faults; the warm server's own start (its
+import of torch, while the first round forms) is before the kill, as every agent's
+and worker's start-up is. A node kill SIGKILLs the agent and every
 process below it (torch starts each worker in a session of its own, so its workers
 would outlive a SIGKILLed agent; a dead machine's do not).
 Each run reports whether a next round trained at all, and the time from the kill to
 its first step and to every rank's; a stock script restarts from step 0. It also
 reports when the survivors' agents started new workers (``workers_restarted_s``: the
 failure's detection and the new round's rendezvous), apart from the workers' own
-start-up (``import torch`` is ~2.5 s of CPU each here), which no rendezvous shortens.
+start-up (``import torch`` is ~2.5 s of CPU each here), which no rendezvous shortens:
+only ``rendezvousd-warm``'s workers skip it.
 
 The observer must not compete with what it measures (2 cores): it reads the
 step log incrementally and looks every 10 ms; the times it reports come from
@@ -372,7 +378,7 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 TORCH_WORKER = Path(__file__).resolve().parents[1] / "tests" / "workers" / "torch_worker.py"
-TORCHRUN_BACKENDS = ("c10d", "c10d-unshared-store", "rendezvousd")
+TORCHRUN_BACKENDS = ("c10d", "c10d-unshared-store", "rendezvousd", "rendezvousd-warm")
 TORCHRUN_FAULTS = ("worker_kill", "node_kill_shrink")
 
 
@@ -394,7 +400,7 @@ class TorchrunRun:
         self.log = self.work / "steps.jsonl"
         self.steps = StepLog(self.log)
         nnodes = f"2:{NODES}" if fault == "node_kill_shrink" else str(NODES)
-        if backend == "rendezvousd":
+        if backend.startswith("rendezvousd"):
             rdzv = [
                 "--rdzv-backend",
                 "rendezvousd",
@@ -440,6 +446,10 @@ class TorchrunRun:
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if backend == "c10d-unshared-store":
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if backend == "rendezvousd-warm":
+            # torchrun starts each worker through our shim, forked from the node's
+            # warm server (torch imported once per node, not once per worker).
+            self.env["PYTHON_EXEC"] = str(Path(sys.executable).parent / "rendezvous-python")
         self.agents: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:

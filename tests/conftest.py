@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -101,6 +101,7 @@ def torchrun(torch_python: str, tmp_path: Path) -> Iterator[Callable[..., Torchr
         conf: str | None = None,
         endpoint: str | None = None,
         prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> Torchrun:
         n = len(started)
         log, out = tmp_path / f"torchrun-{n}.err", tmp_path / f"torchrun-{n}.out"
@@ -135,7 +136,7 @@ def torchrun(torch_python: str, tmp_path: Path) -> Iterator[Callable[..., Torchr
                 stderr=err,
                 text=True,
                 start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
             )
         agent = Torchrun(proc, log, out)
         started.append(agent)

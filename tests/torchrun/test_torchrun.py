@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -86,6 +87,45 @@ def test_a_killed_peer_node_restarts_the_survivors_from_the_daemons_push(
         assert "rendezvousd: job" in a.stderr() and "lost rank" in a.stderr(), a.stderr()[-2000:]
     first = min(s["t"] for s in after)
     print(f"kill -> survivors training again: {first - killed_at:.2f} s")
+
+
+def test_warm_workers_are_forked_from_the_nodes_server_after_a_kill(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    torch_python: str,
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """PYTHON_EXEC=rendezvous-python: every worker, the first round's and the restarted
+    round's after a worker is SIGKILLed, starts with torch already imported (forked
+    from the node's warm server), and the job trains to its end with the same exit
+    code as with cold workers."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    shim = str(Path(torch_python).parent / "rendezvous-python")
+    warm = {"PYTHON_EXEC": shim}
+    worker = ("--steps", "30", "--step-log", str(log))
+    agents = [torchrun(d, job_id, "2", *worker, max_restarts=1, env=warm) for _ in range(2)]
+    wait_for(
+        "all 4 ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] >= 2}) == 4,
+        timeout=120,
+    )
+    first_round = {s["pid"] for s in torch_steps(log)}
+    victim = next(s for s in torch_steps(log) if s["rank"] == 3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    for a in agents:
+        assert a.wait(120) == 0, a.stderr()[-3000:]
+    steps = torch_steps(log)
+    restarted = [s for s in steps if s["pid"] not in first_round]
+    assert {s["rank"] for s in restarted} == {0, 1, 2, 3}
+    assert max(s["step"] for s in restarted) == 30
+    assert all(s["warm"] for s in steps), [s for s in steps if not s["warm"]][:3]
+    for a in agents:
+        assert "starting cold" not in a.stderr(), a.stderr()[-3000:]
+    # The kill reached torchrun as the worker's own death (its exit code reports it).
+    errs = [a.stderr() for a in agents]
+    assert any("exitcode: -9" in e for e in errs), errs[0][-2000:] + errs[1][-2000:]
 
 
 def _refused(

@@ -4,7 +4,8 @@ torchrun sets, then steps of one all-reduce each. Nothing in it knows rendezvous
     torchrun ... tests/workers/torch_worker.py --steps 20 --step-log steps.jsonl
 
 Each step appends one line to ``--step-log`` (rank, world, restart count, step, wall
-time, pid), which tests and benchmarks/recovery.py read. ``--hang-after K`` makes every
+time, pid, and ``warm``: torch was already imported when the script started, as in a
+worker forked by ``rendezvous-python``'s warm server), which tests and benchmarks/recovery.py read. ``--hang-after K`` makes every
 worker of a world of ``--hang-world`` ranks sleep after step K, as if stuck in a
 collective whose peer is gone: only its agent can get it out (by restarting it). The last line on stdout is a "done" event.
 """
@@ -14,10 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
-import torch
-import torch.distributed as dist
+WARM = "torch" in sys.modules  # before this script's own import of it
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 def main() -> None:
@@ -43,6 +47,7 @@ def main() -> None:
             "step": step,
             "t": time.time(),
             "pid": os.getpid(),
+            "warm": WARM,
         }
         with open(a.step_log, "a") as fh:
             fh.write(json.dumps(line) + "\n")

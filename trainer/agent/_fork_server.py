@@ -169,7 +169,8 @@ def _spawn_request(message: Mapping[str, Any]) -> tuple[int, list[str], dict[str
     return serial, argv, env
 
 
-def _threads() -> int:
+def thread_count() -> int:
+    """This process's threads, native ones included."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
@@ -262,7 +263,7 @@ class _Server:
             send(self.control, {"op": "refused", "serial": serial, "reason": str(exc)})
             return None
         cold = None
-        if (threads := _threads()) > 1:
+        if (threads := thread_count()) > 1:
             # (numpy's OpenBLAS starts its threads at import unless told 1.)
             cold = f"the fork server runs {threads} threads after its imports"
         elif names := import_time_env_differs(self.env, env):
@@ -326,13 +327,13 @@ class _Server:
                 os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
 
 
-def _preload(modules: Sequence[str]) -> None:
+def preload(modules: Sequence[str], who: str = "rendezvous-run: fork server") -> None:
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # a worker that needs it fails on its own import
             print(
-                f"rendezvous-run: fork server: could not preload {name}: {exc!r}",
+                f"{who}: could not preload {name}: {exc!r}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -357,7 +358,7 @@ def main() -> None:
     server = _Server(control, os.getppid())
     for s in _HELD_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
-    _preload([*DEFAULT_PRELOAD, *extra])
+    preload([*DEFAULT_PRELOAD, *extra])
     server.env = dict(os.environ)
     _trace.mark("fork-server-ready")
     child = server.serve()

@@ -54,6 +54,17 @@ class TorchrunSettings:
         30.0, "seconds to wait for the daemon to answer at all", Float(), flag=None
     )
 
+    preload: str = setting(
+        "torch",
+        "modules the node's warm fork server imports once, separated by ':' (only when "
+        "torchrun's PYTHON_EXEC is rendezvous-python)",
+        Text(),
+        flag=None,
+    )
+
+    def preload_modules(self) -> list[str]:
+        return [m.strip() for m in self.preload.split(":") if m.strip()]
+
     def tls(self) -> TlsConfig | None:
         return TlsConfig.from_paths(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 

@@ -1,0 +1,179 @@
+"""``rendezvous-python`` and the node's warm fork server (``trainer/torchrun/warm.py``),
+without torch: the server preloads ``decimal`` instead, and the shim is started as
+torchrun starts a worker (its own session, its stdout and stderr redirected). The
+real-torchrun test is tests/torchrun/test_torchrun.py's warm-workers test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rendezvousd.trainer.torchrun import warm
+from tests.support import wait_for
+
+WORKER = """
+import json, os, sys, time
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
+    "argv": sys.argv, "x": os.environ.get("X"), "cwd": os.getcwd(),
+    "preloaded": "decimal" in sys.modules}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if "sleep" in sys.argv:
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[warm.WarmServer]:
+    s = warm.start_server(["decimal"], {**os.environ, "OMP_NUM_THREADS": "1"})
+    yield s
+    s.stop()
+
+
+class Shim:
+    def __init__(self, tmp: Path, args: list[str], env: Mapping[str, str]) -> None:
+        self.out, self.err = tmp / f"out-{time.monotonic_ns()}", tmp / f"err-{time.monotonic_ns()}"
+        cmd = [sys.executable, "-m", "rendezvousd.trainer.torchrun.warm", *args]
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                cmd, env=dict(env), stdout=out, stderr=err, cwd=tmp, start_new_session=True
+            )
+
+    def report(self) -> dict[str, Any]:
+        wait_for("the worker's first line", lambda: self.out.read_text().endswith("\n"), 30)
+        return dict(json.loads(self.out.read_text().splitlines()[0]))
+
+    def wait(self) -> int:
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def shim(tmp_path: Path, server: warm.WarmServer) -> Iterator[Any]:
+    (tmp_path / "w.py").write_text(WORKER)
+    base = {**os.environ, "OMP_NUM_THREADS": "1", warm.ENV_WARM_SOCKET: server.socket_path}
+    started: list[Shim] = []
+
+    def start(*args: str, **env: str) -> Shim:
+        s = Shim(tmp_path, list(args), {**base, **env})
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_forked_worker_is_what_python_would_have_run(shim: Any, tmp_path: Path) -> None:
+    s = shim("-u", "w.py", "3", "a", "b", X="hello")
+    r = s.report()
+    assert s.wait() == 3
+    assert r["preloaded"] is True  # forked from the server, not a fresh interpreter
+    assert r["ppid"] != s.proc.pid and r["sid"] == r["pid"]  # its own session
+    assert r["argv"] == ["w.py", "3", "a", "b"] and r["x"] == "hello"
+    assert r["cwd"] == str(tmp_path)
+    assert s.err.read_text() == "to stderr\n"  # the shim's stderr, and nothing else
+
+
+def test_a_module_runs_as_python_m_would(shim: Any) -> None:
+    s = shim("-m", "json.tool", "--help")
+    assert s.wait() == 0
+    assert "json.tool" in s.out.read_text() and s.err.read_text() == ""
+
+
+def test_torchruns_sigterm_reaches_the_worker_and_the_shim_dies_of_it(shim: Any) -> None:
+    s = shim("w.py", "0", "sleep")
+    r = s.report()
+    os.killpg(s.proc.pid, signal.SIGTERM)  # what torchrun's close() does
+    assert s.wait() == -signal.SIGTERM
+    wait_for("the worker to end", lambda: not _alive(r["pid"]), 10)
+
+
+def test_a_sigkilled_shim_takes_its_worker_with_it(shim: Any) -> None:
+    s = shim("w.py", "0", "sleep")
+    r = s.report()
+    os.killpg(s.proc.pid, signal.SIGKILL)
+    assert s.wait() == -signal.SIGKILL
+    wait_for("the orphaned worker to be killed", lambda: not _alive(r["pid"]), 10)
+
+
+def test_a_killed_worker_is_the_shims_death_by_the_same_signal(shim: Any) -> None:
+    s = shim("w.py", "0", "sleep")
+    os.kill(s.report()["pid"], signal.SIGKILL)
+    assert s.wait() == -signal.SIGKILL
+
+
+def test_the_servers_death_kills_its_workers_and_the_shim_says_so(
+    shim: Any, server: warm.WarmServer
+) -> None:
+    s = shim("w.py", "0", "sleep")
+    r = s.report()
+    server.proc.kill()
+    assert s.wait() == 1
+    assert "lost the fork server" in s.err.read_text()
+    wait_for("the worker to die with its server", lambda: not _alive(r["pid"]), 10)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["-X", "dev", "w.py", "0"], {}, "interpreter flag '-X'"),
+        (["w.py", "0"], {"OMP_NUM_THREADS": "4"}, "OMP_NUM_THREADS differ"),
+        (["w.py", "0"], {warm.ENV_WARM_SOCKET: "/nonexistent/sock"}, "did not answer"),
+        (["w.py", "0"], {warm.ENV_WARM_SOCKET: ""}, None),
+    ],
+)
+def test_what_cannot_start_warm_starts_cold_in_the_shims_place(
+    shim: Any, args: list[str], env: dict[str, str], says: str | None
+) -> None:
+    s = shim(*args, **env)
+    r = s.report()
+    assert s.wait() == 0
+    assert r["preloaded"] is False and r["pid"] == s.proc.pid  # exec'd: the same process
+    err = s.err.read_text()
+    if says is None:  # no server on this node: cold is the plan, not news
+        assert err == "to stderr\n"
+    else:
+        assert "rendezvous-python: starting cold: " in err and says in err, err
+
+
+def test_another_users_connection_is_refused(server: warm.WarmServer) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to connect as another user")
+    os.chmod(server.directory, 0o755)  # only the uid check is left between them
+    os.chmod(server.socket_path, 0o777)
+    nobody = subprocess.run(
+        [sys.executable, "-c", _AS_NOBODY, server.socket_path], capture_output=True, text=True
+    )
+    assert nobody.stdout.strip() == "refused", nobody.stdout + nobody.stderr
+
+
+_AS_NOBODY = """
+import os, socket, sys
+from rendezvousd.trainer.agent._fork_server import recv, send
+os.setgid(65534); os.setuid(65534)  # after the imports: nobody cannot read them
+c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+c.connect(sys.argv[1])
+try:
+    send(c, {"op": "spawn", "argv": ["x"], "env": {}, "cwd": "/"}, [0, 1, 2])
+    print("refused" if recv(c)[0] is None else "answered")
+except OSError:
+    print("refused")
+"""
