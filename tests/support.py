@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,24 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.005)  # poll interval, not a synchronisation
+
+
+def rest_of_stdout(proc: subprocess.Popen[Any], timeout: float) -> Any:
+    """What is left of ``proc``'s stdout, up to its end, once it exited. Read through
+    the same buffered stream as an earlier ``readline()``: ``communicate(timeout=...)``
+    reads the pipe's descriptor and loses a line that arrived with the one read."""
+    stream = proc.stdout
+    assert stream is not None
+    rest: list[Any] = []
+    reader = threading.Thread(target=lambda: rest.append(stream.read()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        proc.kill()
+        reader.join(10)
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    proc.wait(timeout)
+    return rest[0]
 
 
 def json_lines(path: Path) -> list[Any]:
@@ -372,12 +390,13 @@ def three_nodes_stuck_at_step_two(
     job: str,
     log: Path,
     prefixes: Sequence[Sequence[str]] = ((), (), ()),
+    env: Mapping[str, str] | None = None,
 ) -> list[Torchrun]:
     """Three torchrun agents (--nnodes 2:3, 2 workers each, --max-restarts 0) whose
     6-rank world hangs after step 2, as if stuck in a collective: only their agents
     can get them out. Returns once every rank reached step 2."""
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    agents = [torchrun(d, job, "2:3", *worker, prefix=p) for p in prefixes]
+    agents = [torchrun(d, job, "2:3", *worker, prefix=p, env=env) for p in prefixes]
     wait_for(
         "all 6 ranks at step 2",
         lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,

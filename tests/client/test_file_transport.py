@@ -37,7 +37,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.client.transport import FileRendezvous, Rendezvous, connect
 from rendezvousd.trainer.comm.store import JobStore
-from tests.support import WORKERS, parallel, wait_for
+from tests.support import WORKERS, parallel, rest_of_stdout, wait_for
 
 WORKER = WORKERS / "file_worker.py"
 WORLD = 4
@@ -83,8 +83,7 @@ def finish(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> dict[str, di
     if proc.stdin is not None:
         with contextlib.suppress(OSError):
             proc.stdin.close()
-        proc.stdin = None  # so communicate() does not flush it
-    out, _ = proc.communicate(timeout=timeout)
+    out = rest_of_stdout(proc, timeout)
     events = (json.loads(line) for line in out.decode().splitlines() if line.strip())
     return {e["event"]: e for e in events}
 

@@ -11,26 +11,38 @@ from pathlib import Path
 import pytest
 
 from tests.multihost.cluster import Cluster
-from tests.support import Torchrun, survivors_trained_on, three_nodes_stuck_at_step_two
+from tests.support import (
+    Torchrun,
+    survivors_trained_on,
+    three_nodes_stuck_at_step_two,
+    torch_steps,
+)
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.parametrize("workers", ["cold", "warm"])
 def test_torchrun_trains_across_hosts_and_drops_a_cut_off_node(
     make_cluster: Callable[..., Cluster],
     torchrun: Callable[..., Torchrun],
+    torch_python: str,
     tmp_path: Path,
     job_id: str,
+    workers: str,
 ) -> None:
     """Three hosts train (--nnodes 2:3); h3's cable is pulled while every worker sits
     in what looks like a stuck collective. The daemon hears h3's silence after its
     heartbeat timeout and tells h1 and h2, whose agents restart their workers into a
-    two-node round (no restart spent: --max-restarts 0) that trains to the end."""
+    two-node round (no restart spent: --max-restarts 0) that trains to the end. Warm:
+    the same with PYTHON_EXEC=rendezvous-python, every worker forked from its host's
+    warm server."""
     cluster = make_cluster(3, "--heartbeat-timeout-s", "3")
     d, hosts = cluster.daemon, cluster.hosts
     log = tmp_path / "steps.jsonl"
     prefixes = [hosts[i].command([]) for i in (1, 2, 3)]
-    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, prefixes)
+    shim = str(Path(torch_python).parent / "rendezvous-python")
+    env = {"PYTHON_EXEC": shim} if workers == "warm" else None
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, prefixes, env)
     cut_at = time.time()
     hosts.link(hosts[3], up=False)
     after = survivors_trained_on(agents, log)
@@ -38,4 +50,5 @@ def test_torchrun_trains_across_hosts_and_drops_a_cut_off_node(
         err = a.stderr()
         # Blamed by name and cause: h3's address and the silence, not a timeout of gloo's.
         assert hosts[3].address in err and "heartbeat" in err, err[-2000:]
+    assert all(s["warm"] == (workers == "warm") for s in torch_steps(log))
     print(f"cable pulled -> survivors training again: {min(s['t'] for s in after) - cut_at:.2f} s")

@@ -26,6 +26,7 @@ from tests.support import (
     DaemonProcess,
     free_port,
     launcher_cmd,
+    rest_of_stdout,
     spawn_daemon,
     write_token,
 )
@@ -89,7 +90,7 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
         killed_at = time.time()
         procs[1].send_signal(signal.SIGKILL)
         for p in (procs[0], procs[2]):
-            out = json.loads(p.communicate(timeout=30)[0].strip().splitlines()[-1])
+            out = json.loads(rest_of_stdout(p, 30).strip().splitlines()[-1])
             assert out["event"] == "error", out
             assert "rank 1" in out["message"], out
             assert out["at"] - killed_at < 15

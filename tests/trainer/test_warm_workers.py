@@ -24,7 +24,8 @@ WORKER = """
 import json, os, sys, time
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
     "argv": sys.argv, "x": os.environ.get("X"), "cwd": os.getcwd(),
-    "preloaded": "decimal" in sys.modules}), flush=True)
+    "preloaded": "decimal" in sys.modules,
+    "cpus": sorted(os.sched_getaffinity(0))}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if "sleep" in sys.argv:
     time.sleep(60)
@@ -40,12 +41,20 @@ def server(tmp_path: Path) -> Iterator[warm.WarmServer]:
 
 
 class Shim:
-    def __init__(self, tmp: Path, args: list[str], env: Mapping[str, str]) -> None:
+    def __init__(
+        self, tmp: Path, args: list[str], env: Mapping[str, str], cpus: set[int] | None = None
+    ) -> None:
         self.out, self.err = tmp / f"out-{time.monotonic_ns()}", tmp / f"err-{time.monotonic_ns()}"
         cmd = [sys.executable, "-m", "rendezvousd.trainer.torchrun.warm", *args]
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(
-                cmd, env=dict(env), stdout=out, stderr=err, cwd=tmp, start_new_session=True
+                cmd,
+                env=dict(env),
+                stdout=out,
+                stderr=err,
+                cwd=tmp,
+                start_new_session=True,
+                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
             )
 
     def report(self) -> dict[str, Any]:
@@ -62,8 +71,8 @@ def shim(tmp_path: Path, server: warm.WarmServer) -> Iterator[Any]:
     base = {**os.environ, "OMP_NUM_THREADS": "1", warm.ENV_WARM_SOCKET: server.socket_path}
     started: list[Shim] = []
 
-    def start(*args: str, **env: str) -> Shim:
-        s = Shim(tmp_path, list(args), {**base, **env})
+    def start(*args: str, cpus: set[int] | None = None, **env: str) -> Shim:
+        s = Shim(tmp_path, list(args), {**base, **env}, cpus)
         started.append(s)
         return s
 
@@ -82,13 +91,15 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_forked_worker_is_what_python_would_have_run(shim: Any, tmp_path: Path) -> None:
-    s = shim("-u", "w.py", "3", "a", "b", X="hello")
+    # Pinned to CPU 0 as torchrun's NUMA binding pins a worker (numactl --physcpubind).
+    s = shim("-u", "w.py", "3", "a", "b", X="hello", cpus={0})
     r = s.report()
     assert s.wait() == 3
     assert r["preloaded"] is True  # forked from the server, not a fresh interpreter
     assert r["ppid"] != s.proc.pid and r["sid"] == r["pid"]  # its own session
     assert r["argv"] == ["w.py", "3", "a", "b"] and r["x"] == "hello"
     assert r["cwd"] == str(tmp_path)
+    assert r["cpus"] == [0]
     assert s.err.read_text() == "to stderr\n"  # the shim's stderr, and nothing else
 
 

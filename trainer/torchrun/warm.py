@@ -10,7 +10,8 @@ default) once, and each worker torchrun starts is a thin ``rendezvous-python`` t
 asks that server to fork the real worker and then stands in for it:
 
 - The forked worker is what ``python -u train.py`` would have been: the shim's argv,
-  environment (torchrun's RANK, LOCAL_RANK, MASTER_ADDR... ), working directory and
+  environment (torchrun's RANK, LOCAL_RANK, MASTER_ADDR... ), working directory, CPU
+  affinity (torchrun's NUMA binding is ``numactl --physcpubind`` around the shim) and
   stdin/stdout/stderr (torchrun's redirects), a session of its own (torchrun starts
   each worker in one), the default signal dispositions, then the script or module as
   ``__main__`` (``run_target``). Its exit is an ordinary interpreter exit.
@@ -30,7 +31,7 @@ asks that server to fork the real worker and then stands in for it:
 Protocol: one JSON object per ``SOCK_SEQPACKET`` message (``_fork_server``'s framing) on
 a Unix socket in a private directory (0700) whose path travels to the workers in
 ``RENDEZVOUSD_WARM_SOCKET``; the server also checks each peer's uid. Shim -> server:
-``spawn`` (argv, env, cwd, unbuffered; stdin, stdout, stderr as three ``SCM_RIGHTS``
+``spawn`` (argv, env, cwd, unbuffered, affinity; stdin, stdout, stderr as three ``SCM_RIGHTS``
 descriptors), ``signal`` (sig). Server -> shim: ``spawned`` (pid) or ``cold`` (reason),
 then ``exited`` (code: negative for a signal).
 
@@ -138,11 +139,15 @@ class _Child:
     env: dict[str, str]
     cwd: str
     unbuffered: bool
+    affinity: list[int]
     stdio: list[int]
 
 
-def _spawn_request(message: Mapping[str, Any]) -> tuple[list[str], dict[str, str], str, bool]:
+def _spawn_request(
+    message: Mapping[str, Any],
+) -> tuple[list[str], dict[str, str], str, bool, list[int]]:
     argv, env, cwd = message.get("argv"), message.get("env"), message.get("cwd")
+    affinity = message.get("affinity")
     if (
         not isinstance(argv, list)
         or not argv
@@ -150,9 +155,12 @@ def _spawn_request(message: Mapping[str, Any]) -> tuple[list[str], dict[str, str
         or not isinstance(env, dict)
         or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         or not isinstance(cwd, str)
+        or not isinstance(affinity, list)
+        or not affinity
+        or not all(type(c) is int for c in affinity)
     ):
         raise ValueError("a malformed spawn request")
-    return argv, env, cwd, message.get("unbuffered") is True
+    return argv, env, cwd, message.get("unbuffered") is True, affinity
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -224,7 +232,7 @@ class _Server:
     def _spawn(self, fd: int, message: Mapping[str, Any], fds: list[int]) -> _Child | None:
         conn = self.conns[fd]
         try:
-            argv, env, cwd, unbuffered = _spawn_request(message)
+            argv, env, cwd, unbuffered, affinity = _spawn_request(message)
             if len(fds) != 3:
                 raise ValueError(f"a spawn request with {len(fds)} descriptors, not 3")
         except ValueError as exc:
@@ -260,7 +268,7 @@ class _Server:
                     signal.signal(s, signal.SIG_DFL)
             except BaseException:
                 os._exit(126)  # never back into the server's loop
-            return _Child(argv, env, cwd, unbuffered, fds)
+            return _Child(argv, env, cwd, unbuffered, affinity, fds)
         for extra in fds:
             os.close(extra)
         pidfd = os.pidfd_open(pid)
@@ -291,6 +299,8 @@ def _become(child: _Child) -> None:
             os.dup2(fd, target)
             os.close(fd)
     os.chdir(child.cwd)
+    # The shim's CPUs: torchrun's NUMA binding is a numactl --physcpubind around it.
+    os.sched_setaffinity(0, child.affinity)
     os.environ.clear()
     os.environ.update(child.env)
     # New text streams over the new descriptors, buffered as a fresh interpreter's
@@ -375,7 +385,8 @@ def _run_warm(path: str, args: list[str]) -> NoReturn:
         if unbuffered:
             env["PYTHONUNBUFFERED"] = "1"
         request = {"op": "spawn", "argv": target, "env": env, "cwd": os.getcwd()}
-        send(conn, {**request, "unbuffered": unbuffered}, [0, 1, 2])
+        cpus = sorted(os.sched_getaffinity(0))
+        send(conn, {**request, "unbuffered": unbuffered, "affinity": cpus}, [0, 1, 2])
         conn.settimeout(ANSWER_S)
         answer, _ = recv(conn)
     except (OSError, ValueError) as exc:
