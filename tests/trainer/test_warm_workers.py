@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -188,3 +189,19 @@ try:
 except OSError:
     print("refused")
 """
+
+
+def test_a_shim_gone_before_the_server_read_its_request_gets_no_worker() -> None:
+    """The server reads a spawn request only after its imports; a shim that died
+    meanwhile (torchrun stopped the round) left its request behind: no fork for it."""
+    from rendezvousd.trainer.torchrun.warm import _hung_up
+
+    gone, shim = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    alive, shim2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    shim.send(b'{"op": "spawn"}')
+    shim.close()
+    assert gone.recv(100)  # the request, read as the server reads it
+    assert _hung_up(gone)
+    assert not _hung_up(alive)
+    for s in (gone, alive, shim2):
+        s.close()

@@ -163,6 +163,16 @@ def _spawn_request(
     return argv, env, cwd, message.get("unbuffered") is True, affinity
 
 
+def _hung_up(conn: socket.socket) -> bool:
+    """The shim closed its end (a message still unread would be data, not the end)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return int(struct.unpack("3i", creds)[1])
@@ -248,6 +258,11 @@ class _Server:
                 os.close(extra)
             with contextlib.suppress(OSError):
                 send(conn, {"op": "cold", "reason": reason})
+            self._drop(fd)
+            return None
+        if _hung_up(conn):  # gone while it waited (the imports): its worker would be too
+            for extra in fds:
+                os.close(extra)
             self._drop(fd)
             return None
         server = os.getpid()
