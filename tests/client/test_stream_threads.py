@@ -100,6 +100,11 @@ def test_a_client_never_closed_is_closed_at_exit_before_its_threads_are_killed(
         c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
         c.start_heartbeat()
         c.list_jobs()
+        # gRPC starts a stream's feeder on its own thread: under load it may not have
+        # begun yet (seen in a full suite run: 1 of 2).
+        started = time.monotonic()
+        while len(feeders) < 2 and time.monotonic() - started < 20:
+            time.sleep(0.01)
         print("feeders", len(feeders))
         """
     )
