@@ -51,7 +51,7 @@ import select
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +177,34 @@ def thread_count() -> int:
         return 1
 
 
+def fork_refusal(server_env: Mapping[str, str], env: Mapping[str, str], what: str) -> str | None:
+    """Why a child with ``env`` must start cold instead of forked from this server."""
+    if (threads := thread_count()) > 1:
+        # (numpy's OpenBLAS starts its threads at import unless told 1.)
+        return f"the fork server runs {threads} threads after its imports"
+    if names := import_time_env_differs(server_env, env):
+        return f"the {what}'s {', '.join(names)} differ from the fork server's"
+    return None
+
+
+def fork(prepare: Callable[[], None]) -> int:
+    """``os.fork()`` with stdio flushed first; in the child the parent-death signal is
+    armed and ``prepare`` run, and a failure there ends the child (126) instead of
+    returning into the server's loop. The child's pid; 0 in the child."""
+    server = os.getpid()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            die_with_parent(server)
+            prepare()
+        except BaseException:
+            os._exit(126)  # never back into the server's loop
+    return pid
+
+
 class _AgentGone(Exception):
     """End of file on the control socket: the agent closed it, or died."""
 
@@ -262,30 +290,12 @@ class _Server:
                 os.close(fd)
             send(self.control, {"op": "refused", "serial": serial, "reason": str(exc)})
             return None
-        cold = None
-        if (threads := thread_count()) > 1:
-            # (numpy's OpenBLAS starts its threads at import unless told 1.)
-            cold = f"the fork server runs {threads} threads after its imports"
-        elif names := import_time_env_differs(self.env, env):
-            cold = f"the spare's {', '.join(names)} differ from the fork server's"
+        cold = fork_refusal(self.env, env, "spare")
         if cold is not None:
             pid = self._start_cold(fds[0], argv, env)
         else:
-            server = os.getpid()
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            pid = os.fork()
+            pid = fork(self._forked)
             if pid == 0:
-                try:
-                    die_with_parent(server)
-                    self.control.close()
-                    for pidfd in self.pids:
-                        os.close(pidfd)
-                    for s, handler in self.signals.items():
-                        signal.signal(s, handler)
-                except BaseException:
-                    os._exit(126)  # never back into the server's loop
                 return _Child(fds[0], argv, env, self.agent)
             os.close(fds[0])
         pidfd = os.pidfd_open(pid)
@@ -294,6 +304,14 @@ class _Server:
         self.poller.register(pidfd, select.POLLIN)
         send(self.control, {"op": "spawned", "serial": serial, "pid": pid, "cold": cold})
         return None
+
+    def _forked(self) -> None:
+        """In a forked child: let go of the server's descriptors and signal dispositions."""
+        self.control.close()
+        for pidfd in self.pids:
+            os.close(pidfd)
+        for s, handler in self.signals.items():
+            signal.signal(s, handler)
 
     def _start_cold(self, fd: int, argv: list[str], env: Mapping[str, str]) -> int:
         """Forking is unsafe or would not give the spare its own settings: start it

@@ -58,13 +58,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from rendezvousd.trainer.agent._agent_boot import die_with_parent, run_target
-from rendezvousd.trainer.agent._fork_server import (
-    import_time_env_differs,
-    preload,
-    recv,
-    send,
-    thread_count,
-)
+from rendezvousd.trainer.agent._fork_server import fork, fork_refusal, preload, recv, send
 
 __all__ = ["ANSWER_S", "ENV_WARM_SOCKET", "WarmServer", "python_main", "start_server"]
 
@@ -248,11 +242,7 @@ class _Server:
         except ValueError as exc:
             reason: str | None = str(exc)
         else:
-            reason = None
-            if (threads := thread_count()) > 1:
-                reason = f"the fork server runs {threads} threads after its imports"
-            elif names := import_time_env_differs(self.env, env):
-                reason = f"the worker's {', '.join(names)} differ from the fork server's"
+            reason = fork_refusal(self.env, env, "worker")
         if reason is not None:
             for extra in fds:
                 os.close(extra)
@@ -265,24 +255,7 @@ class _Server:
                 os.close(extra)
             self._drop(fd)
             return None
-        server = os.getpid()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                die_with_parent(server)
-                os.setsid()  # as torchrun starts each worker: not in the agent's group
-                self.listener.close()
-                for other in self.conns.values():
-                    other.close()
-                for pidfd in self.conn_of:
-                    os.close(pidfd)
-                for s in _HELD:
-                    signal.signal(s, signal.SIG_DFL)
-            except BaseException:
-                os._exit(126)  # never back into the server's loop
+        if (pid := fork(self._forked)) == 0:
             return _Child(argv, env, cwd, unbuffered, affinity, fds)
         for extra in fds:
             os.close(extra)
@@ -292,6 +265,18 @@ class _Server:
         with contextlib.suppress(OSError):
             send(conn, {"op": "spawned", "pid": pid})
         return None
+
+    def _forked(self) -> None:
+        """In a forked child: its own session, as torchrun starts each worker (not in
+        the agent's process group), without the server's descriptors and dispositions."""
+        os.setsid()
+        self.listener.close()
+        for other in self.conns.values():
+            other.close()
+        for pidfd in self.conn_of:
+            os.close(pidfd)
+        for s in _HELD:
+            signal.signal(s, signal.SIG_DFL)
 
     def _exited(self, pidfd: int) -> None:
         info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
