@@ -205,3 +205,41 @@ def test_a_shim_gone_before_the_server_read_its_request_gets_no_worker() -> None
     assert not _hung_up(alive)
     for s in (gone, alive, shim2):
         s.close()
+
+
+_FORK_FAILS_ONCE = """
+import os, sys
+from rendezvousd.trainer.torchrun import warm
+real, calls = os.fork, []
+def fork():
+    calls.append(1)
+    if len(calls) == 1:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    return real()
+os.fork = fork
+warm.serve_main(sys.argv[1], os.getppid(), ["decimal"])
+"""
+
+
+def test_a_failed_fork_starts_that_worker_cold_and_the_server_serves_on(
+    tmp_path: Path,
+) -> None:
+    """The server is every warm worker's parent: one worker's trouble (here the
+    process limit, EAGAIN) must not end it, or every running worker dies with it."""
+    (tmp_path / "w.py").write_text(WORKER)
+    path = str(tmp_path / "server.sock")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-c", _FORK_FAILS_ONCE, path], env=env, stdout=subprocess.PIPE
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline() == b"listening\n"
+        env[warm.ENV_WARM_SOCKET] = path
+        first = Shim(tmp_path, ["w.py", "0"], env)
+        assert first.wait() == 0 and first.report()["preloaded"] is False
+        assert "starting cold: the fork server starts it cold: fork failed" in first.err.read_text()
+        second = Shim(tmp_path, ["w.py", "4"], env)
+        assert second.wait() == 4 and second.report()["preloaded"] is True
+    finally:
+        server.kill()
+        server.wait()

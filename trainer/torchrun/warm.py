@@ -187,14 +187,19 @@ class _Server:
         child only (the server itself runs until its agent dies)."""
         while True:
             for fd, _ in self.poller.poll():
-                if fd == self.listener.fileno():
-                    self._accept()
-                elif fd in self.conn_of:
-                    self._exited(fd)
-                elif fd in self.conns:
-                    child = self._message(fd)
-                    if child is not None:
-                        return child
+                try:
+                    if fd == self.listener.fileno():
+                        self._accept()
+                    elif fd in self.conn_of:
+                        self._exited(fd)
+                    elif fd in self.conns:
+                        child = self._message(fd)
+                        if child is not None:
+                            return child
+                except OSError as exc:
+                    # One accept's or one worker's trouble (out of descriptors, of
+                    # processes): the server's death would take every worker with it.
+                    print(f"rendezvous-python: warm server: {exc!r}", file=sys.stderr, flush=True)
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -255,10 +260,19 @@ class _Server:
                 os.close(extra)
             self._drop(fd)
             return None
-        if (pid := fork(self._forked)) == 0:
+        try:
+            pid = fork(self._forked)
+        except OSError as exc:  # (EAGAIN: the user's process limit)
+            pid = -1
+            with contextlib.suppress(OSError):
+                send(conn, {"op": "cold", "reason": f"fork failed: {exc}"})
+        if pid == 0:
             return _Child(argv, env, cwd, unbuffered, affinity, fds)
         for extra in fds:
             os.close(extra)
+        if pid < 0:
+            self._drop(fd)
+            return None
         pidfd = os.pidfd_open(pid)
         self.worker_of[fd], self.conn_of[pidfd] = pidfd, fd
         self.poller.register(pidfd, select.POLLIN)
