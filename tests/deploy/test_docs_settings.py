@@ -14,6 +14,7 @@ from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.agent import _fork_server, _trace, agent_channel
 from rendezvousd.trainer.agent.launcher import build_parser
 from rendezvousd.trainer.torchrun import config as torchrun_config
+from rendezvousd.trainer.torchrun import warm
 from tests.support import ROOT
 
 DOCS = ROOT / "docs"
@@ -55,7 +56,7 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
     known |= {o.env for o in torchrun_config.SCHEMA.options.values()}
     known |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
     known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD, _trace.TRACE_ENV}
-    known |= {_fork_server.ENV_FORK_SERVER}
+    known |= {_fork_server.ENV_FORK_SERVER, warm.ENV_WARM_SOCKET}
     for doc in ("trainer.md", "operations.md"):
         named = set(re.findall(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b", (DOCS / doc).read_text()))
         assert named - known == set(), doc

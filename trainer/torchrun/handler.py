@@ -137,8 +137,8 @@ def start_warm_server(
         log.warning("rendezvousd: warm workers: %s; workers start cold", exc)
         return None
     env[warm.ENV_WARM_SOCKET] = server.socket_path
-    # torchrun may end without shutdown() (an exception): the server dies with this
-    # process (its parent-death signal), its directory with this hook.
+    # torchrun may end without shutdown() (an exception): stopped at exit, and in any
+    # case killed with this process (its parent-death signal).
     atexit.register(server.stop)
     log.info(
         "rendezvousd: warm workers: fork server pid %d preloading %s",

@@ -29,8 +29,11 @@ asks that server to fork the real worker and then stands in for it:
   interpreter flags are more than ``-u``.
 
 Protocol: one JSON object per ``SOCK_SEQPACKET`` message (``_fork_server``'s framing) on
-a Unix socket in a private directory (0700) whose path travels to the workers in
-``RENDEZVOUSD_WARM_SOCKET``; the server also checks each peer's uid. Shim -> server:
+an abstract Unix socket with a random name (``@rendezvousd-warm-<128 bits>``, in
+``RENDEZVOUSD_WARM_SOCKET``): no file, so an agent SIGKILLed with its server leaves
+nothing behind. Any local process can reach an abstract socket, so the server serves
+only peers of its own uid (``SO_PEERCRED``), who could as well run the worker
+themselves. Shim -> server:
 ``spawn`` (argv, env, cwd, unbuffered, affinity; stdin, stdout, stderr as three ``SCM_RIGHTS``
 descriptors), ``signal`` (sig). Server -> shim: ``spawned`` (pid) or ``cold`` (reason),
 then ``exited`` (code: negative for a signal).
@@ -45,14 +48,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import secrets
 import select
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -86,32 +88,31 @@ _HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass
 class WarmServer:
-    """A running fork server: its process and private directory."""
+    """A running fork server: its process and its socket's address."""
 
     proc: subprocess.Popen[bytes]
-    directory: str
-
-    @property
-    def socket_path(self) -> str:
-        return os.path.join(self.directory, "server.sock")
+    socket_path: str
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _address(path: str) -> str:
+    """A socket address from its text form: ``@NAME`` is Linux's abstract ``\0NAME``."""
+    return "\0" + path[1:] if path.startswith("@") else path
 
 
 def start_server(modules: Sequence[str], env: Mapping[str, str]) -> WarmServer:
     """Start this node's fork server as a child of the calling (agent) process; it
     listens at once and imports ``modules`` while the round forms. The caller puts
     ``ENV_WARM_SOCKET`` in its workers' environment."""
-    directory = tempfile.mkdtemp(prefix="rendezvousd-warm-")  # mode 0700
-    path = os.path.join(directory, "server.sock")
+    path = f"@rendezvousd-warm-{secrets.token_hex(16)}"
     cmd = [sys.executable, "-m", __name__, "--serve", path, str(os.getpid()), *modules]
     proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-    server = WarmServer(proc, directory)
+    server = WarmServer(proc, path)
     # Returns once the server listens (~0.1 s, before its imports): a worker started
     # earlier would find no socket and start cold.
     assert proc.stdout is not None
@@ -204,7 +205,7 @@ class _Server:
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
         if _peer_uid(conn) != os.getuid():
-            conn.close()  # the directory is 0700: only a root peer of another uid gets here
+            conn.close()  # another user: the worker would run as this one
             return
         self.conns[conn.fileno()] = conn
         self.poller.register(conn, select.POLLIN)
@@ -345,7 +346,7 @@ def serve_main(path: str, agent: int, modules: Sequence[str]) -> None:
     for s in _HELD:
         signal.signal(s, signal.SIG_IGN)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
+    listener.bind(_address(path))
     # Listening before the imports: a shim that comes meanwhile waits in the backlog
     # for the one import instead of making its own.
     listener.listen(socket.SOMAXCONN)
@@ -394,7 +395,7 @@ def _run_warm(path: str, args: list[str]) -> NoReturn:
     unbuffered, target = _python_args(args)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        conn.connect(path)
+        conn.connect(_address(path))
         env = dict(os.environ)
         if unbuffered:
             env["PYTHONUNBUFFERED"] = "1"
