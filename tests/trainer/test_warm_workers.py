@@ -22,11 +22,13 @@ from rendezvousd.trainer.torchrun import warm
 from tests.support import wait_for
 
 WORKER = """
-import json, os, sys, time
+import json, os, signal, sys, time
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
     "argv": sys.argv, "x": os.environ.get("X"), "cwd": os.getcwd(),
     "preloaded": "decimal" in sys.modules,
-    "cpus": sorted(os.sched_getaffinity(0))}), flush=True)
+    "cpus": sorted(os.sched_getaffinity(0)),
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigterm": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if "sleep" in sys.argv:
     time.sleep(60)
@@ -101,6 +103,8 @@ def test_a_forked_worker_is_what_python_would_have_run(shim: Any, tmp_path: Path
     assert r["argv"] == ["w.py", "3", "a", "b"] and r["x"] == "hello"
     assert r["cwd"] == str(tmp_path)
     assert r["cpus"] == [0]
+    # A fresh interpreter's dispositions, not the server's (which ignores them).
+    assert r["sigint"] is True and r["sigterm"] is True
     assert s.err.read_text() == "to stderr\n"  # the shim's stderr, and nothing else
 
 

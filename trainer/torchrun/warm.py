@@ -13,11 +13,11 @@ asks that server to fork the real worker and then stands in for it:
   environment (torchrun's RANK, LOCAL_RANK, MASTER_ADDR... ), working directory, CPU
   affinity (torchrun's NUMA binding is ``numactl --physcpubind`` around the shim) and
   stdin/stdout/stderr (torchrun's redirects), a session of its own (torchrun starts
-  each worker in one), the default signal dispositions, then the script or module as
+  each worker in one), a fresh interpreter's signal dispositions, then the script or module as
   ``__main__`` (``run_target``). Its exit is an ordinary interpreter exit.
-- torchrun watches and signals the shim, its own child: the shim forwards every
-  signal it can catch to the worker, and exits as the worker did (the same code, or
-  killed by the same signal). A shim SIGKILLed (torchrun's last resort) closes its
+- torchrun watches and signals the shim, its own child: the shim forwards the signals
+  torchrun and a terminal send (``FORWARDED``) to the worker, and exits as the worker
+  did (the same code, or killed by the same signal). A shim SIGKILLed (torchrun's last resort) closes its
   connection, and the server kills its worker. The server's death kills its workers
   (parent-death signal); the agent's death kills the server.
 - Whatever cannot be forked starts cold, as plain torchrun would: the shim execs the
@@ -25,8 +25,8 @@ asks that server to fork the real worker and then stands in for it:
   answer within ``ANSWER_S``, the server runs threads after its imports (a forked
   child would inherit a lock held by a thread that is not there: set
   ``OMP_NUM_THREADS=1``, which torchrun does for ``--nproc-per-node`` > 1), the worker's
-  import-time settings (``OMP_*``, ``PYTHON*``...) differ from the server's, or the
-  interpreter flags are more than ``-u``.
+  import-time settings (``OMP_*``, ``PYTHON*``...) differ from the server's, the
+  interpreter flags are more than ``-u``, or the fork fails.
 
 Protocol: one JSON object per ``SOCK_SEQPACKET`` message (``_fork_server``'s framing) on
 an abstract Unix socket with a random name (``@rendezvousd-warm-<128 bits>``, in
@@ -79,8 +79,13 @@ FORWARDED = (
     signal.SIGUSR2,
 )
 # The server ignores these (a terminal's Ctrl-C or a job-wide SIGTERM is its
-# workers' to handle, through torchrun); a forked worker gets the defaults back.
-_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# workers' to handle, through torchrun); a forked worker gets a fresh interpreter's
+# back: SIGINT raises KeyboardInterrupt, the others end the process.
+_HELD: dict[signal.Signals, Any] = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGHUP: signal.SIG_DFL,
+}
 
 
 # --- the agent's side: start the server ------------------------------------------------
@@ -290,8 +295,8 @@ class _Server:
             other.close()
         for pidfd in self.conn_of:
             os.close(pidfd)
-        for s in _HELD:
-            signal.signal(s, signal.SIG_DFL)
+        for s, handler in _HELD.items():
+            signal.signal(s, handler)
 
     def _exited(self, pidfd: int) -> None:
         info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
