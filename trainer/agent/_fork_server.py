@@ -30,10 +30,10 @@ the launcher passes (``RENDEZVOUSD_FORK_SERVER_FD``). Agent -> server: ``spawn``
 (serial, argv, env; the worker's end of its channel as the one ``SCM_RIGHTS``
 descriptor) and ``reap`` (pid). Server -> agent: ``spawned`` (serial, pid, and
 ``cold``: why the server started that spare as a fresh ``_agent_boot`` instead of
-forking it, or null),
-``refused`` (serial, reason: a malformed request; the agent starts that spare
-itself and no longer uses the server) and ``exited`` (pid, code: negative for a signal). End of file from
-the agent: the server kills what is left of its workers and exits.
+forking it, or null), ``refused`` (serial, reason: a malformed request; the agent
+starts that spare itself and no longer uses the server) and ``exited`` (pid, code:
+negative for a signal). End of file from the agent: the server kills what is left
+of its workers and exits.
 
 Shared by every forked worker, unlike cold ones: the interpreter's hash seed (a
 set's order is the same on every worker of the node) and the modules imported
@@ -79,6 +79,11 @@ DEFAULT_PRELOAD = (
 )
 #: A message's limit (an environment travels whole); a larger one starts cold.
 MAX_MESSAGE = 192 * 1024
+#: How long a fork server's client waits for its answer to a spawn request: the
+#: server's imports come first (a preloaded torch takes seconds on a loaded node),
+#: and waiting for them is no slower than a cold start's own. Past it, the client
+#: gives the server up and starts its worker cold.
+ANSWER_S = 120.0
 # Read once at import (by the interpreter, numpy's BLAS, OpenMP): a spare whose
 # environment gives one of these another value than the server's starts cold.
 IMPORT_TIME_PREFIXES = (

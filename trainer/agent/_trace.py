@@ -3,7 +3,8 @@
 With ``RENDEZVOUSD_TRACE_FILE`` set, the launcher, its agent and its workers append
 one JSON line per milestone to that file: the wall clock (comparable across the
 node's processes and with the daemon's log), the process and its parent (which
-ties a worker to its node: for a worker the fork server forked, its agent), the event and a few numbers (a generation, a rank).
+ties a worker to its node: for a worker the fork server forked, its agent), the
+event and a few numbers (a generation, a rank).
 Unset, ``mark`` is one dictionary lookup: the variable is read once per process.
 A line is one ``O_APPEND`` write, so the processes of every node can share one file.
 Nothing secret is written: the events carry no id, token or address.

@@ -6,8 +6,8 @@ restart hands the new generation to processes that already paid Python, numpy
 and gRPC start-up. Each process has a private channel (``agent_channel``), a
 reaper thread blocked in ``waitid`` (the agent learns of a death at once, in the
 kernel's order; for a spare the node's fork server forked, in the ``exited`` the
-server relays, ``worker_boot.ForkedProcess``) and a reader thread for its frames; both only post events to
-the agent's queue, where the agent's main thread decides. A frame the worker
+server relays, ``worker_boot.ForkedProcess``) and a reader thread for its frames;
+both only post events to the agent's queue, where the agent's main thread decides. A frame the worker
 should not have sent (``FrameError``, or anything else reading it raised) ends
 its reader with a ``Misbehaved`` event: the worker is failed with that cause.
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_FD, ENV_AGENT_PID
 from rendezvousd.trainer.agent._fork_server import (
+    ANSWER_S,
     ENV_CONTROL_FD,
     ENV_FORK_SERVER,
     ENV_PRELOAD,
@@ -52,14 +53,6 @@ class Booted:
     sock: socket.socket
 
 
-# How long the agent waits for its fork server to answer a spare's request (the
-# server's imports come first: a ``--preload`` of torch takes seconds on a loaded
-# node) before it gives the server up: it is killed, its spares are lost (replaced
-# cold, using no restart), so that a server stuck in an import can never hold up
-# the agent's stop paths, which need each worker's pid.
-ANSWER_S = 120.0
-
-
 class ForkedProcess:
     """A worker the fork server forks: what the agent uses of a ``Popen``.
 
@@ -79,6 +72,9 @@ class ForkedProcess:
 
     @property
     def pid(self) -> int | None:
+        # Past ANSWER_S the server is given up: killed, its spares lost (replaced
+        # cold, using no restart), so that a server stuck in a ``--preload`` import
+        # can never hold up the agent's stop paths, which need each worker's pid.
         if not self._answered.wait(ANSWER_S):
             self._server.give_up(f"no answer to a spare's request within {ANSWER_S:g} s")
             self._answered.wait(10.0)  # its reader marks this spare lost at the EOF

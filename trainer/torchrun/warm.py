@@ -17,9 +17,9 @@ asks that server to fork the real worker and then stands in for it:
   ``__main__`` (``run_target``). Its exit is an ordinary interpreter exit.
 - torchrun watches and signals the shim, its own child: the shim forwards the signals
   torchrun and a terminal send (``FORWARDED``) to the worker, and exits as the worker
-  did (the same code, or killed by the same signal). A shim SIGKILLed (torchrun's last resort) closes its
-  connection, and the server kills its worker. The server's death kills its workers
-  (parent-death signal); the agent's death kills the server.
+  did (the same code, or killed by the same signal). A shim SIGKILLed (torchrun's
+  last resort) closes its connection, and the server kills its worker. The server's
+  death kills its workers (parent-death signal); the agent's death kills the server.
 - Whatever cannot be forked starts cold, as plain torchrun would: the shim execs the
   real interpreter in its own place (same pid) when there is no server, it does not
   answer within ``ANSWER_S``, the server runs threads after its imports (a forked
@@ -60,15 +60,20 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from rendezvousd.trainer.agent._agent_boot import die_with_parent, run_target
-from rendezvousd.trainer.agent._fork_server import fork, fork_refusal, preload, recv, send
+from rendezvousd.trainer.agent._fork_server import (
+    ANSWER_S,
+    exit_code,
+    fork,
+    fork_refusal,
+    preload,
+    recv,
+    send,
+)
 
-__all__ = ["ANSWER_S", "ENV_WARM_SOCKET", "WarmServer", "python_main", "start_server"]
+__all__ = ["ENV_WARM_SOCKET", "WarmServer", "python_main", "start_server"]
 
 #: The fork server's socket, set in the agent's environment for its workers.
 ENV_WARM_SOCKET = "RENDEZVOUSD_WARM_SOCKET"
-#: How long a shim waits for the server's answer (it may still be importing torch:
-#: waiting is no slower than importing it again), then starts cold.
-ANSWER_S = 120.0
 #: Signals a shim forwards to its worker (SIGKILL and SIGSTOP cannot be caught).
 FORWARDED = (
     signal.SIGTERM,
@@ -305,10 +310,9 @@ class _Server:
         self.poller.unregister(pidfd)
         os.close(pidfd)
         fd = self.conn_of.pop(pidfd)
-        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
         if self.worker_of.pop(fd, None) is not None:
             with contextlib.suppress(OSError):
-                send(self.conns[fd], {"op": "exited", "code": code})
+                send(self.conns[fd], {"op": "exited", "code": exit_code(info)})
             self._drop(fd)
 
 
