@@ -33,6 +33,8 @@ from rendezvousd.client.membership import Member, Membership, NodeMembership
 T = TypeVar("T")
 _Requests = AsyncIterator[pb.HeartbeatRequest]
 INTERNAL = grpc.StatusCode.INTERNAL
+# States from which a channel asked to connect may still become READY.
+_CONNECTING = (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING)
 # How long leave()/close() wait for the heartbeat task to end once cancelled.
 STOP_HEARTBEAT_S = 5.0
 
@@ -96,8 +98,8 @@ class AsyncRendezvousClient(steps.ClientBase):
             await self._stop_heartbeat(keep_opened=True)
         elif isinstance(step, steps.OpenStream):
             self._open_stream()
-        elif isinstance(step, steps.Connected):
-            return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
+        elif isinstance(step, steps.Reachable):
+            return await self._reachable(step.timeout)
         elif isinstance(step, steps.LeaveOnStream):
             return await self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Connect):
@@ -111,6 +113,16 @@ class AsyncRendezvousClient(steps.ClientBase):
             self._open_stream()
             return True
         return None
+
+    async def _reachable(self, timeout: float) -> bool:
+        channel = self._channel
+        state = channel.get_state(try_to_connect=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while state in _CONNECTING:
+                    await channel.wait_for_state_change(state)
+                    state = channel.get_state(try_to_connect=False)
+        return state is grpc.ChannelConnectivity.READY
 
     async def _leave_on_stream(self, timeout: float) -> bool | None:
         task = self._hb_task

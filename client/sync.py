@@ -150,9 +150,12 @@ class RendezvousClient(steps.ClientBase):
             self._stop_heartbeat(keep_opened=True)
         elif isinstance(step, steps.OpenStream):
             self._open_stream()
-        elif isinstance(step, steps.Connected):
-            # A blocking channel cannot say without connecting: always health-check
-            # (one round trip per join, which a blocking client makes rarely).
+        elif isinstance(step, steps.Reachable):
+            # gRPC's blocking channel watches its connectivity only from a polling
+            # thread that outlives the watch by up to 0.2 s and holds a lock the
+            # channel's finalizer takes (a process exiting then can hang): always
+            # health-check instead, one round trip per join, which a blocking client
+            # makes rarely.
             return False
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
