@@ -34,9 +34,8 @@ parent pick the start instant and hand it to them, so no import and no process s
 is inside anybody's clock; nor is the daemon's own work on the connects, which goes on
 for seconds after the clients' connects returned (12,500 of them): the start instant
 comes once its event loop is idle again (``daemon_settle_s``). In the ``cold`` condition the connects happen inside the
-clock (TCPStore's constructor; our channel's first connect and two streams: the ranks are
-asyncio SDK clients, which send no health probe once their channel is READY; a blocking
-client's rank would add one health Check, about 0.5 ms of the daemon's CPU).
+clock (TCPStore's constructor; our channel's first connect and two streams: the SDK
+sends no health probe once its channel is READY).
 The clock stops when the last rank is done. Each case prints a verdict against its
 target, and the whole run one JSON document.
 

@@ -35,6 +35,11 @@ from rendezvousd.client.membership import Membership, NodeMembership
 T = TypeVar("T")
 # How long stopping the heartbeat waits for its threads and an opened stream's feeder.
 STOP_HEARTBEAT_S = 2.0
+# The core channel's connectivity states (grpc.ChannelConnectivity's numbers): from
+# IDLE and CONNECTING a channel asked to connect may still become READY.
+_CONNECTING = (grpc.ChannelConnectivity.IDLE.value[0], grpc.ChannelConnectivity.CONNECTING.value[0])
+_READY = grpc.ChannelConnectivity.READY.value[0]
+_SHUTDOWN = grpc.ChannelConnectivity.SHUTDOWN.value[0]
 
 
 class _HeldRequests:
@@ -151,26 +156,52 @@ class RendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.OpenStream):
             self._open_stream()
         elif isinstance(step, steps.Reachable):
-            # gRPC's blocking channel watches its connectivity only from a polling
-            # thread that outlives the watch by up to 0.2 s and holds a lock the
-            # channel's finalizer takes (a process exiting then can hang): always
-            # health-check instead, one round trip per join, which a blocking client
-            # makes rarely.
-            return False
+            return self._ready_within(step.timeout, failure_ends=True) is True
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Connect):
-            ready = grpc.channel_ready_future(self._channel)
-            try:
-                ready.result(timeout=step.timeout)
-            except grpc.FutureTimeoutError:
-                ready.cancel()  # ends gRPC's thread watching the channel
+            ready = self._ready_within(step.timeout, failure_ends=False)
+            if ready is None:
+                ready = self._ready_future(step.timeout)
+            if not ready:
                 return False
             # Everything a join sends on: the Calls stream and the heartbeat stream
             # opened with the join (``steps.OpenStream``), its start out of the join.
             self._open_stream()
             return True
         return None
+
+    def _ready_within(self, timeout: float, *, failure_ends: bool) -> bool | None:
+        """Whether the channel, asked to connect, is READY within ``timeout``;
+        ``failure_ends``: False at its first failure to connect, else it waits
+        through failures (a daemon not up yet). None: this grpcio cannot be asked."""
+        # grpc.Channel's public way to watch its state is subscribe(), which starts
+        # a polling thread and delivery threads that outlive the watch (the polling
+        # thread takes a lock the channel's finalizer takes: a process exiting just
+        # then can hang). The core channel under it answers the same two questions
+        # the polling thread asks, from this thread.
+        core: Any = getattr(self._channel, "_channel", None)
+        if not hasattr(core, "watch_connectivity_state"):
+            return None
+        deadline = time.time() + timeout  # the core's deadlines are wall-clock
+        while True:
+            state = core.check_connectivity_state(True)
+            if state == _READY:
+                return True
+            if state == _SHUTDOWN or (failure_ends and state not in _CONNECTING):
+                return False
+            if not core.watch_connectivity_state(state, deadline).success:
+                return False  # the deadline passed
+
+    def _ready_future(self, timeout: float) -> bool:
+        """``_ready_within`` the public way, for a grpcio whose core cannot be asked."""
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            ready.cancel()  # ends gRPC's thread watching the channel
+            return False
+        return True
 
     def _leave_on_stream(self, timeout: float) -> bool | None:
         thread = self._hb_thread

@@ -1,7 +1,7 @@
-"""The asyncio client's cold join skips the health probe when its channel connects.
+"""A cold join skips the health probe when the client's channel connects.
 
-A cold client used to send a Health Check before its first join: about 0.6 ms of the
-daemon's CPU per client, 40 % of a cold per-rank join. gRPC reports a channel READY
+A cold client used to send a Health Check before its first join: about 0.5 ms of the
+daemon's CPU per client, a third of a cold per-rank join. gRPC reports a channel READY
 only once the daemon accepted our TLS and its HTTP/2 SETTINGS arrived, so READY
 already proves what the probe did; every other outcome still runs the probe (and its
 clear errors: ``test_tls_plaintext_client.py``, ``test_twins.py``).
@@ -15,10 +15,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
+import grpc._channel as grpc_channel
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rendezvousd.client import AsyncRendezvousClient
+from rendezvousd.client import AsyncRendezvousClient, RendezvousClient
 from rendezvousd.client import _calls as steps
 from rendezvousd.client.connection import SERVICE, TlsConfig
 from tests.support import DaemonProcess, InProcessDaemon, Pki
@@ -41,30 +43,32 @@ def count_checks(d: InProcessDaemon, monkeypatch: pytest.MonkeyPatch) -> list[ob
     return entered
 
 
-async def test_a_cold_asyncio_join_sends_no_health_check(
+async def test_a_cold_join_sends_no_health_check(
     inproc_daemon: InProcessDaemon, job_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Both clients: the asyncio one on the daemon's loop, the blocking one in a
+    thread beside it (so it never stalls the loop that serves it)."""
     checks = count_checks(inproc_daemon, monkeypatch)
-    clients = [inproc_daemon.client(job_id) for _ in range(2)]
+    aio = inproc_daemon.client(job_id)
+    blocking = RendezvousClient(inproc_daemon.endpoint, job_id, token=inproc_daemon.token)
     try:
         joined = await asyncio.gather(
-            *(
-                c.join(num_nodes=1, gpus_per_node=2, local_rank=i, timeout=10)
-                for i, c in enumerate(clients)
-            )
+            aio.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=10),
+            asyncio.to_thread(
+                blocking.join, num_nodes=1, gpus_per_node=2, local_rank=1, timeout=10
+            ),
         )
         assert sorted(m.rank for m in joined) == [0, 1]
         assert checks == []
         # The count is live: one Check by hand shows up in it.
-        channel = clients[0]._channel
-        response = await health_pb2_grpc.HealthStub(channel).Check(
+        response = await health_pb2_grpc.HealthStub(aio._channel).Check(
             health_pb2.HealthCheckRequest(service=SERVICE), timeout=5
         )
         assert response.status == health_pb2.HealthCheckResponse.SERVING
         assert len(checks) == 1
     finally:
-        for c in clients:
-            await c.close()
+        await aio.close()
+        await asyncio.to_thread(blocking.close)
 
 
 @pytest.fixture
@@ -96,14 +100,27 @@ def listener() -> Iterator[Callable[[bytes | None], str]]:
         s.close()
 
 
-async def _reachable(endpoint: str, tls: TlsConfig | None) -> bool:
-    client = AsyncRendezvousClient(endpoint, "reach", token="t", tls=tls)
-    try:
-        answer = await client._perform(steps.Reachable(REACH_S))
-        assert isinstance(answer, bool)
-        return answer
-    finally:
-        await client.close()
+async def _reachable(kind: str, endpoint: str, tls: TlsConfig | None) -> bool:
+    """What ``kind``'s client answers a ``Reachable`` step (the blocking one in a
+    thread)."""
+    step = steps.Reachable(REACH_S)
+    if kind == "asyncio":
+        client = AsyncRendezvousClient(endpoint, "reach", token="t", tls=tls)
+        try:
+            answer = await client._perform(step)
+        finally:
+            await client.close()
+    else:
+        blocking = RendezvousClient(endpoint, "reach", token="t", tls=tls)
+        try:
+            answer = await asyncio.to_thread(blocking._perform, step)
+        finally:
+            blocking.close()
+    assert isinstance(answer, bool)
+    return answer
+
+
+KINDS = ["asyncio", "blocking"]
 
 
 @pytest.mark.parametrize(
@@ -123,8 +140,13 @@ async def _reachable(endpoint: str, tls: TlsConfig | None) -> bool:
         "client certificate, mutual-TLS daemon",
     ],
 )
+@pytest.mark.parametrize("kind", KINDS)
 async def test_only_a_daemon_that_accepts_the_client_is_reachable(
-    pki: Pki, start_daemon: Callable[..., DaemonProcess], daemon_tls: str, client_tls: str | None
+    pki: Pki,
+    start_daemon: Callable[..., DaemonProcess],
+    daemon_tls: str,
+    client_tls: str | None,
+    kind: str,
 ) -> None:
     args = ["--tls-cert", str(pki.server), "--tls-key", str(pki.server_key)]
     if daemon_tls == "mtls":
@@ -137,13 +159,59 @@ async def test_only_a_daemon_that_accepts_the_client_is_reachable(
         "cert": TlsConfig(ca=pki.ca, cert=pki.client, key=pki.client_key),
     }[client_tls]
     accepted = (client_tls == "ca" and daemon_tls == "tls") or client_tls == "cert"
-    assert await _reachable(d.endpoint, tls) is accepted
+    assert await _reachable(kind, d.endpoint, tls) is accepted
 
 
 @pytest.mark.parametrize(
     "reply", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"], ids=["silent", "http/1.1"]
 )
+@pytest.mark.parametrize("kind", KINDS)
 async def test_a_port_that_is_not_a_grpc_server_is_not_reachable(
-    listener: Callable[[bytes | None], str], reply: bytes | None
+    listener: Callable[[bytes | None], str], reply: bytes | None, kind: str
 ) -> None:
-    assert await _reachable(listener(reply), None) is False
+    assert await _reachable(kind, listener(reply), None) is False
+
+
+def test_a_blocking_client_without_the_core_call_health_checks(
+    monkeypatch: pytest.MonkeyPatch, daemon: DaemonProcess, job_id: str
+) -> None:
+    """A grpcio whose channel lacks the core call: not reachable, so the join sends
+    its Check and goes on as before."""
+    client = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    try:
+        monkeypatch.setattr(client._channel, "_channel", object())
+        assert client._perform(steps.Reachable(REACH_S)) is False
+        monkeypatch.undo()
+        assert client._perform(steps.Reachable(REACH_S)) is True
+        m = client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        assert m.rank == 0
+    finally:
+        client.close()
+
+
+def test_a_blocking_client_connects_and_joins_without_grpcs_polling_thread(
+    daemon: DaemonProcess, job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """connect() used grpc.channel_ready_future, whose polling thread outlived it by up to
+    0.2 s holding a lock the channel's finalizer takes: a process exiting then could hang.
+    Now neither connect() nor the join's reachability check starts one."""
+    started: list[object] = []
+    poll = grpc_channel._poll_connectivity
+
+    def recorded(*args: Any) -> None:
+        started.append(args)
+        poll(*args)
+
+    monkeypatch.setattr(grpc_channel, "_poll_connectivity", recorded)
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as client:
+        client.connect()
+        assert client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10).rank == 0
+        client.leave()
+    with RendezvousClient(daemon.endpoint, job_id + "-cold", token=daemon.token) as client:
+        assert client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10).rank == 0
+        client.leave()
+    assert started == []
+    # The record is live: the public way starts one.
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as client:
+        grpc.channel_ready_future(client._channel).result(timeout=10)
+    assert len(started) == 1
