@@ -33,9 +33,9 @@ channel) and then reports ready. Only when *every* process has reported ready do
 parent pick the start instant and hand it to them, so no import and no process start-up
 is inside anybody's clock; nor is the daemon's own work on the connects, which goes on
 for seconds after the clients' connects returned (12,500 of them): the start instant
-comes once its event loop is idle again (``daemon_settle_s``). In the ``cold`` condition the connects happen inside the
-clock (TCPStore's constructor; our channel's first connect and two streams: the SDK
-sends no health probe once its channel is READY).
+comes once its event loop is idle again (``daemon_settle_s``). In the ``cold`` condition
+the connects happen inside the clock (TCPStore's constructor; our channel's first
+connect and two streams: the SDK sends no health probe once its channel is READY).
 The clock stops when the last rank is done. Each case prints a verdict against its
 target, and the whole run one JSON document.
 

@@ -110,11 +110,13 @@ class Reachable:
     """Answered True when the channel is READY, now or within ``timeout`` of being asked
     to connect; False when it failed to connect (TRANSIENT_FAILURE) or was still
     connecting at the timeout.
+
     gRPC reports READY only after the daemon's TLS handshake accepted us and its HTTP/2
-    SETTINGS arrived (grpc/grpc#23636, since 1.32): a plaintext client at a TLS daemon, a TLS client without an
-    acceptable certificate at a mutual-TLS one, a port that is not a gRPC server, all
-    fail or stay connecting (``tests/client/test_reachable.py`` pins this), so READY
-    proves what the health probe would, without the daemon answering a call."""
+    SETTINGS arrived (grpc/grpc#23636, since 1.32): a plaintext client at a TLS daemon,
+    a TLS client without an acceptable certificate at a mutual-TLS one, a port that is
+    not a gRPC server, all fail or stay connecting (``tests/client/test_reachable.py``
+    pins this), so READY proves what the health probe would, without the daemon
+    answering a call."""
 
     timeout: float
 
@@ -516,8 +518,8 @@ class ClientBase:
     ) -> None:
         """Heartbeat in the background (the sync client's thread, the asyncio one's
         task), every ``interval`` seconds: by default a third of the daemon's heartbeat
-        timeout, at most 5 s (see ``Session.heartbeat_interval``); ``on_failure`` runs once, on the heartbeat's thread or the sync
-        watchdog's: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``... After
+        timeout, at most 5 s (see ``Session.heartbeat_interval``); ``on_failure`` runs
+        once, on the heartbeat's thread or the sync watchdog's: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``... After
         join_node() the stream is the whole node's; ``on_nodes_waiting(count)`` runs
         when nodes park for a next generation."""
         s = self._s
