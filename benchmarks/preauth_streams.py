@@ -25,6 +25,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ class HalfOpen:
     refused: int = 0  # RST_STREAM REFUSED_STREAM: turned away by the stream cap
     answered: int = 0  # a gRPC status (trailers), e.g. UNAUTHENTICATED
     reset: int = 0  # any other RST_STREAM without a status first
+    # Those resets by their HTTP/2 error code (RFC 9113, section 7).
+    reset_codes: Counter[int] = field(default_factory=Counter)
     goaway: bool = False
     closed: bool = False
     _sock: socket.socket = field(init=False)
@@ -169,6 +172,7 @@ class HalfOpen:
                 self.refused += 1
             else:
                 self.reset += 1
+                self.reset_codes[frame.error_code] += 1
         elif isinstance(frame, GoAwayFrame):
             self.goaway = True
 
@@ -216,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "refused": sum(c.refused for c in conns),
                 "answered": sum(c.answered for c in conns),
                 "reset": sum(c.reset for c in conns),
+                "reset_codes": dict(sum((c.reset_codes for c in conns), Counter[int]())),
                 "goaway": sum(c.goaway for c in conns),
                 "connections_closed_by_daemon": sum(c.closed for c in conns),
             }

@@ -20,7 +20,7 @@ import grpc._channel as grpc_channel
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rendezvousd.client import AsyncRendezvousClient, RendezvousClient
+from rendezvousd.client import AsyncRendezvousClient, DaemonUnavailable, RendezvousClient
 from rendezvousd.client import _calls as steps
 from rendezvousd.client.connection import SERVICE, TlsConfig
 from tests.support import DaemonProcess, InProcessDaemon, Pki
@@ -215,3 +215,23 @@ def test_a_blocking_client_connects_and_joins_without_grpcs_polling_thread(
     with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as client:
         grpc.channel_ready_future(client._channel).result(timeout=10)
     assert len(started) == 1
+
+
+async def test_check_health_asks_even_when_the_channel_is_ready(
+    inproc_daemon: InProcessDaemon, job_id: str
+) -> None:
+    """check_health() is the health Check itself: a READY channel says nothing of a
+    daemon that stopped serving (its storage failing, its timer dead)."""
+    client = AsyncRendezvousClient(
+        inproc_daemon.endpoint, job_id, token=inproc_daemon.token, retry_attempts=0
+    )
+    try:
+        await client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        await client.check_health()
+        health = inproc_daemon.server._health
+        assert health is not None
+        await health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(DaemonUnavailable, match="NOT_SERVING"):
+            await client.check_health()
+    finally:
+        await client.close()

@@ -22,6 +22,7 @@ from rendezvousd.client import RendezvousClient
 from tests.support import ROOT, DaemonProcess, parallel, wait_for
 
 MIB = 1024  # in KiB, as RSS is reported
+ENHANCE_YOUR_CALM = 0xB  # an HTTP/2 error code (RFC 9113, section 7)
 
 
 def _flood(*flags: str) -> dict[str, Any]:
@@ -52,7 +53,11 @@ def test_half_open_token_less_streams_are_refused_or_answered_and_memory_stays_b
     # ... and the token-less Joins it took are answered UNAUTHENTICATED without
     # waiting for a body: none is left holding memory.
     assert report["held_open"] == 0, report
-    assert report["refused"] + report["answered"] == 3 * 1500, report
+    # gRPC core turns a stream away with REFUSED_STREAM at the cap or, when the
+    # machine is busy (2 of 13 runs beside six busy loops), with ENHANCE_YOUR_CALM
+    # (11): ended before any handler all the same. Nothing else may end them.
+    assert set(report["reset_codes"]) <= {str(ENHANCE_YOUR_CALM)}, report
+    assert report["refused"] + report["answered"] + report["reset"] == 3 * 1500, report
     # Today's cost was ~20 KiB per held stream: 4,500 of them were ~90 MiB.
     assert report["rss_kib"]["growth_held"] < 40 * MIB, report
 
