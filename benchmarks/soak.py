@@ -116,13 +116,28 @@ _SERVED = {
 
 def _served_latencies(metrics_url: str) -> dict[str, dict[str, float]]:
     """p50/p99 per operation from the daemon's rendezvousd_rpc_duration_seconds buckets
-    (successful calls): the bucket bound at or above each quantile, in ms."""
+    (successful calls): the bucket bound at or above each quantile, in ms; and the same
+    for the daemon's storage commits (``storage_commit``, with their total seconds)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=30) as r:
         text = r.read().decode()
     buckets: dict[str, dict[float, float]] = {}
+    commit_sum = 0.0
     for family in text_string_to_metric_families(text):
+        if family.name == "rendezvousd_storage_commit_seconds":
+            # --state-dir: a change is answered once its group commit is on disk, so
+            # the commits' own time is part of every mutating call's latency.
+            for sample in family.samples:
+                if sample.labels.get("outcome", "ok") != "ok":
+                    continue
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    commits = buckets.setdefault("storage_commit", {})
+                    commits[le] = commits.get(le, 0.0) + sample.value
+                elif sample.name.endswith("_sum"):
+                    commit_sum += sample.value
+            continue
         if family.name != "rendezvousd_rpc_duration_seconds":
             continue
         for sample in family.samples:
@@ -140,6 +155,8 @@ def _served_latencies(metrics_url: str) -> dict[str, dict[str, float]]:
                 "p50_le_ms": _bucket_bound(cumulative, 0.5 * count) * 1000,
                 "p99_le_ms": _bucket_bound(cumulative, 0.99 * count) * 1000,
             }
+    if "storage_commit" in out:
+        out["storage_commit"]["total_s"] = round(commit_sum, 3)
     return out
 
 

@@ -389,7 +389,9 @@ class Persister:
                 if job_id in self._written_gen:
                     writes.append(JobWrite(job_id, None))
                 continue
-            w = JobWrite(job_id, snapshot.job_record(job))
+            record = snapshot.job_record(job)
+            durable = self._durable.get(job_id)
+            w = JobWrite(job_id, record, row_unchanged=durable is not None and durable[0] == record)
             cut.stores[job_id] = job.gen.kv
             if self._written_gen.get(job_id) != job.generation:
                 w.kv_replace, w.kv_put = True, dict(job.gen.kv)
@@ -449,7 +451,20 @@ class Persister:
         cut = self._collect()
         started = time.perf_counter()
         try:
-            await self._in_writer(partial(self.store.commit, cut.writes, ends=cut.ends))
+            # The transaction runs here, on the event loop, and only its fsync (and a
+            # checkpoint now and then) on the writer thread. Python's sqlite3 lets go of
+            # the GIL around every statement and every row, and a thread that wants it
+            # back waits out the busy loop's switch interval (5 ms) each time: done on
+            # the writer thread, a commit of 256 KV rows took 1.5 s on a busy daemon
+            # instead of 2 ms (docs/benchmarks.md, "Commits under load"). A write lock
+            # held by another connection is never waited for here: that commit goes to
+            # the writer thread whole, which waits it out as before.
+            if self.store.write(cut.writes, ends=cut.ends):
+                await self._in_writer(
+                    partial(self.store.sync, checkpoint=self.store.checkpoint_due())
+                )
+            else:
+                await self._in_writer(partial(self.store.commit, cut.writes, ends=cut.ends))
         except Exception as exc:
             # Not only sqlite3.Error/OSError: whatever stopped the commit (a value SQLite
             # cannot bind raises OverflowError), the change is not durable and must be

@@ -20,10 +20,15 @@ generation opens. Version 2 kept it in ``detail``; such a database is read as it
 and moves the history to ``used_ids`` as each job's row is next written.
 
 One ``commit`` is one transaction: a job's row, the KV rows that changed and the
-deletions of expired jobs become durable together or not at all (``synchronous=FULL``
-so a commit survives power loss, not only a process crash). The connection is
-used from the Persister's one writer thread (``check_same_thread=False`` only because
-restore and close run on the daemon's main thread, before and after it).
+deletions of expired jobs become durable together or not at all, and survive power
+loss, not only a process crash. It is two steps, so that the daemon can run them on
+different threads: ``write`` (the transaction, ``synchronous=NORMAL``: SQLite does not
+fsync) and ``sync`` (an fsync of the -wal file, which holds every committed frame, and
+a checkpoint when the WAL has outgrown ``WAL_SIZE_LIMIT``; SQLite's own checkpoints are
+off, so none runs inside a ``write``). A ``write`` waits for another connection's write
+lock only when asked to (``wait``); otherwise it says it could not start
+(``check_same_thread=False``: the Persister runs a ``write`` on the event loop and
+``sync`` on its writer thread, one commit at a time).
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ _IDS = "used_id_digests"
 # it to this. 4 MiB: just above one auto-checkpoint cycle (1000 pages of 4 KiB plus
 # frame headers), so a WAL of normal size is reused, never truncated and regrown.
 WAL_SIZE_LIMIT = 4 * 1024 * 1024
+# How long a ``write`` asked to wait does for another connection's write lock (an
+# operator's `sqlite3` shell in a transaction): sqlite3.connect's default.
+BUSY_TIMEOUT_MS = 5000
 _SCALARS = ("generation", "state", "num_nodes", "gpus_per_node")
 
 
@@ -73,6 +81,9 @@ class JobWrite:
     kv_put: dict[str, bytes] = field(default_factory=dict)
     kv_delete: set[str] = field(default_factory=set)
     kv_replace: bool = False  # a new generation: drop every old KV row first
+    # The row is what the last commit wrote (a KvSet changes only KV rows): not written
+    # again, unless the commit replaces everything.
+    row_unchanged: bool = False
 
 
 @dataclass
@@ -91,6 +102,7 @@ class SqliteStore:
         # that a commit writes the history only when it changed, and then only the
         # difference. Used by whichever thread commits (one at a time).
         self._ids_written: dict[str, list[str]] = {}
+        self._wal_fd: int | None = None
 
     def open(self) -> None:
         for suffix in ("", "-wal", "-shm"):
@@ -103,9 +115,13 @@ class SqliteStore:
                 )
         old_umask = os.umask(0o077)  # the database and its -wal/-shm are 0600
         try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=0
+            )
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
+            # Durability is ``sync``'s fsync; SQLite's own would run inside ``write``.
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA wal_autocheckpoint=0")  # ``sync`` checkpoints instead
             db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             for statement in _SCHEMA:
                 db.execute(statement)
@@ -141,6 +157,9 @@ class SqliteStore:
             return True
 
     def close(self) -> None:
+        if self._wal_fd is not None:
+            os.close(self._wal_fd)
+            self._wal_fd = None
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -230,13 +249,38 @@ class SqliteStore:
         replace_all: bool = False,
         ends: EndsWrite | None = None,
     ) -> None:
+        """``write`` (waiting out another connection's write lock), then ``sync``."""
+        self.write(writes, replace_all=replace_all, ends=ends, wait=True)
+        self.sync(checkpoint=self.checkpoint_due())
+
+    def write(
+        self,
+        writes: list[JobWrite],
+        *,
+        replace_all: bool = False,
+        ends: EndsWrite | None = None,
+        wait: bool = False,
+    ) -> bool:
         """One transaction for the whole batch (``replace_all``: the batch is the whole
-        state, drop every other row) and the job ends heard meanwhile; raises
-        sqlite3.Error/OSError on failure."""
+        state, drop every other row) and the job ends heard meanwhile, committed but not
+        yet durable (``sync``). False, having written nothing, when another connection
+        holds the write lock and ``wait`` is not set; raises sqlite3.Error/OSError on
+        failure."""
         db = self._conn()
         # What used_ids holds once this commits (None: nothing for that job).
         ids_after: dict[str, list[str] | None] = {}
-        db.execute("BEGIN IMMEDIATE")
+        if wait:
+            db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            # The primary code: SQLITE_BUSY_RECOVERY and the like are busy too.
+            if not wait and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
+                return False
+            raise
+        finally:
+            if wait:
+                db.execute("PRAGMA busy_timeout=0")
         try:
             if replace_all:
                 db.execute("DELETE FROM kv")
@@ -249,6 +293,9 @@ class SqliteStore:
                     db.execute("DELETE FROM jobs WHERE job_id=?", (w.job_id,))
                     db.execute("DELETE FROM used_ids WHERE job_id=?", (w.job_id,))
                     ids_after[w.job_id] = None
+                    continue
+                if w.row_unchanged and not replace_all:
+                    _write_kv(db, w)
                     continue
                 ids = list(w.record.get(_IDS, ()))
                 before = ids_after.get(w.job_id, self._ids_written.get(w.job_id))
@@ -265,14 +312,7 @@ class SqliteStore:
                         json.dumps(detail, sort_keys=True),
                     ),
                 )
-                db.executemany(
-                    "DELETE FROM kv WHERE job_id=? AND key=?",
-                    ((w.job_id, k) for k in w.kv_delete),
-                )
-                db.executemany(
-                    "INSERT OR REPLACE INTO kv VALUES (?, ?, ?)",
-                    ((w.job_id, k, v) for k, v in w.kv_put.items()),
-                )
+                _write_kv(db, w)
             if ends:
                 _write_ends(db, ends)
             db.execute("COMMIT")
@@ -290,6 +330,43 @@ class SqliteStore:
         if self.replaced():
             # Checked after the commit: a removal during it left it in a dead file.
             raise OSError(f"{self.path} was removed or replaced")
+        return True
+
+    def checkpoint_due(self) -> bool:
+        """Whether the WAL has outgrown ``WAL_SIZE_LIMIT`` (about SQLite's own 1,000-page
+        auto-checkpoint): after a complete checkpoint the next ``write`` starts the file
+        over and truncates it to that size, so it grows past it only with new frames."""
+        try:
+            return os.stat(f"{self.path}-wal").st_size > WAL_SIZE_LIMIT
+        except FileNotFoundError:
+            return False
+
+    def sync(self, *, checkpoint: bool = False) -> None:
+        """Makes every ``write`` so far durable: an fsync of the -wal file, where WAL mode
+        keeps each committed frame until a checkpoint (whose own fsyncs, of the WAL and
+        then the database, SQLite makes at ``synchronous=NORMAL``); raises OSError or
+        sqlite3.Error on failure."""
+        if self._wal_fd is None:
+            # Opened once: SQLite keeps the -wal file (same inode) while its connection
+            # is open; a checkpoint's restart truncates it, never replaces it. Its
+            # directory entry is made durable once, as SQLite's FULL mode did.
+            self._wal_fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
+            directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        os.fsync(self._wal_fd)
+        if checkpoint:
+            self._conn().execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+
+def _write_kv(db: sqlite3.Connection, w: JobWrite) -> None:
+    db.executemany("DELETE FROM kv WHERE job_id=? AND key=?", ((w.job_id, k) for k in w.kv_delete))
+    db.executemany(
+        "INSERT OR REPLACE INTO kv VALUES (?, ?, ?)",
+        ((w.job_id, k, v) for k, v in w.kv_put.items()),
+    )
 
 
 def _write_ids(db: sqlite3.Connection, job_id: str, before: list[str], after: list[str]) -> None:

@@ -115,15 +115,15 @@ async def test_a_commit_failing_with_any_exception_is_undone_and_the_timer_lives
         store = d.server.persister.store
         assert store is not None
         broken = True
-        real_commit = SqliteStore.commit
+        real_write = SqliteStore.write
 
-        def commit(self: SqliteStore, *args: Any, **kw: Any) -> None:
+        def write(self: SqliteStore, *args: Any, **kw: Any) -> bool:
             if broken:
                 # What a value SQLite cannot bind raises: not a sqlite3.Error.
                 raise OverflowError("Python int too large to convert to SQLite INTEGER")
-            real_commit(self, *args, **kw)
+            return real_write(self, *args, **kw)
 
-        monkeypatch.setattr(SqliteStore, "commit", commit)
+        monkeypatch.setattr(SqliteStore, "write", write)
         with pytest.raises(RendezvousError) as info:
             await c.kv_set("lost", b"2")
         assert (info.value.code, info.value.reason) == ("UNAVAILABLE", "STORAGE_UNAVAILABLE")
