@@ -93,6 +93,16 @@ def _run(server: ForkServer, script: Path, env: dict[str, str]) -> tuple[Booted,
     return booted, code
 
 
+def _cold_dispositions() -> tuple[bool, bool, bool]:
+    """SIGINT, SIGTERM and SIGHUP as WORKER reports them in a fresh interpreter started
+    from here: default, unless this run inherited them ignored (a shell's `&` ignores
+    SIGINT in its children, nohup SIGHUP), which a fresh interpreter keeps too."""
+    code = "\n".join(WORKER.splitlines()[:6]) + "\n}\nprint(json.dumps(facts))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    facts = json.loads(out.stdout)
+    return facts["sigint"], facts["sigterm"], facts["sighup"]
+
+
 @pytest.fixture
 def script(tmp_path: Path) -> Path:
     path = tmp_path / "scripts" / "train.py"
@@ -120,7 +130,7 @@ def test_a_forked_spare_sees_what_a_cold_one_does_and_exits_as_an_interpreter_do
     assert facts["omp"] == "1"
     assert facts["agent_pid_env"] is None
     # The signals the server ignores are the worker's as in a fresh interpreter.
-    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == (True, True, True)
+    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == _cold_dispositions()
     # Forked by the server, with numpy already imported: the start-up it saves.
     assert facts["ppid"] == server.proc.pid
     assert facts["numpy_preloaded"] is True
@@ -322,7 +332,7 @@ def test_a_server_that_runs_threads_after_its_imports_starts_its_spares_cold(
     assert facts["ppid"] == server.proc.pid
     assert facts["numpy_preloaded"] is False
     assert facts["local_rank"] == "1"
-    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == (True, True, True)
+    assert (facts["sigint"], facts["sigterm"], facts["sighup"]) == _cold_dispositions()
     assert any("spares start cold" in n and "threads" in n for n in notes), notes
 
 
