@@ -63,8 +63,9 @@ class _Trace:
         return [what for who, what in self.events if who.startswith(thread_prefix)]
 
 
-def _kv_sets(sm: RendezvousState, persister: Persister, keys: int) -> None:
+def _kv_sets(persister: Persister, keys: int) -> None:
     """What the servicer does for ``keys`` KvSets of rank 0, before their commit."""
+    sm = persister.state
     for n in range(keys):
         persister.before_kv("j", f"k{n}")
         sm.kv_set("j", 1, 0, f"k{n}", bytes([n % 256]) * 64, instance_id="i0")
@@ -78,43 +79,47 @@ def _commit(persister: Persister) -> None:
     asyncio.run(main())
 
 
+def _query(persister: Persister, sql: str) -> Any:
+    """One row, read through a connection of its own (as the next start would)."""
+    db = sqlite3.connect(persister.store.path)
+    try:
+        return db.execute(sql).fetchone()
+    finally:
+        db.close()
+
+
 @pytest.fixture
-def persisted(tmp_path: Path) -> Any:
+def persisted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A running job of 8 ranks, committed; then every statement and fsync traced."""
     tmp_path.chmod(0o700)
     sm = _running_job(8)
     persister = Persister(tmp_path, sm)
     persister.restore()
     try:
-        yield sm, persister
+        yield sm, persister, _Trace(persister, monkeypatch)
     finally:
         persister.close()
 
 
 def test_the_transaction_runs_on_the_event_loop_and_the_writer_thread_only_fsyncs_the_wal(
-    persisted: Any, monkeypatch: pytest.MonkeyPatch
+    persisted: Any,
 ) -> None:
-    sm, persister = persisted
-    trace = _Trace(persister, monkeypatch)
-    _kv_sets(sm, persister, 256)
+    _, persister, trace = persisted
+    _kv_sets(persister, 256)
     _commit(persister)
     loop_sql = trace.on("MainThread")
     assert sum(s.startswith("INSERT OR REPLACE INTO kv") for s in loop_sql) == 256
     assert loop_sql[0] == "BEGIN IMMEDIATE" and loop_sql[-1] == "COMMIT"
     # The writer thread touched no row: one fsync of the -wal file, after the COMMIT.
     assert trace.on("state-writer") == [f"fsync {persister.store.path}-wal"]
-    db = sqlite3.connect(persister.store.path)  # what was written is in the database
-    try:
-        assert db.execute("SELECT count(*) FROM kv WHERE job_id='j'").fetchone() == (256,)
-    finally:
-        db.close()
+    assert _query(persister, "SELECT count(*) FROM kv WHERE job_id='j'") == (256,)
 
 
 def test_a_change_of_kv_alone_leaves_the_jobs_row_as_it_was(
-    persisted: Any, monkeypatch: pytest.MonkeyPatch
+    persisted: Any,
 ) -> None:
-    sm, persister = persisted
-    trace = _Trace(persister, monkeypatch)
-    _kv_sets(sm, persister, 3)
+    sm, persister, trace = persisted
+    _kv_sets(persister, 3)
     _commit(persister)
     assert not [s for s in trace.on("") if "INTO jobs" in s]
     # A barrier round completes: the row (which records completed rounds) is written.
@@ -124,22 +129,17 @@ def test_a_change_of_kv_alone_leaves_the_jobs_row_as_it_was(
     persister.touch("j")
     _commit(persister)
     assert [s for s in trace.on("MainThread") if s.startswith("INSERT OR REPLACE INTO jobs")]
-    db = sqlite3.connect(persister.store.path)
-    try:
-        (detail,) = db.execute("SELECT detail FROM jobs WHERE job_id='j'").fetchone()
-    finally:
-        db.close()
+    (detail,) = _query(persister, "SELECT detail FROM jobs WHERE job_id='j'")
     assert '"barriers": {"b": 1}' in detail
 
 
 def test_a_write_lock_held_elsewhere_is_waited_for_on_the_writer_thread_not_the_loop(
-    persisted: Any, monkeypatch: pytest.MonkeyPatch
+    persisted: Any,
 ) -> None:
-    sm, persister = persisted
-    trace = _Trace(persister, monkeypatch)
+    _, persister, trace = persisted
     locker = sqlite3.connect(persister.store.path, isolation_level=None)
     locker.execute("BEGIN IMMEDIATE")
-    _kv_sets(sm, persister, 2)
+    _kv_sets(persister, 2)
     ticks = 0
 
     async def main() -> None:
