@@ -348,8 +348,8 @@ class SqliteStore:
         sqlite3.Error on failure."""
         if self._wal_fd is None:
             # Opened once: SQLite keeps the -wal file (same inode) while its connection
-            # is open; a checkpoint's restart truncates it, never replaces it. Its
-            # directory entry is made durable once, as SQLite's FULL mode did.
+            # is open; a checkpoint's restart truncates it, never replaces it. SQLite
+            # created it: its directory entry is made durable once, here.
             self._wal_fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
             directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
