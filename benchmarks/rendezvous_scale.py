@@ -37,7 +37,12 @@ comes once its event loop is idle again (``daemon_settle_s``). In the ``cold`` c
 the connects happen inside the clock (TCPStore's constructor; our channel's first
 connect and two streams: the SDK sends no health probe once its channel is READY).
 The clock stops when the last rank is done. Each case prints a verdict against its
-target, and the whole run one JSON document.
+target, and the whole run one JSON document. Each case also reports how busy the
+machine was in the half second before its start instant, when every client waits and
+the servers are idle (``machine_busy_before_start``, a share of all cores, from
+/proc/stat): other work sharing the cores. Above 25 % the verdict line says the
+figure is not a quiet machine's; this machine is shared, and sittings have differed
+by 2x on the same code.
 
 **The daemon's own cost.** Clients and daemon share this machine's cores, so the wall
 time of a large case says as much about the other processes as about the daemon. Each
@@ -99,6 +104,9 @@ AGENT_TARGETS_S = {128: 0.075, 1024: 1.0}
 # The parent hands the start instant out this long after the last ready, so every
 # child has read it and is asleep before it comes.
 START_MARGIN_S = 0.5
+# Above this share of all cores busy just before a start instant, a case's figures
+# are the machine's state as much as the systems' (its verdict line says so).
+BUSY_SHARE_WARN = 0.25
 
 
 def _cpu_s(pid: int) -> float:
@@ -453,6 +461,21 @@ def _top_frames(path: Path, count: int = 20) -> dict[str, Any]:
     return {"samples": total, "file": str(path), "self": top(own), "inclusive": top(inclusive)}
 
 
+def _busy_share(seconds: float) -> float:
+    """The share of all cores busy over ``seconds`` (/proc/stat): taken while every
+    client waits for the start and the servers are idle, it is other work's."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            jiffies = [int(x) for x in f.readline().split()[1:]]
+        return sum(jiffies), jiffies[3] + jiffies[4]  # all; idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return round(1.0 - (idle1 - idle0) / max(1, total1 - total0), 3)
+
+
 def _race(
     world: int,
     procs: int,
@@ -461,10 +484,10 @@ def _race(
     timeout: float = 300,
     ready: Callable[[], None] = lambda: None,
     finished: Callable[[], None] | None = None,
-) -> tuple[float, list[dict[str, Any]]]:
+) -> tuple[float, list[dict[str, Any]], float]:
     """``procs`` children of this script share ``world``'s ranks; once every one is
     ready (and then ``ready()`` returned), all start at one instant. Returns that
-    instant and each child's result. ``finished``: called once every child said its
+    instant, each child's result and how busy the machine was just before it. ``finished``: called once every child said its
     last answer came (our children say it before closing their clients)."""
     per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
     children, first = [], 0
@@ -503,6 +526,7 @@ def _race(
     finally:
         watchdog.cancel()
     ready()
+    busy = _busy_share(0.5)
     start_at = time.time() + START_MARGIN_S
     for c in children:
         assert c.stdin is not None
@@ -519,7 +543,7 @@ def _race(
             watchdog.cancel()
         finished()
     results = [_result(c, count, timeout + 60) for c, count in zip(children, per, strict=True)]
-    return start_at, results
+    return start_at, results, busy
 
 
 def _result(child: subprocess.Popen[str], count: int, timeout: float) -> dict[str, Any]:
@@ -546,7 +570,9 @@ def _result(child: subprocess.Popen[str], count: int, timeout: float) -> dict[st
         watchdog.cancel()
 
 
-def _outcome(world: int, start_at: float, results: list[dict[str, Any]]) -> dict[str, Any]:
+def _outcome(
+    world: int, start_at: float, results: list[dict[str, Any]], busy: float
+) -> dict[str, Any]:
     errors: dict[str, int] = {}
     for r in results:
         for k, v in r["errors"].items():
@@ -554,7 +580,14 @@ def _outcome(world: int, start_at: float, results: list[dict[str, Any]]) -> dict
     ok = sum(r["ok"] for r in results)
     # Only a run in which every rank finished has a wall time.
     wall = max(r["done"] for r in results) - start_at if ok == world else None
-    return {"wall_s": round(wall, 4) if wall is not None else None, "ok": ok, "errors": errors}
+    return {
+        "wall_s": round(wall, 4) if wall is not None else None,
+        "ok": ok,
+        "errors": errors,
+        # Every core's busy share in the 0.5 s before the start, when nothing of the
+        # case itself ran: other work on the machine, which shares its cores.
+        "machine_busy_before_start": busy,
+    }
 
 
 def run_ours(
@@ -616,11 +649,11 @@ def run_ours(
                 "--gpus-per-node",
                 str(gpus_per_node),
             ]
-            start_at, results = _race(
+            start_at, results, busy = _race(
                 world, procs, flags, timeout=timeout, ready=ready, finished=finished
             )
             sampler.stop()
-            out = _outcome(world, start_at, results)
+            out = _outcome(world, start_at, results, busy)
             targets = AGENT_TARGETS_S if gpus_per_node else TARGETS_S
             target = targets.get(world) if condition == "connected" else None
             # The daemon's CPU from the start instant to the last answer (or, when
@@ -695,14 +728,14 @@ def run_tcpstore(world: int, procs: int, condition: str, timeout: float) -> dict
         "127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False
     )
     flags = ["--child", "tcpstore", "--condition", condition, "--port", str(server.port)]
-    start_at, results = _race(world, procs, flags, timeout=timeout)
+    start_at, results, busy = _race(world, procs, flags, timeout=timeout)
     return {
         "system": "torch.TCPStore",
         "mode": "per-rank",
         "condition": condition,
         "ranks": world,
         "client_processes": procs,
-        **_outcome(world, start_at, results),
+        **_outcome(world, start_at, results, busy),
     }
 
 
@@ -721,8 +754,8 @@ def run_c10d(agents: int, procs: int, timeout: float) -> dict[str, Any]:
     )
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     flags = ["--child", "c10d", "--port", str(server.port), "--job", f"c10d-{agents}"]
-    start_at, results = _race(agents, procs, flags, env=env, timeout=timeout)
-    out = _outcome(agents, start_at, results)
+    start_at, results, busy = _race(agents, procs, flags, env=env, timeout=timeout)
+    out = _outcome(agents, start_at, results, busy)
     if out["wall_s"] is None:
         out["not_finished_after_s"] = timeout
     return {
@@ -747,6 +780,11 @@ def _verdict(r: dict[str, Any]) -> str:
         daemon = (
             f" [daemon: {r['daemon_cpu_s']:.2f} s CPU, {r['daemon_cpu_per_join_ms']:.3f} ms "
             f"per join, peak RSS {r['daemon_peak_rss_mib']:.0f} MiB]"
+        )
+    if r.get("machine_busy_before_start", 0.0) > BUSY_SHARE_WARN:
+        daemon += (
+            f" (machine {100 * r['machine_busy_before_start']:.0f} % busy before the start:"
+            " not a quiet-machine figure)"
         )
     if r["wall_s"] is None:
         return f"{what}: no wall time ({r['ok']} finished, errors {r['errors']}){daemon}"
