@@ -12,7 +12,10 @@ heartbeats for them all, and each of its workers is a client of its own that
 attaches to its rank (no heartbeat of its own). Members make their calls on the SDK's
 call stream (``--unary``: unary calls, as before it had one). Either way members are spread
 over worker processes, in jobs of --job-size ranks, and every --period-s each
-job runs a barrier and each member a KvSet + KvGet.
+job runs a barrier and each member a KvSet + KvGet. Whole jobs are packed into each
+client process, so one process sends (and reads) a job's whole burst on one core;
+``--spread`` deals each job's nodes (ranks) out over the processes instead, as a real
+job's hosts would send them.
 
     python benchmarks/soak.py --shape node --members 4096 --gpus-per-node 8 --duration 600 --state-dir
  A separate 1-member "victim" process belongs to a probe job and
@@ -306,10 +309,14 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
                 return
             await asyncio.sleep(args.period_s)
 
-    members = [(job, r) for job in jobs for r in range(args.job_size)]
+    mine, of = (int(x) for x in args.share.split("/")) if args.share else (0, 1)
+    members = [(job, r) for job in jobs for r in range(args.job_size) if r % of == mine]
     if args.shape == "node":
         per_node = args.gpus_per_node
-        nodes = [(job, n) for job in jobs for n in range(args.job_size // per_node)]
+        nodes = [
+            (job, n) for job in jobs for n in range(args.job_size // per_node) if n % of == mine
+        ]
+        members = [(job, n * per_node + g) for job, n in nodes for g in range(per_node)]
         # A node's workers hold ranks node * gpus_per_node + local: members' order.
         joined = [
             w for ws in await asyncio.gather(*[join_node(j, n) for j, n in nodes]) for w in ws
@@ -443,7 +450,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(args.processes)
             ]
             workers, first = [], 0
-            for n in per:
+            for i, n in enumerate(per):
+                if args.spread:
+                    # Every process gets every job, and of each job the nodes (ranks)
+                    # whose number modulo the process count is its own.
+                    n, first = jobs, 0
+                    share = ["--share", f"{i}/{args.processes}"]
+                else:
+                    share = []
                 if n:
                     workers.append(
                         _spawn(
@@ -457,6 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             str(first),
                             "--job-prefix",
                             "soak",
+                            *share,
                         )
                     )
                 first += n
@@ -496,7 +511,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for w in workers
             ]
             served = _served_latencies(embedded.metrics_url)
-            teardown = _teardown(endpoint, token, [f"soak-{j}" for j in range(sum(per))])
+            teardown = _teardown(endpoint, token, [f"soak-{j}" for j in range(jobs)])
             end_stats = _proc_stats(daemon.pid)
             elapsed = time.time() - started
             # The member processes were reaped above (probe and victim too); the daemon
@@ -543,6 +558,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "soak",
         "shape": args.shape,
+        "spread": args.spread,
         "calls": "unary" if args.unary else "stream",
         "members": args.members,
         "gpus_per_node": args.gpus_per_node if args.shape == "node" else 1,
@@ -640,6 +656,12 @@ def main() -> None:
         action="store_true",
         help="members make unary calls (call_stream=False), as the SDK did before Calls",
     )
+    p.add_argument(
+        "--spread",
+        action="store_true",
+        help="spread each job's nodes (ranks) over the client processes instead of "
+        "packing whole jobs into one, so a job's burst is sent from every process",
+    )
     p.add_argument("--json-out", type=Path)
     p.add_argument(
         "--state-dir", action="store_true", help="the daemon persists to SQLite (--state-dir)"
@@ -649,6 +671,7 @@ def main() -> None:
     p.add_argument("--token-file", help=argparse.SUPPRESS)
     p.add_argument("--jobs", type=int, help=argparse.SUPPRESS)
     p.add_argument("--first-job", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--share", help=argparse.SUPPRESS)
     p.add_argument("--job-prefix", default="soak", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.shape == "node" and args.job_size % args.gpus_per_node:
