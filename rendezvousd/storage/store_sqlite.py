@@ -66,8 +66,9 @@ _IDS = "used_id_digests"
 # it to this. 4 MiB: just above one auto-checkpoint cycle (1000 pages of 4 KiB plus
 # frame headers), so a WAL of normal size is reused, never truncated and regrown.
 WAL_SIZE_LIMIT = 4 * 1024 * 1024
-# How long a ``write`` asked to wait does for another connection's write lock (an
-# operator's `sqlite3` shell in a transaction): sqlite3.connect's default.
+# How long the connection waits for another connection's lock (an operator's `sqlite3`
+# shell in a transaction): sqlite3.connect's default. Except a ``write`` not asked to
+# wait, which runs on the event loop and must not.
 BUSY_TIMEOUT_MS = 5000
 _SCALARS = ("generation", "state", "num_nodes", "gpus_per_node")
 
@@ -116,7 +117,10 @@ class SqliteStore:
         old_umask = os.umask(0o077)  # the database and its -wal/-shm are 0600
         try:
             db = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=0
+                self.path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=BUSY_TIMEOUT_MS / 1000,
             )
             db.execute("PRAGMA journal_mode=WAL")
             # Durability is ``sync``'s fsync; SQLite's own would run inside ``write``.
@@ -269,8 +273,8 @@ class SqliteStore:
         db = self._conn()
         # What used_ids holds once this commits (None: nothing for that job).
         ids_after: dict[str, list[str] | None] = {}
-        if wait:
-            db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        if not wait:
+            db.execute("PRAGMA busy_timeout=0")
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
@@ -279,8 +283,8 @@ class SqliteStore:
                 return False
             raise
         finally:
-            if wait:
-                db.execute("PRAGMA busy_timeout=0")
+            if not wait:
+                db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         try:
             if replace_all:
                 db.execute("DELETE FROM kv")
