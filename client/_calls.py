@@ -525,9 +525,9 @@ class ClientBase:
         """Heartbeat in the background (the sync client's thread, the asyncio one's
         task), every ``interval`` seconds: by default a third of the daemon's heartbeat
         timeout, at most 5 s (see ``Session.heartbeat_interval``); ``on_failure`` runs
-        once, on the heartbeat's thread or the sync watchdog's: ``PeerFailed``, ``JobAborted``, ``DaemonUnreachable``... After
-        join_node() the stream is the whole node's; ``on_nodes_waiting(count)`` runs
-        when nodes park for a next generation."""
+        once, on the heartbeat's thread or the sync watchdog's: ``PeerFailed``,
+        ``JobAborted``, ``DaemonUnreachable``... After join_node() the stream is the whole
+        node's; ``on_nodes_waiting(count)`` runs when nodes park for a next generation."""
         s = self._s
         m = s.stream_member()
         s.on_failure, s.on_nodes_waiting = on_failure, on_nodes_waiting
