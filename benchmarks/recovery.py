@@ -7,7 +7,12 @@ One daemon on loopback, 3 simulated nodes x 2 CPU workers (the example MLP). Run
 ``fault_free``; ``worker_kill`` (kill -9 of one worker at step k);
 ``node_kill_replaced`` (kill -9 of a node's agent at step k, its workers die
 with it, and a fresh agent for that node is started at once, as a scheduler
-would); ``node_kill_shrink`` (``--nnodes 2:3``: the job goes on with 2 nodes).
+would); ``node_kill_standby`` (the same kill, with a fourth agent started beside the
+three as ``--standby --node-rank auto``: it waits beyond ``--nnodes 3``, spares warm,
+and takes the lost node's place; nothing is started after the kill);
+``node_kill_shrink`` (``--nnodes 2:3``: the job goes on with 2 nodes).
+``--busy N`` runs N CPU-bound loops (separate processes) through every scenario, the
+same for each: the load of a shared machine, which a fresh agent's imports feel most.
 Recovery time is from the kill to the first step of the next generation (from
 every rank's step log); steps lost is the newest step reached before the kill
 minus the step the job resumed at. ``--repeat N`` runs each fault scenario N
@@ -130,7 +135,8 @@ class Run:
         self.daemon_log = daemon_log
         self.daemon_log_from = daemon_log.stat().st_size
 
-    def launch(self, node: int, nnodes: str, restarts: int) -> None:
+    def launch(self, node: int, nnodes: str, restarts: int, *, standby: bool = False) -> None:
+        """Node ``node``'s launcher; a standby's takes whichever node rank is freed."""
         a = self.args
         cmd = [
             sys.executable,
@@ -138,8 +144,7 @@ class Run:
             "rendezvousd.trainer.agent.launcher",
             "--nnodes",
             nnodes,
-            "--node-rank",
-            str(node),
+            *(["--standby", "--node-rank", "auto"] if standby else ["--node-rank", str(node)]),
             "--nproc-per-node",
             str(PER_NODE),
             "--rdzv-endpoint",
@@ -332,9 +337,14 @@ def scenario(
     restarts = 0 if name == "fault_free" else 3
     world = (NODES - 1 if name == "node_kill_shrink" else NODES) * PER_NODE
     try:
+        start_load = round(os.getloadavg()[0], 2)
         for n in range(NODES):
             run.launch(n, nnodes, restarts)
-        out: dict[str, Any] = {}
+        if name == "node_kill_standby":
+            run.launch(NODES, nnodes, restarts, standby=True)
+            err = run.work / f"node{NODES}-{NODES}.err"
+            _wait("the standby to stand by", lambda: "standing by" in err.read_text(), 120)
+        out: dict[str, Any] = {"load_1m_at_start": start_load}
         if name != "fault_free":
             pids = run.at_step(args.kill_step)
             killed_at = time.time()
@@ -354,7 +364,7 @@ def scenario(
                 replaced = name == "node_kill_replaced"
                 out["milestones_s"] = breakdown(run, killed_at, first, killed, replaced)
         codes = run.wait(180)
-        if name == "node_kill_shrink":
+        if name in ("node_kill_shrink", "node_kill_standby"):
             codes.pop(NODES - 1)  # SIGKILLed on purpose
         out["exit_codes"] = codes
         out.update(run.result())
@@ -623,7 +633,11 @@ def main() -> int:
         "--repeat", type=int, default=1, help="runs of each fault scenario (median reported)"
     )
     p.add_argument(
-        "--scenarios", default="fault_free,worker_kill,node_kill_replaced,node_kill_shrink"
+        "--scenarios",
+        default="fault_free,worker_kill,node_kill_replaced,node_kill_standby,node_kill_shrink",
+    )
+    p.add_argument(
+        "--busy", type=int, default=0, help="CPU-bound loops running through every scenario"
     )
     p.add_argument("--no-torchrun", action="store_true", help="rendezvous-run alone")
     p.add_argument("--torchrun-backends", default=",".join(TORCHRUN_BACKENDS), help="torchrun side")
@@ -635,6 +649,7 @@ def main() -> int:
         "kill_step": args.kill_step,
         "cpus": os.cpu_count(),
         "targets": TARGETS,
+        "busy_loops": args.busy,
     }
     report["byte_compiled"] = byte_compile()
     with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
@@ -642,6 +657,9 @@ def main() -> int:
         with daemon_log.open("w") as log:
             # INFO: the transitions the milestones read (a few lines per generation).
             d = spawn(Path(tmp), "--log-level", "INFO", exit_with_parent=True, stderr=log.fileno())
+        busy = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)
+        ]
         try:
             for name in filter(None, args.scenarios.split(",")):
                 runs = 1 if name == "fault_free" else max(1, args.repeat)
@@ -652,9 +670,11 @@ def main() -> int:
             if not args.no_torchrun:
                 report["torchrun"] = torchrun_side(args, d, Path(tmp))
         finally:
+            for loop in busy:
+                loop.kill()
             d.stop()
     base = report.get("fault_free", {})
-    for name in ("worker_kill", "node_kill_replaced", "node_kill_shrink"):
+    for name in ("worker_kill", "node_kill_replaced", "node_kill_standby", "node_kill_shrink"):
         if name in report and "final_loss" in base:
             r = report[name]
             each = r.get("runs", [r])

@@ -98,6 +98,9 @@ class NodeJoinRequest(TypedDict):
     last_call: NotRequired[float | None]
     timeout: NotRequired[float | None]  # seconds to wait (None: JOIN_TIMEOUT_S)
     host: NotRequired[str | None]  # default: this host's name
+    # A standby: waits beyond max_nodes until a failure frees a slot
+    # (``JoinNodeRequest.standby``); RendezvousTimeout when none did within ``timeout``.
+    standby: NotRequired[bool]
 
 
 @functools.cache
@@ -302,6 +305,7 @@ class Session:
             wait_timeout_ms=int(wait * 1000),
             last_call_ms=int((r.get("last_call") or 0) * 1000),
             slim=True,
+            standby=r.get("standby", False),
         )
         if (node_rank := r.get("node_rank")) is not None:
             request.node_rank = node_rank

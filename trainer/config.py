@@ -276,6 +276,12 @@ class DistributedConfig:
         "rendezvous-run: a restart waits this long for min_nodes nodes, then counts as failed",
         _POSITIVE,
     )
+    standby: bool = setting(
+        False,
+        "rendezvous-run: a standby node: waits, spares warm, beyond MAX nodes and takes the "
+        "place of a node the job loses",
+        Bool(),
+    )
 
     def __post_init__(self) -> None:
         validate(self, ConfigError)
@@ -302,11 +308,25 @@ class DistributedConfig:
                 f"rank={self.rank} is out of range for world_size={world_size} "
                 f"(expected 0..{world_size - 1})"
             )
+        if self.standby:
+            self._validate_standby()
         placement = self.topology()
         if placement is not None and self.local_rank not in (None, placement.local_rank):
             raise ConfigError(
                 f"rank={self.rank} is local rank {placement.local_rank} on its node, "
                 f"not the configured local_rank={self.local_rank}"
+            )
+
+    def _validate_standby(self) -> None:
+        if self.rendezvous.kind != "daemon":
+            raise ConfigError(
+                "standby needs the daemon rendezvous transport: a standby node waits at the "
+                f"daemon for a slot (kind={self.rendezvous.kind!r}); set {ENV_ENDPOINT}"
+            )
+        if self.is_multi_node and self.node_rank is not None:
+            raise ConfigError(
+                f"a standby node takes the node rank a lost node frees, not node_rank="
+                f"{self.node_rank}: pass --node-rank {AUTO}"
             )
 
     def _validate_multi_node(self) -> None:

@@ -230,6 +230,7 @@ class RendezvousServicer:
             instance_id=request.instance_id,
             wait_s=self._wait_s(request.wait_timeout_ms, context),
             last_call_s=min(request.last_call_ms / 1000, self.state.timing.max_wait_s),
+            standby=request.standby,
         )
         return await self._join(args, request.slim, context)
 

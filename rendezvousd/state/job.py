@@ -225,6 +225,12 @@ class Job:
     # waiter -> node instance id: JoinNode calls parked, while this generation runs,
     # for the next one.
     scaleup_waiters: dict[int, str] = field(default_factory=dict)
+    # The scale-up waiters that are standbys (``JoinArgs.standby``): parked beyond
+    # max_nodes too, counted as waiting only while the world has room for them.
+    standby_waiters: set[int] = field(default_factory=set)
+    # Standby node instance ids called into slots a failure freed: their JoinNode
+    # takes a seat in the next generation (until it forms).
+    standbys_called: set[str] = field(default_factory=set)
 
     @property
     def world_size(self) -> int:

@@ -44,6 +44,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     admits it: the id from the seat holding rank 0, forming, ``id_required``, parking."""
     seats.not_draining(sm)
     placement.check(args, sm.limits)
+    if args.standby and (parked := stand_by(sm, args, now)) is not None:
+        return parked
     job = job_for(sm, args, now)
     seat: Member | Node
     if args.local_rank is not None:
@@ -51,6 +53,12 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         key: int | str = seat.rank  # ``job.key(seat)``, without the call per Join
     elif job.state is JobState.RUNNING and args.instance_id not in job.gen.nodes:
         return park_scaleup(sm, job, args, now)  # a newcomer waits for the next generation
+    elif (
+        args.standby
+        and args.instance_id not in job.gen.nodes
+        and (len(job.gen.nodes) >= job.max_nodes)
+    ):
+        return park_scaleup(sm, job, args, now)  # its freed slot was taken meanwhile
     else:
         seat, added = _node_seat(sm, job, args, now)
         key = seat.instance_id
@@ -142,13 +150,47 @@ def admit(
     return parked
 
 
+def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
+    """A standby node's join (``JoinArgs.standby``): None when it takes a seat as any
+    node does (seated already, called into a slot a failure freed, or finding one
+    now); else parked beyond max_nodes until a failure frees a slot
+    (``rounds.wake_parked`` calls it) or the job ends (it hears JOB_ENDED). Its bounds
+    are checked without failing the generation: a misconfigured spare must not
+    stop the job it backs."""
+    job = sm.jobs.get(args.job_id)
+    if job is None:
+        job = job_for(sm, args, now)  # started before any node: nobody is seated yet
+    else:
+        if args.instance_id in job.gen.nodes or args.instance_id in job.standbys_called:
+            return None
+        if job.gen.join_mode is not _NODE:
+            raise placement.mode_mismatch(job, _NODE, args.host)
+        if job.state is JobState.ENDED:
+            raise job.generation_fault()
+        bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
+        if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
+            raise job.topology_conflict(args.host, bounds)
+        if placement.standby_room(job):
+            job.standbys_called.add(args.instance_id)
+            if job.state is JobState.FORMING:
+                job.gen.rejoin_expected += 1  # forming waits for it, as for a survivor
+            else:
+                job.gen.scaleups_woken += 1  # the next generation expects it back
+            return None
+    return park_scaleup(sm, job, args, now)
+
+
 def park_scaleup(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> Parked:
-    if job.num_nodes + len(set(job.scaleup_waiters.values()) | {args.instance_id}) > (
-        job.max_nodes
-    ):
-        raise placement.world_full(job, args.host)
+    """A node parked for the next generation: a scale-up, which must fit in max_nodes,
+    or a standby, which may wait beyond it."""
+    if not args.standby:
+        fitting = {i for w, i in job.scaleup_waiters.items() if w not in job.standby_waiters}
+        if job.num_nodes + len(fitting | {args.instance_id}) > job.max_nodes:
+            raise placement.world_full(job, args.host)
     parked = sm.calls.park(job, waits.WaitKind.SCALEUP, -1, args.instance_id, now)
     job.scaleup_waiters[parked.waiter] = args.instance_id
+    if args.standby:
+        job.standby_waiters.add(parked.waiter)
     tell_waiting(sm, job, now)
     return parked
 
@@ -160,7 +202,7 @@ def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
     parking one by one made 200 events for every node)."""
     if job.state is not JobState.RUNNING:
         return
-    count = len(set(job.scaleup_waiters.values()))
+    count = placement.waiting_count(job)
     if count == job.gen.waiting_told:
         return
     if job.gen.waiting_told and now - job.gen.waiting_told_at < NODES_WAITING_INTERVAL_S:
@@ -277,8 +319,16 @@ def cancel_wait(
         return join_wait_ended(sm, job, waiter, waited, now, timed_out=timed_out)
     if w.kind is waits.WaitKind.SCALEUP:
         job.scaleup_waiters.pop(waiter, None)
+        standby = waiter in job.standby_waiters
+        job.standby_waiters.discard(waiter)
         tell_waiting(sm, job, now)
-        return placement.scaleup_timeout(job, waited) if timed_out else None
+        if not timed_out:
+            return None
+        return (
+            placement.standby_timeout(job, waited)
+            if standby
+            else (placement.scaleup_timeout(job, waited))
+        )
     if w.kind is waits.WaitKind.BARRIER:
         meta = {"job_id": job.job_id, "generation": str(job.generation)}
         return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)

@@ -20,7 +20,7 @@ from rendezvousd.common.model import (
     Transition,
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
-from rendezvousd.state import fences, joins, rounds, seats
+from rendezvousd.state import fences, joins, placement, rounds, seats
 
 if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
@@ -68,9 +68,8 @@ def attach_stream(
         # would fail the whole generation when it closed (the worker exiting).
         raise fences.rank_stream_in_node_job(job, who)
     token = seated.attach(now)
-    if job.scaleup_waiters:
+    if waiting := placement.waiting_count(job):
         # Nodes parked before this stream (re)attached: it would miss the event.
-        waiting = len(set(job.scaleup_waiters.values()))
         sm.calls.emit(
             Notify(
                 job.job_id,

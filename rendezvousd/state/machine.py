@@ -196,6 +196,7 @@ class RendezvousState:
         for job in self.jobs.values():
             job.gen.join_waiters.clear()
             job.scaleup_waiters.clear()
+            job.standby_waiters.clear()
             job.gen.kv_waiters.clear()
             for barrier in job.gen.barriers.values():
                 barrier.arrived.clear()

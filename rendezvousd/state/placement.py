@@ -46,6 +46,10 @@ class JoinArgs:
     # The one rank a worker's Join contributes, by its local rank; None: a node agent's
     # JoinNode, contributing every local rank of its node.
     local_rank: int | None = None
+    # A node agent's standby: it parks while the world is full and takes a seat only
+    # when a failure frees one (``joins.stand_by``), so that a lost node is replaced
+    # by an agent already running with warm spares.
+    standby: bool = False
 
     @classmethod
     def worker(
@@ -244,8 +248,32 @@ def expected_back(job: Job) -> int:
         JobState.ABORTED,
     ):
         return 0
-    kept = sum(1 for n in job.gen.nodes.values() if n.state is not MemberState.LOST)
-    return kept + job.gen.scaleups_woken
+    return kept_nodes(job) + job.gen.scaleups_woken
+
+
+def kept_nodes(job: Job) -> int:
+    """The nodes of ``job``'s generation that were not lost."""
+    return sum(1 for n in job.gen.nodes.values() if n.state is not MemberState.LOST)
+
+
+def waiting_count(job: Job) -> int:
+    """The parked nodes the running generation has room for: what NODES_WAITING
+    tells. A standby parked while the world is full is not counted: the running
+    nodes would end their generation to re-form the same world."""
+    parked = len(set(job.scaleup_waiters.values()))
+    return min(parked, max(0, job.max_nodes - job.num_nodes))
+
+
+def standby_room(job: Job) -> bool:
+    """Whether a standby may take a seat now: a failed (aborted) generation, or the
+    one forming after it, has a slot that the nodes expected back do not fill. A
+    fresh launch's forming generation has none (a standby never displaces a node
+    started to be part of it)."""
+    if job.state in (JobState.FAILED, JobState.ABORTED):
+        return kept_nodes(job) + job.gen.scaleups_woken < job.max_nodes
+    if job.state is JobState.FORMING and job.gen.rejoin_expected > 0:
+        return max(len(job.gen.nodes), job.gen.rejoin_expected) < job.max_nodes
+    return False
 
 
 def everyone_back(job: Job) -> bool:
@@ -384,4 +412,16 @@ def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
         Reason.WORLD_INCOMPLETE,
         f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
         f"for {waited}; the running nodes did not end it to take this node in",
+    )
+
+
+def standby_timeout(job: Job, waited: str) -> RendezvousFault:
+    """A standby JoinNode's wait ended with no slot freed: it joins again to go on
+    standing by (``rendezvous-run --standby`` does)."""
+    return job.fault(
+        Code.DEADLINE_EXCEEDED,
+        Reason.WORLD_INCOMPLETE,
+        f"this standby node waited {waited} for a slot in {job.named} (max_nodes="
+        f"{job.max_nodes}); none was freed by a failure: join again to stand by longer",
+        max_nodes=str(job.max_nodes),
     )

@@ -60,12 +60,39 @@ def set_state(sm: RendezvousState, job: Job, new: JobState, now: float, detail: 
     job.state_since = now
     sm.calls.emit(Transition(job.job_id, job.generation, old, new, detail, job.world_size))
     if new in TERMINAL:
-        # Nodes parked for a scale-up wanted the next generation, not this one:
-        # they ask again and open it, instead of hearing this one's fault.
-        job.gen.scaleups_woken = len(set(job.scaleup_waiters.values()))
-        for waiter in list(job.scaleup_waiters):
+        wake_parked(sm, job)
+    if new is JobState.RUNNING or new is JobState.ENDED:
+        job.standbys_called.clear()  # seated by now, or not needed
+
+
+def wake_parked(sm: RendezvousState, job: Job) -> None:
+    """The generation ended. Nodes parked for a scale-up wanted the next generation,
+    not this one: they ask again and open it, instead of hearing this one's fault.
+    Standbys are called, in the order they parked, only into the slots that the nodes
+    kept and woken leave free; the others stay parked for a later failure. A job that
+    ended needs none: they hear so."""
+    waiters, standby = job.scaleup_waiters, job.standby_waiters
+    woken = {inst for w, inst in waiters.items() if w not in standby}
+    room = job.max_nodes - placement.kept_nodes(job) - len(woken)
+    ended = job.state is JobState.ENDED
+    called = job.standbys_called
+    for waiter, inst in list(waiters.items()):
+        if waiter in standby:
+            if ended:
+                sm.calls.wake(waiter, fault=job.generation_fault())
+            elif inst in called or room > 0:
+                if inst not in called:
+                    called.add(inst)
+                    room -= 1
+                woken.add(inst)
+                sm.calls.wake(waiter, Rejoin())
+            else:
+                continue  # stays parked for a later failure
+            standby.discard(waiter)
+        else:
             sm.calls.wake(waiter, Rejoin())
-        job.scaleup_waiters.clear()
+        del waiters[waiter]
+    job.gen.scaleups_woken = len(woken)
 
 
 def open_job(
@@ -170,7 +197,8 @@ def lose(
 
 def fail_waiters(sm: RendezvousState, job: Job) -> None:
     fault = job.generation_fault()
-    for w in job.all_waiters():
+    # Scale-up calls still parked are standbys waiting for a later slot (``wake_parked``).
+    for w in job.all_waiters() - job.scaleup_waiters.keys():
         sm.calls.wake(w, fault=fault)
     job.gen.join_waiters.clear()
     job.gen.kv_waiters.clear()

@@ -58,6 +58,7 @@ def durable_job(
         live.gen.scaleups_woken,
         live.gen.rejoin_expected,
     )
+    job.standbys_called = set(live.standbys_called)
     return job
 
 

@@ -263,3 +263,49 @@ def test_stray_join_nodes_that_never_attach_use_no_restart(
     assert err.count("never attached its heartbeat stream") >= 2, err
     assert "no restart used" in err and "restart 1 of 1" not in err, err
     assert all(e["restart_count"] == 0 for e in agent.events("ready")), err
+
+
+def test_a_standby_node_takes_the_place_of_a_lost_node(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """--nnodes 2 with a third agent started --standby: it waits, spares warm, beyond
+    max_nodes; when node 1 dies it takes node 1's place and the job finishes with 4
+    ranks. The survivor used its one restart; the standby none."""
+    d = start_daemon()
+    flags = ["--max-restarts", "1"]
+    args = ["--steps", "80", "--step-s", "0.03"]
+    nodes = _nodes(d, job_id, tmp_path, 2, flags, args)
+    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", [*flags, "--standby"], args)
+    try:
+        wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
+        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
+        assert standby.proc.poll() is None, standby.stderr()
+        nodes[1].proc.kill()  # the whole node: agent and (by PDEATHSIG) its workers
+        codes = [nodes[0].wait(120), standby.wait(120)]
+    finally:
+        _cleanup([*nodes, standby])
+    assert codes == [0, 0], [nodes[0].stderr(), standby.stderr()]
+    done = nodes[0].events("done") + standby.events("done")
+    assert len(done) == 4 and all(e["world_size"] == 4 for e in done)
+    assert sorted(e["rank"] for e in standby.events("done")) == [2, 3]
+    assert {e["restart_count"] for e in nodes[0].events("ready")} == {0, 1}
+    called = standby.stderr().split("standing by")[-1]
+    assert "standby called: this node is node 1 of generation 2 (2 nodes)" in called, called
+    assert "restart" not in called.lower(), called
+
+
+def test_a_standby_node_exits_0_when_the_job_ends_without_it(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    args = ["--steps", "40", "--step-s", "0.03"]
+    nodes = _nodes(d, job_id, tmp_path, 2, [], args)
+    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", ["--standby"], args)
+    try:
+        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
+        codes = [n.wait(120) for n in (*nodes, standby)]
+    finally:
+        _cleanup([*nodes, standby])
+    assert codes == [0, 0, 0], [n.stderr() for n in (*nodes, standby)]
+    assert "this standby node was not needed" in standby.stderr(), standby.stderr()
+    assert standby.events("done") == [], standby.events()

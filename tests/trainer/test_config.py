@@ -419,3 +419,16 @@ def test_every_setting_has_a_toml_key_and_the_documented_env_names_exist() -> No
         assert name in envs
     table = settings_table()
     assert all(f"`{key}`" in table for key in SCHEMA.options)
+
+
+def test_a_standby_needs_the_daemon_and_an_assigned_node_rank() -> None:
+    with pytest.raises(ConfigError, match="standby needs the daemon rendezvous transport"):
+        DistributedConfig(standby=True)
+    with pytest.raises(ConfigError, match="pass --node-rank auto"):
+        DistributedConfig(
+            num_nodes=2, gpus_per_node=2, node_rank=1, standby=True, rendezvous=DAEMON
+        )
+    ok = DistributedConfig(
+        num_nodes=2, gpus_per_node=2, node_rank=None, standby=True, rendezvous=DAEMON
+    )
+    assert ok.standby and ok.node_rank is None

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rendezvousd.client.errors import PeerFailed, RendezvousError
+from rendezvousd.client.errors import JobEnded, PeerFailed, RendezvousError, RendezvousTimeout
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
@@ -166,6 +166,8 @@ class NodeAgent:
         #: cause to name when the daemon cannot be asked.
         self.first_local: Failure | None = None
         self._joins = 0
+        # A standby waits for a slot until its first seat; it re-joins as any node after.
+        self._standing_by = config.standby
         self._silence_s = DEFAULT_SILENCE_S
         self._interrupt: int | None = None
         self._interrupted = threading.Event()
@@ -272,11 +274,14 @@ class NodeAgent:
         cancelled when the launcher closes its client (the daemon then fails the
         forming generation for the other nodes)."""
         config = self.config
-        self._joins += 1
-        serial = self._joins
         mark("join-start")
+        if self._standing_by:
+            self.note(
+                f"standing by for job {config.job_id!r}, {self.per_node} spare(s) warm: this "
+                "node takes the place of the first node the job loses"
+            )
 
-        def join() -> None:
+        def join(serial: int) -> None:
             try:
                 m = self.client.join_node(
                     min_nodes=config.fewest_nodes,
@@ -287,13 +292,21 @@ class NodeAgent:
                     id_factory=self.id_factory,
                     last_call=config.last_call_s or None,
                     timeout=timeout,
+                    standby=self._standing_by,
                 )
             except RendezvousError as exc:
                 self.events.put(Joined(serial, exc))
             else:
                 self.events.put(Joined(serial, m))
 
-        threading.Thread(target=join, daemon=True, name="rendezvous-agent-join").start()
+        def start() -> int:
+            self._joins += 1
+            threading.Thread(
+                target=join, args=(self._joins,), daemon=True, name="rendezvous-agent-join"
+            ).start()
+            return self._joins
+
+        serial = start()
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)
@@ -301,7 +314,22 @@ class NodeAgent:
             if isinstance(event, Joined) and event.serial == serial:
                 answer = event.answer
                 if not isinstance(answer, RendezvousError):
+                    if self._standing_by:
+                        self.note(
+                            f"standby called: this node is node {answer.node_rank} of "
+                            f"generation {answer.generation} ({answer.num_nodes} nodes)"
+                        )
+                    self._standing_by = False
                     return answer
+                if self._standing_by and isinstance(answer, JobEnded):
+                    self.note(
+                        f"job {config.job_id!r} ended (every member left); this standby node "
+                        "was not needed"
+                    )
+                    return None
+                if self._standing_by and isinstance(answer, RendezvousTimeout):
+                    serial = start()  # no slot was freed within the wait: stand by again
+                    continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
                 return Failure(None, cause, host=self.host)
             if isinstance(event, Exited) and self.pool.discard(event.worker):

@@ -371,6 +371,7 @@ class JoinNodeRequest(_message.Message):
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     LAST_CALL_MS_FIELD_NUMBER: _builtins.int
     SLIM_FIELD_NUMBER: _builtins.int
+    STANDBY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """[A-Za-z0-9._-]{1,128}"""
     min_nodes: _builtins.int
@@ -394,6 +395,15 @@ class JoinNodeRequest(_message.Message):
     """
     slim: _builtins.bool
     """As JoinRequest.slim: no member table in the answer, only its digest."""
+    standby: _builtins.bool
+    """A standby node: while the world is full it parks beyond max_nodes (no
+    WORLD_FULL) and is not counted in NODES_WAITING. A failure that frees a slot
+    (a lost node) calls it into the next generation, which waits for it as for a
+    survivor; the others stay parked. It never takes a seat in a fresh launch's
+    forming generation; where a running world has room it joins as a scale-up. A
+    job that ends answers it JOB_ENDED; its wait ending with no slot freed,
+    DEADLINE_EXCEEDED (WORLD_INCOMPLETE): join again to stand by longer.
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per local rank, optional ("" = none); at most gpus_per_node entries."""
@@ -413,10 +423,11 @@ class JoinNodeRequest(_message.Message):
         wait_timeout_ms: _builtins.int = ...,
         last_call_ms: _builtins.int = ...,
         slim: _builtins.bool = ...,
+        standby: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "node_rank", b"node_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "slim", b"slim", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
     _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015

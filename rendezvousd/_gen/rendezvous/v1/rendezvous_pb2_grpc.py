@@ -174,6 +174,7 @@ class RendezvousServicer:
         generation is joined either by JoinNode or by Join, never both.
         While a generation runs with fewer than max_nodes nodes, a new node parks
         (its generation is the next one) and the running nodes get NODES_WAITING.
+        A standby node (JoinNodeRequest.standby) parks even when the world is full.
 
         INVALID_ARGUMENT    bad job id, node counts, node rank, host, addresses, id
         FAILED_PRECONDITION another min/max/gpus_per_node than the forming
