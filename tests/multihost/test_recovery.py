@@ -87,3 +87,40 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in survivors)) <= 1
     for n in nodes[:2]:
         assert "on h3" in n.text(), n.summary()
+
+
+def test_a_standby_host_takes_the_place_of_a_lost_host(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """--nnodes 3 on h1..h3 and a standby agent on h4: h3's node dies, h4 is called
+    into its slot across the network and the job ends with 6 ranks and the model a
+    fault-free run trains."""
+    cluster = make_cluster(4)
+    straight = _launch(cluster, "straight", "3")
+    assert cluster.wait(straight) == [0, 0, 0], "\n".join(n.summary() for n in straight)
+    reference = {r["params_sha256"] for r in cluster.results("straight")}
+
+    flags = ("--max-restarts", "1")
+    nodes = _launch(cluster, "standby", "3", flags)
+    log = _step_log(cluster, "standby")
+    (spare,) = cluster.launch(
+        3,
+        2,
+        job="standby",
+        launcher_args=("--nnodes", "3", *flags, "--standby", "--node-rank", "auto"),
+        example_args=(*STEPS, "--step-log", str(log)),
+        nodes=[3],  # on h4
+    )
+    wait_for("the standby to stand by", lambda: "standing by" in spare.text(), 60)
+    _wait_training(log, 5)
+    nodes[2].proc.kill()  # h3's whole node: its agent, and with it its workers
+    codes = cluster.wait([nodes[0], nodes[1], spare])
+    assert codes == [0, 0, 0], "\n".join(n.summary() for n in (*nodes, spare))
+    results = cluster.results("standby")
+    assert sorted(r["rank"] for r in results) == list(range(6))
+    assert {r["world_size"] for r in results} == {6}
+    assert {r["params_sha256"] for r in results} == reference  # bit-identical model
+    assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
+    assert "standby called: this node is node 2 of generation 2" in spare.text(), spare.summary()
+    for n in nodes[:2]:
+        assert "on h3" in n.text(), n.summary()
