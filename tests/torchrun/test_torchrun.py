@@ -255,3 +255,58 @@ def test_the_entry_point_is_what_torch_loads(torch_python: str, first: str) -> N
     assert out.returncode == 0, out.stderr[-2000:]
     assert "create_handler" in out.stdout
     assert "Exception while registering" not in out.stderr, out.stderr[-2000:]
+
+
+def test_a_node_beyond_max_nodes_stands_by_and_replaces_a_lost_node(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """Three agents for --nnodes 2, as torch's redundancy list allows: the third stands
+    by (no WORLD_FULL, no re-form of the full world), and when a node is killed it
+    takes its place: the survivor and it train a 4-rank world to the end."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    worker = ("--steps", "100", "--step-log", str(log))
+    agents = [torchrun(d, job_id, "2", *worker, max_restarts=1) for _ in range(3)]
+    wait_for(
+        "4 ranks at step 2 and an agent standing by",
+        lambda: (
+            len({s["rank"] for s in torch_steps(log) if s["step"] >= 2}) == 4
+            and any("standing by" in a.stderr() for a in agents)
+        ),
+        timeout=120,
+    )
+    before = torch_steps(log)
+    (spare,) = [a for a in agents if "standing by" in a.stderr()]
+    victim = next(a for a in agents if a is not spare)
+    first_round = {s["pid"] for s in before}
+    killed_at = time.time()
+    victim.kill()
+    for a in agents:
+        if a is not victim:
+            assert a.wait(120) == 0, a.stderr()[-3000:]
+    after = [s for s in torch_steps(log) if s["pid"] not in first_round]
+    assert {s["rank"] for s in after} == {0, 1, 2, 3} and {s["world"] for s in after} == {4}
+    assert max(s["step"] for s in after) == 100
+    print(f"kill -> first step with the standby: {min(s['t'] for s in after) - killed_at:.2f} s")
+
+
+def test_a_standing_by_node_exits_0_when_the_job_ends_without_it(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    worker = ("--steps", "150", "--step-log", str(log))
+    first = torchrun(d, job_id, "1", *worker)
+    wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
+    spare = torchrun(d, job_id, "1", *worker)  # the world is full: it stands by
+    wait_for("the second agent to stand by", lambda: "standing by" in spare.stderr(), 60)
+    codes = [first.wait(120), spare.wait(120)]
+    assert codes == [0, 0], [a.stderr()[-3000:] for a in (first, spare)]
+    assert "ended without needing this standby node" in spare.stderr(), spare.stderr()[-3000:]
+    assert "Traceback" not in spare.stderr(), spare.stderr()[-3000:]

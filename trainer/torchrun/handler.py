@@ -42,8 +42,12 @@ What each torchrun agent does here:
   instead of importing torch again (~2.1 s of CPU each).
 - **Errors** are torch's own rendezvous exceptions carrying our message: an unreachable
   daemon or a refused token → ``RendezvousConnectionError``, a join that timed out →
-  ``RendezvousTimeoutError``, anything else the daemon refused (topology mismatch,
-  world full...) → ``RendezvousError``.
+  ``RendezvousTimeoutError``, anything else the daemon refused (topology mismatch...)
+  → ``RendezvousError``.
+- **A node beyond max_nodes** stands by instead of failing, as torch's redundancy list
+  does: its JoinNode parks as a standby, is not counted in ``num_nodes_waiting()``,
+  takes the place of the first node the job loses, and exits 0 when the job ends
+  without it (torch's ``RendezvousGracefulExitError`` would crash torch 2.13's launcher).
 
 Settings: ``--rdzv-conf key=value,...`` over ``RENDEZVOUSD_*`` variables; the keys are
 :class:`~rendezvousd.trainer.torchrun.config.TorchrunSettings`' fields.
@@ -86,6 +90,8 @@ from rendezvousd.client import (
     AuthenticationError,
     DaemonUnavailable,
     JobAborted,
+    JobEnded,
+    LimitExceeded,
     RendezvousClient,
     RendezvousError,
     RendezvousTimeout,
@@ -338,14 +344,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         try:
             if self._node is not None:
                 self._end_round(self._node)
-            node = self._client.join_node(
-                min_nodes=self._min,
-                max_nodes=self._max,
-                gpus_per_node=1,
-                host=self._host,
-                last_call=self._settings.last_call_timeout or None,
-                timeout=self._settings.join_timeout,
-            )
+            node = self._join()
             self._node = node
             self._client.start_heartbeat(on_failure=self._heard_failure)
             self._store_client.attach(node.membership_for(0), node.member_instance_id(0))
@@ -366,6 +365,47 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._host,
         )
         return torch_rdzv.RendezvousInfo(store, node.node_rank, node.num_nodes, bootstrap)
+
+    def _join(self) -> NodeMembership:
+        """One JoinNode. A node that finds the world full stands by (``standby``), as a
+        node of torch's redundancy list does: it waits, not counted as waiting, until a
+        lost node frees a slot, and leaves gracefully when the job ends without it."""
+        standby = False
+        while True:
+            try:
+                return self._client.join_node(
+                    min_nodes=self._min,
+                    max_nodes=self._max,
+                    gpus_per_node=1,
+                    host=self._host,
+                    last_call=self._settings.last_call_timeout or None,
+                    timeout=self._settings.join_timeout,
+                    standby=standby,
+                )
+            except LimitExceeded as exc:
+                if standby or exc.reason != "WORLD_FULL":
+                    raise
+                log.warning(
+                    "rendezvousd: job %r already has max_nodes=%d nodes: standing by for the "
+                    "slot of a node it loses",
+                    self._run_id,
+                    self._max,
+                )
+                standby = True
+            except RendezvousTimeout:
+                if not standby:
+                    raise  # a standby's wait ended with no slot freed: it stands by again
+            except JobEnded:
+                if not standby:
+                    raise
+                log.warning(
+                    "rendezvousd: job %r ended without needing this standby node", self._run_id
+                )
+                # torch's own answer, RendezvousGracefulExitError, makes torch 2.13's
+                # launch_agent crash on the None its agent then returns
+                # (pytorch/pytorch#194710): this node has nothing to clean up, so it
+                # ends here, with status 0, through torch's shutdown path.
+                raise SystemExit(0) from None
 
     def _heard_failure(self, exc: RendezvousError) -> None:
         # The SDK keeps the failure (client.failure); num_nodes_waiting() reads it.
