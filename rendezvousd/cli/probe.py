@@ -148,6 +148,9 @@ def render_job(job: Any) -> str:
         facts.append(f"step {job_step}")
     if job.HasField("restarts_used"):
         facts.append(f"restarts {job.restarts_used} used, {job.restarts_left} left")
+    if job.nodes_waiting:
+        standing = f" ({job.standbys} standing by)" if job.standbys else ""
+        facts.append(f"{job.nodes_waiting} node(s) waiting to join{standing}")
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
     per_node = max(1, job.summary.topology.gpus_per_node)
     rows = grid.node_rows(

@@ -206,6 +206,8 @@ class JobView:
     abort_reason: str
     # Node agents parked to join (a scale-up while RUNNING, or forming): the status page.
     nodes_waiting: int = 0
+    # Of those, the standbys (JoinNodeRequest.standby): waiting for a lost node's slot.
+    standbys: int = 0
     # The restart budget the job's node agents reported: the most restarts any node
     # used, and the fewest any node has left (the first to run out ends the job).
     restarts_used: int | None = None

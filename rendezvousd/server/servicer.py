@@ -427,6 +427,8 @@ class RendezvousServicer:
             restarts_used=view.restarts_used,
             restarts_left=view.restarts_left,
             heartbeat_timeout_ms=int(self.state.timing.heartbeat_timeout_s * 1000),
+            nodes_waiting=view.nodes_waiting,
+            standbys=view.standbys,
         )
 
     # -- registration ---------------------------------------------------------

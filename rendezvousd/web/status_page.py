@@ -283,6 +283,7 @@ class StatusPage:
             "gpus_per_node": v.gpus_per_node,
             "nodes_present": len(nodes),
             "nodes_waiting": v.nodes_waiting,
+            "standbys": v.standbys,
             "state_age_s": round(v.state_age_s, 1),
             "last_failure": (
                 v.failed[0].describe() if v.failed else self.timeline.last_failure(v.job_id)

@@ -20,6 +20,7 @@ from rendezvousd.client import (
     AsyncRendezvousClient,
     DuplicateRank,
     InvalidRequest,
+    LimitExceeded,
     NodeMembership,
     NotFound,
     PeerFailed,
@@ -424,3 +425,42 @@ def test_a_node_whose_workers_all_left_hears_the_job_end_as_no_failure(
     finally:
         for w in workers:
             w.close()
+
+
+def test_a_standby_waits_beyond_max_nodes_is_shown_and_takes_a_lost_nodes_slot(
+    daemon: DaemonProcess, agents: list[RendezvousClient]
+) -> None:
+    """Over the wire: a standby JoinNode parks on a full world (a plain one gets
+    WORLD_FULL), GetJob and ``status`` show it, the running node hears no
+    NODES_WAITING, and when that node's stream closes the standby is answered with
+    the next generation, which forms at once without the last call."""
+    from rendezvousd.cli.probe import render_job
+
+    (m,) = join_all(agents[:1], 1, 1, last_call=30.0)
+    counts: list[int] = []
+    agents[0].start_heartbeat(0.2, on_nodes_waiting=counts.append)
+    with pytest.raises(LimitExceeded) as full:
+        agents[2].join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, host="plain", timeout=5)
+    assert full.value.reason == "WORLD_FULL"
+    box: list[object] = []
+    spare = threading.Thread(
+        target=lambda: box.append(
+            agents[1].join_node(
+                min_nodes=1, max_nodes=1, gpus_per_node=2, host="spare", timeout=30, standby=True
+            )
+        ),
+        daemon=True,
+    )
+    spare.start()
+    wait_for("the standby to park", lambda: agents[0].get_job().standbys == 1)
+    job = agents[0].get_job()
+    assert job.nodes_waiting == 1 and job.summary.state == pb.JobState.JOB_STATE_RUNNING
+    assert "1 node(s) waiting to join (1 standing by)" in render_job(job)
+    time.sleep(0.5)  # a NODES_WAITING would have reached the running node by now
+    assert counts == [] and agents[0].nodes_waiting() == 0
+    agents[0].close()  # the running node's agent dies: its stream closes
+    spare.join(20)
+    assert not spare.is_alive()
+    (called,) = box
+    assert isinstance(called, NodeMembership), called
+    assert called.generation == m.generation + 1 and called.num_nodes == 1

@@ -32,10 +32,12 @@ def browser() -> Iterator[Chromium]:
         yield b
 
 
-def _launch(d: DaemonProcess, job: str, tmp: Path, node: int) -> tuple[subprocess.Popen[str], Path]:
+def _launch(
+    d: DaemonProcess, job: str, tmp: Path, node: int, *flags: str
+) -> tuple[subprocess.Popen[str], Path]:
     out = tmp / f"node{node}.out"
     cmd = launcher_cmd(2, node, 2, endpoint=d.endpoint, token_file=d.token_file, job=job)
-    cmd += ["--heartbeat-interval-s", "0.5", "--max-restarts", "1"]
+    cmd += ["--heartbeat-interval-s", "0.5", "--max-restarts", "1", *flags]
     cmd += [str(WORKERS / "elastic_worker.py"), "--steps", "1000000", "--step-s", "0.05"]
     with out.open("w") as stdout:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
@@ -55,6 +57,8 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
     d = start_daemon("--metrics-listen", "127.0.0.1:0", "--heartbeat-timeout-s", "3")
     base = d.metrics_url.removesuffix("/metrics")
     nodes = [_launch(d, job_id, tmp_path, n) for n in range(2)]
+    # A third agent stands by: a worker's death loses no node, so it stays parked.
+    nodes.append(_launch(d, job_id, tmp_path, 2, "--standby", "--node-rank", "auto"))
     try:
         # No token: the login page only, and the API says 401 to the browser too.
         browser.navigate(base + "/")
@@ -88,6 +92,13 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
         )
         assert not browser.evaluate("document.getElementById('abort').hidden")
         assert job_id in _text(browser)
+        browser.wait_for(
+            "the standby counted apart",
+            "document.getElementById('waiting').textContent === '1' && "
+            "document.getElementById('standbys').textContent === "
+            '"1 of them standing by for a lost node\'s slot"',
+            timeout=60,
+        )
         # Gone on a reload: proves the updates below came without one.
         browser.evaluate("window.__noReload = 1; true")
 

@@ -172,6 +172,8 @@ function drawJob(job, rows) {
   drawGrid(job.job_id, rows, job.nodes.total, job.gpus_per_node);
   drawSpark(job);
   $("waiting").textContent = job.nodes_waiting;
+  $("standbys").hidden = !job.standbys;
+  $("standbys").textContent = job.standbys + " of them standing by for a lost node's slot";
   const failed = $("failed");
   failed.replaceChildren();
   for (const f of job.failed) {
