@@ -639,6 +639,7 @@ def main() -> int:
     p.add_argument(
         "--busy", type=int, default=0, help="CPU-bound loops running through every scenario"
     )
+    p.add_argument("--keep", default=None, help="work in this folder and keep its logs")
     p.add_argument("--no-torchrun", action="store_true", help="rendezvous-run alone")
     p.add_argument("--torchrun-backends", default=",".join(TORCHRUN_BACKENDS), help="torchrun side")
     args = p.parse_args()
@@ -652,7 +653,10 @@ def main() -> int:
         "busy_loops": args.busy,
     }
     report["byte_compiled"] = byte_compile()
-    with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
+    with contextlib.ExitStack() as stack:
+        # --keep: the runs' logs (daemon, launchers, steps, traces) stay for a post-mortem.
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-"))
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         daemon_log = Path(tmp) / "daemon.log"
         with daemon_log.open("w") as log:
             # INFO: the transitions the milestones read (a few lines per generation).

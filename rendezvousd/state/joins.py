@@ -156,20 +156,20 @@ def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
     now); else parked beyond max_nodes until a failure frees a slot
     (``rounds.wake_parked`` calls it) or the job ends (it hears JOB_ENDED). Its bounds
     are checked without failing the generation: a misconfigured spare must not
-    stop the job it backs."""
+    stop the job it backs. On a job that ended it parks unchecked: the job's relaunch
+    (the same job id, maybe other bounds) may be starting beside it; if none comes
+    within its wait, it hears JOB_ENDED then."""
     job = sm.jobs.get(args.job_id)
     if job is None:
         job = job_for(sm, args, now)  # started before any node: nobody is seated yet
-    else:
-        if args.instance_id in job.gen.nodes or args.instance_id in job.standbys_called:
-            return None
+    elif job.state is not JobState.ENDED:  # (an ended job's relaunch sets new bounds)
         if job.gen.join_mode is not _NODE:
             raise placement.mode_mismatch(job, _NODE, args.host)
-        if job.state is JobState.ENDED:
-            raise job.generation_fault()
         bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
         if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
             raise job.topology_conflict(args.host, bounds)
+        if args.instance_id in job.gen.nodes or args.instance_id in job.standbys_called:
+            return None
         if placement.standby_room(job):
             job.standbys_called.add(args.instance_id)
             if job.state is JobState.FORMING:
@@ -312,27 +312,39 @@ def cancel_wait(
     if w is None:
         return None
     job = sm.jobs.get(w.job_id)
-    if job is None or job.generation != w.generation:
+    if job is None:
         return None
     waited = f"{now - w.since:.1f} s"
+    if w.kind is waits.WaitKind.SCALEUP:
+        # Job-level, before the generation check: a standby outlives the generation
+        # it parked in, and its record must go with its call.
+        return _scaleup_wait_ended(sm, job, waiter, waited, now, timed_out=timed_out)
+    if job.generation != w.generation:
+        return None
     if w.kind is _JOIN:
         return join_wait_ended(sm, job, waiter, waited, now, timed_out=timed_out)
-    if w.kind is waits.WaitKind.SCALEUP:
-        job.scaleup_waiters.pop(waiter, None)
-        standby = waiter in job.standby_waiters
-        job.standby_waiters.discard(waiter)
-        tell_waiting(sm, job, now)
-        if not timed_out:
-            return None
-        return (
-            placement.standby_timeout(job, waited)
-            if standby
-            else (placement.scaleup_timeout(job, waited))
-        )
     if w.kind is waits.WaitKind.BARRIER:
         meta = {"job_id": job.job_id, "generation": str(job.generation)}
         return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
     return waits.key_wait_timeout(job, w.key, waiter, waited)
+
+
+def _scaleup_wait_ended(
+    sm: RendezvousState, job: Job, waiter: int, waited: str, now: float, *, timed_out: bool
+) -> RendezvousFault | None:
+    """A parked scale-up or standby JoinNode ended unanswered. A standby that waited
+    out its wait on a job that ended (and was not relaunched meanwhile) hears so."""
+    job.scaleup_waiters.pop(waiter, None)
+    standby = waiter in job.standby_waiters
+    job.standby_waiters.discard(waiter)
+    tell_waiting(sm, job, now)
+    if not timed_out:
+        return None
+    if not standby:
+        return placement.scaleup_timeout(job, waited)
+    if job.state is JobState.ENDED:
+        return job.generation_fault()
+    return placement.standby_timeout(job, waited)
 
 
 def join_wait_ended(

@@ -117,8 +117,29 @@ def test_standbys_hear_that_the_job_ended_and_a_late_one_is_told_at_once() -> No
     assert sm.jobs["j"].state is JobState.ENDED
     ended = woken(sm)[parked.waiter]
     assert getattr(ended, "reason", None) == "JOB_ENDED"
-    late = fault(sm.join, spare("s2"), 2.0)
-    assert late.reason == "JOB_ENDED" and sm.jobs["j"].generation == 1  # nothing opened
+    # A standby arriving now parks: the job's relaunch may be starting beside it...
+    late = sm.join(spare("s2"), 2.0)
+    assert isinstance(late, Parked) and sm.jobs["j"].generation == 1  # nothing opened
+    # ...and when none came within its wait, it hears that the job ended.
+    f = sm.cancel_wait(late.waiter, 62.0, timed_out=True)
+    assert f is not None and f.reason == "JOB_ENDED"
+
+
+def test_a_standby_started_beside_a_relaunch_of_an_ended_job_stands_by() -> None:
+    """The same job id relaunched: the standby's JoinNode may arrive before the
+    relaunch's first node opens the next generation; it must stand by for it."""
+    sm = RendezvousState()
+    running_pair(sm)
+    for rank, inst in ((0, "a"), (1, "b")):
+        sm.leave("j", 1, rank, inst, 1.0, mode=JoinMode.NODE)
+    early = sm.join(spare("s"), 2.0)
+    assert isinstance(early, Parked)
+    assert sm.join(node("a2"), 2.1).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("a2", uid=ID2), 2.1), Parked)
+    assert isinstance(sm.join(node("b2"), 2.2), JoinResult)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and job.generation == 2
+    assert job.scaleup_waiters == {early.waiter: "s"} and early.waiter in sm.calls.waiting
 
 
 def test_a_standby_never_takes_a_seat_in_a_fresh_launch() -> None:
@@ -201,3 +222,22 @@ def test_a_seated_standby_rejoins_a_later_generation_as_any_node() -> None:
     job = sm.jobs["j"]
     assert isinstance(again, Parked) and again.waiter in job.gen.join_waiters
     assert job.scaleup_waiters == {} and "s" in job.gen.nodes
+
+
+def test_a_standby_whose_wait_ends_in_a_later_generation_leaves_no_record() -> None:
+    """A standby outlives generations (a worker's failure leaves it parked); its wait
+    ending later must still clear it, or the next lost node would call a call that is
+    gone and the survivors would wait for it."""
+    sm = RendezvousState()
+    running_pair(sm)
+    parked = sm.join(spare("s"), 0.5)
+    assert isinstance(parked, Parked)
+    sm.report_failure("j", 1, 1, "b", 0, "exit code 1", 1.0)
+    assert sm.join(node("a2"), 1.1).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("a2", uid=ID2), 1.1), Parked)
+    assert isinstance(sm.join(node("b2"), 1.2), JoinResult)
+    job = sm.jobs["j"]
+    assert job.generation == 2 and job.scaleup_waiters == {parked.waiter: "s"}
+    f = sm.cancel_wait(parked.waiter, 60.5, timed_out=True)
+    assert f is not None and "standby node waited" in f.message
+    assert job.scaleup_waiters == {} and job.standby_waiters == set()

@@ -3,7 +3,8 @@ node losses, worker failures, cancelled and timed-out waits, aborts, leaves and 
 re-issuing every call a Rejoin wakes as the gRPC adapter does, and checks after every
 step: never more than max_nodes nodes, never more expected back than fit, no standby
 in a launch's first generation, no plain scale-up left parked on an ended
-generation, every parked call accounted for."""
+generation and no standby on a job that ended while it waited, every parked call
+accounted for (the job's records of parked calls too)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class StandbyModel(RuleBasedStateMachine):
         self.parked: dict[int, JoinArgs] = {}  # waiter -> the call it parks
         self.standbys: set[str] = set()  # every standby instance id
         self.tokens: dict[tuple[int, str], int] = {}  # (generation, instance) -> stream
+        # Calls parked while the job had not ended (a standby that parks on an ended
+        # job waits for its relaunch).
+        self.parked_live: set[int] = set()
 
     def _job(self):  # type: ignore[no-untyped-def]
         return self.sm.jobs.get(JOB)
@@ -51,6 +55,8 @@ class StandbyModel(RuleBasedStateMachine):
         else:
             if isinstance(out, Parked):
                 self.parked[out.waiter] = args
+                if self._job().state is not JobState.ENDED:
+                    self.parked_live.add(out.waiter)
             elif out.id_required:  # node 0 sends the id with the same call again
                 self._call(replace(args, unique_id=os.urandom(128)))
         self._apply()
@@ -184,11 +190,17 @@ class StandbyModel(RuleBasedStateMachine):
             assert job.scaleup_waiters.keys() == job.standby_waiters
             assert all(inst in self.standbys for inst in job.scaleup_waiters.values())
         if job.state is JobState.ENDED:
-            assert not job.scaleup_waiters, "a standby parked on a job that ended"
+            assert not job.scaleup_waiters.keys() & self.parked_live, (
+                "a standby parked on a running job outlived its end"
+            )
 
     @invariant()
     def every_parked_call_is_accounted_for(self) -> None:
         assert self.sm.waiter_count == len(self.parked)
+        job = self._job()
+        if job is not None:  # the job's records of parked calls name live calls only
+            assert job.scaleup_waiters.keys() <= self.sm.calls.waiting.keys()
+            assert job.gen.join_waiters.keys() <= self.sm.calls.waiting.keys()
 
 
 StandbyModel.TestCase.settings = settings(

@@ -401,7 +401,8 @@ class JoinNodeRequest(_message.Message):
     (a lost node) calls it into the next generation, which waits for it as for a
     survivor; the others stay parked. It never takes a seat in a fresh launch's
     forming generation; where a running world has room it joins as a scale-up. A
-    job that ends answers it JOB_ENDED; its wait ending with no slot freed,
+    job that ends answers it JOB_ENDED (one that had ended when it came, only if
+    no relaunch came within its wait); its wait ending with no slot freed,
     DEADLINE_EXCEEDED (WORLD_INCOMPLETE): join again to stand by longer.
     """
     @_builtins.property
