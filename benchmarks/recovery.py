@@ -31,7 +31,9 @@ figures do not depend on ``PYTHONDONTWRITEBYTECODE``.
 the report says it was skipped): the same 3 nodes x 2 workers on loopback, gloo,
 ``torchrun --max-restarts 3 --monitor-interval 0.1``, a stock training script
 (tests/workers/torch_worker.py: one all-reduce per step, the same step pause), the
-``worker_kill`` and ``node_kill_shrink`` faults at the same step, with three rendezvous
+``worker_kill``, ``node_kill_shrink`` and ``node_kill_standby`` (a fourth agent for
+``--nnodes 3``, started with the three: c10d keeps it in its redundancy list, ours stands
+by; the node killed is one that trains) faults at the same step, with four rendezvous
 backends: ``c10d`` as shipped, ``c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 (the setting shared/ANCHORS.md found it needs to restart at all), ``rendezvousd``
 (ours, through torch's plugin point), and ``rendezvousd-warm``: ours with
@@ -389,7 +391,7 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 TORCH_WORKER = Path(__file__).resolve().parents[1] / "tests" / "workers" / "torch_worker.py"
 TORCHRUN_BACKENDS = ("c10d", "c10d-unshared-store", "rendezvousd", "rendezvousd-warm")
-TORCHRUN_FAULTS = ("worker_kill", "node_kill_shrink")
+TORCHRUN_FAULTS = ("worker_kill", "node_kill_shrink", "node_kill_standby")
 
 
 class TorchrunRun:
@@ -463,7 +465,9 @@ class TorchrunRun:
         self.agents: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
-        for n in range(NODES):
+        # node_kill_standby: a fourth agent for --nnodes 3, which c10d keeps in its
+        # redundancy list and ours stands by (whichever agent comes last).
+        for n in range(NODES + (self.fault == "node_kill_standby")):
             err = (self.work / f"agent{n}.err").open("w")
             # Its own session: a node kill takes the agent and its workers, as a
             # machine's death would (torchrun's workers outlive a SIGKILLed agent).
@@ -492,17 +496,19 @@ class TorchrunRun:
             before = self.steps.read()
             old_pids = {s["pid"] for s in before}
             victim = max(before, key=lambda s: s["rank"])  # node 2's last worker
+            # The agent whose node that worker is on (not the one standing by).
+            node = next(a for a in self.agents if victim["pid"] in _tree(a.pid))
             killed_at = time.time()
             if self.fault == "worker_kill":
                 os.kill(victim["pid"], signal.SIGKILL)
             else:
-                _kill_node(self.agents[-1].pid)
+                _kill_node(node.pid)
 
             def new_round() -> list[dict[str, Any]]:
                 return [s for s in self.steps.read() if s["pid"] not in old_pids]
 
             out: dict[str, Any] = {"steps_reached_before_kill": max(s["step"] for s in before)}
-            survivors = self.agents[:-1] if self.fault == "node_kill_shrink" else self.agents
+            survivors = [a for a in self.agents if a is not node or self.fault == "worker_kill"]
             # When the survivors' agents start new workers: the failure's detection and
             # the new round's rendezvous, without the workers' own start-up (import
             # torch, init_process_group), which no rendezvous can shorten.
@@ -560,7 +566,7 @@ def torchrun_side(args: argparse.Namespace, d: EmbeddedDaemon, work: Path) -> di
         }
     report: dict[str, Any] = {}
     for backend in filter(None, args.torchrun_backends.split(",")):
-        for fault in TORCHRUN_FAULTS:
+        for fault in filter(None, args.torchrun_faults.split(",")):
             runs = []
             for i in range(max(1, args.repeat)):
                 port = _free_port()
@@ -642,6 +648,7 @@ def main() -> int:
     p.add_argument("--keep", default=None, help="work in this folder and keep its logs")
     p.add_argument("--no-torchrun", action="store_true", help="rendezvous-run alone")
     p.add_argument("--torchrun-backends", default=",".join(TORCHRUN_BACKENDS), help="torchrun side")
+    p.add_argument("--torchrun-faults", default=",".join(TORCHRUN_FAULTS), help="torchrun side")
     args = p.parse_args()
     report: dict[str, Any] = {
         "nodes": NODES,
