@@ -47,6 +47,17 @@ def lose_b(sm: RendezvousState, tokens: dict[str, int], now: float = 1.0) -> Non
     assert sm.jobs["j"].state is JobState.FAILED
 
 
+def reform_without(sm: RendezvousState, parked: Parked, now: float) -> None:
+    """a2 and b2 form generation 2 of the two-node job; ``parked``, a standby, is
+    still parked on it."""
+    assert sm.join(node("a2"), now).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("a2", uid=ID2), now), Parked)
+    assert isinstance(sm.join(node("b2"), now), JoinResult)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and job.generation == 2
+    assert job.scaleup_waiters == {parked.waiter: "s"} and parked.waiter in sm.calls.waiting
+
+
 def test_a_standby_parks_beyond_max_nodes_and_the_full_world_is_not_told() -> None:
     sm = RendezvousState()
     running_pair(sm)
@@ -86,13 +97,7 @@ def test_a_failure_that_loses_no_node_leaves_the_standby_parked() -> None:
     sm.report_failure("j", 1, 1, "b", 0, "exit code 1", 1.0)  # a worker, not its node
     assert sm.jobs["j"].state is JobState.FAILED
     assert parked.waiter not in woken(sm)
-    # Both nodes come back and form generation 2 without it; it is still parked.
-    assert sm.join(node("a2"), 1.1).id_required  # type: ignore[union-attr]
-    assert isinstance(sm.join(node("a2", uid=ID2), 1.1), Parked)
-    assert isinstance(sm.join(node("b2"), 1.2), JoinResult)
-    job = sm.jobs["j"]
-    assert job.state is JobState.RUNNING and job.generation == 2
-    assert job.scaleup_waiters == {parked.waiter: "s"} and parked.waiter in sm.calls.waiting
+    reform_without(sm, parked, 1.1)  # both nodes come back: it is still parked
 
 
 def test_one_freed_slot_calls_one_standby_in_the_order_they_parked() -> None:
@@ -134,12 +139,7 @@ def test_a_standby_started_beside_a_relaunch_of_an_ended_job_stands_by() -> None
         sm.leave("j", 1, rank, inst, 1.0, mode=JoinMode.NODE)
     early = sm.join(spare("s"), 2.0)
     assert isinstance(early, Parked)
-    assert sm.join(node("a2"), 2.1).id_required  # type: ignore[union-attr]
-    assert isinstance(sm.join(node("a2", uid=ID2), 2.1), Parked)
-    assert isinstance(sm.join(node("b2"), 2.2), JoinResult)
-    job = sm.jobs["j"]
-    assert job.state is JobState.RUNNING and job.generation == 2
-    assert job.scaleup_waiters == {early.waiter: "s"} and early.waiter in sm.calls.waiting
+    reform_without(sm, early, 2.1)  # the relaunch forms: the standby stands by for it
 
 
 def test_a_standby_never_takes_a_seat_in_a_fresh_launch() -> None:
@@ -233,11 +233,8 @@ def test_a_standby_whose_wait_ends_in_a_later_generation_leaves_no_record() -> N
     parked = sm.join(spare("s"), 0.5)
     assert isinstance(parked, Parked)
     sm.report_failure("j", 1, 1, "b", 0, "exit code 1", 1.0)
-    assert sm.join(node("a2"), 1.1).id_required  # type: ignore[union-attr]
-    assert isinstance(sm.join(node("a2", uid=ID2), 1.1), Parked)
-    assert isinstance(sm.join(node("b2"), 1.2), JoinResult)
+    reform_without(sm, parked, 1.1)
     job = sm.jobs["j"]
-    assert job.generation == 2 and job.scaleup_waiters == {parked.waiter: "s"}
     f = sm.cancel_wait(parked.waiter, 60.5, timed_out=True)
     assert f is not None and "standby node waited" in f.message
     assert job.scaleup_waiters == {} and job.standby_waiters == set()
