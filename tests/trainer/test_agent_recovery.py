@@ -309,3 +309,22 @@ def test_a_standby_node_exits_0_when_the_job_ends_without_it(
     assert codes == [0, 0, 0], [n.stderr() for n in (*nodes, standby)]
     assert "this standby node was not needed" in standby.stderr(), standby.stderr()
     assert standby.events("done") == [], standby.events()
+
+
+def test_a_standby_started_after_its_job_ended_waits_its_join_timeout_then_exits_0(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as node:
+        node.join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, host="n0", timeout=20)
+        node.start_heartbeat(0.2)
+        node.leave()  # the job has ended
+    flags = ["--standby", "--join-timeout-s", "1"]
+    standby = Node(d, job_id, tmp_path, "standby", "1", "auto", flags, ["--steps", "5"])
+    try:
+        code = standby.wait(60)
+    finally:
+        _cleanup([standby])
+    assert code == 0, standby.stderr()
+    assert "this standby node was not needed" in standby.stderr(), standby.stderr()
+    assert standby.events("done") == []
