@@ -231,3 +231,53 @@ def test_a_group_refuses_to_start_on_a_weakly_ordered_machine(
     with pytest.raises(ConfigError, match=r"rank 0: .*x86-64 store ordering.*TCP ring"):
         ShmGroup(0, range(2), listener, [name, name], b"k" * 32, 1.0)
     assert listener.fileno() == -1
+
+
+class _CountingStore:
+    """The rank's real client, counting the KV round trips the ring's setup makes."""
+
+    def __init__(self, client: RendezvousClient) -> None:
+        self.client, self.sets, self.gets = client, 0, 0
+
+    def kv_set(self, key: str, value: bytes) -> None:
+        self.sets += 1
+        self.client.kv_set(key, value)
+
+    def kv_get(self, key: str, *, wait: bool = True, timeout: float | None = None) -> bytes:
+        self.gets += 1
+        return self.client.kv_get(key, wait=wait, timeout=timeout)
+
+
+@pytest.mark.parametrize("node_of", [[0, 0, 0], [0, 1, 2]], ids=["one-node", "three-nodes"])
+def test_setup_is_one_exchange_through_the_daemon(
+    daemon: Any, job_id: str, node_of: list[int]
+) -> None:
+    """Each rank publishes one value (its ring address and shared-memory claim) and
+    reads each peer's once: every read is a round trip to the daemon, the cost of a
+    recovery's ring set-up on a loaded machine."""
+    world = len(node_of)
+
+    def rank_main(local: int) -> tuple[int, int, str, float]:
+        with RendezvousClient(
+            daemon.endpoint, job_id, token_file=daemon.token_file, connect_timeout=10
+        ) as client:
+            m = client.join(num_nodes=1, gpus_per_node=world, node_rank=0, local_rank=local)
+            store = _CountingStore(client)
+            with connect_cpu_ring(
+                store,
+                rank=m.rank,
+                world_size=world,
+                secret=m.unique_id,
+                timeout=20.0,
+                node_rank=node_of[m.rank],
+            ) as comm:
+                array = np.full(100, m.rank + 1, np.float32)
+                comm.all_reduce(array)
+                transport = comm.transport
+            client.leave()
+            return store.sets, store.gets, transport, float(array[0])
+
+    results = parallel([lambda r=r: rank_main(r) for r in range(world)], 60.0)
+    shm = node_of == [0, 0, 0] and unsupported_reason() is None
+    expected = "shared-memory" if shm else "tcp-ring"
+    assert results == [(1, world - 1, expected, 6.0)] * world, results

@@ -2,54 +2,46 @@
 
 Shared memory (``shm_group``) when every rank runs on this host and node and the
 machine passes ``shm_group.unsupported_reason``; the TCP ring otherwise. Each rank
-publishes its claim through the job store and all read the same values, so every rank
-takes the same decision: a single rank that cannot or may not share memory keeps the
-whole job on the ring.
+publishes its claim (with its ring address, ``cpu_ring.connect_cpu_ring``) through the
+job store and all read the same values, so every rank takes the same decision: a
+single rank that cannot or may not share memory keeps the whole job on the ring.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import socket
 
 from rendezvousd.trainer.comm import peer_auth, shm_group
 from rendezvousd.trainer.comm.shm_group import SharedMemoryPeers
-from rendezvousd.trainer.comm.store import JobStore
 
-__all__ = ["build_shm_group", "shared_memory_plan"]
+__all__ = ["build_shm_group", "local_claim", "shared_memory_plan"]
 
 log = logging.getLogger("rendezvousd.trainer")
 
 
-def shared_memory_plan(
-    store: JobStore,
-    rank: int,
-    world_size: int,
-    node_rank: int | None,
-    enabled: bool,
-    deadline: float,
-) -> SharedMemoryPeers | None:
-    """Agree through ``store`` whether every rank shares this host (and node).
-
-    Each rank publishes its host identity and listener name (or nothing when it opts
-    out), and all read the same values, so every rank takes the same decision.
-    """
+def local_claim(
+    rank: int, world_size: int, node_rank: int | None, enabled: bool
+) -> tuple[socket.socket | None, str]:
+    """This rank's listener for the shared-memory group, if it may share memory, and
+    its claim to publish: "identity|node|listener name", or "" (it opts out)."""
     identity = _local_identity(rank, world_size, enabled)
-    listener, name = shm_group.create_listener() if identity else (None, "")
-    try:
-        node = "" if node_rank is None else str(node_rank)
-        mine = f"{identity}|{node}|{name}" if identity else ""
-        store.kv_set(f"cpu-ring/shm/{rank}", mine.encode())
-        entries = []
-        for peer in range(world_size):
-            remaining = max(0.001, deadline - time.monotonic())
-            value = store.kv_get(f"cpu-ring/shm/{peer}", wait=True, timeout=remaining)
-            entries.append(value.decode("ascii", "replace").split("|"))
-    except BaseException:
-        if listener is not None:
-            listener.close()
-        raise
-    together = all(len(e) == 3 and e[:2] == [identity, node] and e[2] for e in entries)
+    if not identity:
+        return None, ""
+    listener, name = shm_group.create_listener()
+    node = "" if node_rank is None else str(node_rank)
+    return listener, f"{identity}|{node}|{name}"
+
+
+def shared_memory_plan(
+    listener: socket.socket | None, claims: list[str], rank: int
+) -> SharedMemoryPeers | None:
+    """Whether every rank shares this host (and node), from every rank's claim
+    (``local_claim``), read by all alike so that every rank takes the same decision.
+    Takes ownership of ``listener``: handed on in the plan, or closed."""
+    entries = [claim.split("|") for claim in claims]
+    mine = entries[rank]
+    together = all(len(e) == 3 and e[:2] == mine[:2] and e[2] for e in entries)
     if listener is None or not together:
         if listener is not None:
             listener.close()
