@@ -344,6 +344,7 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def close(self) -> None:
         await self._stop_heartbeat()
+        self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:
             await self._mux.close()
         await self._channel.close()

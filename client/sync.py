@@ -453,6 +453,7 @@ class RendezvousClient(steps.ClientBase):
         """Close without Leave: a joined worker closing this way counts as lost."""
         _open.discard(self)
         self._stop_heartbeat()
+        self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         self._closed = True
         if self._mux is not None:
             self._mux.close()

@@ -58,6 +58,9 @@ class Metrics:
         self._rpc_children: dict[tuple[str, str], Histogram] = {}
         self.streams = gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams")
         self.waiters = gauge("rendezvousd_waiters", "Parked calls (join, barrier, kv wait)")
+        self.standbys = gauge(
+            "rendezvousd_standby_nodes", "Standby node agents parked beyond max_nodes"
+        )
         self.commits = Histogram(
             "rendezvousd_storage_commit_seconds",
             "State-database commits (--state-dir), by outcome",
@@ -125,3 +128,11 @@ class Metrics:
             if a.state is MemberState.ACTIVE
         ]
         self.heartbeat_lag.set(max(ages, default=0.0))
+        # On the tick, not per call: a count over every job. One that falls to 0 says
+        # a job used its spare (an operator may start another).
+        self.standbys.set(
+            sum(
+                len({job.scaleup_waiters[w] for w in job.standby_waiters})
+                for job in state.jobs.values()
+            )
+        )

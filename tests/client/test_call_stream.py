@@ -482,3 +482,25 @@ def test_a_draining_daemon_is_not_held_up_by_the_call_stream(
     d.proc.send_signal(signal.SIGTERM)
     wait_for("the call stream half-closed on the drain event", lambda: stream.retired)
     assert d.proc.wait(60) == 0
+
+
+def test_a_with_block_after_close_leaves_nothing_to_raise(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """close() inside the ``with`` block (a node agent dying on purpose in a test, or a
+    worker giving up): leaving the block must not call Leave on the closed channel,
+    which raised a bare ValueError out of the SDK."""
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        c.start_heartbeat(0.2)
+        c.close()
+    assert c.membership is None
+
+    async def aio() -> None:
+        async with AsyncRendezvousClient(daemon.endpoint, job_id + "-aio", token=daemon.token) as a:
+            await a.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+            a.start_heartbeat(0.2)
+            await a.close()
+        assert a.membership is None
+
+    asyncio.run(aio())
