@@ -12,7 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from rendezvousd.client import RendezvousClient
-from tests.support import ROOT, WORKERS, DaemonProcess, json_lines, launcher_cmd, wait_for
+from tests.support import (
+    ROOT,
+    WORKERS,
+    DaemonProcess,
+    free_port,
+    json_lines,
+    launcher_cmd,
+    spawn_daemon,
+    wait_for,
+    write_token,
+)
 
 WORKER = str(WORKERS / "elastic_worker.py")
 
@@ -328,3 +338,39 @@ def test_a_standby_started_after_its_job_ended_waits_its_join_timeout_then_exits
     assert code == 0, standby.stderr()
     assert "this standby node was not needed" in standby.stderr(), standby.stderr()
     assert standby.events("done") == []
+
+
+def test_a_standby_outlives_a_daemon_restart_without_using_a_restart(tmp_path: Path) -> None:
+    """The daemon is SIGKILLed and restarted on its port (--state-dir) while a standby
+    (default --max-restarts 0) waits: it asks again until the daemon is back, parks
+    again, and still takes the place of the node killed after. (``--retries 0``: the
+    SDK's own retry would otherwise wait out a short outage itself.)"""
+    port = free_port()
+    token_file = tmp_path / "tok"
+    token = write_token(token_file)
+    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "15")
+    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    job = "standby-restart"
+    args = ["--steps", "400", "--step-s", "0.03"]
+    node = Node(d, job, tmp_path, "node0", "1", "0", ["--max-restarts", "1"], args)
+    standby = Node(d, job, tmp_path, "standby", "1", "auto", ["--standby", "--retries", "0"], args)
+    d2: DaemonProcess | None = None
+    try:
+        wait_for("the node to train", lambda: len(node.events("resumed")) == 2, timeout=60)
+        wait_for("the standby to stand by", lambda: "standing by for" in standby.stderr(), 60)
+        d.kill()
+        wait_for("the standby to see the outage", lambda: "trying again" in standby.stderr(), 30)
+        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+        with RendezvousClient(d2.endpoint, job, token=token) as probe:
+            wait_for("the standby parked again", lambda: probe.get_job().standbys == 1, 30)
+        node.kill()  # the whole node: its agent and, with it, its workers
+        code = standby.wait(90)
+    finally:
+        _cleanup([node, standby])
+        d.kill()
+        if d2 is not None:
+            d2.kill()
+    assert code == 0, standby.stderr()
+    assert "standby called" in standby.stderr(), standby.stderr()
+    done = standby.events("done")
+    assert len(done) == 2 and all(e["world_size"] == 2 for e in done), standby.events()

@@ -23,7 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rendezvousd.client.errors import JobEnded, PeerFailed, RendezvousError, RendezvousTimeout
+from rendezvousd.client.errors import (
+    DaemonUnavailable,
+    JobEnded,
+    PeerFailed,
+    RendezvousError,
+    RendezvousTimeout,
+)
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
@@ -58,6 +64,8 @@ STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
+# How often a standby asks again while the daemon is unavailable (restarting).
+STANDBY_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -307,9 +315,16 @@ class NodeAgent:
             return self._joins
 
         serial = start()
+        # A standby outlives a daemon restart: an outage while it stands by is retried
+        # (for up to join_timeout_s), not counted as a failed join.
+        retry_at: float | None = None
+        outage_since: float | None = None
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)
+            if retry_at is not None and time.monotonic() >= retry_at:
+                retry_at = None
+                serial = start()
             event = self._next_event()
             if isinstance(event, Joined) and event.serial == serial:
                 answer = event.answer
@@ -328,8 +343,20 @@ class NodeAgent:
                     )
                     return None
                 if self._standing_by and isinstance(answer, RendezvousTimeout):
+                    outage_since = None
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
+                if self._standing_by and isinstance(answer, DaemonUnavailable):
+                    now = time.monotonic()
+                    if outage_since is None:
+                        outage_since = now
+                        self.note(
+                            f"standing by: {type(answer).__name__}: {answer}; trying again "
+                            f"every {STANDBY_RETRY_S:g} s for up to {config.join_timeout_s:g} s"
+                        )
+                    if now - outage_since < config.join_timeout_s:
+                        retry_at = now + STANDBY_RETRY_S
+                        continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
                 return Failure(None, cause, host=self.host)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
