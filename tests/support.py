@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from rendezvousd.cli.embedded import serve_command
-from rendezvousd.client import AsyncRendezvousClient
+from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
 from rendezvousd.common.model import JobView
 from rendezvousd.daemon import Daemon
 
@@ -414,3 +414,38 @@ def survivors_trained_on(agents: Sequence[Torchrun], log: Path) -> list[dict[str
     assert {s["rank"] for s in after} == {0, 1, 2, 3}
     assert max(s["step"] for s in after) == 4
     return after
+
+
+@contextlib.contextmanager
+def node_with_a_standby(
+    d: DaemonProcess, job: str
+) -> Iterator[tuple[RendezvousClient, list[object], threading.Thread]]:
+    """A running job of one node (max_nodes 1, heartbeating) and a standby JoinNode
+    parked beside it in a thread. Yields the node's client, the standby's outcome (its
+    membership or its error, once its join returns) and the thread."""
+    with (
+        RendezvousClient(d.endpoint, job, token=d.token) as node,
+        RendezvousClient(d.endpoint, job, token=d.token) as spare,
+    ):
+        node.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, host="n0", timeout=20)
+        node.start_heartbeat(0.2)
+        outcome: list[object] = []
+
+        def stand_by() -> None:
+            try:
+                outcome.append(
+                    spare.join_node(
+                        min_nodes=1,
+                        max_nodes=1,
+                        gpus_per_node=1,
+                        host="s",
+                        timeout=30,
+                        standby=True,
+                    )
+                )
+            except RendezvousError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=stand_by, daemon=True)
+        thread.start()
+        yield node, outcome, thread

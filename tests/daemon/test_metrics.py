@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import grpc
 
-from rendezvousd.client import AuthenticationError, RendezvousClient
-from tests.support import DaemonProcess, scrape, wait_for, worker_cmd
+from rendezvousd.client import AuthenticationError, NodeMembership, RendezvousClient
+from tests.support import DaemonProcess, node_with_a_standby, scrape, wait_for, worker_cmd
 
 
 def test_metrics_follow_a_job_through_join_failure_and_rpcs(
@@ -85,32 +85,15 @@ def test_made_up_method_paths_do_not_grow_the_metrics(
 def test_standby_nodes_are_counted_and_the_count_falls_when_one_is_called(
     start_daemon: Callable[..., DaemonProcess], job_id: str
 ) -> None:
-    import threading
-
     d = start_daemon("--metrics-listen", "127.0.0.1:0")
-    with (
-        RendezvousClient(d.endpoint, job_id, token=d.token) as node,
-        RendezvousClient(d.endpoint, job_id, token=d.token) as spare,
-    ):
-        node.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, host="n0", timeout=20)
-        node.start_heartbeat(0.2)
-        called: list[object] = []
-        standby = threading.Thread(
-            target=lambda: called.append(
-                spare.join_node(
-                    min_nodes=1, max_nodes=1, gpus_per_node=1, host="s", timeout=30, standby=True
-                )
-            ),
-            daemon=True,
-        )
-        standby.start()
+    with node_with_a_standby(d, job_id) as (node, outcome, standby):
         wait_for(
             "one standby counted",
             lambda: scrape(d.metrics_url).get("rendezvousd_standby_nodes") == 1,
         )
         node.close()  # the node's agent dies: the standby is called into its slot
         standby.join(20)
-        assert len(called) == 1
+        assert len(outcome) == 1 and isinstance(outcome[0], NodeMembership), outcome
         wait_for(
             "the count back at 0",
             lambda: scrape(d.metrics_url).get("rendezvousd_standby_nodes") == 0,

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from rendezvousd.client import JobEnded, RendezvousClient
 from rendezvousd.server.scope import derive_job_token
 from rendezvousd.web.http_server import MAX_CONNECTIONS
-from tests.support import DaemonProcess, Pki, wait_for
+from tests.support import DaemonProcess, Pki, node_with_a_standby, wait_for
 
 UID = b"\x5a" * 128
 
@@ -237,26 +237,7 @@ def test_under_tls_the_page_is_https_and_its_cookie_secure(
 def test_a_standby_node_is_counted_apart(daemon: DaemonProcess, job_id: str) -> None:
     """A standby parked on a full node job: the JSON counts it as waiting and as a
     standby, which the page says apart ("standing by for a lost node's slot")."""
-    import threading
-
-    with (
-        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as node,
-        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as spare,
-    ):
-        node.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, host="n0", timeout=20)
-        node.start_heartbeat(0.2)
-        ended: list[BaseException] = []
-
-        def stand_by() -> None:
-            try:
-                spare.join_node(
-                    min_nodes=1, max_nodes=1, gpus_per_node=1, host="s", timeout=30, standby=True
-                )
-            except JobEnded as exc:
-                ended.append(exc)
-
-        standby = threading.Thread(target=stand_by, daemon=True)
-        standby.start()
+    with node_with_a_standby(daemon, job_id) as (node, outcome, standby):
         wait_for(
             "the standby in the JSON",
             lambda: api(daemon, f"/api/jobs/{job_id}", token=daemon.token)["standbys"] == 1,
@@ -265,4 +246,4 @@ def test_a_standby_node_is_counted_apart(daemon: DaemonProcess, job_id: str) -> 
         assert job["nodes_waiting"] == 1 and job["state"] == "RUNNING"
         node.leave()  # the job ends: the standby is told so and its join returns
         standby.join(20)
-        assert not standby.is_alive() and len(ended) == 1
+        assert len(outcome) == 1 and isinstance(outcome[0], JobEnded), outcome
