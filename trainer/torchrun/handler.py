@@ -46,8 +46,9 @@ What each torchrun agent does here:
   → ``RendezvousError``.
 - **A node beyond max_nodes** stands by instead of failing, as torch's redundancy list
   does: its JoinNode parks as a standby, is not counted in ``num_nodes_waiting()``,
-  takes the place of the first node the job loses, and exits 0 when the job ends
-  without it (torch's ``RendezvousGracefulExitError`` would crash torch 2.13's launcher).
+  takes the place of the first node the job loses, outlives a daemon restart (it asks
+  again for up to ``join_timeout``), and exits 0 when the job ends without it (torch's
+  ``RendezvousGracefulExitError`` would crash torch 2.13's launcher).
 
 Settings: ``--rdzv-conf key=value,...`` over ``RENDEZVOUSD_*`` variables; the keys are
 :class:`~rendezvousd.trainer.torchrun.config.TorchrunSettings`' fields.
@@ -79,6 +80,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -113,6 +115,8 @@ BACKEND = "rendezvousd"
 DEFAULT_PORT = 29420
 #: The abort reason ``set_closed()`` gives; other agents read it as "closed".
 CLOSED = "rendezvous closed by torchrun"
+#: How often a standby asks again while the daemon is unavailable (restarting).
+STANDBY_RETRY_S = 1.0
 
 
 def point_gloo_at(address: str, env: MutableMapping[str, str]) -> str | None:
@@ -371,6 +375,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         node of torch's redundancy list does: it waits, not counted as waiting, until a
         lost node frees a slot, and leaves gracefully when the job ends without it."""
         standby = False
+        outage_since: float | None = None
         while True:
             try:
                 return self._client.join_node(
@@ -395,6 +400,24 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             except RendezvousTimeout:
                 if not standby:
                     raise  # a standby's wait ended with no slot freed: it stands by again
+                outage_since = None
+            except DaemonUnavailable as exc:
+                # A standby outlives a daemon restart (rendezvous-run's does too): it
+                # asks again every STANDBY_RETRY_S for up to join_timeout.
+                now = time.monotonic()
+                if outage_since is None and standby:
+                    outage_since = now
+                    log.warning(
+                        "rendezvousd: job %r: standing by: %s; trying again every %g s for up "
+                        "to %g s",
+                        self._run_id,
+                        exc,
+                        STANDBY_RETRY_S,
+                        self._settings.join_timeout,
+                    )
+                if outage_since is None or now - outage_since >= self._settings.join_timeout:
+                    raise
+                time.sleep(STANDBY_RETRY_S)
             except JobEnded:
                 if not standby:
                     raise
