@@ -449,3 +449,34 @@ def node_with_a_standby(
         thread = threading.Thread(target=stand_by, daemon=True)
         thread.start()
         yield node, outcome, thread
+
+
+class StatefulDaemon:
+    """A daemon with ``--state-dir`` on a fixed port and token, which a test SIGKILLs
+    and starts again in its place (the new one restores its jobs); killed on exit."""
+
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.tmp, self.port = tmp, free_port()
+        self.token_file = tmp / "tok"
+        self.token = write_token(self.token_file)
+        self.flags = ("--state-dir", str(tmp / "state"), *flags)
+        self.current = self._spawn()
+
+    def _spawn(self) -> DaemonProcess:
+        listen = f"127.0.0.1:{self.port}"
+        return spawn_daemon(self.tmp, *self.flags, token=self.token, listen=listen)
+
+    def outage_under_a_standby(self, job: str, stderr: Callable[[], str]) -> None:
+        """SIGKILL the daemon while a standby (whose output ``stderr`` reads) waits, see
+        it notice, start the daemon again, and see the standby parked on it again."""
+        self.current.kill()
+        wait_for("the standby to see the outage", lambda: "trying again" in stderr(), 30)
+        self.current = self._spawn()
+        with RendezvousClient(self.current.endpoint, job, token=self.token) as probe:
+            wait_for("the standby parked again", lambda: probe.get_job().standbys == 1, 30)
+
+    def __enter__(self) -> StatefulDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.current.kill()

@@ -17,15 +17,14 @@ from rendezvousd.client import RendezvousClient
 from tests.support import (
     WORKERS,
     DaemonProcess,
+    StatefulDaemon,
     Torchrun,
     free_port,
     scrape,
-    spawn_daemon,
     survivors_trained_on,
     three_nodes_stuck_at_step_two,
     torch_steps,
     wait_for,
-    write_token,
 )
 
 pytestmark = pytest.mark.slow
@@ -320,31 +319,21 @@ def test_a_standing_by_agent_outlives_a_daemon_restart(
     """The daemon (--state-dir) is SIGKILLed and restarted on its port while an agent
     stands by (``retries=0``: the SDK's own retry would wait out a short outage by
     itself): it asks again, parks again, and takes the place of the node killed after."""
-    port = free_port()
-    token_file = tmp_path / "tok"
-    token = write_token(token_file)
-    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "15")
-    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
-    log = tmp_path / "steps.jsonl"
-    conf = f"token_file={token_file},retries=0"
-    first = torchrun(d, job_id, "1", "--steps", "2000", "--step-log", str(log), conf=conf)
-    d2: DaemonProcess | None = None
-    try:
-        wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
-        spare_log = tmp_path / "spare-steps.jsonl"
-        spare = torchrun(d, job_id, "1", "--steps", "20", "--step-log", str(spare_log), conf=conf)
-        wait_for("the second agent to stand by", lambda: "standing by" in spare.stderr(), 60)
-        d.kill()
-        wait_for("the standby to see the outage", lambda: "trying again" in spare.stderr(), 30)
-        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
-        with RendezvousClient(d2.endpoint, job_id, token=token) as probe:
-            wait_for("the standby parked again", lambda: probe.get_job().standbys == 1, 30)
-        first.kill()
-        assert spare.wait(120) == 0, spare.stderr()[-3000:]
-    finally:
-        first.kill()
-        d.kill()
-        if d2 is not None:
-            d2.kill()
+    with StatefulDaemon(tmp_path, "--heartbeat-timeout-s", "15") as daemon:
+        d = daemon.current
+        log = tmp_path / "steps.jsonl"
+        conf = f"token_file={daemon.token_file},retries=0"
+        first = torchrun(d, job_id, "1", "--steps", "2000", "--step-log", str(log), conf=conf)
+        try:
+            wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
+            spare_log = tmp_path / "spare-steps.jsonl"
+            worker = ("--steps", "20", "--step-log", str(spare_log))
+            spare = torchrun(d, job_id, "1", *worker, conf=conf)
+            wait_for("the second agent to stand by", lambda: "standing by" in spare.stderr(), 60)
+            daemon.outage_under_a_standby(job_id, spare.stderr)
+            first.kill()
+            assert spare.wait(120) == 0, spare.stderr()[-3000:]
+        finally:
+            first.kill()
     steps = torch_steps(spare_log)
     assert {s["rank"] for s in steps} == {0, 1} and max(s["step"] for s in steps) == 20

@@ -16,12 +16,10 @@ from tests.support import (
     ROOT,
     WORKERS,
     DaemonProcess,
-    free_port,
+    StatefulDaemon,
     json_lines,
     launcher_cmd,
-    spawn_daemon,
     wait_for,
-    write_token,
 )
 
 WORKER = str(WORKERS / "elastic_worker.py")
@@ -345,31 +343,21 @@ def test_a_standby_outlives_a_daemon_restart_without_using_a_restart(tmp_path: P
     (default --max-restarts 0) waits: it asks again until the daemon is back, parks
     again, and still takes the place of the node killed after. (``--retries 0``: the
     SDK's own retry would otherwise wait out a short outage itself.)"""
-    port = free_port()
-    token_file = tmp_path / "tok"
-    token = write_token(token_file)
-    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "15")
-    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
-    job = "standby-restart"
-    args = ["--steps", "400", "--step-s", "0.03"]
-    node = Node(d, job, tmp_path, "node0", "1", "0", ["--max-restarts", "1"], args)
-    standby = Node(d, job, tmp_path, "standby", "1", "auto", ["--standby", "--retries", "0"], args)
-    d2: DaemonProcess | None = None
-    try:
-        wait_for("the node to train", lambda: len(node.events("resumed")) == 2, timeout=60)
-        wait_for("the standby to stand by", lambda: "standing by for" in standby.stderr(), 60)
-        d.kill()
-        wait_for("the standby to see the outage", lambda: "trying again" in standby.stderr(), 30)
-        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
-        with RendezvousClient(d2.endpoint, job, token=token) as probe:
-            wait_for("the standby parked again", lambda: probe.get_job().standbys == 1, 30)
-        node.kill()  # the whole node: its agent and, with it, its workers
-        code = standby.wait(90)
-    finally:
-        _cleanup([node, standby])
-        d.kill()
-        if d2 is not None:
-            d2.kill()
+    with StatefulDaemon(tmp_path, "--heartbeat-timeout-s", "15") as daemon:
+        d = daemon.current
+        job = "standby-restart"
+        args = ["--steps", "400", "--step-s", "0.03"]
+        node = Node(d, job, tmp_path, "node0", "1", "0", ["--max-restarts", "1"], args)
+        flags = ["--standby", "--retries", "0"]
+        standby = Node(d, job, tmp_path, "standby", "1", "auto", flags, args)
+        try:
+            wait_for("the node to train", lambda: len(node.events("resumed")) == 2, timeout=60)
+            wait_for("the standby to stand by", lambda: "standing by for" in standby.stderr(), 60)
+            daemon.outage_under_a_standby(job, standby.stderr)
+            node.kill()  # the whole node: its agent and, with it, its workers
+            code = standby.wait(90)
+        finally:
+            _cleanup([node, standby])
     assert code == 0, standby.stderr()
     assert "standby called" in standby.stderr(), standby.stderr()
     done = standby.events("done")
