@@ -16,6 +16,7 @@ from tests.support import (
     survivors_trained_on,
     three_nodes_stuck_at_step_two,
     torch_steps,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -52,3 +53,36 @@ def test_torchrun_trains_across_hosts_and_drops_a_cut_off_node(
         assert hosts[3].address in err and "heartbeat" in err, err[-2000:]
     assert all(s["warm"] == (workers == "warm") for s in torch_steps(log))
     print(f"cable pulled -> survivors training again: {min(s['t'] for s in after) - cut_at:.2f} s")
+
+
+def test_a_spare_torchrun_agent_on_its_own_host_takes_a_lost_hosts_place(
+    make_cluster: Callable[..., Cluster],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """--nnodes 2 on h1 and h2, a third agent on h3: it stands by across the network,
+    and when h2's node is killed it is called into h2's slot; h1 and h3 train a 4-rank
+    world to the end."""
+    cluster = make_cluster(3)
+    d, hosts = cluster.daemon, cluster.hosts
+    log = tmp_path / "steps.jsonl"
+    worker = ("--steps", "100", "--step-log", str(log))
+    agents = [
+        torchrun(d, job_id, "2", *worker, max_restarts=1, prefix=hosts[i].command([]))
+        for i in (1, 2)
+    ]
+    wait_for(
+        "4 ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] >= 2}) == 4,
+        timeout=120,
+    )
+    spare = torchrun(d, job_id, "2", *worker, max_restarts=1, prefix=hosts[3].command([]))
+    wait_for("h3's agent to stand by", lambda: "standing by" in spare.stderr(), 60)
+    first_round = {s["pid"] for s in torch_steps(log)}
+    agents[1].kill()  # h2's node: its agent and its workers
+    for a in (agents[0], spare):
+        assert a.wait(120) == 0, a.stderr()[-3000:]
+    after = [s for s in torch_steps(log) if s["pid"] not in first_round]
+    assert {s["rank"] for s in after} == {0, 1, 2, 3} and {s["world"] for s in after} == {4}
+    assert max(s["step"] for s in after) == 100
