@@ -129,6 +129,8 @@ class Run:
         self.steps = StepLog(self.log)
         self.launched_at: dict[int, float] = {}
         self.nodes: dict[int, subprocess.Popen[bytes]] = {}
+        # Each node's latest launcher's stderr.
+        self.errs: dict[int, Path] = {}
         # Every launcher of this run, the killed one's too, by pid: node.
         self.launchers: dict[int, int] = {}
         self.trace = self.work / "trace.jsonl"
@@ -174,7 +176,8 @@ class Run:
             "--log-every",
             "1000",
         ]
-        err = (self.work / f"node{node}-{len(self.nodes)}.err").open("w")
+        self.errs[node] = self.work / f"node{node}-{len(self.nodes)}.err"
+        err = self.errs[node].open("w")
         self.launched_at[node] = time.time()
         self.nodes[node] = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=err, env=self.env
@@ -344,7 +347,7 @@ def scenario(
             run.launch(n, nnodes, restarts)
         if name == "node_kill_standby":
             run.launch(NODES, nnodes, restarts, standby=True)
-            err = run.work / f"node{NODES}-{NODES}.err"
+            err = run.errs[NODES]
             _wait("the standby to stand by", lambda: "standing by" in err.read_text(), 120)
         out: dict[str, Any] = {"load_1m_at_start": start_load}
         if name != "fault_free":

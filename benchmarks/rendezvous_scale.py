@@ -487,8 +487,9 @@ def _race(
 ) -> tuple[float, list[dict[str, Any]], float]:
     """``procs`` children of this script share ``world``'s ranks; once every one is
     ready (and then ``ready()`` returned), all start at one instant. Returns that
-    instant, each child's result and how busy the machine was just before it. ``finished``: called once every child said its
-    last answer came (our children say it before closing their clients)."""
+    instant, each child's result and how busy the machine was just before it.
+    ``finished``: called once every child said its last answer came (our children say
+    it before closing their clients)."""
     per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
     children, first = [], 0
     for count in per:

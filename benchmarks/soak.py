@@ -310,18 +310,18 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(args.period_s)
 
     mine, of = (int(x) for x in args.share.split("/")) if args.share else (0, 1)
-    members = [(job, r) for job in jobs for r in range(args.job_size) if r % of == mine]
     if args.shape == "node":
         per_node = args.gpus_per_node
         nodes = [
             (job, n) for job in jobs for n in range(args.job_size // per_node) if n % of == mine
         ]
-        members = [(job, n * per_node + g) for job, n in nodes for g in range(per_node)]
         # A node's workers hold ranks node * gpus_per_node + local: members' order.
+        members = [(job, n * per_node + g) for job, n in nodes for g in range(per_node)]
         joined = [
             w for ws in await asyncio.gather(*[join_node(j, n) for j, n in nodes]) for w in ws
         ]
     else:
+        members = [(job, r) for job in jobs for r in range(args.job_size) if r % of == mine]
         joined = await asyncio.gather(*[join(job, r) for job, r in members])
     # Tell the parent we are in steady state: its RSS baseline and clock start now.
     print(json.dumps({"joined": sum(c is not None for c in joined)}), flush=True)

@@ -130,9 +130,4 @@ class Metrics:
         self.heartbeat_lag.set(max(ages, default=0.0))
         # On the tick, not per call: a count over every job. One that falls to 0 says
         # a job used its spare (an operator may start another).
-        self.standbys.set(
-            sum(
-                len({job.scaleup_waiters[w] for w in job.standby_waiters})
-                for job in state.jobs.values()
-            )
-        )
+        self.standbys.set(sum(job.standby_count for job in state.jobs.values()))

@@ -236,6 +236,11 @@ class Job:
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
+    @property
+    def standby_count(self) -> int:
+        """Standby node agents parked on this job (one call each, retries aside)."""
+        return len({self.scaleup_waiters[w] for w in self.standby_waiters})
+
     def rank_of(self, node_rank: int, local_rank: int) -> int:
         return node_rank * self.gpus_per_node + local_rank
 

@@ -72,7 +72,7 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
         len(job.gen.kv),
         job.gen.abort_reason,
         len(parked),
-        len({job.scaleup_waiters[w] for w in job.standby_waiters}),
+        job.standby_count,
         max((p.restarts_used for p in budgets), default=None),
         min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
         grid.job_step((m.state, m.step) for m in members),

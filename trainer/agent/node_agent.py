@@ -36,7 +36,13 @@ from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
-from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, Failure, RestartBudget, stray
+from rendezvousd.trainer.agent.recovery import (
+    SCALE_UP_REASON,
+    STANDBY_RETRY_S,
+    Failure,
+    RestartBudget,
+    stray,
+)
 from rendezvousd.trainer.agent.state_copy import StateCopy
 from rendezvousd.trainer.agent.warm_workers import (
     Exited,
@@ -64,8 +70,6 @@ STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
-# How often a standby asks again while the daemon is unavailable (restarting).
-STANDBY_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 
 from rendezvousd.common.members import SCALE_UP_REASON, never_attached
 
-__all__ = ["SCALE_UP_REASON", "Failure", "RestartBudget", "stray"]
+__all__ = ["SCALE_UP_REASON", "STANDBY_RETRY_S", "Failure", "RestartBudget", "stray"]
+
+#: How often a standby (rendezvous-run's, or a torchrun agent standing by) asks again
+#: while the daemon is unavailable: an outage while it stands by uses no restart.
+STANDBY_RETRY_S = 1.0
 
 
 def stray(causes: Sequence[str]) -> bool:

@@ -100,7 +100,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
-from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON
+from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, STANDBY_RETRY_S
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
@@ -115,8 +115,6 @@ BACKEND = "rendezvousd"
 DEFAULT_PORT = 29420
 #: The abort reason ``set_closed()`` gives; other agents read it as "closed".
 CLOSED = "rendezvous closed by torchrun"
-#: How often a standby asks again while the daemon is unavailable (restarting).
-STANDBY_RETRY_S = 1.0
 
 
 def point_gloo_at(address: str, env: MutableMapping[str, str]) -> str | None:
