@@ -432,6 +432,7 @@ def _communicator(
         setup_timeout=config.setup_timeout_s,
         node_rank=topology.node_rank,
         shared_memory=config.cpu_shared_memory,
+        nodes=topology.num_nodes,
     )
 
 

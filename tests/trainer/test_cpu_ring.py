@@ -503,8 +503,34 @@ def test_constructor_validates_configuration() -> None:
             CpuRingCommunicator(0, 1, socks[0], addrs, SECRET, 0.0)
         with pytest.raises(errs.ConfigError, match="addresses"):
             CpuRingCommunicator(0, 2, socks[0], addrs, SECRET, 1.0)
+        # By rank, the right neighbour's address is the one a listening rank needs.
+        with pytest.raises(errs.ConfigError, match=r"addresses of ranks \[1\]"):
+            CpuRingCommunicator(0, 3, socks[0], {2: addrs[0]}, SECRET, 1.0)
+        with pytest.raises(errs.ConfigError, match=r"addresses of ranks \[0\]"):
+            CpuRingCommunicator(0, 3, "127.0.0.1", {1: addrs[0]}, SECRET, 1.0)
     finally:
         socks[0].close()
+
+
+def test_a_ring_needs_only_each_ranks_right_neighbour() -> None:
+    socks, addrs = _listeners(3)
+    comms = parallel(
+        [
+            lambda r=r: CpuRingCommunicator(
+                r, 3, socks[r], {(r + 1) % 3: addrs[(r + 1) % 3]}, SECRET, 10.0
+            )
+            for r in range(3)
+        ]
+    )
+    try:
+        assert all(isinstance(c, CpuRingCommunicator) for c in comms), comms
+        arrays = [np.full(7, r + 1, np.int64) for r in range(3)]
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank]) for c in comms])
+        assert all((a == 6).all() for a in arrays), arrays
+    finally:
+        for c in comms:
+            if isinstance(c, CpuRingCommunicator):
+                c.close()
 
 
 def test_close_is_idempotent_and_final() -> None:

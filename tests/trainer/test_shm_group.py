@@ -248,13 +248,19 @@ class _CountingStore:
         return self.client.kv_get(key, wait=wait, timeout=timeout)
 
 
-@pytest.mark.parametrize("node_of", [[0, 0, 0], [0, 1, 2]], ids=["one-node", "three-nodes"])
+@pytest.mark.parametrize(
+    ("node_of", "reads"),
+    [([0, 0, 0], 2), ([0, 1, 2], 1), ([0, 0, 1, 1, 2, 2], 1)],
+    ids=["one-node", "three-nodes", "three-nodes-of-two"],
+)
 def test_setup_is_one_exchange_through_the_daemon(
-    daemon: Any, job_id: str, node_of: list[int]
+    daemon: Any, job_id: str, node_of: list[int], reads: int
 ) -> None:
     """Each rank publishes one value (its ring address and shared-memory claim) and
-    reads each peer's once: every read is a round trip to the daemon, the cost of a
-    recovery's ring set-up on a loaded machine."""
+    reads each peer's once on one node, where shared memory needs every claim, and
+    only its right neighbour's across nodes: every read is a round trip to the
+    daemon, the cost of a recovery's ring set-up on a loaded machine, and reading
+    every peer made the job's set-up quadratic in its size."""
     world = len(node_of)
 
     def rank_main(local: int) -> tuple[int, int, str, float]:
@@ -270,6 +276,7 @@ def test_setup_is_one_exchange_through_the_daemon(
                 secret=m.unique_id,
                 timeout=20.0,
                 node_rank=node_of[m.rank],
+                nodes=len(set(node_of)),
             ) as comm:
                 array = np.full(100, m.rank + 1, np.float32)
                 comm.all_reduce(array)
@@ -280,4 +287,4 @@ def test_setup_is_one_exchange_through_the_daemon(
     results = parallel([lambda r=r: rank_main(r) for r in range(world)], 60.0)
     shm = node_of == [0, 0, 0] and unsupported_reason() is None
     expected = "shared-memory" if shm else "tcp-ring"
-    assert results == [(1, world - 1, expected, 6.0)] * world, results
+    assert results == [(1, reads, expected, world * (world + 1) / 2)] * world, results

@@ -22,7 +22,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +120,7 @@ class _Ring:
 
 def establish_ring(
     listener: socket.socket,
-    addresses: Sequence[tuple[str, int]],
+    addresses: Mapping[int, tuple[str, int]],
     secret: bytes,
     rank: int,
     world: int,
