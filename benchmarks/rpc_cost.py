@@ -14,7 +14,8 @@ SDK's default (every call a message on the client's one Calls stream), and "unar
 
 The anchor is the floor Python gRPC sets: the same client loop against a bare
 ``grpc.aio.server()`` holding only grpcio-health-checking's servicer, in its own process,
-measured the same way. Start-up, imports and connects are outside the measurement on
+measured the same way, on the same event loop as the daemon (``--event-loop``: uvloop,
+the daemon's default, or asyncio's own). Start-up, imports and connects are outside the measurement on
 both sides. What our daemon adds to the floor is its interceptors (auth, decode guard,
 budget), metrics, the state machine and (with --state-dir) the SQLite commit handed to
 its writer thread, whose CPU is counted too. Prints one JSON document.
@@ -190,7 +191,7 @@ def _spawn_client(args: argparse.Namespace, endpoint: str, *extra: str) -> subpr
 
 
 _BARE_SERVER = """
-import asyncio, grpc
+import asyncio, sys, grpc
 from grpc_health.v1 import _async as health, health_pb2_grpc
 async def main():
     server = grpc.aio.server()
@@ -198,7 +199,13 @@ async def main():
     print(server.add_insecure_port("127.0.0.1:0"), flush=True)
     await server.start()
     await server.wait_for_termination()
-asyncio.run(main())
+if sys.argv[1] == "uvloop":
+    import uvloop
+    factory = uvloop.new_event_loop
+else:
+    factory = None
+with asyncio.Runner(loop_factory=factory) as runner:
+    runner.run(main())
 """
 
 
@@ -213,7 +220,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "state_dir": bool(args.state_dir),
         "load_average_at_start": os.getloadavg()[0],
     }
-    bare = subprocess.Popen([sys.executable, "-c", _BARE_SERVER], stdout=subprocess.PIPE, text=True)
+    report["event_loop"] = args.event_loop
+    bare = subprocess.Popen(
+        [sys.executable, "-c", _BARE_SERVER, args.event_loop], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert bare.stdout is not None
         port = bare.stdout.readline().strip()
@@ -224,7 +234,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bare.wait()
     with tempfile.TemporaryDirectory() as tmp:
         persist = ["--state-dir", str(Path(tmp) / "state")] if args.state_dir else []
-        daemon = spawn(Path(tmp), "--log-level", "WARNING", *persist)
+        loop = ("--event-loop", args.event_loop)
+        daemon = spawn(Path(tmp), "--log-level", "WARNING", *loop, *persist)
         try:
             token = ("--token-file", str(daemon.token_file))
             for n, transport in enumerate(args.transports.split(",")):
@@ -265,6 +276,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--streams", type=int, default=32, help="heartbeat streams (members)")
     p.add_argument("--state-dir", action="store_true", help="the daemon persists to SQLite")
+    p.add_argument(
+        "--event-loop",
+        default="uvloop",
+        choices=["uvloop", "asyncio"],
+        help="the servers' event loop, the daemon's and the anchor's alike",
+    )
     p.add_argument("--json-out")
     p.add_argument("--role", default="parent", choices=["parent", "client"])
     p.add_argument("--endpoint")

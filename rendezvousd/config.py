@@ -144,6 +144,12 @@ class DaemonConfig:
     max_kv_bytes: int = setting(
         Limits.max_kv_bytes, "key-value bytes (keys + values) held across all jobs", _COUNT
     )
+    event_loop: str = setting(
+        "uvloop",
+        "the asyncio event loop the daemon runs on: uvloop (libuv; ~15 % less CPU per call "
+        "than asyncio's own) or asyncio",
+        Choice(("uvloop", "asyncio")),
+    )
     log_level: str = setting(
         "INFO",
         "DEBUG, INFO, WARNING or ERROR",

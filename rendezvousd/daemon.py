@@ -339,10 +339,11 @@ class Daemon:
         self._ticker = asyncio.create_task(self._tick())
         self._ticker.add_done_callback(self._tick_ended)
         log.info(
-            "rendezvousd serving on %s (port %d, tls=%s)",
+            "rendezvousd serving on %s (port %d, tls=%s, event loop %s)",
             self.config.listen,
             port,
             credentials is not None,
+            type(asyncio.get_running_loop()).__module__.partition(".")[0],
         )
         if self.on_ready is not None:
             self.on_ready(port)
