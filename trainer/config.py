@@ -282,6 +282,13 @@ class DistributedConfig:
         "place of a node the job loses",
         Bool(),
     )
+    standby_if_full: bool = setting(
+        False,
+        "rendezvous-run with --node-rank auto: a node that finds the world full stands by "
+        "(as --standby) instead of failing with WORLD_FULL, so every node of a job can run "
+        "one command and the extra ones are spares",
+        Bool(),
+    )
 
     def __post_init__(self) -> None:
         validate(self, ConfigError)
@@ -308,7 +315,7 @@ class DistributedConfig:
                 f"rank={self.rank} is out of range for world_size={world_size} "
                 f"(expected 0..{world_size - 1})"
             )
-        if self.standby:
+        if self.standby or self.standby_if_full:
             self._validate_standby()
         placement = self.topology()
         if placement is not None and self.local_rank not in (None, placement.local_rank):

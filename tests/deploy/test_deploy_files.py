@@ -57,6 +57,7 @@ def test_the_deploy_tree_has_the_expected_files() -> None:
         "kubernetes/statefulset.yaml",
         "kubernetes/service.yaml",
         "kubernetes/worker-job.yaml",
+        "kubernetes/worker-job-spares.yaml",
     ):
         assert (DEPLOY / rel).is_file(), rel
 
@@ -322,9 +323,14 @@ def test_kubernetes_daemon_is_hardened_probed_over_grpc_and_reads_a_private_toke
     assert "secret.example.yaml" not in kustomization["resources"]
 
 
+def _job(docs: Mapping[str, list[dict[str, Any]]], name: str) -> dict[str, Any]:
+    (job,) = [j for j in docs["Job"] if j["metadata"]["name"] == name]
+    return job
+
+
 def test_kubernetes_worker_job_takes_its_node_rank_from_the_completion_index() -> None:
     docs = kube_docs()
-    (job,) = docs["Job"]
+    job = _job(docs, "rendezvous-train-example")
     (svc,) = docs["Service"]
     (policy,) = docs["NetworkPolicy"]
     spec = job["spec"]
@@ -357,6 +363,41 @@ def test_kubernetes_worker_job_takes_its_node_rank_from_the_completion_index() -
     ]
     labels = spec["template"]["metadata"]["labels"]
     assert any(sel.items() <= labels.items() for sel in allowed), "the policy would block it"
+
+
+def test_kubernetes_spares_job_runs_one_command_whose_extra_pods_stand_by() -> None:
+    """Every pod the same command: --node-rank auto and --standby-if-full, more pods
+    than --nnodes (the spares), replacements allowed, and a valid launcher config."""
+    docs = kube_docs()
+    spec = _job(docs, "rendezvous-train-spares-example")["spec"]
+    assert spec.get("completionMode", "NonIndexed") == "NonIndexed"
+    pod = spec["template"]["spec"]
+    _assert_hardened(pod)
+    # podFailurePolicy needs it; a failed pod is replaced by a new pod, not restarted.
+    assert pod["restartPolicy"] == "Never"
+    (worker,) = pod["containers"]
+    argv = [*_as_argv(worker.get("command")), *_as_argv(worker.get("args"))]
+    assert argv[0] == "rendezvous-run"
+    assert arg_value(argv, "--node-rank") == "auto" and "--standby-if-full" in argv
+    nnodes = int(arg_value(argv, "--nnodes") or 0)
+    assert spec["completions"] == spec["parallelism"] > nnodes >= 2
+    # A pod lost with its node is replaced (and becomes the new spare).
+    assert spec["backoffLimit"] >= 1
+    (rule,) = spec["podFailurePolicy"]["rules"]
+    assert rule["action"] == "Ignore" and rule["onPodConditions"] == [{"type": "DisruptionTarget"}]
+    env = _env(worker)
+    assert "RENDEZVOUSD_NODE_RANK" not in env
+    assert "controller-uid" in env["RENDEZVOUSD_JOB_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    parsed = launcher_args(argv, {})
+    if parsed is not None:
+        from rendezvousd.trainer.agent.launcher import resolve
+
+        plain = {name: str(var["value"]) for name, var in env.items() if "value" in var}
+        config = resolve(
+            parsed, {**plain, "RENDEZVOUSD_JOB_ID": "uid", "RENDEZVOUSD_RING_HOST": "198.18.0.1"}
+        )
+        assert config.standby_if_full and not config.standby
+        assert (config.num_nodes, config.node_rank) == (nnodes, None)
 
 
 # ---------------------------------------------------------------------------

@@ -302,6 +302,38 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
     assert "restart" not in called.lower(), called
 
 
+def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spare(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Three identical agents, --nnodes 2 --node-rank auto --standby-if-full (a
+    scheduler's pods): the one that finds the world full stands by; when a training
+    node dies it takes its place, and the killed node started again (as a Job replaces
+    a pod) finds the world full and stands by in turn, exiting 0 when the job ends."""
+    d = start_daemon()
+    flags = ["--max-restarts", "1", "--standby-if-full"]
+    args = ["--steps", "100", "--step-s", "0.03"]
+    nodes = [Node(d, job_id, tmp_path, f"pod{n}", "2", "auto", flags, args) for n in range(3)]
+    late: list[Node] = []
+    try:
+        full = "has all its 2 nodes: standing by"
+        wait_for("one pod to stand by", lambda: any(full in n.stderr() for n in nodes), 60)
+        spare = next(n for n in nodes if full in n.stderr())
+        trainers = [n for n in nodes if n is not spare]
+        wait_for("both nodes to train", lambda: all(len(n.events("step")) >= 4 for n in trainers))
+        trainers[1].proc.kill()
+        wait_for("the spare to be called", lambda: "standby called" in spare.stderr(), 60)
+        late.append(Node(d, job_id, tmp_path, "pod1-again", "2", "auto", flags, args))
+        codes = [trainers[0].wait(120), spare.wait(120), late[0].wait(120)]
+    finally:
+        _cleanup([*nodes, *late])
+    assert codes == [0, 0, 0], [n.stderr() for n in (trainers[0], spare, late[0])]
+    done = trainers[0].events("done") + spare.events("done")
+    assert len(done) == 4 and all(e["world_size"] == 4 for e in done), done
+    assert full in late[0].stderr() and "this standby node was not needed" in late[0].stderr()
+    assert late[0].events("done") == []
+    assert "WORLD_FULL" not in spare.stderr() + late[0].stderr()
+
+
 def test_a_standby_node_exits_0_when_the_job_ends_without_it(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

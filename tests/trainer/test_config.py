@@ -421,14 +421,23 @@ def test_every_setting_has_a_toml_key_and_the_documented_env_names_exist() -> No
     assert all(f"`{key}`" in table for key in SCHEMA.options)
 
 
-def test_a_standby_needs_the_daemon_and_an_assigned_node_rank() -> None:
+@pytest.mark.parametrize("flag", ["standby", "standby_if_full"])
+def test_a_standby_needs_the_daemon_and_an_assigned_node_rank(flag: str) -> None:
     with pytest.raises(ConfigError, match="standby needs the daemon rendezvous transport"):
-        DistributedConfig(standby=True)
+        DistributedConfig(**{flag: True})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="pass --node-rank auto"):
         DistributedConfig(
-            num_nodes=2, gpus_per_node=2, node_rank=1, standby=True, rendezvous=DAEMON
+            num_nodes=2,
+            gpus_per_node=2,
+            node_rank=1,
+            rendezvous=DAEMON,
+            **{flag: True},  # type: ignore[arg-type]
         )
     ok = DistributedConfig(
-        num_nodes=2, gpus_per_node=2, node_rank=None, standby=True, rendezvous=DAEMON
+        num_nodes=2,
+        gpus_per_node=2,
+        node_rank=None,
+        rendezvous=DAEMON,
+        **{flag: True},  # type: ignore[arg-type]
     )
-    assert ok.standby and ok.node_rank is None
+    assert getattr(ok, flag) and ok.node_rank is None

@@ -26,6 +26,7 @@ from typing import Any
 from rendezvousd.client.errors import (
     DaemonUnavailable,
     JobEnded,
+    LimitExceeded,
     PeerFailed,
     RendezvousError,
     RendezvousTimeout,
@@ -340,6 +341,21 @@ class NodeAgent:
                         )
                     self._standing_by = False
                     return answer
+                if (
+                    config.standby_if_full
+                    and not self._standing_by
+                    and isinstance(answer, LimitExceeded)
+                    and answer.reason == "WORLD_FULL"
+                ):
+                    # As torch's c10d keeps a node beyond max_nodes: every node of a job
+                    # (a Kubernetes Job's pods, say) runs one command, the extra ones wait.
+                    self._standing_by = True
+                    self.note(
+                        f"job {config.job_id!r} has all its {config.num_nodes} nodes: standing "
+                        f"by, {self.per_node} spare(s) warm, for the first node it loses"
+                    )
+                    serial = start()
+                    continue
                 if self._standing_by and isinstance(answer, JobEnded):
                     self.note(
                         f"job {config.job_id!r} ended (every member left); this standby node "

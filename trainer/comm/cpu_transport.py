@@ -4,7 +4,8 @@ Shared memory (``shm_group``) when every rank runs on this host and node and the
 machine passes ``shm_group.unsupported_reason``; the TCP ring otherwise. Each rank
 publishes its claim (with its ring address, ``cpu_ring.connect_cpu_ring``) through the
 job store and all read the same values, so every rank takes the same decision: a
-single rank that cannot or may not share memory keeps the whole job on the ring.
+single rank that cannot or may not share memory keeps the whole job on the ring. A job
+known to span several nodes skips the claims altogether (``connect_cpu_ring(nodes=)``).
 """
 
 from __future__ import annotations
