@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.multihost.cluster import Cluster, Node
 from tests.support import json_lines, wait_for
 
@@ -23,8 +25,14 @@ def _step_log(cluster: Cluster, job: str) -> Path:
     return cluster.workdir / f"{job}.steps"
 
 
-def _launch(cluster: Cluster, job: str, nnodes: str, flags: tuple[str, ...] = ()) -> list[Node]:
-    args = (*STEPS, "--step-log", str(_step_log(cluster, job)))
+def _launch(
+    cluster: Cluster,
+    job: str,
+    nnodes: str,
+    flags: tuple[str, ...] = (),
+    steps: tuple[str, ...] = STEPS,
+) -> list[Node]:
+    args = (*steps, "--step-log", str(_step_log(cluster, job)))
     return cluster.launch(
         3, 2, job=job, launcher_args=("--nnodes", nnodes, *flags), example_args=args
     )
@@ -89,26 +97,33 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
         assert "on h3" in n.text(), n.summary()
 
 
+@pytest.mark.parametrize("spare_flag", ["--standby", "--standby-if-full"])
 def test_a_standby_host_takes_the_place_of_a_lost_host(
-    make_cluster: Callable[..., Cluster],
+    make_cluster: Callable[..., Cluster], spare_flag: str
 ) -> None:
-    """--nnodes 3 on h1..h3 and a standby agent on h4: h3's node dies, h4 is called
-    into its slot across the network and the job ends with 6 ranks and the model a
-    fault-free run trains."""
+    """--nnodes 3 on h1..h3 and a standby agent on h4 (--standby, or a node started
+    once the job runs that finds its world full, --standby-if-full): h3's node dies,
+    h4 is called into its slot across the network and the job ends with 6 ranks and
+    the model a fault-free run trains."""
     cluster = make_cluster(4)
-    straight = _launch(cluster, "straight", "3")
+    # Long enough for a node started once the job trains to stand by before the kill.
+    steps = tuple("200" if a == "60" else a for a in STEPS)
+    straight = _launch(cluster, "straight", "3", steps=steps)
     assert cluster.wait(straight) == [0, 0, 0], "\n".join(n.summary() for n in straight)
     reference = {r["params_sha256"] for r in cluster.results("straight")}
 
     flags = ("--max-restarts", "1")
-    nodes = _launch(cluster, "standby", "3", flags)
+    nodes = _launch(cluster, "standby", "3", flags, steps)
     log = _step_log(cluster, "standby")
+    if spare_flag == "--standby-if-full":
+        # The job runs, its world full: h4 joins as any node, then stands by.
+        wait_for("the job to train", lambda: bool(json_lines(log)), 60)
     (spare,) = cluster.launch(
         3,
         2,
         job="standby",
-        launcher_args=("--nnodes", "3", *flags, "--standby", "--node-rank", "auto"),
-        example_args=(*STEPS, "--step-log", str(log)),
+        launcher_args=("--nnodes", "3", *flags, spare_flag, "--node-rank", "auto"),
+        example_args=(*steps, "--step-log", str(log)),
         nodes=[3],  # on h4
     )
     wait_for("the standby to stand by", lambda: "standing by" in spare.text(), 60)
@@ -122,5 +137,7 @@ def test_a_standby_host_takes_the_place_of_a_lost_host(
     assert {r["params_sha256"] for r in results} == reference  # bit-identical model
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
     assert "standby called: this node is node 2 of generation 2" in spare.text(), spare.summary()
+    if spare_flag == "--standby-if-full":
+        assert "has all its 3 nodes: standing by" in spare.text(), spare.summary()
     for n in nodes[:2]:
         assert "on h3" in n.text(), n.summary()
