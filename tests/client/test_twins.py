@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 
 from rendezvousd.client import (
     AsyncRendezvousClient,
@@ -26,7 +27,9 @@ from rendezvousd.client import (
 )
 from tests.support import DaemonProcess, Pki, free_port, parallel, wait_for
 
-KINDS = ("sync", "aio")
+# "aio-uvloop": the asyncio client on uvloop's loop, as in an application that runs on
+# it (grpc.aio's poller hands its completions to whatever loop the client is on).
+KINDS = ("sync", "aio", "aio-uvloop")
 ID0 = b"\x07" * 128
 ID1 = b"\x08" * 128
 
@@ -41,7 +44,9 @@ class Twin:
         if kind == "sync":
             self.client: Any = RendezvousClient(endpoint, job_id, **options)
             return
-        loop = self._loop = asyncio.new_event_loop()
+        loop = self._loop = (
+            uvloop.new_event_loop() if kind == "aio-uvloop" else asyncio.new_event_loop()
+        )
         self._thread = threading.Thread(target=loop.run_forever, daemon=True)
         self._thread.start()
 
