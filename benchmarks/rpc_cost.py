@@ -14,8 +14,8 @@ SDK's default (every call a message on the client's one Calls stream), and "unar
 
 The anchor is the floor Python gRPC sets: the same client loop against a bare
 ``grpc.aio.server()`` holding only grpcio-health-checking's servicer, in its own process,
-measured the same way, on the same event loop as the daemon (``--event-loop``: uvloop,
-the daemon's default, or asyncio's own). Start-up, imports and connects are outside the measurement on
+measured the same way, on the same event loop as the daemon (``--event-loop``: asyncio's
+own, the daemon's default, or uvloop). Start-up, imports and connects are outside the measurement on
 both sides. What our daemon adds to the floor is its interceptors (auth, decode guard,
 budget), metrics, the state machine and (with --state-dir) the SQLite commit handed to
 its writer thread, whose CPU is counted too. Prints one JSON document.
@@ -278,8 +278,8 @@ def main() -> None:
     p.add_argument("--state-dir", action="store_true", help="the daemon persists to SQLite")
     p.add_argument(
         "--event-loop",
-        default="uvloop",
-        choices=["uvloop", "asyncio"],
+        default="asyncio",
+        choices=["asyncio", "uvloop"],
         help="the servers' event loop, the daemon's and the anchor's alike",
     )
     p.add_argument("--json-out")

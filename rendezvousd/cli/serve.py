@@ -37,8 +37,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop ``--event-loop`` names (None: asyncio's own). Nearly all of a call's
-    CPU in the daemon is gRPC's asyncio machinery, not ours (benchmarks/rpc_cost.py), and
-    uvloop runs that machinery in C: ~15 % less daemon CPU per call in the node-shape soak."""
+    CPU in the daemon is gRPC's asyncio machinery, not ours (benchmarks/rpc_cost.py);
+    uvloop runs the loop under it in C: 13-15 % less daemon CPU per call, but a 4,096-rank
+    cold join storm finished later on it (docs/benchmarks.md), so it is not the default."""
     if name == "asyncio":
         return None
     try:
@@ -46,7 +47,7 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError as exc:
         raise ConfigError(
             f"event_loop {name!r}: uvloop is not installed ({exc}); install it "
-            "(pip install uvloop) or pass --event-loop asyncio"
+            "(pip install 'rendezvousd[uvloop]') or pass --event-loop asyncio"
         ) from exc
     return uvloop.new_event_loop
 

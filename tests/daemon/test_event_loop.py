@@ -1,4 +1,4 @@
-"""``--event-loop``: the daemon runs on uvloop by default and on asyncio's own loop when
+"""``--event-loop``: the daemon runs on asyncio's own loop by default and on uvloop when
 asked, serving the same calls on either; a loop it cannot have is a clear start-up error."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.support import DaemonProcess, write_token
 
 
 @pytest.mark.parametrize(
-    ("flags", "loop"), [((), "uvloop"), (("--event-loop", "asyncio"), "asyncio")]
+    ("flags", "loop"), [((), "asyncio"), (("--event-loop", "uvloop"), "uvloop")]
 )
 def test_the_daemon_serves_on_the_event_loop_it_names(
     start_daemon: Callable[..., DaemonProcess],
@@ -39,7 +39,8 @@ _NO_UVLOOP = """
 import sys
 sys.modules["uvloop"] = None
 from rendezvousd.cli.serve import main
-sys.exit(main(["serve", "--listen", "127.0.0.1:0", "--token-file", sys.argv[1]]))
+sys.exit(main(["serve", "--listen", "127.0.0.1:0", "--token-file", sys.argv[1],
+               "--event-loop", "uvloop"]))
 """
 
 

@@ -104,9 +104,12 @@ def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None
     with zipfile.ZipFile(wheel) as archive:
         (meta_name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
         meta = email.parser.Parser().parsestr(archive.read(meta_name).decode())
-    extras = {"gpu", "gpu-cuda12", "gpu-cuda13", "test", "torch"}
+    extras = {"gpu", "gpu-cuda12", "gpu-cuda13", "test", "torch", "uvloop"}
     assert set(meta.get_all("Provides-Extra") or []) == extras
     requires = meta.get_all("Requires-Dist") or []
+    # --event-loop uvloop's extra; the daemon's default loop needs nothing more.
+    assert any(r.startswith("uvloop>=") and 'extra == "uvloop"' in r for r in requires)
+    assert not any(r.startswith("uvloop") and "extra ==" not in r for r in requires), requires
     assert any(r.startswith("cupy-cuda12x>=13.4") and "gpu-cuda12" in r for r in requires)
     assert any(r.startswith("cupy-cuda13x>=13.6") and "gpu-cuda13" in r for r in requires)
     # CuPy's wheels load NCCL from these, or cupy.cuda.nccl is unavailable.
