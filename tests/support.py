@@ -416,6 +416,35 @@ def survivors_trained_on(agents: Sequence[Torchrun], log: Path) -> list[dict[str
     return after
 
 
+def standby_replaces_a_killed_node(
+    agents: Sequence[Torchrun], log: Path, steps: int
+) -> tuple[float, list[dict[str, Any]]]:
+    """Three torchrun agents for --nnodes 2: once 4 ranks train and one agent stands
+    by, a training agent is killed; the other two (the spare called into its slot)
+    train a 4-rank world to step ``steps`` and exit 0. Returns when the kill was, and
+    the steps of the new workers."""
+    wait_for(
+        "4 ranks at step 2 and an agent standing by",
+        lambda: (
+            len({s["rank"] for s in torch_steps(log) if s["step"] >= 2}) == 4
+            and any("standing by" in a.stderr() for a in agents)
+        ),
+        timeout=120,
+    )
+    (spare,) = [a for a in agents if "standing by" in a.stderr()]
+    victim = next(a for a in agents if a is not spare)
+    first_round = {s["pid"] for s in torch_steps(log)}
+    killed_at = time.time()
+    victim.kill()  # a training node: its agent and its workers
+    for a in agents:
+        if a is not victim:
+            assert a.wait(120) == 0, a.stderr()[-3000:]
+    after = [s for s in torch_steps(log) if s["pid"] not in first_round]
+    assert {s["rank"] for s in after} == {0, 1, 2, 3} and {s["world"] for s in after} == {4}
+    assert max(s["step"] for s in after) == steps
+    return killed_at, after
+
+
 @contextlib.contextmanager
 def node_with_a_standby(
     d: DaemonProcess, job: str

@@ -13,10 +13,10 @@ import pytest
 from tests.multihost.cluster import Cluster
 from tests.support import (
     Torchrun,
+    standby_replaces_a_killed_node,
     survivors_trained_on,
     three_nodes_stuck_at_step_two,
     torch_steps,
-    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -74,21 +74,4 @@ def test_a_spare_torchrun_agent_on_its_own_host_takes_a_lost_hosts_place(
         torchrun(d, job_id, "2", *worker, max_restarts=1, prefix=hosts[i].command([]))
         for i in (1, 2, 3)
     ]
-    wait_for(
-        "4 ranks at step 2 and an agent standing by",
-        lambda: (
-            len({s["rank"] for s in torch_steps(log) if s["step"] >= 2}) == 4
-            and any("standing by" in a.stderr() for a in agents)
-        ),
-        timeout=120,
-    )
-    (spare,) = [a for a in agents if "standing by" in a.stderr()]
-    victim = next(a for a in agents if a is not spare)
-    first_round = {s["pid"] for s in torch_steps(log)}
-    victim.kill()  # a training node: its agent and its workers
-    for a in agents:
-        if a is not victim:
-            assert a.wait(120) == 0, a.stderr()[-3000:]
-    after = [s for s in torch_steps(log) if s["pid"] not in first_round]
-    assert {s["rank"] for s in after} == {0, 1, 2, 3} and {s["world"] for s in after} == {4}
-    assert max(s["step"] for s in after) == 200
+    standby_replaces_a_killed_node(agents, log, 200)

@@ -21,6 +21,7 @@ from tests.support import (
     Torchrun,
     free_port,
     scrape,
+    standby_replaces_a_killed_node,
     survivors_trained_on,
     three_nodes_stuck_at_step_two,
     torch_steps,
@@ -271,26 +272,7 @@ def test_a_node_beyond_max_nodes_stands_by_and_replaces_a_lost_node(
     log = tmp_path / "steps.jsonl"
     worker = ("--steps", "100", "--step-log", str(log))
     agents = [torchrun(d, job_id, "2", *worker, max_restarts=1) for _ in range(3)]
-    wait_for(
-        "4 ranks at step 2 and an agent standing by",
-        lambda: (
-            len({s["rank"] for s in torch_steps(log) if s["step"] >= 2}) == 4
-            and any("standing by" in a.stderr() for a in agents)
-        ),
-        timeout=120,
-    )
-    before = torch_steps(log)
-    (spare,) = [a for a in agents if "standing by" in a.stderr()]
-    victim = next(a for a in agents if a is not spare)
-    first_round = {s["pid"] for s in before}
-    killed_at = time.time()
-    victim.kill()
-    for a in agents:
-        if a is not victim:
-            assert a.wait(120) == 0, a.stderr()[-3000:]
-    after = [s for s in torch_steps(log) if s["pid"] not in first_round]
-    assert {s["rank"] for s in after} == {0, 1, 2, 3} and {s["world"] for s in after} == {4}
-    assert max(s["step"] for s in after) == 100
+    killed_at, after = standby_replaces_a_killed_node(agents, log, 100)
     print(f"kill -> first step with the standby: {min(s['t'] for s in after) - killed_at:.2f} s")
 
 
