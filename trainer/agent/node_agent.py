@@ -42,6 +42,7 @@ from rendezvousd.trainer.agent.recovery import (
     STANDBY_RETRY_S,
     Failure,
     RestartBudget,
+    StandbyOutage,
     stray,
 )
 from rendezvousd.trainer.agent.state_copy import StateCopy
@@ -323,7 +324,7 @@ class NodeAgent:
         # A standby outlives a daemon restart: an outage while it stands by is retried
         # (for up to join_timeout_s), not counted as a failed join.
         retry_at: float | None = None
-        outage_since: float | None = None
+        outage = StandbyOutage(config.join_timeout_s)
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)
@@ -363,19 +364,17 @@ class NodeAgent:
                     )
                     return None
                 if self._standing_by and isinstance(answer, RendezvousTimeout):
-                    outage_since = None
+                    outage.since = None
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
                 if self._standing_by and isinstance(answer, DaemonUnavailable):
-                    now = time.monotonic()
-                    if outage_since is None:
-                        outage_since = now
+                    if outage.since is None:
                         self.note(
                             f"standing by: {type(answer).__name__}: {answer}; trying again "
                             f"every {STANDBY_RETRY_S:g} s for up to {config.join_timeout_s:g} s"
                         )
-                    if now - outage_since < config.join_timeout_s:
-                        retry_at = now + STANDBY_RETRY_S
+                    retry_at = outage.retry_at(time.monotonic())
+                    if retry_at is not None:
                         continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
                 return Failure(None, cause, host=self.host)

@@ -17,11 +17,34 @@ from dataclasses import dataclass, field
 
 from rendezvousd.common.members import SCALE_UP_REASON, never_attached
 
-__all__ = ["SCALE_UP_REASON", "STANDBY_RETRY_S", "Failure", "RestartBudget", "stray"]
+__all__ = [
+    "SCALE_UP_REASON",
+    "STANDBY_RETRY_S",
+    "Failure",
+    "RestartBudget",
+    "StandbyOutage",
+    "stray",
+]
 
 #: How often a standby (rendezvous-run's, or a torchrun agent standing by) asks again
 #: while the daemon is unavailable: an outage while it stands by uses no restart.
 STANDBY_RETRY_S = 1.0
+
+
+@dataclass
+class StandbyOutage:
+    """A daemon outage while a node stands by (rendezvous-run's standby, the torchrun
+    handler's): asked again every STANDBY_RETRY_S for up to ``limit_s`` from its start."""
+
+    limit_s: float
+    since: float | None = None
+
+    def retry_at(self, now: float) -> float | None:
+        """When to ask again, or None once the outage outlasted ``limit_s``. The first
+        call starts the outage (``since``); a wait that ends normally resets it."""
+        if self.since is None:
+            self.since = now
+        return now + STANDBY_RETRY_S if now - self.since < self.limit_s else None
 
 
 def stray(causes: Sequence[str]) -> bool:

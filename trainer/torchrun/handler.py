@@ -100,7 +100,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
-from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, STANDBY_RETRY_S
+from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, STANDBY_RETRY_S, StandbyOutage
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
@@ -373,7 +373,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         node of torch's redundancy list does: it waits, not counted as waiting, until a
         lost node frees a slot, and leaves gracefully when the job ends without it."""
         standby = False
-        outage_since: float | None = None
+        outage = StandbyOutage(self._settings.join_timeout)
         while True:
             try:
                 return self._client.join_node(
@@ -398,13 +398,13 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             except RendezvousTimeout:
                 if not standby:
                     raise  # a standby's wait ended with no slot freed: it stands by again
-                outage_since = None
+                outage.since = None
             except DaemonUnavailable as exc:
                 # A standby outlives a daemon restart (rendezvous-run's does too): it
                 # asks again every STANDBY_RETRY_S for up to join_timeout.
-                now = time.monotonic()
-                if outage_since is None and standby:
-                    outage_since = now
+                if not standby:
+                    raise
+                if outage.since is None:
                     log.warning(
                         "rendezvousd: job %r: standing by: %s; trying again every %g s for up "
                         "to %g s",
@@ -413,7 +413,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         STANDBY_RETRY_S,
                         self._settings.join_timeout,
                     )
-                if outage_since is None or now - outage_since >= self._settings.join_timeout:
+                if outage.retry_at(time.monotonic()) is None:
                     raise
                 time.sleep(STANDBY_RETRY_S)
             except JobEnded:
