@@ -174,6 +174,10 @@ class Session:
     leaving: bool = False
     # A node agent's join (join_node): the node heartbeats and leaves, not a rank.
     node: NodeMembership | None = None
+    # The instance id of the last node seat this client held: its next join_node
+    # names it, so the daemon seats it in the seat kept for it after a failure (a
+    # newcomer cannot take it). Not cleared by ``begin``: that seat outlives the join.
+    held: str = ""
     # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
     nodes_waiting: int = 0
     # The last report_progress, sent with every beat (None: never reported).
@@ -306,6 +310,7 @@ class Session:
             last_call_ms=int((r.get("last_call") or 0) * 1000),
             slim=True,
             standby=r.get("standby", False),
+            previous_instance_id=self.held,
         )
         if (node_rank := r.get("node_rank")) is not None:
             request.node_rank = node_rank
@@ -320,6 +325,7 @@ class Session:
             self.page_fetcher(response.job_id, response.generation, first, ids[0]) if ids else None
         )
         self.node = from_join_node_response(response, fetch)
+        self.held = self.instance_id
         return self.node
 
     def tls_refused(self, refusal: str) -> AuthenticationError:

@@ -231,6 +231,9 @@ class RendezvousServicer:
             wait_s=self._wait_s(request.wait_timeout_ms, context),
             last_call_s=min(request.last_call_ms / 1000, self.state.timing.max_wait_s),
             standby=request.standby,
+            previous=(
+                request.previous_instance_id if request.HasField("previous_instance_id") else None
+            ),
         )
         return await self._join(args, request.slim, context)
 

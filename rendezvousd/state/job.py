@@ -96,6 +96,9 @@ class Node(Attendee):
     node_rank: int
     named: bool
     arrived: float
+    # The seat kept for it that it took (``Generation.owed``'s key), given back if
+    # it leaves the forming generation while the seat is still kept.
+    kept: str = ""
 
 
 class NodeTable(dict[str, Node]):
@@ -199,11 +202,18 @@ class Generation:
     # are coalesced: joins.tell_waiting).
     waiting_told: int = 0
     waiting_told_at: float = 0.0
-    # Nodes parked for a scale-up when this generation ended (woken to re-join).
-    scaleups_woken: int = 0
-    # How many nodes the generation before this one expects back (its nodes not
-    # lost, and its woken scale-ups) after it failed or was aborted; 0: none.
+    # The instance ids of the nodes parked when this generation ended (scale-ups,
+    # and standbys called into freed slots), woken to re-join.
+    woken: set[str] = field(default_factory=set)
+    # How many nodes the generation before this one expected back (its nodes not
+    # lost, and its woken nodes) after it failed or was aborted; 0: none (a fresh
+    # launch, or a relaunch after a clean end).
     rejoin_expected: int = 0
+    # The seats kept for those of them not back yet: the instance id each held (or,
+    # woken, holds) -> its host, until ``owed_until``. A re-join naming one takes
+    # it; a newcomer gets only the seats they leave (``placement.claim``).
+    owed: dict[str, str] = field(default_factory=dict)
+    owed_until: float = 0.0
 
 
 @dataclass

@@ -21,6 +21,7 @@ from rendezvousd.common.model import (
     JoinMode,
     JoinResult,
     Parked,
+    Rejoin,
     Transition,
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
@@ -56,7 +57,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     elif (
         args.standby
         and args.instance_id not in job.gen.nodes
-        and (len(job.gen.nodes) >= job.max_nodes)
+        and placement.claim(job, args, now) is None
+        and not placement.has_room(job, now)
     ):
         return park_scaleup(sm, job, args, now)  # its freed slot was taken meanwhile
     else:
@@ -79,8 +81,9 @@ def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tup
         return node, False
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
-    if len(job.gen.nodes) >= job.max_nodes:
-        raise placement.world_full(job, args.host)
+    kept = placement.claim(job, args, now)
+    if len(job.gen.nodes) >= job.max_nodes or (kept is None and not placement.has_room(job, now)):
+        raise placement.world_full(job, args.host, now)
     if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
         raise placement.duplicate(job, args, other)
     node = Node(
@@ -90,7 +93,10 @@ def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tup
         args.node_rank or 0,
         args.node_rank is not None,
         now,
+        kept or "",
     )
+    if kept is not None:
+        del job.gen.owed[kept]
     job.gen.nodes[args.instance_id] = node
     job.gen.last_arrival = now
     settle_holder(sm, job, now)  # it may be the new node 0
@@ -170,12 +176,10 @@ def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
             raise job.topology_conflict(args.host, bounds)
         if args.instance_id in job.gen.nodes or args.instance_id in job.standbys_called:
             return None
-        if placement.standby_room(job):
+        if placement.standby_room(job, now):
             job.standbys_called.add(args.instance_id)
-            if job.state is JobState.FORMING:
-                job.gen.rejoin_expected += 1  # forming waits for it, as for a survivor
-            else:
-                job.gen.scaleups_woken += 1  # the next generation expects it back
+            if job.state is not JobState.FORMING:  # (forming, it is seated by this call)
+                job.gen.woken.add(args.instance_id)  # the next generation keeps it a seat
             return None
     return park_scaleup(sm, job, args, now)
 
@@ -193,6 +197,29 @@ def park_scaleup(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> P
         job.standby_waiters.add(parked.waiter)
     tell_waiting(sm, job, now)
     return parked
+
+
+def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
+    """The seats a forming generation kept for nodes expected back (``placement.
+    keep_seats``) are held one heartbeat timeout: a node not back by then is not
+    waited for (a survivor that died before re-joining must not stall forming), and
+    its seat goes to the standbys parked for one, called in the order they parked
+    and kept for them in turn, then to any newcomer."""
+    gen = job.gen
+    if not gen.owed or now < gen.owed_until:
+        return
+    room = job.max_nodes - len(gen.nodes)
+    called: dict[str, str] = {}
+    for waiter, inst in list(job.scaleup_waiters.items()):  # in the order they parked
+        if len(called) >= room:
+            break
+        if waiter in job.standby_waiters:
+            del job.scaleup_waiters[waiter]
+            job.standby_waiters.discard(waiter)
+            job.standbys_called.add(inst)
+            called[inst] = ""
+            sm.calls.wake(waiter, Rejoin())
+    placement.keep_seats(job, called, sm.timing.heartbeat_timeout_s, now)
 
 
 def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
@@ -267,6 +294,8 @@ def unseat(sm: RendezvousState, job: Job, seat: Member | Node, now: float) -> No
         return  # a retry of the same join is still waiting for the seat
     if isinstance(seat, Node):
         job.gen.nodes.pop(seat.instance_id, None)
+        if seat.kept and now < job.gen.owed_until:
+            job.gen.owed[seat.kept] = seat.host  # kept for its retry, not a newcomer
     elif job.gen.members.pop(seat.rank, None) and all(
         m.host != seat.host for m in job.gen.members.values()
     ):
@@ -400,9 +429,10 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
     if job is None:
         job = rounds.open_job(sm, args.job_id, high, gpus, now)
     elif job.state in rounds.TERMINAL and not placement.returning(job, args):
-        expected = placement.expected_back(job)
+        owed = placement.owed_back(job)
         rounds.next_generation(sm, job, now)
-        job.gen.rejoin_expected = expected
+        job.gen.rejoin_expected = len(owed)
+        placement.keep_seats(job, owed, sm.timing.heartbeat_timeout_s, now)
     if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
         # Nobody waits on this generation yet: the first joiner sets its bounds.
         job.gen.join_mode = mode

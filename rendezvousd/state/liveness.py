@@ -146,6 +146,7 @@ def tick(sm: RendezvousState, now: float) -> None:
         if job.gen.id_deadline is not None and now > job.gen.id_deadline:
             joins.id_overdue(sm, job, now)
         if job.state is JobState.FORMING:
+            joins.seats_lapse(sm, job, now)
             joins.try_form(sm, job, now)
         elif job.state is JobState.RUNNING:
             joins.tell_waiting(sm, job, now)

@@ -50,6 +50,10 @@ class JoinArgs:
     # when a failure frees one (``joins.stand_by``), so that a lost node is replaced
     # by an agent already running with warm spares.
     standby: bool = False
+    # The instance id this node agent held in the job's last generation ("" for its
+    # first join; None: a client too old to say), so that it takes the seat the
+    # next generation keeps for it (``claim``).
+    previous: str | None = None
 
     @classmethod
     def worker(
@@ -88,7 +92,7 @@ class JoinArgs:
 
 # Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
 # descriptor call (~0.2 us), and a join made several.
-_NODE, _RANK = JoinMode.NODE, JoinMode.RANK
+_NODE, _RANK, _LOST = JoinMode.NODE, JoinMode.RANK, MemberState.LOST
 
 
 def check(args: JoinArgs, limits: Limits) -> None:
@@ -104,6 +108,7 @@ def check(args: JoinArgs, limits: Limits) -> None:
         )
     validation.text_field("host", args.host, limits.max_host_bytes, required=True)
     validation.text_field("instance_id", args.instance_id, 128, required=True)
+    validation.text_field("previous_instance_id", args.previous or "", 128, required=False)
     if len(args.addresses) > args.gpus_per_node:
         raise validation.invalid(
             Reason.INVALID_ARGUMENT,
@@ -239,16 +244,54 @@ def cancelled(job: Job, seat: Member | Node, now: float) -> FailedInfo:
     return FailedInfo(job.rank_of(node_rank, 0), seat.host, seat.cancelled, node_rank, 0, now)
 
 
-def expected_back(job: Job) -> int:
-    """How many nodes should re-join after ``job``'s node generation failed or was
-    aborted: its nodes that were not lost, and the scale-up nodes woken to re-join;
-    0 (nobody in particular) after any other end."""
+def owed_back(job: Job) -> dict[str, str]:
+    """The nodes that should re-join after ``job``'s node generation failed or was
+    aborted, by the instance id each held (or, woken from parking, holds) -> its
+    host: its nodes that were not lost, and the nodes woken to re-join (scale-ups,
+    standbys called into freed slots); none (nobody in particular) after any other end."""
     if job.gen.join_mode is not JoinMode.NODE or job.state not in (
         JobState.FAILED,
         JobState.ABORTED,
     ):
-        return 0
-    return kept_nodes(job) + job.gen.scaleups_woken
+        return {}
+    owed = {n.instance_id: n.host for n in job.gen.nodes.values() if n.state is not _LOST}
+    owed.update((inst, "") for inst in job.gen.woken if inst not in owed)
+    return owed
+
+
+def keep_seats(job: Job, owed: dict[str, str], hold_s: float, now: float) -> None:
+    """The generation just opened keeps a seat for each node in ``owed`` for
+    ``hold_s``: the survivors re-join within a second or two (seconds under heavy
+    load), and a replacement started meanwhile (a pod rescheduled, a
+    ``--standby-if-full`` node) must not take a survivor's seat, which would leave
+    the survivor, holding the job's in-memory state, outside the world."""
+    job.gen.owed = owed
+    job.gen.owed_until = now + hold_s
+
+
+def claim(job: Job, args: JoinArgs, now: float) -> str | None:
+    """The seat kept for this joiner in a forming generation (the key of
+    ``Generation.owed``), or None: a woken node by its own instance id, a survivor by
+    the one it held (``JoinArgs.previous``), a client too old to say by its host."""
+    owed = job.gen.owed
+    if not owed or now >= job.gen.owed_until:
+        return None
+    if args.instance_id in owed:
+        return args.instance_id
+    if args.previous is not None:
+        return args.previous if args.previous in owed else None
+    return next((inst for inst, host in owed.items() if host == args.host), None)
+
+
+def kept_for_others(job: Job, now: float) -> int:
+    """How many seats of ``job``'s forming generation are still kept for nodes
+    expected back (0 once the hold ran out)."""
+    return len(job.gen.owed) if now < job.gen.owed_until else 0
+
+
+def has_room(job: Job, now: float) -> bool:
+    """Whether a newcomer (a joiner for whom no seat is kept) may take a seat now."""
+    return len(job.gen.nodes) + kept_for_others(job, now) < job.max_nodes
 
 
 def kept_nodes(job: Job) -> int:
@@ -264,15 +307,16 @@ def waiting_count(job: Job) -> int:
     return min(parked, max(0, job.max_nodes - job.num_nodes))
 
 
-def standby_room(job: Job) -> bool:
+def standby_room(job: Job, now: float) -> bool:
     """Whether a standby may take a seat now: a failed (aborted) generation, or the
-    one forming after it, has a slot that the nodes expected back do not fill. A
+    one forming after it, has a slot that the nodes expected back do not fill (nor
+    the seats kept for them, ``keep_seats``). A
     fresh launch's forming generation has none (a standby never displaces a node
     started to be part of it)."""
     if job.state in (JobState.FAILED, JobState.ABORTED):
-        return kept_nodes(job) + job.gen.scaleups_woken < job.max_nodes
+        return kept_nodes(job) + len(job.gen.woken) < job.max_nodes
     if job.state is JobState.FORMING and job.gen.rejoin_expected > 0:
-        return max(len(job.gen.nodes), job.gen.rejoin_expected) < job.max_nodes
+        return has_room(job, now)
     return False
 
 
@@ -287,8 +331,10 @@ def everyone_back(job: Job) -> bool:
     survivors. A replacement for a lost node that starts later is not waited for: it
     parks, the running nodes hear NODES_WAITING and re-form with it, which costs no
     restart. A generation that ended cleanly (ENDED) expects nobody, so a relaunch
-    with the same job id keeps the last call."""
-    return job.gen.rejoin_expected > 0 and len(job.gen.nodes) >= job.gen.rejoin_expected
+    with the same job id keeps the last call. A newcomer seated beside them does not
+    stand in for one: a node not back is waited for while its seat is kept (one
+    heartbeat timeout, ``joins.seats_lapse``), then not."""
+    return job.gen.rejoin_expected > 0 and not job.gen.owed
 
 
 def accept_id(job: Job, seat: Member | Node, unique_id: bytes) -> None:
@@ -393,13 +439,20 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node) -> RendezvousFaul
     )
 
 
-def world_full(job: Job, host: str) -> RendezvousFault:
-    """The generation already has max_nodes nodes: a newcomer cannot join it."""
+def world_full(job: Job, host: str, now: float = 0.0) -> RendezvousFault:
+    """The generation already has max_nodes nodes (or seats kept for nodes expected
+    back fill the rest, at ``now``): a newcomer cannot join it."""
+    kept = kept_for_others(job, now) if now else 0
+    has = (
+        f"{len(job.gen.nodes)} node(s) and {kept} seat(s) kept for nodes re-joining after "
+        f"the failure (max_nodes={job.max_nodes})"
+        if kept
+        else f"max_nodes={job.max_nodes} nodes"
+    )
     return job.fault(
         Code.RESOURCE_EXHAUSTED,
         Reason.WORLD_FULL,
-        f"{job.named} already has max_nodes={job.max_nodes} nodes; the node agent on {host!r} "
-        "cannot join it",
+        f"{job.named} already has {has}; the node agent on {host!r} cannot join it",
         max_nodes=str(job.max_nodes),
         offending_host=host,
     )

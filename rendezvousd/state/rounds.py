@@ -92,7 +92,7 @@ def wake_parked(sm: RendezvousState, job: Job) -> None:
         else:
             sm.calls.wake(waiter, Rejoin())
         del waiters[waiter]
-    job.gen.scaleups_woken = len(woken)
+    job.gen.woken = woken
 
 
 def open_job(

@@ -47,17 +47,18 @@ def durable_job(
         had = live.gen.nodes.get(node.instance_id)
         if had is not None and had.node_rank == node.node_rank:
             _keep_liveness(node, had)
-            node.named, node.arrived = had.named, had.arrived
+            node.named, node.arrived, node.kept = had.named, had.arrived, had.kept
     if job.state is JobState.FAILED:
         job.gen.conflict = live.gen.conflict
     if job.state is JobState.FORMING:
         job.gen.id_deadline = live.gen.id_deadline
     job.last_call_s, job.gen.last_arrival = live.last_call_s, live.gen.last_arrival
     job.gen.id_node = live.gen.id_node
-    job.gen.scaleups_woken, job.gen.rejoin_expected = (
-        live.gen.scaleups_woken,
-        live.gen.rejoin_expected,
-    )
+    job.gen.woken, job.gen.rejoin_expected = set(live.gen.woken), live.gen.rejoin_expected
+    job.gen.owed, job.gen.owed_until = dict(live.gen.owed), live.gen.owed_until
+    for inst, node in live.gen.nodes.items():
+        if node.kept and inst not in job.gen.nodes:  # its join was undone: kept again
+            job.gen.owed[node.kept] = node.host
     job.standbys_called = set(live.standbys_called)
     return job
 

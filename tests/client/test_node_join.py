@@ -464,3 +464,42 @@ def test_a_standby_waits_beyond_max_nodes_is_shown_and_takes_a_lost_nodes_slot(
     (called,) = box
     assert isinstance(called, NodeMembership), called
     assert called.generation == m.generation + 1 and called.num_nodes == 1
+
+
+def test_a_replacement_cannot_take_a_survivors_seat_in_the_next_generation(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    """Over the wire, the race a ``--standby-if-full`` node or a rescheduled pod
+    starts: a and b run, a standby s parks; b's agent dies and s is called. A plain
+    JoinNode r arrives before the survivor a re-joins: r is refused WORLD_FULL (a's
+    seat is kept), and a, whose SDK names the seat it held, forms generation 2 with s."""
+    a, b, s = agents
+    (r,) = clients(daemon, job_id, 1)
+    try:
+        kw: dict[str, object] = dict(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=20)
+        first = parallel([lambda: a.join_node(**kw), lambda: b.join_node(**kw)])  # type: ignore[arg-type]
+        assert all(isinstance(m, NodeMembership) for m in first), first
+        a.start_heartbeat(0.2)
+        b.start_heartbeat(0.2)
+        box: list[object] = []
+        spare = threading.Thread(
+            target=lambda: box.append(s.join_node(**kw, standby=True)),  # type: ignore[arg-type]
+            daemon=True,
+        )
+        spare.start()
+        wait_for("the standby to park", lambda: a.get_job().standbys == 1)
+        b.close()  # b's agent dies: its stream closes without a Leave
+        gen2 = first[0].generation + 1
+        wait_for("s to open generation 2", lambda: a.get_job().summary.generation == gen2)
+        with pytest.raises(LimitExceeded) as full:
+            r.join_node(**kw)  # type: ignore[arg-type]
+        assert full.value.reason == "WORLD_FULL"
+        assert "seat(s) kept for nodes re-joining" in str(full.value)
+        again = a.join_node(**kw)  # type: ignore[arg-type]
+        spare.join(20)
+        (called,) = box
+        assert isinstance(called, NodeMembership), called
+        assert again.generation == called.generation == gen2
+        assert {again.node_rank, called.node_rank} == {0, 1} and again.num_nodes == 2
+    finally:
+        r.close()

@@ -40,9 +40,21 @@ def node(
     rank: int | None = None,
     last_call: float = 5.0,
     job: str = "j",
+    previous: str | None = None,
 ) -> JoinArgs:
     return JoinArgs(
-        job, lo, hi, gpus, rank, f"host-{inst}", (), uid, inst, 60.0, last_call_s=last_call
+        job,
+        lo,
+        hi,
+        gpus,
+        rank,
+        f"host-{inst}",
+        (),
+        uid,
+        inst,
+        60.0,
+        last_call_s=last_call,
+        previous=previous,
     )
 
 
@@ -377,7 +389,9 @@ def three_elastic(sm: RendezvousState) -> dict[str, int]:
 
 
 def rejoin(sm: RendezvousState, inst: str, now: float, uid: bytes = b"") -> object:
-    return sm.join(node(inst, lo=2, hi=3, uid=uid), now)
+    """``inst`` ("a2"), the re-join of node "a" of ``three_elastic``, naming the seat
+    it held as the SDK does."""
+    return sm.join(node(inst, lo=2, hi=3, uid=uid, previous=inst[0]), now)
 
 
 def test_survivors_of_a_lost_node_form_without_waiting_out_the_last_call() -> None:

@@ -50,9 +50,9 @@ def lose_b(sm: RendezvousState, tokens: dict[str, int], now: float = 1.0) -> Non
 def reform_without(sm: RendezvousState, parked: Parked, now: float) -> None:
     """a2 and b2 form generation 2 of the two-node job; ``parked``, a standby, is
     still parked on it."""
-    assert sm.join(node("a2"), now).id_required  # type: ignore[union-attr]
-    assert isinstance(sm.join(node("a2", uid=ID2), now), Parked)
-    assert isinstance(sm.join(node("b2"), now), JoinResult)
+    assert sm.join(node("a2", previous="a"), now).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("a2", uid=ID2, previous="a"), now), Parked)
+    assert isinstance(sm.join(node("b2", previous="b"), now), JoinResult)
     job = sm.jobs["j"]
     assert job.state is JobState.RUNNING and job.generation == 2
     assert job.scaleup_waiters == {parked.waiter: "s"} and parked.waiter in sm.calls.waiting
@@ -83,7 +83,7 @@ def test_a_lost_node_calls_the_standby_and_the_next_generation_forms_at_once() -
     assert isinstance(asked, JoinResult) and asked.id_required and asked.generation == 2
     assert isinstance(sm.join(spare("s", uid=ID2), 1.1), Parked)
     # The survivor's rejoin completes it: no last call (5 s) is waited out.
-    out = sm.join(node("a2"), 1.2)
+    out = sm.join(node("a2", previous="a"), 1.2)
     assert isinstance(out, JoinResult) and out.num_nodes == 2 and out.generation == 2
     assert sm.jobs["j"].state is JobState.RUNNING
     assert sm.jobs["j"].standbys_called == set()
@@ -109,7 +109,7 @@ def test_one_freed_slot_calls_one_standby_in_the_order_they_parked() -> None:
     lose_b(sm, tokens)
     wakes = woken(sm)
     assert isinstance(wakes[first.waiter], Rejoin) and second.waiter not in wakes
-    assert sm.jobs["j"].gen.scaleups_woken == 1
+    assert sm.jobs["j"].gen.woken == {"s1"}
 
 
 def test_standbys_hear_that_the_job_ended_and_a_late_one_is_told_at_once() -> None:
@@ -158,8 +158,8 @@ def test_a_standby_arriving_after_the_failure_takes_the_freed_slot() -> None:
     tokens = running_pair(sm)
     lose_b(sm, tokens)
     # The survivor is back first and, --nnodes 2, waits for a second node.
-    assert sm.join(node("a2"), 1.1).id_required  # type: ignore[union-attr]
-    assert isinstance(sm.join(node("a2", uid=ID2), 1.1), Parked)
+    assert sm.join(node("a2", previous="a"), 1.1).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("a2", uid=ID2, previous="a"), 1.1), Parked)
     job = sm.jobs["j"]
     assert job.state is JobState.FORMING and job.gen.rejoin_expected == 1
     out = sm.join(spare("s"), 1.3)

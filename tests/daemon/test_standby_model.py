@@ -73,13 +73,25 @@ class StandbyModel(RuleBasedStateMachine):
             elif isinstance(effect.value, JoinResult) and effect.value.id_required:
                 self._call(replace(args, unique_id=os.urandom(128)))
 
-    def _new(self, standby: bool) -> JoinArgs:
+    def _new(self, standby: bool, previous: str = "") -> JoinArgs:
         self.count += 1
         inst = f"{'s' if standby else 'n'}{self.count}"
         if standby:
             self.standbys.add(inst)
         return JoinArgs(
-            JOB, LOW, HIGH, GPUS, None, f"h{inst}", (), b"", inst, 30.0, 1.0, standby=standby
+            JOB,
+            LOW,
+            HIGH,
+            GPUS,
+            None,
+            f"h{inst}",
+            (),
+            b"",
+            inst,
+            30.0,
+            1.0,
+            standby=standby,
+            previous=previous,
         )
 
     def _running_nodes(self) -> list[tuple[int, str]]:
@@ -99,13 +111,19 @@ class StandbyModel(RuleBasedStateMachine):
     @rule()
     def survivors_rejoin(self) -> None:
         """Every agent whose node was not lost joins the next generation (a fresh
-        instance id, as the SDK gives each join)."""
+        instance id, as the SDK gives each join, naming the one it held), and none of
+        them is refused WORLD_FULL: newcomers cannot take a survivor's seat."""
         job = self._job()
         if job is None or job.state not in (JobState.FAILED, JobState.ABORTED):
             return
-        kept = [n for n in job.gen.nodes.values() if n.state is not MemberState.LOST]
-        for _ in kept:
-            self._call(self._new(standby=False))
+        kept = [n.instance_id for n in job.gen.nodes.values() if n.state is not MemberState.LOST]
+        for held in kept:
+            args = self._new(standby=False, previous=held)
+            try:
+                self.sm.join(args, self.now)
+            except RendezvousFault as fault:
+                assert fault.reason != "WORLD_FULL", f"survivor {held} refused: {fault}"
+            self._call(args)  # the same call again: a retry, as the SDK's
 
     @rule()
     def attach(self) -> None:
@@ -173,6 +191,8 @@ class StandbyModel(RuleBasedStateMachine):
         if job is not None:
             assert len(job.gen.nodes) <= HIGH
             assert job.gen.rejoin_expected <= HIGH, "more nodes called back than fit"
+            kept = len(job.gen.owed) if self.now < job.gen.owed_until else 0
+            assert len(job.gen.nodes) + kept <= HIGH, "seats kept beyond max_nodes"
 
     @invariant()
     def no_standby_in_a_launchs_first_generation(self) -> None:

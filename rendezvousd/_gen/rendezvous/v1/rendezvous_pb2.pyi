@@ -372,6 +372,7 @@ class JoinNodeRequest(_message.Message):
     LAST_CALL_MS_FIELD_NUMBER: _builtins.int
     SLIM_FIELD_NUMBER: _builtins.int
     STANDBY_FIELD_NUMBER: _builtins.int
+    PREVIOUS_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """[A-Za-z0-9._-]{1,128}"""
     min_nodes: _builtins.int
@@ -405,6 +406,16 @@ class JoinNodeRequest(_message.Message):
     no relaunch came within its wait); its wait ending with no slot freed,
     DEADLINE_EXCEEDED (WORLD_INCOMPLETE): join again to stand by longer.
     """
+    previous_instance_id: _builtins.str
+    """The instance_id this node agent held in the job's last generation ("" for
+    its first join). After a generation fails or is aborted, the daemon keeps a
+    seat in the next one for each node it expects back (the nodes not lost, the
+    scale-ups and standbys it called) for one heartbeat timeout: a node that
+    names a kept seat here takes it, and a newcomer gets only the seats left
+    (WORLD_FULL otherwise), so it cannot take a survivor's place. Absent (a
+    client older than the field): the node takes a kept seat of its own host,
+    if any.
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per local rank, optional ("" = none); at most gpus_per_node entries."""
@@ -425,14 +436,20 @@ class JoinNodeRequest(_message.Message):
         last_call_ms: _builtins.int = ...,
         slim: _builtins.bool = ...,
         standby: _builtins.bool = ...,
+        previous_instance_id: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "node_rank", b"node_rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
     _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015
+    _WhichOneofReturnType__previous_instance_id: _TypeAlias = _typing.Literal["previous_instance_id"]  # noqa: Y015
+    _WhichOneofArgType__previous_instance_id: _TypeAlias = _typing.Literal["_previous_instance_id", b"_previous_instance_id"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__node_rank) -> _WhichOneofReturnType__node_rank | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__previous_instance_id) -> _WhichOneofReturnType__previous_instance_id | None: ...
 
 Global___JoinNodeRequest: _TypeAlias = JoinNodeRequest  # noqa: Y015
 

@@ -1,0 +1,116 @@
+"""Seats kept after a failure (``placement.keep_seats``), in the pure state machine
+with an explicit clock: the generation forming after a node generation failed keeps
+a seat for each node it expects back (survivors, called standbys) for one heartbeat
+timeout, so a newcomer (a replacement pod, a ``--standby-if-full`` node) cannot take a
+survivor's place; the survivor names its seat by the instance id it held, a client
+too old to say by its host; a seat not claimed in time goes to a parked standby, then
+to anyone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rendezvousd.common.model import JobState, JoinMode, JoinResult, Parked, Rejoin
+from rendezvousd.state.machine import RendezvousState
+from tests.daemon.test_node_state import ID2, fault, node, rejoin, three_elastic, woken
+from tests.daemon.test_standby import lose_b, running_pair, spare
+
+TIMEOUT = RendezvousState().timing.heartbeat_timeout_s
+
+
+def generation_2_keeps_a_seat(now: float = 1.0) -> RendezvousState:
+    """a and b running (--nnodes 2), s parked as a standby; b is lost at ``now``; s,
+    called into b's slot, is node 0 of generation 2, which keeps a's seat."""
+    sm = RendezvousState()
+    tokens = running_pair(sm)
+    parked = sm.join(spare("s"), 0.5)
+    assert isinstance(parked, Parked)
+    lose_b(sm, tokens, now)
+    assert isinstance(woken(sm)[parked.waiter], Rejoin)
+    assert sm.join(spare("s"), now).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(spare("s", uid=ID2), now), Parked)
+    assert sm.jobs["j"].gen.owed == {"a": "host-a"}
+    return sm
+
+
+def test_a_newcomer_cannot_take_the_seat_kept_for_a_survivor() -> None:
+    """The race found in session 18: b lost, standby s called, then a replacement pod
+    r (a plain join) arrives before the survivor a. r used to take a's seat and a got
+    WORLD_FULL; now r does, told of the kept seat, and a forms generation 2 with s."""
+    sm = generation_2_keeps_a_seat()
+    f = fault(sm.join, node("r"), 1.3)
+    assert f.reason == "WORLD_FULL"
+    assert "1 node(s) and 1 seat(s) kept for nodes re-joining after the failure" in f.message
+    out = sm.join(node("a2", previous="a"), 1.6)
+    assert isinstance(out, JoinResult) and out.generation == 2 and out.num_nodes == 2
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"s", "a2"}
+
+
+def test_a_client_too_old_to_name_its_seat_takes_the_one_kept_on_its_host() -> None:
+    sm = generation_2_keeps_a_seat()
+    assert fault(sm.join, node("r"), 1.3).reason == "WORLD_FULL"  # another host
+    old = replace(node("a2"), host="host-a")  # previous None: it did not say
+    out = sm.join(old, 1.6)
+    assert isinstance(out, JoinResult) and out.num_nodes == 2
+
+
+def test_a_node_naming_a_seat_not_kept_is_a_newcomer_even_on_a_kept_host() -> None:
+    sm = generation_2_keeps_a_seat()
+    f = fault(sm.join, replace(node("x", previous="b"), host="host-a"), 1.3)  # b was lost
+    assert f.reason == "WORLD_FULL"
+
+
+def test_a_survivor_not_back_within_a_heartbeat_timeout_is_not_waited_for() -> None:
+    """a died before re-joining: its seat is kept one heartbeat timeout, then a
+    newcomer takes it."""
+    sm = generation_2_keeps_a_seat()
+    assert fault(sm.join, node("r"), 1.0 + TIMEOUT - 0.1).reason == "WORLD_FULL"
+    sm.tick(1.0 + TIMEOUT + 0.1)
+    assert sm.jobs["j"].gen.owed == {}
+    out = sm.join(node("r"), 1.0 + TIMEOUT + 0.2)
+    assert isinstance(out, JoinResult) and set(sm.jobs["j"].gen.nodes) == {"s", "r"}
+
+
+def test_a_lapsed_seat_calls_the_next_standby_and_is_kept_for_it() -> None:
+    sm = generation_2_keeps_a_seat()
+    second = sm.join(spare("s2"), 1.2)
+    assert isinstance(second, Parked)  # no room: a's seat is kept
+    sm.tick(1.0 + TIMEOUT + 0.1)
+    assert isinstance(woken(sm)[second.waiter], Rejoin)
+    job = sm.jobs["j"]
+    assert job.gen.owed == {"s2": ""}  # a newcomer still cannot take it
+    assert fault(sm.join, node("r"), 1.0 + TIMEOUT + 0.2).reason == "WORLD_FULL"
+    out = sm.join(spare("s2"), 1.0 + TIMEOUT + 0.3)  # the adapter's re-issued call
+    assert isinstance(out, JoinResult) and set(job.gen.nodes) == {"s", "s2"}
+
+
+def test_forming_waits_for_the_survivors_not_for_a_newcomer_beside_them() -> None:
+    """--nnodes 2:3, c lost: a newcomer r seated first does not stand in for b. The
+    generation does not form with r and a; it forms when b is back too, 3 nodes."""
+    sm = RendezvousState()
+    nodes = three_elastic(sm)
+    sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)
+    assert sm.join(node("r", lo=2, hi=3), 1.1).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("r", lo=2, hi=3, uid=ID2), 1.1), Parked)
+    assert isinstance(rejoin(sm, "a2", 1.2), Parked)
+    sm.tick(1.3)
+    assert sm.jobs["j"].state is JobState.FORMING  # two nodes, but b is expected
+    out = rejoin(sm, "b2", 1.4)
+    assert isinstance(out, JoinResult) and out.num_nodes == 3
+
+
+def test_a_survivor_whose_wait_ends_gets_its_seat_kept_again() -> None:
+    """--nnodes 2:3, c lost: a2 takes a's kept seat, then its join's wait ends; the
+    seat is kept again for a's next try, not given to a newcomer."""
+    sm = RendezvousState()
+    nodes = three_elastic(sm)
+    sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)
+    assert sm.join(node("r", lo=2, hi=3), 1.1).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("r", lo=2, hi=3, uid=ID2), 1.1), Parked)
+    waiting = rejoin(sm, "a2", 1.2)
+    assert isinstance(waiting, Parked) and sm.jobs["j"].gen.owed == {"b": "host-b"}
+    sm.cancel_wait(waiting.waiter, 1.5, timed_out=True)
+    assert sm.jobs["j"].gen.owed == {"a": "host-a2", "b": "host-b"}  # where a now runs
+    assert fault(sm.join, node("x", lo=2, hi=3), 1.6).reason == "WORLD_FULL"
+    assert isinstance(rejoin(sm, "a3", 1.7), Parked)
