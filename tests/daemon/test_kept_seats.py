@@ -114,3 +114,22 @@ def test_a_survivor_whose_wait_ends_gets_its_seat_kept_again() -> None:
     assert sm.jobs["j"].gen.owed == {"a": "host-a2", "b": "host-b"}  # where a now runs
     assert fault(sm.join, node("x", lo=2, hi=3), 1.6).reason == "WORLD_FULL"
     assert isinstance(rejoin(sm, "a3", 1.7), Parked)
+
+
+def test_a_claim_whose_commit_fails_gives_the_seat_back_to_its_survivor() -> None:
+    """The daemon undoes a change whose commit failed (``storage.rollback``): a seat
+    claimed by that change is kept again, not lost to the next newcomer."""
+    from rendezvousd.storage import rollback, snapshot
+
+    sm = RendezvousState()
+    nodes = three_elastic(sm)
+    sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)
+    assert sm.join(node("r", lo=2, hi=3), 1.1).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("r", lo=2, hi=3, uid=ID2), 1.1), Parked)
+    job = sm.jobs["j"]
+    committed = snapshot.job_record(job)
+    assert isinstance(rejoin(sm, "a2", 1.2), Parked)  # this change's commit fails
+    assert job.gen.owed == {"b": "host-b"}
+    undone = rollback.durable_job(committed, dict(job.gen.kv), job, 1.3)
+    assert "a2" not in undone.gen.nodes
+    assert undone.gen.owed == {"a": "host-a2", "b": "host-b"}
