@@ -648,6 +648,14 @@ def main() -> int:
     p.add_argument(
         "--busy", type=int, default=0, help="CPU-bound loops running through every scenario"
     )
+    p.add_argument(
+        "--daemon-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="pass FLAG to the daemon, e.g. --daemon-flag=--event-loop=uvloop (repeatable; "
+        "its environment's RENDEZVOUSD_* settings do not reach it)",
+    )
     p.add_argument("--keep", default=None, help="work in this folder and keep its logs")
     p.add_argument("--no-torchrun", action="store_true", help="rendezvous-run alone")
     p.add_argument("--torchrun-backends", default=",".join(TORCHRUN_BACKENDS), help="torchrun side")
@@ -661,6 +669,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "targets": TARGETS,
         "busy_loops": args.busy,
+        "daemon_flags": args.daemon_flag,
     }
     report["byte_compiled"] = byte_compile()
     with contextlib.ExitStack() as stack:
@@ -670,7 +679,14 @@ def main() -> int:
         daemon_log = Path(tmp) / "daemon.log"
         with daemon_log.open("w") as log:
             # INFO: the transitions the milestones read (a few lines per generation).
-            d = spawn(Path(tmp), "--log-level", "INFO", exit_with_parent=True, stderr=log.fileno())
+            d = spawn(
+                Path(tmp),
+                "--log-level",
+                "INFO",
+                *args.daemon_flag,
+                exit_with_parent=True,
+                stderr=log.fileno(),
+            )
         busy = [
             subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)
         ]

@@ -394,7 +394,7 @@ class Daemon:
             now = time.monotonic()
             self.state.tick(now)
             self._servicer.apply()
-            self.metrics.observe_heartbeats(self.state, now)
+            self.metrics.observe_tick(self.state, now)
             if not self.persister.healthy:
                 await self.persister.recover()
                 continue

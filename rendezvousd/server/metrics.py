@@ -118,7 +118,9 @@ class Metrics:
             self.jobs.labels(job_state.name.lower()).set(n)
         self.members.set(present)
 
-    def observe_heartbeats(self, state: RendezvousState, now: float) -> None:
+    def observe_tick(self, state: RendezvousState, now: float) -> None:
+        """The gauges read from the whole state, once per tick (not per call): the
+        heartbeat lag and the standbys parked."""
         # Over what beats (a node agent beats for its gpus_per_node members, which
         # share its last heartbeat): each tick looks at 12,500 nodes, not 100,000 ranks.
         ages = [
