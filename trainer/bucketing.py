@@ -507,11 +507,14 @@ class BucketedAllReducer:
     ) -> None:
         """Fail on every rank, naming the odd ranks, if layouts differ.
 
-        Each rank publishes ``bucket-layout/{name}/{rank}``; rank 0 reads them
-        all, takes the most common fingerprint as the reference (rank 0's wins a
-        tie) and publishes a verdict that every other rank reads, so all ranks
-        raise together instead of the matching ones hanging in the first
-        collective. One verification per ``name`` per job generation.
+        Each rank counts its fingerprint (``bucket-layout/{name}/count/{fp}``);
+        once every rank has (a barrier), a count of ``world_size`` means every
+        layout matches: one add, one barrier and one read per rank, all in
+        parallel. Otherwise every rank publishes ``bucket-layout/{name}/{rank}``;
+        rank 0 reads them all, takes the most common fingerprint as the reference
+        (rank 0's wins a tie) and publishes a verdict that every other rank
+        reads, so all ranks raise together instead of the matching ones hanging
+        in the first collective. One verification per ``name`` per job generation.
         """
         mine = self.layout_fingerprint()
         prefix = f"bucket-layout/{name}"
@@ -520,6 +523,14 @@ class BucketedAllReducer:
         def remaining() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        # Why a count first: rank 0 reading every rank's fingerprint is world_size - 1
+        # sequential round trips through the daemon on every start and restart (1,023
+        # at 1,024 ranks); only a mismatch needs them, to name the odd ranks.
+        tally = f"{prefix}/count/{mine}"
+        store.kv_add(tally, 1)
+        store.barrier(f"{prefix}/counted", timeout=remaining())
+        if int(store.kv_get(tally, wait=False)) == world_size:
+            return
         store.kv_set(f"{prefix}/{rank}", mine.encode("ascii"))
         if rank == 0:
             seen = {0: mine}

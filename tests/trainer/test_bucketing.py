@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -384,7 +385,21 @@ def test_from_config_takes_the_caps_from_the_config() -> None:
 # --- layout verification through a real daemon ---------------------------------
 
 
-def verify_in_threads(daemon: Any, job_id: str, caps: list[int]) -> list[BaseException | None]:
+class CountingStore:
+    """A client as the reducer's ``JobStore``, counting the calls made through it."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, method: str) -> Any:
+        self.calls[method] += 1
+        return getattr(self.client, method)
+
+
+def verify_in_threads(
+    daemon: Any, job_id: str, caps: list[int], calls: list[Counter[str]] | None = None
+) -> list[BaseException | None]:
     from rendezvousd.client import RendezvousClient
 
     outcomes: list[BaseException | None] = [None] * len(caps)
@@ -404,8 +419,11 @@ def verify_in_threads(daemon: Any, job_id: str, caps: list[int]) -> list[BaseExc
                 grads = [np.zeros(100, np.float32) for _ in range(4)]
                 comm = SoloCommunicator(m.world_size)
                 cap = caps[m.rank]
+                store = CountingStore(client)
                 with BucketedAllReducer(grads, comm, cap_bytes=cap, first_bucket_bytes=None) as r:
-                    r.verify_layout(client, m.rank, m.world_size, timeout=20)
+                    r.verify_layout(store, m.rank, m.world_size, timeout=20)
+                if calls is not None:
+                    calls[m.rank] = store.calls
             except BaseException as exc:
                 outcomes[local_rank] = exc
             finally:
@@ -422,6 +440,15 @@ def verify_in_threads(daemon: Any, job_id: str, caps: list[int]) -> list[BaseExc
 @pytest.mark.slow
 def test_verify_layout_passes_when_layouts_match(daemon: Any, job_id: str) -> None:
     assert verify_in_threads(daemon, job_id, [800, 800, 800]) == [None, None, None]
+
+
+@pytest.mark.slow
+def test_matching_layouts_cost_every_rank_the_same_three_calls(daemon: Any, job_id: str) -> None:
+    """Not world_size - 1 reads on rank 0: a count, a barrier and one read on each."""
+    calls: list[Counter[str]] = [Counter() for _ in range(5)]
+    assert verify_in_threads(daemon, job_id, [800] * 5, calls) == [None] * 5
+    for made in calls:
+        assert made == Counter({"kv_add": 1, "barrier": 1, "kv_get": 1}), calls
 
 
 @pytest.mark.slow

@@ -20,5 +20,8 @@ class JobStore(Protocol):
         ``KeyNotFound`` when ``wait`` is false and the key is absent.
         """
 
+    def kv_add(self, key: str, delta: int = 1) -> int:
+        """Add ``delta`` to the decimal counter under ``key`` (0 if unset); the new value."""
+
     def barrier(self, name: str, *, timeout: float | None = None) -> None:
         """Return once every member of the job has entered barrier ``name``."""
