@@ -151,6 +151,11 @@ def render_job(job: Any) -> str:
     if job.nodes_waiting:
         standing = f" ({job.standbys} standing by)" if job.standbys else ""
         facts.append(f"{job.nodes_waiting} node(s) waiting to join{standing}")
+    if job.seats_kept:
+        facts.append(
+            f"{job.seats_kept} seat(s) kept for nodes re-joining after the failure "
+            f"({job.seats_kept_ms / 1000:.0f} s more)"
+        )
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
     per_node = max(1, job.summary.topology.gpus_per_node)
     rows = grid.node_rows(

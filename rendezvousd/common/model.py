@@ -214,6 +214,10 @@ class JobView:
     restarts_left: int | None = None
     # The job's step: its slowest active rank's (None until one reported a step).
     step: int | None = None
+    # Seats the forming generation keeps for nodes expected back after a failure, and
+    # for how much longer (``placement.keep_seats``).
+    seats_kept: int = 0
+    seats_kept_s: float = 0.0
 
     @property
     def world_size(self) -> int:

@@ -432,6 +432,8 @@ class RendezvousServicer:
             heartbeat_timeout_ms=int(self.state.timing.heartbeat_timeout_s * 1000),
             nodes_waiting=view.nodes_waiting,
             standbys=view.standbys,
+            seats_kept=view.seats_kept,
+            seats_kept_ms=int(view.seats_kept_s * 1000),
         )
 
     # -- registration ---------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rendezvousd.common import grid
 from rendezvousd.common.model import JobView, JoinMode, MemberState, MemberView
+from rendezvousd.state import placement
 from rendezvousd.state.job import Attendee, Job, Member
 
 
@@ -76,4 +77,6 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
         max((p.restarts_used for p in budgets), default=None),
         min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
         grid.job_step((m.state, m.step) for m in members),
+        (kept := placement.kept_for_others(job, now)),
+        max(0.0, job.gen.owed_until - now) if kept else 0.0,
     )

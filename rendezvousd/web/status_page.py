@@ -284,6 +284,8 @@ class StatusPage:
             "nodes_present": len(nodes),
             "nodes_waiting": v.nodes_waiting,
             "standbys": v.standbys,
+            "seats_kept": v.seats_kept,
+            "seats_kept_s": round(v.seats_kept_s, 1),
             "state_age_s": round(v.state_age_s, 1),
             "last_failure": (
                 v.failed[0].describe() if v.failed else self.timeline.last_failure(v.job_id)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.trainer.agent.node_agent import describe_remote
 from tests.daemon.test_blackhole import BlackHoleProxy
-from tests.support import WORKERS, DaemonProcess, parallel, wait_for
+from tests.support import WORKERS, DaemonProcess, parallel, spawn_daemon, wait_for
 
 ID0 = b"\x07" * 128
 
@@ -467,14 +468,19 @@ def test_a_standby_waits_beyond_max_nodes_is_shown_and_takes_a_lost_nodes_slot(
 
 
 def test_a_replacement_cannot_take_a_survivors_seat_in_the_next_generation(
-    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+    tmp_path: Path, job_id: str
 ) -> None:
     """Over the wire, the race a ``--standby-if-full`` node or a rescheduled pod
     starts: a and b run, a standby s parks; b's agent dies and s is called. A plain
     JoinNode r arrives before the survivor a re-joins: r is refused WORLD_FULL (a's
-    seat is kept), and a, whose SDK names the seat it held, forms generation 2 with s."""
-    a, b, s = agents
-    (r,) = clients(daemon, job_id, 1)
+    seat is kept), GetJob, ``status`` and the status page show the kept seat, and a,
+    whose SDK names the seat it held, forms generation 2 with s. (Its own daemon: the
+    seat is kept one heartbeat timeout, the default 10 s, not the shared daemon's 3.)"""
+    from rendezvousd.cli.probe import render_job
+    from tests.daemon.test_status_page import api
+
+    daemon = spawn_daemon(tmp_path, "--metrics-listen", "127.0.0.1:0")
+    a, b, s, r = clients(daemon, job_id, 4)
     try:
         kw: dict[str, object] = dict(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=20)
         first = parallel([lambda: a.join_node(**kw), lambda: b.join_node(**kw)])  # type: ignore[arg-type]
@@ -495,11 +501,19 @@ def test_a_replacement_cannot_take_a_survivors_seat_in_the_next_generation(
             r.join_node(**kw)  # type: ignore[arg-type]
         assert full.value.reason == "WORLD_FULL"
         assert "seat(s) kept for nodes re-joining" in str(full.value)
+        job = a.get_job()
+        assert job.seats_kept == 1 and 0 < job.seats_kept_ms <= 10_000
+        assert "1 seat(s) kept for nodes re-joining after the failure (" in render_job(job)
+        page = api(daemon, f"/api/jobs/{job_id}", token=daemon.token)
+        assert page["seats_kept"] == 1 and 0 < page["seats_kept_s"] <= 10
         again = a.join_node(**kw)  # type: ignore[arg-type]
         spare.join(20)
         (called,) = box
         assert isinstance(called, NodeMembership), called
         assert again.generation == called.generation == gen2
         assert {again.node_rank, called.node_rank} == {0, 1} and again.num_nodes == 2
+        assert a.get_job().seats_kept == 0
     finally:
-        r.close()
+        for c in (a, b, s, r):
+            c.close()
+        daemon.kill()

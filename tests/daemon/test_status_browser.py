@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,57 @@ def _ready_rank(nodes: list[tuple[subprocess.Popen[str], Path]], rank: int) -> d
     event = found()
     assert event is not None
     return event
+
+
+def test_a_seat_kept_for_a_survivor_is_shown_while_it_is_kept(
+    start_daemon: Callable[..., DaemonProcess], browser: Chromium, job_id: str
+) -> None:
+    """Node agents through the SDK: a and b run, b's agent dies and the standby s
+    opens generation 2; until the survivor a re-joins, the page says the seat kept
+    for it, and the line goes once a is back."""
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")  # 10 s: the seat is kept that long
+    base = d.metrics_url.removesuffix("/metrics")
+    a, b, s = (RendezvousClient(d.endpoint, job_id, token=d.token) for _ in range(3))
+    kw: dict[str, Any] = dict(min_nodes=2, max_nodes=2, gpus_per_node=2, timeout=30)
+    try:
+        joined = [threading.Thread(target=c.join_node, kwargs=kw) for c in (a, b)]
+        for t in joined:
+            t.start()
+        for t in joined:
+            t.join(30)
+        a.start_heartbeat(0.2)
+        b.start_heartbeat(0.2)
+        spare = threading.Thread(target=s.join_node, kwargs=dict(kw, standby=True), daemon=True)
+        spare.start()
+        wait_for("the standby to park", lambda: a.get_job().standbys == 1)
+        browser.log_in(base, d.token)
+        browser.navigate(f"{base}/#job={job_id}")
+        browser.wait_for(
+            "the job RUNNING", "document.getElementById('job-state').textContent === 'RUNNING'"
+        )
+        b.close()
+        browser.wait_for(
+            "the kept seat",
+            "/^1 seat\\(s\\) kept for nodes re-joining after the failure \\(\\d+ s more\\)$/"
+            ".test(document.getElementById('kept').textContent) && "
+            "!document.getElementById('kept').hidden",
+            timeout=8,
+        )
+        browser.screenshot(KEPT_SCREENSHOT)
+        assert KEPT_SCREENSHOT.stat().st_size > 10_000
+        a.join_node(**kw)
+        spare.join(20)
+        browser.wait_for(
+            "generation 2 RUNNING, nothing kept",
+            "document.getElementById('job-state').textContent === 'RUNNING' && "
+            "document.getElementById('job-facts').textContent.includes('generation 2') && "
+            "document.getElementById('kept').hidden",
+        )
+    finally:
+        for c in (a, b, s):
+            c.close()
+
+
+KEPT_SCREENSHOT = ROOT / "artifacts" / "status-page-kept-seat.png"

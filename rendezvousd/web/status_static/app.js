@@ -174,6 +174,9 @@ function drawJob(job, rows) {
   $("waiting").textContent = job.nodes_waiting;
   $("standbys").hidden = !job.standbys;
   $("standbys").textContent = job.standbys + " of them standing by for a lost node's slot";
+  $("kept").hidden = !job.seats_kept;
+  $("kept").textContent = job.seats_kept + " seat(s) kept for nodes re-joining after the failure (" +
+    Math.round(job.seats_kept_s) + " s more)";
   const failed = $("failed");
   failed.replaceChildren();
   for (const f of job.failed) {

@@ -1499,6 +1499,8 @@ class GetJobResponse(_message.Message):
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     NODES_WAITING_FIELD_NUMBER: _builtins.int
     STANDBYS_FIELD_NUMBER: _builtins.int
+    SEATS_KEPT_FIELD_NUMBER: _builtins.int
+    SEATS_KEPT_MS_FIELD_NUMBER: _builtins.int
     id_published: _builtins.bool
     """Whether rank 0's id is published (the id itself is never returned)."""
     kv_keys: _builtins.int
@@ -1518,6 +1520,11 @@ class GetJobResponse(_message.Message):
     and of those the standbys (JoinNodeRequest.standby).
     """
     standbys: _builtins.int
+    seats_kept: _builtins.int
+    """Seats the forming generation still keeps for nodes expected back after a
+    failure (JoinNodeRequest.previous_instance_id), and how long it keeps them.
+    """
+    seats_kept_ms: _builtins.int
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
     @_builtins.property
@@ -1538,10 +1545,12 @@ class GetJobResponse(_message.Message):
         heartbeat_timeout_ms: _builtins.int = ...,
         nodes_waiting: _builtins.int = ...,
         standbys: _builtins.int = ...,
+        seats_kept: _builtins.int = ...,
+        seats_kept_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "failed", b"failed", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "nodes_waiting", b"nodes_waiting", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "failed", b"failed", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "nodes_waiting", b"nodes_waiting", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__restarts_left: _TypeAlias = _typing.Literal["restarts_left"]  # noqa: Y015
     _WhichOneofArgType__restarts_left: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left"]  # noqa: Y015
