@@ -175,6 +175,24 @@ class Cluster:
             subprocess.run(self.head.command(cmd), capture_output=True, timeout=30).returncode == 0
         )
 
+    def job_facts(self, job: str) -> dict[str, Any]:
+        """GetJob's generation, state, standbys and kept seats of ``job`` (asked from h0)."""
+        probe = (
+            "import json, sys\n"
+            "from rendezvousd.client import RendezvousClient\n"
+            "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
+            "    j = c.get_job()\n"
+            "    print(json.dumps({'generation': j.summary.generation,\n"
+            "                      'state': j.summary.state, 'standbys': j.standbys,\n"
+            "                      'seats_kept': j.seats_kept}))\n"
+        )
+        cmd = [sys.executable, "-c", probe, self.daemon.endpoint, job, str(self.daemon.token_file)]
+        out = subprocess.run(
+            self.head.command(cmd), capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        facts: dict[str, Any] = json.loads(out)
+        return facts
+
     def job_members(self, job: str) -> list[dict[str, Any]]:
         """The daemon's member table of ``job`` (asked from h0, where it is reachable)."""
         probe = (

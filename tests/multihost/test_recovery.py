@@ -141,3 +141,70 @@ def test_a_standby_host_takes_the_place_of_a_lost_host(
         assert "has all its 3 nodes: standing by" in spare.text(), spare.summary()
     for n in nodes[:2]:
         assert "on h3" in n.text(), n.summary()
+
+
+def test_a_node_started_while_the_job_re_forms_cannot_take_a_survivors_seat(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """--nnodes 2 on h1, h2, every node started alike (--standby-if-full --node-rank
+    auto); h3 stands by.
+    h1's agent is stopped (SIGSTOP) so that it cannot re-join at once, and h2's node
+    dies: h3 is called into h2's slot and the next generation keeps h1's seat. h4,
+    started now (a rescheduled pod), finds the world full and stands by instead of
+    taking h1's seat; h1, continued, re-joins its seat across the network and trains to
+    the end with its state (at most one step lost), beside h3. (The daemon keeps a seat
+    one heartbeat timeout: 30 s here, so that a slow start of h4 cannot outlast it.)"""
+    cluster = make_cluster(4, "--heartbeat-timeout-s", "30")
+    steps = tuple("200" if a == "60" else a for a in STEPS)
+    flags = ("--max-restarts", "1", "--standby-if-full", "--node-rank", "auto")
+    job = "kept"
+    log = _step_log(cluster, job)
+    nodes = cluster.launch(
+        2,
+        2,
+        job=job,
+        launcher_args=("--nnodes", "2", *flags),
+        example_args=(*steps, "--step-log", str(log)),
+    )
+
+    def spare(index: int) -> Node:
+        (started,) = cluster.launch(
+            2,
+            2,
+            job=job,
+            launcher_args=("--nnodes", "2", *flags),
+            example_args=(*steps, "--step-log", str(log)),
+            nodes=[index],
+        )
+        return started
+
+    wait_for("the job to train", lambda: bool(json_lines(log)), 60)
+    h3 = spare(2)
+    wait_for("h3 to stand by", lambda: "standing by" in h3.text(), 60)
+    _wait_training(log, 3)
+    nodes[0].proc.send_signal(signal.SIGSTOP)  # h1's agent: it cannot re-join yet
+    try:
+        nodes[1].proc.kill()  # h2's whole node
+        wait_for(
+            "h3 to open the next generation, h1's seat kept",
+            lambda: cluster.job_facts(job)["seats_kept"] == 1,
+            30,
+        )
+        h4 = spare(3)
+        wait_for("h4 to stand by", lambda: "has all its 2 nodes: standing by" in h4.text(), 60)
+        assert cluster.job_facts(job)["seats_kept"] == 1
+    finally:
+        nodes[0].proc.send_signal(signal.SIGCONT)
+    codes = cluster.wait([nodes[0], h3, h4])
+    assert codes == [0, 0, 0], "\n".join(n.summary() for n in (*nodes, h3, h4))
+    results = cluster.results(job)
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3], results
+    assert len({r["generation"] for r in results}) == 1 and {r["world_size"] for r in results} == {
+        4
+    }
+    # h1's workers restarted once in it (h3's, called, started fresh), and the job
+    # resumed from the state h1 held.
+    assert sum(r["restart_count"] == 1 for r in results) == 2, results
+    assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
+    assert "standby called" in h3.text(), h3.summary()
+    assert "not needed" in h4.text(), h4.summary()
