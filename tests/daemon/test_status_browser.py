@@ -210,6 +210,12 @@ def test_a_seat_kept_for_a_survivor_is_shown_while_it_is_kept(
             "!document.getElementById('kept').hidden",
             timeout=8,
         )
+        # The table's row of the job shown is drawn from the panel's own answer: the two
+        # never disagree, e.g. RUNNING gen 1 in the table beside FORMING gen 2 here.
+        row = browser.evaluate(
+            "[...document.querySelectorAll('#jobs tbody tr')].map(tr => tr.innerText)[0]"
+        )
+        assert "FORMING" in row and "\t2\t" in row, row
         browser.screenshot(KEPT_SCREENSHOT)
         assert KEPT_SCREENSHOT.stat().st_size > 10_000
         a.join_node(**kw)

@@ -207,20 +207,29 @@ async function refresh() {
     performance.mark("rdzv-start");
     const data = await getJSON("/api/jobs");
     performance.mark("rdzv-overview");
-    drawOverview(data);
     const id = selected() || (data.jobs.length === 1 ? data.jobs[0].job_id : null);
-    if (id === null) {
-      $("job").hidden = true;
-    } else {
+    let job = null;
+    let rows = [];
+    if (id !== null) {
       const url = "/api/jobs/" + encodeURIComponent(id);
-      const job = await getJSON(url);
-      let rows = job.nodes.rows;
+      job = await getJSON(url);
+      rows = job.nodes.rows;
       // Past one page (1,024 nodes) the grid asks for the rest, a page at a time.
       for (let off = job.nodes.offset + job.nodes.limit; off < job.nodes.total; off += job.nodes.limit) {
         const more = await getJSON(url + "?node_offset=" + off + "&node_limit=" + job.nodes.limit);
         rows = rows.concat(more.nodes.rows);
       }
       performance.mark("rdzv-job");
+      // The shown job's row is drawn from the panel's own, later answer (a superset of
+      // the row's): drawn from the overview's, it could lag the panel by one update,
+      // RUNNING gen 1 in the table beside FORMING gen 2 in the panel.
+      const at = data.jobs.findIndex((j) => j.job_id === job.job_id);
+      if (at >= 0) data.jobs[at] = job;
+    }
+    drawOverview(data);
+    if (job === null) {
+      $("job").hidden = true;
+    } else {
       drawJob(job, rows);
       performance.mark("rdzv-drawn");
     }
