@@ -439,10 +439,10 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node) -> RendezvousFaul
     )
 
 
-def world_full(job: Job, host: str, now: float = 0.0) -> RendezvousFault:
+def world_full(job: Job, host: str, now: float | None = None) -> RendezvousFault:
     """The generation already has max_nodes nodes (or seats kept for nodes expected
     back fill the rest, at ``now``): a newcomer cannot join it."""
-    kept = kept_for_others(job, now) if now else 0
+    kept = kept_for_others(job, now) if now is not None else 0
     has = (
         f"{len(job.gen.nodes)} node(s) and {kept} seat(s) kept for nodes re-joining after "
         f"the failure (max_nodes={job.max_nodes})"

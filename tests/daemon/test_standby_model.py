@@ -47,11 +47,13 @@ class StandbyModel(RuleBasedStateMachine):
     def _job(self):  # type: ignore[no-untyped-def]
         return self.sm.jobs.get(JOB)
 
-    def _call(self, args: JoinArgs) -> None:
+    def _call(self, args: JoinArgs) -> RendezvousFault | None:
+        """The join, as the adapter makes it; the fault it was refused with, if any."""
         try:
             out = self.sm.join(args, self.now)
         except RendezvousFault as fault:
             assert fault.code is not None and fault.reason
+            return fault
         else:
             if isinstance(out, Parked):
                 self.parked[out.waiter] = args
@@ -60,6 +62,7 @@ class StandbyModel(RuleBasedStateMachine):
             elif out.id_required:  # node 0 sends the id with the same call again
                 self._call(replace(args, unique_id=os.urandom(128)))
         self._apply()
+        return None
 
     def _apply(self) -> None:
         for effect in self.sm.take_effects():
@@ -118,12 +121,8 @@ class StandbyModel(RuleBasedStateMachine):
             return
         kept = [n.instance_id for n in job.gen.nodes.values() if n.state is not MemberState.LOST]
         for held in kept:
-            args = self._new(standby=False, previous=held)
-            try:
-                self.sm.join(args, self.now)
-            except RendezvousFault as fault:
-                assert fault.reason != "WORLD_FULL", f"survivor {held} refused: {fault}"
-            self._call(args)  # the same call again: a retry, as the SDK's
+            fault = self._call(self._new(standby=False, previous=held))
+            assert fault is None or fault.reason != "WORLD_FULL", f"{held} refused: {fault}"
 
     @rule()
     def attach(self) -> None:
