@@ -499,7 +499,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             late_stats = _proc_stats(daemon.pid)
             daemon_cpu_per_s = (cpu_s(daemon.pid) - cpu_at_start) / (time.time() - started)
             warm_after = 2 * args.period_s
-            warm = next((kib for t, kib in series if t >= warm_after), steady_stats["rss_kib"])
+            # None: the run was shorter than the warm-up, so it says nothing of growth
+            # (the join-time figure is before the workers' streams and buffers exist).
+            warm = next((kib for t, kib in series if t >= warm_after), None)
             killed_at = time.time()
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
@@ -551,7 +553,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         k: _percentiles([x for v in per_round[1:] for x in v]) for k, per_round in by_round.items()
     }
     worst_later_p99 = max((q.get("p99_ms", 0.0) for q in later.values()), default=0)
-    growth = 100.0 * (late_stats["rss_kib"] - warm) / max(1, warm)
+    growth = None if warm is None else 100.0 * (late_stats["rss_kib"] - warm) / max(1, warm)
     joined_growth = (
         100.0 * (late_stats["rss_kib"] - steady_stats["rss_kib"]) / max(1, steady_stats["rss_kib"])
     )
@@ -600,7 +602,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rss_kib_every_10s": series,
             "rss_warm_kib": warm,
             "rss_growth_pct_steady_to_late": round(joined_growth, 2),
-            "rss_growth_pct_warm_to_late": round(growth, 2),
+            "rss_growth_pct_warm_to_late": (
+                None if growth is None else round(growth, 2)
+            ),  # None: --duration shorter than two --period-s (the warm-up)
         },
         "failure_notification_s": notify,
         # The job's normal end, every member leaving at once: leave() calls (per-rank
@@ -622,7 +626,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "targets": {**TARGETS, "p99_ms_max": P99_MS_MAX[args.shape]},
         "meets": {
             "errors": not errors,
-            "rss_growth": growth < TARGETS["rss_growth_pct_max"],
+            "rss_growth": None if growth is None else growth < TARGETS["rss_growth_pct_max"],
             "notify": bool(notify) and max(notify) <= TARGETS["notify_s_max"],
             "p99": worst_p99 <= P99_MS_MAX[args.shape],
             "p99_after_first_round": worst_later_p99 <= P99_MS_MAX[args.shape],
