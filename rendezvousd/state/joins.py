@@ -176,6 +176,8 @@ def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
             raise job.topology_conflict(args.host, bounds)
         if args.instance_id in job.gen.nodes or args.instance_id in job.standbys_called:
             return None
+        if placement.claim(job, args, now) is not None:
+            return None  # a seat is kept for it (a restart forgot that it was called)
         if placement.standby_room(job, now):
             job.standbys_called.add(args.instance_id)
             if job.state is not JobState.FORMING:  # (forming, it is seated by this call)

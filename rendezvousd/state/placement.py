@@ -283,6 +283,14 @@ def claim(job: Job, args: JoinArgs, now: float) -> str | None:
     return next((inst for inst, host in owed.items() if host == args.host), None)
 
 
+def seats_kept(job: Job) -> dict[str, str]:
+    """Every seat ``job``'s forming generation keeps for a node expected back, claimed
+    or not (the set it opened with, less the lapsed): what a restarted daemon keeps
+    again in the generation it fences this one with."""
+    claimed = {n.kept: n.host for n in job.gen.nodes.values() if n.kept}
+    return claimed | job.gen.owed
+
+
 def kept_for_others(job: Job, now: float) -> int:
     """How many seats of ``job``'s forming generation are still kept for nodes
     expected back (0 once the hold ran out)."""

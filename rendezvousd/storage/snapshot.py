@@ -20,6 +20,7 @@ from typing import Any
 from rendezvousd.common import validation
 from rendezvousd.common.model import FailedInfo, JobState, JoinMode, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.state import placement
 from rendezvousd.state.id_history import IdHistory
 from rendezvousd.state.job import BarrierState, Job, Member, Node
 from rendezvousd.state.machine import RendezvousState
@@ -72,6 +73,9 @@ def job_record(job: Job) -> dict[str, Any]:
             }
             for n in job.gen.node_at.values()
         ],
+        # A generation forming after a failure: the seats kept for the nodes expected
+        # back, kept again in the generation a restart fences this one with.
+        "kept_seats": placement.seats_kept(job) if job.state is JobState.FORMING else {},
     }
 
 
@@ -169,6 +173,19 @@ def _world(num_nodes: int, gpus_per_node: int, what: str) -> None:
         )
 
 
+def _kept_seats(raw: Mapping[str, Any], max_nodes: int) -> dict[str, str]:
+    """The record's kept seats (absent in rows written before them: none)."""
+    if "kept_seats" not in raw:
+        return {}
+    kept = _map(raw, "kept_seats")
+    if len(kept) > max_nodes:
+        raise ValueError(f"kept_seats holds {len(kept)} seats for max_nodes={max_nodes}")
+    for instance_id, host in kept.items():
+        if not instance_id or len(instance_id) > 128 or not isinstance(host, str):
+            raise ValueError("kept_seats must map instance ids (1..128 characters) to hosts")
+    return dict(kept)
+
+
 def _digest(text: object, name: str) -> bytes:
     if not isinstance(text, str) or len(text) != 64:
         raise ValueError(f"{name} must be a 64-digit hex SHA-256 digest")
@@ -187,8 +204,12 @@ def restore_job(
         job.used_id_digests.add(job.gen.restored_id_digest)
     if job.state is JobState.FORMING:
         # Mid-bootstrap: nobody can have the id from us any more. Fence it.
+        kept = _kept_seats(raw, job.max_nodes)
         job.state = JobState.ENDED
         job.open_generation(now)
+        if kept:  # its survivors still re-join: a newcomer must not take their seats
+            job.gen.rejoin_expected = len(kept)
+            placement.keep_seats(job, kept, state.timing.heartbeat_timeout_s, now)
         state.jobs[job.job_id] = job
         state.take_effects()
         state.calls.emit(

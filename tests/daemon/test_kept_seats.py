@@ -8,14 +8,21 @@ to anyone."""
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import replace
+from pathlib import Path
+
+import pytest
 
 from rendezvousd.common.model import JobState, JoinMode, JoinResult, Parked, Rejoin
+from rendezvousd.errors import DaemonError
 from rendezvousd.state.machine import RendezvousState
+from rendezvousd.storage.persistence import Persister
 from tests.daemon.test_node_state import ID2, fault, node, rejoin, three_elastic, woken
 from tests.daemon.test_standby import lose_b, running_pair, spare
 
 TIMEOUT = RendezvousState().timing.heartbeat_timeout_s
+ID3 = b"\x33" * 128
 
 
 def generation_2_keeps_a_seat(now: float = 1.0) -> RendezvousState:
@@ -133,3 +140,47 @@ def test_a_claim_whose_commit_fails_gives_the_seat_back_to_its_survivor() -> Non
     undone = rollback.durable_job(committed, dict(job.gen.kv), job, 1.3)
     assert "a2" not in undone.gen.nodes
     assert undone.gen.owed == {"a": "host-a2", "b": "host-b"}
+
+
+def test_a_daemon_restarted_while_seats_are_kept_keeps_them_again(tmp_path: Path) -> None:
+    """Restarted with its state directory while generation 2 forms: the generation it
+    is fenced with (3) keeps the seats again, those claimed (s's) and not (a's), for a
+    fresh hold; a newcomer is refused and the re-joins form it."""
+    sm = generation_2_keeps_a_seat()
+    saver = Persister(tmp_path, sm)
+    saver.restore()  # a database opened for a state that holds jobs writes them all
+    saver.close()
+    back = RendezvousState()
+    Persister(tmp_path, back).restore()
+    job = back.jobs["j"]
+    assert job.generation == 3 and job.state is JobState.FORMING
+    assert job.gen.owed == {"a": "host-a", "s": "host-s"}
+    assert fault(back.join, node("r"), 100.0).reason == "WORLD_FULL"
+    assert back.join(spare("s"), 100.1).id_required  # type: ignore[union-attr]
+    assert isinstance(back.join(spare("s", uid=ID3), 100.1), Parked)
+    out = back.join(node("a3", previous="a"), 100.2)
+    assert isinstance(out, JoinResult) and out.generation == 3 and out.num_nodes == 2
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("json_object('', 'h')", "kept_seats must map instance ids"),
+        ("json_object('a', 1)", "kept_seats must map instance ids"),
+        ("json_object('a', 'h', 'b', 'h', 'c', 'h')", "kept_seats holds 3 seats for max_nodes=2"),
+        ("json_array()", "kept_seats must be an object"),
+    ],
+)
+def test_a_hand_edited_kept_seat_is_a_clear_startup_error(
+    tmp_path: Path, value: str, problem: str
+) -> None:
+    saver = Persister(tmp_path, generation_2_keeps_a_seat())
+    saver.restore()
+    saver.close()
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute(f"UPDATE jobs SET detail = json_set(detail, '$.kept_seats', {value})")
+    db.commit()
+    db.close()
+    with pytest.raises(DaemonError, match=r"state database .*table jobs, row") as info:
+        Persister(tmp_path, RendezvousState()).restore()
+    assert problem in str(info.value)
