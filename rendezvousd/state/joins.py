@@ -65,8 +65,11 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         seat, added = _node_seat(sm, job, args, now)
         key = seat.instance_id
     try:
-        if args.unique_id:
+        if args.unique_id and (args.local_rank is not None or seat is placement.holder(job)):
             placement.accept_id(job, seat, args.unique_id)
+        # (A node that is not node 0 any more, e.g. one whose JoinNode was retried across a
+        # restart that fenced the generation it was node 0 of, has its id dropped, as an
+        # accepted id is when node 0 changes (``settle_holder``): it waits as any node.)
         return admit(sm, job, seat, key, args.wait_s, now)
     except RendezvousFault:
         if added:  # refused (capacity, a bad id): the seat stays free for the retry

@@ -30,7 +30,15 @@ from rendezvousd.client import (
 )
 from rendezvousd.trainer.agent.node_agent import describe_remote
 from tests.daemon.test_blackhole import BlackHoleProxy
-from tests.support import WORKERS, DaemonProcess, parallel, spawn_daemon, wait_for
+from tests.support import (
+    WORKERS,
+    DaemonProcess,
+    free_port,
+    parallel,
+    spawn_daemon,
+    wait_for,
+    write_token,
+)
 
 ID0 = b"\x07" * 128
 
@@ -517,3 +525,51 @@ def test_a_replacement_cannot_take_a_survivors_seat_in_the_next_generation(
         for c in (a, b, s, r):
             c.close()
         daemon.kill()
+
+
+def test_a_daemon_killed_while_seats_are_kept_keeps_them_after_its_restart(
+    tmp_path: Path, job_id: str
+) -> None:
+    """Over the wire with SIGKILL: a and b run, b's agent dies, the standby s opens
+    generation 2 keeping a's seat, and the daemon is killed. Restarted on its state
+    directory, it fences generation 2 with generation 3, which keeps the seats: a
+    newcomer is refused WORLD_FULL, and a (naming its seat) and s form it."""
+    port = free_port()
+    token = write_token(tmp_path / "tok")
+    flags = ("--state-dir", str(tmp_path / "state"))
+    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    a, b, s, r = (RendezvousClient(d.endpoint, job_id, token=token) for _ in range(4))
+    kw: dict[str, object] = dict(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=20)
+    d2: DaemonProcess | None = None
+    try:
+        parallel([lambda: a.join_node(**kw), lambda: b.join_node(**kw)])  # type: ignore[arg-type]
+        b.start_heartbeat(0.2)
+        box: list[object] = []
+
+        def stand_by() -> None:
+            try:
+                box.append(s.join_node(**kw, standby=True))  # type: ignore[arg-type]
+            except RendezvousError as exc:
+                box.append(exc)
+
+        spare = threading.Thread(target=stand_by, daemon=True)
+        spare.start()
+        wait_for("the standby to park", lambda: a.get_job().standbys == 1)
+        b.close()
+        wait_for("s to open generation 2", lambda: a.get_job().seats_kept == 1)
+        d.kill()  # SIGKILL: s's parked join is cut; its SDK sends it again (one retry)
+        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+        job = a.get_job()
+        assert job.summary.generation == 3 and job.seats_kept >= 1, job
+        with pytest.raises(LimitExceeded) as full:
+            r.join_node(**kw)  # type: ignore[arg-type]
+        assert "seat(s) kept" in str(full.value)
+        again = a.join_node(**kw)  # type: ignore[arg-type]
+        spare.join(20)
+        (called,) = box
+        assert isinstance(called, NodeMembership), called
+        assert again.generation == called.generation == 3 and again.num_nodes == 2
+    finally:
+        for c in (a, b, s, r):
+            c.close()
+        (d2 or d).kill()

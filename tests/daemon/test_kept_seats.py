@@ -184,3 +184,16 @@ def test_a_hand_edited_kept_seat_is_a_clear_startup_error(
     with pytest.raises(DaemonError, match=r"state database .*table jobs, row") as info:
         Persister(tmp_path, RendezvousState()).restore()
     assert problem in str(info.value)
+
+
+def test_an_id_from_a_node_that_is_not_node_0_any_more_is_dropped() -> None:
+    """s was node 0 of a generation a restart fenced; its JoinNode, sent again with that
+    id, reaches the new generation after a became its node 0: the id is dropped (as an
+    accepted one is when node 0 changes) and s waits, rather than failing INVALID_ID."""
+    sm = RendezvousState()
+    asked = sm.join(node("a"), 1.0)
+    assert isinstance(asked, JoinResult) and asked.id_required
+    late = sm.join(node("s", uid=b"\x44" * 128), 1.1)
+    assert isinstance(late, Parked) and sm.jobs["j"].gen.unique_id is None
+    out = sm.join(node("a", uid=ID3), 1.2)
+    assert isinstance(out, JoinResult) and out.unique_id == ID3 and out.num_nodes == 2

@@ -133,7 +133,9 @@ def test_named_node_zero_takes_the_id_from_an_earlier_unnamed_node() -> None:
     out = sm.join(node("b", hi=3, lo=3, rank=0), 1.0)
     assert isinstance(out, JoinResult) and out.id_required  # b is node 0 now
     assert sm.jobs["j"].gen.unique_id is None
-    fault(sm.join, node("a", hi=3, lo=3, uid=ID2), 1.5)  # a is not node 0 any more
+    # a is not node 0 any more: its id is dropped (not taken, not refused) and it waits.
+    assert isinstance(sm.join(node("a", hi=3, lo=3, uid=ID2), 1.5), Parked)
+    assert sm.jobs["j"].gen.unique_id is None
     assert isinstance(sm.join(node("b", hi=3, lo=3, rank=0, uid=ID2), 2.0), Parked)
     out = sm.join(node("c", hi=3, lo=3), 3.0)
     assert isinstance(out, JoinResult) and out.node_rank == 2 and out.unique_id == ID2
