@@ -463,6 +463,7 @@ def world_full(job: Job, host: str, now: float | None = None) -> RendezvousFault
         f"{job.named} already has {has}; the node agent on {host!r} cannot join it",
         max_nodes=str(job.max_nodes),
         offending_host=host,
+        **({"seats_kept": str(kept)} if kept else {}),
     )
 
 

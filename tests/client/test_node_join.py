@@ -507,7 +507,7 @@ def test_a_replacement_cannot_take_a_survivors_seat_in_the_next_generation(
         wait_for("s to open generation 2", lambda: a.get_job().summary.generation == gen2)
         with pytest.raises(LimitExceeded) as full:
             r.join_node(**kw)  # type: ignore[arg-type]
-        assert full.value.reason == "WORLD_FULL"
+        assert full.value.reason == "WORLD_FULL" and full.value.metadata["seats_kept"] == "1"
         assert "seat(s) kept for nodes re-joining" in str(full.value)
         job = a.get_job()
         assert job.seats_kept == 1 and 0 < job.seats_kept_ms <= 10_000

@@ -351,9 +351,15 @@ class NodeAgent:
                     # As torch's c10d keeps a node beyond max_nodes: every node of a job
                     # (a Kubernetes Job's pods, say) runs one command, the extra ones wait.
                     self._standing_by = True
+                    full = (
+                        f"is re-forming after a failure, its {config.num_nodes} seats taken or "
+                        "kept for the nodes re-joining"
+                        if answer.metadata.get("seats_kept")
+                        else f"has all its {config.num_nodes} nodes"
+                    )
                     self.note(
-                        f"job {config.job_id!r} has all its {config.num_nodes} nodes: standing "
-                        f"by, {self.per_node} spare(s) warm, for the first node it loses"
+                        f"job {config.job_id!r} {full}: standing by, {self.per_node} spare(s) "
+                        "warm, for the first node it loses"
                     )
                     serial = start()
                     continue

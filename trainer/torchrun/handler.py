@@ -388,9 +388,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             except LimitExceeded as exc:
                 if standby or exc.reason != "WORLD_FULL":
                     raise
+                full = (
+                    "is re-forming after a failure, its max_nodes=%d seats taken or kept for "
+                    "the nodes re-joining"
+                    if exc.metadata.get("seats_kept")
+                    else "already has max_nodes=%d nodes"
+                )
                 log.warning(
-                    "rendezvousd: job %r already has max_nodes=%d nodes: standing by for the "
-                    "slot of a node it loses",
+                    "rendezvousd: job %r " + full + ": standing by for the slot of a node it loses",
                     self._run_id,
                     self._max,
                 )
