@@ -213,6 +213,7 @@ def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
     gen = job.gen
     if not gen.owed or now < gen.owed_until:
         return
+    hosts = sorted({host or "a woken node" for host in gen.owed.values()})
     room = job.max_nodes - len(gen.nodes)
     called: dict[str, str] = {}
     for waiter, inst in list(job.scaleup_waiters.items()):  # in the order they parked
@@ -224,6 +225,18 @@ def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
             job.standbys_called.add(inst)
             called[inst] = ""
             sm.calls.wake(waiter, Rejoin())
+    # Said, so that an operator sees why the generation did not wait for that node.
+    sm.calls.emit(
+        Transition(
+            job.job_id,
+            job.generation,
+            JobState.FORMING,
+            JobState.FORMING,
+            f"{len(gen.owed)} node(s) expected back ({', '.join(hosts)}) did not re-join "
+            f"within {sm.timing.heartbeat_timeout_s:.1f} s: their seats are free"
+            + (f", {len(called)} standby(s) called" if called else ""),
+        )
+    )
     placement.keep_seats(job, called, sm.timing.heartbeat_timeout_s, now)
 
 

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.common.model import JobState, JoinMode, JoinResult, Parked, Rejoin
+from rendezvousd.common.model import (
+    JobState,
+    JoinMode,
+    JoinResult,
+    Parked,
+    Rejoin,
+    Transition,
+    Wake,
+)
 from rendezvousd.errors import DaemonError
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.storage.persistence import Persister
@@ -73,8 +81,14 @@ def test_a_survivor_not_back_within_a_heartbeat_timeout_is_not_waited_for() -> N
     newcomer takes it."""
     sm = generation_2_keeps_a_seat()
     assert fault(sm.join, node("r"), 1.0 + TIMEOUT - 0.1).reason == "WORLD_FULL"
+    sm.take_effects()
     sm.tick(1.0 + TIMEOUT + 0.1)
     assert sm.jobs["j"].gen.owed == {}
+    said = [e.detail for e in sm.take_effects() if isinstance(e, Transition)]
+    assert said == [
+        f"1 node(s) expected back (host-a) did not re-join within {TIMEOUT:.1f} s: "
+        "their seats are free"
+    ]
     out = sm.join(node("r"), 1.0 + TIMEOUT + 0.2)
     assert isinstance(out, JoinResult) and set(sm.jobs["j"].gen.nodes) == {"s", "r"}
 
@@ -83,8 +97,15 @@ def test_a_lapsed_seat_calls_the_next_standby_and_is_kept_for_it() -> None:
     sm = generation_2_keeps_a_seat()
     second = sm.join(spare("s2"), 1.2)
     assert isinstance(second, Parked)  # no room: a's seat is kept
+    sm.take_effects()
     sm.tick(1.0 + TIMEOUT + 0.1)
-    assert isinstance(woken(sm)[second.waiter], Rejoin)
+    effects = sm.take_effects()
+    assert any(
+        isinstance(e, Transition) and e.detail.endswith("their seats are free, 1 standby(s) called")
+        for e in effects
+    ), effects
+    assert any(isinstance(e, Wake) and isinstance(e.value, Rejoin) for e in effects)
+    assert second.waiter in {e.waiter for e in effects if isinstance(e, Wake)}
     job = sm.jobs["j"]
     assert job.gen.owed == {"s2": ""}  # a newcomer still cannot take it
     assert fault(sm.join, node("r"), 1.0 + TIMEOUT + 0.2).reason == "WORLD_FULL"
