@@ -93,6 +93,12 @@ class DaemonConfig:
         "last arrival for more",
         _POSITIVE,
     )
+    seat_hold_s: float = setting(
+        Timing.seat_hold_s,
+        "after a node generation fails: how long the next one keeps a seat for each node "
+        "expected back, which a newcomer cannot take (0: --heartbeat-timeout-s)",
+        Float(positive=False),
+    )
     drain_grace_s: float = setting(
         10.0, "how long SIGTERM waits for calls to finish", Float(positive=False)
     )
@@ -188,6 +194,7 @@ class DaemonConfig:
             self.job_ttl_s,
             self.last_call_s,
             self.max_wait_s,
+            self.seat_hold_s,
         )
 
 

@@ -64,3 +64,12 @@ class Timing:
     # The longest any call waits, whatever it asks (wait_timeout_ms is a uint32: up to
     # ~49.7 days): a parked call, or rank 0's id owed, holds a slot meanwhile.
     max_wait_s: float = 600.0
+    # After a node generation failed: how long the next one keeps a seat for each node
+    # expected back (0: the heartbeat timeout, the silence after which the daemon
+    # itself would give up on a node).
+    seat_hold_s: float = 0.0
+
+    @property
+    def hold_s(self) -> float:
+        """How long a seat is kept for a node expected back (``seat_hold_s``)."""
+        return self.seat_hold_s or self.heartbeat_timeout_s

@@ -233,11 +233,11 @@ def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
             JobState.FORMING,
             JobState.FORMING,
             f"{len(gen.owed)} node(s) expected back ({', '.join(hosts)}) did not re-join "
-            f"within {sm.timing.heartbeat_timeout_s:.1f} s: their seats are free"
+            f"within {sm.timing.hold_s:.1f} s: their seats are free"
             + (f", {len(called)} standby(s) called" if called else ""),
         )
     )
-    placement.keep_seats(job, called, sm.timing.heartbeat_timeout_s, now)
+    placement.keep_seats(job, called, sm.timing.hold_s, now)
 
 
 def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
@@ -450,7 +450,7 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         owed = placement.owed_back(job)
         rounds.next_generation(sm, job, now)
         job.gen.rejoin_expected = len(owed)
-        placement.keep_seats(job, owed, sm.timing.heartbeat_timeout_s, now)
+        placement.keep_seats(job, owed, sm.timing.hold_s, now)
     if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
         # Nobody waits on this generation yet: the first joiner sets its bounds.
         job.gen.join_mode = mode

@@ -209,7 +209,7 @@ def restore_job(
         job.open_generation(now)
         if kept:  # its survivors still re-join: a newcomer must not take their seats
             job.gen.rejoin_expected = len(kept)
-            placement.keep_seats(job, kept, state.timing.heartbeat_timeout_s, now)
+            placement.keep_seats(job, kept, state.timing.hold_s, now)
         state.jobs[job.job_id] = job
         state.take_effects()
         state.calls.emit(

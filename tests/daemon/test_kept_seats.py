@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.common.limits import Timing
 from rendezvousd.common.model import (
     JobState,
     JoinMode,
@@ -23,7 +24,7 @@ from rendezvousd.common.model import (
     Transition,
     Wake,
 )
-from rendezvousd.errors import DaemonError
+from rendezvousd.errors import ConfigError, DaemonError
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.storage.persistence import Persister
 from tests.daemon.test_node_state import ID2, fault, node, rejoin, three_elastic, woken
@@ -33,10 +34,10 @@ TIMEOUT = RendezvousState().timing.heartbeat_timeout_s
 ID3 = b"\x33" * 128
 
 
-def generation_2_keeps_a_seat(now: float = 1.0) -> RendezvousState:
+def generation_2_keeps_a_seat(now: float = 1.0, timing: Timing | None = None) -> RendezvousState:
     """a and b running (--nnodes 2), s parked as a standby; b is lost at ``now``; s,
     called into b's slot, is node 0 of generation 2, which keeps a's seat."""
-    sm = RendezvousState()
+    sm = RendezvousState(timing=timing)
     tokens = running_pair(sm)
     parked = sm.join(spare("s"), 0.5)
     assert isinstance(parked, Parked)
@@ -218,3 +219,19 @@ def test_an_id_from_a_node_that_is_not_node_0_any_more_is_dropped() -> None:
     assert isinstance(late, Parked) and sm.jobs["j"].gen.unique_id is None
     out = sm.join(node("a", uid=ID3), 1.2)
     assert isinstance(out, JoinResult) and out.unique_id == ID3 and out.num_nodes == 2
+
+
+def test_seat_hold_s_sets_how_long_a_seat_is_kept() -> None:
+    """``--seat-hold-s`` (``RENDEZVOUSD_SEAT_HOLD_S``): 2 s here, not the heartbeat
+    timeout; 0 (the default) is the heartbeat timeout; a negative hold is refused."""
+    from rendezvousd import config
+
+    timing = config.load(env={"RENDEZVOUSD_SEAT_HOLD_S": "2"}).timing()
+    assert timing.hold_s == 2.0 and timing.heartbeat_timeout_s == TIMEOUT
+    assert config.load(env={}).timing().hold_s == TIMEOUT
+    with pytest.raises(ConfigError, match="seat_hold_s"):
+        config.load(env={"RENDEZVOUSD_SEAT_HOLD_S": "-1"})
+    sm = generation_2_keeps_a_seat(1.0, timing)  # b lost at 1.0: a's seat kept 2 s
+    assert fault(sm.join, node("r"), 2.9).reason == "WORLD_FULL"
+    sm.tick(3.1)
+    assert isinstance(sm.join(node("r"), 3.2), JoinResult)
