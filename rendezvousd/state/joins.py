@@ -226,16 +226,12 @@ def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
             called[inst] = ""
             sm.calls.wake(waiter, Rejoin())
     # Said, so that an operator sees why the generation did not wait for that node.
-    sm.calls.emit(
-        Transition(
-            job.job_id,
-            job.generation,
-            JobState.FORMING,
-            JobState.FORMING,
-            f"{len(gen.owed)} node(s) expected back ({', '.join(hosts)}) did not re-join "
-            f"within {sm.timing.hold_s:.1f} s: their seats are free"
-            + (f", {len(called)} standby(s) called" if called else ""),
-        )
+    _still_forming(
+        sm,
+        job,
+        f"{len(gen.owed)} node(s) expected back ({', '.join(hosts)}) did not re-join "
+        f"within {sm.timing.hold_s:.1f} s: their seats are free"
+        + (f", {len(called)} standby(s) called" if called else ""),
     )
     placement.keep_seats(job, called, sm.timing.hold_s, now)
 
@@ -424,15 +420,19 @@ def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:
     if head is None or job.key(head) in job.gen.join_waiters.values():
         return  # its PublishId (JoinNode) is parked: that call's own deadline applies
     unseat(sm, job, head, now)
+    _still_forming(
+        sm,
+        job,
+        f"rank 0's {head.joiner} on {head.host} did not publish the id within its join's "
+        "wait; its seat is free for a restart",
+    )
+
+
+def _still_forming(sm: RendezvousState, job: Job, detail: str) -> None:
+    """A forming generation's seat freed by time (FORMING -> FORMING): the timeline and
+    the log say why."""
     sm.calls.emit(
-        Transition(
-            job.job_id,
-            job.generation,
-            JobState.FORMING,
-            JobState.FORMING,
-            f"rank 0's {head.joiner} on {head.host} did not publish the id within its join's "
-            "wait; its seat is free for a restart",
-        )
+        Transition(job.job_id, job.generation, JobState.FORMING, JobState.FORMING, detail)
     )
 
 
