@@ -514,8 +514,17 @@ def test_a_replacement_cannot_take_a_survivors_seat_in_the_next_generation(
         assert "1 seat(s) kept for nodes re-joining after the failure (" in render_job(job)
         page = api(daemon, f"/api/jobs/{job_id}", token=daemon.token)
         assert page["seats_kept"] == 1 and 0 < page["seats_kept_s"] <= 10
-        again = a.join_node(**kw)  # type: ignore[arg-type]
-        spare.join(20)
+        joined: list[object] = []
+        survivor = threading.Thread(target=lambda: joined.append(a.join_node(**kw)), daemon=True)  # type: ignore[arg-type]
+        survivor.start()
+        spare.join(25)
+        if box and isinstance(box[0], RendezvousError):
+            # Its SDK's one retry came while the daemon was still starting (a loaded
+            # machine): it asks again, as rendezvous-run's standby loop does.
+            box[:] = [s.join_node(**kw, standby=True)]  # type: ignore[arg-type]
+        survivor.join(25)
+        (again,) = joined
+        assert isinstance(again, NodeMembership), again
         (called,) = box
         assert isinstance(called, NodeMembership), called
         assert again.generation == called.generation == gen2
