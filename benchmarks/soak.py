@@ -9,8 +9,14 @@ Two shapes (--shape). ``rank``: members are asyncio SDK clients that each Join
 heartbeat every --heartbeat-s. ``node``: the shape rendezvous-run and torchrun
 jobs have: one agent client per node JoinNodes for --gpus-per-node ranks and
 heartbeats for them all, and each of its workers is a client of its own that
-attaches to its rank (no heartbeat of its own). Members make their calls on the SDK's
-call stream (``--unary``: unary calls, as before it had one). Either way members are spread
+attaches to its rank (no heartbeat of its own) and makes its calls through its
+agent, as rendezvous-run's workers do (``client.relay``): a node's burst reaches the
+daemon as the agent's CallBatches messages. The node-local hop (a socketpair frame
+each way under rendezvous-run) is a function call here: it costs each node's own
+CPU, not the daemon's, and on this one machine it would charge 512 nodes' hops to
+the same 2 cores. ``--no-relay``: each worker on a call stream of its own, as
+before the relay. Members make their calls on the SDK's call stream (``--unary``:
+unary calls, as before it had one). Either way members are spread
 over worker processes, in jobs of --job-size ranks, and every --period-s each
 job runs a barrier and each member a KvSet + KvGet. Whole jobs are packed into each
 client process, so one process sends (and reads) a job's whole burst on one core;
@@ -165,6 +171,20 @@ def _served_latencies(metrics_url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _calls_per_message(metrics_url: str) -> float | None:
+    """The mean number of calls in each CallBatches message the daemon read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "rendezvousd_calls_per_message":
+            total = {x.name: x.value for x in family.samples}
+            count = total.get("rendezvousd_calls_per_message_count", 0.0)
+            return round(total["rendezvousd_calls_per_message_sum"] / count, 2) if count else None
+    return None
+
+
 def _bucket_bound(cumulative: dict[float, float], calls: float) -> float:
     """The smallest bucket bound whose cumulative count reaches ``calls``."""
     return min(le for le, n in cumulative.items() if n >= calls)
@@ -253,6 +273,10 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         for local in range(args.gpus_per_node):
             w = client(job)
             w.attach(nm.membership_for(local), nm.member_instance_id(local))
+            if args.relay and not args.unary:
+                relayed: list[Any] = []
+                end = agent.relay_end(lambda reply, box=relayed: box[0].deliver(reply))
+                relayed.append(w.relay_through(end.forward))
             workers.append(w)
         return workers
 
@@ -417,6 +441,7 @@ def _spawn(
             "--gpus-per-node",
             str(args.gpus_per_node),
             *(["--unary"] if args.unary else []),
+            *([] if args.relay else ["--no-relay"]),
             *extra,
         ],
         stdout=subprocess.PIPE,
@@ -513,6 +538,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for w in workers
             ]
             served = _served_latencies(embedded.metrics_url)
+            calls_per_message = _calls_per_message(embedded.metrics_url)
             teardown = _teardown(endpoint, token, [f"soak-{j}" for j in range(jobs)])
             end_stats = _proc_stats(daemon.pid)
             elapsed = time.time() - started
@@ -562,6 +588,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shape": args.shape,
         "spread": args.spread,
         "calls": "unary" if args.unary else "stream",
+        "relay": args.shape == "node" and args.relay and not args.unary,
         "members": args.members,
         "gpus_per_node": args.gpus_per_node if args.shape == "node" else 1,
         "state_dir": bool(args.state_dir),
@@ -582,6 +609,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # barrier's wait for the last member), as the upper bound of the bucket holding
         # the quantile; the gap to "operations" is time spent in the clients.
         "operations_served": served,
+        # Calls per CallBatches message the daemon read: what batching bought.
+        "calls_per_message": calls_per_message,
         "total_ops": ops,
         "ops_per_s": round(ops / elapsed, 1),
         "heartbeat_s": round(beat_s, 3),
@@ -659,6 +688,13 @@ def main() -> None:
         "--unary",
         action="store_true",
         help="members make unary calls (call_stream=False), as the SDK did before Calls",
+    )
+    p.add_argument(
+        "--no-relay",
+        dest="relay",
+        action="store_false",
+        help="--shape node: each worker makes its calls on a stream of its own, not "
+        "through its node agent",
     )
     p.add_argument(
         "--spread",

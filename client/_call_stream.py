@@ -1,4 +1,5 @@
-"""The ``Calls`` stream's I/O: one multiplexed stream per client, blocking and asyncio.
+"""The call stream's I/O (``CallBatches``): one multiplexed stream per client,
+blocking and asyncio.
 
 gRPC charges the daemon far more per unary call (HTTP/2 stream, headers,
 authentication, dispatch) than per message on an open stream, so each client makes
@@ -61,6 +62,9 @@ log = logging.getLogger("rendezvousd.client")
 STOP_READER_S = 5.0
 # How long a probe for a lost status waits for the daemon's verdict on a new stream.
 PROBE_S = 10.0
+# A CallBatch holds queued calls while they fit in this many bytes together: half the
+# daemon's 64 KiB request limit, so that any batch of calls that each fit it does.
+CALL_BATCH_BYTES = 32 * 1024
 
 
 class _Stream(Protocol):
@@ -87,7 +91,7 @@ def _kept(stream: S | None, endpoint: str) -> tuple[bool, S | None]:
 
 def _fallback(endpoint: str) -> None:
     log.debug(
-        "rendezvousd at %s has no Calls method (an older daemon): this client makes "
+        "rendezvousd at %s has no CallBatches method (an older daemon): this client makes "
         "unary calls from now on",
         endpoint,
     )
@@ -97,6 +101,30 @@ def _sends(pending: Pending[Any], message: pb.Call) -> bool:
     """Whether a queued message still goes out: not a call whose caller gave up
     before it left (the daemon, counting its deadline from arrival, would run it)."""
     return message.WhichOneof("request") == "cancel" or pending.waiting(message.id)
+
+
+def _batches(
+    queued: list[pb.Call | None], pending: Pending[Any]
+) -> tuple[list[pb.CallBatch], bool]:
+    """Everything queued when the stream sends next, as CallBatches: one message for
+    as many calls as fit in ``CALL_BATCH_BYTES`` (gRPC's cost is per message: a
+    node agent relaying its workers' calls, or a burst of calls, pays it once); and
+    whether the queue's end (None, the half-close) was among them."""
+    batches: list[pb.CallBatch] = []
+    size = 0
+    for message in queued:
+        if message is None:
+            return batches, True
+        if not _sends(pending, message):
+            continue
+        n = message.ByteSize()
+        if not batches or size + n > CALL_BATCH_BYTES:
+            # A call too big to share a batch goes alone, as it would on Calls.
+            batches.append(pb.CallBatch())
+            size = 0
+        batches[-1].calls.append(message)
+        size += n
+    return batches, False
 
 
 class _BlockingStream:
@@ -113,8 +141,8 @@ class _BlockingStream:
         self._queue: queue.SimpleQueue[pb.Call | None] = queue.SimpleQueue()
         multi = channel.stream_stream(
             CALLS_METHOD,
-            request_serializer=pb.Call.SerializeToString,
-            response_deserializer=pb.Reply.FromString,
+            request_serializer=pb.CallBatch.SerializeToString,
+            response_deserializer=pb.ReplyBatch.FromString,
         )
         self._feed = RequestFeed()
         # wait_for_ready: a call made while the daemon restarts waits for it, within
@@ -150,26 +178,23 @@ class _BlockingStream:
                 self.retired = True
                 self._queue.put(None)
 
-    def _requests(self) -> Iterator[pb.Call]:
-        while (message := self._queue.get()) is not None:
-            if _sends(self.pending, message):
-                yield message
+    def _requests(self) -> Iterator[pb.CallBatch]:
+        while True:
+            queued = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    queued.append(self._queue.get_nowait())
+            batches, ended = _batches(queued, self.pending)
+            yield from batches
+            if ended:
+                return
 
     def _read(self) -> None:
         failure: grpc.RpcError = ended_error()
         try:
-            for reply in self._call:
-                settled = self.pending.settle(reply)
-                if settled is not None:
-                    waiter, outcome = settled
-                    if draining(outcome):
-                        self.retire()
-                    if stream_full(outcome):
-                        waiter.set_exception(Unsupported())
-                    elif isinstance(outcome, grpc.RpcError):
-                        waiter.set_exception(outcome)
-                    else:
-                        waiter.set_result(outcome)
+            for batch in self._call:
+                for reply in batch.replies:
+                    settle(self, reply)
         except grpc.RpcError as exc:
             # A copy: the error raised is the call itself, which finish() frees.
             failure = closed_error() if self.closing else copy_error(exc)
@@ -199,6 +224,25 @@ class _BlockingStream:
         if not self.reader.is_alive():
             call, self._call = self._call, None
             unraise(call)  # its __del__ runs now, not in the interpreter's exit
+
+
+def settle(stream: Any, reply: pb.Reply) -> None:
+    """Hand ``reply`` to its caller's future: on a stream of either twin, or a relay
+    (``relay``): anything with ``pending`` and ``retire``; futures of either kind."""
+    settled = stream.pending.settle(reply)
+    if settled is None:
+        return
+    waiter, outcome = settled
+    if draining(outcome):
+        stream.retire()
+    if waiter.done():  # an asyncio caller cancelled as the Reply came
+        return
+    if stream_full(outcome):
+        waiter.set_exception(Unsupported())
+    elif isinstance(outcome, grpc.RpcError):
+        waiter.set_exception(outcome)
+    else:
+        waiter.set_result(outcome)
 
 
 class BlockingCallStream:
@@ -238,10 +282,11 @@ class BlockingCallStream:
                 self._streams = [s for s in self._streams if s.reader.is_alive()] + [stream]
             return stream
 
-    def call(self, method: str, request: Any, timeout: float) -> Any:
-        """``method``'s response, or the ``grpc.RpcError`` its unary call would raise;
-        ``Unsupported`` when the daemon has no Calls method (the call was not made)."""
-        waiter: Future[Any] = Future()
+    def submit(
+        self, method: str, request: Any, timeout: float, waiter: Future[Any]
+    ) -> tuple[_BlockingStream, int]:
+        """Send a call whose outcome ``waiter`` gets: the stream it went on and its id
+        there. ``Unsupported`` when the daemon has no CallBatches method (not sent)."""
         while True:
             stream = self.open()
             if stream is None:
@@ -257,6 +302,13 @@ class BlockingCallStream:
                     raise Unsupported from None
                 raise
         self.sent[method] += 1
+        return stream, call_id
+
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        """``method``'s response, or the ``grpc.RpcError`` its unary call would raise;
+        ``Unsupported`` when the daemon has no CallBatches method (the call was not made)."""
+        waiter: Future[Any] = Future()
+        stream, call_id = self.submit(method, request, timeout, waiter)
         try:
             return waiter.result(timeout)
         except TimeoutError:
@@ -301,8 +353,8 @@ class _AsyncStream:
         self._queue: asyncio.Queue[pb.Call | None] = asyncio.Queue()
         multi = channel.stream_stream(
             CALLS_METHOD,
-            request_serializer=pb.Call.SerializeToString,
-            response_deserializer=pb.Reply.FromString,
+            request_serializer=pb.CallBatch.SerializeToString,
+            response_deserializer=pb.ReplyBatch.FromString,
         )
         self._multi = multi
         self._metadata = metadata
@@ -328,28 +380,23 @@ class _AsyncStream:
             self.retired = True
             self._queue.put_nowait(None)
 
-    async def _requests(self) -> AsyncIterator[pb.Call]:
-        while (message := await self._queue.get()) is not None:
-            if _sends(self.pending, message):
-                yield message
+    async def _requests(self) -> AsyncIterator[pb.CallBatch]:
+        while True:
+            queued = [await self._queue.get()]
+            while not self._queue.empty():
+                queued.append(self._queue.get_nowait())
+            batches, ended = _batches(queued, self.pending)
+            for batch in batches:
+                yield batch
+            if ended:
+                return
 
     async def _read(self) -> None:
         failure: grpc.RpcError = ended_error()
         try:
-            async for reply in self._call:
-                settled = self.pending.settle(reply)
-                if settled is not None:
-                    waiter, outcome = settled
-                    if draining(outcome):
-                        self.retire()
-                    if waiter.done():  # its caller was cancelled as the Reply came
-                        continue
-                    if stream_full(outcome):
-                        waiter.set_exception(Unsupported())
-                    elif isinstance(outcome, grpc.RpcError):
-                        waiter.set_exception(outcome)
-                    else:
-                        waiter.set_result(outcome)
+            async for batch in self._call:
+                for reply in batch.replies:
+                    settle(self, reply)
         except grpc.RpcError as exc:
             if status_lost(exc) and not self.closing:
                 exc = await self._probe() if not self.pending.replied else lost_error()
@@ -418,8 +465,10 @@ class AsyncCallStream:
             self._streams = [s for s in self._streams if not s.reader.done()] + [stream]
         return stream
 
-    async def call(self, method: str, request: Any, timeout: float) -> Any:
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    def submit(
+        self, method: str, request: Any, timeout: float, waiter: asyncio.Future[Any]
+    ) -> tuple[_AsyncStream, int]:
+        """``BlockingCallStream.submit``."""
         while True:
             stream = self.open()
             if stream is None:
@@ -434,6 +483,11 @@ class AsyncCallStream:
                     raise Unsupported from None
                 raise
         self.sent[method] += 1
+        return stream, call_id
+
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        stream, call_id = self.submit(method, request, timeout, waiter)
         try:
             async with asyncio.timeout(timeout):
                 # shield: the deadline or a cancellation leaves the future to the reader.

@@ -31,7 +31,7 @@ from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
 W = TypeVar("W")
 
 #: The Calls method's path on the channel.
-CALLS_METHOD = "/rendezvous.v1.Rendezvous/Calls"
+CALLS_METHOD = "/rendezvous.v1.Rendezvous/CallBatches"
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 

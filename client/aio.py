@@ -29,6 +29,7 @@ from rendezvousd.client._session import (
 )
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Member, Membership, NodeMembership
+from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, async_submit
 
 T = TypeVar("T")
 _Requests = AsyncIterator[pb.HeartbeatRequest]
@@ -55,7 +56,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._mux = (
+        self._mux: AsyncCallStream | AsyncRelayedCalls | None = (
             AsyncCallStream(self._channel, self._s.metadata, self._s.endpoint)
             if self._c.call_stream
             else None
@@ -72,6 +73,20 @@ class AsyncRendezvousClient(steps.ClientBase):
         # Wakes the stream's request iterator before its next beat, to say goodbye.
         self._hb_wake = asyncio.Event()
         self._hb_leave = False
+
+    # -- relayed calls (``relay``) ----------------------------------------------------
+
+    def relay_end(self, reply: Send) -> RelayEnd | None:
+        """``RendezvousClient.relay_end``; its ``forward`` runs on this client's loop."""
+        if not isinstance(self._mux, AsyncCallStream):
+            return None
+        return RelayEnd(async_submit(self._mux), reply)
+
+    def relay_through(self, send: Send) -> AsyncRelayedCalls:
+        """``RendezvousClient.relay_through``; ``deliver`` runs on this client's loop.
+        Before the client's first call (its own stream, never opened, is dropped)."""
+        self._mux = AsyncRelayedCalls(send)
+        return self._mux
 
     async def _run(self, calls: steps.Steps[T]) -> T:
         run = steps.Run(calls)

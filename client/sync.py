@@ -31,6 +31,7 @@ from rendezvousd.client._session import (
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Membership, NodeMembership
+from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, blocking_submit
 
 T = TypeVar("T")
 # How long stopping the heartbeat waits for its threads and an opened stream's feeder.
@@ -93,7 +94,7 @@ class RendezvousClient(steps.ClientBase):
         self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._mux = (
+        self._mux: BlockingCallStream | RelayedCalls | None = (
             BlockingCallStream(self._channel, self._s.metadata, self._s.endpoint)
             if self._c.call_stream
             else None
@@ -123,6 +124,27 @@ class RendezvousClient(steps.ClientBase):
         self._opened: tuple[Any, RequestFeed, _HeldRequests] | None = None
         self._opened_lock = threading.Lock()
         _open.add(self)
+
+    # -- relayed calls (``relay``) ----------------------------------------------------
+
+    def relay_end(self, reply: Send) -> RelayEnd | None:
+        """A node agent's end of one worker's relay: the worker's calls made on this
+        client's call stream, their Replies sent with ``reply``. None when this
+        client makes unary calls (``call_stream=False``): the worker then calls
+        the daemon itself."""
+        if not isinstance(self._mux, BlockingCallStream):
+            return None
+        return RelayEnd(blocking_submit(self._mux), reply)
+
+    def relay_through(self, send: Send) -> RelayedCalls:
+        """Make this client's calls through its node agent (``send`` carries each
+        encoded Call there) instead of on a stream of its own. The link's reader
+        hands each Reply to the returned end's ``deliver``, and calls its ``end``
+        when the link goes; calls the agent cannot make are made unary."""
+        previous, self._mux = self._mux, RelayedCalls(send)
+        if isinstance(previous, BlockingCallStream):
+            previous.close()
+        return self._mux
 
     # -- plumbing: the I/O of the shared steps -------------------------------------
 

@@ -464,6 +464,7 @@ def _init_from_agent(
     )
     membership = assignment.membership()
     rdzv.attach(membership, assignment.instance_id)
+    link.relay(rdzv)  # its calls go on the agent's stream (client.relay)
     topology = assignment.topology
     if config.backend == "nccl":
         devices.prepare_nccl(assignment.local_rank)

@@ -44,6 +44,7 @@ POLICY: dict[str, Policy] = {
     "ListJobs": Policy(job_scoped=False, filtered=True, read_only=True),
     # Any valid token may open the stream: each call on it is authorized as its method.
     "Calls": Policy(job_scoped=False, filtered=True),
+    "CallBatches": Policy(job_scoped=False, filtered=True),
 }
 
 # Not a Rendezvous method (reflection): only an admin token may call it.

@@ -56,6 +56,14 @@ class Metrics:
             registry=self.registry,
         )
         self._rpc_children: dict[tuple[str, str], Histogram] = {}
+        # What batching buys (gRPC's cost is per message): a node agent relaying its
+        # workers' burst shows 8 or more; clients each on a stream of their own, 1.
+        self.calls_per_message = Histogram(
+            "rendezvousd_calls_per_message",
+            "Calls carried by each CallBatches message",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=self.registry,
+        )
         self.streams = gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams")
         self.waiters = gauge("rendezvousd_waiters", "Parked calls (join, barrier, kv wait)")
         self.standbys = gauge(

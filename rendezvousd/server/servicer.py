@@ -92,6 +92,7 @@ class RendezvousServicer:
                 for field, method in method_fields().items()
             },
             calls_per_stream,
+            metrics.calls_per_message.observe,
         )
 
     # -- effects ----------------------------------------------------------
@@ -373,6 +374,13 @@ class RendezvousServicer:
         async for reply in self._calls.serve(calls):
             yield reply
 
+    async def CallBatches(
+        self, batches: AsyncIterator[pb.CallBatch], context: Any
+    ) -> AsyncIterator[bytes]:
+        """``Calls`` with several calls (replies) per message (``call_stream``)."""
+        async for reply_batch in self._calls.serve(batches, batched=True):
+            yield reply_batch
+
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
         self.state.leave(
             *_member_of(request),
@@ -444,9 +452,9 @@ class RendezvousServicer:
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for method in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods:
             name, decode = method.name, getattr(pb, method.input_type.name).FromString
-            if name == "Calls":  # replies come encoded (call_stream.reply)
+            if name in ("Calls", "CallBatches"):  # replies come encoded (call_stream.reply)
                 handlers[name] = grpc.stream_stream_rpc_method_handler(
-                    self.Calls, request_deserializer=decode, response_serializer=_raw
+                    getattr(self, name), request_deserializer=decode, response_serializer=_raw
                 )
                 continue
             if method.client_streaming:  # Heartbeat

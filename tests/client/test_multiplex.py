@@ -36,7 +36,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Rendezvous"]
 def test_every_unary_method_has_its_field_of_its_types_and_no_stream_does() -> None:
     unary = {m.name for m in SERVICE.methods if not m.client_streaming}
     assert set(FIELDS) == unary
-    assert {"Heartbeat", "Calls"} & set(FIELDS) == set()
+    assert {"Heartbeat", "Calls", "CallBatches"} & set(FIELDS) == set()
     for method in SERVICE.methods:
         if method.name in FIELDS:
             field = FIELDS[method.name]
@@ -196,3 +196,29 @@ def test_a_status_grpc_aio_lost_is_told_apart_and_recovered_from_a_probe() -> No
     assert unsupported(older, replied=False)
     refused = probed(grpc.StatusCode.UNAUTHENTICATED, "bad token", ())
     assert (refused.code(), refused.details()) == (grpc.StatusCode.UNAUTHENTICATED, "bad token")
+
+
+def test_queued_calls_go_as_batches_within_the_daemons_request_limit() -> None:
+    """What the stream sends when several calls are queued (``_batches``): one
+    CallBatch while they fit in CALL_BATCH_BYTES, a new one after; a call whose caller
+    gave up is left out, a cancel is not; the half-close ends the stream."""
+    from rendezvousd.client._call_stream import CALL_BATCH_BYTES, _batches
+
+    pending: Pending[object] = Pending()
+    value = b"x" * (CALL_BATCH_BYTES // 3 - 64)
+    calls = [
+        pending.add("KvSet", pb.KvSetRequest(job_id="j", key=f"k{i}", value=value), 5, object())[1]
+        for i in range(5)
+    ]
+    small = [pending.add("KvGet", pb.KvGetRequest(job_id="j", key="k"), 5, object())[1]]
+    pending.drop(calls[4].id)
+    queued: list[pb.Call | None] = [*calls, cancel_message(99), *small, None, *small]
+    batches, ended = _batches(queued, pending)
+    assert ended
+    assert [[c.id for c in b.calls] for b in batches] == [
+        [1, 2, 3],
+        [4, 99, 6],
+    ]
+    assert all(b.ByteSize() <= CALL_BATCH_BYTES + 64 for b in batches)
+    alone = pending.add("KvSet", pb.KvSetRequest(job_id="j", value=b"y" * 40_000), 5, object())
+    assert [len(b.calls) for b in _batches([small[0], alone[1], small[0]], pending)[0]] == [1, 1, 1]

@@ -27,19 +27,25 @@ def _identity(data: bytes) -> bytes:
 
 
 class Stream:
-    """One raw Calls stream: send Calls, read Replies by id."""
+    """One raw stream, ``Calls`` or ``CallBatches``: send Calls, read Replies by id.
+    On CallBatches every Call queued when gRPC asks for the next message goes in one
+    CallBatch (``hold()`` queues calls to go together), and ``batches`` records how
+    many Replies each ReplyBatch held."""
 
-    def __init__(self, d: DaemonProcess, token: str | None = None) -> None:
+    def __init__(self, d: DaemonProcess, token: str | None = None, method: str = "Calls") -> None:
         self.channel = grpc.insecure_channel(d.endpoint)
+        self.batched = method == "CallBatches"
         self._out: queue.Queue[pb.Call | None] = queue.Queue()
         self._replies: dict[int, pb.Reply] = {}
         self._order: list[int] = []
         self._cond = threading.Condition()
+        self._held = threading.Lock()
+        self.batches: list[int] = []
         self.ended: grpc.RpcError | None = None
         call = self.channel.stream_stream(
-            f"/{SERVICE}/Calls",
-            request_serializer=pb.Call.SerializeToString,
-            response_deserializer=pb.Reply.FromString,
+            f"/{SERVICE}/{method}",
+            request_serializer=_identity,
+            response_deserializer=(pb.ReplyBatch if self.batched else pb.Reply).FromString,
         )
         self._call = call(
             self._requests(),
@@ -49,16 +55,35 @@ class Stream:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def _requests(self) -> Iterator[pb.Call]:
+    def hold(self) -> Any:
+        """``with stream.hold(): ...``: the calls sent inside go as one CallBatch."""
+        return self._held
+
+    def _requests(self) -> Iterator[bytes]:
         while (call := self._out.get()) is not None:
-            yield call
+            if not self.batched:
+                yield call.SerializeToString()
+                continue
+            calls, ended = [call], False
+            with self._held:  # every call sent under hold() is queued by now
+                while not self._out.empty():
+                    if (more := self._out.get()) is None:
+                        ended = True
+                        break
+                    calls.append(more)
+            yield pb.CallBatch(calls=calls).SerializeToString()
+            if ended:
+                return
 
     def _read(self) -> None:
         try:
-            for r in self._call:
+            for message in self._call:
+                got = list(message.replies) if self.batched else [message]
                 with self._cond:
-                    self._replies[r.id] = r
-                    self._order.append(r.id)
+                    self.batches.append(len(got))
+                    for r in got:
+                        self._replies[r.id] = r
+                        self._order.append(r.id)
                     self._cond.notify_all()
         except grpc.RpcError as exc:
             with self._cond:
@@ -96,9 +121,9 @@ class Stream:
         self.channel.close()
 
 
-@pytest.fixture
-def stream(daemon: DaemonProcess) -> Iterator[Stream]:
-    s = Stream(daemon)
+@pytest.fixture(params=["Calls", "CallBatches"])
+def stream(daemon: DaemonProcess, request: pytest.FixtureRequest) -> Iterator[Stream]:
+    s = Stream(daemon, method=request.param)
     yield s
     s.close()
 
@@ -223,6 +248,60 @@ def test_a_parked_call_does_not_hold_up_the_calls_behind_it(
     )
     assert stream.reply(2).WhichOneof("response") == "barrier"
     assert stream.order().index(3) < stream.order().index(2)
+
+
+def test_a_batchs_calls_are_answered_together_in_one_reply_batch(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """What CallBatches is for: 16 calls in one message are answered in one or two
+    messages (the daemon writes every reply ready), not one message each."""
+    s = Stream(daemon, method="CallBatches")
+    try:
+        member = _two_rank_job(daemon, s, job_id)
+        s.send(1, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
+        s.reply(1)
+        before = len(s.batches)
+        with s.hold():
+            for i in range(16):
+                s.send(10 + i, "kv_get", pb.KvGetRequest(**member, key="k"))
+        assert all(s.reply(10 + i).kv_get.value == b"v" for i in range(16))
+        assert sum(s.batches[before:]) == 16
+        assert len(s.batches) - before <= 2, f"16 replies in messages of {s.batches[before:]}"
+    finally:
+        s.close()
+
+
+def test_a_parked_call_in_a_batch_holds_up_neither_the_batch_nor_its_errors(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A batch is its calls one by one: a Barrier that waits, a call with an error
+    and a KvSet in one message; the KvSet and the error are answered at once, the
+    Barrier when its peer comes, and a cancel in a later batch ends a parked call."""
+    s = Stream(daemon, method="CallBatches")
+    try:
+        member = _two_rank_job(daemon, s, job_id)
+        before = _parked(daemon)
+        with s.hold():
+            s.send(1, "barrier", pb.BarrierRequest(**member, name="b", sequence=1))
+            s.send(2, "get_job", pb.GetJobRequest(job_id="bad id with spaces"))
+            s.send(3, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
+            s.send(4, "kv_get", pb.KvGetRequest(**member, key="never", wait=True))
+        assert s.reply(3).WhichOneof("response") == "kv_set"
+        assert status_of(s.reply(2)).code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        wait_for("both calls parked", lambda: _parked(daemon) == before + 2)
+        s.send(4, "cancel", pb.CancelCall())
+        wait_for("the KvGet released", lambda: _parked(daemon) == before + 1)
+        unary(
+            daemon,
+            "Barrier",
+            pb.BarrierRequest(
+                job_id=job_id, generation=1, rank=1, instance_id="i1", name="b", sequence=1
+            ),
+        )
+        assert s.reply(1).WhichOneof("response") == "barrier"
+        assert 4 not in s.order()
+    finally:
+        s.close()
 
 
 def test_cancel_releases_a_parked_call_and_sends_no_reply(

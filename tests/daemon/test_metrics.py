@@ -47,8 +47,8 @@ def test_metrics_follow_a_job_through_join_failure_and_rpcs(
     text = urllib.request.urlopen(d.metrics_url, timeout=5).read()
     assert uid not in text and uid.hex().encode() not in text and d.token.encode() not in text
     # A refused token is counted under the method it was refused at: the unary call's,
-    # or, for the SDK's call stream, Calls (the token is checked once, as it opens).
-    for stream, method in ((False, "ListJobs"), (True, "Calls")):
+    # or, for the SDK's call stream, CallBatches (the token is checked once, as it opens).
+    for stream, method in ((False, "ListJobs"), (True, "CallBatches")):
         with (
             RendezvousClient(
                 d.endpoint, "x", token="wrong-token-but-long-enough", call_stream=stream

@@ -57,7 +57,7 @@ def test_job_scope_lists_jobs_but_nothing_else() -> None:
 def test_every_rpc_has_a_scope_rule() -> None:
     methods = set(pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name)
     assert methods == set(POLICY)  # one policy table entry per method, none stale
-    assert methods == JOB_METHODS | {"ListJobs", "Calls"}
+    assert methods == JOB_METHODS | {"ListJobs", "Calls", "CallBatches"}
 
 
 # -- against a daemon ---------------------------------------------------------

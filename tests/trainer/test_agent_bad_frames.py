@@ -18,6 +18,7 @@ CAUSES = {
     "huge": f"frame announces a {1 << 40}-byte payload; the limit is {(64 << 30) + 4096}",
     "step": f"state step {1 << 62} is not an integer in 0..{(1 << 53) - 1}",
     "garbage": "frame header is not JSON",
+    "call": "DecodeError",
 }
 
 

@@ -7,7 +7,8 @@ assignment), else once assigned. Frames:
 - ``nested``: a JSON header nested 100,000 levels deep (json's RecursionError);
 - ``huge``: a state frame announcing a 2**40-byte payload it never sends;
 - ``step``: a well-formed state frame for step 2**62;
-- ``garbage``: a header that is not UTF-8 JSON.
+- ``garbage``: a header that is not UTF-8 JSON;
+- ``call``: a relayed daemon call whose payload is not a Call.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def frame(kind: str) -> bytes:
     if kind == "huge":
         body = json.dumps({"kind": "state", "step": 1, "arrays": []}).encode()
         return PREFIX.pack(len(body), 1 << 40) + body
+    if kind == "call":
+        body, payload = json.dumps({"kind": "call"}).encode(), b"\xff\xff\xff\xff"
+        return PREFIX.pack(len(body), len(payload)) + body + payload
     if kind == "garbage":
         body = b"\xff\xfe not json"
         return PREFIX.pack(len(body), 0) + body
@@ -41,7 +45,7 @@ def frame(kind: str) -> bytes:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--frame", choices=["nested", "huge", "step", "garbage"], required=True)
+    p.add_argument("--frame", choices=["nested", "huge", "step", "garbage", "call"], required=True)
     p.add_argument("--before-assign", action="store_true")
     args = p.parse_args()
     link = AgentLink.from_env(os.environ)

@@ -9,7 +9,9 @@ then the newest step state the agent holds, if any. After that the worker sends
 ``alive`` frames from a thread of its own (a frozen process: stopped, or stuck
 in a call that holds the GIL), ``progress`` (a worker alive but making no
 progress) and ``state`` frames, and hears ``abort`` when another worker or node
-failed.
+failed. Its daemon calls travel as ``call`` frames, answered by ``reply`` frames:
+the agent makes them on its own call stream (``client.relay``, ``relay``), so a
+node's burst of calls reaches the daemon as one message.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rendezvousd.client.membership import Membership
 from rendezvousd.common.members import seat_of
@@ -35,6 +37,10 @@ from rendezvousd.trainer.agent.state_copy import StepState
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError
 from rendezvousd.trainer.topology import MultiNodeTopology
+
+if TYPE_CHECKING:
+    from rendezvousd.client import RendezvousClient
+    from rendezvousd.client.relay import RelayedCalls
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,11 @@ class AgentLink:
         self._reader: threading.Thread | None = None
         self._closing = threading.Event()
         self._noted = threading.Event()
+        self._relayed: RelayedCalls | None = None
+        # Who hears an abort (``start``), and the first one heard before anyone did.
+        self._lock = threading.Lock()
+        self._on_abort: Callable[[str], None] | None = None
+        self._missed_abort: str | None = None
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
@@ -177,24 +188,59 @@ class AgentLink:
         self.assignment = assignment
         return assignment, restored
 
+    def relay(self, client: RendezvousClient) -> None:
+        """Make ``client``'s daemon calls through the agent (``client.relay``)."""
+        self._relayed = client.relay_through(self._send_call)
+        self._read_frames()
+
+    def _send_call(self, call: bytes) -> None:
+        try:
+            self.channel.send("call", None, call)
+        except AgentChannelError as exc:
+            raise ConnectionError(str(exc)) from exc
+
+    def _read_frames(self) -> None:
+        if self._reader is None:
+            self._reader = threading.Thread(
+                target=self._read, daemon=True, name="rendezvous-agent-link"
+            )
+            self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while (frame := self.channel.recv()) is not None:
+                if frame.kind == "reply" and self._relayed is not None:
+                    self._relayed.deliver(frame.payload)
+                elif frame.kind == "abort":
+                    self._abort(str(frame.header.get("cause", "the node agent aborted")))
+                elif frame.kind == "failure-noted":
+                    self._noted.set()
+            if not self._closing.is_set():
+                self._abort("the node agent closed the channel")
+        except Exception as exc:  # a broken channel, or a reply that does not decode
+            if not self._closing.is_set():
+                self._abort(f"the channel to the node agent broke: {exc}")
+        finally:
+            if self._relayed is not None:
+                self._relayed.end()  # calls in flight fail over to the worker's own channel
+
+    def _abort(self, cause: str) -> None:
+        with self._lock:
+            on_abort = self._on_abort
+            if on_abort is None and self._missed_abort is None:
+                self._missed_abort = cause
+        if on_abort is not None:
+            on_abort(cause)
+
     def start(self, on_abort: Callable[[str], None]) -> None:
-        """Relay the agent's ``abort`` (and its disappearance) to ``on_abort``."""
-
-        def read() -> None:
-            try:
-                while (frame := self.channel.recv()) is not None:
-                    if frame.kind == "abort":
-                        on_abort(str(frame.header.get("cause", "the node agent aborted")))
-                    elif frame.kind == "failure-noted":
-                        self._noted.set()
-                if not self._closing.is_set():
-                    on_abort("the node agent closed the channel")
-            except (AgentChannelError, OSError) as exc:
-                if not self._closing.is_set():
-                    on_abort(f"the channel to the node agent broke: {exc}")
-
-        self._reader = threading.Thread(target=read, daemon=True, name="rendezvous-agent-link")
-        self._reader.start()
+        """Relay the agent's ``abort`` (and its disappearance) to ``on_abort``,
+        including one heard before this call."""
+        with self._lock:
+            self._on_abort = on_abort
+            missed, self._missed_abort = self._missed_abort, None
+        if missed is not None:
+            on_abort(missed)
+        self._read_frames()
         interval = self.assignment.alive_interval_s if self.assignment else 0.0
         if interval > 0:
             threading.Thread(
@@ -215,8 +261,7 @@ class AgentLink:
         daemon knows: only then may the worker close its ring, or a peer failing
         on the closed ring could be recorded as the job's root cause. Whether the
         agent confirmed in time."""
-        if self._reader is None:
-            self.start(lambda _cause: None)
+        self._read_frames()
         try:
             self.channel.send("failed", {"cause": cause})
         except AgentChannelError:

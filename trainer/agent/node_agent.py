@@ -170,6 +170,7 @@ class NodeAgent:
             self.state,
             functools.partial(slot_env, config),
             fork_server=fork_server,
+            relay=client.relay_end,
         )
         self.pool.adopt(booted)
         self.budget = RestartBudget(config.max_restarts)

@@ -28,11 +28,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvousd.client.relay import RelayEnd, Send
 from rendezvousd.trainer.agent.agent_channel import Channel, ChannelClosed
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.state_copy import MAX_STEP, StateCopy, StepState
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkedProcess, ForkServer, start
 from rendezvousd.trainer.errors import AgentChannelError
+
+#: Makes the agent's end of a worker's relayed calls (``client.relay``): the
+#: agent client's ``relay_end``; None when it makes no call stream.
+RelayFactory = Callable[[Send], RelayEnd | None]
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,15 @@ class WorkerProcess:
     for (its ``LOCAL_RANK``)."""
 
     def __init__(
-        self, serial: int, booted: Booted, events: queue.Queue[Any], state: StateCopy
+        self,
+        serial: int,
+        booted: Booted,
+        events: queue.Queue[Any],
+        state: StateCopy,
+        relay: RelayFactory | None = None,
     ) -> None:
+        """``relay``: the worker's daemon calls ("call" frames) go on the agent's
+        call stream, their Replies back as "reply" frames (``client.relay``)."""
         self.serial = serial
         self.slot = booted.slot
         self.proc = booted.proc
@@ -106,6 +118,7 @@ class WorkerProcess:
         self._state_step: int | None = None
         self._events = events
         self._state = state
+        self._relay = relay(self._send_reply) if relay is not None else None
         for target, name in ((self._reap, "reaper"), (self._read, "reader")):
             threading.Thread(
                 target=target, daemon=True, name=f"rendezvous-agent-{name}-{serial}"
@@ -157,6 +170,8 @@ class WorkerProcess:
                         self._state_step = frame.header["step"]
                 elif frame.kind == "failed":
                     self._events.put(Reported(self, str(frame.header.get("cause", ""))))
+                elif frame.kind == "call" and self._relay is not None:
+                    self._relay.forward(frame.payload)
         except (ChannelClosed, OSError):
             pass  # the worker is going away (or we closed it): the reaper reports it
         except Exception as exc:
@@ -165,6 +180,15 @@ class WorkerProcess:
             if not self.channel.closed:
                 what = str(exc) if isinstance(exc, AgentChannelError) else repr(exc)
                 self._events.put(Misbehaved(self, f"a bad frame on its agent channel: {what}"))
+        finally:
+            if self._relay is not None:
+                self._relay.close()  # a gone worker's parked calls must not hold the daemon
+
+    def _send_reply(self, reply: bytes) -> None:
+        try:
+            self.channel.send("reply", None, reply)
+        except AgentChannelError as exc:
+            raise ConnectionError(str(exc)) from exc
 
     def assign(self, assignment: Assignment, restored: StepState | None) -> None:
         """Make this spare the worker of ``assignment`` (one frame; the spare reads
@@ -202,6 +226,8 @@ class WorkerProcess:
             self.channel.send("failure-noted")
 
     def close(self) -> None:
+        if self._relay is not None:
+            self._relay.close()
         self.channel.close()
 
 
@@ -240,9 +266,12 @@ class SparePool:
         state: StateCopy,
         slot_env: Callable[[int], Mapping[str, str]] | None = None,
         fork_server: ForkServer | None = None,
+        relay: RelayFactory | None = None,
     ) -> None:
-        """``fork_server``: forks the spares while it can (else they start cold)."""
+        """``fork_server``: forks the spares while it can (else they start cold);
+        ``relay``: the workers' daemon calls go on the agent's stream (``WorkerProcess``)."""
         self._fork_server = fork_server
+        self._relay = relay
         self._cmd = list(cmd)
         self._env = dict(env)
         self._events = events
@@ -255,7 +284,9 @@ class SparePool:
         """Take over spares started before the agent existed (``worker_boot.boot_spares``)."""
         for b in booted:
             self._serial += 1
-            self.spares.append(WorkerProcess(self._serial, b, self._events, self._state))
+            self.spares.append(
+                WorkerProcess(self._serial, b, self._events, self._state, self._relay)
+            )
 
     def fill(self, count: int) -> None:
         """One live spare for each of local ranks ``0..count-1``."""
@@ -264,7 +295,9 @@ class SparePool:
                 self._serial += 1
                 env = {**self._env, **(self._slot_env(slot) if self._slot_env else {})}
                 started = start(slot, self._cmd, env, self._fork_server)
-                self.spares.append(WorkerProcess(self._serial, started, self._events, self._state))
+                self.spares.append(
+                    WorkerProcess(self._serial, started, self._events, self._state, self._relay)
+                )
 
     def take(self, count: int) -> list[WorkerProcess]:
         """The spare for each local rank ``0..count-1``, the warmest of its slot

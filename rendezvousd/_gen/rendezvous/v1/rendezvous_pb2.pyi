@@ -1679,6 +1679,50 @@ class CancelCall(_message.Message):
 Global___CancelCall: _TypeAlias = CancelCall  # noqa: Y015
 
 @_typing.final
+class CallBatch(_message.Message):
+    """Calls queued together, handled in order as if each had been a message of its own."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___Call]: ...
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___Call] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallBatch: _TypeAlias = CallBatch  # noqa: Y015
+
+@_typing.final
+class ReplyBatch(_message.Message):
+    """Replies ready together (of calls from any batch), in the order they finished."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replies(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reply]: ...
+    def __init__(
+        self,
+        *,
+        replies: _abc.Iterable[Global___Reply] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replies", b"replies"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplyBatch: _TypeAlias = ReplyBatch  # noqa: Y015
+
+@_typing.final
 class Reply(_message.Message):
     """The answer to the Call with the same id: the field of the same name as the
     Call's, holding the unary method's response, or error.

@@ -119,6 +119,11 @@ class RendezvousStub:
                 request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.Call.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.Reply.FromString,
                 _registered_method=True)
+        self.CallBatches = channel.stream_stream(
+                '/rendezvous.v1.Rendezvous/CallBatches',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.CallBatch.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReplyBatch.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -336,6 +341,20 @@ class RendezvousServicer:
         connection) cancels every call still in flight on it.
         A daemon without this method answers UNIMPLEMENTED: the SDK then makes
         unary calls, as before.
+        Deprecated: the SDK sends CallBatches; Calls stays, with the same
+        semantics, for one release of the clients from before it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CallBatches(self, request_iterator, context):
+        """CallBatches is Calls with several Calls per message and several Replies per
+        message: gRPC's cost is per message (~100 us of daemon CPU in Python), so a
+        client (a node agent relaying its workers' calls, an SDK with calls queued)
+        sends every Call it has queued as one CallBatch, and the daemon writes
+        every Reply it has ready as one ReplyBatch. Each Call in a batch is exactly
+        a Call of the Calls stream: same ids, deadlines, cancel, order and limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -428,6 +447,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.Calls,
                     request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.Call.FromString,
                     response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.Reply.SerializeToString,
+            ),
+            'CallBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.CallBatches,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.CallBatch.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReplyBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -889,6 +913,33 @@ class Rendezvous:
             '/rendezvous.v1.Rendezvous/Calls',
             rendezvous_dot_v1_dot_rendezvous__pb2.Call.SerializeToString,
             rendezvous_dot_v1_dot_rendezvous__pb2.Reply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CallBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rendezvous.v1.Rendezvous/CallBatches',
+            rendezvous_dot_v1_dot_rendezvous__pb2.CallBatch.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReplyBatch.FromString,
             options,
             channel_credentials,
             insecure,

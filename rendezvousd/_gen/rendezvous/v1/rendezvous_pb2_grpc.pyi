@@ -192,6 +192,16 @@ class RendezvousStub:
     connection) cancels every call still in flight on it.
     A daemon without this method answers UNIMPLEMENTED: the SDK then makes
     unary calls, as before.
+    Deprecated: the SDK sends CallBatches; Calls stays, with the same
+    semantics, for one release of the clients from before it.
+    """
+    CallBatches: _grpc.StreamStreamMultiCallable[_rendezvous_pb2.CallBatch, _rendezvous_pb2.ReplyBatch]
+    """CallBatches is Calls with several Calls per message and several Replies per
+    message: gRPC's cost is per message (~100 us of daemon CPU in Python), so a
+    client (a node agent relaying its workers' calls, an SDK with calls queued)
+    sends every Call it has queued as one CallBatch, and the daemon writes
+    every Reply it has ready as one ReplyBatch. Each Call in a batch is exactly
+    a Call of the Calls stream: same ids, deadlines, cancel, order and limits.
     """
 
 @_typing.type_check_only
@@ -342,6 +352,16 @@ class RendezvousAsyncStub(RendezvousStub):
     connection) cancels every call still in flight on it.
     A daemon without this method answers UNIMPLEMENTED: the SDK then makes
     unary calls, as before.
+    Deprecated: the SDK sends CallBatches; Calls stays, with the same
+    semantics, for one release of the clients from before it.
+    """
+    CallBatches: _aio.StreamStreamMultiCallable[_rendezvous_pb2.CallBatch, _rendezvous_pb2.ReplyBatch]  # type: ignore[assignment]
+    """CallBatches is Calls with several Calls per message and several Replies per
+    message: gRPC's cost is per message (~100 us of daemon CPU in Python), so a
+    client (a node agent relaying its workers' calls, an SDK with calls queued)
+    sends every Call it has queued as one CallBatch, and the daemon writes
+    every Reply it has ready as one ReplyBatch. Each Call in a batch is exactly
+    a Call of the Calls stream: same ids, deadlines, cancel, order and limits.
     """
 
 class RendezvousServicer(metaclass=_abc_1.ABCMeta):
@@ -591,6 +611,22 @@ class RendezvousServicer(metaclass=_abc_1.ABCMeta):
         connection) cancels every call still in flight on it.
         A daemon without this method answers UNIMPLEMENTED: the SDK then makes
         unary calls, as before.
+        Deprecated: the SDK sends CallBatches; Calls stays, with the same
+        semantics, for one release of the clients from before it.
+        """
+
+    @_abc_1.abstractmethod
+    def CallBatches(
+        self,
+        request_iterator: _MaybeAsyncIterator[_rendezvous_pb2.CallBatch],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_rendezvous_pb2.ReplyBatch], _abc.AsyncIterator[_rendezvous_pb2.ReplyBatch]]:
+        """CallBatches is Calls with several Calls per message and several Replies per
+        message: gRPC's cost is per message (~100 us of daemon CPU in Python), so a
+        client (a node agent relaying its workers' calls, an SDK with calls queued)
+        sends every Call it has queued as one CallBatch, and the daemon writes
+        every Reply it has ready as one ReplyBatch. Each Call in a batch is exactly
+        a Call of the Calls stream: same ids, deadlines, cancel, order and limits.
         """
 
 def add_RendezvousServicer_to_server(servicer: RendezvousServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

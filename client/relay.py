@@ -1,0 +1,358 @@
+"""Calls relayed through a node agent: a worker's daemon calls made on its agent's
+call stream.
+
+Why: gRPC's cost is per message, ~100 µs of daemon CPU each in Python against
+~15 µs per call when 8 calls share one message (docs/benchmarks.md, "Relayed
+calls"). A node's workers each on a stream of their own send a burst (a barrier,
+a key exchange) as one message per worker; relayed, their calls reach the daemon in
+the agent's CallBatches and come back in its ReplyBatches. The relay moves the call
+stream's own encoded ``Call`` and ``Reply`` messages over whatever link the two
+share (rendezvous-run: the agent channel's socketpair); the daemon sees each call
+exactly as if the worker had sent it on its own stream: its member, deadline,
+authorization and errors. Nothing here does I/O on the link: its owner carries the
+bytes both ways.
+
+- ``RelayEnd``: the agent's end, one per worker. A worker's Call becomes a call on
+  the agent's stream; its outcome, a Reply back. A worker's cancel cancels the
+  call, and ``close`` (the worker went away) cancels every call it has in flight.
+- ``RelayedCalls`` / ``AsyncRelayedCalls``: the worker's end, what a client's call
+  stream is (``RendezvousClient.relay_through``). A call the agent cannot make (its
+  daemon has no CallBatches, its stream is full), or any call once the link is
+  gone, raises ``Unsupported``: the client then makes it unary on its own channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._call_stream import settle
+from rendezvousd.client._multiplex import (
+    Pending,
+    Unsupported,
+    cancel_message,
+    closed_error,
+    deadline_error,
+    rpc_error,
+)
+from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
+
+#: Sends one encoded message over the link (raises OSError once it is gone).
+Send = Callable[[bytes], None]
+#: Makes a call on the agent's stream: (method, request, timeout, what to do with its
+#: outcome) -> how to cancel it. Raises ``Unsupported`` or the call's error.
+Submit = Callable[[str, Any, float, Callable[[Any], None]], Callable[[], None]]
+
+_METHODS = {field: method for method, field in FIELDS.items()}
+_REPLY_FIELDS = {f.name for f in pb.Reply.DESCRIPTOR.fields}
+
+
+def _not_relayed(message: str) -> bytes:
+    """The status that makes the worker's client make the call unary: the daemon's
+    own "stream full" refusal (``_multiplex.stream_full``), which means "never run"."""
+    info = error_details_pb2.ErrorInfo(
+        reason="LIMIT_EXCEEDED", metadata={"limit": "max_concurrent_streams"}
+    )
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail])
+    data: bytes = status.SerializeToString()
+    return data
+
+
+def _status_of(exc: grpc.RpcError) -> bytes:
+    """A call's error as a Reply's ``error``: its rich status where it has one."""
+    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else ()
+    for key, value in trailing or ():
+        if key == STATUS_TRAILER:
+            return bytes(value)
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    data: bytes = status_pb2.Status(code=code.value[0], message=details or "").SerializeToString()
+    return data
+
+
+def reply_bytes(call_id: int, field: str, outcome: Any) -> bytes:
+    """A call's outcome (a response, ``Unsupported`` or a ``grpc.RpcError``) as the
+    encoded Reply the worker reads."""
+    reply = pb.Reply(id=call_id)
+    if isinstance(outcome, Unsupported):
+        reply.error = _not_relayed("the node agent could not make this call on its stream")
+    elif isinstance(outcome, grpc.RpcError):
+        reply.error = _status_of(outcome)
+    elif isinstance(outcome, BaseException):
+        reply.error = _status_of(rpc_error(grpc.StatusCode.INTERNAL, repr(outcome)))
+    else:
+        getattr(reply, field).CopyFrom(outcome)
+    data: bytes = reply.SerializeToString()
+    return data
+
+
+class RelayEnd:
+    """The agent's end of one worker's relay. Thread-safe: ``forward`` runs on the
+    link's reader, outcomes arrive on the stream's reader."""
+
+    def __init__(self, submit: Submit, reply: Send) -> None:
+        """``submit``: a call on the agent's stream (``blocking_submit``); ``reply``:
+        sends an encoded Reply to the worker."""
+        self._submit = submit
+        self._reply = reply
+        self._lock = threading.Lock()
+        # The worker's call ids in flight -> how to cancel each (None until submitted).
+        self._cancels: dict[int, Callable[[], None] | None] = {}
+        self._closed = False
+
+    def forward(self, payload: bytes) -> None:
+        """One message from the worker: a Call, or a cancel of one. A message that
+        does not decode raises ``google.protobuf.message.DecodeError`` (a bad frame)."""
+        call = pb.Call.FromString(payload)
+        field = call.WhichOneof("request")
+        if field == "cancel":
+            with self._lock:
+                cancel = self._cancels.pop(call.id, None)
+            if cancel is not None:
+                cancel()
+            return
+        problem = self._refusal(call, field)
+        if problem is not None:
+            self._send(call.id, "", rpc_error(grpc.StatusCode.INVALID_ARGUMENT, problem))
+            return
+        assert field is not None
+        try:
+            cancel = self._submit(
+                _METHODS[field],
+                getattr(call, field),
+                call.timeout_ms / 1000,
+                lambda outcome: self._done(call.id, field, outcome),
+            )
+        except (Unsupported, grpc.RpcError) as exc:
+            if self._take(call.id):
+                self._send(call.id, field, exc)
+            return
+        with self._lock:
+            if call.id in self._cancels:  # not answered yet
+                self._cancels[call.id] = cancel
+
+    def _refusal(self, call: pb.Call, field: str | None) -> str | None:
+        with self._lock:
+            if self._closed:
+                return "the worker's relay is closed"
+            if field not in _METHODS:
+                return f"relayed call {call.id} sets no request field; set exactly one"
+            if call.id in self._cancels:
+                return f"relayed call id {call.id} is already in flight; use a new id per call"
+            if not call.timeout_ms:
+                return f"relayed call {call.id} has no deadline (timeout_ms); set one"
+            self._cancels[call.id] = None
+        return None
+
+    def _take(self, call_id: int) -> bool:
+        """Whether call ``call_id`` was still in flight (it is not now)."""
+        with self._lock:
+            if call_id not in self._cancels:
+                return False
+            del self._cancels[call_id]
+            return True
+
+    def _done(self, call_id: int, field: str, outcome: Any) -> None:
+        if self._take(call_id):  # not cancelled by the worker meanwhile
+            self._send(call_id, field, outcome)
+
+    def _send(self, call_id: int, field: str, outcome: Any) -> None:
+        with contextlib.suppress(OSError):  # the worker went: close() cancels the rest
+            self._reply(reply_bytes(call_id, field, outcome))
+
+    def close(self) -> None:
+        """The worker went away: cancel its calls in flight (a parked barrier or key
+        wait of a dead worker must not hold the daemon's slots)."""
+        with self._lock:
+            self._closed = True
+            cancels, self._cancels = list(self._cancels.values()), {}
+        for cancel in cancels:
+            if cancel is not None:
+                cancel()
+
+
+def _link_ended() -> grpc.RpcError:
+    return rpc_error(
+        grpc.StatusCode.UNAVAILABLE,
+        "the link to the node agent ended with the call in flight (the agent went away)",
+    )
+
+
+def _end(pending: Pending[Any], failure: Callable[[], grpc.RpcError]) -> None:
+    for waiter in pending.end(failure()):
+        if not waiter.done():
+            waiter.set_exception(failure())  # one error object per caller
+
+
+class RelayedCalls:
+    """A blocking client's call stream through its node agent (``relay_through``)."""
+
+    def __init__(self, send: Send) -> None:
+        self.pending: Pending[Future[Any]] = Pending()
+        self._send = send
+        # What a client's call stream shows (tests, benchmarks).
+        self.unary = False
+        self.opened = 1
+        self.sent: Counter[str] = Counter()
+
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        """As ``BlockingCallStream.call``; ``Unsupported`` once the link is gone."""
+        waiter: Future[Any] = Future()
+        call_id = _send_call(self, method, request, timeout, waiter)
+        try:
+            return waiter.result(timeout)
+        except TimeoutError:
+            if self.pending.drop(call_id):
+                with contextlib.suppress(OSError):
+                    self._send(cancel_message(call_id).SerializeToString())
+                raise deadline_error() from None
+        return waiter.result()  # answered as its deadline passed
+
+    def deliver(self, payload: bytes) -> None:
+        """A Reply from the agent (the link's reader)."""
+        settle(self, pb.Reply.FromString(payload))
+
+    def end(self, failure: Callable[[], grpc.RpcError] = _link_ended) -> None:
+        """The link is gone: calls in flight fail UNAVAILABLE (retried, then made
+        unary); later calls are unary."""
+        _end(self.pending, failure)
+
+    def open(self) -> None:
+        """Nothing to open: the agent's stream is the agent's."""
+
+    def retire(self) -> None:
+        """A draining daemon: the agent's stream retires itself."""
+
+    def close(self) -> None:
+        """The client closes: its calls in flight fail CANCELLED, as on its own stream."""
+        self.end(closed_error)
+
+    abandon = close
+
+
+class AsyncRelayedCalls:
+    """``RelayedCalls`` for an asyncio client; ``deliver`` runs on its loop."""
+
+    def __init__(self, send: Send) -> None:
+        self.pending: Pending[asyncio.Future[Any]] = Pending()
+        self._send = send
+        self.unary = False
+        self.opened = 1
+        self.sent: Counter[str] = Counter()
+
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        call_id = _send_call(self, method, request, timeout, waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(waiter)
+        except TimeoutError:
+            if not self.pending.drop(call_id):
+                return await waiter
+            with contextlib.suppress(OSError):
+                self._send(cancel_message(call_id).SerializeToString())
+            raise deadline_error() from None
+        except asyncio.CancelledError:
+            if self.pending.drop(call_id):
+                with contextlib.suppress(OSError):
+                    self._send(cancel_message(call_id).SerializeToString())
+            elif waiter.done() and not waiter.cancelled():
+                waiter.exception()
+            raise
+
+    def deliver(self, payload: bytes) -> None:
+        settle(self, pb.Reply.FromString(payload))
+
+    def end(self, failure: Callable[[], grpc.RpcError] = _link_ended) -> None:
+        _end(self.pending, failure)
+
+    def open(self) -> None:
+        """Nothing to open."""
+
+    def retire(self) -> None:
+        """The agent's stream retires itself."""
+
+    async def close(self) -> None:
+        self.end(closed_error)
+
+
+def _send_call(
+    relayed: RelayedCalls | AsyncRelayedCalls,
+    method: str,
+    request: Any,
+    timeout: float,
+    waiter: Any,
+) -> int:
+    """Send a new call over the link: its id. ``Unsupported`` once the link is gone."""
+    try:
+        call_id, message = relayed.pending.add(method, request, timeout, waiter)
+    except grpc.RpcError:
+        raise Unsupported from None  # the link ended: unary from now on
+    try:
+        relayed._send(message.SerializeToString())
+    except OSError:
+        relayed.pending.drop(call_id)
+        relayed.end()
+        raise Unsupported from None
+    relayed.sent[method] += 1
+    return call_id
+
+
+def _outcome(f: Future[Any] | asyncio.Future[Any]) -> Any:
+    error = f.exception()
+    return f.result() if error is None else error
+
+
+def blocking_submit(stream: Any) -> Submit:
+    """``RelayEnd``'s ``submit`` on a blocking client's call stream."""
+
+    def submit(
+        method: str, request: Any, timeout: float, done: Callable[[Any], None]
+    ) -> Callable[[], None]:
+        waiter: Future[Any] = Future()
+        on, call_id = stream.submit(method, request, timeout, waiter)
+        waiter.add_done_callback(lambda f: done(_outcome(f)))
+
+        def cancel() -> None:
+            if on.pending.drop(call_id):
+                on.cancel(call_id)
+
+        return cancel
+
+    return submit
+
+
+def async_submit(stream: Any) -> Submit:
+    """``RelayEnd``'s ``submit`` on an asyncio client's call stream (on its loop)."""
+
+    def submit(
+        method: str, request: Any, timeout: float, done: Callable[[Any], None]
+    ) -> Callable[[], None]:
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        on, call_id = stream.submit(method, request, timeout, waiter)
+
+        def finished(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled():
+                done(_outcome(f))
+
+        waiter.add_done_callback(finished)
+
+        def cancel() -> None:
+            if on.pending.drop(call_id):
+                on.cancel(call_id)
+
+        return cancel
+
+    return submit

@@ -1,0 +1,227 @@
+"""Calls relayed through a node agent (``client.relay``), against a real daemon: a
+node's workers make their calls on the agent's stream and get the answers, errors,
+deadlines and cancellations they get on their own; the daemon sees their bursts
+as messages of several calls; a worker gone, or a link gone, leaves nothing behind.
+
+The link is the test's: in-process functions in place of rendezvous-run's agent
+channel (whose "call"/"reply" frames tests/trainer/test_launcher.py covers)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    RendezvousClient,
+    RendezvousError,
+    RendezvousTimeout,
+)
+from rendezvousd.client.relay import RelayedCalls, RelayEnd
+from tests.support import DaemonProcess, scrape, wait_for
+
+GPUS = 8
+
+
+def _parked(d: DaemonProcess) -> float:
+    return scrape(d.metrics_url)["rendezvousd_waiters"]
+
+
+def _per_message(d: DaemonProcess) -> tuple[float, float]:
+    """(calls, messages) the daemon read on CallBatches streams so far."""
+    m = scrape(d.metrics_url)
+    return m["rendezvousd_calls_per_message_sum"], m["rendezvousd_calls_per_message_count"]
+
+
+class Node:
+    """An agent client that joined a one-node job of GPUS ranks, and its workers,
+    each attached to its rank and relayed through the agent."""
+
+    def __init__(self, d: DaemonProcess, job_id: str) -> None:
+        self.agent = RendezvousClient(d.endpoint, job_id, token=d.token)
+        self.m = self.agent.join_node(
+            min_nodes=1, max_nodes=1, gpus_per_node=GPUS, node_rank=0, host="h0", timeout=20
+        )
+        self.ends: list[RelayEnd] = []
+        self.relayed: list[RelayedCalls] = []
+        self.workers: list[RendezvousClient] = []
+        self.links_up = [True] * GPUS
+        for local in range(GPUS):
+            w = RendezvousClient(d.endpoint, job_id, token=d.token)
+            w.attach(self.m.membership_for(local), self.m.member_instance_id(local))
+            self.workers.append(w)
+            self._link(local, w)
+
+    def _link(self, local: int, w: RendezvousClient) -> None:
+        box: list[RelayedCalls] = []
+        end = self.agent.relay_end(lambda reply: box[0].deliver(reply))
+        assert end is not None
+
+        def send(call: bytes) -> None:
+            if not self.links_up[local]:
+                raise ConnectionError("the agent went away")
+            end.forward(call)
+
+        box.append(w.relay_through(send))
+        self.ends.append(end)
+        self.relayed.append(box[0])
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.agent.close()
+
+
+@pytest.fixture
+def node(daemon: DaemonProcess, job_id: str) -> Iterator[Node]:
+    n = Node(daemon, job_id)
+    yield n
+    n.close()
+
+
+def each(node: Node, work: Callable[[int, RendezvousClient], Any]) -> list[Any]:
+    with ThreadPoolExecutor(GPUS) as pool:
+        return list(pool.map(work, range(GPUS), node.workers))
+
+
+def test_workers_exchange_keys_and_meet_in_barriers_through_their_agent(
+    daemon: DaemonProcess, node: Node
+) -> None:
+    def work(i: int, w: RendezvousClient) -> bytes:
+        w.kv_set(f"addr{i}", f"10.0.0.{i}".encode())
+        w.barrier("up", timeout=20)
+        return w.kv_get(f"addr{(i + 1) % GPUS}", timeout=20)
+
+    assert each(node, work) == [f"10.0.0.{(i + 1) % GPUS}".encode() for i in range(GPUS)]
+    # Every call went on the agent's one stream, none on a worker's own.
+    agent_sent = node.agent._mux.sent  # type: ignore[union-attr]
+    assert agent_sent["KvSet"] == agent_sent["Barrier"] == agent_sent["KvGet"] == GPUS
+    assert all(r.sent["Barrier"] == 1 for r in node.relayed)
+    assert [r.unary for r in node.relayed] == [False] * GPUS
+
+
+def test_a_nodes_burst_reaches_the_daemon_as_messages_of_several_calls(
+    daemon: DaemonProcess, node: Node
+) -> None:
+    """What the relay is for. Whether a burst shares a message depends on thread
+    timing, so rounds repeat until one did; without batching none ever can."""
+    node.workers[0].kv_set("k", b"v")
+    calls0, messages0 = _per_message(daemon)
+    for _ in range(50):
+        each(node, lambda _i, w: w.kv_get("k", timeout=20))
+        calls, messages = _per_message(daemon)
+        if calls - calls0 > messages - messages0:
+            return
+    raise AssertionError(f"{calls - calls0:.0f} calls came in {messages - messages0:.0f} messages")
+
+
+def test_a_relayed_calls_error_is_the_error_of_a_call_of_its_own(
+    daemon: DaemonProcess, node: Node, job_id: str
+) -> None:
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as direct:
+        direct.attach(node.m.membership_for(1), node.m.member_instance_id(1))
+        with pytest.raises(RendezvousError) as own:
+            direct.kv_get("missing", wait=False)
+    with pytest.raises(RendezvousError) as relayed:
+        node.workers[1].kv_get("missing", wait=False)
+    assert type(relayed.value) is type(own.value)
+    assert str(relayed.value) == str(own.value)
+    assert relayed.value.code == own.value.code
+
+
+def test_a_relayed_calls_deadline_cancels_its_wait_on_the_daemon(
+    daemon: DaemonProcess, node: Node
+) -> None:
+    before = _parked(daemon)
+    with pytest.raises(RendezvousTimeout):
+        node.workers[2].kv_get("never", timeout=1.0)
+    wait_for("the relayed wait released", lambda: _parked(daemon) == before)
+
+
+def test_a_worker_gone_has_its_parked_calls_cancelled(daemon: DaemonProcess, node: Node) -> None:
+    before = _parked(daemon)
+
+    def wait() -> None:
+        with pytest.raises(RendezvousError):
+            node.workers[3].kv_get("never", timeout=30)
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    wait_for("the relayed wait parked", lambda: _parked(daemon) == before + 1)
+    node.ends[3].close()  # what the agent does when the worker's channel ends
+    wait_for("the dead worker's wait released", lambda: _parked(daemon) == before)
+
+
+def test_a_worker_whose_agent_is_gone_calls_the_daemon_itself(
+    daemon: DaemonProcess, node: Node
+) -> None:
+    node.links_up[4] = False
+    node.workers[4].kv_set("after", b"agent")
+    assert node.workers[4].kv_get("after", wait=False) == b"agent"
+    assert node.agent._mux.sent["KvSet"] == 0  # type: ignore[union-attr]
+
+
+def test_a_relay_link_that_ends_fails_its_calls_in_flight_over_to_the_worker(
+    daemon: DaemonProcess, node: Node
+) -> None:
+    """The link ends (the agent died) under a parked call: the call fails over as a
+    broken stream's does (UNAVAILABLE, retried) and is made on the worker's own
+    channel, where the key then arrives."""
+    result: list[bytes] = []
+    waiting = threading.Thread(
+        target=lambda: result.append(node.workers[5].kv_get("late", timeout=30)), daemon=True
+    )
+    before = _parked(daemon)
+    waiting.start()
+    wait_for("the relayed wait parked", lambda: _parked(daemon) == before + 1)
+    node.links_up[5] = False
+    node.relayed[5].end()
+    node.ends[5].close()
+    wait_for("the wait re-made by the worker", lambda: _parked(daemon) == before + 1)
+    node.workers[6].kv_set("late", b"here")
+    waiting.join(20)
+    assert result == [b"here"]
+
+
+def test_an_agent_without_a_call_stream_relays_nothing(daemon: DaemonProcess, job_id: str) -> None:
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token, call_stream=False) as c:
+        assert c.relay_end(lambda _reply: None) is None
+
+
+async def test_asyncio_workers_relay_through_an_asyncio_agent(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    agent = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    m = await agent.join_node(
+        min_nodes=1, max_nodes=1, gpus_per_node=4, node_rank=0, host="h0", timeout=20
+    )
+    workers = []
+    for local in range(4):
+        w = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+        w.attach(m.membership_for(local), m.member_instance_id(local))
+        box: list[Any] = []
+        end = agent.relay_end(lambda reply, box=box: box[0].deliver(reply))
+        assert end is not None
+        box.append(w.relay_through(end.forward))
+        workers.append(w)
+
+    async def work(i: int, w: AsyncRendezvousClient) -> bytes:
+        await w.kv_set(f"a{i}", bytes([i]))
+        await w.barrier("up", timeout=20)
+        return await w.kv_get(f"a{(i + 1) % 4}", timeout=20)
+
+    try:
+        got = await asyncio.gather(*[work(i, w) for i, w in enumerate(workers)])
+        assert got == [bytes([(i + 1) % 4]) for i in range(4)]
+        assert agent._mux.sent["Barrier"] == 4  # type: ignore[union-attr]
+        with pytest.raises(RendezvousTimeout):
+            await workers[0].kv_get("never", timeout=1.0)
+    finally:
+        for w in workers:
+            await w.close()
+        await agent.close()

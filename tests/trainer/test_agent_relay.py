@@ -1,0 +1,46 @@
+"""rendezvous-run relays its workers' daemon calls (``client.relay``): two nodes of two
+workers each exchange keys and meet in a barrier; every call went over the agent
+channel to the agent's call stream, none on a stream of the worker's own, and the
+daemon read the nodes' calls as CallBatches messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, scrape
+
+WORKER = str(WORKERS / "relay_worker.py")
+
+
+def test_workers_calls_go_through_their_node_agent(daemon: DaemonProcess, job_id: str) -> None:
+    before = scrape(daemon.metrics_url).get("rendezvousd_calls_per_message_sum", 0.0)
+    nodes = [
+        subprocess.Popen(
+            [
+                *launcher_cmd(2, node, 2, endpoint=daemon.endpoint, token_file=daemon.token_file),
+                "--job-id",
+                job_id,
+                "--max-restarts",
+                "0",
+                WORKER,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    outs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [err for _, err in outs]
+    lines = [json.loads(x) for out, _ in outs for x in out.splitlines() if x.startswith("{")]
+    relayed = sorted((x for x in lines if x["event"] == "relayed"), key=lambda x: x["rank"])
+    assert [x["rank"] for x in relayed] == [0, 1, 2, 3]
+    assert [x["peer_value"] for x in relayed] == ["10", "20", "30", "0"]
+    for x in relayed:
+        assert x["transport"] == "RelayedCalls" and not x["unary"], x
+        # Its own three calls, and the ring's set-up before them, all relayed.
+        assert x["sent"]["KvSet"] >= 1 and x["sent"]["Barrier"] >= 1, x
+    calls = scrape(daemon.metrics_url)["rendezvousd_calls_per_message_sum"] - before
+    assert calls >= sum(sum(x["sent"].values()) for x in relayed)
