@@ -9,8 +9,10 @@ Barrier (a job of one rank, so it never waits), gRPC's Health.Check, and heartbe
 (--streams members of one job, each with a raw Heartbeat stream sending the next beat
 as soon as the daemon acknowledges the last, counted from the acknowledgements).
 The SDK's calls (KvGet, KvSet, Barrier) are measured per --transports: "stream", the
-SDK's default (every call a message on the client's one Calls stream), and "unary"
-(``call_stream=False``: one gRPC call each); the client's own CPU per call is read too.
+SDK's default (every call on the client's one CallBatches stream, where the calls
+queued when the stream writes next share a message: with --concurrency 32 in flight
+from one client, several per message), and "unary" (``call_stream=False``: one gRPC
+call each); the client's own CPU per call is read too.
 
 The anchor is the floor Python gRPC sets: the same client loop against a bare
 ``grpc.aio.server()`` holding only grpcio-health-checking's servicer, in its own process,

@@ -80,7 +80,7 @@ S = TypeVar("S", bound=_Stream)
 def _kept(stream: S | None, endpoint: str) -> tuple[bool, S | None]:
     """What both clients' ``open`` decide about their current stream: (go unary, the
     stream to keep). An ended stream is replaced (None), unless it found the daemon
-    has no Calls method: then every call is unary from now on."""
+    has no CallBatches method: then every call is unary from now on."""
     if stream is None or not stream.over:
         return False, stream
     if stream.unsupported:
@@ -128,7 +128,7 @@ def _batches(
 
 
 class _BlockingStream:
-    """One open Calls stream of a blocking channel: a queue feeds its requests, one
+    """One open CallBatches stream of a blocking channel: a queue feeds its requests, one
     reader thread hands each Reply to its caller's future."""
 
     def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
@@ -246,7 +246,7 @@ def settle(stream: Any, reply: pb.Reply) -> None:
 
 
 class BlockingCallStream:
-    """A blocking client's Calls stream, opened on first use and again after it broke.
+    """A blocking client's CallBatches stream, opened on first use and again after it broke.
     Safe from several threads: the user's, the heartbeat thread's, ``on_failure``'s."""
 
     def __init__(
@@ -259,7 +259,7 @@ class BlockingCallStream:
         self._stream: _BlockingStream | None = None
         self._streams: list[_BlockingStream] = []
         self._closed = False
-        # The daemon has no Calls method: every call is unary.
+        # The daemon has no CallBatches method: every call is unary.
         self.unary = False
         # Streams opened and calls sent on them (tests, benchmarks).
         self.opened = 0
@@ -342,7 +342,7 @@ class BlockingCallStream:
 
 
 class _AsyncStream:
-    """One open Calls stream of an asyncio channel: a queue feeds its requests, one
+    """One open CallBatches stream of an asyncio channel: a queue feeds its requests, one
     reader task hands each Reply to its caller's future."""
 
     def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> None:

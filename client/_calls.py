@@ -76,7 +76,7 @@ class Rpc:
 
     @property
     def streamable(self) -> bool:
-        """Whether it may travel on the client's Calls stream: a Rendezvous method
+        """Whether it may travel on the client's call stream: a Rendezvous method
         made the patient way (the TLS probe's calls must fail fast, and say why)."""
         return not self.health and self.wait_for_ready is None and carries(self.method)
 
@@ -133,7 +133,7 @@ class LeaveOnStream:
 
 @dataclass(frozen=True)
 class Connect:
-    """Connect the channel and open the Calls stream (where the client uses one),
+    """Connect the channel and open the call stream (where the client uses one),
     within ``timeout``: answered True once connected, False when it was not."""
 
     timeout: float
@@ -142,7 +142,7 @@ class Connect:
 @dataclass(frozen=True)
 class OpenStream:
     """Open the heartbeat stream's call now, before the join is sent, without a message
-    yet (after the Calls stream, where the client has one): ``start_heartbeat()`` sends
+    yet (after the call stream, where the client has one): ``start_heartbeat()`` sends
     its first beat on it. A daemon hands new calls to its handlers one at a time, in
     arrival order; in a join storm (4,096 per-rank clients at once) a stream opened only
     after the join's answer queued behind the other clients' connects for 6-10 s, past
@@ -184,7 +184,7 @@ class Calls:
         self.tls = options.get("tls")
         self.probe = TlsProbe(endpoint, tls=self.tls is not None)
         self.reconnect_window = options.get("reconnect_window")
-        # Rpc steps as messages on one Calls stream (False: one unary call each).
+        # Rpc steps as messages on one CallBatches stream (False: one unary call each).
         self.call_stream = options.get("call_stream", True)
 
     def channel(self, secure: Callable[..., C], insecure: Callable[..., C]) -> C:
@@ -220,7 +220,7 @@ class Calls:
     # -- health and TLS ------------------------------------------------------------
 
     def connect(self) -> Steps[None]:
-        """Connected, and the Calls stream open, within the connect timeout; no call."""
+        """Connected, and the call stream open, within the connect timeout; no call."""
         s = self.s
         if not (yield Connect(s.connect_timeout)):
             raise DaemonUnavailable(

@@ -30,14 +30,14 @@ from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
 
 W = TypeVar("W")
 
-#: The Calls method's path on the channel.
+#: The call stream method's path on the channel (CallBatches; Calls is the deprecated one).
 CALLS_METHOD = "/rendezvous.v1.Rendezvous/CallBatches"
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def carries(method: str) -> bool:
-    """Whether ``method`` can travel on the Calls stream (every unary Rendezvous method)."""
+    """Whether ``method`` can travel on the call stream (every unary Rendezvous method)."""
     return method in FIELDS
 
 
@@ -130,7 +130,7 @@ def probed(
 
 
 def unsupported(exc: grpc.RpcError, replied: bool) -> bool:
-    """Whether the stream's failure means the daemon has no Calls method (an older
+    """Whether the stream's failure means the daemon has no CallBatches method (an older
     daemon): UNIMPLEMENTED before any Reply. A call's own UNIMPLEMENTED is a Reply."""
     return not replied and exc.code() is grpc.StatusCode.UNIMPLEMENTED
 
@@ -153,7 +153,7 @@ def stream_full(outcome: Any) -> bool:
 
 
 class Unsupported(Exception):
-    """Make this call unary: it was never run (the daemon has no Calls method, or its
+    """Make this call unary: it was never run (the daemon has no CallBatches method, or its
     stream was full)."""
 
 

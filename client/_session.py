@@ -147,9 +147,9 @@ class ClientOptions(TypedDict, total=False):
     # heartbeat timeout, 10 s for an older daemon).
     reconnect_window: float | None
     leave_timeout: float  # the one attempt leave() makes (LEAVE_TIMEOUT_S)
-    # Make every call as a message on one Calls stream (True), which costs the daemon
+    # Make every call as a message on one CallBatches stream (True), which costs the daemon
     # a fraction of a unary call, or as unary calls (False). An older daemon without
-    # Calls gets unary calls either way.
+    # CallBatches gets unary calls either way.
     call_stream: bool
 
 

@@ -123,7 +123,7 @@ class AsyncRendezvousClient(steps.ClientBase):
                     await self._channel.channel_ready()
             except TimeoutError:
                 return False
-            # Everything a join sends on: the Calls stream and the heartbeat stream
+            # Everything a join sends on: the call stream and the heartbeat stream
             # opened with the join (``steps.OpenStream``), its start out of the join.
             self._open_stream()
             return True
@@ -209,7 +209,7 @@ class AsyncRendezvousClient(steps.ClientBase):
                 return
             self._release_opened()
         if self._mux is not None:
-            # The Calls stream first: the join goes on it, and the daemon takes new
+            # The call stream first: the join goes on it, and the daemon takes new
             # calls in arrival order, so the join does not wait behind this stream.
             self._mux.open()
         requests: asyncio.Future[_Requests | None] = asyncio.get_running_loop().create_future()

@@ -187,7 +187,7 @@ class RendezvousClient(steps.ClientBase):
                 ready = self._ready_future(step.timeout)
             if not ready:
                 return False
-            # Everything a join sends on: the Calls stream and the heartbeat stream
+            # Everything a join sends on: the call stream and the heartbeat stream
             # opened with the join (``steps.OpenStream``), its start out of the join.
             self._open_stream()
             return True
@@ -335,7 +335,7 @@ class RendezvousClient(steps.ClientBase):
                 return
         self._release_opened()
         if self._mux is not None:
-            # The Calls stream first: the join goes on it, and the daemon takes new
+            # The call stream first: the join goes on it, and the daemon takes new
             # calls in arrival order, so the join does not wait behind this stream.
             self._mux.open()
         held, feed = _HeldRequests(self), RequestFeed()

@@ -331,14 +331,16 @@ def test_a_call_beyond_a_full_stream_is_made_unary_not_refused(
 
 
 class WithoutCalls(RendezvousServicer):
-    """The real servicer with the wire surface of a daemon older than Calls."""
+    """The real servicer with the wire surface of a daemon older than CallBatches (and
+    than Calls: neither is served)."""
 
     def handler(self) -> grpc.GenericRpcHandler:
         every = super().handler()
+        older = {CALLS_METHOD, CALLS_METHOD.replace("/CallBatches", "/Calls")}
 
         class Older(grpc.GenericRpcHandler):  # type: ignore[misc]
             def service(self, details: grpc.HandlerCallDetails) -> Any:
-                return None if details.method == CALLS_METHOD else every.service(details)
+                return None if details.method in older else every.service(details)
 
         return Older()
 
@@ -384,7 +386,7 @@ def test_an_older_daemon_gets_unary_calls_and_no_error(
     assert c.get_job().summary.generation == m.generation
     c.leave()
     assert c._mux.unary and c._mux.opened == 1
-    said = [r for r in caplog.records if "no Calls method" in r.getMessage()]
+    said = [r for r in caplog.records if "no CallBatches method" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.DEBUG
 
 

@@ -231,6 +231,17 @@ def _two_rank_job(d: DaemonProcess, stream: Stream, job_id: str) -> dict[str, An
     return {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
 
 
+def _rank_1_enters_barrier_b(d: DaemonProcess, job_id: str) -> None:
+    """``_two_rank_job``'s rank 1 enters barrier "b" (unary, from outside the stream)."""
+    unary(
+        d,
+        "Barrier",
+        pb.BarrierRequest(
+            job_id=job_id, generation=1, rank=1, instance_id="i1", name="b", sequence=1
+        ),
+    )
+
+
 def test_a_parked_call_does_not_hold_up_the_calls_behind_it(
     daemon: DaemonProcess, stream: Stream, job_id: str
 ) -> None:
@@ -239,13 +250,7 @@ def test_a_parked_call_does_not_hold_up_the_calls_behind_it(
     stream.send(3, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
     stream.reply(3)
     assert 2 not in stream.order()  # rank 1 has not arrived: the barrier waits
-    unary(
-        daemon,
-        "Barrier",
-        pb.BarrierRequest(
-            job_id=job_id, generation=1, rank=1, instance_id="i1", name="b", sequence=1
-        ),
-    )
+    _rank_1_enters_barrier_b(daemon, job_id)
     assert stream.reply(2).WhichOneof("response") == "barrier"
     assert stream.order().index(3) < stream.order().index(2)
 
@@ -291,13 +296,7 @@ def test_a_parked_call_in_a_batch_holds_up_neither_the_batch_nor_its_errors(
         wait_for("both calls parked", lambda: _parked(daemon) == before + 2)
         s.send(4, "cancel", pb.CancelCall())
         wait_for("the KvGet released", lambda: _parked(daemon) == before + 1)
-        unary(
-            daemon,
-            "Barrier",
-            pb.BarrierRequest(
-                job_id=job_id, generation=1, rank=1, instance_id="i1", name="b", sequence=1
-            ),
-        )
+        _rank_1_enters_barrier_b(daemon, job_id)
         assert s.reply(1).WhichOneof("response") == "barrier"
         assert 4 not in s.order()
     finally:

@@ -161,6 +161,15 @@ def test_a_write_lock_held_elsewhere_is_waited_for_on_the_writer_thread_not_the_
     assert not [s for s in trace.on("MainThread") if s.startswith("INSERT")]
 
 
+async def _durable_kv_set(persister: Persister, n: int, done: list[int]) -> None:
+    """What the servicer does for one KvSet of rank 0, until it is answered (``done``)."""
+    persister.before_kv("j", f"k{n}")
+    persister.state.kv_set("j", 1, 0, f"k{n}", b"v", instance_id="i0")
+    persister.touch("j", f"k{n}")
+    await persister.durable("j")
+    done.append(n)
+
+
 def test_changes_made_in_one_loop_pass_share_one_commit(persisted: Any) -> None:
     """The group commit waits one loop pass before its cut: 8 KvSets whose handlers
     run in the same pass (one CallBatch of a node's workers) are one commit, one fsync,
@@ -168,15 +177,8 @@ def test_changes_made_in_one_loop_pass_share_one_commit(persisted: Any) -> None:
     _, persister, trace = persisted
     done: list[int] = []
 
-    async def kv_set(n: int) -> None:
-        persister.before_kv("j", f"k{n}")
-        persister.state.kv_set("j", 1, 0, f"k{n}", b"v", instance_id="i0")
-        persister.touch("j", f"k{n}")
-        await persister.durable("j")
-        done.append(n)
-
     async def main() -> None:
-        await asyncio.gather(*(kv_set(n) for n in range(8)))
+        await asyncio.gather(*(_durable_kv_set(persister, n, done) for n in range(8)))
 
     asyncio.run(main())
     assert sorted(done) == list(range(8))
@@ -190,6 +192,7 @@ def test_the_waiters_of_a_commit_all_wake_with_it(persisted: Any) -> None:
     their change committed: ~50 ms for a burst of 256 on a busy daemon)."""
     _, persister, _ = persisted
     passes = 0
+    answered: list[int] = []
     answered_at: list[int] = []
 
     async def ticker(stop: asyncio.Event) -> None:
@@ -197,18 +200,12 @@ def test_the_waiters_of_a_commit_all_wake_with_it(persisted: Any) -> None:
         while not stop.is_set():
             await asyncio.sleep(0)
             passes += 1
-
-    async def kv_set(n: int) -> None:
-        persister.before_kv("j", f"k{n}")
-        persister.state.kv_set("j", 1, 0, f"k{n}", b"v", instance_id="i0")
-        persister.touch("j", f"k{n}")
-        await persister.durable("j")
-        answered_at.append(passes)
+            answered_at.extend([passes] * (len(answered) - len(answered_at)))
 
     async def main() -> None:
         stop = asyncio.Event()
         ticking = asyncio.create_task(ticker(stop))
-        await asyncio.gather(*(kv_set(n) for n in range(64)))
+        await asyncio.gather(*(_durable_kv_set(persister, n, answered) for n in range(64)))
         stop.set()
         await ticking
 
