@@ -310,6 +310,15 @@ def _send_call(
     return call_id
 
 
+def route_of(mux: Any) -> str:
+    """How a client with call stream ``mux`` reaches the daemon (``call_route``)."""
+    if isinstance(mux, RelayedCalls | AsyncRelayedCalls):
+        return "relayed" if not mux.pending.failure else "unary"
+    if mux is None or mux.unary:
+        return "unary"
+    return "stream"
+
+
 def _outcome(f: Future[Any] | asyncio.Future[Any]) -> Any:
     error = f.exception()
     return f.result() if error is None else error

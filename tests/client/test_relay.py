@@ -103,6 +103,8 @@ def test_workers_exchange_keys_and_meet_in_barriers_through_their_agent(
     assert agent_sent["KvSet"] == agent_sent["Barrier"] == agent_sent["KvGet"] == GPUS
     assert all(r.sent["Barrier"] == 1 for r in node.relayed)
     assert [r.unary for r in node.relayed] == [False] * GPUS
+    assert [w.call_route for w in node.workers] == ["relayed"] * GPUS
+    assert node.agent.call_route == "stream"
 
 
 def test_a_nodes_burst_reaches_the_daemon_as_messages_of_several_calls(
@@ -164,6 +166,7 @@ def test_a_worker_whose_agent_is_gone_calls_the_daemon_itself(
     node.workers[4].kv_set("after", b"agent")
     assert node.workers[4].kv_get("after", wait=False) == b"agent"
     assert node.agent._mux.sent["KvSet"] == 0  # type: ignore[union-attr]
+    assert node.workers[4].call_route == "unary"
 
 
 def test_a_relay_link_that_ends_fails_its_calls_in_flight_over_to_the_worker(
@@ -191,6 +194,7 @@ def test_a_relay_link_that_ends_fails_its_calls_in_flight_over_to_the_worker(
 def test_an_agent_without_a_call_stream_relays_nothing(daemon: DaemonProcess, job_id: str) -> None:
     with RendezvousClient(daemon.endpoint, job_id, token=daemon.token, call_stream=False) as c:
         assert c.relay_end(lambda _reply: None) is None
+        assert c.call_route == "unary"
 
 
 async def test_asyncio_workers_relay_through_an_asyncio_agent(

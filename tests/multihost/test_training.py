@@ -26,6 +26,8 @@ def test_three_nodes_train_like_one_process_with_no_address_set(
     assert max(r["max_abs_grad_diff_vs_single_process"] for r in results) <= 1e-5
     # Different hosts: the TCP ring, over each host's own address (never loopback).
     assert {r["collective_transport"] for r in results} == {"tcp-ring"}
+    # Each worker's daemon calls went through its own host's agent, across the network.
+    assert {r["daemon_calls"] for r in results} == {"relayed"}
     members = cluster.job_members("plain")
     by_host = {m["host"]: m["address"] for m in members}
     assert by_host == {f"h{i}": cluster.hosts[i].address for i in (1, 2, 3)}, members

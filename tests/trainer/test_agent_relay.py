@@ -40,6 +40,7 @@ def test_workers_calls_go_through_their_node_agent(daemon: DaemonProcess, job_id
     assert [x["peer_value"] for x in relayed] == ["10", "20", "30", "0"]
     for x in relayed:
         assert x["transport"] == "RelayedCalls" and not x["unary"], x
+        assert x["route"] == "relayed", x
         # Its own three calls, and the ring's set-up before them, all relayed.
         assert x["sent"]["KvSet"] >= 1 and x["sent"]["Barrier"] >= 1, x
     calls = scrape(daemon.metrics_url)["rendezvousd_calls_per_message_sum"] - before

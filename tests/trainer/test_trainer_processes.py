@@ -43,6 +43,8 @@ def test_two_nodes_by_two_workers_match_single_process_baseline_and_one_checkpoi
     assert card["topology"]["world_size"] == 4 and card["steps"] == 12
     # Two simulated nodes: inter-node traffic stays on TCP even on one machine.
     assert card["topology"]["collective_transport"] == "tcp-ring"
+    # Every worker's daemon calls went through its node agent (client.relay).
+    assert card["topology"]["daemon_calls"] == ["relayed"]
     assert card["max_abs_grad_diff_vs_single_process"] <= 1e-5
     assert card["checkpoints_written"] == ["ckpt-0000000012.npz"]
     assert json.loads((tmp_path / "card.json").read_text()) == card

@@ -20,6 +20,7 @@ with init_distributed() as ctx:
         rank=rank,
         peer_value=peer.decode(),
         transport=type(mux).__name__,
+        route=rdzv.call_route,
         sent=dict(mux.sent),
         unary=mux.unary,
     )

@@ -235,6 +235,8 @@ def _run(
             else f"daemon over {nodes_n + 1} network hosts",
             # Simulated nodes keep inter-node traffic on the TCP ring, as real ones would.
             "collective_transport": r0.get("collective_transport"),
+            # Each rank's daemon calls: relayed through its node's agent (client.relay).
+            "daemon_calls": sorted({str(r.get("daemon_calls")) for r in per_rank}),
         },
         "steps": r0.get("steps"),
         "final_loss": r0.get("final_loss"),
