@@ -53,6 +53,7 @@ from rendezvousd.client.membership import (
     advertises_loopback,
     loopback_conflict,
 )
+from rendezvousd.client.relay import route_of
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -490,6 +491,14 @@ class ClientBase:
     @property
     def failure(self) -> RendezvousError | None:
         return self._s.failure
+
+    @property
+    def call_route(self) -> str:
+        """How this client's calls reach the daemon now: ``"relayed"`` (through its
+        node agent, ``relay_through``), ``"stream"`` (its own CallBatches stream) or
+        ``"unary"`` (``call_stream=False``, a daemon without CallBatches, or a relay
+        whose agent went away)."""
+        return route_of(getattr(self, "_mux", None))
 
     def _kv_scope(self) -> dict[str, Any]:
         """The fields naming this member on a request (tests build raw ones with it)."""

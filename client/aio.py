@@ -29,7 +29,7 @@ from rendezvousd.client._session import (
 )
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Member, Membership, NodeMembership
-from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, async_submit, route_of
+from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, async_submit
 
 T = TypeVar("T")
 _Requests = AsyncIterator[pb.HeartbeatRequest]
@@ -75,14 +75,6 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._hb_leave = False
 
     # -- relayed calls (``relay``) ----------------------------------------------------
-
-    @property
-    def call_route(self) -> str:
-        """How this client's calls reach the daemon now: ``"relayed"`` (through its
-        node agent, ``relay_through``), ``"stream"`` (its own CallBatches stream) or
-        ``"unary"`` (``call_stream=False``, a daemon without CallBatches, or a relay
-        whose agent went away)."""
-        return route_of(self._mux)
 
     def relay_end(self, reply: Send) -> RelayEnd | None:
         """``RendezvousClient.relay_end``; its ``forward`` runs on this client's loop."""

@@ -31,7 +31,7 @@ from rendezvousd.client._session import (
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Membership, NodeMembership
-from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, blocking_submit, route_of
+from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, blocking_submit
 
 T = TypeVar("T")
 # How long stopping the heartbeat waits for its threads and an opened stream's feeder.
@@ -126,14 +126,6 @@ class RendezvousClient(steps.ClientBase):
         _open.add(self)
 
     # -- relayed calls (``relay``) ----------------------------------------------------
-
-    @property
-    def call_route(self) -> str:
-        """How this client's calls reach the daemon now: ``"relayed"`` (through its
-        node agent, ``relay_through``), ``"stream"`` (its own CallBatches stream) or
-        ``"unary"`` (``call_stream=False``, a daemon without CallBatches, or a relay
-        whose agent went away)."""
-        return route_of(self._mux)
 
     def relay_end(self, reply: Send) -> RelayEnd | None:
         """A node agent's end of one worker's relay: the worker's calls made on this
