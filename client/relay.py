@@ -142,6 +142,10 @@ class RelayEnd:
         with self._lock:
             if call.id in self._cancels:  # not answered yet
                 self._cancels[call.id] = cancel
+                return
+            closed = self._closed
+        if closed:  # close() ran while it was being submitted: it took none to cancel
+            cancel()
 
     def _refusal(self, call: pb.Call, field: str | None) -> str | None:
         with self._lock:

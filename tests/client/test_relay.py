@@ -14,8 +14,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import pytest
+from google.rpc import status_pb2
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import (
     AsyncRendezvousClient,
     RendezvousClient,
@@ -229,3 +232,38 @@ async def test_asyncio_workers_relay_through_an_asyncio_agent(
         for w in workers:
             await w.close()
         await agent.close()
+
+
+def test_the_agents_end_refuses_what_its_worker_should_not_send(
+    daemon: DaemonProcess, node: Node
+) -> None:
+    """A Call with no request, no deadline, or the id of one in flight is answered
+    INVALID_ARGUMENT, naming why; after close() (the worker went) every Call is."""
+    replies: list[pb.Reply] = []
+    end = node.agent.relay_end(lambda data: replies.append(pb.Reply.FromString(data)))
+    assert end is not None
+    member = node.m.membership_for(0)
+    wait = pb.KvGetRequest(
+        job_id=member.job_id,
+        generation=member.generation,
+        rank=member.rank,
+        instance_id=node.m.member_instance_id(0),
+        key="never",
+        wait=True,
+    )
+    end.forward(pb.Call(id=1, timeout_ms=1000).SerializeToString())
+    end.forward(pb.Call(id=2, kv_get=wait).SerializeToString())
+    before = _parked(daemon)
+    end.forward(pb.Call(id=3, timeout_ms=30_000, kv_get=wait).SerializeToString())
+    wait_for("the relayed wait parked", lambda: _parked(daemon) == before + 1)
+    end.forward(pb.Call(id=3, timeout_ms=30_000, kv_get=wait).SerializeToString())
+    end.close()
+    wait_for("the closed end's wait released", lambda: _parked(daemon) == before)
+    end.forward(pb.Call(id=4, timeout_ms=1000, kv_get=wait).SerializeToString())
+    said = {r.id: status_pb2.Status.FromString(r.error) for r in replies}
+    assert sorted(said) == [1, 2, 3, 4]
+    assert {s.code for s in said.values()} == {grpc.StatusCode.INVALID_ARGUMENT.value[0]}
+    assert "sets no request field" in said[1].message
+    assert "has no deadline" in said[2].message
+    assert "already in flight" in said[3].message
+    assert "relay is closed" in said[4].message
