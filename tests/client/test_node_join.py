@@ -514,17 +514,8 @@ def test_a_replacement_cannot_take_a_survivors_seat_in_the_next_generation(
         assert "1 seat(s) kept for nodes re-joining after the failure (" in render_job(job)
         page = api(daemon, f"/api/jobs/{job_id}", token=daemon.token)
         assert page["seats_kept"] == 1 and 0 < page["seats_kept_s"] <= 10
-        joined: list[object] = []
-        survivor = threading.Thread(target=lambda: joined.append(a.join_node(**kw)), daemon=True)  # type: ignore[arg-type]
-        survivor.start()
-        spare.join(25)
-        if box and isinstance(box[0], RendezvousError):
-            # Its SDK's one retry came while the daemon was still starting (a loaded
-            # machine): it asks again, as rendezvous-run's standby loop does.
-            box[:] = [s.join_node(**kw, standby=True)]  # type: ignore[arg-type]
-        survivor.join(25)
-        (again,) = joined
-        assert isinstance(again, NodeMembership), again
+        again = a.join_node(**kw)  # type: ignore[arg-type]
+        spare.join(20)
         (called,) = box
         assert isinstance(called, NodeMembership), called
         assert again.generation == called.generation == gen2
@@ -573,10 +564,28 @@ def test_a_daemon_killed_while_seats_are_kept_keeps_them_after_its_restart(
         with pytest.raises(LimitExceeded) as full:
             r.join_node(**kw)  # type: ignore[arg-type]
         assert "seat(s) kept" in str(full.value)
-        again = a.join_node(**kw)  # type: ignore[arg-type]
-        spare.join(20)
+        joined: list[object] = []
+
+        def survive() -> None:
+            try:
+                joined.append(a.join_node(**kw))  # type: ignore[arg-type]
+            except RendezvousError as exc:
+                joined.append(exc)
+
+        survivor = threading.Thread(target=survive, daemon=True)
+        survivor.start()
+        spare.join(25)
+        first = list(box)
+        if box and isinstance(box[0], RendezvousError):
+            # The standby's join, cut by the SIGKILL, gave up (its one retry ran out of
+            # its 20 s under load: seen once in a few loaded fresh-clone runs): it asks
+            # again, as rendezvous-run's standby loop does.
+            box[:] = [s.join_node(**kw, standby=True)]  # type: ignore[arg-type]
+        survivor.join(25)
+        (again,) = joined
+        assert isinstance(again, NodeMembership), (again, first)
         (called,) = box
-        assert isinstance(called, NodeMembership), called
+        assert isinstance(called, NodeMembership), (called, first)
         assert again.generation == called.generation == 3 and again.num_nodes == 2
     finally:
         for c in (a, b, s, r):
