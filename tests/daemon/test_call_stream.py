@@ -482,3 +482,24 @@ def test_a_stopping_daemon_answers_the_calls_in_flight_and_ends_the_stream(
         assert d.proc.wait(30) == 0
     finally:
         s.close()
+
+
+def test_a_batch_over_the_request_limit_ends_its_stream_and_the_daemon_serves_on(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A CallBatch is one request message: over the 64 KiB limit (three 30 KiB KvSets)
+    its stream ends RESOURCE_EXHAUSTED, as docs/protocol.md says; nothing of it ran."""
+    s = Stream(daemon, method="CallBatches")
+    try:
+        member = _two_rank_job(daemon, s, job_id)
+        with s.hold():
+            for i in range(3):
+                s.send(
+                    10 + i, "kv_set", pb.KvSetRequest(**member, key=f"k{i}", value=b"x" * 30_000)
+                )
+        assert s.wait_ended().code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        s.close()
+    got = unary(daemon, "GetJob", pb.GetJobRequest(job_id=job_id))
+    assert got.kv_keys == 0  # none of the batch ran
+    assert_healthy(daemon, job_id + "-after")
