@@ -3,6 +3,7 @@ and warm spares as real processes (no daemon needed for any of these)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -321,3 +323,40 @@ def test_spare_gets_assignment_and_state_only_over_the_channel() -> None:
     assert report["restored_step"] == 9 and report["restored_w"] == [9.0, 9.0]
     assert report["env_has_fd"]  # only the descriptor number: the secrets are not there
     assert SECRET.hex() not in done.stdout
+
+
+def test_a_best_effort_frame_to_a_peer_that_reads_nothing_gives_up_in_time() -> None:
+    """``send(within=)``: behind a sender stuck on a full socket it gives up when its
+    time is out (it never waits on the lock for ever); on a full socket of its own it
+    closes the channel (a frame cut short loses the framing) and says so."""
+    mine, peer = socket.socketpair()
+    ch = Channel(mine)
+    try:
+
+        def flood() -> None:
+            with contextlib.suppress(AgentChannelError):  # the peer closes at the end
+                ch.send("reply", None, b"x" * (64 << 20))
+
+        stuck = threading.Thread(target=flood, daemon=True)
+        stuck.start()
+        time.sleep(0.2)  # let it fill the socket and block, holding the send lock
+        started = time.monotonic()
+        with pytest.raises(AgentChannelError, match="another send is stuck"):
+            ch.send("abort", {"cause": "c"}, within=0.3)
+        assert 0.25 <= time.monotonic() - started < 2
+    finally:
+        peer.close()  # the blocked sender fails: the peer is gone
+        stuck.join(5)
+        ch.close()
+    mine, peer = socket.socketpair()
+    ch = Channel(mine)
+    try:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                mine.send(b"\0" * 65536, socket.MSG_DONTWAIT)  # the socket full
+        with pytest.raises(AgentChannelError, match="the peer read nothing"):
+            ch.send("abort", {"cause": "c"}, within=0.2)
+        assert ch.closed
+    finally:
+        peer.close()
+        ch.close()

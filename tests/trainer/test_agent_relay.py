@@ -45,3 +45,23 @@ def test_workers_calls_go_through_their_node_agent(daemon: DaemonProcess, job_id
         assert x["sent"]["KvSet"] >= 1 and x["sent"]["Barrier"] >= 1, x
     calls = scrape(daemon.metrics_url)["rendezvousd_calls_per_message_sum"] - before
     assert calls >= sum(sum(x["sent"].values()) for x in relayed)
+
+
+def test_a_worker_that_reads_no_replies_is_failed_not_waited_for(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A worker floods relayed calls and reads no reply: its replies queue on a thread
+    of its own (the node's call stream goes on), and past MAX_UNSENT_REPLIES the agent
+    fails it with that cause; stopping it does not hang on its full channel."""
+    cmd = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
+    done = subprocess.run(
+        [*cmd, "--job-id", job_id, "--max-restarts", "0", str(WORKERS / "flood_worker.py")],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "it stopped reading its agent channel: 1024 replies" in done.stderr, done.stderr

@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -88,8 +90,16 @@ class Channel:
         return cls(sock)
 
     def send(
-        self, kind: str, header: Mapping[str, Any] | None = None, payload: bytes = b""
+        self,
+        kind: str,
+        header: Mapping[str, Any] | None = None,
+        payload: bytes = b"",
+        *,
+        within: float | None = None,
     ) -> None:
+        """Send one frame. ``within``: give up after that many seconds (a best-effort
+        frame to a peer that reads nothing: the channel is then closed, since a frame
+        cut short loses its framing); None: wait as long as the peer takes."""
         body = json.dumps({"kind": kind, **(header or {})}).encode("utf-8")
         if len(body) > MAX_HEADER:
             raise AgentChannelError(
@@ -102,6 +112,9 @@ class Channel:
                 f"{MAX_PAYLOAD} bytes"
             )
         data = _PREFIX.pack(len(body), len(payload))
+        if within is not None:
+            self._send_within(kind, data + body + payload, time.monotonic() + within)
+            return
         try:
             with self._send_lock:
                 self.sock.sendall(data + body)
@@ -109,6 +122,30 @@ class Channel:
                     self.sock.sendall(payload)
         except OSError as exc:
             raise AgentChannelError(f"channel send of {kind!r} failed: {exc}") from exc
+
+    def _send_within(self, kind: str, frame: bytes, deadline: float) -> None:
+        # Without a deadline, a sender blocked on a full socket holds the send lock, and
+        # every other sender waits behind it (the agent's main thread, with its abort).
+        if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise AgentChannelError(f"channel send of {kind!r}: another send is stuck")
+        try:
+            view = memoryview(frame)
+            while view:
+                try:
+                    view = view[self.sock.send(view, socket.MSG_DONTWAIT) :]
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.close()
+                        raise AgentChannelError(
+                            f"channel send of {kind!r}: the peer read nothing for the "
+                            "frame; the channel is closed"
+                        ) from None
+                    select.select([], [self.sock], [], left)
+        except OSError as exc:
+            raise AgentChannelError(f"channel send of {kind!r} failed: {exc}") from exc
+        finally:
+            self._send_lock.release()
 
     def recv(self, timeout: float | None = None) -> Frame | None:
         """The next frame; None at a clean end of stream. ``timeout`` bounds the wait

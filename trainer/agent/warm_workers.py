@@ -38,6 +38,13 @@ from rendezvousd.trainer.errors import AgentChannelError
 #: Makes the agent's end of a worker's relayed calls (``client.relay``): the
 #: agent client's ``relay_end``; None when it makes no call stream.
 RelayFactory = Callable[[Send], RelayEnd | None]
+#: Replies to a worker's relayed calls the agent holds while the worker does not read
+#: them; one more and the worker has failed ("stopped reading its agent channel"). A
+#: worker's replies are bounded by its own calls in flight: a handful.
+MAX_UNSENT_REPLIES = 1024
+# How long a best-effort frame (abort, failure-noted) may wait for a worker that reads
+# nothing: the agent's main thread sends them, and it must go on to stop the worker.
+BEST_EFFORT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,15 @@ class WorkerProcess:
         self._events = events
         self._state = state
         self._relay = relay(self._send_reply) if relay is not None else None
-        for target, name in ((self._reap, "reaper"), (self._read, "reader")):
+        # Replies go out from a thread of this worker's, never from the agent's call
+        # stream reader, which every worker of the node shares: a worker that stops
+        # reading its channel holds up its own replies only.
+        self._replies: queue.Queue[bytes | None] = queue.Queue()
+        self._overflowed = False
+        threads = [(self._reap, "reaper"), (self._read, "reader")]
+        if self._relay is not None:
+            threads.append((self._send_replies, "replies"))
+        for target, name in threads:
             threading.Thread(
                 target=target, daemon=True, name=f"rendezvous-agent-{name}-{serial}"
             ).start()
@@ -185,10 +200,25 @@ class WorkerProcess:
                 self._relay.close()  # a gone worker's parked calls must not hold the daemon
 
     def _send_reply(self, reply: bytes) -> None:
-        try:
-            self.channel.send("reply", None, reply)
-        except AgentChannelError as exc:
-            raise ConnectionError(str(exc)) from exc
+        if self._replies.qsize() >= MAX_UNSENT_REPLIES:
+            if not self._overflowed:
+                self._overflowed = True
+                self._events.put(
+                    Misbehaved(
+                        self,
+                        f"it stopped reading its agent channel: {MAX_UNSENT_REPLIES} "
+                        "replies to its daemon calls unread",
+                    )
+                )
+            raise ConnectionError("the worker reads no replies")
+        self._replies.put(reply)
+
+    def _send_replies(self) -> None:
+        while (reply := self._replies.get()) is not None:
+            try:
+                self.channel.send("reply", None, reply)
+            except AgentChannelError:
+                return  # the worker went: its reader's end closes the relay
 
     def assign(self, assignment: Assignment, restored: StepState | None) -> None:
         """Make this spare the worker of ``assignment`` (one frame; the spare reads
@@ -218,16 +248,17 @@ class WorkerProcess:
     def abort(self, cause: str) -> None:
         """Tell the worker why it is about to be stopped (best effort)."""
         with contextlib.suppress(AgentChannelError):
-            self.channel.send("abort", {"cause": cause})
+            self.channel.send("abort", {"cause": cause}, within=BEST_EFFORT_S)
 
     def ack_failure(self) -> None:
         """The reported failure is known to the daemon: the worker may close its ring."""
         with contextlib.suppress(AgentChannelError):
-            self.channel.send("failure-noted")
+            self.channel.send("failure-noted", within=BEST_EFFORT_S)
 
     def close(self) -> None:
         if self._relay is not None:
             self._relay.close()
+            self._replies.put(None)
         self.channel.close()
 
 
