@@ -360,3 +360,16 @@ def test_a_best_effort_frame_to_a_peer_that_reads_nothing_gives_up_in_time() -> 
     finally:
         peer.close()
         ch.close()
+
+
+def test_a_workers_unread_replies_are_bounded_by_count_and_by_bytes() -> None:
+    from rendezvousd.trainer.agent.warm_workers import (
+        MAX_UNSENT_BYTES,
+        MAX_UNSENT_REPLIES,
+        replies_full,
+    )
+
+    assert not replies_full(MAX_UNSENT_REPLIES - 1, 0, 100)
+    assert replies_full(MAX_UNSENT_REPLIES, 0, 100)
+    assert not replies_full(3, MAX_UNSENT_BYTES - 100, 100)
+    assert replies_full(3, MAX_UNSENT_BYTES - 100, 101)

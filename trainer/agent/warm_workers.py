@@ -42,9 +42,16 @@ RelayFactory = Callable[[Send], RelayEnd | None]
 #: them; one more and the worker has failed ("stopped reading its agent channel"). A
 #: worker's replies are bounded by its own calls in flight: a handful.
 MAX_UNSENT_REPLIES = 1024
+#: ... and the bytes they may hold together (a GetJob of a large job is ~0.5 MB).
+MAX_UNSENT_BYTES = 64 << 20
 # How long a best-effort frame (abort, failure-noted) may wait for a worker that reads
 # nothing: the agent's main thread sends them, and it must go on to stop the worker.
 BEST_EFFORT_S = 1.0
+
+
+def replies_full(unsent: int, unsent_bytes: int, size: int) -> bool:
+    """Whether one more reply of ``size`` bytes is past what a worker may leave unread."""
+    return unsent >= MAX_UNSENT_REPLIES or unsent_bytes + size > MAX_UNSENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ class WorkerProcess:
         # stream reader, which every worker of the node shares: a worker that stops
         # reading its channel holds up its own replies only.
         self._replies: queue.Queue[bytes | None] = queue.Queue()
+        self._unsent_bytes = 0
+        self._unsent_lock = threading.Lock()
         self._overflowed = False
         threads = [(self._reap, "reaper"), (self._read, "reader")]
         if self._relay is not None:
@@ -200,13 +209,17 @@ class WorkerProcess:
                 self._relay.close()  # a gone worker's parked calls must not hold the daemon
 
     def _send_reply(self, reply: bytes) -> None:
-        if self._replies.qsize() >= MAX_UNSENT_REPLIES:
+        with self._unsent_lock:
+            full = replies_full(self._replies.qsize(), self._unsent_bytes, len(reply))
+            if not full:
+                self._unsent_bytes += len(reply)
+        if full:
             if not self._overflowed:
                 self._overflowed = True
                 self._events.put(
                     Misbehaved(
                         self,
-                        f"it stopped reading its agent channel: {MAX_UNSENT_REPLIES} "
+                        f"it stopped reading its agent channel: {self._replies.qsize()} "
                         "replies to its daemon calls unread",
                     )
                 )
@@ -219,6 +232,8 @@ class WorkerProcess:
                 self.channel.send("reply", None, reply)
             except AgentChannelError:
                 return  # the worker went: its reader's end closes the relay
+            with self._unsent_lock:
+                self._unsent_bytes -= len(reply)
 
     def assign(self, assignment: Assignment, restored: StepState | None) -> None:
         """Make this spare the worker of ``assignment`` (one frame; the spare reads
