@@ -29,7 +29,7 @@ from rendezvousd.client._session import (
 )
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Member, Membership, NodeMembership
-from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, async_submit
+from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, submit_on
 
 T = TypeVar("T")
 _Requests = AsyncIterator[pb.HeartbeatRequest]
@@ -80,7 +80,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         """``RendezvousClient.relay_end``; its ``forward`` runs on this client's loop."""
         if not isinstance(self._mux, AsyncCallStream):
             return None
-        return RelayEnd(async_submit(self._mux), reply)
+        return RelayEnd(
+            submit_on(self._mux, lambda: asyncio.get_running_loop().create_future()), reply
+        )
 
     def relay_through(self, send: Send) -> AsyncRelayedCalls:
         """``RendezvousClient.relay_through``; ``deliver`` runs on this client's loop.

@@ -42,6 +42,7 @@ from rendezvousd.client._multiplex import (
     Unsupported,
     cancel_message,
     closed_error,
+    copy_error,
     deadline_error,
     rpc_error,
 )
@@ -54,7 +55,6 @@ Send = Callable[[bytes], None]
 Submit = Callable[[str, Any, float, Callable[[Any], None]], Callable[[], None]]
 
 _METHODS = {field: method for method, field in FIELDS.items()}
-_REPLY_FIELDS = {f.name for f in pb.Reply.DESCRIPTOR.fields}
 
 
 def _not_relayed(message: str) -> bytes:
@@ -72,13 +72,12 @@ def _not_relayed(message: str) -> bytes:
 
 def _status_of(exc: grpc.RpcError) -> bytes:
     """A call's error as a Reply's ``error``: its rich status where it has one."""
-    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else ()
-    for key, value in trailing or ():
+    error = copy_error(exc)  # whatever kind of RpcError: its code, details and trailers
+    for key, value in error.trailing_metadata() or ():
         if key == STATUS_TRAILER:
             return bytes(value)
-    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    data: bytes = status_pb2.Status(code=code.value[0], message=details or "").SerializeToString()
+    status = status_pb2.Status(code=error.code().value[0], message=error.details() or "")
+    data: bytes = status.SerializeToString()
     return data
 
 
@@ -103,7 +102,7 @@ class RelayEnd:
     link's reader, outcomes arrive on the stream's reader."""
 
     def __init__(self, submit: Submit, reply: Send) -> None:
-        """``submit``: a call on the agent's stream (``blocking_submit``); ``reply``:
+        """``submit``: a call on the agent's stream (``submit_on``); ``reply``:
         sends an encoded Reply to the worker."""
         self._submit = submit
         self._reply = reply
@@ -194,50 +193,72 @@ def _link_ended() -> grpc.RpcError:
     )
 
 
-def _end(pending: Pending[Any], failure: Callable[[], grpc.RpcError]) -> None:
-    for waiter in pending.end(failure()):
-        if not waiter.done():
-            waiter.set_exception(failure())  # one error object per caller
-
-
-class RelayedCalls:
-    """A blocking client's call stream through its node agent (``relay_through``)."""
+class _Relayed:
+    """What both workers' ends are: the calls in flight over the link, and what a
+    client's call stream shows (``unary``, ``opened``, ``sent``: tests, benchmarks)."""
 
     def __init__(self, send: Send) -> None:
-        self.pending: Pending[Future[Any]] = Pending()
+        self.pending: Pending[Any] = Pending()
         self._send = send
-        # What a client's call stream shows (tests, benchmarks).
         self.unary = False
         self.opened = 1
         self.sent: Counter[str] = Counter()
 
-    def call(self, method: str, request: Any, timeout: float) -> Any:
-        """As ``BlockingCallStream.call``; ``Unsupported`` once the link is gone."""
-        waiter: Future[Any] = Future()
-        call_id = _send_call(self, method, request, timeout, waiter)
-        try:
-            return waiter.result(timeout)
-        except TimeoutError:
-            if self.pending.drop(call_id):
-                with contextlib.suppress(OSError):
-                    self._send(cancel_message(call_id).SerializeToString())
-                raise deadline_error() from None
-        return waiter.result()  # answered as its deadline passed
-
     def deliver(self, payload: bytes) -> None:
-        """A Reply from the agent (the link's reader)."""
+        """A Reply from the agent (the link's reader; an asyncio client's loop)."""
         settle(self, pb.Reply.FromString(payload))
 
     def end(self, failure: Callable[[], grpc.RpcError] = _link_ended) -> None:
         """The link is gone: calls in flight fail UNAVAILABLE (retried, then made
         unary); later calls are unary."""
-        _end(self.pending, failure)
+        for waiter in self.pending.end(failure()):
+            if not waiter.done():
+                waiter.set_exception(failure())  # one error object per caller
 
     def open(self) -> None:
         """Nothing to open: the agent's stream is the agent's."""
 
     def retire(self) -> None:
         """A draining daemon: the agent's stream retires itself."""
+
+    def _start(self, method: str, request: Any, timeout: float, waiter: Any) -> int:
+        """Send a new call over the link: its id. ``Unsupported`` once the link is gone."""
+        try:
+            call_id, message = self.pending.add(method, request, timeout, waiter)
+        except grpc.RpcError:
+            raise Unsupported from None  # the link ended: unary from now on
+        try:
+            self._send(message.SerializeToString())
+        except OSError:
+            self.pending.drop(call_id)
+            self.end()
+            raise Unsupported from None
+        self.sent[method] += 1
+        return call_id
+
+    def _give_up(self, call_id: int) -> bool:
+        """The caller gave up on call ``call_id``: True (and the agent told, which
+        cancels it on its stream) when it was still in flight."""
+        if not self.pending.drop(call_id):
+            return False
+        with contextlib.suppress(OSError):
+            self._send(cancel_message(call_id).SerializeToString())
+        return True
+
+
+class RelayedCalls(_Relayed):
+    """A blocking client's call stream through its node agent (``relay_through``)."""
+
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        """As ``BlockingCallStream.call``; ``Unsupported`` once the link is gone."""
+        waiter: Future[Any] = Future()
+        call_id = self._start(method, request, timeout, waiter)
+        try:
+            return waiter.result(timeout)
+        except TimeoutError:
+            if self._give_up(call_id):
+                raise deadline_error() from None
+        return waiter.result()  # answered as its deadline passed
 
     def close(self) -> None:
         """The client closes: its calls in flight fail CANCELLED, as on its own stream."""
@@ -246,119 +267,52 @@ class RelayedCalls:
     abandon = close
 
 
-class AsyncRelayedCalls:
+class AsyncRelayedCalls(_Relayed):
     """``RelayedCalls`` for an asyncio client; ``deliver`` runs on its loop."""
-
-    def __init__(self, send: Send) -> None:
-        self.pending: Pending[asyncio.Future[Any]] = Pending()
-        self._send = send
-        self.unary = False
-        self.opened = 1
-        self.sent: Counter[str] = Counter()
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        call_id = _send_call(self, method, request, timeout, waiter)
+        call_id = self._start(method, request, timeout, waiter)
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(waiter)
         except TimeoutError:
-            if not self.pending.drop(call_id):
+            if not self._give_up(call_id):
                 return await waiter
-            with contextlib.suppress(OSError):
-                self._send(cancel_message(call_id).SerializeToString())
             raise deadline_error() from None
         except asyncio.CancelledError:
-            if self.pending.drop(call_id):
-                with contextlib.suppress(OSError):
-                    self._send(cancel_message(call_id).SerializeToString())
-            elif waiter.done() and not waiter.cancelled():
+            if not self._give_up(call_id) and waiter.done() and not waiter.cancelled():
                 waiter.exception()
             raise
-
-    def deliver(self, payload: bytes) -> None:
-        settle(self, pb.Reply.FromString(payload))
-
-    def end(self, failure: Callable[[], grpc.RpcError] = _link_ended) -> None:
-        _end(self.pending, failure)
-
-    def open(self) -> None:
-        """Nothing to open."""
-
-    def retire(self) -> None:
-        """The agent's stream retires itself."""
 
     async def close(self) -> None:
         self.end(closed_error)
 
 
-def _send_call(
-    relayed: RelayedCalls | AsyncRelayedCalls,
-    method: str,
-    request: Any,
-    timeout: float,
-    waiter: Any,
-) -> int:
-    """Send a new call over the link: its id. ``Unsupported`` once the link is gone."""
-    try:
-        call_id, message = relayed.pending.add(method, request, timeout, waiter)
-    except grpc.RpcError:
-        raise Unsupported from None  # the link ended: unary from now on
-    try:
-        relayed._send(message.SerializeToString())
-    except OSError:
-        relayed.pending.drop(call_id)
-        relayed.end()
-        raise Unsupported from None
-    relayed.sent[method] += 1
-    return call_id
-
-
 def route_of(mux: Any) -> str:
     """How a client with call stream ``mux`` reaches the daemon (``call_route``)."""
-    if isinstance(mux, RelayedCalls | AsyncRelayedCalls):
+    if isinstance(mux, _Relayed):
         return "relayed" if not mux.pending.failure else "unary"
     if mux is None or mux.unary:
         return "unary"
     return "stream"
 
 
-def _outcome(f: Future[Any] | asyncio.Future[Any]) -> Any:
-    error = f.exception()
-    return f.result() if error is None else error
-
-
-def blocking_submit(stream: Any) -> Submit:
-    """``RelayEnd``'s ``submit`` on a blocking client's call stream."""
+def submit_on(stream: Any, new_waiter: Callable[[], Any]) -> Submit:
+    """``RelayEnd``'s ``submit`` on a client's call stream: ``new_waiter`` makes the
+    future its twin's calls wait on (``concurrent.futures.Future`` for the blocking
+    client's stream; the running loop's ``create_future`` for the asyncio one's)."""
 
     def submit(
         method: str, request: Any, timeout: float, done: Callable[[Any], None]
     ) -> Callable[[], None]:
-        waiter: Future[Any] = Future()
-        on, call_id = stream.submit(method, request, timeout, waiter)
-        waiter.add_done_callback(lambda f: done(_outcome(f)))
-
-        def cancel() -> None:
-            if on.pending.drop(call_id):
-                on.cancel(call_id)
-
-        return cancel
-
-    return submit
-
-
-def async_submit(stream: Any) -> Submit:
-    """``RelayEnd``'s ``submit`` on an asyncio client's call stream (on its loop)."""
-
-    def submit(
-        method: str, request: Any, timeout: float, done: Callable[[Any], None]
-    ) -> Callable[[], None]:
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiter = new_waiter()
         on, call_id = stream.submit(method, request, timeout, waiter)
 
-        def finished(f: asyncio.Future[Any]) -> None:
+        def finished(f: Any) -> None:
             if not f.cancelled():
-                done(_outcome(f))
+                error = f.exception()
+                done(f.result() if error is None else error)
 
         waiter.add_done_callback(finished)
 

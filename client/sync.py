@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -31,7 +32,7 @@ from rendezvousd.client._session import (
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.membership import Membership, NodeMembership
-from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, blocking_submit
+from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, submit_on
 
 T = TypeVar("T")
 # How long stopping the heartbeat waits for its threads and an opened stream's feeder.
@@ -134,7 +135,7 @@ class RendezvousClient(steps.ClientBase):
         the daemon itself."""
         if not isinstance(self._mux, BlockingCallStream):
             return None
-        return RelayEnd(blocking_submit(self._mux), reply)
+        return RelayEnd(submit_on(self._mux, Future), reply)
 
     def relay_through(self, send: Send) -> RelayedCalls:
         """Make this client's calls through its node agent (``send`` carries each
