@@ -1,0 +1,53 @@
+"""benchmarks/soak.py's answer times: a barrier round's answers counted from its last
+arrival, a join's from its generation's forming, and what has no reference left out.
+A wrong reference (the first arrival, or each call's own start) would report the
+wait for peers as the daemon's answer time, or hide it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from tests.support import ROOT
+
+
+@pytest.fixture
+def soak(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """benchmarks/soak.py as a module; it imports its siblings as a script does."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("soak_bench", ROOT / "benchmarks" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_barrier_round_is_timed_from_its_last_arrival(soak: Any) -> None:
+    meetings = [
+        # job a, round 0: the last member arrives at 10.5; answers at 10.6 and 10.7.
+        ("a", 0, 10.0, 10.6),
+        ("a", 0, 10.5, 10.7),
+        # job a, round 1 is a meeting of its own (last arrival 20.0).
+        ("a", 1, 20.0, 20.2),
+        ("a", 1, 19.0, 20.1),
+        # job b, round 0: another job's round is not job a's.
+        ("b", 0, 10.9, 11.0),
+    ]
+    got = soak._answer_times(meetings)
+    assert got == pytest.approx([0.1, 0.2, 0.2, 0.1, 0.1])
+
+
+def test_a_join_is_timed_from_its_generations_forming(soak: Any) -> None:
+    meetings = [("a", 0, 1.0, 5.25), ("a", 0, 4.0, 5.5), ("b", 0, 2.0, 3.0)]
+    # Job b did not report a forming instant (not running any more): left out, not
+    # timed from its members' calls.
+    got = soak._answer_times(meetings, {"a": 5.0})
+    assert got == pytest.approx([0.25, 0.5])
+
+
+def test_an_answer_read_before_the_daemons_dated_forming_counts_as_zero(soak: Any) -> None:
+    # state_age_ms is whole milliseconds: the forming instant may land just after an
+    # answer's own clock reading.
+    assert soak._answer_times([("a", 0, 1.0, 4.9995)], {"a": 5.0}) == [0.0]
