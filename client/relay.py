@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._call_stream import settle
@@ -43,10 +44,11 @@ from rendezvousd.client._multiplex import (
     cancel_message,
     closed_error,
     copy_error,
-    deadline_error,
     rpc_error,
 )
 from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
+
+log = logging.getLogger("rendezvousd.client")
 
 #: Sends one encoded message over the link (raises OSError once it is gone).
 Send = Callable[[bytes], None]
@@ -57,17 +59,26 @@ Submit = Callable[[str, Any, float, Callable[[Any], None]], Callable[[], None]]
 _METHODS = {field: method for method, field in FIELDS.items()}
 
 
+def _rich_status(
+    code: grpc.StatusCode, reason: str, message: str, metadata: dict[str, str] | None = None
+) -> bytes:
+    """An encoded google.rpc.Status with an ErrorInfo, as the daemon's errors carry."""
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, metadata=metadata or {}))
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    data: bytes = status.SerializeToString()
+    return data
+
+
 def _not_relayed(message: str) -> bytes:
     """The status that makes the worker's client make the call unary: the daemon's
     own "stream full" refusal (``_multiplex.stream_full``), which means "never run"."""
-    info = error_details_pb2.ErrorInfo(
-        reason="LIMIT_EXCEEDED", metadata={"limit": "max_concurrent_streams"}
+    return _rich_status(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "LIMIT_EXCEEDED",
+        message,
+        {"limit": "max_concurrent_streams"},
     )
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail])
-    data: bytes = status.SerializeToString()
-    return data
 
 
 def _status_of(exc: grpc.RpcError) -> bytes:
@@ -193,6 +204,28 @@ def _link_ended() -> grpc.RpcError:
     )
 
 
+#: Why a relayed call unanswered at its own deadline failed, and why the worker's
+#: other calls then fail over to its own channel.
+_STALLED = (
+    "no answer through the node agent within the call's deadline (the agent, or its "
+    "stream to the daemon, is stuck); this worker makes its calls on its own channel "
+    "from now on"
+)
+
+
+def _agent_stalled() -> grpc.RpcError:
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, _STALLED)
+
+
+def _stalled_call() -> grpc.RpcError:
+    """The call the stuck agent did not answer: DEADLINE_EXCEEDED with the reason
+    RELAY_STALLED (the SDK's own, never the daemon's), so that a call the retry
+    policy does not re-make says why, not "the daemon did not answer in time"."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = _rich_status(code, "RELAY_STALLED", _STALLED)
+    return rpc_error(code, _STALLED, ((STATUS_TRAILER, status),))
+
+
 class _Relayed:
     """What both workers' ends are: the calls in flight over the link, and what a
     client's call stream shows (``unary``, ``opened``, ``sent``: tests, benchmarks)."""
@@ -245,6 +278,23 @@ class _Relayed:
             self._send(cancel_message(call_id).SerializeToString())
         return True
 
+    def _timed_out(self, call_id: int) -> grpc.RpcError | None:
+        """Call ``call_id``'s own deadline passed: None when its Reply came meanwhile.
+        Else the agent answered nothing by the deadline it gave the daemon (the daemon's
+        answer, or its stream's error, would have come back): it is stuck. The link
+        ends as if the agent had gone (the other calls in flight fail over, retried on
+        the worker's own channel, and so are later calls), and the call fails
+        DEADLINE_EXCEEDED, which the retry policy re-makes there where the method
+        allows. Before, the retry went through the stuck agent again and the worker
+        heard "is the daemon running?" after twice the deadline."""
+        if not self._give_up(call_id):
+            return None
+        # Said once per worker: the relay is over for it, and an operator should know
+        # that a node agent got stuck.
+        log.warning("relayed daemon call %d: %s", call_id, _STALLED)
+        self.end(_agent_stalled)
+        return _stalled_call()
+
 
 class RelayedCalls(_Relayed):
     """A blocking client's call stream through its node agent (``relay_through``)."""
@@ -256,8 +306,8 @@ class RelayedCalls(_Relayed):
         try:
             return waiter.result(timeout)
         except TimeoutError:
-            if self._give_up(call_id):
-                raise deadline_error() from None
+            if (stalled := self._timed_out(call_id)) is not None:
+                raise stalled from None
         return waiter.result()  # answered as its deadline passed
 
     def close(self) -> None:
@@ -277,9 +327,9 @@ class AsyncRelayedCalls(_Relayed):
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(waiter)
         except TimeoutError:
-            if not self._give_up(call_id):
+            if (stalled := self._timed_out(call_id)) is None:
                 return await waiter
-            raise deadline_error() from None
+            raise stalled from None
         except asyncio.CancelledError:
             if not self._give_up(call_id) and waiter.done() and not waiter.cancelled():
                 waiter.exception()

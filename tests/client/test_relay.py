@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +26,7 @@ from rendezvousd.client import (
     RendezvousError,
     RendezvousTimeout,
 )
+from rendezvousd.client._session import SLACK_S
 from rendezvousd.client.relay import RelayedCalls, RelayEnd
 from tests.support import DaemonProcess, scrape, wait_for
 
@@ -267,3 +269,99 @@ def test_the_agents_end_refuses_what_its_worker_should_not_send(
     assert "has no deadline" in said[2].message
     assert "already in flight" in said[3].message
     assert "relay is closed" in said[4].message
+
+
+async def test_a_cancelled_asyncio_workers_relayed_wait_is_cancelled_on_the_daemon(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A worker's task cancelled under a parked relayed call (a training loop torn
+    down, a wait_for around it) tells its agent, which cancels the call on its stream:
+    the daemon's parked wait goes at once, not at its 60 s wait."""
+    agent = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    m = await agent.join_node(
+        min_nodes=1, max_nodes=1, gpus_per_node=1, node_rank=0, host="h0", timeout=20
+    )
+    worker = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    worker.attach(m.membership_for(0), m.member_instance_id(0))
+    box: list[Any] = []
+    end = agent.relay_end(lambda reply: box[0].deliver(reply))
+    assert end is not None
+    box.append(worker.relay_through(end.forward))
+    try:
+        before = _parked(daemon)
+        waiting = asyncio.create_task(worker.kv_get("never", timeout=60))
+        while _parked(daemon) != before + 1:
+            await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        loop = asyncio.get_running_loop()
+        released_by = loop.time() + 10
+        while _parked(daemon) != before and loop.time() < released_by:
+            await asyncio.sleep(0.05)
+        assert _parked(daemon) == before, "the cancelled worker's wait is still parked"
+        # The relay goes on serving the worker.
+        await worker.kv_set("after", b"cancel")
+        assert await worker.kv_get("after", wait=False) == b"cancel"
+        assert worker.call_route == "relayed"
+    finally:
+        await worker.close()
+        await agent.close()
+
+
+def test_a_worker_whose_agent_never_answers_fails_over_to_its_own_channel(
+    daemon: DaemonProcess, node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent that takes the worker's calls and answers none (stalled, or its stream
+    stuck): at the call's own deadline (the daemon's wait plus the SDK's slack) the
+    agent is told to cancel it, the call is re-made on the worker's own channel (the
+    retry policy's one retry), and so are later calls. Before, the retry went through
+    the stuck agent too, and the worker heard "is the daemon running and reachable?"
+    after twice the deadline while the daemon was fine."""
+    node.agent.start_heartbeat()  # the job must outlive the deadline (seconds)
+    sent: list[pb.Call] = []
+    w = node.workers[7]
+    relayed = w.relay_through(lambda data: sent.append(pb.Call.FromString(data)))
+    node.workers[6].kv_set("ready", b"yes")
+    started = time.monotonic()
+    assert w.kv_get("ready", timeout=0.5) == b"yes"
+    took = time.monotonic() - started
+    assert SLACK_S <= took <= 0.5 + SLACK_S + 5, took
+    asked, told = sent
+    assert asked.WhichOneof("request") == "kv_get"
+    assert told.WhichOneof("request") == "cancel" and told.id == asked.id
+    assert w.call_route == "unary"
+    w.kv_set("later", b"own")  # made on its own channel, not through the stuck agent
+    assert len(sent) == 2
+    said = [r.getMessage() for r in caplog.records if "through the node agent" in r.getMessage()]
+    assert len(said) == 1, said  # an operator hears of the stuck agent, once
+    assert not relayed.pending.drop(asked.id)  # nothing of it is left in flight
+
+
+async def test_an_asyncio_worker_whose_agent_never_answers_fails_over_too(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """The same for an asyncio worker; and a call the retry policy does not re-make
+    (a KvAdd may have run) says that the agent did not answer, not the daemon."""
+    agent = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    m = await agent.join_node(
+        min_nodes=1, max_nodes=1, gpus_per_node=1, node_rank=0, host="h0", timeout=20
+    )
+    agent.start_heartbeat()
+    worker = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token, call_timeout=1.0)
+    worker.attach(m.membership_for(0), m.member_instance_id(0))
+    sent: list[pb.Call] = []
+    worker.relay_through(lambda data: sent.append(pb.Call.FromString(data)))
+    try:
+        with pytest.raises(RendezvousTimeout) as stalled:
+            await worker.kv_add("n", 1)
+        assert "no answer through the node agent" in str(stalled.value)
+        assert stalled.value.reason == "RELAY_STALLED"
+        assert [c.WhichOneof("request") for c in sent] == ["kv_add", "cancel"]
+        assert worker.call_route == "unary"
+        await worker.kv_set("k", b"v")  # on its own channel
+        assert await worker.kv_get("k", wait=False) == b"v"
+        assert len(sent) == 2
+    finally:
+        await worker.close()
+        await agent.close()
