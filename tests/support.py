@@ -58,6 +58,19 @@ class DaemonProcess:
             self.proc.wait(10)
 
 
+def benchmark_module(monkeypatch: pytest.MonkeyPatch, script: str) -> Any:
+    """benchmarks/``script`` as a module; it imports its siblings as a script does."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    path = ROOT / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_token(path: Path, token: str | None = None) -> str:
     token = token or secrets.token_urlsafe(32)
     path.write_text(token + "\n")

@@ -22,6 +22,7 @@ from google.rpc import status_pb2
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import (
     AsyncRendezvousClient,
+    NodeMembership,
     RendezvousClient,
     RendezvousError,
     RendezvousTimeout,
@@ -92,6 +93,17 @@ def node(daemon: DaemonProcess, job_id: str) -> Iterator[Node]:
 def each(node: Node, work: Callable[[int, RendezvousClient], Any]) -> list[Any]:
     with ThreadPoolExecutor(GPUS) as pool:
         return list(pool.map(work, range(GPUS), node.workers))
+
+
+async def _async_node(
+    d: DaemonProcess, job_id: str, gpus: int
+) -> tuple[AsyncRendezvousClient, NodeMembership]:
+    """An asyncio agent that joined a one-node job of ``gpus`` ranks."""
+    agent = AsyncRendezvousClient(d.endpoint, job_id, token=d.token)
+    m = await agent.join_node(
+        min_nodes=1, max_nodes=1, gpus_per_node=gpus, node_rank=0, host="h0", timeout=20
+    )
+    return agent, m
 
 
 def test_workers_exchange_keys_and_meet_in_barriers_through_their_agent(
@@ -205,10 +217,7 @@ def test_an_agent_without_a_call_stream_relays_nothing(daemon: DaemonProcess, jo
 async def test_asyncio_workers_relay_through_an_asyncio_agent(
     daemon: DaemonProcess, job_id: str
 ) -> None:
-    agent = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
-    m = await agent.join_node(
-        min_nodes=1, max_nodes=1, gpus_per_node=4, node_rank=0, host="h0", timeout=20
-    )
+    agent, m = await _async_node(daemon, job_id, 4)
     workers = []
     for local in range(4):
         w = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
@@ -277,10 +286,7 @@ async def test_a_cancelled_asyncio_workers_relayed_wait_is_cancelled_on_the_daem
     """A worker's task cancelled under a parked relayed call (a training loop torn
     down, a wait_for around it) tells its agent, which cancels the call on its stream:
     the daemon's parked wait goes at once, not at its 60 s wait."""
-    agent = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
-    m = await agent.join_node(
-        min_nodes=1, max_nodes=1, gpus_per_node=1, node_rank=0, host="h0", timeout=20
-    )
+    agent, m = await _async_node(daemon, job_id, 1)
     worker = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
     worker.attach(m.membership_for(0), m.member_instance_id(0))
     box: list[Any] = []
@@ -343,10 +349,7 @@ async def test_an_asyncio_worker_whose_agent_never_answers_fails_over_too(
 ) -> None:
     """The same for an asyncio worker; and a call the retry policy does not re-make
     (a KvAdd may have run) says that the agent did not answer, not the daemon."""
-    agent = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
-    m = await agent.join_node(
-        min_nodes=1, max_nodes=1, gpus_per_node=1, node_rank=0, host="h0", timeout=20
-    )
+    agent, m = await _async_node(daemon, job_id, 1)
     agent.start_heartbeat()
     worker = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token, call_timeout=1.0)
     worker.attach(m.membership_for(0), m.member_instance_id(0))

@@ -5,23 +5,16 @@ wait for peers as the daemon's answer time, or hide it."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import benchmark_module
 
 
 @pytest.fixture
 def soak(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """benchmarks/soak.py as a module; it imports its siblings as a script does."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("soak_bench", ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module(monkeypatch, "soak.py")
 
 
 def test_a_barrier_round_is_timed_from_its_last_arrival(soak: Any) -> None:

@@ -4,7 +4,6 @@ benchmark's target verdicts follow the figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,18 +14,12 @@ from typing import Any
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, benchmark_module
 
 
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """benchmarks/gpu_check.py as a module; it imports its siblings as a script does."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module(monkeypatch, "gpu_check.py")
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a driver")
