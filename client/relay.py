@@ -285,8 +285,8 @@ class _Relayed:
         ends as if the agent had gone (the other calls in flight fail over, retried on
         the worker's own channel, and so are later calls), and the call fails
         DEADLINE_EXCEEDED, which the retry policy re-makes there where the method
-        allows. Before, the retry went through the stuck agent again and the worker
-        heard "is the daemon running?" after twice the deadline."""
+        allows: retried through the stuck agent, it would stall again, and the worker
+        would hear "is the daemon running?" after twice the deadline."""
         if not self._give_up(call_id):
             return None
         # Said once per worker: the relay is over for it, and an operator should know
