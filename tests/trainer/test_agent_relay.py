@@ -6,7 +6,14 @@ daemon read the nodes' calls as CallBatches messages."""
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
 import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
 
 from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, scrape
 
@@ -65,3 +72,52 @@ def test_a_worker_that_reads_no_replies_is_failed_not_waited_for(
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert "it stopped reading its agent channel: 1024 replies" in done.stderr, done.stderr
+
+
+def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """The node agent is stopped (SIGSTOP) under a worker's relayed call. The call goes
+    unanswered through the agent; at its deadline (its 1 s wait plus the SDK's 5 s
+    slack) the worker makes it on its own channel, where the daemon, which has heard
+    no heartbeat from the node for its timeout (3 s here), names that as the cause.
+    Before, the retry went through the stopped agent too, and after twice the deadline
+    the worker blamed the daemon: "is the daemon running and reachable?"."""
+    go = tmp_path / "go"
+    cmd = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
+    worker = [str(WORKERS / "stuck_agent_worker.py"), str(go)]
+    agent = subprocess.Popen(
+        [*cmd, "--job-id", job_id, "--max-restarts", "0", *worker],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert agent.stdout is not None
+        events = _events(agent.stdout)
+        ready = next(events)
+        assert ready["event"] == "ready" and ready["route"] == "relayed", ready
+        agent.send_signal(signal.SIGSTOP)
+        go.touch()
+        answered = next(events)
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.communicate(timeout=30)
+    assert answered["event"] == "answered", answered
+    assert answered["error"] == "PeerFailed", answered
+    assert "no heartbeat" in answered["message"], answered
+    assert answered["route"] == "unary", answered
+    assert 6.0 <= answered["took"] <= 20.0, answered
+
+
+def _events(stdout: IO[str]) -> Iterator[dict[str, Any]]:
+    """The worker's event lines, each within 60 s (a reader thread: the pipe may
+    stay open after the events the test waits for)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in stdout], daemon=True).start()
+    while True:
+        line = lines.get(timeout=60)
+        if line.startswith("{"):
+            yield json.loads(line)

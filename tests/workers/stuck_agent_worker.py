@@ -1,0 +1,37 @@
+"""A worker under rendezvous-run whose node agent the test stops (SIGSTOP) while the
+worker makes a relayed daemon call: it reports how that call ended, how long it took
+and which way its calls go now. It writes straight to the stdout it shares with the
+stopped agent, and leaves without a word to the agent (which cannot read it)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from report import emit
+
+from rendezvousd.client import RendezvousError
+from rendezvousd.trainer.distributed import init_distributed
+
+go = Path(sys.argv[1])  # created by the test once the agent is stopped
+ctx = init_distributed()
+rdzv = ctx.rendezvous
+emit("ready", rank=ctx.topology.rank, route=rdzv.call_route)
+while not go.exists():
+    time.sleep(0.05)
+started = time.monotonic()
+try:
+    rdzv.kv_get("never", timeout=1.0)
+    emit("answered", error="", reason="", message="", took=time.monotonic() - started)
+except RendezvousError as exc:
+    emit(
+        "answered",
+        error=type(exc).__name__,
+        reason=exc.reason or "",
+        message=str(exc),
+        took=time.monotonic() - started,
+        route=rdzv.call_route,
+    )
+os._exit(0)
