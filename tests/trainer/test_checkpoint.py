@@ -228,3 +228,56 @@ def test_resume_refuses_a_checkpoint_of_another_model_or_without_a_step(tmp_path
     assert load_into(good, params) == 4
     assert all(np.array_equal(params[k], saved[k]) for k in params)
     assert not np.array_equal(params["w1"], before["w1"])
+
+
+@pytest.mark.parametrize("rank", [-1, True, 1.0, "0"])
+def test_a_rank_that_is_not_a_global_rank_is_refused(tmp_path: Path, rank: object) -> None:
+    """A bool or a float rank must not pass for rank 0 (True == 1, 0.0 == 0) and write,
+    or be taken for another rank and silently skip the save."""
+    with pytest.raises(CheckpointError, match="must be a global rank"):
+        save_checkpoint(tmp_path / "c.npz", arrays(), {}, rank=rank)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("step", [-1, True, 2.0])
+def test_a_step_that_is_not_a_count_is_refused(tmp_path: Path, step: object) -> None:
+    with pytest.raises(CheckpointError, match="must be an integer >= 0"):
+        checkpoint_path(tmp_path, step)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["", checkpoint._META_KEY])
+def test_an_array_name_that_is_empty_or_reserved_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(CheckpointError, match="empty, not a string, or reserved"):
+        save_checkpoint(tmp_path / "c.npz", {name: np.zeros(2)}, {}, rank=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _rewrite_meta(path: Path, change: dict[str, object]) -> None:
+    """``path`` as another writer would leave it: its metadata record changed."""
+    with np.load(path, allow_pickle=False) as archive:
+        contents = {name: archive[name] for name in archive.files}
+    doc = json.loads(contents[checkpoint._META_KEY].tobytes())
+    doc.update(change)
+    contents[checkpoint._META_KEY] = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
+    np.savez(path.with_suffix(""), **contents)  # np.savez adds the .npz back
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"format": "some-later-format/2"}, "format is 'some-later-format/2'"),
+        ({"arrays": ["w", "x"]}, "array list does not match"),
+        ({"meta": ["not", "a", "dict"]}, "array list does not match"),
+    ],
+)
+def test_a_checkpoint_of_another_format_or_with_arrays_missing_is_refused(
+    tmp_path: Path, change: dict[str, object], said: str
+) -> None:
+    """A file of another format version, or one whose arrays are not those its
+    metadata lists (one lost, one added by hand), is refused, naming the file, rather
+    than resumed from with arrays missing."""
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, {"w": np.arange(3.0)}, {"step": 1}, rank=0)
+    _rewrite_meta(path, change)
+    with pytest.raises(CheckpointError, match=f"{path.name}.*{re.escape(said)}"):
+        load_checkpoint(path)
