@@ -441,3 +441,29 @@ def test_a_standby_needs_the_daemon_and_an_assigned_node_rank(flag: str) -> None
         **{flag: True},  # type: ignore[arg-type]
     )
     assert getattr(ok, flag) and ok.node_rank is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"tls_ca": "ca.pem", "tls_cert": "c.pem"}, "tls_cert and tls_key go together"),
+        ({"tls_ca": "ca.pem", "tls_key": "k.pem"}, "tls_cert and tls_key go together"),
+        ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "needs tls_ca to verify the daemon"),
+        ({"tls_server_name": "rdzv.internal"}, "tls_server_name needs tls_ca"),
+    ],
+)
+def test_tls_settings_that_cannot_work_alone_are_refused_naming_the_pair(
+    fields: dict[str, str], said: str
+) -> None:
+    """Half a client certificate, or a certificate or server name without the CA that
+    verifies the daemon, would fail only at the first connect (or not use TLS at all):
+    refused when the config is built, saying what goes with what."""
+    with pytest.raises(ConfigError, match=said):
+        RendezvousTransport(kind="daemon", endpoint="rdzv:29420", **fields)
+
+
+def test_a_file_transport_with_daemon_settings_and_the_reverse_are_refused() -> None:
+    with pytest.raises(ConfigError, match="kind='file' takes only 'path'"):
+        RendezvousTransport(kind="file", path="/tmp/rdzv", token_file="/tmp/token")
+    with pytest.raises(ConfigError, match="is only for kind='file'"):
+        RendezvousTransport(kind="daemon", endpoint="rdzv:29420", path="/tmp/rdzv")
