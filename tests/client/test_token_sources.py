@@ -1,0 +1,52 @@
+"""Where a client's token comes from, in order: ``token=``, ``token_file=``,
+$RENDEZVOUSD_TOKEN_FILE, $RENDEZVOUSD_TOKEN; and the clear error when there is none,
+or the file holds none, before anything is sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.client import InvalidRequest, RendezvousClient
+from tests.support import DaemonProcess
+
+
+@pytest.fixture(autouse=True)
+def _no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RENDEZVOUSD_TOKEN", raising=False)
+    monkeypatch.delenv("RENDEZVOUSD_TOKEN_FILE", raising=False)
+
+
+def test_the_token_from_the_environment_is_used(
+    daemon: DaemonProcess, job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RENDEZVOUSD_TOKEN", f"  {daemon.token}\n")
+    with RendezvousClient(daemon.endpoint, job_id) as c:
+        assert c.list_jobs() is not None  # authorized: a wrong token is refused
+
+
+def test_the_token_file_from_the_environment_comes_before_the_token(
+    daemon: DaemonProcess, job_id: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    good = tmp_path / "token"
+    good.write_text(f"\n{daemon.token}\n")  # the first non-blank line
+    monkeypatch.setenv("RENDEZVOUSD_TOKEN_FILE", str(good))
+    monkeypatch.setenv("RENDEZVOUSD_TOKEN", "not-the-token")
+    with RendezvousClient(daemon.endpoint, job_id) as c:
+        assert c.list_jobs() is not None
+
+
+def test_no_token_anywhere_is_an_error_naming_every_source(daemon: DaemonProcess) -> None:
+    with pytest.raises(InvalidRequest) as no_token:
+        RendezvousClient(daemon.endpoint, "j")
+    said = str(no_token.value)
+    for source in ("token=", "token_file=", "$RENDEZVOUSD_TOKEN", "$RENDEZVOUSD_TOKEN_FILE"):
+        assert source in said, said
+
+
+def test_an_empty_token_file_is_an_error_naming_it(daemon: DaemonProcess, tmp_path: Path) -> None:
+    empty = tmp_path / "token"
+    empty.write_text("\n  \n")
+    with pytest.raises(InvalidRequest, match=f"token file {empty} is empty"):
+        RendezvousClient(daemon.endpoint, "j", token_file=empty)
