@@ -185,6 +185,9 @@ def test_two_ranks_lost_on_two_hosts_are_each_named_with_their_own_host(
     error = caught.value
     assert [(f.rank, f.host) for f in error.failed] == [(2, "a-host"), (1, "z-host")]
     assert error.ranks == [2, 1]
+    # Each host once, in the order of its first loss (not sorted: "a-host" lost first).
+    assert error.hosts == ["a-host", "z-host"]
+    assert error.generation == ms[0].generation == 1
     assert [f.cause for f in error.failed] == [
         "worker exited with signal 9",
         "hung: no progress for 60.0 s",
