@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import ssl
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.config import ConfigError, DaemonConfig
 from tests.support import DaemonProcess, Pki, write_token
 
 
@@ -108,3 +110,18 @@ def test_metrics_are_served_over_tls_with_the_daemons_certificate(
     assert b"rendezvousd_jobs" in page
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(d.metrics_url.replace("https", "http"), timeout=5).read()
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"tls_cert": "c.pem"}, "tls_cert and tls_key go together"),
+        ({"tls_key": "k.pem"}, "tls_cert and tls_key go together"),
+        ({"tls_client_ca": "ca.pem"}, "tls_client_ca (mTLS) needs tls_cert and tls_key"),
+    ],
+)
+def test_tls_settings_that_cannot_work_alone_are_refused(fields: dict[str, str], said: str) -> None:
+    """Half a certificate pair, or a client CA with no certificate to serve TLS with,
+    refused when the config is built (before any file is read), naming the pair."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        DaemonConfig(listen="127.0.0.1:0", **fields)  # type: ignore[arg-type]

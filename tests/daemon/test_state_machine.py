@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -507,3 +508,34 @@ def test_big_jobs_leave_the_last_waiter_slots_to_small_ones() -> None:
     assert fault(sm.join, args(0, 1, job="d", nodes=1, gpus=2), 0.0).metadata["limit"] == (
         "max_waiters"
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"host": ""}, "host must not be empty"),
+        ({"host": "h" * 300}, "host is longer than"),
+        ({"inst": "i" * 129}, "instance_id is longer than 128 bytes"),
+    ],
+)
+def test_a_join_with_an_empty_or_overlong_field_is_refused_before_it_touches_a_job(
+    change: dict[str, str], said: str
+) -> None:
+    sm = RendezvousState()
+    a = args(0, 0, nodes=1, gpus=1, uid=ID)
+    bad = dataclasses.replace(
+        a,
+        host=change.get("host", a.host),
+        instance_id=change.get("inst", a.instance_id),
+    )
+    refused = fault(sm.join, bad, 0.0)
+    assert refused.code is Code.INVALID_ARGUMENT and said in refused.message, refused
+    assert "j" not in sm.jobs  # nothing created
+
+
+def test_an_empty_kv_key_is_refused() -> None:
+    sm = RendezvousState()
+    form(sm, nodes=1, gpus=1)
+    refused = fault(sm.kv_set, "j", 1, 0, "", b"v", instance_id=inst(sm, 0))
+    assert refused.code is Code.INVALID_ARGUMENT and "key must not be empty" in refused.message
+    assert sm.jobs["j"].gen.kv == {}
