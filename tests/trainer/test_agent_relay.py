@@ -78,9 +78,10 @@ def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
     daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """The node agent is stopped (SIGSTOP) under a worker's relayed call. The call goes
-    unanswered through the agent; at its deadline (its 1 s wait plus the SDK's 5 s
+    unanswered through the agent; at its deadline (its 3 s wait plus the SDK's 5 s
     slack) the worker makes it on its own channel, where the daemon, which has heard
-    no heartbeat from the node for its timeout (3 s here), names that as the cause.
+    no heartbeat from the node for its timeout (3 s here), names that as the cause
+    (had the daemon not noticed yet, the re-made call's wait ends with the verdict).
     Before, the retry went through the stopped agent too, and after twice the deadline
     the worker blamed the daemon: "is the daemon running and reachable?"."""
     go = tmp_path / "go"
@@ -109,7 +110,7 @@ def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
     assert answered["error"] == "PeerFailed", answered
     assert "no heartbeat" in answered["message"], answered
     assert answered["route"] == "unary", answered
-    assert 6.0 <= answered["took"] <= 20.0, answered
+    assert 8.0 <= answered["took"] <= 25.0, answered
 
 
 def _events(stdout: IO[str]) -> Iterator[dict[str, Any]]:

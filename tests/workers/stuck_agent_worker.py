@@ -23,7 +23,7 @@ while not go.exists():
     time.sleep(0.05)
 started = time.monotonic()
 try:
-    rdzv.kv_get("never", timeout=1.0)
+    rdzv.kv_get("never", timeout=3.0)
     emit("answered", error="", reason="", message="", took=time.monotonic() - started)
 except RendezvousError as exc:
     emit(
