@@ -20,6 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+import trustme
+
 from rendezvousd.trainer.demo.netns import Host, Hosts
 from tests.support import DaemonProcess, launcher_cmd, spawn_daemon
 
@@ -231,6 +233,30 @@ class Cluster:
                 node.proc.kill()
                 node.proc.wait(10)
         self.daemon.kill()
+
+
+def mutual_tls(folder: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A CA, the daemon's certificate for h0 (198.18.0.1) and a client certificate,
+    written to ``folder``: (the daemon's flags, a launcher's flags) for mutual TLS."""
+    ca = trustme.CA()
+    server = ca.issue_cert("198.18.0.1", "rendezvousd.test")
+    client = ca.issue_cert("worker.test")
+    paths = {}
+    for name, blob in {
+        "ca.pem": ca.cert_pem,
+        "server.pem": server.cert_chain_pems[0],
+        "server.key": server.private_key_pem,
+        "client.pem": client.cert_chain_pems[0],
+        "client.key": client.private_key_pem,
+    }.items():
+        paths[name] = folder / name
+        blob.write_to_path(str(paths[name]))
+        paths[name].chmod(0o600)
+    daemon = ("--tls-cert", str(paths["server.pem"]), "--tls-key", str(paths["server.key"]),
+              "--tls-client-ca", str(paths["ca.pem"]))  # fmt: skip
+    launcher = ("--tls-ca", str(paths["ca.pem"]), "--tls-cert", str(paths["client.pem"]),
+                "--tls-key", str(paths["client.key"]))  # fmt: skip
+    return daemon, launcher
 
 
 def start_cluster(hosts: Hosts, workdir: Path, *daemon_flags: str, listen_port: int = 0) -> Cluster:

@@ -11,12 +11,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
 from rendezvousd.trainer.demo.netns import Hosts
-from tests.multihost.cluster import Cluster, Node, start_cluster
-from tests.support import WORKERS, spawn_daemon, wait_for
+from tests.multihost.cluster import Cluster, Node, mutual_tls, start_cluster
+from tests.support import WORKERS, launcher_cmd, spawn_daemon, wait_for
 
 HEARTBEAT_TIMEOUT_S = 3.0
 DAEMON = ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
@@ -230,3 +231,42 @@ def test_wrong_node_count_fails_every_node_at_once_naming_both(
         # Node joins name each side's --nnodes as MIN:MAX.
         assert "2:2 x gpus_per_node=2" in text and "3:3 x gpus_per_node=2" in text, text[-3000:]
         assert "h3" in text, text[-3000:]  # the host that brought the other topology
+
+
+def test_a_worker_whose_agent_is_stopped_reaches_the_daemon_itself_over_mutual_tls(
+    make_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A node agent on h1 is stopped (SIGSTOP) under its worker's relayed call, against
+    a daemon on h0 that requires client certificates. The worker's call goes to the
+    daemon on the worker's own channel, across the network with its own TLS client,
+    at the call's deadline, and the daemon's verdict names the silent node. Loopback
+    would not show an address or a certificate the worker's own channel lacks: the
+    relay hides both until it fails over."""
+    daemon_tls, launcher_tls = mutual_tls(tmp_path)
+    cluster = make_cluster(1, *daemon_tls, *DAEMON)
+    go = tmp_path / "go"
+    cmd = launcher_cmd(
+        1, 0, 1, endpoint=cluster.daemon.endpoint, token_file=cluster.daemon.token_file
+    )
+    worker = [str(WORKERS / "stuck_agent_worker.py"), str(go)]
+    agent = cluster.hosts[1].popen(
+        [*cmd, *launcher_tls, "--job-id", "stuck", "--max-restarts", "0", *worker],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert agent.stdout is not None
+        lines = iter(agent.stdout)
+        ready = json.loads(next(x for x in lines if x.startswith("{")))
+        assert ready["event"] == "ready" and ready["route"] == "relayed", ready
+        agent.send_signal(signal.SIGSTOP)
+        go.touch()
+        answered = json.loads(next(x for x in lines if x.startswith("{")))
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.communicate(timeout=30)
+    assert answered["event"] == "answered", answered
+    assert answered["error"] == "PeerFailed", answered
+    assert "no heartbeat" in answered["message"] and "h1" in answered["message"], answered
+    assert answered["route"] == "unary", answered

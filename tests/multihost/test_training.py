@@ -7,9 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import trustme
-
-from tests.multihost.cluster import Cluster
+from tests.multihost.cluster import Cluster, mutual_tls
 
 STEPS = ("--steps", "6", "--log-every", "1", "--samples", "1024", "--hidden", "32")
 
@@ -34,28 +32,8 @@ def test_three_nodes_train_like_one_process_with_no_address_set(
 
 
 def test_training_over_mutual_tls(make_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
-    ca = trustme.CA()
-    server = ca.issue_cert("198.18.0.1", "rendezvousd.test")
-    client = ca.issue_cert("worker.test")
-    paths = {}
-    for name, blob in {
-        "ca.pem": ca.cert_pem,
-        "server.pem": server.cert_chain_pems[0],
-        "server.key": server.private_key_pem,
-        "client.pem": client.cert_chain_pems[0],
-        "client.key": client.private_key_pem,
-    }.items():
-        paths[name] = tmp_path / name
-        blob.write_to_path(str(paths[name]))
-        paths[name].chmod(0o600)
-    cluster = make_cluster(
-        2,
-        "--tls-cert", str(paths["server.pem"]),
-        "--tls-key", str(paths["server.key"]),
-        "--tls-client-ca", str(paths["ca.pem"]),
-    )  # fmt: skip
-    tls = ("--tls-ca", str(paths["ca.pem"]), "--tls-cert", str(paths["client.pem"]),
-           "--tls-key", str(paths["client.key"]))  # fmt: skip
+    daemon_tls, tls = mutual_tls(tmp_path)
+    cluster = make_cluster(2, *daemon_tls)
     nodes = cluster.launch(2, 2, job="tls", launcher_args=tls, example_args=STEPS)
     assert cluster.wait(nodes) == [0, 0], "\n".join(n.summary() for n in nodes)
     assert len(cluster.results("tls")) == 4
