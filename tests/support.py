@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import re
 import secrets
 import signal
@@ -164,6 +165,18 @@ def rest_of_stdout(proc: subprocess.Popen[Any], timeout: float) -> Any:
         raise subprocess.TimeoutExpired(proc.args, timeout)
     proc.wait(timeout)
     return rest[0]
+
+
+def json_events(stream: Any, within: float = 60.0) -> Iterator[Any]:
+    """The JSON lines a running process writes to ``stream``, each within ``within``
+    seconds (queue.Empty past it: a test waiting for a line never hangs). Read by a
+    thread: the pipe may stay open long after the lines the test waits for."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in stream], daemon=True).start()
+    while True:
+        line = lines.get(timeout=within)
+        if line.startswith("{"):
+            yield json.loads(line)
 
 
 def json_lines(path: Path) -> list[Any]:

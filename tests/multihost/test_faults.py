@@ -17,7 +17,7 @@ import pytest
 
 from rendezvousd.trainer.demo.netns import Hosts
 from tests.multihost.cluster import Cluster, Node, mutual_tls, start_cluster
-from tests.support import WORKERS, launcher_cmd, spawn_daemon, wait_for
+from tests.support import WORKERS, json_events, launcher_cmd, spawn_daemon, wait_for
 
 HEARTBEAT_TIMEOUT_S = 3.0
 DAEMON = ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
@@ -257,12 +257,12 @@ def test_a_worker_whose_agent_is_stopped_reaches_the_daemon_itself_over_mutual_t
     )
     try:
         assert agent.stdout is not None
-        lines = iter(agent.stdout)
-        ready = json.loads(next(x for x in lines if x.startswith("{")))
+        events = json_events(agent.stdout)
+        ready = next(events)
         assert ready["event"] == "ready" and ready["route"] == "relayed", ready
         agent.send_signal(signal.SIGSTOP)
         go.touch()
-        answered = json.loads(next(x for x in lines if x.startswith("{")))
+        answered = next(events)
     finally:
         os.killpg(agent.pid, signal.SIGKILL)
         agent.communicate(timeout=30)

@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
 
-from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, scrape
+from tests.support import ROOT, WORKERS, DaemonProcess, json_events, launcher_cmd, scrape
 
 WORKER = str(WORKERS / "relay_worker.py")
 
@@ -97,7 +93,7 @@ def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
     )
     try:
         assert agent.stdout is not None
-        events = _events(agent.stdout)
+        events = json_events(agent.stdout)
         ready = next(events)
         assert ready["event"] == "ready" and ready["route"] == "relayed", ready
         agent.send_signal(signal.SIGSTOP)
@@ -111,14 +107,3 @@ def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
     assert "no heartbeat" in answered["message"], answered
     assert answered["route"] == "unary", answered
     assert 8.0 <= answered["took"] <= 25.0, answered
-
-
-def _events(stdout: IO[str]) -> Iterator[dict[str, Any]]:
-    """The worker's event lines, each within 60 s (a reader thread: the pipe may
-    stay open after the events the test waits for)."""
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in stdout], daemon=True).start()
-    while True:
-        line = lines.get(timeout=60)
-        if line.startswith("{"):
-            yield json.loads(line)
