@@ -179,6 +179,35 @@ def json_events(stream: Any, within: float = 60.0) -> Iterator[Any]:
             yield json.loads(line)
 
 
+def stuck_agent_run(
+    start: Callable[[list[str]], subprocess.Popen[str]], folder: Path
+) -> dict[str, Any]:
+    """rendezvous-run with ``tests/workers/stuck_agent_worker.py`` (``start`` gets the
+    worker's arguments, returns the launcher started in a session of its own with
+    stdout piped): its agent stopped (SIGSTOP) once the worker is ready, then the
+    worker's relayed call. Returns how the call ended, checked for what every such
+    run must show: the daemon's verdict on the silent node, heard on the worker's own
+    channel."""
+    go = folder / "go"
+    agent = start([str(WORKERS / "stuck_agent_worker.py"), str(go)])
+    try:
+        assert agent.stdout is not None
+        events = json_events(agent.stdout)
+        ready = next(events)
+        assert ready["event"] == "ready" and ready["route"] == "relayed", ready
+        agent.send_signal(signal.SIGSTOP)
+        go.touch()
+        answered: dict[str, Any] = next(events)
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.communicate(timeout=30)
+    assert answered["event"] == "answered", answered
+    assert answered["error"] == "PeerFailed", answered
+    assert "no heartbeat" in answered["message"], answered
+    assert answered["route"] == "unary", answered
+    return answered
+
+
 def json_lines(path: Path) -> list[Any]:
     """The JSON values in a file another process is still appending lines to: a line
     still being written, or one that is not JSON, is skipped; no file, no values."""

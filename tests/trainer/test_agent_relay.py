@@ -6,12 +6,10 @@ daemon read the nodes' calls as CallBatches messages."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 
-from tests.support import ROOT, WORKERS, DaemonProcess, json_events, launcher_cmd, scrape
+from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, scrape, stuck_agent_run
 
 WORKER = str(WORKERS / "relay_worker.py")
 
@@ -80,30 +78,16 @@ def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
     (had the daemon not noticed yet, the re-made call's wait ends with the verdict).
     Before, the retry went through the stopped agent too, and after twice the deadline
     the worker blamed the daemon: "is the daemon running and reachable?"."""
-    go = tmp_path / "go"
     cmd = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
-    worker = [str(WORKERS / "stuck_agent_worker.py"), str(go)]
-    agent = subprocess.Popen(
-        [*cmd, "--job-id", job_id, "--max-restarts", "0", *worker],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    answered = stuck_agent_run(
+        lambda worker: subprocess.Popen(
+            [*cmd, "--job-id", job_id, "--max-restarts", "0", *worker],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        ),
+        tmp_path,
     )
-    try:
-        assert agent.stdout is not None
-        events = json_events(agent.stdout)
-        ready = next(events)
-        assert ready["event"] == "ready" and ready["route"] == "relayed", ready
-        agent.send_signal(signal.SIGSTOP)
-        go.touch()
-        answered = next(events)
-    finally:
-        os.killpg(agent.pid, signal.SIGKILL)
-        agent.communicate(timeout=30)
-    assert answered["event"] == "answered", answered
-    assert answered["error"] == "PeerFailed", answered
-    assert "no heartbeat" in answered["message"], answered
-    assert answered["route"] == "unary", answered
     assert 8.0 <= answered["took"] <= 25.0, answered
