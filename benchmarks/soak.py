@@ -202,16 +202,14 @@ def _answer_times(
     be seen from the clients, whose cold calls all start at once and queue on their
     own CPU). The rest of a join's or barrier's time is waiting for peers, which no
     rendezvous can answer before."""
+    if ready is not None:
+        return [
+            max(0.0, answered - ready[job]) for job, _r, _s, answered in meetings if job in ready
+        ]
     last: dict[tuple[str, int], float] = {}
     for job, r, started, _answered in meetings:
         last[(job, r)] = max(last.get((job, r), started), started)
-    if ready is not None:
-        last = {(job, r): ready[job] for job, r in last if job in ready}
-    return [
-        max(0.0, answered - last[(job, r)])
-        for job, r, _started, answered in meetings
-        if (job, r) in last
-    ]
+    return [max(0.0, answered - last[(job, r)]) for job, r, _started, answered in meetings]
 
 
 def _formed_at(endpoint: str, token_file: str) -> dict[str, float]:

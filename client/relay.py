@@ -45,6 +45,7 @@ from rendezvousd.client._multiplex import (
     closed_error,
     copy_error,
     rpc_error,
+    status_error,
 )
 from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
 
@@ -221,9 +222,7 @@ def _stalled_call() -> grpc.RpcError:
     """The call the stuck agent did not answer: DEADLINE_EXCEEDED with the reason
     RELAY_STALLED (the SDK's own, never the daemon's), so that a call the retry
     policy does not re-make says why, not "the daemon did not answer in time"."""
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-    status = _rich_status(code, "RELAY_STALLED", _STALLED)
-    return rpc_error(code, _STALLED, ((STATUS_TRAILER, status),))
+    return status_error(_rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, "RELAY_STALLED", _STALLED))
 
 
 class _Relayed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import queue
@@ -61,8 +62,6 @@ class DaemonProcess:
 
 def benchmark_module(monkeypatch: pytest.MonkeyPatch, script: str) -> Any:
     """benchmarks/``script`` as a module; it imports its siblings as a script does."""
-    import importlib.util
-
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     path = ROOT / "benchmarks" / script
     spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
