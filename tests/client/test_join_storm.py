@@ -122,6 +122,11 @@ async def _storm_after_join(
     clients = [_client(d, job_id, blocking) for _ in range(2)]
     try:
         await asyncio.gather(*[join(c, i) for i, c in enumerate(clients)])
+        # The streams were sent before the joins, but a join on a stream already open
+        # can be answered before the daemon has dispatched a new call that arrived
+        # ahead of it. The hold is for calls that arrive after the join, so wait for
+        # the dispatch; a stream opened only by start_heartbeat() never comes.
+        await d.until("both streams at the daemon", lambda: backlog.seen == 2, timeout=10)
         backlog.on = True  # the storm: every Heartbeat call arriving now waits HOLD_S
         for c in clients:
             c.start_heartbeat(0.2)
@@ -135,7 +140,8 @@ async def _storm_after_join(
             return job.state is not JobState.RUNNING or beating
 
         await d.until("beats past the heartbeat timeout, or a loss", decided, timeout=4 * HOLD_S)
-        assert job.state is JobState.RUNNING, [f.cause for f in job.gen.failed]
+        heard = [round(s.last_seen - formed, 3) for s in seated]
+        assert job.state is JobState.RUNNING, ([f.cause for f in job.gen.failed], heard)
         assert all(c.failure is None for c in clients), [c.failure for c in clients]
         assert backlog.held == 0, "a heartbeat stream was opened only after the join"
     finally:
