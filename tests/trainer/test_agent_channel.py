@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import queue
+import select
 import socket
 import struct
 import subprocess
@@ -16,12 +17,14 @@ import termios
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from rendezvousd.client import RendezvousClient
 from rendezvousd.trainer.agent import agent_worker
 from rendezvousd.trainer.agent.agent_channel import (
     MAX_DEPTH,
@@ -29,6 +32,7 @@ from rendezvousd.trainer.agent.agent_channel import (
     ChannelClosed,
     Frame,
     FrameError,
+    SendTimedOut,
     pack_arrays,
     unpack_arrays,
 )
@@ -38,7 +42,7 @@ from rendezvousd.trainer.agent.state_copy import MAX_STEP_ADVANCE, StateCopy
 from rendezvousd.trainer.agent.warm_workers import Exited, Ready, SparePool, stop_all
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError
-from tests.support import WORKERS, wait_for
+from tests.support import WORKERS, DaemonProcess, wait_for
 
 SECRET = bytes(range(128))
 CONFIG = DistributedConfig()
@@ -328,7 +332,8 @@ def test_spare_gets_assignment_and_state_only_over_the_channel() -> None:
 def test_a_best_effort_frame_to_a_peer_that_reads_nothing_gives_up_in_time() -> None:
     """``send(within=)``: behind a sender stuck on a full socket it gives up when its
     time is out (it never waits on the lock for ever); on a full socket of its own it
-    closes the channel (a frame cut short loses the framing) and says so."""
+    gives up with nothing sent, and the channel stays usable; a frame cut short loses
+    the framing, so then it closes the channel and says so."""
     mine, peer = socket.socketpair()
     ch = Channel(mine)
     try:
@@ -351,15 +356,139 @@ def test_a_best_effort_frame_to_a_peer_that_reads_nothing_gives_up_in_time() -> 
     mine, peer = socket.socketpair()
     ch = Channel(mine)
     try:
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                mine.send(b"\0" * 65536, socket.MSG_DONTWAIT)  # the socket full
-        with pytest.raises(AgentChannelError, match="the peer read nothing"):
+        _fill(mine)
+        with pytest.raises(SendTimedOut, match="the frame was not sent") as nothing:
             ch.send("abort", {"cause": "c"}, within=0.2)
-        assert ch.closed
+        assert not nothing.value.closed and not ch.closed
     finally:
         peer.close()
         ch.close()
+    mine, peer = socket.socketpair()
+    ch = Channel(mine)
+    try:
+        with pytest.raises(SendTimedOut, match="in the middle of the frame") as cut:
+            ch.send("state", {}, b"x" * (8 << 20), within=0.2)  # more than the socket holds
+        assert cut.value.closed and ch.closed
+    finally:
+        peer.close()
+        ch.close()
+
+
+def _within(seconds: float, work: Callable[[], Any]) -> Any:
+    """``work()``'s result (or error) from a thread, failing the test, not hanging it,
+    when it takes more than ``seconds``."""
+    box: queue.Queue[tuple[bool, Any]] = queue.Queue()
+
+    def run() -> None:
+        try:
+            box.put((True, work()))
+        except BaseException as exc:  # handed to the test's thread
+            box.put((False, exc))
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        ok, value = box.get(timeout=seconds)
+    except queue.Empty:
+        pytest.fail(f"still waiting after {seconds} s")
+    if not ok:
+        raise value
+    return value
+
+
+def _fill(sock: socket.socket) -> None:
+    """Fill ``sock``'s send buffer: a peer that reads nothing."""
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            sock.send(b"\0" * 65536, socket.MSG_DONTWAIT)
+
+
+def test_a_relayed_call_the_agent_reads_nothing_of_goes_on_the_workers_own_channel(
+    daemon: DaemonProcess, job_id: str, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A node agent that reads nothing of its worker's channel (stopped, or its reader
+    stuck) while the worker's state frame fills it: the worker's relayed daemon call
+    gives up on the agent after CALL_SEND_S, is made on the worker's own channel, and
+    so are later calls; one warning says so. Before, the call's send waited behind
+    the state frame for as long as the agent read nothing: for ever."""
+    monkeypatch.setattr(agent_worker, "CALL_SEND_S", 1.0)
+    agent = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    m = agent.join_node(
+        min_nodes=1, max_nodes=1, gpus_per_node=1, node_rank=0, host="h0", timeout=20
+    )
+    agent.start_heartbeat()
+    worker = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    worker.attach(m.membership_for(0), m.member_instance_id(0))
+    mine, theirs = socket.socketpair()  # theirs: the agent's end, never read
+    link = AgentLink(Channel(mine))
+    link.relay(worker)
+
+    def save_state() -> None:  # local rank 0's state: far more than the socket holds
+        with contextlib.suppress(AgentChannelError):  # the agent's end closes at the end
+            link.channel.send("state", {"step": 1}, b"\0" * (64 << 20))
+
+    state = threading.Thread(target=save_state, daemon=True)
+    try:
+        assert worker.call_route == "relayed"
+        state.start()
+        wait_for("the state to fill the channel", lambda: not _sendable(mine))
+        started = time.monotonic()
+        _within(30, lambda: worker.kv_set("k", b"v"))
+        assert 1.0 <= time.monotonic() - started < 10
+        assert worker.call_route == "unary"
+        assert _within(30, lambda: worker.kv_get("k", wait=False)) == b"v"
+        said = [
+            r.getMessage() for r in caplog.records if "took none of a daemon call" in r.getMessage()
+        ]
+        assert len(said) == 1, said
+    finally:
+        link.close()
+        theirs.close()
+        state.join(10)
+        worker.close()
+        agent.close()
+
+
+def _sendable(sock: socket.socket) -> bool:
+    return bool(select.select([], [sock], [], 0)[1])
+
+
+def test_a_failure_report_to_an_agent_that_reads_nothing_ends_within_its_timeout() -> None:
+    """``report_failure(timeout=)`` is bounded even when the agent reads nothing: the
+    frame is not sent, the report says False in time, and the channel stays usable.
+    Before, its send waited on the full socket for ever."""
+    mine, theirs = socket.socketpair()
+    link = AgentLink(Channel(mine))
+    try:
+        _fill(mine)
+        started = time.monotonic()
+        assert _within(30, lambda: link.report_failure("boom", timeout=0.5)) is False
+        assert 0.4 <= time.monotonic() - started < 5
+        assert not link.channel.closed
+    finally:
+        link.close()
+        theirs.close()
+
+
+def test_a_call_frame_cut_short_closes_the_channel_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call frame the agent stopped reading midway leaves the channel's framing
+    lost: the worker closes it, its call goes elsewhere (ConnectionError, the relay's
+    cue), and the worker's abort names the stuck agent, not "the agent closed it"."""
+    monkeypatch.setattr(agent_worker, "CALL_SEND_S", 0.3)
+    mine, theirs = socket.socketpair()
+    link = AgentLink(Channel(mine))
+    aborts: queue.Queue[str] = queue.Queue()
+    try:
+        link.start(aborts.put)
+        with pytest.raises(ConnectionError, match="in the middle of the frame"):
+            _within(30, lambda: link._send_call(b"c" * (8 << 20)))
+        assert link.channel.closed
+        cause = aborts.get(timeout=10)
+        assert cause.startswith("the node agent stopped reading this worker's channel"), cause
+    finally:
+        link.close()
+        theirs.close()
 
 
 def test_a_workers_unread_replies_are_bounded_by_count_and_by_bytes() -> None:

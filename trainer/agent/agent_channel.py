@@ -68,6 +68,16 @@ class ChannelClosed(AgentChannelError):
     """The peer closed the channel in the middle of a frame: it is going away."""
 
 
+class SendTimedOut(AgentChannelError):
+    """``send(within=)`` ran out of time: another sender held the channel, or the peer
+    read too little. ``closed``: part of the frame went out, so the channel was closed
+    (its framing is lost); else nothing of it did, and the channel is as it was."""
+
+    def __init__(self, message: str, *, closed: bool) -> None:
+        super().__init__(message)
+        self.closed = closed
+
+
 @dataclass(frozen=True)
 class Frame:
     kind: str
@@ -97,9 +107,10 @@ class Channel:
         *,
         within: float | None = None,
     ) -> None:
-        """Send one frame. ``within``: give up after that many seconds (a best-effort
-        frame to a peer that reads nothing: the channel is then closed, since a frame
-        cut short loses its framing); None: wait as long as the peer takes."""
+        """Send one frame. ``within``: give up after that many seconds, with
+        ``SendTimedOut`` (a frame to a peer that reads nothing: when part of it went
+        out, the channel is closed, since a frame cut short loses its framing); None:
+        wait as long as the peer takes."""
         body = json.dumps({"kind": kind, **(header or {})}).encode("utf-8")
         if len(body) > MAX_HEADER:
             raise AgentChannelError(
@@ -127,7 +138,7 @@ class Channel:
         # Without a deadline, a sender blocked on a full socket holds the send lock, and
         # every other sender waits behind it (the agent's main thread, with its abort).
         if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise AgentChannelError(f"channel send of {kind!r}: another send is stuck")
+            raise SendTimedOut(f"channel send of {kind!r}: another send is stuck", closed=False)
         try:
             view = memoryview(frame)
             while view:
@@ -135,13 +146,21 @@ class Channel:
                     view = view[self.sock.send(view, socket.MSG_DONTWAIT) :]
                 except BlockingIOError:
                     left = deadline - time.monotonic()
-                    if left <= 0:
-                        self.close()
-                        raise AgentChannelError(
-                            f"channel send of {kind!r}: the peer read nothing for the "
-                            "frame; the channel is closed"
+                    if left > 0:
+                        select.select([], [self.sock], [], left)
+                        continue
+                    if len(view) == len(frame):  # the framing is intact: keep the channel
+                        raise SendTimedOut(
+                            f"channel send of {kind!r}: the peer read nothing in time, so "
+                            "the frame was not sent",
+                            closed=False,
                         ) from None
-                    select.select([], [self.sock], [], left)
+                    self.close()
+                    raise SendTimedOut(
+                        f"channel send of {kind!r}: the peer stopped reading in the middle "
+                        "of the frame; the channel is closed",
+                        closed=True,
+                    ) from None
         except OSError as exc:
             raise AgentChannelError(f"channel send of {kind!r} failed: {exc}") from exc
         finally:

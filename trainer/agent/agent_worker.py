@@ -17,8 +17,10 @@ node's burst of calls reaches the daemon as one message.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,7 @@ from rendezvousd.trainer.agent.agent_channel import (
     ENV_AGENT_FD,
     MAX_STATE_BYTES,
     Channel,
+    SendTimedOut,
     pack_arrays,
 )
 from rendezvousd.trainer.agent.state_copy import StepState
@@ -41,6 +44,14 @@ from rendezvousd.trainer.topology import MultiNodeTopology
 if TYPE_CHECKING:
     from rendezvousd.client import RendezvousClient
     from rendezvousd.client.relay import RelayedCalls
+
+log = logging.getLogger("rendezvousd.trainer")
+
+# How long a relayed call's frame may wait for the agent to read it. A frame is a few
+# hundred bytes and the agent reads every worker's channel all the time, so an agent
+# that takes none of one for this long is stuck (stopped, or its reader is); the call
+# then goes on the worker's own channel instead of waiting on the agent for ever.
+CALL_SEND_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,8 @@ class AgentLink:
         self._lock = threading.Lock()
         self._on_abort: Callable[[str], None] | None = None
         self._missed_abort: str | None = None
+        # Why this side closed the channel: a frame the agent stopped reading midway.
+        self._stuck: str | None = None
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
@@ -194,8 +207,20 @@ class AgentLink:
         self._read_frames()
 
     def _send_call(self, call: bytes) -> None:
+        """The relay's ``Send``: a ConnectionError ends the relay, and the call (and
+        every later one) is made on the worker's own channel."""
         try:
-            self.channel.send("call", None, call)
+            self.channel.send("call", None, call, within=CALL_SEND_S)
+        except SendTimedOut as exc:
+            if exc.closed:
+                self._stuck = f"the node agent stopped reading this worker's channel ({exc})"
+            log.warning(
+                "the node agent took none of a daemon call within %g s (%s); this worker "
+                "makes its calls on its own channel from now on",
+                CALL_SEND_S,
+                exc,
+            )
+            raise ConnectionError(str(exc)) from exc
         except AgentChannelError as exc:
             raise ConnectionError(str(exc)) from exc
 
@@ -216,10 +241,10 @@ class AgentLink:
                 elif frame.kind == "failure-noted":
                     self._noted.set()
             if not self._closing.is_set():
-                self._abort("the node agent closed the channel")
+                self._abort(self._stuck or "the node agent closed the channel")
         except Exception as exc:  # a broken channel, or a reply that does not decode
             if not self._closing.is_set():
-                self._abort(f"the channel to the node agent broke: {exc}")
+                self._abort(self._stuck or f"the channel to the node agent broke: {exc}")
         finally:
             if self._relayed is not None:
                 self._relayed.end()  # calls in flight fail over to the worker's own channel
@@ -252,7 +277,13 @@ class AgentLink:
         # (waiting for a slow or dead peer) is alive; only a frozen process goes quiet.
         while not self._closing.wait(interval):
             try:
-                self.channel.send("alive")
+                # Bounded, so that a beat the agent does not read never holds the
+                # channel's send lock for the daemon calls and failure reports behind it.
+                self.channel.send("alive", within=interval)
+            except SendTimedOut as exc:
+                if exc.closed:
+                    self._stuck = f"the node agent stopped reading this worker's channel ({exc})"
+                    return
             except (AgentChannelError, OSError):
                 return
 
@@ -262,11 +293,12 @@ class AgentLink:
         on the closed ring could be recorded as the job's root cause. Whether the
         agent confirmed in time."""
         self._read_frames()
+        deadline = time.monotonic() + timeout
         try:
-            self.channel.send("failed", {"cause": cause})
+            self.channel.send("failed", {"cause": cause}, within=timeout)
         except AgentChannelError:
             return False
-        return self._noted.wait(timeout)
+        return self._noted.wait(max(0.0, deadline - time.monotonic()))
 
     def progress(self, step: int) -> None:
         self.channel.send("progress", {"step": step})
