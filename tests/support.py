@@ -551,12 +551,20 @@ class StatefulDaemon:
 
     def outage_under_a_standby(self, job: str, stderr: Callable[[], str]) -> None:
         """SIGKILL the daemon while a standby (whose output ``stderr`` reads) waits, see
-        it notice, start the daemon again, and see the standby parked on it again."""
+        it notice, start the daemon again, and see the standby parked on it again.
+
+        The standby must be parked when the daemon dies: it says "standing by" before
+        its call goes out, and a call made while the daemon is down waits for it
+        (waitForReady) instead of failing, so it would see no outage to report."""
+        self._standby_parked(job, "the standby parked")
         self.current.kill()
         wait_for("the standby to see the outage", lambda: "trying again" in stderr(), 30)
         self.current = self._spawn()
+        self._standby_parked(job, "the standby parked again")
+
+    def _standby_parked(self, job: str, what: str) -> None:
         with RendezvousClient(self.current.endpoint, job, token=self.token) as probe:
-            wait_for("the standby parked again", lambda: probe.get_job().standbys == 1, 30)
+            wait_for(what, lambda: probe.get_job().standbys == 1, 30)
 
     def __enter__(self) -> StatefulDaemon:
         return self
