@@ -78,13 +78,15 @@ class DistributedContext:
         self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any] | None = None
     ) -> None:
         """Hand the state after ``step`` to the node agent (kept in its memory, so a
-        restart loses at most one step) and mark progress; no-op without an agent."""
+        restart loses at most one step) and mark progress; no-op without an agent.
+        ``AgentChannelError`` when the agent reads none of it for 30 s (it is stuck)."""
         if self.agent is None:
             return
         self.agent.save_state(step, {k: devices.to_host(v) for k, v in arrays.items()}, meta or {})
 
     def progress(self, step: int) -> None:
-        """Tell the node agent this worker is not hung (no-op without an agent)."""
+        """Tell the node agent this worker is not hung (no-op without an agent);
+        ``AgentChannelError`` when the agent reads none of it for 30 s (it is stuck)."""
         if self.agent is not None:
             self.agent.progress(step)
 

@@ -346,7 +346,7 @@ def test_a_best_effort_frame_to_a_peer_that_reads_nothing_gives_up_in_time() -> 
         stuck.start()
         time.sleep(0.2)  # let it fill the socket and block, holding the send lock
         started = time.monotonic()
-        with pytest.raises(AgentChannelError, match="another send is stuck"):
+        with pytest.raises(SendTimedOut, match=r"another send held the channel for 0\.3 s"):
             ch.send("abort", {"cause": "c"}, within=0.3)
         assert 0.25 <= time.monotonic() - started < 2
     finally:
@@ -372,6 +372,88 @@ def test_a_best_effort_frame_to_a_peer_that_reads_nothing_gives_up_in_time() -> 
     finally:
         peer.close()
         ch.close()
+
+
+def test_a_frame_the_peer_keeps_reading_is_not_cut_however_long_it_takes() -> None:
+    """``within`` bounds the peer's silence, not the whole frame: a state frame far
+    larger than the socket, read slowly but steadily for several times ``within``,
+    arrives whole."""
+    a, b = _pair()
+    payload = os.urandom(4 << 20)
+    got: list[Frame | None] = []
+
+    def slow_reader() -> None:
+        b.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        time.sleep(0.1)  # the sender fills the socket and waits on it
+        reader = Channel(_Trickle(b.sock))  # type: ignore[arg-type]
+        got.append(reader.recv(timeout=30))
+
+    t = threading.Thread(target=slow_reader, daemon=True)
+    t.start()
+    started = time.monotonic()
+    try:
+        a.send("state", {"step": 1}, payload, within=0.3)
+        t.join(30)
+        assert time.monotonic() - started > 3 * 0.3  # longer than within, in all
+        frame = got[0]
+        assert frame is not None and frame.payload == payload
+        assert not a.closed
+    finally:
+        a.close()
+        b.close()
+
+
+class _Trickle:
+    """A socket that reads at most 256 KiB per 50 ms: a peer that reads, slowly."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def recv(self, n: int, flags: int = 0) -> bytes:
+        return self._sock.recv(n, flags)
+
+    def recv_into(self, buffer: Any, n: int = 0, flags: int = 0) -> int:
+        time.sleep(0.05)
+        return self._sock.recv_into(buffer, min(n or len(buffer), 256 << 10), flags)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_progress_and_state_to_an_agent_that_reads_nothing_fail_loudly_in_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's progress and state frames to an agent that reads nothing end with
+    AgentChannelError naming the agent after STEP_SEND_S, instead of blocking its
+    training loop for ever. A progress frame not sent leaves the channel as it was;
+    a state frame cut short closes it, and the worker's abort names the agent."""
+    monkeypatch.setattr(agent_worker, "STEP_SEND_S", 0.3)
+    mine, theirs = socket.socketpair()
+    link = AgentLink(Channel(mine))
+    aborts: queue.Queue[str] = queue.Queue()
+    try:
+        link.start(aborts.put)
+        link.assignment = Assignment("job", 1, 0, 0, 0, 0, 1, 1, 1, SECRET, "i", CONFIG)
+        with pytest.raises(AgentChannelError, match="the node agent stopped reading") as cut:
+            _within(30, lambda: link.save_state(1, {"w": np.zeros(1 << 20)}, {}))
+        assert "in the middle of the frame" in str(cut.value) and link.channel.closed
+        cause = aborts.get(timeout=10)
+        assert cause.startswith("the node agent stopped reading this worker's channel"), cause
+    finally:
+        link.close()
+        theirs.close()
+    mine, theirs = socket.socketpair()
+    link = AgentLink(Channel(mine))
+    try:
+        _fill(mine)
+        started = time.monotonic()
+        with pytest.raises(AgentChannelError, match="the frame was not sent"):
+            _within(30, lambda: link.progress(7))
+        assert 0.25 <= time.monotonic() - started < 5
+        assert not link.channel.closed
+    finally:
+        link.close()
+        theirs.close()
 
 
 def _within(seconds: float, work: Callable[[], Any]) -> Any:

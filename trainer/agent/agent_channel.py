@@ -92,6 +92,9 @@ class Channel:
         self.sock = sock
         self._send_lock = threading.Lock()
         self._closed = False
+        # Why a send closed the channel, set before it did: the reader that wakes up to
+        # the closed socket says why, instead of blaming the peer.
+        self.cut: str | None = None
 
     @classmethod
     def from_fd(cls, fd: int) -> Channel:
@@ -107,10 +110,11 @@ class Channel:
         *,
         within: float | None = None,
     ) -> None:
-        """Send one frame. ``within``: give up after that many seconds, with
-        ``SendTimedOut`` (a frame to a peer that reads nothing: when part of it went
-        out, the channel is closed, since a frame cut short loses its framing); None:
-        wait as long as the peer takes."""
+        """Send one frame. ``within``: give up, with ``SendTimedOut``, once the peer
+        has read none of it for that many seconds (a large frame that it keeps reading
+        takes as long as it takes), or another sender held the channel that long. When
+        part of the frame went out, the channel is then closed, since a frame cut short
+        loses its framing. None: wait as long as the peer takes."""
         body = json.dumps({"kind": kind, **(header or {})}).encode("utf-8")
         if len(body) > MAX_HEADER:
             raise AgentChannelError(
@@ -124,7 +128,7 @@ class Channel:
             )
         data = _PREFIX.pack(len(body), len(payload))
         if within is not None:
-            self._send_within(kind, data + body + payload, time.monotonic() + within)
+            self._send_within(kind, data + body + payload, within)
             return
         try:
             with self._send_lock:
@@ -134,16 +138,22 @@ class Channel:
         except OSError as exc:
             raise AgentChannelError(f"channel send of {kind!r} failed: {exc}") from exc
 
-    def _send_within(self, kind: str, frame: bytes, deadline: float) -> None:
+    def _send_within(self, kind: str, frame: bytes, within: float) -> None:
         # Without a deadline, a sender blocked on a full socket holds the send lock, and
         # every other sender waits behind it (the agent's main thread, with its abort).
-        if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise SendTimedOut(f"channel send of {kind!r}: another send is stuck", closed=False)
+        if not self._send_lock.acquire(timeout=within):
+            raise SendTimedOut(
+                f"channel send of {kind!r}: another send held the channel for {within:g} s",
+                closed=False,
+            )
         try:
             view = memoryview(frame)
+            deadline = time.monotonic() + within
             while view:
                 try:
-                    view = view[self.sock.send(view, socket.MSG_DONTWAIT) :]
+                    sent = self.sock.send(view, socket.MSG_DONTWAIT)
+                    view = view[sent:]
+                    deadline = time.monotonic() + within  # the peer reads: it is not stuck
                 except BlockingIOError:
                     left = deadline - time.monotonic()
                     if left > 0:
@@ -151,16 +161,16 @@ class Channel:
                         continue
                     if len(view) == len(frame):  # the framing is intact: keep the channel
                         raise SendTimedOut(
-                            f"channel send of {kind!r}: the peer read nothing in time, so "
-                            "the frame was not sent",
+                            f"channel send of {kind!r}: the peer read nothing for {within:g} s, "
+                            "so the frame was not sent",
                             closed=False,
                         ) from None
-                    self.close()
-                    raise SendTimedOut(
+                    self.cut = (
                         f"channel send of {kind!r}: the peer stopped reading in the middle "
-                        "of the frame; the channel is closed",
-                        closed=True,
-                    ) from None
+                        f"of the frame for {within:g} s; the channel is closed"
+                    )
+                    self.close()
+                    raise SendTimedOut(self.cut, closed=True) from None
         except OSError as exc:
             raise AgentChannelError(f"channel send of {kind!r} failed: {exc}") from exc
         finally:

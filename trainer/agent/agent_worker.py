@@ -52,6 +52,11 @@ log = logging.getLogger("rendezvousd.trainer")
 # that takes none of one for this long is stuck (stopped, or its reader is); the call
 # then goes on the worker's own channel instead of waiting on the agent for ever.
 CALL_SEND_S = 5.0
+# How long a progress or state frame may go unread. A worker cannot train on without
+# its agent (its restarts, aborts and state copy all go through it), and by then the
+# daemon has lost the node (the agent's heartbeat stops with it): the training loop
+# gets AgentChannelError instead of blocking for ever on the full channel.
+STEP_SEND_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,6 @@ class AgentLink:
         self._lock = threading.Lock()
         self._on_abort: Callable[[str], None] | None = None
         self._missed_abort: str | None = None
-        # Why this side closed the channel: a frame the agent stopped reading midway.
-        self._stuck: str | None = None
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
@@ -212,8 +215,6 @@ class AgentLink:
         try:
             self.channel.send("call", None, call, within=CALL_SEND_S)
         except SendTimedOut as exc:
-            if exc.closed:
-                self._stuck = f"the node agent stopped reading this worker's channel ({exc})"
             log.warning(
                 "the node agent took none of a daemon call within %g s (%s); this worker "
                 "makes its calls on its own channel from now on",
@@ -223,6 +224,15 @@ class AgentLink:
             raise ConnectionError(str(exc)) from exc
         except AgentChannelError as exc:
             raise ConnectionError(str(exc)) from exc
+
+    def _send_step(self, kind: str, header: dict[str, Any], payload: bytes = b"") -> None:
+        try:
+            self.channel.send(kind, header, payload, within=STEP_SEND_S)
+        except SendTimedOut as exc:
+            raise AgentChannelError(
+                f"the node agent stopped reading this worker's channel ({exc}): it is "
+                "stopped or stuck, and this worker cannot go on without it"
+            ) from exc
 
     def _read_frames(self) -> None:
         if self._reader is None:
@@ -241,13 +251,23 @@ class AgentLink:
                 elif frame.kind == "failure-noted":
                     self._noted.set()
             if not self._closing.is_set():
-                self._abort(self._stuck or "the node agent closed the channel")
+                self._abort(self._gone("the node agent closed the channel"))
         except Exception as exc:  # a broken channel, or a reply that does not decode
             if not self._closing.is_set():
-                self._abort(self._stuck or f"the channel to the node agent broke: {exc}")
+                self._abort(self._gone(f"the channel to the node agent broke: {exc}"))
         finally:
             if self._relayed is not None:
                 self._relayed.end()  # calls in flight fail over to the worker's own channel
+
+    def _gone(self, cause: str) -> str:
+        """Why the channel ended: ``cause``, unless this side closed it on a frame the
+        agent stopped reading midway (the agent did not close it then)."""
+        cut = self.channel.cut
+        return (
+            cause
+            if cut is None
+            else f"the node agent stopped reading this worker's channel ({cut})"
+        )
 
     def _abort(self, cause: str) -> None:
         with self._lock:
@@ -282,7 +302,6 @@ class AgentLink:
                 self.channel.send("alive", within=interval)
             except SendTimedOut as exc:
                 if exc.closed:
-                    self._stuck = f"the node agent stopped reading this worker's channel ({exc})"
                     return
             except (AgentChannelError, OSError):
                 return
@@ -301,7 +320,7 @@ class AgentLink:
         return self._noted.wait(max(0.0, deadline - time.monotonic()))
 
     def progress(self, step: int) -> None:
-        self.channel.send("progress", {"step": step})
+        self._send_step("progress", {"step": step})
 
     def save_state(self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         """Progress from every rank; the state itself from local rank 0 only."""
@@ -315,7 +334,7 @@ class AgentLink:
                 f"most {MAX_STATE_BYTES} (MAX_STATE_BYTES): save fewer arrays (e.g. the "
                 "parameters without optimizer state) and checkpoint the rest"
             )
-        self.channel.send("state", {"step": step, "meta": dict(meta), "arrays": entries}, payload)
+        self._send_step("state", {"step": step, "meta": dict(meta), "arrays": entries}, payload)
 
     def close(self) -> None:
         self._closing.set()  # our own close is not the agent going away
