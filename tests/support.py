@@ -179,16 +179,17 @@ def json_events(stream: Any, within: float = 60.0) -> Iterator[Any]:
 
 
 def stuck_agent_run(
-    start: Callable[[list[str]], subprocess.Popen[str]], folder: Path
+    start: Callable[[list[str]], subprocess.Popen[str]], folder: Path, *worker_args: str
 ) -> dict[str, Any]:
     """rendezvous-run with ``tests/workers/stuck_agent_worker.py`` (``start`` gets the
-    worker's arguments, returns the launcher started in a session of its own with
-    stdout piped): its agent stopped (SIGSTOP) once the worker is ready, then the
+    worker's arguments, ``worker_args`` after its own; returns the launcher started in
+    a session of its own with stdout piped): its agent stopped (SIGSTOP) once the
+    worker is ready, then the
     worker's relayed call. Returns how the call ended, checked for what every such
     run must show: the daemon's verdict on the silent node, heard on the worker's own
     channel."""
     go = folder / "go"
-    agent = start([str(WORKERS / "stuck_agent_worker.py"), str(go)])
+    agent = start([str(WORKERS / "stuck_agent_worker.py"), str(go), *worker_args])
     try:
         assert agent.stdout is not None
         events = json_events(agent.stdout)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support import ROOT, WORKERS, DaemonProcess, launcher_cmd, scrape, stuck_agent_run
@@ -68,6 +69,24 @@ def test_a_worker_that_reads_no_replies_is_failed_not_waited_for(
     assert "it stopped reading its agent channel: 1024 replies" in done.stderr, done.stderr
 
 
+def _one_node(daemon: DaemonProcess, job_id: str) -> Callable[[list[str]], subprocess.Popen[str]]:
+    """Starts a one-node, one-worker rendezvous-run of ``worker`` (argv), in a session
+    of its own, its output piped."""
+    cmd = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
+
+    def start(worker: list[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*cmd, "--job-id", job_id, "--max-restarts", "0", *worker],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    return start
+
+
 def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
     daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
@@ -78,16 +97,23 @@ def test_a_worker_whose_agent_is_stopped_hears_the_daemons_verdict(
     (had the daemon not noticed yet, the re-made call's wait ends with the verdict).
     Before, the retry went through the stopped agent too, and after twice the deadline
     the worker blamed the daemon: "is the daemon running and reachable?"."""
-    cmd = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
     answered = stuck_agent_run(
-        lambda worker: subprocess.Popen(
-            [*cmd, "--job-id", job_id, "--max-restarts", "0", *worker],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        ),
+        _one_node(daemon, job_id),
         tmp_path,
     )
     assert 8.0 <= answered["took"] <= 25.0, answered
+
+
+def test_a_worker_whose_stopped_agent_leaves_its_channel_full_still_hears_the_verdict(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """The same, with the worker's channel full: it was saving a state far larger than
+    the socket when the agent stopped, so its call's frame can be neither queued nor
+    sent. After CALL_SEND_S (5 s) the call goes on the worker's own channel and hears
+    the daemon's verdict. Before, the call waited for the stopped agent for ever."""
+    answered = stuck_agent_run(
+        _one_node(daemon, job_id),
+        tmp_path,
+        "fill",
+    )
+    assert 5.0 <= answered["took"] <= 20.0, answered

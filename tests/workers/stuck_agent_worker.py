@@ -1,15 +1,20 @@
 """A worker under rendezvous-run whose node agent the test stops (SIGSTOP) while the
 worker makes a relayed daemon call: it reports how that call ended, how long it took
 and which way its calls go now. It writes straight to the stdout it shares with the
-stopped agent, and leaves without a word to the agent (which cannot read it)."""
+stopped agent, and leaves without a word to the agent (which cannot read it).
+
+``fill`` (second argument): first it saves a state far larger than its channel to the
+agent, from a thread, so that the call's frame finds the channel full and held."""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 from report import emit
 
 from rendezvousd.client import RendezvousError
@@ -21,6 +26,10 @@ rdzv = ctx.rendezvous
 emit("ready", rank=ctx.topology.rank, route=rdzv.call_route)
 while not go.exists():
     time.sleep(0.05)
+if sys.argv[2:] == ["fill"]:
+    state = {"w": np.zeros(16 << 20)}  # 128 MiB: the stopped agent reads none of it
+    threading.Thread(target=ctx.save_state, args=(1, state), daemon=True).start()
+    time.sleep(0.5)
 started = time.monotonic()
 try:
     rdzv.kv_get("never", timeout=3.0)
