@@ -270,7 +270,9 @@ def test_warm_spares_are_assigned_and_the_copy_only_moves_forward() -> None:
     restored = state.latest()
     for i, w in enumerate(workers):
         w.assign(
-            Assignment("job", 4, 0, 2 + i, i, 1, 2, 2, 4, SECRET, f"inst{i}", CONFIG), restored
+            Assignment("job", 4, 0, 2 + i, i, 1, 2, 2, 4, SECRET, f"inst{i}", CONFIG),
+            restored,
+            within=30,
         )
     exits = _events_until(events, Exited, 2)
     assert all(e.code == 0 for e in exits)
@@ -291,7 +293,7 @@ def test_stop_all_ends_every_worker() -> None:
     _events_until(events, Ready, 2)
     workers = pool.take(2)
     for i, w in enumerate(workers):
-        w.assign(Assignment("job", 1, 0, i, i, 0, 1, 2, 2, SECRET, "i", CONFIG), None)
+        w.assign(Assignment("job", 1, 0, i, i, 0, 1, 2, 2, SECRET, "i", CONFIG), None, within=30)
     stop_all(workers, "test stop", 0.05)
     exits = _events_until(events, Exited, 2)
     # The abort frame reached both: each left its wait and exited 0, or was
@@ -312,7 +314,7 @@ def test_spare_gets_assignment_and_state_only_over_the_channel() -> None:
         "ev = queue.Queue(); st = StateCopy(); st.offer(_state(9))\n"
         f"pool = SparePool([{str(WORKERS / 'spare_worker.py')!r}], dict(os.environ), ev, st)\n"
         "pool.fill(1); w = pool.take(1)[0]\n"
-        "w.assign(Assignment('job', 4, 1, 3, 0, 1, 2, 2, 4, SECRET, 'inst', DistributedConfig()), st.latest())\n"
+        "w.assign(Assignment('job', 4, 1, 3, 0, 1, 2, 2, 4, SECRET, 'inst', DistributedConfig()), st.latest(), within=30)\n"
         "while not isinstance(e := ev.get(timeout=20), Exited): pass\n"
         "sys.exit(e.code)\n"
     )

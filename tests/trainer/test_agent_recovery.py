@@ -4,6 +4,7 @@ during recovery, restarts exhausted, and a node that comes back late (scale-up).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from tests.support import (
     WORKERS,
     DaemonProcess,
     StatefulDaemon,
+    descendants,
     json_lines,
     launcher_cmd,
     wait_for,
@@ -169,6 +171,49 @@ def test_a_frozen_worker_is_lost_after_the_heartbeat_timeout_and_the_job_restart
     ), nodes[1].stderr()
     assert "no heartbeat from its process" not in nodes[0].stderr().split("stopping")[0]
     assert {e["restart_count"] for e in nodes[1].events("ready")} == {0, 1}
+
+
+def test_a_spare_frozen_before_its_assignment_fails_the_generation_instead_of_hanging(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A worker is killed; the spares that would replace it are frozen (SIGSTOP), and
+    the restored state is larger than their channel holds. The agent gives up on the
+    assignment after the heartbeat timeout and fails the generation naming it (here
+    with no restart left). Before, it waited on the frozen spare for ever: the node's
+    heartbeat starts only after the assignment, so nothing else would tell it."""
+    d = start_daemon("--heartbeat-timeout-s", "4")
+    args = ["--steps", "100000", "--state-mib", "4"]
+    node = Node(d, job_id, tmp_path, "node0", "1", "0", ["--max-restarts", "1"], args)
+    frozen: list[int] = []
+    try:
+        wait_for(
+            "rank 1 to train",
+            lambda: any(e["rank"] == 1 and e["step"] >= 5 for e in node.events("step")),
+            timeout=60,
+        )
+        workers = {e["pid"] for e in node.events("ready")}
+        server = _parent(next(iter(workers)))  # the fork server the spares come from
+        spares = lambda: [p for p in descendants(server) if p not in workers]  # noqa: E731
+        wait_for("two spares", lambda: len(spares()) == 2, timeout=60)
+        frozen = spares()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(next(e["pid"] for e in node.events("ready") if e["rank"] == 1), signal.SIGKILL)
+        code = node.wait(60)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _cleanup([node])
+    err = node.stderr()
+    assert code != 0, err
+    assert "failed first, with its assignment went unread for 4 s" in err, err
+    assert "gave up after 1 restart" in err, err
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def test_a_lost_node_shrinks_the_elastic_job_to_the_survivors(

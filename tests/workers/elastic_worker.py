@@ -29,6 +29,7 @@ def main() -> int:
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--fault-step", type=int, default=3)
     p.add_argument("--always", action="store_true")
+    p.add_argument("--state-mib", type=int, default=0, help="extra state saved each step")
     args = p.parse_args()
     ctx = init_distributed()
     emit(
@@ -43,6 +44,7 @@ def main() -> int:
     )
     faulty = args.always or ctx.restart_count == 0
     buf = np.ones(4, dtype=np.float64)
+    extra = np.zeros(args.state_mib << 20, dtype=np.uint8)
     offered = NOTHING if ctx.restored is None else ctx.restored.step
     start, _root = agree_on_step(ctx.communicator, offered)
     start = max(start, 0)
@@ -54,7 +56,7 @@ def main() -> int:
             threading.Event().wait(60)  # hung: alive, but no progress
         ctx.communicator.all_reduce(buf)
         buf[:] = 1.0
-        ctx.save_state(step + 1, {"buf": buf})
+        ctx.save_state(step + 1, {"buf": buf, "extra": extra})
         if (step + 1) % 5 == 0:
             emit("step", rank=ctx.rank, step=step + 1)
         time.sleep(args.step_s)  # stands in for the step's compute

@@ -56,7 +56,7 @@ from rendezvousd.trainer.agent.warm_workers import (
 )
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node_rank, slot_env
 from rendezvousd.trainer.config import DistributedConfig
-from rendezvousd.trainer.errors import RestartsExhausted
+from rendezvousd.trainer.errors import AgentChannelError, RestartsExhausted
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
 # their last log line, so every node is stopped well within 100 ms.
@@ -253,26 +253,33 @@ class NodeAgent:
         self._silence_s = m.heartbeat_timeout_ms / 1000 or DEFAULT_SILENCE_S
         alive_interval = min(config.heartbeat_interval_s, self._silence_s / 3)
         for i, worker in enumerate(self.active):
-            worker.assign(
-                Assignment(
-                    job_id=m.job_id,
-                    generation=m.generation,
-                    restart_count=self.budget.restarts,
-                    rank=m.first_rank + i,
-                    local_rank=i,
-                    node_rank=m.node_rank,
-                    num_nodes=m.num_nodes,
-                    gpus_per_node=m.gpus_per_node,
-                    world_size=m.world_size,
-                    unique_id=m.unique_id,
-                    instance_id=m.member_instance_id(i),
-                    config=config,
-                    token=self._token,
-                    ring_host=self.ring_host,
-                    alive_interval_s=alive_interval,
-                ),
-                restored,
+            assignment = Assignment(
+                job_id=m.job_id,
+                generation=m.generation,
+                restart_count=self.budget.restarts,
+                rank=m.first_rank + i,
+                local_rank=i,
+                node_rank=m.node_rank,
+                num_nodes=m.num_nodes,
+                gpus_per_node=m.gpus_per_node,
+                world_size=m.world_size,
+                unique_id=m.unique_id,
+                instance_id=m.member_instance_id(i),
+                config=config,
+                token=self._token,
+                ring_host=self.ring_host,
+                alive_interval_s=alive_interval,
             )
+            try:
+                # Held to the liveness rule as a running worker is: a spare that reads
+                # none of its assignment for the heartbeat timeout is lost.
+                worker.assign(assignment, restored, within=self._silence_s)
+            except AgentChannelError as exc:
+                cause = (
+                    f"its assignment went unread for {self._silence_s:g} s (a stopped or "
+                    f"frozen process?): {exc}"
+                )
+                return self._local_failure(m.generation, m.first_rank, worker, cause, 1)
         gen = m.generation
         mark("assigned", generation=gen)
         self.client.start_heartbeat(

@@ -235,9 +235,11 @@ class WorkerProcess:
             with self._unsent_lock:
                 self._unsent_bytes -= len(reply)
 
-    def assign(self, assignment: Assignment, restored: StepState | None) -> None:
-        """Make this spare the worker of ``assignment`` (one frame; the spare reads
-        it as soon as it is warm, so there is nothing to wait for here)."""
+    def assign(self, assignment: Assignment, restored: StepState | None, within: float) -> None:
+        """Make this spare the worker of ``assignment``: one frame, which a warm spare
+        reads at once. ``AgentChannelError`` when it reads none of it for ``within``
+        seconds (stopped, or frozen: a restored state larger than the socket would
+        otherwise hold the agent here for ever), or it is gone."""
         self.local_rank = assignment.local_rank
         self.last_progress = self.last_heard = time.monotonic()
         secrets = assignment.secrets_payload()
@@ -250,7 +252,7 @@ class WorkerProcess:
                 "arrays": restored.entries,
             }
             payload += restored.payload
-        self.channel.send("assign", header, payload)
+        self.channel.send("assign", header, payload, within=within)
 
     def signal(self, signum: int) -> None:
         if self.exited.is_set():
