@@ -17,7 +17,7 @@ import termios
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -430,20 +430,13 @@ def test_progress_and_state_to_an_agent_that_reads_nothing_fail_loudly_in_time(
     training loop for ever. A progress frame not sent leaves the channel as it was;
     a state frame cut short closes it, and the worker's abort names the agent."""
     monkeypatch.setattr(agent_worker, "STEP_SEND_S", 0.3)
-    mine, theirs = socket.socketpair()
-    link = AgentLink(Channel(mine))
-    aborts: queue.Queue[str] = queue.Queue()
-    try:
-        link.start(aborts.put)
+    with _unread_link() as (link, aborts):
         link.assignment = Assignment("job", 1, 0, 0, 0, 0, 1, 1, 1, SECRET, "i", CONFIG)
         with pytest.raises(AgentChannelError, match="the node agent stopped reading") as cut:
             _within(30, lambda: link.save_state(1, {"w": np.zeros(1 << 20)}, {}))
         assert "in the middle of the frame" in str(cut.value) and link.channel.closed
         cause = aborts.get(timeout=10)
         assert cause.startswith("the node agent stopped reading this worker's channel"), cause
-    finally:
-        link.close()
-        theirs.close()
     mine, theirs = socket.socketpair()
     link = AgentLink(Channel(mine))
     try:
@@ -560,16 +553,23 @@ def test_a_call_frame_cut_short_closes_the_channel_and_says_why(
     lost: the worker closes it, its call goes elsewhere (ConnectionError, the relay's
     cue), and the worker's abort names the stuck agent, not "the agent closed it"."""
     monkeypatch.setattr(agent_worker, "CALL_SEND_S", 0.3)
-    mine, theirs = socket.socketpair()
-    link = AgentLink(Channel(mine))
-    aborts: queue.Queue[str] = queue.Queue()
-    try:
-        link.start(aborts.put)
+    with _unread_link() as (link, aborts):
         with pytest.raises(ConnectionError, match="in the middle of the frame"):
             _within(30, lambda: link._send_call(b"c" * (8 << 20)))
         assert link.channel.closed
         cause = aborts.get(timeout=10)
         assert cause.startswith("the node agent stopped reading this worker's channel"), cause
+
+
+@contextlib.contextmanager
+def _unread_link() -> Iterator[tuple[AgentLink, queue.Queue[str]]]:
+    """A worker's started link to an agent that reads nothing, and the aborts it hears."""
+    mine, theirs = socket.socketpair()
+    link = AgentLink(Channel(mine))
+    aborts: queue.Queue[str] = queue.Queue()
+    try:
+        link.start(aborts.put)
+        yield link, aborts
     finally:
         link.close()
         theirs.close()
