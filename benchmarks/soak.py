@@ -188,6 +188,20 @@ def _calls_per_message(metrics_url: str) -> float | None:
     return None
 
 
+def _gc_collections(metrics_url: str) -> dict[str, float]:
+    """The daemon's cyclic GC collections so far, by generation (python_gc_*)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        text = r.read().decode()
+    return {
+        sample.labels["generation"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "python_gc_collections"
+        for sample in family.samples
+    }
+
+
 def _bucket_bound(cumulative: dict[float, float], calls: float) -> float:
     """The smallest bucket bound whose cumulative count reaches ``calls``."""
     return min(le for le, n in cumulative.items() if n >= calls)
@@ -556,6 +570,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             clients_cpu_at_start = _children_cpu_s()
             steady_stats = _proc_stats(daemon.pid)
             cpu_at_start = cpu_s(daemon.pid)
+            gc_at_start = _gc_collections(embedded.metrics_url)
             # RSS every 10 s under load. Growth is measured from the first sample after
             # two full barrier + KV periods: until every job has run a round, the
             # working set (KV values, SQLite's page cache, stream buffers) still fills,
@@ -566,7 +581,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 series.append((round(time.time() - started, 1), _proc_stats(daemon.pid)["rss_kib"]))
             # Still under full load, every member connected: the growth baseline's pair.
             late_stats = _proc_stats(daemon.pid)
-            daemon_cpu_per_s = (cpu_s(daemon.pid) - cpu_at_start) / (time.time() - started)
+            under_load_s = time.time() - started
+            daemon_cpu_per_s = (cpu_s(daemon.pid) - cpu_at_start) / under_load_s
+            gc_late = _gc_collections(embedded.metrics_url)
+            gc_under_load = {g: int(n - gc_at_start.get(g, 0.0)) for g, n in gc_late.items()}
             warm_after = 2 * args.period_s
             # None: the run was shorter than the warm-up, so it says nothing of growth
             # (the join-time figure is before the workers' streams and buffers exist).
@@ -690,6 +708,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rss_growth_pct_warm_to_late": (
                 None if growth is None else round(growth, 2)
             ),  # None: --duration shorter than two --period-s (the warm-up)
+            # Its cyclic GC's collections by generation from the joins' end to the
+            # late sample: each pauses every answer in flight (daemon.serving_gc).
+            "gc_collections_under_load": gc_under_load,
+            "under_load_s": round(under_load_s, 1),
         },
         "failure_notification_s": notify,
         # The job's normal end, every member leaving at once: leave() calls (per-rank

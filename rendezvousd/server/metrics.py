@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+)
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import JobState, MemberState, Transition
@@ -39,6 +46,11 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # The daemon process as an operator sees it: its memory, CPU and descriptors
+        # (process_*), and its cyclic GC's collections by generation (python_gc_*),
+        # whose pauses hold every answer in flight (``daemon.serving_gc``).
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         # Every metric goes into this daemon's registry, never the global one.
         gauge = functools.partial(Gauge, registry=self.registry)
         counter = functools.partial(Counter, registry=self.registry)

@@ -98,3 +98,18 @@ def test_standby_nodes_are_counted_and_the_count_falls_when_one_is_called(
             "the count back at 0",
             lambda: scrape(d.metrics_url).get("rendezvousd_standby_nodes") == 0,
         )
+
+
+def test_the_daemon_process_and_its_gc_are_on_the_metrics_page(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """An operator sees the daemon's memory, CPU and descriptors, and its cyclic GC's
+    collections by generation (whose pauses hold every answer in flight)."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    m = scrape(d.metrics_url)
+    rss = m["process_resident_memory_bytes"]
+    assert 10 << 20 < rss < 2 << 30, rss  # the daemon's own, as /proc has it
+    assert m["process_open_fds"] > 0 and m["process_cpu_seconds_total"] > 0
+    for generation in "012":
+        assert f'python_gc_collections_total{{generation="{generation}"}}' in m, sorted(m)
+        assert f'python_gc_objects_collected_total{{generation="{generation}"}}' in m

@@ -1,15 +1,17 @@
 """benchmarks/soak.py's answer times: a barrier round's answers counted from its last
 arrival, a join's from its generation's forming, and what has no reference left out.
 A wrong reference (the first arrival, or each call's own start) would report the
-wait for peers as the daemon's answer time, or hide it."""
+wait for peers as the daemon's answer time, or hide it. And how it reads the daemon's
+GC collections."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.support import benchmark_module
+from tests.support import DaemonProcess, benchmark_module
 
 
 @pytest.fixture
@@ -44,3 +46,14 @@ def test_an_answer_read_before_the_daemons_dated_forming_counts_as_zero(soak: An
     # state_age_ms is whole milliseconds: the forming instant may land just after an
     # answer's own clock reading.
     assert soak._answer_times([("a", 0, 1.0, 4.9995)], {"a": 5.0}) == [0.0]
+
+
+def test_the_daemons_gc_collections_are_read_by_generation(
+    soak: Any, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    """The soak's ``gc_collections_under_load`` is the difference of two readings of
+    the daemon's python_gc_collections_total, one per generation."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    counts = soak._gc_collections(d.metrics_url)
+    assert sorted(counts) == ["0", "1", "2"], counts
+    assert all(n >= 0 for n in counts.values()) and counts["2"] >= 1  # serve's gc.collect()
