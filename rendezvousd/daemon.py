@@ -58,7 +58,7 @@ _MALFORMED = "request body is not a valid protobuf message for this method"
 
 # The cyclic GC's young threshold in a serving daemon (CPython's default: 700);
 # see ``serving_gc``.
-GC_YOUNG_THRESHOLD = 50_000
+GC_YOUNG_THRESHOLD = 10_000
 
 
 def serving_gc() -> None:
@@ -76,23 +76,21 @@ def serving_gc() -> None:
 
     - Start-up's objects are frozen: no collection scans them again. They are never
       garbage (modules, classes, the server), so freezing them keeps nothing alive.
-    - A young collection every GC_YOUNG_THRESHOLD net allocations instead of 700. The
-      objects of a call mostly die by reference count, and those a young collection
-      does see are the calls still in flight (a parked barrier's coroutines, futures
-      and contexts: ~60 objects each), alive, so it frees nothing and only pauses
-      every answer in flight. In the node soak (512 agents x 8 workers, barriers and
-      KV every 30 s) the count ratchets up by the calls of each burst: at 10,000, 37
-      young collections (2.8 ms median, 9.3 ms max, all freeing nothing) and 3
-      middle ones (~12 ms) fell in 80 s of steady load; at 50,000, none.
-    - A full collection is considered only every GC_YOUNG_THRESHOLD x 10 x 10 = 5
-      million net allocations instead of 70,000 (CPython still runs it only once a
+    - A young collection every GC_YOUNG_THRESHOLD net allocations instead of 700: the
+      objects of a call in flight mostly die by reference count before one sees them;
+      and a full collection is considered only every GC_YOUNG_THRESHOLD x 10 x 10 =
+      1 million net allocations instead of 70,000 (CPython still runs it only once a
       quarter more objects survived since the last): forming 100,000 ranks
-      allocates ~0.7 million, and no full collection need fall inside it (3 did with
-      the defaults).
+      allocates ~0.7 million, and 0 or 1 full collection fell inside it, not 3.
 
-    Memory stays bounded: cyclic garbage is still collected, at most GC_YOUNG_THRESHOLD
-    net allocations later for young cycles (``benchmarks/soak.py`` holds the daemon's
-    RSS flat, and reports its collections under load; /metrics has python_gc_*)."""
+    Memory stays bounded: cyclic garbage is still collected, at most ~1 million net
+    allocations later (``benchmarks/soak.py`` holds the daemon's RSS flat).
+
+    Not higher: in a 10-minute node soak (512 agents x 8 workers) the 416 young
+    collections at 10,000 (2.3 ms median, each freeing nothing: the calls in flight)
+    and 34 middle ones (~9 ms) paused the daemon 1.4 s in all; at 50,000 only one ran,
+    yet that sitting's p99 was no better (docs/benchmarks.md, "Young collections under
+    steady load"). /metrics shows the collections (python_gc_*)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
