@@ -276,8 +276,8 @@ class NodeAgent:
                 worker.assign(assignment, restored, within=self._silence_s)
             except AgentChannelError as exc:
                 cause = (
-                    f"its assignment went unread for {self._silence_s:g} s (a stopped or "
-                    f"frozen process?): {exc}"
+                    f"its assignment went unread for {self._silence_s:g} s (the process is "
+                    f"stopped, frozen, or still starting): {exc}"
                 )
                 return self._local_failure(m.generation, m.first_rank, worker, cause, 1)
         gen = m.generation
