@@ -128,17 +128,21 @@ _SERVED = {
 }
 
 
+def _metric_families(metrics_url: str) -> list[Any]:
+    """The daemon's /metrics page, parsed (prometheus-client's text parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        return list(text_string_to_metric_families(r.read().decode()))
+
+
 def _served_latencies(metrics_url: str) -> dict[str, dict[str, float]]:
     """p50/p99 per operation from the daemon's rendezvousd_rpc_duration_seconds buckets
     (successful calls): the bucket bound at or above each quantile, in ms; and the same
     for the daemon's storage commits (``storage_commit``, with their total seconds)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=30) as r:
-        text = r.read().decode()
     buckets: dict[str, dict[float, float]] = {}
     commit_sum = 0.0
-    for family in text_string_to_metric_families(text):
+    for family in _metric_families(metrics_url):
         if family.name == "rendezvousd_storage_commit_seconds":
             # --state-dir: a change is answered once its group commit is on disk, so
             # the commits' own time is part of every mutating call's latency.
@@ -176,11 +180,7 @@ def _served_latencies(metrics_url: str) -> dict[str, dict[str, float]]:
 
 def _calls_per_message(metrics_url: str) -> float | None:
     """The mean number of calls in each CallBatches message the daemon read."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=30) as r:
-        text = r.read().decode()
-    for family in text_string_to_metric_families(text):
+    for family in _metric_families(metrics_url):
         if family.name == "rendezvousd_calls_per_message":
             total = {x.name: x.value for x in family.samples}
             count = total.get("rendezvousd_calls_per_message_count", 0.0)
@@ -190,13 +190,9 @@ def _calls_per_message(metrics_url: str) -> float | None:
 
 def _gc_collections(metrics_url: str) -> dict[str, float]:
     """The daemon's cyclic GC collections so far, by generation (python_gc_*)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=30) as r:
-        text = r.read().decode()
     return {
         sample.labels["generation"]: sample.value
-        for family in text_string_to_metric_families(text)
+        for family in _metric_families(metrics_url)
         if family.name == "python_gc_collections"
         for sample in family.samples
     }

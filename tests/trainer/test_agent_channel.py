@@ -42,7 +42,7 @@ from rendezvousd.trainer.agent.state_copy import MAX_STEP_ADVANCE, StateCopy
 from rendezvousd.trainer.agent.warm_workers import Exited, Ready, SparePool, stop_all
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError
-from tests.support import WORKERS, DaemonProcess, wait_for
+from tests.support import WORKERS, DaemonProcess, parallel, wait_for
 
 SECRET = bytes(range(128))
 CONFIG = DistributedConfig()
@@ -454,22 +454,10 @@ def test_progress_and_state_to_an_agent_that_reads_nothing_fail_loudly_in_time(
 def _within(seconds: float, work: Callable[[], Any]) -> Any:
     """``work()``'s result (or error) from a thread, failing the test, not hanging it,
     when it takes more than ``seconds``."""
-    box: queue.Queue[tuple[bool, Any]] = queue.Queue()
-
-    def run() -> None:
-        try:
-            box.put((True, work()))
-        except BaseException as exc:  # handed to the test's thread
-            box.put((False, exc))
-
-    threading.Thread(target=run, daemon=True).start()
-    try:
-        ok, value = box.get(timeout=seconds)
-    except queue.Empty:
-        pytest.fail(f"still waiting after {seconds} s")
-    if not ok:
-        raise value
-    return value
+    (outcome,) = parallel([work], seconds)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def _fill(sock: socket.socket) -> None:

@@ -59,6 +59,10 @@ CALL_SEND_S = 5.0
 STEP_SEND_S = 30.0
 
 
+def _stopped_reading(why: object) -> str:
+    return f"the node agent stopped reading this worker's channel ({why})"
+
+
 @dataclass(frozen=True)
 class Assignment:
     """The one hand-off from the agent to a warm worker: who it is in which
@@ -230,8 +234,8 @@ class AgentLink:
             self.channel.send(kind, header, payload, within=STEP_SEND_S)
         except SendTimedOut as exc:
             raise AgentChannelError(
-                f"the node agent stopped reading this worker's channel ({exc}): it is "
-                "stopped or stuck, and this worker cannot go on without it"
+                f"{_stopped_reading(exc)}: it is stopped or stuck, and this worker cannot "
+                "go on without it"
             ) from exc
 
     def _read_frames(self) -> None:
@@ -263,11 +267,7 @@ class AgentLink:
         """Why the channel ended: ``cause``, unless this side closed it on a frame the
         agent stopped reading midway (the agent did not close it then)."""
         cut = self.channel.cut
-        return (
-            cause
-            if cut is None
-            else f"the node agent stopped reading this worker's channel ({cut})"
-        )
+        return cause if cut is None else _stopped_reading(cut)
 
     def _abort(self, cause: str) -> None:
         with self._lock:
