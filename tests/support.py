@@ -184,10 +184,9 @@ def stuck_agent_run(
     """rendezvous-run with ``tests/workers/stuck_agent_worker.py`` (``start`` gets the
     worker's arguments, ``worker_args`` after its own; returns the launcher started in
     a session of its own with stdout piped): its agent stopped (SIGSTOP) once the
-    worker is ready, then the
-    worker's relayed call. Returns how the call ended, checked for what every such
-    run must show: the daemon's verdict on the silent node, heard on the worker's own
-    channel."""
+    worker is ready, then the worker's relayed call. Returns how the call ended,
+    checked for what every such run must show: the daemon's verdict on the silent
+    node, heard on the worker's own channel."""
     go = folder / "go"
     agent = start([str(WORKERS / "stuck_agent_worker.py"), str(go), *worker_args])
     try:
