@@ -134,8 +134,8 @@ class LeaveOnStream:
 
 @dataclass(frozen=True)
 class Connect:
-    """Connect the channel and open the call stream (where the client uses one),
-    within ``timeout``: answered True once connected, False when it was not."""
+    """Connect the channel within ``timeout``: answered True once connected, False
+    when it was not."""
 
     timeout: float
 
@@ -234,6 +234,9 @@ class Calls:
                 method="connect",
                 job_id=s.job_id,
             )
+        # Everything a join sends on: the call stream and the heartbeat stream
+        # opened with the join (``OpenStream``), its start out of the join.
+        yield OpenStream()
 
     def before_join(self) -> Steps[None]:
         """What a join needs to know first: that the daemon is there and takes our

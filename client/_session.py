@@ -435,10 +435,14 @@ class Session:
         )
 
     def event_error(self, event: pb.JobEvent) -> RendezvousError | None:
-        """The error a heartbeat event means for this member, if any."""
+        """The error a heartbeat event means for this member, if any: an event that
+        ends the generation, as the ABORTED error the daemon would give."""
         generation = f"job {event.job_id!r} generation {event.generation}"
+        extra: dict[str, Any] = {}
         if event.kind == pb.JobEvent.PEER_FAILED:
-            failed = failed_members(event.failed)
+            kind: type[RendezvousError]
+            kind, reason = PeerFailed, "PEER_FAILED"
+            extra["failed"] = failed = failed_members(event.failed)
             # The daemon's own words and metadata for this failure (Job.generation_fault).
             metadata = {
                 "ranks": ",".join(str(f.rank) for f in failed),
@@ -446,25 +450,12 @@ class Session:
                 "generation": str(event.generation),
             }
             message = failed_text(generation, failed)
-            return self._event_error(
-                PeerFailed, "PEER_FAILED", message, event, metadata, failed=failed
-            )
-        if event.kind == pb.JobEvent.JOB_ABORTED:
+        elif event.kind == pb.JobEvent.JOB_ABORTED:
+            kind, reason = JobAborted, "JOB_ABORTED"
             message = f"{generation} was aborted: {event.reason}"
             metadata = {"reason": event.reason}
-            return self._event_error(JobAborted, "JOB_ABORTED", message, event, metadata)
-        return None
-
-    def _event_error(
-        self,
-        kind: type[RendezvousError],
-        reason: str,
-        message: str,
-        event: pb.JobEvent,
-        metadata: dict[str, str],
-        **extra: Any,
-    ) -> RendezvousError:
-        """An event that ends the generation, as the ABORTED error the daemon would give."""
+        else:
+            return None
         return kind(
             message,
             **extra,

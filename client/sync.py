@@ -109,7 +109,7 @@ class RendezvousClient(steps.ClientBase):
             weakref.finalize(self, self._mux.abandon).atexit = False
         # After close() the table of a slim join is still readable: over a channel of its own.
         self._closed = False
-        self._after_close = BlockingMembers(self._s, self._c.tls)
+        self._after_close = BlockingMembers(self._c)
         self._s.get_members = lambda request: (
             self._after_close(request) if self._closed else self._call("GetMembers", request)
         )
@@ -184,14 +184,7 @@ class RendezvousClient(steps.ClientBase):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Connect):
             ready = self._ready_within(step.timeout, failure_ends=False)
-            if ready is None:
-                ready = self._ready_future(step.timeout)
-            if not ready:
-                return False
-            # Everything a join sends on: the call stream and the heartbeat stream
-            # opened with the join (``steps.OpenStream``), its start out of the join.
-            self._open_stream()
-            return True
+            return self._ready_future(step.timeout) if ready is None else ready
         return None
 
     def _ready_within(self, timeout: float, *, failure_ends: bool) -> bool | None:
