@@ -280,9 +280,7 @@ class Session:
 
     def heartbeat_request(self) -> pb.HeartbeatRequest:
         """A stream's first beat: who it speaks for (fixed for the stream's life)."""
-        if self.node is not None:
-            return self.beat(pb.HeartbeatRequest(**self._fields(self.node)))
-        return self.beat(pb.HeartbeatRequest(**self.scope()))
+        return self.beat(pb.HeartbeatRequest(**self._fields(self.node or self.member())))
 
     def beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
         """The stream's next beat: ``request`` with the latest ``report_progress``."""
@@ -398,10 +396,6 @@ class Session:
             plan.request.node_rank = node_rank
         return plan
 
-    def next_barrier(self, name: str) -> int:
-        self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
-        return self.barrier_counts[name]
-
     def barrier_failed(self, name: str, error: RendezvousError) -> None:
         """The daemon did not apply this round (its storage failed, so it undid it): the
         next barrier() of ``name`` sends the same round again, which the daemon answers at
@@ -426,12 +420,10 @@ class Session:
         return fields | {"rank": who.rank}
 
     def barrier_request(self, name: str, wait: float) -> pb.BarrierRequest:
-        # The scope first: a failed member must not count a barrier round.
+        scope = self.scope()  # first: a failed member must not count a barrier round
+        sequence = self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
         return pb.BarrierRequest(
-            **self.scope(),
-            name=name,
-            sequence=self.next_barrier(name),
-            wait_timeout_ms=int(wait * 1000),
+            **scope, name=name, sequence=sequence, wait_timeout_ms=int(wait * 1000)
         )
 
     def event_error(self, event: pb.JobEvent) -> RendezvousError | None:

@@ -105,11 +105,11 @@ def service_config(channel_retries: int) -> str:
                     "retryPolicy": retry,
                 },
                 {
-                    # Not idempotent: wait for the daemon, but never re-send.
+                    # Not idempotent (or a stream): wait for the daemon, but never re-send.
                     "name": [
-                        {"service": SERVICE, "method": m} for m in ("KvAdd", "KvCompareAndSet")
-                    ]
-                    + [{"service": SERVICE, "method": "Heartbeat"}],
+                        {"service": SERVICE, "method": m}
+                        for m in ("KvAdd", "KvCompareAndSet", "Heartbeat")
+                    ],
                     "waitForReady": True,
                 },
             ]
