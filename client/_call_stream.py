@@ -105,7 +105,10 @@ class _Stream:
     _call: Any
 
     def __init__(
-        self, requests: queue.SimpleQueue[pb.Call | None] | asyncio.Queue[pb.Call | None]
+        self,
+        channel: grpc.Channel | grpc.aio.Channel,
+        metadata: tuple[tuple[str, str], ...],
+        requests: queue.SimpleQueue[pb.Call | None] | asyncio.Queue[pb.Call | None],
     ) -> None:
         self.pending: Pending[Any] = Pending()
         self.unsupported = False
@@ -114,6 +117,12 @@ class _Stream:
         self.retired = False
         self._lock = threading.Lock()
         self._queue = requests
+        self._multi: Any = channel.stream_stream(
+            CALLS_METHOD,
+            request_serializer=pb.CallBatch.SerializeToString,
+            response_deserializer=pb.ReplyBatch.FromString,
+        )
+        self._metadata = metadata
 
     @property
     def over(self) -> bool:
@@ -162,16 +171,11 @@ class _BlockingStream(_Stream):
     _queue: queue.SimpleQueue[pb.Call | None]
 
     def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
-        super().__init__(queue.SimpleQueue())
-        multi = channel.stream_stream(
-            CALLS_METHOD,
-            request_serializer=pb.CallBatch.SerializeToString,
-            response_deserializer=pb.ReplyBatch.FromString,
-        )
+        super().__init__(channel, metadata, queue.SimpleQueue())
         self._feed = RequestFeed()
         # wait_for_ready: a call made while the daemon restarts waits for it, within
         # its own deadline, as a unary call does.
-        self._call: Any = multi(
+        self._call = self._multi(
             self._feed.wrap(self._requests()), metadata=metadata, wait_for_ready=True
         )
         self.reader = threading.Thread(
@@ -369,15 +373,8 @@ class _AsyncStream(_Stream):
     _queue: asyncio.Queue[pb.Call | None]
 
     def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
-        super().__init__(asyncio.Queue())
-        multi = channel.stream_stream(
-            CALLS_METHOD,
-            request_serializer=pb.CallBatch.SerializeToString,
-            response_deserializer=pb.ReplyBatch.FromString,
-        )
-        self._multi = multi
-        self._metadata = metadata
-        self._call: Any = multi(self._requests(), metadata=metadata, wait_for_ready=True)
+        super().__init__(channel, metadata, asyncio.Queue())
+        self._call = self._multi(self._requests(), metadata=metadata, wait_for_ready=True)
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[pb.CallBatch]:
