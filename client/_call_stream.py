@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
@@ -67,36 +67,6 @@ PROBE_S = 10.0
 CALL_BATCH_BYTES = 32 * 1024
 
 
-class _Stream(Protocol):
-    unsupported: bool
-
-    @property
-    def over(self) -> bool: ...
-
-
-S = TypeVar("S", bound=_Stream)
-
-
-def _kept(stream: S | None, endpoint: str) -> tuple[bool, S | None]:
-    """What both clients' ``open`` decide about their current stream: (go unary, the
-    stream to keep). An ended stream is replaced (None), unless it found the daemon
-    has no CallBatches method: then every call is unary from now on."""
-    if stream is None or not stream.over:
-        return False, stream
-    if stream.unsupported:
-        _fallback(endpoint)
-        return True, None
-    return False, None
-
-
-def _fallback(endpoint: str) -> None:
-    log.debug(
-        "rendezvousd at %s has no CallBatches method (an older daemon): this client makes "
-        "unary calls from now on",
-        endpoint,
-    )
-
-
 def _sends(pending: Pending[Any], message: pb.Call) -> bool:
     """Whether a queued message still goes out: not a call whose caller gave up
     before it left (the daemon, counting its deadline from arrival, would run it)."""
@@ -127,56 +97,91 @@ def _batches(
     return batches, False
 
 
-class _BlockingStream:
-    """One open CallBatches stream of a blocking channel: a queue feeds its requests, one
-    reader thread hands each Reply to its caller's future."""
+class _Stream:
+    """What an open CallBatches stream of either twin holds: its calls in flight, the
+    queue feeding its requests, and its half-close. Each twin's subclass starts the
+    call and reads its Replies."""
 
-    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.pending: Pending[Future[Any]] = Pending()
+    _call: Any
+
+    def __init__(
+        self,
+        channel: grpc.Channel | grpc.aio.Channel,
+        metadata: tuple[tuple[str, str], ...],
+        requests: queue.SimpleQueue[pb.Call | None] | asyncio.Queue[pb.Call | None],
+    ) -> None:
+        self.pending: Pending[Any] = Pending()
         self.unsupported = False
         self.closing = False
         # Half-closed: no new calls (``retire``).
         self.retired = False
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[pb.Call | None] = queue.SimpleQueue()
-        multi = channel.stream_stream(
+        self._queue = requests
+        self._multi: Any = channel.stream_stream(
             CALLS_METHOD,
             request_serializer=pb.CallBatch.SerializeToString,
             response_deserializer=pb.ReplyBatch.FromString,
         )
-        self._feed = RequestFeed()
-        # wait_for_ready: a call made while the daemon restarts waits for it, within
-        # its own deadline, as a unary call does.
-        self._call: Any = multi(
-            self._feed.wrap(self._requests()), metadata=metadata, wait_for_ready=True
-        )
-        self.reader = threading.Thread(
-            target=self._read, daemon=True, name="rendezvous-calls-reader"
-        )
-        self.reader.start()
+        self._metadata = metadata
 
     @property
     def over(self) -> bool:
         return self.retired or self.pending.failure is not None
 
-    def submit(self, method: str, request: Any, timeout: float, waiter: Future[Any]) -> int:
+    def submit(self, method: str, request: Any, timeout: float, waiter: Any) -> int:
         """Send a new call; its id. ``Retired`` once half-closed, or the stream's end."""
         with self._lock:  # never queued behind the half-close
             if self.retired:
                 raise Retired
             call_id, message = self.pending.add(method, request, timeout, waiter)
-            self._queue.put(message)
+            self._queue.put_nowait(message)
         return call_id
 
     def cancel(self, call_id: int) -> None:
-        self._queue.put(cancel_message(call_id))
+        self._queue.put_nowait(cancel_message(call_id))
 
     def retire(self) -> None:
         """Half-close: the daemon answers the calls in flight, then ends the stream."""
         with self._lock:
             if not self.retired:
                 self.retired = True
-                self._queue.put(None)
+                self._queue.put_nowait(None)
+
+    def _ended(self, failure: grpc.RpcError) -> None:
+        """The reader's last act: every call in flight fails with ``failure`` (or, for
+        a daemon without the method, ``Unsupported``), and the requests end, which
+        ends gRPC's feeding of them."""
+        log.debug("the call stream ended: %s: %s", failure.code().name, failure.details())
+        for waiter in self.pending.end(failure):
+            if not waiter.done():  # an asyncio caller cancelled as the stream ended
+                waiter.set_exception(Unsupported() if self.unsupported else copy_error(failure))
+        self._queue.put_nowait(None)
+
+    def close(self) -> None:
+        self.closing = True
+        self.retire()
+        if self._call is not None:
+            self._call.cancel()
+
+
+class _BlockingStream(_Stream):
+    """One open CallBatches stream of a blocking channel: a queue feeds its requests, one
+    reader thread hands each Reply to its caller's future."""
+
+    _queue: queue.SimpleQueue[pb.Call | None]
+
+    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        super().__init__(channel, metadata, queue.SimpleQueue())
+        self._feed = RequestFeed()
+        # wait_for_ready: a call made while the daemon restarts waits for it, within
+        # its own deadline, as a unary call does.
+        self._call = self._multi(
+            self._feed.wrap(self._requests()), metadata=metadata, wait_for_ready=True
+        )
+        self.reader = threading.Thread(
+            target=self._read, daemon=True, name="rendezvous-calls-reader"
+        )
+        self.reader.start()
 
     def _requests(self) -> Iterator[pb.CallBatch]:
         while True:
@@ -200,16 +205,7 @@ class _BlockingStream:
             failure = closed_error() if self.closing else copy_error(exc)
             self.unsupported = unsupported(exc, self.pending.replied)
         finally:
-            log.debug("the call stream ended: %s: %s", failure.code().name, failure.details())
-            for waiter in self.pending.end(failure):
-                waiter.set_exception(Unsupported() if self.unsupported else copy_error(failure))
-            self._queue.put(None)  # ends gRPC's thread feeding the requests
-
-    def close(self) -> None:
-        self.closing = True
-        self.retire()
-        if self._call is not None:
-            self._call.cancel()
+            self._ended(failure)
 
     def finish(self, deadline: float) -> None:
         """After ``close``: wait, until the monotonic ``deadline``, for the reader and
@@ -245,19 +241,20 @@ def settle(stream: Any, reply: pb.Reply) -> None:
         waiter.set_result(outcome)
 
 
-class BlockingCallStream:
-    """A blocking client's CallBatches stream, opened on first use and again after it broke.
-    Safe from several threads: the user's, the heartbeat thread's, ``on_failure``'s."""
+S = TypeVar("S", bound=_Stream)
 
-    def __init__(
-        self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...], endpoint: str
-    ) -> None:
+
+class _CallStreams(Generic[S]):
+    """What both twins' call streams decide alike: the stream a call goes on (opened on
+    first use and again after it broke, or none: unary calls), and what they count."""
+
+    def __init__(self, channel: Any, metadata: tuple[tuple[str, str], ...], endpoint: str) -> None:
         self._channel = channel
         self._metadata = metadata
         self._endpoint = endpoint
         self._lock = threading.Lock()
-        self._stream: _BlockingStream | None = None
-        self._streams: list[_BlockingStream] = []
+        self._stream: S | None = None
+        self._streams: list[S] = []
         self._closed = False
         # The daemon has no CallBatches method: every call is unary.
         self.unary = False
@@ -265,26 +262,40 @@ class BlockingCallStream:
         self.opened = 0
         self.sent: Counter[str] = Counter()
 
-    def open(self) -> _BlockingStream | None:
-        """The live stream, opened now if there is none; None for a daemon without it."""
+    def _new_stream(self) -> S:
+        """A new stream on the channel; the twin's own error once the client closed."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _reading(stream: S) -> bool:
+        raise NotImplementedError
+
+    def open(self) -> S | None:
+        """The live stream, opened now if there is none; None for a daemon without it.
+        An ended stream is replaced, unless it found the daemon has no CallBatches
+        method: then every call is unary from now on."""
         with self._lock:
             if self.unary:
                 return None
-            self.unary, stream = _kept(self._stream, self._endpoint)
-            if self.unary:
-                return None
+            stream = self._stream
+            if stream is not None and stream.over:
+                if stream.unsupported:
+                    self.unary = True
+                    log.debug(
+                        "rendezvousd at %s has no CallBatches method (an older daemon): this "
+                        "client makes unary calls from now on",
+                        self._endpoint,
+                    )
+                    return None
+                stream = None
             if stream is None:
-                if self._closed:
-                    raise ValueError("Cannot invoke RPC on closed channel!")
-                stream = self._stream = _BlockingStream(self._channel, self._metadata)
+                stream = self._stream = self._new_stream()
                 self.opened += 1
                 # Streams that broke end their readers on their own: forget them.
-                self._streams = [s for s in self._streams if s.reader.is_alive()] + [stream]
+                self._streams = [s for s in self._streams if self._reading(s)] + [stream]
             return stream
 
-    def submit(
-        self, method: str, request: Any, timeout: float, waiter: Future[Any]
-    ) -> tuple[_BlockingStream, int]:
+    def submit(self, method: str, request: Any, timeout: float, waiter: Any) -> tuple[S, int]:
         """Send a call whose outcome ``waiter`` gets: the stream it went on and its id
         there. ``Unsupported`` when the daemon has no CallBatches method (not sent)."""
         while True:
@@ -304,6 +315,27 @@ class BlockingCallStream:
         self.sent[method] += 1
         return stream, call_id
 
+    def retire(self) -> None:
+        """The daemon drains: half-close the stream; the next call opens a new one."""
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.retire()
+
+
+class BlockingCallStream(_CallStreams[_BlockingStream]):
+    """A blocking client's CallBatches stream, opened on first use and again after it broke.
+    Safe from several threads: the user's, the heartbeat thread's, ``on_failure``'s."""
+
+    def _new_stream(self) -> _BlockingStream:
+        if self._closed:
+            raise ValueError("Cannot invoke RPC on closed channel!")
+        return _BlockingStream(self._channel, self._metadata)
+
+    @staticmethod
+    def _reading(stream: _BlockingStream) -> bool:
+        return stream.reader.is_alive()
+
     def call(self, method: str, request: Any, timeout: float) -> Any:
         """``method``'s response, or the ``grpc.RpcError`` its unary call would raise;
         ``Unsupported`` when the daemon has no CallBatches method (the call was not made)."""
@@ -316,13 +348,6 @@ class BlockingCallStream:
                 stream.cancel(call_id)
                 raise deadline_error() from None
         return waiter.result()  # answered as its deadline passed
-
-    def retire(self) -> None:
-        """The daemon drains: half-close the stream; the next call opens a new one."""
-        with self._lock:
-            stream = self._stream
-        if stream is not None:
-            stream.retire()
 
     def close(self) -> None:
         """End the stream (the daemon cancels what is in flight) and its threads."""
@@ -341,44 +366,16 @@ class BlockingCallStream:
         return streams
 
 
-class _AsyncStream:
+class _AsyncStream(_Stream):
     """One open CallBatches stream of an asyncio channel: a queue feeds its requests, one
     reader task hands each Reply to its caller's future."""
 
+    _queue: asyncio.Queue[pb.Call | None]
+
     def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.pending: Pending[asyncio.Future[Any]] = Pending()
-        self.unsupported = False
-        self.closing = False
-        self.retired = False
-        self._queue: asyncio.Queue[pb.Call | None] = asyncio.Queue()
-        multi = channel.stream_stream(
-            CALLS_METHOD,
-            request_serializer=pb.CallBatch.SerializeToString,
-            response_deserializer=pb.ReplyBatch.FromString,
-        )
-        self._multi = multi
-        self._metadata = metadata
-        self._call: Any = multi(self._requests(), metadata=metadata, wait_for_ready=True)
+        super().__init__(channel, metadata, asyncio.Queue())
+        self._call = self._multi(self._requests(), metadata=metadata, wait_for_ready=True)
         self.reader = asyncio.get_running_loop().create_task(self._read())
-
-    @property
-    def over(self) -> bool:
-        return self.retired or self.pending.failure is not None
-
-    def submit(self, method: str, request: Any, timeout: float, waiter: asyncio.Future[Any]) -> int:
-        if self.retired:
-            raise Retired
-        call_id, message = self.pending.add(method, request, timeout, waiter)
-        self._queue.put_nowait(message)
-        return call_id
-
-    def cancel(self, call_id: int) -> None:
-        self._queue.put_nowait(cancel_message(call_id))
-
-    def retire(self) -> None:
-        if not self.retired:
-            self.retired = True
-            self._queue.put_nowait(None)
 
     async def _requests(self) -> AsyncIterator[pb.CallBatch]:
         while True:
@@ -406,11 +403,7 @@ class _AsyncStream:
             failure = closed_error()
             raise
         finally:
-            log.debug("the call stream ended: %s: %s", failure.code().name, failure.details())
-            for waiter in self.pending.end(failure):
-                if not waiter.done():
-                    waiter.set_exception(Unsupported() if self.unsupported else copy_error(failure))
-            self._queue.put_nowait(None)
+            self._ended(failure)
 
     async def _probe(self) -> grpc.RpcError:
         """The status this stream lost (``status_lost``), from a new stream that sends
@@ -429,61 +422,18 @@ class _AsyncStream:
         finally:
             probe.cancel()
 
-    def close(self) -> None:
-        self.closing = True
-        self.retire()
-        self._call.cancel()
 
-
-class AsyncCallStream:
+class AsyncCallStream(_CallStreams[_AsyncStream]):
     """``BlockingCallStream``'s twin on the event loop."""
 
-    def __init__(
-        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], endpoint: str
-    ) -> None:
-        self._channel = channel
-        self._metadata = metadata
-        self._endpoint = endpoint
-        self._stream: _AsyncStream | None = None
-        self._streams: list[_AsyncStream] = []
-        self._closed = False
-        self.unary = False
-        self.opened = 0
-        self.sent: Counter[str] = Counter()
+    def _new_stream(self) -> _AsyncStream:
+        if self._closed:
+            raise grpc.aio.UsageError("the client is closed")
+        return _AsyncStream(self._channel, self._metadata)
 
-    def open(self) -> _AsyncStream | None:
-        if self.unary:
-            return None
-        self.unary, stream = _kept(self._stream, self._endpoint)
-        if self.unary:
-            return None
-        if stream is None:
-            if self._closed:
-                raise grpc.aio.UsageError("the client is closed")
-            stream = self._stream = _AsyncStream(self._channel, self._metadata)
-            self.opened += 1
-            self._streams = [s for s in self._streams if not s.reader.done()] + [stream]
-        return stream
-
-    def submit(
-        self, method: str, request: Any, timeout: float, waiter: asyncio.Future[Any]
-    ) -> tuple[_AsyncStream, int]:
-        """``BlockingCallStream.submit``."""
-        while True:
-            stream = self.open()
-            if stream is None:
-                raise Unsupported
-            try:
-                call_id = stream.submit(method, request, timeout, waiter)
-                break
-            except Retired:
-                continue
-            except grpc.RpcError:
-                if stream.unsupported:
-                    raise Unsupported from None
-                raise
-        self.sent[method] += 1
-        return stream, call_id
+    @staticmethod
+    def _reading(stream: _AsyncStream) -> bool:
+        return not stream.reader.done()
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -503,11 +453,6 @@ class AsyncCallStream:
             elif waiter.done() and not waiter.cancelled():
                 waiter.exception()  # answered as it was cancelled: nobody reads it now
             raise
-
-    def retire(self) -> None:
-        """``BlockingCallStream.retire``."""
-        if self._stream is not None:
-            self._stream.retire()
 
     async def close(self) -> None:
         self._closed = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -21,7 +22,6 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client._multiplex import carries
 from rendezvousd.client._session import (
     SLACK_S,
     ClientOptions,
@@ -54,6 +54,7 @@ from rendezvousd.client.membership import (
     loopback_conflict,
 )
 from rendezvousd.client.relay import route_of
+from rendezvousd.common.calls import FIELDS
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -79,7 +80,7 @@ class Rpc:
     def streamable(self) -> bool:
         """Whether it may travel on the client's call stream: a Rendezvous method
         made the patient way (the TLS probe's calls must fail fast, and say why)."""
-        return not self.health and self.wait_for_ready is None and carries(self.method)
+        return not self.health and self.wait_for_ready is None and self.method in FIELDS
 
     def invoke(self, rendezvous: Any, health: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
         """The call's result (sync stubs) or awaitable (asyncio stubs)."""
@@ -134,8 +135,8 @@ class LeaveOnStream:
 
 @dataclass(frozen=True)
 class Connect:
-    """Connect the channel and open the call stream (where the client uses one),
-    within ``timeout``: answered True once connected, False when it was not."""
+    """Connect the channel within ``timeout``: answered True once connected, False
+    when it was not."""
 
     timeout: float
 
@@ -203,9 +204,7 @@ class Calls:
         """``method`` with retries as the policy allows; errors as ``RendezvousError``."""
         s = self.s
         rank = s.joined.rank if s.joined else None
-        attempt = 0
-        while True:
-            attempt += 1
+        for attempt in itertools.count(1):
             try:
                 return (yield Rpc(method, request, timeout or s.call_timeout, health))
             except grpc.RpcError as exc:
@@ -234,6 +233,9 @@ class Calls:
                 method="connect",
                 job_id=s.job_id,
             )
+        # Everything a join sends on: the call stream and the heartbeat stream
+        # opened with the join (``OpenStream``), its start out of the join.
+        yield OpenStream()
 
     def before_join(self) -> Steps[None]:
         """What a join needs to know first: that the daemon is there and takes our
@@ -257,9 +259,7 @@ class Calls:
         if probed is not None and probed.status == SERVING:
             return
         s = self.s
-        attempt = 0
-        while True:
-            attempt += 1
+        for attempt in itertools.count(1):
             response = yield from self.call(
                 "Check", request, timeout=s.connect_timeout, health=True
             )

@@ -36,11 +36,6 @@ CALLS_METHOD = "/rendezvous.v1.Rendezvous/CallBatches"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def carries(method: str) -> bool:
-    """Whether ``method`` can travel on the call stream (every unary Rendezvous method)."""
-    return method in FIELDS
-
-
 def timeout_ms(timeout: float) -> int:
     """A call's deadline on the wire: whole milliseconds, rounded up, never 0 (which
     would ask for the daemon's default instead)."""

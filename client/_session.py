@@ -280,9 +280,7 @@ class Session:
 
     def heartbeat_request(self) -> pb.HeartbeatRequest:
         """A stream's first beat: who it speaks for (fixed for the stream's life)."""
-        if self.node is not None:
-            return self.beat(pb.HeartbeatRequest(**self._fields(self.node)))
-        return self.beat(pb.HeartbeatRequest(**self.scope()))
+        return self.beat(pb.HeartbeatRequest(**self._fields(self.node or self.member())))
 
     def beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
         """The stream's next beat: ``request`` with the latest ``report_progress``."""
@@ -398,10 +396,6 @@ class Session:
             plan.request.node_rank = node_rank
         return plan
 
-    def next_barrier(self, name: str) -> int:
-        self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
-        return self.barrier_counts[name]
-
     def barrier_failed(self, name: str, error: RendezvousError) -> None:
         """The daemon did not apply this round (its storage failed, so it undid it): the
         next barrier() of ``name`` sends the same round again, which the daemon answers at
@@ -426,19 +420,21 @@ class Session:
         return fields | {"rank": who.rank}
 
     def barrier_request(self, name: str, wait: float) -> pb.BarrierRequest:
-        # The scope first: a failed member must not count a barrier round.
+        scope = self.scope()  # first: a failed member must not count a barrier round
+        sequence = self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
         return pb.BarrierRequest(
-            **self.scope(),
-            name=name,
-            sequence=self.next_barrier(name),
-            wait_timeout_ms=int(wait * 1000),
+            **scope, name=name, sequence=sequence, wait_timeout_ms=int(wait * 1000)
         )
 
     def event_error(self, event: pb.JobEvent) -> RendezvousError | None:
-        """The error a heartbeat event means for this member, if any."""
+        """The error a heartbeat event means for this member, if any: an event that
+        ends the generation, as the ABORTED error the daemon would give."""
         generation = f"job {event.job_id!r} generation {event.generation}"
+        extra: dict[str, Any] = {}
         if event.kind == pb.JobEvent.PEER_FAILED:
-            failed = failed_members(event.failed)
+            kind: type[RendezvousError]
+            kind, reason = PeerFailed, "PEER_FAILED"
+            extra["failed"] = failed = failed_members(event.failed)
             # The daemon's own words and metadata for this failure (Job.generation_fault).
             metadata = {
                 "ranks": ",".join(str(f.rank) for f in failed),
@@ -446,25 +442,12 @@ class Session:
                 "generation": str(event.generation),
             }
             message = failed_text(generation, failed)
-            return self._event_error(
-                PeerFailed, "PEER_FAILED", message, event, metadata, failed=failed
-            )
-        if event.kind == pb.JobEvent.JOB_ABORTED:
+        elif event.kind == pb.JobEvent.JOB_ABORTED:
+            kind, reason = JobAborted, "JOB_ABORTED"
             message = f"{generation} was aborted: {event.reason}"
             metadata = {"reason": event.reason}
-            return self._event_error(JobAborted, "JOB_ABORTED", message, event, metadata)
-        return None
-
-    def _event_error(
-        self,
-        kind: type[RendezvousError],
-        reason: str,
-        message: str,
-        event: pb.JobEvent,
-        metadata: dict[str, str],
-        **extra: Any,
-    ) -> RendezvousError:
-        """An event that ends the generation, as the ABORTED error the daemon would give."""
+        else:
+            return None
         return kind(
             message,
             **extra,

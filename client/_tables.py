@@ -10,28 +10,21 @@ import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._session import Session
-from rendezvousd.client.connection import TlsConfig, channel_options
+from rendezvousd.client._calls import Calls
 from rendezvousd.client.errors import from_rpc_error
 
 
 class BlockingMembers:
-    def __init__(self, session: Session, tls: TlsConfig | None) -> None:
-        self._s = session
-        self._tls = tls
+    def __init__(self, calls: Calls) -> None:
+        self._c = calls
+        self._s = calls.s
         self._channel: grpc.Channel | None = None
         self._lock = threading.Lock()
 
     def __call__(self, request: pb.GetMembersRequest) -> pb.GetMembersResponse:
         with self._lock:
             if self._channel is None:
-                tls = self._tls
-                options = channel_options(self._s.retry, tls.server_name if tls else None)
-                self._channel = (
-                    grpc.secure_channel(self._s.endpoint, tls.credentials(), options=options)
-                    if tls is not None
-                    else grpc.insecure_channel(self._s.endpoint, options=options)
-                )
+                self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
             stub = pb_grpc.RendezvousStub(self._channel)
         try:
             response: pb.GetMembersResponse = stub.GetMembers(

@@ -63,7 +63,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         )
         # A slim join's table is fetched on first use of Membership.members, a plain
         # property: that blocking call goes over a channel of its own, made then.
-        self._blocking = BlockingMembers(self._s, self._c.tls)
+        self._blocking = BlockingMembers(self._c)
         self._s.get_members = self._blocking
         self._hb_task: asyncio.Task[None] | None = None
         # The heartbeat stream opened before the join (``steps.OpenStream``), and what
@@ -125,9 +125,6 @@ class AsyncRendezvousClient(steps.ClientBase):
                     await self._channel.channel_ready()
             except TimeoutError:
                 return False
-            # Everything a join sends on: the call stream and the heartbeat stream
-            # opened with the join (``steps.OpenStream``), its start out of the join.
-            self._open_stream()
             return True
         return None
 

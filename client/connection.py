@@ -105,11 +105,11 @@ def service_config(channel_retries: int) -> str:
                     "retryPolicy": retry,
                 },
                 {
-                    # Not idempotent: wait for the daemon, but never re-send.
+                    # Not idempotent (or a stream): wait for the daemon, but never re-send.
                     "name": [
-                        {"service": SERVICE, "method": m} for m in ("KvAdd", "KvCompareAndSet")
-                    ]
-                    + [{"service": SERVICE, "method": "Heartbeat"}],
+                        {"service": SERVICE, "method": m}
+                        for m in ("KvAdd", "KvCompareAndSet", "Heartbeat")
+                    ],
                     "waitForReady": True,
                 },
             ]
@@ -229,13 +229,11 @@ class TlsProbe:
         return not self.tls and self.endpoint in _SEEN_TLS
 
     def known_refusal(self) -> str | None:
-        """Before any call: the mismatch of a daemon this process already found
+        """Before any call, when ``seen_tls``: the mismatch of a daemon this process already found
         speaking TLS to a plaintext client, asked again directly (it may have been
         restarted without TLS). gRPC is not let try: each of its attempts is one more
         "Handshake failed" line in the daemon's log, which would otherwise get one per
         client (the launcher's, its root-cause query's, each restart's)."""
-        if not self.seen_tls:
-            return None
         if speaks_tls(self.endpoint):
             return self._speaks_tls()
         _SEEN_TLS.discard(self.endpoint)

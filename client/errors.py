@@ -258,8 +258,7 @@ def error_info(call: grpc.Call) -> tuple[str, dict[str, str]]:
     message disagrees with the call's own status (then it describes some other
     failure, e.g. a proxy rewrote the status, and must not pick the error class).
     """
-    reason, metadata, _ = _status_details(call)
-    return reason, metadata
+    return _status_details(call)[:2]
 
 
 def _status_details(call: grpc.Call) -> tuple[str, dict[str, str], list[pb.FailedMember]]:

@@ -71,17 +71,6 @@ def _rich_status(
     return data
 
 
-def _not_relayed(message: str) -> bytes:
-    """The status that makes the worker's client make the call unary: the daemon's
-    own "stream full" refusal (``_multiplex.stream_full``), which means "never run"."""
-    return _rich_status(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "LIMIT_EXCEEDED",
-        message,
-        {"limit": "max_concurrent_streams"},
-    )
-
-
 def _status_of(exc: grpc.RpcError) -> bytes:
     """A call's error as a Reply's ``error``: its rich status where it has one."""
     error = copy_error(exc)  # whatever kind of RpcError: its code, details and trailers
@@ -98,7 +87,14 @@ def reply_bytes(call_id: int, field: str, outcome: Any) -> bytes:
     encoded Reply the worker reads."""
     reply = pb.Reply(id=call_id)
     if isinstance(outcome, Unsupported):
-        reply.error = _not_relayed("the node agent could not make this call on its stream")
+        # The daemon's own "stream full" refusal (``_multiplex.stream_full``), which
+        # means "never run": the worker's client makes the call unary.
+        reply.error = _rich_status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "LIMIT_EXCEEDED",
+            "the node agent could not make this call on its stream",
+            {"limit": "max_concurrent_streams"},
+        )
     elif isinstance(outcome, grpc.RpcError):
         reply.error = _status_of(outcome)
     elif isinstance(outcome, BaseException):
@@ -147,8 +143,7 @@ class RelayEnd:
                 lambda outcome: self._done(call.id, field, outcome),
             )
         except (Unsupported, grpc.RpcError) as exc:
-            if self._take(call.id):
-                self._send(call.id, field, exc)
+            self._done(call.id, field, exc)
             return
         with self._lock:
             if call.id in self._cancels:  # not answered yet
@@ -171,16 +166,11 @@ class RelayEnd:
             self._cancels[call.id] = None
         return None
 
-    def _take(self, call_id: int) -> bool:
-        """Whether call ``call_id`` was still in flight (it is not now)."""
-        with self._lock:
-            if call_id not in self._cancels:
-                return False
-            del self._cancels[call_id]
-            return True
-
     def _done(self, call_id: int, field: str, outcome: Any) -> None:
-        if self._take(call_id):  # not cancelled by the worker meanwhile
+        with self._lock:
+            in_flight = call_id in self._cancels
+            self._cancels.pop(call_id, None)
+        if in_flight:  # not cancelled by the worker meanwhile
             self._send(call_id, field, outcome)
 
     def _send(self, call_id: int, field: str, outcome: Any) -> None:
@@ -212,17 +202,6 @@ _STALLED = (
     "stream to the daemon, is stuck); this worker makes its calls on its own channel "
     "from now on"
 )
-
-
-def _agent_stalled() -> grpc.RpcError:
-    return rpc_error(grpc.StatusCode.UNAVAILABLE, _STALLED)
-
-
-def _stalled_call() -> grpc.RpcError:
-    """The call the stuck agent did not answer: DEADLINE_EXCEEDED with the reason
-    RELAY_STALLED (the SDK's own, never the daemon's), so that a call the retry
-    policy does not re-make says why, not "the daemon did not answer in time"."""
-    return status_error(_rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, "RELAY_STALLED", _STALLED))
 
 
 class _Relayed:
@@ -291,8 +270,12 @@ class _Relayed:
         # Said once per worker: the relay is over for it, and an operator should know
         # that a node agent got stuck.
         log.warning("relayed daemon call %d: %s", call_id, _STALLED)
-        self.end(_agent_stalled)
-        return _stalled_call()
+        self.end(lambda: rpc_error(grpc.StatusCode.UNAVAILABLE, _STALLED))
+        # The reason RELAY_STALLED (the SDK's own, never the daemon's): a call the retry
+        # policy does not re-make says why, not "the daemon did not answer in time".
+        return status_error(
+            _rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, "RELAY_STALLED", _STALLED)
+        )
 
 
 class RelayedCalls(_Relayed):

@@ -109,7 +109,7 @@ class RendezvousClient(steps.ClientBase):
             weakref.finalize(self, self._mux.abandon).atexit = False
         # After close() the table of a slim join is still readable: over a channel of its own.
         self._closed = False
-        self._after_close = BlockingMembers(self._s, self._c.tls)
+        self._after_close = BlockingMembers(self._c)
         self._s.get_members = lambda request: (
             self._after_close(request) if self._closed else self._call("GetMembers", request)
         )
@@ -184,14 +184,7 @@ class RendezvousClient(steps.ClientBase):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Connect):
             ready = self._ready_within(step.timeout, failure_ends=False)
-            if ready is None:
-                ready = self._ready_future(step.timeout)
-            if not ready:
-                return False
-            # Everything a join sends on: the call stream and the heartbeat stream
-            # opened with the join (``steps.OpenStream``), its start out of the join.
-            self._open_stream()
-            return True
+            return self._ready_future(step.timeout) if ready is None else ready
         return None
 
     def _ready_within(self, timeout: float, *, failure_ends: bool) -> bool | None:
@@ -346,20 +339,21 @@ class RendezvousClient(steps.ClientBase):
         with self._opened_lock:
             self._opened = (call, feed, held)
 
-    def _take_opened(
-        self, requests: Iterator[pb.HeartbeatRequest]
-    ) -> tuple[Any, RequestFeed] | None:
+    def _heartbeat_stream(self, requests: Iterator[pb.HeartbeatRequest]) -> tuple[Any, RequestFeed]:
         """The stream opened before the join and its feed, now sending ``requests``;
-        None when there is none, or it already ended (the stream is then made anew)."""
+        a new stream when there is none, or it already ended."""
         with self._opened_lock:
             opened, self._opened = self._opened, None
-        if opened is None:
-            return None
-        call, feed, held = opened
-        if call.done():
+        if opened is not None:
+            call, feed, held = opened
+            if not call.done():
+                held.give(requests)
+                return call, feed
             self._end_opened(opened)
-            return None
-        held.give(requests)
+        feed = RequestFeed()
+        call = self._stub.Heartbeat(
+            feed.wrap(requests), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
+        )
         return call, feed
 
     def _release_opened(self) -> None:
@@ -406,15 +400,7 @@ class RendezvousClient(steps.ClientBase):
 
     def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not self._hb_stop.is_set() and not watch.done:
-            requests = self._heartbeat_requests(interval)
-            opened = self._take_opened(requests)
-            if opened is not None:
-                call, feed = opened
-            else:
-                feed = RequestFeed()
-                call = self._stub.Heartbeat(
-                    feed.wrap(requests), metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S
-                )
+            call, feed = self._heartbeat_stream(self._heartbeat_requests(interval))
             self._hb_call, self._hb_feed = call, feed
             error: grpc.RpcError | None = None
             try:
