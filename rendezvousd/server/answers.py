@@ -42,16 +42,7 @@ class JoinAnswers:
         table = self._tables.get(key)
         if table is None or table.members is not members:
             table = _Table(members)
-            table.messages = [
-                pb.Member(
-                    rank=m.rank,
-                    node_rank=m.node_rank,
-                    local_rank=m.local_rank,
-                    host=m.host,
-                    address=m.address,
-                )
-                for m in members
-            ]
+            table.messages = [member_message(m) for m in members]
             table.digest = member_table.digest(table.messages)
             if keep:
                 self._tables[key] = table
@@ -116,6 +107,12 @@ class JoinAnswers:
             world_size=len(members),
             table_digest=table.digest,
         )
+
+
+def member_message(m: MemberInfo) -> pb.Member:
+    return pb.Member(
+        rank=m.rank, node_rank=m.node_rank, local_rank=m.local_rank, host=m.host, address=m.address
+    )
 
 
 def failed_member(f: FailedInfo, now: float, cause_bytes: int | None = None) -> pb.FailedMember:
