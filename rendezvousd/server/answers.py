@@ -65,20 +65,12 @@ class JoinAnswers:
             header.member_instance_ids.extend(result.member_instance_ids)
         else:
             header.rank, header.local_rank = result.rank, result.local_rank or 0
-        return self._with_table(header, result.members, slim)
-
-    def _with_table(
-        self,
-        header: pb.JoinResponse | pb.JoinNodeResponse,
-        members: tuple[MemberInfo, ...],
-        slim: bool,
-    ) -> bytes:
-        """``header`` with the table's digest and, unless ``slim``, the table: concatenated
-        protobuf encodings merge and repeated fields append, so the table's encoding as
-        ``header``'s repeated field is made once and appended to each answer's header."""
-        if not members:
+        if not result.members:
             return header.SerializeToString()
-        table = self._table(header.job_id, header.generation, members)
+        # The header with the table's digest and, unless ``slim``, the table: concatenated
+        # protobuf encodings merge and repeated fields append, so the table's encoding as
+        # the header's repeated field is made once and appended to each answer's header.
+        table = self._table(header.job_id, header.generation, result.members)
         header.table_digest = table.digest
         if slim:
             return header.SerializeToString()
