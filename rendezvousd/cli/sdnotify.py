@@ -7,6 +7,7 @@ needs libsystemd headers to build) would be heavier than these few lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from collections.abc import Mapping
@@ -30,18 +31,15 @@ class Notifier:
             interval = int(usec) / 1_000_000 / 2
         return cls(path, interval)
 
-    def send(self, message: str) -> bool:
+    def send(self, message: str) -> None:
         if not self.socket_path:
-            return False
+            return
         address = self.socket_path
         if address.startswith("@"):
             address = "\0" + address[1:]  # abstract namespace
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            try:
-                sock.sendto(message.encode(), address)
-            except OSError:
-                return False
-        return True
+        kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+        with socket.socket(socket.AF_UNIX, kind) as sock, contextlib.suppress(OSError):
+            sock.sendto(message.encode(), address)
 
     def ready(self, status: str) -> None:
         self.send(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")

@@ -42,11 +42,8 @@ def job_step(members: Iterable[tuple[MemberState, int | None]]) -> int | None:
     A lost or departed rank's last step is history, not where training stands: the
     one definition the daemon's views (``JobView.step``, the status page) and
     ``rendezvousd status JOB`` share."""
-    slowest: int | None = None
-    for state, step in members:
-        if state is MemberState.ACTIVE and step is not None and (slowest is None or step < slowest):
-            slowest = step
-    return slowest
+    active = (s for state, s in members if state is MemberState.ACTIVE and s is not None)
+    return min(active, default=None)
 
 
 def node_rows(
@@ -63,8 +60,7 @@ def node_rows(
         if 0 <= local < per_node:
             late = state is MemberState.ACTIVE and age > late_after_s
             row.seats[local] = LATE if late else SEAT[state]
-        if age > row.age_s:
-            row.age_s = age
-        if step is not None and (row.step is None or step < row.step):
-            row.step = step
+        row.age_s = max(row.age_s, age)
+        if step is not None:
+            row.step = step if row.step is None else min(row.step, step)
     return rows

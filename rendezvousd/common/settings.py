@@ -484,22 +484,16 @@ class Schema(Generic[T]):
                 continue
             names = self._flags(option, aliases)
             env = f" (env {option.env})" if option.env else ""
-            if isinstance(option.kind, Bool):
-                parser.add_argument(
-                    *names,
-                    dest=_dest(names),
-                    action=argparse.BooleanOptionalAction,
-                    default=None,
-                    help=option.help + env,
-                )
-                continue
+            takes: dict[str, Any] = (
+                {"action": argparse.BooleanOptionalAction}
+                if isinstance(option.kind, Bool)
+                else {
+                    "type": self._arg_type(option),
+                    "metavar": option.key.rsplit(".", 1)[-1].upper(),
+                }
+            )
             parser.add_argument(
-                *names,
-                dest=_dest(names),
-                type=self._arg_type(option),
-                default=None,
-                metavar=option.key.rsplit(".", 1)[-1].upper(),
-                help=option.help + env,
+                *names, dest=_dest(names), default=None, help=option.help + env, **takes
             )
 
     def _arg_type(self, option: Option) -> Callable[[str], Any]:

@@ -42,16 +42,7 @@ class JoinAnswers:
         table = self._tables.get(key)
         if table is None or table.members is not members:
             table = _Table(members)
-            table.messages = [
-                pb.Member(
-                    rank=m.rank,
-                    node_rank=m.node_rank,
-                    local_rank=m.local_rank,
-                    host=m.host,
-                    address=m.address,
-                )
-                for m in members
-            ]
+            table.messages = [member_message(m) for m in members]
             table.digest = member_table.digest(table.messages)
             if keep:
                 self._tables[key] = table
@@ -74,20 +65,12 @@ class JoinAnswers:
             header.member_instance_ids.extend(result.member_instance_ids)
         else:
             header.rank, header.local_rank = result.rank, result.local_rank or 0
-        return self._with_table(header, result.members, slim)
-
-    def _with_table(
-        self,
-        header: pb.JoinResponse | pb.JoinNodeResponse,
-        members: tuple[MemberInfo, ...],
-        slim: bool,
-    ) -> bytes:
-        """``header`` with the table's digest and, unless ``slim``, the table: concatenated
-        protobuf encodings merge and repeated fields append, so the table's encoding as
-        ``header``'s repeated field is made once and appended to each answer's header."""
-        if not members:
+        if not result.members:
             return header.SerializeToString()
-        table = self._table(header.job_id, header.generation, members)
+        # The header with the table's digest and, unless ``slim``, the table: concatenated
+        # protobuf encodings merge and repeated fields append, so the table's encoding as
+        # the header's repeated field is made once and appended to each answer's header.
+        table = self._table(header.job_id, header.generation, result.members)
         header.table_digest = table.digest
         if slim:
             return header.SerializeToString()
@@ -116,6 +99,12 @@ class JoinAnswers:
             world_size=len(members),
             table_digest=table.digest,
         )
+
+
+def member_message(m: MemberInfo) -> pb.Member:
+    return pb.Member(
+        rank=m.rank, node_rank=m.node_rank, local_rank=m.local_rank, host=m.host, address=m.address
+    )
 
 
 def failed_member(f: FailedInfo, now: float, cause_bytes: int | None = None) -> pb.FailedMember:

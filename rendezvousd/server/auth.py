@@ -142,11 +142,6 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def scope_of(self, metadata: Sequence[tuple[str, Any]] | None) -> Scope | None:
-        """The scope the call's bearer token grants, or None when it is invalid."""
-        token = _bearer(metadata)
-        return None if token is None else self.token_scope(token)
-
     def token_scope(self, token: str) -> Scope | None:
         """The scope ``token`` grants (the status page's login and Bearer callers
         too), or None when it is invalid."""
@@ -175,11 +170,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             read.job,
         )
 
-    def refusal(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
-        """Why a call without a valid token is refused: an expired job token says
-        so (its MAC matched, so its job and date are the daemon's to tell);
-        anything else gets the one message that reveals nothing."""
-        token = _bearer(metadata)
+    def refusal(self, token: str | None) -> str:
+        """Why a call without a valid token (``token``: its bearer token, if one) is
+        refused: an expired job token says so (its MAC matched, so its job and date
+        are the daemon's to tell); anything else gets the one message that reveals
+        nothing."""
         read = read_job_token(token, self._digests) if token is not None else None
         if read is None:
             return UNAUTHENTICATED
@@ -204,7 +199,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return self._gated(method, await continuation(details), self.health_watches)
         if method.startswith(HEALTH_PREFIX):
             return self._gated(method, await continuation(details), self.health_checks)
-        scope = self.scope_of(details.invocation_metadata)
+        token = _bearer(details.invocation_metadata)
+        scope = None if token is None else self.token_scope(token)
         if scope is not None:
             # Read by the servicer's dispatch: this runs in the task that runs the handler.
             CALLER.set(scope)
@@ -219,7 +215,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return self._gated(method, await continuation(details), self.calls)
         self._on_reject(method)
         handler = await continuation(details)
-        return _rejecting(handler, message=self.refusal(details.invocation_metadata))
+        return _rejecting(handler, message=self.refusal(token))
 
     def _gated(
         self, method: str, handler: grpc.RpcMethodHandler | None, gate: Gate

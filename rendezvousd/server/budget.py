@@ -100,12 +100,6 @@ def gated_before_body(
     """
     if handler.request_streaming:
         return gated(handler, gate)
-    return gated(_on_headers(handler, body_timeout_s), gate)
-
-
-def _on_headers(handler: grpc.RpcMethodHandler, body_timeout_s: float) -> grpc.RpcMethodHandler:
-    """A unary-request ``handler`` as a request-streaming one: it runs once the call's
-    headers arrived, and waits at most ``body_timeout_s`` for the one request."""
     inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
     async def first(requests: AsyncIterator[Any], context: Any) -> Any:
@@ -121,6 +115,11 @@ def _on_headers(handler: grpc.RpcMethodHandler, body_timeout_s: float) -> grpc.R
                 grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message"
             )
 
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
     kw = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
@@ -131,11 +130,9 @@ def _on_headers(handler: grpc.RpcMethodHandler, body_timeout_s: float) -> grpc.R
             async for item in inner(await first(requests, context), context):
                 yield item
 
-        return grpc.stream_stream_rpc_method_handler(stream_gen, **kw)
+        return gated(make(stream_gen, **kw), gate)
 
     async def call(requests: AsyncIterator[Any], context: Any) -> Any:
         return await inner(await first(requests, context), context)
 
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(call, **kw)
-    return grpc.stream_unary_rpc_method_handler(call, **kw)
+    return gated(make(call, **kw), gate)

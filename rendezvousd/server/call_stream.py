@@ -207,8 +207,34 @@ class CallStream:
         replies: _Outbox,
         running: dict[int, asyncio.Task[None]],
     ) -> None:
+        calls = aiter(calls)
         try:
-            await self._read_calls(calls.__aiter__(), replies, running)
+            while not self._draining:
+                # Room first: a drain's cancellation then never lands between a call's
+                # arrival and its start.
+                await replies.room()
+                try:
+                    call = await anext(calls)
+                except StopAsyncIteration:
+                    break
+                field = call.WhichOneof("request")
+                if field == _CANCEL:
+                    task = running.get(call.id)
+                    if task is not None:
+                        task.cancel()
+                    continue
+                refusal = self._refusal(call, field, running)
+                if refusal is not None:
+                    replies.put(reply(call.id, _ERROR_FIELD, refusal))
+                    continue
+                assert field is not None  # _refusal answered an empty Call
+                deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
+                coro = self._run(call.id, field, getattr(call, field), deadline, replies)
+                waiting_on = _start(coro)
+                if waiting_on is not _DONE:
+                    task = asyncio.create_task(_finish(coro, waiting_on))
+                    running[call.id] = task
+                    task.add_done_callback(functools.partial(_forget, running, call.id))
         except asyncio.CancelledError:
             if not self._draining:
                 raise
@@ -219,39 +245,6 @@ class CallStream:
                 await asyncio.wait(list(running.values()))
         finally:
             replies.put(None)
-
-    async def _read_calls(
-        self,
-        calls: AsyncIterator[pb.Call],
-        replies: _Outbox,
-        running: dict[int, asyncio.Task[None]],
-    ) -> None:
-        while not self._draining:
-            # Room first: a drain's cancellation then never lands between a call's
-            # arrival and its start.
-            await replies.room()
-            try:
-                call = await anext(calls)
-            except StopAsyncIteration:
-                return
-            field = call.WhichOneof("request")
-            if field == _CANCEL:
-                task = running.get(call.id)
-                if task is not None:
-                    task.cancel()
-                continue
-            refusal = self._refusal(call, field, running)
-            if refusal is not None:
-                replies.put(reply(call.id, _ERROR_FIELD, refusal))
-                continue
-            assert field is not None  # _refusal answered an empty Call
-            deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
-            coro = self._run(call.id, field, getattr(call, field), deadline, replies)
-            waiting_on = _start(coro)
-            if waiting_on is not _DONE:
-                task = asyncio.create_task(_finish(coro, waiting_on))
-                running[call.id] = task
-                task.add_done_callback(functools.partial(_forget, running, call.id))
 
     def _refusal(
         self, call: pb.Call, field: str | None, running: dict[int, asyncio.Task[None]]

@@ -54,39 +54,37 @@ class Metrics:
         # Every metric goes into this daemon's registry, never the global one.
         gauge = functools.partial(Gauge, registry=self.registry)
         counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
         self.jobs = gauge("rendezvousd_jobs", "Jobs by state", ["state"])
         self.members = gauge("rendezvousd_members", "Members present in current generations")
         self.joins = counter("rendezvousd_joins", "Completed joins")
         self.failures = counter(
             "rendezvousd_failures_detected", "Generations failed by a lost member"
         )
-        self.rpc = Histogram(
+        self.rpc = histogram(
             "rendezvousd_rpc_duration_seconds",
             "RPC handling time including waiting",
             ["method", "code"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
         )
         self._rpc_children: dict[tuple[str, str], Histogram] = {}
         # What batching buys (gRPC's cost is per message): a node agent relaying its
         # workers' burst shows 8 or more; clients each on a stream of their own, 1.
-        self.calls_per_message = Histogram(
+        self.calls_per_message = histogram(
             "rendezvousd_calls_per_message",
             "Calls carried by each CallBatches message",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
-            registry=self.registry,
         )
         self.streams = gauge("rendezvousd_heartbeat_streams", "Open heartbeat streams")
         self.waiters = gauge("rendezvousd_waiters", "Parked calls (join, barrier, kv wait)")
         self.standbys = gauge(
             "rendezvousd_standby_nodes", "Standby node agents parked beyond max_nodes"
         )
-        self.commits = Histogram(
+        self.commits = histogram(
             "rendezvousd_storage_commit_seconds",
             "State-database commits (--state-dir), by outcome",
             ["outcome"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
         )
         self.transitions = counter(
             "rendezvousd_job_transitions",

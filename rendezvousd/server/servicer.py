@@ -30,7 +30,7 @@ from rendezvousd.common.model import (
     Wake,
 )
 from rendezvousd.errors import Reason, RendezvousFault
-from rendezvousd.server.answers import JoinAnswers, failed_member
+from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
 from rendezvousd.server.call_stream import CallStream, method_fields
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
@@ -56,8 +56,9 @@ class _KeyCall(Protocol):
 
 
 SERVICE = "rendezvous.v1.Rendezvous"
-# Methods whose handlers return their answer already encoded.
-_PRE_ENCODED = frozenset({"Join", "PublishId", "JoinNode"})
+# Methods whose handlers return their answer already encoded (the joins' cached
+# tables, the call streams' replies: ``call_stream.reply``).
+_PRE_ENCODED = frozenset({"Join", "PublishId", "JoinNode", "Calls", "CallBatches"})
 
 
 def _now() -> float:
@@ -417,13 +418,7 @@ class RendezvousServicer:
             summary=_summary(view),
             members=[
                 pb.MemberStatus(
-                    member=pb.Member(
-                        rank=m.info.rank,
-                        node_rank=m.info.node_rank,
-                        local_rank=m.info.local_rank,
-                        host=m.info.host,
-                        address=m.info.address,
-                    ),
+                    member=member_message(m.info),
                     state=pb.MemberState.ValueType(m.state.value),
                     heartbeat_age_ms=int(m.heartbeat_age_s * 1000),
                     heartbeat_stream_open=m.stream_open,
@@ -451,24 +446,21 @@ class RendezvousServicer:
         the joins' answers come pre-encoded (``JoinAnswers``)."""
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for method in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods:
-            name, decode = method.name, getattr(pb, method.input_type.name).FromString
-            if name in ("Calls", "CallBatches"):  # replies come encoded (call_stream.reply)
-                handlers[name] = grpc.stream_stream_rpc_method_handler(
-                    getattr(self, name), request_deserializer=decode, response_serializer=_raw
+            name, fn = method.name, getattr(self, method.name)
+            codecs = {
+                "request_deserializer": getattr(pb, method.input_type.name).FromString,
+                "response_serializer": _raw if name in _PRE_ENCODED else _encode,
+            }
+            if not method.client_streaming:
+                handlers[name] = grpc.unary_unary_rpc_method_handler(
+                    self._guard(name, fn), **codecs
                 )
-                continue
-            if method.client_streaming:  # Heartbeat
+            elif name in _PRE_ENCODED:  # Calls, CallBatches: each call on it is guarded
+                handlers[name] = grpc.stream_stream_rpc_method_handler(fn, **codecs)
+            else:  # Heartbeat
                 handlers[name] = grpc.stream_stream_rpc_method_handler(
-                    self._guard_stream(getattr(self, name)),
-                    request_deserializer=decode,
-                    response_serializer=_encode,
+                    self._guard_stream(fn), **codecs
                 )
-                continue
-            handlers[name] = grpc.unary_unary_rpc_method_handler(
-                self._guard(name, getattr(self, name)),
-                request_deserializer=decode,
-                response_serializer=_raw if name in _PRE_ENCODED else _encode,
-            )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _guard(

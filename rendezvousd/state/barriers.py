@@ -62,9 +62,7 @@ def release(barrier: BarrierState) -> list[int]:
     return waiters
 
 
-def timed_out(
-    job: Job, name: str, rank: int, waiter: int, waited: str, meta: dict[str, str]
-) -> RendezvousFault:
+def timed_out(job: Job, name: str, rank: int, waiter: int, waited: str) -> RendezvousFault:
     """Forgets ``waiter``'s arrival; the fault naming the ranks still missing."""
     barrier = job.gen.barriers.get(name)
     if barrier is not None:
@@ -75,13 +73,12 @@ def timed_out(
         missing = sorted(job.participants() - set(barrier.arrived) - {rank})
     else:
         missing = []
-    meta["ranks"] = ranks_text(missing[:64])
-    return RendezvousFault(
+    return job.fault(
         Code.DEADLINE_EXCEEDED,
         Reason.BARRIER_TIMEOUT,
         f"barrier {name!r} of {job.named} timed out on rank {rank} after {waited}; still "
         f"waiting for ranks {short_ranks(missing)}",
-        meta,
+        ranks=ranks_text(missing[:64]),
     )
 
 

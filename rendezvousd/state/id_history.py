@@ -22,12 +22,11 @@ USED_ID_HISTORY = 256
 
 
 class IdHistory:
-    """An insertion-ordered set of SHA-256 digests holding the newest ``limit``."""
+    """An insertion-ordered set of SHA-256 digests holding the newest ``USED_ID_HISTORY``."""
 
-    __slots__ = ("_digests", "limit")
+    __slots__ = ("_digests",)
 
-    def __init__(self, digests: Iterable[bytes] = (), limit: int = USED_ID_HISTORY) -> None:
-        self.limit = limit
+    def __init__(self, digests: Iterable[bytes] = ()) -> None:
         self._digests: dict[bytes, None] = {}
         for digest in digests:
             self.add(digest)
@@ -35,7 +34,7 @@ class IdHistory:
     def add(self, digest: bytes) -> None:
         self._digests.pop(digest, None)  # used again: it is now the newest
         self._digests[digest] = None
-        while len(self._digests) > self.limit:
+        while len(self._digests) > USED_ID_HISTORY:
             del self._digests[next(iter(self._digests))]
 
     def __contains__(self, digest: object) -> bool:

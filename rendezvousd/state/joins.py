@@ -367,8 +367,7 @@ def cancel_wait(
     if w.kind is _JOIN:
         return join_wait_ended(sm, job, waiter, waited, now, timed_out=timed_out)
     if w.kind is waits.WaitKind.BARRIER:
-        meta = {"job_id": job.job_id, "generation": str(job.generation)}
-        return barriers.timed_out(job, w.key, w.rank, waiter, waited, meta)
+        return barriers.timed_out(job, w.key, w.rank, waiter, waited)
     return waits.key_wait_timeout(job, w.key, waiter, waited)
 
 

@@ -8,7 +8,6 @@ are counted as UTF-8 key bytes plus value bytes, per job and daemon-wide.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 from rendezvousd.common import validation
 from rendezvousd.common.limits import Limits
@@ -22,11 +21,6 @@ _COUNTER = re.compile(rb"-?[0-9]{1,19}")
 
 def entry_bytes(key: str, value: bytes) -> int:
     return len(key.encode()) + len(value)
-
-
-def daemon_bytes(jobs: Iterable[Job]) -> int:
-    """Key-value bytes held by every job (summed, so it can never drift from the stores)."""
-    return sum(job.gen.kv_bytes for job in jobs)
 
 
 def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]:

@@ -168,8 +168,9 @@ class RendezvousState:
 
     @property
     def kv_bytes(self) -> int:
-        """Key-value bytes held across every job (the ``max_kv_bytes`` budget)."""
-        return kv.daemon_bytes(self.jobs.values())
+        """Key-value bytes held across every job (the ``max_kv_bytes`` budget), summed so
+        that it can never drift from the stores."""
+        return sum(job.gen.kv_bytes for job in self.jobs.values())
 
     def _store(self, job: Job, key: str, value: bytes) -> None:
         for w in kv.put(job, key, value, self.limits, self.kv_bytes):

@@ -202,30 +202,21 @@ def restore_job(
     if job.gen.restored_id_digest is not None:
         # Only the digest survives: a later generation must still refuse this id.
         job.used_id_digests.add(job.gen.restored_id_digest)
+    detail = "restored"
     if job.state is JobState.FORMING:
         # Mid-bootstrap: nobody can have the id from us any more. Fence it.
         kept = _kept_seats(raw, job.max_nodes)
         job.state = JobState.ENDED
-        job.open_generation(now)
+        job.open_generation(now)  # FORMING again
         if kept:  # its survivors still re-join: a newcomer must not take their seats
             job.gen.rejoin_expected = len(kept)
             placement.keep_seats(job, kept, state.timing.hold_s, now)
-        state.jobs[job.job_id] = job
         state.take_effects()
-        state.calls.emit(
-            Transition(
-                job.job_id,
-                job.generation,
-                None,
-                JobState.FORMING,
-                "fenced by a new generation after restart",
-            )
-        )
-        return
-    if job.state is JobState.RUNNING:
+        detail = "fenced by a new generation after restart"
+    elif job.state is JobState.RUNNING:
         job.gen.restored = True
     state.jobs[job.job_id] = job
-    state.calls.emit(Transition(job.job_id, job.generation, None, job.state, "restored"))
+    state.calls.emit(Transition(job.job_id, job.generation, None, job.state, detail))
 
 
 def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) -> Job:

@@ -215,10 +215,7 @@ class SqliteStore:
                 jobs[job_id].record[_IDS] = ids
             self._ids_written = {job_id: list(ids) for job_id, ids in tables.items()}
         except sqlite3.Error as exc:
-            raise DaemonError(
-                f"cannot read state database {self.path}: {exc}; move it aside to start "
-                "with no jobs"
-            ) from exc
+            raise self._unreadable(exc) from exc
         return jobs
 
     def load_ends(self) -> tuple[list[tuple[object, object]], object]:
@@ -229,16 +226,18 @@ class SqliteStore:
             ends: list[tuple[object, object]] = [(j, t) for j, t in rows]
             floor = db.execute("SELECT value FROM meta WHERE key=?", (_FLOOR,)).fetchone()
         except sqlite3.Error as exc:
-            raise DaemonError(
-                f"cannot read state database {self.path}: {exc}; move it aside to start "
-                "with no jobs"
-            ) from exc
+            raise self._unreadable(exc) from exc
         if floor is None:
             return ends, 0.0
         try:
             return ends, float(floor[0])
         except ValueError:
             return ends, floor[0]
+
+    def _unreadable(self, exc: sqlite3.Error) -> DaemonError:
+        return DaemonError(
+            f"cannot read state database {self.path}: {exc}; move it aside to start with no jobs"
+        )
 
     def bad_row(self, where: str, problem: str) -> DaemonError:
         return DaemonError(
