@@ -408,10 +408,8 @@ class NodeAgent:
     def _report_progress(self) -> None:
         """Give the node's heartbeat its workers' last steps and the restart budget
         (the daemon's GetJob and status page show them), when they changed."""
-        steps: list[int | None] = [None] * self.per_node
-        for w in self.active:
-            if w.local_rank is not None and 0 <= w.local_rank < self.per_node:
-                steps[w.local_rank] = w.last_step
+        # The generation's workers, taken one per local rank in order (``SparePool.take``).
+        steps = [w.last_step for w in self.active]
         now = (tuple(steps), self.budget.restarts, self.budget.max_restarts)
         if now != self._progress_sent:
             self._progress_sent = now
@@ -437,14 +435,13 @@ class NodeAgent:
         w = event.worker
         node_rank = fixed_node_rank(self.config)
         rank = None if node_rank is None else node_rank * self.per_node + w.slot
-        code = event.code
+        status = event.status
         cause = f"{event.how} before it was assigned a rank"
         if w.fault is not None:
             cause = f"{w.fault} (stopped before it was assigned a rank)"
-            code = 1
-        elif code == 0:
+            status = 1
+        elif event.code == 0:
             cause += " (a script started by rendezvous-run must call init_distributed())"
-        status = code if code > 0 else (128 - code if code < 0 else 1)
         failure = Failure(gen, cause, rank, self.host, status, local_rank=w.slot)
         who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
         self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
@@ -488,12 +485,10 @@ class NodeAgent:
                             self._end_generation()
                             return None
                         continue
-                    code = event.code
-                    status = code if code > 0 else 128 - code
                     how = event.how
                     if event.worker.reported_cause:
                         how += f" after {event.worker.reported_cause}"
-                    return self._local_failure(gen, first_rank, event.worker, how, status)
+                    return self._local_failure(gen, first_rank, event.worker, how, event.status)
                 if self.pool.discard(event.worker) and not event.worker.lost:
                     # (A lost spare is not counted: ``take`` starts another, cold.)
                     spare = self._spare_died(gen, event)
