@@ -41,14 +41,10 @@ import numpy as np
 import numpy.typing as npt
 
 from rendezvousd.common.address import AddressError, parse_host_port
+from rendezvousd.trainer.comm import peer_auth, shm_group
 from rendezvousd.trainer.comm import ring_wire as wire
-from rendezvousd.trainer.comm import shm_group
 from rendezvousd.trainer.comm.communicator import RankedCommunicator, ReduceOp
-from rendezvousd.trainer.comm.cpu_transport import (
-    build_shm_group,
-    local_claim,
-    shared_memory_plan,
-)
+from rendezvousd.trainer.comm.cpu_transport import local_claim, shared_memory_plan
 from rendezvousd.trainer.comm.shm_group import SharedMemoryPeers
 from rendezvousd.trainer.comm.store import JobStore
 from rendezvousd.trainer.errors import (
@@ -153,10 +149,20 @@ class CpuRingCommunicator(RankedCommunicator):
             )
         if shared_memory is not None:
             try:
-                self._shm = build_shm_group(rank, world_size, shared_memory, secret, setup)
+                self._shm = shm_group.ShmGroup(
+                    rank,
+                    range(world_size),
+                    shared_memory.listener,
+                    shared_memory.names,
+                    peer_auth.derive_key(secret),
+                    setup,
+                    shared_memory.slot_bytes,
+                )
             except BaseException:
                 self.close()
                 raise
+            finally:
+                shared_memory.listener.close()  # the group's own: done with once it formed
 
     @property
     def transport(self) -> str:

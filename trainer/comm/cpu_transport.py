@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import socket
 
-from rendezvousd.trainer.comm import peer_auth, shm_group
+from rendezvousd.trainer.comm import shm_group
 from rendezvousd.trainer.comm.shm_group import SharedMemoryPeers
 
-__all__ = ["build_shm_group", "local_claim", "shared_memory_plan"]
+__all__ = ["local_claim", "shared_memory_plan"]
 
 log = logging.getLogger("rendezvousd.trainer")
 
@@ -67,16 +67,3 @@ def _local_identity(rank: int, world_size: int, enabled: bool) -> str:
         log.info("rank %d: all_reduce uses the TCP ring, not shared memory: %s", rank, reason)
         return ""
     return shm_group.host_identity()
-
-
-def build_shm_group(
-    rank: int, world: int, peers: SharedMemoryPeers, secret: bytes, timeout: float
-) -> shm_group.ShmGroup:
-    """Join this host's group; takes ownership of ``peers.listener``."""
-    try:
-        key = peer_auth.derive_key(secret)
-        return shm_group.ShmGroup(
-            rank, range(world), peers.listener, peers.names, key, timeout, peers.slot_bytes
-        )
-    finally:
-        peers.listener.close()
