@@ -5,7 +5,7 @@ Per generation: ``join_node`` (all local ranks at once) -> hand each warm spare
 its rank, the id and the newest step state over its private channel -> watch
 (``waitpid`` per worker, progress for hangs, the node's heartbeat stream for
 the daemon's pushes) -> on a failure report it (if local), stop the workers
-within ``stop_grace_s``, and either re-join the next generation with fresh
+within ``STOP_GRACE_S``, and either re-join the next generation with fresh
 spares or give up (``recovery.RestartBudget``). Decisions happen on the main
 thread only; reaper, reader and heartbeat threads just post events.
 """
@@ -145,7 +145,6 @@ class NodeAgent:
         token: str = "",
         note: Callable[[str], None] = print,
         id_factory: Callable[[], bytes] | None = None,
-        stop_grace_s: float = STOP_GRACE_S,
         booted: Sequence[Booted] = (),
         fork_server: ForkServer | None = None,
     ) -> None:
@@ -159,7 +158,6 @@ class NodeAgent:
         self._token = token
         self.note = note
         self.id_factory = id_factory
-        self.stop_grace_s = stop_grace_s
         self.host = socket.gethostname()
         self.events: queue.Queue[Any] = queue.Queue()
         self.state = StateCopy()
@@ -579,7 +577,7 @@ class NodeAgent:
     def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
         # Said here, at once, on every node: the workers may be gone before they log it.
         self.note(f"{STOPPING}{cause}")
-        stop_all(self.active, cause, self.stop_grace_s)
+        stop_all(self.active, cause, STOP_GRACE_S)
         self.active = []
         self._end_generation()
         mark("stopped", generation=gen)

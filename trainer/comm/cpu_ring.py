@@ -431,7 +431,6 @@ def connect_cpu_ring(
     secret: bytes,
     host: str = "127.0.0.1",
     timeout: float,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     node_rank: int | None = None,
     shared_memory: bool = True,
     setup_timeout: float | None = None,
@@ -505,7 +504,6 @@ def connect_cpu_ring(
         addresses,
         secret,
         timeout,
-        chunk_bytes=chunk_bytes,
         shared_memory=shm,
         setup_timeout=max(0.001, deadline - time.monotonic()),
     )
