@@ -34,7 +34,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.members import FailedInfo, failed_text
+from rendezvousd.common.members import FailedInfo, failed_text, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.recovery import (
@@ -252,14 +252,9 @@ class NodeAgent:
         alive_interval = min(config.heartbeat_interval_s, self._silence_s / 3)
         for i, worker in enumerate(self.active):
             assignment = Assignment(
-                job_id=m.job_id,
-                generation=m.generation,
+                **seat_of(m, local_rank=i),
                 restart_count=self.budget.restarts,
                 rank=m.first_rank + i,
-                local_rank=i,
-                node_rank=m.node_rank,
-                num_nodes=m.num_nodes,
-                gpus_per_node=m.gpus_per_node,
                 world_size=m.world_size,
                 unique_id=m.unique_id,
                 instance_id=m.member_instance_id(i),
