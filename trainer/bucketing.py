@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from rendezvousd.trainer.errors import (
 )
 
 if TYPE_CHECKING:
+    from rendezvousd.trainer.comm import nccl
     from rendezvousd.trainer.config import DistributedConfig
 
 MiB = 1 << 20
@@ -200,41 +201,28 @@ def unpack(flat: Any, grads: Sequence[Any], offsets: Sequence[int]) -> None:
         grad[...] = flat[offset : offset + grad.size].reshape(grad.shape)
 
 
-class _BufferOps(Protocol):
-    """Where a bucket's pack, all-reduce and unpack run (numpy: inline; CuPy: see nccl.py)."""
-
-    @property
-    def xp(self) -> Any: ...
-
-    def empty(self, count: int, dtype: np.dtype[Any]) -> Any: ...
-
-    def mark_launch(self, number: int) -> None:
-        """On the caller's thread when bucket ``number`` launches."""
-
-    def worker_scope(self, number: int) -> contextlib.AbstractContextManager[None]:
-        """On the worker thread around bucket ``number``'s pack/all-reduce/unpack."""
-
-    def join_caller(self) -> None:
-        """On the caller's thread in ``wait()`` once every bucket completed."""
-
-
 class _NumpyOps:
+    """Where a bucket's pack, all-reduce and unpack run: inline for numpy; on a
+    communication stream for CuPy (``nccl.CupyBufferOps``, the same methods)."""
+
     xp: Any = np
 
     def empty(self, count: int, dtype: np.dtype[Any]) -> Any:
         return np.empty(count, dtype=dtype)
 
     def mark_launch(self, number: int) -> None:
-        pass  # host arrays: the data is final when mark_ready is called
+        """On the caller's thread when bucket ``number`` launches (host arrays: the
+        data is final when mark_ready is called)."""
 
     def worker_scope(self, number: int) -> contextlib.AbstractContextManager[None]:
+        """On the worker thread around bucket ``number``'s pack/all-reduce/unpack."""
         return contextlib.nullcontext()
 
     def join_caller(self) -> None:
-        pass
+        """On the caller's thread in ``wait()`` once every bucket completed."""
 
 
-def _buffer_ops(grads: Sequence[Any], rank: int) -> _BufferOps:
+def _buffer_ops(grads: Sequence[Any], rank: int) -> _NumpyOps | nccl.CupyBufferOps:
     # Imports fine without CuPy; CuPy itself loads only for CuPy arrays.
     from rendezvousd.trainer.comm import nccl
 
@@ -441,11 +429,7 @@ class BucketedAllReducer:
             )
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            number = item
+        while (number := self._queue.get()) is not None:
             with self._lock:
                 if self._error is not None:
                     continue  # later buckets of a failed step must not run

@@ -41,7 +41,8 @@ def die_with_parent(expected: int | None) -> None:
         os._exit(126)
 
 
-def _die_with_agent() -> None:
+def die_with_agent() -> None:
+    """``die_with_parent`` for the agent ``RENDEZVOUSD_AGENT_PID`` names."""
     expected = os.environ.pop(ENV_AGENT_PID, "")
     die_with_parent(int(expected) if expected else None)
 
@@ -59,7 +60,7 @@ def run_target(argv: list[str]) -> None:
 
 
 def main() -> None:
-    _die_with_agent()
+    die_with_agent()
     argv = sys.argv[1:]
     if not argv:
         sys.exit("usage: python -m rendezvousd.trainer.agent._agent_boot [-m] TARGET [ARGS...]")

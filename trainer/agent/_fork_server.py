@@ -59,6 +59,7 @@ from rendezvousd.trainer.agent import _trace
 from rendezvousd.trainer.agent._agent_boot import (
     ENV_AGENT_FD,
     ENV_AGENT_PID,
+    die_with_agent,
     die_with_parent,
     run_target,
 )
@@ -160,18 +161,19 @@ class _Child:
     agent: int
 
 
-def _spawn_request(message: Mapping[str, Any]) -> tuple[int, list[str], dict[str, str]]:
-    serial, argv, env = message.get("serial"), message.get("argv"), message.get("env")
+def spawn_command(message: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """A spawn request's argv (not empty) and env, both of strings; ValueError if not
+    (this server's and ``torchrun.warm``'s)."""
+    argv, env = message.get("argv"), message.get("env")
     if (
-        type(serial) is not int
-        or not isinstance(argv, list)
+        not isinstance(argv, list)
         or not argv
         or not all(isinstance(a, str) for a in argv)
         or not isinstance(env, dict)
         or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         raise ValueError("a malformed spawn request")
-    return serial, argv, env
+    return argv, env
 
 
 def thread_count() -> int:
@@ -287,7 +289,9 @@ class _Server:
     def _spawn(self, message: Mapping[str, Any], fds: list[int]) -> _Child | None:
         serial = message.get("serial")
         try:
-            serial, argv, env = _spawn_request(message)
+            argv, env = spawn_command(message)
+            if type(serial) is not int:
+                raise ValueError("a malformed spawn request")
             if len(fds) != 1:
                 raise ValueError(f"a spawn request with {len(fds)} descriptors, not 1")
         except ValueError as exc:
@@ -374,8 +378,7 @@ def _become(child: _Child) -> None:
 
 
 def main() -> None:
-    expected = os.environ.pop(ENV_AGENT_PID, "")
-    die_with_parent(int(expected) if expected else None)
+    die_with_agent()
     control = socket.socket(fileno=int(os.environ.pop(ENV_CONTROL_FD)))
     extra = [m for m in os.environ.pop(ENV_PRELOAD, "").split(",") if m]
     server = _Server(control, os.getppid())

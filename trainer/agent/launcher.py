@@ -275,16 +275,12 @@ def _run_agent(
         discard(booted)
         raise
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def forward(signum: int, _frame: object) -> None:
-        agent.interrupt(signum)
-
     for s in previous:
-        signal.signal(s, forward)
+        signal.signal(s, lambda signum, _frame: agent.interrupt(signum))
     try:
         return agent.run()
     except RestartsExhausted as exc:
-        print(f"rendezvous-run: error: {exc}", file=sys.stderr, flush=True)
+        _fail(str(exc))
         _root_cause(config, agent.first_local)
         return exc.exit_status
     finally:

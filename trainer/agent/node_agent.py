@@ -5,7 +5,7 @@ Per generation: ``join_node`` (all local ranks at once) -> hand each warm spare
 its rank, the id and the newest step state over its private channel -> watch
 (``waitpid`` per worker, progress for hangs, the node's heartbeat stream for
 the daemon's pushes) -> on a failure report it (if local), stop the workers
-within ``stop_grace_s``, and either re-join the next generation with fresh
+within ``STOP_GRACE_S``, and either re-join the next generation with fresh
 spares or give up (``recovery.RestartBudget``). Decisions happen on the main
 thread only; reaper, reader and heartbeat threads just post events.
 """
@@ -34,7 +34,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.members import FailedInfo, failed_text
+from rendezvousd.common.members import FailedInfo, failed_text, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.recovery import (
@@ -145,7 +145,6 @@ class NodeAgent:
         token: str = "",
         note: Callable[[str], None] = print,
         id_factory: Callable[[], bytes] | None = None,
-        stop_grace_s: float = STOP_GRACE_S,
         booted: Sequence[Booted] = (),
         fork_server: ForkServer | None = None,
     ) -> None:
@@ -159,7 +158,6 @@ class NodeAgent:
         self._token = token
         self.note = note
         self.id_factory = id_factory
-        self.stop_grace_s = stop_grace_s
         self.host = socket.gethostname()
         self.events: queue.Queue[Any] = queue.Queue()
         self.state = StateCopy()
@@ -254,14 +252,9 @@ class NodeAgent:
         alive_interval = min(config.heartbeat_interval_s, self._silence_s / 3)
         for i, worker in enumerate(self.active):
             assignment = Assignment(
-                job_id=m.job_id,
-                generation=m.generation,
+                **seat_of(m, local_rank=i),
                 restart_count=self.budget.restarts,
                 rank=m.first_rank + i,
-                local_rank=i,
-                node_rank=m.node_rank,
-                num_nodes=m.num_nodes,
-                gpus_per_node=m.gpus_per_node,
                 world_size=m.world_size,
                 unique_id=m.unique_id,
                 instance_id=m.member_instance_id(i),
@@ -408,10 +401,8 @@ class NodeAgent:
     def _report_progress(self) -> None:
         """Give the node's heartbeat its workers' last steps and the restart budget
         (the daemon's GetJob and status page show them), when they changed."""
-        steps: list[int | None] = [None] * self.per_node
-        for w in self.active:
-            if w.local_rank is not None and 0 <= w.local_rank < self.per_node:
-                steps[w.local_rank] = w.last_step
+        # The generation's workers, taken one per local rank in order (``SparePool.take``).
+        steps = [w.last_step for w in self.active]
         now = (tuple(steps), self.budget.restarts, self.budget.max_restarts)
         if now != self._progress_sent:
             self._progress_sent = now
@@ -437,14 +428,13 @@ class NodeAgent:
         w = event.worker
         node_rank = fixed_node_rank(self.config)
         rank = None if node_rank is None else node_rank * self.per_node + w.slot
-        code = event.code
+        status = event.status
         cause = f"{event.how} before it was assigned a rank"
         if w.fault is not None:
             cause = f"{w.fault} (stopped before it was assigned a rank)"
-            code = 1
-        elif code == 0:
+            status = 1
+        elif event.code == 0:
             cause += " (a script started by rendezvous-run must call init_distributed())"
-        status = code if code > 0 else (128 - code if code < 0 else 1)
         failure = Failure(gen, cause, rank, self.host, status, local_rank=w.slot)
         who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
         self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
@@ -488,12 +478,10 @@ class NodeAgent:
                             self._end_generation()
                             return None
                         continue
-                    code = event.code
-                    status = code if code > 0 else 128 - code
                     how = event.how
                     if event.worker.reported_cause:
                         how += f" after {event.worker.reported_cause}"
-                    return self._local_failure(gen, first_rank, event.worker, how, status)
+                    return self._local_failure(gen, first_rank, event.worker, how, event.status)
                 if self.pool.discard(event.worker) and not event.worker.lost:
                     # (A lost spare is not counted: ``take`` starts another, cold.)
                     spare = self._spare_died(gen, event)
@@ -584,7 +572,7 @@ class NodeAgent:
     def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
         # Said here, at once, on every node: the workers may be gone before they log it.
         self.note(f"{STOPPING}{cause}")
-        stop_all(self.active, cause, self.stop_grace_s)
+        stop_all(self.active, cause, STOP_GRACE_S)
         self.active = []
         self._end_generation()
         mark("stopped", generation=gen)

@@ -70,6 +70,12 @@ class Exited:
                 return f"signal {-self.code}"
         return f"exit code {self.code}"
 
+    @property
+    def status(self) -> int:
+        """The launcher's exit status for it: the code, 128 + N for signal N, and 1 for
+        a clean exit (which, where it is a failure, is a worker that did not train)."""
+        return self.code if self.code > 0 else 128 - self.code if self.code < 0 else 1
+
 
 @dataclass(frozen=True)
 class Ready:

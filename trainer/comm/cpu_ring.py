@@ -41,14 +41,10 @@ import numpy as np
 import numpy.typing as npt
 
 from rendezvousd.common.address import AddressError, parse_host_port
+from rendezvousd.trainer.comm import peer_auth, shm_group
 from rendezvousd.trainer.comm import ring_wire as wire
-from rendezvousd.trainer.comm import shm_group
 from rendezvousd.trainer.comm.communicator import RankedCommunicator, ReduceOp
-from rendezvousd.trainer.comm.cpu_transport import (
-    build_shm_group,
-    local_claim,
-    shared_memory_plan,
-)
+from rendezvousd.trainer.comm.cpu_transport import local_claim, shared_memory_plan
 from rendezvousd.trainer.comm.shm_group import SharedMemoryPeers
 from rendezvousd.trainer.comm.store import JobStore
 from rendezvousd.trainer.errors import (
@@ -153,10 +149,20 @@ class CpuRingCommunicator(RankedCommunicator):
             )
         if shared_memory is not None:
             try:
-                self._shm = build_shm_group(rank, world_size, shared_memory, secret, setup)
+                self._shm = shm_group.ShmGroup(
+                    rank,
+                    range(world_size),
+                    shared_memory.listener,
+                    shared_memory.names,
+                    peer_auth.derive_key(secret),
+                    setup,
+                    shared_memory.slot_bytes,
+                )
             except BaseException:
                 self.close()
                 raise
+            finally:
+                shared_memory.listener.close()  # the group's own: done with once it formed
 
     @property
     def transport(self) -> str:
@@ -291,32 +297,25 @@ class CpuRingCommunicator(RankedCommunicator):
             sock.close()
 
     def _public_error(self, link: wire.LinkError) -> CommunicatorError:
-        me, origin = f"rank {self.rank}", link.origin
-        via = f" (reported by rank {link.via})" if link.via not in (None, origin) else ""
+        code, origin = link.code, link.origin
+        kind = {wire.TIMEOUT: CommunicatorTimeout, wire.MISMATCH: CommunicatorError}.get(
+            code, PeerConnectionError
+        )
         if origin == self.rank and link.via is not None:
             # A neighbour blamed this rank (e.g. timed out on it) before disconnecting.
-            text = f"{me}: rank {link.via} gave up on this rank: {link.detail}"
-            if link.code == wire.TIMEOUT:
-                return CommunicatorTimeout(text)
-            return (
-                CommunicatorError(text) if link.code == wire.MISMATCH else PeerConnectionError(text)
-            )
-        if link.code == wire.TIMEOUT:
-            return CommunicatorTimeout(
-                f"{me}: rank {origin} made no progress within {self._timeout:g} s{via}: "
-                f"{link.detail}"
-            )
-        if link.code == wire.ABORTED:
-            if origin == self.rank:
-                return CommunicatorAborted(f"{me}: communicator aborted: {link.detail}")
-            return PeerConnectionError(f"{me}: rank {origin} aborted{via}: {link.detail}")
-        if link.code == wire.MISMATCH:
-            detail = f"collective mismatch with rank {origin}{via}: {link.detail}"
-            return CommunicatorError(f"{me}: {detail}")
-        if link.code == wire.INTERRUPTED:
-            detail = f"rank {origin} was interrupted mid-collective{via}: {link.detail}"
-            return CommunicatorError(f"{me}: {detail}")
-        return PeerConnectionError(f"{me}: lost rank {origin}{via}: {link.detail}")
+            return kind(f"rank {self.rank}: rank {link.via} gave up on this rank: {link.detail}")
+        if code == wire.ABORTED and origin == self.rank:
+            return CommunicatorAborted(f"rank {self.rank}: communicator aborted: {link.detail}")
+        what = {
+            wire.TIMEOUT: f"rank {origin} made no progress within {self._timeout:g} s",
+            wire.ABORTED: f"rank {origin} aborted",
+            wire.MISMATCH: f"collective mismatch with rank {origin}",
+            wire.INTERRUPTED: f"rank {origin} was interrupted mid-collective",
+        }.get(code, f"lost rank {origin}")
+        via = f" (reported by rank {link.via})" if link.via not in (None, origin) else ""
+        if code == wire.INTERRUPTED:
+            kind = CommunicatorError
+        return kind(f"rank {self.rank}: {what}{via}: {link.detail}")
 
     # -- data path ----------------------------------------------------------------------
 
@@ -425,7 +424,6 @@ def connect_cpu_ring(
     secret: bytes,
     host: str = "127.0.0.1",
     timeout: float,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     node_rank: int | None = None,
     shared_memory: bool = True,
     setup_timeout: float | None = None,
@@ -451,13 +449,11 @@ def connect_cpu_ring(
     # cores and 11.3 s at 128 (0.31 and 0.85 s reading one).
     many_nodes = nodes is not None and nodes > 1
     shm_listener, claim = local_claim(rank, world_size, node_rank, shared_memory and not many_nodes)
-    try:
-        listener = wire.create_listener(host)
-    except BaseException:
+    with contextlib.ExitStack() as undo:  # the listeners are closed if setup fails here
         if shm_listener is not None:
-            shm_listener.close()
-        raise
-    try:
+            undo.callback(shm_listener.close)
+        listener = wire.create_listener(host)
+        undo.callback(listener.close)
         port = listener.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         # One value per rank carries its ring address and its shared-memory claim:
@@ -483,11 +479,7 @@ def connect_cpu_ring(
                 ) from exc
             values[peer] = value.decode("ascii", "replace")
         addresses = {peer: _parse_address(v.partition("|")[0], peer) for peer, v in values.items()}
-    except BaseException:
-        listener.close()
-        if shm_listener is not None:
-            shm_listener.close()
-        raise
+        undo.pop_all()
     shm = None
     if not many_nodes:
         claims = [values[peer].partition("|")[2] for peer in range(world_size)]
@@ -499,7 +491,6 @@ def connect_cpu_ring(
         addresses,
         secret,
         timeout,
-        chunk_bytes=chunk_bytes,
         shared_memory=shm,
         setup_timeout=max(0.001, deadline - time.monotonic()),
     )

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import socket
 
-from rendezvousd.trainer.comm import peer_auth, shm_group
+from rendezvousd.trainer.comm import shm_group
 from rendezvousd.trainer.comm.shm_group import SharedMemoryPeers
 
-__all__ = ["build_shm_group", "local_claim", "shared_memory_plan"]
+__all__ = ["local_claim", "shared_memory_plan"]
 
 log = logging.getLogger("rendezvousd.trainer")
 
@@ -26,9 +26,18 @@ def local_claim(
 ) -> tuple[socket.socket | None, str]:
     """This rank's listener for the shared-memory group, if it may share memory, and
     its claim to publish: "identity|node|listener name", or "" (it opts out)."""
-    identity = _local_identity(rank, world_size, enabled)
-    if not identity:
+    if not enabled or world_size < 2:
         return None, ""
+    # The shared-memory group is correct only where its unfenced hand-off is (x86-64,
+    # see shm_group's docstring); anywhere else, e.g. on ARM, it could return wrong sums
+    # without an error. Opting out here keeps every rank of the job on the TCP ring.
+    reason = shm_group.unsupported_reason()
+    if reason is not None:
+        log.info("rank %d: all_reduce uses the TCP ring, not shared memory: %s", rank, reason)
+        return None, ""
+    identity = shm_group.host_identity()
+    if not identity:
+        return None, ""  # not Linux: never share memory
     listener, name = shm_group.create_listener()
     node = "" if node_rank is None else str(node_rank)
     return listener, f"{identity}|{node}|{name}"
@@ -53,30 +62,3 @@ def shared_memory_plan(
             )
         return None
     return SharedMemoryPeers(listener, [e[2] for e in entries])
-
-
-def _local_identity(rank: int, world_size: int, enabled: bool) -> str:
-    """This rank's host identity if it may share memory, else "" (opting out)."""
-    if not enabled or world_size < 2:
-        return ""
-    # The shared-memory group is correct only where its unfenced hand-off is (x86-64,
-    # see shm_group's docstring); anywhere else, e.g. on ARM, it could return wrong sums
-    # without an error. Opting out here keeps every rank of the job on the TCP ring.
-    reason = shm_group.unsupported_reason()
-    if reason is not None:
-        log.info("rank %d: all_reduce uses the TCP ring, not shared memory: %s", rank, reason)
-        return ""
-    return shm_group.host_identity()
-
-
-def build_shm_group(
-    rank: int, world: int, peers: SharedMemoryPeers, secret: bytes, timeout: float
-) -> shm_group.ShmGroup:
-    """Join this host's group; takes ownership of ``peers.listener``."""
-    try:
-        key = peer_auth.derive_key(secret)
-        return shm_group.ShmGroup(
-            rank, range(world), peers.listener, peers.names, key, timeout, peers.slot_bytes
-        )
-    finally:
-        peers.listener.close()

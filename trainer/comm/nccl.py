@@ -175,13 +175,6 @@ def is_cupy_array(array: object) -> bool:
 # --- the unique id ---------------------------------------------------------
 
 
-def _cupy_major(cp: Any) -> int:
-    try:
-        return int(str(cp.__version__).split(".", 1)[0])
-    except (AttributeError, ValueError):
-        return 0
-
-
 def create_unique_id() -> bytes:
     """Create a fresh id on global rank 0; it serves exactly one communicator init."""
     cp = _require_cupy()
@@ -293,7 +286,7 @@ class NcclCommunicator(RankedCommunicator):
 
     def _init_comm(self, uid: bytes) -> Any:
         tuple_form = unique_id_to_tuple(uid)
-        first: Any = uid if _cupy_major(self._cp) >= 14 else tuple_form
+        first: Any = uid if (_cupy_version(self._cp) or (0, 0)) >= (14, 0) else tuple_form
         second: Any = tuple_form if first is uid else uid
         try:
             return self._nccl.NcclCommunicator(self.world_size, first, self.rank)

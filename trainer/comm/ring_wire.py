@@ -112,12 +112,6 @@ class _Pending:
     buffer: bytearray
 
 
-@dataclass(frozen=True)
-class _Ring:
-    auth: peer_auth.PeerAuth  # this rank's place and the ring's size: auth.rank, auth.world
-    timeout: float
-
-
 def establish_ring(
     listener: socket.socket,
     addresses: Mapping[int, tuple[str, int]],
@@ -127,14 +121,14 @@ def establish_ring(
     timeout: float,
 ) -> tuple[socket.socket, socket.socket]:
     """Return authenticated (left, right) sockets; accept and connect run concurrently."""
-    ring = _Ring(peer_auth.PeerAuth(peer_auth.derive_key(secret), _MAGIC, rank, world), timeout)
+    auth = peer_auth.PeerAuth(peer_auth.derive_key(secret), _MAGIC, rank, world)
     deadline = time.monotonic() + timeout
     right = (rank + 1) % world
     outcome: list[socket.socket | BaseException] = []
 
     def connect() -> None:
         try:
-            outcome.append(_connect(ring, right, addresses[right], deadline))
+            outcome.append(_connect(auth, right, addresses[right], deadline, timeout))
         except BaseException as exc:
             outcome.append(exc)
 
@@ -145,7 +139,7 @@ def establish_ring(
     thread.start()
     try:
         # Stops early once the connect side failed: setup is lost either way.
-        left = _Acceptor(ring, listener).run(deadline, connect_failed)
+        left = _Acceptor(auth, listener, timeout).run(deadline, connect_failed)
     except BaseException:
         thread.join()
         if outcome and isinstance(outcome[0], socket.socket):
@@ -164,17 +158,18 @@ def establish_ring(
 
 
 def _connect(
-    ring: _Ring,
+    auth: peer_auth.PeerAuth,
     peer: int,
     address: tuple[str, int],
     deadline: float,
+    timeout: float,
 ) -> socket.socket:
-    where = f"rank {ring.auth.rank}: rank {peer} at {address[0]}:{address[1]}"
+    where = f"rank {auth.rank}: rank {peer} at {address[0]}:{address[1]}"
     delay = 0.02
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise CommunicatorTimeout(f"{where} was not reachable within {ring.timeout:g} s")
+            raise CommunicatorTimeout(f"{where} was not reachable within {timeout:g} s")
         sock, addr = _tcp_socket(*address)
         try:
             sock.settimeout(remaining)
@@ -189,7 +184,7 @@ def _connect(
             sock.close()
             raise PeerConnectionError(f"{where} could not be reached: {exc.strerror}") from exc
         try:
-            peer_auth.dial(sock, ring.auth, peer, where)
+            peer_auth.dial(sock, auth, peer, where)
         except BaseException:
             sock.close()
             raise
@@ -203,10 +198,11 @@ class _Acceptor:
     connection costs nothing but a slot until its own short deadline.
     """
 
-    def __init__(self, ring: _Ring, listener: socket.socket) -> None:
-        self._ring = ring
+    def __init__(self, auth: peer_auth.PeerAuth, listener: socket.socket, timeout: float) -> None:
+        self._auth = auth
         self._listener = listener
-        self._peer = (ring.auth.rank - 1) % ring.auth.world
+        self._timeout_s = timeout
+        self._peer = (auth.rank - 1) % auth.world
         self._pending: dict[int, _Pending] = {}
         self._selector = selectors.DefaultSelector()
         self.last_rejection = ""
@@ -246,8 +242,8 @@ class _Acceptor:
     def _timeout(self) -> CommunicatorTimeout:
         note = f" (last rejected connection: {self.last_rejection})" if self.last_rejection else ""
         return CommunicatorTimeout(
-            f"rank {self._ring.auth.rank}: rank {self._peer} did not connect and authenticate "
-            f"within {self._ring.timeout:g} s{note}"
+            f"rank {self._auth.rank}: rank {self._peer} did not connect and authenticate "
+            f"within {self._timeout_s:g} s{note}"
         )
 
     def _drop(self, entry: _Pending) -> None:
@@ -262,7 +258,7 @@ class _Acceptor:
             except OSError:
                 return
             conn.setblocking(False)
-            acceptance = peer_auth.Acceptance(self._ring.auth, lambda r: r == self._peer)
+            acceptance = peer_auth.Acceptance(self._auth, lambda r: r == self._peer)
             try:
                 # A fresh socket's buffer takes the whole challenge at once.
                 conn.send(acceptance.challenge)

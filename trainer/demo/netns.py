@@ -88,22 +88,11 @@ class Host:
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host's namespace, under its own hostname (a UTS
         namespace), as a process on a separate machine would see itself."""
+        enter = ["ip", "netns", "exec", self.netns]
         if not argv:
-            return ["ip", "netns", "exec", self.netns]
+            return enter
         setname = 'hostname "$0" && exec "$@"'
-        return [
-            "ip",
-            "netns",
-            "exec",
-            self.netns,
-            "unshare",
-            "--uts",
-            "sh",
-            "-c",
-            setname,
-            self.name,
-            *argv,
-        ]
+        return [*enter, "unshare", "--uts", "sh", "-c", setname, self.name, *argv]
 
     def popen(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kw: object

@@ -70,6 +70,11 @@ def _start_daemon(tmp: Path, head: Host | None) -> EmbeddedDaemon:
     return daemon
 
 
+def _flags(values: dict[str, Any]) -> list[str]:
+    """``--flag value`` pairs, the values as text."""
+    return [text for flag, value in values.items() for text in (flag, str(value))]
+
+
 def gpu_layout(visible: list[str]) -> list[list[str]]:
     """The GPUs each simulated node gets: NODES equal disjoint slices if there are
     enough, else one node with all of them (two ranks must never share a GPU)."""
@@ -151,39 +156,26 @@ def _run(
     nodes: list[subprocess.Popen[str]] = []
     pumps = []
     try:
+        launcher = {
+            "--nnodes": nodes_n,
+            "--nproc-per-node": workers,
+            "--rdzv-endpoint": endpoint,
+            "--token-file": token_file,
+            "--backend": backend,
+            "--config": CONFIG,
+            "--job-id": "multinode-smoke",
+        }
+        example = {
+            "--steps": steps,
+            "--result-dir": results_dir,
+            "--checkpoint-dir": ckpt_dir,
+            # The scorecard checks for exactly one checkpoint, the final one.
+            "--checkpoint-every": 0,
+        }
+        target = ["-m", "rendezvousd.trainer.example", *_flags(example)]
         for node in range(nodes_n):
-            cmd = [
-                sys.executable,
-                "-m",
-                "rendezvousd.trainer.agent.launcher",
-                "--nnodes",
-                str(nodes_n),
-                "--node-rank",
-                str(node),
-                "--nproc-per-node",
-                str(workers),
-                "--rdzv-endpoint",
-                endpoint,
-                "--token-file",
-                str(token_file),
-                "--backend",
-                backend,
-                "--config",
-                str(CONFIG),
-                "--job-id",
-                "multinode-smoke",
-                "-m",
-                "rendezvousd.trainer.example",
-                "--steps",
-                str(steps),
-                "--result-dir",
-                str(results_dir),
-                "--checkpoint-dir",
-                str(ckpt_dir),
-                # The scorecard checks for exactly one checkpoint, the final one.
-                "--checkpoint-every",
-                "0",
-            ]
+            flags = _flags({**launcher, "--node-rank": node})
+            cmd = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", *flags, *target]
             if cluster is not None:
                 cmd = cluster[1 + node].command(cmd)
             env = None

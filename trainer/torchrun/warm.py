@@ -68,6 +68,7 @@ from rendezvousd.trainer.agent._fork_server import (
     preload,
     recv,
     send,
+    spawn_command,
 )
 
 __all__ = ["ENV_WARM_SOCKET", "WarmServer", "python_main", "start_server"]
@@ -151,15 +152,10 @@ class _Child:
 def _spawn_request(
     message: Mapping[str, Any],
 ) -> tuple[list[str], dict[str, str], str, bool, list[int]]:
-    argv, env, cwd = message.get("argv"), message.get("env"), message.get("cwd")
-    affinity = message.get("affinity")
+    argv, env = spawn_command(message)
+    cwd, affinity = message.get("cwd"), message.get("affinity")
     if (
-        not isinstance(argv, list)
-        or not argv
-        or not all(isinstance(a, str) for a in argv)
-        or not isinstance(env, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-        or not isinstance(cwd, str)
+        not isinstance(cwd, str)
         or not isinstance(affinity, list)
         or not affinity
         or not all(type(c) is int for c in affinity)
@@ -259,29 +255,21 @@ class _Server:
             reason: str | None = str(exc)
         else:
             reason = fork_refusal(self.env, env, "worker")
-        if reason is not None:
-            for extra in fds:
-                os.close(extra)
-            with contextlib.suppress(OSError):
-                send(conn, {"op": "cold", "reason": reason})
-            self._drop(fd)
-            return None
-        if _hung_up(conn):  # gone while it waited (the imports): its worker would be too
-            for extra in fds:
-                os.close(extra)
-            self._drop(fd)
-            return None
-        try:
-            pid = fork(self._forked)
-        except OSError as exc:  # (EAGAIN: the user's process limit)
-            pid = -1
-            with contextlib.suppress(OSError):
-                send(conn, {"op": "cold", "reason": f"fork failed: {exc}"})
-        if pid == 0:
-            return _Child(argv, env, cwd, unbuffered, affinity, fds)
+        pid = -1
+        # A shim hung up is gone while it waited (the imports): its worker would be too.
+        if reason is None and not _hung_up(conn):
+            try:
+                pid = fork(self._forked)
+            except OSError as exc:  # (EAGAIN: the user's process limit)
+                reason = f"fork failed: {exc}"
+            if pid == 0:
+                return _Child(argv, env, cwd, unbuffered, affinity, fds)
         for extra in fds:
             os.close(extra)
         if pid < 0:
+            if reason is not None:
+                with contextlib.suppress(OSError):
+                    send(conn, {"op": "cold", "reason": reason})
             self._drop(fd)
             return None
         pidfd = os.pidfd_open(pid)
