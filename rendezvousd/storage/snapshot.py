@@ -211,7 +211,6 @@ def restore_job(
         if kept:  # its survivors still re-join: a newcomer must not take their seats
             job.gen.rejoin_expected = len(kept)
             placement.keep_seats(job, kept, state.timing.hold_s, now)
-        state.take_effects()
         detail = "fenced by a new generation after restart"
     elif job.state is JobState.RUNNING:
         job.gen.restored = True

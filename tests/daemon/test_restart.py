@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.client import RendezvousClient
-from rendezvousd.common.model import JobState, JoinResult, Parked
+from rendezvousd.common.model import JobState, JoinResult, Parked, Transition
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage import snapshot
@@ -109,6 +109,26 @@ def test_forming_job_is_fenced_by_a_new_generation_and_old_id_refused(tmp_path: 
     assert info.value.reason == "ID_REUSED"
     assert isinstance(back.join(_args(0, uid=b"\x08" * 128), 1.0), Parked)
     assert isinstance(back.join(_args(1), 1.0), JoinResult)
+
+
+def test_every_restored_job_is_logged_when_a_forming_one_follows(tmp_path: Path) -> None:
+    # Restoring a forming job discarded every effect queued before it: the jobs
+    # restored ahead of it lost their "restored" transition (log line, metrics).
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    running = snapshot.job_record(sm.jobs["j"])
+    sm.join(JoinArgs.worker("f", 1, 2, 0, 0, "h", "", ID, "f0"), 0.0)
+    forming = snapshot.job_record(sm.jobs["f"])
+    back = RendezvousState()
+    snapshot.restore_job(back, running, {}, 1.0)
+    snapshot.restore_job(back, forming, {}, 1.0)
+    assert [
+        (t.job_id, t.new, t.detail) for t in back.take_effects() if isinstance(t, Transition)
+    ] == [
+        ("j", JobState.RUNNING, "restored"),
+        ("f", JobState.FORMING, "fenced by a new generation after restart"),
+    ]
 
 
 def test_the_database_never_holds_the_id_or_its_encodings(tmp_path: Path) -> None:
