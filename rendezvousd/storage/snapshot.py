@@ -20,6 +20,7 @@ from typing import Any
 from rendezvousd.common import validation
 from rendezvousd.common.model import FailedInfo, JobState, JoinMode, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
+from rendezvousd.state import kv as kvrules
 from rendezvousd.state import placement
 from rendezvousd.state.id_history import IdHistory
 from rendezvousd.state.job import BarrierState, Job, Member, Node
@@ -278,7 +279,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
     }
     _restore_nodes(job, raw, now)
     job.gen.kv = dict(kv)
-    job.gen.kv_bytes = sum(len(k.encode()) + len(v) for k, v in job.gen.kv.items())
+    job.gen.kv_bytes = sum(kvrules.entry_bytes(k, v) for k, v in job.gen.kv.items())
     if job.state is JobState.RUNNING:
         if sorted(job.gen.members) != list(range(job.world_size)):
             raise ValueError("a RUNNING job must have every rank of its world as a member")
