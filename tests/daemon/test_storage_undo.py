@@ -434,6 +434,29 @@ def _commits_held(d: DaemonProcess, state: Path, method: str) -> Iterator[None]:
         lock.close()
 
 
+def test_a_change_whose_caller_gives_up_during_its_commit_still_wakes_its_readers(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """A KvSet's caller gone before its commit ends (its deadline): the value is stored
+    all the same, so the reader waiting for it gets it (it hung until its own deadline)."""
+    d, state, stub = daemon
+    with joined_pair(d, "h") as (a, b):
+        meta = bearer(d)
+        get = stub.KvGet.future(
+            pb.KvGetRequest(key="k", wait=True, wait_timeout_ms=20_000, **b._kv_scope()),
+            metadata=meta,
+            timeout=25,
+        )
+        wait_for("the reader to park", lambda: _waiters(d) == 1)
+        with _commits_held(d, state, "KvSet"), pytest.raises(grpc.RpcError) as gave_up:
+            stub.KvSet(
+                pb.KvSetRequest(key="k", value=b"v", **a._kv_scope()), metadata=meta, timeout=1
+            )
+        assert gave_up.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert get.result(timeout=10).value == b"v"
+        assert _waiters(d) == 0
+
+
 def test_a_commit_whose_caller_gives_up_is_still_what_a_later_undo_goes_back_to(
     daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
