@@ -251,6 +251,9 @@ def member_left(sm: RendezvousState, job: Job, member: Member, now: float) -> No
                 sm.calls.wake(w, fault=barriers.left(job, member.rank, name))
         if job.gen.left == len(job.gen.members):
             set_state(sm, job, JobState.ENDED, now, "every member left")
+            # A key wait a member left behind: held to its deadline, it kept the ended
+            # job from expiring.
+            fail_waiters(sm, job)
             return
         for barrier in job.gen.barriers.values():
             if barrier.arrived and job.barrier_complete(len(barrier.arrived)):
