@@ -22,7 +22,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl
@@ -87,7 +87,7 @@ class Session:
     # A job token, checked again on every request as a Bearer one is: it may expire, or
     # its job end, long before the session does. None for the admin token, which
     # changes only with a restart (that ends every session).
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
