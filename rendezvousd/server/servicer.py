@@ -85,6 +85,8 @@ class RendezvousServicer:
         self.persister = persister
         self.persister.on_undo = self._undone
         self._futures: dict[int, asyncio.Future[Any]] = {}
+        # Changes whose callers gave up before they were durable (``_durably``).
+        self._delivering: set[asyncio.Task[RendezvousFault | None]] = set()
         self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now, self._durably)
         self._answers = JoinAnswers(state.timing)
         self._calls = CallStream(
@@ -145,11 +147,29 @@ class RendezvousServicer:
         held = [e for e in effects if not isinstance(e, Transition)]
         self.persister.touch(job_id)
         try:
+            fault = await self._deliver(job_id, held)
+        except asyncio.CancelledError:
+            # The caller gave up (its deadline, a cancel, its stream closed) during the
+            # commit: the change stands and is committed all the same, so the calls it
+            # woke and its events must still go out, or those calls hang and the
+            # members never hear of it.
+            task = asyncio.create_task(self._deliver(job_id, held))
+            self._delivering.add(task)
+            task.add_done_callback(self._delivering.discard)
+            raise
+        if fault is not None:
+            raise fault
+
+    async def _deliver(self, job_id: str, held: Sequence[Effect]) -> RendezvousFault | None:
+        """``held`` applied once ``job_id``'s change is durable; or its commit's fault,
+        which the calls it woke get instead."""
+        try:
             await self.persister.durable(job_id)
         except RendezvousFault as fault:
             self.apply([Wake(e.waiter, None, fault) for e in held if isinstance(e, Wake)])
-            raise
+            return fault
         self.apply(held)
+        return None
 
     # -- waiting ----------------------------------------------------------
 

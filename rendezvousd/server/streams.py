@@ -54,8 +54,6 @@ class HeartbeatStreams:
         # The servicer's: a change's wakes and events go out once it is durable.
         self._durably = durably
         self._open: dict[_StreamKey, tuple[int, asyncio.Queue[_Item]]] = {}
-        # Goodbyes being made durable: held here, as their streams may end first.
-        self._leaving: set[asyncio.Task[None]] = set()
 
     def push(self, effect: Notify) -> None:
         now = self._now()
@@ -172,24 +170,14 @@ class HeartbeatStreams:
             self._apply()
             queue.put_nowait(refused)  # Leave's own error, as the call would give it
             return
-        # Its own task: the client may close the stream before the commit, and the
-        # leave's events (JOB_ENDED, a barrier it completed) must still go out.
-        commit = asyncio.create_task(self._durably(key[0], self.state.take_effects()))
-        self._leaving.add(commit)
-        commit.add_done_callback(self._committed)
+        # The client may close the stream before the commit: the leave's events
+        # (JOB_ENDED, a barrier it completed) still go out (``_durably``).
         try:
-            await asyncio.shield(commit)
+            await self._durably(key[0], self.state.take_effects())
         except RendezvousFault as fault:  # storage failed: the leave was undone
             queue.put_nowait(fault)
             return
         queue.put_nowait(pb.JobEvent(kind=pb.JobEvent.LEFT, job_id=key[0], generation=key[1]))
-
-    def _committed(self, commit: asyncio.Task[None]) -> None:
-        self._leaving.discard(commit)
-        if not commit.cancelled():
-            # A failed commit was logged by the Persister and undone; its stream, if
-            # still open, ended with the fault: nothing is left to report here.
-            commit.exception()
 
 
 def _progress(message: pb.Progress) -> Progress:

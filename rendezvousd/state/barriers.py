@@ -45,13 +45,18 @@ def enter(
             ranks=str(rank),
         )
     if member.state is MemberState.LEFT:
-        raise RendezvousFault(
-            Code.FAILED_PRECONDITION,
-            Reason.NOT_A_MEMBER,
-            f"rank {rank} already left job {job.job_id!r}; it cannot enter barrier {name!r}",
-            {"job_id": job.job_id, "ranks": str(rank)},
-        )
+        raise left(job, rank, name)
     return barrier, False
+
+
+def left(job: Job, rank: int, name: str) -> RendezvousFault:
+    """The fault of rank ``rank``'s call at barrier ``name`` once it left the job."""
+    return RendezvousFault(
+        Code.FAILED_PRECONDITION,
+        Reason.NOT_A_MEMBER,
+        f"rank {rank} left job {job.job_id!r}; it takes no part in barrier {name!r} any more",
+        {"job_id": job.job_id, "ranks": str(rank)},
+    )
 
 
 def release(barrier: BarrierState) -> list[int]:

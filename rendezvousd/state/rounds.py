@@ -238,13 +238,22 @@ def notify(
 
 
 def member_left(sm: RendezvousState, job: Job, member: Member, now: float) -> None:
-    """A member of a formed generation is done; the last one ends the job."""
+    """A member of a formed generation is done; the last one ends the job. A barrier
+    no longer waits for it, nor counts its arrival (counted twice, as arrived and as
+    left, it let the others through before every rank still there arrived): its own
+    call parked there ends."""
     if member.state is MemberState.ACTIVE:
         member.state = MemberState.LEFT
         job.gen.left += 1
     if job.state is JobState.RUNNING:
+        for name, barrier in job.gen.barriers.items():
+            for w in barrier.arrived.pop(member.rank, ()):
+                sm.calls.wake(w, fault=barriers.left(job, member.rank, name))
         if job.gen.left == len(job.gen.members):
             set_state(sm, job, JobState.ENDED, now, "every member left")
+            # A key wait a member left behind: held to its deadline, it kept the ended
+            # job from expiring.
+            fail_waiters(sm, job)
             return
         for barrier in job.gen.barriers.values():
             if barrier.arrived and job.barrier_complete(len(barrier.arrived)):

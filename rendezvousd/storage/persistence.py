@@ -253,7 +253,7 @@ class Persister:
         self._undo: dict[_UndoKey, tuple[int, int, bytes | None]] = {}
         self._lock = asyncio.Lock()
         # The group commit in flight (``_take_part``): what its waiters wait on.
-        self._committing: asyncio.Future[None] | None = None
+        self._committing: asyncio.Task[None] | None = None
         # One writer thread, always the same: SQLite's connection (and the malloc
         # arena its allocations land in) stays with one thread, where the default
         # executor would spread commits over up to min(32, cpus + 4) threads.
@@ -453,23 +453,25 @@ class Persister:
         pass. Queued on the lock, each took it in turn only to find its change
         committed, one loop pass each: a burst of 256 KvSets spent ~50 ms handing the
         lock along after the one commit that covered them all."""
-        if self._committing is not None:
-            await asyncio.shield(self._committing)
-            return
-        done = self._committing = asyncio.get_running_loop().create_future()
+        if self._committing is None:
+            # A task of its own, not its first waiter's: that caller may give up (its
+            # deadline, a cancel) mid-commit, which would leave the commit written but
+            # never recorded as durable (the undo would then go back past it). The task
+            # starts on the next loop pass: the changes the rest of this pass makes (the
+            # other calls of a CallBatch, other streams' messages read with it) share
+            # this commit, instead of the first change going alone and the rest waiting
+            # out its fsync for the next. A node's calls then also get their replies
+            # together.
+            self._committing = asyncio.create_task(self._group_commit(needed))
+        await asyncio.shield(self._committing)
+
+    async def _group_commit(self, needed: Callable[[], bool]) -> None:
         try:
             async with self._lock:  # recover() may hold it
                 if needed():
-                    # One loop pass before the cut: the changes the rest of this pass
-                    # makes (the other calls of a CallBatch, other streams' messages
-                    # read with it) share this commit, instead of the first change
-                    # going alone and the rest waiting out its fsync for the next.
-                    # A node's calls then also get their replies together.
-                    await asyncio.sleep(0)
                     await self._commit()
         finally:
             self._committing = None
-            done.set_result(None)
 
     async def _commit(self) -> None:
         assert self.store is not None

@@ -4,7 +4,8 @@ Who may see what: the admin token sees every job, a job token only its job, and
 no token only the login page (``/metrics`` stays open, as before, for Prometheus).
 A browser presents its token once, through the login form; the token is never
 kept in the browser: the cookie is a random session id that the daemon maps to
-the token's scope, HttpOnly and SameSite=Strict, ending after ``SESSION_S``.
+the token's scope, HttpOnly and SameSite=Strict, ending after ``SESSION_S``, or once a
+job token would be refused (expired, or its job ended).
 Scripts send ``Authorization: Bearer TOKEN`` instead.
 
 What is shown comes from ``JobView`` (never the id, tokens or instance ids) and
@@ -21,7 +22,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl
@@ -83,6 +84,10 @@ class Session:
     # name for the session that is not the cookie itself.
     peer: str
     tag: str
+    # A job token, checked again on every request as a Bearer one is: it may expire, or
+    # its job end, long before the session does. None for the admin token, which
+    # changes only with a restart (that ends every session).
+    token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -163,14 +168,17 @@ class StatusPage:
         session = self._sessions.get(sid) if sid else None
         if session is None:
             return None
-        if session.expires < time.monotonic():
+        if session.expires < time.monotonic() or (
+            session.token is not None and self._scope_of(session.token) is None
+        ):
             del self._sessions[sid]
             return None
         return Caller(session.scope, f"{session.scope} session {session.tag} from {session.peer}")
 
     def _login(self, r: Request) -> Response:
         form = dict(parse_qsl(r.body.decode("utf-8", "replace")))
-        scope = self._scope_of(form.get("token", "").strip())
+        token = form.get("token", "").strip()
+        scope = self._scope_of(token)
         if scope is None:
             self._refused += 1
             now = time.monotonic()
@@ -191,7 +199,9 @@ class StatusPage:
                 del self._sessions[next(iter(self._sessions))]
         sid = secrets.token_urlsafe(32)
         tag = hashlib.sha256(sid.encode()).hexdigest()[:8]
-        self._sessions[sid] = Session(scope, now + SESSION_S, r.peer, tag)
+        self._sessions[sid] = Session(
+            scope, now + SESSION_S, r.peer, tag, None if scope.admin else token
+        )
         log.info("status page: %s logged in from %s (session %s)", escape(str(scope)), r.peer, tag)
         cookie = f"{COOKIE}={sid}; Path=/; HttpOnly; SameSite=Strict; Max-Age={SESSION_S}"
         if self._secure:

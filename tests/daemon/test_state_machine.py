@@ -349,6 +349,44 @@ def test_leave_lets_barrier_finish_and_last_leave_ends_job() -> None:
     assert "j" not in sm.jobs
 
 
+def test_a_rank_that_leaves_while_waiting_at_a_barrier_is_not_counted_as_arrived() -> None:
+    """Rank 1 arrives, then leaves (its process shutting down while a thread waits at
+    the barrier): the barrier waits for ranks 0 and 2, not just for 2, which was let
+    through while rank 0 had not arrived; rank 1's own call ends."""
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=3)[0].generation
+    waiting = sm.barrier("j", gen, 1, "b", 1, 0.0, instance_id=inst(sm, 1))
+    assert isinstance(waiting, Parked)
+    sm.leave("j", gen, 1, inst(sm, 1), 0.0)
+    [wake] = [e for e in sm.take_effects() if isinstance(e, Wake)]
+    assert wake.waiter == waiting.waiter and wake.fault is not None
+    assert wake.fault.reason == "NOT_A_MEMBER" and "left job 'j'" in wake.fault.message
+    second = sm.barrier("j", gen, 2, "b", 1, 0.0, instance_id=inst(sm, 2))
+    assert isinstance(second, Parked), "rank 2 passed the barrier before rank 0 arrived"
+    assert sm.barrier("j", gen, 0, "b", 1, 0.0, instance_id=inst(sm, 0)) == 1
+    assert [(e.waiter, e.value) for e in sm.take_effects() if isinstance(e, Wake)] == [
+        (second.waiter, 1)
+    ]
+
+
+def test_a_key_wait_left_behind_ends_with_the_job() -> None:
+    """Every member left while a KvGet waited: it hears JOB_ENDED at once, rather than
+    holding its slot to its deadline (600 s) and keeping the ended job from expiring."""
+    sm = RendezvousState()
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    waiting = sm.kv_get("j", gen, 1, "k", True, 0.0, instance_id=inst(sm, 1))
+    assert isinstance(waiting, Parked)
+    sm.leave("j", gen, 1, inst(sm, 1), 0.0)
+    sm.leave("j", gen, 0, inst(sm, 0), 0.0)
+    assert sm.jobs["j"].state is JobState.ENDED
+    [wake] = [e for e in sm.take_effects() if isinstance(e, Wake)]
+    assert wake.waiter == waiting.waiter and wake.fault is not None
+    assert wake.fault.reason == "JOB_ENDED"
+    assert sm.waiter_count == 0
+    sm.tick(Timing().job_ttl_s + 1)
+    assert "j" not in sm.jobs
+
+
 def test_join_timeout_frees_the_rank_and_names_missing_ranks() -> None:
     sm = RendezvousState()
     w = sm.join(args(1, 0), 0.0)

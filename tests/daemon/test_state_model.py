@@ -1,7 +1,8 @@
 """Hypothesis drives the pure state machine through random joins (some with a wrong
-topology), id publishes, barriers, heartbeat loss, leaves, aborts and restarts,
-checking invariants after every step: one id per generation, ranks unique and
-dense, no waiter left behind once a job ends, stale generations always rejected."""
+topology), id publishes, barriers, key-value waits and sets, parked calls timing out or
+cancelled, heartbeat loss, leaves, aborts and restarts, checking invariants after every
+step: one id per generation, ranks unique and dense, no waiter left behind once a job
+ends or listed once its call is gone, stale generations always rejected."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rendezvousd.common.model import JobState, JoinResult, MemberState, Parked, Wake
 from rendezvousd.errors import Code, RendezvousFault
@@ -43,6 +44,16 @@ class RendezvousModel(RuleBasedStateMachine):
 
     def _job(self):  # type: ignore[no-untyped-def]
         return self.sm.jobs.get(JOB)
+
+    @initialize(formed=st.booleans())
+    def start(self, formed: bool) -> None:
+        """Half the runs start from a running job: the rules that need one (barriers, key
+        waits, losses) are then reached in most runs, not in a few."""
+        if formed:
+            for node in range(NODES):
+                for local in range(GPUS):
+                    self.join(node, local, with_id=True)
+            assert self._job().state is JobState.RUNNING
 
     @rule(node=st.integers(0, NODES - 1), local=st.integers(0, GPUS - 1), with_id=st.booleans())
     def join(self, node: int, local: int, with_id: bool) -> None:
@@ -144,6 +155,35 @@ class RendezvousModel(RuleBasedStateMachine):
             self.parked[out.waiter] = job.generation
         self._apply()
 
+    @rule(
+        rank=st.integers(0, NODES * GPUS - 1), key=st.sampled_from(["a", "b"]), wait=st.booleans()
+    )
+    @precondition(lambda self: self._job() is not None and self._job().state is JobState.RUNNING)
+    def kv(self, rank: int, key: str, wait: bool) -> None:
+        """A KvGet that waits for its key, or the KvSet that wakes it."""
+        job = self._job()
+        member = job.gen.members[rank]
+        scope = (JOB, job.generation, rank, key)
+        try:
+            if wait:
+                out = self.sm.kv_get(*scope, True, self.now, instance_id=member.instance_id)
+                if isinstance(out, Parked):
+                    self.parked[out.waiter] = job.generation
+            else:
+                self.sm.kv_set(*scope, b"v", instance_id=member.instance_id)
+        except RendezvousFault:
+            pass
+        self._apply()
+
+    @rule(data=st.data(), timed_out=st.booleans())
+    @precondition(lambda self: bool(self.parked))
+    def call_ends(self, data: st.DataObject, timed_out: bool) -> None:
+        """A parked call's deadline passes, or its caller goes away."""
+        waiter = data.draw(st.sampled_from(sorted(self.parked)))
+        self.sm.cancel_wait(waiter, self.now, timed_out=timed_out)
+        self.parked.pop(waiter)
+        self._apply()
+
     @rule(rank=st.integers(0, NODES * GPUS - 1))
     @precondition(lambda self: self._job() is not None and self._job().state is JobState.RUNNING)
     def lose_stream(self, rank: int) -> None:
@@ -233,7 +273,19 @@ class RendezvousModel(RuleBasedStateMachine):
     @invariant()
     def every_parked_call_is_accounted_for(self) -> None:
         assert self.sm.waiter_count == len(self.parked)
+        held: dict[str, int] = {}
+        for w in self.sm.calls.waiting.values():
+            held[w.job_id] = held.get(w.job_id, 0) + 1
+        assert held == self.sm.calls.per_job
+        job = self._job()
+        if job is not None:
+            # Whatever the job lists as waiting is a live call, and every live call of
+            # its generation is listed where a change will wake it.
+            listed = job.all_waiters()
+            assert listed <= set(self.sm.calls.waiting)
+            for waiter, w in self.sm.calls.waiting.items():
+                assert w.generation != job.generation or waiter in listed
 
 
 TestRendezvousModel = RendezvousModel.TestCase
-TestRendezvousModel.settings = settings(max_examples=100, stateful_step_count=80, deadline=None)
+TestRendezvousModel.settings = settings(max_examples=300, stateful_step_count=80, deadline=None)

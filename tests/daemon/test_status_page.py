@@ -7,6 +7,7 @@ import http.client
 import json
 import socket
 import ssl
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -153,6 +154,32 @@ def test_login_sets_a_session_cookie_that_is_not_the_token(
         assert status == 401 and "set-cookie" not in headers and b'action="/login"' in page
         wait_for("the refused login in the log", lambda: "with an invalid token" in daemon.log())
         assert "wrong-token-but-long-enough" not in daemon.log()
+
+
+def test_a_job_tokens_session_ends_when_the_token_expires(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A session is checked as its token is: an expired job token (or one minted before
+    its job last ended) no longer sees the job, however long ago its browser logged in."""
+    with running_job(daemon, job_id):
+        token = derive_job_token(daemon.token, job_id, int(time.time()) + 2)
+        status, headers, _ = request(
+            daemon,
+            "POST",
+            "/login",
+            body=f"token={token}".encode(),
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert status == 303
+        session = headers["set-cookie"].split(";", 1)[0]
+        assert [j["job_id"] for j in api(daemon, "/api/jobs", cookie=session)["jobs"]] == [job_id]
+        wait_for(
+            "the token to expire",
+            lambda: request(daemon, "GET", "/api/jobs", token=token)[0] == 401,
+        )
+        status, _, body = request(daemon, "GET", "/api/jobs", cookie=session)
+        assert status == 401 and job_id.encode() not in body
+        assert request(daemon, "GET", f"/api/jobs/{job_id}", cookie=session)[0] == 401
 
 
 def test_abort_needs_the_admin_token_and_is_logged_with_who(

@@ -9,6 +9,7 @@ database show the job exactly as it was last committed, and the same calls retri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sqlite3
@@ -413,3 +414,68 @@ def test_a_refusal_that_would_fail_the_generation_is_not_answered_when_its_commi
     assert _refused(lambda: stub.Join(conflicting, metadata=meta, timeout=10)) == (
         "TOPOLOGY_MISMATCH"
     )
+
+
+@contextlib.contextmanager
+def _commits_held(d: DaemonProcess, state: Path, method: str) -> Iterator[None]:
+    """The database's write lock held (for less than the daemon's 5 s busy timeout, so
+    its commit waits and then takes) while the block's ``method`` call gives up: until
+    the daemon saw it cancelled, mid-commit."""
+    lock = sqlite3.connect(state / "state.db", isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        cancelled = f'rendezvousd_rpc_duration_seconds_count{{code="CANCELLED",method="{method}"}}'
+        wait_for(
+            f"the daemon to see {method} cancelled", lambda: cancelled in scrape(d.metrics_url)
+        )
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+
+def test_a_change_whose_caller_gives_up_during_its_commit_still_wakes_its_readers(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """A KvSet's caller gone before its commit ends (its deadline): the value is stored
+    all the same, so the reader waiting for it gets it (it hung until its own deadline)."""
+    d, state, stub = daemon
+    with joined_pair(d, "h") as (a, b):
+        meta = bearer(d)
+        get = stub.KvGet.future(
+            pb.KvGetRequest(key="k", wait=True, wait_timeout_ms=20_000, **b._kv_scope()),
+            metadata=meta,
+            timeout=25,
+        )
+        wait_for("the reader to park", lambda: _waiters(d) == 1)
+        with _commits_held(d, state, "KvSet"), pytest.raises(grpc.RpcError) as gave_up:
+            stub.KvSet(
+                pb.KvSetRequest(key="k", value=b"v", **a._kv_scope()), metadata=meta, timeout=1
+            )
+        assert gave_up.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert get.result(timeout=10).value == b"v"
+        assert _waiters(d) == 0
+
+
+def test_a_commit_whose_caller_gives_up_is_still_what_a_later_undo_goes_back_to(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """An AbortJob's caller gone mid-commit: the abort is on disk, and a later failed
+    commit puts the job back to it, not to the running job before it (which the rewrite
+    after the outage then wrote over the abort)."""
+    d, state, stub = daemon
+    meta = bearer(d)
+    with joined_pair(d, "i"):
+        abort = pb.AbortJobRequest(job_id="i", reason="operator")
+        with _commits_held(d, state, "AbortJob"), pytest.raises(grpc.RpcError):
+            stub.AbortJob(abort, metadata=meta, timeout=1)
+        wait_for("the abort on disk", lambda: (_stored(state, "i") or {}).get("state") == "ABORTED")
+        shutil.rmtree(state)
+        rejoin = join_request("i", 2, 0, host="h", instance_id="next", wait_timeout_ms=5_000)
+        assert _refused(lambda: stub.Join(rejoin, metadata=meta, timeout=10)) == (
+            "STORAGE_UNAVAILABLE"
+        )
+        job = _get_job(stub, d, "i")
+        assert job is not None and job.summary.state == pb.JOB_STATE_ABORTED
+        _storage_back(d, state)
+        assert (_stored(state, "i") or {}).get("state") == "ABORTED"
