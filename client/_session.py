@@ -183,8 +183,11 @@ class Session:
     # The last report_progress, sent with every beat (None: never reported).
     progress: pb.Progress | None = None
     on_nodes_waiting: Callable[[int], None] | None = None
-    # Makes one GetMembers call (blocking): how a slim join's table is fetched.
-    get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
+    # Makes one GetMembers call (blocking): how a slim join's table is fetched. Set by
+    # the client owning the session, before any join.
+    get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] = field(
+        init=False, repr=False
+    )
     leave_timeout: float = LEAVE_TIMEOUT_S
     # The live heartbeat stream's daemon takes the goodbye on it (its attach's ack
     # said so): leave() says it there, not by a Leave call.
@@ -259,11 +262,9 @@ class Session:
 
     def page_fetcher(
         self, job_id: str, generation: int, rank: int, instance_id: str
-    ) -> Callable[[int], pb.GetMembersResponse] | None:
+    ) -> Callable[[int], pb.GetMembersResponse]:
         """``start_rank -> page`` of a generation's table, asked as member ``rank``."""
         call = self.get_members
-        if call is None:
-            return None
 
         def fetch(start: int) -> pb.GetMembersResponse:
             return call(page_request(job_id, generation, rank, instance_id, start))
@@ -319,8 +320,9 @@ class Session:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
         first = response.node_rank * response.gpus_per_node
         ids = response.member_instance_ids
-        fetch = (
-            self.page_fetcher(response.job_id, response.generation, first, ids[0]) if ids else None
+        # A table is only ever fetched after a slim answer, which names every member.
+        fetch = self.page_fetcher(
+            response.job_id, response.generation, first, ids[0] if ids else ""
         )
         self.node = from_join_node_response(response, fetch)
         self.held = self.instance_id
@@ -370,9 +372,8 @@ class Session:
             fetch = self.page_fetcher(
                 membership.job_id, membership.generation, membership.rank, instance_id
             )
-            if fetch is not None:
-                table = LazyTable(fetch, membership.world_size)
-                membership = dataclasses.replace(membership, _table=table)
+            table = LazyTable(fetch, membership.world_size)
+            membership = dataclasses.replace(membership, _table=table)
         self.joined = membership
 
     def plan_join(self, **r: Unpack[JoinRequest]) -> JoinPlan:
