@@ -161,8 +161,7 @@ class _Stream:
     def close(self) -> None:
         self.closing = True
         self.retire()
-        if self._call is not None:
-            self._call.cancel()
+        self._call.cancel()
 
 
 class _BlockingStream(_Stream):
