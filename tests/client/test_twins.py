@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousError,
 )
+from rendezvousd.client.membership import Membership
 from tests.support import DaemonProcess, Pki, free_port, parallel, wait_for
 
 # "aio-uvloop": the asyncio client on uvloop's loop, as in an application that runs on
@@ -285,6 +287,25 @@ def daemon_down_is_unavailable(w: World) -> object:
     return type(info.value).__name__, info.value.method
 
 
+def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
+    """A daemon that accepts connections and never answers: reading the table of a
+    slim join (a plain property, which the asyncio client serves over a blocking
+    channel of its own) is retried as the sync client's call is, then fails alike."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        c = Twin(w.kind, endpoint, w.job_id, token="t", call_timeout=1, connect_timeout=1)
+        w.made.append(c)
+        c.attach(Membership(w.job_id, 1, 0, 2, 1, 0, ID0), "instance")
+        with pytest.raises(RendezvousError) as info:
+            c.membership.members  # noqa: B018
+    e = info.value
+    return (
+        type(e).__name__,
+        getattr(e, "attempts", None),
+        str(e).replace(endpoint, "EP").replace(w.job_id, "JOB"),
+    )
+
+
 def daemon_restart_is_survived(w: World) -> object:
     state = w.tmp / f"state-{w.kind}"
     port = free_port()
@@ -337,6 +358,15 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     ),
     "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check")),
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
+    "a silent daemon's table": (
+        silent_daemon_fails_a_table_fetch_alike,
+        (
+            "DaemonUnavailable",
+            2,
+            "GetMembers to rendezvousd at EP (job 'JOB') failed after 2 attempts: "
+            "DEADLINE_EXCEEDED; is the daemon running and reachable?",
+        ),
+    ),
 }
 
 
