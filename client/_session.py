@@ -544,9 +544,10 @@ class Session:
 
     def exhausted(self, method: str, attempts: int, last: RendezvousError) -> RendezvousError:
         if isinstance(last, (DaemonUnavailable, RendezvousTimeout)) and last.reason == "":
+            rank = "" if last.rank is None else f", rank {last.rank}"
             return DaemonUnavailable(
-                f"{method} to rendezvousd at {self.endpoint} (job {self.job_id!r}) failed after "
-                f"{attempts} attempt{'s' if attempts > 1 else ''}: {last.code or 'no answer'}; "
+                f"{method} to rendezvousd at {self.endpoint} (job {self.job_id!r}{rank}) failed "
+                f"after {attempts} attempt{'s' if attempts > 1 else ''}: {last.code or 'no answer'}; "
                 "is the daemon running and reachable?",
                 attempts=attempts,
                 code=last.code,

@@ -363,7 +363,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         (
             "DaemonUnavailable",
             2,
-            "GetMembers to rendezvousd at EP (job 'JOB') failed after 2 attempts: "
+            "GetMembers to rendezvousd at EP (job 'JOB', rank 0) failed after 2 attempts: "
             "DEADLINE_EXCEEDED; is the daemon running and reachable?",
         ),
     ),
