@@ -5,6 +5,7 @@ or the file holds none, before anything is sent."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +51,31 @@ def test_an_empty_token_file_is_an_error_naming_it(daemon: DaemonProcess, tmp_pa
     empty.write_text("\n  \n")
     with pytest.raises(InvalidRequest, match=f"token file {empty} is empty"):
         RendezvousClient(daemon.endpoint, "j", token_file=empty)
+
+
+@pytest.mark.parametrize(
+    ("source", "text"),
+    [
+        ("token=", "s3cret-é-token"),
+        ("token file", "\ufeffs3cret-token"),  # saved with a byte-order mark
+        ("$RENDEZVOUSD_TOKEN", "s3cret\ttoken"),
+    ],
+)
+def test_a_token_no_daemon_can_accept_is_refused_naming_its_source_not_it(
+    source: str, text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC cannot send it: every call failed INTERNAL "Invalid metadata", naming no token."""
+    options: dict[str, Any] = {}
+    if source == "token=":
+        options["token"] = text
+    elif source == "token file":
+        path = tmp_path / "token"
+        path.write_text(text + "\n", encoding="utf-8")
+        options["token_file"] = path
+    else:
+        monkeypatch.setenv("RENDEZVOUSD_TOKEN", text)
+    with pytest.raises(InvalidRequest) as refused:
+        RendezvousClient("127.0.0.1:1", "j", **options)
+    said = f"{refused.value} {refused.value!r}"
+    assert source in said and "rendezvousd token FILE" in said, said
+    assert "s3cret" not in said, said
