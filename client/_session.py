@@ -159,7 +159,9 @@ class Session:
 
     endpoint: str
     job_id: str
-    token: str
+    # Out of repr: a traceback showing its frames' locals (Sentry's, by default) would
+    # show every caller's session.
+    token: str = field(repr=False)
     retry: RetryPolicy
     call_timeout: float
     connect_timeout: float

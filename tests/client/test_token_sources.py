@@ -4,12 +4,15 @@ or the file holds none, before anything is sent."""
 
 from __future__ import annotations
 
+import secrets
+import socket
+import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rendezvousd.client import InvalidRequest, RendezvousClient
+from rendezvousd.client import InvalidRequest, RendezvousClient, RendezvousError
 from tests.support import DaemonProcess
 
 
@@ -79,3 +82,20 @@ def test_a_token_no_daemon_can_accept_is_refused_naming_its_source_not_it(
     said = f"{refused.value} {refused.value!r}"
     assert source in said and "rendezvousd token FILE" in said, said
     assert "s3cret" not in said, said
+
+
+def test_a_failed_call_s_traceback_with_its_locals_does_not_show_the_token() -> None:
+    """What error reporters (Sentry, by default) capture: every frame's locals, as repr;
+    the call core's frames hold the client's session."""
+    token = secrets.token_urlsafe(32)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        c = RendezvousClient(endpoint, "j", token=token, call_timeout=0.5, retry_attempts=0)
+        with c, pytest.raises(RendezvousError) as failed:
+            c.list_jobs()
+    shown = traceback.TracebackException.from_exception(failed.value, capture_locals=True)
+    frames = [f for f in shown.stack if f.filename != __file__]
+    assert frames, shown.stack
+    for frame in frames:
+        for name, value in (frame.locals or {}).items():
+            assert token not in value, f"{frame.name}: {name}"
