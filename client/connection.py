@@ -35,6 +35,8 @@ TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 
 # Safe to repeat: Join/PublishId by instance id, Barrier by sequence, sets overwrite.
+# Not KvDelete: repeated after its answer was lost, it answers deleted=False for the
+# key it deleted.
 IDEMPOTENT = frozenset(
     {
         "Join",
@@ -45,7 +47,6 @@ IDEMPOTENT = frozenset(
         "Barrier",
         "KvSet",
         "KvGet",
-        "KvDelete",
         "Heartbeat",
         "Leave",
         "AbortJob",
@@ -108,7 +109,7 @@ def service_config(channel_retries: int) -> str:
                     # Not idempotent (or a stream): wait for the daemon, but never re-send.
                     "name": [
                         {"service": SERVICE, "method": m}
-                        for m in ("KvAdd", "KvCompareAndSet", "Heartbeat")
+                        for m in ("KvAdd", "KvCompareAndSet", "KvDelete", "Heartbeat")
                     ],
                     "waitForReady": True,
                 },
