@@ -212,7 +212,7 @@ class Calls:
                     exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank
                 )
                 if error.reason == "DRAINING" or not s.retry.retryable(method, exc.code()):
-                    raise error from None
+                    raise s.unrepeated(method, attempt, error) from None
                 if attempt > s.retry.attempts:
                     raise s.exhausted(method, attempt, error) from None
             yield Sleep(s.retry.backoff(attempt))

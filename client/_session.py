@@ -20,7 +20,7 @@ from typing import Any, NotRequired, TypedDict, Unpack, get_origin, get_type_hin
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client.connection import RetryPolicy, TlsConfig, resolve_token
+from rendezvousd.client.connection import IDEMPOTENT, RetryPolicy, TlsConfig, resolve_token
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -544,6 +544,19 @@ class Session:
             error.message,
         )
 
+    def unrepeated(self, method: str, attempts: int, error: RendezvousError) -> RendezvousError:
+        """``error``, after ``attempts``, not retried: one of a call unsafe to repeat,
+        which the daemon may have applied before its answer was lost, says so."""
+        if isinstance(error, DaemonUnavailable):
+            error.attempts = attempts
+        if method not in IDEMPOTENT and not error.reason and error.code in _UNKNOWN_OUTCOME:
+            error.message = (
+                f"{error.message}; not repeated: the daemon may have applied it before its "
+                "answer was lost, so check its effect before making it again"
+            )
+            error.args = (error.message,)
+        return error
+
     def exhausted(self, method: str, attempts: int, last: RendezvousError) -> RendezvousError:
         if isinstance(last, (DaemonUnavailable, RendezvousTimeout)) and last.reason == "":
             rank = "" if last.rank is None else f", rank {last.rank}"
@@ -569,6 +582,9 @@ def page_request(
         job_id=job_id, generation=generation, rank=rank, instance_id=instance_id, start_rank=start
     )
 
+
+# A call failing with these may or may not have reached the daemon.
+_UNKNOWN_OUTCOME = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 _TRANSIENT_STREAM_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
