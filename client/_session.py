@@ -517,11 +517,11 @@ class Session:
     def leave_unconfirmed(self, request: pb.LeaveRequest, waited: float) -> None:
         """The goodbye on the stream was not confirmed in time: said, not raised."""
         log.warning(
-            "could not tell the daemon at %s that rank %d of job %r left: no answer "
+            "could not tell the daemon at %s that %s of job %r left: no answer "
             "within %g s to the goodbye on its heartbeat stream; the daemon may report "
             "it lost; the job's results are unaffected",
             self.endpoint,
-            request.rank,
+            _leaver(request),
             request.job_id,
             waited,
         )
@@ -533,13 +533,13 @@ class Session:
             endpoint=self.endpoint,
             method="Leave",
             job_id=request.job_id,
-            rank=request.rank,
+            rank=None if request.node else request.rank,
         )
         log.warning(
-            "could not tell the daemon at %s that rank %d of job %r left: %s; "
+            "could not tell the daemon at %s that %s of job %r left: %s; "
             "the job's results are unaffected",
             self.endpoint,
-            request.rank,
+            _leaver(request),
             request.job_id,
             error.message,
         )
@@ -581,6 +581,11 @@ def page_request(
     return pb.GetMembersRequest(
         job_id=job_id, generation=generation, rank=rank, instance_id=instance_id, start_rank=start
     )
+
+
+def _leaver(request: pb.LeaveRequest) -> str:
+    """Who a Leave is for: a node agent's names its node rank, not a rank."""
+    return f"node {request.rank}" if request.node else f"rank {request.rank}"
 
 
 # A call failing with these may or may not have reached the daemon.
