@@ -191,6 +191,8 @@ class Session:
         init=False, repr=False
     )
     leave_timeout: float = LEAVE_TIMEOUT_S
+    # Set by close(): every later call is refused (``closed_error``).
+    closed: bool = False
     # The live heartbeat stream's daemon takes the goodbye on it (its attach's ack
     # said so): leave() says it there, not by a Leave call.
     stream_leave: bool = False
@@ -329,6 +331,16 @@ class Session:
         self.node = from_join_node_response(response, fetch)
         self.held = self.instance_id
         return self.node
+
+    def closed_error(self) -> InvalidRequest:
+        """What a call on a closed client raises, from either client (gRPC's own
+        errors for a closed channel differ between them and name no job)."""
+        return InvalidRequest(
+            f"the client of job {self.job_id!r} at {self.endpoint} is closed: make a new "
+            "client to call the daemon again",
+            endpoint=self.endpoint,
+            job_id=self.job_id,
+        )
 
     def tls_refused(self, refusal: str) -> AuthenticationError:
         """The error for a plaintext client of a TLS daemon (``TlsProbe``'s words)."""

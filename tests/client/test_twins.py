@@ -306,6 +306,24 @@ def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
     )
 
 
+def closed_client_refuses_calls(w: World) -> object:
+    """Each client used to raise gRPC's own error for its closed channel: ValueError
+    from one, grpc.aio.UsageError from the other, naming no job."""
+    c = w.client()
+    c.list_jobs()
+    c.__getattr__("close")()  # the client, not its twin's loop (closed again at the end)
+    refused = []
+    for call in (
+        c.list_jobs,
+        lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5),
+    ):
+        with pytest.raises(RendezvousError) as info:
+            call()
+        refused.append((type(info.value).__name__, str(info.value).replace(w.job_id, "JOB")))
+    c.leave()  # nothing to leave: no error
+    return [(kind, text.replace(w.daemon.endpoint, "EP")) for kind, text in refused]
+
+
 def daemon_restart_is_survived(w: World) -> object:
     state = w.tmp / f"state-{w.kind}"
     port = free_port()
@@ -358,6 +376,17 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     ),
     "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check")),
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
+    "a closed client": (
+        closed_client_refuses_calls,
+        [
+            (
+                "InvalidRequest",
+                "the client of job 'JOB' at EP is closed: make a new client to call the "
+                "daemon again",
+            )
+        ]
+        * 2,
+    ),
     "a silent daemon's table": (
         silent_daemon_fails_a_table_fetch_alike,
         (
