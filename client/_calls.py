@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -467,7 +468,7 @@ class Calls:
         return response
 
 
-class ClientBase:
+class ClientBase(ABC):
     """What both clients answer without I/O: the session's state, and ``attach``."""
 
     def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
@@ -544,8 +545,9 @@ class ClientBase:
             StreamWatch(s, m, self._c.reconnect_window), s.heartbeat_interval(interval)
         )
 
+    @abstractmethod
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
-        raise NotImplementedError  # each client streams with its own I/O
+        """Start the heartbeat stream: each client with its own I/O."""
 
     def attach(self, membership: Membership, instance_id: str) -> None:
         """Act as ``membership``'s member (registered by a node agent's join_node) for
