@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._session import (
     SLACK_S,
+    UNKNOWN_OUTCOME,
     ClientOptions,
     JoinPlan,
     JoinRequest,
@@ -212,9 +213,12 @@ class Calls:
                 error = from_rpc_error(
                     exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank
                 )
-                if error.reason == "DRAINING" or not s.retry.retryable(method, exc.code()):
-                    raise s.unrepeated(method, attempt, error) from None
-                if attempt > s.retry.attempts:
+                retry = error.reason != "DRAINING" and s.retry.retryable(method, exc.code())
+                if not retry or attempt > s.retry.attempts:
+                    if not health and error.code in UNKNOWN_OUTCOME and not error.reason:
+                        yield from self.tls_mismatch()
+                    if not retry:
+                        raise s.unrepeated(method, attempt, error) from None
                     raise s.exhausted(method, attempt, error) from None
             yield Sleep(s.retry.backoff(attempt))
 
@@ -251,6 +255,14 @@ class Calls:
             # a third of a cold per-rank join (benchmarks/rendezvous_scale.py, cold).
             return
         yield from self.check_health()
+
+    def tls_mismatch(self) -> Steps[None]:
+        """After a call found no daemon: raise the TLS mismatch that kept its channel
+        from connecting, if that is why. A join asks first (``before_join``); a client
+        that never joins (attached, or only inspecting) would otherwise hear "is the
+        daemon running?" for a wrong CA, or a forgotten one, after every retry."""
+        if not (yield Reachable(0.0)):
+            yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
 
     def check_health(self) -> Steps[None]:
         """Fail fast, with one clear error, when the daemon is down or draining: a

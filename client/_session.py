@@ -561,7 +561,7 @@ class Session:
         which the daemon may have applied before its answer was lost, says so."""
         if isinstance(error, DaemonUnavailable):
             error.attempts = attempts
-        if method not in IDEMPOTENT and not error.reason and error.code in _UNKNOWN_OUTCOME:
+        if method not in IDEMPOTENT and not error.reason and error.code in UNKNOWN_OUTCOME:
             error.message = (
                 f"{error.message}; not repeated: the daemon may have applied it before its "
                 "answer was lost, so check its effect before making it again"
@@ -601,7 +601,7 @@ def _leaver(request: pb.LeaveRequest) -> str:
 
 
 # A call failing with these may or may not have reached the daemon.
-_UNKNOWN_OUTCOME = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+UNKNOWN_OUTCOME = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 _TRANSIENT_STREAM_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}

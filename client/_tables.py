@@ -9,10 +9,11 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._calls import Calls, Rpc, Run, Sleep
+from rendezvousd.client._calls import Blocking, Calls, Rpc, Run, Sleep
 
 
 class BlockingMembers:
@@ -27,13 +28,18 @@ class BlockingMembers:
             if self._channel is None:
                 self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
             stub = pb_grpc.RendezvousStub(self._channel)
+            health = health_pb2_grpc.HealthStub(self._channel)
         run = Run(self._c.call("GetMembers", request))
-        for step in run:  # Rpc, or the Sleep before a retry
+        for step in run:  # the call's, its retries' and, should it fail, the TLS probe's
             try:
                 if isinstance(step, Rpc):
-                    run.answer = step.invoke(stub, None, self._s.metadata)
+                    run.answer = step.invoke(stub, health, self._s.metadata)
                 elif isinstance(step, Sleep):
                     time.sleep(step.seconds)
+                elif isinstance(step, Blocking):
+                    run.answer = step.work()
+                else:  # Reachable: not asked; a failed fetch then probes for TLS (seconds)
+                    run.answer = False
             except grpc.RpcError as exc:
                 run.error = exc
         response: pb.GetMembersResponse = run.value

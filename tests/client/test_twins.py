@@ -278,6 +278,15 @@ def plaintext_client_of_a_tls_daemon_is_refused(w: World) -> object:
     return first, again
 
 
+def plaintext_client_that_never_joins_hears_tls(w: World) -> object:
+    """Only a join asked first why the channel does not connect: an attached worker
+    or an inspecting client heard "is the daemon running?" after every retry."""
+    d = w.start_daemon("--tls-cert", str(w.pki.server), "--tls-key", str(w.pki.server_key))
+    c = w.client(d, call_timeout=1, connect_timeout=1)
+    c.attach(Membership(w.job_id, 1, 0, 1, 1, 0, ID0), "instance")
+    return error_of(c.list_jobs), error_of(lambda: c.kv_add("n"))
+
+
 def daemon_down_is_unavailable(w: World) -> object:
     port = free_port()
     c = Twin(w.kind, f"127.0.0.1:{port}", w.job_id, token="t", connect_timeout=1)
@@ -372,6 +381,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     ),
     "tls refusal": (
         plaintext_client_of_a_tls_daemon_is_refused,
+        (("AuthenticationError", ""), ("AuthenticationError", "")),
+    ),
+    "tls refusal without a join": (
+        plaintext_client_that_never_joins_hears_tls,
         (("AuthenticationError", ""), ("AuthenticationError", "")),
     ),
     "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check")),
