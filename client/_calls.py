@@ -33,6 +33,7 @@ from rendezvousd.client._session import (
     Session,
     StreamWatch,
     check_keywords,
+    check_wait,
     page_request,
 )
 from rendezvousd.client.connection import (
@@ -390,6 +391,7 @@ class Calls:
         yield from self.call("ReportFailure", self.s.report_request(local_rank, cause))
 
     def barrier(self, name: str, timeout: float | None) -> Steps[None]:
+        check_wait("barrier", "timeout", timeout)
         wait = timeout or self.s.call_timeout
         request = self.s.barrier_request(name, wait)
         try:
@@ -443,6 +445,7 @@ class Calls:
         yield from self.call("KvSet", pb.KvSetRequest(key=key, value=value, **self.s.scope()))
 
     def kv_get(self, key: str, wait: bool, timeout: float | None) -> Steps[bytes]:
+        check_wait("kv_get", "timeout", timeout)
         limit = timeout or self.s.call_timeout
         request = pb.KvGetRequest(
             key=key, wait=wait, wait_timeout_ms=int(limit * 1000), **self.s.scope()

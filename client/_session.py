@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, Unpack, get_origin, get_type_hints
+from typing import Any, NotRequired, TypedDict, Unpack, get_args, get_origin, get_type_hints
 
 import grpc
 
@@ -132,6 +132,39 @@ def check_keywords(call: str, declared: Any, given: Mapping[str, object]) -> Non
         raise TypeError(
             f"{call}() missing required keyword argument(s) {', '.join(map(repr, missing))}"
         )
+    nullable = _nullable(declared)
+    for key in sorted(WAITS & set(given)):
+        check_wait(call, key, given[key], none_ok=key in nullable)
+
+
+# The keywords that are seconds to wait.
+WAITS = frozenset(
+    {"timeout", "call_timeout", "connect_timeout", "leave_timeout", "last_call", "reconnect_window"}
+)
+# The longest wait the SDK sends: its milliseconds, and those of its call's deadline,
+# fit the protocol's 32-bit fields.
+MAX_WAIT_S = 30 * 24 * 3600.0
+
+
+def check_wait(call: str, name: str, seconds: object, *, none_ok: bool = True) -> None:
+    """Refuse a wait no call could carry: one not in seconds, beyond ``MAX_WAIT_S``
+    (infinite), or None where that is no default (no deadline: a hang)."""
+    if seconds is None and none_ok:
+        return
+    number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    if number and 0 <= seconds <= MAX_WAIT_S:  # type: ignore[operator]
+        return
+    raise InvalidRequest(
+        f"{call}() {name}={seconds!r} is not a wait the SDK can send: give seconds from 0 "
+        f"to {MAX_WAIT_S:.0f} (30 days)" + (", or None for the default" if none_ok else "")
+    )
+
+
+@functools.cache
+def _nullable(declared: Any) -> frozenset[str]:
+    """The keys of a TypedDict that may be None."""
+    hints = get_type_hints(declared)
+    return frozenset(k for k, hint in hints.items() if type(None) in get_args(hint))
 
 
 class ClientOptions(TypedDict, total=False):
