@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
@@ -160,8 +161,7 @@ class _Stream:
     def close(self) -> None:
         self.closing = True
         self.retire()
-        if self._call is not None:
-            self._call.cancel()
+        self._call.cancel()
 
 
 class _BlockingStream(_Stream):
@@ -244,7 +244,7 @@ def settle(stream: Any, reply: pb.Reply) -> None:
 S = TypeVar("S", bound=_Stream)
 
 
-class _CallStreams(Generic[S]):
+class _CallStreams(ABC, Generic[S]):
     """What both twins' call streams decide alike: the stream a call goes on (opened on
     first use and again after it broke, or none: unary calls), and what they count."""
 
@@ -262,13 +262,14 @@ class _CallStreams(Generic[S]):
         self.opened = 0
         self.sent: Counter[str] = Counter()
 
+    @abstractmethod
     def _new_stream(self) -> S:
         """A new stream on the channel; the twin's own error once the client closed."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def _reading(stream: S) -> bool:
-        raise NotImplementedError
+        """Whether ``stream``'s reader still runs."""
 
     def open(self) -> S | None:
         """The live stream, opened now if there is none; None for a daemon without it.

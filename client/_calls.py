@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._session import (
     SLACK_S,
+    UNKNOWN_OUTCOME,
     ClientOptions,
     JoinPlan,
     JoinRequest,
@@ -31,6 +33,7 @@ from rendezvousd.client._session import (
     Session,
     StreamWatch,
     check_keywords,
+    check_wait,
     page_request,
 )
 from rendezvousd.client.connection import (
@@ -211,9 +214,12 @@ class Calls:
                 error = from_rpc_error(
                     exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank
                 )
-                if error.reason == "DRAINING" or not s.retry.retryable(method, exc.code()):
-                    raise error from None
-                if attempt > s.retry.attempts:
+                retry = error.reason != "DRAINING" and s.retry.retryable(method, exc.code())
+                if not retry or attempt > s.retry.attempts:
+                    if not health and error.code in UNKNOWN_OUTCOME and not error.reason:
+                        yield from self.tls_mismatch()
+                    if not retry:
+                        raise s.unrepeated(method, attempt, error) from None
                     raise s.exhausted(method, attempt, error) from None
             yield Sleep(s.retry.backoff(attempt))
 
@@ -250,6 +256,14 @@ class Calls:
             # a third of a cold per-rank join (benchmarks/rendezvous_scale.py, cold).
             return
         yield from self.check_health()
+
+    def tls_mismatch(self) -> Steps[None]:
+        """After a call found no daemon: raise the TLS mismatch that kept its channel
+        from connecting, if that is why. A join asks first (``before_join``); a client
+        that never joins (attached, or only inspecting) would otherwise hear "is the
+        daemon running?" for a wrong CA, or a forgotten one, after every retry."""
+        if not (yield Reachable(0.0)):
+            yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
 
     def check_health(self) -> Steps[None]:
         """Fail fast, with one clear error, when the daemon is down or draining: a
@@ -377,6 +391,7 @@ class Calls:
         yield from self.call("ReportFailure", self.s.report_request(local_rank, cause))
 
     def barrier(self, name: str, timeout: float | None) -> Steps[None]:
+        check_wait("barrier", "timeout", timeout)
         wait = timeout or self.s.call_timeout
         request = self.s.barrier_request(name, wait)
         try:
@@ -430,6 +445,7 @@ class Calls:
         yield from self.call("KvSet", pb.KvSetRequest(key=key, value=value, **self.s.scope()))
 
     def kv_get(self, key: str, wait: bool, timeout: float | None) -> Steps[bytes]:
+        check_wait("kv_get", "timeout", timeout)
         limit = timeout or self.s.call_timeout
         request = pb.KvGetRequest(
             key=key, wait=wait, wait_timeout_ms=int(limit * 1000), **self.s.scope()
@@ -467,7 +483,7 @@ class Calls:
         return response
 
 
-class ClientBase:
+class ClientBase(ABC):
     """What both clients answer without I/O: the session's state, and ``attach``."""
 
     def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
@@ -544,8 +560,9 @@ class ClientBase:
             StreamWatch(s, m, self._c.reconnect_window), s.heartbeat_interval(interval)
         )
 
+    @abstractmethod
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
-        raise NotImplementedError  # each client streams with its own I/O
+        """Start the heartbeat stream: each client with its own I/O."""
 
     def attach(self, membership: Membership, instance_id: str) -> None:
         """Act as ``membership``'s member (registered by a node agent's join_node) for

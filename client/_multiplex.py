@@ -72,10 +72,7 @@ def status_error(status_bytes: bytes) -> grpc.RpcError:
 
 def copy_error(exc: grpc.RpcError) -> grpc.RpcError:
     """The stream's own failure, as each call in flight on it sees it: its status."""
-    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else ()
-    return rpc_error(code, details or "", tuple(trailing or ()))
+    return rpc_error(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
 
 
 def deadline_error() -> grpc.RpcError:

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, Unpack, get_origin, get_type_hints
+from typing import Any, NotRequired, TypedDict, Unpack, get_args, get_origin, get_type_hints
 
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client.connection import RetryPolicy, TlsConfig, resolve_token
+from rendezvousd.client.connection import IDEMPOTENT, RetryPolicy, TlsConfig, resolve_token
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -132,6 +132,39 @@ def check_keywords(call: str, declared: Any, given: Mapping[str, object]) -> Non
         raise TypeError(
             f"{call}() missing required keyword argument(s) {', '.join(map(repr, missing))}"
         )
+    nullable = _nullable(declared)
+    for key in sorted(WAITS & set(given)):
+        check_wait(call, key, given[key], none_ok=key in nullable)
+
+
+# The keywords that are seconds to wait.
+WAITS = frozenset(
+    {"timeout", "call_timeout", "connect_timeout", "leave_timeout", "last_call", "reconnect_window"}
+)
+# The longest wait the SDK sends: its milliseconds, and those of its call's deadline,
+# fit the protocol's 32-bit fields.
+MAX_WAIT_S = 30 * 24 * 3600.0
+
+
+def check_wait(call: str, name: str, seconds: object, *, none_ok: bool = True) -> None:
+    """Refuse a wait no call could carry: one not in seconds, beyond ``MAX_WAIT_S``
+    (infinite), or None where that is no default (no deadline: a hang)."""
+    if seconds is None and none_ok:
+        return
+    number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    if number and 0 <= seconds <= MAX_WAIT_S:  # type: ignore[operator]
+        return
+    raise InvalidRequest(
+        f"{call}() {name}={seconds!r} is not a wait the SDK can send: give seconds from 0 "
+        f"to {MAX_WAIT_S:.0f} (30 days)" + (", or None for the default" if none_ok else "")
+    )
+
+
+@functools.cache
+def _nullable(declared: Any) -> frozenset[str]:
+    """The keys of a TypedDict that may be None."""
+    hints = get_type_hints(declared)
+    return frozenset(k for k, hint in hints.items() if type(None) in get_args(hint))
 
 
 class ClientOptions(TypedDict, total=False):
@@ -159,7 +192,9 @@ class Session:
 
     endpoint: str
     job_id: str
-    token: str
+    # Out of repr: a traceback showing its frames' locals (Sentry's, by default) would
+    # show every caller's session.
+    token: str = field(repr=False)
     retry: RetryPolicy
     call_timeout: float
     connect_timeout: float
@@ -183,9 +218,14 @@ class Session:
     # The last report_progress, sent with every beat (None: never reported).
     progress: pb.Progress | None = None
     on_nodes_waiting: Callable[[int], None] | None = None
-    # Makes one GetMembers call (blocking): how a slim join's table is fetched.
-    get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] | None = None
+    # Makes one GetMembers call (blocking): how a slim join's table is fetched. Set by
+    # the client owning the session, before any join.
+    get_members: Callable[[pb.GetMembersRequest], pb.GetMembersResponse] = field(
+        init=False, repr=False
+    )
     leave_timeout: float = LEAVE_TIMEOUT_S
+    # Set by close(): every later call is refused (``closed_error``).
+    closed: bool = False
     # The live heartbeat stream's daemon takes the goodbye on it (its attach's ack
     # said so): leave() says it there, not by a Leave call.
     stream_leave: bool = False
@@ -259,11 +299,9 @@ class Session:
 
     def page_fetcher(
         self, job_id: str, generation: int, rank: int, instance_id: str
-    ) -> Callable[[int], pb.GetMembersResponse] | None:
+    ) -> Callable[[int], pb.GetMembersResponse]:
         """``start_rank -> page`` of a generation's table, asked as member ``rank``."""
         call = self.get_members
-        if call is None:
-            return None
 
         def fetch(start: int) -> pb.GetMembersResponse:
             return call(page_request(job_id, generation, rank, instance_id, start))
@@ -319,12 +357,23 @@ class Session:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
         first = response.node_rank * response.gpus_per_node
         ids = response.member_instance_ids
-        fetch = (
-            self.page_fetcher(response.job_id, response.generation, first, ids[0]) if ids else None
+        # A table is only ever fetched after a slim answer, which names every member.
+        fetch = self.page_fetcher(
+            response.job_id, response.generation, first, ids[0] if ids else ""
         )
         self.node = from_join_node_response(response, fetch)
         self.held = self.instance_id
         return self.node
+
+    def closed_error(self) -> InvalidRequest:
+        """What a call on a closed client raises, from either client (gRPC's own
+        errors for a closed channel differ between them and name no job)."""
+        return InvalidRequest(
+            f"the client of job {self.job_id!r} at {self.endpoint} is closed: make a new "
+            "client to call the daemon again",
+            endpoint=self.endpoint,
+            job_id=self.job_id,
+        )
 
     def tls_refused(self, refusal: str) -> AuthenticationError:
         """The error for a plaintext client of a TLS daemon (``TlsProbe``'s words)."""
@@ -370,9 +419,8 @@ class Session:
             fetch = self.page_fetcher(
                 membership.job_id, membership.generation, membership.rank, instance_id
             )
-            if fetch is not None:
-                table = LazyTable(fetch, membership.world_size)
-                membership = dataclasses.replace(membership, _table=table)
+            table = LazyTable(fetch, membership.world_size)
+            membership = dataclasses.replace(membership, _table=table)
         self.joined = membership
 
     def plan_join(self, **r: Unpack[JoinRequest]) -> JoinPlan:
@@ -514,11 +562,11 @@ class Session:
     def leave_unconfirmed(self, request: pb.LeaveRequest, waited: float) -> None:
         """The goodbye on the stream was not confirmed in time: said, not raised."""
         log.warning(
-            "could not tell the daemon at %s that rank %d of job %r left: no answer "
+            "could not tell the daemon at %s that %s of job %r left: no answer "
             "within %g s to the goodbye on its heartbeat stream; the daemon may report "
             "it lost; the job's results are unaffected",
             self.endpoint,
-            request.rank,
+            _leaver(request),
             request.job_id,
             waited,
         )
@@ -530,22 +578,36 @@ class Session:
             endpoint=self.endpoint,
             method="Leave",
             job_id=request.job_id,
-            rank=request.rank,
+            rank=None if request.node else request.rank,
         )
         log.warning(
-            "could not tell the daemon at %s that rank %d of job %r left: %s; "
+            "could not tell the daemon at %s that %s of job %r left: %s; "
             "the job's results are unaffected",
             self.endpoint,
-            request.rank,
+            _leaver(request),
             request.job_id,
             error.message,
         )
 
+    def unrepeated(self, method: str, attempts: int, error: RendezvousError) -> RendezvousError:
+        """``error``, after ``attempts``, not retried: one of a call unsafe to repeat,
+        which the daemon may have applied before its answer was lost, says so."""
+        if isinstance(error, DaemonUnavailable):
+            error.attempts = attempts
+        if method not in IDEMPOTENT and not error.reason and error.code in UNKNOWN_OUTCOME:
+            error.message = (
+                f"{error.message}; not repeated: the daemon may have applied it before its "
+                "answer was lost, so check its effect before making it again"
+            )
+            error.args = (error.message,)
+        return error
+
     def exhausted(self, method: str, attempts: int, last: RendezvousError) -> RendezvousError:
         if isinstance(last, (DaemonUnavailable, RendezvousTimeout)) and last.reason == "":
+            rank = "" if last.rank is None else f", rank {last.rank}"
             return DaemonUnavailable(
-                f"{method} to rendezvousd at {self.endpoint} (job {self.job_id!r}) failed after "
-                f"{attempts} attempt{'s' if attempts > 1 else ''}: {last.code or 'no answer'}; "
+                f"{method} to rendezvousd at {self.endpoint} (job {self.job_id!r}{rank}) failed "
+                f"after {attempts} attempt{'s' if attempts > 1 else ''}: {last.code or 'no answer'}; "
                 "is the daemon running and reachable?",
                 attempts=attempts,
                 code=last.code,
@@ -565,6 +627,14 @@ def page_request(
         job_id=job_id, generation=generation, rank=rank, instance_id=instance_id, start_rank=start
     )
 
+
+def _leaver(request: pb.LeaveRequest) -> str:
+    """Who a Leave is for: a node agent's names its node rank, not a rank."""
+    return f"node {request.rank}" if request.node else f"rank {request.rank}"
+
+
+# A call failing with these may or may not have reached the daemon.
+UNKNOWN_OUTCOME = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 _TRANSIENT_STREAM_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}

@@ -1,17 +1,19 @@
 """GetMembers over a blocking channel of its own, for the fetches ``Membership.members``
 makes when the client's channel cannot serve them: the asyncio client's (a plain
-property cannot await), or a sync client already closed."""
+property cannot await), or a sync client already closed. With the call core's retry
+policy and errors, so that a fetch fails alike whichever client makes it."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._calls import Calls
-from rendezvousd.client.errors import from_rpc_error
+from rendezvousd.client._calls import Blocking, Calls, Rpc, Run, Sleep
 
 
 class BlockingMembers:
@@ -26,19 +28,22 @@ class BlockingMembers:
             if self._channel is None:
                 self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
             stub = pb_grpc.RendezvousStub(self._channel)
-        try:
-            response: pb.GetMembersResponse = stub.GetMembers(
-                request, timeout=self._s.call_timeout, metadata=self._s.metadata
-            )
-            return response
-        except grpc.RpcError as exc:
-            raise from_rpc_error(
-                exc,
-                endpoint=self._s.endpoint,
-                method="GetMembers",
-                job_id=request.job_id,
-                rank=request.rank,
-            ) from None
+            health = health_pb2_grpc.HealthStub(self._channel)
+        run = Run(self._c.call("GetMembers", request))
+        for step in run:  # the call's, its retries' and, should it fail, the TLS probe's
+            try:
+                if isinstance(step, Rpc):
+                    run.answer = step.invoke(stub, health, self._s.metadata)
+                elif isinstance(step, Sleep):
+                    time.sleep(step.seconds)
+                elif isinstance(step, Blocking):
+                    run.answer = step.work()
+                else:  # Reachable: not asked; a failed fetch then probes for TLS (seconds)
+                    run.answer = False
+            except grpc.RpcError as exc:
+                run.error = exc
+        response: pb.GetMembersResponse = run.value
+        return response
 
     def close(self) -> None:
         with self._lock:

@@ -100,6 +100,8 @@ class AsyncRendezvousClient(steps.ClientBase):
         return run.value
 
     async def _perform(self, step: steps.Step) -> Any:
+        if self._s.closed:
+            raise self._s.closed_error()
         if isinstance(step, steps.Rpc):
             if self._mux is not None and step.streamable:
                 with contextlib.suppress(Unsupported):  # an older daemon, a full stream
@@ -357,6 +359,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         return await self._run(self._c.fetch_members())
 
     async def close(self) -> None:
+        self._s.closed = True
         await self._stop_heartbeat()
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:

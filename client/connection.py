@@ -35,6 +35,8 @@ TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 
 # Safe to repeat: Join/PublishId by instance id, Barrier by sequence, sets overwrite.
+# Not KvDelete: repeated after its answer was lost, it answers deleted=False for the
+# key it deleted.
 IDEMPOTENT = frozenset(
     {
         "Join",
@@ -45,7 +47,6 @@ IDEMPOTENT = frozenset(
         "Barrier",
         "KvSet",
         "KvGet",
-        "KvDelete",
         "Heartbeat",
         "Leave",
         "AbortJob",
@@ -108,7 +109,7 @@ def service_config(channel_retries: int) -> str:
                     # Not idempotent (or a stream): wait for the daemon, but never re-send.
                     "name": [
                         {"service": SERVICE, "method": m}
-                        for m in ("KvAdd", "KvCompareAndSet", "Heartbeat")
+                        for m in ("KvAdd", "KvCompareAndSet", "KvDelete", "Heartbeat")
                     ],
                     "waitForReady": True,
                 },
@@ -153,7 +154,7 @@ class TlsConfig:
 
 def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     if token:
-        return token.strip()
+        return _sendable(token.strip(), "token=")
     path = token_file or os.environ.get(TOKEN_FILE_ENV)
     if path:
         try:
@@ -161,13 +162,25 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
         except OSError as exc:
             raise InvalidRequest(f"cannot read token file {path}: {exc.strerror}") from exc
         if lines:
-            return lines[0]
+            return _sendable(lines[0], f"token file {path}")
         raise InvalidRequest(f"token file {path} is empty")
     env = os.environ.get(TOKEN_ENV, "").strip()
     if env:
-        return env
+        return _sendable(env, f"${TOKEN_ENV}")
     raise InvalidRequest(
         f"no rendezvous token: pass token= or token_file=, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
+    )
+
+
+def _sendable(token: str, origin: str) -> str:
+    """``token``, refused now if no daemon could accept it: gRPC cannot send it in a
+    header (every call would fail INTERNAL "Invalid metadata"), or daemons refuse it."""
+    if token.isascii() and token.isprintable() and not any(c.isspace() for c in token):
+        return token
+    raise InvalidRequest(
+        f"the token from {origin} has spaces, control or non-ASCII characters (a "
+        "byte-order mark, a pasted quote?), which no daemon accepts; give the token as "
+        "the one line `rendezvousd token FILE` wrote"
     )
 
 

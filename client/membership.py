@@ -165,16 +165,16 @@ class NodeMembership(Seat):
 
 def _table_of(
     response: pb.JoinResponse | pb.JoinNodeResponse,
-    fetch_page: Callable[[int], pb.GetMembersResponse] | None,
+    fetch_page: Callable[[int], pb.GetMembersResponse],
 ) -> Any:
-    if response.members or fetch_page is None or not response.table_digest:
-        return response.members  # an older daemon, or an SDK call without a fetcher
+    if response.members or not response.table_digest:
+        return response.members  # an older daemon
     return LazyTable(fetch_page, response.world_size, response.table_digest)
 
 
 def from_join_node_response(
     response: pb.JoinNodeResponse,
-    fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
+    fetch_page: Callable[[int], pb.GetMembersResponse],
 ) -> NodeMembership:
     return NodeMembership(
         response.job_id,
@@ -193,7 +193,7 @@ def from_join_node_response(
 def from_join_response(
     response: pb.JoinResponse,
     gpus_per_node: int,
-    fetch_page: Callable[[int], pb.GetMembersResponse] | None = None,
+    fetch_page: Callable[[int], pb.GetMembersResponse],
 ) -> Membership:
     """The ``Membership`` a JoinResponse (or PublishId's) to a join of ``gpus_per_node``
     ranks a node describes; after a slim answer ``fetch_page(start_rank)`` serves its

@@ -108,10 +108,9 @@ class RendezvousClient(steps.ClientBase):
             # hook runs before ours) would have taken out of close()'s reach.
             weakref.finalize(self, self._mux.abandon).atexit = False
         # After close() the table of a slim join is still readable: over a channel of its own.
-        self._closed = False
         self._after_close = BlockingMembers(self._c)
         self._s.get_members = lambda request: (
-            self._after_close(request) if self._closed else self._call("GetMembers", request)
+            self._after_close(request) if self._s.closed else self._call("GetMembers", request)
         )
         self._hb_thread: threading.Thread | None = None
         self._hb_watchdog: threading.Thread | None = None
@@ -163,6 +162,8 @@ class RendezvousClient(steps.ClientBase):
         return self._run(self._c.call(method, request))
 
     def _perform(self, step: steps.Step) -> Any:
+        if self._s.closed:
+            raise self._s.closed_error()
         if isinstance(step, steps.Rpc):
             if self._mux is not None and step.streamable:
                 with contextlib.suppress(Unsupported):  # an older daemon, a full stream
@@ -463,7 +464,7 @@ class RendezvousClient(steps.ClientBase):
         _open.discard(self)
         self._stop_heartbeat()
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
-        self._closed = True
+        self._s.closed = True
         if self._mux is not None:
             self._mux.close()
         self._channel.close()

@@ -6,12 +6,19 @@ interpreter, so without the SDK's check a misspelt option was dropped silently a
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rendezvousd.client import AsyncRendezvousClient, FileRendezvous, RendezvousClient
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    FileRendezvous,
+    InvalidRequest,
+    RendezvousClient,
+)
 
 # Nothing listens there: each check must refuse before any call is made.
 ENDPOINT = "127.0.0.1:9"
@@ -63,3 +70,49 @@ def test_the_optional_keywords_are_not_required() -> None:
     with client, pytest.raises(Exception) as raised:
         client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=0.5)
     assert not isinstance(raised.value, TypeError), raised.value
+
+
+@pytest.mark.parametrize(
+    ("call", "keyword"),
+    [
+        (lambda: RendezvousClient(ENDPOINT, "j", token="t", call_timeout=None), "call_timeout"),
+        (lambda: RendezvousClient(ENDPOINT, "j", token="t", connect_timeout=-1), "connect_timeout"),
+        (
+            lambda: AsyncRendezvousClient(ENDPOINT, "j", token="t", leave_timeout=math.inf),
+            "leave_timeout",
+        ),
+        (
+            lambda: _client().join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=1e9),
+            "timeout",
+        ),
+        (
+            lambda: _client().join_node(
+                min_nodes=1, max_nodes=1, gpus_per_node=1, last_call=math.nan
+            ),
+            "last_call",
+        ),
+        (lambda: _client().barrier("b", timeout=math.inf), "timeout"),
+        (lambda: _client().kv_get("k", timeout=-1), "timeout"),
+    ],
+)
+def test_a_wait_no_call_can_carry_is_refused_naming_it(call: Any, keyword: str) -> None:
+    """None as call_timeout made calls without a deadline (a hang on a silent daemon);
+    an infinite, huge or negative wait failed with a bare OverflowError/ValueError from
+    deep inside, naming nothing."""
+    with pytest.raises(InvalidRequest, match=rf"\(\) {keyword}=.* is not a wait"):
+        call()
+
+
+_made: list[RendezvousClient] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_made() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().close()
+
+
+def _client() -> RendezvousClient:
+    _made.append(RendezvousClient(ENDPOINT, "j", token="t", connect_timeout=0.1))
+    return _made[-1]

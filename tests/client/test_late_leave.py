@@ -234,3 +234,33 @@ def test_leave_from_on_failure_on_the_heartbeat_thread_returns(
     finally:
         survivor.close()
         victim.close()
+
+
+def test_a_node_agent_s_unanswered_leave_names_its_node_not_a_rank(
+    paused_daemon: DaemonProcess, job_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node 1 holds ranks 2 and 3: its warning said "rank 1 of job"."""
+    d = paused_daemon
+    agents = [
+        RendezvousClient(d.endpoint, job_id, token=d.token, leave_timeout=LEAVE_TIMEOUT_S)
+        for _ in range(2)
+    ]
+    try:
+        parallel(
+            [
+                lambda a=a, n=n: a.join_node(
+                    min_nodes=2, max_nodes=2, gpus_per_node=2, node_rank=n, timeout=20
+                )
+                for n, a in enumerate(agents)
+            ]
+        )
+        d.proc.send_signal(signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING, logger="rendezvousd.client"):
+            agents[1].leave()  # no heartbeat stream: a Leave call, unanswered
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert f"node 1 of job {job_id!r} left" in warning, warning
+        assert "rank 1" not in warning, warning
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        for a in agents:
+            a.close()

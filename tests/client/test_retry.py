@@ -3,6 +3,7 @@ transient failure, exactly one attempt on a permanent one."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -12,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.client import DaemonUnavailable, RendezvousClient, TopologyMismatch
+from rendezvousd.client import (
+    DaemonUnavailable,
+    KeyNotFound,
+    RendezvousClient,
+    TopologyMismatch,
+)
 from tests.support import DaemonProcess, free_port, members, spawn_daemon, wait_for, write_token
 
 
@@ -104,3 +110,98 @@ def test_permanent_error_is_tried_exactly_once(
     assert _count(d.metrics_url, "Join", "FAILED_PRECONDITION") == 2
     t.join(15)
     holder.close()
+
+
+class _CuttingProxy:
+    """TCP to a daemon, forwarded; after ``hold()`` the daemon's bytes are dropped, and
+    ``cut()`` closes every connection so far: a call that reached the daemon loses
+    its answer (as when the daemon or the network goes right after it applied)."""
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._held = False
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        host, port = self._target.rsplit(":", 1)
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._server.accept()
+                daemon = socket.create_connection((host, int(port)))
+                with self._lock:
+                    self._sockets += [client, daemon]
+                for src, dst, answers in ((client, daemon, False), (daemon, client, True)):
+                    pump = threading.Thread(target=self._pump, args=(src, dst, answers))
+                    pump.daemon = True
+                    pump.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if not (answers and self._held):
+                    dst.sendall(data)
+
+    def hold(self) -> None:
+        self._held = True
+
+    def cut(self) -> None:
+        with self._lock:
+            sockets, self._sockets, self._held = self._sockets, [], False
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self._server.close()
+        self.cut()
+
+
+@pytest.mark.parametrize("call_stream", [True, False])
+def test_a_delete_whose_answer_was_lost_is_not_repeated_into_another_answer(
+    daemon: DaemonProcess, job_id: str, call_stream: bool
+) -> None:
+    """Repeated, it answered deleted=False for the key it had deleted itself."""
+    proxy = _CuttingProxy(daemon.endpoint)
+    c = RendezvousClient(proxy.endpoint, job_id, token=daemon.token, call_stream=call_stream)
+    watcher = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    try:
+        c.connect()
+        m = c.join(num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, timeout=10)
+        watcher.attach(m, c._s.instance_id)
+        c.kv_set("k", b"v")
+        proxy.hold()
+        outcome: list[object] = []
+
+        def delete() -> None:
+            try:
+                outcome.append(c.kv_delete("k"))
+            except DaemonUnavailable as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=delete)
+        t.start()
+
+        def deleted() -> bool:
+            try:
+                watcher.kv_get("k", wait=False)
+            except KeyNotFound:
+                return True
+            return False
+
+        wait_for("the daemon to delete the key", deleted)
+        proxy.cut()
+        t.join(30)
+        (got,) = outcome
+        assert isinstance(got, DaemonUnavailable), got
+        # Loud about what is unknown: whether the daemon applied it.
+        assert "KvDelete" in str(got) and "may have applied it" in str(got), got
+        assert got.attempts == 1
+    finally:
+        c.close()
+        watcher.close()
+        proxy.close()

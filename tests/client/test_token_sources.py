@@ -4,11 +4,15 @@ or the file holds none, before anything is sent."""
 
 from __future__ import annotations
 
+import secrets
+import socket
+import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from rendezvousd.client import InvalidRequest, RendezvousClient
+from rendezvousd.client import InvalidRequest, RendezvousClient, RendezvousError
 from tests.support import DaemonProcess
 
 
@@ -50,3 +54,48 @@ def test_an_empty_token_file_is_an_error_naming_it(daemon: DaemonProcess, tmp_pa
     empty.write_text("\n  \n")
     with pytest.raises(InvalidRequest, match=f"token file {empty} is empty"):
         RendezvousClient(daemon.endpoint, "j", token_file=empty)
+
+
+@pytest.mark.parametrize(
+    ("source", "text"),
+    [
+        ("token=", "s3cret-é-token"),
+        ("token file", "\ufeffs3cret-token"),  # saved with a byte-order mark
+        ("$RENDEZVOUSD_TOKEN", "s3cret\ttoken"),
+    ],
+)
+def test_a_token_no_daemon_can_accept_is_refused_naming_its_source_not_it(
+    source: str, text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC cannot send it: every call failed INTERNAL "Invalid metadata", naming no token."""
+    options: dict[str, Any] = {}
+    if source == "token=":
+        options["token"] = text
+    elif source == "token file":
+        path = tmp_path / "token"
+        path.write_text(text + "\n", encoding="utf-8")
+        options["token_file"] = path
+    else:
+        monkeypatch.setenv("RENDEZVOUSD_TOKEN", text)
+    with pytest.raises(InvalidRequest) as refused:
+        RendezvousClient("127.0.0.1:1", "j", **options)
+    said = f"{refused.value} {refused.value!r}"
+    assert source in said and "rendezvousd token FILE" in said, said
+    assert "s3cret" not in said, said
+
+
+def test_a_failed_call_s_traceback_with_its_locals_does_not_show_the_token() -> None:
+    """What error reporters (Sentry, by default) capture: every frame's locals, as repr;
+    the call core's frames hold the client's session."""
+    token = secrets.token_urlsafe(32)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        c = RendezvousClient(endpoint, "j", token=token, call_timeout=0.5, retry_attempts=0)
+        with c, pytest.raises(RendezvousError) as failed:
+            c.list_jobs()
+    shown = traceback.TracebackException.from_exception(failed.value, capture_locals=True)
+    frames = [f for f in shown.stack if f.filename != __file__]
+    assert frames, shown.stack
+    for frame in frames:
+        for name, value in (frame.locals or {}).items():
+            assert token not in value, f"{frame.name}: {name}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousError,
 )
+from rendezvousd.client.membership import Membership
 from tests.support import DaemonProcess, Pki, free_port, parallel, wait_for
 
 # "aio-uvloop": the asyncio client on uvloop's loop, as in an application that runs on
@@ -276,6 +278,15 @@ def plaintext_client_of_a_tls_daemon_is_refused(w: World) -> object:
     return first, again
 
 
+def plaintext_client_that_never_joins_hears_tls(w: World) -> object:
+    """Only a join asked first why the channel does not connect: an attached worker
+    or an inspecting client heard "is the daemon running?" after every retry."""
+    d = w.start_daemon("--tls-cert", str(w.pki.server), "--tls-key", str(w.pki.server_key))
+    c = w.client(d, call_timeout=1, connect_timeout=1)
+    c.attach(Membership(w.job_id, 1, 0, 1, 1, 0, ID0), "instance")
+    return error_of(c.list_jobs), error_of(lambda: c.kv_add("n"))
+
+
 def daemon_down_is_unavailable(w: World) -> object:
     port = free_port()
     c = Twin(w.kind, f"127.0.0.1:{port}", w.job_id, token="t", connect_timeout=1)
@@ -283,6 +294,43 @@ def daemon_down_is_unavailable(w: World) -> object:
     with pytest.raises(DaemonUnavailable) as info:
         c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
     return type(info.value).__name__, info.value.method
+
+
+def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
+    """A daemon that accepts connections and never answers: reading the table of a
+    slim join (a plain property, which the asyncio client serves over a blocking
+    channel of its own) is retried as the sync client's call is, then fails alike."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        c = Twin(w.kind, endpoint, w.job_id, token="t", call_timeout=1, connect_timeout=1)
+        w.made.append(c)
+        c.attach(Membership(w.job_id, 1, 0, 2, 1, 0, ID0), "instance")
+        with pytest.raises(RendezvousError) as info:
+            c.membership.members  # noqa: B018
+    e = info.value
+    return (
+        type(e).__name__,
+        getattr(e, "attempts", None),
+        str(e).replace(endpoint, "EP").replace(w.job_id, "JOB"),
+    )
+
+
+def closed_client_refuses_calls(w: World) -> object:
+    """Each client used to raise gRPC's own error for its closed channel: ValueError
+    from one, grpc.aio.UsageError from the other, naming no job."""
+    c = w.client()
+    c.list_jobs()
+    c.__getattr__("close")()  # the client, not its twin's loop (closed again at the end)
+    refused = []
+    for call in (
+        c.list_jobs,
+        lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5),
+    ):
+        with pytest.raises(RendezvousError) as info:
+            call()
+        refused.append((type(info.value).__name__, str(info.value).replace(w.job_id, "JOB")))
+    c.leave()  # nothing to leave: no error
+    return [(kind, text.replace(w.daemon.endpoint, "EP")) for kind, text in refused]
 
 
 def daemon_restart_is_survived(w: World) -> object:
@@ -335,8 +383,32 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         plaintext_client_of_a_tls_daemon_is_refused,
         (("AuthenticationError", ""), ("AuthenticationError", "")),
     ),
+    "tls refusal without a join": (
+        plaintext_client_that_never_joins_hears_tls,
+        (("AuthenticationError", ""), ("AuthenticationError", "")),
+    ),
     "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check")),
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
+    "a closed client": (
+        closed_client_refuses_calls,
+        [
+            (
+                "InvalidRequest",
+                "the client of job 'JOB' at EP is closed: make a new client to call the "
+                "daemon again",
+            )
+        ]
+        * 2,
+    ),
+    "a silent daemon's table": (
+        silent_daemon_fails_a_table_fetch_alike,
+        (
+            "DaemonUnavailable",
+            2,
+            "GetMembers to rendezvousd at EP (job 'JOB', rank 0) failed after 2 attempts: "
+            "DEADLINE_EXCEEDED; is the daemon running and reachable?",
+        ),
+    ),
 }
 
 
