@@ -406,6 +406,29 @@ def test_mismatched_collectives_fail_instead_of_corrupting(transport: str) -> No
         assert any("mismatch" in str(e) for e in errors)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("odd", ["barrier", "broadcast", "all_reduce"])
+def test_a_rank_in_another_collective_is_named_not_waited_for(transport: str, odd: str) -> None:
+    # Shared memory runs all_reduce only; broadcast and barrier stay on the ring. A
+    # rank that skipped a step's all_reduce (or ran an extra barrier) must be a mismatch
+    # at once, as on the ring, not a wait for the collective timeout.
+    def call(c: CpuRingCommunicator, name: str) -> None:
+        if name == "all_reduce":
+            c.all_reduce(np.ones(10, np.float32))
+        elif name == "barrier":
+            c.barrier()
+        else:
+            c.broadcast(np.ones(10, np.float32))
+
+    with thread_ring(3, timeout=20.0, transport=transport) as comms:
+        usual = "barrier" if odd == "all_reduce" else "all_reduce"
+        errors = parallel([lambda c=c: call(c, odd if c.rank == 2 else usual) for c in comms])
+    for e in errors:
+        assert isinstance(e, errs.CommunicatorError), errors
+        assert not isinstance(e, errs.CommunicatorTimeout), errors
+    assert all(odd in str(e) and usual in str(e) for e in errors), errors
+
+
 def test_wrong_secret_is_rejected_and_never_shown() -> None:
     other = bytes(reversed(SECRET))
     socks, addrs = _listeners(2)

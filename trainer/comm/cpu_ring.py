@@ -185,6 +185,8 @@ class CpuRingCommunicator(RankedCommunicator):
         flat, dtype_code = _flatten(array)
         self._check_root(root)
         with self._collective() as seq:
+            if self._shm is not None:
+                self._shm.announce((wire.BROADCAST, 0, dtype_code, seq, flat.nbytes))
             if self.world_size > 1:
                 self._ring_broadcast(flat.view(np.uint8), dtype_code, root, seq)
 
@@ -192,6 +194,8 @@ class CpuRingCommunicator(RankedCommunicator):
         # An empty all-reduce still passes one frame per step around the ring, so no rank
         # can leave before every rank has entered.
         with self._collective() as seq:
+            if self._shm is not None:
+                self._shm.announce((wire.BARRIER, _OPS[ReduceOp.SUM], 0, seq, 0))
             if self.world_size > 1:
                 self._ring_all_reduce(np.empty(0, np.uint8), ReduceOp.SUM, 0, wire.BARRIER, seq)
 
