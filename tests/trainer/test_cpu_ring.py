@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import re
 import socket
 import struct
 import threading
@@ -427,6 +428,18 @@ def test_a_rank_in_another_collective_is_named_not_waited_for(transport: str, od
         assert isinstance(e, errs.CommunicatorError), errors
         assert not isinstance(e, errs.CommunicatorTimeout), errors
     assert all(odd in str(e) and usual in str(e) for e in errors), errors
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_mismatched_op_is_shown_in_the_error(transport: str) -> None:
+    # Same bytes, dtype and sequence: the op is all that differs, and the error must
+    # say so rather than show two identical descriptions.
+    with thread_ring(2, timeout=20.0, transport=transport) as comms:
+        ops = [ReduceOp.SUM, ReduceOp.MAX]
+        errors = parallel([lambda c=c: c.all_reduce(np.ones(4), ops[c.rank]) for c in comms])
+    for e in errors:
+        assert isinstance(e, errs.CommunicatorError), errors
+        assert re.search(r"op 1\b.*op 3\b|op 3\b.*op 1\b", str(e)), errors
 
 
 def test_wrong_secret_is_rejected_and_never_shown() -> None:

@@ -532,6 +532,6 @@ def _descriptor(expect: tuple[int, ...]) -> list[int]:
 
 
 def _describe(words: list[int]) -> str:
-    coll, _, dtype, seq, low, high = words
+    coll, op, dtype, seq, low, high = words
     name = wire.COLLECTIVE_NAMES.get(coll, f"collective {coll}")
-    return f"{name} #{seq} of {low | high << 32} bytes (dtype code {dtype})"
+    return f"{name} #{seq} of {low | high << 32} bytes (op {op}, dtype code {dtype})"
