@@ -154,6 +154,9 @@ def test_a_stopped_workers_own_child_processes_go_with_it(
         "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         f"    open('{tmp_path}/child-' + str(ctx.rank), 'w').write(str(child.pid))\n"
         f"    if {ending == 'worker-fails'} and ctx.rank == 1:\n"
+        f"        while not (os.path.exists('{tmp_path}/child-0') and\n"
+        f"                   open('{tmp_path}/child-0').read()):\n"
+        "            time.sleep(0.01)  # rank 0 has its child too\n"
         "        sys.exit(7)\n"
         "    time.sleep(600)\n"
     )
