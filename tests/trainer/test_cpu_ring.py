@@ -442,6 +442,18 @@ def test_a_mismatched_op_is_shown_in_the_error(transport: str) -> None:
         assert re.search(r"op 1\b.*op 3\b|op 3\b.*op 1\b", str(e)), errors
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_float16_average_of_in_range_values_stays_in_range(transport: str) -> None:
+    # 3 x 40000 overflows float16 (max 65504); their average does not, and NCCL's AVG
+    # (a premultiplied sum) returns it.
+    with thread_ring(3, transport=transport) as comms:
+        arrays = [np.full(1001, 40000, np.float16) for _ in comms]
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank], ReduceOp.AVG) for c in comms])
+    for a in arrays:
+        np.testing.assert_allclose(a.astype(np.float64), 40000, rtol=2e-3)
+        assert a.tobytes() == arrays[0].tobytes()
+
+
 def test_wrong_secret_is_rejected_and_never_shown() -> None:
     other = bytes(reversed(SECRET))
     socks, addrs = _listeners(2)

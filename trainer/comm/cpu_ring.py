@@ -174,9 +174,11 @@ class CpuRingCommunicator(RankedCommunicator):
         if not isinstance(op, ReduceOp):
             raise CollectiveArgumentError(f"op must be a ReduceOp, got {op!r}")
         with self._collective() as seq:
+            if op is ReduceOp.AVG and not _divides_after(flat):
+                np.divide(flat, self.world_size, out=flat)
             if self._shm is not None:
                 expect = (wire.ALL_REDUCE, _OPS[op], dtype_code, seq, flat.nbytes)
-                finish = self._average if op is ReduceOp.AVG else None
+                finish = self._average if op is ReduceOp.AVG and _divides_after(flat) else None
                 self._shm.all_reduce(flat, _UFUNCS[op], finish, expect)
             elif self.world_size > 1:
                 self._ring_all_reduce(flat, op, dtype_code, wire.ALL_REDUCE, seq)
@@ -351,7 +353,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 received += 1
                 if b > a:
                     ufunc(flat[a:b], scratch[: b - a], out=flat[a:b])
-                    if s == n - 2 and op is ReduceOp.AVG:
+                    if s == n - 2 and op is ReduceOp.AVG and _divides_after(flat):
                         _divide(flat[a:b], n)
                 send(a, b)
         for s in range(n - 1):  # all-gather
@@ -568,8 +570,12 @@ def _chunks(start: int, stop: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
+def _divides_after(flat: Array) -> bool:
+    """Whether AVG divides the sum (integers: floor division) rather than each input.
+    Floats are divided first, as NCCL's AVG does (a premultiplied sum): a float16 sum
+    of in-range values would otherwise overflow to inf before the division."""
+    return flat.dtype.kind != "f"
+
+
 def _divide(segment: Array, n: int) -> None:
-    if segment.dtype.kind == "f":
-        np.divide(segment, n, out=segment)
-    else:
-        np.floor_divide(segment, n, out=segment)
+    np.floor_divide(segment, n, out=segment)
