@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -187,6 +188,47 @@ def test_a_stopped_workers_own_child_processes_go_with_it(
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_hangup_stops_the_launcher_as_sigterm_does(tmp_path: Path, signum: int) -> None:
+    # A closed terminal or SSH session (SIGHUP), or Ctrl-\ (SIGQUIT): torchrun handles
+    # both as SIGTERM. Its workers hear it and the private directory goes with it.
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "def stop(signum, frame):\n"
+        f"    open('{tmp_path}/heard-' + os.environ['LOCAL_RANK'], 'w').write(str(signum))\n"
+        "    sys.exit(0)\n"
+        f"signal.signal({int(signum)}, stop)\n"
+        "with init_distributed() as ctx:\n"
+        f"    open('{tmp_path}/ready-' + str(ctx.rank), 'w').close()\n"
+        "    time.sleep(600)\n"
+    )
+    # Short: the daemon's socket goes in a directory made in it (a UNIX socket path
+    # has 108 bytes at most).
+    with tempfile.TemporaryDirectory(prefix="rdzv-") as name:
+        tmp = Path(name)
+        launcher = subprocess.Popen(
+            [*_standalone(2), str(script)],
+            env={**os.environ, "TMPDIR": name},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+            wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+            launcher.send_signal(signum)
+            _, err = launcher.communicate(timeout=30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(10)
+        assert launcher.returncode == 128 + signum, err
+        heard = [(tmp_path / f"heard-{r}").read_text() for r in range(2)]
+        assert heard == [str(int(signum))] * 2, err
+        assert list(tmp.iterdir()) == [], err  # its socket, token and directory removed
 
 
 @pytest.mark.parametrize("flags", [["--standalone"], []])
