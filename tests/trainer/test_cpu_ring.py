@@ -430,6 +430,21 @@ def test_a_rank_in_another_collective_is_named_not_waited_for(transport: str, od
     assert all(odd in str(e) and usual in str(e) for e in errors), errors
 
 
+def test_every_rank_names_the_rank_that_found_a_mismatch_not_the_one_passing_it_on() -> None:
+    # World 6, rank 3 the odd one: only ranks 3 and 4 receive its mismatched data, and
+    # their notice reaches rank 0 (two hops from either) through a neighbour, which
+    # must not be named as the rank that found it.
+    with thread_ring(6, timeout=20.0) as comms:
+        dtypes = [np.int32 if c.rank == 3 else np.float32 for c in comms]
+        errors = parallel([lambda c=c: c.all_reduce(np.ones(10, dtypes[c.rank])) for c in comms])
+    found = re.compile(r"rank (\d+) gave up on this rank|\(reported by rank (\d+)\)")
+    for rank, e in enumerate(errors):
+        assert isinstance(e, errs.CommunicatorError), errors
+        named = {int(a or b) for a, b in found.findall(str(e))}
+        assert named <= {3, 4}, (rank, errors)
+        assert named or rank in (3, 4), (rank, errors)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_mismatched_op_is_shown_in_the_error(transport: str) -> None:
     # Same bytes, dtype and sequence: the op is all that differs, and the error must

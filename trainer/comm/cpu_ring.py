@@ -270,7 +270,8 @@ class CpuRingCommunicator(RankedCommunicator):
             if self._failure is not None:
                 return
             self._failure = error or self._public_error(link)
-            notice = wire.fail_frame(link.origin, link.code, link.detail)
+            reporter = self.rank if link.via is None else link.via
+            notice = wire.fail_frame(link.origin, link.code, link.detail, reporter)
             with contextlib.suppress(OSError):
                 if self._left is not None:
                     # Upstream finds this in its queue when its next send is reset.
