@@ -160,10 +160,13 @@ def load_checkpoint(path: str | os.PathLike[str], *, xp: Any = np) -> tuple[Arra
     if not source.is_file():
         raise CheckpointError(f"checkpoint {source} does not exist or is not a file")
     try:
+        if not zipfile.is_zipfile(source):  # else np.load reads a bare .npy as an array
+            raise zipfile.BadZipFile("not a zip archive")
         with np.load(source, allow_pickle=False) as archive:
             # Reading every member verifies each one's zip CRC.
             contents = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+    # MemoryError: a member whose header claims more than memory (a tampered file).
+    except (OSError, ValueError, EOFError, KeyError, MemoryError, zipfile.BadZipFile) as exc:
         raise CheckpointError(
             f"checkpoint {source} is corrupt or truncated ({type(exc).__name__}: {exc}); "
             "resume from an earlier checkpoint"
@@ -177,7 +180,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, xp: Any = np) -> tuple[Arra
             raise ValueError(f"format is {doc.get('format') if isinstance(doc, dict) else doc!r}")
         if doc.get("arrays") != sorted(contents) or not isinstance(doc.get("meta"), dict):
             raise ValueError("array list does not match the metadata")
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise CheckpointError(f"checkpoint {source} is not a valid {FORMAT} file: {exc}") from exc
     return {name: to_device(array, xp) for name, array in contents.items()}, doc["meta"]
 

@@ -167,6 +167,20 @@ def test_a_bad_rdzv_conf_value_is_refused_naming_the_key(
     assert "--rdzv-conf join_timeout='soon' is invalid" in err, err[-3000:]
 
 
+def test_a_misspelt_rdzv_conf_key_is_refused_not_dropped(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    # torch's own keys (timeout, is_host) are ignored; a typo of ours is not one of them.
+    d = start_daemon()
+    conf = f"token_file={d.token_file},is_host=1,join_timout=5"
+    err = _refused(torchrun, d, job_id, tmp_path, conf=conf)
+    assert "--rdzv-conf join_timout: not a key of the rendezvousd backend" in err, err[-3000:]
+    assert "join_timeout" in err and "is_host:" not in err
+
+
 def test_an_unreachable_daemon_is_torchs_connection_error_naming_it(
     torchrun: Callable[..., Torchrun],
     tmp_path: Path,

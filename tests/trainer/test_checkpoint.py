@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +152,18 @@ def test_missing_checkpoint_is_a_checkpoint_error(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "absent.npz")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "plain_npz"])
+def _member(array: np.ndarray, shape: tuple[int, ...] | None = None) -> bytes:
+    """``array`` as an .npy member, its header declaring ``shape`` if given."""
+    header = {"descr": array.dtype.str, "fortran_order": False, "shape": shape or array.shape}
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue() + array.tobytes()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate", "flip", "garbage", "plain_npz", "plain_npy", "huge_shape", "deep_meta"],
+)
 def test_corrupt_checkpoint_is_a_checkpoint_error(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "c.npz"
     save_checkpoint(path, {"w": np.arange(4096, dtype=np.float64)}, {"s": 1}, rank=0)
@@ -163,8 +176,20 @@ def test_corrupt_checkpoint_is_a_checkpoint_error(tmp_path: Path, damage: str) -
         path.write_bytes(bytes(data))
     elif damage == "garbage":
         path.write_bytes(b"not a checkpoint at all")
-    else:
+    elif damage == "plain_npz":
         np.savez(path, w=np.zeros(2))  # valid npz, but no metadata record
+    elif damage == "plain_npy":
+        path.write_bytes(_member(np.zeros(2)))  # np.load returns an array, no archive
+    else:
+        # Edited by hand, intact CRCs: a 100-byte member that claims 800 TB, or
+        # metadata nested deeper than the JSON decoder's recursion limit.
+        with zipfile.ZipFile(path, "w") as archive:
+            if damage == "huge_shape":
+                archive.writestr("w.npy", _member(np.zeros(4), shape=(10**14,)))
+            else:
+                deep = ("[" * 100_000 + "]" * 100_000).encode()
+                meta = np.frombuffer(deep, dtype=np.uint8)
+                archive.writestr(f"{checkpoint._META_KEY}.npy", _member(meta))
     with pytest.raises(CheckpointError, match=str(path.name)):
         load_checkpoint(path)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import re
 import socket
 import struct
 import threading
@@ -404,6 +405,68 @@ def test_mismatched_collectives_fail_instead_of_corrupting(transport: str) -> No
         errors = parallel(calls)
         assert all(isinstance(e, errs.CommunicatorError) for e in errors), errors
         assert any("mismatch" in str(e) for e in errors)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("odd", ["barrier", "broadcast", "all_reduce"])
+def test_a_rank_in_another_collective_is_named_not_waited_for(transport: str, odd: str) -> None:
+    # Shared memory runs all_reduce only; broadcast and barrier stay on the ring. A
+    # rank that skipped a step's all_reduce (or ran an extra barrier) must be a mismatch
+    # at once, as on the ring, not a wait for the collective timeout.
+    def call(c: CpuRingCommunicator, name: str) -> None:
+        if name == "all_reduce":
+            c.all_reduce(np.ones(10, np.float32))
+        elif name == "barrier":
+            c.barrier()
+        else:
+            c.broadcast(np.ones(10, np.float32))
+
+    with thread_ring(3, timeout=20.0, transport=transport) as comms:
+        usual = "barrier" if odd == "all_reduce" else "all_reduce"
+        errors = parallel([lambda c=c: call(c, odd if c.rank == 2 else usual) for c in comms])
+    for e in errors:
+        assert isinstance(e, errs.CommunicatorError), errors
+        assert not isinstance(e, errs.CommunicatorTimeout), errors
+    assert all(odd in str(e) and usual in str(e) for e in errors), errors
+
+
+def test_every_rank_names_the_rank_that_found_a_mismatch_not_the_one_passing_it_on() -> None:
+    # World 6, rank 3 the odd one: only ranks 3 and 4 receive its mismatched data, and
+    # their notice reaches rank 0 (two hops from either) through a neighbour, which
+    # must not be named as the rank that found it.
+    with thread_ring(6, timeout=20.0) as comms:
+        dtypes = [np.int32 if c.rank == 3 else np.float32 for c in comms]
+        errors = parallel([lambda c=c: c.all_reduce(np.ones(10, dtypes[c.rank])) for c in comms])
+    found = re.compile(r"rank (\d+) gave up on this rank|\(reported by rank (\d+)\)")
+    for rank, e in enumerate(errors):
+        assert isinstance(e, errs.CommunicatorError), errors
+        named = {int(a or b) for a, b in found.findall(str(e))}
+        assert named <= {3, 4}, (rank, errors)
+        assert named or rank in (3, 4), (rank, errors)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_mismatched_op_is_shown_in_the_error(transport: str) -> None:
+    # Same bytes, dtype and sequence: the op is all that differs, and the error must
+    # say so rather than show two identical descriptions.
+    with thread_ring(2, timeout=20.0, transport=transport) as comms:
+        ops = [ReduceOp.SUM, ReduceOp.MAX]
+        errors = parallel([lambda c=c: c.all_reduce(np.ones(4), ops[c.rank]) for c in comms])
+    for e in errors:
+        assert isinstance(e, errs.CommunicatorError), errors
+        assert re.search(r"op 1\b.*op 3\b|op 3\b.*op 1\b", str(e)), errors
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_float16_average_of_in_range_values_stays_in_range(transport: str) -> None:
+    # 3 x 40000 overflows float16 (max 65504); their average does not, and NCCL's AVG
+    # (a premultiplied sum) returns it.
+    with thread_ring(3, transport=transport) as comms:
+        arrays = [np.full(1001, 40000, np.float16) for _ in comms]
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank], ReduceOp.AVG) for c in comms])
+    for a in arrays:
+        np.testing.assert_allclose(a.astype(np.float64), 40000, rtol=2e-3)
+        assert a.tobytes() == arrays[0].tobytes()
 
 
 def test_wrong_secret_is_rejected_and_never_shown() -> None:

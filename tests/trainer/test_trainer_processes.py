@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from tests.support import (
     launcher_cmd,
     rest_of_stdout,
     spawn_daemon,
+    wait_for,
     write_token,
 )
 
@@ -127,6 +129,106 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     assert run.returncode == 7
     assert "worker rank 1" in run.stderr and "exit code 7" in run.stderr
     assert time.monotonic() - started < 30  # the sleeping workers were stopped, not waited for
+
+
+def _running(pid: int) -> bool:
+    """Not exited (a zombie orphan waiting for whoever inherited it has exited)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "cold"])
+@pytest.mark.parametrize("ending", ["sigterm-to-launcher", "worker-fails"])
+def test_a_stopped_workers_own_child_processes_go_with_it(
+    tmp_path: Path, ending: str, fork_server: bool
+) -> None:
+    # What a DataLoader's workers or a prefetch server are: processes of the worker's
+    # own. Like torchrun (a session per worker, its group signalled), stopping a
+    # worker stops them; they must not keep holding ports, memory or a GPU.
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"    open('{tmp_path}/child-' + str(ctx.rank), 'w').write(str(child.pid))\n"
+        f"    if {ending == 'worker-fails'} and ctx.rank == 1:\n"
+        f"        while not (os.path.exists('{tmp_path}/child-0') and\n"
+        f"                   open('{tmp_path}/child-0').read()):\n"
+        "            time.sleep(0.01)  # rank 0 has its child too\n"
+        "        sys.exit(7)\n"
+        "    time.sleep(600)\n"
+    )
+    flags = [] if fork_server else ["--no-fork-server"]
+    # Into a file: a child left running would hold a pipe open.
+    log = tmp_path / "launcher.err"
+    with log.open("w") as err:
+        launcher = subprocess.Popen([*_standalone(2, *flags), str(script)], stderr=err)
+    children: list[int] = []
+    try:
+        files = [tmp_path / f"child-{rank}" for rank in range(2)]
+        wait_for("both workers' children", lambda: all(f.exists() for f in files), 60)
+        wait_for("their pids", lambda: all(f.read_text() for f in files))
+        children = [int(f.read_text()) for f in files]
+        if ending == "sigterm-to-launcher":
+            launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(30)
+        assert code == (128 + signal.SIGTERM if ending[0] == "s" else 7), log.read_text()
+        wait_for(
+            "the workers' children to be stopped with them",
+            lambda: not any(_running(pid) for pid in children),
+            timeout=5,
+        )
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_hangup_stops_the_launcher_as_sigterm_does(tmp_path: Path, signum: int) -> None:
+    # A closed terminal or SSH session (SIGHUP), or Ctrl-\ (SIGQUIT): torchrun handles
+    # both as SIGTERM. Its workers hear it and the private directory goes with it.
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "def stop(signum, frame):\n"
+        f"    open('{tmp_path}/heard-' + os.environ['LOCAL_RANK'], 'w').write(str(signum))\n"
+        "    sys.exit(0)\n"
+        f"signal.signal({int(signum)}, stop)\n"
+        "with init_distributed() as ctx:\n"
+        f"    open('{tmp_path}/ready-' + str(ctx.rank), 'w').close()\n"
+        "    time.sleep(600)\n"
+    )
+    # Short: the daemon's socket goes in a directory made in it (a UNIX socket path
+    # has 108 bytes at most).
+    with tempfile.TemporaryDirectory(prefix="rdzv-") as name:
+        tmp = Path(name)
+        launcher = subprocess.Popen(
+            [*_standalone(2), str(script)],
+            env={**os.environ, "TMPDIR": name},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+            wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+            launcher.send_signal(signum)
+            _, err = launcher.communicate(timeout=30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(10)
+        assert launcher.returncode == 128 + signum, err
+        heard = [(tmp_path / f"heard-{r}").read_text() for r in range(2)]
+        assert heard == [str(int(signum))] * 2, err
+        assert list(tmp.iterdir()) == [], err  # its socket, token and directory removed
 
 
 @pytest.mark.parametrize("flags", [["--standalone"], []])

@@ -17,6 +17,7 @@ and a worker without ``subprocess`` or the agent's side.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import signal
@@ -41,6 +42,17 @@ def die_with_parent(expected: int | None) -> None:
         os._exit(126)
 
 
+def signal_group(pid: int, signum: int) -> None:
+    """Signal worker ``pid``'s process group (its session, ``main``), which holds what
+    the worker started; only ``pid`` while it has none yet (it is still starting).
+    Only while ``pid`` is unreaped: its zombie keeps the number from being reused."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
 def die_with_agent() -> None:
     """``die_with_parent`` for the agent ``RENDEZVOUSD_AGENT_PID`` names."""
     expected = os.environ.pop(ENV_AGENT_PID, "")
@@ -61,6 +73,10 @@ def run_target(argv: list[str]) -> None:
 
 def main() -> None:
     die_with_agent()
+    # A session (and process group) of its own, as torchrun starts each worker: the
+    # agent signals the whole group, so the worker's own children (DataLoader
+    # workers, helpers it started) are stopped with it instead of outliving it.
+    os.setsid()
     argv = sys.argv[1:]
     if not argv:
         sys.exit("usage: python -m rendezvousd.trainer.agent._agent_boot [-m] TARGET [ARGS...]")

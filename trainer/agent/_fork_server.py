@@ -62,6 +62,7 @@ from rendezvousd.trainer.agent._agent_boot import (
     die_with_agent,
     die_with_parent,
     run_target,
+    signal_group,
 )
 
 #: "0" disables the fork server: every spare starts cold, as before.
@@ -270,6 +271,7 @@ class _Server:
         info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
         if info is None:
             return  # spurious: not exited yet
+        signal_group(pid, signal.SIGKILL)  # what it started: none may outlive it
         self.poller.unregister(pidfd)
         self.exited.add(pid)
         send(self.control, {"op": "exited", "pid": pid, "code": exit_code(info)})
@@ -315,7 +317,9 @@ class _Server:
         return None
 
     def _forked(self) -> None:
-        """In a forked child: let go of the server's descriptors and signal dispositions."""
+        """In a forked child: its own session, as a cold spare's (``_agent_boot``), and
+        none of the server's descriptors and signal dispositions."""
+        os.setsid()
         self.control.close()
         for pidfd in self.pids:
             os.close(pidfd)

@@ -274,9 +274,16 @@ def _run_agent(
     except BaseException:
         discard(booted)
         raise
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    for s in previous:
-        signal.signal(s, lambda signum, _frame: agent.interrupt(signum))
+    # As torchrun: a closed terminal or SSH session (SIGHUP) or Ctrl-\ (SIGQUIT) stops
+    # the node as SIGTERM does, not by killing it (workers without their grace, the
+    # private directory left in /tmp); unless ignored (nohup).
+    previous = {
+        s: signal.getsignal(s)
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    }
+    for s, handler in previous.items():
+        if s in (signal.SIGTERM, signal.SIGINT) or handler is not signal.SIG_IGN:
+            signal.signal(s, lambda signum, _frame: agent.interrupt(signum))
     try:
         return agent.run()
     except RestartsExhausted as exc:

@@ -586,7 +586,9 @@ class NodeAgent:
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
         """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
         signum = self._interrupt or 15
-        stop_all(self.active, f"rendezvous-run on {self.host} got signal {signum}", 1.0)
+        # Passed on, as torchrun does: in sessions of their own, the workers get no
+        # Ctrl-C from the terminal (a SIGINT then raises KeyboardInterrupt there).
+        stop_all(self.active, f"rendezvous-run on {self.host} got signal {signum}", 1.0, signum)
         self.active = []
         if gen is not None:
             with contextlib.suppress(RendezvousError):

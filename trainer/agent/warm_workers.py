@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.relay import RelayEnd, Send
+from rendezvousd.trainer.agent._agent_boot import signal_group
 from rendezvousd.trainer.agent.agent_channel import Channel, ChannelClosed
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.state_copy import MAX_STEP, StateCopy, StepState
@@ -177,6 +178,7 @@ class WorkerProcess:
         else:
             with contextlib.suppress(ChildProcessError):
                 os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            signal_group(proc.pid, signal.SIGKILL)  # what it started: none may outlive it
             self.exited.set()
             code = proc.wait()
         self._events.put(Exited(self, code))
@@ -265,8 +267,7 @@ class WorkerProcess:
             return
         pid = self.proc.pid  # a forked spare's: once its fork server answered
         if pid is not None and not self.exited.is_set():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+            signal_group(pid, signum)
 
     def abort(self, cause: str) -> None:
         """Tell the worker why it is about to be stopped (best effort)."""
@@ -285,14 +286,19 @@ class WorkerProcess:
         self.channel.close()
 
 
-def stop_all(workers: Sequence[WorkerProcess], cause: str | None, grace_s: float) -> None:
-    """Abort (when ``cause`` is given), SIGTERM, and SIGKILL whatever is left after
+def stop_all(
+    workers: Sequence[WorkerProcess],
+    cause: str | None,
+    grace_s: float,
+    signum: int = signal.SIGTERM,
+) -> None:
+    """Abort (when ``cause`` is given), ``signum``, and SIGKILL whatever is left after
     ``grace_s``; returns once every one has exited (bounded: a process SIGKILL
     cannot end would be a kernel bug)."""
     for w in workers:
         if cause is not None:
             w.abort(cause)
-        w.signal(signal.SIGTERM)
+        w.signal(signum)
     deadline = time.monotonic() + grace_s
     for w in workers:
         w.exited.wait(max(0.0, deadline - time.monotonic()))

@@ -174,9 +174,11 @@ class CpuRingCommunicator(RankedCommunicator):
         if not isinstance(op, ReduceOp):
             raise CollectiveArgumentError(f"op must be a ReduceOp, got {op!r}")
         with self._collective() as seq:
+            if op is ReduceOp.AVG and not _divides_after(flat):
+                np.divide(flat, self.world_size, out=flat)
             if self._shm is not None:
                 expect = (wire.ALL_REDUCE, _OPS[op], dtype_code, seq, flat.nbytes)
-                finish = self._average if op is ReduceOp.AVG else None
+                finish = self._average if op is ReduceOp.AVG and _divides_after(flat) else None
                 self._shm.all_reduce(flat, _UFUNCS[op], finish, expect)
             elif self.world_size > 1:
                 self._ring_all_reduce(flat, op, dtype_code, wire.ALL_REDUCE, seq)
@@ -185,6 +187,8 @@ class CpuRingCommunicator(RankedCommunicator):
         flat, dtype_code = _flatten(array)
         self._check_root(root)
         with self._collective() as seq:
+            if self._shm is not None:
+                self._shm.announce((wire.BROADCAST, 0, dtype_code, seq, flat.nbytes))
             if self.world_size > 1:
                 self._ring_broadcast(flat.view(np.uint8), dtype_code, root, seq)
 
@@ -192,6 +196,8 @@ class CpuRingCommunicator(RankedCommunicator):
         # An empty all-reduce still passes one frame per step around the ring, so no rank
         # can leave before every rank has entered.
         with self._collective() as seq:
+            if self._shm is not None:
+                self._shm.announce((wire.BARRIER, _OPS[ReduceOp.SUM], 0, seq, 0))
             if self.world_size > 1:
                 self._ring_all_reduce(np.empty(0, np.uint8), ReduceOp.SUM, 0, wire.BARRIER, seq)
 
@@ -264,7 +270,8 @@ class CpuRingCommunicator(RankedCommunicator):
             if self._failure is not None:
                 return
             self._failure = error or self._public_error(link)
-            notice = wire.fail_frame(link.origin, link.code, link.detail)
+            reporter = self.rank if link.via is None else link.via
+            notice = wire.fail_frame(link.origin, link.code, link.detail, reporter)
             with contextlib.suppress(OSError):
                 if self._left is not None:
                     # Upstream finds this in its queue when its next send is reset.
@@ -347,7 +354,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 received += 1
                 if b > a:
                     ufunc(flat[a:b], scratch[: b - a], out=flat[a:b])
-                    if s == n - 2 and op is ReduceOp.AVG:
+                    if s == n - 2 and op is ReduceOp.AVG and _divides_after(flat):
                         _divide(flat[a:b], n)
                 send(a, b)
         for s in range(n - 1):  # all-gather
@@ -564,8 +571,12 @@ def _chunks(start: int, stop: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
+def _divides_after(flat: Array) -> bool:
+    """Whether AVG divides the sum (integers: floor division) rather than each input.
+    Floats are divided first, as NCCL's AVG does (a premultiplied sum): a float16 sum
+    of in-range values would otherwise overflow to inf before the division."""
+    return flat.dtype.kind != "f"
+
+
 def _divide(segment: Array, n: int) -> None:
-    if segment.dtype.kind == "f":
-        np.divide(segment, n, out=segment)
-    else:
-        np.floor_divide(segment, n, out=segment)
+    np.floor_divide(segment, n, out=segment)

@@ -312,7 +312,7 @@ def recv_exact(sock: socket.socket, view: memoryview, peer: int) -> None:
         got += n
 
 
-def peek_failure(sock: socket.socket) -> tuple[int, int, str] | None:
+def peek_failure(sock: socket.socket) -> tuple[int, int, str, int] | None:
     """A FAIL frame the peer left in our receive queue before it reset the connection."""
     try:
         data = sock.recv(2 * FRAME.size + MAX_DETAIL_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -320,27 +320,31 @@ def peek_failure(sock: socket.socket) -> tuple[int, int, str] | None:
         return None
     offset = 0
     while offset + FRAME.size <= len(data):
-        kind, _, code, _, _, _, origin, _, length = FRAME.unpack_from(data, offset)
+        kind, _, code, _, _, _, origin, reporter, length = FRAME.unpack_from(data, offset)
         offset += FRAME.size
         if kind == FAIL:
             detail = data[offset : offset + min(length, MAX_DETAIL_BYTES)]
-            return origin, code, detail.decode("utf-8", "replace")
+            return origin, code, detail.decode("utf-8", "replace"), reporter
         if kind != ACK:
             return None
     return None
 
 
-def read_failure(sock: socket.socket, header: tuple[int, ...], via: int) -> LinkError:
-    """The LinkError a FAIL frame (``header``, already read) describes; reads its detail."""
+def read_failure(sock: socket.socket, header: tuple[int, ...], peer: int) -> LinkError:
+    """The LinkError a FAIL frame (``header``, already read from ``peer``) describes;
+    reads its detail."""
     detail = bytearray(min(header[8], MAX_DETAIL_BYTES))
     with contextlib.suppress(LinkError):
-        recv_exact(sock, memoryview(detail), via)
-    return LinkError(header[6], header[2], detail.decode("utf-8", "replace"), via=via)
+        recv_exact(sock, memoryview(detail), peer)
+    return LinkError(header[6], header[2], detail.decode("utf-8", "replace"), via=header[7])
 
 
-def fail_frame(origin: int, code: int, detail: str) -> bytes:
+def fail_frame(origin: int, code: int, detail: str, reporter: int) -> bytes:
+    """A FAIL notice: ``origin`` failed (``code``), as ``reporter`` found, carried in the
+    frame index field so that ranks past the reporter's neighbours name it too, not
+    the neighbour that passed the notice on."""
     payload = detail.encode("utf-8", "replace")[:MAX_DETAIL_BYTES]
-    return FRAME.pack(FAIL, 0, code, 0, 0, 0, origin, 0, len(payload)) + payload
+    return FRAME.pack(FAIL, 0, code, 0, 0, 0, origin, reporter, len(payload)) + payload
 
 
 def _send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
@@ -429,8 +433,8 @@ class SenderThread:
         except OSError as exc:
             found = peek_failure(self._sock)
             if found is not None:
-                origin, code, detail = found
-                raise LinkError(origin, code, detail, via=self._peer) from exc
+                origin, code, detail, reporter = found
+                raise LinkError(origin, code, detail, via=reporter) from exc
             raise LinkError(self._peer, LOST, f"connection error: {exc.strerror}") from exc
 
 

@@ -85,6 +85,7 @@ _HEADER_BYTES = 4096
 _PROGRESS = 0  # 2c + 1 once chunk c is staged (READY), 2c + 2 once reduced (DONE)
 _FAILED = 1  # nonzero once the owner stopped; its FAIL notice is on the socket
 _DESCRIPTOR = slice(2, 8)  # collective, op, dtype, sequence, bytes (low, high)
+_SEQUENCE = 5
 _MASK = 0xFFFFFFFF
 # How often a waiter looks for a dead peer (a killed process never wakes anyone).
 _LIVENESS_POLL_S = 0.05
@@ -190,6 +191,7 @@ class ShmGroup:
         self._segment_bytes = _HEADER_BYTES + _SLOTS * slot_bytes
         self._send_lock = threading.Lock()
         self._stopped = False
+        self._announced = [0] * 6  # this rank's collective descriptor (``announce``)
         self._raw: list[Array] = []
         self._words: list[Array] = []
         self._addresses: list[int] = []
@@ -330,7 +332,7 @@ class ShmGroup:
         step = max(1, self._slot_bytes // size)
         chunks = [(a, min(flat.size, a + step)) for a in range(0, flat.size, step)] or [(0, 0)]
         base = self._chunk_counter
-        self._words[self._index][_DESCRIPTOR] = _descriptor(expect)
+        self.announce(expect)
         # Software-pipelined: chunk i + 1 is staged between announcing DONE i and
         # waiting for everyone else's DONE i, so a rank rarely blocks with work left.
         self._stage(flat, chunks[0], base)
@@ -349,6 +351,17 @@ class ShmGroup:
                     bounds[j] : bounds[j + 1]
                 ]
         self._chunk_counter = base + len(chunks)
+
+    def announce(self, expect: tuple[int, int, int, int, int]) -> None:
+        """Publish this rank's collective (``all_reduce``'s ``expect``), also one that
+        runs on the TCP ring (broadcast, barrier): a peer waiting here for this rank
+        then reports the mismatch at once instead of timing out."""
+        words, want = self._words[self._index], _descriptor(expect)
+        # The sequence last: a peer that reads it first (``_ahead``) sees the rest.
+        words[_DESCRIPTOR] = [*want[:3], words[_SEQUENCE], *want[4:]]
+        words[_SEQUENCE] = want[3]
+        self._announced = want
+        futex.wake(self._addresses[self._index])
 
     def _views(
         self, dtype: np.dtype[Any], chunk: int, length: int
@@ -413,6 +426,8 @@ class ShmGroup:
                 raise wire.LinkError(self._rank, wire.ABORTED, "stopped")
             if words[_FAILED]:
                 raise self._notice_from(index)
+            if (mismatch := self._ahead(index, target)) is not None:
+                raise mismatch
             now = time.monotonic()
             if not deadline:
                 deadline = now + self._timeout
@@ -422,6 +437,22 @@ class ShmGroup:
             slice_s = min(_LIVENESS_POLL_S, deadline - now)
             if not futex.wait(self._addresses[index], current, slice_s):
                 self._check_links()
+
+    def _ahead(self, index: int, target: int) -> wire.LinkError | None:
+        """The mismatch, if the peer this rank waits for announced a collective of the
+        same sequence or later and not this one: it will never post ``target``."""
+        words = self._words[index]
+        seq = int(words[_SEQUENCE])
+        if (seq - self._announced[3]) & _MASK >= 1 << 31:
+            return None  # still in an earlier collective
+        got = [int(v) for v in words[_DESCRIPTOR]]
+        got[3] = seq
+        # Posted meanwhile, then moved on: its next collective is no mismatch.
+        if got == self._announced or (int(words[_PROGRESS]) - target) & _MASK < 1 << 31:
+            return None
+        peer = self._members[index]
+        detail = f"rank {peer} is in {_describe(got)}, this rank in {_describe(self._announced)}"
+        return wire.LinkError(peer, wire.MISMATCH, detail)
 
     def _check_descriptors(self, expect: tuple[int, ...]) -> None:
         want = _descriptor(expect)
@@ -501,6 +532,6 @@ def _descriptor(expect: tuple[int, ...]) -> list[int]:
 
 
 def _describe(words: list[int]) -> str:
-    coll, _, dtype, seq, low, high = words
+    coll, op, dtype, seq, low, high = words
     name = wire.COLLECTIVE_NAMES.get(coll, f"collective {coll}")
-    return f"{name} #{seq} of {low | high << 32} bytes (dtype code {dtype})"
+    return f"{name} #{seq} of {low | high << 32} bytes (op {op}, dtype code {dtype})"

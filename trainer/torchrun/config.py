@@ -72,9 +72,42 @@ class TorchrunSettings:
 SCHEMA = Schema(TorchrunSettings, ConfigError)
 
 
+# What torch's own backends (c10d, etcd, static) read, ``timeout`` and ``rank`` also
+# added by torchrun itself: ignored here, so a command may switch backends as it is.
+TORCH_KEYS = frozenset(
+    {
+        "timeout",
+        "rank",
+        "is_host",
+        "read_timeout",
+        "close_timeout",
+        "heartbeat_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "store_type",
+        "use_libuv",
+        "protocol",
+        "cacert",
+        "cert",
+        "key",
+        "etcd_prefix",
+        "ssl_cert",
+        "ssl_cert_key",
+        "ca_cert",
+    }
+)
+
+
 def load_settings(conf: Mapping[str, Any], env: Mapping[str, str]) -> TorchrunSettings:
-    """``RENDEZVOUSD_*`` variables, then ``--rdzv-conf`` (which wins). torch puts keys
-    of its own in the conf (``timeout``, ``is_host``...): ours are picked by name."""
+    """``RENDEZVOUSD_*`` variables, then ``--rdzv-conf`` (which wins). torch's keys
+    (``TORCH_KEYS``) are ignored; any other key is refused, naming ours: a misspelt
+    one (``join_timout``) would otherwise be dropped without a word."""
+    if unknown := sorted(k for k in conf if k not in SCHEMA.options and k not in TORCH_KEYS):
+        raise ConfigError(
+            f"--rdzv-conf {', '.join(unknown)}: not a key of the rendezvousd backend; "
+            f"its keys are {', '.join(SCHEMA.options)} (torch's own, such as timeout, "
+            "are ignored)"
+        )
     given = {k: v for k, v in conf.items() if k in SCHEMA.options and v is not None}
     return SCHEMA.build([SCHEMA.from_env(env), SCHEMA.from_mapping(given, "--rdzv-conf")])
 
