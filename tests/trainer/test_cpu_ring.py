@@ -469,6 +469,24 @@ def test_a_float16_average_of_in_range_values_stays_in_range(transport: str) -> 
         assert a.tobytes() == arrays[0].tobytes()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_average_scales_each_input_by_nccls_premultiplier(transport: str, dtype: Any) -> None:
+    # NCCL's AVG on floats is a sum of x * T(float(1.0/nRanks)): for a world of 3 that
+    # product differs from x / 3 in the last bit for about a third of the values.
+    values = (np.arange(1, 2001) * 1.37).astype(dtype)
+    scale = dtype(np.float32(1.0 / 3)) if np.dtype(dtype).itemsize <= 4 else dtype(1.0 / 3)
+    scaled = values * scale
+    expected = scaled + scaled + scaled  # identical inputs: every summing order agrees
+    divided = values / dtype(3)
+    assert (divided + divided + divided).tobytes() != expected.tobytes()  # tells them apart
+    with thread_ring(3, transport=transport) as comms:
+        arrays = [values.copy() for _ in comms]
+        parallel([lambda c=c: c.all_reduce(arrays[c.rank], ReduceOp.AVG) for c in comms])
+    for a in arrays:
+        assert a.tobytes() == expected.tobytes()
+
+
 def test_wrong_secret_is_rejected_and_never_shown() -> None:
     other = bytes(reversed(SECRET))
     socks, addrs = _listeners(2)

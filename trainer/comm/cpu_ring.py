@@ -175,7 +175,7 @@ class CpuRingCommunicator(RankedCommunicator):
             raise CollectiveArgumentError(f"op must be a ReduceOp, got {op!r}")
         with self._collective() as seq:
             if op is ReduceOp.AVG and not _divides_after(flat):
-                np.divide(flat, self.world_size, out=flat)
+                np.multiply(flat, _reciprocal(flat, self.world_size), out=flat)
             if self._shm is not None:
                 expect = (wire.ALL_REDUCE, _OPS[op], dtype_code, seq, flat.nbytes)
                 finish = self._average if op is ReduceOp.AVG and _divides_after(flat) else None
@@ -573,9 +573,20 @@ def _chunks(start: int, stop: int, step: int) -> list[tuple[int, int]]:
 
 def _divides_after(flat: Array) -> bool:
     """Whether AVG divides the sum (integers: floor division) rather than each input.
-    Floats are divided first, as NCCL's AVG does (a premultiplied sum): a float16 sum
+    Floats are scaled first, as NCCL's AVG does (a premultiplied sum): a float16 sum
     of in-range values would otherwise overflow to inf before the division."""
     return flat.dtype.kind != "f"
+
+
+def _reciprocal(flat: Array, n: int) -> Any:
+    """NCCL's premultiplier for AVG over ``n`` ranks in ``flat``'s dtype: 1/n rounded
+    to float32 first for float16 and float32 (``float(1.0/nRanks)``), so that each
+    input is scaled by the same constant and the same product as on a GPU. Dividing
+    instead rounds differently (x/3 and x*float32(1/3) differ in the last bit for a
+    third of float32 values)."""
+    if flat.dtype.itemsize <= 4:
+        return flat.dtype.type(np.float32(1.0 / n))
+    return flat.dtype.type(1.0 / n)
 
 
 def _divide(segment: Array, n: int) -> None:
