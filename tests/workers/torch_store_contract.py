@@ -47,6 +47,11 @@ def ops(store: Any) -> list[Any]:
     record("multi_get", lambda: [v.decode() for v in store.multi_get(["m1", "m2"])])
     record("wait present", lambda: store.wait(["m1"]))
     record("wait absent", lambda: store.wait(["never"], timedelta(milliseconds=200)))
+    # A year (init_process_group(timeout=...) with "forever" in mind) is a wait, not an error.
+    store.set_timeout(timedelta(days=365))
+    record("get, timeout a year", lambda: store.get("m1"))
+    record("wait, a year", lambda: store.wait(["m2"], timedelta(days=365)))
+    store.set_timeout(timedelta(seconds=5))
     prefixed = dist.PrefixStore("round/1", store)
     record("prefix set", lambda: prefixed.set("k", "v"))
     record("prefix get", lambda: prefixed.get("k"))

@@ -207,8 +207,12 @@ class DaemonStore(dist.Store):
             return value.encode()
         return bytes(value)
 
-    def _wait_s(self) -> float:
-        return max(0.001, float(self.timeout.total_seconds()))
+    def _wait_s(self, timeout: timedelta | None = None) -> float:
+        # torch takes any timedelta (a year for "forever"); the SDK refuses waits past
+        # 30 days, and the daemon ends any wait at its --max-wait-s (600 s by default)
+        # anyway, so a longer one is sent as 30 days.
+        seconds = (self.timeout if timeout is None else timeout).total_seconds()
+        return min(max(0.001, float(seconds)), 30 * 24 * 3600.0)
 
     @_store_errors
     def set(self, key: str, value: str | bytes) -> None:
@@ -237,7 +241,7 @@ class DaemonStore(dist.Store):
 
     @_store_errors
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        limit = self._wait_s() if timeout is None else max(0.001, timeout.total_seconds())
+        limit = self._wait_s(timeout)
         for key in keys:
             self._client.kv_get(key, wait=True, timeout=limit)
 
