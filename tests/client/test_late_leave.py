@@ -76,6 +76,28 @@ def _leave_while_paused(d: DaemonProcess, client: RendezvousClient) -> None:
     client.close()
 
 
+def _two_node_agents(d: DaemonProcess, job_id: str) -> list[RendezvousClient]:
+    """Two node agents of 2 ranks each, joined (nodes 0 and 1)."""
+    agents = [
+        RendezvousClient(d.endpoint, job_id, token=d.token, leave_timeout=LEAVE_TIMEOUT_S)
+        for _ in range(2)
+    ]
+    try:
+        parallel(
+            [
+                lambda a=a, n=n: a.join_node(
+                    min_nodes=2, max_nodes=2, gpus_per_node=2, node_rank=n, timeout=20
+                )
+                for n, a in enumerate(agents)
+            ]
+        )
+    except BaseException:
+        for a in agents:
+            a.close()
+        raise
+    return agents
+
+
 def test_a_leave_answered_after_leave_timeout_is_a_leave_not_a_loss(
     paused_daemon: DaemonProcess, job_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -113,19 +135,8 @@ def test_a_node_agent_leaving_late_leaves_every_rank_of_its_node(
 ) -> None:
     d = paused_daemon
     failures: queue.Queue[RendezvousError] = queue.Queue()
-    agents = [
-        RendezvousClient(d.endpoint, job_id, token=d.token, leave_timeout=LEAVE_TIMEOUT_S)
-        for _ in range(2)
-    ]
+    agents = _two_node_agents(d, job_id)
     try:
-        parallel(
-            [
-                lambda a=a, n=n: a.join_node(
-                    min_nodes=2, max_nodes=2, gpus_per_node=2, node_rank=n, timeout=20
-                )
-                for n, a in enumerate(agents)
-            ]
-        )
         for a in agents:
             a.start_heartbeat(0.2, on_failure=failures.put)
         wait_for("node 1's stream acknowledged", lambda: agents[1]._s.stream_leave)
@@ -241,19 +252,8 @@ def test_a_node_agent_s_unanswered_leave_names_its_node_not_a_rank(
 ) -> None:
     """Node 1 holds ranks 2 and 3: its warning said "rank 1 of job"."""
     d = paused_daemon
-    agents = [
-        RendezvousClient(d.endpoint, job_id, token=d.token, leave_timeout=LEAVE_TIMEOUT_S)
-        for _ in range(2)
-    ]
+    agents = _two_node_agents(d, job_id)
     try:
-        parallel(
-            [
-                lambda a=a, n=n: a.join_node(
-                    min_nodes=2, max_nodes=2, gpus_per_node=2, node_rank=n, timeout=20
-                )
-                for n, a in enumerate(agents)
-            ]
-        )
         d.proc.send_signal(signal.SIGSTOP)
         with caplog.at_level(logging.WARNING, logger="rendezvousd.client"):
             agents[1].leave()  # no heartbeat stream: a Leave call, unanswered

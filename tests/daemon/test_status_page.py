@@ -52,6 +52,18 @@ def request(
         conn.close()
 
 
+def login(d: DaemonProcess, token: str) -> tuple[int, dict[str, str]]:
+    """The login form posted with ``token``: its status and headers."""
+    status, headers, _ = request(
+        d,
+        "POST",
+        "/login",
+        body=f"token={token}".encode(),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    return status, headers
+
+
 def api(d: DaemonProcess, path: str, **kw: Any) -> Any:
     status, _, body = request(d, "GET", path, **kw)
     assert status == 200, (status, body)
@@ -130,13 +142,7 @@ def test_login_sets_a_session_cookie_that_is_not_the_token(
     daemon: DaemonProcess, job_id: str
 ) -> None:
     with running_job(daemon, job_id):
-        status, headers, _ = request(
-            daemon,
-            "POST",
-            "/login",
-            body=f"token={daemon.token}".encode(),
-            headers={"Content-Type": "application/x-www-form-urlencoded"},
-        )
+        status, headers = login(daemon, daemon.token)
         assert status == 303 and headers["location"] == "/"
         cookie = headers["set-cookie"]
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Max-Age=" in cookie
@@ -163,13 +169,7 @@ def test_a_job_tokens_session_ends_when_the_token_expires(
     its job last ended) no longer sees the job, however long ago its browser logged in."""
     with running_job(daemon, job_id):
         token = derive_job_token(daemon.token, job_id, int(time.time()) + 2)
-        status, headers, _ = request(
-            daemon,
-            "POST",
-            "/login",
-            body=f"token={token}".encode(),
-            headers={"Content-Type": "application/x-www-form-urlencoded"},
-        )
+        status, headers = login(daemon, token)
         assert status == 303
         session = headers["set-cookie"].split(";", 1)[0]
         assert [j["job_id"] for j in api(daemon, "/api/jobs", cookie=session)["jobs"]] == [job_id]
