@@ -265,6 +265,12 @@ class DistributedConfig:
         "rendezvous-run: a worker that reported progress and then none for this long is hung",
         _POSITIVE,
     )
+    stop_grace_s: float = setting(
+        10.0,
+        "rendezvous-run: when it is stopped (SIGTERM, SIGINT, SIGHUP, SIGQUIT), its workers' "
+        "time to act on the signal (a checkpoint on preemption) before SIGKILL",
+        _POSITIVE,
+    )
     last_call_s: float = setting(
         0.0,
         "elastic: with >= min_nodes joined, wait this long for more before forming "

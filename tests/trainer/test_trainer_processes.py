@@ -231,6 +231,94 @@ def test_a_hangup_stops_the_launcher_as_sigterm_does(tmp_path: Path, signum: int
         assert list(tmp.iterdir()) == [], err  # its socket, token and directory removed
 
 
+@pytest.mark.parametrize("grace", [None, "0.3"], ids=["default grace", "--stop-grace-s 0.3"])
+def test_a_stopped_launchers_workers_get_their_grace_to_checkpoint(
+    tmp_path: Path, grace: str | None
+) -> None:
+    # Preemption: the scheduler's SIGTERM reaches the launcher, whose workers then
+    # save a checkpoint in their handler (2.5 s here) before they exit. Under the
+    # default grace they finish (it was 1 s, as torchrun's is 30 s); a grace shorter
+    # than that ends them with SIGKILL.
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "def stop(signum, frame):\n"
+        "    time.sleep(2.5)\n"
+        f"    open('{tmp_path}/saved-' + os.environ['LOCAL_RANK'], 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "with init_distributed() as ctx:\n"
+        f"    open('{tmp_path}/ready-' + str(ctx.rank), 'w').close()\n"
+        "    time.sleep(600)\n"
+    )
+    flags = [] if grace is None else ["--stop-grace-s", grace]
+    with tempfile.TemporaryDirectory(prefix="rdzv-") as name:
+        launcher = subprocess.Popen(
+            [*_standalone(2, *flags), str(script)],
+            env={**os.environ, "TMPDIR": name},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+            wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+            launcher.send_signal(signal.SIGTERM)
+            _, err = launcher.communicate(timeout=30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(10)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    saved = sorted(p.name for p in tmp_path.glob("saved-*"))
+    assert saved == ([] if grace else ["saved-0", "saved-1"]), err
+
+
+def test_a_stopped_node_tells_the_others_before_its_workers_are_done(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    # Node 0 is stopped and its worker takes 3 s over its handler: node 1 hears why at
+    # once (the abort goes first), not after that worker is done.
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "def stop(signum, frame):\n"
+        "    time.sleep(3)\n"
+        f"    open('{tmp_path}/saved', 'w').close()\n"
+        "    sys.exit(0)\n"
+        "with init_distributed() as ctx:\n"
+        "    if ctx.rank == 0:\n"
+        "        signal.signal(signal.SIGTERM, stop)\n"
+        f"    open('{tmp_path}/ready-' + str(ctx.rank), 'w').close()\n"
+        "    time.sleep(600)\n"
+    )
+    cmd = [launcher_cmd(2, n, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+           for n in range(2)]  # fmt: skip
+    nodes = [
+        subprocess.Popen([*c, "--backend", "cpu", str(script)], stderr=subprocess.PIPE, text=True)
+        for c in cmd
+    ]
+    try:
+        ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+        wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+        nodes[0].send_signal(signal.SIGTERM)
+        _, err = nodes[1].communicate(timeout=30)
+        saved_before = (tmp_path / "saved").exists()
+        nodes[0].communicate(timeout=30)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait(10)
+    assert nodes[1].returncode != 0, err
+    assert "stopped by signal 15" in err, err
+    assert not saved_before, err  # node 1 was done before node 0's worker
+    assert nodes[0].returncode == 128 + signal.SIGTERM
+    assert (tmp_path / "saved").exists()
+
+
 @pytest.mark.parametrize("flags", [["--standalone"], []])
 def test_standalone_is_the_file_transport_hosted_by_the_launcher(
     tmp_path: Path, flags: list[str]

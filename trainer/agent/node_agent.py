@@ -586,15 +586,22 @@ class NodeAgent:
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
         """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
         signum = self._interrupt or 15
-        # Passed on, as torchrun does: in sessions of their own, the workers get no
-        # Ctrl-C from the terminal (a SIGINT then raises KeyboardInterrupt there).
-        stop_all(self.active, f"rendezvous-run on {self.host} got signal {signum}", 1.0, signum)
-        self.active = []
         if gen is not None:
+            # First: the other nodes hear the cause now, not once this node's workers
+            # are done with their handlers (meanwhile theirs would block in collectives
+            # with ours, then blame the broken connections).
             with contextlib.suppress(RendezvousError):
                 self.client.abort(
                     f"rendezvous-run on host {self.host} was stopped by signal {signum}",
                     generation=gen,
                 )
+        # Passed on, as torchrun does: in sessions of their own, the workers get no
+        # Ctrl-C from the terminal (a SIGINT then raises KeyboardInterrupt there). As
+        # torchrun, they get time to act on it (a preemption's checkpoint), where a
+        # failure's stop (STOP_GRACE_S) gives none: their state is in the agent.
+        cause = f"rendezvous-run on {self.host} got signal {signum}"
+        stop_all(self.active, cause, self.config.stop_grace_s, signum)
+        self.active = []
+        if gen is not None:
             self._end_generation()
         return Interrupted(signum)
