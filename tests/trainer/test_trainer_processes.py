@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -190,6 +190,18 @@ def test_a_stopped_workers_own_child_processes_go_with_it(
                 os.kill(pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _heard(signum: int) -> Iterator[None]:
+    """``signum`` at its default while a child is started: the launcher leaves a signal
+    it inherited ignored alone (nohup), and a run under ``nohup``, or in the background
+    of a shell without job control (SIGINT and SIGQUIT ignored), would hand it one."""
+    previous = signal.signal(signum, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
 def test_a_hangup_stops_the_launcher_as_sigterm_does(tmp_path: Path, signum: int) -> None:
     # A closed terminal or SSH session (SIGHUP), or Ctrl-\ (SIGQUIT): torchrun handles
@@ -208,7 +220,7 @@ def test_a_hangup_stops_the_launcher_as_sigterm_does(tmp_path: Path, signum: int
     )
     # Short: the daemon's socket goes in a directory made in it (a UNIX socket path
     # has 108 bytes at most).
-    with tempfile.TemporaryDirectory(prefix="rdzv-") as name:
+    with tempfile.TemporaryDirectory(prefix="rdzv-") as name, _heard(signum):
         tmp = Path(name)
         launcher = subprocess.Popen(
             [*_standalone(2), str(script)],
