@@ -263,10 +263,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 gidx = global_batch(args.samples, topo, epoch, offset, args.batch, args.seed)
                 host_params = {k: to_host(v) for k, v in params.items()}
                 _, full = loss_and_grads(host_params, x_host[gidx], y_host[gidx])
-                max_diff = max(
-                    max_diff,
-                    *(float(np.max(np.abs(to_host(grads[k]) - full[k]))) for k in PARAMS),
-                )
+                # np.max, not max(): a NaN must stick and fail the check, where
+                # max(0.0, nan) is 0.0 and would report a diverged run as exact.
+                diffs = [np.max(np.abs(to_host(grads[k]) - full[k])) for k in PARAMS]
+                max_diff = float(np.max([max_diff, *diffs]))
                 if step % args.log_every == 0 or step == args.steps - 1:
                     log.info(
                         "step %d/%d loss %.5f max|grad - baseline| %.2e",

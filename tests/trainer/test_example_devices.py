@@ -129,6 +129,17 @@ def test_nccl_backend_on_fake_device_trains_checkpoints_and_resumes_like_cpu(
     assert on_cpu["start_step"] == 6 and on_cpu["params_sha256"] == straight["params_sha256"]
 
 
+def test_a_diverged_run_fails_the_gradient_check_instead_of_reporting_it_exact(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    # lr 1e30 overflows the parameters, so the gradients turn NaN: no agreement can be
+    # vouched for, and the demo's `max_diff <= GRAD_TOLERANCE` must not pass.
+    result = run_example(daemon, job_id, "cpu", tmp_path, "--steps", "6", "--lr", "1e30")
+    assert np.isnan(result["final_loss"])
+    diff = result["max_abs_grad_diff_vs_single_process"]
+    assert not diff <= demo.GRAD_TOLERANCE, diff
+
+
 def test_gpu_layout_never_puts_two_ranks_on_one_gpu() -> None:
     assert demo.gpu_layout(["0"]) == [["0"]]
     assert demo.gpu_layout(["0", "1"]) == [["0"], ["1"]]
