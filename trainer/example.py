@@ -297,10 +297,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         busbw = bus_bandwidth(comm, xp)
         ctx.rendezvous.raise_if_failed()
         wrote = False
-        if ckpt_dir is not None:
-            wrote = save_checkpoint(
-                checkpoint_path(ckpt_dir, step), params, {"step": step, "loss": loss}, rank=topo
-            )
+        # A run resumed at its last step trains none and knows no loss: rewriting the
+        # checkpoint it resumed from would only replace the recorded loss with NaN.
+        final = None if ckpt_dir is None else checkpoint_path(ckpt_dir, step)
+        if final is not None and (step > start_step or not final.exists()):
+            wrote = save_checkpoint(final, params, {"step": step, "loss": loss}, rank=topo)
         reducer.close()
         result = {
             "rank": topo.rank,

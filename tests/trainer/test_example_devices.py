@@ -140,6 +140,25 @@ def test_a_diverged_run_fails_the_gradient_check_instead_of_reporting_it_exact(
     assert not diff <= demo.GRAD_TOLERANCE, diff
 
 
+def test_resuming_a_finished_run_keeps_its_final_checkpoint_as_it_was(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    from rendezvousd.trainer.checkpoint import checkpoint_path, load_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    flags = ("--steps", "4", "--checkpoint-dir", str(ckpt))
+    first = run_example(daemon, f"{job_id}-a", "cpu", tmp_path / "a", *flags)
+    final = checkpoint_path(ckpt, 4)
+    before = load_checkpoint(final)[1]
+    assert before == {"step": 4, "loss": first["final_loss"]}
+    # A rerun of the same command with --resume (a scheduler that always resumes).
+    again = run_example(daemon, f"{job_id}-b", "cpu", tmp_path / "b", *flags, "--resume")
+    assert (again["start_step"], again["steps"]) == (4, 0)
+    assert again["params_sha256"] == first["params_sha256"]
+    assert load_checkpoint(final)[1] == before  # its loss was overwritten with NaN
+    assert not again["checkpoint_written"]
+
+
 def test_gpu_layout_never_puts_two_ranks_on_one_gpu() -> None:
     assert demo.gpu_layout(["0"]) == [["0"]]
     assert demo.gpu_layout(["0", "1"]) == [["0"], ["1"]]
