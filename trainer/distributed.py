@@ -144,7 +144,10 @@ class DistributedContext:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self.close(clean=exc_type is None, error=exc)
+        # sys.exit(0) in the block succeeds, as it does after it: as a failure it would
+        # fail the job and stop the ranks still finishing (a final checkpoint).
+        success = isinstance(exc, SystemExit) and exc.code in (None, 0)
+        self.close(clean=exc_type is None or success, error=exc)
 
 
 # Enough for the daemon to see a dead process's heartbeat stream close, or for this
