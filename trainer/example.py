@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.checkpoint_every < 0:
         p.error(f"--checkpoint-every={args.checkpoint_every} must be >= 0 (0: only at the end)")
+    if args.resume and not args.checkpoint_dir:
+        # Else it would quietly start over at step 0: there is nowhere to resume from.
+        p.error("--resume needs --checkpoint-dir (where rank 0's checkpoints are)")
     try:
         result = train(args)
     except TrainerError as exc:

@@ -159,6 +159,20 @@ def test_resuming_a_finished_run_keeps_its_final_checkpoint_as_it_was(
     assert not again["checkpoint_written"]
 
 
+def test_resume_without_a_checkpoint_dir_is_refused_not_a_fresh_start(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    run = subprocess.run(
+        [sys.executable, *EXAMPLE, *TRAIN, "--steps", "1", "--resume"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "--resume needs --checkpoint-dir" in run.stderr
+
+
 def test_gpu_layout_never_puts_two_ranks_on_one_gpu() -> None:
     assert demo.gpu_layout(["0"]) == [["0"]]
     assert demo.gpu_layout(["0", "1"]) == [["0"], ["1"]]
