@@ -253,6 +253,24 @@ def _buffer_ops(grads: Sequence[Any], rank: int) -> _NumpyOps | nccl.CupyBufferO
     return _NumpyOps()
 
 
+def _refuse_aliases(grads: Sequence[Any], rank: int) -> None:
+    """Refuse one gradient registered twice (a tied weight's, or a view of it: ``g``,
+    ``g.T`` and ``g.reshape(...)`` start at the same address): in two buckets it
+    would be reduced twice, the second time from the first's result, so a sum
+    came out ``world_size`` times too large. DDP, too, reduces a shared parameter once."""
+    first_at: dict[int, int] = {}
+    for index, grad in enumerate(grads):
+        if grad.size == 0:
+            continue  # takes part in no bucket; its address means nothing
+        address = grad.ctypes.data if isinstance(grad, np.ndarray) else grad.data.ptr
+        first = first_at.setdefault(int(address), index)
+        if first != index:
+            raise CollectiveArgumentError(
+                f"rank {rank}: gradients {first} and {index} are the same memory; register "
+                "a shared (tied) parameter's gradient once"
+            )
+
+
 class BucketedAllReducer:
     """All-reduce a fixed list of gradients in buckets, overlapping with backward.
 
@@ -284,6 +302,7 @@ class BucketedAllReducer:
         self._average = average
         rank = communicator.rank
         self._ops = _buffer_ops(self._grads, rank) if self._grads else _NumpyOps()
+        _refuse_aliases(self._grads, rank)
         self._specs = tuple(GradSpec.of(g) for g in self._grads)
         if average:
             bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind not in "fc"})

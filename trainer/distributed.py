@@ -44,6 +44,7 @@ from rendezvousd.trainer.errors import (
     ConfigError,
     PeerConnectionError,
     RetriesExhausted,
+    TrainerError,
 )
 from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
 
@@ -143,7 +144,10 @@ class DistributedContext:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self.close(clean=exc_type is None, error=exc)
+        # sys.exit(0) in the block succeeds, as it does after it: as a failure it would
+        # fail the job and stop the ranks still finishing (a final checkpoint).
+        success = isinstance(exc, SystemExit) and exc.code in (None, 0)
+        self.close(clean=exc_type is None or success, error=exc)
 
 
 # Enough for the daemon to see a dead process's heartbeat stream close, or for this
@@ -188,14 +192,27 @@ def _drop_out(rdzv: Rendezvous, error: BaseException | None) -> None:
     rdzv.close()
 
 
+#: Whether this process took (or waits for) its node agent's assignment. The agent
+#: assigns a worker once: a second call would wait for another forever, and its second
+#: socket on the channel's descriptor would close it under the first when collected.
+_assigned = False
+
+
 def init_distributed(
     config_path: str | None = None, *, env: Mapping[str, str] | None = None
 ) -> DistributedContext:
     """Join the job and build the communicator. Under ``rendezvous-run`` the node
     agent's hand-off is the whole configuration (``config_path`` and ``env`` are
-    not read); otherwise ``load_config(config_path, env=env)``."""
+    not read), once per worker; otherwise ``load_config(config_path, env=env)``."""
+    global _assigned
+    if _assigned:
+        raise TrainerError(
+            f"init_distributed() was already called in this worker (pid {os.getpid()}): "
+            "rendezvous-run assigns each worker once; keep the DistributedContext it returned"
+        )
     environ = os.environ if env is None else env
     link = AgentLink.from_env(environ)
+    _assigned = link is not None
     if link is not None:
         return _init_from_agent(link, os.environ if env is None else None)
     # Only here: the transports (the file one brings the embedded daemon and its

@@ -263,10 +263,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 gidx = global_batch(args.samples, topo, epoch, offset, args.batch, args.seed)
                 host_params = {k: to_host(v) for k, v in params.items()}
                 _, full = loss_and_grads(host_params, x_host[gidx], y_host[gidx])
-                max_diff = max(
-                    max_diff,
-                    *(float(np.max(np.abs(to_host(grads[k]) - full[k]))) for k in PARAMS),
-                )
+                # np.max, not max(): a NaN must stick and fail the check, where
+                # max(0.0, nan) is 0.0 and would report a diverged run as exact.
+                diffs = [np.max(np.abs(to_host(grads[k]) - full[k])) for k in PARAMS]
+                max_diff = float(np.max([max_diff, *diffs]))
                 if step % args.log_every == 0 or step == args.steps - 1:
                     log.info(
                         "step %d/%d loss %.5f max|grad - baseline| %.2e",
@@ -297,10 +297,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         busbw = bus_bandwidth(comm, xp)
         ctx.rendezvous.raise_if_failed()
         wrote = False
-        if ckpt_dir is not None:
-            wrote = save_checkpoint(
-                checkpoint_path(ckpt_dir, step), params, {"step": step, "loss": loss}, rank=topo
-            )
+        # A run resumed at its last step trains none and knows no loss: rewriting the
+        # checkpoint it resumed from would only replace the recorded loss with NaN.
+        final = None if ckpt_dir is None else checkpoint_path(ckpt_dir, step)
+        if final is not None and (step > start_step or not final.exists()):
+            wrote = save_checkpoint(final, params, {"step": step, "loss": loss}, rank=topo)
         reducer.close()
         result = {
             "rank": topo.rank,
@@ -374,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.checkpoint_every < 0:
         p.error(f"--checkpoint-every={args.checkpoint_every} must be >= 0 (0: only at the end)")
+    if args.resume and not args.checkpoint_dir:
+        # Else it would quietly start over at step 0: there is nowhere to resume from.
+        p.error("--resume needs --checkpoint-dir (where rank 0's checkpoints are)")
     try:
         result = train(args)
     except TrainerError as exc:

@@ -361,6 +361,22 @@ def test_bad_gradients_are_rejected() -> None:
         r.all_reduce_all()
 
 
+def test_a_gradient_registered_twice_is_refused() -> None:
+    # A tied weight listed twice lands in two buckets here; the second would reduce
+    # the first's result again: a sum over 2 ranks of ones came out 4, not 2.
+    for alias in (lambda g: g, lambda g: g.reshape(50, 20).T):
+        tied = np.ones(1000, np.float32)
+        grads = [tied, np.ones(1000, np.float32), alias(tied)]
+        with pytest.raises(errs.CollectiveArgumentError, match="gradients 0 and 2 are the same"):
+            BucketedAllReducer(grads, SoloCommunicator(2), cap_bytes=4000, average=False)
+    # Disjoint views of one flat buffer are separate gradients, and empty ones share nothing.
+    flat = np.ones(20, np.float32)
+    grads = [flat[:10], flat[10:], np.ones(0, np.float32), np.ones(0, np.float32)]
+    with BucketedAllReducer(grads, SoloCommunicator(2), cap_bytes=8, average=False) as r:
+        r.all_reduce_all()
+    assert (flat == 2).all()
+
+
 def test_closed_reducer_refuses_work() -> None:
     reducer = BucketedAllReducer([np.zeros(3, np.float32)], SoloCommunicator())
     reducer.close()

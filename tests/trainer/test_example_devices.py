@@ -129,6 +129,50 @@ def test_nccl_backend_on_fake_device_trains_checkpoints_and_resumes_like_cpu(
     assert on_cpu["start_step"] == 6 and on_cpu["params_sha256"] == straight["params_sha256"]
 
 
+def test_a_diverged_run_fails_the_gradient_check_instead_of_reporting_it_exact(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    # lr 1e30 overflows the parameters, so the gradients turn NaN: no agreement can be
+    # vouched for, and the demo's `max_diff <= GRAD_TOLERANCE` must not pass.
+    result = run_example(daemon, job_id, "cpu", tmp_path, "--steps", "6", "--lr", "1e30")
+    assert np.isnan(result["final_loss"])
+    diff = result["max_abs_grad_diff_vs_single_process"]
+    assert not diff <= demo.GRAD_TOLERANCE, diff
+
+
+def test_resuming_a_finished_run_keeps_its_final_checkpoint_as_it_was(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    from rendezvousd.trainer.checkpoint import checkpoint_path, load_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    flags = ("--steps", "4", "--checkpoint-dir", str(ckpt))
+    first = run_example(daemon, f"{job_id}-a", "cpu", tmp_path / "a", *flags)
+    final = checkpoint_path(ckpt, 4)
+    before = load_checkpoint(final)[1]
+    assert before == {"step": 4, "loss": first["final_loss"]}
+    # A rerun of the same command with --resume (a scheduler that always resumes).
+    again = run_example(daemon, f"{job_id}-b", "cpu", tmp_path / "b", *flags, "--resume")
+    assert (again["start_step"], again["steps"]) == (4, 0)
+    assert again["params_sha256"] == first["params_sha256"]
+    assert load_checkpoint(final)[1] == before  # its loss was overwritten with NaN
+    assert not again["checkpoint_written"]
+
+
+def test_resume_without_a_checkpoint_dir_is_refused_not_a_fresh_start(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    run = subprocess.run(
+        [sys.executable, *EXAMPLE, *TRAIN, "--steps", "1", "--resume"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "--resume needs --checkpoint-dir" in run.stderr
+
+
 def test_gpu_layout_never_puts_two_ranks_on_one_gpu() -> None:
     assert demo.gpu_layout(["0"]) == [["0"]]
     assert demo.gpu_layout(["0", "1"]) == [["0"], ["1"]]

@@ -1,0 +1,88 @@
+"""``init_distributed`` misuse in real workers under a real ``rendezvous-run``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import DaemonProcess, launcher_cmd
+
+
+def test_a_second_init_distributed_under_the_launcher_fails_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    init_distributed()\n"
+    )
+    launcher = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", "--standalone"]
+    proc = subprocess.Popen(
+        [*launcher, "--nproc-per-node", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the launcher stops its workers on SIGTERM
+        proc.communicate(timeout=60)
+        pytest.fail("the second init_distributed() waited for a second assignment forever")
+    assert proc.returncode != 0
+    assert "init_distributed() was already called in this worker" in err, err[-3000:]
+    assert "rendezvous-run assigns each worker once" in err
+
+
+def test_sys_exit_0_inside_the_with_block_is_a_success_not_a_failure(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    # Rank 1 finishes early with sys.exit(0) inside the block; rank 0 is still writing
+    # its final checkpoint. Reported as a failure ("SystemExit: 0"), it made node 0's
+    # agent stop rank 0 mid-checkpoint and fail the job.
+    script = tmp_path / "exit0.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import numpy as np\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        f"marker, done = {str(tmp_path / 'exited')!r}, {str(tmp_path / 'done')!r}\n"
+        "with init_distributed() as ctx:\n"
+        "    ctx.communicator.all_reduce(np.ones(4))\n"
+        "    if ctx.rank == 1:\n"
+        "        open(marker, 'w').write(str(os.getpid()))\n"
+        "        sys.exit(0)\n"
+        "    while not os.path.exists(marker) or not open(marker).read():\n"
+        "        time.sleep(0.05)\n"
+        "    pid = int(open(marker).read())\n"
+        "    while os.path.exists(f'/proc/{pid}'):\n"
+        "        time.sleep(0.05)\n"
+        "    time.sleep(1)  # the window in which a reported failure stopped this rank\n"
+        "    open(done, 'w').close()\n"
+    )
+    nodes = [
+        subprocess.Popen(
+            [
+                *launcher_cmd(2, n, 1, endpoint=daemon.endpoint, token_file=daemon.token_file),
+                "--job-id",
+                job_id,
+                str(script),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        outs = [n.communicate(timeout=60) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.terminate()
+                n.communicate(timeout=60)
+    assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    assert (tmp_path / "done").exists()
