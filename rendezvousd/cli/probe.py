@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,15 +19,38 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import grid
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.model import MemberState
+from rendezvousd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rendezvousd.client.connection import TlsConfig
 
 EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
 DEFAULT_ENDPOINT = "127.0.0.1:29420"
 
 
-def _channel(args: argparse.Namespace) -> grpc.Channel:
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS files the flags name, checked first: an unreadable one would be a
+    traceback, and a certificate without its key (or a key without its certificate)
+    aborts the whole process inside gRPC's core. Raises ConfigError naming the flag."""
     from rendezvousd.client.connection import TlsConfig
 
-    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together (mTLS): give both or neither")
+    if args.tls_cert is not None and args.tls_ca is None:
+        raise ConfigError(
+            "--tls-cert/--tls-key need --tls-ca, the CA that signed the daemon's certificate"
+        )
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+                       ("--tls-key", args.tls_key)):  # fmt: skip
+        try:
+            if path is not None:
+                Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {flag} {path}: {exc.strerror}") from None
+    return TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+
+
+def _channel(args: argparse.Namespace, tls: TlsConfig | None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(args.endpoint)
     options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
@@ -35,7 +58,12 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def _health(args: argparse.Namespace) -> int:
-    with _channel(args) as channel:
+    try:
+        tls = _tls(args)
+    except ConfigError as exc:
+        print(f"rendezvousd health: {exc}", file=sys.stderr)
+        return EXIT_ARGS
+    with _channel(args, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(
@@ -71,9 +99,13 @@ def _age(ms: int) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rendezvousd.client import RendezvousClient, RendezvousError, TlsConfig
+    from rendezvousd.client import RendezvousClient, RendezvousError
 
-    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    try:
+        tls = _tls(args)
+    except ConfigError as exc:
+        print(f"rendezvousd status: {exc}", file=sys.stderr)
+        return EXIT_ARGS
     # Watching redraws a terminal; piped or redirected, it is the one snapshot a
     # script can read.
     watch = args.watch is not None and sys.stdout.isatty()

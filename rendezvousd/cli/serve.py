@@ -143,6 +143,9 @@ def _token(args: argparse.Namespace) -> int:
     except FileExistsError:
         print(f"rendezvousd token: {path} exists; pass --force to replace it", file=sys.stderr)
         return 1
+    except OSError as exc:
+        print(f"rendezvousd token: cannot write {path}: {exc.strerror}", file=sys.stderr)
+        return 1
     if args.job is None:
         what = "a new token"
     else:
