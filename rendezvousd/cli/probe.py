@@ -99,7 +99,7 @@ def _age(ms: int) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rendezvousd.client import RendezvousClient, RendezvousError
+    from rendezvousd.client import NotFound, RendezvousClient, RendezvousError
 
     try:
         tls = _tls(args)
@@ -121,7 +121,13 @@ def _status(args: argparse.Namespace) -> int:
             def snapshot() -> str:
                 if args.job:
                     return render_job(client.get_job(args.job))
-                return render([client.get_job(j.job_id) for j in client.list_jobs()])
+                jobs = []
+                for summary in client.list_jobs():
+                    try:
+                        jobs.append(client.get_job(summary.job_id))
+                    except NotFound:  # forgotten since it was listed: no longer a job
+                        continue
+                return render(jobs)
 
             if not watch:
                 print(snapshot())

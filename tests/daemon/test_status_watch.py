@@ -9,7 +9,12 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
+import pytest
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.cli.serve import main
 from rendezvousd.client import RendezvousClient
 from tests.support import DaemonProcess, parallel, wait_for
 
@@ -117,3 +122,28 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
     # The job's step is its slowest ACTIVE rank's, as on the status page (JobView.step):
     # lost rank 4's step 2 is no longer where the job stands.
     assert "step 10 · restarts" in failed.stdout, failed.stdout
+
+
+def test_status_skips_a_job_forgotten_between_listing_and_reading_it(
+    start_daemon: Callable[..., DaemonProcess],
+    job_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    d = start_daemon("--job-ttl-s", "0.5")
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+        c.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0)
+        c.leave()
+    listed = RendezvousClient.list_jobs
+
+    def list_then_forget(client: RendezvousClient) -> list[pb.JobSummary]:
+        jobs = listed(client)
+        assert [j.job_id for j in jobs] == [job_id]
+        # The daemon forgets the job after ListJobs answered, before `status` reads it.
+        wait_for("the job forgotten", lambda: listed(client) == [], timeout=20)
+        return jobs
+
+    monkeypatch.setattr(RendezvousClient, "list_jobs", list_then_forget)
+    args = ["status", "--endpoint", d.endpoint, "--token-file", str(d.token_file)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "(no jobs)" in capsys.readouterr().out
