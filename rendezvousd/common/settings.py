@@ -492,9 +492,9 @@ class Schema(Generic[T]):
                     "metavar": option.key.rsplit(".", 1)[-1].upper(),
                 }
             )
-            parser.add_argument(
-                *names, dest=_dest(names), default=None, help=option.help + env, **takes
-            )
+            # argparse formats help with %: a literal one ("15 % less") must be doubled.
+            text = (option.help + env).replace("%", "%%")
+            parser.add_argument(*names, dest=_dest(names), default=None, help=text, **takes)
 
     def _arg_type(self, option: Option) -> Callable[[str], Any]:
         def parse(text: str) -> Any:
