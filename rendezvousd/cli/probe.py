@@ -74,12 +74,28 @@ def _health(args: argparse.Namespace) -> int:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 from rendezvousd.client.connection import speaks_tls
 
-                # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
-                why = (
-                    f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
-                    if args.tls_ca is None and speaks_tls(args.endpoint)
-                    else f"cannot reach {args.endpoint}: {code.name}"
-                )
+                # gRPC's reason for the last failed connection attempt.
+                reason = str(exc.details() or "").rsplit("last error: ", 1)[-1]
+                lowered = reason.lower()
+                if args.tls_ca is None and speaks_tls(args.endpoint):
+                    # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
+                    why = f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
+                elif tls is not None and any(
+                    sign in lowered
+                    for sign in ("handshake", "certificate", "verification", "socket closed")
+                ):
+                    # The daemon is up, but refused this client's TLS ("socket closed":
+                    # how a --tls-client-ca daemon turns away a client certificate).
+                    why = (
+                        f"the TLS handshake with {args.endpoint} failed ({reason}): check "
+                        "--tls-ca (the CA that signed the daemon's certificate) and "
+                        "--tls-server-name; a daemon with --tls-client-ca also needs "
+                        "--tls-cert/--tls-key signed by that CA"
+                        if speaks_tls(args.endpoint)
+                        else f"the daemon at {args.endpoint} does not speak TLS: drop --tls-ca"
+                    )
+                else:
+                    why = f"cannot reach {args.endpoint}: {code.name}"
                 print(f"rendezvousd health: {why}", file=sys.stderr)
                 return EXIT_CONNECTION
             print(

@@ -549,3 +549,39 @@ def test_probe_commands_name_a_tls_flag_that_cannot_work(
     )  # fmt: skip
     assert done.returncode == 1, (done.returncode, done.stderr)
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("--tls-ca", "rogue_ca"), "CERTIFICATE_VERIFY_FAILED"),
+        (("--tls-ca", "ca"), "Socket closed"),  # no client certificate: mTLS refuses it
+        (("--tls-ca", "ca", "--tls-cert", "rogue", "--tls-key", "rogue_key"), "Socket closed"),
+    ],
+)
+def test_health_says_why_a_tls_daemon_refused_it(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], flags: tuple[str, ...], said: str
+) -> None:
+    d = start_daemon(
+        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca),
+    )  # fmt: skip
+    args = [f if f.startswith("--") else str(getattr(pki, f)) for f in flags]
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", d.endpoint,
+         "--tls-server-name", "localhost", "--timeout", "5", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"the TLS handshake with {d.endpoint} failed (" in done.stderr, done.stderr
+    assert said in done.stderr and "--tls-client-ca also needs" in done.stderr
+
+
+def test_health_with_tls_says_the_daemon_speaks_plaintext(pki: Pki, daemon: DaemonProcess) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", daemon.endpoint,
+         "--tls-ca", str(pki.ca), "--timeout", "5"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"the daemon at {daemon.endpoint} does not speak TLS: drop --tls-ca" in done.stderr
