@@ -1,7 +1,8 @@
 """``rendezvousd health`` and ``rendezvousd status``: look at a running daemon.
 
 ``health`` mirrors grpc_health_probe's exit codes: 0 serving, 1 bad arguments,
-2 connection failure or timeout, 3 RPC failure, 4 not serving.
+2 connection failure or timeout, 3 RPC failure, 4 not serving; ``status`` uses the
+first four.
 """
 
 from __future__ import annotations
@@ -115,7 +116,13 @@ def _age(ms: int) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rendezvousd.client import NotFound, RendezvousClient, RendezvousError
+    from rendezvousd.client import (
+        DaemonUnavailable,
+        InvalidRequest,
+        NotFound,
+        RendezvousClient,
+        RendezvousError,
+    )
 
     try:
         tls = _tls(args)
@@ -161,7 +168,10 @@ def _status(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
     except RendezvousError as exc:
         print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
-        return EXIT_RPC
+        # health's exit codes, so a script tells a daemon down from a refused call.
+        if isinstance(exc, DaemonUnavailable):
+            return EXIT_CONNECTION
+        return EXIT_ARGS if isinstance(exc, InvalidRequest) else EXIT_RPC
     except KeyboardInterrupt:
         return 0
 

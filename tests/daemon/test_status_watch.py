@@ -16,7 +16,7 @@ import pytest
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.cli.serve import main
 from rendezvousd.client import RendezvousClient
-from tests.support import DaemonProcess, parallel, wait_for
+from tests.support import DaemonProcess, free_port, parallel, wait_for
 
 
 def _status(d: DaemonProcess, job: str) -> list[str]:
@@ -147,3 +147,20 @@ def test_status_skips_a_job_forgotten_between_listing_and_reading_it(
     args = ["status", "--endpoint", d.endpoint, "--token-file", str(d.token_file)]
     assert main(args) == 0, capsys.readouterr().err
     assert "(no jobs)" in capsys.readouterr().out
+
+
+def test_status_exit_codes_tell_a_daemon_down_from_a_refused_call(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """health's codes: 1 bad arguments, 2 unreachable, 3 the call failed."""
+    base = [sys.executable, "-m", "rendezvousd.cli", "status", "--token-file"]
+    cases = [
+        (["--timeout", "-1", "--endpoint", daemon.endpoint], 1, "call_timeout=-1.0"),
+        (["--timeout", "1", "--endpoint", f"127.0.0.1:{free_port()}"], 2, "is the daemon running"),
+        (["--endpoint", daemon.endpoint, job_id], 3, "does not exist"),
+    ]
+    for args, code, said in cases:
+        done = subprocess.run(
+            [*base, str(daemon.token_file), *args], capture_output=True, text=True, timeout=60
+        )
+        assert (done.returncode, said in done.stderr) == (code, True), (args, done.stderr)
