@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -526,3 +527,30 @@ def test_a_job_token_that_expires_is_refused_for_the_calls_after_on_its_open_str
     finally:
         s.close()
     assert unary(daemon, "GetJob", pb.GetJobRequest(job_id=job_id)).kv_keys == 0
+
+
+@pytest.mark.parametrize("method", ["Calls", "CallBatches"])
+def test_a_call_that_outlasts_its_deadline_ends_deadline_exceeded_as_a_unary_call(
+    start_daemon: Any, tmp_path: Path, job_id: str, method: str
+) -> None:
+    """A KvSet waiting for its commit, which another process's lock on the state
+    database holds up (the daemon's writer waits up to 5 s for it)."""
+    d = start_daemon("--state-dir", str(tmp_path / "state"))
+    s = Stream(d, method=method)
+    locker = None
+    try:
+        s.send(1, "join", join_one(job_id))
+        assert s.reply(1).join.world_size == 1
+        locker = sqlite3.connect(tmp_path / "state" / "state.db", isolation_level=None)
+        locker.execute("BEGIN IMMEDIATE")
+        member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+        s.send(2, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"), timeout_ms=300)
+        got = status_of(s.reply(2))
+        # Not the STORAGE_UNAVAILABLE the commit ends with once the writer gives up.
+        assert got.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], got
+        assert "not answered within its timeout_ms=300" in got.message
+    finally:
+        if locker is not None:
+            locker.execute("COMMIT")
+            locker.close()
+        s.close()
