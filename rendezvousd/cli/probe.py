@@ -8,8 +8,10 @@ first four.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -256,10 +258,36 @@ def _ending(job: Any) -> list[str]:
     return lines + ([f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else [])
 
 
+# The SDK's longest wait (30 days): what a client can send as a deadline.
+MAX_SECONDS = 30 * 86400
+
+
+def _seconds(least: float) -> Callable[[str], float]:
+    """An argparse type: seconds from ``least`` to MAX_SECONDS. gRPC takes a negative,
+    NaN or huge timeout as already passed ("cannot reach" a daemon that is up), and
+    time.sleep refuses them (a traceback); --watch 0 redrew without a pause, hammering
+    the daemon."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not least <= value <= MAX_SECONDS:  # NaN fails too
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of seconds from {least:g} to {MAX_SECONDS}"
+            )
+        return value
+
+    return parse
+
+
 def add_probe_commands(sub: Any) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="HOST:PORT of the daemon")
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds before giving up")
+        p.add_argument(
+            "--timeout", type=_seconds(0.001), default=5.0, help="seconds before giving up"
+        )
         p.add_argument("--tls-ca", default=None, help="PEM CA that signed the daemon's certificate")
         p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS)")
         p.add_argument("--tls-key", default=None, help="PEM client key (mTLS)")
@@ -281,7 +309,7 @@ def add_probe_commands(sub: Any) -> None:
     )
     status.add_argument(
         "--watch",
-        type=float,
+        type=_seconds(0.1),
         nargs="?",
         const=1.0,
         default=None,

@@ -155,12 +155,35 @@ def test_status_exit_codes_tell_a_daemon_down_from_a_refused_call(
     """health's codes: 1 bad arguments, 2 unreachable, 3 the call failed."""
     base = [sys.executable, "-m", "rendezvousd.cli", "status", "--token-file"]
     cases = [
-        (["--timeout", "-1", "--endpoint", daemon.endpoint], 1, "call_timeout=-1.0"),
+        (["/nonexistent", "--endpoint", daemon.endpoint], 1, "cannot read token file"),
         (["--timeout", "1", "--endpoint", f"127.0.0.1:{free_port()}"], 2, "is the daemon running"),
         (["--endpoint", daemon.endpoint, job_id], 3, "does not exist"),
     ]
     for args, code, said in cases:
-        done = subprocess.run(
-            [*base, str(daemon.token_file), *args], capture_output=True, text=True, timeout=60
-        )
+        token = [] if args[0].startswith("/") else [str(daemon.token_file)]
+        done = subprocess.run([*base, *token, *args], capture_output=True, text=True, timeout=60)
         assert (done.returncode, said in done.stderr) == (code, True), (args, done.stderr)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["health", "--timeout", "-1"],  # gRPC took it as passed: "cannot reach" a live daemon
+        ["health", "--timeout", "inf"],
+        ["status", "--timeout", "nan"],
+        ["status", "--watch", "0"],  # redrew without a pause
+        ["status", "--watch", "-1"],  # time.sleep's ValueError, on a terminal
+    ],
+)
+def test_probe_commands_refuse_seconds_they_cannot_wait(
+    daemon: DaemonProcess, args: list[str]
+) -> None:
+    if args[0] == "status":
+        args = [*args, "--token-file", str(daemon.token_file)]
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", *args, "--endpoint", daemon.endpoint],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"argument {args[1]}: '{args[2]}' is not a number of seconds" in done.stderr
+    assert "Traceback" not in done.stderr
