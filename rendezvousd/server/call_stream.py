@@ -236,7 +236,7 @@ class CallStream:
                     running[call.id] = task
                     task.add_done_callback(functools.partial(_forget, running, call.id))
                     if call.timeout_ms:
-                        _expire_at_deadline(call, field, task, replies)
+                        _expire_at_deadline(call.id, call.timeout_ms, field, task, replies)
         except asyncio.CancelledError:
             if not self._draining:
                 raise
@@ -355,7 +355,7 @@ def _batch_entry(reply_bytes: bytes) -> bytes:
 
 
 def _expire_at_deadline(
-    call: pb.Call, field: str, task: asyncio.Task[None], replies: _Outbox
+    call_id: int, timeout_ms: int, field: str, task: asyncio.Task[None], replies: _Outbox
 ) -> None:
     """End ``task`` at its call's deadline, answered DEADLINE_EXCEEDED, as gRPC ends a
     unary call whose deadline passed. A wait is answered before (``_wait_s``, naming
@@ -366,15 +366,15 @@ def _expire_at_deadline(
         if task.done():
             return  # its reply is out (it is put just before the task ends)
         message = (
-            f"call {call.id} ({field}) was not answered within its timeout_ms="
-            f"{call.timeout_ms}; the daemon may still complete it, as a unary call's"
+            f"call {call_id} ({field}) was not answered within its timeout_ms={timeout_ms}; "
+            "the daemon may still complete it, as a unary call's"
         )
         replies.put(
-            reply(call.id, _ERROR_FIELD, _status_bytes(grpc.StatusCode.DEADLINE_EXCEEDED, message))
+            reply(call_id, _ERROR_FIELD, _status_bytes(grpc.StatusCode.DEADLINE_EXCEEDED, message))
         )
         task.cancel()
 
-    timer = asyncio.get_running_loop().call_later(call.timeout_ms / 1000, expire)
+    timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, expire)
     task.add_done_callback(lambda _task: timer.cancel())
 
 
