@@ -332,7 +332,7 @@ class Schema(Generic[T]):
                 doc = tomllib.load(fh)
         except FileNotFoundError:
             raise self.error(f"config file {path} does not exist") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise self.error(f"config file {path} could not be read as TOML: {exc}") from exc
         if self.section is None:
             return self._walk(doc, "", path)
