@@ -1,16 +1,19 @@
 """``rendezvousd health`` and ``rendezvousd status``: look at a running daemon.
 
 ``health`` mirrors grpc_health_probe's exit codes: 0 serving, 1 bad arguments,
-2 connection failure or timeout, 3 RPC failure, 4 not serving.
+2 connection failure or timeout, 3 RPC failure, 4 not serving; ``status`` uses the
+first four.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,15 +22,38 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import grid
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.model import MemberState
+from rendezvousd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rendezvousd.client.connection import TlsConfig
 
 EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
 DEFAULT_ENDPOINT = "127.0.0.1:29420"
 
 
-def _channel(args: argparse.Namespace) -> grpc.Channel:
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS files the flags name, checked first: an unreadable one would be a
+    traceback, and a certificate without its key (or a key without its certificate)
+    aborts the whole process inside gRPC's core. Raises ConfigError naming the flag."""
     from rendezvousd.client.connection import TlsConfig
 
-    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together (mTLS): give both or neither")
+    if args.tls_cert is not None and args.tls_ca is None:
+        raise ConfigError(
+            "--tls-cert/--tls-key need --tls-ca, the CA that signed the daemon's certificate"
+        )
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+                       ("--tls-key", args.tls_key)):  # fmt: skip
+        try:
+            if path is not None:
+                Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {flag} {path}: {exc.strerror}") from None
+    return TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+
+
+def _channel(args: argparse.Namespace, tls: TlsConfig | None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(args.endpoint)
     options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
@@ -35,7 +61,12 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def _health(args: argparse.Namespace) -> int:
-    with _channel(args) as channel:
+    try:
+        tls = _tls(args)
+    except ConfigError as exc:
+        print(f"rendezvousd health: {exc}", file=sys.stderr)
+        return EXIT_ARGS
+    with _channel(args, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(
@@ -46,12 +77,28 @@ def _health(args: argparse.Namespace) -> int:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 from rendezvousd.client.connection import speaks_tls
 
-                # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
-                why = (
-                    f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
-                    if args.tls_ca is None and speaks_tls(args.endpoint)
-                    else f"cannot reach {args.endpoint}: {code.name}"
-                )
+                # gRPC's reason for the last failed connection attempt.
+                reason = str(exc.details() or "").rsplit("last error: ", 1)[-1]
+                lowered = reason.lower()
+                if args.tls_ca is None and speaks_tls(args.endpoint):
+                    # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
+                    why = f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
+                elif tls is not None and any(
+                    sign in lowered
+                    for sign in ("handshake", "certificate", "verification", "socket closed")
+                ):
+                    # The daemon is up, but refused this client's TLS ("socket closed":
+                    # how a --tls-client-ca daemon turns away a client certificate).
+                    why = (
+                        f"the TLS handshake with {args.endpoint} failed ({reason}): check "
+                        "--tls-ca (the CA that signed the daemon's certificate) and "
+                        "--tls-server-name; a daemon with --tls-client-ca also needs "
+                        "--tls-cert/--tls-key signed by that CA"
+                        if speaks_tls(args.endpoint)
+                        else f"the daemon at {args.endpoint} does not speak TLS: drop --tls-ca"
+                    )
+                else:
+                    why = f"cannot reach {args.endpoint}: {code.name}"
                 print(f"rendezvousd health: {why}", file=sys.stderr)
                 return EXIT_CONNECTION
             print(
@@ -71,9 +118,19 @@ def _age(ms: int) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rendezvousd.client import RendezvousClient, RendezvousError, TlsConfig
+    from rendezvousd.client import (
+        DaemonUnavailable,
+        InvalidRequest,
+        NotFound,
+        RendezvousClient,
+        RendezvousError,
+    )
 
-    tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    try:
+        tls = _tls(args)
+    except ConfigError as exc:
+        print(f"rendezvousd status: {exc}", file=sys.stderr)
+        return EXIT_ARGS
     # Watching redraws a terminal; piped or redirected, it is the one snapshot a
     # script can read.
     watch = args.watch is not None and sys.stdout.isatty()
@@ -89,7 +146,13 @@ def _status(args: argparse.Namespace) -> int:
             def snapshot() -> str:
                 if args.job:
                     return render_job(client.get_job(args.job))
-                return render([client.get_job(j.job_id) for j in client.list_jobs()])
+                jobs = []
+                for summary in client.list_jobs():
+                    try:
+                        jobs.append(client.get_job(summary.job_id))
+                    except NotFound:  # forgotten since it was listed: no longer a job
+                        continue
+                return render(jobs)
 
             if not watch:
                 print(snapshot())
@@ -107,7 +170,10 @@ def _status(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
     except RendezvousError as exc:
         print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
-        return EXIT_RPC
+        # health's exit codes, so a script tells a daemon down from a refused call.
+        if isinstance(exc, DaemonUnavailable):
+            return EXIT_CONNECTION
+        return EXIT_ARGS if isinstance(exc, InvalidRequest) else EXIT_RPC
     except KeyboardInterrupt:
         return 0
 
@@ -192,10 +258,36 @@ def _ending(job: Any) -> list[str]:
     return lines + ([f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else [])
 
 
+# The SDK's longest wait (30 days): what a client can send as a deadline.
+MAX_SECONDS = 30 * 86400
+
+
+def _seconds(least: float) -> Callable[[str], float]:
+    """An argparse type: seconds from ``least`` to MAX_SECONDS. gRPC takes a negative,
+    NaN or huge timeout as already passed ("cannot reach" a daemon that is up), and
+    time.sleep refuses them (a traceback); --watch 0 redrew without a pause, hammering
+    the daemon."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not least <= value <= MAX_SECONDS:  # NaN fails too
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of seconds from {least:g} to {MAX_SECONDS}"
+            )
+        return value
+
+    return parse
+
+
 def add_probe_commands(sub: Any) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="HOST:PORT of the daemon")
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds before giving up")
+        p.add_argument(
+            "--timeout", type=_seconds(0.001), default=5.0, help="seconds before giving up"
+        )
         p.add_argument("--tls-ca", default=None, help="PEM CA that signed the daemon's certificate")
         p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS)")
         p.add_argument("--tls-key", default=None, help="PEM client key (mTLS)")
@@ -217,7 +309,7 @@ def add_probe_commands(sub: Any) -> None:
     )
     status.add_argument(
         "--watch",
-        type=float,
+        type=_seconds(0.1),
         nargs="?",
         const=1.0,
         default=None,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rendezvousd import config as config_mod
 from rendezvousd.cli.embedded import EXIT_WITH_PARENT, write_token_file
+from rendezvousd.common.address import host_port
 from rendezvousd.common.escape import EscapingFormatter
 from rendezvousd.daemon import Daemon, serving_gc
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
@@ -74,16 +75,14 @@ async def _run(
         # Before anyone is told the port: what it freezes is start-up's alone.
         serving_gc()
         host, _ = config_mod.split_listen(cfg.listen)
-        shown = cfg.listen if host is None else f"{host}:{port}"
+        shown = cfg.listen if host is None else host_port(host, port)
         # One stable line on stdout: scripts and tests read the bound port here.
         print(f"rendezvousd: serving on {shown}", flush=True)
         if daemon.metrics_port is not None:
             mhost, _ = config_mod.split_listen(cfg.metrics_listen or "")
             scheme = "https" if cfg.tls_cert is not None else "http"
-            print(
-                f"rendezvousd: metrics on {scheme}://{mhost}:{daemon.metrics_port}/metrics",
-                flush=True,
-            )
+            where = host_port(mhost or "127.0.0.1", daemon.metrics_port)
+            print(f"rendezvousd: metrics on {scheme}://{where}/metrics", flush=True)
         notifier.ready(f"serving on {shown}")
 
     daemon = Daemon(cfg, tokens, on_ready=ready, on_stopping=notifier.stopping)
@@ -142,6 +141,9 @@ def _token(args: argparse.Namespace) -> int:
             _write_job_token(path, args.job, args.admin_token_file, until, replace=args.force)
     except FileExistsError:
         print(f"rendezvousd token: {path} exists; pass --force to replace it", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"rendezvousd token: cannot write {path}: {exc.strerror}", file=sys.stderr)
         return 1
     if args.job is None:
         what = "a new token"

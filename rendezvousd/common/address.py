@@ -69,6 +69,11 @@ def parse_address(
     return Address(host, int(port_text))
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as ``parse_address`` reads it back (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def parse_host_port(
     text: str, *, what: str = "address", allow_port_zero: bool = False
 ) -> tuple[str, int]:

@@ -332,7 +332,7 @@ class Schema(Generic[T]):
                 doc = tomllib.load(fh)
         except FileNotFoundError:
             raise self.error(f"config file {path} does not exist") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise self.error(f"config file {path} could not be read as TOML: {exc}") from exc
         if self.section is None:
             return self._walk(doc, "", path)
@@ -492,9 +492,9 @@ class Schema(Generic[T]):
                     "metavar": option.key.rsplit(".", 1)[-1].upper(),
                 }
             )
-            parser.add_argument(
-                *names, dest=_dest(names), default=None, help=option.help + env, **takes
-            )
+            # argparse formats help with %: a literal one ("15 % less") must be doubled.
+            text = (option.help + env).replace("%", "%%")
+            parser.add_argument(*names, dest=_dest(names), default=None, help=text, **takes)
 
     def _arg_type(self, option: Option) -> Callable[[str], Any]:
         def parse(text: str) -> Any:

@@ -150,11 +150,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if sum(hmac.compare_digest(presented, d) for d in self._digests) > 0:
             return ADMIN
         read = read_job_token(token, self._digests)
-        if read is None or read.expired(time.time()) or read.predates(self._job_ended(read.job)):
+        if read is None or read.refusal(self._job_ended(read.job), time.time()) is not None:
             return None
         if read.issued is None:
             self._warn_legacy(read)
-        return Scope(read.job)
+        return Scope(read.job, read)
 
     def _warn_legacy(self, read: JobToken) -> None:
         """A token of the earlier form (no minting time) is accepted for one release,
@@ -178,16 +178,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         read = read_job_token(token, self._digests) if token is not None else None
         if read is None:
             return UNAUTHENTICATED
-        ended = self._job_ended(read.job)
-        if ended is not None and read.predates(ended):
-            return read.stale_text(ended)
-        if not read.expired(time.time()):
-            return UNAUTHENTICATED
-        return (
-            f"the job token for job {read.job!r} expired at {read.expiry_text()}; mint a new "
-            f"one: rendezvousd token --job {read.job} --admin-token-file FILE --valid-for "
-            "DURATION OUT"
-        )
+        return read.refusal(self._job_ended(read.job), time.time()) or UNAUTHENTICATED
 
     async def intercept_service(
         self,

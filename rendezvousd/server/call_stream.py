@@ -235,6 +235,8 @@ class CallStream:
                     task = asyncio.create_task(_finish(coro, waiting_on))
                     running[call.id] = task
                     task.add_done_callback(functools.partial(_forget, running, call.id))
+                    if call.timeout_ms:
+                        _expire_at_deadline(call.id, call.timeout_ms, field, task, replies)
         except asyncio.CancelledError:
             if not self._draining:
                 raise
@@ -350,6 +352,30 @@ def _batch_entry(reply_bytes: bytes) -> bytes:
     """One encoded Reply as an entry of ReplyBatch.replies (field 1, length-delimited):
     written by hand for the reason ``reply`` is."""
     return b"\x0a" + _varint(len(reply_bytes)) + reply_bytes
+
+
+def _expire_at_deadline(
+    call_id: int, timeout_ms: int, field: str, task: asyncio.Task[None], replies: _Outbox
+) -> None:
+    """End ``task`` at its call's deadline, answered DEADLINE_EXCEEDED, as gRPC ends a
+    unary call whose deadline passed. A wait is answered before (``_wait_s``, naming
+    what is missing); this ends what the handler does not bound itself (a commit the
+    storage holds up)."""
+
+    def expire() -> None:
+        if task.done():
+            return  # its reply is out (it is put just before the task ends)
+        message = (
+            f"call {call_id} ({field}) was not answered within its timeout_ms={timeout_ms}; "
+            "the daemon may still complete it, as a unary call's"
+        )
+        replies.put(
+            reply(call_id, _ERROR_FIELD, _status_bytes(grpc.StatusCode.DEADLINE_EXCEEDED, message))
+        )
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, expire)
+    task.add_done_callback(lambda _task: timer.cancel())
 
 
 def _forget(running: dict[int, asyncio.Task[None]], call_id: int, _task: object) -> None:

@@ -24,7 +24,7 @@ import hashlib
 import hmac
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from rendezvousd.common import validation
@@ -43,6 +43,9 @@ class Scope:
     """What a caller's token lets it touch: every job (``job`` None) or one job."""
 
     job: str | None = None
+    # The job token that granted it: a stream opened with it carries calls that start
+    # later, each checked again against the token's expiry and its job's end.
+    token: JobToken | None = field(default=None, compare=False, repr=False)
 
     @property
     def admin(self) -> bool:
@@ -132,6 +135,19 @@ class JobToken:
         its id (None: none known): it then opens no later job of that id. A token
         without its minting time counts as minted before any end."""
         return ended is not None and (self.issued is None or self.issued < ended)
+
+    def refusal(self, ended: float | None, now: float) -> str | None:
+        """Why this token opens nothing at ``now`` (minted before ``ended``, its job's
+        last end, or expired), or None while it is good."""
+        if ended is not None and self.predates(ended):
+            return self.stale_text(ended)
+        if not self.expired(now):
+            return None
+        return (
+            f"the job token for job {self.job!r} expired at {self.expiry_text()}; mint a new "
+            f"one: rendezvousd token --job {self.job} --admin-token-file FILE --valid-for "
+            "DURATION OUT"
+        )
 
     def stale_text(self, ended: float) -> str:
         """Why a token that ``predates`` the end ``ended`` is refused, and what to do."""

@@ -492,6 +492,10 @@ class RendezvousServicer:
             rule = policy(name)
             mutating = not rule.read_only
             try:
+                stale = self._stale_token()
+                if stale is not None:
+                    code = "UNAUTHENTICATED"
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, stale)
                 if not rule.filtered:
                     _authorize(name, request.job_id)
                 if mutating:
@@ -529,6 +533,17 @@ class RendezvousServicer:
                 self.metrics.observe_rpc(name, code, time.perf_counter() - started)
 
         return call
+
+    def _stale_token(self) -> str | None:
+        """Why the caller's job token no longer opens its job (it expired, or the job it
+        was minted for ended since), as its unary call's refusal says; None while it
+        does. The interceptor checked it when the call opened; a call on a Calls
+        stream starts later, on a stream opened with the token maybe hours before."""
+        scope = CALLER.get()
+        token = None if scope is None else scope.token
+        if token is None:
+            return None
+        return token.refusal(self.persister.ended(token.job), time.time())
 
     def _guard_stream(
         self, fn: Callable[[Any, Any], AsyncIterator[Any]]

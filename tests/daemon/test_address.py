@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import urllib.request
+from collections.abc import Callable
+
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd import config as daemon_config
 from rendezvousd.common.address import Address, AddressError, parse_address, parse_host_port
 from rendezvousd.errors import ConfigError as DaemonConfigError
 from rendezvousd.trainer.config import load_config
 from rendezvousd.trainer.errors import ConfigError as TrainerConfigError
+from tests.support import DaemonProcess
 
 
 def test_host_port_and_bracketed_ipv6() -> None:
@@ -54,3 +60,20 @@ def test_each_config_loader_raises_its_own_error_with_the_origin() -> None:
         load_config(None, env={"RENDEZVOUSD_ENDPOINT": "h:0"})
     assert daemon_config.split_listen("unix:/tmp/s") == (None, 0)
     assert daemon_config.split_listen("[::1]:0") == ("::1", 0)
+
+
+def test_a_daemon_on_ipv6_prints_an_endpoint_and_a_url_clients_can_use(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """The 'serving on' line is what scripts read the bound port from: '::1:PORT' was no
+    endpoint (gRPC could not reach it), and 'http://::1:PORT/metrics' no URL."""
+    d = start_daemon("--metrics-listen", "[::1]:0", listen="[::1]:0")
+    assert d.endpoint.startswith("[::1]:"), d.endpoint
+    with grpc.insecure_channel(d.endpoint) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    assert d.metrics_url.startswith("http://[::1]:"), d.metrics_url
+    with urllib.request.urlopen(d.metrics_url, timeout=10) as page:
+        assert b"rendezvousd_" in page.read()

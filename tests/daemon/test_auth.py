@@ -516,3 +516,72 @@ def test_health_and_status_commands_speak_tls(
         timeout=60,
     )
     assert plain.returncode != 0
+
+
+@pytest.mark.parametrize("command", ["health", "status"])
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        # gRPC's core aborted the process (SIGABRT) on a certificate without its key.
+        (("--tls-ca", "ca", "--tls-cert", "client"), "--tls-cert and --tls-key go together"),
+        (("--tls-ca", "ca", "--tls-key", "client_key"), "--tls-cert and --tls-key go together"),
+        (("--tls-cert", "client", "--tls-key", "client_key"), "need --tls-ca"),
+        (("--tls-ca", "missing"), "cannot read --tls-ca"),
+        (("--tls-ca", "root"), "cannot read --tls-ca"),
+    ],
+)
+def test_probe_commands_name_a_tls_flag_that_cannot_work(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], command: str,
+    flags: tuple[str, ...], said: str,
+) -> None:  # fmt: skip
+    d = start_daemon(
+        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca),
+    )  # fmt: skip
+    paths = {"missing": pki.root / "missing.pem", "root": pki.root}
+    args = [flag if flag.startswith("--") else str(paths.get(flag) or getattr(pki, flag))
+            for flag in flags]  # fmt: skip
+    if command == "status":
+        args += ["--token-file", str(d.token_file)]
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", command, "--endpoint", d.endpoint, *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("--tls-ca", "rogue_ca"), "CERTIFICATE_VERIFY_FAILED"),
+        (("--tls-ca", "ca"), "Socket closed"),  # no client certificate: mTLS refuses it
+        (("--tls-ca", "ca", "--tls-cert", "rogue", "--tls-key", "rogue_key"), "Socket closed"),
+    ],
+)
+def test_health_says_why_a_tls_daemon_refused_it(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], flags: tuple[str, ...], said: str
+) -> None:
+    d = start_daemon(
+        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca),
+    )  # fmt: skip
+    args = [f if f.startswith("--") else str(getattr(pki, f)) for f in flags]
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", d.endpoint,
+         "--tls-server-name", "localhost", "--timeout", "5", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"the TLS handshake with {d.endpoint} failed (" in done.stderr, done.stderr
+    assert said in done.stderr and "--tls-client-ca also needs" in done.stderr
+
+
+def test_health_with_tls_says_the_daemon_speaks_plaintext(pki: Pki, daemon: DaemonProcess) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", daemon.endpoint,
+         "--tls-ca", str(pki.ca), "--timeout", "5"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"the daemon at {daemon.endpoint} does not speak TLS: drop --tls-ca" in done.stderr

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import queue
 import signal
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from google.rpc import status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.server.call_stream import method_fields
+from rendezvousd.server.scope import derive_job_token
 from tests.daemon.raw_calls import SERVICE, UNARY, assert_healthy
 from tests.daemon.test_scoped_tokens import job_token
 from tests.support import DaemonProcess, scrape, wait_for
@@ -503,3 +506,51 @@ def test_a_batch_over_the_request_limit_ends_its_stream_and_the_daemon_serves_on
     got = unary(daemon, "GetJob", pb.GetJobRequest(job_id=job_id))
     assert got.kv_keys == 0  # none of the batch ran
     assert_healthy(daemon, job_id + "-after")
+
+
+def test_a_job_token_that_expires_is_refused_for_the_calls_after_on_its_open_stream(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    until = int(time.time()) + 2
+    s = Stream(daemon, derive_job_token(daemon.token, job_id, until=until), "CallBatches")
+    try:
+        s.send(1, "join", join_one(job_id))
+        assert s.reply(1).join.world_size == 1
+        wait_for("the token's expiry", lambda: time.time() >= until + 0.1, timeout=10)
+        member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+        s.send(2, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"))
+        refused = status_of(s.reply(2))
+        assert refused.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        assert f"the job token for job {job_id!r} expired at" in refused.message
+        s.send(3, "list_jobs", pb.ListJobsRequest())
+        assert status_of(s.reply(3)).code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    finally:
+        s.close()
+    assert unary(daemon, "GetJob", pb.GetJobRequest(job_id=job_id)).kv_keys == 0
+
+
+@pytest.mark.parametrize("method", ["Calls", "CallBatches"])
+def test_a_call_that_outlasts_its_deadline_ends_deadline_exceeded_as_a_unary_call(
+    start_daemon: Any, tmp_path: Path, job_id: str, method: str
+) -> None:
+    """A KvSet waiting for its commit, which another process's lock on the state
+    database holds up (the daemon's writer waits up to 5 s for it)."""
+    d = start_daemon("--state-dir", str(tmp_path / "state"))
+    s = Stream(d, method=method)
+    locker = None
+    try:
+        s.send(1, "join", join_one(job_id))
+        assert s.reply(1).join.world_size == 1
+        locker = sqlite3.connect(tmp_path / "state" / "state.db", isolation_level=None)
+        locker.execute("BEGIN IMMEDIATE")
+        member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
+        s.send(2, "kv_set", pb.KvSetRequest(**member, key="k", value=b"v"), timeout_ms=300)
+        got = status_of(s.reply(2))
+        # Not the STORAGE_UNAVAILABLE the commit ends with once the writer gives up.
+        assert got.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], got
+        assert "not answered within its timeout_ms=300" in got.message
+    finally:
+        if locker is not None:
+            locker.execute("COMMIT")
+            locker.close()
+        s.close()

@@ -321,3 +321,13 @@ def test_cli_refuses_a_validity_it_cannot_honour(
     )  # fmt: skip
     assert done.returncode == 2 and says in done.stderr, done.stderr
     assert not path.exists()
+
+
+def test_cli_token_names_a_path_it_cannot_write(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*CLI, "token", str(tmp_path / "no-such-dir" / "token")],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"cannot write {tmp_path / 'no-such-dir' / 'token'}: No such file" in done.stderr
+    assert "Traceback" not in done.stderr

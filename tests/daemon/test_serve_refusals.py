@@ -125,3 +125,11 @@ def test_tls_settings_that_cannot_work_alone_are_refused(fields: dict[str, str],
     refused when the config is built (before any file is read), naming the pair."""
     with pytest.raises(ConfigError, match=re.escape(said)):
         DaemonConfig(listen="127.0.0.1:0", **fields)  # type: ignore[arg-type]
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "rendezvousd.toml"
+    config.write_bytes(b"listen = '127.0.0.1:0'\n# caf\xe9 (Latin-1)\n")
+    code, _, err = _serve(tmp_path, "--config", str(config))
+    assert code == 2 and "Traceback" not in err, err
+    assert f"config file {config} could not be read as TOML" in err

@@ -9,9 +9,14 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
+import pytest
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.cli.serve import main
 from rendezvousd.client import RendezvousClient
-from tests.support import DaemonProcess, parallel, wait_for
+from tests.support import DaemonProcess, free_port, parallel, wait_for
 
 
 def _status(d: DaemonProcess, job: str) -> list[str]:
@@ -117,3 +122,68 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
     # The job's step is its slowest ACTIVE rank's, as on the status page (JobView.step):
     # lost rank 4's step 2 is no longer where the job stands.
     assert "step 10 · restarts" in failed.stdout, failed.stdout
+
+
+def test_status_skips_a_job_forgotten_between_listing_and_reading_it(
+    start_daemon: Callable[..., DaemonProcess],
+    job_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    d = start_daemon("--job-ttl-s", "0.5")
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+        c.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0)
+        c.leave()
+    listed = RendezvousClient.list_jobs
+
+    def list_then_forget(client: RendezvousClient) -> list[pb.JobSummary]:
+        jobs = listed(client)
+        assert [j.job_id for j in jobs] == [job_id]
+        # The daemon forgets the job after ListJobs answered, before `status` reads it.
+        wait_for("the job forgotten", lambda: listed(client) == [], timeout=20)
+        return jobs
+
+    monkeypatch.setattr(RendezvousClient, "list_jobs", list_then_forget)
+    args = ["status", "--endpoint", d.endpoint, "--token-file", str(d.token_file)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "(no jobs)" in capsys.readouterr().out
+
+
+def test_status_exit_codes_tell_a_daemon_down_from_a_refused_call(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """health's codes: 1 bad arguments, 2 unreachable, 3 the call failed."""
+    base = [sys.executable, "-m", "rendezvousd.cli", "status", "--token-file"]
+    cases = [
+        (["/nonexistent", "--endpoint", daemon.endpoint], 1, "cannot read token file"),
+        (["--timeout", "1", "--endpoint", f"127.0.0.1:{free_port()}"], 2, "is the daemon running"),
+        (["--endpoint", daemon.endpoint, job_id], 3, "does not exist"),
+    ]
+    for args, code, said in cases:
+        token = [] if args[0].startswith("/") else [str(daemon.token_file)]
+        done = subprocess.run([*base, *token, *args], capture_output=True, text=True, timeout=60)
+        assert (done.returncode, said in done.stderr) == (code, True), (args, done.stderr)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["health", "--timeout", "-1"],  # gRPC took it as passed: "cannot reach" a live daemon
+        ["health", "--timeout", "inf"],
+        ["status", "--timeout", "nan"],
+        ["status", "--watch", "0"],  # redrew without a pause
+        ["status", "--watch", "-1"],  # time.sleep's ValueError, on a terminal
+    ],
+)
+def test_probe_commands_refuse_seconds_they_cannot_wait(
+    daemon: DaemonProcess, args: list[str]
+) -> None:
+    if args[0] == "status":
+        args = [*args, "--token-file", str(daemon.token_file)]
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", *args, "--endpoint", daemon.endpoint],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"argument {args[1]}: '{args[2]}' is not a number of seconds" in done.stderr
+    assert "Traceback" not in done.stderr

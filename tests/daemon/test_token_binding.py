@@ -175,3 +175,21 @@ def test_a_token_minted_before_the_last_job_ended_opens_no_new_job(
             assert c.get_job().summary.job_id == job_id
     finally:
         running.close()
+
+
+def test_a_client_kept_open_across_its_jobs_end_opens_no_new_job(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """The client's calls go on one stream, opened (and its token checked) on the first:
+    each later call is checked again, as a unary call would be."""
+    d = start_daemon("--job-ttl-s", "0.2")
+    token = derive_job_token(d.token, job_id, issued=int(time.time()) - 60)
+    with RendezvousClient(d.endpoint, job_id, token=token) as client:
+        client.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=20)
+        client.leave()
+        wait_for("the job forgotten", _forgotten(d, job_id), timeout=20)
+        with pytest.raises(AuthenticationError) as refused:
+            client.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=20)
+    assert f"the job token for job {job_id!r} was minted at" in str(refused.value)
+    with RendezvousClient(d.endpoint, "any", token=d.token) as admin:
+        assert all(j.job_id != job_id for j in admin.list_jobs())
