@@ -217,6 +217,30 @@ def test_agents_that_disagree_on_nnodes_get_torchs_rendezvous_error_with_ours(
     assert "TopologyMismatch" in err or "topology" in err.lower(), err[-3000:]
 
 
+def test_a_daemon_killed_mid_run_ends_the_agent_with_torchs_connection_error(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """As when c10d's store dies: once the daemon is silent for its heartbeat window,
+    num_nodes_waiting() raises and the agent exits, naming the daemon. It does not
+    restart its workers into a join that waits out connect_timeout twice (60 s)."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    log = tmp_path / "steps.jsonl"
+    agent = torchrun(d, job_id, "1", "--steps", "5000", "--step-log", str(log))
+    wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
+    d.kill()
+    assert agent.wait(90) != 0
+    err = agent.stderr()
+    raised = [ln for ln in err.splitlines() if ln.startswith("torch.distributed.elastic")]
+    assert raised and raised[-1].startswith(
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError"
+    ), err[-3000:]
+    # The heartbeat's verdict, not a failed join of a restarted worker group.
+    assert d.endpoint in raised[-1] and "has been unreachable for" in raised[-1], raised
+
+
 def _parked(d: DaemonProcess, job: str) -> bool:
     """The job exists: the first agent's JoinNode created it and waits in it."""
     from rendezvousd.client import NotFound

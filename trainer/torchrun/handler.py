@@ -464,7 +464,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         """Nodes waiting to join, or at least 1 once the daemon ended our round: torch
         restarts its workers into the next round when this is above 0."""
         waiting = self._client.nodes_waiting()
-        if self._node is not None and self._client.failure is not None:
+        failure = self._client.failure
+        if isinstance(failure, DaemonUnavailable):
+            # The daemon is gone (silent for its heartbeat window): raise, as torch's
+            # own handler does when its store is, so the agent stops its workers and
+            # exits now, rather than restarting them into a join that waits out
+            # connect_timeout on every attempt before failing all the same.
+            raise _torch_error(failure, self._what())
+        if self._node is not None and failure is not None:
             return max(1, waiting)
         return waiting
 
