@@ -279,6 +279,7 @@ def test_the_agent_store_behaves_as_torchs_tcpstore(
     assert results["daemon"] == results["tcpstore"], results
     assert len(results["daemon"]) >= 12
     assert results["closed"] == [True, "RendezvousClosedError"]
+    assert results["shutdown"] == [True, True]
 
 
 @pytest.mark.parametrize("first", ["torch", "ours"])

@@ -82,6 +82,12 @@ def main() -> None:
         refused = "RendezvousClosedError"
     result["closed"] = [handler.is_closed(), refused]
     handler.shutdown()
+    # shutdown() of a round still running, twice: the second has nothing left to tell
+    # and succeeds, as c10d's does.
+    params.run_id = f"{job}-shutdown"
+    handler = create_handler(params)
+    handler.next_rendezvous()
+    result["shutdown"] = [handler.shutdown(), handler.shutdown()]
     print(json.dumps(result), flush=True)
 
 

@@ -506,6 +506,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             log.warning("rendezvousd: job %r: shutdown: %s", self._run_id, exc)
             return False
         finally:
+            # A second shutdown() has nothing left to tell: it answers True, as c10d's.
+            self._node = None
             self._store_client.close()
             self._client.close()
             if self._warm is not None:
