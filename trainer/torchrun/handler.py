@@ -230,11 +230,15 @@ class DaemonStore(dist.Store):
 
     @_store_errors
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        """torch's semantics: an empty ``expected`` means "the key is absent"; the
-        answer is the value after the call (``expected`` when an absent key stays so)."""
+        """torch's semantics: an empty ``expected`` matches an absent key or an empty
+        value; the answer is the value after the call (``expected`` when an absent key
+        stays so)."""
         want = self._bytes(expected)
         new = self._bytes(desired)
         swapped, current = self._client.kv_compare_and_set(key, want or None, new)
+        if not swapped and current == b"" == want:
+            # The daemon's absent-only form missed a key holding b"": compare with it.
+            swapped, current = self._client.kv_compare_and_set(key, want, new)
         if swapped:
             return new
         return current if current is not None else want
