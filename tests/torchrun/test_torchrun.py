@@ -241,6 +241,36 @@ def test_a_daemon_killed_mid_run_ends_the_agent_with_torchs_connection_error(
     assert d.endpoint in raised[-1] and "has been unreachable for" in raised[-1], raised
 
 
+def test_a_survivor_of_an_agent_that_gave_up_fails_its_join_and_shuts_down_cleanly(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """--nnodes 2, --max-restarts 0: a worker of the second agent is killed, so that
+    agent gives up. The first hears it, restarts its stuck workers into a join no
+    second node comes to, and ends with torch's RendezvousTimeoutError; its shutdown()
+    then has no round to report on (it used to try, and warn that it could not)."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "4"]
+    conf = f"token_file={d.token_file},join_timeout=5"
+    agents = [torchrun(d, job_id, "2", *worker, conf=conf) for _ in range(2)]
+    wait_for(
+        "all 4 ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 4,
+        timeout=120,
+    )
+    victim = next(s for s in torch_steps(log) if s["rank"] == 3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert [a.wait(90) != 0 for a in agents] == [True, True]
+    # The survivor is the agent whose worker was not the one killed.
+    (survivor,) = [e for e in (a.stderr() for a in agents) if "exitcode: -9" not in e]
+    assert "gave up: its workers failed" in survivor, survivor[-3000:]
+    assert "RendezvousTimeoutError" in survivor, survivor[-3000:]
+    assert "shutdown:" not in survivor, survivor[-3000:]
+
+
 def _parked(d: DaemonProcess, job: str) -> bool:
     """The job exists: the first agent's JoinNode created it and waits in it."""
     from rendezvousd.client import NotFound

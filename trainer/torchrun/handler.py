@@ -354,6 +354,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         try:
             if self._node is not None:
                 self._end_round(self._node)
+            # Until the join succeeds this agent holds no round: a shutdown() after a
+            # failed join has nothing to leave or report.
+            self._node = None
             node = self._join()
             self._node = node
             self._client.start_heartbeat(on_failure=self._heard_failure)
