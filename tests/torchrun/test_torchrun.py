@@ -217,6 +217,60 @@ def test_agents_that_disagree_on_nnodes_get_torchs_rendezvous_error_with_ours(
     assert "TopologyMismatch" in err or "topology" in err.lower(), err[-3000:]
 
 
+def test_a_daemon_killed_mid_run_ends_the_agent_with_torchs_connection_error(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """As when c10d's store dies: once the daemon is silent for its heartbeat window,
+    num_nodes_waiting() raises and the agent exits, naming the daemon. It does not
+    restart its workers into a join that waits out connect_timeout twice (60 s)."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    log = tmp_path / "steps.jsonl"
+    agent = torchrun(d, job_id, "1", "--steps", "5000", "--step-log", str(log))
+    wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
+    d.kill()
+    assert agent.wait(90) != 0
+    err = agent.stderr()
+    raised = [ln for ln in err.splitlines() if ln.startswith("torch.distributed.elastic")]
+    assert raised and raised[-1].startswith(
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError"
+    ), err[-3000:]
+    # The heartbeat's verdict, not a failed join of a restarted worker group.
+    assert d.endpoint in raised[-1] and "has been unreachable for" in raised[-1], raised
+
+
+def test_a_survivor_of_an_agent_that_gave_up_fails_its_join_and_shuts_down_cleanly(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """--nnodes 2, --max-restarts 0: a worker of the second agent is killed, so that
+    agent gives up. The first hears it, restarts its stuck workers into a join no
+    second node comes to, and ends with torch's RendezvousTimeoutError; its shutdown()
+    then has no round to report on (it used to try, and warn that it could not)."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "4"]
+    conf = f"token_file={d.token_file},join_timeout=5"
+    agents = [torchrun(d, job_id, "2", *worker, conf=conf) for _ in range(2)]
+    wait_for(
+        "all 4 ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 4,
+        timeout=120,
+    )
+    victim = next(s for s in torch_steps(log) if s["rank"] == 3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert [a.wait(90) != 0 for a in agents] == [True, True]
+    # The survivor is the agent whose worker was not the one killed.
+    (survivor,) = [e for e in (a.stderr() for a in agents) if "exitcode: -9" not in e]
+    assert "gave up: its workers failed" in survivor, survivor[-3000:]
+    assert "RendezvousTimeoutError" in survivor, survivor[-3000:]
+    assert "shutdown:" not in survivor, survivor[-3000:]
+
+
 def _parked(d: DaemonProcess, job: str) -> bool:
     """The job exists: the first agent's JoinNode created it and waits in it."""
     from rendezvousd.client import NotFound
@@ -255,6 +309,7 @@ def test_the_agent_store_behaves_as_torchs_tcpstore(
     assert results["daemon"] == results["tcpstore"], results
     assert len(results["daemon"]) >= 12
     assert results["closed"] == [True, "RendezvousClosedError"]
+    assert results["shutdown"] == [True, True]
 
 
 @pytest.mark.parametrize("first", ["torch", "ours"])

@@ -39,6 +39,13 @@ def ops(store: Any) -> list[Any]:
     record("cas wrong expected", lambda: store.compare_set("c", "nope", "two"))
     record("cas right expected", lambda: store.compare_set("c", "one", "three"))
     record("cas absent, some expected", lambda: store.compare_set("d", "x", "y"))
+    record("set empty", lambda: store.set("e", b""))
+    record("cas empty value, empty expected", lambda: store.compare_set("e", "", "full"))
+    record("get swapped", lambda: store.get("e"))
+    # torch's append() is a compare_set loop starting from an empty expected.
+    record("set empty again", lambda: store.set("f", b""))
+    record("append to empty", lambda: store.append("f", "x"))
+    record("get appended", lambda: store.get("f"))
     record("check present", lambda: store.check(["a", "c"]))
     record("check absent", lambda: store.check(["a", "zz"]))
     record("delete present", lambda: store.delete_key("a"))
@@ -82,6 +89,12 @@ def main() -> None:
         refused = "RendezvousClosedError"
     result["closed"] = [handler.is_closed(), refused]
     handler.shutdown()
+    # shutdown() of a round still running, twice: the second has nothing left to tell
+    # and succeeds, as c10d's does.
+    params.run_id = f"{job}-shutdown"
+    handler = create_handler(params)
+    handler.next_rendezvous()
+    result["shutdown"] = [handler.shutdown(), handler.shutdown()]
     print(json.dumps(result), flush=True)
 
 

@@ -230,11 +230,15 @@ class DaemonStore(dist.Store):
 
     @_store_errors
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        """torch's semantics: an empty ``expected`` means "the key is absent"; the
-        answer is the value after the call (``expected`` when an absent key stays so)."""
+        """torch's semantics: an empty ``expected`` matches an absent key or an empty
+        value; the answer is the value after the call (``expected`` when an absent key
+        stays so)."""
         want = self._bytes(expected)
         new = self._bytes(desired)
         swapped, current = self._client.kv_compare_and_set(key, want or None, new)
+        if not swapped and current == b"" == want:
+            # The daemon's absent-only form missed a key holding b"": compare with it.
+            swapped, current = self._client.kv_compare_and_set(key, want, new)
         if swapped:
             return new
         return current if current is not None else want
@@ -350,6 +354,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         try:
             if self._node is not None:
                 self._end_round(self._node)
+            # Until the join succeeds this agent holds no round: a shutdown() after a
+            # failed join has nothing to leave or report.
+            self._node = None
             node = self._join()
             self._node = node
             self._client.start_heartbeat(on_failure=self._heard_failure)
@@ -464,7 +471,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         """Nodes waiting to join, or at least 1 once the daemon ended our round: torch
         restarts its workers into the next round when this is above 0."""
         waiting = self._client.nodes_waiting()
-        if self._node is not None and self._client.failure is not None:
+        failure = self._client.failure
+        if isinstance(failure, DaemonUnavailable):
+            # The daemon is gone (silent for its heartbeat window): raise, as torch's
+            # own handler does when its store is, so the agent stops its workers and
+            # exits now, rather than restarting them into a join that waits out
+            # connect_timeout on every attempt before failing all the same.
+            raise _torch_error(failure, self._what())
+        if self._node is not None and failure is not None:
             return max(1, waiting)
         return waiting
 
@@ -499,6 +513,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             log.warning("rendezvousd: job %r: shutdown: %s", self._run_id, exc)
             return False
         finally:
+            # A second shutdown() has nothing left to tell: it answers True, as c10d's.
+            self._node = None
             self._store_client.close()
             self._client.close()
             if self._warm is not None:
