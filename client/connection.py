@@ -127,6 +127,17 @@ class TlsConfig:
     key: Path | None = None
     server_name: str | None = None
 
+    def __post_init__(self) -> None:
+        # Refused here: given half of the pair, gRPC's core aborts the whole process
+        # (SIGABRT, "Check failed: private_key != nullptr") at the first connect.
+        if (self.cert is None) != (self.key is None):
+            given, missing = ("cert", "key") if self.key is None else ("key", "cert")
+            raise InvalidRequest(
+                f"TlsConfig has a client {given} ({getattr(self, given)}) but no {missing}: "
+                "mutual TLS needs both (--tls-cert and --tls-key); give neither for TLS "
+                "without a client certificate"
+            )
+
     @classmethod
     def from_paths(
         cls,
@@ -137,6 +148,11 @@ class TlsConfig:
     ) -> TlsConfig | None:
         """From settings that hold paths as text (``tls_ca``...): None without a CA."""
         if ca is None:
+            if cert or key:  # else the connection would go out in plaintext, silently
+                raise InvalidRequest(
+                    "a client certificate or key (--tls-cert/--tls-key) needs --tls-ca too: "
+                    "without a CA the client speaks plaintext"
+                )
             return None
         return cls(
             ca=Path(ca),
@@ -161,6 +177,11 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
             lines = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
         except OSError as exc:
             raise InvalidRequest(f"cannot read token file {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError:
+            raise InvalidRequest(
+                f"token file {path} is not text (UTF-8): give the file `rendezvousd token "
+                "FILE` wrote"
+            ) from None
         if lines:
             return _sendable(lines[0], f"token file {path}")
         raise InvalidRequest(f"token file {path} is empty")

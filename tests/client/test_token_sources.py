@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rendezvousd.client import InvalidRequest, RendezvousClient, RendezvousError
+from rendezvousd.client import InvalidRequest, RendezvousClient, RendezvousError, TlsConfig
 from tests.support import DaemonProcess
 
 
@@ -99,3 +99,24 @@ def test_a_failed_call_s_traceback_with_its_locals_does_not_show_the_token() -> 
     for frame in frames:
         for name, value in (frame.locals or {}).items():
             assert token not in value, f"{frame.name}: {name}"
+
+
+def test_a_token_file_that_is_not_text_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "token.bin"
+    path.write_bytes(b"\xff\xfe" + secrets.token_bytes(30))
+    with pytest.raises(InvalidRequest, match="is not text") as info:
+        RendezvousClient("127.0.0.1:1", "j", token_file=path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("given", ["cert", "key"])
+def test_half_a_client_key_pair_is_refused_before_grpc_aborts_on_it(
+    tmp_path: Path, given: str
+) -> None:
+    # gRPC's core SIGABRTs the process at the first connect with only one of the two.
+    pem = tmp_path / "x.pem"
+    pem.write_text("not used\n")
+    with pytest.raises(InvalidRequest, match="mutual TLS needs both"):
+        TlsConfig(ca=pem, **{given: pem})
+    with pytest.raises(InvalidRequest, match="needs --tls-ca"):
+        TlsConfig.from_paths(None, **{given: str(pem)})
