@@ -202,6 +202,33 @@ def _heard(signum: int) -> Iterator[None]:
         signal.signal(signum, previous)
 
 
+def _signalled_standalone(
+    script: Path, tmp_path: Path, signum: int, *flags: str
+) -> tuple[int, str, list[Path]]:
+    """``rendezvous-run --standalone`` of 2 workers running ``script``, sent ``signum``
+    once both wrote ``tmp_path/ready-<rank>``: its exit status, its stderr and what it
+    left in its TMPDIR."""
+    # Short: the daemon's socket goes in a directory made in it (a UNIX socket path
+    # has 108 bytes at most).
+    with tempfile.TemporaryDirectory(prefix="rdzv-") as name, _heard(signum):
+        launcher = subprocess.Popen(
+            [*_standalone(2, *flags), str(script)],
+            env={**os.environ, "TMPDIR": name},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+            wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+            launcher.send_signal(signum)
+            _, err = launcher.communicate(timeout=30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(10)
+        return launcher.returncode, err, list(Path(name).iterdir())
+
+
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
 def test_a_hangup_stops_the_launcher_as_sigterm_does(tmp_path: Path, signum: int) -> None:
     # A closed terminal or SSH session (SIGHUP), or Ctrl-\ (SIGQUIT): torchrun handles
@@ -218,29 +245,11 @@ def test_a_hangup_stops_the_launcher_as_sigterm_does(tmp_path: Path, signum: int
         f"    open('{tmp_path}/ready-' + str(ctx.rank), 'w').close()\n"
         "    time.sleep(600)\n"
     )
-    # Short: the daemon's socket goes in a directory made in it (a UNIX socket path
-    # has 108 bytes at most).
-    with tempfile.TemporaryDirectory(prefix="rdzv-") as name, _heard(signum):
-        tmp = Path(name)
-        launcher = subprocess.Popen(
-            [*_standalone(2), str(script)],
-            env={**os.environ, "TMPDIR": name},
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
-            wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
-            launcher.send_signal(signum)
-            _, err = launcher.communicate(timeout=30)
-        finally:
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.wait(10)
-        assert launcher.returncode == 128 + signum, err
-        heard = [(tmp_path / f"heard-{r}").read_text() for r in range(2)]
-        assert heard == [str(int(signum))] * 2, err
-        assert list(tmp.iterdir()) == [], err  # its socket, token and directory removed
+    code, err, left = _signalled_standalone(script, tmp_path, signum)
+    assert code == 128 + signum, err
+    heard = [(tmp_path / f"heard-{r}").read_text() for r in range(2)]
+    assert heard == [str(int(signum))] * 2, err
+    assert left == [], err  # its socket, token and directory removed
 
 
 @pytest.mark.parametrize("grace", [None, "0.3"], ids=["default grace", "--stop-grace-s 0.3"])
@@ -265,23 +274,8 @@ def test_a_stopped_launchers_workers_get_their_grace_to_checkpoint(
         "    time.sleep(600)\n"
     )
     flags = [] if grace is None else ["--stop-grace-s", grace]
-    with tempfile.TemporaryDirectory(prefix="rdzv-") as name:
-        launcher = subprocess.Popen(
-            [*_standalone(2, *flags), str(script)],
-            env={**os.environ, "TMPDIR": name},
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
-            wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
-            launcher.send_signal(signal.SIGTERM)
-            _, err = launcher.communicate(timeout=30)
-        finally:
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.wait(10)
-    assert launcher.returncode == 128 + signal.SIGTERM, err
+    code, err, _ = _signalled_standalone(script, tmp_path, signal.SIGTERM, *flags)
+    assert code == 128 + signal.SIGTERM, err
     saved = sorted(p.name for p in tmp_path.glob("saved-*"))
     assert saved == ([] if grace else ["saved-0", "saved-1"]), err
 
