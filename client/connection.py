@@ -293,7 +293,9 @@ class TlsProbe:
             return None
         details = str(exc.details() or "")
         lowered = details.lower()
-        if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
+        # "verification": a server name the daemon's certificate does not list fails
+        # gRPC's "Hostname Verification Check", with none of the other words.
+        if any(w in lowered for w in ("handshake", "certificate", "ssl", "verification")):
             reason = details.rsplit("last error: ", 1)[-1]
             return (
                 f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. Check "

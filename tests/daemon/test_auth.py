@@ -461,6 +461,7 @@ def test_mtls_requires_a_client_certificate_from_the_ca(
         ("no client certificate", "requires a client certificate (mTLS)"),
         ("daemon signed by another CA", "TLS handshake with rendezvousd"),
         ("client certificate from another CA", "requires a client certificate (mTLS)"),
+        ("a server name the certificate does not list", "Hostname Verification"),
     ],
 )
 def test_sdk_names_a_tls_refusal_at_once_instead_of_waiting_for_the_daemon(
@@ -477,6 +478,9 @@ def test_sdk_names_a_tls_refusal_at_once_instead_of_waiting_for_the_daemon(
         ),
         "client certificate from another CA": TlsConfig(
             ca=pki.ca, cert=pki.rogue, key=pki.rogue_key
+        ),
+        "a server name the certificate does not list": TlsConfig(
+            ca=pki.ca, cert=pki.client, key=pki.client_key, server_name="wrong.example"
         ),
     }[case]
     started = time.monotonic()
