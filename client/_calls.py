@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._session import (
+    DEFAULT_WINDOW_S,
     SLACK_S,
     UNKNOWN_OUTCOME,
     ClientOptions,
@@ -44,6 +45,7 @@ from rendezvousd.client.connection import (
 )
 from rendezvousd.client.errors import (
     DaemonUnavailable,
+    DaemonUnreachable,
     InvalidRequest,
     RendezvousError,
     from_rpc_error,
@@ -65,6 +67,15 @@ C = TypeVar("C")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Between non-waiting TLS probes: long enough for a refused handshake to show.
 PROBE_PAUSE_S = 0.2
+# Between asks whether a daemon that went away mid-wait is back (``back_within``).
+RECHECK_S = 0.25
+
+
+def _parks(request: Any) -> bool:
+    """Whether the call waits at the daemon (a join, a barrier, a KvGet with wait)."""
+    if isinstance(request, pb.KvGetRequest):
+        return request.wait
+    return isinstance(request, (pb.JoinRequest, pb.JoinNodeRequest, pb.BarrierRequest))
 
 
 @dataclass(frozen=True)
@@ -221,7 +232,37 @@ class Calls:
                     if not retry:
                         raise s.unrepeated(method, attempt, error) from None
                     raise s.exhausted(method, attempt, error) from None
+                if error.code == "UNAVAILABLE" and _parks(request):
+                    # Re-sent, it would wait its whole wait (600 s by default) for a
+                    # daemon to come back: first, the daemon back within the window, as a
+                    # restart is, or its loss said now, as the heartbeat says it.
+                    yield from self.back_within(method, rank)
             yield Sleep(s.retry.backoff(attempt))
+
+    def back_within(self, method: str, rank: int | None) -> Steps[None]:
+        """Return once the channel is READY again; raise ``DaemonUnreachable`` when it is
+        not within the reconnect window (``reconnect_window``, else the daemon's
+        heartbeat timeout, else 10 s). ``Reachable`` answers False at a refused
+        connect, so it is asked again every ``RECHECK_S``."""
+        s = self.s
+        window = self.reconnect_window or s.daemon_heartbeat_timeout or DEFAULT_WINDOW_S
+        for _ in range(max(1, round(window / RECHECK_S))):
+            if (yield Reachable(RECHECK_S)):
+                return
+            yield Sleep(RECHECK_S)
+        raise DaemonUnreachable(
+            f"rendezvousd at {s.endpoint} went away during {method} (job {s.job_id!r}"
+            + ("" if rank is None else f", rank {rank}")
+            + f") and was not back within {window:g} s (the reconnect window): the daemon "
+            "died or this host lost its network. Check that the daemon is running and "
+            "reachable, then start the job again",
+            code="UNAVAILABLE",
+            endpoint=s.endpoint,
+            method=method,
+            job_id=s.job_id,
+            rank=rank,
+            metadata={"unreachable_s": f"{window:.3f}", "window_s": f"{window:g}"},
+        )
 
     # -- health and TLS ------------------------------------------------------------
 

@@ -133,3 +133,47 @@ def test_heartbeat_slower_than_the_daemon_timeout_is_sped_up_not_reported(
         assert any("not 5 s" in r.getMessage() for r in caplog.records), caplog.records
     finally:
         d.kill()
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_join_parked_when_the_daemon_dies_ends_within_the_window_not_its_wait(
+    tmp_path: Path, kind: str
+) -> None:
+    # Node 0 of 2 waits for node 1, which never comes; the daemon is SIGKILLed. The
+    # join's retry would wait out the join's whole wait (60 s here) for a daemon to
+    # come back; it gives up after the reconnect window (2 s) instead.
+    d = spawn_daemon(tmp_path)
+    started: list[float] = []
+
+    async def join_async() -> None:
+        async with AsyncRendezvousClient(
+            d.endpoint, "gone-mid-join", token=d.token, reconnect_window=2
+        ) as c:
+            await c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, timeout=60)
+
+    def join() -> None:
+        if kind == "asyncio":
+            asyncio.run(join_async())
+            return
+        with RendezvousClient(d.endpoint, "gone-mid-join", token=d.token, reconnect_window=2) as c:
+            c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, timeout=60)
+
+    def kill_when_parked() -> None:
+        with RendezvousClient(d.endpoint, token=d.token) as probe:
+            deadline = time.monotonic() + 30
+            while not probe.list_jobs() and time.monotonic() < deadline:
+                time.sleep(0.05)  # until node 0's JoinNode made the job
+        time.sleep(0.3)  # parked
+        d.kill()
+        started.append(time.monotonic())
+
+    import threading
+
+    killer = threading.Thread(target=kill_when_parked)
+    killer.start()
+    with pytest.raises(DaemonUnreachable, match="was not back within 2 s") as info:
+        join()
+    killer.join(10)
+    elapsed = time.monotonic() - started[0]
+    assert elapsed < 20, f"the parked join waited {elapsed:.1f} s for a daemon gone"
+    assert d.endpoint in str(info.value) and "JoinNode" in str(info.value)
