@@ -42,6 +42,7 @@ from rendezvousd.client.membership import (
     from_join_response,
 )
 from rendezvousd.common.escape import bounded
+from rendezvousd.common.limits import LONGEST_WAIT_S
 from rendezvousd.common.members import failed_text
 from rendezvousd.common.validation import UNIQUE_ID_BYTES
 
@@ -141,22 +142,19 @@ def check_keywords(call: str, declared: Any, given: Mapping[str, object]) -> Non
 WAITS = frozenset(
     {"timeout", "call_timeout", "connect_timeout", "leave_timeout", "last_call", "reconnect_window"}
 )
-# The longest wait the SDK sends: its milliseconds, and those of its call's deadline,
-# fit the protocol's 32-bit fields.
-MAX_WAIT_S = 30 * 24 * 3600.0
 
 
 def check_wait(call: str, name: str, seconds: object, *, none_ok: bool = True) -> None:
-    """Refuse a wait no call could carry: one not in seconds, beyond ``MAX_WAIT_S``
+    """Refuse a wait no call could carry: one not in seconds, beyond ``LONGEST_WAIT_S``
     (infinite), or None where that is no default (no deadline: a hang)."""
     if seconds is None and none_ok:
         return
     number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    if number and 0 <= seconds <= MAX_WAIT_S:  # type: ignore[operator]
+    if number and 0 <= seconds <= LONGEST_WAIT_S:  # type: ignore[operator]
         return
     raise InvalidRequest(
         f"{call}() {name}={seconds!r} is not a wait the SDK can send: give seconds from 0 "
-        f"to {MAX_WAIT_S:.0f} (30 days)" + (", or None for the default" if none_ok else "")
+        f"to {LONGEST_WAIT_S:.0f} (30 days)" + (", or None for the default" if none_ok else "")
     )
 
 

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import grid
 from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.limits import LONGEST_WAIT_S
 from rendezvousd.common.model import MemberState
 from rendezvousd.errors import ConfigError
 
@@ -258,12 +259,8 @@ def _ending(job: Any) -> list[str]:
     return lines + ([f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else [])
 
 
-# The SDK's longest wait (30 days): what a client can send as a deadline.
-MAX_SECONDS = 30 * 86400
-
-
 def _seconds(least: float) -> Callable[[str], float]:
-    """An argparse type: seconds from ``least`` to MAX_SECONDS. gRPC takes a negative,
+    """An argparse type: seconds from ``least`` to ``LONGEST_WAIT_S``. gRPC takes a negative,
     NaN or huge timeout as already passed ("cannot reach" a daemon that is up), and
     time.sleep refuses them (a traceback); --watch 0 redrew without a pause, hammering
     the daemon."""
@@ -273,9 +270,9 @@ def _seconds(least: float) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not least <= value <= MAX_SECONDS:  # NaN fails too
+        if not least <= value <= LONGEST_WAIT_S:  # NaN fails too
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a number of seconds from {least:g} to {MAX_SECONDS}"
+                f"{text!r} is not a number of seconds from {least:g} to {LONGEST_WAIT_S:.0f}"
             )
         return value
 

@@ -100,6 +100,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
+from rendezvousd.common.limits import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, STANDBY_RETRY_S, StandbyOutage
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
@@ -209,10 +210,10 @@ class DaemonStore(dist.Store):
 
     def _wait_s(self, timeout: timedelta | None = None) -> float:
         # torch takes any timedelta (a year for "forever"); the SDK refuses waits past
-        # 30 days, and the daemon ends any wait at its --max-wait-s (600 s by default)
-        # anyway, so a longer one is sent as 30 days.
+        # LONGEST_WAIT_S (30 days), and the daemon ends any wait at its --max-wait-s
+        # (600 s by default) anyway, so a longer one is sent as that.
         seconds = (self.timeout if timeout is None else timeout).total_seconds()
-        return min(max(0.001, float(seconds)), 30 * 24 * 3600.0)
+        return min(max(0.001, float(seconds)), LONGEST_WAIT_S)
 
     @_store_errors
     def set(self, key: str, value: str | bytes) -> None:
