@@ -24,7 +24,6 @@ from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._session import (
-    DEFAULT_WINDOW_S,
     SLACK_S,
     UNKNOWN_OUTCOME,
     ClientOptions,
@@ -241,11 +240,10 @@ class Calls:
 
     def back_within(self, method: str, rank: int | None) -> Steps[None]:
         """Return once the channel is READY again; raise ``DaemonUnreachable`` when it is
-        not within the reconnect window (``reconnect_window``, else the daemon's
-        heartbeat timeout, else 10 s). ``Reachable`` answers False at a refused
-        connect, so it is asked again every ``RECHECK_S``."""
+        not within the reconnect window (``Session.reconnect_window_s``). ``Reachable``
+        answers False at a refused connect, so it is asked again every ``RECHECK_S``."""
         s = self.s
-        window = self.reconnect_window or s.daemon_heartbeat_timeout or DEFAULT_WINDOW_S
+        window = s.reconnect_window_s(self.reconnect_window)
         for _ in range(max(1, round(window / RECHECK_S))):
             if (yield Reachable(RECHECK_S)):
                 return

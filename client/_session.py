@@ -363,6 +363,11 @@ class Session:
         self.held = self.instance_id
         return self.node
 
+    def reconnect_window_s(self, asked: float | None) -> float:
+        """How long the daemon may be gone before it counts as lost: ``asked`` (the
+        client's ``reconnect_window``), else its heartbeat timeout, else 10 s."""
+        return asked or self.daemon_heartbeat_timeout or DEFAULT_WINDOW_S
+
     def closed_error(self) -> InvalidRequest:
         """What a call on a closed client raises, from either client (gRPC's own
         errors for a closed channel differ between them and name no job)."""
@@ -660,7 +665,7 @@ class StreamWatch:
     @property
     def window_s(self) -> float:
         """The caller's window, else the daemon's heartbeat timeout, else 10 s."""
-        return self.window or self.session.daemon_heartbeat_timeout or DEFAULT_WINDOW_S
+        return self.session.reconnect_window_s(self.window)
 
     @property
     def done(self) -> bool:
