@@ -133,9 +133,9 @@ class TlsConfig:
         if (self.cert is None) != (self.key is None):
             given, missing = ("cert", "key") if self.key is None else ("key", "cert")
             raise InvalidRequest(
-                f"TlsConfig has a client {given} ({getattr(self, given)}) but no {missing}: "
-                "mutual TLS needs both (--tls-cert and --tls-key); give neither for TLS "
-                "without a client certificate"
+                "--tls-cert and --tls-key go together (mutual TLS needs both): a client "
+                f"{given} ({getattr(self, given)}) without its {missing}; give neither for "
+                "TLS without a client certificate"
             )
 
     @classmethod
@@ -146,12 +146,15 @@ class TlsConfig:
         key: str | None = None,
         server_name: str | None = None,
     ) -> TlsConfig | None:
-        """From settings that hold paths as text (``tls_ca``...): None without a CA."""
+        """From settings that hold paths as text (``tls_ca``...): None without a CA.
+        Every check the flags need is here (``rendezvousd health``/``status`` rely on
+        it): a client certificate or key without a CA, then half a key pair."""
         if ca is None:
             if cert or key:  # else the connection would go out in plaintext, silently
                 raise InvalidRequest(
-                    "a client certificate or key (--tls-cert/--tls-key) needs --tls-ca too: "
-                    "without a CA the client speaks plaintext"
+                    "--tls-cert/--tls-key need --tls-ca, the CA that signed the daemon's "
+                    "certificate: a client certificate or key needs --tls-ca too, or the "
+                    "client speaks plaintext"
                 )
             return None
         return cls(

@@ -33,17 +33,17 @@ DEFAULT_ENDPOINT = "127.0.0.1:29420"
 
 
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
-    """The TLS files the flags name, checked first: an unreadable one would be a
-    traceback, and a certificate without its key (or a key without its certificate)
-    aborts the whole process inside gRPC's core. Raises ConfigError naming the flag."""
+    """The TLS files the flags name, checked first: half a client key pair (which
+    aborts the whole process inside gRPC's core) or a pair without a CA, as
+    ``TlsConfig.from_paths`` refuses them, and an unreadable file, which would be a
+    traceback. Raises ConfigError naming the flag."""
     from rendezvousd.client.connection import TlsConfig
+    from rendezvousd.client.errors import InvalidRequest
 
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ConfigError("--tls-cert and --tls-key go together (mTLS): give both or neither")
-    if args.tls_cert is not None and args.tls_ca is None:
-        raise ConfigError(
-            "--tls-cert/--tls-key need --tls-ca, the CA that signed the daemon's certificate"
-        )
+    try:
+        tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    except InvalidRequest as exc:
+        raise ConfigError(str(exc)) from None
     for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
                        ("--tls-key", args.tls_key)):  # fmt: skip
         try:
@@ -51,7 +51,7 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
                 Path(path).read_bytes()
         except OSError as exc:
             raise ConfigError(f"cannot read {flag} {path}: {exc.strerror}") from None
-    return TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    return tls
 
 
 def _channel(args: argparse.Namespace, tls: TlsConfig | None) -> grpc.Channel:
