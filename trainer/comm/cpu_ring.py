@@ -336,6 +336,7 @@ class CpuRingCommunicator(RankedCommunicator):
         bounds = [i * (count // n) + min(i, count % n) for i in range(n + 1)]
         expect = (coll, _OPS[op], dtype_code, seq, flat.nbytes, 0)
         ufunc = _UFUNCS[op]
+        divide = op is ReduceOp.AVG and _divides_after(flat)  # integers: the sum, at its last add
         scratch = self._scratch[: step * size].view(flat.dtype)
         scratch_raw = self._scratch.data
         sent = received = 0
@@ -354,7 +355,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 received += 1
                 if b > a:
                     ufunc(flat[a:b], scratch[: b - a], out=flat[a:b])
-                    if s == n - 2 and op is ReduceOp.AVG and _divides_after(flat):
+                    if s == n - 2 and divide:
                         _divide(flat[a:b], n)
                 send(a, b)
         for s in range(n - 1):  # all-gather
