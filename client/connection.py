@@ -196,6 +196,12 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     )
 
 
+# Words of gRPC's reason for a failed connect that say the TLS handshake was refused
+# (the CA, a certificate, the server name: "Hostname Verification Check failed" has
+# only the last); the SDK's probe and ``rendezvousd health`` read them alike.
+HANDSHAKE_SIGNS = ("handshake", "certificate", "verification")
+
+
 def _sendable(token: str, origin: str) -> str:
     """``token``, refused now if no daemon could accept it: gRPC cannot send it in a
     header (every call would fail INTERNAL "Invalid metadata"), or daemons refuse it."""
@@ -296,9 +302,7 @@ class TlsProbe:
             return None
         details = str(exc.details() or "")
         lowered = details.lower()
-        # "verification": a server name the daemon's certificate does not list fails
-        # gRPC's "Hostname Verification Check", with none of the other words.
-        if any(w in lowered for w in ("handshake", "certificate", "ssl", "verification")):
+        if any(w in lowered for w in (*HANDSHAKE_SIGNS, "ssl")):
             reason = details.rsplit("last error: ", 1)[-1]
             return (
                 f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. Check "

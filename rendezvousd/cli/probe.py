@@ -76,7 +76,7 @@ def _health(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                from rendezvousd.client.connection import speaks_tls
+                from rendezvousd.client.connection import HANDSHAKE_SIGNS, speaks_tls
 
                 # gRPC's reason for the last failed connection attempt.
                 reason = str(exc.details() or "").rsplit("last error: ", 1)[-1]
@@ -85,8 +85,7 @@ def _health(args: argparse.Namespace) -> int:
                     # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
                     why = f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
                 elif tls is not None and any(
-                    sign in lowered
-                    for sign in ("handshake", "certificate", "verification", "socket closed")
+                    sign in lowered for sign in (*HANDSHAKE_SIGNS, "socket closed")
                 ):
                     # The daemon is up, but refused this client's TLS ("socket closed":
                     # how a --tls-client-ca daemon turns away a client certificate).
