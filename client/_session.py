@@ -42,9 +42,8 @@ from rendezvousd.client.membership import (
     from_join_response,
 )
 from rendezvousd.common.escape import bounded
-from rendezvousd.common.limits import LONGEST_WAIT_S
 from rendezvousd.common.members import failed_text
-from rendezvousd.common.validation import UNIQUE_ID_BYTES
+from rendezvousd.common.validation import LONGEST_WAIT_S, UNIQUE_ID_BYTES
 
 log = logging.getLogger("rendezvousd.client")
 

@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import grid
 from rendezvousd.common.escape import escape, shortened
-from rendezvousd.common.limits import LONGEST_WAIT_S
 from rendezvousd.common.model import MemberState
+from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -6,10 +6,6 @@ from dataclasses import dataclass
 
 KIB = 1024
 MIB = 1024 * KIB
-# The longest wait a client sends (30 days): its milliseconds, and those of its call's
-# deadline, fit the protocol's 32-bit fields. The SDK refuses longer ones, the CLI's
-# probes too, and the torchrun store sends torch's longer timeouts as this.
-LONGEST_WAIT_S = 30 * 24 * 3600.0
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,16 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 
 if TYPE_CHECKING:
     # The daemon's bounds (two frozen dataclasses, ~4 ms to build) are its callers'
-    # to pass; the SDK and the trainer import this module for UNIQUE_ID_BYTES only.
+    # to pass; the SDK and the trainer import this module for UNIQUE_ID_BYTES and
+    # LONGEST_WAIT_S only.
     from rendezvousd.common.limits import Limits
 
 UNIQUE_ID_BYTES = 128
+# The longest wait a client sends (30 days): its milliseconds, and those of its call's
+# deadline, fit the protocol's 32-bit fields. The SDK refuses longer ones, the CLI's
+# probes too, and the torchrun store sends torch's longer timeouts as this. Here, not
+# in limits: a worker loads this module, never the daemon's bounds.
+LONGEST_WAIT_S = 30 * 24 * 3600.0
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # C0 and C1 controls, and the bidi marks and overrides that make a log line or
 # `rendezvousd status` show text other than what it holds (Trojan Source).

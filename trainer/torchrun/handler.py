@@ -100,7 +100,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
-from rendezvousd.common.limits import LONGEST_WAIT_S
+from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, STANDBY_RETRY_S, StandbyOutage
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
