@@ -14,8 +14,10 @@ job. For each total size rank 0 reports:
 - bucketed: ``BucketedAllReducer.all_reduce_all()`` over the same bytes split
   into ``--tensor-kib`` gradients (pack + all-reduce + unpack per bucket);
 - bus bandwidth of both (nccl-tests' formula: S / t x 2(n-1)/n);
-- pack / unpack bandwidth (bytes read + written per second) next to a plain
-  device-to-device copy of the same size, the ceiling they can reach.
+- pack / unpack bandwidth (bytes read + written per second) of what the reducer runs
+  (``CupyBufferOps.pack``/``unpack``: one launch each way for many small contiguous
+  gradients) next to a plain device-to-device copy of the same size, the ceiling they
+  can reach, and the time of a copy per gradient (``bucketing.pack``/``unpack``).
 
 Times are wall-clock medians with the stream synchronised, in milliseconds.
 Targets (issue "CuPy-NCCL training"): bucketed <= 1.05 x raw at world 2;
@@ -77,8 +79,13 @@ def measure(
     row["bucketed_over_raw"] = round(row["bucketed_ms"] / row["raw_ms"], 3)
     row["raw_busbw_gbps"] = gbps(total * bus, row["raw_ms"])
     row["bucketed_busbw_gbps"] = gbps(total * bus, row["bucketed_ms"])
-    pack_ms = median_ms(lambda: pack(flat, grads, offsets, 1, cp), sync, args.iters, 3)
-    unpack_ms = median_ms(lambda: unpack(flat, grads, offsets), sync, args.iters, 3)
+    # What the reducer runs (one launch each way for many small contiguous gradients)
+    # and, beside it, a copy per gradient (bucketing.pack/unpack, the fallback).
+    ops = nccl.CupyBufferOps(0)
+    pack_ms = median_ms(lambda: ops.pack(flat, grads, offsets, 1), sync, args.iters, 3)
+    unpack_ms = median_ms(lambda: ops.unpack(flat, grads, offsets), sync, args.iters, 3)
+    loop_pack_ms = median_ms(lambda: pack(flat, grads, offsets, 1, cp), sync, args.iters, 3)
+    loop_unpack_ms = median_ms(lambda: unpack(flat, grads, offsets), sync, args.iters, 3)
 
     def d2d() -> None:
         flat[...] = copy_src
@@ -90,6 +97,8 @@ def measure(
         copy_ms=copy_ms,
         pack_gbps=gbps(2 * total, pack_ms),
         unpack_gbps=gbps(2 * total, unpack_ms),
+        per_gradient_pack_ms=loop_pack_ms,
+        per_gradient_unpack_ms=loop_unpack_ms,
         copy_gbps=gbps(2 * total, copy_ms),
     )
     return row

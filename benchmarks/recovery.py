@@ -3,7 +3,10 @@ how many steps it loses, and whether the final model equals a fault-free run's.
 
     python benchmarks/recovery.py --json-out recovery.json
 
-One daemon on loopback, 3 simulated nodes x 2 CPU workers (the example MLP). Runs:
+One daemon on loopback, 3 simulated nodes x 2 CPU workers (the example MLP);
+``--backend nccl`` makes them 6 NCCL ranks on GPU 0, each its own NCCL host (the
+shared-device mode of scripts/gpu_check.sh: sockets on loopback, a one-GPU check of the
+recovery path on NCCL, not a measure of NVLink). Runs:
 ``fault_free``; ``worker_kill`` (kill -9 of one worker at step k);
 ``node_kill_replaced`` (kill -9 of a node's agent at step k, its workers die
 with it, and a fresh agent for that node is started at once, as a scheduler
@@ -80,6 +83,7 @@ from _report import emit
 
 from rendezvousd.cli.embedded import EmbeddedDaemon, spawn
 from rendezvousd.trainer.agent._trace import TRACE_ENV
+from rendezvousd.trainer.comm.devices import SHARED_DEVICE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,6 +139,9 @@ class Run:
         self.launchers: dict[int, int] = {}
         self.trace = self.work / "trace.jsonl"
         self.env = {**os.environ, TRACE_ENV: str(self.trace)}
+        if args.backend == "nccl":
+            # Every rank on the one GPU, each its own NCCL host (devices.prepare_nccl).
+            self.env[SHARED_DEVICE_ENV] = "1"
         # The daemon's log is shared by every run: this run's lines start here.
         self.daemon_log = daemon_log
         self.daemon_log_from = daemon_log.stat().st_size
@@ -163,6 +170,8 @@ class Run:
             "0.3",
             "--rejoin-timeout-s",
             "30",
+            "--backend",
+            a.backend,
             "-m",
             "rendezvousd.trainer.example",
             "--steps",
@@ -399,7 +408,8 @@ TORCHRUN_FAULTS = ("worker_kill", "node_kill_shrink", "node_kill_standby")
 
 class TorchrunRun:
     """3 torchrun agents x 2 gloo workers of tests/workers/torch_worker.py (a stock
-    script: no checkpoint, so a restarted round trains from step 0)."""
+    script: no checkpoint, so a restarted round trains from step 0); NCCL workers on
+    GPU 0 with ``--backend nccl``."""
 
     def __init__(
         self,
@@ -457,6 +467,8 @@ class TorchrunRun:
             str(args.step_sleep),
             "--step-log",
             str(self.log),
+            "--backend",
+            "nccl" if args.backend == "nccl" else "gloo",
         ]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if backend == "c10d-unshared-store":
@@ -656,6 +668,12 @@ def main() -> int:
         help="pass FLAG to the daemon, e.g. --daemon-flag=--event-loop=uvloop (repeatable; "
         "its environment's RENDEZVOUSD_* settings do not reach it)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("cpu", "nccl"),
+        default="cpu",
+        help="the workers' communicator; nccl puts every rank on GPU 0 (a one-GPU check)",
+    )
     p.add_argument("--keep", default=None, help="work in this folder and keep its logs")
     p.add_argument("--no-torchrun", action="store_true", help="rendezvous-run alone")
     p.add_argument("--torchrun-backends", default=",".join(TORCHRUN_BACKENDS), help="torchrun side")
@@ -669,6 +687,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "targets": TARGETS,
         "busy_loops": args.busy,
+        "backend": args.backend,
         "daemon_flags": args.daemon_flag,
     }
     report["byte_compiled"] = byte_compile()

@@ -7,7 +7,10 @@
 #      our CuPy seam and its fake against the installed CuPy (test_cupy_api.py);
 #   2. 1 node x 2 ranks on one GPU through `rendezvous-run --backend nccl`, with the
 #      gradient equality check against a single-process baseline;
-#   3. benchmarks/gpu_check.py at world 2: bucketed vs raw all-reduce, pack/unpack
+#   3. benchmarks/recovery.py --backend nccl: kills (a worker, a node replaced, a node
+#      lost) in 3 simulated nodes x 2 NCCL ranks on the one GPU, through a daemon, and
+#      torchrun's NCCL workers restarted after a kill (our handler and c10d's);
+#   4. benchmarks/gpu_check.py at world 2: bucketed vs raw all-reduce, pack/unpack
 #      vs a device-to-device copy.
 #
 # Writes one JSON result to $OUT/gpu_check.json (else artifacts/gpu_check.json) and
@@ -33,6 +36,9 @@ record() { # name status milliseconds detail
 finish() { # status [missing...]
   local status=$1
   shift
+  # Every step's whole log (and recovery.py's runs), for a post-mortem of a device
+  # session that cannot be repeated at will.
+  tar -czf "$out_dir/gpu_check_logs.tgz" --exclude=./recovery/token -C "$work" . 2>/dev/null
   "$py" - "$status" "$steps_json" "$result" "$@" <<'PY'
 import json, sys, pathlib
 status, steps, path, *missing = sys.argv[1:]
@@ -142,7 +148,7 @@ RENDEZVOUSD_REQUIRE_GPU=1 run_step gpu_tests 120 \
   "$root/tests/trainer/test_cupy_api.py"
 
 # 2. 1 node x 2 ranks on one GPU: each rank its own NCCL "host" (NCCL_HOSTID).
-run_step train_world2 120 env RENDEZVOUSD_NCCL_SHARED_DEVICE=1 \
+run_step train_world2 90 env RENDEZVOUSD_NCCL_SHARED_DEVICE=1 \
   "$py" -m rendezvousd.trainer.agent.launcher --standalone --nproc-per-node 2 --backend nccl \
   -m rendezvousd.trainer.example --steps 20 --result-dir "$work/results"
 if [ -f "$work/results/rank-0.json" ]; then
@@ -155,8 +161,53 @@ if [ -f "$work/results/rank-0.json" ]; then
   fi
 fi
 
-# 3. The benchmark at world 2.
-run_step benchmark 150 "$py" "$root/benchmarks/gpu_check.py" --world 2 \
+# 3. Faults on NCCL: 3 simulated nodes x 2 ranks on the one GPU through a daemon; a
+#    worker SIGKILLed mid-run, a node's agent SIGKILLed and replaced, a node lost for good
+#    (elastic 2:3). Each run must train again (its verdicts are in the JSON).
+#    torchrun's own NCCL workers, through our handler and through c10d (the setting it
+#    needs to restart at all), after a worker's SIGKILL; skipped where torch is missing.
+run_step recovery_nccl 200 "$py" "$root/benchmarks/recovery.py" --backend nccl \
+  --scenarios fault_free,worker_kill,node_kill_replaced,node_kill_shrink \
+  --torchrun-backends rendezvousd,c10d-unshared-store --torchrun-faults worker_kill \
+  --keep "$work/recovery" --json-out "$out_dir/recovery_nccl.json"
+if [ -f "$out_dir/recovery_nccl.json" ]; then
+  # Every launcher must have ended 0 and every fault run trained again.
+  if verdict=$("$py" - "$out_dir/recovery_nccl.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+names = ("fault_free", "worker_kill", "node_kill_replaced", "node_kill_shrink")
+seen, bad = [], []
+for name in names:
+    run = report.get(name)
+    if run is None:
+        bad.append(f"{name}: no result")
+        continue
+    codes = run.get("exit_codes", {})
+    if not codes or any(code != 0 for code in codes.values()):
+        bad.append(f"{name}: launcher exit codes {codes}")
+    if name != "fault_free" and "recovery_s" not in run:
+        bad.append(f"{name}: did not train again")
+    seen.append(f"{name} recovery_s={run.get('recovery_s', '-')} lost={run.get('steps_lost', '-')}")
+for name, run in report.get("torchrun", {}).items():
+    if not isinstance(run, dict):
+        continue
+    seen.append(f"torchrun {name} restarted {run['restarted']} in {run['recovery_s_median']} s")
+    runs = run["runs"]
+    if name.startswith("rendezvousd") and not all(r.get("restarted") for r in runs):
+        bad.append(f"torchrun {name}: {[r.get('error') for r in runs]}")
+print("; ".join(bad or seen))
+sys.exit(1 if bad else 0)
+PY
+  ); then
+    record recovery_nccl_verdict passed 0 "$verdict"
+  else
+    record recovery_nccl_verdict failed 0 "$verdict"
+    failed=1
+  fi
+fi
+
+# 4. The benchmark at world 2.
+run_step benchmark 120 "$py" "$root/benchmarks/gpu_check.py" --world 2 \
   --json-out "$out_dir/gpu_bench.json" "$@"
 
 if [ $failed -eq 0 ]; then finish passed; else finish failed; fi

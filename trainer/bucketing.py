@@ -221,6 +221,12 @@ class _NumpyOps:
     def join_caller(self) -> None:
         """On the caller's thread in ``wait()`` once every bucket completed."""
 
+    def pack(self, flat: Any, grads: Sequence[Any], offsets: Sequence[int], divisor: int) -> None:
+        pack(flat, grads, offsets, divisor, self.xp)
+
+    def unpack(self, flat: Any, grads: Sequence[Any], offsets: Sequence[int]) -> None:
+        unpack(flat, grads, offsets)
+
 
 def _buffer_ops(grads: Sequence[Any], rank: int) -> _NumpyOps | nccl.CupyBufferOps:
     # Imports fine without CuPy; CuPy itself loads only for CuPy arrays.
@@ -468,7 +474,7 @@ class BucketedAllReducer:
         bucket = self._buckets[number]
         flat = self._views[number]
         grads = [self._grads[i] for i in bucket.grads]
-        pack(flat, grads, bucket.offsets, self._divisor, self._ops.xp)
+        self._ops.pack(flat, grads, bucket.offsets, self._divisor)
         try:
             self._comm.all_reduce(flat, ReduceOp.SUM)
         except CommunicatorError as exc:
@@ -478,7 +484,7 @@ class BucketedAllReducer:
                 f"{exc} [bucket {number} of {len(self._buckets)}: gradients "
                 f"{list(bucket.grads)}, {bucket.nbytes} bytes of {bucket.dtype}]"
             ) from exc
-        unpack(flat, grads, bucket.offsets)
+        self._ops.unpack(flat, grads, bucket.offsets)
 
     def close(self) -> None:
         """Stop the worker thread; idempotent. Does not close the communicator."""

@@ -265,6 +265,13 @@ class DistributedConfig:
         "rendezvous-run: a worker that reported progress and then none for this long is hung",
         _POSITIVE,
     )
+    spare_gpu_context: bool = setting(
+        True,
+        "rendezvous-run, nccl backend: each warm spare loads CuPy and makes its GPU's CUDA "
+        "context while it waits, so a restart's workers start at NCCL's init; costs one "
+        "context's GPU memory per GPU",
+        Bool(),
+    )
     stop_grace_s: float = setting(
         10.0,
         "rendezvous-run: when it is stopped (SIGTERM, SIGINT, SIGHUP, SIGQUIT), its workers' "

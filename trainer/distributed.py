@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
 from rendezvousd.client.membership import Membership
 from rendezvousd.common.escape import bounded
+from rendezvousd.trainer.agent._agent_boot import ENV_SPARE_GPU
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import AgentLink
 from rendezvousd.trainer.agent.state_copy import StepState
@@ -466,6 +467,20 @@ _AFTER_ASSIGNMENT = (
 )
 
 
+def _warm_spare_gpu() -> None:
+    """The spare's GPU head start (``devices.warm_spare``); one that fails costs
+    nothing but the head start: the assigned worker then meets the same error where
+    it is reported today, in its communicator's setup."""
+    try:
+        why_not = devices.warm_spare(int(os.environ.get("LOCAL_RANK", "0")))
+    except Exception as exc:  # CuPy's or CUDA's errors, whatever their class
+        why_not = f"{type(exc).__name__}: {exc}"
+    if why_not is None:
+        mark("spare-gpu-ready")
+    else:
+        log.debug("spare stays off its GPU until assigned: %s", why_not)
+
+
 def _init_from_agent(
     link: AgentLink, environ: MutableMapping[str, str] | None
 ) -> DistributedContext:
@@ -473,6 +488,8 @@ def _init_from_agent(
     communicator. ``environ``: where the torchrun names go (``os.environ``)."""
     for module in _AFTER_ASSIGNMENT:
         importlib.import_module(module)
+    if os.environ.get(ENV_SPARE_GPU) == "1":
+        _warm_spare_gpu()
     assignment, restored = link.wait_assignment()
     started = time.monotonic()
     if environ is not None:
@@ -486,7 +503,9 @@ def _init_from_agent(
     link.relay(rdzv)  # its calls go on the agent's stream (client.relay)
     topology = assignment.topology
     if config.backend == "nccl":
-        devices.prepare_nccl(assignment.local_rank)
+        # The global rank, not the local one: two simulated nodes on one GPU share
+        # local ranks, and NCCL would take their ranks for one GPU used twice.
+        devices.prepare_nccl(assignment.rank)
 
     def watch(relay: _FailureRelay) -> None:
         link.start(lambda cause: relay.fail(AgentError(cause)))

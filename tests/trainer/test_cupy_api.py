@@ -105,8 +105,14 @@ SEAM: list[tuple[str, Call | str]] = [
     ("ndarray().__itruediv__", Call(1)),
     ("zeros", Call(1, ("dtype",))),
     ("empty", Call(1, ("dtype",))),
+    ("concatenate", Call(1, ("out",))),
+    ("RawModule", Call(0, ("code", "name_expressions"))),
+    ("RawModule().get_function", Call(1)),
+    ("RawKernel.__call__", Call(3)),
     # trainer/comm/devices.py
     ("cuda.Device().use", Call()),
+    ("cuda.runtime.getDeviceProperties", Call(1)),
+    ("cuda.runtime.deviceSynchronize", Call()),
     ("asarray", Call(1)),
     ("asnumpy", Call(1)),
     # trainer/bucketing.py (pack, unpack)
@@ -124,7 +130,6 @@ SEAM: list[tuple[str, Call | str]] = [
     # benchmarks/gpu_check.py
     ("float32", READ),
     ("cuda.get_current_stream().synchronize", READ),
-    ("cuda.runtime.getDeviceProperties", Call(1)),
 ]
 
 # What an attribute or a call returns, where the path cannot show it.

@@ -119,3 +119,23 @@ def test_shared_device_mode_puts_every_rank_on_gpu_0_as_its_own_nccl_host() -> N
     mine = {**on, "NCCL_SOCKET_IFNAME": "eth0"}
     devices.prepare_nccl(1, mine)
     assert mine["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+def test_a_spare_makes_its_gpus_context_while_it_waits(
+    fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(devices.SHARED_DEVICE_ENV, raising=False)
+    assert devices.warm_spare(1) is None
+    assert fake.world.contexts == {1} and fake.world.device == 1
+    monkeypatch.setenv(devices.SHARED_DEVICE_ENV, "1")
+    assert devices.warm_spare(1) is None
+    assert fake.world.contexts == {0, 1}
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_a_spare_leaves_a_gpu_alone_outside_the_shared_compute_mode(fake: Any, mode: int) -> None:
+    # Exclusive (1, 3): its context would lock the running worker out; prohibited (2).
+    fake.world.compute_mode = mode
+    why = devices.warm_spare(0)
+    assert why is not None and f"compute mode {mode}" in why
+    assert fake.world.contexts == set()

@@ -205,3 +205,41 @@ def test_host_baseline_data_is_the_data_the_device_trains_on(fake: Any) -> None:
     x = devices.to_device(x_host, fake)
     idx = np.array([3, 1, 7], dtype=np.int64)
     np.testing.assert_array_equal(devices.to_host(x[devices.to_device(idx, fake)]), x_host[idx])
+
+
+# The launcher itself on the fake too: node 0's agent makes the NCCL id.
+FAKE_GPU_LAUNCHER = [
+    "-c",
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); from tests.trainer import fake_cupy; "
+    "fake_cupy.install_globally(); from rendezvousd.trainer.agent.launcher import main; "
+    "sys.exit(main())",
+    str(ROOT),
+]
+
+
+def _spare_gpu_trace(tmp_path: Path, *flags: str) -> list[str]:
+    """One standalone node of one nccl rank on the fake GPU; its workers' trace events."""
+    tmp_path.mkdir()
+    trace = tmp_path / "trace.jsonl"
+    run = subprocess.run(
+        [
+            *(sys.executable, *FAKE_GPU_LAUNCHER, "--standalone", "--nproc-per-node", "1"),
+            *("--backend", "nccl", *flags, *FAKE_GPU_EXAMPLE, *TRAIN, "--steps", "2"),
+            *("--result-dir", str(tmp_path / "out")),
+        ],
+        env={**os.environ, "RENDEZVOUSD_TRACE_FILE": str(trace)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    trained = {e["pid"] for e in events if e["event"] == "ring-up"}
+    return [e["event"] for e in events if e["pid"] in trained]
+
+
+def test_a_spare_makes_its_gpu_context_before_it_is_assigned(tmp_path: Path) -> None:
+    events = _spare_gpu_trace(tmp_path / "on")
+    assert events.index("spare-gpu-ready") < events.index("assignment-heard"), events
+    off = _spare_gpu_trace(tmp_path / "off", "--no-spare-gpu-context")
+    assert "spare-gpu-ready" not in off and "ring-up" in off, off

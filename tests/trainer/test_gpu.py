@@ -216,3 +216,23 @@ def test_abort_from_another_thread_ends_a_waiting_collective(cp: Any) -> None:
 
     errors = rank_zero_alone(60, aborted_soon)
     assert len(errors) == 1 and isinstance(errors[0], CommunicatorAborted), errors
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_many_small_gradients_go_through_one_launch_each_way_intact(
+    cp: Any, comm: nccl.NcclCommunicator, dtype: str
+) -> None:
+    # More than 8 contiguous gradients averaging under 2 MiB: CuPy's one-kernel
+    # concatenate packs them and our scatter kernel unpacks them (nccl.CupyBufferOps).
+    rng = np.random.default_rng(3)
+    sizes = [int(n) for n in rng.integers(1, 5000, size=60)]
+    sizes[9] = 0
+    host_grads = [(np.arange(n) % 1000 + i).astype(dtype) for i, n in enumerate(sizes)]
+    grads = [cp.asarray(g.reshape(-1, 1) if i % 4 == 0 else g) for i, g in enumerate(host_grads)]
+    with BucketedAllReducer(grads, comm, first_bucket_bytes=None) as reducer:
+        assert len(reducer.buckets) == 1
+        for _ in range(2):  # the second step reuses the bucket's table
+            reducer.all_reduce_all()
+    cp.cuda.get_current_stream().synchronize()
+    for got, want in zip(grads, host_grads, strict=True):
+        np.testing.assert_array_equal(host(got).reshape(-1), want)

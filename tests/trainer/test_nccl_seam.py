@@ -542,3 +542,52 @@ def test_reducer_timeout_names_bucket_op_and_peers(cupy: Any) -> None:
         ),
     ):
         reducer.wait()
+
+
+def _many_small_grads(cupy: Any) -> list[Any]:
+    """40 gradients of odd sizes and shapes, an empty one among them, each a distinct ramp."""
+    rng = np.random.default_rng(7)
+    sizes = [int(n) for n in rng.integers(1, 200, size=40)]
+    sizes[5] = 0
+    grads = []
+    for i, n in enumerate(sizes):
+        ramp = np.arange(n, dtype=np.float32) + 1000 * i
+        grads.append(device_array(cupy, ramp.reshape(-1, 1) if i % 3 == 0 else ramp))
+    return grads
+
+
+def test_a_bucket_of_many_small_gradients_moves_in_one_launch_each_way(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(0, 1, UID, 0, timeout=30)
+    grads = _many_small_grads(cupy)
+    expected = [cupy.asnumpy(g).copy() for g in grads]
+    trace = cupy.world.trace
+    with BucketedAllReducer(grads, comm, first_bucket_bytes=None) as reducer:
+        assert len(reducer.buckets) == 1
+        tables = cupy.counts["asarray"]
+        for _ in range(2):
+            trace.clear()
+            reducer.all_reduce_all()
+            assert [e[0] for e in trace if e[0] in ("copy", "allReduce")] == [
+                "copy",
+                "allReduce",
+                "copy",
+            ]
+        # Where each gradient goes is uploaded once per bucket, not per step.
+        assert cupy.counts["asarray"] == tables + 2
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+def test_a_bucket_with_a_strided_gradient_is_copied_one_gradient_at_a_time(cupy: Any) -> None:
+    comm = nccl.NcclCommunicator(0, 1, UID, 0, timeout=30)
+    grads = _many_small_grads(cupy)
+    grads[7] = device_array(cupy, np.arange(60, dtype=np.float32).reshape(6, 10))[:, ::2]
+    expected = [cupy.asnumpy(g).copy() for g in grads]
+    trace = cupy.world.trace
+    with BucketedAllReducer(grads, comm, first_bucket_bytes=None) as reducer:
+        trace.clear()
+        reducer.all_reduce_all()
+    # One copy each way per gradient that has elements (an empty one is not bucketed).
+    assert sum(e[0] == "copy" for e in trace) == 2 * sum(g.size > 0 for g in grads)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)

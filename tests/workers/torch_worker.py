@@ -1,5 +1,7 @@
 """A stock torchrun training script: ``init_process_group("gloo")`` from the environment
 torchrun sets, then steps of one all-reduce each. Nothing in it knows rendezvousd.
+``--backend nccl`` all-reduces on GPU 0 instead, every rank its own NCCL host (as
+devices.prepare_nccl does for rendezvous-run): world > 1 on a machine with one GPU.
 
     torchrun ... tests/workers/torch_worker.py --steps 20 --step-log steps.jsonl
 
@@ -31,12 +33,21 @@ def main() -> None:
     p.add_argument("--step-log", required=True)
     p.add_argument("--hang-after", type=int, default=-1)
     p.add_argument("--hang-world", type=int, default=0)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     a = p.parse_args()
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if a.backend == "nccl":
+        # Stock NCCL refuses two ranks on one GPU unless they are told they are hosts apart.
+        os.environ["NCCL_HOSTID"] = f"torch-worker-{os.environ['RANK']}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    dist.init_process_group(a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for step in range(1, a.steps + 1):
-        t = torch.ones(4) * (rank + 1)
+        t = torch.ones(4, device=device) * (rank + 1)
         dist.all_reduce(t)
         # Every rank must see the sum over the whole world: 1 + 2 + ... + world.
         assert t[0].item() == world * (world + 1) / 2, (t, world)

@@ -25,6 +25,9 @@ import sys
 
 ENV_AGENT_PID = "RENDEZVOUSD_AGENT_PID"
 ENV_AGENT_FD = "RENDEZVOUSD_AGENT_FD"
+#: Set by the agent for a spare that should make its GPU's context while it waits
+#: (``spare_gpu_context``, nccl backend); read by ``init_distributed``.
+ENV_SPARE_GPU = "RENDEZVOUSD_SPARE_GPU"
 PR_SET_PDEATHSIG = 1
 
 

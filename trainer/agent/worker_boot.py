@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_FD, ENV_AGENT_PID
+from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_FD, ENV_AGENT_PID, ENV_SPARE_GPU
 from rendezvousd.trainer.agent._fork_server import (
     ANSWER_S,
     ENV_CONTROL_FD,
@@ -318,6 +318,8 @@ def slot_env(config: DistributedConfig, local_rank: int) -> dict[str, str]:
             NODE_RANK=str(node_rank),
             GROUP_RANK=str(node_rank),
         )
+    if config.backend == "nccl" and config.spare_gpu_context:
+        env[ENV_SPARE_GPU] = "1"
     return env
 
 

@@ -93,12 +93,41 @@ def device_for(local_rank: int, env: Mapping[str, str] | None = None) -> int:
     return 0 if shares_one_device(env) else local_rank
 
 
-def prepare_nccl(local_rank: int, env: MutableMapping[str, str] | None = None) -> None:
+def warm_spare(local_rank: int) -> str | None:
+    """A spare's head start on its GPU while it waits for its assignment: CuPy and
+    its NCCL bindings imported and the device's primary context made, which a new
+    worker otherwise does after it is assigned, on a restart's critical path
+    (docs/benchmarks.md, "The GPU path on an H200"). No NCCL call: NCCL reads its
+    environment at its first, which ``prepare_nccl`` sets after the assignment.
+
+    Returns why the spare stays off the GPU, or None. A device in an exclusive compute
+    mode is left alone: there the spare's context would lock out the running worker
+    of its slot. The context costs GPU memory for as long as the spare waits."""
+    cupy = nccl._import_cupy()
+    device = device_for(local_rank)
+    mode = int(cupy.cuda.runtime.getDeviceProperties(device)["computeMode"])
+    if mode != _COMPUTE_MODE_DEFAULT:
+        return f"GPU {device} is in compute mode {mode}, not the default (shared) mode"
+    cupy.cuda.Device(device).use()
+    # A call that needs the context: CUDA makes it here, not at the first allocation.
+    cupy.cuda.runtime.deviceSynchronize()
+    return None
+
+
+#: cudaComputeModeDefault: several processes may hold contexts on the device.
+_COMPUTE_MODE_DEFAULT = 0
+
+
+def prepare_nccl(slot: int, env: MutableMapping[str, str] | None = None) -> None:
     """Before the first NCCL call of this process (NCCL reads its environment then):
-    in the shared-device mode, give this process its own NCCL host identity."""
+    in the shared-device mode, give this process its own NCCL host identity.
+
+    ``slot`` must differ between the ranks on this machine: the global rank where it is
+    known (under the agent, so that several simulated nodes can share one GPU), else
+    the local rank."""
     environ = os.environ if env is None else env
     if not shares_one_device(environ):
         return
-    environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-rendezvousd-{local_rank}")
+    environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-rendezvousd-{slot}")
     environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     environ.setdefault("NCCL_IB_DISABLE", "1")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -514,6 +514,8 @@ class CupyBufferOps:
             self.stream: Final = self.xp.cuda.Stream(non_blocking=True)
             self._final = self.xp.cuda.Event(disable_timing=True)
         self._ready: dict[int, Any] = {}
+        # Per bucket (its buffer and its gradients' addresses): unpack's table on the device.
+        self._tables: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
 
     @staticmethod
     def device_of(array: Any) -> int:
@@ -541,3 +543,98 @@ class CupyBufferOps:
         with self.xp.cuda.Device(self.device):
             self._final.record(self.stream)
             self.xp.cuda.get_current_stream().wait_event(self._final)
+
+    # A bucket of many small gradients costs a launch per gradient when each is copied
+    # on its own: 9 us each on an H200 from Python, where copying a 1 MiB gradient takes
+    # under 1 us (docs/benchmarks.md, "The GPU path on an H200"). So a bucket's gradients
+    # go in and out in one launch each way, where they are contiguous.
+
+    def pack(self, flat: Any, grads: Sequence[Any], offsets: Sequence[int], divisor: int) -> None:
+        """``bucketing.pack`` on the communication stream; contiguous gradients through
+        CuPy's ``concatenate``, which copies many small arrays in one kernel."""
+        if divisor == 1 and all(g.flags.c_contiguous for g in grads):
+            self.xp.concatenate([g.reshape(-1) for g in grads], out=flat)
+            return
+        from rendezvousd.trainer.bucketing import pack
+
+        pack(flat, grads, offsets, divisor, self.xp)
+
+    def unpack(self, flat: Any, grads: Sequence[Any], offsets: Sequence[int]) -> None:
+        """``bucketing.unpack``; many small contiguous gradients in one kernel of ours
+        (CuPy has no scatter into many arrays), with the table of where each goes made
+        once per bucket and kept on the device."""
+        word = _SCATTER_WORDS.get(flat.dtype.itemsize)
+        if (
+            word is None
+            or len(grads) <= _SCATTER_MIN_ARRAYS
+            or flat.size * flat.dtype.itemsize >= _SCATTER_MAX_AVERAGE_BYTES * len(grads)
+            or not all(g.flags.c_contiguous for g in grads)
+        ):
+            from rendezvousd.trainer.bucketing import unpack
+
+            unpack(flat, grads, offsets)
+            return
+        pointers = tuple(int(g.data.ptr) for g in grads)
+        table = self._tables.get((int(flat.data.ptr), pointers))
+        if table is None:
+            table = self._tables[(int(flat.data.ptr), pointers)] = (
+                self.xp.asarray(np.array(pointers, dtype=np.uint64)),
+                self.xp.asarray(np.array(offsets, dtype=np.int64)),
+            )
+        total = int(flat.size)
+        blocks = min(-(-total // _SCATTER_THREADS), _SCATTER_MAX_BLOCKS)
+        kernel = self._scatter_kernel(word)
+        kernel(
+            (blocks,),
+            (_SCATTER_THREADS,),
+            (flat, table[0], table[1], np.int32(len(grads)), np.int64(total)),
+        )
+
+    def _scatter_kernel(self, word: str) -> Any:
+        with _SCATTER_LOCK:
+            kernel = _SCATTER_KERNELS.get((self.device, word))
+            if kernel is None:
+                module = self.xp.RawModule(
+                    code=_SCATTER_SOURCE, name_expressions=[f"rendezvousd_scatter<{word}>"]
+                )
+                kernel = module.get_function(f"rendezvousd_scatter<{word}>")
+                _SCATTER_KERNELS[(self.device, word)] = kernel
+            return kernel
+
+
+# Elements are moved as words of their size: the scatter copies bits, whatever the dtype.
+_SCATTER_WORDS = {
+    1: "unsigned char",
+    2: "unsigned short",
+    4: "unsigned int",
+    8: "unsigned long long",
+}
+# CuPy's own thresholds for one-kernel concatenation: more than 8 arrays, averaging
+# under 2 MiB (larger ones copy at full bandwidth on their own).
+_SCATTER_MIN_ARRAYS = 8
+_SCATTER_MAX_AVERAGE_BYTES = 2 << 20
+_SCATTER_THREADS = 256
+_SCATTER_MAX_BLOCKS = 4096
+_SCATTER_LOCK = threading.Lock()
+_SCATTER_KERNELS: dict[tuple[int, str], Any] = {}
+# Element i of the bucket goes to gradient j where starts[j] <= i < starts[j + 1]
+# (a binary search over the bucket's offsets), at its offset i - starts[j].
+_SCATTER_SOURCE = r"""
+template <typename T>
+__global__ void rendezvousd_scatter(const T* flat, const unsigned long long* pointers,
+                                    const long long* starts, int count, long long total) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    int lo = 0, hi = count;
+    while (hi - lo > 1) {
+      int mid = (lo + hi) / 2;
+      if (i < starts[mid]) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+    reinterpret_cast<T*>(pointers[lo])[i - starts[lo]] = flat[i];
+  }
+}
+"""

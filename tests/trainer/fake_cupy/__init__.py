@@ -110,7 +110,12 @@ def make_cupy(
             Event=lambda disable_timing=False: FakeEvent(world, disable_timing),
             Device=device_class(world),
             get_current_stream=lambda: current_stream(world),
-            runtime=SimpleNamespace(getDeviceCount=lambda: devices, CUDARuntimeError=FakeCudaError),
+            runtime=SimpleNamespace(
+                getDeviceCount=lambda: devices,
+                CUDARuntimeError=FakeCudaError,
+                getDeviceProperties=lambda device: {"computeMode": world.compute_mode},
+                deviceSynchronize=lambda: world.contexts.add(world.device),
+            ),
         ),
     )
 

@@ -27,6 +27,8 @@ class World:
         self.local = threading.local()  # .stack (current streams), .device
         self.streams: list[FakeStream] = []
         self.counts = {"asnumpy": 0, "asarray": 0}  # explicit host<->device copies
+        self.compute_mode = 0  # cudaComputeModeDefault; 1 and 3 are the exclusive modes
+        self.contexts: set[int] = set()  # devices whose context a call has made
         self.default_stream = self.stream(name="default")
 
     def stream(self, non_blocking: bool = False, name: str = "") -> FakeStream:
