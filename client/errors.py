@@ -26,6 +26,7 @@ contain the unique id or the token.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -278,6 +279,10 @@ def _status_details(call: grpc.Call) -> tuple[str, dict[str, str], list[pb.Faile
     return reason, metadata, failed
 
 
+#: gRPC's own words for a message over the receiver's limit.
+_TOO_LARGE = re.compile(r"Received message larger than max \((?P<sent>\d+) vs\. (?P<max>\d+)\)")
+
+
 def from_rpc_error(
     exc: grpc.RpcError, *, endpoint: str, method: str, job_id: str = "", rank: int | None = None
 ) -> RendezvousError:
@@ -296,6 +301,15 @@ def from_rpc_error(
         message = f"{where}{who}: {details}"
     elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"{where}{who} exceeded its deadline; the daemon did not answer in time"
+    elif code is grpc.StatusCode.RESOURCE_EXHAUSTED and (sizes := _TOO_LARGE.search(details)):
+        # gRPC refuses the message before the daemon reads it, so no ErrorInfo says which
+        # limit: name it here, with the one a KV value meets first.
+        metadata = {"limit": "max_message_bytes"}
+        message = (
+            f"{where}{who}: the request is {sizes['sent']} bytes, over the "
+            f"{sizes['max']} bytes the daemon takes in one message (its max_message_bytes); "
+            "a KV value must also fit its max_value_bytes (32 KiB unless configured)"
+        )
     else:
         message = f"{where}{who} failed with {code.name}: {details}"
     extra: dict[str, Any] = {"failed": failed_members(lost)} if cls is PeerFailed else {}

@@ -310,8 +310,16 @@ class BucketedAllReducer:
         self._ops = _buffer_ops(self._grads, rank) if self._grads else _NumpyOps()
         _refuse_aliases(self._grads, rank)
         self._specs = tuple(GradSpec.of(g) for g in self._grads)
+        complex_ = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind == "c"})
+        if complex_:
+            # Neither backend reduces them (NCCL has no complex type): refused here, not
+            # by the first bucket's all-reduce on the worker thread, a step later.
+            raise CollectiveArgumentError(
+                f"rank {rank}: no communicator reduces complex gradients ({complex_}); "
+                "register their real view instead (g.view(np.float32) for complex64)"
+            )
         if average:
-            bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind not in "fc"})
+            bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind != "f"})
             if bad:
                 raise CollectiveArgumentError(
                     f"rank {rank}: average=True needs floating gradients, got {bad}; "

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,22 @@ def _fsync_directory(folder: Path) -> None:
         os.close(fd)
 
 
+def _remove_abandoned_writes(target: Path, started: float) -> None:
+    """Delete what a killed save left (its temporary file, as large as a checkpoint)
+    beside ``target``: temporary files of this name or of any ``ckpt-<step>.npz``,
+    untouched since before this save began (one being written now has a newer time)."""
+    for entry in target.parent.iterdir():
+        name = entry.name
+        if not (name.startswith(".") and name.endswith(".tmp")):
+            continue
+        written = name[1:].rsplit(".", 2)[0]
+        if written != target.name and not _NAME_RE.match(written):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_file() and entry.stat().st_mtime < started:
+                entry.unlink()
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     arrays: Mapping[str, Any],
@@ -122,6 +139,7 @@ def save_checkpoint(
     target = Path(path)
     payload = _encode(arrays, meta)
     tmp_name: str | None = None
+    started = time.time()
     try:
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
@@ -136,6 +154,7 @@ def save_checkpoint(
         os.replace(tmp_name, target)
         tmp_name = None
         _fsync_directory(target.parent)
+        _remove_abandoned_writes(target, started)
     except OSError as exc:
         raise CheckpointError(
             f"could not write checkpoint {target}: {exc}; the previous file, if any, "

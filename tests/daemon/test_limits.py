@@ -131,6 +131,12 @@ def test_kv_key_and_value_sizes(daemon: DaemonProcess, job_id: str) -> None:
             client.kv_compare_and_set("v", b"nope", b"y" * (32 * KIB + 1))
         assert info.value.limit == "max_value_bytes"
         assert client.kv_get("v", wait=False) == b"x" * (32 * KIB)  # unchanged
+        # Over the daemon's message size, gRPC refuses it unread: still named, and the
+        # client's stream goes on serving.
+        with pytest.raises(LimitExceeded, match=r"over the 65536 bytes .*max_value_bytes") as info:
+            client.kv_set("v", b"x" * (70 * KIB))
+        assert info.value.limit == "max_message_bytes"
+        assert client.kv_get("v", wait=False) == b"x" * (32 * KIB)
 
         for bad in ("", "a\x00b", "new\nline"):
             with pytest.raises(InvalidRequest) as bad_info:

@@ -537,3 +537,14 @@ def test_two_rank_bucketed_all_reduce_equals_the_mean(tmp_path: Path) -> None:
         mean = a / np.float32(2) + b / np.float32(2)
         np.testing.assert_array_equal(results[0][f"arr_{i}"], mean)
         np.testing.assert_array_equal(results[1][f"arr_{i}"], mean)
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_complex_gradients_are_refused_when_the_reducer_is_made(average: bool) -> None:
+    grads = [np.ones(4, np.float32), np.ones(3, np.complex64)]
+    with pytest.raises(errs.CollectiveArgumentError, match=r"complex gradients.*g\.view"):
+        BucketedAllReducer(grads, SoloCommunicator(2), average=average)
+    # Their real view is reduced as floats are.
+    grads[1] = grads[1].view(np.float32)
+    with BucketedAllReducer(grads, SoloCommunicator(2), average=average) as reducer:
+        reducer.all_reduce_all()

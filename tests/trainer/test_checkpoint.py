@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -306,3 +308,20 @@ def test_a_checkpoint_of_another_format_or_with_arrays_missing_is_refused(
     _rewrite_meta(path, change)
     with pytest.raises(CheckpointError, match=f"{path.name}.*{re.escape(said)}"):
         load_checkpoint(path)
+
+
+def test_a_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path: Path) -> None:
+    old = time.time() - 60
+    left = [tmp_path / ".ckpt-0000000003.npz.k2j4x9_a.tmp", tmp_path / ".c.npz.abcdefgh.tmp"]
+    kept = [tmp_path / ".other.npz.abcdefgh.tmp", tmp_path / "notes.tmp"]
+    for path in (*left, *kept):
+        path.write_bytes(b"partial")
+        os.utime(path, (old, old))
+    # One of this name being written now (touched after the save began) is not abandoned.
+    busy = tmp_path / ".ckpt-0000000004.npz.zzzzzzzz.tmp"
+    busy.write_bytes(b"")
+    os.utime(busy, (time.time() + 60, time.time() + 60))
+    assert save_checkpoint(tmp_path / "c.npz", arrays(), {}, rank=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["c.npz", busy.name, *(p.name for p in kept)]
+    )
