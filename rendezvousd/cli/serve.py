@@ -234,7 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(words)
+    except SystemExit as exc:
+        # health and status keep grpc_health_probe's codes, where 1 is bad arguments and
+        # 2 (argparse's own for them) means the daemon could not be reached.
+        if exc.code == 2 and words[:1] in (["health"], ["status"]):
+            from rendezvousd.cli.probe import EXIT_ARGS
+
+            raise SystemExit(EXIT_ARGS) from None
+        raise
     try:
         code: int = args.func(args)
     except DaemonError as exc:
