@@ -124,6 +124,8 @@ class DistributedContext:
                     # The agent reports it to the daemon before our ring closes: see
                     # ``_drop_out`` for why the order decides the root cause.
                     self.agent.report_failure(_describe(error), PEER_SETTLE_S)
+                elif not clean and _unexplained(self.agent, error):
+                    self.agent.report_failure(_describe(error), PEER_SETTLE_S)
                 self.communicator.close()
                 self.rendezvous.close()
             finally:
@@ -161,6 +163,24 @@ def _own_failure(error: BaseException | None) -> bool:
     """Whether this worker failed by itself, not as the victim of a failure
     elsewhere (a peer's death seen on the ring, the daemon's or the agent's word)."""
     return not isinstance(error, CommunicatorError | RendezvousError | AgentError)
+
+
+def _unexplained(agent: AgentLink, error: BaseException | None) -> bool:
+    """Whether this worker's broken communicator stays unexplained: no word of a
+    failure elsewhere came through its agent within the settle time. A peer's death is
+    reported by that peer's agent at once and reaches every agent in milliseconds; a cut
+    between two nodes whose heartbeats go on is reported by no one else, so the ranks
+    that saw the link break must name it. Those that heard of it from a neighbour's
+    notice wait a little longer, so that a witness's words are the cause of record."""
+    if not isinstance(error, CommunicatorError) or isinstance(error, CommunicatorAborted):
+        return False
+    settle = PEER_SETTLE_S if error.reported_by is None else PEER_SETTLE_S + HEARSAY_DELAY_S
+    return not agent.heard_abort(settle)
+
+
+#: How much longer a rank that learned of a broken link from a neighbour waits than
+#: one that saw it, before it reports it itself.
+HEARSAY_DELAY_S = 0.5
 
 
 def _describe(error: BaseException | None) -> str:

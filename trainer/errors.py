@@ -40,7 +40,10 @@ class DeviceCountError(ConfigError):
 
 
 class CommunicatorError(TrainerError):
-    """A collective operation failed on this rank."""
+    """A collective operation failed on this rank. ``reported_by``: the rank whose
+    notice this rank learned it from, where it did not see the failure itself."""
+
+    reported_by: int | None = None
 
 
 class CommunicatorAborted(CommunicatorError):

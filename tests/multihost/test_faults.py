@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S
 from rendezvousd.trainer.demo.netns import Hosts
+from rendezvousd.trainer.distributed import HEARSAY_DELAY_S, PEER_SETTLE_S
 from tests.multihost.cluster import Cluster, Node, mutual_tls, start_cluster
 from tests.support import WORKERS, launcher_cmd, spawn_daemon, stuck_agent_run, wait_for
 
@@ -102,6 +104,20 @@ def test_cut_off_node_blames_the_daemon_and_the_others_blame_it(training: Traini
     within = HEARTBEAT_TIMEOUT_S + 1.0
     _reported(nodes[:2], "PeerFailed", cut_at, within, "on h3")
     _reported(nodes[2:], "DaemonUnreachable", cut_at, within, cluster.daemon.endpoint)
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+def test_a_cut_between_two_nodes_that_still_reach_the_daemon_is_reported_in_seconds(
+    training: Training,
+) -> None:
+    """Their heartbeats go on, so only the ring's link can tell: it ends once the other
+    host has answered nothing for LINK_SILENCE_S, not at collective_timeout_s (300 s)."""
+    cluster, nodes = training("cut-between")
+    cut_at = time.time()
+    cluster.hosts.partition(nodes[0].host, nodes[2].host)  # the link from rank 5 to rank 0
+    # The link's silence, the witnesses' wait for word of a failure elsewhere, a margin.
+    within = LINK_SILENCE_S + PEER_SETTLE_S + HEARSAY_DELAY_S + 2.0
+    _reported(nodes, "PeerFailed", cut_at, within, "answered nothing")
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 

@@ -163,6 +163,7 @@ class AgentLink:
         self._lock = threading.Lock()
         self._on_abort: Callable[[str], None] | None = None
         self._missed_abort: str | None = None
+        self._aborted = threading.Event()
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
@@ -270,6 +271,7 @@ class AgentLink:
         return cause if cut is None else _stopped_reading(cut)
 
     def _abort(self, cause: str) -> None:
+        self._aborted.set()
         with self._lock:
             on_abort = self._on_abort
             if on_abort is None and self._missed_abort is None:
@@ -305,6 +307,12 @@ class AgentLink:
                     return
             except (AgentChannelError, OSError):
                 return
+
+    def heard_abort(self, within: float) -> bool:
+        """Whether the agent aborted this worker (a failure elsewhere, or the agent
+        gone), waiting up to ``within`` seconds for it."""
+        self._read_frames()
+        return self._aborted.wait(within)
 
     def report_failure(self, cause: str, timeout: float) -> bool:
         """Tell the agent this worker failed by itself, and wait (bounded) until the

@@ -319,10 +319,13 @@ class CpuRingCommunicator(RankedCommunicator):
             wire.MISMATCH: f"collective mismatch with rank {origin}",
             wire.INTERRUPTED: f"rank {origin} was interrupted mid-collective",
         }.get(code, f"lost rank {origin}")
-        via = f" (reported by rank {link.via})" if link.via not in (None, origin) else ""
+        hearsay = link.via not in (None, origin)
+        via = f" (reported by rank {link.via})" if hearsay else ""
         if code == wire.INTERRUPTED:
             kind = CommunicatorError
-        return kind(f"rank {self.rank}: {what}{via}: {link.detail}")
+        error = kind(f"rank {self.rank}: {what}{via}: {link.detail}")
+        error.reported_by = link.via if hearsay else None
+        return error
 
     # -- data path ----------------------------------------------------------------------
 
@@ -408,7 +411,8 @@ class CpuRingCommunicator(RankedCommunicator):
             try:
                 self._left.sendall(ack, socket.MSG_NOSIGNAL)
             except OSError as exc:
-                raise wire.LinkError(self._left_rank, wire.LOST, f"ack failed: {exc}") from exc
+                detail = f"ack failed: {wire.link_error(exc)}"
+                raise wire.LinkError(self._left_rank, wire.LOST, detail) from exc
         if sent:
             assert self._right is not None
             wire.recv_exact(self._right, memoryview(self._header), self._right_rank)

@@ -16,6 +16,7 @@ notices, so a failing rank can tell its upstream neighbour why.
 from __future__ import annotations
 
 import contextlib
+import errno
 import queue
 import selectors
 import socket
@@ -94,6 +95,38 @@ def create_listener(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
+#: A link whose peer's host answers nothing at all (no TCP acknowledgement, no
+#: keepalive reply) for this long is dead. Without it a cut between two nodes that both
+#: still reach the daemon held every rank until collective_timeout_s (300 s): their
+#: heartbeats go on, so only the link can tell. A live host's kernel answers at once
+#: even while its process is stopped or slow, so only a cut network or a host that is
+#: gone goes this silent.
+LINK_SILENCE_S = 10.0
+
+
+def watch_link(sock: socket.socket, silence_s: float = LINK_SILENCE_S) -> None:
+    """End ``sock`` with ETIMEDOUT once its peer's host has been silent ``silence_s``:
+    TCP's user timeout for unacknowledged data, and keepalive probes every second so
+    that a link that is only waiting to receive is covered too."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux only; elsewhere the io timeout
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, round(silence_s)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(silence_s * 1000))
+
+
+def link_error(exc: OSError) -> str:
+    """What a link's OSError says, in words that name a silent peer host as such."""
+    if exc.errno == errno.ETIMEDOUT:
+        return (
+            f"its host answered nothing for {LINK_SILENCE_S:g} s (the network between "
+            "the two hosts is cut, or that host is down)"
+        )
+    return f"connection error: {exc.strerror}"
+
+
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     """Blocking socket with kernel-side timeouts, so MSG_WAITALL reads stay one syscall."""
     sock.settimeout(None)
@@ -154,6 +187,7 @@ def establish_ring(
     assert left is not None
     for sock in (left, result):
         set_io_timeout(sock, timeout)
+        watch_link(sock)
     return left, result
 
 
@@ -304,9 +338,11 @@ def recv_exact(sock: socket.socket, view: memoryview, peer: int) -> None:
         try:
             n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         except (BlockingIOError, TimeoutError) as exc:
+            if exc.errno == errno.ETIMEDOUT:  # the kernel's: the peer's host went silent
+                raise LinkError(peer, LOST, link_error(exc)) from exc
             raise LinkError(peer, TIMEOUT, "no data arrived within the timeout") from exc
         except OSError as exc:
-            raise LinkError(peer, LOST, f"connection error: {exc.strerror}") from exc
+            raise LinkError(peer, LOST, link_error(exc)) from exc
         if n == 0:
             raise LinkError(peer, LOST, "connection closed (process exited?)")
         got += n
@@ -429,13 +465,15 @@ class SenderThread:
         try:
             _send_all(self._sock, [header, payload])
         except (BlockingIOError, TimeoutError) as exc:
+            if exc.errno == errno.ETIMEDOUT:  # the kernel's: the peer's host went silent
+                raise LinkError(self._peer, LOST, link_error(exc)) from exc
             raise LinkError(self._peer, TIMEOUT, "send stalled past the timeout") from exc
         except OSError as exc:
             found = peek_failure(self._sock)
             if found is not None:
                 origin, code, detail, reporter = found
                 raise LinkError(origin, code, detail, via=reporter) from exc
-            raise LinkError(self._peer, LOST, f"connection error: {exc.strerror}") from exc
+            raise LinkError(self._peer, LOST, link_error(exc)) from exc
 
 
 def describe_mismatch(got: tuple[int, ...], want: tuple[int, ...]) -> str:

@@ -102,6 +102,10 @@ class Host:
         )
 
 
+#: A locally administered unicast address no host here has (``partition``).
+_NOBODY = "02:00:5e:ff:ff:01"
+
+
 @dataclass
 class Hosts:
     """``count`` hosts named h0..h{count-1} at 198.18.0.1, .2, ..."""
@@ -139,6 +143,15 @@ class Hosts:
     def link(self, host: Host, *, up: bool) -> None:
         """Plug or unplug ``host``'s cable (its interface, as seen from the host)."""
         _ip("-n", host.netns, "link", "set", "eth0", "up" if up else "down")
+
+    def partition(self, a: Host, b: Host) -> None:
+        """Cut ``a`` and ``b`` off from each other while both still reach every other
+        host: each sends the other's packets to a hardware address nobody has, so they
+        are lost on the wire, silently, as past a cut cable (a blackhole route would
+        fail the sender's own writes instead, which no cut does)."""
+        for here, there in ((a, b), (b, a)):
+            _ip("-n", here.netns, "neigh", "replace", there.address, "lladdr", _NOBODY,
+                "dev", "eth0", "nud", "permanent")  # fmt: skip
 
     def teardown(self) -> None:
         for netns in [h.netns for h in self.hosts] + [self.switch]:
