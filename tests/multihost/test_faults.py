@@ -222,6 +222,20 @@ def test_daemon_gone_for_good_is_reported_on_every_node(training: Training) -> N
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 
+def test_daemon_stopped_is_reported_on_every_node_as_unreachable(training: Training) -> None:
+    """A hung daemon (SIGSTOP: its host still acknowledges every packet, its process
+    answers nothing) is judged by the same silence as one that is gone."""
+    cluster, nodes = training("stopped-daemon", num_nodes=2)
+    stopped_at = time.time()
+    cluster.daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        within = HEARTBEAT_TIMEOUT_S + 2.0
+        _reported(nodes, "DaemonUnreachable", stopped_at, within, cluster.daemon.endpoint)
+    finally:
+        cluster.daemon.proc.send_signal(signal.SIGCONT)
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
 @pytest.mark.parametrize("wrong_first", [False, True], ids=["wrong-last", "wrong-first"])
 def test_wrong_node_count_fails_every_node_at_once_naming_both(
     make_cluster: Callable[..., Cluster], wrong_first: bool
