@@ -64,7 +64,8 @@ def test_oversized_message_is_resource_exhausted(
         with pytest.raises(LimitExceeded) as info:
             client.kv_set("big", b"v" * (70 * KIB))
         assert info.value.code == "RESOURCE_EXHAUSTED"
-        assert info.value.limit == ""  # grpc refused it before the daemon's code ran
+        # gRPC refused it before the daemon's code ran; the SDK names the limit.
+        assert info.value.limit == "max_message_bytes"
         request = pb.KvSetRequest(
             job_id=job_id, generation=m.generation, rank=0, key="big", value=b"v" * (70 * KIB)
         )

@@ -467,9 +467,14 @@ def test_a_commit_whose_caller_gives_up_is_still_what_a_later_undo_goes_back_to(
     meta = bearer(d)
     with joined_pair(d, "i"):
         abort = pb.AbortJobRequest(job_id="i", reason="operator")
+        ok = 'rendezvousd_storage_commit_seconds_count{outcome="ok"}'
+        before = scrape(d.metrics_url).get(ok, 0.0)
         with _commits_held(d, state, "AbortJob"), pytest.raises(grpc.RpcError):
             stub.AbortJob(abort, metadata=meta, timeout=1)
         wait_for("the abort on disk", lambda: (_stored(state, "i") or {}).get("state") == "ABORTED")
+        # Visible on disk is not yet done: the commit's fsync follows, and a state dir
+        # removed before it fails the commit (then undone, rightly). Wait for its end.
+        wait_for("the abort's commit to end", lambda: scrape(d.metrics_url).get(ok, 0.0) > before)
         shutil.rmtree(state)
         rejoin = join_request("i", 2, 0, host="h", instance_id="next", wait_timeout_ms=5_000)
         assert _refused(lambda: stub.Join(rejoin, metadata=meta, timeout=10)) == (
