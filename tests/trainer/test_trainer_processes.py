@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -622,3 +623,39 @@ def test_example_without_a_launcher_runs_as_a_world_of_one(tmp_path: Path) -> No
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 3/3" in run.stderr + run.stdout
     assert "world_size=1" in run.stderr + run.stdout
+
+
+def test_a_standalone_launcher_removes_what_a_killed_one_left(tmp_path: Path) -> None:
+    # A SIGKILLed --standalone launcher never ran its clean-up: its directory, with
+    # its token, stayed in the temp dir. The next one removes it; nothing live or new.
+    temp = tmp_path / "t"
+    temp.mkdir()
+    dead, live, young, other = (
+        temp / name
+        for name in ("rendezvous-run-dead", "rendezvous-run-live", "rendezvous-run-new", "mine")
+    )
+    for folder in (dead, live, young, other):
+        folder.mkdir(mode=0o700)
+    (dead / "default.token").write_text("left behind")
+    with socket.socket(socket.AF_UNIX) as gone:
+        gone.bind(str(dead / "default.sock"))  # nothing listens on it once closed
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(live / "default.sock"))
+        listening.listen()
+        hour_ago = time.time() - 3600
+        for folder in (dead, live, other):
+            os.utime(folder, (hour_ago, hour_ago))
+        script = tmp_path / "ok.py"
+        script.write_text(
+            "from rendezvousd.trainer.distributed import init_distributed\n"
+            "with init_distributed():\n    pass\n"
+        )
+        run = subprocess.run(
+            [*_standalone(1), str(script)],
+            env={**os.environ, "TMPDIR": str(temp)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in temp.iterdir()) == sorted(p.name for p in (live, young, other))

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -334,10 +335,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         path = config.rendezvous.path
         if path is None:
-            path = stack.enter_context(tempfile.TemporaryDirectory(prefix="rendezvous-run-"))
+            sweep_abandoned(Path(tempfile.gettempdir()))
+            path = stack.enter_context(tempfile.TemporaryDirectory(prefix=STANDALONE_PREFIX))
         endpoint, token_file = stack.enter_context(host_single_node(Path(path), config.job_id))
         transport = RendezvousTransport.daemon(endpoint, str(token_file))
         return run_agent(args, dataclasses.replace(config, rendezvous=transport), base)
+
+
+#: ``--standalone``'s own directory for its daemon's socket and token, in the temp dir.
+STANDALONE_PREFIX = "rendezvous-run-"
+#: A directory younger than this may belong to a launcher that has not bound yet.
+_ABANDONED_AFTER_S = 60.0
+
+
+def sweep_abandoned(temp: Path) -> list[Path]:
+    """Remove the ``--standalone`` directories a SIGKILLed launcher left (it never ran
+    its clean-up: its token stays on disk): this user's, older than a minute, where
+    nothing accepts on any socket. Returns what it removed."""
+    import shutil
+    import socket
+    import time
+
+    removed = []
+    for entry in temp.glob(f"{STANDALONE_PREFIX}*"):
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if time.time() - info.st_mtime < _ABANDONED_AFTER_S:
+            continue
+        live = False
+        for sock_path in entry.glob("*.sock"):
+            with socket.socket(socket.AF_UNIX) as probe, contextlib.suppress(OSError):
+                probe.settimeout(1.0)
+                probe.connect(str(sock_path))
+                live = True
+        if not live:
+            # shutil.rmtree does not follow links inside (rmtree.avoids_symlink_attacks).
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 if __name__ == "__main__":
