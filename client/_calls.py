@@ -245,7 +245,7 @@ class Calls:
         s = self.s
         window = s.reconnect_window_s(self.reconnect_window)
         for _ in range(max(1, round(window / RECHECK_S))):
-            if (yield Reachable(RECHECK_S)):
+            if (yield Reachable(RECHECK_S)) and (yield from self.answers()):
                 return
             yield Sleep(RECHECK_S)
         raise DaemonUnreachable(
@@ -261,6 +261,23 @@ class Calls:
             rank=rank,
             metadata={"unreachable_s": f"{window:.3f}", "window_s": f"{window:g}"},
         )
+
+    def answers(self) -> Steps[bool]:
+        """Whether the daemon answers a health check within ``RECHECK_S * 2``. A READY
+        channel alone does not say so right after the daemon died: the asyncio client
+        has seen its call end before gRPC marked the connection gone, and a call re-sent
+        then waited out its whole deadline (60 s in the test) for a daemon that is gone."""
+        try:
+            yield Rpc(
+                "Check",
+                health_pb2.HealthCheckRequest(service=SERVICE),
+                RECHECK_S * 2,
+                health=True,
+                wait_for_ready=False,
+            )
+        except grpc.RpcError:
+            return False
+        return True
 
     # -- health and TLS ------------------------------------------------------------
 

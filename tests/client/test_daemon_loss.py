@@ -177,3 +177,39 @@ def test_a_join_parked_when_the_daemon_dies_ends_within_the_window_not_its_wait(
     elapsed = time.monotonic() - started[0]
     assert elapsed < 20, f"the parked join waited {elapsed:.1f} s for a daemon gone"
     assert d.endpoint in str(info.value) and "JoinNode" in str(info.value)
+
+
+def test_a_channel_still_ready_after_the_daemon_died_is_not_taken_for_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gRPC may still say READY a moment after the daemon died (the asyncio client has
+    # seen its parked call end first): the re-sent join then waited out its whole wait
+    # (CI, once: 65 s). Here the channel says READY throughout; only a health check
+    # that is answered counts as the daemon back.
+    monkeypatch.setattr(RendezvousClient, "_ready_within", lambda *_, **__: True)
+    d = spawn_daemon(tmp_path)
+    killed: list[float] = []
+
+    def kill_when_parked() -> None:
+        with RendezvousClient(d.endpoint, token=d.token) as probe:
+            deadline = time.monotonic() + 30
+            while not probe.list_jobs() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(0.3)
+        d.kill()
+        killed.append(time.monotonic())
+
+    import threading
+
+    killer = threading.Thread(target=kill_when_parked)
+    killer.start()
+    try:
+        with (
+            RendezvousClient(d.endpoint, "stale-ready", token=d.token, reconnect_window=2) as c,
+            pytest.raises(DaemonUnreachable, match="was not back within 2 s"),
+        ):
+            c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, timeout=20)
+    finally:
+        killer.join(10)
+        d.kill()
+    assert time.monotonic() - killed[0] < 10
