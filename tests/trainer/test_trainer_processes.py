@@ -628,8 +628,12 @@ def test_example_without_a_launcher_runs_as_a_world_of_one(tmp_path: Path) -> No
 def test_a_standalone_launcher_removes_what_a_killed_one_left(tmp_path: Path) -> None:
     # A SIGKILLed --standalone launcher never ran its clean-up: its directory, with
     # its token, stayed in the temp dir. The next one removes it; nothing live or new.
-    temp = tmp_path / "t"
-    temp.mkdir()
+    # A short temp dir: a UNIX socket's path must fit in 107 bytes.
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:
+        _standalone_sweep(tmp_path, Path(short))
+
+
+def _standalone_sweep(tmp_path: Path, temp: Path) -> None:
     dead, live, young, other = (
         temp / name
         for name in ("rendezvous-run-dead", "rendezvous-run-live", "rendezvous-run-new", "mine")
