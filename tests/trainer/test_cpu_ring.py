@@ -620,3 +620,23 @@ def test_close_is_idempotent_and_final() -> None:
         comms[0].close()
         with pytest.raises(errs.CommunicatorError, match="closed"):
             comms[0].all_reduce(np.ones(2))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("roots", [(1, 0), (0, 0, 1), (2, 2, 1)])
+def test_ranks_that_disagree_on_a_broadcasts_root_are_told_at_once(
+    transport: str, roots: tuple[int, ...]
+) -> None:
+    # (1, 0): each rank took the other for the root, so both waited for data no one
+    # sent, until the collective timeout (20 s here, 300 s by default).
+    started = time.monotonic()
+    with thread_ring(len(roots), timeout=20.0, transport=transport) as comms:
+        errors = parallel(
+            [lambda c=c: c.broadcast(np.ones(4, np.float32), root=roots[c.rank]) for c in comms],
+            limit=30,
+        )
+    assert time.monotonic() - started < 10, errors
+    for e in errors:
+        assert isinstance(e, errs.CommunicatorError), errors
+        assert not isinstance(e, errs.CommunicatorTimeout), errors
+        assert re.search(r"broadcast #1 \(.*root \d", str(e)), errors

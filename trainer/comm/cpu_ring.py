@@ -376,6 +376,11 @@ class CpuRingCommunicator(RankedCommunicator):
     def _ring_broadcast(self, raw_array: Array, dtype_code: int, root: int, seq: int) -> None:
         raw = raw_array.data
         expect = (wire.BROADCAST, 0, dtype_code, seq, raw_array.nbytes, root)
+        # Each rank first tells its right neighbour the root it broadcasts from and
+        # checks its left's: ranks that disagree on the root (each taking another for
+        # it) otherwise waited for data that no one sent, until the collective timeout.
+        self._post(expect, wire.ROOT_FRAME, memoryview(b""))
+        self._recv_data(expect, wire.ROOT_FRAME, memoryview(b""))
         receives = self.rank != root
         sends = self._right_rank != root
         step = _chunk_size(raw_array.nbytes, self._chunk_bytes)
