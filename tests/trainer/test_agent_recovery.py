@@ -263,7 +263,10 @@ def test_a_node_arriving_late_joins_the_running_elastic_job(
 ) -> None:
     d = start_daemon()
     flags = ["--last-call-s", "0.2"]
-    args = ["--steps", "150", "--step-s", "0.03"]
+    # Long enough (12 s) that the early node is still training when the late one has
+    # started on a loaded machine: at 4.5 s it once finished first (CI), and the late
+    # node formed a job of its own.
+    args = ["--steps", "400", "--step-s", "0.03"]
     early = Node(d, job_id, tmp_path, "early", "1:2", "auto", flags, args)
     late: Node | None = None
     try:
