@@ -120,11 +120,9 @@ class DistributedContext:
         if self.agent is not None:
             # The agent leaves for the whole node; a worker only lets go.
             try:
-                if not clean and _own_failure(error):
+                if not clean and (_own_failure(error) or _unexplained(self.agent, error)):
                     # The agent reports it to the daemon before our ring closes: see
                     # ``_drop_out`` for why the order decides the root cause.
-                    self.agent.report_failure(_describe(error), PEER_SETTLE_S)
-                elif not clean and _unexplained(self.agent, error):
                     self.agent.report_failure(_describe(error), PEER_SETTLE_S)
                 self.communicator.close()
                 self.rendezvous.close()

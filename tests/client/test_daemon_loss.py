@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
 from rendezvousd.client.errors import DaemonUnreachable
 from tests.daemon.test_blackhole import BlackHoleProxy
-from tests.support import spawn_daemon
+from tests.support import DaemonProcess, spawn_daemon
 
 TIMEOUT_S = 2.0  # the daemon's --heartbeat-timeout-s, advertised to clients at join
 
@@ -135,6 +136,24 @@ def test_heartbeat_slower_than_the_daemon_timeout_is_sped_up_not_reported(
         d.kill()
 
 
+def _kill_once_parked(d: DaemonProcess, killed: list[float]) -> threading.Thread:
+    """A thread that SIGKILLs ``d`` once a join has made its job and parked, and notes
+    when in ``killed``."""
+
+    def kill_when_parked() -> None:
+        with RendezvousClient(d.endpoint, token=d.token) as probe:
+            deadline = time.monotonic() + 30
+            while not probe.list_jobs() and time.monotonic() < deadline:
+                time.sleep(0.05)  # until node 0's JoinNode made the job
+        time.sleep(0.3)  # parked
+        d.kill()
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_when_parked)
+    killer.start()
+    return killer
+
+
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])
 def test_a_join_parked_when_the_daemon_dies_ends_within_the_window_not_its_wait(
     tmp_path: Path, kind: str
@@ -158,19 +177,7 @@ def test_a_join_parked_when_the_daemon_dies_ends_within_the_window_not_its_wait(
         with RendezvousClient(d.endpoint, "gone-mid-join", token=d.token, reconnect_window=2) as c:
             c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, timeout=60)
 
-    def kill_when_parked() -> None:
-        with RendezvousClient(d.endpoint, token=d.token) as probe:
-            deadline = time.monotonic() + 30
-            while not probe.list_jobs() and time.monotonic() < deadline:
-                time.sleep(0.05)  # until node 0's JoinNode made the job
-        time.sleep(0.3)  # parked
-        d.kill()
-        started.append(time.monotonic())
-
-    import threading
-
-    killer = threading.Thread(target=kill_when_parked)
-    killer.start()
+    killer = _kill_once_parked(d, started)
     with pytest.raises(DaemonUnreachable, match="was not back within 2 s") as info:
         join()
     killer.join(10)
@@ -189,20 +196,7 @@ def test_a_channel_still_ready_after_the_daemon_died_is_not_taken_for_it_back(
     monkeypatch.setattr(RendezvousClient, "_ready_within", lambda *_, **__: True)
     d = spawn_daemon(tmp_path)
     killed: list[float] = []
-
-    def kill_when_parked() -> None:
-        with RendezvousClient(d.endpoint, token=d.token) as probe:
-            deadline = time.monotonic() + 30
-            while not probe.list_jobs() and time.monotonic() < deadline:
-                time.sleep(0.05)
-        time.sleep(0.3)
-        d.kill()
-        killed.append(time.monotonic())
-
-    import threading
-
-    killer = threading.Thread(target=kill_when_parked)
-    killer.start()
+    killer = _kill_once_parked(d, killed)
     try:
         with (
             RendezvousClient(d.endpoint, "stale-ready", token=d.token, reconnect_window=2) as c,

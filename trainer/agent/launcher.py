@@ -348,15 +348,14 @@ STANDALONE_PREFIX = "rendezvous-run-"
 _ABANDONED_AFTER_S = 60.0
 
 
-def sweep_abandoned(temp: Path) -> list[Path]:
+def sweep_abandoned(temp: Path) -> None:
     """Remove the ``--standalone`` directories a SIGKILLed launcher left (it never ran
     its clean-up: its token stays on disk): this user's, older than a minute, where
-    nothing accepts on any socket. Returns what it removed."""
+    nothing accepts on any socket."""
     import shutil
     import socket
     import time
 
-    removed = []
     for entry in temp.glob(f"{STANDALONE_PREFIX}*"):
         try:
             info = entry.lstat()
@@ -375,8 +374,6 @@ def sweep_abandoned(temp: Path) -> list[Path]:
         if not live:
             # shutil.rmtree does not follow links inside (rmtree.avoids_symlink_attacks).
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
 
 
 if __name__ == "__main__":

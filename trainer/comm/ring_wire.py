@@ -104,17 +104,17 @@ def create_listener(host: str, port: int = 0) -> socket.socket:
 LINK_SILENCE_S = 10.0
 
 
-def watch_link(sock: socket.socket, silence_s: float = LINK_SILENCE_S) -> None:
-    """End ``sock`` with ETIMEDOUT once its peer's host has been silent ``silence_s``:
-    TCP's user timeout for unacknowledged data, and keepalive probes every second so
-    that a link that is only waiting to receive is covered too."""
+def watch_link(sock: socket.socket) -> None:
+    """End ``sock`` with ETIMEDOUT once its peer's host has been silent
+    ``LINK_SILENCE_S``: TCP's user timeout for unacknowledged data, and keepalive probes
+    every second so that a link that is only waiting to receive is covered too."""
     if not hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux only; elsewhere the io timeout
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, round(silence_s)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(silence_s * 1000))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, round(LINK_SILENCE_S))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(LINK_SILENCE_S * 1000))
 
 
 def link_error(exc: OSError) -> str:
@@ -125,6 +125,14 @@ def link_error(exc: OSError) -> str:
             "the two hosts is cut, or that host is down)"
         )
     return f"connection error: {exc.strerror}"
+
+
+def _timed_out(peer: int, exc: OSError, stalled: str) -> LinkError:
+    """A link call that timed out: the kernel's ETIMEDOUT is the peer's host gone silent
+    (``watch_link``), anything else this side's own io timeout (``stalled``)."""
+    if exc.errno == errno.ETIMEDOUT:
+        return LinkError(peer, LOST, link_error(exc))
+    return LinkError(peer, TIMEOUT, stalled)
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -338,9 +346,7 @@ def recv_exact(sock: socket.socket, view: memoryview, peer: int) -> None:
         try:
             n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         except (BlockingIOError, TimeoutError) as exc:
-            if exc.errno == errno.ETIMEDOUT:  # the kernel's: the peer's host went silent
-                raise LinkError(peer, LOST, link_error(exc)) from exc
-            raise LinkError(peer, TIMEOUT, "no data arrived within the timeout") from exc
+            raise _timed_out(peer, exc, "no data arrived within the timeout") from exc
         except OSError as exc:
             raise LinkError(peer, LOST, link_error(exc)) from exc
         if n == 0:
@@ -465,9 +471,7 @@ class SenderThread:
         try:
             _send_all(self._sock, [header, payload])
         except (BlockingIOError, TimeoutError) as exc:
-            if exc.errno == errno.ETIMEDOUT:  # the kernel's: the peer's host went silent
-                raise LinkError(self._peer, LOST, link_error(exc)) from exc
-            raise LinkError(self._peer, TIMEOUT, "send stalled past the timeout") from exc
+            raise _timed_out(self._peer, exc, "send stalled past the timeout") from exc
         except OSError as exc:
             found = peek_failure(self._sock)
             if found is not None:
