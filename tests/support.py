@@ -137,6 +137,15 @@ def job_name(request: pytest.FixtureRequest) -> str:
 
 
 WORKERS = Path(__file__).resolve().parent / "workers"
+# rendezvous-run itself on the fake GPU of tests/trainer/fake_cupy (after the python):
+# node 0's agent makes the NCCL id.
+FAKE_GPU_LAUNCHER = [
+    "-c",
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); from tests.trainer import fake_cupy; "
+    "fake_cupy.install_globally(); from rendezvousd.trainer.agent.launcher import main; "
+    "sys.exit(main())",
+    str(ROOT),
+]
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:

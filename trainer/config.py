@@ -265,6 +265,13 @@ class DistributedConfig:
         "rendezvous-run: a worker that reported progress and then none for this long is hung",
         _POSITIVE,
     )
+    node_link_watch: bool = setting(
+        True,
+        "rendezvous-run, nccl backend: each node agent keeps an idle TCP link to the next "
+        "node's agent, so that a cut between two nodes is reported in ~12 s (NCCL's own "
+        "sockets would wait for collective_timeout_s)",
+        Bool(),
+    )
     spare_gpu_context: bool = setting(
         True,
         "rendezvous-run, nccl backend: each warm spare loads CuPy and makes its GPU's CUDA "

@@ -103,28 +103,32 @@ class Cluster:
         env: dict[str, str] | None = None,
         nodes: Sequence[int] | None = None,
         on_host: int | None = None,
+        backend: str = "cpu",
+        launcher: Sequence[str] = (),
+        script: Sequence[str] = (),
     ) -> list[Node]:
         """Start ``rendezvous-run`` for ``nodes`` (default 0..num_nodes-1) on hosts h1,
-        h2, ... (node n on h(n+1)), or all of them on host ``on_host``."""
+        h2, ... (node n on h(n+1)), or all of them on host ``on_host``. ``launcher``:
+        what runs it instead of ``python -m`` its module (a fake GPU's, say);
+        ``script``: the workers' instead of the example (without its result dir)."""
         started = []
         for n in nodes if nodes is not None else range(num_nodes):
-            cmd = [
-                *launcher_cmd(
-                    num_nodes,
-                    n,
-                    per_node,
-                    endpoint=self.daemon.endpoint,
-                    token_file=self.daemon.token_file,
-                    job=job,
-                ),
-                "--backend",
-                "cpu",
-                *launcher_args,
-                *EXAMPLE,
-                "--result-dir",
-                str(self.workdir / job / "results"),
-                *example_args,
-            ]
+            cmd = launcher_cmd(
+                num_nodes,
+                n,
+                per_node,
+                endpoint=self.daemon.endpoint,
+                token_file=self.daemon.token_file,
+                job=job,
+            )
+            if launcher:
+                cmd = [cmd[0], *launcher, *cmd[3:]]  # past "-m", the launcher's module
+            cmd += ["--backend", backend, *launcher_args]
+            if script:
+                cmd += [*script, *example_args]
+            else:
+                cmd += [*EXAMPLE, "--result-dir", str(self.workdir / job / "results")]
+                cmd += example_args
             host = self.hosts[on_host if on_host is not None else 1 + n]
             proc = host.popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             node = Node(n, host, proc)

@@ -15,11 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.trainer.agent.node_agent import LINK_SETTLE_S
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S
 from rendezvousd.trainer.demo.netns import Hosts
 from rendezvousd.trainer.distributed import HEARSAY_DELAY_S, PEER_SETTLE_S
 from tests.multihost.cluster import Cluster, Node, mutual_tls, start_cluster
-from tests.support import WORKERS, launcher_cmd, spawn_daemon, stuck_agent_run, wait_for
+from tests.support import (
+    FAKE_GPU_LAUNCHER,
+    WORKERS,
+    launcher_cmd,
+    spawn_daemon,
+    stuck_agent_run,
+    wait_for,
+)
 
 HEARTBEAT_TIMEOUT_S = 3.0
 DAEMON = ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
@@ -119,6 +127,50 @@ def test_a_cut_between_two_nodes_that_still_reach_the_daemon_is_reported_in_seco
     within = LINK_SILENCE_S + PEER_SETTLE_S + HEARSAY_DELAY_S + 2.0
     _reported(nodes, "PeerFailed", cut_at, within, "answered nothing")
     assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+def test_a_cut_between_two_nccl_nodes_is_reported_by_their_agents_links(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """NCCL's sockets are NCCL's: here a fake NCCL whose collectives move nothing, so
+    nothing but the node agents' own links (node_links) can see the cut; without them
+    the job trained on with its two halves apart."""
+    cluster = make_cluster(2, *DAEMON)
+    nodes = cluster.launch(
+        2,
+        1,
+        job="cut-nccl",
+        backend="nccl",
+        launcher=FAKE_GPU_LAUNCHER,
+        launcher_args=LAUNCHER,
+        script=[str(WORKERS / "fake_nccl_worker.py")],
+    )
+    wait_for("both nodes' workers stepping", lambda: _steps(cluster, "cut-nccl") >= 20, 60)
+    cut_at = time.time()
+    cluster.hosts.partition(nodes[0].host, nodes[1].host)
+    within = LINK_SILENCE_S + LINK_SETTLE_S + 2.0
+    _reported(nodes, "PeerFailed", cut_at, within, "answered nothing", "lost the link to node")
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
+def _steps(cluster: Cluster, job: str) -> int:
+    """The fewest steps any rank of ``job`` reported (asked from h0; 0 before any)."""
+    probe = (
+        "import sys\n"
+        "from rendezvousd.client import NotFound, RendezvousClient\n"
+        "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
+        "    try:\n"
+        "        members = c.get_job().members\n"
+        "    except NotFound:  # not formed yet\n"
+        "        members = []\n"
+        "    steps = [m.step if m.HasField('step') else 0 for m in members]\n"
+        "    print(min(steps, default=0))\n"
+    )
+    argv = [sys.executable, "-c", probe, cluster.daemon.endpoint, job]
+    argv.append(str(cluster.daemon.token_file))
+    done = subprocess.run(cluster.head.command(argv), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"the probe ended with {done.returncode}:\n{done.stderr}"
+    return int(done.stdout)
 
 
 def test_cut_off_node_is_lost_to_silence_not_to_a_closed_stream(

@@ -23,7 +23,7 @@ import pytest
 from rendezvousd.trainer import example
 from rendezvousd.trainer.comm import devices, nccl
 from rendezvousd.trainer.demo import run as demo
-from tests.support import ROOT, WORKERS, DaemonProcess
+from tests.support import FAKE_GPU_LAUNCHER, ROOT, WORKERS, DaemonProcess
 from tests.trainer import fake_cupy
 
 SMOKE = ROOT / "trainer" / "configs" / "multinode_smoke.toml"
@@ -205,16 +205,6 @@ def test_host_baseline_data_is_the_data_the_device_trains_on(fake: Any) -> None:
     x = devices.to_device(x_host, fake)
     idx = np.array([3, 1, 7], dtype=np.int64)
     np.testing.assert_array_equal(devices.to_host(x[devices.to_device(idx, fake)]), x_host[idx])
-
-
-# The launcher itself on the fake too: node 0's agent makes the NCCL id.
-FAKE_GPU_LAUNCHER = [
-    "-c",
-    "import sys; sys.path.insert(0, sys.argv.pop(1)); from tests.trainer import fake_cupy; "
-    "fake_cupy.install_globally(); from rendezvousd.trainer.agent.launcher import main; "
-    "sys.exit(main())",
-    str(ROOT),
-]
 
 
 def _spare_gpu_trace(tmp_path: Path, *flags: str) -> list[str]:

@@ -266,6 +266,7 @@ def _run_agent(
             env,
             client,
             ring_host=ring_host if config.backend == "cpu" else "",
+            link_host=ring_host,
             token=token,
             note=_note,
             id_factory=_id_factory(config),

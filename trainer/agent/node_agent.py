@@ -37,6 +37,7 @@ from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
+from rendezvousd.trainer.agent.node_links import LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import (
     SCALE_UP_REASON,
     STANDBY_RETRY_S,
@@ -56,7 +57,7 @@ from rendezvousd.trainer.agent.warm_workers import (
 )
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node_rank, slot_env
 from rendezvousd.trainer.config import DistributedConfig
-from rendezvousd.trainer.errors import AgentChannelError, RestartsExhausted
+from rendezvousd.trainer.errors import AgentChannelError, ConfigError, RestartsExhausted
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
 # their last log line, so every node is stopped well within 100 ms.
@@ -72,6 +73,10 @@ STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
+# A link to another node that went silent is reported only if the daemon has not told
+# of a failure within this long: a host that is gone is also lost to its heartbeat
+# timeout, and the daemon's word names that host, where ours names the link.
+LINK_SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class NodeAgent:
         client: RendezvousClient,
         *,
         ring_host: str = "",
+        link_host: str = "",
         token: str = "",
         note: Callable[[str], None] = print,
         id_factory: Callable[[], bytes] | None = None,
@@ -149,12 +155,15 @@ class NodeAgent:
         fork_server: ForkServer | None = None,
     ) -> None:
         """``booted``: this node's first spares, when the launcher started them
-        before it had an agent (``worker_boot.boot_spares``); ``token``: the daemon
+        before it had an agent (``worker_boot.boot_spares``); ``link_host``: the address
+        other nodes' agents reach this one at (``node_links``; "" for none); ``token``: the daemon
         token ``client`` uses, handed to the workers with their assignment;
         ``fork_server``: forks spares while it can (the launcher owns and closes it)."""
         self.config = config
         self.client = client
         self.ring_host = ring_host
+        self.link_host = link_host
+        self._links: NodeLinks | None = None
         self._token = token
         self.note = note
         self.id_factory = id_factory
@@ -224,6 +233,7 @@ class NodeAgent:
                     f"{self.budget.max_restarts}"
                 )
         finally:
+            self._close_links()
             stop_all(self.active, "the node agent is exiting", 0.0)
             self.active = []
             self.pool.stop()
@@ -280,7 +290,46 @@ class NodeAgent:
             on_failure=lambda e: self.events.put(RemoteFailure(e, gen)),
             on_nodes_waiting=lambda n: self.events.put(NodesWaiting(n, gen)),
         )
+        self._watch_links(m)
         return self._watch(gen, m.first_rank)
+
+    def _watch_links(self, m: NodeMembership) -> None:
+        """Links to the neighbouring nodes' agents, for a backend whose own traffic we
+        cannot watch (``node_links``); the CPU ring watches its own links."""
+        config = self.config
+        if config.backend != "nccl" or not config.node_link_watch or not self.link_host:
+            return
+        if m.num_nodes < 2:
+            return
+        # Its own client, attached as this node's first rank (whose worker's calls are
+        # relayed and scoped the same): the key-value store answers members, not
+        # nodes, and a client of its own per generation cannot publish into the next.
+        try:
+            store = config.rendezvous.client(
+                config.job_id, config.retry_attempts, token=self._token
+            )
+            store.attach(m.membership_for(0), m.member_instance_id(0))
+        except (ConfigError, RendezvousError) as exc:
+            self.note(f"warning: the links to the other nodes are not watched: {exc}")
+            return
+        self._links = NodeLinks(
+            store,
+            generation=m.generation,
+            node_rank=m.node_rank,
+            num_nodes=m.num_nodes,
+            gpus_per_node=m.gpus_per_node,
+            secret=m.unique_id,
+            host=self.link_host,
+            on_silent=self.events.put,
+            note=self.note,
+            setup_timeout=config.setup_timeout_s,
+        )
+        self._links.start()
+
+    def _close_links(self) -> None:
+        if self._links is not None:
+            self._links.close()
+            self._links = None
 
     def _join(self, timeout: float) -> NodeMembership | Outcome:
         """``join_node`` on a helper thread while this thread keeps watching: a spare
@@ -450,6 +499,7 @@ class NodeAgent:
         warm_at: float | None = None
         refilled = False
         succeeded: set[WorkerProcess] = set()
+        silent: tuple[float, str] | None = None  # when a link went silent, and its cause
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
@@ -470,6 +520,8 @@ class NodeAgent:
             for w in self.active:
                 if (cause := self._stuck(w, now)) is not None:
                     return self._local_failure(gen, first_rank, w, cause, 1)
+            if silent is not None and now - silent[0] >= LINK_SETTLE_S:
+                return self._link_failure(gen, first_rank, silent[1])
             if isinstance(event, Exited):
                 if event.worker in self.active:
                     if event.code == 0:
@@ -503,6 +555,8 @@ class NodeAgent:
                     return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
                 failure = Failure(gen, cause, rank, host)
                 return self._stop(gen, failure, cause)
+            elif isinstance(event, LinkSilent) and event.generation == gen:
+                silent = silent or (now, event.cause)
             elif isinstance(event, NodesWaiting) and event.generation == gen:
                 with contextlib.suppress(RendezvousError):
                     self.client.abort(SCALE_UP_REASON, generation=gen)
@@ -569,6 +623,22 @@ class NodeAgent:
         lost = FailedInfo(rank, self.host, cause, local_rank=local)
         return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
 
+    def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure:
+        """A link to another node went silent and the daemon told of nothing meanwhile:
+        a cut between nodes that both reach the daemon. Reported as this node's own
+        failure (its first rank's), as the CPU ring's ranks report a silent link."""
+        mark("failure-heard", generation=gen)
+        self.note(f"this node {cause}")
+        try:
+            self.client.report_failure(0, cause)
+        except RendezvousError as exc:
+            self.note(f"could not report the failure to the daemon: {exc}")
+        failure = Failure(gen, shortened(cause), first_rank, self.host, local_rank=0)
+        self.first_local = self.first_local or failure
+        named = f"job {self.config.job_id!r} generation {gen}"
+        lost = FailedInfo(first_rank, self.host, cause, local_rank=0)
+        return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
+
     def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
         # Said here, at once, on every node: the workers may be gone before they log it.
         self.note(f"{STOPPING}{cause}")
@@ -579,6 +649,7 @@ class NodeAgent:
         return failure
 
     def _end_generation(self) -> None:
+        self._close_links()
         # Stops the node's heartbeat; a failed generation is over either way.
         with contextlib.suppress(RendezvousError):
             self.client.leave()
