@@ -356,11 +356,16 @@ def test_a_standing_by_node_exits_0_when_the_job_ends_without_it(
 ) -> None:
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
-    worker = ("--steps", "150", "--step-log", str(log))
+    stop = tmp_path / "stop"
+    # Trains until the spare stands by: a fixed number of steps once ended (in a full
+    # run on 2 loaded cores) before the spare's torch import did, and the spare then
+    # formed a job of its own.
+    worker = ("--steps", "100000", "--step-log", str(log), "--stop-file", str(stop))
     first = torchrun(d, job_id, "1", *worker)
     wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
     spare = torchrun(d, job_id, "1", *worker)  # the world is full: it stands by
-    wait_for("the second agent to stand by", lambda: "standing by" in spare.stderr(), 60)
+    wait_for("the second agent to stand by", lambda: "standing by" in spare.stderr(), 100)
+    stop.touch()
     codes = [first.wait(120), spare.wait(120)]
     assert codes == [0, 0], [a.stderr()[-3000:] for a in (first, spare)]
     assert "ended without needing this standby node" in spare.stderr(), spare.stderr()[-3000:]

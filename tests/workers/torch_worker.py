@@ -9,7 +9,9 @@ Each step appends one line to ``--step-log`` (rank, world, restart count, step, 
 time, pid, and ``warm``: torch was already imported when the script started, as in a
 worker forked by ``rendezvous-python``'s warm server), which tests and benchmarks/recovery.py read. ``--hang-after K`` makes every
 worker of a world of ``--hang-world`` ranks sleep after step K, as if stuck in a
-collective whose peer is gone: only its agent can get it out (by restarting it). The last line on stdout is a "done" event.
+collective whose peer is gone: only its agent can get it out (by restarting it).
+``--stop-file F`` ends the run after the first step that finds F. The last line on
+stdout is a "done" event.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> None:
     p.add_argument("--hang-after", type=int, default=-1)
     p.add_argument("--hang-world", type=int, default=0)
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    # Ends the run (as if its steps were done) at the first step after this file exists.
+    p.add_argument("--stop-file", default="")
     a = p.parse_args()
     device = torch.device("cpu")
     if a.backend == "nccl":
@@ -64,6 +68,8 @@ def main() -> None:
             fh.write(json.dumps(line) + "\n")
         if step == a.hang_after and world == a.hang_world:
             time.sleep(3600)
+        if a.stop_file and os.path.exists(a.stop_file):
+            break
         time.sleep(a.step_sleep)
     dist.destroy_process_group()
     print(
