@@ -134,7 +134,9 @@ def test_a_cut_between_two_nccl_nodes_is_reported_by_their_agents_links(
 ) -> None:
     """NCCL's sockets are NCCL's: here a fake NCCL whose collectives move nothing, so
     nothing but the node agents' own links (node_links) can see the cut; without them
-    the job trained on with its two halves apart."""
+    the job trained on with its two halves apart. Its one restart forms the job again
+    across the cut (both nodes still reach the daemon), whose links then cannot connect:
+    as silent, so that generation ends as soon, and the job with it."""
     cluster = make_cluster(2, *DAEMON)
     nodes = cluster.launch(
         2,
@@ -142,7 +144,7 @@ def test_a_cut_between_two_nccl_nodes_is_reported_by_their_agents_links(
         job="cut-nccl",
         backend="nccl",
         launcher=FAKE_GPU_LAUNCHER,
-        launcher_args=LAUNCHER,
+        launcher_args=[*LAUNCHER, "--max-restarts", "1"],
         script=[str(WORKERS / "fake_nccl_worker.py")],
     )
     wait_for("both nodes' workers stepping", lambda: _steps(cluster, "cut-nccl") >= 20, 60)
@@ -150,7 +152,11 @@ def test_a_cut_between_two_nccl_nodes_is_reported_by_their_agents_links(
     cluster.hosts.partition(nodes[0].host, nodes[1].host)
     within = LINK_SILENCE_S + LINK_SETTLE_S + 2.0
     _reported(nodes, "PeerFailed", cut_at, within, "answered nothing", "lost the link to node")
-    assert all(code != 0 for code in cluster.wait(nodes, 30))
+    codes = cluster.wait(nodes, 40)
+    for node in nodes:
+        # Generation 2's own report (its links' connection attempts went unanswered).
+        assert node.first("generation 2 failed: lost rank") is not None, node.text()[-3000:]
+    assert all(code != 0 for code in codes)
 
 
 def _steps(cluster: Cluster, job: str) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rendezvousd.trainer.comm import peer_auth
-from rendezvousd.trainer.comm.ring_wire import link_error, watch_link
+from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S, link_error, watch_link
 
 __all__ = ["LinkSilent", "NodeLinks"]
 
@@ -155,9 +156,15 @@ class NodeLinks:
             self._unwatched(right, f"{type(exc).__name__}: {exc}")
             return
         try:
-            sock = socket.create_connection((host, port), timeout=self._setup_timeout)
+            # Its agent listened before it published: a host that answers no connection
+            # attempt for LINK_SILENCE_S is as silent as one that stops answering later
+            # (a generation formed again across a cut that is still there).
+            sock = socket.create_connection((host, port), timeout=LINK_SILENCE_S)
         except OSError as exc:
-            self._unwatched(right, f"cannot connect to {host}:{port}: {exc}")
+            if isinstance(exc, TimeoutError) or exc.errno in _SILENT:
+                self._silent(right, exc)
+            else:
+                self._unwatched(right, f"cannot connect to {host}:{port}: {exc}")
             return
         if not self._keep(sock):
             return
@@ -232,8 +239,8 @@ class NodeLinks:
             self._reported = True
         first = peer * self._gpus
         ranks = f"rank {first}" if self._gpus == 1 else f"ranks {first}-{first + self._gpus - 1}"
-        if exc.errno == errno.ETIMEDOUT:
-            what = link_error(exc)
+        if exc.errno in (errno.ETIMEDOUT, None):  # the kernel's user timeout, or our connect's
+            what = link_error(OSError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT)))
         else:
             what = f"its host became unreachable ({exc.strerror})"
         on = f" on {self._names[peer]}" if peer in self._names else ""
