@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer.agent.node_agent import LINK_SETTLE_S
+from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S
 from rendezvousd.trainer.demo.netns import Hosts
 from rendezvousd.trainer.distributed import HEARSAY_DELAY_S, PEER_SETTLE_S

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S
+from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S
 from tests.multihost.cluster import Cluster
 from tests.support import (
     Torchrun,
@@ -17,6 +19,7 @@ from tests.support import (
     survivors_trained_on,
     three_nodes_stuck_at_step_two,
     torch_steps,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -75,3 +78,42 @@ def test_a_spare_torchrun_agent_on_its_own_host_takes_a_lost_hosts_place(
         for i in (1, 2, 3)
     ]
     standby_replaces_a_killed_node(agents, log, 200)
+
+
+def test_torchrun_agents_cut_apart_hear_it_from_their_links_and_give_up_when_it_stays(
+    make_cluster: Callable[..., Cluster],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """h1 and h2 are cut from each other but both still reach the daemon, whose
+    heartbeats therefore tell nothing; their workers sit in what looks like a collective
+    (gloo's or NCCL's own timeouts are minutes). The agents' links see the cut: each
+    round's workers are restarted within seconds, and the next round, whose links
+    cannot even connect, makes the agents give up, naming the cut."""
+    cluster = make_cluster(2, "--heartbeat-timeout-s", "3")
+    d, hosts = cluster.daemon, cluster.hosts
+    log = tmp_path / "steps.jsonl"
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "2"]
+    agents = [
+        torchrun(d, job_id, "2", *worker, nproc=1, prefix=hosts[i].command([])) for i in (1, 2)
+    ]
+    wait_for(
+        "both ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 2,
+        timeout=120,
+    )
+    cut_at = time.monotonic()
+    hosts.partition(hosts[1], hosts[2])
+    wait_for(
+        "both agents to report the lost link",
+        lambda: all("lost the link to node" in a.stderr() for a in agents),
+        LINK_SILENCE_S + LINK_SETTLE_S + 3.0,
+    )
+    heard_after = time.monotonic() - cut_at
+    codes = [a.wait(60) for a in agents]
+    for a in agents:
+        err = a.stderr()
+        assert "could not link to node" in err and "giving up" in err, err[-3000:]
+    assert all(code != 0 for code in codes), codes
+    print(f"cut -> both agents restarting their workers: {heard_after:.2f} s")

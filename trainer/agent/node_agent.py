@@ -37,7 +37,7 @@ from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
-from rendezvousd.trainer.agent.node_links import LinkSilent, NodeLinks
+from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import (
     SCALE_UP_REASON,
     STANDBY_RETRY_S,
@@ -73,10 +73,6 @@ STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
-# A link to another node that went silent is reported only if the daemon has not told
-# of a failure within this long: a host that is gone is also lost to its heartbeat
-# timeout, and the daemon's word names that host, where ours names the link.
-LINK_SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -320,6 +316,7 @@ class NodeAgent:
             gpus_per_node=m.gpus_per_node,
             secret=m.unique_id,
             host=self.link_host,
+            name=self.host,
             on_silent=self.events.put,
             note=self.note,
             setup_timeout=config.setup_timeout_s,

@@ -36,7 +36,12 @@ from typing import Protocol
 from rendezvousd.trainer.comm import peer_auth
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S, link_error, watch_link
 
-__all__ = ["LinkSilent", "NodeLinks"]
+__all__ = ["LINK_SETTLE_S", "LinkSilent", "NodeLinks"]
+
+# A link that went silent is reported only if the daemon has not told of a failure
+# within this long: a host that is gone is also lost to its heartbeat timeout, and the
+# daemon's word names that host, where ours names the link.
+LINK_SETTLE_S = 2.0
 
 _MAGIC = b"rdzvlink"
 # Errors with which the kernel ends a link whose peer host stopped answering: the
@@ -57,15 +62,20 @@ class LinkStore(Protocol):
 
 @dataclass(frozen=True)
 class LinkSilent:
-    """The link to another node went silent in ``generation``; ``cause`` names it."""
+    """The link to another node went silent in ``generation``; ``cause`` names it.
+    ``connected``: it had been up; False: its host never answered this generation's
+    connection attempt (a cut still there when the job formed again)."""
 
     generation: int
     cause: str
+    connected: bool = True
 
 
 class NodeLinks:
     """This node's links in one generation: ``start()`` sets them up on threads of their
-    own; ``on_silent(LinkSilent)`` is called at most once; ``close()`` ends them."""
+    own; ``on_silent(LinkSilent)`` is called at most once; ``close()`` ends them.
+    ``host``: the address to listen on and publish; ``name``: what the other nodes'
+    reports call this one (the host the daemon records for its ranks)."""
 
     def __init__(
         self,
@@ -77,6 +87,7 @@ class NodeLinks:
         gpus_per_node: int,
         secret: bytes,
         host: str,
+        name: str,
         on_silent: Callable[[LinkSilent], None],
         note: Callable[[str], None],
         setup_timeout: float,
@@ -87,6 +98,7 @@ class NodeLinks:
         self._nodes = num_nodes
         self._gpus = gpus_per_node
         self._host = host
+        self._name = name
         self._on_silent = on_silent
         self._note = note
         self._setup_timeout = setup_timeout
@@ -145,7 +157,7 @@ class NodeLinks:
         threading.Thread(
             target=self._accept, args=(listener, left), name="node-link-accept", daemon=True
         ).start()
-        where = {"host": self._host, "port": listener.getsockname()[1], "name": _NAME}
+        where = {"host": self._host, "port": listener.getsockname()[1], "name": self._name}
         try:
             self._store.kv_set(f"node-link/{self._node}", json.dumps(where).encode())
             value = self._store.kv_get(f"node-link/{right}", timeout=self._setup_timeout)
@@ -162,7 +174,7 @@ class NodeLinks:
             sock = socket.create_connection((host, port), timeout=LINK_SILENCE_S)
         except OSError as exc:
             if isinstance(exc, TimeoutError) or exc.errno in _SILENT:
-                self._silent(right, exc)
+                self._silent(right, exc, connected=False)
             else:
                 self._unwatched(right, f"cannot connect to {host}:{port}: {exc}")
             return
@@ -232,7 +244,7 @@ class NodeLinks:
             if exc.errno in _SILENT and not self._closed:
                 self._silent(peer, exc)
 
-    def _silent(self, peer: int, exc: OSError) -> None:
+    def _silent(self, peer: int, exc: OSError, *, connected: bool = True) -> None:
         with self._lock:
             if self._reported or self._closed:
                 return
@@ -244,11 +256,9 @@ class NodeLinks:
         else:
             what = f"its host became unreachable ({exc.strerror})"
         on = f" on {self._names[peer]}" if peer in self._names else ""
-        cause = f"lost the link to node {peer}{on} ({ranks}): {what}"
-        self._on_silent(LinkSilent(self.generation, cause))
-
-
-_NAME = socket.gethostname()
+        verb = "lost the link to" if connected else "could not link to"
+        cause = f"{verb} node {peer}{on} ({ranks}): {what}"
+        self._on_silent(LinkSilent(self.generation, cause, connected))
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.connection import TlsConfig
-from rendezvousd.common.settings import Float, Int, Schema, Text, setting
+from rendezvousd.common.settings import Bool, Float, Int, Schema, Text, setting
 from rendezvousd.trainer.errors import ConfigError
 
 __all__ = ["SCHEMA", "TorchrunSettings", "load_settings", "settings_table"]
@@ -52,6 +52,14 @@ class TorchrunSettings:
     retries: int = setting(1, "retries of a transient daemon error", Int(minimum=0), flag=None)
     connect_timeout: float = setting(
         30.0, "seconds to wait for the daemon to answer at all", Float(), flag=None
+    )
+
+    node_link_watch: bool = setting(
+        True,
+        "each agent keeps an idle TCP link to the next node's agent, so that a cut between "
+        "two nodes is reported in ~12 s (NCCL's and gloo's own timeouts are minutes)",
+        Bool(),
+        flag=None,
     )
 
     preload: str = setting(

@@ -44,6 +44,14 @@ What each torchrun agent does here:
   daemon or a refused token → ``RendezvousConnectionError``, a join that timed out →
   ``RendezvousTimeoutError``, anything else the daemon refused (topology mismatch...)
   → ``RendezvousError``.
+- **A cut between two nodes** that both still reach the daemon (their heartbeats go
+  on) is seen by the agents' own links (``node_links``, ``node_link_watch``): a link
+  silent for 10 s, and no word from the daemon for 2 s more, and the agent reports it
+  as its node's failure, so every agent restarts its workers into the next round (the
+  workers' NCCL or gloo would wait out their own timeouts, minutes). When the next
+  round's link cannot even connect, the cut is still there: that agent gives up (its
+  next ``next_rendezvous()`` raises, naming the link) instead of re-forming across it
+  again and again.
 - **A node beyond max_nodes** stands by instead of failing, as torch's redundancy list
   does: its JoinNode parks as a standby, is not counted in ``num_nodes_waiting()``,
   takes the place of the first node the job loses, outlives a daemon restart (it asks
@@ -101,6 +109,7 @@ from rendezvousd.client import (
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
 from rendezvousd.common.validation import LONGEST_WAIT_S
+from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, STANDBY_RETRY_S, StandbyOutage
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
@@ -304,6 +313,11 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             )
         self._node: NodeMembership | None = None
         self._store: DaemonStore | None = None
+        self._links: NodeLinks | None = None
+        #: The generation whose link to another node this agent reported lost.
+        self._link_lost: int | None = None
+        #: Why this agent gives up at its next round: a link that could not connect.
+        self._unreachable: str | None = None
         self._closed = threading.Event()
         self._warm = start_warm_server(settings, os.environ)
 
@@ -352,6 +366,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     def next_rendezvous(self) -> torch_rdzv.RendezvousInfo:
         if self.is_closed():
             raise torch_rdzv.RendezvousClosedError(f"{self._what()}: the rendezvous is closed")
+        self._close_links()
+        if self._unreachable is not None:
+            raise torch_rdzv.RendezvousError(f"{self._what()}: {self._unreachable}")
         try:
             if self._node is not None:
                 self._end_round(self._node)
@@ -378,7 +395,72 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             node.num_nodes,
             self._host,
         )
+        self._watch_links(node)
         return torch_rdzv.RendezvousInfo(store, node.node_rank, node.num_nodes, bootstrap)
+
+    def _watch_links(self, node: NodeMembership) -> None:
+        """This round's links to the neighbouring agents (``node_links``)."""
+        if not self._settings.node_link_watch or node.num_nodes < 2:
+            return
+        try:
+            # A client of its own per round, attached as this node's member (the key-value
+            # store answers members): a slow link thread cannot publish into the next round.
+            store = self._new_client()
+            store.attach(node.membership_for(0), node.member_instance_id(0))
+        except RendezvousError as exc:
+            log.warning(
+                "rendezvousd: job %r: the links to the other nodes are not watched: %s",
+                self._run_id,
+                exc,
+            )
+            return
+        self._links = NodeLinks(
+            store,
+            generation=node.generation,
+            node_rank=node.node_rank,
+            num_nodes=node.num_nodes,
+            gpus_per_node=node.gpus_per_node,
+            secret=node.unique_id,
+            host=self._host,
+            name=self._host,
+            on_silent=self._link_silent,
+            note=lambda text: log.warning("rendezvousd: job %r: %s", self._run_id, text),
+            setup_timeout=self._settings.join_timeout,
+        )
+        self._links.start()
+
+    def _close_links(self) -> None:
+        links, self._links = self._links, None
+        if links is not None:
+            links.close()
+
+    def _link_silent(self, event: LinkSilent) -> None:
+        """From a link's thread. A link that could not even connect gives up at the
+        next round, whoever reports first (the other agent's report may restart this
+        one's workers before the settle below ends)."""
+        if not event.connected:
+            self._unreachable = (
+                f"this node {event.cause} in generation {event.generation}: the network "
+                "between the nodes is cut; giving up rather than forming the job across it again"
+            )
+        # The daemon's own word, should it come meanwhile, wins.
+        timer = threading.Timer(LINK_SETTLE_S, self._report_link, (event,))
+        timer.daemon = True
+        timer.start()
+
+    def _report_link(self, event: LinkSilent) -> None:
+        node = self._node
+        if node is None or node.generation != event.generation or self._client.failure is not None:
+            return
+        log.error("rendezvousd: job %r: this node %s", self._run_id, event.cause)
+        self._link_lost = event.generation
+        try:
+            # num_nodes_waiting() answers 1 from now on: torch restarts the workers.
+            self._client.report_failure(0, event.cause)
+        except RendezvousError as exc:
+            log.warning(
+                "rendezvousd: job %r: could not report the lost link: %s", self._run_id, exc
+            )
 
     def _join(self) -> NodeMembership:
         """One JoinNode. A node that finds the world full stands by (``standby``), as a
@@ -452,7 +534,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     def _end_round(self, node: NodeMembership) -> None:
         """torchrun asks for a new round while ours runs: tell every other agent why,
         unless the daemon already ended the round (and so told them)."""
-        if self._client.failure is not None:
+        if self._client.failure is not None or self._link_lost == node.generation:
             return
         try:
             if self._client.nodes_waiting():
@@ -479,7 +561,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # exits now, rather than restarting them into a join that waits out
             # connect_timeout on every attempt before failing all the same.
             raise _torch_error(failure, self._what())
-        if self._node is not None and failure is not None:
+        node = self._node
+        if node is not None and (failure is not None or self._link_lost == node.generation):
             return max(1, waiting)
         return waiting
 
@@ -498,9 +581,10 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         """Leave cleanly after the workers succeeded; otherwise (restarts spent) tell
         the other agents this node gave up, so they stop at once too."""
         self._closed.set()
+        self._close_links()
         node, store = self._node, self._store
         try:
-            if node is not None and self._client.failure is None:
+            if node is not None and self._client.failure is None and self._link_lost is None:
                 if store is not None and store.workers_succeeded:
                     self._client.leave()
                 else:
