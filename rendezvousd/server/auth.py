@@ -129,7 +129,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # An admin token's digest is also the key its job tokens are derived with.
         self._digests = [admin_key(t) for t in tokens]
         self._on_reject = on_reject
-        self.calls = Gate("max_concurrent_rpcs", limits.max_concurrent_rpcs, "calls at once")
+        self.calls = Gate(
+            "max_concurrent_rpcs", limits.max_concurrent_rpcs, "calls at once", by_job=_caller_job
+        )
         self.health_checks = Gate(
             "max_health_checks", limits.max_health_checks, "health checks at once"
         )
@@ -226,6 +228,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             cached = (handler, wrapped)
             self._wrapped[method] = cached
         return cached[1]
+
+
+def _caller_job() -> str | None:
+    """The job the running call's token is scoped to (set by ``intercept_service`` in
+    the task that runs the handler); None for the admin's."""
+    scope = CALLER.get()
+    return None if scope is None else scope.job
 
 
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | None:

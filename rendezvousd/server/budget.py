@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -24,21 +24,57 @@ from rendezvousd.server.fault_status import to_grpc_status
 
 @dataclass
 class Gate:
-    """How many calls of one class run now, and how many may."""
+    """How many calls of one class run now, and how many may.
+
+    ``by_job``: which job the running call's token is scoped to (None: the admin's, or
+    no token), for a fair share like the parked calls' (``max_waiters``): once the
+    gate is within ``reserve`` of its cap, a job already running ``reserve`` calls is
+    refused, so that one token holder (a hostile one, or a runaway client) cannot take
+    every slot from the other jobs and the admin's own calls (``status``, ListJobs)."""
 
     limit: str  # the limit's name, as in Limits and the settings
     cap: int
     what: str
+    by_job: Callable[[], str | None] | None = None
     active: int = 0
+    per_job: dict[str, int] = field(default_factory=dict)
 
-    async def enter(self, context: Any) -> None:
+    @property
+    def reserve(self) -> int:
+        """The last slots, an eighth of the cap (at least one), kept for jobs running
+        fewer calls than that and for the admin."""
+        return max(1, self.cap // 8)
+
+    async def enter(self, context: Any) -> str | None:
+        """Count a call in (or refuse it); the job it is counted for, for ``leave``."""
         if self.active >= self.cap:
             fault = validation.limit_exceeded(
                 self.limit,
                 f"the daemon already runs {self.limit}={self.cap} {self.what}; retry later",
             )
             await context.abort_with_status(to_grpc_status(fault))
+        job = self.by_job() if self.by_job is not None else None
+        if job is not None:
+            held = self.per_job.get(job, 0)
+            if held >= self.reserve and self.active >= self.cap - self.reserve:
+                fault = validation.limit_exceeded(
+                    self.limit,
+                    f"the daemon runs {self.active} of {self.limit}={self.cap} {self.what} "
+                    f"and keeps the last {self.reserve} for jobs running fewer than "
+                    f"{self.reserve} and the admin; job {job!r} runs {held}",
+                    job_id=job,
+                )
+                await context.abort_with_status(to_grpc_status(fault))
+            self.per_job[job] = held + 1
         self.active += 1
+        return job
+
+    def leave(self, job: str | None) -> None:
+        self.active -= 1
+        if job is not None:
+            held = self.per_job.pop(job) - 1
+            if held:
+                self.per_job[job] = held
 
 
 def handler_shape(handler: grpc.RpcMethodHandler) -> tuple[Any, Any]:
@@ -67,22 +103,22 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
     if inspect.isasyncgenfunction(inner):
 
         async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
-            await gate.enter(context)
+            job = await gate.enter(context)
             try:
                 async for item in inner(request, context):
                     yield item
             finally:
-                gate.active -= 1
+                gate.leave(job)
 
         return make(stream_gen, **kw)
 
     # A unary answer, or a streamed one written with ``context.write``.
     async def call(request: Any, context: Any) -> Any:
-        await gate.enter(context)
+        job = await gate.enter(context)
         try:
             return await inner(request, context)
         finally:
-            gate.active -= 1
+            gate.leave(job)
 
     return make(call, **kw)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -28,12 +29,14 @@ from tests.daemon.raw_calls import (
     assert_healthy,
     bearer,
     join_one,
+    join_request,
     park_joins,
     raw,
     reason_of,
     wait_members,
 )
-from tests.support import DaemonProcess, spawn_daemon, wait_for
+from tests.daemon.test_scoped_tokens import job_token
+from tests.support import DaemonProcess, scrape, spawn_daemon, wait_for
 
 
 def limited_daemon(tmp: Path, **limits: int) -> Iterator[DaemonProcess]:
@@ -286,6 +289,61 @@ def test_max_concurrent_rpcs(start_daemon: Callable[..., DaemonProcess], job_id:
         while raw(ch, "ListJobs", b"", bearer(d)) is not None:
             assert time.monotonic() < deadline, "the daemon did not recover after the overload"
             time.sleep(0.05)
+    assert_healthy(d, job_id + "-after")
+
+
+def test_one_jobs_token_leaves_the_last_rpc_slots_to_other_jobs_and_the_admin(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """--max-concurrent-rpcs 8 keeps its last slot (an eighth, at least one) for jobs
+    running fewer calls than that and for the admin: job A's token holder parks seven
+    joins and its eighth call is refused, naming the share, while the admin's ListJobs
+    and job B's calls still get through. (Before: A took all eight, and the admin's
+    ``status`` was refused.)"""
+    d = start_daemon("--max-concurrent-rpcs", "8", "--metrics-listen", "127.0.0.1:0")
+    job_b = job_id + "-b"
+    tokens = {job: job_token(d, tmp_path, job).read_text().strip() for job in (job_id, job_b)}
+
+    def park(job: str, ranks: range) -> list[Any]:
+        stub = pb_grpc.RendezvousStub(grpc.insecure_channel(d.endpoint))
+        metadata = [("authorization", f"Bearer {tokens[job]}")]
+        return [
+            stub.Join.future(
+                join_request(job, 9, rank, host="parked", instance_id=f"parked-{rank}"),
+                metadata=metadata,
+                timeout=35,
+            )
+            for rank in ranks
+        ]
+
+    parked = park(job_id, range(1, 8))  # rank 0 never comes: seven calls held
+    try:
+        # Watched on the metrics port: a call to look would take a slot meanwhile.
+        waiters = "rendezvousd_waiters"
+        wait_for("A's seven joins parked", lambda: scrape(d.metrics_url)[waiters] == 7)
+        (eighth,) = park(job_id, range(8, 9))
+        with pytest.raises(grpc.RpcError) as info:
+            eighth.result(timeout=10)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        reason, meta = reason_of(info.value)
+        assert meta.get("limit") == "max_concurrent_rpcs", (reason, meta)
+        assert "keeps the last 1" in info.value.details(), info.value.details()
+        with grpc.insecure_channel(d.endpoint) as ch:
+            assert raw(ch, "ListJobs", b"", bearer(d)) is None  # the admin's status
+            b_token = [("authorization", f"Bearer {tokens[job_b]}")]
+            assert raw(ch, "ListJobs", b"", b_token) is None  # another job's call
+            parked += park(job_b, range(1, 2))  # B's one call takes the last slot
+            wait_for(
+                "the daemon full",
+                lambda: (
+                    (e := raw(ch, "ListJobs", b"", bearer(d))) is not None
+                    and e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                ),
+            )
+    finally:
+        for future in parked:
+            future.cancel()
+    assert all(not f.done() or f.cancelled() for f in parked[:7]), "A's parked calls ended"
     assert_healthy(d, job_id + "-after")
 
 
