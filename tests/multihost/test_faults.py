@@ -150,7 +150,7 @@ def test_a_cut_between_two_nccl_nodes_is_reported_by_their_agents_links(
     wait_for("both nodes' workers stepping", lambda: _steps(cluster, "cut-nccl") >= 20, 60)
     cut_at = time.time()
     cluster.hosts.partition(nodes[0].host, nodes[1].host)
-    within = LINK_SILENCE_S + LINK_SETTLE_S + 2.0
+    within = LINK_SILENCE_S + LINK_SETTLE_S + 4.0  # the measured 11.7 s, a margin for load
     _reported(nodes, "PeerFailed", cut_at, within, "answered nothing", "lost the link to node")
     codes = cluster.wait(nodes, 40)
     for node in nodes:

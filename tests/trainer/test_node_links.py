@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from rendezvousd.client import NodeMembership, RendezvousClient
-from rendezvousd.trainer.agent.node_links import LinkSilent, NodeLinks
+from rendezvousd.trainer.agent.node_links import MAX_HANDSHAKES, LinkSilent, NodeLinks
 from tests.support import DaemonProcess, parallel, wait_for
 
 
@@ -95,6 +95,7 @@ def test_a_stranger_on_a_nodes_port_neither_holds_nor_takes_its_link(
     notes: list[str] = []
     (c0, m0), (c1, m1), (c2, m2) = nodes
     node1 = links_of(c1, m1, heard, notes)
+    others: list[NodeLinks] = []
     strangers: list[socket.socket] = []
     try:
         node1.start()
@@ -123,9 +124,58 @@ def test_a_stranger_on_a_nodes_port_neither_holds_nor_takes_its_link(
         for s in strangers:
             s.close()
         node1.close()
-        for each in locals().get("others", []):
+        for each in others:
             each.close()
     assert heard == [] and notes == [], (heard, notes)
+
+
+def test_strangers_beyond_the_handshake_cap_are_closed_unread(
+    nodes: list[tuple[RendezvousClient, NodeMembership]],
+) -> None:
+    """Each pending handshake holds a thread: past MAX_HANDSHAKES at once a connection
+    is closed unread, so a flood cannot pile up threads; once the strangers go, the
+    neighbours link as ever."""
+    heard: list[LinkSilent] = []
+    notes: list[str] = []
+    (c0, m0), (c1, m1), (c2, m2) = nodes
+    node1 = links_of(c1, m1, heard, notes)
+    others: list[NodeLinks] = []
+    strangers: list[socket.socket] = []
+    try:
+        node1.start()
+        reader = attached(c0, m0)
+        try:
+            entry = json.loads(reader.kv_get("node-link/1", timeout=10))
+        finally:
+            reader.close()
+        before = _handshake_threads()
+        for _ in range(MAX_HANDSHAKES + 8):
+            strangers.append(socket.create_connection((entry["host"], entry["port"]), timeout=5))
+        firsts = []
+        for s in strangers:
+            try:
+                firsts.append(len(s.recv(100)))
+            except ConnectionResetError:
+                firsts.append(0)
+        assert sorted(set(firsts)) == [0, 40] and firsts.count(40) == MAX_HANDSHAKES, firsts
+        assert _handshake_threads() - before <= MAX_HANDSHAKES
+        for s in strangers:
+            s.close()
+        others = [links_of(c, m, heard, notes) for c, m in [(c0, m0), (c2, m2)]]
+        for each in others:
+            each.start()
+        wait_for("node 1 linked to both neighbours", lambda: node1.linked == {0, 2}, 10)
+    finally:
+        for s in strangers:
+            s.close()
+        node1.close()
+        for each in others:
+            each.close()
+    assert heard == [] and notes == [], (heard, notes)
+
+
+def _handshake_threads() -> int:
+    return sum(t.name == "node-link-handshake" for t in threading.enumerate())
 
 
 def test_a_one_node_job_links_to_no_one() -> None:

@@ -36,7 +36,7 @@ from typing import Protocol
 from rendezvousd.trainer.comm import peer_auth
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S, link_error, watch_link
 
-__all__ = ["LINK_SETTLE_S", "LinkSilent", "NodeLinks"]
+__all__ = ["LINK_SETTLE_S", "MAX_HANDSHAKES", "LinkSilent", "NodeLinks"]
 
 # A link that went silent is reported only if the daemon has not told of a failure
 # within this long: a host that is gone is also lost to its heartbeat timeout, and the
@@ -44,6 +44,9 @@ __all__ = ["LINK_SETTLE_S", "LinkSilent", "NodeLinks"]
 LINK_SETTLE_S = 2.0
 
 _MAGIC = b"rdzvlink"
+# Handshakes in progress at once: each holds a thread for at most LINK_SILENCE_S, and
+# connections beyond these are closed at once, so strangers cannot pile up threads.
+MAX_HANDSHAKES = 64
 # Errors with which the kernel ends a link whose peer host stopped answering: the
 # user timeout itself, or an ICMP error a router sent meanwhile, reported in its place.
 _SILENT = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH}
@@ -107,6 +110,7 @@ class NodeLinks:
         self._sockets: list[socket.socket] = []
         self._closed = False
         self._reported = False
+        self._handshakes = 0
         # Each linked neighbour's host name, for the report (from its published entry).
         self._names: dict[int, str] = {}
         #: The neighbours whose links are up (and watched).
@@ -190,12 +194,19 @@ class NodeLinks:
     def _accept(self, listener: socket.socket, left: int) -> None:
         """Each connection's handshake on a thread of its own, until the left
         neighbour's agent is linked: a stranger that connects and says nothing holds
-        only its own thread (until ``setup_timeout``), never the neighbour's link."""
+        only its own thread, for ``LINK_SILENCE_S``, never the neighbour's link; beyond
+        ``MAX_HANDSHAKES`` at once, connections are closed unread."""
         while True:
             try:
                 sock, _ = listener.accept()
             except OSError:
                 return  # closed: the generation ended, or the neighbour is linked
+            with self._lock:
+                admitted = self._handshakes < MAX_HANDSHAKES
+                self._handshakes += admitted
+            if not admitted:
+                sock.close()
+                continue
             if not self._keep(sock):
                 return
             threading.Thread(
@@ -206,12 +217,19 @@ class NodeLinks:
             ).start()
 
     def _handshake(self, listener: socket.socket, sock: socket.socket, left: int) -> None:
-        sock.settimeout(self._setup_timeout)
         try:
+            # The neighbour dials once it read our address, and answers in milliseconds.
+            sock.settimeout(LINK_SILENCE_S)
             peer_auth.accept(sock, self._auth, lambda rank: rank == left)
         except Exception:  # a stranger, or a handshake cut short: not a link
+            with self._lock:
+                if sock in self._sockets:
+                    self._sockets.remove(sock)
             sock.close()
             return
+        finally:
+            with self._lock:
+                self._handshakes -= 1
         with contextlib.suppress(OSError):
             # Wakes the accepting thread (close alone would not); closed with the links.
             listener.shutdown(socket.SHUT_RDWR)
@@ -233,14 +251,14 @@ class NodeLinks:
     # -- the watch ----------------------------------------------------------------
 
     def _watch(self, sock: socket.socket, peer: int) -> None:
-        sock.settimeout(None)
-        watch_link(sock)
-        with self._lock:
-            self.linked.add(peer)
         try:
+            sock.settimeout(None)
+            watch_link(sock)
+            with self._lock:
+                self.linked.add(peer)
             # Nothing is ever sent: this returns when the peer's end closes.
             sock.recv(1)
-        except OSError as exc:
+        except OSError as exc:  # also EBADF: the links were closed meanwhile
             if exc.errno in _SILENT and not self._closed:
                 self._silent(peer, exc)
 
