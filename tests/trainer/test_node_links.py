@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rendezvousd.client import NodeMembership, RendezvousClient
+from rendezvousd.client import Membership, NodeMembership, RendezvousClient
 from rendezvousd.trainer.agent.node_links import MAX_HANDSHAKES, LinkSilent, NodeLinks
 from tests.support import DaemonProcess, parallel, wait_for
 
@@ -38,23 +38,29 @@ def nodes(
 
 
 def attached(client: RendezvousClient, m: NodeMembership) -> RendezvousClient:
+    """A client acting as node ``m``'s first rank, as the links' own client does."""
     member = RendezvousClient(client.endpoint, m.job_id, token=client._s.token)
     member.attach(m.membership_for(0), m.member_instance_id(0))
     return member
 
 
+def address_of(client: RendezvousClient, m: NodeMembership, node: int) -> tuple[str, int]:
+    """Where ``node``'s links listen, as its neighbours read it."""
+    reader = attached(client, m)
+    try:
+        entry = json.loads(reader.kv_get(f"node-link/{node}", timeout=10))
+    finally:
+        reader.close()  # not leave(): the member is that node's first rank
+    return entry["host"], entry["port"]
+
+
 def links_of(
     client: RendezvousClient, m: NodeMembership, heard: list[LinkSilent], notes: list[str]
 ) -> NodeLinks:
-    """As the node agent makes them: the store a client of their own, attached as the
-    node's first rank."""
+    """As the agents make them: on a client of their own."""
     return NodeLinks(
-        attached(client, m),
-        generation=m.generation,
-        node_rank=m.node_rank,
-        num_nodes=m.num_nodes,
-        gpus_per_node=m.gpus_per_node,
-        secret=m.unique_id,
+        RendezvousClient(client.endpoint, m.job_id, token=client._s.token),
+        m,
         host="127.0.0.1",
         name=f"node{m.node_rank}",
         on_silent=heard.append,
@@ -88,45 +94,58 @@ def test_each_node_links_to_both_neighbours_and_an_agent_that_ends_is_no_cut(
     assert sorted(threads) == ["node-link-dial", "node-link-handshake"], threads
 
 
+class MiddleNode:
+    """Node 1's links, started first, with strangers on its port (``connect``); then
+    ``link_neighbours()`` starts nodes 0's and 2's. Used as a ``with`` block: everything
+    is closed after it, and nothing may have been reported or noted meanwhile."""
+
+    def __init__(self, nodes: list[tuple[RendezvousClient, NodeMembership]]) -> None:
+        self.nodes = nodes
+        self.heard: list[LinkSilent] = []
+        self.notes: list[str] = []
+        self.links = [links_of(*nodes[1], self.heard, self.notes)]
+        self.strangers: list[socket.socket] = []
+
+    def __enter__(self) -> MiddleNode:
+        self.links[0].start()
+        self.address = address_of(*self.nodes[0], 1)
+        return self
+
+    def connect(self) -> socket.socket:
+        self.strangers.append(socket.create_connection(self.address, timeout=5))
+        return self.strangers[-1]
+
+    def link_neighbours(self) -> None:
+        for n in (0, 2):
+            self.links.append(links_of(*self.nodes[n], self.heard, self.notes))
+            self.links[-1].start()
+        wait_for("node 1 linked to both neighbours", lambda: self.links[0].linked == {0, 2}, 10)
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.strangers:
+            s.close()
+        for each in self.links:
+            each.close()
+        if exc[0] is None:
+            assert self.heard == [] and self.notes == [], (self.heard, self.notes)
+
+
 def test_a_stranger_on_a_nodes_port_neither_holds_nor_takes_its_link(
     nodes: list[tuple[RendezvousClient, NodeMembership]],
 ) -> None:
-    heard: list[LinkSilent] = []
-    notes: list[str] = []
-    (c0, m0), (c1, m1), (c2, m2) = nodes
-    node1 = links_of(c1, m1, heard, notes)
-    others: list[NodeLinks] = []
-    strangers: list[socket.socket] = []
-    try:
-        node1.start()
-        reader = attached(c0, m0)
-        try:
-            entry = json.loads(reader.kv_get("node-link/1", timeout=10))
-        finally:
-            reader.close()  # not leave(): the member is node 0's first rank
-        address = (entry["host"], entry["port"])
+    with MiddleNode(nodes) as middle:
         # One says nothing (it would hold a one-at-a-time acceptor), one speaks garbage.
-        strangers = [socket.create_connection(address, timeout=5) for _ in range(2)]
-        strangers[1].sendall(b"\x00" * 200)
-        others = [links_of(c, m, heard, notes) for c, m in [(c0, m0), (c2, m2)]]
-        for each in others:
-            each.start()
-        wait_for("node 1 linked to both neighbours", lambda: node1.linked == {0, 2}, 10)
+        middle.connect()
+        garbage = middle.connect()
+        garbage.sendall(b"\x00" * 200)
+        middle.link_neighbours()
         # The garbage speaker was dropped without a word of its own from node 1.
-        strangers[1].settimeout(5)
-        assert len(strangers[1].recv(100)) == 40  # the challenge
+        assert len(garbage.recv(100)) == 40  # the challenge
         try:
-            rest = strangers[1].recv(100)
+            rest = garbage.recv(100)
         except ConnectionResetError:  # closed with its unread garbage
             rest = b""
         assert rest == b""
-    finally:
-        for s in strangers:
-            s.close()
-        node1.close()
-        for each in others:
-            each.close()
-    assert heard == [] and notes == [], (heard, notes)
 
 
 def test_strangers_beyond_the_handshake_cap_are_closed_unread(
@@ -135,22 +154,9 @@ def test_strangers_beyond_the_handshake_cap_are_closed_unread(
     """Each pending handshake holds a thread: past MAX_HANDSHAKES at once a connection
     is closed unread, so a flood cannot pile up threads; once the strangers go, the
     neighbours link as ever."""
-    heard: list[LinkSilent] = []
-    notes: list[str] = []
-    (c0, m0), (c1, m1), (c2, m2) = nodes
-    node1 = links_of(c1, m1, heard, notes)
-    others: list[NodeLinks] = []
-    strangers: list[socket.socket] = []
-    try:
-        node1.start()
-        reader = attached(c0, m0)
-        try:
-            entry = json.loads(reader.kv_get("node-link/1", timeout=10))
-        finally:
-            reader.close()
+    with MiddleNode(nodes) as middle:
         before = _handshake_threads()
-        for _ in range(MAX_HANDSHAKES + 8):
-            strangers.append(socket.create_connection((entry["host"], entry["port"]), timeout=5))
+        strangers = [middle.connect() for _ in range(MAX_HANDSHAKES + 8)]
         firsts = []
         for s in strangers:
             try:
@@ -161,17 +167,7 @@ def test_strangers_beyond_the_handshake_cap_are_closed_unread(
         assert _handshake_threads() - before <= MAX_HANDSHAKES
         for s in strangers:
             s.close()
-        others = [links_of(c, m, heard, notes) for c, m in [(c0, m0), (c2, m2)]]
-        for each in others:
-            each.start()
-        wait_for("node 1 linked to both neighbours", lambda: node1.linked == {0, 2}, 10)
-    finally:
-        for s in strangers:
-            s.close()
-        node1.close()
-        for each in others:
-            each.close()
-    assert heard == [] and notes == [], (heard, notes)
+        middle.link_neighbours()
 
 
 def _handshake_threads() -> int:
@@ -179,17 +175,13 @@ def _handshake_threads() -> int:
 
 
 def test_a_one_node_job_links_to_no_one() -> None:
-    heard: list[LinkSilent] = []
+    node = NodeMembership("solo", 1, 0, 1, 8, None, b"\x01" * 128, 0, ("instance",))
     links = NodeLinks(
         _NoStore(),
-        generation=1,
-        node_rank=0,
-        num_nodes=1,
-        gpus_per_node=8,
-        secret=b"\x01" * 128,
+        node,
         host="127.0.0.1",
         name="solo",
-        on_silent=heard.append,
+        on_silent=print,
         note=print,
         setup_timeout=1.0,
     )
@@ -200,6 +192,9 @@ def test_a_one_node_job_links_to_no_one() -> None:
 
 
 class _NoStore:
+    def attach(self, membership: Membership, instance_id: str) -> None:
+        pass
+
     def kv_set(self, key: str, value: bytes) -> None:
         raise AssertionError("a job of one node publishes no link")
 

@@ -297,30 +297,22 @@ class NodeAgent:
             return
         if m.num_nodes < 2:
             return
-        # Its own client, attached as this node's first rank (whose worker's calls are
-        # relayed and scoped the same): the key-value store answers members, not
-        # nodes, and a client of its own per generation cannot publish into the next.
         try:
             store = config.rendezvous.client(
                 config.job_id, config.retry_attempts, token=self._token
             )
-            store.attach(m.membership_for(0), m.member_instance_id(0))
+            self._links = NodeLinks(
+                store,
+                m,
+                host=self.link_host,
+                name=self.host,
+                on_silent=self.events.put,
+                note=self.note,
+                setup_timeout=config.setup_timeout_s,
+            )
         except (ConfigError, RendezvousError) as exc:
             self.note(f"warning: the links to the other nodes are not watched: {exc}")
             return
-        self._links = NodeLinks(
-            store,
-            generation=m.generation,
-            node_rank=m.node_rank,
-            num_nodes=m.num_nodes,
-            gpus_per_node=m.gpus_per_node,
-            secret=m.unique_id,
-            host=self.link_host,
-            name=self.host,
-            on_silent=self.events.put,
-            note=self.note,
-            setup_timeout=config.setup_timeout_s,
-        )
         self._links.start()
 
     def _close_links(self) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from rendezvousd.client.membership import Membership, NodeMembership
 from rendezvousd.trainer.comm import peer_auth
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S, link_error, watch_link
 
@@ -53,8 +54,11 @@ _SILENT = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH}
 
 
 class LinkStore(Protocol):
-    """The generation's key-value store: a client attached as one of this node's ranks,
-    closed with the links."""
+    """A client of the daemon of its own, which the links attach as the node's first
+    rank (the key-value store answers members, not nodes) and close with them: a
+    client per generation, so a slow link thread cannot publish into the next one."""
+
+    def attach(self, membership: Membership, instance_id: str) -> None: ...
 
     def kv_set(self, key: str, value: bytes) -> None: ...
 
@@ -83,29 +87,32 @@ class NodeLinks:
     def __init__(
         self,
         store: LinkStore,
+        node: NodeMembership,
         *,
-        generation: int,
-        node_rank: int,
-        num_nodes: int,
-        gpus_per_node: int,
-        secret: bytes,
         host: str,
         name: str,
         on_silent: Callable[[LinkSilent], None],
         note: Callable[[str], None],
         setup_timeout: float,
     ) -> None:
+        try:
+            # No I/O: the worker of the node's first rank attaches as the same member.
+            store.attach(node.membership_for(0), node.member_instance_id(0))
+        except BaseException:
+            store.close()
+            raise
         self._store = store
-        self.generation = generation
-        self._node = node_rank
-        self._nodes = num_nodes
-        self._gpus = gpus_per_node
+        self.generation = node.generation
+        self._node = node.node_rank
+        self._nodes = node.num_nodes
+        self._gpus = node.gpus_per_node
         self._host = host
         self._name = name
         self._on_silent = on_silent
         self._note = note
         self._setup_timeout = setup_timeout
-        self._auth = peer_auth.PeerAuth(peer_auth.derive_key(secret), _MAGIC, node_rank, num_nodes)
+        key = peer_auth.derive_key(node.unique_id)
+        self._auth = peer_auth.PeerAuth(key, _MAGIC, node.node_rank, node.num_nodes)
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._closed = False

@@ -403,10 +403,15 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         if not self._settings.node_link_watch or node.num_nodes < 2:
             return
         try:
-            # A client of its own per round, attached as this node's member (the key-value
-            # store answers members): a slow link thread cannot publish into the next round.
-            store = self._new_client()
-            store.attach(node.membership_for(0), node.member_instance_id(0))
+            self._links = NodeLinks(
+                self._new_client(),
+                node,
+                host=self._host,
+                name=self._host,
+                on_silent=self._link_silent,
+                note=lambda text: log.warning("rendezvousd: job %r: %s", self._run_id, text),
+                setup_timeout=self._settings.join_timeout,
+            )
         except RendezvousError as exc:
             log.warning(
                 "rendezvousd: job %r: the links to the other nodes are not watched: %s",
@@ -414,19 +419,6 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 exc,
             )
             return
-        self._links = NodeLinks(
-            store,
-            generation=node.generation,
-            node_rank=node.node_rank,
-            num_nodes=node.num_nodes,
-            gpus_per_node=node.gpus_per_node,
-            secret=node.unique_id,
-            host=self._host,
-            name=self._host,
-            on_silent=self._link_silent,
-            note=lambda text: log.warning("rendezvousd: job %r: %s", self._run_id, text),
-            setup_timeout=self._settings.join_timeout,
-        )
         self._links.start()
 
     def _close_links(self) -> None:
