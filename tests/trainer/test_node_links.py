@@ -94,6 +94,27 @@ def test_each_node_links_to_both_neighbours_and_an_agent_that_ends_is_no_cut(
     assert sorted(threads) == ["node-link-dial", "node-link-handshake"], threads
 
 
+def test_links_closed_while_waiting_for_a_neighbour_end_at_once_and_quietly(
+    nodes: list[tuple[RendezvousClient, NodeMembership]],
+) -> None:
+    """A generation that fails before the next node published its address: the agent
+    closes the links on its main thread, which must not wait on the address's wait."""
+    heard: list[LinkSilent] = []
+    notes: list[str] = []
+    links = links_of(*nodes[0], heard, notes)
+    links.start()
+    wait_for("node 0 published", lambda: address_of(*nodes[1], 0) is not None)
+    started = time.monotonic()
+    links.close()
+    assert time.monotonic() - started < 0.5
+    wait_for(
+        "its threads gone",
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("node-link")],
+        5,
+    )
+    assert heard == [] and notes == [], (heard, notes)
+
+
 class MiddleNode:
     """Node 1's links, started first, with strangers on its port (``connect``); then
     ``link_neighbours()`` starts nodes 0's and 2's. Used as a ``with`` block: everything
