@@ -5,6 +5,7 @@ tests/multihost/test_faults.py."""
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import threading
@@ -210,6 +211,28 @@ def test_a_one_node_job_links_to_no_one() -> None:
     links.start()
     assert threading.active_count() == before
     links.close()
+
+
+def test_a_silent_link_is_reported_once_naming_the_node_its_ranks_and_an_escaped_name() -> None:
+    """The report's words (the silence itself needs real hosts: tests/multihost). The
+    neighbour's name comes from its entry, which a member wrote: shown escaped."""
+    heard: list[LinkSilent] = []
+    node = NodeMembership("j", 3, 0, 2, 4, None, b"\x01" * 128, 0, ("a", "b", "c", "d"))
+    links = NodeLinks(
+        _NoStore(), node, host="127.0.0.1", name="me", on_silent=heard.append, note=print,
+        setup_timeout=1.0,
+    )  # fmt: skip
+    links._names[1] = "h2\x1b[31m\nforged line"
+    links._silent(1, OSError(errno.ETIMEDOUT, "Connection timed out"))
+    links._silent(1, OSError(errno.ETIMEDOUT, "Connection timed out"))  # the other link
+    links._silent(1, TimeoutError("timed out"), connected=False)
+    links.close()
+    assert len(heard) == 1 and heard[0].generation == 3 and heard[0].connected
+    cause = heard[0].cause
+    assert cause.startswith(
+        "lost the link to node 1 on h2\\x1b[31m\\x0aforged line (ranks 4-7): "
+    ), cause
+    assert "its host answered nothing for 10 s" in cause and "\n" not in cause
 
 
 class _NoStore:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rendezvousd.client.membership import Membership, NodeMembership
+from rendezvousd.common.escape import shortened
 from rendezvousd.trainer.comm import peer_auth
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S, link_error, watch_link
 
@@ -280,7 +281,8 @@ class NodeLinks:
             what = link_error(OSError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT)))
         else:
             what = f"its host became unreachable ({exc.strerror})"
-        on = f" on {self._names[peer]}" if peer in self._names else ""
+        # The name is the neighbour's entry's (a member wrote it): escaped, cut short.
+        on = f" on {shortened(self._names[peer], 64)}" if peer in self._names else ""
         verb = "lost the link to" if connected else "could not link to"
         cause = f"{verb} node {peer}{on} ({ranks}): {what}"
         self._on_silent(LinkSilent(self.generation, cause, connected))
