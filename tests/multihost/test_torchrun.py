@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S
 from tests.multihost.cluster import Cluster
@@ -117,3 +118,44 @@ def test_torchrun_agents_cut_apart_hear_it_from_their_links_and_give_up_when_it_
         assert "could not link to node" in err and "giving up" in err, err[-3000:]
     assert all(code != 0 for code in codes), codes
     print(f"cut -> both agents restarting their workers: {heard_after:.2f} s")
+
+
+def test_torchrun_agents_whose_cut_heals_train_on_and_end_the_job_cleanly(
+    make_cluster: Callable[..., Cluster],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """The cut of the test above, healed once the agents heard of it: the next round's
+    links connect, its workers train to the end, and every agent leaves, the one that
+    reported the lost link included (it once skipped its goodbye in every later round,
+    and the daemon then counted it lost at the job's end)."""
+    cluster = make_cluster(2, "--heartbeat-timeout-s", "3")
+    d, hosts = cluster.daemon, cluster.hosts
+    log = tmp_path / "steps.jsonl"
+    worker = ["--steps", "60", "--step-log", str(log)]
+    agents = [
+        torchrun(d, job_id, "2", *worker, nproc=1, prefix=hosts[i].command([])) for i in (1, 2)
+    ]
+    wait_for("both ranks at step 5", lambda: _ranks_at(log, 5, restart=0) == {0, 1}, 120)
+    hosts.partition(hosts[1], hosts[2])
+    wait_for(
+        "the lost link reported",
+        lambda: any("this node lost the link to node" in a.stderr() for a in agents),
+        LINK_SILENCE_S + LINK_SETTLE_S + 5.0,
+    )
+    hosts.heal(hosts[1], hosts[2])
+    codes = [a.wait(90) for a in agents]
+    assert codes == [0, 0], [a.stderr()[-3000:] for a in agents]
+    assert _ranks_at(log, 60, restart=None) == {0, 1}
+    facts = cluster.job_facts(job_id)
+    assert facts["state"] == pb.JOB_STATE_ENDED, facts
+
+
+def _ranks_at(log: Path, step: int, restart: int | None) -> set[int]:
+    """The ranks that logged ``step`` (in restart round ``restart``, or any)."""
+    return {
+        s["rank"]
+        for s in torch_steps(log)
+        if s["step"] >= step and (restart is None or s["restart"] == restart)
+    }

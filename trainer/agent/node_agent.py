@@ -151,10 +151,11 @@ class NodeAgent:
         fork_server: ForkServer | None = None,
     ) -> None:
         """``booted``: this node's first spares, when the launcher started them
-        before it had an agent (``worker_boot.boot_spares``); ``link_host``: the address
-        other nodes' agents reach this one at (``node_links``; "" for none); ``token``: the daemon
-        token ``client`` uses, handed to the workers with their assignment;
-        ``fork_server``: forks spares while it can (the launcher owns and closes it)."""
+        before it had an agent (``worker_boot.boot_spares``); ``link_host``: the
+        address other nodes' agents reach this one at (``node_links``; "" for none);
+        ``token``: the daemon token ``client`` uses, handed to the workers with their
+        assignment; ``fork_server``: forks spares while it can (the launcher owns and
+        closes it)."""
         self.config = config
         self.client = client
         self.ring_host = ring_host
@@ -295,7 +296,7 @@ class NodeAgent:
         config = self.config
         if config.backend != "nccl" or not config.node_link_watch or not self.link_host:
             return
-        if m.num_nodes < 2:
+        if m.num_nodes < 2:  # nothing to watch; no client made for nothing
             return
         try:
             store = config.rendezvous.client(

@@ -153,6 +153,11 @@ class Hosts:
             _ip("-n", here.netns, "neigh", "replace", there.address, "lladdr", _NOBODY,
                 "dev", "eth0", "nud", "permanent")  # fmt: skip
 
+    def heal(self, a: Host, b: Host) -> None:
+        """Undo ``partition``: each host finds the other's hardware address again."""
+        for here, there in ((a, b), (b, a)):
+            _ip("-n", here.netns, "neigh", "del", there.address, "dev", "eth0")
+
     def teardown(self) -> None:
         for netns in [h.netns for h in self.hosts] + [self.switch]:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):

@@ -576,7 +576,10 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._close_links()
         node, store = self._node, self._store
         try:
-            if node is not None and self._client.failure is None and self._link_lost is None:
+            # A round the daemon ended, or this agent did (its lost link), has nothing
+            # left to tell.
+            told = self._client.failure is not None
+            if node is not None and not told and self._link_lost != node.generation:
                 if store is not None and store.workers_succeeded:
                     self._client.leave()
                 else:
