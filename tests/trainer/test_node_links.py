@@ -141,7 +141,13 @@ class MiddleNode:
         for n in (0, 2):
             self.links.append(links_of(*self.nodes[n], self.heard, self.notes))
             self.links[-1].start()
-        wait_for("node 1 linked to both neighbours", lambda: self.links[0].linked == {0, 2}, 10)
+        # Every link up, not only node 1's: closing node 0 while node 2 still shakes
+        # hands with it would fail that handshake, and node 2 say so.
+        wait_for(
+            "every node linked to both neighbours",
+            lambda: [each.linked for each in self.links] == [{0, 2}, {2, 1}, {1, 0}],
+            10,
+        )
 
     def __exit__(self, *exc: object) -> None:
         for s in self.strangers:
