@@ -585,26 +585,34 @@ class NodeAgent:
         if w in self.active and w.local_rank is not None and w.reported_cause is None:
             w.reported_cause = event.cause or "a failure it did not describe"
             w.last_progress = time.monotonic()  # REPORTED_EXIT_S counts from here
-            try:
-                self.client.report_failure(w.local_rank, w.reported_cause)
-            except RendezvousError as exc:
-                self.note(f"could not report the failure to the daemon: {exc}")
+            self._report(w.local_rank, w.reported_cause)
         w.ack_failure()
 
     def _local_failure(
         self, gen: int, first_rank: int, w: WorkerProcess, cause: str, status: int
     ) -> Failure:
         """``cause``: any text (a worker's exception), reported whole and shown shortened."""
-        mark("failure-heard", generation=gen)
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
-        self.note(f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}")
-        if w.reported_cause is None:
-            try:
-                # Before stopping our other workers: the other nodes hear of it sooner.
-                self.client.report_failure(local, cause)
-            except RendezvousError as exc:
-                self.note(f"could not report the failure to the daemon: {exc}")
+        said = f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}"
+        return self._own_failure(gen, rank, local, cause, status, said, w.reported_cause is None)
+
+    def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure:
+        """A link to another node went silent and the daemon told of nothing meanwhile:
+        a cut between nodes that both reach the daemon. Reported as this node's own
+        failure (its first rank's), as the CPU ring's ranks report a silent link."""
+        return self._own_failure(gen, first_rank, 0, cause, 1, f"this node {cause}", True)
+
+    def _own_failure(
+        self, gen: int, rank: int, local: int, cause: str, status: int, said: str, report: bool
+    ) -> Failure:
+        """A failure of this node's own, at ``local`` (global ``rank``): ``said`` here,
+        reported to the daemon unless it already was (``report``), every worker stopped."""
+        mark("failure-heard", generation=gen)
+        self.note(said)
+        if report:
+            # Before stopping our other workers: the other nodes hear of it sooner.
+            self._report(local, cause)
         failure = Failure(gen, shortened(cause), rank, self.host, status, local_rank=local)
         self.first_local = self.first_local or failure
         # Worded as the daemon words it to the other nodes: every node's workers log
@@ -613,21 +621,11 @@ class NodeAgent:
         lost = FailedInfo(rank, self.host, cause, local_rank=local)
         return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
 
-    def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure:
-        """A link to another node went silent and the daemon told of nothing meanwhile:
-        a cut between nodes that both reach the daemon. Reported as this node's own
-        failure (its first rank's), as the CPU ring's ranks report a silent link."""
-        mark("failure-heard", generation=gen)
-        self.note(f"this node {cause}")
+    def _report(self, local: int, cause: str) -> None:
         try:
-            self.client.report_failure(0, cause)
+            self.client.report_failure(local, cause)
         except RendezvousError as exc:
             self.note(f"could not report the failure to the daemon: {exc}")
-        failure = Failure(gen, shortened(cause), first_rank, self.host, local_rank=0)
-        self.first_local = self.first_local or failure
-        named = f"job {self.config.job_id!r} generation {gen}"
-        lost = FailedInfo(first_rank, self.host, cause, local_rank=0)
-        return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
 
     def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
         # Said here, at once, on every node: the workers may be gone before they log it.

@@ -36,7 +36,12 @@ from typing import Protocol
 from rendezvousd.client.membership import Membership, NodeMembership
 from rendezvousd.common.escape import shortened
 from rendezvousd.trainer.comm import peer_auth
-from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S, link_error, watch_link
+from rendezvousd.trainer.comm.ring_wire import (
+    LINK_SILENCE_S,
+    create_listener,
+    link_error,
+    watch_link,
+)
 
 __all__ = ["LINK_SETTLE_S", "MAX_HANDSHAKES", "LinkSilent", "NodeLinks"]
 
@@ -160,7 +165,7 @@ class NodeLinks:
         right = (self._node + 1) % self._nodes
         left = (self._node - 1) % self._nodes
         try:
-            listener = socket.create_server((self._host, 0), family=_family(self._host))
+            listener = create_listener(self._host)
         except OSError as exc:
             self._unwatched(left, f"cannot listen on {self._host}: {exc.strerror}")
             return
@@ -286,7 +291,3 @@ class NodeLinks:
         verb = "lost the link to" if connected else "could not link to"
         cause = f"{verb} node {peer}{on} ({ranks}): {what}"
         self._on_silent(LinkSilent(self.generation, cause, connected))
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET

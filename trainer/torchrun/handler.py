@@ -442,7 +442,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
 
     def _report_link(self, event: LinkSilent) -> None:
         node = self._node
-        if node is None or node.generation != event.generation or self._client.failure is not None:
+        if node is None or node.generation != event.generation or self._round_ended(node):
             return
         log.error("rendezvousd: job %r: this node %s", self._run_id, event.cause)
         self._link_lost = event.generation
@@ -526,7 +526,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     def _end_round(self, node: NodeMembership) -> None:
         """torchrun asks for a new round while ours runs: tell every other agent why,
         unless the daemon already ended the round (and so told them)."""
-        if self._client.failure is not None or self._link_lost == node.generation:
+        if self._round_ended(node):
             return
         try:
             if self._client.nodes_waiting():
@@ -543,7 +543,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             log.info("rendezvousd: job %r: ending round %d: %s", self._run_id, node.generation, exc)
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join, or at least 1 once the daemon ended our round: torch
+        """Nodes waiting to join, or at least 1 once our round ended (``_round_ended``): torch
         restarts its workers into the next round when this is above 0."""
         waiting = self._client.nodes_waiting()
         failure = self._client.failure
@@ -553,10 +553,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # exits now, rather than restarting them into a join that waits out
             # connect_timeout on every attempt before failing all the same.
             raise _torch_error(failure, self._what())
-        node = self._node
-        if node is not None and (failure is not None or self._link_lost == node.generation):
+        if self._node is not None and self._round_ended(self._node):
             return max(1, waiting)
         return waiting
+
+    def _round_ended(self, node: NodeMembership) -> bool:
+        """Whether ``node``'s round is over and every agent told: the daemon ended it
+        (its push), or this agent did by reporting its lost link."""
+        return self._client.failure is not None or self._link_lost == node.generation
 
     def is_closed(self) -> bool:
         failure = self._client.failure
@@ -576,10 +580,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._close_links()
         node, store = self._node, self._store
         try:
-            # A round the daemon ended, or this agent did (its lost link), has nothing
-            # left to tell.
-            told = self._client.failure is not None
-            if node is not None and not told and self._link_lost != node.generation:
+            if node is not None and not self._round_ended(node):
                 if store is not None and store.workers_succeeded:
                     self._client.leave()
                 else:
