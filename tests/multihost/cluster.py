@@ -200,7 +200,9 @@ class Cluster:
         return facts
 
     def job_members(self, job: str) -> list[dict[str, Any]]:
-        """The daemon's member table of ``job`` (asked from h0, where it is reachable)."""
+        """The daemon's member table of ``job`` (asked from h0, where it is reachable),
+        with each rank's last reported step (0 before its first); empty before the job
+        exists."""
         probe = (
             "import json, sys\n"
             "from rendezvousd.client import NotFound, RendezvousClient\n"
@@ -210,7 +212,8 @@ class Cluster:
             "    except NotFound:\n"
             "        members = []\n"
             "    print(json.dumps([{'rank': m.member.rank, 'host': m.member.host,\n"
-            "                       'address': m.member.address} for m in members]))\n"
+            "                       'address': m.member.address, 'step': m.step}\n"
+            "                      for m in members]))\n"
         )
         out = subprocess.run(
             self.head.command(

@@ -160,23 +160,8 @@ def test_a_cut_between_two_nccl_nodes_is_reported_by_their_agents_links(
 
 
 def _steps(cluster: Cluster, job: str) -> int:
-    """The fewest steps any rank of ``job`` reported (asked from h0; 0 before any)."""
-    probe = (
-        "import sys\n"
-        "from rendezvousd.client import NotFound, RendezvousClient\n"
-        "with RendezvousClient(sys.argv[1], sys.argv[2], token_file=sys.argv[3]) as c:\n"
-        "    try:\n"
-        "        members = c.get_job().members\n"
-        "    except NotFound:  # not formed yet\n"
-        "        members = []\n"
-        "    steps = [m.step if m.HasField('step') else 0 for m in members]\n"
-        "    print(min(steps, default=0))\n"
-    )
-    argv = [sys.executable, "-c", probe, cluster.daemon.endpoint, job]
-    argv.append(str(cluster.daemon.token_file))
-    done = subprocess.run(cluster.head.command(argv), capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, f"the probe ended with {done.returncode}:\n{done.stderr}"
-    return int(done.stdout)
+    """The fewest steps any rank of ``job`` reported (0 before any)."""
+    return min((m["step"] for m in cluster.job_members(job)), default=0)
 
 
 def test_cut_off_node_is_lost_to_silence_not_to_a_closed_stream(
