@@ -122,6 +122,8 @@ class NodeLinks:
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._closed = False
+        # Set by close(): a dial refused by a neighbour that is itself closing waits on it.
+        self._closing = threading.Event()
         self._reported = False
         self._handshakes = 0
         # Each linked neighbour's host name, for the report (from its published entry).
@@ -141,6 +143,7 @@ class NodeLinks:
                 return
             self._closed = True
             sockets, self._sockets = self._sockets, []
+        self._closing.set()
         for sock in sockets:
             # shutdown wakes a thread blocked on the socket; close alone would not.
             with contextlib.suppress(OSError):
@@ -193,14 +196,14 @@ class NodeLinks:
             if isinstance(exc, TimeoutError) or exc.errno in _SILENT:
                 self._silent(right, exc, connected=False)
             else:
-                self._unwatched(right, f"cannot connect to {host}:{port}: {exc}")
+                self._unwatched(right, f"cannot connect to {host}:{port}: {exc}", settle=True)
             return
         if not self._keep(sock):
             return
         try:
             peer_auth.dial(sock, self._auth, right, f"node {self._node}: node {right}'s agent")
         except Exception as exc:  # PeerConnectionError, CommunicatorTimeout, OSError
-            self._unwatched(right, str(exc))
+            self._unwatched(right, str(exc), settle=True)
             return
         self._watch(sock, right)
 
@@ -253,7 +256,13 @@ class NodeLinks:
             self._names[left] = str(json.loads(entry)["name"])
         self._watch(sock, left)
 
-    def _unwatched(self, peer: int, why: str) -> None:
+    def _unwatched(self, peer: int, why: str, *, settle: bool = False) -> None:
+        """``settle``: a refusal a neighbour whose generation just ended gives as well as
+        a stranger does (it closes its listener and its handshakes): this node hears of
+        that end from the daemon within moments and closes the links, so wait that long
+        before saying the pair is unwatched."""
+        if settle:
+            self._closing.wait(LINK_SETTLE_S)
         if not self._closed:
             self._note(
                 f"warning: the link to node {peer}'s agent is not watched in generation "
