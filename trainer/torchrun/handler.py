@@ -365,7 +365,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
 
     def next_rendezvous(self) -> torch_rdzv.RendezvousInfo:
         if self.is_closed():
-            raise torch_rdzv.RendezvousClosedError(f"{self._what()}: the rendezvous is closed")
+            failure = self._client.failure
+            why = f" ({failure})" if isinstance(failure, JobAborted) else ""
+            raise torch_rdzv.RendezvousClosedError(f"{self._what()}: the rendezvous is closed{why}")
         self._close_links()
         if self._unreachable is not None:
             raise torch_rdzv.RendezvousError(f"{self._what()}: {self._unreachable}")
@@ -562,6 +564,18 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         (its push), or this agent did by reporting its lost link."""
         return self._client.failure is not None or self._link_lost == node.generation
 
+    def _others_go_on(self, node: NodeMembership) -> bool:
+        """Whether the other nodes of ``node``'s round, with those waiting to join
+        (standbys among them), still make ``--nnodes``' MIN without this one."""
+        try:
+            waiting = self._client.get_job().nodes_waiting
+        except RendezvousError as exc:
+            # Reporting is what this agent did before it could tell: the others then
+            # wait for a replacement, at worst for join_timeout.
+            log.warning("rendezvousd: job %r: shutdown: %s", self._run_id, exc)
+            return True
+        return node.num_nodes - 1 + waiting >= self._min
+
     def is_closed(self) -> bool:
         failure = self._client.failure
         return self._closed.is_set() or (isinstance(failure, JobAborted) and CLOSED in str(failure))
@@ -574,20 +588,29 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 self._client.abort(CLOSED, generation=node.generation)
 
     def shutdown(self) -> bool:
-        """Leave cleanly after the workers succeeded; otherwise (restarts spent) tell
-        the other agents this node gave up, so they stop at once too."""
+        """Leave cleanly after the workers succeeded. Otherwise (restarts spent) this
+        node gives up: if the others can go on without it (``_others_go_on``), report
+        its failure, so they re-form at once; if not, close the rendezvous, as c10d's
+        shutdown() does, so they end now instead of waiting ``join_timeout`` for a
+        replacement."""
         self._closed.set()
         self._close_links()
         node, store = self._node, self._store
         try:
             if node is not None and not self._round_ended(node):
+                gave_up = (
+                    f"torchrun's agent on {self._host} gave up: its workers failed and no "
+                    "restarts are left"
+                )
                 if store is not None and store.workers_succeeded:
                     self._client.leave()
+                elif self._others_go_on(node):
+                    self._client.report_failure(0, gave_up)
                 else:
-                    self._client.report_failure(
-                        0,
-                        f"torchrun's agent on {self._host} gave up: its workers failed "
-                        "and no restarts are left",
+                    self._client.abort(
+                        f"{CLOSED}: {gave_up}, and the job cannot go on without it "
+                        f"(--nnodes {self._min}:{self._max}, no other node waiting to join)",
+                        generation=node.generation,
                     )
             return True
         except RendezvousError as exc:
