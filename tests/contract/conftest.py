@@ -302,6 +302,8 @@ BACKENDS = [
         ),
     ),
     "fake-nccl",
+    # NCCL before 2.10.3 has no AVG: the communicator sums, then divides on the GPU.
+    "fake-nccl-2.8",
 ]
 
 
@@ -313,8 +315,6 @@ class Comms:
     ranks: list[Communicator]
     to_device: Callable[[np.ndarray], Any]
     to_host: Callable[[Any], np.ndarray]
-    # Why this backend cannot show a cross-rank result here (None: it can).
-    no_cross_rank: str | None = None
     # Makes rank r's peers fail as this backend fails them: returns the ranks that
     # must now see an error on their next collective.
     fail_peer: Callable[[int], list[int]] = lambda r: []
@@ -342,22 +342,23 @@ def _ring(n: int, backend: str) -> list[CpuRingCommunicator]:
 def comms(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Comms]:
     backend: str = request.param
     made: Comms
-    if backend == "fake-nccl":
-        # The fake's collectives leave data as it is, which is right for one rank
-        # only: so a world of one, checked against the same expected values.
-        cp = install(monkeypatch, devices=1)
-        ranks: list[Communicator] = [NcclCommunicator(0, 1, SECRET, 0, timeout=10.0)]
+    if backend.startswith("fake-nccl"):
+        # Ranks as threads of this process, whose fake NCCL computes NCCL's results.
+        version = 20804 if backend == "fake-nccl-2.8" else 21805
+        cp = install(monkeypatch, devices=1, meet=True, version=version)
+        ranks: list[Communicator] = [
+            NcclCommunicator(r, WORLD, SECRET, 0, timeout=10.0) for r in range(WORLD)
+        ]
 
         def fail_nccl(r: int) -> list[int]:
             cp.world.async_error = 6  # ncclRemoteError: a peer went away
-            return [0]
+            return [x for x in range(WORLD) if x != r]
 
         made = Comms(
             backend,
             ranks,
             to_device=lambda a: device_array(cp, a, a.dtype),
             to_host=lambda a: np.asarray(cp.asnumpy(a)),
-            no_cross_rank="the fake NCCL leaves data as it is, so it serves a world of one rank",
             fail_peer=fail_nccl,
         )
     else:

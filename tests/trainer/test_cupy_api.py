@@ -102,6 +102,8 @@ SEAM: list[tuple[str, Call | str]] = [
     ("ndarray().size", READ),
     ("ndarray().dtype", READ),
     ("ndarray().__ifloordiv__", Call(1)),
+    ("ndarray().__isub__", Call(1)),
+    ("fmod", Call(2)),
     ("ndarray().__itruediv__", Call(1)),
     ("zeros", Call(1, ("dtype",))),
     ("empty", Call(1, ("dtype",))),

@@ -18,7 +18,7 @@ import pytest
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.comm import nccl
 from rendezvousd.trainer.comm.communicator import ReduceOp
-from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorTimeout
+from rendezvousd.trainer.errors import CommunicatorAborted, CommunicatorError, CommunicatorTimeout
 from tests.support import parallel
 from tests.trainer.gpu_gate import DEVICES, GPU_MARKS, REASON
 
@@ -132,6 +132,28 @@ def test_two_ranks_all_reduce_and_broadcast(cp: Any) -> None:
 
     for summed, averaged, sent in run_ranks(body):
         assert np.all(summed == 3) and np.all(averaged == 1) and np.all(sent == 7)
+
+
+@two_gpus
+def test_two_ranks_disagreeing_on_a_root_are_told_and_integer_avg_is_towards_zero(
+    cp: Any,
+) -> None:
+    """What the contract suite asserts through the fake NCCL, on the real one."""
+
+    def body(rank: int, communicator: nccl.NcclCommunicator) -> Any:
+        try:
+            communicator.broadcast(cp.ones(4, dtype=cp.float32), root=rank)
+        except CommunicatorError as exc:
+            told = str(exc)
+        else:
+            told = ""
+        averaged = cp.full(3, -3 if rank == 0 else -4, dtype=cp.int32)  # sum -7
+        communicator.all_reduce(averaged, ReduceOp.AVG)
+        return told, host(averaged)
+
+    for told, averaged in run_ranks(body):
+        assert "disagree on its root 0 to 1" in told, told
+        assert np.all(averaged == -3), averaged
 
 
 SIZES = (5000, 7, 90_000)

@@ -16,8 +16,9 @@ Semantics:
 * float16 accumulates in float16 (every hop rounds, as NCCL does); pre-scale gradients
   if the sum could overflow. numpy's float16 arithmetic is slow on most CPUs (about
   0.25 GB/s of reduction on the development machine), so prefer float32 on this backend.
-* AVG on integer dtypes is the sum (wrapping like numpy integer arithmetic) floor-divided
-  by ``world_size`` (numpy's ``//``). AVG on floats divides the sum by ``world_size``.
+* AVG on integer dtypes is the sum (wrapping like numpy integer arithmetic) divided by
+  ``world_size`` towards zero, as NCCL's is (-7 over 2 ranks: -3, where numpy's ``//``
+  gives -4). AVG on floats scales each input by 1/``world_size`` first, as NCCL does.
 * The order in which a float segment is summed depends on its place in the ring, so
   results can differ from ``numpy.sum`` in the last bits; they are identical on all ranks.
 * Arrays must be writeable, native-endian numpy arrays that are C- or F-contiguous. They
@@ -582,7 +583,7 @@ def _chunks(start: int, stop: int, step: int) -> list[tuple[int, int]]:
 
 
 def _divides_after(flat: Array) -> bool:
-    """Whether AVG divides the sum (integers: floor division) rather than each input.
+    """Whether AVG divides the sum (integers: towards zero) rather than each input.
     Floats are scaled first, as NCCL's AVG does (a premultiplied sum): a float16 sum
     of in-range values would otherwise overflow to inf before the division."""
     return flat.dtype.kind != "f"
@@ -600,4 +601,13 @@ def _reciprocal(flat: Array, n: int) -> Any:
 
 
 def _divide(segment: Array, n: int) -> None:
+    """An integer sum divided by ``n`` towards zero, in place: NCCL's AVG
+    (``FuncSumPostDiv`` divides the magnitude and negates it back), so that the CPU
+    and NCCL backends agree on negative sums where numpy's floor division would not."""
+    if segment.dtype.kind != "i":
+        np.floor_divide(segment, n, out=segment)
+        return
+    # floor(x / n) is one below the truncated quotient where x < 0 and n does not divide it.
+    below = (segment < 0) & (np.remainder(segment, n) != 0)
     np.floor_divide(segment, n, out=segment)
+    np.add(segment, below, out=segment, casting="unsafe")

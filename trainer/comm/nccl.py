@@ -428,6 +428,9 @@ class NcclCommunicator(RankedCommunicator):
         if divide and count:
             # On the caller's stream, which _run ordered after the sum.
             if array.dtype.kind in "iu":
+                # Towards zero, as NCCL's own AVG divides integers (and the CPU ring):
+                # less the C remainder, the sum divides exactly.
+                array -= self._cp.fmod(array, self.world_size)
                 array //= self.world_size
             else:
                 array /= self.world_size
@@ -435,11 +438,45 @@ class NcclCommunicator(RankedCommunicator):
     def broadcast(self, array: Any, root: int = 0) -> None:
         ptr, count, dtype = self._buffer_args(array, "broadcast")
         self._check_root(root)
+        self._agree("broadcast", root, count, dtype)
 
         def enqueue(comm: Any, stream: Any) -> None:
             comm.broadcast(ptr, ptr, count, dtype, root, stream.ptr)
 
         self._run("broadcast", count, enqueue)
+
+    def _agree(self, operation: str, root: int, count: int, dtype: int) -> None:
+        """Every rank's root, size and type, compared before a broadcast is sent: one
+        MAX all-reduce of each value and its negation gives every rank the highest and
+        the lowest. Ranks that disagree (each taking another for the root) would
+        otherwise wait for data no one sends until the collective timeout; the CPU
+        ring tells them at once, and so does this (a broadcast is rare: its extra
+        48-byte all-reduce costs a step nothing)."""
+        mine = np.array([root, count, dtype], dtype=np.int64)
+        with self._cp.cuda.Device(self.device):
+            both = self._cp.asarray(np.concatenate([mine, -mine]))
+        code = _DTYPE_CODES["int64"]
+
+        def enqueue(comm: Any, stream: Any) -> None:
+            ptr = both.data.ptr
+            comm.allReduce(ptr, ptr, 6, code, _OP_CODES[ReduceOp.MAX], stream.ptr)
+
+        self._run(operation, 6, enqueue)
+        with self._cp.cuda.Device(self.device):
+            seen = np.asarray(self._cp.asnumpy(both), dtype=np.int64)
+        high, low = seen[:3], -seen[3:]
+        if (high == low).all():
+            return
+        names = ("root", "element count", "NCCL type")
+        differ = ", ".join(
+            f"{names[i]} {low[i]} to {high[i]}" for i in range(3) if high[i] != low[i]
+        )
+        raise errs.CommunicatorError(
+            f"rank {self.rank}/{self.world_size}: NCCL {operation}: the ranks disagree on "
+            f"its {differ} (this rank: root {root}, {count} elements of NCCL type {dtype}); "
+            "nothing was sent. Every rank must broadcast the same array shape and dtype "
+            "from the same root"
+        )
 
     def barrier(self) -> None:
         ptr, count, dtype = self._buffer_args(self._token, "barrier")

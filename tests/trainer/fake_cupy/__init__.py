@@ -69,10 +69,14 @@ NOT_CUPY = frozenset(
                 "ids",
                 "comms",
                 "names",
+                "meet",
+                "groups",
             ]
         ),
         "cuda.nccl.NcclCommunicator().handle",
         "cuda.nccl.NcclCommunicator().async_status",
+        "cuda.nccl.NcclCommunicator().rank",
+        "cuda.nccl.NcclCommunicator().group",
         "cuda.nccl.NcclError().old_table",
         "cuda.nccl.NcclError(detail=)",
         "cuda.Stream().world",
@@ -95,8 +99,11 @@ def make_cupy(
     *,
     devices: int = 2,
     solo: bool = False,
+    meet: bool = False,
 ) -> Any:
-    """A fake ``cupy`` module; ``.world`` is its machine, ``.cuda.nccl`` its NCCL log."""
+    """A fake ``cupy`` module; ``.world`` is its machine, ``.cuda.nccl`` its NCCL log;
+    ``meet``: its NCCL's ranks are threads of this process whose collectives compute
+    NCCL's results (``nccl._Group``)."""
     world = World()
     FakeNcclError.old_table = old_table
     return SimpleNamespace(
@@ -105,7 +112,7 @@ def make_cupy(
         counts=world.counts,
         **functions(world),
         cuda=SimpleNamespace(
-            nccl=FakeNccl(world, version, solo=solo),
+            nccl=FakeNccl(world, version, solo=solo, meet=meet),
             Stream=lambda non_blocking=False: world.stream(non_blocking),
             Event=lambda disable_timing=False: FakeEvent(world, disable_timing),
             Device=device_class(world),

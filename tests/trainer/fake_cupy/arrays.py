@@ -255,6 +255,7 @@ def functions(world: World) -> dict[str, Any]:
         "max": lift(np.max),
         "abs": lift(np.abs),
         "divide": lift(np.divide, traced="divide"),
+        "fmod": lift(np.fmod),
         "zeros": lift(np.zeros),
         "ones": lift(np.ones),
         "empty": lift(np.empty),

@@ -13,13 +13,22 @@
 * init can block on ``init_gate`` or fail with the errors queued in ``init_errors``;
   ``solo`` refuses any world but one rank (where leaving data as it is is right);
   every ``get_unique_id`` returns a fresh id.
+* ``meet``: the ranks of one id are threads of this process, and a collective
+  completes once every rank enqueued it, with NCCL's results written through the
+  buffers' addresses (``_Group``): sums in rank order, MAX/MIN, AVG as NCCL computes
+  it (floats: each input times 1/n; integers: the sum divided towards zero), a
+  broadcast from ``root``. Ranks that disagree on a collective (its kind, count,
+  type, op or root) never complete, as NCCL's may hang.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 from typing import Any
+
+import numpy as np
 
 from .streams import World
 
@@ -51,13 +60,98 @@ class FakeCudaError(RuntimeError):
     pass
 
 
+# nccl.h's ncclDataType_t and ncclRedOp_t, written out here (not read from the code
+# under test) so that a wrong code of ours gives a wrong result.
+_NCCL_TYPES = {
+    0: np.int8,
+    1: np.uint8,
+    2: np.int32,
+    3: np.uint32,
+    4: np.int64,
+    5: np.uint64,
+    6: np.float16,
+    7: np.float32,
+    8: np.float64,
+}
+_SUM, _PROD, _MAX, _MIN, _AVG = range(5)
+
+
+def _buffer(ptr: int, count: int, code: int) -> np.ndarray:
+    """The ``count`` elements of NCCL type ``code`` at ``ptr`` (a fake device array's
+    memory is its host array's), writable in place."""
+    dtype = np.dtype(_NCCL_TYPES[code])
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _reduce(inputs: list[np.ndarray], op: int) -> np.ndarray:
+    n, dtype = len(inputs), inputs[0].dtype
+    if op == _MAX:
+        return np.maximum.reduce(inputs)
+    if op == _MIN:
+        return np.minimum.reduce(inputs)
+    if op == _AVG and dtype.kind == "f":
+        # ncclDevPreMulSum: each input times 1/n (float32(1/n) for 16- and 32-bit types).
+        scale = dtype.type(np.float32(1.0 / n) if dtype.itemsize <= 4 else 1.0 / n)
+        inputs = [x * scale for x in inputs]
+    with np.errstate(over="ignore"):
+        total = inputs[0].copy()
+        for x in inputs[1:]:
+            total += x  # rank order; integers wrap, as on the GPU
+    if op == _AVG and dtype.kind != "f":
+        # FuncSumPostDiv: the quotient of |sum| and n, negated back: towards zero.
+        negative = total < 0 if dtype.kind == "i" else np.zeros(total.shape, bool)
+        magnitude = np.where(negative, -total, total)
+        return np.where(negative, -(magnitude // n), magnitude // n).astype(dtype)
+    if op not in (_SUM, _AVG):
+        raise NotImplementedError(f"fake NCCL op {op}")
+    return total
+
+
+class _Group:
+    """The ranks of one NCCL id in this process: each collective completes when every
+    rank has enqueued it (``meet``)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self.sequence = [0] * size
+        self.calls: dict[int, dict[int, tuple[Any, ...]]] = {}
+
+    def arrive(self, rank: int, name: str, args: tuple[Any, ...], flag: list[bool]) -> None:
+        with self.lock:
+            seq = self.sequence[rank]
+            self.sequence[rank] += 1
+            calls = self.calls.setdefault(seq, {})
+            calls[rank] = (name, args, flag)
+            if len(calls) < self.size:
+                return
+            del self.calls[seq]
+        ordered = [calls[r] for r in range(self.size)]
+        # (name, count, type, op or root): the stream and the addresses may differ.
+        if len({(c[0], *c[1][2:5]) for c in ordered}) != 1:
+            return  # ranks that disagree: never completes
+        name, (_, _, count, code, arg, _) = ordered[0][0], ordered[0][1]
+        if count:
+            if name == "allReduce":
+                result = _reduce([_buffer(c[1][0], count, code).copy() for c in ordered], arg)
+            else:  # broadcast
+                result = _buffer(ordered[arg][1][0], count, code).copy()
+            for c in ordered:
+                _buffer(c[1][1], count, code)[:] = result
+        for c in ordered:
+            c[2][0] = True
+
+
 class FakeNccl:
     NcclError = FakeNcclError
     available = True
 
-    def __init__(self, world: World, version: int, solo: bool = False) -> None:
+    def __init__(self, world: World, version: int, solo: bool = False, meet: bool = False) -> None:
         self.world = world
         self.solo = solo
+        self.meet = meet
+        self.groups: dict[bytes, _Group] = {}
         self.log: list[tuple[Any, ...]] = []
         self.version = version
         self.fail: BaseException | None = None
@@ -90,6 +184,11 @@ class FakeNccl:
                     raise fake.fail
                 self.handle = 1
                 self.async_status: int | None = None
+                self.rank = rank
+                self.group: _Group | None = None
+                if fake.meet and ndev > 1:
+                    key = bytes(b & 0xFF for b in comm_id)
+                    self.group = fake.groups.setdefault(key, _Group(ndev))
                 fake.comms.append(self)
 
             def _enter(self, name: str, *args: Any) -> None:
@@ -111,12 +210,15 @@ class FakeNccl:
                         raise fake.fail
                     stream = next(s for s in fake.world.streams if s.ptr == args[-1])
                     fake.world.add(name, stream.name)
-                    flag = [not fake.world.hang and fake.world.async_error is None]
+                    healthy = not fake.world.hang and fake.world.async_error is None
+                    flag = [healthy and self.group is None]
                     if fake.world.async_error is not None:
                         self.async_status = fake.world.async_error
-                    if not flag[0]:
+                    if not healthy:
                         fake.world.pending.append(flag)
                     stream.queue([flag])
+                    if healthy and self.group is not None:
+                        self.group.arrive(self.rank, name, args, flag)
                 finally:
                     self._leave()
 
