@@ -147,6 +147,23 @@ def test_ranks_that_disagree_on_a_broadcasts_root_are_all_told_at_once(
         assert re.search(r"broadcast.*root", str(e)), errors
 
 
+def test_ranks_that_disagree_on_an_all_reduces_size_are_told(comms: Comms) -> None:
+    """The ring compares every frame's header, so it tells at once. NCCL cannot tell (a
+    collective of another size is just a collective that never ends): its ranks wait
+    for collective_timeout_s (10 s here), and the timeout says this may be why."""
+    arrays = [comms.to_device(np.ones(n, np.float32)) for n in (4, 4, 5)]
+    errors = parallel(
+        [functools.partial(c.all_reduce, a) for c, a in zip(comms.ranks, arrays, strict=True)],
+        limit=30,
+    )
+    assert all(isinstance(e, CommunicatorError) for e in errors), errors
+    if comms.backend.startswith("fake-nccl"):
+        assert all(isinstance(e, CommunicatorTimeout) for e in errors), errors
+        assert all("the ranks disagree on this collective" in str(e) for e in errors), errors
+    else:
+        assert not any(isinstance(e, CommunicatorTimeout) for e in errors), errors
+
+
 def test_barrier_returns_after_the_last_rank_arrived(comms: Comms) -> None:
     world = len(comms.ranks)
     last = world - 1

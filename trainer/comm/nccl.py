@@ -393,7 +393,10 @@ class NcclCommunicator(RankedCommunicator):
                     raise errs.CommunicatorTimeout(
                         f"rank {self.rank}/{self.world_size}: NCCL {operation} did not "
                         f"finish within collective_timeout_s={self._timeout:g} s (peers: "
-                        f"{peers}); communicator aborted. A peer is likely dead or stuck"
+                        f"{peers}); communicator aborted. A peer is stuck or its host "
+                        "unreachable, or the ranks disagree on this collective (its size, "
+                        "type or op: NCCL cannot tell them apart, unlike the CPU ring). "
+                        "Under init_distributed a dead peer is reported by the daemon first"
                     )
                 time.sleep(_POLL_S)
         self._check_usable(operation)
