@@ -6,7 +6,10 @@
 #   1. the GPU tests (tests/trainer/test_gpu.py, test_gpu_example.py) and the check of
 #      our CuPy seam and its fake against the installed CuPy (test_cupy_api.py);
 #   2. 1 node x 2 ranks on one GPU through `rendezvous-run --backend nccl`, with the
-#      gradient equality check against a single-process baseline;
+#      gradient equality check against a single-process baseline, and the contract
+#      suite's cross-rank semantics on the real NCCL (tests/workers/collective_semantics.py:
+#      a broadcast whose ranks disagree on the root fails at once; integer AVG divides
+#      towards zero);
 #   3. benchmarks/recovery.py --backend nccl: kills (a worker, a node replaced, a node
 #      lost) in 3 simulated nodes x 2 NCCL ranks on the one GPU, through a daemon, and
 #      torchrun's NCCL workers restarted after a kill (our handler and c10d's);
@@ -160,6 +163,11 @@ if [ -f "$work/results/rank-0.json" ]; then
     failed=1
   fi
 fi
+
+# What tests/contract asserts through a fake NCCL, on the real one (2 ranks, 1 GPU).
+run_step semantics_world2 60 env RENDEZVOUSD_NCCL_SHARED_DEVICE=1 \
+  "$py" -m rendezvousd.trainer.agent.launcher --standalone --nproc-per-node 2 --backend nccl \
+  "$root/tests/workers/collective_semantics.py"
 
 # 3. Faults on NCCL: 3 simulated nodes x 2 ranks on the one GPU through a daemon; a
 #    worker SIGKILLed mid-run, a node's agent SIGKILLed and replaced, a node lost for good

@@ -132,6 +132,25 @@ def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) 
     assert time.monotonic() - started < 30  # the sleeping workers were stopped, not waited for
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "tcp-ring"])
+def test_the_collective_semantics_worker_holds_on_the_cpu_backend(shared_memory: bool) -> None:
+    """scripts/gpu_check.sh runs tests/workers/collective_semantics.py on NCCL; here on
+    the CPU backend, whose semantics it checks as the same: checked, so that a GPU
+    session runs a worker that is known to pass where the semantics hold."""
+    env = {**os.environ, "RENDEZVOUSD_CPU_SHARED_MEMORY": str(shared_memory).lower()}
+    run = subprocess.run(
+        [*_standalone(2, "--backend", "cpu"), str(WORKERS / "collective_semantics.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert sorted(s["rank"] for s in seen) == [0, 1] and all(s["ok"] for s in seen), seen
+    assert all(s["avg"] == [-3, -3, -3] for s in seen), seen
+
+
 def _running(pid: int) -> bool:
     """Not exited (a zombie orphan waiting for whoever inherited it has exited)."""
     try:

@@ -1,0 +1,60 @@
+"""What the communicator contract suite (tests/contract) asserts through threads and a
+fake NCCL, here with ranks as processes under ``rendezvous-run`` on any backend:
+scripts/gpu_check.sh runs it on the real NCCL (2 ranks on one GPU), and
+tests/trainer/test_launcher.py on the CPU ring.
+
+* A broadcast whose ranks disagree on the root fails on every rank at once (not at
+  the collective timeout) with an error naming the root, and the communicator stays
+  usable on NCCL (nothing was sent); the CPU ring's link is broken by it, so the
+  integer check runs first.
+* An integer AVG divides towards zero: -7 over 2 ranks is -3, not numpy's -4.
+
+Prints one JSON line with what it saw; exits 1 when either does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from rendezvousd.trainer import ReduceOp
+from rendezvousd.trainer.comm.devices import array_module
+from rendezvousd.trainer.distributed import init_distributed
+from rendezvousd.trainer.errors import CommunicatorError, CommunicatorTimeout
+
+with init_distributed() as ctx:
+    comm, rank, world = ctx.communicator, ctx.topology.rank, ctx.topology.world_size
+    xp = array_module(ctx.config.backend)
+    values = [-(3 + r) for r in range(world)]  # -3, -4: a sum of -7 at world 2
+    total = sum(values)
+    want = -(-total // world) if total < 0 else total // world  # towards zero
+    averaged = xp.full(3, values[rank], dtype=xp.int32)
+    comm.all_reduce(averaged, ReduceOp.AVG)
+    got = [int(v) for v in (averaged.get() if hasattr(averaged, "get") else averaged)]
+
+    started = time.monotonic()
+    try:
+        comm.broadcast(xp.ones(4, dtype=xp.float32), root=rank % world)
+        told, timed_out = "", False
+    except CommunicatorError as exc:
+        told, timed_out = str(exc), isinstance(exc, CommunicatorTimeout)
+    took = time.monotonic() - started
+
+    ok = got == [want] * 3 and "root" in told and not timed_out and took < 10
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "backend": ctx.config.backend,
+                "avg": got,
+                "avg_wanted": want,
+                "broadcast_error": told[:300],
+                "broadcast_s": round(took, 3),
+                "ok": ok,
+            }
+        ),
+        flush=True,
+    )
+    if not ok:
+        sys.exit(1)
