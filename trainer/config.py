@@ -233,6 +233,13 @@ class DistributedConfig:
     collective_timeout_s: float = setting(
         300.0, "a hung peer fails the step instead of hanging the job", _POSITIVE
     )
+    check_collectives: bool = setting(
+        False,
+        "nccl backend: compare every all-reduce's size, type and op across ranks first "
+        "(a small all-reduce more each), so that a mismatch fails at once instead of at "
+        "collective_timeout_s; for debugging (the cpu backend always does)",
+        Bool(),
+    )
     heartbeat_interval_s: float = setting(5.0, "daemon liveness ping interval", _POSITIVE)
     cpu_shared_memory: bool = setting(
         True, "cpu backend: all-reduce through shared memory when all ranks share a host", Bool()

@@ -457,6 +457,7 @@ def _communicator(
             timeout=config.collective_timeout_s,
             setup_timeout=config.setup_timeout_s,
             on_setup_timeout=on_setup_timeout,
+            check_collectives=config.check_collectives,
         )
     from rendezvousd.trainer.comm.cpu_ring import connect_cpu_ring
 

@@ -23,6 +23,7 @@ from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer.bucketing import BucketedAllReducer
 from rendezvousd.trainer.comm import nccl
 from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
+from tests.support import parallel
 
 from .fake_cupy import (
     FakeCudaError,
@@ -30,6 +31,7 @@ from .fake_cupy import (
     FakeNcclError,
     current_stream,
     device_array,
+    install,
     make_cupy,
 )
 
@@ -591,3 +593,39 @@ def test_a_bucket_with_a_strided_gradient_is_copied_one_gradient_at_a_time(cupy:
     assert sum(e[0] == "copy" for e in trace) == 2 * sum(g.size > 0 for g in grads)
     for got, want in zip(grads, expected, strict=True):
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+# --- check_collectives: every all-reduce compared across ranks first ---------------
+
+
+def test_check_collectives_tells_ranks_disagreeing_on_an_all_reduce_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without it NCCL waits for collective_timeout_s (tests/contract asserts that);
+    with it every rank hears what differs at once, and agreeing calls reduce as ever."""
+    cp = install(monkeypatch, devices=1, meet=True)
+    ranks = [
+        nccl.NcclCommunicator(r, 3, UID, 0, timeout=10.0, check_collectives=True) for r in range(3)
+    ]
+    try:
+        arrays = [device_array(cp, np.ones(n), np.float32) for n in (4, 4, 5)]
+        started = time.monotonic()
+        errors = parallel(
+            [lambda c=c, a=a: c.all_reduce(a) for c, a in zip(ranks, arrays, strict=True)]
+        )
+        assert time.monotonic() - started < 5, errors
+        for e in errors:
+            assert type(e) is errs.CommunicatorError, errors
+            assert "all_reduce: the ranks disagree on its element count 4 to 5" in str(e)
+        arrays = [device_array(cp, np.full(3, r + 1), np.int64) for r in range(3)]
+        errors = parallel(
+            [
+                lambda c=c, a=a: c.all_reduce(a, ReduceOp.MAX)
+                for c, a in zip(ranks, arrays, strict=True)
+            ]
+        )
+        assert errors == [None] * 3, errors
+        assert all((cp.asnumpy(a) == 3).all() for a in arrays)
+    finally:
+        for c in ranks:
+            c.close()

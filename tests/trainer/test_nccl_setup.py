@@ -12,6 +12,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rendezvousd.client import FileRendezvous, RendezvousClient
@@ -21,7 +22,7 @@ from rendezvousd.trainer.distributed import DistributedContext, init_distributed
 from rendezvousd.trainer.errors import PeerConnectionError, RetriesExhausted, TransientInitError
 from tests.support import DaemonProcess, parallel, wait_for
 
-from .fake_cupy import FakeNcclError, install
+from .fake_cupy import FakeNcclError, device_array, install
 
 
 def _env(d: DaemonProcess, job: str, local: int) -> dict[str, str]:
@@ -217,3 +218,34 @@ def test_the_file_transport_fails_loudly_after_the_retry(
     assert f"{backend} communicator setup for rank 0 failed 2 times (retry_attempts=1)" in message
     expected = TransientInitError if backend == "nccl" else PeerConnectionError
     assert isinstance(info.value.__cause__, expected)
+
+
+def test_check_collectives_in_the_config_reaches_the_nccl_communicator(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, daemon: DaemonProcess, job_id: str
+) -> None:
+    """``check_collectives`` (RENDEZVOUSD_CHECK_COLLECTIVES) from the worker's config:
+    two ranks' all-reduces of different sizes are told at once, not at the timeout."""
+    fake = install(monkeypatch, meet=True)
+    config = _config(tmp_path, daemon)
+    envs = [
+        {**_env(daemon, job_id, local), "RENDEZVOUSD_CHECK_COLLECTIVES": "true"}
+        for local in range(2)
+    ]
+    contexts: list[DistributedContext] = parallel(
+        [functools.partial(init_distributed, str(config), env=e) for e in envs], limit=60
+    )
+    assert all(isinstance(c, DistributedContext) for c in contexts), contexts
+
+    def reduce(context: DistributedContext, size: int) -> None:
+        with fake.cuda.Device(context.communicator.device):  # type: ignore[attr-defined]
+            array = device_array(fake, np.ones(size), np.float32)
+        context.communicator.all_reduce(array)
+
+    try:
+        errors = parallel(
+            [functools.partial(reduce, c, 4 + c.topology.rank) for c in contexts], limit=20
+        )
+        assert all("disagree on its element count 4 to 5" in str(e) for e in errors), errors
+    finally:
+        for context in contexts:
+            context.close()

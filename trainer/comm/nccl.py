@@ -251,10 +251,13 @@ class NcclCommunicator(RankedCommunicator):
         timeout: float | None = None,
         setup_timeout: float | None = None,
         on_setup_timeout: Callable[[str], None] | None = None,
+        check_collectives: bool = False,
     ) -> None:
         super().__init__(rank, world_size)
         self.device: Final = device
         self._timeout = timeout
+        # Every all-reduce compared across ranks first (``_agree``), as broadcasts are.
+        self._check_collectives = check_collectives
         self._cp = _require_cupy()
         self._nccl = self._cp.cuda.nccl
         self._errors = self._foreign_error_types()
@@ -423,6 +426,8 @@ class NcclCommunicator(RankedCommunicator):
     def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
         ptr, count, dtype = self._buffer_args(array, "all_reduce")
         code, divide = nccl_op(op, self.nccl_version)
+        if self._check_collectives:
+            self._agree("all_reduce", {"NCCL op": code, "element count": count, "NCCL type": dtype})
 
         def enqueue(comm: Any, stream: Any) -> None:
             comm.allReduce(ptr, ptr, count, dtype, code, stream.ptr)
@@ -441,44 +446,45 @@ class NcclCommunicator(RankedCommunicator):
     def broadcast(self, array: Any, root: int = 0) -> None:
         ptr, count, dtype = self._buffer_args(array, "broadcast")
         self._check_root(root)
-        self._agree("broadcast", root, count, dtype)
+        self._agree("broadcast", {"root": root, "element count": count, "NCCL type": dtype})
 
         def enqueue(comm: Any, stream: Any) -> None:
             comm.broadcast(ptr, ptr, count, dtype, root, stream.ptr)
 
         self._run("broadcast", count, enqueue)
 
-    def _agree(self, operation: str, root: int, count: int, dtype: int) -> None:
-        """Every rank's root, size and type, compared before a broadcast is sent: one
-        MAX all-reduce of each value and its negation gives every rank the highest and
-        the lowest. Ranks that disagree (each taking another for the root) would
-        otherwise wait for data no one sends until the collective timeout; the CPU
-        ring tells them at once, and so does this (a broadcast is rare: its extra
-        48-byte all-reduce costs a step nothing)."""
-        mine = np.array([root, count, dtype], dtype=np.int64)
+    def _agree(self, operation: str, fields: dict[str, int]) -> None:
+        """Every rank's ``fields`` of a collective (its root or op, size and type),
+        compared before it is sent: one MAX all-reduce of each value and its negation
+        gives every rank the highest and the lowest. Ranks that disagree (each taking
+        another for a broadcast's root) would otherwise wait for data no one sends
+        until the collective timeout; the CPU ring tells them at once, and so does
+        this. Broadcasts always (they are rare: a 48-byte all-reduce more costs a step
+        nothing); all-reduces with ``check_collectives``, for debugging."""
+        mine = np.array(list(fields.values()), dtype=np.int64)
+        n = 2 * len(mine)
         with self._cp.cuda.Device(self.device):
             both = self._cp.asarray(np.concatenate([mine, -mine]))
         code = _DTYPE_CODES["int64"]
 
         def enqueue(comm: Any, stream: Any) -> None:
             ptr = both.data.ptr
-            comm.allReduce(ptr, ptr, 6, code, _OP_CODES[ReduceOp.MAX], stream.ptr)
+            comm.allReduce(ptr, ptr, n, code, _OP_CODES[ReduceOp.MAX], stream.ptr)
 
-        self._run(operation, 6, enqueue)
+        self._run(operation, n, enqueue)
         with self._cp.cuda.Device(self.device):
             seen = np.asarray(self._cp.asnumpy(both), dtype=np.int64)
-        high, low = seen[:3], -seen[3:]
+        high, low = seen[: len(mine)], -seen[len(mine) :]
         if (high == low).all():
             return
-        names = ("root", "element count", "NCCL type")
         differ = ", ".join(
-            f"{names[i]} {low[i]} to {high[i]}" for i in range(3) if high[i] != low[i]
+            f"{name} {low[i]} to {high[i]}" for i, name in enumerate(fields) if high[i] != low[i]
         )
+        this = ", ".join(f"{name} {value}" for name, value in fields.items())
         raise errs.CommunicatorError(
             f"rank {self.rank}/{self.world_size}: NCCL {operation}: the ranks disagree on "
-            f"its {differ} (this rank: root {root}, {count} elements of NCCL type {dtype}); "
-            "nothing was sent. Every rank must broadcast the same array shape and dtype "
-            "from the same root"
+            f"its {differ} (this rank: {this}); nothing was sent. Every rank must make the "
+            "same collective on the same array shape and dtype"
         )
 
     def barrier(self) -> None:
