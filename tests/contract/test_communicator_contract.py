@@ -110,6 +110,28 @@ def test_broadcast_from_a_non_zero_root(comms: Comms) -> None:
         assert all((comms.to_host(a) == root).all() for a in arrays), size
 
 
+@pytest.mark.parametrize("layout", ["fortran-order", "zero-dimensional"])
+def test_any_contiguous_layout_is_reduced_and_broadcast_in_place(comms: Comms, layout: str) -> None:
+    """A Fortran-ordered matrix (its memory is contiguous, in column order) and a 0-d
+    array: the CPU ring took both, NCCL refused the first as "not C-contiguous"."""
+    world = len(comms.ranks)
+
+    def host(r: int) -> np.ndarray:
+        if layout == "fortran-order":
+            return np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3) + r)
+        return np.array(r + 1.0, dtype=np.float32)
+
+    arrays = [comms.to_device(host(r)) for r in range(world)]
+    together([functools.partial(c.all_reduce, a) for c, a in zip(comms.ranks, arrays, strict=True)])
+    want = sum(host(r) for r in range(world))
+    assert all(np.array_equal(comms.to_host(a), want) for a in arrays), layout
+    arrays = [comms.to_device(host(r)) for r in range(world)]
+    together(
+        [functools.partial(c.broadcast, a, 1) for c, a in zip(comms.ranks, arrays, strict=True)]
+    )
+    assert all(np.array_equal(comms.to_host(a), host(1)) for a in arrays), layout
+
+
 def test_broadcast_from_root_zero_keeps_its_data(comms: Comms) -> None:
     world = len(comms.ranks)
     arrays = [comms.to_device(np.arange(7, dtype=np.int32) + 10 * r) for r in range(world)]

@@ -97,6 +97,7 @@ SEAM: list[tuple[str, Call | str]] = [
     ("cuda.get_current_stream().wait_event", Call(1)),
     ("ndarray", READ),
     ("ndarray().flags.c_contiguous", READ),
+    ("ndarray().flags.f_contiguous", READ),
     ("ndarray().device.id", READ),
     ("ndarray().data.ptr", READ),
     ("ndarray().size", READ),

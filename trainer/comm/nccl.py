@@ -409,10 +409,13 @@ class NcclCommunicator(RankedCommunicator):
             raise errs.CollectiveArgumentError(
                 f"rank {self.rank}: NCCL {operation} needs a CuPy array, not {type(array).__name__}"
             )
-        if not array.flags.c_contiguous:
+        # Either order is one run of memory, reduced element by element, as the CPU
+        # ring takes it: only a strided view is refused.
+        if not (array.flags.c_contiguous or array.flags.f_contiguous):
             raise errs.CollectiveArgumentError(
-                f"rank {self.rank}: NCCL {operation} needs a C-contiguous array; "
-                "pass cupy.ascontiguousarray(array) and copy the result back"
+                f"rank {self.rank}: NCCL {operation} needs a contiguous array (C or "
+                f"Fortran order), not a strided view of shape {array.shape}; pass "
+                "cupy.ascontiguousarray(array) and copy the result back"
             )
         if array.device.id != self.device:
             raise errs.CollectiveArgumentError(
