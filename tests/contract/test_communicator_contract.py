@@ -28,7 +28,7 @@ from .conftest import BACKENDS, Comms, process_ring, recv_report, together
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
 # 0 and 1 are the edges; 7 and 1001 are not multiples of the ring's world of 3.
 SIZES = [0, 1, 7, 1001]
-OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX]
+OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN]
 
 
 def inputs(world: int, dtype: str, size: int, seed: int) -> list[np.ndarray]:
@@ -48,6 +48,8 @@ def expected(values: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     n, dt = len(values), stack.dtype
     if op is ReduceOp.MAX:
         return np.asarray(stack.max(axis=0))
+    if op is ReduceOp.MIN:
+        return np.asarray(stack.min(axis=0))
     if dt.kind == "f":
         total = stack.astype(np.float64).sum(axis=0)
         return np.asarray(total / n if op is ReduceOp.AVG else total).astype(dt)
@@ -79,7 +81,7 @@ def test_all_reduce_gives_every_rank_the_same_reduction(
         assert all(g.dtype == np.dtype(dtype) and g.shape == (size,) for g in got), label
         assert all(g.tobytes() == got[0].tobytes() for g in got), f"{label}: ranks differ"
         want = expected(values, op)
-        if np.dtype(dtype).kind == "f" and op is not ReduceOp.MAX:
+        if np.dtype(dtype).kind == "f" and op not in (ReduceOp.MAX, ReduceOp.MIN):
             tolerance = 2 * world * float(np.finfo(dtype).eps)
             scale = np.abs(np.stack(values).astype(np.float64)).sum(axis=0)
             error = np.abs(got[0].astype(np.float64) - want.astype(np.float64))
