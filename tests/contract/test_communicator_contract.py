@@ -9,13 +9,16 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 from rendezvousd.trainer import (
     CollectiveArgumentError,
+    CommunicatorAborted,
     CommunicatorError,
     CommunicatorTimeout,
     PeerConnectionError,
@@ -186,6 +189,38 @@ def test_ranks_that_disagree_on_an_all_reduces_size_are_told(comms: Comms) -> No
         assert all("the ranks disagree on this collective" in str(e) for e in errors), errors
     else:
         assert not any(isinstance(e, CommunicatorTimeout) for e in errors), errors
+
+
+def test_an_abort_ends_a_waiting_collective_and_every_later_one(comms: Comms) -> None:
+    """What init_distributed's peer-failure callback does: abort() from another thread
+    while ranks wait in a collective for a peer that will not come; each raises
+    CommunicatorAborted naming the reason, at once, and so does every later call."""
+    waiting = comms.ranks[:-1]  # the last rank never calls
+    arrays = [comms.to_device(np.ones(1001, np.float32)) for _ in waiting]
+    results: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: results.extend(
+            parallel(
+                [functools.partial(c.all_reduce, a) for c, a in zip(waiting, arrays, strict=True)]
+            )
+        ),
+        daemon=True,
+    )
+    runner.start()
+    time.sleep(0.5)  # inside the collective by now
+    started = time.monotonic()
+    for c in waiting:
+        c.abort("rank 2 was lost (the daemon said so)")
+    runner.join(10)
+    assert not runner.is_alive() and time.monotonic() - started < 5, results
+    for e in results:
+        assert isinstance(e, CommunicatorAborted), results
+        assert "rank 2 was lost" in str(e), results
+    for c, a in zip(waiting, arrays, strict=True):
+        with pytest.raises(CommunicatorAborted, match="rank 2 was lost"):
+            c.all_reduce(a)
+        with pytest.raises(CommunicatorAborted, match="rank 2 was lost"):
+            c.barrier()
 
 
 def test_barrier_returns_after_the_last_rank_arrived(comms: Comms) -> None:
