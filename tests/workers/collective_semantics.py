@@ -9,14 +9,15 @@ tests/trainer/test_launcher.py on the CPU ring.
   integer check runs first.
 * An integer AVG divides towards zero: -7 over 2 ranks is -3, not numpy's -4.
 
-Prints one JSON line with what it saw; exits 1 when either does not hold.
+Emits one JSON line (``report.emit``) with what it saw; exits 1 when either does not hold.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
+
+from report import emit  # this folder's: one write per line, never interleaved
 
 from rendezvousd.trainer import ReduceOp
 from rendezvousd.trainer.comm.devices import array_module
@@ -42,19 +43,15 @@ with init_distributed() as ctx:
     took = time.monotonic() - started
 
     ok = got == [want] * 3 and "root" in told and not timed_out and took < 10
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "backend": ctx.config.backend,
-                "avg": got,
-                "avg_wanted": want,
-                "broadcast_error": told[:300],
-                "broadcast_s": round(took, 3),
-                "ok": ok,
-            }
-        ),
-        flush=True,
+    emit(
+        "semantics",
+        rank=rank,
+        backend=ctx.config.backend,
+        avg=got,
+        avg_wanted=want,
+        broadcast_error=told[:300],
+        broadcast_s=round(took, 3),
+        ok=ok,
     )
     if not ok:
         sys.exit(1)
