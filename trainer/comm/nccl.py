@@ -439,9 +439,11 @@ class NcclCommunicator(RankedCommunicator):
         if divide and count:
             # On the caller's stream, which _run ordered after the sum.
             if array.dtype.kind in "iu":
-                # Towards zero, as NCCL's own AVG divides integers (and the CPU ring):
-                # less the C remainder, the sum divides exactly.
-                array -= self._cp.fmod(array, self.world_size)
+                if array.dtype.kind == "i":
+                    # Towards zero, as NCCL's own AVG divides integers (and the CPU
+                    # ring): less the C remainder, the sum divides exactly. Unsigned
+                    # sums need nothing: floor and towards zero are one there.
+                    array -= self._cp.fmod(array, self.world_size)
                 array //= self.world_size
             else:
                 array /= self.world_size

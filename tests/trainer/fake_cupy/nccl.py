@@ -100,9 +100,11 @@ def _reduce(inputs: list[np.ndarray], op: int) -> np.ndarray:
             total += x  # rank order; integers wrap, as on the GPU
     if op == _AVG and dtype.kind != "f":
         # FuncSumPostDiv: the quotient of |sum| and n, negated back: towards zero.
+        # The magnitude as unsigned, as NCCL takes it: -(-2**63) wraps to itself.
         negative = total < 0 if dtype.kind == "i" else np.zeros(total.shape, bool)
-        magnitude = np.where(negative, -total, total)
-        return np.where(negative, -(magnitude // n), magnitude // n).astype(dtype)
+        magnitude = np.where(negative, -total, total).view(f"u{dtype.itemsize}")
+        quotient = (magnitude // n).astype(dtype)
+        return np.where(negative, -quotient, quotient)
     if op not in (_SUM, _AVG):
         raise NotImplementedError(f"fake NCCL op {op}")
     return total
