@@ -5,8 +5,7 @@ tests/trainer/test_launcher.py on the CPU ring.
 
 * A broadcast whose ranks disagree on the root fails on every rank at once (not at
   the collective timeout) with an error naming the root, and the communicator stays
-  usable on NCCL (nothing was sent); the CPU ring's link is broken by it, so the
-  integer check runs first.
+  usable (nothing was sent): a broadcast after it gives every rank the root's data.
 * An integer AVG divides towards zero: -7 over 2 ranks is -3, not numpy's -4.
 
 Emits one JSON line (``report.emit``) with what it saw; exits 1 when either does not hold.
@@ -42,7 +41,15 @@ with init_distributed() as ctx:
         told, timed_out = str(exc), isinstance(exc, CommunicatorTimeout)
     took = time.monotonic() - started
 
+    after = xp.full(2, 10 + rank, dtype=xp.int64)
+    try:
+        comm.broadcast(after, root=world - 1)
+        went_on = [int(v) for v in (after.get() if hasattr(after, "get") else after)]
+    except CommunicatorError as exc:
+        went_on = [str(exc)[:200]]
+
     ok = got == [want] * 3 and "root" in told and not timed_out and took < 10
+    ok = ok and went_on == [10 + world - 1] * 2
     emit(
         "semantics",
         rank=rank,
@@ -51,6 +58,7 @@ with init_distributed() as ctx:
         avg_wanted=want,
         broadcast_error=told[:300],
         broadcast_s=round(took, 3),
+        after=went_on,
         ok=ok,
     )
     if not ok:

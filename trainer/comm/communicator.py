@@ -11,7 +11,10 @@ import abc
 import enum
 from typing import Any, Final, Protocol, Self, runtime_checkable
 
-from rendezvousd.trainer.errors import CollectiveArgumentError, ConfigError
+import numpy as np
+import numpy.typing as npt
+
+from rendezvousd.trainer.errors import CollectiveArgumentError, CommunicatorError, ConfigError
 from rendezvousd.trainer.topology import check_rank
 
 
@@ -58,7 +61,11 @@ class Communicator(Protocol):
 
 class RankedCommunicator(abc.ABC):
     """What every backend shares: its place in the group, the check of a collective's
-    root, and ``with`` closing it. A backend implements the collectives and ``close``."""
+    root, the ranks' agreement on a collective before it is sent, and ``with`` closing
+    it. A backend implements the collectives, ``_max_across_ranks`` and ``close``."""
+
+    #: How errors name the backend: "NCCL broadcast", "cpu ring broadcast".
+    _label = ""
 
     def __init__(self, rank: int, world_size: int) -> None:
         if not isinstance(rank, int) or not isinstance(world_size, int):
@@ -72,6 +79,35 @@ class RankedCommunicator(abc.ABC):
             raise CollectiveArgumentError(
                 f"rank {self.rank}: broadcast root={root!r} is out of range [0, {self.world_size})"
             )
+
+    def _agree(self, operation: str, fields: dict[str, int]) -> None:
+        """Every rank's ``fields`` of a collective (its root or op, size and type),
+        compared before anything is sent: one MAX all-reduce of each value and its
+        negation gives every rank the highest and the lowest. Ranks that disagree on a
+        broadcast's root (each taking another for it) would otherwise wait for data no
+        one sends until the collective timeout; so each raises now, naming what differs,
+        and as nothing was sent the communicator stays usable, on every backend."""
+        mine = np.array(list(fields.values()), dtype=np.int64)
+        seen = self._max_across_ranks(np.concatenate([mine, -mine]), operation)
+        high, low = seen[: len(mine)], -seen[len(mine) :]
+        if (high == low).all():
+            return
+        differ = ", ".join(
+            f"{name} {low[i]} to {high[i]}" for i, name in enumerate(fields) if high[i] != low[i]
+        )
+        this = ", ".join(f"{name} {value}" for name, value in fields.items())
+        raise CommunicatorError(
+            f"rank {self.rank}/{self.world_size}: {self._label} {operation}: the ranks "
+            f"disagree on its {differ} (this rank: {this}); nothing was sent. Every rank "
+            "must make the same collective on the same array shape and dtype"
+        )
+
+    @abc.abstractmethod
+    def _max_across_ranks(
+        self, values: npt.NDArray[np.int64], operation: str
+    ) -> npt.NDArray[np.int64]:
+        """``values``' element-wise maximum over the ranks, on the host, as the first
+        step of ``operation`` (``_agree``; its failures name ``operation``)."""
 
     @abc.abstractmethod
     def close(self) -> None:

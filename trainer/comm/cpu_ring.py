@@ -25,6 +25,11 @@ Semantics:
   are reduced in place without copies; anything else raises ``CollectiveArgumentError``.
 * Every collective returns only after the right neighbour has received all it was sent,
   so the caller may reuse the array at once (the sender thread reads it until then).
+* A broadcast's ranks compare its root, size and type first, in one 48-byte all-reduce
+  (``RankedCommunicator._agree``, as on NCCL): ranks that disagree each raise
+  ``CommunicatorError`` naming what differs, nothing was sent, and the communicator
+  stays usable. Other mismatched calls (an all-reduce of another size, a rank in a
+  barrier) are caught at once by the frames' headers and break the ring.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class CpuRingCommunicator(RankedCommunicator):
     """
 
     backend: Final = "cpu"
+    _label = "CPU"
 
     def __init__(
         self,
@@ -184,9 +190,37 @@ class CpuRingCommunicator(RankedCommunicator):
             elif self.world_size > 1:
                 self._ring_all_reduce(flat, op, dtype_code, wire.ALL_REDUCE, seq)
 
+    def _max_across_ranks(
+        self, values: npt.NDArray[np.int64], operation: str
+    ) -> npt.NDArray[np.int64]:
+        # Marked as the broadcast's, so a rank already in another collective is a
+        # mismatch, not a partner in this one.
+        code = _DTYPES[values.dtype]
+        with self._collective() as seq:
+            if self._shm is not None:
+                expect = (wire.BROADCAST, _OPS[ReduceOp.MAX], code, seq, values.nbytes)
+                self._shm.all_reduce(values, _UFUNCS[ReduceOp.MAX], None, expect)
+                return values
+            # An all-gather around the ring, every rank's values passed on n - 1 hops,
+            # then the maximum here: half the hops of a ring all-reduce, which would
+            # double a small broadcast's time (a parameter sync is many of them).
+            n = self.world_size
+            rows = np.empty((n, len(values)), np.int64)
+            rows[0] = values
+            expect = (wire.BROADCAST, _OPS[ReduceOp.MAX], code, seq, values.nbytes, 0)
+            for hop in range(n - 1):
+                self._post(expect, hop, rows[hop].view(np.uint8).data)
+                self._recv_data(expect, hop, rows[hop + 1].view(np.uint8).data)
+            # No acks (``_finish``): ``rows`` is this call's own, so nothing waits to
+            # be reused, and the broadcast's own acks follow on the same links.
+        return np.asarray(rows.max(axis=0), dtype=np.int64)
+
     def broadcast(self, array: Any, root: int = 0) -> None:
         flat, dtype_code = _flatten(array)
         self._check_root(root)
+        if self.world_size > 1:
+            fields = {"root": root, "element count": flat.size, "dtype code": dtype_code}
+            self._agree("broadcast", fields)
         with self._collective() as seq:
             if self._shm is not None:
                 self._shm.announce((wire.BROADCAST, 0, dtype_code, seq, flat.nbytes))
@@ -376,12 +410,8 @@ class CpuRingCommunicator(RankedCommunicator):
 
     def _ring_broadcast(self, raw_array: Array, dtype_code: int, root: int, seq: int) -> None:
         raw = raw_array.data
+        # The ranks agreed on the root, size and type first (``_agree``).
         expect = (wire.BROADCAST, 0, dtype_code, seq, raw_array.nbytes, root)
-        # Each rank first tells its right neighbour the root it broadcasts from and
-        # checks its left's: ranks that disagree on the root (each taking another for
-        # it) otherwise waited for data that no one sent, until the collective timeout.
-        self._post(expect, wire.ROOT_FRAME, memoryview(b""))
-        self._recv_data(expect, wire.ROOT_FRAME, memoryview(b""))
         receives = self.rank != root
         sends = self._right_rank != root
         step = _chunk_size(raw_array.nbytes, self._chunk_bytes)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer.comm.communicator import RankedCommunicator, ReduceOp
@@ -240,6 +241,7 @@ class NcclCommunicator(RankedCommunicator):
     """
 
     backend: Final = "nccl"
+    _label = "NCCL"
 
     def __init__(
         self,
@@ -458,18 +460,14 @@ class NcclCommunicator(RankedCommunicator):
 
         self._run("broadcast", count, enqueue)
 
-    def _agree(self, operation: str, fields: dict[str, int]) -> None:
-        """Every rank's ``fields`` of a collective (its root or op, size and type),
-        compared before it is sent: one MAX all-reduce of each value and its negation
-        gives every rank the highest and the lowest. Ranks that disagree (each taking
-        another for a broadcast's root) would otherwise wait for data no one sends
-        until the collective timeout; the CPU ring tells them at once, and so does
-        this. Broadcasts always (they are rare: a 48-byte all-reduce more costs a step
-        nothing); all-reduces with ``check_collectives``, for debugging."""
-        mine = np.array(list(fields.values()), dtype=np.int64)
-        n = 2 * len(mine)
+    def _max_across_ranks(
+        self, values: npt.NDArray[np.int64], operation: str
+    ) -> npt.NDArray[np.int64]:
+        # Broadcasts are compared always (they are rare: a 48-byte all-reduce more
+        # costs a step nothing); all-reduces with ``check_collectives``, for debugging.
+        n = len(values)
         with self._cp.cuda.Device(self.device):
-            both = self._cp.asarray(np.concatenate([mine, -mine]))
+            both = self._cp.asarray(values)
         code = _DTYPE_CODES["int64"]
 
         def enqueue(comm: Any, stream: Any) -> None:
@@ -478,19 +476,7 @@ class NcclCommunicator(RankedCommunicator):
 
         self._run(operation, n, enqueue)
         with self._cp.cuda.Device(self.device):
-            seen = np.asarray(self._cp.asnumpy(both), dtype=np.int64)
-        high, low = seen[: len(mine)], -seen[len(mine) :]
-        if (high == low).all():
-            return
-        differ = ", ".join(
-            f"{name} {low[i]} to {high[i]}" for i, name in enumerate(fields) if high[i] != low[i]
-        )
-        this = ", ".join(f"{name} {value}" for name, value in fields.items())
-        raise errs.CommunicatorError(
-            f"rank {self.rank}/{self.world_size}: NCCL {operation}: the ranks disagree on "
-            f"its {differ} (this rank: {this}); nothing was sent. Every rank must make the "
-            "same collective on the same array shape and dtype"
-        )
+            return np.asarray(self._cp.asnumpy(both), dtype=np.int64)
 
     def barrier(self) -> None:
         ptr, count, dtype = self._buffer_args(self._token, "barrier")

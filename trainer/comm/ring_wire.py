@@ -480,15 +480,11 @@ class SenderThread:
             raise LinkError(self._peer, LOST, link_error(exc)) from exc
 
 
-#: The frame index of a broadcast's first, empty frame, which names its root (``aux``).
-ROOT_FRAME = 0xFFFFFFFF
-
-
 def describe_mismatch(got: tuple[int, ...], want: tuple[int, ...]) -> str:
     def show(f: tuple[int, ...]) -> str:
         name = COLLECTIVE_NAMES.get(f[1], f"collective {f[1]}")
         aux = "root" if f[1] == BROADCAST else "aux"
-        frame = "its root frame" if f[7] == ROOT_FRAME else f"frame {f[7]} of {f[8]} bytes"
+        frame = f"frame {f[7]} of {f[8]} bytes"
         return f"{name} #{f[4]} (op {f[2]}, dtype {f[3]}, {f[5]} bytes, {aux} {f[6]}, {frame})"
 
     return f"received {show(got)}, expected {show(want)}"
