@@ -198,8 +198,10 @@ class CpuRingCommunicator(RankedCommunicator):
         code = _DTYPES[values.dtype]
         with self._collective() as seq:
             if self._shm is not None:
-                expect = (wire.BROADCAST, _OPS[ReduceOp.MAX], code, seq, values.nbytes)
-                self._shm.all_reduce(values, _UFUNCS[ReduceOp.MAX], None, expect)
+                # Through the group, where the others would find a rank in another
+                # collective (it announces there, as every collective does).
+                announced = (wire.BROADCAST, _OPS[ReduceOp.MAX], code, seq, values.nbytes)
+                self._shm.all_reduce(values, _UFUNCS[ReduceOp.MAX], None, announced)
                 return values
             # An all-gather around the ring, every rank's values passed on n - 1 hops,
             # then the maximum here: half the hops of a ring all-reduce, which would
