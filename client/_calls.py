@@ -283,6 +283,15 @@ class Calls:
 
     def connect(self) -> Steps[None]:
         """Connected, and the call stream open, within the connect timeout; no call."""
+        yield from self.connected("connect")
+        # Everything a join sends on: the call stream and the heartbeat stream
+        # opened with the join (``OpenStream``), its start out of the join.
+        yield OpenStream()
+
+    def connected(self, method: str) -> Steps[None]:
+        """Return once the channel is connected; ``DaemonUnavailable`` when it is not
+        within ``connect_timeout`` (gRPC reconnects meanwhile, with its backoff: a
+        daemon that comes up late is found)."""
         s = self.s
         if not (yield Connect(s.connect_timeout)):
             raise DaemonUnavailable(
@@ -292,12 +301,9 @@ class Calls:
                 attempts=1,
                 code="UNAVAILABLE",
                 endpoint=s.endpoint,
-                method="connect",
+                method=method,
                 job_id=s.job_id,
             )
-        # Everything a join sends on: the call stream and the heartbeat stream
-        # opened with the join (``OpenStream``), its start out of the join.
-        yield OpenStream()
 
     def before_join(self) -> Steps[None]:
         """What a join needs to know first: that the daemon is there and takes our
@@ -328,6 +334,11 @@ class Calls:
         probed = yield from self.probe_tls(request)
         if probed is not None and probed.status == SERVING:
             return
+        if probed is None:
+            # No answer yet: the daemon is waited for within connect_timeout in all.
+            # A Check that waited for it, then retried as a transient failure, took
+            # twice that (61 s at the default against a refused port).
+            yield from self.connected("Check")
         s = self.s
         for attempt in itertools.count(1):
             response = yield from self.call(
@@ -506,7 +517,10 @@ class Calls:
         request = pb.KvGetRequest(
             key=key, wait=wait, wait_timeout_ms=int(limit * 1000), **self.s.scope()
         )
-        value: bytes = (yield from self.call("KvGet", request, timeout=limit + SLACK_S)).value
+        # The slack is for a wait's answer to come after it; a get that does not wait
+        # is any call (with it, a down daemon took call_timeout + 5 s per attempt).
+        deadline = limit + SLACK_S if wait else limit
+        value: bytes = (yield from self.call("KvGet", request, timeout=deadline)).value
         return value
 
     def kv_add(self, key: str, delta: int) -> Steps[int]:

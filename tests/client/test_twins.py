@@ -288,12 +288,21 @@ def plaintext_client_that_never_joins_hears_tls(w: World) -> object:
 
 
 def daemon_down_is_unavailable(w: World) -> object:
+    """Within connect_timeout in all: a Check retried as a transient failure waited it
+    once per attempt (4 s here)."""
     port = free_port()
-    c = Twin(w.kind, f"127.0.0.1:{port}", w.job_id, token="t", connect_timeout=1)
+    c = Twin(w.kind, f"127.0.0.1:{port}", w.job_id, token="t", connect_timeout=1, retry_attempts=3)
     w.made.append(c)
+    started = time.monotonic()
     with pytest.raises(DaemonUnavailable) as info:
         c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
-    return type(info.value).__name__, info.value.method
+    within = time.monotonic() - started < 3.0
+    return (
+        type(info.value).__name__,
+        info.value.method,
+        within,
+        "(connect_timeout)" in str(info.value),
+    )
 
 
 def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
@@ -387,7 +396,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         plaintext_client_that_never_joins_hears_tls,
         (("AuthenticationError", ""), ("AuthenticationError", "")),
     ),
-    "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check")),
+    "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check", True, True)),
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
     "a closed client": (
         closed_client_refuses_calls,

@@ -227,7 +227,7 @@ def test_a_daemon_killed_mid_run_ends_the_agent_with_torchs_connection_error(
 ) -> None:
     """As when c10d's store dies: once the daemon is silent for its heartbeat window,
     num_nodes_waiting() raises and the agent exits, naming the daemon. It does not
-    restart its workers into a join that waits out connect_timeout twice (60 s)."""
+    restart its workers into a join that waits out connect_timeout (30 s)."""
     d = start_daemon("--heartbeat-timeout-s", "3")
     log = tmp_path / "steps.jsonl"
     agent = torchrun(d, job_id, "1", "--steps", "5000", "--step-log", str(log))

@@ -553,7 +553,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # The daemon is gone (silent for its heartbeat window): raise, as torch's
             # own handler does when its store is, so the agent stops its workers and
             # exits now, rather than restarting them into a join that waits out
-            # connect_timeout on every attempt before failing all the same.
+            # connect_timeout before failing all the same.
             raise _torch_error(failure, self._what())
         if self._node is not None and self._round_ended(self._node):
             return max(1, waiting)
