@@ -127,6 +127,10 @@ class AsyncRendezvousClient(steps.ClientBase):
                     await self._channel.channel_ready()
             except TimeoutError:
                 return False
+            except grpc.aio.UsageError:  # "Channel is closed.": close() meanwhile
+                if self._s.closed:
+                    raise self._s.closed_error() from None
+                raise
             return True
         return None
 

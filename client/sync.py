@@ -42,6 +42,8 @@ STOP_HEARTBEAT_S = 2.0
 _CONNECTING = (grpc.ChannelConnectivity.IDLE.value[0], grpc.ChannelConnectivity.CONNECTING.value[0])
 _READY = grpc.ChannelConnectivity.READY.value[0]
 _SHUTDOWN = grpc.ChannelConnectivity.SHUTDOWN.value[0]
+#: How long one watch of the channel's state may last (``_ready_within``).
+_WATCH_SLICE_S = 0.1
 
 
 class _HeldRequests:
@@ -185,6 +187,8 @@ class RendezvousClient(steps.ClientBase):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Connect):
             ready = self._ready_within(step.timeout, failure_ends=False)
+            if self._s.closed:
+                raise self._s.closed_error()
             return self._ready_future(step.timeout) if ready is None else ready
         return None
 
@@ -201,14 +205,22 @@ class RendezvousClient(steps.ClientBase):
         if not hasattr(core, "watch_connectivity_state"):
             return None
         deadline = time.time() + timeout  # the core's deadlines are wall-clock
-        while True:
-            state = core.check_connectivity_state(True)
-            if state == _READY:
-                return True
-            if state == _SHUTDOWN or (failure_ends and state not in _CONNECTING):
+        while not self._s.closed:
+            try:
+                state = core.check_connectivity_state(True)
+                if state == _READY:
+                    return True
+                if state == _SHUTDOWN or (failure_ends and state not in _CONNECTING):
+                    return False
+                if time.time() >= deadline:
+                    return False
+                # In slices: closing the channel waits for a watch in progress, so a
+                # close() from another thread (an agent giving up on its join) waited
+                # out the whole connect_timeout (30 s).
+                core.watch_connectivity_state(state, min(deadline, time.time() + _WATCH_SLICE_S))
+            except ValueError:  # "Channel closed!": close() from another thread
                 return False
-            if not core.watch_connectivity_state(state, deadline).success:
-                return False  # the deadline passed
+        return False
 
     def _ready_future(self, timeout: float) -> bool:
         """``_ready_within`` the public way, for a grpcio whose core cannot be asked."""

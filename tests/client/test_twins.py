@@ -305,6 +305,27 @@ def daemon_down_is_unavailable(w: World) -> object:
     )
 
 
+def closing_a_client_ends_its_wait_for_a_daemon(w: World) -> object:
+    """close() from another thread while a join waits for a daemon that is not there
+    (as an agent gives up on its join): the sync client's close waited for the join's
+    connect wait to end (connect_timeout, 20 s here) and the join then blamed the
+    daemon; the asyncio join raised gRPC's UsageError."""
+    c = Twin(w.kind, f"127.0.0.1:{free_port()}", w.job_id, token="t", connect_timeout=20)
+    w.made.append(c)
+    outcome: list[object] = []
+
+    def join() -> None:
+        outcome.append(error_of(lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=0)))
+
+    waiting = threading.Thread(target=join, daemon=True)
+    waiting.start()
+    time.sleep(1.5)  # the TLS probe has failed at the refused port: the wait is on
+    started = time.monotonic()
+    Twin.__getattr__(c, "close")()
+    waiting.join(25)
+    return outcome, time.monotonic() - started < 2.0
+
+
 def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
     """A daemon that accepts connections and never answers: reading the table of a
     slim join (a plain property, which the asyncio client serves over a blocking
@@ -408,6 +429,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
             )
         ]
         * 2,
+    ),
+    "closed while it waits to connect": (
+        closing_a_client_ends_its_wait_for_a_daemon,
+        ([("InvalidRequest", "")], True),
     ),
     "a silent daemon's table": (
         silent_daemon_fails_a_table_fetch_alike,
