@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Final, Protocol, Self, runtime_checkable
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any, Final, Protocol, Self, runtime_checkable
 
 from rendezvousd.trainer.errors import CollectiveArgumentError, CommunicatorError, ConfigError
 from rendezvousd.trainer.topology import check_rank
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 class ReduceOp(enum.Enum):
@@ -87,6 +88,10 @@ class RankedCommunicator(abc.ABC):
         broadcast's root (each taking another for it) would otherwise wait for data no
         one sends until the collective timeout; so each raises now, naming what differs,
         and as nothing was sent the communicator stays usable, on every backend."""
+        # Here, not at the top: the node agent imports this module (ReduceOp) and
+        # never numpy (tests/trainer/test_launcher_startup.py).
+        import numpy as np
+
         mine = np.array(list(fields.values()), dtype=np.int64)
         seen = self._max_across_ranks(np.concatenate([mine, -mine]), operation)
         high, low = seen[: len(mine)], -seen[len(mine) :]
