@@ -67,3 +67,6 @@ def test_a_bad_frame_from_a_spare_ends_it_as_a_failure_before_assignment(
         "failed first, with a bad frame on its agent channel: frame header nests deeper than "
         "32 levels (stopped before it was assigned a rank)" in err
     ), err
+    # Listed once: the spare's death was recorded twice, "2 failures" of one.
+    assert "gave up after 0 restarts (max_restarts=0); 1 failure, oldest first:" in err, err
+    assert "\n  2. " not in err, err

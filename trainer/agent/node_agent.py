@@ -478,9 +478,12 @@ class NodeAgent:
         who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
         self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
         self.first_local = self.first_local or failure
-        if self.budget.record(failure):
-            return None
-        return failure
+        if failure.fatal or not self.budget.can_restart:
+            # Recorded once, by ``run`` as the failure the agent gives up with (recorded
+            # here too, the final error listed it twice).
+            return failure
+        self.budget.record(failure)
+        return None
 
     def _watch(self, gen: int, first_rank: int) -> Outcome:
         # Counted from when every worker is warm, not from the assignment: a fresh
