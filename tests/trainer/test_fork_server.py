@@ -336,6 +336,63 @@ def test_a_server_that_runs_threads_after_its_imports_starts_its_spares_cold(
     assert any("spares start cold" in n and "threads" in n for n in notes), notes
 
 
+def test_numpy_s_openblas_threads_do_not_keep_a_one_worker_node_s_spares_cold(
+    tmp_path: Path, script: Path
+) -> None:
+    """A node of one worker has no OMP_NUM_THREADS=1 (torchrun's rule is for more than
+    one), so numpy's OpenBLAS started its pool in the server at import, and the server
+    refused every fork: each spare started cold, with a note on every run."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    count = "import numpy, os; print(len(os.listdir('/proc/self/task')))"
+    threads = subprocess.run([sys.executable, "-c", count], env=env, capture_output=True)
+    if threads.stdout.strip() != b"2":
+        pytest.skip(f"numpy's BLAS starts no threads at import here ({threads.stdout!r})")
+    notes: list[str] = []
+    server = ForkServer.start(env, note=notes.append)
+    assert server is not None
+    try:
+        spare = {**env, "LOCAL_RANK": "1", "FACTS": str(tmp_path / "facts")}
+        _, code = _run(server, script, spare)
+        facts = json.loads((tmp_path / "facts").read_text())
+    finally:
+        server.close()
+    assert code == 7
+    assert facts["numpy_preloaded"] is True, notes  # forked, not cold
+    assert not any("cold" in n for n in notes), notes
+
+
+def test_a_forked_child_of_a_server_that_shed_openblas_s_pool_multiplies_on_it(
+    tmp_path: Path,
+) -> None:
+    """The pool OpenBLAS stopped at the server's first fork starts again in a child
+    that multiplies, with the size the server's environment set."""
+    probe = (
+        "import numpy as np, os, sys\n"
+        "from rendezvousd.trainer.agent._fork_server import shed_threads, thread_count\n"
+        "before = thread_count()\n"
+        "after = shed_threads()\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    a = np.arange(40000.0).reshape(200, 200)\n"
+        "    ok = bool(np.allclose(a @ np.eye(200), a))\n"
+        "    os.write(w, f'{ok} {thread_count()}'.encode()); os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(before, after, os.read(r, 100).decode())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    before, after, ok, child_threads = out.stdout.split()
+    if before != "2":
+        pytest.skip(f"numpy's BLAS starts no threads at import here ({before} threads)")
+    assert (after, ok, child_threads) == ("1", "True", "2"), out.stdout
+
+
 def _fork_server_of(launcher_pid: int) -> int | None:
     for pid in descendants(launcher_pid):
         with contextlib.suppress(OSError):

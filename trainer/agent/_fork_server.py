@@ -20,10 +20,11 @@ the agent ``exited`` with the status; it reaps the zombie only when the agent
 answers ``reap``, after it marked the worker exited, so the agent's ``kill`` by
 pid never hits a recycled pid. The parent-death signal chains: the agent's death
 kills the server, the server's kills its workers (the agent then sees every one
-of them exit: its control socket closes). The server is single-threaded (once
-anything started a thread, such as numpy's OpenBLAS without ``OMP_NUM_THREADS=1``,
-it starts its spares cold instead: a forked child would inherit a lock held by a
-thread that is not there) and creates no gRPC channel or server.
+of them exit: its control socket closes). The server is single-threaded (numpy's
+OpenBLAS pool, which it starts at import, is stopped after the imports:
+``shed_threads``; once anything else started a thread, it starts its spares cold
+instead: a forked child would inherit a lock held by a thread that is not there) and
+creates no gRPC channel or server.
 
 Protocol: one JSON object per ``SOCK_SEQPACKET`` message on the control socket
 the launcher passes (``RENDEZVOUSD_FORK_SERVER_FD``). Agent -> server: ``spawn``
@@ -368,6 +369,24 @@ def preload(modules: Sequence[str], who: str = "rendezvous-run: fork server") ->
                 file=sys.stderr,
                 flush=True,
             )
+    shed_threads()
+
+
+def shed_threads() -> int:
+    """This process's threads once the libraries loaded have stopped those they stop
+    at a fork: a first fork, whose child exits at once, runs their at-fork handlers.
+    OpenBLAS (numpy's) starts a pool of threads at import, one per core unless
+    ``OMP_NUM_THREADS=1`` (so on every node of one worker), and stops it in its
+    handler, in the parent too; it starts it again when next used, in the parent or a
+    child. Without this the server refused every fork (``fork_refusal``) and a
+    one-worker node's spares all started cold. Threads of anything else stay, and
+    are refused as before."""
+    if thread_count() > 1:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)  # touches nothing a vanished thread may have held
+        os.waitpid(pid, 0)
+    return thread_count()
 
 
 def _become(child: _Child) -> None:

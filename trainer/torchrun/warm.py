@@ -23,8 +23,8 @@ asks that server to fork the real worker and then stands in for it:
 - Whatever cannot be forked starts cold, as plain torchrun would: the shim execs the
   real interpreter in its own place (same pid) when there is no server, it does not
   answer within ``ANSWER_S``, the server runs threads after its imports (a forked
-  child would inherit a lock held by a thread that is not there: set
-  ``OMP_NUM_THREADS=1``, which torchrun does for ``--nproc-per-node`` > 1), the worker's
+  child would inherit a lock held by a thread that is not there; numpy's OpenBLAS
+  pool is stopped after them, ``_fork_server.shed_threads``), the worker's
   import-time settings (``OMP_*``, ``PYTHON*``...) differ from the server's, the
   interpreter flags are more than ``-u``, or the fork fails.
 
