@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,24 +53,32 @@ def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:
         daemon.kill()
 
 
-@pytest.mark.parametrize("attempts", [0, 1, 2])
-def test_daemon_gone_retries_exactly_as_configured_then_fails_loudly(attempts: int) -> None:
-    """An attached client's call (no join to connect first) at an endpoint where no
-    daemon listens: each attempt waits for the daemon up to call_timeout."""
+def _against_nothing(call: Callable[[RendezvousClient], object], **options: Any) -> Any:
+    """``call``'s DaemonUnavailable at an endpoint where no daemon listens, and how long
+    it took to come."""
     endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with (
-        RendezvousClient(
-            endpoint, "gone", token="x" * 32, call_timeout=0.6, retry_attempts=attempts
-        ) as c,
+        RendezvousClient(endpoint, "gone", token="x" * 32, **options) as c,
         pytest.raises(DaemonUnavailable) as info,
     ):
+        call(c)
+    assert endpoint in str(info.value)
+    return info.value, time.monotonic() - started
+
+
+@pytest.mark.parametrize("attempts", [0, 1, 2])
+def test_daemon_gone_retries_exactly_as_configured_then_fails_loudly(attempts: int) -> None:
+    """An attached client's call (no join to connect first): each attempt waits for the
+    daemon up to call_timeout."""
+
+    def get(c: RendezvousClient) -> object:
         c.attach(Membership("gone", 0, 0, 1, 1, 0, bytes(128)), "instance")
-        c.kv_get("k", wait=False)
-    elapsed = time.monotonic() - started
-    err = info.value
+        return c.kv_get("k", wait=False)
+
+    err, elapsed = _against_nothing(get, call_timeout=0.6, retry_attempts=attempts)
     assert err.attempts == attempts + 1
-    assert endpoint in str(err) and "KvGet" in str(err) and f"{attempts + 1} attempt" in str(err)
+    assert "KvGet" in str(err) and f"{attempts + 1} attempt" in str(err)
     # The retries really happened.
     assert elapsed >= 0.6 * (attempts + 1) - 0.05
     assert elapsed < 0.6 * (attempts + 1) + 5
@@ -82,18 +91,12 @@ def test_a_join_waits_for_a_daemon_that_is_not_there_connect_timeout_in_all(
     """The documented bound (docs/protocol.md). A Check that waited for the daemon
     and was then retried as a transient failure took connect_timeout once per
     attempt: 61 s at the default, 2.4 s here with 2 retries."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
-    with (
-        RendezvousClient(
-            endpoint, "gone", token="x" * 32, connect_timeout=0.8, retry_attempts=attempts
-        ) as c,
-        pytest.raises(DaemonUnavailable) as info,
-    ):
-        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
-    elapsed = time.monotonic() - started
-    assert "could not be connected to within 0.8 s (connect_timeout)" in str(info.value)
-    assert endpoint in str(info.value)
+    err, elapsed = _against_nothing(
+        lambda c: c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5),
+        connect_timeout=0.8,
+        retry_attempts=attempts,
+    )
+    assert "could not be connected to within 0.8 s (connect_timeout)" in str(err)
     # The TLS probe's first look (up to 2 s) comes before the wait; not a second wait.
     assert 0.8 - 0.05 <= elapsed < 0.8 + 2.0 + 0.7, elapsed
 
