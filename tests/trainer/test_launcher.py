@@ -312,6 +312,34 @@ def test_launcher_with_its_daemon_gone_still_names_the_local_failure_promptly(
     assert time.monotonic() - started < 20  # the best-effort query did not hang
 
 
+def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Refused again and again within half a second, it used up --max-restarts, and the
+    final error advised raising them."""
+    d = start_daemon()
+    wrong = tmp_path / "wrong-token"
+    write_token(wrong)
+    script = tmp_path / "w.py"
+    script.write_text("from rendezvousd.trainer.distributed import init_distributed\n")
+    run = subprocess.run(
+        [
+            *launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=str(wrong), job=job_id),
+            "--max-restarts",
+            "3",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
+    assert "joining failed: AuthenticationError" in run.stderr, run.stderr
+    assert "no restart can change that" in run.stderr, run.stderr
+    assert "raise --max-restarts" not in run.stderr, run.stderr
+
+
 def test_sigterm_while_joining_ends_the_launcher_promptly(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.errors import (
+    AuthenticationError,
     DaemonUnavailable,
+    InvalidRequest,
     JobEnded,
     LimitExceeded,
     PeerFailed,
     RendezvousError,
     RendezvousTimeout,
+    TopologyMismatch,
 )
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
@@ -73,6 +76,12 @@ STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
+# A join the daemon refuses for what this node sent (its token or TLS, a request it
+# cannot take, a shape other than the job's): the same join again, restart after
+# restart, is refused the same way within milliseconds (four in 0.5 s with
+# --max-restarts 3), so the agent gives up at once, as torch's does on a
+# rendezvous error.
+REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
 
 
 @dataclass(frozen=True)
@@ -423,7 +432,7 @@ class NodeAgent:
                     if retry_at is not None:
                         continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
-                return Failure(None, cause, host=self.host)
+                return Failure(None, cause, host=self.host, fatal=isinstance(answer, REFUSALS))
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 if event.worker.lost:
                     self.pool.fill(self.per_node)  # cold now: not the script's failure

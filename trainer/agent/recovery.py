@@ -101,8 +101,11 @@ class RestartBudget:
             f"{n} failure{'s' if n != 1 else ''}, oldest first:"
         ]
         lines += [f"  {i}. {f.describe()}" for i, f in enumerate(self.failures, 1)]
-        lines.append(
-            "fix the cause named above, then rerun (raise --max-restarts to ride out "
-            "more transient failures)"
-        )
+        if self.failures and self.failures[-1].fatal:
+            lines.append("no restart can change that: fix the cause named above, then rerun")
+        else:
+            lines.append(
+                "fix the cause named above, then rerun (raise --max-restarts to ride out "
+                "more transient failures)"
+            )
         return "\n".join(lines)
