@@ -41,6 +41,7 @@ from rendezvousd.client.connection import (
     TLS_PROBE_TIMEOUT_S,
     TlsProbe,
     channel_options,
+    dial_problem,
 )
 from rendezvousd.client.errors import (
     DaemonUnavailable,
@@ -294,10 +295,12 @@ class Calls:
         daemon that comes up late is found)."""
         s = self.s
         if not (yield Connect(s.connect_timeout)):
+            problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "
-                f"{s.connect_timeout:g} s (connect_timeout): check that it runs and listens "
-                "there, and that this host can reach it",
+                f"{s.connect_timeout:g} s (connect_timeout)"
+                + ("" if problem is None else f": {problem}")
+                + ". Check that it runs and listens there, and that this host can reach it",
                 attempts=1,
                 code="UNAVAILABLE",
                 endpoint=s.endpoint,

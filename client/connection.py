@@ -350,6 +350,55 @@ def _client_hello() -> bytes:
     return outgoing.read()
 
 
+#: How long ``dial_problem`` waits for its connection.
+DIAL_TIMEOUT_S = 2.0
+
+
+def dial_problem(endpoint: str, timeout: float = DIAL_TIMEOUT_S) -> str | None:
+    """Why a channel to ``endpoint`` does not connect, as one plain TCP (or Unix
+    socket) connect sees it; None for a target this does not dial. gRPC's waiting
+    channel never says why (only its debug log does), and "could not be connected"
+    alone leaves the user to guess between a daemon not started, a wrong port, a
+    host name that does not resolve and a firewall."""
+    try:
+        address = parse_address(endpoint, what="endpoint", allow_unix=True)
+    except AddressError:
+        return None
+    path = address.unix_path
+    try:
+        if path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(path)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            assert address.host is not None
+            sock = socket.create_connection((address.host, address.port), timeout=timeout)
+    except socket.gaierror as exc:
+        return f"the host name {address.host!r} does not resolve ({exc.strerror})"
+    except ConnectionRefusedError:
+        return "nothing listens there (connection refused)"
+    except FileNotFoundError:
+        return f"there is no socket at {path}"
+    except PermissionError:
+        return f"this user may not connect to the socket at {path}"
+    except TimeoutError:
+        return (
+            f"a TCP connect gets no answer within {timeout:g} s (a firewall, a network "
+            "partition, or a host that is down)"
+        )
+    except OSError as exc:
+        return f"a connect fails: {exc.strerror or exc}"
+    sock.close()
+    return (
+        "it accepts connections, but no gRPC server answered on them (another service "
+        "on that port, or a daemon that is stuck)"
+    )
+
+
 def speaks_tls(endpoint: str, timeout: float = TLS_SNIFF_TIMEOUT_S) -> bool:
     """Whether the server at ``endpoint`` answers a TLS ClientHello with a TLS record.
 

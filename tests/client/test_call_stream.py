@@ -13,6 +13,7 @@ import logging
 import re
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -412,7 +413,36 @@ def test_connect_to_a_dead_endpoint_is_unavailable_within_the_connect_timeout(
     assert time.monotonic() - started < 1 + 10
     assert isinstance(error, DaemonUnavailable)
     assert (error.method, error.code) == ("connect", "UNAVAILABLE")
-    assert "within 1 s (connect_timeout)" in str(error)
+    assert "within 1 s (connect_timeout): nothing listens there (connection refused)" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("name", "the host name 'no-such-host.invalid' does not resolve"),
+        ("socket", "there is no socket at "),
+        ("silent", "it accepts connections, but no gRPC server answered on them"),
+    ],
+)
+def test_a_join_that_cannot_connect_says_what_a_connect_there_found(
+    where: str, why: str, job_id: str, tmp_path: Path
+) -> None:
+    """It said only "could not be connected to within 30 s", leaving the user to guess
+    between a daemon not started, a wrong port or name and a firewall."""
+    with contextlib.ExitStack() as stack:
+        if where == "name":
+            endpoint = "no-such-host.invalid:29400"
+        elif where == "socket":
+            endpoint = f"unix:{tmp_path / 'rendezvousd.sock'}"
+        else:
+            silent = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+            endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        with (
+            RendezvousClient(endpoint, job_id, token="t", connect_timeout=1) as c,
+            pytest.raises(DaemonUnavailable) as info,
+        ):
+            c.join(num_nodes=1, gpus_per_node=1, local_rank=0)
+    assert "within 1 s (connect_timeout): " + why in str(info.value), info.value
 
 
 def test_close_ends_the_reader_thread_and_a_closed_stream_fails_no_one(
