@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -289,12 +290,13 @@ class Calls:
         # opened with the join (``OpenStream``), its start out of the join.
         yield OpenStream()
 
-    def connected(self, method: str) -> Steps[None]:
+    def connected(self, method: str, started: float | None = None) -> Steps[None]:
         """Return once the channel is connected; ``DaemonUnavailable`` when it is not
-        within ``connect_timeout`` (gRPC reconnects meanwhile, with its backoff: a
-        daemon that comes up late is found)."""
+        within ``connect_timeout`` of ``started`` (else of now). gRPC reconnects
+        meanwhile, with its backoff: a daemon that comes up late is found."""
         s = self.s
-        if not (yield Connect(s.connect_timeout)):
+        spent = 0.0 if started is None else time.monotonic() - started
+        if not (yield Connect(max(0.0, s.connect_timeout - spent))):
             problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "
@@ -314,13 +316,14 @@ class Calls:
         # A daemon this process already found speaking TLS to a plaintext client is
         # asked directly (``probe_tls``), never by letting gRPC connect: each attempt
         # would be one more "Handshake failed" line in the daemon's log.
+        started = time.monotonic()
         if not self.probe.seen_tls and (yield Reachable(TLS_PROBE_TIMEOUT_S)):
             # Connected: the daemon is reachable and accepted our TLS, and a draining
             # daemon answers the join itself with DRAINING, which is raised at once.
             # The Check this saves cost the daemon about 0.5 ms of CPU per cold client,
             # a third of a cold per-rank join (benchmarks/rendezvous_scale.py, cold).
             return
-        yield from self.check_health()
+        yield from self.check_health(started)
 
     def tls_mismatch(self) -> Steps[None]:
         """After a call found no daemon: raise the TLS mismatch that kept its channel
@@ -330,9 +333,13 @@ class Calls:
         if not (yield Reachable(0.0)):
             yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
 
-    def check_health(self) -> Steps[None]:
+    def check_health(self, started: float | None = None) -> Steps[None]:
         """Fail fast, with one clear error, when the daemon is down or draining: a
-        health Check, always (a READY channel says nothing of draining)."""
+        health Check, always (a READY channel says nothing of draining). A daemon not
+        up yet is waited for within ``connect_timeout`` of ``started`` (else of now),
+        the TLS probes' time included (a port that accepts and never answers, or a
+        host that drops packets, spends 2 s in each)."""
+        started = time.monotonic() if started is None else started
         request = health_pb2.HealthCheckRequest(service=SERVICE)
         probed = yield from self.probe_tls(request)
         if probed is not None and probed.status == SERVING:
@@ -341,7 +348,7 @@ class Calls:
             # No answer yet: the daemon is waited for within connect_timeout in all.
             # A Check that waited for it, then retried as a transient failure, took
             # twice that (61 s at the default against a refused port).
-            yield from self.connected("Check")
+            yield from self.connected("Check", started)
         s = self.s
         for attempt in itertools.count(1):
             response = yield from self.call(
