@@ -157,3 +157,42 @@ def test_a_killed_runs_hosts_are_swept_and_a_live_ones_kept(
         sleeper.wait(10)
         for name in (orphan, busy, live):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_a_join_across_a_partition_says_a_connect_there_gets_no_answer(
+    make_hosts: Callable[[int], Hosts], tmp_path: Path, job_id: str
+) -> None:
+    """A partition loses packets silently, so gRPC's channel only keeps connecting: the
+    client's error said "could not be connected", as for a daemon not started."""
+    hosts = make_hosts(2)
+    head = hosts[0]
+    d = spawn_daemon(
+        tmp_path, "--insecure-plaintext", listen=f"{head.address}:0", prefix=head.command([])
+    )
+    try:
+        hosts.partition(hosts[0], hosts[1])
+        code = (
+            "import time\n"
+            "from rendezvousd.client import RendezvousClient\n"
+            f"c = RendezvousClient({d.endpoint!r}, {job_id!r}, token='t' * 32, "
+            "connect_timeout=8)\n"
+            "started = time.monotonic()\n"
+            "try:\n"
+            "    c.join(num_nodes=1, gpus_per_node=1, local_rank=0)\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n"
+            "print(round(time.monotonic() - started, 1))\n"
+        )
+        run = subprocess.run(
+            [*hosts[1].command([]), sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        d.kill()
+    error, took = run.stdout.strip().splitlines()
+    assert error.startswith("DaemonUnavailable"), run
+    assert "within 8 s (connect_timeout): a TCP connect gets no answer within 2 s" in error, run
+    # The wait (the TLS probes, 6 s here, within it), then the one connect's 2 s.
+    assert float(took) < 8 + 2 + 1.5, run
