@@ -228,11 +228,12 @@ class Calls:
                 )
                 retry = error.reason != "DRAINING" and s.retry.retryable(method, exc.code())
                 if not retry or attempt > s.retry.attempts:
+                    problem = None
                     if not health and error.code in UNKNOWN_OUTCOME and not error.reason:
-                        yield from self.tls_mismatch()
+                        problem = yield from self.tls_mismatch()
                     if not retry:
                         raise s.unrepeated(method, attempt, error) from None
-                    raise s.exhausted(method, attempt, error) from None
+                    raise s.exhausted(method, attempt, error, problem) from None
                 if error.code == "UNAVAILABLE" and _parks(request):
                     # Re-sent, it would wait its whole wait (600 s by default) for a
                     # daemon to come back: first, the daemon back within the window, as a
@@ -325,13 +326,17 @@ class Calls:
             return
         yield from self.check_health(started)
 
-    def tls_mismatch(self) -> Steps[None]:
+    def tls_mismatch(self) -> Steps[str | None]:
         """After a call found no daemon: raise the TLS mismatch that kept its channel
         from connecting, if that is why. A join asks first (``before_join``); a client
         that never joins (attached, or only inspecting) would otherwise hear "is the
-        daemon running?" for a wrong CA, or a forgotten one, after every retry."""
+        daemon running?" for a wrong CA, or a forgotten one, after every retry. Else,
+        when the channel is not connected, what a plain connect there finds."""
         if not (yield Reachable(0.0)):
             yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
+            problem: str | None = yield Blocking(functools.partial(dial_problem, self.s.endpoint))
+            return problem
+        return None
 
     def check_health(self, started: float | None = None) -> Steps[None]:
         """Fail fast, with one clear error, when the daemon is down or draining: a

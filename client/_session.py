@@ -604,13 +604,21 @@ class Session:
             error.args = (error.message,)
         return error
 
-    def exhausted(self, method: str, attempts: int, last: RendezvousError) -> RendezvousError:
+    def exhausted(
+        self, method: str, attempts: int, last: RendezvousError, problem: str | None = None
+    ) -> RendezvousError:
+        """``last`` as the error of ``attempts`` made; ``problem``: what a plain connect
+        to the daemon found, when its channel was not connected."""
         if isinstance(last, (DaemonUnavailable, RendezvousTimeout)) and last.reason == "":
             rank = "" if last.rank is None else f", rank {last.rank}"
             return DaemonUnavailable(
                 f"{method} to rendezvousd at {self.endpoint} (job {self.job_id!r}{rank}) failed "
                 f"after {attempts} attempt{'s' if attempts > 1 else ''}: {last.code or 'no answer'}; "
-                "is the daemon running and reachable?",
+                + (
+                    "is the daemon running and reachable?"
+                    if problem is None
+                    else f"{problem}. Check that the daemon runs and listens there"
+                ),
                 attempts=attempts,
                 code=last.code,
                 endpoint=self.endpoint,

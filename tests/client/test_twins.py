@@ -440,7 +440,9 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
             "DaemonUnavailable",
             2,
             "GetMembers to rendezvousd at EP (job 'JOB', rank 0) failed after 2 attempts: "
-            "DEADLINE_EXCEEDED; is the daemon running and reachable?",
+            "DEADLINE_EXCEEDED; it accepts connections, but no gRPC server answered on them "
+            "(another service on that port, or a daemon that is stuck). Check that the "
+            "daemon runs and listens there",
         ),
     ),
 }
