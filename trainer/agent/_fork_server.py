@@ -52,6 +52,7 @@ import select
 import signal
 import socket
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -382,7 +383,11 @@ def shed_threads() -> int:
     one-worker node's spares all started cold. Threads of anything else stay, and
     are refused as before."""
     if thread_count() > 1:
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of any fork with threads running; this child runs
+            # nothing, and the server runs as __main__, where the warning would show.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             os._exit(0)  # touches nothing a vanished thread may have held
         os.waitpid(pid, 0)

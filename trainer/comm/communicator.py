@@ -65,7 +65,7 @@ class RankedCommunicator(abc.ABC):
     root, the ranks' agreement on a collective before it is sent, and ``with`` closing
     it. A backend implements the collectives, ``_max_across_ranks`` and ``close``."""
 
-    #: How errors name the backend: "NCCL broadcast", "cpu ring broadcast".
+    #: How errors name the backend: "NCCL broadcast", "CPU broadcast".
     _label = ""
 
     def __init__(self, rank: int, world_size: int) -> None:
