@@ -581,6 +581,11 @@ class ClientBase(ABC):
     def endpoint(self) -> str:
         return self._s.endpoint
 
+    def _closed_meanwhile(self) -> bool:
+        """Whether close() came from another thread or task during a step (read as a
+        call: a step checks ``closed`` first, and mypy would keep that narrowing)."""
+        return self._s.closed
+
     @property
     def membership(self) -> Membership | None:
         return self._s.joined

@@ -103,10 +103,23 @@ class AsyncRendezvousClient(steps.ClientBase):
         if self._s.closed:
             raise self._s.closed_error()
         if isinstance(step, steps.Rpc):
-            if self._mux is not None and step.streamable:
-                with contextlib.suppress(Unsupported):  # an older daemon, a full stream
-                    return await self._mux.call(step.method, step.request, step.timeout)
-            return await step.invoke(self._stub, self._health, self._s.metadata)
+            try:
+                if self._mux is not None and step.streamable:
+                    with contextlib.suppress(Unsupported):  # an older daemon, a full stream
+                        return await self._mux.call(step.method, step.request, step.timeout)
+                return await step.invoke(self._stub, self._health, self._s.metadata)
+            except grpc.RpcError as exc:
+                if self._closed_meanwhile() and exc.code() == grpc.StatusCode.CANCELLED:
+                    raise self._s.closed_error() from None
+                raise
+            except asyncio.CancelledError:
+                # grpc.aio cancels a closing channel's calls: close() from another task
+                # ended this one, which is the closed client's error, not a cancellation
+                # of the caller's task (CancelledError escaped ``except Exception``).
+                task = asyncio.current_task()
+                if self._closed_meanwhile() and (task is None or not task.cancelling()):
+                    raise self._s.closed_error() from None
+                raise
         if isinstance(step, steps.Sleep):
             await asyncio.sleep(step.seconds)
         elif isinstance(step, steps.Blocking):

@@ -167,10 +167,17 @@ class RendezvousClient(steps.ClientBase):
         if self._s.closed:
             raise self._s.closed_error()
         if isinstance(step, steps.Rpc):
-            if self._mux is not None and step.streamable:
-                with contextlib.suppress(Unsupported):  # an older daemon, a full stream
-                    return self._mux.call(step.method, step.request, step.timeout)
-            return step.invoke(self._stub, self._health, self._s.metadata)
+            try:
+                if self._mux is not None and step.streamable:
+                    with contextlib.suppress(Unsupported):  # an older daemon, a full stream
+                        return self._mux.call(step.method, step.request, step.timeout)
+                return step.invoke(self._stub, self._health, self._s.metadata)
+            except grpc.RpcError as exc:
+                # Cancelled by close() from another thread: the closed client's error,
+                # as for a call made after it (it was ProtocolError "CANCELLED").
+                if self._closed_meanwhile() and exc.code() == grpc.StatusCode.CANCELLED:
+                    raise self._s.closed_error() from None
+                raise
         if isinstance(step, steps.Sleep):
             time.sleep(step.seconds)
         elif isinstance(step, steps.Blocking):

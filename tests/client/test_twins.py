@@ -326,6 +326,38 @@ def closing_a_client_ends_its_wait_for_a_daemon(w: World) -> object:
     return outcome, time.monotonic() - started < 2.0
 
 
+def closing_a_client_ends_its_call_in_flight(w: World) -> object:
+    """close() from another thread while a call waits for a silent daemon: the call
+    failed ProtocolError "CANCELLED" (the sync client, the asyncio one on its call
+    stream), or the asyncio one's unary call raised asyncio.CancelledError out of the
+    caller's ``await``, which ``except Exception`` does not catch."""
+    outcomes: list[object] = []
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        for stream in (True, False):
+            c = Twin(w.kind, endpoint, w.job_id, token="t", call_timeout=20, call_stream=stream)
+            w.made.append(c)
+            ended: list[object] = []
+
+            def call(c: Twin = c, ended: list[object] = ended) -> None:
+                try:
+                    c.list_jobs()
+                except BaseException as exc:  # CancelledError too: what the caller sees
+                    ended.append(exc)
+
+            waiting = threading.Thread(target=call, daemon=True)
+            waiting.start()
+            time.sleep(1.0)
+            started = time.monotonic()
+            Twin.__getattr__(c, "close")()
+            waiting.join(25)
+            (error,) = ended
+            outcomes.append(
+                (type(error).__name__, "is closed" in str(error), time.monotonic() - started < 2.0)
+            )
+    return outcomes
+
+
 def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
     """A daemon that accepts connections and never answers: reading the table of a
     slim join (a plain property, which the asyncio client serves over a blocking
@@ -433,6 +465,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "closed while it waits to connect": (
         closing_a_client_ends_its_wait_for_a_daemon,
         ([("InvalidRequest", "")], True),
+    ),
+    "closed during a call": (
+        closing_a_client_ends_its_call_in_flight,
+        [("InvalidRequest", True, True)] * 2,
     ),
     "a silent daemon's table": (
         silent_daemon_fails_a_table_fetch_alike,
