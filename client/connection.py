@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from rendezvousd.client.errors import InvalidRequest
-from rendezvousd.common.address import AddressError, parse_address
+from rendezvousd.common.address import Address, AddressError, parse_address
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -350,6 +350,22 @@ def _client_hello() -> bytes:
     return outgoing.read()
 
 
+def _dial(address: Address, timeout: float) -> socket.socket:
+    """A socket connected to ``address`` (TCP or Unix) within ``timeout``; OSError
+    (``socket.gaierror`` for a name) when it cannot be."""
+    if address.unix_path is None:
+        assert address.host is not None
+        return socket.create_connection((address.host, address.port), timeout=timeout)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address.unix_path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 #: How long ``dial_problem`` waits for its connection.
 DIAL_TIMEOUT_S = 2.0
 
@@ -366,17 +382,7 @@ def dial_problem(endpoint: str, timeout: float = DIAL_TIMEOUT_S) -> str | None:
         return None
     path = address.unix_path
     try:
-        if path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            try:
-                sock.connect(path)
-            except OSError:
-                sock.close()
-                raise
-        else:
-            assert address.host is not None
-            sock = socket.create_connection((address.host, address.port), timeout=timeout)
+        sock = _dial(address, timeout)
     except socket.gaierror as exc:
         return f"the host name {address.host!r} does not resolve ({exc.strerror})"
     except ConnectionRefusedError:
@@ -417,18 +423,7 @@ def speaks_tls(endpoint: str, timeout: float = TLS_SNIFF_TIMEOUT_S) -> bool:
         return False
     deadline = time.monotonic() + timeout
     try:
-        if address.unix_path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            try:
-                sock.connect(address.unix_path)
-            except OSError:
-                sock.close()
-                raise
-        else:
-            assert address.host is not None
-            sock = socket.create_connection((address.host, address.port), timeout=timeout)
-        with sock:
+        with _dial(address, timeout) as sock:
             head = b""
             sock.sendall(_client_hello())
             while len(head) < 2 and (left := deadline - time.monotonic()) > 0:
