@@ -221,9 +221,8 @@ class CpuRingCommunicator(RankedCommunicator):
     def broadcast(self, array: Any, root: int = 0) -> None:
         flat, dtype_code = _flatten(array)
         self._check_root(root)
-        if self.world_size > 1:
-            fields = {"root": root, "element count": flat.size, "dtype code": dtype_code}
-            self._agree("broadcast", fields)
+        fields = {"root": root, "element count": flat.size, "dtype code": dtype_code}
+        self._agree("broadcast", fields)
         with self._collective() as seq:
             if self._shm is not None:
                 self._shm.announce((wire.BROADCAST, 0, dtype_code, seq, flat.nbytes))

@@ -484,7 +484,9 @@ def describe_mismatch(got: tuple[int, ...], want: tuple[int, ...]) -> str:
     def show(f: tuple[int, ...]) -> str:
         name = COLLECTIVE_NAMES.get(f[1], f"collective {f[1]}")
         aux = "root" if f[1] == BROADCAST else "aux"
-        frame = f"frame {f[7]} of {f[8]} bytes"
-        return f"{name} #{f[4]} (op {f[2]}, dtype {f[3]}, {f[5]} bytes, {aux} {f[6]}, {frame})"
+        return (
+            f"{name} #{f[4]} (op {f[2]}, dtype {f[3]}, {f[5]} bytes, {aux} {f[6]}, "
+            f"frame {f[7]} of {f[8]} bytes)"
+        )
 
     return f"received {show(got)}, expected {show(want)}"
