@@ -286,18 +286,17 @@ class Calls:
 
     def connect(self) -> Steps[None]:
         """Connected, and the call stream open, within the connect timeout; no call."""
-        yield from self.connected("connect")
+        yield from self.connected("connect", time.monotonic())
         # Everything a join sends on: the call stream and the heartbeat stream
         # opened with the join (``OpenStream``), its start out of the join.
         yield OpenStream()
 
-    def connected(self, method: str, started: float | None = None) -> Steps[None]:
+    def connected(self, method: str, started: float) -> Steps[None]:
         """Return once the channel is connected; ``DaemonUnavailable`` when it is not
-        within ``connect_timeout`` of ``started`` (else of now). gRPC reconnects
-        meanwhile, with its backoff: a daemon that comes up late is found."""
+        within ``connect_timeout`` of ``started``. gRPC reconnects meanwhile, with its
+        backoff: a daemon that comes up late is found."""
         s = self.s
-        spent = 0.0 if started is None else time.monotonic() - started
-        if not (yield Connect(max(0.0, s.connect_timeout - spent))):
+        if not (yield Connect(max(0.0, s.connect_timeout - (time.monotonic() - started)))):
             problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "
@@ -581,10 +580,14 @@ class ClientBase(ABC):
     def endpoint(self) -> str:
         return self._s.endpoint
 
-    def _closed_meanwhile(self) -> bool:
-        """Whether close() came from another thread or task during a step (read as a
-        call: a step checks ``closed`` first, and mypy would keep that narrowing)."""
-        return self._s.closed
+    def _cancelled_by_close(self, exc: BaseException) -> bool:
+        """Whether ``exc`` ended a call because close() came from another thread or
+        task meanwhile: gRPC cancels a closing channel's calls (CANCELLED; grpc.aio's
+        unary calls raise asyncio.CancelledError instead). Both clients then raise the
+        closed client's error, as for a call made after close()."""
+        if not self._s.closed:
+            return False
+        return not isinstance(exc, grpc.RpcError) or exc.code() == grpc.StatusCode.CANCELLED
 
     @property
     def membership(self) -> Membership | None:

@@ -109,15 +109,14 @@ class AsyncRendezvousClient(steps.ClientBase):
                         return await self._mux.call(step.method, step.request, step.timeout)
                 return await step.invoke(self._stub, self._health, self._s.metadata)
             except grpc.RpcError as exc:
-                if self._closed_meanwhile() and exc.code() == grpc.StatusCode.CANCELLED:
+                if self._cancelled_by_close(exc):
                     raise self._s.closed_error() from None
                 raise
-            except asyncio.CancelledError:
-                # grpc.aio cancels a closing channel's calls: close() from another task
-                # ended this one, which is the closed client's error, not a cancellation
-                # of the caller's task (CancelledError escaped ``except Exception``).
+            except asyncio.CancelledError as exc:
+                # Unless the caller's task is itself being cancelled: escaping, it was
+                # not caught by ``except Exception`` and read as that task's cancellation.
                 task = asyncio.current_task()
-                if self._closed_meanwhile() and (task is None or not task.cancelling()):
+                if self._cancelled_by_close(exc) and (task is None or not task.cancelling()):
                     raise self._s.closed_error() from None
                 raise
         if isinstance(step, steps.Sleep):

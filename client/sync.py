@@ -173,9 +173,7 @@ class RendezvousClient(steps.ClientBase):
                         return self._mux.call(step.method, step.request, step.timeout)
                 return step.invoke(self._stub, self._health, self._s.metadata)
             except grpc.RpcError as exc:
-                # Cancelled by close() from another thread: the closed client's error,
-                # as for a call made after it (it was ProtocolError "CANCELLED").
-                if self._closed_meanwhile() and exc.code() == grpc.StatusCode.CANCELLED:
+                if self._cancelled_by_close(exc):  # it was ProtocolError "CANCELLED"
                     raise self._s.closed_error() from None
                 raise
         if isinstance(step, steps.Sleep):

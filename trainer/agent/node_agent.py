@@ -487,7 +487,7 @@ class NodeAgent:
         who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
         self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
         self.first_local = self.first_local or failure
-        if failure.fatal or not self.budget.can_restart:
+        if not self.budget.allows(failure):
             # Recorded once, by ``run`` as the failure the agent gives up with (recorded
             # here too, the final error listed it twice).
             return failure

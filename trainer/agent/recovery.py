@@ -85,10 +85,14 @@ class RestartBudget:
     def can_restart(self) -> bool:
         return self.restarts < self.max_restarts
 
+    def allows(self, failure: Failure) -> bool:
+        """Whether a restart may follow ``failure`` (not recorded: ``record``)."""
+        return not failure.fatal and self.can_restart
+
     def record(self, failure: Failure) -> bool:
         """Count ``failure``; True if the job may restart, False if it must give up."""
         self.failures.append(failure)
-        if failure.fatal or not self.can_restart:
+        if not self.allows(failure):
             return False
         self.restarts += 1
         return True
