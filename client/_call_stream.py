@@ -163,6 +163,15 @@ class _Stream:
         self.retire()
         self._call.cancel()
 
+    def lose(self) -> None:
+        """The daemon is gone: every call in flight fails now with ``lost_error``
+        (the call core then raises the cause the heartbeat found), and the stream
+        ends; a next call opens a new one."""
+        for waiter in self.pending.end(lost_error()):
+            if not waiter.done():
+                waiter.set_exception(lost_error())
+        self.close()
+
 
 class _BlockingStream(_Stream):
     """One open CallBatches stream of a blocking channel: a queue feeds its requests, one
@@ -322,6 +331,14 @@ class _CallStreams(ABC, Generic[S]):
             stream = self._stream
         if stream is not None:
             stream.retire()
+
+    def lose(self) -> None:
+        """The daemon is gone (the heartbeat's verdict): the calls in flight on the
+        live stream fail now, not at their deadlines (``_Stream.lose``)."""
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.lose()
 
 
 class BlockingCallStream(_CallStreams[_BlockingStream]):

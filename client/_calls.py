@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._call_stream import _CallStreams
 from rendezvousd.client._session import (
     SLACK_S,
     UNKNOWN_OUTCOME,
@@ -226,13 +227,21 @@ class Calls:
                 error = from_rpc_error(
                     exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank
                 )
+                if (
+                    isinstance(s.failure, DaemonUnavailable)
+                    and error.code in UNKNOWN_OUTCOME
+                    and not error.reason
+                ):
+                    # The heartbeat already said why no daemon answers (and ended this
+                    # call then: Session.fail): no retry can change it.
+                    raise s.failure from None
                 retry = error.reason != "DRAINING" and s.retry.retryable(method, exc.code())
                 if not retry or attempt > s.retry.attempts:
                     problem = None
                     if not health and error.code in UNKNOWN_OUTCOME and not error.reason:
                         problem = yield from self.tls_mismatch()
                     if not retry:
-                        raise s.unrepeated(method, attempt, error) from None
+                        raise s.unrepeated(method, attempt, error, problem) from None
                     raise s.exhausted(method, attempt, error, problem) from None
                 if error.code == "UNAVAILABLE" and _parks(request):
                     # Re-sent, it would wait its whole wait (600 s by default) for a
@@ -575,6 +584,16 @@ class ClientBase(ABC):
         check_keywords(type(self).__name__, ClientOptions, options)
         self._c = Calls(endpoint, job_id, options)
         self._s = self._c.s
+        self._s.on_daemon_lost = self._daemon_lost
+
+    def _daemon_lost(self) -> None:
+        """The daemon is gone (``Session.fail``): the calls in flight on this client's
+        own call stream fail now. Unary calls still end at their deadlines (gRPC
+        gives no way to end them short of closing the channel); relayed ones are the
+        node agent's, whose own client ends them."""
+        mux = getattr(self, "_mux", None)
+        if isinstance(mux, _CallStreams):
+            mux.lose()
 
     @property
     def endpoint(self) -> str:

@@ -200,6 +200,9 @@ class Session:
     barrier_counts: dict[str, int] = field(default_factory=dict)
     failure: RendezvousError | None = None
     on_failure: Callable[[RendezvousError], None] | None = None
+    # The client's: a failure that says the daemon is gone (DaemonUnavailable) ends
+    # the calls in flight on its call stream, set by the client owning the session.
+    on_daemon_lost: Callable[[], None] | None = None
     # From the JoinResponse; 0 when the daemon is too old to acknowledge heartbeats.
     daemon_heartbeat_timeout: float = 0.0
     # Set by leave(): the job's work is done, so losing the daemon now is no failure.
@@ -521,6 +524,11 @@ class Session:
                 self.leaving = True
                 return
             self.failure = error
+        if isinstance(error, DaemonUnavailable) and self.on_daemon_lost is not None:
+            # A call waiting for the daemon to come back (gRPC's wait_for_ready) would
+            # wait out its whole deadline (call_timeout: 30 s by default) and then say
+            # "the daemon did not answer in time": it hears the cause now instead.
+            self.on_daemon_lost()
         if self.on_failure is not None:
             self.on_failure(error)
 
@@ -591,9 +599,14 @@ class Session:
             error.message,
         )
 
-    def unrepeated(self, method: str, attempts: int, error: RendezvousError) -> RendezvousError:
+    def unrepeated(
+        self, method: str, attempts: int, error: RendezvousError, problem: str | None = None
+    ) -> RendezvousError:
         """``error``, after ``attempts``, not retried: one of a call unsafe to repeat,
-        which the daemon may have applied before its answer was lost, says so."""
+        which the daemon may have applied before its answer was lost, says so.
+        ``problem``: what a plain connect to the daemon found (``exhausted``)."""
+        if problem is not None:
+            error = self.exhausted(method, attempts, error, problem)
         if isinstance(error, DaemonUnavailable):
             error.attempts = attempts
         if method not in IDEMPOTENT and not error.reason and error.code in UNKNOWN_OUTCOME:

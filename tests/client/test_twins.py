@@ -358,6 +358,36 @@ def closing_a_client_ends_its_call_in_flight(w: World) -> object:
     return outcomes
 
 
+def daemon_killed_during_a_call(w: World) -> object:
+    """A call made as the daemon dies waited for it to come back its whole deadline
+    (call_timeout, 20 s here), then said "the daemon did not answer in time", though
+    the heartbeat had told the client at its window (2 s) that the daemon was gone,
+    and a plain connect there is refused. Now: the heartbeat's DaemonUnreachable when
+    it says so; without a heartbeat, at the call's deadline, what a connect found."""
+    outcomes: list[object] = []
+    for heartbeat in (True, False):
+        d = w.start_daemon("--heartbeat-timeout-s", "10")
+        c = w.client(d, call_timeout=20 if heartbeat else 2, reconnect_window=2)
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        if heartbeat:
+            c.start_heartbeat(0.2)
+        c.kv_set("k", b"before")
+        d.kill()
+        started = time.monotonic()
+        with pytest.raises(RendezvousError) as info:
+            c.kv_set("k", b"after")
+        took = time.monotonic() - started
+        e = info.value
+        outcomes.append(
+            (
+                type(e).__name__,
+                took < 6.0,
+                "unreachable for" in str(e) if heartbeat else "nothing listens there" in str(e),
+            )
+        )
+    return outcomes
+
+
 def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
     """A daemon that accepts connections and never answers: reading the table of a
     slim join (a plain property, which the asyncio client serves over a blocking
@@ -469,6 +499,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "closed during a call": (
         closing_a_client_ends_its_call_in_flight,
         [("InvalidRequest", True, True)] * 2,
+    ),
+    "daemon killed during a call": (
+        daemon_killed_during_a_call,
+        [("DaemonUnreachable", True, True), ("DaemonUnavailable", True, True)],
     ),
     "a silent daemon's table": (
         silent_daemon_fails_a_table_fetch_alike,
