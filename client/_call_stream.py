@@ -365,6 +365,12 @@ class BlockingCallStream(_CallStreams[_BlockingStream]):
             if stream.pending.drop(call_id):
                 stream.cancel(call_id)
                 raise deadline_error() from None
+        except BaseException:
+            # Interrupted (Ctrl-C in a waiting call): the daemon releases the parked
+            # wait now, as for an asyncio caller's cancellation, not at its deadline.
+            if stream.pending.drop(call_id):
+                stream.cancel(call_id)
+            raise
         return waiter.result()  # answered as its deadline passed
 
     def close(self) -> None:

@@ -25,8 +25,11 @@ from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._call_stream import _CallStreams
+from rendezvousd.client._multiplex import timeout_ms
 from rendezvousd.client._session import (
+    INT64,
     SLACK_S,
+    UINT64,
     UNKNOWN_OUTCOME,
     ClientOptions,
     JoinPlan,
@@ -34,6 +37,7 @@ from rendezvousd.client._session import (
     NodeJoinRequest,
     Session,
     StreamWatch,
+    check_arg,
     check_keywords,
     check_wait,
     page_request,
@@ -60,7 +64,7 @@ from rendezvousd.client.membership import (
     advertises_loopback,
     loopback_conflict,
 )
-from rendezvousd.client.relay import route_of
+from rendezvousd.client.relay import RELAY_STALLED, route_of
 from rendezvousd.common.calls import FIELDS
 
 T = TypeVar("T")
@@ -204,6 +208,9 @@ class Calls:
         self.reconnect_window = options.get("reconnect_window")
         # Rpc steps as messages on one CallBatches stream (False: one unary call each).
         self.call_stream = options.get("call_stream", True)
+        # The first call of a client that is no member yet looks at the daemon first
+        # (``first_look``); a join and connect() always do.
+        self.looked = False
 
     def channel(self, secure: Callable[..., C], insecure: Callable[..., C]) -> C:
         """The client's channel, made by its gRPC flavour's ``secure``/``insecure_channel``."""
@@ -220,6 +227,10 @@ class Calls:
         """``method`` with retries as the policy allows; errors as ``RendezvousError``."""
         s = self.s
         rank = s.joined.rank if s.joined else None
+        if not self.looked and not health and s.joined is None and s.node is None:
+            # An inspecting client (list_jobs(), `rendezvousd status`): a plaintext one
+            # of a TLS daemon heard it after its whole call timeout (30 s) and a retry.
+            yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, timeout or s.call_timeout))
         for attempt in itertools.count(1):
             try:
                 return (yield Rpc(method, request, timeout or s.call_timeout, health))
@@ -235,14 +246,24 @@ class Calls:
                     # The heartbeat already said why no daemon answers (and ended this
                     # call then: Session.fail): no retry can change it.
                     raise s.failure from None
-                retry = error.reason != "DRAINING" and s.retry.retryable(method, exc.code())
+                # A deadline the daemon answered with its reason is its verdict on a
+                # wait (a key never set, ranks missing), not a lost answer: asked again,
+                # a KvGet waited its timeout twice and said it had waited once. (A
+                # stalled relay's reason is the SDK's own: re-made on its own channel.)
+                verdict = error.reason == "DRAINING" or (
+                    error.code == "DEADLINE_EXCEEDED" and error.reason not in ("", RELAY_STALLED)
+                )
+                retry = not verdict and s.retry.retryable(method, exc.code())
+                unanswered = not health and error.code in UNKNOWN_OUTCOME and not error.reason
                 if not retry or attempt > s.retry.attempts:
-                    problem = None
-                    if not health and error.code in UNKNOWN_OUTCOME and not error.reason:
-                        problem = yield from self.tls_mismatch()
+                    problem = (yield from self.tls_mismatch()) if unanswered else None
                     if not retry:
                         raise s.unrepeated(method, attempt, error, problem) from None
                     raise s.exhausted(method, attempt, error, problem) from None
+                if unanswered:
+                    # Before waiting again: a TLS mismatch never connects, whatever the
+                    # wait (a plaintext list_jobs() of a TLS daemon heard it after 60 s).
+                    yield from self.tls_look()
                 if error.code == "UNAVAILABLE" and _parks(request):
                     # Re-sent, it would wait its whole wait (600 s by default) for a
                     # daemon to come back: first, the daemon back within the window, as a
@@ -294,8 +315,13 @@ class Calls:
     # -- health and TLS ------------------------------------------------------------
 
     def connect(self) -> Steps[None]:
-        """Connected, and the call stream open, within the connect timeout; no call."""
-        yield from self.connected("connect", time.monotonic())
+        """Connected, and the call stream open, within the connect timeout; no call
+        where the channel connects at once. Else the TLS look a join makes first
+        (``before_join``): a plaintext client of a TLS daemon waited its whole
+        connect_timeout and heard "no gRPC server answered"."""
+        started = time.monotonic()
+        if not (yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, self.s.connect_timeout))):
+            yield from self.connected("connect", started)
         # Everything a join sends on: the call stream and the heartbeat stream
         # opened with the join (``OpenStream``), its start out of the join.
         yield OpenStream()
@@ -334,17 +360,35 @@ class Calls:
             return
         yield from self.check_health(started)
 
+    def first_look(self, wait: float) -> Steps[bool]:
+        """Whether the channel connects within ``wait`` (or the daemon answered the
+        TLS probe); else raise the TLS mismatch, if that is why it does not. A READY
+        channel costs nothing more: the call would have waited for it anyway."""
+        self.looked = True
+        if not self.probe.seen_tls and (yield Reachable(wait)):
+            return True
+        return (
+            yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
+        ) is not None
+
     def tls_mismatch(self) -> Steps[str | None]:
         """After a call found no daemon: raise the TLS mismatch that kept its channel
         from connecting, if that is why. A join asks first (``before_join``); a client
         that never joins (attached, or only inspecting) would otherwise hear "is the
         daemon running?" for a wrong CA, or a forgotten one, after every retry. Else,
         when the channel is not connected, what a plain connect there finds."""
-        if not (yield Reachable(0.0)):
-            yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
+        if (yield from self.tls_look()):
             problem: str | None = yield Blocking(functools.partial(dial_problem, self.s.endpoint))
             return problem
         return None
+
+    def tls_look(self) -> Steps[bool]:
+        """Raise the TLS mismatch that keeps the channel from connecting, if that is
+        why; whether the channel is not connected."""
+        if (yield Reachable(0.0)):
+            return False
+        yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
+        return True
 
     def check_health(self, started: float | None = None) -> Steps[None]:
         """Fail fast, with one clear error, when the daemon is down or draining: a
@@ -454,7 +498,7 @@ class Calls:
         """Send the plan's join until answered; a fenced id is replaced, not fatal."""
         while True:
             left = plan.left()
-            plan.request.wait_timeout_ms = int(left * 1000)
+            plan.request.wait_timeout_ms = timeout_ms(left)
             try:
                 return (yield from self.call(method, plan.request, timeout=left + SLACK_S))
             except InvalidRequest as exc:
@@ -481,13 +525,14 @@ class Calls:
         yield from self.call("ReportFailure", self.s.report_request(local_rank, cause))
 
     def barrier(self, name: str, timeout: float | None) -> Steps[None]:
+        check_arg("barrier", "name", name, str)
         check_wait("barrier", "timeout", timeout)
-        wait = timeout or self.s.call_timeout
+        wait = self.s.call_timeout if timeout is None else timeout
         request = self.s.barrier_request(name, wait)
         try:
             yield from self.call("Barrier", request, timeout=wait + SLACK_S)
-        except RendezvousError as exc:
-            self.s.barrier_failed(name, exc)
+        except BaseException:  # a cancelled or interrupted round too
+            self.s.barrier_failed(name)
             raise
 
     def leave(self) -> Steps[None]:
@@ -522,6 +567,9 @@ class Calls:
             s.leave_failed(request, exc)
 
     def abort(self, reason: str, job_id: str | None, generation: int) -> Steps[int]:
+        check_arg("abort", "reason", reason, str)
+        check_arg("abort", "job_id", job_id, str | None)
+        check_arg("abort", "generation", generation, int, UINT64)
         request = pb.AbortJobRequest(
             job_id=job_id or self.s.job_id, generation=generation, reason=reason
         )
@@ -532,13 +580,17 @@ class Calls:
     # -- key-value store -----------------------------------------------------------------
 
     def kv_set(self, key: str, value: bytes) -> Steps[None]:
+        check_arg("kv_set", "key", key, str)
+        check_arg("kv_set", "value", value, bytes)
         yield from self.call("KvSet", pb.KvSetRequest(key=key, value=value, **self.s.scope()))
 
     def kv_get(self, key: str, wait: bool, timeout: float | None) -> Steps[bytes]:
+        check_arg("kv_get", "key", key, str)
         check_wait("kv_get", "timeout", timeout)
-        limit = timeout or self.s.call_timeout
+        # 0 is a wait that ends at once, not the default (None).
+        limit = self.s.call_timeout if timeout is None else timeout
         request = pb.KvGetRequest(
-            key=key, wait=wait, wait_timeout_ms=int(limit * 1000), **self.s.scope()
+            key=key, wait=wait, wait_timeout_ms=timeout_ms(limit), **self.s.scope()
         )
         # The slack is for a wait's answer to come after it; a get that does not wait
         # is any call (with it, a down daemon took call_timeout + 5 s per attempt).
@@ -547,6 +599,8 @@ class Calls:
         return value
 
     def kv_add(self, key: str, delta: int) -> Steps[int]:
+        check_arg("kv_add", "key", key, str)
+        check_arg("kv_add", "delta", delta, int, INT64)
         request = pb.KvAddRequest(key=key, delta=delta, **self.s.scope())
         value: int = (yield from self.call("KvAdd", request)).value
         return value
@@ -554,6 +608,9 @@ class Calls:
     def kv_compare_and_set(
         self, key: str, expected: bytes | None, desired: bytes
     ) -> Steps[tuple[bool, bytes | None]]:
+        check_arg("kv_compare_and_set", "key", key, str)
+        check_arg("kv_compare_and_set", "expected", expected, bytes | None)
+        check_arg("kv_compare_and_set", "desired", desired, bytes)
         request = pb.KvCompareAndSetRequest(key=key, desired=desired, **self.s.scope())
         if expected is not None:
             request.expected = expected
@@ -561,6 +618,7 @@ class Calls:
         return response.swapped, response.current if response.HasField("current") else None
 
     def kv_delete(self, key: str) -> Steps[bool]:
+        check_arg("kv_delete", "key", key, str)
         request = pb.KvDeleteRequest(key=key, **self.s.scope())
         deleted: bool = (yield from self.call("KvDelete", request)).deleted
         return deleted
@@ -599,14 +657,14 @@ class ClientBase(ABC):
     def endpoint(self) -> str:
         return self._s.endpoint
 
-    def _cancelled_by_close(self, exc: BaseException) -> bool:
-        """Whether ``exc`` ended a call because close() came from another thread or
+    def _cancelled_by_close(self) -> bool:
+        """Whether a call ended (its error) because close() came from another thread or
         task meanwhile: gRPC cancels a closing channel's calls (CANCELLED; grpc.aio's
-        unary calls raise asyncio.CancelledError instead). Both clients then raise the
-        closed client's error, as for a call made after close()."""
-        if not self._s.closed:
-            return False
-        return not isinstance(exc, grpc.RpcError) or exc.code() == grpc.StatusCode.CANCELLED
+        unary calls raise asyncio.CancelledError instead), and a parked call is
+        answered PEER_FAILED once close() ended the member's heartbeat stream (the
+        daemon lost it). Both clients then raise the closed client's error, as for a
+        call made after close()."""
+        return self._s.closed
 
     @property
     def membership(self) -> Membership | None:

@@ -7,19 +7,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import os
 import secrets
 import socket
 import threading
 import time
+import types
+from collections import abc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, Unpack, get_args, get_origin, get_type_hints
+from typing import (
+    Any,
+    NotRequired,
+    SupportsIndex,
+    TypedDict,
+    Union,
+    Unpack,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._multiplex import timeout_ms
 from rendezvousd.client.connection import IDEMPOTENT, RetryPolicy, TlsConfig, resolve_token
 from rendezvousd.client.errors import (
     AuthenticationError,
@@ -135,6 +149,69 @@ def check_keywords(call: str, declared: Any, given: Mapping[str, object]) -> Non
     nullable = _nullable(declared)
     for key in sorted(WAITS & set(given)):
         check_wait(call, key, given[key], none_ok=key in nullable)
+    hints = _hints(declared)
+    for key in sorted(set(given) - WAITS):
+        check_arg(call, key, given[key], hints[key])
+
+
+_hints = functools.cache(get_type_hints)
+
+
+#: The request fields the keywords' ints fill are uint32; a KV counter's delta, int64.
+UINT32 = (0, 2**32 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+UINT64 = (0, 2**64 - 1)
+
+
+def check_arg(
+    call: str, name: str, value: object, hint: Any, span: tuple[int, int] = UINT32
+) -> None:
+    """Refuse a value its request field cannot carry as given: protobuf takes None
+    as "unset" (``kv_set(k, None)`` stored b"", ``abort(None)`` an empty reason),
+    raises a bare ValueError for an int out of its range, naming no field, and a
+    TypeError or AttributeError from deep inside for the rest."""
+    options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    if not any(_fits(value, option, span) for option in options):
+        wanted = " or ".join(_described(option, span) for option in options)
+        raise InvalidRequest(f"{call}() {name}={_shown(value)} is not {wanted}")
+
+
+def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
+    origin = get_origin(option)
+    if option is type(None):
+        return value is None
+    if option is int:  # numpy's ints too, as protobuf takes them; never a bool
+        if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+            return False
+        return span[0] <= operator.index(value) <= span[1]
+    if origin is abc.Sequence:
+        (item,) = get_args(option)
+        return (
+            isinstance(value, abc.Sequence)
+            and not isinstance(value, str | bytes)
+            and all(_fits(v, item, span) for v in value)
+        )
+    if origin is abc.Callable:
+        return callable(value)
+    return not isinstance(option, type) or isinstance(value, option)
+
+
+def _described(option: Any, span: tuple[int, int]) -> str:
+    if option is type(None):
+        return "None"
+    if option is int:
+        return f"an int from {span[0]} to {span[1]}"
+    if get_origin(option) is abc.Sequence:
+        return f"a sequence of {_described(get_args(option)[0], span)}"
+    if get_origin(option) is abc.Callable:
+        return "a callable"
+    return getattr(option, "__name__", str(option))
+
+
+def _shown(value: object) -> str:
+    """``value`` in an error: its repr, cut short (it may be a whole tensor)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 # The keywords that are seconds to wait.
@@ -190,12 +267,13 @@ class Session:
     endpoint: str
     job_id: str
     # Out of repr: a traceback showing its frames' locals (Sentry's, by default) would
-    # show every caller's session.
+    # show every caller's session. So are the instance ids below: secrets, as in
+    # Membership and NodeMembership (whoever holds one speaks as the member).
     token: str = field(repr=False)
     retry: RetryPolicy
     call_timeout: float
     connect_timeout: float
-    instance_id: str = ""
+    instance_id: str = field(default="", repr=False)
     joined: Membership | None = None
     barrier_counts: dict[str, int] = field(default_factory=dict)
     failure: RendezvousError | None = None
@@ -212,7 +290,7 @@ class Session:
     # The instance id of the last node seat this client held: its next join_node
     # names it, so the daemon seats it in the seat kept for it after a failure (a
     # newcomer cannot take it). Not cleared by ``begin``: that seat outlives the join.
-    held: str = ""
+    held: str = field(default="", repr=False)
     # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
     nodes_waiting: int = 0
     # The last report_progress, sent with every beat (None: never reported).
@@ -342,7 +420,7 @@ class Session:
             host=r.get("host") or socket.gethostname(),
             addresses=list(r.get("addresses", ())),
             instance_id=self.instance_id,
-            wait_timeout_ms=int(wait * 1000),
+            wait_timeout_ms=timeout_ms(wait),
             last_call_ms=int((r.get("last_call") or 0) * 1000),
             slim=True,
             standby=r.get("standby", False),
@@ -442,23 +520,28 @@ class Session:
             address=r.get("address", ""),
             unique_id=plan.make_id() if known_rank_zero else b"",
             instance_id=self.instance_id,
-            wait_timeout_ms=int(timeout * 1000),
+            wait_timeout_ms=timeout_ms(timeout),
             slim=True,
         )
         if node_rank is not None:
             plan.request.node_rank = node_rank
         return plan
 
-    def barrier_failed(self, name: str, error: RendezvousError) -> None:
-        """The daemon did not apply this round (its storage failed, so it undid it): the
-        next barrier() of ``name`` sends the same round again, which the daemon answers at
-        once should it have completed after all."""
-        if error.reason == "STORAGE_UNAVAILABLE":
+    def barrier_failed(self, name: str) -> None:
+        """This round of ``name`` ended without its answer (timed out, cancelled, its
+        storage failed, its answer lost): the next barrier() of ``name`` sends the same
+        round again, which the daemon answers at once should it have completed after
+        all. Counted as done, the name was unusable for the rest of the generation: the
+        daemon, which withdrew the timed-out arrival, refused the next round as "out of
+        order" and the other ranks waited for this one."""
+        if self.barrier_counts.get(name, 0) > 0:
             self.barrier_counts[name] -= 1
 
     def scope(self) -> dict[str, Any]:
         """The fields naming this member on Barrier, key-value and Heartbeat requests:
         the daemon answers only the worker instance that joined as the rank."""
+        if self.closed:  # close() forgot the member: not "call join() first"
+            raise self.closed_error()
         return self._fields(self.member())
 
     def _fields(self, who: Membership | NodeMembership) -> dict[str, Any]:
@@ -476,7 +559,7 @@ class Session:
         scope = self.scope()  # first: a failed member must not count a barrier round
         sequence = self.barrier_counts[name] = self.barrier_counts.get(name, 0) + 1
         return pb.BarrierRequest(
-            **scope, name=name, sequence=sequence, wait_timeout_ms=int(wait * 1000)
+            **scope, name=name, sequence=sequence, wait_timeout_ms=timeout_ms(wait)
         )
 
     def event_error(self, event: pb.JobEvent) -> RendezvousError | None:
@@ -791,11 +874,13 @@ class JoinPlan:
     """The decisions of one ``join()`` call, shared by the sync and asyncio clients."""
 
     session: Session
-    unique_id: bytes | None
+    # Out of repr, as Session's secrets: the id, and the request that carries it and
+    # the instance id.
+    unique_id: bytes | None = field(repr=False)
     id_factory: Callable[[], bytes] | None
     timeout: float
     started: float
-    request: pb.JoinRequest | pb.JoinNodeRequest = field(default_factory=pb.JoinRequest)
+    request: pb.JoinRequest | pb.JoinNodeRequest = field(default_factory=pb.JoinRequest, repr=False)
 
     def make_id(self) -> bytes:
         """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128
@@ -826,7 +911,7 @@ class JoinPlan:
             rank=response.rank,
             instance_id=self.session.instance_id,
             unique_id=self.make_id(),
-            wait_timeout_ms=int(self.left() * 1000),
+            wait_timeout_ms=timeout_ms(self.left()),
             slim=True,
         )
 

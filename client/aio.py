@@ -28,6 +28,7 @@ from rendezvousd.client._session import (
     log,
 )
 from rendezvousd.client._tables import BlockingMembers
+from rendezvousd.client.errors import InvalidRequest
 from rendezvousd.client.membership import Member, Membership, NodeMembership
 from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, submit_on
 
@@ -91,6 +92,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         return self._mux
 
     async def _run(self, calls: steps.Steps[T]) -> T:
+        self._check_loop()
         run = steps.Run(calls)
         for step in run:
             try:
@@ -98,6 +100,22 @@ class AsyncRendezvousClient(steps.ClientBase):
             except BaseException as exc:  # thrown into the call, which decides
                 run.error = exc
         return run.value
+
+    def _check_loop(self) -> None:
+        """grpc.aio binds a channel to the event loop it was made on (the running one,
+        else the thread's current one). Used on another, every call failed with
+        asyncio's "attached to a different loop", naming no job: a client made at
+        module level, then used inside asyncio.run()."""
+        made_on = getattr(self._channel, "_loop", None)  # grpc.aio's own record of it
+        if made_on is not None and made_on is not asyncio.get_running_loop():
+            raise InvalidRequest(
+                f"the AsyncRendezvousClient of job {self._s.job_id!r} at {self._s.endpoint} "
+                "was made outside the event loop it is used on (grpc.aio binds its channel "
+                "to the loop it is made on): make it inside the coroutine that uses it, "
+                "e.g. under asyncio.run(), or use RendezvousClient",
+                endpoint=self._s.endpoint,
+                job_id=self._s.job_id,
+            )
 
     async def _perform(self, step: steps.Step) -> Any:
         if self._s.closed:
@@ -108,15 +126,15 @@ class AsyncRendezvousClient(steps.ClientBase):
                     with contextlib.suppress(Unsupported):  # an older daemon, a full stream
                         return await self._mux.call(step.method, step.request, step.timeout)
                 return await step.invoke(self._stub, self._health, self._s.metadata)
-            except grpc.RpcError as exc:
-                if self._cancelled_by_close(exc):
+            except grpc.RpcError:
+                if self._cancelled_by_close():
                     raise self._s.closed_error() from None
                 raise
-            except asyncio.CancelledError as exc:
+            except asyncio.CancelledError:
                 # Unless the caller's task is itself being cancelled: escaping, it was
                 # not caught by ``except Exception`` and read as that task's cancellation.
                 task = asyncio.current_task()
-                if self._cancelled_by_close(exc) and (task is None or not task.cancelling()):
+                if self._cancelled_by_close() and (task is None or not task.cancelling()):
                     raise self._s.closed_error() from None
                 raise
         if isinstance(step, steps.Sleep):
@@ -375,7 +393,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         return await self._run(self._c.fetch_members())
 
     async def close(self) -> None:
-        self._s.closed = True
+        self._s.closed = True  # first: see RendezvousClient.close
         await self._stop_heartbeat()
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:

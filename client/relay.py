@@ -197,6 +197,9 @@ def _link_ended() -> grpc.RpcError:
 
 #: Why a relayed call unanswered at its own deadline failed, and why the worker's
 #: other calls then fail over to its own channel.
+#: The reason of a call no answer came for through the agent: the SDK's own, not a
+#: daemon's verdict, so the retry policy re-makes it on the worker's own channel.
+RELAY_STALLED = "RELAY_STALLED"
 _STALLED = (
     "no answer through the node agent within the call's deadline (the agent, or its "
     "stream to the daemon, is stuck); this worker makes its calls on its own channel "
@@ -274,7 +277,7 @@ class _Relayed:
         # The reason RELAY_STALLED (the SDK's own, never the daemon's): a call the retry
         # policy does not re-make says why, not "the daemon did not answer in time".
         return status_error(
-            _rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, "RELAY_STALLED", _STALLED)
+            _rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, RELAY_STALLED, _STALLED)
         )
 
 
@@ -290,6 +293,9 @@ class RelayedCalls(_Relayed):
         except TimeoutError:
             if (stalled := self._timed_out(call_id)) is not None:
                 raise stalled from None
+        except BaseException:  # interrupted: as BlockingCallStream.call
+            self._give_up(call_id)
+            raise
         return waiter.result()  # answered as its deadline passed
 
     def close(self) -> None:

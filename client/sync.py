@@ -172,8 +172,8 @@ class RendezvousClient(steps.ClientBase):
                     with contextlib.suppress(Unsupported):  # an older daemon, a full stream
                         return self._mux.call(step.method, step.request, step.timeout)
                 return step.invoke(self._stub, self._health, self._s.metadata)
-            except grpc.RpcError as exc:
-                if self._cancelled_by_close(exc):  # it was ProtocolError "CANCELLED"
+            except grpc.RpcError:
+                if self._cancelled_by_close():  # was ProtocolError "CANCELLED", or PeerFailed
                     raise self._s.closed_error() from None
                 raise
         if isinstance(step, steps.Sleep):
@@ -479,9 +479,12 @@ class RendezvousClient(steps.ClientBase):
     def close(self) -> None:
         """Close without Leave: a joined worker closing this way counts as lost."""
         _open.discard(self)
+        # First: the heartbeat stream's end makes the daemon lose this member and
+        # answer its parked calls PEER_FAILED, blaming this very rank; closed, they
+        # end as the closed client's (``_cancelled_by_close``).
+        self._s.closed = True
         self._stop_heartbeat()
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
-        self._s.closed = True
         if self._mux is not None:
             self._mux.close()
         self._channel.close()

@@ -141,6 +141,8 @@ def _status(args: argparse.Namespace) -> int:
             tls=tls,
             connect_timeout=args.timeout,
             call_timeout=args.timeout,
+            # "Seconds before giving up": the SDK's retry waited them twice.
+            retry_attempts=0,
         ) as client:
 
             def snapshot() -> str:

@@ -89,6 +89,8 @@ class RendezvousServicer:
         self._delivering: set[asyncio.Task[RendezvousFault | None]] = set()
         self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now, self._durably)
         self._answers = JoinAnswers(state.timing)
+        # Set by drain(): heartbeat streams still waiting for their first beat end.
+        self._draining = asyncio.Event()
         self._calls = CallStream(
             {
                 field: self._guard(method, getattr(self, method))
@@ -377,16 +379,40 @@ class RendezvousServicer:
         self, requests: AsyncIterator[pb.HeartbeatRequest], context: Any
     ) -> AsyncIterator[pb.JobEvent]:
         iterator = requests.__aiter__()
-        try:
-            first = await iterator.__anext__()
-        except StopAsyncIteration:
+        first = await self._first_beat(iterator)
+        if first is None:
             return
         _authorize("Heartbeat", first.job_id)
         async for event in self.streams.serve(first, iterator):
             yield event
 
+    async def _first_beat(
+        self, iterator: AsyncIterator[pb.HeartbeatRequest]
+    ) -> pb.HeartbeatRequest | None:
+        """A heartbeat stream's first beat; None when the stream ends first, or the
+        daemon drains first. The SDK opens its stream ahead of the join (``connect()``,
+        and a join answered DRAINING keeps it): such a stream, no member's yet, held a
+        drain for its whole grace period (10 s by default). Its client opens another."""
+        if self._draining.is_set():
+            return None
+        beat = asyncio.ensure_future(anext(iterator))
+        drained = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait((beat, drained), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+        if not beat.done():
+            beat.cancel()
+            return None
+        try:
+            return beat.result()
+        except StopAsyncIteration:
+            return None
+
     def drain(self) -> None:
-        """The daemon is stopping: the Calls streams end once their calls are answered."""
+        """The daemon is stopping: the Calls streams end once their calls are answered,
+        and heartbeat streams that never sent a beat end now."""
+        self._draining.set()
         self._calls.drain()
 
     async def Calls(self, calls: AsyncIterator[pb.Call], context: Any) -> AsyncIterator[bytes]:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rendezvousd.client import AsyncRendezvousClient, aio
+from rendezvousd.client import AsyncRendezvousClient, InvalidRequest, aio
 from tests.support import DaemonProcess
 
 
@@ -54,3 +54,28 @@ async def test_leave_right_after_start_heartbeat_ends_the_stream(
         await asyncio.wait_for(c.leave(), 10)
         await asyncio.wait_for(c.close(), 10)
         assert c._hb_task is None
+
+
+def test_a_client_made_outside_its_event_loop_says_so(daemon: DaemonProcess, job_id: str) -> None:
+    """grpc.aio binds a channel to the loop it is made on: a client made at module
+    level and used under asyncio.run() failed every call with asyncio's "attached to
+    a different loop" (a RuntimeError naming no job), or hung on the stream."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)  # where grpc.aio binds a client made outside a loop
+        c = AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    finally:
+        asyncio.set_event_loop(None)
+
+    async def join() -> None:
+        await asyncio.wait_for(c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5), 10)
+
+    with pytest.raises(InvalidRequest, match="made outside the event loop it is used on"):
+        asyncio.run(join())
+    # On its own loop it works.
+    membership = loop.run_until_complete(
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
+    )
+    assert membership.rank == 0
+    loop.run_until_complete(c.close())
+    loop.close()

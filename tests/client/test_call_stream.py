@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import re
 import secrets
 import signal
@@ -255,6 +256,41 @@ async def test_a_cancelled_call_is_cancelled_on_the_daemon(
         assert await c.kv_add("n") == 1
     finally:
         await c.close()
+
+
+class Interrupted(BaseException):
+    """What a signal handler raises in the waiting thread (KeyboardInterrupt's kind)."""
+
+
+def test_an_interrupted_call_is_cancelled_on_the_daemon(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """Ctrl-C in the sync client's waiting call left its wait parked at the daemon
+    until its own deadline (600 s here), holding a waiter slot, where an asyncio
+    caller's cancellation released it at once."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    c = RendezvousClient(d.endpoint, job_id, token=d.token)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        c.start_heartbeat()
+        # To the process, as Ctrl-C is: Linux hands it to the main thread, waiting in
+        # the call (raise_signal() would go to the timer's own thread, and the main
+        # thread's wait would not be woken to run the handler).
+        timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(Interrupted):
+            c.kv_get("never", timeout=600)
+        timer.join()
+        wait_for("the interrupted KvGet gone from the daemon", lambda: waiters(d) == 0, 5)
+        assert c.kv_add("n") == 1  # the stream goes on
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        c.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -92,6 +92,12 @@ def test_two_nodes_of_two_form_with_rank_blocks_and_one_id(
         assert [x.rank for x in w.members] == [0, 1, 2, 3]
         assert w.members[w.rank].host == f"node{ms.index(m)}"
     assert "unique_id" not in repr(ms[0]) and ms[0].member_instance_id(0) not in repr(ms[0])
+    # Nor in the client's session (a traceback showing its frames' locals shows it),
+    # which held the agent's instance id and the seat it names at its next join_node.
+    for agent in agents[:2]:
+        session = repr(agent._s)
+        assert agent._s.instance_id not in session and agent._s.held not in session
+        assert ID0.hex() not in session and repr(ID0) not in session
 
 
 def test_elastic_forms_with_min_after_last_call(agents: list[RendezvousClient]) -> None:

@@ -5,6 +5,7 @@ scenario must end the same way for both (the same outcome, the same error)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import socket
 import threading
@@ -287,6 +288,21 @@ def plaintext_client_that_never_joins_hears_tls(w: World) -> object:
     return error_of(c.list_jobs), error_of(lambda: c.kv_add("n"))
 
 
+def plaintext_connect_or_inspection_hears_tls_at_once(w: World) -> object:
+    """connect() waited its whole connect_timeout (20 s here), then blamed "no gRPC
+    server answered"; an inspecting client's first call (list_jobs(), `rendezvousd
+    status`) heard the TLS mismatch after its call timeout and a retry (40 s here)."""
+    d = w.start_daemon("--tls-cert", str(w.pki.server), "--tls-key", str(w.pki.server_key))
+    outcomes = []
+    for call in ("connect", "list_jobs"):
+        c = w.client(d, connect_timeout=20, call_timeout=20)
+        started = time.monotonic()
+        with pytest.raises(AuthenticationError, match="speaks TLS") as info:
+            getattr(c, call)()
+        outcomes.append((call, info.value.reason, time.monotonic() - started < 5.0))
+    return outcomes
+
+
 def daemon_down_is_unavailable(w: World) -> object:
     """Within connect_timeout in all: a Check retried as a transient failure waited it
     once per attempt (4 s here)."""
@@ -388,6 +404,115 @@ def daemon_killed_during_a_call(w: World) -> object:
     return outcomes
 
 
+def two_joined(w: World, job_id: str, **options: Any) -> list[Twin]:
+    """Two members of ``job_id`` (one node of two), heartbeating."""
+    cs = [
+        Twin(w.kind, w.daemon.endpoint, job_id, token=w.daemon.token, **options) for _ in range(2)
+    ]
+    w.made.extend(cs)
+    all_of(
+        parallel(
+            [
+                lambda c=c, i=i: c.join(  # type: ignore[misc]
+                    num_nodes=1, gpus_per_node=2, local_rank=i, timeout=20
+                )
+                for i, c in enumerate(cs)
+            ]
+        )
+    )
+    for c in cs:
+        c.start_heartbeat()
+    return cs
+
+
+def barrier_round_is_sent_again(w: World) -> object:
+    """A round that timed out was counted as done: the daemon, which withdrew the
+    arrival, refused the next barrier() of the name as "out of order" (ProtocolError)
+    and the other rank waited out its timeout for this one."""
+    a, b = two_joined(w, w.job_id)
+    timed_out = error_of(lambda: a.barrier("step", timeout=1))
+    both = parallel([lambda: a.barrier("step", timeout=10), lambda: b.barrier("step", timeout=10)])
+    return timed_out, both
+
+
+def waits_end_when_asked(w: World) -> object:
+    """A KvGet's own timeout, answered by the daemon, was retried as a lost answer
+    (twice the wait, then "not set within" once it); a wait of 0 meant call_timeout."""
+    a, _ = two_joined(w, w.job_id, call_timeout=8)
+    outcomes = []
+    for wait, limit in (
+        (lambda: a.kv_get("absent", timeout=1.5), 2.5),
+        (lambda: a.kv_get("absent", timeout=0), 1.0),
+        (lambda: a.barrier("alone", timeout=0), 1.0),
+    ):
+        started = time.monotonic()
+        outcomes.append((*error_of(wait), time.monotonic() - started < limit))
+    return outcomes
+
+
+def closed_member_refuses_calls(w: World) -> object:
+    """A member's calls after close() said "not joined ... call join() first", and
+    doing so said "closed"."""
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    c.__getattr__("close")()
+    refused = []
+    for call in (lambda: c.kv_set("k", b"v"), lambda: c.kv_get("k"), lambda: c.barrier("b")):
+        with pytest.raises(RendezvousError) as info:
+            call()
+        refused.append((type(info.value).__name__, "is closed" in str(info.value)))
+    return refused
+
+
+def closing_ends_parked_calls_as_closed(w: World) -> object:
+    """close() from another thread while a member's calls are parked at the daemon:
+    the sync client stopped its heartbeat first, so the daemon lost the member and
+    answered the parked calls PeerFailed, blaming this very rank (3 rounds in 4)."""
+    outcomes = []
+    for round_ in range(3):
+        a, _ = two_joined(w, f"{w.job_id}-{round_}")
+        ended: list[object] = []
+
+        def park(call: Callable[[], Any], ended: list[object] = ended) -> None:
+            with pytest.raises(RendezvousError) as info:
+                call()
+            ended.append((type(info.value).__name__, "is closed" in str(info.value)))
+
+        waiting = [
+            threading.Thread(target=park, args=(functools.partial(a.kv_get, "never", timeout=30),)),
+            threading.Thread(target=park, args=(functools.partial(a.barrier, "x", timeout=30),)),
+        ]
+        for t in waiting:
+            t.start()
+        time.sleep(0.5)
+        Twin.__getattr__(a, "close")()
+        for t in waiting:
+            t.join(10)
+        outcomes.append(sorted(ended))  # type: ignore[type-var]
+    return outcomes
+
+
+def values_a_request_cannot_carry_are_refused(w: World) -> object:
+    """protobuf took None as "unset" (kv_set(k, None) stored b"", abort(None) aborted
+    with no reason) and raised bare ValueErrors or TypeErrors for the rest."""
+    c = w.client()
+    refused = [
+        error_of(lambda: c.join(num_nodes=None, gpus_per_node=1, local_rank=0)),
+        error_of(lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=-1)),
+        error_of(lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=0, address=None)),
+    ]
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    refused += [
+        error_of(lambda: c.kv_set("k", None)),
+        error_of(lambda: c.kv_add("n", 2**63)),
+        error_of(lambda: c.kv_compare_and_set("k", b"v", None)),
+        error_of(lambda: c.abort(None)),
+    ]
+    with pytest.raises(RendezvousError):
+        c.kv_get("k", wait=False)  # nothing was stored
+    return refused
+
+
 def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
     """A daemon that accepts connections and never answers: reading the table of a
     slim join (a plain property, which the asyncio client serves over a blocking
@@ -479,6 +604,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         plaintext_client_that_never_joins_hears_tls,
         (("AuthenticationError", ""), ("AuthenticationError", "")),
     ),
+    "tls refusal at connect() or inspection": (
+        plaintext_connect_or_inspection_hears_tls_at_once,
+        [("connect", "", True), ("list_jobs", "", True)],
+    ),
     "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check", True, True)),
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
     "a closed client": (
@@ -503,6 +632,27 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "daemon killed during a call": (
         daemon_killed_during_a_call,
         [("DaemonUnreachable", True, True), ("DaemonUnavailable", True, True)],
+    ),
+    "a barrier round that timed out": (
+        barrier_round_is_sent_again,
+        (("RendezvousTimeout", "BARRIER_TIMEOUT"), [None, None]),
+    ),
+    "waits end when asked": (
+        waits_end_when_asked,
+        [
+            ("RendezvousTimeout", "KEY_WAIT_TIMEOUT", True),
+            ("RendezvousTimeout", "KEY_WAIT_TIMEOUT", True),
+            ("RendezvousTimeout", "BARRIER_TIMEOUT", True),
+        ],
+    ),
+    "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 3),
+    "closed with calls parked": (
+        closing_ends_parked_calls_as_closed,
+        [[("InvalidRequest", True)] * 2] * 3,
+    ),
+    "values a request cannot carry": (
+        values_a_request_cannot_carry_are_refused,
+        [("InvalidRequest", "")] * 7,
     ),
     "a silent daemon's table": (
         silent_daemon_fails_a_table_fetch_alike,

@@ -199,3 +199,25 @@ def test_sdk_waiters_get_daemon_unavailable_promptly(
     for error in answered.values():
         assert isinstance(error, DaemonUnavailable), error
         assert error.reason == "DRAINING", error
+
+
+def test_a_stream_opened_ahead_of_its_join_does_not_hold_up_the_drain(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """The SDK opens its heartbeat stream before the join (``connect()``, and a join
+    answered DRAINING leaves it open): a stream that never sent its first beat held
+    the drain for the whole grace period (10 s here)."""
+    d = start_daemon("--drain-grace-s", str(GRACE_S))
+    client = RendezvousClient(d.endpoint, job_id, token=d.token)
+    try:
+        client.connect()
+        time.sleep(0.5)  # the stream's call is at the daemon
+        sent = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        code = d.proc.wait(GRACE_S + 5)
+        elapsed = time.monotonic() - sent
+    finally:
+        client.close()
+    assert code == 0
+    assert elapsed < GRACE_S / 2, f"the drain took {elapsed:.1f} s"
+    assert "Traceback" not in d.log()
