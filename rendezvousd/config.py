@@ -165,21 +165,28 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         validate(self, ConfigError)
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+            raise ConfigError(
+                "tls_cert and tls_key go together: give both or neither",
+                keys=("tls_cert", "tls_key"),
+            )
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+            raise ConfigError(
+                "tls_client_ca (mTLS) needs tls_cert and tls_key", keys=("tls_client_ca",)
+            )
         tls = self.tls_cert is not None
         if _plaintext_off_host(self.listen, tls, allowed=self.insecure_plaintext):
             raise ConfigError(
                 f"refusing to serve plaintext on non-loopback address {self.listen!r}: "
-                "pass --tls-cert/--tls-key, or --insecure-plaintext if the network is trusted"
+                "pass --tls-cert/--tls-key, or --insecure-plaintext if the network is trusted",
+                keys=("listen", "insecure_plaintext"),
             )
         if _plaintext_off_host(self.metrics_listen, tls, allowed=self.insecure_metrics):
             raise ConfigError(
                 f"refusing to serve /metrics in plaintext on non-loopback address "
                 f"{self.metrics_listen!r} (it names jobs' states to anyone who connects): "
                 "listen on 127.0.0.1 and scrape through a sidecar, pass --tls-cert/--tls-key, "
-                "or --insecure-metrics if a network policy limits who can reach it"
+                "or --insecure-metrics if a network policy limits who can reach it",
+                keys=("metrics_listen", "insecure_metrics"),
             )
 
     def limits(self) -> Limits:

@@ -25,7 +25,13 @@ class DaemonError(Exception):
 
 
 class ConfigError(DaemonError, ValueError):
-    """A configuration value is invalid; the message quotes it and says what to do."""
+    """A configuration value is invalid; the message quotes it and says what to do.
+    ``keys``: the settings a refusal of several together is about, whose origins
+    (flag, env, file) the error then names (``Schema.build``)."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 class Code(enum.Enum):

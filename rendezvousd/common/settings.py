@@ -440,7 +440,8 @@ class Schema(Generic[T]):
         try:
             built: T = self._construct(self.cls, "", merged)
         except self.error as exc:
-            raise self.error(f"{exc}{self._origins(str(exc), merged)}") from None
+            keys = getattr(exc, "keys", ())
+            raise self.error(f"{exc}{self._origins(str(exc), merged, keys)}") from None
         return built
 
     def _construct(self, cls: type[Any], prefix: str, merged: Layer) -> Any:
@@ -455,12 +456,19 @@ class Schema(Generic[T]):
         return cls(**kwargs)
 
     @staticmethod
-    def _origins(message: str, merged: Layer) -> str:
+    def _origins(message: str, merged: Layer, keys: Sequence[str] = ()) -> str:
+        """Where the values a refusal names came from: its ``keys`` when it gave them,
+        else the settings whose names its message mentions (a refusal of
+        metrics_listen that says "listen on 127.0.0.1" named --listen, not it)."""
         named = [
             f"{key} from {value.origin}"
             for key, value in merged.items()
             if value.origin != "the given config"
-            and re.search(rf"(?<![\w.]){re.escape(key.rsplit('.', 1)[-1])}\b", message)
+            and (
+                key in keys
+                if keys
+                else re.search(rf"(?<![\w.]){re.escape(key.rsplit('.', 1)[-1])}\b", message)
+            )
         ]
         return f" ({'; '.join(named)})" if named else ""
 

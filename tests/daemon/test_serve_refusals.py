@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import ssl
 import subprocess
@@ -36,6 +37,31 @@ def test_metrics_on_a_non_loopback_address_without_tls_is_refused(tmp_path: Path
     assert code == 2, err
     assert "refusing to serve /metrics in plaintext" in err
     assert "--insecure-metrics" in err and "serving" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "origin"),
+    [
+        # Named by the words in the message, the metrics refusal blamed --listen.
+        (
+            ["--listen", "127.0.0.1:0"],
+            {"RENDEZVOUSD_METRICS_LISTEN": "0.0.0.0:9464"},
+            "(metrics_listen from $RENDEZVOUSD_METRICS_LISTEN)",
+        ),
+        ([], {"RENDEZVOUSD_LISTEN": "0.0.0.0:1"}, "(listen from $RENDEZVOUSD_LISTEN)"),  # none
+    ],
+)
+def test_a_refusal_names_where_its_value_came_from(
+    tmp_path: Path, args: list[str], env: dict[str, str], origin: str
+) -> None:
+    token = tmp_path / "token"
+    write_token(token)
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token), *args],
+        capture_output=True, text=True, timeout=30, check=False, env={**os.environ, **env},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.rstrip().endswith(origin), done.stderr
 
 
 def test_insecure_metrics_opt_in_serves_on_any_address(
