@@ -14,6 +14,8 @@ heartbeats within the heartbeat timeout.
 from __future__ import annotations
 
 import base64
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +30,13 @@ from rendezvousd.state.machine import RendezvousState
 
 SCHEMA = 1
 
+#: Unix time minus this process's monotonic clock, read once: a job's ``state_since``
+#: (monotonic, which dies with the process) is kept as Unix time, so the job TTL and
+#: the age `status` shows go on across a restart instead of starting again. One
+#: constant keeps a record the same from commit to commit (an unchanged row is not
+#: written again).
+_WALL_OFFSET = time.time() - time.monotonic()
+
 
 def dump(state: RendezvousState) -> dict[str, Any]:
     return {"schema": SCHEMA, "jobs": [_job(job) for job in state.jobs.values()]}
@@ -41,6 +50,7 @@ def job_record(job: Job) -> dict[str, Any]:
         "gpus_per_node": job.gpus_per_node,
         "generation": job.generation,
         "state": job.state.name,
+        "state_since_unix": round(job.state_since + _WALL_OFFSET, 3),
         "members": [
             {
                 "rank": m.rank,
@@ -236,6 +246,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         now,
     )
     _world(job.num_nodes, job.gpus_per_node, "num_nodes")
+    job.state_since = _state_since(raw, now)
     # Rows written before the history was bounded may hold more (sorted, so which ones
     # are kept is arbitrary then): the newest USED_ID_HISTORY are kept.
     job.used_id_digests = IdHistory(
@@ -285,6 +296,19 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
             raise ValueError("a RUNNING job must have every rank of its world as a member")
         job.gen.member_table = tuple(job.gen.members[r].info() for r in sorted(job.gen.members))
     return job
+
+
+def _state_since(raw: Mapping[str, Any], now: float) -> float:
+    """When the job entered its state, on this process's clock; ``now`` for rows
+    written before it was kept, and never later than ``now`` (a clock set back).
+    A job that ended before the restart expires ``job_ttl_s`` after its end, not
+    after the restart: a daemon restarting more often than that never forgot one."""
+    if "state_since_unix" not in raw:
+        return now
+    since = raw["state_since_unix"]
+    if isinstance(since, bool) or not isinstance(since, int | float) or not math.isfinite(since):
+        raise ValueError("state_since_unix must be a number of Unix seconds")
+    return min(now, float(since) - _WALL_OFFSET)
 
 
 def _restore_nodes(job: Job, raw: Mapping[str, Any], now: float) -> None:

@@ -265,3 +265,20 @@ def test_sigkill_and_restart_keeps_running_members_and_their_data(tmp_path: Path
         for c in clients:
             c.close()
         d2.kill()
+
+
+def test_a_job_keeps_its_age_across_a_restart(tmp_path: Path) -> None:
+    """When a job entered its state died with the old process's clock: restored, an
+    ended job's TTL (and the age `status` shows) started again, so a daemon
+    restarting more often than job_ttl_s never forgot one, and each held a
+    --max-jobs slot."""
+    sm = RendezvousState()
+    ended_at = time.monotonic() - 100.0
+    sm.join(_args(0, uid=ID), ended_at - 1.0)
+    sm.join(_args(1), ended_at - 1.0)
+    sm.leave("j", 1, 0, "i0", ended_at)
+    sm.leave("j", 1, 1, "i1", ended_at)
+    assert sm.jobs["j"].state is JobState.ENDED
+    back = _roundtrip(sm, tmp_path).jobs["j"]
+    assert back.state is JobState.ENDED
+    assert back.state_since == pytest.approx(ended_at, abs=1.0)

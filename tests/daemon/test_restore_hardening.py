@@ -61,6 +61,8 @@ def _state_dir_with_a_running_job(state: Path) -> None:
          "members[].instance_id must not be empty"),
         ("UPDATE jobs SET detail = json_set(detail, '$.barriers', json('{\"b\": 9223372036854775807}'))",
          "completed must be an integer in 0..4611686018427387904"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.state_since_unix', 'yesterday')",
+         "state_since_unix must be a number of Unix seconds"),
     ],
 )  # fmt: skip
 def test_a_bad_restored_field_refuses_start_up_naming_the_row(
