@@ -55,6 +55,7 @@ from rendezvousd.client.membership import (
     from_join_node_response,
     from_join_response,
 )
+from rendezvousd.common.address import AddressError, parse_address
 from rendezvousd.common.escape import bounded
 from rendezvousd.common.members import failed_text
 from rendezvousd.common.validation import LONGEST_WAIT_S, UNIQUE_ID_BYTES
@@ -155,6 +156,22 @@ def check_keywords(call: str, declared: Any, given: Mapping[str, object]) -> Non
 
 
 _hints = functools.cache(get_type_hints)
+
+
+#: gRPC's own target schemes (``dns:///host:port``, ...): passed to gRPC as they are.
+_GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:", "xds:")
+
+
+def check_endpoint(endpoint: object) -> None:
+    """Refuse an endpoint no daemon can be at: gRPC takes ``localhost`` (port 443)
+    and ``host::x`` as targets and waits the whole connect timeout on them, which
+    then read as a daemon that is down. gRPC's own URIs are left to it."""
+    if isinstance(endpoint, str) and ("://" in endpoint or endpoint.startswith(_GRPC_SCHEMES)):
+        return
+    try:
+        parse_address(endpoint, what="endpoint", allow_unix=True)  # type: ignore[arg-type]
+    except AddressError as exc:
+        raise InvalidRequest(str(exc), endpoint=str(endpoint)) from None
 
 
 #: The request fields the keywords' ints fill are uint32; a KV counter's delta, int64.
@@ -317,6 +334,7 @@ class Session:
     @classmethod
     def create(cls, endpoint: str, job_id: str, options: ClientOptions) -> Session:
         """A client's session, with the constructor's defaults for what it left out."""
+        check_endpoint(endpoint)
         return cls(
             endpoint,
             job_id,

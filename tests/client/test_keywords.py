@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,3 +117,21 @@ def _close_made() -> Iterator[None]:
 def _client() -> RendezvousClient:
     _made.append(RendezvousClient(ENDPOINT, "j", token="t", connect_timeout=0.1))
     return _made[-1]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "said"),
+    [
+        ("localhost", "is malformed: expected 'host:port'"),  # gRPC dialed port 443
+        ("garbage::x", "wrap IPv6 hosts as '[addr]:port'"),
+        ("host:0", "has port '0'"),
+    ],
+)
+def test_an_endpoint_no_daemon_can_be_at_is_refused_at_once(endpoint: str, said: str) -> None:
+    """gRPC took these as targets, and every call waited its whole connect timeout
+    before "could not be connected", as for a daemon that is down."""
+    for make in (RendezvousClient, AsyncRendezvousClient):
+        with pytest.raises(InvalidRequest, match=re.escape(said)):
+            make(endpoint, "j", token="t")
+    for fine in ("127.0.0.1:9", "[::1]:9", "unix:/run/rendezvousd.sock", "dns:///daemon:9"):
+        RendezvousClient(fine, "j", token="t").close()
