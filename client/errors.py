@@ -5,7 +5,8 @@
     │   └── DaemonUnreachable       the heartbeat stream heard nothing for the whole window:
     │                               failure detection is gone (not a peer failure)
     ├── AuthenticationError         the daemon refused the token or certificate
-    ├── InvalidRequest              the daemon rejected a field (bad job id, id, rank...)
+    ├── InvalidRequest              the daemon rejected a field (bad job id, id, rank...),
+    │                               or kv_add met a key that holds no counter
     ├── TopologyMismatch            num_nodes/gpus_per_node differ from the job's
     ├── DuplicateRank               another worker holds this (node_rank, local_rank)
     ├── IdConflict                  a different unique id is already published
@@ -223,6 +224,8 @@ def _ints(text: str) -> list[int]:
 _BY_REASON: dict[str, type[RendezvousError]] = {
     "TOPOLOGY_MISMATCH": TopologyMismatch,
     "JOIN_MODE_MISMATCH": InvalidRequest,
+    # A usage error, as a bad field is (it was ProtocolError: "anything else").
+    "NOT_A_COUNTER": InvalidRequest,
     "DUPLICATE_RANK": DuplicateRank,
     "ID_CONFLICT": IdConflict,
     "STALE_GENERATION": StaleGeneration,
@@ -307,8 +310,12 @@ def from_rpc_error(
         metadata = {"limit": "max_message_bytes"}
         message = (
             f"{where}{who}: the request is {sizes['sent']} bytes, over the "
-            f"{sizes['max']} bytes the daemon takes in one message (its max_message_bytes); "
-            "a KV value must also fit its max_value_bytes (32 KiB unless configured)"
+            f"{sizes['max']} bytes the daemon takes in one message (its max_message_bytes)"
+            + (
+                "; a KV value must also fit its max_value_bytes (32 KiB unless configured)"
+                if method.startswith("Kv")
+                else ""
+            )
         )
     else:
         message = f"{where}{who} failed with {code.name}: {details}"

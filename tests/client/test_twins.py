@@ -510,6 +510,8 @@ def values_a_request_cannot_carry_are_refused(w: World) -> object:
     ]
     with pytest.raises(RendezvousError):
         c.kv_get("k", wait=False)  # nothing was stored
+    c.kv_set("text", b"x")
+    refused.append(error_of(lambda: c.kv_add("text")))  # a usage error, not ProtocolError
     return refused
 
 
@@ -652,7 +654,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     ),
     "values a request cannot carry": (
         values_a_request_cannot_carry_are_refused,
-        [("InvalidRequest", "")] * 7,
+        [("InvalidRequest", "")] * 7 + [("InvalidRequest", "NOT_A_COUNTER")],
     ),
     "a silent daemon's table": (
         silent_daemon_fails_a_table_fetch_alike,

@@ -141,6 +141,10 @@ def test_kv_key_and_value_sizes(daemon: DaemonProcess, job_id: str) -> None:
             client.kv_set("v", b"x" * (70 * KIB))
         assert info.value.limit == "max_message_bytes"
         assert client.kv_get("v", wait=False) == b"x" * (32 * KIB)
+        # Another call's message says nothing of KV values.
+        with pytest.raises(LimitExceeded, match=r"over the 65536 bytes") as info:
+            client.abort("x" * (70 * KIB))
+        assert "max_value_bytes" not in str(info.value)
 
         for bad in ("", "a\x00b", "new\nline"):
             with pytest.raises(InvalidRequest) as bad_info:
