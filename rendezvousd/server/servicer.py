@@ -271,7 +271,8 @@ class RendezvousServicer:
             result = await self._settle(self.state.join(args, _now()), left_ms, context)
             if not isinstance(result, Rejoin):
                 break
-        self.metrics.joins.inc()
+        if not result.id_required:  # completed by its PublishId, counted there
+            self.metrics.joins.inc()
         return self._answers.join(result, slim=slim)
 
     async def ReportFailure(
@@ -294,6 +295,7 @@ class RendezvousServicer:
             *_member_of(request), request.instance_id, request.unique_id, _now()
         )
         result = await self._settle(outcome, request.wait_timeout_ms, context)
+        self.metrics.joins.inc()  # rank 0's (node 0's) join, completed
         return self._answers.join(result, slim=request.slim)
 
     async def GetMembers(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import threading
 import urllib.request
 from collections.abc import Callable
 
@@ -113,3 +114,29 @@ def test_the_daemon_process_and_its_gc_are_on_the_metrics_page(
     for generation in "012":
         assert f'python_gc_collections_total{{generation="{generation}"}}' in m, sorted(m)
         assert f'python_gc_objects_collected_total{{generation="{generation}"}}' in m
+
+
+def test_a_join_that_publishes_the_id_counts_once(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """Node 0's JoinNode answered id_required was counted as a completed join, and
+    its PublishId was not: a 2-node job counted 3 joins (once its id was required)."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    agents = [RendezvousClient(d.endpoint, job_id, token=d.token) for _ in range(2)]
+    try:
+        threads = [
+            threading.Thread(
+                target=a.join_node,
+                kwargs={"min_nodes": 2, "max_nodes": 2, "gpus_per_node": 1, "timeout": 20},
+            )
+            for a in agents
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(a.node_membership is not None for a in agents)
+        assert scrape(d.metrics_url)["rendezvousd_joins_total"] == 2
+    finally:
+        for a in agents:
+            a.close()
