@@ -401,6 +401,9 @@ class RendezvousServicer:
         drained = asyncio.ensure_future(self._draining.wait())
         try:
             await asyncio.wait((beat, drained), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the call cancelled meanwhile: no task of it left behind
+            beat.cancel()
+            raise
         finally:
             drained.cancel()
         if not beat.done():
