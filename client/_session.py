@@ -691,7 +691,12 @@ class Session:
             job_id=request.job_id,
             rank=None if request.node else request.rank,
         )
-        log.warning(
+        # Gone with its generation (a later one formed, or the job was forgotten):
+        # nothing is left to leave. Warned, it read as a problem on every node of a
+        # multi-node restart whose peers had re-formed first.
+        moot = error.reason in ("STALE_GENERATION", "JOB_NOT_FOUND")
+        log.log(
+            logging.DEBUG if moot else logging.WARNING,
             "could not tell the daemon at %s that %s of job %r left: %s; "
             "the job's results are unaffected",
             self.endpoint,

@@ -264,3 +264,24 @@ def test_a_node_agent_s_unanswered_leave_names_its_node_not_a_rank(
         d.proc.send_signal(signal.SIGCONT)
         for a in agents:
             a.close()
+
+
+def test_leaving_a_generation_already_replaced_warns_of_nothing(
+    daemon: DaemonProcess, job_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node agent leaving the generation its peers had already re-formed warned
+    "could not tell the daemon ... left: job is at generation 2" on every node of a
+    multi-node restart: there is nothing left to leave, and nothing went wrong."""
+    old = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    new = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    try:
+        old.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        old.abort("replaced")
+        assert new.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10).generation == 2
+        with caplog.at_level(logging.DEBUG, logger="rendezvousd.client"):
+            old.leave()
+        said = [r for r in caplog.records if "could not tell the daemon" in r.getMessage()]
+        assert [r.levelno for r in said] == [logging.DEBUG], [r.getMessage() for r in said]
+    finally:
+        old.close()
+        new.close()

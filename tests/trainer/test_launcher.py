@@ -163,6 +163,74 @@ def test_a_worker_raising_a_long_multiline_error_is_every_launchers_root_cause(
         assert len(causes[0]) < 1000, causes[0]
 
 
+@pytest.mark.parametrize("who", ["every worker", "one worker"])
+def test_a_worker_that_exits_0_without_init_distributed_fails_the_run(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, who: str
+) -> None:
+    """Its assignment sent, never taken: it did not train. With the job formed before
+    it exited, the exit counted as a success: every worker's run passed (rc 0), and one
+    worker's left the other waiting --setup-timeout-s for its ring address, then
+    blaming itself (rank 0)."""
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import numpy as np\n"
+        f"if {who == 'every worker'} or os.environ['LOCAL_RANK'] == '1':\n"
+        "    time.sleep(2)\n"  # the job has formed: this worker is assigned
+        "    sys.exit(0)\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    ctx.communicator.all_reduce(np.ones(4, dtype=np.float32))\n"
+    )
+    started = time.monotonic()
+    run = subprocess.run(
+        [
+            *launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+            "--setup-timeout-s",
+            "30",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert run.returncode == 1, run.stderr
+    cause = "exit code 0 without calling init_distributed()"
+    assert re.search(rf"root cause: rank [01] \(node 0.*{re.escape(cause)}", run.stderr)
+    if who == "one worker":
+        assert "root cause: rank 1 (node 0, local rank 1) on host" in run.stderr, run.stderr
+        assert time.monotonic() - started < 25, "the others waited out the setup timeout"
+
+
+@pytest.mark.parametrize(
+    ("target", "said"),
+    [
+        (["no_such_script.py"], "the script 'no_such_script.py' does not exist"),
+        (["-m", "no_such_module.main"], "no module named 'no_such_module' to run"),
+    ],
+)
+def test_a_target_no_worker_can_start_is_refused_before_any_starts(
+    start_daemon: Callable[..., DaemonProcess],
+    job_id: str,
+    tmp_path: Path,
+    target: list[str],
+    said: str,
+) -> None:
+    """Each worker failed at start with runpy's traceback (FileNotFoundError, or
+    ModuleNotFoundError), and each failure used a restart: three tracebacks and
+    "gave up after 2 restarts" for --max-restarts 2."""
+    d = start_daemon()
+    run = subprocess.run(
+        [*launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+         "--max-restarts", "2", *target],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert f"rendezvous-run: error: {said}" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "restart" not in run.stderr, run.stderr
+
+
 def test_sigkilled_launcher_takes_its_workers_down_and_the_other_node_is_told(
     running: Running,
 ) -> None:

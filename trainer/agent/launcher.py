@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.machinery
+import importlib.util
 import os
 import signal
 import stat
@@ -209,7 +211,29 @@ def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
     return create
 
 
+def _target_problem(args: argparse.Namespace) -> str | None:
+    """Why no worker could start the target, said once here: each worker failed at
+    start with runpy's traceback, and each failure used a restart."""
+    if args.module:
+        # The top-level package only (finding a submodule imports its parents), where
+        # the workers' `python -m` looks: this directory, then the installed ones (an
+        # editable install's finder too, which is not on sys.path).
+        top = args.target.split(".")[0]
+        here = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
+        if here is None and importlib.util.find_spec(top) is None:
+            return f"no module named {top!r} to run (-m {args.target}) from {os.getcwd()}"
+        return None
+    path = Path(args.target)
+    if not path.exists():
+        return f"the script {args.target!r} does not exist (from {os.getcwd()})"
+    if path.is_dir() and not (path / "__main__.py").is_file():
+        return f"{args.target!r} is a directory without a __main__.py: give the script"
+    return None
+
+
 def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
+    if (problem := _target_problem(args)) is not None:
+        return _fail(problem)
     try:
         ring_host = config.ring_address()
     except ConfigError as exc:

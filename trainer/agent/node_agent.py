@@ -76,6 +76,11 @@ STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
+# A worker's "ready" frame (sent by init_distributed()) is read by its reader thread:
+# how long an exit 0 waits for it to be read before it counts as never sent.
+READY_READ_S = 0.5
+NO_INIT = "a script started by rendezvous-run must call init_distributed()"
+WITHOUT = "which a script started by rendezvous-run must call"
 # A join the daemon refuses for what this node sent (its token or TLS, a request it
 # cannot take, a shape other than the job's): the same join again, restart after
 # restart, is refused the same way within milliseconds (four in 0.5 s with
@@ -482,7 +487,7 @@ class NodeAgent:
             cause = f"{w.fault} (stopped before it was assigned a rank)"
             status = 1
         elif event.code == 0:
-            cause += " (a script started by rendezvous-run must call init_distributed())"
+            cause += f" ({NO_INIT})"
         failure = Failure(gen, cause, rank, self.host, status, local_rank=w.slot)
         who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
         self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
@@ -526,6 +531,13 @@ class NodeAgent:
                 return self._link_failure(gen, first_rank, silent[1])
             if isinstance(event, Exited):
                 if event.worker in self.active:
+                    if event.code == 0 and not event.worker.ready.wait(READY_READ_S):
+                        # Its assignment sent, never taken: it did not train. Counted a
+                        # success, the run passed, or (one worker of several) the
+                        # others waited for its ring address to the setup timeout and
+                        # blamed themselves.
+                        cause = f"{event.how} without calling init_distributed(), {WITHOUT}"
+                        return self._local_failure(gen, first_rank, event.worker, cause, 1)
                     if event.code == 0:
                         succeeded.add(event.worker)
                         if len(succeeded) == len(self.active):
