@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -144,10 +146,52 @@ def test_a_hung_worker_is_detected_by_its_agent_and_the_job_restarts(
         _cleanup(nodes)
     # As one string: pytest shortens a list's repr, which hid the second failure once.
     assert codes == [0, 0], "\n---\n".join(n.stderr() for n in nodes)
-    # Ranks blocked in a collective with the hung one stop progressing too, so
-    # either agent may be the first to call it hung.
-    assert "hung: no progress for" in nodes[0].stderr() + nodes[1].stderr()
+    # Ranks blocked in a collective with the hung one stop progressing too, and
+    # either agent was the first to call its own rank hung (a healthy one, about half
+    # the time): one waiting in a collective is given longer, so rank 2 is named.
+    hung = [
+        line
+        for n in nodes
+        for line in n.stderr().splitlines()
+        if "failed first, with hung: no progress for" in line
+    ]
+    assert len(hung) == 1 and "worker rank 2 (pid" in hung[0], hung
+    assert "waiting in a collective" not in hung[0], hung
     assert {e["restart_count"] for e in nodes[0].events("ready")} == {0, 1}
+
+
+def test_ranks_all_waiting_in_a_collective_are_still_named_hung(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A worker waiting in a collective is given longer (its peer may be the hung one,
+    and is named first), not forever: when every rank waits in one (a deadlock), the
+    first is named after 1.5 hang timeouts, saying so. Rank 1 stands in for one stuck
+    inside a collective by marking itself in one. (Alive beats every second: the
+    heartbeat timeout's third.)"""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    script = tmp_path / "deadlock.py"
+    script.write_text(
+        "import threading\n"
+        "from rendezvousd.trainer.comm import communicator\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    ctx.progress(1)\n"
+        "    if ctx.rank == 1:\n"
+        "        communicator._inside += 1\n"
+        "        threading.Event().wait(60)\n"
+        "    ctx.communicator.barrier()\n"
+    )
+    started = time.monotonic()
+    run = subprocess.run(
+        [*launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+         "--hang-timeout-s", "2", str(script)],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert run.returncode != 0, run.stderr
+    assert re.search(r"failed first, with hung: no progress for 3\.\d s, waiting in a collective",
+                     run.stderr), run.stderr  # fmt: skip
+    assert took < 30, took
 
 
 def test_a_frozen_worker_is_lost_after_the_heartbeat_timeout_and_the_job_restarts(

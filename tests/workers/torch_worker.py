@@ -68,8 +68,14 @@ def main() -> None:
             fh.write(json.dumps(line) + "\n")
         if step == a.hang_after and world == a.hang_world:
             time.sleep(3600)
-        if a.stop_file and os.path.exists(a.stop_file):
-            break
+        if a.stop_file:
+            # Agreed, not looked at by each rank alone: a rank that saw the file a step
+            # before its peer left that peer's next all_reduce without a partner
+            # ("Connection closed by peer"), failing the run the test ends.
+            stop = torch.tensor([float(os.path.exists(a.stop_file))], device=device)
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
         time.sleep(a.step_sleep)
     dist.destroy_process_group()
     print(

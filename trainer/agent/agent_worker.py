@@ -37,6 +37,7 @@ from rendezvousd.trainer.agent.agent_channel import (
     pack_arrays,
 )
 from rendezvousd.trainer.agent.state_copy import StepState
+from rendezvousd.trainer.comm.communicator import in_collective
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError
 from rendezvousd.trainer.topology import MultiNodeTopology
@@ -301,7 +302,9 @@ class AgentLink:
             try:
                 # Bounded, so that a beat the agent does not read never holds the
                 # channel's send lock for the daemon calls and failure reports behind it.
-                self.channel.send("alive", within=interval)
+                # Whether it waits in a collective: the agent's hang rule gives it
+                # longer (``NodeAgent._stuck``).
+                self.channel.send("alive", {"collective": in_collective()}, within=interval)
             except SendTimedOut as exc:
                 if exc.closed:
                     return

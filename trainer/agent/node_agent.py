@@ -80,6 +80,8 @@ REPORTED_EXIT_S = 5.0
 # how long an exit 0 waits for it to be read before it counts as never sent.
 READY_READ_S = 0.5
 NO_INIT = "a script started by rendezvous-run must call init_distributed()"
+# A worker waiting in a collective is hung after this many hang timeouts (``_stuck``).
+COLLECTIVE_HANG_FACTOR = 1.5
 WITHOUT = "which a script started by rendezvous-run must call"
 # A join the daemon refuses for what this node sent (its token or TLS, a request it
 # cannot take, a shape other than the job's): the same join again, restart after
@@ -592,8 +594,19 @@ class NodeAgent:
                 f"no heartbeat from its process for {quiet:.1f} s (stopped, or frozen "
                 "without releasing the GIL)"
             )
-        if w.reported_progress and silent > self.config.hang_timeout_s:
-            return f"hung: no progress for {silent:.1f} s"
+        hang = self.config.hang_timeout_s
+        if w.reported_progress and silent > hang:
+            # Its last alive beat, if it came after its last progress, says whether it
+            # waits in a collective, maybe only for a peer that stopped: that peer's
+            # own agent names it first (either agent was first, so a healthy rank
+            # was blamed about half the time). Every rank waiting in one (a
+            # deadlock), or not telling, is still named, this much later.
+            told = w.alive_at > w.last_progress
+            if told and not w.in_collective:
+                return f"hung: no progress for {silent:.1f} s"
+            if silent > hang * COLLECTIVE_HANG_FACTOR:
+                waiting = ", waiting in a collective" if told else ""
+                return f"hung: no progress for {silent:.1f} s{waiting}"
         return None
 
     def _misbehaved_spare(self, event: Misbehaved) -> None:

@@ -126,6 +126,9 @@ class WorkerProcess:
         self.exited = threading.Event()
         self.last_progress = time.monotonic()
         self.reported_progress = False
+        #: Its last alive beat (when, and whether it said it waits in a collective).
+        self.alive_at = 0.0
+        self.in_collective = False
         #: The step of the worker's last progress or state frame (what the node's
         #: heartbeat shows the daemon); None before one with a valid step.
         self.last_step: int | None = None
@@ -190,9 +193,13 @@ class WorkerProcess:
                 if frame.kind == "ready":
                     self.ready.set()
                     self._events.put(Ready(self))
+                elif frame.kind == "alive":
+                    self.in_collective = frame.header.get("collective") is True
+                    self.alive_at = self.last_heard
                 elif frame.kind in ("progress", "state"):
                     self.last_progress = time.monotonic()
                     self.reported_progress = True
+                    self.in_collective = False  # said from its training loop
                     step = frame.header.get("step")
                     # Only shown, never acted on: a value out of range is not kept.
                     if type(step) is int and 0 <= step <= MAX_STEP:

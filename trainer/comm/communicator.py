@@ -9,7 +9,18 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import TYPE_CHECKING, Any, Final, Protocol, Self, runtime_checkable
+import functools
+import threading
+from collections.abc import Callable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Protocol,
+    Self,
+    TypeVar,
+    runtime_checkable,
+)
 
 from rendezvousd.trainer.errors import CollectiveArgumentError, CommunicatorError, ConfigError
 from rendezvousd.trainer.topology import check_rank
@@ -60,6 +71,36 @@ class Communicator(Protocol):
         """Release sockets/streams; idempotent."""
 
 
+R = TypeVar("R")
+
+# How many collectives this process is inside (its training thread's, the bucketed
+# reducer's thread's): its alive beats tell the node agent, whose hang rule gives a
+# worker waiting in one longer, as it may only wait for a peer that stopped making
+# progress (whose own agent then names that peer first).
+_inside = 0
+_inside_lock = threading.Lock()
+
+
+def in_collective() -> bool:
+    """Whether a collective of this process is in progress now."""
+    return _inside > 0
+
+
+def _counted(method: Callable[..., R]) -> Callable[..., R]:
+    @functools.wraps(method)
+    def collective(*args: Any, **kwargs: Any) -> R:
+        global _inside
+        with _inside_lock:
+            _inside += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            with _inside_lock:
+                _inside -= 1
+
+    return collective
+
+
 class RankedCommunicator(abc.ABC):
     """What every backend shares: its place in the group, the check of a collective's
     root, the ranks' agreement on a collective before it is sent, and ``with`` closing
@@ -67,6 +108,13 @@ class RankedCommunicator(abc.ABC):
 
     #: How errors name the backend: "NCCL broadcast", "CPU broadcast".
     _label = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Each backend's collectives count themselves (``in_collective``)."""
+        super().__init_subclass__(**kwargs)
+        for name in ("all_reduce", "broadcast", "barrier"):
+            if name in cls.__dict__:
+                setattr(cls, name, _counted(cls.__dict__[name]))
 
     def __init__(self, rank: int, world_size: int) -> None:
         if not isinstance(rank, int) or not isinstance(world_size, int):
