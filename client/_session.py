@@ -762,6 +762,11 @@ def _leaver(request: pb.LeaveRequest) -> str:
     return f"node {request.rank}" if request.node else f"rank {request.rank}"
 
 
+# A watchdog gap that means this process was stopped, at least (``StreamWatch.woke``),
+# and how long the stream then has to hear from the daemon before the window counts.
+PAUSED_S = 2.0
+RESUMED_S = 2.0
+
 # A call failing with these may or may not have reached the daemon.
 UNKNOWN_OUTCOME = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
@@ -787,6 +792,8 @@ class StreamWatch:
     heard: float = field(default_factory=time.monotonic)
     outage_since: float | None = None
     attempt: int = 0
+    # How long this process itself did not run (``woke``), once that was the silence.
+    paused_s: float = 0.0
 
     @property
     def window_s(self) -> float:
@@ -838,6 +845,17 @@ class StreamWatch:
         )
         return False
 
+    def woke(self, gap: float) -> None:
+        """The watchdog ran again ``gap`` seconds after it last did, where it runs
+        twice a second: longer than half the window, this process was stopped
+        (SIGSTOP, a debugger, a suspended machine) and the silence was its own. The
+        stream gets a moment to tell what the daemon did meanwhile (its acks, or its
+        verdict on this member, lost for that silence) before the window counts:
+        "the daemon died" was said of a daemon that was fine."""
+        if gap > max(PAUSED_S, self.window_s / 2):
+            self.paused_s = gap
+            self.heard = max(self.heard, time.monotonic() - self.window_s + RESUMED_S)
+
     def expired(self) -> bool:
         """True (and the member failed with DaemonUnreachable) once the window passed."""
         now = time.monotonic()
@@ -877,12 +895,19 @@ class StreamWatch:
 
     def unreachable(self, silent_s: float) -> DaemonUnreachable:
         m, s = self.member, self.session
+        why = (
+            "the daemon died or this node lost its network"
+            if not self.paused_s
+            else f"this process did not run for {self.paused_s:.1f} s before (stopped: "
+            "SIGSTOP, a debugger, or a suspended machine), and the daemon has not answered "
+            "since"
+        )
         return DaemonUnreachable(
             f"rendezvousd at {s.endpoint} has been unreachable for {silent_s:.1f} s (window "
-            f"{self.window_s:g} s) from job {m.job_id!r} rank {m.rank}: the daemon died or this "
-            "node lost its network, so peer failures can no longer be detected; no peer is "
-            "known to have failed. Check that the daemon is running and that this host can "
-            "reach it, then restart the job if it cannot finish",
+            f"{self.window_s:g} s) from job {m.job_id!r} rank {m.rank}: {why}, so peer "
+            "failures can no longer be detected; no peer is known to have failed. Check that "
+            "the daemon is running and that this host can reach it, then restart the job if "
+            "it cannot finish",
             code="UNAVAILABLE",
             endpoint=s.endpoint,
             method="Heartbeat",

@@ -444,11 +444,16 @@ class RendezvousClient(steps.ClientBase):
     def _watchdog(self, watch: StreamWatch) -> None:
         """Reports silence the stream itself cannot: a blocked read on a dead
         route, or a reconnect waiting for a daemon that is gone."""
+        last = time.monotonic()
         while True:
             deadline = watch.deadline()
             wait = 0.5 if deadline is None else deadline - time.monotonic()
             if self._hb_stop.wait(min(0.5, max(0.01, wait))) or watch.done:
                 return
+            now = time.monotonic()
+            watch.woke(now - last)  # woken every 0.5 s: a long gap was this process's
+            last = now
+            deadline = watch.deadline()
             if deadline is not None and watch.expired():
                 call = self._hb_call
                 if call is not None:

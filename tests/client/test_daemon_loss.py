@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -207,3 +210,40 @@ def test_a_channel_still_ready_after_the_daemon_died_is_not_taken_for_it_back(
         killer.join(10)
         d.kill()
     assert time.monotonic() - killed[0] < 10
+
+
+def test_a_member_that_was_stopped_hears_what_the_daemon_did_not_that_it_died(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP for longer than the window, then SIGCONT: the watchdog counted the
+    process's own silence as the daemon's and reported DaemonUnreachable ("the daemon
+    died or this node lost its network") of a daemon that was fine, before the
+    stream could deliver the daemon's verdict: this rank lost for its silence."""
+    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", "2")
+    script = tmp_path / "member.py"
+    script.write_text(
+        "import sys\n"
+        "from rendezvousd.client import RendezvousClient\n"
+        "c = RendezvousClient(sys.argv[1], 'stopped', token=sys.argv[2])\n"
+        "c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)\n"
+        "c.start_heartbeat(on_failure=lambda e: print(type(e).__name__, e, flush=True))\n"
+        "print('ready', flush=True)\n"
+        "import time; time.sleep(30)\n"
+    )
+    member = subprocess.Popen(
+        [sys.executable, str(script), d.endpoint, d.token], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert member.stdout is not None
+        assert member.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        member.send_signal(signal.SIGSTOP)
+        time.sleep(5)
+        member.send_signal(signal.SIGCONT)
+        heard = member.stdout.readline()
+    finally:
+        member.kill()
+        member.wait(10)
+        d.kill()
+    assert heard.startswith("PeerFailed") and "lost rank 0" in heard, heard
+    assert "no heartbeat for" in heard, heard

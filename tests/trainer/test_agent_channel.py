@@ -245,6 +245,9 @@ def test_restart_budget_gives_up_after_max_restarts_and_names_every_failure() ->
     assert "1. generation 1: rank 3 on host hostA: signal SIGKILL" in message
     assert "2. no generation: node on host hostB: joining failed: timeout" in message
     assert "3. generation 3: rank 0 on host hostA: hung" in message
+    # A failure of no rank or host (the job aborted) has no "node:" placeholder.
+    aborted = Failure(1, "JobAborted: job 'j' generation 1 was aborted: stop").describe()
+    assert aborted == "generation 1: JobAborted: job 'j' generation 1 was aborted: stop"
 
 
 def _events_until(events: queue.Queue[Any], kind: type, count: int) -> list[Any]:

@@ -70,9 +70,10 @@ class Failure:
 
     def describe(self) -> str:
         gen = f"generation {self.generation}" if self.generation is not None else "no generation"
-        who = f"rank {self.rank}" if self.rank is not None else "node"
+        # No rank and no host (an abort of the whole job): no "node:" placeholder.
+        who = f"rank {self.rank}" if self.rank is not None else "node" if self.host else ""
         where = f" on host {self.host}" if self.host else ""
-        return f"{gen}: {who}{where}: {self.cause}"
+        return f"{gen}: {who}{where}: {self.cause}" if who else f"{gen}: {self.cause}"
 
 
 @dataclass
