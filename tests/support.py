@@ -303,6 +303,26 @@ def launcher_cmd(
     return cmd
 
 
+def run_launcher(
+    cmd: Sequence[str], *, timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """A whole ``rendezvous-run`` (``launcher_cmd`` and its flags) to its end, its
+    output captured."""
+    return subprocess.run(
+        list(cmd), capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
+    )
+
+
+def run_script_node(
+    d: DaemonProcess, job: str, script: Path, source: str, *flags: str, timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
+    """One node of two workers running ``source``, written to ``script``, under
+    ``rendezvous-run`` with ``flags``, to its end."""
+    script.write_text(source)
+    cmd = launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job)
+    return run_launcher([*cmd, *flags, str(script)], timeout=timeout)
+
+
 def parallel(fns: Sequence[Callable[[], Any]], limit: float = 20.0) -> list[Any]:
     """Run each callable in its own thread; return results or the exceptions raised."""
     out: list[Any] = [None] * len(fns)

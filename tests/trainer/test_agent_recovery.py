@@ -23,6 +23,7 @@ from tests.support import (
     descendants,
     json_lines,
     launcher_cmd,
+    run_script_node,
     wait_for,
 )
 
@@ -169,8 +170,7 @@ def test_ranks_all_waiting_in_a_collective_are_still_named_hung(
     inside a collective by marking itself in one. (Alive beats every second: the
     heartbeat timeout's third.)"""
     d = start_daemon("--heartbeat-timeout-s", "3")
-    script = tmp_path / "deadlock.py"
-    script.write_text(
+    source = (
         "import threading\n"
         "from rendezvousd.trainer.comm import communicator\n"
         "from rendezvousd.trainer.distributed import init_distributed\n"
@@ -182,11 +182,7 @@ def test_ranks_all_waiting_in_a_collective_are_still_named_hung(
         "    ctx.communicator.barrier()\n"
     )
     started = time.monotonic()
-    run = subprocess.run(
-        [*launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
-         "--hang-timeout-s", "2", str(script)],
-        capture_output=True, text=True, timeout=90,
-    )  # fmt: skip
+    run = run_script_node(d, job_id, tmp_path / "deadlock.py", source, "--hang-timeout-s", "2")
     took = time.monotonic() - started
     assert run.returncode != 0, run.stderr
     assert re.search(r"failed first, with hung: no progress for 3\.\d s, waiting in a collective",

@@ -23,6 +23,8 @@ from tests.support import (
     free_port,
     launcher_cmd,
     parallel,
+    run_launcher,
+    run_script_node,
     wait_for,
     write_token,
 )
@@ -172,8 +174,7 @@ def test_a_worker_that_exits_0_without_init_distributed_fails_the_run(
     worker's left the other waiting --setup-timeout-s for its ring address, then
     blaming itself (rank 0)."""
     d = start_daemon()
-    script = tmp_path / "w.py"
-    script.write_text(
+    source = (
         "import os, sys, time\n"
         "import numpy as np\n"
         f"if {who == 'every worker'} or os.environ['LOCAL_RANK'] == '1':\n"
@@ -184,17 +185,7 @@ def test_a_worker_that_exits_0_without_init_distributed_fails_the_run(
         "    ctx.communicator.all_reduce(np.ones(4, dtype=np.float32))\n"
     )
     started = time.monotonic()
-    run = subprocess.run(
-        [
-            *launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
-            "--setup-timeout-s",
-            "30",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    run = run_script_node(d, job_id, tmp_path / "w.py", source, "--setup-timeout-s", "30")
     assert run.returncode == 1, run.stderr
     cause = "exit code 0 without calling init_distributed()"
     assert re.search(rf"root cause: rank [01] \(node 0.*{re.escape(cause)}", run.stderr)
@@ -221,10 +212,10 @@ def test_a_target_no_worker_can_start_is_refused_before_any_starts(
     ModuleNotFoundError), and each failure used a restart: three tracebacks and
     "gave up after 2 restarts" for --max-restarts 2."""
     d = start_daemon()
-    run = subprocess.run(
+    run = run_launcher(
         [*launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
          "--max-restarts", "2", *target],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     assert f"rendezvous-run: error: {said}" in run.stderr, run.stderr
@@ -390,17 +381,11 @@ def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
     write_token(wrong)
     script = tmp_path / "w.py"
     script.write_text("from rendezvousd.trainer.distributed import init_distributed\n")
-    run = subprocess.run(
-        [
-            *launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=str(wrong), job=job_id),
-            "--max-restarts",
-            "3",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
+    run = run_launcher(
+        [*launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=str(wrong), job=job_id),
+         "--max-restarts", "3", str(script)],
         timeout=60,
-    )
+    )  # fmt: skip
     assert run.returncode == 1, run.stderr
     assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
     assert "joining failed: AuthenticationError" in run.stderr, run.stderr
