@@ -227,13 +227,17 @@ class Calls:
         """``method`` with retries as the policy allows; errors as ``RendezvousError``."""
         s = self.s
         rank = s.joined.rank if s.joined else None
+        limit = timeout or s.call_timeout
+        deadline = time.monotonic() + limit
         if not self.looked and not health and s.joined is None and s.node is None:
             # An inspecting client (list_jobs(), `rendezvousd status`): a plaintext one
             # of a TLS daemon heard it after its whole call timeout (30 s) and a retry.
-            yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, timeout or s.call_timeout))
+            # The look's wait is the call's own: counted in its first attempt's deadline.
+            yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, limit))
         for attempt in itertools.count(1):
+            wait = max(0.0, deadline - time.monotonic()) if attempt == 1 else limit
             try:
-                return (yield Rpc(method, request, timeout or s.call_timeout, health))
+                return (yield Rpc(method, request, wait, health))
             except grpc.RpcError as exc:
                 error = from_rpc_error(
                     exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank
@@ -363,10 +367,17 @@ class Calls:
     def first_look(self, wait: float) -> Steps[bool]:
         """Whether the channel connects within ``wait`` (or the daemon answered the
         TLS probe); else raise the TLS mismatch, if that is why it does not. A READY
-        channel costs nothing more: the call would have waited for it anyway."""
+        channel costs nothing more: the call would have waited for it anyway. A
+        channel still connecting after ``wait`` (a silent port, a slow route) is not
+        probed: a refused handshake fails the connect at once, and each probe there
+        waits its 2 s and a sniff."""
         self.looked = True
-        if not self.probe.seen_tls and (yield Reachable(wait)):
-            return True
+        started = time.monotonic()
+        if not self.probe.seen_tls:
+            if (yield Reachable(wait)):
+                return True
+            if time.monotonic() - started >= wait:
+                return False
         return (
             yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
         ) is not None

@@ -452,6 +452,23 @@ def test_connect_to_a_dead_endpoint_is_unavailable_within_the_connect_timeout(
     assert "within 1 s (connect_timeout): nothing listens there (connection refused)" in str(error)
 
 
+def test_an_inspecting_clients_first_look_is_within_its_call(job_id: str) -> None:
+    """The first call of a client that never joined looks at the daemon first (a
+    refused TLS handshake is said at once): at a silent port that look (2 s) and a TLS
+    probe (2 s and a sniff) came on top of the call's own 3 s and its diagnosis: 13 s.
+    The look's wait is now the call's, and a channel still connecting is not probed."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with (
+            RendezvousClient(endpoint, job_id, token="t", call_timeout=3, retry_attempts=0) as c,
+            pytest.raises(DaemonUnavailable, match="no gRPC server answered"),
+        ):
+            c.list_jobs()
+        elapsed = time.monotonic() - started
+    assert elapsed < 10.5, elapsed  # the call's 3 s and the diagnosis' (probe, dial) 6 s
+
+
 @pytest.mark.parametrize(
     ("where", "why"),
     [
