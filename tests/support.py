@@ -211,7 +211,10 @@ def stuck_agent_run(
         agent.communicate(timeout=30)
     assert answered["event"] == "answered", answered
     assert answered["error"] == "PeerFailed", answered
-    assert "no heartbeat" in answered["message"], answered
+    # Either verdict names the silent node: stopped before it attached its heartbeat
+    # stream (a fresh-clone CI run, under load), it never attached one.
+    said = answered["message"]
+    assert "no heartbeat" in said or "never attached its heartbeat stream" in said, answered
     assert answered["route"] == "unary", answered
     return answered
 
