@@ -164,12 +164,10 @@ class _Stream:
         self._call.cancel()
 
     def lose(self) -> None:
-        """The daemon is gone: every call in flight fails now with ``lost_error``
-        (the call core then raises the cause the heartbeat found), and the stream
-        ends; a next call opens a new one."""
-        for waiter in self.pending.end(lost_error()):
-            if not waiter.done():
-                waiter.set_exception(lost_error())
+        """The daemon is gone: the stream ends now as if it broke with ``lost_error``
+        (the call core then raises the cause the heartbeat found), not when its reader
+        hears it; a next call opens a new one."""
+        self._ended(lost_error())
         self.close()
 
 
