@@ -668,8 +668,8 @@ class ClientBase(ABC):
     def endpoint(self) -> str:
         return self._s.endpoint
 
-    def _cancelled_by_close(self) -> bool:
-        """Whether a call ended (its error) because close() came from another thread or
+    def _ended_by_close(self) -> bool:
+        """Whether a call that failed ended because close() came from another thread or
         task meanwhile: gRPC cancels a closing channel's calls (CANCELLED; grpc.aio's
         unary calls raise asyncio.CancelledError instead), and a parked call is
         answered PEER_FAILED once close() ended the member's heartbeat stream (the

@@ -127,14 +127,14 @@ class AsyncRendezvousClient(steps.ClientBase):
                         return await self._mux.call(step.method, step.request, step.timeout)
                 return await step.invoke(self._stub, self._health, self._s.metadata)
             except grpc.RpcError:
-                if self._cancelled_by_close():
+                if self._ended_by_close():
                     raise self._s.closed_error() from None
                 raise
             except asyncio.CancelledError:
                 # Unless the caller's task is itself being cancelled: escaping, it was
                 # not caught by ``except Exception`` and read as that task's cancellation.
                 task = asyncio.current_task()
-                if self._cancelled_by_close() and (task is None or not task.cancelling()):
+                if self._ended_by_close() and (task is None or not task.cancelling()):
                     raise self._s.closed_error() from None
                 raise
         if isinstance(step, steps.Sleep):

@@ -173,7 +173,7 @@ class RendezvousClient(steps.ClientBase):
                         return self._mux.call(step.method, step.request, step.timeout)
                 return step.invoke(self._stub, self._health, self._s.metadata)
             except grpc.RpcError:
-                if self._cancelled_by_close():  # was ProtocolError "CANCELLED", or PeerFailed
+                if self._ended_by_close():  # was ProtocolError "CANCELLED", or PeerFailed
                     raise self._s.closed_error() from None
                 raise
         if isinstance(step, steps.Sleep):
@@ -486,7 +486,7 @@ class RendezvousClient(steps.ClientBase):
         _open.discard(self)
         # First: the heartbeat stream's end makes the daemon lose this member and
         # answer its parked calls PEER_FAILED, blaming this very rank; closed, they
-        # end as the closed client's (``_cancelled_by_close``).
+        # end as the closed client's (``_ended_by_close``).
         self._s.closed = True
         self._stop_heartbeat()
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
