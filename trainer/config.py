@@ -114,6 +114,12 @@ class RendezvousTransport:
     token_file: str | None = setting(
         None, "daemon token file", Text(optional=True), env=None, flag="--token-file"
     )
+    connect_timeout_s: float = setting(
+        30.0,
+        "seconds a client keeps dialling the daemon before it reports it unavailable",
+        Float(),
+        unprefixed=True,
+    )
     # The daemon's own names (tls_cert/tls_key), so one set of files and variables
     # configures both ends; here they are this worker's client certificate (mTLS).
     tls_ca: str | None = _tls("PEM CA bundle that signed the daemon's certificate (enables TLS)")
@@ -197,6 +203,7 @@ class RendezvousTransport:
             token_file=self.token_file,
             tls=self.tls(),
             retry_attempts=retry_attempts,
+            connect_timeout=self.connect_timeout_s,
         )
 
 

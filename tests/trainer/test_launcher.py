@@ -25,6 +25,7 @@ from tests.support import (
     parallel,
     run_launcher,
     run_script_node,
+    spawn_daemon,
     wait_for,
     write_token,
 )
@@ -391,6 +392,65 @@ def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
     assert "joining failed: AuthenticationError" in run.stderr, run.stderr
     assert "no restart can change that" in run.stderr, run.stderr
     assert "raise --max-restarts" not in run.stderr, run.stderr
+
+
+def test_a_daemon_that_never_comes_ends_the_join_at_its_timeout_using_no_restart(
+    tmp_path: Path,
+) -> None:
+    """Each attempt waited connect_timeout (30 s, no flag to set it) and used a restart:
+    61 s to give up with --max-restarts 1, both restarts spent on the same refusal."""
+    token = tmp_path / "tok"
+    write_token(token)
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    started = time.monotonic()
+    run = run_launcher(
+        [*launcher_cmd(1, 0, 1, endpoint=f"127.0.0.1:{free_port()}", token_file=token),
+         "--connect-timeout-s", "1", "--join-timeout-s", "3", "--max-restarts", "2",
+         str(script)],
+        timeout=60,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert run.returncode == 1, run.stderr
+    assert "trying again every 1 s for up to 3 s in all (no restart used)" in run.stderr
+    assert "within 1 s (connect_timeout): nothing listens there (connection refused)" in run.stderr
+    assert "still unavailable after 3 s of trying" in run.stderr, run.stderr
+    assert "gave up after 0 restarts (max_restarts=2); 1 failure" in run.stderr, run.stderr
+    assert "no restart can change that" in run.stderr, run.stderr
+    assert took < 20, (took, run.stderr)
+
+
+def test_a_daemon_started_after_the_node_is_waited_for_within_the_join_timeout(
+    tmp_path: Path, job_id: str
+) -> None:
+    """As a node scheduled late is: the daemon's pod may start minutes after the
+    workers'. With --max-restarts 0 the first connect_timeout ended the run."""
+    port = free_port()
+    token = tmp_path / "tok"
+    secret = write_token(token)
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n    ctx.communicator.barrier()\n"
+    )
+    cmd = [*launcher_cmd(1, 0, 2, endpoint=f"127.0.0.1:{port}", token_file=token, job=job_id),
+           "--connect-timeout-s", "1", "--join-timeout-s", "60", "--max-restarts", "0",
+           str(script)]  # fmt: skip
+    node = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(4)  # several connect timeouts
+        d = spawn_daemon(tmp_path, token=secret, listen=f"127.0.0.1:{port}")
+        try:
+            _out, err = node.communicate(timeout=60)
+        finally:
+            d.kill()
+    finally:
+        node.kill()
+    assert node.returncode == 0, err
+    assert "trying again every 1 s for up to 60 s in all (no restart used)" in err, err
 
 
 def test_sigterm_while_joining_ends_the_launcher_promptly(

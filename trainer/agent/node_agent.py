@@ -42,11 +42,11 @@ from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import (
+    OUTAGE_RETRY_S,
     SCALE_UP_REASON,
-    STANDBY_RETRY_S,
+    DaemonOutage,
     Failure,
     RestartBudget,
-    StandbyOutage,
     stray,
 )
 from rendezvousd.trainer.agent.state_copy import StateCopy
@@ -377,10 +377,13 @@ class NodeAgent:
             return self._joins
 
         serial = start()
-        # A standby outlives a daemon restart: an outage while it stands by is retried
-        # (for up to join_timeout_s), not counted as a failed join.
+        # A daemon that is not up yet (started after the nodes, restarting) is waited
+        # for as a late node is, for the join's own timeout, with no restart used: a
+        # restart would only join the same unreachable daemon again, and used them up
+        # at connect_timeout each. A standby waits for it as long as for its slot.
         retry_at: float | None = None
-        outage = StandbyOutage(config.join_timeout_s)
+        outage = DaemonOutage(config.join_timeout_s if self._standing_by else timeout)
+        outage.since = time.monotonic()
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)
@@ -407,6 +410,7 @@ class NodeAgent:
                     # As torch's c10d keeps a node beyond max_nodes: every node of a job
                     # (a Kubernetes Job's pods, say) runs one command, the extra ones wait.
                     self._standing_by = True
+                    outage = DaemonOutage(config.join_timeout_s)
                     full = (
                         f"is re-forming after a failure, its {config.num_nodes} seats taken or "
                         "kept for the nodes re-joining"
@@ -426,20 +430,25 @@ class NodeAgent:
                     )
                     return None
                 if self._standing_by and isinstance(answer, RendezvousTimeout):
-                    outage.since = None
+                    outage.reset()
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
-                if self._standing_by and isinstance(answer, DaemonUnavailable):
-                    if outage.since is None:
+                cause = f"joining failed: {type(answer).__name__}: {answer}"
+                if isinstance(answer, DaemonUnavailable):
+                    if not outage.told:
+                        outage.told = True
                         self.note(
-                            f"standing by: {type(answer).__name__}: {answer}; trying again "
-                            f"every {STANDBY_RETRY_S:g} s for up to {config.join_timeout_s:g} s"
+                            f"{'standing by: ' if self._standing_by else ''}{cause}; trying "
+                            f"again every {OUTAGE_RETRY_S:g} s for up to {outage.limit_s:g} s "
+                            "in all (no restart used)"
                         )
                     retry_at = outage.retry_at(time.monotonic())
                     if retry_at is not None:
                         continue
-                cause = f"joining failed: {type(answer).__name__}: {answer}"
-                return Failure(None, cause, host=self.host, fatal=isinstance(answer, REFUSALS))
+                    # Waited for the whole join: a restart would wait the same way again.
+                    cause += f" (still unavailable after {outage.limit_s:g} s of trying)"
+                fatal = isinstance(answer, (*REFUSALS, DaemonUnavailable))
+                return Failure(None, cause, host=self.host, fatal=fatal)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 if event.worker.lost:
                     self.pool.fill(self.per_node)  # cold now: not the script's failure

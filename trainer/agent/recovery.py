@@ -18,33 +18,40 @@ from dataclasses import dataclass, field
 from rendezvousd.common.members import SCALE_UP_REASON, never_attached
 
 __all__ = [
+    "OUTAGE_RETRY_S",
     "SCALE_UP_REASON",
-    "STANDBY_RETRY_S",
+    "DaemonOutage",
     "Failure",
     "RestartBudget",
-    "StandbyOutage",
     "stray",
 ]
 
-#: How often a standby (rendezvous-run's, or a torchrun agent standing by) asks again
-#: while the daemon is unavailable: an outage while it stands by uses no restart.
-STANDBY_RETRY_S = 1.0
+#: How often a join (rendezvous-run's, or a torchrun agent standing by) asks again
+#: while the daemon is unavailable: the outage uses no restart.
+OUTAGE_RETRY_S = 1.0
 
 
 @dataclass
-class StandbyOutage:
-    """A daemon outage while a node stands by (rendezvous-run's standby, the torchrun
-    handler's): asked again every STANDBY_RETRY_S for up to ``limit_s`` from its start."""
+class DaemonOutage:
+    """The daemon unavailable while a node joins (rendezvous-run's joins, a torchrun
+    standby's): asked again every OUTAGE_RETRY_S for up to ``limit_s`` from ``since``."""
 
     limit_s: float
     since: float | None = None
+    #: Whether the outage was told to the user (once per outage, not per retry).
+    told: bool = False
 
     def retry_at(self, now: float) -> float | None:
         """When to ask again, or None once the outage outlasted ``limit_s``. The first
-        call starts the outage (``since``); a wait that ends normally resets it."""
+        call starts the outage (``since``) unless the caller set it."""
         if self.since is None:
             self.since = now
-        return now + STANDBY_RETRY_S if now - self.since < self.limit_s else None
+        return now + OUTAGE_RETRY_S if now - self.since < self.limit_s else None
+
+    def reset(self) -> None:
+        """A wait that ended normally: the next outage is a new one."""
+        self.since = None
+        self.told = False
 
 
 def stray(causes: Sequence[str]) -> bool:

@@ -110,7 +110,7 @@ from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
-from rendezvousd.trainer.agent.recovery import SCALE_UP_REASON, STANDBY_RETRY_S, StandbyOutage
+from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
@@ -461,7 +461,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         node of torch's redundancy list does: it waits, not counted as waiting, until a
         lost node frees a slot, and leaves gracefully when the job ends without it."""
         standby = False
-        outage = StandbyOutage(self._settings.join_timeout)
+        outage = DaemonOutage(self._settings.join_timeout)
         while True:
             try:
                 return self._client.join_node(
@@ -491,10 +491,10 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             except RendezvousTimeout:
                 if not standby:
                     raise  # a standby's wait ended with no slot freed: it stands by again
-                outage.since = None
+                outage.reset()
             except DaemonUnavailable as exc:
                 # A standby outlives a daemon restart (rendezvous-run's does too): it
-                # asks again every STANDBY_RETRY_S for up to join_timeout.
+                # asks again every OUTAGE_RETRY_S for up to join_timeout.
                 if not standby:
                     raise
                 if outage.since is None:
@@ -503,12 +503,12 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         "to %g s",
                         self._run_id,
                         exc,
-                        STANDBY_RETRY_S,
+                        OUTAGE_RETRY_S,
                         self._settings.join_timeout,
                     )
                 if outage.retry_at(time.monotonic()) is None:
                     raise
-                time.sleep(STANDBY_RETRY_S)
+                time.sleep(OUTAGE_RETRY_S)
             except JobEnded:
                 if not standby:
                     raise
