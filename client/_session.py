@@ -762,8 +762,11 @@ def _leaver(request: pb.LeaveRequest) -> str:
     return f"node {request.rank}" if request.node else f"rank {request.rank}"
 
 
-# A watchdog gap that means this process was stopped, at least (``StreamWatch.woke``),
-# and how long the stream then has to hear from the daemon before the window counts.
+# How often the heartbeat's watchdog looks (the sync client's thread, the asyncio
+# client's read); a gap that means this process was stopped, at least
+# (``StreamWatch.woke``), and how long the stream then has to hear from the daemon
+# before the window counts.
+WATCH_S = 0.5
 PAUSED_S = 2.0
 RESUMED_S = 2.0
 
@@ -847,8 +850,9 @@ class StreamWatch:
 
     def woke(self, gap: float) -> None:
         """The watchdog ran again ``gap`` seconds after it last did, where it runs
-        twice a second: longer than half the window, this process was stopped
-        (SIGSTOP, a debugger, a suspended machine) and the silence was its own. The
+        every WATCH_S (the asyncio client's read: every quarter window): longer than
+        half the window, this process was stopped (SIGSTOP, a debugger, a suspended
+        machine, an event loop blocked) and the silence was its own. The
         stream gets a moment to tell what the daemon did meanwhile (its acks, or its
         verdict on this member, lost for that silence) before the window counts:
         "the daemon died" was said of a daemon that was fine."""

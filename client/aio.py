@@ -21,6 +21,7 @@ from rendezvousd.client._call_stream import AsyncCallStream
 from rendezvousd.client._multiplex import Unsupported
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
+    WATCH_S,
     ClientOptions,
     JoinRequest,
     NodeJoinRequest,
@@ -39,6 +40,11 @@ INTERNAL = grpc.StatusCode.INTERNAL
 _CONNECTING = (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING)
 # How long leave()/close() wait for the heartbeat task to end once cancelled.
 STOP_HEARTBEAT_S = 5.0
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _held(requests: asyncio.Future[_Requests | None]) -> _Requests:
@@ -310,21 +316,33 @@ class AsyncRendezvousClient(steps.ClientBase):
             )
             heard = False
             error: grpc.aio.AioRpcError | None = None
+            read: asyncio.Future[Any] | None = None
+            last = time.monotonic()
             try:
                 while True:
                     # Bounded by the unreachable deadline: a dead route or a daemon
-                    # that is gone never answers, and silence is the signal.
+                    # that is gone never answers, and silence is the signal. Looked at
+                    # in slices, as the sync client's watchdog does: a slice that took
+                    # far longer was this process not running (SIGSTOP, a loop
+                    # blocked), its silence its own (``StreamWatch.woke``, which counts
+                    # a gap over half the window). A quarter window, not the watchdog's
+                    # WATCH_S: one loop may hold thousands of members. The read is
+                    # waited on, never cancelled, so no event is lost between slices.
+                    read = read or asyncio.ensure_future(call.read())
                     deadline = watch.deadline()
-                    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
-                    # cancellation that lands as the read completes (an ack arrives
-                    # right after the stream opens), and the stream then ran on with
-                    # leave()/close() waiting for it forever.
-                    try:
-                        async with asyncio.timeout(wait):
-                            event = await call.read()
-                    except TimeoutError:
-                        break
+                    wait = max(WATCH_S, watch.window_s / 4)
+                    if deadline is not None:
+                        wait = min(wait, max(0.0, deadline - time.monotonic()))
+                    await asyncio.wait({read}, timeout=wait)
+                    now = time.monotonic()
+                    watch.woke(now - last)
+                    last = now
+                    if not read.done():
+                        deadline = watch.deadline()
+                        if deadline is not None and now >= deadline:
+                            break
+                        continue
+                    event, read = read.result(), None
                     if event is grpc.aio.EOF:
                         break
                     heard = True
@@ -344,6 +362,10 @@ class AsyncRendezvousClient(steps.ClientBase):
                     self._mux.retire()  # the daemon may be going: never hold it up
             finally:
                 call.cancel()
+                if read is not None:
+                    read.cancel()
+                    # Its end retrieved: the cancelled call fails it, never to be logged.
+                    read.add_done_callback(_retrieved)
             delay = watch.ended(error)
             if delay is None:
                 return

@@ -24,6 +24,7 @@ from rendezvousd.client._call_stream import BlockingCallStream
 from rendezvousd.client._multiplex import Unsupported, copy_error
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
+    WATCH_S,
     ClientOptions,
     JoinRequest,
     NodeJoinRequest,
@@ -447,11 +448,11 @@ class RendezvousClient(steps.ClientBase):
         last = time.monotonic()
         while True:
             deadline = watch.deadline()
-            wait = 0.5 if deadline is None else deadline - time.monotonic()
-            if self._hb_stop.wait(min(0.5, max(0.01, wait))) or watch.done:
+            wait = WATCH_S if deadline is None else deadline - time.monotonic()
+            if self._hb_stop.wait(min(WATCH_S, max(0.01, wait))) or watch.done:
                 return
             now = time.monotonic()
-            watch.woke(now - last)  # woken every 0.5 s: a long gap was this process's
+            watch.woke(now - last)  # woken every WATCH_S: a long gap was this process's
             last = now
             deadline = watch.deadline()
             if deadline is not None and watch.expired():

@@ -212,16 +212,8 @@ def test_a_channel_still_ready_after_the_daemon_died_is_not_taken_for_it_back(
     assert time.monotonic() - killed[0] < 10
 
 
-def test_a_member_that_was_stopped_hears_what_the_daemon_did_not_that_it_died(
-    tmp_path: Path,
-) -> None:
-    """SIGSTOP for longer than the window, then SIGCONT: the watchdog counted the
-    process's own silence as the daemon's and reported DaemonUnreachable ("the daemon
-    died or this node lost its network") of a daemon that was fine, before the
-    stream could deliver the daemon's verdict: this rank lost for its silence."""
-    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", "2")
-    script = tmp_path / "member.py"
-    script.write_text(
+_STOPPED_MEMBER = {
+    "sync": (
         "import sys\n"
         "from rendezvousd.client import RendezvousClient\n"
         "c = RendezvousClient(sys.argv[1], 'stopped', token=sys.argv[2])\n"
@@ -229,7 +221,34 @@ def test_a_member_that_was_stopped_hears_what_the_daemon_did_not_that_it_died(
         "c.start_heartbeat(on_failure=lambda e: print(type(e).__name__, e, flush=True))\n"
         "print('ready', flush=True)\n"
         "import time; time.sleep(30)\n"
-    )
+    ),
+    "asyncio": (
+        "import asyncio, sys\n"
+        "from rendezvousd.client import AsyncRendezvousClient\n"
+        "async def main():\n"
+        "    async with AsyncRendezvousClient(sys.argv[1], 'stopped', token=sys.argv[2]) as c:\n"
+        "        await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)\n"
+        "        c.start_heartbeat(\n"
+        "            on_failure=lambda e: print(type(e).__name__, e, flush=True))\n"
+        "        print('ready', flush=True)\n"
+        "        await asyncio.sleep(30)\n"
+        "asyncio.run(main())\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("client", sorted(_STOPPED_MEMBER))
+def test_a_member_that_was_stopped_hears_what_the_daemon_did_not_that_it_died(
+    tmp_path: Path, client: str
+) -> None:
+    """SIGSTOP for longer than the window, then SIGCONT: the watchdog (the asyncio
+    client's read timeout) counted the process's own silence as the daemon's and
+    reported DaemonUnreachable ("the daemon died or this node lost its network") of a
+    daemon that was fine, before the stream could deliver the daemon's verdict: this
+    rank lost for its silence."""
+    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", "2")
+    script = tmp_path / "member.py"
+    script.write_text(_STOPPED_MEMBER[client])
     member = subprocess.Popen(
         [sys.executable, str(script), d.endpoint, d.token], stdout=subprocess.PIPE, text=True
     )
