@@ -394,6 +394,19 @@ def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
     assert "raise --max-restarts" not in run.stderr, run.stderr
 
 
+def test_a_missing_target_is_the_one_argument_named_missing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """argparse said "required: target, args"; the target's arguments are optional."""
+    from rendezvousd.trainer.agent.launcher import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--nnodes", "1"])
+    assert capsys.readouterr().err.rstrip().endswith("the following arguments are required: target")
+    assert build_parser().parse_args(["t.py"]).args == []
+    assert build_parser().parse_args(["t.py", "--lr", "1"]).args == ["--lr", "1"]
+
+
 def test_a_daemon_that_never_comes_ends_the_join_at_its_timeout_using_no_restart(
     tmp_path: Path,
 ) -> None:

@@ -115,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     p.add_argument("target", help="script path (or module with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the target")
+    rest = p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the target")
+    # argparse counts REMAINDER as required: a missing target was reported as
+    # "required: target, args", though the target's arguments are optional.
+    rest.required = False
     return p
 
 
