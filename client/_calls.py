@@ -73,6 +73,8 @@ C = TypeVar("C")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Between non-waiting TLS probes: long enough for a refused handshake to show.
 PROBE_PAUSE_S = 0.2
+# The least a TLS probe waits, however little of the connect timeout is left.
+PROBE_FLOOR_S = 0.5
 # Between asks whether a daemon that went away mid-wait is back (``back_within``).
 RECHECK_S = 0.25
 
@@ -356,7 +358,9 @@ class Calls:
         # asked directly (``probe_tls``), never by letting gRPC connect: each attempt
         # would be one more "Handshake failed" line in the daemon's log.
         started = time.monotonic()
-        if not self.probe.seen_tls and (yield Reachable(TLS_PROBE_TIMEOUT_S)):
+        # Half the connect timeout at most: the probes that tell why get the rest.
+        look = min(TLS_PROBE_TIMEOUT_S, self.s.connect_timeout / 2)
+        if not self.probe.seen_tls and (yield Reachable(look)):
             # Connected: the daemon is reachable and accepted our TLS, and a draining
             # daemon answers the join itself with DRAINING, which is raised at once.
             # The Check this saves cost the daemon about 0.5 ms of CPU per cold client,
@@ -409,7 +413,8 @@ class Calls:
         host that drops packets, spends 2 s in each)."""
         started = time.monotonic() if started is None else started
         request = health_pb2.HealthCheckRequest(service=SERVICE)
-        probed = yield from self.probe_tls(request)
+        left = self.s.connect_timeout - (time.monotonic() - started)
+        probed = yield from self.probe_tls(request, within=left)
         if probed is not None and probed.status == SERVING:
             return
         if probed is None:
@@ -438,26 +443,32 @@ class Calls:
             yield Sleep(s.retry.backoff(attempt))
 
     def probe_tls(
-        self, request: health_pb2.HealthCheckRequest
+        self, request: health_pb2.HealthCheckRequest, within: float = TLS_PROBE_TIMEOUT_S
     ) -> Steps[health_pb2.HealthCheckResponse | None]:
         """Raise at once when the daemon refuses our TLS, or speaks TLS to a plaintext
-        client; see ``TlsProbe``. The daemon's answer when it gave one."""
+        client; see ``TlsProbe``. The daemon's answer when it gave one. Within about
+        ``within`` (the connect timeout's rest), but each probe gets PROBE_FLOOR_S: a
+        TLS mismatch answers at once, and only a silent port waits out a probe
+        (2 s each, and a sniff, made a 1 s connect_timeout take 6 s there)."""
         probe = self.probe
         if probe.seen_tls and (known := (yield Blocking(probe.known_refusal))):
             raise self.s.tls_refused(known)
+        end = time.monotonic() + within
         for _ in range(probe.attempts):
+            wait = min(TLS_PROBE_TIMEOUT_S, max(PROBE_FLOOR_S, end - time.monotonic()))
             try:
                 response: health_pb2.HealthCheckResponse = yield Rpc(
-                    "Check", request, TLS_PROBE_TIMEOUT_S, health=True, wait_for_ready=False
+                    "Check", request, wait, health=True, wait_for_ready=False
                 )
                 return response
             except grpc.RpcError as exc:
                 # A plaintext client's refusal asks the daemon over a socket of
-                # its own (blocking, up to TLS_SNIFF_TIMEOUT_S).
-                refusal = yield Blocking(functools.partial(probe.refusal, exc))
+                # its own (blocking, up to what is left, with the same floor).
+                sniff = max(PROBE_FLOOR_S, min(wait, end - time.monotonic()))
+                refusal = yield Blocking(functools.partial(probe.refusal, exc, sniff))
                 if refusal is not None:
                     raise self.s.tls_refused(refusal) from None
-                if not probe.again(exc):
+                if not probe.again(exc) or time.monotonic() >= end:
                     return None
             yield Sleep(PROBE_PAUSE_S)
         return None

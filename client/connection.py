@@ -287,16 +287,16 @@ class TlsProbe:
         """Non-waiting calls to make: a plaintext client's first failure is conclusive."""
         return TLS_PROBES if self.tls else 1
 
-    def refusal(self, exc: grpc.RpcError) -> str | None:
+    def refusal(self, exc: grpc.RpcError, timeout: float = TLS_SNIFF_TIMEOUT_S) -> str | None:
         """The TLS refusal or mismatch ``exc`` shows, or None to keep going (returns,
         too, when the daemon answered or is simply down). A plaintext client may block
-        for up to ``TLS_SNIFF_TIMEOUT_S`` here."""
+        for up to ``timeout`` here."""
         if not self.tls:
             # DEADLINE_EXCEEDED too: on a starved machine the probe's deadline can pass
             # before gRPC reports the dropped connection, and the patient check would
             # then make gRPC reconnect (one more "Handshake failed" line each time).
             failed = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            if failed and speaks_tls(self.endpoint):
+            if failed and speaks_tls(self.endpoint, timeout):
                 _SEEN_TLS.add(self.endpoint)
                 return self._speaks_tls()
             return None

@@ -20,7 +20,12 @@ import grpc._channel as grpc_channel
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rendezvousd.client import AsyncRendezvousClient, DaemonUnavailable, RendezvousClient
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    AuthenticationError,
+    DaemonUnavailable,
+    RendezvousClient,
+)
 from rendezvousd.client import _calls as steps
 from rendezvousd.client.connection import SERVICE, TlsConfig
 from tests.support import DaemonProcess, InProcessDaemon, Pki
@@ -235,3 +240,40 @@ async def test_check_health_asks_even_when_the_channel_is_ready(
             await client.check_health()
     finally:
         await client.close()
+
+
+async def _join(kind: str, endpoint: str, tls: TlsConfig | None, connect_timeout: float) -> None:
+    """One join with ``connect_timeout`` by ``kind``'s client (the blocking one in a
+    thread), its error raised."""
+    options: dict[str, Any] = {"token": "t" * 32, "tls": tls, "connect_timeout": connect_timeout}
+    keywords: dict[str, Any] = {"num_nodes": 1, "gpus_per_node": 1, "local_rank": 0}
+    if kind == "asyncio":
+        async with AsyncRendezvousClient(endpoint, "short", **options) as client:
+            await client.join(**keywords, timeout=30)
+        return
+    with RendezvousClient(endpoint, "short", **options) as blocking:
+        await asyncio.to_thread(blocking.join, **keywords, timeout=30)
+
+
+@pytest.mark.parametrize("client_tls", [False, True], ids=["plaintext", "tls"])
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_join_at_a_silent_port_ends_near_its_connect_timeout(
+    listener: Callable[[bytes | None], str], pki: Pki, kind: str, client_tls: bool
+) -> None:
+    """A port that accepts and never answers: the TLS probes before the join waited
+    2 s each and a sniff, so connect_timeout=1 took 6 s."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DaemonUnavailable, match=r"within 1 s \(connect_timeout\): it accepts"):
+        await _join(kind, listener(None), TlsConfig(ca=pki.ca) if client_tls else None, 1.0)
+    assert loop.time() - started < 3.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_tls_daemon_is_told_to_a_plaintext_join_with_a_short_connect_timeout(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], kind: str
+) -> None:
+    """The probes share the short connect timeout, and still each get enough time."""
+    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    with pytest.raises(AuthenticationError, match="speaks TLS: pass --tls-ca"):
+        await _join(kind, d.endpoint, None, 0.2)
