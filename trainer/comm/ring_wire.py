@@ -178,9 +178,10 @@ def establish_ring(
 
     thread = threading.Thread(target=connect, name=f"cpu-ring-connect-r{rank}", daemon=True)
     thread.start()
+    acceptor = _Acceptor(auth, listener, timeout)
     try:
         # Stops early once the connect side failed: setup is lost either way.
-        left = _Acceptor(auth, listener, timeout).run(deadline, connect_failed)
+        left = acceptor.run(deadline, connect_failed)
     except BaseException:
         thread.join()
         if outcome and isinstance(outcome[0], socket.socket):
@@ -191,6 +192,12 @@ def establish_ring(
     if isinstance(result, BaseException):
         if left is not None:
             left.close()
+        if isinstance(result, CommunicatorTimeout) and acceptor.last_rejection:
+            # A peer this rank rejected fails and closes its listener; our dial then
+            # reads "not listening yet" to the end. The rejection is the cause.
+            raise CommunicatorTimeout(
+                f"{result} (this rank rejected a connection meanwhile: {acceptor.last_rejection})"
+            ) from result
         raise result
     assert left is not None
     for sock in (left, result):
