@@ -557,8 +557,11 @@ class Calls:
             self.s.barrier_failed(name)
             raise
 
-    def leave(self) -> Steps[None]:
+    def leave(self, final: bool = False) -> Steps[None]:
         """One goodbye within the leave timeout; a failure is one warning, not an error.
+        ``final``: a node agent that will not re-join says so (``LeaveRequest.final``),
+        by a Leave call after the goodbye: no seat is kept for it in the next
+        generation.
 
         Said on the heartbeat stream where its daemon offers it (issue 21), as its
         last message, and the stream left open until the daemon confirms it (within
@@ -572,21 +575,36 @@ class Calls:
         request = s.leave_request()
         if request is None:
             return
+        final = final and request.node
         if s.stream_leave:
             wait = s.leave_wait()
             confirmed = yield LeaveOnStream(wait)
+            refused = s.leave_refused() if confirmed is False else None
             if confirmed is None:
                 s.leave_unconfirmed(request, wait)
-                return
-            if confirmed:
-                return
-            if (refused := s.leave_refused()) is not None:
+            elif refused is not None:
                 s.leave_failed(request, refused)
+            if confirmed is not False or refused is not None:
+                yield from self._say_final(request, final)
                 return
+            # The stream broke before its goodbye was read: a Leave call tells it.
+        request.final = final
         try:
             yield Rpc("Leave", request, s.leave_timeout)
         except grpc.RpcError as exc:
             s.leave_failed(request, exc)
+
+    def _say_final(self, request: pb.LeaveRequest, final: bool) -> Steps[None]:
+        """After a goodbye on the stream (which has no room to say it): the final Leave."""
+        if not final:
+            return
+        last = pb.LeaveRequest()
+        last.CopyFrom(request)
+        last.final = True
+        try:
+            yield Rpc("Leave", last, self.s.leave_timeout)
+        except grpc.RpcError as exc:
+            self.s.leave_failed(last, exc)
 
     def abort(self, reason: str, job_id: str | None, generation: int) -> Steps[int]:
         check_arg("abort", "reason", reason, str)

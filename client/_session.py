@@ -808,9 +808,14 @@ class StreamWatch:
         return self.session.failure is not None or self.session.left
 
     def deadline(self) -> float | None:
-        """When silence becomes DaemonUnreachable; None while there is no clock."""
+        """When silence becomes DaemonUnreachable; None while there is no clock. The
+        window counts from the last word heard, or from the stream's break when it
+        broke since: the last ack may be a beat interval older than the break (up to a
+        third of the window), and a daemon restarted with its state inside the window
+        after it died (its members given a whole timeout to reattach) was reported
+        unreachable first (7 s after a SIGKILL, against a 10 s window)."""
         if self.session.daemon_heartbeat_timeout > 0:
-            return self.heard + self.window_s
+            return max(self.heard, self.outage_since or 0.0) + self.window_s
         return None
 
     def on_event(self, event: pb.JobEvent) -> str:

@@ -396,11 +396,11 @@ class AsyncRendezvousClient(steps.ClientBase):
         with contextlib.suppress(asyncio.CancelledError):
             task.result()
 
-    async def leave(self) -> None:
+    async def leave(self, *, final: bool = False) -> None:
         """Best effort, like ``RendezvousClient.leave``: one attempt within
         ``leave_timeout``, then one WARNING instead of an exception."""
         try:
-            await self._run(self._c.leave())
+            await self._run(self._c.leave(final))
         finally:
             await self._stop_heartbeat()
             self._forget()

@@ -291,14 +291,16 @@ class RendezvousClient(steps.ClientBase):
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         self._run(self._c.barrier(name, timeout))
 
-    def leave(self) -> None:
+    def leave(self, *, final: bool = False) -> None:
         """Say goodbye first, then close the stream: otherwise peers see a failure.
 
         Best effort: one attempt within ``leave_timeout``; if the daemon cannot be
         told, one WARNING is logged and leave() returns, since the work is done.
+        ``final`` (a node agent): it will not re-join, so the next generation keeps
+        no seat for it (a node leaving a failed generation is otherwise expected back).
         """
         try:
-            self._run(self._c.leave())
+            self._run(self._c.leave(final))
         finally:
             self._stop_heartbeat()
             self._forget()

@@ -439,6 +439,7 @@ class RendezvousServicer:
             request.instance_id,
             _now(),
             mode=JoinMode.of_caller(request.node),
+            final=request.final,
         )
         await self._durably(request.job_id, self.state.take_effects())
         return pb.LeaveResponse()

@@ -214,6 +214,10 @@ class Generation:
     # it; a newcomer gets only the seats they leave (``placement.claim``).
     owed: dict[str, str] = field(default_factory=dict)
     owed_until: float = 0.0
+    # Node instances of this generation that will not re-join (a final Leave): none
+    # of the seats above is kept for them. Not stored: a restart forgets it, which
+    # costs at most one seat hold.
+    gone: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -214,17 +214,7 @@ def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
     if not gen.owed or now < gen.owed_until:
         return
     hosts = sorted({host or "a woken node" for host in gen.owed.values()})
-    room = job.max_nodes - len(gen.nodes)
-    called: dict[str, str] = {}
-    for waiter, inst in list(job.scaleup_waiters.items()):  # in the order they parked
-        if len(called) >= room:
-            break
-        if waiter in job.standby_waiters:
-            del job.scaleup_waiters[waiter]
-            job.standby_waiters.discard(waiter)
-            job.standbys_called.add(inst)
-            called[inst] = ""
-            sm.calls.wake(waiter, Rejoin())
+    called = call_standbys(sm, job, job.max_nodes - len(gen.nodes))
     # Said, so that an operator sees why the generation did not wait for that node.
     _still_forming(
         sm,
@@ -234,6 +224,51 @@ def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
         + (f", {len(called)} standby(s) called" if called else ""),
     )
     placement.keep_seats(job, called, sm.timing.hold_s, now)
+
+
+def call_standbys(sm: RendezvousState, job: Job, room: int) -> dict[str, str]:
+    """The standbys parked on ``job`` called, in the order they parked, into ``room``
+    freed seats: woken to re-join, and returned (instance id -> "") for the seats to
+    keep for them."""
+    called: dict[str, str] = {}
+    for waiter, inst in list(job.scaleup_waiters.items()):
+        if len(called) >= room:
+            break
+        if waiter in job.standby_waiters:
+            del job.scaleup_waiters[waiter]
+            job.standby_waiters.discard(waiter)
+            job.standbys_called.add(inst)
+            called[inst] = ""
+            sm.calls.wake(waiter, Rejoin())
+    return called
+
+
+def seat_given_up(sm: RendezvousState, job: Job, instance_id: str, now: float) -> None:
+    """A node of ``job``'s last generation said it will not re-join (a final Leave),
+    ``job`` failed or forming the next: its seat is free now, not at the hold's end.
+    Forming no longer waits for it, and a standby parked for a seat is called into it
+    (kept for it in turn), as when the hold ends; once the next generation opens, if
+    the job has not moved on yet."""
+    gen = job.gen
+    if job.state is JobState.FORMING:
+        host = gen.owed.pop(instance_id)
+        gen.rejoin_expected -= 1
+        called = call_standbys(
+            sm, job, job.max_nodes - len(gen.nodes) - placement.kept_for_others(job, now)
+        )
+        gen.owed.update(called)
+        _still_forming(
+            sm,
+            job,
+            f"the node agent on {host or 'a woken node'} will not re-join: its seat is free"
+            + (f", {len(called)} standby(s) called" if called else ""),
+        )
+        try_form(sm, job, now)
+        return
+    # Not the standbys yet: whether the job re-forms at all is known only when a node
+    # re-joins (``job_for``); had every node given up, one called here would wait in
+    # a generation of its own, and the aborted job would read as forming.
+    gen.gone.add(instance_id)
 
 
 def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:
@@ -449,6 +484,10 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         owed = placement.owed_back(job)
         rounds.next_generation(sm, job, now)
         job.gen.rejoin_expected = len(owed)
+        if owed:
+            # It re-forms: a seat no node is expected back for (one gave up, a final
+            # Leave) goes to a standby parked for one, as a lapsed seat does.
+            owed |= call_standbys(sm, job, job.max_nodes - len(owed))
         placement.keep_seats(job, owed, sm.timing.hold_s, now)
     if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
         # Nobody waits on this generation yet: the first joiner sets its bounds.

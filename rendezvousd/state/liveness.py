@@ -170,8 +170,20 @@ def leave(
     now: float,
     *,
     mode: JoinMode = JoinMode.RANK,
+    final: bool = False,
 ) -> None:
+    """A goodbye. ``final``: a node agent that will not re-join (it gave up, or its
+    process ends): no seat is kept for it in the next generation, and one kept for it
+    already (the job moved on meanwhile) is freed at once. Its seat was otherwise
+    kept for the hold, and a fresh launch of the job id was refused WORLD_FULL."""
+    job = sm.jobs.get(job_id)
+    if final and mode is JoinMode.NODE and job is not None and generation < job.generation:
+        if job.state is JobState.FORMING and instance_id in job.gen.owed:
+            joins.seat_given_up(sm, job, instance_id, now)
+        return
     job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode, running=False)
+    if final and mode is JoinMode.NODE and job.state in (JobState.FAILED, JobState.ABORTED):
+        joins.seat_given_up(sm, job, instance_id, now)
     if job.state is JobState.FORMING:
         # Only a worker holds a seat while forming (a node's comes as it forms).
         for waiter, r in list(job.gen.join_waiters.items()):

@@ -248,14 +248,20 @@ def owed_back(job: Job) -> dict[str, str]:
     """The nodes that should re-join after ``job``'s node generation failed or was
     aborted, by the instance id each held (or, woken from parking, holds) -> its
     host: its nodes that were not lost, and the nodes woken to re-join (scale-ups,
-    standbys called into freed slots); none (nobody in particular) after any other end."""
+    standbys called into freed slots), less those that said they will not (a final
+    Leave); none (nobody in particular) after any other end."""
     if job.gen.join_mode is not JoinMode.NODE or job.state not in (
         JobState.FAILED,
         JobState.ABORTED,
     ):
         return {}
-    owed = {n.instance_id: n.host for n in job.gen.nodes.values() if n.state is not _LOST}
-    owed.update((inst, "") for inst in job.gen.woken if inst not in owed)
+    gone = job.gen.gone
+    owed = {
+        n.instance_id: n.host
+        for n in job.gen.nodes.values()
+        if n.state is not _LOST and n.instance_id not in gone
+    }
+    owed.update((inst, "") for inst in job.gen.woken if inst not in owed and inst not in gone)
     return owed
 
 
@@ -303,8 +309,14 @@ def has_room(job: Job, now: float) -> bool:
 
 
 def kept_nodes(job: Job) -> int:
-    """The nodes of ``job``'s generation that were not lost."""
-    return sum(1 for n in job.gen.nodes.values() if n.state is not MemberState.LOST)
+    """The nodes of ``job``'s generation that were not lost, nor said they will not
+    re-join (a final Leave)."""
+    gone = job.gen.gone
+    return sum(
+        1
+        for n in job.gen.nodes.values()
+        if n.state is not MemberState.LOST and n.instance_id not in gone
+    )
 
 
 def waiting_count(job: Job) -> int:

@@ -15,9 +15,11 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
+from rendezvousd.client._session import StreamWatch
 from rendezvousd.client.errors import DaemonUnreachable
 from tests.daemon.test_blackhole import BlackHoleProxy
 from tests.support import DaemonProcess, spawn_daemon
@@ -266,3 +268,28 @@ def test_a_member_that_was_stopped_hears_what_the_daemon_did_not_that_it_died(
         d.kill()
     assert heard.startswith("PeerFailed") and "lost rank 0" in heard, heard
     assert "no heartbeat for" in heard, heard
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
+    """The daemon SIGKILLed 1.9 s after its last ack (beats come every third of the
+    window) and restarted with its state 7 s later: the window counted from that ack,
+    so its members were told DaemonUnreachable (8 s after the kill, "unreachable for
+    10.0 s") while the restored daemon still waited for them to reattach."""
+    client = RendezvousClient("127.0.0.1:9", "broken", token="t" * 32)
+    try:
+        session = client._s
+        session.daemon_heartbeat_timeout = 6.0
+        watch = StreamWatch(session, None, None)  # type: ignore[arg-type]
+        broke = time.monotonic()
+        watch.heard = broke - 1.9
+        assert watch.ended(_Unavailable()) is not None  # reconnect
+        deadline = watch.deadline()
+        assert deadline is not None and deadline >= broke + 6.0, deadline - broke
+        assert not watch.expired()
+    finally:
+        client.close()

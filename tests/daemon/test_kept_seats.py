@@ -24,7 +24,7 @@ from rendezvousd.common.model import (
     Transition,
     Wake,
 )
-from rendezvousd.errors import ConfigError, DaemonError
+from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.storage.persistence import Persister
 from tests.daemon.test_node_state import ID2, fault, node, rejoin, three_elastic, woken
@@ -235,3 +235,113 @@ def test_seat_hold_s_sets_how_long_a_seat_is_kept() -> None:
     assert fault(sm.join, node("r"), 2.9).reason == "WORLD_FULL"
     sm.tick(3.1)
     assert isinstance(sm.join(node("r"), 3.2), JoinResult)
+
+
+def _relaunch(sm: RendezvousState, now: float) -> object:
+    """A fresh launch of job j (new agents x and y, no seat held before): node 0's
+    two calls, then node 1's answer, or its fault."""
+    try:
+        assert sm.join(node("x", previous=""), now).id_required  # type: ignore[union-attr]
+        assert isinstance(sm.join(node("x", uid=ID2, previous=""), now), Parked)
+        return sm.join(node("y", previous=""), now)
+    except RendezvousFault as exc:
+        return exc
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["final", "plain"])
+def test_agents_that_leave_for_good_keep_no_seat_and_a_relaunch_forms_at_once(
+    final: bool,
+) -> None:
+    """rendezvous-run's agents that gave up after a failure left the failed generation
+    as survivors about to re-join do, so both were expected back: the job id launched
+    again at once was refused WORLD_FULL ("2 seat(s) kept") for the whole hold, and a
+    torchrun relaunch stood by for it. A final Leave says they will not re-join."""
+    sm = RendezvousState()
+    running_pair(sm)
+    sm.report_failure("j", 1, 1, "b", 0, "exit code 1", 1.0)
+    assert sm.jobs["j"].state is JobState.FAILED
+    for inst, rank in (("a", 0), ("b", 1)):
+        sm.leave("j", 1, rank, inst, 1.1, mode=JoinMode.NODE, final=final)
+    out = _relaunch(sm, 1.2)
+    if final:
+        assert isinstance(out, JoinResult) and out.generation == 2, out
+        assert set(sm.jobs["j"].gen.nodes) == {"x", "y"}
+    else:
+        assert isinstance(out, RendezvousFault) and "2 seat(s) kept" in str(out), out
+
+
+def test_a_final_leave_after_the_next_generation_opened_frees_the_seat_kept_for_it() -> None:
+    sm = generation_2_keeps_a_seat()
+    assert fault(sm.join, node("r", previous=""), 1.2).reason == "WORLD_FULL"
+    sm.take_effects()
+    sm.leave("j", 1, 0, "a", 1.3, mode=JoinMode.NODE, final=True)  # a gave up meanwhile
+    job = sm.jobs["j"]
+    assert job.gen.owed == {} and job.gen.rejoin_expected == 1  # s, back already
+    said = [e.detail for e in sm.take_effects() if isinstance(e, Transition)]
+    assert said == ["the node agent on host-a will not re-join: its seat is free"]
+    out = sm.join(node("r", previous=""), 1.4)
+    assert isinstance(out, JoinResult) and set(job.gen.nodes) == {"s", "r"}
+
+
+def test_a_final_leave_for_a_seat_not_kept_changes_nothing() -> None:
+    """Sent for a generation the job left behind, naming no seat kept (a lost node, or
+    a second goodbye): accepted, and nothing else is touched."""
+    sm = generation_2_keeps_a_seat()
+    sm.take_effects()
+    sm.leave("j", 1, 1, "b", 1.3, mode=JoinMode.NODE, final=True)  # b was lost
+    sm.leave("j", 1, 0, "nobody", 1.3, mode=JoinMode.NODE, final=True)
+    assert sm.jobs["j"].gen.owed == {"a": "host-a"} and sm.take_effects() == []
+
+
+def test_a_node_that_gives_up_beside_a_parked_standby_calls_it_when_the_job_re_forms() -> None:
+    """b reported its own failure (its node is not lost: it would re-join with a
+    restart left), so the failure freed no slot and the standby stayed parked; b then
+    gave up. Its seat, kept for the hold, was the standby's only way in: 10 s later,
+    or never once b's final Leave took the seat away. Now a's re-join, which opens the
+    next generation, calls the standby into b's seat."""
+    sm = RendezvousState()
+    running_pair(sm)
+    parked = sm.join(spare("s"), 0.5)
+    assert isinstance(parked, Parked)
+    sm.report_failure("j", 1, 1, "b", 0, "exit code 1", 1.0)
+    sm.leave("j", 1, 1, "b", 1.1, mode=JoinMode.NODE, final=True)
+    assert parked.waiter not in woken(sm)  # no slot freed yet: does the job re-form?
+    assert sm.join(node("a2", previous="a"), 1.2).id_required  # type: ignore[union-attr]
+    assert isinstance(woken(sm)[parked.waiter], Rejoin)
+    assert sm.jobs["j"].gen.owed == {"s": ""}  # a2 took the seat kept for a
+    assert isinstance(sm.join(node("a2", uid=ID2, previous="a"), 1.2), Parked)
+    out = sm.join(spare("s"), 1.3)
+    assert isinstance(out, JoinResult) and set(sm.jobs["j"].gen.nodes) == {"a2", "s"}
+
+
+def test_when_every_node_gave_up_a_parked_standby_stays_parked() -> None:
+    """An aborted job whose agents all gave up: nobody re-forms it, and a standby
+    called into it would wait in a generation of its own (the status page then showed
+    the dead job as forming)."""
+    sm = RendezvousState()
+    running_pair(sm)
+    parked = sm.join(spare("s"), 0.5)
+    assert isinstance(parked, Parked)
+    sm.abort("j", 1, "aborted from the status page", 1.0)
+    for inst, rank in (("a", 0), ("b", 1)):
+        sm.leave("j", 1, rank, inst, 1.1, mode=JoinMode.NODE, final=True)
+    assert parked.waiter not in woken(sm)
+    job = sm.jobs["j"]
+    assert job.state is JobState.ABORTED and job.generation == 1
+
+
+def test_a_final_leave_into_a_forming_generation_calls_a_parked_standby() -> None:
+    sm = generation_2_keeps_a_seat()
+    second = sm.join(spare("s2"), 1.2)
+    assert isinstance(second, Parked)  # no room: a's seat is kept
+    sm.take_effects()
+    sm.leave("j", 1, 0, "a", 1.3, mode=JoinMode.NODE, final=True)
+    effects = sm.take_effects()
+    said = [e.detail for e in effects if isinstance(e, Transition)]
+    assert said == [
+        "the node agent on host-a will not re-join: its seat is free, 1 standby(s) called"
+    ]
+    assert second.waiter in {e.waiter for e in effects if isinstance(e, Wake)}
+    assert sm.jobs["j"].gen.owed == {"s2": ""}  # kept for it, not for a newcomer
+    out = sm.join(spare("s2"), 1.4)
+    assert isinstance(out, JoinResult) and set(sm.jobs["j"].gen.nodes) == {"s", "s2"}

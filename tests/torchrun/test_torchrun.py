@@ -273,6 +273,15 @@ def test_an_agent_that_gives_up_closes_a_job_that_cannot_go_on_and_the_survivor_
     assert "gave up: its workers failed" in survivor, survivor[-3000:]
     assert "cannot go on without it (--nnodes 2:2" in survivor, survivor[-3000:]
     assert "shutdown:" not in survivor, survivor[-3000:]
+    # The same job launched again at once (the bug fixed) forms at once: the agents
+    # that gave up said they will not re-join, so no seat is kept for them. Kept, the
+    # new agents stood by for the whole hold, "re-forming after a failure".
+    again_log = ["--steps", "1", "--step-log", str(tmp_path / "again.jsonl")]
+    again = [torchrun(d, job_id, "2", *again_log, nproc=1) for _ in range(2)]
+    assert [a.wait(90) for a in again] == [0, 0], again[0].stderr()[-3000:]
+    for a in again:
+        assert "standing by" not in a.stderr(), a.stderr()[-3000:]
+    assert "did not re-join within" not in d.log(), d.log()[-3000:]
 
 
 def test_an_agent_that_gives_up_beside_a_standby_is_replaced_not_closed(

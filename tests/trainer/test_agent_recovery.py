@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from rendezvousd.client import RendezvousClient
 from tests.support import (
     ROOT,
@@ -482,3 +484,47 @@ def test_a_standby_outlives_a_daemon_restart_without_using_a_restart(tmp_path: P
     assert "standby called" in standby.stderr(), standby.stderr()
     done = standby.events("done")
     assert len(done) == 2 and all(e["world_size"] == 2 for e in done), standby.events()
+
+
+_STEPPING = """\
+import sys, time
+from pathlib import Path
+from rendezvousd.trainer.distributed import init_distributed
+with init_distributed() as ctx:
+    for step in range(600):
+        ctx.communicator.barrier()
+        ctx.progress(step)
+        if step == 5:
+            Path(sys.argv[1]).touch()
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("attempt", [1, 2])  # the race it lost went either way: twice
+def test_a_stopped_agent_blames_no_worker_for_its_own_silence(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, attempt: int
+) -> None:
+    """The agent SIGSTOPped for twice the daemon's heartbeat timeout (3 s), then
+    continued: its watch loop ran before its channel readers had read the workers'
+    beats sent meanwhile, and named a healthy worker ("worker rank 0 failed first,
+    with no heartbeat from its process for 8.1 s"), in one run of two. The daemon's
+    verdict on the node, lost for the agent's silence, is the cause."""
+    script, stepping = tmp_path / "w.py", tmp_path / "stepping"
+    script.write_text(_STEPPING)
+    cmd = launcher_cmd(1, 0, 2, endpoint=daemon.endpoint, token_file=daemon.token_file)
+    agent = subprocess.Popen(
+        [*cmd, "--job-id", job_id, str(script), str(stepping)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for("the workers to step", stepping.exists, timeout=60)
+        agent.send_signal(signal.SIGSTOP)
+        time.sleep(6.0)
+        agent.send_signal(signal.SIGCONT)
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode == 1, err
+    assert "no heartbeat for 3.0 s (node unreachable)" in err, err
+    assert "failed first" not in err and "from its process" not in err, err

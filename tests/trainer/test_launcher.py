@@ -466,6 +466,32 @@ def test_a_daemon_started_after_the_node_is_waited_for_within_the_join_timeout(
     assert "trying again every 1 s for up to 60 s in all (no restart used)" in err, err
 
 
+def test_a_job_launched_again_right_after_it_gave_up_forms_at_once(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """The agent that gave up left the failed generation as a survivor about to re-join
+    does, so the daemon kept its seat: the same command run again at once (the bug
+    fixed) was refused WORLD_FULL, "1 seat(s) kept for nodes re-joining", for 10 s."""
+    d = start_daemon()
+    flag = tmp_path / "fail"
+    flag.touch()
+    source = (
+        "import sys\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        f"    if ctx.rank == 1 and __import__('os').path.exists({str(flag)!r}):\n"
+        "        sys.exit(3)\n"
+        "    ctx.communicator.barrier()\n"
+    )
+    failed = run_script_node(d, job_id, tmp_path / "w.py", source, "--max-restarts", "0")
+    assert failed.returncode == 3, failed.stderr
+    flag.unlink()
+    started = time.monotonic()
+    again = run_script_node(d, job_id, tmp_path / "w.py", source, "--max-restarts", "0")
+    assert again.returncode == 0, again.stderr
+    assert time.monotonic() - started < 8, again.stderr
+
+
 def test_sigterm_while_joining_ends_the_launcher_promptly(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

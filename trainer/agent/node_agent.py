@@ -70,6 +70,12 @@ STOP_GRACE_S = 0.05
 # their start-up would otherwise slow the resumption down.
 SPARE_DELAY_S = 1.0
 POLL_S = 0.02
+# The watch loop wakes every POLL_S: a gap this long was the agent itself not running
+# (SIGSTOP, a debugger, a suspended machine), and for RESUMED_S after it no worker is
+# blamed for a silence that was the agent's own: their frames sent meanwhile are read
+# first, and the daemon's verdict on this node (lost for the agent's silence) comes.
+PAUSED_S = 2.0
+RESUMED_S = 2.0
 # A worker's silence limit when the daemon advertises no heartbeat timeout (older).
 DEFAULT_SILENCE_S = 10.0
 STOPPING = "stopping this node's workers: "
@@ -264,7 +270,7 @@ class NodeAgent:
             # The workers would dial themselves until their timeout: every node hears why.
             with contextlib.suppress(RendezvousError):
                 self.client.abort(problem, generation=m.generation)
-            self._end_generation()
+            self._end_generation(final=True)
             self.note(f"error: {problem}")
             return Failure(m.generation, problem, host=self.host, fatal=True)
         self.active = self.pool.take(self.per_node)
@@ -518,12 +524,18 @@ class NodeAgent:
         refilled = False
         succeeded: set[WorkerProcess] = set()
         silent: tuple[float, str] | None = None  # when a link went silent, and its cause
+        looked = resumed = time.monotonic()
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
             event = self._next_event()
             self._report_progress()
             now = time.monotonic()
+            if now - looked > PAUSED_S:
+                # A worker was blamed, "no heartbeat from its process for 8.1 s", for
+                # the 8 s this agent was stopped, before the daemon's verdict came.
+                resumed = now
+            looked = now
             if warm_at is None and all(w.ready.is_set() for w in self.active):
                 warm_at = now
             if not refilled and (
@@ -535,7 +547,7 @@ class NodeAgent:
                 if self.budget.can_restart or self.config.fewest_nodes < self.config.num_nodes:
                     self.pool.fill(self.per_node)
                 refilled = True
-            for w in self.active:
+            for w in self.active if now - resumed > RESUMED_S else ():
                 if (cause := self._stuck(w, now)) is not None:
                     return self._local_failure(gen, first_rank, w, cause, 1)
             if silent is not None and now - silent[0] >= LINK_SETTLE_S:
@@ -575,7 +587,7 @@ class NodeAgent:
                 cause, rank, host = describe_remote(event.error)
                 lost = event.error.failed if isinstance(event.error, PeerFailed) else ()
                 if stray([f.cause for f in lost]):
-                    self._stop(gen, Failure(gen, cause, rank, host), cause)
+                    self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
                     # Its host and cause are the stray's own text: shown escaped.
                     return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
                 failure = Failure(gen, cause, rank, host)
@@ -673,20 +685,24 @@ class NodeAgent:
         except RendezvousError as exc:
             self.note(f"could not report the failure to the daemon: {exc}")
 
-    def _stop(self, gen: int, failure: Failure, cause: str) -> Failure:
+    def _stop(self, gen: int, failure: Failure, cause: str, *, rejoins: bool = False) -> Failure:
+        """``rejoins``: the job re-forms whatever the restart budget says (a stray)."""
         # Said here, at once, on every node: the workers may be gone before they log it.
         self.note(f"{STOPPING}{cause}")
         stop_all(self.active, cause, STOP_GRACE_S)
         self.active = []
-        self._end_generation()
+        self._end_generation(final=not rejoins and not self.budget.allows(failure))
         mark("stopped", generation=gen)
         return failure
 
-    def _end_generation(self) -> None:
+    def _end_generation(self, *, final: bool = False) -> None:
+        """``final``: this agent will not re-join (it gives up, or is stopped), so the
+        next generation keeps no seat for it: the job id launched again at once, or
+        the nodes that go on, would otherwise wait out the seat hold for it."""
         self._close_links()
         # Stops the node's heartbeat; a failed generation is over either way.
         with contextlib.suppress(RendezvousError):
-            self.client.leave()
+            self.client.leave(final=final)
 
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
         """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
@@ -708,5 +724,5 @@ class NodeAgent:
         stop_all(self.active, cause, self.config.stop_grace_s, signum)
         self.active = []
         if gen is not None:
-            self._end_generation()
+            self._end_generation(final=True)
         return Interrupted(signum)

@@ -320,6 +320,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._unreachable: str | None = None
         self._closed = threading.Event()
         self._warm = start_warm_server(settings, os.environ)
+        atexit.register(self._exit_goodbye)
 
     @classmethod
     def from_parameters(cls, params: torch_rdzv.RendezvousParameters) -> RendezvousdHandler:
@@ -587,6 +588,18 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             with contextlib.suppress(RendezvousError):
                 self._client.abort(CLOSED, generation=node.generation)
 
+    def _exit_goodbye(self) -> None:
+        """At exit without ``shutdown()`` (torch skips it when a signal stops its
+        agent): a node whose round already ended says it will not re-join, so the
+        next generation keeps no seat for it, which a fresh launch of the job id
+        would otherwise wait out standing by. One whose round still runs says
+        nothing: its stream's end is its loss, which the others must hear."""
+        node = self._node
+        if node is None or not self._round_ended(node):
+            return
+        with contextlib.suppress(RendezvousError):
+            self._client.leave(final=True)
+
     def shutdown(self) -> bool:
         """Leave cleanly after the workers succeeded. Otherwise (restarts spent) this
         node gives up: if the others can go on without it (``_others_go_on``), report
@@ -604,7 +617,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 )
                 if store is not None and store.workers_succeeded:
                     self._client.leave()
-                elif self._others_go_on(node):
+                    return True
+                if self._others_go_on(node):
                     self._client.report_failure(0, gave_up)
                 else:
                     self._client.abort(
@@ -612,6 +626,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         f"(--nnodes {self._min}:{self._max}, no other node waiting to join)",
                         generation=node.generation,
                     )
+            if node is not None:
+                self._client.leave(final=True)  # see _exit_goodbye
             return True
         except RendezvousError as exc:
             log.warning("rendezvousd: job %r: shutdown: %s", self._run_id, exc)

@@ -1267,6 +1267,7 @@ class LeaveRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    FINAL_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -1274,6 +1275,13 @@ class LeaveRequest(_message.Message):
     node: _builtins.bool
     """A node agent leaving: rank is its node_rank, instance_id the node's, and
     every member of the node leaves.
+    """
+    final: _builtins.bool
+    """A node agent that will not re-join (it gave up, or its process ends): the next
+    generation keeps no seat for it. Without it, a node that leaves a failed
+    generation is expected back, and its seat is kept for it (--seat-hold-s),
+    which a fresh launch of the same job id cannot take. May follow the Leave that
+    ended the node's seat, and may name a generation the job has left behind.
     """
     def __init__(
         self,
@@ -1283,10 +1291,11 @@ class LeaveRequest(_message.Message):
         rank: _builtins.int = ...,
         instance_id: _builtins.str = ...,
         node: _builtins.bool = ...,
+        final: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
