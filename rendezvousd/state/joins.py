@@ -20,6 +20,7 @@ from rendezvousd.common.model import (
     JobState,
     JoinMode,
     JoinResult,
+    MemberState,
     Parked,
     Rejoin,
     Transition,
@@ -48,6 +49,13 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     if args.standby and (parked := stand_by(sm, args, now)) is not None:
         return parked
     job = job_for(sm, args, now)
+    if job.state is JobState.RUNNING and (held := _left_behind(job, args)) is not None:
+        # Its agent joins again, having given this generation up (the daemon was
+        # unreachable to it for its window: a restart longer than that left the
+        # restored generation with seats nobody holds any more, and every re-join was
+        # refused WORLD_FULL). Its workers are stopped: the generation fails.
+        rounds.lose_seated(sm, job, held, REJOINED, now)
+        job = job_for(sm, args, now)
     seat: Member | Node
     if args.local_rank is not None:
         seat, added = _worker_seat(sm, job, args, args.local_rank, now)
@@ -75,6 +83,20 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         if added:  # refused (capacity, a bad id): the seat stays free for the retry
             unseat(sm, job, seat, now)
         raise
+
+
+#: The cause of a node lost by its own agent's re-join (``_left_behind``).
+REJOINED = "its node agent left this generation and joined again (its workers were stopped)"
+
+
+def _left_behind(job: Job, args: JoinArgs) -> Node | None:
+    """The node of ``job``'s running generation that a node agent's join names as the
+    one it held before (``previous_instance_id``, which only that agent knows): the
+    agent gave it up to join again."""
+    if args.local_rank is not None or not args.previous:
+        return None
+    node = job.gen.nodes.get(args.previous)
+    return node if node is not None and node.state is MemberState.ACTIVE else None
 
 
 def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tuple[Node, bool]:

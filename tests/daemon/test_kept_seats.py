@@ -345,3 +345,26 @@ def test_a_final_leave_into_a_forming_generation_calls_a_parked_standby() -> Non
     assert sm.jobs["j"].gen.owed == {"s2": ""}  # kept for it, not for a newcomer
     out = sm.join(spare("s2"), 1.4)
     assert isinstance(out, JoinResult) and set(sm.jobs["j"].gen.nodes) == {"s", "s2"}
+
+
+def test_an_agent_that_gave_its_running_generation_up_re_forms_the_job() -> None:
+    """The daemon restarted with its state after its members' window: the restored
+    generation runs with seats nobody holds, and the agents, having given it up
+    (DaemonUnreachable), join again naming the seats they held. Each such join was
+    refused "generation 1 already has max_nodes=2 nodes" and the job could not
+    recover. The first re-join fails the generation (its node's workers are stopped);
+    the next generation keeps the other's seat for it."""
+    sm = RendezvousState()
+    running_pair(sm)
+    out = sm.join(node("a2", previous="a"), 5.0)
+    assert isinstance(out, JoinResult) and out.id_required, out
+    job = sm.jobs["j"]
+    assert job.generation == 2 and job.gen.owed == {"b": "host-b"}
+    said = [e.detail for e in sm.take_effects() if isinstance(e, Transition)]
+    assert said[0] == (
+        "rank 0 on host-a (its node agent left this generation and joined again (its "
+        "workers were stopped)) (and 1 more of its node)"
+    ), said
+    assert isinstance(sm.join(node("a2", uid=ID2, previous="a"), 5.0), Parked)
+    out = sm.join(node("b2", previous="b"), 5.1)
+    assert isinstance(out, JoinResult) and out.generation == 2 and out.num_nodes == 2

@@ -528,3 +528,32 @@ def test_a_stopped_agent_blames_no_worker_for_its_own_silence(
     assert agent.returncode == 1, err
     assert "no heartbeat for 3.0 s (node unreachable)" in err, err
     assert "failed first" not in err and "from its process" not in err, err
+
+
+def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_window(
+    tmp_path: Path,
+) -> None:
+    """The daemon SIGKILLed and started again with its state after the agents' window
+    (2 s here): they report it unreachable, use a restart and join again, naming the
+    seats they held. The restored generation still held those seats for nobody, and
+    every re-join was refused "already has max_nodes=2 nodes": the job could not
+    recover whatever --max-restarts allowed."""
+    with StatefulDaemon(tmp_path, "--heartbeat-timeout-s", "2") as daemon:
+        d = daemon.current
+        args = ["--steps", "150", "--step-s", "0.03"]
+        nodes = _nodes(d, "late-daemon", tmp_path, 2, ["--max-restarts", "1"], args)
+        try:
+            wait_for("both nodes to train", lambda: all(n.events("step") for n in nodes), 60)
+            daemon.current.kill()
+            wait_for(
+                "the nodes to give the daemon up",
+                lambda: all("DaemonUnreachable" in n.stderr() for n in nodes),
+                timeout=30,
+            )
+            time.sleep(1.0)
+            daemon.current = daemon._spawn()
+            codes = [n.wait(120) for n in nodes]
+        finally:
+            _cleanup(nodes)
+    assert codes == [0, 0], [n.stderr()[-2000:] for n in nodes]
+    assert "already has max_nodes" not in nodes[0].stderr() + nodes[1].stderr()

@@ -591,7 +591,13 @@ class NodeAgent:
                     # Its host and cause are the stray's own text: shown escaped.
                     return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
                 failure = Failure(gen, cause, rank, host)
-                return self._stop(gen, failure, cause)
+                # No goodbye to a daemon this node found gone: said while it is down,
+                # it reached the daemon restarted with its state as a clean leave of
+                # the restored generation, which then ended "every member left", and
+                # held the seat against this node's re-join (WORLD_FULL). Unsaid, the
+                # re-join ends that generation (its node agent joined again).
+                gone = isinstance(event.error, DaemonUnavailable)
+                return self._stop(gen, failure, cause, goodbye=not gone)
             elif isinstance(event, LinkSilent) and event.generation == gen:
                 silent = silent or (now, event.cause)
             elif isinstance(event, NodesWaiting) and event.generation == gen:
@@ -685,21 +691,33 @@ class NodeAgent:
         except RendezvousError as exc:
             self.note(f"could not report the failure to the daemon: {exc}")
 
-    def _stop(self, gen: int, failure: Failure, cause: str, *, rejoins: bool = False) -> Failure:
-        """``rejoins``: the job re-forms whatever the restart budget says (a stray)."""
+    def _stop(
+        self,
+        gen: int,
+        failure: Failure,
+        cause: str,
+        *,
+        rejoins: bool = False,
+        goodbye: bool = True,
+    ) -> Failure:
+        """``rejoins``: the job re-forms whatever the restart budget says (a stray);
+        ``goodbye``: whether to Leave (``_end_generation``)."""
         # Said here, at once, on every node: the workers may be gone before they log it.
         self.note(f"{STOPPING}{cause}")
         stop_all(self.active, cause, STOP_GRACE_S)
         self.active = []
-        self._end_generation(final=not rejoins and not self.budget.allows(failure))
+        final = not rejoins and not self.budget.allows(failure)
+        self._end_generation(final=final, goodbye=goodbye)
         mark("stopped", generation=gen)
         return failure
 
-    def _end_generation(self, *, final: bool = False) -> None:
+    def _end_generation(self, *, final: bool = False, goodbye: bool = True) -> None:
         """``final``: this agent will not re-join (it gives up, or is stopped), so the
         next generation keeps no seat for it: the job id launched again at once, or
         the nodes that go on, would otherwise wait out the seat hold for it."""
         self._close_links()
+        if not goodbye:
+            return  # the heartbeat ended with the failure; the next join starts afresh
         # Stops the node's heartbeat; a failed generation is over either way.
         with contextlib.suppress(RendezvousError):
             self.client.leave(final=final)
