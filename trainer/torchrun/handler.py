@@ -102,12 +102,14 @@ from rendezvousd.client import (
     JobAborted,
     JobEnded,
     LimitExceeded,
+    PeerFailed,
     RendezvousClient,
     RendezvousError,
     RendezvousTimeout,
 )
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
+from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
@@ -524,7 +526,27 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
 
     def _heard_failure(self, exc: RendezvousError) -> None:
         # The SDK keeps the failure (client.failure); num_nodes_waiting() reads it.
-        log.warning("rendezvousd: job %r: %s", self._run_id, exc)
+        if not isinstance(exc, PeerFailed) or not exc.failed:
+            log.warning("rendezvousd: job %r: %s", self._run_id, exc)
+            return
+        # Each agent is one member of the round, a node of one rank: the daemon's
+        # "rank" is torchrun's node rank, which read as a worker's global rank.
+        lost = "; ".join(
+            f"node {f.rank if f.node_rank is None else f.node_rank} on {escape(f.host)} "
+            f"({shortened(f.cause)})"
+            for f in exc.failed
+        )
+        log.warning(
+            "rendezvousd: job %r round %d failed: lost %s. torch restarts this node's "
+            "workers into the next round, which waits up to %g s (join_timeout) for "
+            "--nnodes %d:%d nodes: a lost node's replacement, or a standby, takes its place",
+            self._run_id,
+            exc.generation,
+            lost,
+            self._settings.join_timeout,
+            self._min,
+            self._max,
+        )
 
     def _end_round(self, node: NodeMembership) -> None:
         """torchrun asks for a new round while ours runs: tell every other agent why,
