@@ -266,31 +266,24 @@ def call_standbys(sm: RendezvousState, job: Job, room: int) -> dict[str, str]:
 
 
 def seat_given_up(sm: RendezvousState, job: Job, instance_id: str, now: float) -> None:
-    """A node of ``job``'s last generation said it will not re-join (a final Leave),
-    ``job`` failed or forming the next: its seat is free now, not at the hold's end.
-    Forming no longer waits for it, and a standby parked for a seat is called into it
-    (kept for it in turn), as when the hold ends; once the next generation opens, if
-    the job has not moved on yet."""
+    """A node expected back by ``job``'s forming generation said it will not re-join
+    (a final Leave): its kept seat is free now, not at the hold's end. Forming no
+    longer waits for it, and a standby parked for a seat is called into it (kept for
+    it in turn), as when the hold ends."""
     gen = job.gen
-    if job.state is JobState.FORMING:
-        host = gen.owed.pop(instance_id)
-        gen.rejoin_expected -= 1
-        called = call_standbys(
-            sm, job, job.max_nodes - len(gen.nodes) - placement.kept_for_others(job, now)
-        )
-        gen.owed.update(called)
-        _still_forming(
-            sm,
-            job,
-            f"the node agent on {host or 'a woken node'} will not re-join: its seat is free"
-            + (f", {len(called)} standby(s) called" if called else ""),
-        )
-        try_form(sm, job, now)
-        return
-    # Not the standbys yet: whether the job re-forms at all is known only when a node
-    # re-joins (``job_for``); had every node given up, one called here would wait in
-    # a generation of its own, and the aborted job would read as forming.
-    gen.gone.add(instance_id)
+    host = gen.owed.pop(instance_id)
+    gen.rejoin_expected -= 1
+    called = call_standbys(
+        sm, job, job.max_nodes - len(gen.nodes) - placement.kept_for_others(job, now)
+    )
+    gen.owed.update(called)
+    _still_forming(
+        sm,
+        job,
+        f"the node agent on {host or 'a woken node'} will not re-join: its seat is free"
+        + (f", {len(called)} standby(s) called" if called else ""),
+    )
+    try_form(sm, job, now)
 
 
 def tell_waiting(sm: RendezvousState, job: Job, now: float) -> None:

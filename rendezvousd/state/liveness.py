@@ -183,7 +183,11 @@ def leave(
         return
     job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode, running=False)
     if final and mode is JoinMode.NODE and job.state in (JobState.FAILED, JobState.ABORTED):
-        joins.seat_given_up(sm, job, instance_id, now)
+        # Kept out of the next generation's seats (``placement.owed_back``). No standby
+        # is called yet: whether the job re-forms at all is known when a node re-joins
+        # (``joins.job_for``); had every node given up, one called here would wait in
+        # a generation of its own, and the aborted job would read as forming.
+        job.gen.gone.add(instance_id)
     if job.state is JobState.FORMING:
         # Only a worker holds a seat while forming (a node's comes as it forms).
         for waiter, r in list(job.gen.join_waiters.items()):

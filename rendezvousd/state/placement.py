@@ -11,6 +11,7 @@ formed or failed.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rendezvousd.common import validation
@@ -255,12 +256,8 @@ def owed_back(job: Job) -> dict[str, str]:
         JobState.ABORTED,
     ):
         return {}
+    owed = {n.instance_id: n.host for n in _staying(job)}
     gone = job.gen.gone
-    owed = {
-        n.instance_id: n.host
-        for n in job.gen.nodes.values()
-        if n.state is not _LOST and n.instance_id not in gone
-    }
     owed.update((inst, "") for inst in job.gen.woken if inst not in owed and inst not in gone)
     return owed
 
@@ -308,15 +305,16 @@ def has_room(job: Job, now: float) -> bool:
     return len(job.gen.nodes) + kept_for_others(job, now) < job.max_nodes
 
 
-def kept_nodes(job: Job) -> int:
+def _staying(job: Job) -> Iterator[Node]:
     """The nodes of ``job``'s generation that were not lost, nor said they will not
     re-join (a final Leave)."""
     gone = job.gen.gone
-    return sum(
-        1
-        for n in job.gen.nodes.values()
-        if n.state is not MemberState.LOST and n.instance_id not in gone
-    )
+    return (n for n in job.gen.nodes.values() if n.state is not _LOST and n.instance_id not in gone)
+
+
+def kept_nodes(job: Job) -> int:
+    """How many nodes of ``job``'s generation stay (``_staying``)."""
+    return sum(1 for _ in _staying(job))
 
 
 def waiting_count(job: Job) -> int:

@@ -388,8 +388,9 @@ class NodeAgent:
         # restart would only join the same unreachable daemon again, and used them up
         # at connect_timeout each. A standby waits for it as long as for its slot.
         retry_at: float | None = None
-        outage = DaemonOutage(config.join_timeout_s if self._standing_by else timeout)
-        outage.since = time.monotonic()
+        outage = DaemonOutage(
+            config.join_timeout_s if self._standing_by else timeout, time.monotonic()
+        )
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)

@@ -500,7 +500,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 # asks again every OUTAGE_RETRY_S for up to join_timeout.
                 if not standby:
                     raise
-                if outage.since is None:
+                if not outage.told:
+                    outage.told = True
                     log.warning(
                         "rendezvousd: job %r: standing by: %s; trying again every %g s for up "
                         "to %g s",
