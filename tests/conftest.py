@@ -26,6 +26,19 @@ from tests.support import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _grpc_verbosity_kept() -> Iterator[None]:
+    """The launcher's and CLI's ``main``, run in this process by some tests, quiet gRPC
+    by setting GRPC_VERBOSITY in os.environ: daemons started by later tests would
+    inherit it and drop the "Handshake failed" lines other tests count."""
+    before = os.environ.get("GRPC_VERBOSITY")
+    yield
+    if before is None:
+        os.environ.pop("GRPC_VERBOSITY", None)
+    else:
+        os.environ["GRPC_VERBOSITY"] = before
+
+
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []

@@ -13,18 +13,24 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rendezvousd import config as config_mod
 from rendezvousd.cli.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.common.address import host_port
 from rendezvousd.common.escape import EscapingFormatter
-from rendezvousd.daemon import Daemon, serving_gc
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
-from rendezvousd.server.auth import load_tokens, read_token_file
 from rendezvousd.server.scope import JobToken, derive_job_token
+
+if TYPE_CHECKING:
+    # Imported where used: each imports grpc, which must not be loaded before main()
+    # chose its log threshold.
+    from rendezvousd.daemon import Daemon
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from rendezvousd.server.auth import load_tokens
+
     # The Namespace also holds non-setting flags (command, func, config); they are skipped.
     cfg = config_mod.load(args.config, overrides=vars(args))
     handler = logging.StreamHandler(sys.stderr)
@@ -64,6 +70,7 @@ async def _run(
     cfg: config_mod.DaemonConfig, tokens: list[str], *, exit_with_parent: bool = False
 ) -> int:
     from rendezvousd.cli.sdnotify import Notifier
+    from rendezvousd.daemon import Daemon, serving_gc
 
     notifier = Notifier.from_env()
     stop = asyncio.Event()
@@ -179,6 +186,8 @@ def _write_job_token(
             "--job needs --admin-token-file FILE: the daemon's token file the job token "
             "is derived from"
         )
+    from rendezvousd.server.auth import read_token_file
+
     # The first line is the token clients use now (later lines are being rotated out).
     admin = read_token_file(admin_file)[0]
     try:
@@ -235,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] != ["serve"]:
+        # A client command's own error names a failed TLS handshake and what to do;
+        # gRPC core would add its INFO line per attempt (see the launcher's main). The
+        # daemon keeps them: its one sign of a misconfigured client (operations.md).
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         args = build_parser().parse_args(words)
     except SystemExit as exc:

@@ -8,6 +8,7 @@ the daemon logged a failed handshake for every reconnect.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -136,6 +137,38 @@ def test_launcher_without_the_ca_names_the_tls_daemon_and_stops(
     # Its first client's attempt; its restarts and root-cause query ask directly.
     d.terminate()
     assert 1 <= d.log().count("Handshake failed") <= HANDSHAKE_LINES_MAX, d.log()
+
+
+def test_launcher_with_the_wrong_ca_says_so_in_its_own_words_only(
+    pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """gRPC core logs each failed handshake at INFO on the client too: the launcher's
+    stderr had three "Handshake failed ..." lines around its own message, which says
+    the same and what to do."""
+    d = _tls_daemon(start_daemon, pki, mtls=False)
+    script = tmp_path / "worker.py"
+    script.write_text("raise SystemExit('a worker ran without a rendezvous')\n")
+
+    def run(**verbosity: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+        done = subprocess.run(
+            [
+                *launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+                *("--tls-ca", str(pki.rogue_ca), "--tls-server-name", "localhost", str(script)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=45,
+            env=env | verbosity,
+        )
+        assert done.returncode == 1, done.stderr
+        assert "CERTIFICATE_VERIFY_FAILED" in done.stderr, done.stderr
+        assert "Check tls_ca (it must have signed the daemon's certificate)" in done.stderr
+        return done.stderr
+
+    assert "Handshake failed" not in (err := run()), err
+    # A threshold the user chose is theirs.
+    assert "Handshake failed" in (err := run(GRPC_VERBOSITY="INFO")), err
 
 
 def test_a_plaintext_client_still_waits_for_a_daemon_not_up_yet(job_id: str) -> None:

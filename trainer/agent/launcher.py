@@ -346,6 +346,14 @@ def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     mark("launcher-main")
     args = build_parser().parse_args(argv)
+    # gRPC core logs every failed TLS handshake at INFO, a line per attempt (three in
+    # this process and its spares for one wrong --tls-ca) around the launcher's own
+    # error, which names the same failure and what to do. Only a process-wide
+    # threshold exists, read when grpc is first imported (not yet: nothing above
+    # imports it); ERROR was gRPC's own default before its logging moved to absl.
+    # Set before the copy below, so the spares and workers (which import the SDK)
+    # keep quiet too; a GRPC_VERBOSITY the user set is kept.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     base = dict(os.environ)
     try:
         config = resolve(args, base)
