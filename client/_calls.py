@@ -24,13 +24,14 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client._call_stream import _CallStreams
+from rendezvousd.client._call_stream import CALL_BATCH_BYTES, _CallStreams
 from rendezvousd.client._multiplex import timeout_ms
 from rendezvousd.client._session import (
     INT64,
     SLACK_S,
     UINT64,
     UNKNOWN_OUTCOME,
+    WAIT_TIMEOUT_S,
     ClientOptions,
     JoinPlan,
     JoinRequest,
@@ -101,8 +102,17 @@ class Rpc:
     @property
     def streamable(self) -> bool:
         """Whether it may travel on the client's call stream: a Rendezvous method
-        made the patient way (the TLS probe's calls must fail fast, and say why)."""
-        return not self.health and self.wait_for_ready is None and self.method in FIELDS
+        made the patient way (the TLS probe's calls must fail fast, and say why), and
+        small enough to share a batch. A request over the daemon's message limit ended
+        the whole stream (gRPC refuses the message, not the call in it): every call in
+        flight on it failed, a barrier parked on another thread named "the request is
+        100069 bytes". Unary, gRPC refuses that call alone."""
+        return (
+            not self.health
+            and self.wait_for_ready is None
+            and self.method in FIELDS
+            and self.request.ByteSize() <= CALL_BATCH_BYTES
+        )
 
     def invoke(self, rendezvous: Any, health: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
         """The call's result (sync stubs) or awaitable (asyncio stubs)."""
@@ -549,7 +559,7 @@ class Calls:
     def barrier(self, name: str, timeout: float | None) -> Steps[None]:
         check_arg("barrier", "name", name, str)
         check_wait("barrier", "timeout", timeout)
-        wait = self.s.call_timeout if timeout is None else timeout
+        wait = WAIT_TIMEOUT_S if timeout is None else timeout
         request = self.s.barrier_request(name, wait)
         try:
             yield from self.call("Barrier", request, timeout=wait + SLACK_S)
@@ -628,7 +638,7 @@ class Calls:
         check_arg("kv_get", "key", key, str)
         check_wait("kv_get", "timeout", timeout)
         # 0 is a wait that ends at once, not the default (None).
-        limit = self.s.call_timeout if timeout is None else timeout
+        limit = (WAIT_TIMEOUT_S if wait else self.s.call_timeout) if timeout is None else timeout
         request = pb.KvGetRequest(
             key=key, wait=wait, wait_timeout_ms=timeout_ms(limit), **self.s.scope()
         )

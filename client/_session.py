@@ -77,6 +77,10 @@ LEAVE_TIMEOUT_S = 2.0
 # Each heartbeat stream's deadline (the next one is made when it passes).
 HEARTBEAT_CALL_S = 3600.0
 JOIN_TIMEOUT_S = 600.0
+# barrier() and kv_get() without a timeout: the daemon's own default wait
+# (default_wait_s), as long as a join's. They waited call_timeout (30 s), which bounds
+# calls that wait for no peer, so one rank's 45 s checkpoint failed its peers' barrier.
+WAIT_TIMEOUT_S = 600.0
 
 
 class JoinRequest(TypedDict):

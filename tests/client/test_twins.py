@@ -450,6 +450,41 @@ def waits_end_when_asked(w: World) -> object:
     return outcomes
 
 
+def waits_without_a_timeout_outlast_call_timeout(w: World) -> object:
+    """``barrier()`` and ``kv_get()`` without a timeout waited ``call_timeout`` (30 s
+    by default), not the daemon's default wait: a rank 0 writing a 45 s checkpoint
+    failed its peers' barrier. ``call_timeout`` bounds calls that wait for no peer."""
+    a, b = two_joined(w, w.job_id, call_timeout=1)
+
+    def late() -> None:
+        time.sleep(2.5)
+        b.kv_set("late", b"v")
+        b.barrier("late")
+
+    waits = parallel([late, lambda: a.kv_get("late"), lambda: a.barrier("late")])
+    return all_of(waits)
+
+
+def an_oversize_request_fails_alone(w: World) -> object:
+    """A KvSet over the daemon's message limit ended the client's call stream, and with
+    it a barrier parked there by another thread, which then named the KvSet's size."""
+    a, b = two_joined(w, w.job_id)
+
+    def parked() -> None:
+        a.barrier("parked", timeout=20)
+
+    def oversize() -> tuple[str, str, bool]:
+        time.sleep(0.5)  # the barrier parked first
+        with pytest.raises(RendezvousError) as info:
+            a.kv_set("big", b"x" * 100_000)
+        refused = (type(info.value).__name__, info.value.method, "100" in str(info.value))
+        time.sleep(0.5)
+        b.barrier("parked", timeout=20)
+        return refused
+
+    return all_of(parallel([parked, oversize]))
+
+
 def closed_member_refuses_calls(w: World) -> object:
     """A member's calls after close() said "not joined ... call join() first", and
     doing so said "closed"."""
@@ -646,6 +681,14 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
             ("RendezvousTimeout", "KEY_WAIT_TIMEOUT", True),
             ("RendezvousTimeout", "BARRIER_TIMEOUT", True),
         ],
+    ),
+    "waits without a timeout outlast call_timeout": (
+        waits_without_a_timeout_outlast_call_timeout,
+        [None, b"v", None],
+    ),
+    "an oversize request fails alone": (
+        an_oversize_request_fails_alone,
+        [None, ("LimitExceeded", "KvSet", True)],
     ),
     "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 3),
     "closed with calls parked": (
