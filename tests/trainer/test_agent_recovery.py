@@ -530,6 +530,37 @@ def test_a_stopped_agent_blames_no_worker_for_its_own_silence(
     assert "failed first" not in err and "from its process" not in err, err
 
 
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, restarts: int
+) -> None:
+    """Two nodes; node 1's agent SIGSTOPped past the heartbeat timeout. Node 0 hears
+    the daemon's verdict and stops its workers, whose ring links to node 1's workers
+    close: those fail (PeerConnectionError) and exit while their agent is stopped.
+    Continued, it read their exits before the verdict, and named its own worker
+    "failed first" (4 of 4 runs on namespace hosts), while its root-cause line named
+    the node's lost heartbeat."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    flags = ["--max-restarts", str(restarts)]
+    nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "400"])
+    try:
+        _training_rank_3(nodes)
+        nodes[1].proc.send_signal(signal.SIGSTOP)
+        wait_for("node 0 to hear node 1 lost", lambda: "node unreachable" in nodes[0].stderr(), 30)
+        time.sleep(2.0)  # node 1's workers see their links close, and exit
+        nodes[1].proc.send_signal(signal.SIGCONT)
+        codes = [n.wait(90) for n in nodes]
+    finally:
+        _cleanup(nodes)
+    err = nodes[1].stderr()
+    assert codes == ([1, 1] if restarts == 0 else [0, 0]), [n.stderr()[-3000:] for n in nodes]
+    assert "failed first" not in err, err
+    said = err.split("root cause:")[0]
+    # Told the verdict (PeerFailed), or, once the job re-formed without it, that it was
+    # dropped while stopped (its heartbeat refused as stale).
+    assert "node unreachable" in said or "while this agent was stopped for" in said, err
+
+
 def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_window(
     tmp_path: Path,
 ) -> None:

@@ -32,6 +32,7 @@ from rendezvousd.client.errors import (
     PeerFailed,
     RendezvousError,
     RendezvousTimeout,
+    StaleGeneration,
     TopologyMismatch,
 )
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
@@ -74,6 +75,9 @@ POLL_S = 0.02
 # (SIGSTOP, a debugger, a suspended machine), and for RESUMED_S after it no worker is
 # blamed for a silence that was the agent's own: their frames sent meanwhile are read
 # first, and the daemon's verdict on this node (lost for the agent's silence) comes.
+# Nor for a failure meanwhile: the other nodes, told this one was lost, closed their
+# workers' links to ours, which then failed and exited while the agent was stopped.
+# Their exits, read before the verdict, named a healthy worker "failed first".
 PAUSED_S = 2.0
 RESUMED_S = 2.0
 # A worker's silence limit when the daemon advertises no heartbeat timeout (older).
@@ -210,6 +214,11 @@ class NodeAgent:
         # A standby waits for a slot until its first seat; it re-joins as any node after.
         self._standing_by = config.standby
         self._silence_s = DEFAULT_SILENCE_S
+        # Within RESUMED_S of the agent's own pause (``_watch``), and the workers whose
+        # reported failure it has not told the daemon meanwhile.
+        self._resuming = False
+        self._paused_s = 0.0
+        self._unreported: set[WorkerProcess] = set()
         self._interrupt: int | None = None
         self._interrupted = threading.Event()
 
@@ -526,6 +535,8 @@ class NodeAgent:
         succeeded: set[WorkerProcess] = set()
         silent: tuple[float, str] | None = None  # when a link went silent, and its cause
         looked = resumed = time.monotonic()
+        held: Exited | None = None  # a worker's failure while the agent was stopped
+        self._paused_s = 0.0
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
@@ -535,8 +546,19 @@ class NodeAgent:
             if now - looked > PAUSED_S:
                 # A worker was blamed, "no heartbeat from its process for 8.1 s", for
                 # the 8 s this agent was stopped, before the daemon's verdict came.
-                resumed = now
+                resumed, self._paused_s = now, now - looked
             looked = now
+            self._resuming = self._paused_s > 0 and now - resumed <= RESUMED_S
+            if held is not None and not self._resuming:
+                event, held = held, None  # no verdict came: the worker's own failure
+            if (
+                self._resuming
+                and isinstance(event, Exited)
+                and event.code != 0
+                and event.worker in self.active
+            ):
+                held = held or event
+                continue
             if warm_at is None and all(w.ready.is_set() for w in self.active):
                 warm_at = now
             if not refilled and (
@@ -586,6 +608,8 @@ class NodeAgent:
             elif isinstance(event, RemoteFailure) and event.generation == gen:
                 mark("failure-heard", generation=gen)
                 cause, rank, host = describe_remote(event.error)
+                if isinstance(event.error, StaleGeneration):
+                    cause = self._dropped(gen, event.error)
                 lost = event.error.failed if isinstance(event.error, PeerFailed) else ()
                 if stray([f.cause for f in lost]):
                     self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
@@ -607,6 +631,24 @@ class NodeAgent:
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
                 return event
+
+    def _dropped(self, gen: int, error: StaleGeneration) -> str:
+        """Why the job went on without this node, for a heartbeat the daemon refused
+        as stale: the other nodes re-formed while this one could not hear the verdict
+        (SIGSTOP, a partition), and what is left to hear is that the job moved on. Said
+        so; the SDK's own words were "rejoin to take part in the current generation"."""
+        then = error.current_generation or "a later one"
+        why = (
+            f" while this agent was stopped for {self._paused_s:.1f} s, past the daemon's "
+            f"heartbeat timeout ({self._silence_s:g} s): the other nodes were told this node "
+            "was unreachable"
+            if self._resuming
+            else ""
+        )
+        return (
+            f"this node was dropped from generation {gen}{why}; the job went on to "
+            f"generation {then} without it"
+        )
 
     def _stuck(self, w: WorkerProcess, now: float) -> str | None:
         """Why a worker that has not exited counts as failed, if it does: it reported
@@ -650,7 +692,12 @@ class NodeAgent:
         if w in self.active and w.local_rank is not None and w.reported_cause is None:
             w.reported_cause = event.cause or "a failure it did not describe"
             w.last_progress = time.monotonic()  # REPORTED_EXIT_S counts from here
-            self._report(w.local_rank, w.reported_cause)
+            if self._resuming:
+                # Told later, if it is still the failure (``_local_failure``): reported
+                # now, it would read as this node's first (see RESUMED_S).
+                self._unreported.add(w)
+            else:
+                self._report(w.local_rank, w.reported_cause)
         w.ack_failure()
 
     def _local_failure(
@@ -660,7 +707,8 @@ class NodeAgent:
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
         said = f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}"
-        return self._own_failure(gen, rank, local, cause, status, said, w.reported_cause is None)
+        report = w.reported_cause is None or w in self._unreported
+        return self._own_failure(gen, rank, local, cause, status, said, report)
 
     def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure:
         """A link to another node went silent and the daemon told of nothing meanwhile:
