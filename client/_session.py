@@ -77,6 +77,12 @@ LEAVE_TIMEOUT_S = 2.0
 # Each heartbeat stream's deadline (the next one is made when it passes).
 HEARTBEAT_CALL_S = 3600.0
 JOIN_TIMEOUT_S = 600.0
+# More window for a daemon found listening again once its members' window passed
+# (``StreamWatch.may_look_back``): gRPC's longest redial backoff (2 s, +20 %), and the
+# stream's reattach.
+REDIAL_GRACE_S = 3.0
+# How long that look's plain connect may take.
+LOOK_BACK_S = 0.5
 # barrier() and kv_get() without a timeout: the daemon's own default wait
 # (default_wait_s), as long as a join's. They waited call_timeout (30 s), which bounds
 # calls that wait for no peer, so one rank's 45 s checkpoint failed its peers' barrier.
@@ -801,6 +807,10 @@ class StreamWatch:
     attempt: int = 0
     # How long this process itself did not run (``woke``), once that was the silence.
     paused_s: float = 0.0
+    # Whether the endpoint was looked at once the window passed on a broken stream
+    # (``may_look_back``), and the grace that look gave.
+    looked_back: bool = False
+    grace_s: float = 0.0
 
     @property
     def window_s(self) -> float:
@@ -819,8 +829,30 @@ class StreamWatch:
         after it died (its members given a whole timeout to reattach) was reported
         unreachable first (7 s after a SIGKILL, against a 10 s window)."""
         if self.session.daemon_heartbeat_timeout > 0:
-            return max(self.heard, self.outage_since or 0.0) + self.window_s
+            return max(self.heard, self.outage_since or 0.0) + self.window_s + self.grace_s
         return None
+
+    def may_look_back(self) -> bool:
+        """Whether the window passed on a broken stream with no look at the endpoint
+        yet: the twin then asks whether anything accepts connections there again
+        (``connection.listens``) and passes the answer to ``looked_back``. gRPC
+        redials a daemon that went away at its backoff, growing to 2 s (+20 %) apart,
+        so a daemon restarted with its state late in the window (its members given a
+        whole timeout to reattach) was dialled after the window ended, and its members
+        told it was unreachable when it was back (at 8 s of 10, 1 run of 2; 3.7-4.1 s
+        of 5, 5 of 6). A stream that did not break (a hung daemon, a cut network) is
+        never looked at: its window is the verdict."""
+        if self.looked_back or self.outage_since is None or self.done:
+            return False
+        deadline = self.deadline()
+        return deadline is not None and time.monotonic() >= deadline
+
+    def back_again(self, listening: bool) -> None:
+        """``listening``: the endpoint accepts connections again, so the window gets
+        REDIAL_GRACE_S more for gRPC's next dial; otherwise it has ended."""
+        self.looked_back = True
+        if listening:
+            self.grace_s = REDIAL_GRACE_S
 
     def on_event(self, event: pb.JobEvent) -> str:
         """ "stop" (the member failed), "reconnect" (daemon draining) or "continue"."""
@@ -870,12 +902,17 @@ class StreamWatch:
             self.heard = max(self.heard, time.monotonic() - self.window_s + RESUMED_S)
 
     def expired(self) -> bool:
-        """True (and the member failed with DaemonUnreachable) once the window passed."""
+        """True (and the member failed with DaemonUnreachable) once the window passed,
+        and the endpoint was looked at if it is due (``may_look_back``)."""
         now = time.monotonic()
         deadline = self.deadline()
+        if self.may_look_back():
+            return False
         if deadline is not None and now >= deadline:
-            self.session.fail(self.unreachable(now - self.heard))
-        elif self.outage_since is not None and now - self.outage_since > self.window_s:
+            self.session.fail(self.unreachable(now - max(self.heard, self.outage_since or 0.0)))
+        elif (
+            self.outage_since is not None and now - self.outage_since > self.window_s + self.grace_s
+        ):
             self.session.fail(self.unreachable(now - self.outage_since))
         return self.done
 
@@ -909,7 +946,10 @@ class StreamWatch:
     def unreachable(self, silent_s: float) -> DaemonUnreachable:
         m, s = self.member, self.session
         why = (
-            "the daemon died or this node lost its network"
+            f"something accepts connections there again, but no heartbeat stream "
+            f"reattached within {self.grace_s:g} s more"
+            if self.grace_s
+            else "the daemon died or this node lost its network"
             if not self.paused_s
             else f"this process did not run for {self.paused_s:.1f} s before (stopped: "
             "SIGSTOP, a debugger, or a suspended machine), and the daemon has not answered "

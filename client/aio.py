@@ -21,6 +21,7 @@ from rendezvousd.client._call_stream import AsyncCallStream
 from rendezvousd.client._multiplex import Unsupported
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
+    LOOK_BACK_S,
     WATCH_S,
     ClientOptions,
     JoinRequest,
@@ -29,6 +30,7 @@ from rendezvousd.client._session import (
     log,
 )
 from rendezvousd.client._tables import BlockingMembers
+from rendezvousd.client.connection import listens
 from rendezvousd.client.errors import InvalidRequest
 from rendezvousd.client.membership import Member, Membership, NodeMembership
 from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, submit_on
@@ -338,8 +340,13 @@ class AsyncRendezvousClient(steps.ClientBase):
                     watch.woke(now - last)
                     last = now
                     if not read.done():
+                        if watch.may_look_back():  # a plain connect: off the loop
+                            endpoint = self._s.endpoint
+                            watch.back_again(
+                                await asyncio.to_thread(listens, endpoint, LOOK_BACK_S)
+                            )
                         deadline = watch.deadline()
-                        if deadline is not None and now >= deadline:
+                        if deadline is not None and time.monotonic() >= deadline:
                             break
                         continue
                     event, read = read.result(), None

@@ -405,6 +405,16 @@ def dial_problem(endpoint: str, timeout: float = DIAL_TIMEOUT_S) -> str | None:
     )
 
 
+def listens(endpoint: str, timeout: float) -> bool:
+    """Whether anything at ``endpoint`` accepts a plain connect within ``timeout``
+    (False for a target this does not dial)."""
+    try:
+        _dial(parse_address(endpoint, what="endpoint", allow_unix=True), timeout).close()
+    except (AddressError, OSError):
+        return False
+    return True
+
+
 def speaks_tls(endpoint: str, timeout: float = TLS_SNIFF_TIMEOUT_S) -> bool:
     """Whether the server at ``endpoint`` answers a TLS ClientHello with a TLS record.
 

@@ -14,12 +14,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
-from rendezvousd.client._session import StreamWatch
+from rendezvousd.client._session import REDIAL_GRACE_S, StreamWatch
 from rendezvousd.client.errors import DaemonUnreachable
 from tests.daemon.test_blackhole import BlackHoleProxy
 from tests.support import DaemonProcess, spawn_daemon
@@ -291,5 +292,34 @@ def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
         deadline = watch.deadline()
         assert deadline is not None and deadline >= broke + 6.0, deadline - broke
         assert not watch.expired()
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("listening", [True, False])
+def test_a_broken_stream_looks_at_the_endpoint_once_its_window_passed(listening: bool) -> None:
+    """Found listening again, the window gets the redial grace (gRPC dials a daemon
+    that went away up to 2.4 s apart); found silent, it ends. A stream that did not
+    break (a hung daemon, a cut network) is never looked at."""
+    client = RendezvousClient("127.0.0.1:9", "broken", token="t" * 32)
+    try:
+        session = client._s
+        session.daemon_heartbeat_timeout = 1.0
+        silent = StreamWatch(session, None, None)  # type: ignore[arg-type]
+        silent.heard = time.monotonic() - 2.0
+        assert not silent.may_look_back()  # no break: the window is the verdict
+        member = SimpleNamespace(job_id="broken", rank=0)
+        watch = StreamWatch(session, member, None)  # type: ignore[arg-type]
+        assert watch.ended(_Unavailable()) is not None
+        assert not watch.may_look_back()  # inside the window
+        watch.outage_since = watch.heard = time.monotonic() - 1.5
+        assert watch.may_look_back() and not watch.expired()  # the look comes first
+        watch.back_again(listening)
+        assert not watch.may_look_back()  # once
+        assert watch.expired() is not listening
+        if listening:
+            deadline = watch.deadline()
+            assert deadline is not None
+            assert deadline - time.monotonic() == pytest.approx(REDIAL_GRACE_S - 0.5, abs=0.2)
     finally:
         client.close()
