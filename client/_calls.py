@@ -80,6 +80,10 @@ PROBE_FLOOR_S = 0.5
 RECHECK_S = 0.25
 
 
+def _clean_exit(exc: BaseException) -> bool:
+    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+
+
 def _parks(request: Any) -> bool:
     """Whether the call waits at the daemon (a join, a barrier, a KvGet with wait)."""
     if isinstance(request, pb.KvGetRequest):
@@ -553,8 +557,27 @@ class Calls:
                 table.accept(done.value)
         return m.members
 
-    def report_failure(self, local_rank: int, cause: str) -> Steps[None]:
-        yield from self.call("ReportFailure", self.s.report_request(local_rank, cause))
+    def report_failure(
+        self, local_rank: int, cause: str, timeout: float | None = None
+    ) -> Steps[None]:
+        check_wait("report_failure", "timeout", timeout)
+        request = self.s.report_request(local_rank, cause)
+        yield from self.call("ReportFailure", request, timeout=timeout)
+
+    def exit_failure(self, exc: BaseException | None) -> Steps[None] | None:
+        """The report (``report_failure``, within the leave timeout) a ``with`` block's
+        exception makes a worker joined by rank send on its way out, or None: a clean exit
+        (``sys.exit(0)`` too), a node agent's client (it reports its workers'), a
+        member already failed, or an error from the rendezvous itself (a peer's
+        failure it heard, the daemon gone: a victim's, not a cause). Without it its
+        peers read only "heartbeat stream closed", the exception left in its stderr."""
+        s = self.s
+        if exc is None or _clean_exit(exc) or isinstance(exc, RendezvousError):
+            return None
+        if s.joined is None or s.node is not None or s.failure is not None:
+            return None
+        cause = f"{type(exc).__name__}: {exc}"
+        return self.report_failure(s.joined.local_rank, cause, s.leave_timeout)
 
     def barrier(self, name: str, timeout: float | None) -> Steps[None]:
         check_arg("barrier", "name", name, str)
@@ -791,11 +814,13 @@ class ClientBase(ABC):
         refused by the daemon at the first call (DuplicateRank)."""
         self._s.attach(membership, instance_id)
 
-    def _leaves_on_exit(self, exc_type: object) -> bool:
-        """Whether leaving a ``with`` block says goodbye: a clean exit of a live member."""
+    def _leaves_on_exit(self, exc: BaseException | None) -> bool:
+        """Whether leaving a ``with`` block says goodbye: a clean exit of a live member
+        (``sys.exit(0)`` too, as after the block; it read as a crash, its peers told
+        PeerFailed)."""
         s = self._s
         live = (s.joined is not None or s.node is not None) and s.failure is None
-        return exc_type is None and live
+        return (exc is None or _clean_exit(exc)) and live
 
     def _forget(self) -> None:
         """After leave(): no member or node is held any more."""

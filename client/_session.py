@@ -497,12 +497,22 @@ class Session:
         )
 
     def report_request(self, local_rank: int, cause: str) -> pb.ReportFailureRequest:
-        n = self.node
+        """A node agent's report for its worker at ``local_rank``, or a worker joined
+        by rank reporting its own failure (``local_rank`` its own)."""
+        n = self.node or self.joined
         if n is None:
             raise InvalidRequest(
-                f"report_failure() needs a node join of job {self.job_id!r}: call join_node() "
-                "first",
+                f"report_failure() needs a join of job {self.job_id!r}: call join() or "
+                "join_node() first",
                 job_id=self.job_id,
+            )
+        if n is self.joined and local_rank != n.local_rank:
+            raise InvalidRequest(
+                f"report_failure(local_rank={local_rank}) from rank {n.rank} of job "
+                f"{self.job_id!r}: a worker joined by rank reports only its own failure "
+                f"(local_rank={n.local_rank}); a node's agent reports its workers'",
+                job_id=self.job_id,
+                rank=n.rank,
             )
         return pb.ReportFailureRequest(
             job_id=n.job_id,

@@ -31,7 +31,7 @@ from rendezvousd.client._session import (
 )
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import listens
-from rendezvousd.client.errors import InvalidRequest
+from rendezvousd.client.errors import InvalidRequest, RendezvousError
 from rendezvousd.client.membership import Member, Membership, NodeMembership
 from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, submit_on
 
@@ -208,9 +208,11 @@ class AsyncRendezvousClient(steps.ClientBase):
         """``RendezvousClient.join_node``, awaited."""
         return await self._run(self._c.join_node(request))
 
-    async def report_failure(self, local_rank: int, cause: str) -> None:
+    async def report_failure(
+        self, local_rank: int, cause: str, *, timeout: float | None = None
+    ) -> None:
         """``RendezvousClient.report_failure``, awaited."""
-        await self._run(self._c.report_failure(local_rank, cause))
+        await self._run(self._c.report_failure(local_rank, cause, timeout))
 
     async def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         await self._run(self._c.barrier(name, timeout))
@@ -435,7 +437,10 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
-            if self._leaves_on_exit(exc_type):
+            if (report := self._c.exit_failure(exc)) is not None:
+                with contextlib.suppress(RendezvousError):  # its own error goes on
+                    await self._run(report)
+            elif self._leaves_on_exit(exc):
                 await self.leave()
         finally:
             await self.close()

@@ -34,6 +34,7 @@ from rendezvousd.client._session import (
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import listens
+from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.membership import Membership, NodeMembership
 from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, submit_on
 
@@ -285,10 +286,15 @@ class RendezvousClient(steps.ClientBase):
         """
         return self._run(self._c.join_node(request))
 
-    def report_failure(self, local_rank: int, cause: str) -> None:
+    def report_failure(self, local_rank: int, cause: str, *, timeout: float | None = None) -> None:
         """Tell the daemon this node's worker at ``local_rank`` failed: it marks that
-        rank lost with ``cause``, fails the generation and tells the other nodes."""
-        self._run(self._c.report_failure(local_rank, cause))
+        rank lost with ``cause`` (any text: an exception's whole message), fails the
+        generation and tells every other member. A node agent reports any of its
+        workers; a worker joined by rank, only itself (its own ``local_rank``), before
+        it exits: its peers then read its cause, not "heartbeat stream closed" (a
+        ``with`` block does it for an exception that ends it). ``timeout``: seconds
+        for the call (``call_timeout`` by default)."""
+        self._run(self._c.report_failure(local_rank, cause, timeout))
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         self._run(self._c.barrier(name, timeout))
@@ -506,7 +512,10 @@ class RendezvousClient(steps.ClientBase):
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
-            if self._leaves_on_exit(exc_type):
+            if (report := self._c.exit_failure(exc)) is not None:
+                with contextlib.suppress(RendezvousError):  # its own error goes on
+                    self._run(report)
+            elif self._leaves_on_exit(exc):
                 self.leave()
         finally:
             self.close()

@@ -73,6 +73,10 @@ class Rendezvous(Protocol):
 
     def raise_if_failed(self) -> None: ...
 
+    def report_failure(
+        self, local_rank: int, cause: str, *, timeout: float | None = None
+    ) -> None: ...
+
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int: ...
 
     def leave(self) -> None: ...
@@ -307,6 +311,11 @@ class FileRendezvous:
 
     def raise_if_failed(self) -> None:
         self._joined().raise_if_failed()
+
+    def report_failure(self, local_rank: int, cause: str, *, timeout: float | None = None) -> None:
+        self._through_rank0(
+            lambda client: client.report_failure(local_rank, cause, timeout=timeout)
+        )
 
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
         return self._through_rank0(

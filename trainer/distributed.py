@@ -17,6 +17,7 @@ the daemon returns at join.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -137,7 +138,7 @@ class DistributedContext:
                 self.rendezvous.close()
             return
         try:
-            _drop_out(self.rendezvous, error)
+            _drop_out(self.rendezvous, error, self.topology.local_rank)
         finally:
             self.communicator.close()
 
@@ -189,17 +190,23 @@ def _describe(error: BaseException | None) -> str:
     return bounded(f"{type(error).__name__}: {error}")
 
 
-def _drop_out(rdzv: Rendezvous, error: BaseException | None) -> None:
+def _drop_out(rdzv: Rendezvous, error: BaseException | None, local_rank: int) -> None:
     """Leave the rendezvous before the ring, and after a broken ring connection wait
     (bounded) for the rendezvous to name the cause.
 
     The daemon records lost members in the order it loses them, and launchers report
     the first as the job's root cause. A worker that failed by itself must drop out
     of the rendezvous before its ring closes, or a peer failing on the closed ring
-    may be lost first. A worker whose ring connection broke is most likely the
-    victim of a peer's death (or of a daemon gone, which its peer saw first): it
-    waits until its rendezvous reports that, so its own log names the real cause.
+    may be lost first; it reports its exception first, as an agent does for its
+    workers (without one, every survivor and ``rendezvousd status`` read only "heartbeat
+    stream closed", the exception left in this worker's own stderr). A worker whose
+    ring connection broke is most likely the victim of a peer's death (or of a daemon
+    gone, which its peer saw first): it waits until its rendezvous reports that, so its
+    own log names the real cause.
     """
+    if _own_failure(error):
+        with contextlib.suppress(RendezvousError):
+            rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
     if isinstance(error, CommunicatorError) and not isinstance(error, CommunicatorAborted):
         deadline = time.monotonic() + PEER_SETTLE_S
         while time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """Liveness, in the state machine: one path over attendees (workers of a per-rank
 generation, node agents of a node generation): heartbeat streams attached, beating and
-ending, silence found by the tick, a Leave, and a node agent's ReportFailure. Pure."""
+ending, silence found by the tick, a Leave, and a ReportFailure (a node agent's for its
+worker, or a per-rank worker's own). Pure."""
 
 from __future__ import annotations
 
@@ -38,6 +39,21 @@ def report_failure(
 ) -> None:
     # Any text is a cause (a traceback has newlines): kept bounded, escaped only
     # where shown. Refusing it would leave a healthy rank, lost after, as the root cause.
+    job = seats.find_job(sm, job_id)
+    if job.gen.join_mode is JoinMode.RANK:
+        # A worker joined by rank (no node agent: srun, a pod per GPU) reports its own
+        # failure, by its seat and its own instance id: its exception, not "heartbeat
+        # stream closed" when it exits, is then what every survivor and `status` read.
+        cause = bounded(cause) or "the worker reported a failure without a cause"
+        validation.rank_in_range("node_rank", node_rank, "num_nodes", job.num_nodes, job_id=job_id)
+        validation.rank_in_range(
+            "local_rank", local_rank, "gpus_per_node", job.gpus_per_node, job_id=job_id
+        )
+        rank = job.rank_of(node_rank, local_rank)
+        job, member = seats.caller(sm, job_id, generation, rank, instance_id, running=False)
+        if member.state in (MemberState.ACTIVE, MemberState.JOINING):
+            rounds.lose(sm, job, [member], cause, now, told=rank)
+        return
     cause = bounded(cause) or "its node agent reported a failure without a cause"
     job, node = seats.seated(
         sm, job_id, generation, node_rank, instance_id, JoinMode.NODE, running=False

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import uvloop
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import (
     AsyncRendezvousClient,
     AuthenticationError,
@@ -485,6 +486,31 @@ def an_oversize_request_fails_alone(w: World) -> object:
     return all_of(parallel([parked, oversize]))
 
 
+def exit_block(twin: Twin, exc: BaseException) -> None:
+    """Leave ``twin``'s ``with`` (``async with``) block by ``exc``, as its body raising it."""
+    if twin._loop is None:
+        twin.client.__exit__(type(exc), exc, None)
+    else:
+        twin._on_loop(twin.client.__aexit__(type(exc), exc, None))
+
+
+def an_exception_ending_a_with_block_is_reported(w: World) -> object:
+    """A worker joined by rank whose ``with`` block ended in an exception closed its
+    stream: its peers read "heartbeat stream closed", and ``sys.exit(0)`` there was
+    a crash too. Its exception is now its cause of record; ``sys.exit(0)`` leaves."""
+    a, b = two_joined(w, w.job_id)
+    exit_block(b, RuntimeError("line1\nline2"))
+    wait_for("the peer's failure", lambda: a.failure is not None, 20)
+    failure = a.failure
+    assert isinstance(failure, PeerFailed)
+    reported = (failure.ranks, failure.failed[0].cause)
+    c, d = two_joined(w, w.job_id + "-exit0")
+    exit_block(d, SystemExit(0))
+    time.sleep(0.5)
+    states = sorted(pb.MemberState.Name(m.state) for m in c.get_job().members)
+    return reported, c.failure, states
+
+
 def closed_member_refuses_calls(w: World) -> object:
     """A member's calls after close() said "not joined ... call join() first", and
     doing so said "closed"."""
@@ -717,6 +743,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "an oversize request fails alone": (
         an_oversize_request_fails_alone,
         [None, ("LimitExceeded", "KvSet", True)],
+    ),
+    "an exception ending a with block": (
+        an_exception_ending_a_with_block_is_reported,
+        (([1], "RuntimeError: line1\nline2"), None, ["MEMBER_STATE_ACTIVE", "MEMBER_STATE_LEFT"]),
     ),
     "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 3),
     "closed with calls parked": (

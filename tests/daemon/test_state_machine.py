@@ -577,3 +577,27 @@ def test_an_empty_kv_key_is_refused() -> None:
     refused = fault(sm.kv_set, "j", 1, 0, "", b"v", instance_id=inst(sm, 0))
     assert refused.code is Code.INVALID_ARGUMENT and "key must not be empty" in refused.message
     assert sm.jobs["j"].gen.kv == {}
+
+
+def test_a_worker_joined_by_rank_reports_its_own_failure_with_its_whole_cause() -> None:
+    """Without a node agent only the worker itself can say why it failed: its
+    exception, where its heartbeat stream's close said "heartbeat stream closed"."""
+    sm = RendezvousState()
+    form(sm)  # 2 nodes x 2: rank 3 is node 1, local rank 1
+    for r in range(4):
+        sm.attach_stream("j", 1, r, inst(sm, r), 0.0)
+    sm.take_effects()
+    # Another rank's instance may not report for it, nor a seat outside the world.
+    assert fault(sm.report_failure, "j", 1, 1, inst(sm, 2), 1, "x", 1.0).reason
+    assert fault(sm.report_failure, "j", 1, 2, inst(sm, 3), 1, "x", 1.0).reason == (
+        "RANK_OUT_OF_RANGE"
+    )
+    assert sm.jobs["j"].state is JobState.RUNNING
+    sm.report_failure("j", 1, 1, inst(sm, 3), 1, "RuntimeError: line1\nline2", 1.0)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    lost = job.gen.failed[0]
+    assert (lost.rank, lost.cause) == (3, "RuntimeError: line1\nline2")
+    notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
+    assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED
+    assert sorted(notes[0].to) == [0, 1, 2]  # not the reporter, which is going

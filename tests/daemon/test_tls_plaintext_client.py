@@ -147,7 +147,12 @@ def test_launcher_with_the_wrong_ca_says_so_in_its_own_words_only(
     the same and what to do."""
     d = _tls_daemon(start_daemon, pki, mtls=False)
     script = tmp_path / "worker.py"
-    script.write_text("raise SystemExit('a worker ran without a rendezvous')\n")
+    # As a training script starts: a warm spare runs it up to init_distributed().
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "init_distributed()\n"
+        "raise SystemExit('a worker was assigned a rank without a rendezvous')\n"
+    )
 
     def run(**verbosity: str) -> str:
         env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}

@@ -107,6 +107,56 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
             p.wait(10)
 
 
+def test_a_worker_without_a_launcher_that_raises_is_its_peers_cause(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Without an agent only the worker can report its exception: before, it exited
+    and its peers, ``status`` and the daemon's record read only "heartbeat stream
+    closed", the exception left in its own stderr."""
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import json\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "try:\n"
+        "    with init_distributed() as ctx:\n"
+        "        ctx.communicator.barrier()\n"
+        "        if ctx.rank == 1:\n"
+        "            raise RuntimeError('line1\\nline2' + 'x' * 5000)\n"
+        "        ctx.communicator.barrier()\n"
+        "except Exception as exc:\n"
+        "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}'}), flush=True)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=_worker_env(d, job_id, i, 2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        survivor = json.loads(rest_of_stdout(procs[0], 60).strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    # Its own ring may break first ("rank 1 aborted: communicator closed"); when its
+    # rendezvous' word came first, that names the exception.
+    assert "lost rank 1" in survivor["error"] or "rank 1 aborted" in survivor["error"], survivor
+    if "lost rank 1" in survivor["error"]:
+        assert "RuntimeError: line1" in survivor["error"], survivor
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        failed = probe.get_job().failed
+    assert failed[0].rank == 1, failed
+    assert failed[0].cause.startswith("RuntimeError: line1\nline2xxx"), failed[0].cause
+
+
 def _standalone(per_node: int, *flags: str) -> list[str]:
     """``rendezvous-run --standalone`` for ``per_node`` workers, before its script."""
     launcher = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", "--standalone"]

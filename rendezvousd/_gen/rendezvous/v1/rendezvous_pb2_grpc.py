@@ -199,6 +199,8 @@ class RendezvousServicer:
         """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
         that member LOST with cause, fails the generation and pushes PEER_FAILED
         to every other node. Only the node's own agent (node instance id) may call it.
+        In a generation joined by rank (Join), a worker reports its own failure:
+        node_rank and local_rank are its seat, instance_id its own.
         NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
         ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
         """

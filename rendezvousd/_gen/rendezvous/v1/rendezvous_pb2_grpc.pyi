@@ -105,6 +105,8 @@ class RendezvousStub:
     """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
     that member LOST with cause, fails the generation and pushes PEER_FAILED
     to every other node. Only the node's own agent (node instance id) may call it.
+    In a generation joined by rank (Join), a worker reports its own failure:
+    node_rank and local_rank are its seat, instance_id its own.
     NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
     ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
     """
@@ -265,6 +267,8 @@ class RendezvousAsyncStub(RendezvousStub):
     """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
     that member LOST with cause, fails the generation and pushes PEER_FAILED
     to every other node. Only the node's own agent (node instance id) may call it.
+    In a generation joined by rank (Join), a worker reports its own failure:
+    node_rank and local_rank are its seat, instance_id its own.
     NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
     ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
     """
@@ -446,6 +450,8 @@ class RendezvousServicer(metaclass=_abc_1.ABCMeta):
         """ReportFailure: a node agent's worker (local_rank) failed. The daemon marks
         that member LOST with cause, fails the generation and pushes PEER_FAILED
         to every other node. Only the node's own agent (node instance id) may call it.
+        In a generation joined by rank (Join), a worker reports its own failure:
+        node_rank and local_rank are its seat, instance_id its own.
         NOT_FOUND (JOB_NOT_FOUND, NOT_A_MEMBER), ABORTED (STALE_GENERATION),
         ALREADY_EXISTS (DUPLICATE_RANK: not this node's agent), INVALID_ARGUMENT.
         """
