@@ -269,6 +269,9 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         if member.rank != job.rank_of(member.node_rank, member.local_rank):
             raise ValueError(f"member rank {member.rank} does not match its node/local rank")
         member.last_seen = now  # a full heartbeat timeout to reattach
+        # It may have beaten before the restart: its silence is not a missing
+        # start_heartbeat() (rounds.silence_cause).
+        member.stream_token = 1
         job.gen.members[member.rank] = member
     job.gen.left = sum(m.state is MemberState.LEFT for m in job.gen.members.values())
     job.gen.host_nodes = {

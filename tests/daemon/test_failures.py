@@ -70,6 +70,8 @@ def test_sigkill_of_a_worker_fails_survivors_naming_its_rank(
 
 def test_silent_worker_is_lost_after_heartbeat_timeout(daemon: DaemonProcess, job_id: str) -> None:
     procs = _start_world(daemon, job_id, "hold", gpus=2)
+    # Once it beat: stopped before its first beat, it is "sent no heartbeat" instead.
+    wait_for("both heartbeat streams", lambda: _streams_open(daemon, job_id) == 2)
     procs[1].send_signal(signal.SIGSTOP)  # alive but silent: the stream stays open
     try:
         result = _outcome(procs[0], timeout=30)

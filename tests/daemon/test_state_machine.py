@@ -601,3 +601,16 @@ def test_a_worker_joined_by_rank_reports_its_own_failure_with_its_whole_cause() 
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
     assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED
     assert sorted(notes[0].to) == [0, 1, 2]  # not the reporter, which is going
+
+
+def test_a_member_that_never_beat_is_told_apart_from_one_that_went_silent() -> None:
+    """A live SDK user's worker that never called start_heartbeat() (the README's own
+    second worker did not) was lost as "worker unreachable"."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=5))
+    gen = form(sm, nodes=1, gpus=2)[0].generation
+    sm.attach_stream("j", gen, 0, inst(sm, 0), 0.0)
+    sm.tick(5.1)
+    causes = {f.rank: f.cause for f in sm.jobs["j"].gen.failed}
+    assert causes[0] == "no heartbeat for 5.0 s (worker unreachable)", causes
+    assert causes[1].startswith("joined, then sent no heartbeat within 5.0 s"), causes
+    assert "start_heartbeat()" in causes[1], causes
