@@ -85,10 +85,12 @@ def _clean_exit(exc: BaseException) -> bool:
 
 
 def _parks(request: Any) -> bool:
-    """Whether the call waits at the daemon (a join, a barrier, a KvGet with wait)."""
+    """Whether the call waits at the daemon (a join, rank 0's id for it, a barrier, a
+    KvGet with wait)."""
     if isinstance(request, pb.KvGetRequest):
         return request.wait
-    return isinstance(request, (pb.JoinRequest, pb.JoinNodeRequest, pb.BarrierRequest))
+    parking = (pb.JoinRequest, pb.JoinNodeRequest, pb.PublishIdRequest, pb.BarrierRequest)
+    return isinstance(request, parking)
 
 
 @dataclass(frozen=True)

@@ -221,6 +221,11 @@ def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[s
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
+        # What ends a connection whose ping goes unanswered (grpcio 1.85: the keepalive
+        # timeout above did not; a SIGSTOPped daemon, whose kernel still acknowledges
+        # TCP, held a join parked for its whole 600 s). Answered by gRPC core's own
+        # thread, not the daemon's busy Python, so load does not trip it.
+        ("grpc.http2.ping_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         # Redial quickly once the daemon is back (default backoff grows to 120 s).
         ("grpc.initial_reconnect_backoff_ms", 200),

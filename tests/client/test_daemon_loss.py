@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -323,3 +324,39 @@ def test_a_broken_stream_looks_at_the_endpoint_once_its_window_passed(listening:
             assert deadline - time.monotonic() == pytest.approx(REDIAL_GRACE_S - 0.5, abs=0.2)
     finally:
         client.close()
+
+
+def test_a_join_parked_at_a_daemon_that_hangs_ends_at_the_window_not_its_timeout(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """The daemon SIGSTOPped while rank 0's join waits for its peer (its id sent as
+    PublishId): its kernel still acknowledges TCP, and gRPC's keepalive timeout did
+    not end the connection, so the join waited its whole timeout (600 s by default)
+    and then named a deadline. Now the unanswered ping ends the connection (10 s of
+    quiet, 5 s for the ack) and the parked call is the daemon's loss once the window
+    passes, as for a daemon that died."""
+    d = start_daemon()
+    c = RendezvousClient(d.endpoint, job_id, token=d.token, reconnect_window=2)
+    outcome: queue.Queue[BaseException | None] = queue.Queue()
+
+    def join() -> None:
+        try:
+            c.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=120)
+        except BaseException as exc:
+            outcome.put(exc)
+        else:
+            outcome.put(None)
+
+    threading.Thread(target=join, daemon=True).start()
+    try:
+        time.sleep(1.0)  # parked at the daemon
+        d.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        error = outcome.get(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        c.close()
+    assert isinstance(error, DaemonUnreachable), error
+    assert "went away during PublishId" in str(error), error
+    assert took < 30, took
