@@ -105,8 +105,9 @@ class JoinRequest(TypedDict):
     # Global rank 0's id: these bytes, else id_factory(), else 128 random bytes.
     unique_id: NotRequired[bytes | None]
     id_factory: NotRequired[Callable[[], bytes] | None]
-    # Seconds to wait for the world (JOIN_TIMEOUT_S when left out).
-    timeout: NotRequired[float]
+    # Seconds to wait for the world (JOIN_TIMEOUT_S when left out or None, as for
+    # join_node(); None was refused).
+    timeout: NotRequired[float | None]
 
 
 class NodeJoinRequest(TypedDict):
@@ -247,17 +248,25 @@ WAITS = frozenset(
 )
 
 
+# Bounds every call can never meet at 0: each then failed "is the daemon running and
+# reachable?" against a daemon that was fine.
+POSITIVE_WAITS = frozenset({"call_timeout", "connect_timeout"})
+
+
 def check_wait(call: str, name: str, seconds: object, *, none_ok: bool = True) -> None:
     """Refuse a wait no call could carry: one not in seconds, beyond ``LONGEST_WAIT_S``
-    (infinite), or None where that is no default (no deadline: a hang)."""
+    (infinite), None where that is no default (no deadline: a hang), or 0 for a bound
+    every call must meet (``POSITIVE_WAITS``)."""
     if seconds is None and none_ok:
         return
     number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    if number and 0 <= seconds <= LONGEST_WAIT_S:  # type: ignore[operator]
+    least = 0.001 if name in POSITIVE_WAITS else 0
+    if number and least <= seconds <= LONGEST_WAIT_S:  # type: ignore[operator]
         return
     raise InvalidRequest(
-        f"{call}() {name}={seconds!r} is not a wait the SDK can send: give seconds from 0 "
-        f"to {LONGEST_WAIT_S:.0f} (30 days)" + (", or None for the default" if none_ok else "")
+        f"{call}() {name}={seconds!r} is not a wait the SDK can send: give seconds from "
+        f"{least:g} to {LONGEST_WAIT_S:.0f} (30 days)"
+        + (", or None for the default" if none_ok else "")
     )
 
 
@@ -547,7 +556,8 @@ class Session:
     def plan_join(self, **r: Unpack[JoinRequest]) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
         self.begin()
-        timeout, node_rank = r.get("timeout", JOIN_TIMEOUT_S), r.get("node_rank")
+        timeout, node_rank = r.get("timeout"), r.get("node_rank")
+        timeout = JOIN_TIMEOUT_S if timeout is None else timeout
         plan = JoinPlan(self, r.get("unique_id"), r.get("id_factory"), timeout, time.monotonic())
         known_rank_zero = node_rank == 0 and r["local_rank"] == 0
         plan.request = pb.JoinRequest(

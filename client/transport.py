@@ -192,7 +192,8 @@ class FileRendezvous:
             # A retry's fresh generation (the trainer's one retry model): the daemon
             # and the directory are the ones this worker already found.
             return self._through_rank0(lambda client: client.join(**request))
-        deadline = time.monotonic() + request.get("timeout", JOIN_TIMEOUT_S)
+        wait = request.get("timeout")
+        deadline = time.monotonic() + (JOIN_TIMEOUT_S if wait is None else wait)
         path = self._directory(request["gpus_per_node"] * num_nodes)
         try:
             self._dir = directory = PrivateDirectory(path, self._job_id)

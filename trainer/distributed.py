@@ -70,7 +70,7 @@ class DistributedContext:
     communicator: Communicator
     rendezvous_s: float
     #: Generation of the job this worker trains in, and how many times this
-    #: node's agent restarted its workers before (0 without an agent).
+    #: node's agent restarted its workers before (the latter 0 without an agent).
     generation: int = 0
     restart_count: int = 0
     #: The newest step state this node's agent held when it (re)started us.
@@ -305,7 +305,10 @@ def init_distributed(
     topology = place(membership)
     if topology.is_global_rank_zero:
         log.info("%s rendezvous=%.3fs", config.rank0_log_line(topology), rendezvous_s)
-    return DistributedContext(config, topology, rdzv, communicator, rendezvous_s)
+    # The generation it joined, as the daemon and `status` number it (it read 0).
+    return DistributedContext(
+        config, topology, rdzv, communicator, rendezvous_s, generation=membership.generation
+    )
 
 
 class _FailureRelay:

@@ -19,8 +19,14 @@ def draining() -> RendezvousFault:
 
 
 def no_such_job(job_id: str) -> RendezvousFault:
+    """Only a call that expects the job gets it (a join makes the job): a member's
+    call after a daemon restarted without its state read as a typo."""
     return RendezvousFault(
-        Code.NOT_FOUND, Reason.JOB_NOT_FOUND, f"job {job_id!r} does not exist", {"job_id": job_id}
+        Code.NOT_FOUND,
+        Reason.JOB_NOT_FOUND,
+        f"job {job_id!r} does not exist on this daemon (never joined, forgotten after it "
+        "ended, or the daemon restarted without --state-dir); a join starts it again",
+        {"job_id": job_id},
     )
 
 

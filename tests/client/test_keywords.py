@@ -64,6 +64,15 @@ def test_join_node_names_the_missing_keywords() -> None:
         client.join_node(min_nodes=1)  # type: ignore[call-arg]
 
 
+def test_a_join_timeout_of_none_is_the_default_as_for_join_node() -> None:
+    """None was refused as "not a wait the SDK can send", where join_node() and
+    protocol.md take it as the default."""
+    client = RendezvousClient(ENDPOINT, "j", token="t", connect_timeout=0.2)
+    with client, pytest.raises(Exception) as raised:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=None)
+    assert not isinstance(raised.value, InvalidRequest), raised.value
+
+
 def test_the_optional_keywords_are_not_required() -> None:
     # Only the required ones given: the check lets the call go on (here to a
     # daemon that is not there, which is a different error).
@@ -77,6 +86,8 @@ def test_the_optional_keywords_are_not_required() -> None:
     ("call", "keyword"),
     [
         (lambda: RendezvousClient(ENDPOINT, "j", token="t", call_timeout=None), "call_timeout"),
+        # Every call then failed "is the daemon running and reachable?".
+        (lambda: RendezvousClient(ENDPOINT, "j", token="t", call_timeout=0), "call_timeout"),
         (lambda: RendezvousClient(ENDPOINT, "j", token="t", connect_timeout=-1), "connect_timeout"),
         (
             lambda: AsyncRendezvousClient(ENDPOINT, "j", token="t", leave_timeout=math.inf),

@@ -203,6 +203,10 @@ def test_two_ranks_lost_on_two_hosts_are_each_named_with_their_own_host(
     # What a node agent (and so its launcher) blames: the first loss, on its own host.
     assert describe_remote(error)[1:] == (2, "a-host")
     assert describe_remote(heard[0])[1:] == (2, "a-host")
+    # In the agent's words, the losses without the SDK user's remedy (the agent acts).
+    said = describe_remote(error)[0]
+    assert said.startswith(f"PeerFailed: job {job_id!r} generation 1 failed: lost rank 2")
+    assert "restart the job" not in said and "rank 1 on z-host (hung" in said, said
 
 
 def test_a_long_multiline_cause_is_kept_whole_and_shown_escaped(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.client import RendezvousClient
+from rendezvousd.client import RendezvousClient, RendezvousError
 from rendezvousd.common.model import JobState, JoinResult, Parked, Transition
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
@@ -282,3 +282,21 @@ def test_a_job_keeps_its_age_across_a_restart(tmp_path: Path) -> None:
     back = _roundtrip(sm, tmp_path).jobs["j"]
     assert back.state is JobState.ENDED
     assert back.state_since == pytest.approx(ended_at, abs=1.0)
+
+
+def test_a_member_of_a_daemon_restarted_without_its_state_is_told_so(tmp_path: Path) -> None:
+    """It read only "job 'j' does not exist", as for a typo in the job id."""
+    token = write_token(tmp_path / "tok")
+    listen = f"127.0.0.1:{free_port()}"
+    d = spawn_daemon(tmp_path, token=token, listen=listen)
+    with RendezvousClient(d.endpoint, "j", token=token, retry_attempts=0) as c:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        d.kill()
+        again = spawn_daemon(tmp_path, token=token, listen=listen)
+        try:
+            with pytest.raises(RendezvousError) as info:
+                c.kv_set("k", b"v")
+        finally:
+            again.kill()
+    assert info.value.reason == "JOB_NOT_FOUND", info.value
+    assert "the daemon restarted without --state-dir" in str(info.value), info.value

@@ -518,6 +518,7 @@ def test_sigterm_while_joining_ends_the_launcher_promptly(
         _out, err = node.communicate(timeout=30)
     assert node.returncode == 128 + signal.SIGTERM, err
     assert time.monotonic() - started < 5, err
+    assert "got SIGTERM: stopping this node's workers" in err, err  # it exited in silence
 
 
 def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(

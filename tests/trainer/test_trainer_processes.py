@@ -86,6 +86,7 @@ def test_sigkill_mid_all_reduce_fails_survivors_naming_the_rank(
             assert p.stdout is not None
             ready = json.loads(p.stdout.readline())
             assert ready["event"] == "ready"
+            assert ready["generation"] == 1  # the daemon's number (read 0 without an agent)
             # One node on one host: the all-reduces run through shared memory.
             expected = "shared-memory" if shm_group.unsupported_reason() is None else "tcp-ring"
             assert ready["transport"] == expected

@@ -26,6 +26,7 @@ def main() -> int:
         "ready",
         rank=ctx.rank,
         node_rank=ctx.topology.node_rank,
+        generation=ctx.generation,
         transport=transport,
         env_rank=os.environ.get("RANK"),
         threads=os.environ.get("OMP_NUM_THREADS"),

@@ -152,7 +152,11 @@ def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None
     cause = f"{type(error).__name__}: {error}"
     if isinstance(error, PeerFailed) and error.failed:
         first = error.failed[0]
-        return cause, first.rank, first.host
+        # Its losses only: a call's message goes on with the SDK user's remedy ("restart
+        # the job (a new Join opens the next generation)"), which the agent does itself.
+        gen = error.generation
+        named = f"job {error.job_id!r}" + (f" generation {gen}" if gen else "")
+        return f"PeerFailed: {failed_text(named, error.failed)}", first.rank, first.host
     if isinstance(error, PeerFailed) and error.ranks:
         return cause, error.ranks[0], None
     return cause, None, None
@@ -774,6 +778,12 @@ class NodeAgent:
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
         """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
         signum = self._interrupt or 15
+        # Said, as torchrun does: a launcher stopped by a signal exited 143 in silence.
+        self.note(
+            f"got {signal.Signals(signum).name}: stopping this node's workers (they get "
+            f"{self.config.stop_grace_s:g} s to finish) and ending its part in job "
+            f"{self.config.job_id!r}"
+        )
         if gen is not None:
             # First: the other nodes hear the cause now, not once this node's workers
             # are done with their handlers (meanwhile theirs would block in collectives
