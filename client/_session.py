@@ -775,6 +775,12 @@ class Session:
                 job_id=self.job_id,
                 rank=last.rank,
             )
+        if isinstance(last, DaemonUnavailable) and attempts > 1:
+            # The daemon's own reason (STORAGE_UNAVAILABLE, DRAINING) after a retry: its
+            # words, and the count protocol.md promises (it read .attempts == 0).
+            last.attempts = attempts
+            last.message = f"{last.message} (after {attempts} attempts)"
+            last.args = (last.message,)
         return last
 
 

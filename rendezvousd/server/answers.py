@@ -119,5 +119,8 @@ def failed_member(f: FailedInfo, now: float, cause_bytes: int | None = None) -> 
         cause=cause,
         node_rank=f.node_rank or 0,
         local_rank=f.local_rank or 0,
-        age_ms=int(max(0.0, now - f.lost_at) * 1000) if f.lost_at is not None else 0,
+        # At least 1 when known: 0 is "unknown" (a loss from before a restart), and a
+        # loss pushed within its millisecond read as unknown to the rank told at once
+        # while a later caller got its time.
+        age_ms=max(1, int((now - f.lost_at) * 1000)) if f.lost_at is not None else 0,
     )

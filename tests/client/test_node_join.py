@@ -605,3 +605,21 @@ def test_a_daemon_killed_while_seats_are_kept_keeps_them_after_its_restart(
         for c in (a, b, s, r):
             c.close()
         (d2 or d).kill()
+
+
+def test_a_loss_told_within_its_millisecond_still_has_its_time() -> None:
+    """age_ms 0 means "unknown" (a loss from before a restart): one pushed within the
+    millisecond it happened gave the rank told at once lost_at None, while a caller
+    refused later got a time."""
+    import time
+
+    from rendezvousd.client.errors import FailedMember, failed_members
+    from rendezvousd.common.members import FailedInfo
+    from rendezvousd.server.answers import failed_member
+
+    now = time.monotonic()
+    told = failed_members([failed_member(FailedInfo(1, "h", "gone", 0, 1, now), now)])
+    unknown = failed_members([failed_member(FailedInfo(1, "h", "gone", 0, 1, None), now)])
+    assert isinstance(told[0], FailedMember) and told[0].lost_at is not None
+    assert abs(told[0].lost_at - time.time()) < 1.0
+    assert unknown[0].lost_at is None

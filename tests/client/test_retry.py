@@ -235,3 +235,17 @@ def test_a_delete_whose_answer_was_lost_is_not_repeated_into_another_answer(
         c.close()
         watcher.close()
         proxy.close()
+
+
+def test_a_reasoned_unavailable_after_a_retry_counts_its_attempts() -> None:
+    """The daemon's own reason (its storage failing) after the retry: the error kept
+    its words but said .attempts == 0, where protocol.md promises the attempts."""
+    from rendezvousd.client import DaemonUnavailable
+
+    with RendezvousClient("127.0.0.1:9", "j", token="t" * 32) as c:
+        last = DaemonUnavailable(
+            "the daemon's storage is failing", code="UNAVAILABLE", reason="STORAGE_UNAVAILABLE"
+        )
+        error = c._s.exhausted("KvSet", 2, last)
+    assert error is last and error.attempts == 2
+    assert str(error) == "the daemon's storage is failing (after 2 attempts)"

@@ -1141,8 +1141,8 @@ class FailedMember(_message.Message):
     node_rank: _builtins.int
     local_rank: _builtins.int
     age_ms: _builtins.int
-    """Milliseconds between the daemon losing it and sending this message (0 for a
-    loss recorded before the daemon restarted).
+    """Milliseconds between the daemon losing it and sending this message, at least
+    1 (0: unknown, a loss recorded before the daemon restarted).
     """
     def __init__(
         self,
