@@ -365,8 +365,9 @@ class Job:
             if by_node
             else (
                 "a worker",
-                "every worker of a job must use the same topology: "
-                "fix --nnodes / --nproc-per-node and relaunch",
+                "every worker of a job must join with the same num_nodes and gpus_per_node "
+                "(rendezvous-run's and torchrun's --nnodes / --nproc-per-node): fix them and "
+                "relaunch",
             )
         )
         return self.fault(

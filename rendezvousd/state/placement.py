@@ -447,9 +447,13 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node) -> RendezvousFaul
         Code.ALREADY_EXISTS,
         Reason.DUPLICATE_RANK,
         f"{seat} of {job.named} is already held by the {holder.joiner} on {holder.host}; "
-        "give each node a distinct --node-rank "
-        f"(0..{job.max_nodes - 1}), or --node-rank auto to let the daemon assign it, and each "
-        "worker on a node a distinct local rank",
+        + (
+            f"give each worker its own (node_rank 0..{job.max_nodes - 1}, and on a node a "
+            "distinct local_rank), or node_rank=None to let the daemon place it"
+            if local is not None
+            else f"give each node a distinct --node-rank (0..{job.max_nodes - 1}), or "
+            "--node-rank auto to let the daemon assign it"
+        ),
         ranks=str(rank),
         node_rank=str(holder.node_rank),
         holder_host=holder.host,

@@ -112,10 +112,23 @@ def open_job(
 
 def next_generation(sm: RendezvousState, job: Job, now: float) -> None:
     """A newcomer to an ended generation opens the next one."""
-    if job.gen.conflict is not None and now - job.state_since < sm.timing.heartbeat_timeout_s:
+    since = now - job.state_since
+    if job.gen.conflict is not None and since < sm.timing.heartbeat_timeout_s:
         # Late workers of the launch that had the conflict hear about it too,
-        # instead of opening a generation nobody else will join.
-        raise job.gen.conflict
+        # instead of opening a generation nobody else will join. Said as such: a
+        # launch already fixed read the old conflict as its own, with no word of when
+        # it could join.
+        conflict = job.gen.conflict
+        wait = sm.timing.heartbeat_timeout_s - since
+        raise RendezvousFault(
+            conflict.code,
+            conflict.reason,
+            f"{conflict.message} (the job's last launch failed on this {since:.1f} s ago; "
+            f"joins within {sm.timing.heartbeat_timeout_s:g} s of it are told so, as its late "
+            f"members; a launch that fixed it may join in {wait:.1f} s)",
+            conflict.metadata,
+            conflict.failed,
+        )
     old = job.state
     job.open_generation(now)
     sm.calls.emit(Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation"))

@@ -144,6 +144,10 @@ def test_topology_mismatch_while_forming_fails_every_waiter_at_once(wrong_first:
     # A late worker of the same launch is told too, instead of waiting alone.
     late = fault(sm.join, rest[1] if len(rest) > 1 else args(1, 1, host="b"), 2.0)
     assert late.reason == "TOPOLOGY_MISMATCH" and "'wrong'" in late.message
+    # Said as the last launch's, with when a fixed one may join (a fixed relaunch read
+    # the old conflict as its own, with no word of when).
+    assert "the job's last launch failed on this 1.0 s ago" in late.message, late.message
+    assert f"may join in {sm.timing.heartbeat_timeout_s - 1.0:.1f} s" in late.message
     # After the hold, a corrected launch opens a fresh generation as usual.
     hold = sm.timing.heartbeat_timeout_s
     fresh = sm.join(args(0, 1, host="a", inst="relaunch"), 1.0 + hold + 0.1)
@@ -176,6 +180,8 @@ def test_duplicate_slot_from_other_instance_is_already_exists_but_retry_is_idemp
     assert isinstance(again, Parked)
     f = fault(sm.join, args(1, 1, inst="B"), 0.0)
     assert f.code is Code.ALREADY_EXISTS and f.reason == "DUPLICATE_RANK" and "rank 3" in f.message
+    # In a worker's terms, not the launcher's flags (it said "distinct --node-rank").
+    assert "give each worker its own (node_rank 0..1" in f.message and "--" not in f.message
 
 
 @pytest.mark.parametrize(
