@@ -28,6 +28,7 @@ from rendezvousd.client._call_stream import CALL_BATCH_BYTES, _CallStreams
 from rendezvousd.client._multiplex import timeout_ms
 from rendezvousd.client._session import (
     INT64,
+    JOIN_TIMEOUT_S,
     SLACK_S,
     UINT64,
     UNKNOWN_OUTCOME,
@@ -348,16 +349,18 @@ class Calls:
         # opened with the join (``OpenStream``), its start out of the join.
         yield OpenStream()
 
-    def connected(self, method: str, started: float) -> Steps[None]:
+    def connected(self, method: str, started: float, within: float | None = None) -> Steps[None]:
         """Return once the channel is connected; ``DaemonUnavailable`` when it is not
-        within ``connect_timeout`` of ``started``. gRPC reconnects meanwhile, with its
-        backoff: a daemon that comes up late is found."""
+        within ``within`` (``connect_timeout``) of ``started``. gRPC reconnects
+        meanwhile, with its backoff: a daemon that comes up late is found."""
         s = self.s
-        if not (yield Connect(max(0.0, s.connect_timeout - (time.monotonic() - started)))):
+        limit = s.connect_timeout if within is None else within
+        if not (yield Connect(max(0.0, limit - (time.monotonic() - started)))):
             problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
+            which = "connect_timeout" if limit == s.connect_timeout else "the join's timeout"
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "
-                f"{s.connect_timeout:g} s (connect_timeout)"
+                f"{limit:g} s ({which})"
                 + ("" if problem is None else f": {problem}")
                 + ". Check that it runs and listens there, and that this host can reach it",
                 attempts=1,
@@ -367,22 +370,25 @@ class Calls:
                 job_id=s.job_id,
             )
 
-    def before_join(self) -> Steps[None]:
+    def before_join(self, timeout: float | None) -> Steps[None]:
         """What a join needs to know first: that the daemon is there and takes our
-        TLS, else one clear error now rather than a wait for the join's timeout."""
+        TLS, else one clear error now rather than a wait for the join's timeout.
+        Within ``connect_timeout``, or the join's own ``timeout`` if shorter (a
+        join(timeout=5) at a silent port took the 30 s connect timeout)."""
         # A daemon this process already found speaking TLS to a plaintext client is
         # asked directly (``probe_tls``), never by letting gRPC connect: each attempt
         # would be one more "Handshake failed" line in the daemon's log.
         started = time.monotonic()
+        within = min(self.s.connect_timeout, JOIN_TIMEOUT_S if timeout is None else timeout)
         # Half the connect timeout at most: the probes that tell why get the rest.
-        look = min(TLS_PROBE_TIMEOUT_S, self.s.connect_timeout / 2)
+        look = min(TLS_PROBE_TIMEOUT_S, within / 2)
         if not self.probe.seen_tls and (yield Reachable(look)):
             # Connected: the daemon is reachable and accepted our TLS, and a draining
             # daemon answers the join itself with DRAINING, which is raised at once.
             # The Check this saves cost the daemon about 0.5 ms of CPU per cold client,
             # a third of a cold per-rank join (benchmarks/rendezvous_scale.py, cold).
             return
-        yield from self.check_health(started)
+        yield from self.check_health(started, within)
 
     def first_look(self, wait: float) -> Steps[bool]:
         """Whether the channel connects within ``wait`` (or the daemon answered the
@@ -421,7 +427,9 @@ class Calls:
         yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
         return True
 
-    def check_health(self, started: float | None = None) -> Steps[None]:
+    def check_health(
+        self, started: float | None = None, within: float | None = None
+    ) -> Steps[None]:
         """Fail fast, with one clear error, when the daemon is down or draining: a
         health Check, always (a READY channel says nothing of draining). A daemon not
         up yet is waited for within ``connect_timeout`` of ``started`` (else of now),
@@ -429,7 +437,8 @@ class Calls:
         host that drops packets, spends 2 s in each)."""
         started = time.monotonic() if started is None else started
         request = health_pb2.HealthCheckRequest(service=SERVICE)
-        left = self.s.connect_timeout - (time.monotonic() - started)
+        limit = self.s.connect_timeout if within is None else within
+        left = limit - (time.monotonic() - started)
         probed = yield from self.probe_tls(request, within=left)
         if probed is not None and probed.status == SERVING:
             return
@@ -437,12 +446,10 @@ class Calls:
             # No answer yet: the daemon is waited for within connect_timeout in all.
             # A Check that waited for it, then retried as a transient failure, took
             # twice that (61 s at the default against a refused port).
-            yield from self.connected("Check", started)
+            yield from self.connected("Check", started, limit)
         s = self.s
         for attempt in itertools.count(1):
-            response = yield from self.call(
-                "Check", request, timeout=s.connect_timeout, health=True
-            )
+            response = yield from self.call("Check", request, timeout=limit, health=True)
             if response.status == SERVING:
                 return
             if attempt > s.retry.attempts:
@@ -494,7 +501,7 @@ class Calls:
     def join(self, request: JoinRequest) -> Steps[Membership]:
         """Register one rank and wait for the world: rank, id and member table."""
         check_keywords("join", JoinRequest, request)
-        yield from self.before_join()
+        yield from self.before_join(request.get("timeout"))
         plan = self.s.plan_join(**request)
         address = request.get("address", "")
         yield OpenStream()
@@ -519,7 +526,7 @@ class Calls:
     def join_node(self, request: NodeJoinRequest) -> Steps[NodeMembership]:
         """Join once for a whole node and wait for the generation to form."""
         check_keywords("join_node", NodeJoinRequest, request)
-        yield from self.before_join()
+        yield from self.before_join(request.get("timeout"))
         # A re-join (next generation): the last generation's stream must not report
         # into this one.
         yield StopStream()

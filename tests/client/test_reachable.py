@@ -242,17 +242,23 @@ async def test_check_health_asks_even_when_the_channel_is_ready(
         await client.close()
 
 
-async def _join(kind: str, endpoint: str, tls: TlsConfig | None, connect_timeout: float) -> None:
+async def _join(
+    kind: str,
+    endpoint: str,
+    tls: TlsConfig | None,
+    connect_timeout: float,
+    timeout: float = 30,
+) -> None:
     """One join with ``connect_timeout`` by ``kind``'s client (the blocking one in a
     thread), its error raised."""
     options: dict[str, Any] = {"token": "t" * 32, "tls": tls, "connect_timeout": connect_timeout}
     keywords: dict[str, Any] = {"num_nodes": 1, "gpus_per_node": 1, "local_rank": 0}
     if kind == "asyncio":
         async with AsyncRendezvousClient(endpoint, "short", **options) as client:
-            await client.join(**keywords, timeout=30)
+            await client.join(**keywords, timeout=timeout)
         return
     with RendezvousClient(endpoint, "short", **options) as blocking:
-        await asyncio.to_thread(blocking.join, **keywords, timeout=30)
+        await asyncio.to_thread(blocking.join, **keywords, timeout=timeout)
 
 
 @pytest.mark.parametrize("client_tls", [False, True], ids=["plaintext", "tls"])
@@ -266,6 +272,18 @@ async def test_a_join_at_a_silent_port_ends_near_its_connect_timeout(
     started = loop.time()
     with pytest.raises(DaemonUnavailable, match=r"within 1 s \(connect_timeout\): it accepts"):
         await _join(kind, listener(None), TlsConfig(ca=pki.ca) if client_tls else None, 1.0)
+    assert loop.time() - started < 3.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_join_at_a_silent_port_ends_at_its_own_shorter_timeout(
+    listener: Callable[[bytes | None], str], kind: str
+) -> None:
+    """join(timeout=5) at a silent port took the 30 s connect timeout."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DaemonUnavailable, match=r"within 1 s \(the join's timeout\)"):
+        await _join(kind, listener(None), None, 30.0, timeout=1.0)
     assert loop.time() - started < 3.0
 
 
