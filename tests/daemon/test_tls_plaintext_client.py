@@ -106,16 +106,21 @@ async def test_asyncio_client_without_the_ca_is_told_the_daemon_speaks_tls(
     assert f"the daemon at {d.endpoint} {SPEAKS_TLS}" in str(info.value)
 
 
+#: A training script's start (a warm spare runs it up to init_distributed()), which must
+#: never get past it when the launcher cannot join.
+UNASSIGNED_WORKER = (
+    "from rendezvousd.trainer.distributed import init_distributed\n"
+    "init_distributed()\n"
+    "raise SystemExit('a worker was assigned a rank without a rendezvous')\n"
+)
+
+
 def test_launcher_without_the_ca_names_the_tls_daemon_and_stops(
     pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
     d = _tls_daemon(start_daemon, pki, mtls=False)
     script = tmp_path / "worker.py"
-    script.write_text(
-        "from rendezvousd.trainer.distributed import init_distributed\n"
-        "init_distributed()\n"
-        "raise SystemExit('a worker was assigned a rank without a rendezvous')\n"
-    )
+    script.write_text(UNASSIGNED_WORKER)
     started = time.monotonic()
     # The old launcher waited out two connect timeouts (about a minute).
     run = subprocess.run(
@@ -147,12 +152,7 @@ def test_launcher_with_the_wrong_ca_says_so_in_its_own_words_only(
     the same and what to do."""
     d = _tls_daemon(start_daemon, pki, mtls=False)
     script = tmp_path / "worker.py"
-    # As a training script starts: a warm spare runs it up to init_distributed().
-    script.write_text(
-        "from rendezvousd.trainer.distributed import init_distributed\n"
-        "init_distributed()\n"
-        "raise SystemExit('a worker was assigned a rank without a rendezvous')\n"
-    )
+    script.write_text(UNASSIGNED_WORKER)
 
     def run(**verbosity: str) -> str:
         env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
