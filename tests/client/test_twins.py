@@ -5,6 +5,7 @@ scenario must end the same way for both (the same outcome, the same error)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import socket
@@ -640,28 +641,72 @@ def daemon_restart_is_survived(w: World) -> object:
     return m.generation, got, c.kv_get("k", timeout=5), c.failure
 
 
+class Outage:
+    """A TCP proxy in front of a daemon that can go away and come back at an exact
+    instant, where a restarted daemon takes its start-up (seconds under load). Gone,
+    it closes its clients' connections and refuses new ones; the daemon's side stays
+    open, so the daemon sees only silence (its timeout is the test's to choose)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.port = free_port()
+        self.clients: list[socket.socket] = []
+        self.upstream: list[socket.socket] = []
+        self.listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        assert self.listener is not None
+        self.listener.close()
+        for c in self.clients:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
+        self.clients = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.clients.append(client)
+            self.upstream.append(upstream)  # held: collected, it would close
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+
+
 def daemon_back_late_in_the_window_is_reattached(w: World) -> object:
-    """The daemon SIGKILLed and back with its state ~4 s later, within the 5 s window.
-    The members' channel redials at its backoff, 0.2 s growing to 2 s apart (about
-    3.2 s and 5.2 s after the break), so the dial after the daemon was back came after
-    the window, and the member was told DaemonUnreachable by a daemon that was back
-    (namespace hosts: back at 2.0 s of 3, 0 runs of 1 survived; at 8 of 10, 1 of 2)."""
-    state = w.tmp / f"state-{w.kind}"
-    listen = f"127.0.0.1:{free_port()}"
-    flags = ("--state-dir", str(state), "--heartbeat-timeout-s", "5")
-    d = w.start_daemon(*flags, listen=listen)
-    c = w.client(d)
+    """The daemon gone (its connections closed, connects refused) and back 4.6 s later,
+    within the member's 5 s window: reattached, silently. (What made a daemon restarted
+    late in the window miss it, gRPC's redial backoff, is timed by the restart's own
+    start-up, seconds under load, so this cannot show it failing;
+    test_daemon_loss.py's look at the endpoint is the fix's unit test.)"""
+    d = w.start_daemon("--heartbeat-timeout-s", "30")  # the daemon waits; the member judges
+    proxy = Outage(d.port)
+    c = Twin(w.kind, f"127.0.0.1:{proxy.port}", w.job_id, token=d.token, reconnect_window=5)
+    w.made.append(c)
     c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
     c.start_heartbeat()
-    d.kill()
-    killed = time.monotonic()
-    time.sleep(3.4)
-    w.start_daemon(*flags, listen=listen, token=d.token)
-    back = time.monotonic() - killed
-    time.sleep(max(0.0, 9.0 - (time.monotonic() - killed)))  # past the window and a grace
+    proxy.down()
+    time.sleep(4.6)
+    proxy.up()
+    time.sleep(5.0)  # past the window, and into the grace
     failure = c.failure
     c.kv_set("k", b"after")
-    return back < 4.7, failure, c.kv_get("k", timeout=5)
+    return failure, c.kv_get("k", timeout=5)
 
 
 SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
@@ -699,7 +744,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
     "daemon back late in the window": (
         daemon_back_late_in_the_window_is_reattached,
-        (True, None, b"after"),
+        (None, b"after"),
     ),
     "a closed client": (
         closed_client_refuses_calls,
