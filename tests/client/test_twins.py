@@ -689,21 +689,22 @@ class Outage:
 
 
 def daemon_back_late_in_the_window_is_reattached(w: World) -> object:
-    """The daemon gone (its connections closed, connects refused) and back 4.6 s later,
-    within the member's 5 s window: reattached, silently. (What made a daemon restarted
+    """The daemon gone (its connections closed, connects refused) and back 3 s later,
+    within the member's 8 s window (margins for a loaded machine, where this thread's
+    own sleeps run late): reattached, silently. (What made a daemon restarted
     late in the window miss it, gRPC's redial backoff, is timed by the restart's own
     start-up, seconds under load, so this cannot show it failing;
     test_daemon_loss.py's look at the endpoint is the fix's unit test.)"""
     d = w.start_daemon("--heartbeat-timeout-s", "30")  # the daemon waits; the member judges
     proxy = Outage(d.port)
-    c = Twin(w.kind, f"127.0.0.1:{proxy.port}", w.job_id, token=d.token, reconnect_window=5)
+    c = Twin(w.kind, f"127.0.0.1:{proxy.port}", w.job_id, token=d.token, reconnect_window=8)
     w.made.append(c)
     c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
     c.start_heartbeat()
     proxy.down()
-    time.sleep(4.6)
+    time.sleep(3.0)
     proxy.up()
-    time.sleep(5.0)  # past the window, and into the grace
+    time.sleep(6.0)  # past the window, and into the grace
     failure = c.failure
     c.kv_set("k", b"after")
     return failure, c.kv_get("k", timeout=5)
