@@ -218,10 +218,11 @@ class NodeAgent:
         # A standby waits for a slot until its first seat; it re-joins as any node after.
         self._standing_by = config.standby
         self._silence_s = DEFAULT_SILENCE_S
-        # Within RESUMED_S of the agent's own pause (``_watch``), and the workers whose
-        # reported failure it has not told the daemon meanwhile.
-        self._resuming = False
+        # The agent's own last pause in this generation's watch (``_watch``), when it
+        # ran again, and the workers whose reported failure it has not told the
+        # daemon meanwhile (``_resuming``).
         self._paused_s = 0.0
+        self._resumed_at = 0.0
         self._unreported: set[WorkerProcess] = set()
         self._interrupt: int | None = None
         self._interrupted = threading.Event()
@@ -229,6 +230,11 @@ class NodeAgent:
     @property
     def per_node(self) -> int:
         return self.config.local_world_size
+
+    @property
+    def _resuming(self) -> bool:
+        """Within RESUMED_S of the end of a pause of this agent's own."""
+        return self._paused_s > 0 and time.monotonic() - self._resumed_at <= RESUMED_S
 
     def interrupt(self, signum: int) -> None:
         """From a signal handler: stop this node's workers and end the job."""
@@ -538,9 +544,10 @@ class NodeAgent:
         refilled = False
         succeeded: set[WorkerProcess] = set()
         silent: tuple[float, str] | None = None  # when a link went silent, and its cause
-        looked = resumed = time.monotonic()
-        held: Exited | None = None  # a worker's failure while the agent was stopped
+        looked = self._resumed_at = time.monotonic()
         self._paused_s = 0.0
+        self._unreported.clear()
+        held: list[Exited] = []  # workers' failures while the agent was stopped
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
@@ -550,18 +557,22 @@ class NodeAgent:
             if now - looked > PAUSED_S:
                 # A worker was blamed, "no heartbeat from its process for 8.1 s", for
                 # the 8 s this agent was stopped, before the daemon's verdict came.
-                resumed, self._paused_s = now, now - looked
+                self._resumed_at, self._paused_s = now, now - looked
             looked = now
-            self._resuming = self._paused_s > 0 and now - resumed <= RESUMED_S
-            if held is not None and not self._resuming:
-                event, held = held, None  # no verdict came: the worker's own failure
+            resuming = self._resuming
+            if held and not resuming:
+                # No verdict came: the workers' own failures, read after what came
+                # meanwhile (none of it dropped).
+                for exited in held:
+                    self.events.put(exited)
+                held = []
             if (
-                self._resuming
+                resuming
                 and isinstance(event, Exited)
                 and event.code != 0
                 and event.worker in self.active
             ):
-                held = held or event
+                held.append(event)
                 continue
             if warm_at is None and all(w.ready.is_set() for w in self.active):
                 warm_at = now
@@ -574,7 +585,7 @@ class NodeAgent:
                 if self.budget.can_restart or self.config.fewest_nodes < self.config.num_nodes:
                     self.pool.fill(self.per_node)
                 refilled = True
-            for w in self.active if now - resumed > RESUMED_S else ():
+            for w in self.active if now - self._resumed_at > RESUMED_S else ():
                 if (cause := self._stuck(w, now)) is not None:
                     return self._local_failure(gen, first_rank, w, cause, 1)
             if silent is not None and now - silent[0] >= LINK_SETTLE_S:
