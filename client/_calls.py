@@ -56,6 +56,7 @@ from rendezvousd.client.errors import (
     DaemonUnreachable,
     InvalidRequest,
     RendezvousError,
+    clean_exit,
     from_rpc_error,
 )
 from rendezvousd.client.membership import (
@@ -79,10 +80,6 @@ PROBE_PAUSE_S = 0.2
 PROBE_FLOOR_S = 0.5
 # Between asks whether a daemon that went away mid-wait is back (``back_within``).
 RECHECK_S = 0.25
-
-
-def _clean_exit(exc: BaseException) -> bool:
-    return isinstance(exc, SystemExit) and exc.code in (None, 0)
 
 
 def _parks(request: Any) -> bool:
@@ -581,7 +578,7 @@ class Calls:
         failure it heard, the daemon gone: a victim's, not a cause). Without it its
         peers read only "heartbeat stream closed", the exception left in its stderr."""
         s = self.s
-        if exc is None or _clean_exit(exc) or isinstance(exc, RendezvousError):
+        if exc is None or clean_exit(exc) or isinstance(exc, RendezvousError):
             return None
         if s.joined is None or s.node is not None or s.failure is not None:
             return None
@@ -829,7 +826,7 @@ class ClientBase(ABC):
         PeerFailed)."""
         s = self._s
         live = (s.joined is not None or s.node is not None) and s.failure is None
-        return (exc is None or _clean_exit(exc)) and live
+        return (exc is None or clean_exit(exc)) and live
 
     def _forget(self) -> None:
         """After leave(): no member or node is held any more."""

@@ -746,11 +746,10 @@ class Session:
         if isinstance(error, DaemonUnavailable):
             error.attempts = attempts
         if method not in IDEMPOTENT and not error.reason and error.code in UNKNOWN_OUTCOME:
-            error.message = (
-                f"{error.message}; not repeated: the daemon may have applied it before its "
-                "answer was lost, so check its effect before making it again"
+            error._add(
+                "; not repeated: the daemon may have applied it before its answer was "
+                "lost, so check its effect before making it again"
             )
-            error.args = (error.message,)
         return error
 
     def exhausted(
@@ -779,8 +778,7 @@ class Session:
             # The daemon's own reason (STORAGE_UNAVAILABLE, DRAINING) after a retry: its
             # words, and the count protocol.md promises (it read .attempts == 0).
             last.attempts = attempts
-            last.message = f"{last.message} (after {attempts} attempts)"
-            last.args = (last.message,)
+            last._add(f" (after {attempts} attempts)")
         return last
 
 
@@ -855,13 +853,17 @@ class StreamWatch:
         after it died (its members given a whole timeout to reattach) was reported
         unreachable first (7 s after a SIGKILL, against a 10 s window)."""
         if self.session.daemon_heartbeat_timeout > 0:
-            return max(self.heard, self.outage_since or 0.0) + self.window_s + self.grace_s
+            return self.silent_since() + self.window_s + self.grace_s
         return None
+
+    def silent_since(self) -> float:
+        """The later of the last word heard and the stream's break, if it broke."""
+        return max(self.heard, self.outage_since or 0.0)
 
     def may_look_back(self) -> bool:
         """Whether the window passed on a broken stream with no look at the endpoint
         yet: the twin then asks whether anything accepts connections there again
-        (``connection.listens``) and passes the answer to ``looked_back``. gRPC
+        (``connection.listens``) and passes the answer to ``back_again``. gRPC
         redials a daemon that went away at its backoff, growing to 2 s (+20 %) apart,
         so a daemon restarted with its state late in the window (its members given a
         whole timeout to reattach) was dialled after the window ended, and its members
@@ -930,12 +932,12 @@ class StreamWatch:
     def expired(self) -> bool:
         """True (and the member failed with DaemonUnreachable) once the window passed,
         and the endpoint was looked at if it is due (``may_look_back``)."""
-        now = time.monotonic()
-        deadline = self.deadline()
         if self.may_look_back():
             return False
+        now = time.monotonic()
+        deadline = self.deadline()
         if deadline is not None and now >= deadline:
-            self.session.fail(self.unreachable(now - max(self.heard, self.outage_since or 0.0)))
+            self.session.fail(self.unreachable(now - self.silent_since()))
         elif (
             self.outage_since is not None and now - self.outage_since > self.window_s + self.grace_s
         ):

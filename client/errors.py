@@ -70,6 +70,18 @@ class RendezvousError(Exception):
         self.job_id = job_id
         self.rank = rank
 
+    def _add(self, text: str) -> None:
+        """Append ``text`` to the message, as ``str()`` shows it too."""
+        self.message += text
+        self.args = (self.message,)
+
+
+def clean_exit(exc: BaseException) -> bool:
+    """Whether ``exc`` ending a ``with`` block is a success: ``sys.exit(0)`` there
+    succeeds as it does after the block (the client's block and
+    ``init_distributed()``'s alike)."""
+    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+
 
 class DaemonUnavailable(RendezvousError):
     """The daemon could not be reached, is draining, or is not SERVING; ``.attempts`` made."""

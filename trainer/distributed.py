@@ -28,7 +28,12 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rendezvousd.client.errors import JobAborted, RendezvousError, StaleGeneration
+from rendezvousd.client.errors import (
+    JobAborted,
+    RendezvousError,
+    StaleGeneration,
+    clean_exit,
+)
 from rendezvousd.client.membership import Membership
 from rendezvousd.common.escape import bounded
 from rendezvousd.trainer.agent._agent_boot import ENV_SPARE_GPU
@@ -146,10 +151,9 @@ class DistributedContext:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        # sys.exit(0) in the block succeeds, as it does after it: as a failure it would
-        # fail the job and stop the ranks still finishing (a final checkpoint).
-        success = isinstance(exc, SystemExit) and exc.code in (None, 0)
-        self.close(clean=exc_type is None or success, error=exc)
+        # sys.exit(0) in the block succeeds: as a failure it would fail the job and stop
+        # the ranks still finishing (a final checkpoint).
+        self.close(clean=exc is None or clean_exit(exc), error=exc)
 
 
 # Enough for the daemon to see a dead process's heartbeat stream close, or for this
