@@ -24,6 +24,7 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import fences, joins, placement, rounds, seats
 
 if TYPE_CHECKING:
+    from rendezvousd.state.job import Member
     from rendezvousd.state.machine import RendezvousState
 
 
@@ -37,33 +38,31 @@ def report_failure(
     cause: str,
     now: float,
 ) -> None:
-    # Any text is a cause (a traceback has newlines): kept bounded, escaped only
-    # where shown. Refusing it would leave a healthy rank, lost after, as the root cause.
+    def in_range(name: str, value: int, bound_name: str, bound: int) -> None:
+        validation.rank_in_range(name, value, bound_name, bound, job_id=job_id)
+
     job = seats.find_job(sm, job_id)
+    member: Member
     if job.gen.join_mode is JoinMode.RANK:
         # A worker joined by rank (no node agent: srun, a pod per GPU) reports its own
         # failure, by its seat and its own instance id: its exception, not "heartbeat
         # stream closed" when it exits, is then what every survivor and `status` read.
-        cause = bounded(cause) or "the worker reported a failure without a cause"
-        validation.rank_in_range("node_rank", node_rank, "num_nodes", job.num_nodes, job_id=job_id)
-        validation.rank_in_range(
-            "local_rank", local_rank, "gpus_per_node", job.gpus_per_node, job_id=job_id
+        reporter, told = "the worker", job.rank_of(node_rank, local_rank)
+        in_range("node_rank", node_rank, "num_nodes", job.num_nodes)
+        in_range("local_rank", local_rank, "gpus_per_node", job.gpus_per_node)
+        job, member = seats.caller(sm, job_id, generation, told, instance_id, running=False)
+    else:
+        reporter, told = "its node agent", node_rank
+        job, node = seats.seated(
+            sm, job_id, generation, node_rank, instance_id, JoinMode.NODE, running=False
         )
-        rank = job.rank_of(node_rank, local_rank)
-        job, member = seats.caller(sm, job_id, generation, rank, instance_id, running=False)
-        if member.state in (MemberState.ACTIVE, MemberState.JOINING):
-            rounds.lose(sm, job, [member], cause, now, told=rank)
-        return
-    cause = bounded(cause) or "its node agent reported a failure without a cause"
-    job, node = seats.seated(
-        sm, job_id, generation, node_rank, instance_id, JoinMode.NODE, running=False
-    )
-    validation.rank_in_range(
-        "local_rank", local_rank, "gpus_per_node", job.gpus_per_node, job_id=job_id
-    )
-    member = job.gen.members[job.rank_of(node.node_rank, local_rank)]
+        in_range("local_rank", local_rank, "gpus_per_node", job.gpus_per_node)
+        member = job.gen.members[job.rank_of(node.node_rank, local_rank)]
+    # Any text is a cause (a traceback has newlines): kept bounded, escaped only
+    # where shown. Refusing it would leave a healthy rank, lost after, as the root cause.
+    cause = bounded(cause) or f"{reporter} reported a failure without a cause"
     if member.state in (MemberState.ACTIVE, MemberState.JOINING):
-        rounds.lose(sm, job, [member], cause, now, told=node.node_rank)
+        rounds.lose(sm, job, [member], cause, now, told=told)
 
 
 def attach_stream(

@@ -156,17 +156,17 @@ def silence_cause(sm: RendezvousState, seated: Attendee) -> str:
     """Why the tick loses ``seated``: a node agent that never attached a heartbeat
     stream since it was placed is worded apart (``NEVER_ATTACHED``), so that the
     other agents do not count a stray JoinNode as a failure of the job."""
+    if seated.stream_token != 0:
+        return silent(sm, seated.who)
     timeout = sm.timing.heartbeat_timeout_s
-    if isinstance(seated, Node) and seated.stream_token == 0:
+    if isinstance(seated, Node):
         return f"{NEVER_ATTACHED} (none within {timeout:.1f} s)"
-    if seated.stream_token == 0:
-        # A live SDK user's worker read "unreachable" for a start_heartbeat() it never
-        # called (the README's own second worker did not).
-        return (
-            f"joined, then sent no heartbeat within {timeout:.1f} s (start_heartbeat() "
-            "was not called after join(), or the process stopped before it)"
-        )
-    return silent(sm, seated.who)
+    # A live SDK user's worker read "unreachable" for a start_heartbeat() it never
+    # called (the README's own second worker did not).
+    return (
+        f"joined, then sent no heartbeat within {timeout:.1f} s (start_heartbeat() "
+        "was not called after join(), or the process stopped before it)"
+    )
 
 
 def stream_end_cause(sm: RendezvousState, attendee: Attendee, now: float) -> str:
