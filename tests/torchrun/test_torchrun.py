@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from rendezvousd.client import RendezvousClient
+from rendezvousd.trainer.torchrun.store_port import ephemeral_range
 from tests.support import (
     WORKERS,
     DaemonProcess,
@@ -65,6 +66,10 @@ def test_a_two_node_job_trains_with_one_join_per_agent(
     assert {s["rank"] for s in steps} == {0, 1, 2, 3}
     assert {s["world"] for s in steps} == {4}
     assert max(s["step"] for s in steps) == 5
+    # The workers' TCPStore listened outside the ephemeral range (store_port), where no
+    # outgoing connection could take its port before it listened.
+    low, high = ephemeral_range()
+    assert all(not low <= s["master_port"] <= high for s in steps), steps
     # One JoinNode per agent, plus node 0's repeat carrying the id the protocol asks for.
     assert _rpcs(d, "JoinNode") == 3
     # Both agents left after their workers succeeded: a clean end, nobody blamed.

@@ -63,6 +63,7 @@ def main() -> None:
             "t": time.time(),
             "pid": os.getpid(),
             "warm": WARM,
+            "master_port": int(os.environ["MASTER_PORT"]),
         }
         with open(a.step_log, "a") as fh:
             fh.write(json.dumps(line) + "\n")

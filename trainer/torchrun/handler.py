@@ -116,6 +116,7 @@ from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, 
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
+from rendezvousd.trainer.torchrun.store_port import store_port
 
 __all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "handler_factory"]
 
@@ -386,9 +387,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._store_client.attach(node.membership_for(0), node.member_instance_id(0))
             store = DaemonStore(self._store_client, timedelta(seconds=300))
             self._store = store
-            # Node 0 picks a free port for the workers' TCPStore; everyone reads it.
+            # Node 0 picks a free port for the workers' TCPStore, outside the ephemeral
+            # range (store_port: torch's own choice can be taken before the store
+            # listens); everyone reads it.
             bootstrap = torch_rdzv.RendezvousStoreInfo.build(
-                node.node_rank, store, local_addr=self._host
+                node.node_rank,
+                store,
+                local_addr=self._host,
+                server_port=store_port() if node.node_rank == 0 else None,
             )
         except RendezvousError as exc:
             raise _torch_error(exc, self._what()) from exc
