@@ -30,7 +30,7 @@ from rendezvousd.config import DaemonConfig
 from rendezvousd.daemon import Daemon
 from tests.support import InProcessDaemon
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 3.0  # wide enough for a loaded CI machine: the daemon and blocking clients share a GIL
 # Past the heartbeat timeout and its tick: a stream held this long is a lost member.
 HOLD_S = 3 * TIMEOUT_S
 
