@@ -243,7 +243,8 @@ class Calls:
         """``method`` with retries as the policy allows; errors as ``RendezvousError``."""
         s = self.s
         rank = s.joined.rank if s.joined else None
-        limit = timeout or s.call_timeout
+        # 0 is a deadline that ends at once, as a wait of 0 does; None is the default.
+        limit = s.call_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         if not self.looked and not health and s.joined is None and s.node is None:
             # An inspecting client (list_jobs(), `rendezvousd status`): a plaintext one
@@ -566,7 +567,7 @@ class Calls:
     def report_failure(
         self, local_rank: int, cause: str, timeout: float | None = None
     ) -> Steps[None]:
-        check_wait("report_failure", "timeout", timeout)
+        check_wait("report_failure", "timeout", timeout, deadline=True)
         request = self.s.report_request(local_rank, cause)
         yield from self.call("ReportFailure", request, timeout=timeout)
 
@@ -581,6 +582,8 @@ class Calls:
         if exc is None or clean_exit(exc) or isinstance(exc, RendezvousError):
             return None
         if s.joined is None or s.node is not None or s.failure is not None:
+            return None
+        if not s.leave_timeout:  # leaving was asked not to wait: its goodbye neither
             return None
         cause = f"{type(exc).__name__}: {exc}"
         return self.report_failure(s.joined.local_rank, cause, s.leave_timeout)
@@ -665,7 +668,7 @@ class Calls:
 
     def kv_get(self, key: str, wait: bool, timeout: float | None) -> Steps[bytes]:
         check_arg("kv_get", "key", key, str)
-        check_wait("kv_get", "timeout", timeout)
+        check_wait("kv_get", "timeout", timeout, deadline=not wait)
         # 0 is a wait that ends at once, not the default (None).
         limit = (WAIT_TIMEOUT_S if wait else self.s.call_timeout) if timeout is None else timeout
         request = pb.KvGetRequest(
@@ -804,6 +807,16 @@ class ClientBase(ABC):
         node's; ``on_nodes_waiting(count)`` runs when nodes park for a next generation."""
         s = self._s
         m = s.stream_member()
+        if self._heartbeat_running():
+            # A second one ran beside the first (two streams, on the sync client two
+            # more threads), and its on_failure replaced the first's.
+            raise InvalidRequest(
+                f"start_heartbeat() was already called for job {s.job_id!r} rank {m.rank}: "
+                "its heartbeat runs until leave(), close() or the next join(); call it "
+                "once per join",
+                job_id=s.job_id,
+                rank=m.rank,
+            )
         s.on_failure, s.on_nodes_waiting = on_failure, on_nodes_waiting
         self._start_stream(
             StreamWatch(s, m, self._c.reconnect_window), s.heartbeat_interval(interval)
@@ -812,6 +825,10 @@ class ClientBase(ABC):
     @abstractmethod
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         """Start the heartbeat stream: each client with its own I/O."""
+
+    @abstractmethod
+    def _heartbeat_running(self) -> bool:
+        """Whether start_heartbeat()'s stream runs (its thread or task not ended)."""
 
     def attach(self, membership: Membership, instance_id: str) -> None:
         """Act as ``membership``'s member (registered by a node agent's join_node) for

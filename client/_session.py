@@ -249,18 +249,23 @@ WAITS = frozenset(
 
 
 # Bounds every call can never meet at 0: each then failed "is the daemon running and
-# reachable?" against a daemon that was fine.
-POSITIVE_WAITS = frozenset({"call_timeout", "connect_timeout"})
+# reachable?" against a daemon that was fine; a reconnect window of 0 would call the
+# daemon lost at any broken stream (and was read as the default).
+POSITIVE_WAITS = frozenset({"call_timeout", "connect_timeout", "reconnect_window"})
 
 
-def check_wait(call: str, name: str, seconds: object, *, none_ok: bool = True) -> None:
+def check_wait(
+    call: str, name: str, seconds: object, *, none_ok: bool = True, deadline: bool = False
+) -> None:
     """Refuse a wait no call could carry: one not in seconds, beyond ``LONGEST_WAIT_S``
     (infinite), None where that is no default (no deadline: a hang), or 0 for a bound
-    every call must meet (``POSITIVE_WAITS``)."""
+    every call must meet (``POSITIVE_WAITS``, or a ``deadline``: the time a call that
+    waits for no peer has to be answered, which at 0 fails even at a daemon that is
+    fine, as a daemon that does not answer)."""
     if seconds is None and none_ok:
         return
     number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    least = 0.001 if name in POSITIVE_WAITS else 0
+    least = 0.001 if deadline or name in POSITIVE_WAITS else 0
     if number and least <= seconds <= LONGEST_WAIT_S:  # type: ignore[operator]
         return
     raise InvalidRequest(
@@ -483,7 +488,9 @@ class Session:
     def reconnect_window_s(self, asked: float | None) -> float:
         """How long the daemon may be gone before it counts as lost: ``asked`` (the
         client's ``reconnect_window``), else its heartbeat timeout, else 10 s."""
-        return asked or self.daemon_heartbeat_timeout or DEFAULT_WINDOW_S
+        if asked is not None:
+            return asked
+        return self.daemon_heartbeat_timeout or DEFAULT_WINDOW_S
 
     def closed_error(self) -> InvalidRequest:
         """What a call on a closed client raises, from either client (gRPC's own

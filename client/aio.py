@@ -293,6 +293,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         if opened is not None and not opened[1].done():
             opened[1].set_result(None)
 
+    def _heartbeat_running(self) -> bool:
+        return self._hb_task is not None and not self._hb_task.done()
+
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         loop = asyncio.get_running_loop()
         self._hb_wake.clear()

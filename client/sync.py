@@ -400,6 +400,9 @@ class RendezvousClient(steps.ClientBase):
         feed.join(time.monotonic() + STOP_HEARTBEAT_S)
         unraise(call)
 
+    def _heartbeat_running(self) -> bool:
+        return self._hb_thread is not None and self._hb_thread.is_alive()
+
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         self._hb_stop.clear()
         self._hb_wake.clear()

@@ -105,6 +105,16 @@ def test_the_optional_keywords_are_not_required() -> None:
         ),
         (lambda: _client().barrier("b", timeout=math.inf), "timeout"),
         (lambda: _client().kv_get("k", timeout=-1), "timeout"),
+        # Deadlines of calls that wait for no peer: 0 meant call_timeout (a stopped
+        # daemon held them 2 x 30 s), and taken as asked it fails at a daemon that is
+        # fine, said as a daemon that does not answer.
+        (lambda: _client().kv_get("k", wait=False, timeout=0), "timeout"),
+        (lambda: _client().report_failure(0, "boom", timeout=0), "timeout"),
+        # A window of 0 was read as the default window.
+        (
+            lambda: RendezvousClient(ENDPOINT, "j", token="t", reconnect_window=0),
+            "reconnect_window",
+        ),
     ],
 )
 def test_a_wait_no_call_can_carry_is_refused_naming_it(call: Any, keyword: str) -> None:

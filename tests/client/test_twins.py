@@ -526,6 +526,21 @@ def closed_member_refuses_calls(w: World) -> object:
     return refused
 
 
+def a_second_heartbeat_is_refused(w: World) -> object:
+    """A second start_heartbeat() ran a second stream beside the first (on the sync
+    client two more threads), its on_failure replacing the first's."""
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    heard: list[str] = []
+    c.start_heartbeat(on_failure=lambda e: heard.append(type(e).__name__))
+    with pytest.raises(RendezvousError) as info:
+        c.start_heartbeat(on_failure=lambda e: heard.append("the second's"))
+    refused = (type(info.value).__name__, "already called" in str(info.value))
+    w.client().abort("the test is done")
+    wait_for("the abort heard", lambda: bool(heard), 20)
+    return refused, heard
+
+
 def closing_ends_parked_calls_as_closed(w: World) -> object:
     """close() from another thread while a member's calls are parked at the daemon:
     the sync client stopped its heartbeat first, so the daemon lost the member and
@@ -795,6 +810,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         (([1], "RuntimeError: line1\nline2"), None, ["MEMBER_STATE_ACTIVE", "MEMBER_STATE_LEFT"]),
     ),
     "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 3),
+    "a second heartbeat": (
+        a_second_heartbeat_is_refused,
+        (("InvalidRequest", True), ["JobAborted"]),
+    ),
     "closed with calls parked": (
         closing_ends_parked_calls_as_closed,
         [[("InvalidRequest", True)] * 2] * 3,
