@@ -37,6 +37,15 @@ _CANCEL = "cancel"
 # reply goes alone): well under a client's default 4 MiB receive limit, and big enough
 # that a burst of small replies (KvGet, Barrier: tens of bytes each) goes as one.
 REPLY_BATCH_BYTES = 1 << 20
+# Replies a stream may hold unsent before its reader stops reading calls: a count alone
+# let a caller that reads none make the daemon hold 256 replies of any size (GetJob of
+# an 8,192-member job: 155 KB each, 40 MB a stream, growing with every stream opened).
+OUTBOX_BYTES = 2 * REPLY_BATCH_BYTES
+# An inline call gives the event loop a turn once the stream's reader has run calls
+# inline this long without one: the calls of a batch are at hand, so reading them never waits, and 256
+# GetJobs of a big job in one 4 KB message held every other caller (health checks
+# included) for 13 s.
+INLINE_TURN_S = 0.005
 
 
 def method_fields() -> dict[str, str]:
@@ -100,23 +109,26 @@ def reply(call_id: int, field_number: int, body: bytes) -> bytes:
 
 
 class _Outbox:
-    """Encoded replies waiting to go out, and room for ``room`` of them: the reader
-    reads the next call only while there is room, so a caller that stops reading its
-    replies stops the reading of its calls (and HTTP/2 flow control then its sending)
-    instead of growing the daemon's memory. ``put`` never waits: a parked call's reply
-    may overshoot, by at most the calls in flight."""
+    """Encoded replies waiting to go out, and room for ``room`` of them, ``room_bytes``
+    together: the reader reads the next call only while there is room, so a caller that
+    stops reading its replies stops the reading of its calls (and HTTP/2 flow control
+    then its sending) instead of growing the daemon's memory. ``put`` never waits: a
+    parked call's reply may overshoot, by at most the calls in flight."""
 
-    def __init__(self, room: int) -> None:
+    def __init__(self, room: int, room_bytes: int = OUTBOX_BYTES) -> None:
         self._items: collections.deque[bytes | None] = collections.deque()
         self._room = room
+        self._room_bytes = room_bytes
+        self._bytes = 0
         self._ready = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
 
     def put(self, item: bytes | None) -> None:
         self._items.append(item)
+        self._bytes += len(item or b"")
         self._ready.set()
-        if len(self._items) >= self._room:
+        if len(self._items) >= self._room or self._bytes >= self._room_bytes:
             self._space.clear()
 
     async def take(self, most_bytes: int) -> tuple[list[bytes], bool]:
@@ -138,7 +150,8 @@ class _Outbox:
                 break
             taken.append(item)
             size += len(item)
-        if len(self._items) < self._room:
+        self._bytes -= size
+        if len(self._items) < self._room and self._bytes < self._room_bytes:
             self._space.set()
         return taken, ended
 
@@ -208,6 +221,7 @@ class CallStream:
         running: dict[int, asyncio.Task[None]],
     ) -> None:
         calls = aiter(calls)
+        inline_s = 0.0  # run inline since the loop last had a turn from this reader
         try:
             while not self._draining:
                 # Room first: a drain's cancellation then never lands between a call's
@@ -230,8 +244,14 @@ class CallStream:
                 assert field is not None  # _refusal answered an empty Call
                 deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
                 coro = self._run(call.id, field, getattr(call, field), deadline, replies)
+                started = time.monotonic()
                 waiting_on = _start(coro)
-                if waiting_on is not _DONE:
+                if waiting_on is _DONE:
+                    inline_s += time.monotonic() - started
+                    if inline_s > INLINE_TURN_S:
+                        inline_s = 0.0
+                        await asyncio.sleep(0)
+                else:
                     task = asyncio.create_task(_finish(coro, waiting_on))
                     running[call.id] = task
                     task.add_done_callback(functools.partial(_forget, running, call.id))
