@@ -4,6 +4,7 @@ file transport and ``rendezvous-run --standalone`` (tests have their own fixture
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import subprocess
@@ -24,8 +25,19 @@ def write_token_file(path: Path, *, replace: bool = False, token: str | None = N
     """Create ``path`` with ``token`` (default: a random one), mode 0600 from the first
     byte."""
     token = token or secrets.token_urlsafe(32)
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
-    fd = os.open(path, flags, 0o600)
+    # Not through a link: --force at a link planted in a shared directory overwrote,
+    # and made 0600, a file of the planter's choosing.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if replace else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise OSError(
+            errno.ELOOP,
+            "it is a symbolic link; a token is written only to a plain file (name the "
+            "link's target, or remove the link)",
+        ) from None
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
         f.write(token + "\n")

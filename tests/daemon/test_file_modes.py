@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,3 +89,26 @@ def test_a_non_ascii_token_is_refused(tmp_path: Path) -> None:
         read_token_file(path)
     with pytest.raises(ConfigError, match="non-ASCII"):
         validate_tokens(["x" * 16 + "é"], "$RENDEZVOUSD_TOKEN")
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_token_is_never_written_through_a_link(tmp_path: Path, force: list[str]) -> None:
+    """``rendezvousd token --force`` at a link planted in a shared directory overwrote,
+    and made 0600, the file the link named."""
+    victim = tmp_path / "victim.conf"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    link = tmp_path / "token"
+    link.symlink_to(victim)
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "token", str(link), *force],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done
+    assert victim.read_text() == "precious\n"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+    assert link.is_symlink()
+    if force:
+        assert "is a symbolic link" in done.stderr, done.stderr
