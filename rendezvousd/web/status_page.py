@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -46,6 +46,9 @@ COOKIE = "rdzv_session"
 SESSION_S = 12 * 3600
 LOG_EVERY_S = 10.0
 MAX_SESSIONS = 1024
+# One scope's sessions (the admin token's, or one job token's): past it, its own oldest
+# goes. Without it a job token's holder evicted every admin session with 1,024 logins.
+MAX_SESSIONS_PER_SCOPE = 64
 # One job's JSON lists at most this many nodes per page (the grid asks for the rest).
 NODE_PAGE = 1024
 # A job's view is built once for the page's two requests of one update (the overview,
@@ -127,10 +130,12 @@ class StatusPage:
     async def handle(self, r: Request) -> Response:
         if r.path == "/metrics" and r.method in ("GET", "HEAD"):
             return Response(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
-        if r.path == "/login" and r.method == "POST":
-            return self._login(r)
-        if r.path == "/logout" and r.method == "POST":
-            return self._logout(r)
+        if r.path in ("/login", "/logout") and r.method == "POST":
+            if _cross_site(r):
+                # Another site's form could log a browser into the poster's session (or
+                # out of its own); SameSite keeps the cookie from such a post, not this.
+                return Response(403, b"a login or logout from another site is refused\n")
+            return self._login(r) if r.path == "/login" else self._logout(r)
         caller = self._caller(r)
         if r.path in _STATIC and r.method in ("GET", "HEAD"):
             if r.path == "/" and caller is None:
@@ -192,11 +197,7 @@ class StatusPage:
                 self._refused, self._refused_logged = 0, now
             return self._file("login.html", "text/html; charset=utf-8", 401)
         now = time.monotonic()
-        if len(self._sessions) >= MAX_SESSIONS:
-            self._sessions = {k: s for k, s in self._sessions.items() if s.expires > now}
-            if len(self._sessions) >= MAX_SESSIONS:
-                # The oldest goes: sessions cannot grow without bound.
-                del self._sessions[next(iter(self._sessions))]
+        self._make_room(scope, now)
         sid = secrets.token_urlsafe(32)
         tag = hashlib.sha256(sid.encode()).hexdigest()[:8]
         self._sessions[sid] = Session(
@@ -207,6 +208,18 @@ class StatusPage:
         if self._secure:
             cookie += "; Secure"
         return Response(303, b"", headers=[("Location", "/"), ("Set-Cookie", cookie)])
+
+    def _make_room(self, scope: Scope, now: float) -> None:
+        """Room for a session of ``scope``: sessions are bounded, each scope's too, and
+        a full table gives up a job token's oldest session before an admin's."""
+        mine = [k for k, s in self._sessions.items() if s.scope == scope]
+        if len(mine) >= MAX_SESSIONS_PER_SCOPE:
+            del self._sessions[mine[0]]  # in login order: the oldest
+        if len(self._sessions) >= MAX_SESSIONS:
+            self._sessions = {k: s for k, s in self._sessions.items() if s.expires > now}
+        if len(self._sessions) >= MAX_SESSIONS:
+            jobs = (k for k, s in self._sessions.items() if not s.scope.admin)
+            del self._sessions[next(jobs, next(iter(self._sessions)))]
 
     def _logout(self, r: Request) -> Response:
         sid = _cookie(r.headers.get("cookie", ""))
@@ -414,6 +427,19 @@ class StatusPage:
 
 
 _PRESENT = (MemberState.JOINING, MemberState.ACTIVE)
+
+
+def _cross_site(r: Request) -> bool:
+    """A browser's request made by another site's page: its ``Sec-Fetch-Site`` says so,
+    or, from a browser without it, its ``Origin`` is not this server's ``Host``. A
+    client that sends neither (curl, a script with the token) is no browser's."""
+    site = r.headers.get("sec-fetch-site")
+    if site is not None:
+        return site not in ("same-origin", "none")
+    origin = r.headers.get("origin")
+    if origin is None:
+        return False
+    return urlsplit(origin).netloc != r.headers.get("host", "")
 
 
 def _cookie(header: str) -> str:

@@ -274,3 +274,52 @@ def test_a_standby_node_is_counted_apart(daemon: DaemonProcess, job_id: str) -> 
         node.leave()  # the job ends: the standby is told so and its join returns
         standby.join(20)
         assert len(outcome) == 1 and isinstance(outcome[0], JobEnded), outcome
+
+
+def _post_login(d: DaemonProcess, token: str, headers: dict[str, str]) -> tuple[int, str]:
+    status, got, _ = request(
+        d,
+        "POST",
+        "/login",
+        body=f"token={token}".encode(),
+        headers={"Content-Type": "application/x-www-form-urlencoded", **headers},
+    )
+    return status, got.get("set-cookie", "")
+
+
+def test_a_login_or_logout_posted_by_another_site_is_refused(daemon: DaemonProcess) -> None:
+    """Another site's page could post the login form with its own token (logging the
+    browser into the poster's session) or post a logout: SameSite keeps the cookie
+    from such a post, not the post itself."""
+    host = "{}:{}".format(*_address(daemon))
+    for headers in (
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+    ):
+        status, cookie = _post_login(daemon, daemon.token, headers)
+        assert status == 403 and not cookie, headers
+        assert request(daemon, "POST", "/logout", headers=headers)[0] == 403, headers
+    # The page's own form (a browser's same-origin post), and a client that is no browser.
+    for headers in ({"Sec-Fetch-Site": "same-origin"}, {"Origin": f"http://{host}"}, {}):
+        status, cookie = _post_login(daemon, daemon.token, headers)
+        assert status == 303 and cookie.startswith("rdzv_session="), headers
+
+
+def test_a_job_tokens_logins_cannot_end_an_admins_session(daemon: DaemonProcess) -> None:
+    """Sessions are bounded (1,024): the oldest went first, so one job token's holder
+    logged every admin out with 1,024 logins. Each scope now holds at most 64, its
+    own oldest going first, and a full table gives up a job's session, not an admin's."""
+    status, cookie = _post_login(daemon, daemon.token, {})
+    admin = cookie.split(";", 1)[0]
+    job = derive_job_token(daemon.token, "sessions-job", None)
+    sessions = []
+    for _ in range(1_100):
+        status, cookie = _post_login(daemon, job, {})
+        assert status == 303
+        sessions.append(cookie.split(";", 1)[0])
+    assert request(daemon, "GET", "/api/jobs", cookie=admin)[0] == 200
+    assert request(daemon, "GET", "/api/jobs", cookie=sessions[-1])[0] == 200
+    assert request(daemon, "GET", "/api/jobs", cookie=sessions[-64])[0] == 200
+    assert request(daemon, "GET", "/api/jobs", cookie=sessions[-65])[0] == 401
