@@ -150,6 +150,12 @@ class DaemonConfig:
     max_kv_bytes: int = setting(
         Limits.max_kv_bytes, "key-value bytes (keys + values) held across all jobs", _COUNT
     )
+    max_kv_bytes_per_job: int = setting(
+        Limits.max_kv_bytes_per_job,
+        "key-value bytes one job may hold (at most half of max_kv_bytes; the last eighth "
+        "of max_kv_bytes is kept for jobs holding less than an eighth)",
+        _COUNT,
+    )
     event_loop: str = setting(
         "asyncio",
         "the event loop the daemon runs on: asyncio's own, or uvloop (the uvloop extra; "

@@ -47,6 +47,19 @@ class Limits:
         would otherwise fill the daemon, and a third could not even form."""
         return self.max_waiters // 8
 
+    @property
+    def kv_bytes_per_job(self) -> int:
+        """What one job may hold: ``max_kv_bytes_per_job``, at most half of
+        ``max_kv_bytes`` (a daemon given a small total would let one job take it all)."""
+        return min(self.max_kv_bytes_per_job, self.max_kv_bytes // 2)
+
+    @property
+    def kv_reserve(self) -> int:
+        """The last key-value bytes, an eighth of ``max_kv_bytes`` (16 MiB by default),
+        kept for jobs holding fewer than that, as ``waiters_reserve`` keeps parked-call
+        slots: two jobs at their share would otherwise fill the daemon."""
+        return self.max_kv_bytes // 8
+
 
 @dataclass(frozen=True)
 class Timing:

@@ -41,21 +41,32 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
         + entry_bytes(key, value)
         - (entry_bytes(key, old) if old is not None else 0)
     )
-    if grown > limits.max_kv_bytes_per_job:
+    if grown > limits.kv_bytes_per_job:
         raise validation.limit_exceeded(
             "max_kv_bytes_per_job",
-            f"job {job.job_id!r} would exceed max_kv_bytes_per_job={limits.max_kv_bytes_per_job}; "
-            "delete keys it no longer needs",
+            f"job {job.job_id!r} would hold {grown} key-value bytes, over the "
+            f"{limits.kv_bytes_per_job} one job may (max_kv_bytes_per_job, at most half "
+            "of max_kv_bytes); delete keys it no longer needs",
             job_id=job.job_id,
         )
-    if grown > job.gen.kv_bytes and held - job.gen.kv_bytes + grown > limits.max_kv_bytes:
-        raise validation.limit_exceeded(
-            "max_kv_bytes",
-            f"the daemon already holds {held} key-value bytes of max_kv_bytes="
-            f"{limits.max_kv_bytes} across all jobs; job {job.job_id!r} cannot store "
-            f"{len(value)} more bytes until keys are deleted or jobs end (or raise --max-kv-bytes)",
-            job_id=job.job_id,
-        )
+    after = held - job.gen.kv_bytes + grown
+    if grown > job.gen.kv_bytes:
+        # Other jobs' totals are theirs: the message names only this job's share.
+        room = limits.max_kv_bytes
+        if job.gen.kv_bytes >= limits.kv_reserve:
+            # Fair share: a job already holding the reserve's size leaves the last
+            # bytes to jobs holding less.
+            room -= limits.kv_reserve
+        if after > room:
+            raise validation.limit_exceeded(
+                "max_kv_bytes",
+                f"the daemon's key-value store is full for job {job.job_id!r}, which holds "
+                f"{job.gen.kv_bytes} bytes (max_kv_bytes={limits.max_kv_bytes} across all "
+                f"jobs, the last {limits.kv_reserve} kept for jobs holding less): it cannot "
+                f"store {len(value)} more bytes until keys are deleted or jobs end (or "
+                "raise --max-kv-bytes)",
+                job_id=job.job_id,
+            )
     job.gen.kv[key] = value
     job.gen.kv_bytes = grown
     return job.gen.kv_waiters.pop(key, set())

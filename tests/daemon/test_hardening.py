@@ -124,6 +124,23 @@ def test_a_crashed_rank_zero_without_id_frees_its_rank_for_its_restart(
         assert sorted(m.rank for m in joined) == [0, 1], joined
 
 
+def test_one_job_cannot_take_the_whole_kv_budget(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """With --max-kv-bytes 8 MiB one job filled all of it (its own limit, 64 MiB, was
+    not clamped to the total), and every other job's first KvSet was refused."""
+    d = start_daemon("--max-kv-bytes", str(8 << 20))
+    hog, _ = _joined(d, job_id + "-hog")
+    victim, _ = _joined(d, job_id + "-victim")
+    with hog, victim:
+        with pytest.raises(LimitExceeded) as info:
+            for i in range(1_000):
+                hog.kv_set(f"k{i}", b"x" * 32_000)
+        assert info.value.limit == "max_kv_bytes_per_job", info.value
+        victim.kv_set("mine", b"v" * 1_000)
+        assert victim.kv_get("mine", wait=False) == b"v" * 1_000
+
+
 def test_the_daemon_wide_kv_budget_refuses_and_frees(
     start_daemon: Callable[..., DaemonProcess], job_id: str
 ) -> None:
@@ -131,17 +148,20 @@ def test_the_daemon_wide_kv_budget_refuses_and_frees(
     a, _ = _joined(d, job_id + "-a")
     b, _ = _joined(d, job_id + "-b")
     with a, b:
+        # A job may hold half (50,000), and the last eighth (12,500) is kept for jobs
+        # holding less than that.
         a.kv_set("big", b"x" * 30_000)
-        a.kv_set("big2", b"x" * 30_000)
+        a.kv_set("big2", b"x" * 15_000)
         b.kv_set("big", b"x" * 30_000)
         with pytest.raises(LimitExceeded) as info:
-            b.kv_set("more", b"x" * 30_000)
+            b.kv_set("more", b"x" * 15_000)  # 90,014 > 100,000 - 12,500
         assert info.value.limit == "max_kv_bytes" and info.value.code == "RESOURCE_EXHAUSTED"
         assert "max_kv_bytes=100000" in str(info.value)
         a.kv_delete("big2")
-        b.kv_set("more", b"x" * 30_000)  # freed by the delete
-        with pytest.raises(LimitExceeded):
-            b.kv_set("again", b"x" * 30_000)
+        b.kv_set("more", b"x" * 15_000)  # freed by the delete
+        with pytest.raises(LimitExceeded) as info:
+            b.kv_set("again", b"x" * 15_000)
+        assert info.value.limit == "max_kv_bytes_per_job"
         a.leave()
     # The ended job is forgotten after its TTL and gives its bytes back.
     with RendezvousClient(d.endpoint, job_id + "-c", token=d.token) as c:

@@ -127,23 +127,34 @@ def test_a_parked_publish_id_keeps_the_rank_past_the_join_deadline() -> None:
 
 
 def test_the_daemon_wide_kv_budget_is_shared_by_jobs_and_freed_on_delete_and_expiry() -> None:
-    sm = RendezvousState(Limits(max_kv_bytes=100), Timing(job_ttl_s=1.0))
+    """max_kv_bytes=120: a job may hold 60 (half), and the last 15 (an eighth) are kept
+    for jobs holding less than 15. One job could fill the whole budget (its own limit,
+    64 MiB, was not clamped to a smaller total), and two filled it between them."""
+    sm = RendezvousState(Limits(max_kv_bytes=120), Timing(job_ttl_s=1.0))
     form(sm, nodes=1, gpus=1, job="a")
     sm.join(JoinArgs.worker("b", 1, 1, 0, 0, "h", "", b"\x03" * 128, "ib"), 0.0)
-    sm.kv_set("a", 1, 0, "k", b"x" * 60, instance_id=inst(sm, 0, "a"))  # 61 bytes
-    f = fault(sm.kv_set, "b", 1, 0, "k", b"x" * 40, instance_id="ib")  # 61 + 41 > 100
+    sm.join(JoinArgs.worker("c", 1, 1, 0, 0, "h", "", b"\x04" * 128, "ic"), 0.0)
+    sm.kv_set("a", 1, 0, "k", b"x" * 59, instance_id=inst(sm, 0, "a"))  # 60 bytes: its half
+    f = fault(sm.kv_set, "a", 1, 0, "k2", b"", instance_id=inst(sm, 0, "a"))
+    assert f.metadata["limit"] == "max_kv_bytes_per_job" and "over the 60" in f.message
+    sm.kv_set("b", 1, 0, "k", b"x" * 44, instance_id="ib")  # 105 in all
+    # b holds 45, more than the reserve: the last 15 bytes are not for it.
+    f = fault(sm.kv_set, "b", 1, 0, "k2", b"x" * 4, instance_id="ib")  # 111 > 120 - 15
     assert f.code is Code.RESOURCE_EXHAUSTED and f.metadata["limit"] == "max_kv_bytes"
-    assert "max_kv_bytes=100" in f.message and "'b'" in f.message
-    sm.kv_set("b", 1, 0, "k", b"x" * 38, instance_id="ib")  # 61 + 39 = 100 fits
-    assert sm.kv_bytes == 100
+    assert "max_kv_bytes=120" in f.message and "'b'" in f.message
+    assert "105" not in f.message, "another job's bytes are not b's to know"
+    sm.kv_set("c", 1, 0, "k", b"x" * 14, instance_id="ic")  # c held nothing: 120 fits
+    assert sm.kv_bytes == 120
+    f = fault(sm.kv_set, "c", 1, 0, "k2", b"", instance_id="ic")  # 122 > 120
+    assert f.metadata["limit"] == "max_kv_bytes"
     # Shrinking a value is allowed even at the budget.
     sm.kv_set("b", 1, 0, "k", b"x", instance_id="ib")
     assert sm.kv_delete("a", 1, 0, "k", instance_id=inst(sm, 0, "a"))
-    sm.kv_set("b", 1, 0, "k2", b"x" * 90, instance_id="ib")
+    sm.kv_set("b", 1, 0, "k2", b"x" * 55, instance_id="ib")
     # A forgotten job gives its bytes back.
     sm.leave("b", 1, 0, "ib", 1.0)
     sm.tick(5.0)
-    assert "b" not in sm.jobs and sm.kv_bytes == 0
+    assert "b" not in sm.jobs and sm.kv_bytes == 15
 
 
 @pytest.mark.parametrize("bad", [b" 7 ", b"+5", b"1_000", b"\xd9\xa3", b"", b"0x10", b"7\n"])
