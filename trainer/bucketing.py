@@ -41,7 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
+from rendezvousd.trainer.comm.communicator import (
+    Communicator,
+    RankedCommunicator,
+    ReduceOp,
+    act_for,
+)
 from rendezvousd.trainer.comm.store import JobStore
 from rendezvousd.trainer.errors import (
     BucketingError,
@@ -259,22 +264,50 @@ def _buffer_ops(grads: Sequence[Any], rank: int) -> _NumpyOps | nccl.CupyBufferO
     return _NumpyOps()
 
 
+def _extent(grad: Any) -> tuple[int, int]:
+    """The bytes ``grad`` spans, [low, high), whatever its strides (numpy or CuPy)."""
+    address = grad.ctypes.data if isinstance(grad, np.ndarray) else grad.data.ptr
+    low = high = int(address)
+    for size, stride in zip(grad.shape, grad.strides, strict=True):
+        reach = (size - 1) * stride
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return low, high + grad.itemsize
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two gradients whose spans overlap share an element: numpy's exact test
+    (bounded; too hard to tell counts as shared), and the spans alone for CuPy."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        return True
+    try:
+        return bool(np.shares_memory(a, b, max_work=10_000))
+    except np.exceptions.TooHardError:
+        return True
+
+
 def _refuse_aliases(grads: Sequence[Any], rank: int) -> None:
-    """Refuse one gradient registered twice (a tied weight's, or a view of it: ``g``,
-    ``g.T`` and ``g.reshape(...)`` start at the same address): in two buckets it
-    would be reduced twice, the second time from the first's result, so a sum
-    came out ``world_size`` times too large. DDP, too, reduces a shared parameter once."""
-    first_at: dict[int, int] = {}
-    for index, grad in enumerate(grads):
-        if grad.size == 0:
-            continue  # takes part in no bucket; its address means nothing
-        address = grad.ctypes.data if isinstance(grad, np.ndarray) else grad.data.ptr
-        first = first_at.setdefault(int(address), index)
-        if first != index:
+    """Refuse gradients that share memory (a tied weight's registered twice, or two
+    views of one buffer that overlap: ``g`` and ``g.T``, ``g[1:]``, ``g[::-1]``): in two
+    buckets the shared elements would be reduced twice, the second time from the
+    first's result, so a sum came out ``world_size`` times too large. DDP, too, reduces
+    a shared parameter once. Disjoint views of one flat buffer are separate gradients,
+    also interleaved ones (``g[::2]``, ``g[1::2]``), told apart by numpy's exact test."""
+    spans = sorted(
+        (*_extent(grad), index) for index, grad in enumerate(grads) if grad.size
+    )  # an empty gradient takes part in no bucket: its address means nothing
+    open_: list[tuple[int, int]] = []  # (high, index) of the spans not yet passed
+    for low, high, index in spans:
+        open_ = [(h, i) for h, i in open_ if h > low]
+        for _, other in open_:
+            if not _overlap(grads[other], grads[index]):
+                continue
+            first, second = sorted((other, index))
             raise CollectiveArgumentError(
-                f"rank {rank}: gradients {first} and {index} are the same memory; register "
-                "a shared (tied) parameter's gradient once"
+                f"rank {rank}: gradients {first} and {second} share memory; register a "
+                "shared (tied) parameter's gradient once, and views of one buffer only "
+                "where they do not overlap"
             )
+        open_.append((high, index))
 
 
 class BucketedAllReducer:
@@ -374,10 +407,14 @@ class BucketedAllReducer:
         )
 
     def _reset_step(self) -> None:
+        self._open = False
         self._ready = [False] * len(self._grads)
         self._pending = [len(b.grads) for b in self._buckets]
         self._next_launch = 0
         self._completed = 0
+
+    def __str__(self) -> str:
+        return f"a bucketed reducer's step ({len(self._grads)} gradients)"
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -415,6 +452,12 @@ class BucketedAllReducer:
             self._mark_locked(index)
 
     def _mark_locked(self, index: int) -> None:
+        if not self._open:
+            if isinstance(self._comm, RankedCommunicator):
+                # The step opens: its buckets are this communicator's only collectives
+                # until wait() (RankedCommunicator.hold says why).
+                self._comm.hold(self)
+            self._open = True
         self._ready[index] = True
         number = self._bucket_of[index]
         if number is None:
@@ -444,10 +487,16 @@ class BucketedAllReducer:
                     self._mark_locked(index)
             total = len(self._buckets)
             self._done.wait_for(lambda: self._error is not None or self._completed == total)
+            self._release()
             self._raise_if_broken()
             self._reset_step()
             if total:
                 self._ops.join_caller()
+
+    def _release(self) -> None:
+        """The step is over (reduced, or failed for good): others' collectives may go."""
+        if isinstance(self._comm, RankedCommunicator):
+            self._comm.release(self)
 
     def all_reduce_all(self) -> None:
         """Reduce every gradient now (no overlap): mark all ready and wait."""
@@ -462,6 +511,7 @@ class BucketedAllReducer:
             )
 
     def _run(self) -> None:
+        act_for(self)
         while (number := self._queue.get()) is not None:
             with self._lock:
                 if self._error is not None:
@@ -501,6 +551,7 @@ class BucketedAllReducer:
                 return
             self._closed = True
             worker = self._worker
+            self._release()
         if worker is not None:
             self._queue.put(None)
             worker.join()

@@ -34,7 +34,7 @@ from rendezvousd.trainer.bucketing import (
     plan_buckets,
     unpack,
 )
-from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
+from rendezvousd.trainer.comm.communicator import Communicator, RankedCommunicator, ReduceOp
 from rendezvousd.trainer.config import DistributedConfig
 
 F32 = 4
@@ -363,18 +363,34 @@ def test_bad_gradients_are_rejected() -> None:
 
 def test_a_gradient_registered_twice_is_refused() -> None:
     # A tied weight listed twice lands in two buckets here; the second would reduce
-    # the first's result again: a sum over 2 ranks of ones came out 4, not 2.
-    for alias in (lambda g: g, lambda g: g.reshape(50, 20).T):
+    # the first's result again: a sum over 2 ranks of ones came out 4, not 2. Views
+    # that overlap without starting at the same address (g[1:], g[::-1]) were accepted
+    # and their shared elements summed twice.
+    for alias in (
+        lambda g: g,
+        lambda g: g.reshape(50, 20).T,
+        lambda g: g[1:],
+        lambda g: g[::-1],
+        lambda g: g[500:510],
+        lambda g: g.reshape(50, 20)[:, 3],
+    ):
         tied = np.ones(1000, np.float32)
         grads = [tied, np.ones(1000, np.float32), alias(tied)]
-        with pytest.raises(errs.CollectiveArgumentError, match="gradients 0 and 2 are the same"):
+        with pytest.raises(errs.CollectiveArgumentError, match="gradients 0 and 2 share memory"):
             BucketedAllReducer(grads, SoloCommunicator(2), cap_bytes=4000, average=False)
-    # Disjoint views of one flat buffer are separate gradients, and empty ones share nothing.
+    # Disjoint views of one flat buffer are separate gradients, interleaved ones too,
+    # and empty ones share nothing.
     flat = np.ones(20, np.float32)
     grads = [flat[:10], flat[10:], np.ones(0, np.float32), np.ones(0, np.float32)]
     with BucketedAllReducer(grads, SoloCommunicator(2), cap_bytes=8, average=False) as r:
         r.all_reduce_all()
     assert (flat == 2).all()
+    woven = np.ones(20, np.float32)
+    with BucketedAllReducer(
+        [woven[::2], woven[1::2]], SoloCommunicator(2), cap_bytes=8, average=False
+    ) as r:
+        r.all_reduce_all()
+    assert (woven == 2).all()
 
 
 def test_closed_reducer_refuses_work() -> None:
@@ -548,3 +564,121 @@ def test_complex_gradients_are_refused_when_the_reducer_is_made(average: bool) -
     grads[1] = grads[1].view(np.float32)
     with BucketedAllReducer(grads, SoloCommunicator(2), average=average) as reducer:
         reducer.all_reduce_all()
+
+
+class SoloRanked(RankedCommunicator):
+    """A real RankedCommunicator of one rank (its collectives do nothing): what the
+    reducer's hold on a communicator applies to."""
+
+    _label = "solo"
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.calls: list[tuple[str, int]] = []
+
+    def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
+        self.calls.append(("all_reduce", array.size))
+
+    def broadcast(self, array: Any, root: int = 0) -> None:
+        self.calls.append(("broadcast", array.size))
+
+    def barrier(self) -> None:
+        self.calls.append(("barrier", 0))
+
+    def _max_across_ranks(self, values: Any, operation: str) -> Any:
+        return values
+
+    def close(self) -> None:
+        pass
+
+
+def test_no_other_collective_runs_while_a_reducer_step_is_in_flight() -> None:
+    """Ranks pair collectives by the order they start; a bucket starts on the reducer's
+    thread whenever its gradients are ready, so a loss all-reduced between mark_ready()
+    and wait() was paired with another rank's bucket of the same size and summed with
+    it, silently (2 ranks: gradients 3.0 came out 2001.0 and 1002.0)."""
+    comm = SoloRanked()
+    grads = [np.ones(10, np.float32), np.ones(10, np.float32)]
+    other = BucketedAllReducer([np.ones(5, np.float32)], comm, cap_bytes=40)
+    with BucketedAllReducer(grads, comm, cap_bytes=40) as r:
+        comm.all_reduce(np.ones(3, np.float32))  # before the step: fine
+        r.mark_ready(0)
+        for collective in (
+            lambda: comm.all_reduce(np.ones(10, np.float32)),
+            lambda: comm.broadcast(np.ones(10, np.float32)),
+            comm.barrier,
+        ):
+            with pytest.raises(errs.CollectiveArgumentError, match=r"reducer's step .* in flight"):
+                collective()
+        with pytest.raises(errs.CollectiveArgumentError, match="one reducer's step at a time"):
+            other.mark_ready(0)
+        r.wait()
+        comm.all_reduce(np.ones(4, np.float32))  # after wait(): fine
+        other.all_reduce_all()  # the other reducer's step, now its turn
+    other.close()
+    assert comm.calls == [
+        ("all_reduce", 3),
+        ("all_reduce", 10),
+        ("all_reduce", 10),
+        ("all_reduce", 4),
+        ("all_reduce", 5),
+    ]
+
+
+MIXED_SCRIPT = """
+import json, socket, sys
+import numpy as np
+from rendezvousd.trainer.bucketing import BucketedAllReducer
+from rendezvousd.trainer.comm.communicator import ReduceOp
+from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator
+from rendezvousd.trainer.errors import CollectiveArgumentError
+
+rank, fd, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+peers = [tuple(p) for p in json.loads(sys.argv[4])]
+comm = CpuRingCommunicator(rank, 2, socket.socket(fileno=fd), peers, b"s" * 32, 20.0)
+grads = [np.full(100_000, rank + 1, np.float32) for _ in range(4)]
+user = np.full(100_000, 1000.0 * (rank + 1), np.float32)
+refused = ""
+with BucketedAllReducer(grads, comm, cap_bytes=400_000, average=False) as r:
+    r.mark_ready(0)
+    r.mark_ready(1)
+    try:
+        comm.all_reduce(user, ReduceOp.SUM)  # a loss, say, between the marks and wait()
+    except CollectiveArgumentError as exc:
+        refused = str(exc)
+    r.mark_ready(2)
+    r.mark_ready(3)
+    r.wait()
+comm.close()
+json.dump({"grads": sorted({float(g[0]) for g in grads}), "refused": refused}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_between_mark_ready_and_wait_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    peers = json.dumps([["127.0.0.1", s.getsockname()[1]] for s in listeners])
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                MIXED_SCRIPT,
+                str(r),
+                str(s.fileno()),
+                str(tmp_path / f"{r}"),
+                peers,
+            ],
+            pass_fds=(s.fileno(),),
+        )
+        for r, s in enumerate(listeners)
+    ]
+    for s in listeners:
+        s.close()
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    for r in range(2):
+        got = json.loads((tmp_path / f"{r}").read_text())
+        assert got["grads"] == [3.0], got  # every bucket summed with its own kind only
+        assert f"rank {r}: all_reduce() was called while" in got["refused"], got

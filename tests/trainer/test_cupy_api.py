@@ -124,6 +124,9 @@ SEAM: list[tuple[str, Call | str]] = [
     ("ndarray().reshape", Call(1)),
     ("ndarray().__getitem__", Call(1)),
     ("ndarray().__setitem__", Call(2)),
+    # trainer/bucketing.py (_extent: gradients that share memory)
+    ("ndarray().strides", READ),
+    ("ndarray().itemsize", READ),
     # trainer/example.py
     ("tanh", Call(1)),
     ("mean", Call(1)),

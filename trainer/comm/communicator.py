@@ -86,14 +86,33 @@ def in_collective() -> bool:
     return _inside > 0
 
 
+# Whom this thread's collectives are for (``RankedCommunicator.hold``): the bucketed
+# reducer's worker thread acts for its reducer.
+_acting = threading.local()
+
+
+def act_for(holder: object) -> None:
+    """This thread's collectives are ``holder``'s (a reducer's worker thread)."""
+    _acting.holder = holder
+
+
 def _counted(method: Callable[..., R]) -> Callable[..., R]:
     @functools.wraps(method)
-    def collective(*args: Any, **kwargs: Any) -> R:
+    def collective(self: RankedCommunicator, *args: Any, **kwargs: Any) -> R:
         global _inside
+        holder = self._holder
+        if holder is not None and getattr(_acting, "holder", None) is not holder:
+            raise CollectiveArgumentError(
+                f"rank {self.rank}: {method.__name__}() was called while {holder} is in "
+                "flight on this communicator (gradients marked ready, wait() not yet "
+                "returned): each rank's collectives are paired with the other ranks' in "
+                "the order they start, so this one could be summed with another rank's "
+                "gradient bucket. Make it before the first mark_ready() or after wait()"
+            )
         with _inside_lock:
             _inside += 1
         try:
-            return method(*args, **kwargs)
+            return method(self, *args, **kwargs)
         finally:
             with _inside_lock:
                 _inside -= 1
@@ -122,6 +141,31 @@ class RankedCommunicator(abc.ABC):
         check_rank("rank", rank, "world_size", world_size)
         self.rank: Final = rank
         self.world_size: Final = world_size
+        self._holder: object | None = None
+        self._holding = threading.Lock()
+
+    def hold(self, holder: object) -> None:
+        """Only ``holder``'s thread (``act_for``) may make collectives until ``release``:
+        a bucketed reducer's step, whose buckets start on its worker thread in an order
+        no other caller's collective is part of. Ranks pair their collectives by the
+        order they start, so another collective made meanwhile, on any rank, could be
+        paired with a bucket, and summed with it without an error when their sizes and
+        types agree. Refused the same way on every rank, since each marks its gradients
+        and calls its collectives in its program's order."""
+        with self._holding:
+            if self._holder is not None and self._holder is not holder:
+                raise CollectiveArgumentError(
+                    f"rank {self.rank}: {holder} started while {self._holder} is in flight "
+                    "on this communicator: a communicator serves one reducer's step at a "
+                    "time (register every gradient in one reducer, or wait() the other's "
+                    "step first)"
+                )
+            self._holder = holder
+
+    def release(self, holder: object) -> None:
+        with self._holding:
+            if self._holder is holder:
+                self._holder = None
 
     def _check_root(self, root: object) -> None:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:

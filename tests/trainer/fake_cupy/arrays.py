@@ -94,6 +94,8 @@ class ndarray:
     dtype = property(lambda self: self._host.dtype)
     size = property(lambda self: self._host.size)
     nbytes = property(lambda self: self._host.nbytes)
+    strides = property(lambda self: self._host.strides)
+    itemsize = property(lambda self: self._host.itemsize)
     ndim = property(lambda self: self._host.ndim)
     flags = property(lambda self: self._host.flags)
     T = property(lambda self: self._same(self._host.T))
