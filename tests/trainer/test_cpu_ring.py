@@ -604,9 +604,12 @@ def test_bad_arguments_raise_and_leave_the_ring_usable() -> None:
             (np.ones(4, np.float32), "sum"),
         ]
         for array, op in bad:
-            with pytest.raises(errs.CollectiveArgumentError) as info:
-                comms[0].all_reduce(array, op)
-            assert isinstance(info.value, (errs.TrainerError, ValueError))
+            for comm in comms:  # each names its rank, as every other error does
+                with pytest.raises(
+                    errs.CollectiveArgumentError, match=f"^rank {comm.rank}: "
+                ) as info:
+                    comm.all_reduce(array, op)
+                assert isinstance(info.value, (errs.TrainerError, ValueError))
         with pytest.raises(errs.CollectiveArgumentError, match="root"):
             comms[0].broadcast(np.ones(3), root=2)
         arrays = [np.ones(3, np.float32) for _ in range(2)]

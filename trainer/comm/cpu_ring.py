@@ -177,9 +177,9 @@ class CpuRingCommunicator(RankedCommunicator):
         return "shared-memory" if self._shm is not None else "tcp-ring"
 
     def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> None:
-        flat, dtype_code = _flatten(array)
+        flat, dtype_code = _flatten(array, self.rank)
         if not isinstance(op, ReduceOp):
-            raise CollectiveArgumentError(f"op must be a ReduceOp, got {op!r}")
+            raise CollectiveArgumentError(f"rank {self.rank}: op must be a ReduceOp, got {op!r}")
         with self._collective() as seq:
             if op is ReduceOp.AVG and not _divides_after(flat):
                 np.multiply(flat, _reciprocal(flat, self.world_size), out=flat)
@@ -219,7 +219,7 @@ class CpuRingCommunicator(RankedCommunicator):
         return np.asarray(rows.max(axis=0), dtype=np.int64)
 
     def broadcast(self, array: Any, root: int = 0) -> None:
-        flat, dtype_code = _flatten(array)
+        flat, dtype_code = _flatten(array, self.rank)
         self._check_root(root)
         fields = {"root": root, "element count": flat.size, "dtype code": dtype_code}
         self._agree("broadcast", fields)
@@ -575,24 +575,26 @@ def _validate(
         raise ConfigError(f"chunk_bytes must be an int >= {_MIN_CHUNK_BYTES}, got {chunk_bytes!r}")
 
 
-def _flatten(array: Any) -> tuple[Array, int]:
+def _flatten(array: Any, rank: int) -> tuple[Array, int]:
     if not isinstance(array, np.ndarray):
         raise CollectiveArgumentError(
-            f"the cpu backend works on numpy arrays, got {type(array).__name__}"
+            f"rank {rank}: the cpu backend works on numpy arrays, got {type(array).__name__}"
         )
     code = _DTYPES.get(array.dtype)
     if code is None:
         names = ", ".join(str(d) for d in _DTYPES)
-        raise CollectiveArgumentError(f"unsupported dtype {array.dtype}; supported: {names}")
+        raise CollectiveArgumentError(
+            f"rank {rank}: unsupported dtype {array.dtype}; supported: {names}"
+        )
     if not array.flags.writeable:
-        raise CollectiveArgumentError("array is read-only; collectives work in place")
+        raise CollectiveArgumentError(f"rank {rank}: array is read-only; collectives work in place")
     if array.flags.c_contiguous:
         return array.reshape(-1), code
     if array.flags.f_contiguous:
         return array.reshape(-1, order="F"), code
     raise CollectiveArgumentError(
-        f"array is not contiguous (shape {array.shape}, strides {array.strides}); pass "
-        "numpy.ascontiguousarray(array) and copy the result back"
+        f"rank {rank}: array is not contiguous (shape {array.shape}, strides "
+        f"{array.strides}); pass numpy.ascontiguousarray(array) and copy the result back"
     )
 
 
