@@ -280,7 +280,8 @@ def _overlap(a: Any, b: Any) -> bool:
     if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
         return True
     try:
-        return bool(np.shares_memory(a, b, max_work=10_000))
+        # A bound on the search numpy documents; its stub names only its two constants.
+        return bool(np.shares_memory(a, b, max_work=10_000))  # type: ignore[arg-type]
     except np.exceptions.TooHardError:
         return True
 
