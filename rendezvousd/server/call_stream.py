@@ -41,9 +41,9 @@ REPLY_BATCH_BYTES = 1 << 20
 # let a caller that reads none make the daemon hold 256 replies of any size (GetJob of
 # an 8,192-member job: 155 KB each, 40 MB a stream, growing with every stream opened).
 OUTBOX_BYTES = 2 * REPLY_BATCH_BYTES
-# An inline call gives the event loop a turn once the stream's reader has run calls
-# inline this long without one: the calls of a batch are at hand, so reading them never waits, and 256
-# GetJobs of a big job in one 4 KB message held every other caller (health checks
+# The stream's reader gives the event loop a turn once it has run calls inline this
+# long without one: the calls of a batch are at hand, so reading them never waits, and
+# 256 GetJobs of a big job in one 4 KB message held every other caller (health checks
 # included) for 13 s.
 INLINE_TURN_S = 0.005
 
