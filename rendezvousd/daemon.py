@@ -28,7 +28,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import DaemonError, RendezvousFault
-from rendezvousd.server.auth import TokenAuthInterceptor
+from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask
 from rendezvousd.server.budget import handler_shape
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.servicer import SERVICE, RendezvousServicer
@@ -254,7 +254,7 @@ class Daemon:
             key_mode = c.tls_key.stat().st_mode
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {c.tls_key}: {exc.strerror}") from exc
-        if key_mode & 0o177:
+        if key_mode & private_file_mask(c.tls_key, 0o177, "TLS private key"):
             raise DaemonError(
                 f"TLS private key {c.tls_key} has mode {stat.S_IMODE(key_mode):04o}, more than "
                 f"0600: anyone else who can read it can impersonate the daemon; run: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -117,6 +118,20 @@ def _age(ms: int) -> str:
     return f"{ms / 1000:.1f}s"
 
 
+def _token_given(args: argparse.Namespace) -> None:
+    """Raises ConfigError naming this command's flag when no token is given anywhere:
+    the SDK's own error names its keyword arguments (token=, token_file=), which a
+    command-line user cannot pass. The same sources, in the SDK's order."""
+    from rendezvousd.client.connection import TOKEN_ENV, TOKEN_FILE_ENV
+
+    if args.token_file or os.environ.get(TOKEN_FILE_ENV) or os.environ.get(TOKEN_ENV, "").strip():
+        return
+    raise ConfigError(
+        f"no token: pass --token-file FILE (the daemon's token file), or set "
+        f"${TOKEN_FILE_ENV} to that file or ${TOKEN_ENV} to the token"
+    )
+
+
 def _status(args: argparse.Namespace) -> int:
     from rendezvousd.client import (
         DaemonUnavailable,
@@ -128,6 +143,7 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         tls = _tls(args)
+        _token_given(args)
     except ConfigError as exc:
         print(f"rendezvousd status: {exc}", file=sys.stderr)
         return EXIT_ARGS
@@ -303,7 +319,10 @@ def add_probe_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="table of jobs, members, hosts and heartbeat ages")
     common(status)
     status.add_argument(
-        "--token-file", type=Path, default=None, help="token file (or $RENDEZVOUSD_TOKEN)"
+        "--token-file",
+        type=Path,
+        default=None,
+        help="token file (default $RENDEZVOUSD_TOKEN_FILE, or the token in $RENDEZVOUSD_TOKEN)",
     )
     status.add_argument(
         "--watch",

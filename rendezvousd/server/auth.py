@@ -40,10 +40,67 @@ MIN_TOKEN_CHARS = 16
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_WATCH = HEALTH_PREFIX + "Watch"
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
+# Set by systemd for a unit with LoadCredential=/SetCredential=.
+CREDENTIALS_ENV = "CREDENTIALS_DIRECTORY"
 RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
 UNAUTHENTICATED = "missing or invalid bearer token"
 # Job ids whose tokens of the earlier form were warned about (then no more, bounded).
 LEGACY_WARNED = 1024
+
+
+def systemd_credential(path: Path) -> Path | None:
+    """The real path of ``$CREDENTIALS_DIRECTORY`` when ``path`` (links resolved) lies
+    inside it, else None.
+
+    systemd ≥ 254 gives a DynamicUser service read access to its credentials by an ACL
+    entry, which ``stat`` shows as group-read (0440; systemd/systemd#29435). The group
+    bits of a file there grant nobody else anything: systemd makes the directory the
+    service's own, read-only, and closed to other users. Only such a directory counts,
+    so the variable pointed at a shared one relaxes nothing."""
+    directory = os.environ.get(CREDENTIALS_ENV, "")
+    if not directory:
+        return None
+    try:
+        root = Path(directory).resolve(strict=True)
+        real = path.resolve(strict=True)
+        info = root.stat()
+    except (OSError, RuntimeError):  # RuntimeError: a link loop
+        return None
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_mode & (stat.S_IWGRP | stat.S_IRWXO)
+        or root == Path(root.anchor)
+        or real == root
+        or not real.is_relative_to(root)
+    ):
+        return None
+    return root
+
+
+def private_file_mask(path: Path, mask: int, what: str) -> int:
+    """The mode bits ``path`` must not have: ``mask``, less the group's bits for a
+    systemd credential. Accepting what would be refused elsewhere is logged, so an
+    operator reading the start-up sees why."""
+    credentials = systemd_credential(path)
+    if credentials is None:
+        return mask
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return mask  # the caller's own stat reports it
+    relaxed = mask & ~stat.S_IRWXG
+    if mode & stat.S_IRWXG and not mode & relaxed:
+        log.info(
+            "%s %s is group-accessible (mode %s) but lies in $%s (%s), which only this "
+            "service can enter: systemd grants its user read access by an ACL, shown as "
+            "group bits; accepted",
+            what,
+            path,
+            stat.filemode(mode),
+            CREDENTIALS_ENV,
+            credentials,
+        )
+    return relaxed
 
 
 def read_token_file(path: Path) -> list[str]:
@@ -52,7 +109,7 @@ def read_token_file(path: Path) -> list[str]:
         info = path.stat()
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if info.st_mode & private_file_mask(path, stat.S_IRWXG | stat.S_IRWXO, "token file"):
         raise ConfigError(
             f"token file {path} is accessible by group/others (mode {stat.filemode(info.st_mode)}); "
             f"run: chmod 600 {path}"

@@ -8,7 +8,7 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -398,6 +398,120 @@ def test_kubernetes_spares_job_runs_one_command_whose_extra_pods_stand_by() -> N
         )
         assert config.standby_if_full and not config.standby
         assert (config.num_nodes, config.node_rank) == (nnodes, None)
+
+
+def _launcher_argvs() -> list[tuple[str, list[str], dict[str, Any]]]:
+    """Every rendezvous-run command line in the manifests and compose, with the name of
+    what runs it and its environment."""
+    found: list[tuple[str, list[str], dict[str, Any]]] = []
+    for job in kube_docs().get("Job", []):
+        for c in job["spec"]["template"]["spec"]["containers"]:
+            argv = [*_as_argv(c.get("command")), *_as_argv(c.get("args"))]
+            env = {n: e.get("value") for n, e in _env(c).items()}
+            found.append((job["metadata"]["name"], argv, env))
+    for name, svc in yaml.safe_load(COMPOSE.read_text())["services"].items():
+        argv = [*_as_argv(svc.get("entrypoint")), *_as_argv(svc.get("command"))]
+        found.append((name, argv, dict(svc.get("environment") or {})))
+    return [(name, argv, env) for name, argv, env in found if argv[:1] == ["rendezvous-run"]]
+
+
+def _truthy(value: object) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def test_worker_manifests_with_spares_can_restart_when_a_node_is_lost() -> None:
+    """A spare takes a lost node's place in a new generation, and the surviving nodes
+    count that failure against their --max-restarts: at the default 0 they give up at
+    the first lost node, and the spare only ever exits "not needed"."""
+    checked = 0
+    for name, argv, env in _launcher_argvs():
+        spares = (
+            "--standby" in argv
+            or "--standby-if-full" in argv
+            or _truthy(env.get("RENDEZVOUSD_STANDBY"))
+            or _truthy(env.get("RENDEZVOUSD_STANDBY_IF_FULL"))
+        )
+        if not spares:
+            continue
+        checked += 1
+        restarts = arg_value(argv, "--max-restarts") or env.get("RENDEZVOUSD_MAX_RESTARTS")
+        assert restarts is not None and int(restarts) >= 1, (
+            f"{name}: has spares but no --max-restarts (0): the survivors give up at the "
+            "first lost node"
+        )
+    assert checked, "the spares example is no longer found"
+    # Its comments: backoffLimit counts the node losses the Job outlives; each one costs
+    # the survivors a restart.
+    spec = _job(kube_docs(), "rendezvous-train-spares-example")["spec"]
+    (worker,) = spec["template"]["spec"]["containers"]
+    argv = [*_as_argv(worker.get("command")), *_as_argv(worker.get("args"))]
+    assert int(arg_value(argv, "--max-restarts") or 0) >= spec["backoffLimit"]
+
+
+def test_kubernetes_state_dir_is_a_directory_below_the_fsgroup_volume_root() -> None:
+    """With fsGroup the kubelet makes a volume's root group-owned, group-writable and
+    setgid (2770), and does so again at any mount that finds it otherwise, so a chmod
+    does not last; the daemon refuses a state dir group or others can write. It creates
+    a subdirectory itself (0700), which the kubelet leaves alone only under
+    OnRootMismatch (Always would chmod it 2770 at every mount)."""
+    (sts,) = kube_docs()["StatefulSet"]
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    argv = [*_as_argv(container.get("command")), *_as_argv(container.get("args"))]
+    (args,) = serve_args(argv_invocations(argv, frozenset(_subparsers(build_parser()))))
+    cfg = serve_config(args)
+    assert cfg.state_dir is not None
+    state = PurePosixPath(cfg.state_dir)
+    mounts = [
+        m
+        for m in container["volumeMounts"]
+        if state == PurePosixPath(m["mountPath"]) or PurePosixPath(m["mountPath"]) in state.parents
+    ]
+    assert mounts, f"nothing mounted at {state}: the state would not survive the pod"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    claims = {c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]}
+    assert mount["name"] in claims, "the state must live on the PersistentVolume"
+    if "fsGroup" in pod["securityContext"]:
+        assert state != PurePosixPath(mount["mountPath"]), (
+            f"--state-dir {state} is the root of a volume mounted with fsGroup (made 2770 "
+            "by the kubelet), which the daemon refuses: use a subdirectory"
+        )
+        assert pod["securityContext"].get("fsGroupChangePolicy") == "OnRootMismatch"
+
+
+def test_the_other_deploy_files_give_the_daemon_a_state_dir_only_it_can_write() -> None:
+    """systemd and the image make the state dir 0700 themselves (a named volume starts
+    as a copy of the image's directory, mode and owner included)."""
+    service = parse_unit(UNIT.read_text())["Service"]
+    assert not int(service["StateDirectoryMode"][-1], 8) & 0o022
+    assert "--state-dir ${STATE_DIRECTORY}" in service["ExecStart"][-1]
+    ins = dockerfile_instructions(DOCKERFILE.read_text())
+    cmd = _exec_form(next(i.rest for i in reversed(ins) if i.keyword == "CMD"))
+    state = arg_value(cmd, "--state-dir")
+    assert any(
+        i.keyword == "RUN" and re.search(rf"install -d -m 0?700 .*{re.escape(str(state))}", i.rest)
+        for i in ins
+    )
+    doc = yaml.safe_load(COMPOSE.read_text())
+    server = doc["services"]["rendezvousd"]
+    assert arg_value(_as_argv(server["command"]), "--state-dir") == state
+    (volume,) = [str(v) for v in server["volumes"] if str(v).endswith(f":{state}")]
+    assert volume.split(":")[0] in doc["volumes"], "a named volume, seeded from the image"
+
+
+def test_shipped_trainer_configs_point_at_the_daemons_default_port() -> None:
+    """A config run as shipped (docs/trainer.md's smoke run) reaches a daemon started
+    with its defaults."""
+    import tomllib
+
+    checked = 0
+    for path in sorted((DEPLOY.parent / "trainer" / "configs").glob("*.toml")):
+        rendezvous = tomllib.loads(path.read_text()).get("distributed", {}).get("rendezvous", {})
+        endpoint = rendezvous.get("endpoint")
+        if rendezvous.get("kind") == "daemon" and endpoint:
+            checked += 1
+            assert endpoint.rsplit(":", 1)[1] == str(PORT), f"{path.name}: {endpoint}"
+    assert checked, "no shipped config names a daemon endpoint any more"
 
 
 # ---------------------------------------------------------------------------
