@@ -27,6 +27,10 @@ log = logging.getLogger("rendezvousd.http")
 MAX_HEAD_BYTES = 16 * 1024
 MAX_BODY_BYTES = 16 * 1024
 MAX_CONNECTIONS = 64
+# One client address's share: a client that opened connections and sent nothing (or a
+# byte now and then) held all 64 from one host, and a scrape from anywhere else was
+# refused for as long as it went on.
+MAX_CONNECTIONS_PER_PEER = 16
 # A request's head and body must arrive within this; an idle kept-alive connection
 # is closed after IDLE_S.
 REQUEST_TIMEOUT_S = 10.0
@@ -72,6 +76,7 @@ class HttpServer:
         self._handler = handler
         self._ssl = ssl_context
         self._open: set[asyncio.Task[None]] = set()
+        self._per_peer: dict[str, int] = {}
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -101,21 +106,26 @@ class HttpServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(self._open) >= MAX_CONNECTIONS:
-            # Over the cap: answered and closed at once, so it holds no slot.
+        peername = writer.get_extra_info("peername")
+        address = str(peername[0]) if isinstance(peername, tuple) else "unix"
+        peer = f"{address}:{peername[1]}" if isinstance(peername, tuple) else "unix"
+        held = self._per_peer.get(address, 0)
+        if len(self._open) >= MAX_CONNECTIONS or held >= MAX_CONNECTIONS_PER_PEER:
+            # Over a cap: answered and closed at once, so it holds no slot.
             with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
                 await _send(writer, Response(503, b"too many connections\n"), close=True)
             await _close(writer)
             return
         self._open.add(task)
-        peername = writer.get_extra_info("peername")
-        peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "unix"
+        self._per_peer[address] = held + 1
         try:
             await self._serve(reader, writer, peer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ssl.SSLError):
             pass
         finally:
             self._open.discard(task)
+            if (left := self._per_peer.pop(address) - 1) > 0:
+                self._per_peer[address] = left
             await _close(writer)
 
     async def _serve(

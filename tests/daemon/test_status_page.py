@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from rendezvousd.client import JobEnded, RendezvousClient
 from rendezvousd.server.scope import derive_job_token
-from rendezvousd.web.http_server import MAX_CONNECTIONS
+from rendezvousd.web.http_server import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER
 from tests.support import DaemonProcess, Pki, node_with_a_standby, wait_for
 
 UID = b"\x5a" * 128
@@ -216,24 +216,48 @@ def test_the_grid_is_paged_by_node(daemon: DaemonProcess, job_id: str) -> None:
         assert status == 400
 
 
+def _connect_from(source: str, host: str, port: int) -> socket.socket:
+    return socket.create_connection((host, port), timeout=10, source_address=(source, 0))
+
+
+def _refused_from(source: str, host: str, port: int) -> bool:
+    with _connect_from(source, host, port) as extra:
+        return extra.recv(64).startswith(b"HTTP/1.1 503")
+
+
 def test_connections_are_bounded_and_heads_are_limited(daemon: DaemonProcess) -> None:
     host, port = _address(daemon)
     status, _, _ = request(daemon, "GET", "/", headers={"X-Big": "x" * 20_000})
     assert status == 431
+    # Four client addresses (loopback has them all), each at its own cap, fill the total.
+    sources = [f"127.0.0.{i}" for i in range(1, MAX_CONNECTIONS // MAX_CONNECTIONS_PER_PEER + 1)]
     with ExitStack() as stack:
         idle = [
-            stack.enter_context(socket.create_connection((host, port), timeout=10))
-            for _ in range(MAX_CONNECTIONS)
+            stack.enter_context(_connect_from(source, host, port))
+            for source in sources
+            for _ in range(MAX_CONNECTIONS_PER_PEER)
         ]
-
-        def refused() -> bool:
-            with socket.create_connection((host, port), timeout=10) as extra:
-                return extra.recv(64).startswith(b"HTTP/1.1 503")
-
-        wait_for("a connection past the cap to be refused", refused)
+        wait_for(
+            "a connection past the cap to be refused",
+            lambda: _refused_from("127.0.0.9", host, port),
+        )
         assert len(idle) == MAX_CONNECTIONS
     # The idle ones closed: served again.
     wait_for("the page to be served again", lambda: request(daemon, "GET", "/metrics")[0] == 200)
+
+
+def test_one_address_cannot_hold_every_connection(daemon: DaemonProcess) -> None:
+    """A client that opened connections and sent nothing held all 64 from one address
+    (each for its 10 s request timeout, and opened again), and every scrape from
+    elsewhere was refused."""
+    host, port = _address(daemon)
+    with ExitStack() as stack:
+        for _ in range(MAX_CONNECTIONS_PER_PEER):
+            stack.enter_context(_connect_from("127.0.0.5", host, port))
+        wait_for("its next connection refused", lambda: _refused_from("127.0.0.5", host, port))
+        with _connect_from("127.0.0.6", host, port) as other:
+            other.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert other.recv(64).startswith(b"HTTP/1.1 200"), "another address is served"
 
 
 def test_under_tls_the_page_is_https_and_its_cookie_secure(
