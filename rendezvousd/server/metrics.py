@@ -82,7 +82,8 @@ class Metrics:
         )
         self.commits = histogram(
             "rendezvousd_storage_commit_seconds",
-            "State-database commits (--state-dir), by outcome",
+            "State-database commits (--state-dir), by outcome; while storage is failing, "
+            "each once-a-tick retry that rewrites the whole state is one",
             ["outcome"],
             buckets=_LATENCY_BUCKETS,
         )
@@ -91,6 +92,13 @@ class Metrics:
             "Jobs entering a state (forming, running, failed, aborted, ended)",
             ["state"],
         )
+        # Every labelled series an alert keys on exists from start, at 0: increase()
+        # sees no rise in a series' first sample, so one born at its first event (at 1)
+        # would need one event more than the alert says (deploy/prometheus/alerts.yml).
+        for outcome in ("ok", "failed"):
+            self.commits.labels(outcome)
+        for job_state in JobState:
+            self.transitions.labels(job_state.name.lower())
         # Who else hears of each transition (the status page's generation timeline).
         self.transition_listeners: list[Callable[[Transition], None]] = []
         self.serving = gauge(

@@ -198,15 +198,26 @@ class StateDirLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
-    def held(self) -> bool:
-        """Whether the lock we hold is still the file at ``path`` (the directory may
-        have been removed and recreated under a running daemon)."""
-        if self._fd is None:
-            return False
-        try:
-            return os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self._fd).st_ino
-        except OSError:
-            return False
+    def reacquire(self) -> None:
+        """Make sure the lock held is that of the directory now at ``path``'s parent.
+
+        Kept while ``path`` is still the file locked (the same directory back after a
+        rename or a remount). The directory removed or replaced, the lock went with
+        the old one: let go of it and lock the new one, refused (DaemonError) while
+        another daemon holds it. Not when ``path`` cannot be looked at (OSError other
+        than its absence: the directory unreadable for a moment), which raises with
+        the lock still held: the file may well be ours still, and letting go would
+        let another daemon in."""
+        if self._fd is not None:
+            try:
+                st = os.stat(self.path, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            ours = os.fstat(self._fd)
+            if st is not None and (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino):
+                return
+            self.release()
+        self.acquire()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -630,14 +641,20 @@ class Persister:
             version = self._version
             cut = self._collect()
             cut.ends = self.job_ends.whole()
+            started = time.perf_counter()
             try:
                 await self._in_writer(_reopen_and_commit, store, self.lock, cut.writes, cut.ends)
             except Exception as exc:
+                # Each failed try is a failed commit: changes are refused up front
+                # meanwhile, so these are the outage's only commits: a count standing
+                # still through it would leave an alert on its increase() nothing to see.
+                self._observe(started, ok=False)
                 self.job_ends.unsent(cut.ends)
                 for w in cut.writes:
                     self._dirty.setdefault(w.job_id, set())
                 log.debug("state storage still failing: %s", exc)
                 return False
+            self._observe(started, ok=True)
             self._committed(version, cut)
         log.info("state storage %s takes writes again; serving", store.path)
         self._set_health(True)
@@ -655,14 +672,18 @@ def _described(exc: BaseException) -> str:
 def _reopen_and_commit(
     store: SqliteStore, lock: StateDirLock | None, writes: list[JobWrite], ends: EndsWrite
 ) -> None:
-    if store.replaced():
+    # Closed by an earlier try (that found the directory gone) or by a failed open, the
+    # database is opened again whatever its file: the same directory put back (renamed
+    # back, remounted, readable again) holds the very file opened before, so
+    # ``replaced()`` alone finds nothing changed and every tick's try fails on the
+    # closed connection until a restart.
+    if not store.is_open or store.replaced():
         store.close()
         if not store.directory.is_dir():
             raise OSError(f"{store.directory} does not exist")
-        if lock is not None and not lock.held():
-            # The directory was recreated: our lock went with the old one, and another
-            # daemon may have started on the new one meanwhile (then this refuses).
-            lock.release()
-            lock.acquire()
+        if lock is not None:
+            # A recreated directory: our lock went with the old one, and another daemon
+            # may have started on the new one meanwhile (then this refuses).
+            lock.reacquire()
         store.open()
     store.commit(writes, replace_all=True, ends=ends)

@@ -98,7 +98,7 @@ class SqliteStore:
         self.directory = directory
         self.path = directory / DB_FILE
         self._db: sqlite3.Connection | None = None
-        self._inode = 0
+        self._file = (0, 0)  # (st_dev, st_ino) of the file opened
         # job id -> its history as the used_ids table holds it (what is committed), so
         # that a commit writes the history only when it changed, and then only the
         # difference. Used by whichever thread commits (one at a time).
@@ -122,25 +122,14 @@ class SqliteStore:
                 check_same_thread=False,
                 timeout=BUSY_TIMEOUT_MS / 1000,
             )
-            db.execute("PRAGMA journal_mode=WAL")
-            # Durability is ``sync``'s fsync; SQLite's own would run inside ``write``.
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA wal_autocheckpoint=0")  # ``sync`` checkpoints instead
-            db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
-            for statement in _SCHEMA:
-                db.execute(statement)
-            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] in _MIGRATES:
-                db.execute(
-                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
-                )
-            elif row[0] != str(SCHEMA_VERSION):
-                raise DaemonError(
-                    f"state database {self.path} has schema_version {row[0]!r}, this daemon "
-                    f"reads {SCHEMA_VERSION}; use the matching rendezvousd or move it aside"
-                )
+            try:
+                self._prepare(db)
+                st = self.path.stat()
+            except BaseException:
+                # The storage retry opens it once a tick while the disk is failing: a
+                # connection per failed try would stay open until the GC found it.
+                db.close()
+                raise
         except sqlite3.Error as exc:
             raise DaemonError(
                 f"cannot open state database {self.path}: {exc}; if it is damaged, move it "
@@ -149,16 +138,42 @@ class SqliteStore:
         finally:
             os.umask(old_umask)
         self._db = db
-        self._inode = self.path.stat().st_ino
+        self._file = (st.st_dev, st.st_ino)
         self._ids_written = {}
+
+    def _prepare(self, db: sqlite3.Connection) -> None:
+        db.execute("PRAGMA journal_mode=WAL")
+        # Durability is ``sync``'s fsync; SQLite's own would run inside ``write``.
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA wal_autocheckpoint=0")  # ``sync`` checkpoints instead
+        db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+        for statement in _SCHEMA:
+            db.execute(statement)
+        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif row[0] in _MIGRATES:
+            db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+        elif row[0] != str(SCHEMA_VERSION):
+            raise DaemonError(
+                f"state database {self.path} has schema_version {row[0]!r}, this daemon "
+                f"reads {SCHEMA_VERSION}; use the matching rendezvousd or move it aside"
+            )
+
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None
 
     def replaced(self) -> bool:
         """Whether the open database file is no longer the one at ``path``: SQLite
         would keep writing into a deleted file, and nothing would survive a restart."""
         try:
-            return self.path.stat().st_ino != self._inode
+            st = self.path.stat()
         except OSError:
             return True
+        # The device too: another filesystem mounted in the directory's place can hold
+        # a file of the same inode number.
+        return (st.st_dev, st.st_ino) != self._file
 
     def close(self) -> None:
         if self._wal_fd is not None:

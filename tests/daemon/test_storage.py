@@ -22,7 +22,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import RendezvousClient, RendezvousError
 from tests.daemon.raw_calls import bearer, raw, reason_of
-from tests.support import DaemonProcess, scrape, spawn_daemon, wait_for
+from tests.support import DaemonProcess, scrape, serve_refused, spawn_daemon, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -250,4 +250,70 @@ def test_refused_calls_that_change_nothing_do_not_commit(tmp_path: Path) -> None
             a.kv_set("real", b"change")
             assert _commits(d) > before
     finally:
+        d.kill()
+
+
+def _outage(tmp_path: Path, moved: Path) -> tuple[DaemonProcess, Path, RendezvousClient]:
+    """A daemon (DEBUG log: its retries) with a joined job and counter ``n`` at 1, whose
+    state dir was then renamed to ``moved``, a change refused, and one retry made
+    while the directory was away (that retry closes the database)."""
+    state = tmp_path / "state"
+    d = spawn_daemon(tmp_path, "--state-dir", str(state), "--log-level", "DEBUG")
+    client = RendezvousClient(d.endpoint, "moved", token=d.token)
+    try:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        assert client.kv_add("n", 1) == 1
+        state.rename(moved)
+        with pytest.raises(RendezvousError) as info:
+            client.kv_add("n", 1)
+        assert info.value.reason == "STORAGE_UNAVAILABLE"
+        wait_for("a retry while the dir is away", lambda: "still failing" in d.log())
+    except BaseException:
+        client.close()
+        d.kill()
+        raise
+    return d, state, client
+
+
+def test_a_state_dir_moved_away_and_back_serves_again_holding_its_lock(tmp_path: Path) -> None:
+    """The same directory back (same inodes: a rename, a remount): the database the
+    failed retry closed is opened again, and the lock the daemon never lost still
+    keeps a second daemon off it."""
+    d, state, client = _outage(tmp_path, tmp_path / "away")
+    try:
+        assert _health(d) == NOT_SERVING
+        (tmp_path / "away").rename(state)
+        wait_for("health SERVING once the dir is back", lambda: _health(d) == SERVING)
+        assert client.kv_add("n", 1) == 2
+        assert _stored(state, "moved", "n") == b"2"
+        second = serve_refused(tmp_path, state)
+        assert second.returncode == 2, second.stderr
+        assert f"in use by another rendezvousd (pid {d.proc.pid}" in second.stderr
+    finally:
+        client.close()
+        d.kill()
+
+
+def test_another_dir_put_in_place_is_locked_once_its_own_daemon_lets_go(
+    tmp_path: Path,
+) -> None:
+    """A different directory in the state dir's place: the daemon's lock went with the
+    old one, so it takes the new one's first; while another daemon holds that, the
+    daemon stays NOT_SERVING rather than write beside it."""
+    d, state, client = _outage(tmp_path, tmp_path / "away")
+    other_dir = tmp_path / "other"
+    other = spawn_daemon(tmp_path, "--state-dir", str(other_dir))
+    try:
+        other_dir.rename(state)
+        held_by = f"in use by another rendezvousd (pid {other.proc.pid}"
+        wait_for("a retry refused by the other daemon's lock", lambda: held_by in d.log())
+        assert _health(d) == NOT_SERVING
+        other.kill()
+        wait_for("health SERVING once the other daemon is gone", lambda: _health(d) == SERVING)
+        assert (state / "rendezvousd.lock").read_text().strip() == str(d.proc.pid)
+        assert client.kv_add("n", 1) == 2  # its own state, rewritten whole into that dir
+        assert _stored(state, "moved", "n") == b"2"
+    finally:
+        other.kill()
+        client.close()
         d.kill()
