@@ -430,6 +430,35 @@ def _served(d: DaemonProcess, method: str) -> float:
     )
 
 
+def _answered_unread(d: DaemonProcess, member: dict[str, Any], total: int) -> tuple[float, int]:
+    """KvGets of ``member``'s key "big" sent on a Calls stream whose replies are never
+    read: how many the daemon answered before it stopped reading them, and its RSS
+    (KiB) then, the stream still open."""
+    before = _served(d, "KvGet")
+
+    def calls() -> Iterator[pb.Call]:
+        for i in range(total):
+            call = pb.Call(id=i + 1)
+            call.kv_get.CopyFrom(pb.KvGetRequest(**member, key="big"))
+            yield call
+
+    with grpc.insecure_channel(d.endpoint) as ch:
+        call = ch.stream_stream(
+            f"/{SERVICE}/Calls",
+            request_serializer=pb.Call.SerializeToString,
+            response_deserializer=pb.Reply.FromString,
+        )(calls(), metadata=[("authorization", f"Bearer {d.token}")], timeout=60)
+        # Never read: wait until the daemon stops answering.
+        last, served = -1.0, 0.0
+        while served != last:
+            last = served
+            threading.Event().wait(1.0)  # progress check interval, not a synchronisation
+            served = _served(d, "KvGet") - before
+        rss = _rss_kib(d.proc.pid)
+        call.cancel()
+    return served, rss
+
+
 def test_a_caller_that_reads_no_replies_is_stopped_not_buffered(
     daemon: DaemonProcess, stream: Stream, job_id: str
 ) -> None:
@@ -441,31 +470,11 @@ def test_a_caller_that_reads_no_replies_is_stopped_not_buffered(
     member = {"job_id": job_id, "generation": 1, "rank": 0, "instance_id": "i0"}
     stream.send(2, "kv_set", pb.KvSetRequest(**member, key="big", value=b"x" * 8192))
     stream.reply(2)
-    before_rss, before = _rss_kib(daemon.proc.pid), _served(daemon, "KvGet")
-    total = 20_000
-
-    def calls() -> Iterator[pb.Call]:
-        for i in range(total):
-            call = pb.Call(id=i + 1)
-            call.kv_get.CopyFrom(pb.KvGetRequest(**member, key="big"))
-            yield call
-
-    with grpc.insecure_channel(daemon.endpoint) as ch:
-        call = ch.stream_stream(
-            f"/{SERVICE}/Calls",
-            request_serializer=pb.Call.SerializeToString,
-            response_deserializer=pb.Reply.FromString,
-        )(calls(), metadata=[("authorization", f"Bearer {daemon.token}")], timeout=60)
-        # Never read: wait until the daemon stops answering.
-        last, served = -1.0, 0.0
-        while served != last:
-            last = served
-            threading.Event().wait(1.0)  # progress check interval, not a synchronisation
-            served = _served(daemon, "KvGet") - before
-        assert 0 < served < total / 4, f"{served:.0f} of {total} calls answered, none read"
-        grown_mib = (_rss_kib(daemon.proc.pid) - before_rss) / 1024
-        assert grown_mib < 64, f"the daemon grew {grown_mib:.0f} MiB holding unread replies"
-        call.cancel()
+    before_rss, total = _rss_kib(daemon.proc.pid), 20_000
+    served, rss = _answered_unread(daemon, member, total)
+    grown_mib = (rss - before_rss) / 1024
+    assert 0 < served < total / 4, f"{served:.0f} of {total} calls answered, none read"
+    assert grown_mib < 64, f"the daemon grew {grown_mib:.0f} MiB holding unread replies"
 
 
 def test_a_stopping_daemon_answers_the_calls_in_flight_and_ends_the_stream(
@@ -573,29 +582,10 @@ def test_a_caller_that_reads_no_large_replies_is_stopped_by_their_bytes(
         s.reply(2)
     finally:
         s.close()
-    before, total = _served(d, "KvGet"), 1_000
-
-    def calls() -> Iterator[pb.Call]:
-        for i in range(total):
-            call = pb.Call(id=i + 1)
-            call.kv_get.CopyFrom(pb.KvGetRequest(**member, key="big"))
-            yield call
-
-    with grpc.insecure_channel(d.endpoint) as ch:
-        call = ch.stream_stream(
-            f"/{SERVICE}/Calls",
-            request_serializer=pb.Call.SerializeToString,
-            response_deserializer=pb.Reply.FromString,
-        )(calls(), metadata=[("authorization", f"Bearer {d.token}")], timeout=60)
-        last, served = -1.0, 0.0
-        while served != last:
-            last = served
-            threading.Event().wait(1.0)  # progress check interval, not a synchronisation
-            served = _served(d, "KvGet") - before
-        # 2 MiB of held replies is 43 of these; gRPC's own buffers take about 90 more
-        # before the daemon's writes stop (measured: 129 in all; 342 with a count alone).
-        assert 0 < served < 200, f"{served:.0f} replies of 48 KiB answered, none read"
-        call.cancel()
+    served, _ = _answered_unread(d, member, 1_000)
+    # 2 MiB of held replies is 43 of these; gRPC's own buffers take about 90 more
+    # before the daemon's writes stop (measured: 129 in all; 342 with a count alone).
+    assert 0 < served < 200, f"{served:.0f} replies of 48 KiB answered, none read"
 
 
 async def test_a_batch_of_slow_inline_calls_gives_the_event_loop_turns() -> None:

@@ -521,20 +521,14 @@ np.savez(out, *[np.ascontiguousarray(g) for g in grads])
 @pytest.mark.skipif(
     not HAVE_RING, reason="trainer/comm/cpu_ring.py (CpuRingCommunicator) not written yet"
 )
-def test_two_rank_bucketed_all_reduce_equals_the_mean(tmp_path: Path) -> None:
+def run_two_ranks(script: str, outputs: list[Path]) -> None:
+    """``script`` as ranks 0 and 1 of a CPU ring, each in its own process, given its
+    rank, its listening socket's descriptor, ``outputs[rank]`` and the peers."""
     listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
     peers = json.dumps([["127.0.0.1", s.getsockname()[1]] for s in listeners])
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                RANK_SCRIPT,
-                str(r),
-                str(s.fileno()),
-                str(tmp_path / f"{r}.npz"),
-                peers,
-            ],
+            [sys.executable, "-c", script, str(r), str(s.fileno()), str(outputs[r]), peers],
             pass_fds=(s.fileno(),),
         )
         for r, s in enumerate(listeners)
@@ -542,6 +536,10 @@ def test_two_rank_bucketed_all_reduce_equals_the_mean(tmp_path: Path) -> None:
     for s in listeners:
         s.close()
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
+
+
+def test_two_rank_bucketed_all_reduce_equals_the_mean(tmp_path: Path) -> None:
+    run_two_ranks(RANK_SCRIPT, [tmp_path / f"{r}.npz" for r in range(2)])
     results = [np.load(tmp_path / f"{r}.npz") for r in range(2)]
     inputs = []
     for rank in range(2):
@@ -658,26 +656,7 @@ json.dump({"grads": sorted({float(g[0]) for g in grads}), "refused": refused}, o
 def test_a_collective_between_mark_ready_and_wait_is_refused_on_every_rank(
     tmp_path: Path,
 ) -> None:
-    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
-    peers = json.dumps([["127.0.0.1", s.getsockname()[1]] for s in listeners])
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                MIXED_SCRIPT,
-                str(r),
-                str(s.fileno()),
-                str(tmp_path / f"{r}"),
-                peers,
-            ],
-            pass_fds=(s.fileno(),),
-        )
-        for r, s in enumerate(listeners)
-    ]
-    for s in listeners:
-        s.close()
-    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    run_two_ranks(MIXED_SCRIPT, [tmp_path / f"{r}" for r in range(2)])
     for r in range(2):
         got = json.loads((tmp_path / f"{r}").read_text())
         assert got["grads"] == [3.0], got  # every bucket summed with its own kind only
