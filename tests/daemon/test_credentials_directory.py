@@ -35,6 +35,23 @@ def _seal(directory: Path) -> None:
     directory.chmod(0o500)
 
 
+def _tls_daemon_with_a_credential_key(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path, pki: Pki, mode: int
+) -> DaemonProcess:
+    """A TLS daemon whose private key, of ``mode``, lies in a credentials directory."""
+    creds = _credentials(tmp_path)
+    shutil.copy(pki.server_key, creds / "tls.key")
+    (creds / "tls.key").chmod(mode)
+    _seal(creds)
+    return start_daemon(
+        "--tls-cert",
+        str(pki.server),
+        "--tls-key",
+        str(creds / "tls.key"),
+        env={CREDENTIALS_ENV: str(creds)},
+    )
+
+
 def _token(path: Path, mode: int = 0o440) -> str:
     token = secrets.token_urlsafe(32)
     path.write_text(token + "\n")
@@ -139,17 +156,7 @@ def test_an_empty_or_root_credentials_directory_grants_nothing(
 def test_a_group_readable_tls_key_in_the_credentials_directory_is_accepted(
     start_daemon: Callable[..., DaemonProcess], tmp_path: Path, pki: Pki
 ) -> None:
-    creds = _credentials(tmp_path)
-    shutil.copy(pki.server_key, creds / "tls.key")
-    (creds / "tls.key").chmod(0o440)
-    _seal(creds)
-    daemon = start_daemon(
-        "--tls-cert",
-        str(pki.server),
-        "--tls-key",
-        str(creds / "tls.key"),
-        env={CREDENTIALS_ENV: str(creds)},
-    )
+    daemon = _tls_daemon_with_a_credential_key(start_daemon, tmp_path, pki, 0o440)
     log = daemon.log()
     assert "tls=True" in log
     assert "TLS private key" in log and "$CREDENTIALS_DIRECTORY" in log, log
@@ -170,18 +177,8 @@ def test_a_group_readable_tls_key_outside_it_is_refused_as_before(
 def test_a_tls_key_others_can_read_is_refused_in_the_credentials_directory(
     start_daemon: Callable[..., DaemonProcess], tmp_path: Path, pki: Pki
 ) -> None:
-    creds = _credentials(tmp_path)
-    shutil.copy(pki.server_key, creds / "tls.key")
-    (creds / "tls.key").chmod(0o444)
-    _seal(creds)
     with pytest.raises(RuntimeError, match=r"mode 0444"):
-        start_daemon(
-            "--tls-cert",
-            str(pki.server),
-            "--tls-key",
-            str(creds / "tls.key"),
-            env={CREDENTIALS_ENV: str(creds)},
-        )
+        _tls_daemon_with_a_credential_key(start_daemon, tmp_path, pki, 0o444)
 
 
 def test_the_acl_systemd_writes_is_accepted_there(
