@@ -74,6 +74,22 @@ class _Cut:
     ends: EndsWrite = field(default_factory=EndsWrite)
 
 
+def check_private(directory: Path) -> None:
+    """Refuse a state dir others could write into: another user could plant a symlink
+    or file the daemon (often root) then writes through, and the job state is nobody
+    else's to touch either. At start-up, and for a directory put back under a running
+    daemon (the storage retry)."""
+    try:
+        mode = directory.stat().st_mode
+    except OSError as exc:
+        raise DaemonError(f"cannot look at state dir {directory}: {exc.strerror}") from exc
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise DaemonError(
+            f"state dir {directory} is writable by group/others (mode "
+            f"{stat.filemode(mode)}); run: chmod 700 {directory}"
+        )
+
+
 class StateStore:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -87,16 +103,9 @@ class StateStore:
         """Creates the directory 0700; refuses one that others could write into."""
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            mode = self.directory.stat().st_mode
         except OSError as exc:
             raise DaemonError(f"cannot create state dir {self.directory}: {exc.strerror}") from exc
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            # Another user could plant a symlink or file the daemon (often root)
-            # then writes through; the job state is nobody else's to touch either.
-            raise DaemonError(
-                f"state dir {self.directory} is writable by group/others (mode "
-                f"{stat.filemode(mode)}); run: chmod 700 {self.directory}"
-            )
+        check_private(self.directory)
         if not os.access(self.directory, os.W_OK):
             raise DaemonError(f"state dir {self.directory} is not writable by this user")
 
@@ -681,6 +690,7 @@ def _reopen_and_commit(
         store.close()
         if not store.directory.is_dir():
             raise OSError(f"{store.directory} does not exist")
+        check_private(store.directory)  # as at start-up: put back 0777, it is refused
         if lock is not None:
             # A recreated directory: our lock went with the old one, and another daemon
             # may have started on the new one meanwhile (then this refuses).

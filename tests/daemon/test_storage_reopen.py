@@ -105,3 +105,20 @@ def test_a_dir_recreated_in_place_is_locked_anew(tmp_path: Path, persister: Pers
     other = StateDirLock(tmp_path / "old")
     other.acquire()
     other.release()
+
+
+def test_a_dir_put_back_writable_by_others_is_refused_as_at_start_up(
+    tmp_path: Path, persister: Persister
+) -> None:
+    """The retry took a directory put back 0777 as it was, where start-up refuses it:
+    another user could plant the files the daemon then writes through."""
+    state, away = tmp_path / "state", tmp_path / "away"
+    state.rename(away)
+    with pytest.raises(RendezvousFault):
+        _kv_set(persister, b"lost")
+    assert not _recover(persister)
+    away.chmod(0o777)
+    away.rename(state)
+    assert not _recover(persister) and not persister.healthy
+    state.chmod(0o700)
+    assert _recover(persister) and persister.healthy
