@@ -680,9 +680,10 @@ class Session:
         return pb.LeaveRequest(**self._fields(who))
 
     def leave_beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
-        """The stream's last message: its goodbye (``HeartbeatRequest.leave``)."""
+        """The stream's last message: its goodbye (``HeartbeatRequest.leave``), with
+        the latest ``report_progress`` (the last beat's may be an interval old)."""
         goodbye = pb.HeartbeatRequest()
-        goodbye.CopyFrom(request)
+        goodbye.CopyFrom(self.beat(request))
         goodbye.leave = True
         return goodbye
 

@@ -19,6 +19,7 @@ one message on an open stream, not a call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -140,6 +141,13 @@ class HeartbeatStreams:
                 return
             async for request in iterator:
                 if request.leave:
+                    if request.HasField("progress") and request.progress != reported:
+                        # The goodbye carries the last steps: what GetJob and `status`
+                        # then show of the ended job (it showed the beat before's).
+                        with contextlib.suppress(RendezvousFault):
+                            self.state.report_progress(
+                                *key[:2], key[3], _progress(request.progress), mode=key[2]
+                            )
                     await self._leave(key, first.instance_id, queue)
                     return
                 now = self._now()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient, RendezvousError
 from rendezvousd.common.model import JoinMode, JoinResult, MemberState, Progress
 from rendezvousd.errors import RendezvousFault
@@ -51,6 +52,24 @@ def test_a_nodes_progress_reaches_getjob_and_the_page(daemon: DaemonProcess, job
         overview = api(daemon, "/api/jobs", token=daemon.token)["jobs"][0]
         assert overview["step"] == 30 and overview["restarts_left"] == 1
         assert overview["steps_per_s"] is not None and overview["steps_per_s"] > 0
+
+
+def test_the_goodbye_carries_the_last_steps(daemon: DaemonProcess, job_id: str) -> None:
+    """An ended job showed the steps of the beat before its members' goodbyes, up to
+    an interval old (`status` read 127 and 141 of a 150-step run): the goodbye now
+    carries what was reported last, and the daemon keeps it."""
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as agent:
+        agent.join_node(
+            min_nodes=1, max_nodes=1, gpus_per_node=2, id_factory=lambda: UID, timeout=20
+        )
+        agent.report_progress([1, 1])
+        agent.start_heartbeat(60)  # no beat after the first before the goodbye
+        wait_for("the first beat", lambda: [m.step for m in agent.get_job().members] == [1, 1])
+        agent.report_progress([150, 149])
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe:
+        job = probe.get_job()
+    assert job.summary.state == pb.JOB_STATE_ENDED
+    assert [m.step for m in job.members] == [150, 149]
 
 
 def test_a_job_without_progress_shows_none(daemon: DaemonProcess, job_id: str) -> None:
