@@ -58,7 +58,14 @@ class _KeyCall(Protocol):
 SERVICE = "rendezvous.v1.Rendezvous"
 # Methods whose handlers return their answer already encoded (the joins' cached
 # tables, the call streams' replies: ``call_stream.reply``).
-_PRE_ENCODED = frozenset({"Join", "PublishId", "JoinNode", "Calls", "CallBatches"})
+_PRE_ENCODED = frozenset({"Join", "PublishId", "JoinNode", "GetJob", "Calls", "CallBatches"})
+# GetJob of a big job is costly to build (~50-66 ms of the event loop at 8,192 members),
+# and a token holder may ask for it in a loop, or many watchers at once (256 in one
+# CallBatch took 13 s of the daemon's CPU): a job of at least BIG_JOB_MEMBERS members
+# has its encoded answer reused for JOB_ANSWER_TTL_S (heartbeat ages that much old, as
+# on the status page), and dropped at once by the job's next transition.
+BIG_JOB_MEMBERS = 1024
+JOB_ANSWER_TTL_S = 0.5
 
 
 def _now() -> float:
@@ -89,6 +96,8 @@ class RendezvousServicer:
         self._delivering: set[asyncio.Task[RendezvousFault | None]] = set()
         self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now, self._durably)
         self._answers = JoinAnswers(state.timing)
+        # job id -> (when made, GetJob's encoded answer): big jobs only (BIG_JOB_MEMBERS).
+        self._job_answers: dict[str, tuple[float, bytes]] = {}
         # Set by drain(): heartbeat streams still waiting for their first beat end.
         self._draining = asyncio.Event()
         self._calls = CallStream(
@@ -130,6 +139,7 @@ class RendezvousServicer:
         )
         if t.new is None or t.new is not JobState.RUNNING:
             self._answers.forget(t.job_id, t.generation)
+        self._job_answers.pop(t.job_id, None)
         self.metrics.observe_transition(t)
         self.metrics.observe_jobs(self.state)
 
@@ -463,9 +473,23 @@ class RendezvousServicer:
             views = []
         return pb.ListJobsResponse(jobs=[_summary(v) for v in views])
 
-    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
+    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> bytes:
         now = _now()
-        view = self.state.view(request.job_id, now)
+        made = self._job_answers.get(request.job_id)
+        if made is not None and now - made[0] < JOB_ANSWER_TTL_S:
+            return made[1]
+        answer = self._job_answer(request.job_id, now)
+        job = self.state.jobs.get(request.job_id)
+        if job is not None and len(job.gen.members) >= BIG_JOB_MEMBERS:
+            if len(self._job_answers) >= 16:  # bounded: the stale ones go
+                self._job_answers = {
+                    k: v for k, v in self._job_answers.items() if now - v[0] < JOB_ANSWER_TTL_S
+                }
+            self._job_answers[request.job_id] = (now, answer)
+        return answer
+
+    def _job_answer(self, job_id: str, now: float) -> bytes:
+        view = self.state.view(job_id, now)
         return pb.GetJobResponse(
             summary=_summary(view),
             members=[
@@ -489,7 +513,7 @@ class RendezvousServicer:
             standbys=view.standbys,
             seats_kept=view.seats_kept,
             seats_kept_ms=int(view.seats_kept_s * 1000),
-        )
+        ).SerializeToString()
 
     # -- registration ---------------------------------------------------------
 
