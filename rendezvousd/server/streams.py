@@ -141,24 +141,16 @@ class HeartbeatStreams:
                 return
             async for request in iterator:
                 if request.leave:
-                    if request.HasField("progress") and request.progress != reported:
-                        # The goodbye carries the last steps: what GetJob and `status`
-                        # then show of the ended job (it showed the beat before's).
-                        with contextlib.suppress(RendezvousFault):
-                            self.state.report_progress(
-                                *key[:2], key[3], _progress(request.progress), mode=key[2]
-                            )
+                    # The goodbye carries the last steps: what GetJob and `status` then
+                    # show of the ended job (it showed the beat before's).
+                    with contextlib.suppress(RendezvousFault):
+                        self._report(key, request, reported)
                     await self._leave(key, first.instance_id, queue)
                     return
                 now = self._now()
                 try:
                     self.state.heartbeat(key[0], key[1], key[3], now, mode=key[2])
-                    # Converted only when it changed: most beats repeat the last one.
-                    if request.HasField("progress") and request.progress != reported:
-                        reported = request.progress
-                        self.state.report_progress(
-                            *key[:2], key[3], _progress(reported), mode=key[2]
-                        )
+                    reported = self._report(key, request, reported)
                 except RendezvousFault:
                     break  # the generation ended; its events were already pushed
                 if now - acked >= ack_every:
@@ -168,6 +160,16 @@ class HeartbeatStreams:
             pass
         finally:
             queue.put_nowait(None)
+
+    def _report(
+        self, key: _StreamKey, request: pb.HeartbeatRequest, reported: pb.Progress | None
+    ) -> pb.Progress | None:
+        """``request``'s progress given to the state when it differs from ``reported``
+        (converted only then: most beats repeat the last one); the progress reported."""
+        if not request.HasField("progress") or request.progress == reported:
+            return reported
+        self.state.report_progress(*key[:2], key[3], _progress(request.progress), mode=key[2])
+        return request.progress
 
     async def _leave(self, key: _StreamKey, instance_id: str, queue: asyncio.Queue[_Item]) -> None:
         """The stream's goodbye: applied at once, before anything can end the stream
