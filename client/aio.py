@@ -247,7 +247,7 @@ class AsyncRendezvousClient(steps.ClientBase):
     def _open_stream(self) -> None:
         """``steps.OpenStream``: the heartbeat stream's call, open before the join, its
         requests held back until start_heartbeat() (none while one is running)."""
-        if self._hb_task is not None and not self._hb_task.done():
+        if self._heartbeat_running():
             return
         if self._opened is not None:
             if not self._opened[0].done():

@@ -350,8 +350,7 @@ class RendezvousClient(steps.ClientBase):
     def _open_stream(self) -> None:
         """``steps.OpenStream``: the heartbeat stream's call, open before the join, its
         requests held back until start_heartbeat() (none while one is running)."""
-        thread = self._hb_thread
-        if thread is not None and thread.is_alive():
+        if self._heartbeat_running():
             return
         with self._opened_lock:
             if self._opened is not None and not self._opened[0].done():
