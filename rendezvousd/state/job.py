@@ -214,6 +214,10 @@ class Generation:
     # it; a newcomer gets only the seats they leave (``placement.claim``).
     owed: dict[str, str] = field(default_factory=dict)
     owed_until: float = 0.0
+    # Kept seats claimed by host (a client too old to send previous_instance_id) ->
+    # the claimer's instance id: provisional until owed_until, since the node that
+    # held the seat may still come for it (``joins.take_back``).
+    by_host: dict[str, str] = field(default_factory=dict)
     # Node instances of this generation that will not re-join (a final Leave): none
     # of the seats above is kept for them. Not stored: a restart forgets it, which
     # costs at most one seat hold.

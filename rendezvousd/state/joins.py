@@ -106,6 +106,8 @@ def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tup
         return node, False
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
+    if args.previous and (claimer := job.gen.by_host.get(args.previous)):
+        take_back(sm, job, job.gen.nodes[claimer], now)
     kept = placement.claim(job, args, now)
     if len(job.gen.nodes) >= job.max_nodes or (kept is None and not placement.has_room(job, now)):
         raise placement.world_full(job, args.host, now)
@@ -122,10 +124,44 @@ def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tup
     )
     if kept is not None:
         del job.gen.owed[kept]
+        if args.previous is None and kept != args.instance_id:
+            job.gen.by_host[kept] = args.instance_id
     job.gen.nodes[args.instance_id] = node
     job.gen.last_arrival = now
     settle_holder(sm, job, now)  # it may be the new node 0
     return node, True
+
+
+def take_back(sm: RendezvousState, job: Job, claimer: Node, now: float) -> None:
+    """The node that held a kept seat came for it, and ``claimer`` had claimed it by
+    host alone (``Generation.by_host``): the seat is kept for its holder again, and the
+    claimer stays as a newcomer where the world has room for one beside the seats
+    kept, else is refused. Hand the seat to whichever came first, and a JoinNode
+    without ``previous_instance_id`` (any token holder can send one; an old client's
+    replacement pod may reuse a survivor's hostname) would leave the survivor, holding
+    the job's in-memory state, outside the world."""
+    seat = claimer.kept
+    del job.gen.by_host[seat]
+    job.gen.owed[seat] = claimer.host
+    claimer.kept = ""
+    if len(job.gen.nodes) + len(job.gen.owed) <= job.max_nodes:
+        return
+    fault = job.fault(
+        Code.RESOURCE_EXHAUSTED,
+        Reason.WORLD_FULL,
+        f"the seat of {job.named} that the node agent on {claimer.host!r} took was kept for "
+        "the node agent that held it in the last generation, and was taken back by the "
+        f"node agent that held it; no other seat is free (max_nodes={job.max_nodes}). This "
+        "node agent's JoinNode named no previous_instance_id (a client older than that "
+        "field), so it took a seat kept on its host: upgrade its SDK",
+        max_nodes=str(job.max_nodes),
+        offending_host=claimer.host,
+    )
+    for waiter, key in list(job.gen.join_waiters.items()):
+        if key == claimer.instance_id:
+            del job.gen.join_waiters[waiter]
+            sm.calls.wake(waiter, fault=fault)
+    unseat(sm, job, claimer, now)
 
 
 def _worker_seat(
@@ -233,7 +269,10 @@ def seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
     its seat goes to the standbys parked for one, called in the order they parked
     and kept for them in turn, then to any newcomer."""
     gen = job.gen
-    if not gen.owed or now < gen.owed_until:
+    if now < gen.owed_until:
+        return
+    gen.by_host.clear()  # nobody came for those seats: their claims stand
+    if not gen.owed:
         return
     hosts = sorted({host or "a woken node" for host in gen.owed.values()})
     called = call_standbys(sm, job, job.max_nodes - len(gen.nodes))
@@ -328,7 +367,8 @@ def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
     """Forms the generation if it may form now, its id known; whether it did. Workers
     form it when every rank joined; nodes when max_nodes joined, or min_nodes and the
     last call passed (or every node expected back is here), and their named node ranks
-    fit."""
+    fit, and no seat is held by a claim on its host alone while its holder may still
+    come for it (``take_back``)."""
     if job.state is not JobState.FORMING or job.gen.unique_id is None:
         return False
     if job.gen.join_mode is not _NODE:
@@ -337,6 +377,8 @@ def try_form(sm: RendezvousState, job: Job, now: float) -> bool:
         rounds.form(sm, job, now, f"all {job.world_size} ranks joined")
         return True
     count = len(job.gen.nodes)
+    if job.gen.by_host:
+        return False
     if count < job.min_nodes or (
         count < job.max_nodes
         and now < job.gen.last_arrival + job.last_call_s
@@ -358,6 +400,8 @@ def unseat(sm: RendezvousState, job: Job, seat: Member | Node, now: float) -> No
         return  # a retry of the same join is still waiting for the seat
     if isinstance(seat, Node):
         job.gen.nodes.pop(seat.instance_id, None)
+        if job.gen.by_host.get(seat.kept) == seat.instance_id:
+            del job.gen.by_host[seat.kept]
         if seat.kept and now < job.gen.owed_until:
             job.gen.owed[seat.kept] = seat.host  # kept for its retry, not a newcomer
     elif job.gen.members.pop(seat.rank, None) and all(

@@ -26,6 +26,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.state.machine import RendezvousState
+from rendezvousd.state.placement import JoinArgs
 from rendezvousd.storage.persistence import Persister
 from tests.daemon.test_node_state import ID2, fault, node, rejoin, three_elastic, woken
 from tests.daemon.test_standby import lose_b, running_pair, spare
@@ -63,12 +64,63 @@ def test_a_newcomer_cannot_take_the_seat_kept_for_a_survivor() -> None:
     assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"s", "a2"}
 
 
+def old_client(inst: str, host: str, **kw: object) -> JoinArgs:
+    """A JoinNode from a client older than ``previous_instance_id`` (absent: None)."""
+    return replace(node(inst, **kw), host=host)  # type: ignore[arg-type]
+
+
 def test_a_client_too_old_to_name_its_seat_takes_the_one_kept_on_its_host() -> None:
+    """Provisionally: the node that held the seat may come back for it until the hold
+    ends, so the generation does not form on that claim; at the hold's end it does."""
     sm = generation_2_keeps_a_seat()
     assert fault(sm.join, node("r"), 1.3).reason == "WORLD_FULL"  # another host
-    old = replace(node("a2"), host="host-a")  # previous None: it did not say
-    out = sm.join(old, 1.6)
+    parked = sm.join(old_client("a2", "host-a"), 1.6)
+    assert isinstance(parked, Parked) and sm.jobs["j"].state is JobState.FORMING
+    sm.tick(1.0 + TIMEOUT - 0.1)
+    assert sm.jobs["j"].state is JobState.FORMING
+    sm.take_effects()
+    sm.tick(1.0 + TIMEOUT + 0.1)
+    out = woken(sm)[parked.waiter]
     assert isinstance(out, JoinResult) and out.num_nodes == 2
+    assert set(sm.jobs["j"].gen.nodes) == {"s", "a2"}
+
+
+def test_a_survivor_takes_its_seat_back_from_a_node_that_claimed_it_by_host() -> None:
+    """helper-45's seat theft: a JoinNode without previous_instance_id (any token holder
+    can send one; an old client's replacement pod may reuse the hostname) claimed the
+    survivor's seat by its host, and the survivor, naming the seat, was refused
+    WORLD_FULL and left outside the world holding the job's state. Now the survivor
+    takes it back; the claimer, with no seat left, hears why."""
+    sm = generation_2_keeps_a_seat()
+    squatter = sm.join(old_client("x", "host-a"), 1.3)
+    assert isinstance(squatter, Parked)
+    sm.take_effects()
+    out = sm.join(node("a2", previous="a"), 1.6)
+    assert isinstance(out, JoinResult) and out.num_nodes == 2
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"s", "a2"}
+    told = woken(sm)[squatter.waiter]
+    assert isinstance(told, RendezvousFault) and told.reason == "WORLD_FULL", told
+    assert "taken back by the node agent that held it" in told.message
+    assert "previous_instance_id" in told.message and "'host-a'" in told.message
+
+
+def test_a_node_that_claimed_a_seat_by_host_stays_as_a_newcomer_where_there_is_room() -> None:
+    """--nnodes 2:3, c lost: x (an old client on a's host) claims a's seat; a comes
+    back for it, x keeps a seat as a newcomer (the world has room for it beside the
+    seat kept for b), and the generation forms with all three once b is back."""
+    sm = RendezvousState()
+    nodes = three_elastic(sm)
+    sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)
+    first = sm.join(old_client("x", "host-a", lo=2, hi=3), 1.1)
+    assert first.id_required  # type: ignore[union-attr]
+    squatter = sm.join(old_client("x", "host-a", lo=2, hi=3, uid=ID2), 1.1)
+    assert isinstance(squatter, Parked)
+    assert isinstance(rejoin(sm, "a2", 1.2), Parked)
+    assert isinstance(rejoin(sm, "b2", 1.3), JoinResult)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"x", "a2", "b2"}
+    assert isinstance(woken(sm)[squatter.waiter], JoinResult)
 
 
 def test_a_node_naming_a_seat_not_kept_is_a_newcomer_even_on_a_kept_host() -> None:

@@ -414,7 +414,9 @@ class JoinNodeRequest(_message.Message):
     names a kept seat here takes it, and a newcomer gets only the seats left
     (WORLD_FULL otherwise), so it cannot take a survivor's place. Absent (a
     client older than the field): the node takes a kept seat of its own host,
-    if any.
+    if any, provisionally: the generation does not form on that claim while the
+    seat is kept, and the node that held the seat takes it back if it comes (the
+    claimer then stays as a newcomer where there is room, else WORLD_FULL).
     """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
