@@ -360,6 +360,12 @@ class Pki:
     rogue: Path
     rogue_key: Path
 
+    def serve_args(self, *, mtls: bool = False) -> tuple[str, ...]:
+        """``rendezvousd serve``'s flags for TLS with this server certificate, and with
+        ``mtls`` client certificates from this CA required too."""
+        args = ("--tls-cert", str(self.server), "--tls-key", str(self.server_key))
+        return (*args, "--tls-client-ca", str(self.ca)) if mtls else args
+
 
 def make_pki(root: Path) -> Pki:
     import trustme

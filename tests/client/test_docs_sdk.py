@@ -183,10 +183,7 @@ def test_example_runs_as_written(guide_daemon: DaemonProcess, tmp_path: Path, na
 def test_tls_example_runs_as_written(
     start_daemon: Callable[..., DaemonProcess], pki: Pki, tmp_path: Path, name: str
 ) -> None:
-    d = start_daemon(
-        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
-        "--tls-client-ca", str(pki.ca),
-    )  # fmt: skip
+    d = start_daemon(*pki.serve_args(mtls=True))
     tls = {
         "RENDEZVOUSD_TLS_CA": str(pki.ca),
         "RENDEZVOUSD_TLS_CERT": str(pki.client),

@@ -153,10 +153,7 @@ async def test_only_a_daemon_that_accepts_the_client_is_reachable(
     client_tls: str | None,
     kind: str,
 ) -> None:
-    args = ["--tls-cert", str(pki.server), "--tls-key", str(pki.server_key)]
-    if daemon_tls == "mtls":
-        args += ["--tls-client-ca", str(pki.ca)]
-    d = start_daemon(*args)
+    d = start_daemon(*pki.serve_args(mtls=daemon_tls == "mtls"))
     tls = {
         None: None,
         "ca": TlsConfig(ca=pki.ca),
@@ -292,6 +289,6 @@ async def test_a_tls_daemon_is_told_to_a_plaintext_join_with_a_short_connect_tim
     pki: Pki, start_daemon: Callable[..., DaemonProcess], kind: str
 ) -> None:
     """The probes share the short connect timeout, and still each get enough time."""
-    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    d = start_daemon(*pki.serve_args())
     with pytest.raises(AuthenticationError, match="speaks TLS: pass --tls-ca"):
         await _join(kind, d.endpoint, None, 0.2)

@@ -406,7 +406,7 @@ def _tls_health(endpoint: str, credentials: grpc.ChannelCredentials | None) -> g
 
 
 def test_tls_daemon(pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str) -> None:
-    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    d = start_daemon(*pki.serve_args())
     assert "tls=True" in d.log()
     with RendezvousClient(
         d.endpoint, job_id, token=d.token, tls=TlsConfig(ca=pki.ca), connect_timeout=10
@@ -430,14 +430,7 @@ def test_tls_daemon(pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id
 def test_mtls_requires_a_client_certificate_from_the_ca(
     pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str
 ) -> None:
-    d = start_daemon(
-        "--tls-cert",
-        str(pki.server),
-        "--tls-key",
-        str(pki.server_key),
-        "--tls-client-ca",
-        str(pki.ca),
-    )
+    d = start_daemon(*pki.serve_args(mtls=True))
     ca = pki.ca.read_bytes()
     assert _tls_health(d.endpoint, grpc.ssl_channel_credentials(ca)) is not grpc.StatusCode.OK
     rogue = grpc.ssl_channel_credentials(ca, pki.rogue_key.read_bytes(), pki.rogue.read_bytes())
@@ -467,10 +460,7 @@ def test_mtls_requires_a_client_certificate_from_the_ca(
 def test_sdk_names_a_tls_refusal_at_once_instead_of_waiting_for_the_daemon(
     pki: Pki, start_daemon: Callable[..., DaemonProcess], job_id: str, case: str, expected: str
 ) -> None:
-    d = start_daemon(
-        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
-        "--tls-client-ca", str(pki.ca),
-    )  # fmt: skip
+    d = start_daemon(*pki.serve_args(mtls=True))
     tls = {
         "no client certificate": TlsConfig(ca=pki.ca),
         "daemon signed by another CA": TlsConfig(
@@ -496,7 +486,7 @@ def test_sdk_names_a_tls_refusal_at_once_instead_of_waiting_for_the_daemon(
 def test_health_and_status_commands_speak_tls(
     pki: Pki, start_daemon: Callable[..., DaemonProcess]
 ) -> None:
-    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    d = start_daemon(*pki.serve_args())
     tls = ["--tls-ca", str(pki.ca), "--tls-server-name", "localhost"]
     base = [sys.executable, "-m", "rendezvousd.cli"]
     health = subprocess.run(
@@ -538,10 +528,7 @@ def test_probe_commands_name_a_tls_flag_that_cannot_work(
     pki: Pki, start_daemon: Callable[..., DaemonProcess], command: str,
     flags: tuple[str, ...], said: str,
 ) -> None:  # fmt: skip
-    d = start_daemon(
-        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
-        "--tls-client-ca", str(pki.ca),
-    )  # fmt: skip
+    d = start_daemon(*pki.serve_args(mtls=True))
     paths = {"missing": pki.root / "missing.pem", "root": pki.root}
     args = [flag if flag.startswith("--") else str(paths.get(flag) or getattr(pki, flag))
             for flag in flags]  # fmt: skip
@@ -566,10 +553,7 @@ def test_probe_commands_name_a_tls_flag_that_cannot_work(
 def test_health_says_why_a_tls_daemon_refused_it(
     pki: Pki, start_daemon: Callable[..., DaemonProcess], flags: tuple[str, ...], said: str
 ) -> None:
-    d = start_daemon(
-        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
-        "--tls-client-ca", str(pki.ca),
-    )  # fmt: skip
+    d = start_daemon(*pki.serve_args(mtls=True))
     args = [f if f.startswith("--") else str(getattr(pki, f)) for f in flags]
     done = subprocess.run(
         [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", d.endpoint,

@@ -109,7 +109,7 @@ def test_a_client_ca_that_is_not_pem_is_named(tmp_path: Path, pki: Pki, content:
         bogus.write_bytes(der)
     else:
         bogus.write_text(content)
-    tls = ("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    tls = pki.serve_args()
     code, out, err = _serve(
         tmp_path, "--listen", "127.0.0.1:0", *tls, "--tls-client-ca", str(bogus)
     )
@@ -119,17 +119,14 @@ def test_a_client_ca_that_is_not_pem_is_named(tmp_path: Path, pki: Pki, content:
 
 
 def test_matching_pair_serves(start_daemon: Callable[..., DaemonProcess], pki: Pki) -> None:
-    d = start_daemon("--tls-cert", str(pki.server), "--tls-key", str(pki.server_key))
+    d = start_daemon(*pki.serve_args())
     assert d.proc.poll() is None
 
 
 def test_metrics_are_served_over_tls_with_the_daemons_certificate(
     pki: Pki, start_daemon: Callable[..., DaemonProcess]
 ) -> None:
-    d = start_daemon(
-        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
-        "--metrics-listen", "127.0.0.1:0",
-    )  # fmt: skip
+    d = start_daemon(*pki.serve_args(), "--metrics-listen", "127.0.0.1:0")
     assert d.metrics_url.startswith("https://127.0.0.1:"), d.metrics_url
     context = ssl.create_default_context(cafile=str(pki.ca))
     page = urllib.request.urlopen(d.metrics_url, timeout=5, context=context).read()

@@ -263,10 +263,7 @@ def test_one_address_cannot_hold_every_connection(daemon: DaemonProcess) -> None
 def test_under_tls_the_page_is_https_and_its_cookie_secure(
     pki: Pki, start_daemon: Callable[..., DaemonProcess]
 ) -> None:
-    d = start_daemon(
-        "--tls-cert", str(pki.server), "--tls-key", str(pki.server_key),
-        "--metrics-listen", "127.0.0.1:0",
-    )  # fmt: skip
+    d = start_daemon(*pki.serve_args(), "--metrics-listen", "127.0.0.1:0")
     host, port = _address(d)
     context = ssl.create_default_context(cafile=str(pki.ca))
     conn = http.client.HTTPSConnection(host, port, timeout=10, context=context)

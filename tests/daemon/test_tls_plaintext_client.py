@@ -63,10 +63,7 @@ HANDSHAKE_LINES_MAX = _one_clients_lines()
 
 
 def _tls_daemon(start_daemon: Callable[..., DaemonProcess], pki: Pki, mtls: bool) -> DaemonProcess:
-    args = ["--tls-cert", str(pki.server), "--tls-key", str(pki.server_key)]
-    if mtls:
-        args += ["--tls-client-ca", str(pki.ca)]
-    return start_daemon(*args)
+    return start_daemon(*pki.serve_args(mtls=mtls))
 
 
 @pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
