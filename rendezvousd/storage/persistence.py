@@ -566,7 +566,11 @@ class Persister:
                 self._undo[k] = (self._version, generation, written[k])
 
     def _fail(self, writes: list[JobWrite], exc: BaseException) -> None:
-        log.error(
+        # One ERROR per outage: it says what fails and what the daemon does until
+        # storage is back; a commit during it (a member lost, a goodbye: changes not
+        # refused up front) fails the same way, and recover() logs its tries as these.
+        log.log(
+            logging.ERROR if self.healthy else logging.DEBUG,
             "cannot write the state database %s: %s; refusing changes (health NOT_SERVING) "
             "until it takes writes again",
             self.store.path if self.store else "",

@@ -185,7 +185,9 @@ class SqliteStore:
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
-            raise RuntimeError("state database used before open()")
+            # Closed by a storage retry that found the directory gone (reopened by the
+            # next one that finds it back), or not opened yet.
+            raise sqlite3.OperationalError(f"state database {self.path} is not open")
         return self._db
 
     def load(self) -> dict[str, StoredJob]:

@@ -122,3 +122,25 @@ def test_a_dir_put_back_writable_by_others_is_refused_as_at_start_up(
     assert not _recover(persister) and not persister.healthy
     state.chmod(0o700)
     assert _recover(persister) and persister.healthy
+
+
+def test_a_commit_during_an_outage_is_refused_without_a_second_error_line(
+    tmp_path: Path, persister: Persister, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A change the daemon cannot refuse up front (a member lost, a goodbye) still
+    commits during an outage. Once a retry had closed the database, that commit logged
+    a second ERROR, "RuntimeError: state database used before open()", as if the
+    daemon had a bug; the outage's first line already said what fails and what the
+    daemon does meanwhile."""
+    (tmp_path / "state").rename(tmp_path / "away")
+    with caplog.at_level("DEBUG", logger="rendezvousd"):
+        with pytest.raises(RendezvousFault):
+            _kv_set(persister, b"lost")
+        assert not _recover(persister)
+        persister.touch("j")  # the tick's loss of a silent member, say
+        with pytest.raises(RendezvousFault):
+            asyncio.run(persister.durable("j"))
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "refusing changes" in errors[0], errors
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "before open()" not in said, said
