@@ -77,6 +77,7 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
         max((p.restarts_used for p in budgets), default=None),
         min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
         grid.job_step((m.state, m.step) for m in members),
-        (kept := placement.kept_for_others(job, now)),
+        # A seat claimed by host alone is kept still: its holder may take it back.
+        (kept := placement.kept_for_others(job, now) + len(job.gen.by_host)),
         max(0.0, job.gen.owed_until - now) if kept else 0.0,
     )

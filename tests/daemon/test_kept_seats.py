@@ -76,6 +76,7 @@ def test_a_client_too_old_to_name_its_seat_takes_the_one_kept_on_its_host() -> N
     assert fault(sm.join, node("r"), 1.3).reason == "WORLD_FULL"  # another host
     parked = sm.join(old_client("a2", "host-a"), 1.6)
     assert isinstance(parked, Parked) and sm.jobs["j"].state is JobState.FORMING
+    assert sm.view("j", 1.6).seats_kept == 1  # what status and GetJob show meanwhile
     sm.tick(1.0 + TIMEOUT - 0.1)
     assert sm.jobs["j"].state is JobState.FORMING
     sm.take_effects()
