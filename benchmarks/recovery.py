@@ -41,7 +41,13 @@ backends: ``c10d`` as shipped, ``c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STOR
 (the setting shared/ANCHORS.md found it needs to restart at all), ``rendezvousd``
 (ours, through torch's plugin point), and ``rendezvousd-warm``: ours with
 ``PYTHON_EXEC=rendezvous-python``, whose workers are forked from a per-node server that
-imported torch once (``trainer/torchrun/warm.py``). Everything else is the same in all
+imported torch once (``trainer/torchrun/warm.py``). Both c10d runs use its best
+documented settings (``--rdzv-conf``, integer seconds): ``last_call_timeout=1`` and a
+keep-alive of ``keep_alive_interval=1,keep_alive_max_attempt=3`` (30 s and 3 x 5 s by
+default). c10d's store lives in one agent: agent 0's (``is_host``), and on every backend
+the fault hits the highest rank outside node 0, so the store's host is never killed, as
+our separate daemon is never killed (killing it ends a c10d job: no restart; with the
+host left to chance, 2 of 5 runs killed it). Everything else is the same in all
 four: the script, torchrun's flags, the faults; the warm server's own start (its
 import of torch, while the first round forms) is before the kill, as every agent's
 and worker's start-up is. A node kill SIGKILLs the agent and every
@@ -435,15 +441,18 @@ class TorchrunRun:
                 f"token_file={d.token_file}",
             ]
         else:
-            # c10d's last call (min < max) defaults to 30 s; 1 s is its smallest
-            # (an integer), against rendezvous-run's 0.3 s.
+            # c10d at its best documented settings (--rdzv-conf, all integers in
+            # seconds): its last call (min < max) defaults to 30 s, 1 s is its smallest,
+            # against rendezvous-run's 0.3 s; a dead node is noticed when its keep-alive
+            # is keep_alive_max_attempt x keep_alive_interval old, 3 x 5 s by default,
+            # 3 x 1 s here (ours hears a killed agent's stream close at once).
             rdzv = [
                 "--rdzv-backend",
                 "c10d",
                 "--rdzv-endpoint",
                 f"127.0.0.1:{port}",
                 "--rdzv-conf",
-                "last_call_timeout=1",
+                "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
             ]
         self.cmd = [
             sys.executable,
@@ -484,11 +493,19 @@ class TorchrunRun:
         # redundancy list and ours stands by (whichever agent comes last).
         for n in range(NODES + (self.fault == "node_kill_standby")):
             err = (self.work / f"agent{n}.err").open("w")
+            cmd = self.cmd
+            if self.backend.startswith("c10d"):
+                # c10d's store lives in one agent (by default the first to bind its
+                # port): agent 0's, named so, and never the node killed (``run``), as
+                # our daemon is never killed. Killing it ends the whole job (seen: no
+                # restart), a c10d limit these runs leave out rather than hit at random.
+                at = cmd.index("--rdzv-conf") + 1
+                cmd = [*cmd[:at], f"{cmd[at]},is_host={int(n == 0)}", *cmd[at + 1 :]]
             # Its own session: a node kill takes the agent and its workers, as a
             # machine's death would (torchrun's workers outlive a SIGKILLed agent).
             self.agents.append(
                 subprocess.Popen(
-                    self.cmd,
+                    cmd,
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                     env=self.env,
@@ -510,8 +527,11 @@ class TorchrunRun:
             )
             before = self.steps.read()
             old_pids = {s["pid"] for s in before}
-            victim = max(before, key=lambda s: s["rank"])  # node 2's last worker
-            # The agent whose node that worker is on (not the one standing by).
+            # The highest rank outside agent 0's node (every backend alike: c10d's
+            # store is in agent 0, ``start``), and the agent whose node it is on (not
+            # the one standing by).
+            host_tree = _tree(self.agents[0].pid)
+            victim = max((s for s in before if s["pid"] not in host_tree), key=lambda s: s["rank"])
             node = next(a for a in self.agents if victim["pid"] in _tree(a.pid))
             killed_at = time.time()
             if self.fault == "worker_kill":
