@@ -9,6 +9,33 @@ algbw = bytes / time and busbw = algbw * 2(n-1)/n, in GB/s (1e9 bytes per second
 Workers are spawned processes; they exchange ring addresses and report timings as
 JSON lines over a loopback control socket (nothing is pickled but the entry arguments).
 torch is never a dependency: gloo runs only if ``import torch`` works in this interpreter.
+
+**How both sides are timed** (the same code, ``_time_sizes``, for every backend). Start-up,
+imports and connects (our ring's sockets and shared memory; gloo's
+``init_process_group`` over a TCPStore) are outside the clock on both sides. Per size,
+each rank all-reduces (sum, in place) a float32 array of ones: 2 untimed warm-up calls,
+then one barrier (our communicator's, or ``dist.barrier``) so that no rank's first timed
+call waits for a slower peer's warm-up; there is no barrier between the timed calls,
+which run back to back (so a rank's call can include waiting for a peer still in the one
+before). Each rank times each call on its own with ``time.perf_counter`` (both
+all-reduces return only when done); calls per size: ``--iters``, or by size
+(``default_iters``: at least 5, at most 40, ~256 MiB per rank). Iteration k's time is
+the slowest rank's k-th time; ``time_s`` is the mean of those and gives ``algbw_gbps``
+and ``busbw_gbps``; ``best_time_s`` (the fastest iteration) gives ``best_busbw_gbps``.
+gloo's workers call ``torch.set_num_threads(1)`` before joining and otherwise run gloo
+at its defaults (its own all-reduce algorithm, default device); ours use numpy, with
+``--chunk-bytes`` as the ring's largest chunk.
+
+**Transports.** gloo has no shared-memory transport: on one host its ranks exchange
+over TCP sockets, through the kernel's loopback. Our one-host figure (``cpu_shm``, the
+``measured_busbw_gbps`` judged against the targets) uses shared memory between the
+ranks' processes, a transport gloo does not have here, so ours vs gloo on one host is
+shared memory vs loopback TCP. Our ``cpu_ring`` figure (``tcp_ring_busbw_gbps``) is the
+TCP ring that ranks on different hosts use; on one machine it runs over loopback
+(127.0.0.1: no NIC, no network), the transport gloo uses here, and is the like-for-like
+figure beside gloo's. Neither loopback figure is a network measurement. The targets'
+``gloo_reference_gbps`` were measured earlier on the 2-core development machine;
+``gloo_measured_busbw_gbps`` is gloo in this run.
 """
 
 from __future__ import annotations
