@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -99,24 +100,33 @@ class Node(Attendee):
     # The seat kept for it that it took (``Generation.owed``'s key), given back if
     # it leaves the forming generation while the seat is still kept.
     kept: str = ""
+    # Its node rank in the last generation (the kept seat's), while forming: the nodes
+    # expected back take the free ranks in this order, ahead of newcomers.
+    before: int | None = None
 
 
 class NodeTable(dict[str, Node]):
     """A generation's node agents by instance id, in arrival order, with the two
-    lookups every JoinNode makes kept O(1): who holds a named node rank, and the
-    earliest arrival that named none. (A scan of every node on each join made forming
-    1,024+ nodes quadratic: 11 of 24 s of the daemon's CPU at 4,096 agents.)"""
+    lookups every JoinNode makes kept cheap: who holds a named node rank, and the
+    first unnamed node in rank order (``first_unnamed``). (A scan of every node on each
+    join made forming 1,024+ nodes quadratic: 11 of 24 s of the daemon's CPU at 4,096
+    agents.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.named_at: dict[int, Node] = {}
         self.unnamed: dict[str, Node] = {}  # arrival order, as the table itself
+        # (rank before, arrival, instance id) of the unnamed nodes expected back: a heap
+        # whose entries for a node gone or changed are dropped when met (``first_unnamed``).
+        self._before: list[tuple[int, float, str]] = []
 
     def _index(self, node: Node) -> None:
         if node.named:
             self.named_at[node.node_rank] = node
         else:
             self.unnamed[node.instance_id] = node
+            if node.before is not None:
+                heapq.heappush(self._before, (node.before, node.arrived, node.instance_id))
 
     def _unindex(self, node: Node) -> None:
         if node.named:
@@ -144,9 +154,27 @@ class NodeTable(dict[str, Node]):
         super().clear()
         self.named_at.clear()
         self.unnamed.clear()
+        self._before.clear()
 
     def first_unnamed(self) -> Node | None:
+        """The unnamed node that takes the first free rank (``placement.assignment``):
+        the one expected back with the lowest rank before, else the earliest arrival."""
+        while self._before:
+            before, arrived, inst = self._before[0]
+            node = self.get(inst)
+            if node and not node.named and (node.before, node.arrived) == (before, arrived):
+                return node
+            heapq.heappop(self._before)
         return next(iter(self.unnamed.values()), None)
+
+    def in_rank_order(self) -> list[Node]:
+        """The unnamed nodes in the order they take the free ranks: those expected back
+        by their rank before, then the others by arrival."""
+        back = sorted(
+            (n for n in self.unnamed.values() if n.before is not None),
+            key=lambda n: (n.before, n.arrived),
+        )
+        return back + [n for n in self.unnamed.values() if n.before is None]
 
 
 @dataclass
@@ -218,6 +246,8 @@ class Generation:
     # the claimer's instance id: provisional until owed_until, since the node that
     # held the seat may still come for it (``joins.take_back``).
     by_host: dict[str, str] = field(default_factory=dict)
+    # The node rank each seat kept held in the last generation (``owed``'s keys).
+    ranks_before: dict[str, int] = field(default_factory=dict)
     # Node instances of this generation that will not re-join (a final Leave): none
     # of the seats above is kept for them. Not stored: a restart forgets it, which
     # costs at most one seat hold.

@@ -121,6 +121,7 @@ def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tup
         args.node_rank is not None,
         now,
         kept or "",
+        None if kept is None else job.gen.ranks_before.get(kept),
     )
     if kept is not None:
         del job.gen.owed[kept]
@@ -143,7 +144,7 @@ def take_back(sm: RendezvousState, job: Job, claimer: Node, now: float) -> None:
     seat = claimer.kept
     del job.gen.by_host[seat]
     job.gen.owed[seat] = claimer.host
-    claimer.kept = ""
+    claimer.kept, claimer.before = "", None  # a newcomer (its heap entry goes stale)
     if len(job.gen.nodes) + len(job.gen.owed) <= job.max_nodes:
         return
     fault = job.fault(
@@ -541,7 +542,9 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         job = rounds.open_job(sm, args.job_id, high, gpus, now)
     elif job.state in rounds.TERMINAL and not placement.returning(job, args):
         owed = placement.owed_back(job)
+        before = placement.ranks_before(job)
         rounds.next_generation(sm, job, now)
+        job.gen.ranks_before = {inst: before[inst] for inst in owed if inst in before}
         job.gen.rejoin_expected = len(owed)
         if owed:
             # It re-forms: a seat no node is expected back for (one gave up, a final

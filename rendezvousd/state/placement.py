@@ -195,22 +195,24 @@ def holder(job: Job) -> Member | Node | None:
         return job.gen.members.get(0)
     if job.gen.node_at:
         return job.gen.node_at.get(0)
-    # Nodes are kept in arrival order (a returning node is a new arrival), so the
-    # earliest unnamed one is the first.
+    # The first unnamed node in the order ``assignment`` gives the free ranks in.
     return job.gen.nodes.named_at.get(0) or job.gen.nodes.first_unnamed()
 
 
 def assignment(job: Job) -> dict[str, int] | None:
     """Node ranks for the nodes now present (by instance id), or None when the named
     ranks do not fit 0..n-1 yet: named ranks are kept, the others fill the free
-    ranks in arrival order."""
+    ranks in order: the nodes expected back after a failure in the order of their
+    last ranks, then the others by arrival (``NodeTable.in_rank_order``). So node 0
+    stays node 0 and the survivors keep their order whichever re-joins first (the
+    node whose own worker failed hears it first), and a newcomer comes after them."""
     count = len(job.gen.nodes)
     named = {n.node_rank for n in job.gen.nodes.values() if n.named}
     if any(r >= count for r in named):
         return None
     free = iter(r for r in range(count) if r not in named)
     ranks = {n.instance_id: n.node_rank for n in job.gen.nodes.values() if n.named}
-    for node in sorted((n for n in job.gen.nodes.values() if not n.named), key=lambda n: n.arrived):
+    for node in job.gen.nodes.in_rank_order():
         ranks[node.instance_id] = next(free)
     return ranks
 
@@ -260,6 +262,12 @@ def owed_back(job: Job) -> dict[str, str]:
     gone = job.gen.gone
     owed.update((inst, "") for inst in job.gen.woken if inst not in owed and inst not in gone)
     return owed
+
+
+def ranks_before(job: Job) -> dict[str, int]:
+    """The node rank of each node of ``job``'s formed generation, by instance id: the
+    order its nodes expected back keep (``Node.before``)."""
+    return {n.instance_id: rank for rank, n in job.gen.node_at.items()}
 
 
 def keep_seats(job: Job, owed: dict[str, str], hold_s: float, now: float) -> None:

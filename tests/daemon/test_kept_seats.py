@@ -28,7 +28,16 @@ from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.state.placement import JoinArgs
 from rendezvousd.storage.persistence import Persister
-from tests.daemon.test_node_state import ID2, fault, node, rejoin, three_elastic, woken
+from tests.daemon.test_node_state import (
+    ID2,
+    back,
+    fault,
+    node,
+    rejoin,
+    sdk_join,
+    three_elastic,
+    woken,
+)
 from tests.daemon.test_standby import lose_b, running_pair, spare
 
 TIMEOUT = RendezvousState().timing.heartbeat_timeout_s
@@ -58,7 +67,7 @@ def test_a_newcomer_cannot_take_the_seat_kept_for_a_survivor() -> None:
     f = fault(sm.join, node("r"), 1.3)
     assert f.reason == "WORLD_FULL"
     assert "1 node(s) and 1 seat(s) kept for nodes re-joining after the failure" in f.message
-    out = sm.join(node("a2", previous="a"), 1.6)
+    out = sdk_join(sm, node("a2", previous="a"), 1.6)  # node 0 again (a was), asked for the id
     assert isinstance(out, JoinResult) and out.generation == 2 and out.num_nodes == 2
     job = sm.jobs["j"]
     assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"s", "a2"}
@@ -74,7 +83,7 @@ def test_a_client_too_old_to_name_its_seat_takes_the_one_kept_on_its_host() -> N
     ends, so the generation does not form on that claim; at the hold's end it does."""
     sm = generation_2_keeps_a_seat()
     assert fault(sm.join, node("r"), 1.3).reason == "WORLD_FULL"  # another host
-    parked = sm.join(old_client("a2", "host-a"), 1.6)
+    parked = sdk_join(sm, old_client("a2", "host-a"), 1.6)
     assert isinstance(parked, Parked) and sm.jobs["j"].state is JobState.FORMING
     assert sm.view("j", 1.6).seats_kept == 1  # what status and GetJob show meanwhile
     sm.tick(1.0 + TIMEOUT - 0.1)
@@ -93,10 +102,10 @@ def test_a_survivor_takes_its_seat_back_from_a_node_that_claimed_it_by_host() ->
     WORLD_FULL and left outside the world holding the job's state. Now the survivor
     takes it back; the claimer, with no seat left, hears why."""
     sm = generation_2_keeps_a_seat()
-    squatter = sm.join(old_client("x", "host-a"), 1.3)
+    squatter = sdk_join(sm, old_client("x", "host-a"), 1.3)
     assert isinstance(squatter, Parked)
     sm.take_effects()
-    out = sm.join(node("a2", previous="a"), 1.6)
+    out = sdk_join(sm, node("a2", previous="a"), 1.6)
     assert isinstance(out, JoinResult) and out.num_nodes == 2
     job = sm.jobs["j"]
     assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"s", "a2"}
@@ -117,10 +126,12 @@ def test_a_node_that_claimed_a_seat_by_host_stays_as_a_newcomer_where_there_is_r
     assert first.id_required  # type: ignore[union-attr]
     squatter = sm.join(old_client("x", "host-a", lo=2, hi=3, uid=ID2), 1.1)
     assert isinstance(squatter, Parked)
-    assert isinstance(rejoin(sm, "a2", 1.2), Parked)
+    assert isinstance(back(sm, "a2", 1.2), Parked)
     assert isinstance(rejoin(sm, "b2", 1.3), JoinResult)
     job = sm.jobs["j"]
     assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"x", "a2", "b2"}
+    # x took a's rank before with its seat, and gave both back: it ranks as a newcomer.
+    assert {n.instance_id: r for r, n in job.gen.node_at.items()} == {"a2": 0, "b2": 1, "x": 2}
     assert isinstance(woken(sm)[squatter.waiter], JoinResult)
 
 
@@ -175,7 +186,7 @@ def test_forming_waits_for_the_survivors_not_for_a_newcomer_beside_them() -> Non
     sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)
     assert sm.join(node("r", lo=2, hi=3), 1.1).id_required  # type: ignore[union-attr]
     assert isinstance(sm.join(node("r", lo=2, hi=3, uid=ID2), 1.1), Parked)
-    assert isinstance(rejoin(sm, "a2", 1.2), Parked)
+    assert isinstance(back(sm, "a2", 1.2), Parked)
     sm.tick(1.3)
     assert sm.jobs["j"].state is JobState.FORMING  # two nodes, but b is expected
     out = rejoin(sm, "b2", 1.4)
@@ -190,12 +201,12 @@ def test_a_survivor_whose_wait_ends_gets_its_seat_kept_again() -> None:
     sm.detach_stream("j", 1, nodes["c-rank"], nodes["c"], 1.0, mode=JoinMode.NODE)
     assert sm.join(node("r", lo=2, hi=3), 1.1).id_required  # type: ignore[union-attr]
     assert isinstance(sm.join(node("r", lo=2, hi=3, uid=ID2), 1.1), Parked)
-    waiting = rejoin(sm, "a2", 1.2)
+    waiting = back(sm, "a2", 1.2)
     assert isinstance(waiting, Parked) and sm.jobs["j"].gen.owed == {"b": "host-b"}
     sm.cancel_wait(waiting.waiter, 1.5, timed_out=True)
     assert sm.jobs["j"].gen.owed == {"a": "host-a2", "b": "host-b"}  # where a now runs
     assert fault(sm.join, node("x", lo=2, hi=3), 1.6).reason == "WORLD_FULL"
-    assert isinstance(rejoin(sm, "a3", 1.7), Parked)
+    assert isinstance(back(sm, "a3", 1.7), Parked)
 
 
 def test_a_claim_whose_commit_fails_gives_the_seat_back_to_its_survivor() -> None:
@@ -210,7 +221,7 @@ def test_a_claim_whose_commit_fails_gives_the_seat_back_to_its_survivor() -> Non
     assert isinstance(sm.join(node("r", lo=2, hi=3, uid=ID2), 1.1), Parked)
     job = sm.jobs["j"]
     committed = snapshot.job_record(job)
-    assert isinstance(rejoin(sm, "a2", 1.2), Parked)  # this change's commit fails
+    assert isinstance(back(sm, "a2", 1.2), Parked)  # this change's commit fails
     assert job.gen.owed == {"b": "host-b"}
     undone = rollback.durable_job(committed, dict(job.gen.kv), job, 1.3)
     assert "a2" not in undone.gen.nodes

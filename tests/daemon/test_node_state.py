@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -388,6 +390,22 @@ def three_elastic(sm: RendezvousState) -> dict[str, int]:
     }
     sm.take_effects()
     return {inst: tokens[inst] for inst in "abc"} | {f"{i}-rank": r for i, r in ranks.items()}
+
+
+def sdk_join(sm: RendezvousState, args: JoinArgs, now: float) -> object:
+    """A join as the SDK makes it: asked for the id (its node ranks first of those
+    seated so far), it joins again with one, fresh for each node (a dropped id is not
+    taken again)."""
+    out = sm.join(args, now)
+    if isinstance(out, JoinResult) and out.id_required:
+        fresh = hashlib.sha256(args.instance_id.encode()).digest() * 4
+        out = sm.join(replace(args, unique_id=fresh), now)
+    return out
+
+
+def back(sm: RendezvousState, inst: str, now: float) -> object:
+    """``rejoin`` as the SDK makes it (``sdk_join``)."""
+    return sdk_join(sm, node(inst, lo=2, hi=3, previous=inst[0]), now)
 
 
 def rejoin(sm: RendezvousState, inst: str, now: float, uid: bytes = b"") -> object:

@@ -17,7 +17,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Code
 from rendezvousd.state.machine import JoinArgs, RendezvousState
-from tests.daemon.test_node_state import ID2, fault, join_first, node, woken
+from tests.daemon.test_node_state import ID2, fault, join_first, node, sdk_join, woken
 
 
 def spare(inst: str, *, lo: int = 2, hi: int = 2, uid: bytes = b"") -> JoinArgs:
@@ -82,8 +82,9 @@ def test_a_lost_node_calls_the_standby_and_the_next_generation_forms_at_once() -
     asked = sm.join(spare("s"), 1.1)
     assert isinstance(asked, JoinResult) and asked.id_required and asked.generation == 2
     assert isinstance(sm.join(spare("s", uid=ID2), 1.1), Parked)
-    # The survivor's rejoin completes it: no last call (5 s) is waited out.
-    out = sm.join(node("a2", previous="a"), 1.2)
+    # The survivor's rejoin completes it: no last call (5 s) is waited out. It was node
+    # 0 and is again: asked for the id (s's is dropped).
+    out = sdk_join(sm, node("a2", previous="a"), 1.2)
     assert isinstance(out, JoinResult) and out.num_nodes == 2 and out.generation == 2
     assert sm.jobs["j"].state is JobState.RUNNING
     assert sm.jobs["j"].standbys_called == set()

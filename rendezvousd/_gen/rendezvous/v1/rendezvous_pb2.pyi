@@ -380,8 +380,10 @@ class JoinNodeRequest(_message.Message):
     max_nodes: _builtins.int
     gpus_per_node: _builtins.int
     node_rank: _builtins.int
-    """Absent: the daemon assigns node ranks in arrival order when the generation
-    forms. Named node ranks must end up dense (0..nodes-1).
+    """Absent: the daemon assigns node ranks when the generation forms, in order: the
+    nodes re-joining after a failure (previous_instance_id) in the order of their
+    last node ranks, then the others in arrival order. Named node ranks must end up
+    dense (0..nodes-1).
     """
     host: _builtins.str
     unique_id: _builtins.bytes
