@@ -56,6 +56,7 @@ from rendezvousd.client.errors import (
     DaemonUnreachable,
     InvalidRequest,
     RendezvousError,
+    RendezvousTimeout,
     clean_exit,
     from_rpc_error,
 )
@@ -80,6 +81,10 @@ PROBE_PAUSE_S = 0.2
 PROBE_FLOOR_S = 0.5
 # Between asks whether a daemon that went away mid-wait is back (``back_within``).
 RECHECK_S = 0.25
+#: A node join whose wait ended WORLD_INCOMPLETE with more than this left of its own
+#: timeout was cut by the daemon's cap on waits: it joins again (``_send_join``). Taken
+#: for a cap when it was not, it only waits out the little left.
+CAPPED_WAIT_MARGIN_S = 0.1
 
 
 def _parks(request: Any) -> bool:
@@ -531,14 +536,17 @@ class Calls:
         plan = self.s.plan_join_node(**request)
         yield OpenStream()
         while True:
-            response = yield from self._send_join(plan, "JoinNode")
+            response = yield from self._send_join(plan, "JoinNode", again_at_cap=True)
             if not response.id_required:
                 return self.s.finish_node(response)
             # This node is node 0 of the generation: it makes rank 0's id.
             plan.request.unique_id = plan.make_id()
 
-    def _send_join(self, plan: JoinPlan, method: str) -> Steps[Any]:
-        """Send the plan's join until answered; a fenced id is replaced, not fatal."""
+    def _send_join(self, plan: JoinPlan, method: str, *, again_at_cap: bool = False) -> Steps[Any]:
+        """Send the plan's join until answered; a fenced id is replaced, not fatal; and,
+        ``again_at_cap``, a wait the daemon ended before the join's own timeout is waited
+        again. (Not a per-rank join: its rank 0 waits in PublishId, whose seat, freed at
+        the cap, a second PublishId cannot take back.)"""
         while True:
             left = plan.left()
             plan.request.wait_timeout_ms = timeout_ms(left)
@@ -546,6 +554,14 @@ class Calls:
                 return (yield from self.call(method, plan.request, timeout=left + SLACK_S))
             except InvalidRequest as exc:
                 if not plan.fresh_id_after(exc):
+                    raise
+            except RendezvousTimeout as exc:
+                # The daemon caps every wait (--max-wait-s, 600 s by default): a join
+                # given longer (torchrun's join_timeout=1800) heard WORLD_INCOMPLETE at
+                # the cap, its timeout silently cut. The same join again is the same
+                # seat's retry; only the join's own deadline ends it.
+                capped = again_at_cap and exc.reason == "WORLD_INCOMPLETE"
+                if not capped or plan.left() < CAPPED_WAIT_MARGIN_S:
                     raise
 
     def fetch_members(self) -> Steps[tuple[Member, ...]]:

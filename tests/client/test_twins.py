@@ -725,6 +725,33 @@ def daemon_back_late_in_the_window_is_reattached(w: World) -> object:
     return failure, c.kv_get("k", timeout=5)
 
 
+def join_outlasts_the_daemons_cap_on_waits(w: World) -> object:
+    """A daemon that caps waits at 1 s (--max-wait-s) and a node join given 8 s whose
+    peer comes at 2.5 s: the join is answered (torchrun's join_timeout=1800 against the
+    default 600 s cap heard WORLD_INCOMPLETE at 600 s, its timeout silently cut); a join
+    whose own timeout passes still hears it, at that timeout."""
+    d = w.start_daemon("--max-wait-s", "1")
+    first, second = w.client(d), w.client(d)
+
+    def join(c: Twin, seconds: float) -> int:
+        m = c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=seconds)
+        return int(m.node_rank)
+
+    def late() -> int:
+        time.sleep(2.5)
+        return join(second, 8)
+
+    ranks = sorted(all_of(parallel([lambda: join(first, 8), late])))
+    alone = Twin(w.kind, d.endpoint, f"{w.job_id}-alone", token=d.token)
+    w.made.append(alone)
+    started = time.monotonic()
+    try:
+        join(alone, 2.5)
+    except RendezvousError as exc:
+        return ranks, (type(exc).__name__, exc.reason, 2.4 < time.monotonic() - started < 6)
+    return ranks, None
+
+
 SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "join, barrier and kv": (
         join_barrier_kv,
@@ -810,6 +837,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         (([1], "RuntimeError: line1\nline2"), None, ["MEMBER_STATE_ACTIVE", "MEMBER_STATE_LEFT"]),
     ),
     "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 3),
+    "a join outlasting the daemon's cap on waits": (
+        join_outlasts_the_daemons_cap_on_waits,
+        ([0, 1], ("RendezvousTimeout", "WORLD_INCOMPLETE", True)),
+    ),
     "a second heartbeat": (
         a_second_heartbeat_is_refused,
         (("InvalidRequest", True), ["JobAborted"]),
