@@ -543,16 +543,24 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             f"({shortened(f.cause)})"
             for f in exc.failed
         )
+        # Elastic, the next round forms with the nodes left; a fixed size waits for a
+        # node to take the lost one's place.
+        waits_for = (
+            "the nodes left re-join (at least %d), not for the lost one"
+            if self._min < self._max
+            else "a lost node's replacement, or a standby, takes its place (%d nodes)"
+        ) % self._min
         log.warning(
             "rendezvousd: job %r round %d failed: lost %s. torch restarts this node's "
-            "workers into the next round, which waits up to %g s (join_timeout) for "
-            "--nnodes %d:%d nodes: a lost node's replacement, or a standby, takes its place",
+            "workers into the next round, which forms (--nnodes %d:%d) once %s; it waits "
+            "up to %g s (join_timeout)",
             self._run_id,
             exc.generation,
             lost,
-            self._settings.join_timeout,
             self._min,
             self._max,
+            waits_for,
+            self._settings.join_timeout,
         )
 
     def _end_round(self, node: NodeMembership) -> None:
