@@ -150,11 +150,11 @@ def take_back(sm: RendezvousState, job: Job, claimer: Node, now: float) -> None:
     fault = job.fault(
         Code.RESOURCE_EXHAUSTED,
         Reason.WORLD_FULL,
-        f"the seat of {job.named} that the node agent on {claimer.host!r} took was kept for "
-        "the node agent that held it in the last generation, and was taken back by the "
-        f"node agent that held it; no other seat is free (max_nodes={job.max_nodes}). This "
-        "node agent's JoinNode named no previous_instance_id (a client older than that "
-        "field), so it took a seat kept on its host: upgrade its SDK",
+        f"the seat of {job.named} that the node agent on {claimer.host!r} took, kept for "
+        "the node agent that held it in the last generation, was taken back by that node "
+        f"agent; no other seat is free (max_nodes={job.max_nodes}). This node agent's "
+        "JoinNode named no previous_instance_id (a client older than that field), so it "
+        "took a seat kept on its host: upgrade its SDK",
         max_nodes=str(job.max_nodes),
         offending_host=claimer.host,
     )

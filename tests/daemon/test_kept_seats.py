@@ -111,7 +111,7 @@ def test_a_survivor_takes_its_seat_back_from_a_node_that_claimed_it_by_host() ->
     assert job.state is JobState.RUNNING and set(job.gen.nodes) == {"s", "a2"}
     told = woken(sm)[squatter.waiter]
     assert isinstance(told, RendezvousFault) and told.reason == "WORLD_FULL", told
-    assert "taken back by the node agent that held it" in told.message
+    assert "was taken back by that node agent" in told.message
     assert "previous_instance_id" in told.message and "'host-a'" in told.message
 
 

@@ -68,7 +68,7 @@ def test_a_survivor_takes_back_the_seat_a_join_without_previous_id_claimed(
         with pytest.raises(grpc.RpcError) as told:
             squatter.result()
         assert told.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "taken back by the node agent that held it" in str(told.value.details())
+        assert "was taken back by that node agent" in str(told.value.details())
         # a2 is node 0 again, as a was (x held it with a's seat, and its id went with
         # it): asked for the id. (b2, node 0 for the moment between x's leaving and a2's
         # seat, may have been asked too: its id is not taken from a node not node 0.)

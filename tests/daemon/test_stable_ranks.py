@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rendezvousd.common.model import JobState, JoinMode, JoinResult, Parked
 from rendezvousd.state.machine import RendezvousState
-from tests.daemon.test_node_state import ID2, back, node, three_elastic, woken
+from tests.daemon.test_node_state import ID2, back, node, sdk_join, three_elastic, woken
 
 
 def _ranks(sm: RendezvousState) -> dict[str, int]:
@@ -41,8 +41,7 @@ def test_a_lost_nodes_rank_goes_to_the_next_survivor_in_order_and_newcomers_come
     sm = RendezvousState()
     before = three_elastic(sm)
     sm.detach_stream("j", 1, before["b-rank"], before["b"], 1.0, mode=JoinMode.NODE)
-    assert sm.join(node("r", lo=2, hi=3), 1.1).id_required  # type: ignore[union-attr]
-    assert isinstance(sm.join(node("r", lo=2, hi=3, uid=ID2), 1.1), Parked)
+    assert isinstance(sdk_join(sm, node("r", lo=2, hi=3), 1.1), Parked)  # node 0 for now
     assert isinstance(back(sm, "c2", 1.2), Parked)
     out = back(sm, "a2", 1.3)
     assert isinstance(out, JoinResult) and out.num_nodes == 3
