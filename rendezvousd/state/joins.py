@@ -158,11 +158,24 @@ def take_back(sm: RendezvousState, job: Job, claimer: Node, now: float) -> None:
         max_nodes=str(job.max_nodes),
         offending_host=claimer.host,
     )
-    for waiter, key in list(job.gen.join_waiters.items()):
-        if key == claimer.instance_id:
-            del job.gen.join_waiters[waiter]
-            sm.calls.wake(waiter, fault=fault)
+    wake_seat(sm, job, claimer.instance_id, fault=fault)
     unseat(sm, job, claimer, now)
+
+
+def wake_seat(
+    sm: RendezvousState,
+    job: Job,
+    key: int | str,
+    value: object = None,
+    fault: RendezvousFault | None = None,
+) -> bool:
+    """Answers the joins parked in seat ``key`` (``Generation.join_waiters``) with
+    ``value`` or ``fault``; whether there were any."""
+    woken = [waiter for waiter, seat in job.gen.join_waiters.items() if seat == key]
+    for waiter in woken:
+        del job.gen.join_waiters[waiter]
+        sm.calls.wake(waiter, value, fault)
+    return bool(woken)
 
 
 def _worker_seat(
@@ -355,13 +368,9 @@ def settle_holder(sm: RendezvousState, job: Job, now: float) -> None:
     # call, if any, predates its becoming the holder: look once per new holder, not on
     # every join (that look was O(parked nodes) a join, quadratic in all).
     job.gen.holder_seen = head.instance_id
-    seat = job.key(head)
-    for waiter, key in list(job.gen.join_waiters.items()):
-        if key == seat:
-            del job.gen.join_waiters[waiter]
-            sm.calls.wake(waiter, placement.answer(job, head, id_required=True))
-            # Its SDK answers at once; one heartbeat timeout is ample to hear it.
-            job.gen.id_deadline = now + sm.timing.heartbeat_timeout_s
+    if wake_seat(sm, job, job.key(head), placement.answer(job, head, id_required=True)):
+        # Its SDK answers at once; one heartbeat timeout is ample to hear it.
+        job.gen.id_deadline = now + sm.timing.heartbeat_timeout_s
 
 
 def try_form(sm: RendezvousState, job: Job, now: float) -> bool:

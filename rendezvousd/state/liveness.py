@@ -205,17 +205,8 @@ def leave(
         job.gen.gone.add(instance_id)
     if job.state is JobState.FORMING:
         # Only a worker holds a seat while forming (a node's comes as it forms).
-        for waiter, r in list(job.gen.join_waiters.items()):
-            if r == who:
-                job.gen.join_waiters.pop(waiter)
-                sm.calls.wake(
-                    waiter,
-                    fault=RendezvousFault(
-                        Code.ABORTED,
-                        Reason.JOB_ABORTED,
-                        f"rank {who} left job {job_id!r} before it formed",
-                    ),
-                )
+        left = f"rank {who} left job {job_id!r} before it formed"
+        joins.wake_seat(sm, job, who, fault=RendezvousFault(Code.ABORTED, Reason.JOB_ABORTED, left))
         joins.unseat(sm, job, seated, now)
         return
     for member in job.covered(seated):
