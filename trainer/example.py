@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -308,6 +309,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "world_size": topo.world_size,
             "num_nodes": topo.num_nodes,
             "gpus_per_node": topo.gpus_per_node,
+            # Which node and machine ran this rank: a re-formed job keeps each node's
+            # ranks on that node (the multihost tests check it host by host).
+            "node_rank": topo.node_rank,
+            "host": socket.gethostname(),
             "start_step": start_step,
             "steps": step - start_step,
             "params_sha256": params_digest(params),

@@ -53,6 +53,12 @@ def _lost_steps(log: list[dict[str, Any]], start_step: int) -> int:
     return done - start_step
 
 
+def _hosts_by_rank(results: list[dict[str, Any]]) -> dict[int, str]:
+    """Which host (hostname) ran each rank of the finished job."""
+    assert all(r["node_rank"] == r["rank"] // 2 for r in results), results
+    return {r["rank"]: r["host"] for r in results}
+
+
 def test_a_killed_worker_is_recovered_on_every_host_like_a_fault_free_run(
     make_cluster: Callable[..., Cluster],
 ) -> None:
@@ -73,6 +79,9 @@ def test_a_killed_worker_is_recovered_on_every_host_like_a_fault_free_run(
     assert {r["restart_count"] for r in results} == {1}
     assert {r["params_sha256"] for r in results} == reference  # bit-identical model
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
+    # h2 heard of its own worker's death first and joined the new round first, yet
+    # every node kept its ranks: rank 0 (the id, the checkpoints) stays on h1.
+    assert _hosts_by_rank(results) == {r: f"h{1 + r // 2}" for r in range(6)}
     for n in (nodes[0], nodes[2]):  # the other hosts were told who died, and why
         assert "lost rank 3 on h2" in n.text() and "SIGKILL" in n.text(), n.summary()
 
@@ -91,6 +100,7 @@ def test_a_lost_host_shrinks_the_elastic_job_to_the_surviving_hosts(
     survivors = [r for r in results if r["restart_count"] == 1]
     assert sorted(r["rank"] for r in survivors) == [0, 1, 2, 3]
     assert {(r["world_size"], r["num_nodes"]) for r in survivors} == {(4, 2)}
+    assert _hosts_by_rank(survivors) == {0: "h1", 1: "h1", 2: "h2", 3: "h2"}
     assert len({r["params_sha256"] for r in survivors}) == 1
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in survivors)) <= 1
     for n in nodes[:2]:
@@ -137,6 +147,7 @@ def test_a_standby_host_takes_the_place_of_a_lost_host(
     assert {r["params_sha256"] for r in results} == reference  # bit-identical model
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
     assert "standby called: this node is node 2 of generation 2" in spare.text(), spare.summary()
+    assert _hosts_by_rank(results) == {0: "h1", 1: "h1", 2: "h2", 3: "h2", 4: "h4", 5: "h4"}
     if spare_flag == "--standby-if-full":
         assert "has all its 3 nodes: standing by" in spare.text(), spare.summary()
     for n in nodes[:2]:
@@ -207,6 +218,8 @@ def test_a_node_started_while_the_job_re_forms_cannot_take_a_survivors_seat(
     # h1's workers restarted once in it (h3's, called, started fresh), and the job
     # resumed from the state h1 held.
     assert sum(r["restart_count"] == 1 for r in results) == 2, results
+    # h3 opened the generation, h1 came back into it later: h1 is node 0 again.
+    assert _hosts_by_rank(results) == {0: "h1", 1: "h1", 2: "h3", 3: "h3"}
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
     assert "standby called" in h3.text(), h3.summary()
     assert "not needed" in h4.text(), h4.summary()
