@@ -243,6 +243,9 @@ def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[s
 
 #: Fast probes of a TLS channel before the patient, wait-for-ready health check.
 TLS_PROBES = 3
+#: What a plaintext client of a TLS daemon is told to pass; torchrun's plugin swaps it
+#: for its own flag's words (trainer/torchrun/handler.py).
+TLS_CA_ADVICE = "pass --tls-ca (RENDEZVOUSD_TLS_CA / tls_ca=)"
 TLS_PROBE_TIMEOUT_S = 2.0
 #: How long a plaintext client looks for a TLS daemon: one TCP connect, one answer.
 TLS_SNIFF_TIMEOUT_S = 2.0
@@ -326,9 +329,8 @@ class TlsProbe:
 
     def _speaks_tls(self) -> str:
         return (
-            f"the daemon at {self.endpoint} speaks TLS: pass --tls-ca "
-            "(RENDEZVOUSD_TLS_CA / tls_ca=), the CA that signed its certificate; "
-            "this client connected in plaintext"
+            f"the daemon at {self.endpoint} speaks TLS: {TLS_CA_ADVICE}, the CA that signed "
+            "its certificate; this client connected in plaintext"
         )
 
     @staticmethod

@@ -20,6 +20,7 @@ from rendezvousd.trainer.torchrun.store_port import ephemeral_range
 from tests.support import (
     WORKERS,
     DaemonProcess,
+    Pki,
     StatefulDaemon,
     Torchrun,
     descendants,
@@ -104,6 +105,32 @@ def test_a_killed_peer_node_restarts_the_survivors_from_the_daemons_push(
     print(f"kill -> survivors training again: {first - killed_at:.2f} s")
 
 
+def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """A SIGTERM (a Kubernetes pod deleted; SIGINT, Ctrl-C, is the same path) raises
+    torch's SignalException in the agent, whose launcher then skips shutdown(): the
+    survivors used to hear "heartbeat stream closed" once it was gone. The handler's
+    wrap of torch's signal handler tells them the signal, before its workers stop."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log)
+    os.kill(agents[2].proc.pid, signal.SIGTERM)  # the agent only: it stops its workers
+    assert agents[2].wait(60) != 0
+    survivors_trained_on(agents, log)
+    told = "(torchrun's agent on 127.0.0.1 was stopped by SIGTERM)"
+    for a in agents[:2]:
+        err = a.stderr()
+        assert re.search(
+            r"round 1 failed: lost node [0-2] on 127\.0\.0\.1 " + re.escape(told), err
+        ), err[-2000:]
+        assert "heartbeat stream closed" not in err, err[-2000:]
+    assert "was stopped by SIGTERM; telling the other nodes" in agents[2].stderr()
+
+
 def test_warm_workers_are_forked_from_the_nodes_server_after_a_kill(
     start_daemon: Callable[..., DaemonProcess],
     torchrun: Callable[..., Torchrun],
@@ -168,6 +195,25 @@ def test_a_wrong_token_is_torchs_connection_error_with_our_message(
     assert "not-the-token" not in err
 
 
+def test_a_tls_daemon_without_the_ca_tells_torchrun_to_pass_rdzv_conf_tls_ca(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    pki: Pki,
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """The SDK's advice names our CLI's --tls-ca, which torchrun does not have: the
+    torchrun user reads the --rdzv-conf key (and the variable) instead, and the SDK's
+    words are not shown above torch's error either."""
+    d = start_daemon(*pki.serve_args())
+    err = _refused(torchrun, d, job_id, tmp_path)
+    raised = [ln for ln in err.splitlines() if "RendezvousConnectionError" in ln]
+    assert raised, err[-3000:]
+    said = "speaks TLS: pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
+    assert said in raised[-1], err[-3000:]
+    assert "--tls-ca" not in err, err[-3000:]
+
+
 @pytest.mark.parametrize(
     ("conf", "said", "unsaid"),
     [
@@ -218,16 +264,44 @@ def test_agents_that_disagree_on_nnodes_get_torchs_rendezvous_error_with_ours(
     tmp_path: Path,
     job_id: str,
 ) -> None:
+    """Each agent is a node of one rank to the daemon (torchrun numbers its workers
+    itself): only --nnodes must match, and the refusal says so in torchrun's words,
+    not the daemon's "same --nnodes and --nproc-per-node" (here they differ too)."""
     d = start_daemon()
     log = str(tmp_path / "s")
     first = torchrun(d, job_id, "3", "--step-log", log, nproc=1)
     wait_for("the first agent's node to park", lambda: _parked(d, job_id), timeout=30)
-    second = torchrun(d, job_id, "2", "--step-log", log, nproc=1)
+    second = torchrun(d, job_id, "2", "--step-log", log, nproc=2)
     for a in (first, second):
         assert a.wait(60) != 0
-    err = second.stderr() + first.stderr()
-    assert "RendezvousError" in err, err[-3000:]
-    assert "TopologyMismatch" in err or "topology" in err.lower(), err[-3000:]
+    for err in (first.stderr(), second.stderr()):
+        raised = [ln for ln in err.splitlines() if "api.RendezvousError" in ln]
+        assert raised, err[-3000:]
+        said = (
+            f"job {job_id!r} has torchrun agents that gave --nnodes 3 (hosts so far: 127.0.0.1), "
+            "but the agent on host '127.0.0.1' gave --nnodes 2; every agent of a job must "
+            "give the same --nnodes (MIN:MAX; --nproc-per-node may differ between nodes)"
+        )
+        assert said in raised[-1], err[-3000:]
+        assert "gpus_per_node" not in err and "and --nproc-per-node" not in err, err[-3000:]
+
+
+def test_agents_with_different_nproc_per_node_train_one_world(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """What the refusal above says may differ does: 1 + 2 workers make a world of 3."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    agents = [
+        torchrun(d, job_id, "2", "--steps", "2", "--step-log", str(log), nproc=n) for n in (1, 2)
+    ]
+    for a in agents:
+        assert a.wait(120) == 0, a.stderr()[-3000:]
+    steps = torch_steps(log)
+    assert {s["rank"] for s in steps} == {0, 1, 2} and {s["world"] for s in steps} == {3}
 
 
 def test_a_daemon_killed_mid_run_ends_the_agent_with_torchs_connection_error(

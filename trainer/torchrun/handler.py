@@ -43,7 +43,12 @@ What each torchrun agent does here:
 - **Errors** are torch's own rendezvous exceptions carrying our message: an unreachable
   daemon or a refused token → ``RendezvousConnectionError``, a join that timed out →
   ``RendezvousTimeoutError``, anything else the daemon refused (topology mismatch...)
-  → ``RendezvousError``.
+  → ``RendezvousError``. Where the SDK's words fit our CLI, not torchrun (its
+  ``--tls-ca``; a topology's ``--nproc-per-node``, which may differ between torchrun's
+  nodes), torchrun's user reads torchrun's (``_in_torchruns_words``).
+- **A signalled agent** (SIGTERM, SIGINT...) tells the others why before torch stops its
+  workers: the handler wraps the signal handler torch installs (``_watch_signals``),
+  since torch's launcher skips ``shutdown()`` then.
 - **A cut between two nodes** that both still reach the daemon (their heartbeats go
   on) is seen by the agents' own links (``node_links``, ``node_link_watch``): a link
   silent for 10 s, and no word from the daemon for 2 s more, and the agent reports it
@@ -87,13 +92,17 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
+import sys
 import threading
 import time
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import api as torch_rdzv
 
 from rendezvousd.client import (
@@ -106,7 +115,9 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousError,
     RendezvousTimeout,
+    TopologyMismatch,
 )
+from rendezvousd.client.connection import TLS_CA_ADVICE
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import route_source
 from rendezvousd.common.escape import escape, shortened
@@ -169,9 +180,57 @@ def start_warm_server(
     return server
 
 
+#: The SDK's advice to a plaintext client of a TLS daemon (``TLS_CA_ADVICE``) names our
+#: CLI's flag, which torchrun does not have; ``_in_torchruns_words`` gives torchrun's.
+TORCHRUN_TLS_ADVICE = "pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
+
+
+def _nnodes(topology: str) -> str | None:
+    """A torchrun agent's ``--nnodes`` from a JoinNode topology's compact form
+    (``MIN:MAXxGPUS``; torchrun's agents join as nodes of one rank); None for any other
+    form (a job of per-rank workers, or of rendezvous-run's node agents)."""
+    nodes, _, gpus = topology.partition("x")
+    low, colon, high = nodes.partition(":")
+    if gpus != "1" or not colon or not (low.isdigit() and high.isdigit()):
+        return None
+    return low if low == high else nodes
+
+
+def _in_torchruns_words(exc: RendezvousError) -> str | None:
+    """The SDK's message where torchrun's user must read other words; None where the
+    SDK's stand. The SDK speaks of our CLI's flags and of ``rendezvous-run``'s
+    topology (``--nproc-per-node`` GPUs per node), neither of which torchrun has."""
+    if isinstance(exc, AuthenticationError) and TLS_CA_ADVICE in exc.message:
+        return exc.message.replace(TLS_CA_ADVICE, TORCHRUN_TLS_ADVICE)
+    if isinstance(exc, TopologyMismatch):
+        meta = exc.metadata
+        have, asked = _nnodes(meta.get("topology", "")), _nnodes(meta.get("requested_topology", ""))
+        if have is None or asked is None:
+            return None
+        hosts = meta.get("hosts", "")
+        joined = f" (hosts so far: {escape(hosts.replace(',', ', '))})" if hosts else ""
+        # Each agent is a node of one rank to the daemon: torchrun numbers its workers
+        # itself, so --nproc-per-node may differ from node to node; --nnodes may not.
+        return (
+            f"job {exc.job_id or meta.get('job_id', '')!r} has torchrun agents that gave "
+            f"--nnodes {have}{joined}, but the agent on host "
+            f"{escape(meta.get('offending_host', '?'))!r} gave --nnodes {asked}; every agent "
+            "of a job must give the same --nnodes (MIN:MAX; --nproc-per-node may differ "
+            "between nodes): fix it and relaunch"
+        )
+    return None
+
+
+def _cause(exc: RendezvousError) -> RendezvousError | None:
+    """What torch's error is chained to: the SDK's, unless torchrun's words replaced
+    its message (its advice, shown above torch's, would then mislead)."""
+    return None if _in_torchruns_words(exc) is not None else exc
+
+
 def _torch_error(exc: RendezvousError, what: str) -> torch_rdzv.RendezvousError:
-    """The one seam where our SDK's errors become torch's, keeping our message."""
-    message = f"{what}: {exc}"
+    """The one seam where our SDK's errors become torch's, keeping our message (in
+    torchrun's words where the SDK's would mislead: ``_in_torchruns_words``)."""
+    message = f"{what}: {_in_torchruns_words(exc) or exc}"
     if isinstance(exc, DaemonUnavailable | AuthenticationError):
         return torch_rdzv.RendezvousConnectionError(message)
     if isinstance(exc, RendezvousTimeout):
@@ -179,6 +238,33 @@ def _torch_error(exc: RendezvousError, what: str) -> torch_rdzv.RendezvousError:
     if isinstance(exc, JobAborted) and CLOSED in str(exc):
         return torch_rdzv.RendezvousClosedError(message)
     return torch_rdzv.RendezvousError(message)
+
+
+#: How long a signalled agent waits for the other nodes to be told, before torch's
+#: own handler stops its workers (whose deaths would otherwise speak first).
+STOP_TELL_S = 2.0
+
+
+def torch_signals(env: Mapping[str, str]) -> list[signal.Signals]:
+    """The signals torch's agent turns into its ``SignalException`` (torch's
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``, with torch's default)."""
+    names = env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    found = (getattr(signal, name.strip(), None) for name in names.split(","))
+    return [sig for sig in found if isinstance(sig, signal.Signals)]
+
+
+class _TellFirst:
+    """A signal handler that runs ``tell(signum)``, then the one it replaced (torch's,
+    which raises ``SignalException``: its agent then stops its workers and exits)."""
+
+    def __init__(
+        self, tell: Callable[[int], None], then: Callable[[int, FrameType | None], Any]
+    ) -> None:
+        self.tell, self.then = tell, then
+
+    def __call__(self, signum: int, frame: FrameType | None) -> Any:
+        self.tell(signum)
+        return self.then(signum, frame)
 
 
 def _store_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -306,7 +392,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # The store speaks as this node's member; the node client heartbeats.
             self._store_client = self._new_client()
         except RendezvousError as exc:
-            raise _torch_error(exc, f"rendezvousd at {endpoint} for job {run_id!r}") from exc
+            what = f"rendezvousd at {endpoint} for job {run_id!r}"
+            raise _torch_error(exc, what) from _cause(exc)
         if (ifname := point_gloo_at(self._host, os.environ)) is not None:
             log.info(
                 "rendezvousd: GLOO_SOCKET_IFNAME=%s (holds %s, this host's address "
@@ -322,6 +409,11 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         #: Why this agent gives up at its next round: a link that could not connect.
         self._unreachable: str | None = None
         self._closed = threading.Event()
+        #: The generation whose other nodes this agent told it was stopped by a signal,
+        #: and the thread telling them (``_stopped_by``).
+        self._signalled: int | None = None
+        self._teller: threading.Thread | None = None
+        self._signals = torch_signals(os.environ)
         self._warm = start_warm_server(settings, os.environ)
         atexit.register(self._exit_goodbye)
 
@@ -397,7 +489,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 server_port=store_port() if node.node_rank == 0 else None,
             )
         except RendezvousError as exc:
-            raise _torch_error(exc, self._what()) from exc
+            raise _torch_error(exc, self._what()) from _cause(exc)
         log.info(
             "rendezvousd: job %r generation %d formed: node %d of %d (host %s)",
             self._run_id,
@@ -536,6 +628,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         if not isinstance(exc, PeerFailed) or not exc.failed:
             log.warning("rendezvousd: job %r: %s", self._run_id, exc)
             return
+        if exc.generation == self._signalled:
+            return  # this agent's own stop (_stopped_by), which it said already
         # Each agent is one member of the round, a node of one rank: the daemon's
         # "rank" is torchrun's node rank, which read as a worker's global rank.
         lost = "; ".join(
@@ -585,6 +679,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, or at least 1 once our round ended (``_round_ended``): torch
         restarts its workers into the next round when this is above 0."""
+        self._watch_signals()
         waiting = self._client.nodes_waiting()
         failure = self._client.failure
         if isinstance(failure, DaemonUnavailable):
@@ -600,7 +695,54 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     def _round_ended(self, node: NodeMembership) -> bool:
         """Whether ``node``'s round is over and every agent told: the daemon ended it
         (its push), or this agent did by reporting its lost link."""
-        return self._client.failure is not None or self._link_lost == node.generation
+        return self._client.failure is not None or node.generation in (
+            self._link_lost,
+            self._signalled,
+        )
+
+    def _watch_signals(self) -> None:
+        """torch's agent, signalled (SIGTERM: a Kubernetes pod deleted; SIGINT: Ctrl-C),
+        raises ``SignalException``, stops its workers and exits, and its launcher skips
+        ``shutdown()`` on purpose (it would close the rendezvous for good): nothing of
+        ours runs. The other nodes would hear only "heartbeat stream closed" once the
+        agent is gone, after its workers' grace, or first blame the workers' broken
+        collectives. So the handler torch installs at each start of its workers
+        (``TORCHELASTIC_SIGNALS_TO_HANDLE``) is wrapped here, from the agent's monitor
+        loop (its main thread, every ``--monitor-interval``): the others hear the signal
+        first (``_stopped_by``). A signal before the first wrap is told at exit
+        (``_exit_goodbye``)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self._signals:
+            current = signal.getsignal(sig)
+            if callable(current) and not isinstance(current, _TellFirst):
+                signal.signal(sig, _TellFirst(self._stopped_by, current))
+
+    def _stopped_by(self, signum: int) -> None:
+        """Tell the other nodes that this agent was stopped by ``signum``, once per round,
+        waiting up to ``STOP_TELL_S`` (a thread of its own: the signal may have come in
+        the middle of one of this client's calls)."""
+        node = self._node
+        if node is None or self._round_ended(node):
+            return
+        self._signalled = node.generation
+        cause = f"torchrun's agent on {self._host} was stopped by {signal.Signals(signum).name}"
+        log.warning(
+            "rendezvousd: job %r: %s; telling the other nodes",
+            self._run_id,
+            cause,
+        )
+        self._teller = threading.Thread(
+            target=self._tell, args=(cause,), name="rendezvousd-signalled", daemon=True
+        )
+        self._teller.start()
+        self._teller.join(STOP_TELL_S)
+
+    def _tell(self, cause: str) -> None:
+        try:
+            self._client.report_failure(0, cause, timeout=STOP_TELL_S)
+        except RendezvousError as exc:
+            log.warning("rendezvousd: job %r: could not tell the others: %s", self._run_id, exc)
 
     def _others_go_on(self, node: NodeMembership) -> bool:
         """Whether the other nodes of ``node``'s round, with those waiting to join
@@ -630,9 +772,19 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         agent): a node whose round already ended says it will not re-join, so the
         next generation keeps no seat for it, which a fresh launch of the job id
         would otherwise wait out standing by. One whose round still runs says
-        nothing: its stream's end is its loss, which the others must hear."""
+        nothing (its stream's end is its loss, which the others must hear), unless a
+        signal ends it that came before ``_watch_signals`` wrapped torch's handler:
+        the others hear that signal, late (after the workers stopped), but true."""
         node = self._node
-        if node is None or not self._round_ended(node):
+        if node is None:
+            return
+        # Set by the interpreter as it printed the exception that ended the agent.
+        stopping = getattr(sys, "last_value", None)
+        if not self._round_ended(node) and isinstance(stopping, SignalException):
+            self._stopped_by(int(stopping.sigval))
+        if self._teller is not None:
+            self._teller.join(STOP_TELL_S)
+        if not self._round_ended(node):
             return
         with contextlib.suppress(RendezvousError):
             self._client.leave(final=True)
