@@ -801,14 +801,15 @@ class NodeAgent:
             # with ours, then blame the broken connections).
             with contextlib.suppress(RendezvousError):
                 self.client.abort(
-                    f"rendezvous-run on host {self.host} was stopped by signal {signum}",
+                    f"rendezvous-run on host {self.host} was stopped by "
+                    f"{signal.Signals(signum).name}",
                     generation=gen,
                 )
         # Passed on, as torchrun does: in sessions of their own, the workers get no
         # Ctrl-C from the terminal (a SIGINT then raises KeyboardInterrupt there). As
         # torchrun, they get time to act on it (a preemption's checkpoint), where a
         # failure's stop (STOP_GRACE_S) gives none: their state is in the agent.
-        cause = f"rendezvous-run on {self.host} got signal {signum}"
+        cause = f"rendezvous-run on {self.host} got {signal.Signals(signum).name}"
         stop_all(self.active, cause, self.config.stop_grace_s, signum)
         self.active = []
         if gen is not None:
