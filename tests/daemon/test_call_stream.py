@@ -618,3 +618,47 @@ async def test_a_batch_of_slow_inline_calls_gives_the_event_loop_turns() -> None
     assert replies and len(seen) == 100
     # Others ran while the batch was served: at least once per few calls (5 ms inline).
     assert len(set(seen)) >= 20, seen
+
+
+async def test_each_call_ends_at_its_own_deadline_whatever_the_order_they_came_in() -> None:
+    """One timer serves a stream's deadlines: a later call with an earlier deadline
+    moves it forward, a call that ended before its deadline leaves it to the next, and
+    the calls still held (commits the storage holds up, here never answered) end
+    DEADLINE_EXCEEDED each at its own timeout_ms, not at another call's."""
+    held = asyncio.Event()  # never set
+
+    async def hangs(_request: Any, _context: Any) -> Any:
+        await held.wait()
+
+    async def quick(_request: Any, _context: Any) -> pb.KvGetResponse:
+        await asyncio.sleep(0.01)
+        return pb.KvGetResponse()
+
+    timeouts = {1: 1500, 2: 200, 3: 100, 4: 400}  # call 3 ends at 10 ms, before its own
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        kv = pb.KvSetRequest(key="k")
+        yield pb.CallBatch(
+            calls=[
+                pb.Call(id=1, timeout_ms=timeouts[1], barrier=pb.BarrierRequest(name="b")),
+                pb.Call(id=2, timeout_ms=timeouts[2], kv_set=kv),
+                pb.Call(id=3, timeout_ms=timeouts[3], kv_get=pb.KvGetRequest(key="k")),
+                pb.Call(id=4, timeout_ms=timeouts[4], kv_set=kv),
+            ]
+        )
+
+    stream = CallStream({"barrier": hangs, "kv_set": hangs, "kv_get": quick}, max_in_flight=8)
+    started = time.monotonic()
+    answered: dict[int, tuple[float, pb.Reply]] = {}
+    async with asyncio.timeout(5):  # a deadline never served would hold the stream
+        async for message in stream.serve(calls(), batched=True):
+            for r in pb.ReplyBatch.FromString(message).replies:
+                answered[r.id] = (time.monotonic() - started, r)
+    assert sorted(answered, key=lambda i: answered[i][0]) == [3, 2, 4, 1], answered
+    assert answered[3][1].WhichOneof("response") == "kv_get"
+    for call_id in (1, 2, 4):
+        at, r = answered[call_id]
+        assert r.WhichOneof("response") == "error", r
+        assert status_of(r).code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert f"within its timeout_ms={timeouts[call_id]}" in status_of(r).message
+        assert timeouts[call_id] / 1000 <= at < timeouts[call_id] / 1000 + 0.25, (call_id, at)
