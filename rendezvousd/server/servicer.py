@@ -542,11 +542,12 @@ class RendezvousServicer:
     def _guard(
         self, name: str, fn: Callable[[Any, Any], Awaitable[Any]]
     ) -> Callable[[Any, Any], Awaitable[Any]]:
+        rule = policy(name)
+        mutating = not rule.read_only
+
         async def call(request: Any, context: Any) -> Any:
             started = time.perf_counter()
             code = "OK"
-            rule = policy(name)
-            mutating = not rule.read_only
             try:
                 stale = self._stale_token()
                 if stale is not None:
@@ -562,7 +563,9 @@ class RendezvousServicer:
                         # Answer only once the change is on disk (group-committed).
                         self.persister.touch(request.job_id)
                         await self.persister.durable(request.job_id)
-                elif not await self.persister.settled(getattr(request, "job_id", "") or None):
+                elif not self.persister.is_settled(
+                    job := getattr(request, "job_id", "") or None
+                ) and not await self.persister.settled(job):
                     # What was read may have been a change whose commit then failed
                     # and was undone: read again, from what is durable.
                     response = await fn(request, context)

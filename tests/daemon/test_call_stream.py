@@ -662,3 +662,20 @@ async def test_each_call_ends_at_its_own_deadline_whatever_the_order_they_came_i
         assert status_of(r).code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
         assert f"within its timeout_ms={timeouts[call_id]}" in status_of(r).message
         assert timeouts[call_id] / 1000 <= at < timeouts[call_id] / 1000 + 0.25, (call_id, at)
+
+
+def test_replies_varints_are_protobufs_at_every_length() -> None:
+    """The hand-written Reply encoding (its fast paths for one and two bytes included)
+    decodes as protobuf's own, across each varint length's boundaries."""
+    from rendezvousd.server.call_stream import reply
+
+    field = "kv_get"
+    number = pb.Reply.DESCRIPTOR.fields_by_name[field].number
+    for size in (0, 1, 127, 128, 16383, 16384, 70000):
+        body = pb.KvGetResponse(value=b"v" * size).SerializeToString()
+        for call_id in (1, 127, 128, 300, 16383, 16384, 2**21 - 1, 2**21, 2**35, 2**64 - 1):
+            encoded = reply(call_id, number, body)
+            decoded = pb.Reply.FromString(encoded)
+            assert (decoded.id, decoded.WhichOneof("response")) == (call_id, field)
+            assert decoded.kv_get.value == b"v" * size
+            assert decoded.SerializeToString() == encoded
