@@ -393,7 +393,11 @@ class Job:
         asker, fix = (
             (
                 "the node agent",
-                "every node of a job must use the same --nnodes and --nproc-per-node: "
+                # Only what differs: torchrun's agents are nodes of one rank each, so
+                # theirs can only be --nnodes (their --nproc-per-node may differ).
+                "every node of a job must use the same --nnodes (MIN:MAX): fix it and relaunch"
+                if asked[-1] == self.gpus_per_node
+                else "every node of a job must use the same --nnodes and --nproc-per-node: "
                 "fix them and relaunch",
             )
             if by_node

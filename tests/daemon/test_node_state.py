@@ -323,9 +323,20 @@ def test_bounds_mismatch_while_forming_fails_the_generation() -> None:
     )
     assert f.metadata["topology"] == "2:4x2" and f.metadata["requested_topology"] == "2:3x2"
     assert f.metadata["offending_host"] == "host-b" and f.metadata["hosts"] == "host-a"
+    # Only the node counts differ: the fix names only --nnodes (torchrun's agents,
+    # nodes of one rank each, may differ in --nproc-per-node).
+    assert "the same --nnodes (MIN:MAX): fix it" in f.message, f.message
     assert f.metadata["job_id"] == "j" and f.metadata["generation"] == "1"
     assert isinstance(first, Parked)
     assert isinstance(woken(sm)[first.waiter], RendezvousFault)
+
+
+def test_a_gpus_per_node_mismatch_names_nproc_per_node_too() -> None:
+    sm = RendezvousState()
+    join_first(sm, node("a", lo=2, hi=2))
+    f = fault(sm.join, node("b", lo=2, hi=2, gpus=4), 1.0)
+    assert f.reason == "TOPOLOGY_MISMATCH"
+    assert "the same --nnodes and --nproc-per-node" in f.message, f.message
 
 
 def test_node_leave_leaves_every_member_and_ends_the_job() -> None:
