@@ -4,6 +4,8 @@ host, found through the daemon; nothing sets an address by hand."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +59,30 @@ def test_torchrun_trains_across_hosts_and_drops_a_cut_off_node(
         assert hosts[3].address in err and "heartbeat" in err, err[-2000:]
     assert all(s["warm"] == (workers == "warm") for s in torch_steps(log))
     print(f"cable pulled -> survivors training again: {min(s['t'] for s in after) - cut_at:.2f} s")
+
+
+def test_a_torchrun_agent_stopped_by_sigterm_on_its_host_is_named_by_the_others(
+    make_cluster: Callable[..., Cluster],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """A pod deleted: h3's agent gets SIGTERM while every worker sits in what looks like
+    a stuck collective. h1 and h2 hear that signal as the cause, across the network
+    (the agent told the daemon before torch stopped its workers), not a closed stream
+    or their broken collectives, and train on as two nodes."""
+    cluster = make_cluster(3)
+    d, hosts = cluster.daemon, cluster.hosts
+    log = tmp_path / "steps.jsonl"
+    prefixes = [hosts[i].command([]) for i in (1, 2, 3)]
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, prefixes)
+    os.kill(agents[2].proc.pid, signal.SIGTERM)  # the agent itself, in h3's namespace
+    assert agents[2].wait(60) != 0
+    survivors_trained_on(agents, log)
+    told = f"torchrun's agent on {hosts[3].address} was stopped by SIGTERM"
+    for a in agents[:2]:
+        err = a.stderr()
+        assert told in err and "heartbeat stream closed" not in err, err[-2000:]
 
 
 def test_a_spare_torchrun_agent_on_its_own_host_takes_a_lost_hosts_place(
