@@ -36,19 +36,13 @@ ACK_EVERY_S = 1.0
 KV_VALUE = b"v" * 64
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _server_handler() -> Any:
     import grpc
 
     from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+
+    # The daemon's own varint encoder: a varint costs the same on both sides.
+    from rendezvousd.server.call_stream import _varint
 
     bodies = {
         "kv_get": pb.KvGetResponse(value=KV_VALUE).SerializeToString(),
