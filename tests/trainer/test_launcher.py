@@ -375,13 +375,18 @@ def test_launcher_with_its_daemon_gone_still_names_the_local_failure_promptly(
 def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
-    """Refused again and again within half a second, it used up --max-restarts, and the
-    final error advised raising them."""
+    """A join refused for what the node sent ends the launcher at once: it used to be
+    refused again and again within half a second, use up --max-restarts and advise
+    raising them. (The worker waits for a rank it never gets: a script ending first
+    would be a failure of its own, counted before the refusal.)"""
     d = start_daemon()
     wrong = tmp_path / "wrong-token"
     write_token(wrong)
     script = tmp_path / "w.py"
-    script.write_text("from rendezvousd.trainer.distributed import init_distributed\n")
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"  # waits for its rank: it never gets one
+    )
     run = run_launcher(
         [*launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=str(wrong), job=job_id),
          "--max-restarts", "3", str(script)],
