@@ -197,6 +197,9 @@ class _Turns:
         return self._inline_s > INLINE_TURN_S
 
 
+_CLOCK_RESOLUTION_S = time.get_clock_info("monotonic").resolution
+
+
 class _Deadlines:
     """The deadlines of a stream's calls that went on as tasks, and one timer, for the
     earliest: a call past its deadline is answered DEADLINE_EXCEEDED and cancelled, as
@@ -242,7 +245,8 @@ class _Deadlines:
 
     def _expire(self) -> None:
         self._timer, self._at = None, math.inf
-        now = self._loop.time()
+        # The loop runs a timer up to its clock's resolution early: within it is due.
+        now = self._loop.time() + _CLOCK_RESOLUTION_S
         for call_id, (when, timeout_ms, field) in list(self._due.items()):
             if when > now:
                 continue
