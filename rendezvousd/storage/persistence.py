@@ -449,11 +449,11 @@ class Persister:
         """Whether the changes made so far (to ``job_id``, or to any job) are committed
         (or there is no storage): ``settled``'s answer when it need not wait, without
         making a coroutine for every read (most find nothing in flight)."""
-        if self.store is None:
-            return True
-        return self._saved >= (
-            self._version if job_id is None else self._job_version.get(job_id, 0)
-        )
+        return self.store is None or self._saved >= self._target(job_id)
+
+    def _target(self, job_id: str | None) -> int:
+        """The version holding every change made so far (to ``job_id``, or to any job)."""
+        return self._version if job_id is None else self._job_version.get(job_id, 0)
 
     async def settled(self, job_id: str | None = None) -> bool:
         """Wait until the changes made so far (to ``job_id``, or to any job) are
@@ -465,7 +465,7 @@ class Persister:
         undone, durable state) while storage is down."""
         if self.store is None:
             return True
-        target = self._version if job_id is None else self._job_version.get(job_id, 0)
+        target = self._target(job_id)
         while True:
             if self._saved >= target:
                 return True
