@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import math
@@ -454,14 +455,13 @@ async def _finish(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
         else:
             waiting_on._asyncio_future_blocking = False
             while not waiting_on.done():
-                # It ends (a result, an error), or is cancelled with this task (as a
-                # Task cancels what it awaits); the coroutine reads which as it
-                # resumes. Awaited bare: asyncio.wait's waiter and set per call were
-                # ~4 % of the daemon's samples in the node soak (py-spy, session 34).
-                try:
+                # It ends (a result, an error), or is cancelled with this task: a Task
+                # cancels what it awaits, so nothing here need. The coroutine reads
+                # which as it resumes. Awaited bare: asyncio.wait's waiter and set per
+                # call were ~4 % of the daemon's samples in the node soak (py-spy,
+                # session 34).
+                with contextlib.suppress(BaseException):  # the coroutine's to read
                     await waiting_on
-                except BaseException:  # what it awaited raised: the coroutine's to read
-                    waiting_on.cancel()  # (a no-op once done)
         try:
             waiting_on = coro.throw(asyncio.CancelledError()) if cancelled else coro.send(None)
         except StopIteration:
