@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import ssl
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,7 +178,7 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     path = token_file or os.environ.get(TOKEN_FILE_ENV)
     if path:
         try:
-            lines = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
+            lines = [ln.strip() for ln in _read_private(Path(path)).splitlines() if ln.strip()]
         except OSError as exc:
             raise InvalidRequest(f"cannot read token file {path}: {exc.strerror}") from exc
         except UnicodeDecodeError:
@@ -194,6 +195,36 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     raise InvalidRequest(
         f"no rendezvous token: pass token= or token_file=, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
     )
+
+
+# What a token file's mode must not allow: others anything, the group writing. Group
+# read stays allowed, unlike the daemon's own token file (0600 only): a Kubernetes pod
+# with fsGroup gets its Secret group-readable whatever defaultMode says
+# (kubernetes/kubernetes#57923), and that group is the pod's own.
+_TOKEN_FILE_FORBIDDEN = stat.S_IWGRP | stat.S_IRWXO
+
+
+def _read_private(path: Path) -> str:
+    """The text of the token file ``path``, refused if others may read it or anyone but
+    its owner may change it (a token others can read is theirs too), or if it is not a
+    regular file (a FIFO or a device would block the read with no deadline). The mode is
+    read from the descriptor that is then read, so a swapped link cannot slip between."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequest(
+                f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
+                "give the file `rendezvousd token FILE` wrote"
+            )
+        if info.st_mode & _TOKEN_FILE_FORBIDDEN:
+            raise InvalidRequest(
+                f"token file {path} can be read or changed by other users (mode "
+                f"{stat.filemode(info.st_mode)}), so the token is not secret; run "
+                f"'chmod 600 {path}' (0640 if a group must read it) and, if others could "
+                "have read it, make a new token with `rendezvousd token`"
+            )
+        return f.read().decode()
 
 
 # Words of gRPC's reason for a failed connect that say the TLS handshake was refused

@@ -661,6 +661,7 @@ def test_connect_picks_the_transport(tmp_path: Path) -> None:
     assert isinstance(connect("file", job_id="j"), FileRendezvous)
     token = tmp_path / "token"
     token.write_text("secret\n")
+    token.chmod(0o600)
     client = connect("daemon", endpoint="127.0.0.1:1", job_id="j", token_file=token)
     assert isinstance(client, RendezvousClient)
     client.close()

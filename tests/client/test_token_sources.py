@@ -4,8 +4,11 @@ or the file holds none, before anything is sent."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
+import stat
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ def test_the_token_file_from_the_environment_comes_before_the_token(
 ) -> None:
     good = tmp_path / "token"
     good.write_text(f"\n{daemon.token}\n")  # the first non-blank line
+    good.chmod(0o600)
     monkeypatch.setenv("RENDEZVOUSD_TOKEN_FILE", str(good))
     monkeypatch.setenv("RENDEZVOUSD_TOKEN", "not-the-token")
     with RendezvousClient(daemon.endpoint, job_id) as c:
@@ -52,6 +56,7 @@ def test_no_token_anywhere_is_an_error_naming_every_source(daemon: DaemonProcess
 def test_an_empty_token_file_is_an_error_naming_it(daemon: DaemonProcess, tmp_path: Path) -> None:
     empty = tmp_path / "token"
     empty.write_text("\n  \n")
+    empty.chmod(0o600)
     with pytest.raises(InvalidRequest, match=f"token file {empty} is empty"):
         RendezvousClient(daemon.endpoint, "j", token_file=empty)
 
@@ -74,6 +79,7 @@ def test_a_token_no_daemon_can_accept_is_refused_naming_its_source_not_it(
     elif source == "token file":
         path = tmp_path / "token"
         path.write_text(text + "\n", encoding="utf-8")
+        path.chmod(0o600)
         options["token_file"] = path
     else:
         monkeypatch.setenv("RENDEZVOUSD_TOKEN", text)
@@ -101,9 +107,57 @@ def test_a_failed_call_s_traceback_with_its_locals_does_not_show_the_token() -> 
             assert token not in value, f"{frame.name}: {name}"
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o660, 0o620, 0o602], ids=oct)
+def test_a_token_file_others_can_read_or_change_is_refused_before_anything_is_sent(
+    mode: int, tmp_path: Path
+) -> None:
+    """A token others can read is theirs as well: refused as the daemon refuses its own
+    (ssh does the same for a private key), with the fix, and without the token."""
+    token = secrets.token_urlsafe(32)
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    path.chmod(mode)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.5)
+        endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(InvalidRequest) as refused:
+            RendezvousClient(endpoint, "j", token_file=path)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing dialled the daemon
+    said = f"{refused.value} {refused.value!r}"
+    assert str(path) in said and stat.filemode(0o100000 | mode) in said, said
+    assert f"chmod 600 {path}" in said, said
+    assert token not in said, said
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o640, 0o440], ids=oct)
+def test_a_token_file_only_its_owner_and_group_can_read_is_used(
+    mode: int, daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """Group read stays allowed: a Kubernetes pod with fsGroup gets its Secret 0440
+    whatever defaultMode says, and that group is the pod's own."""
+    path = tmp_path / "token"
+    path.write_text(daemon.token + "\n")
+    path.chmod(mode)
+    with RendezvousClient(daemon.endpoint, job_id, token_file=path) as c:
+        assert c.list_jobs() is not None  # authorized: a wrong token is refused
+
+
+def test_a_token_path_that_is_a_fifo_is_refused_at_once_not_read_forever(tmp_path: Path) -> None:
+    """Reading a FIFO nobody writes would block the client with no deadline."""
+    path = tmp_path / "token"
+    os.mkfifo(path, 0o600)
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="is not a regular file") as refused:
+        RendezvousClient("127.0.0.1:1", "j", token_file=path)
+    assert time.monotonic() - started < 5
+    assert str(path) in str(refused.value)
+
+
 def test_a_token_file_that_is_not_text_is_an_error_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "token.bin"
     path.write_bytes(b"\xff\xfe" + secrets.token_bytes(30))
+    path.chmod(0o600)
     with pytest.raises(InvalidRequest, match="is not text") as info:
         RendezvousClient("127.0.0.1:1", "j", token_file=path)
     assert str(path) in str(info.value)
