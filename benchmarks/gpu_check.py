@@ -178,7 +178,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
     from rendezvousd.cli.embedded import spawn
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        daemon = spawn(Path(tmp), "--log-level", "WARNING")
+        daemon = spawn(Path(tmp), "--log-level", "WARNING", exit_with_parent=True)
         try:
             flags = [
                 "--sizes-mib", *map(str, args.sizes_mib),

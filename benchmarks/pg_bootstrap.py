@@ -137,7 +137,7 @@ def main() -> None:
         return _worker(args)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = spawn(Path(tmp), "--log-level", "WARNING")
+        daemon = spawn(Path(tmp), "--log-level", "WARNING", exit_with_parent=True)
         try:
             for world in args.worlds:
                 for store in ("tcpstore", "daemon"):

@@ -179,7 +179,7 @@ class HalfOpen:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = spawn(Path(tmp), *args.daemon_flag)
+        daemon = spawn(Path(tmp), *args.daemon_flag, exit_with_parent=True)
         try:
             pid = daemon.proc.pid
             host, port = daemon.endpoint.rsplit(":", 1)

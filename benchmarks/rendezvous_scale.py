@@ -664,7 +664,14 @@ def run_ours(
         store = Path(tmp) / "state"
         durable = ["--state-dir", str(store)] if state_dir else []
         embedded = spawn(
-            Path(tmp), "--log-level", "WARNING", *quiet, *limits, *durable, metrics=True
+            Path(tmp),
+            "--log-level",
+            "WARNING",
+            *quiet,
+            *limits,
+            *durable,
+            metrics=True,
+            exit_with_parent=True,
         )
         sampler = _CpuSampler(embedded.proc.pid)
         sampler.start()

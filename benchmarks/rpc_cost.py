@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         persist = ["--state-dir", str(Path(tmp) / "state")] if args.state_dir else []
         loop = ("--event-loop", args.event_loop)
-        daemon = spawn(Path(tmp), "--log-level", "WARNING", *loop, *persist)
+        daemon = spawn(Path(tmp), "--log-level", "WARNING", *loop, *persist, exit_with_parent=True)
         try:
             token = ("--token-file", str(daemon.token_file))
             for n, transport in enumerate(args.transports.split(",")):

@@ -517,6 +517,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             str(args.heartbeat_timeout_s),
             *persist,
             metrics=True,
+            exit_with_parent=True,
         )
         daemon, endpoint = embedded.proc, embedded.endpoint
         token = str(embedded.token_file)

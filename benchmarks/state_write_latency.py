@@ -44,7 +44,9 @@ def run(big_mb: int, sets: int) -> dict[str, Any]:
         work = Path(tmp)
         flags = ("--state-dir", str(work / "state"), "--max-value-bytes", str(VALUE))
         flags += ("--heartbeat-timeout-s", "600")  # the old whole-state writes stall the loop
-        daemon = spawn(work, *flags, "--max-kv-bytes", str(4 * big_mb * MIB + MIB))
+        daemon = spawn(
+            work, *flags, "--max-kv-bytes", str(4 * big_mb * MIB + MIB), exit_with_parent=True
+        )
         token = daemon.token_file.read_text().strip()
         big = RendezvousClient(daemon.endpoint, "big", token=token)
         small = RendezvousClient(daemon.endpoint, "small", token=token)
