@@ -215,7 +215,8 @@ def _read_private(path: Path) -> str:
         if not stat.S_ISREG(info.st_mode):
             raise InvalidRequest(
                 f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
-                "give the file `rendezvousd token FILE` wrote"
+                "give the file `rendezvousd token FILE` wrote, or the token itself in "
+                f"${TOKEN_ENV} (a pipe is read once: workers started after could not read it)"
             )
         if info.st_mode & _TOKEN_FILE_FORBIDDEN:
             raise InvalidRequest(
