@@ -17,6 +17,7 @@ import grpc
 
 from rendezvousd.client.errors import InvalidRequest
 from rendezvousd.common.address import Address, AddressError, parse_address
+from rendezvousd.common.pem import bundle_problem, pair_problem
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -166,10 +167,38 @@ class TlsConfig:
         )
 
     def credentials(self) -> grpc.ChannelCredentials:
-        def read(p: Path | None) -> bytes | None:
-            return p.read_bytes() if p is not None else None
+        """The channel's credentials, or ``InvalidRequest`` naming the file that cannot
+        work: gRPC itself would only fail every connect, and the client would wait out
+        its connect deadline and then blame the network."""
 
-        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+        def read(path: Path | None, what: str) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return path.read_bytes()
+            except OSError as exc:
+                raise InvalidRequest(f"cannot read TLS {what} {path}: {exc.strerror}") from None
+
+        ca = read(self.ca, "CA")
+        if self.ca is not None and (why := bundle_problem(self.ca)) is not None:
+            raise InvalidRequest(
+                f"TLS CA {self.ca} is not a PEM certificate bundle{why}: give the CA "
+                "certificate that signed the daemon's certificate, in PEM "
+                "(-----BEGIN CERTIFICATE-----; convert DER with openssl x509 -inform der)"
+            )
+        key: bytes | None = None
+        cert: bytes | None = None
+        if self.key is not None and self.cert is not None:
+            try:
+                key = _read_private(self.key, _CLIENT_KEY)
+            except OSError as exc:
+                raise InvalidRequest(
+                    f"cannot read TLS private key {self.key}: {exc.strerror}"
+                ) from None
+            cert = read(self.cert, "certificate")
+            if (problem := pair_problem(self.cert, self.key)) is not None:
+                raise InvalidRequest(problem)
+        return grpc.ssl_channel_credentials(ca, key, cert)
 
 
 def resolve_token(token: str | None, token_file: Path | str | None) -> str:
@@ -178,7 +207,11 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     path = token_file or os.environ.get(TOKEN_FILE_ENV)
     if path:
         try:
-            lines = [ln.strip() for ln in _read_private(Path(path)).splitlines() if ln.strip()]
+            lines = [
+                ln.strip()
+                for ln in _read_private(Path(path), _TOKEN).decode().splitlines()
+                if ln.strip()
+            ]
         except OSError as exc:
             raise InvalidRequest(f"cannot read token file {path}: {exc.strerror}") from exc
         except UnicodeDecodeError:
@@ -197,35 +230,59 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     )
 
 
-# What a token file's mode must not allow: others anything, the group writing. Group
-# read stays allowed, unlike the daemon's own token file (0600 only): a Kubernetes pod
+# What a secret file's mode must not allow: others anything, the group writing. Group
+# read stays allowed, unlike the daemon's own secrets (0600 only): a Kubernetes pod
 # with fsGroup gets its Secret group-readable whatever defaultMode says
 # (kubernetes/kubernetes#57923), and that group is the pod's own.
-_TOKEN_FILE_FORBIDDEN = stat.S_IWGRP | stat.S_IRWXO
+_SECRET_FORBIDDEN = stat.S_IWGRP | stat.S_IRWXO
 
 
-def _read_private(path: Path) -> str:
-    """The text of the token file ``path``, refused if others may read it or anyone but
-    its owner may change it (a token others can read is theirs too), or if it is not a
-    regular file (a FIFO or a device would block the read with no deadline). The mode is
-    read from the descriptor that is then read, so a swapped link cannot slip between."""
+@dataclass(frozen=True)
+class _Secret:
+    """What a secret file is, for its errors."""
+
+    what: str  # "token file"
+    leak: str  # what whoever reads it can do
+    renew: str  # how to replace one others may have read
+    instead: str  # what to give rather than a file that is not regular
+
+
+_TOKEN = _Secret(
+    "token file",
+    "holds the token",
+    "make a new token with `rendezvousd token`",
+    f"the file `rendezvousd token FILE` wrote, or the token itself in ${TOKEN_ENV} (a pipe "
+    "is read once: workers started after could not read it)",
+)
+_CLIENT_KEY = _Secret(
+    "TLS private key",
+    "can act as this client",
+    "issue a new key and certificate",
+    "the key file itself",
+)
+
+
+def _read_private(path: Path, secret: _Secret) -> bytes:
+    """The bytes of the secret file ``path``, refused if others may read it or anyone
+    but its owner may change it, or if it is not a regular file (a FIFO or a device
+    would block the read with no deadline). The mode is read from the descriptor that is
+    then read, so a swapped link cannot slip between."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise InvalidRequest(
-                f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
-                "give the file `rendezvousd token FILE` wrote, or the token itself in "
-                f"${TOKEN_ENV} (a pipe is read once: workers started after could not read it)"
+                f"{secret.what} {path} is not a regular file "
+                f"({stat.filemode(info.st_mode)}); give {secret.instead}"
             )
-        if info.st_mode & _TOKEN_FILE_FORBIDDEN:
+        if info.st_mode & _SECRET_FORBIDDEN:
             raise InvalidRequest(
-                f"token file {path} can be read or changed by other users (mode "
-                f"{stat.filemode(info.st_mode)}), so the token is not secret; run "
+                f"{secret.what} {path} can be read or changed by other users (mode "
+                f"{stat.filemode(info.st_mode)}): whoever reads it {secret.leak}; run "
                 f"'chmod 600 {path}' (0640 if a group must read it) and, if others could "
-                "have read it, make a new token with `rendezvousd token`"
+                f"have read it, {secret.renew}"
             )
-        return f.read().decode()
+        return f.read()
 
 
 # Words of gRPC's reason for a failed connect that say the TLS handshake was refused

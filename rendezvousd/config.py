@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import ssl
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 
 from rendezvousd.common.address import AddressError, is_loopback, parse_address
 from rendezvousd.common.limits import Limits, Timing
+from rendezvousd.common.pem import bundle_problem, pair_problem
 from rendezvousd.common.settings import (
     AddressText,
     Bool,
@@ -212,54 +212,21 @@ class DaemonConfig:
 
 
 def check_tls_pair(cert: Path, key: Path) -> None:
-    """Refuses a certificate and key that do not belong together, saying so.
-
-    gRPC only reports a failed bind for them, which reads like a taken port.
-    Unreadable files are left to the server, which names the file.
-    """
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        # A password callback keeps OpenSSL from prompting on a terminal.
-        context.load_cert_chain(cert, key, password=lambda: b"")
-    except OSError as exc:
-        if not isinstance(exc, ssl.SSLError):
-            return
-        if exc.reason == "KEY_VALUES_MISMATCH":
-            raise ConfigError(
-                f"TLS private key {key} does not belong to certificate {cert} "
-                "(key values mismatch); give the key the certificate was issued for"
-            ) from None
-        raise ConfigError(
-            f"cannot load TLS certificate {cert} with key {key}: {exc.reason or exc.strerror}; "
-            "both must be PEM, the key unencrypted"
-        ) from None
+    """Refuses a certificate and key that do not belong together, saying so."""
+    problem = pair_problem(cert, key)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_client_ca(ca: Path) -> None:
-    """Refuses a ``--tls-client-ca`` holding no PEM certificate, naming the file.
-
-    gRPC only reports a failed bind for it, which reads like a taken port.
-    Unreadable files are left to the server, which names the file.
-    """
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_verify_locations(cafile=ca)
-    except ssl.SSLError as exc:
-        why = f" ({exc.reason})" if exc.reason else ""
-        raise ConfigError(_not_pem_ca(ca, why)) from None
-    except OSError:
-        return
-    # OpenSSL also takes a file of CRLs alone, which gRPC refuses.
-    if context.cert_store_stats()["x509"] == 0:
-        raise ConfigError(_not_pem_ca(ca, " (no certificate in it)"))
-
-
-def _not_pem_ca(ca: Path, why: str) -> str:
-    return (
-        f"TLS client CA {ca} (--tls-client-ca) is not a PEM certificate bundle{why}: give "
-        "the CA certificate that signed the clients' certificates, in PEM "
-        "(-----BEGIN CERTIFICATE-----; convert DER with openssl x509 -inform der)"
-    )
+    """Refuses a ``--tls-client-ca`` holding no PEM certificate, naming the file."""
+    why = bundle_problem(ca)
+    if why is not None:
+        raise ConfigError(
+            f"TLS client CA {ca} (--tls-client-ca) is not a PEM certificate bundle{why}: give "
+            "the CA certificate that signed the clients' certificates, in PEM "
+            "(-----BEGIN CERTIFICATE-----; convert DER with openssl x509 -inform der)"
+        )
 
 
 def _plaintext_off_host(listen: str | None, tls: bool, *, allowed: bool) -> bool:

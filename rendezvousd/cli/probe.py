@@ -52,6 +52,11 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
                 Path(path).read_bytes()
         except OSError as exc:
             raise ConfigError(f"cannot read {flag} {path}: {exc.strerror}") from None
+    if tls is not None:
+        try:
+            tls.credentials()  # a file that is no PEM, a key others can read...
+        except InvalidRequest as exc:
+            raise ConfigError(str(exc)) from None
     return tls
 
 

@@ -1,0 +1,103 @@
+"""A client's TLS files are checked when the client is made, naming the file.
+
+gRPC takes a CA that is no PEM, a key that is not the certificate's, or a missing
+file without a word: the channel then never connects, and the first call waited out
+its whole connect deadline (a minute by default) to report "nothing listens there".
+A client key others can read is refused as the client's token file is.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.client import InvalidRequest, RendezvousClient, TlsConfig
+from tests.support import DaemonProcess, Pki
+
+
+def _refused(daemon: DaemonProcess, tls: TlsConfig) -> str:
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest) as refused:
+        RendezvousClient(daemon.endpoint, "j", token=daemon.token, tls=tls, connect_timeout=60)
+    assert time.monotonic() - started < 10  # not after the connect deadline
+    return str(refused.value)
+
+
+@pytest.fixture
+def tls_daemon(pki: Pki, start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
+    return start_daemon(*pki.serve_args(mtls=True))
+
+
+def test_a_ca_that_is_not_pem_is_refused_naming_it(
+    pki: Pki, tls_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    der = tmp_path / "ca.der"
+    der.write_bytes(b"0\x82\x01\x0a" + bytes(64))  # what a DER certificate starts like
+    said = _refused(tls_daemon, TlsConfig(ca=der, cert=pki.client, key=pki.client_key))
+    assert f"TLS CA {der} is not a PEM certificate bundle" in said, said
+    assert "openssl x509 -inform der" in said and "listens" not in said, said
+
+
+def test_a_missing_ca_is_refused_naming_it(pki: Pki, tls_daemon: DaemonProcess) -> None:
+    missing = pki.root / "nowhere.pem"
+    said = _refused(tls_daemon, TlsConfig(ca=missing))
+    assert said == f"cannot read TLS CA {missing}: No such file or directory", said
+
+
+def test_a_key_that_is_not_the_certificates_is_refused_naming_both(
+    pki: Pki, tls_daemon: DaemonProcess
+) -> None:
+    said = _refused(tls_daemon, TlsConfig(ca=pki.ca, cert=pki.client, key=pki.rogue_key))
+    assert f"TLS private key {pki.rogue_key} does not belong to certificate {pki.client}" in said
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o620], ids=oct)
+def test_a_client_key_others_can_read_is_refused(
+    mode: int, pki: Pki, tls_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    key = tmp_path / "client.key"
+    shutil.copyfile(pki.client_key, key)
+    key.chmod(mode)
+    said = _refused(tls_daemon, TlsConfig(ca=pki.ca, cert=pki.client, key=key))
+    assert f"TLS private key {key} can be read or changed by other users" in said, said
+    assert "can act as this client" in said and f"chmod 600 {key}" in said, said
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o440], ids=oct)
+def test_a_client_key_only_its_owner_and_group_can_read_is_used(
+    mode: int, pki: Pki, tls_daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    key = tmp_path / "client.key"
+    shutil.copyfile(pki.client_key, key)
+    key.chmod(mode)
+    tls = TlsConfig(ca=pki.ca, cert=pki.client, key=key)
+    with RendezvousClient(tls_daemon.endpoint, job_id, token=tls_daemon.token, tls=tls) as c:
+        assert c.list_jobs() is not None  # through mutual TLS: no certificate, no call
+
+
+@pytest.mark.parametrize("command", ["health", "status"])
+def test_probe_commands_name_a_ca_that_is_not_pem(
+    command: str, tls_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    bogus = tmp_path / "ca.pem"
+    bogus.write_text("not a certificate\n")
+    args = ["--endpoint", tls_daemon.endpoint, "--tls-ca", str(bogus)]
+    if command == "status":
+        args += ["--token-file", str(tls_daemon.token_file)]
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", command, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert f"TLS CA {bogus} is not a PEM certificate bundle" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and time.monotonic() - started < 20, done.stderr
