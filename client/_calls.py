@@ -255,7 +255,15 @@ class Calls:
             # An inspecting client (list_jobs(), `rendezvousd status`): a plaintext one
             # of a TLS daemon heard it after its whole call timeout (30 s) and a retry.
             # The look's wait is the call's own: counted in its first attempt's deadline.
-            yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, limit))
+            started = time.monotonic()
+            if not (yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, limit))):
+                # Not connected: waited for within connect_timeout, as a join waits, then
+                # what a plain connect finds there. The call itself waited its whole
+                # timeout and a retry (60 s at a refused port, connect_timeout=2 or not)
+                # to say the same.
+                yield from self.connected(
+                    method, started, min(s.connect_timeout, limit), f"the {method} call's timeout"
+                )
         for attempt in itertools.count(1):
             wait = max(0.0, deadline - time.monotonic()) if attempt == 1 else limit
             try:
@@ -352,15 +360,22 @@ class Calls:
         # opened with the join (``OpenStream``), its start out of the join.
         yield OpenStream()
 
-    def connected(self, method: str, started: float, within: float | None = None) -> Steps[None]:
+    def connected(
+        self,
+        method: str,
+        started: float,
+        within: float | None = None,
+        shorter: str = "the join's timeout",
+    ) -> Steps[None]:
         """Return once the channel is connected; ``DaemonUnavailable`` when it is not
-        within ``within`` (``connect_timeout``) of ``started``. gRPC reconnects
-        meanwhile, with its backoff: a daemon that comes up late is found."""
+        within ``within`` (``connect_timeout``, or ``shorter``, the caller's own
+        timeout) of ``started``. gRPC reconnects meanwhile, with its backoff: a daemon
+        that comes up late is found."""
         s = self.s
         limit = s.connect_timeout if within is None else within
         if not (yield Connect(max(0.0, limit - (time.monotonic() - started)))):
             problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
-            which = "connect_timeout" if limit == s.connect_timeout else "the join's timeout"
+            which = "connect_timeout" if limit == s.connect_timeout else shorter
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "
                 f"{limit:g} s ({which})"

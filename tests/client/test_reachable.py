@@ -13,6 +13,7 @@ import asyncio
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,7 +29,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.client import _calls as steps
 from rendezvousd.client.connection import SERVICE, TlsConfig
-from tests.support import DaemonProcess, InProcessDaemon, Pki
+from tests.support import DaemonProcess, InProcessDaemon, Pki, free_port
 
 REACH_S = 1.0
 
@@ -292,3 +293,55 @@ async def test_a_tls_daemon_is_told_to_a_plaintext_join_with_a_short_connect_tim
     d = start_daemon(*pki.serve_args())
     with pytest.raises(AuthenticationError, match="speaks TLS: pass --tls-ca"):
         await _join(kind, d.endpoint, None, 0.2)
+
+
+async def _list_jobs(kind: str, endpoint: str, token: str, **options: Any) -> None:
+    """An inspecting client's first call (no join before it), by ``kind``'s client."""
+    if kind == "asyncio":
+        async with AsyncRendezvousClient(endpoint, token=token, **options) as client:
+            await client.list_jobs()
+        return
+    with RendezvousClient(endpoint, token=token, **options) as blocking:
+        await asyncio.to_thread(blocking.list_jobs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_inspecting_clients_first_call_at_a_refused_port_ends_at_connect_timeout(
+    kind: str,
+) -> None:
+    """It waited its whole call timeout and a retry (60 s), whatever connect_timeout said."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    endpoint = f"127.0.0.1:{free_port()}"
+    with pytest.raises(DaemonUnavailable, match=r"within 1 s \(connect_timeout\): nothing listens"):
+        await _list_jobs(kind, endpoint, "t" * 32, connect_timeout=1.0)
+    assert loop.time() - started < 4.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_inspecting_clients_first_call_ends_at_its_own_shorter_timeout(
+    kind: str,
+) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    endpoint = f"127.0.0.1:{free_port()}"
+    with pytest.raises(DaemonUnavailable, match=r"within 1 s \(the ListJobs call's timeout\)"):
+        await _list_jobs(kind, endpoint, "t" * 32, connect_timeout=30.0, call_timeout=1.0)
+    assert loop.time() - started < 4.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_inspecting_clients_first_call_finds_a_daemon_that_starts_late(
+    kind: str, start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """Waiting for the daemon within connect_timeout, not failing at the first refusal:
+    a script may ask before the daemon is up."""
+    port = free_port()
+    token = "late-daemon-token-" + "x" * 16
+    asking = asyncio.ensure_future(
+        _list_jobs(kind, f"127.0.0.1:{port}", token, connect_timeout=30.0, retry_attempts=0)
+    )
+    await asyncio.sleep(2.5)  # past the first look (2 s): refused all along
+    assert not asking.done()
+    start_daemon(listen=f"127.0.0.1:{port}", token=token)
+    await asyncio.wait_for(asking, 25)  # answered: an error would be raised here
