@@ -69,6 +69,9 @@ def _status_bytes(code: grpc.StatusCode, message: str) -> bytes:
     return data
 
 
+_UNKNOWN = _status_bytes(grpc.StatusCode.UNKNOWN, _BUG)
+
+
 class CallContext:
     """What a guarded handler asks of its gRPC context, for one call on the stream:
     its remaining time, and ending it with a status (the Reply's ``error``)."""
@@ -355,12 +358,12 @@ class CallStream:
                 deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
                 coro = self._run(call.id, field, getattr(call, field), deadline, replies)
                 started = time.monotonic()
-                waiting_on = _start(coro)
+                waiting_on = _resume(coro, None, call.id, replies)
                 if waiting_on is _DONE:
                     if turns.ran(time.monotonic() - started):
                         await asyncio.sleep(0)
                 else:
-                    task = asyncio.create_task(_finish(coro, waiting_on))
+                    task = asyncio.create_task(_finish(coro, waiting_on, call.id, replies))
                     running[call.id] = task
                     task.add_done_callback(functools.partial(_forget, running, deadlines, call.id))
                     if call.timeout_ms:
@@ -418,7 +421,7 @@ class CallStream:
             # A bug of ours: gRPC would answer a unary call UNKNOWN and log it; so do we,
             # rather than leave the caller waiting for its deadline.
             log.exception("Calls: %s (call %d) failed", field, call_id)
-            replies.put(reply(call_id, _ERROR_FIELD, _status_bytes(grpc.StatusCode.UNKNOWN, _BUG)))
+            replies.put(reply(call_id, _ERROR_FIELD, _UNKNOWN))
             return
         body = answer if isinstance(answer, bytes) else answer.SerializeToString()
         replies.put(reply(call_id, _REPLY_FIELDS[field], body))
@@ -433,38 +436,60 @@ class CallStream:
 _DONE = object()
 
 
-def _start(coro: Coroutine[Any, Any, None]) -> Any:
-    """Run ``coro`` until it first waits: what it waits on, or ``_DONE``."""
+def _resume(
+    coro: Coroutine[Any, Any, None], error: BaseException | None, call_id: int, replies: _Outbox
+) -> Any:
+    """Run ``coro`` (a call's ``_run``), sent None or thrown ``error``, until it waits
+    next: what it waits on, or ``_DONE`` once it ended. ``_run`` answers what its
+    handler raises; what escapes it (a BaseException that is not an Exception) is
+    logged and answered UNKNOWN here, as ``_run`` does, rather than end the stream (on
+    the reader) or leave the caller to its deadline (in a task)."""
     try:
-        return coro.send(None)
+        return coro.send(None) if error is None else coro.throw(error)
     except StopIteration:
+        return _DONE
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        log.exception("Calls: call %d failed", call_id)
+        replies.put(reply(call_id, _ERROR_FIELD, _UNKNOWN))
         return _DONE
 
 
-async def _finish(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
-    """Go on with ``coro``, started by ``_start`` and now waiting on ``waiting_on``,
-    as a Task would: resume it once what it awaits is done; a cancellation cancels
-    what it awaits, so the coroutine sees its await cancelled."""
+async def _finish(
+    coro: Coroutine[Any, Any, None], waiting_on: Any, call_id: int, replies: _Outbox
+) -> None:
+    """Go on with ``coro``, run by ``_resume`` and now waiting on ``waiting_on``, as a
+    Task would: resume it once what it awaits is done; a cancellation cancels what it
+    awaits, so the coroutine sees its await cancelled."""
     while True:
-        cancelled = False
+        error: BaseException | None = None
         if waiting_on is None:  # a bare yield (asyncio.sleep(0))
             try:
                 await asyncio.sleep(0)
-            except asyncio.CancelledError:
-                cancelled = True
+            except asyncio.CancelledError as cancelled:
+                error = cancelled
+        elif not getattr(waiting_on, "_asyncio_future_blocking", False):
+            # What a Task throws in for a yield of anything but a future.
+            error = RuntimeError(f"call {call_id} awaited {waiting_on!r}, not a future")
         else:
             waiting_on._asyncio_future_blocking = False
-            while not waiting_on.done():
-                # It ends (a result, an error), or is cancelled with this task: a Task
-                # cancels what it awaits, so nothing here need. The coroutine reads
-                # which as it resumes. Awaited bare: asyncio.wait's waiter and set per
-                # call were ~4 % of the daemon's samples in the node soak (py-spy,
-                # session 34).
-                with contextlib.suppress(BaseException):  # the coroutine's to read
+            # Awaited bare: asyncio.wait's waiter and set per call were ~4 % of the
+            # daemon's samples in the node soak (py-spy, session 34). Its outcome (a
+            # result, an error) is the coroutine's to read as it resumes.
+            with contextlib.suppress(BaseException):
+                try:
                     await waiting_on
-        try:
-            waiting_on = coro.throw(asyncio.CancelledError()) if cancelled else coro.send(None)
-        except StopIteration:
+                except asyncio.CancelledError:
+                    # Cancelled with this task (a Task cancels what it awaits), which
+                    # the coroutine reads as it resumes; or this task was cancelled
+                    # after it ended, before the coroutine resumed (the call's deadline
+                    # passed in between and answered it DEADLINE_EXCEEDED): thrown in,
+                    # so that the call is not answered twice.
+                    if not waiting_on.cancelled():
+                        error = asyncio.CancelledError()
+        waiting_on = _resume(coro, error, call_id, replies)
+        if waiting_on is _DONE:
             return
 
 

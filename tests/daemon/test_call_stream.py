@@ -5,6 +5,7 @@ Raw gRPC (not the SDK), against a real daemon process."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import signal
 import sqlite3
@@ -662,6 +663,266 @@ async def test_each_call_ends_at_its_own_deadline_whatever_the_order_they_came_i
         assert status_of(r).code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
         assert f"within its timeout_ms={timeouts[call_id]}" in status_of(r).message
         assert timeouts[call_id] / 1000 <= at < timeouts[call_id] / 1000 + 0.25, (call_id, at)
+
+
+# A waiting call's steps after its first wait are driven by hand (call_stream._finish:
+# the first step runs inline, the rest in a task): what follows holds that driver to
+# what a plain task per call gives, and to a call answered exactly once.
+
+
+async def _replies(stream: CallStream, calls: AsyncIterator[pb.CallBatch]) -> list[pb.Reply]:
+    """Every reply of ``stream`` serving ``calls`` (CallBatches), in order, once it
+    ended; a stream that never ends (a call never ended or never counted) fails."""
+    got: list[pb.Reply] = []
+    async with asyncio.timeout(5):
+        async for message in stream.serve(calls, batched=True):
+            got.extend(pb.ReplyBatch.FromString(message).replies)
+    return got
+
+
+_STREAMS_OWN: contextvars.ContextVar[str] = contextvars.ContextVar("streams_own", default="")
+
+
+async def test_a_call_goes_on_past_each_wait_in_turn_in_its_streams_context() -> None:
+    """Futures, a bare yield, a shielded task and an event, one after another: the call
+    is answered after the last, and still sees the context its stream was opened in
+    (the daemon's auth interceptor leaves the caller's scope there)."""
+    later = asyncio.Event()
+
+    async def waits(_request: Any, _context: Any) -> pb.KvGetResponse:
+        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        await asyncio.shield(asyncio.sleep(0.01))
+        await later.wait()
+        await asyncio.sleep(0)
+        return pb.KvGetResponse(value=_STREAMS_OWN.get().encode())
+
+    async def wakes(_request: Any, _context: Any) -> pb.GetJobResponse:
+        later.set()
+        return pb.GetJobResponse()
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        yield pb.CallBatch(calls=[pb.Call(id=1, kv_get=pb.KvGetRequest(key="k"))])
+        await asyncio.sleep(0.05)
+        yield pb.CallBatch(calls=[pb.Call(id=2, get_job=pb.GetJobRequest(job_id="j"))])
+
+    _STREAMS_OWN.set("the stream's caller")
+    stream = CallStream({"kv_get": waits, "get_job": wakes}, max_in_flight=8)
+    got = await _replies(stream, calls())
+    assert [r.id for r in got] == [2, 1]
+    assert got[1].kv_get.value == b"the stream's caller"
+
+
+async def test_a_cancel_reaches_a_call_awaiting_a_future_and_one_at_a_bare_yield() -> None:
+    """Each reads its await cancelled, neither is answered, and the stream's end,
+    which waits for its calls in flight, then comes."""
+    cancelled: list[str] = []
+
+    async def spins(_request: Any, _context: Any) -> Any:
+        try:
+            while True:
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            cancelled.append("at a bare yield")
+            raise
+
+    async def parks(_request: Any, _context: Any) -> Any:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append("awaiting a future")
+            raise
+
+    async def quick(_request: Any, _context: Any) -> pb.GetJobResponse:
+        return pb.GetJobResponse()
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        yield pb.CallBatch(
+            calls=[
+                pb.Call(id=1, kv_get=pb.KvGetRequest(key="k")),
+                pb.Call(id=2, barrier=pb.BarrierRequest(name="b")),
+            ]
+        )
+        await asyncio.sleep(0.02)
+        yield pb.CallBatch(
+            calls=[
+                pb.Call(id=1, cancel=pb.CancelCall()),
+                pb.Call(id=2, cancel=pb.CancelCall()),
+                pb.Call(id=3, get_job=pb.GetJobRequest(job_id="j")),
+            ]
+        )
+
+    stream = CallStream({"kv_get": spins, "barrier": parks, "get_job": quick}, max_in_flight=8)
+    got = await _replies(stream, calls())
+    assert [r.id for r in got] == [3]
+    assert sorted(cancelled) == ["at a bare yield", "awaiting a future"]
+
+
+async def test_a_call_whose_wait_ends_as_its_deadline_passes_is_answered_once() -> None:
+    """The deadline's cancel finds what the call awaits done and the call due to
+    resume: the cancel is thrown in as it resumes, so the call ends DEADLINE_EXCEEDED
+    alone, not that and then its answer, two replies to one id."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[bytes] = loop.create_future()
+    seen: list[str] = []
+
+    async def waits(_request: Any, _context: Any) -> pb.KvGetResponse:
+        try:
+            value = await ready
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        seen.append("answered")
+        return pb.KvGetResponse(value=value)
+
+    async def holds_the_loop(_request: Any, _context: Any) -> pb.GetJobResponse:
+        # The wait's end (20 ms) and call 1's deadline (50 ms) then come due in the
+        # same turn of the loop, the wait's first: the call's resumption is queued
+        # behind the deadline's timer.
+        loop.call_later(0.02, ready.set_result, b"late")
+        time.sleep(0.1)
+        return pb.GetJobResponse()
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        yield pb.CallBatch(
+            calls=[
+                pb.Call(id=1, timeout_ms=50, kv_get=pb.KvGetRequest(key="k")),
+                pb.Call(id=2, get_job=pb.GetJobRequest(job_id="j")),
+            ]
+        )
+
+    stream = CallStream({"kv_get": waits, "get_job": holds_the_loop}, max_in_flight=8)
+    got = await _replies(stream, calls())
+    assert [r.id for r in got] == [2, 1], got
+    assert status_of(got[1]).code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert seen == ["cancelled"]
+
+
+async def test_the_streams_end_cancels_its_calls_awaiting_and_at_a_bare_yield() -> None:
+    cancelled: list[str] = []
+
+    async def spins(_request: Any, _context: Any) -> Any:
+        try:
+            while True:
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            cancelled.append("at a bare yield")
+            raise
+
+    async def parks(_request: Any, _context: Any) -> Any:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append("awaiting a future")
+            raise
+
+    async def quick(_request: Any, _context: Any) -> pb.GetJobResponse:
+        return pb.GetJobResponse()
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        yield pb.CallBatch(
+            calls=[
+                pb.Call(id=1, kv_get=pb.KvGetRequest(key="k")),
+                pb.Call(id=2, barrier=pb.BarrierRequest(name="b")),
+                pb.Call(id=3, get_job=pb.GetJobRequest(job_id="j")),
+            ]
+        )
+        await asyncio.Event().wait()  # the caller sends no more, and keeps the stream
+
+    stream = CallStream({"kv_get": spins, "barrier": parks, "get_job": quick}, max_in_flight=8)
+    served = stream.serve(calls(), batched=True)
+    first = pb.ReplyBatch.FromString(await anext(served))
+    assert [r.id for r in first.replies] == [3]
+    await served.aclose()  # the caller went away
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert sorted(cancelled) == ["at a bare yield", "awaiting a future"]
+
+
+class _Escapes(BaseException):
+    """Not an Exception: a call's ``_run`` lets it through."""
+
+
+class _NotAFuture:
+    def __await__(self) -> Iterator[Any]:
+        yield "not a future"
+
+
+async def test_what_escapes_a_call_is_logged_and_answered_unknown_and_the_stream_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Raised before its first wait or after it, or awaiting what is not a future: the
+    call is answered UNKNOWN (not left to its deadline, nor the stream ended), the
+    daemon's log has it, and the calls beside it are answered."""
+
+    async def after_a_wait(_request: Any, _context: Any) -> Any:
+        await asyncio.sleep(0.01)
+        raise _Escapes("after a wait")
+
+    async def at_once(_request: Any, _context: Any) -> Any:
+        raise _Escapes("before any wait")
+
+    async def awaits_no_future(_request: Any, _context: Any) -> Any:
+        await asyncio.sleep(0)
+        await _NotAFuture()
+
+    async def waits(_request: Any, _context: Any) -> pb.GetJobResponse:
+        await asyncio.sleep(0.05)
+        return pb.GetJobResponse()
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        yield pb.CallBatch(
+            calls=[
+                pb.Call(id=1, kv_get=pb.KvGetRequest(key="k")),
+                pb.Call(id=2, kv_set=pb.KvSetRequest(key="k")),
+                pb.Call(id=3, barrier=pb.BarrierRequest(name="b")),
+                pb.Call(id=4, get_job=pb.GetJobRequest(job_id="j")),
+            ]
+        )
+
+    handlers = {
+        "kv_get": after_a_wait,
+        "kv_set": at_once,
+        "barrier": awaits_no_future,
+        "get_job": waits,
+    }
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+    try:
+        with caplog.at_level("ERROR", logger="rendezvousd"):
+            got = await _replies(CallStream(handlers, max_in_flight=8), calls())
+    finally:
+        loop.set_exception_handler(None)
+    assert unhandled == []  # nothing left to the loop's handler, a log line at best
+    by_id = {r.id: r for r in got}
+    assert sorted(by_id) == [1, 2, 3, 4] and len(got) == 4, got
+    for call_id in (1, 2, 3):
+        failed = status_of(by_id[call_id])
+        assert failed.code == grpc.StatusCode.UNKNOWN.value[0]
+        assert "its log has the traceback" in failed.message
+    assert by_id[4].WhichOneof("response") == "get_job"
+    logged = "\n".join(r.getMessage() + str(r.exc_info and r.exc_info[1]) for r in caplog.records)
+    for call_id, why in ((1, "after a wait"), (2, "before any wait"), (3, "not a future")):
+        assert f"call {call_id}" in logged and why in logged, logged
+
+
+async def test_the_callers_end_of_sending_waits_for_each_call_in_flight() -> None:
+    """The caller sends its last call with three in flight, each ending at its own
+    time: all three are answered before the stream ends."""
+
+    async def waits(request: Any, _context: Any) -> pb.KvGetResponse:
+        await asyncio.sleep(int(request.key) / 1000)
+        return pb.KvGetResponse(value=request.key.encode())
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        keys = {1: "30", 2: "10", 3: "60"}
+        yield pb.CallBatch(
+            calls=[pb.Call(id=i, kv_get=pb.KvGetRequest(key=k)) for i, k in keys.items()]
+        )
+
+    got = await _replies(CallStream({"kv_get": waits}, max_in_flight=8), calls())
+    assert [(r.id, r.kv_get.value) for r in got] == [(2, b"10"), (1, b"30"), (3, b"60")]
 
 
 def test_replies_varints_are_protobufs_at_every_length() -> None:
