@@ -373,9 +373,14 @@ class CallStream:
                 raise
         try:
             # The caller is done sending (or the daemon drains): its calls in flight
-            # are still answered.
+            # are still answered, a drain that comes meanwhile included (it released
+            # them with their answers; cancelled, they would go unanswered).
             while running:
-                await asyncio.wait(list(running.values()))
+                try:
+                    await asyncio.wait(list(running.values()))
+                except asyncio.CancelledError:
+                    if not self._draining:
+                        raise
         finally:
             replies.put(None)
 

@@ -925,6 +925,32 @@ async def test_the_callers_end_of_sending_waits_for_each_call_in_flight() -> Non
     assert [(r.id, r.kv_get.value) for r in got] == [(2, b"10"), (1, b"30"), (3, b"60")]
 
 
+async def test_a_drain_after_the_caller_stopped_sending_still_answers_its_calls() -> None:
+    """The daemon drains (its parked calls released with an answer) while a stream's
+    caller has sent its last call and waits for the answers: they arrive. The drain
+    cancelled the stream's reader there, which cancelled the calls it waited for, and
+    their answers were lost."""
+    released = asyncio.Event()
+    parked = asyncio.Event()
+
+    async def waits(request: Any, _context: Any) -> pb.KvGetResponse:
+        parked.set()
+        await released.wait()
+        return pb.KvGetResponse(value=b"released")
+
+    async def calls() -> AsyncIterator[pb.CallBatch]:
+        yield pb.CallBatch(calls=[pb.Call(id=1, kv_get=pb.KvGetRequest(key="k"))])
+
+    stream = CallStream({"kv_get": waits}, max_in_flight=8)
+    serving = asyncio.ensure_future(_replies(stream, calls()))
+    await asyncio.wait_for(parked.wait(), 5)
+    await asyncio.sleep(0.05)  # the reader past the caller's last call, waiting for it
+    stream.drain()
+    released.set()  # as the daemon's drain answers its parked calls
+    got = await serving
+    assert [(r.id, r.kv_get.value) for r in got] == [(1, b"released")]
+
+
 def test_replies_varints_are_protobufs_at_every_length() -> None:
     """The hand-written Reply encoding (its fast paths for one and two bytes included)
     decodes as protobuf's own, across each varint length's boundaries."""
