@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import time
 from abc import ABC, abstractmethod
@@ -70,6 +71,7 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.client.relay import RELAY_STALLED, route_of
 from rendezvousd.common.calls import FIELDS
+from rendezvousd.common.validation import LONGEST_WAIT_S, SHORTEST_HEARTBEAT_S
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -836,6 +838,7 @@ class ClientBase(ABC):
         once, on the heartbeat's thread or the sync watchdog's: ``PeerFailed``,
         ``JobAborted``, ``DaemonUnreachable``... After join_node() the stream is the whole
         node's; ``on_nodes_waiting(count)`` runs when nodes park for a next generation."""
+        _check_heartbeat_args(interval, on_failure, on_nodes_waiting)
         s = self._s
         m = s.stream_member()
         if self._heartbeat_running():
@@ -879,3 +882,29 @@ class ClientBase(ABC):
     def _forget(self) -> None:
         """After leave(): no member or node is held any more."""
         self._s.joined = self._s.node = None
+
+
+def _check_heartbeat_args(interval: object, *callbacks: object) -> None:
+    """Refuse what start_heartbeat() could not use: an interval that is no number of
+    seconds from SHORTEST_HEARTBEAT_S (0, NaN or 1e-9 s made the heartbeat busy-loop), a
+    callback that is not callable, or a coroutine function, which would be called and
+    never awaited: the failure it was to hear of would go unheard."""
+    number = isinstance(interval, int | float) and not isinstance(interval, bool)
+    if interval is not None and not (
+        number and SHORTEST_HEARTBEAT_S <= interval <= LONGEST_WAIT_S  # type: ignore[operator]
+    ):
+        raise InvalidRequest(
+            f"start_heartbeat() interval={interval!r} is not a heartbeat interval: give "
+            f"seconds from {SHORTEST_HEARTBEAT_S:g} to {LONGEST_WAIT_S:.0f} (30 days), or "
+            "None for the default (a third of the daemon's heartbeat timeout, at most 5 s)"
+        )
+    for name, callback in zip(("on_failure", "on_nodes_waiting"), callbacks, strict=True):
+        if callback is not None and not callable(callback):
+            raise InvalidRequest(f"start_heartbeat() {name}={callback!r} is not callable")
+        if inspect.iscoroutinefunction(callback):
+            raise InvalidRequest(
+                f"start_heartbeat() {name}={callback!r} is a coroutine function: it is "
+                "called, not awaited, so it would never run; pass a plain function (on "
+                "the asyncio client it runs on the client's loop, where it may start a "
+                "task: asyncio.get_running_loop().create_task(...))"
+            )

@@ -668,7 +668,18 @@ class Session:
             # "the daemon did not answer in time": it hears the cause now instead.
             self.on_daemon_lost()
         if self.on_failure is not None:
-            self.on_failure(error)
+            try:
+                self.on_failure(error)
+            except Exception:
+                # The caller's own code: logged, never raised into the heartbeat (the
+                # asyncio client re-raised it from close(), the blocking one printed a
+                # bare thread traceback). The failure itself is kept (self.failure).
+                log.exception(
+                    "on_failure raised while told of job %r's failure (kept: raise_if_failed() "
+                    "raises it): %s",
+                    self.job_id,
+                    error,
+                )
 
     def leave_request(self) -> pb.LeaveRequest | None:
         """The Leave to send, or None when not joined; from here on the job's

@@ -122,7 +122,7 @@ def service_config(channel_retries: int) -> str:
 
 @dataclass(frozen=True)
 class TlsConfig:
-    """PEM paths: ``ca`` verifies the daemon; ``cert``/``key`` for mTLS."""
+    """PEM paths (a str or a Path): ``ca`` verifies the daemon; ``cert``/``key`` for mTLS."""
 
     ca: Path | None = None
     cert: Path | None = None
@@ -130,6 +130,22 @@ class TlsConfig:
     server_name: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("ca", "cert", "key"):
+            value = getattr(self, name)
+            if isinstance(value, str | os.PathLike) and not isinstance(value, Path):
+                # A str path, as from_paths and the settings take them: the reads need
+                # a Path (a str raised a bare AttributeError when the client was made).
+                object.__setattr__(self, name, Path(value))
+            elif value is not None and not isinstance(value, Path):
+                raise InvalidRequest(
+                    f"TlsConfig({name}={value!r}): give the path of a PEM file (a str or "
+                    "a Path), or None"
+                )
+        if self.server_name is not None and not isinstance(self.server_name, str):
+            raise InvalidRequest(
+                f"TlsConfig(server_name={self.server_name!r}): give the host name the "
+                "daemon's certificate names (a str), or None"
+            )
         # Refused here: given half of the pair, gRPC's core aborts the whole process
         # (SIGABRT, "Check failed: private_key != nullptr") at the first connect.
         if (self.cert is None) != (self.key is None):

@@ -19,6 +19,10 @@ UNIQUE_ID_BYTES = 128
 # probes too, and the torchrun store sends torch's longer timeouts as this. Here, not
 # in limits: a worker loads this module, never the daemon's bounds.
 LONGEST_WAIT_S = 30 * 24 * 3600.0
+# The shortest heartbeat interval a client beats at (20 beats a second): a beat only
+# proves liveness, and an interval of 0 or 1e-9 s made one client's heartbeat busy-loop,
+# costing it and the daemon most of a core each.
+SHORTEST_HEARTBEAT_S = 0.05
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # C0 and C1 controls, and the bidi marks and overrides that make a log line or
 # `rendezvousd status` show text other than what it holds (Trojan Source).

@@ -8,6 +8,7 @@ A client key others can read is refused as the client's token file is.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -101,3 +102,21 @@ def test_probe_commands_name_a_ca_that_is_not_pem(
     assert done.returncode == 1, (done.returncode, done.stderr)
     assert f"TLS CA {bogus} is not a PEM certificate bundle" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and time.monotonic() - started < 20, done.stderr
+
+
+def test_tls_paths_may_be_str(pki: Pki, tls_daemon: DaemonProcess, job_id: str) -> None:
+    """A str path raised a bare AttributeError ('str' has no read_bytes) when the
+    client was made; from_paths and the settings took str all along."""
+    tls = TlsConfig(ca=str(pki.ca), cert=str(pki.client), key=str(pki.client_key))  # type: ignore[arg-type]
+    assert tls.ca == pki.ca and tls.key == pki.client_key
+    with RendezvousClient(tls_daemon.endpoint, job_id, token=tls_daemon.token, tls=tls) as c:
+        assert c.list_jobs() is not None
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [({"ca": 5}, "TlsConfig(ca=5)"), ({"server_name": 5}, "TlsConfig(server_name=5)")],
+)
+def test_tls_settings_of_the_wrong_type_are_refused(given: dict[str, object], said: str) -> None:
+    with pytest.raises(InvalidRequest, match=re.escape(said)):
+        TlsConfig(**given)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from rendezvousd.client import (
     AsyncRendezvousClient,
     AuthenticationError,
     DaemonUnavailable,
+    InvalidRequest,
     JobAborted,
     PeerFailed,
     RendezvousClient,
@@ -241,6 +242,52 @@ def abort_reaches_a_member(w: World) -> object:
     wait_for("the abort", lambda: c.failure is not None, 20)
     assert isinstance(c.failure, JobAborted)
     return type(c.failure).__name__, "operator said so" in str(c.failure)
+
+
+def heartbeat_arguments_are_checked(w: World) -> object:
+    """An interval of 0 or 1e-9 s busy-looped the heartbeat (most of a core, on the
+    client and on the daemon); an async on_failure was called, never awaited."""
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+
+    async def coroutine(_error: RendezvousError) -> None:
+        pass
+
+    refused = []
+    for name, value in [
+        ("interval", 0),
+        ("interval", -1.0),
+        ("interval", float("nan")),
+        ("interval", 1e-9),
+        ("interval", "5"),
+        ("interval", True),
+        ("on_failure", 5),
+        ("on_failure", coroutine),
+        ("on_nodes_waiting", "x"),
+    ]:
+        try:
+            c.start_heartbeat(**{name: value})
+        except InvalidRequest as exc:
+            refused.append(f"{name}=" in str(exc))
+    c.start_heartbeat(0.05)  # the shortest interval
+    c.leave()
+    return refused
+
+
+def a_raising_on_failure_is_logged_not_raised(w: World) -> object:
+    """The asyncio client re-raised it from close() (the program exited 1), the
+    blocking one printed a bare thread traceback; the failure itself is kept."""
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+
+    def raises(_error: RendezvousError) -> None:
+        raise RuntimeError("the callback's own bug")
+
+    c.start_heartbeat(0.2, on_failure=raises)
+    w.client().abort("operator said so")
+    wait_for("the abort", lambda: c.failure is not None, 20)
+    c.__getattr__("close")()  # the client, not its twin's loop (closed again at the end)
+    return type(c.failure).__name__
 
 
 def leave_ends_membership(w: World) -> object:
@@ -766,6 +813,8 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     ),
     "peer failure": (peer_failure_reaches_the_other_node, ("PeerFailed", [1], True)),
     "abort": (abort_reaches_a_member, ("JobAborted", True)),
+    "heartbeat arguments": (heartbeat_arguments_are_checked, [True] * 9),
+    "an on_failure that raises": (a_raising_on_failure_is_logged_not_raised, "JobAborted"),
     "leave": (leave_ends_membership, (None, None, ("InvalidRequest", ""))),
     "loopback address": (
         loopback_address_aborts_a_multi_host_job,
