@@ -600,6 +600,8 @@ class Calls:
     def report_failure(
         self, local_rank: int, cause: str, timeout: float | None = None
     ) -> Steps[None]:
+        check_arg("report_failure", "local_rank", local_rank, int)
+        check_arg("report_failure", "cause", cause, str)
         check_wait("report_failure", "timeout", timeout, deadline=True)
         request = self.s.report_request(local_rank, cause)
         yield from self.call("ReportFailure", request, timeout=timeout)
@@ -701,6 +703,7 @@ class Calls:
 
     def kv_get(self, key: str, wait: bool, timeout: float | None) -> Steps[bytes]:
         check_arg("kv_get", "key", key, str)
+        check_arg("kv_get", "wait", wait, bool)
         check_wait("kv_get", "timeout", timeout, deadline=not wait)
         # 0 is a wait that ends at once, not the default (None).
         limit = (WAIT_TIMEOUT_S if wait else self.s.call_timeout) if timeout is None else timeout
@@ -744,6 +747,7 @@ class Calls:
         return list((yield from self.call("ListJobs", pb.ListJobsRequest())).jobs)
 
     def get_job(self, job_id: str | None) -> Steps[pb.GetJobResponse]:
+        check_arg("get_job", "job_id", job_id, str | None)
         request = pb.GetJobRequest(job_id=job_id or self.s.job_id)
         response: pb.GetJobResponse = yield from self.call("GetJob", request)
         return response
@@ -755,6 +759,8 @@ class ClientBase(ABC):
     def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
         # Named by the client's own class: RendezvousClient or AsyncRendezvousClient.
         check_keywords(type(self).__name__, ClientOptions, options)
+        # Else protobuf's bare TypeError at the first call that sends it.
+        check_arg(type(self).__name__, "job_id", job_id, str)
         self._c = Calls(endpoint, job_id, options)
         self._s = self._c.s
         self._s.on_daemon_lost = self._daemon_lost
@@ -820,6 +826,9 @@ class ClientBase(ABC):
         own): the last step of each of this stream's ranks (a node's by local rank,
         None before its first), and a node agent's restart budget. The daemon shows
         it in GetJob and on its status page."""
+        check_arg("report_progress", "steps", steps, Sequence[int | None], INT64)
+        check_arg("report_progress", "restarts_used", restarts_used, int)
+        check_arg("report_progress", "max_restarts", max_restarts, int)
         self._s.progress = pb.Progress(
             steps=[-1 if s is None else s for s in steps],
             restarts_used=restarts_used,
@@ -869,6 +878,8 @@ class ClientBase(ABC):
         barrier(), kv_*() and abort(), without joining and without a heartbeat of our
         own: the agent's node heartbeat covers this worker. A wrong ``instance_id`` is
         refused by the daemon at the first call (DuplicateRank)."""
+        check_arg("attach", "membership", membership, Membership)
+        check_arg("attach", "instance_id", instance_id, str)
         self._s.attach(membership, instance_id)
 
     def _leaves_on_exit(self, exc: BaseException | None) -> bool:

@@ -206,6 +206,8 @@ def check_arg(
 
 def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
     origin = get_origin(option)
+    if origin in (Union, types.UnionType):  # inside a Sequence[...]
+        return any(_fits(value, o, span) for o in get_args(option))
     if option is type(None):
         return value is None
     if option is int:  # numpy's ints too, as protobuf takes them; never a bool
@@ -225,6 +227,8 @@ def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
 
 
 def _described(option: Any, span: tuple[int, int]) -> str:
+    if get_origin(option) in (Union, types.UnionType):
+        return " or ".join(_described(o, span) for o in get_args(option))
     if option is type(None):
         return "None"
     if option is int:

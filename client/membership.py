@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client.errors import ProtocolError
+from rendezvousd.client.errors import InvalidRequest, ProtocolError
 from rendezvousd.common import member_table
 from rendezvousd.common.address import is_loopback
 from rendezvousd.common.members import MemberInfo, Seat
@@ -135,8 +135,9 @@ class NodeMembership(Seat):
         return self.rank
 
     def _check(self, local_rank: int) -> None:
-        if not 0 <= local_rank < self.gpus_per_node:
-            raise ValueError(
+        number = isinstance(local_rank, int) and not isinstance(local_rank, bool)
+        if not number or not 0 <= local_rank < self.gpus_per_node:
+            raise InvalidRequest(
                 f"local_rank={local_rank} is out of range for gpus_per_node="
                 f"{self.gpus_per_node} (expected 0..{self.gpus_per_node - 1})"
             )

@@ -1,0 +1,58 @@
+"""Arguments no request field can carry are InvalidRequest, naming the call and the
+argument, before anything is sent: each raised a bare TypeError, ValueError or
+AttributeError from inside protobuf or the SDK (a careless caller's probe, session 35)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from rendezvousd.client import InvalidRequest, RendezvousClient
+from tests.support import DaemonProcess
+
+CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
+    ("get_job", lambda c: c.get_job(5), "get_job() job_id=5"),
+    ("kv_get wait", lambda c: c.kv_get("k", wait="no"), "kv_get() wait='no'"),  # type: ignore[arg-type]
+    ("report_failure cause", lambda c: c.report_failure(0, b"x"), "report_failure() cause=b'x'"),  # type: ignore[arg-type]
+    ("report_failure rank", lambda c: c.report_failure(-1, "x"), "report_failure() local_rank=-1"),
+    ("report_progress steps", lambda c: c.report_progress(-1), "report_progress() steps=-1"),  # type: ignore[arg-type]
+    ("report_progress str", lambda c: c.report_progress("x"), "report_progress() steps='x'"),
+    ("report_progress range", lambda c: c.report_progress([2**63]), "steps=[9223372036854775808]"),
+    (
+        "report_progress restarts",
+        lambda c: c.report_progress([1, None], restarts_used=-1),
+        "report_progress() restarts_used=-1",
+    ),
+    ("attach", lambda c: c.attach("x", "y"), "attach() membership='x'"),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize(("name", "call", "said"), CASES, ids=[c[0] for c in CASES])
+def test_an_argument_no_request_can_carry_is_refused_naming_it(
+    name: str, call: Callable[[RendezvousClient], Any], said: str, daemon: DaemonProcess
+) -> None:
+    with (
+        RendezvousClient(daemon.endpoint, "args", token=daemon.token) as c,
+        pytest.raises(InvalidRequest) as refused,
+    ):
+        call(c)
+    assert said in str(refused.value), refused.value
+
+
+def test_a_job_id_that_is_not_text_is_refused_when_the_client_is_made(
+    daemon: DaemonProcess,
+) -> None:
+    with pytest.raises(InvalidRequest, match=r"RendezvousClient\(\) job_id=5 is not str"):
+        RendezvousClient(daemon.endpoint, 5, token=daemon.token)  # type: ignore[arg-type]
+
+
+def test_a_node_membership_refuses_a_local_rank_it_does_not_have() -> None:
+    from rendezvousd.client.membership import NodeMembership
+
+    node = NodeMembership.__new__(NodeMembership)
+    object.__setattr__(node, "gpus_per_node", 2)
+    for bad in (5, -1, "0", True):
+        with pytest.raises(InvalidRequest, match="local_rank"):
+            node.membership_for(bad)  # type: ignore[arg-type]
