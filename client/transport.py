@@ -578,6 +578,15 @@ def _check_private(path: Path, info: os.stat_result, job_id: str) -> None:
             f"{uid}); give the file transport a directory of your own",
             job_id=job_id,
         )
+    if info.st_mode & stat.S_ISVTX and info.st_mode & stat.S_IWOTH:
+        # /tmp or /dev/shm itself (root's, for root): a place for everyone's files,
+        # which no chmod should close.
+        raise InvalidRequest(
+            f"rendezvous directory {path} is a shared directory every user may write to "
+            f"(mode {stat.S_IMODE(info.st_mode):o}); give a directory of your own inside "
+            f"it, e.g. {path / ('rendezvous-' + job_id)}",
+            job_id=job_id,
+        )
     if info.st_mode & 0o077:
         raise InvalidRequest(
             f"rendezvous directory {path} is open to group or others (mode "

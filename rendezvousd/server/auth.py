@@ -109,15 +109,17 @@ def read_token_file(path: Path) -> list[str]:
         info = path.stat()
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
+    # The kind first: a device or a directory is no token file, whatever its mode (and
+    # "chmod 600 /dev/null" is no advice to give).
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
+            f"give a file created with `rendezvousd token FILE`"
+        )
     if info.st_mode & private_file_mask(path, stat.S_IRWXG | stat.S_IRWXO, "token file"):
         raise ConfigError(
             f"token file {path} is accessible by group/others (mode {stat.filemode(info.st_mode)}); "
             f"run: chmod 600 {path}"
-        )
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(
-            f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
-            f"point --token-file at a file created with `rendezvousd token FILE`"
         )
     try:
         text = path.read_text(encoding="ascii")

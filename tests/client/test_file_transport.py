@@ -333,6 +333,16 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
 # -- same user only -------------------------------------------------------------------
 
 
+def test_a_shared_sticky_directory_is_refused_without_advice_to_chmod_it(tmp_path: Path) -> None:
+    """Given /tmp itself (root's own, for root), the advice was "run 'chmod 700 /tmp'"."""
+    sticky = tmp_path / "tmp-like"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    with pytest.raises(InvalidRequest, match="shared directory every user may write to") as info:
+        FileRendezvous(sticky, "j").join(num_nodes=1, gpus_per_node=1, local_rank=0)
+    assert "chmod" not in str(info.value) and str(sticky / "rendezvous-j") in str(info.value)
+
+
 def test_directory_open_to_others_or_owned_by_another_user_is_refused(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)

@@ -81,6 +81,19 @@ def test_a_token_file_that_is_a_directory_is_a_clear_error(tmp_path: Path) -> No
         read_token_file(folder)
 
 
+@pytest.mark.parametrize("mode", [0o755, 0o1777])
+def test_a_token_path_that_is_no_file_is_never_told_to_chmod(tmp_path: Path, mode: int) -> None:
+    """Its mode was checked first: /dev/null, /tmp or a 0755 directory were told
+    "run: chmod 600 ..." (advice that would break the system, and not help)."""
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    folder.chmod(mode)
+    for path in (Path("/dev/null"), folder):
+        with pytest.raises(ConfigError, match="is not a regular file") as refused:
+            read_token_file(path)
+        assert "chmod" not in str(refused.value), refused.value
+
+
 def test_a_non_ascii_token_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("ü" * 20 + "\n")
