@@ -417,6 +417,14 @@ class TlsProbe:
         lowered = details.lower()
         if any(w in lowered for w in (*HANDSHAKE_SIGNS, "ssl")):
             reason = details.rsplit("last error: ", 1)[-1]
+            if not speaks_tls(self.endpoint, timeout):
+                # A plaintext daemon (gRPC: WRONG_VERSION_NUMBER): no CA or server name
+                # would help, as the advice below says. `rendezvousd health` asks alike.
+                return (
+                    f"the daemon at {self.endpoint} does not speak TLS (it serves "
+                    "plaintext): drop tls_ca (--tls-ca / RENDEZVOUSD_TLS_CA), or serve "
+                    "TLS there (--tls-cert/--tls-key)"
+                )
             return (
                 f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. Check "
                 "tls_ca (it must have signed the daemon's certificate) and tls_server_name"

@@ -29,6 +29,7 @@ from rendezvousd.client import (
     PeerFailed,
     RendezvousClient,
     RendezvousError,
+    TlsConfig,
 )
 from rendezvousd.client.membership import Membership
 from tests.support import DaemonProcess, Pki, free_port, parallel, wait_for
@@ -326,6 +327,16 @@ def plaintext_client_of_a_tls_daemon_is_refused(w: World) -> object:
     with pytest.raises(AuthenticationError, match="speaks TLS"):
         c.check_health()
     return first, again
+
+
+def tls_client_of_a_plaintext_daemon_is_told_to_drop_its_ca(w: World) -> object:
+    """It was told to "Check tls_ca (it must have signed the daemon's certificate) and
+    tls_server_name", which no CA could satisfy."""
+    c = w.client(tls=TlsConfig(ca=w.pki.ca), connect_timeout=10)
+    with pytest.raises(AuthenticationError) as refused:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
+    said = str(refused.value)
+    return "does not speak TLS" in said and "drop tls_ca" in said and "Check tls_ca" not in said
 
 
 def plaintext_client_that_never_joins_hears_tls(w: World) -> object:
@@ -823,6 +834,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "tls refusal": (
         plaintext_client_of_a_tls_daemon_is_refused,
         (("AuthenticationError", ""), ("AuthenticationError", "")),
+    ),
+    "a tls client of a plaintext daemon": (
+        tls_client_of_a_plaintext_daemon_is_told_to_drop_its_ca,
+        True,
     ),
     "tls refusal without a join": (
         plaintext_client_that_never_joins_hears_tls,
