@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -764,6 +765,23 @@ class ClientBase(ABC):
         self._c = Calls(endpoint, job_id, options)
         self._s = self._c.s
         self._s.on_daemon_lost = self._daemon_lost
+        self._pid = os.getpid()
+
+    def _forked(self) -> bool:
+        """Whether this is a forked child of the process that made the client."""
+        return os.getpid() != self._pid
+
+    def _check_process(self) -> None:
+        """Refuse a call in a forked child (a DataLoader worker, say): gRPC's channel
+        and threads do not survive a fork, and such a call hung in gRPC core, past
+        its deadline, or failed after two attempts blaming a daemon that was fine."""
+        if self._forked():
+            raise InvalidRequest(
+                f"this client of job {self._s.job_id!r} was made in process {self._pid}, "
+                f"and process {os.getpid()} is a fork of it: gRPC channels do not survive a "
+                "fork; make a new client in the child (or fork before making the client)",
+                job_id=self._s.job_id,
+            )
 
     def _daemon_lost(self) -> None:
         """The daemon is gone (``Session.fail``): the calls in flight on this client's
@@ -848,6 +866,7 @@ class ClientBase(ABC):
         ``JobAborted``, ``DaemonUnreachable``... After join_node() the stream is the whole
         node's; ``on_nodes_waiting(count)`` runs when nodes park for a next generation."""
         _check_heartbeat_args(interval, on_failure, on_nodes_waiting)
+        self._check_process()
         s = self._s
         m = s.stream_member()
         if self._heartbeat_running():

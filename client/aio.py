@@ -100,6 +100,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         return self._mux
 
     async def _run(self, calls: steps.Steps[T]) -> T:
+        self._check_process()
         self._check_loop()
         run = steps.Run(calls)
         for step in run:
@@ -428,6 +429,8 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def close(self) -> None:
         self._s.closed = True  # first: see RendezvousClient.close
+        if self._forked():  # see RendezvousClient.close
+            return
         await self._stop_heartbeat()
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:
@@ -439,6 +442,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         return self
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self._forked():  # see RendezvousClient.__exit__
+            await self.close()
+            return
         try:
             if (report := self._c.exit_failure(exc)) is not None:
                 with contextlib.suppress(RendezvousError):  # its own error goes on

@@ -155,6 +155,7 @@ class RendezvousClient(steps.ClientBase):
     # -- plumbing: the I/O of the shared steps -------------------------------------
 
     def _run(self, calls: steps.Steps[T]) -> T:
+        self._check_process()
         run = steps.Run(calls)
         for step in run:
             try:
@@ -499,6 +500,11 @@ class RendezvousClient(steps.ClientBase):
     def close(self) -> None:
         """Close without Leave: a joined worker closing this way counts as lost."""
         _open.discard(self)
+        if self._forked():
+            # The parent's client, copied by a fork: its channel and threads are the
+            # parent's to close (touched here, gRPC core could hang the child's exit).
+            self._s.closed = True
+            return
         # First: the heartbeat stream's end makes the daemon lose this member and
         # answer its parked calls PEER_FAILED, blaming this very rank; closed, they
         # end as the closed client's (``_ended_by_close``).
@@ -513,6 +519,9 @@ class RendezvousClient(steps.ClientBase):
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self._forked():  # a forked child leaving the parent's block: the parent's client
+            self.close()
+            return
         try:
             if (report := self._c.exit_failure(exc)) is not None:
                 with contextlib.suppress(RendezvousError):  # its own error goes on
