@@ -548,3 +548,32 @@ def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
     factory = launcher._id_factory(load_config(None, env={"RENDEZVOUSD_BACKEND": "nccl"}))
     assert factory is not None and factory() == bytes(range(1, 129))
     assert seen == {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+# ---- refusals at start, before any spare: rendezvous-run's main() in this process
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--max-restarts", "5000000000"],  # the first progress report: ValueError, mid-job
+        ["--stop-grace-s", "1e308"],  # the stop's waits: OverflowError
+        ["--setup-timeout-s", "1e300"],  # every worker's kv_get(): InvalidRequest
+        ["--join-timeout-s", "1e12"],  # join_node(): InvalidRequest naming timeout=
+        ["--last-call-s", "1e300"],
+        ["--heartbeat-interval-s", "1e-9"],  # the agent's heartbeat busy-looped
+        ["--job-id", "a b"],  # the join failed (exit 1) after the spares started
+    ],
+    ids=lambda flags: flags[0],
+)
+def test_a_setting_no_call_could_carry_is_exit_2_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str]
+) -> None:
+    from rendezvousd.trainer.agent import launcher
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    with pytest.raises(SystemExit) as info:
+        launcher.main(["--standalone", "--nproc-per-node", "1", *flags, "ok.py"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[0]}: {flags[1]!r} must be" in err, err
