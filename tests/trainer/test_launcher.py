@@ -577,3 +577,31 @@ def test_a_setting_no_call_could_carry_is_exit_2_naming_its_flag(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flags[0]}: {flags[1]!r} must be" in err, err
+
+
+@pytest.mark.parametrize("standalone", [[], ["--standalone"]], ids=["path", "standalone"])
+@pytest.mark.parametrize("where", ["a-file", "missing-under-proc", "open-to-others"])
+def test_a_rendezvous_path_it_cannot_use_is_exit_2_with_no_traceback(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    standalone: list[str],
+    where: str,
+) -> None:
+    """The file transport's refusal came out as a traceback (exit 1)."""
+    from rendezvousd.trainer.agent import launcher
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    path = {"a-file": script, "missing-under-proc": Path("/proc/nope"), "open-to-others": shared}
+    status = launcher.main(
+        [*standalone, "--rendezvous-path", str(path[where]), "--nproc-per-node", "1", str(script)]
+    )
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rendezvous-run: error: ") and str(path[where]) in err, err
+    assert "Traceback" not in err, err

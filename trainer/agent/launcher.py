@@ -366,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # here: a node of a daemon's job starts its spares without paying for these.)
     import tempfile
 
+    from rendezvousd.client.errors import RendezvousError
     from rendezvousd.client.transport import host_single_node
 
     with contextlib.ExitStack() as stack:
@@ -373,7 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path is None:
             sweep_abandoned(Path(tempfile.gettempdir()))
             path = stack.enter_context(tempfile.TemporaryDirectory(prefix=STANDALONE_PREFIX))
-        endpoint, token_file = stack.enter_context(host_single_node(Path(path), config.job_id))
+        try:
+            hosted = stack.enter_context(host_single_node(Path(path), config.job_id))
+        except RendezvousError as exc:
+            # A --rendezvous-path that is a file, missing under /proc, or open to others.
+            return _fail(str(exc))
+        endpoint, token_file = hosted
         transport = RendezvousTransport.daemon(endpoint, str(token_file))
         return run_agent(args, dataclasses.replace(config, rendezvous=transport), base)
 
