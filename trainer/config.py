@@ -29,6 +29,7 @@ from rendezvousd.common.settings import (
     Choice,
     Float,
     Int,
+    Invalid,
     Layer,
     Schema,
     Text,
@@ -36,6 +37,9 @@ from rendezvousd.common.settings import (
     table,
     validate,
 )
+from rendezvousd.common.validation import LONGEST_WAIT_S, SHORTEST_HEARTBEAT_S
+from rendezvousd.common.validation import job_id as check_job_id
+from rendezvousd.errors import RendezvousFault
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.topology import MultiNodeTopology
 
@@ -79,6 +83,63 @@ class NodeRank(Int):
         return AUTO if value is None else str(value)
 
 
+#: The largest count a protocol field holds (uint32: NodeProgress.max_restarts).
+UINT32_MAX = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Seconds(Float):
+    """A wait in seconds from ``least`` to the SDK's ``LONGEST_WAIT_S`` (30 days): every
+    one ends up in an SDK call (a join's or kv_get's timeout, the heartbeat interval) or
+    a thread's wait, which refused a longer one mid-job with a traceback
+    (``threading.TIMEOUT_MAX`` is ~292 years, below 1e308), and 1e-9 s busy-looped."""
+
+    least: float = 0.001
+
+    def _wants(self) -> str:
+        return f"a number of seconds from {self.least:g} to {LONGEST_WAIT_S:.0f} (30 days)"
+
+    def check(self, value: Any) -> Any:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not self.least <= value <= LONGEST_WAIT_S:  # NaN fails too
+            raise Invalid(f"must be {self._wants()}")
+        return float(value)
+
+
+@dataclass(frozen=True)
+class Count(Int):
+    """An integer from ``minimum`` to ``maximum``: the protocol's uint32 by default (a
+    larger ``max_restarts`` failed the agent's first progress report, mid-job)."""
+
+    maximum: int = UINT32_MAX
+
+    def _wants(self) -> str:
+        return f"an integer from {self.minimum} to {self.maximum}"
+
+    def check(self, value: Any) -> Any:
+        value = super().check(value)
+        if value is not None and value > self.maximum:
+            raise Invalid(f"must be {self._wants()}")
+        return value
+
+
+@dataclass(frozen=True)
+class JobId(Text):
+    """A job id the daemon takes: its own rule (``common/validation.job_id``), checked
+    here so that a bad one is a config error, not a join that fails after the spares
+    started."""
+
+    def check(self, value: Any) -> Any:
+        value = super().check(value)
+        try:
+            return check_job_id(value)
+        except RendezvousFault as exc:
+            # "job id 'a b' is invalid: use 1-128 characters from ...": the rule only,
+            # since the caller's message quotes the value and names the setting.
+            rule = exc.message.partition(" is invalid: ")[2] or exc.message
+            raise Invalid(f"must be a job id the daemon takes: {rule}") from None
+
+
 def _tls(help: str) -> Any:
     """A TLS setting under the daemon's names: ``RENDEZVOUSD_TLS_*`` and ``--tls-*``."""
     return setting(None, help, Text(optional=True), unprefixed=True)
@@ -117,7 +178,7 @@ class RendezvousTransport:
     connect_timeout_s: float = setting(
         30.0,
         "seconds a client keeps dialling the daemon before it reports it unavailable",
-        Float(),
+        Seconds(),
         unprefixed=True,
     )
     # The daemon's own names (tls_cert/tls_key), so one set of files and variables
@@ -208,6 +269,7 @@ class RendezvousTransport:
 
 
 _POSITIVE = Float()
+_WAIT = Seconds()
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,15 +292,15 @@ class DistributedConfig:
         Int(0, True),
     )
     rendezvous: RendezvousTransport = table(RendezvousTransport, "how workers find each other")
-    job_id: str = setting("default", "job id shared by every node", Text())
+    job_id: str = setting("default", "job id shared by every node", JobId())
     retry_attempts: int = setting(
         1, "retries of a transient failure, then fail", Int(0), env="RENDEZVOUSD_RETRIES"
     )
     bucket_cap_mib: float = setting(25.0, "gradient bucket size, MiB", _POSITIVE)
     first_bucket_mib: float = setting(1.0, "first (smallest) gradient bucket, MiB", _POSITIVE)
-    join_timeout_s: float = setting(600.0, "nodes may be scheduled minutes apart", _POSITIVE)
+    join_timeout_s: float = setting(600.0, "nodes may be scheduled minutes apart", _WAIT)
     collective_timeout_s: float = setting(
-        300.0, "a hung peer fails the step instead of hanging the job", _POSITIVE
+        300.0, "a hung peer fails the step instead of hanging the job", _WAIT
     )
     check_collectives: bool = setting(
         False,
@@ -247,7 +309,10 @@ class DistributedConfig:
         "collective_timeout_s; for debugging (the cpu backend always does)",
         Bool(),
     )
-    heartbeat_interval_s: float = setting(5.0, "daemon liveness ping interval", _POSITIVE)
+    # From the SDK's floor for start_heartbeat(): 1e-9 s busy-looped the agent's heartbeat.
+    heartbeat_interval_s: float = setting(
+        5.0, "daemon liveness ping interval", Seconds(least=SHORTEST_HEARTBEAT_S)
+    )
     cpu_shared_memory: bool = setting(
         True, "cpu backend: all-reduce through shared memory when all ranks share a host", Bool()
     )
@@ -260,7 +325,7 @@ class DistributedConfig:
     setup_timeout_s: float = setting(
         300.0,
         "communicator setup (ring connections, NCCL init) must finish within",
-        _POSITIVE,
+        _WAIT,
     )
     # The node agent's (rendezvous-run's) recovery settings; workers ignore them.
     min_nodes: int | None = setting(
@@ -272,12 +337,12 @@ class DistributedConfig:
     max_restarts: int = setting(
         0,
         "rendezvous-run: restarts of the whole job after a failure, then give up",
-        Int(0),
+        Count(0),
     )
     hang_timeout_s: float = setting(
         300.0,
         "rendezvous-run: a worker that reported progress and then none for this long is hung",
-        _POSITIVE,
+        _WAIT,
     )
     node_link_watch: bool = setting(
         True,
@@ -297,18 +362,18 @@ class DistributedConfig:
         10.0,
         "rendezvous-run: when it is stopped (SIGTERM, SIGINT, SIGHUP, SIGQUIT), its workers' "
         "time to act on the signal (a checkpoint on preemption) before SIGKILL",
-        _POSITIVE,
+        _WAIT,
     )
     last_call_s: float = setting(
         0.0,
         "elastic: with >= min_nodes joined, wait this long for more before forming "
         "(0: the daemon's default)",
-        Float(positive=False),
+        Seconds(least=0.0),
     )
     rejoin_timeout_s: float = setting(
         60.0,
         "rendezvous-run: a restart waits this long for min_nodes nodes, then counts as failed",
-        _POSITIVE,
+        _WAIT,
     )
     standby: bool = setting(
         False,

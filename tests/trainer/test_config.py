@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.common.validation import LONGEST_WAIT_S, SHORTEST_HEARTBEAT_S
 from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.config import (
     SCHEMA,
@@ -467,3 +468,85 @@ def test_a_file_transport_with_daemon_settings_and_the_reverse_are_refused() -> 
         RendezvousTransport(kind="file", path="/tmp/rdzv", token_file="/tmp/token")
     with pytest.raises(ConfigError, match="is only for kind='file'"):
         RendezvousTransport(kind="daemon", endpoint="rdzv:29420", path="/tmp/rdzv")
+
+
+# ---- bounds: what an SDK call or a thread's wait takes later, refused at config time
+
+#: Every wait the config holds: each ends up in an SDK call or a thread's wait.
+WAITS = sorted(key for key in SCHEMA.options if key.endswith("_s"))
+
+
+def test_every_wait_is_bounded_by_the_sdks_longest_wait() -> None:
+    assert "heartbeat_interval_s" in WAITS and "rendezvous.connect_timeout_s" in WAITS
+    for key in WAITS:
+        kind = SCHEMA.options[key].kind
+        assert kind.check(LONGEST_WAIT_S) == LONGEST_WAIT_S, key
+        for bad in (LONGEST_WAIT_S + 1, 1e300, float("nan"), float("inf"), -1.0, True):
+            with pytest.raises(ValueError, match="30 days"):
+                kind.check(bad)
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "named"),
+    [
+        # ~9.2e9 s and up: threading's waits raised OverflowError when the node stopped.
+        ("RENDEZVOUSD_STOP_GRACE_S", "1e308", "stop_grace_s"),
+        # kv_get() and join_node() refused them in every worker, or at the join.
+        ("RENDEZVOUSD_SETUP_TIMEOUT_S", "1e300", "setup_timeout_s"),
+        ("RENDEZVOUSD_JOIN_TIMEOUT_S", "1e12", "join_timeout_s"),
+        ("RENDEZVOUSD_LAST_CALL_S", "1e300", "last_call_s"),
+        ("RENDEZVOUSD_REJOIN_TIMEOUT_S", "2592001", "rejoin_timeout_s"),
+        ("RENDEZVOUSD_CONNECT_TIMEOUT_S", "0.0001", "connect_timeout_s"),
+        # The agent's heartbeat busy-looped at 62 % of a core (and the daemon's too).
+        ("RENDEZVOUSD_HEARTBEAT_INTERVAL_S", "1e-9", "heartbeat_interval_s"),
+        ("RENDEZVOUSD_HEARTBEAT_INTERVAL_S", "0.01", "heartbeat_interval_s"),
+        # The protocol's uint32: the agent's first progress report raised ValueError.
+        ("RENDEZVOUSD_MAX_RESTARTS", "4294967296", "max_restarts"),
+        # The daemon's job id rule: the join failed after the spares started.
+        ("RENDEZVOUSD_JOB_ID", "a b", "job_id"),
+        ("RENDEZVOUSD_JOB_ID", "h\u00e9llo", "job_id"),
+        ("RENDEZVOUSD_JOB_ID", "x" * 129, "job_id"),
+        ("RENDEZVOUSD_JOB_ID", "..", "job_id"),
+    ],
+)
+def test_a_value_no_call_could_carry_is_refused_naming_its_variable(
+    var: str, value: str, named: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={var: value})
+    assert f"${var}={value!r} is invalid: " in str(info.value)
+    assert named in str(info.value)
+
+
+def test_the_bounds_themselves_are_accepted() -> None:
+    config = load_config(
+        None,
+        env={
+            "RENDEZVOUSD_MAX_RESTARTS": str(2**32 - 1),
+            "RENDEZVOUSD_STOP_GRACE_S": str(LONGEST_WAIT_S),
+            "RENDEZVOUSD_HEARTBEAT_INTERVAL_S": str(SHORTEST_HEARTBEAT_S),
+            "RENDEZVOUSD_LAST_CALL_S": "0",
+            "RENDEZVOUSD_HANG_TIMEOUT_S": "0.001",
+            "RENDEZVOUSD_JOB_ID": "x" * 128,
+        },
+    )
+    assert (config.max_restarts, config.stop_grace_s) == (2**32 - 1, LONGEST_WAIT_S)
+    assert (config.heartbeat_interval_s, config.last_call_s) == (SHORTEST_HEARTBEAT_S, 0.0)
+
+
+def test_a_bound_refused_in_a_file_or_by_a_flag_names_it(tmp_path: Path) -> None:
+    path = write(tmp_path, "[distributed]\nmax_restarts = 100000000000000000000\n")
+    with pytest.raises(ConfigError, match=r"distributed\.max_restarts in .*is invalid: max_rest"):
+        load_config(path, env={})
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    for flag, value in [
+        ("--max-restarts", "5000000000"),
+        ("--stop-grace-s", "1e308"),
+        ("--job-id", "a b"),
+        ("--heartbeat-interval-s", "0"),
+    ]:
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, value])
+    with pytest.raises(ConfigError, match=r"job_id='a b' must be a job id the daemon takes"):
+        DistributedConfig(job_id="a b")

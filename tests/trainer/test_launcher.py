@@ -548,3 +548,117 @@ def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
     factory = launcher._id_factory(load_config(None, env={"RENDEZVOUSD_BACKEND": "nccl"}))
     assert factory is not None and factory() == bytes(range(1, 129))
     assert seen == {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+# ---- refusals at start, before any spare: rendezvous-run's main() in this process
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--max-restarts", "5000000000"],  # the first progress report: ValueError, mid-job
+        ["--stop-grace-s", "1e308"],  # the stop's waits: OverflowError
+        ["--setup-timeout-s", "1e300"],  # every worker's kv_get(): InvalidRequest
+        ["--join-timeout-s", "1e12"],  # join_node(): InvalidRequest naming timeout=
+        ["--last-call-s", "1e300"],
+        ["--heartbeat-interval-s", "1e-9"],  # the agent's heartbeat busy-looped
+        ["--job-id", "a b"],  # the join failed (exit 1) after the spares started
+    ],
+    ids=lambda flags: flags[0],
+)
+def test_a_setting_no_call_could_carry_is_exit_2_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str]
+) -> None:
+    from rendezvousd.trainer.agent import launcher
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    with pytest.raises(SystemExit) as info:
+        launcher.main(["--standalone", "--nproc-per-node", "1", *flags, "ok.py"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[0]}: {flags[1]!r} must be" in err, err
+
+
+@pytest.mark.parametrize("standalone", [[], ["--standalone"]], ids=["path", "standalone"])
+@pytest.mark.parametrize("where", ["a-file", "missing-under-proc", "open-to-others"])
+def test_a_rendezvous_path_it_cannot_use_is_exit_2_with_no_traceback(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    standalone: list[str],
+    where: str,
+) -> None:
+    """The file transport's refusal came out as a traceback (exit 1)."""
+    from rendezvousd.trainer.agent import launcher
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    path = {"a-file": script, "missing-under-proc": Path("/proc/nope"), "open-to-others": shared}
+    status = launcher.main(
+        [*standalone, "--rendezvous-path", str(path[where]), "--nproc-per-node", "1", str(script)]
+    )
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rendezvous-run: error: ") and str(path[where]) in err, err
+    assert "Traceback" not in err, err
+
+
+# No daemon: a launcher that went on past the refusals below would fail its join soon.
+UNREACHABLE = ["--rdzv-endpoint", "127.0.0.1:1", "--join-timeout-s", "2"]
+UNREACHABLE += ["--connect-timeout-s", "1"]
+
+
+@pytest.mark.parametrize("given", ["flag", "env", "link"])
+def test_a_script_that_is_the_token_file_is_refused_without_the_token(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, given: str
+) -> None:
+    """A forgotten --token-file before the file's path made it the script: each worker
+    ran the token as Python, whose traceback printed it."""
+    from rendezvousd.trainer.agent import launcher
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    monkeypatch.delenv("RENDEZVOUSD_TOKEN", raising=False)
+    monkeypatch.delenv("RENDEZVOUSD_TOKEN_FILE", raising=False)
+    token_file = tmp_path / "tok"
+    token = write_token(token_file)
+    flags = ["--token-file", str(token_file)]
+    target = token_file
+    if given == "env":
+        monkeypatch.setenv("RENDEZVOUSD_TOKEN_FILE", str(token_file))
+        flags = []
+    elif given == "link":
+        target = tmp_path / "link"
+        target.symlink_to(token_file)
+    status = launcher.main(["--nproc-per-node", "1", *UNREACHABLE, *flags, str(target), "x.py"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert f"rendezvous-run: error: the script {str(target)!r} is the token file" in err, err
+    assert token not in err
+
+
+def test_no_token_anywhere_names_the_launchers_flag_and_variables(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The SDK's own error named its keywords (pass token= or token_file=)."""
+    from rendezvousd.client import connection
+    from rendezvousd.trainer.agent import launcher
+
+    assert (launcher.TOKEN_ENV, launcher.TOKEN_FILE_ENV) == (
+        connection.TOKEN_ENV,
+        connection.TOKEN_FILE_ENV,
+    )
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    monkeypatch.delenv("RENDEZVOUSD_TOKEN", raising=False)
+    monkeypatch.delenv("RENDEZVOUSD_TOKEN_FILE", raising=False)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    status = launcher.main(["--nproc-per-node", "1", *UNREACHABLE, str(script)])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "no token: pass --token-file FILE" in err, err
+    assert "$RENDEZVOUSD_TOKEN_FILE" in err and "$RENDEZVOUSD_TOKEN " in err, err
+    assert "token=" not in err, err

@@ -62,7 +62,10 @@ if TYPE_CHECKING:
     from rendezvousd.trainer.agent.recovery import Failure
     from rendezvousd.trainer.agent.worker_boot import Booted
 
+# The SDK's names (client/connection.py), spelt here: importing it imports gRPC, which
+# the launcher defers until its spares run (a test compares the two).
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
+TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 # torchrun's spellings, kept as aliases of the config's own flags.
 ALIASES = {
     "gpus_per_node": ["--nproc-per-node"],
@@ -214,9 +217,24 @@ def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
     return create
 
 
-def _target_problem(args: argparse.Namespace) -> str | None:
+def _token_problem(config: DistributedConfig, base: Mapping[str, str]) -> str | None:
+    """Why the node has no token, naming the launcher's flag and variables (the SDK's
+    own error names its keywords, token= and token_file=, which no launcher user can
+    pass); checked before any spare starts. The SDK's sources, in its order."""
+    if config.rendezvous.token_file or base.get(TOKEN_FILE_ENV) or base.get(TOKEN_ENV, "").strip():
+        return None
+    return (
+        f"no token: pass --token-file FILE (the daemon's token file), or set "
+        f"${TOKEN_FILE_ENV} to that file or ${TOKEN_ENV} to the token"
+    )
+
+
+def _target_problem(args: argparse.Namespace, token_file: str | None) -> str | None:
     """Why no worker could start the target, said once here: each worker failed at
-    start with runpy's traceback, and each failure used a restart."""
+    start with runpy's traceback, and each failure used a restart. A target that is
+    ``token_file`` (the node's, from --token-file or $RENDEZVOUSD_TOKEN_FILE) is
+    refused: run as Python, its traceback printed the token (a forgotten --token-file
+    before the file's path)."""
     if args.module:
         # The top-level package only (finding a submodule imports its parents), where
         # the workers' `python -m` looks: this directory, then the installed ones (an
@@ -231,11 +249,28 @@ def _target_problem(args: argparse.Namespace) -> str | None:
         return f"the script {args.target!r} does not exist (from {os.getcwd()})"
     if path.is_dir() and not (path / "__main__.py").is_file():
         return f"{args.target!r} is a directory without a __main__.py: give the script"
+    if token_file and _same_file(path, token_file):
+        return (
+            f"the script {args.target!r} is the token file ({token_file}): give the script "
+            "to run after the flags (--token-file takes the file's path as its value)"
+        )
     return None
 
 
+def _same_file(path: Path, other: str) -> bool:
+    """Whether both name one file (its inode), also through links; False when either
+    cannot be looked at (the token file's own read says why, later)."""
+    try:
+        return os.path.samefile(path, other)
+    except OSError:
+        return False
+
+
 def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
-    if (problem := _target_problem(args)) is not None:
+    if (problem := _token_problem(config, base)) is not None:
+        return _fail(problem)
+    token_file = config.rendezvous.token_file or base.get(TOKEN_FILE_ENV)
+    if (problem := _target_problem(args, token_file)) is not None:
         return _fail(problem)
     try:
         ring_host = config.ring_address()
@@ -366,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # here: a node of a daemon's job starts its spares without paying for these.)
     import tempfile
 
+    from rendezvousd.client.errors import RendezvousError
     from rendezvousd.client.transport import host_single_node
 
     with contextlib.ExitStack() as stack:
@@ -373,7 +409,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path is None:
             sweep_abandoned(Path(tempfile.gettempdir()))
             path = stack.enter_context(tempfile.TemporaryDirectory(prefix=STANDALONE_PREFIX))
-        endpoint, token_file = stack.enter_context(host_single_node(Path(path), config.job_id))
+        try:
+            hosted = stack.enter_context(host_single_node(Path(path), config.job_id))
+        except RendezvousError as exc:
+            # A --rendezvous-path that is a file, missing under /proc, or open to others.
+            return _fail(str(exc))
+        endpoint, token_file = hosted
         transport = RendezvousTransport.daemon(endpoint, str(token_file))
         return run_agent(args, dataclasses.replace(config, rendezvous=transport), base)
 
