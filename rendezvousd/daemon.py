@@ -208,7 +208,7 @@ class Daemon:
         return [
             # A second daemon on the same port must fail, not share the port.
             ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_receive_message_length", limits.request_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
             ("grpc.max_metadata_size", 16 * 1024),
             # Detect dead TCP peers (power loss, cable) under parked calls. gRPC also

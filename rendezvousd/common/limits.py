@@ -41,6 +41,14 @@ class Limits:
     max_reason_bytes: int = 1024
 
     @property
+    def request_bytes(self) -> int:
+        """The largest request message taken (gRPC's receive limit): ``max_message_bytes``,
+        or room for a KvCompareAndSet of two values at ``max_value_bytes`` when that is
+        more (framing included). A CAS of two 32 KiB values, the documented limit, was
+        refused at 64 KiB, and a larger --max-value-bytes was taken but never reachable."""
+        return max(self.max_message_bytes, 2 * self.max_value_bytes + self.max_key_bytes + 4 * KIB)
+
+    @property
     def waiters_reserve(self) -> int:
         """The last parked-call slots, an eighth of ``max_waiters`` (2048 by default),
         kept for jobs holding fewer than that many: two jobs at max_waiters_per_job

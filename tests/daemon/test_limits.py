@@ -128,6 +128,10 @@ def test_kv_key_and_value_sizes(daemon: DaemonProcess, job_id: str) -> None:
             assert info.value.limit == "max_key_bytes"
 
         client.kv_set("v", b"x" * (32 * KIB))  # the largest value
+        # A compare-and-set of two largest values fits one request (refused at 64 KiB).
+        swapped = client.kv_compare_and_set("v", b"x" * (32 * KIB), b"y" * (32 * KIB))
+        assert swapped == (True, b"y" * (32 * KIB))
+        client.kv_set("v", b"x" * (32 * KIB))
         with pytest.raises(LimitExceeded) as info:
             client.kv_set("v", b"x" * (32 * KIB + 1))
         assert (info.value.reason, info.value.limit) == ("LIMIT_EXCEEDED", "max_value_bytes")
@@ -137,12 +141,12 @@ def test_kv_key_and_value_sizes(daemon: DaemonProcess, job_id: str) -> None:
         assert client.kv_get("v", wait=False) == b"x" * (32 * KIB)  # unchanged
         # Over the daemon's message size, gRPC refuses it unread: still named, and the
         # client's stream goes on serving.
-        with pytest.raises(LimitExceeded, match=r"over the 65536 bytes .*max_value_bytes") as info:
+        with pytest.raises(LimitExceeded, match=r"over the 70144 bytes .*max_value_bytes") as info:
             client.kv_set("v", b"x" * (70 * KIB))
         assert info.value.limit == "max_message_bytes"
         assert client.kv_get("v", wait=False) == b"x" * (32 * KIB)
         # Another call's message says nothing of KV values.
-        with pytest.raises(LimitExceeded, match=r"over the 65536 bytes") as info:
+        with pytest.raises(LimitExceeded, match=r"over the 70144 bytes") as info:
             client.abort("x" * (70 * KIB))
         assert "max_value_bytes" not in str(info.value)
 
@@ -413,3 +417,20 @@ def test_longest_job_id_is_valid(daemon: DaemonProcess, channel: grpc.Channel) -
 def test_limited_daemon_stayed_healthy(limited: DaemonProcess, job_id: str) -> None:
     assert_healthy(limited, job_id)
     assert "Traceback" not in limited.log()
+
+
+def test_a_larger_max_value_bytes_is_reachable(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """--max-value-bytes 200000 was taken, yet every value over ~64 KiB was refused
+    at the fixed 64 KiB request limit: the limit now makes room for it."""
+    d = start_daemon("--max-value-bytes", "200000")
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as client:
+        join_one(client)
+        client.kv_set("big", b"v" * 199_000)
+        assert client.kv_get("big", wait=False) == b"v" * 199_000
+        swapped = client.kv_compare_and_set("big", b"v" * 199_000, b"w" * 199_000)
+        assert swapped == (True, b"w" * 199_000)
+        with pytest.raises(LimitExceeded) as info:
+            client.kv_set("big", b"v" * 200_001)
+        assert info.value.limit == "max_value_bytes"
