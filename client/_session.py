@@ -177,8 +177,18 @@ def check_endpoint(endpoint: object) -> None:
     """Refuse an endpoint no daemon can be at: gRPC takes ``localhost`` (port 443)
     and ``host::x`` as targets and waits the whole connect timeout on them, which
     then read as a daemon that is down. gRPC's own URIs are left to it."""
-    if isinstance(endpoint, str) and ("://" in endpoint or endpoint.startswith(_GRPC_SCHEMES)):
+    if isinstance(endpoint, str) and endpoint.startswith(_GRPC_SCHEMES):
         return
+    if isinstance(endpoint, str) and "://" in endpoint and not endpoint.startswith("unix:///"):
+        # https://, grpc://, tcp://, unix://relative: gRPC knows no such target, or
+        # reads "unix://sock" as an authority it refuses, and the client waited its
+        # whole connect timeout to report no reason (or "no socket at //sock").
+        raise InvalidRequest(
+            f"endpoint={endpoint!r} is a URL, not a daemon's address: give 'host:port', "
+            "'[v6addr]:port' or 'unix:PATH' (gRPC's own dns:///host:port, ipv4:, ipv6:, "
+            "unix-abstract:, vsock: and xds: targets are passed to gRPC as they are)",
+            endpoint=endpoint,
+        )
     try:
         parse_address(endpoint, what="endpoint", allow_unix=True)  # type: ignore[arg-type]
     except AddressError as exc:

@@ -64,7 +64,9 @@ def parse_address(
             f"{what}={text!r} is malformed: expected {forms}, e.g. '127.0.0.1:29420'"
         )
     low = 0 if allow_port_zero else 1
-    if not port_text.isdigit() or not low <= int(port_text) <= 65535:
+    # isascii: str.isdigit and int() take other scripts' digits ("٣٤٢٦٩"), which the
+    # client then dialled as another port.
+    if not (port_text.isascii() and port_text.isdigit()) or not low <= int(port_text) <= 65535:
         raise AddressError(f"{what}={text!r} has port {port_text!r}: expected {low}..65535")
     return Address(host, int(port_text))
 

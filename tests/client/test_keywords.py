@@ -146,6 +146,12 @@ def _client() -> RendezvousClient:
         ("localhost", "is malformed: expected 'host:port'"),  # gRPC dialed port 443
         ("garbage::x", "wrap IPv6 hosts as '[addr]:port'"),
         ("host:0", "has port '0'"),
+        # Each waited out connect_timeout, then named no reason (or "no socket at //sock").
+        ("https://127.0.0.1:9", "is a URL, not a daemon's address"),
+        ("grpc://daemon:9", "is a URL, not a daemon's address"),
+        ("unix://sock", "is a URL, not a daemon's address"),
+        # int() took these digits; the client dialled the port they make.
+        ("127.0.0.1:\u0663\u0664", "has port"),
     ],
 )
 def test_an_endpoint_no_daemon_can_be_at_is_refused_at_once(endpoint: str, said: str) -> None:
@@ -154,5 +160,11 @@ def test_an_endpoint_no_daemon_can_be_at_is_refused_at_once(endpoint: str, said:
     for make in (RendezvousClient, AsyncRendezvousClient):
         with pytest.raises(InvalidRequest, match=re.escape(said)):
             make(endpoint, "j", token="t")
-    for fine in ("127.0.0.1:9", "[::1]:9", "unix:/run/rendezvousd.sock", "dns:///daemon:9"):
+    for fine in (
+        "127.0.0.1:9",
+        "[::1]:9",
+        "unix:/run/rendezvousd.sock",
+        "unix:///run/rendezvousd.sock",
+        "dns:///daemon:9",
+    ):
         RendezvousClient(fine, "j", token="t").close()
