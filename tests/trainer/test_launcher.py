@@ -607,6 +607,30 @@ def test_a_rendezvous_path_it_cannot_use_is_exit_2_with_no_traceback(
     assert "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--rdzv-endpoint", "127.0.0.1:1"],
+        ["--rdzv-endpoint", "127.0.0.1:1", "--token-file", "tok"],
+        ["--rdzv-endpoint", "127.0.0.1:1", "--tls-ca", "ca.pem"],
+    ],
+    ids=["endpoint", "endpoint-and-token", "endpoint-and-tls"],
+)
+def test_standalone_with_a_daemon_named_on_the_command_line_is_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str]
+) -> None:
+    """The named daemon was dropped in silence: the job ran on a private one, exit 0,
+    and never showed up where it was asked to."""
+    from rendezvousd.trainer.agent import launcher
+
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    status = launcher.main(["--standalone", *flags, "--nproc-per-node", "1", str(script)])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "--standalone hosts its own daemon, but --rdzv-endpoint" in err, err
+
+
 # No daemon: a launcher that went on past the refusals below would fail its join soon.
 UNREACHABLE = ["--rdzv-endpoint", "127.0.0.1:1", "--join-timeout-s", "2"]
 UNREACHABLE += ["--connect-timeout-s", "1"]

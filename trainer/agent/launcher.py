@@ -138,7 +138,8 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
     """The node's config, as its workers will load it; ConfigError if unusable."""
     shared_env = {k: v for k, v in env.items() if k not in _per_worker_env()}
     layers = load_layers(args.config, env=shared_env)
-    layers.update(SCHEMA.from_cli(args, ALIASES))
+    flags = SCHEMA.from_cli(args, ALIASES)
+    layers.update(flags)
     layers.update(_nnodes(args.nnodes))
     config = SCHEMA.build([layers])
     if config.is_multi_node and "node_rank" not in layers:
@@ -151,6 +152,21 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
     if args.standalone:
         if config.is_multi_node:
             raise ConfigError("--standalone runs a single-machine job: use --nnodes 1")
+        # A daemon named on this command line is meant, not overridden: the job ran on
+        # a private daemon instead, exit 0, and never showed up where it was asked to.
+        # (The environment's endpoint, set for other jobs, is overridden.)
+        given = sorted(
+            value.origin
+            for key, value in flags.items()
+            if key.startswith(("rendezvous.endpoint", "rendezvous.token", "rendezvous.tls_"))
+            and value.value is not None
+        )
+        if given:
+            raise ConfigError(
+                f"--standalone hosts its own daemon, but {' and '.join(given)} "
+                f"{'names' if len(given) == 1 else 'name'} another: drop --standalone to "
+                "join that daemon, or drop those flags"
+            )
         # The file transport, whatever endpoint the environment names.
         return dataclasses.replace(
             config, rendezvous=RendezvousTransport.file(config.rendezvous.path)
