@@ -218,6 +218,8 @@ def test_a_tls_daemon_without_the_ca_tells_torchrun_to_pass_rdzv_conf_tls_ca(
     ("conf", "said", "unsaid"),
     [
         ("join_timeout=soon", "--rdzv-conf join_timeout='soon' is invalid", None),
+        # Beyond what any SDK call carries: it was refused mid-rendezvous instead.
+        ("join_timeout=1e12", "join_timeout must be a number of seconds from 0.001", None),
         # torch's own keys (timeout, is_host) are ignored; a typo of ours is not one of them.
         (
             "is_host=1,join_timout=5",
@@ -225,7 +227,7 @@ def test_a_tls_daemon_without_the_ca_tells_torchrun_to_pass_rdzv_conf_tls_ca(
             "is_host:",
         ),
     ],
-    ids=["bad value", "misspelt key"],
+    ids=["bad value", "past 30 days", "misspelt key"],
 )
 def test_a_bad_rdzv_conf_is_refused_naming_the_key(
     start_daemon: Callable[..., DaemonProcess],

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.connection import TlsConfig
-from rendezvousd.common.settings import Bool, Float, Int, Schema, Text, setting
+from rendezvousd.common.settings import Bool, Schema, Text, setting
+from rendezvousd.trainer.config import Count, Seconds
 from rendezvousd.trainer.errors import ConfigError
 
 __all__ = ["SCHEMA", "TorchrunSettings", "load_settings", "settings_table"]
@@ -39,19 +40,21 @@ class TorchrunSettings:
     join_timeout: float = setting(
         600.0,
         "seconds to wait for the round to form (torch's name and default)",
-        Float(),
+        Seconds(),
         flag=None,
     )
     last_call_timeout: float = setting(
         0.0,
         "seconds after the last arrival before forming with >= MIN nodes "
         "(0: the daemon's --last-call-s)",
-        Float(positive=False),
+        Seconds(least=0.0),
         flag=None,
     )
-    retries: int = setting(1, "retries of a transient daemon error", Int(minimum=0), flag=None)
+    retries: int = setting(1, "retries of a transient daemon error", Count(0), flag=None)
+    # Each ends up in an SDK call, which refuses more than 30 days: mid-rendezvous, as
+    # torch's RendezvousError, where a --rdzv-conf key's refusal names the key at once.
     connect_timeout: float = setting(
-        30.0, "seconds to wait for the daemon to answer at all", Float(), flag=None
+        30.0, "seconds to wait for the daemon to answer at all", Seconds(), flag=None
     )
 
     node_link_watch: bool = setting(
