@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from rendezvousd.client.connection import TlsConfig
 
 EXIT_SERVING, EXIT_ARGS, EXIT_CONNECTION, EXIT_RPC, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
+#: The least a failed check's look at the endpoint gets, past --timeout if need be.
+LOOK_FLOOR_S = 0.1
 DEFAULT_ENDPOINT = "127.0.0.1:29420"
 
 
@@ -73,6 +75,7 @@ def _health(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"rendezvousd health: {exc}", file=sys.stderr)
         return EXIT_ARGS
+    started = time.monotonic()
     with _channel(args, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -82,12 +85,20 @@ def _health(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                from rendezvousd.client.connection import HANDSHAKE_SIGNS, speaks_tls
+                from rendezvousd.client.connection import (
+                    HANDSHAKE_SIGNS,
+                    dial_problem,
+                    speaks_tls,
+                )
 
+                # What the look below may take: the rest of --timeout (a silent port's
+                # fixed 2 s sniff after it made --timeout 2 take 4.3 s), a floor so that
+                # a refusing port still answers it.
+                left = max(LOOK_FLOOR_S, args.timeout - (time.monotonic() - started))
                 # gRPC's reason for the last failed connection attempt.
                 reason = str(exc.details() or "").rsplit("last error: ", 1)[-1]
                 lowered = reason.lower()
-                if args.tls_ca is None and speaks_tls(args.endpoint):
+                if args.tls_ca is None and speaks_tls(args.endpoint, left):
                     # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
                     why = f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
                 elif tls is not None and any(
@@ -100,11 +111,15 @@ def _health(args: argparse.Namespace) -> int:
                         "--tls-ca (the CA that signed the daemon's certificate) and "
                         "--tls-server-name; a daemon with --tls-client-ca also needs "
                         "--tls-cert/--tls-key signed by that CA"
-                        if speaks_tls(args.endpoint)
+                        if speaks_tls(args.endpoint, left)
                         else f"the daemon at {args.endpoint} does not speak TLS: drop --tls-ca"
                     )
                 else:
-                    why = f"cannot reach {args.endpoint}: {code.name}"
+                    # As `status` and the SDK say it: what a plain connect finds there.
+                    seen = dial_problem(args.endpoint, left)
+                    why = f"cannot reach {args.endpoint}: {code.name}" + (
+                        f"; {seen}" if seen else ""
+                    )
                 print(f"rendezvousd health: {why}", file=sys.stderr)
                 return EXIT_CONNECTION
             print(

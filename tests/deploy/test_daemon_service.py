@@ -247,6 +247,30 @@ def test_health_exits_0_when_serving_and_2_when_nothing_listens(tmp_path: Path) 
     result = run_cli("health", "--endpoint", f"127.0.0.1:{closed}", "--timeout", "2")
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "cannot reach" in result.stderr
+    assert "nothing listens there (connection refused)" in result.stderr, result.stderr
+
+
+def test_health_at_a_silent_port_keeps_to_its_timeout_and_says_what_is_there() -> None:
+    """A port that accepts and never speaks: the look after the failed check took a
+    fixed 2 s more (--timeout 2 took 4.3 s), and said only DEADLINE_EXCEEDED."""
+    with socket.socket() as s:  # a port nothing holds: refused at once
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    started = time.monotonic()
+    run_cli("health", "--endpoint", f"127.0.0.1:{closed}", "--timeout", "2")
+    start_up = time.monotonic() - started  # the interpreter's, the imports', a refusal's
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        started = time.monotonic()
+        result = run_cli(
+            "health", "--endpoint", f"127.0.0.1:{silent.getsockname()[1]}", "--timeout", "2"
+        )
+        took = time.monotonic() - started
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "accepts connections, but no gRPC server answered" in result.stderr, result.stderr
+    # --timeout, its looks' 0.1 s floors and slack; the fixed sniff added 2 s.
+    assert took < start_up + 2 + 1.0, (took, start_up)
 
 
 def test_token_command_writes_a_0600_file_and_never_overwrites_silently(
