@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -138,6 +139,23 @@ class JobId(Text):
             # since the caller's message quotes the value and names the setting.
             rule = exc.message.partition(" is invalid: ")[2] or exc.message
             raise Invalid(f"must be a job id the daemon takes: {rule}") from None
+
+
+def _check_listenable(host: str) -> None:
+    """Refuse a ``ring_host`` this host cannot listen on, as its workers' rings would
+    (a name that does not resolve, another host's address): each worker died with a raw
+    socket error, reported only as "exit code 1"."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except (OSError, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"ring_host={host!r} cannot be listened on here ({why}): give an address of "
+            "this host that the other nodes reach, or leave it unset (the address "
+            "towards the daemon)"
+        ) from None
 
 
 def _tls(help: str) -> Any:
@@ -512,8 +530,11 @@ class DistributedConfig:
         """The address this worker's (or node's) ring peers reach it at: ``ring_host``,
         else this host's address on the route towards the daemon (loopback for a
         ``unix:`` endpoint or the file transport)."""
+        if self.ring_host:
+            _check_listenable(self.ring_host)
+            return self.ring_host
         try:
-            return self.ring_host or route_source(self.rendezvous.endpoint or "unix:local")
+            return route_source(self.rendezvous.endpoint or "unix:local")
         except (AddressError, OSError) as exc:
             raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
 

@@ -544,9 +544,18 @@ def _init_from_agent(
         link.start(lambda cause: relay.fail(AgentError(cause)))
 
     mark("attached", generation=assignment.generation, rank=assignment.rank)
-    _, communicator = _bring_up(
-        config, rdzv, membership, lambda _: topology, assignment.ring_host, watch, rejoin=None
-    )
+    try:
+        _, communicator = _bring_up(
+            config, rdzv, membership, lambda _: topology, assignment.ring_host, watch, rejoin=None
+        )
+    except BaseException as error:
+        # Before any ``with`` block: nothing else reports it, and the launcher's summary
+        # and root cause said only "exit code 1" (an NCCL init failure, a ring that
+        # cannot listen). Told as the context's close() tells a failure in the block.
+        if _own_failure(error) or _unexplained(link, error):
+            with contextlib.suppress(Exception):
+                link.report_failure(_describe(error), PEER_SETTLE_S)
+        raise
     mark("ring-up", generation=assignment.generation, rank=assignment.rank)
     if topology.is_global_rank_zero:
         log.info(

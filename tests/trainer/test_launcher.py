@@ -124,6 +124,50 @@ def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
     assert nodes[1].returncode == 128 + signal.SIGKILL
 
 
+def test_a_failure_inside_init_distributed_is_the_root_cause_named(
+    start_daemon: Callable[..., DaemonProcess],
+    job_id: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before the ``with`` block nothing reported it: the summary and the root cause
+    said only "exit code 1". NCCL without a visible device fails in its init, here as
+    on a GPU machine."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    d = start_daemon()
+    source = (
+        "from rendezvousd.trainer import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    pass\n"
+    )
+    script = tmp_path / "ok.py"
+    script.write_text(source)
+    cmd = launcher_cmd(1, 0, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    run = run_launcher([*cmd, "--backend", "nccl", str(script)], timeout=120)
+    assert run.returncode != 0, run.stderr
+    causes = [line for line in run.stderr.splitlines() if "root cause:" in line]
+    assert len(causes) == 1, run.stderr
+    assert "was lost (" in causes[0] and "exit code 1)" not in causes[0], run.stderr
+    assert re.search(r"was lost \((CommunicatorError|ConfigError|ImportError)", causes[0]), causes
+
+
+def test_a_ring_host_this_host_cannot_listen_on_is_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Each worker died with a raw socket.gaierror, reported as "exit code 1"."""
+    from rendezvousd.trainer.agent import launcher
+
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    for host in ("bad host", "198.18.255.254"):
+        status = launcher.main(
+            ["--standalone", "--ring-host", host, "--nproc-per-node", "1", str(script)]
+        )
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert f"ring_host={host!r} cannot be listened on here" in err, err
+
+
 def test_a_worker_raising_a_long_multiline_error_is_every_launchers_root_cause(
     start_daemon: Callable[..., DaemonProcess], job_id: str
 ) -> None:
