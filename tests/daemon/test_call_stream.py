@@ -11,7 +11,7 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -713,10 +713,12 @@ async def test_a_call_goes_on_past_each_wait_in_turn_in_its_streams_context() ->
     assert got[1].kv_get.value == b"the stream's caller"
 
 
-async def test_a_cancel_reaches_a_call_awaiting_a_future_and_one_at_a_bare_yield() -> None:
-    """Each reads its await cancelled, neither is answered, and the stream's end,
-    which waits for its calls in flight, then comes."""
-    cancelled: list[str] = []
+Handler = Callable[[Any, Any], Awaitable[Any]]
+
+
+def _cancellable_handlers(cancelled: list[str]) -> tuple[Handler, Handler, Handler]:
+    """A handler that spins at bare yields and one parked on a future, each noting in
+    ``cancelled`` where a cancel reached it, and one that answers at once."""
 
     async def spins(_request: Any, _context: Any) -> Any:
         try:
@@ -735,6 +737,15 @@ async def test_a_cancel_reaches_a_call_awaiting_a_future_and_one_at_a_bare_yield
 
     async def quick(_request: Any, _context: Any) -> pb.GetJobResponse:
         return pb.GetJobResponse()
+
+    return spins, parks, quick
+
+
+async def test_a_cancel_reaches_a_call_awaiting_a_future_and_one_at_a_bare_yield() -> None:
+    """Each reads its await cancelled, neither is answered, and the stream's end,
+    which waits for its calls in flight, then comes."""
+    cancelled: list[str] = []
+    spins, parks, quick = _cancellable_handlers(cancelled)
 
     async def calls() -> AsyncIterator[pb.CallBatch]:
         yield pb.CallBatch(
@@ -800,24 +811,7 @@ async def test_a_call_whose_wait_ends_as_its_deadline_passes_is_answered_once() 
 
 async def test_the_streams_end_cancels_its_calls_awaiting_and_at_a_bare_yield() -> None:
     cancelled: list[str] = []
-
-    async def spins(_request: Any, _context: Any) -> Any:
-        try:
-            while True:
-                await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            cancelled.append("at a bare yield")
-            raise
-
-    async def parks(_request: Any, _context: Any) -> Any:
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.append("awaiting a future")
-            raise
-
-    async def quick(_request: Any, _context: Any) -> pb.GetJobResponse:
-        return pb.GetJobResponse()
+    spins, parks, quick = _cancellable_handlers(cancelled)
 
     async def calls() -> AsyncIterator[pb.CallBatch]:
         yield pb.CallBatch(
