@@ -229,7 +229,10 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
                 if ln.strip()
             ]
         except OSError as exc:
-            raise InvalidRequest(f"cannot read token file {path}: {exc.strerror}") from exc
+            # Named by where it came from: a variable set long ago, in another file,
+            # is what the user must find.
+            origin = "" if token_file else f" (from ${TOKEN_FILE_ENV})"
+            raise InvalidRequest(f"cannot read token file {path}{origin}: {exc.strerror}") from exc
         except UnicodeDecodeError:
             raise InvalidRequest(
                 f"token file {path} is not text (UTF-8): give the file `rendezvousd token "

@@ -45,6 +45,20 @@ def test_the_token_file_from_the_environment_comes_before_the_token(
         assert c.list_jobs() is not None
 
 
+def test_an_unreadable_token_file_from_the_environment_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope"
+    monkeypatch.setenv("RENDEZVOUSD_TOKEN_FILE", str(missing))
+    with pytest.raises(InvalidRequest) as refused:
+        RendezvousClient("127.0.0.1:1", "j")
+    said = str(refused.value)
+    assert said == (
+        f"cannot read token file {missing} (from $RENDEZVOUSD_TOKEN_FILE): "
+        "No such file or directory"
+    ), said
+
+
 def test_no_token_anywhere_is_an_error_naming_every_source(daemon: DaemonProcess) -> None:
     with pytest.raises(InvalidRequest) as no_token:
         RendezvousClient(daemon.endpoint, "j")
