@@ -72,7 +72,7 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.client.relay import RELAY_STALLED, route_of
 from rendezvousd.common.calls import FIELDS
-from rendezvousd.common.validation import LONGEST_WAIT_S, SHORTEST_HEARTBEAT_S
+from rendezvousd.common.validation import SHORTEST_HEARTBEAT_S
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -915,22 +915,13 @@ class ClientBase(ABC):
 
 
 def _check_heartbeat_args(interval: object, *callbacks: object) -> None:
-    """Refuse what start_heartbeat() could not use: an interval that is no number of
-    seconds from SHORTEST_HEARTBEAT_S (0, NaN or 1e-9 s made the heartbeat busy-loop), a
-    callback that is not callable, or a coroutine function, which would be called and
-    never awaited: the failure it was to hear of would go unheard."""
-    number = isinstance(interval, int | float) and not isinstance(interval, bool)
-    if interval is not None and not (
-        number and SHORTEST_HEARTBEAT_S <= interval <= LONGEST_WAIT_S  # type: ignore[operator]
-    ):
-        raise InvalidRequest(
-            f"start_heartbeat() interval={interval!r} is not a heartbeat interval: give "
-            f"seconds from {SHORTEST_HEARTBEAT_S:g} to {LONGEST_WAIT_S:.0f} (30 days), or "
-            "None for the default (a third of the daemon's heartbeat timeout, at most 5 s)"
-        )
+    """Refuse what start_heartbeat() could not use: an interval under
+    SHORTEST_HEARTBEAT_S or no number of seconds (0, NaN or 1e-9 s made the heartbeat
+    busy-loop), a callback that is not callable, or a coroutine function, which would
+    be called and never awaited: the failure it was to hear of would go unheard."""
+    check_wait("start_heartbeat", "interval", interval, least=SHORTEST_HEARTBEAT_S)
     for name, callback in zip(("on_failure", "on_nodes_waiting"), callbacks, strict=True):
-        if callback is not None and not callable(callback):
-            raise InvalidRequest(f"start_heartbeat() {name}={callback!r} is not callable")
+        check_arg("start_heartbeat", name, callback, Callable[..., object] | None)
         if inspect.iscoroutinefunction(callback):
             raise InvalidRequest(
                 f"start_heartbeat() {name}={callback!r} is a coroutine function: it is "

@@ -58,7 +58,7 @@ from rendezvousd.client.membership import (
 from rendezvousd.common.address import AddressError, parse_address
 from rendezvousd.common.escape import bounded
 from rendezvousd.common.members import failed_text
-from rendezvousd.common.validation import LONGEST_WAIT_S, UNIQUE_ID_BYTES
+from rendezvousd.common.validation import LONGEST_WAIT_S, UNIQUE_ID_BYTES, is_wait
 
 log = logging.getLogger("rendezvousd.client")
 
@@ -269,18 +269,24 @@ POSITIVE_WAITS = frozenset({"call_timeout", "connect_timeout", "reconnect_window
 
 
 def check_wait(
-    call: str, name: str, seconds: object, *, none_ok: bool = True, deadline: bool = False
+    call: str,
+    name: str,
+    seconds: object,
+    *,
+    none_ok: bool = True,
+    deadline: bool = False,
+    least: float | None = None,
 ) -> None:
     """Refuse a wait no call could carry: one not in seconds, beyond ``LONGEST_WAIT_S``
     (infinite), None where that is no default (no deadline: a hang), or 0 for a bound
     every call must meet (``POSITIVE_WAITS``, or a ``deadline``: the time a call that
     waits for no peer has to be answered, which at 0 fails even at a daemon that is
-    fine, as a daemon that does not answer)."""
+    fine, as a daemon that does not answer); ``least`` sets the floor itself."""
     if seconds is None and none_ok:
         return
-    number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    least = 0.001 if deadline or name in POSITIVE_WAITS else 0
-    if number and least <= seconds <= LONGEST_WAIT_S:  # type: ignore[operator]
+    if least is None:
+        least = 0.001 if deadline or name in POSITIVE_WAITS else 0
+    if is_wait(seconds, least):
         return
     raise InvalidRequest(
         f"{call}() {name}={seconds!r} is not a wait the SDK can send: give seconds from "

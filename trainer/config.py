@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from rendezvousd.common.settings import (
     table,
     validate,
 )
-from rendezvousd.common.validation import LONGEST_WAIT_S, SHORTEST_HEARTBEAT_S
+from rendezvousd.common.validation import LONGEST_WAIT_S, SHORTEST_HEARTBEAT_S, is_wait
 from rendezvousd.common.validation import job_id as check_job_id
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.trainer.errors import ConfigError
@@ -101,8 +100,7 @@ class Seconds(Float):
         return f"a number of seconds from {self.least:g} to {LONGEST_WAIT_S:.0f} (30 days)"
 
     def check(self, value: Any) -> Any:
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not number or not self.least <= value <= LONGEST_WAIT_S:  # NaN fails too
+        if not is_wait(value, self.least):  # NaN fails too
             raise Invalid(f"must be {self._wants()}")
         return float(value)
 
@@ -145,10 +143,10 @@ def _check_listenable(host: str) -> None:
     """Refuse a ``ring_host`` this host cannot listen on, as its workers' rings would
     (a name that does not resolve, another host's address): each worker died with a raw
     socket error, reported only as "exit code 1"."""
+    from rendezvousd.trainer.comm.ring_wire import create_listener  # what the ring does
+
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.bind(address)
+        create_listener(host).close()
     except (OSError, UnicodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(

@@ -23,6 +23,16 @@ LONGEST_WAIT_S = 30 * 24 * 3600.0
 # proves liveness, and an interval of 0 or 1e-9 s made one client's heartbeat busy-loop,
 # costing it and the daemon most of a core each.
 SHORTEST_HEARTBEAT_S = 0.05
+
+
+def is_wait(value: object, least: float) -> bool:
+    """Whether ``value`` is seconds a call can wait: an int or float (never a bool) from
+    ``least`` to ``LONGEST_WAIT_S`` (NaN is not). The SDK's keywords and the trainer's
+    settings ask it alike."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and least <= value <= LONGEST_WAIT_S  # type: ignore[operator]
+
+
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # C0 and C1 controls, and the bidi marks and overrides that make a log line or
 # `rendezvousd status` show text other than what it holds (Trojan Source).
