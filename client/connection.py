@@ -18,6 +18,7 @@ import grpc
 from rendezvousd.client.errors import InvalidRequest
 from rendezvousd.common.address import Address, AddressError, parse_address
 from rendezvousd.common.pem import bundle_problem, pair_problem
+from rendezvousd.common.secret_files import TOKEN_ENV, TOKEN_FILE_ENV, read_secret
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -33,8 +34,6 @@ __all__ = [
 
 SERVICE = "rendezvous.v1.Rendezvous"
 HEALTH_SERVICE = "grpc.health.v1.Health"
-TOKEN_ENV = "RENDEZVOUSD_TOKEN"
-TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 
 # Safe to repeat: Join/PublishId by instance id, Barrier by sequence, sets overwrite.
 # Not KvDelete: repeated after its answer was lost, it answers deleted=False for the
@@ -284,11 +283,9 @@ _CLIENT_KEY = _Secret(
 def _read_private(path: Path, secret: _Secret) -> bytes:
     """The bytes of the secret file ``path``, refused if others may read it or anyone
     but its owner may change it, or if it is not a regular file (a FIFO or a device
-    would block the read with no deadline). The mode is read from the descriptor that is
-    then read, so a swapped link cannot slip between."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
+    would block the read with no deadline)."""
+
+    def judge(info: os.stat_result) -> None:
         if not stat.S_ISREG(info.st_mode):
             raise InvalidRequest(
                 f"{secret.what} {path} is not a regular file "
@@ -301,7 +298,8 @@ def _read_private(path: Path, secret: _Secret) -> bytes:
                 f"'chmod 600 {path}' (0640 if a group must read it) and, if others could "
                 f"have read it, {secret.renew}"
             )
-        return f.read()
+
+    return read_secret(path, judge)
 
 
 # Words of gRPC's reason for a failed connect that say the TLS handshake was refused

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import os
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
+from rendezvousd.common.secret_files import read_secret
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask
@@ -250,18 +252,23 @@ class Daemon:
         c = self.config
         if c.tls_cert is None or c.tls_key is None:
             return None
+        tls_key = c.tls_key
+
+        def judge(info: os.stat_result) -> None:
+            if not stat.S_ISREG(info.st_mode):  # a FIFO would hang the read
+                raise DaemonError(
+                    f"TLS private key {tls_key} is not a regular file "
+                    f"({stat.filemode(info.st_mode)}); give the key file itself"
+                )
+            if info.st_mode & private_file_mask(tls_key, 0o177, "TLS private key"):
+                raise DaemonError(
+                    f"TLS private key {tls_key} has mode {stat.S_IMODE(info.st_mode):04o}, "
+                    f"more than 0600: anyone else who can read it can impersonate the "
+                    f"daemon; run: chmod 600 {tls_key}"
+                )
+
         try:
-            key_mode = c.tls_key.stat().st_mode
-        except OSError as exc:
-            raise DaemonError(f"cannot read TLS file {c.tls_key}: {exc.strerror}") from exc
-        if key_mode & private_file_mask(c.tls_key, 0o177, "TLS private key"):
-            raise DaemonError(
-                f"TLS private key {c.tls_key} has mode {stat.S_IMODE(key_mode):04o}, more than "
-                f"0600: anyone else who can read it can impersonate the daemon; run: "
-                f"chmod 600 {c.tls_key}"
-            )
-        try:
-            key, cert = c.tls_key.read_bytes(), c.tls_cert.read_bytes()
+            key, cert = read_secret(tls_key, judge), c.tls_cert.read_bytes()
             ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc

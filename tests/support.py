@@ -10,6 +10,7 @@ import os
 import queue
 import re
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -102,6 +103,10 @@ def spawn_daemon(
     deadline = time.monotonic() + timeout
     line = ""
     while time.monotonic() < deadline:
+        # A daemon stuck before its first line (a start-up blocked in a read) must fail
+        # the test at ``timeout``, not hang it in readline.
+        if not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            break
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             raise RuntimeError(f"daemon exited with {proc.returncode}: {log_path.read_text()}")

@@ -23,6 +23,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import grid
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.model import MemberState
+from rendezvousd.common.secret_files import missing_token
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.errors import ConfigError
 
@@ -138,20 +139,6 @@ def _age(ms: int) -> str:
     return f"{ms / 1000:.1f}s"
 
 
-def _token_given(args: argparse.Namespace) -> None:
-    """Raises ConfigError naming this command's flag when no token is given anywhere:
-    the SDK's own error names its keyword arguments (token=, token_file=), which a
-    command-line user cannot pass. The same sources, in the SDK's order."""
-    from rendezvousd.client.connection import TOKEN_ENV, TOKEN_FILE_ENV
-
-    if args.token_file or os.environ.get(TOKEN_FILE_ENV) or os.environ.get(TOKEN_ENV, "").strip():
-        return
-    raise ConfigError(
-        f"no token: pass --token-file FILE (the daemon's token file), or set "
-        f"${TOKEN_FILE_ENV} to that file or ${TOKEN_ENV} to the token"
-    )
-
-
 def _status(args: argparse.Namespace) -> int:
     from rendezvousd.client import (
         DaemonUnavailable,
@@ -163,7 +150,8 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         tls = _tls(args)
-        _token_given(args)
+        if (missing := missing_token(args.token_file, os.environ)) is not None:
+            raise ConfigError(missing)
     except ConfigError as exc:
         print(f"rendezvousd status: {exc}", file=sys.stderr)
         return EXIT_ARGS

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from rendezvousd.common.limits import Limits
+from rendezvousd.common.secret_files import TOKEN_ENV, read_secret
 from rendezvousd.errors import ConfigError
 from rendezvousd.server.budget import Gate, gated, gated_before_body
 from rendezvousd.server.scope import (
@@ -39,7 +40,6 @@ log = logging.getLogger("rendezvousd")
 MIN_TOKEN_CHARS = 16
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_WATCH = HEALTH_PREFIX + "Watch"
-TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 # Set by systemd for a unit with LoadCredential=/SetCredential=.
 CREDENTIALS_ENV = "CREDENTIALS_DIRECTORY"
 RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
@@ -105,24 +105,23 @@ def private_file_mask(path: Path, mask: int, what: str) -> int:
 
 def read_token_file(path: Path) -> list[str]:
     """Tokens from ``path``, one per line (several allow rotation without downtime)."""
+
+    def judge(info: os.stat_result) -> None:
+        # The kind first: a device or a directory is no token file, whatever its mode
+        # (and "chmod 600 /dev/null" is no advice to give).
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(
+                f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
+                f"give a file created with `rendezvousd token FILE`"
+            )
+        if info.st_mode & private_file_mask(path, stat.S_IRWXG | stat.S_IRWXO, "token file"):
+            raise ConfigError(
+                f"token file {path} is accessible by group/others (mode "
+                f"{stat.filemode(info.st_mode)}); run: chmod 600 {path}"
+            )
+
     try:
-        info = path.stat()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
-    # The kind first: a device or a directory is no token file, whatever its mode (and
-    # "chmod 600 /dev/null" is no advice to give).
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(
-            f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
-            f"give a file created with `rendezvousd token FILE`"
-        )
-    if info.st_mode & private_file_mask(path, stat.S_IRWXG | stat.S_IRWXO, "token file"):
-        raise ConfigError(
-            f"token file {path} is accessible by group/others (mode {stat.filemode(info.st_mode)}); "
-            f"run: chmod 600 {path}"
-        )
-    try:
-        text = path.read_text(encoding="ascii")
+        text = read_secret(path, judge).decode("ascii")
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError:

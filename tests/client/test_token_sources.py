@@ -157,10 +157,17 @@ def test_a_token_file_only_its_owner_and_group_can_read_is_used(
         assert c.list_jobs() is not None  # authorized: a wrong token is refused
 
 
-def test_a_token_path_that_is_a_fifo_is_refused_at_once_not_read_forever(tmp_path: Path) -> None:
-    """Reading a FIFO nobody writes would block the client with no deadline."""
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_token_path_that_is_not_a_file_is_refused_at_once_not_read_forever(
+    tmp_path: Path, kind: str
+) -> None:
+    """Reading a FIFO nobody writes would block the client with no deadline; a
+    directory was "cannot read ...: Is a directory", which says nothing to do."""
     path = tmp_path / "token"
-    os.mkfifo(path, 0o600)
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.mkdir(mode=0o700)
     started = time.monotonic()
     with pytest.raises(InvalidRequest, match="is not a regular file") as refused:
         RendezvousClient("127.0.0.1:1", "j", token_file=path)

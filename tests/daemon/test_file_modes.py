@@ -43,6 +43,17 @@ def test_a_private_key_with_a_mode_above_0600_is_refused_at_start(
     assert "PRIVATE KEY" not in str(info.value)
 
 
+def test_a_private_key_that_is_a_fifo_is_refused_at_start_not_waited_on(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path, pki: Pki
+) -> None:
+    """The key was read by path after a stat of its mode: a FIFO nobody writes (mode
+    0600 passes) hung the start-up in the read, deaf to SIGTERM."""
+    key = tmp_path / "server.key"
+    os.mkfifo(key, 0o600)
+    with pytest.raises(RuntimeError, match=r"is not a regular file \(prw"):
+        start_daemon("--tls-cert", str(pki.server), "--tls-key", str(key))
+
+
 def test_a_planted_link_at_a_temp_name_is_never_written_through(tmp_path: Path) -> None:
     state = tmp_path / "state"
     store = StateStore(state)

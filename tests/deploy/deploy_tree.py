@@ -18,7 +18,7 @@ import yaml
 
 from rendezvousd import config as config_mod
 from rendezvousd.cli.serve import build_parser
-from rendezvousd.server import auth
+from rendezvousd.common import secret_files
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -77,12 +77,11 @@ def known_flags() -> dict[str, frozenset[str]]:
 
 def known_env_vars() -> frozenset[str]:
     """The daemon's settings, the token vars, and what the trainer/launcher read."""
-    from rendezvousd.client import connection
     from rendezvousd.trainer import config as trainer_config
 
     names = {config_mod.ENV_PREFIX + name.upper() for name in config_mod.FIELDS}
     names |= {o.env for o in trainer_config.SCHEMA.options.values() if o.env is not None}
-    names |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
+    names |= {secret_files.TOKEN_ENV, secret_files.TOKEN_FILE_ENV}
     modules = [trainer_config, _launcher_module()]
     with contextlib.suppress(ModuleNotFoundError):
         modules.append(importlib.import_module("rendezvousd.trainer.distributed"))

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from rendezvousd import config as daemon_config
-from rendezvousd.client import connection
-from rendezvousd.server import auth
+from rendezvousd.common import secret_files
 from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.agent import _fork_server, _trace, agent_channel
 from rendezvousd.trainer.agent.launcher import build_parser
@@ -56,7 +55,7 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
     known = {o.env for o in daemon_config.SCHEMA.options.values()}
     known |= {o.env for o in trainer_config.SCHEMA.options.values()}
     known |= {o.env for o in torchrun_config.SCHEMA.options.values()}
-    known |= {auth.TOKEN_ENV, connection.TOKEN_ENV, connection.TOKEN_FILE_ENV}
+    known |= {secret_files.TOKEN_ENV, secret_files.TOKEN_FILE_ENV}
     known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD, _trace.TRACE_ENV}
     known |= {_fork_server.ENV_FORK_SERVER, warm.ENV_WARM_SOCKET}
     for doc in ("trainer.md", "operations.md"):

@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.worker_boot import ForkServer, boot_spares, discard
@@ -62,10 +63,6 @@ if TYPE_CHECKING:
     from rendezvousd.trainer.agent.recovery import Failure
     from rendezvousd.trainer.agent.worker_boot import Booted
 
-# The SDK's names (client/connection.py), spelt here: importing it imports gRPC, which
-# the launcher defers until its spares run (a test compares the two).
-TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
-TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 # torchrun's spellings, kept as aliases of the config's own flags.
 ALIASES = {
     "gpus_per_node": ["--nproc-per-node"],
@@ -233,18 +230,6 @@ def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
     return create
 
 
-def _token_problem(config: DistributedConfig, base: Mapping[str, str]) -> str | None:
-    """Why the node has no token, naming the launcher's flag and variables (the SDK's
-    own error names its keywords, token= and token_file=, which no launcher user can
-    pass); checked before any spare starts. The SDK's sources, in its order."""
-    if config.rendezvous.token_file or base.get(TOKEN_FILE_ENV) or base.get(TOKEN_ENV, "").strip():
-        return None
-    return (
-        f"no token: pass --token-file FILE (the daemon's token file), or set "
-        f"${TOKEN_FILE_ENV} to that file or ${TOKEN_ENV} to the token"
-    )
-
-
 def _target_problem(args: argparse.Namespace, token_file: str | None) -> str | None:
     """Why no worker could start the target, said once here: each worker failed at
     start with runpy's traceback, and each failure used a restart. A target that is
@@ -283,7 +268,7 @@ def _same_file(path: Path, other: str) -> bool:
 
 
 def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
-    if (problem := _token_problem(config, base)) is not None:
+    if (problem := missing_token(config.rendezvous.token_file, base)) is not None:
         return _fail(problem)
     token_file = config.rendezvous.token_file or base.get(TOKEN_FILE_ENV)
     if (problem := _target_problem(args, token_file)) is not None:
