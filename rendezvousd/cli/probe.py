@@ -195,10 +195,13 @@ def _status(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 time.sleep(args.watch)
     except RendezvousError as exc:
-        print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
         # health's exit codes, so a script tells a daemon down from a refused call.
         if isinstance(exc, DaemonUnavailable):
+            # The SDK names its keyword, which this command sets from --timeout.
+            said = str(exc).replace("(connect_timeout)", "(--timeout)")
+            print(f"rendezvousd status: {escape(said)}", file=sys.stderr)
             return EXIT_CONNECTION
+        print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
         return EXIT_ARGS if isinstance(exc, InvalidRequest) else EXIT_RPC
     except KeyboardInterrupt:
         return 0

@@ -160,7 +160,8 @@ def test_status_exit_codes_tell_a_daemon_down_from_a_refused_call(
         (
             ["--timeout", "1", "--endpoint", f"127.0.0.1:{free_port()}"],
             2,
-            "connected to within 1 s",
+            # Named by this command's flag: no status user passes connect_timeout.
+            "connected to within 1 s (--timeout)",
         ),
         (["--timeout", "1", "--endpoint", f"127.0.0.1:{free_port()}"], 2, "nothing listens there"),
         (["--endpoint", daemon.endpoint, job_id], 3, "does not exist"),
