@@ -675,6 +675,26 @@ def test_standalone_with_a_daemon_named_on_the_command_line_is_exit_2(
     assert "--standalone hosts its own daemon, but --rdzv-endpoint" in err, err
 
 
+@pytest.mark.parametrize("value", ["maybe", "", "nein"])
+def test_a_fork_server_switch_that_is_neither_on_nor_off_is_exit_2_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
+) -> None:
+    """Only "0" turned the fork server off; any other value, "false" and "off"
+    included, kept it on in silence."""
+    from rendezvousd.trainer.agent import launcher
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    monkeypatch.setenv("RENDEZVOUSD_FORK_SERVER", value)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    for flags in ([], ["--no-fork-server"]):
+        status = launcher.main(["--standalone", *flags, "--nproc-per-node", "1", str(script)])
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert f"$RENDEZVOUSD_FORK_SERVER={value!r} is not a switch: set it to 0" in err, err
+        assert "Traceback" not in err, err
+
+
 # No daemon: a launcher that went on past the refusals below would fail its join soon.
 UNREACHABLE = ["--rdzv-endpoint", "127.0.0.1:1", "--join-timeout-s", "2"]
 UNREACHABLE += ["--connect-timeout-s", "1"]
