@@ -443,6 +443,45 @@ def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
     assert "raise --max-restarts" not in run.stderr, run.stderr
 
 
+def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinct_ranks(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """Two nodes started with the same --node-rank: the second's join was refused
+    DuplicateRank again and again within milliseconds, used up --max-restarts, and the
+    summary advised raising them, which cannot help."""
+    from rendezvousd.client import NotFound, RendezvousClient
+
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    node = [*launcher_cmd(2, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file,
+                          job=job_id), "--join-timeout-s", "60"]  # fmt: skip
+    first = subprocess.Popen([*node, str(script)], stderr=subprocess.DEVNULL)
+    try:
+
+        def first_joined() -> bool:
+            with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe:
+                try:
+                    return probe.get_job().id_published
+                except NotFound:
+                    return False
+
+        wait_for("node 0 to join", first_joined, timeout=30)
+        run = run_launcher([*node, "--max-restarts", "3", str(script)], timeout=60)
+    finally:
+        first.terminate()
+        first.wait(30)
+    assert run.returncode == 1, run.stderr
+    assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
+    assert "joining failed: DuplicateRank" in run.stderr, run.stderr
+    assert "give each node a distinct --node-rank (0..1)" in run.stderr, run.stderr
+    assert "no restart can change that" in run.stderr, run.stderr
+    assert "raise --max-restarts" not in run.stderr, run.stderr
+    assert daemon.token not in run.stderr
+
+
 def test_a_missing_target_is_the_one_argument_named_missing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
