@@ -26,6 +26,32 @@ CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
         "report_progress() restarts_used=-1",
     ),
     ("attach", lambda c: c.attach("x", "y"), "attach() membership='x'"),  # type: ignore[arg-type]
+    # A count's range starts at 1: "from 0" named a value the daemon refuses.
+    (
+        "join num_nodes",
+        lambda c: c.join(num_nodes=-1, gpus_per_node=1, local_rank=0, timeout=5),
+        "join() num_nodes=-1 is not an int from 1 to 4294967295",
+    ),
+    (
+        "join gpus_per_node 0",
+        lambda c: c.join(num_nodes=1, gpus_per_node=0, local_rank=0, timeout=5),
+        "join() gpus_per_node=0 is not an int from 1 to 4294967295",
+    ),
+    (
+        "join local_rank",
+        lambda c: c.join(num_nodes=1, gpus_per_node=1, local_rank=-1, timeout=5),
+        "join() local_rank=-1 is not an int from 0 to 4294967295",
+    ),
+    (
+        "join_node min_nodes",
+        lambda c: c.join_node(min_nodes=0, max_nodes=2, gpus_per_node=1, timeout=5),
+        "join_node() min_nodes=0 is not an int from 1 to 4294967295",
+    ),
+    (
+        "join_node max_nodes",
+        lambda c: c.join_node(min_nodes=1, max_nodes=2**32, gpus_per_node=1, timeout=5),
+        "join_node() max_nodes=4294967296 is not an int from 1 to 4294967295",
+    ),
 ]
 
 
