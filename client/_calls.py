@@ -547,6 +547,15 @@ class Calls:
     def join_node(self, request: NodeJoinRequest) -> Steps[NodeMembership]:
         """Join once for a whole node and wait for the generation to form."""
         check_keywords("join_node", NodeJoinRequest, request)
+        addresses, per_node = request.get("addresses", ()), request["gpus_per_node"]
+        if addresses and len(addresses) != per_node:
+            # The daemon took fewer (the rest had no address: their peers could not
+            # reach them) and refused more only after the round trip.
+            raise InvalidRequest(
+                f"join_node() addresses= gives {len(addresses)} address"
+                f"{'' if len(addresses) == 1 else 'es'} for gpus_per_node={per_node}: give "
+                f"one per local rank ({per_node}), or none"
+            )
         yield from self.before_join(request.get("timeout"))
         # A re-join (next generation): the last generation's stream must not report
         # into this one.

@@ -4,12 +4,13 @@ AttributeError from inside protobuf or the SDK (a careless caller's probe, sessi
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from rendezvousd.client import InvalidRequest, RendezvousClient
+from rendezvousd.client import AsyncRendezvousClient, InvalidRequest, RendezvousClient
 from tests.support import DaemonProcess
 
 CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
@@ -65,6 +66,37 @@ def test_an_argument_no_request_can_carry_is_refused_naming_it(
     ):
         call(c)
     assert said in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_join_node_refuses_addresses_that_are_not_one_per_local_rank_in_both_clients(
+    daemon: DaemonProcess, job_id: str, count: int
+) -> None:
+    """Fewer were taken (the other ranks had no address: their peers could not reach
+    them); more were refused only by the daemon, after the round trip."""
+    noun = "address" if count == 1 else "addresses"
+    said = f"addresses= gives {count} {noun} for gpus_per_node=2: give one per local rank (2)"
+    keywords: dict[str, Any] = {
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "gpus_per_node": 2,
+        "addresses": ["127.0.0.1"] * count,
+        "timeout": 10,
+    }
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c,
+        pytest.raises(InvalidRequest) as refused,
+    ):
+        c.join_node(**keywords)
+    assert said in str(refused.value), refused.value
+
+    async def aio() -> None:
+        async with AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+            with pytest.raises(InvalidRequest) as refused:
+                await c.join_node(**keywords)
+            assert said in str(refused.value), refused.value
+
+    asyncio.run(aio())
 
 
 def test_a_job_id_that_is_not_text_is_refused_when_the_client_is_made(
