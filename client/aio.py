@@ -27,6 +27,7 @@ from rendezvousd.client._session import (
     JoinRequest,
     NodeJoinRequest,
     StreamWatch,
+    check_arg,
     log,
 )
 from rendezvousd.client._tables import BlockingMembers
@@ -412,6 +413,7 @@ class AsyncRendezvousClient(steps.ClientBase):
     async def leave(self, *, final: bool = False) -> None:
         """Best effort, like ``RendezvousClient.leave``: one attempt within
         ``leave_timeout``, then one WARNING instead of an exception."""
+        check_arg("leave", "final", final, bool)  # see RendezvousClient.leave
         try:
             await self._run(self._c.leave(final))
         finally:

@@ -5,6 +5,7 @@ AttributeError from inside protobuf or the SDK (a careless caller's probe, sessi
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,29 @@ def test_join_node_refuses_addresses_that_are_not_one_per_local_rank_in_both_cli
             with pytest.raises(InvalidRequest) as refused:
                 await c.join_node(**keywords)
             assert said in str(refused.value), refused.value
+
+    asyncio.run(aio())
+
+
+def test_leave_refuses_a_final_that_is_not_a_bool_and_keeps_the_member_in_both_clients(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """``final="yes"`` was taken as truthy text; a refusal after the goodbye's start
+    would have forgotten the member without a word to the daemon."""
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        with pytest.raises(InvalidRequest, match=re.escape("leave() final='yes' is not bool")):
+            c.leave(final="yes")  # type: ignore[arg-type]
+        assert c.membership is not None and c.failure is None
+        c.leave()
+
+    async def aio() -> None:
+        async with AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+            await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+            with pytest.raises(InvalidRequest, match=re.escape("leave() final=1 is not bool")):
+                await c.leave(final=1)  # type: ignore[arg-type]
+            assert c.membership is not None and c.failure is None
+            await c.leave(final=True)
 
     asyncio.run(aio())
 
