@@ -646,6 +646,8 @@ def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
         ["--last-call-s", "1e300"],
         ["--heartbeat-interval-s", "1e-9"],  # the agent's heartbeat busy-looped
         ["--job-id", "a b"],  # the join failed (exit 1) after the spares started
+        ["--nproc-per-node", "5000000000"],  # the join, refused by the SDK (exit 1)
+        ["--retries", "5000000000"],  # refused by the SDK's client, after the spares
     ],
     ids=lambda flags: flags[0],
 )
@@ -659,7 +661,30 @@ def test_a_setting_no_call_could_carry_is_exit_2_naming_its_flag(
         launcher.main(["--standalone", "--nproc-per-node", "1", *flags, "ok.py"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flags[0]}: {flags[1]!r} must be" in err, err
+    # "argument --retries/--retry-attempts: ..." for a flag with an alias.
+    assert re.search(rf"argument {flags[0]}(/[-\w]+)?: {re.escape(repr(flags[1]))} must be", err)
+
+
+@pytest.mark.parametrize("nnodes", ["5000000000", "2:5000000000"])
+def test_a_node_count_the_protocol_cannot_carry_is_exit_2_before_any_spare(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, nnodes: str
+) -> None:
+    """Refused only at the join (exit 1, after the spares started). (A world whose
+    product overflows: test_config's.)"""
+    from rendezvousd.trainer.agent import launcher
+
+    token = tmp_path / "tok"
+    write_token(token)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    status = launcher.main(
+        ["--nnodes", nnodes, "--node-rank", "0", "--nproc-per-node", "1", *UNREACHABLE,
+         "--token-file", str(token), str(script)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "--num-nodes='5000000000' is invalid: num_nodes must be an integer from 1 to " in err
+    assert "4294967295" in err, err
 
 
 @pytest.mark.parametrize("standalone", [[], ["--standalone"]], ids=["path", "standalone"])
