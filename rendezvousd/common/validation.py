@@ -94,8 +94,10 @@ def topology(num_nodes: int, gpus_per_node: int, limits: Limits) -> None:
     if world > limits.max_members_per_job:
         raise limit_exceeded(
             "max_members_per_job",
-            f"world size {world} exceeds the daemon's max_members_per_job="
-            f"{limits.max_members_per_job}",
+            f"world size {world} ({num_nodes} nodes x {gpus_per_node} per node) "
+            f"exceeds the daemon's max_members_per_job={limits.max_members_per_job}: "
+            "run fewer nodes or workers per node, or start the daemon with a larger "
+            "--max-members-per-job",
         )
 
 

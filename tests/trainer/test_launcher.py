@@ -482,6 +482,32 @@ def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinc
     assert daemon.token not in run.stderr
 
 
+def test_a_world_over_the_daemons_member_limit_uses_no_restart_and_says_what_to_change(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """The join was refused LimitExceeded again and again within milliseconds, used up
+    --max-restarts, and the summary advised raising them; the daemon's message named
+    the limit only."""
+    d = start_daemon("--max-members-per-job", "2")
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    run = run_launcher(
+        [*launcher_cmd(3, 0, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+         "--max-restarts", "2", str(script)],
+        timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert "gave up after 0 restarts (max_restarts=2); 1 failure" in run.stderr, run.stderr
+    said = "world size 3 (3 nodes x 1 per node) exceeds the daemon's max_members_per_job=2: "
+    assert said in run.stderr, run.stderr
+    assert "start the daemon with a larger --max-members-per-job" in run.stderr, run.stderr
+    assert "no restart can change that" in run.stderr, run.stderr
+    assert "raise --max-restarts" not in run.stderr, run.stderr
+
+
 def test_a_missing_target_is_the_one_argument_named_missing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

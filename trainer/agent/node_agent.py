@@ -475,7 +475,13 @@ class NodeAgent:
                         continue
                     # Waited for the whole join: a restart would wait the same way again.
                     cause += f" (still unavailable after {outage.limit_s:g} s of trying)"
-                fatal = isinstance(answer, (*REFUSALS, DaemonUnavailable))
+                fatal = isinstance(answer, (*REFUSALS, DaemonUnavailable)) or (
+                    # A world over the daemon's --max-members-per-job: refused the same
+                    # way again at once, as a refusal above is (other limits, such as
+                    # a daemon holding --max-jobs jobs, may pass).
+                    isinstance(answer, LimitExceeded)
+                    and answer.metadata.get("limit") == "max_members_per_job"
+                )
                 return Failure(None, cause, host=self.host, fatal=fatal)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 if event.worker.lost:
