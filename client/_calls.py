@@ -80,8 +80,8 @@ C = TypeVar("C")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Between non-waiting TLS probes: long enough for a refused handshake to show.
 PROBE_PAUSE_S = 0.2
-# The least a TLS probe waits, however little of the connect timeout is left.
-PROBE_FLOOR_S = 0.5
+# The most of a TLS probe's time kept for its sniff (``probe_tls``).
+SNIFF_SHARE_S = 0.5
 # Between asks whether a daemon that went away mid-wait is back (``back_within``).
 RECHECK_S = 0.25
 #: A node join whose wait ended WORLD_INCOMPLETE with more than this left of its own
@@ -490,16 +490,26 @@ class Calls:
         self, request: health_pb2.HealthCheckRequest, within: float = TLS_PROBE_TIMEOUT_S
     ) -> Steps[health_pb2.HealthCheckResponse | None]:
         """Raise at once when the daemon refuses our TLS, or speaks TLS to a plaintext
-        client; see ``TlsProbe``. The daemon's answer when it gave one. Within about
-        ``within`` (the connect timeout's rest), but each probe gets PROBE_FLOOR_S: a
-        TLS mismatch answers at once, and only a silent port waits out a probe
-        (2 s each, and a sniff, made a 1 s connect_timeout take 6 s there)."""
+        client; see ``TlsProbe``. The daemon's answer when it gave one. Within
+        ``within`` (the connect timeout's rest) in all: a TLS mismatch answers at once,
+        and only a silent port waits out a probe (2 s each, and a sniff, made a 1 s
+        connect_timeout take 6 s there; a floor of 0.5 s per probe, 1.5 s).
+
+        No floor: the probes share what is left, the Check first, leaving the sniff
+        half (at most SNIFF_SHARE_S). Each thing a probe learns comes within a round
+        trip: a refused handshake fails the Check at once (the sniff then has nearly
+        all the time), a TLS daemon answers the sniff's ClientHello at once, and a
+        daemon answers the Check. So a share of little time still tells them apart,
+        and a join's look (``before_join``) leaves these probes half of its time.
+        Only a silent port waits the shares out, where waiting past the connect
+        timeout told nothing more."""
         probe = self.probe
         if probe.seen_tls and (known := (yield Blocking(probe.known_refusal))):
             raise self.s.tls_refused(known)
         end = time.monotonic() + within
         for _ in range(probe.attempts):
-            wait = min(TLS_PROBE_TIMEOUT_S, max(PROBE_FLOOR_S, end - time.monotonic()))
+            left = max(0.0, end - time.monotonic())
+            wait = min(TLS_PROBE_TIMEOUT_S, left - min(SNIFF_SHARE_S, left / 2))
             try:
                 response: health_pb2.HealthCheckResponse = yield Rpc(
                     "Check", request, wait, health=True, wait_for_ready=False
@@ -507,14 +517,14 @@ class Calls:
                 return response
             except grpc.RpcError as exc:
                 # A plaintext client's refusal asks the daemon over a socket of
-                # its own (blocking, up to what is left, with the same floor).
-                sniff = max(PROBE_FLOOR_S, min(wait, end - time.monotonic()))
+                # its own (blocking, up to what is left, at most a probe's wait).
+                sniff = min(TLS_PROBE_TIMEOUT_S, max(0.0, end - time.monotonic()))
                 refusal = yield Blocking(functools.partial(probe.refusal, exc, sniff))
                 if refusal is not None:
                     raise self.s.tls_refused(refusal) from None
                 if not probe.again(exc) or time.monotonic() >= end:
                     return None
-            yield Sleep(PROBE_PAUSE_S)
+            yield Sleep(min(PROBE_PAUSE_S, max(0.0, end - time.monotonic())))
         return None
 
     # -- membership ------------------------------------------------------------------
@@ -547,6 +557,15 @@ class Calls:
     def join_node(self, request: NodeJoinRequest) -> Steps[NodeMembership]:
         """Join once for a whole node and wait for the generation to form."""
         check_keywords("join_node", NodeJoinRequest, request)
+        addresses, per_node = request.get("addresses", ()), request["gpus_per_node"]
+        if addresses and len(addresses) != per_node:
+            # The daemon took fewer (the rest had no address: their peers could not
+            # reach them) and refused more only after the round trip.
+            raise InvalidRequest(
+                f"join_node() addresses= gives {len(addresses)} address"
+                f"{'' if len(addresses) == 1 else 'es'} for gpus_per_node={per_node}: give "
+                f"one per local rank ({per_node}), or none"
+            )
         yield from self.before_join(request.get("timeout"))
         # A re-join (next generation): the last generation's stream must not report
         # into this one.

@@ -163,7 +163,7 @@ def check_keywords(call: str, declared: Any, given: Mapping[str, object]) -> Non
         check_wait(call, key, given[key], none_ok=key in nullable)
     hints = _hints(declared)
     for key in sorted(set(given) - WAITS):
-        check_arg(call, key, given[key], hints[key])
+        check_arg(call, key, given[key], hints[key], _SPANS.get(key, UINT32))
 
 
 _hints = functools.cache(get_type_hints)
@@ -199,6 +199,11 @@ def check_endpoint(endpoint: object) -> None:
 UINT32 = (0, 2**32 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 UINT64 = (0, 2**64 - 1)
+#: Counts the daemon refuses at 0 (a topology, ``validation.topology``): uint32 fields
+#: whose range, named in the error, starts at 1. (The daemon's --max-members-per-job
+#: bounds their product further.)
+COUNT = (1, 2**32 - 1)
+_SPANS = {"num_nodes": COUNT, "gpus_per_node": COUNT, "min_nodes": COUNT, "max_nodes": COUNT}
 
 
 def check_arg(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -27,6 +27,7 @@ from rendezvousd.client._session import (
     JoinRequest,
     NodeJoinRequest,
     StreamWatch,
+    check_arg,
     log,
 )
 from rendezvousd.client._tables import BlockingMembers
@@ -297,6 +298,52 @@ class AsyncRendezvousClient(steps.ClientBase):
     def _heartbeat_running(self) -> bool:
         return self._hb_task is not None and not self._hb_task.done()
 
+    def start_heartbeat(
+        self,
+        interval: float | None = None,
+        on_failure: Callable[[RendezvousError], None] | None = None,
+        on_nodes_waiting: Callable[[int], None] | None = None,
+    ) -> None:
+        """``RendezvousClient.start_heartbeat``: its heartbeat is a task on the event loop
+        the client runs on, so call it from a coroutine or callback on that loop."""
+        self._check_heartbeat_loop()
+        super().start_heartbeat(interval, on_failure, on_nodes_waiting)
+
+    def _check_heartbeat_loop(self) -> None:
+        """Refuse a start_heartbeat() made outside the client's loop, before anything
+        changes: with no loop running in this thread it raised asyncio's bare
+        RuntimeError ("no running event loop"), naming no job; on another loop, its
+        task would have used a channel bound to this one."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        made_on = getattr(self._channel, "_loop", None)  # see _check_loop
+        if loop is not None and (made_on is None or loop is made_on):
+            return
+        s = self._s
+        who = (
+            f" rank {s.joined.rank}"
+            if s.joined is not None
+            else f" node {s.node.node_rank}"
+            if s.node is not None
+            else ""
+        )
+        where = (
+            "from a thread with no event loop running"
+            if loop is None
+            else "on an event loop other than the one the client runs on"
+        )
+        raise InvalidRequest(
+            f"start_heartbeat() of the AsyncRendezvousClient of job {s.job_id!r}{who} at "
+            f"{s.endpoint} was called {where}: its "
+            "heartbeat is a task on the client's loop; call it from a coroutine or callback "
+            "running on that loop (from another thread: "
+            "loop.call_soon_threadsafe(client.start_heartbeat))",
+            endpoint=s.endpoint,
+            job_id=s.job_id,
+        )
+
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
         loop = asyncio.get_running_loop()
         self._hb_wake.clear()
@@ -412,6 +459,7 @@ class AsyncRendezvousClient(steps.ClientBase):
     async def leave(self, *, final: bool = False) -> None:
         """Best effort, like ``RendezvousClient.leave``: one attempt within
         ``leave_timeout``, then one WARNING instead of an exception."""
+        check_arg("leave", "final", final, bool)  # see RendezvousClient.leave
         try:
             await self._run(self._c.leave(final))
         finally:

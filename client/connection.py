@@ -210,10 +210,50 @@ class TlsConfig:
                 raise InvalidRequest(
                     f"cannot read TLS private key {self.key}: {exc.strerror}"
                 ) from None
+            except InvalidRequest:
+                # A certificate given as the key is refused for its mode first (0644,
+                # as certificates are): blamed on the mode, when the fix is the order.
+                if (swapped := _swapped(self.cert, self.key, _peek(self.key))) is not None:
+                    raise InvalidRequest(swapped) from None
+                raise
             cert = read(self.cert, "certificate")
+            if (swapped := _swapped(self.cert, self.key, key)) is not None:
+                raise InvalidRequest(swapped)
             if (problem := pair_problem(self.cert, self.key)) is not None:
                 raise InvalidRequest(problem)
         return grpc.ssl_channel_credentials(ca, key, cert)
+
+
+_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+_PEM_PRIVATE_KEY = b"PRIVATE KEY-----"  # PKCS#8, RSA, EC and ENCRYPTED keys alike
+
+
+def _swapped(cert: Path, key: Path, key_pem: bytes | None) -> str | None:
+    """Why ``cert`` and ``key`` look given the wrong way round (the key file holds a
+    certificate and no private key), or None. Names the files, never their bytes."""
+    if key_pem is None or _PEM_CERTIFICATE not in key_pem or _PEM_PRIVATE_KEY in key_pem:
+        return None
+    cert_pem = _peek(cert)
+    also = (
+        f", and the certificate {cert} holds a private key"
+        if cert_pem is not None and _PEM_PRIVATE_KEY in cert_pem
+        else ""
+    )
+    return (
+        f"TLS private key {key} holds a certificate and no private key{also}: the two look "
+        "swapped; give the client certificate as cert= (--tls-cert) and its private key "
+        "as key= (--tls-key)"
+    )
+
+
+def _peek(path: Path) -> bytes | None:
+    """The head of ``path`` (a regular file; never waits on a FIFO), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(1 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 def resolve_token(token: str | None, token_file: Path | str | None) -> str:

@@ -30,6 +30,7 @@ from rendezvousd.client._session import (
     JoinRequest,
     NodeJoinRequest,
     StreamWatch,
+    check_arg,
 )
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._tables import BlockingMembers
@@ -308,6 +309,9 @@ class RendezvousClient(steps.ClientBase):
         ``final`` (a node agent): it will not re-join, so the next generation keeps
         no seat for it (a node leaving a failed generation is otherwise expected back).
         """
+        # Before the goodbye, whose ``finally`` forgets the membership: a bad argument
+        # must leave the member as it was, not dropped without a word to its peers.
+        check_arg("leave", "final", final, bool)
         try:
             self._run(self._c.leave(final))
         finally:

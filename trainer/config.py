@@ -294,14 +294,14 @@ class DistributedConfig:
 
     backend: Backend = setting("cpu", "collective backend", Choice(BACKENDS))
     world_size: int | None = setting(
-        None, "single node: number of workers (default gpus_per_node, else 1)", Int(1, True)
+        None, "single node: number of workers (default gpus_per_node, else 1)", Count(1, True)
     )
     rank: int | None = setting(None, "this worker's global rank, if fixed", Int(0, True))
-    num_nodes: int = setting(1, "number of nodes; >= 2 is multi-node mode", Int(1))
+    num_nodes: int = setting(1, "number of nodes; >= 2 is multi-node mode", Count(1))
     node_rank: int | None = setting(
         0, f"this node's rank, or '{AUTO}' (the daemon assigns it)", NodeRank()
     )
-    gpus_per_node: int | None = setting(None, "workers (devices) per node", Int(1, True))
+    gpus_per_node: int | None = setting(None, "workers (devices) per node", Count(1, True))
     local_rank: int | None = setting(
         None,
         "this worker's rank on its node (without rendezvous-run, which hands it over)",
@@ -310,7 +310,7 @@ class DistributedConfig:
     rendezvous: RendezvousTransport = table(RendezvousTransport, "how workers find each other")
     job_id: str = setting("default", "job id shared by every node", JobId())
     retry_attempts: int = setting(
-        1, "retries of a transient failure, then fail", Int(0), env="RENDEZVOUSD_RETRIES"
+        1, "retries of a transient failure, then fail", Count(0), env="RENDEZVOUSD_RETRIES"
     )
     bucket_cap_mib: float = setting(25.0, "gradient bucket size, MiB", _POSITIVE)
     first_bucket_mib: float = setting(1.0, "first (smallest) gradient bucket, MiB", _POSITIVE)
@@ -348,7 +348,7 @@ class DistributedConfig:
         None,
         "elastic: fewest nodes a generation may form with (default num_nodes; "
         "rendezvous-run --nnodes MIN:MAX)",
-        Int(1, True),
+        Count(1, True),
     )
     max_restarts: int = setting(
         0,
@@ -464,6 +464,14 @@ class DistributedConfig:
                 f"[{SECTION}.rendezvous] kind='daemon' endpoint='host:port' or {ENV_ENDPOINT}"
             )
         derived = self.num_nodes * self.gpus_per_node
+        if derived > UINT32_MAX:
+            # Each count fits the protocol's uint32 fields, but their product is the
+            # world_size (and the ranks) of every JoinNode answer: uint32 too.
+            raise ConfigError(
+                f"num_nodes={self.num_nodes} x gpus_per_node={self.gpus_per_node} = {derived} "
+                f"workers, more than the {UINT32_MAX} a world can hold (the protocol's "
+                "world_size and ranks are uint32); lower --nnodes or --nproc-per-node"
+            )
         if self.world_size is not None and self.world_size != derived:
             raise ConfigError(
                 f"world_size={self.world_size} contradicts num_nodes={self.num_nodes} x "

@@ -140,6 +140,15 @@ def _token(args: argparse.Namespace) -> int:
             "--valid-for applies to job tokens (--job J); an admin token ends when it is "
             "removed from the daemon's token file"
         )
+    if args.admin_token_file is not None and args.job is None:
+        # Without --job the command writes a new random admin token and reads no
+        # file: the flag would be silently ignored, and PATH a token the operator
+        # did not mean to make.
+        raise ConfigError(
+            "--admin-token-file applies to job tokens: add --job JOB_ID to derive a "
+            "token for that job from it; without --job, `rendezvousd token PATH` writes "
+            "a new random admin token and reads no file"
+        )
     until = None if args.valid_for is None else int(time.time()) + args.valid_for
     try:
         if args.job is None:

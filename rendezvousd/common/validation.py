@@ -61,11 +61,24 @@ def rank_in_range(name: str, value: int, bound_name: str, bound: int, *, job_id:
 
 
 def job_id(value: str) -> str:
-    if not _JOB_ID.fullmatch(value) or value in (".", ".."):
-        shown = value[:40].encode("unicode_escape").decode("ascii")
+    if value in (".", ".."):
         raise invalid(
             Reason.INVALID_JOB_ID,
-            f"job id {shown!r} is invalid: use 1-128 characters from [A-Za-z0-9._-]",
+            f"job id {value!r} is invalid: a job id is a URL path segment (the status "
+            "page's /api/jobs/<job id>), where browsers and curl take '.' and '..' for the "
+            "path itself and its parent; use 1-128 characters from [A-Za-z0-9._-] other "
+            "than these two",
+        )
+    if not _JOB_ID.fullmatch(value):
+        # !a (ascii()) escapes each character outside printable ASCII once, so the one
+        # that broke the rule shows (a Cyrillic a, U+0430, looks like 'a'), and so
+        # does every control, bidi and invisible one. (The repr of an escaped copy
+        # doubled each backslash: 'h\\xe9llo'.)
+        cut = f" ({len(value)} characters)" if len(value) > 40 else ""
+        raise invalid(
+            Reason.INVALID_JOB_ID,
+            f"job id {value[:40]!a}{'...' if cut else ''}{cut} is invalid: use 1-128 "
+            "characters from [A-Za-z0-9._-]",
         )
     return value
 
@@ -81,8 +94,10 @@ def topology(num_nodes: int, gpus_per_node: int, limits: Limits) -> None:
     if world > limits.max_members_per_job:
         raise limit_exceeded(
             "max_members_per_job",
-            f"world size {world} exceeds the daemon's max_members_per_job="
-            f"{limits.max_members_per_job}",
+            f"world size {world} ({num_nodes} nodes x {gpus_per_node} per node) "
+            f"exceeds the daemon's max_members_per_job={limits.max_members_per_job}: "
+            "run fewer nodes or workers per node, or start the daemon with a larger "
+            "--max-members-per-job",
         )
 
 

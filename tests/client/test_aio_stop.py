@@ -79,3 +79,43 @@ def test_a_client_made_outside_its_event_loop_says_so(daemon: DaemonProcess, job
     assert membership.rank == 0
     loop.run_until_complete(c.close())
     loop.close()
+
+
+async def test_start_heartbeat_off_the_client_s_loop_is_refused_naming_the_job_and_rank(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """From a thread with no loop it raised asyncio's bare RuntimeError ("no running
+    event loop"); from another loop, its task ran there on a channel bound to this one.
+    Refused, nothing changed: the heartbeat then starts on the client's loop."""
+    import threading
+
+    async with AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        where = f"the AsyncRendezvousClient of job {job_id!r} rank 0 at {daemon.endpoint}"
+        with pytest.raises(InvalidRequest) as refused:
+            await asyncio.to_thread(c.start_heartbeat)
+        said = str(refused.value)
+        assert where in said and "from a thread with no event loop running" in said, said
+        assert "call it from a coroutine or callback running on that loop" in said, said
+
+        errors: list[BaseException] = []
+
+        def other_loop() -> None:
+            async def start() -> None:
+                c.start_heartbeat()
+
+            try:
+                asyncio.run(start())
+            except BaseException as exc:  # handed to the test
+                errors.append(exc)
+
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        await asyncio.to_thread(thread.join, 30)
+        assert len(errors) == 1 and isinstance(errors[0], InvalidRequest), errors
+        assert "on an event loop other than the one the client runs on" in str(errors[0])
+
+        c.start_heartbeat(0.2)
+        await asyncio.sleep(0.5)
+        assert c.failure is None
+        await c.leave()

@@ -4,12 +4,14 @@ AttributeError from inside protobuf or the SDK (a careless caller's probe, sessi
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from rendezvousd.client import InvalidRequest, RendezvousClient
+from rendezvousd.client import AsyncRendezvousClient, InvalidRequest, RendezvousClient
 from tests.support import DaemonProcess
 
 CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
@@ -26,6 +28,32 @@ CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
         "report_progress() restarts_used=-1",
     ),
     ("attach", lambda c: c.attach("x", "y"), "attach() membership='x'"),  # type: ignore[arg-type]
+    # A count's range starts at 1: "from 0" named a value the daemon refuses.
+    (
+        "join num_nodes",
+        lambda c: c.join(num_nodes=-1, gpus_per_node=1, local_rank=0, timeout=5),
+        "join() num_nodes=-1 is not an int from 1 to 4294967295",
+    ),
+    (
+        "join gpus_per_node 0",
+        lambda c: c.join(num_nodes=1, gpus_per_node=0, local_rank=0, timeout=5),
+        "join() gpus_per_node=0 is not an int from 1 to 4294967295",
+    ),
+    (
+        "join local_rank",
+        lambda c: c.join(num_nodes=1, gpus_per_node=1, local_rank=-1, timeout=5),
+        "join() local_rank=-1 is not an int from 0 to 4294967295",
+    ),
+    (
+        "join_node min_nodes",
+        lambda c: c.join_node(min_nodes=0, max_nodes=2, gpus_per_node=1, timeout=5),
+        "join_node() min_nodes=0 is not an int from 1 to 4294967295",
+    ),
+    (
+        "join_node max_nodes",
+        lambda c: c.join_node(min_nodes=1, max_nodes=2**32, gpus_per_node=1, timeout=5),
+        "join_node() max_nodes=4294967296 is not an int from 1 to 4294967295",
+    ),
 ]
 
 
@@ -39,6 +67,60 @@ def test_an_argument_no_request_can_carry_is_refused_naming_it(
     ):
         call(c)
     assert said in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_join_node_refuses_addresses_that_are_not_one_per_local_rank_in_both_clients(
+    daemon: DaemonProcess, job_id: str, count: int
+) -> None:
+    """Fewer were taken (the other ranks had no address: their peers could not reach
+    them); more were refused only by the daemon, after the round trip."""
+    noun = "address" if count == 1 else "addresses"
+    said = f"addresses= gives {count} {noun} for gpus_per_node=2: give one per local rank (2)"
+    keywords: dict[str, Any] = {
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "gpus_per_node": 2,
+        "addresses": ["127.0.0.1"] * count,
+        "timeout": 10,
+    }
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c,
+        pytest.raises(InvalidRequest) as refused,
+    ):
+        c.join_node(**keywords)
+    assert said in str(refused.value), refused.value
+
+    async def aio() -> None:
+        async with AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+            with pytest.raises(InvalidRequest) as refused:
+                await c.join_node(**keywords)
+            assert said in str(refused.value), refused.value
+
+    asyncio.run(aio())
+
+
+def test_leave_refuses_a_final_that_is_not_a_bool_and_keeps_the_member_in_both_clients(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """``final="yes"`` was taken as truthy text; a refusal after the goodbye's start
+    would have forgotten the member without a word to the daemon."""
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        with pytest.raises(InvalidRequest, match=re.escape("leave() final='yes' is not bool")):
+            c.leave(final="yes")  # type: ignore[arg-type]
+        assert c.membership is not None and c.failure is None
+        c.leave()
+
+    async def aio() -> None:
+        async with AsyncRendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+            await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+            with pytest.raises(InvalidRequest, match=re.escape("leave() final=1 is not bool")):
+                await c.leave(final=1)  # type: ignore[arg-type]
+            assert c.membership is not None and c.failure is None
+            await c.leave(final=True)
+
+    asyncio.run(aio())
 
 
 def test_a_job_id_that_is_not_text_is_refused_when_the_client_is_made(

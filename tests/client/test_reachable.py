@@ -273,6 +273,33 @@ async def test_a_join_at_a_silent_port_ends_near_its_connect_timeout(
     assert loop.time() - started < 3.0
 
 
+@pytest.mark.parametrize("call", ["join", "check_health"])
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_wait_at_a_port_that_never_accepts_keeps_to_connect_timeout(
+    kind: str, call: str
+) -> None:
+    """A socket that listens and never accepts (the kernel completes the TCP handshake,
+    nothing answers): each TLS probe waited at least 0.5 s however little time was
+    left, so join() took connect_timeout + 0.5 s (1.16 s for 0.3 s), check_health()
+    at least 1 s."""
+    loop = asyncio.get_running_loop()
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as silent:
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        options: dict[str, Any] = {"token": "t" * 32, "connect_timeout": 0.3}
+        keywords: dict[str, Any] = {"num_nodes": 1, "gpus_per_node": 1, "local_rank": 0}
+        started = loop.time()
+        with pytest.raises(DaemonUnavailable, match=r"within 0\.3 s \(connect_timeout\)"):
+            if kind == "asyncio":
+                async with AsyncRendezvousClient(endpoint, "silent", **options) as client:
+                    await (client.join(**keywords) if call == "join" else client.check_health())
+            else:
+                with RendezvousClient(endpoint, "silent", **options) as blocking:
+                    fn = blocking.join if call == "join" else blocking.check_health
+                    await asyncio.to_thread(fn, **(keywords if call == "join" else {}))
+        elapsed = loop.time() - started
+    assert elapsed < 0.6, elapsed
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_join_at_a_silent_port_ends_at_its_own_shorter_timeout(
     listener: Callable[[bytes | None], str], kind: str

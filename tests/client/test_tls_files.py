@@ -59,6 +59,26 @@ def test_a_key_that_is_not_the_certificates_is_refused_naming_both(
     assert f"TLS private key {pki.rogue_key} does not belong to certificate {pki.client}" in said
 
 
+@pytest.mark.parametrize("cert_mode", [0o644, 0o600], ids=oct)
+def test_a_certificate_and_key_given_swapped_are_named_swapped(
+    cert_mode: int, pki: Pki, tls_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """The certificate given as the key was refused for its mode (0644, as certificates
+    are), with advice to chmod it; at 0600, as a certificate OpenSSL could not load."""
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    shutil.copyfile(pki.client, cert)
+    shutil.copyfile(pki.client_key, key)
+    cert.chmod(cert_mode)
+    key.chmod(0o600)
+    said = _refused(tls_daemon, TlsConfig(ca=pki.ca, cert=key, key=cert))
+    assert said == (
+        f"TLS private key {cert} holds a certificate and no private key, and the "
+        f"certificate {key} holds a private key: the two look swapped; give the client "
+        "certificate as cert= (--tls-cert) and its private key as key= (--tls-key)"
+    ), said
+    assert "PRIVATE" not in said.replace("private", "")
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o604, 0o620], ids=oct)
 def test_a_client_key_others_can_read_is_refused(
     mode: int, pki: Pki, tls_daemon: DaemonProcess, tmp_path: Path

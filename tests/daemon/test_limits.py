@@ -401,6 +401,33 @@ def test_bad_job_ids(daemon: DaemonProcess, channel: grpc.Channel, bad: str) -> 
     assert bad not in listed
 
 
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ("h\u00e9llo", "job id 'h\\xe9llo' is invalid: use 1-128 characters from [A-Za-z0-9._-]"),
+        ("p\u0430ris", "job id 'p\\u0430ris' is invalid"),
+        ("tab\there", "job id 'tab\\there' is invalid"),
+        ("x" * 129, "job id '" + "x" * 40 + "'... (129 characters) is invalid"),
+        ("..", "job id '..' is invalid: a job id is a URL path segment"),
+        (".", "take '.' and '..' for the path itself and its parent; use 1-128 characters"),
+    ],
+    ids=repr,
+)
+def test_a_bad_job_id_is_shown_escaped_once_and_dots_say_why(
+    daemon: DaemonProcess, bad: str, said: str
+) -> None:
+    """The message showed the repr of an escaped copy ('h\\\\xe9llo'), and refused '..'
+    naming only the allowed characters, which '..' is made of."""
+    with (
+        RendezvousClient(daemon.endpoint, bad, token=daemon.token) as client,
+        pytest.raises(InvalidRequest) as info,
+    ):
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
+    assert info.value.reason == "INVALID_JOB_ID"
+    assert said in info.value.message, info.value.message
+    assert "\\\\" not in info.value.message, info.value.message
+
+
 def raw_list_jobs(channel: grpc.Channel, d: DaemonProcess) -> list[str]:
     stub = pb_grpc.RendezvousStub(channel)
     return [j.job_id for j in stub.ListJobs(pb.ListJobsRequest(), metadata=bearer(d)).jobs]

@@ -323,6 +323,20 @@ def test_cli_refuses_a_validity_it_cannot_honour(
     assert not path.exists()
 
 
+def test_cli_refuses_an_admin_token_file_without_a_job(tmp_path: Path) -> None:
+    admin = tmp_path / "admin"
+    subprocess.run([*CLI, "token", str(admin)], capture_output=True, timeout=30, check=True)
+    path = tmp_path / "t"
+    done = subprocess.run(
+        [*CLI, "token", "--admin-token-file", str(admin), str(path)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--admin-token-file applies to job tokens: add --job JOB_ID" in done.stderr
+    assert admin.read_text().strip() not in done.stderr + done.stdout
+    assert not path.exists()
+
+
 def test_cli_token_names_a_path_it_cannot_write(tmp_path: Path) -> None:
     done = subprocess.run(
         [*CLI, "token", str(tmp_path / "no-such-dir" / "token")],

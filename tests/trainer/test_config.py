@@ -507,6 +507,13 @@ def test_every_wait_is_bounded_by_the_sdks_longest_wait() -> None:
         ("RENDEZVOUSD_JOB_ID", "h\u00e9llo", "job_id"),
         ("RENDEZVOUSD_JOB_ID", "x" * 129, "job_id"),
         ("RENDEZVOUSD_JOB_ID", "..", "job_id"),
+        # The protocol's uint32 counts: refused at the join (exit 1), after the spares
+        # started, or by the SDK's client (the retries).
+        ("RENDEZVOUSD_NUM_NODES", "4294967296", "num_nodes"),
+        ("RENDEZVOUSD_GPUS_PER_NODE", "4294967296", "gpus_per_node"),
+        ("RENDEZVOUSD_WORLD_SIZE", "4294967296", "world_size"),
+        ("RENDEZVOUSD_MIN_NODES", "4294967296", "min_nodes"),
+        ("RENDEZVOUSD_RETRIES", "4294967296", "retry_attempts"),
     ],
 )
 def test_a_value_no_call_could_carry_is_refused_naming_its_variable(
@@ -532,6 +539,35 @@ def test_the_bounds_themselves_are_accepted() -> None:
     )
     assert (config.max_restarts, config.stop_grace_s) == (2**32 - 1, LONGEST_WAIT_S)
     assert (config.heartbeat_interval_s, config.last_call_s) == (SHORTEST_HEARTBEAT_S, 0.0)
+
+
+def test_a_world_larger_than_the_protocol_carries_is_refused_naming_both_counts() -> None:
+    """Each count fit a uint32, but the world they make (JoinNode's world_size and the
+    ranks, uint32 too) did not: the join failed at the daemon, after the spares ran."""
+    env = {
+        "RENDEZVOUSD_NUM_NODES": "65536",
+        "RENDEZVOUSD_GPUS_PER_NODE": "65536",
+        "RENDEZVOUSD_NODE_RANK": "0",
+        "RENDEZVOUSD_ENDPOINT": "rdzv:29420",
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env=env)
+    said = str(info.value)
+    assert "num_nodes=65536 x gpus_per_node=65536 = 4294967296 workers, more than the " in said
+    assert "4294967295 a world can hold" in said, said
+    env["RENDEZVOUSD_GPUS_PER_NODE"] = "65535"
+    config = load_config(None, env=env)
+    assert config.num_nodes * (config.gpus_per_node or 0) == 2**32 - 2**16
+
+
+def test_the_counts_bounds_themselves_are_accepted() -> None:
+    top = str(2**32 - 1)
+    config = load_config(
+        None,
+        env={"RENDEZVOUSD_WORLD_SIZE": top, "RENDEZVOUSD_GPUS_PER_NODE": top,
+             "RENDEZVOUSD_RETRIES": top},
+    )  # fmt: skip
+    assert (config.world_size, config.retry_attempts) == (2**32 - 1, 2**32 - 1)
 
 
 def test_a_bound_refused_in_a_file_or_by_a_flag_names_it(tmp_path: Path) -> None:

@@ -111,6 +111,26 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("value", ["0", "false", "No", "OFF", " off "])
+def test_every_usual_spelling_of_off_turns_the_fork_server_off(value: str) -> None:
+    """Only "0" did: "false", "no" and "off" kept the server on."""
+    env = {**os.environ, "RENDEZVOUSD_FORK_SERVER": value}
+    assert ForkServer.start(env) is None
+
+
+@pytest.mark.parametrize("value", ["1", "True", "yes", "ON"])
+def test_every_usual_spelling_of_on_keeps_the_fork_server(value: str) -> None:
+    server = _server({**os.environ, "RENDEZVOUSD_FORK_SERVER": value})
+    server.close()
+
+
+def test_a_fork_server_switch_that_is_neither_is_refused_naming_the_variable() -> None:
+    from rendezvousd.trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\$RENDEZVOUSD_FORK_SERVER='flase' is not a switch"):
+        ForkServer.start({**os.environ, "RENDEZVOUSD_FORK_SERVER": "flase"})
+
+
 def test_a_forked_spare_sees_what_a_cold_one_does_and_exits_as_an_interpreter_does(
     tmp_path: Path, script: Path
 ) -> None:

@@ -443,6 +443,71 @@ def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
     assert "raise --max-restarts" not in run.stderr, run.stderr
 
 
+def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinct_ranks(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """Two nodes started with the same --node-rank: the second's join was refused
+    DuplicateRank again and again within milliseconds, used up --max-restarts, and the
+    summary advised raising them, which cannot help."""
+    from rendezvousd.client import NotFound, RendezvousClient
+
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    node = [*launcher_cmd(2, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file,
+                          job=job_id), "--join-timeout-s", "60"]  # fmt: skip
+    first = subprocess.Popen([*node, str(script)], stderr=subprocess.DEVNULL)
+    try:
+
+        def first_joined() -> bool:
+            with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe:
+                try:
+                    return probe.get_job().id_published
+                except NotFound:
+                    return False
+
+        wait_for("node 0 to join", first_joined, timeout=30)
+        run = run_launcher([*node, "--max-restarts", "3", str(script)], timeout=60)
+    finally:
+        first.terminate()
+        first.wait(30)
+    assert run.returncode == 1, run.stderr
+    assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
+    assert "joining failed: DuplicateRank" in run.stderr, run.stderr
+    assert "give each node a distinct --node-rank (0..1)" in run.stderr, run.stderr
+    assert "no restart can change that" in run.stderr, run.stderr
+    assert "raise --max-restarts" not in run.stderr, run.stderr
+    assert daemon.token not in run.stderr
+
+
+def test_a_world_over_the_daemons_member_limit_uses_no_restart_and_says_what_to_change(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """The join was refused LimitExceeded again and again within milliseconds, used up
+    --max-restarts, and the summary advised raising them; the daemon's message named
+    the limit only."""
+    d = start_daemon("--max-members-per-job", "2")
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    run = run_launcher(
+        [*launcher_cmd(3, 0, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+         "--max-restarts", "2", str(script)],
+        timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert "gave up after 0 restarts (max_restarts=2); 1 failure" in run.stderr, run.stderr
+    said = "world size 3 (3 nodes x 1 per node) exceeds the daemon's max_members_per_job=2: "
+    assert said in run.stderr, run.stderr
+    assert "start the daemon with a larger --max-members-per-job" in run.stderr, run.stderr
+    assert "no restart can change that" in run.stderr, run.stderr
+    assert "raise --max-restarts" not in run.stderr, run.stderr
+
+
 def test_a_missing_target_is_the_one_argument_named_missing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -607,6 +672,8 @@ def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
         ["--last-call-s", "1e300"],
         ["--heartbeat-interval-s", "1e-9"],  # the agent's heartbeat busy-looped
         ["--job-id", "a b"],  # the join failed (exit 1) after the spares started
+        ["--nproc-per-node", "5000000000"],  # the join, refused by the SDK (exit 1)
+        ["--retries", "5000000000"],  # refused by the SDK's client, after the spares
     ],
     ids=lambda flags: flags[0],
 )
@@ -620,7 +687,30 @@ def test_a_setting_no_call_could_carry_is_exit_2_naming_its_flag(
         launcher.main(["--standalone", "--nproc-per-node", "1", *flags, "ok.py"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flags[0]}: {flags[1]!r} must be" in err, err
+    # "argument --retries/--retry-attempts: ..." for a flag with an alias.
+    assert re.search(rf"argument {flags[0]}(/[-\w]+)?: {re.escape(repr(flags[1]))} must be", err)
+
+
+@pytest.mark.parametrize("nnodes", ["5000000000", "2:5000000000"])
+def test_a_node_count_the_protocol_cannot_carry_is_exit_2_before_any_spare(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, nnodes: str
+) -> None:
+    """Refused only at the join (exit 1, after the spares started). (A world whose
+    product overflows: test_config's.)"""
+    from rendezvousd.trainer.agent import launcher
+
+    token = tmp_path / "tok"
+    write_token(token)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    status = launcher.main(
+        ["--nnodes", nnodes, "--node-rank", "0", "--nproc-per-node", "1", *UNREACHABLE,
+         "--token-file", str(token), str(script)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "--num-nodes='5000000000' is invalid: num_nodes must be an integer from 1 to " in err
+    assert "4294967295" in err, err
 
 
 @pytest.mark.parametrize("standalone", [[], ["--standalone"]], ids=["path", "standalone"])
@@ -673,6 +763,26 @@ def test_standalone_with_a_daemon_named_on_the_command_line_is_exit_2(
     err = capsys.readouterr().err
     assert status == 2, err
     assert "--standalone hosts its own daemon, but --rdzv-endpoint" in err, err
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "nein"])
+def test_a_fork_server_switch_that_is_neither_on_nor_off_is_exit_2_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
+) -> None:
+    """Only "0" turned the fork server off; any other value, "false" and "off"
+    included, kept it on in silence."""
+    from rendezvousd.trainer.agent import launcher
+
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    monkeypatch.setenv("RENDEZVOUSD_FORK_SERVER", value)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    for flags in ([], ["--no-fork-server"]):
+        status = launcher.main(["--standalone", *flags, "--nproc-per-node", "1", str(script)])
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert f"$RENDEZVOUSD_FORK_SERVER={value!r} is not a switch: set it to 0" in err, err
+        assert "Traceback" not in err, err
 
 
 # No daemon: a launcher that went on past the refusals below would fail its join soon.

@@ -49,7 +49,12 @@ from typing import TYPE_CHECKING
 from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value
 from rendezvousd.trainer.agent._trace import mark
-from rendezvousd.trainer.agent.worker_boot import ForkServer, boot_spares, discard
+from rendezvousd.trainer.agent.worker_boot import (
+    ForkServer,
+    boot_spares,
+    discard,
+    fork_server_wanted,
+)
 from rendezvousd.trainer.config import (
     CONFIG_ENV,
     SCHEMA,
@@ -393,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = dict(os.environ)
     try:
         config = resolve(args, base)
+        # Read here, before a daemon is hosted or a spare started, even with
+        # --no-fork-server: a value that is neither on nor off is a mistake either way.
+        fork_server_wanted(base)
     except ConfigError as exc:
         return _fail(str(exc))
     if config.rendezvous.kind == "daemon":

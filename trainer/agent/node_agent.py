@@ -26,6 +26,7 @@ from typing import Any
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
+    DuplicateRank,
     InvalidRequest,
     JobEnded,
     LimitExceeded,
@@ -94,11 +95,12 @@ NO_INIT = "a script started by rendezvous-run must call init_distributed()"
 COLLECTIVE_HANG_FACTOR = 1.5
 WITHOUT = "which a script started by rendezvous-run must call"
 # A join the daemon refuses for what this node sent (its token or TLS, a request it
-# cannot take, a shape other than the job's): the same join again, restart after
-# restart, is refused the same way within milliseconds (four in 0.5 s with
-# --max-restarts 3), so the agent gives up at once, as torch's does on a
-# rendezvous error.
-REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
+# cannot take, a shape other than the job's, a --node-rank another live node agent
+# holds): the same join again, restart after restart, is refused the same way within
+# milliseconds (four in 0.5 s with --max-restarts 3), so the agent gives up at once,
+# as torch's does on a rendezvous error. (The daemon's DuplicateRank message says to
+# give each node a distinct --node-rank, or auto; raising --max-restarts cannot help.)
+REFUSALS = (AuthenticationError, DuplicateRank, InvalidRequest, TopologyMismatch)
 
 
 @dataclass(frozen=True)
@@ -473,7 +475,13 @@ class NodeAgent:
                         continue
                     # Waited for the whole join: a restart would wait the same way again.
                     cause += f" (still unavailable after {outage.limit_s:g} s of trying)"
-                fatal = isinstance(answer, (*REFUSALS, DaemonUnavailable))
+                fatal = isinstance(answer, (*REFUSALS, DaemonUnavailable)) or (
+                    # A world over the daemon's --max-members-per-job: refused the same
+                    # way again at once, as a refusal above is (other limits, such as
+                    # a daemon holding --max-jobs jobs, may pass).
+                    isinstance(answer, LimitExceeded)
+                    and answer.metadata.get("limit") == "max_members_per_job"
+                )
                 return Failure(None, cause, host=self.host, fatal=fatal)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 if event.worker.lost:

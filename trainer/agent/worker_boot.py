@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rendezvousd.common.settings import Bool, Invalid
 from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_FD, ENV_AGENT_PID, ENV_SPARE_GPU
 from rendezvousd.trainer.agent._fork_server import (
     ANSWER_S,
@@ -38,9 +39,29 @@ from rendezvousd.trainer.agent._fork_server import (
     recv,
     send,
 )
+from rendezvousd.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from rendezvousd.trainer.config import DistributedConfig
+
+
+def fork_server_wanted(env: Mapping[str, str]) -> bool:
+    """``RENDEZVOUSD_FORK_SERVER``: unset is on; 1/0, true/false, yes/no, on/off in
+    any case (the settings' own spellings); anything else is a ConfigError naming the
+    variable, since a value read as "on" after a typo ("flase") kept the server the
+    operator meant to turn off."""
+    text = env.get(ENV_FORK_SERVER)
+    if text is None:
+        return True
+    try:
+        wanted: bool = Bool().from_text(text.strip())
+    except Invalid:
+        raise ConfigError(
+            f"${ENV_FORK_SERVER}={text!r} is not a switch: set it to 0 (or false, no, off) "
+            "to start every spare as a fresh interpreter, as --no-fork-server does, or to "
+            "1 (true, yes, on), or unset it, to fork them from the node's fork server"
+        ) from None
+    return wanted
 
 
 @dataclass(frozen=True)
@@ -151,9 +172,10 @@ class ForkServer:
         note: Callable[[str], None] = print,
     ) -> ForkServer | None:
         """Start the server under the spares' environment ``env`` (None: disabled
-        by ``RENDEZVOUSD_FORK_SERVER=0``, or not startable here). Call from the
-        launcher's main thread: its parent-death signal follows the forking thread."""
-        if env.get(ENV_FORK_SERVER, "1") == "0" or not hasattr(os, "pidfd_open"):
+        by ``RENDEZVOUSD_FORK_SERVER=0`` or another "off", or not startable here;
+        ConfigError: that variable is neither on nor off). Call from the launcher's
+        main thread: its parent-death signal follows the forking thread."""
+        if not fork_server_wanted(env) or not hasattr(os, "pidfd_open"):
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_env = {
