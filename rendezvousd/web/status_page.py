@@ -152,7 +152,7 @@ class StatusPage:
             return self._job(caller.scope, parts[3], r.query)
         if len(parts) == 5 and parts[4] == "abort" and r.method == "POST":
             return await self._abort_job(caller, parts[3], r)
-        return _json(404, {"error": f"no such API path {escape(r.path)[:200]!r}"})
+        return _json(404, {"error": f"no such API path {r.path[:200]!a}"})
 
     def _file(self, name: str, content_type: str, status: int) -> Response:
         body = self._files.get(name)

@@ -344,3 +344,10 @@ def test_a_job_tokens_logins_cannot_end_an_admins_session(daemon: DaemonProcess)
     assert request(daemon, "GET", "/api/jobs", cookie=sessions[-1])[0] == 200
     assert request(daemon, "GET", "/api/jobs", cookie=sessions[-64])[0] == 200
     assert request(daemon, "GET", "/api/jobs", cookie=sessions[-65])[0] == 401
+
+
+def test_an_unknown_api_path_is_shown_escaped_once(daemon: DaemonProcess) -> None:
+    """The path was escaped, then repr'd: its controls came back doubled ('\\\\x1b')."""
+    status, _headers, body = request(daemon, "GET", "/api/nope%1Bx", token=daemon.token)
+    assert status == 404
+    assert json.loads(body)["error"] == "no such API path '/api/nope\\x1bx'", body

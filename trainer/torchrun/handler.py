@@ -214,7 +214,7 @@ def _in_torchruns_words(exc: RendezvousError) -> str | None:
         return (
             f"job {exc.job_id or meta.get('job_id', '')!r} has torchrun agents that gave "
             f"--nnodes {have}{joined}, but the agent on host "
-            f"{escape(meta.get('offending_host', '?'))!r} gave --nnodes {asked}; every agent "
+            f"{meta.get('offending_host', '?')!a} gave --nnodes {asked}; every agent "
             "of a job must give the same --nnodes (MIN:MAX; --nproc-per-node may differ "
             "between nodes): fix it and relaunch"
         )
