@@ -5,18 +5,9 @@ blocking client does not load asyncio's gRPC stack, and the embedded daemon is
 loaded only by ``connect``'s file transport.
 """
 
-import os
 from typing import TYPE_CHECKING
 
 from rendezvousd._lazy import lazy_exports
-
-# gRPC core logs every failed TLS handshake at INFO on stderr ("Handshake failed ...
-# WRONG_VERSION_NUMBER"), beside the SDK's own error, which names the same failure and
-# what to do. Its only threshold is process-wide, read when grpc is first imported;
-# ERROR was gRPC's own default before its logging moved to absl. The daemon and
-# rendezvous-run set the same; a GRPC_VERBOSITY the user set is kept, and a process
-# that imported grpc before the SDK keeps what it had.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 if TYPE_CHECKING:
     from rendezvousd.client.aio import AsyncRendezvousClient

@@ -8,7 +8,6 @@ A client key others can read is refused as the client's token file is.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -141,33 +140,3 @@ def test_tls_paths_may_be_str(pki: Pki, tls_daemon: DaemonProcess, job_id: str) 
 def test_tls_settings_of_the_wrong_type_are_refused(given: dict[str, object], said: str) -> None:
     with pytest.raises(InvalidRequest, match=re.escape(said)):
         TlsConfig(**given)  # type: ignore[arg-type]
-
-
-_TLS_TO_PLAINTEXT = """
-import sys
-from rendezvousd.client import AuthenticationError, RendezvousClient, TlsConfig
-client = RendezvousClient(sys.argv[1], "j", token="x" * 43, tls=TlsConfig(ca=sys.argv[2]),
-                          connect_timeout=5)
-try:
-    client.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0)
-except AuthenticationError as exc:
-    print(exc, file=sys.stderr)
-"""
-
-
-@pytest.mark.parametrize("verbosity", [None, "INFO"])
-def test_an_sdk_script_gets_the_sdks_error_without_grpc_cores_info_lines(
-    daemon: DaemonProcess, pki: Pki, verbosity: str | None
-) -> None:
-    """A TLS client at a plaintext daemon: gRPC core printed "Handshake failed ...
-    WRONG_VERSION_NUMBER" at INFO beside the SDK's error. A GRPC_VERBOSITY the user
-    set is kept."""
-    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-    if verbosity is not None:
-        env["GRPC_VERBOSITY"] = verbosity
-    done = subprocess.run(
-        [sys.executable, "-c", _TLS_TO_PLAINTEXT, daemon.endpoint, str(pki.ca)],
-        capture_output=True, text=True, timeout=60, env=env, check=True,
-    )  # fmt: skip
-    assert "does not speak TLS" in done.stderr, done.stderr
-    assert ("Handshake failed" in done.stderr) == (verbosity == "INFO"), done.stderr
