@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -90,8 +91,16 @@ class RetryPolicy:
 
 
 def service_config(channel_retries: int) -> str:
+    """gRPC's service config for a client of ``channel_retries`` retries. Made once per
+    distinct attempt count, then shared (a str: immutable): encoded per client, it was
+    ~20 µs of every cold client's construction (docs/benchmarks.md, session 36)."""
+    return _service_config(max(2, min(5, channel_retries + 1)))
+
+
+@functools.cache  # at most 4 entries: maxAttempts is 2 to 5
+def _service_config(max_attempts: int) -> str:
     retry = {
-        "maxAttempts": max(2, min(5, channel_retries + 1)),
+        "maxAttempts": max_attempts,
         "initialBackoff": "0.1s",
         "maxBackoff": "1s",
         "backoffMultiplier": 2,
