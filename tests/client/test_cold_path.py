@@ -3,10 +3,15 @@ instead of making per client, still behaving as each client's own (session 36)."
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
-from rendezvousd.client import connection
+import numpy
+import pytest
+
+from rendezvousd.client import InvalidRequest, connection
+from rendezvousd.client._session import JoinRequest, check_arg, check_keywords
 from rendezvousd.client.connection import RetryPolicy, channel_options, service_config
 
 
@@ -41,3 +46,63 @@ def test_each_client_gets_its_own_options_list() -> None:
     first.append(("grpc.extra", 1))
     assert ("grpc.extra", 1) not in channel_options(RetryPolicy(1), None)
     assert ("grpc.ssl_target_name_override", "d") in channel_options(RetryPolicy(1), "d")
+
+
+class _Index:
+    """An int-like that is no int: only ``__index__`` (as numpy's ints are)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"_Index({self.value})"
+
+
+class _Rank(enum.IntEnum):
+    FIRST = 0
+    BIG = 2**32
+
+
+@pytest.mark.parametrize(
+    ("value", "fits"),
+    [
+        (0, True),
+        (2**32 - 1, True),
+        (2**32, False),
+        (-1, False),
+        (True, False),  # a bool is an int to isinstance, never to a request field
+        (False, False),
+        (1.0, False),
+        ("1", False),
+        (None, False),
+        (_Index(7), True),
+        (_Index(-1), False),
+        (_Rank.FIRST, True),
+        (_Rank.BIG, False),
+        (numpy.int64(5), True),
+        (numpy.uint32(2**32 - 1), True),
+        (numpy.int64(2**32), False),
+        (numpy.bool_(True), False),
+    ],
+    ids=repr,
+)
+def test_an_int_field_takes_exactly_what_it_took_before_the_fast_path(
+    value: object, fits: bool
+) -> None:
+    if fits:
+        check_arg("join", "local_rank", value, int)
+    else:
+        with pytest.raises(InvalidRequest, match=r"join\(\) local_rank="):
+            check_arg("join", "local_rank", value, int)
+
+
+def test_keywords_of_a_join_are_checked_as_before() -> None:
+    given = {"num_nodes": 2, "gpus_per_node": 1, "local_rank": 0, "node_rank": None}
+    check_keywords("join", JoinRequest, given)
+    with pytest.raises(InvalidRequest, match=r"join\(\) num_nodes=True"):
+        check_keywords("join", JoinRequest, {**given, "num_nodes": True})
+    with pytest.raises(InvalidRequest, match=r"join\(\) node_rank=4294967296"):
+        check_keywords("join", JoinRequest, {**given, "node_rank": 2**32})
