@@ -7,11 +7,15 @@ import enum
 import json
 from typing import Any
 
+import grpc
 import numpy
 import pytest
+from grpc_health.v1 import health_pb2_grpc
 
-from rendezvousd.client import InvalidRequest, connection
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from rendezvousd.client import AsyncRendezvousClient, InvalidRequest, connection
 from rendezvousd.client._session import JoinRequest, check_arg, check_keywords
+from rendezvousd.client._stubs import lazy_stub
 from rendezvousd.client.connection import RetryPolicy, channel_options, service_config
 
 
@@ -106,3 +110,67 @@ def test_keywords_of_a_join_are_checked_as_before() -> None:
         check_keywords("join", JoinRequest, {**given, "num_nodes": True})
     with pytest.raises(InvalidRequest, match=r"join\(\) node_rank=4294967296"):
         check_keywords("join", JoinRequest, {**given, "node_rank": 2**32})
+
+
+class _CountingChannel:
+    """Hands out what a channel would, counting what it is asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def __getattr__(self, kind: str) -> Any:
+        def make(path: str, **kwargs: Any) -> tuple[str, str, dict[str, Any]]:
+            self.asked.append(path)
+            return (kind, path, kwargs)
+
+        return make
+
+
+@pytest.mark.parametrize("stub", [pb_grpc.RendezvousStub, health_pb2_grpc.HealthStub])
+def test_a_lazy_stub_makes_each_method_as_the_generated_stub_does_on_first_use(
+    stub: type,
+) -> None:
+    eager_channel, lazy_channel = _CountingChannel(), _CountingChannel()
+    eager = vars(stub(eager_channel))
+    lazy = lazy_stub(stub, lazy_channel)
+    assert lazy_channel.asked == []  # nothing made until asked for
+    for name, made in eager.items():
+        assert getattr(lazy, name) == made  # the same factory, path and arguments
+        assert getattr(lazy, name) is getattr(lazy, name)  # made once, then kept
+    assert sorted(lazy_channel.asked) == sorted(eager_channel.asked)
+    assert set(eager) <= set(dir(lazy))
+
+
+def test_a_lazy_stub_refuses_a_method_its_service_lacks_as_the_generated_one_does() -> None:
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    try:
+        with pytest.raises(AttributeError) as generated:
+            pb_grpc.RendezvousStub(channel).Jion  # noqa: B018
+        with pytest.raises(AttributeError) as lazy:
+            lazy_stub(pb_grpc.RendezvousStub, channel).Jion  # noqa: B018
+        assert str(lazy.value) == str(generated.value)
+    finally:
+        channel.close()
+
+
+def test_real_channels_get_the_generated_stubs_methods() -> None:
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    try:
+        eager = pb_grpc.RendezvousStub(channel)
+        lazy = lazy_stub(pb_grpc.RendezvousStub, channel)
+        for name in ("Join", "Heartbeat", "CallBatches"):
+            assert type(getattr(lazy, name)) is type(getattr(eager, name))
+            assert getattr(lazy, name)._method == getattr(eager, name)._method
+    finally:
+        channel.close()
+
+
+async def test_a_cold_asyncio_client_makes_no_stub_method_before_its_first_call() -> None:
+    client = AsyncRendezvousClient("127.0.0.1:1", "cold", token="t" * 32)
+    try:
+        assert not any(name in vars(client._stub) for name in ("Join", "Heartbeat", "KvGet"))
+        assert "Check" not in vars(client._health)
+        call = client._stub.Heartbeat  # made now, on the client's own aio channel
+        assert isinstance(call, grpc.aio.StreamStreamMultiCallable)
+    finally:
+        await client.close()
