@@ -12,11 +12,20 @@ import numpy
 import pytest
 from grpc_health.v1 import health_pb2_grpc
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import AsyncRendezvousClient, InvalidRequest, connection
 from rendezvousd.client._session import JoinRequest, check_arg, check_keywords
 from rendezvousd.client._stubs import lazy_stub
-from rendezvousd.client.connection import RetryPolicy, channel_options, service_config
+from rendezvousd.client.connection import (
+    HEALTH_SERVICE,
+    IDEMPOTENT,
+    SERVICE,
+    RetryPolicy,
+    channel_options,
+    service_config,
+)
+from tests.support import free_port
 
 
 def _retry_of(config: str) -> dict[str, Any]:
@@ -174,3 +183,112 @@ async def test_a_cold_asyncio_client_makes_no_stub_method_before_its_first_call(
         assert isinstance(call, grpc.aio.StreamStreamMultiCallable)
     finally:
         await client.close()
+
+
+def _explicit_config(channel_retries: int) -> str:
+    """The service config as it was up to session 35, every method named: the reference
+    the shorter one must resolve as, method by method."""
+    retry = {
+        "maxAttempts": max(2, min(5, channel_retries + 1)),
+        "initialBackoff": "0.1s",
+        "maxBackoff": "1s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    safe = sorted(IDEMPOTENT - {"Check", "Heartbeat"})
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": SERVICE, "method": m} for m in safe]
+                    + [{"service": HEALTH_SERVICE}],
+                    "waitForReady": True,
+                    "retryPolicy": retry,
+                },
+                {
+                    "name": [
+                        {"service": SERVICE, "method": m}
+                        for m in ("KvAdd", "KvCompareAndSet", "KvDelete", "Heartbeat")
+                    ],
+                    "waitForReady": True,
+                },
+            ]
+        }
+    )
+
+
+def _resolved(config: str, service: str, method: str) -> dict[str, Any]:
+    """What gRPC applies to ``service/method`` under ``config``: the entry naming the
+    method, else the one naming its whole service, else none. A name given twice makes
+    gRPC refuse the whole config."""
+    exact: dict[tuple[str, str], dict[str, Any]] = {}
+    whole: dict[str, dict[str, Any]] = {}
+    for entry in json.loads(config)["methodConfig"]:
+        rest = {k: v for k, v in entry.items() if k != "name"}
+        for name in entry["name"]:
+            if "method" in name:
+                assert (name["service"], name["method"]) not in exact
+                exact[name["service"], name["method"]] = rest
+            else:
+                assert name["service"] not in whole
+                whole[name["service"]] = rest
+    return exact.get((service, method), whole.get(service, {}))
+
+
+_METHODS = [(SERVICE, m.name) for m in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods] + [
+    (HEALTH_SERVICE, m) for m in ("Check", "Watch", "List")
+]
+
+
+@pytest.mark.parametrize("retries", [0, 1, 2, 4])
+def test_the_shorter_service_config_resolves_as_the_explicit_one_for_every_method(
+    retries: int,
+) -> None:
+    for service, method in _METHODS:
+        assert _resolved(service_config(retries), service, method) == _resolved(
+            _explicit_config(retries), service, method
+        ), method
+    # The point of it: fewer names for each channel's core to parse.
+    assert service_config(1).count('"service"') < _explicit_config(1).count('"service"')
+
+
+def test_every_method_waits_and_is_retried_as_its_kind_says() -> None:
+    for service, method in _METHODS:
+        config = _resolved(service_config(1), service, method)
+        retried = method in IDEMPOTENT - {"Check", "Heartbeat"} or service == HEALTH_SERVICE
+        assert ("retryPolicy" in config) is retried, method
+        waits = retried or method in ("KvAdd", "KvCompareAndSet", "KvDelete", "Heartbeat")
+        assert config.get("waitForReady", False) is waits, method
+    assert not _resolved(service_config(1), SERVICE, "CallBatches")
+
+
+def _outcome_at_a_dead_port(config: str, method: str) -> grpc.StatusCode:
+    options = dict(channel_options(RetryPolicy(1), None))
+    options["grpc.service_config"] = config
+    channel = grpc.insecure_channel(f"127.0.0.1:{free_port()}", options=list(options.items()))
+    try:
+        service = HEALTH_SERVICE if method == "Check" else SERVICE
+        path = f"/{service}/{method}"
+        try:
+            if method == "CallBatches":
+                for _ in channel.stream_stream(path)(iter(()), timeout=0.4):
+                    pass
+            else:
+                channel.unary_unary(path)(b"", timeout=0.4)
+        except grpc.RpcError as exc:
+            code: grpc.StatusCode = exc.code()
+            return code
+        raise AssertionError(f"{method} was answered at a port where nothing listens")
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("method", ["Join", "KvAdd", "Check", "CallBatches"])
+def test_grpc_takes_the_shorter_config_and_waits_as_with_the_explicit_one(method: str) -> None:
+    """A config gRPC's core refused would fail every call at once: the waiting methods
+    would not wait out their deadline, as they do under both."""
+    shorter = _outcome_at_a_dead_port(service_config(1), method)
+    assert shorter == _outcome_at_a_dead_port(_explicit_config(1), method)
+    waits = method != "CallBatches"
+    expected = grpc.StatusCode.DEADLINE_EXCEEDED if waits else grpc.StatusCode.UNAVAILABLE
+    assert shorter == expected
