@@ -226,6 +226,8 @@ def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
     if option is type(None):
         return value is None
     if option is int:  # numpy's ints too, as protobuf takes them; never a bool
+        if type(value) is int:  # the common case, without the Protocol's slow isinstance
+            return span[0] <= value <= span[1]
         if isinstance(value, bool) or not isinstance(value, SupportsIndex):
             return False
         return span[0] <= operator.index(value) <= span[1]

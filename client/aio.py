@@ -30,6 +30,7 @@ from rendezvousd.client._session import (
     check_arg,
     log,
 )
+from rendezvousd.client._stubs import lazy_stub
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import listens
 from rendezvousd.client.errors import InvalidRequest, RendezvousError
@@ -64,8 +65,9 @@ class AsyncRendezvousClient(steps.ClientBase):
     def __init__(self, endpoint: str, job_id: str = "", **options: Unpack[ClientOptions]) -> None:
         super().__init__(endpoint, job_id, options)
         self._channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel)
-        self._stub = pb_grpc.RendezvousStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        # Their methods made on first use: a client uses one or two (_stubs).
+        self._stub: pb_grpc.RendezvousAsyncStub = lazy_stub(pb_grpc.RendezvousStub, self._channel)
+        self._health = lazy_stub(health_pb2_grpc.HealthStub, self._channel)
         self._mux: AsyncCallStream | AsyncRelayedCalls | None = (
             AsyncCallStream(self._channel, self._s.metadata, self._s.endpoint)
             if self._c.call_stream

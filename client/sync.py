@@ -33,6 +33,7 @@ from rendezvousd.client._session import (
     check_arg,
 )
 from rendezvousd.client._stream_threads import RequestFeed, unraise
+from rendezvousd.client._stubs import lazy_stub
 from rendezvousd.client._tables import BlockingMembers
 from rendezvousd.client.connection import listens
 from rendezvousd.client.errors import RendezvousError
@@ -100,8 +101,9 @@ class RendezvousClient(steps.ClientBase):
     def __init__(self, endpoint: str, job_id: str = "", **options: Unpack[ClientOptions]) -> None:
         super().__init__(endpoint, job_id, options)
         self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
-        self._stub = pb_grpc.RendezvousStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        # Their methods made on first use: a client uses one or two (_stubs).
+        self._stub: pb_grpc.RendezvousStub = lazy_stub(pb_grpc.RendezvousStub, self._channel)
+        self._health = lazy_stub(health_pb2_grpc.HealthStub, self._channel)
         self._mux: BlockingCallStream | RelayedCalls | None = (
             BlockingCallStream(self._channel, self._s.metadata, self._s.endpoint)
             if self._c.call_stream
