@@ -11,7 +11,7 @@ import socket
 import ssl
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import InvalidRequest
 from rendezvousd.common.address import Address, AddressError, parse_address
 from rendezvousd.common.pem import bundle_problem, pair_problem
-from rendezvousd.common.secret_files import TOKEN_ENV, TOKEN_FILE_ENV, read_secret
+from rendezvousd.common.secret_files import TOKEN_ENV, TOKEN_FILE_ENV, read_judged
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -208,7 +208,7 @@ class TlsConfig:
             if path is None:
                 return None
             try:
-                return path.read_bytes()
+                return read_judged(path, _regular(path, f"TLS {what}", "the PEM file itself"))
             except OSError as exc:
                 raise InvalidRequest(f"cannot read TLS {what} {path}: {exc.strerror}") from None
 
@@ -265,13 +265,12 @@ def _swapped(cert: Path, key: Path, key_pem: bytes | None) -> str | None:
 
 
 def _peek(path: Path) -> bytes | None:
-    """The head of ``path`` (a regular file; never waits on a FIFO), or None."""
+    """The head of ``path`` if it is a regular file that can be read, else None (its
+    own read, or the caller's, says why)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError:
+        return read_judged(path, _regular(path, "file", "a file"), 1 << 20)
+    except (OSError, InvalidRequest):
         return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read(1 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 def resolve_token(token: str | None, token_file: Path | str | None) -> str:
@@ -344,11 +343,7 @@ def _read_private(path: Path, secret: _Secret) -> bytes:
     would block the read with no deadline)."""
 
     def judge(info: os.stat_result) -> None:
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidRequest(
-                f"{secret.what} {path} is not a regular file "
-                f"({stat.filemode(info.st_mode)}); give {secret.instead}"
-            )
+        _regular(path, secret.what, secret.instead)(info)
         if info.st_mode & _SECRET_FORBIDDEN:
             raise InvalidRequest(
                 f"{secret.what} {path} can be read or changed by other users (mode "
@@ -357,7 +352,21 @@ def _read_private(path: Path, secret: _Secret) -> bytes:
                 f"have read it, {secret.renew}"
             )
 
-    return read_secret(path, judge)
+    return read_judged(path, judge)
+
+
+def _regular(path: Path, what: str, instead: str) -> Callable[[os.stat_result], None]:
+    """A judge for ``read_judged``: ``InvalidRequest`` for a file that is not regular
+    (a FIFO would block the read with no deadline, a directory says nothing to do)."""
+
+    def judge(info: os.stat_result) -> None:
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequest(
+                f"{what} {path} is not a regular file ({stat.filemode(info.st_mode)}); "
+                f"give {instead}"
+            )
+
+    return judge
 
 
 # Words of gRPC's reason for a failed connect that say the TLS handshake was refused

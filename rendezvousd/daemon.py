@@ -17,6 +17,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
-from rendezvousd.common.secret_files import read_secret
+from rendezvousd.common.secret_files import read_judged
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask
@@ -254,12 +255,18 @@ class Daemon:
             return None
         tls_key = c.tls_key
 
-        def judge(info: os.stat_result) -> None:
-            if not stat.S_ISREG(info.st_mode):  # a FIFO would hang the read
-                raise DaemonError(
-                    f"TLS private key {tls_key} is not a regular file "
-                    f"({stat.filemode(info.st_mode)}); give the key file itself"
-                )
+        def regular(path: Path, what: str) -> Callable[[os.stat_result], None]:
+            def judge(info: os.stat_result) -> None:
+                if not stat.S_ISREG(info.st_mode):  # a FIFO would hang the start-up
+                    raise DaemonError(
+                        f"{what} {path} is not a regular file "
+                        f"({stat.filemode(info.st_mode)}); give the PEM file itself"
+                    )
+
+            return judge
+
+        def private(info: os.stat_result) -> None:
+            regular(tls_key, "TLS private key")(info)
             if info.st_mode & private_file_mask(tls_key, 0o177, "TLS private key"):
                 raise DaemonError(
                     f"TLS private key {tls_key} has mode {stat.S_IMODE(info.st_mode):04o}, "
@@ -268,8 +275,13 @@ class Daemon:
                 )
 
         try:
-            key, cert = read_secret(tls_key, judge), c.tls_cert.read_bytes()
-            ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
+            key = read_judged(tls_key, private)
+            cert = read_judged(c.tls_cert, regular(c.tls_cert, "TLS certificate"))
+            ca = (
+                read_judged(c.tls_client_ca, regular(c.tls_client_ca, "TLS client CA"))
+                if c.tls_client_ca
+                else None
+            )
         except OSError as exc:
             raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
         # Else gRPC reports only a failed bind (a ConfigError is a DaemonError).

@@ -1,38 +1,47 @@
-"""Secret files (a token file, a TLS private key) and where a token comes from, for the
-daemon, the SDK and the launchers alike.
+"""Files the daemon and the SDK must not be fooled by (a token file, TLS keys and
+certificates), and where a token comes from, for the daemon, the SDK and the
+launchers alike.
 
-A secret file's mode is judged on the descriptor that is then read: a check by path
-followed by a read by path lets a link swapped in between be read unchecked. Each
-caller judges the file by its own policy (the daemon allows no group bits, the SDK
-allows group read) and raises its own package's error, so this module raises nothing
-of its own.
+A file is judged on the descriptor that is then read: a check by path followed by a
+read by path lets a link swapped in between be read unchecked, and a FIFO given for
+any of them would block the read with no deadline. Each caller judges a file by its
+own policy (the daemon allows a secret no group bits, the SDK group read) and raises
+its own package's error, so this module raises nothing of its own.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "missing_token", "read_secret"]
+__all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "missing_token", "read_judged"]
 
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 
 
-def read_secret(path: Path, judge: Callable[[os.stat_result], None]) -> bytes:
-    """The bytes of ``path`` once ``judge`` (which raises to refuse) has passed the
-    file's ``fstat``. Opened without blocking, so a FIFO or a device reaches ``judge``
-    instead of hanging the open; OSError for a file that cannot be opened or read."""
+def read_judged(path: Path, judge: Callable[[os.stat_result], None], limit: int = -1) -> bytes:
+    """The bytes of ``path`` (up to ``limit``) once ``judge``, which raises to refuse,
+    has passed the file: its kind first by path, so a socket or a device is never
+    opened (the open itself can act, or fail with a word that names no kind), then
+    the ``fstat`` of the descriptor that is read. Opened without blocking, so a FIFO
+    swapped in between reaches ``judge`` instead of hanging the open. OSError for a
+    file that cannot be looked at, opened or read."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        judge(info)  # refuses it; else it is the judge's to let through, as below
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
-        # Judged before fdopen, which refuses a directory with an OSError of its own.
         judge(os.fstat(fd))
+        os.set_blocking(fd, True)  # a regular file's reads never wait; some FUSE ones do
+        f = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+    with f:
+        return f.read(limit)
 
 
 def missing_token(token_file: str | Path | None, env: Mapping[str, str]) -> str | None:

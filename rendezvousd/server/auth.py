@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from rendezvousd.common.limits import Limits
-from rendezvousd.common.secret_files import TOKEN_ENV, read_secret
+from rendezvousd.common.secret_files import TOKEN_ENV, read_judged
 from rendezvousd.errors import ConfigError
 from rendezvousd.server.budget import Gate, gated, gated_before_body
 from rendezvousd.server.scope import (
@@ -121,7 +121,7 @@ def read_token_file(path: Path) -> list[str]:
             )
 
     try:
-        text = read_secret(path, judge).decode("ascii")
+        text = read_judged(path, judge).decode("ascii")
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError:

@@ -8,6 +8,8 @@ A client key others can read is refused as the client's token file is.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
 import subprocess
@@ -76,6 +78,34 @@ def test_a_certificate_and_key_given_swapped_are_named_swapped(
         "certificate as cert= (--tls-cert) and its private key as key= (--tls-key)"
     ), said
     assert "PRIVATE" not in said.replace("private", "")
+
+
+@pytest.mark.parametrize("which", ["ca", "cert", "key"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_tls_path_that_is_no_file_is_refused_naming_it_not_waited_on(
+    which: str, kind: str, pki: Pki, tls_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """A FIFO given as the CA or certificate hung the client's constructor in its read
+    (no deadline); a directory given as the key escaped as IsADirectoryError naming a
+    descriptor number, which leaked."""
+    path = tmp_path / which
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.mkdir(mode=0o700)
+    files = {"ca": pki.ca, "cert": pki.client, "key": pki.client_key, which: path}
+    said = _refused(tls_daemon, TlsConfig(**files))
+    assert f"{path} is not a regular file" in said, said
+    assert str(path) not in _open_files()
+
+
+def _open_files() -> list[str]:
+    """What this process's descriptors name."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own, closed since
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return names
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o604, 0o620], ids=oct)

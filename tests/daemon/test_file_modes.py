@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -43,15 +44,27 @@ def test_a_private_key_with_a_mode_above_0600_is_refused_at_start(
     assert "PRIVATE KEY" not in str(info.value)
 
 
-def test_a_private_key_that_is_a_fifo_is_refused_at_start_not_waited_on(
-    start_daemon: Callable[..., DaemonProcess], tmp_path: Path, pki: Pki
+@pytest.mark.parametrize("which", ["--tls-cert", "--tls-key", "--tls-client-ca"])
+def test_a_tls_file_that_is_a_fifo_is_refused_at_start_not_waited_on(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path, pki: Pki, which: str
 ) -> None:
-    """The key was read by path after a stat of its mode: a FIFO nobody writes (mode
-    0600 passes) hung the start-up in the read, deaf to SIGTERM."""
-    key = tmp_path / "server.key"
-    os.mkfifo(key, 0o600)
-    with pytest.raises(RuntimeError, match=r"is not a regular file \(prw"):
-        start_daemon("--tls-cert", str(pki.server), "--tls-key", str(key))
+    """The files were read by path (the key after a stat of its mode): a FIFO nobody
+    writes (mode 0600 passes) hung the start-up in the read, deaf to SIGTERM."""
+    fifo = tmp_path / "fifo.pem"
+    os.mkfifo(fifo, 0o600)
+    files = {"--tls-cert": pki.server, "--tls-key": pki.server_key, "--tls-client-ca": pki.ca}
+    files[which] = fifo
+    with pytest.raises(RuntimeError, match=rf"{fifo} is not a regular file \(prw"):
+        start_daemon(*(word for flag, path in files.items() for word in (flag, str(path))))
+
+
+def test_a_token_path_that_is_a_socket_is_named_not_opened(tmp_path: Path) -> None:
+    """Opened first, it was "cannot read token file ...: No such device or address"."""
+    path = tmp_path / "token"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        with pytest.raises(ConfigError, match=r"is not a regular file \(srw"):
+            read_token_file(path)
 
 
 def test_a_planted_link_at_a_temp_name_is_never_written_through(tmp_path: Path) -> None:
