@@ -499,8 +499,10 @@ class Calls:
         half (at most SNIFF_SHARE_S). Each thing a probe learns comes within a round
         trip: a refused handshake fails the Check at once (the sniff then has nearly
         all the time), a TLS daemon answers the sniff's ClientHello at once, and a
-        daemon answers the Check. So a share of little time still tells them apart,
-        and a join's look (``before_join``) leaves these probes half of its time.
+        daemon answers the Check. So a share of a few round trips still tells them
+        apart (a connect_timeout below that, which no connect over the link could meet
+        either, reads a TLS daemon as silent: protocol.md), and a join's look
+        (``before_join``) leaves these probes half of its time.
         Only a silent port waits the shares out, where waiting past the connect
         timeout told nothing more."""
         probe = self.probe
