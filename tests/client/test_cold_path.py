@@ -292,3 +292,44 @@ def test_grpc_takes_the_shorter_config_and_waits_as_with_the_explicit_one(method
     waits = method != "CallBatches"
     expected = grpc.StatusCode.DEADLINE_EXCEEDED if waits else grpc.StatusCode.UNAVAILABLE
     assert shorter == expected
+
+
+def test_grpc_itself_retries_exactly_the_idempotent_methods() -> None:
+    """What gRPC does with the service config, not this file's model of its rule (a
+    method's own entry over its service's): a server that answers every call
+    UNAVAILABLE counts each method's attempts. A non-idempotent call (KvAdd, a stream)
+    re-sent after its answer was lost would act twice."""
+    from concurrent import futures
+
+    attempts: dict[str, int] = {}
+
+    def handler(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        def refuse(_request: object, context: grpc.ServicerContext) -> None:
+            attempts[details.method] = attempts.get(details.method, 0) + 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "refused on purpose")
+
+        return grpc.stream_stream_rpc_method_handler(refuse)
+
+    class Refuser(grpc.GenericRpcHandler):
+        service = staticmethod(handler)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers([Refuser()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    methods = [f"/{SERVICE}/{m.name}" for m in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods]
+    methods.append(f"/{HEALTH_SERVICE}/Check")
+    try:
+        options = channel_options(RetryPolicy(1), None)
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            for method in methods:
+                # A stream-stream call of one message: the same attempt for any kind.
+                call = channel.stream_stream(method)(iter([b""]), timeout=10)
+                with pytest.raises(grpc.RpcError) as failed:
+                    list(call)
+                assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        server.stop(None)
+    retried = {m for m in methods if m.rsplit("/", 1)[1] in IDEMPOTENT - {"Heartbeat"}}
+    assert {m: attempts.get(m) for m in methods} == {m: 2 if m in retried else 1 for m in methods}
+    assert len(retried) > 5  # the retried set is not empty by accident
