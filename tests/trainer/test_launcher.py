@@ -469,17 +469,26 @@ def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinc
                     return False
 
         wait_for("node 0 to join", first_joined, timeout=30)
-        run = run_launcher([*node, "--max-restarts", "3", str(script)], timeout=60)
+        # On a host of its own name (a UTS namespace): the same host's holder may be
+        # this agent's own predecessor, whose seat a restart can still get.
+        other_host = ["unshare", "--uts", "sh", "-c", 'hostname node-b && exec "$@"', "sh"]
+        run = run_launcher([*other_host, *node, "--max-restarts", "3", str(script)], timeout=60)
+        same_host = run_launcher([*node, "--max-restarts", "1", str(script)], timeout=60)
     finally:
         first.terminate()
         first.wait(30)
     assert run.returncode == 1, run.stderr
+    assert f"already held by the node agent on {socket.gethostname()}" in run.stderr, run.stderr
     assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
     assert "joining failed: DuplicateRank" in run.stderr, run.stderr
     assert "give each node a distinct --node-rank (0..1)" in run.stderr, run.stderr
     assert "no restart can change that" in run.stderr, run.stderr
     assert "raise --max-restarts" not in run.stderr, run.stderr
     assert daemon.token not in run.stderr
+    # A holder on this very host may be the agent's predecessor: restarts stay its to use.
+    assert same_host.returncode == 1, same_host.stderr
+    assert "joining failed: DuplicateRank" in same_host.stderr, same_host.stderr
+    assert "gave up after 0 restarts" not in same_host.stderr, same_host.stderr
 
 
 def test_a_world_over_the_daemons_member_limit_uses_no_restart_and_says_what_to_change(

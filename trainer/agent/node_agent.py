@@ -98,9 +98,20 @@ WITHOUT = "which a script started by rendezvous-run must call"
 # cannot take, a shape other than the job's, a --node-rank another live node agent
 # holds): the same join again, restart after restart, is refused the same way within
 # milliseconds (four in 0.5 s with --max-restarts 3), so the agent gives up at once,
-# as torch's does on a rendezvous error. (The daemon's DuplicateRank message says to
-# give each node a distinct --node-rank, or auto; raising --max-restarts cannot help.)
-REFUSALS = (AuthenticationError, DuplicateRank, InvalidRequest, TopologyMismatch)
+# as torch's does on a rendezvous error. DuplicateRank only where another host holds
+# the --node-rank (``_held_elsewhere``): the same host's is a predecessor of this
+# agent whose seat the daemon has not released yet, and the daemon's other
+# DUPLICATE_RANK answers ("rejoin to take part") pass with a rejoin.
+REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
+
+
+def _held_elsewhere(answer: BaseException) -> bool:
+    """A join refused because another host's live agent holds this node's rank: two
+    nodes were given one --node-rank, which no restart changes."""
+    if not isinstance(answer, DuplicateRank):
+        return False
+    holder, joiner = answer.metadata.get("holder_host"), answer.metadata.get("offending_host")
+    return bool(holder) and holder != joiner
 
 
 @dataclass(frozen=True)
@@ -475,12 +486,16 @@ class NodeAgent:
                         continue
                     # Waited for the whole join: a restart would wait the same way again.
                     cause += f" (still unavailable after {outage.limit_s:g} s of trying)"
-                fatal = isinstance(answer, (*REFUSALS, DaemonUnavailable)) or (
-                    # A world over the daemon's --max-members-per-job: refused the same
-                    # way again at once, as a refusal above is (other limits, such as
-                    # a daemon holding --max-jobs jobs, may pass).
-                    isinstance(answer, LimitExceeded)
-                    and answer.metadata.get("limit") == "max_members_per_job"
+                fatal = (
+                    isinstance(answer, (*REFUSALS, DaemonUnavailable))
+                    or _held_elsewhere(answer)
+                    or (
+                        # A world over the daemon's --max-members-per-job: refused the same
+                        # way again at once, as a refusal above is (other limits, such as
+                        # a daemon holding --max-jobs jobs, may pass).
+                        isinstance(answer, LimitExceeded)
+                        and answer.metadata.get("limit") == "max_members_per_job"
+                    )
                 )
                 return Failure(None, cause, host=self.host, fatal=fatal)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
