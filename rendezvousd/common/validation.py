@@ -34,6 +34,7 @@ def is_wait(value: object, least: float) -> bool:
 
 
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_JOB_ID_CHAR = re.compile(r"[A-Za-z0-9._-]")
 # C0 and C1 controls, and the bidi marks and overrides that make a log line or
 # `rendezvousd status` show text other than what it holds (Trojan Source).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -75,10 +76,19 @@ def job_id(value: str) -> str:
         # does every control, bidi and invisible one. (The repr of an escaped copy
         # doubled each backslash: 'h\\xe9llo'.)
         cut = f" ({len(value)} characters)" if len(value) > 40 else ""
+        bad = next((i for i, c in enumerate(value) if not _JOB_ID_CHAR.fullmatch(c)), None)
+        # Named, where the shown head may end before it.
+        why = (
+            f"its character {bad + 1} is {value[bad]!a}"
+            if bad is not None
+            else "it is empty"
+            if not value
+            else f"it is {len(value)} characters long"
+        )
         raise invalid(
             Reason.INVALID_JOB_ID,
-            f"job id {value[:40]!a}{'...' if cut else ''}{cut} is invalid: use 1-128 "
-            "characters from [A-Za-z0-9._-]",
+            f"job id {value[:40]!a}{'...' if cut else ''}{cut} is invalid: {why}; a job id "
+            "is 1-128 characters from [A-Za-z0-9._-]",
         )
     return value
 
