@@ -118,8 +118,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         else the thread's current one). Used on another, every call failed with
         asyncio's "attached to a different loop", naming no job: a client made at
         module level, then used inside asyncio.run()."""
-        made_on = getattr(self._channel, "_loop", None)  # grpc.aio's own record of it
-        if made_on is not None and made_on is not asyncio.get_running_loop():
+        if self._wrong_loop() is not None:
             raise InvalidRequest(
                 f"the AsyncRendezvousClient of job {self._s.job_id!r} at {self._s.endpoint} "
                 "was made outside the event loop it is used on (grpc.aio binds its channel "
@@ -128,6 +127,18 @@ class AsyncRendezvousClient(steps.ClientBase):
                 endpoint=self._s.endpoint,
                 job_id=self._s.job_id,
             )
+
+    def _wrong_loop(self) -> str | None:
+        """Where this thread is, if it cannot use the client: None on the loop the
+        client's channel was made on (grpc.aio's own record of it)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return "from a thread with no event loop running"
+        made_on = getattr(self._channel, "_loop", None)
+        if made_on is None or loop is made_on:
+            return None
+        return "on an event loop other than the one the client runs on"
 
     async def _perform(self, step: steps.Step) -> Any:
         if self._s.closed:
@@ -316,12 +327,8 @@ class AsyncRendezvousClient(steps.ClientBase):
         changes: with no loop running in this thread it raised asyncio's bare
         RuntimeError ("no running event loop"), naming no job; on another loop, its
         task would have used a channel bound to this one."""
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        made_on = getattr(self._channel, "_loop", None)  # see _check_loop
-        if loop is not None and (made_on is None or loop is made_on):
+        where = self._wrong_loop()
+        if where is None:
             return
         s = self._s
         who = (
@@ -330,11 +337,6 @@ class AsyncRendezvousClient(steps.ClientBase):
             else f" node {s.node.node_rank}"
             if s.node is not None
             else ""
-        )
-        where = (
-            "from a thread with no event loop running"
-            if loop is None
-            else "on an event loop other than the one the client runs on"
         )
         raise InvalidRequest(
             f"start_heartbeat() of the AsyncRendezvousClient of job {s.job_id!r}{who} at "
