@@ -79,6 +79,30 @@ def write_token(path: Path, token: str | None = None) -> str:
     return token
 
 
+def _line_reader(fd: int, deadline: float) -> Callable[[], str | None]:
+    """The next line from ``fd`` ("" at its end), or None once ``deadline`` passes: a
+    daemon stuck before its first line (a start-up blocked in a read) fails the test
+    then, not hangs it in a read. Raw reads, so that a line already in a buffer is
+    never waited for as if it were still to come."""
+    pending = b""
+
+    def next_line() -> str | None:
+        nonlocal pending
+        while b"\n" not in pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                line, pending = pending, b""
+                return line.decode()
+            pending += chunk
+        line, _, pending = pending.partition(b"\n")
+        return line.decode() + "\n"
+
+    return next_line
+
+
 def spawn_daemon(
     tmp: Path,
     *args: str,
@@ -100,21 +124,18 @@ def spawn_daemon(
             cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})}
         )
     assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    line = ""
-    while time.monotonic() < deadline:
-        # A daemon stuck before its first line (a start-up blocked in a read) must fail
-        # the test at ``timeout``, not hang it in readline.
-        if not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            break
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
+    next_line = _line_reader(proc.stdout.fileno(), time.monotonic() + timeout)
+    line: str | None = ""
+    while (line := next_line()) is not None:
+        if not line:  # its stdout ended: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
             raise RuntimeError(f"daemon exited with {proc.returncode}: {log_path.read_text()}")
         match = _SERVING.search(line)
         if match:
             daemon = DaemonProcess(match.group(1), token, token_file, proc, log_path)
             if "--metrics-listen" in args:
-                daemon.metrics_url = proc.stdout.readline().split(" on ", 1)[1].strip()
+                daemon.metrics_url = (next_line() or "").split(" on ", 1)[1].strip()
             return daemon
     proc.kill()
     raise RuntimeError(f"daemon did not start: {line!r} {log_path.read_text()}")

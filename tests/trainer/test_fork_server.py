@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.trainer.agent import worker_boot
-from rendezvousd.trainer.agent.worker_boot import Booted, ForkedProcess, ForkServer, start
+from rendezvousd.trainer.agent.worker_boot import (
+    Booted,
+    ForkedProcess,
+    ForkServer,
+    fork_server_wanted,
+    start,
+)
 from tests.support import DaemonProcess, descendants, launcher_cmd
 
 pytestmark = pytest.mark.skipif(
@@ -115,13 +121,16 @@ def script(tmp_path: Path) -> Path:
 def test_every_usual_spelling_of_off_turns_the_fork_server_off(value: str) -> None:
     """Only "0" did: "false", "no" and "off" kept the server on."""
     env = {**os.environ, "RENDEZVOUSD_FORK_SERVER": value}
+    # The switch itself: ForkServer.start is None on a host without pidfd_open too.
+    assert fork_server_wanted(env) is False
     assert ForkServer.start(env) is None
 
 
 @pytest.mark.parametrize("value", ["1", "True", "yes", "ON"])
 def test_every_usual_spelling_of_on_keeps_the_fork_server(value: str) -> None:
-    server = _server({**os.environ, "RENDEZVOUSD_FORK_SERVER": value})
-    server.close()
+    env = {**os.environ, "RENDEZVOUSD_FORK_SERVER": value}
+    assert fork_server_wanted(env) is True
+    _server(env).close()
 
 
 def test_a_fork_server_switch_that_is_neither_is_refused_naming_the_variable() -> None:
