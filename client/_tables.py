@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client._calls import Blocking, Calls, Rpc, Run, Sleep
+from rendezvousd.client._stubs import lazy_stub
 
 
 class BlockingMembers:
@@ -21,14 +22,19 @@ class BlockingMembers:
         self._c = calls
         self._s = calls.s
         self._channel: grpc.Channel | None = None
+        self._stubs: tuple[pb_grpc.RendezvousStub, health_pb2_grpc.HealthStub]
         self._lock = threading.Lock()
 
     def __call__(self, request: pb.GetMembersRequest) -> pb.GetMembersResponse:
         with self._lock:
             if self._channel is None:
                 self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
-            stub = pb_grpc.RendezvousStub(self._channel)
-            health = health_pb2_grpc.HealthStub(self._channel)
+                # Kept with their channel, made as the clients' are (``_stubs``).
+                self._stubs = (
+                    lazy_stub(pb_grpc.RendezvousStub, self._channel),
+                    lazy_stub(health_pb2_grpc.HealthStub, self._channel),
+                )
+            stub, health = self._stubs
         run = Run(self._c.call("GetMembers", request))
         for step in run:  # the call's, its retries' and, should it fail, the TLS probe's
             try:
