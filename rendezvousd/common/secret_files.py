@@ -35,7 +35,7 @@ def read_judged(path: Path, judge: Callable[[os.stat_result], None], limit: int 
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         judge(os.fstat(fd))
-        os.set_blocking(fd, True)  # a regular file's reads never wait; some FUSE ones do
+        os.set_blocking(fd, True)  # O_NONBLOCK was for the open: a FUSE file may honour it
         f = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
