@@ -208,7 +208,7 @@ class TlsConfig:
             if path is None:
                 return None
             try:
-                return read_judged(path, _regular(path, f"TLS {what}", "the PEM file itself"))
+                return read_judged(path, _not_regular(path, f"TLS {what}", "the PEM file itself"))
             except OSError as exc:
                 raise InvalidRequest(f"cannot read TLS {what} {path}: {exc.strerror}") from None
 
@@ -268,7 +268,7 @@ def _peek(path: Path) -> bytes | None:
     """The head of ``path`` if it is a regular file that can be read, else None (its
     own read, or the caller's, says why)."""
     try:
-        return read_judged(path, _regular(path, "file", "a file"), 1 << 20)
+        return read_judged(path, _not_regular(path, "file", "a file"), limit=1 << 20)
     except (OSError, InvalidRequest):
         return None
 
@@ -343,7 +343,6 @@ def _read_private(path: Path, secret: _Secret) -> bytes:
     would block the read with no deadline)."""
 
     def judge(info: os.stat_result) -> None:
-        _regular(path, secret.what, secret.instead)(info)
         if info.st_mode & _SECRET_FORBIDDEN:
             raise InvalidRequest(
                 f"{secret.what} {path} can be read or changed by other users (mode "
@@ -352,21 +351,15 @@ def _read_private(path: Path, secret: _Secret) -> bytes:
                 f"have read it, {secret.renew}"
             )
 
-    return read_judged(path, judge)
+    return read_judged(path, _not_regular(path, secret.what, secret.instead), judge)
 
 
-def _regular(path: Path, what: str, instead: str) -> Callable[[os.stat_result], None]:
-    """A judge for ``read_judged``: ``InvalidRequest`` for a file that is not regular
-    (a FIFO would block the read with no deadline, a directory says nothing to do)."""
-
-    def judge(info: os.stat_result) -> None:
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidRequest(
-                f"{what} {path} is not a regular file ({stat.filemode(info.st_mode)}); "
-                f"give {instead}"
-            )
-
-    return judge
+def _not_regular(path: Path, what: str, instead: str) -> Callable[[str], InvalidRequest]:
+    """``read_judged``'s refusal of a file that is not regular (a FIFO would block the
+    read with no deadline, a directory says nothing to do)."""
+    return lambda mode: InvalidRequest(
+        f"{what} {path} is not a regular file ({mode}); give {instead}"
+    )
 
 
 # Words of gRPC's reason for a failed connect that say the TLS handshake was refused

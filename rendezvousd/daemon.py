@@ -255,18 +255,13 @@ class Daemon:
             return None
         tls_key = c.tls_key
 
-        def regular(path: Path, what: str) -> Callable[[os.stat_result], None]:
-            def judge(info: os.stat_result) -> None:
-                if not stat.S_ISREG(info.st_mode):  # a FIFO would hang the start-up
-                    raise DaemonError(
-                        f"{what} {path} is not a regular file "
-                        f"({stat.filemode(info.st_mode)}); give the PEM file itself"
-                    )
-
-            return judge
+        def not_regular(path: Path, what: str) -> Callable[[str], DaemonError]:
+            # A FIFO would hang the start-up in its read.
+            return lambda mode: DaemonError(
+                f"{what} {path} is not a regular file ({mode}); give the PEM file itself"
+            )
 
         def private(info: os.stat_result) -> None:
-            regular(tls_key, "TLS private key")(info)
             if info.st_mode & private_file_mask(tls_key, 0o177, "TLS private key"):
                 raise DaemonError(
                     f"TLS private key {tls_key} has mode {stat.S_IMODE(info.st_mode):04o}, "
@@ -275,10 +270,10 @@ class Daemon:
                 )
 
         try:
-            key = read_judged(tls_key, private)
-            cert = read_judged(c.tls_cert, regular(c.tls_cert, "TLS certificate"))
+            key = read_judged(tls_key, not_regular(tls_key, "TLS private key"), private)
+            cert = read_judged(c.tls_cert, not_regular(c.tls_cert, "TLS certificate"))
             ca = (
-                read_judged(c.tls_client_ca, regular(c.tls_client_ca, "TLS client CA"))
+                read_judged(c.tls_client_ca, not_regular(c.tls_client_ca, "TLS client CA"))
                 if c.tls_client_ca
                 else None
             )

@@ -22,19 +22,29 @@ TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
 
 
-def read_judged(path: Path, judge: Callable[[os.stat_result], None], limit: int = -1) -> bytes:
-    """The bytes of ``path`` (up to ``limit``) once ``judge``, which raises to refuse,
-    has passed the file: its kind first by path, so a socket or a device is never
-    opened (the open itself can act, or fail with a word that names no kind), then
-    the ``fstat`` of the descriptor that is read. Opened without blocking, so a FIFO
-    swapped in between reaches ``judge`` instead of hanging the open. OSError for a
-    file that cannot be looked at, opened or read."""
-    info = os.stat(path)
-    if not stat.S_ISREG(info.st_mode):
-        judge(info)  # refuses it; else it is the judge's to let through, as below
+def read_judged(
+    path: Path,
+    not_regular: Callable[[str], Exception],
+    judge: Callable[[os.stat_result], None] | None = None,
+    limit: int = -1,
+) -> bytes:
+    """The bytes of ``path`` (up to ``limit``), a regular file that ``judge`` (which
+    raises to refuse) has passed. Anything else raises ``not_regular(its filemode)``,
+    the caller's own error: by path first, so a socket or a device is never opened (the
+    open itself can act, or fail with a word that names no kind), then on the
+    descriptor that is read, which ``judge`` sees. Opened without blocking, so a FIFO
+    swapped in between is refused instead of hanging the open. OSError for a file that
+    cannot be looked at, opened or read."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise not_regular(stat.filemode(mode))
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
-        judge(os.fstat(fd))
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise not_regular(stat.filemode(info.st_mode))
+        if judge is not None:
+            judge(info)
         os.set_blocking(fd, True)  # O_NONBLOCK was for the open: a FUSE file may honour it
         f = os.fdopen(fd, "rb")
     except BaseException:

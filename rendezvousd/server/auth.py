@@ -106,14 +106,15 @@ def private_file_mask(path: Path, mask: int, what: str) -> int:
 def read_token_file(path: Path) -> list[str]:
     """Tokens from ``path``, one per line (several allow rotation without downtime)."""
 
-    def judge(info: os.stat_result) -> None:
-        # The kind first: a device or a directory is no token file, whatever its mode
+    def not_regular(mode: str) -> ConfigError:
+        # Before its mode: a device or a directory is no token file, whatever its mode
         # (and "chmod 600 /dev/null" is no advice to give).
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(
-                f"token file {path} is not a regular file ({stat.filemode(info.st_mode)}); "
-                f"give a file created with `rendezvousd token FILE`"
-            )
+        return ConfigError(
+            f"token file {path} is not a regular file ({mode}); "
+            f"give a file created with `rendezvousd token FILE`"
+        )
+
+    def judge(info: os.stat_result) -> None:
         if info.st_mode & private_file_mask(path, stat.S_IRWXG | stat.S_IRWXO, "token file"):
             raise ConfigError(
                 f"token file {path} is accessible by group/others (mode "
@@ -121,7 +122,7 @@ def read_token_file(path: Path) -> list[str]:
             )
 
     try:
-        text = read_judged(path, judge).decode("ascii")
+        text = read_judged(path, not_regular, judge).decode("ascii")
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError:
