@@ -33,8 +33,8 @@ def is_wait(value: object, least: float) -> bool:
     return number and least <= value <= LONGEST_WAIT_S  # type: ignore[operator]
 
 
-_JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _JOB_ID_CHAR = re.compile(r"[A-Za-z0-9._-]")
+_JOB_ID = re.compile(_JOB_ID_CHAR.pattern + "{1,128}")
 # C0 and C1 controls, and the bidi marks and overrides that make a log line or
 # `rendezvousd status` show text other than what it holds (Trojan Source).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
