@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import queue
+import random
 import re
 import secrets
 import select
@@ -282,9 +283,21 @@ def members(d: DaemonProcess, job_id: str) -> list[Any]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, below the kernel's ephemeral range where it can: a
+    test that restarts a daemon on its port must find it free again, and a port of
+    that range can meanwhile go to any connect (the client's own redial, which then
+    connects to itself) or to another test's bind to port 0 (seen: "Address already
+    in use" at a restart)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free port below the ephemeral range after 100 tries")
 
 
 def worker_cmd(
