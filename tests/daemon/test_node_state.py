@@ -272,6 +272,30 @@ def test_attached_workers_use_barrier_with_member_instance_ids() -> None:
     assert f.reason == "DUPLICATE_RANK"
 
 
+def test_a_node_rank_held_in_the_running_generation_is_a_duplicate_not_a_full_world() -> None:
+    """A second agent naming a node rank that a node of the running generation holds
+    (a relaunch beside its frozen predecessor, or two nodes given one rank) was told
+    WORLD_FULL in a fixed-size job, and parked for the next generation in an elastic
+    one: either way its agent could not tell that the rank was held, nor by whom."""
+    sm = RendezvousState()
+    first = join_first(sm, node("a", rank=0))
+    assert isinstance(first, Parked)
+    assert isinstance(sm.join(node("b", rank=1), 1.0), JoinResult)
+    f = fault(sm.join, node("c", rank=0), 2.0)
+    assert (f.code, f.reason) == (Code.ALREADY_EXISTS, "DUPLICATE_RANK")
+    assert (f.metadata["holder_host"], f.metadata["offending_host"]) == ("host-a", "host-c")
+    assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 2
+    # Room to grow: a held rank is still refused; a free one parks for the next round.
+    sm2 = RendezvousState()
+    join_first(sm2, node("a", lo=1, hi=3, rank=0, last_call=1.0))
+    sm2.tick(1.5)
+    assert sm2.jobs["j"].state is JobState.RUNNING
+    assert fault(sm2.join, node("c", lo=1, hi=3, rank=0), 2.0).reason == "DUPLICATE_RANK"
+    assert isinstance(sm2.join(node("d", lo=1, hi=3, rank=1), 2.0), Parked)
+    # The unnamed node ("auto") is a newcomer, whichever rank it would get.
+    assert fault(sm.join, node("e"), 3.0).reason == "WORLD_FULL"
+
+
 def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:
     sm = RendezvousState()
     first = join_first(sm, node("a", lo=1, hi=3, last_call=1.0))

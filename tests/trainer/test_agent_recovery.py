@@ -326,6 +326,39 @@ def test_a_node_arriving_late_joins_the_running_elastic_job(
     assert all(e["restart_count"] == 0 for e in early.events("ready"))
 
 
+def test_a_node_relaunched_while_its_frozen_predecessor_holds_the_seat_waits_for_it(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Node 0's agent freezes (SIGSTOP), and node 0 is started again on the same host,
+    as a supervisor would, with no restart to use. Its join is refused DuplicateRank
+    until the daemon has lost the frozen agent (its heartbeat timeout): before, that
+    refusal used a restart each time within milliseconds, so the relaunched node gave
+    up at once, and the job with it."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    args = ["--steps", "150", "--step-s", "0.03"]
+    nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], args)
+    frozen: list[int] = []
+    relaunched: Node | None = None
+    try:
+        _training_rank_3(nodes)
+        frozen = [nodes[0].proc.pid]
+        os.kill(frozen[0], signal.SIGSTOP)
+        relaunched = Node(d, job_id, tmp_path, "again0", "2", "0", ["--max-restarts", "0"], args)
+        codes = [relaunched.wait(90), nodes[1].wait(90)]
+    finally:
+        for pid in [*descendants(frozen[0]), *frozen] if frozen else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _cleanup([*nodes, *([relaunched] if relaunched else [])])
+    assert relaunched is not None
+    err = relaunched.stderr()
+    assert codes == [0, 0], [err, nodes[1].stderr()]
+    assert "is held by the node agent on this host" in err, err
+    assert "no restart used" in err, err
+    done = relaunched.events("done") + nodes[1].events("done")
+    assert len(done) == 4 and all(e["world_size"] == 4 for e in done), done
+
+
 def test_stray_join_nodes_that_never_attach_use_no_restart(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

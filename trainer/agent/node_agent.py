@@ -98,20 +98,24 @@ WITHOUT = "which a script started by rendezvous-run must call"
 # cannot take, a shape other than the job's, a --node-rank another live node agent
 # holds): the same join again, restart after restart, is refused the same way within
 # milliseconds (four in 0.5 s with --max-restarts 3), so the agent gives up at once,
-# as torch's does on a rendezvous error. DuplicateRank only where another host holds
-# the --node-rank (``_held_elsewhere``): the same host's is a predecessor of this
-# agent whose seat the daemon has not released yet, and the daemon's other
-# DUPLICATE_RANK answers ("rejoin to take part") pass with a rejoin.
+# as torch's does on a rendezvous error. So does DuplicateRank for a --node-rank a
+# live agent holds (``_rank_held``), once a holder on this host had the join's timeout
+# to go away.
 REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
 
 
-def _held_elsewhere(answer: BaseException) -> bool:
-    """A join refused because another host's live agent holds this node's rank: two
-    nodes were given one --node-rank, which no restart changes."""
+def _rank_held(answer: BaseException) -> str | None:
+    """Where a live node agent holds the --node-rank this join named: "elsewhere" (two
+    nodes were given one rank, which no restart changes), "here" (on this host: maybe
+    this node's own predecessor, frozen or just killed, whose seat the daemon frees
+    once it loses it), or None (not that refusal: the daemon's other DUPLICATE_RANK
+    answers say "rejoin to take part")."""
     if not isinstance(answer, DuplicateRank):
-        return False
+        return None
     holder, joiner = answer.metadata.get("holder_host"), answer.metadata.get("offending_host")
-    return bool(holder) and holder != joiner
+    if not holder:
+        return None
+    return "here" if holder == joiner else "elsewhere"
 
 
 @dataclass(frozen=True)
@@ -423,6 +427,7 @@ class NodeAgent:
         outage = DaemonOutage(
             config.join_timeout_s if self._standing_by else timeout, time.monotonic()
         )
+        held = DaemonOutage(timeout)  # the node rank held on this host (below)
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)
@@ -473,6 +478,22 @@ class NodeAgent:
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
+                if _rank_held(answer) == "here":
+                    # Asked again as through an outage, no restart used (restarts went
+                    # in milliseconds): the daemon loses a frozen predecessor within its
+                    # heartbeat timeout. A live twin still holds it at the end.
+                    if not held.told:
+                        held.told = True
+                        self.note(
+                            f"node rank {config.node_rank} is held by the node agent on "
+                            f"this host ({self.host}); asking again every "
+                            f"{OUTAGE_RETRY_S:g} s for up to {held.limit_s:g} s for it to "
+                            "be released (no restart used)"
+                        )
+                    retry_at = held.retry_at(time.monotonic())
+                    if retry_at is not None:
+                        continue
+                    cause += f" (still held after {held.limit_s:g} s)"
                 if isinstance(answer, DaemonUnavailable):
                     if not outage.told:
                         outage.told = True
@@ -488,7 +509,7 @@ class NodeAgent:
                     cause += f" (still unavailable after {outage.limit_s:g} s of trying)"
                 fatal = (
                     isinstance(answer, (*REFUSALS, DaemonUnavailable))
-                    or _held_elsewhere(answer)
+                    or _rank_held(answer) is not None
                     or (
                         # A world over the daemon's --max-members-per-job: refused the same
                         # way again at once, as a refusal above is (other limits, such as
