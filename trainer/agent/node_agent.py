@@ -478,35 +478,35 @@ class NodeAgent:
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
-                if _rank_held(answer) == "here":
-                    # Asked again as through an outage, no restart used (restarts went
-                    # in milliseconds): the daemon loses a frozen predecessor within its
-                    # heartbeat timeout. A live twin still holds it at the end.
-                    if not held.told:
-                        held.told = True
+                # Asked again every OUTAGE_RETRY_S for the join's timeout, no restart used:
+                # a daemon not up yet (a restart would only join it again, unreachable),
+                # and a --node-rank held on this host, maybe by this node's predecessor,
+                # frozen, whom the daemon loses within its heartbeat timeout (restarts
+                # went in milliseconds; a live twin still holds it at the end).
+                held_here = _rank_held(answer) == "here"
+                wait = (
+                    outage if isinstance(answer, DaemonUnavailable) else held if held_here else None
+                )
+                if wait is not None:
+                    if not wait.told:
+                        wait.told = True
+                        said = cause
+                        if held_here:
+                            said = (
+                                f"node rank {config.node_rank} is held by the node agent on "
+                                f"this host ({self.host}), this node's predecessor maybe"
+                            )
                         self.note(
-                            f"node rank {config.node_rank} is held by the node agent on "
-                            f"this host ({self.host}); asking again every "
-                            f"{OUTAGE_RETRY_S:g} s for up to {held.limit_s:g} s for it to "
-                            "be released (no restart used)"
-                        )
-                    retry_at = held.retry_at(time.monotonic())
-                    if retry_at is not None:
-                        continue
-                    cause += f" (still held after {held.limit_s:g} s)"
-                if isinstance(answer, DaemonUnavailable):
-                    if not outage.told:
-                        outage.told = True
-                        self.note(
-                            f"{'standing by: ' if self._standing_by else ''}{cause}; trying "
-                            f"again every {OUTAGE_RETRY_S:g} s for up to {outage.limit_s:g} s "
+                            f"{'standing by: ' if self._standing_by else ''}{said}; trying "
+                            f"again every {OUTAGE_RETRY_S:g} s for up to {wait.limit_s:g} s "
                             "in all (no restart used)"
                         )
-                    retry_at = outage.retry_at(time.monotonic())
+                    retry_at = wait.retry_at(time.monotonic())
                     if retry_at is not None:
                         continue
                     # Waited for the whole join: a restart would wait the same way again.
-                    cause += f" (still unavailable after {outage.limit_s:g} s of trying)"
+                    still = "held" if held_here else "unavailable"
+                    cause += f" (still {still} after {wait.limit_s:g} s of trying)"
                 fatal = (
                     isinstance(answer, (*REFUSALS, DaemonUnavailable))
                     or _rank_held(answer) is not None
