@@ -335,7 +335,9 @@ def test_a_node_relaunched_while_its_frozen_predecessor_holds_the_seat_waits_for
     refusal used a restart each time within milliseconds, so the relaunched node gave
     up at once, and the job with it."""
     d = start_daemon("--heartbeat-timeout-s", "3")
-    args = ["--steps", "150", "--step-s", "0.03"]
+    # 7.5 s of steps at the least: the frozen agent's workers must not finish the job
+    # before the daemon loses that agent (3 s).
+    args = ["--steps", "250", "--step-s", "0.03"]
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], args)
     frozen: list[int] = []
     relaunched: Node | None = None
