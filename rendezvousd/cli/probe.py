@@ -123,9 +123,13 @@ def _health(args: argparse.Namespace) -> int:
                     )
                 print(f"rendezvousd health: {why}", file=sys.stderr)
                 return EXIT_CONNECTION
-            print(
-                f"rendezvousd health: Check failed: {code.name}: {exc.details()}", file=sys.stderr
-            )
+            detail = exc.details() or ""
+            if code is grpc.StatusCode.NOT_FOUND and not detail:  # grpcio-health says no more
+                detail = (
+                    f"the daemon has no service {args.service!r}: check '' (the whole "
+                    f"daemon) or {pb.DESCRIPTOR.services_by_name['Rendezvous'].full_name!r}"
+                )
+            print(f"rendezvousd health: Check failed: {code.name}: {detail}", file=sys.stderr)
             return EXIT_RPC
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     if response.status != health_pb2.HealthCheckResponse.SERVING:
@@ -141,12 +145,14 @@ def _age(ms: int) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     from rendezvousd.client import (
+        AuthenticationError,
         DaemonUnavailable,
         InvalidRequest,
         NotFound,
         RendezvousClient,
         RendezvousError,
     )
+    from rendezvousd.client.connection import TLS_CA_ADVICE
 
     try:
         tls = _tls(args)
@@ -196,9 +202,12 @@ def _status(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
     except RendezvousError as exc:
         # health's exit codes, so a script tells a daemon down from a refused call.
-        if isinstance(exc, DaemonUnavailable):
-            # The SDK names its keyword, which this command sets from --timeout.
-            said = str(exc).replace("(connect_timeout)", "(--timeout)")
+        # The SDK names its keyword and its variable, where this command reads only
+        # its flags: --timeout sets connect_timeout, --tls-ca is the CA.
+        said = str(exc).replace("(connect_timeout)", "(--timeout)")
+        plaintext_at_tls = isinstance(exc, AuthenticationError) and TLS_CA_ADVICE in said
+        if isinstance(exc, DaemonUnavailable) or plaintext_at_tls:
+            said = said.replace(TLS_CA_ADVICE, "pass --tls-ca")
             print(f"rendezvousd status: {escape(said)}", file=sys.stderr)
             return EXIT_CONNECTION
         print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)

@@ -172,6 +172,19 @@ def test_status_exit_codes_tell_a_daemon_down_from_a_refused_call(
         assert (done.returncode, said in done.stderr) == (code, True), (args, done.stderr)
 
 
+def test_health_of_a_service_the_daemon_does_not_have_names_it(daemon: DaemonProcess) -> None:
+    """The health service answers NOT_FOUND without details: the command printed
+    "Check failed: NOT_FOUND: ", ending at the colon."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "health", "--service", "nope",
+         "--endpoint", daemon.endpoint],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "has no service 'nope'" in done.stderr, done.stderr
+    assert "'rendezvous.v1.Rendezvous'" in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -211,18 +211,23 @@ def test_plaintext_client_leaves_one_handshake_line_in_the_daemons_log(
     assert all("WRONG_VERSION_NUMBER" in line for line in lines), d.log()
 
 
-def test_health_command_without_the_ca_says_the_daemon_speaks_tls(
+def test_health_and_status_without_the_ca_say_the_daemon_speaks_tls_alike(
     pki: Pki, start_daemon: Callable[..., DaemonProcess]
 ) -> None:
+    """`status` exited 3 (an RPC refused) where `health` exits 2 (unreachable) for the
+    same plaintext connect, and gave the SDK's advice, naming $RENDEZVOUSD_TLS_CA and
+    tls_ca=, which the command does not read."""
     d = _tls_daemon(start_daemon, pki, mtls=False)
-    health = subprocess.run(
-        [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", d.endpoint],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert health.returncode == 2, health.stderr
-    assert f"the daemon at {d.endpoint} speaks TLS: pass --tls-ca" in health.stderr
+    for command in (["health"], ["status", "--token-file", str(d.token_file)]):
+        run = subprocess.run(
+            [sys.executable, "-m", "rendezvousd.cli", *command, "--endpoint", d.endpoint],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 2, (command, run.stderr)
+        assert f"the daemon at {d.endpoint} speaks TLS: pass --tls-ca" in run.stderr, run.stderr
+        assert "RENDEZVOUSD_TLS_CA" not in run.stderr and "tls_ca=" not in run.stderr
 
 
 def test_a_daemon_found_speaking_tls_then_restarted_without_it_is_joined(

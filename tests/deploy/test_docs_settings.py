@@ -12,8 +12,9 @@ import pytest
 from rendezvousd import config as daemon_config
 from rendezvousd.common import secret_files
 from rendezvousd.trainer import config as trainer_config
-from rendezvousd.trainer.agent import _fork_server, _trace, agent_channel
+from rendezvousd.trainer.agent import _agent_boot, _fork_server, _trace, agent_channel
 from rendezvousd.trainer.agent.launcher import build_parser
+from rendezvousd.trainer.comm import devices
 from rendezvousd.trainer.torchrun import config as torchrun_config
 from rendezvousd.trainer.torchrun import warm
 from tests.support import ROOT
@@ -57,10 +58,30 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
     known |= {o.env for o in torchrun_config.SCHEMA.options.values()}
     known |= {secret_files.TOKEN_ENV, secret_files.TOKEN_FILE_ENV}
     known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD, _trace.TRACE_ENV}
-    known |= {_fork_server.ENV_FORK_SERVER, warm.ENV_WARM_SOCKET}
+    known |= {_fork_server.ENV_FORK_SERVER, warm.ENV_WARM_SOCKET, devices.SHARED_DEVICE_ENV}
     for doc in ("trainer.md", "operations.md"):
         named = set(re.findall(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b", (DOCS / doc).read_text()))
         assert named - known == set(), doc
+
+
+#: Variables the launcher sets for the processes it starts, never a user.
+_INTERNAL_ENV = {
+    _agent_boot.ENV_AGENT_PID,
+    _fork_server.ENV_CONTROL_FD,
+    _fork_server.ENV_PRELOAD,
+}
+
+
+def test_every_variable_the_code_reads_is_documented() -> None:
+    """RENDEZVOUSD_NCCL_SHARED_DEVICE was read but named in no doc: a variable a user
+    sets must be documented, one the launcher sets for its children listed above."""
+    named = set()
+    for folder in ("rendezvousd", "client", "trainer"):
+        for path in (ROOT / folder).rglob("*.py"):
+            named |= set(re.findall(r'"(RENDEZVOUSD_[A-Z0-9_]*[A-Z0-9])"', path.read_text()))
+    docs = " ".join(p.read_text() for p in [ROOT / "README.md", *DOCS.glob("*.md")])
+    assert named and {v for v in named - _INTERNAL_ENV if v not in docs} == set()
+    assert named >= _INTERNAL_ENV  # each still set somewhere
 
 
 def test_every_documented_launcher_flag_exists() -> None:
@@ -75,6 +96,7 @@ def test_every_documented_launcher_flag_exists() -> None:
     "command",
     [
         ("rendezvousd.cli",),
+        ("rendezvousd",),  # the name a user tries first: it had no __main__
         ("rendezvousd.cli", "serve"),
         ("rendezvousd.cli", "token"),
         ("rendezvousd.cli", "health"),

@@ -86,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--config", default=None, help=f"trainer TOML config, also passed to workers ({CONFIG_ENV})"
+        "--config",
+        default=None,
+        help=f"trainer TOML config; passed to the workers as {CONFIG_ENV} (which the "
+        "launcher itself does not read)",
     )
     group = p.add_argument_group("distributed")
     group.add_argument(
