@@ -16,6 +16,10 @@ class Policy:
     read_only: bool = False
     # Its handler makes its change durable itself (``_durably``), before its effects.
     self_durable: bool = False
+    # Applied even while storage is known to be down, not refused up front: a goodbye,
+    # which a failed commit's undo keeps (``Attendee.said_goodbye``), so that the
+    # member's end is not then read as its loss.
+    goodbye: bool = False
 
 
 _READ = Policy(read_only=True)
@@ -36,7 +40,7 @@ POLICY: dict[str, Policy] = {
     "KvCompareAndSet": _DURABLE,
     "KvDelete": _DURABLE,
     "Heartbeat": Policy(),
-    "Leave": _DURABLE,
+    "Leave": Policy(self_durable=True, goodbye=True),
     "GetJob": _READ,
     # The SDK's abort() (the trainer's NCCL init retry, a failing rank) aborts its own
     # job: a job token must be able to.

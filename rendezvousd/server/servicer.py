@@ -451,7 +451,12 @@ class RendezvousServicer:
             mode=JoinMode.of_caller(request.node),
             final=request.final,
         )
-        await self._durably(request.job_id, self.state.take_effects())
+        try:
+            await self._durably(request.job_id, self.state.take_effects())
+        except RendezvousFault as fault:
+            if fault.reason is STORAGE_UNAVAILABLE:
+                raise storage_unavailable(request.job_id, goodbye=True) from None
+            raise
         return pb.LeaveResponse()
 
     async def AbortJob(self, request: pb.AbortJobRequest, context: Any) -> pb.AbortJobResponse:
@@ -555,7 +560,7 @@ class RendezvousServicer:
                     await context.abort(grpc.StatusCode.UNAUTHENTICATED, stale)
                 if not rule.filtered:
                     _authorize(name, request.job_id)
-                if mutating:
+                if mutating and not rule.goodbye:
                     self.persister.check(request.job_id)  # storage down: apply nothing
                 response = await fn(request, context)
                 if mutating:

@@ -31,6 +31,7 @@ from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.answers import failed_member
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.state.machine import RendezvousState
+from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, storage_unavailable
 
 # (job, generation, the mode its attendee joined in, its rank): workers and node agents
 # stream alike.
@@ -184,8 +185,12 @@ class HeartbeatStreams:
         # (JOB_ENDED, a barrier it completed) still go out (``_durably``).
         try:
             await self._durably(key[0], self.state.take_effects())
-        except RendezvousFault as fault:  # storage failed: the leave was undone
-            queue.put_nowait(fault)
+        except RendezvousFault as fault:  # storage failed: undone, kept as a goodbye
+            queue.put_nowait(
+                storage_unavailable(key[0], goodbye=True)
+                if fault.reason is STORAGE_UNAVAILABLE
+                else fault
+            )
             return
         queue.put_nowait(pb.JobEvent(kind=pb.JobEvent.LEFT, job_id=key[0], generation=key[1]))
 

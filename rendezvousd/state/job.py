@@ -46,6 +46,10 @@ class Attendee:
     # The latest Progress its stream's beats carried (not durable: the next beat
     # after a daemon restart brings it back).
     progress: Progress | None = None
+    # It said goodbye (Leave), kept when a failed commit undid that (``rollback``): its
+    # stream's end or silence is then its goodbye again, not a loss. A loss is found
+    # again by the liveness rules after an undo; only the member knew of its goodbye.
+    said_goodbye: bool = False
 
     def attach(self, now: float) -> int:
         """A heartbeat stream opened; returns its token for ``detach``."""

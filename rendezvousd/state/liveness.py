@@ -24,7 +24,7 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import fences, joins, placement, rounds, seats
 
 if TYPE_CHECKING:
-    from rendezvousd.state.job import Member
+    from rendezvousd.state.job import Job, Member, Node
     from rendezvousd.state.machine import RendezvousState
 
 
@@ -150,7 +150,10 @@ def detach_stream(
     job = seats.stream_job(sm, job_id, generation)
     seated = job.attendees(mode).get(who) if job else None
     if job and seated and seated.detach(token) and job.state is JobState.RUNNING:
-        rounds.lose_seated(sm, job, seated, rounds.stream_end_cause(sm, seated, now), now)
+        if seated.said_goodbye:  # its Leave was undone (storage failed): still a goodbye
+            _goodbye(sm, job, seated, now)
+        else:
+            rounds.lose_seated(sm, job, seated, rounds.stream_end_cause(sm, seated, now), now)
 
 
 def tick(sm: RendezvousState, now: float) -> None:
@@ -166,7 +169,13 @@ def tick(sm: RendezvousState, now: float) -> None:
         elif job.state is JobState.RUNNING:
             joins.tell_waiting(sm, job, now)
             for seated in list(job.attendees(job.gen.join_mode).values()):
-                if seated.state is MemberState.ACTIVE and now - seated.last_seen > timeout:
+                if seated.state is not MemberState.ACTIVE:
+                    continue
+                if seated.said_goodbye and not seated.stream_open:
+                    # Its goodbye undone by a failed commit after its stream had ended
+                    # (another change's commit): no stream end comes to say it again.
+                    _goodbye(sm, job, seated, now)
+                elif now - seated.last_seen > timeout:
                     rounds.lose_seated(sm, job, seated, rounds.silence_cause(sm, seated), now)
         idle = job.state in rounds.TERMINAL or (
             job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes
@@ -209,6 +218,12 @@ def leave(
         joins.wake_seat(sm, job, who, fault=RendezvousFault(Code.ABORTED, Reason.JOB_ABORTED, left))
         joins.unseat(sm, job, seated, now)
         return
+    _goodbye(sm, job, seated, now)
+
+
+def _goodbye(sm: RendezvousState, job: Job, seated: Member | Node, now: float) -> None:
+    """``seated`` leaves its formed generation, and the members it attends for."""
+    seated.said_goodbye = True
     for member in job.covered(seated):
         rounds.member_left(sm, job, member, now)
     if seated.state is MemberState.ACTIVE:

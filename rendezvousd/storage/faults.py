@@ -11,19 +11,27 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 STORAGE_UNAVAILABLE = Reason.STORAGE_UNAVAILABLE
 
 
-def storage_unavailable(job_id: str, *, waiting: bool = False) -> RendezvousFault:
+def storage_unavailable(
+    job_id: str, *, waiting: bool = False, goodbye: bool = False
+) -> RendezvousFault:
     """A change could not be made durable, so it was not applied (no paths: they are
     the operator's business, logged by the daemon, not the caller's); ``waiting``: the
-    words for a parked call released because its job was put back to its durable state."""
-    what = (
-        f"job {job_id!r} was put back to its last durable state and this waiting call released"
-        if waiting
-        else f"this change to job {job_id!r} was not applied"
-    )
-    return RendezvousFault(
-        Code.UNAVAILABLE,
-        STORAGE_UNAVAILABLE,
-        f"the daemon cannot write its state storage, so {what}; retry once the daemon's "
-        "health is SERVING again",
-        {"job_id": job_id},
-    )
+    words for a parked call released because its job was put back to its durable state;
+    ``goodbye``: for a Leave, which the undo keeps (``Attendee.said_goodbye``)."""
+    if goodbye:
+        said = (
+            f"the daemon cannot write its state storage: this goodbye from job {job_id!r} "
+            "is kept in its memory and written once storage is back, nothing to retry "
+            "(a daemon restarted before then forgets it)"
+        )
+    else:
+        what = (
+            f"job {job_id!r} was put back to its last durable state and this waiting call released"
+            if waiting
+            else f"this change to job {job_id!r} was not applied"
+        )
+        said = (
+            f"the daemon cannot write its state storage, so {what}; retry once the "
+            "daemon's health is SERVING again"
+        )
+    return RendezvousFault(Code.UNAVAILABLE, STORAGE_UNAVAILABLE, said, {"job_id": job_id})

@@ -4,7 +4,8 @@ The record (``snapshot.job_record``) holds everything durable about a job. What 
 record holds, but a job needs to go on serving, is kept from the job in memory while
 that still describes the record's generation: rank 0's id (only its digest is ever
 written), the member table, heartbeat ages and streams, node agents' arrival, the
-forming timers. Whatever was only in memory otherwise (parked calls, barrier arrivals,
+forming timers, a goodbye (its Leave undone: the member's end is still no loss).
+Whatever was only in memory otherwise (parked calls, barrier arrivals,
 forming nodes, a member that joined or left since the commit) is gone. Pure, like the
 state machine it feeds.
 """
@@ -71,6 +72,7 @@ def _only_digest(job: Job) -> None:
 
 
 def _keep_liveness(kept: Attendee, was: Attendee) -> None:
-    """The same attendee: its heartbeat stream (by token) and silence carry over."""
+    """The same attendee: its heartbeat stream (by token), silence and goodbye carry over."""
     kept.last_seen = was.last_seen
     kept.stream_token, kept.stream_open = was.stream_token, was.stream_open
+    kept.said_goodbye = was.said_goodbye

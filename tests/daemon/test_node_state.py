@@ -184,6 +184,32 @@ def test_report_failure_fails_the_generation_and_tells_the_other_node_first_lost
     assert f.reason == "DUPLICATE_RANK"
 
 
+def test_a_goodbye_undone_by_a_failed_commit_is_still_a_goodbye_not_a_loss() -> None:
+    """The daemon undoes a change whose commit failed (``storage.rollback``). A node's
+    goodbye undone so was forgotten: the end of its stream, read next, lost the node
+    and failed the finished job; another's silent end did so at the tick."""
+    from rendezvousd.storage import rollback, snapshot
+
+    sm = RendezvousState()
+    formed(sm)
+    a = sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    b = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    committed = snapshot.job_record(sm.jobs["j"])
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)  # these two commits fail
+    sm.leave("j", 1, 1, "b", 1.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, b, 1.1, mode=JoinMode.NODE)  # read before the undo
+    live = sm.jobs["j"]
+    sm.jobs["j"] = rollback.durable_job(committed, dict(live.gen.kv), live, 1.2)
+    sm.take_effects()
+    assert [n.state for n in sm.jobs["j"].gen.nodes.values()] == [MemberState.ACTIVE] * 2
+    sm.detach_stream("j", 1, 0, a, 1.3, mode=JoinMode.NODE)
+    assert sm.jobs["j"].state is JobState.RUNNING  # b's stream ended before the undo
+    sm.tick(1.4)  # far within the heartbeat timeout: b's goodbye, said again
+    job = sm.jobs["j"]
+    assert job.state is JobState.ENDED and not job.gen.failed
+    assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
+
+
 def test_report_failure_keeps_any_cause_bounded_and_in_order_of_report() -> None:
     sm = RendezvousState()
     formed(sm)

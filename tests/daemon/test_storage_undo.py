@@ -25,7 +25,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import RendezvousClient, RendezvousError
 from tests.daemon.raw_calls import bearer, join_request, reason_of
-from tests.daemon.test_storage import SERVING, _health, _start, joined_pair
+from tests.daemon.test_storage import NOT_SERVING, SERVING, _health, _start, joined_pair
 from tests.support import DaemonProcess, scrape, wait_for
 
 ID = bytes(range(128))
@@ -271,6 +271,73 @@ def test_a_leave_or_abort_whose_commit_fails_leaves_the_job_as_it_was(
             assert "real abort" in str(client.failure)
 
 
+def test_goodbyes_said_while_storage_is_down_end_the_job_rather_than_fail_it(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """A job's two members finish while the state dir is gone. The first goodbye's
+    commit failed and was undone, so its stream's end, read next, lost that member:
+    the job was written FAILED ("heartbeat stream closed") once storage was back, and
+    the other member heard PEER_FAILED as it finished. A goodbye is kept through the
+    undo, and the member's end is its goodbye again."""
+    d, state, stub = daemon
+    with joined_pair(d, "g") as (a, b):
+        a.start_heartbeat()
+        b.start_heartbeat()
+
+        def streams_open() -> bool:
+            job = _get_job(stub, d, "g")
+            return job is not None and all(m.heartbeat_stream_open for m in job.members)
+
+        wait_for("both heartbeat streams", streams_open)
+        shutil.rmtree(state)
+        a.leave()  # refused: the SDK warns, the member goes on ending
+        with contextlib.suppress(AssertionError):  # (a timeout is the good outcome)
+            wait_for("a failure to reach rank 1", lambda: b.failure is not None, timeout=1)
+        assert b.failure is None, b.failure
+        b.leave()
+    _storage_back(d, state)
+
+    def ended() -> bool:
+        job = _get_job(stub, d, "g")
+        return job is not None and job.summary.state != pb.JOB_STATE_RUNNING
+
+    wait_for("the job to end", ended, timeout=10)
+    job = _get_job(stub, d, "g")
+    assert job is not None and job.summary.state == pb.JOB_STATE_ENDED, job
+    assert _ranks(job) == {0: "LEFT", 1: "LEFT"} and not job.failed
+    wait_for("the end written", lambda: (_stored(state, "g") or {}).get("state") == "ENDED")
+
+
+def test_a_leave_call_while_storage_is_down_is_still_the_members_goodbye(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """Members without a heartbeat stream leave by a Leave call. While the daemon
+    knew its storage down it refused that call up front, so nothing of the goodbye
+    was left to apply once storage came back: the job stayed RUNNING, until the
+    members' silence failed it."""
+    d, state, stub = daemon
+    with joined_pair(d, "h") as (a, b):
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError):
+            a.kv_set("k", b"v")  # the outage begins
+        wait_for("health NOT_SERVING", lambda: _health(d) == NOT_SERVING)
+        for client in (a, b):
+            leave = pb.LeaveRequest(**client._kv_scope())
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Leave(leave, metadata=bearer(d), timeout=10)
+            assert reason_of(refused.value)[0] == "STORAGE_UNAVAILABLE"
+            # Said as it is: kept, not "not applied; retry".
+            assert "this goodbye from job 'h' is kept" in str(refused.value.details())
+        _storage_back(d, state)
+
+        def ended() -> bool:
+            job = _get_job(stub, d, "h")
+            return job is not None and job.summary.state == pb.JOB_STATE_ENDED
+
+        wait_for("the job to end", ended, timeout=10)
+        assert _ranks(_get_job(stub, d, "h")) == {0: "LEFT", 1: "LEFT"}
+
+
 def test_a_join_node_whose_commit_fails_is_undone_and_its_retry_joins(
     daemon: tuple[DaemonProcess, Path, Any],
 ) -> None:
@@ -365,7 +432,9 @@ def test_a_call_woken_by_an_undone_leave_gets_the_fault_even_past_its_deadline(
             locker.execute("ROLLBACK")
             locker.close()
         wait_for("health SERVING once the lock is gone", lambda: _health(d) == SERVING)
-        assert _ranks(_get_job(stub, d, "g")) == {0: "ACTIVE", 1: "ACTIVE"}
+        # Rank 1's goodbye is kept through the undo: with no stream of its own to end,
+        # the next tick says it again (the barrier's round is the undone change).
+        assert _ranks(_get_job(stub, d, "g")) == {0: "ACTIVE", 1: "LEFT"}
 
 
 def test_the_sdk_sends_an_undone_barrier_round_again(daemon: tuple[DaemonProcess, Path]) -> None:

@@ -494,7 +494,10 @@ def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinc
     # in milliseconds); a live holder at the end is as fatal as another host's.
     assert same_host.returncode == 1, same_host.stderr
     assert "is held by the node agent on this host" in same_host.stderr, same_host.stderr
-    assert "DuplicateRank" in same_host.stderr and "(still held after 3 s of trying)" in same_host.stderr
+    assert (
+        "DuplicateRank" in same_host.stderr
+        and "(still held after 3 s of trying)" in same_host.stderr
+    )
     assert "gave up after 0 restarts (max_restarts=1)" in same_host.stderr, same_host.stderr
     assert waited >= 3, waited
 
