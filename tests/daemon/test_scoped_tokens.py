@@ -12,7 +12,7 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import AuthenticationError, RendezvousClient
-from rendezvousd.server.methods import JOB_METHODS, POLICY
+from rendezvousd.server.methods import POLICY
 from rendezvousd.server.scope import (
     ADMIN,
     Scope,
@@ -26,6 +26,7 @@ from tests.support import DaemonProcess
 
 CLI = (sys.executable, "-m", "rendezvousd.cli")
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+JOB_METHODS = frozenset(name for name, p in POLICY.items() if p.job_scoped)
 
 
 # -- the decision itself ------------------------------------------------------
