@@ -499,7 +499,3 @@ class Daemon:
         self._server = None
         self.persister.close()
         log.info("rendezvousd stopped")
-
-    async def wait(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()

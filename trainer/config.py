@@ -604,20 +604,6 @@ def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if env is None else env
 
 
-def with_env_overrides(
-    config: DistributedConfig, env: Mapping[str, str] | None = None
-) -> DistributedConfig:
-    """``config`` with the ``RENDEZVOUSD_*`` variables in ``env`` (default ``os.environ``)."""
-    return SCHEMA.build([SCHEMA.from_instance(config), SCHEMA.from_env(_env(env))])
-
-
-def with_cli_overrides(
-    config: DistributedConfig, overrides: argparse.Namespace | Mapping[str, object]
-) -> DistributedConfig:
-    """``config`` with non-None CLI values; unknown dict keys are errors, Namespace extras not."""
-    return SCHEMA.build([SCHEMA.from_instance(config), SCHEMA.from_cli(overrides)])
-
-
 class ConfigSources(TypedDict, total=False):
     """Where ``load_layers`` and ``load_config`` read besides the TOML file.
 

@@ -411,15 +411,6 @@ class Schema(Generic[T]):
         assert option.flag is not None
         return [*(aliases or {}).get(option.key, ()), option.flag]
 
-    def from_instance(self, instance: T) -> Layer:
-        layer: Layer = {}
-        for key in self.options:
-            value: Any = instance
-            for part in key.split("."):
-                value = getattr(value, part)
-            layer[key] = Value(value, "the given config")
-        return layer
-
     def _imply(self, layer: Layer) -> Layer:
         implied: Layer = {}
         for key, value in layer.items():

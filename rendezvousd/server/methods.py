@@ -58,6 +58,3 @@ _ADMIN_ONLY = Policy(job_scoped=False)
 def policy(method: str) -> Policy:
     """``method``'s policy (bare name); an unknown method is admin-only."""
     return POLICY.get(method, _ADMIN_ONLY)
-
-
-JOB_METHODS = frozenset(name for name, p in POLICY.items() if p.job_scoped)

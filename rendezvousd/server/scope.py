@@ -200,15 +200,3 @@ def read_job_token(token: str, admin_keys: Sequence[bytes]) -> JobToken | None:
         hmac.compare_digest(presented, _mac(a, job_id, until, issued).encode()) for a in admin_keys
     )
     return JobToken(job_id, until, issued) if ok else None
-
-
-def verify_job_token(
-    token: str, admin_keys: Sequence[bytes], now: float | None = None
-) -> Scope | None:
-    """The job scope ``token`` grants under any of ``admin_keys`` at ``now`` (the
-    wall clock when None: expiry is a date, shared with the machine that minted
-    the token), or None."""
-    read = read_job_token(token, admin_keys)
-    if read is None or read.expired(time.time() if now is None else now):
-        return None
-    return Scope(read.job)

@@ -95,10 +95,6 @@ class StateStore:
         self.directory = directory
         self.path = directory / STATE_FILE
 
-    def prepare(self) -> None:
-        self.check_dir()
-        self.remove_stale()
-
     def check_dir(self) -> None:
         """Creates the directory 0700; refuses one that others could write into."""
         try:

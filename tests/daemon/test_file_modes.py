@@ -70,7 +70,7 @@ def test_a_token_path_that_is_a_socket_is_named_not_opened(tmp_path: Path) -> No
 def test_a_planted_link_at_a_temp_name_is_never_written_through(tmp_path: Path) -> None:
     state = tmp_path / "state"
     store = StateStore(state)
-    store.prepare()
+    store.check_dir()
     victim = tmp_path / "victim"
     victim.write_text("precious")
     # The name an older daemon used for its temp file, and a link left "from a crash".
@@ -78,7 +78,7 @@ def test_a_planted_link_at_a_temp_name_is_never_written_through(tmp_path: Path) 
     store.write({"schema": 1, "jobs": []})
     assert victim.read_text() == "precious"
     assert store.read() == {"schema": 1, "jobs": []}
-    store.prepare()  # a restart clears temp leftovers (the link, not its target)
+    store.remove_stale()  # a restart clears temp leftovers (the link, not its target)
     assert not list(state.glob(f".{STATE_FILE}.*.tmp")) and victim.read_text() == "precious"
 
 
@@ -87,7 +87,7 @@ def test_a_state_file_that_is_a_link_is_refused_and_replaced_not_followed(
 ) -> None:
     state = tmp_path / "state"
     store = StateStore(state)
-    store.prepare()
+    store.check_dir()
     victim = tmp_path / "victim"
     victim.write_text("precious")
     store.path.symlink_to(victim)

@@ -12,7 +12,7 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import AuthenticationError, RendezvousClient
-from rendezvousd.server.methods import JOB_METHODS, POLICY
+from rendezvousd.server.methods import POLICY
 from rendezvousd.server.scope import (
     ADMIN,
     Scope,
@@ -20,13 +20,13 @@ from rendezvousd.server.scope import (
     allowed,
     derive_job_token,
     read_job_token,
-    verify_job_token,
 )
 from tests.daemon.raw_calls import SERVICE, UNARY, raw, reason_of
 from tests.support import DaemonProcess
 
 CLI = (sys.executable, "-m", "rendezvousd.cli")
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+JOB_METHODS = frozenset(name for name, p in POLICY.items() if p.job_scoped)
 
 
 # -- the decision itself ------------------------------------------------------
@@ -248,15 +248,16 @@ def test_an_expiring_token_grants_its_job_until_its_date_only() -> None:
     keys = [admin_key("a" * 32)]
     token = derive_job_token("a" * 32, "j.until-5", until=2_000_000_000)
     assert token.endswith(".until-2000000000")
-    assert verify_job_token(token, keys, now=1_999_999_999) == Scope("j.until-5")
-    assert verify_job_token(token, keys, now=2_000_000_000) is None
+    read = read_job_token(token, keys)
+    assert read is not None and read.job == "j.until-5"
+    assert not read.expired(1_999_999_999) and read.expired(2_000_000_000)
     # The date is under the MAC: a holder cannot move it.
     longer = token.replace("until-2000000000", "until-2000000001")
     assert read_job_token(longer, keys) is None
     assert read_job_token(token.replace("until-", "until-+"), keys) is None
     # A token without a date never expires, whatever its job id looks like.
-    forever = derive_job_token("a" * 32, "j.until-5")
-    assert verify_job_token(forever, keys, now=10**12) == Scope("j.until-5")
+    forever = read_job_token(derive_job_token("a" * 32, "j.until-5"), keys)
+    assert forever is not None and forever.job == "j.until-5" and not forever.expired(10**12)
 
 
 def test_cli_writes_a_token_valid_for_a_duration_and_the_daemon_takes_it(

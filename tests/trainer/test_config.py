@@ -18,8 +18,6 @@ from rendezvousd.trainer.config import (
     add_cli_arguments,
     load_config,
     settings_table,
-    with_cli_overrides,
-    with_env_overrides,
 )
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.topology import MultiNodeTopology
@@ -238,9 +236,9 @@ def test_env_node_rank_out_of_range_is_rejected(tmp_path: Path) -> None:
         load_config(write(tmp_path, MULTI), env={"RENDEZVOUSD_NODE_RANK": "2"})
 
 
-def test_with_env_overrides_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_config_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RENDEZVOUSD_RETRIES", "4")
-    assert with_env_overrides(DistributedConfig()).retry_attempts == 4
+    assert load_config().retry_attempts == 4
 
 
 # ---- CLI overrides and precedence
@@ -254,7 +252,7 @@ def test_cli_beats_env_beats_file(tmp_path: Path) -> None:
     assert config.retry_attempts == 5
 
 
-def test_argparse_namespace_overrides_only_flags_that_were_given() -> None:
+def test_argparse_namespace_overrides_only_flags_that_were_given(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
     parser.add_argument("--steps", type=int, default=10)
@@ -272,15 +270,15 @@ def test_argparse_namespace_overrides_only_flags_that_were_given() -> None:
             "3",
         ]
     )
-    base = DistributedConfig(retry_attempts=2)
-    config = with_cli_overrides(base, args)
+    base = write(tmp_path, "[distributed]\nretry_attempts = 2\n")
+    config = load_config(base, env={}, cli=args)
     assert (config.num_nodes, config.node_rank, config.retry_attempts) == (2, None, 2)
     assert config.rendezvous == RendezvousTransport.daemon("h:9")
 
 
 def test_dict_override_with_unknown_key_is_rejected() -> None:
     with pytest.raises(ConfigError, match="unknown override 'num_node'"):
-        with_cli_overrides(DistributedConfig(), {"num_node": 2})
+        load_config(env={}, cli={"num_node": 2})
 
 
 # ---- rank-0 log line
@@ -330,9 +328,9 @@ def test_cpu_shared_memory_from_toml_and_cli(tmp_path: Path) -> None:
     assert load_config(path, env={}).cpu_shared_memory is False
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
-    assert with_cli_overrides(DistributedConfig(), parser.parse_args([])).cpu_shared_memory
+    assert load_config(env={}, cli=parser.parse_args([])).cpu_shared_memory
     args = parser.parse_args(["--no-cpu-shared-memory"])
-    assert with_cli_overrides(DistributedConfig(), args).cpu_shared_memory is False
+    assert load_config(env={}, cli=args).cpu_shared_memory is False
     with pytest.raises(ConfigError, match="cpu_shared_memory='yes' must be true or false"):
         DistributedConfig(cpu_shared_memory="yes")  # type: ignore[arg-type]
 

@@ -31,7 +31,6 @@ __all__ = [
     "CupyBufferOps",
     "NcclCommunicator",
     "create_unique_id",
-    "cupy_available",
     "device_count",
     "is_cupy_array",
     "unavailable_reason",
@@ -99,11 +98,6 @@ def _cupy_or_none() -> Any | None:
         return _import_cupy()
     except Exception:  # ImportError, or a CUDA library failing to load
         return None
-
-
-def cupy_available() -> bool:
-    """True when CuPy imports on this machine (whether it can load NCCL or not)."""
-    return _cupy_or_none() is not None
 
 
 # CuPy's wheels bring no NCCL: cupy.cuda.nccl imports anyway and says

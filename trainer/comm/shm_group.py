@@ -219,10 +219,6 @@ class ShmGroup:
             wire.set_io_timeout(sock, timeout)
             self._poller.register(sock, select.POLLIN | select.POLLHUP)
 
-    @property
-    def size(self) -> int:
-        return len(self._members)
-
     # -- setup --------------------------------------------------------------------------
 
     def _connect_mesh(self, listener: socket.socket, names: Sequence[str], fd: int) -> None:

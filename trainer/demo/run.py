@@ -293,7 +293,3 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0 if card["success"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
