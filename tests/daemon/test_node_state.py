@@ -343,6 +343,41 @@ def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:
     assert isinstance(sm.join(node("c", lo=1, hi=3, uid=ID2, last_call=1.0), 3.0), Parked)
 
 
+def test_a_scale_up_node_timing_out_hears_the_job_kept_running_and_leaves_it_alone() -> None:
+    """A node parked for the next generation of a running elastic job, whose wait
+    ends while the running nodes never re-formed to take it in: it hears why (the job
+    kept running short of max_nodes), it is no longer counted as waiting (the running
+    nodes are told so), and the running generation is untouched."""
+    sm = RendezvousState()
+    join_first(sm, node("a", lo=1, hi=3, last_call=1.0))
+    sm.tick(1.5)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and job.num_nodes == 1
+    sm.attach_stream("j", 1, 0, "a", 1.5, mode=JoinMode.NODE)
+    parked = sm.join(node("c", lo=1, hi=3, last_call=1.0), 2.0)
+    assert isinstance(parked, Parked)
+    assert job.scaleup_waiters == {parked.waiter: "c"}
+    sm.take_effects()
+    f = sm.cancel_wait(parked.waiter, 62.0, timed_out=True)
+    assert f is not None
+    assert (f.code, f.reason) == (Code.DEADLINE_EXCEEDED, "WORLD_INCOMPLETE")
+    assert "job 'j' generation 1 kept running with 1 of max_nodes=3 nodes" in f.message
+    assert "for 60.0 s" in f.message and "did not end it to take this node in" in f.message
+    assert f.metadata["job_id"] == "j" and f.metadata["generation"] == "1"
+    # no longer parked, nor counted: the running node hears that none waits now
+    assert job.scaleup_waiters == {} and parked.waiter not in sm.calls.waiting
+    effects = sm.take_effects()
+    notes = [(e.kind, e.nodes_waiting) for e in effects if isinstance(e, Notify)]
+    assert notes == [(EventKind.NODES_WAITING, 0)]
+    assert not [e for e in effects if isinstance(e, (Wake, Transition))]
+    # the running generation goes on as it was
+    assert job.state is JobState.RUNNING and job.generation == 1 and job.num_nodes == 1
+    assert set(job.gen.nodes) == {"a"} and not job.gen.failed
+    sm.heartbeat("j", 1, 0, 62.0, mode=JoinMode.NODE)
+    sm.tick(62.5)
+    assert job.state is JobState.RUNNING and job.generation == 1
+
+
 def test_node_timing_out_while_forming_frees_its_slot() -> None:
     sm = RendezvousState()
     first = join_first(sm, node("a", lo=3, hi=3))
