@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from rendezvousd.client import JobEnded, RendezvousClient
 from rendezvousd.server.scope import derive_job_token
-from rendezvousd.web.http_server import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER
+from rendezvousd.web.http_server import MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER
 from tests.support import DaemonProcess, Pki, node_with_a_standby, wait_for
 
 UID = b"\x5a" * 128
@@ -258,6 +258,62 @@ def test_one_address_cannot_hold_every_connection(daemon: DaemonProcess) -> None
         with _connect_from("127.0.0.6", host, port) as other:
             other.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert other.recv(64).startswith(b"HTTP/1.1 200"), "another address is served"
+
+
+def _raw(d: DaemonProcess, data: bytes) -> tuple[int, bytes]:
+    """``data`` sent as is on a connection of its own: the status and the whole answer,
+    read until the server closes the connection (it must: every refusal closes)."""
+    with socket.create_connection(_address(d), timeout=10) as conn:
+        conn.sendall(data)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    line = answer.split(b"\r\n", 1)[0]
+    assert line.startswith(b"HTTP/1.1 "), answer
+    return int(line.split(b" ")[1]), answer
+
+
+def test_requests_it_does_not_serve_are_refused_and_the_port_serves_on(
+    daemon: DaemonProcess,
+) -> None:
+    """What the metrics port refuses before any page sees it, each answered with why
+    and the connection closed; the next scrape is served. Bodies are Content-Length
+    only, up to MAX_BODY_BYTES (operations.md: "bodies up to 16 KiB")."""
+    head = "POST /login HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{}\r\n\r\n"
+    refused = [
+        (b"GARBAGE\r\n\r\n", 400, b"malformed request line"),
+        (b"GET /metrics HTTP/1.1 extra\r\n\r\n", 400, b"malformed request line"),
+        (b"GET /metrics HTTP/2.0\r\n\r\n", 400, b"only HTTP/1.0 and HTTP/1.1 are served"),
+        (
+            b"GET /metrics HTTP/1.1\r\nno colon\r\nConnection: close\r\n\r\n",
+            400,
+            b"malformed header line",
+        ),
+        # No chunked bodies (the chunk itself is not sent: the refusal comes first).
+        (head.format("Transfer-Encoding: chunked").encode(), 411, b"not a chunked one"),
+        (
+            head.format("Transfer-Encoding: chunked\r\nContent-Length: 5").encode(),
+            411,
+            b"send a Content-Length body",
+        ),
+        (head.format("Content-Length: five").encode(), 400, b"Content-Length is not a number"),
+        (
+            head.format(f"Content-Length: {MAX_BODY_BYTES + 1}").encode(),
+            413,
+            f"request bodies are limited to {MAX_BODY_BYTES} bytes".encode(),
+        ),
+    ]
+    for data, status, why in refused:
+        got, answer = _raw(daemon, data)
+        assert got == status and why in answer.split(b"\r\n\r\n", 1)[1], (data, answer)
+        assert b"\r\nConnection: close\r\n" in answer, answer
+        assert request(daemon, "GET", "/metrics")[0] == 200, data
+    # A body of exactly the limit is read whole: the login form's token at its end counts.
+    form = f"token={daemon.token}".encode()
+    body = b"pad=" + b"x" * (MAX_BODY_BYTES - len(form) - 5) + b"&" + form
+    assert len(body) == MAX_BODY_BYTES
+    status, answer = _raw(daemon, head.format(f"Content-Length: {len(body)}").encode() + body)
+    assert status == 303 and b"Set-Cookie: rdzv_session=" in answer, answer[:200]
 
 
 def test_under_tls_the_page_is_https_and_its_cookie_secure(
