@@ -297,6 +297,9 @@ def test_requests_it_does_not_serve_are_refused_and_the_port_serves_on(
             b"send a Content-Length body",
         ),
         (head.format("Content-Length: five").encode(), 400, b"Content-Length is not a number"),
+        (head.format("Content-Length: -1").encode(), 400, b"Content-Length is not a number"),
+        (head.format("Content-Length: 1_0").encode(), 400, b"Content-Length is not a number"),
+        (head.format("Content-Length: +5").encode(), 400, b"Content-Length is not a number"),
         (
             head.format(f"Content-Length: {MAX_BODY_BYTES + 1}").encode(),
             413,
