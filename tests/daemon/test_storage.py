@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,6 +138,41 @@ def test_a_removed_state_dir_refuses_changes_applies_nothing_and_recovers(tmp_pa
         assert "restored 1 job" in d2.log()
     finally:
         d2.kill()
+
+
+def _health_cli(d: DaemonProcess) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "health", "--endpoint", d.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_health_command_exits_4_while_storage_fails(tmp_path: Path) -> None:
+    """``rendezvousd health`` (grpc_health_probe's exit codes) at a daemon whose
+    storage failed: 4, NOT_SERVING, named; 0 again once storage is back."""
+    d, state = _start(tmp_path)
+    client = RendezvousClient(d.endpoint, "probed", token=d.token)
+    try:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError) as info:
+            client.kv_set("k", b"v")  # the change whose commit fails
+        assert info.value.reason == "STORAGE_UNAVAILABLE"
+        result = _health_cli(d)
+        assert result.returncode == 4, (result.returncode, result.stdout, result.stderr)
+        assert result.stderr == f"rendezvousd health: {d.endpoint} is NOT_SERVING\n"
+        assert result.stdout == ""
+        state.mkdir(mode=0o700)
+        wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
+        result = _health_cli(d)
+        assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
+        assert result.stdout == f"rendezvousd health: {d.endpoint} is SERVING\n"
+    finally:
+        client.close()
+        d.kill()
 
 
 def test_a_reader_woken_by_a_change_that_failed_gets_the_fault_not_the_value(
