@@ -6,6 +6,7 @@ through the one-host shared-memory group (trainer/comm/shm_group.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import re
@@ -545,6 +546,36 @@ def test_a_peer_that_failed_on_our_rejection_is_named_when_its_listener_is_gone(
     # acceptor's ("last rejected connection: ..."), whichever ends first: both name it.
     assert re.search(r"rejected a connection|last rejected connection", str(second)), second
     assert "failed authentication (different job secret?)" in str(second), second
+
+
+@pytest.mark.parametrize("absent", ["nothing listens"])
+def test_a_rank_that_never_shows_up_is_named_with_the_timeout(absent: str) -> None:
+    """World 3, rank 2 never starts: rank 0 (whose left neighbour it is) waits out the
+    timeout for its connection, rank 1 (whose right neighbour it is) for its answer at
+    its address, a port nothing listens on, or one whose process never accepts. Each
+    names the rank it waited for, and the timeout, once the timeout is out."""
+    socks, addrs = _listeners(3)
+    socks[2].close()
+    with contextlib.ExitStack() as stack:
+        if absent == "never accepts":
+            silent = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+            addrs[2] = ("127.0.0.1", silent.getsockname()[1])
+        started = time.monotonic()
+        outcome = parallel(
+            [lambda r=r: CpuRingCommunicator(r, 3, socks[r], addrs, SECRET, 3.0) for r in (0, 1)]
+        )
+        took = time.monotonic() - started
+    for c in outcome:
+        if isinstance(c, CpuRingCommunicator):
+            c.close()
+    left_of_absent, right_of_absent = outcome
+    assert isinstance(left_of_absent, errs.CommunicatorTimeout), left_of_absent
+    assert str(left_of_absent) == "rank 0: rank 2 did not connect and authenticate within 3 s"
+    assert isinstance(right_of_absent, errs.CommunicatorTimeout), right_of_absent
+    where = f"rank 1: rank 2 at 127.0.0.1:{addrs[2][1]}"
+    why = "was not reachable" if absent == "nothing listens" else "did not complete the handshake"
+    assert str(right_of_absent) == f"{where} {why} within 3 s", right_of_absent
+    assert 2.9 < took < 12.0, took
 
 
 def test_stray_connections_do_not_block_the_ring() -> None:
