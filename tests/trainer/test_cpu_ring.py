@@ -548,7 +548,7 @@ def test_a_peer_that_failed_on_our_rejection_is_named_when_its_listener_is_gone(
     assert "failed authentication (different job secret?)" in str(second), second
 
 
-@pytest.mark.parametrize("absent", ["nothing listens"])
+@pytest.mark.parametrize("absent", ["nothing listens", "never accepts"])
 def test_a_rank_that_never_shows_up_is_named_with_the_timeout(absent: str) -> None:
     """World 3, rank 2 never starts: rank 0 (whose left neighbour it is) waits out the
     timeout for its connection, rank 1 (whose right neighbour it is) for its answer at

@@ -234,6 +234,13 @@ def _connect(
             raise PeerConnectionError(f"{where} could not be reached: {exc.strerror}") from exc
         try:
             peer_auth.dial(sock, auth, peer, where)
+        except CommunicatorTimeout as exc:
+            sock.close()
+            # A port that takes the connection and never answers (a process there that
+            # never accepts): said "in time", not which timeout.
+            raise CommunicatorTimeout(
+                f"{where} did not complete the handshake within {timeout:g} s"
+            ) from exc
         except BaseException:
             sock.close()
             raise
