@@ -29,9 +29,12 @@ import pytest
 
 from rendezvousd.client._session import UNIQUE_ID_BYTES
 from rendezvousd.client.errors import (
+    DaemonUnavailable,
     DuplicateRank,
     InvalidRequest,
     KeyNotFound,
+    PeerFailed,
+    RendezvousError,
     RendezvousTimeout,
 )
 from rendezvousd.client.sync import RendezvousClient
@@ -650,6 +653,114 @@ def test_rank0_keeps_serving_until_every_rank_left(tmp_path: Path) -> None:
     assert seen == {"value": b"hello", "zero_returned_early": False}
     assert one.failure is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_failure_reaches_the_other_ranks_with_its_cause(tmp_path: Path) -> None:
+    # As through a daemon of one's own: the peers read the reported cause, not
+    # "heartbeat stream closed", on their heartbeat and in their next call.
+    zero, one = FileRendezvous(tmp_path, "cause"), FileRendezvous(tmp_path, "cause")
+    heard: list[RendezvousError] = []
+    try:
+        parallel(
+            [
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30),
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30),
+            ],
+            30.0,
+        )
+        zero.start_heartbeat(0.2, heard.append)
+        one.start_heartbeat(0.2)
+        one.report_failure(1, "ValueError: batch 7 is empty", timeout=10)
+        with pytest.raises(PeerFailed) as info:
+            zero.barrier("next", timeout=20)
+        wait_for("rank 0's heartbeat to hear it", lambda: bool(heard), 20)
+    finally:
+        parallel([one.leave, zero.leave], 30.0)
+        one.close()
+        zero.close()
+    for error in (info.value, heard[0]):
+        assert isinstance(error, PeerFailed) and error.ranks == [1], repr(error)
+        assert "lost rank 1 " in error.message, error.message
+        assert "ValueError: batch 7 is empty" in error.message, error.message
+        assert "heartbeat stream closed" not in error.message, error.message
+
+
+def test_a_call_under_way_when_rank0s_daemon_goes_away_names_the_loss_of_rank_0(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 left and closed, its leave waiting 0.2 s for the others, while rank 1
+    # still waits for a key: rank 0's daemon waits its heartbeat timeout (10 s) for
+    # rank 1, then shuts down under the call, which fails as losing rank 0 (not a
+    # bare CANCELLED or UNAVAILABLE of a daemon that will never come back).
+    zero = FileRendezvous(tmp_path, "gone", leave_timeout=0.2)
+    one = FileRendezvous(tmp_path, "gone")
+    seen: dict[str, Any] = {}
+
+    def wait_for_a_key() -> None:
+        started = time.monotonic()
+        try:
+            one.kv_get("never-set", timeout=120)
+        except RendezvousError as exc:
+            seen["error"], seen["after"] = exc, time.monotonic() - started
+
+    try:
+        parallel(
+            [
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30),
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30),
+            ],
+            30.0,
+        )
+        zero.start_heartbeat(0.2)
+        one.start_heartbeat(0.2)
+        socket_path = one.socket_path
+        waiter = threading.Thread(target=wait_for_a_key, daemon=True)
+        waiter.start()
+        zero.leave()
+        zero.close()
+        waiter.join(60)
+    finally:
+        one.close()
+        zero.close()
+    assert not waiter.is_alive(), "rank 1's call still waits for the daemon rank 0 took away"
+    error = seen["error"]
+    assert type(error) is PeerFailed and error.ranks == [0], repr(error)
+    assert error.reason == "PEER_FAILED" and error.method == "KvGet", repr(error)
+    assert f"lost rank 0 (its rendezvous daemon at {socket_path} shut down" in error.message
+    assert "rank 0 exited or closed the rendezvous" in error.message, error.message
+    assert seen["after"] < 60.0
+
+
+class _DaemonGoneUnderTheCall:
+    """A worker's client whose heartbeat already heard the cause when rank 0's daemon
+    went away under a call."""
+
+    def __init__(self, failure: RendezvousError) -> None:
+        self.failure = failure
+        self.membership = None
+
+    def kv_get(self, key: str, wait: bool, timeout: float | None) -> bytes:
+        raise DaemonUnavailable(
+            "cancelled", code="CANCELLED", method="KvGet", endpoint="unix:gone.sock", rank=1
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_call_cut_by_rank0s_exit_raises_the_cause_the_heartbeat_already_heard(
+    tmp_path: Path,
+) -> None:
+    # Rank 0's daemon tells the cause (a peer's own) on the heartbeat stream, then
+    # exits with rank 0: the call it cut short raises that cause, not "lost rank 0".
+    heard = PeerFailed("lost rank 2 (CUDA error: out of memory)", metadata={"ranks": "2"})
+    rv = FileRendezvous(tmp_path, "heard")
+    rv._client = _DaemonGoneUnderTheCall(heard)  # type: ignore[assignment]
+    with pytest.raises(PeerFailed) as info:
+        rv.kv_get("k", timeout=5)
+    assert info.value is heard
+    assert isinstance(info.value.__cause__, DaemonUnavailable)
+    rv.close()
 
 
 # -- one interface over both transports ---------------------------------------------------

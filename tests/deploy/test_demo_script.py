@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,8 @@ def _set_up_by_venv_sh() -> bool:
     return any((ROOT / ".venv").glob(f".installed-{digest}-*"))
 
 
-pytestmark = pytest.mark.skipif(
+#: The tests that run demo.sh or _venv.sh itself (the --help smoke test needs neither).
+needs_venv_sh = pytest.mark.skipif(
     not _set_up_by_venv_sh(), reason="the .venv was not set up by scripts/_venv.sh"
 )
 
@@ -48,12 +51,14 @@ def _assert_scorecard(done: subprocess.CompletedProcess[str], out: Path, steps: 
     assert f"scorecard written to {out}" in done.stdout + done.stderr
 
 
+@needs_venv_sh
 @pytest.mark.slow
 def test_demo_with_steps_and_out_runs_and_writes_the_scorecard(tmp_path: Path) -> None:
     out = tmp_path / "card.json"
     _assert_scorecard(_demo("--steps", "2", "--out", str(out)), out, 2)
 
 
+@needs_venv_sh
 def test_demo_hands_hosts_to_the_demo_not_to_pip(tmp_path: Path) -> None:
     # A value the demo itself refuses: cheap, and only the demo can say this.
     done = _demo("--hosts", "-1", "--steps", "2", "--out", str(tmp_path / "c.json"))
@@ -61,6 +66,7 @@ def test_demo_hands_hosts_to_the_demo_not_to_pip(tmp_path: Path) -> None:
     assert "--hosts=-1 must be >= 0" in done.stderr, done.stderr
 
 
+@needs_venv_sh
 @pytest.mark.slow
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"--hosts: {unavailable_reason()}")
 def test_demo_on_three_network_hosts_as_the_readme_says(tmp_path: Path) -> None:
@@ -68,6 +74,7 @@ def test_demo_on_three_network_hosts_as_the_readme_says(tmp_path: Path) -> None:
     _assert_scorecard(_demo("--hosts", "3", "--steps", "2", "--out", str(out)), out, 2)
 
 
+@needs_venv_sh
 @pytest.mark.parametrize("bad", [(), ("--hosts",), ("a", "b")])
 def test_venv_sh_refuses_anything_but_one_extra_name(bad: tuple[str, ...]) -> None:
     script = f'source {ROOT / "scripts" / "_venv.sh"} "$@"; echo sourced'
@@ -77,3 +84,23 @@ def test_venv_sh_refuses_anything_but_one_extra_name(bad: tuple[str, ...]) -> No
     )  # fmt: skip
     assert done.returncode == 2 and "sourced" not in done.stdout, done
     assert "_venv.sh:" in done.stderr and '"" for none' in done.stderr, done.stderr
+
+
+def test_the_demo_module_is_an_entry_point_taking_every_flag_its_users_are_shown() -> None:
+    """demo.sh is ``exec .venv/bin/python -m rendezvousd.trainer.demo "$@"``: the module
+    runs (its __main__.py), and each flag that demo.sh's usage line and the README
+    give it is one the demo takes (read off the usage, not the description)."""
+    assert 'python -m rendezvousd.trainer.demo "$@"' in DEMO.read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.trainer.demo", "--help"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    usage = done.stdout.split("\n\n", 1)[0]
+    assert usage.startswith("usage: python -m rendezvousd.trainer.demo "), done.stdout
+    taken = set(re.findall(r"\[(--[a-z][a-z-]*)", usage))
+    usage_line = next(line for line in DEMO.read_text().splitlines() if "Usage:" in line)
+    shown = set(re.findall(r"--[a-z][a-z-]*", usage_line))
+    shown |= set(re.findall(r"demo\.sh (--[a-z][a-z-]*)", (ROOT / "README.md").read_text()))
+    assert shown >= {"--steps", "--out", "--hosts"}, shown
+    assert shown - taken == set(), usage

@@ -26,6 +26,7 @@ from tests.support import (
     json_lines,
     launcher_cmd,
     run_script_node,
+    scrape,
     wait_for,
 )
 
@@ -425,6 +426,44 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
     called = standby.stderr().split("standing by")[-1]
     assert "standby called: this node is node 1 of generation 2 (2 nodes)" in called, called
     assert "restart" not in called.lower(), called
+
+
+def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_called(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A standby's wait (--join-timeout-s 1) ends with no slot freed, again and again
+    while the job trains (the daemon answers each JoinNode DEADLINE_EXCEEDED): each
+    time it stands by again, no failure and no restart, and when node 1 dies later it
+    is still the one called into the slot."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    timed_out = 'rendezvousd_rpc_duration_seconds_count{code="DEADLINE_EXCEEDED",method="JoinNode"}'
+    flags = ["--max-restarts", "1"]
+    args = ["--steps", "400", "--step-s", "0.03"]
+    nodes = _nodes(d, job_id, tmp_path, 2, flags, args)
+    quick = [*flags, "--standby", "--join-timeout-s", "1"]
+    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", quick, args)
+    try:
+        wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
+        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
+
+        def waits_ended(count: int) -> bool:
+            assert standby.proc.poll() is None, standby.stderr()  # it stands by still
+            metrics = scrape(d.metrics_url)
+            return metrics.get(timed_out, 0) >= count and metrics["rendezvousd_standby_nodes"] == 1
+
+        wait_for("3 of its waits to end, parked again", lambda: waits_ended(3), timeout=60)
+        assert len(nodes[1].events("done")) == 0, "the job ended before node 1 was killed"
+        nodes[1].proc.kill()
+        codes = [nodes[0].wait(120), standby.wait(120)]
+    finally:
+        _cleanup([*nodes, standby])
+    assert codes == [0, 0], [nodes[0].stderr(), standby.stderr()]
+    err = standby.stderr()
+    assert err.count("standing by") == 1, err  # told once, not once a wait
+    assert "restart" not in err.lower() and "failed" not in err.lower(), err
+    assert "standby called: this node is node 1 of generation 2 (2 nodes)" in err, err
+    assert sorted(e["rank"] for e in standby.events("done")) == [2, 3], standby.events()
+    assert {e["restart_count"] for e in standby.events("ready")} == {0}, standby.events()
 
 
 def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spare(

@@ -158,6 +158,59 @@ def test_a_worker_without_a_launcher_that_raises_is_its_peers_cause(
     assert failed[0].cause.startswith("RuntimeError: line1\nline2xxx"), failed[0].cause
 
 
+def test_a_worker_without_a_launcher_whose_ring_broke_waits_for_the_daemons_cause(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Rank 1's ring goes 0.5 s before its heartbeat stream does (it closes its
+    communicator, then dies): rank 0, its collective broken, does not drop out at once
+    (the daemon would lose it first, and name it the root cause) but waits, bounded,
+    until the daemon tells it rank 1 is lost."""
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import json, os, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "ctx = init_distributed()\n"
+        "ctx.communicator.barrier()\n"
+        "if ctx.rank == 1:\n"
+        "    ctx.communicator.close()\n"
+        "    time.sleep(0.5)\n"
+        "    os._exit(9)\n"
+        "try:\n"
+        "    ctx.communicator.barrier()\n"
+        "except Exception as exc:\n"
+        "    ctx.close(clean=False, error=exc)\n"
+        "    heard = ctx.rendezvous.failure\n"
+        "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}', 'heard': repr(heard)}))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=_worker_env(d, job_id, i, 2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        survivor = json.loads(rest_of_stdout(procs[0], 60).strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    assert "rank 1 aborted" in survivor["error"], survivor  # the ring's own word
+    assert survivor["heard"].startswith("PeerFailed(") and "lost rank 1 " in survivor["heard"], (
+        survivor
+    )
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        failed = probe.get_job().failed
+    assert [f.rank for f in failed[:1]] == [1], failed
+
+
 def _standalone(per_node: int, *flags: str) -> list[str]:
     """``rendezvous-run --standalone`` for ``per_node`` workers, before its script."""
     launcher = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", "--standalone"]
