@@ -191,7 +191,7 @@ class FileRendezvous:
         if self._client is not None:
             # A retry's fresh generation (the trainer's one retry model): the daemon
             # and the directory are the ones this worker already found.
-            return self._through_rank0(lambda client: client.join(**request))
+            return self._through_rank0("Join", lambda client: client.join(**request))
         wait = request.get("timeout")
         deadline = time.monotonic() + (JOIN_TIMEOUT_S if wait is None else wait)
         path = self._directory(request["gpus_per_node"] * num_nodes)
@@ -256,52 +256,80 @@ class FileRendezvous:
             )
         return self._client
 
-    def _through_rank0(self, call: Callable[[RendezvousClient], T]) -> T:
+    def _through_rank0(self, method: str, call: Callable[[RendezvousClient], T]) -> T:
         """``call(client)``, with rank 0's daemon going away reported as losing rank 0.
 
         It goes away only with rank 0, and a call that reaches it after its
         shutdown began is cancelled (or refused) rather than told PEER_FAILED.
         """
         client = self._joined()
+        if self.daemon is None and not self._daemon_there():
+            # Nothing brings rank 0's daemon back: the SDK would wait for it (two
+            # 30 s waits for a connection) and then not name rank 0.
+            raise self._rank0_lost(None, "is gone", method, client)
         try:
             return call(client)
         except (DaemonUnavailable, ProtocolError) as exc:
-            if self.daemon is not None or exc.code not in ("UNAVAILABLE", "CANCELLED"):
+            if self.daemon is not None:
                 raise
-            if self.failure is not None:  # the heartbeat already heard the cause
-                raise self.failure from exc
-            raise PeerFailed(
-                f"job {self._job_id!r} failed: lost rank 0 (its rendezvous daemon at "
-                f"{self.socket_path} shut down during {exc.method}: rank 0 exited or closed the "
-                "rendezvous); restart the job",
-                code="ABORTED",
-                reason="PEER_FAILED",
-                metadata={"ranks": "0"},
-                endpoint=exc.endpoint,
-                method=exc.method,
-                job_id=self._job_id,
-                rank=exc.rank,
-            ) from exc
+            if exc.code in ("UNAVAILABLE", "CANCELLED"):
+                said = f"shut down during {exc.method}"
+            elif not self._daemon_there():
+                said = f"is gone (found during {exc.method})"
+            else:
+                raise
+            raise self._rank0_lost(exc, said, exc.method, client) from exc
+
+    def _daemon_there(self) -> bool:
+        """Whether rank 0's daemon's socket is still there (it removes it as it ends)."""
+        return self.socket_path is None or os.path.lexists(self.socket_path)
+
+    def _rank0_lost(
+        self,
+        exc: DaemonUnavailable | ProtocolError | None,
+        said: str,
+        method: str,
+        client: RendezvousClient,
+    ) -> RendezvousError:
+        """Rank 0's daemon ended: the cause the heartbeat already heard, else rank 0's loss."""
+        if self.failure is not None:
+            return self.failure
+        return PeerFailed(
+            f"job {self._job_id!r} failed: lost rank 0 (its rendezvous daemon at "
+            f"{self.socket_path} {said}: rank 0 exited or closed the rendezvous); restart "
+            "the job",
+            code="ABORTED",
+            reason="PEER_FAILED",
+            metadata={"ranks": "0"},
+            endpoint=exc.endpoint if exc else f"unix:{self.socket_path}",
+            method=method,
+            job_id=self._job_id,
+            rank=exc.rank if exc else (client.membership.rank if client.membership else None),
+        )
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
-        self._through_rank0(lambda client: client.barrier(name, timeout=timeout))
+        self._through_rank0("Barrier", lambda client: client.barrier(name, timeout=timeout))
 
     def kv_set(self, key: str, value: bytes) -> None:
-        self._through_rank0(lambda client: client.kv_set(key, value))
+        self._through_rank0("KvSet", lambda client: client.kv_set(key, value))
 
     def kv_get(self, key: str, *, wait: bool = True, timeout: float | None = None) -> bytes:
-        return self._through_rank0(lambda client: client.kv_get(key, wait=wait, timeout=timeout))
+        return self._through_rank0(
+            "KvGet", lambda client: client.kv_get(key, wait=wait, timeout=timeout)
+        )
 
     def kv_add(self, key: str, delta: int = 1) -> int:
-        return self._through_rank0(lambda client: client.kv_add(key, delta))
+        return self._through_rank0("KvAdd", lambda client: client.kv_add(key, delta))
 
     def kv_compare_and_set(
         self, key: str, expected: bytes | None, desired: bytes
     ) -> tuple[bool, bytes | None]:
-        return self._through_rank0(lambda client: client.kv_compare_and_set(key, expected, desired))
+        return self._through_rank0(
+            "KvCompareAndSet", lambda client: client.kv_compare_and_set(key, expected, desired)
+        )
 
     def kv_delete(self, key: str) -> bool:
-        return self._through_rank0(lambda client: client.kv_delete(key))
+        return self._through_rank0("KvDelete", lambda client: client.kv_delete(key))
 
     def start_heartbeat(
         self,
@@ -315,12 +343,13 @@ class FileRendezvous:
 
     def report_failure(self, local_rank: int, cause: str, *, timeout: float | None = None) -> None:
         self._through_rank0(
-            lambda client: client.report_failure(local_rank, cause, timeout=timeout)
+            "ReportFailure",
+            lambda client: client.report_failure(local_rank, cause, timeout=timeout),
         )
 
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
         return self._through_rank0(
-            lambda client: client.abort(reason, job_id=job_id, generation=generation)
+            "AbortJob", lambda client: client.abort(reason, job_id=job_id, generation=generation)
         )
 
     def leave(self) -> None:

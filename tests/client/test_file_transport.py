@@ -731,6 +731,39 @@ def test_a_call_under_way_when_rank0s_daemon_goes_away_names_the_loss_of_rank_0(
     assert seen["after"] < 60.0
 
 
+def test_a_call_made_after_rank0s_daemon_is_gone_names_the_loss_of_rank_0_at_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 1, without a heartbeat, calls after rank 0 has left and its daemon is
+    gone: the call waited for the daemon 60 s (two 30 s waits for a connection), then
+    raised DaemonUnavailable, "there is no socket", without naming rank 0. Rank 0's
+    daemon never comes back: its socket gone is rank 0's loss."""
+    zero = FileRendezvous(tmp_path, "left", leave_timeout=0.2)
+    one = FileRendezvous(tmp_path, "left")
+    try:
+        parallel(
+            [
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30),
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30),
+            ],
+            30.0,
+        )
+        socket_path = one.socket_path
+        zero.leave()
+        zero.close()  # its daemon gone with it, within its heartbeat timeout
+        assert not Path(socket_path).exists()
+        started = time.monotonic()
+        with pytest.raises(PeerFailed) as info:
+            one.kv_set("k", b"v")
+        took = time.monotonic() - started
+    finally:
+        one.close()
+        zero.close()
+    assert info.value.ranks == [0] and info.value.method == "KvSet", repr(info.value)
+    assert f"lost rank 0 (its rendezvous daemon at {socket_path} is gone" in str(info.value)
+    assert took < 5.0, took
+
+
 class _DaemonGoneUnderTheCall:
     """A worker's client whose heartbeat already heard the cause when rank 0's daemon
     went away under a call."""
