@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,6 +131,21 @@ def test_a_worker_without_a_launcher_that_raises_is_its_peers_cause(
         "except Exception as exc:\n"
         "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}'}), flush=True)\n"
     )
+    survivor = _rank0s_last_line(d, job_id, script)
+    # Its own ring may break first ("rank 1 aborted: communicator closed"); when its
+    # rendezvous' word came first, that names the exception.
+    assert "lost rank 1" in survivor["error"] or "rank 1 aborted" in survivor["error"], survivor
+    if "lost rank 1" in survivor["error"]:
+        assert "RuntimeError: line1" in survivor["error"], survivor
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        failed = probe.get_job().failed
+    assert failed[0].rank == 1, failed
+    assert failed[0].cause.startswith("RuntimeError: line1\nline2xxx"), failed[0].cause
+
+
+def _rank0s_last_line(d: DaemonProcess, job_id: str, script: Path) -> dict[str, Any]:
+    """``script`` run as the two workers of a job without a launcher: rank 0's last
+    stdout line, as JSON."""
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],
@@ -141,21 +157,13 @@ def test_a_worker_without_a_launcher_that_raises_is_its_peers_cause(
         for i in range(2)
     ]
     try:
-        survivor = json.loads(rest_of_stdout(procs[0], 60).strip().splitlines()[-1])
+        last: dict[str, Any] = json.loads(rest_of_stdout(procs[0], 60).strip().splitlines()[-1])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
-    # Its own ring may break first ("rank 1 aborted: communicator closed"); when its
-    # rendezvous' word came first, that names the exception.
-    assert "lost rank 1" in survivor["error"] or "rank 1 aborted" in survivor["error"], survivor
-    if "lost rank 1" in survivor["error"]:
-        assert "RuntimeError: line1" in survivor["error"], survivor
-    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
-        failed = probe.get_job().failed
-    assert failed[0].rank == 1, failed
-    assert failed[0].cause.startswith("RuntimeError: line1\nline2xxx"), failed[0].cause
+    return last
 
 
 def test_a_worker_without_a_launcher_whose_ring_broke_waits_for_the_daemons_cause(
@@ -185,23 +193,7 @@ def test_a_worker_without_a_launcher_whose_ring_broke_waits_for_the_daemons_caus
         "    heard = ctx.rendezvous.failure\n"
         "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}', 'heard': repr(heard)}))\n"
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env=_worker_env(d, job_id, i, 2),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        survivor = json.loads(rest_of_stdout(procs[0], 60).strip().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+    survivor = _rank0s_last_line(d, job_id, script)
     assert "rank 1 aborted" in survivor["error"], survivor  # the ring's own word
     assert survivor["heard"].startswith("PeerFailed(") and "lost rank 1 " in survivor["heard"], (
         survivor
