@@ -282,7 +282,7 @@ class FileRendezvous:
 
     def _daemon_there(self) -> bool:
         """Whether rank 0's daemon's socket is still there (it removes it as it ends)."""
-        return self.socket_path is None or os.path.lexists(self.socket_path)
+        return self._dir is None or self._dir.socket_there()
 
     def _rank0_lost(
         self,
@@ -435,6 +435,11 @@ class PrivateDirectory:
     @property
     def token(self) -> Path:
         return self._via / f"{self.job_id}.token"
+
+    def socket_there(self) -> bool:
+        """Whether the daemon's socket is still in the directory (it removes it as it
+        ends), looked up through the descriptor, not by its name."""
+        return os.path.lexists(self._sock)
 
     def serving(self) -> bool:
         """Whether a process accepts connections on the socket (a stale file does not)."""

@@ -444,7 +444,7 @@ class RendezvousServicer:
             yield reply_batch
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        self.state.leave(
+        kept = self.state.leave(
             *_member_of(request),
             request.instance_id,
             _now(),
@@ -454,7 +454,7 @@ class RendezvousServicer:
         try:
             await self._durably(request.job_id, self.state.take_effects())
         except RendezvousFault as fault:
-            if fault.reason is STORAGE_UNAVAILABLE:
+            if kept and fault.reason is STORAGE_UNAVAILABLE:
                 raise storage_unavailable(request.job_id, goodbye=True) from None
             raise
         return pb.LeaveResponse()

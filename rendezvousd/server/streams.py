@@ -176,7 +176,7 @@ class HeartbeatStreams:
         """The stream's goodbye: applied at once, before anything can end the stream
         (so its end, read next, finds the member LEFT), then LEFT once durable."""
         try:
-            self.state.leave(*key[:2], key[3], instance_id, self._now(), mode=key[2])
+            kept = self.state.leave(*key[:2], key[3], instance_id, self._now(), mode=key[2])
         except RendezvousFault as refused:
             self._apply()
             queue.put_nowait(refused)  # Leave's own error, as the call would give it
@@ -188,7 +188,7 @@ class HeartbeatStreams:
         except RendezvousFault as fault:  # storage failed: undone, kept as a goodbye
             queue.put_nowait(
                 storage_unavailable(key[0], goodbye=True)
-                if fault.reason is STORAGE_UNAVAILABLE
+                if kept and fault.reason is STORAGE_UNAVAILABLE
                 else fault
             )
             return

@@ -61,10 +61,16 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         seat, added = _worker_seat(sm, job, args, args.local_rank, now)
         key: int | str = seat.rank  # ``job.key(seat)``, without the call per Join
     elif job.state is JobState.RUNNING and args.instance_id not in job.gen.nodes:
-        if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
+        if (
+            job.max_nodes > 1
+            and args.node_rank is not None
+            and (other := job.gen.nodes.named_at.get(args.node_rank))
+        ):
             # The node rank it names is held in the running generation: not a newcomer
             # but a second agent for that node (a relaunch beside a frozen predecessor,
-            # or two nodes given one rank), whatever room the next generation has.
+            # or two nodes given one rank), whatever room the next generation has. (A
+            # single node's agent always names rank 0: a second one finds the world
+            # full, and may stand by, --standby-if-full.)
             raise placement.duplicate(job, args, other)
         return park_scaleup(sm, job, args, now)  # a newcomer waits for the next generation
     elif (

@@ -195,16 +195,18 @@ def leave(
     *,
     mode: JoinMode = JoinMode.RANK,
     final: bool = False,
-) -> None:
+) -> bool:
     """A goodbye. ``final``: a node agent that will not re-join (it gave up, or its
     process ends): no seat is kept for it in the next generation, and one kept for it
     already (the job moved on meanwhile) is freed at once. Its seat was otherwise
-    kept for the hold, and a fresh launch of the job id was refused WORLD_FULL."""
+    kept for the hold, and a fresh launch of the job id was refused WORLD_FULL.
+    True when it is a formed generation's goodbye, which an undo keeps
+    (``Attendee.said_goodbye``); any other an undo takes back."""
     job = sm.jobs.get(job_id)
     if final and mode is JoinMode.NODE and job is not None and generation < job.generation:
         if job.state is JobState.FORMING and instance_id in job.gen.owed:
             joins.seat_given_up(sm, job, instance_id, now)
-        return
+        return False
     job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode, running=False)
     if final and mode is JoinMode.NODE and job.state in (JobState.FAILED, JobState.ABORTED):
         # Kept out of the next generation's seats (``placement.owed_back``). No standby
@@ -217,8 +219,9 @@ def leave(
         left = f"rank {who} left job {job_id!r} before it formed"
         joins.wake_seat(sm, job, who, fault=RendezvousFault(Code.ABORTED, Reason.JOB_ABORTED, left))
         joins.unseat(sm, job, seated, now)
-        return
+        return False
     _goodbye(sm, job, seated, now)
+    return True
 
 
 def _goodbye(sm: RendezvousState, job: Job, seated: Member | Node, now: float) -> None:

@@ -61,6 +61,7 @@ def durable_job(
         if node.kept and inst not in job.gen.nodes:  # its join was undone: kept again
             job.gen.owed[node.kept] = node.host
     job.standbys_called = set(live.standbys_called)
+    job.gen.gone = set(live.gen.gone)  # a final goodbye is kept, as any goodbye is
     return job
 
 

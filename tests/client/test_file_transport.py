@@ -764,6 +764,31 @@ def test_a_call_made_after_rank0s_daemon_is_gone_names_the_loss_of_rank_0_at_onc
     assert took < 5.0, took
 
 
+def test_a_relative_path_is_not_looked_up_again_after_the_process_changes_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether rank 0's daemon is gone was asked of the socket's path by name: after a
+    chdir (a run directory of its own, as Hydra makes), a relative path named nothing,
+    and every call of rank 1 raised "lost rank 0" with rank 0 alive."""
+    monkeypatch.chdir(tmp_path)
+    zero, one = FileRendezvous("rdzv", "cd"), FileRendezvous("rdzv", "cd")
+    try:
+        parallel(
+            [
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30),
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30),
+            ],
+            30.0,
+        )
+        (tmp_path / "elsewhere").mkdir()
+        os.chdir(tmp_path / "elsewhere")
+        one.kv_set("k", b"v")
+        assert zero.kv_get("k", timeout=10) == b"v"
+    finally:
+        one.close()
+        zero.close()
+
+
 class _DaemonGoneUnderTheCall:
     """A worker's client whose heartbeat already heard the cause when rank 0's daemon
     went away under a call."""

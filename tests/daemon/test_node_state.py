@@ -210,6 +210,30 @@ def test_a_goodbye_undone_by_a_failed_commit_is_still_a_goodbye_not_a_loss() -> 
     assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
 
 
+def test_an_undo_keeps_a_final_goodbye_and_takes_back_a_forming_one() -> None:
+    """A final Leave of a failed generation (a node that will not re-join) was lost by
+    the undo, though its caller is told its goodbye is kept: a seat was then kept for
+    it. A goodbye to a forming generation is taken back, and says so (not "kept")."""
+    from rendezvousd.state import placement
+    from rendezvousd.storage import rollback, snapshot
+
+    sm = RendezvousState()
+    formed(sm)
+    sm.report_failure("j", 1, 0, "a", 1, "exit code 3", 1.0)
+    committed = snapshot.job_record(sm.jobs["j"])
+    assert sm.leave("j", 1, 1, "b", 1.5, mode=JoinMode.NODE, final=True)  # its commit fails
+    live = sm.jobs["j"]
+    assert set(placement.owed_back(live)) == {"a"}
+    undone = rollback.durable_job(committed, dict(live.gen.kv), live, 1.6)
+    assert set(placement.owed_back(undone)) == {"a"}
+
+    forming = RendezvousState()  # a worker of a per-rank job, waiting for its peer
+    assert isinstance(
+        forming.join(JoinArgs.worker("k", 1, 2, 0, 1, "h", "", b"", "w"), 2.0), Parked
+    )
+    assert not forming.leave("k", 1, 1, "w", 2.5)
+
+
 def test_report_failure_keeps_any_cause_bounded_and_in_order_of_report() -> None:
     sm = RendezvousState()
     formed(sm)
@@ -320,6 +344,12 @@ def test_a_node_rank_held_in_the_running_generation_is_a_duplicate_not_a_full_wo
     assert isinstance(sm2.join(node("d", lo=1, hi=3, rank=1), 2.0), Parked)
     # The unnamed node ("auto") is a newcomer, whichever rank it would get.
     assert fault(sm.join, node("e"), 3.0).reason == "WORLD_FULL"
+    # A single node's agent always names rank 0: a second one finds the world full,
+    # which --standby-if-full turns into standing by (review: it was DUPLICATE_RANK).
+    one = RendezvousState()
+    assert isinstance(join_first(one, node("a", lo=1, hi=1, rank=0)), JoinResult)
+    assert one.jobs["j"].state is JobState.RUNNING
+    assert fault(one.join, node("b", lo=1, hi=1, rank=0), 2.0).reason == "WORLD_FULL"
 
 
 def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:

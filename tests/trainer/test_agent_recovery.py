@@ -335,10 +335,12 @@ def test_a_node_relaunched_while_its_frozen_predecessor_holds_the_seat_waits_for
     until the daemon has lost the frozen agent (its heartbeat timeout): before, that
     refusal used a restart each time within milliseconds, so the relaunched node gave
     up at once, and the job with it."""
-    d = start_daemon("--heartbeat-timeout-s", "3")
-    # 7.5 s of steps at the least: the frozen agent's workers must not finish the job
-    # before the daemon loses that agent (3 s).
-    args = ["--steps", "250", "--step-s", "0.03"]
+    # 8 s: the relaunch's first join must come while the frozen agent still holds the
+    # seat (it came 1.4-2.0 s after the SIGSTOP at load 3-10; a 3 s timeout left ~1 s).
+    d = start_daemon("--heartbeat-timeout-s", "8")
+    # 15 s of steps at the least: the frozen agent's workers must not finish the job
+    # before the daemon loses that agent.
+    args = ["--steps", "500", "--step-s", "0.03"]
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], args)
     frozen: list[int] = []
     relaunched: Node | None = None
@@ -464,6 +466,31 @@ def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_calle
     assert "standby called: this node is node 1 of generation 2 (2 nodes)" in err, err
     assert sorted(e["rank"] for e in standby.events("done")) == [2, 3], standby.events()
     assert {e["restart_count"] for e in standby.events("ready")} == {0}, standby.events()
+
+
+def test_a_second_agent_of_a_single_node_job_stands_by_if_full(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A single node's agent names node rank 0 even under --node-rank auto: when the
+    daemon began answering a rank held in the running generation DUPLICATE_RANK, the
+    second agent waited out its join timeout and failed, instead of standing by on
+    WORLD_FULL (the review found it)."""
+    d = start_daemon()
+    flags = ["--standby-if-full", "--join-timeout-s", "30"]
+    args = ["--steps", "150", "--step-s", "0.03"]
+    first = Node(d, job_id, tmp_path, "first", "1", "auto", flags, args)
+    second: Node | None = None
+    try:
+        wait_for("the node to train", lambda: len(first.events("step")) >= 2, 60)
+        second = Node(d, job_id, tmp_path, "second", "1", "auto", flags, args)
+        codes = [first.wait(90), second.wait(90)]
+    finally:
+        _cleanup([first, *([second] if second else [])])
+    assert second is not None
+    err = second.stderr()
+    assert codes == [0, 0], [first.stderr(), err]
+    assert "has all its 1 nodes: standing by" in err, err
+    assert "this standby node was not needed" in err and "DuplicateRank" not in err, err
 
 
 def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spare(

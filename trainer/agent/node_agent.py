@@ -493,8 +493,9 @@ class NodeAgent:
                         said = cause
                         if held_here:
                             said = (
-                                f"node rank {config.node_rank} is held by the node agent on "
-                                f"this host ({self.host}), this node's predecessor maybe"
+                                f"node rank {answer.metadata.get('node_rank')} is held by the "
+                                f"node agent on this host ({self.host}), this node's "
+                                "predecessor maybe"
                             )
                         self.note(
                             f"{'standing by: ' if self._standing_by else ''}{said}; trying "
