@@ -65,13 +65,14 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
             job.max_nodes > 1
             and args.node_rank is not None
             and (other := job.gen.nodes.named_at.get(args.node_rank))
+            and other.state is MemberState.ACTIVE  # (one that left holds nothing)
         ):
             # The node rank it names is held in the running generation: not a newcomer
             # but a second agent for that node (a relaunch beside a frozen predecessor,
             # or two nodes given one rank), whatever room the next generation has. (A
             # single node's agent always names rank 0: a second one finds the world
             # full, and may stand by, --standby-if-full.)
-            raise placement.duplicate(job, args, other)
+            raise placement.duplicate(job, args, other, now)
         return park_scaleup(sm, job, args, now)  # a newcomer waits for the next generation
     elif (
         args.standby
@@ -123,7 +124,7 @@ def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tup
     if len(job.gen.nodes) >= job.max_nodes or (kept is None and not placement.has_room(job, now)):
         raise placement.world_full(job, args.host, now)
     if args.node_rank is not None and (other := job.gen.nodes.named_at.get(args.node_rank)):
-        raise placement.duplicate(job, args, other)
+        raise placement.duplicate(job, args, other, now)
     node = Node(
         args.instance_id,
         args.host,
@@ -199,7 +200,7 @@ def _worker_seat(
     member = job.gen.members.get(rank)
     if member is not None and member.instance_id != args.instance_id:
         if not placement.abandoned(job, member):
-            raise placement.duplicate(job, args, member)
+            raise placement.duplicate(job, args, member, now)
         unseat(sm, job, member, now)
         member = None
     if member is not None:

@@ -442,11 +442,13 @@ def mode_mismatch(job: Job, wanted: JoinMode, host: str) -> RendezvousFault:
     )
 
 
-def duplicate(job: Job, args: JoinArgs, holder: Member | Node) -> RendezvousFault:
+def duplicate(job: Job, args: JoinArgs, holder: Member | Node, now: float) -> RendezvousFault:
     """Another instance holds the seat this joiner was placed on: a worker's rank, or the
     node rank a node agent named. (Only a job of two or more nodes gets the latter: a
     single node's second agent finds the world full, and there every node must give its
-    rank: a number, or ``auto``.)"""
+    rank: a number, or ``auto``.) ``holder_heard_ms``: how long since the holder was last
+    heard (its heartbeat, or its join): a node agent asking again sees a live twin's
+    advance, a frozen predecessor's not."""
     rank, local = job.rank_of(holder.node_rank, args.local_rank or 0), args.local_rank
     seat = f"node_rank={holder.node_rank}"
     if local is not None:
@@ -466,6 +468,7 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node) -> RendezvousFaul
         node_rank=str(holder.node_rank),
         holder_host=holder.host,
         offending_host=args.host,
+        holder_heard_ms=str(max(0, round((now - holder.last_seen) * 1000))),
     )
 
 

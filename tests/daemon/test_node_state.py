@@ -334,7 +334,12 @@ def test_a_node_rank_held_in_the_running_generation_is_a_duplicate_not_a_full_wo
     f = fault(sm.join, node("c", rank=0), 2.0)
     assert (f.code, f.reason) == (Code.ALREADY_EXISTS, "DUPLICATE_RANK")
     assert (f.metadata["holder_host"], f.metadata["offending_host"]) == ("host-a", "host-c")
+    heard = sm.jobs["j"].gen.nodes["a"].last_seen
+    assert f.metadata["holder_heard_ms"] == str(round((2.0 - heard) * 1000))
     assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 2
+    # A node that left holds nothing: not "held by" an agent that is gone.
+    sm.leave("j", 1, 0, "a", 2.5, mode=JoinMode.NODE)
+    assert fault(sm.join, node("c", rank=0), 3.0).reason == "WORLD_FULL"
     # Room to grow: a held rank is still refused; a free one parks for the next round.
     sm2 = RendezvousState()
     join_first(sm2, node("a", lo=1, hi=3, rank=0, last_call=1.0))
@@ -343,7 +348,7 @@ def test_a_node_rank_held_in_the_running_generation_is_a_duplicate_not_a_full_wo
     assert fault(sm2.join, node("c", lo=1, hi=3, rank=0), 2.0).reason == "DUPLICATE_RANK"
     assert isinstance(sm2.join(node("d", lo=1, hi=3, rank=1), 2.0), Parked)
     # The unnamed node ("auto") is a newcomer, whichever rank it would get.
-    assert fault(sm.join, node("e"), 3.0).reason == "WORLD_FULL"
+    assert fault(sm.join, node("e"), 3.5).reason == "WORLD_FULL"
     # A single node's agent always names rank 0: a second one finds the world full,
     # which --standby-if-full turns into standing by (review: it was DUPLICATE_RANK).
     one = RendezvousState()

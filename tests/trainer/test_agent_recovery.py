@@ -468,6 +468,35 @@ def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_calle
     assert {e["restart_count"] for e in standby.events("ready")} == {0}, standby.events()
 
 
+def test_a_live_twin_of_a_node_on_the_same_host_is_told_at_once_not_after_its_join_timeout(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Two agents on one host given one --node-rank (srun with two tasks per node, say),
+    the first training: the second waited out its whole join timeout (600 s by default)
+    for a seat whose holder is alive. The holder's heartbeat, seen going on between two
+    asks (the daemon says when it last heard it), tells a twin from a frozen
+    predecessor; the job runs on."""
+    d = start_daemon()
+    args = ["--steps", "300", "--step-s", "0.03"]
+    nodes = _nodes(d, job_id, tmp_path, 2, [], args)
+    twin: Node | None = None
+    try:
+        _training_rank_3(nodes)
+        started = time.monotonic()
+        twin = Node(d, job_id, tmp_path, "twin0", "2", "0", ["--join-timeout-s", "120"], args)
+        code = twin.wait(60)
+        took = time.monotonic() - started
+        codes = [n.wait(90) for n in nodes]
+    finally:
+        _cleanup([*nodes, *([twin] if twin else [])])
+    assert twin is not None
+    err = twin.stderr()
+    assert code == 1 and took < 30, (took, err)
+    assert "joining failed: DuplicateRank" in err, err
+    assert "(its holder's heartbeat went on while this node waited)" in err, err
+    assert codes == [0, 0], [n.stderr() for n in nodes]
+
+
 def test_a_second_agent_of_a_single_node_job_stands_by_if_full(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

@@ -104,6 +104,19 @@ WITHOUT = "which a script started by rendezvous-run must call"
 REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
 
 
+#: How much later than at this node's first ask the daemon must have heard a holder of
+#: its --node-rank for that holder to count as alive: well above the jitter of when an
+#: answer is read here (a loaded host), while a live holder beats every few seconds.
+HOLDER_ALIVE_S = 2.0
+
+
+def _holder_heard(answer: BaseException) -> float | None:
+    """When (on this process's monotonic clock) the daemon last heard the holder of the
+    node rank a DuplicateRank names; None when it does not say."""
+    heard_ms = getattr(answer, "metadata", {}).get("holder_heard_ms", "")
+    return time.monotonic() - int(heard_ms) / 1000 if heard_ms.isdigit() else None
+
+
 def _rank_held(answer: BaseException) -> str | None:
     """Where a live node agent holds the --node-rank this join named: "elsewhere" (two
     nodes were given one rank, which no restart changes), "here" (on this host: maybe
@@ -428,6 +441,7 @@ class NodeAgent:
             config.join_timeout_s if self._standing_by else timeout, time.monotonic()
         )
         held = DaemonOutage(timeout)  # the node rank held on this host (below)
+        holder_heard: float | None = None  # when the daemon last heard that holder
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(None)
@@ -484,6 +498,13 @@ class NodeAgent:
                 # frozen, whom the daemon loses within its heartbeat timeout (restarts
                 # went in milliseconds; a live twin still holds it at the end).
                 held_here = _rank_held(answer) == "here"
+                if held_here and (heard := _holder_heard(answer)) is not None:
+                    if holder_heard is not None and heard - holder_heard > HOLDER_ALIVE_S:
+                        # Heard again since this node's first ask: a live twin (two
+                        # agents given one rank), not a frozen predecessor.
+                        held_here = False
+                        cause += " (its holder's heartbeat went on while this node waited)"
+                    holder_heard = heard if holder_heard is None else holder_heard
                 wait = (
                     outage if isinstance(answer, DaemonUnavailable) else held if held_here else None
                 )
