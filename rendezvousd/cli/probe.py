@@ -152,7 +152,6 @@ def _status(args: argparse.Namespace) -> int:
         RendezvousClient,
         RendezvousError,
     )
-    from rendezvousd.client.connection import TLS_CA_ADVICE
 
     try:
         tls = _tls(args)
@@ -202,18 +201,31 @@ def _status(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
     except RendezvousError as exc:
         # health's exit codes, so a script tells a daemon down from a refused call.
-        # The SDK names its keyword and its variable, where this command reads only
-        # its flags: --timeout sets connect_timeout, --tls-ca is the CA.
-        said = str(exc).replace("(connect_timeout)", "(--timeout)")
-        plaintext_at_tls = isinstance(exc, AuthenticationError) and TLS_CA_ADVICE in said
-        if isinstance(exc, DaemonUnavailable) or plaintext_at_tls:
-            said = said.replace(TLS_CA_ADVICE, "pass --tls-ca")
+        said = str(exc)
+        for sdk_words, flag_words in _FLAG_WORDS:
+            said = said.replace(sdk_words, flag_words)
+        # The SDK's TLS refusals (a handshake that failed, a plaintext/TLS mismatch)
+        # are UNAVAILABLE: the connection failed, as health says (a token's is not).
+        tls_refused = isinstance(exc, AuthenticationError) and exc.code == "UNAVAILABLE"
+        if isinstance(exc, DaemonUnavailable) or tls_refused:
             print(f"rendezvousd status: {escape(said)}", file=sys.stderr)
             return EXIT_CONNECTION
         print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
         return EXIT_ARGS if isinstance(exc, InvalidRequest) else EXIT_RPC
     except KeyboardInterrupt:
         return 0
+
+
+#: The SDK's words for its keywords and variables, as this command's flags: it reads
+#: only its flags (--timeout sets connect_timeout).
+_FLAG_WORDS = (
+    ("pass --tls-ca (RENDEZVOUSD_TLS_CA / tls_ca=)", "pass --tls-ca"),  # TLS_CA_ADVICE
+    ("tls_ca (--tls-ca / RENDEZVOUSD_TLS_CA)", "--tls-ca"),
+    ("tls_ca (", "--tls-ca ("),
+    ("tls_server_name", "--tls-server-name"),
+    ("tls_cert and tls_key", "--tls-cert and --tls-key"),
+    ("(connect_timeout)", "(--timeout)"),
+)
 
 
 def render(jobs: list[Any]) -> str:

@@ -218,16 +218,26 @@ def test_health_and_status_without_the_ca_say_the_daemon_speaks_tls_alike(
     same plaintext connect, and gave the SDK's advice, naming $RENDEZVOUSD_TLS_CA and
     tls_ca=, which the command does not read."""
     d = _tls_daemon(start_daemon, pki, mtls=False)
-    for command in (["health"], ["status", "--token-file", str(d.token_file)]):
-        run = subprocess.run(
-            [sys.executable, "-m", "rendezvousd.cli", *command, "--endpoint", d.endpoint],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert run.returncode == 2, (command, run.stderr)
-        assert f"the daemon at {d.endpoint} speaks TLS: pass --tls-ca" in run.stderr, run.stderr
-        assert "RENDEZVOUSD_TLS_CA" not in run.stderr and "tls_ca=" not in run.stderr
+    plain = start_daemon()
+    name = ["--tls-server-name", "localhost"]
+    cases = [
+        (d, [], f"the daemon at {d.endpoint} speaks TLS: pass --tls-ca"),
+        # The review: a wrong CA, and a CA at a plaintext daemon, still exited 3 from
+        # status (2 from health), naming the SDK's tls_ca and tls_server_name.
+        (d, ["--tls-ca", str(pki.rogue_ca), *name], "--tls-ca"),
+        (plain, ["--tls-ca", str(pki.ca), *name], "does not speak TLS"),
+    ]
+    for daemon, flags, said in cases:
+        for command in (["health"], ["status", "--token-file", str(daemon.token_file)]):
+            run = subprocess.run(
+                [sys.executable, "-m", "rendezvousd.cli", *command, "--endpoint",
+                 daemon.endpoint, "--timeout", "10", *flags],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert run.returncode == 2, (command, flags, run.stderr)
+            assert said in run.stderr, (command, flags, run.stderr)
+            for sdk_word in ("RENDEZVOUSD_TLS_CA", "tls_ca", "tls_server_name"):
+                assert sdk_word not in run.stderr, (command, flags, run.stderr)
 
 
 def test_a_daemon_found_speaking_tls_then_restarted_without_it_is_joined(
