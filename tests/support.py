@@ -30,6 +30,7 @@ from rendezvousd.cli.embedded import serve_command
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
 from rendezvousd.common.model import JobView
 from rendezvousd.daemon import Daemon
+from rendezvousd.trainer.torchrun.store_port import ephemeral_range
 
 ROOT = Path(__file__).resolve().parents[1]
 _SERVING = re.compile(r"rendezvousd: serving on (\S+)")
@@ -288,7 +289,7 @@ def free_port() -> int:
     that range can meanwhile go to any connect (the client's own redial, which then
     connects to itself) or to another test's bind to port 0 (seen: "Address already
     in use" at a restart)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low, _ = ephemeral_range()
     for _ in range(100):
         port = random.randrange(10_000, low) if low > 11_000 else 0
         with socket.socket() as s:
