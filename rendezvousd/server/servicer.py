@@ -38,7 +38,7 @@ from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.scope import CALLER, Scope, allowed, denied
 from rendezvousd.server.streams import HeartbeatStreams
 from rendezvousd.state.machine import JoinArgs, RendezvousState
-from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, storage_unavailable
+from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, kept_goodbye, storage_unavailable
 from rendezvousd.storage.persistence import Persister
 
 log = logging.getLogger("rendezvousd")
@@ -454,8 +454,8 @@ class RendezvousServicer:
         try:
             await self._durably(request.job_id, self.state.take_effects())
         except RendezvousFault as fault:
-            if kept and fault.reason is STORAGE_UNAVAILABLE:
-                raise storage_unavailable(request.job_id, goodbye=True) from None
+            if kept:
+                raise kept_goodbye(fault, request.job_id) from None
             raise
         return pb.LeaveResponse()
 

@@ -31,7 +31,7 @@ from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.answers import failed_member
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.state.machine import RendezvousState
-from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, storage_unavailable
+from rendezvousd.storage.faults import kept_goodbye
 
 # (job, generation, the mode its attendee joined in, its rank): workers and node agents
 # stream alike.
@@ -186,11 +186,7 @@ class HeartbeatStreams:
         try:
             await self._durably(key[0], self.state.take_effects())
         except RendezvousFault as fault:  # storage failed: undone, kept as a goodbye
-            queue.put_nowait(
-                storage_unavailable(key[0], goodbye=True)
-                if kept and fault.reason is STORAGE_UNAVAILABLE
-                else fault
-            )
+            queue.put_nowait(kept_goodbye(fault, key[0]) if kept else fault)
             return
         queue.put_nowait(pb.JobEvent(kind=pb.JobEvent.LEFT, job_id=key[0], generation=key[1]))
 

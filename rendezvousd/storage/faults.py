@@ -35,3 +35,12 @@ def storage_unavailable(
             "daemon's health is SERVING again"
         )
     return RendezvousFault(Code.UNAVAILABLE, STORAGE_UNAVAILABLE, said, {"job_id": job_id})
+
+
+def kept_goodbye(fault: RendezvousFault, job_id: str) -> RendezvousFault:
+    """What a Leave's caller is told when the commit of its goodbye failed: the undo
+    keeps a formed generation's goodbye (``Attendee.said_goodbye``), so it is not told
+    "not applied; retry" as other changes are. Any other fault as it is."""
+    return (
+        storage_unavailable(job_id, goodbye=True) if fault.reason is STORAGE_UNAVAILABLE else fault
+    )
