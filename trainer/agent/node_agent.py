@@ -110,10 +110,10 @@ REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
 HOLDER_ALIVE_S = 2.0
 
 
-def _holder_heard(answer: BaseException) -> float | None:
+def _holder_heard(answer: RendezvousError) -> float | None:
     """When (on this process's monotonic clock) the daemon last heard the holder of the
     node rank a DuplicateRank names; None when it does not say."""
-    heard_ms = getattr(answer, "metadata", {}).get("holder_heard_ms", "")
+    heard_ms = answer.metadata.get("holder_heard_ms", "")
     return time.monotonic() - int(heard_ms) / 1000 if heard_ms.isdigit() else None
 
 
@@ -497,7 +497,8 @@ class NodeAgent:
                 # and a --node-rank held on this host, maybe by this node's predecessor,
                 # frozen, whom the daemon loses within its heartbeat timeout (restarts
                 # went in milliseconds; a live twin still holds it at the end).
-                held_here = _rank_held(answer) == "here"
+                where_held = _rank_held(answer)
+                held_here = where_held == "here"
                 if held_here and (heard := _holder_heard(answer)) is not None:
                     if holder_heard is not None and heard - holder_heard > HOLDER_ALIVE_S:
                         # Heard again since this node's first ask: a live twin (two
@@ -531,7 +532,7 @@ class NodeAgent:
                     cause += f" (still {still} after {wait.limit_s:g} s of trying)"
                 fatal = (
                     isinstance(answer, (*REFUSALS, DaemonUnavailable))
-                    or _rank_held(answer) is not None
+                    or where_held is not None
                     or (
                         # A world over the daemon's --max-members-per-job: refused the same
                         # way again at once, as a refusal above is (other limits, such as
