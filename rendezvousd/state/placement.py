@@ -447,8 +447,9 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node, now: float) -> Re
     node rank a node agent named. (Only a job of two or more nodes gets the latter: a
     single node's second agent finds the world full, and there every node must give its
     rank: a number, or ``auto``.) ``holder_heard_ms``: how long since the holder was last
-    heard (its heartbeat, or its join): a node agent asking again sees a live twin's
-    advance, a frozen predecessor's not."""
+    heard, its heartbeat: a node agent asking again sees a live twin's advance, a frozen
+    predecessor's not. Only while the generation runs: a holder in a forming one sends no
+    heartbeat yet (its join waits), so nothing would tell a live twin from a frozen one."""
     rank, local = job.rank_of(holder.node_rank, args.local_rank or 0), args.local_rank
     seat = f"node_rank={holder.node_rank}"
     if local is not None:
@@ -468,7 +469,11 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node, now: float) -> Re
         node_rank=str(holder.node_rank),
         holder_host=holder.host,
         offending_host=args.host,
-        holder_heard_ms=str(max(0, round((now - holder.last_seen) * 1000))),
+        **(
+            {"holder_heard_ms": str(max(0, round((now - holder.last_seen) * 1000)))}
+            if job.state is JobState.RUNNING
+            else {}
+        ),
     )
 
 

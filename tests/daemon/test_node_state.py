@@ -589,6 +589,10 @@ def test_a_node_rank_held_by_another_agent_is_refused_with_both_hosts() -> None:
     assert f.metadata["node_rank"] == "0" and f.metadata["holder_host"] == "host-a"
     assert f.metadata["offending_host"] == "host-b"
     assert set(sm.jobs["j"].gen.nodes) == {"a"}  # the refused node took no seat
+    # Forming: the holder's join waits, with no heartbeat yet to tell a live twin from a
+    # frozen one, so the refusal says nothing of when it was heard (an agent on another
+    # host gives up at once rather than wait out the join's timeout for a live twin).
+    assert sm.jobs["j"].state is JobState.FORMING and "holder_heard_ms" not in f.metadata
     # --nnodes >= 2 needs a node rank: the hint names both ways to give one.
     assert "give each node a distinct --node-rank (0..1), or --node-rank auto" in f.message
     assert "(or none)" not in f.message

@@ -223,3 +223,44 @@ def test_a_node_started_while_the_job_re_forms_cannot_take_a_survivors_seat(
     assert _lost_steps(json_lines(log), min(r["start_step"] for r in results)) <= 1
     assert "standby called" in h3.text(), h3.summary()
     assert "not needed" in h4.text(), h4.summary()
+
+
+def test_a_node_relaunched_on_another_host_waits_for_its_frozen_predecessors_seat(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """--nnodes 2 on h1, h2; h2's agent freezes (SIGSTOP: a hung host), and node 1 is
+    started again on h3 with the same --node-rank, as a scheduler moving a pod would.
+    Its join is refused DuplicateRank while the frozen agent holds the seat: that was
+    fatal at once (two nodes given one rank), so the replacement gave up and the job
+    failed once the daemon lost h2. Now it asks again until the daemon has lost h2
+    (its heartbeat timeout, 8 s here, so the relaunch asks before then), and the job
+    ends on h1 and h3."""
+    cluster = make_cluster(3, "--heartbeat-timeout-s", "8")
+    # Long enough that the job cannot end before the daemon loses the frozen agent.
+    steps = tuple("500" if a == "60" else a for a in STEPS)
+    job = "moved"
+    log = _step_log(cluster, job)
+    flags = ("--nnodes", "2", "--max-restarts", "1")
+    nodes = cluster.launch(
+        2, 2, job=job, launcher_args=flags, example_args=(*steps, "--step-log", str(log))
+    )
+    _wait_training(log, 3)
+    nodes[1].proc.send_signal(signal.SIGSTOP)  # h2's agent
+    (moved,) = cluster.launch(
+        2,
+        2,
+        job=job,
+        launcher_args=(*flags[:2], "--max-restarts", "0"),
+        example_args=(*steps, "--step-log", str(log)),
+        nodes=[1],
+        on_host=3,  # h3
+    )
+    codes = cluster.wait([nodes[0], moved])
+    assert codes == [0, 0], "\n".join(n.summary() for n in (*nodes, moved))
+    assert "is held by the node agent on h2, a node this one replaces" in moved.text()
+    assert "no restart used" in moved.text(), moved.summary()
+    results = cluster.results(job)
+    final = max(r["generation"] for r in results)
+    assert _hosts_by_rank([r for r in results if r["generation"] == final]) == {
+        0: "h1", 1: "h1", 2: "h3", 3: "h3"
+    }  # fmt: skip

@@ -99,8 +99,8 @@ WITHOUT = "which a script started by rendezvous-run must call"
 # holds): the same join again, restart after restart, is refused the same way within
 # milliseconds (four in 0.5 s with --max-restarts 3), so the agent gives up at once,
 # as torch's does on a rendezvous error. So does DuplicateRank for a --node-rank a
-# live agent holds (``_rank_held``), once a holder on this host had the join's timeout
-# to go away.
+# live agent holds (``_rank_held``), once its holder was heard from while this node
+# waited, or had the join's timeout to go away.
 REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
 
 
@@ -118,17 +118,14 @@ def _holder_heard(answer: RendezvousError) -> float | None:
 
 
 def _rank_held(answer: BaseException) -> str | None:
-    """Where a live node agent holds the --node-rank this join named: "elsewhere" (two
-    nodes were given one rank, which no restart changes), "here" (on this host: maybe
-    this node's own predecessor, frozen or just killed, whose seat the daemon frees
-    once it loses it), or None (not that refusal: the daemon's other DUPLICATE_RANK
-    answers say "rejoin to take part")."""
+    """The host of the live node agent that holds the --node-rank this join named, or
+    None (not that refusal: the daemon's other DUPLICATE_RANK answers say "rejoin to
+    take part"). It may be this node's predecessor, frozen (a hung host) or partitioned,
+    on this host or on the one this node replaces: the daemon frees its seat once it
+    loses it. Or a live twin: two nodes given one rank, which no restart changes."""
     if not isinstance(answer, DuplicateRank):
         return None
-    holder, joiner = answer.metadata.get("holder_host"), answer.metadata.get("offending_host")
-    if not holder:
-        return None
-    return "here" if holder == joiner else "elsewhere"
+    return answer.metadata.get("holder_host") or None
 
 
 @dataclass(frozen=True)
@@ -440,7 +437,7 @@ class NodeAgent:
         outage = DaemonOutage(
             config.join_timeout_s if self._standing_by else timeout, time.monotonic()
         )
-        held = DaemonOutage(timeout)  # the node rank held on this host (below)
+        held_for = DaemonOutage(timeout)  # this node's --node-rank held by another (below)
         holder_heard: float | None = None  # when the daemon last heard that holder
         while True:
             if self._interrupted.is_set():
@@ -494,30 +491,43 @@ class NodeAgent:
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
                 # Asked again every OUTAGE_RETRY_S for the join's timeout, no restart used:
                 # a daemon not up yet (a restart would only join it again, unreachable),
-                # and a --node-rank held on this host, maybe by this node's predecessor,
-                # frozen, whom the daemon loses within its heartbeat timeout (restarts
-                # went in milliseconds; a live twin still holds it at the end).
-                where_held = _rank_held(answer)
-                held_here = where_held == "here"
-                if held_here and (heard := _holder_heard(answer)) is not None:
+                # and a --node-rank held by another agent, maybe this node's predecessor,
+                # frozen or cut off, here or on the host this node replaces, whom the
+                # daemon loses within its heartbeat timeout (restarts went in
+                # milliseconds; a live twin is heard beating on, and is fatal then).
+                holder = _rank_held(answer)
+                held = holder is not None
+                heard = _holder_heard(answer) if held else None
+                if held and heard is None and holder != answer.metadata.get("offending_host"):
+                    # A daemon that does not say when it last heard the holder: one on
+                    # another host cannot be told from a live twin, so it is not waited for.
+                    held = False
+                if held and heard is not None:
                     if holder_heard is not None and heard - holder_heard > HOLDER_ALIVE_S:
                         # Heard again since this node's first ask: a live twin (two
-                        # agents given one rank), not a frozen predecessor.
-                        held_here = False
+                        # agents given one rank), not a frozen or lost predecessor.
+                        held = False
                         cause += " (its holder's heartbeat went on while this node waited)"
                     holder_heard = heard if holder_heard is None else holder_heard
                 wait = (
-                    outage if isinstance(answer, DaemonUnavailable) else held if held_here else None
+                    outage if isinstance(answer, DaemonUnavailable) else held_for if held else None
                 )
                 if wait is not None:
                     if not wait.told:
                         wait.told = True
                         said = cause
-                        if held_here:
+                        if held:
+                            here = holder == answer.metadata.get("offending_host")
                             said = (
                                 f"node rank {answer.metadata.get('node_rank')} is held by the "
-                                f"node agent on this host ({self.host}), this node's "
-                                "predecessor maybe"
+                                + (
+                                    f"node agent on this host ({self.host}), this node's "
+                                    "predecessor maybe"
+                                    if here
+                                    else f"node agent on {holder}, a node this one replaces "
+                                    "maybe (frozen or cut off)"
+                                )
+                                + ", until the daemon loses it or hears it beat on"
                             )
                         self.note(
                             f"{'standing by: ' if self._standing_by else ''}{said}; trying "
@@ -528,11 +538,11 @@ class NodeAgent:
                     if retry_at is not None:
                         continue
                     # Waited for the whole join: a restart would wait the same way again.
-                    still = "held" if held_here else "unavailable"
+                    still = "held" if held else "unavailable"
                     cause += f" (still {still} after {wait.limit_s:g} s of trying)"
                 fatal = (
                     isinstance(answer, (*REFUSALS, DaemonUnavailable))
-                    or where_held is not None
+                    or holder is not None
                     or (
                         # A world over the daemon's --max-members-per-job: refused the same
                         # way again at once, as a refusal above is (other limits, such as
