@@ -64,7 +64,7 @@ class Node:
         return [e for e in json_lines(self.out) if kind is None or e.get("event") == kind]
 
     def wait(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)
+        return _exits([self], timeout)[0]
 
     def stderr(self) -> str:
         return self.err.read_text()
@@ -79,6 +79,18 @@ def _nodes(
     d: DaemonProcess, job: str, tmp: Path, count: int, flags: Sequence[str], args: Sequence[str]
 ) -> list[Node]:
     return [Node(d, job, tmp, f"node{n}", str(count), str(n), flags, args) for n in range(count)]
+
+
+def _exits(nodes: Sequence[Node], within: float = 90.0) -> list[int]:
+    """The nodes' exit codes. Past ``within`` (under pytest's 120 s, whose timeout ends
+    the test with no word of the nodes: a hang once left nothing to read) the failure
+    says what each launcher said, to tell a hang from a slow machine."""
+    deadline = time.monotonic() + within
+    try:
+        return [n.proc.wait(max(0.1, deadline - time.monotonic())) for n in nodes]
+    except subprocess.TimeoutExpired:
+        said = "\n---\n".join(f"{n.err.name}:\n{n.stderr()}" for n in nodes)
+        raise AssertionError(f"launchers still running after {within:.0f} s:\n{said}") from None
 
 
 def _cleanup(nodes: list[Node]) -> None:
@@ -105,7 +117,7 @@ def test_a_killed_worker_is_replaced_and_training_resumes_losing_at_most_one_ste
         victim = _training_rank_3(nodes)
         assert victim["env_rank"] == "3" and victim["restart_count"] == 0
         os.kill(victim["pid"], signal.SIGKILL)
-        codes = [n.wait(90) for n in nodes]
+        codes = _exits(nodes)
     finally:
         _cleanup(nodes)
     assert codes == [0, 0], [n.stderr() for n in nodes]
@@ -128,7 +140,7 @@ def test_exhausted_restarts_end_with_one_message_naming_every_failure(
     args = ["--exit-rank", "1", "--always"]
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], args)
     try:
-        codes = [n.wait(90) for n in nodes]
+        codes = _exits(nodes)
     finally:
         _cleanup(nodes)
     assert codes[0] == 3 and codes[1] != 0, [n.stderr() for n in nodes]
@@ -151,7 +163,7 @@ def test_a_hung_worker_is_detected_by_its_agent_and_the_job_restarts(
     flags = ["--max-restarts", "1", "--hang-timeout-s", "5"]
     nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--hang-rank", "2", "--steps", "10"])
     try:
-        codes = [n.wait(90) for n in nodes]
+        codes = _exits(nodes)
     finally:
         _cleanup(nodes)
     # As one string: pytest shortens a list's repr, which hid the second failure once.
@@ -211,7 +223,7 @@ def test_a_frozen_worker_is_lost_after_the_heartbeat_timeout_and_the_job_restart
     try:
         victim = _training_rank_3(nodes)
         os.kill(victim["pid"], signal.SIGSTOP)
-        codes = [n.wait(90) for n in nodes]
+        codes = _exits(nodes)
     finally:
         _cleanup(nodes)
     assert codes == [0, 0], "\n---\n".join(n.stderr() for n in nodes)
@@ -321,7 +333,7 @@ def test_a_node_arriving_late_joins_the_running_elastic_job(
     try:
         wait_for("the one-node job to train", lambda: len(early.events("resumed")) == 2, 60)
         late = Node(d, job_id, tmp_path, "late", "1:2", "auto", flags, args)
-        codes = [early.wait(120), late.wait(120)]
+        codes = _exits([early, late])
     finally:
         _cleanup([early] + ([late] if late else []))
     assert late is not None
@@ -356,7 +368,7 @@ def test_a_node_relaunched_while_its_frozen_predecessor_holds_the_seat_waits_for
         frozen = [nodes[0].proc.pid]
         os.kill(frozen[0], signal.SIGSTOP)
         relaunched = Node(d, job_id, tmp_path, "again0", "2", "0", ["--max-restarts", "0"], args)
-        codes = [relaunched.wait(90), nodes[1].wait(90)]
+        codes = _exits([relaunched, nodes[1]])
     finally:
         for pid in [*descendants(frozen[0]), *frozen] if frozen else []:
             with contextlib.suppress(ProcessLookupError):
@@ -424,7 +436,7 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
         wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
         assert standby.proc.poll() is None, standby.stderr()
         nodes[1].proc.kill()  # the whole node: agent and (by PDEATHSIG) its workers
-        codes = [nodes[0].wait(120), standby.wait(120)]
+        codes = _exits([nodes[0], standby])
     finally:
         _cleanup([*nodes, standby])
     assert codes == [0, 0], [nodes[0].stderr(), standby.stderr()]
@@ -463,7 +475,7 @@ def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_calle
         wait_for("3 of its waits to end, parked again", lambda: waits_ended(3), timeout=60)
         assert len(nodes[1].events("done")) == 0, "the job ended before node 1 was killed"
         nodes[1].proc.kill()
-        codes = [nodes[0].wait(120), standby.wait(120)]
+        codes = _exits([nodes[0], standby])
     finally:
         _cleanup([*nodes, standby])
     assert codes == [0, 0], [nodes[0].stderr(), standby.stderr()]
@@ -496,7 +508,7 @@ def test_a_live_twin_of_a_node_is_told_within_seconds_not_after_its_join_timeout
         twin = Node(d, job_id, tmp_path, "twin0", "2", "0", flags, args, prefix)
         code = twin.wait(60)
         took = time.monotonic() - started
-        codes = [n.wait(90) for n in nodes]
+        codes = _exits(nodes)
     finally:
         _cleanup([*nodes, *([twin] if twin else [])])
     assert twin is not None
@@ -522,7 +534,7 @@ def test_a_second_agent_of_a_single_node_job_stands_by_if_full(
     try:
         wait_for("the node to train", lambda: len(first.events("step")) >= 2, 60)
         second = Node(d, job_id, tmp_path, "second", "1", "auto", flags, args)
-        codes = [first.wait(90), second.wait(90)]
+        codes = _exits([first, second])
     finally:
         _cleanup([first, *([second] if second else [])])
     assert second is not None
@@ -553,7 +565,7 @@ def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spar
         trainers[1].proc.kill()
         wait_for("the spare to be called", lambda: "standby called" in spare.stderr(), 60)
         late.append(Node(d, job_id, tmp_path, "pod1-again", "2", "auto", flags, args))
-        codes = [trainers[0].wait(120), spare.wait(120), late[0].wait(120)]
+        codes = _exits([trainers[0], spare, late[0]])
     finally:
         _cleanup([*nodes, *late])
     assert codes == [0, 0, 0], [n.stderr() for n in (trainers[0], spare, late[0])]
@@ -573,7 +585,7 @@ def test_a_standby_node_exits_0_when_the_job_ends_without_it(
     standby = Node(d, job_id, tmp_path, "standby", "2", "auto", ["--standby"], args)
     try:
         wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
-        codes = [n.wait(120) for n in (*nodes, standby)]
+        codes = _exits((*nodes, standby))
     finally:
         _cleanup([*nodes, standby])
     assert codes == [0, 0, 0], [n.stderr() for n in (*nodes, standby)]
@@ -689,7 +701,7 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
         wait_for("node 0 to hear node 1 lost", lambda: "node unreachable" in nodes[0].stderr(), 30)
         time.sleep(2.0)  # node 1's workers see their links close, and exit
         nodes[1].proc.send_signal(signal.SIGCONT)
-        codes = [n.wait(90) for n in nodes]
+        codes = _exits(nodes)
     finally:
         _cleanup(nodes)
     err = nodes[1].stderr()
@@ -723,7 +735,7 @@ def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_wind
             )
             time.sleep(1.0)
             daemon.current = daemon._spawn()
-            codes = [n.wait(120) for n in nodes]
+            codes = _exits(nodes)
         finally:
             _cleanup(nodes)
     assert codes == [0, 0], [n.stderr()[-2000:] for n in nodes]
