@@ -553,7 +553,10 @@ def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spar
     a pod) finds the world full and stands by in turn, exiting 0 when the job ends."""
     d = start_daemon()
     flags = ["--max-restarts", "1", "--standby-if-full"]
-    args = ["--steps", "100", "--step-s", "0.03"]
+    # 9 s of steps: with 3 s, a loaded CI machine once ended the job before the
+    # restarted pod joined, and a standby started after its job ended waits out its
+    # join timeout (below), which outlasted the test's.
+    args = ["--steps", "300", "--step-s", "0.03"]
     nodes = [Node(d, job_id, tmp_path, f"pod{n}", "2", "auto", flags, args) for n in range(3)]
     late: list[Node] = []
     try:
@@ -565,6 +568,8 @@ def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spar
         trainers[1].proc.kill()
         wait_for("the spare to be called", lambda: "standby called" in spare.stderr(), 60)
         late.append(Node(d, job_id, tmp_path, "pod1-again", "2", "auto", flags, args))
+        wait_for("the restarted pod to stand by", lambda: full in late[0].stderr(), 60)
+        assert trainers[0].events("done") == [], "the job ended before the pod stood by"
         codes = _exits([trainers[0], spare, late[0]])
     finally:
         _cleanup([*nodes, *late])
