@@ -428,7 +428,9 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
     ranks. The survivor used its one restart; the standby none."""
     d = start_daemon()
     flags = ["--max-restarts", "1"]
-    args = ["--steps", "80", "--step-s", "0.03"]
+    # 6 s of steps: node 1 is killed once the standby stands by, which must be before
+    # the job ends (a loaded machine once took over 3 s to start an agent).
+    args = ["--steps", "200", "--step-s", "0.03"]
     nodes = _nodes(d, job_id, tmp_path, 2, flags, args)
     standby = Node(d, job_id, tmp_path, "standby", "2", "auto", [*flags, "--standby"], args)
     try:
@@ -585,11 +587,14 @@ def test_a_standby_node_exits_0_when_the_job_ends_without_it(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
     d = start_daemon()
-    args = ["--steps", "40", "--step-s", "0.03"]
+    # 4.5 s of steps: the standby must join before the job ends; one that comes after
+    # waits out its join timeout (the test below).
+    args = ["--steps", "150", "--step-s", "0.03"]
     nodes = _nodes(d, job_id, tmp_path, 2, [], args)
     standby = Node(d, job_id, tmp_path, "standby", "2", "auto", ["--standby"], args)
     try:
         wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
+        assert nodes[0].events("done") == [], "the job ended before the standby stood by"
         codes = _exits((*nodes, standby))
     finally:
         _cleanup([*nodes, standby])
