@@ -210,7 +210,7 @@ def _status(args: argparse.Namespace) -> int:
         if isinstance(exc, DaemonUnavailable) or tls_refused:
             print(f"rendezvousd status: {escape(said)}", file=sys.stderr)
             return EXIT_CONNECTION
-        print(f"rendezvousd status: {escape(str(exc))}", file=sys.stderr)
+        print(f"rendezvousd status: {escape(said)}", file=sys.stderr)
         return EXIT_ARGS if isinstance(exc, InvalidRequest) else EXIT_RPC
     except KeyboardInterrupt:
         return 0

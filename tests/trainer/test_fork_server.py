@@ -477,3 +477,20 @@ def test_spares_lost_with_their_fork_server_are_replaced_cold_and_use_no_restart
     assert [n.returncode for n in nodes] == [0, 0], "\n---\n".join(outs)
     assert "fork server unavailable" in outs[0], outs[0]
     assert "failed first" not in outs[0], outs[0]
+
+
+@pytest.mark.parametrize(
+    "text", ["torch,transformers", "torch:transformers", " torch : transformers ,"]
+)
+def test_a_preload_list_is_read_alike_with_commas_or_colons(text: str) -> None:
+    """``--preload`` took ',' and torchrun's ``preload`` ':' (its --rdzv-conf separates
+    settings by ','): each read the other's list as one module name, not preloaded."""
+    from rendezvousd.trainer.agent._fork_server import module_names
+    from rendezvousd.trainer.torchrun.config import load_settings
+
+    assert module_names(text) == ["torch", "transformers"]
+    assert load_settings({"preload": text}, {}).preload_modules() == ["torch", "transformers"]
+    assert load_settings({}, {"RENDEZVOUSD_PRELOAD": text}).preload_modules() == [
+        "torch",
+        "transformers",
+    ]

@@ -360,6 +360,13 @@ class _Server:
                 os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
 
 
+def module_names(text: str) -> list[str]:
+    """The modules of a preload list, separated by ',' or ':' (no module name holds
+    either): torchrun's --rdzv-conf separates its own settings by ',', so its
+    ``preload`` took ':', and ``--preload`` ',': each read the other's as one name."""
+    return [m.strip() for m in text.replace(":", ",").split(",") if m.strip()]
+
+
 def preload(modules: Sequence[str], who: str = "rendezvous-run: fork server") -> None:
     for name in modules:
         try:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value
+from rendezvousd.trainer.agent._fork_server import module_names
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.worker_boot import (
     ForkServer,
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preload",
         default="",
         metavar="MODULES",
-        help="comma-separated modules the fork server imports besides numpy, gRPC and "
+        help="modules (separated by ',' or ':') the fork server imports besides numpy, gRPC and "
         "the trainer (e.g. torch), so that every spare starts with them",
     )
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
@@ -297,7 +298,7 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
     # server's) overlaps this process's.
     server = None
     if args.fork_server:
-        preload = [m.strip() for m in args.preload.split(",") if m.strip()]
+        preload = module_names(args.preload)
         server = ForkServer.start(env, preload, note=_note)
     try:
         booted = boot_spares(config, cmd, env, server)

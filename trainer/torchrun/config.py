@@ -15,6 +15,7 @@ from typing import Any
 
 from rendezvousd.client.connection import TlsConfig
 from rendezvousd.common.settings import Bool, Schema, Text, setting
+from rendezvousd.trainer.agent._fork_server import module_names
 from rendezvousd.trainer.config import Count, Seconds
 from rendezvousd.trainer.errors import ConfigError
 
@@ -67,14 +68,14 @@ class TorchrunSettings:
 
     preload: str = setting(
         "torch",
-        "modules the node's warm fork server imports once, separated by ':' (only when "
+        "modules the node's warm fork server imports once, separated by ':' or ',' (only when "
         "torchrun's PYTHON_EXEC is rendezvous-python)",
         Text(),
         flag=None,
     )
 
     def preload_modules(self) -> list[str]:
-        return [m.strip() for m in self.preload.split(":") if m.strip()]
+        return module_names(self.preload)
 
     def tls(self) -> TlsConfig | None:
         return TlsConfig.from_paths(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
