@@ -855,3 +855,55 @@ def test_no_token_anywhere_names_the_launchers_flag_and_variables(
     assert "no token: pass --token-file FILE" in err, err
     assert "$RENDEZVOUSD_TOKEN_FILE" in err and "$RENDEZVOUSD_TOKEN " in err, err
     assert "token=" not in err, err
+
+
+@pytest.mark.parametrize("nnodes", ["2", "2:3"])
+def test_a_node_waiting_for_the_others_says_what_it_waits_for_while_it_waits(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, nnodes: str
+) -> None:
+    """One node of two started: the launcher said nothing for its whole join timeout
+    (600 s by default), the silent rendezvous hang of torchrun. It now says, after 5 s
+    and every 30 s, how many nodes joined of those the job needs, and how long the join
+    waits in all; then the timeout names what is missing."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    node = launcher_cmd(nnodes, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file,
+                        job=job_id)  # fmt: skip
+    run = run_launcher([*node, "--join-timeout-s", "8", str(script)], timeout=60)
+    need = "2" if nnodes == "2" else "2 (up to 3)"
+    said = (
+        f"still waiting for job {job_id!r} generation 1 to form after 5 s: 1 node(s) joined "
+        f"of the {need} it needs; waiting up to 8 s in all"
+    )
+    assert run.returncode == 1, run.stderr
+    assert said in run.stderr and run.stderr.count("still waiting") == 1, run.stderr
+    assert "1 node(s) joined after 8.0 s, the generation needs min_nodes=2" in run.stderr
+    assert run.stderr.index(said) < run.stderr.index("joined after 8.0 s"), run.stderr
+
+
+def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> None:
+    """The note's other two cases, from the daemon's answers: a re-forming generation
+    that keeps seats for nodes coming back (standbys parked are not nodes joined), and
+    a newcomer parked while its elastic job runs."""
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+    from rendezvousd.trainer.agent.node_agent import forming_note
+
+    def job(state: int, num_nodes: int, **fields: int) -> pb.GetJobResponse:
+        summary = pb.JobSummary(job_id="j\n", state=state, generation=3)  # type: ignore[arg-type]
+        summary.topology.num_nodes = num_nodes
+        return pb.GetJobResponse(summary=summary, **fields)
+
+    re_forming = job(pb.JOB_STATE_FORMING, 3, nodes_waiting=2, standbys=1, seats_kept=1)
+    assert forming_note(re_forming, 3, 35.4, 60) == (
+        "still waiting for job 'j\\x0a' generation 3 to form after 35 s: 1 node(s) joined of "
+        "the 3 it needs, 1 seat(s) kept for nodes re-joining; waiting up to 60 s in all, "
+        "then this ends naming what is missing"
+    )
+    running = job(pb.JOB_STATE_RUNNING, 2, nodes_waiting=1)
+    assert forming_note(running, 1, 5.2, 600) == (
+        "job 'j\\x0a' generation 3 runs with 2 node(s) after 5 s: this node is taken in when "
+        "it next re-forms (waiting up to 600 s in all)"
+    )

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -38,7 +39,7 @@ from rendezvousd.client.errors import (
 )
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.common.escape import shortened
+from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.members import FailedInfo, failed_text, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
@@ -151,6 +152,43 @@ class Joined:
 
     serial: int
     answer: NodeMembership | RendezvousError
+
+
+@dataclass(frozen=True)
+class Forming:
+    """GetJob's answer (None: none came) while this node's join ``serial`` waits."""
+
+    serial: int
+    job: pb.GetJobResponse | None
+
+
+#: A join still waiting this long says what it waits for, and again every
+#: ``FORMING_NOTE_EVERY_S``: the launcher was silent for the whole join timeout (600 s
+#: by default) while a node was missing, the rendezvous hang users know from torchrun.
+FORMING_NOTE_S = 5.0
+FORMING_NOTE_EVERY_S = 30.0
+
+
+def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: float) -> str:
+    """What a waiting join waits for, from the daemon's view of the job: the nodes
+    joined so far against those the generation needs, or, while it runs, the next
+    re-form that takes this node in."""
+    s = job.summary
+    most = s.topology.num_nodes
+    named = f"job '{escape(s.job_id)}' generation {s.generation}"
+    bound = f"waiting up to {limit_s:g} s in all"
+    if s.state == pb.JOB_STATE_RUNNING:
+        return (
+            f"{named} runs with {most} node(s) after {waited_s:.0f} s: this node is taken "
+            f"in when it next re-forms ({bound})"
+        )
+    joined = job.nodes_waiting - job.standbys
+    need = str(most) if fewest == most else f"{fewest} (up to {most})"
+    kept = f", {job.seats_kept} seat(s) kept for nodes re-joining" if job.seats_kept else ""
+    return (
+        f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined "
+        f"of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
+    )
 
 
 @dataclass(frozen=True)
@@ -428,7 +466,16 @@ class NodeAgent:
             ).start()
             return self._joins
 
+        def ask(serial: int) -> None:
+            try:
+                job: pb.GetJobResponse | None = self.client.get_job()
+            except RendezvousError:
+                job = None  # a note is best effort: the join itself says what failed
+            self.events.put(Forming(serial, job))
+
         serial = start()
+        began = time.monotonic()
+        note_at = began + FORMING_NOTE_S
         # A daemon that is not up yet (started after the nodes, restarting) is waited
         # for as a late node is, for the join's own timeout, with no restart used: a
         # restart would only join the same unreachable daemon again, and used them up
@@ -445,7 +492,17 @@ class NodeAgent:
             if retry_at is not None and time.monotonic() >= retry_at:
                 retry_at = None
                 serial = start()
+            if retry_at is None and not self._standing_by and time.monotonic() >= note_at:
+                note_at = time.monotonic() + FORMING_NOTE_EVERY_S
+                threading.Thread(
+                    target=ask, args=(serial,), daemon=True, name="rendezvous-agent-forming"
+                ).start()
             event = self._next_event()
+            if isinstance(event, Forming):
+                if event.serial == serial and event.job is not None and retry_at is None:
+                    waited = time.monotonic() - began
+                    self.note(forming_note(event.job, config.fewest_nodes, waited, timeout))
+                continue
             if isinstance(event, Joined) and event.serial == serial:
                 answer = event.answer
                 if not isinstance(answer, RendezvousError):
