@@ -543,3 +543,25 @@ def test_a_standing_by_agent_outlives_a_daemon_restart(
             first.kill()
     steps = torch_steps(spare_log)
     assert {s["rank"] for s in steps} == {0, 1} and max(s["step"] for s in steps) == 20
+
+
+def test_an_agent_waiting_for_the_others_says_what_it_waits_for_while_it_waits(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """One agent of two: torchrun said nothing between the rendezvous' start and its
+    timeout (600 s by default). The agent now logs, after 5 s, how many nodes joined
+    of those the job needs, as rendezvous-run does, then times out as before."""
+    d = start_daemon()
+    conf = f"token_file={d.token_file},join_timeout=8"
+    agent = torchrun(d, job_id, "2", "--step-log", str(tmp_path / "steps"), conf=conf)
+    assert agent.wait(60) != 0
+    err = agent.stderr()
+    said = (
+        f"still waiting for job '{job_id}' generation 1 to form after 5 s: 1 node(s) joined "
+        "of the 2 it needs; waiting up to 8 s in all"
+    )
+    assert said in err and err.count("still waiting") == 1, err[-3000:]
+    assert "RendezvousTimeoutError" in err, err[-3000:]

@@ -39,17 +39,20 @@ from rendezvousd.client.errors import (
 )
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
-from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import (
+    FORMING_NOTE_EVERY_S,
+    FORMING_NOTE_S,
     OUTAGE_RETRY_S,
     SCALE_UP_REASON,
     DaemonOutage,
     Failure,
     RestartBudget,
+    forming_note,
     stray,
 )
 from rendezvousd.trainer.agent.state_copy import StateCopy
@@ -160,35 +163,6 @@ class Forming:
 
     serial: int
     job: pb.GetJobResponse | None
-
-
-#: A join still waiting this long says what it waits for, and again every
-#: ``FORMING_NOTE_EVERY_S``: the launcher was silent for the whole join timeout (600 s
-#: by default) while a node was missing, the rendezvous hang users know from torchrun.
-FORMING_NOTE_S = 5.0
-FORMING_NOTE_EVERY_S = 30.0
-
-
-def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: float) -> str:
-    """What a waiting join waits for, from the daemon's view of the job: the nodes
-    joined so far against those the generation needs, or, while it runs, the next
-    re-form that takes this node in."""
-    s = job.summary
-    most = s.topology.num_nodes
-    named = f"job '{escape(s.job_id)}' generation {s.generation}"
-    bound = f"waiting up to {limit_s:g} s in all"
-    if s.state == pb.JOB_STATE_RUNNING:
-        return (
-            f"{named} runs with {most} node(s) after {waited_s:.0f} s: this node is taken "
-            f"in when it next re-forms ({bound})"
-        )
-    joined = job.nodes_waiting - job.standbys
-    need = str(most) if fewest == most else f"{fewest} (up to {most})"
-    kept = f", {job.seats_kept} seat(s) kept for nodes re-joining" if job.seats_kept else ""
-    return (
-        f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined "
-        f"of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
-    )
 
 
 @dataclass(frozen=True)
