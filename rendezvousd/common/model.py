@@ -218,6 +218,8 @@ class JobView:
     # for how much longer (``placement.keep_seats``).
     seats_kept: int = 0
     seats_kept_s: float = 0.0
+    # While a generation opened after the job ENDED forms: how long ago that end was.
+    previous_run_ended_s: float | None = None
 
     @property
     def world_size(self) -> int:

@@ -518,6 +518,9 @@ class RendezvousServicer:
             standbys=view.standbys,
             seats_kept=view.seats_kept,
             seats_kept_ms=int(view.seats_kept_s * 1000),
+            previous_run_ended_ms=(
+                None if view.previous_run_ended_s is None else int(view.previous_run_ended_s * 1000)
+            ),
         ).SerializeToString()
 
     # -- registration ---------------------------------------------------------

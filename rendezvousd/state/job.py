@@ -256,6 +256,12 @@ class Generation:
     # of the seats above is kept for them. Not stored: a restart forgets it, which
     # costs at most one seat hold.
     gone: set[str] = field(default_factory=set)
+    # When the generation before this one ENDED (every member left), if it did: this
+    # one was opened by a join after that end, a new run of the job id, or a node of
+    # the run that ended started late (a pod restarted after success), which would
+    # wait its join timeout here for nodes that are done. GetJob says so while this
+    # one forms. Not stored: a restart forgets it, which costs only that hint.
+    after_end: float | None = None
 
 
 @dataclass

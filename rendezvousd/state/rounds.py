@@ -129,8 +129,9 @@ def next_generation(sm: RendezvousState, job: Job, now: float) -> None:
             conflict.metadata,
             conflict.failed,
         )
-    old = job.state
+    old, ended = job.state, job.state_since
     job.open_generation(now)
+    job.gen.after_end = ended if old is JobState.ENDED else None
     sm.calls.emit(Transition(job.job_id, job.generation, old, JobState.FORMING, "new generation"))
 
 

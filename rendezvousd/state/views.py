@@ -7,7 +7,7 @@ it reports, and nothing a caller does with one reaches back into the job.
 from __future__ import annotations
 
 from rendezvousd.common import grid
-from rendezvousd.common.model import JobView, JoinMode, MemberState, MemberView
+from rendezvousd.common.model import JobState, JobView, JoinMode, MemberState, MemberView
 from rendezvousd.state import placement
 from rendezvousd.state.job import Attendee, Job, Member
 
@@ -80,4 +80,9 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
         # A seat claimed by host alone is kept still: its holder may take it back.
         (kept := placement.kept_for_others(job, now) + len(job.gen.by_host)),
         max(0.0, job.gen.owed_until - now) if kept else 0.0,
+        (
+            max(0.0, now - job.gen.after_end)
+            if job.gen.after_end is not None and job.state is JobState.FORMING
+            else None
+        ),
     )

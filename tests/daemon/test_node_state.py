@@ -468,6 +468,32 @@ def test_node_leave_leaves_every_member_and_ends_the_job() -> None:
     assert sm.jobs["j"].state is JobState.ENDED
 
 
+def test_a_generation_opened_after_the_job_ended_says_how_long_ago_while_it_forms() -> None:
+    """A node joining after every member left opens the next generation, a new run:
+    a pod restarted after its job succeeded waited out its join timeout there for
+    nodes that were done, and nothing told it why. GetJob says when the run ended,
+    while the new one forms; not after one that failed (its nodes restart too)."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
+    sm.leave("j", 1, 1, "b", 2.0, mode=JoinMode.NODE)
+    assert sm.jobs["j"].state is JobState.ENDED
+    assert sm.view("j", 3.0).previous_run_ended_s is None
+    assert isinstance(sm.join(node("late"), 12.0), JoinResult)  # node 0: asked for the id
+    assert sm.jobs["j"].generation == 2 and sm.jobs["j"].state is JobState.FORMING
+    assert sm.view("j", 14.5).previous_run_ended_s == 12.5
+    assert isinstance(sm.join(node("late", uid=ID2), 15.0), Parked)
+    sm.join(node("other"), 15.0)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    assert sm.view("j", 16.0).previous_run_ended_s is None  # formed: not a stray run
+    # After a failure, the next generation is the same run re-forming.
+    sm.report_failure("j", 2, 0, "late", 1, "exit code 3", 17.0)
+    assert sm.jobs["j"].state is JobState.FAILED
+    sm.join(node("late2", previous="late"), 18.0)  # its agent re-joining
+    assert sm.jobs["j"].generation == 3 and sm.jobs["j"].state is JobState.FORMING
+    assert sm.view("j", 19.0).previous_run_ended_s is None
+
+
 def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -> None:
     sm = RendezvousState()
     _, b = formed(sm)

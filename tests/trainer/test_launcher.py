@@ -902,8 +902,38 @@ def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> 
         "the 3 it needs, 1 seat(s) kept for nodes re-joining; waiting up to 60 s in all, "
         "then this ends naming what is missing"
     )
+    after_end = job(pb.JOB_STATE_FORMING, 2, nodes_waiting=1, previous_run_ended_ms=750_000)
+    assert forming_note(after_end, 2, 5.0, 600).endswith(
+        "then this ends naming what is missing. The job's previous run ended 12 min ago "
+        "(every member left), and a join after that starts a new run: a node meant for the "
+        "run that ended is not needed and may stop"
+    )
     running = job(pb.JOB_STATE_RUNNING, 2, nodes_waiting=1)
     assert forming_note(running, 1, 5.2, 600) == (
         "job 'j\\x0a' generation 3 runs with 2 node(s) after 5 s: this node is taken in when "
         "it next re-forms (waiting up to 600 s in all)"
     )
+
+
+def test_a_node_started_after_its_job_ended_is_told_the_run_it_waits_in_is_a_new_one(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """A pod restarted after its job succeeded (or a slow pod of a short job) joins a
+    job whose members all left, and so opens a new run of it that nobody else will
+    join: it waited out its join timeout (600 s by default) without a word of why."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    node = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file,
+                        job=job_id)  # fmt: skip
+    done = run_launcher([*node, str(script)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    late = [*node[:4], "2", *node[5:]]  # --nnodes 2: its run needed a second node
+    assert late[3] == "--nnodes", late
+    run = run_launcher([*late, "--join-timeout-s", "7", str(script)], timeout=60)
+    assert run.returncode == 1, run.stderr
+    assert f"still waiting for job '{job_id}' generation 2 to form" in run.stderr, run.stderr
+    assert "The job's previous run ended " in run.stderr, run.stderr
+    assert "a node meant for the run that ended is not needed and may stop" in run.stderr

@@ -86,10 +86,26 @@ def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: 
     joined = job.nodes_waiting - job.standbys
     need = str(most) if fewest == most else f"{fewest} (up to {most})"
     kept = f", {job.seats_kept} seat(s) kept for nodes re-joining" if job.seats_kept else ""
-    return (
+    said = (
         f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined "
         f"of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
     )
+    if job.HasField("previous_run_ended_ms"):
+        # A pod restarted after its job succeeded, say: it opened a run nobody else
+        # will join, and would wait out its join timeout without a word of why.
+        ended = _ago(job.previous_run_ended_ms / 1000)
+        said += (
+            f". The job's previous run ended {ended} ago (every member left), and a join "
+            "after that starts a new run: a node meant for the run that ended is not "
+            "needed and may stop"
+        )
+    return said
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def stray(causes: Sequence[str]) -> bool:

@@ -1514,6 +1514,7 @@ class GetJobResponse(_message.Message):
     STANDBYS_FIELD_NUMBER: _builtins.int
     SEATS_KEPT_FIELD_NUMBER: _builtins.int
     SEATS_KEPT_MS_FIELD_NUMBER: _builtins.int
+    PREVIOUS_RUN_ENDED_MS_FIELD_NUMBER: _builtins.int
     id_published: _builtins.bool
     """Whether rank 0's id is published (the id itself is never returned)."""
     kv_keys: _builtins.int
@@ -1538,6 +1539,11 @@ class GetJobResponse(_message.Message):
     failure (JoinNodeRequest.previous_instance_id), and how long it keeps them.
     """
     seats_kept_ms: _builtins.int
+    previous_run_ended_ms: _builtins.int
+    """While a generation opened by a join after the job ENDED (every member left)
+    forms: how long ago that end was. Either a new run of the job id, or a node of
+    the run that ended started late, waiting for nodes that are done.
+    """
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
     @_builtins.property
@@ -1560,15 +1566,20 @@ class GetJobResponse(_message.Message):
         standbys: _builtins.int = ...,
         seats_kept: _builtins.int = ...,
         seats_kept_ms: _builtins.int = ...,
+        previous_run_ended_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "failed", b"failed", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "nodes_waiting", b"nodes_waiting", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "failed", b"failed", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__previous_run_ended_ms: _TypeAlias = _typing.Literal["previous_run_ended_ms"]  # noqa: Y015
+    _WhichOneofArgType__previous_run_ended_ms: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms"]  # noqa: Y015
     _WhichOneofReturnType__restarts_left: _TypeAlias = _typing.Literal["restarts_left"]  # noqa: Y015
     _WhichOneofArgType__restarts_left: _TypeAlias = _typing.Literal["_restarts_left", b"_restarts_left"]  # noqa: Y015
     _WhichOneofReturnType__restarts_used: _TypeAlias = _typing.Literal["restarts_used"]  # noqa: Y015
     _WhichOneofArgType__restarts_used: _TypeAlias = _typing.Literal["_restarts_used", b"_restarts_used"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__previous_run_ended_ms) -> _WhichOneofReturnType__previous_run_ended_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restarts_left) -> _WhichOneofReturnType__restarts_left | None: ...
     @_typing.overload
