@@ -272,6 +272,11 @@ def render_job(job: Any) -> str:
             f"{job.seats_kept} seat(s) kept for nodes re-joining after the failure "
             f"({job.seats_kept_ms / 1000:.0f} s more)"
         )
+    if job.HasField("previous_run_ended_ms"):
+        facts.append(
+            f"a new run of this job id: its previous run ended "
+            f"{_age(job.previous_run_ended_ms)} ago (every member left)"
+        )
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
     per_node = max(1, job.summary.topology.gpus_per_node)
     rows = grid.node_rows(

@@ -309,6 +309,9 @@ class StatusPage:
             "standbys": v.standbys,
             "seats_kept": v.seats_kept,
             "seats_kept_s": round(v.seats_kept_s, 1),
+            "previous_run_ended_s": (
+                None if v.previous_run_ended_s is None else round(v.previous_run_ended_s, 1)
+            ),
             "state_age_s": round(v.state_age_s, 1),
             "last_failure": (
                 v.failed[0].describe() if v.failed else self.timeline.last_failure(v.job_id)

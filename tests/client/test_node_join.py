@@ -623,3 +623,31 @@ def test_a_loss_told_within_its_millisecond_still_has_its_time() -> None:
     assert isinstance(told[0], FailedMember) and told[0].lost_at is not None
     assert abs(told[0].lost_at - time.time()) < 1.0
     assert unknown[0].lost_at is None
+
+
+def test_status_shows_a_generation_opened_after_the_job_ended_as_a_new_run(
+    agents: list[RendezvousClient],
+) -> None:
+    """Over the wire: one node's run ends (it leaves), then a node of a two-node launch
+    joins the same job id and waits; GetJob and ``status`` say that generation 2 is a
+    new run and how long ago the last one ended. Once it forms, neither says it."""
+    from rendezvousd.cli.probe import render_job
+
+    join_all(agents[:1], 1, 1)
+    agents[0].start_heartbeat(0.2)
+    agents[0].leave()
+    kw: dict[str, object] = dict(min_nodes=2, max_nodes=2, gpus_per_node=2, timeout=20)
+    late = threading.Thread(target=agents[1].join_node, kwargs=kw, daemon=True)
+    started = time.monotonic()
+    late.start()
+    wait_for("generation 2 to open", lambda: agents[2].get_job().summary.generation == 2)
+    job = agents[2].get_job()
+    assert job.summary.state == pb.JobState.JOB_STATE_FORMING
+    assert 0 <= job.previous_run_ended_ms <= (time.monotonic() - started + 5) * 1000
+    assert "a new run of this job id: its previous run ended " in render_job(job)
+    agents[2].join_node(**kw)  # the run's second node: it forms
+    late.join(30)
+    formed = agents[2].get_job()
+    assert formed.summary.state == pb.JobState.JOB_STATE_RUNNING, formed.summary
+    assert not formed.HasField("previous_run_ended_ms")
+    assert "a new run" not in render_job(formed)

@@ -232,3 +232,42 @@ def test_a_seat_kept_for_a_survivor_is_shown_while_it_is_kept(
 
 
 KEPT_SCREENSHOT = ROOT / "artifacts" / "status-page-kept-seat.png"
+
+
+def test_a_new_run_opened_after_the_job_ended_is_shown_as_such(
+    start_daemon: Callable[..., DaemonProcess], browser: Chromium, job_id: str
+) -> None:
+    """A one-node run ends (its node leaves), then a node of a two-node launch joins the
+    same job id: the page says the generation forming is a new run and when the last
+    one ended, which a late pod of the run that ended would otherwise wait in unseen."""
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    base = d.metrics_url.removesuffix("/metrics")
+    first, late = (RendezvousClient(d.endpoint, job_id, token=d.token) for _ in range(2))
+    try:
+        first.join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, timeout=30)
+        first.start_heartbeat(0.2)
+        first.leave()
+        kw: dict[str, Any] = dict(min_nodes=2, max_nodes=2, gpus_per_node=2, timeout=30)
+        waiting = threading.Thread(target=late.join_node, kwargs=kw, daemon=True)
+        waiting.start()
+        wait_for("generation 2 to form", lambda: late.get_job().summary.generation == 2)
+        browser.log_in(base, d.token)
+        browser.navigate(f"{base}/#job={job_id}")
+        browser.wait_for(
+            "the new run",
+            "/^a new run of this job id: its previous run ended \\d+\\.\\d s ago "
+            "\\(every member left\\)$/.test(document.getElementById('rerun').textContent) && "
+            "!document.getElementById('rerun').hidden && "
+            "document.getElementById('job-state').textContent === 'FORMING'",
+            timeout=8,
+        )
+        browser.screenshot(RERUN_SCREENSHOT)
+        assert RERUN_SCREENSHOT.stat().st_size > 10_000
+    finally:
+        for c in (first, late):
+            c.close()
+
+
+RERUN_SCREENSHOT = ROOT / "artifacts" / "status-page-new-run.png"

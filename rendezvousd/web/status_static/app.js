@@ -177,6 +177,12 @@ function drawJob(job, rows) {
   $("kept").hidden = !job.seats_kept;
   $("kept").textContent = job.seats_kept + " seat(s) kept for nodes re-joining after the failure (" +
     Math.round(job.seats_kept_s) + " s more)";
+  // A join after every member left opens a new run: a late node of the run that ended
+  // (a pod restarted after success) waits here for nodes that are done.
+  const ended = job.previous_run_ended_s;
+  $("rerun").hidden = ended === null || ended === undefined;
+  $("rerun").textContent = "a new run of this job id: its previous run ended " + age(ended) +
+    " ago (every member left)";
   const failed = $("failed");
   failed.replaceChildren();
   for (const f of job.failed) {
