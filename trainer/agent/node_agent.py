@@ -433,7 +433,11 @@ class NodeAgent:
             else:
                 self.events.put(Joined(serial, m))
 
+        asked_at = 0.0  # when the join now out was sent
+
         def start() -> int:
+            nonlocal asked_at
+            asked_at = time.monotonic()
             self._joins += 1
             threading.Thread(
                 target=join, args=(self._joins,), daemon=True, name="rendezvous-agent-join"
@@ -466,7 +470,15 @@ class NodeAgent:
             if retry_at is not None and time.monotonic() >= retry_at:
                 retry_at = None
                 serial = start()
-            if retry_at is None and not self._standing_by and time.monotonic() >= note_at:
+            now = time.monotonic()
+            # Only a join that itself has waited: one asked again every second (a
+            # held --node-rank, the daemon away) is refused, not waiting for the job.
+            if (
+                retry_at is None
+                and not self._standing_by
+                and now >= note_at
+                and now - asked_at >= FORMING_NOTE_S
+            ):
                 note_at = time.monotonic() + FORMING_NOTE_EVERY_S
                 threading.Thread(
                     target=ask, args=(serial,), daemon=True, name="rendezvous-agent-forming"
