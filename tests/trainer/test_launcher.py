@@ -889,7 +889,7 @@ def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> 
     that keeps seats for nodes coming back (standbys parked are not nodes joined), and
     a newcomer parked while its elastic job runs."""
     from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-    from rendezvousd.trainer.agent.recovery import forming_note
+    from rendezvousd.trainer.agent.waiting_note import forming_note
 
     def job(state: int, num_nodes: int, **fields: int) -> pb.GetJobResponse:
         summary = pb.JobSummary(job_id="j\n", state=state, generation=3)  # type: ignore[arg-type]

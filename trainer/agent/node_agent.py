@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -45,17 +44,15 @@ from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import (
-    FORMING_NOTE_EVERY_S,
-    FORMING_NOTE_S,
     OUTAGE_RETRY_S,
     SCALE_UP_REASON,
     DaemonOutage,
     Failure,
     RestartBudget,
-    forming_note,
     stray,
 )
 from rendezvousd.trainer.agent.state_copy import StateCopy
+from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.agent.warm_workers import (
     Exited,
     Misbehaved,
@@ -155,14 +152,6 @@ class Joined:
 
     serial: int
     answer: NodeMembership | RendezvousError
-
-
-@dataclass(frozen=True)
-class Forming:
-    """GetJob's answer (None: none came) while this node's join ``serial`` waits."""
-
-    serial: int
-    job: pb.GetJobResponse | None
 
 
 @dataclass(frozen=True)
@@ -415,45 +404,43 @@ class NodeAgent:
                 "node takes the place of the first node the job loses"
             )
 
+        began = time.monotonic()
+
         def join(serial: int) -> None:
-            try:
-                m = self.client.join_node(
-                    min_nodes=config.fewest_nodes,
-                    max_nodes=config.num_nodes,
-                    gpus_per_node=self.per_node,
-                    node_rank=config.node_rank if config.is_multi_node else 0,
-                    addresses=[self.ring_host] * self.per_node if self.ring_host else (),
-                    id_factory=self.id_factory,
-                    last_call=config.last_call_s or None,
-                    timeout=timeout,
-                    standby=self._standing_by,
+            standby = self._standing_by  # a standby said once that it stands by
+            noting = (
+                contextlib.nullcontext()
+                if standby
+                else saying_what_it_waits_for(
+                    self.client.get_job, self.note, config.fewest_nodes, timeout, began
                 )
+            )
+            try:
+                with noting:
+                    m = self.client.join_node(
+                        min_nodes=config.fewest_nodes,
+                        max_nodes=config.num_nodes,
+                        gpus_per_node=self.per_node,
+                        node_rank=config.node_rank if config.is_multi_node else 0,
+                        addresses=[self.ring_host] * self.per_node if self.ring_host else (),
+                        id_factory=self.id_factory,
+                        last_call=config.last_call_s or None,
+                        timeout=timeout,
+                        standby=standby,
+                    )
             except RendezvousError as exc:
                 self.events.put(Joined(serial, exc))
             else:
                 self.events.put(Joined(serial, m))
 
-        asked_at = 0.0  # when the join now out was sent
-
         def start() -> int:
-            nonlocal asked_at
-            asked_at = time.monotonic()
             self._joins += 1
             threading.Thread(
                 target=join, args=(self._joins,), daemon=True, name="rendezvous-agent-join"
             ).start()
             return self._joins
 
-        def ask(serial: int) -> None:
-            try:
-                job: pb.GetJobResponse | None = self.client.get_job()
-            except RendezvousError:
-                job = None  # a note is best effort: the join itself says what failed
-            self.events.put(Forming(serial, job))
-
         serial = start()
-        began = time.monotonic()
-        note_at = began + FORMING_NOTE_S
         # A daemon that is not up yet (started after the nodes, restarting) is waited
         # for as a late node is, for the join's own timeout, with no restart used: a
         # restart would only join the same unreachable daemon again, and used them up
@@ -470,25 +457,7 @@ class NodeAgent:
             if retry_at is not None and time.monotonic() >= retry_at:
                 retry_at = None
                 serial = start()
-            now = time.monotonic()
-            # Only a join that itself has waited: one asked again every second (a
-            # held --node-rank, the daemon away) is refused, not waiting for the job.
-            if (
-                retry_at is None
-                and not self._standing_by
-                and now >= note_at
-                and now - asked_at >= FORMING_NOTE_S
-            ):
-                note_at = time.monotonic() + FORMING_NOTE_EVERY_S
-                threading.Thread(
-                    target=ask, args=(serial,), daemon=True, name="rendezvous-agent-forming"
-                ).start()
             event = self._next_event()
-            if isinstance(event, Forming):
-                if event.serial == serial and event.job is not None and retry_at is None:
-                    waited = time.monotonic() - began
-                    self.note(forming_note(event.job, config.fewest_nodes, waited, timeout))
-                continue
             if isinstance(event, Joined) and event.serial == serial:
                 answer = event.answer
                 if not isinstance(answer, RendezvousError):
@@ -540,8 +509,9 @@ class NodeAgent:
                 # milliseconds; a live twin is heard beating on, and is fatal then).
                 holder = _rank_held(answer)
                 held = holder is not None
+                here = held and holder == answer.metadata.get("offending_host")
                 heard = _holder_heard(answer) if held else None
-                if held and heard is None and holder != answer.metadata.get("offending_host"):
+                if held and heard is None and not here:
                     # A daemon that does not say when it last heard the holder: one on
                     # another host cannot be told from a live twin, so it is not waited for.
                     held = False
@@ -560,7 +530,6 @@ class NodeAgent:
                         wait.told = True
                         said = cause
                         if held:
-                            here = holder == answer.metadata.get("offending_host")
                             said = (
                                 f"node rank {answer.metadata.get('node_rank')} is held by the "
                                 + (

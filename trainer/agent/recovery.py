@@ -10,7 +10,7 @@ JoinNode by any holder of the job's token would otherwise use up the job's resta
 After ``max_restarts`` restarts the next failure ends the launcher.
 
 Beside them, what a join waits through, shared with the torchrun agent: the daemon
-unavailable (``DaemonOutage``), and what a join still waiting says (``forming_note``).
+unavailable (``DaemonOutage``).
 """
 
 from __future__ import annotations
@@ -18,19 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.common.escape import escape
 from rendezvousd.common.members import SCALE_UP_REASON, never_attached
 
 __all__ = [
-    "FORMING_NOTE_EVERY_S",
-    "FORMING_NOTE_S",
     "OUTAGE_RETRY_S",
     "SCALE_UP_REASON",
     "DaemonOutage",
     "Failure",
     "RestartBudget",
-    "forming_note",
     "stray",
 ]
 
@@ -60,52 +55,6 @@ class DaemonOutage:
         """A wait that ended normally: the next outage is a new one."""
         self.since = None
         self.told = False
-
-
-#: A join still waiting this long says what it waits for, and again every
-#: ``FORMING_NOTE_EVERY_S``: the launcher was silent for the whole join timeout (600 s
-#: by default) while a node was missing, the rendezvous hang users know from torchrun. (rendezvous-run's joins, and
-#: a torchrun agent's.)
-FORMING_NOTE_S = 5.0
-FORMING_NOTE_EVERY_S = 30.0
-
-
-def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: float) -> str:
-    """What a waiting join waits for, from the daemon's view of the job: the nodes
-    joined so far against those the generation needs, or, while it runs, the next
-    re-form that takes this node in."""
-    s = job.summary
-    most = s.topology.num_nodes
-    named = f"job '{escape(s.job_id)}' generation {s.generation}"
-    bound = f"waiting up to {limit_s:g} s in all"
-    if s.state == pb.JOB_STATE_RUNNING:
-        return (
-            f"{named} runs with {most} node(s) after {waited_s:.0f} s: this node is taken "
-            f"in when it next re-forms ({bound})"
-        )
-    joined = job.nodes_waiting - job.standbys
-    need = str(most) if fewest == most else f"{fewest} (up to {most})"
-    kept = f", {job.seats_kept} seat(s) kept for nodes re-joining" if job.seats_kept else ""
-    said = (
-        f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined "
-        f"of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
-    )
-    if job.HasField("previous_run_ended_ms"):
-        # A pod restarted after its job succeeded, say: it opened a run nobody else
-        # will join, and would wait out its join timeout without a word of why.
-        ended = _ago(job.previous_run_ended_ms / 1000)
-        said += (
-            f". The job's previous run ended {ended} ago (every member left), and a join "
-            "after that starts a new run: a node meant for the run that ended is not "
-            "needed and may stop"
-        )
-    return said
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def stray(causes: Sequence[str]) -> bool:

@@ -96,7 +96,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -123,14 +123,8 @@ from rendezvousd.common.address import route_source
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
-from rendezvousd.trainer.agent.recovery import (
-    FORMING_NOTE_EVERY_S,
-    FORMING_NOTE_S,
-    OUTAGE_RETRY_S,
-    SCALE_UP_REASON,
-    DaemonOutage,
-    forming_note,
-)
+from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
+from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
@@ -564,35 +558,16 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 "rendezvousd: job %r: could not report the lost link: %s", self._run_id, exc
             )
 
-    @contextlib.contextmanager
-    def _saying_what_it_waits_for(self, *, quiet: bool) -> Iterator[None]:
-        """While the join in this block waits: after FORMING_NOTE_S, then every
-        FORMING_NOTE_EVERY_S, log what it waits for (GetJob, on a thread of its own
-        so that the join is never held up by it), as rendezvous-run does. torch's own
-        rendezvous logs nothing between its start and its timeout. ``quiet``: a standby
-        said once that it stands by."""
-        done = threading.Event()
-        began = time.monotonic()
-        limit_s = self._settings.join_timeout
+    def _saying_what_it_waits_for(self) -> contextlib.AbstractContextManager[None]:
+        """The note rendezvous-run's joins give while they wait, logged: torch's own
+        rendezvous logs nothing between its start and its timeout."""
 
-        def watch() -> None:
-            wait = FORMING_NOTE_S
-            while not done.wait(wait):
-                wait = FORMING_NOTE_EVERY_S
-                try:
-                    job = self._client.get_job()
-                except RendezvousError:
-                    continue  # best effort: the join says what failed
-                if not done.is_set():
-                    waited = time.monotonic() - began
-                    log.warning("rendezvousd: %s", forming_note(job, self._min, waited, limit_s))
+        def say(note: str) -> None:
+            log.warning("rendezvousd: %s", note)
 
-        if not quiet:
-            threading.Thread(target=watch, daemon=True, name="rendezvousd-forming").start()
-        try:
-            yield
-        finally:
-            done.set()
+        return saying_what_it_waits_for(
+            self._client.get_job, say, self._min, self._settings.join_timeout, time.monotonic()
+        )
 
     def _join(self) -> NodeMembership:
         """One JoinNode. A node that finds the world full stands by (``standby``), as a
@@ -602,7 +577,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         outage = DaemonOutage(self._settings.join_timeout)
         while True:
             try:
-                with self._saying_what_it_waits_for(quiet=standby):
+                # A standby said once that it stands by.
+                noting = contextlib.nullcontext() if standby else self._saying_what_it_waits_for()
+                with noting:
                     return self._client.join_node(
                         min_nodes=self._min,
                         max_nodes=self._max,

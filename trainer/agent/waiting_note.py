@@ -1,0 +1,93 @@
+"""What a node's join says while it waits for its job to form (rendezvous-run's
+joins, and a torchrun agent's): the nodes joined of those the generation needs, the
+seats kept for nodes re-joining, or the next re-form that takes a newcomer in, asked
+of the daemon (``GetJob``) on a thread of its own so that the join is never held up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client.errors import RendezvousError
+from rendezvousd.common.escape import escape
+
+#: A join still waiting this long says what it waits for, and again every
+#: ``FORMING_NOTE_EVERY_S``: the launcher was silent for the whole join timeout (600 s
+#: by default) while a node was missing, the rendezvous hang users know from torchrun.
+FORMING_NOTE_S = 5.0
+FORMING_NOTE_EVERY_S = 30.0
+
+
+def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: float) -> str:
+    """What a waiting join waits for, from the daemon's view of the job: the nodes
+    joined so far against those the generation needs, or, while it runs, the next
+    re-form that takes this node in."""
+    s = job.summary
+    most = s.topology.num_nodes
+    named = f"job '{escape(s.job_id)}' generation {s.generation}"
+    bound = f"waiting up to {limit_s:g} s in all"
+    if s.state == pb.JOB_STATE_RUNNING:
+        return (
+            f"{named} runs with {most} node(s) after {waited_s:.0f} s: this node is taken "
+            f"in when it next re-forms ({bound})"
+        )
+    joined = job.nodes_waiting - job.standbys
+    need = str(most) if fewest == most else f"{fewest} (up to {most})"
+    kept = f", {job.seats_kept} seat(s) kept for nodes re-joining" if job.seats_kept else ""
+    said = (
+        f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined "
+        f"of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
+    )
+    if job.HasField("previous_run_ended_ms"):
+        # A pod restarted after its job succeeded, say: it opened a run nobody else
+        # will join, and would wait out its join timeout without a word of why.
+        ended = _ago(job.previous_run_ended_ms / 1000)
+        said += (
+            f". The job's previous run ended {ended} ago (every member left), and a join "
+            "after that starts a new run: a node meant for the run that ended is not "
+            "needed and may stop"
+        )
+    return said
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+@contextlib.contextmanager
+def saying_what_it_waits_for(
+    get_job: Callable[[], pb.GetJobResponse],
+    say: Callable[[str], None],
+    fewest: int,
+    limit_s: float,
+    began: float,
+) -> Iterator[None]:
+    """While the join in this block waits: after ``FORMING_NOTE_S``, then every
+    ``FORMING_NOTE_EVERY_S``, ``say`` what it waits for (``forming_note``; ``began``:
+    when the node began to join, on the monotonic clock). Only a join that itself has
+    waited says so: one asked again every second (a held --node-rank, the daemon away)
+    is refused, not waiting for the job."""
+    done = threading.Event()
+
+    def watch() -> None:
+        wait = FORMING_NOTE_S
+        while not done.wait(wait):
+            wait = FORMING_NOTE_EVERY_S
+            try:
+                job = get_job()
+            except RendezvousError:
+                continue  # best effort: the join itself says what failed
+            if not done.is_set():
+                say(forming_note(job, fewest, time.monotonic() - began, limit_s))
+
+    threading.Thread(target=watch, daemon=True, name="rendezvous-forming").start()
+    try:
+        yield
+    finally:
+        done.set()
