@@ -588,7 +588,7 @@ class Calls:
         the cap, a second PublishId cannot take back.)"""
         while True:
             left = plan.left()
-            plan.request.wait_timeout_ms = timeout_ms(left)
+            plan.stamp(left)
             try:
                 return (yield from self.call(method, plan.request, timeout=left + SLACK_S))
             except InvalidRequest as exc:

@@ -127,6 +127,10 @@ class NodeJoinRequest(TypedDict):
     # A standby: waits beyond max_nodes until a failure frees a slot
     # (``JoinNodeRequest.standby``); RendezvousTimeout when none did within ``timeout``.
     standby: NotRequired[bool]
+    # When this node agent was launched, on ``time.monotonic()``'s clock (None: not
+    # said). Its first join tells the daemon how long ago: a job whose run ended
+    # after that refuses it (JobEnded), as the node was launched for that run.
+    launched: NotRequired[float | None]
 
 
 @functools.cache
@@ -497,8 +501,13 @@ class Session:
         )
         if (node_rank := r.get("node_rank")) is not None:
             request.node_rank = node_rank
-        # A node cannot pin the id: only id_factory makes it, for node 0.
-        return JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request)
+        # A node cannot pin the id: only id_factory makes it, for node 0. A re-join
+        # (it held a seat in the job) does not say when it was launched: the run it
+        # took part in ending is no sign that it came late (``launched_ms_ago``).
+        launched = None if self.held else r.get("launched")
+        plan = JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request)
+        plan.launched = launched
+        return plan
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
@@ -1056,6 +1065,15 @@ class JoinPlan:
     timeout: float
     started: float
     request: pb.JoinRequest | pb.JoinNodeRequest = field(default_factory=pb.JoinRequest, repr=False)
+    # A node agent's first join: when it was launched (``NodeJoinRequest.launched``).
+    launched: float | None = None
+
+    def stamp(self, left: float) -> None:
+        """Before each send of the join: how long it may wait (``left``), and how
+        long ago its node was launched."""
+        self.request.wait_timeout_ms = timeout_ms(left)
+        if self.launched is not None and isinstance(self.request, pb.JoinNodeRequest):
+            self.request.launched_ms_ago = round(max(0.0, time.monotonic() - self.launched) * 1000)
 
     def make_id(self) -> bytes:
         """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128

@@ -325,6 +325,45 @@ def worker_cmd(
     return cmd + (["--node-rank", str(node)] if node is not None else [])
 
 
+class ClosedDoor:
+    """127.0.0.1:port, refusing connections (bound, not listening) until ``open()``,
+    then forwarding each to the daemon at ``target``: a daemon a node cannot reach yet."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def open(self) -> None:
+        self.listener.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return
+            far = socket.create_connection(("127.0.0.1", self.target))
+            for src, dst in ((near, far), (far, near)):
+                threading.Thread(target=pump_bytes, args=(src, dst), daemon=True).start()
+
+
+def pump_bytes(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
 def launcher_cmd(
     nnodes: int | str,
     node_rank: int | str,

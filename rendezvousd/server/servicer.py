@@ -268,6 +268,11 @@ class RendezvousServicer:
             previous=(
                 request.previous_instance_id if request.HasField("previous_instance_id") else None
             ),
+            launched_at=(
+                _now() - request.launched_ms_ago / 1000
+                if request.HasField("launched_ms_ago")
+                else None
+            ),
         )
         return await self._join(args, request.slim, context)
 

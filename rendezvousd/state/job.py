@@ -273,6 +273,10 @@ class Job:
     state: JobState
     state_since: float
     gen: Generation = field(default_factory=Generation)
+    # When this daemon saw the job's last run end (ENDED: every member left). Not
+    # stored: a restart forgets it, and nodes launched before the restart are then
+    # not told apart from a new run's (``joins.launched_for_ended_run``).
+    ended_at: float | None = None
     # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
     used_id_digests: IdHistory = field(default_factory=IdHistory)
     # JoinNode generations: the elastic bounds (num_nodes is max_nodes while

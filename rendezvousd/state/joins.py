@@ -46,6 +46,10 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     admits it: the id from the seat holding rank 0, forming, ``id_required``, parking."""
     seats.not_draining(sm)
     placement.check(args, sm.limits)
+    if (known := sm.jobs.get(args.job_id)) is not None and (
+        late := launched_for_ended_run(known, args, now)
+    ) is not None:
+        raise late
     if args.standby and (parked := stand_by(sm, args, now)) is not None:
         return parked
     job = job_for(sm, args, now)
@@ -95,6 +99,31 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         if added:  # refused (capacity, a bad id): the seat stays free for the retry
             unseat(sm, job, seat, now)
         raise
+
+
+def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFault | None:
+    """JOB_ENDED for a node agent launched before the job's run ended (every member
+    left), while the job is ENDED or the generation a join opened after that end
+    forms: it was launched for the run that ended (a pod restarted after its job
+    succeeded, a late or scale-up node of a job that is done). Before, it opened the
+    job's next generation and waited its join timeout (600 s) for nodes that were
+    done. A node launched after the end is a new run of the job id, as is any join
+    that does not say when it was launched."""
+    ended, launched = job.ended_at, args.launched_at
+    if ended is None or launched is None or launched > ended:
+        return None
+    reopened = job.state is JobState.FORMING and job.gen.after_end is not None
+    if not (job.state is JobState.ENDED or reopened) or args.instance_id in job.gen.nodes:
+        return None
+    return job.fault(
+        Code.FAILED_PRECONDITION,
+        Reason.JOB_ENDED,
+        f"job {job.job_id!r} ended {now - ended:.1f} s ago (every member left), after this "
+        f"node was launched ({now - launched:.1f} s ago): it was launched for the run that "
+        "ended, which needs it no more. A node launched after the end starts a new run of "
+        "the job id",
+        ended_ms_ago=str(round((now - ended) * 1000)),
+    )
 
 
 #: The cause of a node lost by its own agent's re-join (``_left_behind``).

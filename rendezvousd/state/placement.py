@@ -55,6 +55,10 @@ class JoinArgs:
     # first join; None: a client too old to say), so that it takes the seat the
     # next generation keeps for it (``claim``).
     previous: str | None = None
+    # When this node agent was launched, on the daemon's clock, if its first join says
+    # (``JoinNodeRequest.launched_ms_ago``): a job whose run ended after that refuses
+    # it (``joins.launched_for_ended_run``).
+    launched_at: float | None = None
 
     @classmethod
     def worker(

@@ -63,6 +63,8 @@ def set_state(sm: RendezvousState, job: Job, new: JobState, now: float, detail: 
         wake_parked(sm, job)
     if new is JobState.RUNNING or new is JobState.ENDED:
         job.standbys_called.clear()  # seated by now, or not needed
+    if new is JobState.ENDED:
+        job.ended_at = now
 
 
 def wake_parked(sm: RendezvousState, job: Job) -> None:

@@ -43,6 +43,8 @@ def node(
     last_call: float = 5.0,
     job: str = "j",
     previous: str | None = None,
+    launched: float | None = None,
+    standby: bool = False,
 ) -> JoinArgs:
     return JoinArgs(
         job,
@@ -57,6 +59,8 @@ def node(
         60.0,
         last_call_s=last_call,
         previous=previous,
+        launched_at=launched,
+        standby=standby,
     )
 
 
@@ -492,6 +496,61 @@ def test_a_generation_opened_after_the_job_ended_says_how_long_ago_while_it_form
     sm.join(node("late2", previous="late"), 18.0)  # its agent re-joining
     assert sm.jobs["j"].generation == 3 and sm.jobs["j"].state is JobState.FORMING
     assert sm.view("j", 19.0).previous_run_ended_s is None
+
+
+def test_a_node_launched_before_its_jobs_run_ended_is_told_the_job_ended() -> None:
+    """A node agent launched while the job still ran, whose first join comes after
+    every member left (a pod restarted after its job succeeded, a slow pod of a short
+    job), was meant for the run that ended: JOB_ENDED, instead of opening the job's
+    next generation and waiting its join timeout there for nodes that were done. A
+    node launched after the end, or one that does not say when it was launched, is a
+    new run of the job id; a late node of the old run is refused while that new run
+    forms as well, but not once the daemon restarted (the end's time is not stored)."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
+    sm.leave("j", 1, 1, "b", 2.0, mode=JoinMode.NODE)
+    job = sm.jobs["j"]
+    assert job.state is JobState.ENDED
+    f = fault(sm.join, node("late", launched=1.5), 12.0)
+    assert (f.code, f.reason) == (Code.FAILED_PRECONDITION, "JOB_ENDED")
+    assert "job 'j' ended 10.0 s ago (every member left), after this node was launched " in (
+        f.message
+    )
+    assert "(10.5 s ago): it was launched for the run that ended" in f.message
+    assert f.metadata["ended_ms_ago"] == "10000"
+    # A standby launched before the end hears the same at once, not after its wait.
+    assert fault(sm.join, node("spare", launched=0.0, standby=True), 12.0).reason == "JOB_ENDED"
+    assert job.state is JobState.ENDED and job.generation == 1  # nothing opened
+    # Launched after the end, or not saying: a new run, as before.
+    assert isinstance(sm.join(node("rerun", launched=2.5), 13.0), JoinResult)
+    assert job.generation == 2 and job.state is JobState.FORMING
+    # The old run's late node is refused while the new run forms, its own join isn't.
+    assert fault(sm.join, node("late", launched=1.9), 14.0).reason == "JOB_ENDED"
+    assert isinstance(sm.join(node("rerun", uid=ID2, launched=2.5), 14.0), Parked)
+    assert isinstance(sm.join(node("unsaid"), 15.0), JoinResult)
+    assert job.state is JobState.RUNNING
+    # Formed, the new run is not "the generation opened after the end": a late node of
+    # the old run is any other joiner there (this world is full).
+    assert fault(sm.join, node("late", launched=1.9), 16.0).reason == "WORLD_FULL"
+
+
+def test_after_a_restart_a_job_that_had_ended_is_run_again_by_any_node(tmp_path: Path) -> None:
+    """The time of a job's end is not stored: after a daemon restart a node that says
+    it was launched long ago opens a new run, as every join did before it could say."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
+    sm.leave("j", 1, 1, "b", 2.0, mode=JoinMode.NODE)
+    saver = Persister(tmp_path, sm)
+    saver.restore()
+    saver.close()
+    back = RendezvousState()
+    Persister(tmp_path, back).restore()
+    job = back.jobs["j"]
+    assert job.state is JobState.ENDED and job.ended_at is None
+    assert isinstance(back.join(node("late", launched=-1e6), job.state_since + 1), JoinResult)
+    assert job.generation == 2 and job.state is JobState.FORMING
 
 
 def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from rendezvousd.client import RendezvousClient
 from rendezvousd.trainer.torchrun.store_port import ephemeral_range
 from tests.support import (
     WORKERS,
+    ClosedDoor,
     DaemonProcess,
     Pki,
     StatefulDaemon,
@@ -517,6 +518,37 @@ def test_a_standing_by_node_exits_0_when_the_job_ends_without_it(
     assert codes == [0, 0], [a.stderr()[-3000:] for a in (first, spare)]
     assert "ended without needing this standby node" in spare.stderr(), spare.stderr()[-3000:]
     assert "Traceback" not in spare.stderr(), spare.stderr()[-3000:]
+
+
+def test_an_agent_launched_before_its_job_ended_exits_0_when_it_joins_after(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """An agent launched while its job ran, whose join reaches the daemon only after
+    the job's run ended (a pod restarted after its job succeeded; here the daemon is
+    out of its reach until then), exits 0 without starting workers. Before, it opened
+    the job's next generation and, alone, trained the whole job again; c10d's own
+    answer there is a RendezvousClosedError traceback."""
+    d = start_daemon()
+    door = ClosedDoor(d.port)
+    late_log, log = tmp_path / "late.jsonl", tmp_path / "steps.jsonl"
+    late = torchrun(d, job_id, "1", "--steps", "3", "--step-log", str(late_log),
+                    endpoint=door.endpoint)  # fmt: skip
+    try:
+        first = torchrun(d, job_id, "1", "--steps", "3", "--step-log", str(log))
+        assert first.wait(120) == 0, first.stderr()[-3000:]
+        door.open()
+        code = late.wait(120)
+    finally:
+        door.close()
+    err = late.stderr()
+    assert code == 0, err[-3000:]
+    assert not late_log.exists() or not torch_steps(late_log), err[-3000:]
+    assert "it was launched for the run that ended, which needs it no more" in err, err[-3000:]
+    assert "this agent exits without starting workers" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_a_standing_by_agent_outlives_a_daemon_restart(

@@ -19,6 +19,7 @@ import pytest
 from tests.support import (
     ROOT,
     WORKERS,
+    ClosedDoor,
     DaemonProcess,
     free_port,
     launcher_cmd,
@@ -937,3 +938,43 @@ def test_a_node_started_after_its_job_ended_is_told_the_run_it_waits_in_is_a_new
     assert f"still waiting for job '{job_id}' generation 2 to form" in run.stderr, run.stderr
     assert "The job's previous run ended " in run.stderr, run.stderr
     assert "a node meant for the run that ended is not needed and may stop" in run.stderr
+
+
+def test_a_node_launched_before_its_job_ended_exits_0_when_it_joins_after(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """A node launched while its job ran, whose join reaches the daemon only after
+    every member left (a pod restarted after its job succeeded; here the daemon is out
+    of its reach until then), was launched for the run that ended: it exits 0 at
+    once, saying so. Before, it opened the job's next generation: alone (a job of one
+    node) it trained the whole job again; else it waited its join timeout there (600 s
+    by default) for nodes that were done."""
+    ran = tmp_path / "ran"
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        f"with init_distributed(), open({str(ran)!r}, 'a') as f:\n    f.write('ran\\n')\n"
+    )
+    door = ClosedDoor(daemon.port)
+    node = launcher_cmd(1, 0, 1, token_file=daemon.token_file, job=job_id)
+    late = subprocess.Popen(
+        [*node, "--rdzv-endpoint", door.endpoint, "--join-timeout-s", "60", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        run = [*node, "--rdzv-endpoint", daemon.endpoint, str(script)]
+        done = run_launcher(run, timeout=60)
+        assert done.returncode == 0, done.stderr
+        door.open()
+        _, err = late.communicate(timeout=60)
+    finally:
+        late.kill()
+        door.close()
+    assert late.returncode == 0, err
+    assert ran.read_text() == "ran\n", err  # the job's one run, not the late node's
+    assert f"job {job_id!r} ended " in err and "after this node was launched (" in err, err
+    assert "it was launched for the run that ended, which needs it no more" in err, err
+    assert "this node exits without starting its workers" in err, err
+    assert "still waiting" not in err, err

@@ -42,6 +42,7 @@ import os
 import signal
 import stat
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -276,7 +277,11 @@ def _same_file(path: Path, other: str) -> bool:
         return False
 
 
-def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str]) -> int:
+def run_agent(
+    args: argparse.Namespace, config: DistributedConfig, base: Mapping[str, str], launched: float
+) -> int:
+    """``launched``: when this launcher started (``time.monotonic()``), which its first
+    join tells the daemon: a job whose run ended since refuses it."""
     if (problem := missing_token(config.rendezvous.token_file, base)) is not None:
         return _fail(problem)
     token_file = config.rendezvous.token_file or base.get(TOKEN_FILE_ENV)
@@ -303,7 +308,7 @@ def run_agent(args: argparse.Namespace, config: DistributedConfig, base: Mapping
     try:
         booted = boot_spares(config, cmd, env, server)
         mark("spares-started")
-        return _run_agent(args, config, cmd, env, booted, server, ring_host)
+        return _run_agent(args, config, cmd, env, booted, server, ring_host, launched)
     finally:
         if server is not None:
             server.close()  # after the agent stopped every worker
@@ -317,6 +322,7 @@ def _run_agent(
     booted: list[Booted],
     server: ForkServer | None,
     ring_host: str,
+    launched: float,
 ) -> int:
     try:
         from rendezvousd.client.connection import resolve_token
@@ -344,6 +350,7 @@ def _run_agent(
             id_factory=_id_factory(config),
             booted=booted,
             fork_server=server,
+            launched=launched,
         )
     except BaseException:
         discard(booted)
@@ -390,6 +397,7 @@ def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     mark("launcher-main")
+    launched = time.monotonic()
     args = build_parser().parse_args(argv)
     # gRPC core logs every failed TLS handshake at INFO, a line per attempt (three in
     # this process and its spares for one wrong --tls-ca) around the launcher's own
@@ -408,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     if config.rendezvous.kind == "daemon":
-        return run_agent(args, config, base)
+        return run_agent(args, config, base, launched)
     # The one way to run a single node: the file transport, whose daemon this agent
     # hosts, as a FileRendezvous' local_rank 0 does without a launcher. (Imported
     # here: a node of a daemon's job starts its spares without paying for these.)
@@ -429,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(str(exc))
         endpoint, token_file = hosted
         transport = RendezvousTransport.daemon(endpoint, str(token_file))
-        return run_agent(args, dataclasses.replace(config, rendezvous=transport), base)
+        return run_agent(args, dataclasses.replace(config, rendezvous=transport), base, launched)
 
 
 #: ``--standalone``'s own directory for its daemon's socket and token, in the temp dir.

@@ -207,14 +207,17 @@ class NodeAgent:
         id_factory: Callable[[], bytes] | None = None,
         booted: Sequence[Booted] = (),
         fork_server: ForkServer | None = None,
+        launched: float | None = None,
     ) -> None:
         """``booted``: this node's first spares, when the launcher started them
         before it had an agent (``worker_boot.boot_spares``); ``link_host``: the
         address other nodes' agents reach this one at (``node_links``; "" for none);
         ``token``: the daemon token ``client`` uses, handed to the workers with their
         assignment; ``fork_server``: forks spares while it can (the launcher owns and
-        closes it)."""
+        closes it); ``launched``: when this node's launcher started (``time.monotonic()``;
+        None: now), which the first join tells the daemon."""
         self.config = config
+        self.launched = time.monotonic() if launched is None else launched
         self.client = client
         self.ring_host = ring_host
         self.link_host = link_host
@@ -427,6 +430,7 @@ class NodeAgent:
                         last_call=config.last_call_s or None,
                         timeout=timeout,
                         standby=standby,
+                        launched=self.launched,
                     )
             except RendezvousError as exc:
                 self.events.put(Joined(serial, exc))
@@ -490,10 +494,14 @@ class NodeAgent:
                     )
                     serial = start()
                     continue
-                if self._standing_by and isinstance(answer, JobEnded):
+                if isinstance(answer, JobEnded):
+                    # A standby not needed, or a node launched for the run that ended (a
+                    # pod restarted after its job succeeded): its work is done, exit 0.
                     self.note(
                         f"job {config.job_id!r} ended (every member left); this standby node "
                         "was not needed"
+                        if self._standing_by
+                        else f"{answer}; this node exits without starting its workers"
                     )
                     return None
                 if self._standing_by and isinstance(answer, RendezvousTimeout):

@@ -387,6 +387,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._endpoint, self._run_id = endpoint, run_id
         self._min, self._max = min_nodes, max_nodes
         self._settings = settings
+        # torch's launcher makes its handler as it starts: the first join says how long
+        # ago, so that a job whose run ended since refuses this agent (JobEnded).
+        self._launched = time.monotonic()
         try:
             self._host = local_addr or route_source(endpoint)
             self._client = self._new_client()
@@ -588,6 +591,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         last_call=self._settings.last_call_timeout or None,
                         timeout=self._settings.join_timeout,
                         standby=standby,
+                        launched=self._launched,
                     )
             except LimitExceeded as exc:
                 if standby or exc.reason != "WORLD_FULL":
@@ -626,12 +630,16 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 if outage.retry_at(time.monotonic()) is None:
                     raise
                 time.sleep(OUTAGE_RETRY_S)
-            except JobEnded:
-                if not standby:
-                    raise
-                log.warning(
-                    "rendezvousd: job %r ended without needing this standby node", self._run_id
-                )
+            except JobEnded as exc:
+                # A standby not needed, or an agent launched for the run that ended (a
+                # pod restarted after its job succeeded; c10d raises RendezvousClosedError
+                # there, whose traceback ends torchrun with status 1).
+                if standby:
+                    log.warning(
+                        "rendezvousd: job %r ended without needing this standby node", self._run_id
+                    )
+                else:
+                    log.warning("rendezvousd: %s; this agent exits without starting workers", exc)
                 # torch's own answer, RendezvousGracefulExitError, makes torch 2.13's
                 # launch_agent crash on the None its agent then returns
                 # (pytorch/pytorch#194710): this node has nothing to clean up, so it

@@ -373,6 +373,7 @@ class JoinNodeRequest(_message.Message):
     SLIM_FIELD_NUMBER: _builtins.int
     STANDBY_FIELD_NUMBER: _builtins.int
     PREVIOUS_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    LAUNCHED_MS_AGO_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """[A-Za-z0-9._-]{1,128}"""
     min_nodes: _builtins.int
@@ -420,6 +421,18 @@ class JoinNodeRequest(_message.Message):
     seat is kept, and the node that held the seat takes it back if it comes (the
     claimer then stays as a newcomer where there is room, else WORLD_FULL).
     """
+    launched_ms_ago: _builtins.int
+    """How long ago this node agent was launched (its process started, or torchrun's
+    rendezvous handler was made), sent by its first join only (one that held no
+    seat in the job before: previous_instance_id ""). A job whose run ended
+    (every member left) after that launch refuses the join with JOB_ENDED, while
+    the job is ENDED and while the generation a join opened after that end
+    forms: the node was launched for the run that ended, which needs it no more
+    (a pod restarted after its job succeeded, a late or scale-up node of a job
+    that is done). A node launched after the end opens, or joins, a new run of
+    the job id. Absent (an older client, a re-join), or after a daemon restart
+    (the end's time is not stored): an ended job is run again.
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per local rank, optional ("" = none); at most gpus_per_node entries."""
@@ -441,15 +454,20 @@ class JoinNodeRequest(_message.Message):
         slim: _builtins.bool = ...,
         standby: _builtins.bool = ...,
         previous_instance_id: _builtins.str | None = ...,
+        launched_ms_ago: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "launched_ms_ago", b"launched_ms_ago", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "launched_ms_ago", b"launched_ms_ago", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__launched_ms_ago: _TypeAlias = _typing.Literal["launched_ms_ago"]  # noqa: Y015
+    _WhichOneofArgType__launched_ms_ago: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago"]  # noqa: Y015
     _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
     _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015
     _WhichOneofReturnType__previous_instance_id: _TypeAlias = _typing.Literal["previous_instance_id"]  # noqa: Y015
     _WhichOneofArgType__previous_instance_id: _TypeAlias = _typing.Literal["_previous_instance_id", b"_previous_instance_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__launched_ms_ago) -> _WhichOneofReturnType__launched_ms_ago | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__node_rank) -> _WhichOneofReturnType__node_rank | None: ...
     @_typing.overload
