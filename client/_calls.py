@@ -287,7 +287,13 @@ class Calls:
                 # wait (a key never set, ranks missing), not a lost answer: asked again,
                 # a KvGet waited its timeout twice and said it had waited once. (A
                 # stalled relay's reason is the SDK's own: re-made on its own channel.)
-                verdict = error.reason == "DRAINING" or (
+                # A waiting call the daemon released as it shut down (SIGTERM: a
+                # restart, an upgrade) is no verdict: it is re-sent once the daemon
+                # serves again, as one cut by a daemon killed is (a SIGTERM restart
+                # failed jobs that a SIGKILL restart left running). Any other DRAINING
+                # answer is one.
+                drained = error.reason == "DRAINING" and _parks(request)
+                verdict = (error.reason == "DRAINING" and not drained) or (
                     error.code == "DEADLINE_EXCEEDED" and error.reason not in ("", RELAY_STALLED)
                 )
                 retry = not verdict and s.retry.retryable(method, exc.code())
@@ -305,25 +311,32 @@ class Calls:
                     # Re-sent, it would wait its whole wait (600 s by default) for a
                     # daemon to come back: first, the daemon back within the window, as a
                     # restart is, or its loss said now, as the heartbeat says it.
-                    yield from self.back_within(method, rank)
+                    yield from self.back_within(method, rank, drained=drained)
             yield Sleep(s.retry.backoff(attempt))
 
-    def back_within(self, method: str, rank: int | None) -> Steps[None]:
-        """Return once the channel is READY again; raise ``DaemonUnreachable`` when it is
-        not within the reconnect window (``Session.reconnect_window_s``). ``Reachable``
-        answers False at a refused connect, so it is asked again every ``RECHECK_S``."""
+    def back_within(self, method: str, rank: int | None, *, drained: bool = False) -> Steps[None]:
+        """Return once the channel is READY again (``drained``: the daemon shut down, and
+        is back only once a daemon serves there again: the draining one still answers,
+        NOT_SERVING, for its grace); raise ``DaemonUnreachable`` when it is not within
+        the reconnect window (``Session.reconnect_window_s``). ``Reachable`` answers
+        False at a refused connect, so it is asked again every ``RECHECK_S``."""
         s = self.s
         window = s.reconnect_window_s(self.reconnect_window)
         for _ in range(max(1, round(window / RECHECK_S))):
-            if (yield Reachable(RECHECK_S)) and (yield from self.answers()):
+            if (yield Reachable(RECHECK_S)) and (yield from self.answers(serving=drained)):
                 return
             yield Sleep(RECHECK_S)
+        went = "shut down (draining)" if drained else "went away"
+        why = (
+            "the daemon was stopped and not started again"
+            if drained
+            else "the daemon died or this host lost its network"
+        )
         raise DaemonUnreachable(
-            f"rendezvousd at {s.endpoint} went away during {method} (job {s.job_id!r}"
+            f"rendezvousd at {s.endpoint} {went} during {method} (job {s.job_id!r}"
             + ("" if rank is None else f", rank {rank}")
-            + f") and was not back within {window:g} s (the reconnect window): the daemon "
-            "died or this host lost its network. Check that the daemon is running and "
-            "reachable, then start the job again",
+            + f") and was not back within {window:g} s (the reconnect window): {why}. "
+            "Check that the daemon is running and reachable, then start the job again",
             code="UNAVAILABLE",
             endpoint=s.endpoint,
             method=method,
@@ -332,13 +345,14 @@ class Calls:
             metadata={"unreachable_s": f"{window:.3f}", "window_s": f"{window:g}"},
         )
 
-    def answers(self) -> Steps[bool]:
-        """Whether the daemon answers a health check within ``RECHECK_S * 2``. A READY
-        channel alone does not say so right after the daemon died: the asyncio client
-        has seen its call end before gRPC marked the connection gone, and a call re-sent
-        then waited out its whole deadline (60 s in the test) for a daemon that is gone."""
+    def answers(self, *, serving: bool = False) -> Steps[bool]:
+        """Whether the daemon answers a health check within ``RECHECK_S * 2`` (``serving``:
+        and says SERVING). A READY channel alone does not say so right after the daemon
+        died: the asyncio client has seen its call end before gRPC marked the connection
+        gone, and a call re-sent then waited out its whole deadline (60 s in the test)
+        for a daemon that is gone."""
         try:
-            yield Rpc(
+            response = yield Rpc(
                 "Check",
                 health_pb2.HealthCheckRequest(service=SERVICE),
                 RECHECK_S * 2,
@@ -347,7 +361,7 @@ class Calls:
             )
         except grpc.RpcError:
             return False
-        return True
+        return not serving or response.status == SERVING
 
     # -- health and TLS ------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import threading
 import time
@@ -16,7 +17,15 @@ from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage import snapshot
 from rendezvousd.storage.persistence import Persister, StateStore
-from tests.support import free_port, members, spawn_daemon, wait_for, write_token
+from tests.support import (
+    DaemonProcess,
+    free_port,
+    members,
+    scrape,
+    spawn_daemon,
+    wait_for,
+    write_token,
+)
 
 ID = b"\x07" * 128
 
@@ -265,6 +274,73 @@ def test_sigkill_and_restart_keeps_running_members_and_their_data(tmp_path: Path
         for c in clients:
             c.close()
         d2.kill()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_a_barrier_waiting_across_a_restart_passes_however_the_daemon_was_stopped(
+    tmp_path: Path, stop: str
+) -> None:
+    """A member waits in a barrier while the daemon restarts with its state. SIGTERM,
+    the stop systemd and Kubernetes send (a restart, an upgrade), released the waiting
+    barrier with DRAINING, which the SDK raised as DaemonUnavailable: the job failed,
+    where a SIGKILL restart left it running. Both now re-send the barrier to the
+    restarted daemon, and the barrier passes."""
+    port = free_port()
+    token = write_token(tmp_path / "tok")
+    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "8")
+    flags += ("--drain-grace-s", "1")
+    d = spawn_daemon(
+        tmp_path, *flags, "--metrics-listen", "127.0.0.1:0", token=token, listen=f"127.0.0.1:{port}"
+    )
+    clients = [
+        RendezvousClient(d.endpoint, "restarted", token=token, reconnect_window=20)
+        for _ in range(2)
+    ]
+    joins = [
+        threading.Thread(
+            target=c.join, kwargs={"num_nodes": 1, "gpus_per_node": 2, "local_rank": i}
+        )
+        for i, c in enumerate(clients)
+    ]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(30)
+    failures: list[Exception] = []
+    for c in clients:
+        c.start_heartbeat(0.3, on_failure=failures.append)
+    passed: list[object] = []
+
+    def first() -> None:
+        try:
+            passed.append(clients[0].barrier("across", timeout=60))
+        except RendezvousError as exc:
+            passed.append(exc)
+
+    waiting = threading.Thread(target=first)
+    d2 = None
+    try:
+        waiting.start()
+        wait_for("rank 0 to wait in the barrier", lambda: _parked(d) == 1)
+        d.proc.send_signal(getattr(signal, stop))
+        d.proc.wait(30)
+        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+        clients[1].barrier("across", timeout=30)
+        waiting.join(30)
+        assert len(passed) == 1 and not isinstance(passed[0], Exception), passed
+        assert not failures, failures
+        assert clients[1].get_job().summary.state == JobState.RUNNING.value
+    finally:
+        for c in clients:
+            c.close()
+        d.kill()
+        if d2 is not None:
+            d2.kill()
+
+
+def _parked(d: DaemonProcess) -> float:
+    """The calls parked at the daemon (a join, barrier or key wait)."""
+    return scrape(d.metrics_url)["rendezvousd_waiters"]
 
 
 def test_a_job_keeps_its_age_across_a_restart(tmp_path: Path) -> None:
