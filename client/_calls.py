@@ -292,7 +292,7 @@ class Calls:
                 # serves again, as one cut by a daemon killed is (a SIGTERM restart
                 # failed jobs that a SIGKILL restart left running). Any other DRAINING
                 # answer is one.
-                drained = error.reason == "DRAINING" and _parks(request)
+                drained = error.reason == "DRAINING" and _parks(request) and s.daemon_returns
                 verdict = (error.reason == "DRAINING" and not drained) or (
                     error.code == "DEADLINE_EXCEEDED" and error.reason not in ("", RELAY_STALLED)
                 )

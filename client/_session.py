@@ -353,6 +353,10 @@ class Session:
     # The client's: a failure that says the daemon is gone (DaemonUnavailable) ends
     # the calls in flight on its call stream, set by the client owning the session.
     on_daemon_lost: Callable[[], None] | None = None
+    # Whether a daemon that shut down may serve at this endpoint again (a restart), so
+    # that a waiting call it released (DRAINING) waits for it: not the file
+    # transport's, which ends with rank 0 (``FileRendezvous`` says so).
+    daemon_returns: bool = True
     # From the JoinResponse; 0 when the daemon is too old to acknowledge heartbeats.
     daemon_heartbeat_timeout: float = 0.0
     # Set by leave(): the job's work is done, so losing the daemon now is no failure.

@@ -210,6 +210,9 @@ class FileRendezvous:
                 token_file=directory.token,
                 retry_attempts=self._retry_attempts,
             )
+            # Rank 0's daemon ends with it: a call it released as it shut down is rank
+            # 0's loss (``_through_rank0``), not a restart to wait for.
+            self._client._s.daemon_returns = False
             request["timeout"] = max(0.001, deadline - time.monotonic())
             return self._client.join(**request)
         except BaseException:
