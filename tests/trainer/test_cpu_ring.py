@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from rendezvousd.trainer import errors as errs
-from rendezvousd.trainer.comm import ring_wire
+from rendezvousd.trainer.comm import peer_auth, ring_wire
 from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
 from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator
 from rendezvousd.trainer.comm.shm_group import (
@@ -516,6 +516,33 @@ def test_wrong_secret_is_rejected_and_never_shown() -> None:
         assert SECRET.hex() not in text and other.hex() not in text and "\\x" not in text
     raced = any(isinstance(r, errs.CommunicatorTimeout) for r in outcome)
     assert raced or took < 5.0, (took, outcome)
+
+
+def test_a_rank_of_another_rendezvousd_version_is_refused_as_such() -> None:
+    """Nodes of one job running two rendezvousd versions (a rolling upgrade, one node's
+    venv behind): the ring's handshake passed, its wire version having never been
+    raised, then a broadcast met a frame it did not expect, or integer averages came
+    out two ways, with exit 0 (found by review). A rank of another wire version is
+    refused, and told so."""
+    socks, addrs = _listeners(2)
+    old = peer_auth.PeerAuth(peer_auth.derive_key(SECRET), b"RDVRING2", 1, 2)
+
+    def old_rank() -> None:
+        conn, _ = socks[1].accept()
+        with conn:
+            conn.settimeout(10.0)
+            conn.sendall(peer_auth.Acceptance(old, lambda _: True).challenge)
+            with contextlib.suppress(OSError):
+                conn.recv(1)  # until rank 0 hangs up
+
+    new, _ = parallel([lambda: CpuRingCommunicator(0, 2, socks[0], addrs, SECRET, 5.0), old_rank])
+    assert isinstance(new, errs.PeerConnectionError), new
+    assert (
+        "rank 0: rank 1 at 127.0.0.1:" in str(new)
+        and "runs another version of rendezvousd (wire version 2 of RDVRING, this rank's is 3): "
+        "every node of a job must run the same rendezvousd version"
+        in str(new)
+    ), new
 
 
 def test_a_peer_that_failed_on_our_rejection_is_named_when_its_listener_is_gone(

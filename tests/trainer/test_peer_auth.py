@@ -72,6 +72,23 @@ def test_the_other_transports_endpoint_is_refused() -> None:
     assert isinstance(accept, PeerConnectionError), accept
 
 
+def test_a_peer_of_another_version_of_the_transport_is_told_so_both_ways() -> None:
+    dial, _ = handshake(
+        PeerAuth(KEY, b"TESTAUT2", 1, 2), PeerAuth(KEY, b"TESTAUT3", 0, 2), 0, {1}.__contains__
+    )
+    assert isinstance(dial, PeerConnectionError), dial
+    assert str(dial).startswith(
+        "rank 1: peer rank 0 runs another version of rendezvousd (wire version 3 of TESTAUT, "
+        "this rank's is 2): every node of a job must run the same rendezvousd version"
+    ), dial
+    # The acceptor reads the dialer's magic only in its HELLO, which a dialer that
+    # refused the challenge never sends; one that sends it is told the same way.
+    acceptance = Acceptance(PeerAuth(KEY, b"TESTAUT3", 0, 2), {1}.__contains__)
+    hello = peer_auth._HELLO.pack(b"TESTAUT2", bytes(32), 1, 2, 0, bytes(32))
+    with pytest.raises(PeerConnectionError, match=r"^the dialer runs another version"):
+        acceptance.verify(hello)
+
+
 def test_dialer_refuses_an_acceptor_without_the_key() -> None:
     # The acceptor cannot verify the dialer's MAC without the key, so it is tricked here
     # into answering with its own: the dialer must still refuse the WELCOME.

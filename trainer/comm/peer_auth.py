@@ -12,7 +12,12 @@ proved knowledge of the key derived from the job secret:
    and the world size under another label; the dialer checks it the same way.
 
 Fresh nonces both ways mean a recorded exchange replays to neither side. The magic is
-inside every MAC, so a handshake meant for one transport is refused by the other.
+inside every MAC, so a handshake meant for one transport is refused by the other. Its
+trailing digits are the transport's wire version, raised whenever what the ranks send
+each other, or how they read it, changes: a rank of another rendezvousd version is
+refused as such (``other_version``), where it used to pass the handshake and then fail
+on a frame it did not expect, or agree on a wrong result (mixed-version nodes of one job
+averaged integers two ways).
 A rejected dialer only sees the connection closed; neither side ever learns, logs or
 shows the key, and error messages never include it.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import socket
 import struct
@@ -41,6 +47,22 @@ _WELCOME = struct.Struct("<II32s")  # rank, world, mac
 _KEY_LABEL = b"rendezvousd cpu-ring v1"
 
 HELLO_SIZE = _HELLO.size
+
+
+_VERSIONED = re.compile(rb"(\D*)(\d+)")
+
+
+def other_version(theirs: bytes, ours: bytes) -> str | None:
+    """Why a peer whose magic is ``theirs`` is of another version of this transport
+    (the same name, other trailing digits), if it is; None for another transport."""
+    t, o = _VERSIONED.fullmatch(theirs), _VERSIONED.fullmatch(ours)
+    if t is None or o is None or t[1] != o[1] or t[2] == o[2]:
+        return None
+    return (
+        f"runs another version of rendezvousd (wire version {int(t[2])} of "
+        f"{o[1].decode()}, this rank's is {int(o[2])}): every node of a job must run the "
+        "same rendezvousd version; upgrade them all"
+    )
 
 
 def derive_key(secret: bytes) -> bytes:
@@ -88,7 +110,10 @@ class Acceptance:
         auth = self._auth
         magic, nonce, rank, world, target, their_mac = _HELLO.unpack(hello)
         if magic != auth.magic:
-            raise PeerConnectionError("not a handshake of this transport")
+            other = other_version(magic, auth.magic)
+            raise PeerConnectionError(
+                "not a handshake of this transport" if other is None else f"the dialer {other}"
+            )
         expected = auth.mac(b"hello", self._nonce, nonce, (rank, world, target))
         if not hmac.compare_digest(their_mac, expected):
             raise PeerConnectionError("failed authentication (different job secret?)")
@@ -130,8 +155,9 @@ def dial(sock: socket.socket, auth: PeerAuth, peer: int, where: str) -> None:
             raise rejected
         magic, acceptor_nonce = _CHALLENGE.unpack(challenge)
         if magic != auth.magic:
+            other = other_version(magic, auth.magic)
             raise PeerConnectionError(
-                f"{where} is not an endpoint of this transport (or of another version)"
+                f"{where} " + ("is not an endpoint of this transport" if other is None else other)
             )
         nonce = secrets.token_bytes(_NONCE_BYTES)
         ids = (auth.rank, auth.world, peer)

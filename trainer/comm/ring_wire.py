@@ -53,7 +53,11 @@ INTERRUPTED = 5
 FRAME = struct.Struct("<BBBBIQIII")
 MAX_DETAIL_BYTES = 512
 
-_MAGIC = b"RDVRING2"
+# Its last digit is the wire version: raise it with any change to what ranks send each
+# other or how they read it, so that ranks of two versions are refused as such
+# (``peer_auth.other_version``). 3: the broadcast's agreement frame, integer AVG
+# rounded towards zero.
+_MAGIC = b"RDVRING3"
 # A real peer answers in milliseconds; a silent stray is dropped after this.
 _HANDSHAKE_S = 5.0
 _MAX_PENDING = 32

@@ -89,7 +89,8 @@ _SEQUENCE = 5
 _MASK = 0xFFFFFFFF
 # How often a waiter looks for a dead peer (a killed process never wakes anyone).
 _LIVENESS_POLL_S = 0.05
-_MAGIC = b"RDVSHM02"
+# Its last digits are the wire version, as the ring's (``ring_wire._MAGIC``).
+_MAGIC = b"RDVSHM03"
 _HANDSHAKE_S = 5.0
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 
