@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.metadata
 import inspect
 import logging
 import os
@@ -302,6 +303,19 @@ class Daemon:
         restored = self.persister.restore()
         if restored:
             log.info("restored %d job(s) from %s", restored, self.config.state_dir)
+        cap = self.state.limits.kv_bytes_per_job
+        for job in self.state.jobs.values():
+            if job.gen.kv_bytes > cap:
+                # Restored as it was (a limit added by a release, or lowered since): said
+                # now, not first at the job's next KvSet.
+                log.warning(
+                    "job %r holds %d key-value bytes, over the %d one job may now hold "
+                    "(max_kv_bytes_per_job, at most half of max_kv_bytes): it keeps them, "
+                    "and a write that grows it is refused until it deletes keys",
+                    job.job_id,
+                    job.gen.kv_bytes,
+                    cap,
+                )
         servicer = RendezvousServicer(
             self.state, self.metrics, self.persister, self.config.max_concurrent_streams
         )
@@ -359,7 +373,8 @@ class Daemon:
         self._ticker = asyncio.create_task(self._tick())
         self._ticker.add_done_callback(self._tick_ended)
         log.info(
-            "rendezvousd serving on %s (port %d, tls=%s, event loop %s)",
+            "rendezvousd %s serving on %s (port %d, tls=%s, event loop %s)",
+            importlib.metadata.version("rendezvousd"),
             self.config.listen,
             port,
             credentials is not None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import resource
@@ -208,6 +209,13 @@ def _write_job_token(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rendezvousd", description=__doc__)
+    # An operator upgrading nodes one by one checks what each runs (docs/operations.md,
+    # "Upgrading"): every node of a job must run the same version.
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {importlib.metadata.version('rendezvousd')}",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
     config_mod.add_arguments(serve)

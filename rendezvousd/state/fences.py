@@ -81,15 +81,19 @@ def rank_stream_in_node_job(job: Job, rank: int) -> RendezvousFault:
 
 def other_instance(job: Job, generation: int, rank: int, instance_id: str) -> RendezvousFault:
     """The caller holds the token but is not the worker that joined as ``rank``."""
+    # A call without one comes from an SDK older than member instance ids, whose Join
+    # was taken (it sent one there): a rejoin, the other hint, would be refused alike.
     hint = (
-        "the call names no instance_id (an SDK older than the daemon?)"
+        "the call names no instance_id, which SDKs from before member instance ids "
+        "(2026-12-01) leave out of their calls after the join: upgrade the worker's "
+        "rendezvousd SDK"
         if not instance_id
-        else "the caller is not the worker that joined as this rank"
+        else "the caller is not the worker that joined as this rank; rejoin to take part"
     )
     return RendezvousFault(
         Code.ALREADY_EXISTS,
         Reason.DUPLICATE_RANK,
         f"rank {rank} of job {job.job_id!r} generation {generation} belongs to another "
-        f"worker instance: {hint}; rejoin to take part",
+        f"worker instance: {hint}",
         {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},
     )

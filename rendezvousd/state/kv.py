@@ -41,7 +41,10 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
         + entry_bytes(key, value)
         - (entry_bytes(key, old) if old is not None else 0)
     )
-    if grown > limits.kv_bytes_per_job:
+    # Only a write that grows the job: one restored over a limit lowered since (a
+    # release that added it, a restart with smaller --max-kv-bytes) could otherwise
+    # not even overwrite a key with a value as long, nor shrink.
+    if grown > limits.kv_bytes_per_job and grown > job.gen.kv_bytes:
         raise validation.limit_exceeded(
             "max_kv_bytes_per_job",
             f"job {job.job_id!r} would hold {grown} key-value bytes, over the "

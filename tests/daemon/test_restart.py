@@ -343,6 +343,39 @@ def _parked(d: DaemonProcess) -> float:
     return scrape(d.metrics_url)["rendezvousd_waiters"]
 
 
+def test_a_job_restored_over_a_lowered_kv_limit_is_named_at_start_and_keeps_working(
+    tmp_path: Path,
+) -> None:
+    """Restarted with a smaller --max-kv-bytes (or by a release that added a per-job
+    limit), a job holding more was restored without a word, and then every KvSet it
+    made was refused, an overwrite of the same size included (found by review)."""
+    token = write_token(tmp_path / "tok")
+    state = ("--state-dir", str(tmp_path / "state"))
+    listen = f"127.0.0.1:{free_port()}"
+    d = spawn_daemon(tmp_path, *state, "--max-kv-bytes", "400000", token=token, listen=listen)
+    d2 = None
+    with RendezvousClient(d.endpoint, "kvjob", token=token) as c:
+        try:
+            c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+            for k in range(5):
+                c.kv_set(f"k{k}", b"x" * 30_000)
+            d.kill()
+            d2 = spawn_daemon(
+                tmp_path, *state, "--max-kv-bytes", "200000", token=token, listen=listen
+            )
+            assert "restored 1 job" in d2.log(), d2.log()
+            assert (
+                "job 'kvjob' holds 150010 key-value bytes, over the 100000 one job may now hold"
+                in d2.log()
+            ), d2.log()
+            c.kv_set("k0", b"y" * 30_000)  # as long: refused before
+            assert c.kv_get("k0", wait=False) == b"y" * 30_000
+        finally:
+            d.kill()
+            if d2 is not None:
+                d2.kill()
+
+
 def test_a_job_keeps_its_age_across_a_restart(tmp_path: Path) -> None:
     """When a job entered its state died with the old process's clock: restored, an
     ended job's TTL (and the age `status` shows) started again, so a daemon

@@ -31,6 +31,9 @@ def test_an_empty_instance_id_is_refused_with_a_hint() -> None:
     gen = form(sm, nodes=1, gpus=1)[0].generation
     f = fault(sm.kv_set, "j", gen, 0, "k", b"v", instance_id="")
     assert f.reason == "DUPLICATE_RANK" and "names no instance_id" in f.message
+    # An SDK that old cannot help it by rejoining (found by review: it was told to).
+    assert "upgrade the worker's rendezvousd SDK" in f.message
+    assert "rejoin" not in f.message
 
 
 @pytest.mark.parametrize(
@@ -124,6 +127,25 @@ def test_a_parked_publish_id_keeps_the_rank_past_the_join_deadline() -> None:
     assert isinstance(parked, Parked)
     sm.tick(5.0)
     assert 0 in sm.jobs["j"].gen.members
+
+
+def test_a_job_over_a_kv_limit_lowered_since_may_write_what_does_not_grow_it() -> None:
+    """A job restored holding more than a limit added or lowered since (a release's
+    max_kv_bytes_per_job, a restart with a smaller --max-kv-bytes) could not even
+    overwrite a key with a value as long, nor write after deleting one (found by an
+    upgrade review): only a write that grows it past the limit is refused."""
+    sm = RendezvousState(Limits(max_kv_bytes=400))
+    form(sm, nodes=1, gpus=1)
+    me = inst(sm, 0)
+    sm.kv_set("j", 1, 0, "a", b"x" * 79, instance_id=me)
+    sm.kv_set("j", 1, 0, "b", b"x" * 69, instance_id=me)  # 150 bytes of its 200
+    sm.limits = Limits(max_kv_bytes=200)  # restarted with half: it may hold 100
+    sm.kv_set("j", 1, 0, "a", b"y" * 79, instance_id=me)  # as long: 150 still
+    sm.kv_set("j", 1, 0, "b", b"y" * 9, instance_id=me)  # shorter: 90
+    sm.kv_set("j", 1, 0, "b", b"y" * 19, instance_id=me)  # 100: at the limit
+    f = fault(sm.kv_set, "j", 1, 0, "c", b"", instance_id=me)
+    assert f.metadata["limit"] == "max_kv_bytes_per_job" and "over the 100" in f.message
+    assert sm.kv_get("j", 1, 0, "a", False, 0.0, instance_id=me) == b"y" * 79
 
 
 def test_the_daemon_wide_kv_budget_is_shared_by_jobs_and_freed_on_delete_and_expiry() -> None:

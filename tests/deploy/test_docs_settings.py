@@ -3,6 +3,7 @@ the docs name exists (the field-driven config is the single source)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -114,3 +115,21 @@ def test_every_commands_help_lists_its_settings(command: tuple[str, ...]) -> Non
     assert "usage:" in done.stdout
     if command[1:] == ("serve",):
         assert "~13-15 % less CPU" in " ".join(done.stdout.split())
+
+
+@pytest.mark.parametrize(
+    ("module", "prog"),
+    [("rendezvousd.cli", "rendezvousd"), ("rendezvousd.trainer.agent.launcher", "rendezvous-run")],
+)
+def test_each_command_says_the_version_installed(module: str, prog: str) -> None:
+    """An operator upgrading node by node checks what each node runs (every node of a
+    job must run the same version: docs/operations.md, "Upgrading"); nothing said it."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{prog} {importlib.metadata.version('rendezvousd')}\n", done.stdout

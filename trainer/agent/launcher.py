@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import signal
@@ -86,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rendezvous-run",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # Every node of a job must run the same version (docs/operations.md, "Upgrading").
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {importlib.metadata.version('rendezvousd')}",
     )
     p.add_argument(
         "--config",
