@@ -361,7 +361,12 @@ class Schema(Generic[T]):
                     k[len(prefix) :] for k in [*self.options, *self.tables] if k.startswith(prefix)
                 )
                 known = [k for k in known if "." not in k]
-                raise self.error(f"unknown key {shown} in {path}; expected one of {known}")
+                # A file written for a newer release reads as a typo otherwise (found by
+                # an upgrade review): both causes are named.
+                raise self.error(
+                    f"unknown key {shown} in {path}; expected one of {known} (a misspelling, "
+                    "or a key of a newer rendezvousd: --version says which this is)"
+                )
         return layer
 
     def from_mapping(self, values: Mapping[str, object], origin: str) -> Layer:
