@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
@@ -532,15 +532,18 @@ class DistributedConfig:
         local = self.local_rank if self.local_rank is not None else 0
         return MultiNodeTopology(self.num_nodes, per_node, node, local)
 
-    def ring_address(self) -> str:
+    def ring_address(self, note: Callable[[str], None] | None = None) -> str:
         """The address this worker's (or node's) ring peers reach it at: ``ring_host``,
         else this host's address on the route towards the daemon (loopback for a
-        ``unix:`` endpoint or the file transport)."""
+        ``unix:`` endpoint or the file transport). A daemon's name that does not
+        resolve yet is asked again for ``connect_timeout_s``, ``note`` told so."""
         if self.ring_host:
             _check_listenable(self.ring_host)
             return self.ring_host
         try:
-            return route_source(self.rendezvous.endpoint or "unix:local")
+            return route_source(
+                self.rendezvous.endpoint or "unix:local", self.rendezvous.connect_timeout_s, note
+            )
         except (AddressError, OSError) as exc:
             raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
 

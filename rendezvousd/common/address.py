@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 UNIX_PREFIX = "unix:"
@@ -94,23 +96,47 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def route_source(endpoint: str) -> str:
+#: How often a name that does not resolve yet is asked again (``route_source``).
+RESOLVE_RETRY_S = 1.0
+
+
+def route_source(
+    endpoint: str, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None
+) -> str:
     """The local address this machine would use to reach ``endpoint``.
 
     That is the address of the interface peers on other hosts can route to as
     well (they reach the daemon's network the same way), so a worker advertises
     it instead of loopback. A UDP ``connect`` only asks the routing table: no
     packet is sent. A ``unix:`` endpoint means one machine: loopback.
+
+    A host name that does not resolve is asked again every ``RESOLVE_RETRY_S`` for
+    ``wait_s`` (a launcher's connect timeout), as a daemon not up yet is waited for:
+    a Kubernetes Service's name may resolve only once its pod is ready, and a node
+    started before it failed at once. ``on_wait`` hears once that it waits.
     """
     address = parse_address(endpoint, what="endpoint", allow_unix=True)
     if address.host is None:  # unix:PATH
         return "127.0.0.1"
-    try:
-        infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
-    except socket.gaierror as exc:
-        raise AddressError(
-            f"endpoint={endpoint!r}: cannot resolve {address.host!r}: {exc}"
-        ) from None
+    began, told = time.monotonic(), False
+    while True:
+        try:
+            infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
+            break
+        except socket.gaierror as exc:
+            waited = time.monotonic() - began
+            if waited + RESOLVE_RETRY_S > wait_s:
+                tried = f" (asked for {waited:.0f} s)" if wait_s > 0 else ""
+                raise AddressError(
+                    f"endpoint={endpoint!r}: cannot resolve {address.host!r}{tried}: {exc}"
+                ) from None
+            if on_wait is not None and not told:
+                told = True
+                on_wait(
+                    f"endpoint={endpoint!r}: {address.host!r} does not resolve yet ({exc}); "
+                    f"asking again every {RESOLVE_RETRY_S:g} s for up to {wait_s:g} s"
+                )
+            time.sleep(RESOLVE_RETRY_S)
     last: OSError | None = None
     for family, kind, proto, _, target in infos:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 from collections.abc import Callable
 
@@ -10,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd import config as daemon_config
+from rendezvousd.common import address
 from rendezvousd.common.address import Address, AddressError, parse_address, parse_host_port
 from rendezvousd.errors import ConfigError as DaemonConfigError
 from rendezvousd.trainer.config import load_config
@@ -77,3 +79,35 @@ def test_a_daemon_on_ipv6_prints_an_endpoint_and_a_url_clients_can_use(
     assert d.metrics_url.startswith("http://[::1]:"), d.metrics_url
     with urllib.request.urlopen(d.metrics_url, timeout=10) as page:
         assert b"rendezvousd_" in page.read()
+
+
+def test_a_daemon_name_that_resolves_late_is_waited_for_and_one_that_never_does_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Kubernetes Service's name may resolve only once its pod is ready: a node
+    started before it failed at once with "cannot resolve" (torchrun's agent with our
+    AddressError's traceback, found by review), where a port not listening yet is
+    waited for within the connect timeout."""
+    monkeypatch.setattr(address, "RESOLVE_RETRY_S", 0.01)
+    real = socket.getaddrinfo
+    asked: list[str] = []
+
+    def late(host: str, *rest: object, **kw: object) -> object:
+        asked.append(host)
+        if host == "daemon.example" and len(asked) < 3:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real("127.0.0.1" if host == "daemon.example" else host, *rest, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", late)
+    said: list[str] = []
+    assert address.route_source("daemon.example:29400", 5.0, said.append) == "127.0.0.1"
+    assert len(asked) == 3 and len(said) == 1, (asked, said)
+    assert "'daemon.example' does not resolve yet" in said[0]
+    assert "asking again every 0.01 s for up to 5 s" in said[0]
+    asked.clear()
+    with pytest.raises(AddressError, match=r"cannot resolve 'nowhere\.invalid' \(asked for 0 s\)"):
+        address.route_source("nowhere.invalid:1", 0.05)
+    assert len(asked) > 1, asked  # asked again, not refused at the first answer
+    # Without a wait (the old call), the first answer stands.
+    with pytest.raises(AddressError, match=r"cannot resolve 'nowhere\.invalid': "):
+        address.route_source("nowhere.invalid:1")

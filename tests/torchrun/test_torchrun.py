@@ -261,6 +261,25 @@ def test_an_unreachable_daemon_is_torchs_connection_error_naming_it(
     assert endpoint in err
 
 
+def test_a_daemon_name_that_never_resolves_is_torchs_connection_error_after_connect_timeout(
+    torchrun: Callable[..., Torchrun], tmp_path: Path, job_id: str
+) -> None:
+    """A name that does not resolve (yet: a Kubernetes Service before its pod is ready)
+    ended the agent at once with our AddressError's traceback, not torch's error, where
+    a port nobody listens on is waited for within connect_timeout (found by review)."""
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
+    conf = f"token_file={token},connect_timeout=3"
+    started = time.monotonic()
+    err = _refused(torchrun, None, job_id, tmp_path, endpoint="nowhere.invalid:29400", conf=conf)
+    took = time.monotonic() - started
+    assert "RendezvousConnectionError" in err and "AddressError" not in err, err[-3000:]
+    assert "'nowhere.invalid' does not resolve yet" in err, err[-3000:]
+    assert "cannot resolve 'nowhere.invalid' (asked for 2 s)" in err, err[-3000:]
+    assert took > 2.0, took
+
+
 def test_agents_that_disagree_on_nnodes_get_torchs_rendezvous_error_with_ours(
     start_daemon: Callable[..., DaemonProcess],
     torchrun: Callable[..., Torchrun],

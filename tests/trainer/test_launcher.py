@@ -978,3 +978,24 @@ def test_a_node_launched_before_its_job_ended_exits_0_when_it_joins_after(
     assert "it was launched for the run that ended, which needs it no more" in err, err
     assert "this node exits without starting its workers" in err, err
     assert "still waiting" not in err, err
+
+
+def test_a_daemon_name_that_does_not_resolve_yet_is_asked_again_within_connect_timeout(
+    tmp_path: Path,
+) -> None:
+    """A Kubernetes Service's name may resolve only once its pod is ready: a node
+    started before it failed at once ("cannot resolve"), where a port nobody listens
+    on yet is waited for within the connect timeout."""
+    token = tmp_path / "token"
+    write_token(token)
+    script = tmp_path / "w.py"
+    script.write_text("pass\n")
+    node = launcher_cmd(2, 0, 1, endpoint="nowhere.invalid:29400", token_file=token)
+    started = time.monotonic()
+    done = run_launcher([*node, "--connect-timeout-s", "3", str(script)], timeout=60)
+    took = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    assert "'nowhere.invalid' does not resolve yet" in done.stderr, done.stderr
+    assert "asking again every 1 s for up to 3 s" in done.stderr, done.stderr
+    assert "cannot resolve 'nowhere.invalid' (asked for 2 s)" in done.stderr, done.stderr
+    assert took > 2.0, took

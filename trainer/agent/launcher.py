@@ -295,7 +295,7 @@ def run_agent(
     if (problem := _target_problem(args, token_file)) is not None:
         return _fail(problem)
     try:
-        ring_host = config.ring_address()
+        ring_host = config.ring_address(_note)
     except ConfigError as exc:
         return _fail(str(exc))
     target = ["-m", args.target] if args.module else [args.target]

@@ -119,7 +119,7 @@ from rendezvousd.client import (
 )
 from rendezvousd.client.connection import TLS_CA_ADVICE
 from rendezvousd.client.membership import NodeMembership
-from rendezvousd.common.address import route_source
+from rendezvousd.common.address import AddressError, route_source
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
@@ -391,7 +391,18 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         # ago, so that a job whose run ended since refuses this agent (JobEnded).
         self._launched = time.monotonic()
         try:
-            self._host = local_addr or route_source(endpoint)
+            self._host = local_addr or route_source(
+                endpoint,
+                settings.connect_timeout,
+                lambda note: log.warning("rendezvousd: job %r: %s", run_id, note),
+            )
+        except AddressError as exc:
+            # A name that never resolved within connect_timeout is a daemon torch's
+            # agent cannot reach, as a port nobody listens on is (not our ValueError).
+            raise torch_rdzv.RendezvousConnectionError(
+                f"rendezvousd at {endpoint} for job {run_id!r}: {exc}"
+            ) from None
+        try:
             self._client = self._new_client()
             # The store speaks as this node's member; the node client heartbeats.
             self._store_client = self._new_client()
