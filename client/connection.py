@@ -273,6 +273,10 @@ def _peek(path: Path) -> bytes | None:
         return None
 
 
+#: What a client given no token is told to do (torchrun's handler says it in its words).
+NO_TOKEN_ADVICE = f"pass token= or token_file=, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
+
+
 def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     if token:
         return _sendable(token.strip(), "token=")
@@ -300,9 +304,7 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     env = os.environ.get(TOKEN_ENV, "").strip()
     if env:
         return _sendable(env, f"${TOKEN_ENV}")
-    raise InvalidRequest(
-        f"no rendezvous token: pass token= or token_file=, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
-    )
+    raise InvalidRequest(f"no rendezvous token: {NO_TOKEN_ADVICE}")
 
 
 # What a secret file's mode must not allow: others anything, the group writing. Group

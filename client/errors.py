@@ -298,6 +298,11 @@ def _status_details(call: grpc.Call) -> tuple[str, dict[str, str], list[pb.Faile
 _TOO_LARGE = re.compile(r"Received message larger than max \((?P<sent>\d+) vs\. (?P<max>\d+)\)")
 
 
+#: Where a refused token came from, as our launcher and SDK users set it (torchrun's
+#: handler says it in its words).
+TOKEN_ADVICE = "(--token-file / RENDEZVOUSD_TOKEN)"
+
+
 def from_rpc_error(
     exc: grpc.RpcError, *, endpoint: str, method: str, job_id: str = "", rank: int | None = None
 ) -> RendezvousError:
@@ -310,7 +315,7 @@ def from_rpc_error(
     if cls is AuthenticationError:
         message = (
             f"{where}{who} was refused ({code.name}): {details}; check that the token "
-            "(--token-file / RENDEZVOUSD_TOKEN) and TLS settings match the daemon's"
+            f"{TOKEN_ADVICE} and TLS settings match the daemon's"
         )
     elif reason:
         message = f"{where}{who}: {details}"

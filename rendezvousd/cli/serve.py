@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import os
 import resource
@@ -20,6 +19,7 @@ from rendezvousd import config as config_mod
 from rendezvousd.cli.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.common.address import host_port
 from rendezvousd.common.escape import EscapingFormatter
+from rendezvousd.common.settings import VersionFlag
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.server.scope import JobToken, derive_job_token
 
@@ -211,11 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rendezvousd", description=__doc__)
     # An operator upgrading nodes one by one checks what each runs (docs/operations.md,
     # "Upgrading"): every node of a job must run the same version.
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"%(prog)s {importlib.metadata.version('rendezvousd')}",
-    )
+    parser.add_argument("--version", action=VersionFlag)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
     config_mod.add_arguments(serve)

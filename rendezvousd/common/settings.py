@@ -528,3 +528,26 @@ class Schema(Generic[T]):
             ]
             rows.append("| " + " | ".join(cells) + " |")
         return "\n".join(rows) + "\n"
+
+
+class VersionFlag(argparse.Action):
+    """``--version``: ``PROG VERSION`` of the installed package, then exit. Read only when
+    asked: ``importlib.metadata`` (and the ``tempfile`` it imports) cost a launcher's start
+    a few milliseconds before its spares start, on every node."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="print the installed rendezvousd version and exit (every node of a job "
+            "must run the same one)",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        import importlib.metadata
+        import sys
+
+        print(f"{parser.prog} {importlib.metadata.version('rendezvousd')}", file=sys.stdout)
+        parser.exit()

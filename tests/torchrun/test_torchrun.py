@@ -194,6 +194,27 @@ def test_a_wrong_token_is_torchs_connection_error_with_our_message(
     assert "RendezvousConnectionError" in err, err[-3000:]
     assert f"rendezvousd at {d.endpoint}, job {job_id!r}" in err
     assert "not-the-token" not in err
+    # In torchrun's words: it has no --token-file (found by review).
+    assert "check that the token --rdzv-conf token_file=PATH (or set " in err, err[-3000:]
+    assert "--token-file" not in err, err[-3000:]
+
+
+def test_no_token_tells_torchrun_to_pass_rdzv_conf_token_file(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """Said "pass token= or token_file=": the SDK's keywords, which torchrun has
+    neither of (--rdzv-conf token= is refused as no key of the backend)."""
+    d = start_daemon()
+    err = _refused(torchrun, d, job_id, tmp_path, conf="connect_timeout=5")
+    assert "RendezvousConnectionError" in err or "RendezvousError" in err, err[-3000:]
+    assert (
+        "no rendezvous token: pass --rdzv-conf token_file=PATH (or set RENDEZVOUSD_TOKEN_FILE "
+        "or RENDEZVOUSD_TOKEN)" in err
+    ), err[-3000:]
+    assert "token= or token_file=" not in err, err[-3000:]
 
 
 def test_a_tls_daemon_without_the_ca_tells_torchrun_to_pass_rdzv_conf_tls_ca(

@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import os
 import signal
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
-from rendezvousd.common.settings import Value
+from rendezvousd.common.settings import Value, VersionFlag
 from rendezvousd.trainer.agent._fork_server import module_names
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.worker_boot import (
@@ -89,11 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # Every node of a job must run the same version (docs/operations.md, "Upgrading").
-    p.add_argument(
-        "--version",
-        action="version",
-        version=f"%(prog)s {importlib.metadata.version('rendezvousd')}",
-    )
+    p.add_argument("--version", action=VersionFlag)
     p.add_argument(
         "--config",
         default=None,

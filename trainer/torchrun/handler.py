@@ -108,6 +108,7 @@ from torch.distributed.elastic.rendezvous import api as torch_rdzv
 from rendezvousd.client import (
     AuthenticationError,
     DaemonUnavailable,
+    InvalidRequest,
     JobAborted,
     JobEnded,
     LimitExceeded,
@@ -117,7 +118,8 @@ from rendezvousd.client import (
     RendezvousTimeout,
     TopologyMismatch,
 )
-from rendezvousd.client.connection import TLS_CA_ADVICE
+from rendezvousd.client.connection import NO_TOKEN_ADVICE, TLS_CA_ADVICE
+from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.common.address import AddressError, route_source
 from rendezvousd.common.escape import escape, shortened
@@ -184,6 +186,11 @@ def start_warm_server(
 #: The SDK's advice to a plaintext client of a TLS daemon (``TLS_CA_ADVICE``) names our
 #: CLI's flag, which torchrun does not have; ``_in_torchruns_words`` gives torchrun's.
 TORCHRUN_TLS_ADVICE = "pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
+#: And its advice on the token (``TOKEN_ADVICE``, ``NO_TOKEN_ADVICE``): torchrun has no
+#: --token-file, and --rdzv-conf takes no token itself (it would show in `ps`).
+TORCHRUN_TOKEN_ADVICE = (
+    "--rdzv-conf token_file=PATH (or set RENDEZVOUSD_TOKEN_FILE or RENDEZVOUSD_TOKEN)"
+)
 
 
 def _nnodes(topology: str) -> str | None:
@@ -203,6 +210,10 @@ def _in_torchruns_words(exc: RendezvousError) -> str | None:
     topology (``--nproc-per-node`` GPUs per node), neither of which torchrun has."""
     if isinstance(exc, AuthenticationError) and TLS_CA_ADVICE in exc.message:
         return exc.message.replace(TLS_CA_ADVICE, TORCHRUN_TLS_ADVICE)
+    if isinstance(exc, AuthenticationError) and TOKEN_ADVICE in exc.message:
+        return exc.message.replace(TOKEN_ADVICE, TORCHRUN_TOKEN_ADVICE)
+    if isinstance(exc, InvalidRequest) and NO_TOKEN_ADVICE in exc.message:
+        return exc.message.replace(NO_TOKEN_ADVICE, f"pass {TORCHRUN_TOKEN_ADVICE}")
     if isinstance(exc, TopologyMismatch):
         meta = exc.metadata
         have, asked = _nnodes(meta.get("topology", "")), _nnodes(meta.get("requested_topology", ""))
