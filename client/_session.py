@@ -1045,9 +1045,8 @@ class StreamWatch:
         return DaemonUnreachable(
             f"rendezvousd at {s.endpoint} has been unreachable for {silent_s:.1f} s (window "
             f"{self.window_s:g} s) from job {m.job_id!r} rank {m.rank}: {why}, so peer "
-            "failures can no longer be detected; no peer is known to have failed. Check that "
-            "the daemon is running and that this host can reach it, then restart the job if "
-            "it cannot finish",
+            f"failures can no longer be detected; no peer is known to have failed. "
+            f"{DAEMON_LOST_ADVICE}",
             code="UNAVAILABLE",
             endpoint=s.endpoint,
             method="Heartbeat",
@@ -1055,6 +1054,14 @@ class StreamWatch:
             rank=m.rank,
             metadata={"unreachable_s": f"{silent_s:.3f}", "window_s": f"{self.window_s:g}"},
         )
+
+
+#: The end of ``DaemonUnreachable``'s message: what its caller, which may go on, can do
+#: (torchrun's handler, which stops its workers then, says so in its words).
+DAEMON_LOST_ADVICE = (
+    "Check that the daemon is running and that this host can reach it, then restart the "
+    "job if it cannot finish"
+)
 
 
 @dataclass

@@ -369,6 +369,10 @@ def test_a_daemon_killed_mid_run_ends_the_agent_with_torchs_connection_error(
     ), err[-3000:]
     # The heartbeat's verdict, not a failed join of a restarted worker group.
     assert d.endpoint in raised[-1] and "has been unreachable for" in raised[-1], raised
+    # What this agent does, not the SDK's "restart the job if it cannot finish" (found
+    # by review: the agent had already stopped its workers).
+    assert "This agent stops its workers and exits" in raised[-1], raised
+    assert "if it cannot finish" not in raised[-1], raised
 
 
 def test_an_agent_that_gives_up_closes_a_job_that_cannot_go_on_and_the_survivor_ends_now(

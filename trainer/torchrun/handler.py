@@ -108,6 +108,7 @@ from torch.distributed.elastic.rendezvous import api as torch_rdzv
 from rendezvousd.client import (
     AuthenticationError,
     DaemonUnavailable,
+    DaemonUnreachable,
     InvalidRequest,
     JobAborted,
     JobEnded,
@@ -118,6 +119,7 @@ from rendezvousd.client import (
     RendezvousTimeout,
     TopologyMismatch,
 )
+from rendezvousd.client._session import DAEMON_LOST_ADVICE
 from rendezvousd.client.connection import NO_TOKEN_ADVICE, TLS_CA_ADVICE
 from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
@@ -212,6 +214,15 @@ def _in_torchruns_words(exc: RendezvousError) -> str | None:
         return exc.message.replace(TLS_CA_ADVICE, TORCHRUN_TLS_ADVICE)
     if isinstance(exc, AuthenticationError) and TOKEN_ADVICE in exc.message:
         return exc.message.replace(TOKEN_ADVICE, TORCHRUN_TOKEN_ADVICE)
+    if isinstance(exc, DaemonUnreachable) and DAEMON_LOST_ADVICE in exc.message:
+        # The SDK's reader may go on; torch's agent stops its workers now.
+        return exc.message.replace(
+            DAEMON_LOST_ADVICE,
+            "This agent stops its workers and exits, as torch's does when c10d's store is "
+            "gone. Check that the daemon is running and that this host can reach it, then "
+            "restart the job (a daemon restarted with --state-dir within that window keeps "
+            "its jobs running)",
+        )
     if isinstance(exc, InvalidRequest) and NO_TOKEN_ADVICE in exc.message:
         return exc.message.replace(NO_TOKEN_ADVICE, f"pass {TORCHRUN_TOKEN_ADVICE}")
     if isinstance(exc, TopologyMismatch):
