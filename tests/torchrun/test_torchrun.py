@@ -405,6 +405,8 @@ def test_an_agent_that_gives_up_closes_a_job_that_cannot_go_on_and_the_survivor_
     assert "gave up: its workers failed" in survivor, survivor[-3000:]
     assert "cannot go on without it (--nnodes 2:2" in survivor, survivor[-3000:]
     assert "shutdown:" not in survivor, survivor[-3000:]
+    # The job named once, not "job 'J': job 'J' generation 1 was aborted" (review).
+    assert f"job {job_id!r}: job {job_id!r}" not in survivor, survivor[-3000:]
     # The same job launched again at once (the bug fixed) forms at once: the agents
     # that gave up said they will not re-join, so no seat is kept for them. Kept, the
     # new agents stood by for the whole hold, "re-forming after a failure".

@@ -682,7 +682,13 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     def _heard_failure(self, exc: RendezvousError) -> None:
         # The SDK keeps the failure (client.failure); num_nodes_waiting() reads it.
         if not isinstance(exc, PeerFailed) or not exc.failed:
-            log.warning("rendezvousd: job %r: %s", self._run_id, exc)
+            # The daemon's own words name the job already ("job 'J' generation 1 was
+            # aborted: ..."): said twice, it read "job 'J': job 'J' ...".
+            said = str(exc)
+            if f"job {self._run_id!r}" in said:
+                log.warning("rendezvousd: %s", said)
+            else:
+                log.warning("rendezvousd: job %r: %s", self._run_id, said)
             return
         if exc.generation == self._signalled:
             return  # this agent's own stop (_stopped_by), which it said already
