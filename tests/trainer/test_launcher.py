@@ -909,6 +909,13 @@ def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> 
         "(every member left), and a join after that starts a new run: a node meant for the "
         "run that ended is not needed and may stop"
     )
+    # Elastic with enough nodes: it forms at its last call, not at the timeout.
+    enough = job(pb.JOB_STATE_FORMING, 2, nodes_waiting=1)
+    assert forming_note(enough, 1, 5.2, 600) == (
+        "still waiting for job 'j\\x0a' generation 3 to form after 5 s: 1 node(s) joined, "
+        "the 1 it needs at least: it forms with them once no other node joins within its "
+        "last call, or at once when 2 have (waiting up to 600 s in all)"
+    )
     running = job(pb.JOB_STATE_RUNNING, 2, nodes_waiting=1)
     assert forming_note(running, 1, 5.2, 600) == (
         "job 'j\\x0a' generation 3 runs with 2 node(s) after 5 s: this node is taken in when "
