@@ -160,6 +160,16 @@ def test_mixing_per_rank_and_node_joins_is_refused_both_ways() -> None:
     assert f.reason == "JOIN_MODE_MISMATCH"
 
 
+def restarted(sm: RendezvousState, tmp_path: Path) -> RendezvousState:
+    """``sm`` written to a state dir, and the state a restarted daemon restores from it."""
+    saver = Persister(tmp_path, sm)
+    saver.restore()
+    saver.close()
+    back = RendezvousState()
+    Persister(tmp_path, back).restore()
+    return back
+
+
 def formed(sm: RendezvousState) -> tuple[JoinResult, JoinResult]:
     first = join_first(sm, node("a"))
     assert isinstance(first, Parked)
@@ -542,11 +552,7 @@ def test_after_a_restart_a_job_that_had_ended_is_run_again_by_any_node(tmp_path:
     formed(sm)
     sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
     sm.leave("j", 1, 1, "b", 2.0, mode=JoinMode.NODE)
-    saver = Persister(tmp_path, sm)
-    saver.restore()
-    saver.close()
-    back = RendezvousState()
-    Persister(tmp_path, back).restore()
+    back = restarted(sm, tmp_path)
     job = back.jobs["j"]
     assert job.state is JobState.ENDED and job.ended_at is None
     assert isinstance(back.join(node("late", launched=-1e6), job.state_since + 1), JoinResult)
@@ -557,11 +563,7 @@ def test_formed_node_job_survives_a_restart_and_nodes_reattach(tmp_path: Path) -
     sm = RendezvousState()
     _, b = formed(sm)
     sm.kv_set("j", 1, 2, "k", b"v", instance_id=b.member_instance_ids[0])
-    saver = Persister(tmp_path, sm)
-    saver.restore()
-    saver.close()
-    back = RendezvousState()
-    Persister(tmp_path, back).restore()
+    back = restarted(sm, tmp_path)
     job = back.jobs["j"]
     assert job.state is JobState.RUNNING and job.gen.join_mode is JoinMode.NODE
     assert (job.min_nodes, job.max_nodes, job.num_nodes) == (2, 2, 2)
