@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import operator
 import os
 import secrets
@@ -229,6 +230,10 @@ def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
         return any(_fits(value, o, span) for o in get_args(option))
     if option is type(None):
         return value is None
+    if option is float:  # an int too, as Python's own float parameters take one
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
     if option is int:  # numpy's ints too, as protobuf takes them; never a bool
         if type(value) is int:  # the common case, without the Protocol's slow isinstance
             return span[0] <= value <= span[1]
@@ -1084,7 +1089,8 @@ class JoinPlan:
         long ago its node was launched."""
         self.request.wait_timeout_ms = timeout_ms(left)
         if self.launched is not None and isinstance(self.request, pb.JoinNodeRequest):
-            self.request.launched_ms_ago = round(max(0.0, time.monotonic() - self.launched) * 1000)
+            ago = round(max(0.0, time.monotonic() - self.launched) * 1000)
+            self.request.launched_ms_ago = min(ago, UINT64[1])
 
     def make_id(self) -> bytes:
         """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128

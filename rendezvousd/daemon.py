@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib.metadata
 import inspect
 import logging
 import os
@@ -30,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
 from rendezvousd.common.secret_files import read_judged
+from rendezvousd.common.settings import installed_version
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask
@@ -374,7 +374,7 @@ class Daemon:
         self._ticker.add_done_callback(self._tick_ended)
         log.info(
             "rendezvousd %s serving on %s (port %d, tls=%s, event loop %s)",
-            importlib.metadata.version("rendezvousd"),
+            installed_version(),
             self.config.listen,
             port,
             credentials is not None,

@@ -532,18 +532,20 @@ class DistributedConfig:
         local = self.local_rank if self.local_rank is not None else 0
         return MultiNodeTopology(self.num_nodes, per_node, node, local)
 
-    def ring_address(self, note: Callable[[str], None] | None = None) -> str:
+    def ring_address(
+        self, note: Callable[[str], None] | None = None, wait_s: float | None = None
+    ) -> str:
         """The address this worker's (or node's) ring peers reach it at: ``ring_host``,
         else this host's address on the route towards the daemon (loopback for a
         ``unix:`` endpoint or the file transport). A daemon's name that does not
-        resolve yet is asked again for ``connect_timeout_s``, ``note`` told so."""
+        resolve yet is asked again for ``wait_s`` (default: ``connect_timeout_s``),
+        ``note`` told so."""
         if self.ring_host:
             _check_listenable(self.ring_host)
             return self.ring_host
+        wait = self.rendezvous.connect_timeout_s if wait_s is None else wait_s
         try:
-            return route_source(
-                self.rendezvous.endpoint or "unix:local", self.rendezvous.connect_timeout_s, note
-            )
+            return route_source(self.rendezvous.endpoint or "unix:local", wait, note)
         except (AddressError, OSError) as exc:
             raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
 

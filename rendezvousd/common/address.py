@@ -21,6 +21,11 @@ class AddressError(ValueError):
     """A malformed address; the message quotes it and shows the expected form."""
 
 
+class UnresolvedHost(AddressError):
+    """A well-formed address whose host name did not resolve (``route_source``): a
+    daemon that cannot be reached, not a mistake in the address."""
+
+
 @dataclass(frozen=True, slots=True)
 class Address:
     """``host``/``port`` for TCP (``host`` without IPv6 brackets); ``unix_path`` otherwise."""
@@ -125,9 +130,9 @@ def route_source(
             break
         except socket.gaierror as exc:
             waited = time.monotonic() - began
-            if waited + RESOLVE_RETRY_S > wait_s:
+            if waited >= wait_s:
                 tried = f" (asked for {waited:.0f} s)" if wait_s > 0 else ""
-                raise AddressError(
+                raise UnresolvedHost(
                     f"endpoint={endpoint!r}: cannot resolve {address.host!r}{tried}: {exc}"
                 ) from None
             if on_wait is not None and not told:
@@ -136,7 +141,7 @@ def route_source(
                     f"endpoint={endpoint!r}: {address.host!r} does not resolve yet ({exc}); "
                     f"asking again every {RESOLVE_RETRY_S:g} s for up to {wait_s:g} s"
                 )
-            time.sleep(RESOLVE_RETRY_S)
+            time.sleep(min(RESOLVE_RETRY_S, wait_s - waited))
     last: OSError | None = None
     for family, kind, proto, _, target in infos:
         try:

@@ -546,8 +546,18 @@ class VersionFlag(argparse.Action):
         )
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
-        import importlib.metadata
         import sys
 
-        print(f"{parser.prog} {importlib.metadata.version('rendezvousd')}", file=sys.stdout)
+        print(f"{parser.prog} {installed_version()}", file=sys.stdout)
         parser.exit()
+
+
+def installed_version() -> str:
+    """The installed package's version; "unknown" where no distribution metadata is
+    (a vendored copy, a zipapp): a log line or ``--version`` must not fail on it."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("rendezvousd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

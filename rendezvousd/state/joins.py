@@ -104,8 +104,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
 def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFault | None:
     """JOB_ENDED for a node agent launched before the job's run ended (every member
     left), while the job is ENDED or the generation a join opened after that end
-    forms: it was launched for the run that ended (a pod restarted after its job
-    succeeded, a late or scale-up node of a job that is done). Before, it opened the
+    forms: it was launched for the run that ended (a node that could not join before
+    its run ended: a slow pod, one rescheduled mid-run, a scale-up). Before, it opened the
     job's next generation and waited its join timeout (600 s) for nodes that were
     done. A node launched after the end is a new run of the job id, as is any join
     that does not say when it was launched."""
@@ -113,7 +113,7 @@ def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFa
     if ended is None or launched is None or launched > ended:
         return None
     reopened = job.state is JobState.FORMING and job.gen.after_end is not None
-    if not (job.state is JobState.ENDED or reopened) or args.instance_id in job.gen.nodes:
+    if not (job.state is JobState.ENDED or reopened):
         return None
     return job.fault(
         Code.FAILED_PRECONDITION,
@@ -121,7 +121,8 @@ def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFa
         f"job {job.job_id!r} ended {now - ended:.1f} s ago (every member left), after this "
         f"node was launched ({now - launched:.1f} s ago): it was launched for the run that "
         "ended, which needs it no more. A node launched after the end starts a new run of "
-        "the job id",
+        "the job id (run it again with nodes started once every node of the run before "
+        "has exited)",
         ended_ms_ago=str(round((now - ended) * 1000)),
     )
 

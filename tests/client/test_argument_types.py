@@ -54,7 +54,23 @@ CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
         lambda c: c.join_node(min_nodes=1, max_nodes=2**32, gpus_per_node=1, timeout=5),
         "join_node() max_nodes=4294967296 is not an int from 1 to 4294967295",
     ),
+    (
+        "join_node launched nan",
+        lambda c: c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, launched=float("nan")),
+        "join_node() launched=nan is not float or None",
+    ),
 ]
+
+
+def test_a_float_argument_takes_an_int_and_a_launch_long_ago(daemon: DaemonProcess) -> None:
+    """``launched=0`` (a float argument given an int, as Python's own take one) was
+    refused as "not float or None"; a launch further back than the field can say is
+    said as its largest value, not a protobuf ValueError (review)."""
+    with RendezvousClient(daemon.endpoint, "args-launched", token=daemon.token) as c:
+        for launched in (0, -1e300):
+            m = c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, launched=launched)
+            assert m.world_size == 1
+            c.leave()
 
 
 @pytest.mark.parametrize(("name", "call", "said"), CASES, ids=[c[0] for c in CASES])

@@ -12,7 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd import config as daemon_config
 from rendezvousd.common import address
-from rendezvousd.common.address import Address, AddressError, parse_address, parse_host_port
+from rendezvousd.common.address import (
+    Address,
+    AddressError,
+    UnresolvedHost,
+    parse_address,
+    parse_host_port,
+)
 from rendezvousd.errors import ConfigError as DaemonConfigError
 from rendezvousd.trainer.config import load_config
 from rendezvousd.trainer.errors import ConfigError as TrainerConfigError
@@ -94,7 +100,7 @@ def test_a_daemon_name_that_resolves_late_is_waited_for_and_one_that_never_does_
 
     def late(host: str, *rest: object, **kw: object) -> object:
         asked.append(host)
-        if host == "daemon.example" and len(asked) < 3:
+        if (host == "daemon.example" and len(asked) < 3) or host == "nowhere.invalid":
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return real("127.0.0.1" if host == "daemon.example" else host, *rest, **kw)  # type: ignore[arg-type]
 
@@ -105,9 +111,17 @@ def test_a_daemon_name_that_resolves_late_is_waited_for_and_one_that_never_does_
     assert "'daemon.example' does not resolve yet" in said[0]
     assert "asking again every 0.01 s for up to 5 s" in said[0]
     asked.clear()
-    with pytest.raises(AddressError, match=r"cannot resolve 'nowhere\.invalid' \(asked for 0 s\)"):
+    with pytest.raises(
+        UnresolvedHost, match=r"cannot resolve 'nowhere\.invalid' \(asked for 0 s\)"
+    ):
         address.route_source("nowhere.invalid:1", 0.05)
-    assert len(asked) > 1, asked  # asked again, not refused at the first answer
+    assert len(asked) >= 5, asked  # asked again, within the whole wait, not refused at once
     # Without a wait (the old call), the first answer stands.
-    with pytest.raises(AddressError, match=r"cannot resolve 'nowhere\.invalid': "):
+    asked.clear()
+    with pytest.raises(UnresolvedHost, match=r"cannot resolve 'nowhere\.invalid': "):
         address.route_source("nowhere.invalid:1")
+    assert asked == ["nowhere.invalid"]
+    # A malformed address is no unresolved host: a mistake, told at once.
+    with pytest.raises(AddressError) as malformed:
+        address.route_source("daemon.example:http", 5.0)
+    assert not isinstance(malformed.value, UnresolvedHost)

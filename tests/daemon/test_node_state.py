@@ -510,8 +510,8 @@ def test_a_generation_opened_after_the_job_ended_says_how_long_ago_while_it_form
 
 def test_a_node_launched_before_its_jobs_run_ended_is_told_the_job_ended() -> None:
     """A node agent launched while the job still ran, whose first join comes after
-    every member left (a pod restarted after its job succeeded, a slow pod of a short
-    job), was meant for the run that ended: JOB_ENDED, instead of opening the job's
+    every member left (a slow pod of a short job, one rescheduled mid-run, a scale-up),
+    was meant for the run that ended: JOB_ENDED, instead of opening the job's
     next generation and waiting its join timeout there for nodes that were done. A
     node launched after the end, or one that does not say when it was launched, is a
     new run of the job id; a late node of the old run is refused while that new run

@@ -290,7 +290,11 @@ def run_agent(
     if (problem := _target_problem(args, token_file)) is not None:
         return _fail(problem)
     try:
-        ring_host = config.ring_address(_note)
+        # A name that does not resolve yet is waited for as a daemon not up yet is: for
+        # the join's timeout (NodeAgent._join), the daemon's pod maybe still starting.
+        ring_host = config.ring_address(
+            _note, max(config.join_timeout_s, config.rendezvous.connect_timeout_s)
+        )
     except ConfigError as exc:
         return _fail(str(exc))
     target = ["-m", args.target] if args.module else [args.target]

@@ -495,8 +495,8 @@ class NodeAgent:
                     serial = start()
                     continue
                 if isinstance(answer, JobEnded):
-                    # A standby not needed, or a node launched for the run that ended (a
-                    # pod restarted after its job succeeded): its work is done, exit 0.
+                    # A standby not needed, or a node launched for the run that ended (one
+                    # that could not join before it ended): its work is done, exit 0.
                     self.note(
                         f"job {config.job_id!r} ended (every member left); this standby node "
                         "was not needed"

@@ -123,7 +123,7 @@ from rendezvousd.client._session import DAEMON_LOST_ADVICE
 from rendezvousd.client.connection import NO_TOKEN_ADVICE, TLS_CA_ADVICE
 from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
-from rendezvousd.common.address import AddressError, route_source
+from rendezvousd.common.address import AddressError, UnresolvedHost, route_source
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
@@ -190,9 +190,7 @@ def start_warm_server(
 TORCHRUN_TLS_ADVICE = "pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
 #: And its advice on the token (``TOKEN_ADVICE``, ``NO_TOKEN_ADVICE``): torchrun has no
 #: --token-file, and --rdzv-conf takes no token itself (it would show in `ps`).
-TORCHRUN_TOKEN_ADVICE = (
-    "--rdzv-conf token_file=PATH (or set RENDEZVOUSD_TOKEN_FILE or RENDEZVOUSD_TOKEN)"
-)
+TORCHRUN_TOKEN_ADVICE = "--rdzv-conf token_file=PATH, or RENDEZVOUSD_TOKEN_FILE / RENDEZVOUSD_TOKEN"
 
 
 def _nnodes(topology: str) -> str | None:
@@ -213,7 +211,7 @@ def _in_torchruns_words(exc: RendezvousError) -> str | None:
     if isinstance(exc, AuthenticationError) and TLS_CA_ADVICE in exc.message:
         return exc.message.replace(TLS_CA_ADVICE, TORCHRUN_TLS_ADVICE)
     if isinstance(exc, AuthenticationError) and TOKEN_ADVICE in exc.message:
-        return exc.message.replace(TOKEN_ADVICE, TORCHRUN_TOKEN_ADVICE)
+        return exc.message.replace(TOKEN_ADVICE, f"({TORCHRUN_TOKEN_ADVICE})")
     if isinstance(exc, DaemonUnreachable) and DAEMON_LOST_ADVICE in exc.message:
         # The SDK's reader may go on; torch's agent stops its workers now.
         return exc.message.replace(
@@ -418,12 +416,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 settings.connect_timeout,
                 lambda note: log.warning("rendezvousd: job %r: %s", run_id, note),
             )
-        except AddressError as exc:
+        except UnresolvedHost as exc:
             # A name that never resolved within connect_timeout is a daemon torch's
             # agent cannot reach, as a port nobody listens on is (not our ValueError).
             raise torch_rdzv.RendezvousConnectionError(
                 f"rendezvousd at {endpoint} for job {run_id!r}: {exc}"
             ) from None
+        except AddressError as exc:
+            raise ConfigError(f"--rdzv-endpoint: {exc}") from None
         try:
             self._client = self._new_client()
             # The store speaks as this node's member; the node client heartbeats.
@@ -664,9 +664,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                     raise
                 time.sleep(OUTAGE_RETRY_S)
             except JobEnded as exc:
-                # A standby not needed, or an agent launched for the run that ended (a
-                # pod restarted after its job succeeded; c10d raises RendezvousClosedError
-                # there, whose traceback ends torchrun with status 1).
+                # A standby not needed, or an agent launched for the run that ended (one
+                # that could not join before it ended: a slow pod, a scale-up).
                 if standby:
                     log.warning(
                         "rendezvousd: job %r ended without needing this standby node", self._run_id

@@ -428,9 +428,9 @@ class JoinNodeRequest(_message.Message):
     (every member left) after that launch refuses the join with JOB_ENDED, while
     the job is ENDED and while the generation a join opened after that end
     forms: the node was launched for the run that ended, which needs it no more
-    (a pod restarted after its job succeeded, a late or scale-up node of a job
-    that is done). A node launched after the end opens, or joins, a new run of
-    the job id. Absent (an older client, a re-join), or after a daemon restart
+    (a node that could not join before its run ended: a slow pod, one
+    rescheduled mid-run, a scale-up). A node launched after the end (a pod
+    restarted after its job succeeded) opens, or joins, a new run of the job id. Absent (an older client, a re-join), or after a daemon restart
     (the end's time is not stored): an ended job is run again.
     """
     @_builtins.property
