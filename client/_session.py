@@ -514,9 +514,7 @@ class Session:
         # (it held a seat in the job) does not say when it was launched: the run it
         # took part in ending is no sign that it came late (``launched_ms_ago``).
         launched = None if self.held else r.get("launched")
-        plan = JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request)
-        plan.launched = launched
-        return plan
+        return JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request, launched)
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000

@@ -38,20 +38,16 @@ def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: 
     joined = job.nodes_waiting - job.standbys
     need = str(most) if fewest == most else f"{fewest} (up to {most})"
     kept = f", {job.seats_kept} seat(s) kept for nodes re-joining" if job.seats_kept else ""
+    said = f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined"
     if fewest < most and joined >= fewest:
         # Elastic, with enough nodes: it forms at its last call, not at the timeout
         # (said so, it read as a wait for a node that was missing: review).
-        said = (
-            f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) "
-            f"joined, the {fewest} it needs at least{kept}: it forms with them once no other "
-            f"node joins within its last call, or at once when {most} have ({bound})"
+        said += (
+            f", the {fewest} it needs at least{kept}: it forms with them once no other node "
+            f"joins within its last call, or at once when {most} have ({bound})"
         )
     else:
-        said = (
-            f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) "
-            f"joined of the {need} it needs{kept}; {bound}, then this ends naming what is "
-            "missing"
-        )
+        said += f" of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
     if job.HasField("previous_run_ended_ms"):
         # A pod restarted after its job succeeded, say: it opened a run nobody else
         # will join, and would wait out its join timeout without a word of why.
