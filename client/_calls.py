@@ -44,6 +44,7 @@ from rendezvousd.client._session import (
     check_arg,
     check_keywords,
     check_wait,
+    log,
     page_request,
 )
 from rendezvousd.client.connection import (
@@ -88,6 +89,9 @@ RECHECK_S = 0.25
 #: timeout was cut by the daemon's cap on waits: it joins again (``_send_join``). Taken
 #: for a cap when it was not, it only waits out the little left.
 CAPPED_WAIT_MARGIN_S = 0.1
+#: A client still not connected to its daemon this long after it began to wait says
+#: so (a warning on the ``rendezvousd.client`` logger), once per outage.
+UNREACHED_NOTE_S = 5.0
 
 
 def _parks(request: Any) -> bool:
@@ -390,9 +394,31 @@ class Calls:
         that comes up late is found."""
         s = self.s
         limit = s.connect_timeout if within is None else within
-        if not (yield Connect(max(0.0, limit - (time.monotonic() - started)))):
+        which = "connect_timeout" if limit == s.connect_timeout else shorter
+        first = UNREACHED_NOTE_S - (time.monotonic() - started)
+        if first < limit - (time.monotonic() - started) and not s.unreached_told:
+            # Said once while it waits on: a client started before its daemon (a node
+            # agent, torchrun's) was silent for its whole connect_timeout (30 s), which
+            # reads as a hang. Once per outage: an agent's joins asked again every
+            # second would say it every time.
+            if (yield Connect(max(0.0, first))):
+                return
             problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
-            which = "connect_timeout" if limit == s.connect_timeout else shorter
+            s.unreached_told = True
+            log.warning(
+                "job %r: rendezvousd at %s not reached after %.0f s%s; still trying, for "
+                "up to %g s (%s): a daemon that comes up meanwhile is found",
+                s.job_id,
+                s.endpoint,
+                time.monotonic() - started,
+                "" if problem is None else f": {problem}",
+                limit,
+                which,
+            )
+        if (yield Connect(max(0.0, limit - (time.monotonic() - started)))):
+            s.unreached_told = False
+        else:
+            problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "
                 f"{limit:g} s ({which})"
@@ -418,6 +444,7 @@ class Calls:
         # Half the connect timeout at most: the probes that tell why get the rest.
         look = min(TLS_PROBE_TIMEOUT_S, within / 2)
         if not self.probe.seen_tls and (yield Reachable(look)):
+            self.s.unreached_told = False
             # Connected: the daemon is reachable and accepted our TLS, and a draining
             # daemon answers the join itself with DRAINING, which is raised at once.
             # The Check this saves cost the daemon about 0.5 ms of CPU per cold client,

@@ -383,6 +383,9 @@ class Session:
         init=False, repr=False
     )
     leave_timeout: float = LEAVE_TIMEOUT_S
+    # Whether the client said it had not reached its daemon yet (``connected``): said
+    # once while that lasts.
+    unreached_told: bool = False
     # Set by close(): every later call is refused (``closed_error``).
     closed: bool = False
     # The live heartbeat stream's daemon takes the goodbye on it (its attach's ack

@@ -3,6 +3,7 @@ transient failure, exactly one attempt on a permanent one."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -15,16 +16,23 @@ from typing import Any
 import pytest
 
 from rendezvousd.client import (
+    AsyncRendezvousClient,
     DaemonUnavailable,
     KeyNotFound,
     Membership,
     RendezvousClient,
     TopologyMismatch,
 )
+from rendezvousd.client import _calls as steps
 from tests.support import DaemonProcess, free_port, members, spawn_daemon, wait_for, write_token
 
 
-def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:
+def test_daemon_started_late_still_lets_join_succeed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """And says once, while it waits, that it has not reached the daemon yet: a client
+    started before its daemon (a node agent) was silent for its whole connect_timeout."""
+    monkeypatch.setattr(steps, "UNREACHED_NOTE_S", 0.3)
     port = free_port()
     token = write_token(tmp_path / "t")
     result: dict[str, object] = {}
@@ -44,6 +52,7 @@ def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:
         blocker.settimeout(20)
         attempt, _ = blocker.accept()
         attempt.close()
+        wait_for("the client to say it waits", lambda: bool(_unreached(caplog)), timeout=10)
     daemon = spawn_daemon(tmp_path, token=token, listen=f"127.0.0.1:{port}")
     try:
         t.join(30)
@@ -51,6 +60,68 @@ def test_daemon_started_late_still_lets_join_succeed(tmp_path: Path) -> None:
         assert result["m"].rank == 0  # type: ignore[attr-defined]
     finally:
         daemon.kill()
+    [said] = _unreached(caplog)
+    assert said.startswith(f"job 'late': rendezvousd at 127.0.0.1:{port} not reached after "), said
+    assert said.endswith(
+        "still trying, for up to 20 s (connect_timeout): a daemon that comes up meanwhile is found"
+    ), said
+
+
+def _unreached(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "rendezvousd.client" and "not reached after" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_a_client_waiting_for_a_daemon_says_so_once_per_outage(
+    flavour: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    daemon: DaemonProcess,
+    job_id: str,
+) -> None:
+    """Both clients (the decision is the shared steps'): two joins against nothing say
+    it once, with what a plain connect there finds; a client that connects says nothing."""
+    monkeypatch.setattr(steps, "UNREACHED_NOTE_S", 0.3)
+    endpoint = f"127.0.0.1:{free_port()}"
+    join = {"num_nodes": 1, "gpus_per_node": 1, "local_rank": 0, "timeout": 5}
+
+    async def twice(target: str, token: str) -> list[str]:
+        errors = []
+        async with AsyncRendezvousClient(target, job_id, token=token, connect_timeout=1.2) as c:
+            for _ in range(2):
+                try:
+                    await c.join(**join)  # type: ignore[arg-type]
+                except DaemonUnavailable as exc:
+                    errors.append(str(exc))
+                else:
+                    await c.leave()
+        return errors
+
+    if flavour == "sync":
+        errors = []
+        with RendezvousClient(endpoint, job_id, token="x" * 32, connect_timeout=1.2) as c:
+            for _ in range(2):
+                with pytest.raises(DaemonUnavailable) as info:
+                    c.join(**join)  # type: ignore[arg-type]
+                errors.append(str(info.value))
+    else:
+        errors = asyncio.run(twice(endpoint, "x" * 32))
+    assert len(errors) == 2 and all("within 1.2 s (connect_timeout)" in e for e in errors)
+    [said] = _unreached(caplog)
+    assert f"rendezvousd at {endpoint} not reached after 0 s: nothing listens there " in said
+    caplog.clear()
+    d = daemon
+    if flavour == "sync":
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+            c.join(**join)  # type: ignore[arg-type]
+            c.leave()
+    else:
+        assert asyncio.run(twice(d.endpoint, d.token)) == []
+    assert _unreached(caplog) == []
 
 
 def _against_nothing(call: Callable[[RendezvousClient], object], **options: Any) -> Any:

@@ -27,11 +27,13 @@ from tests.support import (
     descendants,
     free_port,
     scrape,
+    spawn_daemon,
     standby_replaces_a_killed_node,
     survivors_trained_on,
     three_nodes_stuck_at_step_two,
     torch_steps,
     wait_for,
+    write_token,
 )
 
 pytestmark = pytest.mark.slow
@@ -305,6 +307,42 @@ def test_a_daemon_name_that_never_resolves_is_torchs_connection_error_after_conn
     assert "'nowhere.invalid' does not resolve yet" in err, err[-3000:]
     assert "cannot resolve 'nowhere.invalid' (asked for 3 s)" in err, err[-3000:]
     assert took > 3.0, took
+
+
+def test_an_agent_started_before_its_daemon_says_it_waits_and_trains_once_it_is_up(
+    torchrun: Callable[..., Torchrun], tmp_path: Path, job_id: str
+) -> None:
+    """A daemon's pod ready after the workers' (found by review): the agent was silent
+    for up to connect_timeout (30 s), which reads as a hang; now it says after 5 s."""
+    port = free_port()
+    token = tmp_path / "token"
+    secret = write_token(token)
+    log = tmp_path / "steps.jsonl"
+    agent = torchrun(
+        None,
+        job_id,
+        "1",
+        "--steps",
+        "2",
+        "--step-log",
+        str(log),
+        nproc=1,
+        endpoint=f"127.0.0.1:{port}",
+        conf=f"token_file={token},connect_timeout=60",
+    )
+    said = (
+        f"rendezvousd: job {job_id!r}: rendezvousd at 127.0.0.1:{port} not reached after 5 s: "
+        "nothing listens there (connection refused); still trying, for up to 60 s "
+        "(connect_timeout)"
+    )
+    wait_for("the agent to say it waits", lambda: said in agent.stderr(), timeout=30)
+    d = spawn_daemon(tmp_path, token=secret, listen=f"127.0.0.1:{port}")
+    try:
+        assert agent.wait(90) == 0, agent.stderr()[-3000:]
+    finally:
+        d.kill()
+    assert max(s["step"] for s in torch_steps(log)) == 2
+    assert agent.stderr().count("not reached after") == 1
 
 
 def test_agents_that_disagree_on_nnodes_get_torchs_rendezvous_error_with_ours(

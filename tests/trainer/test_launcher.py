@@ -575,7 +575,8 @@ def test_a_daemon_started_after_the_node_is_waited_for_within_the_join_timeout(
     tmp_path: Path, job_id: str
 ) -> None:
     """As a node scheduled late is: the daemon's pod may start minutes after the
-    workers'. With --max-restarts 0 the first connect_timeout ended the run."""
+    workers'. With --max-restarts 0 the first connect_timeout ended the run. It says
+    so after 5 s, once: before, it was silent for connect_timeout (30 s by default)."""
     port = free_port()
     token = tmp_path / "tok"
     secret = write_token(token)
@@ -585,11 +586,11 @@ def test_a_daemon_started_after_the_node_is_waited_for_within_the_join_timeout(
         "with init_distributed() as ctx:\n    ctx.communicator.barrier()\n"
     )
     cmd = [*launcher_cmd(1, 0, 2, endpoint=f"127.0.0.1:{port}", token_file=token, job=job_id),
-           "--connect-timeout-s", "1", "--join-timeout-s", "60", "--max-restarts", "0",
+           "--connect-timeout-s", "6", "--join-timeout-s", "60", "--max-restarts", "0",
            str(script)]  # fmt: skip
     node = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(4)  # several connect timeouts
+        time.sleep(9)  # past the note (5 s), the first connect timeout, and retries
         d = spawn_daemon(tmp_path, token=secret, listen=f"127.0.0.1:{port}")
         try:
             _out, err = node.communicate(timeout=60)
@@ -599,6 +600,9 @@ def test_a_daemon_started_after_the_node_is_waited_for_within_the_join_timeout(
         node.kill()
     assert node.returncode == 0, err
     assert "trying again every 1 s for up to 60 s in all (no restart used)" in err, err
+    said = f"rendezvous-run: job {job_id!r}: rendezvousd at 127.0.0.1:{port} not reached after "
+    assert err.count(said) == 1, err
+    assert "s: nothing listens there (connection refused); still trying, for up to 6 s" in err
 
 
 def test_a_job_launched_again_right_after_it_gave_up_forms_at_once(

@@ -138,6 +138,22 @@ __all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "handler_factory"]
 
 log = logging.getLogger(__name__)
 
+
+class _SdkWarnings(logging.Handler):
+    """The SDK's warnings (a daemon not reached yet, say) said as this backend's own
+    are, on its logger and with its prefix: not as a bare line without either."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log.warning("rendezvousd: %s", record.getMessage())
+
+
+def _say_sdk_warnings() -> None:
+    sdk = logging.getLogger("rendezvousd.client")
+    if not any(isinstance(h, _SdkWarnings) for h in sdk.handlers):
+        sdk.addHandler(_SdkWarnings(logging.WARNING))
+        sdk.propagate = False
+
+
 #: The ``--rdzv-backend`` name; torch requires ``get_backend()`` to return it.
 BACKEND = "rendezvousd"
 #: The daemon's port when ``--rdzv-endpoint`` names only a host.
@@ -410,6 +426,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         # torch's launcher makes its handler as it starts: the first join says how long
         # ago, so that a job whose run ended since refuses this agent (JobEnded).
         self._launched = time.monotonic()
+        _say_sdk_warnings()
         try:
             self._host = local_addr or route_source(
                 endpoint,
