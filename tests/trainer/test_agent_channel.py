@@ -37,7 +37,12 @@ from rendezvousd.trainer.agent.agent_channel import (
     unpack_arrays,
 )
 from rendezvousd.trainer.agent.agent_worker import AgentLink, Assignment
-from rendezvousd.trainer.agent.recovery import Failure, RestartBudget
+from rendezvousd.trainer.agent.recovery import (
+    FIRST_KEPT,
+    LAST_KEPT,
+    Failure,
+    RestartBudget,
+)
 from rendezvousd.trainer.agent.state_copy import MAX_STEP_ADVANCE, StateCopy
 from rendezvousd.trainer.agent.warm_workers import Exited, Ready, SparePool, stop_all
 from rendezvousd.trainer.config import DistributedConfig
@@ -248,6 +253,32 @@ def test_restart_budget_gives_up_after_max_restarts_and_names_every_failure() ->
     # A failure of no rank or host (the job aborted) has no "node:" placeholder.
     aborted = Failure(1, "JobAborted: job 'j' generation 1 was aborted: stop").describe()
     assert aborted == "generation 1: JobAborted: job 'j' generation 1 was aborted: stop"
+
+
+def test_a_restart_budget_keeps_the_first_and_latest_failures_and_counts_the_rest() -> None:
+    """An agent riding out failures with --max-restarts 100000 held every one (~0.5 KB
+    each, found by review) and ended on a message of one line per failure."""
+    budget = RestartBudget(100_000)
+    for gen in range(1, 1001):
+        assert budget.record(Failure(gen, f"exit code {gen}", 0, "hostA", 1))
+    assert not budget.record(Failure(1001, "JobAborted: stop", fatal=True))
+    assert len(budget.first) + len(budget.last) == FIRST_KEPT + LAST_KEPT
+    message = budget.exhausted_message("job1")
+    lines = message.splitlines()
+    assert len(lines) == 1 + FIRST_KEPT + 1 + LAST_KEPT + 1, message
+    between = 1001 - FIRST_KEPT - LAST_KEPT
+    assert lines[0].endswith(
+        f"1001 failures, oldest first (the first {FIRST_KEPT} and the last {LAST_KEPT}; the "
+        f"{between} between them are not listed):"
+    ), lines[0]
+    assert lines[1] == "  1. generation 1: rank 0 on host hostA: exit code 1"  # the root cause
+    assert lines[1 + FIRST_KEPT] == f"  ... {between} more ..."
+    assert lines[2 + FIRST_KEPT] == (
+        f"  {1001 - LAST_KEPT + 1}. generation {1001 - LAST_KEPT + 1}: rank 0 on host hostA: "
+        f"exit code {1001 - LAST_KEPT + 1}"
+    )
+    assert lines[-2] == "  1001. generation 1001: JobAborted: stop"
+    assert lines[-1].startswith("no restart can change that")
 
 
 def _events_until(events: queue.Queue[Any], kind: type, count: int) -> list[Any]:

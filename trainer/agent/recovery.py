@@ -15,6 +15,7 @@ unavailable (``DaemonOutage``).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -86,10 +87,22 @@ class Failure:
         return f"{gen}: {who}{where}: {self.cause}" if who else f"{gen}: {self.cause}"
 
 
+#: The failures a budget keeps, and the final message lists: the first ones (the
+#: root cause among them) and the latest; those between are counted, not kept. An
+#: agent with --max-restarts 100000 riding out failures for weeks held every one
+#: (~0.5 KB each) and would end with a message of one line per failure (review).
+FIRST_KEPT = 5
+LAST_KEPT = 20
+
+
 @dataclass
 class RestartBudget:
     max_restarts: int
-    failures: list[Failure] = field(default_factory=list)
+    #: The first ``FIRST_KEPT`` failures, and the latest ``LAST_KEPT`` after them.
+    first: list[Failure] = field(default_factory=list)
+    last: deque[Failure] = field(default_factory=lambda: deque(maxlen=LAST_KEPT))
+    #: Every failure recorded, kept or not.
+    count: int = 0
     restarts: int = 0
 
     @property
@@ -102,21 +115,35 @@ class RestartBudget:
 
     def record(self, failure: Failure) -> bool:
         """Count ``failure``; True if the job may restart, False if it must give up."""
-        self.failures.append(failure)
+        self.count += 1
+        (self.first if len(self.first) < FIRST_KEPT else self.last).append(failure)
         if not self.allows(failure):
             return False
         self.restarts += 1
         return True
 
     def exhausted_message(self, job_id: str) -> str:
-        n = len(self.failures)
+        n = self.count
+        skipped = n - len(self.first) - len(self.last)
         lines = [
             f"job {job_id!r} gave up after {self.restarts} restart"
             f"{'s' if self.restarts != 1 else ''} (max_restarts={self.max_restarts}); "
-            f"{n} failure{'s' if n != 1 else ''}, oldest first:"
+            f"{n} failure{'s' if n != 1 else ''}, oldest first"
+            + (
+                f" (the first {len(self.first)} and the last {len(self.last)}; the {skipped} "
+                "between them are not listed)"
+                if skipped
+                else ""
+            )
+            + ":"
         ]
-        lines += [f"  {i}. {f.describe()}" for i, f in enumerate(self.failures, 1)]
-        if self.failures and self.failures[-1].fatal:
+        lines += [f"  {i}. {f.describe()}" for i, f in enumerate(self.first, 1)]
+        if skipped:
+            lines.append(f"  ... {skipped} more ...")
+        after = n - len(self.last) + 1
+        lines += [f"  {i}. {f.describe()}" for i, f in enumerate(self.last, after)]
+        latest = self.last[-1] if self.last else self.first[-1] if self.first else None
+        if latest is not None and latest.fatal:
             lines.append("no restart can change that: fix the cause named above, then rerun")
         else:
             lines.append(
