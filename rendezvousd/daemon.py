@@ -47,6 +47,8 @@ log = logging.getLogger("rendezvousd")
 # The largest answer is a Join with a whole member table (8192 members by default,
 # ~0.5 MiB; 16 MiB leaves room for larger --max-members-per-job); requests stay small.
 MAX_SEND_BYTES = 16 * 1024 * 1024
+# A timer tick this late means the daemon itself did not run (``Daemon._tick``).
+STALL_S = 0.25
 # How often the daemon pings each connection (HTTP/2 keepalive).
 KEEPALIVE_MS = 5_000
 # How long a call may wait to be handed to its handler before gRPC core cancels it
@@ -424,9 +426,23 @@ class Daemon:
 
     async def _tick(self) -> None:
         interval = min(1.0, self.state.timing.heartbeat_timeout_s / 4)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            # Woken late: the daemon did not run meanwhile (SIGSTOP, a VM paused, CPU
+            # starvation). Its members' beats are still queued; without this, this
+            # tick would lose every one of them as silent.
+            late = now - last - interval
+            last = now
+            if late > STALL_S:
+                self.state.stalled(late)
+                if late > self.state.timing.heartbeat_timeout_s / 2:
+                    log.warning(
+                        "the daemon did not run for %.1f s (stopped, or starved of CPU): "
+                        "that time is not counted as its members' silence",
+                        late,
+                    )
             self.state.tick(now)
             self._servicer.apply()
             self.metrics.observe_tick(self.state, now)

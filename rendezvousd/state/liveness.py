@@ -185,6 +185,18 @@ def tick(sm: RendezvousState, now: float) -> None:
             sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, FORGOTTEN))
 
 
+def stalled(sm: RendezvousState, seconds: float) -> None:
+    """The daemon itself did not run for ``seconds`` (stopped, starved of CPU, swapped
+    out): that time is no attendee's silence. Their beats queued meanwhile are read
+    only after the tick that ends the stall, which lost every node as silent and
+    blamed them for the daemon's own pause (a standby then took a healthy node's seat:
+    found by a chaos review). Silence is counted in time the daemon ran."""
+    for job in sm.jobs.values():
+        if job.state is JobState.RUNNING:
+            for seated in job.attendees(job.gen.join_mode).values():
+                seated.last_seen += seconds
+
+
 def leave(
     sm: RendezvousState,
     job_id: str,

@@ -57,6 +57,7 @@ class RendezvousState:
     report_progress = liveness.report_progress
     detach_stream = liveness.detach_stream
     tick = liveness.tick
+    stalled = liveness.stalled
     leave = liveness.leave
     report_failure = liveness.report_failure
 

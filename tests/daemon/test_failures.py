@@ -9,9 +9,12 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import PeerFailed, RendezvousClient, StaleGeneration
 from tests.support import DaemonProcess, members, scrape, wait_for, worker_cmd
 
@@ -164,3 +167,41 @@ def test_sigkill_during_join_fails_the_ranks_still_waiting(
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+def test_a_daemon_stopped_past_its_heartbeat_timeout_loses_no_member_when_it_resumes(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """SIGSTOP of the daemon (a paused VM, a debugger) for longer than its heartbeat
+    timeout: at its first tick it lost every node as silent before their queued beats
+    were read, blaming them for its own pause, and a standby took a healthy node's seat
+    (found by a chaos review on namespace hosts). The clients' window outlasts the
+    pause, as a daemon restart's does."""
+    d = start_daemon("--heartbeat-timeout-s", "2")
+    clients = [
+        RendezvousClient(d.endpoint, job_id, token=d.token, reconnect_window=20) for _ in range(2)
+    ]
+    heard: list[Exception] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            joins = [
+                pool.submit(c.join, num_nodes=1, gpus_per_node=2, local_rank=r, timeout=20)
+                for r, c in enumerate(clients)
+            ]
+            for j in joins:
+                j.result(30)
+        for c in clients:
+            c.start_heartbeat(on_failure=heard.append)
+        wait_for("two heartbeat streams", lambda: _streams_open(d, job_id) == 2)
+        d.proc.send_signal(signal.SIGSTOP)
+        time.sleep(4.0)  # twice the heartbeat timeout
+        d.proc.send_signal(signal.SIGCONT)
+        time.sleep(3.0)  # past the daemon's next ticks and one more timeout
+        assert heard == []
+        summary = clients[0].get_job().summary
+        assert (summary.state, summary.generation) == (pb.JOB_STATE_RUNNING, 1), summary
+        assert "did not run for" in d.log()
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        for c in clients:
+            c.close()

@@ -290,6 +290,28 @@ def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:
     assert {f.cause for f in job.gen.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
 
 
+def test_time_the_daemon_did_not_run_is_no_nodes_silence() -> None:
+    """A daemon stopped (SIGSTOP, a paused VM) past the heartbeat timeout lost every node
+    as silent at its first tick, before their queued beats were read, and a standby
+    took a healthy node's seat (found by a chaos review). Silence is counted in time
+    the daemon ran: a node silent that long while it ran is still lost."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
+    formed(sm)
+    for node, instance in ((0, "a"), (1, "b")):
+        sm.attach_stream("j", 1, node, instance, 0.0, mode=JoinMode.NODE)
+        sm.heartbeat("j", 1, node, 1.0, mode=JoinMode.NODE)
+    sm.stalled(5.0)  # stopped from 1.5 s to 6.5 s
+    sm.tick(6.6)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and not job.gen.failed
+    sm.heartbeat("j", 1, 0, 6.7, mode=JoinMode.NODE)  # node 1's beats never come
+    sm.tick(8.9)
+    assert job.state is JobState.RUNNING
+    sm.tick(9.1)  # past 1.0 + 5.0 stalled + 3.0 timeout
+    assert job.state is JobState.FAILED and {f.rank for f in job.gen.failed} == {2, 3}
+    assert {f.cause for f in job.gen.failed} == {"no heartbeat for 3.0 s (node unreachable)"}
+
+
 def test_a_node_that_never_attached_after_placement_is_lost_as_such() -> None:
     """A stray JoinNode that never heartbeats is worded apart from a silent node, so
     that the other agents re-form without using a restart (recovery.stray)."""
