@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from typing import Any
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,8 +23,9 @@ class AddressError(ValueError):
 
 
 class UnresolvedHost(AddressError):
-    """A well-formed address whose host name did not resolve (``route_source``): a
-    daemon that cannot be reached, not a mistake in the address."""
+    """A well-formed address whose host name did not resolve, or to which this host had
+    no route (``route_source``): a daemon that cannot be reached, not a mistake in the
+    address."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +117,11 @@ def route_source(
     it instead of loopback. A UDP ``connect`` only asks the routing table: no
     packet is sent. A ``unix:`` endpoint means one machine: loopback.
 
-    A host name that does not resolve is asked again every ``RESOLVE_RETRY_S`` for
-    ``wait_s`` (a launcher's connect timeout), as a daemon not up yet is waited for:
-    a Kubernetes Service's name may resolve only once its pod is ready, and a node
-    started before it failed at once. ``on_wait`` hears once that it waits.
+    A host name that does not resolve, or a host without a route to it yet, is asked
+    again every ``RESOLVE_RETRY_S`` for ``wait_s`` (a launcher's connect timeout), as a
+    daemon not up yet is waited for: a Kubernetes Service's name may resolve only once
+    its pod is ready, a pod's network may come up after it starts, and a node started
+    before either failed at once. ``on_wait`` hears once that it waits.
     """
     address = parse_address(endpoint, what="endpoint", allow_unix=True)
     if address.host is None:  # unix:PATH
@@ -127,22 +130,35 @@ def route_source(
     while True:
         try:
             infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
-            break
         except socket.gaierror as exc:
-            waited = time.monotonic() - began
-            if waited >= wait_s:
-                tried = f" (asked for {waited:.0f} s)" if wait_s > 0 else ""
-                raise UnresolvedHost(
-                    f"endpoint={endpoint!r}: cannot resolve {address.host!r}{tried}: {exc}"
-                ) from None
-            if on_wait is not None and not told:
-                told = True
-                on_wait(
-                    f"endpoint={endpoint!r}: {address.host!r} does not resolve yet ({exc}); "
-                    f"asking again every {RESOLVE_RETRY_S:g} s for up to {wait_s:g} s"
-                )
-            time.sleep(min(RESOLVE_RETRY_S, wait_s - waited))
-    last: OSError | None = None
+            refusal, asked, cause = f"cannot resolve {address.host!r}", "asked", exc
+            yet = f"{address.host!r} does not resolve yet ({exc}); asking again"
+        else:
+            routed = _routed(infos)
+            if isinstance(routed, str):
+                return routed
+            # No route yet: a pod's network set up after its containers start (a CNI
+            # or sidecar not ready), a link still coming up. Waited for as a name that
+            # does not resolve yet is: a node started a moment early exited 2.
+            refusal, asked, cause = "no route from this host", "tried", routed
+            yet = f"no route from this host yet ({routed}); trying again"
+        waited = time.monotonic() - began
+        if waited >= wait_s:
+            tried = f" ({asked} for {waited:.0f} s)" if wait_s > 0 else ""
+            raise UnresolvedHost(f"endpoint={endpoint!r}: {refusal}{tried}: {cause}") from None
+        if on_wait is not None and not told:
+            told = True
+            on_wait(
+                f"endpoint={endpoint!r}: {yet} every {RESOLVE_RETRY_S:g} s for up to "
+                f"{wait_s:g} s"
+            )
+        time.sleep(min(RESOLVE_RETRY_S, wait_s - waited))
+
+
+def _routed(infos: list[tuple[Any, ...]]) -> str | OSError:
+    """The local address of the first of ``infos`` this host has a route to; else why
+    the last had none."""
+    last: OSError = OSError("no address")
     for family, kind, proto, _, target in infos:
         try:
             with socket.socket(family, kind, proto) as probe:
@@ -150,4 +166,4 @@ def route_source(
                 return str(probe.getsockname()[0])
         except OSError as exc:
             last = exc
-    raise AddressError(f"endpoint={endpoint!r}: no route from this host ({last})")
+    return last

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import urllib.request
 from collections.abc import Callable
@@ -125,3 +126,30 @@ def test_a_daemon_name_that_resolves_late_is_waited_for_and_one_that_never_does_
     with pytest.raises(AddressError) as malformed:
         address.route_source("daemon.example:http", 5.0)
     assert not isinstance(malformed.value, UnresolvedHost)
+
+
+def test_a_host_without_a_route_to_the_daemon_yet_is_waited_for_and_then_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pod whose network comes up after it starts (a CNI or sidecar not ready, a link
+    still down): a node started a moment early exited 2 with "no route from this host"
+    (found by a chaos review on namespace hosts), where a name not resolving yet is
+    waited for."""
+    monkeypatch.setattr(address, "RESOLVE_RETRY_S", 0.01)
+    unreachable = OSError(errno.ENETUNREACH, "Network is unreachable")
+    tries: list[int] = []
+
+    def routed(infos: object) -> str | OSError:
+        tries.append(1)
+        return unreachable if len(tries) < 3 else "198.18.7.11"
+
+    monkeypatch.setattr(address, "_routed", routed)
+    said: list[str] = []
+    assert address.route_source("198.18.7.10:29400", 5.0, said.append) == "198.18.7.11"
+    assert len(tries) == 3 and len(said) == 1, (tries, said)
+    assert "no route from this host yet ([Errno 101] Network is unreachable)" in said[0]
+    assert "trying again every 0.01 s for up to 5 s" in said[0]
+    tries.clear()
+    monkeypatch.setattr(address, "_routed", lambda infos: unreachable)
+    with pytest.raises(UnresolvedHost, match=r"no route from this host \(tried for 0 s\): "):
+        address.route_source("198.18.7.10:29400", 0.05)
