@@ -11,9 +11,9 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
-from typing import Any
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 UNIX_PREFIX = "unix:"
 
@@ -149,8 +149,7 @@ def route_source(
         if on_wait is not None and not told:
             told = True
             on_wait(
-                f"endpoint={endpoint!r}: {yet} every {RESOLVE_RETRY_S:g} s for up to "
-                f"{wait_s:g} s"
+                f"endpoint={endpoint!r}: {yet} every {RESOLVE_RETRY_S:g} s for up to {wait_s:g} s"
             )
         time.sleep(min(RESOLVE_RETRY_S, wait_s - waited))
 
