@@ -127,6 +127,7 @@ def route_source(
     if address.host is None:  # unix:PATH
         return "127.0.0.1"
     began, told = time.monotonic(), False
+    cause: OSError
     while True:
         try:
             infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
