@@ -338,6 +338,40 @@ def test_a_barrier_waiting_across_a_restart_passes_however_the_daemon_was_stoppe
             d2.kill()
 
 
+def test_a_kv_add_made_while_the_daemon_restarts_counts_once_when_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """A call made between the daemon's exit and its restart waits for the daemon
+    (gRPC's wait-for-ready) and is sent once, when it is back: a KvAdd, never retried
+    once sent (its outcome is then unknown), must not fail there (a chaos review saw
+    one fail across a SIGTERM restart, sent while the daemon stopped: not fixed)."""
+    port = free_port()
+    token = write_token(tmp_path / "tok")
+    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "8")
+    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    c = RendezvousClient(d.endpoint, "counted", token=token, reconnect_window=20)
+    d2 = None
+    try:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+        c.start_heartbeat(0.3)
+        assert c.kv_add("n", 1) == 1
+        d.terminate()
+        added: list[object] = []
+        adder = threading.Thread(target=lambda: added.append(c.kv_add("n", 1)))
+        adder.start()
+        time.sleep(1.0)  # the call is made, and refused, while nothing listens
+        assert added == []
+        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+        adder.join(30)
+        assert added == [2]  # sent once, after the restart
+        assert c.kv_add("n", 0) == 2
+    finally:
+        c.close()
+        d.kill()
+        if d2 is not None:
+            d2.kill()
+
+
 def _parked(d: DaemonProcess) -> float:
     """The calls parked at the daemon (a join, barrier or key wait)."""
     return scrape(d.metrics_url)["rendezvousd_waiters"]

@@ -402,6 +402,50 @@ def test_timeout_names_the_rank_waited_on(transport: str) -> None:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_collective_waits_its_own_timeout_not_what_the_setup_had_left(transport: str) -> None:
+    """Both ways the setup's rest stood for the collective timeout (a differential
+    review): a ring formed at once waited a peer for the whole setup timeout (300 s by
+    default, here 8 s) instead of the collective's, and one formed late into its setup
+    timed collectives out after that rest (here 0.5 s) for the rest of its life."""
+    with thread_ring(2, timeout=0.5, setup_timeout=8.0, transport=transport) as comms:
+        started = time.monotonic()
+        with pytest.raises(errs.CommunicatorTimeout, match="rank 1"):
+            comms[0].all_reduce(np.ones(10, np.float64))
+        assert time.monotonic() - started < 3.0
+    socks, addrs = _listeners(2)
+    shm: list[SharedMemoryPeers | None] = [None, None]
+    if transport == "shared-memory":
+        shm = list(shm_peers(2))
+
+    def build(rank: int) -> CpuRingCommunicator:
+        if rank == 1:
+            time.sleep(2.5)  # a peer still starting: the setup has 0.5 s left when it forms
+        return CpuRingCommunicator(
+            rank, 2, socks[rank], addrs, SECRET, 10.0, shared_memory=shm[rank], setup_timeout=3.0
+        )
+
+    built = parallel([lambda r=r: build(r) for r in range(2)])
+    comms = [b for b in built if isinstance(b, CpuRingCommunicator)]
+    try:
+        assert len(comms) == 2, built
+        assert comms[0].transport == transport
+
+        def late(comm: CpuRingCommunicator, delay: float) -> np.ndarray:
+            time.sleep(delay)
+            data = np.full(4, comm.rank + 1.0)
+            comm.all_reduce(data)
+            return data
+
+        done = parallel([lambda: late(comms[0], 0.0), lambda: late(comms[1], 1.5)])
+        for result in done:
+            assert not isinstance(result, BaseException), result
+            assert list(result) == [3.0] * 4
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_mismatched_collectives_fail_instead_of_corrupting(transport: str) -> None:
     with thread_ring(2, timeout=5.0, transport=transport) as comms:
         calls = [

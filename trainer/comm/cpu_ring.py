@@ -148,6 +148,12 @@ class CpuRingCommunicator(RankedCommunicator):
                 self._left, self._right = wire.establish_ring(
                     listener, addresses, secret, rank, world_size, setup
                 )
+                # Each collective's own wait from here on, not what was left of the
+                # setup's: a ring formed late into its setup timed collectives out
+                # after that rest, and one formed early waited out the whole setup
+                # timeout for a peer (a differential review).
+                for sock in (self._left, self._right):
+                    wire.set_io_timeout(sock, timeout)
         finally:
             listener.close()
         if self._right is not None:
@@ -162,8 +168,9 @@ class CpuRingCommunicator(RankedCommunicator):
                     shared_memory.listener,
                     shared_memory.names,
                     peer_auth.derive_key(secret),
-                    setup,
+                    timeout,
                     shared_memory.slot_bytes,
+                    setup_timeout=setup,
                 )
             except BaseException:
                 self.close()

@@ -177,7 +177,10 @@ class ShmGroup:
         key: bytes,
         timeout: float,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
+        setup_timeout: float | None = None,
     ) -> None:
+        """``timeout``: each collective's wait for a peer; ``setup_timeout``: the group's
+        forming (default ``timeout``), which may wait for peers still starting."""
         reason = unsupported_reason()
         if reason is not None:
             listener.close()
@@ -187,6 +190,7 @@ class ShmGroup:
         self._index = self._members.index(rank)
         self._auth = peer_auth.PeerAuth(key, _MAGIC, rank, len(self._members))
         self._timeout = timeout
+        self._setup_timeout = timeout if setup_timeout is None else setup_timeout
         self._slot_bytes = slot_bytes
         self._chunk_counter = 0
         self._segment_bytes = _HEADER_BYTES + _SLOTS * slot_bytes
@@ -224,7 +228,7 @@ class ShmGroup:
 
     def _connect_mesh(self, listener: socket.socket, names: Sequence[str], fd: int) -> None:
         # Connect down, accept up: every rank waits only on lower ranks, so no cycle.
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self._setup_timeout
         for index in range(self._index):
             sock = self._dial(names[index], self._members[index], deadline)
             self._exchange_fds(sock, index, fd)
@@ -242,7 +246,7 @@ class ShmGroup:
                 note = f" (last rejected connection: {last_rejection})" if last_rejection else ""
                 raise CommunicatorTimeout(
                     f"rank {self._rank}: rank(s) {', '.join(missing)} on this host did not "
-                    f"join the shared-memory group within {self._timeout:g} s{note}"
+                    f"join the shared-memory group within {self._setup_timeout:g} s{note}"
                 ) from None
             admitted = self._admit(conn, deadline)
             if isinstance(admitted, str):
