@@ -496,6 +496,24 @@ def test_every_rank_names_the_rank_that_found_a_mismatch_not_the_one_passing_it_
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_rank_is_told_which_rank_is_in_which_collective_in_words(transport: str) -> None:
+    """The odd rank's collective is named with its rank, in words, on every rank: the
+    ring's notice said "received X, expected Y" from its finder's side, read on the
+    other ranks as their own, so rank 0 of 16 bytes read "expected ... 20 bytes" and
+    took its finder's neighbour for the odd one; codes read "op 2, dtype 2" (review)."""
+    with thread_ring(4, timeout=20.0, transport=transport) as comms:
+        ops = [ReduceOp.AVG if c.rank == 3 else ReduceOp.SUM for c in comms]
+        errors = parallel(
+            [lambda c=c: c.all_reduce(np.ones(4, np.float32), ops[c.rank]) for c in comms]
+        )
+    odd = re.compile(r"rank 3 (sent|is in) all_reduce #\d+ \(AVG of float32, 16 bytes")
+    for e in errors:
+        assert isinstance(e, errs.CommunicatorError), errors
+        assert odd.search(str(e)), errors
+        assert "SUM of float32" in str(e) and "op 2" not in str(e), errors
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_mismatched_op_is_shown_in_the_error(transport: str) -> None:
     # Same bytes, dtype and sequence: the op is all that differs, and the error must
     # say so rather than show two identical descriptions.
@@ -504,7 +522,9 @@ def test_a_mismatched_op_is_shown_in_the_error(transport: str) -> None:
         errors = parallel([lambda c=c: c.all_reduce(np.ones(4), ops[c.rank]) for c in comms])
     for e in errors:
         assert isinstance(e, errs.CommunicatorError), errors
-        assert re.search(r"op 1\b.*op 3\b|op 3\b.*op 1\b", str(e)), errors
+        assert re.search(
+            r"SUM of float64.*MAX of float64|MAX of float64.*SUM of float64", str(e)
+        ), errors
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -72,11 +72,10 @@ _MIN_CHUNK_BYTES = 64
 _MIN_SECRET_BYTES = 16
 _CLOSE_GRACE_S = 1.0
 
-_DTYPE_NAMES = "float16 float32 float64 int8 int16 int32 int64 uint8 uint16 uint32 uint64"
 _DTYPES: dict[np.dtype[Any], int] = {
-    np.dtype(name): code for code, name in enumerate(_DTYPE_NAMES.split(), start=1)
+    np.dtype(name): code for code, name in enumerate(wire.DTYPE_NAMES, start=1)
 }
-_OPS = {ReduceOp.SUM: 1, ReduceOp.AVG: 2, ReduceOp.MAX: 3, ReduceOp.MIN: 4}
+_OPS = {ReduceOp[name]: code for code, name in enumerate(wire.OP_NAMES, start=1)}
 _UFUNCS = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,
@@ -360,7 +359,9 @@ class CpuRingCommunicator(RankedCommunicator):
         what = {
             wire.TIMEOUT: f"rank {origin} made no progress within {self._timeout:g} s",
             wire.ABORTED: f"rank {origin} aborted",
-            wire.MISMATCH: f"collective mismatch with rank {origin}",
+            wire.MISMATCH: f"collective mismatch between rank {origin} and rank {link.via}"
+            if link.via not in (None, origin)
+            else f"collective mismatch with rank {origin}",
             wire.INTERRUPTED: f"rank {origin} was interrupted mid-collective",
         }.get(code, f"lost rank {origin}")
         hearsay = link.via not in (None, origin)
@@ -444,7 +445,8 @@ class CpuRingCommunicator(RankedCommunicator):
             raise wire.read_failure(self._left, got, self._left_rank)
         want = (wire.DATA, *expect, index, len(dest))
         if got != want:
-            raise wire.LinkError(self._left_rank, wire.MISMATCH, wire.describe_mismatch(got, want))
+            detail = wire.describe_mismatch(got, want, self._left_rank, self.rank)
+            raise wire.LinkError(self._left_rank, wire.MISMATCH, detail)
         if len(dest):
             wire.recv_exact(self._left, dest, self._left_rank)
 

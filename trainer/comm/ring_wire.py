@@ -40,6 +40,38 @@ ALL_REDUCE = 1
 BROADCAST = 2
 BARRIER = 3
 COLLECTIVE_NAMES = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier"}
+#: The wire's op and dtype codes (1-based; 0 is none), by name: the ranks compare
+#: codes, and a mismatch is told in these names, not as "op 3, dtype 2".
+OP_NAMES = ("SUM", "AVG", "MAX", "MIN")
+DTYPE_NAMES = (
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+)
+
+
+def describe_collective(coll: int, op: int, dtype: int, seq: int, nbytes: int) -> str:
+    """One collective as a mismatch names it: ``all_reduce #3 (SUM of float32, 16 bytes)``."""
+    name = COLLECTIVE_NAMES.get(coll, f"collective {coll}")
+    if coll == BARRIER:
+        return f"{name} #{seq}"
+    what = _named(DTYPE_NAMES, dtype, "dtype")
+    if coll == ALL_REDUCE:
+        what = f"{_named(OP_NAMES, op, 'op')} of {what}"
+    return f"{name} #{seq} ({what}, {nbytes} bytes)"
+
+
+def _named(names: tuple[str, ...], code: int, what: str) -> str:
+    return names[code - 1] if 0 < code <= len(names) else f"{what} code {code}"
+
 
 # Failure codes, carried in FAIL frames so every survivor names the rank that failed.
 LOST = 1
@@ -498,13 +530,16 @@ class SenderThread:
             raise LinkError(self._peer, LOST, link_error(exc)) from exc
 
 
-def describe_mismatch(got: tuple[int, ...], want: tuple[int, ...]) -> str:
-    def show(f: tuple[int, ...]) -> str:
-        name = COLLECTIVE_NAMES.get(f[1], f"collective {f[1]}")
-        aux = "root" if f[1] == BROADCAST else "aux"
-        return (
-            f"{name} #{f[4]} (op {f[2]}, dtype {f[3]}, {f[5]} bytes, {aux} {f[6]}, "
-            f"frame {f[7]} of {f[8]} bytes)"
-        )
+def describe_mismatch(
+    got: tuple[int, ...], want: tuple[int, ...], sender: int, receiver: int
+) -> str:
+    """Both sides, named: the text travels around the ring to every rank, where a bare
+    "received X, expected Y" read as the reader's own (a review)."""
 
-    return f"received {show(got)}, expected {show(want)}"
+    def show(f: tuple[int, ...]) -> str:
+        said = describe_collective(f[1], f[2], f[3], f[4], f[5])
+        if f[1] == BROADCAST:
+            said += f" from root {f[6]}"
+        return f"{said}, frame {f[7]} of {f[8]} bytes"
+
+    return f"rank {sender} sent {show(got)}; rank {receiver} is in {show(want)}"

@@ -452,7 +452,7 @@ class ShmGroup:
         if got == self._announced or (int(words[_PROGRESS]) - target) & _MASK < 1 << 31:
             return None
         peer = self._members[index]
-        detail = f"rank {peer} is in {_describe(got)}, this rank in {_describe(self._announced)}"
+        detail = f"rank {peer} is in {_describe(got)}; rank {self._rank} is in {_describe(self._announced)}"
         return wire.LinkError(peer, wire.MISMATCH, detail)
 
     def _check_descriptors(self, expect: tuple[int, ...]) -> None:
@@ -461,7 +461,9 @@ class ShmGroup:
             got = [int(v) for v in self._words[index][_DESCRIPTOR]]
             if got != want:
                 peer = self._members[index]
-                detail = f"rank {peer} is in {_describe(got)}, this rank in {_describe(want)}"
+                detail = (
+                    f"rank {peer} is in {_describe(got)}; rank {self._rank} is in {_describe(want)}"
+                )
                 raise wire.LinkError(peer, wire.MISMATCH, detail)
 
     def _check_links(self) -> None:
@@ -534,5 +536,4 @@ def _descriptor(expect: tuple[int, ...]) -> list[int]:
 
 def _describe(words: list[int]) -> str:
     coll, op, dtype, seq, low, high = words
-    name = wire.COLLECTIVE_NAMES.get(coll, f"collective {coll}")
-    return f"{name} #{seq} of {low | high << 32} bytes (op {op}, dtype code {dtype})"
+    return wire.describe_collective(coll, op, dtype, seq, low | high << 32)
