@@ -352,6 +352,20 @@ class BucketedAllReducer:
                 f"rank {rank}: no communicator reduces complex gradients ({complex_}); "
                 "register their real view instead (g.view(np.float32) for complex64)"
             )
+        odd = sorted(
+            {
+                s.dtype
+                for s in self._specs
+                if np.dtype(s.dtype).kind not in "fiu" or np.dtype(s.dtype).itemsize > 8
+            }
+        )
+        if odd:
+            # bool and float128 too were refused only by the first bucket's all-reduce,
+            # on the worker thread, a step later (a differential review).
+            raise CollectiveArgumentError(
+                f"rank {rank}: no communicator reduces gradients of {odd}; the backends "
+                "reduce float16/32/64 and integers of up to 64 bits: register a cast copy"
+            )
         if average:
             bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind != "f"})
             if bad:

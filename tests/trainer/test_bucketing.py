@@ -564,6 +564,17 @@ def test_complex_gradients_are_refused_when_the_reducer_is_made(average: bool) -
         reducer.all_reduce_all()
 
 
+@pytest.mark.parametrize("dtype", [np.bool_, np.longdouble])
+def test_gradients_no_backend_reduces_are_refused_when_the_reducer_is_made(dtype: Any) -> None:
+    """bool (average=False) and float128 were taken, then refused by the first bucket's
+    all-reduce on the worker thread, a step later (a differential review)."""
+    if dtype is np.longdouble and np.dtype(dtype).itemsize <= 8:
+        pytest.skip("this platform's long double is a float64")
+    grads = [np.ones(4, np.float32), np.ones(3, dtype)]
+    with pytest.raises(errs.CollectiveArgumentError, match=r"no communicator reduces gradients"):
+        BucketedAllReducer(grads, SoloCommunicator(2), average=False)
+
+
 class SoloRanked(RankedCommunicator):
     """A real RankedCommunicator of one rank (its collectives do nothing): what the
     reducer's hold on a communicator applies to."""
