@@ -241,6 +241,11 @@ class Generation:
     # lost, and its woken nodes) after it failed or was aborted; 0: none (a fresh
     # launch, or a relaunch after a clean end).
     rejoin_expected: int = 0
+    # Opened after a generation that failed losing a node, or was aborted, with nodes
+    # expected back: a standby may take a seat that is free (``placement.standby_room``).
+    # Not ``rejoin_expected``: a first launch whose forming node died expects nobody
+    # back, and its standby stood by while the other node waited out its join timeout.
+    reform: bool = False
     # The seats kept for those of them not back yet: the instance id each held (or,
     # woken, holds) -> its host, until ``owed_until``. A re-join naming one takes
     # it; a newcomer gets only the seats they leave (``placement.claim``).

@@ -594,9 +594,12 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
     elif job.state in rounds.TERMINAL and not placement.returning(job, args):
         owed = placement.owed_back(job)
         before = placement.ranks_before(job)
+        lost_one = job.state is JobState.FAILED and job.gen.join_mode is JoinMode.NODE
+        lost_one = lost_one and bool(job.gen.failed)
         rounds.next_generation(sm, job, now)
         job.gen.ranks_before = {inst: before[inst] for inst in owed if inst in before}
         job.gen.rejoin_expected = len(owed)
+        job.gen.reform = bool(owed) or lost_one
         if owed:
             # It re-forms: a seat no node is expected back for (one gave up, a final
             # Leave) goes to a standby parked for one, as a lapsed seat does.

@@ -340,12 +340,12 @@ def waiting_count(job: Job) -> int:
 def standby_room(job: Job, now: float) -> bool:
     """Whether a standby may take a seat now: a failed (aborted) generation, or the
     one forming after it, has a slot that the nodes expected back do not fill (nor
-    the seats kept for them, ``keep_seats``). A
-    fresh launch's forming generation has none (a standby never displaces a node
-    started to be part of it)."""
+    the seats kept for them, ``keep_seats``); so does one forming after a first
+    launch lost a node while forming. A fresh launch's forming generation has none
+    (a standby never displaces a node started to be part of it)."""
     if job.state in (JobState.FAILED, JobState.ABORTED):
         return kept_nodes(job) + len(job.gen.woken) < job.max_nodes
-    if job.state is JobState.FORMING and job.gen.rejoin_expected > 0:
+    if job.state is JobState.FORMING and job.gen.reform:
         return has_room(job, now)
     return False
 

@@ -154,6 +154,26 @@ def test_a_standby_never_takes_a_seat_in_a_fresh_launch() -> None:
     assert sm.jobs["j"].state is JobState.RUNNING and parked.waiter in sm.calls.waiting
 
 
+def test_a_standby_takes_the_seat_of_a_node_that_died_while_the_launch_formed() -> None:
+    """Node b's agent dies in the first forming generation, then node a starts: the
+    next generation expected nobody back, so it read as a fresh launch, and the
+    standby stood by while a waited out its join timeout and gave up (a chaos review
+    on namespace hosts, 3 of 3). The lost node freed a seat, as a lost running node
+    does."""
+    sm = RendezvousState()
+    first = join_first(sm, node("b"))
+    assert isinstance(first, Parked)
+    sm.cancel_wait(first.waiter, 0.1, timed_out=False)  # b's agent died, its call cut
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    assert sm.join(node("a"), 0.2).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("a", uid=ID2), 0.2), Parked)
+    assert job.state is JobState.FORMING and job.generation == 2
+    out = sm.join(spare("s"), 0.5)
+    assert isinstance(out, JoinResult) and out.generation == 2 and out.num_nodes == 2
+    assert job.state is JobState.RUNNING
+
+
 def test_a_standby_arriving_after_the_failure_takes_the_freed_slot() -> None:
     sm = RendezvousState()
     tokens = running_pair(sm)
