@@ -453,6 +453,34 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
     assert "restart" not in called.lower(), called
 
 
+def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Node 1's agent stopped past the heartbeat timeout (a paused VM; a daemon stopped
+    that long did the same, a chaos review found): the daemon loses it and calls the
+    standby into its seat. Continued, node 1's re-joins were refused WORLD_FULL, asked
+    again at once: every restart used within milliseconds, exit 1. It was replaced, not
+    broken: it stands by for the job's next loss, and exits 0 when the job ends."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    flags = ["--max-restarts", "3"]
+    args = ["--steps", "250", "--step-s", "0.03"]
+    nodes = _nodes(d, job_id, tmp_path, 2, flags, args)
+    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", [*flags, "--standby"], args)
+    try:
+        wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
+        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
+        nodes[1].proc.send_signal(signal.SIGSTOP)
+        wait_for("the standby to be called", lambda: "standby called" in standby.stderr(), 30)
+        nodes[1].proc.send_signal(signal.SIGCONT)
+        codes = _exits([*nodes, standby])
+    finally:
+        _cleanup([*nodes, standby])
+    assert codes == [0, 0, 0], [n.stderr()[-3000:] for n in (*nodes, standby)]
+    err = nodes[1].stderr()
+    assert "another node took this one's seat while it was cut off): standing by" in err, err
+    assert "restart 3 of 3" not in err, err
+
+
 def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_called(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

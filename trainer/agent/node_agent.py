@@ -248,6 +248,9 @@ class NodeAgent:
         self._joins = 0
         # A standby waits for a slot until its first seat; it re-joins as any node after.
         self._standing_by = config.standby
+        #: Whether this node has held a seat in the job: refused WORLD_FULL later, it
+        #: was replaced (lost to the daemon while cut off, its seat given to a standby).
+        self._was_member = False
         self._silence_s = DEFAULT_SILENCE_S
         # The agent's own last pause in this generation's watch (``_watch``), when it
         # ran again, and the workers whose reported failure it has not told the
@@ -315,6 +318,7 @@ class NodeAgent:
         if not isinstance(joined, NodeMembership):
             return joined
         m = joined
+        self._was_member = True
         mark("joined", generation=m.generation, node_rank=m.node_rank)
         if (problem := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
             # The workers would dial themselves until their timeout: every node hears why.
@@ -473,13 +477,17 @@ class NodeAgent:
                     self._standing_by = False
                     return answer
                 if (
-                    config.standby_if_full
+                    (config.standby_if_full or self._was_member)
                     and not self._standing_by
                     and isinstance(answer, LimitExceeded)
                     and answer.reason == "WORLD_FULL"
                 ):
                     # As torch's c10d keeps a node beyond max_nodes: every node of a job
                     # (a Kubernetes Job's pods, say) runs one command, the extra ones wait.
+                    # A node of the job that was replaced while cut off (lost to the
+                    # daemon, its seat given to a standby) stands by too: asked again at
+                    # once, it used up every restart within milliseconds and exited 1
+                    # (a chaos review, the daemon stopped past its heartbeat timeout).
                     self._standing_by = True
                     outage = DaemonOutage(config.join_timeout_s)
                     full = (
@@ -488,6 +496,8 @@ class NodeAgent:
                         if answer.metadata.get("seats_kept")
                         else f"has all its {config.num_nodes} nodes"
                     )
+                    if self._was_member and not config.standby_if_full:
+                        full += " (another node took this one's seat while it was cut off)"
                     self.note(
                         f"job {config.job_id!r} {full}: standing by, {self.per_node} spare(s) "
                         "warm, for the first node it loses"
