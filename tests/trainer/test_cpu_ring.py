@@ -835,3 +835,32 @@ def test_ranks_that_disagree_on_a_broadcasts_size_or_type_are_told_and_go_on(
         )
         assert done == [None] * 3, done
         assert all(a.tolist() == [6.0, 6.0] for a in arrays), arrays
+
+
+def test_a_peer_host_that_answers_no_connect_is_said_once_while_the_ring_forms(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nodes cut apart at launch (a chaos review on namespace hosts): one connect waited
+    the whole setup timeout (300 s) without a word. A full accept queue drops SYNs as a
+    cut does: each connect is capped, the silence said once, and asked again."""
+    monkeypatch.setattr(ring_wire, "CONNECT_ATTEMPT_S", 0.3)
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as silent:
+        address = silent.getsockname()[:2]
+        filler = socket.create_connection(address)  # the queue's one place taken
+        try:
+            auth = peer_auth.PeerAuth(peer_auth.derive_key(SECRET), b"RDVRING3", 0, 2)
+            started = time.monotonic()
+            with (
+                caplog.at_level("WARNING", "rendezvousd.trainer"),
+                pytest.raises(errs.CommunicatorTimeout, match=r"not reachable within 1\.5 s"),
+            ):
+                ring_wire._connect(auth, 1, address, started + 1.5, 1.5)
+        finally:
+            filler.close()
+    said = [r.getMessage() for r in caplog.records if "answers no TCP connect" in r.getMessage()]
+    assert said == [
+        f"rank 0: rank 1 at {address[0]}:{address[1]} answers no TCP connect within 0.3 s (the "
+        "network between the two hosts cut, a firewall dropping it, or that host down); "
+        "asking again until the setup timeout (1.5 s)"
+    ], said
+    assert time.monotonic() - started < 3.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import queue
 import selectors
 import socket
@@ -138,6 +139,13 @@ def create_listener(host: str, port: int = 0) -> socket.socket:
 #: even while its process is stopped or slow, so only a cut network or a host that is
 #: gone goes this silent.
 LINK_SILENCE_S = 10.0
+#: One connect's wait while the ring forms. A peer host that answers nothing (the
+#: network between the hosts cut, a firewall dropping it) is said after it, once, and
+#: asked again until the setup's deadline: a connect waited the whole setup timeout
+#: (300 s) without a word (a chaos review, nodes cut apart at launch).
+CONNECT_ATTEMPT_S = LINK_SILENCE_S
+
+log = logging.getLogger("rendezvousd.trainer")
 
 
 def watch_link(sock: socket.socket) -> None:
@@ -251,16 +259,27 @@ def _connect(
 ) -> socket.socket:
     where = f"rank {auth.rank}: rank {peer} at {address[0]}:{address[1]}"
     delay = 0.02
+    told = False
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CommunicatorTimeout(f"{where} was not reachable within {timeout:g} s")
         sock, addr = _tcp_socket(*address)
         try:
-            sock.settimeout(remaining)
+            sock.settimeout(min(remaining, CONNECT_ATTEMPT_S))
             sock.connect(addr)
-        except (ConnectionRefusedError, ConnectionResetError, TimeoutError):
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
             sock.close()
+            if isinstance(exc, TimeoutError) and not told and time.monotonic() < deadline:
+                told = True
+                log.warning(
+                    "%s answers no TCP connect within %g s (the network between the two "
+                    "hosts cut, a firewall dropping it, or that host down); asking again "
+                    "until the setup timeout (%g s)",
+                    where,
+                    CONNECT_ATTEMPT_S,
+                    timeout,
+                )
             # The peer may still be binding (direct construction); retry until the deadline.
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
