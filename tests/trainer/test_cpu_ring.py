@@ -852,15 +852,15 @@ def test_a_peer_host_that_answers_no_connect_is_said_once_while_the_ring_forms(
             started = time.monotonic()
             with (
                 caplog.at_level("WARNING", "rendezvousd.trainer"),
-                pytest.raises(errs.CommunicatorTimeout, match=r"not reachable within 1\.5 s"),
+                pytest.raises(errs.CommunicatorTimeout, match=r"not reachable within 2 s"),
             ):
-                ring_wire._connect(auth, 1, address, started + 1.5, 1.5)
+                ring_wire._connect(auth, 1, address, started + 2.0, 2.0)
         finally:
             filler.close()
     said = [r.getMessage() for r in caplog.records if "answers no TCP connect" in r.getMessage()]
     assert said == [
         f"rank 0: rank 1 at {address[0]}:{address[1]} answers no TCP connect within 0.3 s (the "
         "network between the two hosts cut, a firewall dropping it, or that host down); "
-        "asking again until the setup timeout (1.5 s)"
+        "asking again until the setup timeout (2 s)"
     ], said
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 4.0

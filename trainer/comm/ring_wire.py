@@ -275,7 +275,7 @@ def _connect(
                 log.warning(
                     "%s answers no TCP connect within %g s (the network between the two "
                     "hosts cut, a firewall dropping it, or that host down); asking again "
-                    "until the setup timeout (%g s)",
+                    "until the setup timeout (%.0f s)",
                     where,
                     CONNECT_ATTEMPT_S,
                     timeout,
