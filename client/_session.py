@@ -514,9 +514,10 @@ class Session:
         if (node_rank := r.get("node_rank")) is not None:
             request.node_rank = node_rank
         # A node cannot pin the id: only id_factory makes it, for node 0. A re-join
-        # (it held a seat in the job) does not say when it was launched: the run it
-        # took part in ending is no sign that it came late (``launched_ms_ago``).
-        launched = None if self.held else r.get("launched")
+        # says when it was launched too: a node dropped from its run (stopped, cut
+        # off), which the other nodes then finished, opened a new run of the job and
+        # waited out its join timeout for nodes that were done (a chaos review).
+        launched = r.get("launched")
         return JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request, launched)
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:

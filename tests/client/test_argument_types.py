@@ -66,8 +66,10 @@ def test_a_float_argument_takes_an_int_and_a_launch_long_ago(daemon: DaemonProce
     """``launched=0`` (a float argument given an int, as Python's own take one) was
     refused as "not float or None"; a launch further back than the field can say is
     said as its largest value, not a protobuf ValueError (review)."""
-    with RendezvousClient(daemon.endpoint, "args-launched", token=daemon.token) as c:
-        for launched in (0, -1e300):
+    for i, launched in enumerate((0, -1e300)):
+        # A job each: the second join of one job, launched before its first run ended,
+        # is refused JobEnded (a node launched for the run that ended).
+        with RendezvousClient(daemon.endpoint, f"args-launched-{i}", token=daemon.token) as c:
             m = c.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, launched=launched)
             assert m.world_size == 1
             c.leave()

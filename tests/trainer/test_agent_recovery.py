@@ -481,6 +481,34 @@ def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0
     assert "restart 3 of 3" not in err, err
 
 
+def test_a_node_dropped_from_a_job_that_then_finished_exits_0_when_it_comes_back(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """--nnodes 1:2: node 1's agent stopped past the heartbeat timeout, node 0 re-forms
+    alone and finishes the job. Continued, node 1 re-joined without saying when it was
+    launched, opened a new run of the finished job, waited out its join timeout for
+    nodes that were done and exited 1 "start the missing node agents" (a chaos review).
+    Its job is done: it exits 0."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    flags = ["--max-restarts", "1", "--join-timeout-s", "20", "--rejoin-timeout-s", "20"]
+    flags += ["--last-call-s", "1"]
+    args = ["--steps", "120", "--step-s", "0.03"]
+    nodes = [Node(d, job_id, tmp_path, f"node{n}", "1:2", str(n), flags, args) for n in range(2)]
+    try:
+        wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
+        nodes[1].proc.send_signal(signal.SIGSTOP)
+        assert nodes[0].wait(90) == 0, nodes[0].stderr()[-3000:]
+        nodes[1].proc.send_signal(signal.SIGCONT)
+        started = time.monotonic()
+        code = nodes[1].wait(60)
+    finally:
+        _cleanup(nodes)
+    err = nodes[1].stderr()
+    assert code == 0, err[-3000:]
+    assert "it was launched for the run that ended" in err, err[-3000:]
+    assert time.monotonic() - started < 15, err[-3000:]
+
+
 def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_called(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
