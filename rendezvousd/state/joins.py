@@ -286,7 +286,10 @@ def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
     if job is None:
         job = job_for(sm, args, now)  # started before any node: nobody is seated yet
     elif job.state is not JobState.ENDED:  # (an ended job's relaunch sets new bounds)
-        if job.gen.join_mode is not _NODE:
+        # A per-rank generation only: one that no node joined yet has no mode (the
+        # generation a restart fenced a forming one with), and refused a standby there
+        # as "joined by per-rank Join calls" (a chaos review, a SIGTERM restart).
+        if job.gen.join_mode is JoinMode.RANK:
             raise placement.mode_mismatch(job, _NODE, args.host)
         bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
         if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:

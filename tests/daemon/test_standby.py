@@ -5,6 +5,7 @@ into the slot a lost node frees, told when the job ends."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from rendezvousd.common.model import (
     EventKind,
@@ -17,7 +18,15 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Code
 from rendezvousd.state.machine import JoinArgs, RendezvousState
-from tests.daemon.test_node_state import ID2, fault, join_first, node, sdk_join, woken
+from tests.daemon.test_node_state import (
+    ID2,
+    fault,
+    join_first,
+    node,
+    restarted,
+    sdk_join,
+    woken,
+)
 
 
 def spare(inst: str, *, lo: int = 2, hi: int = 2, uid: bytes = b"") -> JoinArgs:
@@ -172,6 +181,21 @@ def test_a_standby_takes_the_seat_of_a_node_that_died_while_the_launch_formed() 
     out = sm.join(spare("s"), 0.5)
     assert isinstance(out, JoinResult) and out.generation == 2 and out.num_nodes == 2
     assert job.state is JobState.RUNNING
+
+
+def test_a_standby_at_a_forming_generation_a_restart_fenced_is_not_taken_for_a_rank_join(
+    tmp_path: Path,
+) -> None:
+    """The generation a restart fences a forming one with has no join mode until a node
+    joins it: a standby there was refused "generation 2 is joined by per-rank Join
+    calls" and exited 1 (a chaos review, the daemon restarted by SIGTERM)."""
+    sm = RendezvousState()
+    assert isinstance(join_first(sm, node("a")), Parked)  # forming: b still to come
+    back = restarted(sm, tmp_path)
+    job = back.jobs["j"]
+    assert job.state is JobState.FORMING and job.generation == 2
+    assert isinstance(back.join(spare("s"), 1.0), Parked)
+    assert isinstance(back.join(node("a"), 1.1), JoinResult)  # node 0 asked for the id
 
 
 def test_a_standby_arriving_after_the_failure_takes_the_freed_slot() -> None:
