@@ -274,7 +274,9 @@ class Calls:
         for attempt in itertools.count(1):
             wait = max(0.0, deadline - time.monotonic()) if attempt == 1 else limit
             try:
-                return (yield Rpc(method, request, wait, health))
+                answer = yield Rpc(method, request, wait, health)
+                s.unreached_told = False  # reached: a later outage is said again
+                return answer
             except grpc.RpcError as exc:
                 error = from_rpc_error(
                     exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank

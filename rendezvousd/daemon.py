@@ -426,15 +426,15 @@ class Daemon:
 
     async def _tick(self) -> None:
         interval = min(1.0, self.state.timing.heartbeat_timeout_s / 4)
-        last = time.monotonic()
         while True:
+            slept = time.monotonic()  # after the tick's own work: only the sleep counts
             await asyncio.sleep(interval)
             now = time.monotonic()
             # Woken late: the daemon did not run meanwhile (SIGSTOP, a VM paused, CPU
             # starvation). Its members' beats are still queued; without this, this
-            # tick would lose every one of them as silent.
-            late = now - last - interval
-            last = now
+            # tick would lose every one of them as silent. Not the tick's own commit
+            # (a slow fsync, a locked database): the loop read beats meanwhile.
+            late = now - slept - interval
             if late > STALL_S:
                 self.state.stalled(late)
                 if late > self.state.timing.heartbeat_timeout_s / 2:

@@ -356,15 +356,17 @@ class BucketedAllReducer:
             {
                 s.dtype
                 for s in self._specs
-                if np.dtype(s.dtype).kind not in "fiu" or np.dtype(s.dtype).itemsize > 8
+                if np.dtype(s.dtype).kind in "bOSUMm"
+                or (np.dtype(s.dtype).kind == "f" and np.dtype(s.dtype).itemsize > 8)
             }
         )
         if odd:
             # bool and float128 too were refused only by the first bucket's all-reduce,
-            # on the worker thread, a step later (a differential review).
+            # on the worker thread, a step later (a differential review). A void kind
+            # is left to the backend: NCCL reduces bfloat16 (ml_dtypes' is one).
             raise CollectiveArgumentError(
-                f"rank {rank}: no communicator reduces gradients of {odd}; the backends "
-                "reduce float16/32/64 and integers of up to 64 bits: register a cast copy"
+                f"rank {rank}: no communicator reduces gradients of {odd}: register a "
+                "copy cast to a floating type (float32, say)"
             )
         if average:
             bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind != "f"})

@@ -252,7 +252,8 @@ def init_distributed(
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
     tls = transport.tls()
-    ring_host = config.ring_address()
+    # A daemon's name not resolving yet, or no route to it yet, is waited for: said.
+    ring_host = config.ring_address(lambda note: log.warning("rendezvousd: %s", note))
     rdzv = connect(
         transport.kind,
         path=transport.path,

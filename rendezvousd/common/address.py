@@ -8,6 +8,7 @@ port cannot be told apart from the last group. Errors are ``AddressError``, a
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import time
@@ -105,6 +106,8 @@ def is_loopback(host: str) -> bool:
 
 #: How often a name that does not resolve yet is asked again (``route_source``).
 RESOLVE_RETRY_S = 1.0
+#: The routing errors of a network still coming up, waited for (``route_source``).
+_NO_ROUTE_YET = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL})
 
 
 def route_source(
@@ -138,6 +141,9 @@ def route_source(
             routed = _routed(infos)
             if isinstance(routed, str):
                 return routed
+            if routed.errno not in _NO_ROUTE_YET:
+                # A lasting refusal (IPv6 off, a broadcast address): no wait helps.
+                raise UnresolvedHost(f"endpoint={endpoint!r}: no route from this host ({routed})")
             # No route yet: a pod's network set up after its containers start (a CNI
             # or sidecar not ready), a link still coming up. Waited for as a name that
             # does not resolve yet is: a node started a moment early exited 2.

@@ -241,11 +241,12 @@ class Generation:
     # lost, and its woken nodes) after it failed or was aborted; 0: none (a fresh
     # launch, or a relaunch after a clean end).
     rejoin_expected: int = 0
-    # Opened after a generation that failed losing a node, or was aborted, with nodes
-    # expected back: a standby may take a seat that is free (``placement.standby_room``).
-    # Not ``rejoin_expected``: a first launch whose forming node died expects nobody
-    # back, and its standby stood by while the other node waited out its join timeout.
-    reform: bool = False
+    # The seats standbys may take in this forming generation for nodes a first launch
+    # lost while it formed (their agents died in their JoinNode): such a generation
+    # expects nobody back, and read as a fresh launch, where a standby takes no seat;
+    # the lost node's standby stood by while the others waited out their join
+    # timeout. Only as many as were lost: the launch's other nodes keep theirs.
+    standby_seats: int = 0
     # The seats kept for those of them not back yet: the instance id each held (or,
     # woken, holds) -> its host, until ``owed_until``. A re-join naming one takes
     # it; a newcomer gets only the seats they leave (``placement.claim``).
@@ -282,6 +283,11 @@ class Job:
     # stored: a restart forgets it, and nodes launched before the restart are then
     # not told apart from a new run's (``joins.launched_for_ended_run``).
     ended_at: float | None = None
+    # The node instances that left the run that ended by their own goodbye (not lost):
+    # one of them re-joining is no node launched for that run, but its own agent
+    # whose Leave ended it (a worker's failure it could not report), which the
+    # refusal would have had exit 0 for a failed run (review).
+    ended_leavers: frozenset[str] = frozenset()
     # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
     used_id_digests: IdHistory = field(default_factory=IdHistory)
     # JoinNode generations: the elastic bounds (num_nodes is max_nodes while

@@ -112,6 +112,8 @@ def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFa
     ended, launched = job.ended_at, args.launched_at
     if ended is None or launched is None or launched > ended:
         return None
+    if args.previous is not None and args.previous in job.ended_leavers:
+        return None  # its own goodbye ended the run: a new run, as before
     reopened = job.state is JobState.FORMING and job.gen.after_end is not None
     if not (job.state is JobState.ENDED or reopened):
         return None
@@ -302,6 +304,8 @@ def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
             job.standbys_called.add(args.instance_id)
             if job.state is not JobState.FORMING:  # (forming, it is seated by this call)
                 job.gen.woken.add(args.instance_id)  # the next generation keeps it a seat
+            elif job.gen.standby_seats > 0:
+                job.gen.standby_seats -= 1
             return None
     return park_scaleup(sm, job, args, now)
 
@@ -597,12 +601,11 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
     elif job.state in rounds.TERMINAL and not placement.returning(job, args):
         owed = placement.owed_back(job)
         before = placement.ranks_before(job)
-        lost_one = job.state is JobState.FAILED and job.gen.join_mode is JoinMode.NODE
-        lost_one = lost_one and bool(job.gen.failed)
+        lost_forming = placement.lost_forming(job)
         rounds.next_generation(sm, job, now)
         job.gen.ranks_before = {inst: before[inst] for inst in owed if inst in before}
         job.gen.rejoin_expected = len(owed)
-        job.gen.reform = bool(owed) or lost_one
+        job.gen.standby_seats = lost_forming
         if owed:
             # It re-forms: a seat no node is expected back for (one gave up, a final
             # Leave) goes to a standby parked for one, as a lapsed seat does.

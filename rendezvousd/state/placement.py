@@ -341,13 +341,24 @@ def standby_room(job: Job, now: float) -> bool:
     """Whether a standby may take a seat now: a failed (aborted) generation, or the
     one forming after it, has a slot that the nodes expected back do not fill (nor
     the seats kept for them, ``keep_seats``); so does one forming after a first
-    launch lost a node while forming. A fresh launch's forming generation has none
-    (a standby never displaces a node started to be part of it)."""
+    launch lost nodes while it formed, as many as it lost (``lost_forming``). A fresh
+    launch's forming generation has none (a standby never displaces a node started
+    to be part of it)."""
     if job.state in (JobState.FAILED, JobState.ABORTED):
         return kept_nodes(job) + len(job.gen.woken) < job.max_nodes
-    if job.state is JobState.FORMING and job.gen.reform:
+    if job.state is JobState.FORMING and (job.gen.rejoin_expected or job.gen.standby_seats):
         return has_room(job, now)
     return False
+
+
+def lost_forming(job: Job) -> int:
+    """How many node agents ``job``'s generation lost before it ever formed (their
+    JoinNode cut: ``joins.join_wait_ended``), if it failed so; else 0."""
+    if job.state is not JobState.FAILED or job.gen.join_mode is not JoinMode.NODE:
+        return 0
+    if job.gen.node_at:  # it formed: its losses free seats the usual way (owed_back)
+        return 0
+    return sum(1 for n in job.gen.nodes.values() if n.state is _LOST)
 
 
 def everyone_back(job: Job) -> bool:

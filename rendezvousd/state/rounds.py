@@ -65,6 +65,12 @@ def set_state(sm: RendezvousState, job: Job, new: JobState, now: float, detail: 
         job.standbys_called.clear()  # seated by now, or not needed
     if new is JobState.ENDED:
         job.ended_at = now
+        job.ended_leavers = frozenset(
+            # said_goodbye: the last leaver's own state is set after this.
+            n.instance_id
+            for n in job.gen.nodes.values()
+            if n.said_goodbye and n.state is not MemberState.LOST
+        )
 
 
 def wake_parked(sm: RendezvousState, job: Job) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 import urllib.request
 from collections.abc import Callable
 
@@ -153,3 +154,10 @@ def test_a_host_without_a_route_to_the_daemon_yet_is_waited_for_and_then_named(
     monkeypatch.setattr(address, "_routed", lambda infos: unreachable)
     with pytest.raises(UnresolvedHost, match=r"no route from this host \(tried for 0 s\): "):
         address.route_source("198.18.7.10:29400", 0.05)
+    # A lasting refusal (IPv6 off, a broadcast address) is no network coming up: at once.
+    lasting = OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+    monkeypatch.setattr(address, "_routed", lambda infos: lasting)
+    started = time.monotonic()
+    with pytest.raises(UnresolvedHost, match=r"no route from this host \(\[Errno 97\]"):
+        address.route_source("198.18.7.10:29400", 5.0)
+    assert time.monotonic() - started < 1.0

@@ -530,6 +530,23 @@ def test_a_generation_opened_after_the_job_ended_says_how_long_ago_while_it_form
     assert sm.view("j", 19.0).previous_run_ended_s is None
 
 
+def test_a_node_whose_own_goodbye_ended_the_run_is_no_late_node_when_it_rejoins() -> None:
+    """A re-join says when its agent was launched: a node dropped from its run (lost)
+    that the others finished is refused JOB_ENDED. One whose own goodbye ended the run
+    (its agent left after a worker's failure it could not report) is not: refused, its
+    launcher exited 0 for a failed run (review). It opens a new run, as before."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
+    sm.leave("j", 1, 1, "b", 2.0, mode=JoinMode.NODE)
+    job = sm.jobs["j"]
+    assert job.state is JobState.ENDED and job.ended_leavers == {"a", "b"}
+    dropped = fault(sm.join, node("c", launched=0.0, previous="gone"), 3.0)
+    assert dropped.reason == "JOB_ENDED"
+    out = sm.join(node("a2", launched=0.0, previous="a"), 3.0)
+    assert isinstance(out, JoinResult) and job.generation == 2
+
+
 def test_a_node_launched_before_its_jobs_run_ended_is_told_the_job_ended() -> None:
     """A node agent launched while the job still ran, whose first join comes after
     every member left (a slow pod of a short job, one rescheduled mid-run, a scale-up),

@@ -65,6 +65,9 @@ def test_the_goodbye_carries_the_last_steps(daemon: DaemonProcess, job_id: str) 
         agent.report_progress([1, 1])
         agent.start_heartbeat(60)  # no beat after the first before the goodbye
         wait_for("the first beat", lambda: [m.step for m in agent.get_job().members] == [1, 1])
+        # The goodbye goes on the stream once its ack is read (else by a Leave call,
+        # which carries no steps): under load the daemon's view came first (CI, once).
+        wait_for("the stream's ack", lambda: agent._s.stream_leave)
         agent.report_progress([150, 149])
     with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe:
         job = probe.get_job()

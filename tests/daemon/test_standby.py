@@ -183,6 +183,25 @@ def test_a_standby_takes_the_seat_of_a_node_that_died_while_the_launch_formed() 
     assert job.state is JobState.RUNNING
 
 
+def test_only_as_many_standbys_as_the_forming_launch_lost_take_its_seats() -> None:
+    """Three nodes, b's agent dies while the launch forms: one standby takes b's seat,
+    and a second one does not take the seat of c, a node of the launch still to come
+    (review: every free seat went to standbys, and c was refused WORLD_FULL)."""
+    sm = RendezvousState()
+    first = join_first(sm, node("b", lo=3, hi=3))
+    assert isinstance(first, Parked)
+    sm.cancel_wait(first.waiter, 0.1, timed_out=False)
+    assert sm.jobs["j"].state is JobState.FAILED
+    assert sm.join(node("a", lo=3, hi=3), 0.2).id_required  # type: ignore[union-attr]
+    assert isinstance(sm.join(node("a", lo=3, hi=3, uid=ID2), 0.2), Parked)
+    assert isinstance(sm.join(spare("s1", lo=3, hi=3), 0.3), Parked)  # seated: b's seat
+    second = sm.join(spare("s2", lo=3, hi=3), 0.4)
+    assert isinstance(second, Parked) and second.waiter in sm.jobs["j"].standby_waiters
+    assert isinstance(sm.join(node("c", lo=3, hi=3), 0.5), JoinResult)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    assert set(sm.jobs["j"].gen.nodes) == {"a", "s1", "c"}
+
+
 def test_a_standby_at_a_forming_generation_a_restart_fenced_is_not_taken_for_a_rank_join(
     tmp_path: Path,
 ) -> None:

@@ -481,6 +481,35 @@ def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0
     assert "restart 3 of 3" not in err, err
 
 
+def test_a_replaced_node_stands_by_for_one_wait_only(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A replaced node stands by for its re-join's timeout, not forever: a job that
+    failed for good never ends, and it would wait on it with no bound (review). The
+    job goes on without it, and it ends loudly."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    args = ["--steps", "400", "--step-s", "0.03"]
+    flags = ["--max-restarts", "3"]
+    node0 = Node(d, job_id, tmp_path, "node0", "2", "0", flags, args)
+    node1 = Node(d, job_id, tmp_path, "node1", "2", "1", [*flags, "--rejoin-timeout-s", "2"], args)
+    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", [*flags, "--standby"], args)
+    nodes = [node0, node1, standby]
+    try:
+        wait_for("node 1 to train", lambda: len(node1.events("resumed")) == 2, timeout=60)
+        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
+        node1.proc.send_signal(signal.SIGSTOP)
+        wait_for("the standby to be called", lambda: "standby called" in standby.stderr(), 30)
+        node1.proc.send_signal(signal.SIGCONT)
+        code1 = node1.wait(60)
+        assert node0.proc.poll() is None  # the job trains on without it
+        codes = _exits([node0, standby])
+    finally:
+        _cleanup(nodes)
+    err = node1.stderr()
+    assert code1 == 1 and codes == [0, 0], [n.stderr()[-3000:] for n in nodes]
+    assert "replaced while it was cut off, and no seat freed up within its join's timeout" in err
+
+
 def test_a_node_dropped_from_a_job_that_then_finished_exits_0_when_it_comes_back(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

@@ -861,6 +861,6 @@ def test_a_peer_host_that_answers_no_connect_is_said_once_while_the_ring_forms(
     assert said == [
         f"rank 0: rank 1 at {address[0]}:{address[1]} answers no TCP connect within 0.3 s (the "
         "network between the two hosts cut, a firewall dropping it, or that host down); "
-        "asking again until the setup timeout (2 s)"
+        "asking again until the setup's deadline, 2 s from now"
     ], said
     assert time.monotonic() - started < 4.0

@@ -251,6 +251,8 @@ class NodeAgent:
         #: Whether this node has held a seat in the job: refused WORLD_FULL later, it
         #: was replaced (lost to the daemon while cut off, its seat given to a standby).
         self._was_member = False
+        #: Standing by because it was replaced (``_was_member``), for one wait only.
+        self._replaced = False
         self._silence_s = DEFAULT_SILENCE_S
         # The agent's own last pause in this generation's watch (``_watch``), when it
         # ran again, and the workers whose reported failure it has not told the
@@ -474,7 +476,7 @@ class NodeAgent:
                             f"standby called: this node is node {answer.node_rank} of "
                             f"generation {answer.generation} ({answer.num_nodes} nodes)"
                         )
-                    self._standing_by = False
+                    self._standing_by = self._replaced = False
                     return answer
                 if (
                     (config.standby_if_full or self._was_member)
@@ -498,6 +500,7 @@ class NodeAgent:
                     )
                     if self._was_member and not config.standby_if_full:
                         full += " (another node took this one's seat while it was cut off)"
+                        self._replaced = True
                     self.note(
                         f"job {config.job_id!r} {full}: standing by, {self.per_node} spare(s) "
                         "warm, for the first node it loses"
@@ -515,6 +518,14 @@ class NodeAgent:
                     )
                     return None
                 if self._standing_by and isinstance(answer, RendezvousTimeout):
+                    if self._replaced:
+                        # Bounded, unlike a standby started as one: a job that failed
+                        # for good never ends, and this node would wait forever.
+                        cause = (
+                            "this node was replaced while it was cut off, and no seat "
+                            f"freed up within its join's timeout ({timeout:g} s)"
+                        )
+                        return Failure(None, cause, host=self.host, fatal=True)
                     outage.reset()
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue

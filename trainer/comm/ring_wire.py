@@ -275,10 +275,10 @@ def _connect(
                 log.warning(
                     "%s answers no TCP connect within %g s (the network between the two "
                     "hosts cut, a firewall dropping it, or that host down); asking again "
-                    "until the setup timeout (%.0f s)",
+                    "until the setup's deadline, %.0f s from now",
                     where,
                     CONNECT_ATTEMPT_S,
-                    timeout,
+                    max(0.0, deadline - time.monotonic()),
                 )
             # The peer may still be binding (direct construction); retry until the deadline.
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
