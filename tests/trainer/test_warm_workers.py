@@ -141,6 +141,11 @@ def test_the_servers_death_kills_its_workers_and_the_shim_says_so(
 ) -> None:
     s = shim("w.py", "0", "sleep")
     r = s.report()
+    # The worker may print before its server has told the shim "spawned" (the child
+    # can run first): a server killed in between leaves the shim unanswered, and it
+    # starts the script cold, rightly (the forked worker died with the server), which
+    # sleeps past this wait (a CI run, once). The answer follows the fork at once.
+    time.sleep(0.5)
     server.proc.kill()
     assert s.wait() == 1
     assert "lost the fork server" in s.err.read_text()
