@@ -143,20 +143,6 @@ def _note(message: str) -> None:
     print(f"rendezvous-run: {message}", file=sys.stderr, flush=True)
 
 
-def _say_client_warnings() -> None:
-    """The SDK's warnings (a daemon not reached yet, say) as this launcher's notes,
-    not as Python's bare last-resort line without its name."""
-    import logging
-
-    class Notes(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            _note(record.getMessage())
-
-    client_log = logging.getLogger("rendezvousd.client")
-    client_log.addHandler(Notes(logging.WARNING))
-    client_log.propagate = False
-
-
 def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConfig:
     """The node's config, as its workers will load it; ConfigError if unusable."""
     shared_env = {k: v for k, v in env.items() if k not in _per_worker_env()}
@@ -348,8 +334,9 @@ def _run_agent(
         from rendezvousd.client.connection import resolve_token
         from rendezvousd.client.errors import RendezvousError
         from rendezvousd.trainer.agent.node_agent import NodeAgent
+        from rendezvousd.trainer.agent.waiting_note import say_client_warnings
 
-        _say_client_warnings()
+        say_client_warnings(_note)
         transport = config.rendezvous
         try:
             # Read once, here: the workers are handed it with their assignment.

@@ -451,20 +451,19 @@ class ShmGroup:
         # Posted meanwhile, then moved on: its next collective is no mismatch.
         if got == self._announced or (int(words[_PROGRESS]) - target) & _MASK < 1 << 31:
             return None
-        peer = self._members[index]
-        detail = f"rank {peer} is in {_describe(got)}; rank {self._rank} is in {_describe(self._announced)}"
-        return wire.LinkError(peer, wire.MISMATCH, detail)
+        return self._mismatch(self._members[index], got, self._announced)
 
     def _check_descriptors(self, expect: tuple[int, ...]) -> None:
         want = _descriptor(expect)
         for index in self._peers:
             got = [int(v) for v in self._words[index][_DESCRIPTOR]]
             if got != want:
-                peer = self._members[index]
-                detail = (
-                    f"rank {peer} is in {_describe(got)}; rank {self._rank} is in {_describe(want)}"
-                )
-                raise wire.LinkError(peer, wire.MISMATCH, detail)
+                raise self._mismatch(self._members[index], got, want)
+
+    def _mismatch(self, peer: int, theirs: list[int], ours: list[int]) -> wire.LinkError:
+        """``peer`` is in another collective than this rank: both named, in words."""
+        detail = f"rank {peer} is in {_describe(theirs)}; rank {self._rank} is in {_describe(ours)}"
+        return wire.LinkError(peer, wire.MISMATCH, detail)
 
     def _check_links(self) -> None:
         """Raise for the first peer whose socket says it stopped (notice or exit)."""

@@ -128,7 +128,7 @@ from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
-from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
+from rendezvousd.trainer.agent.waiting_note import say_client_warnings, saying_what_it_waits_for
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
@@ -137,21 +137,6 @@ from rendezvousd.trainer.torchrun.store_port import store_port
 __all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "handler_factory"]
 
 log = logging.getLogger(__name__)
-
-
-class _SdkWarnings(logging.Handler):
-    """The SDK's warnings (a daemon not reached yet, say) said as this backend's own
-    are, on its logger and with its prefix: not as a bare line without either."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        log.warning("rendezvousd: %s", record.getMessage())
-
-
-def _say_sdk_warnings() -> None:
-    sdk = logging.getLogger("rendezvousd.client")
-    if not any(isinstance(h, _SdkWarnings) for h in sdk.handlers):
-        sdk.addHandler(_SdkWarnings(logging.WARNING))
-        sdk.propagate = False
 
 
 #: The ``--rdzv-backend`` name; torch requires ``get_backend()`` to return it.
@@ -426,7 +411,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         # torch's launcher makes its handler as it starts: the first join says how long
         # ago, so that a job whose run ended since refuses this agent (JobEnded).
         self._launched = time.monotonic()
-        _say_sdk_warnings()
+        say_client_warnings(lambda message: log.warning("rendezvousd: %s", message))
         try:
             self._host = local_addr or route_source(
                 endpoint,
