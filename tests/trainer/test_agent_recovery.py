@@ -453,6 +453,31 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
     assert "restart" not in called.lower(), called
 
 
+def _node_1_replaced_by_the_standby(
+    d: DaemonProcess, job: str, tmp: Path, steps: int, node1_flags: Sequence[str] = ()
+) -> list[Node]:
+    """Nodes 0 and 1 of a 2-node job and a standby; node 1's agent stopped until the
+    daemon lost it and called the standby into its seat, then continued."""
+    flags = ["--max-restarts", "3"]
+    args = ["--steps", str(steps), "--step-s", "0.03"]
+    nodes = [
+        Node(d, job, tmp, "node0", "2", "0", flags, args),
+        Node(d, job, tmp, "node1", "2", "1", [*flags, *node1_flags], args),
+        Node(d, job, tmp, "standby", "2", "auto", [*flags, "--standby"], args),
+    ]
+    node1, standby = nodes[1:]
+    try:
+        wait_for("node 1 to train", lambda: len(node1.events("resumed")) == 2, timeout=60)
+        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
+        node1.proc.send_signal(signal.SIGSTOP)
+        wait_for("the standby to be called", lambda: "standby called" in standby.stderr(), 30)
+        node1.proc.send_signal(signal.SIGCONT)
+    except BaseException:
+        _cleanup(nodes)
+        raise
+    return nodes
+
+
 def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
@@ -462,20 +487,12 @@ def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0
     again at once: every restart used within milliseconds, exit 1. It was replaced, not
     broken: it stands by for the job's next loss, and exits 0 when the job ends."""
     d = start_daemon("--heartbeat-timeout-s", "3")
-    flags = ["--max-restarts", "3"]
-    args = ["--steps", "250", "--step-s", "0.03"]
-    nodes = _nodes(d, job_id, tmp_path, 2, flags, args)
-    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", [*flags, "--standby"], args)
+    nodes = _node_1_replaced_by_the_standby(d, job_id, tmp_path, 250)
     try:
-        wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
-        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
-        nodes[1].proc.send_signal(signal.SIGSTOP)
-        wait_for("the standby to be called", lambda: "standby called" in standby.stderr(), 30)
-        nodes[1].proc.send_signal(signal.SIGCONT)
-        codes = _exits([*nodes, standby])
+        codes = _exits(nodes)
     finally:
-        _cleanup([*nodes, standby])
-    assert codes == [0, 0, 0], [n.stderr()[-3000:] for n in (*nodes, standby)]
+        _cleanup(nodes)
+    assert codes == [0, 0, 0], [n.stderr()[-3000:] for n in nodes]
     err = nodes[1].stderr()
     assert "another node took this one's seat while it was cut off): standing by" in err, err
     assert "restart 3 of 3" not in err, err
@@ -488,18 +505,9 @@ def test_a_replaced_node_stands_by_for_one_wait_only(
     failed for good never ends, and it would wait on it with no bound (review). The
     job goes on without it, and it ends loudly."""
     d = start_daemon("--heartbeat-timeout-s", "3")
-    args = ["--steps", "400", "--step-s", "0.03"]
-    flags = ["--max-restarts", "3"]
-    node0 = Node(d, job_id, tmp_path, "node0", "2", "0", flags, args)
-    node1 = Node(d, job_id, tmp_path, "node1", "2", "1", [*flags, "--rejoin-timeout-s", "2"], args)
-    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", [*flags, "--standby"], args)
-    nodes = [node0, node1, standby]
+    nodes = _node_1_replaced_by_the_standby(d, job_id, tmp_path, 400, ["--rejoin-timeout-s", "2"])
+    node0, node1, standby = nodes
     try:
-        wait_for("node 1 to train", lambda: len(node1.events("resumed")) == 2, timeout=60)
-        wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
-        node1.proc.send_signal(signal.SIGSTOP)
-        wait_for("the standby to be called", lambda: "standby called" in standby.stderr(), 30)
-        node1.proc.send_signal(signal.SIGCONT)
         code1 = node1.wait(60)
         assert node0.proc.poll() is None  # the job trains on without it
         codes = _exits([node0, standby])
