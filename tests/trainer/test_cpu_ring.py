@@ -514,6 +514,27 @@ def test_every_rank_is_told_which_rank_is_in_which_collective_in_words(transport
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_in_a_broadcast_is_named_as_such_not_by_its_agreement_frame(
+    transport: str,
+) -> None:
+    """A broadcast opens with a 48-byte MAX over int64s (its agreement); a rank in one
+    while the others all-reduce was described by that frame, "broadcast #1 (int64,
+    48 bytes)", which is neither the caller's array nor its dtype (helper-70)."""
+    with thread_ring(3, timeout=20.0, transport=transport) as comms:
+        calls = [
+            (lambda c=c: c.broadcast(np.ones(4, np.float32), 0))
+            if c.rank == 2
+            else (lambda c=c: c.all_reduce(np.ones(4, np.float32)))
+            for c in comms
+        ]
+        errors = parallel(calls)
+    for e in errors:
+        assert isinstance(e, errs.CommunicatorError), errors
+        assert "broadcast #1 (agreeing on its root, size and type first)" in str(e), errors
+        assert "48 bytes" not in str(e) and "int64" not in str(e), errors
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_mismatched_op_is_shown_in_the_error(transport: str) -> None:
     # Same bytes, dtype and sequence: the op is all that differs, and the error must
     # say so rather than show two identical descriptions.

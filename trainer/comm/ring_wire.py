@@ -64,6 +64,10 @@ def describe_collective(coll: int, op: int, dtype: int, seq: int, nbytes: int) -
     name = COLLECTIVE_NAMES.get(coll, f"collective {coll}")
     if coll == BARRIER:
         return f"{name} #{seq}"
+    if coll == BROADCAST and op:
+        # The agreement that opens every broadcast (an all-reduce MAX over int64s,
+        # ``RankedCommunicator._agree``): its own 48 bytes are not the caller's.
+        return f"{name} #{seq} (agreeing on its root, size and type first)"
     what = _named(DTYPE_NAMES, dtype, "dtype")
     if coll == ALL_REDUCE:
         what = f"{_named(OP_NAMES, op, 'op')} of {what}"
@@ -557,6 +561,8 @@ def describe_mismatch(
 
     def show(f: tuple[int, ...]) -> str:
         said = describe_collective(f[1], f[2], f[3], f[4], f[5])
+        if f[1] == BROADCAST and f[2]:
+            return said  # its agreement: no root yet, and its frames are not the caller's
         if f[1] == BROADCAST:
             said += f" from root {f[6]}"
         return f"{said}, frame {f[7]} of {f[8]} bytes"
