@@ -408,9 +408,9 @@ class Calls:
             problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
             s.unreached_told = True
             log.warning(
-                "job %r: rendezvousd at %s not reached after %.0f s%s; still trying, for "
+                "%srendezvousd at %s not reached after %.0f s%s; still trying, for "
                 "up to %g s (%s): a daemon that comes up meanwhile is found",
-                s.job_id,
+                f"job {s.job_id!r}: " if s.job_id else "",  # a client of no job: status
                 s.endpoint,
                 time.monotonic() - started,
                 "" if problem is None else f": {problem}",

@@ -163,6 +163,11 @@ def _status(args: argparse.Namespace) -> int:
     # Watching redraws a terminal; piped or redirected, it is the one snapshot a
     # script can read.
     watch = args.watch is not None and sys.stdout.isatty()
+    from rendezvousd.client.warnings_said import say_client_warnings
+
+    say_client_warnings(
+        lambda said: print(f"rendezvousd status: {_flag_words(said)}", file=sys.stderr)
+    )
     try:
         with RendezvousClient(
             args.endpoint,
@@ -201,19 +206,24 @@ def _status(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
     except RendezvousError as exc:
         # health's exit codes, so a script tells a daemon down from a refused call.
-        said = str(exc)
-        for sdk_words, flag_words in _FLAG_WORDS:
-            said = said.replace(sdk_words, flag_words)
+        said = _flag_words(str(exc))
         # The SDK's TLS refusals (a handshake that failed, a plaintext/TLS mismatch)
         # are UNAVAILABLE: the connection failed, as health says (a token's is not).
         tls_refused = isinstance(exc, AuthenticationError) and exc.code == "UNAVAILABLE"
         if isinstance(exc, DaemonUnavailable) or tls_refused:
-            print(f"rendezvousd status: {escape(said)}", file=sys.stderr)
+            print(f"rendezvousd status: {said}", file=sys.stderr)
             return EXIT_CONNECTION
-        print(f"rendezvousd status: {escape(said)}", file=sys.stderr)
+        print(f"rendezvousd status: {said}", file=sys.stderr)
         return EXIT_ARGS if isinstance(exc, InvalidRequest) else EXIT_RPC
     except KeyboardInterrupt:
         return 0
+
+
+def _flag_words(said: str) -> str:
+    """The SDK's message, escaped, in this command's flags."""
+    for sdk_words, flag_words in _FLAG_WORDS:
+        said = said.replace(sdk_words, flag_words)
+    return escape(said)
 
 
 #: The SDK's words for its keywords and variables, as this command's flags: it reads

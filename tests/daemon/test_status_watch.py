@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -170,6 +171,25 @@ def test_status_exit_codes_tell_a_daemon_down_from_a_refused_call(
         token = [] if args[0].startswith("/") else [str(daemon.token_file)]
         done = subprocess.run([*base, *token, *args], capture_output=True, text=True, timeout=60)
         assert (done.returncode, said in done.stderr) == (code, True), (args, done.stderr)
+
+
+def test_status_says_it_still_waits_for_a_daemon_down_as_its_own_words(tmp_path: Path) -> None:
+    """Past 5 s the SDK says it still waits for the daemon. ``status`` printed that through
+    Python's last-resort handler, without the command's name, as "job '': ...", and in
+    the SDK's keyword (connect_timeout) where the command has --timeout."""
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "status", "--token-file", str(token),
+         "--timeout", "6.5", "--endpoint", f"127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("rendezvousd status: rendezvousd at 127.0.0.1:"), done.stderr
+    assert "not reached after 5 s" in first and "(--timeout)" in first, done.stderr
+    assert "job ''" not in done.stderr and "connect_timeout" not in done.stderr, done.stderr
 
 
 def test_health_of_a_service_the_daemon_does_not_have_names_it(daemon: DaemonProcess) -> None:

@@ -333,8 +333,8 @@ def _run_agent(
     try:
         from rendezvousd.client.connection import resolve_token
         from rendezvousd.client.errors import RendezvousError
+        from rendezvousd.client.warnings_said import say_client_warnings
         from rendezvousd.trainer.agent.node_agent import NodeAgent
-        from rendezvousd.trainer.agent.waiting_note import say_client_warnings
 
         say_client_warnings(_note)
         transport = config.rendezvous

@@ -1,15 +1,12 @@
 """What a node's join says while it waits for its job to form (rendezvous-run's
 joins, and a torchrun agent's): the nodes joined of those the generation needs, the
 seats kept for nodes re-joining, or the next re-form that takes a newcomer in, asked
-of the daemon (``GetJob``) on a thread of its own so that the join is never held up;
-and, said as the agent's own notes, what the SDK warns of meanwhile (its daemon not
-reached yet: ``say_client_warnings``).
+of the daemon (``GetJob``) on a thread of its own so that the join is never held up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -100,23 +97,3 @@ def saying_what_it_waits_for(
         yield
     finally:
         done.set()
-
-
-class _Said(logging.Handler):
-    def __init__(self, say: Callable[[str], None]) -> None:
-        super().__init__(logging.WARNING)
-        self.say = say
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.say(record.getMessage())
-
-
-def say_client_warnings(say: Callable[[str], None]) -> None:
-    """The SDK's warnings (a daemon not reached yet, say) said by ``say``, as the agent's
-    own notes are: rendezvous-run's and the torchrun backend's, not Python's bare
-    last-resort line without their name. A later call's ``say`` replaces the earlier."""
-    client = logging.getLogger("rendezvousd.client")
-    for old in [h for h in client.handlers if isinstance(h, _Said)]:
-        client.removeHandler(old)
-    client.addHandler(_Said(say))
-    client.propagate = False

@@ -123,12 +123,13 @@ from rendezvousd.client._session import DAEMON_LOST_ADVICE
 from rendezvousd.client.connection import NO_TOKEN_ADVICE, TLS_CA_ADVICE
 from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
+from rendezvousd.client.warnings_said import say_client_warnings
 from rendezvousd.common.address import AddressError, UnresolvedHost, route_source
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
-from rendezvousd.trainer.agent.waiting_note import say_client_warnings, saying_what_it_waits_for
+from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
