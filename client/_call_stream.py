@@ -52,9 +52,11 @@ from rendezvousd.client._multiplex import (
     probed,
     status_lost,
     stream_full,
+    unserved,
     unsupported,
 )
 from rendezvousd.client._stream_threads import RequestFeed, unraise
+from rendezvousd.common.calls import SERVED_METADATA
 
 log = logging.getLogger("rendezvousd.client")
 
@@ -98,6 +100,13 @@ def _batches(
     return batches, False
 
 
+class Marks:
+    """Whether the daemon was seen to send ``SERVED_METADATA`` on a stream, which an
+    older daemon never does: only then does a stream without it mean "never served"."""
+
+    seen = False
+
+
 class _Stream:
     """What an open CallBatches stream of either twin holds: its calls in flight, the
     queue feeding its requests, and its half-close. Each twin's subclass starts the
@@ -110,7 +119,9 @@ class _Stream:
         channel: grpc.Channel | grpc.aio.Channel,
         metadata: tuple[tuple[str, str], ...],
         requests: queue.SimpleQueue[pb.Call | None] | asyncio.Queue[pb.Call | None],
+        marks: Marks,
     ) -> None:
+        self.marks = marks
         self.pending: Pending[Any] = Pending()
         self.unsupported = False
         self.closing = False
@@ -177,8 +188,10 @@ class _BlockingStream(_Stream):
 
     _queue: queue.SimpleQueue[pb.Call | None]
 
-    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
-        super().__init__(channel, metadata, queue.SimpleQueue())
+    def __init__(
+        self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...], marks: Marks
+    ) -> None:
+        super().__init__(channel, metadata, queue.SimpleQueue(), marks)
         self._feed = RequestFeed()
         # wait_for_ready: a call made while the daemon restarts waits for it, within
         # its own deadline, as a unary call does.
@@ -205,11 +218,17 @@ class _BlockingStream(_Stream):
         failure: grpc.RpcError = ended_error()
         try:
             for batch in self._call:
+                if not self.marks.seen:
+                    self.marks.seen = SERVED_METADATA in (self._call.initial_metadata() or ())
                 for reply in batch.replies:
                     settle(self, reply)
         except grpc.RpcError as exc:
             # A copy: the error raised is the call itself, which finish() frees.
-            failure = closed_error() if self.closing else copy_error(exc)
+            failure = (
+                closed_error()
+                if self.closing
+                else copy_error(unserved(exc, self._call.initial_metadata(), self.marks.seen))
+            )
             self.unsupported = unsupported(exc, self.pending.replied)
         finally:
             self._ended(failure)
@@ -263,6 +282,7 @@ class _CallStreams(ABC, Generic[S]):
         self._stream: S | None = None
         self._streams: list[S] = []
         self._closed = False
+        self._marks = Marks()
         # The daemon has no CallBatches method: every call is unary.
         self.unary = False
         # Streams opened and calls sent on them (tests, benchmarks).
@@ -346,7 +366,7 @@ class BlockingCallStream(_CallStreams[_BlockingStream]):
     def _new_stream(self) -> _BlockingStream:
         if self._closed:
             raise ValueError("Cannot invoke RPC on closed channel!")
-        return _BlockingStream(self._channel, self._metadata)
+        return _BlockingStream(self._channel, self._metadata, self._marks)
 
     @staticmethod
     def _reading(stream: _BlockingStream) -> bool:
@@ -394,8 +414,10 @@ class _AsyncStream(_Stream):
 
     _queue: asyncio.Queue[pb.Call | None]
 
-    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
-        super().__init__(channel, metadata, asyncio.Queue())
+    def __init__(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], marks: Marks
+    ) -> None:
+        super().__init__(channel, metadata, asyncio.Queue(), marks)
         self._call = self._multi(self._requests(), metadata=metadata, wait_for_ready=True)
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -414,13 +436,18 @@ class _AsyncStream(_Stream):
         failure: grpc.RpcError = ended_error()
         try:
             async for batch in self._call:
+                if not self.marks.seen:
+                    served = await self._call.initial_metadata()
+                    self.marks.seen = SERVED_METADATA in tuple(served or ())
                 for reply in batch.replies:
                     settle(self, reply)
         except grpc.RpcError as exc:
             if status_lost(exc) and not self.closing:
                 exc = await self._probe() if not self.pending.replied else lost_error()
-            failure = closed_error() if self.closing else exc
             self.unsupported = unsupported(exc, self.pending.replied)
+            if not self.closing:
+                exc = unserved(exc, await self._call.initial_metadata(), self.marks.seen)
+            failure = closed_error() if self.closing else exc
         except asyncio.CancelledError:
             failure = closed_error()
             raise
@@ -451,7 +478,7 @@ class AsyncCallStream(_CallStreams[_AsyncStream]):
     def _new_stream(self) -> _AsyncStream:
         if self._closed:
             raise grpc.aio.UsageError("the client is closed")
-        return _AsyncStream(self._channel, self._metadata)
+        return _AsyncStream(self._channel, self._metadata, self._marks)
 
     @staticmethod
     def _reading(stream: _AsyncStream) -> bool:

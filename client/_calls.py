@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._call_stream import CALL_BATCH_BYTES, _CallStreams
-from rendezvousd.client._multiplex import timeout_ms
+from rendezvousd.client._multiplex import NOT_RUN, timeout_ms
 from rendezvousd.client._session import (
     INT64,
     JOIN_TIMEOUT_S,
@@ -302,7 +302,11 @@ class Calls:
                 verdict = (error.reason == "DRAINING" and not drained) or (
                     error.code == "DEADLINE_EXCEEDED" and error.reason not in ("", RELAY_STALLED)
                 )
-                retry = not verdict and s.retry.retryable(method, exc.code())
+                # A call its stream ended before the daemon read it (a daemon shutting
+                # down) was not run: re-sent once a daemon serves again, a KvAdd too,
+                # where "not repeated: it may have been applied" failed a worker.
+                not_run = error.reason == NOT_RUN and s.daemon_returns
+                retry = not verdict and (not_run or s.retry.retryable(method, exc.code()))
                 unanswered = not health and error.code in UNKNOWN_OUTCOME and not error.reason
                 if not retry or attempt > s.retry.attempts:
                     problem = (yield from self.tls_mismatch()) if unanswered else None
@@ -313,11 +317,13 @@ class Calls:
                     # Before waiting again: a TLS mismatch never connects, whatever the
                     # wait (a plaintext list_jobs() of a TLS daemon heard it after 60 s).
                     yield from self.tls_look()
-                if error.code == "UNAVAILABLE" and _parks(request):
+                if not_run or (error.code == "UNAVAILABLE" and _parks(request)):
                     # Re-sent, it would wait its whole wait (600 s by default) for a
                     # daemon to come back: first, the daemon back within the window, as a
-                    # restart is, or its loss said now, as the heartbeat says it.
-                    yield from self.back_within(method, rank, drained=drained)
+                    # restart is, or its loss said now, as the heartbeat says it. A call
+                    # not run waits for a daemon serving: the one shutting down still
+                    # answers (NOT_SERVING), and ends every new stream unread.
+                    yield from self.back_within(method, rank, drained=drained or not_run)
             yield Sleep(s.retry.backoff(attempt))
 
     def back_within(self, method: str, rank: int | None, *, drained: bool = False) -> Steps[None]:

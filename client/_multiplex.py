@@ -22,11 +22,12 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
-from google.rpc import status_pb2
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import error_info
-from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
+from rendezvousd.common.calls import FIELDS, SERVED_METADATA, STATUS_TRAILER
 
 W = TypeVar("W")
 
@@ -80,11 +81,51 @@ def deadline_error() -> grpc.RpcError:
     return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
+def rich_status(
+    code: grpc.StatusCode, reason: str, message: str, metadata: dict[str, str] | None = None
+) -> bytes:
+    """An encoded google.rpc.Status with an ErrorInfo, as the daemon's errors carry."""
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, metadata=metadata or {}))
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    data: bytes = status.SerializeToString()
+    return data
+
+
+#: The reason of a call its stream ended before the daemon read it: the SDK's own,
+#: never the daemon's. Such a call was not run, so the retry policy re-sends it once
+#: a daemon serves again, whatever its method (a KvAdd included).
+NOT_RUN = "NOT_RUN"
+
+
+def not_run_error(why: str) -> grpc.RpcError:
+    return status_error(rich_status(grpc.StatusCode.UNAVAILABLE, NOT_RUN, why))
+
+
 def ended_error() -> grpc.RpcError:
-    """The daemon ended the stream (status OK) with calls still in flight on it."""
-    return rpc_error(
-        grpc.StatusCode.UNAVAILABLE, "the daemon ended the call stream (draining or restarting)"
+    """The daemon ended the stream (status OK) with calls still in flight on it: it
+    answers every call it read before it ends a stream (it drains), so those were not."""
+    return not_run_error(
+        "the daemon ended the call stream before reading this call (it was shutting "
+        "down): the call was not run"
     )
+
+
+def unserved(exc: grpc.RpcError, initial_metadata: Any, marks: bool) -> grpc.RpcError:
+    """``exc``, the stream's end; or, where it ended without the daemon serving it (no
+    ``SERVED_METADATA``: a daemon shutting down refuses a new stream CANCELLED or
+    UNAVAILABLE), a ``NOT_RUN`` error. ``marks``: whether this daemon was seen to send
+    that metadata, which an older daemon never does."""
+    served = SERVED_METADATA in tuple(initial_metadata or ())
+    if served or not marks or exc.code() not in _REFUSED:
+        return exc
+    return not_run_error(
+        f"the daemon refused the call stream before serving it ({exc.code().name}: "
+        f"{exc.details() or 'no details'}): no call on it was run"
+    )
+
+
+_REFUSED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
 
 def closed_error() -> grpc.RpcError:

@@ -33,8 +33,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._call_stream import settle
@@ -44,6 +43,7 @@ from rendezvousd.client._multiplex import (
     cancel_message,
     closed_error,
     copy_error,
+    rich_status,
     rpc_error,
     status_error,
 )
@@ -58,17 +58,6 @@ Send = Callable[[bytes], None]
 Submit = Callable[[str, Any, float, Callable[[Any], None]], Callable[[], None]]
 
 _METHODS = {field: method for method, field in FIELDS.items()}
-
-
-def _rich_status(
-    code: grpc.StatusCode, reason: str, message: str, metadata: dict[str, str] | None = None
-) -> bytes:
-    """An encoded google.rpc.Status with an ErrorInfo, as the daemon's errors carry."""
-    detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, metadata=metadata or {}))
-    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
-    data: bytes = status.SerializeToString()
-    return data
 
 
 def _status_of(exc: grpc.RpcError) -> bytes:
@@ -89,7 +78,7 @@ def reply_bytes(call_id: int, field: str, outcome: Any) -> bytes:
     if isinstance(outcome, Unsupported):
         # The daemon's own "stream full" refusal (``_multiplex.stream_full``), which
         # means "never run": the worker's client makes the call unary.
-        reply.error = _rich_status(
+        reply.error = rich_status(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "LIMIT_EXCEEDED",
             "the node agent could not make this call on its stream",
@@ -276,9 +265,7 @@ class _Relayed:
         self.end(lambda: rpc_error(grpc.StatusCode.UNAVAILABLE, _STALLED))
         # The reason RELAY_STALLED (the SDK's own, never the daemon's): a call the retry
         # policy does not re-make says why, not "the daemon did not answer in time".
-        return status_error(
-            _rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, RELAY_STALLED, _STALLED)
-        )
+        return status_error(rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, RELAY_STALLED, _STALLED))
 
 
 class RelayedCalls(_Relayed):

@@ -9,6 +9,12 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 #: The trailer a unary call's google.rpc.Status travels in (grpcio-status reads it there).
 STATUS_TRAILER = "grpc-status-details-bin"
 
+#: The initial metadata a daemon sends as it starts serving a call stream, before it
+#: reads a call: a stream that ends without it (refused by a daemon shutting down) ran
+#: none of its calls, and one that ends OK ran exactly those it answered, so a call
+#: unsafe to repeat (KvAdd) is re-sent then, not failed as of unknown outcome.
+SERVED_METADATA = ("rendezvous-stream-served", "1")
+
 
 def _fields() -> dict[str, str]:
     """Method name -> the Call/Reply field carrying it, matched by the request type

@@ -17,6 +17,7 @@ import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import validation
+from rendezvousd.common.calls import SERVED_METADATA
 from rendezvousd.common.model import (
     FORGOTTEN,
     Effect,
@@ -438,6 +439,7 @@ class RendezvousServicer:
     async def Calls(self, calls: AsyncIterator[pb.Call], context: Any) -> AsyncIterator[bytes]:
         """Every unary method's calls on one stream (``call_stream``); each call is
         authorized, limited and answered as its unary form would be."""
+        await context.send_initial_metadata((SERVED_METADATA,))
         async for reply in self._calls.serve(calls):
             yield reply
 
@@ -445,6 +447,7 @@ class RendezvousServicer:
         self, batches: AsyncIterator[pb.CallBatch], context: Any
     ) -> AsyncIterator[bytes]:
         """``Calls`` with several calls (replies) per message (``call_stream``)."""
+        await context.send_initial_metadata((SERVED_METADATA,))
         async for reply_batch in self._calls.serve(batches, batched=True):
             yield reply_batch
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from rendezvousd.client import RendezvousClient, RendezvousError
+from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
 from rendezvousd.common.model import JobState, JoinResult, Parked, Transition
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
@@ -370,6 +372,93 @@ def test_a_kv_add_made_while_the_daemon_restarts_counts_once_when_it_is_back(
         d.kill()
         if d2 is not None:
             d2.kill()
+
+
+@pytest.mark.parametrize("flavour", ["blocking", "asyncio"])
+def test_kv_adds_in_flight_as_the_daemon_drains_each_count_once_after_its_restart(
+    tmp_path: Path, flavour: str
+) -> None:
+    """A draining daemon answers the calls it read and ends its call streams without
+    reading the rest, and refuses new streams unserved: an add left unanswered there
+    was never run, and is re-sent once a daemon serves again. It failed "not repeated:
+    the daemon may have applied it" (a chaos review, 1 of 23 SIGTERM rounds, a worker's
+    restart used; here most runs, 8 adders on one client)."""
+    port = free_port()
+    token = write_token(tmp_path / "tok")
+    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "8")
+    d = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+    d2 = None
+    counted: list[int] = []
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    async def add_async() -> None:
+        async with AsyncRendezvousClient(
+            d.endpoint, "counted", token=token, reconnect_window=20
+        ) as c:
+            await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+            c.start_heartbeat(0.3)
+
+            async def add() -> None:
+                while not stop.is_set():
+                    try:
+                        counted.append(await c.kv_add("n", 1))
+                    except BaseException as exc:
+                        failed.append(exc)
+                        return
+
+            await asyncio.gather(*(add() for _ in range(8)))
+            counted.append(await c.kv_add("n", 0))  # the total, counted once more
+
+    def add_blocking() -> None:
+        with RendezvousClient(d.endpoint, "counted", token=token, reconnect_window=20) as c:
+            c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+            c.start_heartbeat(0.3)
+
+            def add() -> None:
+                while not stop.is_set():
+                    try:
+                        counted.append(c.kv_add("n", 1))
+                    except BaseException as exc:
+                        failed.append(exc)
+                        return
+
+            adders = [threading.Thread(target=add) for _ in range(8)]
+            for t in adders:
+                t.start()
+            for t in adders:
+                t.join(60)
+            counted.append(c.kv_add("n", 0))
+
+    run = add_blocking if flavour == "blocking" else lambda: asyncio.run(add_async())
+    client = threading.Thread(target=lambda: failed.extend(_raised(run)))
+    try:
+        client.start()
+        wait_for("adds under way", lambda: len(counted) >= 200 or bool(failed), timeout=30)
+        d.terminate(20)
+        d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+        wait_for("adds after the restart", lambda: len(counted) >= 400 or bool(failed), timeout=60)
+        stop.set()
+        client.join(60)
+        assert failed == [], [str(e) for e in failed]
+        *adds, total = counted
+        # Every add answered counted once, and none counted unanswered.
+        assert sorted(adds) == list(range(1, len(adds) + 1))
+        assert total == len(adds)
+    finally:
+        stop.set()
+        client.join(30)
+        d.kill()
+        if d2 is not None:
+            d2.kill()
+
+
+def _raised(run: Callable[[], object]) -> list[BaseException]:
+    try:
+        run()
+    except BaseException as exc:
+        return [exc]
+    return []
 
 
 def _parked(d: DaemonProcess) -> float:
