@@ -431,10 +431,11 @@ class RendezvousServicer:
             return None
 
     def drain(self) -> None:
-        """The daemon is stopping: the Calls streams end once their calls are answered,
-        and heartbeat streams that never sent a beat end now."""
+        """The daemon is stopping (its ``DAEMON_DRAINING`` events pushed): the Calls
+        streams end once their calls are answered, and heartbeat streams now."""
         self._draining.set()
         self._calls.drain()
+        self.streams.end_all()
 
     async def Calls(self, calls: AsyncIterator[pb.Call], context: Any) -> AsyncIterator[bytes]:
         """Every unary method's calls on one stream (``call_stream``); each call is

@@ -74,6 +74,16 @@ class HeartbeatStreams:
         if effect.kind is EventKind.PEER_FAILED:
             self.metrics.failures.inc()
 
+    def end_all(self) -> None:
+        """The daemon drains: every stream ends once it has sent what it holds (its
+        ``DAEMON_DRAINING`` last), which is no member's loss while the daemon drains
+        (``seats.stream_job``). A client that hears the drain closes its stream anyway;
+        one stopped or cut off held the drain for its whole grace period, and grpc then
+        cancelled its handler with an "Exception not handled ... CancelledError"
+        traceback after "rendezvousd stopped"."""
+        for _token, queue in self._open.values():
+            queue.put_nowait(None)
+
     def end_undone(self, job_id: str, fault: RendezvousFault) -> None:
         """``job_id`` was put back to its durable state: a stream whose member (node
         agent) is no longer in it ends with ``fault``; the others go on."""

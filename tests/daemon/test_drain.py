@@ -149,10 +149,15 @@ def test_sigterm_releases_parked_waiters_and_exits_zero(
     assert "Traceback" not in log
 
 
-def test_stuck_stream_is_cut_at_the_grace(
+def test_a_stuck_heartbeat_stream_holds_no_drain_and_leaves_no_traceback(
     start_daemon: Callable[..., DaemonProcess], job_id: str
 ) -> None:
-    grace = 1.5
+    """A member that does not close its stream on DAEMON_DRAINING (stopped, cut off,
+    stuck) held the drain for its whole grace, and grpc then cancelled the handler with
+    "Exception not handled ... CancelledError" and a traceback after "rendezvousd
+    stopped" (a chaos review). The daemon now ends its heartbeat streams itself once
+    they have sent DAEMON_DRAINING: no member's loss while it drains."""
+    grace = 5.0
     d = start_daemon("--drain-grace-s", str(grace))
     member = HeartbeatStream(d, job_id, hang_up=False)
     wait_stream_open(d, job_id)
@@ -162,10 +167,11 @@ def test_stuck_stream_is_cut_at_the_grace(
     elapsed = time.monotonic() - sent
     member.close()
     assert code == 0
-    assert elapsed < grace + 4.0, f"exit took {elapsed:.1f} s with a {grace} s grace"
-    assert elapsed >= grace * 0.8, "the daemon did not wait for the open stream"
+    assert elapsed < grace / 2, f"exit took {elapsed:.1f} s: the stream held the drain"
     assert pb.JobEvent.DAEMON_DRAINING in member.events, member.events
-    assert "rendezvousd stopped" in d.log()
+    log = d.log()
+    assert "rendezvousd stopped" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log
 
 
 def test_sdk_waiters_of_a_daemon_not_started_again_hear_so_after_the_reconnect_window(
