@@ -580,18 +580,24 @@ class Calls:
 
     # -- membership ------------------------------------------------------------------
 
-    def join(self, request: JoinRequest) -> Steps[Membership]:
-        """Register one rank and wait for the world: rank, id and member table."""
+    def join(self, request: JoinRequest, heartbeating: bool) -> Steps[Membership]:
+        """Register one rank and wait for the world: rank, id and member table.
+        ``heartbeating``: whether the client's heartbeat runs (``Session.live_member``)."""
         check_keywords("join", JoinRequest, request)
-        yield from self.before_join(request.get("timeout"))
-        plan = self.s.plan_join(**request)
+        self.s.live_member("join", heartbeating)
+        self.s.joining = True
+        try:
+            yield from self.before_join(request.get("timeout"))
+            plan = self.s.plan_join(**request)
+            yield OpenStream()
+            response = yield from self._send_join(plan, "Join")
+            if response.id_required:
+                publish = plan.publish_request(response)
+                response = yield from self.call("PublishId", publish, timeout=plan.left() + SLACK_S)
+            m = plan.finish(response)
+        finally:
+            self.s.joining = False
         address = request.get("address", "")
-        yield OpenStream()
-        response = yield from self._send_join(plan, "Join")
-        if response.id_required:
-            publish = plan.publish_request(response)
-            response = yield from self.call("PublishId", publish, timeout=plan.left() + SLACK_S)
-        m = plan.finish(response)
         if advertises_loopback(address):
             # Both clients prefetch: the check below reads the whole table, which the
             # sync client would otherwise fetch lazily with the same GetMembers pages.
@@ -763,6 +769,8 @@ class Calls:
         )
         response = yield from self.call("AbortJob", request)
         aborted: int = response.generation
+        if request.job_id == self.s.job_id:
+            self.s.aborted = aborted  # its membership's end, before the heartbeat says so
         return aborted
 
     # -- key-value store -----------------------------------------------------------------
@@ -917,6 +925,17 @@ class ClientBase(ABC):
         check_arg("report_progress", "steps", steps, Sequence[int | None], INT64)
         check_arg("report_progress", "restarts_used", restarts_used, int)
         check_arg("report_progress", "max_restarts", max_restarts, int)
+        if (self._s.node or self._s.joined) is not None and len(steps) > (
+            ranks := self._s.stream_ranks()
+        ):
+            # Accepted, 25,000 steps made every beat over the daemon's message limit:
+            # the heartbeat was refused, and the whole job failed (an SDK misuse review).
+            raise InvalidRequest(
+                f"report_progress() steps= has {len(steps)} entries, but this client's "
+                f"heartbeat speaks for {ranks} rank{'s' if ranks > 1 else ''}: give the "
+                "last step of each (a node's by local rank)",
+                job_id=self._s.job_id,
+            )
         self._s.progress = pb.Progress(
             steps=[-1 if s is None else s for s in steps],
             restarts_used=restarts_used,

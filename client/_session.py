@@ -16,7 +16,7 @@ import threading
 import time
 import types
 from collections import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import (
@@ -221,7 +221,14 @@ def check_arg(
     options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
     if not any(_fits(value, option, span) for option in options):
         wanted = " or ".join(_described(option, span) for option in options)
-        raise InvalidRequest(f"{call}() {name}={_shown(value)} is not {wanted}")
+        shown = _secret(value) if name in SECRET_ARGS else _shown(value)
+        if isinstance(value, str) and str in options:
+            raise InvalidRequest(
+                f"{call}() {name}={shown} has characters UTF-8 cannot encode (a lone "
+                "surrogate, as os.fsdecode() makes of undecodable bytes): give text, e.g. "
+                "bytes decoded with errors='replace'"
+            )
+        raise InvalidRequest(f"{call}() {name}={shown} is not {wanted}")
 
 
 def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
@@ -249,7 +256,19 @@ def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
         )
     if origin is abc.Callable:
         return callable(value)
+    if option is str:
+        # Protobuf's own UnicodeEncodeError named no argument: a lone surrogate, as
+        # os.fsdecode() makes of a file name's undecodable bytes (an SDK misuse review).
+        return isinstance(value, str) and (value.isascii() or _encodes(value))
     return not isinstance(option, type) or isinstance(value, option)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _described(option: Any, span: tuple[int, int]) -> str:
@@ -264,6 +283,18 @@ def _described(option: Any, span: tuple[int, int]) -> str:
     if get_origin(option) is abc.Callable:
         return "a callable"
     return getattr(option, "__name__", str(option))
+
+
+#: Arguments whose values are secrets: a token (whoever holds it calls the daemon),
+#: rank 0's NCCL id, a member's instance id (whoever holds it speaks as the member).
+#: A token read from its file in binary mode was echoed whole (an SDK misuse review).
+SECRET_ARGS = frozenset({"token", "unique_id", "instance_id"})
+
+
+def _secret(value: object) -> str:
+    """A secret in an error: its type and size, never its content."""
+    size = f" of {len(value)}" if isinstance(value, Sized) else ""
+    return f"<a {type(value).__name__}{size}, not shown>"
 
 
 def _shown(value: object) -> str:
@@ -368,6 +399,10 @@ class Session:
     leaving: bool = False
     # A node agent's join (join_node): the node heartbeats and leaves, not a rank.
     node: NodeMembership | None = None
+    # A join() in flight on this client, and the generation this client aborted
+    # (``live_member``).
+    joining: bool = False
+    aborted: int = -1
     # The instance id of the last node seat this client held: its next join_node
     # names it, so the daemon seats it in the seat kept for it after a failure (a
     # newcomer cannot take it). Not cleared by ``begin``: that seat outlives the join.
@@ -490,7 +525,17 @@ class Session:
         again = pb.HeartbeatRequest()
         again.CopyFrom(request)
         again.progress.CopyFrom(self.progress)
+        # One step per rank of the stream: the daemon keeps no more, and a list given
+        # before the join was known (report_progress refuses one after) could make
+        # every beat over the daemon's message limit, failing the whole job.
+        del again.progress.steps[self.stream_ranks() :]
         return again
+
+    def stream_ranks(self) -> int:
+        """The ranks the heartbeat stream speaks for: a node's, or one member's."""
+        if self.node is not None:
+            return self.node.gpus_per_node
+        return 1
 
     def plan_join_node(self, **r: Unpack[NodeJoinRequest]) -> JoinPlan:
         """Start a node join: a fresh node instance id, cleared state, the request."""
@@ -606,6 +651,30 @@ class Session:
             table = LazyTable(fetch, membership.world_size)
             membership = dataclasses.replace(membership, _table=table)
         self.joined = membership
+
+    def live_member(self, call: str, heartbeating: bool) -> None:
+        """Refuse ``call`` (a join) on a client that is joining already, or whose
+        heartbeat runs for a membership with no failure heard and no abort of its own:
+        the join cleared it first, so a refused second join left a heartbeating member
+        its client no longer knew, and the job failed at the client's next leave() (an
+        SDK misuse review). Without a heartbeat, the client cannot know its generation
+        is still live (another member may have aborted it): the daemon decides."""
+        if self.joining:
+            raise InvalidRequest(
+                f"{call}() while another join() of job {self.job_id!r} is in flight on this "
+                "client: one client is one member; make a client per rank",
+                job_id=self.job_id,
+            )
+        m = self.joined
+        live = m is not None and self.failure is None and not self.leaving
+        if live and heartbeating and m is not None and self.aborted != m.generation:
+            raise InvalidRequest(
+                f"{call}() on a client that is already rank {m.rank} of job {m.job_id!r} "
+                f"generation {m.generation}: leave() first to join again, or make another "
+                "client for another rank",
+                job_id=m.job_id,
+                rank=m.rank,
+            )
 
     def plan_join(self, **r: Unpack[JoinRequest]) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""
@@ -1097,8 +1166,22 @@ class JoinPlan:
     def make_id(self) -> bytes:
         """Rank 0's id: the caller's bytes, else ``id_factory()`` (e.g. NCCL's), else 128
         random bytes (all the CPU backend needs: it keys the ring's HMAC)."""
-        factory = self.id_factory
-        return self.unique_id or (factory() if factory else os.urandom(UNIQUE_ID_BYTES))
+        if self.unique_id is not None:
+            # Given, b"" too: refused by the daemon as not 128 bytes, where it was taken
+            # for "none given" and replaced without a word (an SDK misuse review).
+            return self.unique_id
+        if self.id_factory is None:
+            return os.urandom(UNIQUE_ID_BYTES)
+        made = self.id_factory()
+        if not isinstance(made, bytes):
+            # protobuf's bare TypeError named nothing; a tuple is what NCCL's
+            # get_unique_id() returns before bytes() (an SDK misuse review).
+            raise InvalidRequest(
+                f"id_factory() returned {_secret(made)}, not bytes: return rank 0's "
+                f"{UNIQUE_ID_BYTES}-byte id as bytes (e.g. bytes(nccl.get_unique_id()))",
+                job_id=self.session.job_id,
+            )
+        return made
 
     def left(self) -> float:
         return max(0.001, self.timeout - (time.monotonic() - self.started))

@@ -64,7 +64,18 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     def __init__(self, endpoint: str, job_id: str = "", **options: Unpack[ClientOptions]) -> None:
         super().__init__(endpoint, job_id, options)
-        self._channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel)
+        try:
+            self._channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel)
+        except RuntimeError as exc:
+            # asyncio's bare "There is no current event loop in thread ...", from
+            # grpc.aio binding the channel to one (an SDK misuse review).
+            raise InvalidRequest(
+                f"AsyncRendezvousClient() of job {job_id!r} was made in a thread with no "
+                f"event loop ({exc}): make it inside the coroutine that uses it (e.g. under "
+                "asyncio.run()), or use RendezvousClient in a thread",
+                endpoint=endpoint,
+                job_id=job_id,
+            ) from None
         # Their methods made on first use: a client uses one or two (_stubs).
         self._stub: pb_grpc.RendezvousAsyncStub = lazy_stub(pb_grpc.RendezvousStub, self._channel)
         self._health = lazy_stub(health_pb2_grpc.HealthStub, self._channel)
@@ -217,7 +228,7 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """``RendezvousClient.join``, awaited."""
-        return await self._run(self._c.join(request))
+        return await self._run(self._c.join(request, self._heartbeat_running()))
 
     async def join_node(self, **request: Unpack[NodeJoinRequest]) -> NodeMembership:
         """``RendezvousClient.join_node``, awaited."""
@@ -404,6 +415,12 @@ class AsyncRendezvousClient(steps.ClientBase):
                             )
                         deadline = watch.deadline()
                         if deadline is not None and time.monotonic() >= deadline:
+                            # The verdict now, as the blocking client's watchdog gives
+                            # it: ended as a broken stream, the silence was counted
+                            # again from the break, a hung daemon (SIGSTOP) said after
+                            # twice the window and a look's grace (an SDK misuse review).
+                            if watch.expired():
+                                return
                             break
                         continue
                     event, read = read.result(), None
@@ -464,6 +481,10 @@ class AsyncRendezvousClient(steps.ClientBase):
         """Best effort, like ``RendezvousClient.leave``: one attempt within
         ``leave_timeout``, then one WARNING instead of an exception."""
         check_arg("leave", "final", final, bool)  # see RendezvousClient.leave
+        # Refused on another loop before anything is torn down: the heartbeat stopped
+        # and the membership forgotten without a goodbye failed the job (an SDK
+        # misuse review).
+        self._check_loop()
         try:
             await self._run(self._c.leave(final))
         finally:

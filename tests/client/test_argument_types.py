@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import AsyncRendezvousClient, InvalidRequest, RendezvousClient
 from tests.support import DaemonProcess
 
+# What os.fsdecode() makes of a file name's undecodable byte: protobuf raised a bare
+# UnicodeEncodeError naming no argument (an SDK misuse review).
+UNENCODABLE = b"ckpt-\xff".decode("utf-8", "surrogateescape")
+
 CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
+    ("kv_set surrogate", lambda c: c.kv_set(UNENCODABLE, b"v"), "kv_set() key='ckpt-\\udcff'"),
+    ("barrier surrogate", lambda c: c.barrier(UNENCODABLE), "barrier() name='ckpt-\\udcff'"),
+    ("abort surrogate", lambda c: c.abort(UNENCODABLE), "abort() reason='ckpt-\\udcff'"),
     ("get_job", lambda c: c.get_job(5), "get_job() job_id=5"),
     ("kv_get wait", lambda c: c.kv_get("k", wait="no"), "kv_get() wait='no'"),  # type: ignore[arg-type]
     ("report_failure cause", lambda c: c.report_failure(0, b"x"), "report_failure() cause=b'x'"),  # type: ignore[arg-type]
@@ -156,3 +165,102 @@ def test_a_node_membership_refuses_a_local_rank_it_does_not_have() -> None:
     for bad in (5, -1, "0", True):
         with pytest.raises(InvalidRequest, match="local_rank"):
             node.membership_for(bad)  # type: ignore[arg-type]
+
+
+SECRET = "QPr6JqgGbYUjxjkpgYYuCasGEssuTBo3bYRPrBMZ9Fo"
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (
+            lambda: RendezvousClient("127.0.0.1:1", "j", token=SECRET.encode()),
+            "token=<a bytes of 43",
+        ),
+        (
+            lambda: RendezvousClient("127.0.0.1:1", "j", token=SECRET).join(
+                num_nodes=1, gpus_per_node=1, local_rank=0, unique_id=bytearray(SECRET.encode())
+            ),
+            "unique_id=<a bytearray of 43",
+        ),
+        (
+            lambda: RendezvousClient("127.0.0.1:1", "j", token=SECRET).join(
+                num_nodes=1, gpus_per_node=1, local_rank=0, unique_id=list(SECRET.encode())
+            ),
+            "unique_id=<a list of 43",
+        ),
+    ],
+    ids=["token bytes", "id bytearray", "id list"],
+)
+def test_a_secret_of_the_wrong_type_is_refused_without_showing_it(
+    make: Callable[[], Any], said: str
+) -> None:
+    """A token read from its file in binary mode was echoed whole in the error, and
+    rank 0's id in its first 60 characters (an SDK misuse review)."""
+    with pytest.raises(InvalidRequest) as info:
+        make()
+    assert said in str(info.value), info.value
+    assert SECRET[:8] not in str(info.value) and "81, 80" not in str(info.value), info.value
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"id_factory": lambda: tuple(range(128))}, "id_factory() returned <a tuple of 128, not"),
+        ({"id_factory": lambda: "x" * 128}, "id_factory() returned <a str of 128, not shown>"),
+        ({"unique_id": b""}, "unique id must be exactly 128 bytes, got 0"),
+    ],
+    ids=["factory tuple", "factory str", "empty id"],
+)
+def test_rank_0s_id_of_the_wrong_kind_is_refused_naming_it(
+    daemon: DaemonProcess, job_id: str, given: dict[str, Any], said: str
+) -> None:
+    """A factory's tuple (NCCL's get_unique_id() before bytes()) raised protobuf's bare
+    TypeError; unique_id=b"" was taken for "none given" and replaced by random bytes
+    (an SDK misuse review)."""
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c,
+        pytest.raises(InvalidRequest) as info,
+    ):
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, node_rank=0, timeout=5, **given)
+    assert said in str(info.value), info.value
+
+
+def test_an_asyncio_client_made_in_a_thread_without_a_loop_is_refused_saying_where() -> None:
+    """asyncio's bare RuntimeError "There is no current event loop in thread ..." came
+    from inside grpc.aio (an SDK misuse review)."""
+    raised: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            AsyncRendezvousClient("127.0.0.1:1", "j", token="t" * 32)
+        except BaseException as exc:
+            raised.append(exc)
+
+    maker = threading.Thread(target=make)
+    maker.start()
+    maker.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], InvalidRequest), raised
+    assert "made in a thread with no event loop" in str(raised[0]), raised
+
+
+def test_an_asyncio_leave_on_another_loop_is_refused_and_loses_nothing(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """Refused, it had still stopped the heartbeat and forgotten the membership without
+    a goodbye: the job failed "heartbeat stream closed" (an SDK misuse review)."""
+    from tests.client.test_twins import Twin
+
+    c = Twin("aio", daemon.endpoint, job_id, token=daemon.token)
+    try:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        c.start_heartbeat(0.2)
+        with pytest.raises(InvalidRequest, match="outside the event loop"):
+            asyncio.run(c.client.leave())
+        assert c.membership is not None and c.failure is None
+        c.kv_set("k", b"v")
+        c.leave()
+        with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as look:
+            assert look.get_job(job_id).summary.state == pb.JobState.JOB_STATE_ENDED
+    finally:
+        c.close()

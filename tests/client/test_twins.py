@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import signal
 import socket
 import threading
 import time
@@ -32,7 +33,7 @@ from rendezvousd.client import (
     TlsConfig,
 )
 from rendezvousd.client.membership import Membership
-from tests.support import DaemonProcess, Pki, free_port, parallel, wait_for
+from tests.support import DaemonProcess, Pki, free_port, parallel, scrape, wait_for
 
 # "aio-uvloop": the asyncio client on uvloop's loop, as in an application that runs on
 # it (grpc.aio's poller hands its completions to whatever loop the client is on).
@@ -97,6 +98,10 @@ class World:
     pki: Pki
     start_daemon: Callable[..., DaemonProcess]
     made: list[Twin]
+
+    def daemon_waiters(self) -> float:
+        """The calls parked at the module's daemon."""
+        return scrape(self.daemon.metrics_url)["rendezvousd_waiters"]
 
     def client(self, d: DaemonProcess | None = None, **options: Any) -> Twin:
         d = d or self.daemon
@@ -297,6 +302,39 @@ def leave_ends_membership(w: World) -> object:
     c.start_heartbeat(0.2)
     c.leave()
     return c.membership, c.failure, error_of(lambda: c.kv_set("k", b"v"))
+
+
+def a_second_join_of_a_live_member_is_refused_and_loses_nothing(w: World) -> object:
+    """It was refused DuplicateRank by the daemon after the client had cleared its
+    membership: kv calls then said "not joined", leave() did nothing, and the job
+    failed "heartbeat stream closed" (an SDK misuse review)."""
+    c = w.client()
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    c.start_heartbeat(0.2)
+    refused = error_of(lambda: c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10))
+    kept = c.membership is not None and c.membership.rank == 0
+    c.kv_set("k", b"v")
+    c.leave()
+    state = w.client().get_job(w.job_id).summary.state
+    return refused, kept, pb.JobState.Name(state)
+
+
+def a_join_while_one_is_in_flight_is_refused(w: World) -> object:
+    """Two threads' joins on one client both went out under one identity: both
+    answered, the client then held a mix of the two (an SDK misuse review)."""
+    c, other = w.client(), w.client()
+    first: list[Any] = []
+    joining = threading.Thread(
+        target=lambda: first.append(
+            c.join(num_nodes=1, gpus_per_node=2, local_rank=0, node_rank=0, timeout=20)
+        )
+    )
+    joining.start()
+    wait_for("the first join parked", lambda: w.daemon_waiters() >= 1, timeout=20)
+    refused = error_of(lambda: c.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=20))
+    other.join(num_nodes=1, gpus_per_node=2, local_rank=1, node_rank=0, timeout=20)
+    joining.join(30)
+    return refused, [m.rank for m in first]
 
 
 def loopback_address_aborts_a_multi_host_job(w: World) -> object:
@@ -687,6 +725,26 @@ def closed_client_refuses_calls(w: World) -> object:
     return [(kind, text.replace(w.daemon.endpoint, "EP")) for kind, text in refused]
 
 
+def a_hung_daemon_is_reported_at_its_window(w: World) -> object:
+    """A daemon SIGSTOPped (hung) with a 3 s window: the blocking client said so at
+    the window, the asyncio one after twice it and a look's 3 s grace (12 s of a 5 s
+    window), "something accepts connections there again" (an SDK misuse review)."""
+    d = w.start_daemon("--heartbeat-timeout-s", "3")
+    c = w.client(d)
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    heard: list[tuple[float, BaseException]] = []
+    c.start_heartbeat(0.3, on_failure=lambda e: heard.append((time.monotonic(), e)))
+    time.sleep(0.5)
+    d.proc.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_for("the verdict", lambda: bool(heard), timeout=20)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    at, error = heard[0]
+    return type(error).__name__, at - stopped < 3 + 1.5, "accepts connections" in str(error)
+
+
 def daemon_restart_is_survived(w: World) -> object:
     state = w.tmp / f"state-{w.kind}"
     port = free_port()
@@ -827,6 +885,14 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "heartbeat arguments": (heartbeat_arguments_are_checked, [True] * 9),
     "an on_failure that raises": (a_raising_on_failure_is_logged_not_raised, "JobAborted"),
     "leave": (leave_ends_membership, (None, None, ("InvalidRequest", ""))),
+    "a second join of a live member": (
+        a_second_join_of_a_live_member_is_refused_and_loses_nothing,
+        (("InvalidRequest", ""), True, "JOB_STATE_ENDED"),
+    ),
+    "a join while one is in flight": (
+        a_join_while_one_is_in_flight_is_refused,
+        (("InvalidRequest", ""), [0]),
+    ),
     "loopback address": (
         loopback_address_aborts_a_multi_host_job,
         [("InvalidRequest", "LOOPBACK_ADDRESS")],
@@ -849,6 +915,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     ),
     "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check", True, True)),
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
+    "a hung daemon": (a_hung_daemon_is_reported_at_its_window, ("DaemonUnreachable", True, False)),
     "daemon back late in the window": (
         daemon_back_late_in_the_window_is_reattached,
         (None, b"after"),

@@ -54,6 +54,28 @@ def test_a_nodes_progress_reaches_getjob_and_the_page(daemon: DaemonProcess, job
         assert overview["steps_per_s"] is not None and overview["steps_per_s"] > 0
 
 
+def test_too_many_steps_are_refused_once_joined_and_cut_before_so_no_beat_fails(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """25,000 steps were accepted and put on every beat, over the daemon's message
+    limit: the heartbeat was refused and the whole job failed (an SDK misuse review).
+    Joined, the client refuses more steps than its stream's ranks; a list given before
+    the join is known is cut to them on the beat."""
+    many = list(range(1_000_000, 1_025_000))
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as member:
+        member.report_progress(many)  # before the join: not known how many ranks
+        member.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+        with pytest.raises(RendezvousError, match=r"steps= has 25000 entries.* 1 rank: "):
+            member.report_progress(many)
+        member.start_heartbeat(0.1)
+        wait_for("the first beat's step", lambda: member.get_job().members[0].step == many[0])
+        time.sleep(0.5)  # beats on
+        assert member.failure is None
+        assert member.get_job().summary.state == pb.JobState.JOB_STATE_RUNNING
+        member.report_progress([7])
+        wait_for("the next step", lambda: member.get_job().members[0].step == 7)
+
+
 def test_the_goodbye_carries_the_last_steps(daemon: DaemonProcess, job_id: str) -> None:
     """An ended job showed the steps of the beat before its members' goodbyes, up to
     an interval old (`status` read 127 and 141 of a 150-step run): the goodbye now
