@@ -147,19 +147,31 @@ class Text(Kind):
         return value
 
 
+#: Why an empty path is refused, for every optional path setting.
+EMPTY_PATH = (
+    "must be a path, not empty or blank; give the file or directory, or leave the "
+    "setting out altogether to leave it unset"
+)
+
+
 @dataclass(frozen=True)
 class OptionalPath(Kind):
-    """A filesystem path; empty text means unset."""
+    """A filesystem path, or None when the setting is left out.
+
+    Empty or blank text is refused rather than read as unset: an unset ``$CA`` in a
+    unit file (``--tls-client-ca "$CA"``) expanded to "" and quietly dropped mTLS, or
+    persistence for ``--state-dir``, while the operator believed both were on.
+    """
 
     def check(self, value: Any) -> Any:
-        if value is None or isinstance(value, Path):
-            return value
-        if isinstance(value, str):
-            return Path(value) if value else None
+        if value is None:
+            return None
+        if isinstance(value, str | Path):
+            # Path("") is Path("."), so a Path cannot show an empty string any more.
+            if not str(value).strip():
+                raise Invalid(EMPTY_PATH)
+            return value if isinstance(value, Path) else Path(value)
         raise Invalid("must be a path")
-
-    def from_text(self, text: str) -> Any:
-        return text or None
 
 
 @dataclass(frozen=True)

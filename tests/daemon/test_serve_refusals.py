@@ -1,7 +1,8 @@
-"""``rendezvousd serve`` refusals: /metrics exposure, TLS certificate/key pairs."""
+"""``rendezvousd serve`` refusals: /metrics exposure, TLS certificate/key pairs, empty paths."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import ssl
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.config import ConfigError, DaemonConfig
+from rendezvousd.common.settings import OptionalPath
+from rendezvousd.config import SCHEMA, ConfigError, DaemonConfig, load
 from tests.support import DaemonProcess, Pki, write_token
 
 
@@ -156,3 +158,60 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     code, _, err = _serve(tmp_path, "--config", str(config))
     assert code == 2 and "Traceback" not in err, err
     assert f"config file {config} could not be read as TOML" in err
+
+
+_PATH_SETTINGS = [
+    key for key, option in SCHEMA.options.items() if isinstance(option.kind, OptionalPath)
+]
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t"], ids=["empty", "space", "tab"])
+@pytest.mark.parametrize("source", ["flag", "env", "toml"])
+@pytest.mark.parametrize("key", _PATH_SETTINGS)
+def test_an_empty_path_setting_is_refused_not_taken_as_unset(
+    tmp_path: Path, key: str, source: str, blank: str
+) -> None:
+    """An unset $CA in a unit file's ``--tls-client-ca "$CA"`` served TLS that took
+    clients with no certificate, and a blank state dir ran with no persistence, both
+    without a word: every optional path setting refuses an empty value, naming it
+    and where it came from."""
+    option = SCHEMA.options[key]
+    assert option.env is not None and option.flag is not None
+    env: dict[str, str] = {}
+    overrides: dict[str, object] = {}
+    config_file = None
+    if source == "env":
+        env[option.env] = blank
+        origin = f"${option.env}"
+    elif source == "flag":
+        # What argparse's type (the option's own parser) sees, via the schema.
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a path, not empty"):
+            SCHEMA._arg_type(option)(blank)
+        overrides[key] = blank
+        origin = option.flag
+    else:
+        config_file = tmp_path / "rendezvousd.toml"
+        config_file.write_text(f"{key} = {blank!r}\n".replace("'", '"'))
+        origin = f"{key} in {config_file}"
+    with pytest.raises(ConfigError) as refused:
+        load(config_file, env=env, overrides=overrides)
+    said = str(refused.value)
+    assert said.startswith(f"{origin}={blank!r} is invalid: {key} must be a path"), said
+    assert "leave the setting out" in said
+
+
+def test_an_empty_client_ca_flag_stops_serve(tmp_path: Path, pki: Pki) -> None:
+    """The reviewer's case: TLS served, and a client with no certificate let in."""
+    code, out, err = _serve(
+        tmp_path, "--listen", "127.0.0.1:0", *pki.serve_args(), "--tls-client-ca", ""
+    )
+    assert code == 2 and "Traceback" not in err and "serving" not in out, err
+    assert "argument --tls-client-ca: '' must be a path, not empty" in err
+    env = {**os.environ, "RENDEZVOUSD_STATE_DIR": " "}
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(tmp_path / "token"),
+         "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=30, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "$RENDEZVOUSD_STATE_DIR=' ' is invalid: state_dir must be a path" in done.stderr
