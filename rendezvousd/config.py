@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from rendezvousd.common.address import AddressError, is_loopback, parse_address
-from rendezvousd.common.limits import Limits, Timing
+from rendezvousd.common.limits import MIB, Limits, Timing
 from rendezvousd.common.pem import bundle_problem, pair_problem
 from rendezvousd.common.settings import (
+    INT32_MAX,
     AddressText,
     Bool,
     Choice,
@@ -37,6 +38,16 @@ ENV_PREFIX = "RENDEZVOUSD_"
 DEFAULT_PORT = 29420
 _POSITIVE = Float()
 _COUNT = Int(minimum=1)
+# gRPC takes its channel arguments as C ints: a setting that becomes one (in ms, or
+# in bytes) is bounded so that it fits, refused when read rather than crashing serve
+# with an OverflowError. 24 days in ms, plus the keepalive ping's 5 s, fits.
+MAX_GRPC_SECONDS = 24 * 24 * 3600
+_GRPC_SECONDS = Float(maximum=MAX_GRPC_SECONDS)
+_GRPC_COUNT = Int(minimum=1, maximum=INT32_MAX)
+# gRPC core aborts the process (a failed CHECK) at INT32_MAX incoming connections.
+MAX_CONNECTIONS = INT32_MAX - 1
+# gRPC's receive limit is room for a KvCompareAndSet of two values (Limits.request_bytes).
+MAX_VALUE_BYTES = 512 * MIB
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,10 @@ class DaemonConfig:
         None, "directory where job state survives restarts", OptionalPath()
     )
     heartbeat_timeout_s: float = setting(
-        Timing.heartbeat_timeout_s, "silence after which a member is lost", _POSITIVE
+        Timing.heartbeat_timeout_s,
+        f"silence after which a member is lost (at most {MAX_GRPC_SECONDS} s, 24 days: "
+        "it sets gRPC's keepalive timeout, in ms)",
+        _GRPC_SECONDS,
     )
     default_wait_s: float = setting(
         Timing.default_wait_s, "wait for Join/Barrier/KvGet when the call names none", _POSITIVE
@@ -105,7 +119,10 @@ class DaemonConfig:
     max_jobs: int = setting(Limits.max_jobs, "jobs held at once", _COUNT)
     max_members_per_job: int = setting(Limits.max_members_per_job, "largest world size", _COUNT)
     max_concurrent_rpcs: int = setting(
-        Limits.max_concurrent_rpcs, "calls in flight, streams included", _COUNT
+        Limits.max_concurrent_rpcs,
+        f"calls in flight, streams included (at most {INT32_MAX}: gRPC's pending-call cap "
+        "derives from it)",
+        _GRPC_COUNT,
     )
     max_concurrent_streams: int = setting(
         # The SDK opens a connection per client, each with a handful of calls. Also
@@ -114,19 +131,22 @@ class DaemonConfig:
         # +99 MiB at 1024).
         256,
         "HTTP/2 streams one connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS); "
-        "more are refused before any handler or token check runs (~20 KiB each)",
-        _COUNT,
+        f"more are refused before any handler or token check runs (~20 KiB each; at most "
+        f"{INT32_MAX})",
+        _GRPC_COUNT,
     )
     max_connections: int = setting(
         16384,
-        "client connections held at once, all peers together (gRPC has no per-peer cap)",
-        _COUNT,
+        "client connections held at once, all peers together (gRPC has no per-peer cap; "
+        f"at most {MAX_CONNECTIONS})",
+        Int(minimum=1, maximum=MAX_CONNECTIONS),
     )
     connection_idle_s: float = setting(
         300.0,
         "a connection with no call open is closed after this long (clients reconnect on "
-        "their next call; a heartbeat stream is an open call)",
-        _POSITIVE,
+        f"their next call; a heartbeat stream is an open call); at most {MAX_GRPC_SECONDS} s "
+        "(24 days: gRPC takes it in ms)",
+        _GRPC_SECONDS,
     )
     request_body_timeout_s: float = setting(
         5.0,
@@ -146,7 +166,12 @@ class DaemonConfig:
         Limits.max_barriers_per_job, "barrier names per job generation", _COUNT
     )
     max_keys_per_job: int = setting(Limits.max_keys_per_job, "key-value keys per job", _COUNT)
-    max_value_bytes: int = setting(Limits.max_value_bytes, "largest key-value value", _COUNT)
+    max_value_bytes: int = setting(
+        Limits.max_value_bytes,
+        f"largest key-value value (at most {MAX_VALUE_BYTES}, 512 MiB: gRPC's request size "
+        "limit, room for two, is a C int)",
+        Int(minimum=1, maximum=MAX_VALUE_BYTES),
+    )
     max_kv_bytes: int = setting(
         Limits.max_kv_bytes, "key-value bytes (keys + values) held across all jobs", _COUNT
     )

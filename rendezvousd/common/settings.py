@@ -53,12 +53,21 @@ class Kind:
         return None if value is None else str(value)
 
 
+#: The largest value of a C int, which gRPC's channel arguments are.
+INT32_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Int(Kind):
     minimum: int | None = None
     optional: bool = False
+    maximum: int | None = None
 
     def _wants(self) -> str:
+        if self.minimum is not None and self.maximum is not None:
+            return f"an integer from {self.minimum} to {self.maximum}"
+        if self.maximum is not None:
+            return f"an integer <= {self.maximum}"
         return "an integer" + (f" >= {self.minimum}" if self.minimum is not None else "")
 
     def check(self, value: Any) -> Any:
@@ -67,6 +76,8 @@ class Int(Kind):
         if not isinstance(value, int) or isinstance(value, bool):
             raise Invalid(f"must be {self._wants()}")
         if self.minimum is not None and value < self.minimum:
+            raise Invalid(f"must be {self._wants()}")
+        if self.maximum is not None and value > self.maximum:
             raise Invalid(f"must be {self._wants()}")
         return value
 
@@ -79,17 +90,28 @@ class Int(Kind):
 
 @dataclass(frozen=True)
 class Float(Kind):
-    """A finite number, > 0 (``positive``) or >= 0; integers become floats."""
+    """A finite number, > 0 (``positive``) or >= 0, and at most ``maximum`` when one is
+    given; integers become floats."""
 
     positive: bool = True
+    maximum: float | None = None
 
     def check(self, value: Any) -> Any:
         wants = "a positive finite number" if self.positive else "a finite number >= 0"
+        if self.maximum is not None:
+            top = self.maximum
+            wants += f" <= {int(top) if float(top).is_integer() else top}"
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise Invalid(f"must be {wants}")
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past any float's range (10**400 in TOML)
+            raise Invalid(f"must be {wants}") from None
         if not math.isfinite(value) or value < 0 or (self.positive and value == 0):
             raise Invalid(f"must be {wants}")
-        return float(value)
+        if self.maximum is not None and value > self.maximum:
+            raise Invalid(f"must be {wants}")
+        return value
 
     def from_text(self, text: str) -> Any:
         try:
