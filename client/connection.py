@@ -22,7 +22,12 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import InvalidRequest
 from rendezvousd.common.address import Address, AddressError, parse_address
 from rendezvousd.common.pem import bundle_problem, pair_problem
-from rendezvousd.common.secret_files import TOKEN_ENV, TOKEN_FILE_ENV, read_judged
+from rendezvousd.common.secret_files import (
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    read_judged,
+    unreadable_token_file,
+)
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -292,7 +297,8 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
             # Named by where it came from: a variable set long ago, in another file,
             # is what the user must find.
             origin = "" if token_file else f" (from ${TOKEN_FILE_ENV})"
-            raise InvalidRequest(f"cannot read token file {path}{origin}: {exc.strerror}") from exc
+            # Not chained: the OSError's own text names the path, maybe a token.
+            raise InvalidRequest(unreadable_token_file(path, exc, origin)) from None
         except UnicodeDecodeError:
             raise InvalidRequest(
                 f"token file {path} is not text (UTF-8): give the file `rendezvousd token "

@@ -11,15 +11,30 @@ its own package's error, so this module raises nothing of its own.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "missing_token", "read_judged"]
+__all__ = [
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "looks_like_token",
+    "missing_token",
+    "read_judged",
+    "unreadable_token_file",
+]
 
 TOKEN_ENV = "RENDEZVOUSD_TOKEN"
 TOKEN_FILE_ENV = "RENDEZVOUSD_TOKEN_FILE"
+# The shortest token a daemon takes (rendezvousd.server.auth.MIN_TOKEN_CHARS), and the
+# prefix of the job-scoped tokens it derives (rendezvousd.server.scope): here, not
+# imported, as the SDK and the launchers read token files without the daemon's modules.
+_MIN_TOKEN_CHARS = 16
+_JOB_TOKEN_PREFIX = "rdzv-job."
+# What a path names when it is not found: none of these leaves the path a file to read.
+_NOT_THERE = (errno.ENOENT, errno.ENAMETOOLONG, errno.ENOTDIR)
 
 
 def read_judged(
@@ -65,3 +80,46 @@ def missing_token(token_file: str | Path | None, env: Mapping[str, str]) -> str 
         f"no token: pass --token-file FILE (the daemon's token file), or set "
         f"${TOKEN_FILE_ENV} to that file or ${TOKEN_ENV} to the token"
     )
+
+
+def looks_like_token(text: str) -> bool:
+    """Whether ``text``, a token file's path that names no file, may be a token instead.
+
+    A token is what the daemon takes: 16 or more printable ASCII characters, no space.
+    ``rendezvousd token`` writes 43 URL-safe base64 characters (letters of both cases,
+    digits, ``-``, ``_``); a job token starts ``rdzv-job.``. A name with a dot, or of
+    one letter case and no digit (``rendezvous_token``), reads as a path; with a slash,
+    only a mix of capitals, small letters and digits (base64's ``/``) does. Leaning to
+    "token" only costs a mistyped path its echo, where the other way a secret lands in
+    logs."""
+    text = text.strip()
+    if (
+        len(text) < _MIN_TOKEN_CHARS
+        or not text.isascii()
+        or not text.isprintable()
+        or any(c.isspace() for c in text)
+    ):
+        return False
+    if text.startswith(_JOB_TOKEN_PREFIX):
+        return True
+    if "." in text:
+        return False
+    kinds = sum(any(test(c) for c in text) for test in (str.islower, str.isupper, str.isdigit))
+    return kinds == 3 if "/" in text else kinds >= 2
+
+
+def unreadable_token_file(path: str | Path, exc: OSError, origin: str = "") -> str:
+    """What to say of a token file that cannot be read (``exc``), ``origin`` saying
+    where its path came from (" (from $VAR)"). A path that names nothing and looks
+    like a token is not shown: a token pasted where its file belongs
+    (``RENDEZVOUSD_TOKEN_FILE="$(cat tok)"``) would otherwise be echoed to stderr
+    and into the logs that collect it."""
+    text = str(path)
+    if exc.errno in _NOT_THERE and looks_like_token(text):
+        return (
+            f"the token file given{origin} does not exist, and its name looks like a token "
+            f"rather than a path ({len(text.strip())} characters, not shown): give the "
+            f"file that holds the token (`rendezvousd token FILE` writes one), or set "
+            f"${TOKEN_ENV} to the token itself"
+        )
+    return f"cannot read token file {text}{origin}: {exc.strerror}"

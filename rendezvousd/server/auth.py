@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from rendezvousd.common.limits import Limits
-from rendezvousd.common.secret_files import TOKEN_ENV, read_judged
+from rendezvousd.common.secret_files import TOKEN_ENV, read_judged, unreadable_token_file
 from rendezvousd.errors import ConfigError
 from rendezvousd.server.budget import Gate, gated, gated_before_body
 from rendezvousd.server.scope import (
@@ -124,7 +124,8 @@ def read_token_file(path: Path) -> list[str]:
     try:
         text = read_judged(path, not_regular, judge).decode("ascii")
     except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
+        # Not chained: the OSError's own text names the path, maybe a token.
+        raise ConfigError(unreadable_token_file(path, exc)) from None
     except UnicodeDecodeError:
         # Clients send the token in an HTTP/2 header: only ASCII can get through.
         raise ConfigError(
