@@ -107,7 +107,7 @@ def plan_buckets(
 ) -> tuple[Bucket, ...]:
     """Assign gradients to buckets; pure, so every rank computes the same plan."""
     if cap_bytes <= 0:
-        raise ConfigError(f"cap_bytes={cap_bytes} must be positive (bucket_cap_mib > 0)")
+        raise ConfigError(f"cap_bytes={cap_bytes} must be a positive number of bytes")
     if first_bucket_bytes is not None and first_bucket_bytes <= 0:
         raise ConfigError(
             f"first_bucket_bytes={first_bucket_bytes} must be positive, or None for no "

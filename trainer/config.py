@@ -139,6 +139,35 @@ class JobId(Text):
             raise Invalid(f"must be a job id the daemon takes: {rule}") from None
 
 
+#: The bucket sizes' unit: what ``bucketing`` multiplies ``*_mib`` by, then truncates.
+MIB = 1 << 20
+#: The most bytes a bucket size may be: 8 EiB (``int(mib * MIB)`` of a larger float
+#: overflowed to inf past 1e302 MiB, an OverflowError in every worker).
+LARGEST_BUCKET_BYTES = 1 << 63
+
+
+@dataclass(frozen=True)
+class Mebibytes(Float):
+    """A bucket size in MiB of at least one byte: ``bucketing`` takes ``int(mib * MiB)``
+    bytes, so 1e-7 MiB (0 bytes) passed as "positive" and then failed every worker
+    mid-job, and a first bucket under one byte silently meant none."""
+
+    def _wants(self) -> str:
+        return (
+            f"a size in MiB from {1 / MIB!r} (one byte, 1/{MIB}) to "
+            f"{LARGEST_BUCKET_BYTES // MIB} (8 EiB)"
+        )
+
+    def check(self, value: Any) -> Any:
+        try:
+            value = super().check(value)
+        except Invalid:
+            raise Invalid(f"must be {self._wants()}") from None
+        if not 1 <= value * MIB <= LARGEST_BUCKET_BYTES:
+            raise Invalid(f"must be {self._wants()}")
+        return value
+
+
 def _check_listenable(host: str) -> None:
     """Refuse a ``ring_host`` this host cannot listen on, as its workers' rings would
     (a name that does not resolve, another host's address): each worker died with a raw
@@ -284,7 +313,6 @@ class RendezvousTransport:
         )
 
 
-_POSITIVE = Float()
 _WAIT = Seconds()
 
 
@@ -312,8 +340,8 @@ class DistributedConfig:
     retry_attempts: int = setting(
         1, "retries of a transient failure, then fail", Count(0), env="RENDEZVOUSD_RETRIES"
     )
-    bucket_cap_mib: float = setting(25.0, "gradient bucket size, MiB", _POSITIVE)
-    first_bucket_mib: float = setting(1.0, "first (smallest) gradient bucket, MiB", _POSITIVE)
+    bucket_cap_mib: float = setting(25.0, "gradient bucket size, MiB", Mebibytes())
+    first_bucket_mib: float = setting(1.0, "first (smallest) gradient bucket, MiB", Mebibytes())
     join_timeout_s: float = setting(600.0, "nodes may be scheduled minutes apart", _WAIT)
     collective_timeout_s: float = setting(
         300.0, "a hung peer fails the step instead of hanging the job", _WAIT

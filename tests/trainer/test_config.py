@@ -156,6 +156,24 @@ def test_invalid_values_are_quoted_in_the_error(kwargs: dict[str, object], quote
         DistributedConfig(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("key", ["bucket_cap_mib", "first_bucket_mib"])
+@pytest.mark.parametrize("mib", [1e-7, 0, 2.0**43 + 1])
+def test_a_bucket_size_outside_one_byte_to_8_eib_is_refused_naming_the_smallest(
+    tmp_path: Path, key: str, mib: float
+) -> None:
+    """Bucketing takes int(mib * 1 MiB) bytes: 1e-7 passed as positive, then failed
+    every worker mid-job (a first bucket: silently none), past ~1e302 overflowed."""
+    path = write(tmp_path, f"[distributed]\n{key} = {mib!r}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    said = str(info.value)
+    assert f"{key} in {path}={mib!r} is invalid: {key} must be a size in MiB from " in said, said
+    assert "from 9.5367431640625e-07 (one byte, 1/1048576)" in said, said
+    # The smallest allowed is allowed, and is one byte.
+    smallest = load_config(write(tmp_path, f"[distributed]\n{key} = {2.0**-20!r}\n"), env={})
+    assert getattr(smallest, key) * (1 << 20) == 1
+
+
 def test_node_rank_auto_needs_the_assigned_rank_for_topology(tmp_path: Path) -> None:
     path = write(
         tmp_path, MULTI.replace("gpus_per_node = 2", 'gpus_per_node = 2\nnode_rank = "auto"')

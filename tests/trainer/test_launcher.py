@@ -699,6 +699,10 @@ def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
         ["--job-id", "a b"],  # the join failed (exit 1) after the spares started
         ["--nproc-per-node", "5000000000"],  # the join, refused by the SDK (exit 1)
         ["--retries", "5000000000"],  # refused by the SDK's client, after the spares
+        # 0 bytes once bucketing truncates: every worker's ConfigError, mid-job.
+        ["--bucket-cap-mib", "1e-7"],
+        ["--first-bucket-mib", "1e-7"],  # silently no first bucket
+        ["--bucket-cap-mib", "1e303"],  # int(inf) bytes: OverflowError in every worker
     ],
     ids=lambda flags: flags[0],
 )
