@@ -738,8 +738,62 @@ def test_a_node_count_the_protocol_cannot_carry_is_exit_2_before_any_spare(
     )  # fmt: skip
     err = capsys.readouterr().err
     assert status == 2, err
-    assert "--num-nodes='5000000000' is invalid: num_nodes must be an integer from 1 to " in err
-    assert "4294967295" in err, err
+    assert f"--nnodes={nnodes!r} is invalid: its " in err, err
+    assert "'5000000000' must be an integer from 1 to 4294967295" in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        # Were "--min-nodes='' is invalid" and "--num-nodes='' is invalid": flags the
+        # user never gave, and not the value they gave.
+        (["--nnodes", ":2"], "--nnodes=':2' is invalid: its MIN '' must be an integer from 1"),
+        (["--nnodes", "2:"], "--nnodes='2:' is invalid: its MAX '' must be an integer from 1"),
+        (["--nnodes", "3:2"], "--nnodes='3:2' is invalid: its MIN 3 exceeds its MAX 2"),
+        # --nnodes' MIN silently won over --min-nodes ("the 1 it needs at least").
+        (
+            ["--nnodes", "1:3", "--min-nodes", "2"],
+            "--min-nodes 2 disagrees with --nnodes 1:3 (its MIN is 1): give the elastic "
+            "minimum once",
+        ),
+    ],
+    ids=["no MIN", "no MAX", "MIN over MAX", "two minimums"],
+)
+def test_an_nnodes_range_it_cannot_take_is_exit_2_naming_nnodes_and_its_value(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], said: str
+) -> None:
+    from rendezvousd.trainer.agent import launcher
+
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    status = launcher.main(
+        [*flags, "--node-rank", "0", "--nproc-per-node", "1", *UNREACHABLE, str(script)]
+    )
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert said in err, err
+    assert "--num-nodes=" not in err and "--min-nodes=" not in err, err
+
+
+def test_min_nodes_that_agrees_with_the_nnodes_range_is_taken() -> None:
+    from rendezvousd.trainer.agent import launcher
+
+    args = launcher.build_parser().parse_args(
+        [
+            "--nnodes",
+            "2:3",
+            "--min-nodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--nproc-per-node",
+            "1",
+            *UNREACHABLE,
+            "x.py",
+        ]
+    )
+    config = launcher.resolve(args, {})
+    assert (config.min_nodes, config.num_nodes) == (2, 3)
 
 
 @pytest.mark.parametrize("standalone", [[], ["--standalone"]], ids=["path", "standalone"])

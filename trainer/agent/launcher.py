@@ -149,7 +149,17 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
     layers = load_layers(args.config, env=shared_env)
     flags = SCHEMA.from_cli(args, ALIASES)
     layers.update(flags)
-    layers.update(_nnodes(args.nnodes))
+    nnodes = _nnodes(args.nnodes)
+    flagged, ranged = flags.get("min_nodes"), nnodes.get("min_nodes")
+    if flagged is not None and ranged is not None and flagged.value != ranged.value:
+        # Both are flags of this command: neither is the more specific, and the one
+        # applied last (--nnodes) was taken without a word.
+        raise ConfigError(
+            f"{flagged.origin} {flagged.value} disagrees with --nnodes {args.nnodes} (its MIN "
+            f"is {ranged.value}): give the elastic minimum once, as --nnodes MIN:MAX or "
+            "--min-nodes"
+        )
+    layers.update(nnodes)
     config = SCHEMA.build([layers])
     if config.is_multi_node and "node_rank" not in layers:
         # The default 0 would put every node on node 0.
@@ -189,15 +199,28 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
 
 
 def _nnodes(text: str | None) -> dict[str, Value]:
-    """``--nnodes N`` or torchrun's elastic ``--nnodes MIN:MAX``, as config values."""
+    """``--nnodes N`` or torchrun's elastic ``--nnodes MIN:MAX``, as config values; an
+    error names --nnodes and its whole value (``:2`` was "--min-nodes='' is invalid")."""
     if text is None:
         return {}
     low, sep, high = text.partition(":")
-    values = {"num_nodes": high if sep else low}
-    if sep:
-        values["min_nodes"] = low
-    layer = SCHEMA.from_cli(values)
-    return {k: Value(v.value, "--nnodes") for k, v in layer.items()}
+    parts = {"num_nodes": (high, "MAX"), "min_nodes": (low, "MIN")} if sep else {}
+    parts = parts or {"num_nodes": (low, "N")}
+    values: dict[str, Value] = {}
+    for key, (part, name) in parts.items():
+        try:
+            values[key] = Value(SCHEMA.options[key].kind.parse(part), "--nnodes")
+        except ValueError as exc:
+            raise ConfigError(
+                f"--nnodes={text!r} is invalid: its {name} {part.strip()!r} {exc}; give N "
+                "or MIN:MAX (e.g. --nnodes 2 or --nnodes 2:4)"
+            ) from None
+    if sep and values["min_nodes"].value > values["num_nodes"].value:
+        raise ConfigError(
+            f"--nnodes={text!r} is invalid: its MIN {low.strip()} exceeds its MAX "
+            f"{high.strip()}; give MIN:MAX with MIN <= MAX"
+        )
+    return values
 
 
 # Threads per worker for OpenMP and the BLAS numpy uses (OpenBLAS reads it too).
