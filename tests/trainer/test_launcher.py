@@ -1082,3 +1082,23 @@ def test_a_daemon_name_that_does_not_resolve_yet_is_asked_again_within_its_join_
     assert "asking again every 1 s for up to 3 s" in done.stderr, done.stderr
     assert "cannot resolve 'nowhere.invalid' (asked for 3 s)" in done.stderr, done.stderr
     assert took > 3.0, took
+
+
+@pytest.mark.parametrize("key", ["rank", "local_rank"])
+def test_a_config_files_per_worker_rank_is_not_the_nodes(tmp_path: Path, key: str) -> None:
+    """The launcher ignored RENDEZVOUSD_RANK but took the file's rank (the shipped
+    single_node.toml's rank = 0) for every worker of the node: node 1 was refused with
+    "rank=0 lies on node 0, not the configured node_rank=1"."""
+    from rendezvousd.trainer.agent import launcher
+
+    config_file = tmp_path / "rank0.toml"
+    config_file.write_text(f"[distributed]\n{key} = 0\n")
+    flags = ["--config", str(config_file), "--nnodes", "2", "--node-rank", "1"]
+    args = launcher.build_parser().parse_args(
+        [*flags, "--nproc-per-node", "2", *UNREACHABLE, "x.py"]
+    )
+    config = launcher.resolve(args, {})
+    assert (config.rank, config.local_rank, config.node_rank) == (None, None, 1)
+    # As from the environment, which was already ignored.
+    env = {"RENDEZVOUSD_RANK": "0", "RENDEZVOUSD_LOCAL_RANK": "0"}
+    assert launcher.resolve(args, env) == config

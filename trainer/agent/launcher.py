@@ -76,7 +76,8 @@ ALIASES = {
     "rendezvous.endpoint": ["--rdzv-endpoint"],
     "retry_attempts": ["--retries"],
 }
-# Per-worker settings: the launcher assigns them, never inherits them.
+# Per-worker settings: the launcher assigns them, never takes them from its config
+# file or environment.
 PER_WORKER = ("rank", "local_rank")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
 
@@ -147,6 +148,10 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConf
     """The node's config, as its workers will load it; ConfigError if unusable."""
     shared_env = {k: v for k, v in env.items() if k not in _per_worker_env()}
     layers = load_layers(args.config, env=shared_env)
+    for key in PER_WORKER:
+        # A config file's rank is one worker's too (the shipped single_node.toml has
+        # rank = 0): taken for the whole node, it refused any --node-rank but 0.
+        layers.pop(key, None)
     flags = SCHEMA.from_cli(args, ALIASES)
     layers.update(flags)
     nnodes = _nnodes(args.nnodes)
