@@ -14,12 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.connection import TlsConfig
-from rendezvousd.common.settings import Bool, Schema, Text, setting
+from rendezvousd.common.settings import Bool, Schema, Text, setting, validate
 from rendezvousd.trainer.agent._fork_server import module_names
 from rendezvousd.trainer.config import Count, Seconds
 from rendezvousd.trainer.errors import ConfigError
 
 __all__ = ["SCHEMA", "TorchrunSettings", "load_settings", "settings_table"]
+
+
+#: How a torchrun user gives the CA: torchrun has none of our CLI's --tls-* flags, which
+#: the SDK's advice (``TLS_CA_ADVICE``) names.
+TORCHRUN_TLS_ADVICE = "pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
 
 
 def _tls(help: str) -> Any:
@@ -73,6 +78,28 @@ class TorchrunSettings:
         Text(),
         flag=None,
     )
+
+    def __post_init__(self) -> None:
+        validate(self, ConfigError)
+        # The SDK's TlsConfig checks these too, but in our CLI's words (--tls-ca), which
+        # torchrun has none of; and a server name without a CA it dropped in silence,
+        # the agent speaking plaintext.
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            )
+            raise ConfigError(
+                f"{given} without {missing}: a client certificate and its key go together "
+                f"(mutual TLS needs both): pass --rdzv-conf {missing}=PATH (or set "
+                f"{SCHEMA.options[missing].env}), or neither for TLS without a client "
+                "certificate"
+            )
+        for name in ("tls_cert", "tls_server_name"):
+            if getattr(self, name) is not None and self.tls_ca is None:
+                raise ConfigError(
+                    f"{name} needs tls_ca, the CA that signed the daemon's certificate "
+                    f"(without it the agent would speak plaintext): {TORCHRUN_TLS_ADVICE}"
+                )
 
     def preload_modules(self) -> list[str]:
         return module_names(self.preload)

@@ -132,7 +132,11 @@ from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, 
 from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
-from rendezvousd.trainer.torchrun.config import TorchrunSettings, load_settings
+from rendezvousd.trainer.torchrun.config import (
+    TORCHRUN_TLS_ADVICE,
+    TorchrunSettings,
+    load_settings,
+)
 from rendezvousd.trainer.torchrun.store_port import store_port
 
 __all__ = ["BACKEND", "DaemonStore", "RendezvousdHandler", "handler_factory"]
@@ -188,8 +192,8 @@ def start_warm_server(
 
 
 #: The SDK's advice to a plaintext client of a TLS daemon (``TLS_CA_ADVICE``) names our
-#: CLI's flag, which torchrun does not have; ``_in_torchruns_words`` gives torchrun's.
-TORCHRUN_TLS_ADVICE = "pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
+#: CLI's flag, which torchrun does not have; ``_in_torchruns_words`` gives torchrun's
+#: (``TORCHRUN_TLS_ADVICE``, the settings' own).
 #: And its advice on the token (``TOKEN_ADVICE``, ``NO_TOKEN_ADVICE``): torchrun has no
 #: --token-file, and --rdzv-conf takes no token itself (it would show in `ps`).
 TORCHRUN_TOKEN_ADVICE = "--rdzv-conf token_file=PATH, or RENDEZVOUSD_TOKEN_FILE / RENDEZVOUSD_TOKEN"

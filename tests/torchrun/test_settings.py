@@ -1,0 +1,60 @@
+"""The torchrun handler's settings (``--rdzv-conf`` over ``RENDEZVOUSD_*``), read as its
+``from_parameters`` reads them before anything of torch's runs: no torch needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.torchrun.config import load_settings
+
+ADVICE = "pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
+
+
+@pytest.mark.parametrize(
+    ("conf", "env", "said"),
+    [
+        # Was the SDK's "--tls-cert/--tls-key need --tls-ca": flags torchrun lacks.
+        (
+            {"tls_cert": "/c.pem", "tls_key": "/k.pem", "token_file": "/t"},
+            {},
+            "tls_cert needs tls_ca, the CA that signed the daemon's certificate",
+        ),
+        # Was dropped in silence: the agent spoke plaintext.
+        ({"tls_server_name": "daemon.example"}, {}, "tls_server_name needs tls_ca"),
+        (
+            {},
+            {"RENDEZVOUSD_TLS_CERT": "/c.pem", "RENDEZVOUSD_TLS_KEY": "/k.pem"},
+            "(tls_cert from $RENDEZVOUSD_TLS_CERT)",
+        ),
+    ],
+    ids=["client pair", "server name", "from the environment"],
+)
+def test_a_tls_setting_without_tls_ca_is_refused_in_torchruns_words(
+    conf: dict[str, str], env: dict[str, str], said: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(conf, env)
+    message = str(info.value)
+    assert said in message and ADVICE in message, message
+    assert "--tls-" not in message, message
+
+
+@pytest.mark.parametrize(("given", "missing"), [("tls_cert", "tls_key"), ("tls_key", "tls_cert")])
+def test_half_a_client_pair_is_refused_naming_the_rdzv_conf_key_it_lacks(
+    given: str, missing: str
+) -> None:
+    """The SDK refused it only when the first client was made, mid-rendezvous, naming
+    --tls-cert and --tls-key."""
+    with pytest.raises(ConfigError) as info:
+        load_settings({"tls_ca": "/ca.pem", given: "/x.pem"}, {})
+    message = str(info.value)
+    assert f"{given} without {missing}" in message, message
+    assert f"pass --rdzv-conf {missing}=PATH" in message and "--tls-" not in message, message
+
+
+def test_tls_settings_with_their_ca_are_taken() -> None:
+    conf = {"tls_ca": "/ca.pem", "tls_cert": "/c.pem", "tls_key": "/k.pem"}
+    settings = load_settings({**conf, "tls_server_name": "daemon.example"}, {})
+    tls = settings.tls()
+    assert tls is not None and tls.server_name == "daemon.example"
