@@ -275,17 +275,36 @@ SCHEMA = Schema(DaemonConfig, ConfigError, env_prefix=ENV_PREFIX)
 FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
 
 
+#: Variables that rendezvous-run (trainer/config.py) reads too, under another rule: a
+#: value right for the launcher, set where both start, refuses the daemon. Its refusal
+#: says so; docs/operations.md lists them above the settings table.
+SHARED_WITH_THE_TRAINER = {
+    f"{ENV_PREFIX}LAST_CALL_S": (
+        "rendezvous-run reads this variable too, where 0 means the daemon's default: "
+        "set it for the launcher only, not in the daemon's environment, or to seconds "
+        "> 0 that both take"
+    ),
+}
+
+
 def load(
     config_file: Path | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> DaemonConfig:
     """Defaults < TOML file < ``RENDEZVOUSD_*`` env < ``overrides`` (flags; None = unset)."""
-    layers = [
-        SCHEMA.from_toml(config_file) if config_file is not None else {},
-        SCHEMA.from_env(os.environ if env is None else env),
-        SCHEMA.from_cli(argparse.Namespace(**(overrides or {}))),
-    ]
+    from_toml = SCHEMA.from_toml(config_file) if config_file is not None else {}
+    try:
+        from_env = SCHEMA.from_env(os.environ if env is None else env)
+    except ConfigError as exc:
+        note = next(
+            (n for name, n in SHARED_WITH_THE_TRAINER.items() if str(exc).startswith(f"${name}=")),
+            None,
+        )
+        if note is None:
+            raise
+        raise ConfigError(f"{exc}; {note}") from None
+    layers = [from_toml, from_env, SCHEMA.from_cli(argparse.Namespace(**(overrides or {})))]
     return SCHEMA.build(layers)
 
 

@@ -66,6 +66,28 @@ def test_a_refusal_names_where_its_value_came_from(
     assert done.stderr.rstrip().endswith(origin), done.stderr
 
 
+def test_a_last_call_of_0_in_the_environment_says_rendezvous_run_reads_it_too(
+    tmp_path: Path,
+) -> None:
+    """RENDEZVOUSD_LAST_CALL_S=0 is rendezvous-run's "the daemon's default"; set where
+    both start, it refused the daemon with no word of the launcher."""
+    token = tmp_path / "token"
+    write_token(token)
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token),
+         "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=30, check=False,
+        env={**os.environ, "RENDEZVOUSD_LAST_CALL_S": "0"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "$RENDEZVOUSD_LAST_CALL_S='0' is invalid: last_call_s must be" in done.stderr
+    assert (
+        "rendezvous-run reads this variable too, where 0 means the daemon's default: set it "
+        "for the launcher only, not in the daemon's environment" in done.stderr
+    ), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_insecure_metrics_opt_in_serves_on_any_address(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:

@@ -65,6 +65,19 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
         assert named - known == set(), doc
 
 
+def test_every_variable_the_daemon_and_a_worker_both_read_is_named_as_shared() -> None:
+    """RENDEZVOUSD_LAST_CALL_S is the daemon's (> 0) and rendezvous-run's (0: the
+    daemon's default), but operations.md named only the TLS pair and the token file
+    where it tells operators to set such variables per process."""
+    daemon = {o.env for o in daemon_config.SCHEMA.options.values()}
+    worker = {o.env for o in trainer_config.SCHEMA.options.values()}
+    worker |= {o.env for o in torchrun_config.SCHEMA.options.values()}
+    text = (DOCS / "operations.md").read_text()
+    paragraph = text[text.index("Some names mean one thing") : text.index("<!-- settings:daemon")]
+    shared = {v for v in daemon & worker if v is not None}
+    assert shared and {v for v in shared if f"`{v}`" not in paragraph} == set()
+
+
 #: Variables the launcher sets for the processes it starts, never a user.
 _INTERNAL_ENV = {
     _agent_boot.ENV_AGENT_PID,
