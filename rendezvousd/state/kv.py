@@ -75,6 +75,16 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
     return job.gen.kv_waiters.pop(key, set())
 
 
+def left(job: Job, rank: int, key: str) -> RendezvousFault:
+    """The fault of rank ``rank``'s wait for ``key`` once it left the job."""
+    return RendezvousFault(
+        Code.FAILED_PRECONDITION,
+        Reason.NOT_A_MEMBER,
+        f"rank {rank} left job {job.job_id!r}; its wait for key {key!r} ends",
+        {"job_id": job.job_id, "ranks": str(rank)},
+    )
+
+
 def delete(job: Job, key: str) -> bool:
     value = job.gen.kv.pop(key, None)
     if value is None:

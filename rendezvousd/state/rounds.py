@@ -20,7 +20,7 @@ from rendezvousd.common.model import (
     Transition,
 )
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.state import barriers, placement
+from rendezvousd.state import barriers, kv, placement
 from rendezvousd.state.job import Attendee, Job, Member, Node
 
 if TYPE_CHECKING:
@@ -279,6 +279,18 @@ def member_left(sm: RendezvousState, job: Job, member: Member, now: float) -> No
         for name, barrier in job.gen.barriers.items():
             for w in barrier.arrived.pop(member.rank, ()):
                 sm.calls.wake(w, fault=barriers.left(job, member.rank, name))
+        # Its own key waits end too: left from another thread, a parked kv_get waited
+        # out its whole wait (600 s by default) where a barrier ended at once (an SDK
+        # misuse review).
+        for key, ws in list(job.gen.kv_waiters.items()):
+            mine = {
+                w for w in ws if (parked := sm.calls.waiting.get(w)) and parked.rank == member.rank
+            }
+            for w in mine:
+                sm.calls.wake(w, fault=kv.left(job, member.rank, key))
+            ws -= mine
+            if not ws:
+                del job.gen.kv_waiters[key]
         if job.gen.left == len(job.gen.members):
             set_state(sm, job, JobState.ENDED, now, "every member left")
             # A key wait a member left behind: held to its deadline, it kept the ended

@@ -13,6 +13,7 @@ import logging
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
-from tests.support import DaemonProcess, members, parallel, spawn_daemon, wait_for
+from tests.support import DaemonProcess, members, parallel, scrape, spawn_daemon, wait_for
 
 # Long enough that silence never loses anyone here: only a stream's end could.
 TIMEOUT_S = "30"
@@ -285,3 +286,50 @@ def test_leaving_a_generation_already_replaced_warns_of_nothing(
     finally:
         old.close()
         new.close()
+
+
+@pytest.mark.parametrize("wait", ["barrier", "kv_get"])
+def test_a_wait_of_a_member_that_leaves_from_another_thread_ends_at_once(
+    daemon: DaemonProcess, job_id: str, wait: str
+) -> None:
+    """A barrier parked when its member left (leave() from another thread) ended at once;
+    a key wait waited out its whole wait (30 s here, 600 s by default), then timed out
+    (an SDK misuse review)."""
+    c = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    peer = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    ended: list[tuple[float, BaseException | None]] = []
+
+    def parked() -> None:
+        try:
+            if wait == "barrier":
+                c.barrier("x", timeout=30)
+            else:
+                c.kv_get("never", timeout=30)
+            ended.append((time.monotonic(), None))
+        except BaseException as exc:
+            ended.append((time.monotonic(), exc))
+
+    try:
+        parallel(
+            [
+                lambda x=x, r=r: x.join(  # type: ignore[misc]
+                    num_nodes=1, gpus_per_node=2, local_rank=r, node_rank=0, timeout=20
+                )
+                for r, x in enumerate((c, peer))
+            ]
+        )
+        for x in (c, peer):
+            x.start_heartbeat(0.3)
+        waiter = threading.Thread(target=parked)
+        waiter.start()
+        wait_for("the call parked", lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] >= 1)
+        left = time.monotonic()
+        c.leave()
+        waiter.join(40)
+        peer.leave()
+    finally:
+        c.close()
+        peer.close()
+    ((at, error),) = ended
+    assert at - left < 5, f"the {wait} ended {at - left:.1f} s after leave()"
+    assert error is not None and "left job" in str(error), error
