@@ -58,3 +58,16 @@ def test_tls_settings_with_their_ca_are_taken() -> None:
     settings = load_settings({**conf, "tls_server_name": "daemon.example"}, {})
     tls = settings.tls()
     assert tls is not None and tls.server_name == "daemon.example"
+
+
+def test_torchs_own_keys_a_user_gives_are_said_to_be_unread_and_what_stands_in() -> None:
+    """They were dropped without a word: heartbeat_timeout=2 read as failures found in
+    2 s, where the daemon's --heartbeat-timeout-s (10 s) applies (a torchrun user's
+    review). torchrun's own ``rank`` is not the user's: nothing said of it."""
+    from rendezvousd.trainer.torchrun.config import ignored_torch_keys
+
+    said = ignored_torch_keys({"heartbeat_timeout": "2", "is_host": "false", "rank": "0"})
+    assert said is not None
+    assert "heartbeat_timeout (here: the daemon's --heartbeat-timeout-s)" in said
+    assert "is_host" in said and "rank" not in said
+    assert ignored_torch_keys({"rank": "0", "join_timeout": "5"}) is None

@@ -687,3 +687,38 @@ def test_an_agent_waiting_for_the_others_says_what_it_waits_for_while_it_waits(
     )
     assert said in err and err.count("still waiting") == 1, err[-3000:]
     assert "RendezvousTimeoutError" in err, err[-3000:]
+
+
+def test_torchruns_default_run_id_is_refused_naming_the_flag(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+) -> None:
+    """Left at torchrun's default ("none"), two unrelated launches on one daemon were
+    one job: an elastic one scaled into the other's world, a fixed-size one stood by as
+    its spare and exited 0 without running its script (a torchrun user's review)."""
+    d = start_daemon()
+    err = _refused(torchrun, d, "none", tmp_path)
+    assert "--rdzv-id is torchrun's default 'none'" in err, err[-3000:]
+    assert not (tmp_path / "steps").exists()
+
+
+def test_a_loopback_node_address_beside_another_hosts_is_named(torch_python: str) -> None:
+    """Node 0 reaching the daemon by ``localhost`` gave its workers MASTER_ADDR
+    127.0.0.1: the other hosts' workers dialled themselves until gloo's timeout, nothing
+    naming why (a torchrun user's review). Nodes simulated on one host all give loopback
+    addresses, which stays fine."""
+    script = (
+        "import json\n"
+        "from rendezvousd.trainer.torchrun.handler import loopback_problem as p\n"
+        "print(json.dumps([p('127.0.0.1', 'localhost:29420', {'127.0.0.1', '10.0.0.2'}),"
+        " p('127.0.0.1', 'localhost:29420', {'127.0.0.1', '127.0.0.3'}),"
+        " p('10.0.0.1', 'h:29420', {'10.0.0.1', '127.0.0.1'})]))\n"
+    )
+    done = subprocess.run(
+        [torch_python, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    far, simulated, not_mine = json.loads(done.stdout)
+    assert "127.0.0.1 (its route to the daemon at localhost:29420) is loopback" in far
+    assert "nodes at 10.0.0.2" in far and "--local-addr" in far
+    assert simulated is None and not_mine is None

@@ -124,7 +124,7 @@ from rendezvousd.client.connection import NO_TOKEN_ADVICE, TLS_CA_ADVICE
 from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.client.warnings_said import say_client_warnings
-from rendezvousd.common.address import AddressError, UnresolvedHost, route_source
+from rendezvousd.common.address import AddressError, UnresolvedHost, is_loopback, route_source
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
@@ -135,6 +135,7 @@ from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import (
     TORCHRUN_TLS_ADVICE,
     TorchrunSettings,
+    ignored_torch_keys,
     load_settings,
 )
 from rendezvousd.trainer.torchrun.store_port import store_port
@@ -394,6 +395,27 @@ class DaemonStore(dist.Store):
         raise NotImplementedError("the daemon's key-value store does not count keys")
 
 
+def loopback_problem(host: str, endpoint: str, hosts: set[str]) -> str | None:
+    """Why this node's address ``host`` cannot serve a round whose nodes gave
+    ``hosts``, or None: a loopback address (the route to a daemon named ``localhost``)
+    beside an address of another host. Nodes simulated on one host all give loopback
+    ones."""
+    far = sorted(h for h in hosts if not is_loopback(h))
+    if not is_loopback(host) or not far:
+        return None
+    return (
+        f"this node's address {host} (its route to the daemon at {endpoint}) is loopback, "
+        f"but the round also has nodes at {', '.join(far[:3])}{' ...' if len(far) > 3 else ''}, "
+        "which cannot reach it (node 0's address is every worker's MASTER_ADDR): give "
+        "--local-addr with an address of this host the others reach, or name the daemon by "
+        "an address the other hosts use too"
+    )
+
+
+#: What torchrun sends as the run id when --rdzv-id is left out.
+TORCHRUN_DEFAULT_ID = "none"
+
+
 class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     """One torchrun agent's rendezvous: a node of one member per round."""
 
@@ -409,6 +431,16 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         if not 1 <= min_nodes <= max_nodes:
             raise ConfigError(
                 f"--nnodes {min_nodes}:{max_nodes}: need 1 <= MIN <= MAX for job {run_id!r}"
+            )
+        if run_id == TORCHRUN_DEFAULT_ID:
+            # One daemon serves many jobs, and jobs of one id are one job: two launches
+            # left at torchrun's default were merged (an elastic one scaled into the
+            # other's world, and a fixed-size one stood by as its spare and exited 0
+            # without running its script). c10d's store, one per job, never shared it.
+            raise ConfigError(
+                f"--rdzv-id is torchrun's default {run_id!r}: give each job its own id "
+                "(e.g. --rdzv-id $SLURM_JOB_ID), the same on each of its nodes; rendezvousd "
+                "serves many jobs, and launches of one id are one job"
             )
         self._endpoint, self._run_id = endpoint, run_id
         self._min, self._max = min_nodes, max_nodes
@@ -469,6 +501,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         if ":" not in endpoint.rsplit("]", 1)[-1]:
             endpoint = f"{endpoint}:{DEFAULT_PORT}"
         settings = load_settings(params.config, os.environ)
+        if (ignored := ignored_torch_keys(params.config)) is not None:
+            log.warning("rendezvousd: %s", ignored)
         return cls(
             endpoint,
             params.run_id,
@@ -519,6 +553,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._node = None
             node = self._join()
             self._node = node
+            if (problem := self._loopback_problem(node)) is not None:
+                # Node 0's address is every worker's MASTER_ADDR: the other hosts'
+                # workers dialled themselves until the process group's timeout (30 min
+                # by default), nothing naming why. Every node hears it, as under
+                # rendezvous-run (a torchrun user's review).
+                with contextlib.suppress(RendezvousError):
+                    self._client.abort(problem, generation=node.generation)
+                raise torch_rdzv.RendezvousError(f"{self._what()}: {problem}")
             self._client.start_heartbeat(on_failure=self._heard_failure)
             self._store_client.attach(node.membership_for(0), node.member_instance_id(0))
             store = DaemonStore(self._store_client, timedelta(seconds=300))
@@ -544,6 +586,12 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         )
         self._watch_links(node)
         return torch_rdzv.RendezvousInfo(store, node.node_rank, node.num_nodes, bootstrap)
+
+    def _loopback_problem(self, node: NodeMembership) -> str | None:
+        if node.num_nodes < 2 or not is_loopback(self._host):
+            return None
+        hosts = {m.host for m in node.membership_for(0).members}
+        return loopback_problem(self._host, self._endpoint, hosts)
 
     def _watch_links(self, node: NodeMembership) -> None:
         """This round's links to the neighbouring agents (``node_links``)."""
