@@ -9,6 +9,7 @@ import logging
 import os
 import resource
 import signal
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     # The Namespace also holds non-setting flags (command, func, config); they are skipped.
     cfg = config_mod.load(args.config, overrides=vars(args))
+    if args.exit_with_parent:
+        _check_parent_pipe()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
@@ -106,6 +109,41 @@ async def _run(
             await watchdog
     await daemon.stop()
     return 0
+
+
+def _check_parent_pipe() -> None:
+    """Refuses, before serving, a stdin that cannot say the parent left: /dev/null or
+    a regular file cannot be watched (the event loop refuses them) and would read as
+    end of file at once, and a closed stdin has nothing to watch. systemd and nohup
+    give /dev/null, so this is a likely mistake, not a theoretical one."""
+    what = "closed"
+    if sys.stdin is not None:
+        try:
+            mode = os.fstat(sys.stdin.fileno()).st_mode
+        except (OSError, ValueError):
+            pass
+        else:
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+                return
+            what = (
+                "a terminal"
+                if os.isatty(sys.stdin.fileno())
+                else _FILE_KINDS.get(stat.S_IFMT(mode), "not a pipe")
+            )
+    raise ConfigError(
+        f"{EXIT_WITH_PARENT}: stdin is {what}; the flag needs stdin to be a pipe (or "
+        "socket) from the process that started the daemon, whose end of file says it "
+        f"exited. Start the daemon with stdin=PIPE, or drop {EXIT_WITH_PARENT} (a "
+        "service manager stops the daemon with SIGTERM)"
+    )
+
+
+_FILE_KINDS = {
+    stat.S_IFREG: "a regular file",
+    stat.S_IFCHR: "a character device (such as /dev/null)",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFBLK: "a block device",
+}
 
 
 def _watch_parent(loop: asyncio.AbstractEventLoop, daemon: Daemon, stop: asyncio.Event) -> None:

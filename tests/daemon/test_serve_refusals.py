@@ -1,4 +1,5 @@
-"""``rendezvousd serve`` refusals: /metrics exposure, TLS certificate/key pairs, empty paths."""
+"""``rendezvousd serve`` refusals: /metrics exposure, TLS certificate/key pairs, empty paths,
+``--exit-with-parent`` without a pipe on stdin."""
 
 from __future__ import annotations
 
@@ -237,3 +238,32 @@ def test_an_empty_client_ca_flag_stops_serve(tmp_path: Path, pki: Pki) -> None:
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "$RENDEZVOUSD_STATE_DIR=' ' is invalid: state_dir must be a path" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("stdin", "what"),
+    [
+        ("devnull", "a character device (such as /dev/null)"),  # systemd's default
+        ("file", "a regular file"),
+        ("closed", "closed"),
+    ],
+)
+def test_exit_with_parent_refuses_a_stdin_that_is_not_a_pipe(
+    tmp_path: Path, stdin: str, what: str
+) -> None:
+    # It printed 'serving on', then died of the event loop's PermissionError (or an
+    # AttributeError on a closed stdin) with a traceback.
+    token = tmp_path / "token"
+    write_token(token)
+    cmd = [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token),
+           "--listen", "127.0.0.1:0", "--exit-with-parent"]  # fmt: skip
+    with open(token) as regular:
+        done = subprocess.run(
+            cmd,
+            stdin={"devnull": subprocess.DEVNULL, "file": regular}.get(stdin),
+            preexec_fn=(lambda: os.close(0)) if stdin == "closed" else None,
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "serving" not in done.stdout and "Traceback" not in done.stderr
+    assert f"--exit-with-parent: stdin is {what}; the flag needs stdin to be a pipe" in done.stderr
