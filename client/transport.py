@@ -463,7 +463,14 @@ class PrivateDirectory:
 
     def host(self) -> EmbeddedDaemon:
         """Start the daemon here with a fresh token; it exits with this process."""
-        self._sock.unlink(missing_ok=True)  # left by a killed host
+        try:
+            self._sock.unlink(missing_ok=True)  # left by a killed host
+        except OSError as exc:
+            # The first write there: a read-only mount that the walk could open fails
+            # here, and says so as a path under it does.
+            raise _unusable(
+                self.socket.parent, f"{self.socket}: {exc.strerror}", self.job_id
+            ) from exc
         try:
             self.daemon = spawn(
                 self._via,
@@ -547,11 +554,7 @@ def _open_private_directory(path: Path, job_id: str) -> int:
     uid = os.getuid()
 
     def refuse(why: str) -> InvalidRequest:
-        return InvalidRequest(
-            f"cannot use {path} as the rendezvous directory: {why}; give the file transport "
-            "a directory of your own",
-            job_id=job_id,
-        )
+        return _unusable(path, why, job_id)
 
     names = deque(path.absolute().parts[1:])
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -604,6 +607,14 @@ def _open_private_directory(path: Path, job_id: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _unusable(path: Path, why: str, job_id: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"cannot use {path} as the rendezvous directory: {why}; give the file transport "
+        "a directory of your own",
+        job_id=job_id,
+    )
 
 
 def _check_private(path: Path, info: os.stat_result, job_id: str) -> None:

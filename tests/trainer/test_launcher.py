@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -822,6 +823,35 @@ def test_a_rendezvous_path_it_cannot_use_is_exit_2_with_no_traceback(
     err = capsys.readouterr().err
     assert err.startswith("rendezvous-run: error: ") and str(path[where]) in err, err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("standalone", [[], ["--standalone"]], ids=["path", "standalone"])
+def test_a_read_only_rendezvous_directory_is_exit_2_with_no_traceback(
+    tmp_path: Path, standalone: list[str]
+) -> None:
+    """An existing directory on a read-only mount passed the walk, then its stale
+    socket's unlink raised EROFS as a traceback (a path under it was refused cleanly)."""
+    if subprocess.run(["unshare", "--mount", "--map-root-user", "true"], check=False).returncode:
+        pytest.skip("no mount namespace here (unshare --mount --map-root-user)")
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    # A private mount namespace: the read-only tmpfs is gone when the launcher ends.
+    mount = f"mount -t tmpfs -o size=64k tmpfs {ro} && chmod 700 {ro} && mount -o remount,ro {ro}"
+    launcher = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", *standalone,
+                "--rendezvous-path", str(ro), "--nproc-per-node", "1", str(script)]  # fmt: skip
+    done = run_launcher(
+        ["unshare", "--mount", "--map-root-user", "sh", "-c", f'{mount} && exec "$@"', "sh",
+         *launcher],
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(
+        f"rendezvous-run: error: cannot use {ro} as the rendezvous directory: "
+        f"{ro}/default.sock: Read-only file system;"
+    ), done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(
