@@ -159,6 +159,21 @@ def serve_refused(
     )
 
 
+def with_own_mounts(setup: str, cmd: Sequence[str]) -> list[str]:
+    """``cmd`` run after the shell line ``setup`` in a mount namespace of its own, as
+    root there: the mounts it makes (a full or read-only tmpfs) vanish with it, and
+    nothing of the host's changes. Skips the test where no such namespace is allowed."""
+    probe = ["unshare", "--mount", "--map-root-user", "true"]
+    try:
+        allowed = subprocess.run(probe, capture_output=True, check=False).returncode == 0
+    except FileNotFoundError:
+        allowed = False
+    if not allowed:
+        pytest.skip("no mount namespace here (unshare --mount --map-root-user)")
+    return ["unshare", "--mount", "--map-root-user", "sh", "-c", f'{setup} && exec "$@"', "sh",
+            *cmd]  # fmt: skip
+
+
 def job_name(request: pytest.FixtureRequest) -> str:
     """A job id unique to this test (ids are per daemon, daemons are per module)."""
     return re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:100] + "-" + secrets.token_hex(3)

@@ -199,8 +199,23 @@ class StateDirLock:
                 "jobs with different state: stop that daemon first, or give this one "
                 "another --state-dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            # The first write of a start: a full (or read-only) state volume meets it
+            # before the database does.
+            os.close(fd)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise DaemonError(
+                f"cannot write the state dir lock file {self.path}: {exc.strerror}; "
+                + (
+                    "the state dir's filesystem is full: free space there or give "
+                    "another --state-dir"
+                    if full
+                    else "make the state dir writable or give another --state-dir"
+                )
+            ) from exc
         self._fd = fd
 
     def reacquire(self) -> None:

@@ -3,11 +3,13 @@ a daemon killed with SIGKILL holds nothing, so its restart is not refused."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from rendezvousd.cli.embedded import serve_command
 from rendezvousd.client import RendezvousClient
-from tests.support import DaemonProcess, serve_refused
+from tests.support import DaemonProcess, serve_refused, with_own_mounts, write_token
 
 
 def _one_job(d: DaemonProcess, job_id: str) -> None:
@@ -48,3 +50,25 @@ def test_a_daemon_killed_with_sigkill_does_not_block_its_restart(
     assert (state / "rendezvousd.lock").read_text().strip() == str(again.proc.pid)
     with RendezvousClient(again.endpoint, "kept", token=again.token) as c:
         assert c.get_job().summary.job_id == "kept"
+
+
+def test_a_full_state_volume_at_first_start_is_a_clean_refusal(tmp_path: Path) -> None:
+    # Writing the lock file's pid was unguarded: a full volume ended in ENOSPC's
+    # traceback, where a full database is refused in words.
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    token = tmp_path / "token"
+    write_token(token)
+    fill = f"dd if=/dev/zero of={volume}/fill bs=4k >/dev/null 2>&1; true"
+    setup = f"mount -t tmpfs -o size=64k tmpfs {volume} && {{ {fill}; }}"
+    serve = serve_command("127.0.0.1:0", token, "--state-dir", str(volume / "state"))
+    done = subprocess.run(
+        with_own_mounts(setup, serve), capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert "serving" not in done.stdout and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == (
+        f"rendezvousd: error: cannot write the state dir lock file {volume}/state/"
+        "rendezvousd.lock: No space left on device; the state dir's filesystem is full: "
+        "free space there or give another --state-dir"
+    )

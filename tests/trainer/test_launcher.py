@@ -29,6 +29,7 @@ from tests.support import (
     run_script_node,
     spawn_daemon,
     wait_for,
+    with_own_mounts,
     write_token,
 )
 
@@ -831,21 +832,14 @@ def test_a_read_only_rendezvous_directory_is_exit_2_with_no_traceback(
 ) -> None:
     """An existing directory on a read-only mount passed the walk, then its stale
     socket's unlink raised EROFS as a traceback (a path under it was refused cleanly)."""
-    if subprocess.run(["unshare", "--mount", "--map-root-user", "true"], check=False).returncode:
-        pytest.skip("no mount namespace here (unshare --mount --map-root-user)")
     script = tmp_path / "ok.py"
     script.write_text("pass\n")
     ro = tmp_path / "ro"
     ro.mkdir()
-    # A private mount namespace: the read-only tmpfs is gone when the launcher ends.
     mount = f"mount -t tmpfs -o size=64k tmpfs {ro} && chmod 700 {ro} && mount -o remount,ro {ro}"
     launcher = [sys.executable, "-m", "rendezvousd.trainer.agent.launcher", *standalone,
                 "--rendezvous-path", str(ro), "--nproc-per-node", "1", str(script)]  # fmt: skip
-    done = run_launcher(
-        ["unshare", "--mount", "--map-root-user", "sh", "-c", f'{mount} && exec "$@"', "sh",
-         *launcher],
-        timeout=60,
-    )  # fmt: skip
+    done = run_launcher(with_own_mounts(mount, launcher), timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(
         f"rendezvous-run: error: cannot use {ro} as the rendezvous directory: "
