@@ -70,9 +70,23 @@ def _channel(args: argparse.Namespace, tls: TlsConfig | None) -> grpc.Channel:
     return grpc.secure_channel(args.endpoint, tls.credentials(), options=options)
 
 
+def _check_endpoint(endpoint: str) -> None:
+    """Refuses --endpoint as ``status`` (the SDK) does: handed to gRPC, '' or 'host'
+    alone became a channel gRPC could not create, its core's log lines and exit 3 (an
+    RPC failure) for what is a bad argument."""
+    from rendezvousd.client._session import check_endpoint
+    from rendezvousd.client.errors import InvalidRequest
+
+    try:
+        check_endpoint(endpoint)
+    except InvalidRequest as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _health(args: argparse.Namespace) -> int:
     try:
         tls = _tls(args)
+        _check_endpoint(args.endpoint)
     except ConfigError as exc:
         print(f"rendezvousd health: {exc}", file=sys.stderr)
         return EXIT_ARGS

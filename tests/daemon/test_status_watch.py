@@ -228,3 +228,22 @@ def test_probe_commands_refuse_seconds_they_cannot_wait(
     assert done.returncode == 1, done.stderr
     assert f"argument {args[1]}: '{args[2]}' is not a number of seconds" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["health", "status"])
+@pytest.mark.parametrize("endpoint", ["", "localhost", "127.0.0.1:99999"])
+def test_probe_commands_refuse_a_malformed_endpoint_as_bad_arguments(
+    tmp_path: Path, command: str, endpoint: str
+) -> None:
+    # health handed it to gRPC: its core's log lines and exit 3, an RPC failure.
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
+    more = ["--token-file", str(token)] if command == "status" else []
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", command, "--endpoint", endpoint, *more],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"rendezvousd {command}: endpoint={endpoint!r} "), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr  # nothing of gRPC's core
