@@ -4,9 +4,11 @@ file transport and ``rendezvous-run --standalone`` (tests have their own fixture
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,25 +25,76 @@ EXIT_WITH_PARENT = "--exit-with-parent"
 
 def write_token_file(path: Path, *, replace: bool = False, token: str | None = None) -> str:
     """Create ``path`` with ``token`` (default: a random one), mode 0600 from the first
-    byte."""
+    byte. With ``replace`` the new file is written and synced under a temporary name
+    in the same directory, then renamed over ``path``: a write that fails (a full
+    disk, ``ulimit -f``) leaves the old token in place, where truncating it in place
+    left an empty file and no token at all."""
     token = token or secrets.token_urlsafe(32)
-    # Not through a link: --force at a link planted in a shared directory overwrote,
-    # and made 0600, a file of the planter's choosing.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if replace else os.O_EXCL)
+    body = (token + "\n").encode()
+    # Every name is looked up in the directory opened once: the rename and the
+    # check for a link before it are about the same directory.
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise OSError(
-            errno.ELOOP,
-            "it is a symbolic link; a token is written only to a plain file (name the "
-            "link's target, or remove the link)",
-        ) from None
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
-        f.write(token + "\n")
+        if replace:
+            _replace_token(path.name, body, dir_fd)
+        else:
+            _create_token(path.name, body, dir_fd)
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     return token
+
+
+_LINK_REFUSED = (
+    "it is a symbolic link; a token is written only to a plain file (name the "
+    "link's target, or remove the link)"
+)
+
+
+def _create_token(name: str, body: bytes, dir_fd: int) -> None:
+    # O_EXCL claims the name at once, and never through a link; a failed write
+    # removes the file it made, so no empty token file stays behind.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    try:
+        _write_synced(fd, body)
+    except BaseException:
+        os.unlink(name, dir_fd=dir_fd)
+        raise
+
+
+def _replace_token(name: str, body: bytes, dir_fd: int) -> None:
+    try:
+        old: os.stat_result | None = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        old = None
+    if old is not None and stat.S_ISLNK(old.st_mode):
+        # A rename would replace the link, not write through it; still refused, as
+        # --force at a link planted in a shared directory was meant for its target.
+        raise OSError(errno.ELOOP, _LINK_REFUSED)
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        if old is not None and (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
+            # Root replacing the token of a daemon run as its own user: the file
+            # truncated in place kept its owner, and the daemon must still read it.
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, old.st_uid, old.st_gid)
+        _write_synced(fd, body)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _write_synced(fd: int, body: bytes) -> None:
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)  # the umask may have taken bits off O_CREAT's mode
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """Files the daemon trusts: a state dir others can write and a private key others can
-read are refused at start-up, and state files are never written through a link."""
+read are refused at start-up, state and token files are never written through a link,
+and a token file is replaced whole or not at all."""
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import socket
 import stat
@@ -149,3 +151,41 @@ def test_a_token_is_never_written_through_a_link(tmp_path: Path, force: list[str
     assert link.is_symlink()
     if force:
         assert "is a symbolic link" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_token_write_that_fails_keeps_the_old_token_and_leaves_no_file(
+    tmp_path: Path, force: list[str]
+) -> None:
+    """``--force`` truncated the old file in place: a failed write (here ``ulimit -f 0``,
+    as a full disk) left it empty, the old token gone with no new one."""
+    token = tmp_path / "token"
+    if force:
+        token.write_text("old-token-" + "x" * 30 + "\n")
+        token.chmod(0o600)
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "token", str(token), *force],
+        capture_output=True, text=True, timeout=60, check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)),
+    )  # fmt: skip
+    assert done.returncode == 1, done
+    assert done.stderr == f"rendezvousd token: cannot write {token}: File too large\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["token"] if force else [])
+    if force:
+        assert token.read_text() == "old-token-" + "x" * 30 + "\n"
+
+
+def test_a_replaced_token_is_a_new_file_of_mode_0600(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("old-token-" + "x" * 30 + "\n")
+    token.chmod(0o644)
+    before = token.stat().st_ino
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "token", str(token), "--force"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert token.stat().st_ino != before  # renamed over it, not rewritten in place
+    assert len(read_token_file(token)[0]) >= 32
+    assert [p.name for p in tmp_path.iterdir()] == ["token"]
