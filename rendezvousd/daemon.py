@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import inspect
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -182,6 +184,84 @@ def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         return result
 
     return make(call, response_serializer=handler.response_serializer)
+
+
+#: sun_path's size less its terminating NUL (Linux).
+_UNIX_PATH_MAX = 107
+
+
+def _bind_problem(listen: str, metrics_port: int | None) -> str | None:
+    """Why binding ``listen`` failed, where it can be told; None leaves gRPC's words
+    (and the guess of another daemon). Each cause here had been reported as another
+    rendezvousd using the address."""
+    from rendezvousd.config import split_listen
+
+    host, port = split_listen(listen)
+    if host is None:
+        return _unix_bind_problem(Path(listen.partition(":")[2]))
+    if metrics_port is not None and port == metrics_port:
+        return (
+            f"port {port} is the one --metrics-listen took a moment before (this daemon's "
+            "/metrics and status page): give --listen and --metrics-listen different ports"
+        )
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: a port left in TIME_WAIT is not in use.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(where)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (
+                f"port {port} is in use by another process (is another rendezvousd already "
+                f"using it? `ss -ltnp 'sport = :{port}'` names it)"
+            )
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"{host} is not an address of this host: listen on one of its own"
+        if exc.errno == errno.EACCES:
+            return f"port {port} is below 1024: this user may not listen on it; use a higher port"
+        return None
+    return None
+
+
+def _unix_bind_problem(path: Path) -> str | None:
+    if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+        return f"a UNIX socket path is at most {_UNIX_PATH_MAX} bytes: give a shorter one"
+    directory = path.parent
+    try:
+        info = directory.stat()
+    except FileNotFoundError:
+        return f"directory {directory} does not exist: create it first, or give another path"
+    except OSError as exc:
+        return f"cannot look at directory {directory}: {exc.strerror}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a directory: give a path in a directory"
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        return f"cannot look at {path}: {exc.strerror}"
+    if mode is not None and not stat.S_ISSOCK(mode):
+        # gRPC removes only a stale socket before binding; anything else stays.
+        return (
+            f"{path} exists and is {_kind(mode)}, not a socket: move it aside, or give another path"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"this user may not create files in {directory}: give a directory it may write"
+    return None
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "another kind of file"
 
 
 @dataclass
@@ -362,8 +442,12 @@ class Daemon:
             else:
                 port = server.add_secure_port(self.config.listen, credentials)
         except RuntimeError as exc:
+            # gRPC says only "Failed to bind": look for the cause once it failed, so
+            # nothing that would have worked is refused on a guess.
+            why = _bind_problem(self.config.listen, self.metrics_port)
             raise DaemonError(
-                f"cannot bind {self.config.listen}: {exc}; is another rendezvousd already using it?"
+                f"cannot bind {self.config.listen}: "
+                + (why or f"{exc}; is another rendezvousd already using it?")
             ) from exc
         await server.start()
         self._server = server

@@ -1,11 +1,12 @@
 """``rendezvousd serve`` refusals: /metrics exposure, TLS certificate/key pairs, empty paths,
-``--exit-with-parent`` without a pipe on stdin."""
+``--exit-with-parent`` without a pipe on stdin, addresses it cannot bind, contradictory limits."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 
 from rendezvousd.common.settings import OptionalPath
 from rendezvousd.config import SCHEMA, ConfigError, DaemonConfig, load
-from tests.support import DaemonProcess, Pki, write_token
+from tests.support import DaemonProcess, Pki, free_port, write_token
 
 
 def _serve(tmp: Path, *args: str) -> tuple[int, str, str]:
@@ -267,3 +268,38 @@ def test_exit_with_parent_refuses_a_stdin_that_is_not_a_pipe(
     assert done.returncode == 2, done.stderr
     assert "serving" not in done.stdout and "Traceback" not in done.stderr
     assert f"--exit-with-parent: stdin is {what}; the flag needs stdin to be a pipe" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("missing-dir", "directory {tmp}/nodir does not exist: create it first"),
+        ("regular-file", "{tmp}/file exists and is a regular file, not a socket: move it aside"),
+        ("same-port", "is the one --metrics-listen took a moment before"),
+        ("port-in-use", "is in use by another process (is another rendezvousd already using"),
+    ],
+)
+def test_a_failed_bind_names_its_cause(tmp_path: Path, where: str, why: str) -> None:
+    # Each ended in gRPC's "Failed to bind ...; set GRPC_VERBOSITY=debug ..." and the
+    # guess "is another rendezvousd already using it?".
+    (tmp_path / "file").write_text("not a socket\n")
+    port = free_port()
+    listen = {
+        "missing-dir": ["--listen", f"unix:{tmp_path}/nodir/s.sock"],
+        "regular-file": ["--listen", f"unix:{tmp_path}/file"],
+        "same-port": ["--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{port}"],
+        "port-in-use": ["--listen", f"127.0.0.1:{port}"],
+    }[where]
+    with socket.socket() as taken:
+        if where == "port-in-use":
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+        code, out, err = _serve(tmp_path, *listen)
+    assert code == 2, err
+    assert "serving" not in out
+    said = err.splitlines()[-1]  # after gRPC core's own "Failed to add port" line
+    assert said.startswith(f"rendezvousd: error: cannot bind {listen[1]}: "), err
+    assert why.format(tmp=tmp_path) in said, err
+    assert "GRPC_VERBOSITY" not in said, err
+    if where != "port-in-use":
+        assert "another rendezvousd" not in said, err
