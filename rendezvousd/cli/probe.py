@@ -392,7 +392,8 @@ def add_probe_commands(sub: Any) -> None:
         const=1.0,
         default=None,
         metavar="SECONDS",
-        help="redraw every SECONDS (default 1) on a terminal; piped, print one snapshot",
+        help="redraw every SECONDS (default 1) on a terminal; piped, print one snapshot. "
+        "Give JOB before it (JOB --watch): right after it, JOB is read as SECONDS",
     )
     status.add_argument("job", nargs="?", help="only this job")
     status.set_defaults(func=_status)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pty
 import select
+import shlex
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.cli.serve import main
 from rendezvousd.client import RendezvousClient
-from tests.support import DaemonProcess, free_port, parallel, wait_for
+from tests.support import ROOT, DaemonProcess, free_port, parallel, wait_for
 
 
 def _status(d: DaemonProcess, job: str) -> list[str]:
@@ -247,3 +248,22 @@ def test_probe_commands_refuse_a_malformed_endpoint_as_bad_arguments(
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith(f"rendezvousd {command}: endpoint={endpoint!r} "), done.stderr
     assert done.stderr.count("\n") == 1, done.stderr  # nothing of gRPC's core
+
+
+def _inspecting_commands() -> list[str]:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("## Inspecting", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()
+    return [line.split("#", 1)[0].rstrip() for line in lines if line.startswith("rendezvousd ")]
+
+
+@pytest.mark.parametrize("command", _inspecting_commands())
+def test_the_documented_probe_commands_parse(command: str) -> None:
+    # The docs showed `status ... --watch [JOB]`, whose JOB --watch read as its seconds.
+    from rendezvousd.cli.serve import build_parser
+
+    for job in ("", "jt1") if "[JOB]" in command else ("",):
+        line = command.replace("[JOB]", job).replace("[SECONDS]", "")
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        assert getattr(args, "job", None) == (job or None), line
