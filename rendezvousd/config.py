@@ -48,6 +48,8 @@ _GRPC_COUNT = Int(minimum=1, maximum=INT32_MAX)
 MAX_CONNECTIONS = INT32_MAX - 1
 # gRPC's receive limit is room for a KvCompareAndSet of two values (Limits.request_bytes).
 MAX_VALUE_BYTES = 512 * MIB
+_DEFAULT_WAIT_S = Timing.default_wait_s
+_MAX_VALUE_BYTES = Limits.max_value_bytes
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,9 @@ class DaemonConfig:
         _GRPC_SECONDS,
     )
     default_wait_s: float = setting(
-        Timing.default_wait_s, "wait for Join/Barrier/KvGet when the call names none", _POSITIVE
+        Timing.default_wait_s,
+        "wait for Join/Barrier/KvGet when the call names none (set above max_wait_s: refused)",
+        _POSITIVE,
     )
     max_wait_s: float = setting(
         Timing.max_wait_s,
@@ -169,7 +173,7 @@ class DaemonConfig:
     max_value_bytes: int = setting(
         Limits.max_value_bytes,
         f"largest key-value value (at most {MAX_VALUE_BYTES}, 512 MiB: gRPC's request size "
-        "limit, room for two, is a C int)",
+        "limit, room for two, is a C int; set above what one job may hold: refused)",
         Int(minimum=1, maximum=MAX_VALUE_BYTES),
     )
     max_kv_bytes: int = setting(
@@ -218,6 +222,34 @@ class DaemonConfig:
                 "listen on 127.0.0.1 and scrape through a sidecar, pass --tls-cert/--tls-key, "
                 "or --insecure-metrics if a network policy limits who can reach it",
                 keys=("metrics_listen", "insecure_metrics"),
+            )
+
+        self._check_contradictions()
+
+    def _check_contradictions(self) -> None:
+        """Refuses settings that contradict each other, one never reachable under the
+        other. Only a value raised above its default is refused: lowering one bound
+        alone (--max-wait-s 60, a small --max-kv-bytes) keeps the other's default
+        capped by it, as documented, and running configurations keep starting."""
+        if self.default_wait_s > self.max_wait_s and self.default_wait_s > _DEFAULT_WAIT_S:
+            raise ConfigError(
+                f"default_wait_s={self.default_wait_s:g} is above max_wait_s="
+                f"{self.max_wait_s:g}: a call naming no wait would still be cut to "
+                "max_wait_s; lower default_wait_s to at most max_wait_s, or raise max_wait_s",
+                keys=("default_wait_s", "max_wait_s"),
+            )
+        per_job = self.limits().kv_bytes_per_job
+        if self.max_value_bytes > per_job and self.max_value_bytes > _MAX_VALUE_BYTES:
+            if per_job == self.max_kv_bytes_per_job:
+                cap, keys = f"max_kv_bytes_per_job={per_job}", ("max_kv_bytes_per_job",)
+            else:
+                cap = f"{per_job}, half of max_kv_bytes={self.max_kv_bytes}"
+                keys = ("max_kv_bytes",)
+            raise ConfigError(
+                f"max_value_bytes={self.max_value_bytes} is above what one job may hold "
+                f"({cap}): no value that large could ever be stored; lower max_value_bytes "
+                f"or raise {keys[0]}",
+                keys=("max_value_bytes", *keys),
             )
 
     def limits(self) -> Limits:

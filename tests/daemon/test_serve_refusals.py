@@ -303,3 +303,50 @@ def test_a_failed_bind_names_its_cause(tmp_path: Path, where: str, why: str) -> 
     assert "GRPC_VERBOSITY" not in said, err
     if where != "port-in-use":
         assert "another rendezvousd" not in said, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["--default-wait-s", "900", "--max-wait-s", "600"],
+            "default_wait_s=900 is above max_wait_s=600: a call naming no wait would still "
+            "be cut to max_wait_s; lower default_wait_s to at most max_wait_s, or raise "
+            "max_wait_s (default_wait_s from --default-wait-s; max_wait_s from --max-wait-s)",
+        ),
+        (
+            ["--max-value-bytes", "100000", "--max-kv-bytes-per-job", "1000"],
+            "max_value_bytes=100000 is above what one job may hold (max_kv_bytes_per_job=1000)"
+            ": no value that large could ever be stored; lower max_value_bytes or raise "
+            "max_kv_bytes_per_job (max_value_bytes from --max-value-bytes; "
+            "max_kv_bytes_per_job from --max-kv-bytes-per-job)",
+        ),
+        (
+            ["--max-value-bytes", "100000", "--max-kv-bytes", "150000"],
+            "max_value_bytes=100000 is above what one job may hold (75000, half of "
+            "max_kv_bytes=150000)",
+        ),
+    ],
+)
+def test_contradictory_limits_are_refused_naming_both(
+    tmp_path: Path, flags: list[str], said: str
+) -> None:
+    # Started silently: the default wait cut to max_wait_s, a value limit no job could use.
+    code, out, err = _serve(tmp_path, "--listen", "127.0.0.1:0", *flags)
+    assert code == 2, err
+    assert "serving" not in out
+    assert err.startswith(f"rendezvousd: error: {said}"), err
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_wait_s": 1.0},  # the default wait is capped, as documented
+        {"max_kv_bytes_per_job": 1000},  # the default value limit is capped by it
+        {"max_kv_bytes": 20000},
+        {"default_wait_s": 60.0, "max_wait_s": 60.0},
+        {"max_value_bytes": 1000, "max_kv_bytes_per_job": 1000},
+    ],
+)
+def test_one_bound_lowered_alone_is_no_contradiction(settings: dict[str, float]) -> None:
+    DaemonConfig(**settings)  # type: ignore[arg-type]
