@@ -641,10 +641,12 @@ class Calls:
         ``again_at_cap``, a wait the daemon ended before the join's own timeout is waited
         again. (Not a per-rank join: its rank 0 waits in PublishId, whose seat, freed at
         the cap, a second PublishId cannot take back.)"""
+        sent = 0
         while True:
             left = plan.left()
             plan.stamp(left)
             try:
+                sent += 1
                 return (yield from self.call(method, plan.request, timeout=left + SLACK_S))
             except InvalidRequest as exc:
                 if not plan.fresh_id_after(exc):
@@ -656,6 +658,13 @@ class Calls:
                 # seat's retry; only the join's own deadline ends it.
                 capped = again_at_cap and exc.reason == "WORLD_INCOMPLETE"
                 if not capped or plan.left() < CAPPED_WAIT_MARGIN_S:
+                    if capped and sent > 1:
+                        # The daemon's "after 2.0 s" counts its last wait only: a
+                        # 12 s join read as one of 2 s (a torchrun user's review).
+                        exc._add(
+                            f" (the last of {sent} waits: {time.monotonic() - plan.started:.1f}"
+                            " s in all, the daemon capping each at its --max-wait-s)"
+                        )
                     raise
 
     def fetch_members(self) -> Steps[tuple[Member, ...]]:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import math
+import numbers
 import operator
 import os
 import secrets
@@ -335,6 +336,13 @@ def check_wait(
         least = 0.001 if deadline or name in POSITIVE_WAITS else 0
     if is_wait(seconds, least):
         return
+    if isinstance(seconds, numbers.Real) and not isinstance(seconds, int | float):
+        # A np.float32(0.5) read "not a wait ... from 0 to 2592000" (an SDK misuse
+        # review): its range was fine, its type is what gRPC and the waits cannot take.
+        raise InvalidRequest(
+            f"{call}() {name}={seconds!r} is a {type(seconds).__name__}: give seconds as "
+            f"a Python float or int (float({name}))"
+        )
     raise InvalidRequest(
         f"{call}() {name}={seconds!r} is not a wait the SDK can send: give seconds from "
         f"{least:g} to {LONGEST_WAIT_S:.0f} (30 days)"

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
@@ -24,6 +25,12 @@ CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
     ("kv_set surrogate", lambda c: c.kv_set(UNENCODABLE, b"v"), "kv_set() key='ckpt-\\udcff'"),
     ("barrier surrogate", lambda c: c.barrier(UNENCODABLE), "barrier() name='ckpt-\\udcff'"),
     ("abort surrogate", lambda c: c.abort(UNENCODABLE), "abort() reason='ckpt-\\udcff'"),
+    # Refused "not a wait ... from 0 to 2592000", though 0.5 is in range (a review).
+    (
+        "numpy float wait",
+        lambda c: c.barrier("b", timeout=np.float32(0.5)),
+        "barrier() timeout=np.float32(0.5) is a float32: give seconds as a Python float",
+    ),
     ("get_job", lambda c: c.get_job(5), "get_job() job_id=5"),
     ("kv_get wait", lambda c: c.kv_get("k", wait="no"), "kv_get() wait='no'"),  # type: ignore[arg-type]
     ("report_failure cause", lambda c: c.report_failure(0, b"x"), "report_failure() cause=b'x'"),  # type: ignore[arg-type]

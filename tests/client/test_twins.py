@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import re
 import signal
 import socket
 import threading
@@ -864,7 +865,10 @@ def join_outlasts_the_daemons_cap_on_waits(w: World) -> object:
     try:
         join(alone, 2.5)
     except RendezvousError as exc:
-        return ranks, (type(exc).__name__, exc.reason, 2.4 < time.monotonic() - started < 6)
+        # Its message counts the whole wait, not the daemon's last 1 s (a review).
+        said = re.search(r"the last of \d+ waits: ([\d.]+) s in all", str(exc))
+        in_all = said is not None and 2.4 < float(said[1]) < 6
+        return ranks, (type(exc).__name__, exc.reason, 2.4 < time.monotonic() - started < 6), in_all
     return ranks, None
 
 
@@ -970,7 +974,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 3),
     "a join outlasting the daemon's cap on waits": (
         join_outlasts_the_daemons_cap_on_waits,
-        ([0, 1], ("RendezvousTimeout", "WORLD_INCOMPLETE", True)),
+        ([0, 1], ("RendezvousTimeout", "WORLD_INCOMPLETE", True), True),
     ),
     "a second heartbeat": (
         a_second_heartbeat_is_refused,
