@@ -336,11 +336,12 @@ def check_wait(
         least = 0.001 if deadline or name in POSITIVE_WAITS else 0
     if is_wait(seconds, least):
         return
-    if isinstance(seconds, numbers.Real) and not isinstance(seconds, int | float):
+    kind: type = type(seconds)
+    if isinstance(seconds, numbers.Real) and kind not in (int, float, bool):
         # A np.float32(0.5) read "not a wait ... from 0 to 2592000" (an SDK misuse
         # review): its range was fine, its type is what gRPC and the waits cannot take.
         raise InvalidRequest(
-            f"{call}() {name}={seconds!r} is a {type(seconds).__name__}: give seconds as "
+            f"{call}() {name}={seconds!r} is a {kind.__name__}: give seconds as "
             f"a Python float or int (float({name}))"
         )
     raise InvalidRequest(
