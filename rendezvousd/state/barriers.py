@@ -10,6 +10,7 @@ from rendezvousd.common import validation
 from rendezvousd.common.limits import Limits
 from rendezvousd.common.model import MemberState
 from rendezvousd.errors import Code, Reason, RendezvousFault, ranks_text
+from rendezvousd.state import fences
 from rendezvousd.state.job import BarrierState, Job, Member
 
 
@@ -51,12 +52,7 @@ def enter(
 
 def left(job: Job, rank: int, name: str) -> RendezvousFault:
     """The fault of rank ``rank``'s call at barrier ``name`` once it left the job."""
-    return RendezvousFault(
-        Code.FAILED_PRECONDITION,
-        Reason.NOT_A_MEMBER,
-        f"rank {rank} left job {job.job_id!r}; it takes no part in barrier {name!r} any more",
-        {"job_id": job.job_id, "ranks": str(rank)},
-    )
+    return fences.left(job, rank, f"it takes no part in barrier {name!r} any more")
 
 
 def release(barrier: BarrierState) -> list[int]:

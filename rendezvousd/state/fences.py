@@ -18,6 +18,17 @@ def draining() -> RendezvousFault:
     )
 
 
+def left(job: Job, rank: int, ends: str) -> RendezvousFault:
+    """The fault of rank ``rank``'s call once it left the job: what ``ends`` for it
+    ("it takes no part in barrier 'x' any more", "its wait for key 'k' ends")."""
+    return RendezvousFault(
+        Code.FAILED_PRECONDITION,
+        Reason.NOT_A_MEMBER,
+        f"rank {rank} left job {job.job_id!r}; {ends}",
+        {"job_id": job.job_id, "ranks": str(rank)},
+    )
+
+
 def no_such_job(job_id: str) -> RendezvousFault:
     """Only a call that expects the job gets it (a join makes the job): a member's
     call after a daemon restarted without its state read as a typo."""

@@ -12,6 +12,7 @@ import re
 from rendezvousd.common import validation
 from rendezvousd.common.limits import Limits
 from rendezvousd.errors import Code, Reason, RendezvousFault
+from rendezvousd.state import fences
 from rendezvousd.state.job import Job
 
 # Plain decimal only: int() would also take " 7 ", "+5" and "1_000", which no
@@ -77,12 +78,7 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
 
 def left(job: Job, rank: int, key: str) -> RendezvousFault:
     """The fault of rank ``rank``'s wait for ``key`` once it left the job."""
-    return RendezvousFault(
-        Code.FAILED_PRECONDITION,
-        Reason.NOT_A_MEMBER,
-        f"rank {rank} left job {job.job_id!r}; its wait for key {key!r} ends",
-        {"job_id": job.job_id, "ranks": str(rank)},
-    )
+    return fences.left(job, rank, f"its wait for key {key!r} ends")
 
 
 def delete(job: Job, key: str) -> bool:
