@@ -375,19 +375,23 @@ def test_a_rank_that_leaves_while_waiting_at_a_barrier_is_not_counted_as_arrived
     ]
 
 
-def test_a_key_wait_left_behind_ends_with_the_job() -> None:
-    """Every member left while a KvGet waited: it hears JOB_ENDED at once, rather than
-    holding its slot to its deadline (600 s) and keeping the ended job from expiring."""
+def test_a_key_wait_left_behind_ends_with_its_member() -> None:
+    """A KvGet's member left while it waited: it hears NOT_A_MEMBER at once, as its
+    barrier would, rather than holding its slot to its deadline (600 s), keeping the
+    ended job from expiring (then JOB_ENDED once every member left; an SDK review had
+    it wait out its wait behind a member still there)."""
     sm = RendezvousState()
     gen = form(sm, nodes=1, gpus=2)[0].generation
     waiting = sm.kv_get("j", gen, 1, "k", True, 0.0, instance_id=inst(sm, 1))
     assert isinstance(waiting, Parked)
     sm.leave("j", gen, 1, inst(sm, 1), 0.0)
-    sm.leave("j", gen, 0, inst(sm, 0), 0.0)
-    assert sm.jobs["j"].state is JobState.ENDED
     [wake] = [e for e in sm.take_effects() if isinstance(e, Wake)]
     assert wake.waiter == waiting.waiter and wake.fault is not None
-    assert wake.fault.reason == "JOB_ENDED"
+    assert wake.fault.reason == "NOT_A_MEMBER"
+    assert "rank 1 left job 'j'; its wait for key 'k' ends" in wake.fault.message
+    assert sm.jobs["j"].state is JobState.RUNNING
+    sm.leave("j", gen, 0, inst(sm, 0), 0.0)
+    assert sm.jobs["j"].state is JobState.ENDED
     assert sm.waiter_count == 0
     sm.tick(Timing().job_ttl_s + 1)
     assert "j" not in sm.jobs
