@@ -112,10 +112,13 @@ def ended_error() -> grpc.RpcError:
 
 
 def unserved(exc: grpc.RpcError, initial_metadata: Any, marks: bool) -> grpc.RpcError:
-    """``exc``, the stream's end; or, where it ended without the daemon serving it (no
-    ``SERVED_METADATA``: a daemon shutting down refuses a new stream CANCELLED or
-    UNAVAILABLE), a ``NOT_RUN`` error. ``marks``: whether this daemon was seen to send
-    that metadata, which an older daemon never does."""
+    """``exc``, the stream's end; or, where the daemon refused it without serving it (a
+    daemon shutting down ends a new stream CANCELLED, no ``SERVED_METADATA`` before),
+    a ``NOT_RUN`` error. ``marks``: whether this daemon was seen to send that metadata,
+    which an older daemon never does. Only CANCELLED: the daemon's own end of the
+    stream, which comes after anything it sent on it. A connection that broke
+    (UNAVAILABLE) may have lost the metadata of a stream whose calls ran (a daemon
+    killed with a reset, a network cut as it answered): their outcome stays unknown."""
     served = SERVED_METADATA in tuple(initial_metadata or ())
     if served or not marks or exc.code() not in _REFUSED:
         return exc
@@ -125,7 +128,7 @@ def unserved(exc: grpc.RpcError, initial_metadata: Any, marks: bool) -> grpc.Rpc
     )
 
 
-_REFUSED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+_REFUSED = (grpc.StatusCode.CANCELLED,)
 
 
 def closed_error() -> grpc.RpcError:
