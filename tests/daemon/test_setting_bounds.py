@@ -25,6 +25,9 @@ _BOUNDED: dict[str, float] = {
     "max_connections": INT32_MAX - 1,
     "max_value_bytes": 512 * 1024 * 1024,
 }
+#: What a job must be able to hold beside the largest value, or the daemon refuses the
+#: value as one no job could store (a contradiction, refused at start).
+_ROOM_FOR_IT = {"max_kv_bytes": 2 * 512 * 1024 * 1024, "max_kv_bytes_per_job": 512 * 1024 * 1024}
 
 
 @pytest.mark.parametrize(
@@ -83,14 +86,15 @@ def test_serve_refuses_an_overflowing_value_without_a_traceback(tmp_path: Path) 
 
 
 def test_every_grpc_option_fits_a_c_int_at_the_settings_maxima() -> None:
-    config = DaemonConfig(listen="127.0.0.1:0", **_BOUNDED)  # type: ignore[arg-type]
+    config = DaemonConfig(listen="127.0.0.1:0", **_BOUNDED, **_ROOM_FOR_IT)  # type: ignore[arg-type]
     options = Daemon(config, ["t" * 32])._options()
     too_big = [(name, v) for name, v in options if isinstance(v, int) and v > INT32_MAX]
     assert not too_big
 
 
 def test_a_daemon_at_every_maximum_serves(start_daemon: Callable[..., DaemonProcess]) -> None:
-    flags = [f for key, top in _BOUNDED.items() for f in (SCHEMA.options[key].flag, str(top))]
+    every = {**_BOUNDED, **_ROOM_FOR_IT}
+    flags = [f for key, top in every.items() for f in (SCHEMA.options[key].flag, str(top))]
     d = start_daemon(*flags)
     assert d.proc.poll() is None
 
