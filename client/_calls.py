@@ -580,12 +580,10 @@ class Calls:
 
     # -- membership ------------------------------------------------------------------
 
-    def join(self, request: JoinRequest, heartbeating: bool) -> Steps[Membership]:
-        """Register one rank and wait for the world: rank, id and member table.
-        ``heartbeating``: whether the client's heartbeat runs (``Session.live_member``)."""
+    def join(self, request: JoinRequest) -> Steps[Membership]:
+        """Register one rank and wait for the world: rank, id and member table."""
         check_keywords("join", JoinRequest, request)
-        self.s.live_member("join", heartbeating)
-        self.s.joining = True
+        kept = self.s.start_joining("join")
         try:
             yield from self.before_join(request.get("timeout"))
             plan = self.s.plan_join(**request)
@@ -595,6 +593,9 @@ class Calls:
                 publish = plan.publish_request(response)
                 response = yield from self.call("PublishId", publish, timeout=plan.left() + SLACK_S)
             m = plan.finish(response)
+        except BaseException as exc:
+            self.s.restore(kept, exc)
+            raise
         finally:
             self.s.joining = False
         address = request.get("address", "")
@@ -778,8 +779,6 @@ class Calls:
         )
         response = yield from self.call("AbortJob", request)
         aborted: int = response.generation
-        if request.job_id == self.s.job_id:
-            self.s.aborted = aborted  # its membership's end, before the heartbeat says so
         return aborted
 
     # -- key-value store -----------------------------------------------------------------

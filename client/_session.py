@@ -377,6 +377,22 @@ class ClientOptions(TypedDict, total=False):
     call_stream: bool
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """A client's membership state as a join found it (``Session.restore``)."""
+
+    instance_id: str = field(repr=False)
+    joined: Membership | None
+    node: NodeMembership | None
+    failure: RendezvousError | None
+    barrier_counts: dict[str, int]
+    leaving: bool
+    nodes_waiting: int
+    stream_leave: bool
+    left: bool
+    leave_error: grpc.RpcError | None
+
+
 @dataclass
 class Session:
     """Per-client state: the membership, barrier counts and any failure seen."""
@@ -408,10 +424,9 @@ class Session:
     leaving: bool = False
     # A node agent's join (join_node): the node heartbeats and leaves, not a rank.
     node: NodeMembership | None = None
-    # A join() in flight on this client, and the generation this client aborted
-    # (``live_member``).
+    # A join() in flight on this client (``start_joining``).
     joining: bool = False
-    aborted: int = -1
+    _joining_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # The instance id of the last node seat this client held: its next join_node
     # names it, so the daemon seats it in the seat kept for it after a failure (a
     # newcomer cannot take it). Not cleared by ``begin``: that seat outlives the join.
@@ -661,28 +676,48 @@ class Session:
             membership = dataclasses.replace(membership, _table=table)
         self.joined = membership
 
-    def live_member(self, call: str, heartbeating: bool) -> None:
-        """Refuse ``call`` (a join) on a client that is joining already, or whose
-        heartbeat runs for a membership with no failure heard and no abort of its own:
-        the join cleared it first, so a refused second join left a heartbeating member
-        its client no longer knew, and the job failed at the client's next leave() (an
-        SDK misuse review). Without a heartbeat, the client cannot know its generation
-        is still live (another member may have aborted it): the daemon decides."""
-        if self.joining:
-            raise InvalidRequest(
-                f"{call}() while another join() of job {self.job_id!r} is in flight on this "
-                "client: one client is one member; make a client per rank",
-                job_id=self.job_id,
-            )
-        m = self.joined
-        live = m is not None and self.failure is None and not self.leaving
-        if live and heartbeating and m is not None and self.aborted != m.generation:
-            raise InvalidRequest(
-                f"{call}() on a client that is already rank {m.rank} of job {m.job_id!r} "
-                f"generation {m.generation}: leave() first to join again, or make another "
-                "client for another rank",
-                job_id=m.job_id,
-                rank=m.rank,
+    def start_joining(self, call: str) -> _Kept:
+        """Refuse ``call`` (a join) beside another join in flight on this client (two
+        threads' joins went out under one identity, and the client then held a mix of
+        the two); else what the join must put back should it fail (``restore``)."""
+        with self._joining_lock:
+            if self.joining:
+                raise InvalidRequest(
+                    f"{call}() while another join() of job {self.job_id!r} is in flight on "
+                    "this client: one client is one member; make a client per rank",
+                    job_id=self.job_id,
+                )
+            self.joining = True
+        return _Kept(
+            self.instance_id, self.joined, self.node, self.failure, dict(self.barrier_counts),
+            self.leaving, self.nodes_waiting, self.stream_leave, self.left, self.leave_error,
+        )  # fmt: skip
+
+    def restore(self, kept: _Kept, error: BaseException) -> None:
+        """A join that failed leaves the client as it was: it cleared the membership
+        first, so a second join refused on a live member (DuplicateRank) left a
+        heartbeating member its client no longer knew, and the job failed at the next
+        leave() (an SDK misuse review). Refusing such a join on the client's own guess
+        refused re-joins its heartbeat had not yet heard were due (a review)."""
+        self.instance_id, self.joined, self.node = kept.instance_id, kept.joined, kept.node
+        self.barrier_counts, self.leaving = kept.barrier_counts, kept.leaving
+        # What the running heartbeat (the kept member's) heard meanwhile stands.
+        self.failure = self.failure or kept.failure
+        self.nodes_waiting = self.nodes_waiting or kept.nodes_waiting
+        self.stream_leave = self.stream_leave or kept.stream_leave
+        self.left = self.left or kept.left
+        self.leave_error = self.leave_error or kept.leave_error
+        m = kept.joined
+        if (
+            m is not None
+            and isinstance(error, RendezvousError)
+            and error.reason == "DUPLICATE_RANK"
+        ):
+            # The daemon's advice (give each worker its own rank) reads as another
+            # worker's doing when the holder is this same client.
+            error._add(
+                f"; this client still holds rank {m.rank} of generation {m.generation}: "
+                "leave() first to join again, or make another client for another rank"
             )
 
     def plan_join(self, **r: Unpack[JoinRequest]) -> JoinPlan:

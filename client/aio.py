@@ -228,7 +228,7 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """``RendezvousClient.join``, awaited."""
-        return await self._run(self._c.join(request, self._heartbeat_running()))
+        return await self._run(self._c.join(request))
 
     async def join_node(self, **request: Unpack[NodeJoinRequest]) -> NodeMembership:
         """``RendezvousClient.join_node``, awaited."""

@@ -276,7 +276,7 @@ class RendezvousClient(steps.ClientBase):
         ``id_factory()`` (e.g. NCCL's get_unique_id), else 128 random bytes (enough for
         the CPU backend).
         """
-        return self._run(self._c.join(request, self._heartbeat_running()))
+        return self._run(self._c.join(request))
 
     def join_node(self, **request: Unpack[NodeJoinRequest]) -> NodeMembership:
         """Join once for this whole node (a node agent holding ``gpus_per_node`` local

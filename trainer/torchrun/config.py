@@ -139,19 +139,23 @@ TORCH_KEYS = frozenset(
 
 #: What each of torch's own keys a user sets would have done, and what does it here.
 _IN_PLACE_OF = {
-    "timeout": "join_timeout",
     "heartbeat_timeout": "the daemon's --heartbeat-timeout-s",
     "keep_alive_interval": "the daemon's --heartbeat-timeout-s",
     "read_timeout": "connect_timeout and the SDK's call_timeout",
 }
 
 
+_TORCHRUNS_OWN = frozenset({"rank", "timeout"})
+
+
 def ignored_torch_keys(conf: Mapping[str, Any]) -> str | None:
     """What to say of torch's own ``--rdzv-conf`` keys a user gave, which this backend
     does not read, or None. They were dropped without a word: a heartbeat_timeout=2
     read as failures found in 2 s, where the daemon's timeout (10 s) applies (a torchrun
-    user's review). ``rank`` is torchrun's own, set for every backend."""
-    given = sorted(k for k in conf if k in TORCH_KEYS and k != "rank")
+    user's review). ``rank`` and ``timeout`` are torchrun's own, set for every backend
+    (``timeout`` from --rdzv-timeout, 900 s unless given): said, they were said of
+    every launch (a review)."""
+    given = sorted(k for k in conf if k in TORCH_KEYS and k not in _TORCHRUNS_OWN)
     if not given:
         return None
     said = [f"{k} (here: {_IN_PLACE_OF[k]})" if k in _IN_PLACE_OF else k for k in given]
