@@ -106,6 +106,12 @@ class Marks:
 
     seen = False
 
+    def broke(self, exc: grpc.RpcError) -> None:
+        """A stream broke: the daemon behind the channel's next connection may be
+        another (rolled back to a release without the metadata), so it is learnt again."""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            self.seen = False
+
 
 class _Stream:
     """What an open CallBatches stream of either twin holds: its calls in flight, the
@@ -215,13 +221,14 @@ class _BlockingStream(_Stream):
                 return
 
     def _read(self) -> None:
-        failure: grpc.RpcError = ended_error()
+        failure: grpc.RpcError = ended_error(served=False)
         try:
             for batch in self._call:
                 if not self.marks.seen:
                     self.marks.seen = SERVED_METADATA in (self._call.initial_metadata() or ())
                 for reply in batch.replies:
                     settle(self, reply)
+            failure = ended_error(SERVED_METADATA in (self._call.initial_metadata() or ()))
         except grpc.RpcError as exc:
             # A copy: the error raised is the call itself, which finish() frees.
             failure = (
@@ -230,6 +237,7 @@ class _BlockingStream(_Stream):
                 else copy_error(unserved(exc, self._call.initial_metadata(), self.marks.seen))
             )
             self.unsupported = unsupported(exc, self.pending.replied)
+            self.marks.broke(exc)
         finally:
             self._ended(failure)
 
@@ -433,7 +441,7 @@ class _AsyncStream(_Stream):
                 return
 
     async def _read(self) -> None:
-        failure: grpc.RpcError = ended_error()
+        failure: grpc.RpcError = ended_error(served=False)
         try:
             async for batch in self._call:
                 if not self.marks.seen:
@@ -441,12 +449,18 @@ class _AsyncStream(_Stream):
                     self.marks.seen = SERVED_METADATA in tuple(served or ())
                 for reply in batch.replies:
                     settle(self, reply)
+            failure = ended_error(
+                SERVED_METADATA in tuple(await self._call.initial_metadata() or ())
+            )
         except grpc.RpcError as exc:
             if status_lost(exc) and not self.closing:
+                # The probe's end says what the daemon does with a new stream now, not
+                # what it did with this one: never read as this stream's (unserved).
                 exc = await self._probe() if not self.pending.replied else lost_error()
-            self.unsupported = unsupported(exc, self.pending.replied)
-            if not self.closing:
+            elif not self.closing:
                 exc = unserved(exc, await self._call.initial_metadata(), self.marks.seen)
+            self.unsupported = unsupported(exc, self.pending.replied)
+            self.marks.broke(exc)
             failure = closed_error() if self.closing else exc
         except asyncio.CancelledError:
             failure = closed_error()

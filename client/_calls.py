@@ -298,14 +298,18 @@ class Calls:
                 # serves again, as one cut by a daemon killed is (a SIGTERM restart
                 # failed jobs that a SIGKILL restart left running). Any other DRAINING
                 # answer is one.
+                # A call the daemon did not run as it shut down (its stream ended before
+                # it read the call, or it answered "not run") is re-sent once a daemon
+                # serves again, a KvAdd too, where "not repeated: it may have been
+                # applied" failed a worker.
+                not_run = s.daemon_returns and (
+                    error.reason == NOT_RUN
+                    or (error.reason == "DRAINING" and error.metadata.get("run") == "no")
+                )
                 drained = error.reason == "DRAINING" and _parks(request) and s.daemon_returns
-                verdict = (error.reason == "DRAINING" and not drained) or (
+                verdict = (error.reason == "DRAINING" and not drained and not not_run) or (
                     error.code == "DEADLINE_EXCEEDED" and error.reason not in ("", RELAY_STALLED)
                 )
-                # A call its stream ended before the daemon read it (a daemon shutting
-                # down) was not run: re-sent once a daemon serves again, a KvAdd too,
-                # where "not repeated: it may have been applied" failed a worker.
-                not_run = error.reason == NOT_RUN and s.daemon_returns
                 retry = not verdict and (not_run or s.retry.retryable(method, exc.code()))
                 unanswered = not health and error.code in UNKNOWN_OUTCOME and not error.reason
                 if not retry or attempt > s.retry.attempts:
@@ -642,12 +646,11 @@ class Calls:
         ``again_at_cap``, a wait the daemon ended before the join's own timeout is waited
         again. (Not a per-rank join: its rank 0 waits in PublishId, whose seat, freed at
         the cap, a second PublishId cannot take back.)"""
-        sent = 0
+        waits = 1
         while True:
             left = plan.left()
             plan.stamp(left)
             try:
-                sent += 1
                 return (yield from self.call(method, plan.request, timeout=left + SLACK_S))
             except InvalidRequest as exc:
                 if not plan.fresh_id_after(exc):
@@ -659,14 +662,15 @@ class Calls:
                 # seat's retry; only the join's own deadline ends it.
                 capped = again_at_cap and exc.reason == "WORLD_INCOMPLETE"
                 if not capped or plan.left() < CAPPED_WAIT_MARGIN_S:
-                    if capped and sent > 1:
+                    if capped and waits > 1:
                         # The daemon's "after 2.0 s" counts its last wait only: a
                         # 12 s join read as one of 2 s (a torchrun user's review).
                         exc._add(
-                            f" (the last of {sent} waits: {time.monotonic() - plan.started:.1f}"
+                            f" (the last of {waits} waits: {time.monotonic() - plan.started:.1f}"
                             " s in all, the daemon capping each at its --max-wait-s)"
                         )
                     raise
+                waits += 1  # the same join again: another of the daemon's capped waits
 
     def fetch_members(self) -> Steps[tuple[Member, ...]]:
         """The joined (or attached) member's table, fetched page by page as steps."""

@@ -102,12 +102,19 @@ def not_run_error(why: str) -> grpc.RpcError:
     return status_error(rich_status(grpc.StatusCode.UNAVAILABLE, NOT_RUN, why))
 
 
-def ended_error() -> grpc.RpcError:
-    """The daemon ended the stream (status OK) with calls still in flight on it: it
-    answers every call it read before it ends a stream (it drains), so those were not."""
-    return not_run_error(
-        "the daemon ended the call stream before reading this call (it was shutting "
-        "down): the call was not run"
+def ended_error(served: bool) -> grpc.RpcError:
+    """The daemon ended the stream (status OK) with calls still in flight on it.
+    ``served``: this stream carried ``SERVED_METADATA``: such a daemon answers every
+    call it read before it ends a stream (it drains), so those were never run. An older
+    daemon, without the metadata, may have cancelled calls it had run (a drain once did,
+    of a stream its client had half-closed): their outcome stays unknown."""
+    if served:
+        return not_run_error(
+            "the daemon ended the call stream before reading this call (it was shutting "
+            "down): the call was not run"
+        )
+    return rpc_error(
+        grpc.StatusCode.UNAVAILABLE, "the daemon ended the call stream (draining or restarting)"
     )
 
 
@@ -115,12 +122,17 @@ def unserved(exc: grpc.RpcError, initial_metadata: Any, marks: bool) -> grpc.Rpc
     """``exc``, the stream's end; or, where the daemon refused it without serving it (a
     daemon shutting down ends a new stream CANCELLED, no ``SERVED_METADATA`` before),
     a ``NOT_RUN`` error. ``marks``: whether this daemon was seen to send that metadata,
-    which an older daemon never does. Only CANCELLED: the daemon's own end of the
-    stream, which comes after anything it sent on it. A connection that broke
-    (UNAVAILABLE) may have lost the metadata of a stream whose calls ran (a daemon
-    killed with a reset, a network cut as it answered): their outcome stays unknown."""
+    which an older daemon never does. Only the daemon's own end of the stream (CANCELLED,
+    or a GOAWAY), which comes after anything it sent on it. A connection that broke
+    otherwise (UNAVAILABLE) may have lost the metadata of a stream whose calls ran (a
+    daemon killed with a reset, a network cut as it answered): those stay unknown."""
     served = SERVED_METADATA in tuple(initial_metadata or ())
-    if served or not marks or exc.code() not in _REFUSED:
+    # A daemon shutting down also refuses a stream it takes no more with GOAWAY, which
+    # comes after the metadata of every stream it served on that connection.
+    refused = exc.code() in _REFUSED or (
+        exc.code() is grpc.StatusCode.UNAVAILABLE and "GOAWAY received" in (exc.details() or "")
+    )
+    if served or not marks or not refused:
         return exc
     return not_run_error(
         f"the daemon refused the call stream before serving it ({exc.code().name}: "
