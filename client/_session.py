@@ -337,7 +337,8 @@ def check_wait(
     if is_wait(seconds, least):
         return
     kind: type = type(seconds)
-    if isinstance(seconds, numbers.Real) and kind not in (int, float, bool):
+    # np.float64 is a float (taken in range): only a type gRPC cannot take is blamed.
+    if isinstance(seconds, numbers.Real) and not issubclass(kind, int | float):
         # A np.float32(0.5) read "not a wait ... from 0 to 2592000" (an SDK misuse
         # review): its range was fine, its type is what gRPC and the waits cannot take.
         raise InvalidRequest(
@@ -544,15 +545,20 @@ class Session:
 
     def beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
         """The stream's next beat: ``request`` with the latest ``report_progress``."""
-        if self.progress is None or request.progress == self.progress:
+        progress = self.progress
+        if progress is None:
+            return request
+        if len(progress.steps) > (ranks := self.stream_ranks()):
+            # One step per rank of the stream: the daemon keeps no more, and a list given
+            # before the join was known (report_progress refuses one after) made every
+            # beat over the daemon's message limit, failing the whole job. Cut once, in
+            # place: the next beat's comparison then finds it sent already.
+            del progress.steps[ranks:]
+        if request.progress == progress:
             return request
         again = pb.HeartbeatRequest()
         again.CopyFrom(request)
-        again.progress.CopyFrom(self.progress)
-        # One step per rank of the stream: the daemon keeps no more, and a list given
-        # before the join was known (report_progress refuses one after) could make
-        # every beat over the daemon's message limit, failing the whole job.
-        del again.progress.steps[self.stream_ranks() :]
+        again.progress.CopyFrom(progress)
         return again
 
     def stream_ranks(self) -> int:

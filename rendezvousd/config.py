@@ -228,10 +228,12 @@ class DaemonConfig:
 
     def _check_contradictions(self) -> None:
         """Refuses settings that contradict each other, one never reachable under the
-        other. Only a value raised above its default is refused: lowering one bound
-        alone (--max-wait-s 60, a small --max-kv-bytes) keeps the other's default
-        capped by it, as documented, and running configurations keep starting."""
-        if self.default_wait_s > self.max_wait_s and self.default_wait_s > _DEFAULT_WAIT_S:
+        other. Only a value set (off its default) is refused: lowering one bound alone
+        (--max-wait-s 60, a small --max-kv-bytes) keeps the other's default capped by it,
+        as documented, and running configurations keep starting; but --max-wait-s 60
+        --default-wait-s 120 says two things at once (a review: only a value raised
+        above its default was refused)."""
+        if self.default_wait_s > self.max_wait_s and self.default_wait_s != _DEFAULT_WAIT_S:
             raise ConfigError(
                 f"default_wait_s={self.default_wait_s:g} is above max_wait_s="
                 f"{self.max_wait_s:g}: a call naming no wait would still be cut to "
@@ -239,7 +241,7 @@ class DaemonConfig:
                 keys=("default_wait_s", "max_wait_s"),
             )
         per_job = self.limits().kv_bytes_per_job
-        if self.max_value_bytes > per_job and self.max_value_bytes > _MAX_VALUE_BYTES:
+        if self.max_value_bytes > per_job and self.max_value_bytes != _MAX_VALUE_BYTES:
             if per_job == self.max_kv_bytes_per_job:
                 cap, keys = f"max_kv_bytes_per_job={per_job}", ("max_kv_bytes_per_job",)
             else:

@@ -221,7 +221,12 @@ def _bind_problem(listen: str, metrics_port: int | None) -> str | None:
         if exc.errno == errno.EADDRNOTAVAIL:
             return f"{host} is not an address of this host: listen on one of its own"
         if exc.errno == errno.EACCES:
-            return f"port {port} is below 1024: this user may not listen on it; use a higher port"
+            # Below 1024 usually, but net.ipv4.ip_unprivileged_port_start or a security
+            # policy (SELinux, AppArmor) can deny others: said as what it is (a review).
+            return (
+                f"this user may not listen on port {port} (a privileged port here, or "
+                "denied by a security policy); use a higher port or check the policy"
+            )
         return None
     return None
 

@@ -79,8 +79,19 @@ def _replace_token(name: str, body: bytes, dir_fd: int) -> None:
         if old is not None and (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
             # Root replacing the token of a daemon run as its own user: the file
             # truncated in place kept its owner, and the daemon must still read it.
-            with contextlib.suppress(PermissionError):
+            # Another user may not give it away: replaced by a file of theirs (mode
+            # 0600), the daemon's user could no longer read its token (a review;
+            # truncating in place was refused EACCES).
+            try:
                 os.fchown(fd, old.st_uid, old.st_gid)
+            except PermissionError:
+                if old.st_uid != os.geteuid():
+                    os.close(fd)
+                    raise PermissionError(
+                        errno.EACCES,
+                        f"{name} belongs to another user (uid {old.st_uid}); replace it as "
+                        "that user or as root",
+                    ) from None
         _write_synced(fd, body)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -82,13 +83,18 @@ def missing_token(token_file: str | Path | None, env: Mapping[str, str]) -> str 
     )
 
 
+_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,5}$")
+
+
 def looks_like_token(text: str) -> bool:
     """Whether ``text``, a token file's path that names no file, may be a token instead.
 
     A token is what the daemon takes: 16 or more printable ASCII characters, no space.
     ``rendezvousd token`` writes 43 URL-safe base64 characters (letters of both cases,
-    digits, ``-``, ``_``); a job token starts ``rdzv-job.``. A name with a dot, or of
-    one letter case and no digit (``rendezvous_token``), reads as a path; with a slash,
+    digits, ``-``, ``_``); a job token starts ``rdzv-job.``. A name ending in a short
+    extension (``token.txt``) or starting ``.`` or ``~``, or of one letter case and no
+    digit (``rendezvous_token``), reads as a path; dots elsewhere do not (a JWT, a
+    Vault ``hvs.`` token were shown whole: a review); with a slash,
     only a mix of capitals, small letters and digits (base64's ``/``) does. Leaning to
     "token" only costs a mistyped path its echo, where the other way a secret lands in
     logs."""
@@ -102,8 +108,8 @@ def looks_like_token(text: str) -> bool:
         return False
     if text.startswith(_JOB_TOKEN_PREFIX):
         return True
-    if "." in text:
-        return False
+    if text.startswith((".", "~")) or _EXTENSION.search(text):
+        return False  # ./token, ~/tok, rendezvous.tok: a path
     kinds = sum(any(test(c) for c in text) for test in (str.islower, str.isupper, str.isdigit))
     return kinds == 3 if "/" in text else kinds >= 2
 

@@ -31,6 +31,12 @@ CASES: list[tuple[str, Callable[[RendezvousClient], Any], str]] = [
         lambda c: c.barrier("b", timeout=np.float32(0.5)),
         "barrier() timeout=np.float32(0.5) is a float32: give seconds as a Python float",
     ),
+    # A float64 is a float: out of range, its range is what is wrong (a review).
+    (
+        "numpy float64 out of range",
+        lambda c: c.barrier("b", timeout=np.float64(-1.0)),
+        "barrier() timeout=np.float64(-1.0) is not a wait the SDK can send",
+    ),
     ("get_job", lambda c: c.get_job(5), "get_job() job_id=5"),
     ("kv_get wait", lambda c: c.kv_get("k", wait="no"), "kv_get() wait='no'"),  # type: ignore[arg-type]
     ("report_failure cause", lambda c: c.report_failure(0, b"x"), "report_failure() cause=b'x'"),  # type: ignore[arg-type]

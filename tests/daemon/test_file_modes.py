@@ -11,11 +11,13 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from rendezvousd.cli.embedded import write_token_file
 from rendezvousd.errors import ConfigError, DaemonError
 from rendezvousd.server.auth import read_token_file, validate_tokens
 from rendezvousd.storage.persistence import STATE_FILE, StateStore
@@ -189,3 +191,39 @@ def test_a_replaced_token_is_a_new_file_of_mode_0600(tmp_path: Path) -> None:
     assert token.stat().st_ino != before  # renamed over it, not rewritten in place
     assert len(read_token_file(token)[0]) >= 32
     assert [p.name for p in tmp_path.iterdir()] == ["token"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two other users")
+def test_another_users_token_is_not_replaced_by_one_it_cannot_give_them() -> None:
+    """Renaming a new file over another user's token (in a directory both may write)
+    succeeded, and the daemon's user could then not read its own 0600 token: the new
+    file stayed the replacer's (a review). Truncated in place, it was refused EACCES."""
+    shared = Path(tempfile.mkdtemp(prefix="rdzv-shared-"))
+    try:
+        shared.chmod(0o777)  # no sticky bit: anyone may rename over anything here
+        token = shared / "token"
+        token.write_text("daemon-token-" + "x" * 30 + "\n")
+        os.chown(token, 65533, 65533)
+        token.chmod(0o600)
+        said = shared / "said"
+        said.touch()
+        said.chmod(0o666)
+        pid = os.fork()
+        if pid == 0:  # the other user, as a child: the test's process keeps its own
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                write_token_file(token, replace=True)
+                said.write_text("replaced")
+            except OSError as exc:
+                said.write_text(str(exc))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert "belongs to another user (uid 65533)" in said.read_text(), said.read_text()
+        said.unlink()
+        assert token.stat().st_uid == 65533
+        assert token.read_text() == "daemon-token-" + "x" * 30 + "\n"
+        assert [p.name for p in shared.iterdir()] == ["token"]
+    finally:
+        shutil.rmtree(shared)

@@ -326,6 +326,13 @@ def test_a_failed_bind_names_its_cause(tmp_path: Path, where: str, why: str) -> 
             "max_value_bytes=100000 is above what one job may hold (75000, half of "
             "max_kv_bytes=150000)",
         ),
+        # Both set, both lowered: refused too (only a value raised above its default
+        # was, a review).
+        (["--max-wait-s", "60", "--default-wait-s", "120"], "default_wait_s=120 is above"),
+        (
+            ["--max-value-bytes", "30000", "--max-kv-bytes-per-job", "20000"],
+            "max_value_bytes=30000 is above what one job may hold",
+        ),
     ],
 )
 def test_contradictory_limits_are_refused_naming_both(

@@ -76,12 +76,17 @@ def test_what_looks_like_a_token() -> None:
     assert looks_like_token(secrets.token_hex(16))
     assert looks_like_token("rdzv-job.train.1700000000.issued-1.abcdef0123456789")
     assert looks_like_token("q2Xv/9+ZkT0pR3mA8cLw1nYb")  # openssl rand -base64
+    # Tokens with dots, which the daemon takes, were shown whole (a review).
+    assert looks_like_token("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.SflKxwRJSMeKKF2QT4fw")
+    assert looks_like_token("hvs.CAESIJlU8mzqYzWk3l9fSx1Tq2k")
     for path in (
         "/etc/rendezvousd/token",
         "rendezvous_token",
         "secrets/rendezvous-token",
         "/run/secrets/rdzv-token",
         "token.txt",
+        "./rendezvousToken2",
+        "rendezvous.token.file",
         "/var/lib/rendezvousd/job-token-2",
         "short",
     ):
