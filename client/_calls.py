@@ -16,6 +16,7 @@ import functools
 import inspect
 import itertools
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -130,10 +131,20 @@ class Rpc:
             and self.request.ByteSize() <= CALL_BATCH_BYTES
         )
 
-    def invoke(self, rendezvous: Any, health: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
-        """The call's result (sync stubs) or awaitable (asyncio stubs)."""
+    def invoke(
+        self,
+        rendezvous: Any,
+        health: Any,
+        metadata: tuple[tuple[str, str], ...],
+        *,
+        future: bool = False,
+    ) -> Any:
+        """The call (asyncio stubs: awaitable; sync stubs with ``future``: a grpc.Future
+        the client can cancel), or its result (sync stubs)."""
         extra = {} if self.wait_for_ready is None else {"wait_for_ready": self.wait_for_ready}
         rpc = getattr(health if self.health else rendezvous, self.method)
+        if future:
+            rpc = rpc.future
         return rpc(self.request, timeout=self.timeout, metadata=metadata, **extra)
 
 
@@ -856,6 +867,10 @@ class ClientBase(ABC):
         self._s = self._c.s
         self._s.on_daemon_lost = self._daemon_lost
         self._pid = os.getpid()
+        # Unary calls in flight (call_stream=False, or a daemon without CallBatches),
+        # ended with the stream's calls when the daemon is lost (``_daemon_lost``).
+        self._unary: set[Any] = set()
+        self._unary_lock = threading.Lock()
 
     def _forked(self) -> bool:
         """Whether this is a forked child of the process that made the client."""
@@ -875,12 +890,29 @@ class ClientBase(ABC):
 
     def _daemon_lost(self) -> None:
         """The daemon is gone (``Session.fail``): the calls in flight on this client's
-        own call stream fail now. Unary calls still end at their deadlines (gRPC
-        gives no way to end them short of closing the channel); relayed ones are the
-        node agent's, whose own client ends them."""
+        own call stream fail now, and so do its unary calls, cancelled (a waiting one
+        waited out its whole timeout, 600 s by default, where the stream's heard it in
+        seconds: an SDK misuse review); relayed ones are the node agent's, whose own
+        client ends them."""
         mux = getattr(self, "_mux", None)
         if isinstance(mux, _CallStreams):
             mux.lose()
+        with self._unary_lock:
+            calls = list(self._unary)
+        for call in calls:
+            call.cancel()
+
+    def _track(self, call: Any) -> None:
+        with self._unary_lock:
+            self._unary.add(call)
+
+    def _untrack(self, call: Any) -> None:
+        with self._unary_lock:
+            self._unary.discard(call)
+
+    def _lost_with_the_daemon(self) -> bool:
+        """Whether a unary call that ended cancelled was ended by ``_daemon_lost``."""
+        return isinstance(self._s.failure, DaemonUnavailable)
 
     @property
     def endpoint(self) -> str:

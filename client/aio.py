@@ -18,7 +18,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import AsyncCallStream
-from rendezvousd.client._multiplex import Unsupported
+from rendezvousd.client._multiplex import Unsupported, lost_error
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
     LOOK_BACK_S,
@@ -159,7 +159,12 @@ class AsyncRendezvousClient(steps.ClientBase):
                 if self._mux is not None and step.streamable:
                     with contextlib.suppress(Unsupported):  # an older daemon, a full stream
                         return await self._mux.call(step.method, step.request, step.timeout)
-                return await step.invoke(self._stub, self._health, self._s.metadata)
+                call = step.invoke(self._stub, self._health, self._s.metadata)
+                self._track(call)
+                try:
+                    return await call
+                finally:
+                    self._untrack(call)
             except grpc.RpcError:
                 if self._ended_by_close():
                     raise self._s.closed_error() from None
@@ -168,8 +173,11 @@ class AsyncRendezvousClient(steps.ClientBase):
                 # Unless the caller's task is itself being cancelled: escaping, it was
                 # not caught by ``except Exception`` and read as that task's cancellation.
                 task = asyncio.current_task()
-                if self._ended_by_close() and (task is None or not task.cancelling()):
-                    raise self._s.closed_error() from None
+                if task is None or not task.cancelling():
+                    if self._ended_by_close():
+                        raise self._s.closed_error() from None
+                    if self._lost_with_the_daemon():
+                        raise lost_error() from None
                 raise
         if isinstance(step, steps.Sleep):
             await asyncio.sleep(step.seconds)

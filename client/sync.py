@@ -21,7 +21,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import BlockingCallStream
-from rendezvousd.client._multiplex import Unsupported, copy_error
+from rendezvousd.client._multiplex import Unsupported, copy_error, lost_error
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
     LOOK_BACK_S,
@@ -179,7 +179,16 @@ class RendezvousClient(steps.ClientBase):
                 if self._mux is not None and step.streamable:
                     with contextlib.suppress(Unsupported):  # an older daemon, a full stream
                         return self._mux.call(step.method, step.request, step.timeout)
-                return step.invoke(self._stub, self._health, self._s.metadata)
+                call = step.invoke(self._stub, self._health, self._s.metadata, future=True)
+                self._track(call)
+                try:
+                    return call.result()
+                except grpc.FutureCancelledError:
+                    if self._lost_with_the_daemon():
+                        raise lost_error() from None
+                    raise
+                finally:
+                    self._untrack(call)
             except grpc.RpcError:
                 if self._ended_by_close():  # was ProtocolError "CANCELLED", or PeerFailed
                     raise self._s.closed_error() from None

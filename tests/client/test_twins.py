@@ -792,6 +792,32 @@ def a_hung_daemon_is_reported_at_its_window(w: World) -> object:
     return type(error).__name__, at - stopped < 3 + 1.5, "accepts connections" in str(error)
 
 
+def a_unary_wait_hears_its_daemon_lost_at_the_window(w: World) -> object:
+    """With call_stream=False (an older daemon without CallBatches gets the same), a
+    waiting unary call at a daemon that died waited out its whole timeout (34 s for
+    30 s here, ~605 s at the default), where the call stream's heard the heartbeat's
+    verdict in seconds (an SDK misuse review)."""
+    d = w.start_daemon("--heartbeat-timeout-s", "3")
+    c = w.client(d, call_stream=False)
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    c.start_heartbeat(0.3)
+    outcome: list[object] = []
+
+    def wait() -> None:
+        started = time.monotonic()
+        try:
+            c.kv_get("never", timeout=30)
+        except RendezvousError as exc:
+            outcome.append((type(exc).__name__, time.monotonic() - started < 10))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(1.0)
+    d.kill()
+    waiting.join(40)
+    return outcome
+
+
 def daemon_restart_is_survived(w: World) -> object:
     state = w.tmp / f"state-{w.kind}"
     port = free_port()
@@ -970,6 +996,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "daemon down": (daemon_down_is_unavailable, ("DaemonUnavailable", "Check", True, True)),
     "daemon restart": (daemon_restart_is_survived, (1, b"before", b"after", None)),
     "a hung daemon": (a_hung_daemon_is_reported_at_its_window, ("DaemonUnreachable", True, False)),
+    "a unary wait when the daemon dies": (
+        a_unary_wait_hears_its_daemon_lost_at_the_window,
+        [("DaemonUnreachable", True)],
+    ),
     "daemon back late in the window": (
         daemon_back_late_in_the_window_is_reattached,
         (None, b"after"),
