@@ -58,6 +58,12 @@ def parse_address(
         raise AddressError(
             f"{what}={text!r} is malformed: expected {forms} with no scheme or spaces"
         )
+    if "," in text:
+        # Read as an IPv6 host ("wrap IPv6 hosts as '[addr]:port'"): a list, as
+        # c10d's or etcd's endpoints take, is what was meant (an SDK misuse review).
+        raise AddressError(
+            f"{what}={text!r} names several addresses: give the one daemon's {forms}"
+        )
     host, sep, port_text = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

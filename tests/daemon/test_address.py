@@ -40,6 +40,7 @@ def test_host_port_and_bracketed_ipv6() -> None:
         ("localhost", "malformed"),
         (":29400", "malformed"),
         ("::1:5", r"wrap IPv6"),
+        ("127.0.0.1:29420,127.0.0.1:29421", "names several addresses"),  # was: wrap IPv6
         ("[head]:5", "not an IPv6 address"),
         ("http://h:1", "no scheme"),
         ("h :1", "no scheme or spaces"),
