@@ -552,7 +552,13 @@ def test_launcher_sets_torchrun_style_environment(
         assert at_start == expected and after == expected, (rank, at_start, after)
 
 
-def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+def test_daemon_stop_and_restart_during_training_run_still_succeeds(
+    tmp_path: Path, stop: str
+) -> None:
+    """A daemon killed, or stopped by SIGTERM (a restart, an upgrade: it drains, ends
+    its streams and answers late calls "not run"), and started again with its state
+    mid-run: the run goes on to its last step with the single-process gradients."""
     port = free_port()
     token_file = tmp_path / "tok"
     token = write_token(token_file)
@@ -602,7 +608,10 @@ def test_daemon_sigkill_and_restart_during_training_run_still_succeeds(tmp_path:
             assert time.monotonic() < deadline, logs
             assert all(n.poll() is None for n in nodes), logs
             time.sleep(0.05)  # poll interval of the condition above
-        d.kill()  # SIGKILL mid-run; returns once the process is gone
+        if stop == "SIGKILL":
+            d.kill()  # returns once the process is gone
+        else:
+            assert d.terminate(30) == 0, d.log()
         d2 = spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
         codes = [n.wait(timeout=120) for n in nodes]
         for t in pumps:
