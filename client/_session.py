@@ -1020,6 +1020,9 @@ class StreamWatch:
     # (``may_look_back``), and the grace that look gave.
     looked_back: bool = False
     grace_s: float = 0.0
+    # When the blocking client's watchdog last ran (``watchdog_ran``); None for the
+    # asyncio client, whose read loop sees its own gaps.
+    watchdog_at: float | None = None
 
     @property
     def window_s(self) -> float:
@@ -1113,6 +1116,23 @@ class StreamWatch:
         if gap > max(PAUSED_S, self.window_s / 2):
             self.paused_s = gap
             self.heard = max(self.heard, time.monotonic() - self.window_s + RESUMED_S)
+
+    def watchdog_ran(self, gap: float) -> None:
+        """The blocking client's watchdog woke ``gap`` seconds after it last did."""
+        self.watchdog_at = time.monotonic()
+        self.woke(gap)
+
+    def caught_up(self) -> None:
+        """The stream's own thread, as its stream ends, before the verdict: a watchdog
+        that has not run for longer than a pause (it runs every WATCH_S) means this
+        process was stopped, counted as ``woke`` counts it. After a SIGSTOP the stream's
+        thread could see its stream broken (the daemon gave up on its pings) before the
+        watchdog saw the gap, and said "the daemon died" of a daemon that was fine (CI,
+        once under load)."""
+        if self.watchdog_at is not None:
+            gap = time.monotonic() - self.watchdog_at
+            if gap > max(PAUSED_S, self.window_s / 2):
+                self.woke(gap)
 
     def expired(self) -> bool:
         """True (and the member failed with DaemonUnreachable) once the window passed,

@@ -465,6 +465,7 @@ class RendezvousClient(steps.ClientBase):
                     self._mux.retire()  # the daemon may be going: never hold it up
             finally:
                 call.cancel()
+            watch.caught_up()
             delay = None if self._hb_stop.is_set() else watch.ended(error)
             if delay is None:
                 return
@@ -473,14 +474,14 @@ class RendezvousClient(steps.ClientBase):
     def _watchdog(self, watch: StreamWatch) -> None:
         """Reports silence the stream itself cannot: a blocked read on a dead
         route, or a reconnect waiting for a daemon that is gone."""
-        last = time.monotonic()
+        last = watch.watchdog_at = time.monotonic()
         while True:
             deadline = watch.deadline()
             wait = WATCH_S if deadline is None else deadline - time.monotonic()
             if self._hb_stop.wait(min(WATCH_S, max(0.01, wait))) or watch.done:
                 return
             now = time.monotonic()
-            watch.woke(now - last)  # woken every WATCH_S: a long gap was this process's
+            watch.watchdog_ran(now - last)  # every WATCH_S: a long gap was this process's
             last = now
             if watch.may_look_back():
                 watch.back_again(listens(self._s.endpoint, LOOK_BACK_S))

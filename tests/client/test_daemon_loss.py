@@ -277,6 +277,29 @@ class _Unavailable(grpc.RpcError):
         return grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_stream_that_ends_after_a_pause_counts_the_pause_before_the_watchdog_does() -> None:
+    """SIGSTOPped past the window, then continued: the stream's own thread may find its
+    stream broken (the daemon gave up on its pings) before the watchdog wakes to see
+    the gap, and said "the daemon died" of a daemon that was fine, where the stream was
+    to get RESUMED_S to bring the daemon's verdict (CI, once under load)."""
+    client = RendezvousClient("127.0.0.1:9", "paused", token="t" * 32)
+    try:
+        session = client._s
+        session.daemon_heartbeat_timeout = 2.0
+        watch = StreamWatch(session, None, None)  # type: ignore[arg-type]
+        now = time.monotonic()
+        watch.heard = now - 5.5
+        watch.watchdog_at = now - 5.5  # the watchdog last ran before the stop
+        watch.caught_up()
+        assert watch.paused_s > 5
+        deadline = watch.deadline()
+        assert deadline is not None and deadline > time.monotonic() + 1.0, deadline - now
+        assert watch.ended(_Unavailable()) is not None  # reconnect, not DaemonUnreachable
+        assert session.failure is None
+    finally:
+        client.close()
+
+
 def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
     """The daemon SIGKILLed 1.9 s after its last ack (beats come every third of the
     window) and restarted with its state 7 s later: the window counted from that ack,
