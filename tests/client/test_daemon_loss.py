@@ -6,6 +6,7 @@ quick warning, not a hang or an error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import signal
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ import grpc
 import pytest
 
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
-from rendezvousd.client._session import REDIAL_GRACE_S, StreamWatch
+from rendezvousd.client._session import REDIAL_GRACE_S, Session, StreamWatch
 from rendezvousd.client.errors import DaemonUnreachable
 from tests.daemon.test_blackhole import BlackHoleProxy
 from tests.support import DaemonProcess, spawn_daemon
@@ -277,15 +278,24 @@ class _Unavailable(grpc.RpcError):
         return grpc.StatusCode.UNAVAILABLE
 
 
+@contextlib.contextmanager
+def _session(job: str, heartbeat_timeout_s: float) -> Iterator[Session]:
+    """A client's session that was told the daemon's heartbeat timeout, for the
+    StreamWatch decisions without a stream (nothing listens at its endpoint)."""
+    client = RendezvousClient("127.0.0.1:9", job, token="t" * 32)
+    try:
+        client._s.daemon_heartbeat_timeout = heartbeat_timeout_s
+        yield client._s
+    finally:
+        client.close()
+
+
 def test_a_stream_that_ends_after_a_pause_counts_the_pause_before_the_watchdog_does() -> None:
     """SIGSTOPped past the window, then continued: the stream's own thread may find its
     stream broken (the daemon gave up on its pings) before the watchdog wakes to see
     the gap, and said "the daemon died" of a daemon that was fine, where the stream was
     to get RESUMED_S to bring the daemon's verdict (CI, once under load)."""
-    client = RendezvousClient("127.0.0.1:9", "paused", token="t" * 32)
-    try:
-        session = client._s
-        session.daemon_heartbeat_timeout = 2.0
+    with _session("paused", 2.0) as session:
         watch = StreamWatch(session, None, None)  # type: ignore[arg-type]
         now = time.monotonic()
         watch.heard = now - 5.5
@@ -296,8 +306,6 @@ def test_a_stream_that_ends_after_a_pause_counts_the_pause_before_the_watchdog_d
         assert deadline is not None and deadline > time.monotonic() + 1.0, deadline - now
         assert watch.ended(_Unavailable()) is not None  # reconnect, not DaemonUnreachable
         assert session.failure is None
-    finally:
-        client.close()
 
 
 def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
@@ -305,10 +313,7 @@ def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
     window) and restarted with its state 7 s later: the window counted from that ack,
     so its members were told DaemonUnreachable (8 s after the kill, "unreachable for
     10.0 s") while the restored daemon still waited for them to reattach."""
-    client = RendezvousClient("127.0.0.1:9", "broken", token="t" * 32)
-    try:
-        session = client._s
-        session.daemon_heartbeat_timeout = 6.0
+    with _session("broken", 6.0) as session:
         watch = StreamWatch(session, None, None)  # type: ignore[arg-type]
         broke = time.monotonic()
         watch.heard = broke - 1.9
@@ -316,8 +321,6 @@ def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
         deadline = watch.deadline()
         assert deadline is not None and deadline >= broke + 6.0, deadline - broke
         assert not watch.expired()
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("listening", [True, False])
@@ -325,10 +328,7 @@ def test_a_broken_stream_looks_at_the_endpoint_once_its_window_passed(listening:
     """Found listening again, the window gets the redial grace (gRPC dials a daemon
     that went away up to 2.4 s apart); found silent, it ends. A stream that did not
     break (a hung daemon, a cut network) is never looked at."""
-    client = RendezvousClient("127.0.0.1:9", "broken", token="t" * 32)
-    try:
-        session = client._s
-        session.daemon_heartbeat_timeout = 1.0
+    with _session("broken", 1.0) as session:
         silent = StreamWatch(session, None, None)  # type: ignore[arg-type]
         silent.heard = time.monotonic() - 2.0
         assert not silent.may_look_back()  # no break: the window is the verdict
@@ -345,8 +345,6 @@ def test_a_broken_stream_looks_at_the_endpoint_once_its_window_passed(listening:
             deadline = watch.deadline()
             assert deadline is not None
             assert deadline - time.monotonic() == pytest.approx(REDIAL_GRACE_S - 0.5, abs=0.2)
-    finally:
-        client.close()
 
 
 def test_a_join_parked_at_a_daemon_that_hangs_ends_at_the_window_not_its_timeout(
