@@ -32,11 +32,15 @@ from rendezvousd.common.settings import (
     setting,
     validate,
 )
+from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.errors import ConfigError
 
 ENV_PREFIX = "RENDEZVOUSD_"
 DEFAULT_PORT = 29420
-_POSITIVE = Float()
+# Every other duration is capped as the SDK's and the trainer's waits are (30 days): a
+# typo such as 1e30 is refused when read rather than served as "never".
+_SECONDS = Float(maximum=LONGEST_WAIT_S)
+_SECONDS_OR_0 = Float(positive=False, maximum=LONGEST_WAIT_S)
 _COUNT = Int(minimum=1)
 # gRPC takes its channel arguments as C ints: a setting that becomes one (in ms, or
 # in bytes) is bounded so that it fits, refused when read rather than crashing serve
@@ -94,31 +98,31 @@ class DaemonConfig:
     default_wait_s: float = setting(
         Timing.default_wait_s,
         "wait for Join/Barrier/KvGet when the call names none (set above max_wait_s: refused)",
-        _POSITIVE,
+        _SECONDS,
     )
     max_wait_s: float = setting(
         Timing.max_wait_s,
         "the longest any Join/JoinNode/PublishId/Barrier/KvGet waits, whatever it asks "
         "(and rank 0 may owe the id)",
-        _POSITIVE,
+        _SECONDS,
     )
     job_ttl_s: float = setting(
-        Timing.job_ttl_s, "how long ended or failed jobs stay visible", _POSITIVE
+        Timing.job_ttl_s, "how long ended or failed jobs stay visible", _SECONDS
     )
     last_call_s: float = setting(
         Timing.default_last_call_s,
         "node joins (JoinNode) naming none: once min_nodes joined, wait this long after the "
         "last arrival for more",
-        _POSITIVE,
+        _SECONDS,
     )
     seat_hold_s: float = setting(
         Timing.seat_hold_s,
         "after a node generation fails: how long the next one keeps a seat for each node "
         "expected back, which a newcomer cannot take (0: --heartbeat-timeout-s)",
-        Float(positive=False),
+        _SECONDS_OR_0,
     )
     drain_grace_s: float = setting(
-        10.0, "how long SIGTERM waits for calls to finish", Float(positive=False)
+        10.0, "how long SIGTERM waits for calls to finish", _SECONDS_OR_0
     )
     max_jobs: int = setting(Limits.max_jobs, "jobs held at once", _COUNT)
     max_members_per_job: int = setting(Limits.max_members_per_job, "largest world size", _COUNT)
@@ -156,7 +160,7 @@ class DaemonConfig:
         5.0,
         "a token-less (health) call whose request message has not arrived this long after "
         "its headers ends",
-        _POSITIVE,
+        _SECONDS,
     )
     max_waiters: int = setting(
         Limits.max_waiters, "parked Join/Barrier/KvGet calls (~26 KiB each)", _COUNT
@@ -239,6 +243,17 @@ class DaemonConfig:
                 f"{self.max_wait_s:g}: a call naming no wait would still be cut to "
                 "max_wait_s; lower default_wait_s to at most max_wait_s, or raise max_wait_s",
                 keys=("default_wait_s", "max_wait_s"),
+            )
+        if (
+            self.max_waiters_per_job > self.max_waiters
+            and self.max_waiters_per_job != Limits.max_waiters_per_job
+        ):
+            raise ConfigError(
+                f"max_waiters_per_job={self.max_waiters_per_job} is above max_waiters="
+                f"{self.max_waiters}: no job could ever park that many calls, since all "
+                "jobs together park at most max_waiters; lower max_waiters_per_job to at "
+                "most max_waiters, or raise max_waiters",
+                keys=("max_waiters_per_job", "max_waiters"),
             )
         per_job = self.limits().kv_bytes_per_job
         if self.max_value_bytes > per_job and self.max_value_bytes != _MAX_VALUE_BYTES:

@@ -326,6 +326,17 @@ def test_a_failed_bind_names_its_cause(tmp_path: Path, where: str, why: str) -> 
             "max_value_bytes=100000 is above what one job may hold (75000, half of "
             "max_kv_bytes=150000)",
         ),
+        (
+            ["--max-waiters-per-job", "9000", "--max-waiters", "4000"],
+            "max_waiters_per_job=9000 is above max_waiters=4000: no job could ever park "
+            "that many calls, since all jobs together park at most max_waiters; lower "
+            "max_waiters_per_job to at most max_waiters, or raise max_waiters "
+            "(max_waiters from --max-waiters; max_waiters_per_job from --max-waiters-per-job)",
+        ),
+        (
+            ["--max-waiters-per-job", "20000"],
+            "max_waiters_per_job=20000 is above max_waiters=16384",
+        ),
         # Both set, both lowered: refused too (only a value raised above its default
         # was, a review).
         (["--max-wait-s", "60", "--default-wait-s", "120"], "default_wait_s=120 is above"),

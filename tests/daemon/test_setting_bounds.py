@@ -25,6 +25,13 @@ _BOUNDED: dict[str, float] = {
     "max_connections": INT32_MAX - 1,
     "max_value_bytes": 512 * 1024 * 1024,
 }
+#: Every other duration's largest value: the SDK's and the trainer's longest wait (30
+#: days), where 1e300 was served as "never".
+_DURATIONS = {
+    name: 30 * 24 * 3600.0
+    for name in SCHEMA.options
+    if name.endswith("_s") and name not in _BOUNDED
+}
 #: What a job must be able to hold beside the largest value, or the daemon refuses the
 #: value as one no job could store (a contradiction, refused at start).
 _ROOM_FOR_IT = {"max_kv_bytes": 2 * 512 * 1024 * 1024, "max_kv_bytes_per_job": 512 * 1024 * 1024}
@@ -71,6 +78,17 @@ def test_a_value_past_what_grpc_takes_is_refused_naming_it(
     assert said.startswith(origin) and f"{key} must be" in said and allowed in said, said
 
 
+@pytest.mark.parametrize("key", sorted(_DURATIONS))
+def test_every_other_duration_is_capped_at_30_days(key: str) -> None:
+    room = {"max_wait_s": "2592000"}  # or a long default_wait_s is refused as above it
+    assert getattr(load(None, env={}, overrides={**room, key: "2592000"}), key) == 2592000.0
+    for value in ("2592000.5", "1e300"):
+        with pytest.raises(ConfigError) as refused:
+            load(None, env={}, overrides={**room, key: value})
+        said = str(refused.value)
+        assert f"{key} must be" in said and "<= 2592000" in said, said
+
+
 def test_serve_refuses_an_overflowing_value_without_a_traceback(tmp_path: Path) -> None:
     token = tmp_path / "token"
     write_token(token)
@@ -93,7 +111,7 @@ def test_every_grpc_option_fits_a_c_int_at_the_settings_maxima() -> None:
 
 
 def test_a_daemon_at_every_maximum_serves(start_daemon: Callable[..., DaemonProcess]) -> None:
-    every = {**_BOUNDED, **_ROOM_FOR_IT}
+    every = {**_BOUNDED, **_ROOM_FOR_IT, **_DURATIONS}
     flags = [f for key, top in every.items() for f in (SCHEMA.options[key].flag, str(top))]
     d = start_daemon(*flags)
     assert d.proc.poll() is None
@@ -106,6 +124,9 @@ def test_each_bound_is_the_settings_own_and_in_its_doc() -> None:
         for key, option in SCHEMA.options.items()
         if getattr(option.kind, "maximum", None) is not None
     }
-    assert bounded == _BOUNDED
+    assert bounded == {**_BOUNDED, **_DURATIONS}
     for key, top in _BOUNDED.items():
         assert str(int(top)) in SCHEMA.options[key].help, key
+    # The rest share one bound, said once under the table.
+    operations = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    assert "Every duration is at most 30 days (2592000 s" in operations
