@@ -31,6 +31,7 @@ from rendezvousd.common.settings import (
     Int,
     Invalid,
     Layer,
+    PathText,
     Schema,
     Text,
     setting,
@@ -185,9 +186,10 @@ def _check_listenable(host: str) -> None:
         ) from None
 
 
-def _tls(help: str) -> Any:
-    """A TLS setting under the daemon's names: ``RENDEZVOUSD_TLS_*`` and ``--tls-*``."""
-    return setting(None, help, Text(optional=True), unprefixed=True)
+def _tls(help: str, kind: Text | None = None) -> Any:
+    """A TLS setting under the daemon's names: ``RENDEZVOUSD_TLS_*`` and ``--tls-*``; a
+    file's path unless ``kind`` says otherwise."""
+    return setting(None, help, kind or PathText(optional=True), unprefixed=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +207,7 @@ class RendezvousTransport:
     path: str | None = setting(
         None,
         "file transport directory (sets kind='file')",
-        Text(optional=True),
+        PathText(optional=True),
         implies={"kind": "file", "endpoint": None, "token_file": None},
     )
     endpoint: str | None = setting(
@@ -218,7 +220,7 @@ class RendezvousTransport:
     )
     # No env var of its own: the client SDK reads RENDEZVOUSD_TOKEN_FILE itself.
     token_file: str | None = setting(
-        None, "daemon token file", Text(optional=True), env=None, flag="--token-file"
+        None, "daemon token file", PathText(optional=True), env=None, flag="--token-file"
     )
     connect_timeout_s: float = setting(
         30.0,
@@ -232,7 +234,8 @@ class RendezvousTransport:
     tls_cert: str | None = _tls("PEM client certificate, for a daemon that requires mTLS")
     tls_key: str | None = _tls("PEM private key for tls_cert")
     tls_server_name: str | None = _tls(
-        "name to verify in the daemon's certificate, when the endpoint's host differs"
+        "name to verify in the daemon's certificate, when the endpoint's host differs",
+        Text(optional=True),
     )
 
     def __post_init__(self) -> None:

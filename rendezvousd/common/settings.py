@@ -177,6 +177,21 @@ EMPTY_PATH = (
 
 
 @dataclass(frozen=True)
+class PathText(Text):
+    """A path kept as text, for settings handed on as a string (the trainer's to the SDK
+    and its workers): refused when empty or blank in the words ``OptionalPath`` uses."""
+
+    def check(self, value: Any) -> Any:
+        if value is None and self.optional:
+            return None
+        if not isinstance(value, str):
+            raise Invalid("must be a path")
+        if not value.strip():
+            raise Invalid(EMPTY_PATH)
+        return value
+
+
+@dataclass(frozen=True)
 class OptionalPath(Kind):
     """A filesystem path, or None when the setting is left out.
 

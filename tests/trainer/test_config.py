@@ -604,3 +604,25 @@ def test_a_bound_refused_in_a_file_or_by_a_flag_names_it(tmp_path: Path) -> None
             parser.parse_args([flag, value])
     with pytest.raises(ConfigError, match=r"job_id='a b' must be a job id the daemon takes"):
         DistributedConfig(job_id="a b")
+
+
+@pytest.mark.parametrize(
+    "var",
+    [
+        "RENDEZVOUSD_TLS_CA",
+        "RENDEZVOUSD_TLS_CERT",
+        "RENDEZVOUSD_TLS_KEY",
+        "RENDEZVOUSD_RENDEZVOUS_PATH",
+    ],
+)
+@pytest.mark.parametrize("blank", ["", " "], ids=["empty", "space"])
+def test_an_empty_path_is_refused_in_the_daemons_words(var: str, blank: str) -> None:
+    # The trainer said "must be a non-empty string" where the daemon says how to leave
+    # the setting unset (helper-73).
+    endpoint = {} if var == "RENDEZVOUSD_RENDEZVOUS_PATH" else {"RENDEZVOUSD_ENDPOINT": "h:1"}
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={**endpoint, var: blank})
+    said = str(info.value)
+    assert f"${var}={blank!r}" in said and "must be a path, not empty or blank" in said, said
+    with pytest.raises(ConfigError, match="token_file must be a path, not empty or blank"):
+        load_config(None, env={"RENDEZVOUSD_ENDPOINT": "h:1"}, cli={"token_file": blank})
