@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from rendezvousd import config as config_mod
 from rendezvousd.cli.embedded import EXIT_WITH_PARENT, write_token_file
 from rendezvousd.common.address import host_port
+from rendezvousd.common.env_names import unknown_names
 from rendezvousd.common.escape import EscapingFormatter
 from rendezvousd.common.settings import VersionFlag
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
@@ -40,6 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
+    for unread in unknown_names(os.environ):
+        logging.getLogger("rendezvousd").warning(unread)
     tokens = load_tokens(cfg.token_file)
     _raise_fd_limit()
     with asyncio.Runner(loop_factory=_loop_factory(cfg.event_loop)) as runner:

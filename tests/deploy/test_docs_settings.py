@@ -12,6 +12,7 @@ import pytest
 
 from rendezvousd import config as daemon_config
 from rendezvousd.common import secret_files
+from rendezvousd.common.env_names import EVERY_NAME
 from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.agent import _agent_boot, _fork_server, _trace, agent_channel
 from rendezvousd.trainer.agent.launcher import build_parser
@@ -60,9 +61,14 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
     known |= {secret_files.TOKEN_ENV, secret_files.TOKEN_FILE_ENV}
     known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD, _trace.TRACE_ENV}
     known |= {_fork_server.ENV_FORK_SERVER, warm.ENV_WARM_SOCKET, devices.SHARED_DEVICE_ENV}
+    assert known - {None} <= EVERY_NAME
     for doc in ("trainer.md", "operations.md"):
-        named = set(re.findall(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b", (DOCS / doc).read_text()))
-        assert named - known == set(), doc
+        text = (DOCS / doc).read_text()
+        named = set(re.findall(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b", text))
+        # A typo the docs show being said, as the programs say it: no name to read.
+        typos = set(re.findall(r"\$(RENDEZVOUSD_\w+) is set, but no rendezvousd", text))
+        assert typos.isdisjoint(EVERY_NAME), doc
+        assert named - known - typos == set(), doc
 
 
 def test_every_variable_the_daemon_and_a_worker_both_read_is_named_as_shared() -> None:

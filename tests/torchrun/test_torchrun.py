@@ -63,9 +63,18 @@ def test_a_two_node_job_trains_with_one_join_per_agent(
 ) -> None:
     d = start_daemon("--metrics-listen", "127.0.0.1:0")
     log = tmp_path / "steps.jsonl"
-    agents = [torchrun(d, job_id, "2", "--steps", "5", "--step-log", str(log)) for _ in range(2)]
+    typo = {"RENDEZVOUSD_LAST_CALL_TIMEOUTS": "1"}  # said, and ignored: no harm done
+    agents = [
+        torchrun(d, job_id, "2", "--steps", "5", "--step-log", str(log), env=env)
+        for env in (typo, None)
+    ]
     for a in agents:
         assert a.wait(120) == 0, a.stderr()[-3000:]
+    said = (
+        "rendezvousd: $RENDEZVOUSD_LAST_CALL_TIMEOUTS is set, but no rendezvousd program "
+        "reads it: did you mean RENDEZVOUSD_LAST_CALL_TIMEOUT? (ignored)"
+    )
+    assert agents[0].stderr().count(said) == 1 and said not in agents[1].stderr()
     steps = torch_steps(log)
     assert {s["rank"] for s in steps} == {0, 1, 2, 3}
     assert {s["world"] for s in steps} == {4}

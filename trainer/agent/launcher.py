@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rendezvousd.common.env_names import unknown_names
 from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value, VersionFlag
 from rendezvousd.trainer.agent._fork_server import module_names
@@ -444,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # keep quiet too; a GRPC_VERBOSITY the user set is kept.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     base = dict(os.environ)
+    for unread in unknown_names(base):
+        _note(f"warning: {unread}")
     try:
         config = resolve(args, base)
         # Read here, before a daemon is hosted or a spare started, even with

@@ -125,6 +125,7 @@ from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.client.warnings_said import say_client_warnings
 from rendezvousd.common.address import AddressError, UnresolvedHost, is_loopback, route_source
+from rendezvousd.common.env_names import unknown_names
 from rendezvousd.common.escape import escape, shortened
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
@@ -503,6 +504,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         settings = load_settings(params.config, os.environ)
         if (ignored := ignored_torch_keys(params.config)) is not None:
             log.warning("rendezvousd: %s", ignored)
+        for unread in unknown_names(os.environ):
+            log.warning("rendezvousd: %s", unread)
         return cls(
             endpoint,
             params.run_id,
