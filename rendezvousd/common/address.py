@@ -79,12 +79,35 @@ def parse_address(
         raise AddressError(
             f"{what}={text!r} is malformed: expected {forms}, e.g. '127.0.0.1:29420'"
         )
+    if (dotted := _ipv4_shorthand(host)) is not None:
+        raise AddressError(
+            f"{what}={text!r} has host {host!r}, a shorthand IPv4 form that gRPC's resolver "
+            f"does not read (only the C library does): write it as {dotted}"
+        )
     low = 0 if allow_port_zero else 1
     # isascii: str.isdigit and int() take other scripts' digits ("٣٤٢٦٩"), which the
     # client then dialled as another port.
     if not (port_text.isascii() and port_text.isdigit()) or not low <= int(port_text) <= 65535:
         raise AddressError(f"{what}={text!r} has port {port_text!r}: expected {low}..65535")
     return Address(host, int(port_text))
+
+
+def _ipv4_shorthand(host: str) -> str | None:
+    """The dotted quad of a host the C library reads as IPv4 but gRPC's resolver does not
+    (``127.1``, ``0x7f000001``, ``2130706433``, ``0177.0.0.1``), else None. The SDK's own
+    plain-socket probe reached the daemon at such a name where gRPC could not, and then
+    blamed a stuck daemon (an operator review)."""
+    if not host or host.strip("0123456789.xXabcdefABCDEF") or not host[0].isdigit():
+        return None
+    try:
+        ipaddress.IPv4Address(host)
+        return None  # already the dotted quad
+    except ValueError:
+        pass
+    try:
+        return socket.inet_ntoa(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def host_port(host: str, port: int) -> str:

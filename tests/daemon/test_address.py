@@ -56,6 +56,22 @@ def test_malformed_addresses_are_quoted(text: str, reason: str) -> None:
     assert f"endpoint={text!r}" in str(info.value)
 
 
+@pytest.mark.parametrize("host", ["127.1", "0x7f000001", "2130706433", "0177.0.0.1"])
+def test_a_shorthand_ipv4_host_is_refused_with_its_dotted_form(host: str) -> None:
+    # The C library reads these as 127.0.0.1; gRPC's resolver does not: the SDK's
+    # plain-socket probe then reached a daemon gRPC never did and blamed it as stuck.
+    with pytest.raises(AddressError) as info:
+        parse_host_port(f"{host}:29420", what="endpoint")
+    said = str(info.value)
+    assert said.startswith(f"endpoint='{host}:29420' has host '{host}', a shorthand IPv4")
+    assert said.endswith("write it as 127.0.0.1"), said
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3", "1e100.net", "123abc", "head-0"])
+def test_dotted_quads_and_names_that_start_with_digits_are_taken(host: str) -> None:
+    assert parse_host_port(f"{host}:1") == (host, 1)
+
+
 def test_port_zero_and_empty_unix_path_only_where_allowed() -> None:
     assert parse_host_port("h:0", allow_port_zero=True) == ("h", 0)
     with pytest.raises(AddressError, match="no socket path"):
