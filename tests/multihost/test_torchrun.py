@@ -15,9 +15,11 @@ import pytest
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S
 from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S
+from rendezvousd.trainer.demo.netns import Hosts
 from tests.multihost.cluster import Cluster
 from tests.support import (
     Torchrun,
+    spawn_daemon,
     standby_replaces_a_killed_node,
     survivors_trained_on,
     three_nodes_stuck_at_step_two,
@@ -176,6 +178,42 @@ def test_torchrun_agents_whose_cut_heals_train_on_and_end_the_job_cleanly(
     assert _ranks_at(log, 60, restart=None) == {0, 1}
     facts = cluster.job_facts(job_id)
     assert facts["state"] == pb.JOB_STATE_ENDED, facts
+
+
+def test_a_node_that_names_the_daemon_by_localhost_beside_another_host_ends_the_round(
+    make_hosts: Callable[[int], Hosts],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """The daemon serves on every address of h0; h0's agent names it `localhost`, h1's
+    by h0's address. h0's route to the daemon is then loopback, the address it gives as
+    node 0's, which is every worker's MASTER_ADDR: h1's workers dialled themselves until
+    the process group's timeout (30 min by default). Now the round ends at once, and
+    both agents say why and what to do."""
+    hosts = make_hosts(2)
+    head, other = hosts[0], hosts[1]
+    d = spawn_daemon(tmp_path, "--insecure-plaintext", listen="0.0.0.0:0", prefix=head.command([]))
+    try:
+        port = d.port
+        worker = ("--steps", "5")
+        started = time.monotonic()
+        agents = [
+            torchrun(d, job_id, "2", *worker, nproc=1, endpoint=f"localhost:{port}",
+                     prefix=head.command([])),
+            torchrun(d, job_id, "2", *worker, nproc=1, endpoint=f"{head.address}:{port}",
+                     prefix=other.command([])),
+        ]  # fmt: skip
+        codes = [a.wait(120) for a in agents]
+        took = time.monotonic() - started
+    finally:
+        d.terminate()
+    assert all(code != 0 for code in codes), codes
+    said = f"(its route to the daemon at localhost:{port}) is loopback, but the round also"
+    for a in agents:
+        err = a.stderr()
+        assert said in err and "--local-addr" in err, err[-3000:]
+    print(f"both agents ended, naming the loopback address, {took:.1f} s after their start")
 
 
 def _ranks_at(log: Path, step: int, restart: int | None) -> set[int]:
