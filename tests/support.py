@@ -578,11 +578,13 @@ def three_nodes_stuck_at_step_two(
     prefixes: Sequence[Sequence[str]] = ((), (), ()),
     env: Mapping[str, str] | None = None,
 ) -> list[Torchrun]:
-    """Three torchrun agents (--nnodes 2:3, 2 workers each, --max-restarts 0) whose
+    """Three torchrun agents (--nnodes 2:3, 2 workers each, --max-restarts 1) whose
     6-rank world hangs after step 2, as if stuck in a collective: only their agents
-    can get them out. Returns once every rank reached step 2."""
+    can get them out. Returns once every rank reached step 2. One restart: an agent
+    with none left stops when a peer is lost, rather than re-form (an agent whose
+    workers hang never spends it: ``survivors_trained_on``)."""
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    agents = [torchrun(d, job, "2:3", *worker, prefix=p, env=env) for p in prefixes]
+    agents = [torchrun(d, job, "2:3", *worker, max_restarts=1, prefix=p, env=env) for p in prefixes]
     wait_for(
         "all 6 ranks at step 2",
         lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,
@@ -592,13 +594,15 @@ def three_nodes_stuck_at_step_two(
 
 
 def survivors_trained_on(agents: Sequence[Torchrun], log: Path) -> list[dict[str, Any]]:
-    """The first two agents re-formed as a 4-rank world and trained it to the end;
-    the steps of that world."""
+    """The first two agents re-formed as a 4-rank world and trained it to the end,
+    spending no restart (the daemon's push restarted them, not a local failure:
+    TORCHELASTIC_RESTART_COUNT stayed 0); the steps of that world."""
     for a in agents[:2]:
         assert a.wait(90) == 0, a.stderr()[-3000:]
     after = [s for s in torch_steps(log) if s["world"] == 4]
     assert {s["rank"] for s in after} == {0, 1, 2, 3}
     assert max(s["step"] for s in after) == 4
+    assert {s["restart"] for s in after} == {0}, after
     return after
 
 

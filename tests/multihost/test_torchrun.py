@@ -42,7 +42,7 @@ def test_torchrun_trains_across_hosts_and_drops_a_cut_off_node(
     """Three hosts train (--nnodes 2:3); h3's cable is pulled while every worker sits
     in what looks like a stuck collective. The daemon hears h3's silence after its
     heartbeat timeout and tells h1 and h2, whose agents restart their workers into a
-    two-node round (no restart spent: --max-restarts 0) that trains to the end. Warm:
+    two-node round (no restart spent of their --max-restarts 1) that trains to the end. Warm:
     the same with PYTHON_EXEC=rendezvous-python, every worker forked from its host's
     warm server."""
     cluster = make_cluster(3, "--heartbeat-timeout-s", "3")
@@ -119,13 +119,16 @@ def test_torchrun_agents_cut_apart_hear_it_from_their_links_and_give_up_when_it_
     heartbeats therefore tell nothing; their workers sit in what looks like a collective
     (gloo's or NCCL's own timeouts are minutes). The agents' links see the cut: each
     round's workers are restarted within seconds, and the next round, whose links
-    cannot even connect, makes the agents give up, naming the cut."""
+    cannot even connect, makes the agents give up, naming the cut. --max-restarts 1,
+    which the restart spends none of: with none left the agents stop at the first
+    lost link instead (the failure ends their round)."""
     cluster = make_cluster(2, "--heartbeat-timeout-s", "3")
     d, hosts = cluster.daemon, cluster.hosts
     log = tmp_path / "steps.jsonl"
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "2"]
     agents = [
-        torchrun(d, job_id, "2", *worker, nproc=1, prefix=hosts[i].command([])) for i in (1, 2)
+        torchrun(d, job_id, "2", *worker, nproc=1, max_restarts=1, prefix=hosts[i].command([]))
+        for i in (1, 2)
     ]
     wait_for(
         "both ranks at step 2",
@@ -157,13 +160,15 @@ def test_torchrun_agents_whose_cut_heals_train_on_and_end_the_job_cleanly(
     """The cut of the test above, healed once the agents heard of it: the next round's
     links connect, its workers train to the end, and every agent leaves, the one that
     reported the lost link included (it once skipped its goodbye in every later round,
-    and the daemon then counted it lost at the job's end)."""
+    and the daemon then counted it lost at the job's end). --max-restarts 1: with none
+    left the agents stop at the lost link instead of re-forming."""
     cluster = make_cluster(2, "--heartbeat-timeout-s", "3")
     d, hosts = cluster.daemon, cluster.hosts
     log = tmp_path / "steps.jsonl"
     worker = ["--steps", "60", "--step-log", str(log)]
     agents = [
-        torchrun(d, job_id, "2", *worker, nproc=1, prefix=hosts[i].command([])) for i in (1, 2)
+        torchrun(d, job_id, "2", *worker, nproc=1, max_restarts=1, prefix=hosts[i].command([]))
+        for i in (1, 2)
     ]
     wait_for("both ranks at step 5", lambda: _ranks_at(log, 5, restart=0) == {0, 1}, 120)
     hosts.partition(hosts[1], hosts[2])

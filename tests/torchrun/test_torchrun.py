@@ -99,9 +99,11 @@ def test_a_killed_peer_node_restarts_the_survivors_from_the_daemons_push(
     job_id: str,
 ) -> None:
     """Workers of the 3-node world hang after step 2, as if stuck in a collective: only
-    their agent can get them out. --max-restarts 0: torch counts only local failures,
-    so what restarts the survivors is num_nodes_waiting() > 0 after the daemon's push.
-    --nnodes 2:3 lets the two survivors re-form without the dead node."""
+    their agent can get them out. torch counts only local failures, so what restarts
+    the survivors is num_nodes_waiting() > 0 after the daemon's push, and it spends
+    none of their --max-restarts 1 (their workers' restart count stays 0; with none
+    left they stop instead: the test below). --nnodes 2:3 lets the two survivors
+    re-form without the dead node."""
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
     agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log)
