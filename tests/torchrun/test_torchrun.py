@@ -122,6 +122,114 @@ def test_a_killed_peer_node_restarts_the_survivors_from_the_daemons_push(
     print(f"kill -> survivors training again: {first - killed_at:.2f} s")
 
 
+def _two_nodes_at_step_two(
+    torchrun: Callable[..., Torchrun],
+    d: DaemonProcess,
+    job: str,
+    log: Path,
+    nnodes: str,
+    max_restarts: int,
+) -> list[Torchrun]:
+    """Two agents of one worker each, whose 2-rank worlds hang after step 2, as if stuck
+    in a collective with a dead peer: only the daemon's push can move them. A
+    join_timeout of 60 s: a survivor waiting for a replacement shows as one."""
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "2"]
+    conf = f"token_file={d.token_file},join_timeout=60"
+    agents = [
+        torchrun(d, job, nnodes, *worker, nproc=1, conf=conf, max_restarts=max_restarts)
+        for _ in range(2)
+    ]
+    wait_for(
+        "both ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 2,
+        timeout=120,
+    )
+    return agents
+
+
+def _stops_when_its_peer_dies(survivor: Torchrun, victim: Torchrun, log: Path) -> str:
+    """Kills ``victim`` (agent and workers): ``survivor`` must stop its workers and exit
+    non-zero within seconds, with torch's RendezvousError naming the lost node, and
+    re-form nothing. Returns that error's line."""
+    mine = [s["pid"] for s in torch_steps(log) if s["pid"] in descendants(survivor.proc.pid)]
+    assert mine, torch_steps(log)
+    steps_before = len(torch_steps(log))
+    killed_at = time.monotonic()
+    victim.kill()
+    try:
+        code = survivor.wait(15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the survivor still runs 15 s after the kill:\n{survivor.stderr()[-3000:]}")
+    stopped_after = time.monotonic() - killed_at
+    err = survivor.stderr()
+    assert code != 0, err[-3000:]
+    raised = [ln for ln in err.splitlines() if ln.startswith("torch.distributed.elastic")]
+    assert raised and raised[-1].startswith(
+        "torch.distributed.elastic.rendezvous.api.RendezvousError: "
+    ), err[-3000:]
+    assert re.search(r"lost node [01] on 127\.0\.0\.1 \(.+\)", raised[-1]), raised[-1]
+    # The handler found torch's agent (the lookup a torch upgrade could break).
+    assert "cannot read torch's remaining restarts" not in err, err[-3000:]
+    # Stopped, not re-formed: no step since the kill, and no worker left behind.
+    assert len(torch_steps(log)) == steps_before
+    assert not [pid for pid in mine if Path(f"/proc/{pid}").exists()], mine
+    print(f"kill -> survivor exited ({code}): {stopped_after:.2f} s")
+    return raised[-1]
+
+
+@pytest.mark.parametrize("nnodes", ["2", "1:2"])
+def test_a_survivor_with_no_restarts_left_stops_when_a_peer_dies(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+    nnodes: str,
+) -> None:
+    """--max-restarts 0 is "no restart": the survivor of a killed peer stops its
+    workers and exits non-zero within seconds, naming the lost node and why it stops,
+    as stock c10d's survivors do (their collectives break). It used to restart its
+    workers into the next round and wait join_timeout for the lost node's replacement
+    (fixed size), or re-form a world of one (elastic, 1:2)."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    survivor, victim = _two_nodes_at_step_two(torchrun, d, job_id, log, nnodes, 0)
+    raised = _stops_when_its_peer_dies(survivor, victim, log)
+    assert "no restarts left (--max-restarts 0)" in raised, raised
+
+
+def test_a_survivor_that_used_its_restarts_stops_when_a_peer_dies(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """--max-restarts 1, which the survivor spends on its own worker's failure; the
+    other agent, restarted by the daemon's push, spends none and re-forms as before.
+    When that peer is killed next, the survivor has none left: it stops, saying so."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    survivor, victim = _two_nodes_at_step_two(torchrun, d, job_id, log, "2", 1)
+    first = {s["pid"] for s in torch_steps(log)}
+    (worker,) = [pid for pid in first if pid in descendants(survivor.proc.pid)]
+    os.kill(worker, signal.SIGKILL)
+    wait_for(
+        "both ranks of the second round at step 2",
+        lambda: (
+            len({s["rank"] for s in torch_steps(log) if s["pid"] not in first and s["step"] == 2})
+            == 2
+        ),
+        timeout=120,
+    )
+    # TORCHELASTIC_RESTART_COUNT: the survivor spent its restart, the push cost its
+    # peer none.
+    second = [s for s in torch_steps(log) if s["pid"] not in first]
+    mine = {s["pid"] for s in second} & set(descendants(survivor.proc.pid))
+    assert {s["restart"] for s in second if s["pid"] in mine} == {1}, second
+    assert {s["restart"] for s in second if s["pid"] not in mine} == {0}, second
+    raised = _stops_when_its_peer_dies(survivor, victim, log)
+    assert "no restarts left (--max-restarts 1, all used)" in raised, raised
+
+
 def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
     start_daemon: Callable[..., DaemonProcess],
     torchrun: Callable[..., Torchrun],

@@ -18,7 +18,10 @@ What each torchrun agent does here:
   it every ``--monitor-interval`` (0.1 s) while its workers look healthy and restarts
   them into the next round — the hook torch itself uses for scale-up, so survivors stuck
   in a collective do not wait for the NCCL/gloo timeout (pytorch/pytorch#111646). It
-  costs no restart on the survivors: torch counts only local failures.
+  costs no restart on the survivors: torch counts only local failures. An agent with no
+  restarts left (``--max-restarts 0``, or all used) stops instead, as c10d's survivors
+  do once their collectives break: its ``next_rendezvous()`` raises, naming the lost
+  node (``_no_restarts_left``).
 - A local restart (torchrun calls ``next_rendezvous()`` while our round still runs)
   reports the failure first, so every other agent hears it at once and re-joins too; a
   restart for waiting nodes ends the round with the ``scale-up`` reason instead.
@@ -269,6 +272,57 @@ def _torch_error(exc: RendezvousError, what: str) -> torch_rdzv.RendezvousError:
     return torch_rdzv.RendezvousError(message)
 
 
+def lost_nodes(exc: PeerFailed) -> str:
+    """The nodes a failure lost, each with its host and cause. Each agent is one member
+    of the round, a node of one rank: the daemon's "rank" is torchrun's node rank,
+    which read as a worker's global rank."""
+    return "; ".join(
+        f"node {f.rank if f.node_rank is None else f.node_rank} on {escape(f.host)} "
+        f"({shortened(f.cause)})"
+        for f in exc.failed
+    )
+
+
+def _no_restarts(max_restarts: int) -> str:
+    used = f"{max_restarts}, all used" if max_restarts else "0"
+    return f"no restarts left (--max-restarts {used})"
+
+
+#: How many callers up from the handler's methods torch's agent is looked for: torch
+#: 2.13 calls ``next_rendezvous()`` and ``num_nodes_waiting()`` straight from the
+#: agent's own methods (the first caller); the rest leaves room for a wrapper (its
+#: ``@prof`` is one frame) that a later torch may put between.
+AGENT_FRAMES = 8
+
+
+def torch_agent_of(handler: object, frame: FrameType | None) -> Any | None:
+    """torch's agent (a ``SimpleElasticAgent``) whose worker spec holds ``handler``, as
+    ``self`` of ``frame`` or one of its callers; None where there is none.
+
+    Why the call stack: the handler must know whether the agent has restarts left, and
+    only the agent knows (``_remaining_restarts``, which its local failures spend).
+    torch hands a handler nothing of it: RendezvousParameters carries no max_restarts,
+    and torch sets TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT in the
+    workers' environment only. Parsing torchrun's argv (``--max-restarts``) would miss
+    the restarts already used, and any launcher other than torchrun's command line
+    (``elastic_launch``). The agent found here is the one that calls the handler, so its
+    count is the live one; where a torch changes its shape, nothing is found and the
+    handler says so once and keeps the behaviour from before it looked
+    (``RendezvousdHandler._restarts``); tests/torchrun pins it."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    for _ in range(AGENT_FRAMES):
+        if frame is None:
+            return None
+        agent = frame.f_locals.get("self")
+        if isinstance(agent, SimpleElasticAgent):
+            spec = getattr(agent.get_worker_group(), "spec", None)
+            if getattr(spec, "rdzv_handler", None) is handler:
+                return agent
+        frame = frame.f_back
+    return None
+
+
 #: How long a signalled agent waits for the other nodes to be told, before torch's
 #: own handler stops its workers (whose deaths would otherwise speak first).
 STOP_TELL_S = 2.0
@@ -481,8 +535,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._node: NodeMembership | None = None
         self._store: DaemonStore | None = None
         self._links: NodeLinks | None = None
-        #: The generation whose link to another node this agent reported lost.
+        #: The generation whose link to another node this agent reported lost, and why.
         self._link_lost: int | None = None
+        self._link_lost_cause = ""
         #: Why this agent gives up at its next round: a link that could not connect.
         self._unreachable: str | None = None
         self._closed = threading.Event()
@@ -491,6 +546,13 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._signalled: int | None = None
         self._teller: threading.Thread | None = None
         self._signals = torch_signals(os.environ)
+        #: torch's agent calling this handler (``torch_agent_of``), once found; whether
+        #: the handler said it could not read the agent's restarts.
+        self._agent: Any | None = None
+        self._restarts_unread_said = False
+        #: Why the next ``next_rendezvous()`` stops this agent: a failure ended its
+        #: round, and it has no restarts left (``_no_restarts_left``).
+        self._stop: str | None = None
         self._warm = start_warm_server(settings, os.environ)
         atexit.register(self._exit_goodbye)
 
@@ -541,6 +603,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         return self._run_id
 
     def next_rendezvous(self) -> torch_rdzv.RendezvousInfo:
+        self._find_agent(sys._getframe(1))
         if self.is_closed():
             failure = self._client.failure
             why = f" ({failure})" if isinstance(failure, JobAborted) else ""
@@ -548,6 +611,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._close_links()
         if self._unreachable is not None:
             raise torch_rdzv.RendezvousError(f"{self._what()}: {self._unreachable}")
+        if self._stop is not None:
+            # Here, not in num_nodes_waiting(): torch has stopped the workers by now,
+            # through its own path (SIGTERM, then SIGKILL after its grace). torch's
+            # launcher ends on any rendezvous error as on a timeout (shutdown(), which
+            # says this node will not re-join, then a non-zero exit), so the type says
+            # what happened: not a close, not a timeout. Re-raising it every call keeps
+            # any later caller from re-joining.
+            raise torch_rdzv.RendezvousError(f"{self._what()}: {self._stop}")
         try:
             if self._node is not None:
                 self._end_round(self._node)
@@ -643,7 +714,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         if node is None or node.generation != event.generation or self._round_ended(node):
             return
         log.error("rendezvousd: job %r: this node %s", self._run_id, event.cause)
-        self._link_lost = event.generation
+        self._link_lost, self._link_lost_cause = event.generation, event.cause
         try:
             # num_nodes_waiting() answers 1 from now on: torch restarts the workers.
             self._client.report_failure(0, event.cause)
@@ -749,13 +820,18 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             return
         if exc.generation == self._signalled:
             return  # this agent's own stop (_stopped_by), which it said already
-        # Each agent is one member of the round, a node of one rank: the daemon's
-        # "rank" is torchrun's node rank, which read as a worker's global rank.
-        lost = "; ".join(
-            f"node {f.rank if f.node_rank is None else f.node_rank} on {escape(f.host)} "
-            f"({shortened(f.cause)})"
-            for f in exc.failed
-        )
+        lost = lost_nodes(exc)
+        restarts = self._restarts()
+        if restarts is not None and restarts[0] == 0:
+            log.warning(
+                "rendezvousd: job %r round %d failed: lost %s. This agent has %s: torch "
+                "stops this node's workers and the agent exits",
+                self._run_id,
+                exc.generation,
+                lost,
+                _no_restarts(restarts[1]),
+            )
+            return
         # Elastic, the next round forms with the nodes left; a fixed size waits for a
         # node to take the lost one's place.
         waits_for = (
@@ -799,6 +875,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         """Nodes waiting to join, or at least 1 once our round ended (``_round_ended``): torch
         restarts its workers into the next round when this is above 0."""
         self._watch_signals()
+        self._find_agent(sys._getframe(1))
         waiting = self._client.nodes_waiting()
         failure = self._client.failure
         if isinstance(failure, DaemonUnavailable):
@@ -808,8 +885,74 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # connect_timeout before failing all the same.
             raise _torch_error(failure, self._what())
         if self._node is not None and self._round_ended(self._node):
+            self._no_restarts_left(self._node)
             return max(1, waiting)
         return waiting
+
+    def _find_agent(self, caller: FrameType | None) -> None:
+        if self._agent is None:
+            self._agent = torch_agent_of(self, caller)
+
+    def _restarts(self) -> tuple[int, int] | None:
+        """torch's agent's restarts: (left, --max-restarts); None where it is unknown."""
+        agent = self._agent
+        if agent is None:
+            return None
+        left = getattr(agent, "_remaining_restarts", None)
+        most = getattr(getattr(agent.get_worker_group(), "spec", None), "max_restarts", None)
+        if isinstance(left, int) and isinstance(most, int):
+            return left, most
+        return None
+
+    def _round_failure(self, node: NodeMembership) -> str | None:
+        """What failure ended ``node``'s round: a peer's (the daemon's push, naming the
+        lost node and its cause) or this node's lost link; None when no failure did (a
+        scale-up, a close, this agent's own signal)."""
+        if node.generation == self._signalled:
+            return None
+        failure = self._client.failure
+        if isinstance(failure, PeerFailed):
+            return f"lost {lost_nodes(failure)}" if failure.failed else str(failure)
+        if node.generation == self._link_lost:
+            return f"this node {self._link_lost_cause}"
+        return None
+
+    def _no_restarts_left(self, node: NodeMembership) -> None:
+        """A failure ended ``node``'s round: with no restarts left, this agent stops
+        (``_stop``, raised by the next ``next_rendezvous()``) instead of restarting its
+        workers into the next round. A user who gives ``--max-restarts 0`` (or whose
+        agent used them all) asked for no restart: re-forming restarts the workers all
+        the same, and with a fixed size it waited join_timeout for a replacement,
+        where c10d's survivors stop within seconds (their collectives break, torch
+        counts a local failure, none is left). Whether torch's agent saw its workers
+        fail first or heard the push first no longer changes the outcome. Decided
+        here, where torch's agent asks while its workers look healthy, so that no
+        restart of its own is in flight; torch stops them when this answers > 0."""
+        if self._stop is not None:
+            return
+        why = self._round_failure(node)
+        if why is None:
+            return
+        restarts = self._restarts()
+        if restarts is None:
+            if not self._restarts_unread_said:
+                self._restarts_unread_said = True
+                log.warning(
+                    "rendezvousd: job %r: cannot read torch's remaining restarts (no torch "
+                    "agent of this handler among num_nodes_waiting()'s callers, or one "
+                    "without _remaining_restarts: a torch other than 2.13?); this agent "
+                    "restarts its workers into the next round after a failure even with "
+                    "no restarts left",
+                    self._run_id,
+                )
+            return
+        left, most = restarts
+        if left == 0:
+            self._stop = (
+                f"round {node.generation} failed: {why}; this agent stops its workers and "
+                f"exits: {_no_restarts(most)}, and re-forming the job would restart them "
+                "(give --max-restarts at least 1 for each failure the job should outlive)"
+            )
 
     def _round_ended(self, node: NodeMembership) -> bool:
         """Whether ``node``'s round is over and every agent told: the daemon ended it
