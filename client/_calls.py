@@ -1013,9 +1013,8 @@ class ClientBase(ABC):
                 rank=m.rank,
             )
         s.on_failure, s.on_nodes_waiting = on_failure, on_nodes_waiting
-        self._start_stream(
-            StreamWatch(s, m, self._c.reconnect_window), s.heartbeat_interval(interval)
-        )
+        beat = s.heartbeat_interval(interval)
+        self._start_stream(StreamWatch(s, m, self._c.reconnect_window, beat_s=beat), beat)
 
     @abstractmethod
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:

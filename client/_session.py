@@ -988,6 +988,9 @@ def _leaver(request: pb.LeaveRequest) -> str:
 WATCH_S = 0.5
 PAUSED_S = 2.0
 RESUMED_S = 2.0
+# A stream's break this many beats after the last ack is the daemon's going; later, it
+# is only when the connection was found dead (``StreamWatch.silent_since``).
+PROMPT_BREAK_BEATS = 1.5
 
 # A call failing with these may or may not have reached the daemon.
 UNKNOWN_OUTCOME = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
@@ -1023,6 +1026,9 @@ class StreamWatch:
     # When the blocking client's watchdog last ran (``watchdog_ran``); None for the
     # asyncio client, whose read loop sees its own gaps.
     watchdog_at: float | None = None
+    # The stream's beat interval, which the daemon's acks follow (0: not known, every
+    # break counts as the daemon's going; ``silent_since``).
+    beat_s: float = 0.0
 
     @property
     def window_s(self) -> float:
@@ -1035,18 +1041,29 @@ class StreamWatch:
 
     def deadline(self) -> float | None:
         """When silence becomes DaemonUnreachable; None while there is no clock. The
-        window counts from the last word heard, or from the stream's break when it
-        broke since: the last ack may be a beat interval older than the break (up to a
-        third of the window), and a daemon restarted with its state inside the window
-        after it died (its members given a whole timeout to reattach) was reported
-        unreachable first (7 s after a SIGKILL, against a 10 s window)."""
+        window counts from when the daemon went away, as best told (``silent_since``)."""
         if self.session.daemon_heartbeat_timeout > 0:
             return self.silent_since() + self.window_s + self.grace_s
         return None
 
     def silent_since(self) -> float:
-        """The later of the last word heard and the stream's break, if it broke."""
-        return max(self.heard, self.outage_since or 0.0)
+        """When the daemon went away, as best told: the last word heard, or the
+        stream's break where it broke within a beat and a half of that word.
+
+        A prompt break is the daemon ending the stream (killed, or restarted), and the
+        last ack may be a beat older (up to a third of the window): a daemon restarted
+        with its state inside the window after a SIGKILL (its members given a whole
+        timeout to reattach) was reported unreachable first (7 s after the kill,
+        against a 10 s window). A break found later is no news of when the daemon
+        went: acks stopped coming a beat after the last one, and gRPC's keepalive
+        finds a cut network's connection dead only ~8 s on. Counting the window from
+        that break told a node cut off 18 s after the cut, with a 10 s window (a
+        review that followed the docs on namespace hosts)."""
+        if self.outage_since is None:
+            return self.heard
+        if self.beat_s and self.outage_since > self.heard + PROMPT_BREAK_BEATS * self.beat_s:
+            return self.heard
+        return max(self.heard, self.outage_since)
 
     def may_look_back(self) -> bool:
         """Whether the window passed on a broken stream with no look at the endpoint

@@ -323,6 +323,32 @@ def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
         assert not watch.expired()
 
 
+@pytest.mark.parametrize(("broke_after", "counts_from"), [(2.0, "break"), (8.0, "ack")])
+def test_only_a_prompt_break_moves_the_window_later(broke_after: float, counts_from: str) -> None:
+    """Beats (and the daemon's acks) every 2 s, a 6 s window. A break 2 s after the last
+    ack is the daemon going (killed): the window counts from it, as above. A break 8 s
+    after it is gRPC's keepalive finding a cut network's connection dead: the daemon
+    went a beat after its last ack, and counting from the break told a node cut off
+    18 s after the cut, with a 10 s window (a review on namespace hosts)."""
+    with _session("cut", 6.0) as session:
+        member = SimpleNamespace(job_id="cut", rank=0)
+        watch = StreamWatch(session, member, None, beat_s=2.0)  # type: ignore[arg-type]
+        broke = time.monotonic()
+        watch.heard = broke - broke_after
+        watch.outage_since = broke
+        deadline = watch.deadline()
+        assert deadline is not None
+        start = broke if counts_from == "break" else watch.heard
+        assert deadline == pytest.approx(start + 6.0, abs=0.01)
+        if counts_from == "ack":
+            # The verdict is due 2 s after the break, and names the whole silence.
+            watch.heard -= 4.5
+            watch.looked_back = True  # nothing listens there: asked already
+            assert watch.expired()
+            failure = str(session.failure)
+            assert "unreachable for 12.5 s (window 6 s)" in failure, failure
+
+
 @pytest.mark.parametrize("listening", [True, False])
 def test_a_broken_stream_looks_at_the_endpoint_once_its_window_passed(listening: bool) -> None:
     """Found listening again, the window gets the redial grace (gRPC dials a daemon

@@ -115,6 +115,52 @@ def test_cut_off_node_blames_the_daemon_and_the_others_blame_it(training: Traini
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 
+_CUT_MEMBER = """
+import sys, threading, time
+from rendezvousd.client import RendezvousClient
+failed = threading.Event()
+heard = []
+c = RendezvousClient(sys.argv[1], "cut", token_file=sys.argv[2])
+c.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, unique_id=b"x" * 128)
+c.start_heartbeat(on_failure=lambda exc: (heard.append(exc), failed.set()))
+print("joined", flush=True)
+failed.wait(60)
+print(f"{time.time():.3f} {type(heard[0]).__name__}: {heard[0]}" if heard else "nothing", flush=True)
+"""
+
+
+def test_a_member_cut_off_at_the_default_timeout_hears_it_after_the_window_not_twice_it(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """The daemon's default heartbeat timeout (10 s) and beat (a third of it): a bare
+    SDK member on h1 whose cable is pulled hears DaemonUnreachable within the window and
+    a beat of its last ack. It heard 18 s after the cut: gRPC's keepalive found the
+    connection dead ~8 s on, and the window counted again from there (a review that
+    followed the docs on namespace hosts; the faults above use a 3 s timeout, whose
+    keepalive is quick)."""
+    cluster = make_cluster(1)
+    d, host = cluster.daemon, cluster.hosts[1]
+    member = subprocess.Popen(
+        host.command([sys.executable, "-c", _CUT_MEMBER, d.endpoint, str(d.token_file)]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert member.stdout is not None and member.stderr is not None
+        assert member.stdout.readline().strip() == "joined", member.stderr.read()
+        time.sleep(1.0)  # an ack or two heard
+        cut_at = time.time()
+        cluster.hosts.link(host, up=False)
+        out, err = member.communicate(timeout=60)
+    finally:
+        member.kill()
+    at, said = out.strip().split(" ", 1)
+    took = float(at) - cut_at
+    assert said.startswith("DaemonUnreachable") and "lost its network" in said, (out, err)
+    beat = 10.0 / 3
+    assert 10.0 - beat - 0.5 <= took <= 10.0 + beat + 1.0, f"heard {took:.1f} s after the cut"
+    print(f"cut -> DaemonUnreachable on the cut member: {took:.2f} s (window 10 s)")
+
+
 def test_a_cut_between_two_nodes_that_still_reach_the_daemon_is_reported_in_seconds(
     training: Training,
 ) -> None:
