@@ -213,7 +213,9 @@ def _fast_dns_or_why_not(argv: list[str]) -> str:
         return "the machine's resolver (not root: TCPStore's connects may stall on DNS)"
     conf = Path(tempfile.mkdtemp(prefix="rdzv-bench-")) / "resolv.conf"
     conf.write_text("nameserver 127.0.0.1\noptions attempts:1\n")
-    script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+    # The mount holds the file: its directory is removed before the run (exec leaves
+    # no one to remove it after; each run left one behind).
+    script = 'mount --bind "$0" /etc/resolv.conf && rm -r "${0%/*}" && exec "$@"'
     os.environ[FAST_DNS_ENV] = "1"
     os.execvp(
         "unshare", ["unshare", "-m", "--", "sh", "-c", script, str(conf), sys.executable, *argv]

@@ -73,6 +73,9 @@ class Rendezvous(Protocol):
 
     def raise_if_failed(self) -> None: ...
 
+    @property
+    def call_route(self) -> str: ...
+
     def report_failure(
         self, local_rank: int, cause: str, *, timeout: float | None = None
     ) -> None: ...
@@ -176,6 +179,12 @@ class FileRendezvous:
     @property
     def failure(self) -> RendezvousError | None:
         return self._client.failure if self._client else None
+
+    @property
+    def call_route(self) -> str:
+        """How calls reach rank 0's daemon now, as ``RendezvousClient.call_route`` says
+        (``"stream"`` or ``"unary"``); ``"none"`` before the first join."""
+        return self._client.call_route if self._client else "none"
 
     def join(self, **request: Unpack[JoinRequest]) -> Membership:
         """Start (local_rank 0) or find (the others) the daemon, then join through it.

@@ -66,7 +66,10 @@ class DaemonConfig:
         AddressText("listen", allow_port_zero=True, allow_unix=True),
     )
     token_file: Path | None = setting(
-        None, "file with the bearer token(s), mode 0600", OptionalPath()
+        None,
+        "file with the bearer token(s), mode 0600 (without it: the token itself in "
+        "$RENDEZVOUSD_TOKEN)",
+        OptionalPath(),
     )
     tls_cert: Path | None = setting(None, "PEM server certificate (enables TLS)", OptionalPath())
     tls_key: Path | None = setting(None, "PEM private key for --tls-cert", OptionalPath())

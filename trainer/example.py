@@ -328,8 +328,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "backend": comm.backend,
             "collective_transport": getattr(comm, "transport", comm.backend),
             # How this rank's daemon calls travelled: "relayed" through its node agent
-            # under rendezvous-run (client.relay); a file rendezvous has none.
-            "daemon_calls": getattr(ctx.rendezvous, "call_route", "none"),
+            # under rendezvous-run (client.relay).
+            "daemon_calls": ctx.rendezvous.call_route,
         }
     except BaseException as exc:
         ctx.close(clean=False, error=exc)

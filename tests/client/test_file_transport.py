@@ -857,3 +857,13 @@ def _link(path: Path) -> str | None:
         return os.readlink(path)
     except OSError:  # closed meanwhile
         return None
+
+
+def test_a_file_rendezvous_says_its_call_route_as_the_client_does(tmp_path: Path) -> None:
+    # ctx.rendezvous.call_route raised AttributeError on the file transport, where the
+    # docs say both transports have it (a docs follower's review).
+    rv = FileRendezvous(tmp_path / "route", "route")
+    assert rv.call_route == "none"
+    with rv:
+        rv.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0)
+        assert rv.call_route in {"stream", "unary"}
