@@ -49,6 +49,7 @@ from rendezvousd.trainer.errors import (
     CommunicatorError,
     CommunicatorTimeout,
     ConfigError,
+    DeviceError,
     PeerConnectionError,
     RetriesExhausted,
     TrainerError,
@@ -164,7 +165,10 @@ PEER_SETTLE_S = 2.0
 
 def _own_failure(error: BaseException | None) -> bool:
     """Whether this worker failed by itself, not as the victim of a failure
-    elsewhere (a peer's death seen on the ring, the daemon's or the agent's word)."""
+    elsewhere (a peer's death seen on the ring, the daemon's or the agent's word). Its
+    own GPU failing (``DeviceError``: out of memory, a CUDA error) is its own."""
+    if isinstance(error, DeviceError):
+        return True
     return not isinstance(error, CommunicatorError | RendezvousError | AgentError)
 
 
@@ -211,7 +215,9 @@ def _drop_out(rdzv: Rendezvous, error: BaseException | None, local_rank: int) ->
     if _own_failure(error):
         with contextlib.suppress(RendezvousError):
             rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
-    if isinstance(error, CommunicatorError) and not isinstance(error, CommunicatorAborted):
+    if isinstance(error, CommunicatorError) and not isinstance(
+        error, CommunicatorAborted | DeviceError
+    ):
         deadline = time.monotonic() + PEER_SETTLE_S
         while time.monotonic() < deadline:
             try:

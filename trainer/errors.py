@@ -6,9 +6,11 @@
     ├── CommunicatorError          a collective failed
     │   ├── CommunicatorAborted    abort() was called (e.g. a peer died)
     │   ├── CommunicatorTimeout    a peer did not answer within the timeout
-    │   └── PeerConnectionError    a peer's connection broke or was refused
-    │       └── TransientInitError communicator init failed on an unreachable peer:
-    │                              a fresh id (the next generation) may succeed
+    │   ├── PeerConnectionError    a peer's connection broke or was refused
+    │   │   └── TransientInitError communicator init failed on an unreachable peer:
+    │   │                          a fresh id (the next generation) may succeed
+    │   └── DeviceError            this rank's own GPU failed the call (out of memory,
+    │                              a CUDA error): no peer is at fault
     ├── RetriesExhausted           a transient bootstrap failure outlasted every retry
     ├── CollectiveArgumentError    an array or argument a collective cannot use
     │                              (also a ValueError)
@@ -62,6 +64,12 @@ class TransientInitError(PeerConnectionError):
     """Communicator init (NCCL's) failed because a peer was unreachable. Its id is
     used up; a retry needs a fresh generation and id. Raised by the backend's
     error seam (``NcclCommunicator._failure``), so no caller reads error text."""
+
+
+class DeviceError(CommunicatorError):
+    """This rank's own GPU failed a communicator call: out of memory, or a CUDA error
+    (a sticky one, such as an illegal address, leaves the process's CUDA context
+    unusable). The rank failed by itself; its peers are victims, not causes."""
 
 
 class CollectiveArgumentError(TrainerError, ValueError):

@@ -80,8 +80,10 @@ SEAM: list[tuple[str, Call | str]] = [
     ("cuda.nccl.NcclCommunicator().abort", Call()),
     ("cuda.nccl.NcclCommunicator().destroy", Call()),
     ("cuda.runtime.getDeviceCount", Call()),
+    ("cuda.runtime", READ),
     ("cuda.runtime.CUDARuntimeError", CAUGHT),
     ("cuda.driver.CUDADriverError", CAUGHT),
+    ("cuda.memory.OutOfMemoryError", CAUGHT),
     ("cuda.Device", Call(1)),
     ("cuda.Device().__enter__", Call()),
     ("cuda.Device().__exit__", Call(3)),
@@ -145,14 +147,29 @@ HOLDS = {
     "ndarray().data": "cuda.MemoryPointer",
     "ndarray().device": "cuda.Device",
 }
+
+
+def _event_without_a_device(cp: Any) -> Any:
+    """A ``cupy.cuda.Event`` whose handle is 0: making a real one needs a device. Its
+    ``done`` reading ``self.ptr`` before any CUDA call shows that ``ptr`` is the handle
+    CuPy keeps (and passes to ``runtime.eventQuery``); __del__ skips a 0 handle."""
+    event = cp.cuda.Event.__new__(cp.cuda.Event)
+    with pytest.raises(AttributeError, match="ptr"):
+        _ = event.done
+    event.ptr = 0
+    return event
+
+
 # Instances CuPy makes without a device, for attributes it sets per instance.
 DEVICE_FREE: dict[str, Callable[[Any], Any]] = {
     "cuda.Stream": lambda cp: cp.cuda.Stream(null=True),
+    "cuda.Event": _event_without_a_device,
     "cuda.Device": lambda cp: cp.cuda.Device(0),
     "cuda.nccl.NcclError": lambda cp: cp.cuda.nccl.NcclError(6),
+    "cuda.runtime.CUDARuntimeError": lambda cp: cp.cuda.runtime.CUDARuntimeError(700),
 }
 # Values that differ between objects or installs, not constants.
-PER_OBJECT = {"__version__", "cuda.Stream().ptr"}
+PER_OBJECT = {"__version__", "cuda.Stream().ptr", "cuda.Event().ptr"}
 
 # --- looking CuPy up -----------------------------------------------------------------
 
@@ -370,6 +387,7 @@ FAKE_INSTANCES: dict[str, Callable[[Any], Any]] = {
         1, bytes(range(1, 129)), 0
     ),
     "cuda.nccl.NcclError": lambda fake: fake.cuda.nccl.NcclError(6),
+    "cuda.runtime.CUDARuntimeError": lambda fake: fake.cuda.runtime.CUDARuntimeError(700),
     "ndarray": lambda fake: fake_cupy.device_array(fake, [1.0]),
 }
 # Python's own class attributes, not the API a class models.
@@ -483,10 +501,21 @@ def status_name(status: int) -> str | None:
 def test_the_fakes_status_names_are_cupys() -> None:
     named = {status: status_name(status) for status in range(16)}
     assert {s: n for s, n in named.items() if n is not None} == fake_nccl.STATUS_NAMES
-    assert {named[s] for s in nccl._PEER_STATUSES} == {
-        "NCCL_ERROR_SYSTEM_ERROR",  # sockets, shared memory
-        "NCCL_ERROR_REMOTE_ERROR",  # a peer went away
-    }
+    assert {named[s] for s in nccl._PEER_STATUSES} == {"NCCL_ERROR_REMOTE_ERROR"}  # a peer
+    assert named[nccl._NCCL_SYSTEM_ERROR] == "NCCL_ERROR_SYSTEM_ERROR"  # a system call here
+    assert named[nccl._NCCL_INVALID_USAGE] == "NCCL_ERROR_INVALID_USAGE"
+
+
+def test_cuda_statuses_nccl_py_names_are_cudas() -> None:
+    runtime = REAL.cuda.runtime
+    assert str(runtime.CUDARuntimeError(nccl._CUDA_OUT_OF_MEMORY)).startswith(
+        "cudaErrorMemoryAllocation"
+    )
+    assert str(runtime.CUDARuntimeError(nccl._CUDA_INVALID_DEVICE)).startswith(
+        "cudaErrorInvalidDevice"
+    )
+    assert issubclass(REAL.cuda.memory.OutOfMemoryError, MemoryError)
+    assert not issubclass(REAL.cuda.memory.OutOfMemoryError, runtime.CUDARuntimeError)
 
 
 def test_a_status_cupy_cannot_name_raises_key_error_which_the_seam_maps() -> None:

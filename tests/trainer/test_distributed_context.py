@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,33 @@ def test_sys_exit_0_inside_the_with_block_is_a_success_not_a_failure(
                 n.communicate(timeout=60)
     assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outs]
     assert (tmp_path / "done").exists()
+
+
+class _Rendezvous:
+    """What ``_drop_out`` calls on a rendezvous, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def report_failure(self, local_rank: int, cause: str, timeout: float) -> None:
+        self.calls.append(("report_failure", cause))
+
+    def raise_if_failed(self) -> None:
+        self.calls.append(("raise_if_failed",))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+def test_a_rank_whose_own_gpu_failed_reports_it_at_once() -> None:
+    """A DeviceError (out of memory, a CUDA error) is this rank's own failure: it is
+    reported as the cause, not waited on as a peer's, whose notice never comes."""
+    from rendezvousd.trainer import distributed
+    from rendezvousd.trainer.errors import DeviceError
+
+    rdzv = _Rendezvous()
+    started = time.monotonic()
+    distributed._drop_out(rdzv, DeviceError("rank 0/2: NCCL all_reduce: GPU 0 is out of memory"), 0)  # type: ignore[arg-type]
+    assert rdzv.calls[0][0] == "report_failure" and "GPU 0 is out of memory" in rdzv.calls[0][1]
+    assert ("raise_if_failed",) not in rdzv.calls and rdzv.calls[-1] == ("close",)
+    assert time.monotonic() - started < distributed.PEER_SETTLE_S

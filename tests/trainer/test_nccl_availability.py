@@ -34,7 +34,7 @@ def test_device_count(cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert nccl.device_count() == 2
 
     def no_driver() -> int:
-        raise FakeCudaError("cudaErrorNoDevice")
+        raise FakeCudaError(100)  # cudaErrorNoDevice
 
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", no_driver)
     assert nccl.device_count() == 0
@@ -61,7 +61,7 @@ def test_unavailable_reason_names_what_is_missing(
         return fake
 
     def no_driver() -> int:
-        raise FakeCudaError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+        raise FakeCudaError(35)  # cudaErrorInsufficientDriver
 
     monkeypatch.setattr(nccl, "_import_cupy", seam)
     if missing == "nccl":  # what real CuPy says when libnccl does not load

@@ -220,9 +220,8 @@ def test_bad_buffers_are_refused_before_nccl(cupy: Any) -> None:
     ("error", "kind"),
     [
         (FakeNcclError(6), errs.PeerConnectionError),
-        (FakeNcclError(2), errs.PeerConnectionError),
         (FakeNcclError(3), errs.CommunicatorError),
-        (FakeCudaError("cudaErrorIllegalAddress"), errs.CommunicatorError),
+        (FakeCudaError(700), errs.DeviceError),  # cudaErrorIllegalAddress
     ],
 )
 def test_errors_are_mapped_with_rank_and_operation(
@@ -233,12 +232,65 @@ def test_errors_are_mapped_with_rank_and_operation(
     with pytest.raises(kind, match=r"rank 1/2: NCCL all_reduce") as info:
         comm.all_reduce(device_array(cupy, [1.0]))
     assert info.value.__cause__ is error
+    assert type(info.value) is kind
     assert not isinstance(info.value, errs.TransientInitError)  # only init is retried
+
+
+@pytest.mark.parametrize("operation", ["init", "all_reduce"])
+def test_a_system_error_is_this_ranks_own_not_a_peers(cupy: Any, operation: str) -> None:
+    """ncclSystemError is a system call failing here (/dev/shm, a socket): blaming a
+    peer and retrying on a fresh id sends the reader after the wrong host."""
+    if operation == "init":
+        log_of(cupy).fail = FakeNcclError(2)
+        with pytest.raises(errs.CommunicatorError, match=r"rank 0/2: NCCL init") as info:
+            nccl.NcclCommunicator(0, 2, UID, 0)
+    else:
+        comm = nccl.NcclCommunicator(0, 2, UID, 0)
+        log_of(cupy).fail = FakeNcclError(2)
+        with pytest.raises(errs.CommunicatorError, match=r"rank 0/2: NCCL all_reduce") as info:
+            comm.all_reduce(device_array(cupy, [1.0]))
+    assert not isinstance(info.value, errs.PeerConnectionError)
+    assert "not at a peer" in str(info.value) and "/dev/shm" in str(info.value)
+    assert "NCCL_DEBUG=WARN" in str(info.value)
+
+
+@pytest.mark.parametrize("operation", ["init", "all_reduce"])
+def test_a_cuda_errors_status_is_not_read_as_ncclS(cupy: Any, operation: str) -> None:
+    """CUDARuntimeError(2) is cudaErrorMemoryAllocation; NCCL's 2 is ncclSystemError,
+    which the seam took for an unreachable peer and retried on a fresh id."""
+    error = FakeCudaError(2)
+    if operation == "init":
+        log_of(cupy).fail = error
+        with pytest.raises(errs.DeviceError, match=r"rank 0/2: NCCL init") as info:
+            nccl.NcclCommunicator(0, 2, UID, 0)
+    else:
+        comm = nccl.NcclCommunicator(0, 2, UID, 0)
+        log_of(cupy).fail = error
+        with pytest.raises(errs.DeviceError, match=r"rank 0/2: NCCL all_reduce") as info:
+            comm.all_reduce(device_array(cupy, [1.0]))
+        assert comm.aborted is not None
+    assert not isinstance(info.value, errs.PeerConnectionError)
+    assert "GPU 0 is out of memory" in str(info.value) and "not a peer" in str(info.value)
+
+
+def test_cupys_out_of_memory_error_is_mapped_with_the_rank(cupy: Any) -> None:
+    """CuPy's allocator raises OutOfMemoryError, a MemoryError and no CUDARuntimeError:
+    it escaped the seam raw, naming no rank and leaving the communicator un-aborted."""
+    cupy.world.out_of_memory = True
+    with pytest.raises(errs.DeviceError, match=r"rank 1/2: NCCL init failed: GPU 0 is out of"):
+        nccl.NcclCommunicator(1, 2, UID, 0)
+    cupy.world.out_of_memory = False
+    comm = nccl.NcclCommunicator(1, 2, UID, 0)
+    cupy.world.out_of_memory = True  # broadcast's agreement allocates on the device
+    with pytest.raises(errs.DeviceError, match=r"rank 1/2: NCCL broadcast failed: GPU 0") as info:
+        comm.broadcast(device_array(cupy, [1.0]))
+    assert isinstance(info.value.__cause__, MemoryError) and "restart" in str(info.value)
+    assert comm.aborted is not None and log_of(cupy).names()[-1] == "abort"
 
 
 @pytest.mark.parametrize(
     ("error", "transient"),
-    [(FakeNcclError(6), True), (FakeNcclError(2), True), (FakeNcclError(3), False)],
+    [(FakeNcclError(6), True), (FakeNcclError(2), False), (FakeNcclError(3), False)],
 )
 def test_only_an_init_failure_on_an_unreachable_peer_is_transient(
     cupy: Any, error: BaseException, transient: bool

@@ -14,6 +14,7 @@ message or repr, and not kept after the communicator is built.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,9 +60,15 @@ _DTYPE_CODES: dict[str, int] = {
 }
 _OP_CODES: dict[ReduceOp, int] = {ReduceOp.SUM: 0, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
 
-# ncclSystemError (sockets, shared memory) and ncclRemoteError (a peer went away)
-# are what a dead or unreachable peer produces.
-_PEER_STATUSES = frozenset({2, 6})
+# ncclRemoteError: a peer went away, or its connection broke or was refused. Not
+# ncclSystemError (2): that is a system call failing on this rank (a socket, shared
+# memory: a container's 64 MB /dev/shm), which says nothing of a peer.
+_PEER_STATUSES = frozenset({6})
+_NCCL_SYSTEM_ERROR = 2
+_NCCL_INVALID_USAGE = 5
+# CUDA's numbering (a CUDARuntimeError's .status), unrelated to NCCL's.
+_CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
+_CUDA_INVALID_DEVICE = 101  # cudaErrorInvalidDevice
 
 _POLL_S = 0.0005
 # How long abort() lets a thread finish enqueueing before aborting under it.
@@ -71,10 +78,15 @@ _ABORT_GRACE_S = 2.0
 _MIN_CUPY = (13, 4)
 
 
-def _status_of(exc: BaseException) -> int | None:
+def _status_of(exc: BaseException, nccl_error: type[BaseException] | None = None) -> int | None:
+    """NCCL's status for an NCCL error: CuPy's ``nccl_error``, or the KeyError older CuPy
+    raises building one. None for anything else: a CUDARuntimeError has a ``.status``
+    too, in CUDA's numbering (2 is out of memory there, a system error in NCCL's)."""
     if isinstance(exc, KeyError):
         key = exc.args[0] if exc.args else None
         return key if isinstance(key, int) and 0 <= key < 16 else None
+    if nccl_error is None or not isinstance(exc, nccl_error):
+        return None
     status = getattr(exc, "status", None)
     return status if isinstance(status, int) else None
 
@@ -257,6 +269,19 @@ class NcclCommunicator(RankedCommunicator):
         self._cp = _require_cupy()
         self._nccl = self._cp.cuda.nccl
         self._errors = self._foreign_error_types()
+        nccl_error = getattr(self._nccl, "NcclError", None)
+        self._nccl_error = nccl_error if isinstance(nccl_error, type) else None
+        runtime = self._cp.cuda.runtime
+        self._cuda_errors = tuple(
+            c
+            for c in (
+                getattr(runtime, "CUDARuntimeError", None),
+                getattr(getattr(self._cp.cuda, "driver", None), "CUDADriverError", None),
+            )
+            if isinstance(c, type)
+        )
+        oom = getattr(getattr(self._cp.cuda, "memory", None), "OutOfMemoryError", None)
+        self._oom_error = oom if isinstance(oom, type) else None
         # _lock serialises collectives (they share the events); _handle_lock
         # serialises calls into the NCCL handle against abort()/destroy(), which
         # free it: CuPy zeroes the handle on abort, but a call already inside
@@ -299,6 +324,8 @@ class NcclCommunicator(RankedCommunicator):
             getattr(self._nccl, "NcclError", None),
             getattr(self._cp.cuda.runtime, "CUDARuntimeError", None),
             getattr(getattr(self._cp.cuda, "driver", None), "CUDADriverError", None),
+            # CuPy's allocator's: a MemoryError, not a CUDARuntimeError.
+            getattr(getattr(self._cp.cuda, "memory", None), "OutOfMemoryError", None),
             KeyError,  # CuPy < 13.4 building NcclError(6): see _status_of
         )
         return tuple(c for c in candidates if isinstance(c, type) and issubclass(c, BaseException))
@@ -321,20 +348,59 @@ class NcclCommunicator(RankedCommunicator):
         where = f"rank {self.rank}/{self.world_size}: NCCL {operation}"
         if self._aborted is not None:
             return errs.CommunicatorAborted(f"{where} failed after abort: {self._aborted}")
-        status = _status_of(exc)
+        status = _status_of(exc, self._nccl_error)
         if isinstance(exc, KeyError) and status is None:
             return errs.CommunicatorError(f"{where} failed: KeyError: {exc}")
+        text = _error_text(exc, status)
         if operation != "init":
             # An NCCL error leaves the communicator unusable; abort frees it
             # without the hang destroy() risks on a failed group.
-            self.abort(f"NCCL {operation} failed: {_error_text(exc, status)}")
+            self.abort(f"NCCL {operation} failed: {text}")
+        local = self._device_failure(where, exc)
+        if local is not None:
+            return local
         if status in _PEER_STATUSES:
             peers = _peers_text(self.rank, self.world_size)
             kind = errs.TransientInitError if operation == "init" else errs.PeerConnectionError
-            return kind(
-                f"{where} failed, a peer ({peers}) is unreachable: {_error_text(exc, status)}"
+            return kind(f"{where} failed, a peer ({peers}) is unreachable: {text}")
+        if status == _NCCL_SYSTEM_ERROR:
+            return errs.CommunicatorError(
+                f"{where} failed: {text}. A system call failed on this rank (a socket, or "
+                "shared memory: a container's /dev/shm is often too small, raise it with "
+                "docker's --shm-size), not at a peer; run with NCCL_DEBUG=WARN for NCCL's "
+                "reason"
             )
-        return errs.CommunicatorError(f"{where} failed: {_error_text(exc, status)}")
+        return errs.CommunicatorError(f"{where} failed: {text}")
+
+    def _device_failure(self, where: str, exc: BaseException) -> errs.DeviceError | None:
+        """This rank's own GPU failing (out of memory, a CUDA error), in words that
+        blame no peer; None for an error of another kind."""
+        status = getattr(exc, "status", None) if isinstance(exc, self._cuda_errors) else None
+        text = f"{type(exc).__name__}: {exc}"
+        if (self._oom_error is not None and isinstance(exc, self._oom_error)) or (
+            status == _CUDA_OUT_OF_MEMORY
+        ):
+            return errs.DeviceError(
+                f"{where} failed: GPU {self.device} is out of memory ({text}). This rank "
+                "failed by itself, not a peer: free device memory (a smaller batch or "
+                "bucket_cap_mib, another process on the GPU) and restart"
+            )
+        if status == _CUDA_INVALID_DEVICE:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            return errs.DeviceError(
+                f"{where} failed: CUDA has no device {self.device} here ({text}; "
+                f"CUDA_VISIBLE_DEVICES={visible if visible is not None else '(unset)'}). "
+                "Run at most as many workers per node as it has visible GPUs"
+            )
+        if isinstance(exc, self._cuda_errors):
+            return errs.DeviceError(
+                f"{where} failed with a CUDA error on this rank's GPU {self.device} "
+                f"({text}). This rank failed by itself, not a peer; a sticky error (an "
+                "illegal address, a launch failure, an ECC error) leaves this process's "
+                "CUDA context unusable, so the process must restart (rendezvous-run "
+                "restarts it); check the GPU (nvidia-smi) if it repeats"
+            )
+        return None
 
     def _check_usable(self, operation: str) -> None:
         if self._aborted is not None:
@@ -345,6 +411,14 @@ class NcclCommunicator(RankedCommunicator):
             raise errs.CommunicatorError(
                 f"rank {self.rank}: NCCL {operation} on a closed communicator"
             )
+
+    @contextlib.contextmanager
+    def _mapped(self, operation: str) -> Iterator[None]:
+        """CuPy's, CUDA's and NCCL's errors raised in the block, as ours (``_failure``)."""
+        try:
+            yield
+        except self._errors as exc:
+            raise self._failure(operation, exc) from exc
 
     @contextlib.contextmanager
     def _in_nccl(self, operation: str) -> Iterator[Any]:
@@ -363,7 +437,7 @@ class NcclCommunicator(RankedCommunicator):
             return
         with self._lock:
             self._check_usable(operation)
-            try:
+            with self._mapped(operation):
                 with self._cp.cuda.Device(self.device):
                     caller = self._cp.cuda.get_current_stream()
                     self._ready.record(caller)
@@ -374,8 +448,6 @@ class NcclCommunicator(RankedCommunicator):
                 self._wait_done(operation)
                 with self._cp.cuda.Device(self.device):
                     caller.wait_event(self._done)
-            except self._errors as exc:
-                raise self._failure(operation, exc) from exc
 
     def _wait_done(self, operation: str) -> None:
         # Polling instead of synchronize() keeps the wait abortable: a blocked
@@ -434,15 +506,16 @@ class NcclCommunicator(RankedCommunicator):
         self._run("all_reduce", count, enqueue)
         if divide and count:
             # On the caller's stream, which _run ordered after the sum.
-            if array.dtype.kind in "iu":
-                if array.dtype.kind == "i":
-                    # Towards zero, as NCCL's own AVG divides integers (and the CPU
-                    # ring): less the C remainder, the sum divides exactly. Unsigned
-                    # sums need nothing: floor and towards zero are one there.
-                    array -= self._cp.fmod(array, self.world_size)
-                array //= self.world_size
-            else:
-                array /= self.world_size
+            with self._mapped("all_reduce"):
+                if array.dtype.kind in "iu":
+                    if array.dtype.kind == "i":
+                        # Towards zero, as NCCL's own AVG divides integers (and the CPU
+                        # ring): less the C remainder, the sum divides exactly. Unsigned
+                        # sums need nothing: floor and towards zero are one there.
+                        array -= self._cp.fmod(array, self.world_size)
+                    array //= self.world_size
+                else:
+                    array /= self.world_size
 
     def broadcast(self, array: Any, root: int = 0) -> None:
         ptr, count, dtype = self._buffer_args(array, "broadcast")
@@ -460,7 +533,8 @@ class NcclCommunicator(RankedCommunicator):
         # Broadcasts are compared always (they are rare: a 48-byte all-reduce more
         # costs a step nothing); all-reduces with ``check_collectives``, for debugging.
         n = len(values)
-        with self._cp.cuda.Device(self.device):
+        self._check_usable(operation)
+        with self._mapped(operation), self._cp.cuda.Device(self.device):
             both = self._cp.asarray(values)
         code = _DTYPE_CODES["int64"]
 
@@ -469,7 +543,7 @@ class NcclCommunicator(RankedCommunicator):
             comm.allReduce(ptr, ptr, n, code, _OP_CODES[ReduceOp.MAX], stream.ptr)
 
         self._run(operation, n, enqueue)
-        with self._cp.cuda.Device(self.device):
+        with self._mapped(operation), self._cp.cuda.Device(self.device):
             return np.asarray(self._cp.asnumpy(both), dtype=np.int64)
 
     def barrier(self) -> None:

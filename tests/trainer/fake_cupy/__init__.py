@@ -12,7 +12,7 @@
 ``install(monkeypatch)`` puts a fresh one at the seam for one test;
 ``install_globally()`` does it for a worker process (a world of one rank).
 Tests read results through ``asnumpy``; the fake's knobs are on ``.world``
-(``hang``, ``async_error``, ``trace``, ``counts``) and ``.cuda.nccl``, and
+(``hang``, ``async_error``, ``kernel_fault``, ``out_of_memory``, ``trace``, ``counts``) and ``.cuda.nccl``, and
 ``NOT_CUPY`` lists them: every other name the fake has is checked against the real
 CuPy by tests/trainer/test_cupy_api.py.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .arrays import functions, ndarray
-from .nccl import FakeCudaError, FakeNccl, FakeNcclError
+from .nccl import FakeCudaError, FakeNccl, FakeNcclError, FakeOutOfMemoryError
 from .streams import FakeEvent, FakeStream, World, current_stream, device_class
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "FakeEvent",
     "FakeNccl",
     "FakeNcclError",
+    "FakeOutOfMemoryError",
     "FakeStream",
     "World",
     "current_stream",
@@ -117,9 +118,11 @@ def make_cupy(
             Event=lambda disable_timing=False: FakeEvent(world, disable_timing),
             Device=device_class(world),
             get_current_stream=lambda: current_stream(world),
+            memory=SimpleNamespace(OutOfMemoryError=FakeOutOfMemoryError),
             runtime=SimpleNamespace(
                 getDeviceCount=lambda: devices,
                 CUDARuntimeError=FakeCudaError,
+                eventQuery=world.event_query,
                 getDeviceProperties=lambda device: {"computeMode": world.compute_mode},
                 deviceSynchronize=lambda: world.contexts.add(world.device),
             ),

@@ -180,7 +180,11 @@ def functions(world: World) -> dict[str, Any]:
                 world.add(traced, current_stream(world).name)
             out = kwargs.get("out")
             result = fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
-            return out if out is not None else _wrap(result, world)
+            if out is not None:
+                return out
+            if isinstance(result, np.ndarray | np.generic):
+                world.allocate(result.nbytes)  # a new device array: CuPy's pool may refuse
+            return _wrap(result, world)
 
         return call
 
@@ -188,8 +192,10 @@ def functions(world: World) -> dict[str, Any]:
         """Host to device: a copy, as on a real GPU."""
         if isinstance(value, ndarray):
             return value if dtype is None else value.astype(dtype)
+        host = np.array(value, dtype=dtype, copy=True)
+        world.allocate(host.nbytes)
         world.counts["asarray"] += 1
-        return ndarray(np.array(value, dtype=dtype, copy=True), world.device, world)
+        return ndarray(host, world.device, world)
 
     def concatenate(arrays: Any, axis: int = 0, out: Any = None) -> Any:
         world.add("copy", current_stream(world).name)

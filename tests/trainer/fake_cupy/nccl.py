@@ -1,7 +1,10 @@
 """Fake ``cupy.cuda.nccl``: what broke on GPUs, after CuPy's ``cupy_backends/cuda/libs/nccl.pyx``.
 
 * NCCL ops complete at once unless ``world.hang`` is set; ``world.async_error``
-  makes the next enqueued op never complete and ``check_async_error`` raise afterwards.
+  makes the next enqueued op never complete and ``check_async_error`` raise afterwards;
+  ``world.kernel_fault`` makes it fault on the GPU: it never completes and the CUDA
+  status stays as the context's sticky error (``streams.py``), which NCCL's own
+  ``check_async_error`` does not report.
   Collectives leave the data as it is (a sum over one rank, or a test that checks
   calls rather than results).
 * ``abort()`` zeroes the handle (later calls raise status 4, as NCCL does on a
@@ -56,8 +59,34 @@ class FakeNcclError(RuntimeError):
         super().__init__(f"{STATUS_NAMES[status]}: {detail}")
 
 
+#: cudaGetErrorName and cudaGetErrorString of the statuses the tests raise.
+CUDA_ERRORS = {
+    2: "cudaErrorMemoryAllocation: out of memory",
+    35: "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version",
+    100: "cudaErrorNoDevice: no CUDA-capable device is detected",
+    101: "cudaErrorInvalidDevice: invalid device ordinal",
+    600: "cudaErrorNotReady: device not ready",
+    700: "cudaErrorIllegalAddress: an illegal memory access was encountered",
+}
+
+
 class FakeCudaError(RuntimeError):
-    pass
+    """CuPy's ``CUDARuntimeError``: built from a CUDA status, which it keeps as
+    ``.status`` (CUDA's numbering, not NCCL's: 2 is cudaErrorMemoryAllocation)."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        super().__init__(CUDA_ERRORS.get(status, f"cudaError{status}: unknown error"))
+
+
+class FakeOutOfMemoryError(MemoryError):
+    """``cupy.cuda.memory.OutOfMemoryError``: CuPy's allocator's, a MemoryError (not a
+    CUDARuntimeError), worded as CuPy words it."""
+
+    def __init__(self, size: int, total: int, limit: int = 0) -> None:
+        super().__init__(
+            f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes)."
+        )
 
 
 # nccl.h's ncclDataType_t and ncclRedOp_t, written out here (not read from the code
@@ -212,7 +241,16 @@ class FakeNccl:
                         raise fake.fail
                     stream = next(s for s in fake.world.streams if s.ptr == args[-1])
                     fake.world.add(name, stream.name)
-                    healthy = not fake.world.hang and fake.world.async_error is None
+                    # The op's kernel faults on this GPU once it runs, after the host
+                    # went on (the event after it records): it never completes.
+                    fault = fake.world.kernel_fault
+                    fake.world.faulting = fault
+                    healthy = (
+                        not fake.world.hang
+                        and fake.world.async_error is None
+                        and fault is None
+                        and fake.world.sticky_error is None
+                    )
                     flag = [healthy and self.group is None]
                     if fake.world.async_error is not None:
                         self.async_status = fake.world.async_error

@@ -3,7 +3,9 @@
 After CuPy's ``cupy/cuda/stream.pyx``: ``record`` snapshots the work queued
 on a stream, ``wait_event`` and every op are appended to one ordered ``trace``
 with the stream they ran on; an event is ``done`` once the NCCL ops it covers
-completed; ``synchronize`` on unfinished work fails the test (it would block).
+completed (``runtime.eventQuery`` on its ``ptr``: 0, 600 while pending, or the
+context's sticky error, after which ``done`` stays False and records and waits
+raise, as in CUDA); ``synchronize`` on unfinished work fails the test (it would block).
 The current stream and the current device are thread-local, like CuPy's.
 """
 
@@ -22,6 +24,13 @@ class World:
         self.lock = threading.Lock()
         self.hang = False
         self.async_error: int | None = None
+        # A CUDA status the next NCCL op's kernel faults with, and the context's sticky
+        # error once one did: event queries return it, records and waits raise it.
+        self.kernel_fault: int | None = None
+        self.faulting: int | None = None  # a faulting kernel queued, not yet seen
+        self.sticky_error: int | None = None
+        self.out_of_memory = False  # every device allocation fails, as CuPy's pool does
+        self.events: dict[int, FakeEvent] = {}  # by ptr, for runtime.eventQuery
         self.pending: list[list[bool]] = []  # completion flags of unfinished NCCL ops
         self.names = itertools.count()
         self.local = threading.local()  # .stack (current streams), .device
@@ -45,6 +54,27 @@ class World:
             flag[0] = True
         self.pending.clear()
 
+    def check_sticky(self) -> None:
+        """What a CUDA call that returns the context's sticky error does in CuPy."""
+        if self.sticky_error is not None:
+            from .nccl import FakeCudaError
+
+            raise FakeCudaError(self.sticky_error)
+
+    def event_query(self, ptr: int) -> int:
+        """``cudaEventQuery``: 0 done, 600 (cudaErrorNotReady) pending, or the sticky error."""
+        if self.faulting is not None:  # the kernel has run by now, and faulted
+            self.sticky_error, self.faulting = self.faulting, None
+        if self.sticky_error is not None:
+            return self.sticky_error
+        return 0 if all(f[0] for f in self.events[ptr].covers) else 600
+
+    def allocate(self, nbytes: int) -> None:
+        if self.out_of_memory:
+            from .nccl import FakeOutOfMemoryError
+
+            raise FakeOutOfMemoryError(nbytes, 1 << 30)
+
     @property
     def device(self) -> int:
         return int(getattr(self.local, "device", 0))
@@ -63,6 +93,7 @@ class FakeStream:
         self.work: list[list[bool]] = []  # completion flags, in queue order
 
     def wait_event(self, event: FakeEvent) -> None:
+        self.world.check_sticky()
         self.world.add("wait_event", self.name, event.name)
         self.queue(event.covers)
 
@@ -71,6 +102,7 @@ class FakeStream:
         self.work = [f for f in self.work if not f[0]] + [f for f in flags if not f[0]]
 
     def synchronize(self) -> None:
+        self.world.check_sticky()
         assert all(f[0] for f in self.work), f"{self.name}.synchronize() would block forever"
 
     def __enter__(self) -> FakeStream:
@@ -92,17 +124,22 @@ class FakeEvent:
         self.world = world
         self.name = f"event{next(world.names)}"
         self.covers: list[list[bool]] = []
+        self.ptr = id(self)
+        world.events[self.ptr] = self
 
     def record(self, stream: FakeStream | None = None) -> None:
+        self.world.check_sticky()
         stream = stream or current_stream(self.world)
         self.world.add("record", self.name, stream.name)
         self.covers = [f for f in stream.work if not f[0]]
 
     @property
     def done(self) -> bool:
-        return all(f[0] for f in self.covers)
+        # CuPy's: cudaEventQuery == cudaSuccess, so False for ever after a sticky error.
+        return self.world.event_query(self.ptr) == 0
 
     def synchronize(self) -> None:
+        self.world.check_sticky()
         assert self.done, f"{self.name}.synchronize() would block forever"
 
 
