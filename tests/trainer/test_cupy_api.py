@@ -80,8 +80,11 @@ SEAM: list[tuple[str, Call | str]] = [
     ("cuda.nccl.NcclCommunicator().abort", Call()),
     ("cuda.nccl.NcclCommunicator().destroy", Call()),
     ("cuda.runtime.getDeviceCount", Call()),
-    ("cuda.runtime", READ),
     ("cuda.runtime.CUDARuntimeError", CAUGHT),
+    ("cuda.runtime.CUDARuntimeError", Call(1)),
+    ("cuda.runtime", READ),
+    ("cuda.runtime.eventQuery", READ),
+    ("cuda.runtime.eventQuery", Call(1)),
     ("cuda.driver.CUDADriverError", CAUGHT),
     ("cuda.memory.OutOfMemoryError", CAUGHT),
     ("cuda.Device", Call(1)),
@@ -94,7 +97,7 @@ SEAM: list[tuple[str, Call | str]] = [
     ("cuda.Stream().__exit__", Call(3)),
     ("cuda.Event", Call(0, ("disable_timing",))),
     ("cuda.Event().record", Call(1)),
-    ("cuda.Event().done", READ),
+    ("cuda.Event().ptr", READ),
     ("cuda.get_current_stream", Call()),
     ("cuda.get_current_stream().wait_event", Call(1)),
     ("ndarray", READ),
@@ -514,6 +517,7 @@ def test_cuda_statuses_nccl_py_names_are_cudas() -> None:
     assert str(runtime.CUDARuntimeError(nccl._CUDA_INVALID_DEVICE)).startswith(
         "cudaErrorInvalidDevice"
     )
+    assert str(runtime.CUDARuntimeError(nccl._CUDA_NOT_READY)).startswith("cudaErrorNotReady")
     assert issubclass(REAL.cuda.memory.OutOfMemoryError, MemoryError)
     assert not issubclass(REAL.cuda.memory.OutOfMemoryError, runtime.CUDARuntimeError)
 

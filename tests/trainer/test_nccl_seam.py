@@ -288,6 +288,19 @@ def test_cupys_out_of_memory_error_is_mapped_with_the_rank(cupy: Any) -> None:
     assert comm.aborted is not None and log_of(cupy).names()[-1] == "abort"
 
 
+def test_a_sticky_cuda_error_ends_the_wait_as_this_gpus_fault(cupy: Any) -> None:
+    """After a kernel faults, cudaEventQuery returns the error for ever: Event.done
+    stayed False, and the wait ran to the timeout blaming the peers (or for ever)."""
+    comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=3)
+    cupy.world.kernel_fault = 700  # cudaErrorIllegalAddress
+    started = time.monotonic()
+    with pytest.raises(errs.DeviceError, match=r"rank 0/2: NCCL all_reduce .*GPU 0") as info:
+        comm.all_reduce(device_array(cupy, [1.0]))
+    assert time.monotonic() - started < 2
+    assert "cudaErrorIllegalAddress" in str(info.value) and "not a peer" in str(info.value)
+    assert comm.aborted is not None
+
+
 @pytest.mark.parametrize(
     ("error", "transient"),
     [(FakeNcclError(6), True), (FakeNcclError(2), False), (FakeNcclError(3), False)],

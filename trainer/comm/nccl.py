@@ -69,6 +69,7 @@ _NCCL_INVALID_USAGE = 5
 # CUDA's numbering (a CUDARuntimeError's .status), unrelated to NCCL's.
 _CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
 _CUDA_INVALID_DEVICE = 101  # cudaErrorInvalidDevice
+_CUDA_NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery says of pending work
 
 _POLL_S = 0.0005
 # How long abort() lets a thread finish enqueueing before aborting under it.
@@ -453,8 +454,14 @@ class NcclCommunicator(RankedCommunicator):
         # Polling instead of synchronize() keeps the wait abortable: a blocked
         # cudaEventSynchronize would notice neither abort() nor a timeout.
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        # cudaEventQuery's own status, not Event.done (== 0): after a sticky CUDA error
+        # done stays False for ever, and the wait blamed a peer at the timeout (or
+        # never ended without one) for this GPU's fault.
+        query = self._cp.cuda.runtime.eventQuery
         with self._cp.cuda.Device(self.device):
-            while not self._done.done:
+            while (status := int(query(self._done.ptr))) != 0:
+                if status != _CUDA_NOT_READY:
+                    raise self._cp.cuda.runtime.CUDARuntimeError(status)
                 with self._in_nccl(operation) as comm:
                     comm.check_async_error()
                 if deadline is not None and time.monotonic() > deadline:
