@@ -99,7 +99,7 @@ def test_constructor_passes_the_id_in_cupys_form(
     fake = make_cupy(cupy_version=cupy_version)
     monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
     nccl.NcclCommunicator(3, 4, UID, 0)
-    (entry,) = log_of(fake).log
+    (entry,) = [e for e in log_of(fake).log if e[0] == "NcclCommunicator"]
     assert entry[0] == "NcclCommunicator" and entry[1] == 4 and entry[3] == 3
     assert type(entry[2]) is expected and nccl.unique_id_to_bytes(entry[2]) == UID
 
@@ -474,6 +474,114 @@ def test_abort_waits_for_a_call_inside_nccl(cupy: Any) -> None:
     join_alive(caller)
     assert fake.races == [] and fake.names().index("allReduce") < fake.names().index("abort")
     assert len(errors) == 1 and isinstance(errors[0], errs.CommunicatorAborted)
+
+
+def test_nccl_connects_inside_init_where_the_watchdog_bounds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL >= 2.22 connects on first use by default, inside the first collective's
+    enqueue: a peer that never answers blocked it there, with no timeout."""
+    fake = install(monkeypatch, version=22809)
+    comm = nccl.NcclCommunicator(0, 2, UID, 0)
+    assert ("connect", "init") in fake.cuda.nccl.log
+    comm.all_reduce(device_array(fake, [1.0]))
+    assert [e for e in fake.cuda.nccl.log if e[0] == "connect"] == [("connect", "init")]
+    # A value the user chose stays.
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")
+    lazy = nccl.NcclCommunicator(0, 2, UID, 0)
+    lazy.all_reduce(device_array(fake, [1.0]))
+    assert [e for e in fake.cuda.nccl.log if e[0] == "connect"][-1] == ("connect", "allReduce")
+
+
+def _stuck_in_enqueue(
+    cupy: Any, comm: nccl.NcclCommunicator
+) -> tuple[threading.Thread, list[BaseException]]:
+    """A collective whose enqueue blocks inside NCCL until ``enqueue_gate`` opens."""
+    fake: FakeNccl = cupy.cuda.nccl
+    fake.enqueue_gate = threading.Event()
+    errors: list[BaseException] = []
+
+    def collective() -> None:
+        try:
+            comm.all_reduce(device_array(cupy, [1.0]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    caller = threading.Thread(target=collective, name="collective")
+    caller.start()
+    assert fake.entered.wait(10)
+    return caller, errors
+
+
+def test_abort_never_frees_the_communicator_under_a_stuck_call(
+    cupy: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """ncclCommAbort frees the communicator: a thread still inside an NCCL call on it
+    (a blocking one) would then use freed memory. The process ends instead."""
+    from rendezvousd.trainer.comm.nccl_watchdog import CALL_HANG_EXIT_CODE
+
+    monkeypatch.setattr(nccl, "_ABORT_GRACE_S", 0.1)
+    comm = nccl.NcclCommunicator(1, 2, UID, 0)
+    exits: list[int] = []
+    comm._exit = exits.append
+    caller, errors = _stuck_in_enqueue(cupy, comm)
+    comm.abort("heartbeat: peer 0 died")
+    assert exits == [CALL_HANG_EXIT_CODE]
+    fake: FakeNccl = cupy.cuda.nccl
+    assert "abort" not in fake.names() and fake.races == []
+    err = capfd.readouterr().err
+    assert "rank 1/2: abort (heartbeat: peer 0 died) waited 0.1 s" in err
+    assert f"exits with code {CALL_HANG_EXIT_CODE}" in err
+    fake.enqueue_gate.set()  # type: ignore[union-attr]
+    join_alive(caller)
+    assert len(errors) == 1 and isinstance(errors[0], errs.CommunicatorAborted)
+
+
+def test_an_enqueue_stuck_past_the_collective_timeout_ends_the_process(
+    cupy: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The wait's deadline starts after the enqueue: a blocked enqueue had none."""
+    from rendezvousd.trainer.comm.nccl_watchdog import CALL_HANG_EXIT_CODE
+
+    comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=0.2)
+    exits: list[int] = []
+    comm._exit = exits.append
+    caller, _ = _stuck_in_enqueue(cupy, comm)
+    deadline = time.monotonic() + 5
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cupy.cuda.nccl.enqueue_gate.set()
+    join_alive(caller)
+    assert exits == [CALL_HANG_EXIT_CODE] and cupy.cuda.nccl.races == []
+    assert "did not return within collective_timeout_s=0.2 s" in capfd.readouterr().err
+
+
+STUCK_SCRIPT = """
+import threading
+from rendezvousd.trainer.comm import nccl
+from tests.trainer.fake_cupy import make_cupy, device_array
+fake = make_cupy()
+fake.cuda.nccl.enqueue_gate = threading.Event()  # never opens: a peer never answers
+nccl._import_cupy = lambda: fake
+comm = nccl.NcclCommunicator(1, 2, bytes(range(1, 129)), 0, timeout=0.2)
+comm.all_reduce(device_array(fake, [1.0]))
+print("all_reduce returned", flush=True)
+"""
+
+
+def test_a_stuck_enqueue_ends_the_process_with_its_own_code() -> None:
+    from rendezvousd.trainer.comm.nccl_watchdog import CALL_HANG_EXIT_CODE
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK_SCRIPT],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == CALL_HANG_EXIT_CODE, done.stderr
+    assert "rank 1/2: an NCCL call" in done.stderr and "returned" not in done.stdout
 
 
 def test_concurrent_collectives_from_two_threads(cupy: Any) -> None:

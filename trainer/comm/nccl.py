@@ -17,6 +17,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
@@ -26,7 +27,7 @@ import numpy.typing as npt
 from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer.comm.communicator import RankedCommunicator, ReduceOp
 from rendezvousd.trainer.comm.nccl_id import unique_id_to_bytes, unique_id_to_tuple
-from rendezvousd.trainer.comm.nccl_watchdog import InitWatchdog
+from rendezvousd.trainer.comm.nccl_watchdog import CALL_HANG_EXIT_CODE, InitWatchdog, end_process
 
 __all__ = [
     "CupyBufferOps",
@@ -72,8 +73,15 @@ _CUDA_INVALID_DEVICE = 101  # cudaErrorInvalidDevice
 _CUDA_NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery says of pending work
 
 _POLL_S = 0.0005
-# How long abort() lets a thread finish enqueueing before aborting under it.
+# How long abort() waits for a thread inside an NCCL call to leave it; past that the
+# call is taken as stuck and the process ends (ncclCommAbort would free the
+# communicator under it).
 _ABORT_GRACE_S = 2.0
+# NCCL >= 2.22 makes each algorithm's connections on first use, inside the first
+# collective's enqueue (NCCL_RUNTIME_CONNECT=1, its default): on a blocking
+# communicator, with no timeout, before our wait's deadline starts. 0 has them made
+# inside ncclCommInitRank, which InitWatchdog bounds.
+_RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
 # CuPy < 13.4 has no name for ncclRemoteError (6): building its NcclError raises
 # KeyError(6) instead, which the error seam maps like the status it stands for.
 _MIN_CUPY = (13, 4)
@@ -292,6 +300,11 @@ class NcclCommunicator(RankedCommunicator):
         self._aborted: str | None = None
         self._closed = False
         self._comm: Any = None
+        # When the NCCL call now running began (None: none is), for _watch_calls.
+        self._inside_since: float | None = None
+        self._watching = False
+        # What ends the process when an NCCL call is stuck (tests replace it).
+        self._exit: Callable[[int], object] = os._exit
         uid = unique_id_to_bytes(unique_id)
         try:
             self.nccl_version: Final = int(self._nccl.get_version())
@@ -310,6 +323,8 @@ class NcclCommunicator(RankedCommunicator):
             raise self._failure("init", exc) from exc
 
     def _init_comm(self, uid: bytes) -> Any:
+        # NCCL reads it at its first init in this process; a value the user set stays.
+        os.environ.setdefault(_RUNTIME_CONNECT, "0")
         tuple_form = unique_id_to_tuple(uid)
         first: Any = uid if (_cupy_version(self._cp) or (0, 0)) >= (14, 0) else tuple_form
         second: Any = tuple_form if first is uid else uid
@@ -428,6 +443,42 @@ class NcclCommunicator(RankedCommunicator):
             self._check_usable(operation)
             yield self._comm
 
+    @contextlib.contextmanager
+    def _enqueueing(self, operation: str) -> Iterator[Any]:
+        """``_in_nccl`` for a collective's enqueue, which can block inside NCCL (a
+        connection NCCL still makes on first use, to a peer that never answers) where
+        no Python exception reaches it: with a ``timeout``, a call inside for longer
+        ends the process (``_watch_calls``)."""
+        with self._in_nccl(operation) as comm:
+            if self._timeout is not None and not self._watching:
+                self._watching = True
+                threading.Thread(
+                    target=_watch_calls,
+                    args=(weakref.ref(self), self._timeout),
+                    name=f"nccl-call-watchdog-rank{self.rank}",
+                    daemon=True,
+                ).start()
+            self._inside_since = time.monotonic()
+            try:
+                yield comm
+            finally:
+                self._inside_since = None
+
+    def _stuck(self, what: str) -> None:
+        """End the process: a thread is stuck inside an NCCL call, which nothing can
+        interrupt, and freeing the communicator under it would crash the process."""
+        if self._aborted is None:
+            self._aborted = what
+        end_process(
+            f"rank {self.rank}/{self.world_size}: {what}; an NCCL call cannot be "
+            "interrupted, and aborting the communicator under it would free memory it "
+            f"still uses, so this process exits with code {CALL_HANG_EXIT_CODE}. A peer "
+            "is most likely gone or unreachable (check every rank's log, and that the "
+            "nodes reach each other: NCCL_SOCKET_IFNAME, firewalls)",
+            CALL_HANG_EXIT_CODE,
+            exit=self._exit,
+        )
+
     def _run(self, operation: str, count: int, enqueue: Callable[[Any, Any], None]) -> None:
         """Order after the caller's stream, enqueue, wait abortably, order the caller after.
 
@@ -443,7 +494,7 @@ class NcclCommunicator(RankedCommunicator):
                     caller = self._cp.cuda.get_current_stream()
                     self._ready.record(caller)
                     self._stream.wait_event(self._ready)
-                    with self._in_nccl(operation) as comm:
+                    with self._enqueueing(operation) as comm:
                         enqueue(comm, self._stream)
                     self._done.record(self._stream)
                 self._wait_done(operation)
@@ -566,10 +617,17 @@ class NcclCommunicator(RankedCommunicator):
         if self._aborted is not None:
             return
         self._aborted = reason
-        # A thread inside an NCCL call holds _handle_lock for the enqueue only;
-        # if it is stuck there (a blocking first call connecting to a dead peer),
-        # ncclCommAbort is the documented way to unblock it, so go ahead.
+        # A thread inside an NCCL call holds _handle_lock for that call only. One
+        # still inside after the grace is stuck there (a blocking communicator waiting
+        # on a peer): ncclCommAbort would free the communicator while that call uses
+        # it, a crash at best, so the process ends instead, saying why.
         locked = self._handle_lock.acquire(timeout=_ABORT_GRACE_S)
+        if not locked:
+            self._stuck(
+                f"abort ({reason}) waited {_ABORT_GRACE_S:g} s for a thread inside an "
+                "NCCL call to leave it"
+            )
+            return
         try:
             comm = None if self._closed else self._comm
             if comm is not None:
@@ -577,8 +635,7 @@ class NcclCommunicator(RankedCommunicator):
                 with contextlib.suppress(Exception), self._cp.cuda.Device(self.device):
                     comm.abort()
         finally:
-            if locked:
-                self._handle_lock.release()
+            self._handle_lock.release()
 
     def close(self) -> None:
         with self._lock:
@@ -601,6 +658,26 @@ class NcclCommunicator(RankedCommunicator):
                 with self._handle_lock:
                     self._closed = True
                     self._comm = None
+
+
+def _watch_calls(ref: weakref.ReferenceType[NcclCommunicator], timeout: float) -> None:
+    """A communicator's NCCL calls, each bounded by ``timeout`` (its collective
+    timeout): one inside for longer is stuck, and ends the process. Returns once the
+    communicator is closed, aborted or collected."""
+    interval = min(1.0, timeout / 4)
+    while True:
+        comm = ref()
+        if comm is None or comm._closed or comm._aborted is not None:
+            return
+        since = comm._inside_since
+        if since is not None and time.monotonic() - since > timeout:
+            comm._stuck(
+                f"an NCCL call (a collective's enqueue) did not return within "
+                f"collective_timeout_s={timeout:g} s"
+            )
+            return
+        del comm  # no strong reference while asleep: the communicator may be collected
+        time.sleep(interval)
 
 
 # --- helpers for bucketing.py (it must not import CuPy itself) -------------

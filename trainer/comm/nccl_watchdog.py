@@ -1,4 +1,5 @@
-"""A deadline for a call that nothing can interrupt: NCCL communicator init.
+"""A deadline for a call that nothing can interrupt: NCCL communicator init, and a
+collective's enqueue (``end_process``, which ``NcclCommunicator`` calls).
 
 CuPy's ``NcclCommunicator(...)`` runs ``ncclCommInitRank`` in blocking mode
 (CuPy cannot ask for a non-blocking communicator), with no timeout of its own:
@@ -21,6 +22,30 @@ log = logging.getLogger("rendezvousd.trainer")
 # Distinct from Python's 1 (an exception) and the shell's 124/137 (timeout/kill),
 # so launchers and scripts can tell "NCCL init hung" from other deaths.
 INIT_TIMEOUT_EXIT_CODE = 86
+# An NCCL call after init (a collective's enqueue) that did not return in time, or
+# that abort() could not wait out: freeing the communicator under it would crash.
+CALL_HANG_EXIT_CODE = 87
+
+
+def end_process(
+    message: str,
+    code: int,
+    *,
+    on_report: Callable[[str], None] | None = None,
+    exit: Callable[[int], object] = os._exit,
+) -> None:
+    """Log ``message`` as an ERROR, hand it to ``on_report`` (its errors are logged and
+    ignored: the exit must happen), write it to stderr and ``exit(code)``; ``os._exit``
+    by default, since a normal exit would wait for the thread stuck in NCCL."""
+    log.error("%s", message)
+    if on_report is not None:
+        try:
+            on_report(message)
+        except Exception:
+            log.exception("could not report why this process ends")
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    exit(code)
 
 
 class InitWatchdog:
@@ -70,12 +95,4 @@ class InitWatchdog:
             "each other (NCCL_SOCKET_IFNAME, firewalls) and raise setup_timeout_s if "
             "nodes start slowly"
         )
-        log.error("%s", message)
-        if self._on_timeout is not None:
-            try:
-                self._on_timeout(message)
-            except Exception:
-                log.exception("could not report the NCCL init timeout")
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-        self._exit(INIT_TIMEOUT_EXIT_CODE)
+        end_process(message, INIT_TIMEOUT_EXIT_CODE, on_report=self._on_timeout, exit=self._exit)

@@ -13,6 +13,10 @@
 * ``NcclError(status)`` is worded with CuPy's name for the status (``STATUS_NAMES``)
   and raises ``KeyError(status)`` for a status CuPy cannot name, as CuPy does (7,
   ncclInProgress, in 14.2); with ``old_table`` that includes 6, like CuPy < 13.4.
+* NCCL >= 2.22 makes its connections on first use, inside the first collective's
+  enqueue, unless ``NCCL_RUNTIME_CONNECT=0`` (read at init) has them made inside init;
+  either way they are logged as ``("connect", where)`` and block on ``connect_gate``
+  (a peer that never answers);
 * init can block on ``init_gate`` or fail with the errors queued in ``init_errors``;
   ``solo`` refuses any world but one rank (where leaving data as it is is right);
   every ``get_unique_id`` returns a fresh id.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -190,6 +195,7 @@ class FakeNccl:
         self.init_gate: threading.Event | None = None
         self.init_errors: list[BaseException] = []
         self.enqueue_gate: threading.Event | None = None
+        self.connect_gate: threading.Event | None = None
         self.entered = threading.Event()
         self.races: list[str] = []
         self.inside = 0
@@ -216,11 +222,23 @@ class FakeNccl:
                 self.handle = 1
                 self.async_status: int | None = None
                 self.rank = rank
+                # NCCL_PARAM(RuntimeConnect, "RUNTIME_CONNECT", 1), from 2.22 on.
+                self.connected = False
+                lazy = os.environ.get("NCCL_RUNTIME_CONNECT", "1") != "0"
+                if fake.version < 22200 or not lazy:
+                    self._connect("init")
                 self.group: _Group | None = None
                 if fake.meet and ndev > 1:
                     key = bytes(b & 0xFF for b in comm_id)
                     self.group = fake.groups.setdefault(key, _Group(ndev))
                 fake.comms.append(self)
+
+            def _connect(self, where: str) -> None:
+                fake.log.append(("connect", where))
+                if fake.connect_gate is not None:
+                    fake.entered.set()
+                    fake.connect_gate.wait(10)
+                self.connected = True
 
             def _enter(self, name: str, *args: Any) -> None:
                 fake.log.append((name, *args))
@@ -232,6 +250,8 @@ class FakeNccl:
             def _enqueue(self, name: str, *args: Any) -> None:
                 self._enter(name, *args)
                 try:
+                    if not self.connected and self.handle:
+                        self._connect(name)
                     if fake.enqueue_gate is not None:
                         fake.entered.set()
                         fake.enqueue_gate.wait(10)
