@@ -311,6 +311,16 @@ def _refuse_aliases(grads: Sequence[Any], rank: int) -> None:
         open_.append((high, index))
 
 
+# Backends that cannot reduce bfloat16: the CPU ring's wire has no type for it.
+_NO_BFLOAT16 = frozenset({"cpu"})
+
+
+def _is_bfloat16(dtype: str) -> bool:
+    """ml_dtypes' bfloat16, which CuPy (>= 14) holds and NCCL reduces (ncclBfloat16): a
+    floating type, though numpy calls its kind 'V' (void), not 'f'."""
+    return dtype == "bfloat16"
+
+
 class BucketedAllReducer:
     """All-reduce a fixed list of gradients in buckets, overlapping with backward.
 
@@ -368,8 +378,22 @@ class BucketedAllReducer:
                 f"rank {rank}: no communicator reduces gradients of {odd}: register a "
                 "copy cast to a floating type (float32, say)"
             )
+        bfloat16 = sorted({s.dtype for s in self._specs if _is_bfloat16(s.dtype)})
+        if bfloat16 and getattr(communicator, "backend", None) in _NO_BFLOAT16:
+            # Refused here, not by the first bucket's all-reduce on the worker thread.
+            raise CollectiveArgumentError(
+                f"rank {rank}: the {communicator.backend} backend cannot reduce bfloat16 "
+                "gradients (its ring has no bfloat16 type; NCCL has); register float32 "
+                "copies (g.astype(numpy.float32)) or use backend 'nccl'"
+            )
         if average:
-            bad = sorted({s.dtype for s in self._specs if np.dtype(s.dtype).kind != "f"})
+            bad = sorted(
+                {
+                    s.dtype
+                    for s in self._specs
+                    if np.dtype(s.dtype).kind != "f" and not _is_bfloat16(s.dtype)
+                }
+            )
             if bad:
                 raise CollectiveArgumentError(
                     f"rank {rank}: average=True needs floating gradients, got {bad}; "

@@ -575,6 +575,27 @@ def test_gradients_no_backend_reduces_are_refused_when_the_reducer_is_made(dtype
         BucketedAllReducer(grads, SoloCommunicator(2), average=False)
 
 
+@pytest.mark.parametrize("average", [True, False])
+def test_bfloat16_gradients_are_refused_on_the_cpu_backend_when_the_reducer_is_made(
+    average: bool,
+) -> None:
+    """The CPU ring has no bfloat16 type: the first bucket's all-reduce refused it on the
+    worker thread, a step later (or the average check called it an integer)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    grads = [np.ones(4, np.float32), np.ones(3, ml_dtypes.bfloat16)]
+    cpu = SoloCommunicator(2)
+    cpu.backend = "cpu"
+    with pytest.raises(
+        errs.CollectiveArgumentError,
+        match=r"rank 0: the cpu backend cannot reduce bfloat16 gradients.*astype",
+    ):
+        BucketedAllReducer(grads, cpu, average=average)
+    # A backend that reduces it (NCCL's; this one multiplies) averages it as a float.
+    with BucketedAllReducer(grads, SoloCommunicator(2), average=average) as reducer:
+        reducer.all_reduce_all()
+    np.testing.assert_array_equal(grads[1].astype(np.float32), np.full(3, 1.0 if average else 2.0))
+
+
 class SoloRanked(RankedCommunicator):
     """A real RankedCommunicator of one rank (its collectives do nothing): what the
     reducer's hold on a communicator applies to."""

@@ -707,6 +707,23 @@ def test_reducer_after_abort_raises_and_leaves_no_garbage(cupy: Any) -> None:
     reducer.close()
 
 
+def test_bfloat16_gradients_are_averaged_on_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ml_dtypes' bfloat16 (numpy kind 'V') was refused as 'not floating', though
+    CuPy holds it and NCCL reduces it (ncclBfloat16)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    cp = install(monkeypatch, devices=1, meet=True)
+    ranks = [nccl.NcclCommunicator(r, 2, UID, 0, timeout=10.0) for r in range(2)]
+    grads = [[device_array(cp, np.full(5, 2.0 * (r + 1)), ml_dtypes.bfloat16)] for r in range(2)]
+    reducers = [BucketedAllReducer(g, c, average=True) for g, c in zip(grads, ranks, strict=True)]
+    errors = parallel([r.all_reduce_all for r in reducers])
+    assert errors == [None, None]
+    for g in grads:
+        np.testing.assert_array_equal(cp.asnumpy(g[0]).astype(np.float32), np.full(5, 3.0))
+    assert {e[4] for e in log_of(cp).log if e[0] == "allReduce"} == {9}  # ncclBfloat16
+    for r in reducers:
+        r.close()
+
+
 def test_reducer_timeout_names_bucket_op_and_peers(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(1, 2, UID, 0, timeout=0.05)
     cupy.world.hang = True

@@ -107,6 +107,12 @@ _NCCL_TYPES = {
     7: np.float32,
     8: np.float64,
 }
+try:  # ncclBfloat16, as CuPy (>= 14) holds it: ml_dtypes' type, where installed
+    import ml_dtypes
+
+    _NCCL_TYPES[9] = ml_dtypes.bfloat16
+except ImportError:
+    pass
 _SUM, _PROD, _MAX, _MIN, _AVG = range(5)
 
 
@@ -120,11 +126,12 @@ def _buffer(ptr: int, count: int, code: int) -> np.ndarray:
 
 def _reduce(inputs: list[np.ndarray], op: int) -> np.ndarray:
     n, dtype = len(inputs), inputs[0].dtype
+    floating = dtype.kind == "f" or dtype.name == "bfloat16"  # ml_dtypes' kind is 'V'
     if op == _MAX:
         return np.maximum.reduce(inputs)
     if op == _MIN:
         return np.minimum.reduce(inputs)
-    if op == _AVG and dtype.kind == "f":
+    if op == _AVG and floating:
         # ncclDevPreMulSum: each input times 1/n (float32(1/n) for 16- and 32-bit types).
         scale = dtype.type(np.float32(1.0 / n) if dtype.itemsize <= 4 else 1.0 / n)
         inputs = [x * scale for x in inputs]
@@ -132,7 +139,7 @@ def _reduce(inputs: list[np.ndarray], op: int) -> np.ndarray:
         total = inputs[0].copy()
         for x in inputs[1:]:
             total += x  # rank order; integers wrap, as on the GPU
-    if op == _AVG and dtype.kind != "f":
+    if op == _AVG and not floating:
         # FuncSumPostDiv: the quotient of |sum| and n, negated back: towards zero.
         # The magnitude as unsigned, as NCCL takes it: -(-2**63) wraps to itself.
         negative = total < 0 if dtype.kind == "i" else np.zeros(total.shape, bool)
