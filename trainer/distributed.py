@@ -276,9 +276,11 @@ def init_distributed(
     if config.backend == "nccl":
         from rendezvousd.trainer.comm import nccl
 
+        # Before the join the global rank is unknown (node_rank 'auto'), and local ranks
+        # repeat across simulated nodes on one machine: this process's own id.
+        devices.prepare_nccl(None)
         # The per-node count, not the raw world_size field (unset when the launcher
         # gives only gpus_per_node on a single node); one GPU in the shared-device mode.
-        devices.prepare_nccl(local_rank)
         if not devices.shares_one_device():
             layout = MultiNodeTopology(config.num_nodes, config.local_world_size, 0, 0)
             check_device_count(nccl.device_count(), layout)

@@ -315,6 +315,18 @@ def test_only_an_init_failure_on_an_unreachable_peer_is_transient(
     assert isinstance(info.value, errs.TransientInitError) is transient
 
 
+def test_invalid_usage_at_init_names_a_gpu_shared_by_two_ranks(cupy: Any) -> None:
+    """NCCL's 'invalid usage' at init is, in practice, two ranks on one GPU ('Duplicate
+    GPU detected'): passed on as it was, it said nothing of the cause or the cure."""
+    log_of(cupy).fail = FakeNcclError(5)
+    with pytest.raises(errs.CommunicatorError, match=r"rank 1/2: NCCL init failed") as info:
+        nccl.NcclCommunicator(1, 2, UID, 0)
+    message = str(info.value)
+    assert not isinstance(info.value, errs.TransientInitError)
+    assert "two ranks of this communicator drive one GPU (device 0 here)" in message
+    assert "RENDEZVOUSD_NCCL_SHARED_DEVICE=1" in message and "NCCL_HOSTID" in message
+
+
 def test_init_failure_is_mapped(cupy: Any) -> None:
     log_of(cupy).fail = FakeNcclError(6)
     with pytest.raises(errs.PeerConnectionError, match="rank 0/2: NCCL init"):

@@ -9,6 +9,7 @@ Two ranks run as threads of this process (the fake CuPy is process-global).
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,13 @@ import pytest
 
 from rendezvousd.client import FileRendezvous, RendezvousClient
 from rendezvousd.client._session import Session
-from rendezvousd.trainer.comm import cpu_ring
+from rendezvousd.trainer.comm import cpu_ring, devices
 from rendezvousd.trainer.distributed import DistributedContext, init_distributed
-from rendezvousd.trainer.errors import PeerConnectionError, RetriesExhausted, TransientInitError
+from rendezvousd.trainer.errors import (
+    PeerConnectionError,
+    RetriesExhausted,
+    TransientInitError,
+)
 from tests.support import DaemonProcess, parallel, wait_for
 
 from .fake_cupy import FakeNcclError, device_array, install
@@ -218,6 +223,21 @@ def test_the_file_transport_fails_loudly_after_the_retry(
     assert f"{backend} communicator setup for rank 0 failed 2 times (retry_attempts=1)" in message
     expected = TransientInitError if backend == "nccl" else PeerConnectionError
     assert isinstance(info.value.__cause__, expected)
+
+
+def test_a_worker_without_the_agent_is_its_own_nccl_host_on_a_shared_gpu(
+    job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the agent, NCCL_HOSTID was named after the local rank: every simulated
+    node's local rank 0 on one machine was one NCCL host with one GPU, which NCCL
+    refuses as a duplicate GPU. The process's own id differs between them."""
+    install(monkeypatch, devices=1)
+    monkeypatch.setenv(devices.SHARED_DEVICE_ENV, "1")
+    for name in ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    with init_distributed(env=_file_env(job_id, "nccl")) as ctx:
+        assert ctx.communicator.backend == "nccl"
+    assert os.environ["NCCL_HOSTID"].endswith(f"-rendezvousd-pid{os.getpid()}")
 
 
 def test_check_collectives_in_the_config_reaches_the_nccl_communicator(

@@ -74,7 +74,7 @@ def to_device(array: Any, xp: Any) -> Any:
 
 
 #: Test mode: every local rank on GPU 0, each process its own NCCL "host".
-SHARED_DEVICE_ENV = "RENDEZVOUSD_NCCL_SHARED_DEVICE"
+SHARED_DEVICE_ENV = nccl.SHARED_DEVICE_ENV
 
 
 def shares_one_device(env: Mapping[str, str] | None = None) -> bool:
@@ -118,16 +118,18 @@ def warm_spare(local_rank: int) -> str | None:
 _COMPUTE_MODE_DEFAULT = 0
 
 
-def prepare_nccl(slot: int, env: MutableMapping[str, str] | None = None) -> None:
+def prepare_nccl(slot: int | None, env: MutableMapping[str, str] | None = None) -> None:
     """Before the first NCCL call of this process (NCCL reads its environment then):
     in the shared-device mode, give this process its own NCCL host identity.
 
-    ``slot`` must differ between the ranks on this machine: the global rank where it is
-    known (under the agent, so that several simulated nodes can share one GPU), else
-    the local rank."""
+    ``slot`` must differ between the processes on this machine: the global rank where it
+    is known (under the agent, so that several simulated nodes can share one GPU), else
+    None for this process's id. Not the local rank: each simulated node's local rank 0
+    would be one NCCL "host" with the others, and NCCL refuses their shared GPU."""
     environ = os.environ if env is None else env
     if not shares_one_device(environ):
         return
-    environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-rendezvousd-{slot}")
+    name = f"pid{os.getpid()}" if slot is None else str(slot)
+    environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-rendezvousd-{name}")
     environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     environ.setdefault("NCCL_IB_DISABLE", "1")

@@ -82,6 +82,8 @@ _ABORT_GRACE_S = 2.0
 # communicator, with no timeout, before our wait's deadline starts. 0 has them made
 # inside ncclCommInitRank, which InitWatchdog bounds.
 _RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
+# devices.SHARED_DEVICE_ENV, named here (devices.py imports this module).
+SHARED_DEVICE_ENV = "RENDEZVOUSD_NCCL_SHARED_DEVICE"
 # CuPy < 13.4 has no name for ncclRemoteError (6): building its NcclError raises
 # KeyError(6) instead, which the error seam maps like the status it stands for.
 _MIN_CUPY = (13, 4)
@@ -379,6 +381,15 @@ class NcclCommunicator(RankedCommunicator):
             peers = _peers_text(self.rank, self.world_size)
             kind = errs.TransientInitError if operation == "init" else errs.PeerConnectionError
             return kind(f"{where} failed, a peer ({peers}) is unreachable: {text}")
+        if status == _NCCL_INVALID_USAGE and operation == "init":
+            return errs.CommunicatorError(
+                f"{where} failed: {text}. Most likely two ranks of this communicator "
+                f"drive one GPU (device {self.device} here), which NCCL refuses within "
+                "one host: run at most one worker per visible GPU. Ranks sharing a GPU on "
+                f"purpose (a test) need {SHARED_DEVICE_ENV}=1, which gives each process "
+                "its own NCCL_HOSTID; an NCCL_HOSTID set by hand must differ between "
+                "them. Run with NCCL_DEBUG=WARN for NCCL's reason"
+            )
         if status == _NCCL_SYSTEM_ERROR:
             return errs.CommunicatorError(
                 f"{where} failed: {text}. A system call failed on this rank (a socket, or "
