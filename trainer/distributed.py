@@ -279,6 +279,9 @@ def init_distributed(
         # Before the join the global rank is unknown (node_rank 'auto'), and local ranks
         # repeat across simulated nodes on one machine: this process's own id.
         devices.prepare_nccl(None)
+        # A driver or library problem said as itself first: device_count() is 0 then,
+        # which read "found 0 devices; lower the per-node worker count".
+        devices.check_local_devices(local_rank, None)
         # The per-node count, not the raw world_size field (unset when the launcher
         # gives only gpus_per_node on a single node); one GPU in the shared-device mode.
         if not devices.shares_one_device():
@@ -472,6 +475,9 @@ def _communicator(
     if config.backend == "nccl":
         from rendezvousd.trainer.comm.nccl import NcclCommunicator
 
+        # Under rendezvous-run nothing else compares the node's worker count with its
+        # visible GPUs before NCCL init's Device(local_rank).
+        devices.check_local_devices(topology.local_rank, topology.gpus_per_node)
         return NcclCommunicator(
             topology.rank,
             topology.world_size,

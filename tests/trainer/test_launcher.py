@@ -151,7 +151,9 @@ def test_a_failure_inside_init_distributed_is_the_root_cause_named(
     causes = [line for line in run.stderr.splitlines() if "root cause:" in line]
     assert len(causes) == 1, run.stderr
     assert "was lost (" in causes[0] and "exit code 1)" not in causes[0], run.stderr
-    assert re.search(r"was lost \((CommunicatorError|ConfigError|ImportError)", causes[0]), causes
+    assert re.search(
+        r"was lost \((CommunicatorError|DeviceError|ConfigError|ImportError)", causes[0]
+    ), causes
 
 
 def test_a_ring_host_this_host_cannot_listen_on_is_exit_2(

@@ -18,16 +18,21 @@ import pytest
 
 from rendezvousd.client import FileRendezvous, RendezvousClient
 from rendezvousd.client._session import Session
+from rendezvousd.trainer import distributed
 from rendezvousd.trainer.comm import cpu_ring, devices
+from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.distributed import DistributedContext, init_distributed
 from rendezvousd.trainer.errors import (
+    ConfigError,
+    DeviceCountError,
     PeerConnectionError,
     RetriesExhausted,
     TransientInitError,
 )
+from rendezvousd.trainer.topology import MultiNodeTopology
 from tests.support import DaemonProcess, parallel, wait_for
 
-from .fake_cupy import FakeNcclError, device_array, install
+from .fake_cupy import FakeCudaError, FakeNcclError, device_array, install
 
 
 def _env(d: DaemonProcess, job: str, local: int) -> dict[str, str]:
@@ -238,6 +243,45 @@ def test_a_worker_without_the_agent_is_its_own_nccl_host_on_a_shared_gpu(
     with init_distributed(env=_file_env(job_id, "nccl")) as ctx:
         assert ctx.communicator.backend == "nccl"
     assert os.environ["NCCL_HOSTID"].endswith(f"-rendezvousd-pid{os.getpid()}")
+
+
+def test_a_driver_problem_is_said_as_itself_not_as_zero_devices(
+    job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """device_count() is 0 on any CUDA error, which read 'found 0 devices; lower the
+    per-node worker count' for a driver too old for CuPy."""
+    fake = install(monkeypatch, devices=1)
+    monkeypatch.delenv(devices.SHARED_DEVICE_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+
+    def too_old() -> int:
+        raise FakeCudaError(35)  # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(fake.cuda.runtime, "getDeviceCount", too_old)
+    with pytest.raises(ConfigError) as info:
+        init_distributed(env=_file_env(job_id, "nccl"))
+    message = str(info.value)
+    assert "cudaErrorInsufficientDriver" in message and "found 0" not in message
+    assert "LOCAL_RANK=0, CUDA_VISIBLE_DEVICES='0'" in message
+
+
+def test_more_workers_per_node_than_visible_gpus_is_said_before_nccl_init(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under rendezvous-run nothing compared --nproc-per-node with the visible GPUs:
+    local rank 1 of 2 on a one-GPU node failed inside NCCL init's Device(1), on every
+    restart, as an NCCL init failure."""
+    fake = install(monkeypatch, devices=1)
+    monkeypatch.delenv(devices.SHARED_DEVICE_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    config = DistributedConfig(backend="nccl")
+    topology = MultiNodeTopology(num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=1)
+    with pytest.raises(DeviceCountError) as info:
+        distributed._communicator(config, None, topology, bytes(range(1, 129)), "", None)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "this node runs 2 workers" in message and "CUDA sees 1" in message
+    assert "LOCAL_RANK=1, CUDA_VISIBLE_DEVICES='0'" in message and "--nproc-per-node" in message
+    assert "NcclCommunicator" not in fake.cuda.nccl.names()
 
 
 def test_check_collectives_in_the_config_reaches_the_nccl_communicator(

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rendezvousd.trainer.comm import nccl
-from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.errors import ConfigError, DeviceCountError
 
 
 def array_module(backend: str) -> Any:
@@ -86,6 +86,34 @@ def shares_one_device(env: Mapping[str, str] | None = None) -> bool:
     world > 1 (the GPU check); it measures no NVLink or PCIe path, only sockets.
     """
     return (os.environ if env is None else env).get(SHARED_DEVICE_ENV, "") == "1"
+
+
+def check_local_devices(local_rank: int, per_node: int | None) -> None:
+    """Before NCCL init: why this worker's GPU cannot be used, said first, in CUDA's words
+    (no CuPy, no NCCL library, no driver or a driver too old, no device), as a
+    ``ConfigError``; then, where ``per_node`` (the node's worker count) is known, a
+    ``DeviceCountError`` when fewer GPUs are visible than workers, each of which drives
+    the GPU its local rank names. Both name LOCAL_RANK and CUDA_VISIBLE_DEVICES: without
+    this the first read 'found 0 devices' and the second failed in NCCL init's
+    ``Device(n)``, on every restart."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = (
+        f"LOCAL_RANK={local_rank}, CUDA_VISIBLE_DEVICES="
+        f"{'(unset)' if visible is None else repr(visible)}"
+    )
+    reason = nccl.unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"backend 'nccl' cannot run here ({where}): {reason}")
+    if per_node is None or shares_one_device():
+        return
+    count = nccl.device_count()
+    if count < per_node:
+        raise DeviceCountError(
+            f"this node runs {per_node} workers, each on the GPU its local rank names, but "
+            f"CUDA sees {count} ({where}); run at most {count} per node (rendezvous-run "
+            "--nproc-per-node, gpus_per_node), make more GPUs visible, or set "
+            f"{SHARED_DEVICE_ENV}=1 to test every rank on GPU 0"
+        )
 
 
 def device_for(local_rank: int, env: Mapping[str, str] | None = None) -> int:

@@ -118,7 +118,7 @@ def make_cupy(
             nccl=FakeNccl(world, version, solo=solo, meet=meet),
             Stream=lambda non_blocking=False: world.stream(non_blocking),
             Event=lambda disable_timing=False: FakeEvent(world, disable_timing),
-            Device=device_class(world),
+            Device=device_class(world, devices),
             get_current_stream=lambda: current_stream(world),
             memory=SimpleNamespace(OutOfMemoryError=FakeOutOfMemoryError),
             runtime=SimpleNamespace(

@@ -148,8 +148,16 @@ def current_stream(world: World) -> FakeStream:
     return stack[-1] if stack else world.default_stream  # type: ignore[no-any-return]
 
 
-def device_class(world: World) -> type:
-    """``cupy.cuda.Device`` for ``world``: ``use()`` or ``with`` sets the current device."""
+def device_class(world: World, devices: int) -> type:
+    """``cupy.cuda.Device`` for ``world``: ``use()`` or ``with`` sets the current device;
+    one beyond the ``devices`` the machine has raises cudaErrorInvalidDevice there, as
+    cudaSetDevice does (CuPy's constructor checks nothing)."""
+
+    def check(device: int) -> None:
+        if not 0 <= device < devices:
+            from .nccl import FakeCudaError
+
+            raise FakeCudaError(101)
 
     class Device:
         def __init__(self, device: int = 0) -> None:
@@ -157,9 +165,11 @@ def device_class(world: World) -> type:
             self._saved: list[int] = []
 
         def use(self) -> None:
+            check(self.id)
             world.device = self.id
 
         def __enter__(self) -> Device:
+            check(self.id)
             self._saved.append(world.device)
             world.device = self.id
             return self
