@@ -76,7 +76,7 @@ try:
     import cupy
 except Exception as exc:
     if importlib.util.find_spec("cupy") is None:
-        print(f"CuPy in {sys.argv[1]} (cupy-cuda13x or cupy-cuda12x, >= 13.4)")
+        print(f"CuPy in {sys.argv[1]} (cupy-cuda13x or cupy-cuda12x, >= 13.5)")
     else:
         print(f"a CuPy that imports in {sys.argv[1]} (import cupy: {why(exc)})")
     sys.exit()

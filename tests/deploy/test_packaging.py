@@ -110,7 +110,8 @@ def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None
     # --event-loop uvloop's extra; the daemon's default loop needs nothing more.
     assert any(r.startswith("uvloop>=") and 'extra == "uvloop"' in r for r in requires)
     assert not any(r.startswith("uvloop") and "extra ==" not in r for r in requires), requires
-    assert any(r.startswith("cupy-cuda12x>=13.4") and "gpu-cuda12" in r for r in requires)
+    # 13.5.0: the first CuPy that loads NCCL from the nvidia-nccl-cu12 wheel.
+    assert any(r.startswith("cupy-cuda12x>=13.5") and "gpu-cuda12" in r for r in requires)
     assert any(r.startswith("cupy-cuda13x>=13.6") and "gpu-cuda13" in r for r in requires)
     # CuPy's wheels load NCCL from these, or cupy.cuda.nccl is unavailable.
     for cuda in ("12", "13"):

@@ -75,6 +75,20 @@ def test_unavailable_reason_names_what_is_missing(
             nccl.create_unique_id()
 
 
+def test_a_cupy_that_cannot_load_the_nccl_wheel_is_told_to_upgrade(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CuPy finds NCCL's pip wheel from 13.5.0 on: telling 13.4 to install the wheel
+    it cannot load sent its user round in a circle."""
+    fake = make_cupy(cupy_version="13.4.1")
+    monkeypatch.setattr(nccl, "_import_cupy", lambda: fake)
+    monkeypatch.setattr(fake.cuda.nccl, "available", False)
+    reason = str(nccl.unavailable_reason())
+    assert "CuPy 13.4.1 cannot load the NCCL library" in reason and "upgrade CuPy" in reason
+    with pytest.raises(errs.ConfigError, match=r"CuPy 13\.4\.1 .* from 13\.5\.0 on"):
+        nccl.create_unique_id()
+
+
 def test_cupy_is_imported_only_in_nccl_py() -> None:
     trainer = Path(nccl.__file__).parent
     pattern = re.compile(r"^\s*(import cupy|from cupy)", re.MULTILINE)

@@ -87,6 +87,8 @@ SHARED_DEVICE_ENV = "RENDEZVOUSD_NCCL_SHARED_DEVICE"
 # CuPy < 13.4 has no name for ncclRemoteError (6): building its NcclError raises
 # KeyError(6) instead, which the error seam maps like the status it stands for.
 _MIN_CUPY = (13, 4)
+# The first CuPy that loads NCCL from its pip wheels (nvidia-nccl-cu12/cu13).
+_WHEEL_NCCL_CUPY = (13, 5)
 
 
 def _status_of(exc: BaseException, nccl_error: type[BaseException] | None = None) -> int | None:
@@ -132,6 +134,20 @@ _NO_NCCL = (
 )
 
 
+def _no_nccl(cp: Any) -> str:
+    """Why CuPy has no NCCL, and the cure for this CuPy: before 13.5.0 it finds no
+    NCCL pip wheel, so installing one does not help."""
+    version = _cupy_version(cp)
+    if version is not None and version < _WHEEL_NCCL_CUPY:
+        return (
+            f"CuPy {cp.__version__} cannot load the NCCL library (libnccl.so.2) and finds "
+            "none in the nvidia-nccl-cu12/cu13 wheels (CuPy does from 13.5.0 on); upgrade "
+            "CuPy (the rendezvousd[gpu-cuda12] and [gpu-cuda13] extras ask for >= 13.5) "
+            "or install a system NCCL"
+        )
+    return _NO_NCCL
+
+
 def unavailable_reason() -> str | None:
     """None when the nccl backend can run here, else what is missing, in words:
     CuPy, its NCCL library, or a CUDA device (with CUDA's own error)."""
@@ -140,7 +156,7 @@ def unavailable_reason() -> str | None:
     except Exception as exc:  # ImportError, or a CUDA library failing to load
         return f"CuPy does not import ({type(exc).__name__}: {exc})"
     if not getattr(cp.cuda.nccl, "available", True):
-        return _NO_NCCL
+        return _no_nccl(cp)
     try:
         count = int(cp.cuda.runtime.getDeviceCount())
     except Exception as exc:  # CUDARuntimeError: no driver, or one too old for CuPy
@@ -165,7 +181,7 @@ def _require_cupy() -> Any:
             "(cupy-cuda13x)"
         )
     if not getattr(cp.cuda.nccl, "available", True):
-        raise errs.ConfigError(f"backend 'nccl': {_NO_NCCL}")
+        raise errs.ConfigError(f"backend 'nccl': {_no_nccl(cp)}")
     version = _cupy_version(cp)
     if version is not None and version < _MIN_CUPY:
         raise errs.ConfigError(
