@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check (<= 5 minutes) for a machine with a GPU and no network: its Python
-# must already have CuPy with NCCL (e.g. cupy-cuda13x + nvidia-nccl-cu13) and the
-# project's dependencies. Nothing is downloaded: what is missing is named, exactly.
+# must already have CuPy with NCCL (e.g. cupy-cuda13x + nvidia-nccl-cu13). The
+# project's other dependencies come from the wheels scripts/gpu_wheels.sh fetched where
+# an index is reachable ($GPU_WHEELS, default artifacts/gpu-wheels), installed with
+# --no-index when that folder exists; else they must be installed already. Nothing is
+# downloaded: what is missing or too old is named, exactly.
 #
 #   1. the GPU tests (tests/trainer/test_gpu.py, test_gpu_example.py) and the check of
 #      our CuPy seam and its fake against the installed CuPy (test_cupy_api.py);
@@ -17,10 +20,27 @@
 #      vs a device-to-device copy.
 #
 # Writes one JSON result to $OUT/gpu_check.json (else artifacts/gpu_check.json) and
-# exits non-zero when a step failed or something is missing.
+# exits non-zero when a step failed or something is missing. The whole run keeps to
+# $GPU_CHECK_BUDGET_S (300 s): each step's own limit is cut to what is left, and a step
+# with nothing left is recorded as skipped (their own limits add up to 590 s, so one
+# hanging step could have taken the device session with it).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
+budget=${GPU_CHECK_BUDGET_S:-300}
+# What the JSON result and the logs' archive need at the end, kept out of the steps.
+reserve=15
+deadline=$(($(date +%s) + budget - reserve))
+left() { echo $((deadline - $(date +%s))); }
+# A limit of at most $1 s within what is left, and never 0 (to timeout, no limit).
+cap() {
+  local l
+  l=$(left)
+  [ "$l" -gt "$1" ] && l=$1
+  [ "$l" -lt 1 ] && l=1
+  echo "$l"
+}
+wheels=${GPU_WHEELS:-$root/artifacts/gpu-wheels}
 out_dir=${OUT:-$root/artifacts}
 mkdir -p "$out_dir"
 result="$out_dir/gpu_check.json"
@@ -57,6 +77,17 @@ PY
   exit $?
 }
 
+# -- the wheels brought along (scripts/gpu_wheels.sh) ---------------------------
+if [ -f "$wheels/requirements.txt" ]; then
+  started=$(now_ms)
+  if timeout "$(cap 120)" "$py" -m pip install -q --disable-pip-version-check --no-index \
+    --find-links "$wheels" -r "$wheels/requirements.txt" >"$work/wheels.log" 2>&1; then
+    record wheels passed $(($(now_ms) - started)) "from $wheels"
+  else
+    record wheels failed $(($(now_ms) - started)) "$(tail -c 1500 "$work/wheels.log")"
+  fi
+fi
+
 # -- what must be present ------------------------------------------------------
 missing=()
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
@@ -66,7 +97,7 @@ fi
 # that is installed but fails to import, a driver CUDA finds too old, a library that
 # does not load are each named as what they are.
 cupy_missing() {
-  "$py" - "$py" 2>/dev/null <<'PY'
+  timeout "$(cap 60)" "$py" - "$py" 2>/dev/null <<'PY'
 import importlib, importlib.util, sys
 
 def why(exc):
@@ -108,20 +139,45 @@ except Exception as exc:
 PY
 }
 while IFS= read -r line; do missing+=("$line"); done < <(cupy_missing)
-probe() { "$py" -c "$1" >/dev/null 2>&1; }
-for mod in grpc grpc_health grpc_reflection grpc_status google.rpc google.protobuf \
-  prometheus_client numpy pytest setuptools; do
-  probe "import $mod" || missing+=("the Python module $mod")
+probe() { timeout "$(cap 60)" "$py" -c "$1" >/dev/null 2>&1; }
+bring="scripts/gpu_wheels.sh, run where a package index is reachable, fetches it into $wheels"
+for pair in grpc:grpcio grpc_health:grpcio-health-checking grpc_reflection:grpcio-reflection \
+  grpc_status:grpcio-status google.rpc:googleapis-common-protos google.protobuf:protobuf \
+  prometheus_client:prometheus-client numpy:numpy pytest:pytest setuptools:setuptools; do
+  probe "import ${pair%%:*}" || missing+=("the Python module ${pair%%:*} (${pair#*:}; $bring)")
 done
 probe "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" ||
   missing+=("setuptools >= 77 (to install the project without build isolation)")
+# The generated code's own floors (it refuses older runtimes at import).
+gen=$root/rendezvousd/_gen/rendezvous/v1
+grpc_floor=$(sed -n "s/^GRPC_GENERATED_VERSION = '\([0-9.]*\)'$/\1/p" "$gen/rendezvous_pb2_grpc.py")
+proto_floor=$(sed -n 's/^# Protobuf Python Version: \([0-9.]*\)$/\1/p' "$gen/rendezvous_pb2.py")
+too_old() {
+  timeout "$(cap 60)" "$py" - "$grpc_floor" "$proto_floor" "$bring" 2>/dev/null <<'PY'
+import importlib, re, sys
+
+def parts(version):
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+grpc_floor, proto_floor, bring = sys.argv[1:]
+for dist, module, floor in (("grpcio", "grpc", grpc_floor), ("protobuf", "google.protobuf", proto_floor)):
+    try:
+        found = str(importlib.import_module(module).__version__)
+    except Exception:
+        continue  # named above as a missing module
+    if parts(found) < parts(floor):
+        print(f"{dist} >= {floor}, found {found}, which rendezvousd/_gen's generated code refuses ({bring})")
+PY
+}
+while IFS= read -r line; do missing+=("$line"); done < <(too_old)
 if [ ${#missing[@]} -gt 0 ]; then
   finish missing "${missing[@]}"
 fi
 
 # -- the project, installed without the network ---------------------------------
 started=$(now_ms)
-if ! "$py" -m pip install -q --no-deps --no-build-isolation -e "$root" >"$work/install.log" 2>&1; then
+if ! timeout "$(cap 120)" "$py" -m pip install -q --no-deps --no-build-isolation -e "$root" \
+  >"$work/install.log" 2>&1; then
   record install failed 0 "$(tail -c 1500 "$work/install.log")"
   finish failed
 fi
@@ -130,7 +186,14 @@ record install passed $(($(now_ms) - started)) ""
 run_step() { # name timeout command...
   local name=$1 limit=$2
   shift 2
-  local t0 code took
+  local t0 code took remaining
+  remaining=$(left)
+  if [ "$remaining" -lt 5 ]; then
+    record "$name" skipped 0 "the check's ${budget} s budget (GPU_CHECK_BUDGET_S) is spent"
+    failed=1
+    return
+  fi
+  [ "$remaining" -lt "$limit" ] && limit=$remaining
   t0=$(now_ms)
   timeout "$limit" "$@" >"$work/$name.log" 2>&1
   code=$?
@@ -138,7 +201,7 @@ run_step() { # name timeout command...
   if [ $code -eq 0 ]; then
     record "$name" passed "$took" "$(tail -c 600 "$work/$name.log")"
   else
-    record "$name" failed "$took" "exit $code: $(tail -c 1500 "$work/$name.log")"
+    record "$name" failed "$took" "exit $code (limit ${limit} s): $(tail -c 1500 "$work/$name.log")"
     failed=1
   fi
 }
