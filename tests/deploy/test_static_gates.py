@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,3 +281,23 @@ def test_declared_floors_are_patched(package: str) -> None:
     if package in ("grpcio", "protobuf"):
         unpatched = [cve for cve, f in fixes.items() if not patched(floor, f)]
         assert not unpatched, f"{package} floor {floor} allows releases vulnerable to {unpatched}"
+
+
+def test_declared_floors_take_the_generated_codes_runtimes() -> None:
+    """The committed gencode refuses, at import, a grpcio or protobuf older than the
+    tools that made it; pyproject.toml let grpcio go down to 1.66.2 against gencode of
+    1.85.1 (a review of the GPU path, whose lent machines bring their own grpcio)."""
+    gen = ROOT / "rendezvousd" / "_gen" / "rendezvous" / "v1"
+    grpc_gen = re.search(
+        r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (gen / "rendezvous_pb2_grpc.py").read_text()
+    )
+    pb_gen = re.search(
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*"
+        r"(\d+),\s*(\d+),",
+        (gen / "rendezvous_pb2.py").read_text(),
+    )
+    assert grpc_gen is not None and pb_gen is not None
+    floors = declared_floors()
+    for package in GRPC_PACKAGES:
+        assert Version(floors[package]) >= Version(grpc_gen.group(1)), (package, floors)
+    assert Version(floors["protobuf"]) >= Version(".".join(pb_gen.groups())), floors
