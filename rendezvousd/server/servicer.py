@@ -274,6 +274,7 @@ class RendezvousServicer:
                 if request.HasField("launched_ms_ago")
                 else None
             ),
+            wire_version=request.wire_version,
         )
         return await self._join(args, request.slim, context)
 

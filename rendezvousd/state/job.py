@@ -295,6 +295,12 @@ class Job:
     min_nodes: int = 0
     max_nodes: int = 0
     last_call_s: float = 0.0
+    # What the generation's node agents speak to each other's nodes
+    # (``JoinNodeRequest.wire_version``; "" from an agent from before it), set by its
+    # first joiner with the bounds: a node of another version is refused
+    # (``version_conflict``). None: not known, a job restored from a row written
+    # before it was stored; the next joiner sets it.
+    wire_version: str | None = None
     # waiter -> node instance id: JoinNode calls parked, while this generation runs,
     # for the next one.
     scaleup_waiters: dict[int, str] = field(default_factory=dict)
@@ -444,6 +450,32 @@ class Job:
             hosts=",".join(hosts),
         )
 
+    def version_conflict(self, host: str, theirs: str) -> RendezvousFault:
+        """Why a node agent whose ``wire_version`` differs from the generation's nodes'
+        is refused: the nodes run different rendezvousd versions, whose workers cannot
+        talk to each other (the CPU ring refuses the handshake, after the job formed and
+        burnt its restarts). It names both sides' hosts and versions, "" as an agent
+        from before version reporting, and which of them to upgrade is the operator's
+        call: "every node to the same rendezvousd"."""
+        ours = self.wire_version or ""
+        hosts = sorted(
+            {m.host for m in self.gen.members.values()} | {n.host for n in self.gen.nodes.values()}
+        )
+        joined = f"the node agents joined so far (on {shown(hosts)})" if hosts else "its nodes"
+        return self.fault(
+            Code.FAILED_PRECONDITION,
+            Reason.VERSION_MISMATCH,
+            f"{self.named}: the node agent on host {host!r} runs another rendezvousd version "
+            f"than {joined}: its wire version is {_wire_text(theirs)}, theirs "
+            f"{_wire_text(ours)}. Nodes of two versions cannot train together (their "
+            "workers' connections would be refused); upgrade every node of the job to the "
+            "same rendezvousd, then relaunch them",
+            wire_version=ours,
+            requested_wire_version=theirs,
+            offending_host=host,
+            hosts=",".join(hosts),
+        )
+
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""
         if self.gen.conflict is not None:
@@ -483,6 +515,20 @@ class Job:
             f"{self.named} is still forming ({len(self.gen.members)} of {self.world_size} ranks "
             "joined); wait for Join to return",
         )
+
+
+#: When node agents started sending ``wire_version``: an agent that sends none is older.
+VERSION_REPORTING = "2026-12-07"
+
+
+def _wire_text(version: str) -> str:
+    """A node's ``wire_version`` as a version conflict words it."""
+    if not version:
+        return (
+            "not said (a rendezvous-run from before version reporting, "
+            f"{VERSION_REPORTING}, or a node agent that is not rendezvous-run)"
+        )
+    return repr(version)
 
 
 def _topology_text(topology: tuple[int, ...]) -> tuple[str, str]:

@@ -296,6 +296,8 @@ def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
         bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
         if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
             raise job.topology_conflict(args.host, bounds)
+        if (refused := _other_version(job, args)) is not None:
+            raise refused  # (the standby only: the job it backs goes on)
         if args.instance_id in job.gen.nodes or args.instance_id in job.standbys_called:
             return None
         if placement.claim(job, args, now) is not None:
@@ -617,10 +619,31 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         job.num_nodes, job.gpus_per_node = high, gpus
         job.min_nodes, job.max_nodes = low, high
         job.last_call_s = args.last_call_s or sm.timing.default_last_call_s
+        job.wire_version = args.wire_version
         return job
     if job.gen.join_mode is not mode:
         raise placement.mode_mismatch(job, mode, args.host)
     if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
         asked = bounds if mode is JoinMode.NODE else (high, gpus)
         raise rounds.conflict(sm, job, job.topology_conflict(args.host, asked), now)
+    if (refused := _other_version(job, args)) is not None:
+        # As a topology conflict: either side may be the one to upgrade, and every node
+        # of a forming generation hears it now (they would wait their join timeout for
+        # this node); a running generation refuses only the newcomer.
+        raise rounds.conflict(sm, job, refused, now)
     return job
+
+
+def _other_version(job: Job, args: JoinArgs) -> RendezvousFault | None:
+    """VERSION_MISMATCH for a node agent whose ``wire_version`` is not the
+    generation's. "" (an agent from before version reporting) beside a value is a
+    mismatch too: the daemon cannot tell an older agent that would work from one that
+    would not (a CPU ring of another wire version refuses the handshake), and every node
+    of a job must run one version anyway. A job restored from a row that did not store
+    it takes the next joiner's."""
+    if job.wire_version is None:
+        job.wire_version = args.wire_version
+        return None
+    if args.wire_version == job.wire_version:
+        return None
+    return job.version_conflict(args.host, args.wire_version)

@@ -59,6 +59,10 @@ class JoinArgs:
     # (``JoinNodeRequest.launched_ms_ago``): a job whose run ended after that refuses
     # it (``joins.launched_for_ended_run``).
     launched_at: float | None = None
+    # What this node agent's workers speak to other nodes' (``JoinNodeRequest.
+    # wire_version``; "" from an agent from before it, and from any per-rank Join):
+    # every node of a generation must send the same (``joins.job_for``).
+    wire_version: str = ""
 
     @classmethod
     def worker(
@@ -95,6 +99,10 @@ class JoinArgs:
         return _NODE if self.local_rank is None else _RANK
 
 
+#: The longest ``wire_version`` a join may send (it is stored with the job).
+MAX_WIRE_VERSION = 128
+
+
 # Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
 # descriptor call (~0.2 us), and a join made several.
 _NODE, _RANK, _LOST = JoinMode.NODE, JoinMode.RANK, MemberState.LOST
@@ -114,6 +122,7 @@ def check(args: JoinArgs, limits: Limits) -> None:
     validation.text_field("host", args.host, limits.max_host_bytes, required=True)
     validation.text_field("instance_id", args.instance_id, 128, required=True)
     validation.text_field("previous_instance_id", args.previous or "", 128, required=False)
+    validation.text_field("wire_version", args.wire_version, MAX_WIRE_VERSION, required=False)
     if len(args.addresses) > args.gpus_per_node:
         raise validation.invalid(
             Reason.INVALID_ARGUMENT,

@@ -74,6 +74,9 @@ def job_record(job: Job) -> dict[str, Any]:
         "join_mode": job.gen.join_mode.value,
         "min_nodes": job.min_nodes,
         "max_nodes": job.max_nodes,
+        # What its node agents speak to each other (absent in rows written before it,
+        # and while unknown: the next joiner sets it).
+        **({} if job.wire_version is None else {"wire_version": job.wire_version}),
         "nodes": [
             {
                 "node_rank": n.node_rank,
@@ -292,6 +295,10 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         for n, c in _map(raw, "barriers").items()
     }
     _restore_nodes(job, raw, now)
+    if "wire_version" in raw:
+        job.wire_version = _str(raw, "wire_version")
+        if len(job.wire_version.encode()) > placement.MAX_WIRE_VERSION:
+            raise ValueError(f"wire_version is longer than {placement.MAX_WIRE_VERSION} bytes")
     job.gen.kv = dict(kv)
     job.gen.kv_bytes = sum(kvrules.entry_bytes(k, v) for k, v in job.gen.kv.items())
     if job.state is JobState.RUNNING:

@@ -131,6 +131,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A job-scoped token used for another job, or for an admin-only call."""
     JOIN_MODE_MISMATCH: _ErrorReason.ValueType  # 30
     """A per-rank Join in a generation joined by nodes (JoinNode), or the reverse."""
+    VERSION_MISMATCH: _ErrorReason.ValueType  # 31
+    """A JoinNode whose wire_version differs from the job's nodes' (one of them
+    unset: a node agent from before version reporting): the nodes run different
+    rendezvousd versions, whose workers cannot talk to each other.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Reasons carried in google.rpc.ErrorInfo.reason (as the enum value's name)."""
@@ -171,6 +176,11 @@ SCOPE_DENIED: ErrorReason.ValueType  # 29
 """A job-scoped token used for another job, or for an admin-only call."""
 JOIN_MODE_MISMATCH: ErrorReason.ValueType  # 30
 """A per-rank Join in a generation joined by nodes (JoinNode), or the reverse."""
+VERSION_MISMATCH: ErrorReason.ValueType  # 31
+"""A JoinNode whose wire_version differs from the job's nodes' (one of them
+unset: a node agent from before version reporting): the nodes run different
+rendezvousd versions, whose workers cannot talk to each other.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
@@ -374,6 +384,7 @@ class JoinNodeRequest(_message.Message):
     STANDBY_FIELD_NUMBER: _builtins.int
     PREVIOUS_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     LAUNCHED_MS_AGO_FIELD_NUMBER: _builtins.int
+    WIRE_VERSION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """[A-Za-z0-9._-]{1,128}"""
     min_nodes: _builtins.int
@@ -433,6 +444,17 @@ class JoinNodeRequest(_message.Message):
     restarted after its job succeeded) opens, or joins, a new run of the job id. Absent (an older client, a re-join), or after a daemon restart
     (the end's time is not stored): an ended job is run again.
     """
+    wire_version: _builtins.str
+    """What this node's workers speak to the other nodes' workers (rendezvous-run
+    sends its CPU ring's wire version, "RDVRING3"), which every node of a job
+    must share: opaque to the daemon, compared whole, at most 128 bytes. The
+    first node of a generation sets it; a node that sends another value is
+    refused FAILED_PRECONDITION (VERSION_MISMATCH), failing a forming
+    generation as TOPOLOGY_MISMATCH does. "" (an agent from before the field,
+    or torchrun's, whose nodes speak torch's wire) is a value like any other:
+    beside a set one it is refused too, since those nodes' workers could not
+    talk to each other either.
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per local rank, optional ("" = none); at most gpus_per_node entries."""
@@ -455,10 +477,11 @@ class JoinNodeRequest(_message.Message):
         standby: _builtins.bool = ...,
         previous_instance_id: _builtins.str | None = ...,
         launched_ms_ago: _builtins.int | None = ...,
+        wire_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "launched_ms_ago", b"launched_ms_ago", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "launched_ms_ago", b"launched_ms_ago", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "launched_ms_ago", b"launched_ms_ago", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms", "wire_version", b"wire_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__launched_ms_ago: _TypeAlias = _typing.Literal["launched_ms_ago"]  # noqa: Y015
     _WhichOneofArgType__launched_ms_ago: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago"]  # noqa: Y015

@@ -183,8 +183,9 @@ class RendezvousServicer:
 
         INVALID_ARGUMENT    bad job id, node counts, node rank, host, addresses, id
         FAILED_PRECONDITION another min/max/gpus_per_node than the forming
-        generation's (TOPOLOGY_MISMATCH), or the generation is
-        joined per rank (JOIN_MODE_MISMATCH)
+        generation's (TOPOLOGY_MISMATCH), another wire_version
+        than its nodes' (VERSION_MISMATCH), or the generation
+        is joined per rank (JOIN_MODE_MISMATCH)
         ALREADY_EXISTS      node rank held by another node (DUPLICATE_RANK), ID_CONFLICT
         ABORTED             the generation failed or was aborted while waiting
         DEADLINE_EXCEEDED   fewer than min_nodes joined within wait_timeout_ms
