@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         RendezvousTimeout,
         StaleGeneration,
         TopologyMismatch,
+        VersionMismatch,
     )
     from rendezvousd.client.membership import Member, Membership, NodeMembership
     from rendezvousd.client.sync import RendezvousClient
@@ -64,6 +65,7 @@ __all__ = [
     "StaleGeneration",
     "TlsConfig",
     "TopologyMismatch",
+    "VersionMismatch",
     "connect",
 ]
 

@@ -133,6 +133,10 @@ class NodeJoinRequest(TypedDict):
     # said). Its first join tells the daemon how long ago: a job whose run ended
     # after that refuses it (JobEnded), as the node was launched for that run.
     launched: NotRequired[float | None]
+    # What this node's workers speak to the other nodes' (``JoinNodeRequest.
+    # wire_version``; rendezvous-run sends its CPU ring's): every node of a job must
+    # send the same, or the daemon refuses the join (VersionMismatch). "": none said.
+    wire_version: NotRequired[str]
 
 
 @functools.cache
@@ -585,6 +589,7 @@ class Session:
             slim=True,
             standby=r.get("standby", False),
             previous_instance_id=self.held,
+            wire_version=r.get("wire_version", ""),
         )
         if (node_rank := r.get("node_rank")) is not None:
             request.node_rank = node_rank

@@ -20,6 +20,9 @@
     ├── NotFound                    the job or membership does not exist
     ├── LimitExceeded               a daemon limit; .limit names it
     └── ProtocolError               anything else the daemon answered
+        └── VersionMismatch         two rendezvousd versions that cannot work together:
+                                    a node of another version (VERSION_MISMATCH), or a
+                                    daemon older than the method called (UNIMPLEMENTED)
 
 Messages say what failed, for which job and rank, and what to do. They never
 contain the unique id or the token.
@@ -229,6 +232,14 @@ class ProtocolError(RendezvousError):
     """Any other answer the daemon gave, with its gRPC status name in ``.code``."""
 
 
+class VersionMismatch(ProtocolError):
+    """Two rendezvousd versions that cannot work together: the daemon refused this
+    node agent because the job's other nodes run another version (``VERSION_MISMATCH``,
+    ``.metadata`` has both ``wire_version`` and ``requested_wire_version``), or the
+    daemon predates the method called (``.code`` UNIMPLEMENTED: an older rendezvousd).
+    No retry changes it: upgrade (the daemon first, then every node of the job)."""
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip().isdigit()]
 
@@ -236,6 +247,7 @@ def _ints(text: str) -> list[int]:
 _BY_REASON: dict[str, type[RendezvousError]] = {
     "TOPOLOGY_MISMATCH": TopologyMismatch,
     "JOIN_MODE_MISMATCH": InvalidRequest,
+    "VERSION_MISMATCH": VersionMismatch,
     # A usage error, as a bad field is (it was ProtocolError: "anything else").
     "NOT_A_COUNTER": InvalidRequest,
     "DUPLICATE_RANK": DuplicateRank,
@@ -264,6 +276,9 @@ _BY_CODE: dict[grpc.StatusCode, type[RendezvousError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.ABORTED: StaleGeneration,
+    # The daemon never answers it itself: gRPC does, for a method the daemon does not
+    # serve ("Method not found!"), which only an older daemon lacks.
+    grpc.StatusCode.UNIMPLEMENTED: VersionMismatch,
 }
 
 
@@ -319,6 +334,15 @@ def from_rpc_error(
         )
     elif reason:
         message = f"{where}{who}: {details}"
+    elif code is grpc.StatusCode.UNIMPLEMENTED:
+        # The SDK user read "failed with UNIMPLEMENTED: Method not found!", and a node
+        # agent took it for a transient failure, using up its restarts on it.
+        message = (
+            f"{where}{who}: the daemon at {endpoint} predates {method} (an older "
+            f"rendezvousd: it answered UNIMPLEMENTED, {details!r}): upgrade the daemon "
+            "first, then the nodes (a daemon serves the clients older than itself, not "
+            "newer ones)"
+        )
     elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"{where}{who} exceeded its deadline; the daemon did not answer in time"
     elif code is grpc.StatusCode.RESOURCE_EXHAUSTED and (sizes := _TOO_LARGE.search(details)):

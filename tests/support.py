@@ -340,6 +340,28 @@ def worker_cmd(
     return cmd + (["--node-rank", str(node)] if node is not None else [])
 
 
+@contextlib.contextmanager
+def daemon_without_rendezvous() -> Iterator[str]:
+    """The endpoint of a real gRPC server that serves health (SERVING) and no method of
+    rendezvous.v1: every call is answered UNIMPLEMENTED "Method not found!", as a
+    daemon older than the method answers it."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    checks = health.HealthServicer()
+    checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
 class ClosedDoor:
     """127.0.0.1:port, refusing connections (bound, not listening) until ``open()``,
     then forwarding each to the daemon at ``target``: a daemon a node cannot reach yet."""
