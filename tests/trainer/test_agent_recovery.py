@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from rendezvousd.client import RendezvousClient
+from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
 from tests.support import (
     ROOT,
     WORKERS,
@@ -404,8 +405,11 @@ def test_stray_join_nodes_that_never_attach_use_no_restart(
             )
             stray = RendezvousClient(d.endpoint, job_id, token=d.token)
             strays.append(stray)
-            # Placed in the re-formed generation; then silent: no heartbeat stream.
-            stray.join_node(min_nodes=1, max_nodes=3, gpus_per_node=2, timeout=60)
+            # Placed in the re-formed generation; then silent: no heartbeat stream. It
+            # says the agents' wire version: one of another is refused at its join.
+            stray.join_node(
+                min_nodes=1, max_nodes=3, gpus_per_node=2, timeout=60, wire_version=WIRE_VERSION
+            )
         wait_for(
             "the agent to re-form without the second stray",
             lambda: len(agent.events("resumed")) >= 6,

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fail(message: str) -> int:
     print(f"rendezvous-run: error: {message}", file=sys.stderr, flush=True)
-    return 2
+    return 2  # recovery.SETUP_ERROR_EXIT (not imported before the spares start)
 
 
 def _note(message: str) -> None:

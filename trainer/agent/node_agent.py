@@ -35,6 +35,7 @@ from rendezvousd.client.errors import (
     RendezvousTimeout,
     StaleGeneration,
     TopologyMismatch,
+    VersionMismatch,
 )
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
@@ -46,6 +47,7 @@ from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, Node
 from rendezvousd.trainer.agent.recovery import (
     OUTAGE_RETRY_S,
     SCALE_UP_REASON,
+    SETUP_ERROR_EXIT,
     DaemonOutage,
     Failure,
     RestartBudget,
@@ -62,6 +64,7 @@ from rendezvousd.trainer.agent.warm_workers import (
     stop_all,
 )
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node_rank, slot_env
+from rendezvousd.trainer.comm import ring_wire
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError, ConfigError, RestartsExhausted
 
@@ -437,6 +440,10 @@ class NodeAgent:
                         timeout=timeout,
                         standby=standby,
                         launched=self.launched,
+                        # What must match across the job's nodes: the daemon refuses a
+                        # node of another version at once (VersionMismatch), where the
+                        # job formed and every restart failed in the ring's handshake.
+                        wire_version=ring_wire.WIRE_VERSION,
                     )
             except RendezvousError as exc:
                 self.events.put(Joined(serial, exc))
@@ -530,6 +537,14 @@ class NodeAgent:
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
+                if isinstance(answer, VersionMismatch):
+                    # Nodes of two versions (or a daemon older than JoinNode): no restart
+                    # changes it, and it is the setup's error, not a worker's (exit 2,
+                    # as a bad setting), said now: the daemon's words name both hosts
+                    # and versions, or the method the daemon lacks.
+                    return Failure(
+                        None, cause, host=self.host, exit_status=SETUP_ERROR_EXIT, fatal=True
+                    )
                 # Asked again every OUTAGE_RETRY_S for the join's timeout, no restart used:
                 # a daemon not up yet (a restart would only join it again, unreachable),
                 # and a --node-rank held by another agent, maybe this node's predecessor,

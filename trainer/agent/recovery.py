@@ -24,11 +24,16 @@ from rendezvousd.common.members import SCALE_UP_REASON, never_attached
 __all__ = [
     "OUTAGE_RETRY_S",
     "SCALE_UP_REASON",
+    "SETUP_ERROR_EXIT",
     "DaemonOutage",
     "Failure",
     "RestartBudget",
     "stray",
 ]
+
+#: The launcher's exit status for a setup no restart can fix that is not a worker's
+#: failure: a bad setting, and nodes or a daemon of another rendezvousd version.
+SETUP_ERROR_EXIT = 2
 
 #: How often a join (rendezvous-run's, or a torchrun agent standing by) asks again
 #: while the daemon is unavailable: the outage uses no restart.

@@ -95,6 +95,12 @@ MAX_DETAIL_BYTES = 512
 # (``peer_auth.other_version``). 3: the broadcast's agreement frame, integer AVG
 # rounded towards zero.
 _MAGIC = b"RDVRING3"
+#: What a node agent tells the daemon its nodes speak to each other
+#: (``JoinNodeRequest.wire_version``): the ring's magic, whose digit is raised with any
+#: change to what ranks send each other, so that the daemon refuses a node of another
+#: version at its join. (The package version cannot tell two checkouts apart, nor says
+#: whether they can train together; the wire version does.)
+WIRE_VERSION = _MAGIC.decode()
 # A real peer answers in milliseconds; a silent stray is dropped after this.
 _HANDSHAKE_S = 5.0
 _MAX_PENDING = 32

@@ -1,0 +1,114 @@
+"""rendezvous-run nodes of two rendezvousd versions, and a daemon older than the node
+agents: refused at the join, each launcher exiting 2 at once with words that name both
+versions and what to upgrade. Both used to burn every restart: the nodes formed and
+failed in the CPU ring's handshake ("lost rank 3 on HOST (exit code 1)"), and JoinNode
+on an older daemon read "failed with UNIMPLEMENTED" then "raise --max-restarts"."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support import (
+    DaemonProcess,
+    daemon_without_rendezvous,
+    launcher_cmd,
+    run_launcher,
+    wait_for,
+    write_token,
+)
+
+# A worker that waits for its rank (it never gets one): a script ending first would be
+# a failure of its own, counted before the refusal.
+WAITS = (
+    "from rendezvousd.trainer.distributed import init_distributed\n"
+    "with init_distributed():\n    pass\n"
+)
+# rendezvous-run whose ring speaks another wire version (argv[1]; "": an agent from
+# before version reporting), as an older or newer rendezvousd's would.
+OTHER_VERSION = [
+    "-c",
+    "import sys; from rendezvousd.trainer.comm import ring_wire; "
+    "ring_wire.WIRE_VERSION = sys.argv.pop(1); "
+    "from rendezvousd.trainer.agent.launcher import main; sys.exit(main())",
+]
+ON_HOST_OLD_NODE = ["unshare", "--uts", "sh", "-c", 'hostname old-node && exec "$@"', "sh"]
+
+
+def _joined(d: DaemonProcess, job_id: str) -> bool:
+    from rendezvousd.client import NotFound, RendezvousClient
+
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        try:
+            return probe.get_job().id_published
+        except NotFound:
+            return False
+
+
+@pytest.mark.parametrize("other", ["RDVRING2", ""], ids=["older-ring", "before-versions"])
+def test_nodes_of_two_versions_are_refused_at_the_join_naming_both(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, other: str
+) -> None:
+    from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
+
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(WAITS)
+    flags = ["--max-restarts", "3", "--join-timeout-s", "60", str(script)]
+    node0 = [*launcher_cmd(2, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)]
+    node1 = launcher_cmd(2, 1, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    node1 = [*ON_HOST_OLD_NODE, sys.executable, *OTHER_VERSION, other, *node1[3:]]
+    started = time.monotonic()
+    first = subprocess.Popen([*node0, *flags], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for("node 0 to join", lambda: _joined(d, job_id), timeout=30)
+        second = run_launcher([*node1, *flags], timeout=60)
+        _, first_err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    # Both at once (process start-ups included), not at a join timeout, no restart used.
+    assert time.monotonic() - started < 30
+    here = socket.gethostname()
+    for rc, err in ((first.returncode, first_err), (second.returncode, second.stderr)):
+        assert rc == 2, err
+        assert "joining failed: VersionMismatch" in err, err
+        assert "gave up after 0 restarts (max_restarts=3); 1 failure" in err, err
+        assert "upgrade every node of the job to the same rendezvousd" in err, err
+        assert "no restart can change that" in err and "raise --max-restarts" not in err, err
+        assert f"{WIRE_VERSION!r}" in err, err
+        assert "'old-node'" in err and f"'{here}'" in err, err
+    theirs = repr(other) if other else "not said (a rendezvous-run from before version reporting"
+    said = "on host 'old-node' runs another rendezvousd version than the node agents joined"
+    assert said in second.stderr, second.stderr
+    assert f"its wire version is {theirs}" in second.stderr, second.stderr
+    assert "runs another rendezvousd version" in d.log(), d.log()
+
+
+def test_a_daemon_older_than_join_node_ends_the_launcher_saying_to_upgrade_it(
+    tmp_path: Path, job_id: str
+) -> None:
+    token = tmp_path / "token"
+    write_token(token)
+    script = tmp_path / "w.py"
+    script.write_text(WAITS)
+    with daemon_without_rendezvous() as endpoint:
+        run = run_launcher(
+            [*launcher_cmd(1, 0, 1, endpoint=endpoint, token_file=token, job=job_id),
+             "--max-restarts", "3", str(script)],
+            timeout=60,
+        )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
+    assert f"joining failed: VersionMismatch: JoinNode on rendezvousd at {endpoint}" in run.stderr
+    assert f"the daemon at {endpoint} predates JoinNode" in run.stderr, run.stderr
+    assert "upgrade the daemon first" in run.stderr, run.stderr
+    assert "no restart can change that" in run.stderr, run.stderr
+    assert "raise --max-restarts" not in run.stderr, run.stderr
+
