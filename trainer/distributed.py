@@ -51,6 +51,7 @@ from rendezvousd.trainer.errors import (
     ConfigError,
     DeviceError,
     PeerConnectionError,
+    PeerVersionMismatch,
     RetriesExhausted,
     TrainerError,
 )
@@ -166,8 +167,11 @@ PEER_SETTLE_S = 2.0
 def _own_failure(error: BaseException | None) -> bool:
     """Whether this worker failed by itself, not as the victim of a failure
     elsewhere (a peer's death seen on the ring, the daemon's or the agent's word). Its
-    own GPU failing (``DeviceError``: out of memory, a CUDA error) is its own."""
-    if isinstance(error, DeviceError):
+    own GPU failing (``DeviceError``: out of memory, a CUDA error) is its own. A peer of
+    another version is this rank's own finding, told at once: the other rank (an older
+    one says only that the handshake was refused) may exit first, and its "exit code 1"
+    was the cause every launcher and the daemon named."""
+    if isinstance(error, DeviceError | PeerVersionMismatch):
         return True
     return not isinstance(error, CommunicatorError | RendezvousError | AgentError)
 
@@ -315,7 +319,13 @@ def init_distributed(
         membership, communicator = _bring_up(
             config, rdzv, membership, place, ring_host, watch, rejoin=join
         )
-    except BaseException:
+    except BaseException as error:
+        if isinstance(error, PeerVersionMismatch):
+            # The cause of record, before the stream closes: its peers, the daemon's
+            # log and `status` read "heartbeat stream closed" or a transient retry's
+            # abort, the version named only in this worker's traceback.
+            with contextlib.suppress(RendezvousError):
+                rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
         rdzv.close()  # gone without leaving: its peers learn it at once
         raise
     topology = place(membership)
@@ -405,8 +415,8 @@ def _bring_up(
             on_hang = functools.partial(_fail_generation, rdzv, m) if rejoin else None
             communicator = _communicator(config, rdzv, place(m), m.unique_id, ring_host, on_hang)
         except TRANSIENT as exc:
-            if rejoin is None:
-                raise
+            if rejoin is None or isinstance(exc, PeerVersionMismatch):
+                raise  # (a fresh generation meets the same peer of another version)
             failure = exc  # logged below, with the retry it leads to
             _fail_generation(rdzv, m, RETRY_REASON)
         except RendezvousError as exc:

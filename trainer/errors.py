@@ -7,8 +7,10 @@
     │   ├── CommunicatorAborted    abort() was called (e.g. a peer died)
     │   ├── CommunicatorTimeout    a peer did not answer within the timeout
     │   ├── PeerConnectionError    a peer's connection broke or was refused
-    │   │   └── TransientInitError communicator init failed on an unreachable peer:
-    │   │                          a fresh id (the next generation) may succeed
+    │   │   ├── TransientInitError communicator init failed on an unreachable peer:
+    │   │   │                      a fresh id (the next generation) may succeed
+    │   │   └── PeerVersionMismatch a peer runs another rendezvousd version: no retry
+    │   │                          or restart changes it
     │   └── DeviceError            this rank's own GPU failed the call (out of memory,
     │                              a CUDA error): no peer is at fault
     ├── RetriesExhausted           a transient bootstrap failure outlasted every retry
@@ -58,6 +60,13 @@ class CommunicatorTimeout(CommunicatorError):
 
 class PeerConnectionError(CommunicatorError):
     """A connection to a peer rank was refused, reset or closed."""
+
+
+class PeerVersionMismatch(PeerConnectionError):
+    """A peer rank's transport speaks another wire version (the handshake's magic): it
+    runs another rendezvousd version. Not retried (a fresh generation meets the same
+    peer), and reported at once as this rank's own failure, so that the daemon and the
+    launchers name it rather than the rank that exited first."""
 
 
 class TransientInitError(PeerConnectionError):

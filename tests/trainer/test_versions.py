@@ -6,6 +6,7 @@ on an older daemon read "failed with UNIMPLEMENTED" then "raise --max-restarts".
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -112,3 +113,62 @@ def test_a_daemon_older_than_join_node_ends_the_launcher_saying_to_upgrade_it(
     assert "no restart can change that" in run.stderr, run.stderr
     assert "raise --max-restarts" not in run.stderr, run.stderr
 
+
+# A worker joining by rank (no agent) whose ring speaks the wire version in argv[1].
+PER_RANK_WORKER = """
+import sys
+from rendezvousd.trainer.comm import ring_wire
+ring_wire._MAGIC = sys.argv[1].encode()
+from rendezvousd.trainer.distributed import init_distributed
+with init_distributed():
+    pass
+"""
+
+
+def test_a_ring_of_another_version_is_the_cause_the_daemon_records_not_retried(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """Workers joining by rank meet in the ring's handshake, which names the other
+    version; that was retried as a transient setup failure (every rank aborting with
+    "communicator setup failed transiently") and then recorded as nothing better than
+    that abort or "heartbeat stream closed", the version only in a traceback."""
+    from rendezvousd.client import RendezvousClient
+
+    script = tmp_path / "w.py"
+    script.write_text(PER_RANK_WORKER)
+    env = {
+        **os.environ,
+        "RENDEZVOUSD_ENDPOINT": daemon.endpoint,
+        "RENDEZVOUSD_TOKEN_FILE": str(daemon.token_file),
+        "RENDEZVOUSD_JOB_ID": job_id,
+        "RENDEZVOUSD_NUM_NODES": "2",
+        "RENDEZVOUSD_GPUS_PER_NODE": "1",
+        "RENDEZVOUSD_LOCAL_RANK": "0",
+        "RENDEZVOUSD_RETRIES": "2",
+    }
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(script), magic],
+            env={**env, "RENDEZVOUSD_NODE_RANK": str(node)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node, magic in enumerate(["RDVRING3", "RDVRING4"])
+    ]
+    try:
+        errors = [w.communicate(timeout=60)[1] for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    assert all(w.returncode != 0 for w in workers), errors
+    assert all("PeerVersionMismatch" in e for e in errors), errors
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe:
+        job = probe.get_job()
+    # Not retried: a fresh generation meets the same peer of another version.
+    assert job.summary.generation == 1, job
+    assert job.failed, job
+    cause = job.failed[0].cause
+    assert cause.startswith("PeerVersionMismatch: rank "), cause
+    assert "runs another version of rendezvousd (wire version" in cause, cause
+    assert "every node of a job must run the same rendezvousd version" in cause, cause

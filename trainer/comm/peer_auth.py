@@ -36,7 +36,12 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rendezvousd.trainer.errors import CommunicatorTimeout, ConfigError, PeerConnectionError
+from rendezvousd.trainer.errors import (
+    CommunicatorTimeout,
+    ConfigError,
+    PeerConnectionError,
+    PeerVersionMismatch,
+)
 
 __all__ = ["Acceptance", "PeerAuth", "accept", "derive_key", "dial", "recv_fixed"]
 
@@ -156,9 +161,12 @@ def dial(sock: socket.socket, auth: PeerAuth, peer: int, where: str) -> None:
         magic, acceptor_nonce = _CHALLENGE.unpack(challenge)
         if magic != auth.magic:
             other = other_version(magic, auth.magic)
-            raise PeerConnectionError(
-                f"{where} " + ("is not an endpoint of this transport" if other is None else other)
-            )
+            if other is not None:
+                # Typed: the setup neither retries it nor waits to hear of another
+                # failure before reporting it. (Only the dialer's: the acceptor reads an
+                # unauthenticated magic, which a stranger could send to fail a setup.)
+                raise PeerVersionMismatch(f"{where} {other}")
+            raise PeerConnectionError(f"{where} is not an endpoint of this transport")
         nonce = secrets.token_bytes(_NONCE_BYTES)
         ids = (auth.rank, auth.world, peer)
         mac = auth.mac(b"hello", acceptor_nonce, nonce, ids)
