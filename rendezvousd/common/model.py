@@ -46,6 +46,7 @@ __all__ = [
     "Seat",
     "Transition",
     "Wake",
+    "Warn",
     "failed_text",
     "never_attached",
     "seat_of",
@@ -160,7 +161,17 @@ class Transition:
     world_size: int = 0
 
 
-Effect = Wake | Notify | Transition
+@dataclass(frozen=True)
+class Warn:
+    """Something the operator should hear of that changes no job's state (a client
+    too old for this daemon): adapters log it at WARNING."""
+
+    job_id: str
+    generation: int
+    message: str
+
+
+Effect = Wake | Notify | Transition | Warn
 
 #: The Transition detail of a job the daemon forgot (idle past ``job_ttl_s``): the end
 #: of that job, after which a job token minted earlier opens no job of its id.

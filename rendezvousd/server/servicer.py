@@ -29,6 +29,7 @@ from rendezvousd.common.model import (
     Rejoin,
     Transition,
     Wake,
+    Warn,
 )
 from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
@@ -123,6 +124,10 @@ class RendezvousServicer:
                         future.set_result(effect.value)
             elif isinstance(effect, Notify):
                 self.streams.push(effect)
+            elif isinstance(effect, Warn):
+                log.warning(
+                    "job %s generation %d: %s", effect.job_id, effect.generation, effect.message
+                )
             elif isinstance(effect, Transition):
                 if effect.new is None and effect.detail == FORGOTTEN:
                     # Wall clock: job tokens carry the Unix time they were minted at.
@@ -155,9 +160,10 @@ class RendezvousServicer:
         """A change to ``job_id`` with ``effects`` was just made: its wakes and events go
         out only once it is durable. When its commit fails (the Persister undid the
         change), the calls it woke get STORAGE_UNAVAILABLE instead, and no event is sent."""
-        # Transitions are logs and counts: they may go first, and so precede an undo's.
-        self.apply([e for e in effects if isinstance(e, Transition)])
-        held = [e for e in effects if not isinstance(e, Transition)]
+        # Transitions are logs and counts (warnings are logs): they may go first, and so
+        # precede an undo's.
+        self.apply([e for e in effects if isinstance(e, Transition | Warn)])
+        held = [e for e in effects if not isinstance(e, Transition | Warn)]
         self.persister.touch(job_id)
         try:
             fault = await self._deliver(job_id, held)

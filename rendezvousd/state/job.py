@@ -75,6 +75,10 @@ class Member(Attendee):
     host: str
     address: str
     instance_id: str
+    # A call for this rank came without an instance id and was refused: an SDK from
+    # before member instance ids, which sends one in its Join only. Its loss is then
+    # worded as that (``rounds.loss_cause``), not as the stream's end that followed.
+    without_instance_id: bool = False
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.rank, self.node_rank, self.local_rank, self.host, self.address)
@@ -301,6 +305,9 @@ class Job:
     # (``version_conflict``). None: not known, a job restored from a row written
     # before it was stored; the next joiner sets it.
     wire_version: str | None = None
+    # Whether the daemon said (``Warn``) that a member of this job calls without its
+    # instance id (an SDK from before them): once per job, not per refused call.
+    told_old_sdk: bool = False
     # waiter -> node instance id: JoinNode calls parked, while this generation runs,
     # for the next one.
     scaleup_waiters: dict[int, str] = field(default_factory=dict)
@@ -515,6 +522,10 @@ class Job:
             f"{self.named} is still forming ({len(self.gen.members)} of {self.world_size} ranks "
             "joined); wait for Join to return",
         )
+
+
+#: What sends a Join with its instance id but none in its later calls.
+OLD_SDK = "an SDK from before member instance ids (2026-12-01)"
 
 
 #: When node agents started sending ``wire_version``: an agent that sends none is older.

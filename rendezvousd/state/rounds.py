@@ -21,7 +21,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.state import barriers, kv, placement
-from rendezvousd.state.job import Attendee, Job, Member, Node
+from rendezvousd.state.job import OLD_SDK, Attendee, Job, Member, Node
 
 if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
@@ -166,15 +166,16 @@ def silence_cause(sm: RendezvousState, seated: Attendee) -> str:
     stream since it was placed is worded apart (``NEVER_ATTACHED``), so that the
     other agents do not count a stray JoinNode as a failure of the job."""
     if seated.stream_token != 0:
-        return silent(sm, seated.who)
+        return loss_cause(seated, silent(sm, seated.who))
     timeout = sm.timing.heartbeat_timeout_s
     if isinstance(seated, Node):
         return f"{NEVER_ATTACHED} (none within {timeout:.1f} s)"
     # A live SDK user's worker read "unreachable" for a start_heartbeat() it never
     # called (the README's own second worker did not).
-    return (
+    return loss_cause(
+        seated,
         f"joined, then sent no heartbeat within {timeout:.1f} s (start_heartbeat() "
-        "was not called after join(), or the process stopped before it)"
+        "was not called after join(), or the process stopped before it)",
     )
 
 
@@ -185,8 +186,18 @@ def stream_end_cause(sm: RendezvousState, attendee: Attendee, now: float) -> str
     moment before the tick that would have named the silence: the silence is still
     the cause, not the cut that followed it."""
     if now - attendee.last_seen >= sm.timing.heartbeat_timeout_s:
-        return silent(sm, attendee.who)
-    return attendee.stream_closed
+        return loss_cause(attendee, silent(sm, attendee.who))
+    return loss_cause(attendee, attendee.stream_closed)
+
+
+def loss_cause(attendee: Attendee, cause: str) -> str:
+    """``cause``, unless ``attendee`` is a member whose calls came without its instance
+    id (``seats._without_instance_id``): its worker failed on the refusal, which its
+    peers read as a stream closed or a silence for no reason."""
+    if isinstance(attendee, Member) and attendee.without_instance_id:
+        # Short enough to be shown whole; the daemon's warning says what it sent.
+        return f"{OLD_SDK}: upgrade it ({cause})"
+    return cause
 
 
 def lose_seated(

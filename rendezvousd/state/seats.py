@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rendezvousd.common import validation
-from rendezvousd.common.model import JobState, JoinMode
+from rendezvousd.common.model import JobState, JoinMode, Warn
 from rendezvousd.state import fences
-from rendezvousd.state.job import Job, Member, Node
+from rendezvousd.state.job import OLD_SDK, Job, Member, Node
 
 if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
@@ -83,8 +83,32 @@ def seated(
     if running and job.state is not JobState.RUNNING:
         raise job.generation_fault()
     if seated.instance_id != instance_id:
+        if not instance_id and isinstance(seated, Member):
+            _without_instance_id(sm, job, seated)
         raise fences.other_instance(job, generation, who, instance_id)
     return job, seated
+
+
+def _without_instance_id(sm: RendezvousState, job: Job, member: Member) -> None:
+    """A call for ``member``'s rank named no instance id: an SDK from before member
+    instance ids (every SDK since sends the one it joined with; the Join of an older one
+    carried it, its later calls do not). The call is refused and its worker fails, its
+    peers told only that its stream closed: so its loss says why
+    (``rounds.loss_cause``), and the daemon's log says it once per job, naming the host."""
+    member.without_instance_id = True
+    if job.told_old_sdk:
+        return
+    job.told_old_sdk = True
+    sm.calls.emit(
+        Warn(
+            job.job_id,
+            job.generation,
+            f"rank {member.rank} on host {member.host!r} made a call without an instance_id, "
+            f"which only {OLD_SDK} does (it sends one in its Join only): its calls after "
+            f"the join are refused (DUPLICATE_RANK); upgrade the rendezvousd SDK on "
+            f"{member.host!r} (said once per job)",
+        )
+    )
 
 
 def caller(
