@@ -330,10 +330,14 @@ def render_job(job: Any) -> str:
 
 
 def _ending(job: Any) -> list[str]:
-    """A job's losses and abort reason, escaped, as both views end with them."""
+    """A job's losses, the conflict that failed its forming generation and its abort
+    reason, escaped, as both views end with them."""
     lines = [
         f"    lost rank {f.rank} on {escape(f.host)}: {shortened(f.cause)}" for f in job.failed
     ]
+    # (A FAILED generation with no loss read as nothing at all: a joiner of another
+    # version or topology failed it, said only to the joiners and in the daemon's log.)
+    lines += [f"    refused: {escape(job.conflict)}"] if job.conflict else []
     return lines + ([f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else [])
 
 

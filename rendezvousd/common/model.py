@@ -231,6 +231,9 @@ class JobView:
     seats_kept_s: float = 0.0
     # While a generation opened after the job ENDED forms: how long ago that end was.
     previous_run_ended_s: float | None = None
+    # Why a forming generation FAILED with no member lost: the refusal of a joiner that
+    # contradicted it (its topology, its version), as the joiners were told it.
+    conflict: str = ""
 
     @property
     def world_size(self) -> int:

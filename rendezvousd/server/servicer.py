@@ -537,6 +537,7 @@ class RendezvousServicer:
             previous_run_ended_ms=(
                 None if view.previous_run_ended_s is None else int(view.previous_run_ended_s * 1000)
             ),
+            conflict=view.conflict,
         ).SerializeToString()
 
     # -- registration ---------------------------------------------------------

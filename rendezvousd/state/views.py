@@ -85,4 +85,5 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
             if job.gen.after_end is not None and job.state is JobState.FORMING
             else None
         ),
+        "" if job.gen.conflict is None else job.gen.conflict.message,
     )

@@ -9,6 +9,7 @@ import select
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -124,6 +125,56 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
     # The job's step is its slowest ACTIVE rank's, as on the status page (JobView.step):
     # lost rank 4's step 2 is no longer where the job stands.
     assert "step 10 · restarts" in failed.stdout, failed.stdout
+
+
+def test_status_of_a_generation_a_joiner_failed_says_why(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A forming generation failed by a joiner of another version (or topology) has no
+    lost member: `status` showed FAILED and nothing else, the refusal only in the
+    joiners' words and the daemon's log. GetJob carries it (``conflict``)."""
+    from rendezvousd.client import NotFound, RendezvousError, VersionMismatch
+
+    joiners = [RendezvousClient(daemon.endpoint, job_id, token=daemon.token) for _ in range(2)]
+
+    def join(i: int, host: str, wire: str) -> object:
+        return joiners[i].join_node(
+            min_nodes=2, max_nodes=2, gpus_per_node=1, host=host, timeout=20, wire_version=wire
+        )
+
+    def published() -> bool:
+        try:
+            return joiners[1].get_job().id_published
+        except NotFound:
+            return False
+
+    try:
+        waiting: list[object] = [None]
+
+        def first() -> None:
+            try:
+                waiting[0] = join(0, "new-host", "RDVRING3")
+            except RendezvousError as exc:
+                waiting[0] = exc
+
+        threading.Thread(target=first, daemon=True).start()
+        wait_for("node 0 to join", published)
+        with pytest.raises(VersionMismatch):
+            join(1, "old-host", "RDVRING2")
+        wait_for("node 0 to hear it", lambda: waiting[0] is not None)
+        job = joiners[0].get_job()
+        shown = subprocess.run(
+            [*_status(daemon, job_id)[:-3], job_id], capture_output=True, text=True, timeout=30
+        )
+    finally:
+        for c in joiners:
+            c.close()
+    assert isinstance(waiting[0], VersionMismatch), waiting
+    assert "the node agent on host 'old-host' runs another rendezvousd version" in job.conflict
+    assert shown.returncode == 0, shown.stderr
+    assert "FAILED" in shown.stdout, shown.stdout
+    said = "    refused: job "
+    assert said in shown.stdout and "its wire version is 'RDVRING2'" in shown.stdout, shown.stdout
 
 
 def test_status_skips_a_job_forgotten_between_listing_and_reading_it(

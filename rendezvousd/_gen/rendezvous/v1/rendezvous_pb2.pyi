@@ -1556,6 +1556,7 @@ class GetJobResponse(_message.Message):
     SEATS_KEPT_FIELD_NUMBER: _builtins.int
     SEATS_KEPT_MS_FIELD_NUMBER: _builtins.int
     PREVIOUS_RUN_ENDED_MS_FIELD_NUMBER: _builtins.int
+    CONFLICT_FIELD_NUMBER: _builtins.int
     id_published: _builtins.bool
     """Whether rank 0's id is published (the id itself is never returned)."""
     kv_keys: _builtins.int
@@ -1585,6 +1586,11 @@ class GetJobResponse(_message.Message):
     forms: how long ago that end was. Either a new run of the job id, or a node of
     the run that ended started late, waiting for nodes that are done.
     """
+    conflict: _builtins.str
+    """Why the generation FAILED while it formed, when no member was lost: a joiner
+    contradicted it (TOPOLOGY_MISMATCH, VERSION_MISMATCH), in the words its
+    joiners were told. Empty otherwise, and after a daemon restart (not stored).
+    """
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
     @_builtins.property
@@ -1608,10 +1614,11 @@ class GetJobResponse(_message.Message):
         seats_kept: _builtins.int = ...,
         seats_kept_ms: _builtins.int = ...,
         previous_run_ended_ms: _builtins.int | None = ...,
+        conflict: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "failed", b"failed", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "conflict", b"conflict", "failed", b"failed", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__previous_run_ended_ms: _TypeAlias = _typing.Literal["previous_run_ended_ms"]  # noqa: Y015
     _WhichOneofArgType__previous_run_ended_ms: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms"]  # noqa: Y015
