@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from rendezvousd.client.errors import (
     JobAborted,
+    PeerFailed,
     RendezvousError,
     StaleGeneration,
     clean_exit,
@@ -348,13 +349,21 @@ class _FailureRelay:
         self._lock = threading.Lock()
         self._communicator: Communicator | None = None
         self._error: BaseException | None = None
+        self._failed = threading.Event()
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
             self._error = self._error or error
             communicator = self._communicator
+        self._failed.set()
         if communicator is not None:
             _abort(communicator, error)
+
+    def heard(self, within: float) -> BaseException | None:
+        """The first failure reported, waiting up to ``within`` seconds for one."""
+        self._failed.wait(within)
+        with self._lock:
+            return self._error
 
     def attach(self, communicator: Communicator) -> None:
         with self._lock:
@@ -417,6 +426,13 @@ def _bring_up(
         except TRANSIENT as exc:
             if rejoin is None or isinstance(exc, PeerVersionMismatch):
                 raise  # (a fresh generation meets the same peer of another version)
+            # A peer that failed by itself (it reports its own error at once: a ring
+            # of another version, found from its side) closed its end, which reads
+            # here as a refused handshake: rejoining waited out the join timeout for a
+            # rank that was gone (CI, once: the other rank of two versions). Its
+            # report reaches this rank's heartbeat within PEER_SETTLE_S.
+            if isinstance(heard := relay.heard(PEER_SETTLE_S), PeerFailed):
+                raise heard from exc
             failure = exc  # logged below, with the retry it leads to
             _fail_generation(rdzv, m, RETRY_REASON)
         except RendezvousError as exc:
