@@ -614,6 +614,8 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
             owed |= call_standbys(sm, job, job.max_nodes - len(owed))
         placement.keep_seats(job, owed, sm.timing.hold_s, now)
     if job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes:
+        if placement.kept_for_others(job, now):
+            return _re_forming(job, args, mode, bounds)
         # Nobody waits on this generation yet: the first joiner sets its bounds.
         job.gen.join_mode = mode
         job.num_nodes, job.gpus_per_node = high, gpus
@@ -631,6 +633,25 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         # of a forming generation hears it now (they would wait their join timeout for
         # this node); a running generation refuses only the newcomer.
         raise rounds.conflict(sm, job, refused, now)
+    return job
+
+
+def _re_forming(job: Job, args: JoinArgs, mode: JoinMode, bounds: tuple[int, int, int]) -> Job:
+    """``job``'s generation re-forms with seats kept for the nodes expected back, none
+    back yet: the generation before set its mode and bounds, which stand, and a joiner
+    of others is refused alone (nobody waits yet to hear of it). The first joiner set
+    its own: a stray JoinNode of another ``--nnodes``, refused WORLD_FULL, left seats
+    kept past the new max_nodes, a row the next daemon start refused to load; a stray
+    per-rank Join took the generation over, and the survivors were refused
+    JOIN_MODE_MISMATCH (a model-based fuzz of the state machine)."""
+    job.gen.join_mode = JoinMode.NODE  # only a node generation keeps seats
+    if mode is not JoinMode.NODE:
+        raise placement.mode_mismatch(job, mode, args.host)
+    if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
+        raise job.topology_conflict(args.host, bounds)
+    # The version is still the first joiner's: a relaunch of upgraded nodes after a
+    # launch that failed on a version conflict re-forms with seats kept for the old.
+    job.wire_version = args.wire_version
     return job
 
 

@@ -804,3 +804,35 @@ def test_node_zero_that_never_sends_the_id_frees_its_seat_at_its_capped_wait() -
         isinstance(e, Transition) and "node agent on host-a did not publish" in e.detail
         for e in effects
     )
+
+
+@pytest.mark.parametrize("stray", ["other-nnodes", "per-rank"])
+def test_a_stray_join_while_seats_are_kept_is_refused_alone_and_the_bounds_stand(
+    stray: str, tmp_path: Path
+) -> None:
+    """Node b is lost; the next generation keeps a's seat, and before a is back a join
+    of another kind arrives under the job id. It set the generation's bounds as its
+    first joiner: a JoinNode of --nnodes 1 (refused WORLD_FULL, a's seat kept) left
+    seats kept past max_nodes=1, a row the next daemon start refused to load; a
+    per-rank Join took the generation over, and a was refused JOIN_MODE_MISMATCH (a
+    model-based fuzz of the state machine)."""
+    sm = RendezvousState()
+    formed(sm)
+    stream = sm.attach_stream("j", 1, 1, "b", 0.1, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, stream, 0.2, mode=JoinMode.NODE)  # b lost
+    if stray == "other-nnodes":
+        f = fault(sm.join, node("x", lo=1, hi=1), 0.3)
+        assert f.reason == "TOPOLOGY_MISMATCH", f
+    else:
+        f = fault(sm.join, JoinArgs.worker("j", 1, 1, None, 0, "w", "", b"", "W"), 0.3)
+        assert f.reason == "JOIN_MODE_MISMATCH", f
+    job = sm.jobs["j"]
+    assert (job.state, job.min_nodes, job.max_nodes, job.gpus_per_node) == (
+        JobState.FORMING,
+        2,
+        2,
+        2,
+    )
+    assert restarted(sm, tmp_path).jobs["j"].max_nodes == 2  # the row loads
+    sm.join(node("a2", previous="a"), 0.4)  # a takes its kept seat
+    assert len(sm.jobs["j"].gen.nodes) == 1
