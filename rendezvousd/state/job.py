@@ -226,6 +226,9 @@ class Generation:
     conflict: RendezvousFault | None = None
     # When rank 0 (node 0), answered id_required, loses its seat unless it sends the id.
     id_deadline: float | None = None
+    # Since when every seat of this forming per-rank generation is held by no call
+    # (``joins.unheld_seats_lapse``); None while a Join is parked or none is seated.
+    unheld_since: float | None = None
     last_arrival: float = 0.0
     nodes: NodeTable = field(default_factory=NodeTable)  # by node instance id
     node_at: dict[int, Node] = field(default_factory=dict)  # by node rank, once formed

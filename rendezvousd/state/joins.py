@@ -474,6 +474,35 @@ def unseat(sm: RendezvousState, job: Job, seat: Member | Node, now: float) -> No
         job.state_since = now
 
 
+def unheld_seats_lapse(sm: RendezvousState, job: Job, now: float) -> None:
+    """Frees the seats of a forming per-rank generation that no call has held for longer
+    than any Join may wait (``max_wait_s``). A seat is held by its parked Join, or, for
+    rank 0 owing the id, by its deadline; only an undo (a failed commit puts the job
+    back and releases every parked call) leaves seats held by nothing. A live worker's
+    retry takes its seat again within that time; a worker that died or gave up during
+    the outage kept its seat for good, and the generation, never empty, neither formed
+    nor expired, holding a max_jobs slot (a model-based fuzz of the state machine)."""
+    if job.gen.join_mode is not JoinMode.RANK or job.gen.id_deadline is not None:
+        job.gen.unheld_since = None
+        return
+    members = list(job.gen.members.values())
+    if not members or not all(placement.abandoned(job, m) for m in members):
+        job.gen.unheld_since = None
+        return
+    if job.gen.unheld_since is None:
+        job.gen.unheld_since = now
+    elif now - job.gen.unheld_since > sm.timing.max_wait_s:
+        job.gen.unheld_since = None
+        for member in members:
+            unseat(sm, job, member, now)
+        _still_forming(
+            sm,
+            job,
+            f"no worker held its seat for {sm.timing.max_wait_s:g} s (max_wait_s) after its "
+            "join was released: the seats are free, and the job, empty, expires",
+        )
+
+
 def publish_id(
     sm: RendezvousState,
     job_id: str,

@@ -165,6 +165,7 @@ def tick(sm: RendezvousState, now: float) -> None:
             joins.id_overdue(sm, job, now)
         if job.state is JobState.FORMING:
             joins.seats_lapse(sm, job, now)
+            joins.unheld_seats_lapse(sm, job, now)
             joins.try_form(sm, job, now)
         elif job.state is JobState.RUNNING:
             joins.tell_waiting(sm, job, now)
