@@ -631,6 +631,35 @@ def test_an_agent_that_gives_up_beside_a_standby_is_replaced_not_closed(
     assert _job_state(d, job_id) == "JOB_STATE_ENDED"
 
 
+def test_a_standby_called_into_a_job_that_cannot_form_exits_after_its_join_timeout(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """--nnodes 2, --max-restarts 0, and a third agent standing by. A training node
+    is killed: the survivor stops (no restarts left), and the standby, called into
+    the next generation, waits there for a node that never comes. It stood by again
+    and again, never exiting (192-283 s until killed, a torchrun chaos run); now,
+    once called, its join times out as any node's, naming what is missing."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    survivor, victim = _two_nodes_at_step_two(torchrun, d, job_id, log, "2", 0)
+    conf = f"token_file={d.token_file},join_timeout=10"
+    spare = torchrun(d, job_id, "2", "--steps", "4", nproc=1, conf=conf, max_restarts=0)
+    wait_for("the third agent to stand by", lambda: "standing by" in spare.stderr(), 100)
+    victim.kill()
+    assert survivor.wait(30) != 0
+    killed = time.monotonic()
+    code = spare.wait(60)
+    took = time.monotonic() - killed
+    err = spare.stderr()
+    assert code != 0, err[-3000:]
+    assert "was called into the job" in err, err[-3000:]
+    assert "start the missing node agents" in err, err[-3000:]
+    print(f"standby called into a job that cannot form: exited {took:.1f} s after the kill")
+
+
 def _parked(d: DaemonProcess, job: str) -> bool:
     """The job exists: the first agent's JoinNode created it and waits in it."""
     from rendezvousd.client import NotFound

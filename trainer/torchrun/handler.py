@@ -770,9 +770,25 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                     self._max,
                 )
                 standby = True
-            except RendezvousTimeout:
+            except RendezvousTimeout as exc:
                 if not standby:
-                    raise  # a standby's wait ended with no slot freed: it stands by again
+                    raise
+                if "hosts" in exc.metadata:
+                    # Called into a generation (a lost node freed its slot), which did not
+                    # form within the call's deadline: from here it joins as any node,
+                    # for one more join_timeout, and then its timeout ends it. It stood by
+                    # again for good, and with the job unable to go on (its survivor
+                    # stopped, no restarts left) it never exited (a torchrun chaos run).
+                    log.warning(
+                        "rendezvousd: job %r: this standby node was called into the job, "
+                        "which has not formed yet (%s); it waits one more join_timeout (%g s) "
+                        "for the other nodes",
+                        self._run_id,
+                        exc,
+                        self._settings.join_timeout,
+                    )
+                    standby = False
+                # else: a standby's wait ended with no slot freed: it stands by again
                 outage.reset()
             except DaemonUnavailable as exc:
                 # A standby outlives a daemon restart (rendezvous-run's does too): it
