@@ -568,6 +568,15 @@ def test_an_enqueue_stuck_past_the_collective_timeout_ends_the_process(
     assert "did not return within collective_timeout_s=0.2 s" in capfd.readouterr().err
 
 
+def _in_a_process(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a fresh interpreter from the repository root (the fake CuPy
+    is imported from tests/): what ends the process is what is tested."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60
+    )
+
+
 STUCK_SCRIPT = """
 import threading
 from rendezvousd.trainer.comm import nccl
@@ -584,14 +593,7 @@ print("all_reduce returned", flush=True)
 def test_a_stuck_enqueue_ends_the_process_with_its_own_code() -> None:
     from rendezvousd.trainer.comm.nccl_watchdog import CALL_HANG_EXIT_CODE
 
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", STUCK_SCRIPT],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _in_a_process(STUCK_SCRIPT)
     assert done.returncode == CALL_HANG_EXIT_CODE, done.stderr
     assert "rank 1/2: an NCCL call" in done.stderr and "returned" not in done.stdout
 
@@ -653,14 +655,7 @@ print("init returned", flush=True)
 def test_init_hang_ends_the_process_with_its_own_code() -> None:
     from rendezvousd.trainer.comm.nccl_watchdog import INIT_TIMEOUT_EXIT_CODE
 
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", WATCHDOG_SCRIPT],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _in_a_process(WATCHDOG_SCRIPT)
     assert done.returncode == INIT_TIMEOUT_EXIT_CODE, done.stderr
     assert "daemon told: rank 1/2: NCCL init on device 0 did not finish" in done.stdout
     assert "init returned" not in done.stdout and "setup_timeout_s=0.2" in done.stderr
