@@ -295,20 +295,28 @@ class NcclCommunicator(RankedCommunicator):
         self._check_collectives = check_collectives
         self._cp = _require_cupy()
         self._nccl = self._cp.cuda.nccl
-        self._errors = self._foreign_error_types()
-        nccl_error = getattr(self._nccl, "NcclError", None)
-        self._nccl_error = nccl_error if isinstance(nccl_error, type) else None
-        runtime = self._cp.cuda.runtime
+        # CuPy's error classes, each looked up once: NCCL's, CUDA's (a ``.status`` in
+        # CUDA's numbering), and its allocator's (a MemoryError, not a CUDARuntimeError).
+        self._nccl_error = _error_class(getattr(self._nccl, "NcclError", None))
         self._cuda_errors = tuple(
             c
             for c in (
-                getattr(runtime, "CUDARuntimeError", None),
-                getattr(getattr(self._cp.cuda, "driver", None), "CUDADriverError", None),
+                _error_class(getattr(self._cp.cuda.runtime, "CUDARuntimeError", None)),
+                _error_class(
+                    getattr(getattr(self._cp.cuda, "driver", None), "CUDADriverError", None)
+                ),
             )
-            if isinstance(c, type)
+            if c is not None
         )
-        oom = getattr(getattr(self._cp.cuda, "memory", None), "OutOfMemoryError", None)
-        self._oom_error = oom if isinstance(oom, type) else None
+        self._oom_error = _error_class(
+            getattr(getattr(self._cp.cuda, "memory", None), "OutOfMemoryError", None)
+        )
+        # What _failure maps; KeyError: CuPy < 13.4 building NcclError(6) (_status_of).
+        self._errors = tuple(
+            c
+            for c in (self._nccl_error, *self._cuda_errors, self._oom_error, KeyError)
+            if c is not None
+        )
         # _lock serialises collectives (they share the events); _handle_lock
         # serialises calls into the NCCL handle against abort()/destroy(), which
         # free it: CuPy zeroes the handle on abort, but a call already inside
@@ -352,17 +360,6 @@ class NcclCommunicator(RankedCommunicator):
             # The constructor's Cython signature rejects the other form before
             # NCCL sees anything, so retrying with it is safe.
             return self._nccl.NcclCommunicator(self.world_size, second, self.rank)
-
-    def _foreign_error_types(self) -> tuple[type[BaseException], ...]:
-        candidates = (
-            getattr(self._nccl, "NcclError", None),
-            getattr(self._cp.cuda.runtime, "CUDARuntimeError", None),
-            getattr(getattr(self._cp.cuda, "driver", None), "CUDADriverError", None),
-            # CuPy's allocator's: a MemoryError, not a CUDARuntimeError.
-            getattr(getattr(self._cp.cuda, "memory", None), "OutOfMemoryError", None),
-            KeyError,  # CuPy < 13.4 building NcclError(6): see _status_of
-        )
-        return tuple(c for c in candidates if isinstance(c, type) and issubclass(c, BaseException))
 
     @property
     def aborted(self) -> str | None:
@@ -685,6 +682,12 @@ class NcclCommunicator(RankedCommunicator):
                 with self._handle_lock:
                     self._closed = True
                     self._comm = None
+
+
+def _error_class(found: object) -> type[BaseException] | None:
+    """``found`` where it is an exception class (CuPy's differ between releases and
+    its fakes), else None."""
+    return found if isinstance(found, type) and issubclass(found, BaseException) else None
 
 
 def _watch_calls(ref: weakref.ReferenceType[NcclCommunicator], timeout: float) -> None:
