@@ -49,6 +49,9 @@ _HANDED_ON = (
 _TOOLS = ("MODEL_EXAMPLES", "REQUIRE_GPU", "TEST_TORCH_PYTHON", "TORCH_VERSION")
 
 EVERY_NAME = frozenset(PREFIX + n for n in (*_DAEMON, *_TRAINER, *_TORCHRUN, *_HANDED_ON, *_TOOLS))
+# Compared without the prefix, which every name shares and would make any name look
+# close to some other.
+_SUFFIXES = sorted(n.removeprefix(PREFIX) for n in EVERY_NAME)
 
 
 def unknown_names(environ: Mapping[str, str]) -> list[str]:
@@ -58,10 +61,7 @@ def unknown_names(environ: Mapping[str, str]) -> list[str]:
     for name in sorted(environ):
         if not name.startswith(PREFIX) or name in EVERY_NAME:
             continue
-        # Compared without the prefix, which every name shares and would make any
-        # name look close to some other.
-        known = [n.removeprefix(PREFIX) for n in EVERY_NAME]
-        close = difflib.get_close_matches(name.removeprefix(PREFIX), known, n=1, cutoff=0.75)
+        close = difflib.get_close_matches(name.removeprefix(PREFIX), _SUFFIXES, n=1, cutoff=0.75)
         hint = f": did you mean {PREFIX}{close[0]}?" if close else ""
         said.append(f"${name} is set, but no rendezvousd program reads it{hint} (ignored)")
     return said
