@@ -218,6 +218,17 @@ def rest_of_stdout(proc: subprocess.Popen[Any], timeout: float) -> Any:
     return rest[0]
 
 
+def stderr_of_all(procs: Sequence[subprocess.Popen[str]], timeout: float = 60.0) -> list[str]:
+    """Each process's stderr once it exited (each within ``timeout``); any still running
+    when one overran is killed."""
+    try:
+        return [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def json_events(stream: Any, within: float = 60.0) -> Iterator[Any]:
     """The JSON lines a running process writes to ``stream``, each within ``within``
     seconds (queue.Empty past it: a test waiting for a line never hangs). Read by a

@@ -28,6 +28,7 @@ from tests.support import (
     run_launcher,
     run_script_node,
     spawn_daemon,
+    stderr_of_all,
     wait_for,
     with_own_mounts,
     write_token,
@@ -195,12 +196,7 @@ def test_a_worker_raising_a_long_multiline_error_is_every_launchers_root_cause(
         )
         for n in range(2)
     ]
-    try:
-        outs = [n.communicate(timeout=60)[1] for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
+    outs = stderr_of_all(nodes)
     host = re.escape(socket.gethostname())
     for n, err in zip(nodes, outs, strict=True):
         assert n.returncode != 0, err

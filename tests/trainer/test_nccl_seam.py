@@ -462,18 +462,7 @@ def test_cupy_older_than_13_4_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_abort_waits_for_a_call_inside_nccl(cupy: Any) -> None:
     comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=30)
     fake: FakeNccl = cupy.cuda.nccl
-    fake.enqueue_gate = threading.Event()
-    errors: list[BaseException] = []
-
-    def collective() -> None:
-        try:
-            comm.all_reduce(device_array(cupy, [1.0]))
-        except BaseException as exc:
-            errors.append(exc)
-
-    caller = threading.Thread(target=collective, name="collective")
-    caller.start()
-    assert fake.entered.wait(10)
+    caller, errors = _stuck_in_enqueue(cupy, comm)
     aborter = threading.Thread(target=comm.abort, args=("heartbeat: peer 1 died",), name="abort")
     aborter.start()
     deadline = time.monotonic() + 10

@@ -31,6 +31,7 @@ from tests.support import (
     launcher_cmd,
     rest_of_stdout,
     spawn_daemon,
+    stderr_of_all,
     wait_for,
     write_token,
 )
@@ -533,12 +534,7 @@ def test_launcher_sets_torchrun_style_environment(
         )
         for n in range(2)
     ]
-    try:
-        errs = [n.communicate(timeout=60)[1] for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
+    errs = stderr_of_all(nodes)
     assert [n.returncode for n in nodes] == [0, 0], errs
     for rank in range(4):
         at_start, after = json.loads(Path(f"{out}-{rank}").read_text())

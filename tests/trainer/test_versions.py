@@ -21,6 +21,7 @@ from tests.support import (
     daemon_without_rendezvous,
     launcher_cmd,
     run_launcher,
+    stderr_of_all,
     wait_for,
     write_token,
 )
@@ -155,12 +156,7 @@ def test_a_ring_of_another_version_is_the_cause_the_daemon_records_not_retried(
         )
         for node, magic in enumerate(["RDVRING3", "RDVRING4"])
     ]
-    try:
-        errors = [w.communicate(timeout=60)[1] for w in workers]
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
+    errors = stderr_of_all(workers)
     assert all(w.returncode != 0 for w in workers), errors
     assert all("PeerVersionMismatch" in e for e in errors), errors
     with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe:
