@@ -17,12 +17,22 @@ torch_venv=$!
 # which skips without it. Measured on a fresh machine: 2 min 45 s of wall time
 # (apt-get update and install, ~45 s of CPU), on the side like the torch venv;
 # nothing once installed. A failed install only makes that test skip.
+# As root the cross-host tests must run, not skip (tests/support.need_hosts): they
+# alone back the cut-off node, the cut between nodes and the README's --hosts demo.
+# They need iproute2's `ip`, installed here beside Chromium where it is missing.
 chromium_out=$(mktemp)
 chromium=
-if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+packages=
+[ -x /usr/bin/chromium ] || packages="chromium"
+command -v ip >/dev/null || packages="$packages iproute2"
+if [ -n "$packages" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  # shellcheck disable=SC2086  # the package names, split on purpose
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $packages) \
     >"$chromium_out" 2>&1 &
   chromium=$!
+fi
+if [ "$(id -u)" = 0 ]; then
+  export RENDEZVOUSD_TEST_REQUIRE_HOSTS=1
 fi
 # On the second core while ruff and mypy run: byte-compile our sources, and
 # collect once so pytest's assertion-rewritten test modules are cached for the
@@ -41,7 +51,8 @@ if ! wait "$torch_venv"; then
   exit 1
 fi
 if [ -n "$chromium" ] && ! wait "$chromium"; then
-  echo "apt-get install chromium failed; the browser test will skip:" >&2
+  echo "apt-get install $packages failed; the browser test will skip, the cross-host" \
+    "tests fail without ip:" >&2
   tail -n 3 "$chromium_out" >&2
 fi
 rm -f "$chromium_out"

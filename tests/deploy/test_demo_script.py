@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer.demo.netns import unavailable_reason
-from tests.support import ROOT
+from tests.support import ROOT, need_hosts
 
 DEMO = ROOT / "scripts" / "demo.sh"
 
@@ -68,8 +67,8 @@ def test_demo_hands_hosts_to_the_demo_not_to_pip(tmp_path: Path) -> None:
 
 @needs_venv_sh
 @pytest.mark.slow
-@pytest.mark.skipif(unavailable_reason() is not None, reason=f"--hosts: {unavailable_reason()}")
 def test_demo_on_three_network_hosts_as_the_readme_says(tmp_path: Path) -> None:
+    need_hosts("the demo's --hosts")
     out = tmp_path / "card.json"
     _assert_scorecard(_demo("--hosts", "3", "--steps", "2", "--out", str(out)), out, 2)
 

@@ -7,16 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.trainer.demo.netns import Hosts, unavailable_reason
+from rendezvousd.trainer.demo.netns import Hosts
 from tests.multihost.cluster import Cluster, start_cluster
+from tests.support import need_hosts
 
 
 @pytest.fixture
 def make_hosts() -> Iterator[Callable[[int], Hosts]]:
     """``make_hosts(n)`` builds n hosts; all are torn down after the test."""
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"multi-host tests need network namespaces: {reason}")
+    need_hosts("multi-host tests")
     stack: list[Hosts] = []
 
     def make(count: int) -> Hosts:
