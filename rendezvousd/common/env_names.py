@@ -46,7 +46,9 @@ _HANDED_ON = (
     "WARM_SOCKET",
 )  # fmt: skip
 #: Read by scripts/ and the test suite, which set them beside the programs'.
-_TOOLS = ("MODEL_EXAMPLES", "REQUIRE_GPU", "TEST_TORCH_PYTHON", "TORCH_VERSION")
+_TOOLS = (
+    "MODEL_EXAMPLES", "REQUIRE_GPU", "TEST_REQUIRE_HOSTS", "TEST_TORCH_PYTHON", "TORCH_VERSION",
+)  # fmt: skip
 
 EVERY_NAME = frozenset(PREFIX + n for n in (*_DAEMON, *_TRAINER, *_TORCHRUN, *_HANDED_ON, *_TOOLS))
 # Compared without the prefix, which every name shares and would make any name look

@@ -44,6 +44,9 @@ def test_the_list_holds_every_name_a_program_reads_and_no_other() -> None:
     assert EVERY_NAME - tools <= schemas | product, sorted(EVERY_NAME - tools - schemas - product)
     # The tools' names are read where they say, so none is kept here for nothing.
     assert tools <= _named_in("scripts", "tests"), sorted(tools - _named_in("scripts", "tests"))
+    # scripts/ set names for the programs and the suite: a name set there that the list
+    # lacks would be said as a typo by every program it starts (tests/ name typos on purpose).
+    assert _named_in("scripts") <= EVERY_NAME, sorted(_named_in("scripts") - EVERY_NAME)
 
 
 def test_a_misspelt_name_is_said_with_the_closest_one_and_never_its_value() -> None:
