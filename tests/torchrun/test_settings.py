@@ -72,3 +72,14 @@ def test_torchs_own_keys_a_user_gives_are_said_to_be_unread_and_what_stands_in()
     assert "is_host" in said and "rank" not in said
     # torchrun itself sets rank and timeout (from --rdzv-timeout) on every launch.
     assert ignored_torch_keys({"rank": "0", "timeout": "900", "join_timeout": "5"}) is None
+
+
+def test_a_token_on_the_command_line_is_refused_without_its_value() -> None:
+    """docs/trainer.md: ``--rdzv-conf token=`` is refused, since a token there shows in
+    ``ps``; the refusal says what to pass instead and never echoes the value."""
+    with pytest.raises(ConfigError) as info:
+        load_settings({"token": "SECRETVALUE", "join_timeout": "5"}, {})
+    message = str(info.value)
+    assert "--rdzv-conf token: a token on torchrun's command line shows in ps" in message
+    assert "token_file=PATH" in message and "RENDEZVOUSD_TOKEN" in message, message
+    assert "SECRETVALUE" not in message, message

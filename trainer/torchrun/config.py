@@ -169,6 +169,15 @@ def load_settings(conf: Mapping[str, Any], env: Mapping[str, str]) -> TorchrunSe
     """``RENDEZVOUSD_*`` variables, then ``--rdzv-conf`` (which wins). torch's keys
     (``TORCH_KEYS``) are ignored; any other key is refused, naming ours: a misspelt
     one (``join_timout``) would otherwise be dropped without a word."""
+    if "token" in conf:
+        # Said apart from a misspelling: the fix is not a key of that name, and the
+        # user should know the token may already have been seen (the value is not said).
+        raise ConfigError(
+            "--rdzv-conf token: a token on torchrun's command line shows in ps to every "
+            "user of the host; pass --rdzv-conf token_file=PATH (a file of mode 0600) or "
+            "set RENDEZVOUSD_TOKEN_FILE / RENDEZVOUSD_TOKEN, and replace a token already "
+            "passed so"
+        )
     if unknown := sorted(k for k in conf if k not in SCHEMA.options and k not in TORCH_KEYS):
         raise ConfigError(
             f"--rdzv-conf {', '.join(unknown)}: not a key of the rendezvousd backend; "
