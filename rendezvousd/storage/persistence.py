@@ -645,7 +645,9 @@ class Persister:
                 continue  # only keys changed, or nothing: the key-value undo did it
             job = None
             if durable is not None:
-                job = rollback.durable_job(durable[0], durable[1], live, now)
+                job = rollback.durable_job(
+                    durable[0], durable[1], live, now, hold_s=self.state.timing.hold_s
+                )
                 self._durable[job_id] = (durable[0], job.gen.kv)
             self.state.put_back(
                 job_id,

@@ -21,14 +21,22 @@ from rendezvousd.storage import snapshot
 
 
 def durable_job(
-    record: Mapping[str, Any], kv: dict[str, bytes], live: Job | None, now: float
+    record: Mapping[str, Any], kv: dict[str, bytes], live: Job | None, now: float, *, hold_s: float
 ) -> Job:
     """The job ``record`` (its last committed row, with ``kv`` its committed store)
-    describes, keeping from ``live`` (the job in memory, if any) what no row holds."""
+    describes, keeping from ``live`` (the job in memory, if any) what no row holds;
+    ``hold_s``: how long seats the record keeps are kept again when nothing in memory
+    keeps them any more."""
     job = snapshot.job_from_record(record, kv, now)
     if live is None or live.generation != job.generation:
-        # Nothing in memory describes this generation any more: as after a restart.
+        # Nothing in memory describes this generation any more: as after a restart,
+        # whose fenced generation keeps the record's seats for the nodes expected back
+        # (a generation forming after a failure, its change and a later one's in one
+        # commit that failed). Without them a newcomer, or the very one whose join was
+        # undone, took a survivor's seat.
         _only_digest(job)
+        if job.state is JobState.FORMING:
+            snapshot.keep_again(job, snapshot.kept_seats(record, job.max_nodes), hold_s, now)
         return job
     if live.state is job.state:
         job.state_since = live.state_since  # the job TTL and the conflict window go on

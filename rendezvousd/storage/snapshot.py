@@ -187,7 +187,7 @@ def _world(num_nodes: int, gpus_per_node: int, what: str) -> None:
         )
 
 
-def _kept_seats(raw: Mapping[str, Any], max_nodes: int) -> dict[str, str]:
+def kept_seats(raw: Mapping[str, Any], max_nodes: int) -> dict[str, str]:
     """The record's kept seats (absent in rows written before them: none)."""
     if "kept_seats" not in raw:
         return {}
@@ -219,17 +219,23 @@ def restore_job(
     detail = "restored"
     if job.state is JobState.FORMING:
         # Mid-bootstrap: nobody can have the id from us any more. Fence it.
-        kept = _kept_seats(raw, job.max_nodes)
+        kept = kept_seats(raw, job.max_nodes)
         job.state = JobState.ENDED
         job.open_generation(now)  # FORMING again
-        if kept:  # its survivors still re-join: a newcomer must not take their seats
-            job.gen.rejoin_expected = len(kept)
-            placement.keep_seats(job, kept, state.timing.hold_s, now)
+        keep_again(job, kept, state.timing.hold_s, now)
         detail = "fenced by a new generation after restart"
     elif job.state is JobState.RUNNING:
         job.gen.restored = True
     state.jobs[job.job_id] = job
     state.calls.emit(Transition(job.job_id, job.generation, None, job.state, detail))
+
+
+def keep_again(job: Job, kept: dict[str, str], hold_s: float, now: float) -> None:
+    """``job``'s forming generation keeps ``kept`` (a record's kept seats) for a fresh
+    hold: its survivors still re-join, and a newcomer must not take their seats."""
+    if kept:
+        job.gen.rejoin_expected = len(kept)
+        placement.keep_seats(job, dict(kept), hold_s, now)
 
 
 def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) -> Job:

@@ -223,7 +223,7 @@ def test_a_claim_whose_commit_fails_gives_the_seat_back_to_its_survivor() -> Non
     committed = snapshot.job_record(job)
     assert isinstance(back(sm, "a2", 1.2), Parked)  # this change's commit fails
     assert job.gen.owed == {"b": "host-b"}
-    undone = rollback.durable_job(committed, dict(job.gen.kv), job, 1.3)
+    undone = rollback.durable_job(committed, dict(job.gen.kv), job, 1.3, hold_s=TIMEOUT)
     assert "a2" not in undone.gen.nodes
     assert undone.gen.owed == {"a": "host-a2", "b": "host-b"}
 

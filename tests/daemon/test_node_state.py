@@ -213,7 +213,9 @@ def test_a_goodbye_undone_by_a_failed_commit_is_still_a_goodbye_not_a_loss() -> 
     sm.leave("j", 1, 1, "b", 1.0, mode=JoinMode.NODE)
     sm.detach_stream("j", 1, 1, b, 1.1, mode=JoinMode.NODE)  # read before the undo
     live = sm.jobs["j"]
-    sm.jobs["j"] = rollback.durable_job(committed, dict(live.gen.kv), live, 1.2)
+    sm.jobs["j"] = rollback.durable_job(
+        committed, dict(live.gen.kv), live, 1.2, hold_s=sm.timing.hold_s
+    )
     sm.take_effects()
     assert [n.state for n in sm.jobs["j"].gen.nodes.values()] == [MemberState.ACTIVE] * 2
     sm.detach_stream("j", 1, 0, a, 1.3, mode=JoinMode.NODE)
@@ -238,7 +240,7 @@ def test_an_undo_keeps_a_final_goodbye_and_takes_back_a_forming_one() -> None:
     assert sm.leave("j", 1, 1, "b", 1.5, mode=JoinMode.NODE, final=True)  # its commit fails
     live = sm.jobs["j"]
     assert set(placement.owed_back(live)) == {"a"}
-    undone = rollback.durable_job(committed, dict(live.gen.kv), live, 1.6)
+    undone = rollback.durable_job(committed, dict(live.gen.kv), live, 1.6, hold_s=sm.timing.hold_s)
     assert set(placement.owed_back(undone)) == {"a"}
 
     forming = RendezvousState()  # a worker of a per-rank job, waiting for its peer
