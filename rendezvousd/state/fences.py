@@ -78,6 +78,25 @@ def not_seated(job: Job, generation: int, who: int, mode: JoinMode) -> Rendezvou
     )
 
 
+def report_while_forming(job: Job, who: int, mode: JoinMode) -> RendezvousFault:
+    """A ReportFailure naming a generation still forming: no member of it runs yet, so
+    there is nothing to fail. Recorded, a worker's report left its rank LOST in a
+    generation that went on forming, and later named it the root cause of an
+    unrelated failure; a node agent's found no node (ranks come as it forms)."""
+    seat = f"node_rank={who}" if mode is JoinMode.NODE else f"rank {who}"
+    joiner = "JoinNode" if mode is JoinMode.NODE else "Join"
+    return job.fault(
+        Code.FAILED_PRECONDITION,
+        Reason.NOT_RUNNING,
+        f"ReportFailure for {seat} of {job.named} refused: the generation is still "
+        f"forming, so none of its members runs yet to fail; a joiner that fails before "
+        f"it forms ends its {joiner} instead (its process exiting cancels it, which fails "
+        f"the forming generation for every joiner), and reports a failure only once its "
+        f"{joiner} has returned",
+        ranks=str(who),
+    )
+
+
 def rank_stream_in_node_job(job: Job, rank: int) -> RendezvousFault:
     """A worker of a node generation opened a heartbeat stream of its own."""
     return job.fault(

@@ -43,6 +43,7 @@ def report_failure(
 
     job = seats.find_job(sm, job_id)
     member: Member
+    forming = generation == job.generation and job.state is JobState.FORMING
     if job.gen.join_mode is JoinMode.RANK:
         # A worker joined by rank (no node agent: srun, a pod per GPU) reports its own
         # failure, by its seat and its own instance id: its exception, not "heartbeat
@@ -50,9 +51,16 @@ def report_failure(
         reporter, told = "the worker", job.rank_of(node_rank, local_rank)
         in_range("node_rank", node_rank, "num_nodes", job.num_nodes)
         in_range("local_rank", local_rank, "gpus_per_node", job.gpus_per_node)
+        if forming:
+            # Refused as a node agent's is (the generation has no node ranks yet): the
+            # forming generation fails when a joiner ends its Join, which every
+            # parked joiner hears.
+            raise fences.report_while_forming(job, told, JoinMode.RANK)
         job, member = seats.caller(sm, job_id, generation, told, instance_id, running=False)
     else:
         reporter, told = "its node agent", node_rank
+        if forming:
+            raise fences.report_while_forming(job, told, JoinMode.NODE)
         job, node = seats.seated(
             sm, job_id, generation, node_rank, instance_id, JoinMode.NODE, running=False
         )

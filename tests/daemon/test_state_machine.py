@@ -613,6 +613,37 @@ def test_a_worker_joined_by_rank_reports_its_own_failure_with_its_whole_cause() 
     assert sorted(notes[0].to) == [0, 1, 2]  # not the reporter, which is going
 
 
+def test_a_report_failure_in_a_forming_generation_is_refused_by_rank_and_by_node() -> None:
+    """A worker's report (a raw client: the SDK reports only once formed) while its
+    generation formed marked it LOST and failed nothing: the generation formed without
+    it ever being told, and a later loss named it the root cause. Refused now, as a node
+    agent's is, both naming the job, generation and seat; nothing changes."""
+    from tests.daemon.test_node_state import node
+
+    sm = RendezvousState()
+    assert isinstance(sm.join(args(0, 1), 0.0), Parked)
+    refused = fault(sm.report_failure, "j", 1, 0, inst(sm, 1), 1, "boom", 0.5)
+    assert (refused.code, refused.reason) == (Code.FAILED_PRECONDITION, "NOT_RUNNING")
+    assert refused.message.startswith(
+        "ReportFailure for rank 1 of job 'j' generation 1 refused: the generation is still forming"
+    )
+    assert refused.metadata == {"job_id": "j", "generation": "1", "ranks": "1"}
+    job = sm.jobs["j"]
+    assert job.gen.members[1].state is MemberState.JOINING and not job.gen.failed
+    for n, g in ((0, 0), (1, 0), (1, 1)):  # the rest join: it forms with rank 1
+        sm.join(args(n, g, uid=ID if n == g == 0 else b""), 1.0)
+    assert job.state is JobState.RUNNING and not job.gen.failed
+    sm.report_failure("j", 1, 1, inst(sm, 2), 0, "the real cause", 1.0)
+    assert [(f.rank, f.cause) for f in job.gen.failed] == [(2, "the real cause")]
+
+    nodes = RendezvousState()
+    assert nodes.join(node("a", job="n"), 0.0).id_required  # type: ignore[union-attr]
+    assert isinstance(nodes.join(node("b", job="n"), 0.0), Parked)
+    by_node = fault(nodes.report_failure, "n", 1, 0, "b", 0, "boom", 0.5)
+    assert (by_node.code, by_node.reason) == (Code.FAILED_PRECONDITION, "NOT_RUNNING")
+    assert by_node.message.startswith("ReportFailure for node_rank=0 of job 'n' generation 1")
+
+
 def test_a_member_that_never_beat_is_told_apart_from_one_that_went_silent() -> None:
     """A live SDK user's worker that never called start_heartbeat() (the README's own
     second worker did not) was lost as "worker unreachable"."""
