@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rendezvousd.common.model import JoinMode
 from rendezvousd.errors import Code, Reason, RendezvousFault
-from rendezvousd.state.job import Job
+from rendezvousd.state.job import Job, Member, Node
 
 
 def draining() -> RendezvousFault:
@@ -75,6 +75,27 @@ def not_seated(job: Job, generation: int, who: int, mode: JoinMode) -> Rendezvou
         f"node_rank={who} of job {job.job_id!r} generation {generation} belongs to "
         "another node agent instance (or to none); rejoin to take part",
         {"job_id": job.job_id, "generation": str(generation)},
+    )
+
+
+def joined_after_leaving(job: Job, seat: Member | Node) -> RendezvousFault:
+    """A join of the instance that said goodbye to ``job``'s running generation: a replay
+    of its old request (or a retry sent after its Leave). Answered, it got the id of a
+    generation it had left; after a restart (no id to give) it was marked LOST without
+    failing anything, and its job, one LEFT member short, never ended."""
+    if isinstance(seat, Member):
+        who, ranks, again = f"rank {seat.rank}", str(seat.rank), "a new worker process"
+    else:
+        first = job.rank_of(seat.node_rank, 0)
+        who = f"the node agent of node_rank={seat.node_rank}"
+        ranks, again = f"{first}-{first + job.gpus_per_node - 1}", "a new node agent"
+    return job.fault(
+        Code.FAILED_PRECONDITION,
+        Reason.NOT_A_MEMBER,
+        f"{who} on host {seat.host!r} left {job.named} (Leave) and cannot join it again: "
+        "this join is a replay of its request from before its goodbye; to take part "
+        f"again, start {again}, which joins the job's next generation once this one ends",
+        ranks=ranks,
     )
 
 

@@ -255,6 +255,8 @@ def admit(
     generation forms."""
     try_form(sm, job, now)
     if job.state is JobState.RUNNING:
+        if seat.state is MemberState.LEFT:
+            raise fences.joined_after_leaving(job, seat)
         if job.gen.unique_id is None:
             # Restored after a restart: the id was never on disk, so this seat can no
             # longer be given it. Fence the generation.

@@ -282,6 +282,13 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         # start_heartbeat() (rounds.silence_cause).
         member.stream_token = 1
         job.gen.members[member.rank] = member
+    if job.state is JobState.RUNNING:
+        for member in job.gen.members.values():
+            if member.state is MemberState.LOST:
+                # A loss fails the generation, so a running one holds no lost member but
+                # one a replayed Join of a member that had left marked so (a daemon before
+                # that was refused): it left, and counted as such, its job can end again.
+                member.state = MemberState.LEFT
     job.gen.left = sum(m.state is MemberState.LEFT for m in job.gen.members.values())
     job.gen.host_nodes = {
         str(h): _int({"node": n}, "node", 0, job.num_nodes - 1)
