@@ -57,8 +57,6 @@ def durable_job(
         if had is not None and had.node_rank == node.node_rank:
             _keep_liveness(node, had)
             node.named, node.arrived, node.kept = had.named, had.arrived, had.kept
-    if job.state is JobState.FAILED:
-        job.gen.conflict = live.gen.conflict
     if job.state is JobState.FORMING:
         job.gen.id_deadline = live.gen.id_deadline
     job.last_call_s, job.gen.last_arrival = live.last_call_s, live.gen.last_arrival

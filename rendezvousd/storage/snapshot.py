@@ -3,8 +3,9 @@
 ``job_record``/``restore_job`` are one job's row for the SQLite store; ``dump``/``load``
 are the whole-state JSON document of the old ``state.json`` (read once, to import it).
 
-What survives a restart: jobs, generations, membership, barrier counts, the
-key-value store and the digests of used ids. What never does: the unique id
+What survives a restart: jobs, generations, membership (and which members' SDK
+predates instance ids), barrier counts, the key-value store, the digests of used ids,
+and why a forming generation failed on a conflicting joiner. What never does: the unique id
 itself (a bearer credential) and tokens. On restore, a job that was still
 forming is fenced by a new generation (its members redo the join, rank 0 with a
 fresh id); a running job keeps running and its members reattach their
@@ -21,7 +22,7 @@ from typing import Any
 
 from rendezvousd.common import validation
 from rendezvousd.common.model import FailedInfo, JobState, JoinMode, MemberState, Transition
-from rendezvousd.errors import RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import kv as kvrules
 from rendezvousd.state import placement
 from rendezvousd.state.id_history import IdHistory
@@ -60,6 +61,9 @@ def job_record(job: Job) -> dict[str, Any]:
                 "address": m.address,
                 "instance_id": m.instance_id,
                 "state": m.state.name,
+                # Its calls named no instance id (``seats._without_instance_id``): kept, so
+                # that its loss after a restart still says why. Absent otherwise.
+                **({"old_sdk": True} if m.without_instance_id else {}),
             }
             for m in job.gen.members.values()
         ],
@@ -69,6 +73,10 @@ def job_record(job: Job) -> dict[str, Any]:
         "used_id_digests": [d.hex() for d in job.used_id_digests],
         "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.gen.failed],
         "abort_reason": job.gen.abort_reason,
+        # Why a forming generation failed with no member lost (a joiner's topology or
+        # version): what GetJob and the status page show, and what late joiners are
+        # told within a heartbeat timeout of it. Absent when none (and in older rows).
+        **({} if job.gen.conflict is None else {"conflict": _conflict_record(job.gen.conflict)}),
         "barriers": {name: b.completed for name, b in job.gen.barriers.items()},
         # Node joins (absent in rows written before them: a per-rank job).
         "join_mode": job.gen.join_mode.value,
@@ -91,6 +99,31 @@ def job_record(job: Job) -> dict[str, Any]:
         # back, kept again in the generation a restart fences this one with.
         "kept_seats": placement.seats_kept(job) if job.state is JobState.FORMING else {},
     }
+
+
+def _conflict_record(fault: RendezvousFault) -> dict[str, Any]:
+    return {
+        "code": fault.code.name,
+        "reason": fault.reason.value,
+        "message": fault.message,
+        "metadata": dict(fault.metadata),  # a copy: a writer thread encodes it
+    }
+
+
+def _conflict(raw: Mapping[str, Any]) -> RendezvousFault | None:
+    """The record's conflict, as its joiners were told it (absent: none)."""
+    if "conflict" not in raw:
+        return None
+    row = _map(raw, "conflict")
+    code, reason = _str(row, "code"), _str(row, "reason")
+    if code not in Code.__members__:
+        raise ValueError(f"conflict.code must be one of {', '.join(Code.__members__)}")
+    if reason not in Reason.__members__:
+        raise ValueError(f"conflict.reason must be one of {', '.join(Reason.__members__)}")
+    metadata = _map(row, "metadata")
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("conflict.metadata must map names to strings")
+    return RendezvousFault(Code[code], Reason[reason], _str(row, "message"), metadata)
 
 
 def _job(job: Job) -> dict[str, Any]:
@@ -275,6 +308,10 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
             _instance_id(m, "members"),
             state=member_state,
         )
+        old_sdk = m.get("old_sdk", False)
+        if not isinstance(old_sdk, bool):
+            raise ValueError(f"members[].old_sdk must be true or false, not {old_sdk!r}")
+        member.without_instance_id = old_sdk
         if member.rank != job.rank_of(member.node_rank, member.local_rank):
             raise ValueError(f"member rank {member.rank} does not match its node/local rank")
         member.last_seen = now  # a full heartbeat timeout to reattach
@@ -303,6 +340,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         failed.append(FailedInfo(rank, _str(f, "host"), _str(f, "cause"), node_rank, local_rank))
     job.gen.failed = failed
     job.gen.abort_reason = _str(raw, "abort_reason")
+    job.gen.conflict = _conflict(raw)
     job.gen.barriers = {
         str(n): BarrierState(completed=_int({"completed": c}, "completed", 0, MAX_COUNTER))
         for n, c in _map(raw, "barriers").items()

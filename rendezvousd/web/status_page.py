@@ -60,6 +60,9 @@ VIEW_TTL_S = 0.5
 # the same few percent at 8,192 members as at 2,048 (benchmarks/status_page.py).
 POLL_S = 2.0
 POLL_MEMBERS = 2048
+# A conflict's words on the job view: every one it has (it names at most 8 hosts,
+# versions of at most 128 bytes), bounded anyway.
+CONFLICT_CHARS = 2000
 # Steps per second are measured over this much of the job's recent step samples.
 RATE_WINDOW_S = 30.0
 
@@ -313,8 +316,12 @@ class StatusPage:
                 None if v.previous_run_ended_s is None else round(v.previous_run_ended_s, 1)
             ),
             "state_age_s": round(v.state_age_s, 1),
+            # A conflict is this generation's failure: after a restart the timeline
+            # holds only "restored" for it.
             "last_failure": (
-                v.failed[0].describe() if v.failed else self.timeline.last_failure(v.job_id)
+                v.failed[0].describe()
+                if v.failed
+                else shortened(v.conflict) or self.timeline.last_failure(v.job_id)
             ),
             "failures": self.timeline.restarts(v.job_id),
             "abort_reason": shortened(v.abort_reason),
@@ -395,6 +402,10 @@ class StatusPage:
                 for f in v.failed[:64]
             ],
             "failed_total": len(v.failed),
+            # Why the generation failed while it formed with no member lost (a joiner's
+            # topology or version), as its joiners were told; kept over a restart. Whole
+            # (its hosts and versions are what to fix), within a bound all the same.
+            "conflict": shortened(v.conflict, CONFLICT_CHARS),
             "timeline": [
                 {
                     "at": e.at,

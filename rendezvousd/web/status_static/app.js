@@ -183,6 +183,10 @@ function drawJob(job, rows) {
   $("rerun").hidden = ended === null || ended === undefined;
   $("rerun").textContent = "a new run of this job id: its previous run ended " + age(ended) +
     " ago (every member left)";
+  // A joiner that contradicted the forming generation (topology, version): no member
+  // was lost, so the list below is empty and this is the whole story.
+  $("conflict-box").hidden = !job.conflict;
+  $("conflict").textContent = job.conflict || "";
   const failed = $("failed");
   failed.replaceChildren();
   for (const f of job.failed) {

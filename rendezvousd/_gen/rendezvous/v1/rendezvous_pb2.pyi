@@ -1589,7 +1589,7 @@ class GetJobResponse(_message.Message):
     conflict: _builtins.str
     """Why the generation FAILED while it formed, when no member was lost: a joiner
     contradicted it (TOPOLOGY_MISMATCH, VERSION_MISMATCH), in the words its
-    joiners were told. Empty otherwise, and after a daemon restart (not stored).
+    joiners were told. Empty otherwise. Kept across a daemon restart (--state-dir).
     """
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
