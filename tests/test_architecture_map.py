@@ -60,15 +60,67 @@ def test_the_map_names_no_folder_that_is_gone() -> None:
         assert (ROOT / folder).is_dir(), f"docs/architecture.md maps {folder}, which is gone"
 
 
-def _imports(module: Path) -> list[str]:
-    """Every module name ``module`` imports (``from X import`` and ``import X``)."""
+# Where each top folder installs (pyproject.toml): client/ is rendezvousd.client.
+_INSTALLED = {"rendezvousd": "rendezvousd", "client": "rendezvousd.client",
+              "trainer": "rendezvousd.trainer"}  # fmt: skip
+
+
+def _package(module: Path) -> list[str]:
+    """The dotted parts of the package ``module`` (a file under ROOT) belongs to: the
+    one its relative imports count up from."""
+    folder = module.parent.relative_to(ROOT).parts
+    return [*_INSTALLED[folder[0]].split("."), *folder[1:]]
+
+
+def _imports(module: Path, text: str | None = None) -> list[str]:
+    """Every module name ``module`` imports (``from X import`` and ``import X``), a
+    relative one resolved from its package (``from ..server import auth`` in
+    rendezvousd/common/ is rendezvousd.server, and ``from .. import server`` names
+    rendezvousd.server too): read as written, they escaped every check of the
+    layers. ``text``: the source to read instead of the file's."""
     names: list[str] = []
-    for node in ast.walk(ast.parse(module.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.append(node.module)
+    for node in ast.walk(ast.parse(module.read_text() if text is None else text)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if node.module:
+                    names.append(node.module)
+                continue
+            package = _package(module)
+            base = package[: len(package) - (node.level - 1)]
+            assert base, f"{module}: a relative import above the top package"
+            if node.module:
+                names.append(".".join([*base, node.module]))
+            else:  # each name may be a module of the package
+                names.extend(".".join([*base, alias.name]) for alias in node.names)
         elif isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
     return names
+
+
+def test_relative_imports_are_read_as_the_modules_they_name() -> None:
+    grid = ROOT / "rendezvousd" / "common" / "grid.py"
+    source = (
+        "from ..server import auth\n"
+        "from .. import daemon\n"
+        "from . import escape\n"
+        "from .members import Seat\n"
+        "import rendezvousd.errors\n"
+        "from rendezvousd.common import limits\n"
+    )
+    assert _imports(grid, source) == [
+        "rendezvousd.server",
+        "rendezvousd.daemon",
+        "rendezvousd.common.escape",
+        "rendezvousd.common.members",
+        "rendezvousd.errors",
+        "rendezvousd.common",
+    ]
+    # Each check reads such an import as the upward one it is.
+    assert _layer("rendezvousd.server") > _layer("rendezvousd.common")  # type: ignore[operator]
+    # The SDK installs as rendezvousd.client: its relative imports resolve there.
+    assert _imports(ROOT / "client" / "sync.py", "from ._calls import Run\n") == [
+        "rendezvousd.client._calls"
+    ]
 
 
 def test_common_imports_nothing_of_the_daemons_other_parts() -> None:
