@@ -142,6 +142,14 @@ class SqliteStore:
         self._ids_written = {}
 
     def _prepare(self, db: sqlite3.Connection) -> None:
+        # The version first, before anything is written: a database this daemon refuses
+        # (a newer one's) is left as it was, not given our tables or journal mode.
+        version = _schema_version(db)
+        if version is not None and version not in (str(SCHEMA_VERSION), *_MIGRATES):
+            raise DaemonError(
+                f"state database {self.path} has schema_version {version!r}, this daemon "
+                f"reads {SCHEMA_VERSION}; use the matching rendezvousd or move it aside"
+            )
         db.execute("PRAGMA journal_mode=WAL")
         # Durability is ``sync``'s fsync; SQLite's own would run inside ``write``.
         db.execute("PRAGMA synchronous=NORMAL")
@@ -149,16 +157,10 @@ class SqliteStore:
         db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         for statement in _SCHEMA:
             db.execute(statement)
-        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is None:
+        if version is None:
             db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif row[0] in _MIGRATES:
+        elif version in _MIGRATES:
             db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-        elif row[0] != str(SCHEMA_VERSION):
-            raise DaemonError(
-                f"state database {self.path} has schema_version {row[0]!r}, this daemon "
-                f"reads {SCHEMA_VERSION}; use the matching rendezvousd or move it aside"
-            )
 
     @property
     def is_open(self) -> bool:
@@ -403,6 +405,15 @@ def _write_ids(db: sqlite3.Connection, job_id: str, before: list[str], after: li
         ((job_id, d) for d in before if d not in wanted),
     )
     db.executemany("INSERT INTO used_ids VALUES (?, ?)", ((job_id, d) for d in after[len(kept) :]))
+
+
+def _schema_version(db: sqlite3.Connection) -> str | None:
+    """The database's ``schema_version`` (None: a new database, written by no daemon)."""
+    meta = "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+    if db.execute(meta).fetchone() is None:
+        return None
+    row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    return None if row is None else str(row[0])
 
 
 def _write_ends(db: sqlite3.Connection, ends: EndsWrite) -> None:
