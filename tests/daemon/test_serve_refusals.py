@@ -368,3 +368,49 @@ def test_contradictory_limits_are_refused_naming_both(
 )
 def test_one_bound_lowered_alone_is_no_contradiction(settings: dict[str, float]) -> None:
     DaemonConfig(**settings)  # type: ignore[arg-type]
+
+
+def _unprivileged(cmd: list[str]) -> list[str]:
+    """``cmd`` as root of a user namespace of its own: root here, but without the
+    host's CAP_NET_BIND_SERVICE, as a daemon run by an ordinary user is. Skips the
+    test where no such namespace is allowed, or where any user may bind port 80."""
+    if int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text()) <= 80:
+        pytest.skip("any user may bind port 80 here (net.ipv4.ip_unprivileged_port_start)")
+    probe = ["unshare", "--user", "--map-root-user", "true"]
+    try:
+        allowed = subprocess.run(probe, capture_output=True, check=False).returncode == 0
+    except FileNotFoundError:
+        allowed = False
+    if not allowed:
+        pytest.skip("no user namespace here (unshare --user --map-root-user)")
+    return ["unshare", "--user", "--map-root-user", *cmd]
+
+
+@pytest.mark.parametrize(
+    ("listen", "why"),
+    [
+        # TEST-NET-1 (RFC 5737): an address no host here has (EADDRNOTAVAIL).
+        ("192.0.2.1:0", "192.0.2.1 is not an address of this host: listen on one of its own"),
+        # A port below net.ipv4.ip_unprivileged_port_start, without the capability (EACCES).
+        ("127.0.0.1:80", "this user may not listen on port 80 (a privileged port here, or "),
+    ],
+)
+def test_a_bind_to_an_address_not_of_this_host_or_a_port_not_allowed_names_it(
+    tmp_path: Path, listen: str, why: str
+) -> None:
+    """operations.md: a failed bind names its cause: "an address not of this host"."""
+    token = tmp_path / "token"
+    write_token(token)
+    cmd = [sys.executable, "-m", "rendezvousd.cli", "serve", "--token-file", str(token),
+           "--listen", listen]  # fmt: skip
+    if not listen.startswith("127."):
+        cmd.append("--insecure-plaintext")  # else refused before any bind
+    if listen.endswith(":80"):
+        cmd = _unprivileged(cmd)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "serving" not in done.stdout
+    said = done.stderr.splitlines()[-1]
+    assert said.startswith(f"rendezvousd: error: cannot bind {listen}: "), done.stderr
+    assert why in said, done.stderr
+    assert "another rendezvousd" not in said and "GRPC_VERBOSITY" not in said, done.stderr
