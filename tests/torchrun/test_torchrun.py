@@ -46,6 +46,11 @@ def _job_state(d: DaemonProcess, job: str) -> str:
         return str(pb.JobState.Name(probe.get_job().summary.state))
 
 
+def _nodes_waiting(d: DaemonProcess, job: str) -> int:
+    with RendezvousClient(d.endpoint, job, token=d.token) as probe:
+        return probe.get_job().nodes_waiting
+
+
 def _rpcs(d: DaemonProcess, method: str) -> float:
     assert d.metrics_url is not None
     return sum(
@@ -228,6 +233,74 @@ def test_a_survivor_that_used_its_restarts_stops_when_a_peer_dies(
     assert {s["restart"] for s in second if s["pid"] not in mine} == {0}, second
     raised = _stops_when_its_peer_dies(survivor, victim, log)
     assert "no restarts left (--max-restarts 1, all used)" in raised, raised
+
+
+def _three_nodes_at_step_two(
+    torchrun: Callable[..., Torchrun],
+    d: DaemonProcess,
+    job: str,
+    log: Path,
+    nnodes: str,
+    restarts: tuple[int, int, int],
+    nproc: tuple[int, int, int] = (1, 1, 1),
+) -> list[Torchrun]:
+    """Three agents whose first world hangs after step 2, as if stuck in a
+    collective: only the daemon's push moves them. join_timeout 40 s: a survivor
+    still waiting for the nodes it lacks shows as one."""
+    world = sum(nproc)
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world"]
+    conf = f"token_file={d.token_file},join_timeout=40"
+    agents = [
+        torchrun(d, job, nnodes, *worker, str(world), nproc=n, conf=conf, max_restarts=r)
+        for n, r in zip(nproc, restarts, strict=True)
+    ]
+    wait_for(
+        f"all {world} ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == world,
+        timeout=120,
+    )
+    return agents
+
+
+def test_a_survivor_waiting_for_a_replacement_outlives_a_second_loss_and_names_the_missing(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """--nnodes 3: B is killed; A and C restart their workers and wait in the next
+    round's JoinNode for a replacement; then C is killed too. That round failed on
+    C's cancelled JoinNode and A, with a restart left, exited 1 ("generation 2
+    failed ... restart the job"); now it joins the next round for what is left of
+    join_timeout, says which nodes it waits for, and trains with two replacements."""
+    d = start_daemon("--heartbeat-timeout-s", "4")
+    log = tmp_path / "steps.jsonl"
+    # C runs two workers: the first world (4 ranks) hangs, the replacements' (3) not.
+    a, b, c = _three_nodes_at_step_two(torchrun, d, job_id, log, "3", (1, 1, 1), (1, 1, 2))
+    b.kill()
+    wait_for("A to restart into round 2", lambda: "round 1 failed" in a.stderr(), 30)
+    wait_for("A and C to wait in round 2", lambda: _nodes_waiting(d, job_id) == 2, 30)
+    c.kill()
+    wait_for("A to re-join", lambda: a.proc.poll() is not None or "failed while" in a.stderr(), 30)
+    assert a.proc.poll() is None, a.stderr()[-3000:]
+    said = re.search(r"generation 2 failed while it formed: lost node \d on 127\.0\.0\.1 "
+                     r"\(its JoinNode was cancelled", a.stderr())  # fmt: skip
+    assert said, a.stderr()[-3000:]
+    # The waiting note names both nodes the round lacks (the daemon only counts them).
+    missing = "Lost since the job last formed: node"
+    wait_for("A to say what it waits for", lambda: missing in a.stderr(), 30)
+    note = next(ln for ln in a.stderr().splitlines() if missing in ln)
+    assert "in round 1 (node agent's heartbeat stream closed)" in note, note
+    assert "the node joining from 127.0.0.1 in round 2 (its JoinNode was cancelled" in note, note
+    assert "start torchrun agents of this --rdzv-id in their places" in note, note
+    first = {s["pid"] for s in torch_steps(log)}
+    worker = ["--steps", "4", "--step-log", str(log)]
+    conf = f"token_file={d.token_file},join_timeout=40"
+    new = [torchrun(d, job_id, "3", *worker, nproc=1, conf=conf) for _ in range(2)]
+    for agent in (a, *new):
+        assert agent.wait(90) == 0, agent.stderr()[-3000:]
+    after = [s for s in torch_steps(log) if s["pid"] not in first]
+    assert {s["world"] for s in after} == {3} and max(s["step"] for s in after) == 4
 
 
 def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(

@@ -22,6 +22,10 @@ What each torchrun agent does here:
   restarts left (``--max-restarts 0``, or all used) stops instead, as c10d's survivors
   do once their collectives break: its ``next_rendezvous()`` raises, naming the lost
   node (``_no_restarts_left``).
+  A survivor whose next round fails before it forms (a replacement or another
+  survivor lost, its JoinNode cancelled) joins the one after for what is left of
+  join_timeout, and while it waits its note names the nodes lost since the job last
+  formed (``_join``).
 - A local restart (torchrun calls ``next_rendezvous()`` while our round still runs)
   reports the failure first, so every other agent hears it at once and re-joins too; a
   restart for waiting nodes ends the round with the ``scale-up`` reason instead.
@@ -108,6 +112,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import api as torch_rdzv
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import (
     AuthenticationError,
     DaemonUnavailable,
@@ -322,6 +327,10 @@ def torch_agent_of(handler: object, frame: FrameType | None) -> Any | None:
         frame = frame.f_back
     return None
 
+
+#: The least of join_timeout left for which a node whose forming generation failed
+#: joins the next one (``RendezvousdHandler._join``); with less, the failure is raised.
+MIN_REJOIN_S = 1.0
 
 #: How long a signalled agent waits for the other nodes to be told, before torch's
 #: own handler stops its workers (whose deaths would otherwise speak first).
@@ -553,6 +562,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         #: Why the next ``next_rendezvous()`` stops this agent: a failure ended its
         #: round, and it has no restarts left (``_no_restarts_left``).
         self._stop: str | None = None
+        #: The nodes lost since this agent's job last formed (``_lost_in``), which a
+        #: waiting join names in its note.
+        self._missing: list[str] = []
         self._warm = start_warm_server(settings, os.environ)
         atexit.register(self._exit_goodbye)
 
@@ -627,6 +639,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._node = None
             node = self._join()
             self._node = node
+            self._missing = []
             if (problem := self._loopback_problem(node)) is not None:
                 # Node 0's address is every worker's MASTER_ADDR: the other hosts'
                 # workers dialled themselves until the process group's timeout (30 min
@@ -723,27 +736,55 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 "rendezvousd: job %r: could not report the lost link: %s", self._run_id, exc
             )
 
-    def _saying_what_it_waits_for(self) -> contextlib.AbstractContextManager[None]:
+    def _saying_what_it_waits_for(self, began: float) -> contextlib.AbstractContextManager[None]:
         """The note rendezvous-run's joins give while they wait, logged: torch's own
-        rendezvous logs nothing between its start and its timeout."""
+        rendezvous logs nothing between its start and its timeout. A forming round's
+        note also names the nodes lost since the job last formed (``_missing``): the
+        daemon counts the nodes joined, and only this agent heard which ones were lost,
+        the ones a replacement must be started for."""
+        short = False
+
+        def get_job() -> pb.GetJobResponse:
+            nonlocal short
+            job = self._client.get_job()
+            joined = job.nodes_waiting - job.standbys
+            short = job.summary.state != pb.JOB_STATE_RUNNING and joined < self._min
+            return job
 
         def say(note: str) -> None:
+            missing = self._missing
+            if short and missing:
+                # Said with the note, at its pace (after 5 s, then every 30 s).
+                their = "its place" if len(missing) == 1 else "their places"
+                note += (
+                    f". Lost since the job last formed: {'; '.join(missing)}: start torchrun "
+                    f"agents of this --rdzv-id in {their}, or the job ends at join_timeout"
+                )
             log.warning("rendezvousd: %s", note)
 
-        return saying_what_it_waits_for(
-            self._client.get_job, say, self._min, self._settings.join_timeout, time.monotonic()
-        )
+        return saying_what_it_waits_for(get_job, say, self._min, self._settings.join_timeout, began)
 
     def _join(self) -> NodeMembership:
         """One JoinNode. A node that finds the world full stands by (``standby``), as a
         node of torch's redundancy list does: it waits, not counted as waiting, until a
-        lost node frees a slot, and leaves gracefully when the job ends without it."""
+        lost node frees a slot, and leaves gracefully when the job ends without it.
+
+        A generation that fails while it forms (another joiner lost: a replacement or a
+        survivor killed, its JoinNode cancelled) placed this node nowhere and started no
+        worker: it joins the next one, for what is left of join_timeout, as
+        rendezvous-run's join does and as c10d's rendezvous drops a dead participant
+        and keeps waiting. Raised, it ended a fixed-size job's survivor that the docs
+        say waits join_timeout for a replacement (a torchrun chaos review)."""
         standby = False
+        began = time.monotonic()
+        timeout = self._settings.join_timeout
         outage = DaemonOutage(self._settings.join_timeout)
         while True:
             try:
                 # A standby said once that it stands by.
-                noting = contextlib.nullcontext() if standby else self._saying_what_it_waits_for()
+                noting = (
+                    contextlib.nullcontext() if standby else self._saying_what_it_waits_for(began)
+                )
                 with noting:
                     return self._client.join_node(
                         min_nodes=self._min,
@@ -751,10 +792,28 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         gpus_per_node=1,
                         host=self._host,
                         last_call=self._settings.last_call_timeout or None,
-                        timeout=self._settings.join_timeout,
+                        timeout=timeout,
                         standby=standby,
                         launched=self._launched,
                     )
+            except PeerFailed as exc:
+                left = self._settings.join_timeout - (time.monotonic() - began)
+                if left < MIN_REJOIN_S:
+                    raise
+                self._lost_in(exc, forming=True)
+                log.warning(
+                    "rendezvousd: job %r generation %d failed while it formed: lost %s. This "
+                    "node was not placed in it (no worker started): it joins the next "
+                    "generation, waiting the %.0f s left of join_timeout (%g s)",
+                    self._run_id,
+                    exc.generation,
+                    lost_nodes(exc) or exc,
+                    left,
+                    self._settings.join_timeout,
+                )
+                # From here it joins as any node; a full world stands it by again.
+                standby, timeout = False, left
+                outage.reset()
             except LimitExceeded as exc:
                 if standby or exc.reason != "WORLD_FULL":
                     raise
@@ -823,6 +882,20 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 # ends here, with status 0, through torch's shutdown path.
                 raise SystemExit(0) from None
 
+    def _lost_in(self, exc: PeerFailed, me: int | None = None, *, forming: bool = False) -> None:
+        """Keep the nodes ``exc`` lost (not this one, node ``me``) for the waiting note;
+        ``forming``: a round that never formed, whose node ranks meant nothing yet."""
+        for f in exc.failed:
+            rank = f.rank if f.node_rank is None else f.node_rank
+            if rank == me:
+                continue
+            who = (
+                f"the node joining from {escape(f.host)}"
+                if forming
+                else f"node {rank} on {escape(f.host)}"
+            )
+            self._missing.append(f"{who} in round {exc.generation} ({shortened(f.cause)})")
+
     def _heard_failure(self, exc: RendezvousError) -> None:
         # The SDK keeps the failure (client.failure); num_nodes_waiting() reads it.
         if not isinstance(exc, PeerFailed) or not exc.failed:
@@ -836,6 +909,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             return
         if exc.generation == self._signalled:
             return  # this agent's own stop (_stopped_by), which it said already
+        node = self._node
+        self._lost_in(exc, node.node_rank if node and node.generation == exc.generation else None)
         lost = lost_nodes(exc)
         restarts = self._restarts()
         if restarts is not None and restarts[0] == 0:
