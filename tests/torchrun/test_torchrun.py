@@ -303,6 +303,42 @@ def test_a_survivor_waiting_for_a_replacement_outlives_a_second_loss_and_names_t
     assert {s["world"] for s in after} == {3} and max(s["step"] for s in after) == 4
 
 
+@pytest.mark.parametrize("nnodes", ["3", "2:3"])
+def test_an_agent_out_of_restarts_closes_a_rendezvous_its_survivor_cannot_form(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+    nnodes: str,
+) -> None:
+    """B is killed; C has no restarts left and stops; A has one and re-joins. A
+    then waited join_timeout for the two nodes missing (40 s here, 600 by default);
+    now C closes the rendezvous as it stops, as c10d's shutdown() does and as the
+    gave-up path does when the job cannot go on without its node: A ends within
+    seconds with torch's RendezvousClosedError naming C's stop."""
+    d = start_daemon("--heartbeat-timeout-s", "4")
+    log = tmp_path / "steps.jsonl"
+    a, b, c = _three_nodes_at_step_two(torchrun, d, job_id, log, nnodes, (1, 1, 0))
+    b.kill()
+    try:
+        codes = [c.wait(20), a.wait(20)]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"an agent still runs 20 s after the kill:\n{a.stderr()[-3000:]}")
+    assert codes[0] != 0 and codes[1] != 0, codes
+    assert "no restarts left (--max-restarts 0)" in c.stderr(), c.stderr()[-3000:]
+    assert "closed the rendezvous: the other nodes cannot form" in c.stderr(), c.stderr()[-3000:]
+    raised = [ln for ln in a.stderr().splitlines() if ln.startswith("torch.distributed.elastic")]
+    assert raised and raised[-1].startswith(
+        "torch.distributed.elastic.rendezvous.api.RendezvousClosedError: "
+    ), a.stderr()[-3000:]
+    assert "torchrun's agent on 127.0.0.1 stopped: round 1 failed (lost node" in raised[-1]
+    bounds = nnodes if ":" in nnodes else f"{nnodes}:{nnodes}"
+    said = (
+        f"no restarts left (--max-restarts 0); the job cannot go on without it (--nnodes {bounds}"
+    )
+    assert said in raised[-1], raised[-1]
+
+
 def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
     start_daemon: Callable[..., DaemonProcess],
     torchrun: Callable[..., Torchrun],
@@ -710,10 +746,11 @@ def test_a_standby_called_into_a_job_that_cannot_form_exits_after_its_join_timeo
     tmp_path: Path,
     job_id: str,
 ) -> None:
-    """--nnodes 2, --max-restarts 0, and a third agent standing by. A training node
-    is killed: the survivor stops (no restarts left), and the standby, called into
-    the next generation, waits there for a node that never comes. It stood by again
-    and again, never exiting (192-283 s until killed, a torchrun chaos run); now,
+    """--nnodes 2, --max-restarts 0, and a third agent standing by. Both training
+    nodes are killed, and the standby, called into the next generation, waits there
+    for a node that never comes. It stood by again and again, never exiting (192-283
+    s until killed, a torchrun chaos run, where the survivor had stopped with no
+    restarts left: that survivor now closes the rendezvous, the test below); now,
     once called, its join times out as any node's, naming what is missing."""
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
@@ -722,7 +759,7 @@ def test_a_standby_called_into_a_job_that_cannot_form_exits_after_its_join_timeo
     spare = torchrun(d, job_id, "2", "--steps", "4", nproc=1, conf=conf, max_restarts=0)
     wait_for("the third agent to stand by", lambda: "standing by" in spare.stderr(), 100)
     victim.kill()
-    assert survivor.wait(30) != 0
+    survivor.kill()
     killed = time.monotonic()
     code = spare.wait(60)
     took = time.monotonic() - killed
@@ -731,6 +768,33 @@ def test_a_standby_called_into_a_job_that_cannot_form_exits_after_its_join_timeo
     assert "was called into the job" in err, err[-3000:]
     assert "start the missing node agents" in err, err[-3000:]
     print(f"standby called into a job that cannot form: exited {took:.1f} s after the kill")
+
+
+def test_a_survivor_out_of_restarts_closes_the_round_a_standby_was_called_into(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """The chaos run above: --nnodes 2, a standby, and a training node killed. The
+    survivor, with no restarts left, stops; the standby, called into the next round,
+    waited for it two join_timeouts. The survivor now closes that round, which cannot
+    form without it, and the standby ends at once with torch's RendezvousClosedError."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    survivor, victim = _two_nodes_at_step_two(torchrun, d, job_id, log, "2", 0)
+    conf = f"token_file={d.token_file},join_timeout=30"
+    spare = torchrun(d, job_id, "2", "--steps", "4", nproc=1, conf=conf, max_restarts=0)
+    wait_for("the third agent to stand by", lambda: "standing by" in spare.stderr(), 100)
+    victim.kill()
+    try:
+        codes = [survivor.wait(20), spare.wait(20)]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the standby still waits 20 s after the kill:\n{spare.stderr()[-3000:]}")
+    assert codes[0] != 0 and codes[1] != 0, codes
+    raised = [ln for ln in spare.stderr().splitlines() if "RendezvousClosedError: " in ln]
+    assert raised, spare.stderr()[-3000:]
+    assert "the job cannot go on without it (--nnodes 2:2, 1 node(s) joining)" in raised[-1]
 
 
 def _parked(d: DaemonProcess, job: str) -> bool:

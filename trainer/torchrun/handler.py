@@ -21,7 +21,9 @@ What each torchrun agent does here:
   costs no restart on the survivors: torch counts only local failures. An agent with no
   restarts left (``--max-restarts 0``, or all used) stops instead, as c10d's survivors
   do once their collectives break: its ``next_rendezvous()`` raises, naming the lost
-  node (``_no_restarts_left``).
+  node (``_no_restarts_left``); and, as an agent that gives up does, it closes the
+  rendezvous when the nodes left cannot form the next round without it
+  (``_stopping``), so a survivor waiting there ends now, not at join_timeout.
   A survivor whose next round fails before it forms (a replacement or another
   survivor lost, its JoinNode cancelled) joins the one after for what is left of
   join_timeout, and while it waits its note names the nodes lost since the job last
@@ -332,6 +334,15 @@ def torch_agent_of(handler: object, frame: FrameType | None) -> Any | None:
 #: joins the next one (``RendezvousdHandler._join``); with less, the failure is raised.
 MIN_REJOIN_S = 1.0
 
+#: How long an agent that stops with no restarts left waits for a survivor of its
+#: round to re-join, to close that next round if it cannot form (``_stopping``): torch
+#: stops the survivor's workers first, within its 30 s grace (SIGTERM, then SIGKILL);
+#: and how often it looks.
+CLOSE_WAIT_S = 35.0
+CLOSE_POLL_S = 0.2
+#: The longest close reason sent, within the daemon's 1 KiB for a reason.
+CLOSE_REASON_CHARS = 900
+
 #: How long a signalled agent waits for the other nodes to be told, before torch's
 #: own handler stops its workers (whose deaths would otherwise speak first).
 STOP_TELL_S = 2.0
@@ -562,6 +573,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         #: Why the next ``next_rendezvous()`` stops this agent: a failure ended its
         #: round, and it has no restarts left (``_no_restarts_left``).
         self._stop: str | None = None
+        self._stop_cause = ""
         #: The nodes lost since this agent's job last formed (``_lost_in``), which a
         #: waiting join names in its note.
         self._missing: list[str] = []
@@ -630,6 +642,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # says this node will not re-join, then a non-zero exit), so the type says
             # what happened: not a close, not a timeout. Re-raising it every call keeps
             # any later caller from re-joining.
+            self._stopping()
             raise torch_rdzv.RendezvousError(f"{self._what()}: {self._stop}")
         try:
             if self._node is not None:
@@ -1039,11 +1052,86 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             return
         left, most = restarts
         if left == 0:
+            self._stop_cause = f"round {node.generation} failed ({why}), {_no_restarts(most)}"
             self._stop = (
                 f"round {node.generation} failed: {why}; this agent stops its workers and "
                 f"exits: {_no_restarts(most)}, and re-forming the job would restart them "
                 "(give --max-restarts at least 1 for each failure the job should outlive)"
             )
+
+    def _stopping(self) -> None:
+        """This agent stops, no restarts left (``_no_restarts_left``): as the gave-up
+        path of ``shutdown()`` does, it says it will not re-join (a final Leave: no
+        seat is kept for it, a standby may take it) and, if the other nodes cannot
+        form the next round without it, closes the rendezvous, as c10d's
+        ``shutdown()`` does, so that they end now instead of waiting join_timeout for
+        it and the lost nodes (docs/trainer.md, "From torchrun"). Once: the round it
+        held is forgotten, so ``shutdown()`` has nothing left to tell.
+
+        The failed round cannot be closed (an abort of a failed generation changes
+        nothing), and the next one opens only when a survivor re-joins, after torch
+        stopped that survivor's workers, as this agent's own were: so it waits for
+        that generation up to ``CLOSE_WAIT_S``, unless no other node of the round
+        stays (each lost, or stopped too, its final Leave said) and none waits to
+        join, or enough do."""
+        node, self._node = self._node, None
+        if node is None:
+            return
+        try:
+            self._client.leave(final=True)
+        except RendezvousError as exc:
+            log.warning("rendezvousd: job %r: stopping: %s", self._run_id, exc)
+        until = time.monotonic() + CLOSE_WAIT_S
+        while True:
+            try:
+                job = self._client.get_job()
+                s = job.summary
+                if s.generation != node.generation:
+                    coming = job.nodes_waiting + job.seats_kept
+                    if s.state == pb.JOB_STATE_FORMING and coming < self._min:
+                        self._close_for_good(s.generation, coming)
+                    return
+            except RendezvousError as exc:
+                log.warning(
+                    "rendezvousd: job %r: could not tell the other nodes that this agent stops: %s",
+                    self._run_id,
+                    exc,
+                )
+                return
+            gone = (pb.MEMBER_STATE_LOST, pb.MEMBER_STATE_LEFT)
+            staying = sum(1 for m in job.members if m.state not in gone)
+            if not staying + job.nodes_waiting or staying + job.nodes_waiting >= self._min:
+                # Nobody to tell (a standby waiting is told: it is called into the
+                # next round), or enough nodes to form it.
+                return
+            if time.monotonic() >= until:
+                log.warning(
+                    "rendezvousd: job %r: %d other node(s) of round %d did not re-join within "
+                    "%g s: they wait join_timeout for the nodes this one and the lost ones "
+                    "leave missing",
+                    self._run_id,
+                    staying,
+                    node.generation,
+                    CLOSE_WAIT_S,
+                )
+                return
+            time.sleep(CLOSE_POLL_S)
+
+    def _close_for_good(self, generation: int, coming: int) -> None:
+        reason = (
+            f"{CLOSED}: torchrun's agent on {self._host} stopped: {self._stop_cause}; the "
+            f"job cannot go on without it (--nnodes {self._min}:{self._max}, {coming} "
+            "node(s) joining)"
+        )
+        self._client.abort(shortened(reason, CLOSE_REASON_CHARS), generation=generation)
+        log.warning(
+            "rendezvousd: job %r: closed the rendezvous: the other nodes cannot form the next "
+            "round without this one (--nnodes %d:%d, %d node(s) joining)",
+            self._run_id,
+            self._min,
+            self._max,
+            coming,
+        )
 
     def _round_ended(self, node: NodeMembership) -> bool:
         """Whether ``node``'s round is over and every agent told: the daemon ended it
