@@ -838,6 +838,52 @@ def test_the_agent_store_behaves_as_torchs_tcpstore(
     assert results["shutdown"] == [True, True]
 
 
+def test_shutdown_after_a_direct_next_rendezvous_closes_the_round_and_leaves_nothing_running(
+    start_daemon: Callable[..., DaemonProcess], torch_python: str, job_id: str
+) -> None:
+    """A caller other than torch's agent (a launcher of its own): next_rendezvous(),
+    then shutdown() twice. Every thread the handler started ends, no descriptor stays
+    open, and the round is closed in words that blame no worker: it said "its workers
+    failed and no restarts are left", which only torch's agent can know."""
+    d = start_daemon()
+    script = (
+        "import json, os, sys, threading, time\n"
+        "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+        "from rendezvousd.trainer.torchrun.handler import create_handler\n"
+        "before = set(threading.enumerate())\n"
+        "fds = len(os.listdir('/proc/self/fd'))\n"
+        "params = RendezvousParameters(backend='rendezvousd', endpoint=sys.argv[1], "
+        "run_id=sys.argv[2], min_nodes=1, max_nodes=1)\n"
+        "handler = create_handler(params)\n"
+        "info = handler.next_rendezvous()\n"
+        "done = [handler.shutdown(), handler.shutdown()]\n"
+        "for t in set(threading.enumerate()) - before:\n"
+        "    t.join(10)\n"
+        "left = sorted(t.name for t in set(threading.enumerate()) - before)\n"
+        # gRPC closes a closed channel's descriptors on its own threads, within ~1 s.
+        "for _ in range(100):\n"
+        "    if len(os.listdir('/proc/self/fd')) <= fds:\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "print(json.dumps([info.world_size, done, left, len(os.listdir('/proc/self/fd')) - fds]))\n"
+    )
+    env = {**os.environ, "RENDEZVOUSD_TOKEN_FILE": str(d.token_file), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [torch_python, "-c", script, d.endpoint, job_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    world, done, left, fds = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (world, done, left, fds) == (1, [True, True], [], 0), out.stdout
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        job = probe.get_job()
+    assert "was shut down while its round ran, by a caller other than torch's" in job.abort_reason
+    assert "workers failed" not in job.abort_reason, job.abort_reason
+
+
 @pytest.mark.parametrize("first", ["torch", "ours"])
 def test_the_entry_point_is_what_torch_loads(torch_python: str, first: str) -> None:
     """torch's registry finds ``rendezvousd`` among its out-of-tree handlers, whether

@@ -1244,6 +1244,12 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 gave_up = (
                     f"torchrun's agent on {self._host} gave up: its workers failed and no "
                     "restarts are left"
+                    if self._agent is not None
+                    # A caller of its own (a launcher, a test): its workers' outcome is
+                    # not ours to know, and "failed" put the blame where none may be.
+                    else f"the rendezvousd handler on {self._host} was shut down while its "
+                    "round ran, by a caller other than torch's agent (whether its workers "
+                    "succeeded is unknown)"
                 )
                 if store is not None and store.workers_succeeded:
                     self._client.leave()
