@@ -765,7 +765,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             return job
 
         def say(note: str) -> None:
-            missing = self._missing
+            # A failure pushed twice (a stream reconnected) names its nodes once.
+            missing = list(dict.fromkeys(self._missing))
             if short and missing:
                 # Said with the note, at its pace (after 5 s, then every 30 s).
                 their = "its place" if len(missing) == 1 else "their places"
@@ -810,17 +811,22 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         launched=self._launched,
                     )
             except PeerFailed as exc:
+                if standby:
+                    # Called into a round that failed before it formed: it joins as any
+                    # node from here, for one join_timeout, as when that round does not
+                    # form within the call's deadline (below).
+                    began = time.monotonic()
                 left = self._settings.join_timeout - (time.monotonic() - began)
                 if left < MIN_REJOIN_S:
                     raise
-                self._lost_in(exc, forming=True)
+                lost = self._lost_in(exc, forming=True)
                 log.warning(
                     "rendezvousd: job %r generation %d failed while it formed: lost %s. This "
                     "node was not placed in it (no worker started): it joins the next "
                     "generation, waiting the %.0f s left of join_timeout (%g s)",
                     self._run_id,
                     exc.generation,
-                    lost_nodes(exc) or exc,
+                    "; ".join(lost) or exc,
                     left,
                     self._settings.join_timeout,
                 )
@@ -859,7 +865,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         exc,
                         self._settings.join_timeout,
                     )
-                    standby = False
+                    standby, began = False, time.monotonic()
+                    timeout = self._settings.join_timeout
                 # else: a standby's wait ended with no slot freed: it stands by again
                 outage.reset()
             except DaemonUnavailable as exc:
@@ -895,9 +902,13 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 # ends here, with status 0, through torch's shutdown path.
                 raise SystemExit(0) from None
 
-    def _lost_in(self, exc: PeerFailed, me: int | None = None, *, forming: bool = False) -> None:
-        """Keep the nodes ``exc`` lost (not this one, node ``me``) for the waiting note;
-        ``forming``: a round that never formed, whose node ranks meant nothing yet."""
+    def _lost_in(
+        self, exc: PeerFailed, me: int | None = None, *, forming: bool = False
+    ) -> list[str]:
+        """Keep the nodes ``exc`` lost (not this one, node ``me``) for the waiting note,
+        and return them; ``forming``: a round that never formed, whose node ranks were
+        not yet given (named by host, not by a rank the user never saw)."""
+        lost = []
         for f in exc.failed:
             rank = f.rank if f.node_rank is None else f.node_rank
             if rank == me:
@@ -907,7 +918,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 if forming
                 else f"node {rank} on {escape(f.host)}"
             )
-            self._missing.append(f"{who} in round {exc.generation} ({shortened(f.cause)})")
+            lost.append(f"{who} in round {exc.generation} ({shortened(f.cause)})")
+        self._missing += lost
+        return lost
 
     def _heard_failure(self, exc: RendezvousError) -> None:
         # The SDK keeps the failure (client.failure); num_nodes_waiting() reads it.
@@ -1080,7 +1093,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         try:
             self._client.leave(final=True)
         except RendezvousError as exc:
-            log.warning("rendezvousd: job %r: stopping: %s", self._run_id, exc)
+            # Best effort: the close below does not depend on it.
+            log.info("rendezvousd: job %r: stopping: %s", self._run_id, exc)
         until = time.monotonic() + CLOSE_WAIT_S
         while True:
             try:
@@ -1099,7 +1113,12 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 )
                 return
             gone = (pb.MEMBER_STATE_LOST, pb.MEMBER_STATE_LEFT)
-            staying = sum(1 for m in job.members if m.state not in gone)
+            # This node itself too, should its goodbye above have failed.
+            staying = sum(
+                1
+                for m in job.members
+                if m.state not in gone and m.member.node_rank != node.node_rank
+            )
             if not staying + job.nodes_waiting or staying + job.nodes_waiting >= self._min:
                 # Nobody to tell (a standby waiting is told: it is called into the
                 # next round), or enough nodes to form it.
