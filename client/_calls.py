@@ -39,6 +39,7 @@ from rendezvousd.client._session import (
     ClientOptions,
     JoinPlan,
     JoinRequest,
+    LookBack,
     NodeJoinRequest,
     Session,
     StreamWatch,
@@ -345,20 +346,36 @@ class Calls:
         """Return once the channel is READY again (``drained``: the daemon shut down, and
         is back only once a daemon serves there again: the draining one still answers,
         NOT_SERVING, for its grace); raise ``DaemonUnreachable`` when it is not within
-        the reconnect window (``Session.reconnect_window_s``). ``Reachable`` answers
-        False at a refused connect, so it is asked again every ``RECHECK_S``."""
+        the reconnect window (``Session.reconnect_window_s``), and the redial grace a
+        look at the endpoint then gives, as a heartbeat stream's window gets it
+        (``LookBack``). ``Reachable`` answers False at a refused connect, so it is
+        asked again every ``RECHECK_S``."""
         s = self.s
         window = s.reconnect_window_s(self.reconnect_window)
-        for _ in range(max(1, round(window / RECHECK_S))):
+        look = LookBack(s.endpoint)
+        # By the clock: a draining daemon's NOT_SERVING answers make a round longer
+        # than RECHECK_S, and counted in rounds the window outgrew what it says.
+        began = time.monotonic()
+        while True:
             if (yield Reachable(RECHECK_S)) and (yield from self.answers(serving=drained)):
                 return
+            if time.monotonic() - began >= window + look.grace_s:
+                if look.looked:
+                    break
+                look.found((yield Blocking(look.listening)))
+                if not look.grace_s:
+                    break
             yield Sleep(RECHECK_S)
         went = "shut down (draining)" if drained else "went away"
         why = (
-            "the daemon was stopped and not started again"
+            f"something accepts connections there again, but no daemon served within "
+            f"{look.grace_s:g} s more"
+            if look.grace_s
+            else "the daemon was stopped and not started again"
             if drained
             else "the daemon died or this host lost its network"
         )
+        gone_s = time.monotonic() - began
         raise DaemonUnreachable(
             f"rendezvousd at {s.endpoint} {went} during {method} (job {s.job_id!r}"
             + ("" if rank is None else f", rank {rank}")
@@ -369,7 +386,7 @@ class Calls:
             method=method,
             job_id=s.job_id,
             rank=rank,
-            metadata={"unreachable_s": f"{window:.3f}", "window_s": f"{window:g}"},
+            metadata={"unreachable_s": f"{gone_s:.3f}", "window_s": f"{window:g}"},
         )
 
     def answers(self, *, serving: bool = False) -> Steps[bool]:

@@ -36,7 +36,13 @@ import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._multiplex import timeout_ms
-from rendezvousd.client.connection import IDEMPOTENT, RetryPolicy, TlsConfig, resolve_token
+from rendezvousd.client.connection import (
+    IDEMPOTENT,
+    RetryPolicy,
+    TlsConfig,
+    listens,
+    resolve_token,
+)
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -1006,6 +1012,37 @@ _TRANSIENT_STREAM_CODES = frozenset(
 
 
 @dataclass
+class LookBack:
+    """The one rule for a daemon whose reconnect window passed while its connection was
+    broken, heard by a heartbeat stream (``StreamWatch``) and by a call parked at the
+    daemon (``Calls.back_within``, a join released by a daemon's SIGTERM): the endpoint is
+    looked at once (``listening``, a plain connect), and found accepting connections
+    again, the window gets REDIAL_GRACE_S more; otherwise it has ended.
+
+    gRPC redials a daemon that went away at its backoff, growing to 2 s (+20 %) apart, so
+    a daemon restarted with its state late in the window (its members given a whole
+    timeout to reattach) was dialled after the window ended, and its members told it was
+    unreachable when it was back (at 8 s of 10, 1 run of 2; 3.7-4.1 s of 5, 5 of 6). A
+    node agent parked in JoinNode had no look: told "was not back within 10 s" of a
+    daemon restarted by SIGTERM 9 s after (3 runs of 4), where running jobs rode it out."""
+
+    endpoint: str
+    looked: bool = False
+    grace_s: float = 0.0
+
+    def listening(self) -> bool:
+        """Whether anything accepts connections at the endpoint (up to LOOK_BACK_S):
+        blocking, so the asyncio client runs it on a thread."""
+        return listens(self.endpoint, LOOK_BACK_S)
+
+    def found(self, listening: bool) -> None:
+        """``listening``: the look's answer; the window is extended at most once."""
+        self.looked = True
+        if listening:
+            self.grace_s = REDIAL_GRACE_S
+
+
+@dataclass
 class StreamWatch:
     """What the heartbeat loops (thread and task) decide; they only do the I/O.
 
@@ -1024,16 +1061,22 @@ class StreamWatch:
     attempt: int = 0
     # How long this process itself did not run (``woke``), once that was the silence.
     paused_s: float = 0.0
-    # Whether the endpoint was looked at once the window passed on a broken stream
-    # (``may_look_back``), and the grace that look gave.
-    looked_back: bool = False
-    grace_s: float = 0.0
+    # The endpoint looked at once the window passed on a broken stream (``may_look_back``),
+    # and the grace that look gave.
+    look: LookBack = field(init=False)
     # When the blocking client's watchdog last ran (``watchdog_ran``); None for the
     # asyncio client, whose read loop sees its own gaps.
     watchdog_at: float | None = None
     # The stream's beat interval, which the daemon's acks follow (0: not known, every
     # break counts as the daemon's going; ``silent_since``).
     beat_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.look = LookBack(self.session.endpoint)
+
+    @property
+    def grace_s(self) -> float:
+        return self.look.grace_s
 
     @property
     def window_s(self) -> float:
@@ -1072,25 +1115,17 @@ class StreamWatch:
 
     def may_look_back(self) -> bool:
         """Whether the window passed on a broken stream with no look at the endpoint
-        yet: the twin then asks whether anything accepts connections there again
-        (``connection.listens``) and passes the answer to ``back_again``. gRPC
-        redials a daemon that went away at its backoff, growing to 2 s (+20 %) apart,
-        so a daemon restarted with its state late in the window (its members given a
-        whole timeout to reattach) was dialled after the window ended, and its members
-        told it was unreachable when it was back (at 8 s of 10, 1 run of 2; 3.7-4.1 s
-        of 5, 5 of 6). A stream that did not break (a hung daemon, a cut network) is
-        never looked at: its window is the verdict."""
-        if self.looked_back or self.outage_since is None or self.done:
+        yet: the twin then asks ``look.listening()`` (off its event loop) and passes the
+        answer to ``back_again`` (``LookBack``). A stream that did not break (a hung
+        daemon, a cut network) is never looked at: its window is the verdict."""
+        if self.look.looked or self.outage_since is None or self.done:
             return False
         deadline = self.deadline()
         return deadline is not None and time.monotonic() >= deadline
 
     def back_again(self, listening: bool) -> None:
-        """``listening``: the endpoint accepts connections again, so the window gets
-        REDIAL_GRACE_S more for gRPC's next dial; otherwise it has ended."""
-        self.looked_back = True
-        if listening:
-            self.grace_s = REDIAL_GRACE_S
+        """What the look found (``LookBack.found``)."""
+        self.look.found(listening)
 
     def on_event(self, event: pb.JobEvent) -> str:
         """ "stop" (the member failed), "reconnect" (daemon draining) or "continue"."""

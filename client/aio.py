@@ -21,7 +21,6 @@ from rendezvousd.client._call_stream import AsyncCallStream
 from rendezvousd.client._multiplex import Unsupported, lost_error
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
-    LOOK_BACK_S,
     WATCH_S,
     ClientOptions,
     JoinRequest,
@@ -32,7 +31,6 @@ from rendezvousd.client._session import (
 )
 from rendezvousd.client._stubs import lazy_stub
 from rendezvousd.client._tables import BlockingMembers
-from rendezvousd.client.connection import listens
 from rendezvousd.client.errors import InvalidRequest, RendezvousError
 from rendezvousd.client.membership import Member, Membership, NodeMembership
 from rendezvousd.client.relay import AsyncRelayedCalls, RelayEnd, Send, submit_on
@@ -417,10 +415,7 @@ class AsyncRendezvousClient(steps.ClientBase):
                     last = now
                     if not read.done():
                         if watch.may_look_back():  # a plain connect: off the loop
-                            endpoint = self._s.endpoint
-                            watch.back_again(
-                                await asyncio.to_thread(listens, endpoint, LOOK_BACK_S)
-                            )
+                            watch.back_again(await asyncio.to_thread(watch.look.listening))
                         deadline = watch.deadline()
                         if deadline is not None and time.monotonic() >= deadline:
                             # The verdict now, as the blocking client's watchdog gives

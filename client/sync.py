@@ -24,7 +24,6 @@ from rendezvousd.client._call_stream import BlockingCallStream
 from rendezvousd.client._multiplex import Unsupported, copy_error, lost_error
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
-    LOOK_BACK_S,
     WATCH_S,
     ClientOptions,
     JoinRequest,
@@ -35,7 +34,6 @@ from rendezvousd.client._session import (
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._stubs import lazy_stub
 from rendezvousd.client._tables import BlockingMembers
-from rendezvousd.client.connection import listens
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.membership import Membership, NodeMembership
 from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, submit_on
@@ -484,7 +482,7 @@ class RendezvousClient(steps.ClientBase):
             watch.watchdog_ran(now - last)  # every WATCH_S: a long gap was this process's
             last = now
             if watch.may_look_back():
-                watch.back_again(listens(self._s.endpoint, LOOK_BACK_S))
+                watch.back_again(watch.look.listening())
             deadline = watch.deadline()
             if deadline is not None and watch.expired():
                 call = self._hb_call

@@ -21,11 +21,18 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    NodeMembership,
+    NotFound,
+    RendezvousClient,
+    RendezvousError,
+    _calls,
+)
 from rendezvousd.client._session import REDIAL_GRACE_S, Session, StreamWatch
 from rendezvousd.client.errors import DaemonUnreachable
 from tests.daemon.test_blackhole import BlackHoleProxy
-from tests.support import DaemonProcess, spawn_daemon
+from tests.support import DaemonProcess, StatefulDaemon, spawn_daemon, wait_for
 
 TIMEOUT_S = 2.0  # the daemon's --heartbeat-timeout-s, advertised to clients at join
 
@@ -343,7 +350,7 @@ def test_only_a_prompt_break_moves_the_window_later(broke_after: float, counts_f
         if counts_from == "ack":
             # The verdict is due 2 s after the break, and names the whole silence.
             watch.heard -= 4.5
-            watch.looked_back = True  # nothing listens there: asked already
+            watch.look.looked = True  # nothing listens there: asked already
             assert watch.expired()
             failure = str(session.failure)
             assert "unreachable for 12.5 s (window 6 s)" in failure, failure
@@ -407,3 +414,108 @@ def test_a_join_parked_at_a_daemon_that_hangs_ends_at_the_window_not_its_timeout
     assert isinstance(error, DaemonUnreachable), error
     assert "went away during PublishId" in str(error), error
     assert took < 30, took
+
+
+def _parked_then_stopped(d: StatefulDaemon, job: str) -> tuple[threading.Thread, list[object]]:
+    """Node 0 of 2 (reconnect window ``PARKED_WINDOW_S``) parked in JoinNode, then the
+    daemon stopped by SIGTERM (which releases the join, DRAINING); the join's outcome
+    (its NodeMembership or its error) lands in the list."""
+    outcome: list[object] = []
+
+    def join() -> None:
+        try:
+            with RendezvousClient(
+                d.current.endpoint, job, token=d.token, reconnect_window=PARKED_WINDOW_S
+            ) as c:
+                outcome.append(
+                    c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, timeout=60)
+                )
+        except RendezvousError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    with RendezvousClient(d.current.endpoint, job, token=d.token) as probe:
+
+        def parked() -> bool:
+            try:
+                return probe.get_job().id_published
+            except NotFound:  # its JoinNode not there yet
+                return False
+
+        wait_for("node 0 parked", parked, 20)
+    d.current.terminate()
+    return thread, outcome
+
+
+PARKED_WINDOW_S = 3.0
+
+
+def test_a_join_released_by_a_sigterm_restart_late_in_its_window_is_sent_again(
+    tmp_path: Path,
+) -> None:
+    """The daemon stopped by SIGTERM and serving again on its port and state dir ~1 s
+    before the parked join's window ends: gRPC's next redial came after the window (up
+    to 2.4 s apart by then), and the join was told "was not back within 3 s" of a
+    daemon that was back (5 runs of 5), where a heartbeat stream's look at the endpoint
+    gives it 3 s more (``LookBack``). Now the join gets the same look, and completes."""
+    with StatefulDaemon(tmp_path) as d:
+        thread, outcome = _parked_then_stopped(d, "sigterm-late")
+        stopped = time.monotonic()
+        # The new daemon serves ~2 s after the stop, a window's end less a second (its
+        # start takes ~0.3 s of that): between gRPC's redials, then 1.4 s and 3 s after.
+        time.sleep(max(0.0, PARKED_WINDOW_S - 1.3 - (time.monotonic() - stopped)))
+        d.current = d._spawn()
+        with RendezvousClient(d.current.endpoint, "sigterm-late", token=d.token) as node1:
+            # Bounded by node 0's window and grace: a node 0 that gave up forms nothing.
+            with contextlib.suppress(RendezvousError):
+                node1.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=1, timeout=8)
+            thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], NodeMembership), outcome
+
+
+def test_a_join_released_by_a_daemon_stopped_for_good_ends_at_its_window(tmp_path: Path) -> None:
+    """The control: no daemon comes back, nothing listens at the look, no grace is given:
+    DaemonUnreachable at the window, saying so."""
+    with StatefulDaemon(tmp_path) as d:
+        thread, outcome = _parked_then_stopped(d, "sigterm-gone")
+        stopped = time.monotonic()
+        thread.join(30)
+        took = time.monotonic() - stopped
+    assert len(outcome) == 1 and isinstance(outcome[0], DaemonUnreachable), outcome
+    said = str(outcome[0])
+    assert "shut down (draining) during JoinNode" in said, said
+    assert "was not back within 3 s" in said and "was stopped and not started again" in said
+    assert PARKED_WINDOW_S - 0.5 <= took < PARKED_WINDOW_S + 3, took  # the window, no grace
+
+
+@pytest.mark.parametrize("listening", [True, False])
+def test_a_parked_call_looks_at_the_endpoint_once_its_window_passed(
+    monkeypatch: pytest.MonkeyPatch, listening: bool
+) -> None:
+    """The steps of ``back_within`` on a clock of their own: at the window's end the
+    endpoint is looked at once; found listening, the daemon has REDIAL_GRACE_S more to
+    answer (here it does, 2.5 s on); found silent, the window is the verdict."""
+    now = [0.0]
+    monkeypatch.setattr(_calls, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    client = RendezvousClient("127.0.0.1:9", "looked", token="t" * 32, reconnect_window=2)
+    try:
+        run = _calls.Run(client._c.back_within("JoinNode", None, drained=True))
+        looks = 0
+        for step in run:
+            if isinstance(step, _calls.Sleep):
+                now[0] += step.seconds
+            elif isinstance(step, _calls.Blocking):
+                looks += 1
+                assert now[0] >= 2.0, now[0]  # only once the window passed
+                run.answer = listening
+            elif isinstance(step, _calls.Reachable):
+                run.answer = now[0] >= 4.5
+            elif isinstance(step, _calls.Rpc):  # the health check, once reachable
+                run.answer = SimpleNamespace(status=_calls.SERVING)
+        assert listening and looks == 1
+    except DaemonUnreachable as exc:
+        assert not listening and looks == 1, exc
+        assert now[0] == pytest.approx(2.0, abs=0.3)
+    finally:
+        client.close()
