@@ -849,3 +849,62 @@ def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_wind
             _cleanup(nodes)
     assert codes == [0, 0], [n.stderr()[-2000:] for n in nodes]
     assert "already has max_nodes" not in nodes[0].stderr() + nodes[1].stderr()
+
+
+_FINISHING = """\
+import sys, time
+from pathlib import Path
+from rendezvousd.trainer.distributed import init_distributed
+marks = Path(sys.argv[1])
+with init_distributed() as ctx:
+    rank = ctx.rank
+(marks / f"done-{rank}").touch()  # its context closed: this worker's work is done
+deadline = time.monotonic() + (30 if rank == 1 else 20)  # rank 1's node is killed
+while not (marks / "go").exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_a_peer_lost_after_this_nodes_workers_finished_does_not_fail_the_node(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, exit_code: int
+) -> None:
+    """Node 0's worker has left its context and is on its way out (exit 0) when node 1
+    is killed as the job ends: the daemon's verdict (lost rank 1) came before the exit,
+    the agent stopped a worker that was exiting 0 and, restarts spent, exited 1. Now
+    the verdict waits for the exits of workers that finished, and exits 0 decide; a
+    worker that exits otherwise leaves the verdict standing, the failure it names."""
+    script = tmp_path / "finishing.py"
+    script.write_text(_FINISHING)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    err = [tmp_path / f"node{n}.err" for n in (0, 1)]
+    nodes = []
+    for n in (0, 1):
+        cmd = launcher_cmd(2, n, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
+        cmd += ["--job-id", job_id, "--max-restarts", "0", str(script), str(marks)]
+        cmd += [str(exit_code if n == 0 else 0)]
+        with err[n].open("w") as stderr:
+            nodes.append(subprocess.Popen(cmd, stderr=stderr, cwd=ROOT))
+    try:
+        wait_for("both workers done", lambda: len(list(marks.glob("done-*"))) == 2, 60)
+        nodes[1].kill()  # its launcher, its worker with it
+        wait_for("node 0 to hear of it", lambda: "PeerFailed" in err[0].read_text(), 20)
+        (marks / "go").touch()
+        code = nodes[0].wait(30)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait(10)
+    said = err[0].read_text()
+    assert "heard as every worker of this node was exiting: PeerFailed" in said, said
+    if exit_code == 0:
+        assert code == 0, said
+        assert "every worker of this node exited 0: its work is done" in said, said
+        assert "stopping this node's workers" not in said, said
+    else:
+        assert code == 1, said
+        assert "stopping this node's workers: PeerFailed" in said, said
+        assert "1. generation 1: rank 1 on host" in said, said  # the verdict, not rank 0

@@ -91,6 +91,9 @@ STOPPING = "stopping this node's workers: "
 # A worker that reported its own failure exits right after; one that does not
 # within this long is stopped and its report is the failure.
 REPORTED_EXIT_S = 5.0
+# A verdict on the generation (a peer lost) heard as every worker of this node was exiting
+# (``_exiting``) waits this long for their exits: all 0, this node's work is done.
+FINISHED_EXIT_S = 5.0
 # A worker's "ready" frame (sent by init_distributed()) is read by its reader thread:
 # how long an exit 0 waits for it to be read before it counts as never sent.
 READY_READ_S = 0.5
@@ -138,6 +141,16 @@ class RemoteFailure:
 
     error: RendezvousError
     generation: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A ``RemoteFailure`` of the running generation as heard: its ``cause`` worded
+    then, and until when this node's exiting workers may overrule it (``_exiting``)."""
+
+    error: RendezvousError
+    cause: str
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -681,9 +694,14 @@ class NodeAgent:
         self._paused_s = 0.0
         self._unreported.clear()
         held: list[Exited] = []  # workers' failures while the agent was stopped
+        # A verdict heard as this node's workers were exiting (``_exiting``): until
+        # ``deadline`` their exits, all 0, overrule it.
+        verdict: Verdict | None = None
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
+            if verdict is not None and time.monotonic() >= verdict.deadline:
+                return self._verdict(gen, verdict)
             event = self._next_event()
             self._report_progress()
             now = time.monotonic()
@@ -735,9 +753,16 @@ class NodeAgent:
                     if event.code == 0:
                         succeeded.add(event.worker)
                         if len(succeeded) == len(self.active):
+                            if verdict is not None:
+                                self.note(
+                                    "every worker of this node exited 0: its work is done, "
+                                    f"whatever generation {gen}'s verdict says of the others"
+                                )
                             self._end_generation()
                             return None
                         continue
+                    if verdict is not None:
+                        return self._verdict(gen, verdict)  # heard first: the cause
                     how = event.how
                     if event.worker.reported_cause:
                         how += f" after {event.worker.reported_cause}"
@@ -754,23 +779,15 @@ class NodeAgent:
                     return self._local_failure(gen, first_rank, event.worker, event.cause, 1)
                 self._misbehaved_spare(event)
             elif isinstance(event, RemoteFailure) and event.generation == gen:
-                mark("failure-heard", generation=gen)
-                cause, rank, host = describe_remote(event.error)
-                if isinstance(event.error, StaleGeneration):
-                    cause = self._dropped(gen, event.error)
-                lost = event.error.failed if isinstance(event.error, PeerFailed) else ()
-                if stray([f.cause for f in lost]):
-                    self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
-                    # Its host and cause are the stray's own text: shown escaped.
-                    return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
-                failure = Failure(gen, cause, rank, host)
-                # No goodbye to a daemon this node found gone: said while it is down,
-                # it reached the daemon restarted with its state as a clean leave of
-                # the restored generation, which then ended "every member left", and
-                # held the seat against this node's re-join (WORLD_FULL). Unsaid, the
-                # re-join ends that generation (its node agent joined again).
-                gone = isinstance(event.error, DaemonUnavailable)
-                return self._stop(gen, failure, cause, goodbye=not gone)
+                if verdict is None:
+                    verdict = self._heard(gen, event)
+                    if not self._exiting(succeeded):
+                        return self._verdict(gen, verdict)
+                    self.note(
+                        f"heard as every worker of this node was exiting: {verdict.cause}; "
+                        f"if they all exit 0 (within {FINISHED_EXIT_S:g} s) this node's work "
+                        "is done, else that failure stands"
+                    )
             elif isinstance(event, LinkSilent) and event.generation == gen:
                 silent = silent or (now, event.cause)
             elif isinstance(event, NodesWaiting) and event.generation == gen:
@@ -779,6 +796,47 @@ class NodeAgent:
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
                 return event
+
+    def _exiting(self, succeeded: set[WorkerProcess]) -> bool:
+        """Whether every worker of this node is done with the job: exited 0, or closed
+        its channel on its way out (``released``) without reporting a failure. A verdict
+        that comes then (a peer lost as the job ends: killed, or its host gone) is no
+        failure of this node's if their exits are all 0, as torchrun's agent reports a
+        node whose workers all succeeded: it stopped workers that were exiting 0 and
+        exited 1 (or restarted a job that was done). A worker closes its channel on a
+        failure too (a peer's, which it does not report), so only its exit tells."""
+        return all(
+            w in succeeded or (w.released.is_set() and w.reported_cause is None)
+            for w in self.active
+        )
+
+    def _heard(self, gen: int, event: RemoteFailure) -> Verdict:
+        """The daemon's verdict on ``gen``, worded as it is heard (``_dropped`` says
+        whether this agent had just been stopped)."""
+        mark("failure-heard", generation=gen)
+        cause = describe_remote(event.error)[0]
+        if isinstance(event.error, StaleGeneration):
+            cause = self._dropped(gen, event.error)
+        return Verdict(event.error, cause, time.monotonic() + FINISHED_EXIT_S)
+
+    def _verdict(self, gen: int, verdict: Verdict) -> Outcome:
+        """The daemon's verdict on ``gen`` (a peer lost, an abort, the daemon gone) ends
+        this node's part in it: its workers stopped, the failure to restart after."""
+        error, cause = verdict.error, verdict.cause
+        _, rank, host = describe_remote(error)
+        lost = error.failed if isinstance(error, PeerFailed) else ()
+        if stray([f.cause for f in lost]):
+            self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
+            # Its host and cause are the stray's own text: shown escaped.
+            return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
+        failure = Failure(gen, cause, rank, host)
+        # No goodbye to a daemon this node found gone: said while it is down,
+        # it reached the daemon restarted with its state as a clean leave of
+        # the restored generation, which then ended "every member left", and
+        # held the seat against this node's re-join (WORLD_FULL). Unsaid, the
+        # re-join ends that generation (its node agent joined again).
+        gone = isinstance(error, DaemonUnavailable)
+        return self._stop(gen, failure, cause, goodbye=not gone)
 
     def _dropped(self, gen: int, error: StaleGeneration) -> str:
         """Why the job went on without this node, for a heartbeat the daemon refused

@@ -138,6 +138,9 @@ class WorkerProcess:
         self.reported_cause: str | None = None
         #: Why the agent stopped a spare that sent a bad frame (``Misbehaved``).
         self.fault: str | None = None
+        #: The worker's end of the channel closed between frames: its context closed, on
+        #: its way out, or its process ended (``NodeAgent._finished``).
+        self.released = threading.Event()
         # The step of this worker's last state frame: the next may not be far past it.
         self._state_step: int | None = None
         self._events = events
@@ -211,6 +214,7 @@ class WorkerProcess:
                     self._events.put(Reported(self, str(frame.header.get("cause", ""))))
                 elif frame.kind == "call" and self._relay is not None:
                     self._relay.forward(frame.payload)
+            self.released.set()
         except (ChannelClosed, OSError):
             pass  # the worker is going away (or we closed it): the reaper reports it
         except Exception as exc:
