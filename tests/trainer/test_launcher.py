@@ -437,7 +437,7 @@ def test_a_join_the_daemon_refuses_for_its_token_uses_no_restart(
          "--max-restarts", "3", str(script)],
         timeout=60,
     )  # fmt: skip
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 2, run.stderr  # the setup's error, as a bad setting: was 1
     assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
     assert "joining failed: AuthenticationError" in run.stderr, run.stderr
     assert "no restart can change that" in run.stderr, run.stderr
@@ -482,7 +482,7 @@ def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinc
     finally:
         first.terminate()
         first.wait(30)
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 2, run.stderr
     assert f"already held by the node agent on {socket.gethostname()}" in run.stderr, run.stderr
     assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
     assert "joining failed: DuplicateRank" in run.stderr, run.stderr
@@ -493,7 +493,7 @@ def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinc
     # A holder on this very host may be the agent's predecessor, which the daemon loses
     # in time: asked again for the join's timeout, with no restart used (restarts went
     # in milliseconds); a live holder at the end is as fatal as another host's.
-    assert same_host.returncode == 1, same_host.stderr
+    assert same_host.returncode == 2, same_host.stderr
     assert "is held by the node agent on this host" in same_host.stderr, same_host.stderr
     assert (
         "DuplicateRank" in same_host.stderr
@@ -520,13 +520,57 @@ def test_a_world_over_the_daemons_member_limit_uses_no_restart_and_says_what_to_
          "--max-restarts", "2", str(script)],
         timeout=60,
     )  # fmt: skip
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 2, run.stderr
     assert "gave up after 0 restarts (max_restarts=2); 1 failure" in run.stderr, run.stderr
     said = "world size 3 (3 nodes x 1 per node) exceeds the daemon's max_members_per_job=2: "
     assert said in run.stderr, run.stderr
     assert "start the daemon with a larger --max-members-per-job" in run.stderr, run.stderr
     assert "no restart can change that" in run.stderr, run.stderr
     assert "raise --max-restarts" not in run.stderr, run.stderr
+
+
+def test_nodes_of_two_topologies_exit_2_at_once_using_no_restart(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A node launched with another --nproc-per-node than the job's: the daemon refuses
+    it and fails the forming generation, so both nodes hear TopologyMismatch; no restart
+    changes it, and it is the launch's error, exit 2 as a bad setting is (was 1)."""
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    from rendezvousd.client import NotFound, RendezvousClient
+
+    def node(per_node: int) -> subprocess.Popen[str]:
+        cmd = launcher_cmd(2, per_node - 1, per_node, endpoint=d.endpoint,
+                           token_file=d.token_file, job=job_id)  # fmt: skip
+        return subprocess.Popen(
+            [*cmd, "--max-restarts", "2", str(script)], stderr=subprocess.PIPE, text=True
+        )
+
+    def parked() -> bool:
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+            try:
+                return probe.get_job().id_published
+            except NotFound:
+                return False
+
+    nodes = [node(1)]
+    try:
+        wait_for("node 0 to join", parked, timeout=30)
+        nodes.append(node(2))
+        said = stderr_of_all(nodes)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [2, 2], said
+    for err in said:
+        assert "gave up after 0 restarts (max_restarts=2); 1 failure" in err, err
+        assert "joining failed: TopologyMismatch" in err, err
+        assert "no restart can change that" in err, err
 
 
 def test_a_missing_target_is_the_one_argument_named_missing(

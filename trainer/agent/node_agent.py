@@ -105,9 +105,10 @@ WITHOUT = "which a script started by rendezvous-run must call"
 # cannot take, a shape other than the job's, a --node-rank another live node agent
 # holds): the same join again, restart after restart, is refused the same way within
 # milliseconds (four in 0.5 s with --max-restarts 3), so the agent gives up at once,
-# as torch's does on a rendezvous error. So does DuplicateRank for a --node-rank a
-# live agent holds (``_rank_held``), once its holder was heard from while this node
-# waited, or had the join's timeout to go away.
+# as torch's does on a rendezvous error, with the setup's exit status, 2
+# (``_setup_refusal``). So does DuplicateRank for a --node-rank a live agent holds
+# (``_rank_held``), once its holder was heard from while this node waited, or had the
+# join's timeout to go away.
 REFUSALS = (AuthenticationError, InvalidRequest, TopologyMismatch)
 
 
@@ -133,6 +134,26 @@ def _rank_held(answer: BaseException) -> str | None:
     if not isinstance(answer, DuplicateRank):
         return None
     return answer.metadata.get("holder_host") or None
+
+
+def _setup_refusal(answer: RendezvousError, holder: str | None) -> bool:
+    """Whether a join's refusal is the setup's error, which no restart can change: the
+    same join again is refused the same way within milliseconds. Exit 2, as a bad
+    setting is (``SETUP_ERROR_EXIT``): its token or TLS, a request the daemon cannot
+    take, a shape other than the job's (``REFUSALS``); nodes of two versions, or a
+    daemon older than JoinNode (``VersionMismatch``: the daemon's words name both hosts
+    and versions, or the method the daemon lacks); a --node-rank a live node agent holds (``holder``, once
+    waited for: ``_rank_held``); a world over the daemon's --max-members-per-job
+    (other limits, such as a daemon holding --max-jobs jobs, may pass). They exited 1,
+    as a worker's failure does."""
+    return (
+        isinstance(answer, (*REFUSALS, VersionMismatch))
+        or holder is not None
+        or (
+            isinstance(answer, LimitExceeded)
+            and answer.metadata.get("limit") == "max_members_per_job"
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -550,14 +571,6 @@ class NodeAgent:
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
                 cause = f"joining failed: {type(answer).__name__}: {answer}"
-                if isinstance(answer, VersionMismatch):
-                    # Nodes of two versions (or a daemon older than JoinNode): no restart
-                    # changes it, and it is the setup's error, not a worker's (exit 2,
-                    # as a bad setting), said now: the daemon's words name both hosts
-                    # and versions, or the method the daemon lacks.
-                    return Failure(
-                        None, cause, host=self.host, exit_status=SETUP_ERROR_EXIT, fatal=True
-                    )
                 # Asked again every OUTAGE_RETRY_S for the join's timeout, no restart used:
                 # a daemon not up yet (a restart would only join it again, unreachable),
                 # and a --node-rank held by another agent, maybe this node's predecessor,
@@ -609,18 +622,16 @@ class NodeAgent:
                     # Waited for the whole join: a restart would wait the same way again.
                     still = "held" if held else "unavailable"
                     cause += f" (still {still} after {wait.limit_s:g} s of trying)"
-                fatal = (
-                    isinstance(answer, (*REFUSALS, DaemonUnavailable))
-                    or holder is not None
-                    or (
-                        # A world over the daemon's --max-members-per-job: refused the same
-                        # way again at once, as a refusal above is (other limits, such as
-                        # a daemon holding --max-jobs jobs, may pass).
-                        isinstance(answer, LimitExceeded)
-                        and answer.metadata.get("limit") == "max_members_per_job"
-                    )
+                # A daemon still unavailable after the whole join: fatal, as a restart
+                # would wait the same way again, but no setup error (exit 1).
+                setup = _setup_refusal(answer, holder)
+                return Failure(
+                    None,
+                    cause,
+                    host=self.host,
+                    exit_status=SETUP_ERROR_EXIT if setup else 1,
+                    fatal=setup or isinstance(answer, DaemonUnavailable),
                 )
-                return Failure(None, cause, host=self.host, fatal=fatal)
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 if event.worker.lost:
                     self.pool.fill(self.per_node)  # cold now: not the script's failure
