@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from rendezvousd.client import RendezvousClient
+from rendezvousd.common.validation import UNIQUE_ID_BYTES
 from rendezvousd.trainer.agent import agent_worker
 from rendezvousd.trainer.agent.agent_channel import (
     MAX_DEPTH,
@@ -187,6 +188,20 @@ def test_assignment_keeps_the_secrets_out_of_header_and_repr() -> None:
     again = Assignment.decode(a.header(), a.secrets_payload())
     assert again == a
     assert a.torchrun_env()["RANK"] == "5" and a.torchrun_env()["WORLD_SIZE"] == "6"
+
+
+def test_an_undecodable_secrets_payload_is_refused_without_quoting_its_bytes() -> None:
+    """UnicodeDecodeError's own text quotes the offending byte (of the token or
+    the NCCL id): the refusal gives the payload's size and a remedy instead."""
+    a = Assignment("job", 3, 1, 5, 1, 2, 3, 2, 6, SECRET, "inst", CONFIG, token="tok")
+    payload = a.secrets_payload()[:UNIQUE_ID_BYTES] + b"\xfe\xfa\xfb\xfc" + b"tok"
+    with pytest.raises(AgentChannelError) as caught:
+        Assignment.decode(a.header(), payload)
+    text = str(caught.value)
+    assert "secrets payload does not decode" in text and f"({len(payload)} bytes)" in text
+    assert "different rendezvousd versions" in text and "reinstall one version" in text
+    assert "0xfe" not in text and "position" not in text
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
 
 
 def _state(step: int) -> Frame:

@@ -121,6 +121,14 @@ class Assignment:
                 token=payload[instance_end:].decode("utf-8"),
                 **plain,
             )
+        except UnicodeDecodeError:
+            # Its text quotes a byte of the token or the NCCL id: only the size goes out.
+            raise AgentChannelError(
+                "malformed assignment from the node agent: its secrets payload does not"
+                " decode where the instance id/token should be"
+                f" ({len(payload)} bytes); the agent and this worker may run different"
+                " rendezvousd versions: reinstall one version on this node"
+            ) from None
         except (KeyError, TypeError, ValueError) as exc:
             # The exception's text names a field, never a secret's bytes.
             raise AgentChannelError(f"malformed assignment from the node agent: {exc}") from exc
