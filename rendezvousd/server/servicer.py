@@ -31,9 +31,9 @@ from rendezvousd.common.model import (
     Wake,
     Warn,
 )
-from rendezvousd.errors import Reason, RendezvousFault
+from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
-from rendezvousd.server.call_stream import CallStream, method_fields
+from rendezvousd.server.call_stream import _BUG, CallStream, method_fields
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
@@ -613,6 +613,17 @@ class RendezvousServicer:
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise
+            except Exception:
+                if code != "OK":
+                    raise  # the stale token's abort: grpc.aio's abort is an Exception
+                # A bug of ours: grpc.aio would answer UNKNOWN with the exception's own
+                # text (maybe the request's fields) and the metric would say OK. Answer
+                # as a call on a Calls stream is answered.
+                code = "UNKNOWN"
+                job = getattr(request, "job_id", "") or "(none)"
+                log.exception("%s of job %r failed", name, job)
+                self.apply()  # what the handler changed before failing still wakes its waiters
+                await context.abort(grpc.StatusCode.UNKNOWN, _BUG)
             finally:
                 self.metrics.observe_rpc(name, code, time.perf_counter() - started)
 
@@ -646,8 +657,14 @@ class RendezvousServicer:
 def _caller() -> Scope:
     scope = CALLER.get()
     if scope is None:
-        # Only the auth interceptor sets it: without one, nothing is allowed.
-        raise denied(Scope("?"), "any method", None)
+        # Only the auth interceptor sets it: without one, nothing is allowed, and the
+        # caller's token is not to blame.
+        raise RendezvousFault(
+            Code.INTERNAL,
+            Reason.SCOPE_DENIED,
+            "the daemon ran a call without its auth interceptor's verdict (a daemon bug):"
+            " refused; report it",
+        )
     return scope
 
 
