@@ -90,6 +90,21 @@ def check_private(directory: Path) -> None:
         )
 
 
+def _unreadable(path: Path, exc: OSError) -> str:
+    """Why the state file cannot be opened, and what to do: moving it aside loses every
+    job it holds, the remedy only for a file the daemon must not follow."""
+    said = f"cannot read state file {path}: {exc.strerror}"
+    if exc.errno == errno.ELOOP:
+        return f"{said} (a symlink is refused); move it aside to start with no jobs"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        fix = "give the daemon's user read access"
+    elif exc.errno == errno.EIO:
+        fix = "check the disk it is on (dmesg) and restart"
+    else:
+        fix = "fix that and restart"
+    return f"{said}; {fix} (it holds the jobs to restore), or move it aside to start with no jobs"
+
+
 class StateStore:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -103,7 +118,10 @@ class StateStore:
             raise DaemonError(f"cannot create state dir {self.directory}: {exc.strerror}") from exc
         check_private(self.directory)
         if not os.access(self.directory, os.W_OK):
-            raise DaemonError(f"state dir {self.directory} is not writable by this user")
+            raise DaemonError(
+                f"state dir {self.directory} is not writable by this daemon's user (uid "
+                f"{os.getuid()}); chown it to that user, or give another --state-dir"
+            )
 
     def remove_stale(self) -> None:
         for stale in self.directory.glob(f".{STATE_FILE}.*.tmp"):
@@ -116,10 +134,7 @@ class StateStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise DaemonError(
-                f"cannot read state file {self.path}: {exc.strerror} (a symlink is refused); "
-                "move it aside to start with no jobs"
-            ) from exc
+            raise DaemonError(_unreadable(self.path, exc)) from exc
         with os.fdopen(fd, "rb") as f:
             raw = f.read()
         try:
@@ -134,7 +149,11 @@ class StateStore:
                 "lose jobs silently. Move it aside to start with no jobs."
             ) from exc
         if not isinstance(payload, dict):
-            raise DaemonError(f"state file {self.path} does not hold a state document")
+            raise DaemonError(
+                f"state file {self.path} does not hold a state document (its payload is a "
+                f"JSON {type(payload).__name__}, not an object); refusing to start rather than "
+                "lose jobs silently. Move it aside to start with no jobs."
+            )
         return payload
 
     def write(self, payload: dict[str, Any]) -> None:

@@ -102,6 +102,59 @@ def test_a_state_file_that_is_a_link_is_refused_and_replaced_not_followed(
     assert stat.S_ISREG(store.path.lstat().st_mode)
 
 
+def _as_nobody(action: Callable[[], object], said: Path) -> str:
+    """What ``action`` raised when run by uid 65534, in a child: the test's own
+    process keeps its uid."""
+    said.touch()
+    said.chmod(0o666)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            action()
+            said.write_text("no error")
+        except Exception as exc:
+            said.write_text(str(exc))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    return said.read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_state_file_or_dir_the_daemons_user_cannot_use_says_how_to_keep_the_jobs() -> None:
+    """Moving an unreadable state file aside (the remedy for a link) loses every job:
+    the user's access is the fix; a dir it cannot write names its uid and the flag."""
+    root = Path(tempfile.mkdtemp(prefix="rdzv-state-"))
+    try:
+        root.chmod(0o755)
+        theirs = root / "theirs"  # nobody's dir, holding root's 0600 state file
+        theirs.mkdir(mode=0o700)
+        StateStore(theirs).write({"schema": 1, "jobs": []})
+        os.chown(theirs, 65534, 65534)
+        text = _as_nobody(StateStore(theirs).read, root / "said-read")
+        assert f"cannot read state file {theirs / STATE_FILE}: Permission denied" in text, text
+        assert "give the daemon's user read access (it holds the jobs to restore)" in text
+        assert "symlink" not in text
+        roots = root / "roots"  # root's dir, not writable by nobody
+        roots.mkdir(mode=0o755)
+        text = _as_nobody(StateStore(roots).check_dir, root / "said-dir")
+        assert f"state dir {roots} is not writable by this daemon's user (uid 65534)" in text
+        assert "chown it to that user, or give another --state-dir" in text
+    finally:
+        shutil.rmtree(root)
+
+
+def test_a_state_file_that_holds_no_state_document_says_what_to_do(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.write([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(DaemonError, match="does not hold a state document") as caught:
+        store.read()
+    assert "JSON list, not an object" in str(caught.value)
+    assert "Move it aside to start with no jobs" in str(caught.value)
+
+
 def test_a_token_file_that_is_a_directory_is_a_clear_error(tmp_path: Path) -> None:
     folder = tmp_path / "tokens"
     folder.mkdir(mode=0o700)
