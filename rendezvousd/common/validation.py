@@ -136,13 +136,26 @@ def unique_id(value: bytes) -> bytes:
 def kv_key(key: str, limits: Limits) -> str:
     if not key:
         raise invalid(Reason.INVALID_ARGUMENT, "key must not be empty")
-    if len(key.encode()) > limits.max_key_bytes:
+    size = len(key.encode())
+    if size > limits.max_key_bytes:
         raise limit_exceeded(
-            "max_key_bytes", f"key is longer than max_key_bytes={limits.max_key_bytes}"
+            "max_key_bytes",
+            f"key {_shown_key(key)} is {size} bytes, longer than max_key_bytes="
+            f"{limits.max_key_bytes}; use a shorter key (a hash of a long name)",
         )
     if _CONTROL.search(key):
-        raise invalid(Reason.INVALID_ARGUMENT, "key contains control characters")
+        raise invalid(
+            Reason.INVALID_ARGUMENT,
+            f"key {_shown_key(key)} contains control characters; keys are printable text: "
+            "encode such bytes (hex, base64) into the key",
+        )
     return key
+
+
+def _shown_key(key: str) -> str:
+    """The key as a message shows it: its start, ASCII-escaped (a control character or
+    a terminal escape is shown, not acted on), marked when cut."""
+    return f"{key[:40]!a}" + ("..." if len(key) > 40 else "")
 
 
 def kv_value(value: bytes, limits: Limits) -> bytes:

@@ -39,7 +39,10 @@ class Calls:
         if len(self.waiting) >= self.limits.max_waiters:
             raise validation.limit_exceeded(
                 "max_waiters",
-                f"the daemon already holds max_waiters={self.limits.max_waiters} waiting calls",
+                f"job {job.job_id!r} cannot park this call: the daemon already holds "
+                f"max_waiters={self.limits.max_waiters} waiting calls; retry once some "
+                "end, or start the daemon with a larger --max-waiters",
+                job_id=job.job_id,
             )
         held = self.per_job.get(job.job_id, 0)
         reserve = self.limits.waiters_reserve
@@ -59,7 +62,8 @@ class Calls:
             raise validation.limit_exceeded(
                 "max_waiters_per_job",
                 f"job {job.job_id!r} already holds max_waiters_per_job="
-                f"{self.limits.max_waiters_per_job} waiting calls",
+                f"{self.limits.max_waiters_per_job} waiting calls; retry once some end, or "
+                "start the daemon with a larger --max-waiters-per-job (and --max-waiters)",
                 job_id=job.job_id,
             )
         waiter = next(self._next)

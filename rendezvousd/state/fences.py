@@ -59,7 +59,8 @@ def not_a_member(job: Job, generation: int, rank: int) -> RendezvousFault:
     return RendezvousFault(
         Code.NOT_FOUND,
         Reason.NOT_A_MEMBER,
-        f"rank {rank} is not a member of job {job.job_id!r} generation {generation}",
+        f"rank {rank} is not a member of job {job.job_id!r} generation {generation}; "
+        "join again to take part in the job's current generation",
         {"job_id": job.job_id, "generation": str(generation), "ranks": str(rank)},
     )
 

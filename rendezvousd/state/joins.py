@@ -90,7 +90,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         key = seat.instance_id
     try:
         if args.unique_id and (args.local_rank is not None or seat is placement.holder(job)):
-            placement.accept_id(job, seat, args.unique_id)
+            sent = "Join with one" if isinstance(seat, Member) else "JoinNode with one"
+            placement.accept_id(job, seat, args.unique_id, sent)
         # (A node that is not node 0 any more, e.g. one whose JoinNode was retried across a
         # restart that fenced the generation it was node 0 of, has its id dropped, as an
         # accepted id is when node 0 changes (``settle_holder``): it waits as any node.)
@@ -526,10 +527,10 @@ def publish_id(
         raise RendezvousFault(
             Code.PERMISSION_DENIED,
             Reason.NOT_RANK_ZERO,
-            f"only the worker holding global rank 0 publishes the id of job {job_id!r}",
+            placement.not_rank_zero(job, member, "PublishId"),
             {"job_id": job_id, "ranks": str(rank)},
         )
-    placement.accept_id(job, member, unique_id)
+    placement.accept_id(job, member, unique_id, "PublishId")
     return admit(sm, job, member, rank, 0.0, now)
 
 

@@ -115,8 +115,9 @@ def check(args: JoinArgs, limits: Limits) -> None:
     if not 1 <= args.min_nodes <= args.max_nodes:
         raise validation.invalid(
             Reason.INVALID_TOPOLOGY,
-            f"min_nodes={args.min_nodes} max_nodes={args.max_nodes} is invalid: need "
-            "1 <= min_nodes <= max_nodes (--nnodes MIN:MAX)",
+            f"min_nodes={args.min_nodes} max_nodes={args.max_nodes} is invalid: give "
+            "1 <= min_nodes <= max_nodes to join_node() (rendezvous-run/torchrun: "
+            "--nnodes MIN:MAX)",
             job_id=args.job_id,
         )
     validation.text_field("host", args.host, limits.max_host_bytes, required=True)
@@ -387,16 +388,27 @@ def everyone_back(job: Job) -> bool:
     return job.gen.rejoin_expected > 0 and not job.gen.owed
 
 
-def accept_id(job: Job, seat: Member | Node, unique_id: bytes) -> None:
+def _sender(seat: Member | Node) -> str:
+    where = f"rank {seat.rank}" if isinstance(seat, Member) else f"node {seat.node_rank}"
+    return f"{where} on {seat.host!r}"
+
+
+def not_rank_zero(job: Job, seat: Member | Node, call: str) -> str:
+    """How an id sent by ``seat``, which does not hold global rank 0, is refused (by a
+    join carrying one, or a PublishId): the same words for either call."""
+    return (
+        f"only global rank 0 (node 0's) supplies the unique id of {job.named}; "
+        f"{_sender(seat)} sent {call}"
+    )
+
+
+def accept_id(job: Job, seat: Member | Node, unique_id: bytes, call: str) -> None:
     """Takes the generation's id from ``seat``, which must hold global rank 0
-    (``holder``), or raises why it cannot be used."""
+    (``holder``), or raises why it cannot be used; ``call``: what sent it, as the
+    refusal words it."""
     if seat is not holder(job):
-        held = f"rank {seat.rank}" if isinstance(seat, Member) else "a node other than node 0"
         raise validation.invalid(
-            Reason.INVALID_ID,
-            f"only global rank 0 (node 0's) supplies the unique id of {job.named}; the "
-            f"{seat.joiner} on {seat.host!r} holds {held}",
-            job_id=job.job_id,
+            Reason.INVALID_ID, not_rank_zero(job, seat, call), job_id=job.job_id
         )
     digest = hashlib.sha256(unique_id).digest()
     # The same id again is a retry; so is, restored after a restart with only the
@@ -408,7 +420,8 @@ def accept_id(job: Job, seat: Member | Node, unique_id: bytes) -> None:
         raise job.fault(
             Code.ALREADY_EXISTS,
             Reason.ID_CONFLICT,
-            f"{job.named} already has a different unique id; the first one is kept",
+            f"{_sender(seat)} sent a unique id other than the one {job.named} already "
+            "has; the first one is kept: a restarted rank 0 must join again, not re-publish",
         )
     if not replay and digest in job.used_id_digests:
         raise validation.invalid(

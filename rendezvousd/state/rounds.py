@@ -109,7 +109,11 @@ def open_job(
     """A job's first joiner creates it, FORMING its first generation."""
     if len(sm.jobs) >= sm.limits.max_jobs:
         raise validation.limit_exceeded(
-            "max_jobs", f"the daemon already holds max_jobs={sm.limits.max_jobs} jobs"
+            "max_jobs",
+            f"job {job_id!r} cannot start: the daemon already holds "
+            f"max_jobs={sm.limits.max_jobs} jobs; wait for one to end (an ended job is "
+            "forgotten after --job-ttl-s), or start the daemon with a larger --max-jobs",
+            job_id=job_id,
         )
     job = Job(job_id, num_nodes, gpus_per_node, 0, JobState.FORMING, now)
     sm.jobs[job_id] = job
