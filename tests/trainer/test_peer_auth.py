@@ -31,7 +31,7 @@ def handshake(
     # Each side closes when done, as the transports do, so a refusal is seen at once.
     def accept() -> int:
         with b:
-            return peer_auth.accept(b, acceptor, admissible)
+            return peer_auth.accept(b, acceptor, admissible, "ring port")
 
     def dial() -> None:
         with a:

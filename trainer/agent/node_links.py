@@ -236,7 +236,7 @@ class NodeLinks:
         try:
             # The neighbour dials once it read our address, and answers in milliseconds.
             sock.settimeout(LINK_SILENCE_S)
-            peer_auth.accept(sock, self._auth, lambda rank: rank == left)
+            peer_auth.accept(sock, self._auth, lambda rank: rank == left, "node link port")
         except Exception:  # a stranger, or a handshake cut short: not a link
             with self._lock:
                 if sock in self._sockets:

@@ -105,9 +105,13 @@ class Acceptance:
     acceptor is waiting for.
     """
 
-    def __init__(self, auth: PeerAuth, admissible: Callable[[int], bool]) -> None:
+    def __init__(
+        self, auth: PeerAuth, admissible: Callable[[int], bool], door: str = "ring port"
+    ) -> None:
         self._auth = auth
         self._admissible = admissible
+        # What the dialer reached, as a failed authentication names it.
+        self._door = door
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
         self.challenge = _CHALLENGE.pack(auth.magic, self._nonce)
 
@@ -121,7 +125,10 @@ class Acceptance:
             )
         expected = auth.mac(b"hello", self._nonce, nonce, (rank, world, target))
         if not hmac.compare_digest(their_mac, expected):
-            raise PeerConnectionError("failed authentication (different job secret?)")
+            raise PeerConnectionError(
+                "failed authentication (a process of another job, or of an earlier "
+                f"generation, dialled this rank's {self._door})"
+            )
         if world != auth.world or target != auth.rank or not self._admissible(rank):
             raise PeerConnectionError(
                 f"authenticated peer claimed rank {rank} of world {world} "
@@ -131,12 +138,14 @@ class Acceptance:
         return rank, _WELCOME.pack(auth.rank, auth.world, mac)
 
 
-def accept(sock: socket.socket, auth: PeerAuth, admissible: Callable[[int], bool]) -> int:
+def accept(
+    sock: socket.socket, auth: PeerAuth, admissible: Callable[[int], bool], door: str
+) -> int:
     """Blocking acceptor side on ``sock`` (its timeout applies); the dialer's rank.
 
     Raises ``PeerConnectionError`` (or ``OSError``) when the connection must be dropped.
     """
-    acceptance = Acceptance(auth, admissible)
+    acceptance = Acceptance(auth, admissible, door)
     sock.sendall(acceptance.challenge)
     hello = recv_fixed(sock, HELLO_SIZE)
     if hello is None:

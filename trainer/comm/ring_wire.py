@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvousd.common.address import host_port
 from rendezvousd.trainer.comm import peer_auth
 from rendezvousd.trainer.errors import CommunicatorTimeout, PeerConnectionError
 
@@ -202,6 +203,8 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
 @dataclass
 class _Pending:
     sock: socket.socket
+    #: The dialer's address (HOST:PORT), as a rejection names it.
+    peer: str
     acceptance: peer_auth.Acceptance
     deadline: float
     buffer: bytearray
@@ -353,7 +356,7 @@ class _Acceptor:
                         entry.sock.setblocking(True)
                         return entry.sock
                     if verdict is not None:
-                        self.last_rejection = verdict
+                        self.last_rejection = f"from {entry.peer}: {verdict}"
                         self._drop(entry)
         finally:
             for entry in list(self._pending.values()):
@@ -375,7 +378,7 @@ class _Acceptor:
     def _accept_new(self, now: float) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError:
                 return
             conn.setblocking(False)
@@ -389,7 +392,7 @@ class _Acceptor:
             if len(self._pending) >= _MAX_PENDING:
                 self._drop(min(self._pending.values(), key=lambda e: e.deadline))
             self._pending[conn.fileno()] = _Pending(
-                conn, acceptance, now + _HANDSHAKE_S, bytearray()
+                conn, host_port(address[0], address[1]), acceptance, now + _HANDSHAKE_S, bytearray()
             )
             self._selector.register(conn, selectors.EVENT_READ)
 
@@ -542,7 +545,11 @@ class SenderThread:
                 self._on_error(exc)
             except Exception as exc:  # a bug here must not leave the ring waiting
                 aligned = False
-                detail = f"sender crashed: {type(exc).__name__}"
+                log.exception(
+                    "rank %d: the CPU ring's sender to rank %d failed", self._rank, self._peer
+                )
+                said = f"{type(exc).__name__}: {exc}"[:200]
+                detail = f"sender to rank {self._peer} crashed: {said} (a bug: report it)"
                 self._on_error(LinkError(self._rank, INTERRUPTED, detail))
 
     def _send(self, header: bytes, payload: memoryview) -> None:

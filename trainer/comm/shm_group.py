@@ -281,7 +281,7 @@ class ShmGroup:
         try:
             conn.settimeout(max(0.001, min(_HANDSHAKE_S, deadline - time.monotonic())))
             _check_same_user(conn, "connection")
-            rank = peer_auth.accept(conn, self._auth, admissible)
+            rank = peer_auth.accept(conn, self._auth, admissible, "shared-memory socket")
         except (OSError, PeerConnectionError) as exc:
             # A stray or foreign connection: drop it and keep waiting for real members.
             conn.close()
