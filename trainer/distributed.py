@@ -56,7 +56,7 @@ from rendezvousd.trainer.errors import (
     RetriesExhausted,
     TrainerError,
 )
-from rendezvousd.trainer.topology import MultiNodeTopology, check_device_count
+from rendezvousd.trainer.topology import MultiNodeTopology, required_local_devices
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -284,15 +284,13 @@ def init_distributed(
         # Before the join the global rank is unknown (node_rank 'auto'), and local ranks
         # repeat across simulated nodes on one machine: this process's own id.
         devices.prepare_nccl(None)
-        # A driver or library problem said as itself first: device_count() is 0 then,
-        # which read "found 0 devices; lower the per-node worker count".
-        devices.check_local_devices(local_rank, None)
-        # The per-node count, not the raw world_size field (unset when the launcher
-        # gives only gpus_per_node on a single node); one GPU in the shared-device mode.
-        if not devices.shares_one_device():
-            layout = MultiNodeTopology(config.num_nodes, config.local_world_size, 0, 0)
-            check_device_count(nccl.device_count(), layout)
-        elif nccl.device_count() < 1:
+        # A driver or library problem said as itself first (device_count() is 0 then,
+        # which read "found 0 devices"), then the per-node count, not the raw world_size
+        # field (unset when the launcher gives only gpus_per_node on a single node), in
+        # the words rendezvous-run's workers get; one GPU in the shared-device mode.
+        layout = MultiNodeTopology(config.num_nodes, config.local_world_size, 0, 0)
+        devices.check_local_devices(local_rank, required_local_devices(layout))
+        if devices.shares_one_device() and nccl.device_count() < 1:
             raise ConfigError(f"{devices.SHARED_DEVICE_ENV}=1 needs one GPU, and none is visible")
         id_factory = nccl.create_unique_id
     # The same Join again is how a retry gets a fresh generation and id.

@@ -284,6 +284,34 @@ def test_more_workers_per_node_than_visible_gpus_is_said_before_nccl_init(
     assert "NcclCommunicator" not in fake.cuda.nccl.names()
 
 
+def test_without_the_launcher_too_few_gpus_are_said_as_under_it(
+    job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent-less path said "need 2 local devices ... found 1" without naming
+    LOCAL_RANK, CUDA_VISIBLE_DEVICES or the shared-device mode."""
+    fake = install(monkeypatch, devices=1)
+    monkeypatch.delenv(devices.SHARED_DEVICE_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("RENDEZVOUSD_TOKEN", "t" * 32)  # the client reads it from os.environ
+    env = {
+        "RENDEZVOUSD_LOCAL_RANK": "1",
+        "RENDEZVOUSD_ENDPOINT": "127.0.0.1:9",  # never reached: refused before the join
+        "RENDEZVOUSD_JOB_ID": job_id,
+        "RENDEZVOUSD_NUM_NODES": "1",
+        "RENDEZVOUSD_GPUS_PER_NODE": "2",
+        "RENDEZVOUSD_NODE_RANK": "0",
+        "RENDEZVOUSD_BACKEND": "nccl",
+        "RENDEZVOUSD_RETRIES": "1",
+    }
+    with pytest.raises(DeviceCountError) as info:
+        init_distributed(env=env)
+    message = str(info.value)
+    assert "this node runs 2 workers" in message and "CUDA sees 1" in message, message
+    assert "LOCAL_RANK=1, CUDA_VISIBLE_DEVICES='0'" in message
+    assert f"{devices.SHARED_DEVICE_ENV}=1" in message
+    assert "NcclCommunicator" not in fake.cuda.nccl.names()
+
+
 def test_check_collectives_in_the_config_reaches_the_nccl_communicator(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, daemon: DaemonProcess, job_id: str
 ) -> None:
