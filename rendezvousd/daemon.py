@@ -213,21 +213,27 @@ def _bind_problem(listen: str, metrics_port: int | None) -> str | None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(where)
     except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            return (
-                f"port {port} is in use by another process (is another rendezvousd already "
-                f"using it? `ss -ltnp 'sport = :{port}'` names it)"
-            )
-        if exc.errno == errno.EADDRNOTAVAIL:
-            return f"{host} is not an address of this host: listen on one of its own"
-        if exc.errno == errno.EACCES:
-            # Below 1024 usually, but net.ipv4.ip_unprivileged_port_start or a security
-            # policy (SELinux, AppArmor) can deny others: said as what it is (a review).
-            return (
-                f"this user may not listen on port {port} (a privileged port here, or "
-                "denied by a security policy); use a higher port or check the policy"
-            )
-        return None
+        return _bind_errno_problem(exc, host, port)
+    return None
+
+
+def _bind_errno_problem(exc: OSError, host: str, port: int) -> str | None:
+    """A failed TCP bind's cause in words, for ``--listen`` and ``--metrics-listen``
+    alike; None for an errno without a known cause."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} is in use by another process (is another rendezvousd already "
+            f"using it? `ss -ltnp 'sport = :{port}'` names it)"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this host: listen on one of its own"
+    if exc.errno == errno.EACCES:
+        # Below 1024 usually, but net.ipv4.ip_unprivileged_port_start or a security
+        # policy (SELinux, AppArmor) can deny others: said as what it is (a review).
+        return (
+            f"this user may not listen on port {port} (a privileged port here, or "
+            "denied by a security policy); use a higher port or check the policy"
+        )
     return None
 
 
@@ -501,7 +507,13 @@ class Daemon:
         try:
             self.metrics_port = await server.start(host or "127.0.0.1", port)
         except OSError as exc:
-            raise DaemonError(f"cannot serve metrics on {listen}: {exc.strerror}") from exc
+            why = _bind_errno_problem(exc, host or "127.0.0.1", port)
+            raise DaemonError(
+                f"cannot serve metrics on --metrics-listen {listen}: "
+                + (why or f"{exc.strerror}")
+                + "; give --metrics-listen another address (port 0: any free one), or leave "
+                "it out to serve no /metrics or status page"
+            ) from exc
         self._metrics_server = server
 
     async def _abort_from_page(self, job_id: str, reason: str) -> int:

@@ -36,6 +36,24 @@ def _serve(tmp: Path, *args: str) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
+def test_a_metrics_port_in_use_names_the_flag_and_what_to_do(tmp_path: Path) -> None:
+    """It said "cannot serve metrics on 127.0.0.1:P: Address already in use" only."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = _serve(
+            tmp_path, "--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"
+        )
+    assert code == 2, err
+    said = err.splitlines()[-1]
+    assert said.startswith(
+        f"rendezvousd: error: cannot serve metrics on --metrics-listen 127.0.0.1:{port}: "
+        f"port {port} is in use by another process"
+    ), err
+    assert "give --metrics-listen another address (port 0: any free one)" in said, err
+
+
 def test_metrics_on_a_non_loopback_address_without_tls_is_refused(tmp_path: Path) -> None:
     code, out, err = _serve(tmp_path, "--listen", "127.0.0.1:0", "--metrics-listen", "0.0.0.0:0")
     assert code == 2, err
