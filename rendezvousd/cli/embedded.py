@@ -188,8 +188,27 @@ def spawn(
     line = proc.stdout.readline()
     if not line.startswith(SERVING):
         proc.kill()
-        raise DaemonError(f"rendezvousd did not start (exit {proc.wait()}): {line.strip()!r}")
+        raise DaemonError(_did_not_start(proc, line, stderr))
     daemon = EmbeddedDaemon(proc, line[len(SERVING) :].strip(), token_file)
     if metrics:
         daemon.metrics_url = proc.stdout.readline()[len(METRICS) :].strip()
     return daemon
+
+
+def _did_not_start(proc: subprocess.Popen[str], line: str, stderr: int | None) -> str:
+    """Why ``spawn``'s daemon did not start: its error is on its stderr (its stdout,
+    ``line``, is empty then), here where this process reads it, else where it went."""
+    said = f"rendezvousd did not start (exit {proc.wait()})"
+    if line.strip():
+        said += f": its first line was {line.strip()!r}"
+    if stderr == subprocess.PIPE and proc.stderr is not None:
+        try:
+            _, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a child of a wrapper still holds the pipe
+            err = ""
+        last = [text for text in err.splitlines() if text.strip()][-1:]
+        if last:
+            return f"{said}: {last[0].strip()}"
+    if stderr is None:
+        return f"{said}; its error is on stderr above"
+    return f"{said}; its error went to the stderr it was given"

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd.cli import embedded
 from rendezvousd.common.settings import OptionalPath
 from rendezvousd.config import SCHEMA, ConfigError, DaemonConfig, load
+from rendezvousd.errors import DaemonError
 from tests.support import DaemonProcess, Pki, free_port, write_token
 
 
@@ -52,6 +54,24 @@ def test_a_metrics_port_in_use_names_the_flag_and_what_to_do(tmp_path: Path) -> 
         f"port {port} is in use by another process"
     ), err
     assert "give --metrics-listen another address (port 0: any free one)" in said, err
+
+
+@pytest.mark.parametrize("piped", [True, False])
+def test_an_embedded_daemon_that_did_not_start_says_where_its_error_is(
+    tmp_path: Path, piped: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """It said "rendezvousd did not start (exit 2): ''": its empty first stdout line."""
+    stderr = subprocess.PIPE if piped else None
+    with pytest.raises(DaemonError) as caught:
+        embedded.spawn(tmp_path, "--no-such-flag", stderr=stderr)
+    said = str(caught.value)
+    assert said.startswith("rendezvousd did not start (exit 2)"), said
+    assert "''" not in said
+    if piped:
+        assert said.endswith("rendezvousd: error: unrecognized arguments: --no-such-flag"), said
+    else:
+        assert said.endswith("; its error is on stderr above"), said
+        assert "unrecognized arguments: --no-such-flag" in capfd.readouterr().err
 
 
 def test_metrics_on_a_non_loopback_address_without_tls_is_refused(tmp_path: Path) -> None:
