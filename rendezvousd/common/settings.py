@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from rendezvousd.common.address import parse_address
+from rendezvousd.common.address import AddressError, parse_address
 
 T = TypeVar("T")
 _DEFAULT: Any = object()
@@ -368,7 +368,9 @@ class Schema(Generic[T]):
             return Value(option.kind.parse(raw), origin)
         except Invalid as exc:
             raise self.error(f"{origin}={raw!r} is invalid: {option.key} {exc}") from None
-        except ValueError as exc:  # e.g. AddressError, whose message names the value itself
+        except AddressError as exc:
+            raise self.error(_address_refusal(origin, raw, str(exc))) from None
+        except ValueError as exc:
             raise self.error(f"{origin}={raw!r} is invalid: {exc}") from None
 
     def from_toml(self, path: Path, allow_sections: Collection[str] = ()) -> Layer:
@@ -610,3 +612,12 @@ def installed_version() -> str:
         return importlib.metadata.version("rendezvousd")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _address_refusal(origin: str, raw: object, said: str) -> str:
+    """An AddressError's message, which starts ``what='value'``, with the value said
+    once, after where it came from: ``$VAR='head' is malformed: …``."""
+    head, found, rest = said.partition(f"={raw!r}")
+    if found and re.fullmatch(r"[\w.\-]+", head):
+        return f"{origin}={raw!r}{rest}"
+    return f"{origin}={raw!r} is invalid: {said}"

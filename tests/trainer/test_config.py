@@ -407,6 +407,15 @@ def test_cross_field_errors_name_where_each_value_came_from(tmp_path: Path) -> N
     assert f"num_nodes from distributed.num_nodes in {tmp_path / 'config.toml'}" in message
 
 
+def test_a_malformed_address_is_quoted_once_with_its_origin() -> None:
+    """It read "$RENDEZVOUSD_ENDPOINT='head' is invalid: endpoint='head' is malformed"."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={"RENDEZVOUSD_ENDPOINT": "head"})
+    message = str(info.value)
+    assert "$RENDEZVOUSD_ENDPOINT='head' is malformed: expected" in message, message
+    assert message.count("'head'") == 1, message
+
+
 def test_bad_toml_and_flag_values_quote_value_and_origin(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"distributed\.num_nodes in .*='two'"):
         load_config(write(tmp_path, '[distributed]\nnum_nodes = "two"\n'), env={})
