@@ -620,7 +620,7 @@ class RendezvousServicer:
                 # text (maybe the request's fields) and the metric would say OK. Answer
                 # as a call on a Calls stream is answered.
                 code = "UNKNOWN"
-                job = getattr(request, "job_id", "") or "(none)"
+                job = (getattr(request, "job_id", "") or "(none)")[:128]  # as sent: unchecked
                 log.exception("%s of job %r failed", name, job)
                 self.apply()  # what the handler changed before failing still wakes its waiters
                 await context.abort(grpc.StatusCode.UNKNOWN, _BUG)
