@@ -4,6 +4,7 @@ and a token file is replaced whole or not at all."""
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import shutil
@@ -20,6 +21,7 @@ import pytest
 from rendezvousd.cli.embedded import write_token_file
 from rendezvousd.errors import ConfigError, DaemonError
 from rendezvousd.server.auth import read_token_file, validate_tokens
+from rendezvousd.storage import persistence
 from rendezvousd.storage.persistence import STATE_FILE, StateStore
 from tests.support import DaemonProcess, Pki
 
@@ -144,6 +146,15 @@ def test_a_state_file_or_dir_the_daemons_user_cannot_use_says_how_to_keep_the_jo
         assert "chown it to that user, or give another --state-dir" in text
     finally:
         shutil.rmtree(root)
+
+
+def test_a_state_file_unreadable_for_its_disk_points_at_the_disk_not_at_moving_it() -> None:
+    path = Path("/var/lib/rendezvousd/state.json")
+    said = persistence._unreadable(path, OSError(errno.EIO, os.strerror(errno.EIO)))
+    assert said.startswith(f"cannot read state file {path}: Input/output error; check the disk")
+    assert "(it holds the jobs to restore), or move it aside to start with no jobs" in said
+    looped = persistence._unreadable(path, OSError(errno.ELOOP, os.strerror(errno.ELOOP)))
+    assert looped.endswith("(a symlink is refused); move it aside to start with no jobs")
 
 
 def test_a_state_file_that_holds_no_state_document_says_what_to_do(tmp_path: Path) -> None:
