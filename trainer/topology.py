@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
-from rendezvousd.trainer.errors import ConfigError, DeviceCountError
+from rendezvousd.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from rendezvousd.trainer.config import DistributedConfig
@@ -103,22 +103,3 @@ def required_local_devices(layout: DeviceLayout) -> int:
         # An unset single-node world size means one worker.
         return 1
     return world_size
-
-
-def check_device_count(available: int, layout: DeviceLayout) -> int:
-    """Raise ``DeviceCountError`` unless ``available`` local devices suffice; return the need."""
-    available = _require_int("available devices", available)
-    needed = required_local_devices(layout)
-    if available < needed:
-        if layout.num_nodes >= 2:
-            why = (
-                f"gpus_per_node={needed} on each of num_nodes={layout.num_nodes} nodes "
-                f"(world_size={needed * layout.num_nodes} counts all nodes together)"
-            )
-        else:
-            why = f"world_size={needed} on this single node"
-        raise DeviceCountError(
-            f"need {needed} local devices for {why}, but found {available}; "
-            "lower the per-node worker count or run on a machine with more devices"
-        )
-    return needed
