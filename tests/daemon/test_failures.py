@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -67,7 +68,11 @@ def test_sigkill_of_a_worker_fails_survivors_naming_its_rank(
     for p in (procs[0], procs[2]):
         result = _outcome(p, timeout=20)
         assert result["event"] == "error" and result["type"] == "PeerFailed", result
-        assert result["ranks"] in ("1", "") and "rank 1" in str(result["message"])
+        assert result["ranks"] in ("1", ""), result
+        # The cause as docs/operations.md gives it for a worker on the SDK alone: its
+        # stream's close is how its death is seen (within ~50 ms, not after T).
+        lost = f"lost rank 1 on {socket.gethostname()} (heartbeat stream closed)"
+        assert lost in str(result["message"]), result
     assert time.monotonic() - killed_at < 10
 
 

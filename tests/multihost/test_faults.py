@@ -86,9 +86,14 @@ def _reported(nodes: Sequence[Node], cause: str, since: float, within: float, *n
 def test_killed_worker_is_reported_on_every_node_within_a_second(training: Training) -> None:
     cluster, nodes = training("kill9")
     killed_at = time.time()
-    os.kill(nodes[2].worker_pids()[0], signal.SIGKILL)  # global rank 4
-    _reported(nodes, "PeerFailed", killed_at, 1.0, "lost rank 4 on h3")
+    victim = nodes[2].worker_pids()[0]  # global rank 4
+    os.kill(victim, signal.SIGKILL)
+    # As docs/operations.md words it: every node hears the rank, its host and the
+    # signal; the victim's own agent names its worker, by pid, as the first failure.
+    _reported(nodes, "PeerFailed", killed_at, 1.0, "lost rank 4 on h3 (signal SIGKILL)")
     assert all(code != 0 for code in cluster.wait(nodes, 30))
+    first = f"worker rank 4 (pid {victim}) failed first, with signal SIGKILL"
+    assert first in nodes[2].text(), nodes[2].summary()
 
 
 def test_stopped_worker_is_reported_after_the_heartbeat_timeout(training: Training) -> None:
