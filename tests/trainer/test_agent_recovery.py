@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient
 from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
 from tests.support import (
@@ -797,6 +798,19 @@ def test_a_stopped_agent_blames_no_worker_for_its_own_silence(
     assert "failed first" not in err and "from its process" not in err, err
 
 
+def _agent_lines(err: str) -> str:
+    """The agent's own lines: its workers, their agent stopped, may ask the daemon
+    themselves, and log the verdict it gave them."""
+    return "\n".join(line for line in err.splitlines() if line.startswith("rendezvous-run:"))
+
+
+def _generation(d: DaemonProcess, job: str) -> tuple[int, int]:
+    """The job's (generation, state) as the daemon has it now."""
+    with RendezvousClient(d.endpoint, job, token=d.token) as probe:
+        summary = probe.get_job().summary
+    return summary.generation, summary.state
+
+
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, restarts: int
@@ -806,7 +820,10 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
     close: those fail (PeerConnectionError) and exit while their agent is stopped.
     Continued, it read their exits before the verdict, and named its own worker
     "failed first" (4 of 4 runs on namespace hosts), while its root-cause line named
-    the node's lost heartbeat."""
+    the node's lost heartbeat. Which verdict is left for it depends on node 0: with no
+    restart, generation 1 is the job's last, and node 1 hears its own loss; with one,
+    node 0 has opened generation 2 (its fixed size waits for node 1 there), and node
+    1's heartbeat is refused as stale."""
     d = start_daemon("--heartbeat-timeout-s", "3")
     flags = ["--max-restarts", str(restarts)]
     nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "400"])
@@ -814,6 +831,8 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
         _training_rank_3(nodes)
         nodes[1].proc.send_signal(signal.SIGSTOP)
         wait_for("node 0 to hear node 1 lost", lambda: "node unreachable" in nodes[0].stderr(), 30)
+        if restarts:
+            wait_for("node 0 to join generation 2", lambda: _generation(d, job_id)[0] == 2, 30)
         time.sleep(2.0)  # node 1's workers see their links close, and exit
         nodes[1].proc.send_signal(signal.SIGCONT)
         codes = _exits(nodes)
@@ -822,10 +841,71 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
     err = nodes[1].stderr()
     assert codes == ([1, 1] if restarts == 0 else [0, 0]), [n.stderr()[-3000:] for n in nodes]
     assert "failed first" not in err, err
-    said = err.split("root cause:")[0]
-    # Told the verdict (PeerFailed), or, once the job re-formed without it, that it was
-    # dropped while stopped (its heartbeat refused as stale).
-    assert "node unreachable" in said or "while this agent was stopped for" in said, err
+    said = _agent_lines(err.split("root cause:")[0])
+    if restarts == 0:
+        # The daemon's verdict on this node, naming its own ranks.
+        lost = f"lost rank 2 on {socket.gethostname()} (no heartbeat for 3.0 s (node unreachable))"
+        assert lost in said and "dropped from generation" not in said, err
+    else:
+        # Generation 2 waits for this node (a fixed size): not said to go on without it.
+        assert re.search(
+            r"this node was dropped from generation 1 while this agent was stopped for "
+            r"\d+\.\d s, its last heartbeat then older than the daemon's heartbeat timeout "
+            r"\(3 s\): the other nodes were told this node was unreachable; the job moved "
+            r"on to generation 2$",
+            said,
+            re.MULTILINE,
+        ), err
+        assert "no heartbeat for 3.0 s (node unreachable)" not in said, err
+
+
+def test_a_stopped_agent_is_told_the_job_re_formed_without_it(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """docs/operations.md's "node agent stopped, then continued" when the job went on
+    without it: an elastic job (--nnodes 1:2) whose node 1 agent is SIGSTOPped until
+    node 0 alone runs the next generation. Continued, its heartbeat is refused as
+    stale, and it says it was dropped while stopped (its own pause, not a fault of
+    its workers'); with no restart of its own, it exits 1."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
+    args = ["--steps", "2000"]
+    nodes = [
+        Node(d, job_id, tmp_path, f"node{n}", "1:2", str(n), flags, args)
+        for n, flags in enumerate(
+            [["--max-restarts", "1", "--last-call-s", "1"], ["--last-call-s", "1"]]
+        )
+    ]
+    try:
+        wait_for(
+            "both nodes in one generation",
+            lambda: any(e["world_size"] == 4 for e in nodes[1].events("ready")),
+            timeout=60,
+        )
+        gen = next(e["generation"] for e in nodes[1].events("ready") if e["world_size"] == 4)
+        nodes[1].proc.send_signal(signal.SIGSTOP)
+        running = (gen + 1, pb.JOB_STATE_RUNNING)
+        wait_for("node 0 to run on alone", lambda: _generation(d, job_id) == running, 30)
+        nodes[1].proc.send_signal(signal.SIGCONT)
+        code = nodes[1].wait(30)
+    finally:
+        _cleanup(nodes)
+    err = nodes[1].stderr()
+    assert code == 1, err
+    own = _agent_lines(err)
+    said = re.search(
+        rf"this node was dropped from generation {gen} while this agent was stopped for "
+        r"(\d+\.\d) s, its last heartbeat then older than the daemon's heartbeat timeout "
+        r"\(3 s\): the other nodes were told this node was unreachable; the job moved on "
+        rf"to generation {gen + 1}$",
+        own,
+        re.MULTILINE,
+    )
+    assert said is not None, err
+    # Past the agent's own pause threshold (PAUSED_S); the stop may be shorter than the
+    # timeout, which counts from the last beat before it.
+    assert float(said.group(1)) > 2.0, err
+    assert "failed first" not in own and "node unreachable" not in own, err
+    assert any(e["world_size"] == 2 for e in nodes[0].events("ready")), nodes[0].stderr()
 
 
 def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_window(

@@ -850,21 +850,27 @@ class NodeAgent:
         return self._stop(gen, failure, cause, goodbye=not gone)
 
     def _dropped(self, gen: int, error: StaleGeneration) -> str:
-        """Why the job went on without this node, for a heartbeat the daemon refused
-        as stale: the other nodes re-formed while this one could not hear the verdict
-        (SIGSTOP, a partition), and what is left to hear is that the job moved on. Said
-        so; the SDK's own words were "rejoin to take part in the current generation"."""
+        """Why the job moved on from this node, for a heartbeat the daemon refused as
+        stale: the other nodes re-formed, or opened the next generation to re-form in,
+        while this one could not hear the verdict (SIGSTOP, a partition), and what is
+        left to hear is that the job moved on. Said so; the SDK's own words were "rejoin
+        to take part in the current generation"."""
         then = error.current_generation or "a later one"
+        # Not "without it": the stale refusal comes as soon as the other nodes open the
+        # next generation, which a fixed size forms only with this node (its restart).
+        # The daemon counts its timeout from the last beat before the stop, up to a
+        # beat's interval earlier: the stop itself may be shorter than the timeout
+        # ("stopped for 2.7 s, past the daemon's heartbeat timeout (3 s)", once).
         why = (
-            f" while this agent was stopped for {self._paused_s:.1f} s, past the daemon's "
-            f"heartbeat timeout ({self._silence_s:g} s): the other nodes were told this node "
-            "was unreachable"
+            f" while this agent was stopped for {self._paused_s:.1f} s, its last heartbeat "
+            f"then older than the daemon's heartbeat timeout ({self._silence_s:g} s): the "
+            "other nodes were told this node was unreachable"
             if self._resuming
             else ""
         )
         return (
-            f"this node was dropped from generation {gen}{why}; the job went on to "
-            f"generation {then} without it"
+            f"this node was dropped from generation {gen}{why}; the job moved on to "
+            f"generation {then}"
         )
 
     def _stuck(self, w: WorkerProcess, now: float) -> str | None:
