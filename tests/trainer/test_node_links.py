@@ -8,9 +8,11 @@ from __future__ import annotations
 import errno
 import json
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,15 @@ from rendezvousd.trainer.agent.node_links import (
     LinkSilent,
     NodeLinks,
 )
-from tests.support import DaemonProcess, parallel, wait_for
+from tests.support import (
+    FAKE_GPU_LAUNCHER,
+    WORKERS,
+    DaemonProcess,
+    launcher_cmd,
+    members,
+    parallel,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -310,3 +320,34 @@ class _NoStore:
 
     def close(self) -> None:
         pass
+
+
+def test_no_node_link_watch_keeps_an_agent_from_opening_its_links(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """``--no-node-link-watch`` (docs/trainer.md): two nodes of the nccl backend (a fake
+    GPU, tests/trainer/fake_cupy), node 0 started with it, node 1 without. Node 1's
+    agent publishes where its links listen (``node-link/1``, the one key either writes);
+    node 0's never does, though its workers train as long (without the flag it wrote
+    its own within milliseconds of node 1's: two keys)."""
+    errs = [tmp_path / f"node{n}.err" for n in (0, 1)]
+    nodes = []
+    for n, flags in enumerate([["--no-node-link-watch"], []]):
+        cmd = launcher_cmd(2, n, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
+        # The fake GPU's launcher in place of ``-m rendezvousd.trainer.agent.launcher``.
+        cmd = [cmd[0], *FAKE_GPU_LAUNCHER, *cmd[3:], "--job-id", job_id, "--backend", "nccl"]
+        cmd += [*flags, str(WORKERS / "fake_nccl_worker.py")]
+        with errs[n].open("w") as err:
+            nodes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err))
+    try:
+        steps = lambda: [m.step for m in members(daemon, job_id)]  # noqa: E731
+        wait_for("both nodes to train", lambda: len(steps()) == 2 and min(steps()) >= 20, 60)
+        with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe:
+            keys = lambda: probe.get_job().kv_keys  # noqa: E731
+            wait_for("node 1 to publish its link", lambda: keys() >= 1, 30)
+            published = keys()
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(10)
+    assert published == 1, [e.read_text()[-2000:] for e in errs]
