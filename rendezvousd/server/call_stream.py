@@ -49,6 +49,10 @@ OUTBOX_BYTES = 2 * REPLY_BATCH_BYTES
 # them never waits, and 256 GetJobs of a big job in one 4 KB message held every other
 # caller (health checks included) for 13 s.
 INLINE_TURN_S = 0.005
+# How long a stream's reader waits for a call it cancelled to end before it reads the
+# next: a cancelled call ends in a turn of the loop (its parked wait released); this
+# only bounds a handler that goes on after its cancellation.
+CANCEL_SETTLE_S = 1.0
 
 
 def method_fields() -> dict[str, str]:
@@ -363,8 +367,14 @@ class CallStream:
                 field = call.WhichOneof("request")
                 if field == _CANCEL:
                     task = running.get(call.id)
-                    if task is not None:
+                    if task is not None and not task.done():
                         task.cancel()
+                        # Its end before the next call is decided: a cancelled Join
+                        # frees its seat (failing its forming generation) as it ends,
+                        # and a client's re-join, often in this same batch, was refused
+                        # DuplicateRank by its own cancelled seat. One turn or two of
+                        # the loop; bounded, for a handler that outlives its cancel.
+                        await asyncio.wait((task,), timeout=CANCEL_SETTLE_S)
                     continue
                 if self._draining:
                     replies.put(reply(call.id, _ERROR_FIELD, _DRAINING_NOT_RUN))

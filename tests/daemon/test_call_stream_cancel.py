@@ -1,0 +1,60 @@
+"""A cancel on the call stream ends its call before the daemon reads the next one, as
+a unary call's cancellation would: a client's re-join sent in the same CallBatch as
+its cancelled join's cancel (asyncio.timeout around join(), retried at once) was
+refused DuplicateRank by the seat its own cancelled join still held (every other
+attempt). Raw gRPC against a real daemon process."""
+
+from __future__ import annotations
+
+from google.rpc import error_details_pb2, status_pb2
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from tests.daemon.test_call_stream import Stream, status_of
+from tests.support import DaemonProcess, scrape, wait_for
+
+
+def _reason(status: status_pb2.Status) -> str:
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
+
+
+def _rank_zero(job_id: str, instance_id: str, wait_ms: int, id_byte: int) -> pb.JoinRequest:
+    return pb.JoinRequest(
+        job_id=job_id,
+        topology=pb.Topology(num_nodes=1, gpus_per_node=2),
+        node_rank=0,
+        local_rank=0,
+        host="h0",
+        unique_id=bytes([id_byte]) * 128,
+        instance_id=instance_id,
+        wait_timeout_ms=wait_ms,
+        slim=True,
+    )
+
+
+def test_a_join_in_the_batch_of_a_cancel_finds_the_cancelled_seat_free(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    s = Stream(daemon, method="CallBatches")
+    try:
+        before = scrape(daemon.metrics_url)["rendezvousd_waiters"]
+        s.send(1, "join", _rank_zero(job_id, "first", 30_000, 5), timeout_ms=35_000)
+        wait_for(
+            "the first join parked",
+            lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] == before + 1,
+        )
+        with s.hold():  # one CallBatch: the cancel, then the re-join
+            s.send(1, "cancel", pb.CancelCall())
+            # Another id: a failed generation's id is used (ID_REUSED for a new one).
+            s.send(2, "join", _rank_zero(job_id, "second", 300, 6), timeout_ms=5_300)
+        got = status_of(s.reply(2))
+        # Not DUPLICATE_RANK: the cancelled joiner's seat was free (its cancellation,
+        # a dead joiner's, failed generation 1), so the re-join waited in generation 2
+        # for the missing rank until its own wait ended.
+        assert (_reason(got), "generation 2" in got.message) == ("WORLD_INCOMPLETE", True), got
+        assert 1 not in s.order()
+    finally:
+        s.close()
