@@ -60,6 +60,9 @@ from rendezvousd.client.errors import (
     DaemonUnavailable,
     DaemonUnreachable,
     InvalidRequest,
+    JobAborted,
+    JobEnded,
+    PeerFailed,
     RendezvousError,
     RendezvousTimeout,
     clean_exit,
@@ -616,6 +619,7 @@ class Calls:
         """Register one rank and wait for the world: rank, id and member table."""
         check_keywords("join", JoinRequest, request)
         kept = self.s.start_joining("join")
+        plan: JoinPlan | None = None
         try:
             yield from self.before_join(request.get("timeout"))
             plan = self.s.plan_join(**request)
@@ -627,6 +631,8 @@ class Calls:
             m = plan.finish(response)
         except BaseException as exc:
             self.s.restore(kept, exc)
+            if plan is not None:
+                self.s.unsettle(plan, exc)
             raise
         finally:
             self.s.joining = False
@@ -661,13 +667,17 @@ class Calls:
         # into this one.
         yield StopStream()
         plan = self.s.plan_join_node(**request)
-        yield OpenStream()
-        while True:
-            response = yield from self._send_join(plan, "JoinNode", again_at_cap=True)
-            if not response.id_required:
-                return self.s.finish_node(response)
-            # This node is node 0 of the generation: it makes rank 0's id.
-            plan.request.unique_id = plan.make_id()
+        try:
+            yield OpenStream()
+            while True:
+                response = yield from self._send_join(plan, "JoinNode", again_at_cap=True)
+                if not response.id_required:
+                    return self.s.finish_node(response)
+                # This node is node 0 of the generation: it makes rank 0's id.
+                plan.request.unique_id = plan.make_id()
+        except BaseException as exc:
+            self.s.unsettle(plan, exc)
+            raise
 
     def _send_join(self, plan: JoinPlan, method: str, *, again_at_cap: bool = False) -> Steps[Any]:
         """Send the plan's join until answered; a fenced id is replaced, not fatal; and,
@@ -678,8 +688,12 @@ class Calls:
         while True:
             left = plan.left()
             plan.stamp(left)
+            plan.sent = True
             try:
                 return (yield from self.call(method, plan.request, timeout=left + SLACK_S))
+            except (PeerFailed, JobAborted, JobEnded) as exc:
+                if not plan.afresh_after(exc):
+                    raise
             except InvalidRequest as exc:
                 if not plan.fresh_id_after(exc):
                     raise

@@ -404,6 +404,40 @@ class _Kept:
     leave_error: grpc.RpcError | None
 
 
+JoinMessage = pb.JoinRequest | pb.JoinNodeRequest
+
+
+@dataclass(frozen=True)
+class _Unsettled:
+    """A join sent and then given up by its caller (its task cancelled, Ctrl-C) before
+    its answer was read: the daemon may have seated it, the answer on its way or read
+    and dropped (``Session.unsettle``). Out of repr: the request carries the instance
+    id and the id."""
+
+    request: JoinMessage = field(repr=False)
+    made: bytes | None = field(repr=False)
+
+
+def _copied(request: JoinMessage) -> JoinMessage:
+    return type(request).FromString(request.SerializeToString())
+
+
+def _same_join(kept: JoinMessage, new: JoinMessage, pinned: bool) -> bool:
+    """Whether ``new`` asks for what ``kept`` asked: the same message but for what each
+    send stamps (its wait, its launch age), its instance id, and the id unless pinned."""
+    if type(kept) is not type(new):
+        return False
+    a, b = _copied(kept), _copied(new)
+    for request in (a, b):
+        request.ClearField("instance_id")
+        request.ClearField("wait_timeout_ms")
+        if isinstance(request, pb.JoinNodeRequest):
+            request.ClearField("launched_ms_ago")
+        if not pinned:
+            request.ClearField("unique_id")
+    return a == b
+
+
 @dataclass
 class Session:
     """Per-client state: the membership, barrier counts and any failure seen."""
@@ -442,6 +476,9 @@ class Session:
     # names it, so the daemon seats it in the seat kept for it after a failure (a
     # newcomer cannot take it). Not cleared by ``begin``: that seat outlives the join.
     held: str = field(default="", repr=False)
+    # A join this client sent and then gave up on (``unsettle``): the next join asking
+    # the same is sent as it, so that a seat the daemon gave it is taken back.
+    unsettled: _Unsettled | None = field(default=None, repr=False)
     # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
     nodes_waiting: int = 0
     # The last report_progress, sent with every beat (None: never reported).
@@ -604,7 +641,9 @@ class Session:
         # off), which the other nodes then finished, opened a new run of the job and
         # waited out its join timeout for nodes that were done (a chaos review).
         launched = r.get("launched")
-        return JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request, launched)
+        plan = JoinPlan(self, None, r.get("id_factory"), wait, time.monotonic(), request, launched)
+        self.resume(plan)
+        return plan
 
     def finish_node(self, response: pb.JoinNodeResponse) -> NodeMembership:
         self.daemon_heartbeat_timeout = response.heartbeat_timeout_ms / 1000
@@ -757,7 +796,35 @@ class Session:
         )
         if node_rank is not None:
             plan.request.node_rank = node_rank
+        self.resume(plan)
         return plan
+
+    def unsettle(self, plan: JoinPlan, error: BaseException) -> None:
+        """A join that failed: kept for the next join (``resume``) when it was sent and
+        then given up by its caller (an asyncio cancellation or timeout, Ctrl-C) rather
+        than answered. Its answer may have been on its way, or read and dropped as the
+        caller gave up: the daemon then holds the seat, and the world may have formed
+        with it. A join with a new identity was refused DuplicateRank by that seat (or
+        WORLD_FULL), and the generation failed at the heartbeat timeout, its peers told
+        this worker "sent no heartbeat". The same join again is a retry of it: the
+        daemon hands the seat back, in the same generation (the same id too: another
+        is ID_CONFLICT there). Sending Leave instead would end a formed generation's
+        seat under its peers. An answer (a RendezvousError) settles the join."""
+        self.unsettled = None
+        if plan.sent and not isinstance(error, RendezvousError):
+            self.unsettled = _Unsettled(_copied(plan.request), plan.made)
+
+    def resume(self, plan: JoinPlan) -> None:
+        """Send ``plan`` as the join given up last (``unsettle``) when it asks the same:
+        its instance id and id; any other join goes with its own, the seat left to
+        lapse (a forming one at its wait, a formed one at the heartbeat timeout)."""
+        kept, self.unsettled = self.unsettled, None
+        if kept is None or not _same_join(kept.request, plan.request, plan.unique_id is not None):
+            return
+        self.instance_id = plan.request.instance_id = kept.request.instance_id
+        plan.made, plan.resumed = kept.made, True
+        if plan.request.unique_id:  # made for this request: the kept one instead
+            plan.request.unique_id = plan.make_id()
 
     def barrier_failed(self, name: str) -> None:
         """This round of ``name`` ended without its answer (timed out, cancelled, its
@@ -1279,6 +1346,14 @@ class JoinPlan:
     request: pb.JoinRequest | pb.JoinNodeRequest = field(default_factory=pb.JoinRequest, repr=False)
     # A node agent's first join: when it was launched (``NodeJoinRequest.launched``).
     launched: float | None = None
+    # The id this join made (``make_id``): one per join, so that a retry, or the next
+    # join resuming this one (``Session.resume``), sends the same.
+    made: bytes | None = field(default=None, repr=False)
+    # Whether the join went to the daemon (``Session.unsettle``).
+    sent: bool = False
+    # Sent as the join given up last (``Session.resume``), until an answer says that
+    # seat's generation is over (``afresh_after``).
+    resumed: bool = False
 
     def stamp(self, left: float) -> None:
         """Before each send of the join: how long it may wait (``left``), and how
@@ -1295,8 +1370,11 @@ class JoinPlan:
             # Given, b"" too: refused by the daemon as not 128 bytes, where it was taken
             # for "none given" and replaced without a word (an SDK misuse review).
             return self.unique_id
+        if self.made is not None:
+            return self.made
         if self.id_factory is None:
-            return os.urandom(UNIQUE_ID_BYTES)
+            self.made = os.urandom(UNIQUE_ID_BYTES)
+            return self.made
         made = self.id_factory()
         if not isinstance(made, bytes):
             # protobuf's bare TypeError named nothing; a tuple is what NCCL's
@@ -1306,6 +1384,7 @@ class JoinPlan:
                 f"{UNIQUE_ID_BYTES}-byte id as bytes (e.g. bytes(nccl.get_unique_id()))",
                 job_id=self.session.job_id,
             )
+        self.made = made
         return made
 
     def left(self) -> float:
@@ -1321,8 +1400,24 @@ class JoinPlan:
         refused = self.request.unique_id
         if error.reason != "ID_REUSED" or self.unique_id is not None or not refused:
             return False
+        self.made = None
         self.request.unique_id = self.make_id()
         return self.request.unique_id != refused
+
+    def afresh_after(self, error: RendezvousError) -> bool:
+        """True when the join should be sent again as a new join (an identity and an id
+        of its own): it resumed one given up (``Session.resume``), and the daemon says
+        that seat's generation is over. Its own cancellation, reaching the daemon
+        before the world formed, failed it (as a joiner that died does); without this
+        the retry was answered PeerFailed, "its Join was cancelled"."""
+        if not self.resumed:
+            return False
+        self.resumed = False
+        self.session.instance_id = self.request.instance_id = secrets.token_hex(16)
+        if self.request.unique_id and self.unique_id is None:
+            self.made = None  # the failed generation's: ID_REUSED in the next one
+            self.request.unique_id = self.make_id()
+        return True
 
     def publish_request(self, response: pb.JoinResponse) -> pb.PublishIdRequest:
         return pb.PublishIdRequest(

@@ -8,12 +8,14 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import os
 import re
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError as FutureCancelled
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +30,13 @@ from rendezvousd.client import (
     DaemonUnavailable,
     InvalidRequest,
     JobAborted,
+    NotFound,
     PeerFailed,
     RendezvousClient,
     RendezvousError,
     TlsConfig,
 )
+from rendezvousd.client import _calls as steps
 from rendezvousd.client.membership import Membership
 from tests.support import DaemonProcess, Pki, free_port, parallel, scrape, wait_for
 
@@ -321,6 +325,177 @@ def a_second_join_of_a_live_member_is_refused_and_loses_nothing(w: World) -> obj
     c.leave()
     state = w.client().get_job(w.job_id).summary.state
     return refused, kept, pb.JobState.Name(state)
+
+
+def give_up_as_answered(twin: Twin) -> None:
+    """``twin``'s next join is given up by its caller just as its answer came (the
+    world formed), at the client's one I/O seam (``_perform``): Ctrl-C in the blocking
+    client, the asyncio client's task cancelled (as ``asyncio.timeout()`` expiring
+    then does). Not an ``id_required`` answer: the join goes on after it."""
+    client = twin.client
+    real = client._perform
+
+    def answered(step: Any, answer: Any) -> bool:
+        joins = ("Join", "JoinNode", "PublishId")
+        if isinstance(step, steps.Rpc) and step.method in joins and not answer.id_required:
+            del client._perform  # once
+            return True
+        return False
+
+    def perform(step: Any) -> Any:
+        answer = real(step)
+        if answered(step, answer):
+            raise KeyboardInterrupt
+        return answer
+
+    async def perform_async(step: Any) -> Any:
+        answer = await real(step)
+        if answered(step, answer):
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)  # the cancellation lands here, the answer read
+        return answer
+
+    client._perform = perform if twin._loop is None else perform_async
+
+
+def given_up(outcome: object) -> bool:
+    """A call the caller gave up: Ctrl-C, or the asyncio task cancelled."""
+    return isinstance(outcome, KeyboardInterrupt | asyncio.CancelledError | FutureCancelled)
+
+
+def a_join_given_up_as_its_answer_came_is_taken_back(w: World) -> object:
+    """A join given up (its asyncio task cancelled, ``asyncio.timeout()`` expiring,
+    Ctrl-C) just as the world formed: the daemon had seated it and the client dropped
+    the answer; every join after it, under a new identity, was refused DuplicateRank
+    (WORLD_FULL for a node) by that seat, and at the heartbeat timeout its peers heard
+    it had "sent no heartbeat". The same join again is now that join's retry: the
+    seat is handed back in the same generation. JoinNode unary (``call_stream=False``)."""
+    outcomes = []
+    for method, options in (("Join", {}), ("JoinNode", {"call_stream": False})):
+        job_id = f"{w.job_id}-{method}"
+        a, b = (
+            Twin(w.kind, w.daemon.endpoint, job_id, token=w.daemon.token, **options)
+            for _ in range(2)
+        )
+        w.made.extend([a, b])
+
+        def join(c: Twin, i: int, method: str = method) -> Any:
+            if method == "Join":
+                return c.join(num_nodes=2, gpus_per_node=1, local_rank=0, host=f"h{i}", timeout=20)
+            return c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, host=f"h{i}", timeout=20)
+
+        give_up_as_answered(a)
+        gave, got = parallel([lambda a=a: join(a, 0), lambda b=b: join(b, 1)])
+        left_as_it_was = (a.membership, a.node_membership) == (None, None)
+        again = join(a, 0)
+        for c in (a, b):
+            c.start_heartbeat()
+        if method == "Join":
+            all_of(parallel([lambda c=c: c.barrier("after", timeout=10) for c in (a, b)]))
+        states = {pb.MemberState.Name(m.state) for m in b.get_job().members}
+        outcomes.append(
+            (given_up(gave), left_as_it_was, again.generation == got.generation, states)
+        )
+        assert (a.failure, b.failure) == (None, None)
+    return outcomes
+
+
+def joins_given_up_as_they_wait(w: World, twin: Twin, times: int, **request: Any) -> list[bool]:
+    """``twin`` joins ``times`` times, each join given up by its caller once the daemon
+    holds it parked, and the next sent at once: Ctrl-C in the blocking client (a
+    signal to the process, as a terminal sends it), the task cancelled in the asyncio
+    client (as ``asyncio.timeout()`` does), its next join in the same coroutine.
+    Whether each was given up. A given-up join that was parked fails its forming
+    generation (as a joiner that died does), so join ``i`` parks in generation i+1."""
+    inspector = RendezvousClient(w.daemon.endpoint, w.job_id, token=w.daemon.token)
+
+    def parked(attempt: int) -> None:
+        def forming() -> bool:
+            try:
+                job = inspector.get_job()
+            except NotFound:  # the first join not there yet
+                return False
+            return (job.summary.generation, job.summary.state, len(job.members)) == (
+                attempt + 1,
+                pb.JOB_STATE_FORMING,
+                1,
+            )
+
+        wait_for(f"join {attempt} parked at the daemon", forming, 10)
+
+    try:
+        if twin._loop is not None:
+            return twin._on_loop(_given_up_on_the_loop(twin, times, parked, request))
+        return _interrupted(twin, times, parked, request)
+    finally:
+        inspector.close()
+
+
+def _interrupted(
+    twin: Twin, times: int, parked: Callable[[int], None], request: dict[str, Any]
+) -> list[bool]:
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    outcomes: list[bool] = []
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        for attempt in range(times):
+            # To the process: Linux hands it to the main thread, waiting in the call.
+            kill = threading.Thread(
+                target=lambda attempt=attempt: (
+                    parked(attempt),
+                    os.kill(os.getpid(), signal.SIGUSR1),
+                ),
+                daemon=True,
+            )
+            kill.start()
+            try:
+                twin.join(**request)
+                outcomes.append(False)
+            except KeyboardInterrupt:
+                outcomes.append(True)
+            kill.join(10)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    return outcomes
+
+
+async def _given_up_on_the_loop(
+    twin: Twin, times: int, parked: Callable[[int], None], request: dict[str, Any]
+) -> list[bool]:
+    outcomes = []
+    loop = asyncio.get_running_loop()
+    for attempt in range(times):
+        try:
+            # The caller's own deadline, brought forward once the join parked: its
+            # cancel and the next join are queued in one step of this task, as in
+            # ``while ...: async with asyncio.timeout(T): await client.join(...)``.
+            async with asyncio.timeout(None) as deadline:
+                watch = asyncio.ensure_future(asyncio.to_thread(parked, attempt))
+                watch.add_done_callback(lambda _, d=deadline: d.reschedule(loop.time()))
+                await twin.client.join(**request)
+            outcomes.append(False)
+        except TimeoutError:
+            outcomes.append(True)
+        await watch  # its wait's own failure, if any
+    return outcomes
+
+
+def a_join_given_up_as_it_waits_is_retried_at_once(w: World) -> object:
+    """A lone worker giving up its join (``asyncio.timeout()``, Ctrl-C) and joining
+    again at once: the daemon decided the retry, sent in the call stream's batch after
+    the cancel, before the cancelled join had freed its seat, and refused it
+    DuplicateRank, a permanent error, every other attempt. The job then forms."""
+    c, peer = w.client(), w.client()
+    join = {"num_nodes": 1, "gpus_per_node": 2, "node_rank": 0, "timeout": 30}
+    outcomes = joins_given_up_as_they_wait(w, c, 4, local_rank=0, **join)
+    ms = all_of(
+        parallel([lambda: c.join(local_rank=0, **join), lambda: peer.join(local_rank=1, **join)])
+    )
+    return outcomes, [m.rank for m in ms], {m.generation for m in ms}
 
 
 def a_rejoin_right_after_an_abort_reaches_the_daemon(w: World) -> object:
@@ -965,6 +1140,14 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "a second join of a live member": (
         a_second_join_of_a_live_member_is_refused_and_loses_nothing,
         (("DuplicateRank", True), True, "JOB_STATE_ENDED"),
+    ),
+    "a join given up as its answer came": (
+        a_join_given_up_as_its_answer_came_is_taken_back,
+        [(True, True, True, {"MEMBER_STATE_ACTIVE"})] * 2,
+    ),
+    "a join given up as it waits, retried at once": (
+        a_join_given_up_as_it_waits_is_retried_at_once,
+        ([True] * 4, [0, 1], {5}),
     ),
     "a re-join right after an abort": (
         a_rejoin_right_after_an_abort_reaches_the_daemon,
