@@ -185,6 +185,14 @@ class RendezvousClient(steps.ClientBase):
                     if self._lost_with_the_daemon():
                         raise lost_error() from None
                     raise
+                except grpc.RpcError:
+                    raise
+                except BaseException:
+                    # Interrupted (Ctrl-C in a waiting call): the daemon releases the
+                    # parked wait now, as the call stream's cancel does; left to its
+                    # deadline, a re-join was refused DuplicateRank meanwhile.
+                    call.cancel()
+                    raise
                 finally:
                     self._untrack(call)
             except grpc.RpcError:

@@ -1,0 +1,86 @@
+"""A blocking client's caller giving up, against a real daemon: Ctrl-C in a call
+waiting at the daemon over unary calls (``call_stream=False``, the fallback for a
+daemon without CallBatches and for a full stream) cancels it there, as on the call
+stream; and a ``close()`` racing ``start_heartbeat()`` from another thread leaves no
+heartbeat running on the closed client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from rendezvousd.client import RendezvousClient
+from tests.support import DaemonProcess, parallel, scrape, wait_for
+
+
+class Interrupted(BaseException):
+    """What a signal handler raises in the waiting thread (KeyboardInterrupt's kind)."""
+
+
+def waiters(d: DaemonProcess) -> float:
+    return scrape(d.metrics_url)["rendezvousd_waiters"]
+
+
+@pytest.fixture
+def metered(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
+    return start_daemon("--metrics-listen", "127.0.0.1:0")
+
+
+@pytest.fixture
+def interrupt() -> Iterator[Callable[[DaemonProcess, Callable[[], Any]], None]]:
+    """``interrupt(d, call)``: ``call`` in this (the main) thread, interrupted as Ctrl-C
+    would once ``d`` holds one more parked call: the signal goes to the process, and
+    Linux hands it to the main thread, waiting in the call."""
+
+    def raise_interrupted(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
+
+    def run(d: DaemonProcess, call: Callable[[], Any]) -> None:
+        before = waiters(d)
+
+        def kill() -> None:
+            wait_for("the call parked at the daemon", lambda: waiters(d) > before, 10)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        with pytest.raises(Interrupted):
+            call()
+        killer.join(10)
+
+    yield run
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_ctrl_c_in_a_unary_wait_cancels_it_at_the_daemon(
+    metered: DaemonProcess,
+    job_id: str,
+    interrupt: Callable[[DaemonProcess, Callable[[], Any]], None],
+) -> None:
+    """It stayed parked to its own deadline (here 600 s): a re-join of the same client
+    was refused DuplicateRank meanwhile, a barrier's or a key's waiter slot held."""
+    d = metered
+    c = RendezvousClient(d.endpoint, job_id, token=d.token, call_stream=False)
+    peer = RendezvousClient(d.endpoint, job_id, token=d.token, call_stream=False)
+    join = {"num_nodes": 1, "gpus_per_node": 2, "node_rank": 0, "timeout": 600}
+    try:
+        interrupt(d, lambda: c.join(local_rank=0, **join))
+        wait_for("the interrupted join released at the daemon", lambda: waiters(d) == 0, 5)
+        ms = parallel(
+            [lambda: c.join(local_rank=0, **join), lambda: peer.join(local_rank=1, **join)]
+        )
+        assert [m.rank for m in ms] == [0, 1]
+        for call in (lambda: c.barrier("b", timeout=600), lambda: c.kv_get("k", timeout=600)):
+            interrupt(d, call)
+            wait_for("the interrupted wait released at the daemon", lambda: waiters(d) == 0, 5)
+        assert c.call_route == "unary"
+    finally:
+        c.close()
+        peer.close()
