@@ -580,6 +580,8 @@ class Session:
 
     def stream_member(self) -> Membership:
         """Who the heartbeat stream speaks for in errors: the member, or a node's first rank."""
+        if self.closed:  # close() forgot the member: not "call join() first"
+            raise self.closed_error()
         if self.node is not None:
             if self.failure is not None:
                 raise self.failure

@@ -122,6 +122,10 @@ class RendezvousClient(steps.ClientBase):
         self._hb_thread: threading.Thread | None = None
         self._hb_watchdog: threading.Thread | None = None
         self._hb_stop = threading.Event()
+        # Held while the heartbeat's threads start, and by close() as it marks the
+        # client closed: a start_heartbeat() racing close() from another thread either
+        # finds the client closed or has started threads close() then stops.
+        self._hb_lock = threading.Lock()
         # Wakes the stream's request iterator before its next beat: stop, or leave.
         self._hb_wake = threading.Event()
         self._hb_leave = False
@@ -425,18 +429,24 @@ class RendezvousClient(steps.ClientBase):
         return self._hb_thread is not None and self._hb_thread.is_alive()
 
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:
-        self._hb_stop.clear()
-        self._hb_wake.clear()
-        self._hb_leave = False
-        name = f"rendezvous-heartbeat-{watch.member.job_id}-{watch.member.rank}"
-        self._hb_thread = threading.Thread(
-            target=self._heartbeat_loop, args=(watch, interval), daemon=True, name=name
-        )
-        self._hb_watchdog = threading.Thread(
-            target=self._watchdog, args=(watch,), daemon=True, name=f"{name}-watchdog"
-        )
-        self._hb_thread.start()
-        self._hb_watchdog.start()
+        with self._hb_lock:
+            # Closed since start_heartbeat() looked: clearing the stop close() set
+            # started a heartbeat on the closed channel, whose thread died on gRPC's
+            # ValueError, and whose watchdog told on_failure DaemonUnreachable.
+            if self._s.closed:
+                raise self._s.closed_error()
+            self._hb_stop.clear()
+            self._hb_wake.clear()
+            self._hb_leave = False
+            name = f"rendezvous-heartbeat-{watch.member.job_id}-{watch.member.rank}"
+            self._hb_thread = threading.Thread(
+                target=self._heartbeat_loop, args=(watch, interval), daemon=True, name=name
+            )
+            self._hb_watchdog = threading.Thread(
+                target=self._watchdog, args=(watch,), daemon=True, name=f"{name}-watchdog"
+            )
+            self._hb_thread.start()
+            self._hb_watchdog.start()
 
     def _heartbeat_requests(self, interval: float) -> Iterator[pb.HeartbeatRequest]:
         request = self._s.heartbeat_request()
@@ -530,7 +540,8 @@ class RendezvousClient(steps.ClientBase):
         # First: the heartbeat stream's end makes the daemon lose this member and
         # answer its parked calls PEER_FAILED, blaming this very rank; closed, they
         # end as the closed client's (``_ended_by_close``).
-        self._s.closed = True
+        with self._hb_lock:
+            self._s.closed = True
         self._stop_heartbeat()
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rendezvousd.client import RendezvousClient
+from rendezvousd.client import InvalidRequest, RendezvousClient
 from tests.support import DaemonProcess, parallel, scrape, wait_for
 
 
@@ -84,3 +84,39 @@ def test_ctrl_c_in_a_unary_wait_cancels_it_at_the_daemon(
     finally:
         c.close()
         peer.close()
+
+
+def test_close_racing_start_heartbeat_leaves_no_heartbeat_running(
+    metered: DaemonProcess, job_id: str
+) -> None:
+    """close() from another thread landed between start_heartbeat()'s checks and its
+    threads' start (forced here: close() runs to its end there). start_heartbeat()
+    returned as if all were well, undid close()'s stop, and its thread died on gRPC's
+    uncaught ValueError ("Channel closed!"); its watchdog lived on for the reconnect
+    window and told on_failure DaemonUnreachable of a daemon that was fine."""
+    d = metered
+    c = RendezvousClient(d.endpoint, job_id, token=d.token)
+    c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    uncaught: list[str] = []
+    hook, threading.excepthook = threading.excepthook, lambda a: uncaught.append(str(a.exc_value))
+    at_gap, closed = threading.Event(), threading.Event()
+    interval = c._s.heartbeat_interval
+
+    def between_checks_and_start(requested: float | None) -> float:
+        at_gap.set()
+        assert closed.wait(10), "close() did not return"
+        return interval(requested)
+
+    c._s.heartbeat_interval = between_checks_and_start  # type: ignore[method-assign]
+    closer = threading.Thread(target=lambda: (at_gap.wait(10), c.close(), closed.set()))
+    closer.start()
+    heard: list[object] = []
+    try:
+        with pytest.raises(InvalidRequest, match="is closed"):
+            c.start_heartbeat(on_failure=heard.append)
+        closer.join(10)
+        running = [t.name for t in threading.enumerate() if t.name.startswith("rendezvous-heart")]
+        assert (running, uncaught, heard) == ([], [], [])
+    finally:
+        threading.excepthook = hook
+        c.close()

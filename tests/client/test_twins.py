@@ -832,12 +832,17 @@ def an_exception_ending_a_with_block_is_reported(w: World) -> object:
 
 def closed_member_refuses_calls(w: World) -> object:
     """A member's calls after close() said "not joined ... call join() first", and
-    doing so said "closed"."""
+    doing so said "closed"; start_heartbeat() too."""
     c = w.client()
     c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
     c.__getattr__("close")()
     refused = []
-    for call in (lambda: c.kv_set("k", b"v"), lambda: c.kv_get("k"), lambda: c.barrier("b")):
+    for call in (
+        lambda: c.kv_set("k", b"v"),
+        lambda: c.kv_get("k"),
+        lambda: c.barrier("b"),
+        lambda: c.start_heartbeat(),
+    ):
         with pytest.raises(RendezvousError) as info:
             call()
         refused.append((type(info.value).__name__, "is closed" in str(info.value)))
@@ -1235,7 +1240,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         an_exception_ending_a_with_block_is_reported,
         (([1], "RuntimeError: line1\nline2"), None, ["MEMBER_STATE_ACTIVE", "MEMBER_STATE_LEFT"]),
     ),
-    "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 3),
+    "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 4),
     "a join outlasting the daemon's cap on waits": (
         join_outlasts_the_daemons_cap_on_waits,
         ([0, 1], ("RendezvousTimeout", "WORLD_INCOMPLETE", True), True),
