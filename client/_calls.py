@@ -753,8 +753,7 @@ class Calls:
             return None
         if not s.leave_timeout:  # leaving was asked not to wait: its goodbye neither
             return None
-        cause = f"{type(exc).__name__}: {exc}"
-        return self.report_failure(s.joined.local_rank, cause, s.leave_timeout)
+        return self.report_failure(s.joined.local_rank, s.exit_cause(exc), s.leave_timeout)
 
     def barrier(self, name: str, timeout: float | None) -> Steps[None]:
         check_arg("barrier", "name", name, str)

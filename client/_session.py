@@ -4,6 +4,7 @@ are ``_calls``."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -479,6 +480,9 @@ class Session:
     # A join this client sent and then gave up on (``unsettle``): the next join asking
     # the same is sent as it, so that a seat the daemon gave it is taken back.
     unsettled: _Unsettled | None = field(default=None, repr=False)
+    # The last call its caller gave up (its name, and what ended it: an asyncio
+    # cancellation, Ctrl-C), which a ``with`` block's cause names (``given_up_cause``).
+    given_up: tuple[str, BaseException] | None = field(default=None, repr=False)
     # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
     nodes_waiting: int = 0
     # The last report_progress, sent with every beat (None: never reported).
@@ -777,6 +781,35 @@ class Session:
                 f"; this client still holds rank {m.rank} of generation {m.generation}: "
                 "leave() first to join again, or make another client for another rank"
             )
+
+    def give_up(self, call: str, error: BaseException) -> None:
+        """``call`` ended by ``error``: kept when its caller gave it up (a
+        BaseException, not an Exception: asyncio's cancellation, KeyboardInterrupt)."""
+        self.given_up = None if isinstance(error, Exception) else (call, error)
+
+    def exit_cause(self, error: BaseException) -> str:
+        """The cause a ``with`` block's ``error`` is reported with: its type and text;
+        for one that says nothing (asyncio's CancelledError, its timeout's TimeoutError,
+        KeyboardInterrupt), what happened and in which call. Peers read
+        "CancelledError: " or "TimeoutError: ", which told them nothing."""
+        name, text = type(error).__name__, str(error)
+        if text:
+            return f"{name}: {text}"
+        call = None
+        if self.given_up is not None:
+            given_call, given = self.given_up
+            if given in (error, error.__cause__, error.__context__):
+                call = given_call
+        where = f" while in {call}()" if call else ""
+        if isinstance(error, asyncio.CancelledError):
+            return f"{name}: the worker's asyncio task was cancelled{where}"
+        if isinstance(error, KeyboardInterrupt):
+            return f"{name}: the worker was interrupted (Ctrl-C, SIGINT){where}"
+        if isinstance(error, TimeoutError) and call:
+            return (
+                f"{name}: the worker's own deadline (asyncio.timeout(), wait_for()) expired{where}"
+            )
+        return f"{name} (no message){where}"
 
     def plan_join(self, **r: Unpack[JoinRequest]) -> JoinPlan:
         """Start a join: a fresh instance id, cleared state, and the first request."""

@@ -115,11 +115,15 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._check_process()
         self._check_loop()
         run = steps.Run(calls)
-        for step in run:
-            try:
-                run.answer = await self._perform(step)
-            except BaseException as exc:  # thrown into the call, which decides
-                run.error = exc
+        try:
+            for step in run:
+                try:
+                    run.answer = await self._perform(step)
+                except BaseException as exc:  # thrown into the call, which decides
+                    run.error = exc
+        except BaseException as exc:
+            self._s.give_up(getattr(calls, "__name__", ""), exc)
+            raise
         return run.value
 
     def _check_loop(self) -> None:

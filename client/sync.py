@@ -162,11 +162,15 @@ class RendezvousClient(steps.ClientBase):
     def _run(self, calls: steps.Steps[T]) -> T:
         self._check_process()
         run = steps.Run(calls)
-        for step in run:
-            try:
-                run.answer = self._perform(step)
-            except BaseException as exc:  # thrown into the call, which decides
-                run.error = exc
+        try:
+            for step in run:
+                try:
+                    run.answer = self._perform(step)
+                except BaseException as exc:  # thrown into the call, which decides
+                    run.error = exc
+        except BaseException as exc:
+            self._s.give_up(getattr(calls, "__name__", ""), exc)
+            raise
         return run.value
 
     def _call(self, method: str, request: Any) -> Any:

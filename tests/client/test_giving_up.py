@@ -6,6 +6,7 @@ heartbeat running on the closed client."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -14,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from rendezvousd.client import InvalidRequest, RendezvousClient
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    InvalidRequest,
+    PeerFailed,
+    RendezvousClient,
+    RendezvousError,
+)
 from tests.support import DaemonProcess, parallel, scrape, wait_for
 
 
@@ -120,3 +127,39 @@ def test_close_racing_start_heartbeat_leaves_no_heartbeat_running(
     finally:
         threading.excepthook = hook
         c.close()
+
+
+def test_a_with_block_whose_task_was_cancelled_says_so_to_its_peers(
+    metered: DaemonProcess, job_id: str
+) -> None:
+    """Ctrl-C under asyncio.run() cancels the main task: an ``async with`` block left by
+    that cancellation in a barrier told its peers only "CancelledError: "."""
+    d = metered
+    peer = RendezvousClient(d.endpoint, job_id, token=d.token)
+    join = {"num_nodes": 1, "gpus_per_node": 2, "node_rank": 0, "timeout": 20}
+    heard: list[RendezvousError] = []
+
+    async def worker() -> None:
+        async with AsyncRendezvousClient(d.endpoint, job_id, token=d.token) as c:
+            await asyncio.gather(
+                c.join(local_rank=0, **join), asyncio.to_thread(peer.join, local_rank=1, **join)
+            )
+            c.start_heartbeat()
+            peer.start_heartbeat(on_failure=heard.append)
+            before = waiters(d)
+            barrier = asyncio.ensure_future(c.barrier("never", timeout=60))
+            await asyncio.to_thread(wait_for, "the barrier parked", lambda: waiters(d) > before, 10)
+            barrier.cancel()
+            await barrier  # the block is left by the barrier's cancellation
+
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(worker())
+        wait_for("the peer's failure", lambda: bool(heard), 20)
+        failure = heard[0]
+        assert isinstance(failure, PeerFailed)
+        assert failure.failed[0].cause == (
+            "CancelledError: the worker's asyncio task was cancelled while in barrier()"
+        )
+    finally:
+        peer.close()

@@ -830,6 +830,68 @@ def an_exception_ending_a_with_block_is_reported(w: World) -> object:
     return reported, c.failure, states
 
 
+def given_up_as_it_waits(w: World, twin: Twin, call: str, *args: Any, **kw: Any) -> BaseException:
+    """``twin``'s ``call`` given up by its caller once the daemon holds it parked, as
+    an application gives it up: Ctrl-C in the blocking client (a signal to the
+    process), ``asyncio.timeout()`` expiring in the asyncio one; what it raised."""
+    before = w.daemon_waiters()
+    parked = functools.partial(
+        wait_for, f"{call} parked at the daemon", lambda: w.daemon_waiters() > before, 10
+    )
+    if twin._loop is None:
+
+        def interrupt(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGUSR1, interrupt)
+        kill = threading.Thread(
+            target=lambda: (parked(), os.kill(os.getpid(), signal.SIGUSR1)), daemon=True
+        )
+        kill.start()
+        try:
+            getattr(twin.client, call)(*args, **kw)
+        except KeyboardInterrupt as exc:
+            return exc
+        finally:
+            kill.join(10)
+            signal.signal(signal.SIGUSR1, previous)
+        raise AssertionError(f"{call} was not interrupted")
+
+    async def timed_out() -> BaseException:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as deadline:
+                watch = asyncio.ensure_future(asyncio.to_thread(parked))
+                watch.add_done_callback(lambda _: deadline.reschedule(loop.time()))
+                await getattr(twin.client, call)(*args, **kw)
+        except TimeoutError as exc:
+            await watch
+            return exc
+        raise AssertionError(f"{call} was not given up")
+
+    given_up: BaseException = twin._on_loop(timed_out())
+    return given_up
+
+
+def a_with_block_given_up_in_a_call_is_reported_as_such(w: World) -> object:
+    """A ``with`` block left by its caller giving up a barrier (Ctrl-C, under
+    ``asyncio.run()`` the task cancelled, ``asyncio.timeout()``): its peers read the
+    cause "KeyboardInterrupt: ", "CancelledError: " or "TimeoutError: ", which told
+    them nothing. It now says what happened, and in which call."""
+    a, b = two_joined(w, w.job_id)
+    exit_block(b, given_up_as_it_waits(w, b, "barrier", "never", timeout=60))
+    wait_for("the peer's failure", lambda: a.failure is not None, 20)
+    failure = a.failure
+    assert isinstance(failure, PeerFailed)
+    cause = failure.failed[0].cause
+    said = {
+        "KeyboardInterrupt: the worker was interrupted (Ctrl-C, SIGINT) while in barrier()",
+        "TimeoutError: the worker's own deadline (asyncio.timeout(), wait_for()) expired "
+        "while in barrier()",
+    }
+    return failure.ranks, cause if cause not in said else "said"
+
+
 def closed_member_refuses_calls(w: World) -> object:
     """A member's calls after close() said "not joined ... call join() first", and
     doing so said "closed"; start_heartbeat() too."""
@@ -1239,6 +1301,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "an exception ending a with block": (
         an_exception_ending_a_with_block_is_reported,
         (([1], "RuntimeError: line1\nline2"), None, ["MEMBER_STATE_ACTIVE", "MEMBER_STATE_LEFT"]),
+    ),
+    "a with block given up in a call": (
+        a_with_block_given_up_in_a_call_is_reported_as_such,
+        ([1], "said"),
     ),
     "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 4),
     "a join outlasting the daemon's cap on waits": (
