@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: A command whose reader closed its stdout early: as a shell's SIGPIPE.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] != ["serve"]:
@@ -315,7 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     try:
         code: int = args.func(args)
+        sys.stdout.flush()  # a closed pipe is found here, not at exit (a traceback then)
     except DaemonError as exc:
         print(f"rendezvousd: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `rendezvousd status | head`: the reader had what it wanted. Exit as a tool the
+        # shell's SIGPIPE ends does, 128 + 13, which no probe code means; stdout goes to
+        # /dev/null so the interpreter's own flush at exit finds no pipe to fail on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return code

@@ -39,3 +39,23 @@ def test_status_takes_the_token_from_the_flag_or_either_env_var(daemon: DaemonPr
         done = _status(daemon, *args, **env)
         assert done.returncode == 0, (args, list(env), done.stderr)
         assert done.stdout.startswith("JOB"), done.stdout
+
+
+def test_status_into_a_closed_pipe_exits_as_sigpipe_would_without_a_traceback(
+    daemon: DaemonProcess,
+) -> None:
+    """``rendezvousd status | head -3`` ended in a BrokenPipeError traceback once head
+    had its lines (an observability review)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every write fails
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "rendezvousd.cli", "status", "--endpoint", daemon.endpoint,
+             "--token-file", str(daemon.token_file)],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, env=base,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
