@@ -79,11 +79,13 @@ def test_port_zero_and_empty_unix_path_only_where_allowed() -> None:
 
 
 def test_each_config_loader_raises_its_own_error_with_the_origin() -> None:
-    with pytest.raises(DaemonConfigError, match=r"\$RENDEZVOUSD_LISTEN='::1:5' is invalid"):
+    with pytest.raises(
+        DaemonConfigError, match=r"\$RENDEZVOUSD_LISTEN='::1:5' is malformed: wrap IPv6"
+    ):
         daemon_config.load(None, env={"RENDEZVOUSD_LISTEN": "::1:5"})
-    with pytest.raises(DaemonConfigError, match=r"--metrics-listen='h:70000' is invalid"):
+    with pytest.raises(DaemonConfigError, match=r"--metrics-listen='h:70000' has port '70000'"):
         daemon_config.load(None, env={}, overrides={"metrics_listen": "h:70000"})
-    with pytest.raises(TrainerConfigError, match=r"\$RENDEZVOUSD_ENDPOINT='h:0' is invalid"):
+    with pytest.raises(TrainerConfigError, match=r"\$RENDEZVOUSD_ENDPOINT='h:0' has port '0'"):
         load_config(None, env={"RENDEZVOUSD_ENDPOINT": "h:0"})
     assert daemon_config.split_listen("unix:/tmp/s") == (None, 0)
     assert daemon_config.split_listen("[::1]:0") == ("::1", 0)
