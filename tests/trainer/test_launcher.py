@@ -211,6 +211,70 @@ def test_a_worker_raising_a_long_multiline_error_is_every_launchers_root_cause(
         assert len(causes[0]) < 1000, causes[0]
 
 
+# Escaped, 103 characters: whole within the 120 shown, and over them with "exit code 1
+# after " folded in, as the node of the raising worker showed it.
+RAISED = "CUDA-ish failure at step 20\n  line two: details\n  line three: hint <tag>\x1b[31mred"
+
+
+def test_the_node_whose_worker_raised_words_its_cause_as_every_other_node(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Node 1's worker raises a multi-line error holding an ESC. Its own launcher said
+    "exit code 1 after RuntimeError: ...\\x1b[31mre... (1 more characters)", its exit
+    folded into the cause and cut with it, where the daemon, node 0 and both root-cause
+    lines said "RuntimeError: ...\\x1b[31mred": now every surface shows the cause alike,
+    and only node 1's own lines add the exit it saw, before it."""
+    d = start_daemon()
+    source = (
+        "import numpy as np\n"
+        "from rendezvousd.trainer import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    ctx.communicator.all_reduce(np.ones(4, dtype=np.float32))\n"
+        "    if ctx.rank == 1:\n"
+        f"        raise RuntimeError({RAISED!r})\n"
+        "    while True:\n"
+        "        ctx.communicator.all_reduce(np.ones(4, dtype=np.float32))\n"
+    )
+    script = tmp_path / "raiser.py"
+    script.write_text(source)
+    nodes = [
+        subprocess.Popen(
+            [
+                *launcher_cmd(2, n, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+                str(script),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    outs = stderr_of_all(nodes)
+    host = socket.gethostname()
+    cause = "(RuntimeError: " + RAISED.replace("\n", "\\x0a").replace("\x1b", "\\x1b") + ")"
+    lost = f"lost rank 1 on {host} {cause}"
+    stopping = (
+        f"rendezvous-run: stopping this node's workers: PeerFailed: job {job_id!r} "
+        f"generation 1 failed: {lost}"
+    )
+    for err in outs:
+        lines = err.splitlines()
+        assert stopping in lines, err
+        root = [line for line in lines if "root cause:" in line]
+        assert len(root) == 1 and root[0].endswith(f" was lost {cause}"), err
+        assert "more characters" not in err and " after RuntimeError" not in err, err
+    assert nodes[1].returncode == 1, outs[1]
+    assert re.search(
+        rf"^rendezvous-run: worker rank 1 \(pid \d+\) failed first, with exit code 1 "
+        rf"{re.escape(cause)}$",
+        outs[1],
+        re.MULTILINE,
+    ), outs[1]
+    assert f"  1. generation 1: rank 1 on host {host}: exit code 1 {cause}" in outs[1], outs[1]
+    assert f"  1. generation 1: rank 1 on host {host}: {stopping.split(': ', 2)[2]}" in outs[0]
+    assert f"RUNNING -> FAILED (rank 1 on {host} {cause})" in d.log(), d.log()
+
+
 @pytest.mark.parametrize("who", ["every worker", "one worker"])
 def test_a_worker_that_exits_0_without_init_distributed_fails_the_run(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, who: str

@@ -774,10 +774,14 @@ class NodeAgent:
                         continue
                     if verdict is not None:
                         return self._verdict(gen, verdict)  # heard first: the cause
-                    how = event.how
-                    if event.worker.reported_cause:
-                        how += f" after {event.worker.reported_cause}"
-                    return self._local_failure(gen, first_rank, event.worker, how, event.status)
+                    w = event.worker
+                    if w.reported_cause is not None:
+                        # Its cause is what it reported (the daemon's record, every
+                        # other node's words); its exit only this node saw.
+                        return self._local_failure(
+                            gen, first_rank, w, w.reported_cause, event.status, exited=event.how
+                        )
+                    return self._local_failure(gen, first_rank, w, event.how, event.status)
                 if self.pool.discard(event.worker) and not event.worker.lost:
                     # (A lost spare is not counted: ``take`` starts another, cold.)
                     spare = self._spare_died(gen, event)
@@ -924,32 +928,55 @@ class NodeAgent:
         w.ack_failure()
 
     def _local_failure(
-        self, gen: int, first_rank: int, w: WorkerProcess, cause: str, status: int
+        self,
+        gen: int,
+        first_rank: int,
+        w: WorkerProcess,
+        cause: str,
+        status: int,
+        *,
+        exited: str | None = None,
     ) -> Failure:
-        """``cause``: any text (a worker's exception), reported whole and shown shortened."""
+        """``cause``: any text (a worker's exception), reported whole and shown shortened;
+        ``exited``: how the worker that reported ``cause`` then exited ("exit code 1"),
+        which this node's own lines add before it, as the others add a rank and host:
+        "exit code 1 (RuntimeError: ...)". Folded into the cause ("exit code 1 after
+        RuntimeError: ...") and cut as one, it was worded and cut unlike the same
+        failure on every other surface (the daemon's log, the other nodes, status)."""
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
-        said = f"worker rank {rank} (pid {w.pid}) failed first, with {shortened(cause)}"
+        shown = shortened(cause) if exited is None else f"{exited} ({shortened(cause)})"
+        said = f"worker rank {rank} (pid {w.pid}) failed first, with {shown}"
         report = w.reported_cause is None or w in self._unreported
-        return self._own_failure(gen, rank, local, cause, status, said, report)
+        return self._own_failure(gen, rank, local, cause, status, said, report, shown)
 
     def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure:
         """A link to another node went silent and the daemon told of nothing meanwhile:
         a cut between nodes that both reach the daemon. Reported as this node's own
         failure (its first rank's), as the CPU ring's ranks report a silent link."""
-        return self._own_failure(gen, first_rank, 0, cause, 1, f"this node {cause}", True)
+        said = f"this node {cause}"
+        return self._own_failure(gen, first_rank, 0, cause, 1, said, True, shortened(cause))
 
     def _own_failure(
-        self, gen: int, rank: int, local: int, cause: str, status: int, said: str, report: bool
+        self,
+        gen: int,
+        rank: int,
+        local: int,
+        cause: str,
+        status: int,
+        said: str,
+        report: bool,
+        shown: str,
     ) -> Failure:
         """A failure of this node's own, at ``local`` (global ``rank``): ``said`` here,
-        reported to the daemon unless it already was (``report``), every worker stopped."""
+        reported to the daemon unless it already was (``report``), every worker stopped;
+        ``shown``: ``cause`` as this node's summary lists it."""
         mark("failure-heard", generation=gen)
         self.note(said)
         if report:
             # Before stopping our other workers: the other nodes hear of it sooner.
             self._report(local, cause)
-        failure = Failure(gen, shortened(cause), rank, self.host, status, local_rank=local)
+        failure = Failure(gen, shown, rank, self.host, status, local_rank=local)
         self.first_local = self.first_local or failure
         # Worded as the daemon words it to the other nodes: every node's workers log
         # the same cause for the same failure.
