@@ -892,9 +892,11 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
     Continued, it read their exits before the verdict, and named its own worker
     "failed first" (4 of 4 runs on namespace hosts), while its root-cause line named
     the node's lost heartbeat. Which verdict is left for it depends on node 0: with no
-    restart, generation 1 is the job's last, and node 1 hears its own loss; with one,
-    node 0 has opened generation 2 (its fixed size waits for node 1 there), and node
-    1's heartbeat is refused as stale."""
+    restart, generation 1 is the job's last, and node 1 hears its own loss, which it
+    says as its own (it said "PeerFailed: ... lost rank 2 on HOST", as a peer's, and
+    its root cause named rank 2 as another node's); with one, node 0 has opened
+    generation 2 (its fixed size waits for node 1 there), and node 1's heartbeat is
+    refused as stale."""
     d = start_daemon("--heartbeat-timeout-s", "3")
     flags = ["--max-restarts", str(restarts)]
     nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "400"])
@@ -913,10 +915,28 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
     assert codes == ([1, 1] if restarts == 0 else [0, 0]), [n.stderr()[-3000:] for n in nodes]
     assert "failed first" not in err, err
     said = _agent_lines(err.split("root cause:")[0])
+    host = socket.gethostname()
     if restarts == 0:
-        # The daemon's verdict on this node, naming its own ranks.
-        lost = f"lost rank 2 on {socket.gethostname()} (no heartbeat for 3.0 s (node unreachable))"
-        assert lost in said and "dropped from generation" not in said, err
+        # The daemon's verdict on this node, with its facts, said as this node's loss.
+        unreachable = r"\(no heartbeat for 3\.0 s \(node unreachable\)\)"
+        lost = re.search(
+            rf"^rendezvous-run: stopping this node's workers: (this node was lost from job "
+            rf"{re.escape(repr(job_id))} generation 1 while this agent was stopped for "
+            r"\d+\.\d s, its last heartbeat then older than the daemon's heartbeat timeout "
+            rf"\(3 s\): the other nodes were told the daemon lost rank 2 on {re.escape(host)} "
+            rf"{unreachable}.*)$",
+            said,
+            re.MULTILINE,
+        )
+        assert lost is not None, err
+        assert f"  1. generation 1: rank 2 on host {host}: {lost.group(1)}" in err, err
+        assert "PeerFailed" not in said and "dropped from generation" not in said, err
+        assert re.search(
+            rf"^rendezvous-run: root cause: rank 2 \(node 1, local rank 0\) on host "
+            rf"{re.escape(host)}, this node, was lost {unreachable}$",
+            err,
+            re.MULTILINE,
+        ), err
     else:
         # Generation 2 waits for this node (a fixed size): not said to go on without it.
         assert re.search(

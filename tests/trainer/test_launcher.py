@@ -112,14 +112,15 @@ def test_every_launcher_names_the_sigkilled_rank_and_its_host_as_root_cause(
     os.kill(pids[3], signal.SIGKILL)
     outs = [n.communicate(timeout=30) for n in nodes]
     host = socket.gethostname()
-    for n, (_, err) in zip(nodes, outs, strict=True):
+    for i, (n, (_, err)) in enumerate(zip(nodes, outs, strict=True)):
         assert n.returncode != 0, err
         causes = [line for line in err.splitlines() if "root cause:" in line]
         assert len(causes) == 1, err
         # The daemon's record, on both nodes: the killed rank, not a sibling that
-        # failed right after it with PeerFailed.
+        # failed right after it with PeerFailed; node 1 names it as its own.
+        here = ", this node," if i == 1 else ""
         assert re.search(
-            rf"root cause: rank 3 \(node 1, local rank 1\) on host {re.escape(host)} "
+            rf"root cause: rank 3 \(node 1, local rank 1\) on host {re.escape(host)}{here} "
             r"was lost \(.+\)",
             causes[0],
         ), err
@@ -198,13 +199,14 @@ def test_a_worker_raising_a_long_multiline_error_is_every_launchers_root_cause(
     ]
     outs = stderr_of_all(nodes)
     host = re.escape(socket.gethostname())
-    for n, err in zip(nodes, outs, strict=True):
+    for i, (n, err) in enumerate(zip(nodes, outs, strict=True)):
         assert n.returncode != 0, err
         causes = [line for line in err.splitlines() if "root cause:" in line]
         assert len(causes) == 1, err
         # Shown on one line, escaped and shortened; the record keeps it whole.
+        here = ", this node," if i == 1 else ""
         assert re.search(
-            rf"root cause: rank 3 \(node 1, local rank 1\) on host {host} was lost "
+            rf"root cause: rank 3 \(node 1, local rank 1\) on host {host}{here} was lost "
             r"\(RuntimeError: line1\\x0aline2x+",
             causes[0],
         ), err

@@ -68,6 +68,7 @@ from rendezvousd.trainer.config import (
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
 
 if TYPE_CHECKING:
+    from rendezvousd.common.members import Seat
     from rendezvousd.trainer.agent.recovery import Failure
     from rendezvousd.trainer.agent.worker_boot import Booted
 
@@ -406,7 +407,7 @@ def _run_agent(
         return agent.run()
     except RestartsExhausted as exc:
         _fail(str(exc))
-        _root_cause(config, agent.first_local)
+        _root_cause(config, agent.first_local, agent.placed)
         return exc.exit_status
     finally:
         for s, handler in previous.items():
@@ -414,16 +415,22 @@ def _run_agent(
         agent.client.close()
 
 
-def _root_cause(config: DistributedConfig, local: Failure | None) -> None:
-    """The daemon's record of the first rank lost, on any node; failing that, this
-    node's first failed worker."""
+def _root_cause(config: DistributedConfig, local: Failure | None, placed: Seat | None) -> None:
+    """The daemon's record of the first rank lost, on any node (named as this node
+    when it is of ``placed``, this node's seat in its last generation); failing that,
+    this node's first failed worker."""
     from rendezvousd.trainer.agent.root_cause import describe, lost_member
 
     transport = config.rendezvous
     assert transport.endpoint is not None
-    lost = lost_member(transport.endpoint, config.job_id, transport.token_file, tls=transport.tls())
-    if lost is not None:
-        _note(f"root cause: {describe(lost)}")
+    found = lost_member(
+        transport.endpoint, config.job_id, transport.token_file, tls=transport.tls()
+    )
+    if found is not None:
+        gen, lost = found
+        seat = (placed.generation, placed.node_rank) if placed is not None else None
+        here = seat == (gen, lost.node_rank)
+        _note(f"root cause: {describe(lost, here=here)}")
     elif local is not None:
         who = f"rank {local.rank}" if local.rank is not None else f"local rank {local.local_rank}"
         _note(

@@ -40,7 +40,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.members import FailedInfo, failed_text, seat_of
+from rendezvousd.common.members import NAMED_LOSSES, FailedInfo, failed_text, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
@@ -276,6 +276,9 @@ class NodeAgent:
         )
         self.pool.adopt(booted)
         self.budget = RestartBudget(config.max_restarts)
+        #: This node's seat in the last generation it joined: which of the daemon's
+        #: losses are its own (``_lost``, and the launcher's root-cause line).
+        self.placed: NodeMembership | None = None
         # What _report_progress last gave the heartbeat: steps, restarts, their cap.
         self._progress_sent: tuple[tuple[int | None, ...], int, int] | None = None
         self.active: list[WorkerProcess] = []
@@ -357,6 +360,7 @@ class NodeAgent:
         if not isinstance(joined, NodeMembership):
             return joined
         m = joined
+        self.placed = m
         self._was_member = True
         mark("joined", generation=m.generation, node_rank=m.node_rank)
         if (problem := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
@@ -829,10 +833,50 @@ class NodeAgent:
         """The daemon's verdict on ``gen``, worded as it is heard (``_dropped`` says
         whether this agent had just been stopped)."""
         mark("failure-heard", generation=gen)
-        cause = describe_remote(event.error)[0]
-        if isinstance(event.error, StaleGeneration):
-            cause = self._dropped(gen, event.error)
-        return Verdict(event.error, cause, time.monotonic() + FINISHED_EXIT_S)
+        error = event.error
+        cause = describe_remote(error)[0]
+        if isinstance(error, StaleGeneration):
+            cause = self._dropped(gen, error)
+        elif isinstance(error, PeerFailed) and error.failed and self._ours(gen, error):
+            cause = self._lost(gen, error)
+        return Verdict(error, cause, time.monotonic() + FINISHED_EXIT_S)
+
+    def _ours(self, gen: int, error: PeerFailed) -> bool:
+        """Whether the first member the daemon lost in ``gen`` is one of this node's
+        ranks. The daemon never tells a node of a loss it reported itself: this is its
+        loss of the node (its agent stopped or cut off past the heartbeat timeout)."""
+        m = self.placed
+        first = error.failed[0].rank
+        return (
+            m is not None
+            and m.generation == gen
+            and m.first_rank <= first < m.first_rank + m.gpus_per_node
+        )
+
+    def _stopped_for(self) -> str:
+        """Why the daemon lost this node, when this agent had just been stopped."""
+        # The daemon counts its timeout from the last beat before the stop, up to a
+        # beat's interval earlier: the stop itself may be shorter than the timeout
+        # ("stopped for 2.7 s, past the daemon's heartbeat timeout (3 s)", once).
+        return (
+            f" while this agent was stopped for {self._paused_s:.1f} s, its last heartbeat "
+            f"then older than the daemon's heartbeat timeout ({self._silence_s:g} s)"
+            if self._resuming
+            else ""
+        )
+
+    def _lost(self, gen: int, error: PeerFailed) -> str:
+        """The daemon's verdict on ``gen`` when the member it lost first is this node's
+        (``_ours``): said as this node's loss, with the daemon's facts. Worded as the
+        other nodes hear it, "PeerFailed: ... lost rank 2 on HOST", it read as a peer's
+        loss, and the root cause as another node's, naming this node's own rank."""
+        shown = ", ".join(f.describe() for f in error.failed[:NAMED_LOSSES])
+        more = len(error.failed) - NAMED_LOSSES
+        shown += f" and {more} more" if more > 0 else ""
+        return (
+            f"this node was lost from job {self.config.job_id!r} generation {gen}"
+            f"{self._stopped_for()}: the other nodes were told the daemon lost {shown}"
+        )
 
     def _verdict(self, gen: int, verdict: Verdict) -> Outcome:
         """The daemon's verdict on ``gen`` (a peer lost, an abort, the daemon gone) ends
@@ -862,16 +906,9 @@ class NodeAgent:
         then = error.current_generation or "a later one"
         # Not "without it": the stale refusal comes as soon as the other nodes open the
         # next generation, which a fixed size forms only with this node (its restart).
-        # The daemon counts its timeout from the last beat before the stop, up to a
-        # beat's interval earlier: the stop itself may be shorter than the timeout
-        # ("stopped for 2.7 s, past the daemon's heartbeat timeout (3 s)", once).
-        why = (
-            f" while this agent was stopped for {self._paused_s:.1f} s, its last heartbeat "
-            f"then older than the daemon's heartbeat timeout ({self._silence_s:g} s): the "
-            "other nodes were told this node was unreachable"
-            if self._resuming
-            else ""
-        )
+        why = self._stopped_for()
+        if why:
+            why += ": the other nodes were told this node was unreachable"
         return (
             f"this node was dropped from generation {gen}{why}; the job moved on to "
             f"generation {then}"

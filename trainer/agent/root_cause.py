@@ -25,11 +25,13 @@ SETTLE_S = 1.0
 CALL_TIMEOUT_S = 1.0
 
 
-def describe(lost: FailedMember) -> str:
+def describe(lost: FailedMember, *, here: bool = False) -> str:
     """The root cause in the launcher's words; ``cause`` is whatever the worker or
-    its agent reported: shown escaped, shortened."""
+    its agent reported: shown escaped, shortened. ``here``: the member is one of this
+    launcher's own node (its agent lost while stopped read as another node's loss)."""
     where = f"rank {lost.rank} (node {lost.node_rank}, local rank {lost.local_rank})"
-    return f"{where} on host {escape(lost.host)} was lost ({shortened(lost.cause)})"
+    where += f" on host {escape(lost.host)}" + (", this node," if here else "")
+    return f"{where} was lost ({shortened(lost.cause)})"
 
 
 def lost_member(
@@ -38,10 +40,10 @@ def lost_member(
     token_file: str | None,
     *,
     tls: TlsConfig | None = None,
-) -> FailedMember | None:
+) -> tuple[int, FailedMember] | None:
     """The first member the daemon recorded as lost in ``job_id``'s current
-    generation, or None if there is none within ``SETTLE_S`` or the daemon cannot
-    say (unreachable, unknown job, no token)."""
+    generation, and that generation; None if there is none within ``SETTLE_S`` or
+    the daemon cannot say (unreachable, unknown job, no token)."""
     deadline = time.monotonic() + SETTLE_S
     try:
         with RendezvousClient(
@@ -60,7 +62,7 @@ def lost_member(
             while True:
                 job = client.get_job()
                 if job.failed:
-                    return failed_members(job.failed[:1])[0]
+                    return job.summary.generation, failed_members(job.failed[:1])[0]
                 if time.monotonic() >= deadline:
                     return None
                 time.sleep(0.05)  # poll interval while the daemon catches up
