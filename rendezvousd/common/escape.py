@@ -40,11 +40,15 @@ def escape(text: str) -> str:
 
 def shortened(text: str, limit: int = SHOWN_CHARS) -> str:
     """``text`` escaped (one line, nothing a terminal acts on), cut to ``limit``
-    characters with a marker saying how much was left out."""
+    characters with a marker saying how much was left out; whole where the marker
+    would be as long as what it leaves out (no longer than it would be cut)."""
     shown = escape(text)
-    if len(shown) <= limit:
+    left_out = len(shown) - limit
+    marker = f"... ({left_out} more characters)"
+    if left_out <= len(marker):
+        # A cut of 1 character added 23: "...\x1b[31mre... (1 more characters)".
         return shown
-    return f"{shown[:limit]}... ({len(shown) - limit} more characters)"
+    return shown[:limit] + marker
 
 
 def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:

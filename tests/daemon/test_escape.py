@@ -13,7 +13,7 @@ import pytest
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.cli.probe import render
 from rendezvousd.client import RendezvousClient
-from rendezvousd.common.escape import EscapingFormatter, escape
+from rendezvousd.common.escape import EscapingFormatter, escape, shortened
 from tests.support import DaemonProcess, parallel, wait_for
 
 UNSAFE = ["\x1b[2J", "\x85", "\x9b31m", "\u202e", "\u2066", "\u200f", "\n", "\r", "\x00"]
@@ -27,6 +27,15 @@ def test_escape_removes_every_unsafe_character(char: str) -> None:
     shown = escape(f"a{char}b")
     assert shown.isprintable() and shown.isascii()
     assert "\\" in shown
+
+
+def test_shortened_cuts_only_what_its_marker_is_shorter_than() -> None:
+    """A cut of 1 character added a 23-character marker ("... (1 more characters)")."""
+    assert shortened("x" * 121) == "x" * 121
+    assert shortened("x" * 120 + "\x1b") == "x" * 120 + "\\x1b"
+    assert shortened("x" * 144) == "x" * 144  # the marker would be 24: as long
+    assert shortened("x" * 145) == "x" * 120 + "... (25 more characters)"
+    assert shortened("x" * 5000).endswith("... (4880 more characters)")
 
 
 def test_escape_keeps_ordinary_text() -> None:
