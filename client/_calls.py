@@ -30,6 +30,8 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._call_stream import CALL_BATCH_BYTES, _CallStreams
 from rendezvousd.client._multiplex import NOT_RUN, timeout_ms
 from rendezvousd.client._session import (
+    DAEMON_CHECK_ADVICE,
+    DAEMON_LOST_ADVICE,
     INT64,
     JOIN_TIMEOUT_S,
     SLACK_S,
@@ -379,11 +381,18 @@ class Calls:
             else "the daemon died or this host lost its network"
         )
         gone_s = time.monotonic() - began
+        # Worded as the heartbeat's loss is (``StreamWatch.unreachable``), so each caller
+        # that says it in its own words (torchrun's, the launcher's) finds the advice; a
+        # client of no job (`rendezvousd status`) has neither a job to name nor to restart.
+        who = (
+            f" (job {s.job_id!r}" + ("" if rank is None else f", rank {rank}") + ")"
+            if s.job_id
+            else ""
+        )
         raise DaemonUnreachable(
-            f"rendezvousd at {s.endpoint} {went} during {method} (job {s.job_id!r}"
-            + ("" if rank is None else f", rank {rank}")
-            + f") and was not back within {window:g} s (the reconnect window): {why}. "
-            "Check that the daemon is running and reachable, then start the job again",
+            f"rendezvousd at {s.endpoint} {went} during {method}{who} and was not back "
+            f"within {window:g} s (the reconnect window): {why}. "
+            + (DAEMON_LOST_ADVICE if s.job_id else DAEMON_CHECK_ADVICE),
             code="UNAVAILABLE",
             endpoint=s.endpoint,
             method=method,

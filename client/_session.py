@@ -1359,12 +1359,12 @@ class StreamWatch:
         )
 
 
-#: The end of ``DaemonUnreachable``'s message: what its caller, which may go on, can do
-#: (torchrun's handler, which stops its workers then, says so in its words).
-DAEMON_LOST_ADVICE = (
-    "Check that the daemon is running and that this host can reach it, then restart the "
-    "job if it cannot finish"
-)
+#: The end of ``DaemonUnreachable``'s message, the heartbeat's and a call's alike: what
+#: its caller, which may go on, can do (torchrun's handler and rendezvous-run's agent,
+#: which stop their workers then, say so in their words). A client of no job is told
+#: only the check.
+DAEMON_CHECK_ADVICE = "Check that the daemon is running and that this host can reach it"
+DAEMON_LOST_ADVICE = f"{DAEMON_CHECK_ADVICE}, then restart the job if it cannot finish"
 
 
 @dataclass

@@ -29,7 +29,7 @@ from rendezvousd.client import (
     RendezvousError,
     _calls,
 )
-from rendezvousd.client._session import REDIAL_GRACE_S, Session, StreamWatch
+from rendezvousd.client._session import DAEMON_LOST_ADVICE, REDIAL_GRACE_S, Session, StreamWatch
 from rendezvousd.client.errors import DaemonUnreachable
 from tests.daemon.test_blackhole import BlackHoleProxy
 from tests.support import DaemonProcess, StatefulDaemon, spawn_daemon, wait_for
@@ -199,6 +199,10 @@ def test_a_join_parked_when_the_daemon_dies_ends_within_the_window_not_its_wait(
     elapsed = time.monotonic() - started[0]
     assert elapsed < 20, f"the parked join waited {elapsed:.1f} s for a daemon gone"
     assert d.endpoint in str(info.value) and "JoinNode" in str(info.value)
+    # Worded as the heartbeat's loss, whose advice torchrun's handler and the launcher
+    # rewrite: it ended "then start the job again".
+    assert "during JoinNode (job 'gone-mid-join')" in str(info.value), info.value
+    assert str(info.value).endswith(DAEMON_LOST_ADVICE), info.value
 
 
 def test_a_channel_still_ready_after_the_daemon_died_is_not_taken_for_it_back(
