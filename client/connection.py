@@ -173,9 +173,9 @@ class TlsConfig:
         if (self.cert is None) != (self.key is None):
             given, missing = ("cert", "key") if self.key is None else ("key", "cert")
             raise InvalidRequest(
-                "--tls-cert and --tls-key go together (mutual TLS needs both): a client "
-                f"{given} ({getattr(self, given)}) without its {missing}; give neither for "
-                "TLS without a client certificate"
+                f"TlsConfig({given}={getattr(self, given)}) without {missing}=: a client "
+                "certificate and its key go together (mutual TLS needs both); give both, "
+                "or neither for TLS without a client certificate"
             )
 
     @classmethod
@@ -191,9 +191,10 @@ class TlsConfig:
         it): a client certificate or key without a CA, then half a key pair."""
         if ca is None:
             if cert or key:  # else the connection would go out in plaintext, silently
+                given = f"cert={cert}" if cert else f"key={key}"
                 raise InvalidRequest(
-                    "--tls-cert/--tls-key need --tls-ca, the CA that signed the daemon's "
-                    "certificate: a client certificate or key needs --tls-ca too, or the "
+                    f"TlsConfig.from_paths({given}) without ca=: a client certificate or "
+                    "key needs ca=, the CA that signed the daemon's certificate, or the "
                     "client speaks plaintext"
                 )
             return None
@@ -417,9 +418,23 @@ def channel_options(retry: RetryPolicy, server_name: str | None) -> list[tuple[s
 
 #: Fast probes of a TLS channel before the patient, wait-for-ready health check.
 TLS_PROBES = 3
-#: What a plaintext client of a TLS daemon is told to pass; torchrun's plugin swaps it
-#: for its own flag's words (trainer/torchrun/handler.py).
-TLS_CA_ADVICE = "pass --tls-ca (RENDEZVOUSD_TLS_CA / tls_ca=)"
+#: The TLS advice of the SDK's refusals, in the SDK's own words: the client takes
+#: ``tls=TlsConfig(...)`` and reads no TLS variable. Each caller with flags or settings
+#: of its own says them instead (``TLS_WORDS`` lists the phrases it replaces): torchrun's
+#: handler (``_in_torchruns_words``), rendezvous-run (``in_launchers_words``) and
+#: ``rendezvousd status`` (``_FLAG_WORDS``).
+#: What a plaintext client of a TLS daemon is told to pass.
+TLS_CA_ADVICE = "pass tls=TlsConfig(ca=PATH)"
+#: What a TLS client of a plaintext daemon is told to drop.
+TLS_DROP_ADVICE = "connect without TLS (tls=None)"
+#: What to check after a failed handshake (a CA that did not sign the daemon's
+#: certificate, or a name it does not hold).
+TLS_CHECK_ADVICE = (
+    "Check TlsConfig's ca (it must have signed the daemon's certificate) and server_name"
+)
+#: What a client an mTLS daemon turns away must give.
+TLS_PAIR_ADVICE = "TlsConfig's cert and key"
+TLS_WORDS = (TLS_CA_ADVICE, TLS_DROP_ADVICE, TLS_CHECK_ADVICE, TLS_PAIR_ADVICE)
 TLS_PROBE_TIMEOUT_S = 2.0
 #: How long a plaintext client looks for a TLS daemon: one TCP connect, one answer.
 TLS_SNIFF_TIMEOUT_S = 2.0
@@ -491,12 +506,12 @@ class TlsProbe:
                 # would help, as the advice below says. `rendezvousd health` asks alike.
                 return (
                     f"the daemon at {self.endpoint} does not speak TLS (it serves "
-                    "plaintext): drop tls_ca (--tls-ca / RENDEZVOUSD_TLS_CA), or serve "
-                    "TLS there (--tls-cert/--tls-key)"
+                    f"plaintext): {TLS_DROP_ADVICE}, or serve TLS there (the daemon's "
+                    "--tls-cert/--tls-key)"
                 )
             return (
-                f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. Check "
-                "tls_ca (it must have signed the daemon's certificate) and tls_server_name"
+                f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. "
+                f"{TLS_CHECK_ADVICE}"
             )
         if "socket closed" in lowered:
             self.closed += 1
@@ -504,7 +519,7 @@ class TlsProbe:
                 return (
                     f"rendezvousd at {self.endpoint} closes every TLS connection during the "
                     "handshake: it requires a client certificate (mTLS) signed by its "
-                    "--tls-client-ca. Give tls_cert and tls_key, or check that they are "
+                    f"--tls-client-ca. Give {TLS_PAIR_ADVICE}, or check that they are "
                     "signed by that CA"
                 )
         return None

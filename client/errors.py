@@ -250,6 +250,12 @@ _BY_REASON: dict[str, type[RendezvousError]] = {
     "VERSION_MISMATCH": VersionMismatch,
     # A usage error, as a bad field is (it was ProtocolError: "anything else").
     "NOT_A_COUNTER": InvalidRequest,
+    # PERMISSION_DENIED both, but neither is a wrong token or TLS setting: a PublishId
+    # from a rank other than 0 is a misuse of the call; a job token naming another job
+    # is the token's scope (``_scope_advice``), which the launcher must still take for a
+    # setup error, as any refused token.
+    "NOT_RANK_ZERO": InvalidRequest,
+    "SCOPE_DENIED": AuthenticationError,
     "DUPLICATE_RANK": DuplicateRank,
     "ID_CONFLICT": IdConflict,
     "STALE_GENERATION": StaleGeneration,
@@ -313,9 +319,21 @@ def _status_details(call: grpc.Call) -> tuple[str, dict[str, str], list[pb.Faile
 _TOO_LARGE = re.compile(r"Received message larger than max \((?P<sent>\d+) vs\. (?P<max>\d+)\)")
 
 
-#: Where a refused token came from, as our launcher and SDK users set it (torchrun's
-#: handler says it in its words).
-TOKEN_ADVICE = "(--token-file / RENDEZVOUSD_TOKEN)"
+#: Where a refused token came from, in the SDK's words: its keywords, and the variables
+#: it reads without them (``resolve_token``). Callers with flags of their own say those
+#: (torchrun's handler, rendezvous-run, ``rendezvousd status``).
+TOKEN_ADVICE = "(token= / token_file=, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)"
+
+
+def _scope_advice(job_id: str) -> str:
+    """What a client refused SCOPE_DENIED can do: its token is a job token for another
+    job (a wrong token, not a TLS setting)."""
+    job = f"job {job_id!r}'s token" if job_id else "that job's token"
+    mint = job_id or "JOB"
+    return (
+        f"; give this client {job} {TOKEN_ADVICE} (`rendezvousd token --job {mint} "
+        "--admin-token-file ADMIN_TOKEN_FILE OUT` makes one) or the admin token"
+    )
 
 
 def from_rpc_error(
@@ -327,7 +345,9 @@ def from_rpc_error(
     cls = _BY_REASON.get(reason) or _BY_CODE.get(code, ProtocolError)
     where = f"{method} on rendezvousd at {endpoint}"
     who = f" (job {job_id!r}" + (f", rank {rank})" if rank is not None else ")") if job_id else ""
-    if cls is AuthenticationError:
+    if reason == "SCOPE_DENIED":
+        message = f"{where}{who} was refused ({code.name}): {details}{_scope_advice(job_id)}"
+    elif cls is AuthenticationError:
         message = (
             f"{where}{who} was refused ({code.name}): {details}; check that the token "
             f"{TOKEN_ADVICE} and TLS settings match the daemon's"

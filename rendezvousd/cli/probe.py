@@ -47,7 +47,7 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
     try:
         tls = TlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     except InvalidRequest as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(_flag_words(str(exc))) from None
     for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
                        ("--tls-key", args.tls_key)):  # fmt: skip
         try:
@@ -242,12 +242,31 @@ def _flag_words(said: str) -> str:
 
 #: The SDK's words for its keywords and variables, as this command's flags: it reads
 #: only its flags (--timeout sets connect_timeout).
+#: Literal, as the SDK's constants (``TLS_WORDS``, ``TOKEN_ADVICE``) say them: this
+#: module imports the client only when it runs (tests/client/test_error_words.py pins
+#: that they agree).
 _FLAG_WORDS = (
-    ("pass --tls-ca (RENDEZVOUSD_TLS_CA / tls_ca=)", "pass --tls-ca"),  # TLS_CA_ADVICE
-    ("tls_ca (--tls-ca / RENDEZVOUSD_TLS_CA)", "--tls-ca"),
-    ("tls_ca (", "--tls-ca ("),
-    ("tls_server_name", "--tls-server-name"),
-    ("tls_cert and tls_key", "--tls-cert and --tls-key"),
+    ("pass tls=TlsConfig(ca=PATH)", "pass --tls-ca"),
+    ("connect without TLS (tls=None)", "drop --tls-ca"),
+    (
+        "Check TlsConfig's ca (it must have signed the daemon's certificate) and server_name",
+        "Check --tls-ca (it must have signed the daemon's certificate) and --tls-server-name",
+    ),
+    ("TlsConfig's cert and key", "--tls-cert and --tls-key"),
+    (
+        "(token= / token_file=, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)",
+        "(--token-file, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)",
+    ),
+    # TlsConfig's own checks of the flags' files (``_tls``): "TlsConfig(cert=PATH)
+    # without key=: ..." and "TlsConfig.from_paths(cert=PATH) without ca=: ...".
+    ("TlsConfig(cert=", "--tls-cert "),
+    ("TlsConfig(key=", "--tls-key "),
+    ("TlsConfig.from_paths(cert=", "--tls-cert "),
+    ("TlsConfig.from_paths(key=", "--tls-key "),
+    (") without key=:", " without --tls-key:"),
+    (") without cert=:", " without --tls-cert:"),
+    (") without ca=:", " without --tls-ca:"),
+    ("needs ca=,", "needs --tls-ca,"),
     ("(connect_timeout)", "(--timeout)"),
 )
 

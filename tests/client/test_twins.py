@@ -596,7 +596,11 @@ def tls_client_of_a_plaintext_daemon_is_told_to_drop_its_ca(w: World) -> object:
     with pytest.raises(AuthenticationError) as refused:
         c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=5)
     said = str(refused.value)
-    return "does not speak TLS" in said and "drop tls_ca" in said and "Check tls_ca" not in said
+    return (
+        "does not speak TLS" in said
+        and "connect without TLS (tls=None)" in said
+        and "Check TlsConfig's ca" not in said
+    )
 
 
 def plaintext_client_that_never_joins_hears_tls(w: World) -> object:

@@ -32,7 +32,9 @@ from rendezvousd.client.connection import (
 )
 from tests.support import DaemonProcess, Pki, free_port, launcher_cmd
 
-SPEAKS_TLS = "speaks TLS: pass --tls-ca (RENDEZVOUSD_TLS_CA / tls_ca=)"
+#: The SDK's words (its keyword), and rendezvous-run's (its flag and variable).
+SPEAKS_TLS = "speaks TLS: pass tls=TlsConfig(ca=PATH), the CA that signed its certificate"
+LAUNCHER_SPEAKS_TLS = "speaks TLS: pass --tls-ca PATH (or set $RENDEZVOUSD_TLS_CA), the CA"
 #: Long enough that waiting for it (the old behaviour) fails the test's time limit.
 CONNECT_TIMEOUT_S = 30.0
 PROMPTLY_S = 5.0
@@ -133,7 +135,8 @@ def test_launcher_without_the_ca_names_the_tls_daemon_and_stops(
     )
     elapsed = time.monotonic() - started
     assert run.returncode != 0, run.stderr
-    assert f"the daemon at {d.endpoint} {SPEAKS_TLS}" in run.stderr, run.stderr
+    assert f"the daemon at {d.endpoint} {LAUNCHER_SPEAKS_TLS}" in run.stderr, run.stderr
+    assert "TlsConfig" not in run.stderr and "tls_ca" not in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and "assigned a rank without" not in run.stderr
     assert elapsed < 20, f"{elapsed:.1f} s: {run.stderr}"
     # Its first client's attempt; its restarts and root-cause query ask directly.
@@ -165,7 +168,10 @@ def test_launcher_with_the_wrong_ca_says_so_in_its_own_words_only(
         )
         assert done.returncode == 2, done.stderr  # the setup's error: no restart helps
         assert "CERTIFICATE_VERIFY_FAILED" in done.stderr, done.stderr
-        assert "Check tls_ca (it must have signed the daemon's certificate)" in done.stderr
+        # Its flags: it was told to check "tls_ca", which rendezvous-run does not take.
+        said = "Check --tls-ca (it must have signed the daemon's certificate) and --tls-server-name"
+        assert said in done.stderr, done.stderr
+        assert "TlsConfig" not in done.stderr and "tls_ca" not in done.stderr, done.stderr
         return done.stderr
 
     assert "Handshake failed" not in (err := run()), err
@@ -236,7 +242,13 @@ def test_health_and_status_without_the_ca_say_the_daemon_speaks_tls_alike(
             )  # fmt: skip
             assert run.returncode == 2, (command, flags, run.stderr)
             assert said in run.stderr, (command, flags, run.stderr)
-            for sdk_word in ("RENDEZVOUSD_TLS_CA", "tls_ca", "tls_server_name"):
+            for sdk_word in (
+                "RENDEZVOUSD_TLS_CA",
+                "tls_ca",
+                "tls_server_name",
+                "TlsConfig",
+                "tls=",
+            ):
                 assert sdk_word not in run.stderr, (command, flags, run.stderr)
 
 

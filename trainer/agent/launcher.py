@@ -364,7 +364,7 @@ def _run_agent(
         from rendezvousd.client.connection import resolve_token
         from rendezvousd.client.errors import RendezvousError
         from rendezvousd.client.warnings_said import say_client_warnings
-        from rendezvousd.trainer.agent.node_agent import NodeAgent
+        from rendezvousd.trainer.agent.node_agent import NodeAgent, in_launchers_words
 
         say_client_warnings(_note)
         transport = config.rendezvous
@@ -374,7 +374,10 @@ def _run_agent(
             client = transport.client(config.job_id, config.retry_attempts, token=token)
         except RendezvousError as exc:
             discard(booted)
-            return _fail(f"cannot talk to the rendezvous daemon at {transport.endpoint}: {exc}")
+            return _fail(
+                f"cannot talk to the rendezvous daemon at {transport.endpoint}: "
+                f"{in_launchers_words(exc)}"
+            )
         # The agent owns the spares from here on.
         agent = NodeAgent(
             config,

@@ -23,7 +23,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvousd.client._session import DAEMON_LOST_ADVICE
+from rendezvousd.client.connection import (
+    TLS_CA_ADVICE,
+    TLS_CHECK_ADVICE,
+    TLS_DROP_ADVICE,
+    TLS_PAIR_ADVICE,
+)
 from rendezvousd.client.errors import (
+    TOKEN_ADVICE,
     AuthenticationError,
     DaemonUnavailable,
     DuplicateRank,
@@ -211,10 +219,42 @@ class StrayLost:
 Outcome = Failure | NodesWaiting | StrayLost | Interrupted | None
 
 
+#: The SDK's advice in rendezvous-run's words: the SDK names its keywords
+#: (``tls=TlsConfig(...)``, ``token=``) and tells its reader to restart the job once the
+#: daemon is lost, where this launcher takes flags (and the settings' variables) and
+#: restarts the node itself.
+_LAUNCHER_WORDS = (
+    (TLS_CA_ADVICE, "pass --tls-ca PATH (or set $RENDEZVOUSD_TLS_CA)"),
+    (TLS_DROP_ADVICE, "drop --tls-ca (and $RENDEZVOUSD_TLS_CA)"),
+    (
+        TLS_CHECK_ADVICE,
+        "Check --tls-ca (it must have signed the daemon's certificate) and --tls-server-name",
+    ),
+    (TLS_PAIR_ADVICE, "--tls-cert and --tls-key"),
+    (TOKEN_ADVICE, "(--token-file, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)"),
+    (
+        DAEMON_LOST_ADVICE,
+        "This node agent stops its workers and, if --max-restarts allows, joins again "
+        "(asking for the daemon for up to its join timeout): check that the daemon is "
+        "running and that this host can reach it (a daemon restarted with --state-dir "
+        "keeps the job)",
+    ),
+)
+
+
+def in_launchers_words(error: BaseException) -> str:
+    """``error``'s message as rendezvous-run's user must read it (``_LAUNCHER_WORDS``)."""
+    said = str(error)
+    if isinstance(error, RendezvousError):
+        for sdk, launchers in _LAUNCHER_WORDS:
+            said = said.replace(sdk, launchers)
+    return said
+
+
 def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
     """(cause, rank, host) of a failure the daemon pushed: the first member it lost,
     with that member's own host."""
-    cause = f"{type(error).__name__}: {error}"
+    cause = f"{type(error).__name__}: {in_launchers_words(error)}"
     if isinstance(error, PeerFailed) and error.failed:
         first = error.failed[0]
         # Its losses only: a call's message goes on with the SDK user's remedy ("restart
@@ -574,7 +614,7 @@ class NodeAgent:
                     outage.reset()
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
-                cause = f"joining failed: {type(answer).__name__}: {answer}"
+                cause = f"joining failed: {type(answer).__name__}: {in_launchers_words(answer)}"
                 # Asked again every OUTAGE_RETRY_S for the join's timeout, no restart used:
                 # a daemon not up yet (a restart would only join it again, unreachable),
                 # and a --node-rank held by another agent, maybe this node's predecessor,
@@ -1025,7 +1065,7 @@ class NodeAgent:
         try:
             self.client.report_failure(local, cause)
         except RendezvousError as exc:
-            self.note(f"could not report the failure to the daemon: {exc}")
+            self.note(f"could not report the failure to the daemon: {in_launchers_words(exc)}")
 
     def _stop(
         self,

@@ -130,7 +130,13 @@ from rendezvousd.client import (
     TopologyMismatch,
 )
 from rendezvousd.client._session import DAEMON_LOST_ADVICE
-from rendezvousd.client.connection import NO_TOKEN_ADVICE, TLS_CA_ADVICE
+from rendezvousd.client.connection import (
+    NO_TOKEN_ADVICE,
+    TLS_CA_ADVICE,
+    TLS_CHECK_ADVICE,
+    TLS_DROP_ADVICE,
+    TLS_PAIR_ADVICE,
+)
 from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
 from rendezvousd.client.warnings_said import say_client_warnings
@@ -203,12 +209,27 @@ def start_warm_server(
     return server
 
 
-#: The SDK's advice to a plaintext client of a TLS daemon (``TLS_CA_ADVICE``) names our
-#: CLI's flag, which torchrun does not have; ``_in_torchruns_words`` gives torchrun's
+#: The SDK's advice to a plaintext client of a TLS daemon (``TLS_CA_ADVICE``) names its
+#: keyword, which torchrun's user cannot pass; ``_in_torchruns_words`` gives torchrun's
 #: (``TORCHRUN_TLS_ADVICE``, the settings' own).
 #: And its advice on the token (``TOKEN_ADVICE``, ``NO_TOKEN_ADVICE``): torchrun has no
 #: --token-file, and --rdzv-conf takes no token itself (it would show in `ps`).
 TORCHRUN_TOKEN_ADVICE = "--rdzv-conf token_file=PATH, or RENDEZVOUSD_TOKEN_FILE / RENDEZVOUSD_TOKEN"
+
+
+#: The SDK's TLS and token advice (its keywords: ``tls=TlsConfig(...)``, ``token=``),
+#: as torchrun's user sets them: --rdzv-conf keys and the settings' variables.
+_TORCHRUN_AUTH_WORDS = (
+    (TLS_CA_ADVICE, TORCHRUN_TLS_ADVICE),
+    (TLS_DROP_ADVICE, "drop tls_ca from --rdzv-conf (and RENDEZVOUSD_TLS_CA)"),
+    (
+        TLS_CHECK_ADVICE,
+        "Check --rdzv-conf tls_ca (it must have signed the daemon's certificate) and "
+        "tls_server_name",
+    ),
+    (TLS_PAIR_ADVICE, "--rdzv-conf tls_cert and tls_key"),
+    (TOKEN_ADVICE, f"({TORCHRUN_TOKEN_ADVICE})"),
+)
 
 
 def _nnodes(topology: str) -> str | None:
@@ -226,10 +247,13 @@ def _in_torchruns_words(exc: RendezvousError) -> str | None:
     """The SDK's message where torchrun's user must read other words; None where the
     SDK's stand. The SDK speaks of our CLI's flags and of ``rendezvous-run``'s
     topology (``--nproc-per-node`` GPUs per node), neither of which torchrun has."""
-    if isinstance(exc, AuthenticationError) and TLS_CA_ADVICE in exc.message:
-        return exc.message.replace(TLS_CA_ADVICE, TORCHRUN_TLS_ADVICE)
-    if isinstance(exc, AuthenticationError) and TOKEN_ADVICE in exc.message:
-        return exc.message.replace(TOKEN_ADVICE, f"({TORCHRUN_TOKEN_ADVICE})")
+    if isinstance(exc, AuthenticationError) and any(
+        sdk in exc.message for sdk, _ in _TORCHRUN_AUTH_WORDS
+    ):
+        said = exc.message
+        for sdk, torchruns in _TORCHRUN_AUTH_WORDS:
+            said = said.replace(sdk, torchruns)
+        return said
     if isinstance(exc, DaemonUnreachable) and DAEMON_LOST_ADVICE in exc.message:
         # The SDK's reader may go on; torch's agent stops its workers now.
         return exc.message.replace(
