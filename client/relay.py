@@ -191,9 +191,25 @@ def _link_ended() -> grpc.RpcError:
 RELAY_STALLED = "RELAY_STALLED"
 _STALLED = (
     "no answer through the node agent within the call's deadline (the agent, or its "
-    "stream to the daemon, is stuck); this worker makes its calls on its own channel "
-    "from now on"
+    "stream to the daemon, is stuck)"
 )
+_OWN_CHANNEL = "this worker makes its calls on its own channel from now on"
+
+
+class AgentTookNone(ConnectionError):
+    """What a relay's ``Send`` raises when the agent took none of the call in its
+    time (its reader stopped or stuck): the relay ends and says so, once, in the words
+    of a stalled call (``relay_note``). Its text says why, without a caller."""
+
+
+def relay_note(method: str, request: Any, call_id: int, why: str) -> str:
+    """Why a worker's relayed call gave up on its node agent, naming its job, rank
+    and method: one wording for every way the relay ends on a stuck agent."""
+    job = getattr(request, "job_id", "")
+    fields = request.DESCRIPTOR.fields_by_name if hasattr(request, "DESCRIPTOR") else {}
+    rank = f" rank {request.rank}" if "rank" in fields else ""
+    who = f"job {job!r}{rank}: " if job else ""
+    return f"{who}relayed {method} (call {call_id}): {why}; {_OWN_CHANNEL}"
 
 
 class _Relayed:
@@ -232,8 +248,10 @@ class _Relayed:
             raise Unsupported from None  # the link ended: unary from now on
         try:
             self._send(message.SerializeToString())
-        except OSError:
+        except OSError as exc:
             self.pending.drop(call_id)
+            if isinstance(exc, AgentTookNone):
+                log.warning("%s", relay_note(method, request, call_id, str(exc)))
             self.end()
             raise Unsupported from None
         self.sent[method] += 1
@@ -248,7 +266,7 @@ class _Relayed:
             self._send(cancel_message(call_id).SerializeToString())
         return True
 
-    def _timed_out(self, call_id: int) -> grpc.RpcError | None:
+    def _timed_out(self, method: str, request: Any, call_id: int) -> grpc.RpcError | None:
         """Call ``call_id``'s own deadline passed: None when its Reply came meanwhile.
         Else the agent answered nothing by the deadline it gave the daemon (the daemon's
         answer, or its stream's error, would have come back): it is stuck. The link
@@ -261,11 +279,12 @@ class _Relayed:
             return None
         # Said once per worker: the relay is over for it, and an operator should know
         # that a node agent got stuck.
-        log.warning("relayed daemon call %d: %s", call_id, _STALLED)
-        self.end(lambda: rpc_error(grpc.StatusCode.UNAVAILABLE, _STALLED))
+        log.warning("%s", relay_note(method, request, call_id, _STALLED))
+        ended = f"{_STALLED}; {_OWN_CHANNEL}"
+        self.end(lambda: rpc_error(grpc.StatusCode.UNAVAILABLE, ended))
         # The reason RELAY_STALLED (the SDK's own, never the daemon's): a call the retry
         # policy does not re-make says why, not "the daemon did not answer in time".
-        return status_error(rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, RELAY_STALLED, _STALLED))
+        return status_error(rich_status(grpc.StatusCode.DEADLINE_EXCEEDED, RELAY_STALLED, ended))
 
 
 class RelayedCalls(_Relayed):
@@ -278,7 +297,7 @@ class RelayedCalls(_Relayed):
         try:
             return waiter.result(timeout)
         except TimeoutError:
-            if (stalled := self._timed_out(call_id)) is not None:
+            if (stalled := self._timed_out(method, request, call_id)) is not None:
                 raise stalled from None
         except BaseException:  # interrupted: as BlockingCallStream.call
             self._give_up(call_id)
@@ -302,7 +321,7 @@ class AsyncRelayedCalls(_Relayed):
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(waiter)
         except TimeoutError:
-            if (stalled := self._timed_out(call_id)) is None:
+            if (stalled := self._timed_out(method, request, call_id)) is None:
                 return await waiter
             raise stalled from None
         except asyncio.CancelledError:

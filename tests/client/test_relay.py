@@ -316,7 +316,7 @@ async def test_a_cancelled_asyncio_workers_relayed_wait_is_cancelled_on_the_daem
 
 
 def test_a_worker_whose_agent_never_answers_fails_over_to_its_own_channel(
-    daemon: DaemonProcess, node: Node, caplog: pytest.LogCaptureFixture
+    daemon: DaemonProcess, node: Node, job_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An agent that takes the worker's calls and answers none (stalled, or its stream
     stuck): at the call's own deadline (the daemon's wait plus the SDK's slack) the
@@ -341,6 +341,12 @@ def test_a_worker_whose_agent_never_answers_fails_over_to_its_own_channel(
     assert len(sent) == 2
     said = [r.getMessage() for r in caplog.records if "through the node agent" in r.getMessage()]
     assert len(said) == 1, said  # an operator hears of the stuck agent, once
+    # Of which worker and call: it said "relayed daemon call 1: ...", no job or rank.
+    assert said[0].startswith(
+        f"job {job_id!r} rank 7: relayed KvGet (call {asked.id}): no answer "
+        "through the node agent within the call's deadline"
+    ), said
+    assert said[0].endswith("this worker makes its calls on its own channel from now on")
     assert not relayed.pending.drop(asked.id)  # nothing of it is left in flight
 
 

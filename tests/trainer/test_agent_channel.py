@@ -554,10 +554,14 @@ def test_a_relayed_call_the_agent_reads_nothing_of_goes_on_the_workers_own_chann
         assert 1.0 <= time.monotonic() - started < 10
         assert worker.call_route == "unary"
         assert _within(30, lambda: worker.kv_get("k", wait=False)) == b"v"
-        said = [
-            r.getMessage() for r in caplog.records if "took none of a daemon call" in r.getMessage()
-        ]
+        said = [r.getMessage() for r in caplog.records if "took none of it" in r.getMessage()]
         assert len(said) == 1, said
+        # Worded as a relayed call the agent never answered, naming the worker and call.
+        assert said[0].startswith(
+            f"job {job_id!r} rank 0: relayed KvSet (call 1): the node agent took none of it "
+            "within 1 s ("
+        ), said
+        assert said[0].endswith("; this worker makes its calls on its own channel from now on")
     finally:
         link.close()
         theirs.close()

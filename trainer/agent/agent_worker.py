@@ -17,7 +17,6 @@ node's burst of calls reaches the daemon as one message.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
     from rendezvousd.client import RendezvousClient
     from rendezvousd.client.relay import RelayedCalls
 
-log = logging.getLogger("rendezvousd.trainer")
 
 # How long a relayed call's frame may wait for the agent to read it. A frame is a few
 # hundred bytes and the agent reads every worker's channel all the time, so an agent
@@ -229,13 +227,13 @@ class AgentLink:
         try:
             self.channel.send("call", None, call, within=CALL_SEND_S)
         except SendTimedOut as exc:
-            log.warning(
-                "the node agent took none of a daemon call within %g s (%s); this worker "
-                "makes its calls on its own channel from now on",
-                CALL_SEND_S,
-                exc,
-            )
-            raise ConnectionError(str(exc)) from exc
+            # Said by the relay, which knows the call's job, rank and method (imported
+            # by then: the client made the relay).
+            from rendezvousd.client.relay import AgentTookNone
+
+            raise AgentTookNone(
+                f"the node agent took none of it within {CALL_SEND_S:g} s ({exc})"
+            ) from exc
         except AgentChannelError as exc:
             raise ConnectionError(str(exc)) from exc
 
