@@ -1026,6 +1026,11 @@ def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_wind
             _cleanup(nodes)
     assert codes == [0, 0], [n.stderr()[-2000:] for n in nodes]
     assert "already has max_nodes" not in nodes[0].stderr() + nodes[1].stderr()
+    # In the launcher's words: it restarts the node itself, where the SDK tells its
+    # reader to "restart the job if it cannot finish".
+    own = _agent_lines(nodes[0].stderr())
+    assert "stops its workers and, if --max-restarts allows, joins again" in own, own
+    assert "restart the job if it cannot finish" not in own, own
 
 
 _FINISHING = """\
