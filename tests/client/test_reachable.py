@@ -318,7 +318,7 @@ async def test_a_tls_daemon_is_told_to_a_plaintext_join_with_a_short_connect_tim
 ) -> None:
     """The probes share the short connect timeout, and still each get enough time."""
     d = start_daemon(*pki.serve_args())
-    with pytest.raises(AuthenticationError, match="speaks TLS: pass --tls-ca"):
+    with pytest.raises(AuthenticationError, match=r"speaks TLS: pass tls=TlsConfig\(ca=PATH\)"):
         await _join(kind, d.endpoint, None, 0.2)
 
 

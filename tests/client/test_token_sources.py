@@ -193,5 +193,5 @@ def test_half_a_client_key_pair_is_refused_before_grpc_aborts_on_it(
     pem.write_text("not used\n")
     with pytest.raises(InvalidRequest, match="mutual TLS needs both"):
         TlsConfig(ca=pem, **{given: pem})
-    with pytest.raises(InvalidRequest, match="needs --tls-ca"):
+    with pytest.raises(InvalidRequest, match="without ca=: a client certificate or key needs ca="):
         TlsConfig.from_paths(None, **{given: str(pem)})
