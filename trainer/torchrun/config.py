@@ -22,8 +22,8 @@ from rendezvousd.trainer.errors import ConfigError
 __all__ = ["SCHEMA", "TorchrunSettings", "load_settings", "settings_table"]
 
 
-#: How a torchrun user gives the CA: torchrun has none of our CLI's --tls-* flags, which
-#: the SDK's advice (``TLS_CA_ADVICE``) names.
+#: How a torchrun user gives the CA: torchrun has neither the SDK's ``TlsConfig`` keyword,
+#: which the SDK's advice (``TLS_CA_ADVICE``) names, nor our CLI's --tls-* flags.
 TORCHRUN_TLS_ADVICE = "pass --rdzv-conf tls_ca=PATH (or set RENDEZVOUSD_TLS_CA)"
 
 
