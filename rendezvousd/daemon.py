@@ -412,6 +412,9 @@ class Daemon:
         servicer = RendezvousServicer(
             self.state, self.metrics, self.persister, self.config.max_concurrent_streams
         )
+        # The restored jobs' transitions: logged, and the job gauges set, before the
+        # daemon serves (they waited for the first tick, and /metrics read no jobs).
+        servicer.apply()
         interceptor = TokenAuthInterceptor(
             self.tokens,
             on_reject=lambda m: self.metrics.observe_rpc(

@@ -283,15 +283,27 @@ def render(jobs: list[Any]) -> str:
         )
         for m in job.members:
             mstate = pb.MemberState.Name(m.state).removeprefix("MEMBER_STATE_")
+            watched = _watched(s.state, m.state)
+            if m.state == pb.MEMBER_STATE_ACTIVE and not watched:
+                # Its generation is over: it is not expected to beat, and "ACTIVE" alone
+                # read as a live member whose heartbeat was late.
+                mstate = f"{mstate} (job {state.lower()})"
             lines.append(
                 f"    rank {m.member.rank:>5}  node {m.member.node_rank:>4}  local "
                 f"{m.member.local_rank:>3}  {escape(m.member.host):<20} {mstate:<8} "
-                f"heartbeat {_age(m.heartbeat_age_ms)}"
+                f"heartbeat {_age(m.heartbeat_age_ms) if watched else '-'}"
             )
         lines += _ending(job)
     if not jobs:
         lines.append("(no jobs)")
     return "\n".join(lines)
+
+
+def _watched(job_state: int, member_state: int) -> bool:
+    """Whether a member's heartbeat age means anything (the daemon's
+    ``liveness.watched``): an active member of a running job. Any other shows "-",
+    not the 0 GetJob gives it (a rank lost for its silence read "heartbeat 0.0s")."""
+    return job_state == pb.JOB_STATE_RUNNING and member_state == pb.MEMBER_STATE_ACTIVE
 
 
 def render_job(job: Any) -> str:
@@ -301,7 +313,8 @@ def render_job(job: Any) -> str:
     table = render([pb.GetJobResponse(summary=job.summary)]).splitlines()
     facts = []
     job_step = grid.job_step(
-        (MemberState(m.state), m.step if m.HasField("step") else None) for m in job.members
+        ((MemberState(m.state), m.step if m.HasField("step") else None) for m in job.members),
+        ended=job.summary.state == pb.JOB_STATE_ENDED,
     )
     if job_step is not None:
         facts.append(f"step {job_step}")
@@ -338,11 +351,13 @@ def render_job(job: Any) -> str:
         late_s,
     )
     lines.append(f"    {'NODE':>5}  {'HOST':<20} {'RANKS':<{max(5, per_node)}}  HEARTBEAT   STEP")
+    beating = {m.member.node_rank for m in job.members if _watched(job.summary.state, m.state)}
     for node, row in sorted(rows.items()):
         step = "-" if row.step is None else str(row.step)
+        age = f"{row.age_s:>8.1f}s" if node in beating else f"{'-':>9}"
         lines.append(
             f"    {node:>5}  {escape(row.host):<20} {''.join(row.seats):<{max(5, per_node)}}  "
-            f"{row.age_s:>8.1f}s {step:>6}"
+            f"{age} {step:>6}"
         )
     lines += [f"    ({grid.LEGEND})", *_ending(job)]
     return "\n".join(lines)
@@ -357,7 +372,16 @@ def _ending(job: Any) -> list[str]:
     # (A FAILED generation with no loss read as nothing at all: a joiner of another
     # version or topology failed it, said only to the joiners and in the daemon's log.)
     lines += [f"    refused: {escape(job.conflict)}"] if job.conflict else []
-    return lines + ([f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else [])
+    lines += [f"    aborted: {escape(job.abort_reason)}"] if job.abort_reason else []
+    # An earlier generation's failure (this one's is said above): after the job
+    # re-formed, or while it forms again, nothing said why it had restarted.
+    last = job.last_failure if job.HasField("last_failure") else None
+    if last is not None and last.generation != job.summary.generation:
+        lines.append(
+            f"    last failure: generation {last.generation}, {_age(last.age_ms)} ago "
+            f"({job.failures} in all): {shortened(last.cause)}"
+        )
+    return lines
 
 
 def _seconds(least: float) -> Callable[[str], float]:

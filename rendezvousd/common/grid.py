@@ -37,13 +37,18 @@ class NodeRow:
     step: int | None = None
 
 
-def job_step(members: Iterable[tuple[MemberState, int | None]]) -> int | None:
+def job_step(
+    members: Iterable[tuple[MemberState, int | None]], *, ended: bool = False
+) -> int | None:
     """The job's step: its slowest active rank's (None until one reported a step).
     A lost or departed rank's last step is history, not where training stands: the
     one definition the daemon's views (``JobView.step``, the status page) and
-    ``rendezvousd status JOB`` share."""
-    active = (s for state, s in members if state is MemberState.ACTIVE and s is not None)
-    return min(active, default=None)
+    ``rendezvousd status JOB`` share. An ``ended`` job (every member left, each
+    goodbye carrying its last steps) stands where its ranks left it: the slowest
+    one's (it showed none, its ranks being no longer active)."""
+    counted = (MemberState.ACTIVE, MemberState.LEFT) if ended else (MemberState.ACTIVE,)
+    steps = (s for state, s in members if state in counted and s is not None)
+    return min(steps, default=None)
 
 
 def node_rows(

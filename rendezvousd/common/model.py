@@ -32,6 +32,7 @@ __all__ = [
     "Effect",
     "EventKind",
     "FailedInfo",
+    "JobFailure",
     "JobState",
     "JobView",
     "JoinMode",
@@ -159,16 +160,49 @@ class Transition:
     detail: str
     # The job's world (num_nodes x gpus_per_node) as of the change: what formed.
     world_size: int = 0
+    # A job put back from storage at start-up: no change this daemon saw, so not
+    # counted (a restart counted every restored job as entering its state again, and
+    # Prometheus read the jump as new failures). ``since``: when (monotonic) the job
+    # entered its state before the restart, what the status page's timeline shows.
+    restored: bool = False
+    since: float | None = None
+    # The generation failed by losing a member (not a conflicting joiner): what
+    # ``rendezvousd_failures_detected_total`` counts, whoever there was to tell.
+    lost: bool = False
+
+    @property
+    def failure(self) -> bool:
+        """A generation that ended failed or aborted: a scale-up's abort is planned (an
+        agent ended the generation for nodes waiting to join), not counted as one."""
+        return self.new is JobState.FAILED or (
+            self.new is JobState.ABORTED and self.detail != SCALE_UP_REASON
+        )
 
 
 @dataclass(frozen=True)
 class Warn:
     """Something the operator should hear of that changes no job's state (a client
-    too old for this daemon): adapters log it at WARNING."""
+    too old for this daemon, a joiner a running generation refused): adapters log it
+    at WARNING."""
 
     job_id: str
     generation: int
     message: str
+    # A join the running generation refused, by the refusal's reason (a bounded label:
+    # TOPOLOGY_MISMATCH, VERSION_MISMATCH, JOIN_MODE_MISMATCH): adapters count it. Its
+    # ``message`` is "" when the job's rate limit held the line back.
+    refused: str = ""
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    """The job's latest failed generation, kept with the job (across its next
+    generations and a daemon restart): which, what failed it (its first loss, or a
+    conflicting joiner's refusal), and when (the monotonic clock, in the daemon)."""
+
+    generation: int
+    cause: str
+    at: float
 
 
 Effect = Wake | Notify | Transition | Warn
@@ -234,6 +268,10 @@ class JobView:
     # Why a forming generation FAILED with no member lost: the refusal of a joiner that
     # contradicted it (its topology, its version), as the joiners were told it.
     conflict: str = ""
+    # The job's latest failed generation (None: none yet), and how many of its
+    # generations failed or were aborted (``Transition.failure``), kept across a restart.
+    last_failure: JobFailure | None = None
+    failures: int = 0
 
     @property
     def world_size(self) -> int:

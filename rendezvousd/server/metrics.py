@@ -22,7 +22,8 @@ from prometheus_client import (
 )
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.common.model import JobState, MemberState, Transition
+from rendezvousd.common.model import JobState, Transition
+from rendezvousd.errors import Reason
 
 if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
@@ -38,6 +39,9 @@ _KNOWN_METHODS = frozenset(
     ]
 )
 _CODES = frozenset(code.name for code in grpc.StatusCode)
+# The refusals a running generation makes of a joiner (``rounds.refused``): a bounded
+# label, never the job or host.
+REFUSALS = (Reason.TOPOLOGY_MISMATCH, Reason.VERSION_MISMATCH, Reason.JOIN_MODE_MISMATCH)
 UNKNOWN_LABEL = "unknown"
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
@@ -56,10 +60,17 @@ class Metrics:
         counter = functools.partial(Counter, registry=self.registry)
         histogram = functools.partial(Histogram, registry=self.registry)
         self.jobs = gauge("rendezvousd_jobs", "Jobs by state", ["state"])
-        self.members = gauge("rendezvousd_members", "Members present in current generations")
+        self.members = gauge(
+            "rendezvousd_members", "Members present in generations forming or running"
+        )
         self.joins = counter("rendezvousd_joins", "Completed joins")
         self.failures = counter(
             "rendezvousd_failures_detected", "Generations failed by a lost member"
+        )
+        self.refused = counter(
+            "rendezvousd_joins_refused",
+            "Joins a running generation refused: another topology, version or join mode",
+            ["reason"],
         )
         self.rpc = histogram(
             "rendezvousd_rpc_duration_seconds",
@@ -99,6 +110,10 @@ class Metrics:
             self.commits.labels(outcome)
         for job_state in JobState:
             self.transitions.labels(job_state.name.lower())
+            # And every state's gauge, at 0: a fresh daemon's panels read "no data".
+            self.jobs.labels(job_state.name.lower()).set(0)
+        for reason in REFUSALS:
+            self.refused.labels(reason.lower())
         # Who else hears of each transition (the status page's generation timeline).
         self.transition_listeners: list[Callable[[Transition], None]] = []
         self.serving = gauge(
@@ -126,36 +141,35 @@ class Metrics:
         self.commits.labels("ok" if ok else "failed").observe(seconds)
 
     def observe_transition(self, t: Transition) -> None:
-        if t.new is not None and t.new is not t.old:
+        # A restored job is no event of this process: counted, a restart read as a
+        # jump of every restored job's state (RendezvousdJobsFailingRepeatedly fired).
+        if t.new is not None and t.new is not t.old and not t.restored:
             self.transitions.labels(t.new.name.lower()).inc()
+        if t.lost and not t.restored:
+            # Where the state machine decided it, not where survivors are told: a
+            # single-rank job, or one whose survivors had no stream, counts too.
+            self.failures.inc()
         for listener in self.transition_listeners:
             listener(t)
 
+    def observe_refused(self, reason: str) -> None:
+        self.refused.labels(reason.lower() if reason in REFUSALS else UNKNOWN_LABEL).inc()
+
     def observe_jobs(self, state: RendezvousState) -> None:
         counts = dict.fromkeys(JobState, 0)
-        present = 0
         for job in state.jobs.values():
             counts[job.state] += 1
-            present += sum(
-                m.state in (MemberState.JOINING, MemberState.ACTIVE)
-                for m in job.gen.members.values()
-            )
         for job_state, n in counts.items():
             self.jobs.labels(job_state.name.lower()).set(n)
-        self.members.set(present)
+        self.members.set(state.live_members())
 
     def observe_tick(self, state: RendezvousState, now: float) -> None:
         """The gauges read from the whole state, once per tick (not per call): the
-        heartbeat lag and the standbys parked."""
-        # Over what beats (a node agent beats for its gpus_per_node members, which
-        # share its last heartbeat): each tick looks at 12,500 nodes, not 100,000 ranks.
-        ages = [
-            now - a.last_seen
-            for job in state.jobs.values()
-            for a in job.attendees(job.gen.join_mode).values()
-            if a.state is MemberState.ACTIVE
-        ]
-        self.heartbeat_lag.set(max(ages, default=0.0))
+        heartbeat lag, the standbys parked, and the members present (members come and
+        go without a transition: a member leaving a failed generation)."""
+        # The state machine's own rule of whose silence counts (``liveness.watched``).
+        self.heartbeat_lag.set(state.oldest_silence(now))
+        self.members.set(state.live_members())
         # On the tick, not per call: a count over every job. One that falls to 0 says
         # a job used its spare (an operator may start another).
         self.standbys.set(sum(job.standby_count for job in state.jobs.values()))

@@ -125,9 +125,12 @@ class RendezvousServicer:
             elif isinstance(effect, Notify):
                 self.streams.push(effect)
             elif isinstance(effect, Warn):
-                log.warning(
-                    "job %s generation %d: %s", effect.job_id, effect.generation, effect.message
-                )
+                if effect.refused:
+                    self.metrics.observe_refused(effect.refused)
+                if effect.message:  # "": a refusal the job's rate limit held back
+                    log.warning(
+                        "job %s generation %d: %s", effect.job_id, effect.generation, effect.message
+                    )
             elif isinstance(effect, Transition):
                 if effect.new is None and effect.detail == FORGOTTEN:
                     # Wall clock: job tokens carry the Unix time they were minted at.
@@ -139,7 +142,8 @@ class RendezvousServicer:
     def _transition(self, t: Transition) -> None:
         old = t.old.name if t.old else "-"
         new = t.new.name if t.new else "GONE"
-        level = logging.WARNING if t.new in (JobState.FAILED, JobState.ABORTED) else logging.INFO
+        # A scale-up's abort is planned, and a restored job no event of this process.
+        level = logging.WARNING if t.failure and not t.restored else logging.INFO
         log.log(
             level, "job %s generation %d: %s -> %s (%s)", t.job_id, t.generation, old, new, t.detail
         )
@@ -538,6 +542,8 @@ class RendezvousServicer:
                 None if view.previous_run_ended_s is None else int(view.previous_run_ended_s * 1000)
             ),
             conflict=view.conflict,
+            last_failure=_last_failure(view, now),
+            failures=view.failures,
         ).SerializeToString()
 
     # -- registration ---------------------------------------------------------
@@ -598,7 +604,11 @@ class RendezvousServicer:
             except RendezvousFault as refused:
                 fault = refused
                 effects = self.state.take_effects()
-                changed = bool(effects) or not self.persister.unchanged(request.job_id)
+                # A warning alone (a join a running generation refused) changed nothing:
+                # a node crash-looping on the refusal must not make a commit each time.
+                changed = any(not isinstance(e, Warn) for e in effects) or not (
+                    self.persister.unchanged(request.job_id)
+                )
                 if mutating and changed and fault.reason != STORAGE_UNAVAILABLE:
                     # A refusal can still change state (a conflicting joiner fails the
                     # forming generation): told, like a change, only once durable.
@@ -681,6 +691,19 @@ def _raw(data: bytes) -> bytes:
 def _encode(message: Any) -> bytes:
     data: bytes = message.SerializeToString()
     return data
+
+
+def _last_failure(view: JobView, now: float) -> pb.JobFailure | None:
+    failure = view.last_failure
+    if failure is None:
+        return None
+    age_s = max(0.0, now - failure.at)
+    return pb.JobFailure(
+        generation=failure.generation,
+        cause=failure.cause,
+        age_ms=int(age_s * 1000),
+        failed_unix_ms=int((time.time() - age_s) * 1000),
+    )
 
 
 def _summary(view: JobView) -> pb.JobSummary:

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.common.model import Effect, EventKind, JoinMode, Notify, Progress
+from rendezvousd.common.model import Effect, JoinMode, Notify, Progress
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.answers import failed_member
 from rendezvousd.server.metrics import Metrics
@@ -71,8 +71,6 @@ class HeartbeatStreams:
             stream = self._open.get((effect.job_id, effect.generation, effect.mode, who))
             if stream is not None:
                 stream[1].put_nowait(event)
-        if effect.kind is EventKind.PEER_FAILED:
-            self.metrics.failures.inc()
 
     def end_all(self) -> None:
         """The daemon drains: every stream ends once it has sent what it holds (its

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from rendezvousd.common.model import (
     FailedInfo,
+    JobFailure,
     JobState,
     JoinMode,
     MemberInfo,
@@ -320,6 +321,16 @@ class Job:
     # Standby node instance ids called into slots a failure freed: their JoinNode
     # takes a seat in the next generation (until it forms).
     standbys_called: set[str] = field(default_factory=set)
+    # The job's failure history, which outlives its generations and is stored: its
+    # latest failed generation, and how many failed or were aborted (a scale-up not).
+    # A restart had kept only the current generation's losses: "restarts 2 used"
+    # beside no cause anywhere but old log lines.
+    last_failure: JobFailure | None = None
+    failures: int = 0
+    # Joins the running generation refused (another topology, version or mode): when
+    # the last one was said in the log, and how many were not said since. Not stored.
+    refusal_said_at: float | None = None
+    refusals_unsaid: int = 0
 
     @property
     def world_size(self) -> int:

@@ -656,7 +656,7 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         job.wire_version = args.wire_version
         return job
     if job.gen.join_mode is not mode:
-        raise placement.mode_mismatch(job, mode, args.host)
+        raise rounds.refused(sm, job, placement.mode_mismatch(job, mode, args.host), now)
     if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
         asked = bounds if mode is JoinMode.NODE else (high, gpus)
         raise rounds.conflict(sm, job, job.topology_conflict(args.host, asked), now)

@@ -24,7 +24,7 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import fences, joins, placement, rounds, seats
 
 if TYPE_CHECKING:
-    from rendezvousd.state.job import Job, Member, Node
+    from rendezvousd.state.job import Attendee, Job, Member, Node
     from rendezvousd.state.machine import RendezvousState
 
 
@@ -178,6 +178,8 @@ def tick(sm: RendezvousState, now: float) -> None:
         elif job.state is JobState.RUNNING:
             joins.tell_waiting(sm, job, now)
             for seated in list(job.attendees(job.gen.join_mode).values()):
+                # Not ``watched``: every attendee silent at this tick is lost, also
+                # once the first loss failed the generation (each is named).
                 if seated.state is not MemberState.ACTIVE:
                     continue
                 if seated.said_goodbye and not seated.stream_open:
@@ -192,6 +194,42 @@ def tick(sm: RendezvousState, now: float) -> None:
         if idle and now - job.state_since > sm.timing.job_ttl_s and not job.all_waiters():
             del sm.jobs[job.job_id]
             sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, FORGOTTEN))
+
+
+def watched(job: Job, seated: Attendee) -> bool:
+    """Whether ``seated``'s silence means anything: an active attendee of a running
+    generation, which the tick loses once it is silent past the heartbeat timeout.
+    A failed, aborted or ended generation's survivors are no longer watched (their
+    streams end as a matter of course): the heartbeat gauge, its alert and every view
+    read their silence as growing for up to the job's TTL."""
+    return job.state is JobState.RUNNING and seated.state is MemberState.ACTIVE
+
+
+def oldest_silence(sm: RendezvousState, now: float) -> float:
+    """The longest time since a watched attendee's last heartbeat (0.0: none)."""
+    # Over what beats (a node agent beats for its gpus_per_node members, which share
+    # its last heartbeat): 12,500 nodes, not 100,000 ranks.
+    return max(
+        (
+            now - a.last_seen
+            for job in sm.jobs.values()
+            if job.state is JobState.RUNNING
+            for a in job.attendees(job.gen.join_mode).values()
+            if watched(job, a)
+        ),
+        default=0.0,
+    )
+
+
+def live_members(sm: RendezvousState) -> int:
+    """Members present (joining or active) in the generations still forming or running:
+    a dead generation's survivors are nobody's members any more, whether they left
+    or not."""
+    return sum(
+        len(job.present())
+        for job in sm.jobs.values()
+        if job.state in (JobState.FORMING, JobState.RUNNING)
+    )
 
 
 def stalled(sm: RendezvousState, seconds: float) -> None:

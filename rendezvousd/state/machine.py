@@ -60,6 +60,8 @@ class RendezvousState:
     stalled = liveness.stalled
     leave = liveness.leave
     report_failure = liveness.report_failure
+    oldest_silence = liveness.oldest_silence
+    live_members = liveness.live_members
 
     # rounds.py
     put_back = rounds.put_back

@@ -8,16 +8,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rendezvousd.common import validation
-from rendezvousd.common.escape import shortened
+from rendezvousd.common.escape import bounded, shortened
 from rendezvousd.common.model import (
     NEVER_ATTACHED,
     EventKind,
     FailedInfo,
+    JobFailure,
     JobState,
     MemberState,
     Notify,
     Rejoin,
     Transition,
+    Warn,
 )
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.state import barriers, kv, placement
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
 
 TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
+# How often the log says a joiner the running generation refused, per job: a node of
+# the wrong launch crash-looping under its supervisor re-joins every few seconds.
+REFUSAL_LOG_S = 60.0
 
 
 def put_back(
@@ -54,11 +59,19 @@ def put_back(
         )
 
 
-def set_state(sm: RendezvousState, job: Job, new: JobState, now: float, detail: str) -> None:
+def set_state(
+    sm: RendezvousState, job: Job, new: JobState, now: float, detail: str, *, lost: bool = False
+) -> None:
+    """``job`` enters ``new``; ``lost``: a lost member failed it."""
     old = job.state
     job.state = new
     job.state_since = now
-    sm.calls.emit(Transition(job.job_id, job.generation, old, new, detail, job.world_size))
+    change = Transition(job.job_id, job.generation, old, new, detail, job.world_size, lost=lost)
+    sm.calls.emit(change)
+    if change.failure:
+        job.failures += 1
+        if new is JobState.FAILED:
+            job.last_failure = JobFailure(job.generation, bounded(detail), now)
     if new in TERMINAL:
         wake_parked(sm, job)
     if new is JobState.RUNNING or new is JobState.ENDED:
@@ -155,6 +168,37 @@ def conflict(sm: RendezvousState, job: Job, fault: RendezvousFault, now: float) 
         job.gen.conflict = fault
         set_state(sm, job, JobState.FAILED, now, fault.message)
         fail_waiters(sm, job)
+    return refused(sm, job, fault, now)
+
+
+def refused(sm: RendezvousState, job: Job, fault: RendezvousFault, now: float) -> RendezvousFault:
+    """``fault``, to raise. A running generation refuses only the joiner (another
+    topology, version or mode): nothing changes, so nothing but the joiner heard of it,
+    and the operator looking at the daemon saw no trace. Counted by reason, and said
+    at most once per ``REFUSAL_LOG_S`` per job, with how many were not said since."""
+    if job.state is not JobState.RUNNING:
+        return fault
+    reason = fault.reason.value
+    if job.refusal_said_at is not None and now - job.refusal_said_at < REFUSAL_LOG_S:
+        job.refusals_unsaid += 1
+        sm.calls.emit(Warn(job.job_id, job.generation, "", refused=reason))
+        return fault
+    unsaid = job.refusals_unsaid
+    more = (
+        f" ({unsaid} more refused in the {now - job.refusal_said_at:.0f} s since the last "
+        "line, not logged)"
+        if unsaid and job.refusal_said_at is not None
+        else ""
+    )
+    job.refusal_said_at, job.refusals_unsaid = now, 0
+    sm.calls.emit(
+        Warn(
+            job.job_id,
+            job.generation,
+            f"refused a joiner ({reason}; the running generation goes on): {fault.message}{more}",
+            refused=reason,
+        )
+    )
     return fault
 
 
@@ -234,7 +278,7 @@ def lose(
         return  # the generation already ended: survivors were told once
     first = job.gen.failed[-len(lost)]
     more = f" (and {len(lost) - 1} more of its node)" if len(lost) > 1 else ""
-    set_state(sm, job, JobState.FAILED, now, f"{first.describe()}{more}")
+    set_state(sm, job, JobState.FAILED, now, f"{first.describe()}{more}", lost=True)
     fail_waiters(sm, job)
     # The event's failed list holds the whole cause; its reason only shows it.
     notify(sm, job, EventKind.PEER_FAILED, reason=shortened(cause), skip=told)
@@ -340,5 +384,5 @@ def joiner_died(
     everyone waiting for this world is told at once, rather than at their timeout."""
     seated.state = MemberState.LOST
     job.gen.failed.append(loss)
-    set_state(sm, job, JobState.FAILED, now, loss.describe())
+    set_state(sm, job, JobState.FAILED, now, loss.describe(), lost=True)
     fail_waiters(sm, job)

@@ -7,9 +7,10 @@ it reports, and nothing a caller does with one reaches back into the job.
 from __future__ import annotations
 
 from rendezvousd.common import grid
-from rendezvousd.common.model import JobState, JobView, JoinMode, MemberState, MemberView
+from rendezvousd.common.model import JobState, JobView, JoinMode, MemberView
 from rendezvousd.state import placement
 from rendezvousd.state.job import Attendee, Job, Member
+from rendezvousd.state.liveness import watched
 
 
 def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
@@ -38,14 +39,13 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
     for r, m in sorted(job.gen.members.items()) if with_members else ():
         beating = _beating(job, r, m)
         step = _step(beating, m)
-        active = m.state is MemberState.ACTIVE
         members.append(
             MemberView(
                 m.info(),
                 m.state,
-                # Only an active member's silence means anything; others are not expected
-                # to beat.
-                max(0.0, now - beating.last_seen) if active else 0.0,
+                # Only a watched member's silence means anything (an active one of a
+                # running generation); others are not expected to beat.
+                max(0.0, now - beating.last_seen) if watched(job, m) else 0.0,
                 beating.stream_open,
                 step,
             )
@@ -76,7 +76,7 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
         job.standby_count,
         max((p.restarts_used for p in budgets), default=None),
         min((max(0, p.max_restarts - p.restarts_used) for p in budgets), default=None),
-        grid.job_step((m.state, m.step) for m in members),
+        grid.job_step(((m.state, m.step) for m in members), ended=job.state is JobState.ENDED),
         # A seat claimed by host alone is kept still: its holder may take it back.
         (kept := placement.kept_for_others(job, now) + len(job.gen.by_host)),
         max(0.0, job.gen.owed_until - now) if kept else 0.0,
@@ -86,4 +86,6 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
             else None
         ),
         "" if job.gen.conflict is None else job.gen.conflict.message,
+        job.last_failure,
+        job.failures,
     )

@@ -5,7 +5,8 @@ are the whole-state JSON document of the old ``state.json`` (read once, to impor
 
 What survives a restart: jobs, generations, membership (and which members' SDK
 predates instance ids), barrier counts, the key-value store, the digests of used ids,
-and why a forming generation failed on a conflicting joiner. What never does: the unique id
+why a forming generation failed on a conflicting joiner, when each loss was, and the
+job's failure history (its last failure and how many generations failed). What never does: the unique id
 itself (a bearer credential) and tokens. On restore, a job that was still
 forming is fenced by a new generation (its members redo the join, rank 0 with a
 fresh id); a running job keeps running and its members reattach their
@@ -21,7 +22,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from rendezvousd.common import validation
-from rendezvousd.common.model import FailedInfo, JobState, JoinMode, MemberState, Transition
+from rendezvousd.common.model import (
+    FailedInfo,
+    JobFailure,
+    JobState,
+    JoinMode,
+    MemberState,
+    Transition,
+)
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import kv as kvrules
 from rendezvousd.state import placement
@@ -51,7 +59,7 @@ def job_record(job: Job) -> dict[str, Any]:
         "gpus_per_node": job.gpus_per_node,
         "generation": job.generation,
         "state": job.state.name,
-        "state_since_unix": round(job.state_since + _WALL_OFFSET, 3),
+        "state_since_unix": _unix(job.state_since),
         "members": [
             {
                 "rank": m.rank,
@@ -71,7 +79,30 @@ def job_record(job: Job) -> dict[str, Any]:
         "id_digest": (job.id_digest() or b"").hex(),
         # Oldest first: the order the bounded history forgets them in.
         "used_id_digests": [d.hex() for d in job.used_id_digests],
-        "failed": [{"rank": f.rank, "host": f.host, "cause": f.cause} for f in job.gen.failed],
+        "failed": [
+            {
+                "rank": f.rank,
+                "host": f.host,
+                "cause": f.cause,
+                # When it was lost (absent in older rows: not known after a restart).
+                **({} if f.lost_at is None else {"lost_unix": _unix(f.lost_at)}),
+            }
+            for f in job.gen.failed
+        ],
+        # The job's failure history, which outlives its generations: a restart had
+        # left "restarts 2 used" with no cause anywhere. Absent in older rows (none).
+        **({"failures": job.failures} if job.failures else {}),
+        **(
+            {}
+            if job.last_failure is None
+            else {
+                "last_failure": {
+                    "generation": job.last_failure.generation,
+                    "cause": job.last_failure.cause,
+                    "at_unix": _unix(job.last_failure.at),
+                }
+            }
+        ),
         "abort_reason": job.gen.abort_reason,
         # Why a forming generation failed with no member lost (a joiner's topology or
         # version): what GetJob and the status page show, and what late joiners are
@@ -99,6 +130,11 @@ def job_record(job: Job) -> dict[str, Any]:
         # back, kept again in the generation a restart fences this one with.
         "kept_seats": placement.seats_kept(job) if job.state is JobState.FORMING else {},
     }
+
+
+def _unix(monotonic: float) -> float:
+    """A time on this process's monotonic clock as Unix seconds, as rows keep it."""
+    return round(monotonic + _WALL_OFFSET, 3)
 
 
 def _conflict_record(fault: RendezvousFault) -> dict[str, Any]:
@@ -250,6 +286,16 @@ def restore_job(
         # Only the digest survives: a later generation must still refuse this id.
         job.used_id_digests.add(job.gen.restored_id_digest)
     detail = "restored"
+    if job.state is JobState.FAILED and job.gen.failed:
+        # What failed it, as the log said then: the restore's line said no more than
+        # "FAILED (restored)", and the cause was left in old log lines only.
+        first = job.gen.failed[0]
+        more = f" (and {len(job.gen.failed) - 1} more)" if len(job.gen.failed) > 1 else ""
+        detail = f"restored: {first.describe()}{more}"
+    elif job.state is JobState.FAILED and job.gen.conflict is not None:
+        detail = f"restored: {job.gen.conflict.message}"
+    elif job.state is JobState.ABORTED:
+        detail = f"restored: {job.gen.abort_reason}"
     if job.state is JobState.FORMING:
         # Mid-bootstrap: nobody can have the id from us any more. Fence it.
         kept = kept_seats(raw, job.max_nodes)
@@ -260,7 +306,18 @@ def restore_job(
     elif job.state is JobState.RUNNING:
         job.gen.restored = True
     state.jobs[job.job_id] = job
-    state.calls.emit(Transition(job.job_id, job.generation, None, job.state, detail))
+    state.calls.emit(
+        Transition(
+            job.job_id,
+            job.generation,
+            None,
+            job.state,
+            detail,
+            job.world_size,
+            restored=True,
+            since=job.state_since,
+        )
+    )
 
 
 def keep_again(job: Job, kept: dict[str, str], hold_s: float, now: float) -> None:
@@ -333,12 +390,23 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
     }
     failed = []
     for f in _rows(raw, "failed"):
-        # Node and local rank follow from the rank; when it was lost is not kept (the
-        # monotonic clock it was read on died with the old process).
+        # Node and local rank follow from the rank; when it was lost, from Unix time
+        # (absent in rows written before it was kept: not known).
         rank = _int(f, "rank", 0, job.world_size - 1)
         node_rank, local_rank = divmod(rank, job.gpus_per_node)
-        failed.append(FailedInfo(rank, _str(f, "host"), _str(f, "cause"), node_rank, local_rank))
+        lost_at = _unix_time(f, "lost_unix", now) if "lost_unix" in f else None
+        failed.append(
+            FailedInfo(rank, _str(f, "host"), _str(f, "cause"), node_rank, local_rank, lost_at)
+        )
     job.gen.failed = failed
+    job.failures = _int(raw, "failures", 0, MAX_COUNTER) if "failures" in raw else 0
+    if "last_failure" in raw:
+        last = _map(raw, "last_failure")
+        job.last_failure = JobFailure(
+            _int(last, "generation", 1, MAX_COUNTER),
+            _str(last, "cause"),
+            _unix_time(last, "at_unix", now),
+        )
     job.gen.abort_reason = _str(raw, "abort_reason")
     job.gen.conflict = _conflict(raw)
     job.gen.barriers = {
@@ -366,9 +434,15 @@ def _state_since(raw: Mapping[str, Any], now: float) -> float:
     after the restart: a daemon restarting more often than that never forgot one."""
     if "state_since_unix" not in raw:
         return now
-    since = raw["state_since_unix"]
+    return _unix_time(raw, "state_since_unix", now)
+
+
+def _unix_time(raw: Mapping[str, Any], name: str, now: float) -> float:
+    """``raw[name]``, Unix seconds, on this process's monotonic clock; never later than
+    ``now`` (a clock set back)."""
+    since = raw[name]
     if isinstance(since, bool) or not isinstance(since, int | float) or not math.isfinite(since):
-        raise ValueError("state_since_unix must be a number of Unix seconds")
+        raise ValueError(f"{name} must be a number of Unix seconds")
     return min(now, float(since) - _WALL_OFFSET)
 
 

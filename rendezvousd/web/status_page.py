@@ -316,14 +316,9 @@ class StatusPage:
                 None if v.previous_run_ended_s is None else round(v.previous_run_ended_s, 1)
             ),
             "state_age_s": round(v.state_age_s, 1),
-            # A conflict is this generation's failure: after a restart the timeline
-            # holds only "restored" for it.
-            "last_failure": (
-                v.failed[0].describe()
-                if v.failed
-                else shortened(v.conflict) or self.timeline.last_failure(v.job_id)
-            ),
-            "failures": self.timeline.restarts(v.job_id),
+            # The job's, kept with it (after it re-formed, and across a restart).
+            "last_failure": _last_failure(v),
+            "failures": v.failures,
             "abort_reason": shortened(v.abort_reason),
             "heartbeat_age_max_s": round(
                 max((m.heartbeat_age_s for m in v.members if m.state in _PRESENT), default=0.0), 1
@@ -441,6 +436,15 @@ class StatusPage:
 
 
 _PRESENT = (MemberState.JOINING, MemberState.ACTIVE)
+
+
+def _last_failure(v: JobView) -> str:
+    """The job's last failure, named by its generation when it is an earlier one's."""
+    last = v.last_failure
+    if last is None:
+        return ""
+    cause = shortened(last.cause)
+    return cause if last.generation == v.generation else f"generation {last.generation}: {cause}"
 
 
 def _cross_site(r: Request) -> bool:

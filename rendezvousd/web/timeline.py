@@ -3,7 +3,9 @@ the root cause), aborted, re-formed, scaled up, grown or shrunk, with wall-clock
 
 Heard from the state machine's ``Transition`` effects (through ``Metrics``), not
 kept in the job record: it is for looking at, it is not durable, and a daemon
-restart starts it afresh from each job's restored state.
+restart starts it afresh from each job's restored state (stamped with when the job
+entered that state, its cause said). What outlives a restart, the job's last failure
+and how many generations failed, the job record keeps (``JobView.last_failure``).
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ class Timeline:
             self._formed.pop(t.job_id, None)
             return
         entries = self._jobs.setdefault(t.job_id, deque(maxlen=KEPT))
+        # A restored job's entry is stamped with when it entered its state before the
+        # restart (a failure's time), not with the restart's.
+        at = time.time() if t.since is None else time.time() - (time.monotonic() - t.since)
         entries.append(
             Entry(
-                time.time(),
+                at,
                 t.generation,
                 t.old.name if t.old is not None else "",
                 t.new.name,
@@ -62,19 +67,6 @@ class Timeline:
 
     def of(self, job_id: str) -> list[Entry]:
         return list(self._jobs.get(job_id, ()))
-
-    def last_failure(self, job_id: str) -> str:
-        """What failed the job's latest failed generation (kept after it re-formed)."""
-        failed = [e for e in self._jobs.get(job_id, ()) if e.new == "FAILED"]
-        return f"generation {failed[-1].generation}: {failed[-1].detail}" if failed else ""
-
-    def restarts(self, job_id: str) -> int:
-        """Generations that ended in failure or abort while this daemon watched (a
-        scale-up is a membership change, not counted)."""
-        return sum(
-            e.new in ("FAILED", "ABORTED") and e.change != "scale-up"
-            for e in self._jobs.get(job_id, ())
-        )
 
 
 def _change(t: Transition, formed_before: int | None) -> str:

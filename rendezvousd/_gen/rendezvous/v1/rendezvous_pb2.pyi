@@ -1187,7 +1187,7 @@ class FailedMember(_message.Message):
     local_rank: _builtins.int
     age_ms: _builtins.int
     """Milliseconds between the daemon losing it and sending this message, at least
-    1 (0: unknown, a loss recorded before the daemon restarted).
+    1 (0: unknown, a loss stored by a daemon from before losses' times were kept).
     """
     def __init__(
         self,
@@ -1511,7 +1511,9 @@ class MemberStatus(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     state: Global___MemberState.ValueType
     heartbeat_age_ms: _builtins.int
-    """Milliseconds since the member's last heartbeat (or join); 0 if not active."""
+    """Milliseconds since the member's last heartbeat (or join); 0 if not active, or
+    if its generation no longer runs (its heartbeat is no longer watched).
+    """
     heartbeat_stream_open: _builtins.bool
     step: _builtins.int
     """The rank's last training step, as its heartbeat stream (its node agent's)
@@ -1557,6 +1559,8 @@ class GetJobResponse(_message.Message):
     SEATS_KEPT_MS_FIELD_NUMBER: _builtins.int
     PREVIOUS_RUN_ENDED_MS_FIELD_NUMBER: _builtins.int
     CONFLICT_FIELD_NUMBER: _builtins.int
+    LAST_FAILURE_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
     id_published: _builtins.bool
     """Whether rank 0's id is published (the id itself is never returned)."""
     kv_keys: _builtins.int
@@ -1591,12 +1595,23 @@ class GetJobResponse(_message.Message):
     contradicted it (TOPOLOGY_MISMATCH, VERSION_MISMATCH), in the words its
     joiners were told. Empty otherwise. Kept across a daemon restart (--state-dir).
     """
+    failures: _builtins.int
+    """How many of the job's generations failed or were aborted (an agent's
+    scale-up abort not counted), kept as last_failure is.
+    """
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberStatus]: ...
     @_builtins.property
     def failed(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedMember]: ...
+    @_builtins.property
+    def last_failure(self) -> Global___JobFailure:
+        """The job's latest failed generation, this one or one before it (the job
+        re-formed since): absent while none failed. Kept with the job, across a
+        daemon restart (--state-dir) too.
+        """
+
     def __init__(
         self,
         *,
@@ -1615,10 +1630,12 @@ class GetJobResponse(_message.Message):
         seats_kept_ms: _builtins.int = ...,
         previous_run_ended_ms: _builtins.int | None = ...,
         conflict: _builtins.str = ...,
+        last_failure: Global___JobFailure | None = ...,
+        failures: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "last_failure", b"last_failure", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "conflict", b"conflict", "failed", b"failed", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "members", b"members", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "conflict", b"conflict", "failed", b"failed", "failures", b"failures", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "last_failure", b"last_failure", "members", b"members", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__previous_run_ended_ms: _TypeAlias = _typing.Literal["previous_run_ended_ms"]  # noqa: Y015
     _WhichOneofArgType__previous_run_ended_ms: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms"]  # noqa: Y015
@@ -1634,6 +1651,42 @@ class GetJobResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restarts_used) -> _WhichOneofReturnType__restarts_used | None: ...
 
 Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015
+
+@_typing.final
+class JobFailure(_message.Message):
+    """A job's failed generation, as GetJobResponse.last_failure keeps it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    AGE_MS_FIELD_NUMBER: _builtins.int
+    FAILED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    cause: _builtins.str
+    """What failed it: its first lost member ("rank R on HOST (cause)", escaped and
+    cut as the log says it), or a conflicting joiner's refusal, whole. Any text.
+    """
+    age_ms: _builtins.int
+    """Milliseconds since it failed, on the daemon's clock; and when, as Unix
+    milliseconds (the daemon's wall clock).
+    """
+    failed_unix_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        cause: _builtins.str = ...,
+        age_ms: _builtins.int = ...,
+        failed_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "cause", b"cause", "failed_unix_ms", b"failed_unix_ms", "generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobFailure: _TypeAlias = JobFailure  # noqa: Y015
 
 @_typing.final
 class Call(_message.Message):
