@@ -225,8 +225,10 @@ def live_members(sm: RendezvousState) -> int:
     """Members present (joining or active) in the generations still forming or running:
     a dead generation's survivors are nobody's members any more, whether they left
     or not."""
+    # Read on every tick: a running generation's members are each active or left (a
+    # loss fails it), so its count is O(1), not a look at 100,000 ranks a second.
     return sum(
-        len(job.present())
+        len(job.gen.members) - job.gen.left if job.state is JobState.RUNNING else len(job.present())
         for job in sm.jobs.values()
         if job.state in (JobState.FORMING, JobState.RUNNING)
     )

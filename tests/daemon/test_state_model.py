@@ -264,6 +264,13 @@ class RendezvousModel(RuleBasedStateMachine):
             assert [m.rank for m in job.gen.member_table] == list(range(job.world_size))
 
     @invariant()
+    def the_members_gauge_counts_the_live_generations_present(self) -> None:
+        """``live_members`` (the members gauge, read on every tick) counts a running
+        generation without looking at its members: it must agree with looking."""
+        live = [j for j in self.sm.jobs.values() if j.state in (JobState.FORMING, JobState.RUNNING)]
+        assert self.sm.live_members() == sum(len(j.present()) for j in live)
+
+    @invariant()
     def no_waiter_outlives_its_generation(self) -> None:
         job = self._job()
         if job is not None and job.state in (JobState.FAILED, JobState.ABORTED, JobState.ENDED):
