@@ -282,3 +282,31 @@ def test_refusals_by_a_running_job_are_said_once_a_minute_with_the_count_since()
     assert said[1:3] == ["", ""]
     assert "(2 more refused in the 60 s since the last line, not logged)" in said[3], said[3]
     assert sm.jobs["j"].state is JobState.RUNNING
+
+
+def test_status_job_shows_where_an_ended_job_ended() -> None:
+    """`status JOB` drew an ended job with its node rows at step 30 and no step line."""
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+
+    job = pb.GetJobResponse(
+        summary=pb.JobSummary(
+            job_id="done",
+            state=pb.JOB_STATE_ENDED,
+            generation=1,
+            topology=pb.Topology(num_nodes=1, gpus_per_node=2),
+            world_size=2,
+        ),
+        members=[
+            pb.MemberStatus(
+                member=pb.Member(rank=r, node_rank=0, local_rank=r, host="h0"),
+                state=pb.MEMBER_STATE_LEFT,
+                step=30 + r,
+            )
+            for r in range(2)
+        ],
+        heartbeat_timeout_ms=3000,
+    )
+    text = render_job(job)
+    assert "    step 30" in text.splitlines()[2], text
+    row = text.splitlines()[4].split()
+    assert row == ["0", "h0", "DD", "-", "30"], text  # a left node's heartbeat is no age
