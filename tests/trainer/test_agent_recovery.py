@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client import RendezvousClient
+from rendezvousd.client import RendezvousClient, RendezvousError
 from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
 from tests.support import (
     ROOT,
@@ -1086,7 +1087,37 @@ def test_a_peer_lost_after_this_nodes_workers_finished_does_not_fail_the_node(
         assert code == 0, said
         assert "every worker of this node exited 0: its work is done" in said, said
         assert "stopping this node's workers" not in said, said
+        # Done, node 0 said a final goodbye: a node joining next keeps no seat for it
+        # (a plain one held its seat, the next generation waiting the hold for it).
+        _assert_no_seat_kept(daemon, job_id)
     else:
         assert code == 1, said
         assert "stopping this node's workers: PeerFailed" in said, said
         assert "1. generation 1: rank 1 on host" in said, said  # the verdict, not rank 0
+
+
+def _assert_no_seat_kept(daemon: DaemonProcess, job_id: str) -> None:
+    """A newcomer opens the next generation of ``job_id``, whose nodes all left or
+    were lost: no seat of it is kept for a node expected back."""
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as newcomer,
+        RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as probe,
+    ):
+        box: list[object] = []
+
+        def join() -> None:
+            try:
+                box.append(newcomer.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=2))
+            except RendezvousError as exc:
+                box.append(exc)
+
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        wait_for(
+            "the newcomer to open generation 2",
+            lambda: probe.get_job().summary.generation == 2,
+            10,
+        )
+        job = probe.get_job()
+        joining.join(10)
+    assert job.seats_kept == 0, job

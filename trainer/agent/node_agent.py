@@ -813,7 +813,11 @@ class NodeAgent:
                                     "every worker of this node exited 0: its work is done, "
                                     f"whatever generation {gen}'s verdict says of the others"
                                 )
-                            self._end_generation()
+                            # Final: this node is done and will not re-join. After a
+                            # verdict (the generation FAILED) a plain goodbye kept its
+                            # seat in the next one, which the nodes that go on waited
+                            # for (the seat hold, or their join timeout).
+                            self._end_generation(final=True)
                             return None
                         continue
                     if verdict is not None:
