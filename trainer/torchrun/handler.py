@@ -142,7 +142,8 @@ from rendezvousd.client.membership import NodeMembership
 from rendezvousd.client.warnings_said import say_client_warnings
 from rendezvousd.common.address import AddressError, UnresolvedHost, is_loopback, route_source
 from rendezvousd.common.env_names import unknown_names
-from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.escape import bounded, escape, shortened
+from rendezvousd.common.limits import Limits
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
@@ -364,8 +365,10 @@ MIN_REJOIN_S = 1.0
 #: and how often it looks.
 CLOSE_WAIT_S = 35.0
 CLOSE_POLL_S = 0.2
-#: The longest close reason sent, within the daemon's 1 KiB for a reason.
-CLOSE_REASON_CHARS = 900
+#: The longest close reason sent: the daemon's own bound on a reason, in UTF-8 bytes.
+#: Counted in characters (900), a cause in non-ASCII text (kept by ``escape``) went over
+#: it, the daemon refused the Abort and the rendezvous stayed open.
+CLOSE_REASON_BYTES = Limits().max_reason_bytes
 
 #: How long a signalled agent waits for the other nodes to be told, before torch's
 #: own handler stops its workers (whose deaths would otherwise speak first).
@@ -378,6 +381,16 @@ def torch_signals(env: Mapping[str, str]) -> list[signal.Signals]:
     names = env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     found = (getattr(signal, name.strip(), None) for name in names.split(","))
     return [sig for sig in found if isinstance(sig, signal.Signals)]
+
+
+def close_reason(host: str, cause: str, least: int, most: int, coming: int) -> str:
+    """The Abort reason that closes the rendezvous for good: one line (escaped), within
+    the daemon's bound in bytes (``CLOSE_REASON_BYTES``), its head (``CLOSED``) kept."""
+    reason = (
+        f"{CLOSED}: torchrun's agent on {host} stopped: {cause}; the job cannot go on "
+        f"without it (--nnodes {least}:{most}, {coming} node(s) joining)"
+    )
+    return bounded(escape(reason), CLOSE_REASON_BYTES)
 
 
 class _TellFirst:
@@ -1161,12 +1174,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             time.sleep(CLOSE_POLL_S)
 
     def _close_for_good(self, generation: int, coming: int) -> None:
-        reason = (
-            f"{CLOSED}: torchrun's agent on {self._host} stopped: {self._stop_cause}; the "
-            f"job cannot go on without it (--nnodes {self._min}:{self._max}, {coming} "
-            "node(s) joining)"
-        )
-        self._client.abort(shortened(reason, CLOSE_REASON_CHARS), generation=generation)
+        reason = close_reason(self._host, self._stop_cause, self._min, self._max, coming)
+        self._client.abort(reason, generation=generation)
         log.warning(
             "rendezvousd: job %r: closed the rendezvous: the other nodes cannot form the next "
             "round without this one (--nnodes %d:%d, %d node(s) joining)",
