@@ -312,7 +312,7 @@ class CallStream:
         replies = _Outbox(self._max_in_flight)
         running: dict[int, asyncio.Task[None]] = {}
         deadlines = _Deadlines(running, replies)
-        source = _unbatched(calls, self._on_batch) if batched else calls
+        source = _Unbatched(calls, self._on_batch) if batched else calls
         reader = asyncio.create_task(self._read(source, replies, running, deadlines))
         self._readers.add(reader)
         try:
@@ -353,8 +353,14 @@ class CallStream:
         running: dict[int, asyncio.Task[None]],
         deadlines: _Deadlines,
     ) -> None:
+        rest = calls.rest if isinstance(calls, _Unbatched) else collections.deque[pb.Call]()
         calls = aiter(calls)
         turns = _Turns()
+        # The running joins' identities (``_join_key``), by call id.
+        joins: dict[int, tuple[str, str, str]] = {}
+        # Cancels held for a retry later in their batch (``_retry_in``): by the retry
+        # Call's id(), the retry (kept alive, so that id() stays its) and the task.
+        held: dict[int, tuple[pb.Call, asyncio.Task[None]]] = {}
         try:
             while not self._reading_stopped:
                 # Room first: a drain's cancellation then never lands between a call's
@@ -364,42 +370,20 @@ class CallStream:
                     call = await anext(calls)
                 except StopAsyncIteration:
                     break
-                field = call.WhichOneof("request")
-                if field == _CANCEL:
-                    task = running.get(call.id)
-                    if task is not None and not task.done():
-                        task.cancel()
-                        # Its end before the next call is decided: a cancelled Join
-                        # frees its seat (failing its forming generation) as it ends,
-                        # and a client's re-join, often in this same batch, was refused
-                        # DuplicateRank by its own cancelled seat. One turn or two of
-                        # the loop; bounded, for a handler that outlives its cancel.
-                        await asyncio.wait((task,), timeout=CANCEL_SETTLE_S)
-                    continue
-                if self._draining:
-                    replies.put(reply(call.id, _ERROR_FIELD, _DRAINING_NOT_RUN))
-                    continue
-                refusal = self._refusal(call, field, running)
-                if refusal is not None:
-                    replies.put(reply(call.id, _ERROR_FIELD, refusal))
-                    continue
-                assert field is not None  # _refusal answered an empty Call
-                deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
-                coro = self._run(call.id, field, getattr(call, field), deadline, replies)
-                started = time.monotonic()
-                waiting_on = _resume(coro, None, call.id, replies)
-                if waiting_on is _DONE:
-                    if turns.ran(time.monotonic() - started):
-                        await asyncio.sleep(0)
-                else:
-                    task = asyncio.create_task(_finish(coro, waiting_on, call.id, replies))
-                    running[call.id] = task
-                    task.add_done_callback(functools.partial(_forget, running, deadlines, call.id))
-                    if call.timeout_ms:
-                        deadlines.add(call.id, call.timeout_ms, field)
+                released = held.pop(id(call), None)
+                try:
+                    await self._take(call, replies, running, deadlines, turns, rest, joins, held)
+                finally:
+                    if released is not None:
+                        # The retry parked (or was answered) first: the cancelled join
+                        # ends with its seat held by the retry, not as a dead joiner.
+                        released[1].cancel()
         except asyncio.CancelledError:
             if not self._reading_stopped:
                 raise
+        finally:
+            for _retry, task in held.values():
+                task.cancel()
         try:
             # The caller is done sending (or the daemon drains): its calls in flight
             # are still answered, a drain that comes meanwhile included (it released
@@ -412,6 +396,66 @@ class CallStream:
                         raise
         finally:
             replies.put(None)
+
+    async def _take(
+        self,
+        call: pb.Call,
+        replies: _Outbox,
+        running: dict[int, asyncio.Task[None]],
+        deadlines: _Deadlines,
+        turns: _Turns,
+        rest: collections.deque[pb.Call],
+        joins: dict[int, tuple[str, str, str]],
+        held: dict[int, tuple[pb.Call, asyncio.Task[None]]],
+    ) -> None:
+        """Run, refuse or (a cancel) apply one call read from the stream."""
+        field = call.WhichOneof("request")
+        if field == _CANCEL:
+            task = running.get(call.id)
+            if task is None or task.done():
+                return
+            retry = _retry_in(joins.get(call.id), rest)
+            if retry is not None:
+                # The client gave up on this join and sent it again (same identity: a
+                # resume, client/_session.py) in this batch: the retry parks first, so
+                # that the cancelled join's end finds its seat's retry waiting and
+                # fails nobody (state.joins.join_wait_ended). Cancelled first, it
+                # failed the forming generation as a dead joiner's.
+                held[id(retry)] = (retry, task)
+                return
+            task.cancel()
+            # Its end before the next call is decided: a cancelled Join frees its seat
+            # (failing its forming generation) as it ends, and a client's re-join under
+            # a new identity, often in this same batch, was refused DuplicateRank by
+            # its own cancelled seat. One turn or two of the loop; bounded, for a
+            # handler that outlives its cancel.
+            await asyncio.wait((task,), timeout=CANCEL_SETTLE_S)
+            return
+        if self._draining:
+            replies.put(reply(call.id, _ERROR_FIELD, _DRAINING_NOT_RUN))
+            return
+        refusal = self._refusal(call, field, running)
+        if refusal is not None:
+            replies.put(reply(call.id, _ERROR_FIELD, refusal))
+            return
+        assert field is not None  # _refusal answered an empty Call
+        deadline = time.monotonic() + call.timeout_ms / 1000 if call.timeout_ms else None
+        coro = self._run(call.id, field, getattr(call, field), deadline, replies)
+        started = time.monotonic()
+        waiting_on = _resume(coro, None, call.id, replies)
+        if waiting_on is _DONE:
+            if turns.ran(time.monotonic() - started):
+                await asyncio.sleep(0)
+            return
+        task = asyncio.create_task(_finish(coro, waiting_on, call.id, replies))
+        running[call.id] = task
+        task.add_done_callback(functools.partial(_forget, running, deadlines, call.id))
+        if call.timeout_ms:
+            deadlines.add(call.id, call.timeout_ms, field)
+        key = _join_key(call, field)
+        if key is not None:
+            joins[call.id] = key
+            task.add_done_callback(functools.partial(_forget_join, joins, call.id))
 
     def _refusal(
         self, call: pb.Call, field: str | None, running: dict[int, asyncio.Task[None]]
@@ -527,15 +571,51 @@ async def _finish(
             return
 
 
-async def _unbatched(
-    batches: AsyncIterator[pb.CallBatch], on_batch: Callable[[int], None]
-) -> AsyncIterator[pb.Call]:
+class _Unbatched:
     """A CallBatches stream's calls, one by one, as a Calls stream has them: the rest
-    of a batch is at hand, so reading it never waits on the connection."""
-    async for batch in batches:
-        on_batch(len(batch.calls))
-        for call in batch.calls:
-            yield call
+    of a batch is at hand (``rest``), so reading it never waits on the connection."""
+
+    def __init__(
+        self, batches: AsyncIterator[pb.CallBatch], on_batch: Callable[[int], None]
+    ) -> None:
+        self._batches = aiter(batches)
+        self._on_batch = on_batch
+        self.rest: collections.deque[pb.Call] = collections.deque()
+
+    def __aiter__(self) -> _Unbatched:
+        return self
+
+    async def __anext__(self) -> pb.Call:
+        while not self.rest:
+            batch = await anext(self._batches)
+            self._on_batch(len(batch.calls))
+            self.rest.extend(batch.calls)
+        return self.rest.popleft()
+
+
+_JOINS = ("join", "join_node")
+
+
+def _join_key(call: pb.Call, field: str) -> tuple[str, str, str] | None:
+    """A Join's (JoinNode's) identity: what a retry of it sends the same."""
+    if field not in _JOINS:
+        return None
+    request = getattr(call, field)
+    if not request.instance_id:
+        return None
+    return (field, request.job_id, request.instance_id)
+
+
+def _retry_in(key: tuple[str, str, str] | None, rest: collections.deque[pb.Call]) -> pb.Call | None:
+    """The first call of ``rest`` (its batch's calls not read yet) that is a retry of
+    the join ``key`` names, if any."""
+    if key is None:
+        return None
+    for call in rest:
+        field = call.WhichOneof("request")
+        if field is not None and _join_key(call, field) == key:
+            return call
+    return None
 
 
 def _batch_entry(reply_bytes: bytes) -> bytes:
@@ -549,6 +629,10 @@ def _forget(
 ) -> None:
     running.pop(call_id, None)
     deadlines.discard(call_id)
+
+
+def _forget_join(joins: dict[int, tuple[str, str, str]], call_id: int, _task: object) -> None:
+    joins.pop(call_id, None)
 
 
 def _ended_bytes(status: grpc.Status) -> bytes:

@@ -2,7 +2,9 @@
 a unary call's cancellation would: a client's re-join sent in the same CallBatch as
 its cancelled join's cancel (asyncio.timeout around join(), retried at once) was
 refused DuplicateRank by the seat its own cancelled join still held (every other
-attempt). Raw gRPC against a real daemon process."""
+attempt). A retry of the cancelled join itself (its instance id: the SDK's resume of
+a join it gave up) in that batch parks before the cancelled join ends, which then
+fails nobody. Raw gRPC against a real daemon process."""
 
 from __future__ import annotations
 
@@ -21,14 +23,16 @@ def _reason(status: status_pb2.Status) -> str:
     return ""
 
 
-def _rank_zero(job_id: str, instance_id: str, wait_ms: int, id_byte: int) -> pb.JoinRequest:
+def _rank_zero(
+    job_id: str, instance_id: str, wait_ms: int, id_byte: int, gpus: int = 2, local_rank: int = 0
+) -> pb.JoinRequest:
     return pb.JoinRequest(
         job_id=job_id,
-        topology=pb.Topology(num_nodes=1, gpus_per_node=2),
+        topology=pb.Topology(num_nodes=1, gpus_per_node=gpus),
         node_rank=0,
-        local_rank=0,
+        local_rank=local_rank,
         host="h0",
-        unique_id=bytes([id_byte]) * 128,
+        unique_id=bytes([id_byte]) * 128 if local_rank == 0 else b"",
         instance_id=instance_id,
         wait_timeout_ms=wait_ms,
         slim=True,
@@ -58,3 +62,43 @@ def test_a_join_in_the_batch_of_a_cancel_finds_the_cancelled_seat_free(
         assert 1 not in s.order()
     finally:
         s.close()
+
+
+def test_a_retry_of_the_cancelled_join_in_its_batch_keeps_the_generation(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    s = Stream(daemon, method="CallBatches")
+    early = Stream(daemon, method="CallBatches")
+    late = Stream(daemon, method="CallBatches")
+    try:
+        waiters = scrape(daemon.metrics_url)["rendezvousd_waiters"]
+        early.send(1, "join", _rank_zero(job_id, "one", 30_000, 0, 3, 1), timeout_ms=35_000)
+        wait_for(
+            "rank 1 parked",
+            lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] == waiters + 1,
+        )
+        zero = _rank_zero(job_id, "zero", 30_000, 5, 3)
+        s.send(1, "join", zero, timeout_ms=35_000)
+        wait_for(
+            "rank 0 parked",
+            lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] == waiters + 2,
+        )
+        with s.hold():  # one CallBatch: the cancel, then the same join again (resumed)
+            s.send(1, "cancel", pb.CancelCall())
+            s.send(2, "join", zero, timeout_ms=35_000)
+        # Answered only once the batch before it was read: rank 2 then comes after
+        # the retry, not before the cancel (it would form the world with call 1).
+        s.send(3, "get_job", pb.GetJobRequest(job_id=job_id))
+        assert s.reply(3).WhichOneof("response") == "get_job"
+        late.send(1, "join", _rank_zero(job_id, "two", 30_000, 0, 3, 2), timeout_ms=35_000)
+        # Cancelled before its retry parked, rank 0's join failed generation 1 as a
+        # dead joiner's: every parked rank was answered PEER_FAILED.
+        # (The latecomer then waited alone in generation 2.)
+        for stream, call_id in ((early, 1), (s, 2), (late, 1)):
+            answer = stream.reply(call_id)
+            assert answer.WhichOneof("response") == "join", _reason(status_of(answer))
+            assert answer.join.generation == 1
+        assert 1 not in s.order()  # the cancelled call is not answered
+    finally:
+        for stream in (s, early, late):
+            stream.close()
