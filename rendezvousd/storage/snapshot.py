@@ -303,6 +303,14 @@ def restore_job(
         job.open_generation(now)  # FORMING again
         keep_again(job, kept, state.timing.hold_s, now)
         detail = "fenced by a new generation after restart"
+    elif job.state is JobState.RUNNING and job.gen.members and job.gen.left == len(job.gen.members):
+        # Every member left (a replay-marked LOST one read back LEFT, ``job_from_record``,
+        # which the old daemon's count missed): no Leave is to come, a tick looks only
+        # at active members and only an ended job expires, so it ends here, as its last
+        # Leave would have ended it (rounds.member_left).
+        job.state = JobState.ENDED
+        job.state_since = now
+        detail = "restored: every member left"
     elif job.state is JobState.RUNNING:
         job.gen.restored = True
     state.jobs[job.job_id] = job

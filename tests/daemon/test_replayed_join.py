@@ -120,3 +120,37 @@ def test_a_running_row_holding_a_member_a_replay_marked_lost_restores_it_as_left
     assert back.jobs["j"].gen.members[1].state is MemberState.LEFT
     back.leave("j", 1, 0, "i0", 2.0)
     assert back.jobs["j"].state is JobState.ENDED
+
+
+def test_a_running_row_whose_members_all_left_once_read_back_restores_ended(
+    tmp_path: Path,
+) -> None:
+    """The replay-marked LOST member read back LEFT may have been the last one not left:
+    the old daemon's count missed it, so its last Leave did not end the job. Restored
+    RUNNING, it stayed so for good (no Leave is to come, a tick looks only at active
+    members, only an ended job expires); it ends, as that last Leave would have ended
+    it, and then expires."""
+    from rendezvousd.state import liveness
+    from rendezvousd.state.placement import JoinArgs
+
+    sm = RendezvousState()
+    for r in (0, 1):
+        sm.join(JoinArgs.worker("j", 1, 2, 0, r, "h", "", ID if r == 0 else b"", f"i{r}"), 0.0)
+    sm.leave("j", 1, 1, "i1", 1.0)
+    saver = Persister(tmp_path, sm)
+    saver.restore()
+    saver.close()
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute(
+        "UPDATE jobs SET detail = json_set(detail, '$.members[1].state', 'LOST', "
+        "'$.members[0].state', 'LEFT')"
+    )
+    db.commit()
+    db.close()
+    back = RendezvousState()
+    Persister(tmp_path, back).restore()
+    job = back.jobs["j"]
+    assert [m.state for m in job.gen.members.values()] == [MemberState.LEFT] * 2
+    assert job.state is JobState.ENDED
+    liveness.tick(back, 1e9)  # past any ended job's TTL
+    assert "j" not in back.jobs
