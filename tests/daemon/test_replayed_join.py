@@ -148,9 +148,14 @@ def test_a_running_row_whose_members_all_left_once_read_back_restores_ended(
     db.commit()
     db.close()
     back = RendezvousState()
-    Persister(tmp_path, back).restore()
+    restorer = Persister(tmp_path, back)
+    restorer.restore()
+    restorer.close()
     job = back.jobs["j"]
     assert [m.state for m in job.gen.members.values()] == [MemberState.LEFT] * 2
     assert job.state is JobState.ENDED
     liveness.tick(back, 1e9)  # past any ended job's TTL
     assert "j" not in back.jobs
+    again = RendezvousState()  # written back ENDED as restored
+    Persister(tmp_path, again).restore()
+    assert again.jobs["j"].state is JobState.ENDED
