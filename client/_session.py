@@ -1449,9 +1449,13 @@ class JoinPlan:
             return False
         self.resumed = False
         self.session.instance_id = self.request.instance_id = secrets.token_hex(16)
-        if self.request.unique_id and self.unique_id is None:
-            self.made = None  # the failed generation's: ID_REUSED in the next one
-            self.request.unique_id = self.make_id()
+        if self.unique_id is None:
+            # The failed generation's: ID_REUSED in the next one. Not only when the
+            # request carries it: a JoinNode goes without one, its id made when node 0
+            # is told id_required (PublishId) and kept for the resumed join.
+            self.made = None
+            if self.request.unique_id:
+                self.request.unique_id = self.make_id()
         return True
 
     def publish_request(self, response: pb.JoinResponse) -> pb.PublishIdRequest:

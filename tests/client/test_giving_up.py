@@ -163,3 +163,24 @@ def test_a_with_block_whose_task_was_cancelled_says_so_to_its_peers(
         )
     finally:
         peer.close()
+
+
+def test_a_resumed_node_join_sent_afresh_makes_a_new_id() -> None:
+    """A node 0 agent's JoinNode goes without an id (it publishes one when told
+    id_required), so ``made`` was reset only for a Join's: resumed and then sent afresh
+    (the given-up seat's generation is over), it published the failed generation's id
+    again, refused ID_REUSED, one more round trip before a new one."""
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+    from rendezvousd.client._session import JoinPlan, Session
+    from rendezvousd.client.connection import RetryPolicy
+
+    session = Session("127.0.0.1:1", "j", "t", RetryPolicy(), 1.0, 1.0, instance_id="a" * 32)
+    old = b"\1" * 128
+    plan = JoinPlan(session, None, None, 10.0, 0.0, pb.JoinNodeRequest(job_id="j"))
+    plan.made, plan.resumed = old, True
+    plan.request.instance_id = "a" * 32
+    assert plan.afresh_after(RendezvousError("that generation is over"))
+    assert plan.request.instance_id != "a" * 32
+    assert not plan.request.unique_id  # still sent without one
+    reused = plan.make_id() == old
+    assert not reused, "the failed generation's id again"

@@ -157,5 +157,7 @@ def test_a_running_row_whose_members_all_left_once_read_back_restores_ended(
     liveness.tick(back, 1e9)  # past any ended job's TTL
     assert "j" not in back.jobs
     again = RendezvousState()  # written back ENDED as restored
-    Persister(tmp_path, again).restore()
+    reader = Persister(tmp_path, again)
+    reader.restore()
+    reader.close()
     assert again.jobs["j"].state is JobState.ENDED
