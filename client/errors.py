@@ -268,6 +268,9 @@ _BY_REASON: dict[str, type[RendezvousError]] = {
     "KEY_NOT_FOUND": KeyNotFound,
     "JOB_NOT_FOUND": NotFound,
     "NOT_A_MEMBER": NotFound,
+    # A call of a generation still forming (ReportFailure, Barrier, GetMembers): made
+    # before its Join returned, a misuse; it was ProtocolError ("anything else").
+    "NOT_RUNNING": InvalidRequest,
     "LIMIT_EXCEEDED": LimitExceeded,
     "WORLD_FULL": LimitExceeded,
     "DRAINING": DaemonUnavailable,
@@ -286,6 +289,12 @@ _BY_CODE: dict[grpc.StatusCode, type[RendezvousError]] = {
     # serve ("Method not found!"), which only an older daemon lacks.
     grpc.StatusCode.UNIMPLEMENTED: VersionMismatch,
 }
+
+
+#: What the daemon answers when it fails in a way of its own (a bug of the daemon's, its
+#: log has the traceback): ProtocolError ("report it"), never a class that blames the
+#: caller's request, token or setup.
+_DAEMON_BUG = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 def error_info(call: grpc.Call) -> tuple[str, dict[str, str]]:
@@ -342,10 +351,17 @@ def from_rpc_error(
     code: grpc.StatusCode = exc.code()
     details: str = exc.details() or ""
     reason, metadata, lost = _status_details(exc)
-    cls = _BY_REASON.get(reason) or _BY_CODE.get(code, ProtocolError)
+    # A daemon bug's class whatever reason comes with it: the daemon's call without its
+    # auth verdict is INTERNAL with SCOPE_DENIED, and was taken for a wrong token (told
+    # to use another job's), when no token or setting of the caller is to blame.
+    cls = (
+        ProtocolError
+        if code in _DAEMON_BUG
+        else _BY_REASON.get(reason) or _BY_CODE.get(code, ProtocolError)
+    )
     where = f"{method} on rendezvousd at {endpoint}"
     who = f" (job {job_id!r}" + (f", rank {rank})" if rank is not None else ")") if job_id else ""
-    if reason == "SCOPE_DENIED":
+    if reason == "SCOPE_DENIED" and cls is AuthenticationError:
         message = f"{where}{who} was refused ({code.name}): {details}{_scope_advice(job_id)}"
     elif cls is AuthenticationError:
         message = (

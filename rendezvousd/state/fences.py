@@ -56,8 +56,10 @@ def stale_generation(job: Job, generation: int) -> RendezvousFault:
 
 
 def not_a_member(job: Job, generation: int, rank: int) -> RendezvousFault:
+    """FAILED_PRECONDITION, as every NOT_A_MEMBER (``left``, ``joined_after_leaving``):
+    one reason, one code, for a client that reads either."""
     return RendezvousFault(
-        Code.NOT_FOUND,
+        Code.FAILED_PRECONDITION,
         Reason.NOT_A_MEMBER,
         f"rank {rank} is not a member of job {job.job_id!r} generation {generation}; "
         "join again to take part in the job's current generation",

@@ -245,3 +245,38 @@ def test_a_real_join_with_another_jobs_token_is_told_to_use_this_jobs(
     assert info.value.reason == "SCOPE_DENIED", message
     assert f"`rendezvousd token --job {job_id} --admin-token-file" in message, message
     assert "TLS" not in message and token not in message, message
+
+
+def test_a_daemon_bug_is_a_protocol_error_whatever_its_reason() -> None:
+    """The daemon's call run without its auth interceptor's verdict is INTERNAL with
+    SCOPE_DENIED: taken for AuthenticationError, the caller was told to use another
+    job's token, when the daemon is to blame."""
+    from rendezvousd.client import ProtocolError
+
+    said = "the daemon ran a call without its auth interceptor's verdict (a daemon bug): refused"
+    error = _refused(grpc.StatusCode.INTERNAL, "SCOPE_DENIED", f"{said}; report it")
+    assert type(error) is ProtocolError and error.code == "INTERNAL"
+    assert "token" not in error.message and "TLS" not in error.message, error.message
+    assert error.message.endswith(f"{said}; report it"), error.message
+
+
+def test_a_call_of_a_forming_generation_is_a_misuse() -> None:
+    """NOT_RUNNING (ReportFailure, Barrier, GetMembers before the generation formed)
+    had no class of its own: ProtocolError, "report it if it persists"."""
+    error = _refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "NOT_RUNNING",
+        "ReportFailure for rank 3 of job 'j' generation 1 refused: the generation is still forming",
+        method="ReportFailure",
+    )
+    assert type(error) is InvalidRequest and error.reason == "NOT_RUNNING"
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION])
+def test_not_a_member_is_not_found_under_either_code(code: grpc.StatusCode) -> None:
+    """NOT_FOUND from a daemon before 2026-12-07 (``fences.not_a_member``), the one
+    code FAILED_PRECONDITION since: the same class."""
+    from rendezvousd.client import NotFound
+
+    error = _refused(code, "NOT_A_MEMBER", "rank 3 left job 'j'", method="Barrier")
+    assert type(error) is NotFound and error.reason == "NOT_A_MEMBER"
