@@ -319,6 +319,38 @@ def test_a_stream_that_ends_after_a_pause_counts_the_pause_before_the_watchdog_d
         assert session.failure is None
 
 
+def test_a_stream_that_ends_while_the_watchdog_wakes_still_counts_the_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same, with the stream's thread run while the watchdog is between reading
+    the gap and counting it: the watchdog's clock had moved on, so ``caught_up`` saw no
+    pause and the stream's end was "the daemon died" (1 run in 6 under load)."""
+    with _session("paused-race", 2.0) as session:
+        watch = StreamWatch(session, None, None)  # type: ignore[arg-type]
+        now = time.monotonic()
+        watch.heard = now - 5.5
+        watch.watchdog_at = now - 5.5
+        watch.beat_s = 0.6  # a third of the window: the break is no prompt one
+        watch.back_again(False)  # its look at the endpoint done: the window is the verdict
+        woke = StreamWatch.woke
+        switched = False
+
+        def stream_thread_runs_first(self: StreamWatch, gap: float) -> None:
+            nonlocal switched
+            if not switched:  # the watchdog's own call: the stream's thread runs here
+                switched = True
+                self.caught_up()
+                assert self.ended(_Unavailable()) is not None, "DaemonUnreachable"
+            woke(self, gap)
+
+        monkeypatch.setattr(StreamWatch, "woke", stream_thread_runs_first)
+        watch.watchdog_ran(5.5)
+        assert session.failure is None
+        monkeypatch.undo()
+        deadline = watch.deadline()
+        assert deadline is not None and deadline > time.monotonic() + 1.0, deadline - now
+
+
 def test_a_broken_stream_has_the_whole_window_from_its_break() -> None:
     """The daemon SIGKILLed 1.9 s after its last ack (beats come every third of the
     window) and restarted with its state 7 s later: the window counted from that ack,
