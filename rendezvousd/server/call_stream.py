@@ -31,7 +31,8 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.fault_status import to_grpc_status
 
 log = logging.getLogger("rendezvousd")
-_BUG = "the daemon failed to handle this call (its log has the traceback); report it"
+#: What a call that hit a bug of ours is answered, unary or on a stream (its log has the rest).
+DAEMON_BUG = "the daemon failed to handle this call (its log has the traceback); report it"
 Handler = Callable[[Any, Any], Awaitable[Any]]
 _REPLY_FIELDS = {f.name: f.number for f in pb.Reply.DESCRIPTOR.fields}
 _ERROR_FIELD = _REPLY_FIELDS["error"]
@@ -74,7 +75,7 @@ def _status_bytes(code: grpc.StatusCode, message: str) -> bytes:
     return data
 
 
-_UNKNOWN = _status_bytes(grpc.StatusCode.UNKNOWN, _BUG)
+_UNKNOWN = _status_bytes(grpc.StatusCode.UNKNOWN, DAEMON_BUG)
 
 #: How long a draining daemon goes on reading a stream's calls, answering each with
 #: ``_DRAINING_NOT_RUN``: its client then half-closes the stream (as it does when its

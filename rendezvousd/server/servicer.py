@@ -33,7 +33,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
-from rendezvousd.server.call_stream import _BUG, CallStream, method_fields
+from rendezvousd.server.call_stream import DAEMON_BUG, CallStream, method_fields
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
@@ -633,7 +633,7 @@ class RendezvousServicer:
                 job = (getattr(request, "job_id", "") or "(none)")[:128]  # as sent: unchecked
                 log.exception("%s of job %r failed", name, job)
                 self.apply()  # what the handler changed before failing still wakes its waiters
-                await context.abort(grpc.StatusCode.UNKNOWN, _BUG)
+                await context.abort(grpc.StatusCode.UNKNOWN, DAEMON_BUG)
             finally:
                 self.metrics.observe_rpc(name, code, time.perf_counter() - started)
 

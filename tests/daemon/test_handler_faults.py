@@ -41,7 +41,7 @@ async def test_a_handler_bug_on_a_unary_call_is_answered_as_on_a_calls_stream(
             )
     assert caught.value.code() is grpc.StatusCode.UNKNOWN
     details = caught.value.details() or ""
-    assert details == servicer._BUG, details
+    assert details == servicer.DAEMON_BUG, details
     assert "key-field-value" not in details
     logged = [r for r in caplog.records if r.exc_info and "KvGet" in r.getMessage()]
     assert logged and "'bugged'" in logged[0].getMessage(), caplog.text
