@@ -65,11 +65,15 @@ def training(make_cluster: Callable[..., Cluster]) -> Training:
 
 def _detected(node: Node, cause: str, since: float, within: float) -> str:
     """The node's abort line naming ``cause``, logged within ``within`` s of ``since``."""
-    wait_for(
-        f"node {node.index} to report {cause}",
-        lambda: node.first(ABORT + cause) is not None,
-        within + 5,
-    )
+    try:
+        wait_for(
+            f"node {node.index} to report {cause}",
+            lambda: node.first(ABORT + cause) is not None,
+            within + 5,
+        )
+    except AssertionError as exc:
+        # What it said instead, once seen only as a timeout in a CI run.
+        raise AssertionError(f"{exc}\n{node.summary()}") from None
     at = node.first(ABORT + cause)
     assert at is not None
     assert at - since <= within, f"node {node.index} took {at - since:.2f} s to report {cause}"

@@ -1121,3 +1121,43 @@ def _assert_no_seat_kept(daemon: DaemonProcess, job_id: str) -> None:
         job = probe.get_job()
         joining.join(10)
     assert job.seats_kept == 0, job
+
+
+_REPORTS_THEN_LINGERS = """\
+import sys, time
+from rendezvousd.trainer.distributed import init_distributed
+ctx = init_distributed()
+assert ctx.agent is not None
+ctx.agent.report_failure("RuntimeError: the worker's own failure", 5.0)
+time.sleep(3.0)  # still running when the daemon's answer to its node comes back
+sys.exit(1)
+"""
+
+
+def test_a_verdict_naming_this_nodes_own_report_first_is_told_as_its_workers_failure(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """A worker reported its own failure and had not exited when the agent's heartbeat
+    was answered with the generation's failure, whose first loss is that report (the
+    daemon answers a node's own call with the whole list). It read as the daemon's
+    loss of the node, "this node was lost", seen on a node of a cut between two
+    others (tests/multihost/test_faults.py, once in CI, 5 in 6 runs under load): it
+    is the worker's failure, worded as any other of this node's own."""
+    script = tmp_path / "lingers.py"
+    script.write_text(_REPORTS_THEN_LINGERS)
+    cmd = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file)
+    cmd += ["--job-id", job_id, "--max-restarts", "0", "--heartbeat-interval-s", "0.2"]
+    err = tmp_path / "node.err"
+    with err.open("w") as stderr:
+        node = subprocess.Popen([*cmd, str(script)], stderr=stderr, cwd=ROOT)
+    try:
+        code = node.wait(40)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait(10)
+    said = err.read_text()
+    assert code == 1, said
+    assert "this node was lost" not in said, said
+    assert "failed first, with RuntimeError: the worker's own failure" in said, said
+    assert "stopping this node's workers: PeerFailed" in said, said

@@ -842,6 +842,10 @@ class NodeAgent:
                     return self._local_failure(gen, first_rank, event.worker, event.cause, 1)
                 self._misbehaved_spare(event)
             elif isinstance(event, RemoteFailure) and event.generation == gen:
+                reporter = None if verdict is not None else self._reported_first(first_rank, event)
+                if reporter is not None and reporter.reported_cause is not None:
+                    cause = reporter.reported_cause
+                    return self._local_failure(gen, first_rank, reporter, cause, 1)
                 if verdict is None:
                     verdict = self._heard(gen, event)
                     if not self._exiting(succeeded):
@@ -885,10 +889,30 @@ class NodeAgent:
             cause = self._lost(gen, error)
         return Verdict(error, cause, time.monotonic() + FINISHED_EXIT_S)
 
+    def _reported_first(self, first_rank: int, event: RemoteFailure) -> WorkerProcess | None:
+        """This node's worker whose own report the daemon lists as the generation's first
+        loss, if it does: the daemon answers this node's own calls (its heartbeat) with
+        the whole list, so a verdict can come back before that worker exits. It is then
+        this node's failure as its worker reported it, not the daemon's loss of the node."""
+        error = event.error
+        if not isinstance(error, PeerFailed) or not error.failed:
+            return None
+        first = error.failed[0].rank
+        for w in self.active:
+            if (
+                w.local_rank is not None
+                and first_rank + w.local_rank == first
+                and w.reported_cause is not None
+                and w not in self._unreported
+            ):
+                return w
+        return None
+
     def _ours(self, gen: int, error: PeerFailed) -> bool:
         """Whether the first member the daemon lost in ``gen`` is one of this node's
-        ranks. The daemon never tells a node of a loss it reported itself: this is its
-        loss of the node (its agent stopped or cut off past the heartbeat timeout)."""
+        ranks. One its workers reported is told apart first (``_reported_first``): this is
+        the daemon's loss of the node (its agent stopped or cut off past the heartbeat
+        timeout)."""
         m = self.placed
         first = error.failed[0].rank
         return (
