@@ -1,7 +1,9 @@
 """The member values the daemon, the SDK and the node agent all use: a member of a
 generation (``MemberInfo``, the SDK's ``Member``), a lost one (``FailedInfo``, the
-SDK's ``FailedMember``) and the one sentence that names losses, a joiner's seat
-(``Seat``), and the wording of two causes every agent recognises.
+SDK's ``FailedMember``) and the one way losses are named (``describe``,
+``named_losses``, ``failed_text``), a joiner's seat (``Seat``) and whether a lost
+rank is its own (``Seat.holds``), and the wording of two causes every agent
+recognises.
 
 Apart from ``model.py`` (which re-exports them with the state machine's own values)
 because every node process imports these and none of the daemon's: each frozen
@@ -45,21 +47,47 @@ class FailedInfo:
     # known (a loss recorded before the daemon restarted).
     lost_at: float | None = None
 
-    def describe(self) -> str:
-        """The one way every layer words a loss: rank, host and the cause shortened."""
-        return f"rank {self.rank} on {escape(self.host)} ({shortened(self.cause)})"
+    @property
+    def node(self) -> int:
+        """Its node rank; where the daemon did not say (a record from before node ranks),
+        its rank, which is the node rank of a node of one rank (a torchrun agent)."""
+        return self.rank if self.node_rank is None else self.node_rank
+
+    def describe(
+        self, *, as_node: bool = False, in_round: int | None = None, joining: bool = False
+    ) -> str:
+        """The one way every layer words a loss: "rank R on HOST (cause)", the host
+        escaped and the cause shortened. ``as_node``: the member is a node of one rank
+        (a torchrun agent), named "node N", its node rank: its "rank R" read as a
+        worker's global rank; ``joining``: a node lost before its round formed, which
+        had no node rank the user saw yet, named by its host; ``in_round``: named with
+        the generation (torchrun's round) it was lost in."""
+        host = escape(self.host)
+        if joining:
+            who = f"the node joining from {host}"
+        else:
+            who = f"node {self.node} on {host}" if as_node else f"rank {self.rank} on {host}"
+        when = "" if in_round is None else f" in round {in_round}"
+        return f"{who}{when} ({shortened(self.cause)})"
 
 
 # How many losses a failure sentence names; the rest are counted.
 NAMED_LOSSES = 8
 
 
+def named_losses(failed: Sequence[FailedInfo], *, as_nodes: bool = False) -> str:
+    """The losses of one failure, as every layer names them: the first
+    ``NAMED_LOSSES`` described (``FailedInfo.describe``), in the order of loss, the
+    rest counted: "rank R on HOST (cause), ... and N more"."""
+    lost = ", ".join(f.describe(as_node=as_nodes) for f in failed[:NAMED_LOSSES])
+    more = len(failed) - NAMED_LOSSES
+    return f"{lost} and {more} more" if more > 0 else lost
+
+
 def failed_text(named: str, failed: Sequence[FailedInfo]) -> str:
     """The failure sentence the daemon, the SDK and the node agent all say:
     "<job J generation G> failed: lost rank R on HOST (cause), ... and N more"."""
-    lost = ", ".join(f.describe() for f in failed[:NAMED_LOSSES])
-    more = f" and {len(failed) - NAMED_LOSSES} more" if len(failed) > NAMED_LOSSES else ""
-    return f"{named} failed: lost {lost}{more}"
+    return f"{named} failed: lost {named_losses(failed)}"
 
 
 @dataclass(frozen=True)
@@ -84,6 +112,17 @@ class Seat:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+    def holds(self, generation: int, rank: int) -> bool:
+        """Whether global ``rank`` of ``generation`` is this seat's: a worker's own rank,
+        or any of a node agent's ranks (a loss the daemon names by rank is then this
+        node's own: its agent stopped, or cut off). The one rule of "is this loss
+        ours" for the node agent, the launcher's root cause and the torchrun handler."""
+        if generation != self.generation:
+            return False
+        if self.local_rank is not None:
+            return rank == self.rank
+        return self.rank <= rank < self.rank + self.gpus_per_node
 
 
 def seat_of(source: object, **given: Any) -> dict[str, Any]:

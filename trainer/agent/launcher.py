@@ -431,8 +431,7 @@ def _root_cause(config: DistributedConfig, local: Failure | None, placed: Seat |
     )
     if found is not None:
         gen, lost = found
-        seat = (placed.generation, placed.node_rank) if placed is not None else None
-        here = seat == (gen, lost.node_rank)
+        here = placed is not None and placed.holds(gen, lost.rank)
         _note(f"root cause: {describe(lost, here=here)}")
     elif local is not None:
         who = f"rank {local.rank}" if local.rank is not None else f"local rank {local.local_rank}"

@@ -48,7 +48,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.membership import NodeMembership, loopback_conflict
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.members import NAMED_LOSSES, FailedInfo, failed_text, seat_of
+from rendezvousd.common.members import FailedInfo, failed_text, named_losses, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
@@ -913,13 +913,7 @@ class NodeAgent:
         ranks. One its workers reported is told apart first (``_reported_first``): this is
         the daemon's loss of the node (its agent stopped or cut off past the heartbeat
         timeout)."""
-        m = self.placed
-        first = error.failed[0].rank
-        return (
-            m is not None
-            and m.generation == gen
-            and m.first_rank <= first < m.first_rank + m.gpus_per_node
-        )
+        return self.placed is not None and self.placed.holds(gen, error.failed[0].rank)
 
     def _stopped_for(self) -> str:
         """Why the daemon lost this node, when this agent had just been stopped."""
@@ -938,12 +932,10 @@ class NodeAgent:
         (``_ours``): said as this node's loss, with the daemon's facts. Worded as the
         other nodes hear it, "PeerFailed: ... lost rank 2 on HOST", it read as a peer's
         loss, and the root cause as another node's, naming this node's own rank."""
-        shown = ", ".join(f.describe() for f in error.failed[:NAMED_LOSSES])
-        more = len(error.failed) - NAMED_LOSSES
-        shown += f" and {more} more" if more > 0 else ""
         return (
             f"this node was lost from job {self.config.job_id!r} generation {gen}"
-            f"{self._stopped_for()}: the other nodes were told the daemon lost {shown}"
+            f"{self._stopped_for()}: the other nodes were told the daemon lost "
+            f"{named_losses(error.failed)}"
         )
 
     def _verdict(self, gen: int, verdict: Verdict) -> Outcome:

@@ -142,8 +142,9 @@ from rendezvousd.client.membership import NodeMembership
 from rendezvousd.client.warnings_said import say_client_warnings
 from rendezvousd.common.address import AddressError, UnresolvedHost, is_loopback, route_source
 from rendezvousd.common.env_names import unknown_names
-from rendezvousd.common.escape import bounded, escape, shortened
+from rendezvousd.common.escape import bounded, escape
 from rendezvousd.common.limits import Limits
+from rendezvousd.common.members import named_losses
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
@@ -302,17 +303,6 @@ def _torch_error(exc: RendezvousError, what: str) -> torch_rdzv.RendezvousError:
     if isinstance(exc, JobAborted) and CLOSED in str(exc):
         return torch_rdzv.RendezvousClosedError(message)
     return torch_rdzv.RendezvousError(message)
-
-
-def lost_nodes(exc: PeerFailed) -> str:
-    """The nodes a failure lost, each with its host and cause. Each agent is one member
-    of the round, a node of one rank: the daemon's "rank" is torchrun's node rank,
-    which read as a worker's global rank."""
-    return "; ".join(
-        f"node {f.rank if f.node_rank is None else f.node_rank} on {escape(f.host)} "
-        f"({shortened(f.cause)})"
-        for f in exc.failed
-    )
 
 
 def _no_restarts(max_restarts: int) -> str:
@@ -940,22 +930,16 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 raise SystemExit(0) from None
 
     def _lost_in(
-        self, exc: PeerFailed, me: int | None = None, *, forming: bool = False
+        self, exc: PeerFailed, me: NodeMembership | None = None, *, forming: bool = False
     ) -> list[str]:
-        """Keep the nodes ``exc`` lost (not this one, node ``me``) for the waiting note,
+        """Keep the nodes ``exc`` lost (not this one, seated at ``me``) for the waiting note,
         and return them; ``forming``: a round that never formed, whose node ranks were
         not yet given (named by host, not by a rank the user never saw)."""
-        lost = []
-        for f in exc.failed:
-            rank = f.rank if f.node_rank is None else f.node_rank
-            if rank == me:
-                continue
-            who = (
-                f"the node joining from {escape(f.host)}"
-                if forming
-                else f"node {rank} on {escape(f.host)}"
-            )
-            lost.append(f"{who} in round {exc.generation} ({shortened(f.cause)})")
+        lost = [
+            f.describe(as_node=True, in_round=exc.generation, joining=forming)
+            for f in exc.failed
+            if me is None or not me.holds(exc.generation, f.rank)
+        ]
         self._missing += lost
         return lost
 
@@ -972,9 +956,10 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             return
         if exc.generation == self._signalled:
             return  # this agent's own stop (_stopped_by), which it said already
-        node = self._node
-        self._lost_in(exc, node.node_rank if node and node.generation == exc.generation else None)
-        lost = lost_nodes(exc)
+        self._lost_in(exc, self._node)
+        # Each agent is a node of one rank: named as a node, its "rank" read as a
+        # worker's global rank.
+        lost = named_losses(exc.failed, as_nodes=True)
         restarts = self._restarts()
         if restarts is not None and restarts[0] == 0:
             log.warning(
@@ -1066,7 +1051,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             return None
         failure = self._client.failure
         if isinstance(failure, PeerFailed):
-            return f"lost {lost_nodes(failure)}" if failure.failed else str(failure)
+            lost = named_losses(failure.failed, as_nodes=True)
+            return f"lost {lost}" if failure.failed else str(failure)
         if node.generation == self._link_lost:
             return f"this node {self._link_lost_cause}"
         return None
