@@ -83,3 +83,49 @@ def test_a_token_on_the_command_line_is_refused_without_its_value() -> None:
     assert "--rdzv-conf token: a token on torchrun's command line shows in ps" in message
     assert "token_file=PATH" in message and "RENDEZVOUSD_TOKEN" in message, message
     assert "SECRETVALUE" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("conf", "env", "watch"),
+    [
+        ({}, {}, True),
+        ({"node_link_watch": "0"}, {}, False),
+        ({"node_link_watch": "false"}, {}, False),
+        ({"node_link_watch": "off"}, {}, False),
+        ({"node_link_watch": "true"}, {}, True),
+        ({"node_link_watch": "1"}, {}, True),
+        ({}, {"RENDEZVOUSD_NODE_LINK_WATCH": "no"}, False),
+        # --rdzv-conf over the environment.
+        ({"node_link_watch": "yes"}, {"RENDEZVOUSD_NODE_LINK_WATCH": "0"}, True),
+    ],
+)
+def test_node_link_watch_is_read_from_rdzv_conf_over_the_environment(
+    conf: dict[str, str], env: dict[str, str], watch: bool
+) -> None:
+    """docs/trainer.md ("From torchrun"): the handler's agents keep node links unless
+    ``--rdzv-conf node_link_watch=0``; what off does is tests/torchrun/test_torchrun.py's
+    ``test_node_link_watch_off_keeps_a_torchrun_agent_from_listening_for_links``."""
+    assert load_settings(conf, env).node_link_watch is watch
+
+
+@pytest.mark.parametrize(
+    ("conf", "env", "said"),
+    [
+        ({"node_link_watch": "maybe"}, {}, "--rdzv-conf node_link_watch='maybe' is invalid"),
+        ({"node_link_watch": ""}, {}, "--rdzv-conf node_link_watch='' is invalid"),
+        (
+            {},
+            {"RENDEZVOUSD_NODE_LINK_WATCH": "sometimes"},
+            "$RENDEZVOUSD_NODE_LINK_WATCH='sometimes' is invalid",
+        ),
+    ],
+    ids=["word", "empty", "environment"],
+)
+def test_a_node_link_watch_that_is_neither_on_nor_off_is_refused_naming_where_it_came_from(
+    conf: dict[str, str], env: dict[str, str], said: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(conf, env)
+    message = str(info.value)
+    assert said in message and "node_link_watch must be true or false" in message, message
+    assert "--node-link-watch" not in message, message  # rendezvous-run's flag, not torchrun's

@@ -3,6 +3,7 @@ daemon on 127.0.0.1 (the same across network hosts: tests/multihost/test_torchru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -794,6 +795,58 @@ def test_a_survivor_out_of_restarts_closes_the_round_a_standby_was_called_into(
     raised = [ln for ln in spare.stderr().splitlines() if "RendezvousClosedError: " in ln]
     assert raised, spare.stderr()[-3000:]
     assert "the job cannot go on without it (--nnodes 2:2, 1 node(s) joining)" in raised[-1]
+
+
+def _listening_sockets(pid: int) -> int:
+    """How many listening TCP sockets process ``pid`` holds (its own descriptors, matched
+    against its network namespace's socket table by inode)."""
+    listening = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    listening.add(fields[9])
+    held = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            held += target.startswith("socket:[") and target[8:-1] in listening
+    return held
+
+
+def test_node_link_watch_off_keeps_a_torchrun_agent_from_listening_for_links(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """``--rdzv-conf node_link_watch=0`` (docs/trainer.md, "From torchrun"): two agents
+    of one round, the first with it. An agent keeps its node links through a listener
+    of its own (``node_links``), which it publishes in the round's key-value store as
+    the round forms, and closes once its neighbour linked. The second agent waits its
+    setup timeout (join_timeout, 10 s here) for the first's address and says the link
+    is not watched, still listening; the first, whose workers run as long, published
+    nothing and holds no listener (an agent holds no other: its workers' TCPStore is
+    in worker rank 0). With the setting ignored the two linked, and neither said so."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "2"]
+    conf = f"token_file={d.token_file},join_timeout=10"
+    off, on = (
+        torchrun(d, job_id, "2", *worker, nproc=1, conf=conf + extra)
+        for extra in (",node_link_watch=0", "")
+    )
+    unwatched = re.compile(r"the link to node [01]'s agent is not watched in generation 1 \(")
+    wait_for(
+        "the second agent to say its link is not watched", lambda: unwatched.search(on.stderr()), 60
+    )
+    said = re.search(r"key 'node-link/([01])' of job .* was not set within 10\.0 s", on.stderr())
+    assert said, on.stderr()[-3000:]
+    assert {s["rank"] for s in torch_steps(log) if s["step"] >= 1} == {0, 1}, torch_steps(log)
+    assert "not watched" not in off.stderr(), off.stderr()[-3000:]
+    assert _listening_sockets(on.proc.pid) == 1, on.stderr()[-3000:]
+    assert _listening_sockets(off.proc.pid) == 0, off.stderr()[-3000:]
 
 
 def _parked(d: DaemonProcess, job: str) -> bool:
