@@ -835,6 +835,16 @@ class Calls:
         aborted: int = response.generation
         return aborted
 
+    def close_run(self, reason: str, generation: int) -> Steps[bool]:
+        check_arg("close_run", "reason", reason, str)
+        check_arg("close_run", "generation", generation, int, UINT64)
+        request = pb.AbortJobRequest(
+            job_id=self.s.job_id, generation=generation, reason=reason, close=True
+        )
+        response = yield from self.call("AbortJob", request)
+        closed: bool = response.closed
+        return closed
+
     # -- key-value store -----------------------------------------------------------------
 
     def kv_set(self, key: str, value: bytes) -> Steps[None]:

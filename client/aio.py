@@ -280,6 +280,10 @@ class AsyncRendezvousClient(steps.ClientBase):
         """``RendezvousClient.abort``, awaited."""
         return await self._run(self._c.abort(reason, job_id, generation))
 
+    async def close_run(self, reason: str, *, generation: int = 0) -> bool:
+        """``RendezvousClient.close_run``, awaited."""
+        return await self._run(self._c.close_run(reason, generation))
+
     def _open_stream(self) -> None:
         """``steps.OpenStream``: the heartbeat stream's call, open before the join, its
         requests held back until start_heartbeat() (none while one is running)."""

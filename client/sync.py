@@ -348,6 +348,16 @@ class RendezvousClient(steps.ClientBase):
         already replaced is left alone); returns the generation aborted."""
         return self._run(self._c.abort(reason, job_id, generation))
 
+    def close_run(self, reason: str, *, generation: int = 0) -> bool:
+        """Close the job's run for good: ``generation`` (0: the current one) is aborted
+        as by ``abort``, or, one that already failed, left failed; and a node agent
+        launched before this call that joins the job afterwards is refused
+        (``JobAborted``, with ``reason``) instead of waiting for nodes that will not
+        come (docs/protocol.md, "A closed run"). Returns whether the daemon closed
+        it: False from a daemon from before closes, which aborted the generation (if
+        it was forming or running) and nothing more."""
+        return self._run(self._c.close_run(reason, generation))
+
     # -- key-value store --------------------------------------------------------
 
     def kv_set(self, key: str, value: bytes) -> None:

@@ -480,9 +480,12 @@ class RendezvousServicer:
         return pb.LeaveResponse()
 
     async def AbortJob(self, request: pb.AbortJobRequest, context: Any) -> pb.AbortJobResponse:
-        generation = self.state.abort(request.job_id, request.generation, request.reason, _now())
+        generation = self.state.abort(
+            request.job_id, request.generation, request.reason, _now(), close=request.close
+        )
+        closed = request.close and self.state.jobs[request.job_id].closed is not None
         await self._durably(request.job_id, self.state.take_effects())
-        return pb.AbortJobResponse(generation=generation)
+        return pb.AbortJobResponse(generation=generation, closed=closed)
 
     # -- inspection -----------------------------------------------------------
 

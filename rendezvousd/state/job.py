@@ -278,6 +278,15 @@ class Generation:
     after_end: float | None = None
 
 
+@dataclass(frozen=True)
+class Closed:
+    """A close of a job's run (``Job.closed``)."""
+
+    at: float
+    reason: str
+    generation: int
+
+
 @dataclass
 class Job:
     job_id: str
@@ -296,6 +305,11 @@ class Job:
     # whose Leave ended it (a worker's failure it could not report), which the
     # refusal would have had exit 0 for a failed run (review).
     ended_leavers: frozenset[str] = frozenset()
+    # A close of the job's run (AbortJob with ``close``): when, why, and the
+    # generation it named; node agents launched before it are refused while that
+    # generation, or the next one forming, is the job's (``joins.launched_before_close``).
+    # Not stored, as ``ended_at``.
+    closed: Closed | None = None
     # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
     used_id_digests: IdHistory = field(default_factory=IdHistory)
     # JoinNode generations: the elastic bounds (num_nodes is max_nodes while

@@ -47,7 +47,7 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     seats.not_draining(sm)
     placement.check(args, sm.limits)
     if (known := sm.jobs.get(args.job_id)) is not None and (
-        late := launched_for_ended_run(known, args, now)
+        late := launched_for_ended_run(known, args, now) or launched_before_close(known, args, now)
     ) is not None:
         raise late
     if args.standby and (parked := stand_by(sm, args, now)) is not None:
@@ -127,6 +127,30 @@ def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFa
         "the job id (run it again with nodes started once every node of the run before "
         "has exited)",
         ended_ms_ago=str(round((now - ended) * 1000)),
+    )
+
+
+def launched_before_close(job: Job, args: JoinArgs, now: float) -> RendezvousFault | None:
+    """JOB_ABORTED for a node agent launched before the job's run was closed (AbortJob
+    with ``close``: a torchrun agent out of restarts whose round the others cannot
+    form without it), while the generation it closed is the job's or the next one
+    forms: a survivor of that run re-joining after the closing agent stopped watching
+    (it waited 35 s for one) opened the next generation and waited its join timeout
+    (600 s) there for nodes that will not come. A node launched after the close
+    starts a new run of the job id, as does any join that does not say when it was
+    launched."""
+    closed, launched = job.closed, args.launched_at
+    if closed is None or launched is None or launched > closed.at:
+        return None
+    forming_next = job.generation == closed.generation + 1 and job.state is JobState.FORMING
+    if job.generation != closed.generation and not forming_next:
+        return None
+    return job.fault(
+        Code.ABORTED,
+        Reason.JOB_ABORTED,
+        f"job {job.job_id!r} was closed {now - closed.at:.1f} s ago, after this node was "
+        f"launched ({now - launched:.1f} s ago): {closed.reason}",
+        reason=closed.reason,
     )
 
 

@@ -23,7 +23,7 @@ from rendezvousd.common.model import Effect, EventKind, JobState, JobView, Membe
 from rendezvousd.errors import Code, Reason
 from rendezvousd.state import barriers, fences, joins, kv, liveness, rounds, seats, waits
 from rendezvousd.state.calls import Calls
-from rendezvousd.state.job import Job
+from rendezvousd.state.job import Closed, Job
 from rendezvousd.state.placement import JoinArgs
 from rendezvousd.state.views import job_view
 
@@ -179,11 +179,18 @@ class RendezvousState:
         for w in kv.put(job, key, value, self.limits, self.kv_bytes):
             self.calls.wake(w, value)
 
-    def abort(self, job_id: str, generation: int, reason: str, now: float) -> int:
+    def abort(
+        self, job_id: str, generation: int, reason: str, now: float, *, close: bool = False
+    ) -> int:
+        """Abort the job's generation (a terminal one is left as it is); ``close``: and
+        close the job's run, which node agents launched before now are then refused
+        (``joins.launched_before_close``), the failed generation's survivors too."""
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
         job = seats.find_job(self, job_id)
         if generation not in (0, job.generation):
             seats.seat(self, job_id, generation, 0)  # raises STALE_GENERATION
+        if close and job.state is not JobState.ENDED:
+            job.closed = Closed(now, reason or "closed by request", job.generation)
         if job.state in (JobState.FORMING, JobState.RUNNING):
             job.gen.abort_reason = reason or "aborted by request"
             rounds.set_state(self, job, JobState.ABORTED, now, job.gen.abort_reason)

@@ -651,3 +651,39 @@ def test_status_shows_a_generation_opened_after_the_job_ended_as_a_new_run(
     assert formed.summary.state == pb.JobState.JOB_STATE_RUNNING, formed.summary
     assert not formed.HasField("previous_run_ended_ms")
     assert "a new run" not in render_job(formed)
+
+
+def test_close_run_closes_a_failed_generation_to_the_nodes_launched_before_it(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    """``close_run`` (docs/protocol.md, "A closed run"): node b fails and leaves for good;
+    closing the failed generation (an ``abort`` of it changes nothing) refuses node a's
+    re-join (launched before the close) with ``JobAborted`` naming the reason, where it
+    opened the next generation and waited there; a node launched after the close
+    starts a new run of the job id: it parks as any joiner."""
+    from rendezvousd.client import JobAborted, RendezvousTimeout
+
+    launched = time.monotonic()
+    a, b, probe = agents
+    joined = parallel(
+        [
+            lambda c=c: c.join_node(  # type: ignore[misc]
+                min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=20, launched=launched
+            )
+            for c in (a, b)
+        ]
+    )
+    assert all(isinstance(m, NodeMembership) for m in joined), joined
+    b.report_failure(0, "exit code -9")
+    b.leave(final=True)
+    assert probe.close_run("closed: node b stopped, no restarts left", generation=1) is True
+    with pytest.raises(JobAborted) as info:
+        a.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=20, launched=launched)
+    said = str(info.value)
+    assert "was closed" in said and "closed: node b stopped, no restarts left" in said, said
+    assert probe.get_job().summary.generation == 1  # nothing opened
+    late = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    with late, pytest.raises(RendezvousTimeout):
+        late.join_node(
+            min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=1, launched=time.monotonic()
+        )

@@ -24,6 +24,7 @@ from rendezvousd.common.model import (
     Wake,
 )
 from rendezvousd.errors import Code, RendezvousFault
+from rendezvousd.state.joins import launched_before_close
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage.persistence import Persister
 from rendezvousd.trainer.agent.recovery import stray
@@ -838,3 +839,60 @@ def test_a_stray_join_while_seats_are_kept_is_refused_alone_and_the_bounds_stand
     assert restarted(sm, tmp_path).jobs["j"].max_nodes == 2  # the row loads
     sm.join(node("a2", previous="a"), 0.4)  # a takes its kept seat
     assert len(sm.jobs["j"].gen.nodes) == 1
+
+
+def test_a_closed_run_refuses_the_nodes_launched_before_the_close_when_they_re_join() -> None:
+    """AbortJob with ``close`` (a torchrun agent out of restarts, whose round the others
+    cannot form without it) on a generation that already failed: an abort alone leaves
+    it as it is, and a survivor re-joining later opened the next generation and
+    waited its join timeout there. Closed, a node agent launched before the close is
+    refused JOB_ABORTED with the reason, at once, while that generation is the job's
+    or the next one forms; one launched after it is a new run, as is one that does
+    not say when it was launched, and a plain abort closes nothing."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.report_failure("j", 1, 1, "b", 1, "exit code -9", 1.0)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    # Node b's agent stops (no restarts left): no seat kept for it.
+    sm.leave("j", 1, 1, "b", 1.5, mode=JoinMode.NODE, final=True)
+    # A plain abort of the failed generation: nothing changes, nobody refused.
+    assert sm.abort("j", 1, "not a close", 2.0) == 1
+    assert job.state is JobState.FAILED and job.closed is None
+    assert sm.abort("j", 1, "closed: node a stopped", 3.0, close=True) == 1
+    assert job.state is JobState.FAILED and job.generation == 1  # the failure stands
+    f = fault(sm.join, node("a2", previous="a", launched=0.5), 10.0)
+    assert (f.code, f.reason) == (Code.ABORTED, "JOB_ABORTED")
+    assert f.message == (
+        "job 'j' was closed 7.0 s ago, after this node was launched (9.5 s ago): "
+        "closed: node a stopped"
+    )
+    assert f.metadata["reason"] == "closed: node a stopped"
+    assert job.generation == 1 and job.state is JobState.FAILED  # nothing opened
+    # A standby of that run hears it at once too, not after its wait.
+    assert fault(sm.join, node("spare", launched=2.9, standby=True), 11.0).reason == "JOB_ABORTED"
+    # Launched after the close: a new run, which a node of the old one may not join.
+    new = sm.join(node("new", launched=3.5), 12.0)
+    assert isinstance(new, (JoinResult, Parked))
+    assert job.generation == 2 and job.state is JobState.FORMING
+    assert fault(sm.join, node("a2", previous="a", launched=0.5), 13.0).reason == "JOB_ABORTED"
+    # One that does not say when it was launched is not refused either.
+    assert launched_before_close(job, node("unsaid"), 14.0) is None
+    assert launched_before_close(job, node("a2", previous="a", launched=0.5), 14.0) is not None
+
+
+def test_a_close_of_a_forming_generation_aborts_it_and_refuses_its_late_nodes() -> None:
+    """The close the torchrun agent made before (a survivor had re-joined first): the
+    forming generation is aborted, its parked joins told, and a node of the run
+    launched before that re-joins later is refused too (it opened generation 3)."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.report_failure("j", 1, 1, "b", 1, "exit code -9", 1.0)
+    parked = sm.join(node("a2", previous="a", launched=0.0), 2.0)
+    assert isinstance(parked, JoinResult) and parked.id_required
+    job = sm.jobs["j"]
+    assert job.generation == 2 and job.state is JobState.FORMING
+    sm.abort("j", 2, "closed: node b stopped", 3.0, close=True)
+    assert job.state is JobState.ABORTED
+    assert fault(sm.join, node("c", launched=0.1), 9.0).reason == "JOB_ABORTED"
+    assert job.generation == 2

@@ -40,6 +40,10 @@ from tests.support import (
 pytestmark = pytest.mark.slow
 
 
+#: The handler's CLOSE_WAIT_S (its module imports torch, which this process lacks).
+CLOSE_WAIT_S = 35.0
+
+
 def _job_state(d: DaemonProcess, job: str) -> str:
     with RendezvousClient(d.endpoint, job, token=d.token) as probe:
         from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
@@ -337,6 +341,47 @@ def test_an_agent_out_of_restarts_closes_a_rendezvous_its_survivor_cannot_form(
         f"no restarts left (--max-restarts 0); the job cannot go on without it (--nnodes {bounds}"
     )
     assert said in raised[-1], raised[-1]
+
+
+def test_an_agent_out_of_restarts_closes_the_rendezvous_for_a_survivor_that_re_joins_late(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """As above, but A is held (SIGSTOP) as B is killed, and let go only after C gave
+    up watching for A's re-join (CLOSE_WAIT_S, 35 s) and exited. C could close only
+    a round A had opened by re-joining: A re-joined after C was gone, opened the next
+    round and waited its whole join_timeout (40 s here, 600 by default) there. Now C
+    closes the failed round at the daemon as it stops, and A's late re-join is
+    refused at once, naming C's stop."""
+    d = start_daemon("--heartbeat-timeout-s", "4")
+    log = tmp_path / "steps.jsonl"
+    a, b, c = _three_nodes_at_step_two(torchrun, d, job_id, log, "3", (1, 1, 0))
+    # Held before the loss, not after: A hears B's loss only once let go. (A round
+    # that failed watches no survivor's heartbeat: holding A loses nothing of it.)
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        b.kill()
+        try:
+            code = c.wait(CLOSE_WAIT_S + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"C still runs {CLOSE_WAIT_S + 30} s after the kill:\n{c.stderr()[-3000:]}")
+        assert code != 0 and "no restarts left (--max-restarts 0)" in c.stderr(), c.stderr()[-3000:]
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    try:
+        code = a.wait(25)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"A still runs 25 s after it was let go:\n{a.stderr()[-3000:]}")
+    raised = [ln for ln in a.stderr().splitlines() if ln.startswith("torch.distributed.elastic")]
+    assert code != 0 and raised, a.stderr()[-3000:]
+    assert raised[-1].startswith(
+        "torch.distributed.elastic.rendezvous.api.RendezvousClosedError: "
+    ), raised[-1]
+    assert "torchrun's agent on 127.0.0.1 stopped: round 1 failed (lost node" in raised[-1]
+    assert "was closed" in raised[-1] and "after this node was launched" in raised[-1]
+    assert "closed the rendezvous" in c.stderr(), c.stderr()[-3000:]
 
 
 def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(

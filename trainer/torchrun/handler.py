@@ -23,7 +23,8 @@ What each torchrun agent does here:
   do once their collectives break: its ``next_rendezvous()`` raises, naming the lost
   node (``_no_restarts_left``); and, as an agent that gives up does, it closes the
   rendezvous when the nodes left cannot form the next round without it
-  (``_stopping``), so a survivor waiting there ends now, not at join_timeout.
+  (``_stopping``: closed at the daemon, which refuses a survivor's later re-join), so a
+  survivor waiting there, or re-joining late, ends now, not at join_timeout.
   A survivor whose next round fails before it forms (a replacement or another
   survivor lost, its JoinNode cancelled) joins the one after for what is left of
   join_timeout, and while it waits its note names the nodes lost since the job last
@@ -127,6 +128,7 @@ from rendezvousd.client import (
     RendezvousClient,
     RendezvousError,
     RendezvousTimeout,
+    StaleGeneration,
     TopologyMismatch,
 )
 from rendezvousd.client._session import DAEMON_LOST_ADVICE
@@ -1104,12 +1106,16 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         it and the lost nodes (docs/trainer.md, "From torchrun"). Once: the round it
         held is forgotten, so ``shutdown()`` has nothing left to tell.
 
-        The failed round cannot be closed (an abort of a failed generation changes
-        nothing), and the next one opens only when a survivor re-joins, after torch
-        stopped that survivor's workers, as this agent's own were: so it waits for
-        that generation up to ``CLOSE_WAIT_S``, unless no other node of the round
-        stays (each lost, or stopped too, its final Leave said) and none waits to
-        join, or enough do."""
+        The failed round is closed at once (``close_run``): a survivor that re-joins
+        after this agent exited, whenever it comes (torch stops its workers first,
+        within its 30 s grace), is refused by the daemon, naming this stop; it had
+        opened the next round and waited join_timeout for nodes that would not come
+        once this agent had stopped watching (``CLOSE_WAIT_S``). A survivor that
+        re-joined first opened the next round, which this agent closes the same way.
+        A daemon from before closes leaves a failed round as it is: then this agent
+        waits for the next round up to ``CLOSE_WAIT_S`` and closes that, as before,
+        unless no other node of the round stays (each lost, or stopped too, its final
+        Leave said) and none waits to join, or enough do."""
         node, self._node = self._node, None
         if node is None:
             return
@@ -1119,6 +1125,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # Best effort: the close below does not depend on it.
             log.info("rendezvousd: job %r: stopping: %s", self._run_id, exc)
         until = time.monotonic() + CLOSE_WAIT_S
+        tried = False  # to close the failed round itself
         while True:
             try:
                 job = self._client.get_job()
@@ -1146,6 +1153,23 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 # Nobody to tell (a standby waiting is told: it is called into the
                 # next round), or enough nodes to form it.
                 return
+            if not tried:
+                tried = True
+                try:
+                    if self._close_for_good(
+                        node.generation, staying + job.nodes_waiting, failed=True
+                    ):
+                        return  # the daemon refuses the survivors' re-joins itself
+                except StaleGeneration:
+                    continue  # a survivor re-joined meanwhile: that round is closed
+                except RendezvousError as exc:
+                    log.warning(
+                        "rendezvousd: job %r: could not close the rendezvous as this agent "
+                        "stops: %s",
+                        self._run_id,
+                        exc,
+                    )
+                    return
             if time.monotonic() >= until:
                 log.warning(
                     "rendezvousd: job %r: %d other node(s) of round %d did not re-join within "
@@ -1159,9 +1183,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 return
             time.sleep(CLOSE_POLL_S)
 
-    def _close_for_good(self, generation: int, coming: int) -> None:
+    def _close_for_good(self, generation: int, coming: int, *, failed: bool = False) -> bool:
+        """Close the rendezvous at ``generation`` (``failed``: the round that failed);
+        whether the daemon closed the run. A daemon from before closes aborts the
+        next round, forming, and leaves a failed one as it is: nothing said then."""
         reason = close_reason(self._host, self._stop_cause, self._min, self._max, coming)
-        self._client.abort(reason, generation=generation)
+        closed = self._client.close_run(reason, generation=generation)
+        if failed and not closed:
+            return False
         log.warning(
             "rendezvousd: job %r: closed the rendezvous: the other nodes cannot form the next "
             "round without this one (--nnodes %d:%d, %d node(s) joining)",
@@ -1170,6 +1199,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._max,
             coming,
         )
+        return closed
 
     def _round_ended(self, node: NodeMembership) -> bool:
         """Whether ``node``'s round is over and every agent told: the daemon ended it

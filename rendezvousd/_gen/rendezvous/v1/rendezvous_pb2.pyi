@@ -1368,20 +1368,32 @@ class AbortJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     """0 = the current generation."""
     reason: _builtins.str
+    close: _builtins.bool
+    """Close the job's run for good (a torchrun agent out of restarts whose round the
+    others cannot form without it, as c10d's shutdown closes its rendezvous): the
+    generation is aborted as without it, or, one that already failed, left as it
+    is; and a node agent launched before this call (JoinNodeRequest.launched_ms_ago)
+    that joins while that generation is the job's, or the next one forms, is
+    refused ABORTED / JOB_ABORTED with the reason, instead of waiting its join
+    timeout for nodes that will not come. A node launched after it starts a new
+    run. Not stored: a daemon restart forgets it.
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         generation: _builtins.int = ...,
         reason: _builtins.str = ...,
+        close: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "generation", b"generation", "job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1392,15 +1404,21 @@ class AbortJobResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GENERATION_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
+    closed: _builtins.bool
+    """The run is closed (AbortJobRequest.close): a daemon from before close answers
+    false, having aborted the generation (forming or running) and nothing more.
+    """
     def __init__(
         self,
         *,
         generation: _builtins.int = ...,
+        closed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "generation", b"generation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
