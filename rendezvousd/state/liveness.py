@@ -221,17 +221,23 @@ def oldest_silence(sm: RendezvousState, now: float) -> float:
     )
 
 
+def members_present(job: Job) -> int:
+    """``job``'s members present (joining or active) while its generation is forming or
+    running; none once it failed, was aborted or ended: a dead generation's survivors
+    are nobody's members any more, whether they left or not. The one rule the members
+    gauge, GetJob/ListJobs (``members_present``), ``rendezvousd status`` and the status
+    page read (the view counted a failed job's survivor, still attached, while the
+    gauge did not)."""
+    if job.state is JobState.RUNNING:
+        # Read on every tick: a running generation's members are each active or left (a
+        # loss fails it), so its count is O(1), not a look at 100,000 ranks a second.
+        return len(job.gen.members) - job.gen.left
+    return len(job.present()) if job.state is JobState.FORMING else 0
+
+
 def live_members(sm: RendezvousState) -> int:
-    """Members present (joining or active) in the generations still forming or running:
-    a dead generation's survivors are nobody's members any more, whether they left
-    or not."""
-    # Read on every tick: a running generation's members are each active or left (a
-    # loss fails it), so its count is O(1), not a look at 100,000 ranks a second.
-    return sum(
-        len(job.gen.members) - job.gen.left if job.state is JobState.RUNNING else len(job.present())
-        for job in sm.jobs.values()
-        if job.state in (JobState.FORMING, JobState.RUNNING)
-    )
+    """Members present in the generations still forming or running (``members_present``)."""
+    return sum(members_present(job) for job in sm.jobs.values())
 
 
 def stalled(sm: RendezvousState, seconds: float) -> None:

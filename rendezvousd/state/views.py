@@ -10,7 +10,7 @@ from rendezvousd.common import grid
 from rendezvousd.common.model import JobState, JobView, JoinMode, MemberView
 from rendezvousd.state import placement
 from rendezvousd.state.job import Attendee, Job, Member
-from rendezvousd.state.liveness import watched
+from rendezvousd.state.liveness import members_present, watched
 
 
 def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
@@ -64,7 +64,7 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
         job.generation,
         job.num_nodes,
         job.gpus_per_node,
-        len(job.present()),
+        members_present(job),
         max(0.0, now - job.state_since),
         tuple(members),
         tuple(job.gen.failed),

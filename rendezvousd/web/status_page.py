@@ -298,7 +298,11 @@ class StatusPage:
         }
 
     def _summary(self, v: JobView) -> dict[str, Any]:
-        nodes = {m.info.node_rank for m in v.members if m.state in _PRESENT}
+        # The nodes of the members present, by the view's one rule (none once the
+        # generation failed, was aborted or ended: a survivor still attached is no node
+        # of the job's), which ``members_present`` already applied.
+        present = v.members if v.members_present else ()
+        nodes = {m.info.node_rank for m in present if m.state in _PRESENT}
         return {
             "job_id": escape(v.job_id),
             "state": v.state.name,

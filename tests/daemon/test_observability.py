@@ -88,6 +88,43 @@ async def test_a_failed_jobs_survivor_is_not_a_late_heartbeat_nor_a_member() -> 
         assert "LOST" in text
 
 
+async def test_a_failed_jobs_survivor_still_attached_is_present_on_no_surface() -> None:
+    """Rank 1 fails; rank 0 stays attached (its stream open, no goodbye yet). The members
+    gauge (``liveness.live_members``) counted it 0, while GetJob/ListJobs'
+    ``members_present``, ``rendezvousd status``'s PRESENT and the status page's members
+    and nodes counted 1 (the view used ``Job.present()``, another rule)."""
+    from rendezvousd.server.scope import ADMIN
+    from rendezvousd.web.status_page import StatusPage
+
+    async with daemon_on() as d:
+        survivor, failing = await two_ranks(d, "dead")
+        await failing.report_failure(1, "RuntimeError: boom")
+        await failing.close()
+        assert d.view("dead").state.name == "FAILED"
+        # The survivor: still a member of the failed generation (it said no goodbye).
+        assert d.view("dead").members[0].state.name == "ACTIVE"
+        tick_gauges(d)
+        assert sample(d, "rendezvousd_members") == 0
+        assert d.view("dead").members_present == 0
+        async with d.client("dead") as probe:
+            (summary,) = await probe.list_jobs()
+            job = await probe.get_job()
+        assert summary.members_present == 0 and job.summary.members_present == 0
+        row = render([job]).splitlines()[1].split()
+        assert row[:2] == ["dead", "FAILED"] and row[4] == "0", row
+        page = StatusPage(
+            d.server.state,
+            d.server.metrics,
+            d.server.timeline,
+            lambda _: None,
+            lambda *_: asyncio.sleep(0, 0),
+            secure_cookie=False,
+        )
+        (shown,) = page.overview(ADMIN)["jobs"]
+        assert (shown["members_present"], shown["nodes_present"]) == (0, 0), shown
+        await survivor.close()
+
+
 async def test_the_members_gauge_follows_a_leave_without_a_transition() -> None:
     """It was set only when a job changed state: a member that left a running job
     (no transition) stayed counted."""
