@@ -160,8 +160,9 @@ class Transition:
     detail: str
     # The job's world (num_nodes x gpus_per_node) as of the change: what formed.
     world_size: int = 0
-    # A job put back from storage at start-up: no change this daemon saw, so not
-    # counted (a restart counted every restored job as entering its state again, and
+    # A job put back from storage at start-up (or to its durable state by an undo
+    # after a failed commit, a state counted when it was committed): no change this
+    # daemon saw, so not counted (a restart counted every restored job as entering its state again, and
     # Prometheus read the jump as new failures). ``since``: when (monotonic) the job
     # entered its state before the restart, what the status page's timeline shows.
     restored: bool = False

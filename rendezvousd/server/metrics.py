@@ -141,16 +141,24 @@ class Metrics:
         self.commits.labels("ok" if ok else "failed").observe(seconds)
 
     def observe_transition(self, t: Transition) -> None:
+        """``t`` told to its listeners (the timeline) at once; counted by
+        ``count_transition``, once it is durable."""
+        for listener in self.transition_listeners:
+            listener(t)
+
+    def count_transition(self, t: Transition) -> None:
+        """``t`` counted: called once its change is committed (``Persister.when_durable``),
+        so that one a failed commit undid is no event (it was counted, and
+        RendezvousdJobsFailingRepeatedly saw failures that never stood)."""
         # A restored job is no event of this process: counted, a restart read as a
         # jump of every restored job's state (RendezvousdJobsFailingRepeatedly fired).
+        # Nor is a job an undo put back to its durable state (``restored`` too).
         if t.new is not None and t.new is not t.old and not t.restored:
             self.transitions.labels(t.new.name.lower()).inc()
         if t.lost and not t.restored:
             # Where the state machine decided it, not where survivors are told: a
             # single-rank job, or one whose survivors had no stream, counts too.
             self.failures.inc()
-        for listener in self.transition_listeners:
-            listener(t)
 
     def observe_refused(self, reason: str) -> None:
         self.refused.labels(reason.lower() if reason in REFUSALS else UNKNOWN_LABEL).inc()

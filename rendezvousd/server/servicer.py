@@ -8,6 +8,7 @@ effects into woken futures, heartbeat-stream events and log lines.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -151,6 +152,7 @@ class RendezvousServicer:
             self._answers.forget(t.job_id, t.generation)
         self._job_answers.pop(t.job_id, None)
         self.metrics.observe_transition(t)
+        self.persister.when_durable(functools.partial(self.metrics.count_transition, t))
         self.metrics.observe_jobs(self.state)
 
     def _undone(self, job_ids: set[str]) -> None:

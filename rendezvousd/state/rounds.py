@@ -55,6 +55,8 @@ def put_back(
                 old.state if old else None,
                 job.state if job else None,
                 detail,
+                # Back to a state already counted when it was committed: no new event.
+                restored=True,
             )
         )
 

@@ -301,6 +301,9 @@ class Persister:
         self.on_commit: Callable[[float, bool], None] | None = None
         # (job, key) -> (version recorded, generation, durable value or None)
         self._undo: dict[_UndoKey, tuple[int, int, bytes | None]] = {}
+        # (version, what to do) once the changes up to that version are committed;
+        # dropped when their commit fails (``when_durable``).
+        self._once_durable: list[tuple[int, Callable[[], None]]] = []
         self._lock = asyncio.Lock()
         # The group commit in flight (``_take_part``): what its waiters wait on.
         self._committing: asyncio.Task[None] | None = None
@@ -430,6 +433,16 @@ class Persister:
             keys.add(key)
         self._version += 1
         self._job_version[job_id] = self._version
+
+    def when_durable(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every change made so far is committed (at once without
+        storage); never, if the commit carrying them fails and they are undone. What
+        counts an event of the state (a job transition in the metrics) waits for it:
+        counted when made, an undone failure stayed counted as one."""
+        if self.store is None or self._saved >= self._version:
+            fn()
+            return
+        self._once_durable.append((self._version, fn))
 
     def _collect(self) -> _Cut:
         """The pending changes as rows, cut on the event loop (a consistent cut)."""
@@ -585,6 +598,11 @@ class Persister:
 
     def _committed(self, version: int, cut: _Cut) -> None:
         self._saved = max(self._saved, version)
+        if self._once_durable:
+            due = [fn for v, fn in self._once_durable if v <= self._saved]
+            self._once_durable = [(v, fn) for v, fn in self._once_durable if v > self._saved]
+            for fn in due:
+                fn()
         for job_id in [j for j, v in self._job_version.items() if v <= self._saved]:
             del self._job_version[job_id]
         written = cut.written
@@ -619,6 +637,7 @@ class Persister:
         for w in writes:  # still to be written once storage is back
             self._dirty.setdefault(w.job_id, set()).update(w.kv_put, w.kv_delete)
         self._failed = self._version
+        self._once_durable.clear()  # every change they waited for is undone
         self._undo_kv()
         undone = self._put_back()
         self._set_health(False)

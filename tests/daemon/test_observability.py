@@ -152,6 +152,45 @@ async def test_a_failure_nobody_is_told_of_is_counted() -> None:
         assert sample(d, "rendezvousd_failures_detected_total") == 1
 
 
+async def test_a_transition_a_failed_commit_undid_is_not_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ReportFailure fails the running generation, and the commit carrying it fails (a
+    full disk, injected through the real Persister and SQLite): the undo puts the job
+    back RUNNING, yet job_transitions_total{failed} and failures_detected had counted the
+    failure (applied before the commit), and the undo's own put-back counted a second
+    {running}: RendezvousdJobsFailingRepeatedly saw failures that never stood."""
+    import sqlite3
+
+    async with daemon_on(tmp_path / "state") as d:
+        staying, failing = await two_ranks(d, "undo")
+        assert sample(d, "rendezvousd_job_transitions_total", state="running") == 1
+        store = d.server.persister.store
+        assert store is not None
+        written = store.write
+
+        def full_disk(*_: object, **__: object) -> bool:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(store, "write", full_disk)
+        with pytest.raises(RendezvousError) as refused:
+            await failing.report_failure(1, "RuntimeError: boom")
+        assert refused.value.reason == "STORAGE_UNAVAILABLE"
+        assert d.view("undo").state is JobState.RUNNING  # undone
+        monkeypatch.setattr(store, "write", written)
+        await d.until("storage back", lambda: d.server.persister.healthy)
+        await d.server.persister.durable()
+        assert sample(d, "rendezvousd_job_transitions_total", state="failed") == 0
+        assert sample(d, "rendezvousd_failures_detected_total") == 0
+        assert sample(d, "rendezvousd_job_transitions_total", state="running") == 1
+        # A change that is committed is still counted.
+        await failing.report_failure(1, "RuntimeError: boom")
+        assert sample(d, "rendezvousd_job_transitions_total", state="failed") == 1
+        assert sample(d, "rendezvousd_failures_detected_total") == 1
+        await staying.close()
+        await failing.close()
+
+
 async def test_a_restart_counts_nothing_and_keeps_the_failure_history(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
