@@ -636,6 +636,9 @@ def test_nodes_of_two_topologies_exit_2_at_once_using_no_restart(
     for err in said:
         assert "gave up after 0 restarts (max_restarts=2); 1 failure" in err, err
         assert "joining failed: TopologyMismatch" in err, err
+        # The generation the daemon names (it refused the join in generation 1, which it
+        # failed, and says so): "no generation" contradicted it.
+        assert "1. generation 1: node on host " in err and "no generation" not in err, err
         assert "no restart can change that" in err, err
 
 

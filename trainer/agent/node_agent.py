@@ -144,6 +144,16 @@ def _rank_held(answer: BaseException) -> str | None:
     return answer.metadata.get("holder_host") or None
 
 
+def _refused_in(answer: RendezvousError) -> int | None:
+    """The generation a refused join was refused by, as the daemon names it (a fault
+    about a job's generation carries its number: a topology or version refusal, by the
+    generation forming, which it fails, or running); None where the daemon named none
+    (the daemon unreachable, a token refused). Said "no generation", a topology refusal
+    contradicted the daemon's own words beside it ("job 'J' generation 1 has ...")."""
+    said = answer.metadata.get("generation", "")
+    return int(said) if said.isdigit() and int(said) > 0 else None
+
+
 def _setup_refusal(answer: RendezvousError, holder: str | None) -> bool:
     """Whether a join's refusal is the setup's error, which no restart can change: the
     same join again is refused the same way within milliseconds. Exit 2, as a bad
@@ -670,7 +680,7 @@ class NodeAgent:
                 # would wait the same way again, but no setup error (exit 1).
                 setup = _setup_refusal(answer, holder)
                 return Failure(
-                    None,
+                    _refused_in(answer),
                     cause,
                     host=self.host,
                     exit_status=SETUP_ERROR_EXIT if setup else 1,
