@@ -82,12 +82,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from _report import emit
 
 from rendezvousd.cli.embedded import EmbeddedDaemon, spawn
+from rendezvousd.common.log_time import STAMP, STAMP_FORMAT
 from rendezvousd.trainer.agent._trace import TRACE_ENV
 from rendezvousd.trainer.comm.devices import SHARED_DEVICE_ENV
 
@@ -261,8 +263,7 @@ class Run:
 # The daemon's log line of a generation's transition (INFO), with its milliseconds:
 # when it noticed the loss, and when the next generation formed.
 TRANSITION = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \w+ [\w.]+: "
-    r"job (\S+) generation (\d+): (\S+) -> (\S+)"
+    rf"^({STAMP.pattern}) \w+ [\w.]+: job (\S+) generation (\d+): (\S+) -> (\S+)"
 )
 
 
@@ -274,9 +275,9 @@ def daemon_transitions(run: Run) -> list[tuple[float, str, int, str]]:
     out = []
     for line in text.splitlines():
         if (m := TRANSITION.match(line)) is not None:
-            # asctime is local time with milliseconds.
-            t = time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000
-            out.append((t, m[3], int(m[4]), m[6]))
+            # The stamp is UTC, marked (``log_time``), with milliseconds.
+            t = datetime.strptime(m[1], STAMP_FORMAT).timestamp()
+            out.append((t, m[2], int(m[3]), m[5]))
     return out
 
 

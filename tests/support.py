@@ -28,6 +28,7 @@ import pytest
 
 from rendezvousd.cli.embedded import serve_command
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
+from rendezvousd.common.log_time import STAMP
 from rendezvousd.common.model import JobView
 from rendezvousd.daemon import Daemon
 from rendezvousd.trainer.torchrun.store_port import ephemeral_range
@@ -208,6 +209,15 @@ FAKE_GPU_LAUNCHER = [
     "sys.exit(main())",
     str(ROOT),
 ]
+
+
+# A log line's UTC stamp (``rendezvousd.common.log_time``): the daemon's, rendezvous-run's.
+_LINE_STAMP = re.compile(rf"^{STAMP.pattern} ", re.MULTILINE)
+
+
+def unstamped(text: str) -> str:
+    """``text`` with each line's leading log stamp taken off: what a line says."""
+    return _LINE_STAMP.sub("", text)
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:

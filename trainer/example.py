@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from rendezvousd.common.log_time import UtcFormatter
 from rendezvousd.trainer.agent.state_copy import NOTHING, StepState, agree_on_step
 from rendezvousd.trainer.checkpoint import (
     checkpoint_path,
@@ -375,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         help="every rank appends one JSON line per step (rank, pid, generation, step, time)",
     )
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    # Stamped as the daemon's and rendezvous-run's lines are (UTC, marked): one order
+    # across hosts.
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(UtcFormatter("%(asctime)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[said])
     if args.checkpoint_every < 0:
         p.error(f"--checkpoint-every={args.checkpoint_every} must be >= 0 (0: only at the end)")
     if args.resume and not args.checkpoint_dir:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import grid
 from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.model import MemberState
 from rendezvousd.common.secret_files import missing_token
 from rendezvousd.common.validation import LONGEST_WAIT_S
@@ -212,7 +213,7 @@ def _status(args: argparse.Namespace) -> int:
                     text = snapshot()
                 except RendezvousError as exc:  # the daemon restarting: keep watching
                     text = f"rendezvousd status: {escape(str(exc))}"
-                stamp = time.strftime("%H:%M:%S")
+                stamp = utc_stamp()  # as the daemon's log lines are: UTC, marked
                 head = f"{args.endpoint}  every {args.watch:g} s  {stamp}  (Ctrl-C to stop)"
                 # Home and clear, then the frame: one write, so it never flickers half-drawn.
                 sys.stdout.write(f"\x1b[H\x1b[2J{head}\n\n{text}\n")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import re
 
+from rendezvousd.common.log_time import UtcFormatter
+
 # How much of a failure's cause a record keeps: enough for a whole traceback, little
 # enough that a job's record and the event every survivor gets stay small, and that
 # ReportFailure fits the daemon's 64 KiB request cap with room to spare.
@@ -62,8 +64,9 @@ def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:
     return raw[: max(0, max_bytes - len(marker))].decode("utf-8", "ignore") + marker
 
 
-class EscapingFormatter(logging.Formatter):
-    """Escapes the message (arguments included); a traceback keeps its lines."""
+class EscapingFormatter(UtcFormatter):
+    """Escapes the message (arguments included); a traceback keeps its lines. Its
+    time is UTC, marked (``log_time``)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = escape(record.message)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -26,6 +27,7 @@ pytestmark = [
 ]
 
 SCREENSHOT = ROOT / "artifacts" / "status-page.png"
+UTC_CLOCK = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 
 
 @pytest.fixture
@@ -118,6 +120,12 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
             "li.innerText.includes('gen 2') && li.innerText.includes('re-formed'))",
             timeout=60,
         )
+        # Each entry's time is UTC, marked, as the daemon's and rendezvous-run's log
+        # lines are stamped (it was the browser's local time, with no zone).
+        stamps = browser.evaluate(
+            "[...document.querySelectorAll('#timeline li')].map(li => li.firstChild.textContent)"
+        )
+        assert stamps and all(re.fullmatch(UTC_CLOCK, s) for s in stamps), stamps
         browser.wait_for(
             "generation 2 RUNNING",
             "document.getElementById('job-state').textContent === 'RUNNING' && "

@@ -14,7 +14,7 @@ from rendezvousd.common import env_names
 from rendezvousd.common.env_names import EVERY_NAME, PREFIX, unknown_names
 from rendezvousd.trainer.torchrun import config as torchrun_config
 from tests.deploy.deploy_tree import known_env_vars
-from tests.support import write_token
+from tests.support import unstamped, write_token
 
 ROOT = Path(__file__).resolve().parents[2]
 _NAME = re.compile(r"\bRENDEZVOUSD_[A-Z0-9_]*[A-Z0-9]\b")
@@ -106,7 +106,7 @@ def test_rendezvous_run_says_a_misspelt_name_before_anything_else(tmp_path: Path
         env=_env(RENDEZVOUSD_MAX_RESTART="1", RENDEZVOUSD_NUM_NODES="1"),
         capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
     )  # fmt: skip
-    first = run.stderr.splitlines()[0] if run.stderr else ""
+    first = unstamped(run.stderr).splitlines()[0] if run.stderr else ""
     assert first == (
         "rendezvous-run: warning: $RENDEZVOUSD_MAX_RESTART is set, but no rendezvousd "
         "program reads it: did you mean RENDEZVOUSD_MAX_RESTARTS? (ignored)"

@@ -22,11 +22,13 @@ from typing import IO, Any
 
 import trustme
 
+from rendezvousd.common.log_time import STAMP, STAMP_FORMAT
 from rendezvousd.trainer.demo.netns import Host, Hosts
 from tests.support import DaemonProcess, launcher_cmd, spawn_daemon
 
 EXAMPLE = ("-m", "rendezvousd.trainer.example")
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+# A line's UTC stamp (the example's workers log as the daemon and rendezvous-run do).
+_STAMP = re.compile(rf"^({STAMP.pattern}) ")
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Node:
             if needle in line:
                 stamp = _STAMP.match(line)
                 if stamp:
-                    return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    return datetime.strptime(stamp.group(1), STAMP_FORMAT).timestamp()
                 return seen
         return None
 

@@ -32,6 +32,7 @@ from tests.support import (
     launcher_cmd,
     run_script_node,
     scrape,
+    unstamped,
     wait_for,
 )
 
@@ -873,7 +874,8 @@ def test_a_stopped_agent_blames_no_worker_for_its_own_silence(
 def _agent_lines(err: str) -> str:
     """The agent's own lines: its workers, their agent stopped, may ask the daemon
     themselves, and log the verdict it gave them."""
-    return "\n".join(line for line in err.splitlines() if line.startswith("rendezvous-run:"))
+    lines = unstamped(err).splitlines()
+    return "\n".join(line for line in lines if line.startswith("rendezvous-run:"))
 
 
 def _generation(d: DaemonProcess, job: str) -> tuple[int, int]:
@@ -935,7 +937,7 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
         assert re.search(
             rf"^rendezvous-run: root cause: rank 2 \(node 1, local rank 0\) on host "
             rf"{re.escape(host)}, this node, was lost {unreachable}$",
-            err,
+            unstamped(err),
             re.MULTILINE,
         ), err
     else:

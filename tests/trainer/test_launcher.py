@@ -29,6 +29,7 @@ from tests.support import (
     run_script_node,
     spawn_daemon,
     stderr_of_all,
+    unstamped,
     wait_for,
     with_own_mounts,
     write_token,
@@ -260,7 +261,7 @@ def test_the_node_whose_worker_raised_words_its_cause_as_every_other_node(
         f"generation 1 failed: {lost}"
     )
     for err in outs:
-        lines = err.splitlines()
+        lines = unstamped(err).splitlines()
         assert stopping in lines, err
         root = [line for line in lines if "root cause:" in line]
         assert len(root) == 1 and root[0].endswith(f" was lost {cause}"), err
@@ -269,7 +270,7 @@ def test_the_node_whose_worker_raised_words_its_cause_as_every_other_node(
     assert re.search(
         rf"^rendezvous-run: worker rank 1 \(pid \d+\) failed first, with exit code 1 "
         rf"{re.escape(cause)}$",
-        outs[1],
+        unstamped(outs[1]),
         re.MULTILINE,
     ), outs[1]
     assert f"  1. generation 1: rank 1 on host {host}: exit code 1 {cause}" in outs[1], outs[1]
@@ -933,7 +934,7 @@ def test_a_rendezvous_path_it_cannot_use_is_exit_2_with_no_traceback(
     )
     assert status == 2
     err = capsys.readouterr().err
-    assert err.startswith("rendezvous-run: error: ") and str(path[where]) in err, err
+    assert unstamped(err).startswith("rendezvous-run: error: ") and str(path[where]) in err, err
     assert "Traceback" not in err, err
 
 
@@ -952,7 +953,7 @@ def test_a_read_only_rendezvous_directory_is_exit_2_with_no_traceback(
                 "--rendezvous-path", str(ro), "--nproc-per-node", "1", str(script)]  # fmt: skip
     done = run_launcher(with_own_mounts(mount, launcher), timeout=60)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith(
+    assert unstamped(done.stderr).startswith(
         f"rendezvous-run: error: cannot use {ro} as the rendezvous directory: "
         f"{ro}/default.sock: Read-only file system;"
     ), done.stderr

@@ -57,6 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.trainer.agent import _trace
 from rendezvousd.trainer.agent._agent_boot import (
     ENV_AGENT_FD,
@@ -245,7 +246,7 @@ class _Server:
             pass
         except (OSError, ValueError) as exc:
             print(
-                f"rendezvous-run: fork server: {exc!r}; stopping its workers",
+                f"{utc_stamp()} rendezvous-run: fork server: {exc!r}; stopping its workers",
                 file=sys.stderr,
                 flush=True,
             )
@@ -373,7 +374,7 @@ def preload(modules: Sequence[str], who: str = "rendezvous-run: fork server") ->
             importlib.import_module(name)
         except Exception as exc:  # a worker that needs it fails on its own import
             print(
-                f"{who}: could not preload {name}: {exc!r}",
+                f"{utc_stamp()} {who}: could not preload {name}: {exc!r}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rendezvousd.common.env_names import unknown_names
+from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value, VersionFlag
 from rendezvousd.trainer.agent._fork_server import module_names
@@ -138,12 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str) -> int:
-    print(f"rendezvous-run: error: {message}", file=sys.stderr, flush=True)
+    _note(f"error: {message}")
     return 2  # recovery.SETUP_ERROR_EXIT (not imported before the spares start)
 
 
 def _note(message: str) -> None:
-    print(f"rendezvous-run: {message}", file=sys.stderr, flush=True)
+    # Stamped as the daemon's log is (UTC, marked): the lines of nodes on hosts in other
+    # time zones, and the daemon's, can be put in one order.
+    print(f"{utc_stamp()} rendezvous-run: {message}", file=sys.stderr, flush=True)
 
 
 def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> DistributedConfig:

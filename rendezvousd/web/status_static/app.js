@@ -35,7 +35,9 @@ function restarts(j) {
   return j.restarts_used + " used, " + j.restarts_left + " left";
 }
 
-function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
+// UTC with its "Z", as the daemon's and rendezvous-run's log lines are stamped (the
+// browser's local time, unmarked, could not be lined up with logs from other hosts).
+function clock(t) { return new Date(t * 1000).toISOString().replace(/\.\d{3}Z$/, "Z"); }
 
 function selected() {
   const m = location.hash.match(/^#job=(.+)$/);
@@ -243,7 +245,7 @@ async function refresh() {
       drawJob(job, rows);
       performance.mark("rdzv-drawn");
     }
-    $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+    $("updated").textContent = "updated " + clock(Date.now() / 1000);
     $("updated").classList.remove("stale");
   } catch (err) {
     $("updated").textContent = "not updated: " + err.message;
