@@ -42,15 +42,22 @@ def escape(text: str) -> str:
 
 def shortened(text: str, limit: int = SHOWN_CHARS) -> str:
     """``text`` escaped (one line, nothing a terminal acts on), cut to ``limit``
-    characters with a marker saying how much was left out; whole where the marker
-    would be as long as what it leaves out (no longer than it would be cut)."""
+    characters, its middle left out with a marker saying how much; whole where the
+    marker would be as long as what it leaves out (no longer than it would be cut).
+
+    The middle, not the tail: what tells two failures apart is at either end, who
+    (a failure's text starts with its rank and host) and what (a traceback ends with its
+    exception, a message with its value), while the middle of two tracebacks of one
+    program is the same frames. Cut at its end, the last failure of two failures read
+    alike, cut just before the exception that differed."""
     shown = escape(text)
     left_out = len(shown) - limit
-    marker = f"... ({left_out} more characters)"
+    marker = f" ... ({left_out} characters cut) ... "
     if left_out <= len(marker):
         # A cut of 1 character added 23: "...\x1b[31mre... (1 more characters)".
         return shown
-    return shown[:limit] + marker
+    head = (limit + 1) // 2
+    return shown[:head] + marker + shown[len(shown) - (limit - head) :]
 
 
 def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:

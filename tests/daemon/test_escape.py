@@ -33,9 +33,22 @@ def test_shortened_cuts_only_what_its_marker_is_shorter_than() -> None:
     """A cut of 1 character added a 23-character marker ("... (1 more characters)")."""
     assert shortened("x" * 121) == "x" * 121
     assert shortened("x" * 120 + "\x1b") == "x" * 120 + "\\x1b"
-    assert shortened("x" * 144) == "x" * 144  # the marker would be 24: as long
-    assert shortened("x" * 145) == "x" * 120 + "... (25 more characters)"
-    assert shortened("x" * 5000).endswith("... (4880 more characters)")
+    assert shortened("x" * 149) == "x" * 149  # the marker would be 29: as long
+    assert shortened("x" * 150) == "x" * 60 + " ... (30 characters cut) ... " + "x" * 60
+    assert len(shortened("x" * 5000)) == 120 + len(" ... (4880 characters cut) ... ")
+
+
+def test_shortened_keeps_both_ends_which_tell_two_texts_apart() -> None:
+    """Cut at its end, two tracebacks of one program read alike: the exception that
+    differed was past the cut."""
+    frames = '  File "/opt/train/loop.py", line 88, in step\n' * 4
+    cut = [
+        shortened(f"rank 7 on gpu-17 (Traceback (most recent call last):\n{frames}{error})")
+        for error in ("RuntimeError: CUDA error: an illegal memory access", "KeyError: 'lr'")
+    ]
+    assert cut[0].startswith("rank 7 on gpu-17 (Traceback") and cut[1].startswith("rank 7 on")
+    assert cut[0].endswith("an illegal memory access)") and cut[1].endswith("KeyError: 'lr')")
+    assert " characters cut) ... " in cut[0] and " characters cut) ... " in cut[1]
 
 
 def test_escape_keeps_ordinary_text() -> None:

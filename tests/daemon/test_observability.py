@@ -331,6 +331,45 @@ def test_the_failure_history_counts_failures_and_aborts_but_not_a_scale_up() -> 
     assert view.last_failure == JobFailure(2, "rank 0 on h0 (boom)", 3.0)
 
 
+def test_the_last_failure_shown_keeps_what_tells_two_failures_apart() -> None:
+    """Two failures of one job: the same traceback up to its last line, the exception.
+    The status page's overview and `status JOB`'s "last failure:" cut the text at its
+    end, before the exception: both failures read alike there. Now the middle is cut:
+    the rank and host first, the exception last, are both shown."""
+    from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+    from rendezvousd.web.status_page import _last_failure
+
+    frames = '  File "/opt/train/loop.py", line 88, in step\n' * 6
+    errors = ("RuntimeError: CUDA error: an illegal memory access", "KeyError: 'lr'")
+    sm = RendezvousState()
+    page, status = [], []
+    _running(sm, "j", 1, 0.0)
+    for i, error in enumerate(errors):
+        job = sm.jobs["j"]
+        cause = f"Traceback (most recent call last):\n{frames}{error}"
+        at = 10.0 * i + 1
+        sm.report_failure("j", job.generation, 0, job.gen.members[0].instance_id, 0, cause, at)
+        _running(sm, "j", 1, 10.0 * i + 2)  # re-formed: the failure is an earlier one's
+        view = sm.view("j", 10.0 * i + 3)
+        assert view.last_failure is not None
+        page.append(_last_failure(view))
+        answer = pb.GetJobResponse(
+            summary=pb.JobSummary(
+                job_id="j", state=pb.JOB_STATE_RUNNING, generation=view.generation
+            ),
+            last_failure=pb.JobFailure(
+                generation=view.last_failure.generation, cause=view.last_failure.cause
+            ),
+            failures=view.failures,
+        )
+        (line,) = [x for x in render_job(answer).splitlines() if "last failure:" in x]
+        status.append(line)
+    for shown, error in zip(page, errors, strict=True):
+        assert "rank 0 on h0 (Traceback" in shown and shown.endswith(f"{error})"), shown
+    for said, error in zip(status, errors, strict=True):
+        assert "rank 0 on h0 (Traceback" in said and said.endswith(f"{error})"), said
+
+
 def test_an_ended_jobs_step_is_where_its_ranks_left_it() -> None:
     """ "An ended job shows where it ended" (operations.md): its node rows did, its
     job-level step was None (only active ranks counted)."""
