@@ -301,8 +301,14 @@ class RendezvousServicer:
             if not isinstance(result, Rejoin):
                 break
         if not result.id_required:  # completed by its PublishId, counted there
-            self.metrics.joins.inc()
+            self._count_join(args.job_id)
         return self._answers.join(result, slim=slim)
+
+    def _count_join(self, job_id: str) -> None:
+        """A completed join counted once its change is committed: one a failed commit
+        undid (its caller got STORAGE_UNAVAILABLE) is none."""
+        self.persister.touch(job_id)  # the change this join made: what the count waits for
+        self.persister.when_durable(self.metrics.joins.inc)
 
     async def ReportFailure(
         self, request: pb.ReportFailureRequest, context: Any
@@ -324,7 +330,7 @@ class RendezvousServicer:
             *_member_of(request), request.instance_id, request.unique_id, _now()
         )
         result = await self._settle(outcome, request.wait_timeout_ms, context)
-        self.metrics.joins.inc()  # rank 0's (node 0's) join, completed
+        self._count_join(request.job_id)  # rank 0's (node 0's) join, completed
         return self._answers.join(result, slim=request.slim)
 
     async def GetMembers(

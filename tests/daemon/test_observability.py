@@ -172,6 +172,30 @@ async def test_a_transition_a_failed_commit_undid_is_not_counted(
         def full_disk(*_: object, **__: object) -> bool:
             raise sqlite3.OperationalError("database or disk is full")
 
+        # Joins whose commit failed are no completed joins: rank 1's, which formed the
+        # generation, and rank 0's PublishId it woke.
+        joins = sample(d, "rendezvousd_joins_total")
+        first, second = d.client("undone-join"), d.client("undone-join")
+        for c in (first, second):
+            await c.connect()
+        parked = asyncio.ensure_future(
+            first.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=10)
+        )
+        await d.until("rank 0 parked", lambda: d.members_present("undone-join") == 1)
+        await d.server.persister.durable()
+        monkeypatch.setattr(store, "write", full_disk)
+        for joining in (
+            second.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=10),
+            parked,
+        ):
+            with pytest.raises(RendezvousError) as refused:
+                await joining
+            assert refused.value.reason == "STORAGE_UNAVAILABLE"
+        await first.close()
+        await second.close()
+        monkeypatch.setattr(store, "write", written)
+        await d.until("storage back", lambda: d.server.persister.healthy)
+        assert sample(d, "rendezvousd_joins_total") == joins
         monkeypatch.setattr(store, "write", full_disk)
         with pytest.raises(RendezvousError) as refused:
             await failing.report_failure(1, "RuntimeError: boom")
