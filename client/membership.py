@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ __all__ = [
     "from_join_node_response",
     "from_join_response",
     "loopback_conflict",
+    "loopback_refused",
 ]
 
 
@@ -216,6 +218,21 @@ def advertises_loopback(address: str) -> bool:
     return bool(address) and is_loopback(host.strip("[]"))
 
 
+#: What a rank advertising loopback is told to do, in the trainer's words; each caller
+#: with flags of its own says them instead (rendezvous-run: ``_LAUNCHER_WORDS``).
+LOOPBACK_ADVICE = (
+    "(rendezvousd.trainer: unset RENDEZVOUSD_RING_HOST, and workers advertise their "
+    "address towards the daemon)"
+)
+# The shape of loopback_conflict's sentence, whatever its advice's words: the reason a
+# node that advertised loopback aborts the job with, which its peers tell from others.
+_LOOPBACK_SAID = re.compile(
+    r"rank \d+ on host .* advertises the loopback address .*, but job .* also has ranks "
+    r"on .*, which cannot reach it\. Advertise an address of ",
+    re.DOTALL,
+)
+
+
 def loopback_conflict(m: Membership, address: str) -> str | None:
     """Why this rank's advertised ``address`` cannot serve ``m``'s job, or None.
 
@@ -232,6 +249,12 @@ def loopback_conflict(m: Membership, address: str) -> str | None:
     return (
         f"rank {m.rank} on host {mine!r} advertises the loopback address {address!r}, but "
         f"job {m.job_id!r} also has ranks on {shown(others, 3)}, which cannot reach it. Advertise an "
-        f"address of {mine!r} that the other hosts can reach (rendezvousd.trainer: unset "
-        "RENDEZVOUSD_RING_HOST, and workers advertise their address towards the daemon)"
+        f"address of {mine!r} that the other hosts can reach {LOOPBACK_ADVICE}"
     )
+
+
+def loopback_refused(reason: str) -> bool:
+    """Whether an abort's ``reason`` is ``loopback_conflict``'s: a setup error of the
+    rank it names, which no restart of any node changes. Its peers hear only the abort:
+    each checking every member's address would fetch the whole table at every join."""
+    return _LOOPBACK_SAID.match(reason) is not None

@@ -36,6 +36,7 @@ from rendezvousd.client.errors import (
     DaemonUnavailable,
     DuplicateRank,
     InvalidRequest,
+    JobAborted,
     JobEnded,
     LimitExceeded,
     PeerFailed,
@@ -45,7 +46,12 @@ from rendezvousd.client.errors import (
     TopologyMismatch,
     VersionMismatch,
 )
-from rendezvousd.client.membership import NodeMembership, loopback_conflict
+from rendezvousd.client.membership import (
+    LOOPBACK_ADVICE,
+    NodeMembership,
+    loopback_conflict,
+    loopback_refused,
+)
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text, named_losses, seat_of
@@ -241,6 +247,12 @@ _LAUNCHER_WORDS = (
         "Check --tls-ca (it must have signed the daemon's certificate) and --tls-server-name",
     ),
     (TLS_PAIR_ADVICE, "--tls-cert and --tls-key"),
+    (
+        LOOPBACK_ADVICE,
+        "(rendezvous-run: set --ring-host, or $RENDEZVOUSD_RING_HOST, to it; unset, a node "
+        "advertises its address on its route to the daemon, which is loopback when "
+        "--rdzv-endpoint is)",
+    ),
     (TOKEN_ADVICE, "(--token-file, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)"),
     (
         DAEMON_LOST_ADVICE,
@@ -254,10 +266,13 @@ _LAUNCHER_WORDS = (
 
 def in_launchers_words(error: BaseException) -> str:
     """``error``'s message as rendezvous-run's user must read it (``_LAUNCHER_WORDS``)."""
-    said = str(error)
-    if isinstance(error, RendezvousError):
-        for sdk, launchers in _LAUNCHER_WORDS:
-            said = said.replace(sdk, launchers)
+    return launchers_text(str(error)) if isinstance(error, RendezvousError) else str(error)
+
+
+def launchers_text(said: str) -> str:
+    """The SDK's or the trainer's words in ``said`` as rendezvous-run's (``_LAUNCHER_WORDS``)."""
+    for sdk, launchers in _LAUNCHER_WORDS:
+        said = said.replace(sdk, launchers)
     return said
 
 
@@ -413,13 +428,18 @@ class NodeAgent:
         self.placed = m
         self._was_member = True
         mark("joined", generation=m.generation, node_rank=m.node_rank)
-        if (problem := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
-            # The workers would dial themselves until their timeout: every node hears why.
+        if (conflict := loopback_conflict(m.membership_for(0), self.ring_host)) is not None:
+            # The workers would dial themselves until their timeout: every node hears why
+            # (``loopback_refused``), before any worker is assigned. The setup's error,
+            # exit 2 as a bad setting: it exited 1, as a worker's failure does.
+            problem = launchers_text(conflict)
             with contextlib.suppress(RendezvousError):
                 self.client.abort(problem, generation=m.generation)
             self._end_generation(final=True)
             self.note(f"error: {problem}")
-            return Failure(m.generation, problem, host=self.host, fatal=True)
+            return Failure(
+                m.generation, problem, host=self.host, exit_status=SETUP_ERROR_EXIT, fatal=True
+            )
         self.active = self.pool.take(self.per_node)
         restored = self.state.latest()
         # A worker's process is held to the daemon's own liveness rule for ranks: one
@@ -958,6 +978,11 @@ class NodeAgent:
             self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
             # Its host and cause are the stray's own text: shown escaped.
             return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
+        if isinstance(error, JobAborted) and loopback_refused(error.abort_reason):
+            # Another node's loopback ring address: its setup's error, which it exits 2
+            # on. A restart here would wait out the join's timeout for that node.
+            setup = Failure(gen, cause, rank, host, exit_status=SETUP_ERROR_EXIT, fatal=True)
+            return self._stop(gen, setup, cause)
         failure = Failure(gen, cause, rank, host)
         # No goodbye to a daemon this node found gone: said while it is down,
         # it reached the daemon restarted with its state as a clean leave of
