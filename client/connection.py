@@ -263,10 +263,12 @@ def _swapped(cert: Path, key: Path, key_pem: bytes | None) -> str | None:
         if cert_pem is not None and _PEM_PRIVATE_KEY in cert_pem
         else ""
     )
+    # In the SDK's words, which each caller with flags of its own says in its own
+    # (``TLS_WORDS``): "cert= (--tls-cert)" named a flag to an SDK user, and a keyword
+    # to the user of a command.
     return (
         f"TLS private key {key} holds a certificate and no private key{also}: the two look "
-        "swapped; give the client certificate as cert= (--tls-cert) and its private key "
-        "as key= (--tls-key)"
+        f"swapped; {TLS_SWAP_ADVICE}"
     )
 
 
@@ -434,7 +436,11 @@ TLS_CHECK_ADVICE = (
 )
 #: What a client an mTLS daemon turns away must give.
 TLS_PAIR_ADVICE = "TlsConfig's cert and key"
-TLS_WORDS = (TLS_CA_ADVICE, TLS_DROP_ADVICE, TLS_CHECK_ADVICE, TLS_PAIR_ADVICE)
+#: What a client whose key file holds the certificate (``_swapped``) must give.
+TLS_SWAP_ADVICE = (
+    "give the client certificate as TlsConfig's cert and its private key as TlsConfig's key"
+)
+TLS_WORDS = (TLS_CA_ADVICE, TLS_DROP_ADVICE, TLS_CHECK_ADVICE, TLS_PAIR_ADVICE, TLS_SWAP_ADVICE)
 TLS_PROBE_TIMEOUT_S = 2.0
 #: How long a plaintext client looks for a TLS daemon: one TCP connect, one answer.
 TLS_SNIFF_TIMEOUT_S = 2.0

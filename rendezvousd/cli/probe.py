@@ -60,7 +60,8 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
         try:
             tls.credentials()  # a file that is no PEM, a key others can read...
         except InvalidRequest as exc:
-            raise ConfigError(str(exc)) from None
+            # In this command's flags: a swapped pair's advice names TlsConfig's keywords.
+            raise ConfigError(_flag_words(str(exc))) from None
     return tls
 
 
@@ -254,6 +255,10 @@ _FLAG_WORDS = (
         "Check --tls-ca (it must have signed the daemon's certificate) and --tls-server-name",
     ),
     ("TlsConfig's cert and key", "--tls-cert and --tls-key"),
+    (
+        "give the client certificate as TlsConfig's cert and its private key as TlsConfig's key",
+        "give the client certificate as --tls-cert and its private key as --tls-key",
+    ),
     (
         "(token= / token_file=, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)",
         "(--token-file, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from rendezvousd.client import InvalidRequest, RendezvousClient, TlsConfig
-from tests.support import DaemonProcess, Pki
+from tests.support import DaemonProcess, Pki, launcher_cmd
 
 
 def _refused(daemon: DaemonProcess, tls: TlsConfig) -> str:
@@ -72,12 +72,55 @@ def test_a_certificate_and_key_given_swapped_are_named_swapped(
     cert.chmod(cert_mode)
     key.chmod(0o600)
     said = _refused(tls_daemon, TlsConfig(ca=pki.ca, cert=key, key=cert))
+    # In the SDK's words only: it said "cert= (--tls-cert)", a flag no SDK user has.
     assert said == (
         f"TLS private key {cert} holds a certificate and no private key, and the "
         f"certificate {key} holds a private key: the two look swapped; give the client "
-        "certificate as cert= (--tls-cert) and its private key as key= (--tls-key)"
+        "certificate as TlsConfig's cert and its private key as TlsConfig's key"
     ), said
     assert "PRIVATE" not in said.replace("private", "")
+
+
+def _swapped_pair(pki: Pki, folder: Path) -> tuple[Path, Path]:
+    """(the file given as the certificate, the one given as the key): the key file and
+    the certificate, given the wrong way round."""
+    cert, key = folder / "client.pem", folder / "client.key"
+    shutil.copyfile(pki.client, cert)
+    shutil.copyfile(pki.client_key, key)
+    key.chmod(0o600)
+    return key, cert
+
+
+@pytest.mark.parametrize("command", ["health", "status", "rendezvous-run"])
+def test_commands_name_a_swapped_pair_in_their_own_flags(
+    command: str, pki: Pki, tls_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """Each said the SDK's "give the client certificate as cert= (--tls-cert)": a
+    keyword its user has not got, beside the flag it has."""
+    as_cert, as_key = _swapped_pair(pki, tmp_path)
+    tls = ["--tls-ca", str(pki.ca), "--tls-cert", str(as_cert), "--tls-key", str(as_key)]
+    if command == "rendezvous-run":
+        cmd = launcher_cmd(1, 0, 1, endpoint=tls_daemon.endpoint, job="swapped")
+        script = tmp_path / "train.py"
+        script.write_text("raise SystemExit(3)\n")
+        cmd += ["--token-file", str(tls_daemon.token_file), *tls, str(script)]
+        flags = (
+            "give the client certificate as --tls-cert (or $RENDEZVOUSD_TLS_CERT) and its "
+            "private key as --tls-key (or $RENDEZVOUSD_TLS_KEY)"
+        )
+    else:
+        cmd = [sys.executable, "-m", "rendezvousd.cli", command]
+        cmd += ["--endpoint", tls_daemon.endpoint, *tls]
+        if command == "status":
+            cmd += ["--token-file", str(tls_daemon.token_file)]
+        flags = "give the client certificate as --tls-cert and its private key as --tls-key"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    said = done.stderr
+    assert f"TLS private key {as_key} holds a certificate" in said, said
+    assert f"the two look swapped; {flags}" in said, said
+    assert "TlsConfig" not in said and "cert=" not in said and "key=" not in said, said
+    # A setup error: the launcher's exit 2, as its other refused settings.
+    assert done.returncode == (2 if command == "rendezvous-run" else 1), (done.returncode, said)
 
 
 @pytest.mark.parametrize("which", ["ca", "cert", "key"])

@@ -29,6 +29,7 @@ from rendezvousd.client.connection import (
     TLS_CHECK_ADVICE,
     TLS_DROP_ADVICE,
     TLS_PAIR_ADVICE,
+    TLS_SWAP_ADVICE,
 )
 from rendezvousd.client.errors import (
     TOKEN_ADVICE,
@@ -247,6 +248,11 @@ _LAUNCHER_WORDS = (
         "Check --tls-ca (it must have signed the daemon's certificate) and --tls-server-name",
     ),
     (TLS_PAIR_ADVICE, "--tls-cert and --tls-key"),
+    (
+        TLS_SWAP_ADVICE,
+        "give the client certificate as --tls-cert (or $RENDEZVOUSD_TLS_CERT) and its "
+        "private key as --tls-key (or $RENDEZVOUSD_TLS_KEY)",
+    ),
     (
         LOOPBACK_ADVICE,
         "(rendezvous-run: set --ring-host, or $RENDEZVOUSD_RING_HOST, to it; unset, a node "

@@ -138,6 +138,7 @@ from rendezvousd.client.connection import (
     TLS_CHECK_ADVICE,
     TLS_DROP_ADVICE,
     TLS_PAIR_ADVICE,
+    TLS_SWAP_ADVICE,
 )
 from rendezvousd.client.errors import TOKEN_ADVICE
 from rendezvousd.client.membership import NodeMembership
@@ -232,6 +233,11 @@ _TORCHRUN_AUTH_WORDS = (
         "tls_server_name",
     ),
     (TLS_PAIR_ADVICE, "--rdzv-conf tls_cert and tls_key"),
+    (
+        TLS_SWAP_ADVICE,
+        "give the client certificate as --rdzv-conf tls_cert (or RENDEZVOUSD_TLS_CERT) and "
+        "its private key as tls_key (or RENDEZVOUSD_TLS_KEY)",
+    ),
     (TOKEN_ADVICE, f"({TORCHRUN_TOKEN_ADVICE})"),
 )
 
@@ -251,7 +257,8 @@ def _in_torchruns_words(exc: RendezvousError) -> str | None:
     """The SDK's message where torchrun's user must read other words; None where the
     SDK's stand. The SDK speaks of our CLI's flags and of ``rendezvous-run``'s
     topology (``--nproc-per-node`` GPUs per node), neither of which torchrun has."""
-    if isinstance(exc, AuthenticationError) and any(
+    # TLS files refused before anything is sent are InvalidRequest (``_swapped``).
+    if isinstance(exc, AuthenticationError | InvalidRequest) and any(
         sdk in exc.message for sdk, _ in _TORCHRUN_AUTH_WORDS
     ):
         said = exc.message
