@@ -553,6 +553,15 @@ def _warm_spare_gpu() -> None:
         log.debug("spare stays off its GPU until assigned: %s", why_not)
 
 
+def _in_launchers_words(error: BaseException) -> None:
+    """An SDK error of a worker under rendezvous-run in the launcher's words, as its
+    agent says its own: the SDK's advice names keywords (``token=``, ``tls=``) its
+    user never passed, and a remedy ("restart the job") its agent carries out itself."""
+    from rendezvousd.trainer.agent.launcher_words import reword
+
+    reword(error)
+
+
 def _init_from_agent(
     link: AgentLink, environ: MutableMapping[str, str] | None
 ) -> DistributedContext:
@@ -567,12 +576,16 @@ def _init_from_agent(
     if environ is not None:
         environ.update(assignment.torchrun_env())
     config = assignment.config
-    rdzv = config.rendezvous.client(
-        assignment.job_id, config.retry_attempts, token=assignment.token
-    )
     membership = assignment.membership()
-    rdzv.attach(membership, assignment.instance_id)
-    link.relay(rdzv)  # its calls go on the agent's stream (client.relay)
+    try:
+        rdzv = config.rendezvous.client(
+            assignment.job_id, config.retry_attempts, token=assignment.token
+        )
+        rdzv.attach(membership, assignment.instance_id)
+        link.relay(rdzv)  # its calls go on the agent's stream (client.relay)
+    except BaseException as error:
+        _in_launchers_words(error)
+        raise
     topology = assignment.topology
     if config.backend == "nccl":
         # The global rank, not the local one: two simulated nodes on one GPU share
@@ -588,6 +601,8 @@ def _init_from_agent(
             config, rdzv, membership, lambda _: topology, assignment.ring_host, watch, rejoin=None
         )
     except BaseException as error:
+        # Raised to a script run by rendezvous-run, and reported as its agent's cause.
+        _in_launchers_words(error)
         # Before any ``with`` block: nothing else reports it, and the launcher's summary
         # and root cause said only "exit code 1" (an NCCL init failure, a ring that
         # cannot listen). Told as the context's close() tells a failure in the block.

@@ -27,7 +27,7 @@ from rendezvousd.client._session import DAEMON_CHECK_ADVICE, DAEMON_LOST_ADVICE
 from rendezvousd.client.connection import TLS_WORDS
 from rendezvousd.client.errors import TOKEN_ADVICE, from_rpc_error
 from rendezvousd.server.scope import derive_job_token
-from rendezvousd.trainer.agent.node_agent import in_launchers_words
+from rendezvousd.trainer.agent.launcher_words import in_launchers_words
 from tests.support import DaemonProcess
 
 #: Words the SDK's own advice must not say: flags and variables of its callers, and

@@ -1238,3 +1238,23 @@ def test_a_config_files_per_worker_rank_is_not_the_nodes(tmp_path: Path, key: st
     # As from the environment, which was already ignored.
     env = {"RENDEZVOUSD_RANK": "0", "RENDEZVOUSD_LOCAL_RANK": "0"}
     assert launcher.resolve(args, env) == config
+
+
+def test_a_workers_own_init_distributed_errors_are_in_the_launchers_words(
+    daemon: DaemonProcess,
+) -> None:
+    """A worker's call refused for its token raised the SDK's advice from
+    ``init_distributed``: "(token= / token_file=, ...)", keywords nobody under
+    rendezvous-run passes. Its agent's own refusals say the launcher's flags."""
+    cmd = launcher_cmd(1, 0, 2, endpoint=daemon.endpoint, token_file=daemon.token_file)
+    cmd += ["--job-id", "words", str(WORKERS / "refused_token_worker.py")]
+    done = run_launcher(cmd, timeout=90)
+    refused = [json.loads(ln) for ln in done.stdout.splitlines() if '"refused"' in ln]
+    assert refused, done.stdout + "\n" + done.stderr[-3000:]
+    for worker in refused:
+        said = worker["message"]
+        assert worker["kind"] == "AuthenticationError", worker
+        assert "(--token-file, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)" in said, said
+        assert "token=" not in said and "token_file=" not in said, said
+    # What a worker reported is the cause its agent names: in the same words.
+    assert "token_file=" not in done.stderr, done.stderr[-3000:]

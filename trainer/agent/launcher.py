@@ -367,7 +367,8 @@ def _run_agent(
         from rendezvousd.client.connection import resolve_token
         from rendezvousd.client.errors import RendezvousError
         from rendezvousd.client.warnings_said import say_client_warnings
-        from rendezvousd.trainer.agent.node_agent import NodeAgent, in_launchers_words
+        from rendezvousd.trainer.agent.launcher_words import in_launchers_words
+        from rendezvousd.trainer.agent.node_agent import NodeAgent
 
         say_client_warnings(_note)
         transport = config.rendezvous

@@ -23,16 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rendezvousd.client._session import DAEMON_LOST_ADVICE
-from rendezvousd.client.connection import (
-    TLS_CA_ADVICE,
-    TLS_CHECK_ADVICE,
-    TLS_DROP_ADVICE,
-    TLS_PAIR_ADVICE,
-    TLS_SWAP_ADVICE,
-)
 from rendezvousd.client.errors import (
-    TOKEN_ADVICE,
     AuthenticationError,
     DaemonUnavailable,
     DuplicateRank,
@@ -48,7 +39,6 @@ from rendezvousd.client.errors import (
     VersionMismatch,
 )
 from rendezvousd.client.membership import (
-    LOOPBACK_ADVICE,
     NodeMembership,
     loopback_conflict,
     loopback_refused,
@@ -58,6 +48,7 @@ from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text, named_losses, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
+from rendezvousd.trainer.agent.launcher_words import in_launchers_words, launchers_text
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import (
     OUTAGE_RETRY_S,
@@ -234,52 +225,6 @@ class StrayLost:
 
 
 Outcome = Failure | NodesWaiting | StrayLost | Interrupted | None
-
-
-#: The SDK's advice in rendezvous-run's words: the SDK names its keywords
-#: (``tls=TlsConfig(...)``, ``token=``) and tells its reader to restart the job once the
-#: daemon is lost, where this launcher takes flags (and the settings' variables) and
-#: restarts the node itself.
-_LAUNCHER_WORDS = (
-    (TLS_CA_ADVICE, "pass --tls-ca PATH (or set $RENDEZVOUSD_TLS_CA)"),
-    (TLS_DROP_ADVICE, "drop --tls-ca (and $RENDEZVOUSD_TLS_CA)"),
-    (
-        TLS_CHECK_ADVICE,
-        "Check --tls-ca (it must have signed the daemon's certificate) and --tls-server-name",
-    ),
-    (TLS_PAIR_ADVICE, "--tls-cert and --tls-key"),
-    (
-        TLS_SWAP_ADVICE,
-        "give the client certificate as --tls-cert (or $RENDEZVOUSD_TLS_CERT) and its "
-        "private key as --tls-key (or $RENDEZVOUSD_TLS_KEY)",
-    ),
-    (
-        LOOPBACK_ADVICE,
-        "(rendezvous-run: set --ring-host, or $RENDEZVOUSD_RING_HOST, to it; unset, a node "
-        "advertises its address on its route to the daemon, which is loopback when "
-        "--rdzv-endpoint is)",
-    ),
-    (TOKEN_ADVICE, "(--token-file, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)"),
-    (
-        DAEMON_LOST_ADVICE,
-        "This node agent stops its workers and, if --max-restarts allows, joins again "
-        "(asking for the daemon for up to its join timeout): check that the daemon is "
-        "running and that this host can reach it (a daemon restarted with --state-dir "
-        "keeps the job)",
-    ),
-)
-
-
-def in_launchers_words(error: BaseException) -> str:
-    """``error``'s message as rendezvous-run's user must read it (``_LAUNCHER_WORDS``)."""
-    return launchers_text(str(error)) if isinstance(error, RendezvousError) else str(error)
-
-
-def launchers_text(said: str) -> str:
-    """The SDK's or the trainer's words in ``said`` as rendezvous-run's (``_LAUNCHER_WORDS``)."""
-    for sdk, launchers in _LAUNCHER_WORDS:
-        said = said.replace(sdk, launchers)
-    return said
 
 
 def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
