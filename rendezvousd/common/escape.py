@@ -24,15 +24,24 @@ from rendezvousd.common.log_time import UtcFormatter
 MAX_CAUSE_BYTES = 32 * 1024
 # How much of one cause a message shows: a message names several failures on one line.
 SHOWN_CHARS = 120
+# How much of a name a refusal shows (a job id, a key): its head is enough to find it.
+SHOWN_NAME_CHARS = 40
 
 _UNSAFE = re.compile(
     "[\x00-\x1f\x7f-\x9f\u061c\u200b\u200e\u200f\u2028-\u202e\u2060\u2066-\u2069\ufeff]"
 )
 
 
+# Beyond _UNSAFE, for text whose rule is ASCII (a job id): any other character is the
+# one that broke it, and a look-alike (a Cyrillic a, U+0430) must show as itself.
+_NOT_ASCII = re.compile("[^\x00-\x7f]")
+
+
 def _escaped(match: re.Match[str]) -> str:
     code = ord(match.group())
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def escape(text: str) -> str:
@@ -54,10 +63,26 @@ def shortened(text: str, limit: int = SHOWN_CHARS) -> str:
     left_out = len(shown) - limit
     marker = f" ... ({left_out} characters cut) ... "
     if left_out <= len(marker):
-        # A cut of 1 character added 23: "...\x1b[31mre... (1 more characters)".
+        # A cut of 1 character added a marker of 25.
         return shown
     head = (limit + 1) // 2
     return shown[:head] + marker + shown[len(shown) - (limit - head) :]
+
+
+def quoted(text: str, limit: int = SHOWN_CHARS, *, ascii_only: bool = False) -> str:
+    """``text`` as a message names a client's string (a job id, a key): in quotes,
+    escaped, cut at its end (a name is told by its start) with the marker after the
+    closing quote (what is quoted is the text's own); whole where the marker would be
+    as long as what it leaves out, as ``shortened``. ``ascii_only``: every non-ASCII
+    character escaped too, for text whose rule is ASCII."""
+    shown = escape(text).replace("'", "\\'")  # its own quote, not the closing one
+    if ascii_only:
+        shown = _NOT_ASCII.sub(_escaped, shown)
+    left_out = len(shown) - limit
+    marker = f"... ({left_out} more characters)"
+    if left_out <= len(marker):
+        return f"'{shown}'"
+    return f"'{shown[:limit]}'{marker}"
 
 
 def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from rendezvousd.common.escape import SHOWN_NAME_CHARS, quoted
 from rendezvousd.errors import Code, Reason, RendezvousFault
 
 if TYPE_CHECKING:
@@ -71,15 +72,14 @@ def job_id(value: str) -> str:
             "than these two",
         )
     if not _JOB_ID.fullmatch(value):
-        # !a (ascii()) escapes each character outside printable ASCII once, so the one
+        # ascii_only: each character outside printable ASCII escaped once, so the one
         # that broke the rule shows (a Cyrillic a, U+0430, looks like 'a'), and so
         # does every control, bidi and invisible one. (The repr of an escaped copy
         # doubled each backslash: 'h\\xe9llo'.)
-        cut = f" ({len(value)} characters)" if len(value) > 40 else ""
         bad = next((i for i, c in enumerate(value) if not _JOB_ID_CHAR.fullmatch(c)), None)
         # Named, where the shown head may end before it.
         why = (
-            f"its character {bad + 1} is {value[bad]!a}"
+            f"its character {bad + 1} is {quoted(value[bad], ascii_only=True)}"
             if bad is not None
             else "it is empty"
             if not value
@@ -87,7 +87,7 @@ def job_id(value: str) -> str:
         )
         raise invalid(
             Reason.INVALID_JOB_ID,
-            f"job id {value[:40]!a}{'...' if cut else ''}{cut} is invalid: {why}; a job id "
+            f"job id {quoted(value, SHOWN_NAME_CHARS, ascii_only=True)} is invalid: {why}; a job id "
             "is 1-128 characters from [A-Za-z0-9._-]",
         )
     return value
@@ -140,22 +140,16 @@ def kv_key(key: str, limits: Limits) -> str:
     if size > limits.max_key_bytes:
         raise limit_exceeded(
             "max_key_bytes",
-            f"key {_shown_key(key)} is {size} bytes, longer than max_key_bytes="
+            f"key {quoted(key, SHOWN_NAME_CHARS)} is {size} bytes, longer than max_key_bytes="
             f"{limits.max_key_bytes}; use a shorter key (a hash of a long name)",
         )
     if _CONTROL.search(key):
         raise invalid(
             Reason.INVALID_ARGUMENT,
-            f"key {_shown_key(key)} contains control characters; keys are printable text: "
+            f"key {quoted(key, SHOWN_NAME_CHARS)} contains control characters; keys are printable text: "
             "encode such bytes (hex, base64) into the key",
         )
     return key
-
-
-def _shown_key(key: str) -> str:
-    """The key as a message shows it: its start, ASCII-escaped (a control character or
-    a terminal escape is shown, not acted on), marked when cut."""
-    return f"{key[:40]!a}" + ("..." if len(key) > 40 else "")
 
 
 def kv_value(value: bytes, limits: Limits) -> bytes:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from rendezvousd.common import validation
+from rendezvousd.common.escape import quoted
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.methods import policy
 
@@ -71,7 +72,7 @@ def allowed(scope: Scope, method: str, job_id: str | None) -> bool:
 
 
 def denied(scope: Scope, method: str, job_id: str | None) -> RendezvousFault:
-    target = f" for job {job_id[:128]!r}" if job_id is not None else ""
+    target = f" for job {quoted(job_id)}" if job_id is not None else ""
     if policy(method).job_scoped:
         hint = "use that job's token or the admin token"
     else:

@@ -19,6 +19,7 @@ import grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import validation
 from rendezvousd.common.calls import SERVED_METADATA
+from rendezvousd.common.escape import quoted
 from rendezvousd.common.model import (
     FORGOTTEN,
     Effect,
@@ -641,8 +642,8 @@ class RendezvousServicer:
                 # text (maybe the request's fields) and the metric would say OK. Answer
                 # as a call on a Calls stream is answered.
                 code = "UNKNOWN"
-                job = (getattr(request, "job_id", "") or "(none)")[:128]  # as sent: unchecked
-                log.exception("%s of job %r failed", name, job)
+                sent = getattr(request, "job_id", "")  # as sent: unchecked
+                log.exception("%s of job %s failed", name, quoted(sent) if sent else "(none)")
                 self.apply()  # what the handler changed before failing still wakes its waiters
                 await context.abort(grpc.StatusCode.UNKNOWN, DAEMON_BUG)
             finally:

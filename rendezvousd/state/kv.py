@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from rendezvousd.common import validation
+from rendezvousd.common.escape import quoted
 from rendezvousd.common.limits import Limits
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import fences
@@ -78,7 +79,7 @@ def put(job: Job, key: str, value: bytes, limits: Limits, held: int) -> set[int]
 
 def left(job: Job, rank: int, key: str) -> RendezvousFault:
     """The fault of rank ``rank``'s wait for ``key`` once it left the job."""
-    return fences.left(job, rank, f"its wait for key {key!r} ends")
+    return fences.left(job, rank, f"its wait for key {quoted(key)} ends")
 
 
 def delete(job: Job, key: str) -> bool:
@@ -96,13 +97,14 @@ def counter(job: Job, key: str, delta: int) -> bytes:
         raise RendezvousFault(
             Code.FAILED_PRECONDITION,
             Reason.NOT_A_COUNTER,
-            f"key {key!r} of job {job.job_id!r} holds a value that is not a plain decimal "
+            f"key {quoted(key)} of job {job.job_id!r} holds a value that is not a plain decimal "
             "integer (digits with an optional leading '-'); KvAdd needs a counter",
             {"job_id": job.job_id},
         )
     total = int(raw) + delta
     if not -(2**63) <= total < 2**63:
         raise validation.invalid(
-            Reason.INVALID_ARGUMENT, f"KvAdd on {key!r} of job {job.job_id!r} would overflow int64"
+            Reason.INVALID_ARGUMENT,
+            f"KvAdd on {quoted(key)} of job {job.job_id!r} would overflow int64",
         )
     return str(total).encode("ascii")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from rendezvousd.common import validation
+from rendezvousd.common.escape import quoted
 from rendezvousd.common.limits import Limits, Timing
 from rendezvousd.common.model import Effect, EventKind, JobState, JobView, MemberInfo, Parked
 from rendezvousd.errors import Code, Reason
@@ -125,7 +126,7 @@ class RendezvousState:
             return value
         if not wait:
             raise job.fault(
-                Code.NOT_FOUND, Reason.KEY_NOT_FOUND, f"key {key!r} is not set in {job.named}"
+                Code.NOT_FOUND, Reason.KEY_NOT_FOUND, f"key {quoted(key)} is not set in {job.named}"
             )
         return self.calls.park_under(
             job.gen.kv_waiters, key, job, waits.WaitKind.KV, rank, key, now

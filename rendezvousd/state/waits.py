@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from rendezvousd.common.escape import quoted
 from rendezvousd.common.model import JoinMode
 from rendezvousd.errors import Code, Reason, RendezvousFault, ranks_text
 from rendezvousd.state.barriers import short_ranks
@@ -81,5 +82,5 @@ def key_wait_timeout(job: Job, key: str, waiter: int, waited: str) -> Rendezvous
     return job.fault(
         Code.DEADLINE_EXCEEDED,
         Reason.KEY_WAIT_TIMEOUT,
-        f"key {key!r} of job {job.job_id!r} was not set within {waited}",
+        f"key {quoted(key)} of job {job.job_id!r} was not set within {waited}",
     )

@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.escape import escape, quoted, shortened
 from rendezvousd.common.grid import LATE_SHARE, node_rows
 from rendezvousd.common.model import JobView, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
@@ -155,7 +155,7 @@ class StatusPage:
             return self._job(caller.scope, parts[3], r.query)
         if len(parts) == 5 and parts[4] == "abort" and r.method == "POST":
             return await self._abort_job(caller, parts[3], r)
-        return _json(404, {"error": f"no such API path {r.path[:200]!a}"})
+        return _json(404, {"error": f"no such API path {quoted(r.path)}"})
 
     def _file(self, name: str, content_type: str, status: int) -> Response:
         body = self._files.get(name)

@@ -13,7 +13,7 @@ import pytest
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.cli.probe import render
 from rendezvousd.client import RendezvousClient
-from rendezvousd.common.escape import EscapingFormatter, escape, shortened
+from rendezvousd.common.escape import EscapingFormatter, escape, quoted, shortened
 from tests.support import DaemonProcess, parallel, wait_for
 
 UNSAFE = ["\x1b[2J", "\x85", "\x9b31m", "\u202e", "\u2066", "\u200f", "\n", "\r", "\x00"]
@@ -49,6 +49,21 @@ def test_shortened_keeps_both_ends_which_tell_two_texts_apart() -> None:
     assert cut[0].startswith("rank 7 on gpu-17 (Traceback") and cut[1].startswith("rank 7 on")
     assert cut[0].endswith("an illegal memory access)") and cut[1].endswith("KeyError: 'lr')")
     assert " characters cut) ... " in cut[0] and " characters cut) ... " in cut[1]
+
+
+def test_quoted_is_shortened_in_quotes_with_its_marker_after_them() -> None:
+    """One convention for every client string a message names: the key refusals' own
+    ("'...' after 40 ASCII-escaped characters, how much left out unsaid), and the
+    daemon's job ids cut at 128 with no marker at all, were two others."""
+    assert quoted("k\x1b[2J") == "'k\\x1b[2J'"
+    assert quoted("x" * 144) == "'" + "x" * 144 + "'"
+    assert quoted("x" * 145) == "'" + "x" * 120 + "'... (25 more characters)"
+    assert quoted("k\u00e9" * 50, 40) == "'" + "k\u00e9" * 20 + "'... (60 more characters)"
+    # Its own quote is not the closing one.
+    assert quoted("it's") == "'it\\'s'"
+    # For text whose rule is ASCII (a job id): the look-alike shows as itself.
+    assert quoted("p\u0430ris", ascii_only=True) == "'p\\u0430ris'"
+    assert quoted("\U0001f600", ascii_only=True) == "'\\U0001f600'"
 
 
 def test_escape_keeps_ordinary_text() -> None:

@@ -17,7 +17,19 @@ from rendezvousd.server import servicer
 from tests.support import InProcessDaemon
 
 
+@pytest.mark.parametrize(
+    ("job", "logged_as"),
+    [
+        ("bugged", "'bugged'"),
+        # As sent, unchecked: cut as every client string a message names is
+        # (escape.quoted), where it was cut at 128 characters without a word.
+        ("b" * 300, "'" + "b" * 120 + "'... (180 more characters)"),
+    ],
+    ids=["short", "long"],
+)
 async def test_a_handler_bug_on_a_unary_call_is_answered_as_on_a_calls_stream(
+    job: str,
+    logged_as: str,
     inproc_daemon: InProcessDaemon,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -35,7 +47,7 @@ async def test_a_handler_bug_on_a_unary_call_is_answered_as_on_a_calls_stream(
         stub = pb_grpc.RendezvousStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.KvGet(
-                pb.KvGetRequest(job_id="bugged", generation=1, rank=0, key="k"),
+                pb.KvGetRequest(job_id=job, generation=1, rank=0, key="k"),
                 metadata=[("authorization", f"Bearer {d.token}")],
                 timeout=10,
             )
@@ -44,7 +56,7 @@ async def test_a_handler_bug_on_a_unary_call_is_answered_as_on_a_calls_stream(
     assert details == servicer.DAEMON_BUG, details
     assert "key-field-value" not in details
     logged = [r for r in caplog.records if r.exc_info and "KvGet" in r.getMessage()]
-    assert logged and "'bugged'" in logged[0].getMessage(), caplog.text
+    assert logged and f"KvGet of job {logged_as} failed" in logged[0].getMessage(), caplog.text
     registry = d.server.metrics.registry
     sample = "rendezvousd_rpc_duration_seconds_count"
     assert registry.get_sample_value(sample, {"method": "KvGet", "code": "UNKNOWN"}) == 1

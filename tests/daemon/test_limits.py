@@ -410,11 +410,13 @@ def test_bad_job_ids(daemon: DaemonProcess, channel: grpc.Channel, bad: str) -> 
             "characters from [A-Za-z0-9._-]",
         ),
         # Past the 40 characters shown, the one that broke the rule is still named.
-        ("a" * 50 + "\u00e9", "'... (51 characters) is invalid: its character 51 is '\\xe9'"),
+        ("a" * 70 + "\u00e9", "'... (34 more characters) is invalid: its character 71 is '\\xe9'"),
         ("", "job id '' is invalid: it is empty"),
         ("p\u0430ris", "job id 'p\\u0430ris' is invalid"),
-        ("tab\there", "job id 'tab\\there' is invalid"),
-        ("x" * 129, "job id '" + "x" * 40 + "'... (129 characters) is invalid: it is 129 char"),
+        # A tab as \x09, as every shown client string (escape.quoted; it was \t here).
+        ("tab\there", "job id 'tab\\x09here' is invalid"),
+        # Cut as every client string is (escape.quoted): it said "(129 characters)".
+        ("x" * 129, "job id '" + "x" * 40 + "'... (89 more characters) is invalid: it is 129 char"),
         ("..", "job id '..' is invalid: a job id is a URL path segment"),
         (".", "take '.' and '..' for the path itself and its parent; use 1-128 characters"),
     ],

@@ -103,13 +103,17 @@ def test_a_rank_with_no_seat_is_told_to_join_again() -> None:
 
 def test_a_refused_key_is_shown_cut_and_escaped_with_what_to_do() -> None:
     limits = Limits(max_key_bytes=16)
-    key = "k\u00e9" * 30
+    key = "k\u00e9" * 50
     long = fault(validation.kv_key, key, limits)
     assert long.metadata["limit"] == "max_key_bytes"
-    shown = "'" + "k\\xe9" * 20 + "'..."
-    assert f"key {shown} is 90 bytes, longer than max_key_bytes=16" in long.message
+    # As every client string a message names (escape.quoted): printable text as it
+    # is (a key may hold any; it showed 'k\xe9'), cut with the one marker saying how
+    # much was left out (it showed "'..." alone).
+    shown = "'" + "k\u00e9" * 20 + "'... (60 more characters)"
+    assert f"key {shown} is 150 bytes, longer than max_key_bytes=16" in long.message
     assert "use a shorter key" in long.message
     bad = fault(validation.kv_key, "run\x1b[2J/step\n", limits)
     assert bad.reason == "INVALID_ARGUMENT"
-    assert "key 'run\\x1b[2J/step\\n' contains control characters" in bad.message
+    # A newline as \x0a, as the log and `rendezvousd status` show one (it was \n here).
+    assert "key 'run\\x1b[2J/step\\x0a' contains control characters" in bad.message
     assert "\x1b" not in bad.message and "encode such bytes" in bad.message

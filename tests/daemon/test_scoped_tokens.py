@@ -18,6 +18,7 @@ from rendezvousd.server.scope import (
     Scope,
     admin_key,
     allowed,
+    denied,
     derive_job_token,
     read_job_token,
 )
@@ -52,6 +53,15 @@ def test_job_scope_lists_jobs_but_nothing_else() -> None:
     assert allowed(scope, "ListJobs", None)  # filtered to job a by the servicer
     assert not allowed(scope, "ServerReflectionInfo", None)
     assert not allowed(scope, "Unknown", "a")
+
+
+def test_a_refusal_names_the_job_sent_escaped_and_cut_with_the_one_marker() -> None:
+    """The job id as sent (unchecked, it may be any length) was cut at 128 characters
+    without a word, a convention of its own (escape.quoted is every message's)."""
+    sent = "\u202e" + "j" * 300
+    message = denied(Scope("a"), "KvGet", sent).message
+    shown = "'\\u202e" + "j" * 114 + "'... (186 more characters)"
+    assert f"may not call KvGet for job {shown}; use that job's token" in message, message
 
 
 def test_every_rpc_has_a_scope_rule() -> None:
