@@ -633,6 +633,7 @@ class Calls:
             yield from self.before_join(request.get("timeout"))
             plan = self.s.plan_join(**request)
             yield OpenStream()
+            yield from self.leave_given_up()
             response = yield from self._send_join(plan, "Join")
             if response.id_required:
                 publish = plan.publish_request(response)
@@ -678,6 +679,7 @@ class Calls:
         plan = self.s.plan_join_node(**request)
         try:
             yield OpenStream()
+            yield from self.leave_given_up()
             while True:
                 response = yield from self._send_join(plan, "JoinNode", again_at_cap=True)
                 if not response.id_required:
@@ -687,6 +689,19 @@ class Calls:
         except BaseException as exc:
             self.s.unsettle(plan, exc)
             raise
+
+    def leave_given_up(self, closing: bool = False) -> Steps[None]:
+        """Leave the seat of a join given up and not resumed (``Session.given_up_leave``):
+        before the join that forsook it, or (``closing``) as the client closes. One
+        attempt within the leave timeout; a failure is one line, not an error."""
+        s = self.s
+        request = s.given_up_leave(closing)
+        if request is None or not s.leave_timeout:
+            return
+        try:
+            yield Rpc("Leave", request, s.leave_timeout)
+        except grpc.RpcError as exc:
+            s.given_up_leave_failed(request, exc)
 
     def _send_join(self, plan: JoinPlan, method: str, *, again_at_cap: bool = False) -> Steps[Any]:
         """Send the plan's join until answered; a fenced id is replaced, not fatal; and,

@@ -480,6 +480,9 @@ class Session:
     # A join this client sent and then gave up on (``unsettle``): the next join asking
     # the same is sent as it, so that a seat the daemon gave it is taken back.
     unsettled: _Unsettled | None = field(default=None, repr=False)
+    # That join, when the next join asked something else (``resume``): its seat is
+    # left (``given_up_leave``) before the new join is sent.
+    forsaken: _Unsettled | None = field(default=None, repr=False)
     # The last call its caller gave up (its name, and what ended it: an asyncio
     # cancellation, Ctrl-C), which a ``with`` block's cause names (``given_up_cause``).
     given_up: tuple[str, BaseException] | None = field(default=None, repr=False)
@@ -851,15 +854,54 @@ class Session:
 
     def resume(self, plan: JoinPlan) -> None:
         """Send ``plan`` as the join given up last (``unsettle``) when it asks the same:
-        its instance id and id; any other join goes with its own, the seat left to
-        lapse (a forming one at its wait, a formed one at the heartbeat timeout)."""
+        its instance id and id. Any other join goes with its own, after a Leave for the
+        seat the given-up one may hold (``forsaken``, ``given_up_leave``): left to lapse,
+        a forming seat was held to its wait, and a formed world's peers heard only at
+        the heartbeat timeout that it had "sent no heartbeat"."""
         kept, self.unsettled = self.unsettled, None
-        if kept is None or not _same_join(kept.request, plan.request, plan.unique_id is not None):
+        if kept is None:
+            return
+        if not _same_join(kept.request, plan.request, plan.unique_id is not None):
+            self.forsaken = kept
             return
         self.instance_id = plan.request.instance_id = kept.request.instance_id
         plan.made, plan.resumed = kept.made, True
         if plan.request.unique_id:  # made for this request: the kept one instead
             plan.request.unique_id = plan.make_id()
+
+    def given_up_leave(self, closing: bool = False) -> pb.LeaveRequest | None:
+        """The Leave for the seat of a join given up and not resumed (``LeaveRequest.
+        given_up``: by its instance id, the generation and rank it never learned), or
+        None: the next join forsook none, or (``closing``) none is left unsettled."""
+        kept = self.unsettled if closing else self.forsaken
+        self.forsaken = None
+        if closing:
+            self.unsettled = None
+        if kept is None:
+            return None
+        return pb.LeaveRequest(
+            job_id=kept.request.job_id,
+            instance_id=kept.request.instance_id,
+            node=isinstance(kept.request, pb.JoinNodeRequest),
+            given_up=True,
+        )
+
+    def given_up_leave_failed(self, request: pb.LeaveRequest, exc: grpc.RpcError) -> None:
+        """One line, no exception: the seat then lapses as before (a forming one at its
+        wait, a formed one at the heartbeat timeout)."""
+        error = from_rpc_error(exc, endpoint=self.endpoint, method="Leave", job_id=request.job_id)
+        # Nothing held (never seated, its generation gone), or an older daemon that
+        # read generation 0: nothing this client can do.
+        moot = error.reason in ("NOT_A_MEMBER", "STALE_GENERATION", "JOB_NOT_FOUND")
+        log.log(
+            logging.DEBUG if moot else logging.WARNING,
+            "could not tell the daemon at %s that the %s of job %r given up earlier is not "
+            "sent again: %s; the seat it may hold lapses at the heartbeat timeout",
+            self.endpoint,
+            "join_node()" if request.node else "join()",
+            request.job_id,
+            error.message,
+        )
 
     def barrier_failed(self, name: str) -> None:
         """This round of ``name`` ended without its answer (timed out, cancelled, its

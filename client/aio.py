@@ -512,6 +512,10 @@ class AsyncRendezvousClient(steps.ClientBase):
         return await self._run(self._c.fetch_members())
 
     async def close(self) -> None:
+        if self._s.unsettled is not None and not self._s.closed and not self._forked():
+            # See RendezvousClient.close: before the client is closed to its own calls.
+            with contextlib.suppress(RendezvousError):
+                await self._run(self._c.leave_given_up(closing=True))
         self._s.closed = True  # first: see RendezvousClient.close
         if self._forked():  # see RendezvousClient.close
             return

@@ -551,6 +551,10 @@ class RendezvousClient(steps.ClientBase):
             # parent's to close (touched here, gRPC core could hang the child's exit).
             self._s.closed = True
             return
+        if self._s.unsettled is not None and not self._s.closed:
+            # A join given up and never sent again: its seat is left, not left to lapse.
+            with contextlib.suppress(RendezvousError):
+                self._run(self._c.leave_given_up(closing=True))
         # First: the heartbeat stream's end makes the daemon lose this member and
         # answer its parked calls PEER_FAILED, blaming this very rank; closed, they
         # end as the closed client's (``_ended_by_close``).

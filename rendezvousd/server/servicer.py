@@ -473,13 +473,14 @@ class RendezvousServicer:
             yield reply_batch
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        kept = self.state.leave(
-            *_member_of(request),
-            request.instance_id,
-            _now(),
-            mode=JoinMode.of_caller(request.node),
-            final=request.final,
-        )
+        mode = JoinMode.of_caller(request.node)
+        kept = False
+        if request.given_up:  # a given-up join's seat: by its instance id alone
+            self.state.leave_given_up(request.job_id, request.instance_id, _now(), mode=mode)
+        else:
+            kept = self.state.leave(
+                *_member_of(request), request.instance_id, _now(), mode=mode, final=request.final
+            )
         try:
             await self._durably(request.job_id, self.state.take_effects())
         except RendezvousFault as fault:

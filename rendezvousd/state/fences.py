@@ -81,6 +81,21 @@ def not_seated(job: Job, generation: int, who: int, mode: JoinMode) -> Rendezvou
     )
 
 
+def holds_no_seat(job: Job, mode: JoinMode) -> RendezvousFault:
+    """A Leave for a join given up (``LeaveRequest.given_up``) whose instance holds no
+    seat in the job's current generation: never seated, or its seat already gone (its
+    generation moved on, its wait ended, it was lost)."""
+    joined = "JoinNode" if mode is JoinMode.NODE else "Join"
+    return RendezvousFault(
+        Code.FAILED_PRECONDITION,
+        Reason.NOT_A_MEMBER,
+        f"the given-up {joined} of this instance holds no seat in job {job.job_id!r} "
+        f"generation {job.generation}: nothing to leave (it was never seated, or its "
+        "seat is gone already); join again to take part",
+        {"job_id": job.job_id, "generation": str(job.generation)},
+    )
+
+
 def joined_after_leaving(job: Job, seat: Member | Node) -> RendezvousFault:
     """A join of the instance that said goodbye to ``job``'s running generation: a replay
     of its old request (or a retry sent after its Leave). Answered, it got the id of a

@@ -35,6 +35,11 @@ class Attendee:
     who: ClassVar[str] = "worker"
     stream_closed: ClassVar[str] = "heartbeat stream closed"
     cancelled: ClassVar[str] = "its Join was cancelled (worker died or disconnected)"
+    # ...and by its client leaving the seat of a join it gave up (``LeaveRequest.given_up``).
+    given_up: ClassVar[str] = (
+        "its Join was given up by its caller (a deadline, a cancelled task, Ctrl-C) "
+        "and not sent again"
+    )
     # What it is called in a joiner's faults.
     joiner: ClassVar[str] = "worker"
 
@@ -97,6 +102,10 @@ class Node(Attendee):
     who: ClassVar[str] = "node"
     stream_closed: ClassVar[str] = "node agent's heartbeat stream closed"
     cancelled: ClassVar[str] = "its JoinNode was cancelled (node agent died or disconnected)"
+    given_up: ClassVar[str] = (
+        "its JoinNode was given up by its node agent (a deadline, a cancelled task, "
+        "Ctrl-C) and not sent again"
+    )
     joiner: ClassVar[str] = "node agent"
 
     instance_id: str

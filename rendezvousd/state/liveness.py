@@ -291,6 +291,38 @@ def leave(
     return True
 
 
+def leave_given_up(
+    sm: RendezvousState, job_id: str, instance_id: str, now: float, *, mode: JoinMode
+) -> None:
+    """The seat of a join its caller gave up after sending it and will not send again
+    (``LeaveRequest.given_up``), found by the join's instance id: the caller never
+    learned its rank or generation. A forming generation frees the seat, as a Leave
+    does. A formed one loses it at once: it will never attend, and its peers heard
+    only at the heartbeat timeout that it "sent no heartbeat". A node's seat is not kept
+    for it in a next generation (a final Leave's ``gone``); one kept already is freed."""
+    job = seats.find_job(sm, job_id)
+    if mode is JoinMode.NODE and job.state is JobState.FORMING and instance_id in job.gen.owed:
+        joins.seat_given_up(sm, job, instance_id, now)
+        return
+    job, seated = seats.held_by(sm, job_id, instance_id, mode)
+    if job.state is JobState.FORMING:
+        given_up = f"the {seated.joiner}'s join was given up by its caller"
+        joins.wake_seat(
+            sm,
+            job,
+            job.key(seated),
+            fault=RendezvousFault(Code.ABORTED, Reason.JOB_ABORTED, given_up),
+        )
+        if seated is placement.holder(job):
+            job.gen.id_deadline = None  # the id it owed: whoever takes rank 0 owes it now
+        joins.unseat(sm, job, seated, now)
+        return
+    if mode is JoinMode.NODE:
+        job.gen.gone.add(instance_id)
+    if job.state is JobState.RUNNING and seated.state is MemberState.ACTIVE:
+        rounds.lose_seated(sm, job, seated, seated.given_up, now)
+
+
 def _goodbye(sm: RendezvousState, job: Job, seated: Member | Node, now: float) -> None:
     """``seated`` leaves its formed generation, and the members it attends for."""
     seated.said_goodbye = True

@@ -60,6 +60,7 @@ class RendezvousState:
     tick = liveness.tick
     stalled = liveness.stalled
     leave = liveness.leave
+    leave_given_up = liveness.leave_given_up
     report_failure = liveness.report_failure
     oldest_silence = liveness.oldest_silence
     live_members = liveness.live_members

@@ -89,6 +89,24 @@ def seated(
     return job, seated
 
 
+def held_by(
+    sm: RendezvousState, job_id: str, instance_id: str, mode: JoinMode
+) -> tuple[Job, Member | Node]:
+    """The seat ``instance_id`` holds in its job's current generation (a worker's member,
+    or a node agent's node: ``mode``), for a caller that never learned its rank or
+    generation (a join it gave up); NOT_A_MEMBER when it holds none. The instance id is
+    the caller's secret, so holding the job's token is not enough to name another's."""
+    job = find_job(sm, job_id)
+    seat: Member | Node | None = None
+    if instance_id and mode is _NODE:
+        seat = job.gen.nodes.get(instance_id)
+    elif instance_id:
+        seat = next((m for m in job.gen.members.values() if m.instance_id == instance_id), None)
+    if seat is None:
+        raise fences.holds_no_seat(job, mode)
+    return job, seat
+
+
 def _without_instance_id(sm: RendezvousState, job: Job, member: Member) -> None:
     """A call for ``member``'s rank named no instance id: an SDK from before member
     instance ids (every SDK since sends the one it joined with; the Join of an older one

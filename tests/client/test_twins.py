@@ -402,6 +402,59 @@ def a_join_given_up_as_its_answer_came_is_taken_back(w: World) -> object:
     return outcomes
 
 
+def a_join_given_up_and_not_sent_again_leaves_its_seat(w: World) -> object:
+    """A join given up just as the world formed (as above), and then not sent again:
+    its client makes another join (here from another host), or closes. The seat was left
+    to lapse: its peers heard it had "sent no heartbeat" only at the heartbeat timeout.
+    Now the client leaves it (``LeaveRequest.given_up``), and its peers hear at once that
+    its join was given up; after another join, the two form the next generation."""
+    outcomes = []
+    for method in ("Join", "JoinNode"):
+        for then in ("join", "close"):
+            job_id = f"{w.job_id}-{method}-{then}"
+            a, b = (Twin(w.kind, w.daemon.endpoint, job_id, token=w.daemon.token) for _ in range(2))
+            w.made.extend([a, b])
+
+            def join(c: Twin, host: str, method: str = method) -> Any:
+                if method == "Join":
+                    return c.join(num_nodes=2, gpus_per_node=1, local_rank=0, host=host, timeout=20)
+                return c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, host=host, timeout=20)
+
+            give_up_as_answered(a)
+            gave, _ = parallel([lambda a=a: join(a, "h0"), lambda b=b: join(b, "h1")])  # type: ignore[misc]
+            b.start_heartbeat(0.2)
+            again: list[Any] = []
+            heard: list[Any] = []
+
+            def b_heard(b: Twin = b, heard: list[Any] = heard) -> None:
+                def seen() -> bool:  # one read: the failure seen is the one kept
+                    heard[:] = [b.failure]
+                    return heard[0] is not None
+
+                wait_for("b to hear of a's seat", seen, 10)
+
+            if then == "close":
+                a.__getattr__("close")()  # the client, not its twin's loop
+                b_heard()
+            else:
+
+                def b_again(b: Twin = b) -> Any:
+                    b_heard()
+                    return join(b, "h1")
+
+                again = all_of(parallel([lambda a=a: join(a, "h0-again"), b_again]))  # type: ignore[misc]
+            (failure,) = heard
+            causes = [f.cause for f in failure.failed] if isinstance(failure, PeerFailed) else []
+            outcomes.append(
+                (
+                    given_up(gave),
+                    [f"{method} was given up" in cause for cause in causes],
+                    len({m.generation for m in again}),
+                )
+            )
+    return outcomes
+
+
 def joins_given_up_as_they_wait(w: World, twin: Twin, times: int, **request: Any) -> list[bool]:
     """``twin`` joins ``times`` times, each join given up by its caller once the daemon
     holds it parked, and the next sent at once: Ctrl-C in the blocking client (a
@@ -1222,6 +1275,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "a join given up as its answer came": (
         a_join_given_up_as_its_answer_came_is_taken_back,
         [(True, True, True, {"MEMBER_STATE_ACTIVE"})] * 2,
+    ),
+    "a join given up and not sent again": (
+        a_join_given_up_and_not_sent_again_leaves_its_seat,
+        [(True, [True], 1), (True, [True], 0)] * 2,
     ),
     "a join given up as it waits, retried at once": (
         a_join_given_up_as_it_waits_is_retried_at_once,

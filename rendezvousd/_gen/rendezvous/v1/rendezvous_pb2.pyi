@@ -1313,6 +1313,7 @@ class LeaveRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    GIVEN_UP_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
@@ -1328,6 +1329,19 @@ class LeaveRequest(_message.Message):
     which a fresh launch of the same job id cannot take. May follow the Leave that
     ended the node's seat, and may name a generation the job has left behind.
     """
+    given_up: _builtins.bool
+    """The caller gave up its join (instance_id is that Join's or JoinNode's, node says
+    which) after sending it, before it read the answer, and will not send it again:
+    generation and rank are ignored (the caller never learned them). The daemon
+    finds the seat that instance holds in the job's current generation: a forming
+    one frees it, as Leave does; a formed one loses it at once (PEER_FAILED, "its
+    Join was given up by its caller"): it never learned its seat, so it will not
+    take part, and its peers are told now rather than at the heartbeat timeout. A
+    node's seat is not kept for it in a next generation (as final). An instance that
+    holds no seat (it was never seated, or its seat is gone): FAILED_PRECONDITION
+    (NOT_A_MEMBER). An older daemon ignores the field and reads generation 0:
+    ABORTED (STALE_GENERATION), the seat left to lapse as before.
+    """
     def __init__(
         self,
         *,
@@ -1337,10 +1351,11 @@ class LeaveRequest(_message.Message):
         instance_id: _builtins.str = ...,
         node: _builtins.bool = ...,
         final: _builtins.bool = ...,
+        given_up: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "generation", b"generation", "given_up", b"given_up", "instance_id", b"instance_id", "job_id", b"job_id", "node", b"node", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
