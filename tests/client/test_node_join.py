@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +36,8 @@ from tests.support import (
     DaemonProcess,
     free_port,
     parallel,
+    pump_bytes,
+    scrape,
     spawn_daemon,
     wait_for,
     write_token,
@@ -687,3 +690,106 @@ def test_close_run_closes_a_failed_generation_to_the_nodes_launched_before_it(
         late.join_node(
             min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=1, launched=time.monotonic()
         )
+
+
+class _GatedProxy:
+    """TCP to a daemon, forwarded; ``cut()`` closes every connection so far, and while
+    the gate is shut a new connection waits before it reaches the daemon: a blip whose
+    cut the daemon reads before the client's retry arrives."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self.gate = threading.Event()
+        self.gate.set()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                near, _ = self._server.accept()
+                threading.Thread(target=self._forward, args=(near,), daemon=True).start()
+
+    def _forward(self, near: socket.socket) -> None:
+        if not self.gate.wait(30):
+            near.close()
+            return
+        far = socket.create_connection(("127.0.0.1", self._port))
+        with self._lock:
+            self._sockets += [near, far]
+        for src, dst in ((near, far), (far, near)):
+            threading.Thread(target=pump_bytes, args=(src, dst), daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self.gate.set()
+        self._server.close()
+        self.cut()
+
+
+@pytest.mark.parametrize("call_stream", [True, False])
+def test_a_join_node_cut_while_its_round_forms_joins_the_next_round(
+    daemon: DaemonProcess, job_id: str, call_stream: bool
+) -> None:
+    """A node agent's JoinNode cut by a connection blip while its round forms: the
+    daemon reads the cut as the agent's death and fails the round, and the SDK's retry
+    of the same join was answered PeerFailed naming this very node (by host alone: a
+    FailedMember carries no instance id), which torchrun's handler listed as "the node
+    joining from <its own host>" to replace. The retry now joins the next round. Unary
+    too, where gRPC's own retry re-sends the JoinNode, unseen by the SDK."""
+    proxy = _GatedProxy(daemon.port)
+    cut = RendezvousClient(proxy.endpoint, job_id, token=daemon.token, call_stream=call_stream)
+    other = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    join = {"min_nodes": 2, "max_nodes": 2, "gpus_per_node": 1, "timeout": 30}
+    outcome: list[object] = []
+
+    def join_cut() -> None:
+        try:
+            outcome.append(cut.join_node(host="cut-node", **join))
+        except RendezvousError as exc:
+            outcome.append(exc)
+
+    try:
+        t = threading.Thread(target=join_cut, daemon=True)
+        t.start()
+
+        def round_state() -> int | None:
+            try:
+                return other.get_job().summary.state
+            except NotFound:
+                return None
+
+        wait_for("the cut node parked", lambda: round_state() == pb.JOB_STATE_FORMING)
+        wait_for(
+            "its JoinNode parked", lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] >= 1
+        )
+        proxy.gate.clear()
+        proxy.cut()
+        wait_for("the daemon to read the cut", lambda: round_state() == pb.JOB_STATE_FAILED)
+        proxy.gate.set()
+        # The retry first, while the round it was cut from is the job's latest.
+        wait_for(
+            "the cut node's retry answered",
+            lambda: bool(outcome) or other.get_job().summary.generation == 2,
+            20,
+        )
+        assert not outcome, outcome  # before: PeerFailed naming "cut-node", itself
+        m = other.join_node(host="other-node", **join)
+        t.join(30)
+        (got,) = outcome
+        assert isinstance(got, NodeMembership), got
+        assert got.generation == m.generation == 2
+    finally:
+        cut.close()
+        other.close()
+        proxy.close()

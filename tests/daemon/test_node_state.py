@@ -901,3 +901,20 @@ def test_a_close_of_a_forming_generation_aborts_it_and_refuses_its_late_nodes() 
     assert job.state is JobState.ABORTED
     assert fault(sm.join, node("c", launched=0.1), 9.0).reason == "JOB_ABORTED"
     assert job.generation == 2
+
+
+def test_a_node_lost_to_its_cut_join_joins_the_next_generation_when_it_comes_back() -> None:
+    """Its JoinNode's cancel (a connection blip) read as its death failed the forming
+    generation; the same join re-sent (the SDK's retry, or gRPC's) was answered that
+    generation's PEER_FAILED, naming the node itself by host alone (torchrun's handler
+    listed "the node joining from <its own host>" as a node to replace). A lost node
+    is not a returning one: the join opens the next generation."""
+    sm = RendezvousState()
+    first = join_first(sm, node("a"))
+    assert isinstance(first, Parked)
+    sm.cancel_wait(first.waiter, 1.0, timed_out=False)
+    assert sm.jobs["j"].state is JobState.FAILED
+    again = sm.join(node("a"), 2.0)
+    assert isinstance(again, JoinResult) and again.id_required  # node 0 of the next one
+    job = sm.jobs["j"]
+    assert (job.generation, job.state, list(job.gen.nodes)) == (2, JobState.FORMING, ["a"])
