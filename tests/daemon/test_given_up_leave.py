@@ -6,11 +6,18 @@ holding nothing is refused NOT_A_MEMBER."""
 
 from __future__ import annotations
 
+import grpc
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client import PeerFailed, RendezvousClient
 from rendezvousd.common.model import EventKind, JobState, JoinMode, JoinResult, Notify, Parked
 from rendezvousd.errors import Code
+from rendezvousd.server.scope import derive_job_token
 from rendezvousd.state.machine import RendezvousState
+from tests.daemon.raw_calls import raw, reason_of
 from tests.daemon.test_node_state import fault, formed, node
 from tests.daemon.test_state_machine import args, form, inst
+from tests.support import DaemonProcess, parallel, wait_for
 
 ID = b"\x01" * 128
 
@@ -80,3 +87,45 @@ def test_an_instance_holding_no_seat_is_refused_not_a_member() -> None:
     assert sm.jobs["j"].state is JobState.RUNNING
     f = fault(sm.leave_given_up, "other", "x", 1.0, mode=JoinMode.RANK)
     assert f.reason.name == "JOB_NOT_FOUND"
+
+
+def test_a_daemon_takes_a_given_up_leave_only_from_the_job_s_token_for_a_seated_instance(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """Against a real daemon: another job's token is refused (SCOPE_DENIED), an instance
+    that holds nothing NOT_A_MEMBER, both changing nothing; the seat's own instance id
+    loses it, and its peer hears why at once."""
+    a, b = (RendezvousClient(daemon.endpoint, job_id, token=daemon.token) for _ in range(2))
+    try:
+        parallel(
+            [
+                lambda c=c, r=r: c.join(  # type: ignore[misc]
+                    num_nodes=1, gpus_per_node=2, node_rank=0, local_rank=r, timeout=10
+                )
+                for r, c in enumerate((a, b))
+            ]
+        )
+        b.start_heartbeat(0.2)
+        seat = a._s.instance_id
+
+        def leave(instance_id: str, token: str) -> grpc.RpcError | None:
+            body = pb.LeaveRequest(job_id=job_id, instance_id=instance_id, given_up=True)
+            with grpc.insecure_channel(daemon.endpoint) as ch:
+                auth = [("authorization", f"Bearer {token}")]
+                return raw(ch, "Leave", body.SerializeToString(), auth)
+
+        other_job = leave(seat, derive_job_token(daemon.token, job_id + "-other"))
+        assert other_job is not None and reason_of(other_job)[0] == "SCOPE_DENIED"
+        nobody = leave("not-" + seat, derive_job_token(daemon.token, job_id))
+        assert nobody is not None and nobody.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert reason_of(nobody)[0] == "NOT_A_MEMBER", nobody.details()
+        assert "holds no seat" in (nobody.details() or "")
+        assert b.failure is None and b.get_job().summary.state == pb.JOB_STATE_RUNNING
+        assert leave(seat, derive_job_token(daemon.token, job_id)) is None
+        wait_for("b to hear it", lambda: b.failure is not None)
+        assert isinstance(b.failure, PeerFailed)
+        assert [f.rank for f in b.failure.failed] == [0]
+        assert "its Join was given up by its caller" in b.failure.failed[0].cause
+    finally:
+        a.close()
+        b.close()
