@@ -327,17 +327,22 @@ def a_second_join_of_a_live_member_is_refused_and_loses_nothing(w: World) -> obj
     return refused, kept, pb.JobState.Name(state)
 
 
-def give_up_as_answered(twin: Twin) -> None:
+def give_up_as_answered(twin: Twin, id_required: bool = False) -> None:
     """``twin``'s next join is given up by its caller just as its answer came (the
     world formed), at the client's one I/O seam (``_perform``): Ctrl-C in the blocking
     client, the asyncio client's task cancelled (as ``asyncio.timeout()`` expiring
-    then does). Not an ``id_required`` answer: the join goes on after it."""
+    then does). Not an ``id_required`` answer (the join goes on after it), unless
+    ``id_required``: then that one, the seat held while it forms."""
     client = twin.client
     real = client._perform
 
     def answered(step: Any, answer: Any) -> bool:
         joins = ("Join", "JoinNode", "PublishId")
-        if isinstance(step, steps.Rpc) and step.method in joins and not answer.id_required:
+        if (
+            isinstance(step, steps.Rpc)
+            and step.method in joins
+            and answer.id_required == id_required
+        ):
             del client._perform  # once
             return True
         return False
@@ -453,6 +458,23 @@ def a_join_given_up_and_not_sent_again_leaves_its_seat(w: World) -> object:
                 )
             )
     return outcomes
+
+
+def a_node_join_given_up_while_forming_frees_its_seat(w: World) -> object:
+    """A join_node() given up as it was told ``id_required`` (node 0 of a 1-node job,
+    owing the id), then another join_node() of the same client from another host. The
+    seat stayed held until the id was overdue (the heartbeat timeout): the new join was
+    refused WORLD_FULL. Now its client leaves it first, and the new join forms."""
+    c = w.client()
+    give_up_as_answered(c, id_required=True)
+    join = {"min_nodes": 1, "max_nodes": 1, "gpus_per_node": 1, "timeout": 20}
+    gave: BaseException | None = None
+    try:
+        c.join_node(host="h0", **join)
+    except BaseException as exc:  # the give-up itself is the outcome
+        gave = exc
+    m = c.join_node(host="h0-again", **join)
+    return given_up(gave), (m.generation, m.num_nodes)
 
 
 def joins_given_up_as_they_wait(w: World, twin: Twin, times: int, **request: Any) -> list[bool]:
@@ -1279,6 +1301,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "a join given up and not sent again": (
         a_join_given_up_and_not_sent_again_leaves_its_seat,
         [(True, [True], 1), (True, [True], 0)] * 2,
+    ),
+    "a node join given up while forming": (
+        a_node_join_given_up_while_forming_frees_its_seat,
+        (True, (1, 1)),
     ),
     "a join given up as it waits, retried at once": (
         a_join_given_up_as_it_waits_is_retried_at_once,
