@@ -428,6 +428,12 @@ def a_join_given_up_and_not_sent_again_leaves_its_seat(w: World) -> object:
             give_up_as_answered(a)
             gave, _ = parallel([lambda a=a: join(a, "h0"), lambda b=b: join(b, "h1")])  # type: ignore[misc]
             b.start_heartbeat(0.2)
+            # Attached before a's next step: a stream attaching to a generation already
+            # failed (or replaced by a's next join) hears that, not the loss.
+            wait_for(
+                "b's heartbeat stream",
+                lambda b=b: any(m.heartbeat_stream_open for m in b.get_job().members),  # type: ignore[misc]
+            )
             again: list[Any] = []
             heard: list[Any] = []
 
