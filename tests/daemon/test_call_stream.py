@@ -326,7 +326,10 @@ def test_a_calls_deadline_answers_it_naming_what_was_missing(
     daemon: DaemonProcess, stream: Stream, job_id: str
 ) -> None:
     member = _two_rank_job(daemon, stream, job_id)
-    stream.send(1, "kv_get", pb.KvGetRequest(**member, key="never", wait=True), timeout_ms=800)
+    # The wait is answered min(0.25 s, a tenth of the time left) before the deadline
+    # (servicer._wait_s): at 800 ms, 80 ms, which a loaded CI machine's event loop lag
+    # passed once, the stream's own deadline answer coming first; at 3 s, 250 ms.
+    stream.send(1, "kv_get", pb.KvGetRequest(**member, key="never", wait=True), timeout_ms=3000)
     got = status_of(stream.reply(1))
     assert got.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert "never" in got.message
