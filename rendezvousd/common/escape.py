@@ -96,6 +96,25 @@ def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:
     return raw[: max(0, max_bytes - len(marker))].decode("utf-8", "ignore") + marker
 
 
+def cut_middle(text: str, max_bytes: int) -> str:
+    """``text`` whole up to ``max_bytes`` of UTF-8; longer, its middle left out, with a
+    marker saying how many bytes, as ``shortened`` cuts a text for display (both ends
+    tell a failure apart: who failed, and the exception or the words that say why) but
+    not escaped and in bytes: a cause cut for the wire, shown escaped by its reader.
+    Lone surrogates are escaped, as by ``bounded``."""
+    raw = text.encode("utf-8", "backslashreplace")
+    if len(raw) <= max_bytes:
+        return raw.decode()
+    # The marker's length with the count's digits at their most (len(raw)): the result
+    # never goes over ``max_bytes`` (a bound shorter than the marker: the marker alone).
+    keep = max(0, max_bytes - len(f" ... ({len(raw)} bytes cut) ... "))
+    head, tail = (keep + 1) // 2, keep // 2
+    kept_head = raw[:head].decode("utf-8", "ignore")  # a character split by a cut: dropped
+    kept_tail = raw[len(raw) - tail :].decode("utf-8", "ignore") if tail else ""
+    left_out = len(raw) - len(kept_head.encode()) - len(kept_tail.encode())
+    return f"{kept_head} ... ({left_out} bytes cut) ... {kept_tail}"
+
+
 class EscapingFormatter(UtcFormatter):
     """Escapes the message (arguments included); a traceback keeps its lines. Its
     time is UTC, marked (``log_time``)."""

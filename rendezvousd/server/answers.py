@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import member_table
+from rendezvousd.common.escape import cut_middle
 from rendezvousd.common.limits import Timing
 from rendezvousd.common.model import FailedInfo, JoinResult, MemberInfo
 
@@ -108,11 +109,9 @@ def member_message(m: MemberInfo) -> pb.Member:
 
 
 def failed_member(f: FailedInfo, now: float, cause_bytes: int | None = None) -> pb.FailedMember:
-    """``f`` on the wire; ``cause_bytes``: its cause cut to that many bytes (an error's
-    trailer is small), else whole."""
-    cause = f.cause
-    if cause_bytes is not None and len(cause.encode()) > cause_bytes:
-        cause = cause.encode()[:cause_bytes].decode("utf-8", "ignore")
+    """``f`` on the wire; ``cause_bytes``: its cause cut to that many bytes, its middle
+    left out (an error's trailer is small), else whole."""
+    cause = f.cause if cause_bytes is None else cut_middle(f.cause, cause_bytes)
     return pb.FailedMember(
         rank=f.rank,
         host=f.host,

@@ -19,10 +19,17 @@ from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.server.answers import failed_member
 
 DOMAIN = "rendezvous.v1"
-# A status travels in a trailer, which gRPC caps at 8 KiB by default: the first
-# losses with their causes cut short; GetJob has the whole record.
+# A status travels in a trailer, which gRPC caps at 8 KiB by default (the message names
+# the same losses, their hosts too): the first losses with their causes cut short;
+# GetJob and the heartbeat's event have the whole record.
 DETAILED_LOSSES = 8
-DETAIL_CAUSE_BYTES = 120
+# The causes' bytes in all, shared evenly by the losses detailed: 120 each when 8 are,
+# as before, and the whole of a lone loss's cause (a cut between two nodes: one ring
+# link's words, ~150 bytes with its rank, whose end says why) in the same trailer size.
+# Each is cut in its middle (``cut_middle``): its end is the exception, or the words
+# that say why; cut at its end, "... (the network between the two hosts is cut, or
+# that host is down)" reached the survivors without what was cut.
+DETAIL_CAUSE_BYTES = DETAILED_LOSSES * 120
 
 
 def to_grpc_status(fault: RendezvousFault) -> grpc.Status:
@@ -31,9 +38,10 @@ def to_grpc_status(fault: RendezvousFault) -> grpc.Status:
     detail.Pack(info)
     details = [detail]
     now = time.monotonic()  # the state machine's clock (servicer._now)
-    for f in fault.failed[:DETAILED_LOSSES]:
+    detailed = fault.failed[:DETAILED_LOSSES]
+    for f in detailed:
         details.append(any_pb2.Any())
-        details[-1].Pack(failed_member(f, now, DETAIL_CAUSE_BYTES))
+        details[-1].Pack(failed_member(f, now, DETAIL_CAUSE_BYTES // len(detailed)))
     status = status_pb2.Status(
         code=code_pb2.Code.Value(fault.code.value), message=fault.message, details=details
     )

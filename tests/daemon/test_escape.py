@@ -13,7 +13,7 @@ import pytest
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.cli.probe import render
 from rendezvousd.client import RendezvousClient
-from rendezvousd.common.escape import EscapingFormatter, escape, quoted, shortened
+from rendezvousd.common.escape import EscapingFormatter, cut_middle, escape, quoted, shortened
 from tests.support import DaemonProcess, parallel, wait_for
 
 UNSAFE = ["\x1b[2J", "\x85", "\x9b31m", "\u202e", "\u2066", "\u200f", "\n", "\r", "\x00"]
@@ -49,6 +49,20 @@ def test_shortened_keeps_both_ends_which_tell_two_texts_apart() -> None:
     assert cut[0].startswith("rank 7 on gpu-17 (Traceback") and cut[1].startswith("rank 7 on")
     assert cut[0].endswith("an illegal memory access)") and cut[1].endswith("KeyError: 'lr')")
     assert " characters cut) ... " in cut[0] and " characters cut) ... " in cut[1]
+
+
+def test_cut_middle_keeps_both_ends_within_its_bytes_unescaped() -> None:
+    """A cause cut for the wire (a PEER_FAILED error's detail): within its bytes, both
+    ends kept, its text as it was (its reader escapes it)."""
+    assert cut_middle("a\nb", 3) == "a\nb"
+    cut = cut_middle("head\n" + "x" * 500 + "ValueError: lr", 60)
+    assert len(cut.encode()) <= 60 and cut.startswith("head\nx") and cut.endswith("ValueError: lr")
+    assert " bytes cut) ... " in cut
+    wide = cut_middle("\u00e9" * 100, 51)  # a character split by the cut is dropped whole
+    assert len(wide.encode()) <= 51 and wide.startswith("\u00e9") and wide.endswith("\u00e9")
+    head, _, rest = wide.partition(" ... (")
+    count, _, tail = rest.partition(" bytes cut) ... ")
+    assert int(count) == 200 - len((head + tail).encode())  # what is left out, exactly
 
 
 def test_quoted_is_shortened_in_quotes_with_its_marker_after_them() -> None:
