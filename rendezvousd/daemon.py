@@ -394,6 +394,10 @@ class Daemon:
         self.persister.on_health = self._storage_health
         self.persister.on_commit = self.metrics.observe_commit
         restored = self.persister.restore()
+        if self.config.state_dir is None:
+            # What it forgot, it can say: a job's callers from before this start
+            # hear that a restart forgot their run (``seats.forgotten``).
+            self.state.stateless_since = time.time()
         if restored:
             log.info("restored %d job(s) from %s", restored, self.config.state_dir)
         cap = self.state.limits.kv_bytes_per_job

@@ -7,6 +7,7 @@ worker does next, so every RPC words the same refusal the same way.
 
 from __future__ import annotations
 
+from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.model import JoinMode
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state.job import Job, Member, Node
@@ -38,6 +39,49 @@ def no_such_job(job_id: str) -> RendezvousFault:
         f"job {job_id!r} does not exist on this daemon (never joined, forgotten after it "
         "ended, or the daemon restarted without --state-dir); a join starts it again",
         {"job_id": job_id},
+    )
+
+
+def forgotten_run(
+    refusal: RendezvousFault,
+    job: Job,
+    generation: int,
+    who: int,
+    mode: JoinMode,
+    started: float,
+) -> RendezvousFault:
+    """``refusal`` (its code, reason and metadata kept) in words that say the daemon
+    forgot the caller's run, for a call naming a seat of ``job`` that no join made of
+    this daemon process could have given (``seats.forgotten``), on a daemon that keeps
+    no state and started at ``started``: a caller that joined before that start, the
+    second node agent after a restart, whose first heard that the job did not exist
+    (``no_such_job``) and started it again. Read as a duplicate seat ("belongs to
+    another node agent instance"), it said nothing of the restart. Said as what it
+    would mean for a caller that joined before the start: a token holder naming a
+    seat it never joined anywhere hears the same facts, and a duplicate that joined
+    this process is not worded so at all."""
+    if generation > job.generation:
+        what = (
+            f"job {job.job_id!r} is at generation {job.generation}, the call named "
+            f"generation {generation}: the job never reached it on this daemon"
+        )
+        now_is = f"the job now is a new run of it, at generation {job.generation}"
+    else:
+        seat = f"node_rank={who}" if mode is JoinMode.NODE else f"rank {who}"
+        caller = "node agent" if mode is JoinMode.NODE else "worker"
+        what = (
+            f"{seat} of job {job.job_id!r} generation {generation} was never this "
+            f"{caller} instance's: it made no join on this daemon"
+        )
+        now_is = f"the job's generation {generation} now is a new run of it"
+    return RendezvousFault(
+        refusal.code,
+        refusal.reason,
+        f"{what}, which started at {utc_stamp(started)} without --state-dir: if this "
+        "caller joined before then, that restart forgot its run (without --state-dir a "
+        f"restart forgets every job), and {now_is}, started since by another joiner; join "
+        "again to take part",
+        refusal.metadata,
     )
 
 

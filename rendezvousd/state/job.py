@@ -24,6 +24,9 @@ from rendezvousd.state.id_history import IdHistory
 # Hot-path members as module names: on Python 3.11 each Enum.MEMBER lookup is a
 # descriptor call (~0.2 us), and a join or heartbeat made several.
 _NODE = JoinMode.NODE
+#: How many joins' instance ids a generation keeps (``Generation.joined``): four times
+#: the most ranks a job has by default (max_members_per_job), for its re-joins.
+JOINS_KEPT = 4 * 8192
 
 
 @dataclass(kw_only=True)
@@ -269,6 +272,11 @@ class Generation:
     # it; a newcomer gets only the seats they leave (``placement.claim``).
     owed: dict[str, str] = field(default_factory=dict)
     owed_until: float = 0.0
+    # The instance id of every join that reached this generation in this daemon
+    # process, seated or not (``saw``): a call of a seat of this generation from an
+    # instance none of them is came from a run of the job this process never had
+    # (``seats.forgotten``). None: too many to keep (``JOINS_KEPT``), nothing said.
+    joined: set[str] | None = field(default_factory=set)
     # Kept seats claimed by host (a client too old to send previous_instance_id) ->
     # the claimer's instance id: provisional until owed_until, since the node that
     # held the seat may still come for it (``joins.take_back``).
@@ -428,6 +436,15 @@ class Job:
     def remember_id(self) -> None:
         if self.gen.unique_id is not None:
             self.used_id_digests.add(hashlib.sha256(self.gen.unique_id).digest())
+
+    def saw(self, instance_id: str) -> None:
+        """A join of ``instance_id`` reached the current generation (``Generation.joined``)."""
+        joined = self.gen.joined
+        if joined is not None and instance_id not in joined:
+            if len(joined) >= JOINS_KEPT:
+                self.gen.joined = None
+            else:
+                joined.add(instance_id)
 
     def open_generation(self, now: float) -> None:
         """Start over with no members; everything scoped to the old generation goes."""

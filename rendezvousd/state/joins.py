@@ -60,6 +60,7 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         # refused WORLD_FULL). Its workers are stopped: the generation fails.
         rounds.lose_seated(sm, job, held, REJOINED, now)
         job = job_for(sm, args, now)
+    job.saw(args.instance_id)
     seat: Member | Node
     if args.local_rank is not None:
         seat, added = _worker_seat(sm, job, args, args.local_rank, now)
@@ -541,7 +542,12 @@ def publish_id(
 ) -> JoinResult | Parked:
     """Rank 0's id, after its Join was answered ``id_required``; answered like a join."""
     validation.unique_id(unique_id)
-    job, member = seats.seat(sm, job_id, generation, rank)
+    job, member = seats.seat(sm, job_id, generation, rank, JoinMode.RANK, instance_id)
+    if member.instance_id != instance_id:
+        refusal = fences.other_instance(job, generation, rank, instance_id)
+        said = seats.forgotten(sm, job, generation, instance_id, rank, JoinMode.RANK, refusal)
+        if said is not refusal:
+            raise said
     if job.state in rounds.TERMINAL:
         raise job.generation_fault()
     if rank == 0 and member.instance_id != instance_id:

@@ -54,13 +54,15 @@ def report_failure(
         if forming:
             # Refused as a node agent's is (the generation has no node ranks yet): the
             # forming generation fails when a joiner ends its Join, which every
-            # parked joiner hears.
-            raise fences.report_while_forming(job, told, JoinMode.RANK)
+            # parked joiner hears. (Unless its caller's run is forgotten: a restart.)
+            refusal = fences.report_while_forming(job, told, JoinMode.RANK)
+            raise seats.forgotten(sm, job, generation, instance_id, told, JoinMode.RANK, refusal)
         job, member = seats.caller(sm, job_id, generation, told, instance_id, running=False)
     else:
         reporter, told = "its node agent", node_rank
         if forming:
-            raise fences.report_while_forming(job, told, JoinMode.NODE)
+            refusal = fences.report_while_forming(job, told, JoinMode.NODE)
+            raise seats.forgotten(sm, job, generation, instance_id, told, JoinMode.NODE, refusal)
         job, node = seats.seated(
             sm, job_id, generation, node_rank, instance_id, JoinMode.NODE, running=False
         )
@@ -193,6 +195,7 @@ def tick(sm: RendezvousState, now: float) -> None:
         )
         if idle and now - job.state_since > sm.timing.job_ttl_s and not job.all_waiters():
             del sm.jobs[job.job_id]
+            seats.forget(sm, job.job_id)
             sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, FORGOTTEN))
 
 

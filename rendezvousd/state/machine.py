@@ -39,6 +39,15 @@ class RendezvousState:
         self.jobs: dict[str, Job] = {}
         self.draining = False
         self.calls = Calls(self.limits)
+        # When this daemon started (Unix seconds), if it keeps no state (no
+        # --state-dir): every job it holds was made since, and a call of a seat no
+        # join of this process took is from a run of the job it forgot
+        # (``seats.forgotten``). None: it keeps state, or was not told.
+        self.stateless_since: float | None = None
+        # The ids of the jobs this process forgot (idle past job_ttl_s), whose old
+        # runs' callers are not the restart's (``FORGOT_KEPT``, then ``forgot_many``).
+        self.forgot: set[str] = set()
+        self.forgot_many = False
 
     def take_effects(self) -> list[Effect]:
         return self.calls.take()

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from rendezvousd.common import validation
 from rendezvousd.common.model import JobState, JoinMode, Warn
-from rendezvousd.state import fences
+from rendezvousd.errors import RendezvousFault
+from rendezvousd.state import fences, placement
 from rendezvousd.state.job import OLD_SDK, Job, Member, Node
 
 if TYPE_CHECKING:
@@ -52,16 +53,77 @@ def stream_job(sm: RendezvousState, job_id: str, generation: int) -> Job | None:
     return job
 
 
+#: How many ids of jobs it forgot a daemon without --state-dir keeps (``forget``):
+#: past them, no call is told that a restart forgot its job (``forgot_many``).
+FORGOT_KEPT = 65536
+
+
+def forget(sm: RendezvousState, job_id: str) -> None:
+    """This process forgot ``job_id``'s job (idle past job_ttl_s): a caller of that run
+    is one of a job that ended here, not of one a restart forgot."""
+    if sm.stateless_since is None or sm.forgot_many:
+        return
+    if len(sm.forgot) >= FORGOT_KEPT:
+        sm.forgot_many = True
+        sm.forgot.clear()
+    else:
+        sm.forgot.add(job_id)
+
+
+def forgotten(
+    sm: RendezvousState,
+    job: Job,
+    generation: int,
+    instance_id: str,
+    who: int,
+    mode: JoinMode,
+    refusal: RendezvousFault,
+) -> RendezvousFault:
+    """``refusal`` of a call naming a seat of ``job``, reworded to say that the daemon
+    forgot the caller's run where no join this daemon process saw could have given the
+    seat, on a daemon that keeps no state (``fences.forgotten_run``): the generation is
+    one this job never reached, or ``instance_id`` made no join in it
+    (``Generation.joined``). Its caller joined before the daemon restarted without
+    --state-dir (a job this process forgot after its end excepted: ``forget``), or
+    never joined at all. ``refusal`` as it is wherever another reading is possible:
+    any instance that joined this generation here (a duplicate agent, a given-up join,
+    a replaced worker), a daemon with --state-dir, a call naming no instance id."""
+    started = sm.stateless_since
+    if started is None or generation < job.generation or generation < 1:
+        return refusal
+    if sm.forgot_many or job.job_id in sm.forgot:
+        return refusal
+    if generation == job.generation:
+        joined = job.gen.joined
+        if not instance_id or joined is None or instance_id in joined:
+            return refusal
+        if mode is not _NODE and job.gen.join_mode is _NODE and job.gpus_per_node:
+            # A worker of a node acts under an id derived from its node's
+            # (``placement.member_instance_id``).
+            local = who % job.gpus_per_node
+            if any(placement.member_instance_id(n, local) == instance_id for n in joined):
+                return refusal
+    return fences.forgotten_run(refusal, job, generation, who, mode, started)
+
+
 def seat(
-    sm: RendezvousState, job_id: str, generation: int, who: int, mode: JoinMode = JoinMode.RANK
+    sm: RendezvousState,
+    job_id: str,
+    generation: int,
+    who: int,
+    mode: JoinMode = JoinMode.RANK,
+    instance_id: str = "",
 ) -> tuple[Job, Member | Node]:
-    """The caller's job and seat (``Job.attendees``), or the fault that fences it off."""
+    """The caller's job and seat (``Job.attendees``), or the fault that fences it off;
+    ``instance_id``: the caller's, where the call names one."""
     job = find_job(sm, job_id)
     if generation != job.generation:
-        raise fences.stale_generation(job, generation)
+        stale = fences.stale_generation(job, generation)
+        raise forgotten(sm, job, generation, instance_id, who, mode, stale)
     seated = job.attendees(mode).get(who)
     if seated is None:
-        raise fences.not_seated(job, generation, who, mode)
+        refusal = fences.not_seated(job, generation, who, mode)
+        raise forgotten(sm, job, generation, instance_id, who, mode, refusal)
     return job, seated
 
 
@@ -77,9 +139,16 @@ def seated(
 ) -> tuple[Job, Member | Node]:
     """``_seat``, and the caller must be the instance that took it: holding the token
     is not enough to act for another job's or another process's seat."""
-    job, seated = seat(sm, job_id, generation, who, mode)
-    if mode is _NODE and seated.instance_id != instance_id:
-        raise fences.not_seated(job, generation, who, mode)
+    job, seated = seat(sm, job_id, generation, who, mode, instance_id)
+    if seated.instance_id != instance_id:
+        if mode is _NODE:
+            refusal = fences.not_seated(job, generation, who, mode)
+        else:
+            refusal = fences.other_instance(job, generation, who, instance_id)
+        if (said := forgotten(sm, job, generation, instance_id, who, mode, refusal)) is not refusal:
+            raise said  # (before the generation's state: a forming one is the new run's)
+        if mode is _NODE:
+            raise refusal
     if running and job.state is not JobState.RUNNING:
         raise job.generation_fault()
     if seated.instance_id != instance_id:

@@ -23,6 +23,7 @@ from tests.support import (
     DaemonProcess,
     free_port,
     members,
+    parallel,
     scrape,
     spawn_daemon,
     wait_for,
@@ -532,3 +533,50 @@ def test_a_member_of_a_daemon_restarted_without_its_state_is_told_so(tmp_path: P
             again.kill()
     assert info.value.reason == "JOB_NOT_FOUND", info.value
     assert "the daemon restarted without --state-dir" in str(info.value), info.value
+
+
+def test_every_node_agent_of_a_daemon_restarted_without_its_state_is_told_so(
+    tmp_path: Path,
+) -> None:
+    """The first agent to call after the restart heard that the job does not exist and
+    joined again, which started the job's generation 1 anew; the second, calling for
+    its seat in the forgotten run's generation 1, heard that its node rank "belongs to
+    another node agent instance (or to none)": read as a duplicate agent, nothing of
+    the restart. Every caller of the forgotten run hears why."""
+    token = write_token(tmp_path / "tok")
+    listen = f"127.0.0.1:{free_port()}"
+    d = spawn_daemon(tmp_path, token=token, listen=listen)
+    again: DaemonProcess | None = None
+    shape = {"min_nodes": 1, "max_nodes": 2, "gpus_per_node": 1, "timeout": 20}
+    clients = [RendezvousClient(d.endpoint, "jns", token=token, retry_attempts=0) for _ in range(3)]
+    n1, n2, n1_again = clients
+    try:
+        # Both within the last call: the generation forms once the second joins.
+        joined = parallel([lambda c=c: c.join_node(last_call=10, **shape) for c in (n1, n2)])
+        assert all(m.generation == 1 for m in joined), joined
+        d.kill()
+        again = spawn_daemon(tmp_path, token=token, listen=listen)
+        with pytest.raises(RendezvousError) as first:
+            n1.report_failure(0, "a worker failed", timeout=10)
+        assert first.value.reason == "JOB_NOT_FOUND", first.value
+        assert "the daemon restarted without --state-dir" in str(first.value), first.value
+        # n1's agent joins again, as told: generation 1 of the job, run anew, alone.
+        rejoined = n1_again.join_node(last_call=0.2, **shape)
+        assert (rejoined.generation, rejoined.num_nodes) == (1, 1), rejoined
+        with pytest.raises(RendezvousError) as second:
+            n2.report_failure(0, "a worker failed", timeout=10)
+        said = str(second.value)
+        # Its reason stays the seat's refusal (a token holder naming a seat it never
+        # joined hears the same): what changes is that it says why.
+        assert second.value.reason == "DUPLICATE_RANK", said
+        assert "of job 'jns' generation 1 was never this node agent instance's" in said, said
+        assert "it made no join on this daemon, which started at 20" in said, said
+        assert "--state-dir: if this caller joined before then, that restart forgot" in said
+        assert "the job's generation 1 now is a new run of it" in said, said
+        assert "join again" in said and "belongs to another node agent" not in said, said
+    finally:
+        for c in clients:
+            c.close()
+        d.kill()
+        if again is not None:
+            again.kill()
