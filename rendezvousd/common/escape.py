@@ -86,14 +86,24 @@ def quoted(text: str, limit: int = SHOWN_CHARS, *, ascii_only: bool = False) -> 
 
 
 def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:
-    """``text`` whole up to ``max_bytes`` of UTF-8; longer, its head and a marker
-    saying it was cut. Lone surrogates (an exception's text may hold them) are
-    escaped, so the result can always go on the wire."""
+    """``text`` whole up to ``max_bytes`` of UTF-8; longer, its head and its tail with a
+    marker between them saying it was cut, as ``shortened`` cuts for display: a long
+    traceback's end is its exception, which a cut keeping only the head dropped. Lone
+    surrogates (an exception's text may hold them) are escaped, so the result can
+    always go on the wire."""
     raw = text.encode("utf-8", "backslashreplace")
     if len(raw) <= max_bytes:
         return raw.decode()
-    marker = f" ... [cut: {len(raw)} bytes in all]"
-    return raw[: max(0, max_bytes - len(marker))].decode("utf-8", "ignore") + marker
+    return _both_ends(raw, max_bytes, f" ... [cut: {len(raw)} bytes in all] ... ")
+
+
+def _both_ends(raw: bytes, max_bytes: int, marker: str) -> str:
+    """``raw``'s head and tail around ``marker``, within ``max_bytes`` (a bound shorter
+    than the marker: the marker alone); a character split by a cut is dropped whole."""
+    keep = max(0, max_bytes - len(marker.encode()))
+    head, tail = (keep + 1) // 2, keep // 2
+    kept_tail = raw[len(raw) - tail :].decode("utf-8", "ignore") if tail else ""
+    return raw[:head].decode("utf-8", "ignore") + marker + kept_tail
 
 
 def cut_middle(text: str, max_bytes: int) -> str:

@@ -80,3 +80,28 @@ def test_a_cut_between_nodes_reaches_the_survivor_with_the_words_that_say_why(
                     survivor.barrier("b", timeout=10)
             assert [f.cause for f in told.value.failed] == [SILENT_LINK], call_stream
             assert f"({SILENT_LINK})" in str(told.value), (call_stream, str(told.value))
+
+
+def test_a_traceback_longer_than_the_daemon_keeps_keeps_its_exception(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """A cause is kept up to 32 KiB: cut there at its end, a long traceback lost its
+    last line, the exception, on every surface (GetJob, the survivors' error, the
+    daemon's log), which all showed the frames only."""
+    frames = '  File "/opt/train/loop.py", line 88, in step\n    loss = model(batch)\n' * 800
+    traceback = f"Traceback (most recent call last):\n{frames}ValueError: lr must be > 0"
+    assert len(traceback.encode()) > 40 * 1024
+    d = start_daemon()
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as agent:
+        node = agent.join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, timeout=20)
+        agent.report_failure(0, traceback, timeout=10)
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as survivor:
+            survivor.attach(node.membership_for(1), node.member_instance_id(1))
+            with pytest.raises(PeerFailed) as told:
+                survivor.barrier("b", timeout=10)
+        kept = agent.get_job().failed[0].cause
+    assert kept.startswith("Traceback (most recent call last):"), kept[:100]
+    assert kept.endswith("ValueError: lr must be > 0") and " bytes in all] ... " in kept
+    assert len(kept.encode()) <= 32 * 1024
+    assert told.value.failed[0].cause.endswith("ValueError: lr must be > 0"), told.value
+    assert "ValueError: lr must be > 0)" in str(told.value), str(told.value)
