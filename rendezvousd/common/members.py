@@ -68,8 +68,15 @@ class FailedInfo:
         else:
             who = f"node {self.node} on {host}" if as_node else f"rank {self.rank} on {host}"
         when = "" if in_round is None else f" in round {in_round}"
-        return f"{who}{when} ({shortened(self.cause)})"
+        return f"{who}{when} ({shortened(self.cause, LOSS_CAUSE_CHARS)})"
 
+
+# How much of a loss's cause a failure sentence shows (``escape.shortened``, its middle
+# cut past it). A silent ring link's cause, the one a cut between two hosts shows, runs
+# ~200 characters with its bucket ("PeerConnectionError: rank 0: lost rank 5: its host
+# answered nothing for 10 s (...) [bucket 0 of 2: ...]"); at the 120 of other shown
+# text, the words saying what happened were the middle cut out (a CI run).
+LOSS_CAUSE_CHARS = 240
 
 # How many losses a failure sentence names; the rest are counted.
 NAMED_LOSSES = 8
