@@ -50,6 +50,7 @@ from rendezvousd.client._multiplex import (
     ended_error,
     lost_error,
     probed,
+    status_error,
     status_lost,
     stream_full,
     unserved,
@@ -131,6 +132,9 @@ class _Stream:
         self.pending: Pending[Any] = Pending()
         self.unsupported = False
         self.closing = False
+        # The daemon said it drained the stream (``ReplyBatch.drained``): every call
+        # still in flight on it was not run, whatever ends the stream after.
+        self.drained: grpc.RpcError | None = None
         # Half-closed: no new calls (``retire``).
         self.retired = False
         self._lock = threading.Lock()
@@ -165,10 +169,24 @@ class _Stream:
                 self.retired = True
                 self._queue.put_nowait(None)
 
+    def _take(self, batch: pb.ReplyBatch) -> None:
+        """One ReplyBatch: each Reply to its caller; a drained end kept for the calls
+        left in flight, and no more calls written to a stream the daemon reads no more."""
+        for reply in batch.replies:
+            settle(self, reply)
+        if batch.drained:
+            self.drained = status_error(batch.drained)
+            self.retire()
+
     def _ended(self, failure: grpc.RpcError) -> None:
         """The reader's last act: every call in flight fails with ``failure`` (or, for
         a daemon without the method, ``Unsupported``), and the requests end, which
-        ends gRPC's feeding of them."""
+        ends gRPC's feeding of them. After the daemon's drained end, ``failure`` is
+        that end's (DRAINING, run: no): the stream's status that followed it may
+        be lost (grpc.aio's), or the connection may break, but the daemon had
+        already stopped reading, so those calls were not run."""
+        if self.drained is not None and not self.closing:
+            failure = self.drained
         log.debug("the call stream ended: %s: %s", failure.code().name, failure.details())
         for waiter in self.pending.end(failure):
             if not waiter.done():  # an asyncio caller cancelled as the stream ended
@@ -226,8 +244,7 @@ class _BlockingStream(_Stream):
             for batch in self._call:
                 if not self.marks.seen:
                     self.marks.seen = SERVED_METADATA in (self._call.initial_metadata() or ())
-                for reply in batch.replies:
-                    settle(self, reply)
+                self._take(batch)
             failure = ended_error(SERVED_METADATA in (self._call.initial_metadata() or ()))
         except grpc.RpcError as exc:
             # A copy: the error raised is the call itself, which finish() frees.
@@ -447,15 +464,17 @@ class _AsyncStream(_Stream):
                 if not self.marks.seen:
                     served = await self._call.initial_metadata()
                     self.marks.seen = SERVED_METADATA in tuple(served or ())
-                for reply in batch.replies:
-                    settle(self, reply)
+                self._take(batch)
             failure = ended_error(
                 SERVED_METADATA in tuple(await self._call.initial_metadata() or ())
             )
         except grpc.RpcError as exc:
-            if status_lost(exc) and not self.closing:
+            if status_lost(exc) and not self.closing and self.drained is None:
                 # The probe's end says what the daemon does with a new stream now, not
                 # what it did with this one: never read as this stream's (unserved).
+                # A drained end read before needs none: it says what became of the
+                # calls in flight (the probe of a draining daemon would wait out
+                # PROBE_S for the next one, its new streams refused meanwhile).
                 exc = await self._probe() if not self.pending.replied else lost_error()
             elif not self.closing:
                 exc = unserved(exc, await self._call.initial_metadata(), self.marks.seen)

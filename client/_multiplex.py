@@ -170,11 +170,17 @@ def probed(
 ) -> grpc.RpcError:
     """A stream's lost status, from a probe stream that sent nothing: its own end.
     OK (the daemon serves Calls: the first stream was lost as the daemon went) is
-    ``lost_error``; anything else (UNIMPLEMENTED, UNAUTHENTICATED, UNAVAILABLE) is the
-    status the first stream should have ended with."""
+    ``lost_error``; so is a drained end (DRAINING, run: no: a draining daemon ends
+    every stream so), which speaks of the probe's own calls, none: the first stream,
+    had the daemon drained it, would have said so itself (``ReplyBatch.drained``),
+    so its calls may have run. Anything else (UNIMPLEMENTED, UNAUTHENTICATED,
+    UNAVAILABLE) is the status the first stream should have ended with."""
     if code is grpc.StatusCode.OK:
         return lost_error()
-    return rpc_error(code, details, trailing)
+    status = rpc_error(code, details, trailing)
+    if error_info(status)[0] == "DRAINING":
+        return lost_error()
+    return status
 
 
 def unsupported(exc: grpc.RpcError, replied: bool) -> bool:

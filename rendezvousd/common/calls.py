@@ -15,6 +15,13 @@ STATUS_TRAILER = "grpc-status-details-bin"
 #: unsafe to repeat (KvAdd) is re-sent then, not failed as of unknown outcome.
 SERVED_METADATA = ("rendezvous-stream-served", "1")
 
+#: The trailer a daemon ends a call stream with as it drains (the status stays OK, as
+#: older clients expect): a google.rpc.Status, UNAVAILABLE / DRAINING, run: no. Every
+#: call of the stream without a Reply was not read, so not run. CallBatches says it in
+#: its last ReplyBatch too (``drained``), which a client holds even when gRPC loses the
+#: stream's status and trailers (grpc.aio, when a write races the end).
+DRAINED_TRAILER = "rendezvous-stream-drained-bin"
+
 
 def _fields() -> dict[str, str]:
     """Method name -> the Call/Reply field carrying it, matched by the request type

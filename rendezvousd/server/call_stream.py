@@ -26,7 +26,7 @@ from google.rpc import code_pb2, status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import validation
-from rendezvousd.common.calls import FIELDS, STATUS_TRAILER
+from rendezvousd.common.calls import DRAINED_TRAILER, FIELDS, STATUS_TRAILER
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.fault_status import to_grpc_status
 
@@ -79,10 +79,10 @@ _UNKNOWN = _status_bytes(grpc.StatusCode.UNKNOWN, DAEMON_BUG)
 
 #: How long a draining daemon goes on reading a stream's calls, answering each with
 #: ``_DRAINING_NOT_RUN``: its client then half-closes the stream (as it does when its
-#: heartbeat hears the drain), so none of its calls meets the stream's end. Ended at
-#: once, a call written as the stream ended lost its status in grpc.aio ("Internal
-#: error from Core"), its outcome unknown: a KvAdd then failed "not repeated" (1 in ~30
-#: SIGTERM restarts with 8 adders).
+#: heartbeat hears the drain), and most clients' calls never meet the stream's end.
+#: Correctness does not rest on it: a client slower than this (load) writes calls
+#: that are never read, and the stream's end says so (``DRAINED``, before the status,
+#: which grpc.aio loses when a write races the end: "Internal error from Core").
 DRAIN_ANSWER_S = 1.0
 
 
@@ -305,11 +305,15 @@ class CallStream:
         self._draining = False
         self._reading_stopped = False
 
-    async def serve(self, calls: AsyncIterator[Any], batched: bool = False) -> AsyncIterator[bytes]:
+    async def serve(
+        self, calls: AsyncIterator[Any], batched: bool = False, context: Any = None
+    ) -> AsyncIterator[bytes]:
         """One stream's replies, encoded, for ``calls``: ``Call`` messages answered by
         ``Reply`` messages (``Calls``), or, when ``batched`` (``CallBatches``),
         ``CallBatch`` messages answered by ``ReplyBatch`` messages of every reply
-        ready when the stream writes next."""
+        ready when the stream writes next. A stream that ends as the daemon drains
+        says so (``DRAINED``): in its last ReplyBatch (``_DRAINED_BATCH``) and in a
+        trailer set on ``context``, the stream's gRPC context (None: not said there)."""
         replies = _Outbox(self._max_in_flight)
         running: dict[int, asyncio.Task[None]] = {}
         deadlines = _Deadlines(running, replies)
@@ -324,6 +328,9 @@ class CallStream:
                 if ended:
                     break
             await reader  # its error, if any, ends the stream
+            # Read to its end, every call read answered, and the daemon drains: no
+            # call of this stream is read from now on (``_take`` runs none).
+            drained = self._draining
         finally:
             self._readers.discard(reader)
             # The caller went away (or the stream failed): its calls are cancelled,
@@ -332,13 +339,25 @@ class CallStream:
             for task in running.values():
                 task.cancel()
             deadlines.close()
+        if drained:
+            # Said in the stream, before its status: a client can lose the status
+            # (grpc.aio replaces it when one of its writes races the end), not this.
+            if batched:
+                yield _DRAINED_BATCH
+            if context is not None:
+                # The status stays OK: a client from before this trailer reads an OK
+                # end after rendezvous-stream-served as "not run" already, and a failed
+                # one (UNAVAILABLE) as a broken connection, which the daemon's refusal
+                # of its next stream then could not follow.
+                context.set_trailing_metadata(((DRAINED_TRAILER, _DRAINED_STATUS),))
 
     def drain(self) -> None:
         """The daemon is stopping (its parked calls were just released): every stream
         runs no more calls, answering those it reads ``_DRAINING_NOT_RUN`` for
         ``DRAIN_ANSWER_S`` (its client half-closes on that answer), answers those in
         flight and ends; then streams a client keeps open stop being read, so a
-        graceful stop need not wait out its grace period for them."""
+        graceful stop need not wait out its grace period for them. Each ends saying
+        that it was drained (``DRAINED``): a call it did not answer was not read."""
         self._draining = True
         asyncio.get_running_loop().call_later(DRAIN_ANSWER_S, self._stop_reading)
 
@@ -641,6 +660,23 @@ def _ended_bytes(status: grpc.Status) -> bytes:
     data: bytes = trailers[STATUS_TRAILER]
     return data
 
+
+#: What a call stream that the daemon ends as it drains says of its calls: those the
+#: daemon read were all answered, and it reads no more, so one without a Reply was not
+#: run (``DRAINED_TRAILER``, ``ReplyBatch.drained``).
+DRAINED = to_grpc_status(
+    RendezvousFault(
+        Code.UNAVAILABLE,
+        Reason.DRAINING,
+        "the daemon is shutting down and ended this call stream: it read none of the "
+        "stream's calls it did not answer, so ran none of them; they are re-sent once a "
+        "daemon serves here again",
+        {"run": "no"},
+    )
+)
+_DRAINED_STATUS = _ended_bytes(DRAINED)
+#: The last ReplyBatch of such a stream: ``ReplyBatch.drained``, the status above.
+_DRAINED_BATCH = pb.ReplyBatch(drained=_DRAINED_STATUS).SerializeToString()
 
 #: What a call read after the drain began is answered (``DRAIN_ANSWER_S``).
 _DRAINING_NOT_RUN = _ended_bytes(

@@ -461,7 +461,7 @@ class RendezvousServicer:
         """Every unary method's calls on one stream (``call_stream``); each call is
         authorized, limited and answered as its unary form would be."""
         await context.send_initial_metadata((SERVED_METADATA,))
-        async for reply in self._calls.serve(calls):
+        async for reply in self._calls.serve(calls, context=context):
             yield reply
 
     async def CallBatches(
@@ -469,7 +469,7 @@ class RendezvousServicer:
     ) -> AsyncIterator[bytes]:
         """``Calls`` with several calls (replies) per message (``call_stream``)."""
         await context.send_initial_metadata((SERVED_METADATA,))
-        async for reply_batch in self._calls.serve(batches, batched=True):
+        async for reply_batch in self._calls.serve(batches, batched=True, context=context):
             yield reply_batch
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:

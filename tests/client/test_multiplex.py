@@ -21,6 +21,7 @@ from rendezvousd.client._multiplex import (
     draining,
     lost_error,
     probed,
+    rich_status,
     rpc_error,
     status_error,
     status_lost,
@@ -196,6 +197,19 @@ def test_a_status_grpc_aio_lost_is_told_apart_and_recovered_from_a_probe() -> No
     assert unsupported(older, replied=False)
     refused = probed(grpc.StatusCode.UNAUTHENTICATED, "bad token", ())
     assert (refused.code(), refused.details()) == (grpc.StatusCode.UNAUTHENTICATED, "bad token")
+
+
+def test_a_probe_a_draining_daemon_ended_drained_says_nothing_of_the_lost_streams_calls() -> None:
+    """A draining daemon ends every stream UNAVAILABLE / DRAINING, run: no, a probe
+    too: of the probe's own calls (none). The lost stream's calls may have run (its
+    daemon drained it, it would have said so in it: ReplyBatch.drained), so they stay
+    of unknown outcome, never re-sent as not run."""
+    why = "the daemon is shutting down and ended this call stream"
+    drained = rich_status(grpc.StatusCode.UNAVAILABLE, "DRAINING", why, {"run": "no"})
+    got = probed(grpc.StatusCode.UNAVAILABLE, why, ((STATUS_TRAILER, drained),))
+    assert got.code() is grpc.StatusCode.UNAVAILABLE
+    assert error_info(got) == ("", {})
+    assert got.details() == lost_error().details()
 
 
 def test_queued_calls_go_as_batches_within_the_daemons_request_limit() -> None:

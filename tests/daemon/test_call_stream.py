@@ -17,9 +17,10 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common.calls import DRAINED_TRAILER
 from rendezvousd.server.call_stream import CallStream, method_fields
 from rendezvousd.server.scope import derive_job_token
 from tests.daemon.raw_calls import SERVICE, UNARY, assert_healthy
@@ -47,6 +48,11 @@ class Stream:
         self._held = threading.Lock()
         self.batches: list[int] = []
         self.ended: grpc.RpcError | None = None
+        # A ReplyBatch's ``drained``, once one said it, and the Replies read before it.
+        self.drained = b""
+        self.drained_after: list[int] = []
+        # The stream ended, OK or not.
+        self.finished = threading.Event()
         call = self.channel.stream_stream(
             f"/{SERVICE}/{method}",
             request_serializer=_identity,
@@ -89,11 +95,15 @@ class Stream:
                     for r in got:
                         self._replies[r.id] = r
                         self._order.append(r.id)
+                    if self.batched and message.drained:
+                        self.drained, self.drained_after = message.drained, list(self._order)
                     self._cond.notify_all()
         except grpc.RpcError as exc:
             with self._cond:
                 self.ended = exc
                 self._cond.notify_all()
+        finally:
+            self.finished.set()
 
     def send(self, call_id: int, field: str, request: Any, timeout_ms: int = 0) -> None:
         call = pb.Call(id=call_id, timeout_ms=timeout_ms)
@@ -109,6 +119,9 @@ class Stream:
             if call_id not in self._replies:
                 raise AssertionError(f"the stream ended: {self.ended}")
             return self._replies[call_id]
+
+    def trailing_metadata(self) -> Any:
+        return self._call.trailing_metadata()
 
     def order(self) -> list[int]:
         with self._cond:
@@ -496,6 +509,44 @@ def test_a_stopping_daemon_answers_the_calls_in_flight_and_ends_the_stream(
         refused = status_of(s.reply(1))
         assert refused.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert b"DRAINING" in refused.details[0].value
+        assert d.proc.wait(30) == 0
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("method", ["Calls", "CallBatches"])
+def test_a_stream_the_drain_ends_says_that_no_call_it_did_not_answer_was_read(
+    start_daemon: Any, job_id: str, method: str
+) -> None:
+    """A draining daemon answers the calls it read, stops reading a stream whose client
+    does not half-close, and ends it OK with a trailer, rendezvous-stream-drained-bin:
+    UNAVAILABLE / DRAINING, run: no. A call of the stream it did not answer was not
+    read, so not run, and is re-sent. On CallBatches its last ReplyBatch says so first
+    (``drained``, the same status), which a client still holds when gRPC loses the
+    stream's status and trailers (grpc.aio: "Internal error from Core", when a write
+    races the end). Nothing said it: an asyncio client that lost the status could not
+    tell an unread KvAdd from one whose answer was lost ("not repeated", CI, load)."""
+    d = start_daemon(env={"RENDEZVOUSD_DRAIN_GRACE_S": "60"})
+    s = Stream(d, method=method)
+    try:
+        member = _two_rank_job(d, s, job_id)
+        s.send(1, "kv_add", pb.KvAddRequest(**member, key="n", delta=1))
+        assert s.reply(1).kv_add.value == 1
+        d.proc.send_signal(signal.SIGTERM)
+        assert s.finished.wait(30)  # never half-closed by this client
+        # OK, as a client from before the trailer expects of a drain.
+        assert s.ended is None, s.ended
+        trailers = dict(s.trailing_metadata())
+        assert DRAINED_TRAILER in trailers, trailers
+        status = status_pb2.Status.FromString(trailers[DRAINED_TRAILER])
+        info = error_details_pb2.ErrorInfo()
+        assert status.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert status.details[0].Unpack(info)
+        assert (info.reason, dict(info.metadata)) == ("DRAINING", {"run": "no"})
+        assert "read none of the stream's calls it did not answer" in status.message
+        if s.batched:
+            assert s.drained == trailers[DRAINED_TRAILER]
+            assert s.drained_after == [100, 1]  # after every Reply
         assert d.proc.wait(30) == 0
     finally:
         s.close()

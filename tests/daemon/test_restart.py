@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import queue
 import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
@@ -19,6 +23,7 @@ from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage import snapshot
 from rendezvousd.storage.persistence import Persister, StateStore
+from tests.daemon.raw_calls import SERVICE
 from tests.support import (
     DaemonProcess,
     free_port,
@@ -452,6 +457,157 @@ def test_kv_adds_in_flight_as_the_daemon_drains_each_count_once_after_its_restar
         d.kill()
         if d2 is not None:
             d2.kill()
+
+
+@pytest.mark.parametrize("flavour", ["blocking", "asyncio"])
+def test_kv_adds_a_slow_client_writes_after_the_drain_stopped_reading_count_once(
+    tmp_path: Path, flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client too slow to half-close within the drain's DRAIN_ANSWER_S (a loaded
+    machine: load 13 on 2 cores) writes its KvAdds only after the draining daemon
+    stopped reading and ended its stream: none was read, none ran, and each is re-sent
+    to the daemon that replaces it and counted once. Here it writes them only once the
+    daemon ended the stream (another stream, which it ends with it, says when): the
+    blocking client's request feed is held, the asyncio client's event loop blocked
+    (what load does to it). grpc.aio then replaced the stream's status ("Internal
+    error from Core") whenever the write's failure reached it before the daemon's
+    status did, most rounds, and each add failed "not repeated: the daemon may have
+    applied it" (CI, 8 adders under load). Several restarts, for that race."""
+    port = free_port()
+    token = write_token(tmp_path / "tok")
+    flags = ("--state-dir", str(tmp_path / "state"), "--heartbeat-timeout-s", "8")
+    daemons = [spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")]
+    # The asyncio race is lost in most rounds, not all; the blocking client has none.
+    rounds, adds = (5 if flavour == "asyncio" else 2), 8
+
+    restarts: list[threading.Thread] = []
+    restart_failed: list[BaseException] = []
+
+    def drained() -> None:
+        """The daemon drains and ends its call streams unread while the client's
+        calls wait to be written; a daemon serves there again once it exited."""
+        for t in restarts:
+            t.join(60)
+        assert restart_failed == [], restart_failed
+        d = daemons[-1]
+        with _watched_stream(d) as ended:  # ended as the client's stream is
+            d.proc.send_signal(signal.SIGTERM)
+            assert ended.wait(30), "the draining daemon did not end its call streams"
+        time.sleep(0.2)  # the client's gRPC has the end of its stream by now
+
+        def again() -> None:
+            try:
+                d.proc.wait(30)
+                daemons.append(
+                    spawn_daemon(tmp_path, *flags, token=token, listen=f"127.0.0.1:{port}")
+                )
+            except BaseException as exc:
+                restart_failed.append(exc)
+
+        restarts.append(threading.Thread(target=again, daemon=True))
+        restarts[-1].start()
+
+    async def add_async() -> list[object]:
+        async with AsyncRendezvousClient(
+            daemons[0].endpoint, "counted", token=token, reconnect_window=30
+        ) as c:
+            await c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+            got: list[object] = [await c.kv_add("n", 1)]  # the stream has answered calls
+            for _ in range(rounds):
+                calls = [asyncio.ensure_future(c.kv_add("n", 1)) for _ in range(adds)]
+                await asyncio.sleep(0)  # each is queued on the stream, none written yet
+                drained()  # on the event loop: nothing of the client runs meanwhile
+                got += await asyncio.gather(*calls, return_exceptions=True)
+            return [*got, await c.kv_add("n", 0)]
+
+    def add_blocking() -> list[object]:
+        from rendezvousd.client import _call_stream
+
+        held = threading.Event()
+        held.set()
+        feed = _call_stream._BlockingStream._requests
+
+        def slow_feed(self: Any) -> Iterator[Any]:
+            for batch in feed(self):
+                held.wait(60)
+                yield batch
+
+        monkeypatch.setattr(_call_stream._BlockingStream, "_requests", slow_feed)
+        endpoint = daemons[0].endpoint
+        with RendezvousClient(endpoint, "counted", token=token, reconnect_window=30) as c:
+            c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+            got: list[object] = [c.kv_add("n", 1)]
+            for done in range(rounds):
+                held.clear()
+                adders = threading.Thread(target=lambda: got.extend(_outcomes(c, adds)))
+                adders.start()
+                sent = 1 + (done + 1) * adds
+                wait_for("the adds queued", lambda: c._mux.sent["KvAdd"] >= sent, timeout=10)  # type: ignore[union-attr]  # noqa: B023
+                drained()
+                held.set()
+                adders.join(60)
+            return [*got, c.kv_add("n", 0)]
+
+    try:
+        *answers, total = add_blocking() if flavour == "blocking" else asyncio.run(add_async())
+        failed = [str(o) for o in answers if isinstance(o, BaseException)]
+        assert failed == [], failed
+        # Every add answered counted once, and none counted unanswered.
+        assert sorted(answers) == list(range(1, len(answers) + 1))  # type: ignore[type-var]
+        assert total == len(answers) == 1 + rounds * adds
+    finally:
+        for t in restarts:
+            t.join(60)
+        for d in daemons:
+            d.kill()
+
+
+@contextlib.contextmanager
+def _watched_stream(d: DaemonProcess) -> Iterator[threading.Event]:
+    """A CallBatches stream of ``d``, served, that sends nothing and never
+    half-closes, and an event set once the daemon ends it, however."""
+    ended = threading.Event()
+    requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    with grpc.insecure_channel(d.endpoint) as channel:
+        call = channel.stream_stream(f"/{SERVICE}/CallBatches")(
+            iter(requests.get, None),
+            metadata=[("authorization", f"Bearer {d.token}")],
+            timeout=60,
+        )
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                for _ in call:
+                    pass
+            ended.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            call.initial_metadata()  # served: the daemon ends it with its drain, not first
+            yield ended
+        finally:
+            requests.put(None)
+            call.cancel()
+            reader.join(10)
+
+
+def _outcomes(c: RendezvousClient, adds: int) -> list[object]:
+    """``adds`` KvAdds of 1 made at once on ``c``'s stream: their answers or errors."""
+    got: list[object] = []
+
+    def add() -> None:
+        try:
+            got.append(c.kv_add("n", 1))
+        except Exception as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=add) for _ in range(adds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
 
 
 def _raised(run: Callable[[], object]) -> list[BaseException]:

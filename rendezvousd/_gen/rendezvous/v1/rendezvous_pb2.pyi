@@ -1865,16 +1865,28 @@ class ReplyBatch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REPLIES_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
+    drained: _builtins.bytes
+    """Set only in the last message of a stream the daemon ends as it drains
+    (SIGTERM), once it reads no more of the stream's calls and answered every one
+    it read: a serialized google.rpc.Status (UNAVAILABLE, ErrorInfo DRAINING with
+    metadata run: no). Every call of this stream that has no Reply was not read,
+    so not run: re-send it once a daemon serves again. The stream then ends OK
+    with the same status in its rendezvous-stream-drained-bin trailer, but a
+    client can lose its status and trailers (grpc.aio replaces them when a write
+    races the stream's end); this message comes before them.
+    """
     @_builtins.property
     def replies(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reply]: ...
     def __init__(
         self,
         *,
         replies: _abc.Iterable[Global___Reply] | None = ...,
+        drained: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replies", b"replies"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "replies", b"replies"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
