@@ -12,7 +12,7 @@ this list and what the programs read drift apart.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 PREFIX = "RENDEZVOUSD_"
 
@@ -56,6 +56,17 @@ EVERY_NAME = frozenset(PREFIX + n for n in (*_DAEMON, *_TRAINER, *_TORCHRUN, *_H
 _SUFFIXES = sorted(n.removeprefix(PREFIX) for n in EVERY_NAME)
 
 
+#: How alike a misspelt name and a real one must be to be suggested (difflib's ratio).
+CLOSE_ENOUGH = 0.75
+
+
+def closest(name: str, names: Iterable[str]) -> str | None:
+    """The one of ``names`` that ``name`` most likely misspells, or None: the rule for a
+    misspelt variable here and a misspelt ``--rdzv-conf`` key of the torchrun backend."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=CLOSE_ENOUGH)
+    return close[0] if close else None
+
+
 def unknown_names(environ: Mapping[str, str]) -> list[str]:
     """A sentence for each ``RENDEZVOUSD_*`` name in ``environ`` that no program reads,
     with the closest name one does. Only names: a value may be a secret."""
@@ -63,7 +74,7 @@ def unknown_names(environ: Mapping[str, str]) -> list[str]:
     for name in sorted(environ):
         if not name.startswith(PREFIX) or name in EVERY_NAME:
             continue
-        close = difflib.get_close_matches(name.removeprefix(PREFIX), _SUFFIXES, n=1, cutoff=0.75)
-        hint = f": did you mean {PREFIX}{close[0]}?" if close else ""
+        close = closest(name.removeprefix(PREFIX), _SUFFIXES)
+        hint = f": did you mean {PREFIX}{close}?" if close else ""
         said.append(f"${name} is set, but no rendezvousd program reads it{hint} (ignored)")
     return said

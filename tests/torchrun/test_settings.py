@@ -129,3 +129,30 @@ def test_a_node_link_watch_that_is_neither_on_nor_off_is_refused_naming_where_it
     message = str(info.value)
     assert said in message and "node_link_watch must be true or false" in message, message
     assert "--node-link-watch" not in message, message  # rendezvous-run's flag, not torchrun's
+
+
+@pytest.mark.parametrize(
+    ("conf", "said"),
+    [
+        (
+            {"join_timout": "60"},
+            "--rdzv-conf join_timout: not a key of the rendezvousd backend "
+            "(did you mean join_timeout?); its keys are token_file,",
+        ),
+        (
+            {"join_timout": "60", "lastcall_timeout": "1", "zzz": "1"},
+            "(join_timout: did you mean join_timeout?; lastcall_timeout: did you mean "
+            "last_call_timeout?)",
+        ),
+        ({"zzz": "1"}, "--rdzv-conf zzz: not a key of the rendezvousd backend; its keys are "),
+    ],
+    ids=["one", "several", "none close"],
+)
+def test_a_misspelt_rdzv_conf_key_is_refused_with_the_key_it_likely_meant(
+    conf: dict[str, str], said: str
+) -> None:
+    """Refused listing the backend's keys, but without the "did you mean" that a
+    misspelt RENDEZVOUSD_* variable gets (a torchrun user's review): the same rule."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(conf, {})
+    assert said in str(info.value), str(info.value)

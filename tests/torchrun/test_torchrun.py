@@ -526,7 +526,8 @@ def test_a_tls_daemon_without_the_ca_tells_torchrun_to_pass_rdzv_conf_tls_ca(
         # torch's own keys (timeout, is_host) are ignored; a typo of ours is not one of them.
         (
             "is_host=1,join_timout=5",
-            "--rdzv-conf join_timout: not a key of the rendezvousd backend",
+            "--rdzv-conf join_timout: not a key of the rendezvousd backend (did you mean "
+            "join_timeout?)",
             "is_host:",
         ),
     ],

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd.client.connection import TlsConfig
+from rendezvousd.common.env_names import closest
 from rendezvousd.common.settings import Bool, Schema, Text, setting, validate
 from rendezvousd.trainer.agent._fork_server import module_names
 from rendezvousd.trainer.config import Count, Seconds
@@ -179,8 +180,15 @@ def load_settings(conf: Mapping[str, Any], env: Mapping[str, str]) -> TorchrunSe
             "passed so"
         )
     if unknown := sorted(k for k in conf if k not in SCHEMA.options and k not in TORCH_KEYS):
+        # The rule a misspelt RENDEZVOUSD_* variable is told by (env_names.closest).
+        guesses = {k: g for k in unknown if (g := closest(k, SCHEMA.options))}
+        hint = "; ".join(
+            f"did you mean {g}?" if len(unknown) == 1 else f"{k}: did you mean {g}?"
+            for k, g in guesses.items()
+        )
+        hint = f" ({hint})" if hint else ""
         raise ConfigError(
-            f"--rdzv-conf {', '.join(unknown)}: not a key of the rendezvousd backend; "
+            f"--rdzv-conf {', '.join(unknown)}: not a key of the rendezvousd backend{hint}; "
             f"its keys are {', '.join(SCHEMA.options)} (torch's own, such as timeout, "
             "are ignored)"
         )
