@@ -517,6 +517,32 @@ def test_a_tls_daemon_without_the_ca_tells_torchrun_to_pass_rdzv_conf_tls_ca(
     assert "--tls-ca" not in err, err[-3000:]
 
 
+def test_tls_ca_against_a_plaintext_daemon_is_said_without_grpcs_handshake_line(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    pki: Pki,
+    tmp_path: Path,
+    job_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC core logs each failed TLS handshake at INFO ("Handshake failed ...
+    WRONG_VERSION_NUMBER"), around the agent's own error, which names the failure and
+    what to do (a torchrun user's review). The handler quiets gRPC as rendezvous-run
+    does (GRPC_VERBOSITY=ERROR, set before grpc is imported); a threshold the user set
+    is kept."""
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    d = start_daemon()
+    conf = f"token_file={d.token_file},tls_ca={pki.ca},connect_timeout=5"
+
+    def run(**env: str) -> str:
+        err = _refused(torchrun, d, job_id, tmp_path, conf=conf, env=env)
+        assert "drop tls_ca from --rdzv-conf" in err, err[-3000:]
+        return err
+
+    assert "Handshake failed" not in (err := run()), err[-3000:]
+    assert "Handshake failed" in (err := run(GRPC_VERBOSITY="INFO")), err[-3000:]
+
+
 @pytest.mark.parametrize(
     ("conf", "said", "unsaid"),
     [

@@ -98,10 +98,19 @@ def create_handler(params: RendezvousParameters) -> RendezvousdHandler:
     return RendezvousdHandler.from_parameters(params)
 
 
+import os
+
+# gRPC core logs each failed TLS handshake at INFO ("Handshake failed ...
+# WRONG_VERSION_NUMBER" for tls_ca against a plaintext daemon) around the agent's own
+# error, which names the failure and what to do. Only a process-wide threshold exists,
+# read when grpc is first imported: by the SDK's imports below (torch imports no grpc,
+# and torchrun loads this module as it starts). As rendezvous-run does; torchrun's
+# workers inherit it; a GRPC_VERBOSITY the user set is kept.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import atexit
 import contextlib
 import logging
-import os
 import signal
 import sys
 import threading
