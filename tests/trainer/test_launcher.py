@@ -1111,8 +1111,14 @@ def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> 
     enough = job(pb.JOB_STATE_FORMING, 2, nodes_waiting=1)
     assert forming_note(enough, 1, 5.2, 600) == (
         "still waiting for job 'j\\x0a' generation 3 to form after 5 s: 1 node(s) joined, "
-        "the 1 it needs at least: it forms with them once no other node joins within its "
-        "last call, or at once when 2 have (waiting up to 600 s in all)"
+        "the 1 it needs at least: it forms with them once no other node joins for its last "
+        "call (the daemon's --last-call-s, 30 s unless set), or at once when 2 have (waiting "
+        "up to 600 s in all)"
+    )
+    # The seconds, where the join named its own last call ("within its last call" said
+    # not how long: a torchrun user's review).
+    assert "once no other node joins for 10 s (its last call), or at once when 2 have" in (
+        forming_note(enough, 1, 5.2, 600, 10.0)
     )
     running = job(pb.JOB_STATE_RUNNING, 2, nodes_waiting=1)
     assert forming_note(running, 1, 5.2, 600) == (

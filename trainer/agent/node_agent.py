@@ -483,7 +483,12 @@ class NodeAgent:
                 contextlib.nullcontext()
                 if standby
                 else saying_what_it_waits_for(
-                    self.client.get_job, self.note, config.fewest_nodes, timeout, began
+                    self.client.get_job,
+                    self.note,
+                    config.fewest_nodes,
+                    timeout,
+                    began,
+                    config.last_call_s,
                 )
             )
             try:

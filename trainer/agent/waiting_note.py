@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.common.escape import escape
+from rendezvousd.common.limits import Timing
 
 #: A join still waiting this long says what it waits for, and again every
 #: ``FORMING_NOTE_EVERY_S``: the launcher was silent for the whole join timeout (600 s
@@ -22,10 +23,17 @@ FORMING_NOTE_S = 5.0
 FORMING_NOTE_EVERY_S = 30.0
 
 
-def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: float) -> str:
+#: The daemon's --last-call-s unless set: what a join that names no last call gets.
+DAEMON_LAST_CALL_S = Timing().default_last_call_s
+
+
+def forming_note(
+    job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: float, last_call_s: float = 0.0
+) -> str:
     """What a waiting join waits for, from the daemon's view of the job: the nodes
     joined so far against those the generation needs, or, while it runs, the next
-    re-form that takes this node in."""
+    re-form that takes this node in. ``last_call_s``: the last call this node's join
+    named (0: none, the daemon's own)."""
     s = job.summary
     most = s.topology.num_nodes
     named = f"job '{escape(s.job_id)}' generation {s.generation}"
@@ -41,10 +49,18 @@ def forming_note(job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: 
     said = f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined"
     if fewest < most and joined >= fewest:
         # Elastic, with enough nodes: it forms at its last call, not at the timeout
-        # (said so, it read as a wait for a node that was missing: review).
+        # (said so, it read as a wait for a node that was missing: review). How long,
+        # in seconds: "within its last call" left the reader to guess (a torchrun
+        # review). The daemon does not say which last call the generation's first node
+        # set: this node's own, or the daemon's default it named none.
+        call = (
+            f"{last_call_s:g} s (its last call)"
+            if last_call_s
+            else f"its last call (the daemon's --last-call-s, {DAEMON_LAST_CALL_S:g} s unless set)"
+        )
         said += (
             f", the {fewest} it needs at least{kept}: it forms with them once no other node "
-            f"joins within its last call, or at once when {most} have ({bound})"
+            f"joins for {call}, or at once when {most} have ({bound})"
         )
     else:
         said += f" of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
@@ -73,10 +89,12 @@ def saying_what_it_waits_for(
     fewest: int,
     limit_s: float,
     began: float,
+    last_call_s: float = 0.0,
 ) -> Iterator[None]:
     """While the join in this block waits: after ``FORMING_NOTE_S``, then every
     ``FORMING_NOTE_EVERY_S``, ``say`` what it waits for (``forming_note``; ``began``:
-    when the node began to join, on the monotonic clock). Only a join that itself has
+    when the node began to join, on the monotonic clock; ``last_call_s``: the last call its
+    join names, 0 for the daemon's). Only a join that itself has
     waited says so: one asked again every second (a held --node-rank, the daemon away)
     is refused, not waiting for the job."""
     done = threading.Event()
@@ -90,7 +108,7 @@ def saying_what_it_waits_for(
             except RendezvousError:
                 continue  # best effort: the join itself says what failed
             if not done.is_set():
-                say(forming_note(job, fewest, time.monotonic() - began, limit_s))
+                say(forming_note(job, fewest, time.monotonic() - began, limit_s, last_call_s))
 
     threading.Thread(target=watch, daemon=True, name="rendezvous-forming").start()
     try:

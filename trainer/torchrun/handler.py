@@ -821,7 +821,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 )
             log.warning("rendezvousd: %s", note)
 
-        return saying_what_it_waits_for(get_job, say, self._min, self._settings.join_timeout, began)
+        return saying_what_it_waits_for(
+            get_job,
+            say,
+            self._min,
+            self._settings.join_timeout,
+            began,
+            self._settings.last_call_timeout,
+        )
 
     def _join(self) -> NodeMembership:
         """One JoinNode. A node that finds the world full stands by (``standby``), as a
