@@ -410,6 +410,41 @@ def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
     assert "was stopped by SIGTERM; telling the other nodes" in agents[2].stderr()
 
 
+def test_an_agent_stopped_by_ctrl_c_gives_no_advice_to_take_part_as_it_stops(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """Ctrl-C (SIGINT to the agent's process group; torch's workers have sessions of
+    their own) of an agent whose workers take 8 s to stop, as a checkpoint on
+    preemption does. The survivors re-form meanwhile, and the stopping agent's
+    heartbeat, still beating for the round it left, heard the daemon's answer to a
+    stale generation: it printed "... is at generation 2, the call named generation 1;
+    rejoin to take part in the current generation", advice to a process that exits (a
+    torchrun user's review, 2 runs of 2). It says only that it was stopped."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
+    slow = ("--stop-delay", "8")
+    agents = [
+        torchrun(d, job_id, "2:3", *worker, *extra, max_restarts=1) for extra in ((), (), slow)
+    ]
+    wait_for(
+        "all 6 ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,
+        timeout=120,
+    )
+    signalled = time.monotonic()
+    os.killpg(agents[2].proc.pid, signal.SIGINT)
+    assert agents[2].wait(90) != 0
+    print(f"SIGINT -> the agent exited: {time.monotonic() - signalled:.2f} s (workers: 8 s)")
+    survivors_trained_on(agents, log)
+    err = agents[2].stderr()
+    assert "was stopped by SIGINT; telling the other nodes" in err, err[-3000:]
+    assert "rejoin to take part" not in err and "the call named generation" not in err, err[-3000:]
+
+
 def test_warm_workers_are_forked_from_the_nodes_server_after_a_kill(
     start_daemon: Callable[..., DaemonProcess],
     torchrun: Callable[..., Torchrun],

@@ -10,8 +10,9 @@ time, pid, and ``warm``: torch was already imported when the script started, as 
 worker forked by ``rendezvous-python``'s warm server), which tests and benchmarks/recovery.py read. ``--hang-after K`` makes every
 worker of a world of ``--hang-world`` ranks sleep after step K, as if stuck in a
 collective whose peer is gone: only its agent can get it out (by restarting it).
-``--stop-file F`` ends the run after the first step that finds F. The last line on
-stdout is a "done" event.
+``--stop-file F`` ends the run after the first step that finds F. ``--stop-delay S``
+makes a worker take S seconds to exit when signalled (SIGINT, SIGTERM), as one that
+writes a checkpoint on preemption does. The last line on stdout is a "done" event.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
+from types import FrameType
 
 WARM = "torch" in sys.modules  # before this script's own import of it
 
@@ -38,7 +41,16 @@ def main() -> None:
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     # Ends the run (as if its steps were done) at the first step after this file exists.
     p.add_argument("--stop-file", default="")
+    p.add_argument("--stop-delay", type=float, default=0.0)
     a = p.parse_args()
+    if a.stop_delay:
+
+        def slow_stop(signum: int, frame: FrameType | None) -> None:
+            time.sleep(a.stop_delay)
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, slow_stop)
     device = torch.device("cpu")
     if a.backend == "nccl":
         # Stock NCCL refuses two ranks on one GPU unless they are told they are hosts apart.

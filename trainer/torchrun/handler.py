@@ -970,6 +970,14 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
 
     def _heard_failure(self, exc: RendezvousError) -> None:
         # The SDK keeps the failure (client.failure); num_nodes_waiting() reads it.
+        if self._signalled is not None:
+            # This agent is stopping (a signal: torch stops its workers and exits), and
+            # told the others so. Its heartbeat still beats for the round it left until
+            # the agent is gone, and once the others re-formed the daemon answers it
+            # "is at generation 2 ...; rejoin to take part": advice to a process that
+            # exits, which it printed (a torchrun user's review). Nothing here is news.
+            log.debug("rendezvousd: job %r: stopping; its heartbeat heard: %s", self._run_id, exc)
+            return
         if not isinstance(exc, PeerFailed) or not exc.failed:
             # The daemon's own words name the job already ("job 'J' generation 1 was
             # aborted: ..."): said twice, it read "job 'J': job 'J' ...".
