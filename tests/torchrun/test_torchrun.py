@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -39,6 +40,11 @@ from tests.support import (
 
 pytestmark = pytest.mark.slow
 
+
+#: What the agents, all on this machine, are named by: its hostname, not their address
+#: (127.0.0.1), as rendezvous-run's nodes are.
+HOST = socket.gethostname()
+HOST_RE = re.escape(HOST)
 
 #: The handler's CLOSE_WAIT_S (its module imports torch, which this process lacks).
 CLOSE_WAIT_S = 35.0
@@ -125,7 +131,7 @@ def test_a_killed_peer_node_restarts_the_survivors_from_the_daemons_push(
     # what the next round waits for.
     for a in agents[:2]:
         err = a.stderr()
-        assert re.search(r"round 1 failed: lost node [0-2] on 127\.0\.0\.1 \(", err), err[-2000:]
+        assert re.search(rf"round 1 failed: lost node [0-2] on {HOST_RE} \(", err), err[-2000:]
         told = "forms (--nnodes 2:3) once the nodes left re-join (at least 2), not for the lost"
         assert told in err and "waits up to 600 s (join_timeout)" in err, err[-2000:]
     first = min(s["t"] for s in after)
@@ -177,7 +183,7 @@ def _stops_when_its_peer_dies(survivor: Torchrun, victim: Torchrun, log: Path) -
     assert raised and raised[-1].startswith(
         "torch.distributed.elastic.rendezvous.api.RendezvousError: "
     ), err[-3000:]
-    assert re.search(r"lost node [01] on 127\.0\.0\.1 \(.+\)", raised[-1]), raised[-1]
+    assert re.search(rf"lost node [01] on {HOST_RE} \(.+\)", raised[-1]), raised[-1]
     # The handler found torch's agent (the lookup a torch upgrade could break).
     assert "cannot read torch's remaining restarts" not in err, err[-3000:]
     # Stopped, not re-formed: no step since the kill, and no worker left behind.
@@ -288,14 +294,14 @@ def test_a_survivor_waiting_for_a_replacement_outlives_a_second_loss_and_names_t
     c.kill()
     wait_for("A to re-join", lambda: a.proc.poll() is not None or "failed while" in a.stderr(), 30)
     assert a.proc.poll() is None, a.stderr()[-3000:]
-    said = "generation 2 failed while it formed: lost the node joining from 127.0.0.1 in round 2"
+    said = f"generation 2 failed while it formed: lost the node joining from {HOST} in round 2"
     assert said in a.stderr(), a.stderr()[-3000:]
     # The waiting note names both nodes the round lacks (the daemon only counts them).
     missing = "Lost since the job last formed: node"
     wait_for("A to say what it waits for", lambda: missing in a.stderr(), 30)
     note = next(ln for ln in a.stderr().splitlines() if missing in ln)
     assert "in round 1 (node agent's heartbeat stream closed)" in note, note
-    assert "the node joining from 127.0.0.1 in round 2 (its JoinNode was cancelled" in note, note
+    assert f"the node joining from {HOST} in round 2 (its JoinNode was cancelled" in note, note
     assert "start torchrun agents of this --rdzv-id in their places" in note, note
     first = {s["pid"] for s in torch_steps(log)}
     worker = ["--steps", "4", "--step-log", str(log)]
@@ -335,7 +341,7 @@ def test_an_agent_out_of_restarts_closes_a_rendezvous_its_survivor_cannot_form(
     assert raised and raised[-1].startswith(
         "torch.distributed.elastic.rendezvous.api.RendezvousClosedError: "
     ), a.stderr()[-3000:]
-    assert "torchrun's agent on 127.0.0.1 stopped: round 1 failed (lost node" in raised[-1]
+    assert f"torchrun's agent on {HOST} stopped: round 1 failed (lost node" in raised[-1]
     bounds = nnodes if ":" in nnodes else f"{nnodes}:{nnodes}"
     said = (
         f"no restarts left (--max-restarts 0); the job cannot go on without it (--nnodes {bounds}"
@@ -379,7 +385,7 @@ def test_an_agent_out_of_restarts_closes_the_rendezvous_for_a_survivor_that_re_j
     assert raised[-1].startswith(
         "torch.distributed.elastic.rendezvous.api.RendezvousClosedError: "
     ), raised[-1]
-    assert "torchrun's agent on 127.0.0.1 stopped: round 1 failed (lost node" in raised[-1]
+    assert f"torchrun's agent on {HOST} stopped: round 1 failed (lost node" in raised[-1]
     assert "was closed" in raised[-1] and "after this node was launched" in raised[-1]
     assert "closed the rendezvous" in c.stderr(), c.stderr()[-3000:]
 
@@ -400,11 +406,11 @@ def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
     os.kill(agents[2].proc.pid, signal.SIGTERM)  # the agent only: it stops its workers
     assert agents[2].wait(60) != 0
     survivors_trained_on(agents, log)
-    told = "(torchrun's agent on 127.0.0.1 was stopped by SIGTERM)"
+    told = f"(torchrun's agent on {HOST} was stopped by SIGTERM)"
     for a in agents[:2]:
         err = a.stderr()
         assert re.search(
-            r"round 1 failed: lost node [0-2] on 127\.0\.0\.1 " + re.escape(told), err
+            rf"round 1 failed: lost node [0-2] on {HOST_RE} " + re.escape(told), err
         ), err[-2000:]
         assert "heartbeat stream closed" not in err, err[-2000:]
     assert "was stopped by SIGTERM; telling the other nodes" in agents[2].stderr()
@@ -703,8 +709,8 @@ def test_agents_that_disagree_on_nnodes_get_torchs_rendezvous_error_with_ours(
         raised = [ln for ln in err.splitlines() if "api.RendezvousError" in ln]
         assert raised, err[-3000:]
         said = (
-            f"job {job_id!r} has torchrun agents that gave --nnodes 3 (hosts so far: 127.0.0.1), "
-            "but the agent on host '127.0.0.1' gave --nnodes 2; every agent of a job must "
+            f"job {job_id!r} has torchrun agents that gave --nnodes 3 (hosts so far: {HOST}), "
+            f"but the agent on host {HOST!a} gave --nnodes 2; every agent of a job must "
             "give the same --nnodes (MIN:MAX; --nproc-per-node may differ between nodes)"
         )
         assert said in raised[-1], err[-3000:]

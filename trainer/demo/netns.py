@@ -94,6 +94,13 @@ class Host:
         setname = 'hostname "$0" && exec "$@"'
         return [*enter, "unshare", "--uts", "sh", "-c", setname, self.name, *argv]
 
+    def prefix(self) -> list[str]:
+        """What runs the command that follows it inside this host, under its own
+        hostname (``command`` without the command: a launcher's ``prefix=``).
+        ``command([])`` enters the namespace only: a program started so saw this
+        machine's hostname."""
+        return self.command(["true"])[:-1]
+
     def popen(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kw: object
     ) -> subprocess.Popen[str]:

@@ -46,6 +46,8 @@ What each torchrun agent does here:
   the interface that holds it. gloo otherwise resolves the hostname, which on many
   machines (and network namespaces) is 127.0.0.1 or nothing, and its full mesh then
   fails with "connection refused" across hosts.
+  People read the hostname, as under ``rendezvous-run``: the daemon records it as
+  the node's host (every loss and cause names it), the address beside it.
 - **Warm workers.** With ``PYTHON_EXEC=rendezvous-python``, torchrun starts each worker
   through our shim, and the handler starts the node's fork server (``warm``) when the
   agent starts: it imports torch once, and every worker after a failure is forked warm
@@ -112,6 +114,7 @@ import atexit
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -569,8 +572,15 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         # ago, so that a job whose run ended since refuses this agent (JobEnded).
         self._launched = time.monotonic()
         say_client_warnings(lambda message: log.warning("rendezvousd: %s", message))
+        # Two names for this host: the address the others reach it at (node 0's is
+        # every worker's MASTER_ADDR; the links listen on it), and the hostname, which
+        # is what people read: the daemon records it for this node (every loss names
+        # it: "lost node 2 on n3"), as rendezvous-run's does, and torch's own summary
+        # says "host : n3". Named by the address, a job whose hosts all have names read
+        # "lost node 2 on 198.18.1.4" (a torchrun user's review).
+        self._name = socket.gethostname()
         try:
-            self._host = local_addr or route_source(
+            self._address = local_addr or route_source(
                 endpoint,
                 settings.connect_timeout,
                 lambda note: log.warning("rendezvousd: job %r: %s", run_id, note),
@@ -590,12 +600,12 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         except RendezvousError as exc:
             what = f"rendezvousd at {endpoint} for job {run_id!r}"
             raise _torch_error(exc, what) from _cause(exc)
-        if (ifname := point_gloo_at(self._host, os.environ)) is not None:
+        if (ifname := point_gloo_at(self._address, os.environ)) is not None:
             log.info(
                 "rendezvousd: GLOO_SOCKET_IFNAME=%s (holds %s, this host's address "
                 "towards the daemon)",
                 ifname,
-                self._host,
+                self._address,
             )
         self._node: NodeMembership | None = None
         self._store: DaemonStore | None = None
@@ -657,7 +667,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         )
 
     def _what(self) -> str:
-        return f"rendezvousd at {self._endpoint}, job {self._run_id!r}, host {self._host}"
+        return f"rendezvousd at {self._endpoint}, job {self._run_id!r}, host {self._name}"
 
     # -- torch's interface ---------------------------------------------------------
 
@@ -716,27 +726,30 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             bootstrap = torch_rdzv.RendezvousStoreInfo.build(
                 node.node_rank,
                 store,
-                local_addr=self._host,
+                local_addr=self._address,
                 server_port=store_port() if node.node_rank == 0 else None,
             )
         except RendezvousError as exc:
             raise _torch_error(exc, self._what()) from _cause(exc)
         log.info(
-            "rendezvousd: job %r generation %d formed: node %d of %d (host %s)",
+            "rendezvousd: job %r generation %d formed: node %d of %d (host %s, address %s)",
             self._run_id,
             node.generation,
             node.node_rank,
             node.num_nodes,
-            self._host,
+            self._name,
+            self._address,
         )
         self._watch_links(node)
         return torch_rdzv.RendezvousInfo(store, node.node_rank, node.num_nodes, bootstrap)
 
     def _loopback_problem(self, node: NodeMembership) -> str | None:
-        if node.num_nodes < 2 or not is_loopback(self._host):
+        if node.num_nodes < 2 or not is_loopback(self._address):
             return None
-        hosts = {m.host for m in node.membership_for(0).members}
-        return loopback_problem(self._host, self._endpoint, hosts)
+        # Each node's address (its join's addresses=), else, from an agent before it
+        # gave one, its host: then its address too.
+        hosts = {m.address or m.host for m in node.membership_for(0).members}
+        return loopback_problem(self._address, self._endpoint, hosts)
 
     def _watch_links(self, node: NodeMembership) -> None:
         """This round's links to the neighbouring agents (``node_links``)."""
@@ -746,8 +759,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._links = NodeLinks(
                 self._new_client(),
                 node,
-                host=self._host,
-                name=self._host,
+                host=self._address,
+                name=self._name,
                 on_silent=self._link_silent,
                 note=lambda text: log.warning("rendezvousd: job %r: %s", self._run_id, text),
                 setup_timeout=self._settings.join_timeout,
@@ -856,7 +869,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         min_nodes=self._min,
                         max_nodes=self._max,
                         gpus_per_node=1,
-                        host=self._host,
+                        host=self._name,
+                        addresses=[self._address],
                         last_call=self._settings.last_call_timeout or None,
                         timeout=timeout,
                         standby=standby,
@@ -975,7 +989,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             # told the others so. Its heartbeat still beats for the round it left until
             # the agent is gone, and once the others re-formed the daemon answers it
             # "is at generation 2 ...; rejoin to take part": advice to a process that
-            # exits, which it printed (a torchrun user's review). Nothing here is news.
+            # exits, which it printed (a torchrun user's review). Nothing here is news,
+            # its own stop pushed back to it included, which it said already.
             log.debug("rendezvousd: job %r: stopping; its heartbeat heard: %s", self._run_id, exc)
             return
         if not isinstance(exc, PeerFailed) or not exc.failed:
@@ -987,8 +1002,6 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             else:
                 log.warning("rendezvousd: job %r: %s", self._run_id, said)
             return
-        if exc.generation == self._signalled:
-            return  # this agent's own stop (_stopped_by), which it said already
         self._lost_in(exc, self._node)
         # Each agent is a node of one rank: named as a node, its "rank" read as a
         # worker's global rank.
@@ -1035,7 +1048,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             else:
                 self._client.report_failure(
                     0,
-                    f"torchrun's agent on {self._host} restarted its workers "
+                    f"torchrun's agent on {self._name} restarted its workers "
                     "(a local worker failed; its log says which)",
                 )
         except RendezvousError as exc:
@@ -1218,7 +1231,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         """Close the rendezvous at ``generation`` (``failed``: the round that failed);
         whether the daemon closed the run. A daemon from before closes aborts the
         next round, forming, and leaves a failed one as it is: nothing said then."""
-        reason = close_reason(self._host, self._stop_cause, self._min, self._max, coming)
+        reason = close_reason(self._name, self._stop_cause, self._min, self._max, coming)
         closed = self._client.close_run(reason, generation=generation)
         if failed and not closed:
             return False
@@ -1266,7 +1279,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         if node is None or self._round_ended(node):
             return
         self._signalled = node.generation
-        cause = f"torchrun's agent on {self._host} was stopped by {signal.Signals(signum).name}"
+        cause = f"torchrun's agent on {self._name} was stopped by {signal.Signals(signum).name}"
         log.warning(
             "rendezvousd: job %r: %s; telling the other nodes",
             self._run_id,
@@ -1341,12 +1354,12 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         try:
             if node is not None and not self._round_ended(node):
                 gave_up = (
-                    f"torchrun's agent on {self._host} gave up: its workers failed and no "
+                    f"torchrun's agent on {self._name} gave up: its workers failed and no "
                     "restarts are left"
                     if self._agent is not None
                     # A caller of its own (a launcher, a test): its workers' outcome is
                     # not ours to know, and "failed" put the blame where none may be.
-                    else f"the rendezvousd handler on {self._host} was shut down while its "
+                    else f"the rendezvousd handler on {self._name} was shut down while its "
                     "round ran, by a caller other than torch's agent (whether its workers "
                     "succeeded is unknown)"
                 )
