@@ -1318,14 +1318,17 @@ class StreamWatch:
             self.paused_s = gap
             self.heard = max(self.heard, time.monotonic() - self.window_s + RESUMED_S)
 
-    def watchdog_ran(self, gap: float) -> None:
-        """The blocking client's watchdog woke ``gap`` seconds after it last did. The
-        gap is counted before the watchdog's clock moves on: the stream's thread, run
-        between the two after a SIGSTOP, read the fresh clock in ``caught_up``, saw no
-        pause, and said "the daemon died" of a daemon that was fine (CI, 1 run in 6
-        under load)."""
-        self.woke(gap)
-        self.watchdog_at = time.monotonic()
+    def watchdog_ran(self) -> None:
+        """The blocking client's watchdog woke (it runs every WATCH_S). Its gap and its
+        new clock are one reading: the watchdog measured its gap from a clock read before
+        a SIGSTOP that landed before this call, and set its clock after it, so neither it
+        nor the stream's thread (``caught_up``) saw the pause, and said "the daemon died"
+        of a daemon that was fine (CI: after f605d72 counted the gap first, still 1 run
+        in ~3 CI runs)."""
+        now = time.monotonic()
+        if self.watchdog_at is not None:
+            self.woke(now - self.watchdog_at)
+        self.watchdog_at = now
 
     def caught_up(self) -> None:
         """The stream's own thread, as its stream ends, before the verdict: a watchdog
@@ -1340,6 +1343,10 @@ class StreamWatch:
     def expired(self) -> bool:
         """True (and the member failed with DaemonUnreachable) once the window passed,
         and the endpoint was looked at if it is due (``may_look_back``)."""
+        # A pause since the watchdog last read its clock is this process's silence, not
+        # the daemon's, whichever thread gets here first after it (a SIGSTOP can land
+        # between any two of its steps).
+        self.caught_up()
         if self.may_look_back():
             return False
         now = time.monotonic()

@@ -504,15 +504,13 @@ class RendezvousClient(steps.ClientBase):
     def _watchdog(self, watch: StreamWatch) -> None:
         """Reports silence the stream itself cannot: a blocked read on a dead
         route, or a reconnect waiting for a daemon that is gone."""
-        last = watch.watchdog_at = time.monotonic()
+        watch.watchdog_at = time.monotonic()
         while True:
             deadline = watch.deadline()
             wait = WATCH_S if deadline is None else deadline - time.monotonic()
             if self._hb_stop.wait(min(WATCH_S, max(0.01, wait))) or watch.done:
                 return
-            now = time.monotonic()
-            watch.watchdog_ran(now - last)  # every WATCH_S: a long gap was this process's
-            last = now
+            watch.watchdog_ran()  # every WATCH_S: a long gap was this process's
             if watch.may_look_back():
                 watch.back_again(watch.look.listening())
             deadline = watch.deadline()

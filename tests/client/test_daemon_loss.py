@@ -344,9 +344,28 @@ def test_a_stream_that_ends_while_the_watchdog_wakes_still_counts_the_pause(
             woke(self, gap)
 
         monkeypatch.setattr(StreamWatch, "woke", stream_thread_runs_first)
-        watch.watchdog_ran(5.5)
+        watch.watchdog_ran()
         assert session.failure is None
         monkeypatch.undo()
+        deadline = watch.deadline()
+        assert deadline is not None and deadline > time.monotonic() + 1.0, deadline - now
+
+
+def test_a_pause_after_the_watchdog_read_its_clock_is_still_this_processs_silence() -> None:
+    """SIGSTOPped just after the watchdog read its clock (its gap small, its clock then
+    set after the pause): neither it nor the stream's thread saw the pause, and the
+    next look at the window said "the daemon died" of a daemon that was fine (CI,
+    test_a_member_that_was_stopped_hears_what_the_daemon_did_not_that_it_died[sync],
+    after f605d72). Whichever thread asks whether the window passed counts the pause
+    since the watchdog's last reading first."""
+    with _session("paused-late", 2.0) as session:
+        watch = StreamWatch(session, None, None)  # type: ignore[arg-type]
+        now = time.monotonic()
+        watch.heard = now - 5.5
+        watch.watchdog_at = now - 5.5  # its last reading, before the stop
+        assert watch.expired() is False, session.failure
+        assert session.failure is None
+        assert watch.paused_s > 5
         deadline = watch.deadline()
         assert deadline is not None and deadline > time.monotonic() + 1.0, deadline - now
 
