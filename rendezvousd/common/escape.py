@@ -94,16 +94,19 @@ def bounded(text: str, max_bytes: int = MAX_CAUSE_BYTES) -> str:
     raw = text.encode("utf-8", "backslashreplace")
     if len(raw) <= max_bytes:
         return raw.decode()
-    return _both_ends(raw, max_bytes, f" ... [cut: {len(raw)} bytes in all] ... ")
+    marker = f" ... [cut: {len(raw)} bytes in all] ... "
+    head, tail = _ends(raw, max_bytes - len(marker.encode()))
+    return head + marker + tail
 
 
-def _both_ends(raw: bytes, max_bytes: int, marker: str) -> str:
-    """``raw``'s head and tail around ``marker``, within ``max_bytes`` (a bound shorter
-    than the marker: the marker alone); a character split by a cut is dropped whole."""
-    keep = max(0, max_bytes - len(marker.encode()))
+def _ends(raw: bytes, keep: int) -> tuple[str, str]:
+    """``raw``'s head and tail, ``keep`` bytes between them (none where ``keep`` is not
+    above 0: a bound shorter than the marker keeps the marker alone); a character split
+    by a cut is dropped whole."""
+    keep = max(0, keep)
     head, tail = (keep + 1) // 2, keep // 2
     kept_tail = raw[len(raw) - tail :].decode("utf-8", "ignore") if tail else ""
-    return raw[:head].decode("utf-8", "ignore") + marker + kept_tail
+    return raw[:head].decode("utf-8", "ignore"), kept_tail
 
 
 def cut_middle(text: str, max_bytes: int) -> str:
@@ -117,10 +120,7 @@ def cut_middle(text: str, max_bytes: int) -> str:
         return raw.decode()
     # The marker's length with the count's digits at their most (len(raw)): the result
     # never goes over ``max_bytes`` (a bound shorter than the marker: the marker alone).
-    keep = max(0, max_bytes - len(f" ... ({len(raw)} bytes cut) ... "))
-    head, tail = (keep + 1) // 2, keep // 2
-    kept_head = raw[:head].decode("utf-8", "ignore")  # a character split by a cut: dropped
-    kept_tail = raw[len(raw) - tail :].decode("utf-8", "ignore") if tail else ""
+    kept_head, kept_tail = _ends(raw, max_bytes - len(f" ... ({len(raw)} bytes cut) ... "))
     left_out = len(raw) - len(kept_head.encode()) - len(kept_tail.encode())
     return f"{kept_head} ... ({left_out} bytes cut) ... {kept_tail}"
 
