@@ -140,6 +140,7 @@ def seated(
     """``_seat``, and the caller must be the instance that took it: holding the token
     is not enough to act for another job's or another process's seat."""
     job, seated = seat(sm, job_id, generation, who, mode, instance_id)
+    refusal: RendezvousFault | None = None
     if seated.instance_id != instance_id:
         if mode is _NODE:
             refusal = fences.not_seated(job, generation, who, mode)
@@ -151,10 +152,10 @@ def seated(
             raise refusal
     if running and job.state is not JobState.RUNNING:
         raise job.generation_fault()
-    if seated.instance_id != instance_id:
+    if refusal is not None:  # another worker instance's rank (a node's was raised above)
         if not instance_id and isinstance(seated, Member):
             _without_instance_id(sm, job, seated)
-        raise fences.other_instance(job, generation, who, instance_id)
+        raise refusal
     return job, seated
 
 
