@@ -60,7 +60,10 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         # refused WORLD_FULL). Its workers are stopped: the generation fails.
         rounds.lose_seated(sm, job, held, REJOINED, now)
         job = job_for(sm, args, now)
-    job.saw(args.instance_id)
+    if sm.stateless_since is not None:
+        # Read only by a daemon that keeps no state (``seats.forgotten``): one with
+        # --state-dir restores its runs, and a set per generation on every join is waste.
+        job.saw(args.instance_id)
     seat: Member | Node
     if args.local_rank is not None:
         seat, added = _worker_seat(sm, job, args, args.local_rank, now)
