@@ -97,11 +97,10 @@ def test_a_node_agents_join_node_sent_again_after_its_leave_is_refused() -> None
     assert sm.jobs["j"].gen.nodes["b"].state is MemberState.LEFT
 
 
-def test_a_running_row_holding_a_member_a_replay_marked_lost_restores_it_as_left(
-    tmp_path: Path,
-) -> None:
-    """A state dir written by a daemon before the refusal: the member the replay marked
-    LOST is restored as the LEFT member it was, and the job ends with the others."""
+def _written_by_an_older_daemon(tmp_path: Path, member_states: str) -> None:
+    """A state dir holding job 'j', running with 2 ranks of which rank 1 left, then
+    rewritten with ``member_states`` (``json_set`` paths and values), as a daemon from
+    before the replayed-join refusal could have left it."""
     from rendezvousd.state.placement import JoinArgs
 
     sm = RendezvousState()
@@ -112,9 +111,17 @@ def test_a_running_row_holding_a_member_a_replay_marked_lost_restores_it_as_left
     saver.restore()
     saver.close()
     db = sqlite3.connect(tmp_path / "state.db")
-    db.execute("UPDATE jobs SET detail = json_set(detail, '$.members[1].state', 'LOST')")
+    db.execute(f"UPDATE jobs SET detail = json_set(detail, {member_states})")
     db.commit()
     db.close()
+
+
+def test_a_running_row_holding_a_member_a_replay_marked_lost_restores_it_as_left(
+    tmp_path: Path,
+) -> None:
+    """A state dir written by a daemon before the refusal: the member the replay marked
+    LOST is restored as the LEFT member it was, and the job ends with the others."""
+    _written_by_an_older_daemon(tmp_path, "'$.members[1].state', 'LOST'")
     back = RendezvousState()
     Persister(tmp_path, back).restore()
     assert back.jobs["j"].gen.members[1].state is MemberState.LEFT
@@ -131,22 +138,10 @@ def test_a_running_row_whose_members_all_left_once_read_back_restores_ended(
     members, only an ended job expires); it ends, as that last Leave would have ended
     it, and then expires."""
     from rendezvousd.state import liveness
-    from rendezvousd.state.placement import JoinArgs
 
-    sm = RendezvousState()
-    for r in (0, 1):
-        sm.join(JoinArgs.worker("j", 1, 2, 0, r, "h", "", ID if r == 0 else b"", f"i{r}"), 0.0)
-    sm.leave("j", 1, 1, "i1", 1.0)
-    saver = Persister(tmp_path, sm)
-    saver.restore()
-    saver.close()
-    db = sqlite3.connect(tmp_path / "state.db")
-    db.execute(
-        "UPDATE jobs SET detail = json_set(detail, '$.members[1].state', 'LOST', "
-        "'$.members[0].state', 'LEFT')"
+    _written_by_an_older_daemon(
+        tmp_path, "'$.members[1].state', 'LOST', '$.members[0].state', 'LEFT'"
     )
-    db.commit()
-    db.close()
     back = RendezvousState()
     restorer = Persister(tmp_path, back)
     restorer.restore()
