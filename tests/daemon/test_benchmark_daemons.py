@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS = {
     "rpc_cost": ["--calls", "2000000"],
     "soak": ["--duration", "600", "--members", "8"],
+    "generation_churn": ["--generations", "10000000", "--modes", "rank"],
     "rendezvous_scale": ["--ranks", "1024", "--no-anchor"],
     "state_write_latency": ["--big-mb", "1", "--sets", "10000000"],
     "preauth_streams": ["--sockets", "1", "--streams", "10", "--hold-s", "600"],
