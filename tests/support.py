@@ -441,6 +441,51 @@ def pump_bytes(src: socket.socket, dst: socket.socket) -> None:
             dst.shutdown(socket.SHUT_WR)
 
 
+class GatedProxy:
+    """TCP to a daemon, forwarded; ``cut()`` closes every connection so far, and while
+    the gate is shut a new connection waits before it reaches the daemon: a blip whose
+    cut the daemon reads before the client's retry arrives."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self.gate = threading.Event()
+        self.gate.set()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                near, _ = self._server.accept()
+                threading.Thread(target=self._forward, args=(near,), daemon=True).start()
+
+    def _forward(self, near: socket.socket) -> None:
+        if not self.gate.wait(30):
+            near.close()
+            return
+        far = socket.create_connection(("127.0.0.1", self._port))
+        with self._lock:
+            self._sockets += [near, far]
+        for src, dst in ((near, far), (far, near)):
+            threading.Thread(target=pump_bytes, args=(src, dst), daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self.gate.set()
+        self._server.close()
+        self.cut()
+
+
 def launcher_cmd(
     nnodes: int | str,
     node_rank: int | str,

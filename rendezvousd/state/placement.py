@@ -149,21 +149,22 @@ def check(args: JoinArgs, limits: Limits) -> None:
 def returning(job: Job | None, args: JoinArgs) -> bool:
     """Whether the joiner is a retry of a seat in ``job``'s current generation, so that
     its join does not open the next one: a node agent's while its node is listed and not
-    lost; a worker's only in a generation that failed or was aborted (a retried Join of
-    a member stays fenced; the look is a scan of its members).
+    lost; a worker's only in a generation that failed or was aborted, and not lost (a
+    retried Join of a member stays fenced; the look is a scan of its members).
 
-    A node lost is not returning: the agent is alive after all (its JoinNode cut by a
-    connection blip, read as its death, and re-sent by its SDK or by gRPC's retry; or its
-    answer lost with the connection), and answered its generation's PEER_FAILED, it read
-    its own loss, which names it by host alone: torchrun's handler listed "the node
-    joining from <its own host>" among the nodes to replace. It joins the next one."""
+    A seat lost is not returning: its joiner is alive after all (its Join or JoinNode cut
+    by a connection blip, read as its death, and re-sent by its SDK or by gRPC's retry;
+    or its answer lost with the connection), and answered its generation's PEER_FAILED,
+    it read its own loss as a peer's: torchrun's handler listed "the node joining from
+    <its own host>" among the nodes to replace, and a worker was told its own rank
+    failed. It joins the next one."""
     if job is None:
         return False
     if args.local_rank is None:
         node = job.gen.nodes.get(args.instance_id)
         return node is not None and node.state is not _LOST
     return job.state in (JobState.FAILED, JobState.ABORTED) and any(
-        m.instance_id == args.instance_id for m in job.gen.members.values()
+        m.instance_id == args.instance_id and m.state is not _LOST for m in job.gen.members.values()
     )
 
 

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -34,9 +33,9 @@ from tests.daemon.test_blackhole import BlackHoleProxy
 from tests.support import (
     WORKERS,
     DaemonProcess,
+    GatedProxy,
     free_port,
     parallel,
-    pump_bytes,
     scrape,
     spawn_daemon,
     wait_for,
@@ -692,51 +691,6 @@ def test_close_run_closes_a_failed_generation_to_the_nodes_launched_before_it(
         )
 
 
-class _GatedProxy:
-    """TCP to a daemon, forwarded; ``cut()`` closes every connection so far, and while
-    the gate is shut a new connection waits before it reaches the daemon: a blip whose
-    cut the daemon reads before the client's retry arrives."""
-
-    def __init__(self, port: int) -> None:
-        self._port = port
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self._server.getsockname()[1]}"
-        self.gate = threading.Event()
-        self.gate.set()
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                near, _ = self._server.accept()
-                threading.Thread(target=self._forward, args=(near,), daemon=True).start()
-
-    def _forward(self, near: socket.socket) -> None:
-        if not self.gate.wait(30):
-            near.close()
-            return
-        far = socket.create_connection(("127.0.0.1", self._port))
-        with self._lock:
-            self._sockets += [near, far]
-        for src, dst in ((near, far), (far, near)):
-            threading.Thread(target=pump_bytes, args=(src, dst), daemon=True).start()
-
-    def cut(self) -> None:
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for s in sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def close(self) -> None:
-        self.gate.set()
-        self._server.close()
-        self.cut()
-
-
 @pytest.mark.parametrize("call_stream", [True, False])
 def test_a_join_node_cut_while_its_round_forms_joins_the_next_round(
     daemon: DaemonProcess, job_id: str, call_stream: bool
@@ -747,7 +701,7 @@ def test_a_join_node_cut_while_its_round_forms_joins_the_next_round(
     FailedMember carries no instance id), which torchrun's handler listed as "the node
     joining from <its own host>" to replace. The retry now joins the next round. Unary
     too, where gRPC's own retry re-sends the JoinNode, unseen by the SDK."""
-    proxy = _GatedProxy(daemon.port)
+    proxy = GatedProxy(daemon.port)
     cut = RendezvousClient(proxy.endpoint, job_id, token=daemon.token, call_stream=call_stream)
     other = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
     join = {"min_nodes": 2, "max_nodes": 2, "gpus_per_node": 1, "timeout": 30}

@@ -15,16 +15,28 @@ from typing import Any
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import (
     AsyncRendezvousClient,
     DaemonUnavailable,
     KeyNotFound,
     Membership,
+    NotFound,
     RendezvousClient,
+    RendezvousError,
     TopologyMismatch,
 )
 from rendezvousd.client import _calls as steps
-from tests.support import DaemonProcess, free_port, members, spawn_daemon, wait_for, write_token
+from tests.support import (
+    DaemonProcess,
+    GatedProxy,
+    free_port,
+    members,
+    scrape,
+    spawn_daemon,
+    wait_for,
+    write_token,
+)
 
 
 def test_daemon_started_late_still_lets_join_succeed(
@@ -320,3 +332,58 @@ def test_a_reasoned_unavailable_after_a_retry_counts_its_attempts() -> None:
         error = c._s.exhausted("KvSet", 2, last)
     assert error is last and error.attempts == 2
     assert str(error) == "the daemon's storage is failing (after 2 attempts)"
+
+
+@pytest.mark.parametrize("call_stream", [True, False])
+def test_a_join_cut_while_its_generation_forms_joins_the_next_generation(
+    daemon: DaemonProcess, job_id: str, call_stream: bool
+) -> None:
+    """A worker's Join cut by a connection blip while its generation forms: the daemon
+    reads the cut as the worker's death and fails the generation, and the SDK's retry
+    of the same Join (gRPC's own, unary) was answered PeerFailed naming the worker's own
+    rank as the failed peer. The retry now joins the next generation, as a node
+    agent's JoinNode does."""
+    proxy = GatedProxy(daemon.port)
+    cut = RendezvousClient(proxy.endpoint, job_id, token=daemon.token, call_stream=call_stream)
+    other = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    join = {"num_nodes": 2, "gpus_per_node": 1, "local_rank": 0, "timeout": 30}
+    outcome: list[object] = []
+
+    def join_cut() -> None:
+        try:
+            outcome.append(cut.join(node_rank=1, host="cut-host", **join))
+        except RendezvousError as exc:
+            outcome.append(exc)
+
+    def generation() -> tuple[int, int] | None:
+        try:
+            summary = other.get_job().summary
+        except NotFound:
+            return None
+        return summary.generation, summary.state
+
+    try:
+        t = threading.Thread(target=join_cut, daemon=True)
+        t.start()
+        wait_for("the cut rank parked", lambda: generation() == (1, pb.JOB_STATE_FORMING))
+        wait_for("its Join parked", lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] >= 1)
+        proxy.gate.clear()
+        proxy.cut()
+        wait_for("the daemon to read the cut", lambda: generation() == (1, pb.JOB_STATE_FAILED))
+        proxy.gate.set()
+        # The retry first, while the generation it was cut from is the job's latest.
+        wait_for(
+            "the cut rank's retry answered",
+            lambda: bool(outcome) or generation() == (2, pb.JOB_STATE_FORMING),
+            20,
+        )
+        assert not outcome, outcome  # before: PeerFailed naming rank 1, itself
+        m = other.join(node_rank=0, host="other-host", **join)
+        t.join(30)
+        (got,) = outcome
+        assert isinstance(got, Membership), got
+        assert (got.generation, got.rank) == (m.generation, 1) and m.generation == 2
+    finally:
+        cut.close()
+        other.close()
+        proxy.close()

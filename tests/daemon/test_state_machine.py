@@ -655,3 +655,33 @@ def test_a_member_that_never_beat_is_told_apart_from_one_that_went_silent() -> N
     assert causes[0] == "no heartbeat for 5.0 s (worker unreachable)", causes
     assert causes[1].startswith("joined, then sent no heartbeat within 5.0 s"), causes
     assert "start_heartbeat()" in causes[1], causes
+
+
+def test_a_rank_lost_to_its_cut_join_joins_the_next_generation_when_it_comes_back() -> None:
+    """A worker's Join cancelled (a connection blip, read as its death) failed the
+    forming generation; the same Join re-sent (the SDK's retry, or gRPC's) was answered
+    that generation's PEER_FAILED naming its own rank as the failed peer. A lost rank is
+    not a returning one, as a lost node is not: its join opens the next generation."""
+    sm = RendezvousState()
+    a = sm.join(args(0, 1), 0.0)
+    b = sm.join(args(1, 0), 0.0)
+    assert isinstance(a, Parked) and isinstance(b, Parked)
+    sm.cancel_wait(b.waiter, 1.0, timed_out=False)
+    assert sm.jobs["j"].state is JobState.FAILED
+    again = sm.join(args(1, 0), 2.0)
+    assert isinstance(again, Parked), again  # before: PEER_FAILED naming rank 2, itself
+    job = sm.jobs["j"]
+    assert (job.generation, job.state, list(job.gen.members)) == (2, JobState.FORMING, [2])
+
+
+def test_a_survivors_re_sent_join_still_hears_the_loss_of_its_failed_generation() -> None:
+    """A member not lost re-sending its Join (its answer lost with the connection) is
+    returning: it hears the loss that failed the generation it joined."""
+    sm = RendezvousState()
+    a = sm.join(args(0, 1), 0.0)
+    b = sm.join(args(1, 0), 0.0)
+    assert isinstance(a, Parked) and isinstance(b, Parked)
+    sm.cancel_wait(b.waiter, 1.0, timed_out=False)
+    f = fault(sm.join, args(0, 1), 2.0)
+    assert f.reason == "PEER_FAILED" and f.metadata["ranks"] == "2", f
+    assert sm.jobs["j"].generation == 1
