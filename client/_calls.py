@@ -45,6 +45,7 @@ from rendezvousd.client._session import (
     NodeJoinRequest,
     Session,
     StreamWatch,
+    abort_cause,
     check_arg,
     check_keywords,
     check_wait,
@@ -71,6 +72,7 @@ from rendezvousd.client.errors import (
     from_rpc_error,
 )
 from rendezvousd.client.membership import (
+    LOOPBACK_ADDRESS,
     LazyTable,
     Member,
     Membership,
@@ -656,7 +658,7 @@ class Calls:
         if (problem := loopback_conflict(m, address)) is not None:
             # Every rank must hear why, not just this one: abort the job with it.
             with contextlib.suppress(RendezvousError):
-                yield from self.abort(problem, None, 0)
+                yield from self.abort(problem, None, 0, LOOPBACK_ADDRESS)
             raise InvalidRequest(problem, reason="LOOPBACK_ADDRESS", job_id=m.job_id, rank=m.rank)
         return m
 
@@ -839,12 +841,18 @@ class Calls:
         except grpc.RpcError as exc:
             self.s.leave_failed(last, exc)
 
-    def abort(self, reason: str, job_id: str | None, generation: int) -> Steps[int]:
+    def abort(
+        self, reason: str, job_id: str | None, generation: int, cause: str = ""
+    ) -> Steps[int]:
         check_arg("abort", "reason", reason, str)
         check_arg("abort", "job_id", job_id, str | None)
         check_arg("abort", "generation", generation, int, UINT64)
+        check_arg("abort", "cause", cause, str)
         request = pb.AbortJobRequest(
-            job_id=job_id or self.s.job_id, generation=generation, reason=reason
+            job_id=job_id or self.s.job_id,
+            generation=generation,
+            reason=reason,
+            cause=abort_cause(cause),
         )
         response = yield from self.call("AbortJob", request)
         aborted: int = response.generation

@@ -243,6 +243,29 @@ def check_arg(
         raise InvalidRequest(f"{call}() {name}={shown} is not {wanted}")
 
 
+def abort_cause(name: str) -> pb.AbortCause.ValueType:
+    """``abort(cause=...)``'s name as the request's value ("": none)."""
+    if not name:
+        return pb.ABORT_CAUSE_UNSPECIFIED
+    try:
+        return pb.AbortCause.Value(f"ABORT_CAUSE_{name}")
+    except ValueError:
+        known = [n.removeprefix("ABORT_CAUSE_") for n in pb.AbortCause.keys()[1:]]
+        raise InvalidRequest(
+            f'abort() cause={_shown(name)} is not an abort cause: give "" (any abort) or '
+            f"one of {', '.join(known)}"
+        ) from None
+
+
+def abort_cause_name(value: int) -> str:
+    """A JOB_ABORTED event's cause by the name the daemon's error metadata gives it; a
+    cause newer than this SDK by its number."""
+    try:
+        return pb.AbortCause.Name(value).removeprefix("ABORT_CAUSE_")  # type: ignore[arg-type]
+    except ValueError:
+        return str(value)
+
+
 def _fits(value: object, option: Any, span: tuple[int, int]) -> bool:
     origin = get_origin(option)
     if origin in (Union, types.UnionType):  # inside a Sequence[...]
@@ -958,6 +981,9 @@ class Session:
             kind, reason = JobAborted, "JOB_ABORTED"
             message = f"{generation} was aborted: {event.reason}"
             metadata = {"reason": event.reason}
+            if event.abort_cause:
+                # As the daemon's JOB_ABORTED error carries it (Job.generation_fault).
+                metadata["abort_cause"] = abort_cause_name(event.abort_cause)
         else:
             return None
         return kind(

@@ -276,9 +276,11 @@ class AsyncRendezvousClient(steps.ClientBase):
     async def get_job(self, job_id: str | None = None) -> pb.GetJobResponse:
         return await self._run(self._c.get_job(job_id))
 
-    async def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
+    async def abort(
+        self, reason: str, *, job_id: str | None = None, generation: int = 0, cause: str = ""
+    ) -> int:
         """``RendezvousClient.abort``, awaited."""
-        return await self._run(self._c.abort(reason, job_id, generation))
+        return await self._run(self._c.abort(reason, job_id, generation, cause))
 
     async def close_run(self, reason: str, *, generation: int = 0) -> bool:
         """``RendezvousClient.close_run``, awaited."""

@@ -196,6 +196,13 @@ class JobAborted(RendezvousError):
     def abort_reason(self) -> str:
         return self.metadata.get("reason", "")
 
+    @property
+    def abort_cause(self) -> str:
+        """What the abort is, as data (``abort(cause=...)``): "" for any abort (and from
+        a daemon before causes), else its name, e.g. "LOOPBACK_ADDRESS". Act on this,
+        never on ``abort_reason``'s words, which any caller of abort() chooses."""
+        return self.metadata.get("abort_cause", "")
+
 
 class JobEnded(RendezvousError):
     """Every member left the job's generation."""

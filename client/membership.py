@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import functools
-import re
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.client.errors import InvalidRequest, ProtocolError
+from rendezvousd.client.errors import InvalidRequest, JobAborted, ProtocolError
 from rendezvousd.common import member_table
 from rendezvousd.common.address import is_loopback
 from rendezvousd.common.members import MemberInfo, Seat
 from rendezvousd.errors import shown
 
 __all__ = [
+    "LOOPBACK_ADDRESS",
     "LazyTable",
     "Member",
     "Membership",
@@ -224,13 +224,9 @@ LOOPBACK_ADVICE = (
     "(rendezvousd.trainer: unset RENDEZVOUSD_RING_HOST, and workers advertise their "
     "address towards the daemon)"
 )
-# The shape of loopback_conflict's sentence, whatever its advice's words: the reason a
-# node that advertised loopback aborts the job with, which its peers tell from others.
-_LOOPBACK_SAID = re.compile(
-    r"rank \d+ on host .* advertises the loopback address .*, but job .* also has ranks "
-    r"on .*, which cannot reach it\. Advertise an address of ",
-    re.DOTALL,
-)
+#: The abort cause (``abort(cause=...)``, the proto's ABORT_CAUSE_LOOPBACK_ADDRESS) a
+#: rank or node that advertised loopback aborts its job with: what its peers act on.
+LOOPBACK_ADDRESS = "LOOPBACK_ADDRESS"
 
 
 def loopback_conflict(m: Membership, address: str) -> str | None:
@@ -253,8 +249,11 @@ def loopback_conflict(m: Membership, address: str) -> str | None:
     )
 
 
-def loopback_refused(reason: str) -> bool:
-    """Whether an abort's ``reason`` is ``loopback_conflict``'s: a setup error of the
-    rank it names, which no restart of any node changes. Its peers hear only the abort:
-    each checking every member's address would fetch the whole table at every join."""
-    return _LOOPBACK_SAID.match(reason) is not None
+def loopback_refused(error: JobAborted) -> bool:
+    """Whether an abort is ``loopback_conflict``'s: a setup error of the rank it names,
+    which no restart of any node changes. Its peers hear only the abort (each checking
+    every member's address would fetch the whole table at every join), and tell it by
+    its cause, as data: matched on its words, any abort reason of that shape ended
+    them. An abort by an agent, or through a daemon, from before causes has none: its
+    peers take it as any abort (they restart, and wait for the refusing node)."""
+    return error.abort_cause == LOOPBACK_ADDRESS

@@ -343,10 +343,14 @@ class RendezvousClient(steps.ClientBase):
             self._stop_heartbeat()
             self._forget()
 
-    def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
+    def abort(
+        self, reason: str, *, job_id: str | None = None, generation: int = 0, cause: str = ""
+    ) -> int:
         """Abort the job's current generation, or only ``generation`` (a generation
-        already replaced is left alone); returns the generation aborted."""
-        return self._run(self._c.abort(reason, job_id, generation))
+        already replaced is left alone); returns the generation aborted. ``cause``:
+        what the abort is, as data its peers read (``JobAborted.abort_cause``), where
+        ``reason`` is its words: "" (any abort) or "LOOPBACK_ADDRESS"."""
+        return self._run(self._c.abort(reason, job_id, generation, cause))
 
     def close_run(self, reason: str, *, generation: int = 0) -> bool:
         """Close the job's run for good: ``generation`` (0: the current one) is aborted

@@ -486,6 +486,16 @@ class GatedProxy:
         self.cut()
 
 
+# loopback_conflict's sentence, word for word (what peers of a loopback refusal matched,
+# before its abort carried its cause): an abort reason any caller may write.
+LOOPBACK_SENTENCE = (
+    "rank 0 on host 'h1' advertises the loopback address '127.0.0.1', but job 'j' also "
+    "has ranks on 'h2', which cannot reach it. Advertise an address of 'h1' that the "
+    "other hosts can reach (rendezvousd.trainer: unset RENDEZVOUSD_RING_HOST, and "
+    "workers advertise their address towards the daemon)"
+)
+
+
 def launcher_cmd(
     nnodes: int | str,
     node_rank: int | str,

@@ -84,6 +84,24 @@ class JoinMode(enum.Enum):
         return cls.NODE if node else cls.RANK
 
 
+class AbortCause(enum.Enum):
+    """Why an abort ended a generation, as data beside its reason's words (the proto's
+    ``AbortCause``, its names without the prefix): what a peer acts on, since any
+    caller of AbortJob chooses the words."""
+
+    UNSPECIFIED = 0
+    LOOPBACK_ADDRESS = 1
+
+    @classmethod
+    def of(cls, value: int) -> AbortCause:
+        """A request's value; one this daemon does not know (a newer client's) is an
+        abort like any other, as an older daemon takes it."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+
 class EventKind(enum.Enum):
     PEER_FAILED = 1
     JOB_ABORTED = 2
@@ -147,6 +165,7 @@ class Notify:
     failed: tuple[FailedInfo, ...] = ()
     reason: str = ""
     nodes_waiting: int = 0
+    abort_cause: AbortCause = AbortCause.UNSPECIFIED
 
 
 @dataclass(frozen=True)

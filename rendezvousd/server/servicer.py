@@ -22,6 +22,7 @@ from rendezvousd.common.calls import SERVED_METADATA
 from rendezvousd.common.escape import quoted
 from rendezvousd.common.model import (
     FORGOTTEN,
+    AbortCause,
     Effect,
     JobState,
     JobView,
@@ -491,7 +492,12 @@ class RendezvousServicer:
 
     async def AbortJob(self, request: pb.AbortJobRequest, context: Any) -> pb.AbortJobResponse:
         generation = self.state.abort(
-            request.job_id, request.generation, request.reason, _now(), close=request.close
+            request.job_id,
+            request.generation,
+            request.reason,
+            _now(),
+            close=request.close,
+            cause=AbortCause.of(request.cause),
         )
         closed = request.close and self.state.jobs[request.job_id].closed is not None
         await self._durably(request.job_id, self.state.take_effects())

@@ -66,6 +66,7 @@ class HeartbeatStreams:
             failed=[failed_member(f, now) for f in effect.failed],
             reason=effect.reason,
             nodes_waiting=effect.nodes_waiting,
+            abort_cause=pb.AbortCause.ValueType(effect.abort_cause.value),
         )
         for who in effect.to:
             stream = self._open.get((effect.job_id, effect.generation, effect.mode, who))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from rendezvousd.common.model import (
+    AbortCause,
     FailedInfo,
     JobFailure,
     JobState,
@@ -217,6 +218,8 @@ class Generation:
     unique_id: bytes | None = None
     failed: list[FailedInfo] = field(default_factory=list)
     abort_reason: str = ""
+    # What the abort is, as data (AbortJobRequest.cause): what its peers act on.
+    abort_cause: AbortCause = AbortCause.UNSPECIFIED
     barriers: dict[str, BarrierState] = field(default_factory=dict)
     # The Persister keeps the last committed generation's store, to put back should
     # opening the next one be undone by a failed commit.
@@ -563,6 +566,7 @@ class Job:
                 Reason.JOB_ABORTED,
                 f"{self.named} was aborted: {self.gen.abort_reason}",
                 reason=self.gen.abort_reason,
+                **_cause(self.gen.abort_cause),
             )
         if self.state is JobState.ENDED:
             return self.fault(
@@ -603,3 +607,9 @@ def _topology_text(topology: tuple[int, ...]) -> tuple[str, str]:
         return f"nodes {low}:{high} x gpus_per_node={gpus}", f"{low}:{high}x{gpus}"
     num_nodes, gpus = topology
     return f"num_nodes={num_nodes} gpus_per_node={gpus}", f"{num_nodes}x{gpus}"
+
+
+def _cause(cause: AbortCause) -> dict[str, str]:
+    """An abort's cause in a JOB_ABORTED fault's metadata: absent for an abort like any
+    other, as from a daemon before causes."""
+    return {} if cause is AbortCause.UNSPECIFIED else {"abort_cause": cause.name}

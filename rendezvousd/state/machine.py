@@ -20,7 +20,15 @@ from collections.abc import Iterator
 from rendezvousd.common import validation
 from rendezvousd.common.escape import quoted
 from rendezvousd.common.limits import Limits, Timing
-from rendezvousd.common.model import Effect, EventKind, JobState, JobView, MemberInfo, Parked
+from rendezvousd.common.model import (
+    AbortCause,
+    Effect,
+    EventKind,
+    JobState,
+    JobView,
+    MemberInfo,
+    Parked,
+)
 from rendezvousd.errors import Code, Reason
 from rendezvousd.state import barriers, fences, joins, kv, liveness, rounds, seats, waits
 from rendezvousd.state.calls import Calls
@@ -191,11 +199,20 @@ class RendezvousState:
             self.calls.wake(w, value)
 
     def abort(
-        self, job_id: str, generation: int, reason: str, now: float, *, close: bool = False
+        self,
+        job_id: str,
+        generation: int,
+        reason: str,
+        now: float,
+        *,
+        close: bool = False,
+        cause: AbortCause = AbortCause.UNSPECIFIED,
     ) -> int:
         """Abort the job's generation (a terminal one is left as it is); ``close``: and
         close the job's run, which node agents launched before now are then refused
-        (``joins.launched_before_close``), the failed generation's survivors too."""
+        (``joins.launched_before_close``), the failed generation's survivors too.
+        ``cause``: what the abort is, told with it as data (its peers act on it, never
+        on the reason's words)."""
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
         job = seats.find_job(self, job_id)
         if generation not in (0, job.generation):
@@ -204,9 +221,12 @@ class RendezvousState:
             job.closed = Closed(now, reason or "closed by request", job.generation)
         if job.state in (JobState.FORMING, JobState.RUNNING):
             job.gen.abort_reason = reason or "aborted by request"
+            job.gen.abort_cause = cause
             rounds.set_state(self, job, JobState.ABORTED, now, job.gen.abort_reason)
             rounds.fail_waiters(self, job)
-            rounds.notify(self, job, EventKind.JOB_ABORTED, reason=job.gen.abort_reason)
+            rounds.notify(
+                self, job, EventKind.JOB_ABORTED, reason=job.gen.abort_reason, abort_cause=cause
+            )
         return job.generation
 
     def drain(self) -> None:

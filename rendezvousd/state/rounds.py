@@ -11,6 +11,7 @@ from rendezvousd.common import validation
 from rendezvousd.common.escape import bounded, shortened
 from rendezvousd.common.model import (
     NEVER_ATTACHED,
+    AbortCause,
     EventKind,
     FailedInfo,
     JobFailure,
@@ -305,6 +306,7 @@ def notify(
     *,
     skip: int | None = None,
     nodes_waiting: int = 0,
+    abort_cause: AbortCause = AbortCause.UNSPECIFIED,
 ) -> None:
     # Attendees hear it on their streams: a node agent's covers its ranks, which
     # have none of their own.
@@ -324,6 +326,7 @@ def notify(
                 tuple(job.gen.failed),
                 reason,
                 nodes_waiting,
+                abort_cause,
             )
         )
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from rendezvousd.common import validation
 from rendezvousd.common.model import (
+    AbortCause,
     FailedInfo,
     JobFailure,
     JobState,
@@ -104,6 +105,12 @@ def job_record(job: Job) -> dict[str, Any]:
             }
         ),
         "abort_reason": job.gen.abort_reason,
+        # Absent when none (and in older rows): an older daemon reads the row as before.
+        **(
+            {}
+            if job.gen.abort_cause is AbortCause.UNSPECIFIED
+            else {"abort_cause": job.gen.abort_cause.name}
+        ),
         # Why a forming generation failed with no member lost (a joiner's topology or
         # version): what GetJob and the status page show, and what late joiners are
         # told within a heartbeat timeout of it. Absent when none (and in older rows).
@@ -416,6 +423,10 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
             _unix_time(last, "at_unix", now),
         )
     job.gen.abort_reason = _str(raw, "abort_reason")
+    if "abort_cause" in raw:
+        # A newer daemon's cause this one does not know: an abort like any other.
+        name = _str(raw, "abort_cause")
+        job.gen.abort_cause = AbortCause.__members__.get(name, AbortCause.UNSPECIFIED)
     job.gen.conflict = _conflict(raw)
     job.gen.barriers = {
         str(n): BarrierState(completed=_int({"completed": c}, "completed", 0, MAX_COUNTER))

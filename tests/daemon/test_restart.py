@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
-from rendezvousd.common.model import JobState, JoinResult, Parked, Transition
+from rendezvousd.common.model import AbortCause, JobState, JoinResult, Parked, Transition
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage import snapshot
@@ -95,6 +95,34 @@ def test_a_per_rank_row_written_before_join_bounds_restores_and_keeps_its_topolo
         other.join(JoinArgs.worker("j", 2, 2, 1, 0, "h2", "", b"", "x"), 2.0)
     assert wider.value.reason == "TOPOLOGY_MISMATCH"
     assert wider.value.metadata["topology"] == "1x2"
+
+
+def test_an_aborts_cause_is_told_with_it_and_kept_across_a_restart(tmp_path: Path) -> None:
+    """The JOB_ABORTED fault carries the abort's cause as data (metadata abort_cause),
+    before and after a restart; an abort without one carries none, as an older row."""
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 0.0)
+    sm.join(_args(1), 0.0)
+    sm.abort("j", 1, "any words", 1.0, cause=AbortCause.LOOPBACK_ADDRESS)
+    for state in (sm, _roundtrip(sm, tmp_path)):
+        with pytest.raises(RendezvousFault) as info:
+            state.barrier("j", 1, 1, "b", 1, 2.0, instance_id="i1")
+        assert info.value.reason == "JOB_ABORTED", info.value
+        assert info.value.metadata["abort_cause"] == "LOOPBACK_ADDRESS", info.value.metadata
+    record = snapshot.job_record(sm.jobs["j"])
+    assert record["abort_cause"] == "LOOPBACK_ADDRESS"
+    # A row a newer daemon wrote with a cause this one does not know: an abort like any.
+    newer = RendezvousState()
+    snapshot.restore_job(newer, record | {"abort_cause": "SOMETHING_NEWER"}, {}, 1.0)
+    assert newer.jobs["j"].gen.abort_cause is AbortCause.UNSPECIFIED
+    plain = RendezvousState()
+    plain.join(_args(0, uid=ID), 0.0)
+    plain.join(_args(1), 0.0)
+    plain.abort("j", 1, "any words", 1.0)
+    assert "abort_cause" not in snapshot.job_record(plain.jobs["j"])
+    with pytest.raises(RendezvousFault) as info:
+        plain.barrier("j", 1, 1, "b", 1, 2.0, instance_id="i1")
+    assert info.value.reason == "JOB_ABORTED" and "abort_cause" not in info.value.metadata
 
 
 def test_restored_running_job_takes_back_only_its_own_id(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient, RendezvousError
 from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
 from tests.support import (
+    LOOPBACK_SENTENCE,
     ROOT,
     WORKERS,
     DaemonProcess,
@@ -1163,3 +1164,29 @@ def test_a_verdict_naming_this_nodes_own_report_first_is_told_as_its_workers_fai
     assert "this node was lost" not in said, said
     assert "failed first, with RuntimeError: the worker's own failure" in said, said
     assert "stopping this node's workers: PeerFailed" in said, said
+
+
+def test_an_abort_in_the_loopback_refusals_words_without_its_cause_is_restarted(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A node agent told the loopback refusal by its abort's words ended on any abort
+    of that shape with exit 2, as a setup error no restart changes, its restarts
+    unused. Now only the abort's cause says so (tests/multihost: the real refusal still
+    ends every node with exit 2); this one is restarted as any abort is."""
+    d = start_daemon()
+    (node,) = _nodes(d, job_id, tmp_path, 1, ["--max-restarts", "1"], ["--steps", "60"])
+    try:
+        wait_for(
+            "rank 1 to train",
+            lambda: any(e["rank"] == 1 and e["step"] >= 5 for e in node.events("step")),
+            timeout=60,
+        )
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+            c.abort(LOOPBACK_SENTENCE)
+        code = node.wait()
+    finally:
+        _cleanup([node])
+    err = node.stderr()
+    assert code == 0, err  # before: 2, "... no restart can change that"
+    assert "no restart can change that" not in err, err
+    assert sorted(e["rank"] for e in node.events("ready") if e["restart_count"] == 1) == [0, 1]

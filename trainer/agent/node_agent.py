@@ -39,6 +39,7 @@ from rendezvousd.client.errors import (
     VersionMismatch,
 )
 from rendezvousd.client.membership import (
+    LOOPBACK_ADDRESS,
     NodeMembership,
     loopback_conflict,
     loopback_refused,
@@ -385,7 +386,7 @@ class NodeAgent:
             # exit 2 as a bad setting: it exited 1, as a worker's failure does.
             problem = launchers_text(conflict)
             with contextlib.suppress(RendezvousError):
-                self.client.abort(problem, generation=m.generation)
+                self.client.abort(problem, generation=m.generation, cause=LOOPBACK_ADDRESS)
             self._end_generation(final=True)
             self.note(f"error: {problem}")
             return Failure(
@@ -934,7 +935,7 @@ class NodeAgent:
             self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
             # Its host and cause are the stray's own text: shown escaped.
             return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
-        if isinstance(error, JobAborted) and loopback_refused(error.abort_reason):
+        if isinstance(error, JobAborted) and loopback_refused(error):
             # Another node's loopback ring address: its setup's error, which it exits 2
             # on. A restart here would wait out the join's timeout for that node.
             setup = Failure(gen, cause, rank, host, exit_status=SETUP_ERROR_EXIT, fatal=True)

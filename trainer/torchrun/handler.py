@@ -153,7 +153,7 @@ from rendezvousd.client.connection import (
     TLS_SWAP_ADVICE,
 )
 from rendezvousd.client.errors import TOKEN_ADVICE
-from rendezvousd.client.membership import NodeMembership
+from rendezvousd.client.membership import LOOPBACK_ADDRESS, NodeMembership
 from rendezvousd.client.warnings_said import say_client_warnings
 from rendezvousd.common.address import AddressError, UnresolvedHost, is_loopback, route_source
 from rendezvousd.common.env_names import unknown_names
@@ -714,7 +714,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 # by default), nothing naming why. Every node hears it, as under
                 # rendezvous-run (a torchrun user's review).
                 with contextlib.suppress(RendezvousError):
-                    self._client.abort(problem, generation=node.generation)
+                    self._client.abort(problem, generation=node.generation, cause=LOOPBACK_ADDRESS)
                 raise torch_rdzv.RendezvousError(f"{self._what()}: {problem}")
             self._client.start_heartbeat(on_failure=self._heard_failure)
             self._store_client.attach(node.membership_for(0), node.member_instance_id(0))

@@ -68,6 +68,34 @@ JOB_STATE_ENDED: JobState.ValueType  # 5
 """Every member left."""
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
+class _AbortCause:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AbortCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AbortCause.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ABORT_CAUSE_UNSPECIFIED: _AbortCause.ValueType  # 0
+    """An abort like any other: the caller's reason says why."""
+    ABORT_CAUSE_LOOPBACK_ADDRESS: _AbortCause.ValueType  # 1
+    """A rank (or a node's workers) advertised a loopback address in a job with ranks
+    on other hosts, which cannot reach it: a setup error no restart changes, which
+    node agents end on (rendezvous-run exits 2 on every node).
+    """
+
+class AbortCause(_AbortCause, metaclass=_AbortCauseEnumTypeWrapper):
+    """Why an abort ended a generation, as data, beside its reason's words: a peer acts
+    on it without reading the text, which any caller of AbortJob chooses.
+    """
+
+ABORT_CAUSE_UNSPECIFIED: AbortCause.ValueType  # 0
+"""An abort like any other: the caller's reason says why."""
+ABORT_CAUSE_LOOPBACK_ADDRESS: AbortCause.ValueType  # 1
+"""A rank (or a node's workers) advertised a loopback address in a job with ranks
+on other hosts, which cannot reach it: a setup error no restart changes, which
+node agents end on (rendezvous-run exits 2 on every node).
+"""
+Global___AbortCause: _TypeAlias = AbortCause  # noqa: Y015
+
 class _MemberState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1273,6 +1301,7 @@ class JobEvent(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     NODES_WAITING_FIELD_NUMBER: _builtins.int
     STREAM_LEAVE_FIELD_NUMBER: _builtins.int
+    ABORT_CAUSE_FIELD_NUMBER: _builtins.int
     kind: Global___JobEvent.Kind.ValueType
     job_id: _builtins.str
     generation: _builtins.int
@@ -1281,6 +1310,10 @@ class JobEvent(_message.Message):
     stream_leave: _builtins.bool
     """On the attach's HEARTBEAT_ACK: this daemon takes HeartbeatRequest.leave on
     this stream (absent from an older daemon: leave with the Leave call).
+    """
+    abort_cause: Global___AbortCause.ValueType
+    """On JOB_ABORTED: the abort's AbortJobRequest.cause (UNSPECIFIED from an older
+    daemon, or for an abort that named none).
     """
     @_builtins.property
     def failed(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedMember]: ...
@@ -1294,10 +1327,11 @@ class JobEvent(_message.Message):
         reason: _builtins.str = ...,
         nodes_waiting: _builtins.int = ...,
         stream_leave: _builtins.bool = ...,
+        abort_cause: Global___AbortCause.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "nodes_waiting", b"nodes_waiting", "reason", b"reason", "stream_leave", b"stream_leave"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_cause", b"abort_cause", "failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "nodes_waiting", b"nodes_waiting", "reason", b"reason", "stream_leave", b"stream_leave"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1384,6 +1418,7 @@ class AbortJobRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     """0 = the current generation."""
@@ -1398,6 +1433,12 @@ class AbortJobRequest(_message.Message):
     timeout for nodes that will not come. A node launched after it starts a new
     run. Not stored: a daemon restart forgets it.
     """
+    cause: Global___AbortCause.ValueType
+    """What the abort is, as data (reason is its words): told to every member with
+    the abort (JobEvent.abort_cause; the JOB_ABORTED error's ErrorInfo metadata
+    abort_cause, the name without its prefix: LOOPBACK_ADDRESS) and kept with the
+    generation. An older daemon ignores it; an unknown value is kept as UNSPECIFIED.
+    """
     def __init__(
         self,
         *,
@@ -1405,10 +1446,11 @@ class AbortJobRequest(_message.Message):
         generation: _builtins.int = ...,
         reason: _builtins.str = ...,
         close: _builtins.bool = ...,
+        cause: Global___AbortCause.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "generation", b"generation", "job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "close", b"close", "generation", b"generation", "job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
