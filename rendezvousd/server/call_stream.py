@@ -37,6 +37,13 @@ Handler = Callable[[Any, Any], Awaitable[Any]]
 _REPLY_FIELDS = {f.name: f.number for f in pb.Reply.DESCRIPTOR.fields}
 _ERROR_FIELD = _REPLY_FIELDS["error"]
 _CANCEL = "cancel"
+# What a call's task is cancelled with when its caller sent ``cancel``: the caller is
+# alive (a dead one's stream ends instead), so a parked join it gave up frees its seat
+# as its deadline would, rather than fail the forming generation as a dead joiner's
+# (``Servicer._settle``). Before, a blocking client's Ctrl-C, whose cancel reaches the
+# daemon alone, moved a lone worker's job one generation on per retry, where the
+# asyncio client's, sent with the retry in one batch, kept it (a twins scenario).
+GIVEN_UP = "cancelled by its caller on the call stream"
 # A ReplyBatch holds the replies ready while they fit in this many bytes (one larger
 # reply goes alone): well under a client's default 4 MiB receive limit, and big enough
 # that a burst of small replies (KvGet, Barrier: tens of bytes each) goes as one.
@@ -397,7 +404,7 @@ class CallStream:
                     if released is not None:
                         # The retry parked (or was answered) first: the cancelled join
                         # ends with its seat held by the retry, not as a dead joiner.
-                        released[1].cancel()
+                        released[1].cancel(GIVEN_UP)
         except asyncio.CancelledError:
             if not self._reading_stopped:
                 raise
@@ -443,11 +450,10 @@ class CallStream:
                 # failed the forming generation as a dead joiner's.
                 held[id(retry)] = (retry, task)
                 return
-            task.cancel()
+            task.cancel(GIVEN_UP)
             # Its end before the next call is decided: a cancelled Join frees its seat
-            # (failing its forming generation) as it ends, and a client's re-join under
-            # a new identity, often in this same batch, was refused DuplicateRank by
-            # its own cancelled seat. One turn or two of the loop; bounded, for a
+            # as it ends, and a client's re-join under a new identity, often in this
+            # same batch, was refused DuplicateRank by its own cancelled seat. One turn or two of the loop; bounded, for a
             # handler that outlives its cancel.
             await asyncio.wait((task,), timeout=CANCEL_SETTLE_S)
             return

@@ -36,7 +36,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
-from rendezvousd.server.call_stream import DAEMON_BUG, CallStream, method_fields
+from rendezvousd.server.call_stream import DAEMON_BUG, GIVEN_UP, CallStream, method_fields
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
@@ -227,10 +227,11 @@ class RendezvousServicer:
         )
         try:
             return await future
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as cancelled:
             # The caller went away (process death, dropped connection): the future
-            # was cancelled with the call.
-            self.state.cancel_wait(waiter, _now(), timed_out=False)
+            # was cancelled with the call. Or it said it gave up (``GIVEN_UP``).
+            given_up = GIVEN_UP in cancelled.args
+            self.state.cancel_wait(waiter, _now(), timed_out=False, given_up=given_up)
             self.apply()
             raise
         finally:

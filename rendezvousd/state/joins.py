@@ -568,9 +568,11 @@ def publish_id(
 
 
 def cancel_wait(
-    sm: RendezvousState, waiter: int, now: float, *, timed_out: bool
+    sm: RendezvousState, waiter: int, now: float, *, timed_out: bool, given_up: bool = False
 ) -> RendezvousFault | None:
-    """A parked call ended without a wake (deadline, cancel). Returns its fault."""
+    """A parked call ended without a wake (deadline, cancel). Returns its fault.
+    ``given_up``: cancelled by a caller that said so (a call stream's ``cancel``), not
+    by its death."""
     w = sm.calls.unpark(waiter)
     if w is None:
         return None
@@ -585,7 +587,7 @@ def cancel_wait(
     if job.generation != w.generation:
         return None
     if w.kind is _JOIN:
-        return join_wait_ended(sm, job, waiter, waited, now, timed_out=timed_out)
+        return join_wait_ended(sm, job, waiter, waited, now, timed_out=timed_out, given_up=given_up)
     if w.kind is waits.WaitKind.BARRIER:
         return barriers.timed_out(job, w.key, w.rank, waiter, waited)
     return waits.key_wait_timeout(job, w.key, waiter, waited)
@@ -610,12 +612,20 @@ def _scaleup_wait_ended(
 
 
 def join_wait_ended(
-    sm: RendezvousState, job: Job, waiter: int, waited: str, now: float, *, timed_out: bool
+    sm: RendezvousState,
+    job: Job,
+    waiter: int,
+    waited: str,
+    now: float,
+    *,
+    timed_out: bool,
+    given_up: bool = False,
 ) -> RendezvousFault | None:
     """A parked join ended unanswered. At its deadline the joiner gives up: its seat is
-    freed, and it is told what the world still lacks. Cancelled (its process died or
-    disconnected), it fails the forming generation at once, unless a retry of it is
-    parked still."""
+    freed, and it is told what the world still lacks. Cancelled by a joiner that said
+    it gave up (``given_up``: alive, it may send the join again), its seat is freed
+    too. Cancelled otherwise (its process died or disconnected), it fails the forming
+    generation at once. Either, unless a retry of it is parked still."""
     key = job.gen.join_waiters.pop(waiter, None)
     seat = None if key is None else job.seat(key)
     if timed_out:
@@ -624,6 +634,9 @@ def join_wait_ended(
             unseat(sm, job, seat, now)
         return fault
     if seat is None or job.state is not JobState.FORMING or key in job.gen.join_waiters.values():
+        return None
+    if given_up:
+        unseat(sm, job, seat, now)
         return None
     rounds.joiner_died(sm, job, seat, placement.cancelled(job, seat, now), now)
     return None

@@ -488,12 +488,9 @@ def joins_given_up_as_they_wait(w: World, twin: Twin, times: int, **request: Any
     holds it parked, and the next sent at once: Ctrl-C in the blocking client (a
     signal to the process, as a terminal sends it), the task cancelled in the asyncio
     client (as ``asyncio.timeout()`` does), its next join in the same coroutine.
-    Whether each was given up. A given-up join that was parked fails its forming
-    generation (as a joiner that died does), so join ``i`` parks in generation i+1,
-    unless its cancel reached the daemon with the retry (the asyncio client's batch):
-    the retry, the same join, kept the seat and the generation. Join ``i`` is parked
-    once ``i`` joins ended cancelled and one is parked in a forming generation (a
-    cancelled join ends after its retry parked, or fails its generation as it ends)."""
+    Whether each was given up. Join ``i`` is parked once ``i`` joins ended cancelled
+    and one is parked in a forming generation (a cancelled join ends after its retry
+    parked, or frees its seat, or fails its generation, as it ends)."""
     inspector = RendezvousClient(w.daemon.endpoint, w.job_id, token=w.daemon.token)
     cancelled = 'rendezvousd_rpc_duration_seconds_count{code="CANCELLED",method="Join"}'
     before = scrape(w.daemon.metrics_url).get(cancelled, 0.0)
@@ -573,17 +570,29 @@ def a_join_given_up_as_it_waits_is_retried_at_once(w: World) -> object:
     """A lone worker giving up its join (``asyncio.timeout()``, Ctrl-C) and joining
     again at once: the daemon decided the retry, sent in the call stream's batch after
     the cancel, before the cancelled join had freed its seat, and refused it
-    DuplicateRank, a permanent error, every other attempt. The job then forms, in one
-    generation: which depends on how many give-ups failed theirs (Ctrl-C: each, its
-    cancel read before the retry was sent; asyncio: the last alone, its cancel sent
-    with no retry after it)."""
-    c, peer = w.client(), w.client()
-    join = {"num_nodes": 1, "gpus_per_node": 2, "node_rank": 0, "timeout": 30}
-    outcomes = joins_given_up_as_they_wait(w, c, 4, local_rank=0, **join)
-    ms = all_of(
-        parallel([lambda: c.join(local_rank=0, **join), lambda: peer.join(local_rank=1, **join)])
-    )
-    return outcomes, [m.rank for m in ms], len({m.generation for m in ms})
+    DuplicateRank, a permanent error, every other attempt. The job then forms, in
+    generation 1: a join given up on the call stream frees its seat, as its deadline
+    would, and its retry takes it again. It formed in generation 5 for the blocking
+    client (each Ctrl-C's cancel, read alone, failed its generation as a dead joiner's)
+    and 2 for the asyncio one (only the last cancel went without its retry). Unary
+    (``call_stream=False``), a cancelled call is all the daemon sees, as of a process
+    that died: each give-up fails its generation, alike for both clients."""
+    outcomes = []
+    join: dict[str, Any] = {"num_nodes": 1, "gpus_per_node": 2, "node_rank": 0, "timeout": 30}
+    for options in ({}, {"call_stream": False}):
+        w.job_id += "-u" if options else ""
+        c, peer = w.client(**options), w.client(**options)
+        gave = joins_given_up_as_they_wait(w, c, 4, local_rank=0, **join)
+        ms = all_of(
+            parallel(
+                [
+                    lambda t=t, r=r: t.join(local_rank=r, **join)  # type: ignore[misc]
+                    for r, t in enumerate((c, peer))
+                ]
+            )
+        )
+        outcomes.append((gave, [m.rank for m in ms], [m.generation for m in ms]))
+    return outcomes
 
 
 def a_rejoin_right_after_an_abort_reaches_the_daemon(w: World) -> object:
@@ -1314,7 +1323,7 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     ),
     "a join given up as it waits, retried at once": (
         a_join_given_up_as_it_waits_is_retried_at_once,
-        ([True] * 4, [0, 1], 1),
+        [([True] * 4, [0, 1], [1, 1]), ([True] * 4, [0, 1], [5, 5])],
     ),
     "a re-join right after an abort": (
         a_rejoin_right_after_an_abort_reaches_the_daemon,

@@ -4,7 +4,9 @@ its cancelled join's cancel (asyncio.timeout around join(), retried at once) was
 refused DuplicateRank by the seat its own cancelled join still held (every other
 attempt). A retry of the cancelled join itself (its instance id: the SDK's resume of
 a join it gave up) in that batch parks before the cancelled join ends, which then
-fails nobody. Raw gRPC against a real daemon process."""
+fails nobody. A cancel sent alone frees the join's seat, as the join's deadline does:
+the caller sent it, so it is alive (a dead one's stream ends, which fails the forming
+generation). Raw gRPC against a real daemon process."""
 
 from __future__ import annotations
 
@@ -55,10 +57,10 @@ def test_a_join_in_the_batch_of_a_cancel_finds_the_cancelled_seat_free(
             # Another id: a failed generation's id is used (ID_REUSED for a new one).
             s.send(2, "join", _rank_zero(job_id, "second", 300, 6), timeout_ms=5_300)
         got = status_of(s.reply(2))
-        # Not DUPLICATE_RANK: the cancelled joiner's seat was free (its cancellation,
-        # a dead joiner's, failed generation 1), so the re-join waited in generation 2
-        # for the missing rank until its own wait ended.
-        assert (_reason(got), "generation 2" in got.message) == ("WORLD_INCOMPLETE", True), got
+        # Not DUPLICATE_RANK: the cancelled joiner's seat was free (its caller gave it
+        # up, as at its deadline), so the re-join waited in generation 1 for the
+        # missing rank until its own wait ended.
+        assert (_reason(got), "generation 1" in got.message) == ("WORLD_INCOMPLETE", True), got
         assert 1 not in s.order()
     finally:
         s.close()
@@ -102,3 +104,40 @@ def test_a_retry_of_the_cancelled_join_in_its_batch_keeps_the_generation(
     finally:
         for stream in (s, early, late):
             stream.close()
+
+
+def test_a_cancel_alone_frees_the_seat_and_fails_nobody(daemon: DaemonProcess, job_id: str) -> None:
+    """Ctrl-C in the blocking client's join: its cancel goes alone, the retry later.
+    The cancel failed generation 1 as a dead joiner's (the peer parked was answered
+    PEER_FAILED), and each such retry moved the job one generation on; the asyncio
+    client's cancel, sent with its retry, kept it (client/test_twins.py)."""
+    s = Stream(daemon, method="CallBatches")
+    peer = Stream(daemon, method="CallBatches")
+    try:
+        waiters = scrape(daemon.metrics_url)["rendezvousd_waiters"]
+        # A world of 3: rank 2 comes once the retry is in. Rank 1 gives up (rank 0's
+        # id leaves with its seat, and its retry would be refused ID_REUSED).
+        peer.send(1, "join", _rank_zero(job_id, "zero", 30_000, 5, 3), timeout_ms=35_000)
+        one = _rank_zero(job_id, "one", 30_000, 0, 3, 1)
+        s.send(1, "join", one, timeout_ms=35_000)
+        wait_for(
+            "both parked",
+            lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] == waiters + 2,
+        )
+        s.send(1, "cancel", pb.CancelCall())
+        # The cancel was read: the stream reads its next call only after it.
+        s.send(2, "get_job", pb.GetJobRequest(job_id=job_id))
+        job = s.reply(2).get_job
+        assert (job.summary.generation, [m.member.rank for m in job.members]) == (1, [0])
+        s.send(3, "join", one, timeout_ms=35_000)  # the retry, later: the same join
+        s.send(4, "get_job", pb.GetJobRequest(job_id=job_id))  # read once the retry ran
+        assert s.reply(4).WhichOneof("response") == "get_job"
+        peer.send(2, "join", _rank_zero(job_id, "two", 30_000, 0, 3, 2), timeout_ms=35_000)
+        for stream, call_id in ((peer, 1), (s, 3), (peer, 2)):
+            answer = stream.reply(call_id)
+            assert answer.WhichOneof("response") == "join", _reason(status_of(answer))
+            assert answer.join.generation == 1
+        assert 1 not in s.order()
+    finally:
+        s.close()
+        peer.close()
