@@ -701,7 +701,11 @@ class Calls:
         if request is None or not s.leave_timeout:
             return
         try:
-            yield Rpc("Leave", request, s.leave_timeout)
+            # Closing, not waiting for a daemon to come back (the call stream would, as
+            # would the join this Leave goes before): a unary call fails at once where
+            # nothing listens, and close() of a client whose daemon was gone took the
+            # whole leave timeout (2 s).
+            yield Rpc("Leave", request, s.leave_timeout, wait_for_ready=False if closing else None)
         except grpc.RpcError as exc:
             s.given_up_leave_failed(request, exc)
 

@@ -466,6 +466,26 @@ def a_join_given_up_and_not_sent_again_leaves_its_seat(w: World) -> object:
     return outcomes
 
 
+def closing_with_a_join_given_up_when_its_daemon_is_gone(w: World) -> object:
+    """A join given up as the world formed (as above), its daemon killed, then the
+    client closed: close() leaves the given-up join's seat first, and that Leave, on
+    the call stream (which waits for a daemon to come back), waited out the whole
+    leave_timeout (2 s) for a daemon that is gone. A closing client does not wait
+    for one: the Leave goes once, failing at once where nothing listens."""
+    d = w.start_daemon()
+    a, b = w.client(d), w.client(d)
+
+    def join(c: Twin, host: str) -> Any:
+        return c.join(num_nodes=2, gpus_per_node=1, local_rank=0, host=host, timeout=20)
+
+    give_up_as_answered(a)
+    gave, _ = parallel([lambda: join(a, "h0"), lambda: join(b, "h1")])
+    d.kill()
+    started = time.monotonic()
+    a.__getattr__("close")()  # the client, not its twin's loop
+    return given_up(gave), time.monotonic() - started < 1.0
+
+
 def a_node_join_given_up_while_forming_frees_its_seat(w: World) -> object:
     """A join_node() given up as it was told ``id_required`` (node 0 of a 1-node job,
     owing the id), then another join_node() of the same client from another host. The
@@ -1316,6 +1336,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "a join given up and not sent again": (
         a_join_given_up_and_not_sent_again_leaves_its_seat,
         [(True, [True], 1), (True, [True], 0)] * 2,
+    ),
+    "closed with a given-up join, its daemon gone": (
+        closing_with_a_join_given_up_when_its_daemon_is_gone,
+        (True, True),
     ),
     "a node join given up while forming": (
         a_node_join_given_up_while_forming_frees_its_seat,
