@@ -309,6 +309,23 @@ def leave_ends_membership(w: World) -> object:
     return c.membership, c.failure, error_of(lambda: c.kv_set("k", b"v"))
 
 
+def a_goodbye_right_after_start_heartbeat_is_a_goodbye(w: World) -> object:
+    """leave() right after start_heartbeat(): the stream has not heard the daemon's
+    attach yet (which says it takes the goodbye), so the goodbye may go by a Leave
+    call, answered before the stream is closed, rather than on the stream; either
+    way the member left and its peer heard no failure (a review wondered)."""
+    outcomes = set()
+    for round_ in range(3):
+        w.job_id = f"{w.job_id}-{round_}"
+        (a, b), _ = join_two(w)
+        b.start_heartbeat(0.2)
+        a.start_heartbeat(0.2)
+        a.leave()
+        states = {pb.MemberState.Name(m.state) for m in b.get_job().members}
+        outcomes.add((a.failure, b.failure, a.membership, tuple(sorted(states))))
+    return outcomes
+
+
 def a_second_join_of_a_live_member_is_refused_and_loses_nothing(w: World) -> object:
     """It was refused DuplicateRank by the daemon after the client had cleared its
     membership: kv calls then said "not joined", leave() did nothing, and the job
@@ -1325,6 +1342,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "heartbeat arguments": (heartbeat_arguments_are_checked, [True] * 9),
     "an on_failure that raises": (a_raising_on_failure_is_logged_not_raised, "JobAborted"),
     "leave": (leave_ends_membership, (None, None, ("InvalidRequest", ""))),
+    "a goodbye right after start_heartbeat()": (
+        a_goodbye_right_after_start_heartbeat_is_a_goodbye,
+        {(None, None, None, ("MEMBER_STATE_ACTIVE", "MEMBER_STATE_LEFT"))},
+    ),
     "a second join of a live member": (
         a_second_join_of_a_live_member_is_refused_and_loses_nothing,
         (("DuplicateRank", True), True, "JOB_STATE_ENDED"),
