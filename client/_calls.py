@@ -276,6 +276,8 @@ class Calls:
         rank = s.joined.rank if s.joined else None
         # 0 is a deadline that ends at once, as a wait of 0 does; None is the default.
         limit = s.call_timeout if timeout is None else timeout
+        # Named in a deadline's error where the daemon answers (``Session.too_short``).
+        setting = "call_timeout" if limit == s.call_timeout else f"the {method} call's timeout"
         deadline = time.monotonic() + limit
         if not self.looked and not health and s.joined is None and s.node is None:
             # An inspecting client (list_jobs(), `rendezvousd status`): a plaintext one
@@ -288,7 +290,7 @@ class Calls:
                 # timeout and a retry (60 s at a refused port, connect_timeout=2 or not)
                 # to say the same.
                 yield from self.connected(
-                    method, started, min(s.connect_timeout, limit), f"the {method} call's timeout"
+                    method, started, min(s.connect_timeout, limit), setting, call=limit
                 )
         for attempt in itertools.count(1):
             wait = max(0.0, deadline - time.monotonic()) if attempt == 1 else limit
@@ -333,6 +335,14 @@ class Calls:
                 unanswered = not health and error.code in UNKNOWN_OUTCOME and not error.reason
                 if not retry or attempt > s.retry.attempts:
                     problem = (yield from self.tls_mismatch()) if unanswered else None
+                    if (
+                        unanswered
+                        and problem is None
+                        and error.code == "DEADLINE_EXCEEDED"
+                        and (yield from self.answers())
+                    ):
+                        short = s.too_short(method, attempt, error, limit, setting)
+                        raise s.unrepeated(method, attempt, short) from None
                     if not retry:
                         raise s.unrepeated(method, attempt, error, problem) from None
                     raise s.exhausted(method, attempt, error, problem) from None
@@ -441,11 +451,13 @@ class Calls:
         started: float,
         within: float | None = None,
         shorter: str = "the join's timeout",
+        call: float | None = None,
     ) -> Steps[None]:
         """Return once the channel is connected; ``DaemonUnavailable`` when it is not
         within ``within`` (``connect_timeout``, or ``shorter``, the caller's own
         timeout) of ``started``. gRPC reconnects meanwhile, with its backoff: a daemon
-        that comes up late is found."""
+        that comes up late is found. ``call``: the deadline of the call this is the
+        first of, named as the cause where the daemon answers once given longer."""
         s = self.s
         limit = s.connect_timeout if within is None else within
         which = "connect_timeout" if limit == s.connect_timeout else shorter
@@ -472,6 +484,10 @@ class Calls:
         if (yield Connect(max(0.0, limit - (time.monotonic() - started)))):
             s.unreached_told = False
         else:
+            if call is not None and limit < s.connect_timeout and (yield from self.answers()):
+                # Not the daemon (the plain connect said "no gRPC server answered on
+                # them ... a daemon that is stuck"): the call's own deadline.
+                raise s.too_short(method, 1, DaemonUnavailable(""), call, shorter)
             problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "

@@ -96,6 +96,10 @@ LOOK_BACK_S = 0.5
 # (default_wait_s), as long as a join's. They waited call_timeout (30 s), which bounds
 # calls that wait for no peer, so one rank's 45 s checkpoint failed its peers' barrier.
 WAIT_TIMEOUT_S = 600.0
+# A call's own deadline under which a daemon that answers is told it is too short
+# (``Session.too_short``): a round trip on a loaded node, a change made durable, take
+# milliseconds to a few hundred; longer, the daemon is slow, not the deadline.
+SHORT_DEADLINE_S = 1.0
 
 
 class JoinRequest(TypedDict):
@@ -1117,6 +1121,37 @@ class Session:
                 "lost, so check its effect before making it again"
             )
         return error
+
+    def too_short(
+        self, method: str, attempts: int, last: RendezvousError, limit: float, setting: str
+    ) -> RendezvousTimeout:
+        """``last``, a call's deadline passed unanswered, reworded for a daemon that
+        answered a health check right after it: the call's own deadline (``limit``,
+        from ``setting``) is why, not the daemon. ``call_timeout=0.001`` against a
+        healthy daemon said "no gRPC server answered on them (... a daemon that is
+        stuck)", or "is the daemon running and reachable?"."""
+        rank = "" if last.rank is None else f", rank {last.rank}"
+        tries = f", in {attempts} attempts," if attempts > 1 else ""
+        message = (
+            f"{method} to rendezvousd at {self.endpoint} (job {self.job_id!r}{rank}) got no "
+            f"answer within its deadline of {limit:g} s ({setting}){tries} though the daemon "
+            "answers: it answered a health check right after. "
+            + (
+                f"That deadline is too short for an answer to arrive: make {setting} longer "
+                "(call_timeout is 30 s by default)"
+                if limit < SHORT_DEADLINE_S
+                else "It is slow to answer this call (loaded, or its storage slow): make "
+                f"{setting} longer, or look at the daemon's log"
+            )
+        )
+        return RendezvousTimeout(
+            message,
+            code=last.code or "DEADLINE_EXCEEDED",
+            endpoint=self.endpoint,
+            method=method,
+            job_id=self.job_id,
+            rank=last.rank,
+        )
 
     def exhausted(
         self, method: str, attempts: int, last: RendezvousError, problem: str | None = None

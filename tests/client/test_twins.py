@@ -1030,6 +1030,38 @@ def a_with_block_given_up_in_a_call_is_reported_as_such(w: World) -> object:
     return failure.ranks, cause if cause not in said else "said"
 
 
+def a_call_deadline_too_short_is_named(w: World) -> object:
+    """``call_timeout=0.001`` against a healthy daemon: a call that got no answer within
+    it blamed the daemon ("no gRPC server answered on them (... a daemon that is
+    stuck)", "is the daemon running and reachable?"). It names the deadline, which the
+    daemon's answer to a health check right after shows is the cause. Whether 1 ms is
+    enough is a race: each kind of call is made until one is not answered in time."""
+
+    def first_error(call: Callable[[], Any]) -> tuple[str, bool, bool] | None:
+        for _ in range(40):
+            try:
+                call()
+            except RendezvousError as exc:
+                said = str(exc)
+                blames = "no gRPC server" in said or "daemon running" in said
+                return (
+                    type(exc).__name__,
+                    "too short" in said,
+                    "call_timeout" in said and not blames,
+                )
+        return None  # never unanswered: nothing to judge
+
+    def inspecting() -> None:
+        c = w.client(call_timeout=0.001)  # its first call: connect, then ListJobs
+        c.list_jobs()
+
+    # Its KvSet answered once written to disk: rarely within 1 ms.
+    durable = w.start_daemon("--state-dir", str(w.tmp / "state"))
+    member = w.client(durable, call_timeout=0.001)
+    member.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+    return first_error(inspecting), first_error(lambda: member.kv_set("k", b"v"))
+
+
 def closed_member_refuses_calls(w: World) -> object:
     """A member's calls after close() said "not joined ... call join() first", and
     doing so said "closed"; start_heartbeat() too."""
@@ -1459,6 +1491,10 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
     "a with block given up in a call": (
         a_with_block_given_up_in_a_call_is_reported_as_such,
         ([1], "said"),
+    ),
+    "a call deadline too short": (
+        a_call_deadline_too_short_is_named,
+        (("RendezvousTimeout", True, True), ("RendezvousTimeout", True, True)),
     ),
     "a closed member's calls": (closed_member_refuses_calls, [("InvalidRequest", True)] * 4),
     "a join outlasting the daemon's cap on waits": (
