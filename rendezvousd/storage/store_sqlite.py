@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,9 @@ class SqliteStore:
                     f"{self.path}{suffix} is a symbolic link; the daemon refuses to write "
                     "through it: move it aside"
                 )
+        refusal = self._not_ours()
+        if refusal:
+            raise DaemonError(refusal)
         old_umask = os.umask(0o077)  # the database and its -wal/-shm are 0600
         try:
             db = sqlite3.connect(
@@ -132,14 +136,65 @@ class SqliteStore:
                 raise
         except sqlite3.Error as exc:
             raise DaemonError(
-                f"cannot open state database {self.path}: {exc}; if it is damaged, move it "
-                "(and its -wal/-shm files) aside to start with no jobs"
+                f"cannot open state database {self.path}: {exc}; {self._open_advice(exc)}"
             ) from exc
         finally:
             os.umask(old_umask)
         self._db = db
         self._file = (st.st_dev, st.st_ino)
         self._ids_written = {}
+
+    def _not_ours(self) -> str | None:
+        """Why this daemon's user cannot use the database's files (their owner or mode),
+        or None. SQLite says only "unable to open database file", which read as damage,
+        and moving the file aside, the remedy for damage, loses every job (an operator
+        review: a state.db restored from a backup as root, the daemon running as 10001)."""
+        for suffix in ("", "-wal", "-shm"):
+            path = Path(f"{self.path}{suffix}")
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # absent (SQLite creates it), or the dir's own fault: check_dir's
+            if os.access(path, os.R_OK | os.W_OK):
+                continue
+            uid, gid = os.geteuid(), os.getegid()
+            if st.st_uid != uid:
+                fix = f"chown {uid}:{gid} {self._present()}"
+            else:
+                fix = f"chmod 600 {self._present()}"
+            return (
+                f"state database file {path} is owned by uid {st.st_uid} (mode "
+                f"{stat.filemode(st.st_mode)}), and this daemon's user (uid {uid}) cannot "
+                f"read and write it; run: {fix}, then start again. Do not move it aside: it "
+                "is not damaged, and it holds the jobs to restore"
+            )
+        return None
+
+    def _open_advice(self, exc: sqlite3.Error) -> str:
+        """What to do about a failed open. Moving the database aside loses every job,
+        so it is offered only for a file SQLite finds damaged or not a database."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        primary = code & 0xFF if isinstance(code, int) else None
+        if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+            return "it is damaged: move it (and its -wal/-shm files) aside to start with no jobs"
+        if primary == sqlite3.SQLITE_FULL:
+            return "its filesystem is full: free space there, then start again"
+        if primary == sqlite3.SQLITE_IOERR:
+            return (
+                "check the disk it is on (dmesg), then start again (it holds the jobs to restore)"
+            )
+        return (
+            "fix that and start again (it holds the jobs to restore); only a database "
+            "SQLite reports damaged should be moved aside, which starts with no jobs"
+        )
+
+    def _present(self) -> str:
+        """The database's files that exist, as one shell argument list."""
+        return " ".join(
+            str(p)
+            for p in (Path(f"{self.path}{suffix}") for suffix in ("", "-wal", "-shm"))
+            if p.exists() or p.is_symlink()
+        )
 
     def _prepare(self, db: sqlite3.Connection) -> None:
         # The version first, before anything is written: a database this daemon refuses

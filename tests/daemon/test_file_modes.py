@@ -23,6 +23,7 @@ from rendezvousd.errors import ConfigError, DaemonError
 from rendezvousd.server.auth import read_token_file, validate_tokens
 from rendezvousd.storage import persistence
 from rendezvousd.storage.persistence import STATE_FILE, StateStore
+from rendezvousd.storage.store_sqlite import DB_FILE, SqliteStore
 from tests.support import DaemonProcess, Pki
 
 
@@ -144,6 +145,50 @@ def test_a_state_file_or_dir_the_daemons_user_cannot_use_says_how_to_keep_the_jo
         text = _as_nobody(StateStore(roots).check_dir, root / "said-dir")
         assert f"state dir {roots} is not writable by this daemon's user (uid 65534)" in text
         assert "chown it to that user, or give another --state-dir" in text
+    finally:
+        shutil.rmtree(root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+@pytest.mark.parametrize("owner", ["root", "the daemon's user, mode 0000"])
+def test_a_state_database_the_daemons_user_cannot_open_says_chown_not_move_it_aside(
+    owner: str,
+) -> None:
+    """A state.db restored from a backup as root, the daemon running as its own user (an
+    operator review): "unable to open database file; if it is damaged, move it ...
+    aside to start with no jobs", and following that lost every job. Its owner is
+    named, with the chown (or chmod) that keeps them."""
+    root = Path(tempfile.mkdtemp(prefix="rdzv-state-"))
+    try:
+        root.chmod(0o755)
+        theirs = root / "theirs"  # nobody's dir, holding root's 0600 database
+        theirs.mkdir(mode=0o700)
+        store = SqliteStore(theirs)
+        store.open()
+        store.close()
+        db = theirs / DB_FILE
+        os.chown(theirs, 65534, 65534)
+        if owner != "root":
+            for f in theirs.iterdir():
+                os.chown(f, 65534, 65534)
+            db.chmod(0)
+        text = _as_nobody(lambda: SqliteStore(theirs).open(), root / "said-db")
+        mode = "----------" if owner != "root" else "-rw-------"
+        uid = 0 if owner == "root" else 65534
+        present = " ".join(str(f) for f in sorted(theirs.glob(f"{DB_FILE}*")))
+        fix = "chown 65534:65534" if owner == "root" else "chmod 600"
+        assert text == (
+            f"state database file {db} is owned by uid {uid} (mode {mode}), and this "
+            f"daemon's user (uid 65534) cannot read and write it; run: {fix} {present}, then "
+            "start again. Do not move it aside: it is not damaged, and it holds the jobs "
+            "to restore"
+        ), text
+        # The advice works: the file opens once its owner and mode are fixed.
+        db.chmod(0o600)
+        for f in theirs.iterdir():
+            os.chown(f, 65534, 65534)
+        text = _as_nobody(lambda: SqliteStore(theirs).open(), root / "said-ok")
+        assert text == "no error", text
     finally:
         shutil.rmtree(root)
 

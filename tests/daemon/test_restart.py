@@ -222,7 +222,7 @@ def test_a_hand_edited_row_is_a_clear_startup_error_naming_it(
 def test_a_file_that_is_not_a_database_is_a_clear_startup_error(tmp_path: Path) -> None:
     tmp_path.chmod(0o700)
     (tmp_path / "state.db").write_bytes(b"\x00\xff" * 100)
-    with pytest.raises(DaemonError, match=r"cannot open state database .*move it"):
+    with pytest.raises(DaemonError, match=r"cannot open state database .*it is damaged: move it"):
         Persister(tmp_path, RendezvousState()).restore()
 
 
