@@ -52,7 +52,7 @@ from rendezvousd.state.machine import RendezvousState
 from rendezvousd.storage import rollback, snapshot
 from rendezvousd.storage.faults import storage_unavailable
 from rendezvousd.storage.job_ends import EndsWrite, JobEnds
-from rendezvousd.storage.store_sqlite import JobWrite, SqliteStore
+from rendezvousd.storage.store_sqlite import JobWrite, SqliteStore, read_only_filesystem
 
 log = logging.getLogger("rendezvousd")
 STATE_FILE = "state.json"
@@ -115,9 +115,22 @@ class StateStore:
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise DaemonError(f"cannot create state dir {self.directory}: {exc.strerror}") from exc
+            said = f"cannot create state dir {self.directory}: {exc.strerror}"
+            if exc.errno == errno.EROFS:
+                said += (
+                    " (its parent is on a read-only filesystem); remount it read-write, or "
+                    "give a --state-dir on a writable one"
+                )
+            raise DaemonError(said) from exc
         check_private(self.directory)
         if not os.access(self.directory, os.W_OK):
+            if read_only_filesystem(self.directory):
+                # A chown cannot help here, and root reads the same refusal.
+                raise DaemonError(
+                    f"state dir {self.directory} is on a read-only filesystem (mounted "
+                    "read-only); remount it read-write, or give a --state-dir on a "
+                    "writable one"
+                )
             raise DaemonError(
                 f"state dir {self.directory} is not writable by this daemon's user (uid "
                 f"{os.getuid()}); chown it to that user, or give another --state-dir"

@@ -88,6 +88,15 @@ class JobWrite:
     row_unchanged: bool = False
 
 
+def read_only_filesystem(path: Path) -> bool:
+    """Whether ``path`` lies on a filesystem mounted read-only: ``os.access`` says only
+    "not writable" for it, which read as an owner to chown, even for root."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 @dataclass
 class StoredJob:
     record: dict[str, Any]
@@ -149,6 +158,12 @@ class SqliteStore:
         or None. SQLite says only "unable to open database file", which read as damage,
         and moving the file aside, the remedy for damage, loses every job (an operator
         review: a state.db restored from a backup as root, the daemon running as 10001)."""
+        if read_only_filesystem(self.directory):
+            # os.access below says "no" for it too, even to root: no chown helps.
+            return (
+                f"state database {self.path} is on a read-only filesystem: remount "
+                f"{self.directory} read-write, then start again (it holds the jobs to restore)"
+            )
         for suffix in ("", "-wal", "-shm"):
             path = Path(f"{self.path}{suffix}")
             try:
