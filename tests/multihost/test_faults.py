@@ -385,3 +385,52 @@ def test_a_worker_whose_agent_is_stopped_reaches_the_daemon_itself_over_mutual_t
         tmp_path,
     )
     assert "on h1" in answered["message"], answered  # the silent node, by its host
+
+
+def test_a_short_cut_between_two_nodes_uses_one_restart_not_all(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """An operator review cut two nodes apart with ``ip route add unreachable`` for 25 s:
+    after the first failure each re-formed generation's ring failed its first connect
+    ("No route to host") 2 s on, and the job gave up at +19 s, its 3 restarts used
+    inside the cut. The ring's connect now asks
+    again until its setup's deadline, so the second generation forms once the route is
+    back and the job ends well, one restart used."""
+    cluster = make_cluster(2, *DAEMON)
+    job = "short-cut"
+    nodes = cluster.launch(
+        2,
+        2,
+        job=job,
+        launcher_args=[*LAUNCHER, "--max-restarts", "2"],
+        example_args=("--steps", "600", *WORKLOAD),
+    )
+    wait_for("rank 0's first steps", lambda: nodes[0].first("step 11/") is not None, 60)
+    a, b = nodes[0].host, nodes[1].host
+    routes = [(a, b), (b, a)]
+    try:
+        for here, there in routes:
+            subprocess.run(
+                ["ip", "-n", here.netns, "route", "add", "unreachable", f"{there.address}/32"],
+                check=True, timeout=10,
+            )  # fmt: skip
+        # Generation 1 fails at once or after the link's silence; generation 2 forms
+        # and its ring meets the cut, which lasts 20 s.
+        time.sleep(LINK_SILENCE_S + 10.0)
+    finally:
+        for here, there in routes:
+            subprocess.run(
+                ["ip", "-n", here.netns, "route", "del", "unreachable", f"{there.address}/32"],
+                check=False, timeout=10,
+            )  # fmt: skip
+    codes = cluster.wait(nodes, 90)
+    assert codes == [0, 0], "\n".join(n.summary() for n in nodes)
+    assert len(cluster.results(job)) == 4
+    said = [line for n in nodes for _, line in n.lines if "cannot be reached: No route" in line]
+    assert said, "\n".join(n.text()[-3000:] for n in nodes)
+    assert (
+        "No route to host (EHOSTUNREACH) (the network between the two hosts is down" in (said[0])
+    ), said
+    for node in nodes:
+        assert node.first("restart 1 of 2") is not None, node.summary()
+        assert node.first("restart 2 of 2") is None, node.summary()
