@@ -328,7 +328,7 @@ class Job:
     # A close of the job's run (AbortJob with ``close``): when, why, and the
     # generation it named; node agents launched before it are refused while that
     # generation, or the next one forming, is the job's (``joins.launched_before_close``).
-    # Not stored, as ``ended_at``.
+    # Stored (a restart must not let them in), as Unix time.
     closed: Closed | None = None
     # SHA-256 of the ids this job's recent generations used: a new one needs a fresh id.
     used_id_digests: IdHistory = field(default_factory=IdHistory)

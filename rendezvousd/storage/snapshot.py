@@ -5,9 +5,10 @@ are the whole-state JSON document of the old ``state.json`` (read once, to impor
 
 What survives a restart: jobs, generations, membership (and which members' SDK
 predates instance ids), barrier counts, the key-value store, the digests of used ids,
-why a forming generation failed on a conflicting joiner, when each loss was, and the
-job's failure history (its last failure and how many generations failed). What never does: the unique id
-itself (a bearer credential) and tokens. On restore, a job that was still
+why a forming generation failed on a conflicting joiner, when each loss was, a close
+of the job's run (``Job.closed``), and the job's failure history (its last failure and
+how many generations failed). What never does: the unique id itself (a bearer
+credential) and tokens. On restore, a job that was still
 forming is fenced by a new generation (its members redo the join, rank 0 with a
 fresh id); a running job keeps running and its members reattach their
 heartbeats within the heartbeat timeout.
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rendezvousd.common import validation
+from rendezvousd.common.limits import Limits
 from rendezvousd.common.model import (
     AbortCause,
     FailedInfo,
@@ -35,7 +37,7 @@ from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import kv as kvrules
 from rendezvousd.state import placement
 from rendezvousd.state.id_history import IdHistory
-from rendezvousd.state.job import BarrierState, Job, Member, Node
+from rendezvousd.state.job import BarrierState, Closed, Job, Member, Node
 from rendezvousd.state.machine import RendezvousState
 
 SCHEMA = 1
@@ -123,6 +125,11 @@ def job_record(job: Job) -> dict[str, Any]:
         # What its node agents speak to each other (absent in rows written before it,
         # and while unknown: the next joiner sets it).
         **({} if job.wire_version is None else {"wire_version": job.wire_version}),
+        # A close of the job's run (AbortJob with ``close``): after a restart the node
+        # agents launched before it are still refused as closed, where they were let
+        # in, or a standby parked, to wait for nodes that had stopped for good. Absent
+        # when none (and in older rows).
+        **({} if job.closed is None else {"closed": _closed_record(job.closed)}),
         "nodes": [
             {
                 "node_rank": n.node_rank,
@@ -142,6 +149,28 @@ def job_record(job: Job) -> dict[str, Any]:
 def _unix(monotonic: float) -> float:
     """A time on this process's monotonic clock as Unix seconds, as rows keep it."""
     return round(monotonic + _WALL_OFFSET, 3)
+
+
+def _closed_record(closed: Closed) -> dict[str, Any]:
+    return {
+        "at_unix": _unix(closed.at),
+        "reason": closed.reason,
+        "generation": closed.generation,
+    }
+
+
+def _closed(raw: Mapping[str, Any], generation: int, now: float) -> Closed | None:
+    """The record's close of the job's run (absent: none), checked as the AbortJob that
+    made it was: a reason the daemon would take, a generation the job reached."""
+    if "closed" not in raw:
+        return None
+    row = _map(raw, "closed")
+    reason = _str(row, "reason")
+    try:
+        validation.text_field("closed.reason", reason, Limits().max_reason_bytes, required=True)
+    except RendezvousFault as fault:
+        raise ValueError(fault.message) from None
+    return Closed(_unix_time(row, "at_unix", now), reason, _int(row, "generation", 1, generation))
 
 
 def _conflict_record(fault: RendezvousFault) -> dict[str, Any]:
@@ -437,6 +466,7 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         job.wire_version = _str(raw, "wire_version")
         if len(job.wire_version.encode()) > placement.MAX_WIRE_VERSION:
             raise ValueError(f"wire_version is longer than {placement.MAX_WIRE_VERSION} bytes")
+    job.closed = _closed(raw, job.generation, now)
     job.gen.kv = dict(kv)
     job.gen.kv_bytes = sum(kvrules.entry_bytes(k, v) for k, v in job.gen.kv.items())
     if job.state is JobState.RUNNING:

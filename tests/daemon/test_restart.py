@@ -764,3 +764,44 @@ def test_every_node_agent_of_a_daemon_restarted_without_its_state_is_told_so(
         d.kill()
         if again is not None:
             again.kill()
+
+
+def test_a_closed_run_is_still_closed_after_a_restart(tmp_path: Path) -> None:
+    """A close (``close_run``: a torchrun agent out of restarts whose round the others
+    cannot form without it) is kept in the state database: restarted on it, the daemon
+    still refuses the node agents launched before the close, a survivor and a standby,
+    as closed; it let the survivor open the next generation and wait its join timeout
+    there, and parked the standby, for nodes that had stopped for good."""
+    from rendezvousd.client import JobAborted
+
+    token = write_token(tmp_path / "tok")
+    listen = f"127.0.0.1:{free_port()}"
+    flags = ("--state-dir", str(tmp_path / "state"))
+    d = spawn_daemon(tmp_path, *flags, token=token, listen=listen)
+    again: DaemonProcess | None = None
+    shape = {"min_nodes": 2, "max_nodes": 2, "gpus_per_node": 1}
+    launched = time.monotonic()
+    clients = [RendezvousClient(d.endpoint, "closed", token=token) for _ in range(4)]
+    a, b, probe, spare = clients
+    try:
+        joined = parallel(
+            [lambda c=c: c.join_node(timeout=20, launched=launched, **shape) for c in (a, b)]
+        )
+        assert all(m.generation == 1 for m in joined), joined
+        b.report_failure(0, "exit code -9")
+        b.leave(final=True)
+        assert probe.close_run("closed: node b stopped, no restarts left", generation=1)
+        d.kill()
+        again = spawn_daemon(tmp_path, *flags, token=token, listen=listen)
+        for client, standby in ((a, False), (spare, True)):
+            with pytest.raises(JobAborted) as info:
+                client.join_node(timeout=10, launched=launched, standby=standby, **shape)
+            said = str(info.value)
+            assert "was closed" in said and "node b stopped, no restarts left" in said, said
+        assert probe.get_job().summary.generation == 1  # nothing opened
+    finally:
+        for c in clients:
+            c.close()
+        d.kill()
+        if again is not None:
+            again.kill()

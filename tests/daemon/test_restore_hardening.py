@@ -63,6 +63,13 @@ def _state_dir_with_a_running_job(state: Path) -> None:
          "completed must be an integer in 0..4611686018427387904"),
         ("UPDATE jobs SET detail = json_set(detail, '$.state_since_unix', 'yesterday')",
          "state_since_unix must be a number of Unix seconds"),
+        # A close of a generation the job never reached, or one no AbortJob would take.
+        ("UPDATE jobs SET detail = json_set(detail, '$.closed', "
+         "json('{\"at_unix\": 1, \"reason\": \"stopped\", \"generation\": 2}'))",
+         "generation must be an integer in 1..1"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.closed', "
+         "json('{\"at_unix\": 1, \"reason\": \"a\\u0007b\", \"generation\": 1}'))",
+         "closed.reason contains control characters"),
     ],
 )  # fmt: skip
 def test_a_bad_restored_field_refuses_start_up_naming_the_row(
