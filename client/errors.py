@@ -203,6 +203,12 @@ class JobAborted(RendezvousError):
         never on ``abort_reason``'s words, which any caller of abort() chooses."""
         return self.metadata.get("abort_cause", "")
 
+    @property
+    def closed(self) -> bool:
+        """Whether the job's run was closed for good (``close_run``), not only aborted:
+        a standby parked on it, or a node launched before the close, is not needed."""
+        return self.metadata.get("closed") == "true"
+
 
 class JobEnded(RendezvousError):
     """Every member left the job's generation."""

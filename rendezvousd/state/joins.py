@@ -155,7 +155,30 @@ def launched_before_close(job: Job, args: JoinArgs, now: float) -> RendezvousFau
         f"job {job.job_id!r} was closed {now - closed.at:.1f} s ago, after this node was "
         f"launched ({now - launched:.1f} s ago): {closed.reason}",
         reason=closed.reason,
+        closed="true",
     )
+
+
+def standbys_closed_out(sm: RendezvousState, job: Job) -> None:
+    """The standbys parked on ``job`` as its run is closed are told so at once, as
+    torch's c10d ends a node of its redundancy list when its rendezvous closes: each
+    stayed parked until its wait ended, or was called into the aborted generation,
+    and heard the close only on its next join."""
+    closed = job.closed
+    if closed is None:
+        return
+    for waiter in list(job.standby_waiters):
+        job.standby_waiters.discard(waiter)
+        job.scaleup_waiters.pop(waiter, None)
+        fault = job.fault(
+            Code.ABORTED,
+            Reason.JOB_ABORTED,
+            f"job {job.job_id!r} was closed while this standby node waited for a slot "
+            f"(it is not needed: the run ended for good): {closed.reason}",
+            reason=closed.reason,
+            closed="true",
+        )
+        sm.calls.wake(waiter, fault=fault)
 
 
 #: The cause of a node lost by its own agent's re-join (``_left_behind``).

@@ -210,15 +210,16 @@ class RendezvousState:
     ) -> int:
         """Abort the job's generation (a terminal one is left as it is); ``close``: and
         close the job's run, which node agents launched before now are then refused
-        (``joins.launched_before_close``), the failed generation's survivors too.
-        ``cause``: what the abort is, told with it as data (its peers act on it, never
-        on the reason's words)."""
+        (``joins.launched_before_close``), the failed generation's survivors too, and
+        the standbys parked on it are told at once. ``cause``: what the abort is, told
+        with it as data (its peers act on it, never on the reason's words)."""
         validation.text_field("reason", reason, self.limits.max_reason_bytes, required=False)
         job = seats.find_job(self, job_id)
         if generation not in (0, job.generation):
             seats.seat(self, job_id, generation, 0)  # raises STALE_GENERATION
         if close and job.state is not JobState.ENDED:
             job.closed = Closed(now, reason or "closed by request", job.generation)
+            joins.standbys_closed_out(self, job)
         if job.state in (JobState.FORMING, JobState.RUNNING):
             job.gen.abort_reason = reason or "aborted by request"
             job.gen.abort_cause = cause

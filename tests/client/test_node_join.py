@@ -691,6 +691,46 @@ def test_close_run_closes_a_failed_generation_to_the_nodes_launched_before_it(
         )
 
 
+def test_a_standby_parked_as_the_run_is_closed_hears_the_close_at_once(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    """A standby parked beside a full world when the run is closed (``close_run`` of
+    the failed generation, as a torchrun agent out of restarts makes it) is answered
+    at once, ``JobAborted`` with ``closed``, naming the close: it stayed parked until its
+    wait ended (no slot freed: every node of the failed round stays) and heard the
+    close only on the join after. Node a, re-joining, is refused as closed too."""
+    from rendezvousd.client import JobAborted
+
+    launched = time.monotonic()
+    a, b, probe = agents
+    shape = {"min_nodes": 2, "max_nodes": 2, "gpus_per_node": 1, "launched": launched}
+    joined = parallel([lambda c=c: c.join_node(timeout=20, **shape) for c in (a, b)])
+    assert all(isinstance(m, NodeMembership) for m in joined), joined
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as spare:
+        answer: queue.Queue[object] = queue.Queue()
+
+        def stand_by() -> None:
+            try:
+                answer.put(spare.join_node(timeout=60, standby=True, **shape))
+            except Exception as exc:  # the answer under test, whatever it is
+                answer.put(exc)
+
+        threading.Thread(target=stand_by, daemon=True).start()
+        wait_for("the standby to park", lambda: probe.get_job().standbys == 1)
+        b.report_failure(0, "exit code 1")
+        assert probe.get_job().standbys == 1  # no slot freed: it stays parked
+        b.leave(final=True)
+        assert probe.close_run("closed: node b stopped, no restarts left", generation=1)
+        got = answer.get(timeout=30)
+    assert isinstance(got, JobAborted) and got.closed, got
+    said = str(got)
+    assert "closed while this standby node waited" in said, said
+    assert got.abort_reason == "closed: node b stopped, no restarts left", said
+    with pytest.raises(JobAborted) as info:
+        a.join_node(timeout=20, **shape)
+    assert info.value.closed, info.value
+
+
 @pytest.mark.parametrize("call_stream", [True, False])
 def test_a_join_node_cut_while_its_round_forms_joins_the_next_round(
     daemon: DaemonProcess, job_id: str, call_stream: bool

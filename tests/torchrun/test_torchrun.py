@@ -1109,6 +1109,43 @@ def test_a_standing_by_node_exits_0_when_the_job_ends_without_it(
     assert "Traceback" not in spare.stderr(), spare.stderr()[-3000:]
 
 
+def test_a_standing_by_node_exits_0_when_the_rendezvous_is_closed(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """The run is closed for good (``close_run``: here by the SDK, as a torchrun agent
+    out of restarts does) while a second agent stands by: c10d ends a node of its
+    redundancy list then without error ("terminating pending rendezvous"); the spare
+    exits 0 at once, naming the close. It waited out its join_timeout (600 s by
+    default), joined again and ended with RendezvousClosedError."""
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    stop = tmp_path / "stop"
+    worker = ("--steps", "100000", "--step-log", str(log), "--stop-file", str(stop))
+    first = torchrun(d, job_id, "1", *worker)
+    wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
+    spare = torchrun(d, job_id, "1", *worker)  # the world is full: it stands by
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        wait_for("the second agent to park", lambda: probe.get_job().standbys == 1, 100)
+        generation = probe.get_job().summary.generation
+        assert probe.close_run("closed by the operator: the job is done", generation=generation)
+    try:
+        code = spare.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the standby still waits 30 s after the close:\n{spare.stderr()[-3000:]}")
+    finally:
+        stop.touch()
+        first.kill()
+    err = spare.stderr()
+    assert code == 0, err[-3000:]
+    assert (
+        "was closed (closed by the operator: the job is done); this standby node was not needed"
+    ) in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
 def test_an_agent_launched_before_its_job_ended_exits_0_when_it_joins_after(
     start_daemon: Callable[..., DaemonProcess],
     torchrun: Callable[..., Torchrun],

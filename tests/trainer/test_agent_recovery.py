@@ -783,6 +783,40 @@ def test_a_standby_node_exits_0_when_the_job_ends_without_it(
     assert standby.events("done") == [], standby.events()
 
 
+def test_a_standby_parked_when_the_run_is_closed_exits_0_saying_who_closed_it(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A run closed for good (``close_run``: here by the SDK, in a torchrun job by an
+    agent out of restarts) while a standby stood by: the standby exits 0 at once,
+    naming the close, as one told of a normal end does and as c10d ends a standby of
+    a closed rendezvous. It waited until its join timeout ended, joined again and
+    exited 1 on 'joining failed: JobAborted'."""
+    d = start_daemon()
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as node:
+        node.join_node(
+            min_nodes=1,
+            max_nodes=1,
+            gpus_per_node=2,
+            host="n0",
+            timeout=20,
+            wire_version=WIRE_VERSION,  # as rendezvous-run's: the standby's is checked
+        )
+        node.start_heartbeat(0.2)
+        flags = ["--standby", "--join-timeout-s", "90"]
+        standby = Node(d, job_id, tmp_path, "standby", "1", "auto", flags, ["--steps", "5"])
+        try:
+            wait_for("the standby to park", lambda: node.get_job().standbys == 1, 60)
+            reason = "closed by the trainer on n0: no restarts left"
+            assert node.close_run(reason, generation=1)
+            code = standby.wait(30)
+        finally:
+            _cleanup([standby])
+    err = standby.stderr()
+    assert code == 0, err
+    assert f"was closed ({reason}); this standby node was not needed" in err, err
+    assert standby.events("done") == []
+
+
 def test_a_standby_started_after_its_job_ended_waits_its_join_timeout_then_exits_0(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

@@ -589,6 +589,15 @@ class NodeAgent:
                         else f"{answer}; this node exits without starting its workers"
                     )
                     return None
+                if self._standing_by and isinstance(answer, JobAborted) and answer.closed:
+                    # The run ended for good (``close_run``: a torchrun agent out of
+                    # restarts, say): a standby is not needed, as one told of a normal
+                    # end, and c10d ends a standby of a closed rendezvous without error.
+                    self.note(
+                        f"job {config.job_id!r} was closed ({answer.abort_reason}); this "
+                        "standby node was not needed and exits"
+                    )
+                    return None
                 if self._standing_by and isinstance(answer, RendezvousTimeout):
                     if self._replaced:
                         # Bounded, unlike a standby started as one: a job that failed

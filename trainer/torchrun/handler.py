@@ -953,6 +953,20 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 if outage.retry_at(time.monotonic()) is None:
                     raise
                 time.sleep(OUTAGE_RETRY_S)
+            except JobAborted as exc:
+                if not (standby and exc.closed):
+                    raise
+                # The run was closed for good while this node stood by (another agent
+                # out of restarts): c10d ends a node of its redundancy list then with
+                # RendezvousGracefulExitError, "terminating pending rendezvous", which
+                # torch 2.13 cannot take (below): status 0 here too, as for an end.
+                log.warning(
+                    "rendezvousd: job %r was closed (%s); this standby node was not needed "
+                    "and exits",
+                    self._run_id,
+                    exc.abort_reason,
+                )
+                raise SystemExit(0) from None
             except JobEnded as exc:
                 # A standby not needed, or an agent launched for the run that ended (one
                 # that could not join before it ended: a slow pod, a scale-up).
