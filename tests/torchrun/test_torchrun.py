@@ -910,6 +910,41 @@ def test_a_survivor_out_of_restarts_closes_the_round_a_standby_was_called_into(
     assert "the job cannot go on without it (--nnodes 2:2, 1 node(s) joining)" in raised[-1]
 
 
+def test_the_last_node_out_of_restarts_closes_the_run_for_a_standby_between_its_asks(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """--nnodes 2: one node killed, the other out of restarts, and nobody else in
+    sight as it stops (a standby between two asks: its wait had just ended, or the
+    daemon was unreachable to it). The stopping agent closed nothing ("nobody to
+    tell"), and the standby, asking again, took the lost node's place in a round
+    nobody else would join and waited its join_timeout there (600 s by default),
+    then one more. Now the run is closed as MIN cannot be made, and the standby,
+    launched before the close, is told so at once, as c10d's shutdown() closes."""
+    from rendezvousd.client import JobAborted
+
+    d = start_daemon()
+    log = tmp_path / "steps.jsonl"
+    survivor, victim = _two_nodes_at_step_two(torchrun, d, job_id, log, "2", 0)
+    launched = time.monotonic()
+    victim.kill()
+    try:
+        code = survivor.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the survivor still runs 60 s after the kill:\n{survivor.stderr()[-3000:]}")
+    assert code != 0, survivor.stderr()[-3000:]
+    spare = RendezvousClient(d.endpoint, job_id, token=d.token)
+    with spare, pytest.raises(JobAborted) as info:
+        spare.join_node(
+            min_nodes=2, max_nodes=2, gpus_per_node=1, standby=True, launched=launched, timeout=20
+        )
+    assert info.value.closed, info.value
+    assert "closed the rendezvous" in survivor.stderr(), survivor.stderr()[-3000:]
+    assert "no restarts left (--max-restarts 0)" in str(info.value), info.value
+
+
 def _listening_sockets(pid: int) -> int:
     """How many listening TCP sockets process ``pid`` holds (its own descriptors, matched
     against its network namespace's socket table by inode)."""

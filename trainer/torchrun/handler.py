@@ -1164,7 +1164,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         it and the lost nodes (docs/trainer.md, "From torchrun"). Once: the round it
         held is forgotten, so ``shutdown()`` has nothing left to tell.
 
-        The failed round is closed at once (``close_run``): a survivor that re-joins
+        The failed round is closed at once (``close_run``), with no other node in
+        sight too (a standby asking again later, launched before, is refused as
+        closed rather than taking a lost node's place alone): a survivor that re-joins
         after this agent exited, whenever it comes (torch stops its workers first,
         within its 30 s grace), is refused by the daemon, naming this stop; it had
         opened the next round and waited join_timeout for nodes that would not come
@@ -1207,16 +1209,16 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 for m in job.members
                 if m.state not in gone and m.member.node_rank != node.node_rank
             )
-            if not staying + job.nodes_waiting or staying + job.nodes_waiting >= self._min:
-                # Nobody to tell (a standby waiting is told: it is called into the
-                # next round), or enough nodes to form it.
-                return
+            coming = staying + job.nodes_waiting
+            if coming >= self._min:
+                return  # enough nodes to form the next round
             if not tried:
+                # Closed with nobody in sight too: a node of this run asking later (a
+                # standby between two asks, a slow pod) took a lost node's place in a
+                # round nobody else joins, and waited join_timeout there, twice.
                 tried = True
                 try:
-                    if self._close_for_good(
-                        node.generation, staying + job.nodes_waiting, failed=True
-                    ):
+                    if self._close_for_good(node.generation, coming, failed=True):
                         return  # the daemon refuses the survivors' re-joins itself
                 except StaleGeneration:
                     continue  # a survivor re-joined meanwhile: that round is closed
@@ -1228,6 +1230,8 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                         exc,
                     )
                     return
+            if not coming:
+                return  # a daemon from before closes: no survivor to watch for
             if time.monotonic() >= until:
                 log.warning(
                     "rendezvousd: job %r: %d other node(s) of round %d did not re-join within "
