@@ -340,6 +340,7 @@ def render_job(job: Any) -> str:
             f"{_age(job.previous_run_ended_ms)} ago (every member left)"
         )
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
+    lines += _forming(job)
     per_node = max(1, job.summary.topology.gpus_per_node)
     rows = grid.node_rows(
         (
@@ -356,6 +357,10 @@ def render_job(job: Any) -> str:
         per_node,
         late_s,
     )
+    for n in job.joining:
+        # A forming node's row, where its node rank is known: its seats joining.
+        if n.HasField("node_rank") and n.node_rank not in rows:
+            rows[n.node_rank] = grid.NodeRow(n.host, [grid.SEAT[MemberState.JOINING]] * per_node)
     lines.append(f"    {'NODE':>5}  {'HOST':<20} {'RANKS':<{max(5, per_node)}}  HEARTBEAT   STEP")
     beating = {m.member.node_rank for m in job.members if _watched(job.summary.state, m.state)}
     for node, row in sorted(rows.items()):
@@ -367,6 +372,22 @@ def render_job(job: Any) -> str:
         )
     lines += [f"    ({grid.LEGEND})", *_ending(job)]
     return "\n".join(lines)
+
+
+def _forming(job: Any) -> list[str]:
+    """A forming node generation's nodes joined so far and what it still lacks (empty
+    for another job, and from a daemon from before GetJob's joining)."""
+    if job.summary.state != pb.JOB_STATE_FORMING or not job.min_nodes:
+        return []
+    joined = grid.joined_nodes(
+        (n.node_rank if n.HasField("node_rank") else None, n.host, n.joined_ms_ago / 1000)
+        for n in job.joining
+    )
+    lines = [f"    joined: {joined or 'no node yet'}"]
+    missing = grid.missing_nodes(job.missing_node_ranks, job.nodes_needed, job.min_nodes)
+    if missing:
+        lines.append(f"    missing: {missing}")
+    return lines
 
 
 def _ending(job: Any) -> list[str]:

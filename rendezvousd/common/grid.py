@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from rendezvousd.common.escape import escape
 from rendezvousd.common.model import MemberState
 
 # A member is drawn late once its heartbeat is this share of the timeout old.
@@ -69,3 +70,36 @@ def node_rows(
         if step is not None:
             row.step = step if row.step is None else min(row.step, step)
     return rows
+
+
+#: How many joined nodes a line names; the rest are counted.
+NODES_NAMED = 16
+
+
+def joined_nodes(nodes: Iterable[tuple[int | None, str, float]]) -> str:
+    """A forming generation's joined nodes (node rank or None, host, seconds since it
+    joined) as ``rendezvousd status`` and a waiting node agent say them: "node 0 on
+    n0 (12.3s ago), a node on n2 (11.9s ago)"; a node that named no rank is "a node".
+    The first ``NODES_NAMED``, the rest counted; hosts escaped."""
+    said = [
+        f"{'a node' if rank is None else f'node {rank}'} on {escape(host)} ({age:.1f}s ago)"
+        for rank, host, age in nodes
+    ]
+    more = len(said) - NODES_NAMED
+    return ", ".join(said[:NODES_NAMED]) + (f" and {more} more" if more > 0 else "")
+
+
+def missing_nodes(missing: Iterable[int], needed: int, min_nodes: int) -> str:
+    """What a forming node generation still lacks: the node ranks no node took, where
+    the daemon knows them (a fixed-size job whose nodes name their ranks), else how
+    many more nodes reach min_nodes; "" when it lacks none."""
+    ranks = list(missing)
+    if ranks:
+        shown = ", ".join(str(r) for r in ranks[:NODES_NAMED])
+        more = f" and {len(ranks) - NODES_NAMED} more" if len(ranks) > NODES_NAMED else ""
+        if len(ranks) == 1:
+            return f"node rank {shown} (no node agent joined with that node rank)"
+        return f"node ranks {shown}{more} (no node agent joined with those node ranks)"
+    if needed:
+        return f"{needed} more node(s) to reach min_nodes={min_nodes}"
+    return ""

@@ -37,6 +37,7 @@ __all__ = [
     "JobView",
     "JoinMode",
     "JoinResult",
+    "JoiningNode",
     "MemberInfo",
     "MemberState",
     "MemberView",
@@ -254,6 +255,18 @@ class MemberView:
 
 
 @dataclass(frozen=True)
+class JoiningNode:
+    """A node agent seated in a forming generation, as inspection shows it: the node
+    rank it named (None: it named none, the daemon assigns one at forming), its host,
+    its instance id, and how long ago it joined."""
+
+    node_rank: int | None
+    host: str
+    instance_id: str
+    joined_s: float
+
+
+@dataclass(frozen=True)
 class JobView:
     """What inspection may show: everything but the id."""
 
@@ -292,6 +305,14 @@ class JobView:
     # generations failed or were aborted (``Transition.failure``), kept across a restart.
     last_failure: JobFailure | None = None
     failures: int = 0
+    # While a node generation forms: its node agents seated so far (arrival order), the
+    # node ranks none of them took where that is known (``placement.missing_node_ranks``;
+    # None: unknown, nodes that name no rank take any free one), how many more it needs
+    # to reach min_nodes, and min_nodes itself.
+    joining: tuple[JoiningNode, ...] = ()
+    missing_node_ranks: tuple[int, ...] | None = None
+    nodes_needed: int = 0
+    min_nodes: int = 0
 
     @property
     def world_size(self) -> int:

@@ -564,6 +564,18 @@ class RendezvousServicer:
             conflict=view.conflict,
             last_failure=_last_failure(view, now),
             failures=view.failures,
+            joining=[
+                pb.JoiningNode(
+                    node_rank=n.node_rank,
+                    host=n.host,
+                    instance_id=n.instance_id,
+                    joined_ms_ago=int(n.joined_s * 1000),
+                )
+                for n in view.joining
+            ],
+            missing_node_ranks=view.missing_node_ranks or (),
+            nodes_needed=view.nodes_needed,
+            min_nodes=view.min_nodes,
         ).SerializeToString()
 
     # -- registration ---------------------------------------------------------

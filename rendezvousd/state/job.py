@@ -206,6 +206,26 @@ class BarrierState:
     arrived: dict[int, set[int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EndedWait:
+    """A joiner of a forming generation whose own join's deadline freed its seat: it
+    came, and is not what the generation lacks. The joiners whose waits end after it
+    name it so (their world lacked it by then, and they named it as missing: a node 0
+    that came, its wait ended 27 ms before a peer's, read as the node to go and start)."""
+
+    # "node 0", "a node" (no rank named yet), "rank 3": how messages name the seat.
+    seat: str
+    host: str
+    at: float
+    # The node rank it named, or a worker's rank; None: a node that named none.
+    rank: int | None
+
+
+#: How many ended waits a forming generation keeps (``Generation.ended_waits``): the
+#: messages name 8 and count the rest.
+ENDED_WAITS_KEPT = 64
+
+
 @dataclass
 class Generation:
     """What one round of a job owns: its members and node agents, the id, barriers, the
@@ -296,6 +316,11 @@ class Generation:
     # wait its join timeout here for nodes that are done. GetJob says so while this
     # one forms. Not stored: a restart forgets it, which costs only that hint.
     after_end: float | None = None
+    # The joiners whose seats their own join's deadline freed while this generation
+    # formed, by seat key (``Job.key``), oldest first, at most ``ENDED_WAITS_KEPT``;
+    # a seat taken again is dropped (``waits.world_incomplete`` names the rest). Not
+    # stored: a restart forgets it, which costs only those words.
+    ended_waits: dict[int | str, EndedWait] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import barriers, fences, placement, rounds, seats, waits
-from rendezvousd.state.job import Job, Member, Node
+from rendezvousd.state.job import ENDED_WAITS_KEPT, EndedWait, Job, Member, Node
 from rendezvousd.state.placement import JoinArgs
 
 if TYPE_CHECKING:
@@ -652,9 +652,11 @@ def join_wait_ended(
     key = job.gen.join_waiters.pop(waiter, None)
     seat = None if key is None else job.seat(key)
     if timed_out:
-        fault = waits.world_incomplete(job, waited)
-        if seat is not None:
+        fault = waits.world_incomplete(job, waited, now)
+        if seat is not None and key is not None:
             unseat(sm, job, seat, now)
+            if job.state is JobState.FORMING and job.seat(key) is None:
+                _wait_ended(job, key, seat, now)
         return fault
     if seat is None or job.state is not JobState.FORMING or key in job.gen.join_waiters.values():
         return None
@@ -663,6 +665,21 @@ def join_wait_ended(
         return None
     rounds.joiner_died(sm, job, seat, placement.cancelled(job, seat, now), now)
     return None
+
+
+def _wait_ended(job: Job, key: int | str, seat: Member | Node, now: float) -> None:
+    """Keeps that ``seat`` came and its own deadline freed it, for the words of the
+    joiners whose waits end after it (``waits.world_incomplete``)."""
+    ended = job.gen.ended_waits
+    ended.pop(key, None)
+    if isinstance(seat, Node):
+        said = f"node {seat.node_rank}" if seat.named else "a node"
+        rank = seat.node_rank if seat.named else None
+    else:
+        said, rank = f"rank {seat.rank}", seat.rank
+    ended[key] = EndedWait(said, seat.host, now, rank)
+    while len(ended) > ENDED_WAITS_KEPT:
+        del ended[next(iter(ended))]
 
 
 def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:

@@ -239,6 +239,24 @@ def assignment(job: Job) -> dict[str, int] | None:
     return ranks
 
 
+def missing_node_ranks(job: Job) -> list[int] | None:
+    """The node ranks no node of the forming generation took, where that is known: a
+    fixed-size job (min_nodes = max_nodes) whose every node named its rank (rendezvous-run
+    --node-rank). None otherwise: a node that names none takes any free rank, so only a
+    count of the nodes still needed says what is missing (``nodes_needed``)."""
+    if job.gen.join_mode is not _NODE or job.min_nodes != job.max_nodes:
+        return None
+    if job.gen.nodes.unnamed:
+        return None
+    taken = job.gen.nodes.named_at
+    return [r for r in range(job.max_nodes) if r not in taken]
+
+
+def nodes_needed(job: Job) -> int:
+    """How many more nodes the forming node generation needs to reach min_nodes."""
+    return max(0, job.min_nodes - len(job.gen.nodes))
+
+
 def place(job: Job, ranks: dict[str, int]) -> None:
     """Turns the forming nodes into members: node r holds ranks r * gpus_per_node ..."""
     job.num_nodes = len(ranks)

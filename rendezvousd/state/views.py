@@ -7,7 +7,7 @@ it reports, and nothing a caller does with one reaches back into the job.
 from __future__ import annotations
 
 from rendezvousd.common import grid
-from rendezvousd.common.model import JobState, JobView, JoinMode, MemberView
+from rendezvousd.common.model import JobState, JobView, JoiningNode, JoinMode, MemberView
 from rendezvousd.state import placement
 from rendezvousd.state.job import Attendee, Job, Member
 from rendezvousd.state.liveness import members_present, watched
@@ -58,6 +58,8 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
     parked = set(job.scaleup_waiters.values()) | (
         set(job.gen.join_waiters.values()) if by_node else set()
     )
+    forming = by_node and job.state is JobState.FORMING
+    missing = placement.missing_node_ranks(job) if forming else None
     return JobView(
         job.job_id,
         job.state,
@@ -88,4 +90,16 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
         "" if job.gen.conflict is None else job.gen.conflict.message,
         job.last_failure,
         job.failures,
+        tuple(
+            JoiningNode(
+                n.node_rank if n.named else None,
+                n.host,
+                n.instance_id,
+                max(0.0, now - n.arrived),
+            )
+            for n in (job.gen.nodes.values() if forming and with_members else ())
+        ),
+        None if missing is None else tuple(missing),
+        placement.nodes_needed(job) if forming else 0,
+        job.min_nodes if by_node else 0,
     )

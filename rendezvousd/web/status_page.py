@@ -30,8 +30,8 @@ from urllib.parse import parse_qsl, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rendezvousd.common.escape import escape, quoted, shortened
-from rendezvousd.common.grid import LATE_SHARE, node_rows
-from rendezvousd.common.model import JobView, MemberState, Transition
+from rendezvousd.common.grid import LATE_SHARE, SEAT, NodeRow, missing_nodes, node_rows
+from rendezvousd.common.model import JobState, JobView, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.auth import bearer_token
 from rendezvousd.server.metrics import Metrics
@@ -51,6 +51,8 @@ MAX_SESSIONS = 1024
 MAX_SESSIONS_PER_SCOPE = 64
 # One job's JSON lists at most this many nodes per page (the grid asks for the rest).
 NODE_PAGE = 1024
+# How many of a forming generation's joined nodes the job's JSON lists (its count is whole).
+JOINED_SHOWN = 256
 # A job's view is built once for the page's two requests of one update (the overview,
 # then the job): at 4,096 members a view costs ~30 ms of the daemon's loop. A state
 # change (a Transition) drops it at once; heartbeat ages may be this much old.
@@ -370,6 +372,11 @@ class StatusPage:
             late,
             range(offset, offset + limit),
         )
+        for n in v.joining:
+            # A forming node's row, where its node rank is known: its seats joining.
+            rank = n.node_rank
+            if rank is not None and rank not in rows and offset <= rank < offset + limit:
+                rows[rank] = NodeRow(n.host, [SEAT[MemberState.JOINING]] * max(1, v.gpus_per_node))
         now = time.monotonic()
         return {
             **self._summary(v),
@@ -401,6 +408,28 @@ class StatusPage:
                 for f in v.failed[:64]
             ],
             "failed_total": len(v.failed),
+            # A forming node generation: its nodes joined so far (the first
+            # JOINED_SHOWN, in arrival order) and what it still lacks.
+            "forming": {
+                "joined": [
+                    {
+                        "node": n.node_rank,
+                        "host": escape(n.host),
+                        "instance_id": escape(n.instance_id),
+                        "joined_s": round(n.joined_s, 1),
+                    }
+                    for n in v.joining[:JOINED_SHOWN]
+                ],
+                "joined_total": len(v.joining),
+                "missing_node_ranks": (
+                    None if v.missing_node_ranks is None else list(v.missing_node_ranks[:1024])
+                ),
+                "nodes_needed": v.nodes_needed,
+                "min_nodes": v.min_nodes,
+                "missing": missing_nodes(v.missing_node_ranks or (), v.nodes_needed, v.min_nodes),
+            }
+            if v.min_nodes and v.state is JobState.FORMING
+            else None,
             # Why the generation failed while it formed with no member lost (a joiner's
             # topology or version), as its joiners were told; kept over a restart. Whole
             # (its hosts and versions are what to fix), within a bound all the same.

@@ -920,3 +920,63 @@ def test_a_node_lost_to_its_cut_join_joins_the_next_generation_when_it_comes_bac
     assert isinstance(again, JoinResult) and again.id_required  # node 0 of the next one
     job = sm.jobs["j"]
     assert (job.generation, job.state, list(job.gen.nodes)) == (2, JobState.FORMING, ["a"])
+
+
+def test_a_join_deadline_names_the_nodes_joined_and_the_missing_node_rank() -> None:
+    """Nodes 0 and 2 of three came, node 1 never did (an operator review, D5): the
+    forming view lists both with their hosts and says node rank 1 is missing; node 0's
+    deadline names both and node 1; node 2's, 0.5 s later, says node 0 came and its own
+    wait ended first, where it read "needs min_nodes=3 and node 0's id" (node 0's seat
+    freed by its own deadline read as node 0 missing)."""
+    sm = RendezvousState()
+    sm.join(node("a", lo=3, hi=3, rank=0), 0.0)
+    zero = sm.join(node("a", lo=3, hi=3, rank=0, uid=ID), 0.0)
+    two = sm.join(node("c", lo=3, hi=3, rank=2), 0.5)
+    assert isinstance(zero, Parked) and isinstance(two, Parked)
+    view = sm.view("j", 1.0)
+    assert [(n.node_rank, n.host, n.instance_id) for n in view.joining] == [
+        (0, "host-a", "a"),
+        (2, "host-c", "c"),
+    ]
+    assert (view.missing_node_ranks, view.nodes_needed, view.min_nodes) == ((1,), 1, 3)
+    first = sm.cancel_wait(zero.waiter, 40.0, timed_out=True)
+    assert first is not None and first.reason == "WORLD_INCOMPLETE"
+    assert "2 node(s) joined of the min_nodes=3 it needs (node 0 on host-a, node 2 on host-c)" in (
+        first.message
+    )
+    assert "no node agent joined as node 1: start it (rendezvous-run --node-rank 1)" in (
+        first.message
+    )
+    assert first.metadata["missing_node_ranks"] == "1"
+    second = sm.cancel_wait(two.waiter, 40.5, timed_out=True)
+    assert second is not None and second.reason == "WORLD_INCOMPLETE"
+    assert "node 0's id" not in second.message, second.message
+    assert (
+        "1 node(s) joined of the min_nodes=3 it needs (node 2 on host-c); node 0 on host-a "
+        "joined too, but its own wait ended at its deadline 0.500 s before this one, before "
+        "the generation formed; no node agent joined as node 1:"
+    ) in second.message, second.message
+
+
+def test_an_elastic_join_deadline_counts_the_nodes_still_needed() -> None:
+    """Nodes that name no rank take any free one: what is missing is a count, and a
+    node that came but whose wait ended first is not counted as missing."""
+    sm = RendezvousState()
+    first = join_first(sm, node("a", lo=3, hi=4))
+    other = sm.join(node("b", lo=3, hi=4), 1.0)
+    assert isinstance(first, Parked) and isinstance(other, Parked)
+    view = sm.view("j", 2.0)
+    assert [(n.node_rank, n.host) for n in view.joining] == [(None, "host-a"), (None, "host-b")]
+    assert (view.missing_node_ranks, view.nodes_needed, view.min_nodes) == (None, 1, 3)
+    f = sm.cancel_wait(first.waiter, 60.0, timed_out=True)
+    assert f is not None
+    assert "2 node(s) joined of the min_nodes=3 (up to 4) it needs (a node on host-a, a node " \
+        "on host-b); 1 more node(s) never joined" in f.message, f.message  # fmt: skip
+    # b is node 0 now: asked for the id, it joins again with one, and waits on.
+    assert isinstance(woken(sm).get(other.waiter), JoinResult)
+    again = sm.join(node("b", lo=3, hi=4, uid=ID2), 61.0)
+    assert isinstance(again, Parked)
+    f = sm.cancel_wait(again.waiter, 100.0, timed_out=True)
+    assert f is not None
+    assert "a node on host-a joined too, but its own wait ended" in f.message, f.message
+    assert "1 more node(s) never joined" in f.message, f.message

@@ -1072,15 +1072,37 @@ def test_a_node_waiting_for_the_others_says_what_it_waits_for_while_it_waits(
     node = launcher_cmd(nnodes, 0, 1, endpoint=daemon.endpoint, token_file=daemon.token_file,
                         job=job_id)  # fmt: skip
     run = run_launcher([*node, "--join-timeout-s", "8", str(script)], timeout=60)
-    need = "2" if nnodes == "2" else "2 (up to 3)"
-    said = (
-        f"still waiting for job {job_id!r} generation 1 to form after 5 s: 1 node(s) joined "
-        f"of the {need} it needs; waiting up to 8 s in all"
+    host = socket.gethostname()
+    need, missing = (
+        ("2", "node rank 1 (no node agent joined with that node rank)")
+        if nnodes == "2"
+        else ("2 (up to 3)", "1 more node(s) to reach min_nodes=2")
+    )
+    # Which node joined, on which host, and what is missing (an operator review: a
+    # count alone named no node).
+    said = re.compile(
+        re.escape(
+            f"still waiting for job {job_id!r} generation 1 to form after 5 s: 1 node(s) "
+            f"joined (node 0 on {host} ("
+        )
+        + r"\d+\.\ds ago"
+        + re.escape(f")) of the {need} it needs, missing {missing}; waiting up to 8 s in all")
     )
     assert run.returncode == 1, run.stderr
-    assert said in run.stderr and run.stderr.count("still waiting") == 1, run.stderr
-    assert "1 node(s) joined after 8.0 s, the generation needs min_nodes=2" in run.stderr
-    assert run.stderr.index(said) < run.stderr.index("joined after 8.0 s"), run.stderr
+    note = said.search(run.stderr)
+    assert note is not None and run.stderr.count("still waiting") == 1, run.stderr
+    most = "" if nnodes == "2" else " (up to 3)"
+    what = (
+        "no node agent joined as node 1: start it (rendezvous-run --node-rank 1)"
+        if nnodes == "2"
+        else "1 more node(s) never joined: start the missing node agents"
+    )
+    timed_out = (
+        f"did not form within 8.0 s: 1 node(s) joined of the min_nodes=2{most} it needs "
+        f"(node 0 on {host}); {what}"
+    )
+    assert timed_out in run.stderr, run.stderr
+    assert note.start() < run.stderr.index(timed_out), run.stderr
 
 
 def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import RendezvousError
+from rendezvousd.common import grid
 from rendezvousd.common.escape import escape
 from rendezvousd.common.limits import Timing
 
@@ -47,6 +48,17 @@ def forming_note(
     need = str(most) if fewest == most else f"{fewest} (up to {most})"
     kept = f", {job.seats_kept} seat(s) kept for nodes re-joining" if job.seats_kept else ""
     said = f"still waiting for {named} to form after {waited_s:.0f} s: {joined} node(s) joined"
+    if job.joining:
+        # Which nodes, on which hosts: a count alone left a 64-node job's operator to
+        # find the missing node by elimination (a daemon from before the field sends none).
+        said += (
+            " ("
+            + grid.joined_nodes(
+                (n.node_rank if n.HasField("node_rank") else None, n.host, n.joined_ms_ago / 1000)
+                for n in job.joining
+            )
+            + ")"
+        )
     if fewest < most and joined >= fewest:
         # Elastic, with enough nodes: it forms at its last call, not at the timeout
         # (said so, it read as a wait for a node that was missing: review). How long,
@@ -63,7 +75,10 @@ def forming_note(
             f"joins for {call}, or at once when {most} have ({bound})"
         )
     else:
-        said += f" of the {need} it needs{kept}; {bound}, then this ends naming what is missing"
+        said += f" of the {need} it needs{kept}"
+        missing = grid.missing_nodes(job.missing_node_ranks, job.nodes_needed, job.min_nodes)
+        said += f", missing {missing}" if job.min_nodes and missing else ""
+        said += f"; {bound}, then this ends naming what is missing"
     if job.HasField("previous_run_ended_ms"):
         # A pod restarted after its job succeeded, say: it opened a run nobody else
         # will join, and would wait out its join timeout without a word of why.

@@ -185,6 +185,7 @@ function drawJob(job, rows) {
   $("rerun").hidden = ended === null || ended === undefined;
   $("rerun").textContent = "a new run of this job id: its previous run ended " + age(ended) +
     " ago (every member left)";
+  drawForming(job.forming);
   // A joiner that contradicted the forming generation (topology, version): no member
   // was lost, so the list below is empty and this is the whole story.
   $("conflict-box").hidden = !job.conflict;
@@ -211,6 +212,28 @@ function drawJob(job, rows) {
     li.append(el("div", e.detail, "cause"));
     tl.append(li);
   }
+}
+
+// A forming node generation: who joined (node rank if it named one, host, instance,
+// when) and what it still lacks, so a missing node is named, not only counted.
+function drawForming(f) {
+  $("forming").hidden = !f;
+  if (!f) return;
+  const list = $("joined");
+  list.replaceChildren();
+  for (const n of f.joined) {
+    const li = el("li");
+    li.append(el("strong", n.node === null ? "a node" : "node " + n.node));
+    li.append(el("span", " on " + n.host));
+    li.append(el("span", " joined " + age(n.joined_s) + " ago", "muted"));
+    li.append(el("div", "instance " + n.instance_id, "muted"));
+    list.append(li);
+  }
+  const more = f.joined_total - f.joined.length;
+  $("joined-more").hidden = more <= 0;
+  $("joined-more").textContent = "and " + more + " more";
+  $("missing").hidden = !f.missing;
+  $("missing").textContent = "missing: " + f.missing;
 }
 
 async function refresh() {

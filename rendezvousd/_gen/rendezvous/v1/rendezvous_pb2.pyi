@@ -1636,6 +1636,10 @@ class GetJobResponse(_message.Message):
     CONFLICT_FIELD_NUMBER: _builtins.int
     LAST_FAILURE_FIELD_NUMBER: _builtins.int
     FAILURES_FIELD_NUMBER: _builtins.int
+    JOINING_FIELD_NUMBER: _builtins.int
+    MISSING_NODE_RANKS_FIELD_NUMBER: _builtins.int
+    NODES_NEEDED_FIELD_NUMBER: _builtins.int
+    MIN_NODES_FIELD_NUMBER: _builtins.int
     id_published: _builtins.bool
     """Whether rank 0's id is published (the id itself is never returned)."""
     kv_keys: _builtins.int
@@ -1674,6 +1678,14 @@ class GetJobResponse(_message.Message):
     """How many of the job's generations failed or were aborted (an agent's
     scale-up abort not counted), kept as last_failure is.
     """
+    nodes_needed: _builtins.int
+    """While a node generation forms: how many more nodes it needs to reach
+    min_nodes (0: it has them, and forms at its last call or at max_nodes).
+    """
+    min_nodes: _builtins.int
+    """The node generation's min_nodes (0 for a per-rank job, and from a daemon from
+    before the field).
+    """
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
     @_builtins.property
@@ -1685,6 +1697,22 @@ class GetJobResponse(_message.Message):
         """The job's latest failed generation, this one or one before it (the job
         re-formed since): absent while none failed. Kept with the job, across a
         daemon restart (--state-dir) too.
+        """
+
+    @_builtins.property
+    def joining(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoiningNode]:
+        """While a node generation (JoinNode) forms: the node agents seated in it so far,
+        in the order they joined (members lists none until it forms). A standby
+        (JoinNodeRequest.standby) is not one. Empty otherwise, and from a daemon
+        from before the field.
+        """
+
+    @_builtins.property
+    def missing_node_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """While a node generation forms, the node ranks no seated node asked for, where
+        they are known: a fixed-size job (min_nodes = max_nodes) whose every node named
+        its node_rank (rendezvous-run --node-rank). Empty otherwise: nodes that name
+        none take any free rank, and nodes_needed says how many more it needs.
         """
 
     def __init__(
@@ -1707,10 +1735,14 @@ class GetJobResponse(_message.Message):
         conflict: _builtins.str = ...,
         last_failure: Global___JobFailure | None = ...,
         failures: _builtins.int = ...,
+        joining: _abc.Iterable[Global___JoiningNode] | None = ...,
+        missing_node_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        nodes_needed: _builtins.int = ...,
+        min_nodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "last_failure", b"last_failure", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "conflict", b"conflict", "failed", b"failed", "failures", b"failures", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "kv_keys", b"kv_keys", "last_failure", b"last_failure", "members", b"members", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "conflict", b"conflict", "failed", b"failed", "failures", b"failures", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "joining", b"joining", "kv_keys", b"kv_keys", "last_failure", b"last_failure", "members", b"members", "min_nodes", b"min_nodes", "missing_node_ranks", b"missing_node_ranks", "nodes_needed", b"nodes_needed", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__previous_run_ended_ms: _TypeAlias = _typing.Literal["previous_run_ended_ms"]  # noqa: Y015
     _WhichOneofArgType__previous_run_ended_ms: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms"]  # noqa: Y015
@@ -1726,6 +1758,43 @@ class GetJobResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restarts_used) -> _WhichOneofReturnType__restarts_used | None: ...
 
 Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015
+
+@_typing.final
+class JoiningNode(_message.Message):
+    """A node agent seated in a forming generation (GetJobResponse.joining)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_RANK_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    JOINED_MS_AGO_FIELD_NUMBER: _builtins.int
+    node_rank: _builtins.int
+    """The node rank it asked for (JoinNodeRequest.node_rank); absent when it asked
+    for none: the daemon assigns it one when the generation forms.
+    """
+    host: _builtins.str
+    instance_id: _builtins.str
+    """Its JoinNode's instance_id: tells two agents on one host apart."""
+    joined_ms_ago: _builtins.int
+    """Milliseconds since it joined (its seat taken)."""
+    def __init__(
+        self,
+        *,
+        node_rank: _builtins.int | None = ...,
+        host: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        joined_ms_ago: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "node_rank", b"node_rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "host", b"host", "instance_id", b"instance_id", "joined_ms_ago", b"joined_ms_ago", "node_rank", b"node_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
+    _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__node_rank) -> _WhichOneofReturnType__node_rank | None: ...
+
+Global___JoiningNode: _TypeAlias = JoiningNode  # noqa: Y015
 
 @_typing.final
 class JobFailure(_message.Message):
