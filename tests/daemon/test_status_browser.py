@@ -285,3 +285,76 @@ def test_a_new_run_opened_after_the_job_ended_is_shown_as_such(
 
 
 RERUN_SCREENSHOT = ROOT / "artifacts" / "status-page-new-run.png"
+
+
+FORMING_SCREENSHOT = ROOT / "artifacts" / "status-page-forming.png"
+
+
+def test_a_job_stuck_forming_shows_the_nodes_joined_and_the_missing_node_rank(
+    start_daemon: Callable[..., DaemonProcess], browser: Chromium, job_id: str
+) -> None:
+    """Nodes 0 and 2 of three wait, node 1 never comes (an operator review, D5): the
+    page lists both (node rank, host, instance, when), draws their rows joining, and
+    says node rank 1 is missing, where it showed a count and an empty grid."""
+    from rendezvousd.client import NotFound, RendezvousClient, RendezvousError
+
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    base = d.metrics_url.removesuffix("/metrics")
+    clients = [RendezvousClient(d.endpoint, job_id, token=d.token) for _ in range(2)]
+    kw: dict[str, Any] = dict(min_nodes=3, max_nodes=3, gpus_per_node=2, timeout=60)
+
+    def join(c: Any, rank: int, host: str) -> None:
+        with contextlib.suppress(RendezvousError):  # the abort below ends the wait
+            c.join_node(node_rank=rank, host=host, **kw)
+
+    joins = [
+        threading.Thread(target=join, args=(clients[0], 0, "fm-host-a"), daemon=True),
+        threading.Thread(target=join, args=(clients[1], 2, "fm-host-c"), daemon=True),
+    ]
+    try:
+        for t in joins:
+            t.start()
+
+        def both_joined() -> bool:
+            try:
+                return len(clients[0].get_job().joining) == 2
+            except NotFound:
+                return False  # not yet created
+
+        wait_for("both nodes to join", both_joined)
+        browser.log_in(base, d.token)
+        browser.navigate(f"{base}/#job={job_id}")
+        browser.wait_for(
+            "the forming panel with both nodes",
+            "document.getElementById('job-state').textContent === 'FORMING' && "
+            "!document.getElementById('forming').hidden && "
+            "document.querySelectorAll('#joined li').length === 2",
+        )
+        joined = sorted(
+            browser.evaluate("[...document.querySelectorAll('#joined li')].map(li => li.innerText)")
+        )
+        assert joined[0].startswith("node 0 on fm-host-a joined "), joined
+        assert joined[1].startswith("node 2 on fm-host-c joined "), joined
+        assert all("instance " in j for j in joined), joined
+        assert browser.evaluate("document.getElementById('missing').textContent") == (
+            "missing: node rank 1 (no node agent joined with that node rank)"
+        )
+        rows = browser.evaluate(
+            "[...document.querySelectorAll('#grid tbody tr')].map(tr => "
+            "[tr.children[0].textContent, tr.children[1].textContent, "
+            "tr.querySelectorAll('.seat.J').length])"
+        )
+        assert rows == [["0", "fm-host-a", 2], ["2", "fm-host-c", 2]], rows
+        browser.screenshot(FORMING_SCREENSHOT)
+        assert FORMING_SCREENSHOT.stat().st_size > 10_000
+        clients[0].abort("test over")
+        for t in joins:
+            t.join(20)
+        browser.wait_for(
+            "the panel gone once the job is aborted",
+            "document.getElementById('job-state').textContent === 'ABORTED' && "
+            "document.getElementById('forming').hidden",
+        )
+    finally:
+        for c in clients:
+            c.close()
