@@ -980,3 +980,24 @@ def test_an_elastic_join_deadline_counts_the_nodes_still_needed() -> None:
     assert f is not None
     assert "a node on host-a joined too, but its own wait ended" in f.message, f.message
     assert "1 more node(s) never joined" in f.message, f.message
+
+
+def test_nodes_that_all_came_but_not_within_one_anothers_waits_are_told_so() -> None:
+    """Node 0 waited out its join before nodes 1 and 2 came: nothing is missing but
+    the overlap, and node 1's deadline says so rather than naming a node to start."""
+    sm = RendezvousState()
+    sm.join(node("a", lo=3, hi=3, rank=0), 0.0)
+    zero = sm.join(node("a", lo=3, hi=3, rank=0, uid=ID), 0.0)
+    assert isinstance(zero, Parked)
+    assert sm.cancel_wait(zero.waiter, 40.0, timed_out=True) is not None
+    one = sm.join(node("b", lo=3, hi=3, rank=1), 50.0)
+    two = sm.join(node("c", lo=3, hi=3, rank=2), 51.0)
+    assert isinstance(one, Parked) and isinstance(two, Parked)
+    assert sm.view("j", 52.0).missing_node_ranks == (0,)
+    f = sm.cancel_wait(one.waiter, 90.0, timed_out=True)
+    assert f is not None
+    assert "node 0 on host-a joined too, but its own wait ended at its deadline 50.000 s " \
+        "before this one" in f.message, f.message  # fmt: skip
+    assert "every node the job needs came, but not within one another's waits: start them " \
+        "within --join-timeout-s of each other, or raise it" in f.message, f.message  # fmt: skip
+    assert "no node agent joined as" not in f.message, f.message
