@@ -1252,12 +1252,22 @@ def test_an_agent_waiting_for_the_others_says_what_it_waits_for_while_it_waits(
     agent = torchrun(d, job_id, "2", "--step-log", str(tmp_path / "steps"), conf=conf)
     assert agent.wait(60) != 0
     err = agent.stderr()
-    said = (
-        f"still waiting for job '{job_id}' generation 1 to form after 5 s: 1 node(s) joined "
-        "of the 2 it needs; waiting up to 8 s in all"
+    # Which node joined, on which host, and how many more it needs (an operator review:
+    # a count alone named no node).
+    said = re.compile(
+        re.escape(
+            f"still waiting for job '{job_id}' generation 1 to form after 5 s: 1 node(s) "
+            f"joined (a node on {socket.gethostname()} ("
+        )
+        + r"\d+\.\ds ago"
+        + re.escape(
+            ")) of the 2 it needs, missing 1 more node(s) to reach min_nodes=2; waiting up "
+            "to 8 s in all"
+        )
     )
-    assert said in err and err.count("still waiting") == 1, err[-3000:]
+    assert said.search(err) and err.count("still waiting") == 1, err[-3000:]
     assert "RendezvousTimeoutError" in err, err[-3000:]
+    assert "1 more node(s) never joined: start the missing node agents" in err, err[-3000:]
 
 
 def test_torchruns_default_run_id_is_refused_naming_the_flag(
