@@ -377,8 +377,13 @@ def render_job(job: Any) -> str:
 def _forming(job: Any) -> list[str]:
     """A forming node generation's nodes joined so far and what it still lacks (empty
     for another job, and from a daemon from before GetJob's joining)."""
-    if job.summary.state != pb.JOB_STATE_FORMING or not job.min_nodes:
+    if job.summary.state != pb.JOB_STATE_FORMING:
         return []
+    if not job.min_nodes:
+        # A per-rank job (or a daemon from before min_nodes): its joining ranks are its
+        # members, drawn below; what is missing is the ranks none of them holds.
+        ranks = grid.missing_ranks(job.summary.world_size, (m.member.rank for m in job.members))
+        return [f"    missing: {ranks}"] if ranks and job.members else []
     joined = grid.joined_nodes(
         (n.node_rank if n.HasField("node_rank") else None, n.host, n.joined_ms_ago / 1000)
         for n in job.joining

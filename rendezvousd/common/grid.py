@@ -103,3 +103,18 @@ def missing_nodes(missing: Iterable[int], needed: int, min_nodes: int) -> str:
     if needed:
         return f"{needed} more node(s) to reach min_nodes={min_nodes}"
     return ""
+
+
+def missing_ranks(world_size: int, joined: Iterable[int]) -> str:
+    """A forming per-rank generation's ranks no worker joined as (its members are the
+    ranks that did): "ranks 2, 3" (the first ``NODES_NAMED``, the rest counted); ""
+    when none is missing."""
+    have = set(joined)
+    missing = [r for r in range(world_size) if r not in have]
+    if not missing:
+        return ""
+    shown = ", ".join(str(r) for r in missing[:NODES_NAMED])
+    more = f" and {len(missing) - NODES_NAMED} more" if len(missing) > NODES_NAMED else ""
+    if len(missing) == 1:
+        return f"rank {shown} (no worker joined as it)"
+    return f"ranks {shown}{more} (no worker joined as them)"

@@ -30,7 +30,14 @@ from urllib.parse import parse_qsl, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rendezvousd.common.escape import escape, quoted, shortened
-from rendezvousd.common.grid import LATE_SHARE, SEAT, NodeRow, missing_nodes, node_rows
+from rendezvousd.common.grid import (
+    LATE_SHARE,
+    SEAT,
+    NodeRow,
+    missing_nodes,
+    missing_ranks,
+    node_rows,
+)
 from rendezvousd.common.model import JobState, JobView, MemberState, Transition
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.auth import bearer_token
@@ -429,7 +436,7 @@ class StatusPage:
                 "missing": missing_nodes(v.missing_node_ranks or (), v.nodes_needed, v.min_nodes),
             }
             if v.min_nodes and v.state is JobState.FORMING
-            else None,
+            else _forming_ranks(v),
             # Why the generation failed while it formed with no member lost (a joiner's
             # topology or version), as its joiners were told; kept over a restart. Whole
             # (its hosts and versions are what to fix), within a bound all the same.
@@ -469,6 +476,15 @@ class StatusPage:
 
 
 _PRESENT = (MemberState.JOINING, MemberState.ACTIVE)
+
+
+def _forming_ranks(v: JobView) -> dict[str, Any] | None:
+    """A forming per-rank generation's ranks missing (its joining ranks are its
+    members, in the grid): the page's ``forming`` without nodes."""
+    if v.state is not JobState.FORMING or v.min_nodes or not v.members:
+        return None
+    missing = missing_ranks(v.world_size, (m.info.rank for m in v.members))
+    return {"joined": [], "joined_total": 0, "missing": missing} if missing else None
 
 
 def _last_failure(v: JobView) -> str:

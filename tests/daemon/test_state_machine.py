@@ -397,6 +397,23 @@ def test_a_key_wait_left_behind_ends_with_its_member() -> None:
     assert "j" not in sm.jobs
 
 
+def test_a_rank_whose_own_wait_ended_first_is_said_to_have_come() -> None:
+    """Ranks 0 and 1 of four joined, rank 0's wait ended first (its seat freed): rank
+    1's timeout names rank 0 among the missing ranks, and says it came."""
+    sm = RendezvousState()
+    zero = sm.join(args(0, 0, uid=b"\x05" * 128, host="h0"), 0.0)
+    one = sm.join(args(0, 1, host="h0"), 0.5)
+    assert isinstance(zero, Parked) and isinstance(one, Parked)
+    assert sm.cancel_wait(zero.waiter, 30.0, timed_out=True) is not None
+    f = sm.cancel_wait(one.waiter, 30.5, timed_out=True)
+    assert f is not None and f.metadata["ranks"] == "0,2,3"
+    assert (
+        "1 of 4 ranks joined after 30.0 s; missing ranks [0, 2, 3] (3 total); rank 0 on h0 "
+        "joined too, but its own wait ended at its deadline 0.500 s before this one, before "
+        "the generation formed"
+    ) in f.message, f.message
+
+
 def test_join_timeout_frees_the_rank_and_names_missing_ranks() -> None:
     sm = RendezvousState()
     w = sm.join(args(1, 0), 0.0)

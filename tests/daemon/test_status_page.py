@@ -410,3 +410,58 @@ def test_an_unknown_api_path_is_shown_escaped_once(daemon: DaemonProcess) -> Non
     status, _headers, body = request(daemon, "GET", "/api/nope%1Bx", token=daemon.token)
     assert status == 404
     assert json.loads(body)["error"] == "no such API path '/api/nope\\x1bx'", body
+
+
+def test_a_per_rank_job_stuck_forming_names_its_missing_ranks(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """Ranks 0 and 1 of four joined (a per-rank job): their rows are the grid's, and
+    the page's JSON and ``rendezvousd status JOB`` say ranks 2 and 3 are missing (the
+    status said only how many were present)."""
+    import contextlib
+    import subprocess
+    import sys
+    import threading
+
+    from rendezvousd.client import RendezvousError
+
+    clients = [RendezvousClient(daemon.endpoint, job_id, token=daemon.token) for _ in range(2)]
+
+    def join(c: RendezvousClient, local: int) -> None:
+        with contextlib.suppress(RendezvousError):  # the abort below ends the wait
+            c.join(num_nodes=2, gpus_per_node=2, node_rank=0, local_rank=local, host="pr-a",
+                   timeout=30)  # fmt: skip
+
+    joins = [threading.Thread(target=join, args=(c, i), daemon=True) for i, c in enumerate(clients)]
+    try:
+        for t in joins:
+            t.start()
+
+        def both() -> bool:
+            with contextlib.suppress(RendezvousError):
+                return len(clients[0].get_job().members) == 2
+            return False
+
+        wait_for("ranks 0 and 1 to join", both)
+        page = api(daemon, f"/api/jobs/{job_id}", token=daemon.token)
+        assert page["forming"] == {
+            "joined": [],
+            "joined_total": 0,
+            "missing": "ranks 2, 3 (no worker joined as them)",
+        }, page["forming"]
+        assert [(r["node"], r["host"], r["seats"]) for r in page["nodes"]["rows"]] == [
+            (0, "pr-a", "JJ")
+        ]
+        status = subprocess.run(
+            [sys.executable, "-m", "rendezvousd.cli", "status", "--endpoint", daemon.endpoint,
+             "--token-file", str(daemon.token_file), job_id],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        assert "    missing: ranks 2, 3 (no worker joined as them)" in status.stdout, status.stdout
+        clients[0].abort("test over")
+        for t in joins:
+            t.join(20)
+    finally:
+        for c in clients:
+            c.close()

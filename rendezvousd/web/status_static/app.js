@@ -219,6 +219,8 @@ function drawJob(job, rows) {
 function drawForming(f) {
   $("forming").hidden = !f;
   if (!f) return;
+  // A per-rank job's joining ranks are its grid's rows: only what is missing here.
+  $("joined-head").hidden = !f.min_nodes;
   const list = $("joined");
   list.replaceChildren();
   for (const n of f.joined) {
