@@ -258,11 +258,12 @@ class MemberView:
 class JoiningNode:
     """A node agent seated in a forming generation, as inspection shows it: the node
     rank it named (None: it named none, the daemon assigns one at forming), its host,
-    its instance id, and how long ago it joined."""
+    a tag of its instance id (``instance_tag``: never the id, the node's secret), and
+    how long ago it joined."""
 
     node_rank: int | None
     host: str
-    instance_id: str
+    instance_tag: str
     joined_s: float
 
 

@@ -568,7 +568,7 @@ class RendezvousServicer:
                 pb.JoiningNode(
                     node_rank=n.node_rank,
                     host=n.host,
-                    instance_id=n.instance_id,
+                    instance_tag=n.instance_tag,
                     joined_ms_ago=int(n.joined_s * 1000),
                 )
                 for n in view.joining

@@ -6,11 +6,20 @@ it reports, and nothing a caller does with one reaches back into the job.
 
 from __future__ import annotations
 
+import hashlib
+
 from rendezvousd.common import grid
 from rendezvousd.common.model import JobState, JobView, JoiningNode, JoinMode, MemberView
 from rendezvousd.state import placement
 from rendezvousd.state.job import Attendee, Job, Member
 from rendezvousd.state.liveness import members_present, watched
+
+
+def instance_tag(instance_id: str) -> str:
+    """What inspection shows of a seat's instance id: the first 8 hex digits of its
+    SHA-256, which tells two agents of one host apart. The id itself is the seat's
+    secret (its calls name it to prove they are its own), never shown."""
+    return hashlib.sha256(instance_id.encode()).hexdigest()[:8]
 
 
 def _beating(job: Job, rank: int, member: Attendee) -> Attendee:
@@ -94,7 +103,7 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
             JoiningNode(
                 n.node_rank if n.named else None,
                 n.host,
-                n.instance_id,
+                instance_tag(n.instance_id),
                 max(0.0, now - n.arrived),
             )
             for n in (job.gen.nodes.values() if forming and with_members else ())

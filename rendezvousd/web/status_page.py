@@ -422,7 +422,7 @@ class StatusPage:
                     {
                         "node": n.node_rank,
                         "host": escape(n.host),
-                        "instance_id": escape(n.instance_id),
+                        "instance_tag": n.instance_tag,
                         "joined_s": round(n.joined_s, 1),
                     }
                     for n in v.joining[:JOINED_SHOWN]

@@ -26,6 +26,7 @@ from rendezvousd.common.model import (
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.state.joins import launched_before_close
 from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.state.views import instance_tag
 from rendezvousd.storage.persistence import Persister
 from rendezvousd.trainer.agent.recovery import stray
 
@@ -934,10 +935,12 @@ def test_a_join_deadline_names_the_nodes_joined_and_the_missing_node_rank() -> N
     two = sm.join(node("c", lo=3, hi=3, rank=2), 0.5)
     assert isinstance(zero, Parked) and isinstance(two, Parked)
     view = sm.view("j", 1.0)
-    assert [(n.node_rank, n.host, n.instance_id) for n in view.joining] == [
-        (0, "host-a", "a"),
-        (2, "host-c", "c"),
+    assert [(n.node_rank, n.host, n.instance_tag) for n in view.joining] == [
+        (0, "host-a", instance_tag("a")),
+        (2, "host-c", instance_tag("c")),
     ]
+    # The instance id is the seat's secret: inspection shows a tag of it, never it.
+    assert instance_tag("a") == hashlib.sha256(b"a").hexdigest()[:8] != "a"
     assert (view.missing_node_ranks, view.nodes_needed, view.min_nodes) == ((1,), 1, 3)
     first = sm.cancel_wait(zero.waiter, 40.0, timed_out=True)
     assert first is not None and first.reason == "WORLD_INCOMPLETE"

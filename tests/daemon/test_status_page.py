@@ -465,3 +465,56 @@ def test_a_per_rank_job_stuck_forming_names_its_missing_ranks(
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_forming_node_is_shown_by_a_tag_never_its_instance_id(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A node agent seated in a forming generation is listed (host, node rank, a tag
+    of its instance id), but its instance id, the secret its calls name to prove they
+    are its own, is in none of GetJob's answer, the page's JSON or ``rendezvousd
+    status JOB``: the forming list showed it whole when it came (session 45)."""
+    import contextlib
+    import hashlib
+    import subprocess
+    import sys
+    import threading
+
+    from rendezvousd.client import RendezvousError
+
+    agent = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+
+    def join() -> None:
+        with contextlib.suppress(RendezvousError):  # the abort below ends the wait
+            agent.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=0, timeout=30)
+
+    waiting = threading.Thread(target=join, daemon=True)
+    try:
+        waiting.start()
+
+        def seated() -> bool:
+            with contextlib.suppress(RendezvousError):
+                return len(agent.get_job().joining) == 1
+            return False
+
+        wait_for("the node to be seated", seated)
+        instance_id = agent._s.instance_id
+        assert instance_id
+        tag = hashlib.sha256(instance_id.encode()).hexdigest()[:8]
+        answer = agent.get_job()
+        assert [n.instance_tag for n in answer.joining] == [tag]
+        raw_page = request(daemon, "GET", f"/api/jobs/{job_id}", token=daemon.token)[2]
+        [shown] = json.loads(raw_page)["forming"]["joined"]
+        assert shown["instance_tag"] == tag, shown
+        status = subprocess.run(
+            [sys.executable, "-m", "rendezvousd.cli", "status", "--endpoint", daemon.endpoint,
+             "--token-file", str(daemon.token_file), job_id],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        for seen in (answer.SerializeToString(), raw_page, status.stdout.encode()):
+            assert instance_id.encode() not in seen
+        agent.abort("test over")
+        waiting.join(20)
+    finally:
+        agent.close()

@@ -77,8 +77,9 @@ def test_a_job_stuck_forming_names_the_nodes_joined_and_the_missing_one(
             # GetJob: the nodes joined, and what is missing.
             with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
                 job = probe.get_job()
-            assert [n.instance_id for n in job.joining] and all(
-                n.instance_id and n.joined_ms_ago < JOIN_TIMEOUT_S * 1000 for n in job.joining
+            assert [n.instance_tag for n in job.joining] and all(
+                len(n.instance_tag) == 8 and n.joined_ms_ago < JOIN_TIMEOUT_S * 1000
+                for n in job.joining
             ), job
             assert (list(job.missing_node_ranks), job.nodes_needed, job.min_nodes) == ([1], 1, 3)
 

@@ -228,7 +228,7 @@ function drawForming(f) {
     li.append(el("strong", n.node === null ? "a node" : "node " + n.node));
     li.append(el("span", " on " + n.host));
     li.append(el("span", " joined " + age(n.joined_s) + " ago", "muted"));
-    li.append(el("div", "instance " + n.instance_id, "muted"));
+    li.append(el("div", "instance " + n.instance_tag, "muted"));
     list.append(li);
   }
   const more = f.joined_total - f.joined.length;

@@ -1767,15 +1767,18 @@ class JoiningNode(_message.Message):
 
     NODE_RANK_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
-    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_TAG_FIELD_NUMBER: _builtins.int
     JOINED_MS_AGO_FIELD_NUMBER: _builtins.int
     node_rank: _builtins.int
     """The node rank it asked for (JoinNodeRequest.node_rank); absent when it asked
     for none: the daemon assigns it one when the generation forms.
     """
     host: _builtins.str
-    instance_id: _builtins.str
-    """Its JoinNode's instance_id: tells two agents on one host apart."""
+    instance_tag: _builtins.str
+    """A tag of its JoinNode's instance_id (the first 8 hex digits of its SHA-256),
+    which tells two agents on one host apart. Never the instance id itself: that is
+    the node's secret, which its calls name to prove they are its own.
+    """
     joined_ms_ago: _builtins.int
     """Milliseconds since it joined (its seat taken)."""
     def __init__(
@@ -1783,12 +1786,12 @@ class JoiningNode(_message.Message):
         *,
         node_rank: _builtins.int | None = ...,
         host: _builtins.str = ...,
-        instance_id: _builtins.str = ...,
+        instance_tag: _builtins.str = ...,
         joined_ms_ago: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "node_rank", b"node_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "host", b"host", "instance_id", b"instance_id", "joined_ms_ago", b"joined_ms_ago", "node_rank", b"node_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank", "host", b"host", "instance_tag", b"instance_tag", "joined_ms_ago", b"joined_ms_ago", "node_rank", b"node_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__node_rank: _TypeAlias = _typing.Literal["node_rank"]  # noqa: Y015
     _WhichOneofArgType__node_rank: _TypeAlias = _typing.Literal["_node_rank", b"_node_rank"]  # noqa: Y015
