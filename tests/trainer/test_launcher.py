@@ -1147,6 +1147,18 @@ def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> 
         "job 'j\\x0a' generation 3 runs with 2 node(s) after 5 s: this node is taken in when "
         "it next re-forms (waiting up to 600 s in all)"
     )
+    # Its own generation (3), still running at the daemon as its join is on its way (a
+    # daemon restored it after a restart; a one-node job read "runs with 1 node(s):
+    # this node is taken in when it next re-forms", its only node missing from it).
+    assert forming_note(running, 1, 11.0, 60, held=3) == (
+        "job 'j\\x0a' generation 3, which this node held, still runs at the daemon after 11 s "
+        "(the daemon was away, or has not yet heard this node stopped its workers): this "
+        "node's join, once it lands, ends that generation and the job re-forms with this node "
+        "(waiting up to 60 s in all)"
+    )
+    assert forming_note(running, 1, 5.2, 600, held=2).startswith(
+        "job 'j\\x0a' generation 3 runs with 2 node(s)"
+    )
 
 
 def test_a_node_started_after_its_job_ended_is_told_the_run_it_waits_in_is_a_new_one(

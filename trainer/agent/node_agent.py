@@ -490,6 +490,7 @@ class NodeAgent:
                     timeout,
                     began,
                     config.last_call_s,
+                    None if self.placed is None else self.placed.generation,
                 )
             )
             try:

@@ -29,16 +29,34 @@ DAEMON_LAST_CALL_S = Timing().default_last_call_s
 
 
 def forming_note(
-    job: pb.GetJobResponse, fewest: int, waited_s: float, limit_s: float, last_call_s: float = 0.0
+    job: pb.GetJobResponse,
+    fewest: int,
+    waited_s: float,
+    limit_s: float,
+    last_call_s: float = 0.0,
+    held: int | None = None,
 ) -> str:
     """What a waiting join waits for, from the daemon's view of the job: the nodes
     joined so far against those the generation needs, or, while it runs, the next
     re-form that takes this node in. ``last_call_s``: the last call this node's join
-    named (0: none, the daemon's own)."""
+    named (0: none, the daemon's own); ``held``: the generation this node last held a
+    seat in (None: none)."""
     s = job.summary
     most = s.topology.num_nodes
     named = f"job '{escape(s.job_id)}' generation {s.generation}"
     bound = f"waiting up to {limit_s:g} s in all"
+    if s.state == pb.JOB_STATE_RUNNING and s.generation == held:
+        # Its own generation, still running at the daemon: one restored by a daemon
+        # restart while this node's join was on its way, or not yet told this node
+        # stopped its workers. Its join ends that generation when it lands. "Runs with 1
+        # node(s): this node is taken in when it next re-forms" read, for a job of one
+        # node, as a job running without its only node (an operator review).
+        return (
+            f"{named}, which this node held, still runs at the daemon after "
+            f"{waited_s:.0f} s (the daemon was away, or has not yet heard this node stopped "
+            f"its workers): this node's join, once it lands, ends that generation and the "
+            f"job re-forms with this node ({bound})"
+        )
     if s.state == pb.JOB_STATE_RUNNING:
         return (
             f"{named} runs with {most} node(s) after {waited_s:.0f} s: this node is taken "
@@ -105,11 +123,12 @@ def saying_what_it_waits_for(
     limit_s: float,
     began: float,
     last_call_s: float = 0.0,
+    held: int | None = None,
 ) -> Iterator[None]:
     """While the join in this block waits: after ``FORMING_NOTE_S``, then every
     ``FORMING_NOTE_EVERY_S``, ``say`` what it waits for (``forming_note``; ``began``:
     when the node began to join, on the monotonic clock; ``last_call_s``: the last call its
-    join names, 0 for the daemon's). Only a join that itself has
+    join names, 0 for the daemon's; ``held``: the generation it last held a seat in). Only a join that itself has
     waited says so: one asked again every second (a held --node-rank, the daemon away)
     is refused, not waiting for the job."""
     done = threading.Event()
@@ -123,7 +142,7 @@ def saying_what_it_waits_for(
             except RendezvousError:
                 continue  # best effort: the join itself says what failed
             if not done.is_set():
-                say(forming_note(job, fewest, time.monotonic() - began, limit_s, last_call_s))
+                say(forming_note(job, fewest, time.monotonic() - began, limit_s, last_call_s, held))
 
     threading.Thread(target=watch, daemon=True, name="rendezvous-forming").start()
     try:

@@ -608,6 +608,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 self._address,
             )
         self._node: NodeMembership | None = None
+        # The generation this agent last held a seat in (its waiting note tells its own
+        # generation, still running at the daemon, from another node's).
+        self._held: int | None = None
         self._store: DaemonStore | None = None
         self._links: NodeLinks | None = None
         #: The generation whose link to another node this agent reported lost, and why.
@@ -707,6 +710,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._node = None
             node = self._join()
             self._node = node
+            self._held = node.generation
             self._missing = []
             if (problem := self._loopback_problem(node)) is not None:
                 # Node 0's address is every worker's MASTER_ADDR: the other hosts'
@@ -841,6 +845,7 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             self._settings.join_timeout,
             began,
             self._settings.last_call_timeout,
+            self._held,
         )
 
     def _join(self) -> NodeMembership:
