@@ -345,6 +345,12 @@ class Job:
     # stored: a restart forgets it, and nodes launched before the restart are then
     # not told apart from a new run's (``joins.launched_for_ended_run``).
     ended_at: float | None = None
+    # The node instances parked for the job id's next run while that run finished
+    # (``next_run_waiters``), woken by its end: launched before the end, they are no
+    # nodes of the run that ended started late (``joins.launched_for_ended_run``),
+    # which a node parked while the run still ran would be. Until the next run forms.
+    # Not stored: a restart forgets it, and such a node is then told JOB_ENDED.
+    next_run_nodes: set[str] = field(default_factory=set)
     # The node instances that left the run that ended by their own goodbye (not lost):
     # one of them re-joining is no node launched for that run, but its own agent
     # whose Leave ended it (a worker's failure it could not report), which the
@@ -377,6 +383,12 @@ class Job:
     # The scale-up waiters that are standbys (``JoinArgs.standby``): parked beyond
     # max_nodes too, counted as waiting only while the world has room for them.
     standby_waiters: set[int] = field(default_factory=set)
+    # The scale-up waiters that parked while the running generation was finishing (a
+    # member had left): a new run of the job id started before the last one's nodes
+    # were all gone. Not told to the running nodes (NODES_WAITING would have them
+    # re-form a run that is ending to take in a node of the next), nor bound by
+    # max_nodes: they join the generation that opens once the run ended.
+    next_run_waiters: set[int] = field(default_factory=set)
     # Standby node instance ids called into slots a failure freed: their JoinNode
     # takes a seat in the next generation (until it forms).
     standbys_called: set[str] = field(default_factory=set)

@@ -69,6 +69,13 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         seat, added = _worker_seat(sm, job, args, args.local_rank, now)
         key: int | str = seat.rank  # ``job.key(seat)``, without the call per Join
     elif job.state is JobState.RUNNING and args.instance_id not in job.gen.nodes:
+        if job.gen.left and not args.standby:
+            # The run is finishing (a member left): a node joining now is the job id's
+            # next run, started before every node of this one was gone. Refused
+            # (WORLD_FULL, or its --node-rank "held" by a node still finishing), a user
+            # re-running the job read a full world or a duplicate rank where waiting
+            # the last node's exit was all it took.
+            return park_scaleup(sm, job, args, now, next_run=True)
         if (
             job.max_nodes > 1
             and args.node_rank is not None
@@ -116,6 +123,10 @@ def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFa
     that does not say when it was launched."""
     ended, launched = job.ended_at, args.launched_at
     if ended is None or launched is None or launched > ended:
+        return None
+    if args.instance_id in job.next_run_nodes:
+        # Parked while the run finished (``Job.next_run_waiters``), woken by its end:
+        # the job id's next run, which heard this refusal and exited 0 unrun.
         return None
     if args.previous is not None and args.previous in job.ended_leavers:
         return None  # its own goodbye ended the run: a new run, as before
@@ -366,17 +377,26 @@ def stand_by(sm: RendezvousState, args: JoinArgs, now: float) -> Parked | None:
     return park_scaleup(sm, job, args, now)
 
 
-def park_scaleup(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> Parked:
+def park_scaleup(
+    sm: RendezvousState, job: Job, args: JoinArgs, now: float, *, next_run: bool = False
+) -> Parked:
     """A node parked for the next generation: a scale-up, which must fit in max_nodes,
-    or a standby, which may wait beyond it."""
-    if not args.standby:
-        fitting = {i for w, i in job.scaleup_waiters.items() if w not in job.standby_waiters}
+    or a standby, which may wait beyond it, or (``next_run``) a node of the job id's
+    next run, parked until the finishing one ended, which the next run's bounds check."""
+    if not args.standby and not next_run:
+        fitting = {
+            i
+            for w, i in job.scaleup_waiters.items()
+            if w not in job.standby_waiters and w not in job.next_run_waiters
+        }
         if job.num_nodes + len(fitting | {args.instance_id}) > job.max_nodes:
             raise placement.world_full(job, args.host)
     parked = sm.calls.park(job, waits.WaitKind.SCALEUP, -1, args.instance_id, now)
     job.scaleup_waiters[parked.waiter] = args.instance_id
     if args.standby:
         job.standby_waiters.add(parked.waiter)
+    if next_run:
+        job.next_run_waiters.add(parked.waiter)
     tell_waiting(sm, job, now)
     return parked
 
@@ -624,9 +644,13 @@ def _scaleup_wait_ended(
     job.scaleup_waiters.pop(waiter, None)
     standby = waiter in job.standby_waiters
     job.standby_waiters.discard(waiter)
+    next_run = waiter in job.next_run_waiters
+    job.next_run_waiters.discard(waiter)
     tell_waiting(sm, job, now)
     if not timed_out:
         return None
+    if next_run:
+        return placement.still_finishing(job, waited)
     if not standby:
         return placement.scaleup_timeout(job, waited)
     if job.state is JobState.ENDED:

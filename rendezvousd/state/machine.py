@@ -240,6 +240,7 @@ class RendezvousState:
             job.gen.join_waiters.clear()
             job.scaleup_waiters.clear()
             job.standby_waiters.clear()
+            job.next_run_waiters.clear()
             job.gen.kv_waiters.clear()
             for barrier in job.gen.barriers.values():
                 barrier.arrived.clear()

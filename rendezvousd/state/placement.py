@@ -368,8 +368,13 @@ def kept_nodes(job: Job) -> int:
 def waiting_count(job: Job) -> int:
     """The parked nodes the running generation has room for: what NODES_WAITING
     tells. A standby parked while the world is full is not counted: the running
-    nodes would end their generation to re-form the same world."""
-    parked = len(set(job.scaleup_waiters.values()))
+    nodes would end their generation to re-form the same world; nor is a node of
+    the job's next run parked while this one finishes (``Job.next_run_waiters``)."""
+    parked = len(
+        {i for w, i in job.scaleup_waiters.items() if w not in job.next_run_waiters}
+        if job.next_run_waiters
+        else set(job.scaleup_waiters.values())
+    )
     return min(parked, max(0, job.max_nodes - job.num_nodes))
 
 
@@ -567,6 +572,25 @@ def scaleup_timeout(job: Job, waited: str) -> RendezvousFault:
         Reason.WORLD_INCOMPLETE,
         f"{job.named} kept running with {job.num_nodes} of max_nodes={job.max_nodes} nodes "
         f"for {waited}; the running nodes did not end it to take this node in",
+    )
+
+
+def still_finishing(job: Job, waited: str) -> RendezvousFault:
+    """A node of the job id's next run waited in vain for the run before to end: some
+    of its nodes left, others had not (a final checkpoint, a stuck exit)."""
+    holding = sorted(
+        (n.node_rank, n.host) for n in job.gen.node_at.values() if n.state is MemberState.ACTIVE
+    )
+    named = ", ".join(f"node {rank} on {host!r}" for rank, host in holding[:8])
+    more = f" and {len(holding) - 8} more" if len(holding) > 8 else ""
+    return job.fault(
+        Code.DEADLINE_EXCEEDED,
+        Reason.WORLD_INCOMPLETE,
+        f"{job.named}, the job id's previous run, was still finishing after this node "
+        f"waited {waited} for its end: {len(holding)} of its {job.num_nodes} node(s) had "
+        f"not left ({named}{more}). A new run of the job id forms once every node of the "
+        "previous one has exited: stop those (or wait for them), then run it again",
+        finishing_hosts=",".join(host for _, host in holding[:8]),
     )
 
 

@@ -79,6 +79,8 @@ def set_state(
         wake_parked(sm, job)
     if new is JobState.RUNNING or new is JobState.ENDED:
         job.standbys_called.clear()  # seated by now, or not needed
+    if new is JobState.RUNNING:
+        job.next_run_nodes.clear()
     if new is JobState.ENDED:
         job.ended_at = now
         job.ended_leavers = frozenset(
@@ -114,8 +116,11 @@ def wake_parked(sm: RendezvousState, job: Job) -> None:
                 continue  # stays parked for a later failure
             standby.discard(waiter)
         else:
+            if waiter in job.next_run_waiters:
+                job.next_run_nodes.add(inst)
             sm.calls.wake(waiter, Rejoin())
         del waiters[waiter]
+        job.next_run_waiters.discard(waiter)
     job.gen.woken = woken
 
 

@@ -379,9 +379,13 @@ def test_a_node_rank_held_in_the_running_generation_is_a_duplicate_not_a_full_wo
     heard = sm.jobs["j"].gen.nodes["a"].last_seen
     assert f.metadata["holder_heard_ms"] == str(round((2.0 - heard) * 1000))
     assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].num_nodes == 2
-    # A node that left holds nothing: not "held by" an agent that is gone.
+    # The unnamed node ("auto") is a newcomer, whichever rank it would get.
+    assert fault(sm.join, node("e"), 2.2).reason == "WORLD_FULL"
+    # A node that left holds nothing: not "held by" an agent that is gone; the run is
+    # finishing, and a node joining now waits for the next one
+    # (test_a_new_run_started_while_the_last_one_finishes_waits_for_its_end).
     sm.leave("j", 1, 0, "a", 2.5, mode=JoinMode.NODE)
-    assert fault(sm.join, node("c", rank=0), 3.0).reason == "WORLD_FULL"
+    assert isinstance(sm.join(node("c", rank=0), 3.0), Parked)
     # Room to grow: a held rank is still refused; a free one parks for the next round.
     sm2 = RendezvousState()
     join_first(sm2, node("a", lo=1, hi=3, rank=0, last_call=1.0))
@@ -389,14 +393,52 @@ def test_a_node_rank_held_in_the_running_generation_is_a_duplicate_not_a_full_wo
     assert sm2.jobs["j"].state is JobState.RUNNING
     assert fault(sm2.join, node("c", lo=1, hi=3, rank=0), 2.0).reason == "DUPLICATE_RANK"
     assert isinstance(sm2.join(node("d", lo=1, hi=3, rank=1), 2.0), Parked)
-    # The unnamed node ("auto") is a newcomer, whichever rank it would get.
-    assert fault(sm.join, node("e"), 3.5).reason == "WORLD_FULL"
     # A single node's agent always names rank 0: a second one finds the world full,
     # which --standby-if-full turns into standing by (review: it was DUPLICATE_RANK).
     one = RendezvousState()
     assert isinstance(join_first(one, node("a", lo=1, hi=1, rank=0)), JoinResult)
     assert one.jobs["j"].state is JobState.RUNNING
     assert fault(one.join, node("b", lo=1, hi=1, rank=0), 2.0).reason == "WORLD_FULL"
+
+
+def test_a_new_run_started_while_the_last_one_finishes_waits_for_its_end() -> None:
+    """The job id run again while its last run finishes (one node left, the other
+    still writing its checkpoint): the new run's nodes were refused WORLD_FULL, or
+    DUPLICATE_RANK for the rank the finishing node still held. They wait for the old
+    run's end instead, untold to its nodes (NODES_WAITING would have them re-form a
+    run that is ending), and form the next run; launched before that end, they are no
+    late nodes of the ended run. One whose wait ends first hears who still holds it."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
+    sm.take_effects()
+    job = sm.jobs["j"]
+    a2 = sm.join(node("a2", rank=0, launched=1.5), 2.0)
+    b2 = sm.join(node("b2", rank=1, launched=1.5), 2.0)  # b still holds node_rank 1
+    c = sm.join(node("c", launched=1.5), 2.0)
+    assert isinstance(a2, Parked) and isinstance(b2, Parked) and isinstance(c, Parked)
+    assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
+    sm.tick(2.5)
+    assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
+    f = sm.cancel_wait(c.waiter, 62.0, timed_out=True)
+    assert f is not None and (f.code, f.reason) == (Code.DEADLINE_EXCEEDED, "WORLD_INCOMPLETE")
+    assert "job 'j' generation 1, the job id's previous run, was still finishing" in f.message
+    assert "1 of its 2 node(s) had not left (node 1 on 'host-b')" in f.message
+    assert f.metadata["finishing_hosts"] == "host-b"
+    sm.leave("j", 1, 1, "b", 63.0, mode=JoinMode.NODE)
+    assert job.state is JobState.ENDED
+    out = woken(sm)
+    assert isinstance(out[a2.waiter], Rejoin) and isinstance(out[b2.waiter], Rejoin)
+    # The adapter asks again: the next run forms of the two.
+    first = sm.join(node("a2", rank=0, launched=1.5), 63.0)
+    assert isinstance(first, JoinResult) and first.id_required and job.generation == 2
+    assert isinstance(sm.join(node("a2", rank=0, uid=ID2, launched=1.5), 63.0), Parked)
+    assert isinstance(sm.join(node("b2", rank=1, launched=1.5), 63.0), JoinResult)
+    assert job.state is JobState.RUNNING and job.num_nodes == 2
+    # Formed: its nodes are no more the next run of an ended one.
+    assert not job.next_run_nodes
 
 
 def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:

@@ -1129,6 +1129,17 @@ def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> 
         "(every member left), and a join after that starts a new run: a node meant for the "
         "run that ended is not needed and may stop"
     )
+    # The job id's next run, parked while the run before finishes: who still holds it.
+    finishing = job(pb.JOB_STATE_RUNNING, 2, nodes_waiting=2)
+    for node_rank, state in ((0, pb.MEMBER_STATE_LEFT), (1, pb.MEMBER_STATE_ACTIVE)):
+        finishing.members.add(state=state).member.MergeFrom(
+            pb.Member(rank=node_rank, node_rank=node_rank, host=f"h{node_rank}")
+        )
+    assert forming_note(finishing, 2, 5.2, 600) == (
+        "job 'j\\x0a' generation 3, the job id's previous run, is still finishing after 5 s: "
+        "1 of its 2 node(s) have not left (node 1 on 'h1'); this node joins the job's next "
+        "run once they have exited (waiting up to 600 s in all)"
+    )
     # Elastic with enough nodes: it forms at its last call, not at the timeout.
     enough = job(pb.JOB_STATE_FORMING, 2, nodes_waiting=1)
     assert forming_note(enough, 1, 5.2, 600) == (
@@ -1298,3 +1309,60 @@ def test_a_workers_own_init_distributed_errors_are_in_the_launchers_words(
         assert "token=" not in said and "token_file=" not in said, said
     # What a worker reported is the cause its agent names: in the same words.
     assert "token_file=" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_job_id_run_again_while_its_last_run_finishes_waits_for_that_end(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """The job id run again right after a run ended on one node while the other still
+    finished (a final checkpoint): the new run's node 0 was refused WORLD_FULL and its
+    node 1 DUPLICATE_RANK, both exiting non-zero. They wait for the old run's last
+    node to exit instead, then run."""
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon()
+    release = tmp_path / "release"
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from rendezvousd.trainer import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    print('run', os.environ['RUN'], 'rank', ctx.rank, 'generation',"
+        " ctx.generation, flush=True)\n"
+        "    hold = os.environ.get('HOLD')\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while hold and not os.path.exists(hold) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+    )
+
+    def node(run: str, rank: int, hold: str = "") -> subprocess.Popen[str]:
+        cmd = launcher_cmd(2, rank, 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+        return subprocess.Popen(
+            [*cmd, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RUN": run, "HOLD": hold},
+        )
+
+    old = [node("1", 0), node("1", 1, str(release))]
+    new: list[subprocess.Popen[str]] = []
+    try:
+        assert old[0].wait(60) == 0, old[0].communicate(timeout=10)
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+            new = [node("2", 0), node("2", 1)]
+            wait_for("the new run's nodes parked", lambda: probe.get_job().nodes_waiting == 2, 30)
+            assert all(p.poll() is None for p in new)
+            assert probe.get_job().summary.generation == 1  # the old run still holds it
+        release.touch()
+        outs = [p.communicate(timeout=60) for p in (old[1], *new)]
+        for p, (_, err) in zip((old[1], *new), outs, strict=True):
+            assert p.returncode == 0, err
+        assert "run 2 rank 0 generation 2" in outs[1][0]
+        assert "run 2 rank 1 generation 2" in outs[2][0]
+    finally:
+        release.touch()
+        for p in (*old, *new):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

@@ -57,6 +57,26 @@ def forming_note(
             f"its workers): this node's join, once it lands, ends that generation and the "
             f"job re-forms with this node ({bound})"
         )
+    if s.state == pb.JOB_STATE_RUNNING and any(
+        m.state == pb.MEMBER_STATE_LEFT for m in job.members
+    ):
+        # Its previous run is finishing (a member left): this node waits for its last
+        # node's exit, then starts the job id's next run. Said as a re-form it waited
+        # for, the user re-running a job read a wait on a healthy run.
+        still = sorted(
+            {
+                (m.member.node_rank, m.member.host)
+                for m in job.members
+                if m.state == pb.MEMBER_STATE_ACTIVE
+            }
+        )
+        holding = ", ".join(f"node {r} on '{escape(h)}'" for r, h in still[:8])
+        more = f" and {len(still) - 8} more" if len(still) > 8 else ""
+        return (
+            f"{named}, the job id's previous run, is still finishing after {waited_s:.0f} s: "
+            f"{len(still)} of its {most} node(s) have not left ({holding}{more}); this node "
+            f"joins the job's next run once they have exited ({bound})"
+        )
     if s.state == pb.JOB_STATE_RUNNING:
         return (
             f"{named} runs with {most} node(s) after {waited_s:.0f} s: this node is taken "
