@@ -532,6 +532,19 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node, now: float) -> Re
             if local is not None
             else f"give each node a distinct --node-rank (0..{job.max_nodes - 1}), or "
             "--node-rank auto to let the daemon assign it"
+            + (
+                # Said while forming, where an agent on another host is refused at once:
+                # no heartbeat tells a live twin (the usual cause) from a predecessor
+                # frozen or cut off while its join waits, whose replacement read only
+                # the twin's advice, and ran into the same refusal again.
+                ". If this node instead replaces that one (moved off a host that froze or "
+                "was cut off while its join waited), that join holds the seat until it "
+                "ends: stop that agent, or start this node again once the job formed "
+                "(the daemon then loses a node that sends no heartbeat, within "
+                "--heartbeat-timeout-s)"
+                if job.state is JobState.FORMING
+                else ""
+            )
         ),
         ranks=str(rank),
         node_rank=str(holder.node_rank),

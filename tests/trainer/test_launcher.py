@@ -554,6 +554,10 @@ def test_a_node_rank_another_node_holds_uses_no_restart_and_says_to_give_distinc
     assert "gave up after 0 restarts (max_restarts=3); 1 failure" in run.stderr, run.stderr
     assert "joining failed: DuplicateRank" in run.stderr, run.stderr
     assert "give each node a distinct --node-rank (0..1)" in run.stderr, run.stderr
+    # Refused while the job forms, with no heartbeat to tell a live twin from a frozen
+    # predecessor: a node relaunched off a frozen host is told what to do too.
+    assert "If this node instead replaces that one (moved off a host that froze" in run.stderr
+    assert "start this node again once the job formed" in run.stderr, run.stderr
     assert "no restart can change that" in run.stderr, run.stderr
     assert "raise --max-restarts" not in run.stderr, run.stderr
     assert daemon.token not in run.stderr
