@@ -608,8 +608,13 @@ class Daemon:
         self._servicer.apply()
 
     def has_active_members(self) -> bool:
+        """Whether a member may still call or hear here: active, with its heartbeat
+        stream open or never attached (it may yet call, and must find the daemon to be
+        told why). One whose stream ended is gone: a failed generation's survivors stay
+        active once they heard and closed theirs, and rank 0's daemon (the file
+        transport's) waited its whole heartbeat timeout for them after every failure."""
         return any(
-            m.state is MemberState.ACTIVE
+            m.state is MemberState.ACTIVE and (m.stream_open or m.stream_token == 0)
             for job in self.state.jobs.values()
             for m in job.gen.members.values()
         )

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._session import UNIQUE_ID_BYTES
 from rendezvousd.client.errors import (
     DaemonUnavailable,
@@ -867,3 +868,48 @@ def test_a_file_rendezvous_says_its_call_route_as_the_client_does(tmp_path: Path
     with rv:
         rv.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0)
         assert rv.call_route in {"stream", "unary"}
+
+
+def test_rank0s_close_after_a_failure_the_others_heard_does_not_wait_a_heartbeat_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's daemon, told its parent left, waits for the members still active to
+    hear why before it stops. A failed generation's survivors stay active once their
+    streams closed, so it waited the whole heartbeat timeout (10 s) for members that
+    were gone: rank 0's close took ~10 s after every failure. A member whose stream
+    ended is not waited for."""
+    zero, one = FileRendezvous(tmp_path, "quick"), FileRendezvous(tmp_path, "quick")
+    try:
+        parallel(
+            [
+                lambda: one.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=30),
+                lambda: zero.join(num_nodes=1, gpus_per_node=2, local_rank=0, timeout=30),
+            ],
+            30.0,
+        )
+        zero.start_heartbeat(0.2, lambda _: None)
+        one.start_heartbeat(0.2, lambda _: None)
+        probe = RendezvousClient(
+            f"unix:{zero.socket_path}", "quick", token_file=tmp_path / "quick.token"
+        )
+        try:
+
+            def streams_open() -> int:
+                return sum(m.heartbeat_stream_open for m in probe.get_job().members)
+
+            wait_for("both heartbeat streams", lambda: streams_open() == 2, 20)
+            one.close()  # without leaving: rank 1 is lost, rank 0 survives
+            failed = pb.JOB_STATE_FAILED
+            wait_for("rank 1's loss", lambda: probe.get_job().summary.state == failed, 20)
+        finally:
+            probe.close()
+        daemon = zero.daemon
+        assert daemon is not None
+        began = time.monotonic()
+        zero.close()
+        took = time.monotonic() - began
+    finally:
+        one.close()
+        zero.close()
+    assert daemon.proc.poll() is not None
+    assert took < 5.0, took  # the old wait: the whole heartbeat timeout, 10 s
