@@ -69,12 +69,10 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         seat, added = _worker_seat(sm, job, args, args.local_rank, now)
         key: int | str = seat.rank  # ``job.key(seat)``, without the call per Join
     elif job.state is JobState.RUNNING and args.instance_id not in job.gen.nodes:
-        if job.gen.left and not args.standby:
-            # The run is finishing (a member left): a node joining now is the job id's
-            # next run, started before every node of this one was gone. Refused
-            # (WORLD_FULL, or its --node-rank "held" by a node still finishing), a user
-            # re-running the job read a full world or a duplicate rank where waiting
-            # the last node's exit was all it took.
+        if for_next_run(job, args):
+            # Refused (WORLD_FULL, or its --node-rank "held" by a node still finishing),
+            # a user re-running the job read a full world or a duplicate rank where
+            # waiting for the last node's exit was all it took.
             return park_scaleup(sm, job, args, now, next_run=True)
         if (
             job.max_nodes > 1
@@ -765,6 +763,10 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         job.last_call_s = args.last_call_s or sm.timing.default_last_call_s
         job.wire_version = args.wire_version
         return job
+    if for_next_run(job, args):
+        # Its bounds and version are the next run's, checked once this one ended: a
+        # rerun with another --nnodes was refused TOPOLOGY_MISMATCH, "fix them".
+        return job
     if job.gen.join_mode is not mode:
         raise rounds.refused(sm, job, placement.mode_mismatch(job, mode, args.host), now)
     if (job.min_nodes, job.max_nodes, job.gpus_per_node) != bounds:
@@ -776,6 +778,22 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         # this node); a running generation refuses only the newcomer.
         raise rounds.conflict(sm, job, refused, now)
     return job
+
+
+def for_next_run(job: Job, args: JoinArgs) -> bool:
+    """Whether a node agent's join is for the job id's next run: its running node
+    generation is finishing (a member left: no node can join it, nor can it re-form
+    with those gone) and the agent is not in it (nor a standby, which waits for a
+    failure's slot in this run). It was started before every node of this run was gone,
+    and waits for the run's end (``Job.next_run_waiters``)."""
+    return (
+        job.state is JobState.RUNNING
+        and job.gen.left > 0
+        and args.local_rank is None
+        and job.gen.join_mode is _NODE
+        and not args.standby
+        and args.instance_id not in job.gen.nodes
+    )
 
 
 def _re_forming(job: Job, args: JoinArgs, mode: JoinMode, bounds: tuple[int, int, int]) -> Job:

@@ -439,6 +439,18 @@ def test_a_new_run_started_while_the_last_one_finishes_waits_for_its_end() -> No
     assert job.state is JobState.RUNNING and job.num_nodes == 2
     # Formed: its nodes are no more the next run of an ended one.
     assert not job.next_run_nodes
+    # The next run may have another shape: checked once this one ended, not refused
+    # TOPOLOGY_MISMATCH by the run that is ending.
+    other = RendezvousState()
+    formed(other)
+    other.leave("j", 1, 0, "a", 1.0, mode=JoinMode.NODE)
+    wide = other.join(node("wide", lo=3, hi=3, gpus=1), 2.0)
+    assert isinstance(wide, Parked)
+    other.take_effects()
+    other.leave("j", 1, 1, "b", 3.0, mode=JoinMode.NODE)
+    assert isinstance(woken(other)[wide.waiter], Rejoin)
+    assert isinstance(other.join(node("wide", lo=3, hi=3, gpus=1), 3.0), JoinResult)
+    assert (other.jobs["j"].generation, other.jobs["j"].max_nodes) == (2, 3)
 
 
 def test_scale_up_parks_tells_running_nodes_and_joins_next_generation() -> None:

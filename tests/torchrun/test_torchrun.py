@@ -28,6 +28,7 @@ from tests.support import (
     Torchrun,
     descendants,
     free_port,
+    parallel,
     scrape,
     spawn_daemon,
     standby_replaces_a_killed_node,
@@ -1303,3 +1304,42 @@ def test_a_loopback_node_address_beside_another_hosts_is_named(torch_python: str
     assert "127.0.0.1 (its route to the daemon at localhost:29420) is loopback" in far
     assert "nodes at 10.0.0.2" in far and "--local-addr" in far
     assert simulated is None and not_mine is None
+
+
+def test_a_job_id_run_again_while_its_last_run_finishes_trains_once_that_run_ended(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """torchrun run again with the same --rdzv-id while the run before still finishes
+    (one of its nodes left, the other has not): the new agents were refused WORLD_FULL,
+    stood by, and exited 0 untrained when that run ended ("ended without needing this
+    standby node"). They wait for its end, then form the next run and train."""
+    d = start_daemon()
+    old = [RendezvousClient(d.endpoint, job_id, token=d.token) for _ in range(2)]
+    try:
+        joined = parallel(
+            [
+                lambda c=c: c.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=30)
+                for c in old
+            ],
+            40.0,
+        )
+        assert all(not isinstance(j, BaseException) for j in joined), joined
+        for c in old:
+            c.start_heartbeat()
+        old[0].leave()  # done; the other node is still finishing (a last checkpoint)
+        log = tmp_path / "steps.jsonl"
+        agents = [torchrun(d, job_id, "2", "--steps", "3", "--step-log", str(log)) for _ in old]
+        wait_for("both agents to wait", lambda: _nodes_waiting(d, job_id) == 2, 100)
+        assert _job_state(d, job_id) == "JOB_STATE_RUNNING"
+        old[1].leave()
+        codes = [a.wait(120) for a in agents]
+    finally:
+        for c in old:
+            c.close()
+    assert codes == [0, 0], [a.stderr()[-3000:] for a in agents]
+    steps = torch_steps(log)
+    assert {s["rank"] for s in steps} == {0, 1, 2, 3} and {s["world"] for s in steps} == {4}
+    assert all("standby" not in a.stderr() for a in agents), [a.stderr()[-3000:] for a in agents]
