@@ -540,8 +540,8 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node, now: float) -> Re
                 ". If this node instead replaces that one (moved off a host that froze or "
                 "was cut off while its join waited), that join holds the seat until it "
                 "ends: stop that agent, or start this node again once the job formed "
-                "(the daemon then loses a node that sends no heartbeat, within "
-                "--heartbeat-timeout-s)"
+                "(the daemon then loses a node that sends no heartbeat, within its heartbeat "
+                "timeout)"
                 if job.state is JobState.FORMING
                 else ""
             )
