@@ -31,12 +31,15 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+
+if TYPE_CHECKING:
+    from rendezvousd.client.connection import Bearer
 from rendezvousd.client._multiplex import (
     CALLS_METHOD,
     Pending,
@@ -299,9 +302,10 @@ class _CallStreams(ABC, Generic[S]):
     """What both twins' call streams decide alike: the stream a call goes on (opened on
     first use and again after it broke, or none: unary calls), and what they count."""
 
-    def __init__(self, channel: Any, metadata: tuple[tuple[str, str], ...], endpoint: str) -> None:
+    def __init__(self, channel: Any, bearer: Bearer, endpoint: str) -> None:
         self._channel = channel
-        self._metadata = metadata
+        # Read at each stream opened: a token re-read after a refusal goes on the next.
+        self._bearer = bearer
         self._endpoint = endpoint
         self._lock = threading.Lock()
         self._stream: S | None = None
@@ -391,7 +395,7 @@ class BlockingCallStream(_CallStreams[_BlockingStream]):
     def _new_stream(self) -> _BlockingStream:
         if self._closed:
             raise ValueError("Cannot invoke RPC on closed channel!")
-        return _BlockingStream(self._channel, self._metadata, self._marks)
+        return _BlockingStream(self._channel, self._bearer.metadata, self._marks)
 
     @staticmethod
     def _reading(stream: _BlockingStream) -> bool:
@@ -511,7 +515,7 @@ class AsyncCallStream(_CallStreams[_AsyncStream]):
     def _new_stream(self) -> _AsyncStream:
         if self._closed:
             raise grpc.aio.UsageError("the client is closed")
-        return _AsyncStream(self._channel, self._metadata, self._marks)
+        return _AsyncStream(self._channel, self._bearer.metadata, self._marks)
 
     @staticmethod
     def _reading(stream: _AsyncStream) -> bool:

@@ -292,6 +292,9 @@ class Calls:
                 yield from self.connected(
                     method, started, min(s.connect_timeout, limit), setting, call=limit
                 )
+        # A refused token re-read from its file (a rotation) is sent again at once, once,
+        # and spends none of the retries a transient failure gets.
+        rotated = 0
         for attempt in itertools.count(1):
             wait = max(0.0, deadline - time.monotonic()) if attempt == 1 else limit
             try:
@@ -299,6 +302,9 @@ class Calls:
                 s.unreached_told = False  # reached: a later outage is said again
                 return answer
             except grpc.RpcError as exc:
+                if not rotated and s.token_rotated(exc, method):
+                    rotated = 1
+                    continue
                 error = from_rpc_error(
                     exc, endpoint=s.endpoint, method=method, job_id=s.job_id, rank=rank
                 )
@@ -333,7 +339,7 @@ class Calls:
                 )
                 retry = not verdict and (not_run or s.retry.retryable(method, exc.code()))
                 unanswered = not health and error.code in UNKNOWN_OUTCOME and not error.reason
-                if not retry or attempt > s.retry.attempts:
+                if not retry or attempt - rotated > s.retry.attempts:
                     problem = (yield from self.tls_mismatch()) if unanswered else None
                     if (
                         unanswered
@@ -357,7 +363,7 @@ class Calls:
                     # not run waits for a daemon serving: the one shutting down still
                     # answers (NOT_SERVING), and ends every new stream unread.
                     yield from self.back_within(method, rank, drained=drained or not_run)
-            yield Sleep(s.retry.backoff(attempt))
+            yield Sleep(s.retry.backoff(attempt - rotated))
 
     def back_within(self, method: str, rank: int | None, *, drained: bool = False) -> Steps[None]:
         """Return once the channel is READY again (``drained``: the daemon shut down, and
@@ -963,6 +969,12 @@ class ClientBase(ABC):
         # ended with the stream's calls when the daemon is lost (``_daemon_lost``).
         self._unary: set[Any] = set()
         self._unary_lock = threading.Lock()
+
+    def current_token(self) -> str:
+        """The token this client sends now: the one it was given, or the one its token
+        file held when the daemon last refused it (a rotation). A node agent hands it to
+        its workers; never to be logged."""
+        return self._s.token
 
     def _forked(self) -> bool:
         """Whether this is a forked child of the process that made the client."""

@@ -39,10 +39,10 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._multiplex import timeout_ms
 from rendezvousd.client.connection import (
     IDEMPOTENT,
+    Bearer,
     RetryPolicy,
     TlsConfig,
     listens,
-    resolve_token,
 )
 from rendezvousd.client.errors import (
     AuthenticationError,
@@ -475,7 +475,7 @@ class Session:
     # Out of repr: a traceback showing its frames' locals (Sentry's, by default) would
     # show every caller's session. So are the instance ids below: secrets, as in
     # Membership and NodeMembership (whoever holds one speaks as the member).
-    token: str = field(repr=False)
+    bearer: Bearer = field(repr=False)
     retry: RetryPolicy
     call_timeout: float
     connect_timeout: float
@@ -546,7 +546,7 @@ class Session:
         return cls(
             endpoint,
             job_id,
-            resolve_token(options.get("token"), options.get("token_file")),
+            Bearer.resolve(options.get("token"), options.get("token_file")),
             RetryPolicy(options.get("retry_attempts", 1)),
             options.get("call_timeout", 30.0),
             options.get("connect_timeout", 30.0),
@@ -581,8 +581,30 @@ class Session:
         return requested
 
     @property
+    def token(self) -> str:
+        """The token sent now: the one given, or its file's since the daemon refused it."""
+        return self.bearer.token
+
+    @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"),)
+        return self.bearer.metadata
+
+    def token_rotated(self, exc: grpc.RpcError, method: str) -> bool:
+        """Whether ``exc`` refused this client's token while its file now holds another
+        one, sent from now on: a rotation (the new token added to the daemon, written
+        into the clients' files, the old removed). The caller sends again at once,
+        once; a refusal of the new token stands. Said with the file, never a token."""
+        if exc.code() is not grpc.StatusCode.UNAUTHENTICATED or not self.bearer.reread():
+            return False
+        log.warning(
+            "rendezvousd at %s refused this client's token for %s (job %r); its token "
+            "file %s holds another token now (rotated): sending that one",
+            self.endpoint,
+            method,
+            self.job_id,
+            self.bearer.file,
+        )
+        return True
 
     def begin(self, instance_id: str = "") -> None:
         """A new join (a fresh identity per call; retries inside it reuse it), or an
@@ -1354,7 +1376,7 @@ class StreamWatch:
 
     def on_error(self, exc: grpc.RpcError) -> bool:
         """True to reconnect; False when the error ends this member."""
-        if exc.code() in _TRANSIENT_STREAM_CODES:
+        if exc.code() in _TRANSIENT_STREAM_CODES or self.session.token_rotated(exc, "Heartbeat"):
             return not self.done
         self.session.fail(
             from_rpc_error(

@@ -78,7 +78,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._stub: pb_grpc.RendezvousAsyncStub = lazy_stub(pb_grpc.RendezvousStub, self._channel)
         self._health = lazy_stub(health_pb2_grpc.HealthStub, self._channel)
         self._mux: AsyncCallStream | AsyncRelayedCalls | None = (
-            AsyncCallStream(self._channel, self._s.metadata, self._s.endpoint)
+            AsyncCallStream(self._channel, self._s.bearer, self._s.endpoint)
             if self._c.call_stream
             else None
         )

@@ -316,6 +316,51 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     raise InvalidRequest(f"no rendezvous token: {NO_TOKEN_ADVICE}")
 
 
+class Bearer:
+    """The token a client sends, shared by its session and its call stream, which read
+    it at each call or stream they open: re-read from its file when the daemon refuses
+    it (``reread``), so that a token rotated by the runbook (add the new token to the
+    daemon, write it into the clients' files, remove the old) keeps running jobs alive.
+    A holder of its own, not the session: the call stream's reader must not keep the
+    client alive. Never in a repr."""
+
+    __slots__ = ("file", "token")
+
+    def __init__(self, token: str, file: Path | str | None) -> None:
+        self.token = token
+        # The file to re-read, or None: a token given as text (token=, $RENDEZVOUSD_TOKEN)
+        # can change only with its process.
+        self.file = file
+
+    @classmethod
+    def resolve(cls, token: str | None, token_file: Path | str | None) -> Bearer:
+        """``resolve_token``'s token, with the file it may change in."""
+        file = token_file or (None if token else os.environ.get(TOKEN_FILE_ENV) or None)
+        return cls(resolve_token(token, token_file), file)
+
+    def __repr__(self) -> str:
+        return f"Bearer(file={self.file!r})"
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def reread(self) -> bool:
+        """After the daemon refused this token: True when its file now holds another
+        one, which is sent from now on (the caller tries again once); False when there
+        is no file, it cannot be read, or it holds the token refused."""
+        if self.file is None:
+            return False
+        try:
+            token = resolve_token(None, self.file)
+        except InvalidRequest:
+            return False  # the refusal stands, and its message names the file's problem
+        if token == self.token:
+            return False
+        self.token = token
+        return True
+
+
 # What a secret file's mode must not allow: others anything, the group writing. Group
 # read stays allowed, unlike the daemon's own secrets (0600 only): a Kubernetes pod
 # with fsGroup gets its Secret group-readable whatever defaultMode says

@@ -377,9 +377,18 @@ def from_rpc_error(
     if reason == "SCOPE_DENIED" and cls is AuthenticationError:
         message = f"{where}{who} was refused ({code.name}): {details}{_scope_advice(job_id)}"
     elif cls is AuthenticationError:
+        # A refused token reads like no network fault: a rotation that removed it from
+        # the daemon (the client's file is re-read once at the refusal) is the usual cause.
+        rotated = (
+            "the daemon does not accept this client's token (was it rotated? the daemon "
+            "accepts the tokens its token file listed when it started; a client's token "
+            "file is read again when its token is refused); "
+            if code is grpc.StatusCode.UNAUTHENTICATED
+            else ""
+        )
         message = (
-            f"{where}{who} was refused ({code.name}): {details}; check that the token "
-            f"{TOKEN_ADVICE} and TLS settings match the daemon's"
+            f"{where}{who} was refused ({code.name}): {details}; {rotated}check that the "
+            f"token {TOKEN_ADVICE} and TLS settings match the daemon's"
         )
     elif reason:
         message = f"{where}{who}: {details}"

@@ -103,7 +103,7 @@ class RendezvousClient(steps.ClientBase):
         self._stub: pb_grpc.RendezvousStub = lazy_stub(pb_grpc.RendezvousStub, self._channel)
         self._health = lazy_stub(health_pb2_grpc.HealthStub, self._channel)
         self._mux: BlockingCallStream | RelayedCalls | None = (
-            BlockingCallStream(self._channel, self._s.metadata, self._s.endpoint)
+            BlockingCallStream(self._channel, self._s.bearer, self._s.endpoint)
             if self._c.call_stream
             else None
         )

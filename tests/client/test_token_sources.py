@@ -195,3 +195,47 @@ def test_half_a_client_key_pair_is_refused_before_grpc_aborts_on_it(
         TlsConfig(ca=pem, **{given: pem})
     with pytest.raises(InvalidRequest, match="without ca=: a client certificate or key needs ca="):
         TlsConfig.from_paths(None, **{given: str(pem)})
+
+
+@pytest.mark.parametrize("call_stream", [True, False])
+def test_a_refused_token_is_read_again_from_its_file_and_the_call_sent_once_more(
+    daemon: DaemonProcess,
+    job_id: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    call_stream: bool,
+) -> None:
+    """A rotation (h115 D1): the client's file held a token the daemon no longer
+    accepts when the client was made, and the daemon's token when it called. Before,
+    the call was refused (the file was read once); now it is refused once, the file read
+    again, and the call made with its token, said in the log without either token."""
+    token_file = tmp_path / "token"
+    stale = secrets.token_urlsafe(32)
+    token_file.write_text(stale + "\n")
+    token_file.chmod(0o600)
+    with RendezvousClient(
+        daemon.endpoint, job_id, token_file=token_file, call_stream=call_stream
+    ) as c:
+        token_file.write_text(daemon.token + "\n")  # the rotation reached this client
+        assert c.list_jobs() is not None
+        assert c.list_jobs() is not None  # and stays with it
+    said = caplog.text
+    assert f"token file {token_file} holds another token now (rotated)" in said, said
+    assert stale not in said and daemon.token not in said
+
+
+def test_a_token_refused_and_unchanged_in_its_file_is_refused_naming_a_rotation(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """No new token in the file: refused once, not sent again, and the error asks
+    whether the token was rotated instead of reading like any other failure."""
+    token_file = tmp_path / "token"
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    token_file.chmod(0o600)
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token_file=token_file) as c,
+        pytest.raises(RendezvousError) as caught,
+    ):
+        c.list_jobs()
+    assert caught.value.code == "UNAUTHENTICATED"
+    assert "was it rotated?" in str(caught.value), caught.value

@@ -373,7 +373,8 @@ def _run_agent(
         say_client_warnings(_note)
         transport = config.rendezvous
         try:
-            # Read once, here: the workers are handed it with their assignment.
+            # Read here first; the client reads its file again when the daemon refuses
+            # the token (a rotation), and each assignment hands the workers its current one.
             token = resolve_token(None, transport.token_file)
             client = transport.client(config.job_id, config.retry_attempts, token=token)
         except RendezvousError as exc:

@@ -407,7 +407,7 @@ class NodeAgent:
                 unique_id=m.unique_id,
                 instance_id=m.member_instance_id(i),
                 config=config,
-                token=self._token,
+                token=self.client.current_token() or self._token,
                 ring_host=self.ring_host,
                 alive_interval_s=alive_interval,
             )
@@ -441,7 +441,9 @@ class NodeAgent:
             return
         try:
             store = config.rendezvous.client(
-                config.job_id, config.retry_attempts, token=self._token
+                config.job_id,
+                config.retry_attempts,
+                token=self.client.current_token() or self._token,
             )
             self._links = NodeLinks(
                 store,
