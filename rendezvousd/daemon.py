@@ -299,6 +299,13 @@ class Daemon:
         self.timeline = Timeline()
         self.metrics.transition_listeners.append(self.timeline.record)
 
+    def _refused_token(self, method: str, host: str) -> None:
+        """A call from ``host`` refused for its token: counted, and kept by the state
+        machine, which words a member of that host silent since by it. On the servicer's
+        clock (``time.monotonic``), as every ``now`` the state machine is given."""
+        self.metrics.count_auth_refused(method)
+        self.state.refused_token(host, time.monotonic())
+
     def _options(self) -> list[tuple[str, int]]:
         limits, timing, c = self.state.limits, self.state.timing, self.config
         pending = min(limits.max_concurrent_rpcs, max(3000, limits.max_members_per_job + 1024))
@@ -427,6 +434,7 @@ class Daemon:
             limits=self.state.limits,
             body_timeout_s=self.config.request_body_timeout_s,
             job_ended=self.persister.ended,
+            on_refused=self._refused_token,
         )
         server = grpc.aio.server(
             interceptors=[interceptor, DecodeGuardInterceptor()],

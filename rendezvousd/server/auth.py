@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from rendezvousd.common.escape import quoted, shortened
 from rendezvousd.common.limits import Limits
 from rendezvousd.common.secret_files import TOKEN_ENV, read_judged, unreadable_token_file
 from rendezvousd.errors import ConfigError
@@ -44,6 +45,10 @@ HEALTH_WATCH = HEALTH_PREFIX + "Watch"
 CREDENTIALS_ENV = "CREDENTIALS_DIRECTORY"
 RENDEZVOUS_PATH = "/rendezvous.v1.Rendezvous"
 UNAUTHENTICATED = "missing or invalid bearer token"
+# A refused token is said in the log at most once per caller's host in this many
+# seconds (with how many were not said), and of at most this many hosts at once.
+REFUSED_LOG_S = 60.0
+REFUSED_HOSTS = 1024
 # Job ids whose tokens of the earlier form were warned about (then no more, bounded).
 LEGACY_WARNED = 1024
 
@@ -183,9 +188,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         limits: Limits,
         body_timeout_s: float,
         job_ended: Callable[[str], float | None],
+        on_refused: Callable[[str, str], None] | None = None,
     ) -> None:
         """``job_ended``: when the last job of an id ended (None: none known); a job
-        token minted before it is refused (the daemon's ``Persister.ended``)."""
+        token minted before it is refused (the daemon's ``Persister.ended``).
+        ``on_refused``: told the method and the caller's host of each call refused for
+        its token (the daemon counts it, and words a silent member of that host by it)."""
         # An admin token's digest is also the key its job tokens are derived with.
         self._digests = [admin_key(t) for t in tokens]
         self._on_reject = on_reject
@@ -201,6 +209,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._body_timeout_s = body_timeout_s
         self._job_ended = job_ended
         self._legacy_warned: set[str] = set()
+        self._on_refused = on_refused
+        # Per caller's host: when a refused token was last said, and how many since.
+        self._refused_said: dict[str, tuple[float, int]] = {}
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
@@ -268,7 +279,51 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return self._gated(method, await continuation(details), self.calls)
         self._on_reject(method)
         handler = await continuation(details)
-        return _rejecting(handler, message=self.refusal(token))
+        refusal = self.refusal(token)
+        read = read_job_token(token, self._digests) if token is not None else None
+        return _rejecting(
+            handler,
+            message=refusal,
+            on_run=lambda context: self._refused(method, context, refusal, read),
+        )
+
+    def _refused(self, method: str, context: Any, refusal: str, read: JobToken | None) -> None:
+        """A call refused for its token, said where the operator looks (a token rotated
+        under running jobs read as a network fault: nothing in the log, members lost
+        as "unreachable"): one line per caller's host per ``REFUSED_LOG_S``, naming
+        the method, the caller and the job a job token names; never the token."""
+        peer = peer_text(context)
+        host = peer_host(peer)
+        name = method.rpartition("/")[2] or method
+        if self._on_refused is not None:
+            self._on_refused(name, host)
+        now = time.monotonic()
+        said_at, unsaid = self._refused_said.get(host, (None, 0))
+        if said_at is not None and now - said_at < REFUSED_LOG_S:
+            self._refused_said[host] = (said_at, unsaid + 1)
+            return
+        if host not in self._refused_said and len(self._refused_said) >= REFUSED_HOSTS:
+            self._refused_said.pop(next(iter(self._refused_said)))  # the oldest
+        self._refused_said.pop(host, None)
+        self._refused_said[host] = (now, 0)
+        job = f" with a token for job {quoted(read.job)}" if read is not None else ""
+        more = (
+            f" ({unsaid} more refused from {host} in the {now - said_at:.0f} s since the "
+            "last line, not logged)"
+            if unsaid and said_at is not None
+            else ""
+        )
+        log.warning(
+            "refused %s from %s%s (UNAUTHENTICATED: %s): its token is not one this daemon "
+            "accepts. After a token rotation, write the new token into that client's token "
+            "file (a client reads it again when refused) before the old one is removed from "
+            "this daemon's token file%s",
+            shortened(name),
+            shortened(peer),
+            job,
+            refusal,
+            more,
+        )
 
     def _gated(
         self, method: str, handler: grpc.RpcMethodHandler | None, gate: Gate
@@ -297,6 +352,26 @@ def _caller_job() -> str | None:
     return None if scope is None else scope.job
 
 
+def peer_text(context: Any) -> str:
+    """The caller's address as gRPC gives it (``ipv4:10.0.0.2:51234``), or "unknown"."""
+    try:
+        peer = context.peer()
+    except Exception:  # a context without a transport (a test's)
+        return "unknown"
+    return peer if isinstance(peer, str) and peer else "unknown"
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer (``ipv4:10.0.0.2:51234`` → ``10.0.0.2``, ``ipv6:[::1]:5``
+    → ``::1``, ``unix:…`` → ``unix``): the key refusals are told by, and the one a
+    member's addresses are matched against."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix" or not rest:
+        return kind or "unknown"
+    host = rest.rpartition(":")[0] or rest
+    return host.removeprefix("[").removesuffix("]")
+
+
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     """The call's one bearer token, or None (missing, duplicated: ambiguous)."""
     values = [v for k, v in metadata or () if k == "authorization"]
@@ -321,8 +396,10 @@ def _rejecting(
     handler: grpc.RpcMethodHandler | None,
     code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
     message: str = UNAUTHENTICATED,
+    on_run: Callable[[Any], None] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A handler that only refuses, as soon as the call's headers arrived.
+    """A handler that only refuses, as soon as the call's headers arrived (``on_run``:
+    told its context first, where the caller's address is known).
 
     It always takes a request stream (the same bytes on the wire as one message):
     grpcio would wait for a unary request's body before running the handler, and
@@ -331,9 +408,13 @@ def _rejecting(
     streaming_out = bool(handler and handler.response_streaming)
 
     async def unary(request: Any, context: Any) -> None:
+        if on_run is not None:
+            on_run(context)
         await context.abort(code, message)
 
     async def stream_out(request: Any, context: Any) -> Any:
+        if on_run is not None:
+            on_run(context)
         await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 

@@ -72,6 +72,13 @@ class Metrics:
             "Joins a running generation refused: another topology, version or join mode",
             ["reason"],
         )
+        # A rotation that removed a token its clients still send read as a network
+        # fault (members lost as unreachable); counted apart, by method.
+        self.auth_refused = counter(
+            "rendezvousd_auth_refused",
+            "Calls refused for their bearer token (UNAUTHENTICATED), by method",
+            ["method"],
+        )
         self.rpc = histogram(
             "rendezvousd_rpc_duration_seconds",
             "RPC handling time including waiting",
@@ -114,6 +121,8 @@ class Metrics:
             self.jobs.labels(job_state.name.lower()).set(0)
         for reason in REFUSALS:
             self.refused.labels(reason.lower())
+        for method in ("Heartbeat", "CallBatches", "JoinNode"):  # what node agents call
+            self.auth_refused.labels(method)
         # Who else hears of each transition (the status page's generation timeline).
         self.transition_listeners: list[Callable[[Transition], None]] = []
         self.serving = gauge(
@@ -136,6 +145,9 @@ class Metrics:
             if method in _KNOWN_METHODS and code in _CODES:  # bounded: known pairs only
                 self._rpc_children[key] = child
         child.observe(seconds)
+
+    def count_auth_refused(self, method: str) -> None:
+        self.auth_refused.labels(method if method in _KNOWN_METHODS else UNKNOWN_LABEL).inc()
 
     def observe_commit(self, seconds: float, ok: bool) -> None:
         self.commits.labels("ok" if ok else "failed").observe(seconds)

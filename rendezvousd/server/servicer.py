@@ -36,6 +36,7 @@ from rendezvousd.common.model import (
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
+from rendezvousd.server.auth import peer_host, peer_text
 from rendezvousd.server.call_stream import DAEMON_BUG, GIVEN_UP, CallStream, method_fields
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
@@ -423,7 +424,7 @@ class RendezvousServicer:
         if first is None:
             return
         _authorize("Heartbeat", first.job_id)
-        async for event in self.streams.serve(first, iterator):
+        async for event in self.streams.serve(first, iterator, peer_host(peer_text(context))):
             yield event
 
     async def _first_beat(

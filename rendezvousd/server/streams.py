@@ -93,13 +93,23 @@ class HeartbeatStreams:
                 queue.put_nowait(fault)
 
     async def serve(
-        self, first: pb.HeartbeatRequest, iterator: AsyncIterator[pb.HeartbeatRequest]
+        self,
+        first: pb.HeartbeatRequest,
+        iterator: AsyncIterator[pb.HeartbeatRequest],
+        peer: str = "",
     ) -> AsyncIterator[pb.JobEvent]:
-        """The stream whose first request is ``first``: events until it ends."""
+        """The stream whose first request is ``first`` (from host ``peer``): events
+        until it ends."""
         mode = JoinMode.of_caller(first.node)
         key = (first.job_id, first.generation, mode, first.rank)
         token = self.state.attach_stream(
-            first.job_id, first.generation, first.rank, first.instance_id, self._now(), mode=mode
+            first.job_id,
+            first.generation,
+            first.rank,
+            first.instance_id,
+            self._now(),
+            mode=mode,
+            peer=peer,
         )
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         # Acknowledge the attach at once: a client reattaching after a restart

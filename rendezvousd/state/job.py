@@ -60,6 +60,9 @@ class Attendee:
     # stream's end or silence is then its goodbye again, not a loss. A loss is found
     # again by the liveness rules after an undo; only the member knew of its goodbye.
     said_goodbye: bool = False
+    # The host its last heartbeat stream came from (not durable: a restarted daemon
+    # knows it from its next stream), matched against the hosts refused for their token.
+    peer: str = ""
 
     def attach(self, now: float) -> int:
         """A heartbeat stream opened; returns its token for ``detach``."""

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from rendezvousd.state.job import Attendee, Job, Member, Node
     from rendezvousd.state.machine import RendezvousState
 
+# The hosts refused for their token that the state machine keeps at once.
+TOKEN_REFUSED_HOSTS = 4096
+
 
 def report_failure(
     sm: RendezvousState,
@@ -84,15 +87,17 @@ def attach_stream(
     now: float,
     *,
     mode: JoinMode = JoinMode.RANK,
+    peer: str = "",
 ) -> int:
-    """A heartbeat stream of attendee ``who`` opened; returns its token for
-    ``detach_stream``."""
+    """A heartbeat stream of attendee ``who`` opened (from host ``peer``, if known);
+    returns its token for ``detach_stream``."""
     job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode)
     if mode is not job.gen.join_mode:
         # Its node agent's stream is this rank's liveness: a stream of the rank's own
         # would fail the whole generation when it closed (the worker exiting).
         raise fences.rank_stream_in_node_job(job, who)
     token = seated.attach(now)
+    seated.peer = peer or seated.peer
     if waiting := placement.waiting_count(job):
         # Nodes parked before this stream (re)attached: it would miss the event.
         sm.calls.emit(
@@ -106,6 +111,15 @@ def attach_stream(
             )
         )
     return token
+
+
+def refused_token(sm: RendezvousState, host: str, now: float) -> None:
+    """A call from ``host`` was refused for its token (a gRPC peer's host)."""
+    refused = sm.token_refused
+    refused.pop(host, None)  # re-inserted: the dict stays oldest first
+    if len(refused) >= TOKEN_REFUSED_HOSTS:
+        refused.pop(next(iter(refused)))
+    refused[host] = now
 
 
 def heartbeat(

@@ -56,6 +56,10 @@ class RendezvousState:
         # runs' callers are not the restart's (``FORGOT_KEPT``, then ``forgot_many``).
         self.forgot: set[str] = set()
         self.forgot_many = False
+        # The hosts whose calls were refused for their token, and when last (the
+        # daemon's clock): a member of such a host silent since is lost for that, not
+        # as unreachable (``liveness.token_refused``). Bounded, the oldest dropped.
+        self.token_refused: dict[str, float] = {}
 
     def take_effects(self) -> list[Effect]:
         return self.calls.take()
@@ -81,6 +85,7 @@ class RendezvousState:
     report_failure = liveness.report_failure
     oldest_silence = liveness.oldest_silence
     live_members = liveness.live_members
+    refused_token = liveness.refused_token
 
     # rounds.py
     put_back = rounds.put_back

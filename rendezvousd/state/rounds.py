@@ -5,6 +5,7 @@ state machine: functions over ``RendezvousState``, which they queue effects on."
 
 from __future__ import annotations
 
+import ipaddress
 from typing import TYPE_CHECKING
 
 from rendezvousd.common import validation
@@ -217,12 +218,48 @@ def silent(sm: RendezvousState, who: str) -> str:
     return f"no heartbeat for {sm.timing.heartbeat_timeout_s:.1f} s ({who} unreachable)"
 
 
+def refused_silence(sm: RendezvousState, seated: Attendee) -> str | None:
+    """The silence of ``seated`` worded by its token, when calls from its host were
+    refused for their token since its last heartbeat (a rotation that removed the token
+    its node still sends): not "unreachable", which sent the operator to the network."""
+    for host in _hosts(seated):
+        at = sm.token_refused.get(host)
+        if at is not None and at >= seated.last_seen:
+            return (
+                f"no heartbeat for {sm.timing.heartbeat_timeout_s:.1f} s: calls from its "
+                f"host {host} were refused for their token since its last one (was the "
+                "daemon's token rotated? give the node a token the daemon's token file lists)"
+            )
+    return None
+
+
+def _hosts(seated: Attendee) -> list[str]:
+    """The hosts ``seated`` is known by: its heartbeat stream's, and the addresses it
+    advertised (durable: a restarted daemon that refused its stream knows only these)."""
+    if isinstance(seated, Node):
+        advertised: tuple[str, ...] = seated.addresses
+    elif isinstance(seated, Member):
+        advertised = (seated.address,)
+    else:
+        advertised = ()
+    hosts = [seated.peer] if seated.peer else []
+    for address in advertised:
+        try:
+            hosts.append(str(ipaddress.ip_address(address)))  # a bare host, v6 too
+        except ValueError:
+            host = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+            if host:
+                hosts.append(host)
+    return hosts
+
+
 def silence_cause(sm: RendezvousState, seated: Attendee) -> str:
     """Why the tick loses ``seated``: a node agent that never attached a heartbeat
     stream since it was placed is worded apart (``NEVER_ATTACHED``), so that the
-    other agents do not count a stray JoinNode as a failure of the job."""
+    other agents do not count a stray JoinNode as a failure of the job; one whose
+    token was refused, by that (``refused_silence``)."""
     if seated.stream_token != 0:
-        return loss_cause(seated, silent(sm, seated.who))
+        return loss_cause(seated, refused_silence(sm, seated) or silent(sm, seated.who))
     timeout = sm.timing.heartbeat_timeout_s
     if isinstance(seated, Node):
         return f"{NEVER_ATTACHED} (none within {timeout:.1f} s)"
@@ -242,7 +279,7 @@ def stream_end_cause(sm: RendezvousState, attendee: Attendee, now: float) -> str
     moment before the tick that would have named the silence: the silence is still
     the cause, not the cut that followed it."""
     if now - attendee.last_seen >= sm.timing.heartbeat_timeout_s:
-        return loss_cause(attendee, silent(sm, attendee.who))
+        return loss_cause(attendee, refused_silence(sm, attendee) or silent(sm, attendee.who))
     return loss_cause(attendee, attendee.stream_closed)
 
 

@@ -83,3 +83,4 @@ def _keep_liveness(kept: Attendee, was: Attendee) -> None:
     kept.last_seen = was.last_seen
     kept.stream_token, kept.stream_open = was.stream_token, was.stream_open
     kept.said_goodbye = was.said_goodbye
+    kept.peer = was.peer

@@ -22,6 +22,7 @@ from tests.support import (
     free_port,
     json_lines,
     launcher_cmd,
+    scrape,
     spawn_daemon,
     wait_for,
     write_token,
@@ -124,5 +125,62 @@ def test_a_token_rotated_by_the_runbook_keeps_a_running_two_node_job_alive(
     # The nodes say they picked the new token up; no token's text anywhere.
     assert "holds another token now (rotated)" in said, said
     log = daemon.log()
+    assert "refused Heartbeat from" in log or "refused CallBatches from" in log, log
     for text in (said, log):
+        assert old not in text and new not in text
+
+
+def test_a_node_whose_token_was_removed_is_told_so_and_not_lost_as_unreachable(
+    tmp_path: Path,
+) -> None:
+    """The old token removed while a node still holds it (its file not switched):
+    before, the agent failed with a bare AuthenticationError, the daemon logged
+    nothing, and recorded the node as "no heartbeat for 3.0 s (node unreachable)".
+    Now the daemon logs the refusal (peer, method; never the token), counts it, and
+    words the loss by the refused token; the agent's message asks about a rotation."""
+    old, new = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    client_token = tmp_path / "node-token"
+    write_token(client_token, old)
+    daemon = RotatingDaemon(tmp_path, [old], "--heartbeat-timeout-s", "3")
+    job = "rotate-forgotten"
+    nodes = [_node(daemon.current, job, tmp_path, r, client_token) for r in range(2)]
+    out = [tmp_path / f"node{r}.out" for r in range(2)]
+
+    def resumed() -> int:
+        return sum(1 for p in out for e in json_lines(p) if e.get("event") == "resumed")
+
+    try:
+        wait_for("the job to train", lambda: resumed() == 4, timeout=60)
+        daemon.restart([new])  # the old token removed; the nodes' file not switched
+        with RendezvousClient(daemon.current.endpoint, job, token=new) as probe:
+            wait_for(
+                "the job to fail", lambda: probe.get_job().summary.state != pb.JOB_STATE_RUNNING, 30
+            )
+            view = probe.get_job()
+        codes = [n.wait(90) for n in nodes]
+        metrics = scrape(daemon.current.metrics_url)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait(10)
+        daemon.kill()
+    said = _said(tmp_path)
+    assert codes == [2, 2], said  # a join refused for the setup: no restart helps
+    assert "was it rotated?" in said, said
+    causes = " | ".join(m.cause for m in view.failed) + " | " + view.last_failure.cause
+    assert "unreachable" not in causes, (causes, daemon.log())
+    assert "refused for their token" in causes, (causes, daemon.log())
+    log = daemon.log()
+    assert "unreachable" not in log.split("serving on")[-1], log
+    refusals = [
+        ln
+        for ln in log.splitlines()
+        if "refused Heartbeat from" in ln or "refused CallBatches from" in ln
+    ]
+    assert refusals and "127.0.0.1" in refusals[0], log
+    # Rate-limited: one line per host per minute, whatever the nodes' retries.
+    assert len(refusals) == 1, refusals
+    assert metrics['rendezvousd_auth_refused_total{method="Heartbeat"}'] >= 1, metrics
+    for text in (said, log, str(metrics)):
         assert old not in text and new not in text
