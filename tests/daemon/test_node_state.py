@@ -1058,3 +1058,31 @@ def test_nodes_that_all_came_but_not_within_one_anothers_waits_are_told_so() -> 
     assert "every node the job needs came, but not within one another's waits: start them " \
         "within --join-timeout-s of each other, or raise it" in f.message, f.message  # fmt: skip
     assert "no node agent joined as" not in f.message, f.message
+
+
+def test_a_node_silent_since_its_host_was_refused_for_its_token_is_lost_for_that() -> None:
+    """h115 D1: a token rotation that removed the token a node still sent lost it as
+    "no heartbeat for 10.0 s (node unreachable)", sending the operator to the network.
+    A refusal from its host since its last heartbeat words the loss by its token; one
+    before that heartbeat, or from another host, changes nothing. The host is its
+    stream's peer, or, for a node whose stream never reached this daemon (a restart),
+    an address it advertised."""
+    sm = RendezvousState()
+    first = join_first(sm, node("a"))
+    assert isinstance(first, Parked)
+    sm.join(replace(node("b"), addresses=("10.0.0.3", "10.0.0.3")), 0.0)
+    sm.take_effects()
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE, peer="10.0.0.1")
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)  # no peer: its addresses
+    sm.refused_token("10.0.0.1", 0.5)  # before a's last heartbeat: not its cause
+    sm.refused_token("10.0.0.9", 2.0)  # another host
+    for inst_rank in (0, 1):
+        sm.heartbeat("j", 1, inst_rank, 1.0, mode=JoinMode.NODE)
+    sm.refused_token("10.0.0.3", 2.0)  # b's host, since its last heartbeat
+    sm.tick(11.5)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    causes = {f.node_rank: f.cause for f in job.gen.failed}
+    assert causes[1].startswith("no heartbeat for 10.0 s: calls from its host 10.0.0.3 were ")
+    assert "refused for their token" in causes[1] and "unreachable" not in causes[1]
+    assert causes[0] == "no heartbeat for 10.0 s (node unreachable)"  # the same tick
