@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from rendezvousd.common.log_time import UtcFormatter
 
@@ -126,9 +127,16 @@ def cut_middle(text: str, max_bytes: int) -> str:
 
 
 class EscapingFormatter(UtcFormatter):
-    """Escapes the message (arguments included); a traceback keeps its lines. Its
-    time is UTC, marked (``log_time``)."""
+    """Escapes the message (arguments included); a traceback keeps its lines, each
+    escaped (its last names the exception's text: a client's, where the client's text
+    raised it). Its time is UTC, marked (``log_time``)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = escape(record.message)
         return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return "\n".join(escape(line) for line in super().formatException(ei).split("\n"))
+
+    def formatStack(self, stack_info: str) -> str:
+        return "\n".join(escape(line) for line in super().formatStack(stack_info).split("\n"))

@@ -153,6 +153,25 @@ def test_log_lines_escape_their_arguments() -> None:
     assert line == "WARNING job j: x\\u202e\\x0aINFO forged"
 
 
+def test_a_tracebacks_lines_are_escaped_each() -> None:
+    """A traceback's last line is its exception's text, a client's where the client's
+    text raised it (h121 F2: urlsplit's ValueError named the request's host): it was
+    written as is, a terminal escape or a forged line in it. Its line breaks stay."""
+    try:
+        raise ValueError("'::1\x1b[31mEVIL\u2028INFO forged' does not appear to be an address")
+    except ValueError:
+        record = logging.LogRecord(
+            "rendezvousd", logging.ERROR, __file__, 1, "failed", (), sys.exc_info()
+        )
+    text = EscapingFormatter("%(levelname)s %(message)s").format(record)
+    lines = text.split("\n")
+    assert lines[0] == "ERROR failed" and lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == (
+        "ValueError: '::1\\x1b[31mEVIL\\u2028INFO forged' does not appear to be an address"
+    )
+    assert "\x1b" not in text and "\u2028" not in text
+
+
 def test_daemon_log_lines_are_escaped() -> None:
     """`serve`'s own log handler escapes (a log line of a real process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
