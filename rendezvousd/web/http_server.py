@@ -17,24 +17,39 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from rendezvousd.common.escape import shortened
+
 log = logging.getLogger("rendezvousd.http")
 
 MAX_HEAD_BYTES = 16 * 1024
 MAX_BODY_BYTES = 16 * 1024
+# The table's size bounds what the port can cost the daemon (descriptors shared with
+# gRPC's, and up to 32 KiB of buffered head and body each: 2 MiB in all), far above
+# what its users need (a scraper or two, a browser's 6 per host per tab). It is not
+# what keeps them served: a full table makes room for a newcomer by closing a
+# connection that waits on its client (below), so filling it, from any number of
+# addresses, shuts nobody out. Refusing the newcomer instead let 4 addresses x 16
+# connections, each kept alive by one request per IDLE_S, keep every scrape and the
+# status page out for as long as they went on (h121 F3).
 MAX_CONNECTIONS = 64
-# One client address's share: a client that opened connections and sent nothing (or a
-# byte now and then) held all 64 from one host, and a scrape from anywhere else was
-# refused for as long as it went on.
+# One client address's share (a browser opens 6 per host, a scraper 1), its next
+# connection answered 503 rather than making room: one host alone holds at most a
+# quarter of the table, and churning its connections closes only its own.
 MAX_CONNECTIONS_PER_PEER = 16
 # A request's head and body must arrive within this; an idle kept-alive connection
 # is closed after IDLE_S.
 REQUEST_TIMEOUT_S = 10.0
 IDLE_S = 30.0
+# An error no request should cause (a bug) is logged at most once per this long, with
+# a count of the rest: anyone who reaches the port can repeat the request that causes
+# it, and a line with a traceback per request filled 4 MB of log in 3 s (h121 F2).
+ERROR_LOG_EVERY_S = 10.0
 
 
 @dataclass
@@ -66,6 +81,18 @@ class HttpError(Exception):
         self.status = status
 
 
+@dataclass(eq=False)
+class _Connection:
+    address: str
+    task: asyncio.Task[None]
+    writer: asyncio.StreamWriter
+    # When it began waiting on its client (accepted, or its last answer sent): the
+    # connection that has waited longest is the first a full table closes.
+    since: float
+    # Its handler is running: the daemon's time, not the client's; never closed for room.
+    busy: bool = False
+
+
 class HttpServer:
     def __init__(
         self,
@@ -75,8 +102,10 @@ class HttpServer:
     ) -> None:
         self._handler = handler
         self._ssl = ssl_context
-        self._open: set[asyncio.Task[None]] = set()
+        self._open: dict[asyncio.Task[None], _Connection] = {}
         self._per_peer: dict[str, int] = {}
+        self._errors = 0
+        self._errors_logged = -ERROR_LOG_EVERY_S
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -109,27 +138,76 @@ class HttpServer:
         peername = writer.get_extra_info("peername")
         address = str(peername[0]) if isinstance(peername, tuple) else "unix"
         peer = f"{address}:{peername[1]}" if isinstance(peername, tuple) else "unix"
-        held = self._per_peer.get(address, 0)
-        if len(self._open) >= MAX_CONNECTIONS or held >= MAX_CONNECTIONS_PER_PEER:
-            # Over a cap: answered and closed at once, so it holds no slot.
-            with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
-                await _send(writer, Response(503, b"too many connections\n"), close=True)
-            await _close(writer)
-            return
-        self._open.add(task)
-        self._per_peer[address] = held + 1
         try:
-            await self._serve(reader, writer, peer)
+            held = self._per_peer.get(address, 0)
+            if held >= MAX_CONNECTIONS_PER_PEER or (
+                len(self._open) >= MAX_CONNECTIONS and not self._make_room()
+            ):
+                # Over a cap: answered and closed at once, so it holds no slot.
+                with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
+                    await _send(writer, Response(503, b"too many connections\n"), close=True)
+                return
+            conn = _Connection(address, task, writer, time.monotonic())
+            self._open[task] = conn
+            self._per_peer[address] = held + 1
+            try:
+                await self._serve(reader, writer, peer, conn)
+            finally:
+                self._forget(conn)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ssl.SSLError):
             pass
+        except Exception:
+            # Nothing a client sends may reach asyncio's "Unhandled exception in
+            # client_connected_cb" (ERROR, a traceback, no limit): a bug, counted.
+            self._log_error(f"a connection from {peer} failed")
         finally:
-            self._open.discard(task)
-            if (left := self._per_peer.pop(address) - 1) > 0:
-                self._per_peer[address] = left
             await _close(writer)
 
+    def _make_room(self) -> bool:
+        """Closes one connection that waits on its client, for a newcomer: of the
+        address holding the most, the one waiting longest. An address holding few (a
+        scraper's one) is the last to lose one, however many addresses fill the table."""
+        waiting = [c for c in self._open.values() if not c.busy]
+        if not waiting:
+            return False
+        victim = max(waiting, key=lambda c: (self._per_peer.get(c.address, 0), -c.since))
+        # Its slot is free now, not when its task has seen the connection end. Aborted,
+        # not cancelled: its read or write ends in the ConnectionError or
+        # IncompleteReadError every closed connection ends in, where a cancelled task
+        # made 3.11's asyncio log "Exception in callback" (it asks a cancelled
+        # client_connected_cb task for its exception).
+        self._forget(victim)
+        victim.writer.transport.abort()
+        return True
+
+    def _forget(self, conn: _Connection) -> None:
+        if self._open.pop(conn.task, None) is None:
+            return  # already closed for room
+        if (left := self._per_peer.pop(conn.address) - 1) > 0:
+            self._per_peer[conn.address] = left
+
+    def _log_error(self, what: str) -> None:
+        """Logs the exception being handled at ERROR with its traceback (the formatter
+        escapes it), at most once per ERROR_LOG_EVERY_S."""
+        self._errors += 1
+        now = time.monotonic()
+        if now - self._errors_logged < ERROR_LOG_EVERY_S:
+            return
+        log.error(
+            "status page: %s (%d such error(s) since the last such line); this is a bug "
+            "in rendezvousd: report it with this traceback",
+            what,
+            self._errors,
+            exc_info=True,
+        )
+        self._errors, self._errors_logged = 0, now
+
     async def _serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str,
+        conn: _Connection,
     ) -> None:
         first = True
         while True:
@@ -149,12 +227,18 @@ class HttpServer:
             except HttpError as exc:
                 await _send(writer, Response(exc.status, f"{exc}\n".encode()), close=True)
                 return
+            conn.busy = True
             try:
                 response = await self._handler(request)
             except Exception:
-                log.exception("status page: %s %s failed", request.method, request.path)
+                # The client's method and path, cut (a path is up to 16 KiB).
+                what = f"{shortened(request.method, 16)} {shortened(request.path)}"
+                self._log_error(f"{what} from {peer} failed")
                 response = Response(500, b"internal error; see the daemon's log\n")
+            finally:
+                conn.busy = False
             await _send(writer, response, close=not keep, head_only=request.method == "HEAD")
+            conn.since = time.monotonic()
             if not keep:
                 return
 
@@ -187,13 +271,15 @@ async def _parse(head: bytes, reader: asyncio.StreamReader, peer: str) -> tuple[
     if length > MAX_BODY_BYTES:
         raise HttpError(413, f"request bodies are limited to {MAX_BODY_BYTES} bytes")
     body = await reader.readexactly(length) if length else b""
-    url = urlsplit(target)
+    try:
+        # urlsplit checks a bracketed host ("http://[x/"): ValueError, not a request.
+        url = urlsplit(target)
+        path, query = unquote(url.path), dict(parse_qsl(url.query))
+    except ValueError:
+        raise HttpError(400, "malformed request target") from None
     connection = headers.get("connection", "").lower()
     keep = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
-    return (
-        Request(method, unquote(url.path), dict(parse_qsl(url.query)), headers, body, peer),
-        keep,
-    )
+    return Request(method, path, query, headers, body, peer), keep
 
 
 async def _send(

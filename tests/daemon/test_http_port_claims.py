@@ -1,8 +1,10 @@
 """The metrics/status HTTP port as docs/operations.md words it, with its numbers written
 out (a test reading the daemon's constants follows them wherever they go): "at most 64
 connections at once, 16 of them from one client address (the next is answered 503 and
-closed)", sessions "1,024 in all, 64 per token scope ... a full table ending a job
-token's session before an admin's", and "a wrong token is logged at WARNING"."""
+closed)", a full table closing for a newcomer the longest-waiting connection of the
+address holding the most, sessions "1,024 in all, 64 per token scope ... a full table
+ending a job token's session before an admin's", and "a wrong token is logged at
+WARNING"."""
 
 from __future__ import annotations
 
@@ -54,6 +56,15 @@ def _refused_from(source: str, d: DaemonProcess) -> None:
     assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
 
 
+def _closed(conn: http.client.HTTPConnection) -> bool:
+    """Whether the daemon closed kept-alive ``conn`` (its next request finds it gone)."""
+    try:
+        _get(conn, "/metrics")
+    except (ConnectionError, http.client.HTTPException):
+        return True
+    return False
+
+
 def test_64_connections_are_served_at_once_16_from_one_address_and_the_next_refused(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
@@ -72,9 +83,33 @@ def test_64_connections_are_served_at_once_16_from_one_address_and_the_next_refu
         _refused_from(sources[0], d)  # its 17th, with 48 connections free
         held += [hold(source) for source in sources[1:] for _ in range(PER_ADDRESS)]
         assert len(held) == CONNECTIONS
-        _refused_from("127.0.0.99", d)  # the 65th, from an address holding none
-        # The refusals took no slot: each held connection is served again.
+        # The refusal took no slot: each held connection is served again.
         assert all(_get(conn, "/metrics") == 200 for conn in held)
+
+
+def test_a_full_table_closes_a_connection_of_the_address_holding_most_for_a_newcomer(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """h121 F3: 4 addresses x 16 connections, each kept alive by one request, filled
+    the table, and every scrape from elsewhere was answered 503 for as long as they
+    went on. "When the table is full, a newcomer is served and the connection that has
+    waited longest on its client, of the address holding the most, is closed": the
+    operator's connection, older than all of theirs but its address's only one, stays."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    with ExitStack() as stack:
+        operator = _served_from("127.0.0.1", d)
+        stack.callback(operator.close)
+        attackers: list[http.client.HTTPConnection] = []
+        for a in range(2, 2 + CONNECTIONS // PER_ADDRESS):
+            for _ in range(PER_ADDRESS):
+                attackers.append(_served_from(f"127.0.0.{a}", d))
+                stack.callback(attackers[-1].close)
+        # 65 served: the 64th attacker's made room by closing 127.0.0.2's oldest.
+        scrape = _served_from("127.0.0.1", d)  # and this one, 127.0.0.3's oldest
+        stack.callback(scrape.close)
+        assert _get(operator, "/metrics") == 200, "the operator's connection was closed"
+        assert _closed(attackers[0]) and _closed(attackers[PER_ADDRESS])
+        assert not _closed(attackers[1]) and not _closed(attackers[PER_ADDRESS + 1])
 
 
 @contextmanager
