@@ -52,3 +52,25 @@ async def test_a_failing_page_is_logged_once_per_10_s_and_never_by_asyncio(
     assert record.exc_info is not None
     assert "GET /raises from 127.0.0.1:" in record.getMessage()
     assert "(1 such error(s) since the last such line)" in record.getMessage()
+
+
+async def test_stopping_with_connections_open_logs_no_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """stop() cancelled each open connection's task, and 3.11's asyncio, asking a
+    cancelled client_connected_cb task for its exception, logged "Exception in
+    callback" with a traceback for each."""
+    caplog.set_level(logging.DEBUG)
+    server = HttpServer(_failing)
+    port = await server.start("127.0.0.1", 0)
+    opened = [
+        await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10) for _ in range(3)
+    ]
+    await asyncio.sleep(0.1)  # accepted: each task waits for its request
+    await server.stop()
+    for reader, writer in opened:
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the stop
+        writer.close()
+    await asyncio.sleep(0.1)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
