@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import RendezvousError
-from rendezvousd.common import grid
 from rendezvousd.common.escape import escape
 from rendezvousd.common.limits import Timing
 
@@ -41,6 +40,10 @@ def forming_note(
     re-form that takes this node in. ``last_call_s``: the last call this node's join
     named (0: none, the daemon's own); ``held``: the generation this node last held a
     seat in (None: none)."""
+    # Here, not at the top: grid loads the daemon's model module, which a node's
+    # start must not pay for (test_launcher_startup); a note comes 5 s into a wait.
+    from rendezvousd.common import grid
+
     s = job.summary
     most = s.topology.num_nodes
     named = f"job '{escape(s.job_id)}' generation {s.generation}"
