@@ -397,7 +397,13 @@ class StatusPage:
                         "node": n,
                         "host": escape(row.host),
                         "seats": "".join(row.seats),
-                        "age": round(row.age_s, 1),
+                        # A row of joining seats has no heartbeat yet: none, not "0.0 s"
+                        # (``rendezvousd status`` shows "-" there too).
+                        "age": (
+                            None
+                            if all(c == SEAT[MemberState.JOINING] for c in row.seats)
+                            else round(row.age_s, 1)
+                        ),
                         "step": row.step,
                     }
                     for n, row in sorted(rows.items())

@@ -342,9 +342,10 @@ def test_a_job_stuck_forming_shows_the_nodes_joined_and_the_missing_node_rank(
         rows = browser.evaluate(
             "[...document.querySelectorAll('#grid tbody tr')].map(tr => "
             "[tr.children[0].textContent, tr.children[1].textContent, "
-            "tr.querySelectorAll('.seat.J').length])"
+            "tr.querySelectorAll('.seat.J').length, tr.children[3].textContent])"
         )
-        assert rows == [["0", "fm-host-a", 2], ["2", "fm-host-c", 2]], rows
+        # Joining seats have no heartbeat yet: "—", where the page showed "0.0 s".
+        assert rows == [["0", "fm-host-a", 2, "—"], ["2", "fm-host-c", 2, "—"]], rows
         browser.screenshot(FORMING_SCREENSHOT)
         assert FORMING_SCREENSHOT.stat().st_size > 10_000
         clients[0].abort("test over")

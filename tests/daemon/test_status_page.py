@@ -478,8 +478,8 @@ def test_a_per_rank_job_stuck_forming_names_its_missing_ranks(
             "joined_total": 0,
             "missing": "ranks 2, 3 (no worker joined as them)",
         }, page["forming"]
-        assert [(r["node"], r["host"], r["seats"]) for r in page["nodes"]["rows"]] == [
-            (0, "pr-a", "JJ")
+        assert [(r["node"], r["host"], r["seats"], r["age"]) for r in page["nodes"]["rows"]] == [
+            (0, "pr-a", "JJ", None)
         ]
         status = subprocess.run(
             [sys.executable, "-m", "rendezvousd.cli", "status", "--endpoint", daemon.endpoint,

@@ -116,7 +116,7 @@ function updateRow(g, r) {
     }
     g.seats = r.seats;
   }
-  const a = age(r.age);
+  const a = r.age === null ? "—" : age(r.age);
   if (g.age !== a) { g.ageCell.textContent = a; g.age = a; }
   const s = num(r.step);
   if (g.step !== s) { g.stepCell.textContent = s; g.step = s; }
