@@ -380,14 +380,15 @@ class CallStream:
         running: dict[int, asyncio.Task[None]],
         deadlines: _Deadlines,
     ) -> None:
-        rest = calls.rest if isinstance(calls, _Unbatched) else collections.deque[pb.Call]()
+        retry_of = calls.retry_of if isinstance(calls, _Unbatched) else _no_retry
         calls = aiter(calls)
         turns = _Turns()
         # The running joins' identities (``_join_key``), by call id.
         joins: dict[int, tuple[str, str, str]] = {}
-        # Cancels held for a retry later in their batch (``_retry_in``): by the retry
-        # Call's id(), the retry (kept alive, so that id() stays its) and the task.
-        held: dict[int, tuple[pb.Call, asyncio.Task[None]]] = {}
+        # Cancels held for a retry later in their batch (``_Unbatched.retry_of``): by
+        # the retry Call's id(), the retry (kept alive, so that id() stays its) and the
+        # tasks to cancel once it ran, by call id (a repeated cancel is one entry).
+        held: dict[int, tuple[pb.Call, dict[int, asyncio.Task[None]]]] = {}
         try:
             while not self._reading_stopped:
                 # Room first: a drain's cancellation then never lands between a call's
@@ -399,18 +400,22 @@ class CallStream:
                     break
                 released = held.pop(id(call), None)
                 try:
-                    await self._take(call, replies, running, deadlines, turns, rest, joins, held)
+                    await self._take(
+                        call, replies, running, deadlines, turns, retry_of, joins, held
+                    )
                 finally:
                     if released is not None:
                         # The retry parked (or was answered) first: the cancelled join
                         # ends with its seat held by the retry, not as a dead joiner.
-                        released[1].cancel(GIVEN_UP)
+                        for task in released[1].values():
+                            task.cancel(GIVEN_UP)
         except asyncio.CancelledError:
             if not self._reading_stopped:
                 raise
         finally:
-            for _retry, task in held.values():
-                task.cancel()
+            for _retry, tasks in held.values():
+                for task in tasks.values():
+                    task.cancel()
         try:
             # The caller is done sending (or the daemon drains): its calls in flight
             # are still answered, a drain that comes meanwhile included (it released
@@ -431,9 +436,9 @@ class CallStream:
         running: dict[int, asyncio.Task[None]],
         deadlines: _Deadlines,
         turns: _Turns,
-        rest: collections.deque[pb.Call],
+        retry_of: Callable[[tuple[str, str, str] | None], pb.Call | None],
         joins: dict[int, tuple[str, str, str]],
-        held: dict[int, tuple[pb.Call, asyncio.Task[None]]],
+        held: dict[int, tuple[pb.Call, dict[int, asyncio.Task[None]]]],
     ) -> None:
         """Run, refuse or (a cancel) apply one call read from the stream."""
         field = call.WhichOneof("request")
@@ -441,14 +446,18 @@ class CallStream:
             task = running.get(call.id)
             if task is None or task.done():
                 return
-            retry = _retry_in(joins.get(call.id), rest)
+            # O(1), not a search of the batch's rest: a held cancel leaves its join
+            # running, so each repeat of it searched again, and one 63 KB batch of a
+            # join, 9,000 cancels of it and its retry held the event loop (every job's
+            # calls) for 7-11 s.
+            retry = retry_of(joins.get(call.id))
             if retry is not None:
                 # The client gave up on this join and sent it again (same identity: a
                 # resume, client/_session.py) in this batch: the retry parks first, so
                 # that the cancelled join's end finds its seat's retry waiting and
                 # fails nobody (state.joins.join_wait_ended). Cancelled first, it
                 # failed the forming generation as a dead joiner's.
-                held[id(retry)] = (retry, task)
+                held.setdefault(id(retry), (retry, {}))[1][call.id] = task
                 return
             task.cancel(GIVEN_UP)
             # Its end before the next call is decided: a cancelled Join frees its seat
@@ -607,6 +616,14 @@ class _Unbatched:
         self._batches = aiter(batches)
         self._on_batch = on_batch
         self.rest: collections.deque[pb.Call] = collections.deque()
+        # The position in its batch of ``rest``'s first call.
+        self._read = 0
+        # The joins of the batch being read, by identity (``_join_key``): each with
+        # its position in the batch, in order. Built at the batch's first cancel of a
+        # running join (most batches have none), once: each cancel then finds its
+        # retry without searching the batch again.
+        self._joins: dict[tuple[str, str, str], collections.deque[tuple[int, pb.Call]]] | None
+        self._joins = None
 
     def __aiter__(self) -> _Unbatched:
         return self
@@ -616,7 +633,33 @@ class _Unbatched:
             batch = await anext(self._batches)
             self._on_batch(len(batch.calls))
             self.rest.extend(batch.calls)
+            self._read = 0
+            self._joins = None
+        self._read += 1
         return self.rest.popleft()
+
+    def retry_of(self, key: tuple[str, str, str] | None) -> pb.Call | None:
+        """The first call of its batch not read yet that is a retry of the join ``key``
+        names (the same identity), if any. Amortized O(1) a call: the batch's joins are
+        indexed once, and each entry is passed over at most once."""
+        if key is None or not self.rest:
+            return None
+        if self._joins is None:
+            self._joins = {}
+            for position, call in enumerate(self.rest, self._read):
+                field = call.WhichOneof("request")
+                found = _join_key(call, field) if field is not None else None
+                if found is not None:
+                    self._joins.setdefault(found, collections.deque()).append((position, call))
+        retries = self._joins.get(key)
+        while retries and retries[0][0] < self._read:
+            retries.popleft()  # read already
+        return retries[0][1] if retries else None
+
+
+def _no_retry(_key: tuple[str, str, str] | None) -> pb.Call | None:
+    """A Calls stream's: its calls come one a message, so none is at hand to be a retry."""
+    return None
 
 
 _JOINS = ("join", "join_node")
@@ -630,18 +673,6 @@ def _join_key(call: pb.Call, field: str) -> tuple[str, str, str] | None:
     if not request.instance_id:
         return None
     return (field, request.job_id, request.instance_id)
-
-
-def _retry_in(key: tuple[str, str, str] | None, rest: collections.deque[pb.Call]) -> pb.Call | None:
-    """The first call of ``rest`` (its batch's calls not read yet) that is a retry of
-    the join ``key`` names, if any."""
-    if key is None:
-        return None
-    for call in rest:
-        field = call.WhichOneof("request")
-        if field is not None and _join_key(call, field) == key:
-            return call
-    return None
 
 
 def _batch_entry(reply_bytes: bytes) -> bytes:
