@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import time
@@ -408,7 +409,7 @@ class CallStream:
                         # The retry parked (or was answered) first: the cancelled join
                         # ends with its seat held by the retry, not as a dead joiner.
                         for task in released[1].values():
-                            task.cancel(GIVEN_UP)
+                            await _cancel(task)
         except asyncio.CancelledError:
             if not self._reading_stopped:
                 raise
@@ -459,7 +460,7 @@ class CallStream:
                 # failed the forming generation as a dead joiner's.
                 held.setdefault(id(retry), (retry, {}))[1][call.id] = task
                 return
-            task.cancel(GIVEN_UP)
+            await _cancel(task)
             # Its end before the next call is decided: a cancelled Join frees its seat
             # as it ends, and a client's re-join under a new identity, often in this
             # same batch, was refused DuplicateRank by its own cancelled seat. One turn or two of the loop; bounded, for a
@@ -673,6 +674,20 @@ def _join_key(call: pb.Call, field: str) -> tuple[str, str, str] | None:
     if not request.instance_id:
         return None
     return (field, request.job_id, request.instance_id)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel a call's task as its caller's ``cancel`` (``GIVEN_UP``), once it started.
+
+    A task cancelled before its first step never runs ``_finish``, so its handler,
+    suspended where ``_resume`` left it, never saw the cancellation (closed later,
+    ``GeneratorExit``): a Join cancelled in its own batch kept its seat parked, and a
+    re-join in that batch was refused DUPLICATE_RANK. Its first step is queued, so
+    one turn of the loop runs it."""
+    coro = task.get_coro()
+    if isinstance(coro, Coroutine) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        await asyncio.sleep(0)
+    task.cancel(GIVEN_UP)
 
 
 def _batch_entry(reply_bytes: bytes) -> bytes:

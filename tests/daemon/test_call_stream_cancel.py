@@ -4,11 +4,12 @@ its cancelled join's cancel (asyncio.timeout around join(), retried at once) was
 refused DuplicateRank by the seat its own cancelled join still held (every other
 attempt). A retry of the cancelled join itself (its instance id: the SDK's resume of
 a join it gave up) in that batch parks before the cancelled join ends, which then
-fails nobody. A cancel sent alone frees the join's seat, as the join's deadline does:
-the caller sent it, so it is alive (a dead one's stream ends, which fails the forming
-generation). Raw gRPC against a real daemon process. Many cancels of one held join in
-a batch cost each O(1) (the batch's joins indexed once), not a search of the batch's
-rest each: one 60 KB batch held the event loop, every job's calls, for 7-11 s."""
+fails nobody; a join cancelled in its own batch frees its seat too. A cancel sent
+alone frees the join's seat, as the join's deadline does: the caller sent it, so it
+is alive (a dead one's stream ends, which fails the forming generation). Many
+cancels of one held join in a batch cost each O(1) (the batch's joins indexed once),
+not a search of the batch's rest each: one 60 KB batch held the event loop, every
+job's calls, for 7-11 s. Raw gRPC against a real daemon process."""
 
 from __future__ import annotations
 
@@ -73,6 +74,30 @@ def test_a_join_in_the_batch_of_a_cancel_finds_the_cancelled_seat_free(
         # up, as at its deadline), so the re-join waited in generation 1 for the
         # missing rank until its own wait ended.
         assert (_reason(got), "generation 1" in got.message) == ("WORLD_INCOMPLETE", True), got
+        assert 1 not in s.order()
+    finally:
+        s.close()
+
+
+def test_a_join_cancelled_in_its_own_batch_frees_its_seat(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """The join, its cancel and a re-join in one CallBatch: the join's task was cancelled
+    before it first ran, so its handler never saw the cancel and its seat stayed parked
+    (the re-join refused DUPLICATE_RANK, the waiter counted until its deadline)."""
+    s = Stream(daemon, method="CallBatches")
+    try:
+        before = scrape(daemon.metrics_url)["rendezvousd_waiters"]
+        with s.hold():
+            s.send(1, "join", _rank_zero(job_id, "first", 30_000, 5), timeout_ms=35_000)
+            s.send(1, "cancel", pb.CancelCall())
+            s.send(2, "join", _rank_zero(job_id, "second", 300, 6), timeout_ms=5_300)
+        got = status_of(s.reply(2))
+        assert (_reason(got), "generation 1" in got.message) == ("WORLD_INCOMPLETE", True), got
+        wait_for(
+            "the cancelled join's waiter gone",
+            lambda: scrape(daemon.metrics_url)["rendezvousd_waiters"] == before,
+        )
         assert 1 not in s.order()
     finally:
         s.close()
