@@ -504,6 +504,9 @@ class Session:
     # names it, so the daemon seats it in the seat kept for it after a failure (a
     # newcomer cannot take it). Not cleared by ``begin``: that seat outlives the join.
     held: str = field(default="", repr=False)
+    # This client's own id in every join_node it sends (``JoinNodeRequest.agent_id``):
+    # its join again after its wait ended is the same node, not a second one that came.
+    agent_id: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     # A join this client sent and then gave up on (``unsettle``): the next join asking
     # the same is sent as it, so that a seat the daemon gave it is taken back.
     unsettled: _Unsettled | None = field(default=None, repr=False)
@@ -691,6 +694,7 @@ class Session:
             standby=r.get("standby", False),
             previous_instance_id=self.held,
             wire_version=r.get("wire_version", ""),
+            agent_id=self.agent_id,
         )
         if (node_rank := r.get("node_rank")) is not None:
             request.node_rank = node_rank

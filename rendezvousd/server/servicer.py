@@ -291,6 +291,7 @@ class RendezvousServicer:
                 else None
             ),
             wire_version=request.wire_version,
+            agent=request.agent_id,
         )
         return await self._join(args, request.slim, context)
 

@@ -128,6 +128,9 @@ class Node(Attendee):
     # Its node rank in the last generation (the kept seat's), while forming: the nodes
     # expected back take the free ranks in this order, ahead of newcomers.
     before: int | None = None
+    # Its agent's own id (``JoinArgs.agent``), kept with its wait if that ends. Not
+    # stored: a restart forgets it, which costs only those words.
+    agent: str = field(default="", repr=False)
 
 
 class NodeTable(dict[str, Node]):
@@ -222,6 +225,9 @@ class EndedWait:
     at: float
     # The node rank it named, or a worker's rank; None: a node that named none.
     rank: int | None
+    # Its node agent's own id (``JoinArgs.agent``; "" when it sent none): that agent's
+    # join again drops this record, since it is the same node.
+    agent: str = ""
 
 
 #: How many ended waits a forming generation keeps (``Generation.ended_waits``): the

@@ -227,7 +227,12 @@ def _node_seat(sm: RendezvousState, job: Job, args: JoinArgs, now: float) -> tup
         now,
         kept or "",
         None if kept is None else job.gen.ranks_before.get(kept),
+        agent=args.agent,
     )
+    if args.agent:
+        # Its own join whose wait ended before is this node, not another that came.
+        for key in [k for k, e in job.gen.ended_waits.items() if e.agent == args.agent]:
+            del job.gen.ended_waits[key]
     if kept is not None:
         del job.gen.owed[kept]
         if args.previous is None and kept != args.instance_id:
@@ -694,12 +699,13 @@ def _wait_ended(job: Job, key: int | str, seat: Member | Node, now: float) -> No
     joiners whose waits end after it (``waits.world_incomplete``)."""
     ended = job.gen.ended_waits
     ended.pop(key, None)
+    agent = ""
     if isinstance(seat, Node):
         said = f"node {seat.node_rank}" if seat.named else "a node"
-        rank = seat.node_rank if seat.named else None
+        rank, agent = (seat.node_rank if seat.named else None), seat.agent
     else:
         said, rank = f"rank {seat.rank}", seat.rank
-    ended[key] = EndedWait(said, seat.host, now, rank)
+    ended[key] = EndedWait(said, seat.host, now, rank, agent)
     while len(ended) > ENDED_WAITS_KEPT:
         del ended[next(iter(ended))]
 

@@ -63,6 +63,10 @@ class JoinArgs:
     # wire_version``; "" from an agent from before it, and from any per-rank Join):
     # every node of a generation must send the same (``joins.job_for``).
     wire_version: str = ""
+    # The node agent's own id, the same in every join it sends ("" from an older
+    # client, or a worker's Join): its join whose wait ended and its join again are
+    # one node (``joins.seat_node``, ``waits.world_incomplete``).
+    agent: str = ""
 
     @classmethod
     def worker(
@@ -124,6 +128,7 @@ def check(args: JoinArgs, limits: Limits) -> None:
     validation.text_field("instance_id", args.instance_id, 128, required=True)
     validation.text_field("previous_instance_id", args.previous or "", 128, required=False)
     validation.text_field("wire_version", args.wire_version, MAX_WIRE_VERSION, required=False)
+    validation.text_field("agent_id", args.agent, 128, required=False)
     if len(args.addresses) > args.gpus_per_node:
         raise validation.invalid(
             Reason.INVALID_ARGUMENT,

@@ -133,10 +133,14 @@ def _nodes_incomplete(job: Job, waited: str, now: float, ended: list[EndedWait])
             f"; {short} more node(s) never joined: start the missing node agents or lower --nnodes"
         )
     elif ended:
-        # Every node came, but not while the others still waited.
+        # Every node came, but not while the others still waited. Which flag set the
+        # wait that ran out, the daemon cannot tell (rendezvous-run's first join waits
+        # --join-timeout-s, one after a failure --rejoin-timeout-s): name both.
         said += (
             "; every node the job needs came, but not within one another's waits: start "
-            "them within --join-timeout-s of each other, or raise it"
+            f"them within one wait ({waited} here) of each other, or raise it "
+            "(rendezvous-run: --join-timeout-s for a node's first join, --rejoin-timeout-s "
+            "after a failure)"
         )
     else:
         said += "; start the missing node agents or lower --nnodes"

@@ -1056,8 +1056,36 @@ def test_nodes_that_all_came_but_not_within_one_anothers_waits_are_told_so() -> 
     assert "node 0 on host-a joined too, but its own wait ended at its deadline 50.000 s " \
         "before this one" in f.message, f.message  # fmt: skip
     assert "every node the job needs came, but not within one another's waits: start them " \
-        "within --join-timeout-s of each other, or raise it" in f.message, f.message  # fmt: skip
+        "within one wait (40.0 s here) of each other, or raise it (rendezvous-run: " \
+        "--join-timeout-s for a node's first join, --rejoin-timeout-s after a failure)" \
+        in f.message, f.message  # fmt: skip
     assert "no node agent joined as" not in f.message, f.message
+
+
+def test_a_node_that_joins_again_after_its_own_wait_ended_is_one_node_not_two() -> None:
+    """h122 D2: a lone node of a 2:3 job waited out its join, then joined again (its
+    agent's restart, a new instance id): that re-join's deadline said "every node the
+    job needs came, but not within one another's waits" (its own earlier join counted
+    as a second node). The agent's id links the two: one node came, one never did."""
+    sm = RendezvousState()
+
+    def seated(inst: str, uid: bytes, now: float) -> Parked:
+        # A lone node is node 0: asked for the id, it joins again with one and waits.
+        ask = replace(node(inst, lo=2, hi=3), host="host-a", agent="agent-a")
+        assert isinstance(sm.join(ask, now), JoinResult)
+        out = sm.join(replace(ask, unique_id=uid), now)
+        assert isinstance(out, Parked)
+        return out
+
+    first = seated("a1", ID, 0.0)
+    assert sm.cancel_wait(first.waiter, 4.0, timed_out=True) is not None
+    again = seated("a2", ID2, 4.1)
+    f = sm.cancel_wait(again.waiter, 8.1, timed_out=True)
+    assert f is not None and f.reason == "WORLD_INCOMPLETE"
+    assert "every node the job needs came" not in f.message, f.message
+    assert "joined too" not in f.message, f.message
+    assert "1 node(s) joined of the min_nodes=2 (up to 3) it needs (a node on host-a); 1 " \
+        "more node(s) never joined: start the missing node agents" in f.message, f.message  # fmt: skip
 
 
 def test_a_node_silent_since_its_host_was_refused_for_its_token_is_lost_for_that() -> None:

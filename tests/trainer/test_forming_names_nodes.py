@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rendezvousd.client import NotFound, RendezvousClient
-from tests.support import ROOT, DaemonProcess, launcher_cmd, wait_for
+from tests.support import ROOT, DaemonProcess, launcher_cmd, run_launcher, wait_for
 
 JOIN_TIMEOUT_S = 15
 
@@ -132,3 +132,29 @@ def test_a_job_stuck_forming_names_the_nodes_joined_and_the_missing_one(
     assert "node(s) joined (node 0 on fm-n0 (" in said_two, said_two
     assert ", missing node rank 1 (no node agent joined with that node rank)" in said_two
     assert d.token not in said_zero + said_two
+
+
+def test_a_lone_node_that_waited_twice_is_told_to_start_the_missing_node(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """h122 D2: one node of a 2:3 job, one restart, 4 s waits. Its join timed out (a
+    failure, restart 1), and its re-join's deadline named its own first join as
+    another node that came: "every node the job needs came, but not within one
+    another's waits: start them within --join-timeout-s of each other", where only it
+    ever came, and the wait that ran out was --rejoin-timeout-s."""
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    # A warm spare starts before the job forms, and waits for its rank here.
+    script.write_text(
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed():\n    pass\n"
+    )
+    cmd = launcher_cmd("2:3", "auto", 1, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    cmd += ["--max-restarts", "1", "--join-timeout-s", "4", "--rejoin-timeout-s", "4"]
+    done = run_launcher([*cmd, str(script)], timeout=90, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr[done.stderr.index("gave up after 1 restart") :]
+    second = last[last.index("\n  2. ") :]
+    assert "1 more node(s) never joined: start the missing node agents" in second, last
+    assert "every node the job needs came" not in last, last
+    assert "joined too" not in last, last

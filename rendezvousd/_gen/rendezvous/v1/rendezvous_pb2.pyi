@@ -413,6 +413,7 @@ class JoinNodeRequest(_message.Message):
     PREVIOUS_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     LAUNCHED_MS_AGO_FIELD_NUMBER: _builtins.int
     WIRE_VERSION_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """[A-Za-z0-9._-]{1,128}"""
     min_nodes: _builtins.int
@@ -483,6 +484,13 @@ class JoinNodeRequest(_message.Message):
     beside a set one it is refused too, since those nodes' workers could not
     talk to each other either.
     """
+    agent_id: _builtins.str
+    """Random per node agent (one per client), the same in every JoinNode it sends
+    ("" from an older client); a secret like instance_id. A join whose own wait
+    ended and the same agent's join again are one node, not two, in the words of
+    a forming generation's WORLD_INCOMPLETE (a lone node that waited twice read
+    as "every node the job needs came, but not within one another's waits").
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per local rank, optional ("" = none); at most gpus_per_node entries."""
@@ -506,10 +514,11 @@ class JoinNodeRequest(_message.Message):
         previous_instance_id: _builtins.str | None = ...,
         launched_ms_ago: _builtins.int | None = ...,
         wire_version: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "launched_ms_ago", b"launched_ms_ago", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "addresses", b"addresses", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "launched_ms_ago", b"launched_ms_ago", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms", "wire_version", b"wire_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago", "_node_rank", b"_node_rank", "_previous_instance_id", b"_previous_instance_id", "addresses", b"addresses", "agent_id", b"agent_id", "gpus_per_node", b"gpus_per_node", "host", b"host", "instance_id", b"instance_id", "job_id", b"job_id", "last_call_ms", b"last_call_ms", "launched_ms_ago", b"launched_ms_ago", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "node_rank", b"node_rank", "previous_instance_id", b"previous_instance_id", "slim", b"slim", "standby", b"standby", "unique_id", b"unique_id", "wait_timeout_ms", b"wait_timeout_ms", "wire_version", b"wire_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__launched_ms_ago: _TypeAlias = _typing.Literal["launched_ms_ago"]  # noqa: Y015
     _WhichOneofArgType__launched_ms_ago: _TypeAlias = _typing.Literal["_launched_ms_ago", b"_launched_ms_ago"]  # noqa: Y015
