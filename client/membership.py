@@ -17,6 +17,7 @@ from rendezvousd.errors import shown
 
 __all__ = [
     "LOOPBACK_ADDRESS",
+    "NODE_STOPPED",
     "LazyTable",
     "Member",
     "Membership",
@@ -227,6 +228,9 @@ LOOPBACK_ADVICE = (
 #: The abort cause (``abort(cause=...)``, the proto's ABORT_CAUSE_LOOPBACK_ADDRESS) a
 #: rank or node that advertised loopback aborts its job with: what its peers act on.
 LOOPBACK_ADDRESS = "LOOPBACK_ADDRESS"
+#: The abort cause (the proto's ABORT_CAUSE_NODE_STOPPED) of a node agent stopped by a
+#: signal, which leaves the job for good: its peers tell a scale-down by it.
+NODE_STOPPED = "NODE_STOPPED"
 
 
 def loopback_conflict(m: Membership, address: str) -> str | None:

@@ -349,7 +349,7 @@ class RendezvousClient(steps.ClientBase):
         """Abort the job's current generation, or only ``generation`` (a generation
         already replaced is left alone); returns the generation aborted. ``cause``:
         what the abort is, as data its peers read (``JobAborted.abort_cause``), where
-        ``reason`` is its words: "" (any abort) or "LOOPBACK_ADDRESS"."""
+        ``reason`` is its words: "" (any abort), "LOOPBACK_ADDRESS" or "NODE_STOPPED"."""
         return self._run(self._c.abort(reason, job_id, generation, cause))
 
     def close_run(self, reason: str, *, generation: int = 0) -> bool:

@@ -92,6 +92,7 @@ class AbortCause(enum.Enum):
 
     UNSPECIFIED = 0
     LOOPBACK_ADDRESS = 1
+    NODE_STOPPED = 2
 
     @classmethod
     def of(cls, value: int) -> AbortCause:

@@ -383,6 +383,87 @@ def test_a_lost_node_shrinks_the_elastic_job_to_the_survivors(
     assert len(done) == 2 and all(e["world_size"] == 2 for e in done)
 
 
+def test_a_node_stopped_by_sigterm_scales_an_elastic_job_down_without_a_restart(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """h122 D3: three nodes of a 2:3 job, the default --max-restarts 0; SIGTERM one (a
+    host drained). Its agent aborted the generation ("stopped by SIGTERM") and the
+    survivors counted that as a failure: with no restart they gave up and exited 1,
+    though 2 nodes make min_nodes. Now they re-form without it, using no restart, as
+    for a scale-up, and finish."""
+    d = start_daemon()
+    flags = ["--last-call-s", "1"]
+    args = ["--steps", "400", "--step-s", "0.03"]
+    nodes = [Node(d, job_id, tmp_path, f"node{n}", "2:3", "auto", flags, args) for n in range(3)]
+    try:
+        wait_for(
+            "three nodes in one generation",
+            lambda: (
+                [e["world_size"] for e in nodes[0].events("ready")][-2:] == [6, 6]
+                and any(e["step"] >= 3 for e in nodes[0].events("step"))
+            ),
+            timeout=60,
+        )
+        nodes[2].proc.send_signal(signal.SIGTERM)
+        codes = _exits(nodes)
+    finally:
+        _cleanup(nodes)
+    said = [n.stderr() for n in nodes]
+    assert codes == [0, 0, 128 + signal.SIGTERM], said
+    for err in said[:2]:
+        assert "stopped by SIGTERM; the 2 node(s) left make min_nodes=2: re-forming the job " \
+            "without it (a scale-down: no restart used)" in err, err  # fmt: skip
+        assert "restart 1 of" not in err and "gave up" not in err, err
+    for n in nodes[:2]:
+        done = n.events("done")
+        assert len(done) == 2 and all(e["world_size"] == 4 for e in done), n.stderr()
+        # The re-formed generation still has restart_count 0.
+        assert all(e["restart_count"] == 0 for e in n.events("ready")), n.events("ready")
+
+
+def test_a_node_stopped_by_sigterm_ends_a_fixed_size_job_saying_why(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A fixed-size job cannot absorb a node stopped by SIGTERM: with no restart left
+    the other node gives up, as before, and its words say why and what would go on."""
+    d = start_daemon()
+    nodes = _nodes(d, job_id, tmp_path, 2, [], ["--steps", "400", "--step-s", "0.03"])
+    try:
+        wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
+        nodes[1].proc.send_signal(signal.SIGTERM)
+        codes = _exits(nodes)
+    finally:
+        _cleanup(nodes)
+    err = nodes[0].stderr()
+    assert codes == [1, 128 + signal.SIGTERM], err
+    assert "gave up after 0 restarts" in err, err
+    assert "stopped by SIGTERM (a job of a fixed size, --nnodes 2, cannot go on without a " \
+        "node: a restart waits for one to take its place, and with no restart left the job " \
+        "ends; --nnodes MIN:MAX lets it go on smaller)" in err, err  # fmt: skip
+
+
+def test_a_node_stopped_by_sigterm_below_min_nodes_is_a_failure_saying_why(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Two nodes of a 2:3 job: the one left after a SIGTERM is below min_nodes, so the
+    stop is a failure, as before (no restart left: it gives up), and says why."""
+    d = start_daemon()
+    flags = ["--last-call-s", "1"]
+    args = ["--steps", "400", "--step-s", "0.03"]
+    nodes = [Node(d, job_id, tmp_path, f"node{n}", "2:3", "auto", flags, args) for n in range(2)]
+    try:
+        wait_for("both nodes to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
+        nodes[1].proc.send_signal(signal.SIGTERM)
+        codes = _exits(nodes)
+    finally:
+        _cleanup(nodes)
+    err = nodes[0].stderr()
+    assert codes == [1, 128 + signal.SIGTERM], err
+    assert "stopped by SIGTERM (the 1 node(s) left are below min_nodes=2: a restart waits " \
+        "for a node to take its place, and with no restart left the job ends)" in err, err  # fmt: skip
+    assert "no restart used" not in err, err
+
+
 def test_failure_during_recovery_counts_and_a_missing_node_is_waited_for_bounded(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

@@ -40,6 +40,7 @@ from rendezvousd.client.errors import (
 )
 from rendezvousd.client.membership import (
     LOOPBACK_ADDRESS,
+    NODE_STOPPED,
     NodeMembership,
     loopback_conflict,
     loopback_refused,
@@ -225,7 +226,18 @@ class StrayLost:
     cause: str
 
 
-Outcome = Failure | NodesWaiting | StrayLost | Interrupted | None
+@dataclass(frozen=True)
+class ScaledDown:
+    """A node of ``generation`` was stopped by a signal and left the job for good (a
+    host drained or preempted), and the nodes left still make min_nodes of an elastic
+    job: it re-forms without that node, using no restart, as a scale-up uses none."""
+
+    generation: int
+    cause: str
+    left: int
+
+
+Outcome = Failure | NodesWaiting | StrayLost | ScaledDown | Interrupted | None
 
 
 def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None]:
@@ -354,6 +366,14 @@ class NodeAgent:
                     self.note(
                         f"generation {outcome.generation}: {outcome.cause}; re-forming the "
                         "job without it (no restart used)"
+                    )
+                    continue
+                if isinstance(outcome, ScaledDown):
+                    self.note(
+                        f"generation {outcome.generation}: {outcome.cause}; the "
+                        f"{outcome.left} node(s) left make min_nodes="
+                        f"{self.config.fewest_nodes}: re-forming the job without it (a "
+                        "scale-down: no restart used)"
                     )
                     continue
                 if not self.budget.record(outcome):
@@ -952,6 +972,14 @@ class NodeAgent:
             # on. A restart here would wait out the join's timeout for that node.
             setup = Failure(gen, cause, rank, host, exit_status=SETUP_ERROR_EXIT, fatal=True)
             return self._stop(gen, setup, cause)
+        if isinstance(error, JobAborted) and error.abort_cause == NODE_STOPPED:
+            placed = self.placed
+            left = placed.num_nodes - 1 if placed and placed.generation == gen else None
+            why = self._cannot_go_on(left)
+            if why is None and left is not None:
+                self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
+                return ScaledDown(gen, cause, left)
+            cause += why or ""
         failure = Failure(gen, cause, rank, host)
         # No goodbye to a daemon this node found gone: said while it is down,
         # it reached the daemon restarted with its state as a clean leave of
@@ -960,6 +988,27 @@ class NodeAgent:
         # re-join ends that generation (its node agent joined again).
         gone = isinstance(error, DaemonUnavailable)
         return self._stop(gen, failure, cause, goodbye=not gone)
+
+    def _cannot_go_on(self, left: int | None) -> str | None:
+        """A node was stopped by a signal and left for good, ``left`` nodes staying
+        (None: not known): None where they still make min_nodes of an elastic job (a
+        scale-down, no restart used), else why the job cannot go on without it, for
+        its failure's words (a restart of the nodes left waits for a node to take its
+        place)."""
+        config = self.config
+        if config.fewest_nodes == config.num_nodes:
+            return (
+                f" (a job of a fixed size, --nnodes {config.num_nodes}, cannot go on "
+                "without a node: a restart waits for one to take its place, and with no "
+                "restart left the job ends; --nnodes MIN:MAX lets it go on smaller)"
+            )
+        if left is None or left >= config.fewest_nodes:
+            return None
+        return (
+            f" (the {left} node(s) left are below min_nodes={config.fewest_nodes}: a "
+            "restart waits for a node to take its place, and with no restart left the "
+            "job ends)"
+        )
 
     def _dropped(self, gen: int, error: StaleGeneration) -> str:
         """Why the job moved on from this node, for a heartbeat the daemon refused as
@@ -1136,10 +1185,13 @@ class NodeAgent:
             # are done with their handlers (meanwhile theirs would block in collectives
             # with ours, then blame the broken connections).
             with contextlib.suppress(RendezvousError):
+                # As data (NODE_STOPPED): this node leaves for good, and the others
+                # re-form without it, an elastic job's without using a restart.
                 self.client.abort(
                     f"rendezvous-run on host {self.host} was stopped by "
                     f"{signal.Signals(signum).name}",
                     generation=gen,
+                    cause=NODE_STOPPED,
                 )
         # Passed on, as torchrun does: in sessions of their own, the workers get no
         # Ctrl-C from the terminal (a SIGINT then raises KeyboardInterrupt there). As

@@ -81,6 +81,12 @@ class _AbortCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AbortCause
     on other hosts, which cannot reach it: a setup error no restart changes, which
     node agents end on (rendezvous-run exits 2 on every node).
     """
+    ABORT_CAUSE_NODE_STOPPED: _AbortCause.ValueType  # 2
+    """A node agent stopped by a signal (SIGTERM: a host drained or preempted; SIGINT)
+    leaves the job for good: its elastic job's other nodes re-form without it, a
+    scale-down that uses none of their restarts where they still make min_nodes
+    (rendezvous-run). The daemon treats it as any abort.
+    """
 
 class AbortCause(_AbortCause, metaclass=_AbortCauseEnumTypeWrapper):
     """Why an abort ended a generation, as data, beside its reason's words: a peer acts
@@ -93,6 +99,12 @@ ABORT_CAUSE_LOOPBACK_ADDRESS: AbortCause.ValueType  # 1
 """A rank (or a node's workers) advertised a loopback address in a job with ranks
 on other hosts, which cannot reach it: a setup error no restart changes, which
 node agents end on (rendezvous-run exits 2 on every node).
+"""
+ABORT_CAUSE_NODE_STOPPED: AbortCause.ValueType  # 2
+"""A node agent stopped by a signal (SIGTERM: a host drained or preempted; SIGINT)
+leaves the job for good: its elastic job's other nodes re-form without it, a
+scale-down that uses none of their restarts where they still make min_nodes
+(rendezvous-run). The daemon treats it as any abort.
 """
 Global___AbortCause: _TypeAlias = AbortCause  # noqa: Y015
 
