@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
 from rendezvousd.common.secret_files import read_judged
-from rendezvousd.common.settings import installed_version
+from rendezvousd.common.version import installed_version
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask

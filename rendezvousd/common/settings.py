@@ -582,9 +582,8 @@ class Schema(Generic[T]):
 
 
 class VersionFlag(argparse.Action):
-    """``--version``: ``PROG VERSION`` of the installed package, then exit. Read only when
-    asked: ``importlib.metadata`` (and the ``tempfile`` it imports) cost a launcher's start
-    a few milliseconds before its spares start, on every node."""
+    """``--version``: ``PROG VERSION`` of the installed package (``version.py``), then
+    exit."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
         super().__init__(
@@ -599,19 +598,10 @@ class VersionFlag(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
         import sys
 
+        from rendezvousd.common.version import installed_version
+
         print(f"{parser.prog} {installed_version()}", file=sys.stdout)
         parser.exit()
-
-
-def installed_version() -> str:
-    """The installed package's version; "unknown" where no distribution metadata is
-    (a vendored copy, a zipapp): a log line or ``--version`` must not fail on it."""
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("rendezvousd")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _address_refusal(origin: str, raw: object, said: str) -> str:
