@@ -18,12 +18,15 @@ from prometheus_client import (
     Gauge,
     GCCollector,
     Histogram,
+    Info,
     ProcessCollector,
 )
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import JobState, Transition
+from rendezvousd.common.version import installed_version
 from rendezvousd.errors import Reason
+from rendezvousd.storage.store_sqlite import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
@@ -128,6 +131,14 @@ class Metrics:
         self.serving = gauge(
             "rendezvousd_serving", "1 while health says SERVING, 0 when NOT_SERVING"
         )
+        # Which build runs, for a query across daemons (``count by (version)``) and a
+        # dashboard's legend: every part two hosts may differ in that changes behaviour.
+        Info(
+            "rendezvousd_build",
+            "The daemon's build: rendezvousd, Python, grpcio and protobuf versions, the "
+            "gRPC protocol package and the --state-dir schema it reads",
+            registry=self.registry,
+        ).info(build_labels())
         self.heartbeat_lag = gauge(
             "rendezvousd_heartbeat_age_max_seconds",
             "Largest time since an active member's last heartbeat",
@@ -193,3 +204,19 @@ class Metrics:
         # On the tick, not per call: a count over every job. One that falls to 0 says
         # a job used its spare (an operator may start another).
         self.standbys.set(sum(job.standby_count for job in state.jobs.values()))
+
+
+def build_labels() -> dict[str, str]:
+    """``rendezvousd_build_info``'s labels (the status page's JSON says the same)."""
+    import platform
+
+    import google.protobuf
+
+    return {
+        "version": installed_version(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "protobuf": google.protobuf.__version__,
+        "protocol": pb.DESCRIPTOR.package,
+        "state_schema": str(SCHEMA_VERSION),
+    }

@@ -140,3 +140,22 @@ def test_a_join_that_publishes_the_id_counts_once(
     finally:
         for a in agents:
             a.close()
+
+
+def test_build_info_says_which_build_the_daemon_runs(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Every daemon said 0.1.0 in its log only: an operator could not tell from the
+    scrape which build each daemon runs (after an upgrade of some of them)."""
+    import importlib.metadata
+    import platform
+
+    import google.protobuf
+
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    labels = (
+        f'grpcio="{grpc.__version__}",protobuf="{google.protobuf.__version__}",'
+        f'protocol="rendezvous.v1",python="{platform.python_version()}",state_schema="3",'
+        f'version="{importlib.metadata.version("rendezvousd")}"'
+    )
+    assert scrape(d.metrics_url)["rendezvousd_build_info{" + labels + "}"] == 1
