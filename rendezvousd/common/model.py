@@ -204,13 +204,13 @@ class Transition:
 @dataclass(frozen=True)
 class Warn:
     """Something the operator should hear of that changes no job's state (a client
-    too old for this daemon, a joiner a running generation refused): adapters log it
+    too old for this daemon, a joiner a forming or running generation refused): adapters log it
     at WARNING."""
 
     job_id: str
     generation: int
     message: str
-    # A join the running generation refused, by the refusal's reason (a bounded label:
+    # A join the forming or running generation refused, by the refusal's reason (a bounded label:
     # TOPOLOGY_MISMATCH, VERSION_MISMATCH, JOIN_MODE_MISMATCH): adapters count it. Its
     # ``message`` is "" when the job's rate limit held the line back.
     refused: str = ""

@@ -779,10 +779,12 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
         asked = bounds if mode is JoinMode.NODE else (high, gpus)
         raise rounds.conflict(sm, job, job.topology_conflict(args.host, asked), now)
     if (refused := _other_version(job, args)) is not None:
-        # As a topology conflict: either side may be the one to upgrade, and every node
-        # of a forming generation hears it now (they would wait their join timeout for
-        # this node); a running generation refuses only the newcomer.
-        raise rounds.conflict(sm, job, refused, now)
+        # Only the newcomer, forming or running: the value is the joiner's own word, so
+        # failing the forming generation on it let any JoinNode that sent another (a
+        # stale pod of an older rollout, or anyone holding the job's token) end every
+        # node agent of the launch (each exits on VERSION_MISMATCH, no restart) and the
+        # job's relaunch for a heartbeat timeout after. The nodes joined go on waiting.
+        raise rounds.refused(sm, job, refused, now)
     return job
 
 

@@ -182,10 +182,11 @@ def conflict(sm: RendezvousState, job: Job, fault: RendezvousFault, now: float) 
 
 def refused(sm: RendezvousState, job: Job, fault: RendezvousFault, now: float) -> RendezvousFault:
     """``fault``, to raise. A running generation refuses only the joiner (another
-    topology, version or mode): nothing changes, so nothing but the joiner heard of it,
-    and the operator looking at the daemon saw no trace. Counted by reason, and said
-    at most once per ``REFUSAL_LOG_S`` per job, with how many were not said since."""
-    if job.state is not JobState.RUNNING:
+    topology, version or mode), and so does a forming one (another version or mode):
+    nothing changes, so nothing but the joiner heard of it, and the operator looking at
+    the daemon saw no trace. Counted by reason, and said at most once per
+    ``REFUSAL_LOG_S`` per job, with how many were not said since."""
+    if job.state not in (JobState.RUNNING, JobState.FORMING):
         return fault
     reason = fault.reason.value
     if job.refusal_said_at is not None and now - job.refusal_said_at < REFUSAL_LOG_S:
@@ -204,7 +205,8 @@ def refused(sm: RendezvousState, job: Job, fault: RendezvousFault, now: float) -
         Warn(
             job.job_id,
             job.generation,
-            f"refused a joiner ({reason}; the running generation goes on): {fault.message}{more}",
+            f"refused a joiner ({reason}; the {job.state.name.lower()} generation goes on): "
+            f"{fault.message}{more}",
             refused=reason,
         )
     )

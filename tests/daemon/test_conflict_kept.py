@@ -24,7 +24,7 @@ from rendezvousd.storage.persistence import Persister
 from tests.daemon.browser import Chromium, chromium_missing
 from tests.daemon.raw_calls import bearer
 from tests.daemon.test_old_sdk import formed, refused_without_id
-from tests.daemon.test_versions import NEW, OLD, first, node, refused
+from tests.daemon.test_versions import NEW, first, node, refused
 from tests.support import ROOT, DaemonProcess, free_port, write_token
 
 SCREENSHOT = ROOT / "artifacts" / "status-page-conflict.png"
@@ -39,12 +39,13 @@ def _restarted(sm: RendezvousState, tmp_path: Path) -> RendezvousState:
     return back
 
 
-def test_a_version_conflict_is_kept_over_a_restart_and_still_told_to_late_joiners(
+def test_a_topology_conflict_is_kept_over_a_restart_and_still_told_to_late_joiners(
     tmp_path: Path,
 ) -> None:
     sm = RendezvousState()
     first(sm, node("a", NEW))
-    told = refused(sm, node("b", OLD))
+    told = refused(sm, node("b", NEW, hi=3))
+    assert told.reason == "TOPOLOGY_MISMATCH"
     back = _restarted(sm, tmp_path)
     job = back.jobs["j"]
     assert job.state is JobState.FAILED and not job.gen.failed
@@ -52,13 +53,13 @@ def test_a_version_conflict_is_kept_over_a_restart_and_still_told_to_late_joiner
     assert job.gen.conflict is not None and job.gen.conflict.metadata == told.metadata
     # Within a heartbeat timeout of it, a late node of that launch still hears it.
     late = refused(back, node("c", NEW), 2.0)
-    assert late.reason == "VERSION_MISMATCH" and late.message.startswith(told.message)
+    assert late.reason == "TOPOLOGY_MISMATCH" and late.message.startswith(told.message)
 
 
 def test_a_hand_edited_conflict_is_a_clear_startup_error(tmp_path: Path) -> None:
     sm = RendezvousState()
     first(sm, node("a", NEW))
-    refused(sm, node("b", OLD))
+    refused(sm, node("b", NEW, hi=3))
     saver = Persister(tmp_path, sm)
     saver.restore()
     saver.close()
@@ -93,20 +94,20 @@ def test_an_old_sdks_mark_is_kept_over_a_restart_and_its_loss_says_why(tmp_path:
 def test_the_status_page_shows_a_conflict_kept_over_a_restart(
     start_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
-    """Two node agents of different versions: the forming generation fails with no
+    """Two node agents of different topologies: the forming generation fails with no
     member lost. After a restart, GetJob still says why, and so does the job view."""
     port, token = free_port(), write_token(tmp_path / "tok")
     flags = ("--state-dir", str(tmp_path / "state"), "--metrics-listen", "127.0.0.1:0")
 
-    def join_node(d: DaemonProcess, inst: str, wire: str) -> grpc.RpcError | None:
+    def join_node(d: DaemonProcess, inst: str, nodes: int) -> grpc.RpcError | None:
         request = pb.JoinNodeRequest(
             job_id="mixed",
             min_nodes=2,
-            max_nodes=2,
+            max_nodes=nodes,
             gpus_per_node=1,
             host=f"host-{inst}",
             instance_id=inst,
-            wire_version=wire,
+            wire_version=NEW,
             wait_timeout_ms=5000,
         )
         with grpc.insecure_channel(d.endpoint) as channel:
@@ -117,8 +118,8 @@ def test_the_status_page_shows_a_conflict_kept_over_a_restart(
         return None
 
     d = start_daemon(*flags, token=token, listen=f"127.0.0.1:{port}")
-    assert join_node(d, "a", NEW) is None  # node 0, asked for the id
-    mismatch = join_node(d, "b", OLD)
+    assert join_node(d, "a", 2) is None  # node 0, asked for the id
+    mismatch = join_node(d, "b", 3)
     assert mismatch is not None and mismatch.code() is grpc.StatusCode.FAILED_PRECONDITION
     told = mismatch.details()
     assert d.terminate() == 0
@@ -139,10 +140,10 @@ def test_the_status_page_shows_a_conflict_kept_over_a_restart(
             "document.getElementById('conflict').textContent",
             timeout=10,
         )
-        assert "its wire version is 'RDVRING2', theirs 'RDVRING3'" in shown, shown
+        assert "but the node agent on host 'host-b' asked for" in shown, shown
         assert shown == told
         assert browser.evaluate("document.getElementById('nofailed').hidden") is False
         overview = browser.evaluate("document.querySelector('#jobs td.cause').textContent")
-        assert overview.startswith("job 'mixed' generation 1: the node agent on host 'host-b'")
+        assert overview.startswith("job 'mixed' generation 1 has "), overview
         browser.screenshot(SCREENSHOT)
     assert SCREENSHOT.stat().st_size > 10_000

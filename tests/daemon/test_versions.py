@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvousd.common.model import JobState, JoinMode, JoinResult, Parked, Wake
+from rendezvousd.common.model import JobState, JoinMode, JoinResult, Parked, Wake, Warn
 from rendezvousd.errors import Code, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage.persistence import Persister
@@ -71,10 +71,15 @@ def running(sm: RendezvousState, wire: str, *, lo: int = 2, hi: int = 2) -> None
     sm.take_effects()
 
 
-def test_a_node_of_another_version_fails_the_forming_generation_naming_both() -> None:
+def test_a_node_of_another_version_is_refused_alone_naming_both() -> None:
+    """Only the newcomer: its wire_version is its own word, so failing the forming
+    generation on it let any JoinNode that sent another (a stale pod of an older
+    rollout, anyone holding the job's token) end every node agent of the launch, each
+    exiting on VERSION_MISMATCH with no restart."""
     sm = RendezvousState()
-    parked = first(sm, node("a", NEW, hi=3))
-    f = refused(sm, node("b", OLD, hi=3))
+    parked = first(sm, node("a", NEW, lo=3, hi=3))
+    sm.take_effects()
+    f = refused(sm, node("b", OLD, lo=3, hi=3))
     assert f.code is Code.FAILED_PRECONDITION and f.reason == "VERSION_MISMATCH"
     assert "the node agent on host 'host-b'" in f.message and "'host-a'" in f.message
     assert "its wire version is 'RDVRING2', theirs 'RDVRING3'" in f.message, f.message
@@ -82,11 +87,25 @@ def test_a_node_of_another_version_fails_the_forming_generation_naming_both() ->
     assert f.metadata["wire_version"] == NEW and f.metadata["requested_wire_version"] == OLD
     assert f.metadata["offending_host"] == "host-b" and f.metadata["hosts"] == "host-a"
     assert f.metadata["job_id"] == "j" and f.metadata["generation"] == "1"
-    # The node that came first hears it now, not at its join timeout: it waited for
-    # this one, which will not come (either side may be the one to upgrade).
+    job = sm.jobs["j"]
+    assert job.state is JobState.FORMING and job.gen.conflict is None
+    effects = sm.take_effects()
+    assert parked.waiter not in {e.waiter for e in effects if isinstance(e, Wake)}
+    # Counted and said for the operator, as a running generation's refusal is.
+    said = [e for e in effects if isinstance(e, Warn)]
+    assert [w.refused for w in said] == ["VERSION_MISMATCH"], said
+    assert "the forming generation goes on" in said[0].message, said[0].message
+    # Again and again: the node joined never hears of it, and the nodes of the
+    # generation's version, joining right after, are not refused (the conflict was
+    # told to every join of the job for a heartbeat timeout).
+    for i in range(3):
+        assert refused(sm, node(f"x{i}", OLD, lo=3, hi=3), 1.0 + i).reason == "VERSION_MISMATCH"
+    assert isinstance(sm.join(node("b", NEW, lo=3, hi=3), 4.0), Parked)
+    assert isinstance(sm.join(node("c", NEW, lo=3, hi=3), 4.0), JoinResult)
     told = woken(sm)[parked.waiter]
-    assert isinstance(told, RendezvousFault) and told.reason == "VERSION_MISMATCH"
-    assert sm.jobs["j"].state is JobState.FAILED
+    assert isinstance(told, JoinResult), told
+    assert job.state is JobState.RUNNING and job.generation == 1
+    assert {n.host for n in job.gen.nodes.values()} == {"host-a", "host-b", "host-c"}
 
 
 @pytest.mark.parametrize("old_first", [True, False])
@@ -134,18 +153,20 @@ def test_a_standby_of_another_version_is_refused_and_the_job_it_backs_goes_on() 
     assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].gen.conflict is None
 
 
-def test_a_relaunch_after_the_failed_launch_takes_its_own_version() -> None:
-    """The conflict ends that launch; a relaunch of upgraded nodes, once the late
-    joiners of the failed one stop hearing it, sets the version anew."""
+def test_once_the_odd_node_gave_up_the_next_joiner_sets_the_version() -> None:
+    """The first node sets the generation's version, so a node of another version that
+    came first makes the rest of its launch refused; once its own wait ends (its seat
+    freed), upgraded nodes set the version anew and form."""
     sm = RendezvousState()
-    first(sm, node("a", OLD))
+    odd = first(sm, node("a", OLD))
     refused(sm, node("b", NEW))
-    later = sm.timing.heartbeat_timeout_s + 5.0
+    later = 61.0
+    sm.cancel_wait(odd.waiter, later, timed_out=True)  # node a's join timed out
+    assert not sm.jobs["j"].gen.nodes
     first(sm, node("a2", NEW), later, ID2)
-    later += sm.timing.hold_s + 1.0  # the seat kept for host-a's node lapses
-    sm.tick(later)
     assert isinstance(sm.join(node("b2", NEW), later), JoinResult)
-    assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].generation == 2
+    assert sm.jobs["j"].state is JobState.RUNNING and sm.jobs["j"].generation == 1
+    assert sm.jobs["j"].wire_version == NEW
 
 
 def test_the_version_is_stored_and_a_row_without_it_takes_the_next_joiners(

@@ -588,6 +588,50 @@ def test_stray_join_nodes_that_never_attach_use_no_restart(
     assert all(e["restart_count"] == 0 for e in agent.events("ready")), err
 
 
+def test_a_join_node_of_another_version_is_refused_alone_and_the_launch_forms(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A JoinNode of another wire version (a stale pod of an older rollout, or anyone
+    holding the job's token) while node 0 waits for node 1: only it is refused. It
+    failed the forming generation, and node 0's agent exited 2 on VersionMismatch, no
+    restart tried; the relaunch was refused for a heartbeat timeout after."""
+    from rendezvousd.client import VersionMismatch
+
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    flags = ["--max-restarts", "1"]
+    node0 = Node(d, job_id, tmp_path, "node0", "2", "0", flags, ["--steps", "5"])
+    nodes = [node0]
+    try:
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+
+            def node0_waits() -> bool:
+                try:
+                    return len(probe.get_job().joining) == 1
+                except RendezvousError:
+                    return False
+
+            wait_for("node 0 to join", node0_waits, timeout=60)
+            with (
+                RendezvousClient(d.endpoint, job_id, token=d.token) as stray,
+                pytest.raises(VersionMismatch) as info,
+            ):
+                stray.join_node(
+                    min_nodes=2, max_nodes=2, gpus_per_node=2, timeout=10, wire_version="RDVRING2"
+                )
+            assert "its wire version is 'RDVRING2'" in str(info.value)
+            assert probe.get_job().summary.state == pb.JOB_STATE_FORMING
+        nodes.append(Node(d, job_id, tmp_path, "node1", "2", "1", flags, ["--steps", "5"]))
+        codes = _exits(nodes)
+    finally:
+        _cleanup(nodes)
+    err = node0.stderr()
+    assert codes == [0, 0], [n.stderr() for n in nodes]
+    assert "another rendezvousd version" not in err and "restart 1 of 1" not in err, err
+    assert all(e["restart_count"] == 0 for e in node0.events("ready")), err
+    refused = 'rendezvousd_joins_refused_total{reason="version_mismatch"}'
+    assert scrape(d.metrics_url)[refused] == 1
+
+
 def test_a_standby_node_takes_the_place_of_a_lost_node(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
