@@ -944,12 +944,15 @@ class Calls:
     # -- inspection ----------------------------------------------------------------------
 
     def list_jobs(self) -> Steps[list[pb.JobSummary]]:
-        return list((yield from self.call("ListJobs", pb.ListJobsRequest())).jobs)
+        response: pb.ListJobsResponse = yield from self.call("ListJobs", pb.ListJobsRequest())
+        self.s.daemon_version = response.daemon_version
+        return list(response.jobs)
 
     def get_job(self, job_id: str | None) -> Steps[pb.GetJobResponse]:
         check_arg("get_job", "job_id", job_id, str | None)
         request = pb.GetJobRequest(job_id=job_id or self.s.job_id)
         response: pb.GetJobResponse = yield from self.call("GetJob", request)
+        self.s.daemon_version = response.daemon_version
         return response
 
 
@@ -1062,6 +1065,12 @@ class ClientBase(ABC):
     def nodes_waiting(self) -> int:
         """Nodes parked for the next generation (NODES_WAITING from the daemon), 0 if none."""
         return self._s.nodes_waiting
+
+    def daemon_version(self) -> str:
+        """The daemon's rendezvousd version, as its last ``list_jobs()`` or
+        ``get_job()`` answer said it; "" before either, or from a daemon from before it
+        said it (errors say it too: ``RendezvousError.daemon_version``)."""
+        return self._s.daemon_version
 
     def report_progress(
         self, steps: Sequence[int | None], *, restarts_used: int = 0, max_restarts: int = 0

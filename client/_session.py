@@ -518,6 +518,9 @@ class Session:
     given_up: tuple[str, BaseException] | None = field(default=None, repr=False)
     # NODES_WAITING: nodes parked for the next generation (scale-up), and who hears it.
     nodes_waiting: int = 0
+    # The daemon's rendezvousd version, as its last ListJobs or GetJob said it ("":
+    # not asked yet, or a daemon from before it said it).
+    daemon_version: str = ""
     # The last report_progress, sent with every beat (None: never reported).
     progress: pb.Progress | None = None
     on_nodes_waiting: Callable[[int], None] | None = None

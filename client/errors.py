@@ -73,6 +73,13 @@ class RendezvousError(Exception):
         self.job_id = job_id
         self.rank = rank
 
+    @property
+    def daemon_version(self) -> str:
+        """The daemon's rendezvousd version, as its answer said it (ErrorInfo metadata
+        ``daemon_version``); "" where it said none: a daemon from before it, or one
+        that never answered (unreachable, a refused TLS handshake)."""
+        return self.metadata.get("daemon_version", "")
+
     def _add(self, text: str) -> None:
         """Append ``text`` to the message, as ``str()`` shows it too."""
         self.message += text
@@ -358,6 +365,16 @@ def _scope_advice(job_id: str) -> str:
     )
 
 
+def _versions(daemon: str) -> str:
+    """Which rendezvousd each end runs, for an error where versions are the question
+    (two versions that cannot work together; a daemon going away, restarted on an
+    upgrade): the daemon's as it said it, unknown from one from before it said it."""
+    from rendezvousd.common.version import installed_version
+
+    theirs = daemon or "unknown (a rendezvousd from before it said its version, 2026-12-07)"
+    return f" [daemon: rendezvousd {theirs}; this client: rendezvousd {installed_version()}]"
+
+
 def from_rpc_error(
     exc: grpc.RpcError, *, endpoint: str, method: str, job_id: str = "", rank: int | None = None
 ) -> RendezvousError:
@@ -418,6 +435,8 @@ def from_rpc_error(
         )
     else:
         message = f"{where}{who} failed with {code.name}: {details}"
+    if cls is VersionMismatch or (issubclass(cls, DaemonUnavailable) and metadata):
+        message += _versions(metadata.get("daemon_version", ""))
     extra: dict[str, Any] = {"failed": failed_members(lost)} if cls is PeerFailed else {}
     return cls(
         message,

@@ -26,6 +26,7 @@ from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.model import MemberState
 from rendezvousd.common.secret_files import missing_token
 from rendezvousd.common.validation import LONGEST_WAIT_S
+from rendezvousd.common.version import UNKNOWN
 from rendezvousd.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -197,14 +198,16 @@ def _status(args: argparse.Namespace) -> int:
 
             def snapshot() -> str:
                 if args.job:
-                    return render_job(client.get_job(args.job))
-                jobs = []
-                for summary in client.list_jobs():
-                    try:
-                        jobs.append(client.get_job(summary.job_id))
-                    except NotFound:  # forgotten since it was listed: no longer a job
-                        continue
-                return render(jobs)
+                    text = render_job(client.get_job(args.job))
+                else:
+                    jobs = []
+                    for summary in client.list_jobs():
+                        try:
+                            jobs.append(client.get_job(summary.job_id))
+                        except NotFound:  # forgotten since it was listed: no longer a job
+                            continue
+                    text = render(jobs)
+                return f"{daemon_line(args.endpoint, client.daemon_version())}\n{text}"
 
             if not watch:
                 print(snapshot())
@@ -275,6 +278,13 @@ _FLAG_WORDS = (
     ("needs ca=,", "needs --tls-ca,"),
     ("(connect_timeout)", "(--timeout)"),
 )
+
+
+def daemon_line(endpoint: str, version: str) -> str:
+    """The header naming which daemon answered: which rendezvousd it runs (its
+    ``--version``), unknown from one from before GetJob and ListJobs said it."""
+    said = escape(version) if version else f"{UNKNOWN} (a rendezvousd from before 2026-12-07)"
+    return f"daemon {escape(endpoint)}: rendezvousd {said}"
 
 
 def render(jobs: list[Any]) -> str:

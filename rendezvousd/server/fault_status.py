@@ -15,6 +15,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from rendezvousd.common.version import installed_version
 from rendezvousd.errors import Reason, RendezvousFault
 from rendezvousd.server.answers import failed_member
 
@@ -33,7 +34,10 @@ DETAIL_CAUSE_BYTES = DETAILED_LOSSES * 120
 
 
 def to_grpc_status(fault: RendezvousFault) -> grpc.Status:
-    info = error_details_pb2.ErrorInfo(reason=fault.reason, domain=DOMAIN, metadata=fault.metadata)
+    # Every fault says which rendezvousd answered it: the SDK's errors name the daemon's
+    # version where versions are the question (VersionMismatch, a draining daemon).
+    metadata = {**fault.metadata, "daemon_version": installed_version()}
+    info = error_details_pb2.ErrorInfo(reason=fault.reason, domain=DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
     details = [detail]

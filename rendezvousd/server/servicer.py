@@ -34,6 +34,7 @@ from rendezvousd.common.model import (
     Wake,
     Warn,
 )
+from rendezvousd.common.version import installed_version
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
 from rendezvousd.server.auth import peer_host, peer_text
@@ -518,7 +519,9 @@ class RendezvousServicer:
             views = [self.state.view(scope.job, now, with_members=False)]
         else:
             views = []
-        return pb.ListJobsResponse(jobs=[_summary(v) for v in views])
+        return pb.ListJobsResponse(
+            jobs=[_summary(v) for v in views], daemon_version=installed_version()
+        )
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> bytes:
         now = _now()
@@ -578,6 +581,7 @@ class RendezvousServicer:
             missing_node_ranks=view.missing_node_ranks or (),
             nodes_needed=view.nodes_needed,
             min_nodes=view.min_nodes,
+            daemon_version=installed_version(),
         ).SerializeToString()
 
     # -- registration ---------------------------------------------------------

@@ -39,9 +39,10 @@ from rendezvousd.common.grid import (
     node_rows,
 )
 from rendezvousd.common.model import JobState, JobView, MemberState, Transition
+from rendezvousd.common.version import installed_version
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.auth import bearer_token
-from rendezvousd.server.metrics import Metrics
+from rendezvousd.server.metrics import Metrics, build_labels
 from rendezvousd.server.scope import Scope
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.web.http_server import Request, Response
@@ -303,6 +304,10 @@ class StatusPage:
             "now": time.time(),
             "heartbeat_timeout_s": self.state.timing.heartbeat_timeout_s,
             "poll_s": POLL_S if members <= POLL_MEMBERS else members / 1024,
+            # Which daemon answers (rendezvousd_build_info's labels): shown in the
+            # page's header, so a page open across an upgrade says which one it reads.
+            "daemon_version": installed_version(),
+            "build": build_labels(),
             "jobs": [self._summary(v) for v in views],
         }
 

@@ -5,7 +5,9 @@ found!" as a ProtocolError, which a node agent took for a transient failure."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -15,7 +17,7 @@ from google.rpc import status_pb2
 from rendezvousd.client import ProtocolError, RendezvousClient, VersionMismatch
 from rendezvousd.client._multiplex import status_error
 from rendezvousd.client.errors import from_rpc_error
-from tests.support import daemon_without_rendezvous, write_token
+from tests.support import DaemonProcess, daemon_without_rendezvous, write_token
 
 
 def test_unimplemented_is_a_daemon_older_than_the_method() -> None:
@@ -28,6 +30,30 @@ def test_unimplemented_is_a_daemon_older_than_the_method() -> None:
     assert "predates JoinNode (an older rendezvousd" in str(error)
     assert "'Method not found!'" in str(error)
     assert "upgrade the daemon first" in str(error)
+    # Its version unknown (it said none), this client's own named beside it.
+    this = importlib.metadata.version("rendezvousd")
+    said = "[daemon: rendezvousd unknown (a rendezvousd from before it said its version, "
+    assert said in str(error) and f"this client: rendezvousd {this}]" in str(error), error
+    assert error.daemon_version == ""
+
+
+def test_a_version_mismatch_names_the_daemons_version(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """The daemon's answers say which rendezvousd it runs (ErrorInfo ``daemon_version``):
+    a VersionMismatch named both nodes' wire versions, never the daemon's."""
+    d = start_daemon()
+    this = importlib.metadata.version("rendezvousd")
+    with (
+        RendezvousClient(d.endpoint, job_id, token=d.token) as first,
+        RendezvousClient(d.endpoint, job_id, token=d.token) as other,
+    ):
+        first.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, timeout=20, wire_version="A")
+        with pytest.raises(VersionMismatch) as info:
+            other.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, timeout=20, wire_version="B")
+    error = info.value
+    assert error.daemon_version == this
+    assert f"[daemon: rendezvousd {this}; this client: rendezvousd {this}]" in str(error), error
 
 
 def test_join_node_against_a_daemon_without_it_says_to_upgrade_the_daemon(

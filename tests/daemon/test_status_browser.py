@@ -6,7 +6,9 @@ job sees nothing, and no token gets the login page only."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -96,6 +98,17 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
         )
         assert not browser.evaluate("document.getElementById('abort').hidden")
         assert job_id in _text(browser)
+        # Which daemon answers, in the header (its build beside it on hover): a page
+        # open across an upgrade said nothing of which rendezvousd it read.
+        version = importlib.metadata.version("rendezvousd")
+        assert browser.evaluate("document.getElementById('version').textContent") == version
+        build = browser.evaluate("document.getElementById('version').title")
+        assert f"version {version}, python {platform.python_version()}, grpcio " in build, build
+        assert "protocol rendezvous.v1, state_schema 3" in build, build
+        said = browser.evaluate(
+            "fetch('/api/jobs').then(r => r.json()).then(j => j.daemon_version)"
+        )
+        assert said == version
         browser.wait_for(
             "the standby counted apart",
             "document.getElementById('waiting').textContent === '1' && "

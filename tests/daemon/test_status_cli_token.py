@@ -38,7 +38,7 @@ def test_status_takes_the_token_from_the_flag_or_either_env_var(daemon: DaemonPr
     ):
         done = _status(daemon, *args, **env)
         assert done.returncode == 0, (args, list(env), done.stderr)
-        assert done.stdout.startswith("JOB"), done.stdout
+        assert done.stdout.startswith(f"daemon {daemon.endpoint}: rendezvousd "), done.stdout
 
 
 def test_status_into_a_closed_pipe_exits_as_sigpipe_would_without_a_traceback(

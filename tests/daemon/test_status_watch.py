@@ -113,7 +113,7 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
             c.close()
     assert running.returncode == failed.returncode == 0, running.stderr + failed.stderr
     out = running.stdout
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[4:6]}
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[5:7]}
     host = {m.node_rank: f"grid-host-{i}" for i, m in enumerate(members)}
     assert rows["0"][1:3] == [host[0], "AAA"] and rows["0"][-1] == "10", out
     assert rows["1"][1:3] == [host[1], "AAA"] and rows["1"][-1] == "2", out
@@ -319,3 +319,34 @@ def test_the_documented_probe_commands_parse(command: str) -> None:
         line = command.replace("[JOB]", job).replace("[SECONDS]", "")
         args = build_parser().parse_args(shlex.split(line)[1:])
         assert getattr(args, "job", None) == (job or None), line
+
+
+def test_status_names_the_daemons_version_and_a_client_learns_it(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """Every daemon said 0.1.0 only in its own log: `status` could not tell which
+    rendezvousd answered (a daemon upgraded or not). ListJobs and GetJob say it."""
+    import importlib.metadata
+
+    from rendezvousd.cli.probe import daemon_line
+
+    version = importlib.metadata.version("rendezvousd")
+    with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
+        assert c.daemon_version() == ""  # not asked yet
+        c.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=20)
+        assert c.daemon_version() == ""
+        assert c.get_job().daemon_version == version
+        assert c.daemon_version() == version
+        for job in ("", job_id):  # the table of every job, and one job's view
+            shown = subprocess.run(
+                [*_status(daemon, job)[:-3], *([job] if job else [])],
+                capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+            assert shown.returncode == 0, shown.stderr
+            head, _, rest = shown.stdout.partition("\n")
+            assert head == f"daemon {daemon.endpoint}: rendezvousd {version}", shown.stdout
+            assert rest.startswith("JOB "), shown.stdout
+        c.leave()
+    # A daemon from before the field answers "": said as unknown, not as a blank.
+    older = daemon_line("127.0.0.1:1", "")
+    assert older == "daemon 127.0.0.1:1: rendezvousd unknown (a rendezvousd from before 2026-12-07)"

@@ -5,6 +5,7 @@ during recovery, restarts exhausted, and a node that comes back late (scale-up).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
@@ -628,6 +629,10 @@ def test_a_join_node_of_another_version_is_refused_alone_and_the_launch_forms(
     assert codes == [0, 0], [n.stderr() for n in nodes]
     assert "another rendezvousd version" not in err and "restart 1 of 1" not in err, err
     assert all(e["restart_count"] == 0 for e in node0.events("ready")), err
+    # Each agent says which rendezvousd it runs, and the wire version it sends.
+    version = importlib.metadata.version("rendezvousd")
+    start = f"rendezvous-run: rendezvousd {version} (ring wire version {WIRE_VERSION}), node agent"
+    assert f"{start} of job {job_id!r}, 2 worker(s)" in unstamped(err), err
     refused = 'rendezvousd_joins_refused_total{reason="version_mismatch"}'
     assert scrape(d.metrics_url)[refused] == 1
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rendezvousd.common.env_names import unknown_names
+from rendezvousd.common.escape import quoted
 from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value, VersionFlag
@@ -353,6 +354,20 @@ def run_agent(
             server.close()  # after the agent stopped every worker
 
 
+def _say_start(config: DistributedConfig) -> None:
+    """The node agent's first line of its own: which rendezvousd it runs (every node of
+    a job must run one; the daemon's is `rendezvousd status`'s first line) and the wire
+    version its workers speak, which the daemon compares across the job's nodes. After
+    the spares started: reading the version costs a few milliseconds."""
+    from rendezvousd.common.version import installed_version
+    from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
+
+    _note(
+        f"rendezvousd {installed_version()} (ring wire version {WIRE_VERSION}), node agent "
+        f"of job {quoted(config.job_id)}, {config.local_world_size} worker(s)"
+    )
+
+
 def _run_agent(
     args: argparse.Namespace,
     config: DistributedConfig,
@@ -371,6 +386,7 @@ def _run_agent(
         from rendezvousd.trainer.agent.node_agent import NodeAgent
 
         say_client_warnings(_note)
+        _say_start(config)
         transport = config.rendezvous
         try:
             # Read here first; the client reads its file again when the daemon refuses

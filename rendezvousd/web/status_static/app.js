@@ -55,6 +55,10 @@ function drawOverview(data) {
   admin = data.admin;
   pollMs = Math.max(1000, (data.poll_s || 2) * 1000);
   $("scope").textContent = data.admin ? "admin" : data.scope;
+  // Which daemon answers: after an upgrade, the page says which build it reads.
+  const build = data.build || {};
+  $("version").textContent = data.daemon_version || "";
+  $("version").title = Object.keys(build).map((k) => k + " " + build[k]).join(", ");
   const body = $("jobs").tBodies[0];
   body.replaceChildren();
   for (const j of data.jobs) {
