@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import importlib.metadata
 import queue
 import signal
 import sqlite3
@@ -542,7 +543,11 @@ def test_a_stream_the_drain_ends_says_that_no_call_it_did_not_answer_was_read(
         info = error_details_pb2.ErrorInfo()
         assert status.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert status.details[0].Unpack(info)
-        assert (info.reason, dict(info.metadata)) == ("DRAINING", {"run": "no"})
+        version = importlib.metadata.version("rendezvousd")  # said with every fault
+        assert (info.reason, dict(info.metadata)) == (
+            "DRAINING",
+            {"run": "no", "daemon_version": version},
+        )
         assert "read none of the stream's calls it did not answer" in status.message
         if s.batched:
             assert s.drained == trailers[DRAINED_TRAILER]
