@@ -24,10 +24,11 @@ from rendezvousd.common.model import (
     Parked,
     Rejoin,
     Transition,
+    Warn,
 )
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import barriers, fences, placement, rounds, seats, waits
-from rendezvousd.state.job import ENDED_WAITS_KEPT, EndedWait, Job, Member, Node
+from rendezvousd.state.job import ENDED_WAITS_KEPT, Closed, EndedWait, Job, Member, Node
 from rendezvousd.state.placement import JoinArgs
 
 if TYPE_CHECKING:
@@ -188,6 +189,41 @@ def standbys_closed_out(sm: RendezvousState, job: Job) -> None:
             closed="true",
         )
         sm.calls.wake(waiter, fault=fault)
+
+
+def closed_as_given_up(sm: RendezvousState, job: Job, now: float) -> None:
+    """Every node of ``job``'s failed (or aborted) generation said it will not re-join
+    (a final Leave: out of restarts, or stopped by a signal), or was lost: nobody is
+    left to re-form the run, so it is closed, as a torchrun agent out of restarts
+    closes it (``close_run``). Only a running generation ends when its members leave:
+    a failed one stayed FAILED, its parked standbys were never told (they stood by in
+    silence), and a standby asking again at its join timeout opened a new generation
+    of the dead job, every 600 s, for ever (h122 D1). Now they hear it at once
+    (``standbys_closed_out``), and a node launched before the close is refused
+    (``launched_before_close``); one launched after starts the job id's next run."""
+    gen = job.gen
+    if gen.join_mode is not JoinMode.NODE or job.state not in (
+        JobState.FAILED,
+        JobState.ABORTED,
+    ):
+        return
+    if not gen.gone or (job.closed is not None and job.closed.generation == job.generation):
+        return
+    if any(i not in gen.gone and n.state is not MemberState.LOST for i, n in gen.nodes.items()):
+        return  # a node re-joins: the run goes on
+    failure = job.last_failure
+    cause = (
+        failure.cause
+        if failure is not None and failure.generation == job.generation
+        else gen.abort_reason
+    )
+    reason = (
+        f"every node of generation {job.generation} gave up (no restarts left) or was "
+        f"stopped, after its failure: {cause}"
+    )
+    job.closed = Closed(now, reason, job.generation)
+    sm.calls.emit(Warn(job.job_id, job.generation, f"run closed: {reason}"))
+    standbys_closed_out(sm, job)
 
 
 #: The cause of a node lost by its own agent's re-join (``_left_behind``).

@@ -305,6 +305,8 @@ def leave(
         joins.unseat(sm, job, seated, now)
         return False
     _goodbye(sm, job, seated, now)
+    if final and mode is JoinMode.NODE:
+        joins.closed_as_given_up(sm, job, now)
     return True
 
 

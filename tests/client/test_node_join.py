@@ -731,6 +731,35 @@ def test_a_standby_parked_as_the_run_is_closed_hears_the_close_at_once(
     assert info.value.closed, info.value
 
 
+def test_the_last_node_to_give_up_closes_the_run_for_a_standby_between_its_asks(
+    daemon: DaemonProcess, job_id: str, agents: list[RendezvousClient]
+) -> None:
+    """Every node of a failed generation leaves for good (a final Leave: out of
+    restarts): the run is closed, so a standby launched before, asking again as its
+    wait ended, is refused as closed, naming the failure, and opens nothing. It took
+    a seat in a new generation of the dead job and waited there, every join timeout,
+    for ever (h122 D1)."""
+    from rendezvousd.client import JobAborted
+
+    launched = time.monotonic()
+    a, b, probe = agents
+    shape = {"min_nodes": 2, "max_nodes": 2, "gpus_per_node": 1, "launched": launched}
+    joined = parallel([lambda c=c: c.join_node(timeout=20, **shape) for c in (a, b)])
+    assert all(isinstance(m, NodeMembership) for m in joined), joined
+    b.report_failure(0, "exit code -9")
+    b.leave(final=True)
+    a.leave(final=True)
+    spare = RendezvousClient(daemon.endpoint, job_id, token=daemon.token)
+    with spare, pytest.raises(JobAborted) as info:
+        spare.join_node(timeout=20, standby=True, **shape)
+    assert info.value.closed, info.value
+    said = str(info.value)
+    assert "every node of generation 1 gave up (no restarts left) or was stopped" in said, said
+    assert "exit code -9" in said, said
+    summary = probe.get_job().summary
+    assert (summary.generation, summary.state) == (1, pb.JOB_STATE_FAILED), summary
+
+
 @pytest.mark.parametrize("call_stream", [True, False])
 def test_a_join_node_cut_while_its_round_forms_joins_the_next_round(
     daemon: DaemonProcess, job_id: str, call_stream: bool

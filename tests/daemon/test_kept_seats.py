@@ -378,20 +378,26 @@ def test_a_node_that_gives_up_beside_a_parked_standby_calls_it_when_the_job_re_f
     assert isinstance(out, JoinResult) and set(sm.jobs["j"].gen.nodes) == {"a2", "s"}
 
 
-def test_when_every_node_gave_up_a_parked_standby_stays_parked() -> None:
+def test_when_every_node_gave_up_a_parked_standby_is_not_called_but_told_the_run_closed() -> None:
     """An aborted job whose agents all gave up: nobody re-forms it, and a standby
     called into it would wait in a generation of its own (the status page then showed
-    the dead job as forming)."""
+    the dead job as forming). Left parked, it was never told and, asking again at its
+    join timeout, opened that generation itself (h122 D1): the last final Leave closes
+    the run, and the standby hears so."""
     sm = RendezvousState()
     running_pair(sm)
     parked = sm.join(spare("s"), 0.5)
     assert isinstance(parked, Parked)
     sm.abort("j", 1, "aborted from the status page", 1.0)
-    for inst, rank in (("a", 0), ("b", 1)):
-        sm.leave("j", 1, rank, inst, 1.1, mode=JoinMode.NODE, final=True)
-    assert parked.waiter not in woken(sm)
+    sm.leave("j", 1, 0, "a", 1.1, mode=JoinMode.NODE, final=True)
+    assert parked.waiter not in woken(sm)  # b may re-join yet
+    sm.leave("j", 1, 1, "b", 1.1, mode=JoinMode.NODE, final=True)
+    told = woken(sm)[parked.waiter]
+    assert isinstance(told, RendezvousFault) and told.metadata.get("closed") == "true", told
+    assert "aborted from the status page" in told.message, told.message
     job = sm.jobs["j"]
     assert job.state is JobState.ABORTED and job.generation == 1
+    assert job.closed is not None and job.closed.generation == 1
 
 
 def test_a_final_leave_into_a_forming_generation_calls_a_parked_standby() -> None:

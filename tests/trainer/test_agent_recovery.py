@@ -947,6 +947,41 @@ def test_a_standby_parked_when_the_run_is_closed_exits_0_saying_who_closed_it(
     assert standby.events("done") == []
 
 
+def test_a_standby_of_a_job_whose_nodes_all_gave_up_exits_0_at_once_and_reopens_nothing(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """--nnodes 2, the default --max-restarts 0, a --standby, and one worker killed:
+    both nodes give up at once. The job stayed FAILED (only a running generation ends
+    when its members leave), so the standby was never told: it stood by in silence
+    and, at each join timeout, joined again and opened a new generation of the dead
+    job (a review, h122 D1). The last node's goodbye now closes the run: the standby
+    exits 0 at once, naming the failure, and its next ask opens nothing."""
+    d = start_daemon()
+    args = ["--steps", "100000", "--step-s", "0.03"]
+    nodes = _nodes(d, job_id, tmp_path, 2, [], args)
+    # A join timeout (10 s) that ends within the test: its re-join must open nothing.
+    flags = ["--standby", "--join-timeout-s", "10"]
+    standby = Node(d, job_id, tmp_path, "standby", "2", "auto", flags, args)
+    try:
+        victim = _training_rank_3(nodes)
+        wait_for("the standby to park", lambda: "standing by for" in standby.stderr(), 60)
+        os.kill(victim["pid"], signal.SIGKILL)
+        codes = _exits(nodes)
+        code = standby.wait(8)  # well within its join timeout
+    finally:
+        _cleanup([*nodes, standby])
+    assert all(c != 0 for c in codes), [n.stderr() for n in nodes]
+    err = standby.stderr()
+    assert code == 0, err
+    assert "this standby node was not needed and exits" in err, err
+    assert "every node of generation 1 gave up (no restarts left) or was stopped" in err, err
+    assert "rank 3" in err and "SIGKILL" in err, err  # the failure they gave up on
+    assert standby.events("ready") == [], standby.events()
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as look:
+        summary = look.get_job().summary
+    assert (summary.generation, summary.state) == (1, pb.JOB_STATE_FAILED), summary
+
+
 def test_a_standby_started_after_its_job_ended_waits_its_join_timeout_then_exits_0(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
