@@ -509,6 +509,38 @@ def test_a_node_arriving_late_joins_the_running_elastic_job(
     assert all(e["restart_count"] == 0 for e in early.events("ready"))
 
 
+def test_a_standby_started_while_the_job_has_room_says_it_joins_as_a_scale_up(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A --standby started while an elastic job runs below MAX joins at once as a
+    scale-up. It said "this node takes the place of the first node the job loses",
+    then "standby called" 57 ms later, though no node was lost (a review, h122 D4):
+    now it says that it joins the job as a scale-up, and that the job grew."""
+    d = start_daemon()
+    flags = ["--last-call-s", "0.2"]
+    args = ["--steps", "400", "--step-s", "0.03"]
+    early = Node(d, job_id, tmp_path, "early", "1:2", "auto", flags, args)
+    standby: Node | None = None
+    try:
+        wait_for("the one-node job to train", lambda: len(early.events("resumed")) == 2, 60)
+        standby = Node(d, job_id, tmp_path, "standby", "1:2", "auto", ["--standby"], args)
+        codes = _exits([early, standby])
+    finally:
+        _cleanup([early] + ([standby] if standby else []))
+    assert standby is not None
+    err = standby.stderr()
+    assert codes == [0, 0], [early.stderr(), err]
+    assert "runs 1 of its at most 2 nodes: this standby node joins it now as a scale-up" in err
+    assert "takes the place of the first node" not in err and "standby called" not in err, err
+    assert re.search(
+        r"joined as a scale-up: this node is node 1 of generation \d+ \(the job "
+        r"grew from 1 to 2 nodes\)",
+        err,
+    ), err
+    done = early.events("done") + standby.events("done")
+    assert len(done) == 4 and all(e["world_size"] == 4 for e in done), done
+
+
 def test_a_node_relaunched_while_its_frozen_predecessor_holds_the_seat_waits_for_it(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:

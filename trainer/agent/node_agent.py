@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -322,6 +323,9 @@ class NodeAgent:
         self._was_member = False
         #: Standing by because it was replaced (``_was_member``), for one wait only.
         self._replaced = False
+        #: The generation and node count of the job, running with room, that this
+        #: standby found before its first ask (``_room_to_grow``): it joins as a scale-up.
+        self._grows: tuple[int, int] | None = None
         self._silence_s = DEFAULT_SILENCE_S
         # The agent's own last pause in this generation's watch (``_watch``), when it
         # ran again, and the workers whose reported failure it has not told the
@@ -493,10 +497,19 @@ class NodeAgent:
         config = self.config
         mark("join-start")
         if self._standing_by:
-            self.note(
-                f"standing by for job {config.job_id!r}, {self.per_node} spare(s) warm: this "
-                "node takes the place of the first node the job loses"
-            )
+            self._grows = self._room_to_grow()
+            if self._grows is not None:
+                self.note(
+                    f"job {config.job_id!r} runs {self._grows[1]} of its at most "
+                    f"{config.num_nodes} nodes: this standby node joins it now as a "
+                    f"scale-up, {self.per_node} spare(s) warm (should another node take "
+                    "the room first, it stands by for the first node the job loses)"
+                )
+            else:
+                self.note(
+                    f"standing by for job {config.job_id!r}, {self.per_node} spare(s) warm: "
+                    "this node takes the place of the first node the job loses"
+                )
 
         began = time.monotonic()
 
@@ -566,7 +579,22 @@ class NodeAgent:
             if isinstance(event, Joined) and event.serial == serial:
                 answer = event.answer
                 if not isinstance(answer, RendezvousError):
-                    if self._standing_by:
+                    grown = self._grows
+                    if (
+                        self._standing_by
+                        and grown is not None
+                        and answer.generation == grown[0] + 1
+                        and answer.num_nodes > grown[1]
+                    ):
+                        # The room it found, not a lost node's slot (the generation
+                        # after the one it saw, with more nodes): "called" read as a
+                        # failure where nothing was lost (h122 D4).
+                        self.note(
+                            f"joined as a scale-up: this node is node {answer.node_rank} of "
+                            f"generation {answer.generation} (the job grew from {grown[1]} "
+                            f"to {answer.num_nodes} nodes)"
+                        )
+                    elif self._standing_by:
                         self.note(
                             f"standby called: this node is node {answer.node_rank} of "
                             f"generation {answer.generation} ({answer.num_nodes} nodes)"
@@ -707,6 +735,22 @@ class NodeAgent:
                 event.worker.ack_failure()  # a spare has no rank to report
             elif isinstance(event, Misbehaved):
                 self._misbehaved_spare(event)
+
+    def _room_to_grow(self) -> tuple[int, int] | None:
+        """(generation, nodes) of this standby's job when it runs below MAX with nobody
+        parked for the room: the standby joins it at once as a scale-up (the daemon
+        parks it as one and the running nodes re-form with it), not in a lost node's
+        place. None otherwise, or when the daemon cannot say (not up yet, the job not
+        started): the standby's words then are those of a standby."""
+        try:
+            job = self.client.get_job()
+        except RendezvousError:
+            return None
+        s = job.summary
+        nodes = s.topology.num_nodes
+        if s.state != pb.JOB_STATE_RUNNING or nodes + job.nodes_waiting >= self.config.num_nodes:
+            return None
+        return s.generation, nodes
 
     def _report_progress(self) -> None:
         """Give the node's heartbeat its workers' last steps and the restart budget
