@@ -383,7 +383,8 @@ class DistributedConfig:
     )
     max_restarts: int = setting(
         0,
-        "rendezvous-run: restarts of the whole job after a failure, then give up",
+        "rendezvous-run: failures this node rides out, re-joining the job after each (each "
+        "node counts its own), then it gives up",
         Count(0),
     )
     hang_timeout_s: float = setting(
