@@ -33,8 +33,8 @@ from rendezvousd.common.model import MemberState
 from rendezvousd.common.secret_files import read_judged
 from rendezvousd.common.version import installed_version
 from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
-from rendezvousd.errors import DaemonError, RendezvousFault
-from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask
+from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
+from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask, read_token_file
 from rendezvousd.server.budget import handler_shape
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.servicer import SERVICE, RendezvousServicer
@@ -292,6 +292,7 @@ class Daemon:
     metrics_port: int | None = field(init=False, default=None)
     _health_updates: set[asyncio.Future[None]] = field(init=False, default_factory=set)
     _ticker_died: bool = field(init=False, default=False)
+    _auth: TokenAuthInterceptor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
@@ -305,6 +306,49 @@ class Daemon:
         clock (``time.monotonic``), as every ``now`` the state machine is given."""
         self.metrics.count_auth_refused(method)
         self.state.refused_token(host, time.monotonic())
+
+    def reload_tokens(self) -> bool:
+        """SIGHUP: read ``--token-file`` again, checked as at start-up, and accept its
+        tokens from now on; an invalid file keeps the tokens accepted so far (a bad
+        reload must not lock every client out) and says why at ERROR. Calls and streams
+        are checked when they open: a stream opened before stays open (its token is not
+        checked again). Never logs a token. True when the new set is in force."""
+        path = self.config.token_file
+        if path is None:
+            log.error(
+                "SIGHUP: the token comes from $RENDEZVOUSD_TOKEN, which a running process "
+                "cannot re-read; nothing reloaded. Give the daemon --token-file FILE to "
+                "rotate tokens without a restart"
+            )
+            return False
+        try:
+            tokens = read_token_file(path)
+        except ConfigError as exc:
+            log.error(
+                "SIGHUP: token file not reloaded, still accepting the %d token(s) loaded "
+                "before: %s",
+                len(self.tokens),
+                exc,
+            )
+            return False
+        if self._auth is None:
+            # Before start() built the interceptor: it is built from these.
+            removed, first_changed = 0, False
+        else:
+            removed, first_changed = self._auth.replace_tokens(tokens)
+        self.tokens = tokens
+        log.info(
+            "SIGHUP: token file %s reloaded: %d token(s) accepted, %d removed%s%s; calls "
+            "and streams opened from now on are checked against them (open ones stay open)",
+            path,
+            len(tokens),
+            removed,
+            "; job tokens derived from a removed token are refused from now on" if removed else "",
+            "; its first line changed: job tokens minted from now on derive from the new one"
+            if first_changed
+            else "",
+        )
+        return True
 
     def _options(self) -> list[tuple[str, int]]:
         limits, timing, c = self.state.limits, self.state.timing, self.config
@@ -436,6 +480,8 @@ class Daemon:
             job_ended=self.persister.ended,
             on_refused=self._refused_token,
         )
+        # At once: a reload (SIGHUP) during the rest of start-up swaps its tokens.
+        self._auth = interceptor
         server = grpc.aio.server(
             interceptors=[interceptor, DecodeGuardInterceptor()],
             options=self._options(),
@@ -459,7 +505,6 @@ class Daemon:
                 server,
             )
         credentials = self._credentials()
-        self._auth = interceptor
         if self.config.metrics_listen:
             await self._start_http(self.config.metrics_listen)
         try:
@@ -510,6 +555,7 @@ class Daemon:
             # too: only then may they listen beyond loopback without --insecure-metrics.
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(str(tls), str(self.config.tls_key))
+        assert self._auth is not None  # start() built it before serving HTTP
         page = StatusPage(
             self.state,
             self.metrics,

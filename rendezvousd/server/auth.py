@@ -215,6 +215,23 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
+    @property
+    def token_count(self) -> int:
+        return len(self._digests)
+
+    def replace_tokens(self, tokens: Sequence[str]) -> tuple[int, bool]:
+        """Accept ``tokens`` from now on (a reload of the token file, already
+        validated): the list is replaced whole, in one assignment, so a call checked
+        meanwhile sees the old set or the new one, never a mix. Returns how many
+        accepted tokens are gone, and whether the first one (job tokens are minted
+        from it) changed."""
+        digests = [admin_key(t) for t in tokens]
+        old = self._digests
+        self._digests = digests
+        removed = sum(1 for d in old if not any(hmac.compare_digest(d, n) for n in digests))
+        first_changed = not hmac.compare_digest(old[0], digests[0])
+        return removed, first_changed
+
     def token_scope(self, token: str) -> Scope | None:
         """The scope ``token`` grants (the status page's login and Bearer callers
         too), or None when it is invalid."""

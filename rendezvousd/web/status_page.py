@@ -4,8 +4,9 @@ Who may see what: the admin token sees every job, a job token only its job, and
 no token only the login page (``/metrics`` stays open, as before, for Prometheus).
 A browser presents its token once, through the login form; the token is never
 kept in the browser: the cookie is a random session id that the daemon maps to
-the token's scope, HttpOnly and SameSite=Strict, ending after ``SESSION_S``, or once a
-job token would be refused (expired, or its job ended).
+the token's scope, HttpOnly and SameSite=Strict, ending after ``SESSION_S``, or once its
+token would be refused (a job token expired or its job ended; either kind removed from
+the token file by a reload).
 Scripts send ``Authorization: Bearer TOKEN`` instead.
 
 What is shown comes from ``JobView`` (never the id, tokens or instance ids) and
@@ -100,9 +101,9 @@ class Session:
     # name for the session that is not the cookie itself.
     peer: str
     tag: str
-    # A job token, checked again on every request as a Bearer one is: it may expire, or
-    # its job end, long before the session does. None for the admin token, which
-    # changes only with a restart (that ends every session).
+    # The token, checked again on every request as a Bearer one is: a job token may
+    # expire, or its job end, long before the session does, and either kind may be
+    # removed from the token file by a reload (SIGHUP), which ends its sessions.
     token: str | None = field(default=None, repr=False)
 
 
@@ -213,9 +214,7 @@ class StatusPage:
         self._make_room(scope, now)
         sid = secrets.token_urlsafe(32)
         tag = hashlib.sha256(sid.encode()).hexdigest()[:8]
-        self._sessions[sid] = Session(
-            scope, now + SESSION_S, r.peer, tag, None if scope.admin else token
-        )
+        self._sessions[sid] = Session(scope, now + SESSION_S, r.peer, tag, token)
         log.info("status page: %s logged in from %s (session %s)", escape(str(scope)), r.peer, tag)
         cookie = f"{COOKIE}={sid}; Path=/; HttpOnly; SameSite=Strict; Max-Age={SESSION_S}"
         if self._secure:

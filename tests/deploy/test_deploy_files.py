@@ -551,3 +551,10 @@ def test_systemd_analyze_security_rates_the_unit_ok() -> None:
     if match is None:
         pytest.skip(f"systemd-analyze security --offline unsupported: {result.stderr[:300]}")
     assert float(match.group(1)) <= 2.0, result.stdout[-2000:]
+
+
+def test_the_unit_reloads_the_token_file_with_sighup() -> None:
+    """`systemctl reload rendezvousd` sends the main process SIGHUP: the daemon reads
+    its token file again (tests/daemon/test_token_reload.py)."""
+    service = parse_unit(UNIT.read_text())["Service"]
+    assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]

@@ -1,0 +1,121 @@
+"""SIGHUP reloads the daemon's token file: a rotation without a restart. A real
+daemon process; its token file is rewritten and the signal sent, as
+`systemctl reload` (the unit's ExecReload) does."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client import RendezvousClient
+from tests.daemon.raw_calls import raw
+from tests.support import DaemonProcess, members, spawn_daemon, wait_for
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    d = spawn_daemon(tmp_path, "--heartbeat-timeout-s", "2")
+    yield d
+    d.kill()
+
+
+def _refused(d: DaemonProcess, token: str) -> bool:
+    """Whether a ListJobs with ``token`` is refused for its token."""
+    with grpc.insecure_channel(d.endpoint) as ch:
+        exc = raw(
+            ch,
+            "ListJobs",
+            pb.ListJobsRequest().SerializeToString(),
+            [("authorization", f"Bearer {token}")],
+        )
+    if exc is None:
+        return False
+    assert exc.code() is grpc.StatusCode.UNAUTHENTICATED, exc
+    return True
+
+
+def _rewrite(path: Path, *tokens: str, mode: int = 0o600) -> None:
+    """Replaced atomically, as the runbook says (a temporary file moved over it)."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text("".join(t + "\n" for t in tokens))
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+
+
+def _reload(d: DaemonProcess, said: str) -> str:
+    """SIGHUP, then the log line of that reload (the ``n``-th containing ``said``)."""
+    before = d.log().count(said)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for("the reload's log line", lambda: d.log().count(said) > before)
+    assert d.proc.poll() is None, "SIGHUP ended the daemon"
+    return [line for line in d.log().splitlines() if said in line][-1]
+
+
+def test_sighup_adds_then_removes_a_token_without_a_restart(daemon: DaemonProcess) -> None:
+    old, new = daemon.token, secrets.token_urlsafe(32)
+    assert _refused(daemon, new)
+
+    _rewrite(daemon.token_file, new, old)
+    line = _reload(daemon, "reloaded")
+    assert "2 token(s) accepted, 0 removed" in line
+    assert "first line changed" in line  # job tokens minted from now on derive from `new`
+    assert not _refused(daemon, new)
+    assert not _refused(daemon, old)
+
+    _rewrite(daemon.token_file, new)
+    line = _reload(daemon, "reloaded")
+    assert "1 token(s) accepted, 1 removed" in line
+    assert "job tokens derived from a removed token are refused" in line
+    assert _refused(daemon, old)
+    assert not _refused(daemon, new)
+    assert old not in daemon.log() and new not in daemon.log()
+
+
+def test_a_heartbeat_stream_opened_with_a_removed_token_stays_open(
+    daemon: DaemonProcess,
+) -> None:
+    """Decided: a call or stream is checked when it opens, as before. A member's
+    heartbeat stream opened with the old token keeps beating after the old token is
+    removed, so the reload fails no running job; its next stream or call is refused
+    (a client given a token file then reads it again)."""
+    old, new = daemon.token, secrets.token_urlsafe(32)
+    job = f"reload-{secrets.token_hex(4)}"
+    with RendezvousClient(daemon.endpoint, job, token=old) as client:
+        client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        client.start_heartbeat(0.2)
+        _rewrite(daemon.token_file, new)
+        _reload(daemon, "reloaded")
+        assert _refused(daemon, old)
+        admin = dataclasses.replace(daemon, token=new)
+        # Past the heartbeat timeout (2 s): a stream cut by the reload would have lost it.
+        time.sleep(3.0)
+        states = [m.state for m in members(admin, job)]
+        assert states == [pb.MEMBER_STATE_ACTIVE], states
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "problem"),
+    [
+        ((), 0o600, "holds no token"),
+        (("short",), 0o600, "shorter than 16 characters"),
+        (("x" * 32,), 0o644, "accessible by group/others"),
+    ],
+)
+def test_an_invalid_file_keeps_the_old_tokens_and_says_why(
+    daemon: DaemonProcess, content: tuple[str, ...], mode: int, problem: str
+) -> None:
+    _rewrite(daemon.token_file, *content, mode=mode)
+    line = _reload(daemon, "not reloaded")
+    assert " ERROR " in line
+    assert problem in line
+    assert "still accepting the 1 token(s) loaded before" in line
+    assert not _refused(daemon, daemon.token)
