@@ -68,7 +68,7 @@ class DaemonConfig:
     token_file: Path | None = setting(
         None,
         "file with the bearer token(s), mode 0600 (without it: the token itself in "
-        "$RENDEZVOUSD_TOKEN)",
+        '$RENDEZVOUSD_TOKEN); read again on SIGHUP ("Rotating the token")',
         OptionalPath(),
     )
     tls_cert: Path | None = setting(None, "PEM server certificate (enables TLS)", OptionalPath())

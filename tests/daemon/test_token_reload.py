@@ -119,3 +119,28 @@ def test_an_invalid_file_keeps_the_old_tokens_and_says_why(
     assert problem in line
     assert "still accepting the 1 token(s) loaded before" in line
     assert not _refused(daemon, daemon.token)
+
+
+def test_a_status_page_session_of_a_removed_token_ends(tmp_path: Path) -> None:
+    """The admin token's session kept no token to check again (it "changes only with a
+    restart"): after a reload removed it, the session must end, as a Bearer call with it."""
+    from tests.daemon.test_status_page import login, request
+
+    d = spawn_daemon(tmp_path, "--metrics-listen", "127.0.0.1:0")
+    try:
+        old, new = d.token, secrets.token_urlsafe(32)
+        sessions = {}
+        status, headers = login(d, old)
+        assert status == 303
+        sessions[old] = headers["set-cookie"].split(";", 1)[0]
+        _rewrite(d.token_file, new, old)
+        _reload(d, "reloaded")
+        assert request(d, "GET", "/api/jobs", cookie=sessions[old])[0] == 200
+        status, headers = login(d, new)
+        sessions[new] = headers["set-cookie"].split(";", 1)[0]
+        _rewrite(d.token_file, new)
+        _reload(d, "reloaded")
+        assert request(d, "GET", "/api/jobs", cookie=sessions[old])[0] == 401
+        assert request(d, "GET", "/api/jobs", cookie=sessions[new])[0] == 200
+    finally:
+        d.kill()
