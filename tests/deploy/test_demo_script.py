@@ -103,3 +103,25 @@ def test_the_demo_module_is_an_entry_point_taking_every_flag_its_users_are_shown
     shown |= set(re.findall(r"demo\.sh (--[a-z][a-z-]*)", (ROOT / "README.md").read_text()))
     assert shown >= {"--steps", "--out", "--hosts"}, shown
     assert shown - taken == set(), usage
+
+
+def test_the_demos_daemon_ends_with_the_demo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo starts its daemon as the benchmarks do (``exit_with_parent``: it exits
+    when the demo's pipe to it closes, which the kernel does however the demo ends).
+    Killed alone, or by its terminal's SIGHUP, the demo left its daemon serving: a
+    SIGHUP now reloads the daemon's tokens instead of ending it, and a daemon with
+    nothing to log never met its closed log pipe."""
+    from rendezvousd.trainer.demo import run as demo
+
+    asked: dict[str, object] = {}
+
+    def spawn(*args: object, **kw: object) -> object:
+        asked.update(kw)
+        raise demo.DaemonError("stopped here by the test")
+
+    monkeypatch.setattr(demo, "spawn", spawn)
+    with pytest.raises(SystemExit, match="stopped here by the test"):
+        demo._start_daemon(tmp_path, None)
+    assert asked.get("exit_with_parent") is True, asked

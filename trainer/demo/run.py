@@ -60,6 +60,9 @@ def _start_daemon(tmp: Path, head: Host | None) -> EmbeddedDaemon:
             stderr=subprocess.PIPE,
             listen=listen,
             prefix=head.command([]) if head is not None else (),
+            # A demo ended by its terminal's close (SIGHUP) must not leave its daemon
+            # serving, which since SIGHUP reloads tokens it would.
+            exit_with_parent=True,
         )
     except DaemonError as exc:
         raise SystemExit(f"demo: {exc}") from exc
