@@ -943,6 +943,31 @@ def test_a_closed_run_refuses_the_nodes_launched_before_the_close_when_they_re_j
     assert launched_before_close(job, node("a2", previous="a", launched=0.5), 14.0) is not None
 
 
+def test_a_closed_run_s_next_generation_keeps_no_seat_for_its_nodes() -> None:
+    """After a close, the next generation is a new run: the old run's nodes are refused
+    as closed, so it keeps no seat for them. It kept one for each node of the closed
+    round for a seat hold (the survivor's), and the new run's second node was refused
+    WORLD_FULL meanwhile; a plain abort still keeps them."""
+    for close in (True, False):
+        sm = RendezvousState()
+        formed(sm)
+        sm.report_failure("j", 1, 1, "b", 1, "exit code -9", 1.0)
+        sm.leave("j", 1, 1, "b", 1.5, mode=JoinMode.NODE, final=True)
+        sm.abort("j", 1, "closed: node b stopped", 2.0, close=close)
+        first = sm.join(node("new1", launched=3.0), 3.0)  # within the seat hold
+        assert isinstance(first, (JoinResult, Parked))
+        job = sm.jobs["j"]
+        assert job.generation == 2 and job.state is JobState.FORMING
+        if close:
+            second = sm.join(node("new2", launched=3.0), 3.1)
+            assert isinstance(second, (JoinResult, Parked))
+            assert len(job.gen.nodes) == 2
+            assert not job.gen.owed and job.gen.rejoin_expected == 0
+        else:
+            assert set(job.gen.owed) == {"a"}  # the survivor's seat, for the hold
+            assert fault(sm.join, node("new2", launched=3.0), 3.1).reason == "WORLD_FULL"
+
+
 def test_a_close_of_a_forming_generation_aborts_it_and_refuses_its_late_nodes() -> None:
     """The close the torchrun agent made before (a survivor had re-joined first): the
     forming generation is aborted, its parked joins told, and a node of the run

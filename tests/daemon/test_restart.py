@@ -799,6 +799,14 @@ def test_a_closed_run_is_still_closed_after_a_restart(tmp_path: Path) -> None:
             said = str(info.value)
             assert "was closed" in said and "node b stopped, no restarts left" in said, said
         assert probe.get_job().summary.generation == 1  # nothing opened
+        # Launched after the close: a new run, with no seat kept for the closed run's
+        # nodes (its second node was refused WORLD_FULL for a seat hold).
+        fresh = time.monotonic()
+        clients += [RendezvousClient(again.endpoint, "closed", token=token) for _ in range(2)]
+        new_run = parallel(
+            [lambda c=c: c.join_node(timeout=10, launched=fresh, **shape) for c in clients[4:]]
+        )
+        assert all(getattr(m, "generation", None) == 2 for m in new_run), new_run
     finally:
         for c in clients:
             c.close()
