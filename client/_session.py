@@ -1017,6 +1017,10 @@ class Session:
             if event.abort_cause:
                 # As the daemon's JOB_ABORTED error carries it (Job.generation_fault).
                 metadata["abort_cause"] = abort_cause_name(event.abort_cause)
+            if event.HasField("closed"):
+                # As the daemon's JOB_ABORTED error carries it; absent from a daemon
+                # from before, as there.
+                metadata["closed"] = "true" if event.closed else "false"
         else:
             return None
         return kind(

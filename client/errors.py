@@ -213,7 +213,9 @@ class JobAborted(RendezvousError):
     @property
     def closed(self) -> bool:
         """Whether the job's run was closed for good (``close_run``), not only aborted:
-        a standby parked on it, or a node launched before the close, is not needed."""
+        a standby parked on it, or a node launched before the close, is not needed.
+        Data from the daemon (its metadata ``closed``, or ``JobEvent.closed``), never
+        the reason's words; a daemon from before says none (False)."""
         return self.metadata.get("closed") == "true"
 
 

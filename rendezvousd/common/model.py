@@ -168,6 +168,8 @@ class Notify:
     reason: str = ""
     nodes_waiting: int = 0
     abort_cause: AbortCause = AbortCause.UNSPECIFIED
+    # On JOB_ABORTED: the abort closed the job's run (JobEvent.closed).
+    closed: bool = False
 
 
 @dataclass(frozen=True)

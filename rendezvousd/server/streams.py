@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
-from rendezvousd.common.model import Effect, JoinMode, Notify, Progress
+from rendezvousd.common.model import Effect, EventKind, JoinMode, Notify, Progress
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.answers import failed_member
 from rendezvousd.server.metrics import Metrics
@@ -68,6 +68,9 @@ class HeartbeatStreams:
             nodes_waiting=effect.nodes_waiting,
             abort_cause=pb.AbortCause.ValueType(effect.abort_cause.value),
         )
+        if effect.kind is EventKind.JOB_ABORTED:
+            # Always said, so a reader tells "not a close" from a daemon from before.
+            event.closed = effect.closed
         for who in effect.to:
             stream = self._open.get((effect.job_id, effect.generation, effect.mode, who))
             if stream is not None:

@@ -586,6 +586,11 @@ class Job:
             hosts=",".join(hosts),
         )
 
+    @property
+    def closed_now(self) -> bool:
+        """Whether the job's run was closed at its current generation (``closed``)."""
+        return self.closed is not None and self.closed.generation == self.generation
+
     def generation_fault(self) -> RendezvousFault:
         """Why calls on this (no longer usable) generation fail."""
         if self.gen.conflict is not None:
@@ -613,6 +618,12 @@ class Job:
                 f"{self.named} was aborted: {self.gen.abort_reason}",
                 reason=self.gen.abort_reason,
                 **_cause(self.gen.abort_cause),
+                # Always said ("false" too): a reader tells a close by it, not by the
+                # reason's words, which any caller of AbortJob chooses. "placed": the
+                # caller was in the closed generation (a standby called into it too),
+                # not a node refused for a run that no longer needs it.
+                closed=str(self.closed_now).lower(),
+                **({"placed": "true"} if self.closed_now else {}),
             )
         if self.state is JobState.ENDED:
             return self.fault(

@@ -231,7 +231,12 @@ class RendezvousState:
             rounds.set_state(self, job, JobState.ABORTED, now, job.gen.abort_reason)
             rounds.fail_waiters(self, job)
             rounds.notify(
-                self, job, EventKind.JOB_ABORTED, reason=job.gen.abort_reason, abort_cause=cause
+                self,
+                job,
+                EventKind.JOB_ABORTED,
+                reason=job.gen.abort_reason,
+                abort_cause=cause,
+                closed=close,
             )
         return job.generation
 

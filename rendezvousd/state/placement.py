@@ -298,25 +298,19 @@ def owed_back(job: Job) -> dict[str, str]:
     host: its nodes that were not lost, and the nodes woken to re-join (scale-ups,
     standbys called into freed slots), less those that said they will not (a final
     Leave); none (nobody in particular) after any other end, nor after a close
-    (``closed_here``)."""
+    (``Job.closed_now``: its nodes are refused as closed
+    while the next generation forms, ``joins.launched_before_close``; it kept a seat
+    for each for a seat hold, and the new run's nodes were refused WORLD_FULL)."""
     if (
         job.gen.join_mode is not JoinMode.NODE
         or job.state not in (JobState.FAILED, JobState.ABORTED)
-        or closed_here(job)
+        or job.closed_now
     ):
         return {}
     owed = {n.instance_id: n.host for n in _staying(job)}
     gone = job.gen.gone
     owed.update((inst, "") for inst in job.gen.woken if inst not in owed and inst not in gone)
     return owed
-
-
-def closed_here(job: Job) -> bool:
-    """Whether ``job``'s run was closed at its current generation (``Job.closed``): its
-    nodes are refused as closed (``joins.launched_before_close``) while the next
-    generation forms, so that one keeps no seat for them. It kept one for each for a
-    seat hold, and the new run's nodes were refused WORLD_FULL meanwhile."""
-    return job.closed is not None and job.closed.generation == job.generation
 
 
 def ranks_before(job: Job) -> dict[str, int]:
@@ -412,7 +406,7 @@ def lost_forming(job: Job) -> int:
     JoinNode cut: ``joins.join_wait_ended``), if it failed so; else 0."""
     if job.state is not JobState.FAILED or job.gen.join_mode is not JoinMode.NODE:
         return 0
-    if closed_here(job):  # a new run next: its standbys are refused as closed
+    if job.closed_now:  # a new run next: its standbys are refused as closed
         return 0
     if job.gen.node_at:  # it formed: its losses free seats the usual way (owed_back)
         return 0

@@ -351,6 +351,7 @@ def notify(
     skip: int | None = None,
     nodes_waiting: int = 0,
     abort_cause: AbortCause = AbortCause.UNSPECIFIED,
+    closed: bool = False,
 ) -> None:
     # Attendees hear it on their streams: a node agent's covers its ranks, which
     # have none of their own.
@@ -371,6 +372,7 @@ def notify(
                 reason,
                 nodes_waiting,
                 abort_cause,
+                closed,
             )
         )
 

@@ -1085,6 +1085,89 @@ def test_shutdown_after_a_direct_next_rendezvous_closes_the_round_and_leaves_not
     assert "workers failed" not in job.abort_reason, job.abort_reason
 
 
+#: One torchrun agent's handler (torch's agent calls these): joins the job's round,
+#: ``set_closed()`` if told to, then, once the daemon's push ends the round, prints
+#: whether the handler reads the rendezvous as closed and what torch error it makes.
+_CLOSE_READER = (
+    "import json, sys, time\n"
+    "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+    "from rendezvousd.trainer.torchrun.handler import _torch_error, create_handler\n"
+    "params = RendezvousParameters(backend='rendezvousd', endpoint=sys.argv[1], "
+    "run_id=sys.argv[2], min_nodes=2, max_nodes=2)\n"
+    "handler = create_handler(params)\n"
+    "handler.next_rendezvous()\n"
+    "open(sys.argv[4], 'w').close()\n"
+    "if sys.argv[3] == 'close':\n"
+    "    handler.set_closed()\n"
+    "deadline = time.monotonic() + 30\n"
+    "while handler._client.failure is None and time.monotonic() < deadline:\n"
+    "    time.sleep(0.02)\n"
+    "failure = handler._client.failure\n"
+    "kind = None if failure is None else type(_torch_error(failure, 'next round')).__name__\n"
+    "print(json.dumps([handler.is_closed(), kind]))\n"
+    "handler.shutdown()\n"
+)
+
+
+@pytest.mark.parametrize("how", ["said", "set_closed"])
+def test_agents_read_a_close_by_the_daemons_data_not_by_the_reasons_words(
+    start_daemon: Callable[..., DaemonProcess],
+    torch_python: str,
+    job_id: str,
+    how: str,
+    tmp_path: Path,
+) -> None:
+    """An abort whose reason merely says "rendezvous closed by torchrun" (another client
+    sent it) is no close: the agents read it as an abort (torch's RendezvousError, not
+    RendezvousClosedError; they matched the words and read the rendezvous as closed).
+    One agent's ``set_closed()`` closes the run at the daemon (``close_run``): the other
+    agent reads the close by its data, and a node of the run joining later is refused
+    as closed (it was a plain abort, and that node opened the next round)."""
+    from rendezvousd.client import JobAborted
+
+    d = start_daemon()
+    launched = time.monotonic()
+    env = {**os.environ, "RENDEZVOUSD_TOKEN_FILE": str(d.token_file), "OMP_NUM_THREADS": "1"}
+    roles = ["close", "wait"] if how == "set_closed" else ["wait", "wait"]
+    agents = [
+        subprocess.Popen(
+            [torch_python, "-c", _CLOSE_READER, d.endpoint, job_id, role, str(tmp_path / str(i))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i, role in enumerate(roles)
+    ]
+    try:
+        if how == "said":
+            joined = [tmp_path / "0", tmp_path / "1"]
+            wait_for("both agents' rounds", lambda: all(p.exists() for p in joined), 60)
+            with RendezvousClient(d.endpoint, job_id, token=d.token) as other:
+                other.abort("rendezvous closed by torchrun: so says another client", generation=1)
+        outs = [a.communicate(timeout=90) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait(10)
+    read = []
+    for agent, (out, err) in zip(agents, outs, strict=True):
+        assert agent.returncode == 0, err[-3000:]
+        read.append(json.loads(out.strip().splitlines()[-1]))
+    if how == "said":
+        assert read == [[False, "RendezvousError"]] * 2, read
+        return
+    assert read[1] == [True, "RendezvousClosedError"], read
+    with (
+        RendezvousClient(d.endpoint, job_id, token=d.token) as late,
+        pytest.raises(JobAborted) as info,
+    ):
+        late.join_node(timeout=5, launched=launched, min_nodes=2, max_nodes=2, gpus_per_node=1)
+    assert info.value.closed, info.value
+    assert "called set_closed()" in info.value.abort_reason, info.value
+
+
 @pytest.mark.parametrize("first", ["torch", "ours"])
 def test_the_entry_point_is_what_torch_loads(torch_python: str, first: str) -> None:
     """torch's registry finds ``rendezvousd`` among its out-of-tree handlers, whether

@@ -183,8 +183,24 @@ log = logging.getLogger(__name__)
 BACKEND = "rendezvousd"
 #: The daemon's port when ``--rdzv-endpoint`` names only a host.
 DEFAULT_PORT = 29420
-#: The abort reason ``set_closed()`` gives; other agents read it as "closed".
+#: The head of every close reason this handler gives. Other agents tell a close by
+#: data (``closes_run``); these words only for a daemon from before that data.
 CLOSED = "rendezvous closed by torchrun"
+
+
+def closes_run(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is the close of the job's run (``close_run``: an agent's
+    ``set_closed()``, or one out of restarts that the others cannot go on without),
+    as the daemon says it (``JobAborted.closed``, its metadata ``closed``). Not by the
+    reason's words, which any caller of abort() chooses: an abort that merely said
+    them closed every agent's rendezvous. A daemon from before that data (no
+    ``closed`` said) closed by an abort whose reason starts with ``CLOSED``: for it
+    alone, the words are read, as before."""
+    if not isinstance(exc, JobAborted):
+        return False
+    if "closed" in exc.metadata:
+        return exc.closed
+    return CLOSED in str(exc)
 
 
 def point_gloo_at(address: str, env: MutableMapping[str, str]) -> str | None:
@@ -321,7 +337,7 @@ def _torch_error(exc: RendezvousError, what: str) -> torch_rdzv.RendezvousError:
         return torch_rdzv.RendezvousConnectionError(message)
     if isinstance(exc, RendezvousTimeout):
         return torch_rdzv.RendezvousTimeoutError(message)
-    if isinstance(exc, JobAborted) and CLOSED in str(exc):
+    if closes_run(exc):
         return torch_rdzv.RendezvousClosedError(message)
     return torch_rdzv.RendezvousError(message)
 
@@ -959,7 +975,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                     raise
                 time.sleep(OUTAGE_RETRY_S)
             except JobAborted as exc:
-                if not (standby and exc.closed):
+                # "placed": it was called into the round that was closed, as a member
+                # of it: torch's RendezvousClosedError, as for the other nodes.
+                if not (standby and exc.closed) or exc.metadata.get("placed") == "true":
                     raise
                 # The run was closed for good while this node stood by (another agent
                 # out of restarts): c10d ends a node of its redundancy list then with
@@ -1333,15 +1351,23 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         return node.num_nodes - 1 + waiting >= self._min
 
     def is_closed(self) -> bool:
-        failure = self._client.failure
-        return self._closed.is_set() or (isinstance(failure, JobAborted) and CLOSED in str(failure))
+        return self._closed.is_set() or closes_run(self._client.failure)
 
     def set_closed(self) -> None:
+        """No more rounds for this run (torch's ``set_closed``): the run is closed at
+        the daemon (``close_run``), as c10d's closes its whole rendezvous: the other
+        agents read it as closed (``closes_run``), and a node of the run that joins
+        later is refused. A daemon from before closes aborts the round (the reason's
+        ``CLOSED`` head then tells the others)."""
         self._closed.set()
         node = self._node
         if node is not None and self._client.failure is None:
+            reason = bounded(
+                escape(f"{CLOSED}: torchrun's agent on {self._name} called set_closed()"),
+                CLOSE_REASON_BYTES,
+            )
             with contextlib.suppress(RendezvousError):
-                self._client.abort(CLOSED, generation=node.generation)
+                self._client.close_run(reason, generation=node.generation)
 
     def _exit_goodbye(self) -> None:
         """At exit without ``shutdown()`` (torch skips it when a signal stops its
@@ -1392,9 +1418,18 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 if self._others_go_on(node):
                     self._client.report_failure(0, gave_up)
                 else:
-                    self._client.abort(
-                        f"{CLOSED}: {gave_up}, and the job cannot go on without it "
-                        f"(--nnodes {self._min}:{self._max}, no other node waiting to join)",
+                    # Closed, not only aborted (as c10d's shutdown() closes its
+                    # rendezvous): the others read it by data (``closes_run``), and a
+                    # node of the run re-joining later is refused at once.
+                    self._client.close_run(
+                        bounded(
+                            escape(
+                                f"{CLOSED}: {gave_up}, and the job cannot go on without it "
+                                f"(--nnodes {self._min}:{self._max}, no other node waiting "
+                                "to join)"
+                            ),
+                            CLOSE_REASON_BYTES,
+                        ),
                         generation=node.generation,
                     )
             if node is not None:

@@ -1323,6 +1323,7 @@ class JobEvent(_message.Message):
     NODES_WAITING_FIELD_NUMBER: _builtins.int
     STREAM_LEAVE_FIELD_NUMBER: _builtins.int
     ABORT_CAUSE_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
     kind: Global___JobEvent.Kind.ValueType
     job_id: _builtins.str
     generation: _builtins.int
@@ -1335,6 +1336,12 @@ class JobEvent(_message.Message):
     abort_cause: Global___AbortCause.ValueType
     """On JOB_ABORTED: the abort's AbortJobRequest.cause (UNSPECIFIED from an older
     daemon, or for an abort that named none).
+    """
+    closed: _builtins.bool
+    """On JOB_ABORTED: whether the abort closed the job's run for good
+    (AbortJobRequest.close; the JOB_ABORTED error's ErrorInfo metadata closed,
+    "true" or "false"). Absent from a daemon from before: a reader that must tell a
+    close (the torchrun handler) then falls back to the reason's words.
     """
     @_builtins.property
     def failed(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedMember]: ...
@@ -1349,12 +1356,15 @@ class JobEvent(_message.Message):
         nodes_waiting: _builtins.int = ...,
         stream_leave: _builtins.bool = ...,
         abort_cause: Global___AbortCause.ValueType = ...,
+        closed: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_closed", b"_closed", "closed", b"closed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_cause", b"abort_cause", "failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "nodes_waiting", b"nodes_waiting", "reason", b"reason", "stream_leave", b"stream_leave"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_closed", b"_closed", "abort_cause", b"abort_cause", "closed", b"closed", "failed", b"failed", "generation", b"generation", "job_id", b"job_id", "kind", b"kind", "nodes_waiting", b"nodes_waiting", "reason", b"reason", "stream_leave", b"stream_leave"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__closed: _TypeAlias = _typing.Literal["closed"]  # noqa: Y015
+    _WhichOneofArgType__closed: _TypeAlias = _typing.Literal["_closed", b"_closed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__closed) -> _WhichOneofReturnType__closed | None: ...
 
 Global___JobEvent: _TypeAlias = JobEvent  # noqa: Y015
 
