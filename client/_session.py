@@ -1021,6 +1021,11 @@ class Session:
                 # As the daemon's JOB_ABORTED error carries it; absent from a daemon
                 # from before, as there.
                 metadata["closed"] = "true" if event.closed else "false"
+                if event.closed:
+                    # A heartbeat stream is a member's of that generation: the run was
+                    # closed at it, "placed" as the daemon's error says (a standby called
+                    # into it reads a close, not "this standby was not needed").
+                    metadata["placed"] = "true"
         else:
             return None
         return kind(

@@ -80,6 +80,9 @@ def test_a_close_is_told_as_data_on_the_event_and_in_the_error(
         assert isinstance(heard, JobAborted), heard
         said = "true" if close else "false"
         assert (heard.metadata.get("closed"), heard.closed) == (said, close), heard.metadata
+        # Heard on its stream, a member's: "placed" as in the daemon's error below (the
+        # barrier may raise either: the failure heard, or the daemon's answer).
+        assert heard.metadata.get("placed") == ("true" if close else None), heard.metadata
         with pytest.raises(JobAborted) as info:  # the daemon's own JOB_ABORTED error
             b.barrier(timeout=5)
         assert (info.value.metadata.get("closed"), info.value.closed) == (said, close)
