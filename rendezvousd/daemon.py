@@ -36,6 +36,7 @@ from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask, read_token_file
 from rendezvousd.server.budget import handler_shape
+from rendezvousd.server.call_stream import DRAIN_ANSWER_S
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.servicer import SERVICE, RendezvousServicer
 from rendezvousd.state.machine import RendezvousState
@@ -51,6 +52,12 @@ log = logging.getLogger("rendezvousd")
 MAX_SEND_BYTES = 16 * 1024 * 1024
 # A timer tick this late means the daemon itself did not run (``Daemon._tick``).
 STALL_S = 0.25
+#: A draining daemon's wait, once every call of its own returned, for their last
+#: messages to reach the clients that are there to take them (milliseconds on a live
+#: connection; seconds are margin for a loaded host); one that has not taken them by
+#: then is frozen or cut off.
+STOP_SETTLE_S = 2.0
+ANSWERED_POLL_S = 0.01
 # How often the daemon pings each connection (HTTP/2 keepalive).
 KEEPALIVE_MS = 5_000
 # How long a call may wait to be handed to its handler before gRPC core cancels it
@@ -673,10 +680,20 @@ class Daemon:
             for m in job.gen.members.values()
         )
 
+    async def _answered(self, deadline: float) -> None:
+        """Until every call of ours has returned (or ``deadline``). gRPC's stop waits
+        for more: for each client to take its calls' end, which a frozen one (SIGSTOP,
+        a host cut off) never does. It held every SIGTERM restart for the whole grace,
+        as long as the SDK's reconnect window, so the daemon's other jobs gave up on it.
+        gRPC has no wait for the handlers alone; the calls gate counts them."""
+        while self._auth is not None and self._auth.calls.active and time.monotonic() < deadline:
+            await asyncio.sleep(ANSWERED_POLL_S)
+
     async def stop(self, grace: float | None = None) -> None:
         """Graceful: NOT_SERVING first, release waiters, then drain."""
         if self._server is None:
             return
+        grace = self.config.drain_grace_s if grace is None else grace
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         self.metrics.serving.set(0)
@@ -684,14 +701,18 @@ class Daemon:
             self.on_stopping()
         self.state.drain()
         self._servicer.apply()
-        self._servicer.drain()
+        # Within half a short grace, so that our streams' handlers end before gRPC's
+        # stop cancels them (a traceback per stream in the log).
+        self._servicer.drain(min(DRAIN_ANSWER_S, grace / 2))
         with contextlib.suppress(RendezvousFault):  # logged by the Persister
             await self.persister.durable()
         if self._ticker is not None and not self._ticker.done():  # a dead one was logged
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-        await self._server.stop(self.config.drain_grace_s if grace is None else grace)
+        deadline = time.monotonic() + grace
+        await self._answered(deadline)
+        await self._server.stop(max(0.0, min(deadline - time.monotonic(), STOP_SETTLE_S)))
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         self._server = None

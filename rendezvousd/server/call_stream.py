@@ -359,15 +359,15 @@ class CallStream:
                 # of its next stream then could not follow.
                 context.set_trailing_metadata(((DRAINED_TRAILER, _DRAINED_STATUS),))
 
-    def drain(self) -> None:
+    def drain(self, answer_s: float = DRAIN_ANSWER_S) -> None:
         """The daemon is stopping (its parked calls were just released): every stream
         runs no more calls, answering those it reads ``_DRAINING_NOT_RUN`` for
-        ``DRAIN_ANSWER_S`` (its client half-closes on that answer), answers those in
+        ``answer_s`` (its client half-closes on that answer), answers those in
         flight and ends; then streams a client keeps open stop being read, so a
         graceful stop need not wait out its grace period for them. Each ends saying
         that it was drained (``DRAINED``): a call it did not answer was not read."""
         self._draining = True
-        asyncio.get_running_loop().call_later(DRAIN_ANSWER_S, self._stop_reading)
+        asyncio.get_running_loop().call_later(answer_s, self._stop_reading)
 
     def _stop_reading(self) -> None:
         self._reading_stopped = True

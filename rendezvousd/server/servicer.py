@@ -38,7 +38,13 @@ from rendezvousd.common.version import installed_version
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.answers import JoinAnswers, failed_member, member_message
 from rendezvousd.server.auth import peer_host, peer_text
-from rendezvousd.server.call_stream import DAEMON_BUG, GIVEN_UP, CallStream, method_fields
+from rendezvousd.server.call_stream import (
+    DAEMON_BUG,
+    DRAIN_ANSWER_S,
+    GIVEN_UP,
+    CallStream,
+    method_fields,
+)
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
 from rendezvousd.server.metrics import Metrics
@@ -455,11 +461,12 @@ class RendezvousServicer:
         except StopAsyncIteration:
             return None
 
-    def drain(self) -> None:
+    def drain(self, answer_s: float = DRAIN_ANSWER_S) -> None:
         """The daemon is stopping (its ``DAEMON_DRAINING`` events pushed): the Calls
-        streams end once their calls are answered, and heartbeat streams now."""
+        streams end once their calls are answered (read for ``answer_s`` more), and
+        heartbeat streams now."""
         self._draining.set()
-        self._calls.drain()
+        self._calls.drain(answer_s)
         self.streams.end_all()
 
     async def Calls(self, calls: AsyncIterator[pb.Call], context: Any) -> AsyncIterator[bytes]:

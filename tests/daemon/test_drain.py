@@ -3,7 +3,9 @@ DRAINING, exit 0 within the drain grace, and a log line that says so."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ from rendezvousd.client import (
     RendezvousError,
 )
 from tests.daemon.raw_calls import bearer, join_request, park_joins, reason_of, wait_members
-from tests.support import DaemonProcess, members, wait_for
+from tests.support import DaemonProcess, members, wait_for, worker_cmd
 
 # Long, so that "exited well before the grace" proves the drain finished by itself.
 GRACE_S = 10.0
@@ -238,3 +240,42 @@ def test_a_stream_opened_ahead_of_its_join_does_not_hold_up_the_drain(
     assert code == 0
     assert elapsed < GRACE_S / 2, f"the drain took {elapsed:.1f} s"
     assert "Traceback" not in d.log()
+
+
+@pytest.mark.parametrize("grace", [0.6, 10.0])
+def test_a_frozen_member_holds_no_drain_and_leaves_no_traceback(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, grace: float
+) -> None:
+    """A member process that is frozen (SIGSTOP, a VM paused, a host cut off) cannot
+    take its streams' end: gRPC's stop waited out the whole grace for it, so one such
+    member made every SIGTERM restart last ``--drain-grace-s`` (10 s by default, as
+    long as the SDK's reconnect window), and every healthy job on the daemon gave up
+    on it (DaemonUnreachable, recorded as unreachable). With a grace under a second,
+    gRPC cancelled the handler with "Exception not handled ... CancelledError" and a
+    traceback. Once every call was answered, the drain no longer waits for them."""
+    d = start_daemon("--drain-grace-s", str(grace))
+    worker = subprocess.Popen(
+        worker_cmd(d, job_id, 1, 1, 0, 0, "--action", "hold", "--hold-s", "60"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        assert json.loads(worker.stdout.readline())["event"] == "joined"
+        wait_stream_open(d, job_id)
+        worker.send_signal(signal.SIGSTOP)
+        sent = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        code = d.proc.wait(grace + 10)
+        elapsed = time.monotonic() - sent
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert code == 0
+    if grace > 1.0:
+        # Its streams stop being read 1 s into the drain (call_stream.DRAIN_ANSWER_S),
+        # then at most 2 s for the answers to leave (daemon.STOP_SETTLE_S).
+        assert elapsed < grace / 2, f"exit took {elapsed:.1f} s: a frozen member held it"
+    log = d.log()
+    assert "rendezvousd stopped" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log
