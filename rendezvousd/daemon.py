@@ -699,7 +699,10 @@ class Daemon:
         self.metrics.serving.set(0)
         if self.on_stopping is not None:
             self.on_stopping()
-        self.state.drain()
+        self.state.drain(time.monotonic())
+        for job in self.state.jobs.values():
+            if job.drained_at is not None:
+                self.persister.touch(job.job_id)  # with its attendees' last beats
         self._servicer.apply()
         # Within half a short grace, so that our streams' handlers end before gRPC's
         # stop cancels them (a traceback per stream in the log).

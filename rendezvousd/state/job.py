@@ -383,6 +383,10 @@ class Job:
     # (``version_conflict``). None: not known, a job restored from a row written
     # before it was stored; the next joiner sets it.
     wire_version: str | None = None
+    # When the daemon began to drain (SIGTERM) while this job ran: its row is written
+    # then with each attendee's last beat, so that a restart goes on counting their
+    # silence (``snapshot.resume_silence``). None otherwise, and in a restored job.
+    drained_at: float | None = None
     # Whether the daemon said (``Warn``) that a member of this job calls without its
     # instance id (an SDK from before them): once per job, not per refused call.
     told_old_sdk: bool = False

@@ -240,7 +240,7 @@ class RendezvousState:
             )
         return job.generation
 
-    def drain(self) -> None:
+    def drain(self, now: float) -> None:
         """Shutdown began: refuse new joins, release every waiter, tell every member."""
         self.draining = True
         fault = fences.draining()
@@ -255,6 +255,7 @@ class RendezvousState:
             for barrier in job.gen.barriers.values():
                 barrier.arrived.clear()
             if job.state is JobState.RUNNING:
+                job.drained_at = now
                 rounds.notify(self, job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")
 
     def views(self, now: float, *, with_members: bool = True) -> Iterator[JobView]:

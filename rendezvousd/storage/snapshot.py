@@ -75,6 +75,7 @@ def job_record(job: Job) -> dict[str, Any]:
                 # Its calls named no instance id (``seats._without_instance_id``): kept, so
                 # that its loss after a restart still says why. Absent otherwise.
                 **({"old_sdk": True} if m.without_instance_id else {}),
+                **_heard(job, m),
             }
             for m in job.gen.members.values()
         ],
@@ -137,13 +138,21 @@ def job_record(job: Job) -> dict[str, Any]:
                 "instance_id": n.instance_id,
                 "state": n.state.name,
                 "addresses": list(n.addresses),
+                **_heard(job, n),
             }
             for n in job.gen.node_at.values()
         ],
         # A generation forming after a failure: the seats kept for the nodes expected
         # back, kept again in the generation a restart fences this one with.
         "kept_seats": placement.seats_kept(job) if job.state is JobState.FORMING else {},
+        # Written by a draining daemon only (``resume_silence``).
+        **({} if job.drained_at is None else {"drained_unix": _unix(job.drained_at)}),
     }
+
+
+def _heard(job: Job, seat: Member | Node) -> dict[str, float]:
+    """When a draining daemon last heard ``seat``; nothing in any other row."""
+    return {} if job.drained_at is None else {"heard_unix": _unix(seat.last_seen)}
 
 
 def _unix(monotonic: float) -> float:
@@ -349,6 +358,7 @@ def restore_job(
         detail = "restored: every member left"
     elif job.state is JobState.RUNNING:
         job.gen.restored = True
+        resume_silence(job, raw, now, state.timing.heartbeat_timeout_s)
     state.jobs[job.job_id] = job
     state.calls.emit(
         Transition(
@@ -362,6 +372,35 @@ def restore_job(
             since=job.state_since,
         )
     )
+
+
+#: The least a restored member or node is given to reattach after a drained restart,
+#: however long it had been silent before: the restart's own seconds are no silence
+#: of the clients that are there, and they reattach as soon as the daemon serves.
+REATTACH_S = 2.0
+
+
+def resume_silence(job: Job, raw: Mapping[str, Any], now: float, timeout: float) -> None:
+    """Each attendee's silence goes on from where the draining daemon left it.
+
+    A restored member or node was given a whole heartbeat timeout from the restore. A
+    node cut off just before a restart (SIGTERM) was then lost a timeout after the
+    restart, seconds after its peers' own links had noticed its silence, and the
+    witness that reported first was named as the root cause. Its SDK counts its
+    reconnect window from the drain too. A row from a daemon down longer than a
+    timeout (every client gave up by then), or from no drain: a whole timeout."""
+    if "drained_unix" not in raw or now - _unix_time(raw, "drained_unix", now) >= timeout:
+        return
+    longest = max(0.0, timeout - REATTACH_S)
+
+    def resume(seat: Member | Node | None, row: Mapping[str, Any]) -> None:
+        if seat is not None and "heard_unix" in row:
+            seat.last_seen = now - min(now - _unix_time(row, "heard_unix", now), longest)
+
+    for row in _rows(raw, "members"):
+        resume(job.gen.members.get(row["rank"]), row)
+    for row in _rows(raw, "nodes"):
+        resume(job.gen.node_at.get(row["node_rank"]), row)
 
 
 def keep_again(job: Job, kept: dict[str, str], hold_s: float, now: float) -> None:

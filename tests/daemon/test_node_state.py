@@ -1139,3 +1139,24 @@ def test_a_node_silent_since_its_host_was_refused_for_its_token_is_lost_for_that
     assert causes[1].startswith("no heartbeat for 10.0 s: calls from its host 10.0.0.3 were ")
     assert "refused for their token" in causes[1] and "unreachable" not in causes[1]
     assert causes[0] == "no heartbeat for 10.0 s (node unreachable)"  # the same tick
+
+
+def test_a_drained_restart_goes_on_counting_each_nodes_silence() -> None:
+    """As a per-rank member's (test_restart.py): a node agent silent when the daemon
+    drained keeps its silence across the restart, so a node cut off just before it is
+    lost a heartbeat timeout after its last beat, not a timeout after the restart."""
+    from rendezvousd.storage import snapshot
+
+    sm = RendezvousState()
+    formed(sm)
+    job = sm.jobs["j"]
+    job.gen.node_at[0].last_seen = 10.0
+    job.gen.node_at[1].last_seen = 5.0
+    sm.drain(10.0)
+    fresh = RendezvousState()
+    snapshot.restore_job(fresh, snapshot.job_record(job), {}, 12.0)
+    nodes = fresh.jobs["j"].gen.node_at
+    assert [round(12.0 - nodes[r].last_seen, 3) for r in (0, 1)] == [2.0, 7.0]
+    fresh.tick(12.0 + sm.timing.heartbeat_timeout_s - 6.5)
+    assert fresh.jobs["j"].state is JobState.FAILED
+    assert [f.node_rank for f in fresh.jobs["j"].gen.failed] == [1, 1]

@@ -813,3 +813,37 @@ def test_a_closed_run_is_still_closed_after_a_restart(tmp_path: Path) -> None:
         d.kill()
         if again is not None:
             again.kill()
+
+
+def test_a_drained_restart_goes_on_counting_each_members_silence() -> None:
+    """A member silent when the daemon drained (its host cut off) was given a whole
+    heartbeat timeout again from the restore, so it was lost seconds after its peers'
+    own links had noticed, and the peer that reported first was named as the root
+    cause. Its silence now goes on across a drained restart (the restart's seconds
+    counted for every member, as the SDK counts its reconnect window from the drain),
+    keeping REATTACH_S to reattach; a row from no drain, or a daemon down for a
+    timeout or longer, gives a whole timeout as before."""
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 1000.0)
+    sm.join(_args(1), 1000.0)
+    job = sm.jobs["j"]
+    timeout = sm.timing.heartbeat_timeout_s
+    job.gen.members[0].last_seen = 1000.0  # heard as the drain began
+    job.gen.members[1].last_seen = 996.0  # silent for 4 s by then
+    assert "drained_unix" not in snapshot.job_record(job)
+    sm.drain(1000.0)
+    drained = snapshot.job_record(job)
+
+    def silences(raw: dict[str, Any], now: float) -> list[float]:
+        fresh = RendezvousState()
+        snapshot.restore_job(fresh, raw, {}, now)
+        restored = fresh.jobs["j"]
+        assert "drained_unix" not in snapshot.job_record(restored)  # its next row: none
+        return [round(now - restored.gen.members[r].last_seen, 3) for r in (0, 1)]
+
+    assert silences(drained, 1003.0) == [3.0, 7.0]
+    job.gen.members[1].last_seen = 1000.0 - (timeout - 1.0)
+    assert silences(snapshot.job_record(job), 1003.0) == [3.0, timeout - snapshot.REATTACH_S]
+    assert silences(drained, 1000.0 + timeout) == [0.0, 0.0]
+    undrained = {k: v for k, v in drained.items() if k != "drained_unix"}
+    assert silences(undrained, 1003.0) == [0.0, 0.0]

@@ -518,7 +518,7 @@ def test_drain_releases_waiters_and_refuses_joins() -> None:
     gen = form(sm, nodes=1, gpus=2)[0].generation
     w = sm.kv_get("j", gen, 0, "k", True, 0.0, instance_id=inst(sm, 0, "j"))
     sm.take_effects()
-    sm.drain()
+    sm.drain(0.0)
     effects = sm.take_effects()
     assert any(
         isinstance(e, Wake) and e.waiter == w.waiter and e.fault and e.fault.reason == "DRAINING"  # type: ignore[union-attr]

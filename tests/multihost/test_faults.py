@@ -434,3 +434,42 @@ def test_a_short_cut_between_two_nodes_uses_one_restart_not_all(
     for node in nodes:
         assert node.first("restart 1 of 2") is not None, node.summary()
         assert node.first("restart 2 of 2") is None, node.summary()
+
+
+def test_a_node_cut_off_just_before_a_daemon_restart_is_named_on_every_survivor(
+    make_hosts: Callable[[int], Hosts], tmp_path: os.PathLike[str]
+) -> None:
+    """A node cut off, then the daemon restarted by SIGTERM (a rolling update) before
+    its heartbeat timeout: the cut node's streams never took their end, so the drain
+    waited its whole grace (10 s, the SDK's reconnect window) and every node gave up on
+    the daemon (DaemonUnreachable). With a short drain, the restored daemon gave the cut
+    node a whole timeout again, and the ring's witness that reported its silence first
+    was named the root cause. Now every survivor hears the cut node's loss."""
+    workdir = Path(tmp_path)
+    state = ("--state-dir", str(workdir / "state"), "--heartbeat-timeout-s", "10")
+    cluster = start_cluster(make_hosts(4), workdir, *state, listen_port=29420)
+    try:
+        nodes = _training(cluster, "cut-restart", 3)
+        cut_at = time.time()
+        cluster.hosts.link(nodes[2].host, up=False)
+        time.sleep(1.0)
+        cluster.daemon.proc.send_signal(signal.SIGTERM)
+        assert cluster.daemon.proc.wait(30) == 0
+        cluster.daemon = spawn_daemon(
+            workdir,
+            "--insecure-plaintext",
+            *state,
+            token=cluster.daemon.token,
+            listen=f"{cluster.head.address}:29420",
+            prefix=cluster.head.command([]),
+        )
+        # Its last beat plus the timeout; the ring's own silence (LINK_SILENCE_S after
+        # the cut, then PEER_SETTLE_S) comes about 2 s after that.
+        _reported(nodes[:2], "PeerFailed", cut_at, 10.0 + 1.5, "lost rank 4 on h3", "no heartbeat")
+        assert all(code != 0 for code in cluster.wait(nodes, 30))
+        for node in nodes[:2]:
+            assert "root cause: rank 4 (node 2, local rank 0) on host h3" in node.text(), (
+                node.summary()
+            )
+    finally:
+        cluster.stop()
