@@ -22,6 +22,7 @@ import grpc
 
 from rendezvousd.common.escape import quoted, shortened
 from rendezvousd.common.limits import Limits
+from rendezvousd.common.log_throttle import LogThrottle
 from rendezvousd.common.secret_files import TOKEN_ENV, read_judged, unreadable_token_file
 from rendezvousd.errors import ConfigError
 from rendezvousd.server.budget import Gate, gated, gated_before_body
@@ -210,8 +211,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._job_ended = job_ended
         self._legacy_warned: set[str] = set()
         self._on_refused = on_refused
-        # Per caller's host: when a refused token was last said, and how many since.
-        self._refused_said: dict[str, tuple[float, int]] = {}
+        # Per caller's host, bounded: any address can send a call with a bad token.
+        self._refused_said: LogThrottle[str] = LogThrottle(REFUSED_LOG_S, REFUSED_HOSTS)
         # Known methods only (an unknown one has no handler): bounded.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
@@ -314,20 +315,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         name = method.rpartition("/")[2] or method
         if self._on_refused is not None:
             self._on_refused(name, host)
-        now = time.monotonic()
-        said_at, unsaid = self._refused_said.get(host, (None, 0))
-        if said_at is not None and now - said_at < REFUSED_LOG_S:
-            self._refused_said[host] = (said_at, unsaid + 1)
+        if (due := self._refused_said.due(host, time.monotonic())) is None:
             return
-        if host not in self._refused_said and len(self._refused_said) >= REFUSED_HOSTS:
-            self._refused_said.pop(next(iter(self._refused_said)))  # the oldest
-        self._refused_said.pop(host, None)
-        self._refused_said[host] = (now, 0)
         job = f" with a token for job {quoted(read.job)}" if read is not None else ""
         more = (
-            f" ({unsaid} more refused from {host} in the {now - said_at:.0f} s since the "
+            f" ({due.skipped} more refused from {host} in the {due.since_s:.0f} s since the "
             "last line, not logged)"
-            if unsaid and said_at is not None
+            if due.skipped
             else ""
         )
         log.warning(

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from rendezvousd.common.log_throttle import LogThrottle
 from rendezvousd.common.model import (
     AbortCause,
     FailedInfo,
@@ -28,6 +29,10 @@ _NODE = JoinMode.NODE
 #: How many joins' instance ids a generation keeps (``Generation.joined``): four times
 #: the most ranks a job has by default (max_members_per_job), for its re-joins.
 JOINS_KEPT = 4 * 8192
+# How often the log says a joiner the running generation refused, per job
+# (``rounds.refused``): a node of the wrong launch crash-looping under its supervisor
+# re-joins every few seconds.
+REFUSAL_LOG_S = 60.0
 
 
 @dataclass(kw_only=True)
@@ -412,9 +417,11 @@ class Job:
     last_failure: JobFailure | None = None
     failures: int = 0
     # Joins the running generation refused (another topology, version or mode): when
-    # the last one was said in the log, and how many were not said since. Not stored.
-    refusal_said_at: float | None = None
-    refusals_unsaid: int = 0
+    # the last one was said in the log, and how many were not said since. Not stored:
+    # a job restored or put back says its next refusal at once.
+    refusals: LogThrottle[None] = field(
+        default_factory=lambda: LogThrottle(REFUSAL_LOG_S), compare=False, repr=False
+    )
 
     @property
     def world_size(self) -> int:

@@ -26,14 +26,12 @@ from rendezvousd.common.model import (
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.state import barriers, kv, placement
 from rendezvousd.state.job import OLD_SDK, Attendee, Job, Member, Node
+from rendezvousd.state.job import REFUSAL_LOG_S as REFUSAL_LOG_S  # said here, kept there
 
 if TYPE_CHECKING:
     from rendezvousd.state.machine import RendezvousState
 
 TERMINAL = (JobState.FAILED, JobState.ABORTED, JobState.ENDED)
-# How often the log says a joiner the running generation refused, per job: a node of
-# the wrong launch crash-looping under its supervisor re-joins every few seconds.
-REFUSAL_LOG_S = 60.0
 
 
 def put_back(
@@ -189,18 +187,14 @@ def refused(sm: RendezvousState, job: Job, fault: RendezvousFault, now: float) -
     if job.state not in (JobState.RUNNING, JobState.FORMING):
         return fault
     reason = fault.reason.value
-    if job.refusal_said_at is not None and now - job.refusal_said_at < REFUSAL_LOG_S:
-        job.refusals_unsaid += 1
+    if (due := job.refusals.due(None, now)) is None:
         sm.calls.emit(Warn(job.job_id, job.generation, "", refused=reason))
         return fault
-    unsaid = job.refusals_unsaid
     more = (
-        f" ({unsaid} more refused in the {now - job.refusal_said_at:.0f} s since the last "
-        "line, not logged)"
-        if unsaid and job.refusal_said_at is not None
+        f" ({due.skipped} more refused in the {due.since_s:.0f} s since the last line, not logged)"
+        if due.skipped
         else ""
     )
-    job.refusal_said_at, job.refusals_unsaid = now, 0
     sm.calls.emit(
         Warn(
             job.job_id,

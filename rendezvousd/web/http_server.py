@@ -24,6 +24,7 @@ from http import HTTPStatus
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from rendezvousd.common.escape import shortened
+from rendezvousd.common.log_throttle import LogThrottle
 
 log = logging.getLogger("rendezvousd.http")
 
@@ -104,8 +105,7 @@ class HttpServer:
         self._ssl = ssl_context
         self._open: dict[asyncio.Task[None], _Connection] = {}
         self._per_peer: dict[str, int] = {}
-        self._errors = 0
-        self._errors_logged = -ERROR_LOG_EVERY_S
+        self._errors: LogThrottle[None] = LogThrottle(ERROR_LOG_EVERY_S)
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -191,18 +191,15 @@ class HttpServer:
     def _log_error(self, what: str) -> None:
         """Logs the exception being handled at ERROR with its traceback (the formatter
         escapes it), at most once per ERROR_LOG_EVERY_S."""
-        self._errors += 1
-        now = time.monotonic()
-        if now - self._errors_logged < ERROR_LOG_EVERY_S:
+        if (due := self._errors.due(None, time.monotonic())) is None:
             return
         log.error(
             "status page: %s (%d such error(s) since the last such line); this is a bug "
             "in rendezvousd: report it with this traceback",
             what,
-            self._errors,
+            due.skipped + 1,
             exc_info=True,
         )
-        self._errors, self._errors_logged = 0, now
 
     async def _serve(
         self,

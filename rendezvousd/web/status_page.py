@@ -39,6 +39,7 @@ from rendezvousd.common.grid import (
     missing_ranks,
     node_rows,
 )
+from rendezvousd.common.log_throttle import LogThrottle
 from rendezvousd.common.model import JobState, JobView, MemberState, Transition
 from rendezvousd.common.version import installed_version
 from rendezvousd.errors import RendezvousFault
@@ -135,8 +136,7 @@ class StatusPage:
         self._views_made: dict[str, tuple[float, JobView]] = {}
         # (when, the job's step) per job, one per view made: the step rate's samples.
         self._steps: dict[str, deque[tuple[float, int]]] = {}
-        self._refused = 0
-        self._refused_logged = -LOG_EVERY_S
+        self._refused: LogThrottle[None] = LogThrottle(LOG_EVERY_S)
         metrics.transition_listeners.append(self._changed)
 
     # -- routing -------------------------------------------------------------
@@ -199,16 +199,13 @@ class StatusPage:
         token = form.get("token", "").strip()
         scope = self._scope_of(token)
         if scope is None:
-            self._refused += 1
-            now = time.monotonic()
             # At most one line per LOG_EVERY_S: anyone who reaches the port can try.
-            if now - self._refused_logged >= LOG_EVERY_S:
+            if (due := self._refused.due(None, time.monotonic())) is not None:
                 log.warning(
                     "status page: %d login(s) with an invalid token, the last from %s",
-                    self._refused,
+                    due.skipped + 1,
                     r.peer,
                 )
-                self._refused, self._refused_logged = 0, now
             return self._file("login.html", "text/html; charset=utf-8", 401)
         now = time.monotonic()
         self._make_room(scope, now)
