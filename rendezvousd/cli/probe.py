@@ -156,10 +156,6 @@ def _health(args: argparse.Namespace) -> int:
     return EXIT_SERVING
 
 
-def _age(ms: int) -> str:
-    return f"{ms / 1000:.1f}s"
-
-
 def _status(args: argparse.Namespace) -> int:
     from rendezvousd.client import (
         AuthenticationError,
@@ -295,7 +291,7 @@ def render(jobs: list[Any]) -> str:
         state = pb.JobState.Name(s.state).removeprefix("JOB_STATE_")
         lines.append(
             f"{escape(s.job_id):<24} {state:<8} {s.generation:>4} {s.world_size:>6} "
-            f"{s.members_present:>8} {_age(s.state_age_ms):>8}"
+            f"{s.members_present:>8} {grid.age(s.state_age_ms / 1000):>8}"
         )
         for m in job.members:
             mstate = pb.MemberState.Name(m.state).removeprefix("MEMBER_STATE_")
@@ -307,7 +303,7 @@ def render(jobs: list[Any]) -> str:
             lines.append(
                 f"    rank {m.member.rank:>5}  node {m.member.node_rank:>4}  local "
                 f"{m.member.local_rank:>3}  {escape(m.member.host):<20} {mstate:<8} "
-                f"heartbeat {_age(m.heartbeat_age_ms) if watched else '-'}"
+                f"heartbeat {grid.age(m.heartbeat_age_ms / 1000) if watched else '-'}"
             )
         lines += _ending(job)
     if not jobs:
@@ -347,7 +343,7 @@ def render_job(job: Any) -> str:
     if job.HasField("previous_run_ended_ms"):
         facts.append(
             f"a new run of this job id: its previous run ended "
-            f"{_age(job.previous_run_ended_ms)} ago (every member left)"
+            f"{grid.age(job.previous_run_ended_ms / 1000)} ago (every member left)"
         )
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
     lines += _forming(job)
@@ -420,7 +416,7 @@ def _ending(job: Any) -> list[str]:
     last = job.last_failure if job.HasField("last_failure") else None
     if last is not None and last.generation != job.summary.generation:
         lines.append(
-            f"    last failure: generation {last.generation}, {_age(last.age_ms)} ago "
+            f"    last failure: generation {last.generation}, {grid.age(last.age_ms / 1000)} ago "
             f"({job.failures} in all): {shortened(last.cause)}"
         )
     return lines

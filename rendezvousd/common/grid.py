@@ -72,6 +72,12 @@ def node_rows(
     return rows
 
 
+def age(seconds: float) -> str:
+    """How long ago, as ``rendezvousd status`` says every age and a waiting node agent
+    a joined node's: "12.3s"."""
+    return f"{seconds:.1f}s"
+
+
 #: How many joined nodes a line names; the rest are counted.
 NODES_NAMED = 16
 
@@ -82,8 +88,8 @@ def joined_nodes(nodes: Iterable[tuple[int | None, str, float]]) -> str:
     n0 (12.3s ago), a node on n2 (11.9s ago)"; a node that named no rank is "a node".
     The first ``NODES_NAMED``, the rest counted; hosts escaped."""
     said = [
-        f"{'a node' if rank is None else f'node {rank}'} on {escape(host)} ({age:.1f}s ago)"
-        for rank, host, age in nodes
+        f"{'a node' if rank is None else f'node {rank}'} on {escape(host)} ({age(s)} ago)"
+        for rank, host, s in nodes
     ]
     more = len(said) - NODES_NAMED
     return ", ".join(said[:NODES_NAMED]) + (f" and {more} more" if more > 0 else "")
