@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Generic, NamedTuple, TypeVar
 
+from rendezvousd.common.newest import keep_newest
+
 K = TypeVar("K")
 
 
@@ -38,8 +40,5 @@ class LogThrottle(Generic[K]):
         if said is not None and now - said[0] < self.every_s:
             self._said[key] = (said[0], said[1] + 1)
             return None
-        if said is None and len(self._said) >= self.keys:
-            del self._said[next(iter(self._said))]
-        self._said.pop(key, None)
-        self._said[key] = (now, 0)
+        keep_newest(self._said, key, (now, 0), self.keys)
         return Due(0, None) if said is None else Due(said[1], now - said[0])

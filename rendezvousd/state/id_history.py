@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from rendezvousd.common.newest import keep_newest
+
 # 256 generations of a job: far more restarts than any job lives through before its old
 # workers are gone, at about 180 bytes each on disk (a row and its index entry: 45 KiB a
 # job) and about 100 bytes each in memory (25 KiB a job, 25 MiB with all 1,024 of
@@ -32,10 +34,7 @@ class IdHistory:
             self.add(digest)
 
     def add(self, digest: bytes) -> None:
-        self._digests.pop(digest, None)  # used again: it is now the newest
-        self._digests[digest] = None
-        while len(self._digests) > USED_ID_HISTORY:
-            del self._digests[next(iter(self._digests))]
+        keep_newest(self._digests, digest, None, USED_ID_HISTORY)  # used again: the newest
 
     def __contains__(self, digest: object) -> bool:
         return digest in self._digests

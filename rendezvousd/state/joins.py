@@ -26,6 +26,7 @@ from rendezvousd.common.model import (
     Transition,
     Warn,
 )
+from rendezvousd.common.newest import keep_newest
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import barriers, fences, placement, rounds, seats, waits
 from rendezvousd.state.job import ENDED_WAITS_KEPT, Closed, EndedWait, Job, Member, Node
@@ -733,17 +734,14 @@ def join_wait_ended(
 def _wait_ended(job: Job, key: int | str, seat: Member | Node, now: float) -> None:
     """Keeps that ``seat`` came and its own deadline freed it, for the words of the
     joiners whose waits end after it (``waits.world_incomplete``)."""
-    ended = job.gen.ended_waits
-    ended.pop(key, None)
     agent = ""
     if isinstance(seat, Node):
         said = f"node {seat.node_rank}" if seat.named else "a node"
         rank, agent = (seat.node_rank if seat.named else None), seat.agent
     else:
         said, rank = f"rank {seat.rank}", seat.rank
-    ended[key] = EndedWait(said, seat.host, now, rank, agent)
-    while len(ended) > ENDED_WAITS_KEPT:
-        del ended[next(iter(ended))]
+    ended = EndedWait(said, seat.host, now, rank, agent)
+    keep_newest(job.gen.ended_waits, key, ended, ENDED_WAITS_KEPT)
 
 
 def id_overdue(sm: RendezvousState, job: Job, now: float) -> None:

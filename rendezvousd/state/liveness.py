@@ -20,6 +20,7 @@ from rendezvousd.common.model import (
     Progress,
     Transition,
 )
+from rendezvousd.common.newest import keep_newest
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import fences, joins, placement, rounds, seats
 
@@ -115,11 +116,7 @@ def attach_stream(
 
 def refused_token(sm: RendezvousState, host: str, now: float) -> None:
     """A call from ``host`` was refused for its token (a gRPC peer's host)."""
-    refused = sm.token_refused
-    refused.pop(host, None)  # re-inserted: the dict stays oldest first
-    if len(refused) >= TOKEN_REFUSED_HOSTS:
-        refused.pop(next(iter(refused)))
-    refused[host] = now
+    keep_newest(sm.token_refused, host, now, TOKEN_REFUSED_HOSTS)
 
 
 def heartbeat(
