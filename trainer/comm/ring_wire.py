@@ -133,7 +133,12 @@ def _tcp_socket(host: str, port: int) -> tuple[socket.socket, Any]:
 
 def create_listener(host: str, port: int = 0) -> socket.socket:
     """Bind a listening TCP socket on ``host`` (an ephemeral port by default)."""
-    sock, addr = _tcp_socket(host, port)
+    return listening(*_tcp_socket(host, port))
+
+
+def listening(sock: socket.socket, addr: Any) -> socket.socket:
+    """``sock`` bound to ``addr`` and listening (TCP here, UNIX for ``shm_group``);
+    closed if either fails, so a refused address leaks no descriptor."""
     try:
         sock.bind(addr)
         sock.listen(64)

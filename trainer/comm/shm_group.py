@@ -145,14 +145,7 @@ class SharedMemoryPeers:
 def create_listener() -> tuple[socket.socket, str]:
     """A listening UNIX socket under a random abstract name, and that name (hex)."""
     name = secrets.token_hex(16)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(_address(name))
-        sock.listen(64)
-    except BaseException:
-        sock.close()
-        raise
-    return sock, name
+    return wire.listening(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), _address(name)), name
 
 
 def _address(name: str) -> bytes:
