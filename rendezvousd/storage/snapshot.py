@@ -150,9 +150,24 @@ def job_record(job: Job) -> dict[str, Any]:
     }
 
 
+#: How far past its own cadence an attendee may be silent at a drain and still count
+#: as beating (a beat's jitter on a loaded host).
+BEAT_SLACK = 1.5
+
+
 def _heard(job: Job, seat: Member | Node) -> dict[str, float]:
-    """When a draining daemon last heard ``seat``; nothing in any other row."""
-    return {} if job.drained_at is None else {"heard_unix": _unix(seat.last_seen)}
+    """Since when a draining daemon counts ``seat`` silent; nothing in any other row.
+
+    One heard within its own cadence was beating: its silence starts with the drain,
+    as its SDK's reconnect window does (counted from its last beat, a healthy member
+    was given up to a beat interval less than its SDK gives itself, and lost after a
+    long restart). Only one that had missed a beat carries its silence."""
+    if job.drained_at is None:
+        return {}
+    heard = seat.last_seen
+    if job.drained_at - heard <= BEAT_SLACK * seat.beat_gap:
+        heard = job.drained_at
+    return {"heard_unix": _unix(heard)}
 
 
 def _unix(monotonic: float) -> float:

@@ -820,8 +820,9 @@ def test_a_drained_restart_goes_on_counting_each_members_silence() -> None:
     heartbeat timeout again from the restore, so it was lost seconds after its peers'
     own links had noticed, and the peer that reported first was named as the root
     cause. Its silence now goes on across a drained restart (the restart's seconds
-    counted for every member, as the SDK counts its reconnect window from the drain),
-    keeping REATTACH_S to reattach; a row from no drain, or a daemon down for a
+    counted for every member, as the SDK counts its reconnect window from the drain; a
+    member between two beats of its cadence counts from the drain), keeping
+    REATTACH_S to reattach; a row from no drain, or a daemon down for a
     timeout or longer, gives a whole timeout as before."""
     sm = RendezvousState()
     sm.join(_args(0, uid=ID), 1000.0)
@@ -842,6 +843,13 @@ def test_a_drained_restart_goes_on_counting_each_members_silence() -> None:
         return [round(now - restored.gen.members[r].last_seen, 3) for r in (0, 1)]
 
     assert silences(drained, 1003.0) == [3.0, 7.0]
+    # Between two beats of its own cadence (every 3 s here) it was beating: counted from
+    # the drain, as its SDK counts its window, not from its last beat.
+    job.gen.members[0].last_seen, job.gen.members[0].beat_gap = 998.0, 3.0
+    assert silences(snapshot.job_record(job), 1003.0) == [3.0, 7.0]
+    job.gen.members[0].beat_gap = 1.0  # two beats missed: silent since its last
+    assert silences(snapshot.job_record(job), 1003.0) == [5.0, 7.0]
+    job.gen.members[0].last_seen = 1000.0
     job.gen.members[1].last_seen = 1000.0 - (timeout - 1.0)
     assert silences(snapshot.job_record(job), 1003.0) == [3.0, timeout - snapshot.REATTACH_S]
     assert silences(drained, 1000.0 + timeout) == [0.0, 0.0]
