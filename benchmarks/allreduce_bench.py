@@ -19,9 +19,16 @@ call waits for a slower peer's warm-up; there is no barrier between the timed ca
 which run back to back (so a rank's call can include waiting for a peer still in the one
 before). Each rank times each call on its own with ``time.perf_counter`` (both
 all-reduces return only when done); calls per size: ``--iters``, or by size
-(``default_iters``: at least 5, at most 40, ~256 MiB per rank). Iteration k's time is
-the slowest rank's k-th time; ``time_s`` is the mean of those and gives ``algbw_gbps``
-and ``busbw_gbps``; ``best_time_s`` (the fastest iteration) gives ``best_busbw_gbps``.
+(``default_iters``: 20 to 40, ~256 MiB per rank at small sizes and at least 20 at large
+ones: with 5 timed calls at 64 MiB, two of three runs on the shared 2-core machine put
+gloo ahead of our TCP ring and the next run the other way round, the ring's figure
+moving 2.6x from run to run). Iteration k's time is the slowest rank's k-th time;
+``time_s`` is the mean of those and gives ``algbw_gbps`` and ``busbw_gbps``;
+``best_time_s`` (the fastest iteration) gives ``best_busbw_gbps``. The spread of the
+iterations is in every row, so one mean is never read as the whole story:
+``time_spread_s`` and ``busbw_spread_gbps`` give min, p10, median, p90 and max (the
+bandwidth's min is the slowest iteration's). Quote a comparison only where the two
+sides' p10-p90 ranges do not overlap, or say that they do.
 gloo's workers call ``torch.set_num_threads(1)`` before joining and otherwise run gloo
 at its defaults (its own all-reduce algorithm, default device); ours use numpy, with
 ``--chunk-bytes`` as the ring's largest chunk.
@@ -64,9 +71,50 @@ WORKER_DEADLINE_S = 300.0
 SECRET = b"allreduce-bench-secret-not-a-real-job-id-0123456789abcdef"
 
 
+MIN_ITERS = 20
+
+
 def default_iters(size_bytes: int) -> int:
-    # Bounded work per size (~256 MiB reduced per rank), at least 5 timed iterations.
-    return max(5, min(40, (256 * MiB) // max(size_bytes, 1)))
+    # Bounded work per size (~256 MiB reduced per rank) where that gives more calls, but
+    # never fewer than MIN_ITERS: 5 calls at 64 MiB left the ordering against gloo to
+    # chance on a shared machine (docstring).
+    return max(MIN_ITERS, min(40, (256 * MiB) // max(size_bytes, 1)))
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, linearly interpolated (numpy's default)."""
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _row(backend: str, world: int, size: int, times: list[float]) -> dict[str, Any]:
+    """One size's figures from its iterations' times (each the slowest rank's)."""
+    mean, best = sum(times) / len(times), min(times)
+    factor = 2 * (world - 1) / world
+    ordered = sorted(times)
+    spread = {
+        name: _quantile(ordered, q)
+        for name, q in (("min", 0.0), ("p10", 0.1), ("median", 0.5), ("p90", 0.9), ("max", 1.0))
+    }
+    # A bandwidth's low end is the time's high end.
+    flipped = {"min": "max", "p10": "p90", "median": "median", "p90": "p10", "max": "min"}
+    return {
+        "backend": backend,
+        "world": world,
+        "size_bytes": size,
+        "iters": len(times),
+        "time_s": mean,
+        "best_time_s": best,
+        "algbw_gbps": size / mean / 1e9,
+        "busbw_gbps": size / mean / 1e9 * factor,
+        "best_busbw_gbps": size / best / 1e9 * factor,
+        "time_spread_s": spread,
+        "busbw_spread_gbps": {
+            name: size / spread[of] / 1e9 * factor for name, of in flipped.items()
+        },
+    }
 
 
 def _send_line(sock: socket.socket, doc: dict[str, Any]) -> None:
@@ -206,24 +254,12 @@ def run_world(backend: str, world: int, sizes: list[int], args: argparse.Namespa
             max(ranks[i]["times"][k] for ranks in per_rank)
             for k in range(len(per_rank[0][i]["times"]))
         ]
-        mean, best = sum(times) / len(times), min(times)
-        factor = 2 * (world - 1) / world
-        rows.append(
-            {
-                "backend": backend,
-                "world": world,
-                "size_bytes": size,
-                "iters": len(times),
-                "time_s": mean,
-                "best_time_s": best,
-                "algbw_gbps": size / mean / 1e9,
-                "busbw_gbps": size / mean / 1e9 * factor,
-                "best_busbw_gbps": size / best / 1e9 * factor,
-            }
-        )
+        rows.append(_row(backend, world, size, times))
+        bw = rows[-1]["busbw_spread_gbps"]
         print(
             f"{backend:8s} world {world} {size / MiB:6.0f} MiB  busbw {rows[-1]['busbw_gbps']:.2f}"
-            f" GB/s (best {rows[-1]['best_busbw_gbps']:.2f})",
+            f" GB/s (p10 {bw['p10']:.2f}, median {bw['median']:.2f}, p90 {bw['p90']:.2f},"
+            f" best {rows[-1]['best_busbw_gbps']:.2f}; {len(times)} calls)",
             file=sys.stderr,
         )
     return rows
@@ -314,6 +350,10 @@ def _judge(target: dict[str, Any], results: list[Any]) -> dict[str, Any]:
         "measured_busbw_gbps": measured,
         "tcp_ring_busbw_gbps": ring["busbw_gbps"] if ring else None,
         "gloo_measured_busbw_gbps": gloo["busbw_gbps"] if gloo else None,
+        # Each mean's spread beside it: a difference inside the spread is no ordering.
+        "busbw_spread_gbps": {
+            row["backend"]: row["busbw_spread_gbps"] for row in (ours, ring, gloo) if row
+        },
         "pass": None if measured is None else measured >= target["min_busbw_gbps"],
     }
 
@@ -373,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": {
             "sizes_bytes": sizes,
             "worlds": worlds,
-            "iters": args.iters or "by size",
+            "iters": args.iters or f"by size (default_iters: at least {MIN_ITERS})",
             "chunk_bytes": args.chunk_bytes,
             "dtype": "float32",
             "op": "sum",
