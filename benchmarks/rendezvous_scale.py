@@ -565,7 +565,9 @@ def _race(
             if '"ready"' not in line:
                 for other in children:
                     other.kill()
-                raise RuntimeError(f"a client process was not ready: {line!r}")
+                raise RuntimeError(
+                    f"a client process was not ready within {timeout:g} s (its first line: {line!r})"
+                )
     finally:
         watchdog.cancel()
     ready()
@@ -826,6 +828,33 @@ def run_c10d(agents: int, procs: int, timeout: float) -> dict[str, Any]:
     }
 
 
+def _anchor(
+    run: Callable[[], dict[str, Any]], case: dict[str, Any], condition: str, timeout: float
+) -> dict[str, Any]:
+    """An anchor case's result, or its failure as a result: an anchor that could not
+    run (its client processes not ready within ``--anchor-timeout``, e.g. shorter than
+    their ``import torch``) used to end the whole run with no JSON, losing our cases
+    already measured. Its ranks count as errors, with no wall time, as any case's
+    unfinished ranks do."""
+    try:
+        return run()
+    except (RuntimeError, OSError) as exc:
+        count = case.get("agents") or case["ranks"]
+        return {
+            **case,
+            "condition": condition,
+            "wall_s": None,
+            "ok": 0,
+            "errors": {"anchor not run": count},
+            "anchor_failed": (
+                f"{case['system']} ({count} {'agents' if 'agents' in case else 'ranks'}) did "
+                f"not run: {exc}; its client processes import torch before they are ready, "
+                f"so give --anchor-timeout (now {timeout:g} s) more than that import takes "
+                "on this machine"
+            ),
+        }
+
+
 def _verdict(r: dict[str, Any]) -> str:
     """One line per case: the wall time, and against its target, MET or MISSED."""
     if r.get("agents"):
@@ -884,7 +913,10 @@ def main() -> None:
         "--anchor-timeout",
         type=float,
         default=180,
-        help="give an anchor case up after this long (reported as not finished)",
+        help="give an anchor case up after this long (reported as not finished); also "
+        "c10d's join timeout here (its own default: 600 s). An anchor whose client "
+        "processes are not ready by then (their import of torch) is reported as not run, "
+        "beside our cases",
     )
     p.add_argument("--json-out", type=Path)
     p.add_argument(
@@ -940,7 +972,16 @@ def main() -> None:
                 )
             )
             if not skipped:
-                record(run_tcpstore(world, args.processes, condition, args.anchor_timeout))
+                record(
+                    _anchor(
+                        lambda w=world, c=condition: run_tcpstore(
+                            w, args.processes, c, args.anchor_timeout
+                        ),
+                        {"system": "torch.TCPStore", "mode": "per-rank", "ranks": world},
+                        condition,
+                        args.anchor_timeout,
+                    )
+                )
     for agents in args.agents:
         record(
             run_ours(
@@ -953,7 +994,15 @@ def main() -> None:
             )
         )
         if not skipped:
-            record(run_c10d(agents, args.processes, args.anchor_timeout))
+            record(
+                _anchor(
+                    lambda a=agents: run_c10d(a, args.processes, args.anchor_timeout),
+                    {"system": "torchrun c10d (DynamicRendezvousHandler)", "mode": "agents"}
+                    | {"agents": agents},
+                    "connected",
+                    args.anchor_timeout,
+                )
+            )
     doc = {
         "benchmark": "rendezvous_scale",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
