@@ -37,8 +37,9 @@ open fds at start, once every member joined, every 10 s of the load, at its end 
 after members left; RSS growth is judged from the first sample after two periods.
 At the end every member leaves at once, as a finished job does (per-rank: each client;
 node: each agent, for its node's ranks, as rendezvous-run does; its workers only close):
-the report counts the SDK's leave warnings, the ranks the daemon holds LOST and the
-jobs not ENDED after that teardown (a normal end must never look like a failure).
+the report counts the SDK's leave warnings, the leave() calls that raised (errors,
+in ``errors_by_code`` too), the ranks the daemon holds LOST and the jobs not ENDED
+after that teardown (a normal end must never look like a failure).
 """
 
 from __future__ import annotations
@@ -280,8 +281,8 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
     # node's ranks, as rendezvous-run does; its attached workers only close).
     leavers: list[Any] = []
 
-    def err(exc: RendezvousError, op: str) -> None:
-        code = exc.code or type(exc).__name__
+    def err(exc: BaseException, op: str) -> None:
+        code = getattr(exc, "code", None) or type(exc).__name__
         errors[code] = errors.get(code, 0) + 1
         # A few messages per code, so a report with errors says which call and why.
         if len(seen := samples.setdefault(code, [])) < 3:
@@ -418,7 +419,7 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         if c.failure is not None
     }
     # Every member at once, as a job's end is: the burst issue 21 found.
-    leave_s, _ = await _leave_all(leavers, err)
+    leave_s, leave_errors = await _leave_all(leavers, err)
     await asyncio.gather(*[c.close() for c in clients])
     return {
         "latencies": latencies,
@@ -430,16 +431,26 @@ async def _members(args: argparse.Namespace) -> dict[str, Any]:
         "leaves_of_failed": len(failed_before),
         "leave_warnings": len(warnings.who),
         "leave_warnings_of_failed": sum(w in failed_before for w in warnings.who),
+        "leave_errors": leave_errors,
         "leave_s": leave_s,
     }
 
 
-async def _leave_all(leavers: list[Any], err: Callable[..., None]) -> tuple[float, int]:
-    """Every leaver's ``leave()`` at once: the burst's seconds (and 0: what raised is
-    dropped)."""
+async def _leave_all(
+    leavers: list[Any], err: Callable[[BaseException, str], None]
+) -> tuple[float, int]:
+    """Every leaver's ``leave()`` at once: the burst's seconds and how many raised.
+
+    ``leave()`` turns an unconfirmed goodbye into a warning (counted apart); what it
+    still raises (a closed client, a client used off its loop, a cancelled call) is an
+    error of the run, counted with the others under the code ``err`` gives it, as
+    every other call's is: gathered and dropped, it was in no count at all."""
     t = time.perf_counter()
-    await asyncio.gather(*[c.leave() for c in leavers], return_exceptions=True)
-    return time.perf_counter() - t, 0
+    outcomes = await asyncio.gather(*[c.leave() for c in leavers], return_exceptions=True)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    for exc in failed:
+        err(exc, "leave")
+    return time.perf_counter() - t, len(failed)
 
 
 async def _probe(args: argparse.Namespace) -> dict[str, Any]:
@@ -729,6 +740,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # was the load's, and their leave changes nothing).
             "leaves_of_failed": sum(r["leaves_of_failed"] for r in results),
             "leave_warnings_of_failed": sum(r["leave_warnings_of_failed"] for r in results),
+            # leave() calls that raised: also in errors_by_code, so meets.errors says so.
+            "leave_errors": sum(r["leave_errors"] for r in results),
             "leave_burst_s_max": round(max((r["leave_s"] for r in results), default=0.0), 3),
             "ranks_lost": teardown["ranks_lost"],
             "jobs_by_state": teardown["jobs_by_state"],

@@ -6,6 +6,7 @@ GC collections."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -57,3 +58,43 @@ def test_the_daemons_gc_collections_are_read_by_generation(
     counts = soak._gc_collections(d.metrics_url)
     assert sorted(counts) == ["0", "1", "2"], counts
     assert all(n >= 0 for n in counts.values()) and counts["2"] >= 1  # serve's gc.collect()
+
+
+def test_a_leave_that_raises_is_counted_as_an_error(
+    soak: Any, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    """The soak's teardown gathered every leave() with return_exceptions=True and
+    dropped what came back: a leave that raised was in no count. Here a real one
+    raises (the client used on an event loop other than its own, which leave()
+    refuses before anything is torn down) and is counted, by its code."""
+    from rendezvousd.client import AsyncRendezvousClient
+
+    d = start_daemon()
+    own = asyncio.new_event_loop()
+    try:
+
+        async def joined() -> Any:
+            c = AsyncRendezvousClient(d.endpoint, "soak-leave", token_file=str(d.token_file))
+            await c.join(
+                num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, host="h0", timeout=30
+            )
+            return c
+
+        client = own.run_until_complete(asyncio.wait_for(joined(), 60))
+        errors: dict[str, int] = {}
+        said: list[str] = []
+
+        def err(exc: BaseException, op: str) -> None:
+            code = getattr(exc, "code", None) or type(exc).__name__
+            errors[code] = errors.get(code, 0) + 1
+            said.append(f"{op}: {exc}")
+
+        _seconds, failed = asyncio.run(asyncio.wait_for(soak._leave_all([client], err), 60))
+        assert failed == 1
+        assert sum(errors.values()) == 1, errors
+        assert said[0].startswith("leave: ") and "soak-leave" in said[0]
+        # On its own loop the same client still leaves and closes cleanly.
+        own.run_until_complete(asyncio.wait_for(client.leave(), 60))
+        own.run_until_complete(asyncio.wait_for(client.close(), 60))
+    finally:
+        own.close()
