@@ -583,7 +583,7 @@ class TorchrunRun:
                     "world_after": world,
                 }
             )
-            out["exit_codes"] = [a.wait(180) for a in survivors]
+            out.update(_survivors_exit([a.wait(180) for a in survivors]))
             return out
         finally:
             for a in self.agents:
@@ -615,15 +615,23 @@ def torchrun_side(args: argparse.Namespace, d: EmbeddedDaemon, work: Path) -> di
                     file=sys.stderr,
                     flush=True,
                 )
-            ok = [r for r in runs if r.get("restarted")]
-            report[f"{backend}/{fault}"] = {
-                "restarted": f"{len(ok)} of {len(runs)}",
-                "recovery_s_median": statistics.median([r["recovery_s"] for r in ok])
-                if ok
-                else None,
-                "runs": runs,
-            }
+            report[f"{backend}/{fault}"] = _torchrun_summary(runs)
     return report
+
+
+def _survivors_exit(codes: list[int]) -> dict[str, Any]:
+    """What a torchrun run reports of its survivors' agents' ends."""
+    return {"exit_codes": codes}
+
+
+def _torchrun_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One backend and fault's runs: how many restarted, and their median recovery."""
+    ok = [r for r in runs if r.get("restarted")]
+    return {
+        "restarted": f"{len(ok)} of {len(runs)}",
+        "recovery_s_median": statistics.median([r["recovery_s"] for r in ok]) if ok else None,
+        "runs": runs,
+    }
 
 
 def _tree(agent: int) -> list[int]:
