@@ -54,7 +54,10 @@ and worker's start-up is. A node kill SIGKILLs the agent and every
 process below it (torch starts each worker in a session of its own, so its workers
 would outlive a SIGKILLed agent; a dead machine's do not).
 Each run reports whether a next round trained at all, and the time from the kill to
-its first step and to every rank's; a stock script restarts from step 0. It also
+its first step and to every rank's; a stock script restarts from step 0. It then waits
+for the survivors' agents and judges their exit codes (``survivors_exited_0``): a case's
+``finished`` counts the runs whose every survivor exited 0, and its
+``recovery_s_median`` is over those runs only. It also
 reports when the survivors' agents started new workers (``workers_restarted_s``: the
 failure's detection and the new round's rendezvous), apart from the workers' own
 start-up (``import torch`` is ~2.5 s of CPU each here), which no rendezvous shortens:
@@ -583,7 +586,7 @@ class TorchrunRun:
                     "world_after": world,
                 }
             )
-            out.update(_survivors_exit([a.wait(180) for a in survivors]))
+            out.update(_survivors_exit([_exit_code(a, 180) for a in survivors]))
             return out
         finally:
             for a in self.agents:
@@ -619,17 +622,41 @@ def torchrun_side(args: argparse.Namespace, d: EmbeddedDaemon, work: Path) -> di
     return report
 
 
-def _survivors_exit(codes: list[int]) -> dict[str, Any]:
-    """What a torchrun run reports of its survivors' agents' ends."""
-    return {"exit_codes": codes}
+def _exit_code(agent: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """The agent's exit status, or None if it is still running after ``timeout``
+    (killed with the rest in ``run``'s cleanup)."""
+    try:
+        return agent.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _survivors_exit(codes: list[int | None]) -> dict[str, Any]:
+    """The survivors' agents' ends, judged: after a restart the job must still finish
+    its ``--steps`` (torchrun exits 0). A round that trained again and then failed,
+    or hung (None), is no recovery, however fast its first step came."""
+    out: dict[str, Any] = {"exit_codes": codes, "survivors_exited_0": all(c == 0 for c in codes)}
+    if not out["survivors_exited_0"]:
+        out["error"] = (
+            f"the survivors' torchrun agents ended with {codes} (None: still running after "
+            "180 s), not 0: the restarted round did not finish its steps; see the agents' "
+            "stderr in --keep's folder"
+        )
+    return out
 
 
 def _torchrun_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One backend and fault's runs: how many restarted, and their median recovery."""
-    ok = [r for r in runs if r.get("restarted")]
+    """One backend and fault's runs: how many restarted, how many of those then finished
+    (every survivor's agent exited 0), and the median recovery of the finished ones
+    only: a run whose restarted round failed is not a recovery to time."""
+    restarted = [r for r in runs if r.get("restarted")]
+    finished = [r for r in restarted if r.get("survivors_exited_0")]
     return {
-        "restarted": f"{len(ok)} of {len(runs)}",
-        "recovery_s_median": statistics.median([r["recovery_s"] for r in ok]) if ok else None,
+        "restarted": f"{len(restarted)} of {len(runs)}",
+        "finished": f"{len(finished)} of {len(runs)}",
+        "recovery_s_median": (
+            statistics.median([r["recovery_s"] for r in finished]) if finished else None
+        ),
         "runs": runs,
     }
 
