@@ -52,8 +52,9 @@ def _serve(args: argparse.Namespace) -> int:
 def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop ``--event-loop`` names (None: asyncio's own). Nearly all of a call's
     CPU in the daemon is gRPC's asyncio machinery, not ours (benchmarks/rpc_cost.py);
-    uvloop runs the loop under it in C: 13-15 % less daemon CPU per call, but a 4,096-rank
-    cold join storm finished later on it (docs/benchmarks.md), so it is not the default."""
+    uvloop runs the loop under it in C: at a85618b no clear gain per stream call and less
+    than half the CPU per heartbeat (docs/operations.md), but a 4,096-rank cold join
+    storm finished later on it (docs/benchmarks.md), so it is not the default."""
     if name == "asyncio":
         return None
     try:
