@@ -533,12 +533,26 @@ def duplicate(job: Job, args: JoinArgs, holder: Member | Node, now: float) -> Re
     seat = f"node_rank={holder.node_rank}"
     if local is not None:
         seat = f"rank {rank} ({seat}, local_rank={local})"
+    # A worker refused by a live member of the running generation: most often a relaunch
+    # (a second srun step of one allocation, a resubmission) while the job id's earlier
+    # run still trains, whose every rank read the numbering advice (h130 review F5).
+    overlaps = (
+        local is not None and job.state is JobState.RUNNING and holder.state is MemberState.ACTIVE
+    )
     return job.fault(
         Code.ALREADY_EXISTS,
         Reason.DUPLICATE_RANK,
         f"{seat} of {job.named} is already held by the {holder.joiner} on {holder.host}; "
         + (
-            f"give each worker its own (node_rank 0..{job.max_nodes - 1}, and on a node a "
+            f"another run of job {job.job_id!r} is still running (generation "
+            f"{job.generation}, {len(job.gen.members)} ranks, rank {rank} on {holder.host}): "
+            "wait for it to end, or give this run a job id of its own (under srun: "
+            "$SLURM_JOB_ID.$SLURM_STEP_ID, as each step of one allocation shares "
+            f"SLURM_JOB_ID); `rendezvousd status {job.job_id}` shows that run. If this "
+            f"worker is one of that run's, two workers were given rank {rank}: give each "
+            "its own (node_rank, and on a node a distinct local_rank)"
+            if overlaps
+            else f"give each worker its own (node_rank 0..{job.max_nodes - 1}, and on a node a "
             "distinct local_rank), or node_rank=None to let the daemon place it"
             if local is not None
             else f"give each node a distinct --node-rank (0..{job.max_nodes - 1}), or "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -107,6 +108,36 @@ def test_assigned_node_ranks_group_local_ranks_by_host(daemon: DaemonProcess, jo
     assert len(members) == 4, out
     by_host = {(m.members[m.rank].host, m.node_rank) for m in members}  # type: ignore[attr-defined]
     assert len({h for h, _ in by_host}) == 2 and len(by_host) == 2  # one node rank per host
+
+
+def test_a_relaunch_beside_the_running_run_is_told_that_run_still_runs(
+    daemon: DaemonProcess, job_id: str
+) -> None:
+    """A second srun step (same job id) while the first still trains: its ranks were told
+    to give each worker its own node_rank, and searched their numbering for the fault."""
+    running = [RendezvousClient(daemon.endpoint, job_id, token=daemon.token) for _ in range(2)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            joins = [
+                pool.submit(c.join, num_nodes=1, gpus_per_node=2, local_rank=g, timeout=30)
+                for g, c in enumerate(running)
+            ]
+            for j in joins:
+                j.result(60)
+        for c in running:
+            c.start_heartbeat(0.5)
+        with (
+            RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as relaunch,
+            pytest.raises(DuplicateRank) as refused,
+        ):
+            relaunch.join(num_nodes=1, gpus_per_node=2, local_rank=1, timeout=10)
+        said = str(refused.value)
+        assert f"another run of job '{job_id}' is still running (generation 1, 2 ranks" in said
+        assert f"`rendezvousd status {job_id}` shows that run" in said, said
+        assert "node_rank=None" not in said, said
+    finally:
+        for c in running:
+            c.close()
 
 
 async def _park_rank_2(

@@ -184,6 +184,22 @@ def test_duplicate_slot_from_other_instance_is_already_exists_but_retry_is_idemp
     assert "give each worker its own (node_rank 0..1" in f.message and "--" not in f.message
 
 
+def test_a_rank_held_by_a_running_generation_is_said_as_another_run_still_running() -> None:
+    """A relaunch (a second srun step of one allocation) while the job id's earlier run
+    trains: every new rank was told to give each worker its own node_rank, advice about
+    numbering where the cause was the run still going."""
+    sm = RendezvousState()
+    form(sm)
+    sm.take_effects()
+    f = fault(sm.join, args(0, 1, inst="relaunch"), 5.0)
+    assert f.code is Code.ALREADY_EXISTS and f.reason == "DUPLICATE_RANK"
+    assert "rank 1 (node_rank=0, local_rank=1) of job 'j' generation 1" in f.message
+    assert "another run of job 'j' is still running (generation 1, 4 ranks" in f.message
+    assert "`rendezvousd status j`" in f.message and "$SLURM_STEP_ID" in f.message
+    assert "node_rank=None" not in f.message  # the numbering advice is the forming one's
+    assert sm.jobs["j"].state is JobState.RUNNING  # the running run is untouched
+
+
 @pytest.mark.parametrize(
     ("node", "local", "nodes", "gpus"), [(2, 0, 2, 2), (0, 2, 2, 2), (0, 0, 0, 1), (0, 0, 1, 0)]
 )
