@@ -55,6 +55,7 @@ BACKENDS: tuple[Backend, ...] = ("cpu", "nccl")
 TRANSPORT_KINDS: tuple[TransportKind, ...] = ("file", "daemon")
 
 ENV_GPUS_PER_NODE = "RENDEZVOUSD_GPUS_PER_NODE"
+ENV_NODE_RANK = "RENDEZVOUSD_NODE_RANK"
 ENV_ENDPOINT = "RENDEZVOUSD_ENDPOINT"
 #: Path of the TOML file itself (read by ``init_distributed``, set by the launcher).
 CONFIG_ENV = "RENDEZVOUSD_CONFIG"
@@ -520,7 +521,14 @@ class DistributedConfig:
             if topo.node_rank != self.node_rank:
                 raise ConfigError(
                     f"rank={self.rank} lies on node {topo.node_rank}, "
-                    f"not the configured node_rank={self.node_rank}"
+                    f"not node_rank={self.node_rank}",
+                    if_unset={
+                        # A global rank from srun (SLURM_PROCID) without the node's.
+                        "node_rank": f"node_rank was never set ({self.node_rank} is its "
+                        f"default): set {ENV_NODE_RANK} to this worker's node "
+                        f"({ENV_NODE_RANK}=$SLURM_NODEID under srun), or to '{AUTO}' for "
+                        "the daemon to assign it"
+                    },
                 )
 
     @property

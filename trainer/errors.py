@@ -30,13 +30,21 @@ peer-failed error, pass through unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class TrainerError(Exception):
     """Base of every error the trainer raises itself."""
 
 
 class ConfigError(TrainerError, ValueError):
-    """A topology/config value is invalid; the message quotes the bad value."""
+    """A topology/config value is invalid; the message quotes the bad value.
+    ``if_unset``: advice per setting the refusal names, added (``Schema.build``) when
+    that setting was never given, its default the value refused."""
+
+    def __init__(self, message: str, *, if_unset: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.if_unset = dict(if_unset or {})
 
 
 class DeviceCountError(ConfigError):

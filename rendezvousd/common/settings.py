@@ -488,7 +488,11 @@ class Schema(Generic[T]):
             built: T = self._construct(self.cls, "", merged)
         except self.error as exc:
             keys = getattr(exc, "keys", ())
-            raise self.error(f"{exc}{self._origins(str(exc), merged, keys)}") from None
+            # A default refused names no origin, and "the configured node_rank=0" read
+            # as a value somebody set: the refusal's advice for a setting never given.
+            unset = getattr(exc, "if_unset", {})
+            advice = "".join(f"; {said}" for key, said in unset.items() if key not in merged)
+            raise self.error(f"{exc}{self._origins(str(exc), merged, keys)}{advice}") from None
         return built
 
     def _construct(self, cls: type[Any], prefix: str, merged: Layer) -> Any:
