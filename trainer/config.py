@@ -97,11 +97,14 @@ class Seconds(Float):
     (``threading.TIMEOUT_MAX`` is ~292 years, below 1e308), and 1e-9 s busy-looped."""
 
     least: float = 0.001
+    optional: bool = False
 
     def _wants(self) -> str:
         return f"a number of seconds from {self.least:g} to {LONGEST_WAIT_S:.0f} (30 days)"
 
     def check(self, value: Any) -> Any:
+        if value is None and self.optional:
+            return None
         if not is_wait(value, self.least):  # NaN fails too
             raise Invalid(f"must be {self._wants()}")
         return float(value)
@@ -358,8 +361,14 @@ class DistributedConfig:
         Bool(),
     )
     # From the SDK's floor for start_heartbeat(): 1e-9 s busy-looped the agent's heartbeat.
-    heartbeat_interval_s: float = setting(
-        5.0, "daemon liveness ping interval", Seconds(least=SHORTEST_HEARTBEAT_S)
+    # Unset: the SDK's own choice, a third of the daemon's heartbeat timeout (at most
+    # 5 s). A fixed 5 s default was above a default daemon's third (10 s / 3), so every
+    # rank logged that it beats faster than configured, for a setting nobody made.
+    heartbeat_interval_s: float | None = setting(
+        None,
+        "daemon liveness ping interval (default: a third of the daemon's heartbeat "
+        "timeout, at most 5 s)",
+        Seconds(least=SHORTEST_HEARTBEAT_S, optional=True),
     )
     cpu_shared_memory: bool = setting(
         True, "cpu backend: all-reduce through shared memory when all ranks share a host", Bool()

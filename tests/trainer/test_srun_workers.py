@@ -1,12 +1,92 @@
-"""Workers started as srun starts them (one process per GPU, no launcher): what they
-are told when srun's numbering is translated only in part."""
+"""Workers started as srun starts them (one process per GPU, no launcher), srun's
+variables set by hand: what their logs carry with default settings, and what they are
+told when srun's numbering is translated only in part."""
 
 from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from rendezvousd.trainer.config import load_config
 from rendezvousd.trainer.errors import ConfigError
+from tests.support import WORKERS, DaemonProcess
+
+WORKER = [sys.executable, str(WORKERS / "srun_worker.py")]
+#: What the SDK logs when it beats faster than the interval it was given.
+FASTER = re.compile(r"heartbeat every [\d.]+ s, not [\d.]+ s")
+
+
+def srun_env(procid: int, nodes: int, per_node: int, job: str, step: str) -> dict[str, str]:
+    """What srun sets for task ``procid`` of ``nodes`` x ``per_node`` (its default block
+    distribution), over an environment without our own variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RENDEZVOUSD_", "SLURM_"))}
+    return {
+        **env,
+        "SLURM_JOB_ID": job,
+        "SLURM_STEP_ID": step,
+        "SLURM_PROCID": str(procid),
+        "SLURM_NTASKS": str(nodes * per_node),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_NODEID": str(procid // per_node),
+        "SLURM_LOCALID": str(procid % per_node),
+        # Bounds the test, should the job never form; the doc leaves the default.
+        "RENDEZVOUSD_JOIN_TIMEOUT_S": "60",
+    }
+
+
+@pytest.fixture
+def tasks(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+        with log.open("w") as err:
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+@pytest.mark.parametrize("interval", [None, "5"])
+def test_only_a_heartbeat_interval_somebody_set_is_said_to_be_cut(
+    start_daemon: Callable[..., DaemonProcess],
+    tmp_path: Path,
+    tasks: Callable[..., subprocess.Popen[str]],
+    interval: str | None,
+) -> None:
+    """A default worker against a default daemon (timeout 10 s) beats as the daemon
+    allows, silently: every rank logged that it beat every 3.33 s, not the 5 s the
+    trainer's default asked for. A value set above the daemon's third is still said."""
+    d = start_daemon()
+    env = {
+        **srun_env(0, 1, 1, "78", "0"),
+        "RENDEZVOUSD_ENDPOINT": d.endpoint,
+        "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
+        "RENDEZVOUSD_JOB_ID": f"beat-{interval}",
+    }
+    if interval is not None:
+        env["RENDEZVOUSD_HEARTBEAT_INTERVAL_S"] = interval
+    log = tmp_path / "task.err"
+    p = tasks(WORKER, env, log)
+    out, _ = p.communicate(timeout=60)
+    said = log.read_text()
+    assert p.returncode == 0, (out, said)
+    assert json.loads(out.splitlines()[0])["world_size"] == 1
+    if interval is None:
+        assert not FASTER.search(said), said
+    else:
+        assert "heartbeat every 3.33 s, not 5 s" in said, said
 
 
 def test_a_srun_rank_without_the_nodes_says_node_rank_was_never_set() -> None:

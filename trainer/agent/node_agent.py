@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client._session import DEFAULT_HEARTBEAT_S
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -421,7 +422,9 @@ class NodeAgent:
         # A worker's process is held to the daemon's own liveness rule for ranks: one
         # silent for the heartbeat timeout is lost (stopped, or frozen holding the GIL).
         self._silence_s = m.heartbeat_timeout_ms / 1000 or DEFAULT_SILENCE_S
-        alive_interval = min(config.heartbeat_interval_s, self._silence_s / 3)
+        alive_interval = min(
+            config.heartbeat_interval_s or DEFAULT_HEARTBEAT_S, self._silence_s / 3
+        )
         for i, worker in enumerate(self.active):
             assignment = Assignment(
                 **seat_of(m, local_rank=i),
