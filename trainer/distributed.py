@@ -22,6 +22,7 @@ import functools
 import importlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -258,7 +259,9 @@ def init_distributed(
         return _init_from_agent(link, os.environ if env is None else None)
     # Only here: the transports (the file one brings the embedded daemon and its
     # settings) are for workers that join by themselves; an agent's worker attaches.
+    from rendezvousd.client.sync import RendezvousClient
     from rendezvousd.client.transport import connect
+    from rendezvousd.trainer.agent.waiting_note import saying_what_its_rank_waits_for
 
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
     transport = config.rendezvous
@@ -294,7 +297,7 @@ def init_distributed(
             raise ConfigError(f"{devices.SHARED_DEVICE_ENV}=1 needs one GPU, and none is visible")
         id_factory = nccl.create_unique_id
     # The same Join again is how a retry gets a fresh generation and id.
-    join = functools.partial(
+    joining = functools.partial(
         rdzv.join,
         num_nodes=config.num_nodes,
         gpus_per_node=config.local_world_size,
@@ -304,6 +307,22 @@ def init_distributed(
         id_factory=id_factory,
         timeout=config.join_timeout_s,
     )
+
+    def join() -> Membership:
+        # Said while it waits, as rendezvous-run's joins say it: a rank started late
+        # (or never: two workers given one SLURM_PROCID) left every other worker
+        # silent for the whole join timeout, 600 s by default.
+        if not isinstance(rdzv, RendezvousClient):
+            return joining()  # the file transport: one node, its daemon this job's own
+        with saying_what_its_rank_waits_for(
+            rdzv.get_job,
+            lambda note: log.warning("rendezvousd: %s", note),
+            config.join_timeout_s,
+            time.monotonic(),
+            socket.gethostname(),
+            local_rank,
+        ):
+            return joining()
 
     def watch(relay: _FailureRelay) -> None:
         rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)

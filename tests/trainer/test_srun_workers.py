@@ -1,6 +1,7 @@
-"""Workers started as srun starts them (one process per GPU, no launcher), srun's
-variables set by hand: what their logs carry with default settings, and what they are
-told when srun's numbering is translated only in part."""
+"""Workers started as srun starts them (one process per GPU, no launcher), with
+docs/trainer.md's "Under srun" exports run as written and srun's variables set by
+hand: where they are placed, what a wait for a late rank says, and what their logs
+carry with default settings."""
 
 from __future__ import annotations
 
@@ -16,11 +17,30 @@ import pytest
 
 from rendezvousd.trainer.config import load_config
 from rendezvousd.trainer.errors import ConfigError
-from tests.support import WORKERS, DaemonProcess
+from tests.support import ROOT, WORKERS, DaemonProcess, wait_for
 
+DOC = ROOT / "docs" / "trainer.md"
 WORKER = [sys.executable, str(WORKERS / "srun_worker.py")]
 #: What the SDK logs when it beats faster than the interval it was given.
 FASTER = re.compile(r"heartbeat every [\d.]+ s, not [\d.]+ s")
+
+
+def task_script(d: DaemonProcess, tmp_path: Path) -> Path:
+    """The doc's task.sh, pointed at ``d`` and at the test's worker: its srun lines as
+    the doc gives them."""
+    section = DOC.read_text().split("### Under srun", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    for placeholder in ("daemon-host:29420", "$HOME/.rendezvousd/token", "python train.py"):
+        assert placeholder in block, placeholder
+    block = (
+        block.replace("daemon-host:29420", d.endpoint)
+        .replace("$HOME/.rendezvousd/token", str(d.token_file))
+        .replace("python train.py", " ".join(WORKER))
+    )
+    script = tmp_path / "task.sh"
+    script.write_text(block)
+    script.chmod(0o700)
+    return script
 
 
 def srun_env(procid: int, nodes: int, per_node: int, job: str, step: str) -> dict[str, str]:
@@ -56,6 +76,40 @@ def tasks(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
         if p.poll() is None:
             p.kill()
         p.wait(10)
+
+
+def test_the_documented_srun_exports_place_a_2x2_job_and_a_late_rank_is_named(
+    start_daemon: Callable[..., DaemonProcess],
+    tmp_path: Path,
+    tasks: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """Every export of the doc's block, run: the ranks are srun's, the job id carries the
+    step. Rank 3 starts late: the ranks waiting for it said nothing for the whole join
+    timeout (600 s by default), where rendezvous-run's joins say what they wait for."""
+    d = start_daemon()  # a daemon's defaults: its heartbeat timeout too
+    script = task_script(d, tmp_path)
+    logs = [tmp_path / f"task{i}.err" for i in range(4)]
+    procs = [tasks([str(script)], srun_env(i, 2, 2, "77", "3"), logs[i]) for i in range(3)]
+    # The lowest local rank waiting on the (one) host of each node says it; node 0's
+    # local rank 1 waits beside its local rank 0, and keeps quiet.
+    note = "still waiting for job 'slurm-77.3' generation 1 to form after"
+    missing = "3 of 4 ranks joined, missing rank 3 (no worker joined as it)"
+    for i in (0, 2):
+        wait_for(f"task {i}'s waiting note", lambda i=i: note in logs[i].read_text(), 30)
+        assert missing in logs[i].read_text(), logs[i].read_text()
+    procs.append(tasks([str(script)], srun_env(3, 2, 2, "77", "3"), logs[3]))
+    ready = []
+    for i, p in enumerate(procs):
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, (out, logs[i].read_text())
+        ready.append(json.loads(out.splitlines()[0]))
+    placed = [(r["rank"], r["node_rank"], r["local_rank"], r["world_size"]) for r in ready]
+    assert placed == [(0, 0, 0, 4), (1, 0, 1, 4), (2, 1, 0, 4), (3, 1, 1, 4)]
+    assert {r["job_id"] for r in ready} == {"slurm-77.3"}
+    errs = [log.read_text() for log in logs]
+    assert note not in errs[1], errs[1]
+    assert not any(FASTER.search(e) for e in errs), errs  # (the test below)
+    assert d.token not in "".join(errs)
 
 
 @pytest.mark.parametrize("interval", [None, "5"])

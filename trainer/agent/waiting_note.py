@@ -1,7 +1,8 @@
-"""What a node's join says while it waits for its job to form (rendezvous-run's
-joins, and a torchrun agent's): the nodes joined of those the generation needs, the
-seats kept for nodes re-joining, or the next re-form that takes a newcomer in, asked
-of the daemon (``GetJob``) on a thread of its own so that the join is never held up.
+"""What a join says while it waits for its job to form (rendezvous-run's joins, a
+torchrun agent's, and a worker's own per-rank join under ``init_distributed``): the
+nodes (ranks) joined of those the generation needs, the seats kept for nodes
+re-joining, or the next re-form that takes a newcomer in, asked of the daemon
+(``GetJob``) on a thread of its own so that the join is never held up.
 """
 
 from __future__ import annotations
@@ -138,6 +139,58 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def rank_note(
+    job: pb.GetJobResponse, waited_s: float, limit_s: float, host: str, local_rank: int
+) -> str | None:
+    """What a worker's own per-rank join (``init_distributed`` without an agent) waits
+    for: the ranks joined of the world, and which are missing. None when another
+    worker on this host says it: the lowest local rank joined there speaks, one line
+    per host as rendezvous-run's one per node, where every rank of a 64-node srun job
+    repeating it buried the line (and rank 0 alone is silent when it is the missing
+    one)."""
+    from rendezvousd.common import grid  # not at the top: see forming_note
+
+    s = job.summary
+    named = f"job '{escape(s.job_id)}' generation {s.generation}"
+    bound = f"waiting up to {limit_s:g} s in all"
+    if s.state != pb.JOB_STATE_FORMING:
+        # Joined while an earlier run of the job id winds down: its members leave,
+        # then this join opens the next run.
+        still = sorted(m.member.rank for m in job.members if m.state == pb.MEMBER_STATE_ACTIVE)
+        if not still:
+            return None  # the generation just ended: the next note sees this join's own
+        return (
+            f"{named}, an earlier run of this job id, is still running after "
+            f"{waited_s:.0f} s ({len(still)} of its {s.world_size} ranks active): this "
+            f"rank joins the job id's next run once they have left; if that run is not "
+            f"yours, stop this one or give it a fresh job id "
+            f"(`rendezvousd status {escape(s.job_id)}` shows it; {bound})"
+        )
+    here = [
+        m.member.local_rank
+        for m in job.members
+        if m.state == pb.MEMBER_STATE_JOINING and m.member.host == host
+    ]
+    if any(r < local_rank for r in here):
+        return None
+    joined = [m.member.rank for m in job.members if m.state == pb.MEMBER_STATE_JOINING]
+    said = (
+        f"still waiting for {named} to form after {waited_s:.0f} s: {len(joined)} of "
+        f"{s.world_size} ranks joined"
+    )
+    missing = grid.missing_ranks(s.world_size, joined)
+    said += f", missing {missing}" if missing else ", rank 0's id not yet published"
+    said += f"; {bound}, then this ends naming what is missing"
+    if job.HasField("previous_run_ended_ms"):
+        ended = _ago(job.previous_run_ended_ms / 1000)
+        said += (
+            f". The job's previous run ended {ended} ago (every member left), and a join "
+            "after that starts a new run: a worker meant for the run that ended is not "
+            "needed and may stop"
+        )
+    return said
+
+
 @contextlib.contextmanager
 def saying_what_it_waits_for(
     get_job: Callable[[], pb.GetJobResponse],
@@ -154,6 +207,39 @@ def saying_what_it_waits_for(
     join names, 0 for the daemon's; ``held``: the generation it last held a seat in). Only a join that itself has
     waited says so: one asked again every second (a held --node-rank, the daemon away)
     is refused, not waiting for the job."""
+    with _noting(
+        get_job,
+        say,
+        lambda job: forming_note(job, fewest, time.monotonic() - began, limit_s, last_call_s, held),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def saying_what_its_rank_waits_for(
+    get_job: Callable[[], pb.GetJobResponse],
+    say: Callable[[str], None],
+    limit_s: float,
+    began: float,
+    host: str,
+    local_rank: int,
+) -> Iterator[None]:
+    """``saying_what_it_waits_for`` for a worker's own per-rank join: ``rank_note``,
+    at the same pace (``host``: the one the join names; ``local_rank``: its own)."""
+    with _noting(
+        get_job,
+        say,
+        lambda job: rank_note(job, time.monotonic() - began, limit_s, host, local_rank),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _noting(
+    get_job: Callable[[], pb.GetJobResponse],
+    say: Callable[[str], None],
+    word: Callable[[pb.GetJobResponse], str | None],
+) -> Iterator[None]:
     done = threading.Event()
 
     def watch() -> None:
@@ -164,8 +250,9 @@ def saying_what_it_waits_for(
                 job = get_job()
             except RendezvousError:
                 continue  # best effort: the join itself says what failed
-            if not done.is_set():
-                say(forming_note(job, fewest, time.monotonic() - began, limit_s, last_call_s, held))
+            note = word(job)
+            if note is not None and not done.is_set():
+                say(note)
 
     threading.Thread(target=watch, daemon=True, name="rendezvous-forming").start()
     try:
