@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.trainer.agent.waiting_note import rank_note
 from rendezvousd.trainer.config import load_config
 from rendezvousd.trainer.errors import ConfigError
 from tests.support import ROOT, WORKERS, DaemonProcess, wait_for
@@ -164,3 +166,39 @@ def test_a_srun_rank_without_the_nodes_says_node_rank_was_never_set() -> None:
     # The suggested fixes are taken.
     assert load_config(None, env={**base, "RENDEZVOUSD_NODE_RANK": "1"}).node_rank == 1
     assert load_config(None, env={**base, "RENDEZVOUSD_NODE_RANK": "auto"}).node_rank is None
+
+
+def _job(state: int, members: list[tuple[int, int, str, int]]) -> pb.GetJobResponse:
+    """A per-rank job of 2 nodes x 2 as GetJob shows it: (rank, local rank, host, state)."""
+    job = pb.GetJobResponse()
+    job.summary.job_id, job.summary.generation, job.summary.world_size = "j", 1, 4
+    job.summary.state = state  # type: ignore[assignment]
+    for rank, local, host, member_state in members:
+        m = job.members.add()
+        m.member.rank, m.member.local_rank, m.member.host = rank, local, host
+        m.state = member_state  # type: ignore[assignment]
+    return job
+
+
+def test_one_rank_per_host_says_the_note_and_a_running_run_is_named() -> None:
+    joining = pb.MEMBER_STATE_JOINING
+    forming = _job(pb.JOB_STATE_FORMING, [(0, 0, "a", joining), (1, 1, "a", joining)])
+    forming.members.add().CopyFrom(_job(0, [(3, 1, "b", joining)]).members[0])
+    # Host a: its local rank 0 speaks, local rank 1 beside it keeps quiet.
+    said = rank_note(forming, 5.0, 600.0, "a", 0)
+    assert said == (
+        "still waiting for job 'j' generation 1 to form after 5 s: 3 of 4 ranks joined, "
+        "missing rank 2 (no worker joined as it); waiting up to 600 s in all, then this "
+        "ends naming what is missing"
+    )
+    assert rank_note(forming, 5.0, 600.0, "a", 1) is None
+    # Host b: its lowest local rank joined is 1, which speaks.
+    assert rank_note(forming, 5.0, 600.0, "b", 1) == said
+    active = pb.MEMBER_STATE_ACTIVE
+    running = _job(pb.JOB_STATE_RUNNING, [(0, 0, "a", active), (1, 1, "a", pb.MEMBER_STATE_LEFT)])
+    said = rank_note(running, 35.0, 600.0, "c", 0)
+    assert said is not None
+    assert "an earlier run of this job id, is still running after 35 s (1 of its 4" in said
+    assert "`rendezvousd status j`" in said
+    ended = _job(pb.JOB_STATE_RUNNING, [(0, 0, "a", pb.MEMBER_STATE_LEFT)])
+    assert rank_note(ended, 35.0, 600.0, "c", 0) is None
