@@ -216,21 +216,34 @@ def _drop_out(rdzv: Rendezvous, error: BaseException | None, local_rank: int) ->
     stream closed", the exception left in this worker's own stderr). A worker whose
     ring connection broke is most likely the victim of a peer's death (or of a daemon
     gone, which its peer saw first): it waits until its rendezvous reports that, so its
-    own log names the real cause.
+    own log names the real cause. When none comes, no one else will name it (a peer that
+    left cleanly, finished early: the daemon saw a goodbye; a cut between two hosts whose
+    heartbeats go on): it reports its own error, as an agent's worker does
+    (``_unexplained``), or its stream's close was recorded as the loss, the victim that
+    closed first blamed.
     """
-    if _own_failure(error):
+    own = _own_failure(error)
+    if own:
         with contextlib.suppress(RendezvousError):
             rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
     if isinstance(error, CommunicatorError) and not isinstance(
         error, CommunicatorAborted | DeviceError
     ):
-        deadline = time.monotonic() + PEER_SETTLE_S
+        # A rank that heard of the break from a neighbour waits a little longer than a
+        # witness, so that a witness's words are the cause of record.
+        settle = PEER_SETTLE_S if error.reported_by is None else PEER_SETTLE_S + HEARSAY_DELAY_S
+        deadline = time.monotonic() + settle
+        heard = False
         while time.monotonic() < deadline:
             try:
                 rdzv.raise_if_failed()
             except RendezvousError:
+                heard = True
                 break
             time.sleep(0.02)  # poll interval while the failure report arrives
+        if not heard and not own:
+            with contextlib.suppress(RendezvousError):
+                rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
     rdzv.close()
 
 

@@ -133,9 +133,11 @@ def test_a_worker_without_a_launcher_that_raises_is_its_peers_cause(
         "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}'}), flush=True)\n"
     )
     survivor = _rank0s_last_line(d, job_id, script)
-    # Its own ring may break first ("rank 1 aborted: communicator closed"); when its
-    # rendezvous' word came first, that names the exception.
-    assert "lost rank 1" in survivor["error"] or "rank 1 aborted" in survivor["error"], survivor
+    # Its own ring may break first ("rank 1 left the job ..."); when its rendezvous' word
+    # came first, that names the exception.
+    assert "lost rank 1" in survivor["error"] or "rank 1 left the job" in survivor["error"], (
+        survivor
+    )
     if "lost rank 1" in survivor["error"]:
         assert "RuntimeError: line1" in survivor["error"], survivor
     with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
@@ -195,13 +197,73 @@ def test_a_worker_without_a_launcher_whose_ring_broke_waits_for_the_daemons_caus
         "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}', 'heard': repr(heard)}))\n"
     )
     survivor = _rank0s_last_line(d, job_id, script)
-    assert "rank 1 aborted" in survivor["error"], survivor  # the ring's own word
+    assert "rank 1 left the job" in survivor["error"], survivor  # the ring's own word
     assert survivor["heard"].startswith("PeerFailed(") and "lost rank 1 " in survivor["heard"], (
         survivor
     )
     with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
         failed = probe.get_job().failed
     assert [f.rank for f in failed[:1]] == [1], failed
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "tcp-ring"])
+def test_a_worker_without_a_launcher_that_finishes_early_is_named_as_left_not_aborted(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, shared_memory: bool
+) -> None:
+    """Rank 1 runs 3 steps, leaves its ``with`` block cleanly and exits 0 (uneven data);
+    ranks 0 and 2 go on. They read "rank 1 aborted: communicator closed", and, the
+    daemon having heard only rank 1's goodbye, the first survivor's stream to close was
+    recorded as the loss: "rank 2 on HOST (heartbeat stream closed)", a victim blamed."""
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "import numpy as np\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "try:\n"
+        "    with init_distributed() as ctx:\n"
+        "        for _ in range(3 if ctx.rank == 1 else 100_000):\n"
+        "            ctx.communicator.all_reduce(np.ones(4))\n"
+        "except Exception as exc:\n"
+        "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}'}), flush=True)\n"
+        "    sys.exit(1)\n"
+        "print(json.dumps({'done': True}), flush=True)\n"
+    )
+    env = {"RENDEZVOUSD_CPU_SHARED_MEMORY": str(shared_memory).lower()}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**_worker_env(d, job_id, i, 3), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    try:
+        lines = [json.loads(rest_of_stdout(p, 60).strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    assert lines[1] == {"done": True} and procs[1].returncode == 0, lines
+    for survivor in (lines[0], lines[2]):
+        error = survivor.get("error", "")
+        assert "rank 1 left the job (finished or exited early" in error, survivor
+        assert "while this rank still ran collectives" in error and "aborted" not in error
+    assert [p.returncode for p in procs] == [1, 0, 1]
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+        job = probe.get_job()
+    # The record's cause is a survivor's own report, which names rank 1's leave; never
+    # a victim's stream closing.
+    assert job.failed and job.failed[0].rank in (0, 2), job.failed
+    assert "rank 1 left the job" in job.failed[0].cause, job.failed
+    assert all("heartbeat stream closed" not in f.cause for f in job.failed), job.failed
+    failed_line = [line for line in d.log().splitlines() if "RUNNING -> FAILED" in line]
+    assert failed_line and "rank 1 left the job" in failed_line[0], failed_line
 
 
 def _standalone(per_node: int, *flags: str) -> list[str]:

@@ -256,7 +256,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 return
             self._closed = True
         closed = CommunicatorError(f"rank {self.rank}: communicator is closed")
-        self._record(wire.LinkError(self.rank, wire.ABORTED, "communicator closed"), closed)
+        self._record(wire.LinkError(self.rank, wire.ABORTED, wire.CLOSED), closed)
         if self._sender is not None:
             # The sender forwards the failure notice downstream first, so survivors past
             # the neighbour still learn which rank failed; a stuck peer costs one grace.
@@ -368,6 +368,17 @@ class CpuRingCommunicator(RankedCommunicator):
         via = f" (reported by rank {link.via})" if hearsay else ""
         if code == wire.INTERRUPTED:
             kind = CommunicatorError
+        if code == wire.ABORTED and link.detail == wire.CLOSED:
+            # A peer that closed with no failure of its own finished, or left its
+            # ``with`` block early: "aborted" sent its user looking for a crash there.
+            error = kind(
+                f"rank {self.rank}: rank {origin} left the job (finished or exited early, "
+                f"closing its communicator) while this rank still ran collectives{via}: every "
+                "rank must run the same collectives (as many steps and batches; uneven data "
+                "splits are the usual cause)"
+            )
+            error.reported_by = link.via if hearsay else None
+            return error
         error = kind(f"rank {self.rank}: {what}{via}: {link.detail}")
         error.reported_by = link.via if hearsay else None
         return error

@@ -85,6 +85,11 @@ TIMEOUT = 2
 ABORTED = 3
 MISMATCH = 4
 INTERRUPTED = 5
+#: The detail of the ABORTED notice ``close()`` sends: a rank that closed its
+#: communicator with no failure first (it finished, or left its ``with`` block early).
+#: Its peers word it as a rank that left, not one that aborted. The same bytes every
+#: ``RDVRING3`` rank sends on close, only read apart: no wire change.
+CLOSED = "communicator closed"
 
 # kind, collective, op (or failure code), dtype, sequence, total bytes, aux (root or
 # origin rank), frame index, payload length.
