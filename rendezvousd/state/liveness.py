@@ -191,6 +191,7 @@ def tick(sm: RendezvousState, now: float) -> None:
             joins.try_form(sm, job, now)
         elif job.state is JobState.RUNNING:
             joins.tell_waiting(sm, job, now)
+            silent: list[tuple[Member | Node, str]] = []
             for seated in list(job.attendees(job.gen.join_mode).values()):
                 # Not ``watched``: every attendee silent at this tick is lost, also
                 # once the first loss failed the generation (each is named).
@@ -201,7 +202,11 @@ def tick(sm: RendezvousState, now: float) -> None:
                     # (another change's commit): no stream end comes to say it again.
                     _goodbye(sm, job, seated, now)
                 elif now - seated.last_seen > timeout:
-                    rounds.lose_seated(sm, job, seated, rounds.silence_cause(sm, seated), now)
+                    silent.append((seated, rounds.silence_cause(sm, seated)))
+            if silent:
+                # One failure: the survivors hear every attendee silent at this tick
+                # (a host cut off takes all of its ranks), not the first alone.
+                rounds.lose_all_seated(sm, job, silent, now)
         idle = job.state in rounds.TERMINAL or (
             job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes
         )

@@ -294,10 +294,21 @@ def lose_seated(
 ) -> None:
     """``seated`` is gone (silent, its stream closed), and with it the active members
     it attends for."""
-    lost = [m for m in job.covered(seated) if m.state is MemberState.ACTIVE]
-    seated.state = MemberState.LOST
-    seated.stream_open = False
-    lose(sm, job, lost, cause, now)
+    lose_all_seated(sm, job, [(seated, cause)], now)
+
+
+def lose_all_seated(
+    sm: RendezvousState, job: Job, gone: list[tuple[Member | Node, str]], now: float
+) -> None:
+    """Each of ``gone`` is lost with its cause, as one failure: a host cut off takes
+    its attendees silent at the same tick, and its survivors were told only the first
+    (the generation had failed by the second), though ``status`` listed every one."""
+    lost: list[tuple[Member, str]] = []
+    for seated, cause in gone:
+        lost += [(m, cause) for m in job.covered(seated) if m.state is MemberState.ACTIVE]
+        seated.state = MemberState.LOST
+        seated.stream_open = False
+    _lose(sm, job, lost, now, told=None, attendees=len(gone))
 
 
 def lose(
@@ -311,18 +322,35 @@ def lose(
 ) -> None:
     """``lost`` members are gone: the generation fails, every other member (node
     agent in a JoinNode generation; but the node ``told``, which reported it) hears."""
-    for member in lost:
+    _lose(sm, job, [(m, cause) for m in lost], now, told=told, attendees=1)
+
+
+def _lose(
+    sm: RendezvousState,
+    job: Job,
+    lost: list[tuple[Member, str]],
+    now: float,
+    *,
+    told: int | None,
+    attendees: int,
+) -> None:
+    """``lost`` members, each with its cause, of ``attendees`` seats, gone as one
+    failure."""
+    for member, cause in lost:
         member.state = MemberState.LOST
         member.stream_open = False
         job.gen.failed.append(member.loss(cause, now))
     if job.state is not JobState.RUNNING or not lost:
         return  # the generation already ended: survivors were told once
     first = job.gen.failed[-len(lost)]
-    more = f" (and {len(lost) - 1} more of its node)" if len(lost) > 1 else ""
+    more = ""
+    if len(lost) > 1:
+        whose = "of its node" if attendees == 1 else "lost with it"
+        more = f" (and {len(lost) - 1} more {whose})"
     set_state(sm, job, JobState.FAILED, now, f"{first.describe()}{more}", lost=True)
     fail_waiters(sm, job)
     # The event's failed list holds the whole cause; its reason only shows it.
-    notify(sm, job, EventKind.PEER_FAILED, reason=shortened(cause), skip=told)
+    notify(sm, job, EventKind.PEER_FAILED, reason=shortened(lost[0][1]), skip=told)
 
 
 def fail_waiters(sm: RendezvousState, job: Job) -> None:

@@ -281,6 +281,37 @@ def test_silent_member_is_lost_after_heartbeat_timeout_only() -> None:
     assert [f.rank for f in job.gen.failed] == [1] and "no heartbeat" in job.gen.failed[0].cause
 
 
+def test_every_rank_silent_at_one_tick_is_in_the_failure_the_survivors_hear() -> None:
+    """A host cut off: ranks 2 and 3 (node 1) go silent together. The survivors heard
+    only "lost rank 2" (the generation had failed by rank 3's turn), though ``status``
+    listed both; the failure they hear, its message and its members, names both."""
+    from rendezvousd.common.model import Transition
+
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=5))
+    gen = form(sm)[0].generation  # 2 nodes x 2
+    for r in range(4):
+        sm.attach_stream("j", gen, r, inst(sm, r), 0.0)
+    waiter = sm.barrier("j", gen, 0, "b", 1, 1.0, instance_id=inst(sm, 0))
+    assert isinstance(waiter, Parked)
+    sm.take_effects()
+    for r in (0, 1):
+        sm.heartbeat("j", gen, r, 4.0)
+    sm.tick(5.1)
+    effects = sm.take_effects()
+    notes = [e for e in effects if isinstance(e, Notify)]
+    assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED, notes
+    assert sorted(notes[0].to) == [0, 1]
+    assert [f.rank for f in notes[0].failed] == [2, 3], notes[0].failed
+    assert all("no heartbeat for 5.0 s" in f.cause for f in notes[0].failed)
+    wake = next(e for e in effects if isinstance(e, Wake) and e.waiter == waiter.waiter)
+    assert wake.fault is not None
+    assert "lost rank 2 on h1 (" in wake.fault.message, wake.fault.message
+    assert "rank 3 on h1 (" in wake.fault.message, wake.fault.message
+    failed = [e for e in effects if isinstance(e, Transition) and e.new is JobState.FAILED]
+    assert len(failed) == 1 and failed[0].detail.startswith("rank 2 on h1 (no heartbeat")
+    assert failed[0].detail.endswith("(and 1 more lost with it)"), failed[0].detail
+
+
 @pytest.mark.parametrize(
     ("closed_at", "cause"),
     [
