@@ -9,7 +9,8 @@ import ipaddress
 from typing import TYPE_CHECKING
 
 from rendezvousd.common import validation
-from rendezvousd.common.escape import bounded, shortened
+from rendezvousd.common.escape import bounded, escape, shortened
+from rendezvousd.common.members import NAMED_LOSSES
 from rendezvousd.common.model import (
     NEVER_ATTACHED,
     AbortCause,
@@ -17,6 +18,7 @@ from rendezvousd.common.model import (
     FailedInfo,
     JobFailure,
     JobState,
+    JoinMode,
     MemberState,
     Notify,
     Rejoin,
@@ -347,10 +349,29 @@ def _lose(
     if len(lost) > 1:
         whose = "of its node" if attendees == 1 else "lost with it"
         more = f" (and {len(lost) - 1} more {whose})"
-    set_state(sm, job, JobState.FAILED, now, f"{first.describe()}{more}", lost=True)
+    detail = f"{first.describe()}{more}{_after_leaving(job)}"
+    set_state(sm, job, JobState.FAILED, now, detail, lost=True)
     fail_waiters(sm, job)
     # The event's failed list holds the whole cause; its reason only shows it.
     notify(sm, job, EventKind.PEER_FAILED, reason=shortened(lost[0][1]), skip=told)
+
+
+def _after_leaving(job: Job) -> str:
+    """The workers that left ``job``'s running generation before it failed, as the
+    failure's context ("" for none). A goodbye there is a clean end for its worker:
+    every end starts with one, the ranks leaving one by one. But one that left while
+    the others still ran collectives (it finished early: uneven data) breaks theirs,
+    and the loss that follows is one of its victims (its stream closed, its collective
+    timed out), which the daemon's line and ``status`` named alone. Not the cause
+    itself: a rank's own crash in the staggered end (its last checkpoint) also comes
+    after others left. A node agent's goodbye is its whole node's end, said by its
+    agents' own words."""
+    if job.gen.join_mode is not JoinMode.RANK or not job.gen.left:
+        return ""
+    gone = [m for m in job.gen.members.values() if m.state is MemberState.LEFT]
+    named = ", ".join(f"rank {m.rank} on {escape(m.host)}" for m in gone[:NAMED_LOSSES])
+    more = f" and {len(gone) - NAMED_LOSSES} more" if len(gone) > NAMED_LOSSES else ""
+    return f", after {named}{more} left the running generation (finished or exited early)"
 
 
 def fail_waiters(sm: RendezvousState, job: Job) -> None:

@@ -312,6 +312,40 @@ def test_every_rank_silent_at_one_tick_is_in_the_failure_the_survivors_hear() ->
     assert failed[0].detail.endswith("(and 1 more lost with it)"), failed[0].detail
 
 
+def test_a_failure_after_a_rank_left_the_running_generation_names_that_rank() -> None:
+    """Rank 3 finishes early and leaves (a clean goodbye) while ranks 0-2 still run
+    collectives, which break: the first victim's stream to close was all the daemon's
+    line and ``status`` said ("rank 2 on h1 (heartbeat stream closed)"). The rank that
+    left is the failure's context; a goodbye alone is no failure, and the losses keep
+    their own causes."""
+    from rendezvousd.common.model import Transition
+
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=5))
+    gen = form(sm)[0].generation  # 2 nodes x 2
+    tokens = {r: sm.attach_stream("j", gen, r, inst(sm, r), 0.0) for r in range(4)}
+    sm.leave("j", gen, 3, inst(sm, 3), 1.0)
+    sm.detach_stream("j", gen, 3, tokens[3], 1.0)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and not job.gen.failed
+    sm.take_effects()
+    sm.detach_stream("j", gen, 2, tokens[2], 3.0)
+    effects = sm.take_effects()
+    failed = [e for e in effects if isinstance(e, Transition) and e.new is JobState.FAILED]
+    assert len(failed) == 1, effects
+    assert failed[0].detail == (
+        "rank 2 on h1 (heartbeat stream closed), after rank 3 on h1 left the running "
+        "generation (finished or exited early)"
+    )
+    assert job.last_failure is not None and job.last_failure.cause == failed[0].detail
+    assert [(f.rank, f.cause) for f in job.gen.failed] == [(2, "heartbeat stream closed")]
+    # Every member's goodbye is the job's clean end, as before.
+    clean = RendezvousState()
+    form(clean, nodes=1, gpus=2)
+    for r in (1, 0):
+        clean.leave("j", 1, r, inst(clean, r), 1.0)
+    assert clean.jobs["j"].state is JobState.ENDED and not clean.jobs["j"].gen.failed
+
+
 @pytest.mark.parametrize(
     ("closed_at", "cause"),
     [

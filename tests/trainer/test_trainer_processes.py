@@ -264,6 +264,11 @@ def test_a_worker_without_a_launcher_that_finishes_early_is_named_as_left_not_ab
     assert all("heartbeat stream closed" not in f.cause for f in job.failed), job.failed
     failed_line = [line for line in d.log().splitlines() if "RUNNING -> FAILED" in line]
     assert failed_line and "rank 1 left the job" in failed_line[0], failed_line
+    # The daemon's own context: the rank whose goodbye came while the others ran.
+    assert (
+        failed_line[0].endswith("left the running generation (finished or exited early))")
+        and ", after rank 1 on " in failed_line[0]
+    ), failed_line
 
 
 def _standalone(per_node: int, *flags: str) -> list[str]:
