@@ -277,6 +277,31 @@ def _standalone(per_node: int, *flags: str) -> list[str]:
     return [*launcher, "--nproc-per-node", str(per_node), *flags]
 
 
+def test_a_worker_that_finishes_early_under_the_launcher_is_named_as_left(
+    tmp_path: Path,
+) -> None:
+    """The same uneven steps under rendezvous-run: its agents report the survivors' words
+    (no agent reports a worker's exit 0), which named rank 1 as "aborted"."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "with init_distributed() as ctx:\n"
+        "    for _ in range(3 if ctx.rank == 1 else 100_000):\n"
+        "        ctx.communicator.all_reduce(np.ones(4))\n"
+    )
+    run = subprocess.run(
+        [*_standalone(3, "--backend", "cpu"), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    root = [ln for ln in run.stderr.splitlines() if "rendezvous-run: root cause:" in ln]
+    assert root and "rank 1 left the job" in root[0], run.stderr[-3000:]
+    assert "aborted" not in run.stderr, run.stderr[-3000:]
+
+
 def test_launcher_stops_other_workers_and_names_the_failed_rank(tmp_path: Path) -> None:
     script = tmp_path / "w.py"
     script.write_text(

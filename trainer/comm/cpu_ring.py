@@ -372,10 +372,9 @@ class CpuRingCommunicator(RankedCommunicator):
             # A peer that closed with no failure of its own finished, or left its
             # ``with`` block early: "aborted" sent its user looking for a crash there.
             error = kind(
-                f"rank {self.rank}: rank {origin} left the job (finished or exited early, "
-                f"closing its communicator) while this rank still ran collectives{via}: every "
-                "rank must run the same collectives (as many steps and batches; uneven data "
-                "splits are the usual cause)"
+                f"rank {self.rank}: rank {origin} left the job (finished or exited early) "
+                f"while this rank still ran collectives{via}: give every rank the same "
+                "number of steps (uneven data?)"
             )
             error.reported_by = link.via if hearsay else None
             return error
