@@ -188,8 +188,9 @@ class DaemonConfig:
     )
     max_kv_bytes_per_job: int = setting(
         Limits.max_kv_bytes_per_job,
-        "key-value bytes one job may hold (at most half of max_kv_bytes; the last eighth "
-        "of max_kv_bytes is kept for jobs holding less than an eighth)",
+        "key-value bytes one job may hold (at most half of max_kv_bytes: set above it, "
+        "refused at start; the default is capped at it; the last eighth of max_kv_bytes "
+        "is kept for jobs holding less than an eighth)",
         _COUNT,
     )
     event_loop: str = setting(
@@ -258,6 +259,20 @@ class DaemonConfig:
                 "jobs together park at most max_waiters; lower max_waiters_per_job to at "
                 "most max_waiters, or raise max_waiters",
                 keys=("max_waiters_per_job", "max_waiters"),
+            )
+        half = self.max_kv_bytes // 2
+        if (
+            self.max_kv_bytes_per_job > half
+            and self.max_kv_bytes_per_job != Limits.max_kv_bytes_per_job
+        ):
+            # Was taken and silently cut to half at each KV write (an audit): the
+            # operator learnt of it only from a job refused below the value set.
+            raise ConfigError(
+                f"max_kv_bytes_per_job={self.max_kv_bytes_per_job} is above half of "
+                f"max_kv_bytes={self.max_kv_bytes} ({half}), all one job may hold: lower "
+                f"max_kv_bytes_per_job to at most {half}, or raise max_kv_bytes to at "
+                f"least {2 * self.max_kv_bytes_per_job}",
+                keys=("max_kv_bytes_per_job", "max_kv_bytes"),
             )
         per_job = self.limits().kv_bytes_per_job
         if self.max_value_bytes > per_job and self.max_value_bytes != _MAX_VALUE_BYTES:

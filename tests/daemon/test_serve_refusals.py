@@ -375,6 +375,18 @@ def test_a_failed_bind_names_its_cause(tmp_path: Path, where: str, why: str) -> 
             ["--max-waiters-per-job", "20000"],
             "max_waiters_per_job=20000 is above max_waiters=16384",
         ),
+        # Taken and silently cut to half at each KV write (an audit, F3).
+        (
+            ["--max-kv-bytes", "2000000", "--max-kv-bytes-per-job", "1900000"],
+            "max_kv_bytes_per_job=1900000 is above half of max_kv_bytes=2000000 (1000000), "
+            "all one job may hold: lower max_kv_bytes_per_job to at most 1000000, or raise "
+            "max_kv_bytes to at least 3800000 (max_kv_bytes from --max-kv-bytes; "
+            "max_kv_bytes_per_job from --max-kv-bytes-per-job)",
+        ),
+        (
+            ["--max-kv-bytes-per-job", "200000000"],
+            "max_kv_bytes_per_job=200000000 is above half of max_kv_bytes=134217728",
+        ),
         # Both set, both lowered: refused too (only a value raised above its default
         # was, a review).
         (["--max-wait-s", "60", "--default-wait-s", "120"], "default_wait_s=120 is above"),
@@ -399,7 +411,8 @@ def test_contradictory_limits_are_refused_naming_both(
     [
         {"max_wait_s": 1.0},  # the default wait is capped, as documented
         {"max_kv_bytes_per_job": 1000},  # the default value limit is capped by it
-        {"max_kv_bytes": 20000},
+        {"max_kv_bytes": 20000},  # the default per-job share is capped at its half
+        {"max_kv_bytes": 20000, "max_kv_bytes_per_job": 10000},  # exactly half
         {"default_wait_s": 60.0, "max_wait_s": 60.0},
         {"max_value_bytes": 1000, "max_kv_bytes_per_job": 1000},
     ],
