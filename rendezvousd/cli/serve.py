@@ -252,12 +252,27 @@ def _write_job_token(
     write_token_file(path, replace=replace, token=token)
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser, which refuses an argument it does not know itself, with its
+    own usage: argparse hands a subcommand's leftovers to the top-level parser, which
+    printed ``usage: rendezvousd [-h] [--version] {serve,...}``, naming none of the
+    subcommand's flags (``health --bogus``, an audit)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rendezvousd", description=__doc__)
     # An operator upgrading nodes one by one checks what each runs (docs/operations.md,
     # "Upgrading"): every node of a job must run the same version.
     parser.add_argument("--version", action=VersionFlag)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Subcommand)
     serve = sub.add_parser("serve", help="run the daemon")
     config_mod.add_arguments(serve)
     serve.add_argument(

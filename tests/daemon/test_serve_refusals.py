@@ -68,10 +68,40 @@ def test_an_embedded_daemon_that_did_not_start_says_where_its_error_is(
     assert said.startswith("rendezvousd did not start (exit 2)"), said
     assert "''" not in said
     if piped:
-        assert said.endswith("rendezvousd: error: unrecognized arguments: --no-such-flag"), said
+        assert said.endswith("rendezvousd serve: error: unrecognized arguments: --no-such-flag")
     else:
         assert said.endswith("; its error is on stderr above"), said
         assert "unrecognized arguments: --no-such-flag" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "code", "own_flag"),
+    [
+        # health and status keep grpc_health_probe's codes: 1 is bad arguments, 2 the
+        # daemon unreachable (operations.md).
+        ("health", 1, "--service SERVICE"),
+        ("status", 1, "--token-file TOKEN_FILE"),
+        ("serve", 2, "--max-kv-bytes MAX_KV_BYTES"),
+        ("token", 2, "--admin-token-file FILE"),
+    ],
+)
+def test_an_unknown_flag_is_refused_by_its_subcommand_with_its_usage(
+    tmp_path: Path, command: str, code: int, own_flag: str
+) -> None:
+    """``health --bogus`` printed the top-level usage (``{serve,token,health,status}``,
+    none of health's flags) and ``rendezvousd: error:`` (an audit): argparse hands a
+    subcommand's leftovers to the top-level parser."""
+    args = {"health": ["--endpoint", "127.0.0.1:1"], "token": [str(tmp_path / "t")]}
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", command, *args.get(command, []), "--bogus"],
+        capture_output=True, text=True, timeout=30, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert done.stdout == "" and not (tmp_path / "t").exists()
+    assert done.stderr.startswith(f"usage: rendezvousd {command} "), done.stderr
+    assert own_flag in done.stderr, done.stderr
+    said = done.stderr.splitlines()[-1]
+    assert said == f"rendezvousd {command}: error: unrecognized arguments: --bogus", said
 
 
 def test_metrics_on_a_non_loopback_address_without_tls_is_refused(tmp_path: Path) -> None:
