@@ -40,6 +40,7 @@ from rendezvousd.server.call_stream import DRAIN_ANSWER_S
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.servicer import SERVICE, RendezvousServicer
 from rendezvousd.state.machine import RendezvousState
+from rendezvousd.state.over_limits import over_limits
 from rendezvousd.storage.persistence import Persister
 from rendezvousd.web.http_server import HttpServer
 from rendezvousd.web.status_page import StatusPage
@@ -458,19 +459,10 @@ class Daemon:
             self.state.stateless_since = time.time()
         if restored:
             log.info("restored %d job(s) from %s", restored, self.config.state_dir)
-        cap = self.state.limits.kv_bytes_per_job
-        for job in self.state.jobs.values():
-            if job.gen.kv_bytes > cap:
-                # Restored as it was (a limit added by a release, or lowered since): said
-                # now, not first at the job's next KvSet.
-                log.warning(
-                    "job %r holds %d key-value bytes, over the %d one job may now hold "
-                    "(max_kv_bytes_per_job, at most half of max_kv_bytes): it keeps them, "
-                    "and a write that grows it is refused until it deletes keys",
-                    job.job_id,
-                    job.gen.kv_bytes,
-                    cap,
-                )
+        # Restored as it was (a limit added by a release, or lowered since): said now,
+        # not first at the call a limit refuses.
+        for line in over_limits(self.state.jobs, self.state.limits):
+            log.warning("%s", line)
         servicer = RendezvousServicer(
             self.state, self.metrics, self.persister, self.config.max_concurrent_streams
         )

@@ -18,9 +18,11 @@ import grpc
 import pytest
 
 from rendezvousd.client import AsyncRendezvousClient, RendezvousClient, RendezvousError
+from rendezvousd.common.limits import Limits
 from rendezvousd.common.model import AbortCause, JobState, JoinResult, Parked, Transition
 from rendezvousd.errors import DaemonError, RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.state.over_limits import NAMED_JOBS, over_limits
 from rendezvousd.storage import snapshot
 from rendezvousd.storage.persistence import Persister, StateStore
 from tests.daemon.raw_calls import SERVICE
@@ -682,6 +684,84 @@ def test_a_job_restored_over_a_lowered_kv_limit_is_named_at_start_and_keeps_work
             d.kill()
             if d2 is not None:
                 d2.kill()
+
+
+def test_jobs_restored_over_lowered_job_member_and_key_limits_are_named_at_start(
+    tmp_path: Path,
+) -> None:
+    """Restarted with a lower --max-jobs, --max-members-per-job or --max-keys-per-job,
+    jobs holding more were restored without a word (an audit): only KV bytes were
+    named, though operations.md says the daemon names such data as it starts."""
+    token = write_token(tmp_path / "tok")
+    state = ("--state-dir", str(tmp_path / "state"))
+    listen = f"127.0.0.1:{free_port()}"
+    d = spawn_daemon(tmp_path, *state, token=token, listen=listen)
+    d2 = None
+    clients = [
+        RendezvousClient(d.endpoint, job, token=token) for job in ("wide", "wide", "keys", "small")
+    ]
+    try:
+        shapes = [(2, 0), (2, 1), (1, 0), (1, 0)]  # (gpus_per_node, local_rank)
+        joined = parallel(
+            [
+                lambda c=c, g=g, r=r: c.join(num_nodes=1, gpus_per_node=g, local_rank=r, timeout=20)
+                for c, (g, r) in zip(clients, shapes, strict=True)
+            ]
+        )
+        assert not [j for j in joined if isinstance(j, BaseException)], joined
+        for k in range(3):
+            clients[2].kv_set(f"k{k}", b"v")
+        d.kill()
+        limits = ("--max-jobs", "2", "--max-members-per-job", "1", "--max-keys-per-job", "2")
+        d2 = spawn_daemon(tmp_path, *state, *limits, token=token, listen=listen)
+        log = d2.log()
+        assert "restored 3 job(s)" in log, log
+        warned = [line for line in log.splitlines() if " WARNING " in line]
+        assert any(
+            "job 'wide' holds a world of 2 ranks, over max_members_per_job=1 (its generation "
+            "goes on; a join of that world size, its next generation's, is refused): it "
+            "keeps them; restart with the limit raised, or let the job end" in line
+            for line in warned
+        ), log
+        assert any(
+            "job 'keys' holds 3 keys, over max_keys_per_job=2 (a new key is refused until it "
+            "deletes keys)" in line
+            for line in warned
+        ), log
+        assert any(
+            "restored 3 jobs, over max_jobs=2: every one is kept, and no new job can start "
+            "until fewer than 2 remain" in line
+            for line in warned
+        ), log
+        assert not [line for line in warned if "'small'" in line], log
+        assert len(warned) == 3, log
+        assert clients[2].kv_get("k2", wait=False) == b"v"  # nothing was dropped
+    finally:
+        for c in clients:
+            c.close()
+        d.kill()
+        if d2 is not None:
+            d2.kill()
+
+
+def test_many_jobs_over_a_lowered_limit_are_said_in_one_summary_line() -> None:
+    """A restart with a much lower limit must not print a line per job of thousands."""
+    sm = RendezvousState()
+    for n in range(NAMED_JOBS + 3):
+        sm.join(JoinArgs.worker(f"job{n}", 1, 1, 0, 0, "h", "", ID, f"i{n}"), 0.0)
+        sm.kv_set(f"job{n}", 1, 0, "a", b"x", instance_id=f"i{n}")
+        sm.kv_set(f"job{n}", 1, 0, "b", b"x", instance_id=f"i{n}")
+    lines = over_limits(sm.jobs, Limits(max_keys_per_job=1, max_jobs=4))
+    assert lines == [
+        f"{NAMED_JOBS + 3} restored jobs hold more than the limits now allow (11 over "
+        "max_keys_per_job): jobs 'job0', 'job1', 'job2', 'job3', 'job4', 'job5', 'job6', "
+        "'job7' and 3 more; they keep it; restart with the limits raised, or let the jobs "
+        "end (`rendezvousd status` lists them)",
+        "restored 11 jobs, over max_jobs=4: every one is kept, and no new job can start "
+        "until fewer than 4 remain (an ended job is forgotten after --job-ttl-s); restart "
+        "with a larger --max-jobs to start new ones meanwhile",
+    ]
+    assert over_limits(sm.jobs, Limits()) == []
 
 
 def test_a_job_keeps_its_age_across_a_restart(tmp_path: Path) -> None:
