@@ -1370,3 +1370,50 @@ def test_a_job_id_run_again_while_its_last_run_finishes_waits_for_that_end(
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+# Inside its running job, each worker writes what its own environment block, and its
+# parent's (the fork server's, or the agent's when it started cold), hold of the token.
+_ENVIRON_WORKER = r"""
+import json, os, sys
+import numpy as np
+from rendezvousd.trainer.distributed import init_distributed
+
+def holds(pid, token):
+    block = open(f"/proc/{pid}/environ", "rb").read()
+    names = [v.split(b"=", 1)[0].decode() for v in block.split(b"\0") if v]
+    return {"named": "RENDEZVOUSD_TOKEN" in names, "value": token.encode() in block,
+            "os_environ": "RENDEZVOUSD_TOKEN" in os.environ}
+
+token = open(sys.argv[1]).read().strip()
+with init_distributed() as ctx:
+    ctx.communicator.all_reduce(np.ones(4, dtype=np.float32))
+    facts = {"self": holds("self", token), "parent": holds(os.getppid(), token)}
+    with open(f"{sys.argv[2]}.{ctx.rank}", "w") as fh:
+        json.dump(facts, fh)
+"""
+
+
+def test_a_token_given_in_the_environment_reaches_no_worker_s_environment(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """$RENDEZVOUSD_TOKEN given to rendezvous-run was in every worker's environment, and
+    the fork server's (an audit), for user code and all it starts to read or record,
+    though a worker gets its token over the agent channel."""
+    script = tmp_path / "w.py"
+    script.write_text(_ENVIRON_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_TOKEN")}
+    env["RENDEZVOUSD_TOKEN"] = daemon.token
+    cmd = launcher_cmd(1, 0, 2, endpoint=daemon.endpoint, job=job_id)
+    # The token file is the script's to compare with, not the launcher's.
+    run = subprocess.run(
+        [*cmd, str(script), str(daemon.token_file), str(tmp_path / "facts")],
+        env=env, capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    facts = [json.loads((tmp_path / f"facts.{rank}").read_text()) for rank in range(2)]
+    for said in facts:
+        for whose in ("self", "parent"):
+            seen = said[whose]
+            assert not (seen["named"] or seen["value"] or seen["os_environ"]), facts
+    assert daemon.token not in run.stderr + run.stdout

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from rendezvousd.common.env_names import unknown_names
 from rendezvousd.common.escape import quoted
 from rendezvousd.common.log_time import utc_stamp
-from rendezvousd.common.secret_files import TOKEN_FILE_ENV, missing_token
+from rendezvousd.common.secret_files import TOKEN_ENV, TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value, VersionFlag
 from rendezvousd.trainer.agent._fork_server import module_names
 from rendezvousd.trainer.agent._trace import mark
@@ -247,8 +247,13 @@ def spare_env(
 ) -> dict[str, str]:
     """Env for a warm worker, for its user code only: the config file's path and
     the token file's (the worker itself is handed its settings, rank and token
-    over the channel, and ``init_distributed`` sets torchrun's names from them)."""
-    env = {k: v for k, v in base.items() if k not in _per_worker_env() and k not in TORCHRUN_ENV}
+    over the channel, and ``init_distributed`` sets torchrun's names from them).
+    Never the token itself: it reached user code and all it starts (DataLoader
+    workers, subprocesses, an experiment tracker or crash reporter that records the
+    environment), and every process's ``/proc/PID/environ``, though no worker reads
+    it (an audit); user code has the worker's client, ``ctx.rendezvous``."""
+    dropped = _per_worker_env() | set(TORCHRUN_ENV) | {TOKEN_ENV}
+    env = {k: v for k, v in base.items() if k not in dropped}
     if config.rendezvous.token_file is not None:
         env[TOKEN_FILE_ENV] = config.rendezvous.token_file
     if config_path is not None:
