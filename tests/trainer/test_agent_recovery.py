@@ -355,6 +355,70 @@ def test_a_spare_frozen_before_its_assignment_fails_the_generation_instead_of_ha
     assert "gave up after 1 restart" in err, err
 
 
+# Trains until $STOP exists (at most 120 s), after writing its rank and pid to $PIDS.
+_UNTIL_TOLD = r"""
+import os, pathlib, sys, time
+import numpy as np
+from rendezvousd.trainer.distributed import init_distributed
+
+with init_distributed() as ctx:
+    with open(os.environ["PIDS"], "a") as fh:
+        fh.write(f"{ctx.rank} {os.getpid()}\n")
+    deadline = time.monotonic() + 120
+    while not pathlib.Path(os.environ["STOP"]).exists() and time.monotonic() < deadline:
+        ctx.communicator.all_reduce(np.ones(4, dtype=np.float32))
+        time.sleep(0.05)
+"""
+
+
+def test_a_killed_spare_is_said_as_a_spare_that_died_not_as_a_failed_worker(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A warm spare SIGKILLed while its job trained was said as "worker rank 1 (pid N)
+    failed first, with signal SIGKILL before it was assigned a rank" (an audit): no
+    worker had failed, it held no rank, and the job went on to its end."""
+    d = start_daemon()
+    script, pids, stop = tmp_path / "w.py", tmp_path / "pids", tmp_path / "stop"
+    script.write_text(_UNTIL_TOLD)
+    cmd = launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    err_path = tmp_path / "err"
+    env = {**os.environ, "PIDS": str(pids), "STOP": str(stop)}
+    with err_path.open("w") as err:
+        node = subprocess.Popen(
+            [*cmd, "--max-restarts", "2", str(script)], stderr=err, env=env, cwd=tmp_path
+        )
+    try:
+        wait_for("both ranks to train", lambda: len(_lines(pids)) == 2, timeout=60)
+        workers = {int(line.split()[1]) for line in _lines(pids)}
+        server = _parent(next(iter(workers)))  # the fork server the spares come from
+        spares = lambda: [p for p in descendants(server) if p not in workers]  # noqa: E731
+        wait_for("two spares", lambda: len(spares()) == 2 or node.poll() is not None, 60)
+        assert node.poll() is None, err_path.read_text()
+        victim = spares()[0]
+        os.kill(victim, signal.SIGKILL)
+        said = f"(pid {victim}), not yet given a rank, died"
+        wait_for("the spare's death said", lambda: said in err_path.read_text(), timeout=30)
+        stop.touch()
+        code = node.wait(60)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait(10)
+    err = err_path.read_text()
+    assert code == 0, err
+    assert re.search(
+        rf"spare worker for local rank [01] \(pid {victim}\), not yet given a rank, died: "
+        r"signal SIGKILL; no rank was lost and the job goes on; no new spare is started "
+        r"now: the next generation starts its workers; restart 1 of 2 used",
+        err,
+    ), err
+    assert "failed first" not in err and f"rank 1 (pid {victim})" not in err, err
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def _parent(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat.rsplit(")", 1)[1].split()[1])

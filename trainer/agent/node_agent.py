@@ -730,7 +730,7 @@ class NodeAgent:
                 if event.worker.lost:
                     self.pool.fill(self.per_node)  # cold now: not the script's failure
                     continue
-                failure = self._spare_died(None, event)
+                failure = self._spare_died(None, event, replaced=True)
                 if failure is not None:
                     return failure
                 self.pool.fill(self.per_node)
@@ -775,13 +775,15 @@ class NodeAgent:
         except queue.Empty:
             return None
 
-    def _spare_died(self, gen: int | None, event: Exited) -> Failure | None:
+    def _spare_died(self, gen: int | None, event: Exited, *, replaced: bool) -> Failure | None:
         """Count a spare's death; the failure to give up with when none is left.
 
         A spare exits only if its script failed before ``init_distributed()`` took
         an assignment (or never called it): a fault of this node's worker, so the
         launcher ends with that worker's exit status (1 for a clean exit, which
-        is still a worker that did not train)."""
+        is still a worker that did not train). ``replaced``: whether the caller
+        starts a new spare in its place at once (while joining), or leaves it to the
+        next generation's workers (while one runs)."""
         w = event.worker
         node_rank = fixed_node_rank(self.config)
         rank = None if node_rank is None else node_rank * self.per_node + w.slot
@@ -793,14 +795,31 @@ class NodeAgent:
         elif event.code == 0:
             cause += f" ({NO_INIT})"
         failure = Failure(gen, cause, rank, self.host, status, local_rank=w.slot)
-        who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
-        self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
         self.first_local = self.first_local or failure
         if not self.budget.allows(failure):
+            # The failure this node gives up with: its worker's script failed.
+            who = f"rank {rank}" if rank is not None else f"local rank {w.slot}"
+            self.note(f"worker {who} (pid {w.pid}) failed first, with {cause}")
             # Recorded once, by ``run`` as the failure the agent gives up with (recorded
             # here too, the final error listed it twice).
             return failure
         self.budget.record(failure)
+        # Not "worker rank 3 failed first": it held no rank, no rank was lost, and the
+        # job went on (an audit read a killed spare as the job's failure).
+        died = f"stopped for {w.fault}" if w.fault is not None else event.how
+        if w.fault is None and event.code == 0:
+            died += f" ({NO_INIT})"
+        instead = (
+            "a new spare was started in its place"
+            if replaced
+            else "no new spare is started now: the next generation starts its workers"
+        )
+        self.note(
+            f"spare worker for local rank {w.slot} (pid {w.pid}), not yet given a rank, "
+            f"died: {died}; no rank was lost and the job goes on; {instead}; restart "
+            f"{self.budget.restarts} of {self.budget.max_restarts} used (a script that "
+            "fails before init_distributed() fails every spare)"
+        )
         return None
 
     def _watch(self, gen: int, first_rank: int) -> Outcome:
@@ -898,7 +917,7 @@ class NodeAgent:
                     return self._local_failure(gen, first_rank, w, event.how, event.status)
                 if self.pool.discard(event.worker) and not event.worker.lost:
                     # (A lost spare is not counted: ``take`` starts another, cold.)
-                    spare = self._spare_died(gen, event)
+                    spare = self._spare_died(gen, event, replaced=False)
                     if spare is not None:
                         return self._stop(gen, spare, f"restarts exhausted: {spare.cause}")
             elif isinstance(event, Reported):
