@@ -53,6 +53,7 @@ from rendezvousd.client._session import (
     page_request,
 )
 from rendezvousd.client.connection import (
+    DIAL_TIMEOUT_S,
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
     TlsProbe,
@@ -101,6 +102,28 @@ CAPPED_WAIT_MARGIN_S = 0.1
 #: A client still not connected to its daemon this long after it began to wait says
 #: so (a warning on the ``rendezvousd.client`` logger), once per outage.
 UNREACHED_NOTE_S = 5.0
+#: The most of a call's (or a connect's) deadline kept for the look at why it got no
+#: answer (a health Check, the TLS probes, a plain connect), and never more than a
+#: quarter of it. Taken after the deadline, that look made a call_timeout=3 call end
+#: at 5 s at a host that drops packets, and barrier(timeout=3), due at 8 s, at 12 s.
+DIAGNOSIS_S = 2.0
+
+
+#: The least time the health Check of that look gets, past the deadline where less is
+#: left: a healthy daemon's answer (a round trip) still names a deadline too short to
+#: hold it (call_timeout=0.001) as the cause, where none was the daemon's fault.
+LOOK_FLOOR_S = 0.2
+
+
+def diagnosis_share(limit: float) -> float:
+    """What of a deadline of ``limit`` seconds is kept for the look at why it passed."""
+    return min(DIAGNOSIS_S, limit / 4)
+
+
+def _dial_wait(end: float) -> float:
+    """The plain connect's wait, up to ``end`` (``time.monotonic()``), at most
+    DIAL_TIMEOUT_S; a few ms at least, so that a refusal or a listener still shows."""
+    return max(0.01, min(DIAL_TIMEOUT_S, end - time.monotonic()))
 
 
 def _parks(request: Any) -> bool:
@@ -278,6 +301,10 @@ class Calls:
         limit = s.call_timeout if timeout is None else timeout
         # Named in a deadline's error where the daemon answers (``Session.too_short``).
         setting = "call_timeout" if limit == s.call_timeout else f"the {method} call's timeout"
+        # One deadline for the whole call, its retry and the look at why it got no
+        # answer included: each attempt waited its whole limit again, and the look
+        # came after (kv_get(timeout=3), due at 8 s, ended at 22 s at a lost host).
+        share = diagnosis_share(limit)
         deadline = time.monotonic() + limit
         if not self.looked and not health and s.joined is None and s.node is None:
             # An inspecting client (list_jobs(), `rendezvousd status`): a plaintext one
@@ -296,7 +323,7 @@ class Calls:
         # and spends none of the retries a transient failure gets.
         rotated = 0
         for attempt in itertools.count(1):
-            wait = max(0.0, deadline - time.monotonic()) if attempt == 1 else limit
+            wait = max(0.0, deadline - share - time.monotonic())
             try:
                 answer = yield Rpc(method, request, wait, health)
                 s.unreached_told = False  # reached: a later outage is said again
@@ -339,13 +366,24 @@ class Calls:
                 )
                 retry = not verdict and (not_run or s.retry.retryable(method, exc.code()))
                 unanswered = not health and error.code in UNKNOWN_OUTCOME and not error.reason
-                if not retry or attempt - rotated > s.retry.attempts:
-                    problem = (yield from self.tls_mismatch()) if unanswered else None
+                waits_back = not_run or (error.code == "UNAVAILABLE" and _parks(request))
+                # A retry is made within the call's deadline (one that waits for a
+                # restarted daemon gets a deadline anew, as the restart's first call).
+                spent = not waits_back and (
+                    deadline - share - time.monotonic() <= s.retry.backoff(attempt - rotated)
+                )
+                if not retry or spent or attempt - rotated > s.retry.attempts:
+                    look = min(2 * DIAGNOSIS_S, max(share, deadline - time.monotonic()))
+                    problem = (yield from self.tls_mismatch(look / 2)) if unanswered else None
                     if (
                         unanswered
                         and problem is None
                         and error.code == "DEADLINE_EXCEEDED"
-                        and (yield from self.answers())
+                        and (
+                            yield from self.answers(
+                                within=max(LOOK_FLOOR_S, deadline - time.monotonic())
+                            )
+                        )
                     ):
                         short = s.too_short(method, attempt, error, limit, setting)
                         raise s.unrepeated(method, attempt, short) from None
@@ -356,13 +394,14 @@ class Calls:
                     # Before waiting again: a TLS mismatch never connects, whatever the
                     # wait (a plaintext list_jobs() of a TLS daemon heard it after 60 s).
                     yield from self.tls_look()
-                if not_run or (error.code == "UNAVAILABLE" and _parks(request)):
+                if waits_back:
                     # Re-sent, it would wait its whole wait (600 s by default) for a
                     # daemon to come back: first, the daemon back within the window, as a
                     # restart is, or its loss said now, as the heartbeat says it. A call
                     # not run waits for a daemon serving: the one shutting down still
                     # answers (NOT_SERVING), and ends every new stream unread.
                     yield from self.back_within(method, rank, drained=drained or not_run)
+                    deadline = time.monotonic() + limit + s.retry.backoff(attempt - rotated)
             yield Sleep(s.retry.backoff(attempt - rotated))
 
     def back_within(self, method: str, rank: int | None, *, drained: bool = False) -> Steps[None]:
@@ -419,7 +458,7 @@ class Calls:
             metadata={"unreachable_s": f"{gone_s:.3f}", "window_s": f"{window:g}"},
         )
 
-    def answers(self, *, serving: bool = False) -> Steps[bool]:
+    def answers(self, *, serving: bool = False, within: float = RECHECK_S * 2) -> Steps[bool]:
         """Whether the daemon answers a health check within ``RECHECK_S * 2`` (``serving``:
         and says SERVING). A READY channel alone does not say so right after the daemon
         died: the asyncio client has seen its call end before gRPC marked the connection
@@ -429,7 +468,7 @@ class Calls:
             response = yield Rpc(
                 "Check",
                 health_pb2.HealthCheckRequest(service=SERVICE),
-                RECHECK_S * 2,
+                max(0.0, min(RECHECK_S * 2, within)),
                 health=True,
                 wait_for_ready=False,
             )
@@ -467,15 +506,21 @@ class Calls:
         s = self.s
         limit = s.connect_timeout if within is None else within
         which = "connect_timeout" if limit == s.connect_timeout else shorter
+        # The look at why it is not connected is made within ``limit``, not after it:
+        # a plain connect to a host that drops packets made connect_timeout=3 take 5 s.
+        end = started + limit
+        wait_end = end - diagnosis_share(limit)
         first = UNREACHED_NOTE_S - (time.monotonic() - started)
-        if first < limit - (time.monotonic() - started) and not s.unreached_told:
+        if first < wait_end - time.monotonic() and not s.unreached_told:
             # Said once while it waits on: a client started before its daemon (a node
             # agent, torchrun's) was silent for its whole connect_timeout (30 s), which
             # reads as a hang. Once per outage: an agent's joins asked again every
             # second would say it every time.
             if (yield Connect(max(0.0, first))):
                 return
-            problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
+            problem = yield Blocking(
+                functools.partial(dial_problem, s.endpoint, _dial_wait(wait_end))
+            )
             s.unreached_told = True
             log.warning(
                 "%srendezvousd at %s not reached after %.0f s%s; still trying, for "
@@ -487,14 +532,25 @@ class Calls:
                 limit,
                 which,
             )
-        if (yield Connect(max(0.0, limit - (time.monotonic() - started)))):
+        if (yield Connect(max(0.0, wait_end - time.monotonic()))):
             s.unreached_told = False
         else:
-            if call is not None and limit < s.connect_timeout and (yield from self.answers()):
+            if (
+                call is not None
+                and limit < s.connect_timeout
+                and (
+                    yield from self.answers(within=max(LOOK_FLOOR_S, (end - time.monotonic()) / 2))
+                )
+            ):
                 # Not the daemon (the plain connect said "no gRPC server answered on
                 # them ... a daemon that is stuck"): the call's own deadline.
                 raise s.too_short(method, 1, DaemonUnavailable(""), call, shorter)
-            problem = yield Blocking(functools.partial(dial_problem, s.endpoint))
+            problem = yield Blocking(functools.partial(dial_problem, s.endpoint, _dial_wait(end)))
+            # A cause told at once (nothing listens) leaves the kept share unspent: a
+            # daemon that comes up within it is still found.
+            if end - time.monotonic() > 0 and (yield Connect(end - time.monotonic())):
+                s.unreached_told = False
+                return
             raise DaemonUnavailable(
                 f"rendezvousd at {s.endpoint} could not be connected to within "
                 f"{limit:g} s ({which})"
@@ -546,23 +602,26 @@ class Calls:
             yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
         ) is not None
 
-    def tls_mismatch(self) -> Steps[str | None]:
+    def tls_mismatch(self, within: float = 2 * DIAGNOSIS_S) -> Steps[str | None]:
         """After a call found no daemon: raise the TLS mismatch that kept its channel
         from connecting, if that is why. A join asks first (``before_join``); a client
         that never joins (attached, or only inspecting) would otherwise hear "is the
         daemon running?" for a wrong CA, or a forgotten one, after every retry. Else,
-        when the channel is not connected, what a plain connect there finds."""
-        if (yield from self.tls_look()):
-            problem: str | None = yield Blocking(functools.partial(dial_problem, self.s.endpoint))
+        when the channel is not connected, what a plain connect there finds. Within
+        ``within`` in all, the probes half, the plain connect the rest."""
+        end = time.monotonic() + within
+        if (yield from self.tls_look(within / 2)):
+            dial = functools.partial(dial_problem, self.s.endpoint, _dial_wait(end))
+            problem: str | None = yield Blocking(dial)
             return problem
         return None
 
-    def tls_look(self) -> Steps[bool]:
+    def tls_look(self, within: float = TLS_PROBE_TIMEOUT_S) -> Steps[bool]:
         """Raise the TLS mismatch that keeps the channel from connecting, if that is
         why; whether the channel is not connected."""
         if (yield Reachable(0.0)):
             return False
-        yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE))
+        yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE), within)
         return True
 
     def check_health(
@@ -576,7 +635,8 @@ class Calls:
         started = time.monotonic() if started is None else started
         request = health_pb2.HealthCheckRequest(service=SERVICE)
         limit = self.s.connect_timeout if within is None else within
-        left = limit - (time.monotonic() - started)
+        # The probes leave the plain connect that names the cause its share.
+        left = limit - diagnosis_share(limit) - (time.monotonic() - started)
         probed = yield from self.probe_tls(request, within=left)
         if probed is not None and probed.status == SERVING:
             return

@@ -648,7 +648,7 @@ def dial_problem(endpoint: str, timeout: float = DIAL_TIMEOUT_S) -> str | None:
         return f"this user may not connect to the socket at {path}"
     except TimeoutError:
         return (
-            f"a TCP connect gets no answer within {timeout:g} s (a firewall, a network "
+            f"a TCP connect gets no answer within {timeout:.2g} s (a firewall, a network "
             "partition, or a host that is down)"
         )
     except OSError as exc:

@@ -1150,7 +1150,8 @@ def values_a_request_cannot_carry_are_refused(w: World) -> object:
 def silent_daemon_fails_a_table_fetch_alike(w: World) -> object:
     """A daemon that accepts connections and never answers: reading the table of a
     slim join (a plain property, which the asyncio client serves over a blocking
-    channel of its own) is retried as the sync client's call is, then fails alike."""
+    channel of its own) fails as the sync client's call does: within call_timeout,
+    whose whole wait leaves its retry no time (docs/sdk.md, "Timeouts and deadlines")."""
     with socket.create_server(("127.0.0.1", 0)) as silent:
         endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
         c = Twin(w.kind, endpoint, w.job_id, token="t", call_timeout=1, connect_timeout=1)
@@ -1517,8 +1518,8 @@ SCENARIOS: dict[str, tuple[Callable[[World], object], object]] = {
         silent_daemon_fails_a_table_fetch_alike,
         (
             "DaemonUnavailable",
-            2,
-            "GetMembers to rendezvousd at EP (job 'JOB', rank 0) failed after 2 attempts: "
+            1,
+            "GetMembers to rendezvousd at EP (job 'JOB', rank 0) failed after 1 attempt: "
             "DEADLINE_EXCEEDED; it accepts connections, but no gRPC server answered on them "
             "(another service on that port, or a daemon that is stuck). Check that the "
             "daemon runs and listens there",
