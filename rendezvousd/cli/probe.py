@@ -444,9 +444,16 @@ def _seconds(least: float) -> Callable[[str], float]:
 
 def add_probe_commands(sub: Any) -> None:
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="HOST:PORT of the daemon")
         p.add_argument(
-            "--timeout", type=_seconds(0.001), default=5.0, help="seconds before giving up"
+            "--endpoint",
+            default=DEFAULT_ENDPOINT,
+            help="HOST:PORT of the daemon (default: %(default)s)",
+        )
+        p.add_argument(
+            "--timeout",
+            type=_seconds(0.001),
+            default=5.0,
+            help="seconds before giving up (default: %(default)g)",
         )
         p.add_argument("--tls-ca", default=None, help="PEM CA that signed the daemon's certificate")
         p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS)")

@@ -543,6 +543,10 @@ class Schema(Generic[T]):
                 continue
             names = self._flags(option, aliases)
             env = f" (env {option.env})" if option.env else ""
+            # The field's own default, rendered as the docs' tables render it: --help
+            # gave none, and the user had to find 0 or 600 in the docs (a review, h140 F3).
+            default = self.rendered_default(option)
+            said = f" (default: {default})" if default is not None else ""
             takes: dict[str, Any] = (
                 {"action": argparse.BooleanOptionalAction}
                 if isinstance(option.kind, Bool)
@@ -552,8 +556,13 @@ class Schema(Generic[T]):
                 }
             )
             # argparse formats help with %: a literal one ("15 % less") must be doubled.
-            text = (option.help + env).replace("%", "%%")
+            text = (option.help + said + env).replace("%", "%%")
             parser.add_argument(*names, dest=_dest(names), default=None, help=text, **takes)
+
+    @staticmethod
+    def rendered_default(option: Option) -> str | None:
+        """An option's default as the docs' tables and ``--help`` say it; None: unset."""
+        return option.kind.render(option.default) if option.default is not None else None
 
     def _arg_type(self, option: Option) -> Callable[[str], Any]:
         def parse(text: str) -> Any:
@@ -570,7 +579,7 @@ class Schema(Generic[T]):
         """Every option's TOML key, env var, flag and default, for the docs."""
         rows = ["| TOML key | env var | flag | default | meaning |", "|---|---|---|---|---|"]
         for option in self.options.values():
-            default = option.kind.render(option.default) if option.default is not None else None
+            default = self.rendered_default(option)
             flag = option.flag or ""
             if flag and isinstance(option.kind, Bool):
                 flag = "--[no-]" + flag[2:]

@@ -3,6 +3,7 @@ the docs name exists (the field-driven config is the single source)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import re
 import subprocess
@@ -11,8 +12,10 @@ import sys
 import pytest
 
 from rendezvousd import config as daemon_config
+from rendezvousd.cli import serve as serve_cli
 from rendezvousd.common import secret_files
 from rendezvousd.common.env_names import EVERY_NAME
+from rendezvousd.common.settings import Schema
 from rendezvousd.trainer import config as trainer_config
 from rendezvousd.trainer.agent import _agent_boot, _fork_server, _trace, agent_channel
 from rendezvousd.trainer.agent.launcher import build_parser
@@ -133,8 +136,66 @@ def test_every_commands_help_lists_its_settings(command: tuple[str, ...]) -> Non
     )  # fmt: skip
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert "usage:" in done.stdout
+    said = " ".join(done.stdout.split())
     if command[1:] == ("serve",):
-        assert "~55 % less CPU per heartbeat" in " ".join(done.stdout.split())
+        assert "~55 % less CPU per heartbeat" in said
+    if command[1:] in (("health",), ("status",)):
+        # Argparse's own defaults, the one source of these two (a review, h140 F3).
+        assert "HOST:PORT of the daemon (default: 127.0.0.1:29420)" in said, said
+        assert "seconds before giving up (default: 5)" in said, said
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise AssertionError(f"no {name} subcommand")
+
+
+def _trainer_flags() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    trainer_config.add_cli_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize(
+    ("command", "schema", "parser"),
+    [
+        ("rendezvous-run", trainer_config.SCHEMA, build_parser),
+        ("rendezvousd serve", daemon_config.SCHEMA, lambda: _subcommand(serve_cli.build_parser(), "serve")),
+        ("the trainer's own flags", trainer_config.SCHEMA, _trainer_flags),
+    ],
+)  # fmt: skip
+def test_every_settings_flags_help_says_its_default(
+    command: str, schema: Schema[object], parser: object
+) -> None:
+    """--help said no default (--max-restarts 0, --heartbeat-timeout-s 10, --max-wait-s
+    600 were in the docs alone: h140 F3); each is the field's own, rendered as the docs'
+    tables render it."""
+    assert callable(parser)
+    built: argparse.ArgumentParser = parser()
+    by_flag = {s: a for a in built._actions for s in a.option_strings}
+    checked = 0
+    for option in schema.options.values():
+        default = schema.rendered_default(option)
+        if option.flag is None or option.flag not in by_flag or default is None:
+            continue
+        helped = (by_flag[option.flag].help or "") % {}  # as argparse formats it
+        assert f"(default: {default})" in helped, f"{command} {option.flag}: {helped}"
+        checked += 1
+    assert checked >= 10, checked  # the flags are there: the test did look
+    if command == "rendezvous-run":
+        # As --help prints them, the review's own three.
+        said = " ".join(built.format_help().split())
+        for flag, default in [
+            ("max-restarts", "0"),
+            ("rejoin-timeout-s", "60.0"),
+            ("last-call-s", "0.0"),
+        ]:
+            assert re.search(
+                rf"--{flag} [A-Z_]+ (?:(?! --).)*?\(default: {re.escape(default)}\)", said
+            ), said
 
 
 @pytest.mark.parametrize(

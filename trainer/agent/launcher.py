@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="nnodes",
         default=None,
         metavar="N|MIN:MAX",
-        help="number of nodes, or the elastic range MIN:MAX (env RENDEZVOUSD_NUM_NODES, "
+        # num_nodes' own default, as the flags SCHEMA adds say theirs.
+        help="number of nodes, or the elastic range MIN:MAX (default: "
+        f"{SCHEMA.rendered_default(SCHEMA.options['num_nodes'])}) (env RENDEZVOUSD_NUM_NODES, "
         "RENDEZVOUSD_MIN_NODES)",
     )
     SCHEMA.add_arguments(group, aliases=ALIASES, exclude=(*PER_WORKER, "num_nodes"))
