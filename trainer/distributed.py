@@ -23,6 +23,7 @@ import importlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -66,6 +67,18 @@ if TYPE_CHECKING:
     from rendezvousd.trainer.bucketing import BucketedAllReducer
 
 log = logging.getLogger("rendezvousd.trainer")
+
+
+def _say_world(line: str) -> None:
+    """Rank 0's one line of the world that formed, at INFO. A program that configured
+    no logging (srun's tasks, a plain ``python train.py``) gets it on stderr as
+    Python's last resort shows a warning, the bare line: its INFO record was dropped
+    there, while the waiting notes (warnings) beside it showed (a review, h140 F2).
+    A program with any handler of its own decides itself, by its levels."""
+    if log.hasHandlers() or logging.lastResort is None:
+        log.info("%s", line)
+    elif log.isEnabledFor(logging.WARNING):  # not silenced, as the notes are not
+        print(line, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -361,7 +374,7 @@ def init_distributed(
         raise
     topology = place(membership)
     if topology.is_global_rank_zero:
-        log.info("%s rendezvous=%.3fs", config.rank0_log_line(topology), rendezvous_s)
+        _say_world(f"{config.rank0_log_line(topology)} rendezvous={rendezvous_s:.3f}s")
     # The generation it joined, as the daemon and `status` number it (it read 0).
     return DistributedContext(
         config, topology, rdzv, communicator, rendezvous_s, generation=membership.generation
@@ -644,11 +657,9 @@ def _init_from_agent(
         raise
     mark("ring-up", generation=assignment.generation, rank=assignment.rank)
     if topology.is_global_rank_zero:
-        log.info(
-            "%s generation=%d restart_count=%d",
-            config.rank0_log_line(topology),
-            assignment.generation,
-            assignment.restart_count,
+        _say_world(
+            f"{config.rank0_log_line(topology)} generation={assignment.generation} "
+            f"restart_count={assignment.restart_count}"
         )
     return DistributedContext(
         config,

@@ -145,6 +145,40 @@ def test_only_a_heartbeat_interval_somebody_set_is_said_to_be_cut(
         assert "heartbeat every 3.33 s, not 5 s" in said, said
 
 
+@pytest.mark.parametrize("logging", ["none", "warning"])
+def test_rank_0s_world_line_shows_where_the_script_configured_no_logging(
+    start_daemon: Callable[..., DaemonProcess],
+    tmp_path: Path,
+    tasks: Callable[..., subprocess.Popen[str]],
+    logging: str,
+) -> None:
+    """The doc's task.sh with a train.py that configures no logging: rank 0's
+    "distributed: ..." line never showed (an INFO record, dropped by Python's last
+    resort), though the waiting notes did (h140 F2). A script that configured logging
+    at WARNING keeps it out."""
+    d = start_daemon()
+    script = task_script(d, tmp_path)
+    script.write_text(
+        script.read_text().replace(" ".join(WORKER), f"{' '.join(WORKER)} --logging {logging}")
+    )
+    job = f"world-{logging}"
+    logs = [tmp_path / f"task{i}.err" for i in range(2)]
+    procs = [tasks([str(script)], srun_env(i, 2, 1, job, "0"), logs[i]) for i in range(2)]
+    for i, p in enumerate(procs):
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, (out, logs[i].read_text())
+    errs = [log.read_text() for log in logs]
+    said = [line for line in errs[0].splitlines() if line.startswith("distributed: ")]
+    if logging == "none":
+        assert len(said) == 1, errs[0]
+        assert said[0].startswith("distributed: backend=cpu world_size=2 num_nodes=2 "), said
+        assert "auth=token," in said[0] and " rendezvous=" in said[0], said
+    else:
+        assert said == [], errs[0]
+    assert "distributed: " not in errs[1], errs[1]  # rank 0's alone
+    assert d.token not in "".join(errs)
+
+
 def test_a_srun_rank_without_the_nodes_says_node_rank_was_never_set() -> None:
     base = {
         "RENDEZVOUSD_RANK": "3",
