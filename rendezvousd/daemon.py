@@ -452,6 +452,7 @@ class Daemon:
         self.persister = Persister(self.config.state_dir, self.state)
         self.persister.on_health = self._storage_health
         self.persister.on_commit = self.metrics.observe_commit
+        restoring = time.monotonic()
         restored = self.persister.restore()
         if self.config.state_dir is None:
             # What it forgot, it can say: a job's callers from before this start
@@ -520,6 +521,10 @@ class Daemon:
                 + (why or f"{exc}; is another rendezvousd already using it?")
             ) from exc
         await server.start()
+        if restored:
+            # The restore and the start-up after it are no restored member's silence:
+            # its time to reattach (snapshot.REATTACH_S at least) counts from here.
+            self.state.stalled(time.monotonic() - restoring)
         self._server = server
         self.port = port
         self._servicer = servicer

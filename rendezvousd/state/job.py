@@ -54,9 +54,11 @@ class Attendee:
 
     state: MemberState = MemberState.JOINING
     last_seen: float = 0.0
-    # The gap between its last two beats: its cadence, which a drain's row uses to
-    # tell a silent attendee from one between two beats (``snapshot.heard``).
-    beat_gap: float = 0.0
+    # The gap between its last two beats: its cadence, which a drained restart uses to
+    # tell a silent attendee from one between two beats (``snapshot.resume_silence``).
+    # None until it beat twice: its first beat's gap is from its join or attach.
+    beat_gap: float | None = None
+    beaten: bool = False
     # Increases with every heartbeat stream attached, so that an old stream
     # closing after a reconnect is not mistaken for the attendee dying.
     stream_token: int = 0

@@ -131,7 +131,9 @@ def heartbeat(
     job, seated = seats.seat(sm, job_id, generation, who, mode)
     if job.state is not JobState.RUNNING:
         raise job.generation_fault()
-    seated.beat_gap = now - seated.last_seen
+    if seated.beaten:
+        seated.beat_gap = now - seated.last_seen
+    seated.beaten = True
     seated.last_seen = now
     for m in job.covered(seated):
         m.last_seen = now  # what GetJob shows as each member's heartbeat age

@@ -80,7 +80,7 @@ def _only_digest(job: Job) -> None:
 
 def _keep_liveness(kept: Attendee, was: Attendee) -> None:
     """The same attendee: its heartbeat stream (by token), silence and goodbye carry over."""
-    kept.last_seen, kept.beat_gap = was.last_seen, was.beat_gap
+    kept.last_seen, kept.beat_gap, kept.beaten = was.last_seen, was.beat_gap, was.beaten
     kept.stream_token, kept.stream_open = was.stream_token, was.stream_open
     kept.said_goodbye = was.said_goodbye
     kept.peer = was.peer

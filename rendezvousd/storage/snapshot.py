@@ -150,24 +150,13 @@ def job_record(job: Job) -> dict[str, Any]:
     }
 
 
-#: How far past its own cadence an attendee may be silent at a drain and still count
-#: as beating (a beat's jitter on a loaded host).
-BEAT_SLACK = 1.5
-
-
 def _heard(job: Job, seat: Member | Node) -> dict[str, float]:
-    """Since when a draining daemon counts ``seat`` silent; nothing in any other row.
-
-    One heard within its own cadence was beating: its silence starts with the drain,
-    as its SDK's reconnect window does (counted from its last beat, a healthy member
-    was given up to a beat interval less than its SDK gives itself, and lost after a
-    long restart). Only one that had missed a beat carries its silence."""
+    """When a draining daemon last heard ``seat``, and its cadence once it beat twice
+    (``resume_silence``); nothing in any other row."""
     if job.drained_at is None:
         return {}
-    heard = seat.last_seen
-    if job.drained_at - heard <= BEAT_SLACK * seat.beat_gap:
-        heard = job.drained_at
-    return {"heard_unix": _unix(heard)}
+    gap = {} if seat.beat_gap is None else {"beat_gap_s": round(seat.beat_gap, 3)}
+    return {"heard_unix": _unix(seat.last_seen), **gap}
 
 
 def _unix(monotonic: float) -> float:
@@ -389,6 +378,10 @@ def restore_job(
     )
 
 
+#: How far past its own cadence an attendee may be silent at a drain and still count
+#: as beating (a beat's jitter on a loaded host).
+BEAT_SLACK = 1.5
+
 #: The least a restored member or node is given to reattach after a drained restart,
 #: however long it had been silent before: the restart's own seconds are no silence
 #: of the clients that are there, and they reattach as soon as the daemon serves.
@@ -406,11 +399,22 @@ def resume_silence(job: Job, raw: Mapping[str, Any], now: float, timeout: float)
     timeout (every client gave up by then), or from no drain: a whole timeout."""
     if "drained_unix" not in raw or now - _unix_time(raw, "drained_unix", now) >= timeout:
         return
+    drained = _unix_time(raw, "drained_unix", now)
     longest = max(0.0, timeout - REATTACH_S)
 
     def resume(seat: Member | Node | None, row: Mapping[str, Any]) -> None:
-        if seat is not None and "heard_unix" in row:
-            seat.last_seen = now - min(now - _unix_time(row, "heard_unix", now), longest)
+        if seat is None or "heard_unix" not in row:
+            return
+        heard = _unix_time(row, "heard_unix", now)
+        # One heard within its own cadence was beating: its silence starts with the
+        # drain, as its SDK's reconnect window does (from its last beat, a healthy
+        # member was given up to a beat interval less than its SDK gives itself). A
+        # cadence not known yet (one beat: its gap was from its join) is taken as the
+        # longest the daemon allows, a third of the timeout (the SDK's default).
+        gap = _seconds(row, "beat_gap_s") if "beat_gap_s" in row else timeout / 3
+        if drained - heard <= BEAT_SLACK * gap:
+            heard = drained
+        seat.last_seen = now - min(now - heard, longest)
 
     for row in _rows(raw, "members"):
         resume(job.gen.members.get(row["rank"]), row)
@@ -538,6 +542,13 @@ def _state_since(raw: Mapping[str, Any], now: float) -> float:
     if "state_since_unix" not in raw:
         return now
     return _unix_time(raw, "state_since_unix", now)
+
+
+def _seconds(raw: Mapping[str, Any], name: str) -> float:
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}")
+    return float(value)
 
 
 def _unix_time(raw: Mapping[str, Any], name: str, now: float) -> float:

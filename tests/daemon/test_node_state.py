@@ -1151,7 +1151,7 @@ def test_a_drained_restart_goes_on_counting_each_nodes_silence() -> None:
     formed(sm)
     job = sm.jobs["j"]
     job.gen.node_at[0].last_seen = 10.0
-    job.gen.node_at[1].last_seen = 5.0
+    job.gen.node_at[1].last_seen, job.gen.node_at[1].beat_gap = 5.0, 0.5
     sm.drain(10.0)
     fresh = RendezvousState()
     snapshot.restore_job(fresh, snapshot.job_record(job), {}, 12.0)

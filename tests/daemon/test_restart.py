@@ -910,7 +910,8 @@ def test_a_drained_restart_goes_on_counting_each_members_silence() -> None:
     job = sm.jobs["j"]
     timeout = sm.timing.heartbeat_timeout_s
     job.gen.members[0].last_seen = 1000.0  # heard as the drain began
-    job.gen.members[1].last_seen = 996.0  # silent for 4 s by then
+    job.gen.members[1].last_seen = 996.0  # silent for 4 s by then, beating every 0.5 s
+    job.gen.members[1].beat_gap = 0.5
     assert "drained_unix" not in snapshot.job_record(job)
     sm.drain(1000.0)
     drained = snapshot.job_record(job)
@@ -929,9 +930,67 @@ def test_a_drained_restart_goes_on_counting_each_members_silence() -> None:
     assert silences(snapshot.job_record(job), 1003.0) == [3.0, 7.0]
     job.gen.members[0].beat_gap = 1.0  # two beats missed: silent since its last
     assert silences(snapshot.job_record(job), 1003.0) == [5.0, 7.0]
+    # One beat only (its gap was from its join): its cadence is taken as the longest
+    # the daemon allows, a third of the timeout, so 4 s after its join it was beating.
+    job.gen.members[0].last_seen, job.gen.members[0].beat_gap = 996.0, None
+    assert silences(snapshot.job_record(job), 1003.0) == [3.0, 7.0]
     job.gen.members[0].last_seen = 1000.0
     job.gen.members[1].last_seen = 1000.0 - (timeout - 1.0)
     assert silences(snapshot.job_record(job), 1003.0) == [3.0, timeout - snapshot.REATTACH_S]
     assert silences(drained, 1000.0 + timeout) == [0.0, 0.0]
     undrained = {k: v for k, v in drained.items() if k != "drained_unix"}
     assert silences(undrained, 1003.0) == [0.0, 0.0]
+
+
+def test_a_member_that_beat_once_before_a_drain_is_beating_not_silent() -> None:
+    """Its first beat's gap is from its join, not a cadence: taken as one, a member
+    drained within its first beat interval of a generation (3.3 s at the default) was
+    counted silent from its last beat (a chaos review), and got that much less than its
+    SDK gives itself to reattach. Until it beat twice, its cadence is a third of the
+    timeout, the longest the daemon allows."""
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), 1000.0)
+    sm.join(_args(1), 1000.0)
+    for rank in (0, 1):
+        sm.heartbeat("j", 1, rank, 1000.1)
+    sm.drain(1003.0)
+    fresh = RendezvousState()
+    snapshot.restore_job(fresh, snapshot.job_record(sm.jobs["j"]), {}, 1004.0)
+    restored = fresh.jobs["j"].gen.members
+    assert [round(1004.0 - restored[r].last_seen, 3) for r in (0, 1)] == [1.0, 1.0]
+
+
+async def test_the_time_a_restore_takes_is_no_restored_members_silence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member silent long before a drain is left REATTACH_S to reattach: counted from
+    when the restore began, a slow restore (a big state dir) took its own time out of
+    that (a chaos review: 1.63 s left of 2 after a 0.37 s restore). It counts from when
+    the daemon serves."""
+    from rendezvousd.config import DaemonConfig
+    from rendezvousd.daemon import Daemon
+
+    now = time.monotonic()
+    sm = RendezvousState()
+    sm.join(_args(0, uid=ID), now)
+    sm.join(_args(1), now)
+    silent = sm.jobs["j"].gen.members[1]
+    silent.last_seen, silent.beat_gap = now - 9.0, 0.5
+    sm.drain(now)
+    _save(sm, tmp_path)
+    restore = Persister.restore
+
+    def slow_restore(self: Persister) -> int:
+        restored = restore(self)
+        time.sleep(1.0)  # what a big state dir's restore takes
+        return restored
+
+    monkeypatch.setattr(Persister, "restore", slow_restore)
+    daemon = Daemon(DaemonConfig(listen="127.0.0.1:0", state_dir=tmp_path), ["t" * 32])
+    await daemon.start()
+    try:
+        member = daemon.state.jobs["j"].gen.members[1]
+        left = daemon.state.timing.heartbeat_timeout_s - (time.monotonic() - member.last_seen)
+        assert left > snapshot.REATTACH_S - 0.3, f"{left:.2f} s left to reattach"
+    finally:
+        await daemon.stop(grace=0)
