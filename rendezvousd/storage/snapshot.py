@@ -123,6 +123,11 @@ def job_record(job: Job) -> dict[str, Any]:
         "join_mode": job.gen.join_mode.value,
         "min_nodes": job.min_nodes,
         "max_nodes": job.max_nodes,
+        # How long its next forming waits for more nodes past min_nodes. Absent in older
+        # rows, which restored it as 0 s: the survivors of a scale-up after a restart
+        # re-formed alone at once, and the parked newcomer aborted each such generation
+        # again (h139 F4).
+        **({"last_call_s": job.last_call_s} if job.last_call_s else {}),
         # What its node agents speak to each other (absent in rows written before it,
         # and while unknown: the next joiner sets it).
         **({} if job.wire_version is None else {"wire_version": job.wire_version}),
@@ -331,6 +336,10 @@ def restore_job(
     ValueError (types and ranges are checked, so a hand-edited row cannot corrupt the
     daemon)."""
     job = job_from_record(raw, kv, now)
+    # A row from before the last call was kept: the daemon's default, as a join that
+    # names none gets, not 0 s, which formed the next generation with min_nodes at once
+    # (h139 F4).
+    job.last_call_s = job.last_call_s or state.timing.default_last_call_s
     if job.gen.restored_id_digest is not None:
         # Only the digest survives: a later generation must still refuse this id.
         job.used_id_digests.add(job.gen.restored_id_digest)
@@ -520,6 +529,8 @@ def job_from_record(raw: Mapping[str, Any], kv: dict[str, bytes], now: float) ->
         for n, c in _map(raw, "barriers").items()
     }
     _restore_nodes(job, raw, now)
+    if "last_call_s" in raw:
+        job.last_call_s = _seconds(raw, "last_call_s")
     if "wire_version" in raw:
         job.wire_version = _str(raw, "wire_version")
         if len(job.wire_version.encode()) > placement.MAX_WIRE_VERSION:
@@ -545,9 +556,12 @@ def _state_since(raw: Mapping[str, Any], now: float) -> float:
 
 
 def _seconds(raw: Mapping[str, Any], name: str) -> float:
+    """``raw[name]``, a finite number of seconds, not negative."""
     value = raw[name]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
-        raise ValueError(f"{name} must be a number of seconds, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number of seconds")
+    if value < 0:
+        raise ValueError(f"{name} must not be negative")
     return float(value)
 
 

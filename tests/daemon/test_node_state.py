@@ -1160,3 +1160,44 @@ def test_a_drained_restart_goes_on_counting_each_nodes_silence() -> None:
     fresh.tick(12.0 + sm.timing.heartbeat_timeout_s - 6.5)
     assert fresh.jobs["j"].state is JobState.FAILED
     assert [f.node_rank for f in fresh.jobs["j"].gen.failed] == [1, 1]
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["row-with-last-call", "older-row"])
+def test_a_restored_job_keeps_a_last_call_so_a_scale_up_forms_once(
+    tmp_path: Path, stored: bool
+) -> None:
+    """--nnodes 2:3, a and b running, the daemon restarted, then c parks for a
+    scale-up (h139 F4). The job re-forms once, with all three: the survivors re-joining
+    first wait for c, as without a restart. Before, a restored job's last call was 0 s
+    (the row did not keep it), so a and b re-formed alone at once and c's park aborted
+    that generation again: generations 1 to 5 in half a second. A row from before the
+    last call was kept takes the daemon's default."""
+    import sqlite3
+
+    sm = RendezvousState()
+    join_first(sm, node("a", lo=2, hi=3), 0.0)
+    assert isinstance(sm.join(node("b", lo=2, hi=3), 0.0), Parked)
+    sm.tick(5.1)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    if not stored:
+        saver = Persister(tmp_path, sm)
+        saver.restore()
+        saver.close()
+        with sqlite3.connect(tmp_path / "state.db") as db:
+            db.execute("UPDATE jobs SET detail = json_remove(detail, '$.last_call_s')")
+        back = RendezvousState()
+        Persister(tmp_path, back).restore()
+    else:
+        back = restarted(sm, tmp_path)
+    now = back.jobs["j"].gen.node_at[0].last_seen
+    parked = back.join(node("c", lo=2, hi=3), now)
+    assert isinstance(parked, Parked)
+    back.abort("j", 1, "scale-up", now + 0.1)
+    assert isinstance(woken(back)[parked.waiter], Rejoin)
+    for inst in ("a2", "b2"):
+        assert isinstance(
+            sdk_join(back, node(inst, lo=2, hi=3, previous=inst[0]), now + 0.2), Parked
+        )
+    assert back.jobs["j"].state is JobState.FORMING and back.jobs["j"].generation == 2
+    out = sdk_join(back, node("c", lo=2, hi=3), now + 0.3)
+    assert isinstance(out, JoinResult) and out.generation == 2 and out.num_nodes == 3

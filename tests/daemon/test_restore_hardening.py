@@ -63,6 +63,10 @@ def _state_dir_with_a_running_job(state: Path) -> None:
          "completed must be an integer in 0..4611686018427387904"),
         ("UPDATE jobs SET detail = json_set(detail, '$.state_since_unix', 'yesterday')",
          "state_since_unix must be a number of Unix seconds"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.last_call_s', 'soon')",
+         "last_call_s must be a number of seconds"),
+        ("UPDATE jobs SET detail = json_set(detail, '$.last_call_s', -1)",
+         "last_call_s must not be negative"),
         # A close of a generation the job never reached, or one no AbortJob would take.
         ("UPDATE jobs SET detail = json_set(detail, '$.closed', "
          "json('{\"at_unix\": 1, \"reason\": \"stopped\", \"generation\": 2}'))",
