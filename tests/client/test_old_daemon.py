@@ -5,7 +5,6 @@ found!" as a ProtocolError, which a node agent took for a transient failure."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from google.rpc import status_pb2
 from rendezvousd.client import ProtocolError, RendezvousClient, VersionMismatch
 from rendezvousd.client._multiplex import status_error
 from rendezvousd.client.errors import from_rpc_error
+from rendezvousd.common.version import installed_version
 from tests.support import DaemonProcess, daemon_without_rendezvous, write_token
 
 
@@ -31,7 +31,7 @@ def test_unimplemented_is_a_daemon_older_than_the_method() -> None:
     assert "'Method not found!'" in str(error)
     assert "upgrade the daemon first" in str(error)
     # Its version unknown (it said none), this client's own named beside it.
-    this = importlib.metadata.version("rendezvousd")
+    this = installed_version()
     said = "[daemon: rendezvousd unknown (a rendezvousd from before it said its version, "
     assert said in str(error) and f"this client: rendezvousd {this}]" in str(error), error
     assert error.daemon_version == ""
@@ -43,7 +43,7 @@ def test_a_version_mismatch_names_the_daemons_version(
     """The daemon's answers say which rendezvousd it runs (ErrorInfo ``daemon_version``):
     a VersionMismatch named both nodes' wire versions, never the daemon's."""
     d = start_daemon()
-    this = importlib.metadata.version("rendezvousd")
+    this = installed_version()
     with (
         RendezvousClient(d.endpoint, job_id, token=d.token) as first,
         RendezvousClient(d.endpoint, job_id, token=d.token) as other,

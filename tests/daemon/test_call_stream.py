@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib.metadata
 import queue
 import signal
 import sqlite3
@@ -22,6 +21,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.calls import DRAINED_TRAILER
+from rendezvousd.common.version import installed_version
 from rendezvousd.server.call_stream import CallStream, method_fields
 from rendezvousd.server.scope import derive_job_token
 from tests.daemon.raw_calls import SERVICE, UNARY, assert_healthy
@@ -543,7 +543,7 @@ def test_a_stream_the_drain_ends_says_that_no_call_it_did_not_answer_was_read(
         info = error_details_pb2.ErrorInfo()
         assert status.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert status.details[0].Unpack(info)
-        version = importlib.metadata.version("rendezvousd")  # said with every fault
+        version = installed_version()  # said with every fault
         assert (info.reason, dict(info.metadata)) == (
             "DRAINING",
             {"run": "no", "daemon_version": version},

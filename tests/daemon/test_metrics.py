@@ -152,10 +152,19 @@ def test_build_info_says_which_build_the_daemon_runs(
 
     import google.protobuf
 
+    from rendezvousd.common.version import build_id
+
     d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    # Two builds of one release were told apart by no label (h139 F3): the build is
+    # its own label, and the version's local part ("0.1.0+g873aec9").
+    build = build_id()
+    assert build
     labels = (
+        f'build="{build}",'
         f'grpcio="{grpc.__version__}",protobuf="{google.protobuf.__version__}",'
         f'protocol="rendezvous.v1",python="{platform.python_version()}",state_schema="3",'
-        f'version="{importlib.metadata.version("rendezvousd")}"'
+        f'version="{importlib.metadata.version("rendezvousd")}+{build}"'
     )
     assert scrape(d.metrics_url)["rendezvousd_build_info{" + labels + "}"] == 1
+    release = importlib.metadata.version("rendezvousd")
+    assert f"rendezvousd {release}+{build} serving on 127.0.0.1:" in d.log(), d.log()

@@ -6,7 +6,6 @@ job sees nothing, and no token gets the login page only."""
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import platform
 import re
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from rendezvousd.common.version import build_id, installed_version
 from rendezvousd.server.scope import derive_job_token
 from tests.daemon.browser import Chromium, chromium_missing
 from tests.support import ROOT, WORKERS, DaemonProcess, json_lines, launcher_cmd, wait_for
@@ -100,10 +100,12 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
         assert job_id in _text(browser)
         # Which daemon answers, in the header (its build beside it on hover): a page
         # open across an upgrade said nothing of which rendezvousd it read.
-        version = importlib.metadata.version("rendezvousd")
+        version = installed_version()
+        assert "+" + build_id() in version  # its build too (h139 F3)
         assert browser.evaluate("document.getElementById('version').textContent") == version
         build = browser.evaluate("document.getElementById('version').title")
-        assert f"version {version}, python {platform.python_version()}, grpcio " in build, build
+        said_build = f"version {version}, build {build_id()}, python {platform.python_version()}"
+        assert f"{said_build}, grpcio " in build, build
         assert "protocol rendezvous.v1, state_schema 3" in build, build
         said = browser.evaluate(
             "fetch('/api/jobs').then(r => r.json()).then(j => j.daemon_version)"

@@ -329,8 +329,10 @@ def test_status_names_the_daemons_version_and_a_client_learns_it(
     import importlib.metadata
 
     from rendezvousd.cli.probe import daemon_line
+    from rendezvousd.common.version import build_id
 
-    version = importlib.metadata.version("rendezvousd")
+    # The build too (h139 F3: two builds of one release both said 0.1.0).
+    version = f"{importlib.metadata.version('rendezvousd')}+{build_id()}"
     with RendezvousClient(daemon.endpoint, job_id, token=daemon.token) as c:
         assert c.daemon_version() == ""  # not asked yet
         c.join(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=20)

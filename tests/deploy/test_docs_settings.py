@@ -213,4 +213,10 @@ def test_each_command_says_the_version_installed(module: str, prog: str) -> None
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"{prog} {importlib.metadata.version('rendezvousd')}\n", done.stdout
+    from rendezvousd.common.version import build_id
+
+    # With its build (h139 F3: two builds of one release said the same).
+    build = build_id()
+    assert build
+    release = importlib.metadata.version("rendezvousd")
+    assert done.stdout == f"{prog} {release}+{build}\n", done.stdout

@@ -24,12 +24,8 @@ SOURCES = tuple(
 )
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """(build log, wheel path), built from a copy of what the container build sends,
-    so the checkout gets no build/ dir."""
-    base = tmp_path_factory.mktemp("wheel")
-    src, out = base / "src", base / "out"
+def _copy_sources(src: Path) -> None:
+    """What the container build sends, copied to ``src``."""
     src.mkdir()
     for name in SOURCES:
         path = ROOT / name
@@ -40,6 +36,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
         else:
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, src / name)
+
+
+def _pip_wheel(src: Path, out: Path) -> tuple[str, Path]:
+    """(build log, wheel path) of ``pip wheel`` on ``src``."""
     result = subprocess.run(
         [
             sys.executable,
@@ -62,6 +62,15 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     assert result.returncode == 0, log[-4000:]
     (wheel,) = out.glob("rendezvousd-*.whl")
     return log, wheel
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """(build log, wheel path), built from a copy of what the container build sends,
+    so the checkout gets no build/ dir."""
+    base = tmp_path_factory.mktemp("wheel")
+    _copy_sources(base / "src")
+    return _pip_wheel(base / "src", base / "out")
 
 
 def test_build_prints_no_setuptools_warning(built: tuple[str, Path]) -> None:
@@ -97,6 +106,8 @@ def test_wheel_ships_configs_and_type_markers(built: tuple[str, Path]) -> None:
         for module in (ROOT / folder).rglob("*.py"):
             assert f"{installed}/{module.relative_to(ROOT / folder).as_posix()}" in names
     assert not any(n.startswith("tests/") for n in names)
+    # Built from a tree that is no git repository: no build id to stamp, and no error.
+    assert "rendezvousd/common/BUILD" not in names
 
 
 def test_wheel_metadata_offers_both_cuda_builds(built: tuple[str, Path]) -> None:
@@ -160,3 +171,51 @@ def test_editable_install_prints_no_notice(
     assert list(tmp_path.glob("rendezvousd-*.whl"))
     noticed = "Editable installation" in result.stdout + result.stderr
     assert noticed == (backend != "build_backend")
+
+
+def _git(tree: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        cwd=tree, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+def _says(wheel: Path, where: Path) -> str:
+    """What ``installed_version()`` says from ``wheel``'s files, unpacked into ``where``
+    (its dist-info found on the path, as when installed; -S: no other copy is)."""
+    zipfile.ZipFile(wheel).extractall(where)
+    done = subprocess.run(
+        [sys.executable, "-S", "-c",
+         "from rendezvousd.common.version import installed_version as v; print(v())"],
+        cwd=where, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+@pytest.mark.parametrize("dirty", [False, True], ids=["clean", "dirty"])
+def test_a_wheel_built_from_a_git_checkout_says_its_commit(tmp_path: Path, dirty: bool) -> None:
+    """Two builds of one release both said 0.1.0 everywhere (h139 F3): an operator
+    could not tell whether an upgrade took effect. A wheel says the commit it was built
+    from, and whether tracked files differed from it; the checkout keeps no stamp."""
+    src = tmp_path / "src"
+    _copy_sources(src)
+    _git(src, "init", "-q")
+    _git(src, "add", "-A")
+    _git(src, "commit", "-q", "-m", "release")
+    commit = _git(src, "rev-parse", "--short=7", "HEAD")
+    if dirty:
+        (src / "README.md").write_text("changed after the commit\n")
+    _, wheel = _pip_wheel(src, tmp_path / "out")
+    build = f"g{commit}" + (".dirty" if dirty else "")
+    assert zipfile.ZipFile(wheel).read("rendezvousd/common/BUILD").decode().strip() == build
+    assert not (src / "rendezvousd/common/BUILD").exists()
+    assert _git(src, "status", "--porcelain", "--untracked-files=no") == (
+        "M README.md" if dirty else ""
+    )
+    import tomllib
+
+    release = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert _says(wheel, tmp_path / "installed") == f"{release}+{build}"

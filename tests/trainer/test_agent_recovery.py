@@ -5,7 +5,6 @@ during recovery, restarts exhausted, and a node that comes back late (scale-up).
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import pytest
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient, RendezvousError
+from rendezvousd.common.version import build_id, installed_version
 from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
 from tests.support import (
     LOOPBACK_SENTENCE,
@@ -726,7 +726,8 @@ def test_a_join_node_of_another_version_is_refused_alone_and_the_launch_forms(
     assert "another rendezvousd version" not in err and "restart 1 of 1" not in err, err
     assert all(e["restart_count"] == 0 for e in node0.events("ready")), err
     # Each agent says which rendezvousd it runs, and the wire version it sends.
-    version = importlib.metadata.version("rendezvousd")
+    version = installed_version()
+    assert "+" + build_id() in version  # its build too (h139 F3)
     start = f"rendezvous-run: rendezvousd {version} (ring wire version {WIRE_VERSION}), node agent"
     assert f"{start} of job {job_id!r}, 2 worker(s)" in unstamped(err), err
     refused = 'rendezvousd_joins_refused_total{reason="version_mismatch"}'

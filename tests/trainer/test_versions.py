@@ -22,6 +22,7 @@ from tests.support import (
     launcher_cmd,
     run_launcher,
     stderr_of_all,
+    unstamped,
     wait_for,
     write_token,
 )
@@ -38,6 +39,14 @@ OTHER_VERSION = [
     "-c",
     "import sys; from rendezvousd.trainer.comm import ring_wire; "
     "ring_wire.WIRE_VERSION = sys.argv.pop(1); "
+    "from rendezvousd.trainer.agent.launcher import main; sys.exit(main())",
+]
+# rendezvous-run of another build of this release (argv[1], "0.1.0+gdeadbee.dirty"),
+# as a node upgraded to another commit says it: its ring and joins unchanged.
+OTHER_BUILD = [
+    "-c",
+    "import sys; from rendezvousd.common import version; said = sys.argv.pop(1); "
+    "version.installed_version = lambda: said; "
     "from rendezvousd.trainer.agent.launcher import main; sys.exit(main())",
 ]
 ON_HOST_OLD_NODE = ["unshare", "--uts", "sh", "-c", 'hostname old-node && exec "$@"', "sh"]
@@ -172,3 +181,39 @@ def test_a_ring_of_another_version_is_the_cause_the_daemon_records_not_retried(
     assert cause.startswith("PeerVersionMismatch: rank "), cause
     assert "runs another version of rendezvousd (wire version" in cause, cause
     assert "every node of a job must run the same rendezvousd version" in cause, cause
+
+
+def test_nodes_of_two_builds_of_one_release_train_together(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A build id is said, never compared (h139 F3): only the ring's wire version
+    refuses a node. A node whose rendezvousd says another build of this release joins
+    beside this checkout's, the job forms and both finish; each says its own build."""
+    import importlib.metadata
+
+    from rendezvousd.common.version import installed_version
+    from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
+
+    d = start_daemon()
+    script = tmp_path / "w.py"
+    script.write_text(WAITS)
+    flags = ["--max-restarts", "0", "--join-timeout-s", "60", str(script)]
+    other = f"{importlib.metadata.version('rendezvousd')}+gdeadbee.dirty"
+    assert other != installed_version()
+    node0 = launcher_cmd(2, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    node1 = launcher_cmd(2, 1, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    node1 = [sys.executable, *OTHER_BUILD, other, *node1[3:]]
+    first = subprocess.Popen([*node0, *flags], stderr=subprocess.PIPE, text=True)
+    try:
+        second = run_launcher([*node1, *flags], timeout=120)
+        _, first_err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate(timeout=30)
+    assert (first.returncode, second.returncode) == (0, 0), first_err + second.stderr
+    for err, said in ((first_err, installed_version()), (second.stderr, other)):
+        assert "VersionMismatch" not in err, err
+        start = f"rendezvous-run: rendezvousd {said} (ring wire version {WIRE_VERSION})"
+        assert start in unstamped(err), err
+    assert "VERSION_MISMATCH" not in d.log()
