@@ -81,7 +81,10 @@ def git_build_id(root: Path) -> str:
     import subprocess
 
     # Not one of the caller's GIT_DIR/GIT_WORK_TREE: the commit of this tree, no other.
+    # No optional lock: asking must not make a git command run meanwhile in the checkout
+    # fail on index.lock (``--dirty`` refreshes the index).
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["GIT_OPTIONAL_LOCKS"] = "0"
     try:
         done = subprocess.run(
             ["git", "-C", str(root), "describe", "--always", "--dirty=.dirty",

@@ -365,7 +365,8 @@ def _say_start(config: DistributedConfig) -> None:
     """The node agent's first line of its own: which rendezvousd it runs (every node of
     a job must run one; the daemon's is `rendezvousd status`'s first line) and the wire
     version its workers speak, which the daemon compares across the job's nodes. After
-    the spares started: reading the version costs a few milliseconds."""
+    the spares started: reading the version costs a few milliseconds, tens in a git
+    checkout, whose build git is asked for (``version.build_id``)."""
     from rendezvousd.common.version import installed_version
     from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION
 
