@@ -19,7 +19,8 @@ from tests.support import WORKERS, DaemonProcess, json_lines, launcher_cmd
 
 # Runs rendezvous-run in this process, noting in $ORDER_FILE, in order, the first
 # process it starts and its first imports of grpc and numpy (audit events), then
-# how many processes it started itself, and how many spares (forked or cold).
+# how many processes it started itself (not counting git, asked for the start line's
+# build id in a checkout), and how many spares (forked or cold).
 ORDER_PROBE = r"""
 import os, runpy, sys
 order = []
@@ -27,6 +28,10 @@ spawned = []
 def hook(event, args):
     if event == "import" and args[0] in ("grpc", "numpy") and args[0] not in order:
         order.append(args[0])
+    elif event == "subprocess.Popen" and os.path.basename(str(args[0])) == "git":
+        # The start line's build id, asked of git in a checkout (version.build_id):
+        # no worker process, and after the spares.
+        order.append("git")
     elif event == "subprocess.Popen":
         spawned.append(1)
         if "spawn" not in order:
@@ -73,7 +78,9 @@ def test_spares_start_before_the_launcher_imports_grpc_and_the_agent_needs_no_nu
     order, spawned, spares = order_file.read_text().splitlines()
     # grpc once the spares (or their fork server) run; numpy never: the agent relays
     # the workers' state frames (three steps of them here) without decoding them.
-    assert order.split() == ["spawn", "grpc"], done.stderr
+    # git (a checkout's build id, once) only after both.
+    assert [o for o in order.split() if o != "git"] == ["spawn", "grpc"], done.stderr
+    assert order.split()[2:] in ([], ["git"]), done.stderr
     # No restarts allowed and a fixed size: no spare beyond the two workers, whose
     # start-up would only take CPU from the training.
     assert spares == "2", done.stderr
