@@ -802,6 +802,10 @@ class StatefulDaemon:
         listen = f"127.0.0.1:{self.port}"
         return spawn_daemon(self.tmp, *self.flags, token=self.token, listen=listen)
 
+    def start_again(self) -> None:
+        """Start the daemon again in its place (the one before was killed)."""
+        self.current = self._spawn()
+
     def outage_under_a_standby(self, job: str, stderr: Callable[[], str]) -> None:
         """SIGKILL the daemon while a standby (whose output ``stderr`` reads) waits, see
         it notice, start the daemon again, and see the standby parked on it again.

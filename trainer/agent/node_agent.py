@@ -76,6 +76,7 @@ from rendezvousd.trainer.agent.warm_workers import (
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node_rank, slot_env
 from rendezvousd.trainer.comm import ring_wire
 from rendezvousd.trainer.config import DistributedConfig
+from rendezvousd.trainer.daemon_back import await_daemon, daemon_serves
 from rendezvousd.trainer.errors import AgentChannelError, ConfigError, RestartsExhausted
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
@@ -902,7 +903,7 @@ class NodeAgent:
                             # verdict (the generation FAILED) a plain goodbye kept its
                             # seat in the next one, which the nodes that go on waited
                             # for (the seat hold, or their join timeout).
-                            self._end_generation(final=True)
+                            self._end_generation(final=True, done=True)
                             return None
                         continue
                     if verdict is not None:
@@ -1226,16 +1227,47 @@ class NodeAgent:
         mark("stopped", generation=gen)
         return failure
 
-    def _end_generation(self, *, final: bool = False, goodbye: bool = True) -> None:
+    def _end_generation(
+        self, *, final: bool = False, goodbye: bool = True, done: bool = False
+    ) -> None:
         """``final``: this agent will not re-join (it gives up, or is stopped), so the
         next generation keeps no seat for it: the job id launched again at once, or
-        the nodes that go on, would otherwise wait out the seat hold for it."""
+        the nodes that go on, would otherwise wait out the seat hold for it. ``done``:
+        this node's work is done, and its goodbye waits for a daemon restarting now
+        (``_daemon_back``). Not a node giving up or stopped: its failure is said
+        either way, and a stopped node's scheduler waits only so long."""
         self._close_links()
         if not goodbye:
             return  # the heartbeat ended with the failure; the next join starts afresh
+        if done:
+            self._daemon_back()
         # Stops the node's heartbeat; a failed generation is over either way.
         with contextlib.suppress(RendezvousError):
             self.client.leave(final=final)
+
+    def _daemon_back(self) -> None:
+        """Before the final goodbye: a daemon restarting now (within its heartbeat
+        timeout) is waited for, as joins and barriers wait for it. Told nothing, the
+        restored daemon lost this node at that timeout, and a job that finished was
+        recorded FAILED ("node unreachable")."""
+        transport = self.config.rendezvous
+        if transport.endpoint is None:
+            return
+        endpoint, job_id = transport.endpoint, self.config.job_id
+        node = "" if self.placed is None else f"node {self.placed.node_rank} of "
+
+        def serves(within: float) -> bool:
+            token = self.client.current_token() or self._token
+            tls = transport.tls()
+            return daemon_serves(
+                endpoint, job_id, within, token=token, token_file=transport.token_file, tls=tls
+            )
+
+        waiting = (
+            f"no daemon answers at {endpoint} to hear that {node}job {job_id!r} left: "
+            "waiting for it to come back (a restart) before this node exits"
+        )
+        await_daemon(serves, self._silence_s, self.note, waiting)
 
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
         """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
