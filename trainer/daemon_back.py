@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rendezvousd.client.connection import TlsConfig
 
-# Each look: a daemon that is up answers a health check within a round trip; one that
-# is down refuses the connection at once. Short, so the window is kept to.
+# Each look: a daemon that is up answers a health check within a round trip; at one
+# that is down the look waits this long for it to come up (gRPC redials meanwhile).
+# Short, so the window is kept to: a look never ends more than this past it.
 LOOK_S = 1.0
 # Between looks: a restart takes about a second (state restored, port bound).
 RECHECK_S = 0.25
