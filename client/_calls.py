@@ -511,12 +511,13 @@ class Calls:
         end = started + limit
         wait_end = end - diagnosis_share(limit)
         first = UNREACHED_NOTE_S - (time.monotonic() - started)
-        if first < wait_end - time.monotonic() and not s.unreached_told:
+        if first < end - time.monotonic() and not s.unreached_told:
             # Said once while it waits on: a client started before its daemon (a node
             # agent, torchrun's) was silent for its whole connect_timeout (30 s), which
             # reads as a hang. Once per outage: an agent's joins asked again every
-            # second would say it every time.
-            if (yield Connect(max(0.0, first))):
+            # second would say it every time. Before the share kept for the look at
+            # the end, where that comes first (a connect_timeout of 6 s said nothing).
+            if (yield Connect(max(0.0, min(first, wait_end - time.monotonic())))):
                 return
             problem = yield Blocking(
                 functools.partial(dial_problem, s.endpoint, _dial_wait(wait_end))
