@@ -373,27 +373,31 @@ class Calls:
                     deadline - share - time.monotonic() <= s.retry.backoff(attempt - rotated)
                 )
                 if not retry or spent or attempt - rotated > s.retry.attempts:
-                    look = min(2 * DIAGNOSIS_S, max(share, deadline - time.monotonic()))
-                    problem = (yield from self.tls_mismatch(look / 2)) if unanswered else None
-                    if (
-                        unanswered
-                        and problem is None
-                        and error.code == "DEADLINE_EXCEEDED"
-                        and (
-                            yield from self.answers(
-                                within=max(LOOK_FLOOR_S, deadline - time.monotonic())
-                            )
-                        )
-                    ):
-                        short = s.too_short(method, attempt, error, limit, setting)
-                        raise s.unrepeated(method, attempt, short) from None
+                    problem = None
+                    if unanswered:
+                        answers, problem = yield from self.no_answer(error, deadline)
+                        if answers:
+                            short = s.too_short(method, attempt, error, limit, setting)
+                            raise s.unrepeated(method, attempt, short) from None
                     if not retry:
                         raise s.unrepeated(method, attempt, error, problem) from None
                     raise s.exhausted(method, attempt, error, problem) from None
                 if unanswered:
                     # Before waiting again: a TLS mismatch never connects, whatever the
                     # wait (a plaintext list_jobs() of a TLS daemon heard it after 60 s).
-                    yield from self.tls_look()
+                    # Within what the retry leaves of the deadline: a whole probe here
+                    # made a call_timeout=8 call end at 8.3 s at a black-holed host.
+                    yield from self.tls_look(
+                        TLS_PROBE_TIMEOUT_S
+                        if waits_back
+                        else max(
+                            0.0,
+                            deadline
+                            - share
+                            - time.monotonic()
+                            - s.retry.backoff(attempt - rotated),
+                        )
+                    )
                 if waits_back:
                     # Re-sent, it would wait its whole wait (600 s by default) for a
                     # daemon to come back: first, the daemon back within the window, as a
@@ -403,6 +407,38 @@ class Calls:
                     yield from self.back_within(method, rank, drained=drained or not_run)
                     deadline = time.monotonic() + limit + s.retry.backoff(attempt - rotated)
             yield Sleep(s.retry.backoff(attempt - rotated))
+
+    def no_answer(self, error: RendezvousError, deadline: float) -> Steps[tuple[bool, str | None]]:
+        """Why a call got no answer, looked at by ``deadline`` (``time.monotonic()``),
+        never after it (at most 2 * DIAGNOSIS_S): whether the daemon answers a health
+        check after a deadline passed (then the call's own deadline is the cause,
+        ``Session.too_short``), and else what was found. A TLS mismatch is raised;
+        where the channel is not connected, what a plain connect finds. A daemon that
+        answers no health check within the look's time is itself the finding, with
+        what a plain connect there finds: on a channel
+        still READY at a host that went silent, "the daemon did not answer in time"
+        read as a slow call (``RendezvousTimeout``), and the next call said "is the
+        daemon running and reachable?" with no cause."""
+        now = time.monotonic()
+        # The floor: a deadline too short to hold a health Check (call_timeout=0.001)
+        # still gets one, so that a healthy daemon names the deadline as the cause.
+        end = max(now + LOOK_FLOOR_S, min(now + 2 * DIAGNOSIS_S, deadline))
+        problem = yield from self.tls_mismatch(end - now)
+        if problem is not None:
+            return False, problem
+        if error.code != "DEADLINE_EXCEEDED":
+            dial = functools.partial(dial_problem, self.s.endpoint, _dial_wait(end))
+            found: str | None = yield Blocking(dial)
+            return False, found
+        # Half the look for the Check (a round trip answers it), the other half for a
+        # connect that can conclude: at a silent host it only ever times out.
+        checked = max(LOOK_FLOOR_S, (end - time.monotonic()) / 2)
+        if (yield from self.answers(within=checked)):
+            return True, None
+        dial = functools.partial(dial_problem, self.s.endpoint, _dial_wait(end))
+        found = yield Blocking(dial)
+        told = f"the daemon answers no health check within {checked:.2g} s"
+        return False, told if found is None else f"{told}, and {found}"
 
     def back_within(self, method: str, rank: int | None, *, drained: bool = False) -> Steps[None]:
         """Return once the channel is READY again (``drained``: the daemon shut down, and
@@ -911,10 +947,19 @@ class Calls:
                 return
             # The stream broke before its goodbye was read: a Leave call tells it.
         request.final = final
+        # A share of the leave timeout is kept for the look at why no answer came:
+        # at a daemon SIGKILLed, its warning said "the daemon did not answer in
+        # time" where a plain connect finds "nothing listens there".
+        end = time.monotonic() + s.leave_timeout
         try:
-            yield Rpc("Leave", request, s.leave_timeout)
+            yield Rpc("Leave", request, s.leave_timeout - diagnosis_share(s.leave_timeout))
         except grpc.RpcError as exc:
-            s.leave_failed(request, exc)
+            problem = None
+            error = from_rpc_error(exc, endpoint=s.endpoint, method="Leave")
+            if error.code in UNKNOWN_OUTCOME and not error.reason:
+                dial = functools.partial(dial_problem, s.endpoint, _dial_wait(end))
+                problem = yield Blocking(dial)
+            s.leave_failed(request, exc, problem)
 
     def _say_final(self, request: pb.LeaveRequest, final: bool) -> Steps[None]:
         """After a goodbye on the stream (which has no room to say it): the final Leave."""

@@ -1120,8 +1120,11 @@ class Session:
             waited,
         )
 
-    def leave_failed(self, request: pb.LeaveRequest, exc: grpc.RpcError) -> None:
-        """One warning, no exception: a finished job must not turn into a failed one."""
+    def leave_failed(
+        self, request: pb.LeaveRequest, exc: grpc.RpcError, problem: str | None = None
+    ) -> None:
+        """One warning, no exception: a finished job must not turn into a failed one.
+        ``problem``: what a plain connect found where no answer came (``exhausted``)."""
         error = from_rpc_error(
             exc,
             endpoint=self.endpoint,
@@ -1129,6 +1132,8 @@ class Session:
             job_id=request.job_id,
             rank=None if request.node else request.rank,
         )
+        if problem is not None:
+            error = self.exhausted("Leave", 1, error, problem)
         # Gone with its generation (a later one formed, or the job was forgotten):
         # nothing is left to leave. Warned, it read as a problem on every node of a
         # multi-node restart whose peers had re-formed first.
