@@ -283,6 +283,17 @@ def _peek(path: Path) -> bytes | None:
 
 #: What a client given no token is told to do (torchrun's handler says it in its words).
 NO_TOKEN_ADVICE = f"pass token= or token_file=, or set ${TOKEN_ENV} / ${TOKEN_FILE_ENV}"
+#: Set in each worker rendezvous-run starts (``rendezvousd.trainer.agent._agent_boot``
+#: owns the name; the SDK imports nothing of the trainer's).
+AGENT_FD_ENV = "RENDEZVOUSD_AGENT_FD"
+#: The same advice to a worker of rendezvous-run: the launcher leaves $RENDEZVOUSD_TOKEN
+#: out of its workers' environment, so "set $RENDEZVOUSD_TOKEN" could never work there.
+AGENT_NO_TOKEN_ADVICE = (
+    "this process is a worker of rendezvous-run, which puts no token in its workers' "
+    "environment: use the worker's own client, ctx.rendezvous (from init_distributed()), "
+    f"or give the launcher --token-file, whose path reaches its workers as "
+    f"${TOKEN_FILE_ENV}; or pass token= or token_file="
+)
 
 
 def resolve_token(token: str | None, token_file: Path | str | None) -> str:
@@ -313,7 +324,10 @@ def resolve_token(token: str | None, token_file: Path | str | None) -> str:
     env = os.environ.get(TOKEN_ENV, "").strip()
     if env:
         return _sendable(env, f"${TOKEN_ENV}")
-    raise InvalidRequest(f"no rendezvous token: {NO_TOKEN_ADVICE}")
+    under_agent = bool(os.environ.get(AGENT_FD_ENV))
+    raise InvalidRequest(
+        f"no rendezvous token: {AGENT_NO_TOKEN_ADVICE if under_agent else NO_TOKEN_ADVICE}"
+    )
 
 
 class Bearer:

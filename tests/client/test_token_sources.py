@@ -8,6 +8,7 @@ import os
 import secrets
 import socket
 import stat
+import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from rendezvousd.client import InvalidRequest, RendezvousClient, RendezvousError, TlsConfig
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, launcher_cmd
 
 
 @pytest.fixture(autouse=True)
@@ -239,3 +240,52 @@ def test_a_token_refused_and_unchanged_in_its_file_is_refused_naming_a_rotation(
         c.list_jobs()
     assert caught.value.code == "UNAUTHENTICATED"
     assert "was it rotated?" in str(caught.value), caught.value
+
+
+# A worker of rendezvous-run that makes a client of its own, with no token given.
+_OWN_CLIENT_WORKER = r"""
+import os, sys
+from rendezvousd.client import InvalidRequest, RendezvousClient
+from rendezvousd.trainer.distributed import init_distributed
+
+with init_distributed() as ctx:
+    try:
+        RendezvousClient(ctx.rendezvous.endpoint, "own")
+        said = "made"
+    except InvalidRequest as exc:
+        said = str(exc)
+    with open(f"{sys.argv[1]}.{ctx.rank}", "w") as fh:
+        fh.write(said)
+"""
+
+
+def test_a_worker_of_rendezvous_run_is_told_the_launcher_s_way_to_a_token(
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
+) -> None:
+    """Given $RENDEZVOUSD_TOKEN, which the launcher leaves out of its workers'
+    environment, a worker's own client was told to set $RENDEZVOUSD_TOKEN."""
+    script = tmp_path / "w.py"
+    script.write_text(_OWN_CLIENT_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_TOKEN")}
+    env["RENDEZVOUSD_TOKEN"] = daemon.token
+    cmd = launcher_cmd(1, 0, 1, endpoint=daemon.endpoint, job=job_id)
+    run = subprocess.run(
+        [*cmd, str(script), str(tmp_path / "said")],
+        env=env, capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    said = (tmp_path / "said.0").read_text()
+    assert said == (
+        "no rendezvous token: this process is a worker of rendezvous-run, which puts no "
+        "token in its workers' environment: use the worker's own client, ctx.rendezvous "
+        "(from init_distributed()), or give the launcher --token-file, whose path reaches "
+        "its workers as $RENDEZVOUSD_TOKEN_FILE; or pass token= or token_file="
+    ), said
+    assert daemon.token not in said + run.stderr + run.stdout
+
+
+def test_the_sdk_names_the_agent_s_variable_as_the_trainer_does() -> None:
+    from rendezvousd.client.connection import AGENT_FD_ENV
+    from rendezvousd.trainer.agent._agent_boot import ENV_AGENT_FD
+
+    assert AGENT_FD_ENV == ENV_AGENT_FD
