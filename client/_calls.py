@@ -367,11 +367,17 @@ class Calls:
                 retry = not verdict and (not_run or s.retry.retryable(method, exc.code()))
                 unanswered = not health and error.code in UNKNOWN_OUTCOME and not error.reason
                 waits_back = not_run or (error.code == "UNAVAILABLE" and _parks(request))
+                # Drawn once (it is jittered): checked against the deadline, then slept.
+                pause = s.retry.backoff(attempt - rotated)
+                if error.reason == RELAY_STALLED:
+                    # The agent, not the daemon, failed to answer, and the wire's
+                    # deadline is spent: the re-make on the worker's own channel gets
+                    # half the share kept for the look (which it may still need). It
+                    # got none, and a worker whose agent stalled failed its kv_get.
+                    share /= 2
                 # A retry is made within the call's deadline (one that waits for a
                 # restarted daemon gets a deadline anew, as the restart's first call).
-                spent = not waits_back and (
-                    deadline - share - time.monotonic() <= s.retry.backoff(attempt - rotated)
-                )
+                spent = not waits_back and deadline - share - time.monotonic() <= pause
                 if not retry or spent or attempt - rotated > s.retry.attempts:
                     problem = None
                     if unanswered:
@@ -392,10 +398,7 @@ class Calls:
                         if waits_back
                         else max(
                             0.0,
-                            deadline
-                            - share
-                            - time.monotonic()
-                            - s.retry.backoff(attempt - rotated),
+                            deadline - share - time.monotonic() - pause,
                         )
                     )
                 if waits_back:
@@ -405,8 +408,8 @@ class Calls:
                     # not run waits for a daemon serving: the one shutting down still
                     # answers (NOT_SERVING), and ends every new stream unread.
                     yield from self.back_within(method, rank, drained=drained or not_run)
-                    deadline = time.monotonic() + limit + s.retry.backoff(attempt - rotated)
-            yield Sleep(s.retry.backoff(attempt - rotated))
+                    deadline = time.monotonic() + limit + pause
+            yield Sleep(pause)
 
     def no_answer(self, error: RendezvousError, deadline: float) -> Steps[tuple[bool, str | None]]:
         """Why a call got no answer, looked at by ``deadline`` (``time.monotonic()``),
