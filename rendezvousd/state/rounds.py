@@ -310,6 +310,8 @@ def lose_all_seated(
         lost += [(m, cause) for m in job.covered(seated) if m.state is MemberState.ACTIVE]
         seated.state = MemberState.LOST
         seated.stream_open = False
+    # By rank, not by when each joined: the first is the root cause of record.
+    lost.sort(key=lambda member_cause: member_cause[0].rank)
     _lose(sm, job, lost, now, told=None, attendees=len(gone))
 
 

@@ -783,3 +783,24 @@ def test_a_survivors_re_sent_join_still_hears_the_loss_of_its_failed_generation(
     f = fault(sm.join, args(0, 1), 2.0)
     assert f.reason == "PEER_FAILED" and f.metadata["ranks"] == "2", f
     assert sm.jobs["j"].generation == 1
+
+
+def test_ranks_silent_at_one_tick_are_named_in_rank_order() -> None:
+    """Lost together, they were named in the order they had joined: node 1's ranks,
+    joined 3 then 2, read "lost rank 3 ..., rank 2 ..." (a review on namespace hosts),
+    and rank 3 was the root cause of record. They are named by rank."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=5))
+    results = [
+        sm.join(args(n, g, uid=ID if (n, g) == (0, 0) else b""), 0.0)
+        for n, g in ((1, 1), (1, 0), (0, 1), (0, 0))
+    ]
+    gen = next(r.generation for r in results if isinstance(r, JoinResult))
+    for r in range(4):
+        sm.attach_stream("j", gen, r, inst(sm, r), 0.0)
+    sm.take_effects()
+    for r in (0, 1):
+        sm.heartbeat("j", gen, r, 4.0)
+    sm.tick(5.1)
+    notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
+    assert [f.rank for f in notes[0].failed] == [2, 3], notes[0].failed
+    assert [f.rank for f in sm.jobs["j"].gen.failed] == [2, 3]
