@@ -52,6 +52,7 @@ from rendezvousd.common.escape import shortened
 from rendezvousd.common.members import FailedInfo, failed_text, named_losses, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
+from rendezvousd.trainer.agent.daemon_back import await_daemon, daemon_serves
 from rendezvousd.trainer.agent.launcher_words import in_launchers_words, launchers_text
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
 from rendezvousd.trainer.agent.recovery import (
@@ -76,7 +77,6 @@ from rendezvousd.trainer.agent.warm_workers import (
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node_rank, slot_env
 from rendezvousd.trainer.comm import ring_wire
 from rendezvousd.trainer.config import DistributedConfig
-from rendezvousd.trainer.daemon_back import await_daemon, daemon_serves
 from rendezvousd.trainer.errors import AgentChannelError, ConfigError, RestartsExhausted
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
