@@ -1239,20 +1239,24 @@ class NodeAgent:
         self._close_links()
         if not goodbye:
             return  # the heartbeat ended with the failure; the next join starts afresh
-        if done:
-            self._daemon_back()
+        if done and self._daemon_back():
+            # Its own channel may still be in its reconnect backoff (up to 2.4 s) after
+            # an outage, past the Leave's own deadline: under load the goodbye then
+            # failed although a daemon served. Connected first (connect_timeout).
+            with contextlib.suppress(RendezvousError):
+                self.client.connect()
         # Stops the node's heartbeat; a failed generation is over either way.
         with contextlib.suppress(RendezvousError):
             self.client.leave(final=final)
 
-    def _daemon_back(self) -> None:
+    def _daemon_back(self) -> bool:
         """Before the final goodbye: a daemon restarting now (within its heartbeat
         timeout) is waited for, as joins and barriers wait for it. Told nothing, the
         restored daemon lost this node at that timeout, and a job that finished was
         recorded FAILED ("node unreachable")."""
         transport = self.config.rendezvous
         if transport.endpoint is None:
-            return
+            return False
         endpoint, job_id = transport.endpoint, self.config.job_id
         node = "" if self.placed is None else f"node {self.placed.node_rank} of "
 
@@ -1267,7 +1271,7 @@ class NodeAgent:
             f"no daemon answers at {endpoint} to hear that {node}job {job_id!r} left: "
             "waiting for it to come back (a restart) before this node exits"
         )
-        await_daemon(serves, self._silence_s, self.note, waiting)
+        return await_daemon(serves, self._silence_s, self.note, waiting)
 
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
         """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
