@@ -121,16 +121,20 @@ def forming_note(
         missing = grid.missing_nodes(job.missing_node_ranks, job.nodes_needed, job.min_nodes)
         said += f", missing {missing}" if job.min_nodes and missing else ""
         said += f"; {bound}, then this ends naming what is missing"
-    if job.HasField("previous_run_ended_ms"):
-        # A pod restarted after its job succeeded, say: it opened a run nobody else
-        # will join, and would wait out its join timeout without a word of why.
-        ended = _ago(job.previous_run_ended_ms / 1000)
-        said += (
-            f". The job's previous run ended {ended} ago (every member left), and a join "
-            "after that starts a new run: a node meant for the run that ended is not "
-            "needed and may stop"
-        )
-    return said
+    return said + _previous_run(job, "node")
+
+
+def _previous_run(job: pb.GetJobResponse, who: str) -> str:
+    """Where the job's previous run ended before this join: a pod restarted after its
+    job succeeded, say, opened a run nobody else will join, and would wait out its join
+    timeout without a word of why. "" otherwise."""
+    if not job.HasField("previous_run_ended_ms"):
+        return ""
+    return (
+        f". The job's previous run ended {_ago(job.previous_run_ended_ms / 1000)} ago "
+        "(every member left), and a join after that starts a new run: a "
+        f"{who} meant for the run that ended is not needed and may stop"
+    )
 
 
 def _ago(seconds: float) -> str:
@@ -181,14 +185,7 @@ def rank_note(
     missing = grid.missing_ranks(s.world_size, joined)
     said += f", missing {missing}" if missing else ", rank 0's id not yet published"
     said += f"; {bound}, then this ends naming what is missing"
-    if job.HasField("previous_run_ended_ms"):
-        ended = _ago(job.previous_run_ended_ms / 1000)
-        said += (
-            f". The job's previous run ended {ended} ago (every member left), and a join "
-            "after that starts a new run: a worker meant for the run that ended is not "
-            "needed and may stop"
-        )
-    return said
+    return said + _previous_run(job, "worker")
 
 
 @contextlib.contextmanager
