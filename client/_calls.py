@@ -120,12 +120,6 @@ def diagnosis_share(limit: float) -> float:
     return min(DIAGNOSIS_S, limit / 4)
 
 
-def _dial_wait(end: float) -> float:
-    """The plain connect's wait, up to ``end`` (``time.monotonic()``), at most
-    DIAL_TIMEOUT_S; a few ms at least, so that a refusal or a listener still shows."""
-    return max(0.01, min(DIAL_TIMEOUT_S, end - time.monotonic()))
-
-
 def _parks(request: Any) -> bool:
     """Whether the call waits at the daemon (a join, rank 0's id for it, a barrier, a
     KvGet with wait)."""
@@ -430,16 +424,13 @@ class Calls:
         if problem is not None:
             return False, problem
         if error.code != "DEADLINE_EXCEEDED":
-            dial = functools.partial(dial_problem, self.s.endpoint, _dial_wait(end))
-            found: str | None = yield Blocking(dial)
-            return False, found
+            return False, (yield from self.dialed(end))
         # Half the look for the Check (a round trip answers it), the other half for a
         # connect that can conclude: at a silent host it only ever times out.
         checked = max(LOOK_FLOOR_S, (end - time.monotonic()) / 2)
         if (yield from self.answers(within=checked)):
             return True, None
-        dial = functools.partial(dial_problem, self.s.endpoint, _dial_wait(end))
-        found = yield Blocking(dial)
+        found = yield from self.dialed(end)
         told = f"the daemon answers no health check within {checked:.2g} s"
         return False, told if found is None else f"{told}, and {found}"
 
@@ -558,9 +549,7 @@ class Calls:
             # the end, where that comes first (a connect_timeout of 6 s said nothing).
             if (yield Connect(max(0.0, min(first, wait_end - time.monotonic())))):
                 return
-            problem = yield Blocking(
-                functools.partial(dial_problem, s.endpoint, _dial_wait(wait_end))
-            )
+            problem = yield from self.dialed(wait_end)
             s.unreached_told = True
             log.warning(
                 "%srendezvousd at %s not reached after %.0f s%s; still trying, for "
@@ -585,7 +574,7 @@ class Calls:
                 # Not the daemon (the plain connect said "no gRPC server answered on
                 # them ... a daemon that is stuck"): the call's own deadline.
                 raise s.too_short(method, 1, DaemonUnavailable(""), call, shorter)
-            problem = yield Blocking(functools.partial(dial_problem, s.endpoint, _dial_wait(end)))
+            problem = yield from self.dialed(end)
             # A cause told at once (nothing listens) leaves the kept share unspent: a
             # daemon that comes up within it is still found.
             if end - time.monotonic() > 0 and (yield Connect(end - time.monotonic())):
@@ -651,10 +640,16 @@ class Calls:
         ``within`` in all, the probes half, the plain connect the rest."""
         end = time.monotonic() + within
         if (yield from self.tls_look(within / 2)):
-            dial = functools.partial(dial_problem, self.s.endpoint, _dial_wait(end))
-            problem: str | None = yield Blocking(dial)
-            return problem
+            return (yield from self.dialed(end))
         return None
+
+    def dialed(self, end: float) -> Steps[str | None]:
+        """What a plain connect to the daemon finds (``None``: nothing to say), waiting
+        up to ``end`` (``time.monotonic()``) and at most DIAL_TIMEOUT_S; a few ms at
+        least, so that a refusal or a listener still shows."""
+        wait = max(0.01, min(DIAL_TIMEOUT_S, end - time.monotonic()))
+        found: str | None = yield Blocking(functools.partial(dial_problem, self.s.endpoint, wait))
+        return found
 
     def tls_look(self, within: float = TLS_PROBE_TIMEOUT_S) -> Steps[bool]:
         """Raise the TLS mismatch that keeps the channel from connecting, if that is
@@ -960,8 +955,7 @@ class Calls:
             problem = None
             error = from_rpc_error(exc, endpoint=s.endpoint, method="Leave")
             if error.code in UNKNOWN_OUTCOME and not error.reason:
-                dial = functools.partial(dial_problem, s.endpoint, _dial_wait(end))
-                problem = yield Blocking(dial)
+                problem = yield from self.dialed(end)
             s.leave_failed(request, exc, problem)
 
     def _say_final(self, request: pb.LeaveRequest, final: bool) -> Steps[None]:

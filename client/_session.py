@@ -66,6 +66,7 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.common.address import AddressError, parse_address
 from rendezvousd.common.escape import bounded
+from rendezvousd.common.limits import longest_beat_s
 from rendezvousd.common.members import failed_text
 from rendezvousd.common.validation import LONGEST_WAIT_S, UNIQUE_ID_BYTES, is_wait
 
@@ -570,7 +571,7 @@ class Session:
         buys no earlier detection and costs the daemon a call per member per beat
         (issue 21: 4,096 members at 1 s were 4,100 calls/s).
         """
-        ceiling = self.daemon_heartbeat_timeout / 3
+        ceiling = longest_beat_s(self.daemon_heartbeat_timeout)
         if requested is None:
             return min(ceiling, DEFAULT_HEARTBEAT_S) if ceiling > 0 else LEGACY_HEARTBEAT_S
         if self.daemon_heartbeat_timeout <= 0:

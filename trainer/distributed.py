@@ -200,13 +200,19 @@ def _unexplained(agent: AgentLink, error: BaseException | None) -> bool:
     notice wait a little longer, so that a witness's words are the cause of record."""
     if not isinstance(error, CommunicatorError) or isinstance(error, CommunicatorAborted):
         return False
-    settle = PEER_SETTLE_S if error.reported_by is None else PEER_SETTLE_S + HEARSAY_DELAY_S
-    return not agent.heard_abort(settle)
+    return not agent.heard_abort(_settle_s(error))
 
 
 #: How much longer a rank that learned of a broken link from a neighbour waits than
 #: one that saw it, before it reports it itself.
 HEARSAY_DELAY_S = 0.5
+
+
+def _settle_s(error: CommunicatorError) -> float:
+    """How long a rank whose link broke waits for word of a failure elsewhere: a rank
+    that heard of the break from a neighbour waits a little longer than a witness, so
+    that a witness's words are the cause of record."""
+    return PEER_SETTLE_S if error.reported_by is None else PEER_SETTLE_S + HEARSAY_DELAY_S
 
 
 def _describe(error: BaseException | None) -> str:
@@ -242,10 +248,7 @@ def _drop_out(rdzv: Rendezvous, error: BaseException | None, local_rank: int) ->
     if isinstance(error, CommunicatorError) and not isinstance(
         error, CommunicatorAborted | DeviceError
     ):
-        # A rank that heard of the break from a neighbour waits a little longer than a
-        # witness, so that a witness's words are the cause of record.
-        settle = PEER_SETTLE_S if error.reported_by is None else PEER_SETTLE_S + HEARSAY_DELAY_S
-        deadline = time.monotonic() + settle
+        deadline = time.monotonic() + _settle_s(error)
         heard = False
         while time.monotonic() < deadline:
             try:

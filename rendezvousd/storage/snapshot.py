@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rendezvousd.common import validation
-from rendezvousd.common.limits import Limits
+from rendezvousd.common.limits import Limits, longest_beat_s
 from rendezvousd.common.model import (
     AbortCause,
     FailedInfo,
@@ -406,9 +406,11 @@ def resume_silence(job: Job, raw: Mapping[str, Any], now: float, timeout: float)
     witness that reported first was named as the root cause. Its SDK counts its
     reconnect window from the drain too. A row from a daemon down longer than a
     timeout (every client gave up by then), or from no drain: a whole timeout."""
-    if "drained_unix" not in raw or now - _unix_time(raw, "drained_unix", now) >= timeout:
+    if "drained_unix" not in raw:
         return
     drained = _unix_time(raw, "drained_unix", now)
+    if now - drained >= timeout:
+        return
     longest = max(0.0, timeout - REATTACH_S)
 
     def resume(seat: Member | Node | None, row: Mapping[str, Any]) -> None:
@@ -419,8 +421,8 @@ def resume_silence(job: Job, raw: Mapping[str, Any], now: float, timeout: float)
         # drain, as its SDK's reconnect window does (from its last beat, a healthy
         # member was given up to a beat interval less than its SDK gives itself). A
         # cadence not known yet (one beat: its gap was from its join) is taken as the
-        # longest the daemon allows, a third of the timeout (the SDK's default).
-        gap = _seconds(row, "beat_gap_s") if "beat_gap_s" in row else timeout / 3
+        # longest the SDK beats at (its default).
+        gap = _seconds(row, "beat_gap_s") if "beat_gap_s" in row else longest_beat_s(timeout)
         if drained - heard <= BEAT_SLACK * gap:
             heard = drained
         seat.last_seen = now - min(now - heard, longest)

@@ -49,6 +49,7 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
+from rendezvousd.common.limits import longest_beat_s
 from rendezvousd.common.members import FailedInfo, failed_text, named_losses, seat_of
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
@@ -424,7 +425,7 @@ class NodeAgent:
         # silent for the heartbeat timeout is lost (stopped, or frozen holding the GIL).
         self._silence_s = m.heartbeat_timeout_ms / 1000 or DEFAULT_SILENCE_S
         alive_interval = min(
-            config.heartbeat_interval_s or DEFAULT_HEARTBEAT_S, self._silence_s / 3
+            config.heartbeat_interval_s or DEFAULT_HEARTBEAT_S, longest_beat_s(self._silence_s)
         )
         for i, worker in enumerate(self.active):
             assignment = Assignment(
