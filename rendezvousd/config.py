@@ -71,7 +71,11 @@ class DaemonConfig:
         '$RENDEZVOUSD_TOKEN); read again on SIGHUP ("Rotating the token")',
         OptionalPath(),
     )
-    tls_cert: Path | None = setting(None, "PEM server certificate (enables TLS)", OptionalPath())
+    tls_cert: Path | None = setting(
+        None,
+        'PEM server certificate (enables TLS); read again on SIGHUP ("Renewing the certificate")',
+        OptionalPath(),
+    )
     tls_key: Path | None = setting(None, "PEM private key for --tls-cert", OptionalPath())
     tls_client_ca: Path | None = setting(
         None, "PEM CA bundle; clients must present a certificate it signed (mTLS)", OptionalPath()

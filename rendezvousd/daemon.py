@@ -30,15 +30,15 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
-from rendezvousd.common.secret_files import read_judged
 from rendezvousd.common.version import installed_version
-from rendezvousd.config import DaemonConfig, check_client_ca, check_tls_pair
+from rendezvousd.config import DaemonConfig
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
-from rendezvousd.server.auth import TokenAuthInterceptor, private_file_mask, read_token_file
+from rendezvousd.server.auth import TokenAuthInterceptor, read_token_file
 from rendezvousd.server.budget import handler_shape
 from rendezvousd.server.call_stream import DRAIN_ANSWER_S
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.servicer import SERVICE, RendezvousServicer
+from rendezvousd.server.tls import ServerTls
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.state.over_limits import over_limits
 from rendezvousd.storage.persistence import Persister
@@ -301,6 +301,7 @@ class Daemon:
     _health_updates: set[asyncio.Future[None]] = field(init=False, default_factory=set)
     _ticker_died: bool = field(init=False, default=False)
     _auth: TokenAuthInterceptor | None = field(init=False, default=None)
+    _tls: ServerTls | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
@@ -314,6 +315,19 @@ class Daemon:
         clock (``time.monotonic``), as every ``now`` the state machine is given."""
         self.metrics.count_auth_refused(method)
         self.state.refused_token(host, time.monotonic())
+
+    def reload(self) -> None:
+        """SIGHUP (``systemctl reload``): the token file and the TLS files read again,
+        each on its own: one that fails its checks keeps what it served."""
+        if self.config.token_file is not None or self.config.tls_cert is None:
+            self.reload_tokens()
+        else:
+            log.info(
+                "SIGHUP: the token comes from $RENDEZVOUSD_TOKEN, which a running process "
+                "cannot re-read: only the TLS files are read again"
+            )
+        if self._tls is not None:
+            self._tls.reload()
 
     def reload_tokens(self) -> bool:
         """SIGHUP: read ``--token-file`` again, checked as at start-up, and accept its
@@ -402,52 +416,6 @@ class Daemon:
             ("grpc.max_connection_idle_ms", round(c.connection_idle_s * 1000)),
         ]
 
-    def _credentials(self) -> grpc.ServerCredentials | None:
-        c = self.config
-        if c.tls_cert is None or c.tls_key is None:
-            return None
-        tls_key = c.tls_key
-
-        def not_regular(path: Path, what: str) -> Callable[[str], DaemonError]:
-            # A FIFO would hang the start-up in its read.
-            return lambda mode: DaemonError(
-                f"{what} {path} is not a regular file ({mode}); give the PEM file itself"
-            )
-
-        def private(info: os.stat_result) -> None:
-            if info.st_mode & private_file_mask(tls_key, 0o177, "TLS private key"):
-                raise DaemonError(
-                    f"TLS private key {tls_key} has mode {stat.S_IMODE(info.st_mode):04o}, "
-                    f"more than 0600: anyone else who can read it can impersonate the "
-                    f"daemon; run: chmod 600 {tls_key}"
-                )
-
-        try:
-            key = read_judged(tls_key, not_regular(tls_key, "TLS private key"), private)
-            cert = read_judged(c.tls_cert, not_regular(c.tls_cert, "TLS certificate"))
-            ca = (
-                read_judged(c.tls_client_ca, not_regular(c.tls_client_ca, "TLS client CA"))
-                if c.tls_client_ca
-                else None
-            )
-        except OSError as exc:
-            raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
-        # Else gRPC reports only a failed bind (a ConfigError is a DaemonError).
-        check_tls_pair(c.tls_cert, c.tls_key)
-        if c.tls_client_ca is not None:
-            check_client_ca(c.tls_client_ca)
-        # gRPC core logs each failed handshake at INFO, one line per connection
-        # ("Handshake failed ... WRONG_VERSION_NUMBER" for a plaintext client). The
-        # flood an operator saw was the SDK reconnecting for a minute; it now makes one
-        # attempt and tells the client (client/connection.py, TlsProbe), so one line is
-        # left per misconfigured client. grpcio offers no per-message rate limit, only
-        # a process-wide threshold (GRPC_VERBOSITY; GRPC_TRACE only adds), and ERROR
-        # would also hide that line, the operator's one sign of such clients: the
-        # default is kept, and operations.md says how to drop it.
-        return grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-        )
-
     async def start(self) -> int:
         self.persister = Persister(self.config.state_dir, self.state)
         self.persister.on_health = self._storage_health
@@ -504,7 +472,10 @@ class Daemon:
                 ),
                 server,
             )
-        credentials = self._credentials()
+        c = self.config
+        if c.tls_cert is not None and c.tls_key is not None:
+            self._tls = ServerTls(c.tls_cert, c.tls_key, c.tls_client_ca)
+        credentials = None if self._tls is None else self._tls.credentials()
         if self.config.metrics_listen:
             await self._start_http(self.config.metrics_listen)
         try:
@@ -547,18 +518,13 @@ class Daemon:
 
     async def _start_http(self, listen: str) -> None:
         """/metrics and the status page, on the event loop (``http_server``)."""
-        import ssl
 
         from rendezvousd.config import split_listen
 
         host, port = split_listen(listen)
-        context = None
-        tls = self.config.tls_cert
-        if tls is not None:
-            # With the daemon's certificate, /metrics and the page are served over TLS
-            # too: only then may they listen beyond loopback without --insecure-metrics.
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.load_cert_chain(str(tls), str(self.config.tls_key))
+        # With the daemon's certificate, /metrics and the page are served over TLS
+        # too: only then may they listen beyond loopback without --insecure-metrics.
+        context = None if self._tls is None else self._tls.http_context()
         assert self._auth is not None  # start() built it before serving HTTP
         page = StatusPage(
             self.state,
@@ -566,7 +532,7 @@ class Daemon:
             self.timeline,
             self._auth.token_scope,
             self._abort_from_page,
-            secure_cookie=tls is not None,
+            secure_cookie=context is not None,
         )
         server = HttpServer(page.handle, ssl_context=context)
         try:

@@ -103,7 +103,7 @@ async def _run(
     daemon = Daemon(cfg, tokens, on_ready=ready, on_stopping=notifier.stopping)
     # Before start(): its "serving on" line comes before it returns, and a SIGHUP sent
     # on seeing that line must reload, not end the daemon (SIGHUP's default).
-    loop.add_signal_handler(signal.SIGHUP, daemon.reload_tokens)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload)
     await daemon.start()
     if exit_with_parent:
         _watch_parent(loop, daemon, stop)
