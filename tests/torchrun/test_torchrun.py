@@ -3,6 +3,7 @@ daemon on 127.0.0.1 (the same across network hosts: tests/multihost/test_torchru
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -61,6 +62,16 @@ def _job_state(d: DaemonProcess, job: str) -> str:
 def _nodes_waiting(d: DaemonProcess, job: str) -> int:
     with RendezvousClient(d.endpoint, job, token=d.token) as probe:
         return probe.get_job().nodes_waiting
+
+
+def _nodes_joined(d: DaemonProcess, job: str) -> int:
+    """Nodes in the job's forming generation; 0 before the job exists."""
+    from rendezvousd.client import NotFound
+
+    try:
+        return _nodes_waiting(d, job)
+    except NotFound:
+        return 0
 
 
 def _rpcs(d: DaemonProcess, method: str) -> float:
@@ -1089,7 +1100,7 @@ def test_shutdown_after_a_direct_next_rendezvous_closes_the_round_and_leaves_not
 #: ``set_closed()`` if told to, then, once the daemon's push ends the round, prints
 #: whether the handler reads the rendezvous as closed and what torch error it makes.
 _CLOSE_READER = (
-    "import json, sys, time\n"
+    "import json, os, sys, time\n"
     "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
     "from rendezvousd.trainer.torchrun.handler import _torch_error, create_handler\n"
     "params = RendezvousParameters(backend='rendezvousd', endpoint=sys.argv[1], "
@@ -1098,6 +1109,11 @@ _CLOSE_READER = (
     "handler.next_rendezvous()\n"
     "open(sys.argv[4], 'w').close()\n"
     "if sys.argv[3] == 'close':\n"
+    "    # Once the other agent's round is formed too: a close in its bootstrap is\n"
+    "    # another case (test_a_close_during_the_rounds_bootstrap_is_torchs_closed_error).\n"
+    "    deadline = time.monotonic() + 60\n"
+    "    while not os.path.exists(sys.argv[5]) and time.monotonic() < deadline:\n"
+    "        time.sleep(0.02)\n"
     "    handler.set_closed()\n"
     "deadline = time.monotonic() + 30\n"
     "while handler._client.failure is None and time.monotonic() < deadline:\n"
@@ -1131,7 +1147,16 @@ def test_agents_read_a_close_by_the_daemons_data_not_by_the_reasons_words(
     roles = ["close", "wait"] if how == "set_closed" else ["wait", "wait"]
     agents = [
         subprocess.Popen(
-            [torch_python, "-c", _CLOSE_READER, d.endpoint, job_id, role, str(tmp_path / str(i))],
+            [
+                torch_python,
+                "-c",
+                _CLOSE_READER,
+                d.endpoint,
+                job_id,
+                role,
+                str(tmp_path / str(i)),
+                str(tmp_path / str(1 - i)),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -1166,6 +1191,79 @@ def test_agents_read_a_close_by_the_daemons_data_not_by_the_reasons_words(
         late.join_node(timeout=5, launched=launched, min_nodes=2, max_nodes=2, gpus_per_node=1)
     assert info.value.closed, info.value
     assert "called set_closed()" in info.value.abort_reason, info.value
+
+
+#: One torchrun agent's handler whose round's bootstrap (node 0's store address, read
+#: by every other node through the daemon's store) is marked in a file, then prints
+#: which torch error ``next_rendezvous()`` raised.
+_BOOTSTRAP_READER = (
+    "import json, sys\n"
+    "from torch.distributed.elastic import rendezvous as torch_rdzv\n"
+    "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+    "from rendezvousd.trainer.torchrun.handler import create_handler\n"
+    "build = torch_rdzv.RendezvousStoreInfo.build\n"
+    "def marked(*args, **kwargs):\n"
+    "    open(sys.argv[3], 'w').close()\n"
+    "    return build(*args, **kwargs)\n"
+    "torch_rdzv.RendezvousStoreInfo.build = staticmethod(marked)\n"
+    "params = RendezvousParameters(backend='rendezvousd', endpoint=sys.argv[1], "
+    "run_id=sys.argv[2], min_nodes=2, max_nodes=2)\n"
+    "handler = create_handler(params)\n"
+    "try:\n"
+    "    handler.next_rendezvous()\n"
+    "    print(json.dumps(None))\n"
+    "except Exception as exc:\n"
+    "    print(json.dumps([type(exc).__name__, str(exc)]))\n"
+)
+
+
+def test_a_close_during_the_rounds_bootstrap_is_torchs_closed_error(
+    start_daemon: Callable[..., DaemonProcess], torch_python: str, job_id: str, tmp_path: Path
+) -> None:
+    """Another agent's ``set_closed()`` (it gave up) while this agent's round is still
+    reading node 0's store address from the daemon: ``next_rendezvous()`` raises torch's
+    RendezvousClosedError, as for a close anywhere else in the round. It raised the
+    store's DistStoreError (the bootstrap's read is a store call), which torch's agent
+    does not read as a close; seen as a flaky test when the agent that closed was quick."""
+    d = start_daemon()
+    marker = tmp_path / "bootstrap"
+    env = {**os.environ, "RENDEZVOUSD_TOKEN_FILE": str(d.token_file), "OMP_NUM_THREADS": "1"}
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as node0:
+        # Node 0, the round's store owner, is this test: it never writes the store's
+        # address, so the agent (node 1) waits in its bootstrap's read.
+        formed = concurrent.futures.ThreadPoolExecutor(1).submit(
+            node0.join_node,
+            min_nodes=2,
+            max_nodes=2,
+            gpus_per_node=1,
+            addresses=["127.0.0.1"],  # on the agent's host, as its address says
+            timeout=60,
+        )
+        wait_for("node 0's join", lambda: _nodes_joined(d, job_id) == 1, 30)
+        agent = subprocess.Popen(
+            [torch_python, "-c", _BOOTSTRAP_READER, d.endpoint, job_id, str(marker)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            node = formed.result(60)
+            assert node.node_rank == 0, node
+            wait_for(
+                "the agent's bootstrap", lambda: marker.exists() or agent.poll() is not None, 60
+            )
+            assert marker.exists(), agent.communicate(timeout=10)
+            assert node0.close_run("CLOSED: the other agent gave up", generation=node.generation)
+            out, err = agent.communicate(timeout=60)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(10)
+    assert agent.returncode == 0, err[-3000:]
+    kind, message = json.loads(out.strip().splitlines()[-1])
+    assert kind == "RendezvousClosedError", (kind, message)
+    assert "the other agent gave up" in message, message
 
 
 @pytest.mark.parametrize("first", ["torch", "ours"])

@@ -751,6 +751,13 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
             )
         except RendezvousError as exc:
             raise _torch_error(exc, self._what()) from _cause(exc)
+        except dist.DistStoreError as exc:
+            # The bootstrap's reads are store calls (DistStoreError for torch's store
+            # helpers): a round closed or aborted meanwhile (another agent gave up)
+            # is still the round's error, a close read as a close.
+            if not isinstance(exc.__cause__, RendezvousError):
+                raise
+            raise _torch_error(exc.__cause__, self._what()) from _cause(exc.__cause__)
         log.info(
             "rendezvousd: job %r generation %d formed: node %d of %d (host %s, address %s)",
             self._run_id,
