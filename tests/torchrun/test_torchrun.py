@@ -1266,6 +1266,49 @@ def test_a_close_during_the_rounds_bootstrap_is_torchs_closed_error(
     assert "the other agent gave up" in message, message
 
 
+def test_a_link_that_never_connected_is_called_an_unreachable_address_not_a_cut(
+    start_daemon: Callable[..., DaemonProcess], torch_python: str, job_id: str
+) -> None:
+    """A torchrun agent whose link to the next node could not connect gives up at its
+    next round. Where no link between the nodes ever connected, the address that node
+    advertised is not reachable from here (its route to the daemon, on a network the
+    nodes do not share, a multi-homed review): "the network between the nodes is cut"
+    sent its user to the cables. A link that connected once and then could not is a
+    cut. The words only: the hosts are tests/multihost's."""
+    d = start_daemon()
+    script = (
+        "import json, sys\n"
+        "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+        "from rendezvousd.trainer.agent.node_links import LinkSilent\n"
+        "from rendezvousd.trainer.torchrun.handler import create_handler\n"
+        "params = RendezvousParameters(backend='rendezvousd', endpoint=sys.argv[1], "
+        "run_id=sys.argv[2], min_nodes=2, max_nodes=2)\n"
+        "handler = create_handler(params)\n"
+        "cause = 'could not link to node 1 on n2 (rank 1) at 198.19.145.12:38153: its host "
+        "is unreachable (No route to host)'\n"
+        "said = []\n"
+        "for linked_once in (False, True):\n"
+        "    handler._linked_once = linked_once\n"
+        "    handler._link_silent(LinkSilent(1, cause, connected=False))\n"
+        "    said.append(handler._unreachable)\n"
+        "print(json.dumps(said))\n"
+    )
+    env = {**os.environ, "RENDEZVOUSD_TOKEN_FILE": str(d.token_file)}
+    out = subprocess.run(
+        [torch_python, "-c", script, d.endpoint, job_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    never, once = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "at 198.19.145.12:38153" in never, never
+    assert "no link between the nodes ever connected" in never, never
+    assert "--local-addr" in never and "cut" not in never, never
+    assert "the network between the nodes is cut" in once, once
+
+
 @pytest.mark.parametrize("first", ["torch", "ours"])
 def test_the_entry_point_is_what_torch_loads(torch_python: str, first: str) -> None:
     """torch's registry finds ``rendezvousd`` among its out-of-tree handlers, whether

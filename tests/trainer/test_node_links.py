@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import subprocess
 import threading
@@ -306,6 +307,26 @@ def test_a_silent_link_is_reported_once_naming_the_node_its_ranks_and_an_escaped
         "lost the link to node 1 on h2\\x1b[31m\\x0aforged line (ranks 4-7): "
     ), cause
     assert "its host answered nothing for 10 s" in cause and "\n" not in cause
+
+
+def test_a_link_that_never_connected_names_the_address_it_dialed() -> None:
+    """An address the others cannot reach (a node's route to the daemon on a network
+    the nodes do not share) reads like a cut unless the report says where it dialed."""
+    heard: list[LinkSilent] = []
+    node = NodeMembership("j", 1, 0, 2, 4, None, b"\x01" * 128, 0, ("a", "b", "c", "d"))
+    links = NodeLinks(
+        _NoStore(), node, host="127.0.0.1", name="me", on_silent=heard.append, note=print,
+        setup_timeout=1.0,
+    )  # fmt: skip
+    links._names[1] = "n2"
+    unreachable = OSError(errno.EHOSTUNREACH, os.strerror(errno.EHOSTUNREACH))
+    links._silent(1, unreachable, connected=False, at="198.19.145.12:38153")
+    links.close()
+    assert [h.connected for h in heard] == [False]
+    assert heard[0].cause == (
+        "could not link to node 1 on n2 (ranks 4-7) at 198.19.145.12:38153: its host is "
+        "unreachable (No route to host)"
+    ), heard[0].cause
 
 
 class _NoStore:

@@ -194,7 +194,7 @@ class NodeLinks:
             sock = socket.create_connection((host, port), timeout=LINK_SILENCE_S)
         except OSError as exc:
             if isinstance(exc, TimeoutError) or exc.errno in _SILENT:
-                self._silent(right, exc, connected=False)
+                self._silent(right, exc, connected=False, at=f"{host}:{port}")
             else:
                 self._unwatched(right, f"cannot connect to {host}:{port}: {exc}", settle=True)
             return
@@ -284,7 +284,11 @@ class NodeLinks:
             if exc.errno in _SILENT and not self._closed:
                 self._silent(peer, exc)
 
-    def _silent(self, peer: int, exc: OSError, *, connected: bool = True) -> None:
+    def _silent(
+        self, peer: int, exc: OSError, *, connected: bool = True, at: str | None = None
+    ) -> None:
+        """``at``: the address dialed, said where the link never connected (an address
+        the others cannot reach is then as likely as a cut)."""
         with self._lock:
             if self._reported or self._closed:
                 return
@@ -294,9 +298,10 @@ class NodeLinks:
         if exc.errno in (errno.ETIMEDOUT, None):  # the kernel's user timeout, or our connect's
             what = link_error(OSError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT)))
         else:
-            what = f"its host became unreachable ({exc.strerror})"
+            what = f"its host {'became' if connected else 'is'} unreachable ({exc.strerror})"
         # The name is the neighbour's entry's (a member wrote it): escaped, cut short.
         on = f" on {shortened(self._names[peer], 64)}" if peer in self._names else ""
         verb = "lost the link to" if connected else "could not link to"
-        cause = f"{verb} node {peer}{on} ({ranks}): {what}"
+        where = f" at {shortened(at, 80)}" if at else ""
+        cause = f"{verb} node {peer}{on} ({ranks}){where}: {what}"
         self._on_silent(LinkSilent(self.generation, cause, connected))

@@ -634,6 +634,9 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         self._link_lost_cause = ""
         #: Why this agent gives up at its next round: a link that could not connect.
         self._unreachable: str | None = None
+        #: Whether a link of this agent to another node ever connected: one that never
+        #: did points at an address the others cannot reach rather than at a cut.
+        self._linked_once = False
         self._closed = threading.Event()
         #: The generation whose other nodes this agent told it was stopped by a signal,
         #: and the thread telling them (``_stopped_by``).
@@ -804,16 +807,31 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
     def _close_links(self) -> None:
         links, self._links = self._links, None
         if links is not None:
+            self._linked_once = self._linked_once or bool(links.linked)
             links.close()
 
     def _link_silent(self, event: LinkSilent) -> None:
         """From a link's thread. A link that could not even connect gives up at the
         next round, whoever reports first (the other agent's report may restart this
         one's workers before the settle below ends)."""
-        if not event.connected:
+        links = self._links
+        if not event.connected and (self._linked_once or (links is not None and links.linked)):
             self._unreachable = (
                 f"this node {event.cause} in generation {event.generation}: the network "
                 "between the nodes is cut; giving up rather than forming the job across it again"
+            )
+        elif not event.connected:
+            # Never linked: each agent advertises its route to the daemon, which on a
+            # host with a management network beside the nodes' own is not an address
+            # the others reach (a multi-homed review); "cut" sent users to the cables.
+            self._unreachable = (
+                f"this node {event.cause} in generation {event.generation}, and no link "
+                "between the nodes ever connected: the address that node advertised is "
+                "not reachable from this host. Each agent advertises its host's route to "
+                "the daemon (or --local-addr); on hosts with several networks give each "
+                "agent --local-addr set to its address on the network the nodes share "
+                "(and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to that interface), or name "
+                "the daemon by its address on that network; giving up"
             )
         # The daemon's own word, should it come meanwhile, wins.
         timer = threading.Timer(LINK_SETTLE_S, self._report_link, (event,))
