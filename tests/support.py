@@ -53,6 +53,15 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def reload(self, said: str) -> str:
+        """SIGHUP (as `systemctl reload`), then the log line of that reload: the next
+        one containing ``said``."""
+        before = self.log().count(said)
+        self.proc.send_signal(signal.SIGHUP)
+        wait_for("the reload's log line", lambda: self.log().count(said) > before)
+        assert self.proc.poll() is None, "SIGHUP ended the daemon"
+        return [line for line in self.log().splitlines() if said in line][-1]
+
     def terminate(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import ssl
 from pathlib import Path
@@ -16,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient, TlsConfig
-from tests.support import DaemonProcess, Pki, make_pki, spawn_daemon, wait_for
+from tests.support import DaemonProcess, Pki, make_pki, spawn_daemon
 
 
 def _pki(root: Path) -> Pki:
@@ -63,15 +62,6 @@ def _install(new: Pki, served: Pki) -> None:
         os.replace(tmp, target)
 
 
-def _reload(d: DaemonProcess, said: str) -> str:
-    """SIGHUP, then the log line of that reload containing ``said``."""
-    before = d.log().count(said)
-    d.proc.send_signal(signal.SIGHUP)
-    wait_for("the reload's log line", lambda: d.log().count(said) > before)
-    assert d.proc.poll() is None, "SIGHUP ended the daemon"
-    return [line for line in d.log().splitlines() if said in line][-1]
-
-
 def test_sighup_serves_a_renewed_certificate_to_new_connections(tmp_path: Path) -> None:
     served, renewed = _pki(tmp_path / "served"), _pki(tmp_path / "renewed")
     old_ca = tmp_path / "old-ca.pem"
@@ -88,7 +78,7 @@ def test_sighup_serves_a_renewed_certificate_to_new_connections(tmp_path: Path) 
             assert _answers(d, old_ca) and not _answers(d, renewed.ca)
 
             _install(renewed, served)
-            line = _reload(d, "TLS files reloaded")
+            line = d.reload("TLS files reloaded")
             assert "(was " in line
 
             assert _answers(d, renewed.ca), "new connections still get the old certificate"
@@ -101,7 +91,7 @@ def test_sighup_serves_a_renewed_certificate_to_new_connections(tmp_path: Path) 
             assert member.get_job().summary.state == pb.JOB_STATE_RUNNING
 
             # The same files again: said, nothing changes.
-            assert "unchanged" in _reload(d, "read again, unchanged")
+            assert "unchanged" in d.reload("read again, unchanged")
             assert _answers(d, renewed.ca)
     finally:
         d.kill()
@@ -113,13 +103,13 @@ def test_a_bad_reload_keeps_serving_the_certificate_it_had(tmp_path: Path) -> No
     try:
         # A key that does not belong to the certificate (a renewal half copied).
         shutil.copy2(other.server_key, served.server_key)
-        line = _reload(d, "TLS files not reloaded")
+        line = d.reload("TLS files not reloaded")
         assert "does not belong to certificate" in line and "still serving" in line
         assert _answers(d, served.ca)
         # A key others can read is refused as at start-up.
         shutil.copy2(other.server, served.server)
         served.server_key.chmod(0o644)
-        line = _reload(d, "TLS files not reloaded")
+        line = d.reload("TLS files not reloaded")
         assert "more than 0600" in line
         assert _answers(d, served.ca) and not _answers(d, other.ca)
     finally:
@@ -140,7 +130,7 @@ def test_sighup_reads_a_rotated_client_ca(tmp_path: Path) -> None:
         tmp = served.ca.with_suffix(".new")
         shutil.copy2(renewed.ca, tmp)
         os.replace(tmp, served.ca)
-        assert "client CA" in _reload(d, "TLS files reloaded")
+        assert "client CA" in d.reload("TLS files reloaded")
         assert _answers(d, daemon_ca, new_client)
         assert not _answers(d, daemon_ca, old_client)
     finally:

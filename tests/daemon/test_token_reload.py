@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient
 from tests.daemon.raw_calls import raw
-from tests.support import DaemonProcess, members, spawn_daemon, wait_for
+from tests.support import DaemonProcess, members, spawn_daemon
 
 
 @pytest.fixture
@@ -51,28 +50,19 @@ def _rewrite(path: Path, *tokens: str, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
-def _reload(d: DaemonProcess, said: str) -> str:
-    """SIGHUP, then the log line of that reload (the ``n``-th containing ``said``)."""
-    before = d.log().count(said)
-    d.proc.send_signal(signal.SIGHUP)
-    wait_for("the reload's log line", lambda: d.log().count(said) > before)
-    assert d.proc.poll() is None, "SIGHUP ended the daemon"
-    return [line for line in d.log().splitlines() if said in line][-1]
-
-
 def test_sighup_adds_then_removes_a_token_without_a_restart(daemon: DaemonProcess) -> None:
     old, new = daemon.token, secrets.token_urlsafe(32)
     assert _refused(daemon, new)
 
     _rewrite(daemon.token_file, new, old)
-    line = _reload(daemon, "reloaded")
+    line = daemon.reload("reloaded")
     assert "2 token(s) accepted, 0 removed" in line
     assert "first line changed" in line  # job tokens minted from now on derive from `new`
     assert not _refused(daemon, new)
     assert not _refused(daemon, old)
 
     _rewrite(daemon.token_file, new)
-    line = _reload(daemon, "reloaded")
+    line = daemon.reload("reloaded")
     assert "1 token(s) accepted, 1 removed" in line
     assert "job tokens derived from a removed token are refused" in line
     assert _refused(daemon, old)
@@ -93,7 +83,7 @@ def test_a_heartbeat_stream_opened_with_a_removed_token_stays_open(
         client.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
         client.start_heartbeat(0.2)
         _rewrite(daemon.token_file, new)
-        _reload(daemon, "reloaded")
+        daemon.reload("reloaded")
         assert _refused(daemon, old)
         admin = dataclasses.replace(daemon, token=new)
         # Past the heartbeat timeout (2 s): a stream cut by the reload would have lost it.
@@ -114,7 +104,7 @@ def test_an_invalid_file_keeps_the_old_tokens_and_says_why(
     daemon: DaemonProcess, content: tuple[str, ...], mode: int, problem: str
 ) -> None:
     _rewrite(daemon.token_file, *content, mode=mode)
-    line = _reload(daemon, "not reloaded")
+    line = daemon.reload("not reloaded")
     assert " ERROR " in line
     assert problem in line
     assert "still accepting the 1 token(s) loaded before" in line
@@ -134,12 +124,12 @@ def test_a_status_page_session_of_a_removed_token_ends(tmp_path: Path) -> None:
         assert status == 303
         sessions[old] = headers["set-cookie"].split(";", 1)[0]
         _rewrite(d.token_file, new, old)
-        _reload(d, "reloaded")
+        d.reload("reloaded")
         assert request(d, "GET", "/api/jobs", cookie=sessions[old])[0] == 200
         status, headers = login(d, new)
         sessions[new] = headers["set-cookie"].split(";", 1)[0]
         _rewrite(d.token_file, new)
-        _reload(d, "reloaded")
+        d.reload("reloaded")
         assert request(d, "GET", "/api/jobs", cookie=sessions[old])[0] == 401
         assert request(d, "GET", "/api/jobs", cookie=sessions[new])[0] == 200
     finally:
