@@ -306,6 +306,7 @@ class Daemon:
     def __post_init__(self) -> None:
         self.state = RendezvousState(self.config.limits(), self.config.timing())
         self.metrics = Metrics()
+        self.metrics.set_limits(self.state.limits)
         self.timeline = Timeline()
         self.metrics.transition_listeners.append(self.timeline.record)
 
@@ -448,6 +449,8 @@ class Daemon:
             job_ended=self.persister.ended,
             on_refused=self._refused_token,
         )
+        for gate in (interceptor.calls, interceptor.health_checks, interceptor.health_watches):
+            gate.on_refused = servicer.limit_refused
         # At once: a reload (SIGHUP) during the rest of start-up swaps its tokens.
         self._auth = interceptor
         server = grpc.aio.server(

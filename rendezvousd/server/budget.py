@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from rendezvousd.common import validation
+from rendezvousd.errors import RendezvousFault
 from rendezvousd.server.fault_status import to_grpc_status
 
 
@@ -38,6 +39,8 @@ class Gate:
     by_job: Callable[[], str | None] | None = None
     active: int = 0
     per_job: dict[str, int] = field(default_factory=dict)
+    # Told each refusal and its job ("" for none): the daemon counts and logs it.
+    on_refused: Callable[[RendezvousFault, str], None] | None = None
 
     @property
     def reserve(self) -> int:
@@ -52,6 +55,7 @@ class Gate:
                 self.limit,
                 f"the daemon already runs {self.limit}={self.cap} {self.what}; retry later",
             )
+            self._refused(fault, "")
             await context.abort_with_status(to_grpc_status(fault))
         job = self.by_job() if self.by_job is not None else None
         if job is not None:
@@ -64,10 +68,15 @@ class Gate:
                     f"{self.reserve} and the admin; job {job!r} runs {held}",
                     job_id=job,
                 )
+                self._refused(fault, job)
                 await context.abort_with_status(to_grpc_status(fault))
             self.per_job[job] = held + 1
         self.active += 1
         return job
+
+    def _refused(self, fault: RendezvousFault, job: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(fault, job)
 
     def leave(self, job: str | None) -> None:
         self.active -= 1

@@ -6,6 +6,7 @@ embedded daemon) from colliding in the global one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from prometheus_client import (
 )
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.common.limits import Limits
 from rendezvousd.common.model import JobState, Transition
 from rendezvousd.common.version import UNKNOWN, build_id, installed_version
 from rendezvousd.errors import Reason
@@ -45,6 +47,22 @@ _CODES = frozenset(code.name for code in grpc.StatusCode)
 # The refusals a running generation makes of a joiner (``rounds.refused``): a bounded
 # label, never the job or host.
 REFUSALS = (Reason.TOPOLOGY_MISMATCH, Reason.VERSION_MISMATCH, Reason.JOIN_MODE_MISMATCH)
+# The limits a refusal may name (``validation.limit_exceeded``'s first argument: a
+# setting's name): a bounded label; any other name is counted as ``unknown``.
+LIMIT_NAMES = frozenset([*(f.name for f in dataclasses.fields(Limits)), "max_concurrent_streams"])
+# The limits an operator alerts on before they refuse (``rendezvousd_limit`` and
+# ``rendezvousd_limit_used``): daemon-wide totals, and the per-job ones as the
+# largest job's use. Their refusal series exist from start, at 0, as alerts need.
+WATCHED_LIMITS = (
+    "max_jobs",
+    "max_waiters",
+    "max_waiters_per_job",
+    "max_kv_bytes",
+    "max_kv_bytes_per_job",
+)
+# The method label of a bad token on the HTTP port (/api/*, the login form): not a
+# gRPC method, so it is no rpc_duration label, only auth_refused's.
+HTTP_METHOD = "http"
 UNKNOWN_LABEL = "unknown"
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
@@ -72,15 +90,36 @@ class Metrics:
         )
         self.refused = counter(
             "rendezvousd_joins_refused",
-            "Joins a running generation refused: another topology, version or join mode",
+            "Joins refused for another topology, version or join mode than their job's "
+            "(a running generation's, or a forming one's version or join mode)",
             ["reason"],
         )
         # A rotation that removed a token its clients still send read as a network
         # fault (members lost as unreachable); counted apart, by method.
         self.auth_refused = counter(
             "rendezvousd_auth_refused",
-            "Calls refused for their bearer token (UNAUTHENTICATED), by method",
+            "Calls refused for their bearer token (UNAUTHENTICATED), by method; the "
+            'status/metrics port\'s (/api, the login form) as method="http"',
             ["method"],
+        )
+        # RESOURCE_EXHAUSTED alone cannot tell a full daemon (max_jobs) from a job
+        # over its key-value share: by the limit's setting name, a bounded set.
+        self.limit_refused = counter(
+            "rendezvousd_limit_refused",
+            "Calls refused by a limit (RESOURCE_EXHAUSTED), by the limit's setting name",
+            ["limit"],
+        )
+        self.limit = gauge(
+            "rendezvousd_limit",
+            "A limit's configured value (the per-job key-value bytes as enforced: at "
+            "most half of max_kv_bytes)",
+            ["limit"],
+        )
+        self.limit_used = gauge(
+            "rendezvousd_limit_used",
+            "What is held against a limit now: jobs, parked calls and key-value bytes "
+            "daemon-wide; for a per-job limit, the largest job's",
+            ["limit"],
         )
         self.rpc = histogram(
             "rendezvousd_rpc_duration_seconds",
@@ -124,8 +163,11 @@ class Metrics:
             self.jobs.labels(job_state.name.lower()).set(0)
         for reason in REFUSALS:
             self.refused.labels(reason.lower())
-        for method in ("Heartbeat", "CallBatches", "JoinNode"):  # what node agents call
-            self.auth_refused.labels(method)
+        for method in ("Heartbeat", "CallBatches", "JoinNode", HTTP_METHOD):
+            self.auth_refused.labels(method)  # what node agents call, and the HTTP port
+        for name in WATCHED_LIMITS:
+            self.limit_refused.labels(name)
+            self.limit_used.labels(name).set(0)
         # Who else hears of each transition (the status page's generation timeline).
         self.transition_listeners: list[Callable[[Transition], None]] = []
         self.serving = gauge(
@@ -159,7 +201,17 @@ class Metrics:
         child.observe(seconds)
 
     def count_auth_refused(self, method: str) -> None:
-        self.auth_refused.labels(method if method in _KNOWN_METHODS else UNKNOWN_LABEL).inc()
+        known = method in _KNOWN_METHODS or method == HTTP_METHOD
+        self.auth_refused.labels(method if known else UNKNOWN_LABEL).inc()
+
+    def count_limit_refused(self, limit: str) -> None:
+        self.limit_refused.labels(limit if limit in LIMIT_NAMES else UNKNOWN_LABEL).inc()
+
+    def set_limits(self, limits: Limits) -> None:
+        """The watched limits' configured values, set once (they change only by restart)."""
+        for name in WATCHED_LIMITS:
+            value = limits.kv_bytes_per_job if name == "max_kv_bytes_per_job" else None
+            self.limit.labels(name).set(getattr(limits, name) if value is None else value)
 
     def observe_commit(self, seconds: float, ok: bool) -> None:
         self.commits.labels("ok" if ok else "failed").observe(seconds)
@@ -205,6 +257,18 @@ class Metrics:
         # On the tick, not per call: a count over every job. One that falls to 0 says
         # a job used its spare (an operator may start another).
         self.standbys.set(sum(job.standby_count for job in state.jobs.values()))
+        self.observe_limits_used(state)
+
+    def observe_limits_used(self, state: RendezvousState) -> None:
+        """What is held against each watched limit, counted as the state machine counts
+        it when it admits (``rounds.open_job``: every job held; ``calls.park``; ``kv.put``)."""
+        used = self.limit_used
+        used.labels("max_jobs").set(len(state.jobs))
+        used.labels("max_waiters").set(state.waiter_count)
+        used.labels("max_waiters_per_job").set(max(state.calls.per_job.values(), default=0))
+        kv = [job.gen.kv_bytes for job in state.jobs.values()]
+        used.labels("max_kv_bytes").set(sum(kv))
+        used.labels("max_kv_bytes_per_job").set(max(kv, default=0))
 
 
 def build_labels() -> dict[str, str]:

@@ -20,6 +20,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common import validation
 from rendezvousd.common.calls import SERVED_METADATA
 from rendezvousd.common.escape import quoted
+from rendezvousd.common.log_throttle import LogThrottle
 from rendezvousd.common.model import (
     FORGOTTEN,
     AbortCause,
@@ -47,7 +48,7 @@ from rendezvousd.server.call_stream import (
 )
 from rendezvousd.server.fault_status import to_grpc_status
 from rendezvousd.server.methods import policy
-from rendezvousd.server.metrics import Metrics
+from rendezvousd.server.metrics import LIMIT_NAMES, Metrics
 from rendezvousd.server.scope import CALLER, Scope, allowed, denied
 from rendezvousd.server.streams import HeartbeatStreams
 from rendezvousd.state.machine import JoinArgs, RendezvousState
@@ -55,6 +56,9 @@ from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, kept_goodbye, storag
 from rendezvousd.storage.persistence import Persister
 
 log = logging.getLogger("rendezvousd")
+# A limit's refusals, logged at most once a minute per limit: a client retrying into a
+# full daemon repeats them thousands of times a minute.
+LIMIT_LOG_S = 60.0
 T = TypeVar("T")
 
 
@@ -113,6 +117,8 @@ class RendezvousServicer:
         self._job_answers: dict[str, tuple[float, bytes]] = {}
         # Set by drain(): heartbeat streams still waiting for their first beat end.
         self._draining = asyncio.Event()
+        # Keyed by limit name, a bounded set (an unknown one is one key).
+        self._limits_said: LogThrottle[str] = LogThrottle(LIMIT_LOG_S, len(LIMIT_NAMES) + 1)
         self._calls = CallStream(
             {
                 field: self._guard(method, getattr(self, method))
@@ -663,6 +669,8 @@ class RendezvousServicer:
                         fault = storage
                 else:
                     self.apply(effects)
+                if fault.reason is Reason.LIMIT_EXCEEDED:
+                    self.limit_refused(fault, getattr(request, "job_id", ""))
                 code = fault.code.value
                 await context.abort_with_status(to_grpc_status(fault))
             except asyncio.CancelledError:
@@ -683,6 +691,36 @@ class RendezvousServicer:
                 self.metrics.observe_rpc(name, code, time.perf_counter() - started)
 
         return call
+
+    def limit_refused(self, fault: RendezvousFault, job_id: str) -> None:
+        """A call a limit refused: counted by the limit, and said at WARNING at most once
+        a minute per limit (before, only rpc_duration's RESOURCE_EXHAUSTED count told,
+        and not which limit: a full daemon looked like one job's oversized key)."""
+        limit = fault.metadata.get("limit", "")
+        self.metrics.count_limit_refused(limit)
+        name = limit if limit in LIMIT_NAMES else "unknown"
+        if (due := self._limits_said.due(name, time.monotonic())) is None:
+            return
+        flag = "--" + name.replace("_", "-")
+        raise_it = (
+            ""
+            if flag in fault.message
+            else f"; if this load is expected, start the daemon with a larger {flag}"
+        )
+        more = (
+            f" ({due.skipped} more refused by {name} in the {due.since_s:.0f} s since the "
+            "last line, not logged)"
+            if due.skipped
+            else ""
+        )
+        log.warning(
+            "limit %s refused a call of job %s (RESOURCE_EXHAUSTED): %s%s%s",
+            name,
+            quoted(job_id) if job_id else "(none)",
+            fault.message,
+            raise_it,
+            more,
+        )
 
     def _stale_token(self) -> str | None:
         """Why the caller's job token no longer opens its job (it expired, or the job it

@@ -43,8 +43,8 @@ from rendezvousd.common.log_throttle import LogThrottle
 from rendezvousd.common.model import JobState, JobView, MemberState, Transition
 from rendezvousd.common.version import installed_version
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.server.auth import bearer_token
-from rendezvousd.server.metrics import Metrics, build_labels
+from rendezvousd.server.auth import REFUSED_HOSTS, REFUSED_LOG_S, bearer_token
+from rendezvousd.server.metrics import HTTP_METHOD, Metrics, build_labels
 from rendezvousd.server.scope import Scope
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.web.http_server import Request, Response
@@ -54,7 +54,6 @@ log = logging.getLogger("rendezvousd.status")
 
 COOKIE = "rdzv_session"
 SESSION_S = 12 * 3600
-LOG_EVERY_S = 10.0
 MAX_SESSIONS = 1024
 # One scope's sessions (the admin token's, or one job token's): past it, its own oldest
 # goes. Without it a job token's holder evicted every admin session with 1,024 logins.
@@ -136,7 +135,9 @@ class StatusPage:
         self._views_made: dict[str, tuple[float, JobView]] = {}
         # (when, the job's step) per job, one per view made: the step rate's samples.
         self._steps: dict[str, deque[tuple[float, int]]] = {}
-        self._refused: LogThrottle[None] = LogThrottle(LOG_EVERY_S)
+        # Per caller's host, as the gRPC port's refusals: anyone who reaches the port
+        # can try tokens, through the login form or as a Bearer header.
+        self._refused: LogThrottle[str] = LogThrottle(REFUSED_LOG_S, REFUSED_HOSTS)
         metrics.transition_listeners.append(self._changed)
 
     # -- routing -------------------------------------------------------------
@@ -182,7 +183,10 @@ class StatusPage:
         if auth:
             token = bearer_token(auth)
             scope = self._scope_of(token) if token is not None else None
-            return Caller(scope, f"{scope} bearer token from {r.peer}") if scope else None
+            if scope is None:
+                self._bad_token(r, "a Bearer request to " + quoted(r.path))
+                return None
+            return Caller(scope, f"{scope} bearer token from {r.peer}")
         sid = _cookie(r.headers.get("cookie", ""))
         session = self._sessions.get(sid) if sid else None
         if session is None:
@@ -199,13 +203,7 @@ class StatusPage:
         token = form.get("token", "").strip()
         scope = self._scope_of(token)
         if scope is None:
-            # At most one line per LOG_EVERY_S: anyone who reaches the port can try.
-            if (due := self._refused.due(None, time.monotonic())) is not None:
-                log.warning(
-                    "status page: %d login(s) with an invalid token, the last from %s",
-                    due.skipped + 1,
-                    r.peer,
-                )
+            self._bad_token(r, "a login")
             return self._file("login.html", "text/html; charset=utf-8", 401)
         now = time.monotonic()
         self._make_room(scope, now)
@@ -217,6 +215,29 @@ class StatusPage:
         if self._secure:
             cookie += "; Secure"
         return Response(303, b"", headers=[("Location", "/"), ("Set-Cookie", cookie)])
+
+    def _bad_token(self, r: Request, what: str) -> None:
+        """A token this daemon does not accept, on this port: counted with the gRPC
+        port's (``auth_refused{method="http"}``), and logged at most once a minute per
+        caller's host (a guess over the metrics port left no trace); never the token."""
+        self.metrics.count_auth_refused(HTTP_METHOD)
+        host = r.peer.rpartition(":")[0] or r.peer
+        if (due := self._refused.due(host, time.monotonic())) is None:
+            return
+        more = (
+            f" ({due.skipped} more refused from {host} in the {due.since_s:.0f} s since the "
+            "last line, not logged)"
+            if due.skipped
+            else ""
+        )
+        log.warning(
+            "status page: refused %s with an invalid token from %s (401: not a token this "
+            "daemon accepts); use the admin token or a job's token (rendezvousd token "
+            "--job JOB)%s",
+            what,
+            r.peer,
+            more,
+        )
 
     def _make_room(self, scope: Scope, now: float) -> None:
         """Room for a session of ``scope``: sessions are bounded, each scope's too, and

@@ -54,6 +54,11 @@ def test_the_dashboard_and_alerts_cover_what_the_issue_asks() -> None:
         "RendezvousdStorageUnavailable",
         "RendezvousdJobsFailingRepeatedly",
         "RendezvousdHeartbeatsLate",
+        # A limit near and refusing, a restart, refused tokens (h147 F3, F7).
+        "RendezvousdNearLimit",
+        "RendezvousdRefusedByLimit",
+        "RendezvousdRestarted",
+        "RendezvousdAuthRefused",
     ):
         assert name in alerts
     titles = [p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]]
@@ -122,6 +127,8 @@ def test_every_metric_they_name_exists(
     }
     assert len(named) >= 10
     assert named <= exported, sorted(named - exported)
+    # The restart alert's series is the process collector's, not ours: it exists too.
+    assert "process_start_time_seconds" in exported
     # And the series the alerts key on move as they say.
     assert samples['rendezvousd_job_transitions_total{state="failed"}'] == 1
     assert samples["rendezvousd_serving"] == 1

@@ -1,0 +1,125 @@
+"""Refusals an operator must see: a limit's (counted by the limit's name, its value
+and use as gauges, a throttled WARNING naming the setting to raise) and a bad token
+on the status/metrics port (counted as method="http", logged per host, never the
+token) (h147 F3, F4)."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+
+from rendezvousd.client import LimitExceeded, RendezvousClient
+from tests.daemon.raw_calls import join_one
+from tests.support import ROOT, DaemonProcess, scrape, wait_for
+
+
+def test_a_limit_refusal_is_counted_by_its_limit_and_logged_once_a_minute(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    d = start_daemon(
+        "--metrics-listen", "127.0.0.1:0", "--max-jobs", "1", "--max-kv-bytes-per-job", "1000"
+    )
+    samples = scrape(d.metrics_url)
+    assert samples['rendezvousd_limit{limit="max_jobs"}'] == 1
+    assert samples['rendezvousd_limit{limit="max_kv_bytes_per_job"}'] == 1000
+    # Alerts need every series from start, at 0.
+    assert samples['rendezvousd_limit_refused_total{limit="max_jobs"}'] == 0
+    assert samples['rendezvousd_limit_used{limit="max_jobs"}'] == 0
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as held:
+        join_one(held)
+        held.kv_set("k", b"v" * 100)
+        for _ in range(3):
+            with (
+                RendezvousClient(d.endpoint, job_id + "-late", token=d.token) as late,
+                pytest.raises(LimitExceeded),
+            ):
+                join_one(late)
+        with pytest.raises(LimitExceeded):
+            held.kv_set("big", b"x" * 2000)
+
+        def used() -> bool:
+            s = scrape(d.metrics_url)
+            return (
+                s['rendezvousd_limit_used{limit="max_jobs"}'] == 1
+                and s['rendezvousd_limit_used{limit="max_kv_bytes"}'] == 101
+                and s['rendezvousd_limit_used{limit="max_kv_bytes_per_job"}'] == 101
+            )
+
+        wait_for("the used gauges at the next tick", used)
+    samples = scrape(d.metrics_url)
+    assert samples['rendezvousd_limit_refused_total{limit="max_jobs"}'] == 3
+    assert samples['rendezvousd_limit_refused_total{limit="max_kv_bytes_per_job"}'] == 1
+    lines = [line for line in d.log().splitlines() if "limit max_" in line]
+    jobs = [line for line in lines if "limit max_jobs refused" in line]
+    # One line for three refusals: the minute's throttle holds the other two back.
+    assert len(jobs) == 1, lines
+    assert "WARNING" in jobs[0] and f"job '{job_id}-late'" in jobs[0], jobs
+    assert "--max-jobs" in jobs[0], jobs
+    kv = [line for line in lines if "limit max_kv_bytes_per_job refused" in line]
+    assert len(kv) == 1 and f"job '{job_id}'" in kv[0], lines
+    # The refusal's own words say to delete keys; the line adds the setting to raise.
+    assert "start the daemon with a larger --max-kv-bytes-per-job" in kv[0], kv
+
+
+def _get(url: str, token: str) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        return refused.code
+
+
+def test_a_bad_token_on_the_http_port_is_counted_and_logged_per_host(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    base = d.metrics_url.removesuffix("/metrics")
+    assert scrape(d.metrics_url)['rendezvousd_auth_refused_total{method="http"}'] == 0
+    wrong = "wrong-token-guessed-over-http-0123456789"
+    for i in range(5):
+        assert _get(base + "/api/jobs", f"{wrong}{i}") == 401
+    assert _get(base + "/api/jobs", d.token) == 200
+    login = urllib.request.Request(base + "/login", data=b"token=also-wrong", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(login, timeout=10)
+    assert refused.value.code == 401
+    assert scrape(d.metrics_url)['rendezvousd_auth_refused_total{method="http"}'] == 6
+    log = d.log()
+    lines = [line for line in log.splitlines() if "status page: refused" in line]
+    # Six refusals from one host within a minute: one line.
+    assert len(lines) == 1, lines
+    assert "127.0.0.1" in lines[0] and "'/api/jobs'" in lines[0], lines
+    assert wrong not in log and "also-wrong" not in log and d.token not in log
+
+
+def test_the_metrics_table_lists_every_family_and_its_help_agrees(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """docs/operations.md's metrics table against a live /metrics: every rendezvousd_*
+    family documented and every documented one exported; and joins_refused's help
+    counts a forming generation's refusals, as the table does (h147 F7)."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    with urllib.request.urlopen(d.metrics_url, timeout=10) as answer:
+        page = answer.read().decode()
+    # A counter's family is typed under its name without _total, and each has a
+    # _created gauge of its own: neither is a metric of ours to document.
+    exported = {
+        re.sub(r"_(total|info)$", "", line.split()[2])
+        for line in page.splitlines()
+        if line.startswith("# TYPE rendezvousd_") and not line.split()[2].endswith("_created")
+    }
+    table = (ROOT / "docs/operations.md").read_text()
+    documented = {
+        re.sub(r"_(total|info)$", "", m.group(1))
+        for m in re.finditer(r"^\| `(rendezvousd_[a-z_]+)", table, re.MULTILINE)
+    }
+    assert documented == exported, (sorted(documented - exported), sorted(exported - documented))
+    help_line = next(
+        line for line in page.splitlines() if line.startswith("# HELP rendezvousd_joins_refused")
+    )
+    assert "forming" in help_line, help_line
