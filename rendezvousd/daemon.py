@@ -36,6 +36,7 @@ from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
 from rendezvousd.server.auth import TokenAuthInterceptor, read_token_file
 from rendezvousd.server.budget import handler_shape
 from rendezvousd.server.call_stream import DRAIN_ANSWER_S
+from rendezvousd.server.grpc_log import quiet_gone_clients
 from rendezvousd.server.metrics import Metrics
 from rendezvousd.server.servicer import SERVICE, RendezvousServicer
 from rendezvousd.server.tls import ServerTls
@@ -418,6 +419,7 @@ class Daemon:
         ]
 
     async def start(self) -> int:
+        quiet_gone_clients()
         self.persister = Persister(self.config.state_dir, self.state)
         self.persister.on_health = self._storage_health
         self.persister.on_commit = self.metrics.observe_commit
