@@ -357,6 +357,7 @@ def render_job(job: Any) -> str:
                 MemberState(m.state),
                 m.heartbeat_age_ms / 1000,
                 m.step if m.HasField("step") else None,
+                m.member.address,
             )
             for m in job.members
         ),
@@ -367,13 +368,20 @@ def render_job(job: Any) -> str:
         # A forming node's row, where its node rank is known: its seats joining.
         if n.HasField("node_rank") and n.node_rank not in rows:
             rows[n.node_rank] = grid.NodeRow(n.host, [grid.SEAT[MemberState.JOINING]] * per_node)
-    lines.append(f"    {'NODE':>5}  {'HOST':<20} {'RANKS':<{max(5, per_node)}}  HEARTBEAT   STEP")
+    # The address each node advertised (the one its peers dial): a multi-homed host's
+    # wrong pick was visible only in GetJob (h145 F5).
+    width = max([15, *(len(escape(r.address)) for r in rows.values())])
+    lines.append(
+        f"    {'NODE':>5}  {'HOST':<20} {'ADDRESS':<{width}} {'RANKS':<{max(5, per_node)}}  "
+        "HEARTBEAT   STEP"
+    )
     beating = {m.member.node_rank for m in job.members if _watched(job.summary.state, m.state)}
     for node, row in sorted(rows.items()):
         step = "-" if row.step is None else str(row.step)
         age = f"{row.age_s:>8.1f}s" if node in beating else f"{'-':>9}"
         lines.append(
-            f"    {node:>5}  {escape(row.host):<20} {''.join(row.seats):<{max(5, per_node)}}  "
+            f"    {node:>5}  {escape(row.host):<20} {escape(row.address) or '-':<{width}} "
+            f"{''.join(row.seats):<{max(5, per_node)}}  "
             f"{age} {step:>6}"
         )
     lines += [f"    ({grid.LEGEND})", *_ending(job)]

@@ -5,7 +5,7 @@ terminal (and 1,024 nodes x 8 stay small on the wire)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rendezvousd.common.escape import escape
 from rendezvousd.common.model import MemberState
@@ -19,23 +19,33 @@ SEAT = {
     MemberState.LOST: "X",
 }
 LATE, EMPTY = "H", "-"
+# A node's distinct addresses shown (its ranks' agree but for a misconfiguration).
+MAX_ADDRESSES = 4
 LEGEND = "A active, H late heartbeat, X lost, J joining, D left, - empty"
 
 
 # One member as the grid needs it: node rank, local rank, host, state, heartbeat
-# age (s), last step (None before its first).
-GridSeat = tuple[int, int, str, MemberState, float, int | None]
+# age (s), last step (None before its first), the address it advertised.
+GridSeat = tuple[int, int, str, MemberState, float, int | None, str]
 
 
 @dataclass
 class NodeRow:
-    """One node's row: its host, a letter per local rank, its oldest heartbeat and
-    its slowest rank's step."""
+    """One node's row: its host, a letter per local rank, its oldest heartbeat, its
+    slowest rank's step, and the addresses its members advertised (the one peers dial:
+    a multi-homed host's wrong pick shows here, h145 F5)."""
 
     host: str
     seats: list[str]
     age_s: float = 0.0
     step: int | None = None
+    addresses: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        """The node's advertised address; its ranks' several, comma-separated, where
+        they differ (each worker of a per-rank job advertises its own); "" for none."""
+        return ",".join(self.addresses)
 
 
 def job_step(
@@ -57,7 +67,7 @@ def node_rows(
 ) -> dict[int, NodeRow]:
     """The rows of the nodes in ``nodes`` (every node when None), by node rank."""
     rows: dict[int, NodeRow] = {}
-    for node, local, host, state, age, step in members:
+    for node, local, host, state, age, step, address in members:
         if nodes is not None and node not in nodes:
             continue
         row = rows.get(node)
@@ -69,6 +79,8 @@ def node_rows(
         row.age_s = max(row.age_s, age)
         if step is not None:
             row.step = step if row.step is None else min(row.step, step)
+        if address and address not in row.addresses and len(row.addresses) < MAX_ADDRESSES:
+            row.addresses.append(address)
     return rows
 
 

@@ -394,6 +394,7 @@ class StatusPage:
                     m.state,
                     m.heartbeat_age_s,
                     m.step,
+                    m.info.address,
                 )
                 for m in v.members
             ),
@@ -418,6 +419,8 @@ class StatusPage:
                     {
                         "node": n,
                         "host": escape(row.host),
+                        # Advertised: the address peers dial ("" for a joining node).
+                        "address": escape(row.address),
                         "seats": "".join(row.seats),
                         # A row of joining seats has no heartbeat yet: none, not "0.0 s"
                         # (``rendezvousd status`` shows "-" there too).

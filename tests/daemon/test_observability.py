@@ -448,4 +448,6 @@ def test_status_job_shows_where_an_ended_job_ended() -> None:
     text = render_job(job)
     assert "    step 30" in text.splitlines()[2], text
     row = text.splitlines()[4].split()
-    assert row == ["0", "h0", "DD", "-", "30"], text  # a left node's heartbeat is no age
+    assert row == ["0", "h0", "-", "DD", "-", "30"], (
+        text
+    )  # a left node's heartbeat is no age; no address

@@ -98,6 +98,20 @@ def test_the_page_follows_a_job_through_a_failure_without_a_reload(
         )
         assert not browser.evaluate("document.getElementById('abort').hidden")
         assert job_id in _text(browser)
+        # Each node's advertised address, the one its peers dial (h145 F5): here every
+        # node's route to the daemon on 127.0.0.1.
+        addresses = browser.evaluate(
+            "[...document.querySelectorAll('#grid tbody tr')].map(tr => tr.children[2].textContent)"
+        )
+        assert addresses == ["127.0.0.1", "127.0.0.1"], addresses
+        assert browser.evaluate("document.querySelector('#grid thead').innerText").split() == [
+            "Node",
+            "Host",
+            "Address",
+            "Ranks",
+            "Heartbeat",
+            "Step",
+        ]
         # Which daemon answers, in the header (its build beside it on hover): a page
         # open across an upgrade said nothing of which rendezvousd it read.
         version = installed_version()
@@ -357,10 +371,12 @@ def test_a_job_stuck_forming_shows_the_nodes_joined_and_the_missing_node_rank(
         rows = browser.evaluate(
             "[...document.querySelectorAll('#grid tbody tr')].map(tr => "
             "[tr.children[0].textContent, tr.children[1].textContent, "
-            "tr.querySelectorAll('.seat.J').length, tr.children[3].textContent])"
+            "tr.children[2].textContent, tr.querySelectorAll('.seat.J').length, "
+            "tr.children[4].textContent])"
         )
-        # Joining seats have no heartbeat yet: "—", where the page showed "0.0 s".
-        assert rows == [["0", "fm-host-a", 2, "—"], ["2", "fm-host-c", 2, "—"]], rows
+        # Joining seats have no heartbeat yet: "—", where the page showed "0.0 s"; nor
+        # an address (a forming node's is not shown).
+        assert rows == [["0", "fm-host-a", "—", 2, "—"], ["2", "fm-host-c", "—", 2, "—"]], rows
         browser.screenshot(FORMING_SCREENSHOT)
         assert FORMING_SCREENSHOT.stat().st_size > 10_000
         clients[0].abort("test over")

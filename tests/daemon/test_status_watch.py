@@ -85,7 +85,12 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
         members = parallel(
             [
                 lambda c=c, i=i: c.join_node(  # type: ignore[misc]
-                    min_nodes=2, max_nodes=2, gpus_per_node=3, host=f"grid-host-{i}", timeout=20
+                    min_nodes=2,
+                    max_nodes=2,
+                    gpus_per_node=3,
+                    host=f"grid-host-{i}",
+                    addresses=[f"198.19.150.{10 + i}"] * 3,
+                    timeout=20,
                 )
                 for i, c in enumerate(agents)
             ]
@@ -115,12 +120,16 @@ def test_status_of_a_job_draws_the_pages_grid(daemon: DaemonProcess, job_id: str
     out = running.stdout
     rows = {line.split()[0]: line.split() for line in out.splitlines()[5:7]}
     host = {m.node_rank: f"grid-host-{i}" for i, m in enumerate(members)}
-    assert rows["0"][1:3] == [host[0], "AAA"] and rows["0"][-1] == "10", out
-    assert rows["1"][1:3] == [host[1], "AAA"] and rows["1"][-1] == "2", out
+    # Each node's advertised address (its route to the daemon), which peers dial: a
+    # multi-homed host's wrong pick was visible only in GetJob (h145 F5).
+    assert "NODE  HOST" in out and " ADDRESS " in out, out
+    address = {m.node_rank: f"198.19.150.{10 + i}" for i, m in enumerate(members)}
+    assert rows["0"][1:4] == [host[0], address[0], "AAA"] and rows["0"][-1] == "10", out
+    assert rows["1"][1:4] == [host[1], address[1], "AAA"] and rows["1"][-1] == "2", out
     assert "step 2 · restarts 1 used, 3 left" in out
     assert "A active, H late heartbeat, X lost" in out
     row1 = next(line.split() for line in failed.stdout.splitlines() if host[1] in line)
-    assert row1[2][1] == "X", failed.stdout  # local rank 1 of node 1: rank 4
+    assert row1[3][1] == "X", failed.stdout  # local rank 1 of node 1: rank 4
     assert f"lost rank 4 on {host[1]}: boom" in failed.stdout
     # The job's step is its slowest ACTIVE rank's, as on the status page (JobView.step):
     # lost rank 4's step 2 is no longer where the job stands.

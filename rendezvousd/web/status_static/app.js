@@ -100,6 +100,9 @@ let grid = { key: "", rows: new Map() };
 function gridRow(r, gpus) {
   const tr = el("tr");
   const host = el("td", r.host, "host");
+  // The address the node advertised (peers dial it): a multi-homed host's wrong pick.
+  const address = el("td", r.address || "—", "host");
+  address.title = r.address;
   const seats = el("td", null, "seats");
   // Fixed markup only (no daemon data): one parse instead of a call per seat.
   seats.innerHTML = '<span class="seat"></span>'.repeat(r.seats.length);
@@ -107,12 +110,20 @@ function gridRow(r, gpus) {
   seats.dataset.node = r.node;
   const ageCell = el("td", null, "num");
   const stepCell = el("td", null, "num");
-  tr.append(el("td", r.node, "num"), host, seats, ageCell, stepCell);
-  return { tr, host, spans, ageCell, stepCell, node: r.node, gpus, seats: "", age: "", step: "", hostText: r.host };
+  tr.append(el("td", r.node, "num"), host, address, seats, ageCell, stepCell);
+  return {
+    tr, host, address, spans, ageCell, stepCell, node: r.node, gpus, seats: "", age: "", step: "",
+    hostText: r.host, addressText: r.address,
+  };
 }
 
 function updateRow(g, r) {
   if (g.hostText !== r.host) { g.host.textContent = r.host; g.hostText = r.host; }
+  if (g.addressText !== r.address) {
+    g.address.textContent = r.address || "—";
+    g.address.title = r.address;
+    g.addressText = r.address;
+  }
   if (g.seats !== r.seats) {
     for (let i = 0; i < g.spans.length; i++) {
       const c = r.seats[i] || "-";
