@@ -137,7 +137,9 @@ class StatusPage:
         self._steps: dict[str, deque[tuple[float, int]]] = {}
         # Per caller's host, as the gRPC port's refusals: anyone who reaches the port
         # can try tokens, through the login form or as a Bearer header.
-        self._refused: LogThrottle[str] = LogThrottle(REFUSED_LOG_S, REFUSED_HOSTS)
+        # Logins and Bearer requests apart: a script's stale Bearer token must not hide
+        # the line of a person mistyping the login.
+        self._refused: LogThrottle[tuple[bool, str]] = LogThrottle(REFUSED_LOG_S, REFUSED_HOSTS)
         metrics.transition_listeners.append(self._changed)
 
     # -- routing -------------------------------------------------------------
@@ -184,7 +186,7 @@ class StatusPage:
             token = bearer_token(auth)
             scope = self._scope_of(token) if token is not None else None
             if scope is None:
-                self._bad_token(r, "a Bearer request to " + quoted(r.path))
+                self._bad_token(r, "a Bearer request to " + quoted(r.path), login=False)
                 return None
             return Caller(scope, f"{scope} bearer token from {r.peer}")
         sid = _cookie(r.headers.get("cookie", ""))
@@ -203,7 +205,7 @@ class StatusPage:
         token = form.get("token", "").strip()
         scope = self._scope_of(token)
         if scope is None:
-            self._bad_token(r, "a login")
+            self._bad_token(r, "a login", login=True)
             return self._file("login.html", "text/html; charset=utf-8", 401)
         now = time.monotonic()
         self._make_room(scope, now)
@@ -216,13 +218,13 @@ class StatusPage:
             cookie += "; Secure"
         return Response(303, b"", headers=[("Location", "/"), ("Set-Cookie", cookie)])
 
-    def _bad_token(self, r: Request, what: str) -> None:
+    def _bad_token(self, r: Request, what: str, *, login: bool) -> None:
         """A token this daemon does not accept, on this port: counted with the gRPC
         port's (``auth_refused{method="http"}``), and logged at most once a minute per
         caller's host (a guess over the metrics port left no trace); never the token."""
         self.metrics.count_auth_refused(HTTP_METHOD)
         host = r.peer.rpartition(":")[0] or r.peer
-        if (due := self._refused.due(host, time.monotonic())) is None:
+        if (due := self._refused.due((login, host), time.monotonic())) is None:
             return
         more = (
             f" ({due.skipped} more refused from {host} in the {due.since_s:.0f} s since the "

@@ -190,5 +190,5 @@ def test_a_wrong_token_at_the_login_is_logged_at_warning(daemon: DaemonProcess) 
     wait_for("the refused login logged", lambda: bool(said()))
     (line,) = said()
     assert " WARNING " in line, line
-    assert "status page: 1 login(s) with an invalid token, the last from 127.0.0.1:" in line
+    assert "status page: refused a login with an invalid token from 127.0.0.1:" in line
     assert wrong not in daemon.log()

@@ -91,9 +91,10 @@ def test_a_bad_token_on_the_http_port_is_counted_and_logged_per_host(
     assert scrape(d.metrics_url)['rendezvousd_auth_refused_total{method="http"}'] == 6
     log = d.log()
     lines = [line for line in log.splitlines() if "status page: refused" in line]
-    # Six refusals from one host within a minute: one line.
-    assert len(lines) == 1, lines
-    assert "127.0.0.1" in lines[0] and "'/api/jobs'" in lines[0], lines
+    # Five Bearer refusals from one host within a minute: one line; the login its own.
+    bearer = [line for line in lines if "a Bearer request to '/api/jobs'" in line]
+    assert len(bearer) == 1 and len(lines) == 2, lines
+    assert "WARNING" in bearer[0] and "from 127.0.0.1:" in bearer[0], bearer
     assert wrong not in log and "also-wrong" not in log and d.token not in log
 
 
