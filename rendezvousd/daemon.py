@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import gc
 import inspect
@@ -451,6 +452,7 @@ class Daemon:
             job_ended=self.persister.ended,
             on_refused=self._refused_token,
         )
+        servicer.settings = frozenset(f.name for f in dataclasses.fields(self.config))
         for gate in (interceptor.calls, interceptor.health_checks, interceptor.health_watches):
             gate.on_refused = servicer.limit_refused
         # At once: a reload (SIGHUP) during the rest of start-up swaps its tokens.

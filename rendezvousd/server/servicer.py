@@ -117,6 +117,9 @@ class RendezvousServicer:
         self._job_answers: dict[str, tuple[float, bytes]] = {}
         # Set by drain(): heartbeat streams still waiting for their first beat end.
         self._draining = asyncio.Event()
+        # The daemon's settings by name (``DaemonConfig``'s fields, set by the daemon):
+        # a limit that is none is a fixed bound, whose refusal names no flag.
+        self.settings: frozenset[str] = frozenset()
         # Keyed by limit name, a bounded set (an unknown one is one key).
         self._limits_said: LogThrottle[str] = LogThrottle(LIMIT_LOG_S, len(LIMIT_NAMES) + 1)
         self._calls = CallStream(
@@ -702,11 +705,12 @@ class RendezvousServicer:
         if (due := self._limits_said.due(name, time.monotonic())) is None:
             return
         flag = "--" + name.replace("_", "-")
-        raise_it = (
-            ""
-            if flag in fault.message
-            else f"; if this load is expected, start the daemon with a larger {flag}"
-        )
+        if name not in self.settings:
+            raise_it = f" ({name} is a fixed bound, not a setting)"
+        elif flag in fault.message:
+            raise_it = ""
+        else:
+            raise_it = f"; if this load is expected, start the daemon with a larger {flag}"
         more = (
             f" ({due.skipped} more refused by {name} in the {due.since_s:.0f} s since the "
             "last line, not logged)"

@@ -10,10 +10,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
+import grpc
 import pytest
 
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import LimitExceeded, RendezvousClient
-from tests.daemon.raw_calls import join_one
+from tests.daemon.raw_calls import bearer, join_one, join_request
 from tests.support import ROOT, DaemonProcess, scrape, wait_for
 
 
@@ -124,3 +127,43 @@ def test_the_metrics_table_lists_every_family_and_its_help_agrees(
         line for line in page.splitlines() if line.startswith("# HELP rendezvousd_joins_refused")
     )
     assert "forming" in help_line, help_line
+
+
+def test_a_gates_refusal_is_counted_and_logged_too(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """The concurrency gates (here max_concurrent_rpcs) refuse before any handler runs:
+    counted and said the same way."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0", "--max-concurrent-rpcs", "1")
+    with grpc.insecure_channel(d.endpoint) as channel:
+        stub = pb_grpc.RendezvousStub(channel)
+        # A Join of a 2-rank world parks, holding the one slot.
+        parked = stub.Join.future(
+            join_request(job_id, 2, 0, host="h", instance_id="i0", unique_id=b"\x17" * 128),
+            metadata=bearer(d),
+            timeout=30,
+        )
+        wait_for("the join parked", lambda: scrape(d.metrics_url)["rendezvousd_waiters"] == 1)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ListJobs(pb.ListJobsRequest(), metadata=bearer(d), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        parked.cancel()
+    assert (
+        scrape(d.metrics_url)['rendezvousd_limit_refused_total{limit="max_concurrent_rpcs"}'] == 1
+    )
+    (line,) = [line for line in d.log().splitlines() if "limit max_concurrent_rpcs" in line]
+    assert "job (none)" in line and "larger --max-concurrent-rpcs" in line, line
+
+
+def test_a_bound_that_is_no_setting_names_no_flag(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """max_key_bytes is a fixed bound: the line says so, and names no flag that does
+    not exist."""
+    d = start_daemon()
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+        join_one(c)
+        with pytest.raises(LimitExceeded):
+            c.kv_set("k" * 600, b"v")
+    (line,) = [line for line in d.log().splitlines() if "limit max_key_bytes" in line]
+    assert "--max-key-bytes" not in line and "a fixed bound" in line, line
