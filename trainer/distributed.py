@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from rendezvousd.client.errors import (
     JobAborted,
+    LimitExceeded,
     PeerFailed,
     RendezvousError,
     StaleGeneration,
@@ -290,6 +291,7 @@ def init_distributed(
     # settings) are for workers that join by themselves; an agent's worker attaches.
     from rendezvousd.client.sync import RendezvousClient
     from rendezvousd.client.transport import connect
+    from rendezvousd.trainer.agent.recovery import daemon_full, room_note, room_wait
     from rendezvousd.trainer.agent.waiting_note import saying_what_its_rank_waits_for
 
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
@@ -337,6 +339,37 @@ def init_distributed(
         timeout=config.join_timeout_s,
     )
 
+    def join_with_room() -> Membership:
+        """``joining``, waiting out a daemon-wide limit (a daemon holding --max-jobs
+        jobs) within the join's timeout, as rendezvous-run's joins do: refused, every
+        worker launched while the daemon was full for a moment failed at once."""
+        room = room_wait(config.join_timeout_s, time.monotonic())
+        timeout = config.join_timeout_s
+        while True:
+            try:
+                return joining(timeout=timeout)
+            except LimitExceeded as exc:
+                full = daemon_full(exc)
+                if full is None:
+                    raise
+                if not room.told:
+                    room.told = True
+                    log.warning(
+                        "rendezvousd: job %r, local rank %d on %s: %s; %s",
+                        config.job_id,
+                        local_rank,
+                        socket.gethostname(),
+                        exc,
+                        room_note(full, room.limit_s),
+                    )
+                at = room.retry_at(time.monotonic())
+                if at is None:
+                    exc._add(f" (still full after {room.limit_s:g} s of trying)")
+                    raise
+                time.sleep(max(0.0, at - time.monotonic()))
+                # The wait for room is part of the join's timeout, not added to it.
+                timeout = max(0.1, room.limit_s - (time.monotonic() - (room.since or at)))
+
     def join() -> Membership:
         # Said while it waits, as rendezvous-run's joins say it: a rank started late
         # (or never: two workers given one SLURM_PROCID) left every other worker
@@ -351,7 +384,7 @@ def init_distributed(
             socket.gethostname(),
             local_rank,
         ):
-            return joining()
+            return join_with_room()
 
     def watch(relay: _FailureRelay) -> None:
         rdzv.start_heartbeat(config.heartbeat_interval_s, on_failure=relay.fail)

@@ -1567,3 +1567,32 @@ def test_a_job_id_run_again_while_its_last_run_finishes_trains_once_that_run_end
     steps = torch_steps(log)
     assert {s["rank"] for s in steps} == {0, 1, 2, 3} and {s["world"] for s in steps} == {4}
     assert all("standby" not in a.stderr() for a in agents), [a.stderr()[-3000:] for a in agents]
+
+
+def test_an_agent_finding_the_daemon_at_max_jobs_waits_for_room_and_trains(
+    start_daemon: Callable[..., DaemonProcess],
+    torchrun: Callable[..., Torchrun],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """A daemon holding --max-jobs jobs for a moment ended every torchrun agent launched
+    meanwhile with torch's RendezvousError (an SRE review): it waits for room now,
+    within join_timeout, saying once which limit it waits for."""
+    d = start_daemon("--max-jobs", "1", "--job-ttl-s", "1")
+    log = tmp_path / "steps.jsonl"
+    with RendezvousClient(d.endpoint, f"{job_id}-holder", token=d.token) as holder:
+        holder.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=30)
+        holder.start_heartbeat()
+        agent = torchrun(d, job_id, "1", "--steps", "2", "--step-log", str(log), nproc=1)
+        wait_for(
+            "the agent to say the daemon is full",
+            lambda: "daemon is full" in agent.stderr() or agent.proc.poll() is not None,
+            timeout=120,
+        )
+        assert agent.proc.poll() is None, agent.stderr()[-3000:]
+        holder.leave()
+    assert agent.wait(120) == 0, agent.stderr()[-3000:]
+    assert max(s["step"] for s in torch_steps(log)) == 2
+    said = agent.stderr()
+    assert said.count("daemon is full") == 1, said[-3000:]
+    assert "its max_jobs limit, held by other jobs" in said and "--max-jobs" in said

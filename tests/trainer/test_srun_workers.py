@@ -236,3 +236,41 @@ def test_one_rank_per_host_says_the_note_and_a_running_run_is_named() -> None:
     assert "`rendezvousd status j`" in said
     ended = _job(pb.JOB_STATE_RUNNING, [(0, 0, "a", pb.MEMBER_STATE_LEFT)])
     assert rank_note(ended, 35.0, 600.0, "c", 0) is None
+
+
+def test_a_worker_finding_the_daemon_at_max_jobs_waits_for_room_within_its_join_timeout(
+    start_daemon: Callable[..., DaemonProcess],
+    tmp_path: Path,
+    tasks: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """init_distributed()'s own per-rank join raised LimitExceeded at once when the
+    daemon held --max-jobs jobs: every worker launched while it was full for a moment
+    failed. It waits for room now, saying once which limit it waits for."""
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon("--max-jobs", "1", "--job-ttl-s", "1")
+    env = {
+        **srun_env(0, 1, 1, "79", "0"),
+        "RENDEZVOUSD_ENDPOINT": d.endpoint,
+        "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
+        "RENDEZVOUSD_JOB_ID": "full-79",
+    }
+    log = tmp_path / "task.err"
+    with RendezvousClient(d.endpoint, "holder-79", token=d.token) as holder:
+        holder.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=30)
+        holder.start_heartbeat()
+        p = tasks(WORKER, env, log)
+        wait_for(
+            "the worker to say the daemon is full",
+            lambda: "daemon is full" in log.read_text() or p.poll() is not None,
+            60,
+        )
+        assert p.poll() is None, log.read_text()
+        holder.leave()
+    out, _ = p.communicate(timeout=60)
+    said = log.read_text()
+    assert p.returncode == 0, (out, said)
+    assert json.loads(out.splitlines()[0])["job_id"] == "full-79"
+    assert said.count("daemon is full") == 1, said
+    assert "job 'full-79', local rank 0 on " in said, said
+    assert "its max_jobs limit, held by other jobs" in said and "--max-jobs" in said, said

@@ -63,6 +63,9 @@ from rendezvousd.trainer.agent.recovery import (
     DaemonOutage,
     Failure,
     RestartBudget,
+    daemon_full,
+    room_note,
+    room_wait,
     stray,
 )
 from rendezvousd.trainer.agent.state_copy import StateCopy
@@ -573,6 +576,10 @@ class NodeAgent:
             config.join_timeout_s if self._standing_by else timeout, time.monotonic()
         )
         held_for = DaemonOutage(timeout)  # this node's --node-rank held by another (below)
+        # A daemon at a daemon-wide limit (--max-jobs held by other jobs): waited for
+        # within the join's timeout, backing off, with no restart used: each restart's
+        # join was refused the same way, and 1000 restarts went in 2.4 s.
+        room = room_wait(timeout)
         holder_heard: float | None = None  # when the daemon last heard that holder
         while True:
             if self._interrupted.is_set():
@@ -688,10 +695,23 @@ class NodeAgent:
                         held = False
                         cause += " (its holder's heartbeat went on while this node waited)"
                     holder_heard = heard if holder_heard is None else holder_heard
+                limit_hit = daemon_full(answer)
                 wait = (
-                    outage if isinstance(answer, DaemonUnavailable) else held_for if held else None
+                    outage
+                    if isinstance(answer, DaemonUnavailable)
+                    else room
+                    if limit_hit
+                    else held_for
+                    if held
+                    else None
                 )
                 if wait is not None:
+                    if not wait.told and limit_hit:
+                        wait.told = True
+                        self.note(
+                            f"{'standing by: ' if self._standing_by else ''}{cause}; "
+                            f"{room_note(limit_hit, wait.limit_s)}"
+                        )
                     if not wait.told:
                         wait.told = True
                         said = cause
@@ -716,17 +736,17 @@ class NodeAgent:
                     if retry_at is not None:
                         continue
                     # Waited for the whole join: a restart would wait the same way again.
-                    still = "held" if held else "unavailable"
+                    still = "full" if limit_hit else "held" if held else "unavailable"
                     cause += f" (still {still} after {wait.limit_s:g} s of trying)"
-                # A daemon still unavailable after the whole join: fatal, as a restart
-                # would wait the same way again, but no setup error (exit 1).
+                # A daemon still unavailable, or still full, after the whole join: fatal,
+                # as a restart would wait the same way again, but no setup error (exit 1).
                 setup = _setup_refusal(answer, holder)
                 return Failure(
                     _refused_in(answer),
                     cause,
                     host=self.host,
                     exit_status=SETUP_ERROR_EXIT if setup else 1,
-                    fatal=setup or isinstance(answer, DaemonUnavailable),
+                    fatal=setup or isinstance(answer, DaemonUnavailable) or limit_hit is not None,
                 )
             if isinstance(event, Exited) and self.pool.discard(event.worker):
                 if event.worker.lost:

@@ -9,8 +9,10 @@ of a node that was placed and never attached its heartbeat stream (``stray``): a
 JoinNode by any holder of the job's token would otherwise use up the job's restarts.
 After ``max_restarts`` restarts the next failure ends the launcher.
 
-Beside them, what a join waits through, shared with the torchrun agent: the daemon
-unavailable (``DaemonOutage``).
+Beside them, what a join waits through, shared with the torchrun agent and a
+worker's own per-rank join: the daemon unavailable (``DaemonOutage``), or full
+(``daemon_full``: a daemon-wide limit such as --max-jobs, waited out with a backoff,
+``room_wait``).
 """
 
 from __future__ import annotations
@@ -19,15 +21,22 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rendezvousd.client.errors import LimitExceeded
 from rendezvousd.common.members import SCALE_UP_REASON, never_attached
 
 __all__ = [
+    "DAEMON_WIDE_LIMITS",
     "OUTAGE_RETRY_S",
+    "ROOM_RETRY_MAX_S",
+    "ROOM_RETRY_S",
     "SCALE_UP_REASON",
     "SETUP_ERROR_EXIT",
     "DaemonOutage",
     "Failure",
     "RestartBudget",
+    "daemon_full",
+    "room_note",
+    "room_wait",
     "stray",
 ]
 
@@ -40,27 +49,78 @@ SETUP_ERROR_EXIT = 2
 OUTAGE_RETRY_S = 1.0
 
 
+#: A join refused for a daemon-wide limit (``daemon_full``) asks again after this,
+#: doubling up to ROOM_RETRY_MAX_S: a full daemon is busy, and every node of every
+#: launch that arrived meanwhile asks; the first room may come within a second (a
+#: job ending) or minutes.
+ROOM_RETRY_S = 0.5
+ROOM_RETRY_MAX_S = 5.0
+
+#: The limits a join can be refused for that the whole daemon shares, and that free up
+#: as other jobs' calls and jobs end: no restart of this job changes them, only time
+#: (or an operator raising them). A limit of the request itself (max_members_per_job)
+#: or of the job's own calls (max_waiters_per_job) is not waited for.
+DAEMON_WIDE_LIMITS = frozenset({"max_jobs", "max_waiters", "max_concurrent_rpcs"})
+
+
+def daemon_full(error: BaseException) -> str | None:
+    """The daemon-wide limit a join was refused for (``DAEMON_WIDE_LIMITS``), or None.
+    Each restart's join was refused the same way within milliseconds: a daemon at
+    --max-jobs for a moment used up every --max-restarts (1000 in 2.4 s)."""
+    if isinstance(error, LimitExceeded) and error.reason == "LIMIT_EXCEEDED":
+        limit = error.limit
+        return limit if limit in DAEMON_WIDE_LIMITS else None
+    return None
+
+
 @dataclass
 class DaemonOutage:
     """The daemon unavailable while a node joins (rendezvous-run's joins, a torchrun
-    standby's): asked again every OUTAGE_RETRY_S for up to ``limit_s`` from ``since``."""
+    standby's): asked again every OUTAGE_RETRY_S for up to ``limit_s`` from ``since``.
+    A full daemon's (``room_wait``) backs off: every ``retry_s``, doubling up to
+    ``max_retry_s``."""
 
     limit_s: float
     since: float | None = None
     #: Whether the outage was told to the user (once per outage, not per retry).
     told: bool = False
+    retry_s: float = OUTAGE_RETRY_S
+    max_retry_s: float = OUTAGE_RETRY_S
+    _next_s: float = 0.0
 
     def retry_at(self, now: float) -> float | None:
         """When to ask again, or None once the outage outlasted ``limit_s``. The first
-        call starts the outage (``since``) unless the caller set it."""
+        call starts the outage (``since``) unless the caller set it. Never past
+        ``limit_s``: a long backoff would otherwise overrun the join's timeout."""
         if self.since is None:
             self.since = now
-        return now + OUTAGE_RETRY_S if now - self.since < self.limit_s else None
+        if now - self.since >= self.limit_s:
+            return None
+        pause = self._next_s or self.retry_s
+        self._next_s = min(pause * 2, self.max_retry_s)
+        return min(now + pause, self.since + self.limit_s)
 
     def reset(self) -> None:
         """A wait that ended normally: the next outage is a new one."""
         self.since = None
         self.told = False
+        self._next_s = 0.0
+
+
+def room_wait(limit_s: float, since: float | None = None) -> DaemonOutage:
+    """The wait of a join the daemon refused for a daemon-wide limit (``daemon_full``)."""
+    return DaemonOutage(limit_s, since, retry_s=ROOM_RETRY_S, max_retry_s=ROOM_RETRY_MAX_S)
+
+
+def room_note(limit: str, limit_s: float) -> str:
+    """What a join waiting for room in a full daemon says, once: which limit, that it
+    waits and for how long, and who can change it."""
+    return (
+        f"the daemon is full (its {limit} limit, held by other jobs): waiting for room, "
+        f"asking again after {ROOM_RETRY_S:g} s and backing off to every {ROOM_RETRY_MAX_S:g} "
+        f"s, for up to {limit_s:g} s in all (no restart used); if this persists, an operator "
+        f"can restart the daemon with a larger --{limit.replace('_', '-')}"
+    )
 
 
 def stray(causes: Sequence[str]) -> bool:

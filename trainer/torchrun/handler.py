@@ -162,7 +162,14 @@ from rendezvousd.common.limits import Limits
 from rendezvousd.common.members import named_losses
 from rendezvousd.common.validation import LONGEST_WAIT_S
 from rendezvousd.trainer.agent.node_links import LINK_SETTLE_S, LinkSilent, NodeLinks
-from rendezvousd.trainer.agent.recovery import OUTAGE_RETRY_S, SCALE_UP_REASON, DaemonOutage
+from rendezvousd.trainer.agent.recovery import (
+    OUTAGE_RETRY_S,
+    SCALE_UP_REASON,
+    DaemonOutage,
+    daemon_full,
+    room_note,
+    room_wait,
+)
 from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.torchrun import warm
@@ -904,6 +911,10 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
         began = time.monotonic()
         timeout = self._settings.join_timeout
         outage = DaemonOutage(self._settings.join_timeout)
+        # A daemon at a daemon-wide limit (--max-jobs held by other jobs) is waited for
+        # within join_timeout, backing off: raised, a moment's full daemon ended every
+        # agent launched during it.
+        room = room_wait(self._settings.join_timeout, began)
         while True:
             try:
                 # A standby said once that it stands by.
@@ -946,6 +957,24 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 standby, timeout = False, left
                 outage.reset()
             except LimitExceeded as exc:
+                if (full := daemon_full(exc)) is not None:
+                    if not room.told:
+                        room.told = True
+                        log.warning(
+                            "rendezvousd: job %r: %s; %s",
+                            self._run_id,
+                            exc,
+                            room_note(full, room.limit_s),
+                        )
+                    at = room.retry_at(time.monotonic())
+                    if at is None:
+                        exc._add(f" (still full after {room.limit_s:g} s of trying)")
+                        raise
+                    time.sleep(max(0.0, at - time.monotonic()))
+                    if not standby:
+                        # The wait for room is part of the join's, not added to it.
+                        timeout = max(MIN_REJOIN_S, room.limit_s - (time.monotonic() - began))
+                    continue
                 if standby or exc.reason != "WORLD_FULL":
                     raise
                 full = (
