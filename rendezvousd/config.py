@@ -114,7 +114,10 @@ class DaemonConfig:
         _SECONDS,
     )
     job_ttl_s: float = setting(
-        Timing.job_ttl_s, "how long ended or failed jobs stay visible", _SECONDS
+        Timing.job_ttl_s,
+        "how long ended or failed jobs stay visible (less when a new job needs the slot "
+        "at max_jobs)",
+        _SECONDS,
     )
     last_call_s: float = setting(
         Timing.default_last_call_s,
@@ -131,7 +134,13 @@ class DaemonConfig:
     drain_grace_s: float = setting(
         10.0, "how long SIGTERM waits for calls to finish", _SECONDS_OR_0
     )
-    max_jobs: int = setting(Limits.max_jobs, "jobs held at once", _COUNT)
+    max_jobs: int = setting(
+        Limits.max_jobs,
+        "live jobs (forming with a joiner present, or running) held at once; at the limit, "
+        "a new job takes the slot of the oldest finished (or empty forming) job, which is "
+        "forgotten early",
+        _COUNT,
+    )
     max_members_per_job: int = setting(Limits.max_members_per_job, "largest world size", _COUNT)
     max_concurrent_rpcs: int = setting(
         Limits.max_concurrent_rpcs,

@@ -152,7 +152,8 @@ class RendezvousServicer:
                         "job %s generation %d: %s", effect.job_id, effect.generation, effect.message
                     )
             elif isinstance(effect, Transition):
-                if effect.new is None and effect.detail == FORGOTTEN:
+                # Forgotten at its TTL, or early for a new job's max_jobs slot.
+                if effect.new is None and effect.detail.startswith(FORGOTTEN):
                     # Wall clock: job tokens carry the Unix time they were minted at.
                     self.persister.job_ended(effect.job_id, time.time())
                 self.persister.touch(effect.job_id)

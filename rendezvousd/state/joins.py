@@ -52,6 +52,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         late := launched_for_ended_run(known, args, now) or launched_before_close(known, args, now)
     ) is not None:
         raise late
+    if known is None and (late := launched_for_run_forgotten(sm, args, now)) is not None:
+        raise late
     if args.standby and (parked := stand_by(sm, args, now)) is not None:
         return parked
     job = job_for(sm, args, now)
@@ -133,16 +135,41 @@ def launched_for_ended_run(job: Job, args: JoinArgs, now: float) -> RendezvousFa
     reopened = job.state is JobState.FORMING and job.gen.after_end is not None
     if not (job.state is JobState.ENDED or reopened):
         return None
-    return job.fault(
+    return job.fault(*_ended_run(job.job_id, ended, launched, now), **_ended_ms(ended, now))
+
+
+def launched_for_run_forgotten(
+    sm: RendezvousState, args: JoinArgs, now: float
+) -> RendezvousFault | None:
+    """JOB_ENDED, as ``launched_for_ended_run`` says it, for a node agent launched before
+    the run of a job the daemon forgot early (its max_jobs slot went to a new job,
+    ``rounds.make_room``) ended: its TTL would have kept the job to tell it so."""
+    ended, launched = sm.early_ends.get(args.job_id), args.launched_at
+    if ended is None or launched is None or launched > ended:
+        return None
+    code, reason, message = _ended_run(args.job_id, ended, launched, now)
+    return RendezvousFault(
+        code,
+        reason,
+        message,
+        {"job_id": args.job_id, **_ended_ms(ended, now)},
+    )
+
+
+def _ended_run(job_id: str, ended: float, launched: float, now: float) -> tuple[Code, Reason, str]:
+    return (
         Code.FAILED_PRECONDITION,
         Reason.JOB_ENDED,
-        f"job {job.job_id!r} ended {now - ended:.1f} s ago (every member left), after this "
+        f"job {job_id!r} ended {now - ended:.1f} s ago (every member left), after this "
         f"node was launched ({now - launched:.1f} s ago): it was launched for the run that "
         "ended, which needs it no more. A node launched after the end starts a new run of "
         "the job id (run it again with nodes started once every node of the run before "
         "has exited)",
-        ended_ms_ago=str(round((now - ended) * 1000)),
     )
+
+
+def _ended_ms(ended: float, now: float) -> dict[str, str]:
+    return {"ended_ms_ago": str(round((now - ended) * 1000))}
 
 
 def launched_before_close(job: Job, args: JoinArgs, now: float) -> RendezvousFault | None:

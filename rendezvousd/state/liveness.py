@@ -18,7 +18,6 @@ from rendezvousd.common.model import (
     MemberState,
     Notify,
     Progress,
-    Transition,
 )
 from rendezvousd.common.newest import keep_newest
 from rendezvousd.errors import Code, Reason, RendezvousFault
@@ -209,13 +208,13 @@ def tick(sm: RendezvousState, now: float) -> None:
                 # One failure: the survivors hear every attendee silent at this tick
                 # (a host cut off takes all of its ranks), not the first alone.
                 rounds.lose_all_seated(sm, job, silent, now)
-        idle = job.state in rounds.TERMINAL or (
-            job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes
-        )
+        idle = rounds.idle(job)
         if idle and now - job.state_since > sm.timing.job_ttl_s and not job.all_waiters():
-            del sm.jobs[job.job_id]
-            seats.forget(sm, job.job_id)
-            sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, FORGOTTEN))
+            rounds.forget(sm, job, FORGOTTEN)
+    ttl = sm.timing.job_ttl_s
+    while sm.early_ends and now - next(iter(sm.early_ends.values())) > ttl:
+        # As the job's TTL would have: past it, a join of its id is a new run.
+        del sm.early_ends[next(iter(sm.early_ends))]
 
 
 def watched(job: Job, seated: Attendee) -> bool:

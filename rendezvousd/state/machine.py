@@ -56,6 +56,10 @@ class RendezvousState:
         # runs' callers are not the restart's (``FORGOT_KEPT``, then ``forgot_many``).
         self.forgot: set[str] = set()
         self.forgot_many = False
+        # When the runs of jobs forgotten early for a new job's max_jobs slot ended
+        # (``rounds.make_room``), by job id, oldest first: a node agent launched for
+        # one is still told it ended (``joins.launched_for_run_forgotten``) until its TTL.
+        self.early_ends: dict[str, float] = {}
         # The hosts whose calls were refused for their token, and when last (the
         # daemon's clock): a member of such a host silent since is lost for that, not
         # as unreachable (``liveness.token_refused``). Bounded, the oldest dropped.

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 
 from rendezvousd.common.limits import Limits
 from rendezvousd.state.job import Job
+from rendezvousd.state.rounds import idle
 
 #: Jobs over a limit said one line each up to this many; beyond, one summary line
 #: (a restart with a much lower limit must not print a line per job of thousands).
@@ -53,7 +54,7 @@ def _job_overs(job: Job, limits: Limits) -> list[tuple[str, str]]:
 def over_limits(jobs: Mapping[str, Job], limits: Limits) -> list[str]:
     """The warnings for ``jobs`` as restored under ``limits``: one line per job over a
     per-job limit (one summary line when more than ``NAMED_JOBS`` are), and one when
-    there are more jobs than ``max_jobs``. Empty when everything fits."""
+    there are more live jobs than ``max_jobs``. Empty when everything fits."""
     lines = []
     over = [(job, overs) for job in jobs.values() if (overs := _job_overs(job, limits))]
     keep = "it keeps them; restart with the limit raised, or let the job end"
@@ -69,12 +70,14 @@ def over_limits(jobs: Mapping[str, Job], limits: Limits) -> list[str]:
             f"{len(over) - NAMED_JOBS} more; they keep it; restart with the limits raised, "
             "or let the jobs end (`rendezvousd status` lists them)"
         )
-    if len(jobs) > limits.max_jobs:
+    # Only live jobs fill max_jobs: a restored finished one gives its slot to a new job.
+    live = sum(1 for job in jobs.values() if not idle(job))
+    if live > limits.max_jobs:
         lines.append(
-            f"restored {len(jobs)} jobs, over max_jobs={limits.max_jobs}: every one is kept, "
-            f"and no new job can start until fewer than {limits.max_jobs} remain (an ended "
-            "job is forgotten after --job-ttl-s); restart with a larger --max-jobs to "
-            "start new ones meanwhile"
+            f"restored {live} live jobs, over max_jobs={limits.max_jobs}: every one is kept, "
+            f"and no new job can start until fewer than {limits.max_jobs} remain live "
+            "(forming with a joiner present, or running); restart with a larger --max-jobs "
+            "to start new ones meanwhile"
         )
     return lines
 

@@ -12,6 +12,7 @@ from rendezvousd.common import validation
 from rendezvousd.common.escape import bounded, escape, shortened
 from rendezvousd.common.members import NAMED_LOSSES
 from rendezvousd.common.model import (
+    FORGOTTEN,
     NEVER_ATTACHED,
     AbortCause,
     EventKind,
@@ -25,8 +26,9 @@ from rendezvousd.common.model import (
     Transition,
     Warn,
 )
+from rendezvousd.common.newest import keep_newest
 from rendezvousd.errors import RendezvousFault
-from rendezvousd.state import barriers, kv, placement
+from rendezvousd.state import barriers, kv, placement, seats
 from rendezvousd.state.job import OLD_SDK, Attendee, Job, Member, Node
 from rendezvousd.state.job import REFUSAL_LOG_S as REFUSAL_LOG_S  # said here, kept there
 
@@ -125,18 +127,80 @@ def wake_parked(sm: RendezvousState, job: Job) -> None:
     job.gen.woken = woken
 
 
+#: The ends of jobs forgotten early for a new job's max_jobs slot (``make_room``) the
+#: daemon keeps, so that a node agent launched for such a run is still told it ended
+#: (``joins.launched_for_run_forgotten``), as it would be while its TTL kept the job. About
+#: 100 bytes each.
+EARLY_ENDS_KEPT = 4096
+
+
+def idle(job: Job) -> bool:
+    """Whether ``job`` holds nothing live, so that its TTL runs: its generation failed,
+    was aborted or ended, or forms with nobody in it."""
+    return job.state in TERMINAL or (
+        job.state is JobState.FORMING and not job.gen.members and not job.gen.nodes
+    )
+
+
+def spare(sm: RendezvousState, job: Job, now: float) -> bool:
+    """Whether ``job`` fills no max_jobs slot, which a new job may take (``make_room``):
+    idle with no call parked on it, and nothing its record still tells late callers
+    that a new run of its id would not: a closed run (its late nodes are refused until
+    its TTL), a topology conflict late workers of its launch are told of (for one
+    heartbeat timeout)."""
+    if not idle(job) or job.closed is not None or job.all_waiters():
+        return False
+    conflict = job.gen.conflict is not None and job.state is JobState.FAILED
+    return not (conflict and now - job.state_since < sm.timing.heartbeat_timeout_s)
+
+
+def forget(sm: RendezvousState, job: Job, detail: str) -> None:
+    """The daemon forgets ``job`` (its TTL passed, or its slot went to a new job):
+    ``detail`` starts with FORGOTTEN, which the adapter records as the job's end."""
+    del sm.jobs[job.job_id]
+    seats.forget(sm, job.job_id)
+    sm.calls.emit(Transition(job.job_id, job.generation, job.state, None, detail))
+
+
+def make_room(sm: RendezvousState, job_id: str, now: float) -> None:
+    """A slot for new job ``job_id`` in a daemon holding max_jobs jobs: the oldest
+    finished (or empty forming) jobs are forgotten early, as their TTL would forget
+    them; only live jobs (forming with someone in them, running) fill max_jobs. A busy
+    daemon kept every finished job for --job-ttl-s and refused new ones while one ran
+    (an SRE review: 1 running, 900 ended or failed, joins refused)."""
+    limit = sm.limits.max_jobs
+    if len(sm.jobs) < limit:
+        return
+    spares = sorted((j for j in sm.jobs.values() if spare(sm, j, now)), key=lambda j: j.state_since)
+    need = len(sm.jobs) - limit + 1
+    if len(spares) < need:
+        live = len(sm.jobs) - len(spares)  # at least max_jobs: more when restored so
+        held = f"max_jobs={limit}" if live == limit else f"{live} (over max_jobs={limit})"
+        raise validation.limit_exceeded(
+            "max_jobs",
+            f"job {job_id!r} cannot start: the daemon already holds {held} live jobs "
+            "(forming with a joiner present, or running); wait for one to end (a finished "
+            "job's slot goes to the next new job at once), or start the daemon with a "
+            "larger --max-jobs",
+            job_id=job_id,
+        )
+    for job in spares[:need]:
+        if job.state is JobState.ENDED and job.ended_at is not None:
+            keep_newest(sm.early_ends, job.job_id, job.ended_at, EARLY_ENDS_KEPT)
+        forget(
+            sm,
+            job,
+            f"{FORGOTTEN} early, {now - job.state_since:.1f} s after it became "
+            f"{job.state.name}, before --job-ttl-s ({sm.timing.job_ttl_s:g} s): its "
+            f"max_jobs={limit} slot went to new job {job_id!r}",
+        )
+
+
 def open_job(
     sm: RendezvousState, job_id: str, num_nodes: int, gpus_per_node: int, now: float
 ) -> Job:
     """A job's first joiner creates it, FORMING its first generation."""
-    if len(sm.jobs) >= sm.limits.max_jobs:
-        raise validation.limit_exceeded(
-            "max_jobs",
-            f"job {job_id!r} cannot start: the daemon already holds "
-            f"max_jobs={sm.limits.max_jobs} jobs; wait for one to end (an ended job is "
-            "forgotten after --job-ttl-s), or start the daemon with a larger --max-jobs",
-            job_id=job_id,
-        )
+    make_room(sm, job_id, now)
     job = Job(job_id, num_nodes, gpus_per_node, 0, JobState.FORMING, now)
     sm.jobs[job_id] = job
     job.open_generation(now)

@@ -18,12 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import (
+    AuthenticationError,
     InvalidRequest,
     LimitExceeded,
     NotFound,
     RendezvousClient,
     RendezvousTimeout,
 )
+from rendezvousd.server.scope import derive_job_token
 from tests.daemon.raw_calls import (
     KIB,
     assert_healthy,
@@ -197,6 +199,53 @@ def test_max_jobs(start_daemon: Callable[..., DaemonProcess], job_id: str) -> No
             clients[0].get_job(f"{job_id}-2")
     finally:
         for client in clients:
+            client.close()
+
+
+def test_a_new_job_takes_a_finished_jobs_max_jobs_slot(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """Finished jobs held their slots for --job-ttl-s (600 s): a busy daemon refused new
+    jobs while one ran (an SRE review). Only live jobs fill max_jobs now: a new job
+    takes the oldest finished job's slot, which is forgotten early, said at INFO."""
+    d = start_daemon("--max-jobs", "2")
+    done = RendezvousClient(d.endpoint, f"{job_id}-done", token=d.token)
+    runs = RendezvousClient(d.endpoint, f"{job_id}-runs", token=d.token)
+    new = RendezvousClient(d.endpoint, f"{job_id}-new", token=d.token)
+    try:
+        join_one(done)
+        done.leave()
+        assert done.get_job().summary.state == pb.JOB_STATE_ENDED
+        join_one(runs)
+        runs.start_heartbeat()
+        # Before: LimitExceeded "already holds max_jobs=2 jobs" for 600 s.
+        assert join_one(new).world_size == 1
+        assert {j.job_id for j in new.list_jobs()} == {f"{job_id}-runs", f"{job_id}-new"}
+        # Its record gone as at its TTL: a late call of it hears that it ended.
+        with pytest.raises(NotFound) as info:
+            done.get_job()
+        assert "forgotten after it ended" in str(info.value)
+        said = f"job {job_id}-done generation 1: ENDED -> GONE (expired early"
+        wait_for("the daemon to say it", lambda: said in d.log_path.read_text(), timeout=10)
+        line = next(x for x in d.log_path.read_text().splitlines() if said in x)
+        assert " INFO " in line and f"slot went to new job '{job_id}-new'" in line, line
+        # Its end recorded (job_ends), as at its TTL: its job token minted before it
+        # opens no new job of its id.
+        stale = derive_job_token(d.token, f"{job_id}-done", issued=int(time.time()) - 60)
+        with (
+            RendezvousClient(d.endpoint, f"{job_id}-done", token=stale) as late,
+            pytest.raises(AuthenticationError, match="mint a new one"),
+        ):
+            join_one(late)
+        # Two live jobs: the next new one is refused, naming them.
+        with pytest.raises(LimitExceeded) as full:
+            join_one(done)
+        assert full.value.limit == "max_jobs"
+        assert "holds max_jobs=2 live jobs (forming with a joiner present, or running)" in str(
+            full.value
+        )
+    finally:
+        for client in (done, runs, new):
             client.close()
 
 

@@ -729,8 +729,8 @@ def test_jobs_restored_over_lowered_job_member_and_key_limits_are_named_at_start
             for line in warned
         ), log
         assert any(
-            "restored 3 jobs, over max_jobs=2: every one is kept, and no new job can start "
-            "until fewer than 2 remain" in line
+            "restored 3 live jobs, over max_jobs=2: every one is kept, and no new job can "
+            "start until fewer than 2 remain live" in line
             for line in warned
         ), log
         assert not [line for line in warned if "'small'" in line], log
@@ -757,11 +757,15 @@ def test_many_jobs_over_a_lowered_limit_are_said_in_one_summary_line() -> None:
         "max_keys_per_job): jobs 'job0', 'job1', 'job2', 'job3', 'job4', 'job5', 'job6', "
         "'job7' and 3 more; they keep it; restart with the limits raised, or let the jobs "
         "end (`rendezvousd status` lists them)",
-        "restored 11 jobs, over max_jobs=4: every one is kept, and no new job can start "
-        "until fewer than 4 remain (an ended job is forgotten after --job-ttl-s); restart "
-        "with a larger --max-jobs to start new ones meanwhile",
+        "restored 11 live jobs, over max_jobs=4: every one is kept, and no new job can "
+        "start until fewer than 4 remain live (forming with a joiner present, or running); "
+        "restart with a larger --max-jobs to start new ones meanwhile",
     ]
     assert over_limits(sm.jobs, Limits()) == []
+    # Finished jobs fill no slot (a new job takes theirs): not said to be over max_jobs.
+    for n in range(NAMED_JOBS + 3):
+        sm.leave(f"job{n}", 1, 0, f"i{n}", 1.0)
+    assert not [line for line in over_limits(sm.jobs, Limits(max_jobs=4)) if "max_jobs" in line]
 
 
 def test_a_job_keeps_its_age_across_a_restart(tmp_path: Path) -> None:
