@@ -28,6 +28,7 @@ from rendezvousd.common.limits import Limits
 from rendezvousd.common.model import JobState, Transition
 from rendezvousd.common.version import UNKNOWN, build_id, installed_version
 from rendezvousd.errors import Reason
+from rendezvousd.state.rounds import idle
 from rendezvousd.storage.store_sqlite import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -261,9 +262,10 @@ class Metrics:
 
     def observe_limits_used(self, state: RendezvousState) -> None:
         """What is held against each watched limit, counted as the state machine counts
-        it when it admits (``rounds.open_job``: every job held; ``calls.park``; ``kv.put``)."""
+        it when it admits (``rounds.make_room``: live jobs, a finished one gives its slot
+        to a new job; ``calls.park``; ``kv.put``)."""
         used = self.limit_used
-        used.labels("max_jobs").set(len(state.jobs))
+        used.labels("max_jobs").set(sum(1 for job in state.jobs.values() if not idle(job)))
         used.labels("max_waiters").set(state.waiter_count)
         used.labels("max_waiters_per_job").set(max(state.calls.per_job.values(), default=0))
         kv = [job.gen.kv_bytes for job in state.jobs.values()]

@@ -53,6 +53,13 @@ def test_a_limit_refusal_is_counted_by_its_limit_and_logged_once_a_minute(
             )
 
         wait_for("the used gauges at the next tick", used)
+        held.leave()
+    # A finished job fills no max_jobs slot (its slot goes to the next new job), so
+    # it is no use against the limit either: 1 for --job-ttl-s was a false alert.
+    wait_for(
+        "the finished job's slot free",
+        lambda: scrape(d.metrics_url)['rendezvousd_limit_used{limit="max_jobs"}'] == 0,
+    )
     samples = scrape(d.metrics_url)
     assert samples['rendezvousd_limit_refused_total{limit="max_jobs"}'] == 3
     assert samples['rendezvousd_limit_refused_total{limit="max_kv_bytes_per_job"}'] == 1
