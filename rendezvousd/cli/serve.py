@@ -92,12 +92,13 @@ async def _run(
         host, _ = config_mod.split_listen(cfg.listen)
         shown = cfg.listen if host is None else host_port(host, port)
         # One stable line on stdout: scripts and tests read the bound port here.
-        print(f"rendezvousd: serving on {shown}", flush=True)
+        lines = [f"rendezvousd: serving on {shown}"]
         if daemon.metrics_port is not None:
             mhost, _ = config_mod.split_listen(cfg.metrics_listen or "")
             scheme = "https" if cfg.tls_cert is not None else "http"
             where = host_port(mhost or "127.0.0.1", daemon.metrics_port)
-            print(f"rendezvousd: metrics on {scheme}://{where}/metrics", flush=True)
+            lines.append(f"rendezvousd: metrics on {scheme}://{where}/metrics")
+        _say_ready(lines)
         notifier.ready(f"serving on {shown}")
 
     daemon = Daemon(cfg, tokens, on_ready=ready, on_stopping=notifier.stopping)
@@ -116,6 +117,26 @@ async def _run(
             await watchdog
     await daemon.stop()
     return 0
+
+
+def _say_ready(lines: list[str]) -> None:
+    """The ready lines on stdout. A reader that took what it needed and left
+    (`serve | head -1`, a script that read the port) closed the pipe: that ends
+    nothing here, or the daemon it started would die (exit 141) on the next line."""
+    for line in lines:
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            # The interpreter's own flush at exit would fail on the pipe too.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            logging.getLogger("rendezvousd").warning(
+                "stdout is closed (its reader exited); still serving, stdout now goes to "
+                "/dev/null: %s",
+                "; ".join(lines),
+            )
+            return
 
 
 def _check_parent_pipe() -> None:
