@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.common.model import MemberState
+from rendezvousd.common.open_files import Watch
 from rendezvousd.common.version import installed_version
 from rendezvousd.config import DaemonConfig
 from rendezvousd.errors import ConfigError, DaemonError, RendezvousFault
@@ -311,6 +312,7 @@ class Daemon:
         self.metrics.set_limits(self.state.limits)
         self.timeline = Timeline()
         self.metrics.transition_listeners.append(self.timeline.record)
+        self.open_files = Watch(self.config.max_connections)
 
     def _refused_token(self, method: str, host: str) -> None:
         """A call from ``host`` refused for its token: counted, and kept by the state
@@ -583,6 +585,7 @@ class Daemon:
                         late,
                     )
             self.state.tick(now)
+            self.open_files.check(now)
             self._servicer.apply()
             self.metrics.observe_tick(self.state, now)
             if not self.persister.healthy:

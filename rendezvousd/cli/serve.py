@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import resource
 import signal
 import stat
 import sys
@@ -44,7 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
     for unread in unknown_names(os.environ):
         logging.getLogger("rendezvousd").warning(unread)
     tokens = load_tokens(cfg.token_file)
-    _raise_fd_limit()
+    _raise_fd_limit(cfg.max_connections)
     with asyncio.Runner(loop_factory=_loop_factory(cfg.event_loop)) as runner:
         return runner.run(_run(cfg, tokens, exit_with_parent=args.exit_with_parent))
 
@@ -67,11 +66,10 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _raise_fd_limit() -> None:
-    """Each member holds a connection; the default soft limit (often 1024) is too low."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+def _raise_fd_limit(max_connections: int) -> None:
+    from rendezvousd.common.open_files import raise_at_start
+
+    raise_at_start(max_connections)
 
 
 async def _run(

@@ -180,7 +180,9 @@ class RendezvousServicer:
         them wake (the state queued their faults) and undone members' streams end."""
         self.apply()
         for job_id in job_ids:
-            self.streams.end_undone(job_id, storage_unavailable(job_id, waiting=True))
+            self.streams.end_undone(
+                job_id, storage_unavailable(job_id, waiting=True, cause=self.persister.cause)
+            )
 
     async def _durably(self, job_id: str, effects: list[Effect]) -> None:
         """A change to ``job_id`` with ``effects`` was just made: its wakes and events go

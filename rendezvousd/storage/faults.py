@@ -12,15 +12,20 @@ STORAGE_UNAVAILABLE = Reason.STORAGE_UNAVAILABLE
 
 
 def storage_unavailable(
-    job_id: str, *, waiting: bool = False, goodbye: bool = False
+    job_id: str, *, waiting: bool = False, goodbye: bool = False, cause: str | None = None
 ) -> RendezvousFault:
     """A change could not be made durable, so it was not applied (no paths: they are
     the operator's business, logged by the daemon, not the caller's); ``waiting``: the
     words for a parked call released because its job was put back to its durable state;
-    ``goodbye``: for a Leave, which the undo keeps (``Attendee.said_goodbye``)."""
+    ``goodbye``: for a Leave, which the undo keeps (``Attendee.said_goodbye``);
+    ``cause``: why, where it is the daemon's operator's to fix and not the disk's (it
+    ran out of open files)."""
+    cannot = "the daemon cannot write its state storage" + (
+        "" if cause is None else f" ({cause}: its operator must raise its open-file limit)"
+    )
     if goodbye:
         said = (
-            f"the daemon cannot write its state storage: this goodbye from job {job_id!r} "
+            f"{cannot}: this goodbye from job {job_id!r} "
             "is kept in its memory and written once storage is back, nothing to retry "
             "(a daemon restarted before then forgets it)"
         )
@@ -30,10 +35,7 @@ def storage_unavailable(
             if waiting
             else f"this change to job {job_id!r} was not applied"
         )
-        said = (
-            f"the daemon cannot write its state storage, so {what}; retry once the "
-            "daemon's health is SERVING again"
-        )
+        said = f"{cannot}, so {what}; retry once the daemon's health is SERVING again"
     return RendezvousFault(Code.UNAVAILABLE, STORAGE_UNAVAILABLE, said, {"job_id": job_id})
 
 

@@ -46,13 +46,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from rendezvousd.common import open_files
 from rendezvousd.errors import DaemonError
 from rendezvousd.state import kv as kvrules
 from rendezvousd.state.machine import RendezvousState
 from rendezvousd.storage import rollback, snapshot
 from rendezvousd.storage.faults import storage_unavailable
 from rendezvousd.storage.job_ends import EndsWrite, JobEnds
-from rendezvousd.storage.store_sqlite import JobWrite, SqliteStore, read_only_filesystem
+from rendezvousd.storage.store_sqlite import (
+    JobWrite,
+    SqliteStore,
+    full_filesystem,
+    read_only_filesystem,
+)
 
 log = logging.getLogger("rendezvousd")
 STATE_FILE = "state.json"
@@ -294,6 +300,10 @@ class Persister:
         # When the last job of each id ended: job tokens minted before it are refused.
         self.job_ends = JobEnds()
         self.healthy = True
+        # While unhealthy: since when (wall clock, for `status` and the page) and the
+        # cause in the words a refused caller hears, where one is known.
+        self.failing_since: float | None = None
+        self.cause: str | None = None
         self.on_health: Callable[[bool], None] | None = None
         self._version = 0  # bumped by every touch
         self._job_version: dict[str, int] = {}  # job id -> version of its newest touch
@@ -428,7 +438,7 @@ class Persister:
     def check(self, job_id: str) -> None:
         """Refuse a change up front while storage is known to be failing."""
         if self.store is not None and not self.healthy:
-            raise storage_unavailable(job_id)
+            raise storage_unavailable(job_id, cause=self.cause)
 
     def before_kv(self, job_id: str, key: str) -> None:
         """Call before a key-value change: remembers the durable value to undo to."""
@@ -496,7 +506,7 @@ class Persister:
         target = self._version
         while True:
             if self._failed >= target:
-                raise storage_unavailable(job_id)
+                raise storage_unavailable(job_id, cause=self.cause)
             if self._saved >= target:
                 return
             await self._take_part(lambda: self._saved < target and self._failed < target)
@@ -640,12 +650,13 @@ class Persister:
         # One ERROR per outage: it says what fails and what the daemon does until
         # storage is back; a commit during it (a member lost, a goodbye: changes not
         # refused up front) fails the same way, and recover() logs its tries as these.
+        self._name_cause(exc)
         log.log(
             logging.ERROR if self.healthy else logging.DEBUG,
             "cannot write the state database %s: %s; refusing changes (health NOT_SERVING) "
             "until it takes writes again",
             self.store.path if self.store else "",
-            _described(exc),
+            self._advised(exc),
         )
         for w in writes:  # still to be written once storage is back
             self._dirty.setdefault(w.job_id, set()).update(w.kv_put, w.kv_delete)
@@ -703,15 +714,35 @@ class Persister:
             self.state.put_back(
                 job_id,
                 job,
-                storage_unavailable(job_id, waiting=True),
+                storage_unavailable(job_id, waiting=True, cause=self.cause),
                 "undone: the commit of its changes failed; back to its last durable state",
             )
             undone.add(job_id)
         return undone
 
+    def _name_cause(self, exc: BaseException) -> None:
+        """What a refused caller is told the failure is: its job's operator, not the
+        disk, must act on a daemon out of open files (they read "cannot write its state
+        storage" and looked at the disk)."""
+        self.cause = "it ran out of open files" if open_files.ran_out(exc) else None
+
+    def _advised(self, exc: BaseException) -> str:
+        """The failure as the log says it, with what to do where that is known."""
+        said = _described(exc)
+        if open_files.ran_out(exc):
+            return f"{said}; {open_files.ran_out_text()}"
+        full = None if self.directory is None else full_filesystem(self.directory)
+        if full is not None and isinstance(exc, (sqlite3.Error, OSError)):
+            # A -shm that cannot grow says "disk I/O error": the disk is not at fault.
+            return f"{said}; its filesystem is full ({full}): free space there"
+        return said
+
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:
             self.healthy = healthy
+            self.failing_since = None if healthy else time.time()
+            if healthy:
+                self.cause = None
             if self.on_health is not None:
                 self.on_health(healthy)
 
@@ -739,7 +770,8 @@ class Persister:
                 self.job_ends.unsent(cut.ends)
                 for w in cut.writes:
                     self._dirty.setdefault(w.job_id, set())
-                log.debug("state storage still failing: %s", exc)
+                self._name_cause(exc)
+                log.debug("state storage still failing: %s", self._advised(exc))
                 return False
             self._observe(started, ok=True)
             self._committed(version, cut)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rendezvousd.common import open_files
 from rendezvousd.errors import DaemonError
 from rendezvousd.storage.job_ends import EndsWrite
 
@@ -97,6 +98,27 @@ def read_only_filesystem(path: Path) -> bool:
         return False
 
 
+#: Free space below which a failed write is put down to a full filesystem: SQLite
+#: grows the -shm file 32 KiB at a time and the -wal by pages, and on a tmpfs a -shm
+#: that cannot grow is reported as an I/O error (SQLITE_IOERR_SHMSIZE), not as full.
+NEARLY_FULL_BYTES = 1024 * 1024
+
+
+def full_filesystem(path: Path) -> str | None:
+    """How full ``path``'s filesystem is ("12 KiB free", "no inodes free") when it is
+    too full for SQLite to write, else None (or when statvfs cannot say)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_files and not st.f_favail:
+        return "no inodes free"
+    free = st.f_bavail * st.f_frsize
+    if free < NEARLY_FULL_BYTES:
+        return f"{free // 1024} KiB free"
+    return None
+
+
 @dataclass
 class StoredJob:
     record: dict[str, Any]
@@ -138,12 +160,13 @@ class SqliteStore:
             try:
                 self._prepare(db)
                 st = self.path.stat()
+                self._open_wal()
             except BaseException:
                 # The storage retry opens it once a tick while the disk is failing: a
                 # connection per failed try would stay open until the GC found it.
                 db.close()
                 raise
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise DaemonError(
                 f"cannot open state database {self.path}: {exc}; {self._open_advice(exc)}"
             ) from exc
@@ -185,15 +208,22 @@ class SqliteStore:
             )
         return None
 
-    def _open_advice(self, exc: sqlite3.Error) -> str:
+    def _open_advice(self, exc: sqlite3.Error | OSError) -> str:
         """What to do about a failed open. Moving the database aside loses every job,
         so it is offered only for a file SQLite finds damaged or not a database."""
         code = getattr(exc, "sqlite_errorcode", None)
         primary = code & 0xFF if isinstance(code, int) else None
         if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
             return "it is damaged: move it (and its -wal/-shm files) aside to start with no jobs"
-        if primary == sqlite3.SQLITE_FULL:
-            return "its filesystem is full: free space there, then start again"
+        if open_files.ran_out(exc):
+            return f"{open_files.ran_out_text()}, then start again"
+        full = full_filesystem(self.directory)
+        writing = primary in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR) or isinstance(exc, OSError)
+        if writing and (primary == sqlite3.SQLITE_FULL or full is not None):
+            return (
+                f"its filesystem is full ({full or 'no space left'}): free space there, "
+                "then start again (it holds the jobs to restore)"
+            )
         if primary == sqlite3.SQLITE_IOERR:
             return (
                 "check the disk it is on (dmesg), then start again (it holds the jobs to restore)"
@@ -433,21 +463,35 @@ class SqliteStore:
         except FileNotFoundError:
             return False
 
+    def _open_wal(self) -> None:
+        """The -wal file's descriptor ``sync`` fsyncs, taken when the database is opened:
+        taken at the first commit, it failed there on a daemon whose connections had
+        used up its open-file limit (EMFILE), and every change was refused. Opened once:
+        SQLite keeps the -wal file (same inode) while its connection is open; a
+        checkpoint's restart truncates it, never replaces it. SQLite created it: its
+        directory entry is made durable once, here."""
+        if self._wal_fd is not None:
+            return
+        wal = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except BaseException:
+            os.close(wal)
+            raise
+        self._wal_fd = wal
+
     def sync(self, *, checkpoint: bool = False) -> None:
         """Makes every ``write`` so far durable: an fsync of the -wal file, where WAL mode
         keeps each committed frame until a checkpoint (whose own fsyncs, of the WAL and
         then the database, SQLite makes at ``synchronous=NORMAL``); raises OSError or
         sqlite3.Error on failure."""
         if self._wal_fd is None:
-            # Opened once: SQLite keeps the -wal file (same inode) while its connection
-            # is open; a checkpoint's restart truncates it, never replaces it. SQLite
-            # created it: its directory entry is made durable once, here.
-            self._wal_fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
-            directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            self._open_wal()
+        assert self._wal_fd is not None
         os.fsync(self._wal_fd)
         if checkpoint:
             self._conn().execute("PRAGMA wal_checkpoint(PASSIVE)")

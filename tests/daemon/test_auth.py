@@ -295,7 +295,7 @@ def serve_in_process(
         return 99
 
     monkeypatch.setattr(cli, "_run", would_serve)
-    monkeypatch.setattr(cli, "_raise_fd_limit", lambda: None)
+    monkeypatch.setattr(cli, "_raise_fd_limit", lambda _connections: None)
     for name in list(os.environ):
         if name.startswith("RENDEZVOUSD_"):
             monkeypatch.delenv(name)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rendezvousd.cli.embedded import serve_command
 from rendezvousd.client import RendezvousClient
-from tests.support import wait_for, write_token
+from tests.support import DaemonProcess, wait_for, with_own_mounts, write_token
 
 
 def _serve(
@@ -53,3 +55,85 @@ def test_a_serving_daemon_whose_stdout_reader_left_keeps_serving(tmp_path: Path)
     finally:
         proc.kill()
         proc.wait(10)
+
+
+_LIMIT = 128
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _fill_descriptors(d: DaemonProcess, held: list[socket.socket]) -> None:
+    """Plain connections to the daemon until it holds every descriptor its limit
+    allows: gRPC accepts each (its handshake waits for bytes that never come)."""
+    deadline = time.monotonic() + 20
+    while _open_fds(d.proc.pid) < _LIMIT:
+        assert time.monotonic() < deadline, f"{_open_fds(d.proc.pid)} fds open: {d.log()}"
+        if len(held) < 2 * _LIMIT:
+            held.append(socket.create_connection(("127.0.0.1", d.port), timeout=5))
+        else:
+            time.sleep(0.05)
+
+
+def test_a_low_open_file_limit_is_named_at_start_and_when_reached(
+    tmp_path: Path, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    """Under `prlimit --nofile=128:128` nothing said the limit was far below what
+    --max-connections needs, and when it was reached the only lines were gRPC core's
+    "File descriptor limit reached. Retrying."; a cold daemon's first commit, which
+    opened the -wal file then, failed with EMFILE, and every joiner was told that the
+    daemon "cannot write its state storage"."""
+    d = start_daemon(
+        "--state-dir", str(tmp_path / "state"), prefix=["prlimit", f"--nofile={_LIMIT}:{_LIMIT}"]
+    )
+    assert (
+        f"the open-file limit is {_LIMIT}, below the 16484 this daemon may need "
+        "(--max-connections 16384 + 100)" in d.log()
+    ), d.log()
+    assert "LimitNOFILE=" in d.log()
+    held: list[socket.socket] = []
+    try:
+        with RendezvousClient(d.endpoint, "cold", token=d.token) as c:
+            c.check_health()  # its connection before the descriptors run out
+            _fill_descriptors(d, held)
+            wait_for(
+                "the limit named in the log",
+                lambda: "files open of this daemon's open-file limit 128" in d.log(),
+                timeout=10,
+            )
+            c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+            c.kv_set("k", b"v")
+            assert c.kv_get("k") == b"v"
+    finally:
+        for s in held:
+            s.close()
+    assert "raise it (LimitNOFILE= in its systemd unit, or ulimit -n" in d.log()
+
+
+def test_a_start_on_a_full_filesystem_says_it_is_full_not_a_disk_io_error(
+    tmp_path: Path,
+) -> None:
+    """With a few KiB free SQLite cannot grow its -shm file and reports "disk I/O error"
+    (SQLITE_IOERR_SHMSIZE), not SQLITE_FULL; the daemon said "check the disk it is on
+    (dmesg)", which a service manager's restarts repeated."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    token = tmp_path / "token"
+    write_token(token)
+    fill = (
+        f"dd if=/dev/zero of={volume}/pad bs=4k count=4 2>/dev/null && "
+        f"{{ dd if=/dev/zero of={volume}/fill bs=4k >/dev/null 2>&1; true; }} && rm {volume}/pad"
+    )
+    setup = f"mount -t tmpfs -o size=1m tmpfs {volume} && {fill}"
+    serve = serve_command("127.0.0.1:0", token, "--state-dir", str(volume / "state"))
+    done = subprocess.run(
+        with_own_mounts(setup, serve), capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert "serving" not in done.stdout and "Traceback" not in done.stderr, done.stderr
+    assert "dmesg" not in done.stderr, done.stderr
+    assert re.search(
+        r"its filesystem is full \(\d+ KiB free\): free space there, then start again",
+        done.stderr,
+    ), done.stderr
