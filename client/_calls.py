@@ -54,8 +54,10 @@ from rendezvousd.client._session import (
 )
 from rendezvousd.client.connection import (
     DIAL_TIMEOUT_S,
+    LOCAL_SHORTAGE,
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
+    LocalShortage,
     TlsProbe,
     channel_options,
     dial_problem,
@@ -550,6 +552,8 @@ class Calls:
             if (yield Connect(max(0.0, min(first, wait_end - time.monotonic())))):
                 return
             problem = yield from self.dialed(wait_end)
+            if isinstance(problem, LocalShortage):
+                raise self.short_of(method, problem)
             s.unreached_told = True
             log.warning(
                 "%srendezvousd at %s not reached after %.0f s%s; still trying, for "
@@ -575,6 +579,8 @@ class Calls:
                 # them ... a daemon that is stuck"): the call's own deadline.
                 raise s.too_short(method, 1, DaemonUnavailable(""), call, shorter)
             problem = yield from self.dialed(end)
+            if isinstance(problem, LocalShortage):
+                raise self.short_of(method, problem)
             # A cause told at once (nothing listens) leaves the kept share unspent: a
             # daemon that comes up within it is still found.
             if end - time.monotonic() > 0 and (yield Connect(end - time.monotonic())):
@@ -591,6 +597,20 @@ class Calls:
                 method=method,
                 job_id=s.job_id,
             )
+
+    def short_of(self, method: str, problem: LocalShortage) -> DaemonUnavailable:
+        """A connect this host cannot make (out of descriptors or local ports): said at
+        once, as the fix is here, not at the daemon."""
+        s = self.s
+        return DaemonUnavailable(
+            f"rendezvousd at {s.endpoint} could not be connected to: {problem}",
+            attempts=1,
+            code="UNAVAILABLE",
+            metadata={LOCAL_SHORTAGE: problem.kind},
+            endpoint=s.endpoint,
+            method=method,
+            job_id=s.job_id,
+        )
 
     def before_join(self, timeout: float | None) -> Steps[None]:
         """What a join needs to know first: that the daemon is there and takes our

@@ -40,6 +40,7 @@ from rendezvousd.client._multiplex import timeout_ms
 from rendezvousd.client.connection import (
     IDEMPOTENT,
     Bearer,
+    LocalShortage,
     RetryPolicy,
     TlsConfig,
     listens,
@@ -1210,6 +1211,8 @@ class Session:
                 + (
                     "is the daemon running and reachable?"
                     if problem is None
+                    else problem
+                    if isinstance(problem, LocalShortage)  # the fix is on this host
                     else f"{problem}. Check that the daemon runs and listens there"
                 ),
                 attempts=attempts,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
 import random
+import resource  # loaded up front: at the limit, importing it needs a descriptor
 import socket
 import ssl
 import stat
@@ -638,6 +640,45 @@ def _dial(address: Address, timeout: float) -> socket.socket:
 #: How long ``dial_problem`` waits for its connection.
 DIAL_TIMEOUT_S = 2.0
 
+#: The ``DaemonUnavailable`` metadata key a connect failed for want of this host's own
+#: resources carries (its value: ``open_files`` or ``local_ports``), so that a caller
+#: that retries an unreachable daemon (the node agent) stops at once instead.
+LOCAL_SHORTAGE = "local_shortage"
+
+
+class LocalShortage(str):
+    """What a plain connect found when this process or host, not the daemon, is out
+    of something (descriptors, local ports): waiting out connect_timeout, or a node
+    agent's retries, fixes nothing, and "check that it runs" pointed away from it."""
+
+    kind: str
+
+    def __new__(cls, text: str, kind: str) -> LocalShortage:
+        made = super().__new__(cls, text)
+        made.kind = kind
+        return made
+
+
+def _shortage(exc: OSError) -> LocalShortage | None:
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+        which = "this process" if exc.errno == errno.EMFILE else "this host"
+        return LocalShortage(
+            f"a connect fails: {exc.strerror}: {which} ran out of open files (this "
+            f"process's open-file limit is {limit}); raise this process's open-file limit "
+            "(ulimit -n, or LimitNOFILE= in its systemd unit) and start it again",
+            "open_files",
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return LocalShortage(
+            f"a connect fails: {exc.strerror}: this host ran out of local ports for new "
+            "connections; widen net.ipv4.ip_local_port_range, or make fewer connections "
+            "from this host (connections just closed hold theirs in TIME_WAIT a while)",
+            "local_ports",
+        )
+    return None
+
 
 def dial_problem(endpoint: str, timeout: float = DIAL_TIMEOUT_S) -> str | None:
     """Why a channel to ``endpoint`` does not connect, as one plain TCP (or Unix
@@ -666,7 +707,7 @@ def dial_problem(endpoint: str, timeout: float = DIAL_TIMEOUT_S) -> str | None:
             "partition, or a host that is down)"
         )
     except OSError as exc:
-        return f"a connect fails: {exc.strerror or exc}"
+        return _shortage(exc) or f"a connect fails: {exc.strerror or exc}"
     sock.close()
     return (
         "it accepts connections, but no gRPC server answered on them (another service "

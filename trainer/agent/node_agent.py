@@ -25,6 +25,7 @@ from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._session import DEFAULT_HEARTBEAT_S
+from rendezvousd.client.connection import LOCAL_SHORTAGE
 from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
@@ -696,15 +697,12 @@ class NodeAgent:
                         cause += " (its holder's heartbeat went on while this node waited)"
                     holder_heard = heard if holder_heard is None else holder_heard
                 limit_hit = daemon_full(answer)
-                wait = (
-                    outage
-                    if isinstance(answer, DaemonUnavailable)
-                    else room
-                    if limit_hit
-                    else held_for
-                    if held
-                    else None
+                # Out of descriptors or local ports on this host: no daemon coming up
+                # fixes that, so it is said now, not after the join's timeout.
+                outage_of = isinstance(answer, DaemonUnavailable) and (
+                    LOCAL_SHORTAGE not in answer.metadata
                 )
+                wait = outage if outage_of else room if limit_hit else held_for if held else None
                 if wait is not None:
                     if not wait.told and limit_hit:
                         wait.told = True
