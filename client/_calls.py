@@ -1069,6 +1069,7 @@ class Calls:
     def list_jobs(self) -> Steps[list[pb.JobSummary]]:
         response: pb.ListJobsResponse = yield from self.call("ListJobs", pb.ListJobsRequest())
         self.s.daemon_version = response.daemon_version
+        self.s.storage_failing_since_ms = response.storage_failing_since_ms
         return list(response.jobs)
 
     def get_job(self, job_id: str | None) -> Steps[pb.GetJobResponse]:
@@ -1076,6 +1077,7 @@ class Calls:
         request = pb.GetJobRequest(job_id=job_id or self.s.job_id)
         response: pb.GetJobResponse = yield from self.call("GetJob", request)
         self.s.daemon_version = response.daemon_version
+        self.s.storage_failing_since_ms = response.storage_failing_since_ms
         return response
 
 
@@ -1194,6 +1196,14 @@ class ClientBase(ABC):
         ``get_job()`` answer said it; "" before either, or from a daemon from before it
         said it (errors say it too: ``RendezvousError.daemon_version``)."""
         return self._s.daemon_version
+
+    def storage_failing_since(self) -> float | None:
+        """Since when (seconds since the epoch) the daemon's state storage has failed,
+        every change refused, as its last ``list_jobs()`` or ``get_job()`` answer said
+        it; None while it takes writes, before either, or from a daemon from before it
+        said it."""
+        since = self._s.storage_failing_since_ms
+        return since / 1000 if since else None
 
     def report_progress(
         self, steps: Sequence[int | None], *, restarts_used: int = 0, max_restarts: int = 0

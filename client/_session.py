@@ -523,6 +523,9 @@ class Session:
     # The daemon's rendezvousd version, as its last ListJobs or GetJob said it ("":
     # not asked yet, or a daemon from before it said it).
     daemon_version: str = ""
+    # Since when the daemon's state storage fails, in ms since the epoch, as its last
+    # ListJobs or GetJob said it (0: it takes writes, or not asked yet).
+    storage_failing_since_ms: int = 0
     # The last report_progress, sent with every beat (None: never reported).
     progress: pb.Progress | None = None
     on_nodes_waiting: Callable[[int], None] | None = None

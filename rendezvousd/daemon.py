@@ -353,7 +353,7 @@ class Daemon:
         except ConfigError as exc:
             log.error(
                 "SIGHUP: token file not reloaded, still accepting the %d token(s) loaded "
-                "before: %s",
+                "before: %s; put the file back (or fix it) and send SIGHUP again",
                 len(self.tokens),
                 exc,
             )
@@ -542,6 +542,7 @@ class Daemon:
             self._auth.token_scope,
             self._abort_from_page,
             secure_cookie=context is not None,
+            storage_failing_since=lambda: self.persister.failing_since,
         )
         server = HttpServer(page.handle, ssl_context=context)
         try:

@@ -203,7 +203,8 @@ def _status(args: argparse.Namespace) -> int:
                         except NotFound:  # forgotten since it was listed: no longer a job
                             continue
                     text = render(jobs)
-                return f"{daemon_line(args.endpoint, client.daemon_version())}\n{text}"
+                head = daemon_line(args.endpoint, client.daemon_version())
+                return f"{head}{storage_line(client.storage_failing_since())}\n{text}"
 
             if not watch:
                 print(snapshot())
@@ -281,6 +282,17 @@ def daemon_line(endpoint: str, version: str) -> str:
     ``--version``), unknown from one from before GetJob and ListJobs said it."""
     said = escape(version) if version else f"{UNKNOWN} (a rendezvousd from before 2026-12-07)"
     return f"daemon {escape(endpoint)}: rendezvousd {said}"
+
+
+def storage_line(since: float | None) -> str:
+    """The line under the daemon's while its state storage fails ("" while it takes
+    writes): the jobs' rows alone read as all well while every change is refused."""
+    if since is None:
+        return ""
+    return (
+        f"\nNOT_SERVING: state storage failing since {utc_stamp(since)}: changes are "
+        "refused until it takes writes again; see the daemon's log"
+    )
 
 
 def render(jobs: list[Any]) -> str:

@@ -539,7 +539,9 @@ class RendezvousServicer:
         else:
             views = []
         return pb.ListJobsResponse(
-            jobs=[_summary(v) for v in views], daemon_version=installed_version()
+            jobs=[_summary(v) for v in views],
+            daemon_version=installed_version(),
+            storage_failing_since_ms=self._storage_failing_since_ms(),
         )
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> bytes:
@@ -601,7 +603,14 @@ class RendezvousServicer:
             nodes_needed=view.nodes_needed,
             min_nodes=view.min_nodes,
             daemon_version=installed_version(),
+            storage_failing_since_ms=self._storage_failing_since_ms(),
         ).SerializeToString()
+
+    def _storage_failing_since_ms(self) -> int:
+        """Since when storage fails (0: it takes writes): `status` and the page say it,
+        where a job's rows alone read as all well while every change is refused."""
+        since = self.persister.failing_since
+        return 0 if since is None else int(since * 1000)
 
     # -- registration ---------------------------------------------------------
 

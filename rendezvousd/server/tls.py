@@ -83,7 +83,16 @@ def read_tls_files(cert: Path, key: Path, client_ca: Path | None) -> TlsFiles:
             read_judged(client_ca, not_regular(client_ca, "TLS client CA")) if client_ca else None
         )
     except OSError as exc:
-        raise DaemonError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
+        # Which flag gave the path: a missing file is fixed there (or by putting it back).
+        flags = {str(cert): "--tls-cert", str(key): "--tls-key"}
+        if client_ca is not None:
+            flags[str(client_ca)] = "--tls-client-ca"
+        flag = flags.get(str(exc.filename))
+        fix = (
+            "" if flag is None else f"; check the path given to {flag} (or its TOML key / env var)"
+        )
+        said = f"cannot read TLS file {exc.filename}" + ("" if flag is None else f" ({flag})")
+        raise DaemonError(f"{said}: {exc.strerror}{fix}") from exc
     # Else gRPC reports only a failed bind (a ConfigError is a DaemonError).
     check_tls_pair(cert, key)
     if client_ca is not None:

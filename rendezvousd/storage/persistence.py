@@ -731,6 +731,14 @@ class Persister:
         said = _described(exc)
         if open_files.ran_out(exc):
             return f"{said}; {open_files.ran_out_text()}"
+        if self.directory is not None and not self.directory.is_dir():
+            # It does not make the directory itself: the operator may have moved it on
+            # purpose, and a new empty one on the wrong mount would take the writes.
+            return (
+                f"{said}; the state dir {self.directory} is gone: put it back (or create it, "
+                "mode 0700) and the daemon writes its whole state there again, or restart "
+                "the daemon (which then starts with no jobs)"
+            )
         full = None if self.directory is None else full_filesystem(self.directory)
         if full is not None and isinstance(exc, (sqlite3.Error, OSError)):
             # A -shm that cannot grow says "disk I/O error": the disk is not at fault.

@@ -123,8 +123,10 @@ class StatusPage:
         abort: Callable[[str, str], Awaitable[int]],
         *,
         secure_cookie: bool,
+        storage_failing_since: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.state = state
+        self._storage_failing_since = storage_failing_since
         self.metrics = metrics
         self.timeline = timeline
         self._scope_of = scope_of
@@ -327,6 +329,9 @@ class StatusPage:
             # page's header, so a page open across an upgrade says which one it reads.
             "daemon_version": installed_version(),
             "build": build_labels(),
+            # The page's banner: the jobs' rows alone read as all well while every
+            # change is refused (None while storage takes writes).
+            "storage_failing_since": self._storage_failing_since(),
             "jobs": [self._summary(v) for v in views],
         }
 

@@ -3,18 +3,26 @@ closed stdout, a low open-file limit, a full filesystem; each named with what to
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
 
 from rendezvousd.cli.embedded import serve_command
-from rendezvousd.client import RendezvousClient
-from tests.support import DaemonProcess, wait_for, with_own_mounts, write_token
+from rendezvousd.client import RendezvousClient, RendezvousError
+from tests.support import DaemonProcess, make_pki, wait_for, with_own_mounts, write_token
 
 
 def _serve(
@@ -137,3 +145,97 @@ def test_a_start_on_a_full_filesystem_says_it_is_full_not_a_disk_io_error(
         r"its filesystem is full \(\d+ KiB free\): free space there, then start again",
         done.stderr,
     ), done.stderr
+
+
+def _status(d: DaemonProcess) -> str:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "status", "--endpoint", d.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, "RENDEZVOUSD_TOKEN": d.token},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _overview(d: DaemonProcess) -> dict[str, object]:
+    url = urlsplit(d.metrics_url)
+    assert url.hostname is not None and url.port is not None
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request("GET", "/api/jobs", headers={"Authorization": f"Bearer {d.token}"})
+        r = conn.getresponse()
+        body = r.read()
+        assert r.status == 200, (r.status, body)
+        said: dict[str, object] = json.loads(body)
+        return said
+    finally:
+        conn.close()
+
+
+def test_a_storage_outage_shows_in_status_and_on_the_page_and_says_what_to_do(
+    tmp_path: Path, start_daemon: Callable[..., DaemonProcess]
+) -> None:
+    """`rendezvousd status` showed `RUNNING`, every rank `ACTIVE` and no daemon line while
+    every change was refused; the log said the state dir "was removed or replaced" and
+    not what to do about it."""
+    state = tmp_path / "state"
+    d = start_daemon("--state-dir", str(state), "--metrics-listen", "127.0.0.1:0")
+    with RendezvousClient(d.endpoint, "outage", token=d.token) as c:
+        c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        assert "state storage failing" not in _status(d)
+        assert _overview(d)["storage_failing_since"] is None
+        before = time.time()
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError) as info:
+            c.kv_set("k", b"v")
+        assert info.value.reason == "STORAGE_UNAVAILABLE"
+        shown = _status(d)
+        found = re.search(
+            r"^NOT_SERVING: state storage failing since (\S+): changes are refused until it "
+            r"takes writes again; see the daemon's log$",
+            shown,
+            flags=re.M,
+        )
+        assert found is not None, shown
+        assert shown.splitlines()[0].startswith("daemon ")  # the line under the daemon's
+        since = _overview(d)["storage_failing_since"]
+        assert isinstance(since, float) and before - 1 <= since <= time.time(), since
+        assert f"the state dir {state} is gone: put it back (or create it, mode 0700)" in d.log()
+        assert "or restart the daemon" in d.log()
+        state.mkdir(mode=0o700)
+        wait_for("storage back", lambda: "takes writes again; serving" in d.log())
+        c.kv_set("k", b"v")
+        assert "state storage failing" not in _status(d)
+        assert _overview(d)["storage_failing_since"] is None
+
+
+def test_a_sighup_with_the_token_file_gone_says_what_to_do(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    d = start_daemon()
+    d.token_file.unlink()
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for("the refused reload", lambda: "SIGHUP: token file not reloaded" in d.log())
+    assert "put the file back (or fix it) and send SIGHUP again" in d.log()
+    assert d.token not in d.log()
+
+
+def test_an_unreadable_tls_key_names_its_flag(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    token = tmp_path / "token"
+    write_token(token)
+    gone = tmp_path / "gone.key"
+    done = subprocess.run(
+        serve_command("127.0.0.1:0", token, "--tls-cert", str(pki.server), "--tls-key", str(gone)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"cannot read TLS file {gone} (--tls-key): No such file or directory" in done.stderr
+    assert "check the path given to --tls-key" in done.stderr

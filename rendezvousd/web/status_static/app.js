@@ -59,6 +59,10 @@ function drawOverview(data) {
   const build = data.build || {};
   $("version").textContent = data.daemon_version || "";
   $("version").title = Object.keys(build).map((k) => k + " " + build[k]).join(", ");
+  const failing = data.storage_failing_since;
+  $("storage").hidden = !failing;
+  $("storage").textContent = failing ? "NOT_SERVING: state storage failing since " +
+    clock(failing) + ": changes are refused until it takes writes again; see the daemon's log" : "";
   const body = $("jobs").tBodies[0];
   body.replaceChildren();
   for (const j of data.jobs) {

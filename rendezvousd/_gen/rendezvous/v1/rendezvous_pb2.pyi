@@ -1573,9 +1573,15 @@ class ListJobsResponse(_message.Message):
 
     JOBS_FIELD_NUMBER: _builtins.int
     DAEMON_VERSION_FIELD_NUMBER: _builtins.int
+    STORAGE_FAILING_SINCE_MS_FIELD_NUMBER: _builtins.int
     daemon_version: _builtins.str
     """The daemon's rendezvousd version (its `--version`, `rendezvousd_build_info`'s
     `version`); "" from a daemon from before the field.
+    """
+    storage_failing_since_ms: _builtins.int
+    """While the daemon's state storage fails (every change refused, health NOT_SERVING):
+    since when, in ms since the Unix epoch; 0 while it takes writes (and from a daemon
+    from before the field).
     """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobSummary]: ...
@@ -1584,10 +1590,11 @@ class ListJobsResponse(_message.Message):
         *,
         jobs: _abc.Iterable[Global___JobSummary] | None = ...,
         daemon_version: _builtins.str = ...,
+        storage_failing_since_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_version", b"daemon_version", "jobs", b"jobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_version", b"daemon_version", "jobs", b"jobs", "storage_failing_since_ms", b"storage_failing_since_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1678,6 +1685,7 @@ class GetJobResponse(_message.Message):
     NODES_NEEDED_FIELD_NUMBER: _builtins.int
     MIN_NODES_FIELD_NUMBER: _builtins.int
     DAEMON_VERSION_FIELD_NUMBER: _builtins.int
+    STORAGE_FAILING_SINCE_MS_FIELD_NUMBER: _builtins.int
     id_published: _builtins.bool
     """Whether rank 0's id is published (the id itself is never returned)."""
     kv_keys: _builtins.int
@@ -1726,6 +1734,8 @@ class GetJobResponse(_message.Message):
     """
     daemon_version: _builtins.str
     """The daemon's rendezvousd version, as ListJobsResponse.daemon_version."""
+    storage_failing_since_ms: _builtins.int
+    """As ListJobsResponse.storage_failing_since_ms."""
     @_builtins.property
     def summary(self) -> Global___JobSummary: ...
     @_builtins.property
@@ -1780,10 +1790,11 @@ class GetJobResponse(_message.Message):
         nodes_needed: _builtins.int = ...,
         min_nodes: _builtins.int = ...,
         daemon_version: _builtins.str = ...,
+        storage_failing_since_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "last_failure", b"last_failure", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "conflict", b"conflict", "daemon_version", b"daemon_version", "failed", b"failed", "failures", b"failures", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "joining", b"joining", "kv_keys", b"kv_keys", "last_failure", b"last_failure", "members", b"members", "min_nodes", b"min_nodes", "missing_node_ranks", b"missing_node_ranks", "nodes_needed", b"nodes_needed", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms", "_restarts_left", b"_restarts_left", "_restarts_used", b"_restarts_used", "abort_reason", b"abort_reason", "conflict", b"conflict", "daemon_version", b"daemon_version", "failed", b"failed", "failures", b"failures", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "id_published", b"id_published", "joining", b"joining", "kv_keys", b"kv_keys", "last_failure", b"last_failure", "members", b"members", "min_nodes", b"min_nodes", "missing_node_ranks", b"missing_node_ranks", "nodes_needed", b"nodes_needed", "nodes_waiting", b"nodes_waiting", "previous_run_ended_ms", b"previous_run_ended_ms", "restarts_left", b"restarts_left", "restarts_used", b"restarts_used", "seats_kept", b"seats_kept", "seats_kept_ms", b"seats_kept_ms", "standbys", b"standbys", "storage_failing_since_ms", b"storage_failing_since_ms", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__previous_run_ended_ms: _TypeAlias = _typing.Literal["previous_run_ended_ms"]  # noqa: Y015
     _WhichOneofArgType__previous_run_ended_ms: _TypeAlias = _typing.Literal["_previous_run_ended_ms", b"_previous_run_ended_ms"]  # noqa: Y015
