@@ -139,5 +139,5 @@ class Watch:
             HOW_TO_RAISE,
             self.max_connections,
             HEADROOM,
-            "" if not due.skipped else f" ({due.skipped} more times since)",
+            "" if not due.skipped else f" (found at the limit {due.skipped} more times since)",
         )

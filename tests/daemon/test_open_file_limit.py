@@ -40,3 +40,5 @@ def test_the_daemon_raises_its_open_file_soft_limit_to_the_hard_limit(
     d = start_daemon(prefix=[sys.executable, "-c", _SOFT_256])
     wanted = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     assert _open_files(d.proc.pid) == (wanted, wanted)
+    # Said, so that a limit found low later is not read as the one the unit set.
+    assert f"raised the open-file soft limit from 256 to its hard limit {wanted}" in d.log()
