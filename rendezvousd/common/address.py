@@ -142,34 +142,87 @@ _NO_ROUTE_YET = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOT
 def route_source(
     endpoint: str, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None
 ) -> str:
-    """The local address this machine would use to reach ``endpoint``.
+    """The local address this machine reaches ``endpoint`` from (``daemon_route``'s)."""
+    return daemon_route(endpoint, wait_s, on_wait).local
 
-    That is the address of the interface peers on other hosts can route to as
-    well (they reach the daemon's network the same way), so a worker advertises
-    it instead of loopback. A UDP ``connect`` only asks the routing table: no
-    packet is sent. A ``unix:`` endpoint means one machine: loopback.
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How this host reaches a daemon: ``local``, its own address on the way (what a
+    worker advertises), ``remote``, the daemon's address it reached (one of those its
+    name resolves to), and ``connected``, whether a connection to it was accepted
+    (else ``local`` is only the routing table's answer: nothing listened yet)."""
+
+    host: str
+    local: str
+    remote: str
+    connected: bool
+
+    def resolved(self) -> str:
+        """``'head' resolves to 127.0.1.1 on this host (/etc/hosts)``, for a name; "" for an
+        address literal, whose resolution says nothing."""
+        if self.host == self.remote or _is_literal(self.host):
+            return ""
+        where = " (/etc/hosts)" if is_loopback(self.remote) else ""
+        return f"{self.host!r} resolves to {self.remote} on this host{where}"
+
+
+def _is_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+#: How long one of the daemon's addresses is given to accept a plain connection
+#: (``daemon_route``): a LAN connects in milliseconds, a dead address costs this much.
+CONNECT_EACH_S = 2.0
+#: What all of them together are given, however many the name has.
+CONNECT_ALL_S = 6.0
+
+
+def daemon_route(
+    endpoint: str, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None
+) -> Route:
+    """The way this machine reaches ``endpoint``: the local address of a TCP connection
+    the daemon accepted, made to each address its name resolves to, in the C library's
+    order, until one is accepted; the first that is answers.
+
+    That is the connection gRPC itself makes: our programs run gRPC's native resolver
+    (``GRPC_DNS_RESOLVER=native``, set in ``rendezvousd/__init__.py``), the same
+    ``getaddrinfo`` answer, and its ``pick_first`` policy dials the addresses in that
+    order. The routing table's answer for the first address alone (a UDP ``connect``)
+    named a network the daemon was not reached by when the name had addresses on two
+    networks (RFC 6724 sorts a dead management address first): the node advertised an
+    address its peers could not reach. Hand-written because gRPC tells a Python caller
+    nothing of the connection it made. Bounded: ``CONNECT_EACH_S`` per address,
+    ``CONNECT_ALL_S`` in all. When none accepts (the daemon not started yet), the routing
+    table's answer for the first address with a route stands, as before.
 
     A host name that does not resolve, or a host without a route to it yet, is asked
     again every ``RESOLVE_RETRY_S`` for ``wait_s`` (a launcher's connect timeout), as a
     daemon not up yet is waited for: a Kubernetes Service's name may resolve only once
     its pod is ready, a pod's network may come up after it starts, and a node started
-    before either failed at once. ``on_wait`` hears once that it waits.
+    before either failed at once. ``on_wait`` hears once that it waits. A ``unix:``
+    endpoint means one machine: loopback.
     """
     address = parse_address(endpoint, what="endpoint", allow_unix=True)
     if address.host is None:  # unix:PATH
-        return "127.0.0.1"
+        return Route("localhost", "127.0.0.1", "127.0.0.1", False)
     began, told = time.monotonic(), False
     cause: OSError
     while True:
         try:
-            infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
+            infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
             refusal, asked, cause = f"cannot resolve {address.host!r}", "asked", exc
             yet = f"{address.host!r} does not resolve yet ({exc}); asking again"
         else:
             routed = _routed(infos)
-            if isinstance(routed, str):
-                return routed
+            if isinstance(routed, tuple):
+                local, remote, connected = routed
+                return Route(address.host, local, remote, connected)
             if routed.errno not in _NO_ROUTE_YET:
                 # A lasting refusal (IPv6 off, a broadcast address): no wait helps.
                 raise UnresolvedHost(f"endpoint={endpoint!r}: no route from this host ({routed})")
@@ -190,15 +243,28 @@ def route_source(
         time.sleep(min(RESOLVE_RETRY_S, wait_s - waited))
 
 
-def _routed(infos: list[tuple[Any, ...]]) -> str | OSError:
-    """The local address of the first of ``infos`` this host has a route to; else why
-    the last had none."""
-    last: OSError = OSError("no address")
+def _routed(infos: list[tuple[Any, ...]]) -> tuple[str, str, bool] | OSError:
+    """(local address, remote address, connected) of the first of ``infos`` that accepts
+    a TCP connection; else of the first this host has a route to; else why the last had
+    none."""
+    deadline = time.monotonic() + CONNECT_ALL_S
     for family, kind, proto, _, target in infos:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         try:
             with socket.socket(family, kind, proto) as probe:
+                probe.settimeout(min(CONNECT_EACH_S, left))
                 probe.connect(target)
-                return str(probe.getsockname()[0])
+                return str(probe.getsockname()[0]), str(target[0]), True
+        except OSError:
+            continue
+    last: OSError = OSError("no address")
+    for family, _, _, _, target in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(target)
+                return str(probe.getsockname()[0]), str(target[0]), False
         except OSError as exc:
             last = exc
     return last

@@ -159,9 +159,9 @@ def test_a_host_without_a_route_to_the_daemon_yet_is_waited_for_and_then_named(
     unreachable = OSError(errno.ENETUNREACH, "Network is unreachable")
     tries: list[int] = []
 
-    def routed(infos: object) -> str | OSError:
+    def routed(infos: object) -> tuple[str, str, bool] | OSError:
         tries.append(1)
-        return unreachable if len(tries) < 3 else "198.18.7.11"
+        return unreachable if len(tries) < 3 else ("198.18.7.11", "198.18.7.10", False)
 
     monkeypatch.setattr(address, "_routed", routed)
     said: list[str] = []

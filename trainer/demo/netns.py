@@ -28,7 +28,12 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-SUBNET = ipaddress.ip_network("198.18.0.0/24")
+#: Runs sharing one machine keep apart by these: the third octet of the hosts'
+#: addresses (198.18.N.0/24 and, where a test adds a second network, 198.19.N.0/24) and
+#: the root of their namespaces' names (only ``rdzv`` sets are swept).
+OCTET = int(os.environ.get("RDZV_NETNS_OCTET", "0"))
+ROOT = os.environ.get("RDZV_NETNS_ROOT", "rdzv")
+SUBNET = ipaddress.ip_network(f"198.18.{OCTET}.0/24")
 _IP_TIMEOUT_S = 10.0
 # rdzv-PID-HEX-sw / rdzv-PID-HEX-hN: the builder's pid tells a live set from a dead one.
 _NAME = re.compile(r"rdzv-(\d+)-[0-9a-f]+-(?:sw|h\d+)")
@@ -118,7 +123,7 @@ class Hosts:
     """``count`` hosts named h0..h{count-1} at 198.18.0.1, .2, ..."""
 
     count: int
-    prefix: str = field(default_factory=lambda: f"rdzv-{os.getpid()}-{secrets.token_hex(3)}")
+    prefix: str = field(default_factory=lambda: f"{ROOT}-{os.getpid()}-{secrets.token_hex(3)}")
     hosts: list[Host] = field(default_factory=list)
 
     @property
@@ -129,7 +134,8 @@ class Hosts:
         return self.hosts[index]
 
     def build(self) -> None:
-        sweep()
+        if self.prefix.startswith("rdzv-"):
+            sweep()  # only the sets it names: another root's are its runner's own
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")

@@ -1,0 +1,150 @@
+"""Which address a node advertises, on hosts with two networks (a review on namespace
+hosts): the address of the connection that reaches the daemon, whatever order the
+daemon's name resolves in; and a ``--ring-host`` name resolved once, as this host
+resolves it."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.trainer.demo import netns
+from rendezvousd.trainer.demo.netns import Hosts
+from tests.multihost.cluster import start_cluster
+from tests.support import spawn_daemon
+
+#: The management network: every node reaches the daemon on it, but not each other.
+NET_M = ipaddress.ip_network(f"198.19.{netns.OCTET}.0/24")
+
+
+def _m_address(index: int) -> str:
+    return str(NET_M.network_address + (1 if index == 0 else 10 + index))
+
+
+#: An address of the management network no host has: a dead address of the daemon's.
+DEAD = str(NET_M.network_address + 10)
+
+
+def _add_net_m(hosts: Hosts) -> None:
+    """Each host gets ``eth1`` on a second bridge, whose node ports are isolated from
+    each other (they reach h0 only), and its default route through it: what a naive
+    pick of "the route towards the daemon" finds first."""
+    sw = hosts.switch
+    netns._ip("-n", sw, "link", "add", "br1", "type", "bridge")
+    netns._ip("-n", sw, "link", "set", "br1", "up")
+    for i, host in enumerate(hosts.hosts):
+        netns._ip("-n", sw, "link", "add", f"m{i}", "type", "veth", "peer", "eth1")
+        netns._ip("-n", sw, "link", "set", "eth1", "netns", host.netns)
+        netns._ip("-n", sw, "link", "set", f"m{i}", "master", "br1", "up")
+        if i > 0:
+            netns._ip("-n", sw, "link", "set", "dev", f"m{i}", "type", "bridge_slave",
+                      "isolated", "on")  # fmt: skip
+        netns._ip("-n", host.netns, "addr", "add", f"{_m_address(i)}/{NET_M.prefixlen}",
+                  "dev", "eth1")  # fmt: skip
+        netns._ip("-n", host.netns, "link", "set", "eth1", "up")
+        netns._ip("-n", host.netns, "route", "add", "default", "via", _m_address(0))
+
+
+@pytest.fixture
+def hosts_files() -> Iterator[Callable[[Hosts, int, str], None]]:
+    """``write(hosts, i, text)``: host i's /etc/hosts (``ip netns exec`` mounts
+    /etc/netns/NAME/hosts over it); removed after the test."""
+    made: list[Path] = []
+
+    def write(hosts: Hosts, index: int, text: str) -> None:
+        folder = Path("/etc/netns") / hosts[index].netns
+        folder.mkdir(parents=True, exist_ok=True)
+        made.append(folder)
+        (folder / "hosts").write_text("127.0.0.1 localhost\n" + text)
+
+    yield write
+    for folder in made:
+        (folder / "hosts").unlink(missing_ok=True)
+        folder.rmdir()
+
+
+def _in(hosts: Hosts, index: int, code: str) -> str:
+    done = subprocess.run(
+        hosts[index].command([sys.executable, "-c", code]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_node_advertises_the_address_it_reaches_the_daemon_by_not_the_first_answers_route(
+    make_hosts: Callable[[int], Hosts],
+    hosts_files: Callable[[Hosts, int, str], None],
+    tmp_path: Path,
+) -> None:
+    """The daemon's name has its live address on net A and a dead one on the nodes'
+    management net M, which the C library sorts first (or a hosts file lists first).
+    The node advertised its M address (the routing table's answer for the first
+    address), which the other nodes cannot reach: every ring setup failed after its
+    timeout while `status` said RUNNING. Now: the address of the connection the
+    daemon accepted, which is gRPC's own (the native resolver dials in that order).
+    And gRPC resolves the name as the C library does, from /etc/hosts, without asking
+    a nameserver these hosts cannot reach."""
+    hosts = make_hosts(3)
+    _add_net_m(hosts)
+    d = spawn_daemon(
+        tmp_path, "--insecure-plaintext", listen="0.0.0.0:0", prefix=hosts[0].command([])
+    )
+    try:
+        port = d.endpoint.rsplit(":", 1)[1]
+        hosts_files(hosts, 1, f"{hosts[0].address} hlive\n{DEAD} hlive\n{DEAD} hdead\n"
+                              f"{hosts[0].address} hdead\n")  # fmt: skip
+        order = _in(
+            hosts, 1,
+            "import socket\n"
+            f"print([a[4][0] for a in socket.getaddrinfo('hlive', {port}, type=socket.SOCK_STREAM)])",
+        )  # fmt: skip
+        for name in ("hlive", "hdead"):
+            picked = _in(
+                hosts, 1,
+                "from rendezvousd.common.address import route_source\n"
+                f"print(route_source('{name}:{port}'))",
+            )  # fmt: skip
+            assert picked == hosts[1].address, (name, picked, order)
+            # gRPC dials the same way, and names from /etc/hosts do not wait on the
+            # nameserver these hosts cannot reach (gRPC's c-ares resolver asked it and
+            # missed health's own 5 s, blamed on "no gRPC server answered").
+            health = subprocess.run(
+                hosts[1].command([sys.executable, "-m", "rendezvousd", "health", "--endpoint",
+                                  f"{name}:{port}"]),
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert health.returncode == 0, (name, health.stdout, health.stderr)
+            assert "is SERVING" in health.stdout
+    finally:
+        d.kill()
+
+
+def test_a_two_node_ring_forms_when_the_daemons_name_also_names_a_dead_address(
+    make_hosts: Callable[[int], Hosts],
+    hosts_files: Callable[[Hosts, int, str], None],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """The same two-network hosts, end to end: two nodes, a CPU ring across them."""
+    hosts = make_hosts(3)
+    _add_net_m(hosts)
+    cluster = start_cluster(hosts, tmp_path)
+    try:
+        port = cluster.daemon.endpoint.rsplit(":", 1)[1]
+        for i in (1, 2):
+            hosts_files(hosts, i, f"{DEAD} head\n{hosts[0].address} head\n")
+        cluster.daemon.endpoint = f"head:{port}"
+        nodes = cluster.launch(2, 1, job=job_id, launcher_args=["--setup-timeout-s", "20"])
+        codes = cluster.wait(nodes, timeout=90)
+        assert codes == [0, 0], [n.summary() for n in nodes]
+        assert len(cluster.results(job_id)) == 2
+    finally:
+        cluster.stop()
