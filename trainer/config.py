@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
+import socket
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
-from rendezvousd.common.address import AddressError, route_source
+from rendezvousd.common.address import AddressError, daemon_route
 from rendezvousd.common.settings import (
     AddressText,
     Bool,
@@ -173,7 +175,7 @@ class Mebibytes(Float):
         return value
 
 
-def _check_listenable(host: str) -> None:
+def _check_listenable(host: str, given: str | None = None) -> None:
     """Refuse a ``ring_host`` this host cannot listen on, as its workers' rings would
     (a name that does not resolve, another host's address): each worker died with a raw
     socket error, reported only as "exit code 1"."""
@@ -184,9 +186,47 @@ def _check_listenable(host: str) -> None:
     except (OSError, UnicodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(
-            f"ring_host={host!r} cannot be listened on here ({why}): give an address of "
+            f"ring_host={given or host!r} cannot be listened on here ({why}): give an address of "
             "this host that the other nodes reach, or leave it unset (the address "
             "towards the daemon)"
+        ) from None
+
+
+#: The one setting that names the address a ring advertises, in every form it takes.
+RING_HOST_KNOB = "--ring-host ($RENDEZVOUSD_RING_HOST, ring_host)"
+
+
+@dataclass(frozen=True, slots=True)
+class RingAddress:
+    """The address a rank's ring (a node's link) listens on and advertises, and where
+    it came from, in the words its errors say (``chosen as its host's route to the
+    daemon at head:29420``, ``given by --ring-host ...``): a peer that cannot reach it,
+    or a loopback refusal, names what to change."""
+
+    address: str
+    origin: str
+
+
+def _resolved_ring_host(host: str) -> str:
+    """``ring_host`` as an address: a name resolved once, here, to the address the
+    ring's listener binds (the C library's first answer). Advertised as the name, each
+    peer resolved it on its own host (``127.0.1.1 x1`` on this one, its LAN address on
+    theirs: refused connections for the whole setup), and the loopback refusal, which
+    reads addresses, let it by."""
+    bare = host.strip("[]")
+    try:
+        ipaddress.ip_address(bare)
+        return bare
+    except ValueError:
+        pass
+    try:
+        return str(socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"ring_host={host!r} cannot be listened on here (it does not resolve on this "
+            f"host: {why}): give an address of this host that the other nodes reach, or "
+            "leave it unset (the address towards the daemon)"
         ) from None
 
 
@@ -584,19 +624,42 @@ class DistributedConfig:
     def ring_address(
         self, note: Callable[[str], None] | None = None, wait_s: float | None = None
     ) -> str:
-        """The address this worker's (or node's) ring peers reach it at: ``ring_host``,
-        else this host's address on the route towards the daemon (loopback for a
+        """The address this worker's (or node's) ring peers reach it at (``ring_choice``)."""
+        return self.ring_choice(note, wait_s).address
+
+    def ring_choice(
+        self, note: Callable[[str], None] | None = None, wait_s: float | None = None
+    ) -> RingAddress:
+        """The address this worker's (or node's) ring peers reach it at, and where it
+        came from: ``ring_host`` (a name resolved here, once, ``note`` told to what),
+        else this host's address on its connection to the daemon (loopback for a
         ``unix:`` endpoint or the file transport). A daemon's name that does not
         resolve yet is asked again for ``wait_s`` (default: ``connect_timeout_s``),
         ``note`` told so."""
         if self.ring_host:
-            _check_listenable(self.ring_host)
-            return self.ring_host
+            address = _resolved_ring_host(self.ring_host)
+            _check_listenable(address, self.ring_host if address != self.ring_host else None)
+            origin = f"given by {RING_HOST_KNOB}"
+            if address != self.ring_host:
+                origin += f" as {self.ring_host!r}, which resolves to {address} on this host"
+                if note is not None:
+                    note(
+                        f"ring_host {self.ring_host!r} resolves to {address} on this host: "
+                        f"the ring listens on and advertises {address}"
+                    )
+            return RingAddress(address, origin)
         wait = self.rendezvous.connect_timeout_s if wait_s is None else wait_s
+        endpoint = self.rendezvous.endpoint or "unix:local"
         try:
-            return route_source(self.rendezvous.endpoint or "unix:local", wait, note)
+            route = daemon_route(endpoint, wait, note)
         except (AddressError, OSError) as exc:
             raise ConfigError(f"cannot tell which address to advertise to peers: {exc}") from exc
+        if not self.rendezvous.endpoint or endpoint.startswith("unix:"):
+            return RingAddress(route.local, "loopback, the daemon being on this host")
+        origin = f"chosen as its host's route to the daemon at {endpoint}"
+        if resolved := route.resolved():
+            origin += f" ({resolved})"
+        return RingAddress(route.local, origin)
 
     def rank0_log_line(self, formed: MultiNodeTopology) -> str:
         """One summary line for global rank 0 to log, of the world that ``formed``

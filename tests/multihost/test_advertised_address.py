@@ -15,7 +15,7 @@ import pytest
 
 from rendezvousd.trainer.demo import netns
 from rendezvousd.trainer.demo.netns import Hosts
-from tests.multihost.cluster import start_cluster
+from tests.multihost.cluster import Cluster, start_cluster
 from tests.support import spawn_daemon
 
 #: The management network: every node reaches the daemon on it, but not each other.
@@ -146,5 +146,78 @@ def test_a_two_node_ring_forms_when_the_daemons_name_also_names_a_dead_address(
         codes = cluster.wait(nodes, timeout=90)
         assert codes == [0, 0], [n.summary() for n in nodes]
         assert len(cluster.results(job_id)) == 2
+    finally:
+        cluster.stop()
+
+
+def _cluster_on_every_address(hosts: Hosts, tmp_path: Path) -> Cluster:
+    """rendezvousd on h0, listening on all of its addresses (both networks, loopback)."""
+    daemon = spawn_daemon(
+        tmp_path, "--insecure-plaintext", listen="0.0.0.0:0", prefix=hosts[0].command([])
+    )
+    return Cluster(hosts, daemon, tmp_path)
+
+
+def test_a_ring_host_name_is_resolved_once_and_its_loopback_answer_refused(
+    make_hosts: Callable[[int], Hosts],
+    hosts_files: Callable[[Hosts, int, str], None],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """``--ring-host x1`` where this host's /etc/hosts says ``127.0.1.1 x1`` (Debian's
+    form) and the other host's says x1's LAN address: the ring listened on 127.0.1.1
+    and advertised the name, which the other node resolved to another address;
+    refused connections for the whole setup, then the other node blamed. Now the name
+    is resolved here, the address advertised, and loopback refused at once, saying
+    which name resolved to what."""
+    hosts = make_hosts(3)
+    cluster = _cluster_on_every_address(hosts, tmp_path)
+    try:
+        port = cluster.daemon.endpoint.rsplit(":", 1)[1]
+        cluster.daemon.endpoint = f"{hosts[0].address}:{port}"
+        hosts_files(hosts, 1, "127.0.1.1 x1\n")
+        hosts_files(hosts, 2, f"{hosts[1].address} x1\n")
+        first = cluster.launch(
+            2,
+            1,
+            job=job_id,
+            nodes=[0],
+            launcher_args=["--ring-host", "x1", "--setup-timeout-s", "20"],
+        )
+        second = cluster.launch(
+            2, 1, job=job_id, nodes=[1], launcher_args=["--setup-timeout-s", "20"]
+        )
+        codes = cluster.wait([*first, *second], timeout=60)
+        said = first[0].text()
+        assert codes[0] == 2, first[0].summary()
+        assert "ring_host 'x1' resolves to 127.0.1.1 on this host" in said, said
+        assert "advertises the loopback address '127.0.1.1" in said, said
+        assert "given by --ring-host" in said and "as 'x1', which resolves to 127.0.1.1" in said
+    finally:
+        cluster.stop()
+
+
+def test_a_daemon_name_that_resolves_to_loopback_is_named_in_the_refusal(
+    make_hosts: Callable[[int], Hosts],
+    hosts_files: Callable[[Hosts, int, str], None],
+    tmp_path: Path,
+    job_id: str,
+) -> None:
+    """A node on the daemon's own host, whose /etc/hosts says ``127.0.1.1 head``, and
+    ``--rdzv-endpoint head:PORT`` on every node: refused, as before, but the refusal said
+    "which is loopback when --rdzv-endpoint is" of an endpoint written as a name."""
+    hosts = make_hosts(2)
+    cluster = _cluster_on_every_address(hosts, tmp_path)
+    try:
+        port = cluster.daemon.endpoint.rsplit(":", 1)[1]
+        cluster.daemon.endpoint = f"head:{port}"
+        hosts_files(hosts, 0, "127.0.1.1 head\n")
+        hosts_files(hosts, 1, f"{hosts[0].address} head\n")
+        on_head = cluster.launch(2, 1, job=job_id, nodes=[0], on_host=0)
+        other = cluster.launch(2, 1, job=job_id, nodes=[1], on_host=1)
+        codes = cluster.wait([*on_head, *other], timeout=60)
+        said = on_head[0].text()
+        assert codes[0] == 2, on_head[0].summary()
+        assert "'head' resolves to 127.0.1.1 on this host (/etc/hosts)" in said, said
     finally:
         cluster.stop()

@@ -86,6 +86,9 @@ class Assignment:
     token: str = field(default="", repr=False)
     #: The address the agent advertised for this member's ring ("" for NCCL).
     ring_host: str = ""
+    #: Where ``ring_host`` came from (``RingAddress.origin``), which the worker's ring
+    #: tells a peer that cannot reach it.
+    ring_origin: str = ""
     #: How often the worker tells the agent its process is alive (0: never).
     alive_interval_s: float = 0.0
 

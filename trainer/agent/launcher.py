@@ -65,6 +65,7 @@ from rendezvousd.trainer.config import (
     SCHEMA,
     DistributedConfig,
     RendezvousTransport,
+    RingAddress,
     load_layers,
 )
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
@@ -333,7 +334,7 @@ def run_agent(
     try:
         # A name that does not resolve yet is waited for as a daemon not up yet is: for
         # the join's timeout (NodeAgent._join), the daemon's pod maybe still starting.
-        ring_host = config.ring_address(
+        ring = config.ring_choice(
             _note, max(config.join_timeout_s, config.rendezvous.connect_timeout_s)
         )
     except ConfigError as exc:
@@ -355,7 +356,7 @@ def run_agent(
     try:
         booted = boot_spares(config, cmd, env, server)
         mark("spares-started")
-        return _run_agent(args, config, cmd, env, booted, server, ring_host, launched)
+        return _run_agent(args, config, cmd, env, booted, server, ring, launched)
     finally:
         if server is not None:
             server.close()  # after the agent stopped every worker
@@ -383,7 +384,7 @@ def _run_agent(
     env: Mapping[str, str],
     booted: list[Booted],
     server: ForkServer | None,
-    ring_host: str,
+    ring: RingAddress,
     launched: float,
 ) -> int:
     try:
@@ -413,8 +414,9 @@ def _run_agent(
             cmd,
             env,
             client,
-            ring_host=ring_host if config.backend == "cpu" else "",
-            link_host=ring_host,
+            ring_host=ring.address if config.backend == "cpu" else "",
+            ring_origin=ring.origin,
+            link_host=ring.address,
             token=token,
             note=_note,
             id_factory=_id_factory(config),

@@ -39,7 +39,7 @@ _LAUNCHER_WORDS = (
         LOOPBACK_ADVICE,
         "(rendezvous-run: set --ring-host, or $RENDEZVOUSD_RING_HOST, to it; unset, a node "
         "advertises its address on its route to the daemon, which is loopback when "
-        "--rdzv-endpoint is)",
+        "--rdzv-endpoint is, or resolves to, a loopback address)",
     ),
     (TOKEN_ADVICE, "(--token-file, or $RENDEZVOUSD_TOKEN_FILE / $RENDEZVOUSD_TOKEN)"),
     (

@@ -275,6 +275,7 @@ class NodeAgent:
         client: RendezvousClient,
         *,
         ring_host: str = "",
+        ring_origin: str = "",
         link_host: str = "",
         token: str = "",
         note: Callable[[str], None] = print,
@@ -286,6 +287,8 @@ class NodeAgent:
         """``booted``: this node's first spares, when the launcher started them
         before it had an agent (``worker_boot.boot_spares``); ``link_host``: the
         address other nodes' agents reach this one at (``node_links``; "" for none);
+        ``ring_origin``: where ``ring_host`` (or ``link_host``) came from, in the words
+        a refusal of it and a peer that cannot reach it say (``RingAddress.origin``);
         ``token``: the daemon token ``client`` uses, handed to the workers with their
         assignment; ``fork_server``: forks spares while it can (the launcher owns and
         closes it); ``launched``: when this node's launcher started (``time.monotonic()``;
@@ -294,6 +297,7 @@ class NodeAgent:
         self.launched = time.monotonic() if launched is None else launched
         self.client = client
         self.ring_host = ring_host
+        self.ring_origin = ring_origin
         self.link_host = link_host
         self._links: NodeLinks | None = None
         self._token = token
@@ -416,6 +420,9 @@ class NodeAgent:
             # (``loopback_refused``), before any worker is assigned. The setup's error,
             # exit 2 as a bad setting: it exited 1, as a worker's failure does.
             problem = launchers_text(conflict)
+            if self.ring_origin:
+                # Which setting, or which line of /etc/hosts, made it loopback.
+                problem += f". This node's address {self.ring_host} was {self.ring_origin}"
             with contextlib.suppress(RendezvousError):
                 self.client.abort(problem, generation=m.generation, cause=LOOPBACK_ADDRESS)
             self._end_generation(final=True)
@@ -442,6 +449,7 @@ class NodeAgent:
                 config=config,
                 token=self.client.current_token() or self._token,
                 ring_host=self.ring_host,
+                ring_origin=self.ring_origin,
                 alive_interval_s=alive_interval,
             )
             try:
