@@ -46,7 +46,7 @@ from rendezvousd.trainer.agent.agent_worker import AgentLink
 from rendezvousd.trainer.agent.state_copy import StepState
 from rendezvousd.trainer.comm import devices
 from rendezvousd.trainer.comm.communicator import Communicator
-from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, load_config
+from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, RingAddress, load_config
 from rendezvousd.trainer.errors import (
     AgentError,
     CommunicatorAborted,
@@ -298,7 +298,8 @@ def init_distributed(
     transport = config.rendezvous
     tls = transport.tls()
     # A daemon's name not resolving yet, or no route to it yet, is waited for: said.
-    ring_host = config.ring_address(lambda note: log.warning("rendezvousd: %s", note))
+    ring = config.ring_choice(lambda note: log.warning("rendezvousd: %s", note))
+    ring_host = ring.address
     rdzv = connect(
         transport.kind,
         path=transport.path,
@@ -397,7 +398,7 @@ def init_distributed(
         membership = join()
         rendezvous_s = time.monotonic() - started
         membership, communicator = _bring_up(
-            config, rdzv, membership, place, ring_host, watch, rejoin=join
+            config, rdzv, membership, place, ring, watch, rejoin=join, first_setup=True
         )
     except BaseException as error:
         if isinstance(error, PeerVersionMismatch):
@@ -475,9 +476,10 @@ def _bring_up(
     rdzv: Rendezvous,
     membership: Membership,
     place: Callable[[Membership], MultiNodeTopology],
-    ring_host: str,
+    ring: RingAddress,
     watch: Callable[[_FailureRelay], None],
     rejoin: Callable[[], Membership] | None,
+    first_setup: bool,
 ) -> tuple[Membership, Communicator]:
     """The one retry model: a transient setup failure ends the generation, and the
     retry is the next generation, with a fresh id, joined by whoever joined this one.
@@ -490,7 +492,9 @@ def _bring_up(
     ncclUniqueId serves exactly one init, so it cannot be reused). ``None``: the
     node agent joined for the node, and its restart is the retry, so the error
     fails this worker as it is. ``watch`` starts relaying failures (the heartbeat)
-    before setup, so a peer lost meanwhile ends it at once.
+    before setup, so a peer lost meanwhile ends it at once. ``first_setup``: this
+    run's first ring (its first attempt only), where a peer without a route to it is
+    given up on sooner (``ring_wire.FIRST_NO_ROUTE_S``).
     """
     attempts = config.retry_attempts if rejoin is not None else 0
     for attempt in range(attempts + 1):
@@ -501,7 +505,8 @@ def _bring_up(
         try:
             # An NCCL init hang tells the daemon (watchdog) where this worker joined.
             on_hang = functools.partial(_fail_generation, rdzv, m) if rejoin else None
-            communicator = _communicator(config, rdzv, place(m), m.unique_id, ring_host, on_hang)
+            first = first_setup and attempt == 0
+            communicator = _communicator(config, rdzv, place(m), m.unique_id, ring, on_hang, first)
         except TRANSIENT as exc:
             if rejoin is None or isinstance(exc, PeerVersionMismatch):
                 raise  # (a fresh generation meets the same peer of another version)
@@ -573,8 +578,9 @@ def _communicator(
     rdzv: Rendezvous,
     topology: MultiNodeTopology,
     unique_id: bytes,
-    ring_host: str,
+    ring: RingAddress,
     on_setup_timeout: Callable[[str], None] | None,
+    first_setup: bool = False,
 ) -> Communicator:
     """The configured backend's communicator for this worker's place in the world."""
     if config.backend == "nccl":
@@ -600,12 +606,14 @@ def _communicator(
         rank=topology.rank,
         world_size=topology.world_size,
         secret=unique_id,
-        host=ring_host,
+        host=ring.address,
         timeout=config.collective_timeout_s,
         setup_timeout=config.setup_timeout_s,
         node_rank=topology.node_rank,
         shared_memory=config.cpu_shared_memory,
         nodes=topology.num_nodes,
+        origin=ring.origin,
+        first_setup=first_setup,
     )
 
 
@@ -678,8 +686,16 @@ def _init_from_agent(
 
     mark("attached", generation=assignment.generation, rank=assignment.rank)
     try:
+        ring = RingAddress(assignment.ring_host, assignment.ring_origin)
         _, communicator = _bring_up(
-            config, rdzv, membership, lambda _: topology, assignment.ring_host, watch, rejoin=None
+            config,
+            rdzv,
+            membership,
+            lambda _: topology,
+            ring,
+            watch,
+            rejoin=None,
+            first_setup=assignment.restart_count == 0,
         )
     except BaseException as error:
         # Raised to a script run by rendezvous-run, and reported as its agent's cause.

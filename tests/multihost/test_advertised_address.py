@@ -221,3 +221,34 @@ def test_a_daemon_name_that_resolves_to_loopback_is_named_in_the_refusal(
         assert "'head' resolves to 127.0.1.1 on this host (/etc/hosts)" in said, said
     finally:
         cluster.stop()
+
+
+def test_a_peer_address_on_a_network_the_nodes_do_not_share_is_named_with_its_setting(
+    make_hosts: Callable[[int], Hosts], tmp_path: Path, job_id: str
+) -> None:
+    """Nodes that reach the daemon on its management address (net M, where they cannot
+    reach each other) advertise their M addresses. Each rank's connect meets "No route
+    to host"; the setup waited its whole timeout (300 s, again per restart), and the
+    root cause blamed the rank that was not reached ("did not connect and
+    authenticate"), naming no setting. Now a first setup gives up after
+    FIRST_NO_ROUTE_S, naming where the address came from and what to set."""
+    hosts = make_hosts(3)
+    _add_net_m(hosts)
+    cluster = _cluster_on_every_address(hosts, tmp_path)
+    try:
+        port = cluster.daemon.endpoint.rsplit(":", 1)[1]
+        endpoint = f"{_m_address(0)}:{port}"
+        cluster.daemon.endpoint = endpoint
+        nodes = cluster.launch(2, 1, job=job_id)
+        codes = cluster.wait(nodes, timeout=90)
+        assert codes != [0, 0]
+        said = "\n".join(n.text() for n in nodes)
+        assert f"chosen as its host's route to the daemon at {endpoint}" in said, said
+        assert "cannot be reached: No route to host (EHOSTUNREACH) for" in said, said
+        assert "set --ring-host ($RENDEZVOUSD_RING_HOST, ring_host) on node" in said, said
+        root = [line for line in said.splitlines() if "root cause" in line]
+        assert root and "did not connect and authenticate" not in root[0], root
+        # Its end, which a shortened root cause keeps, names the node to fix.
+        assert "ring_host) on node" in root[0], root
+    finally:
+        cluster.stop()

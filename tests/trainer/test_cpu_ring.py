@@ -951,3 +951,24 @@ def test_a_ring_whose_peer_never_gets_a_route_ends_at_the_setup_deadline_naming_
         f"CommunicatorTimeout: rank 0: rank 1 at 198.18.118.2:{result['port']} was not "
         f"reachable within 2 s (last attempt: {words})"
     ), result
+
+
+def test_a_left_neighbour_that_never_connects_is_told_where_this_ranks_address_came_from() -> None:
+    """A rank whose own advertised address its left neighbour cannot reach said only
+    "rank 1 did not connect and authenticate": the root cause blamed it, naming neither
+    its address nor the setting that chose it (a review on namespace hosts). Now it says
+    both, and what to set on which node."""
+    auth = peer_auth.PeerAuth(peer_auth.derive_key(bytes(128)), b"RDVRTEST", 0, 2)
+    origin = "node 0's (host n1), chosen as its host's route to the daemon at 198.19.0.1:29420"
+    with ring_wire.create_listener("127.0.0.1") as listener:
+        port = listener.getsockname()[1]
+        acceptor = ring_wire._Acceptor(auth, listener, 0.05, origin)
+        with pytest.raises(errs.CommunicatorTimeout) as caught:
+            acceptor.run(time.monotonic() + 0.05, lambda: False)
+    said = str(caught.value)
+    assert said.startswith("rank 0: rank 1 did not connect and authenticate within 0.05 s"), said
+    assert f"if rank 1 cannot reach this rank's address 127.0.0.1:{port}, that address is " in said
+    assert said.endswith(
+        f"{origin}: if the hosts reach each other on another network, set --ring-host "
+        "($RENDEZVOUSD_RING_HOST, ring_host) on node 0 to its address there"
+    ), said

@@ -114,7 +114,13 @@ class CpuRingCommunicator(RankedCommunicator):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         shared_memory: SharedMemoryPeers | None = None,
         setup_timeout: float | None = None,
+        origins: Mapping[int, str] | None = None,
+        first_setup: bool = False,
     ) -> None:
+        """``origins``: where each peer's address came from, in words (``RingAddress``),
+        said when it cannot be reached; ``first_setup``: no ring of this run formed
+        before, so a missing route to a peer is its wrong address more likely than a
+        cut (``ring_wire.establish_ring``)."""
         super().__init__(rank, world_size)
         if not isinstance(addresses, Mapping):
             if len(addresses) != world_size:
@@ -145,7 +151,15 @@ class CpuRingCommunicator(RankedCommunicator):
         try:
             if world_size > 1:
                 self._left, self._right = wire.establish_ring(
-                    listener, addresses, secret, rank, world_size, setup
+                    listener,
+                    addresses,
+                    secret,
+                    rank,
+                    world_size,
+                    setup,
+                    origin=(origins or {}).get(self._right_rank, ""),
+                    own_origin=(origins or {}).get(rank, ""),
+                    first_setup=first_setup,
                 )
                 # Each collective's own wait from here on, not what was left of the
                 # setup's: a ring formed late into its setup timed collectives out
@@ -497,6 +511,8 @@ def connect_cpu_ring(
     shared_memory: bool = True,
     setup_timeout: float | None = None,
     nodes: int | None = None,
+    origin: str = "",
+    first_setup: bool = False,
 ) -> CpuRingCommunicator:
     """Bind on ``host``, exchange addresses through ``store``, and build the ring.
 
@@ -529,13 +545,21 @@ def connect_cpu_ring(
         # setup is one exchange through the daemon, not two. Each read is a round
         # trip, and 2 x world_size of them took ~0.45 s of a node's recovery beside
         # 36 busy loops on 2 cores.
-        mine = f"{shown}:{port}|{claim}"
+        # Where the address came from goes after a newline (a claim has "|" in it): a
+        # peer that cannot reach it names the setting to change, and on which node.
+        told = (
+            f"node {node_rank}'s (host {socket.gethostname()})"
+            if node_rank is not None
+            else (f"rank {rank}'s (host {socket.gethostname()})")
+        )
+        mine = f"{shown}:{port}|{claim}" + (f"\n{told}, {origin}" if origin else "")
         store.kv_set(f"cpu-ring/peer/{rank}", mine.encode())
         right = (rank + 1) % world_size
         values: dict[int, str] = {}
+        origins: dict[int, str] = {}
         for peer in [right] if many_nodes else range(world_size):
             if peer == rank:
-                values[peer] = mine
+                values[peer], _, origins[peer] = mine.partition("\n")
                 continue
             remaining = max(0.001, deadline - time.monotonic())
             try:
@@ -546,7 +570,7 @@ def connect_cpu_ring(
                     f"address; rank {peer} has not reached its communicator setup (still "
                     "starting, or stuck before it). Raise setup_timeout_s if it is just slow"
                 ) from exc
-            values[peer] = value.decode("ascii", "replace")
+            values[peer], _, origins[peer] = value.decode("ascii", "replace").partition("\n")
         addresses = {peer: _parse_address(v.partition("|")[0], peer) for peer, v in values.items()}
         undo.pop_all()
     shm = None
@@ -562,6 +586,8 @@ def connect_cpu_ring(
         timeout,
         shared_memory=shm,
         setup_timeout=max(0.001, deadline - time.monotonic()),
+        origins=origins,
+        first_setup=first_setup,
     )
 
 

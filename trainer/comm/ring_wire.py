@@ -227,8 +227,21 @@ def establish_ring(
     rank: int,
     world: int,
     timeout: float,
+    *,
+    origin: str = "",
+    first_setup: bool = False,
+    own_origin: str = "",
 ) -> tuple[socket.socket, socket.socket]:
-    """Return authenticated (left, right) sockets; accept and connect run concurrently."""
+    """Return authenticated (left, right) sockets; accept and connect run concurrently.
+
+    ``origin``: whose the right neighbour's address is and where it came from
+    (``node 1's (host n2), chosen as its host's route to the daemon at ...``), said with
+    the setting to change when it cannot be reached. ``first_setup``: no ring of this
+    run formed before; a right neighbour with no route to it for ``FIRST_NO_ROUTE_S``
+    then ends the setup (its address is wrong more likely than the network cut).
+    ``own_origin``: the same of this rank's own address, said when the left neighbour
+    never connected (it may be the one that cannot reach it).
+    """
     auth = peer_auth.PeerAuth(peer_auth.derive_key(secret), _MAGIC, rank, world)
     deadline = time.monotonic() + timeout
     right = (rank + 1) % world
@@ -236,7 +249,9 @@ def establish_ring(
 
     def connect() -> None:
         try:
-            outcome.append(_connect(auth, right, addresses[right], deadline, timeout))
+            outcome.append(
+                _connect(auth, right, addresses[right], deadline, timeout, origin, first_setup)
+            )
         except BaseException as exc:
             outcome.append(exc)
 
@@ -245,7 +260,7 @@ def establish_ring(
 
     thread = threading.Thread(target=connect, name=f"cpu-ring-connect-r{rank}", daemon=True)
     thread.start()
-    acceptor = _Acceptor(auth, listener, timeout)
+    acceptor = _Acceptor(auth, listener, timeout, own_origin)
     try:
         # Stops early once the connect side failed: setup is lost either way.
         left = acceptor.run(deadline, connect_failed)
@@ -294,6 +309,35 @@ _PASSING_CONNECT_ERRNOS = frozenset(
 _ROUTE_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
 
 
+#: How long a first setup asks again a right neighbour that this host has no route
+#: to, before it ends: the neighbour's advertised address is on a network this host
+#: does not reach (the nodes reach the daemon on a management network but not each
+#: other there) far more often than a cut comes at launch, and the setup's 300 s, then
+#: the same again per restart, was all the user waited before "did not connect and
+#: authenticate", which blamed the rank that could not be reached. Longer than an ARP
+#: failure (3 s) and a link coming up at a pod's start; a cut of a running job's
+#: network (not a first setup) is still asked again until the setup's deadline.
+FIRST_NO_ROUTE_S = 15.0
+
+
+def _unreachable_advice(origin: str) -> str:
+    """What a rank that cannot reach its right neighbour's address says of where that
+    address came from and what to set: at the end, which a shortened cause (a root
+    cause's 120 characters) keeps."""
+    if not origin:
+        return ""
+    return f"; that address is {origin} (the one to fix, not this rank's): {_fix(origin)}"
+
+
+def _fix(origin: str) -> str:
+    """The setting that changes an address of ``origin`` (``node 1's (host n2), ...``)."""
+    owner = origin.partition(",")[0].split(" (")[0].removesuffix("'s")  # "node 1"
+    return (
+        "if the hosts reach each other on another network, set --ring-host "
+        f"($RENDEZVOUSD_RING_HOST, ring_host) on {owner} to its address there"
+    )
+
+
 def _errno_words(exc: OSError) -> str:
     """``No route to host (EHOSTUNREACH)``: the kernel's words and the errno's name."""
     name = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
@@ -308,16 +352,22 @@ def _connect(
     address: tuple[str, int],
     deadline: float,
     timeout: float,
+    origin: str = "",
+    first_setup: bool = False,
 ) -> socket.socket:
     where = f"rank {auth.rank}: rank {peer} at {host_port(address[0], address[1])}"
+    advice = _unreachable_advice(origin)
     delay = 0.02
     told = False
     last: OSError | None = None
+    no_route_since: float | None = None
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             why = f" (last attempt: {_errno_words(last)})" if last is not None else ""
-            raise CommunicatorTimeout(f"{where} was not reachable within {timeout:g} s{why}")
+            raise CommunicatorTimeout(
+                f"{where} was not reachable within {timeout:g} s{why}{advice}"
+            )
         sock, addr = _tcp_socket(*address)
         try:
             sock.settimeout(min(remaining, CONNECT_ATTEMPT_S))
@@ -331,6 +381,17 @@ def _connect(
                     "a refused, reset or timed-out connect and a missing route are)"
                 ) from exc
             last = exc
+            now = time.monotonic()
+            if exc.errno in _ROUTE_ERRNOS:
+                no_route_since = now if no_route_since is None else no_route_since
+                if first_setup and now - no_route_since >= FIRST_NO_ROUTE_S:
+                    raise PeerConnectionError(
+                        f"{where} cannot be reached: {_errno_words(exc)} for "
+                        f"{now - no_route_since:.0f} s at this run's first ring setup"
+                        f"{advice or ' (the network between the two hosts is down or its route is missing)'}"
+                    ) from exc
+            else:
+                no_route_since = None
             if not told and time.monotonic() < deadline:
                 if isinstance(exc, TimeoutError):
                     told = True
@@ -346,11 +407,14 @@ def _connect(
                     told = True
                     log.warning(
                         "%s cannot be reached: %s (the network between the two hosts is "
-                        "down or its route is missing); asking again until the setup's "
-                        "deadline, %.0f s from now",
+                        "down or its route is missing)%s; asking again %s",
                         where,
                         _errno_words(exc),
-                        max(0.0, deadline - time.monotonic()),
+                        advice,
+                        f"for up to {FIRST_NO_ROUTE_S:g} s (a first setup)"
+                        if first_setup
+                        else "until the setup's deadline, "
+                        f"{max(0.0, deadline - time.monotonic()):.0f} s from now",
                     )
             # The peer may still be binding (direct construction) or the cut may heal.
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -378,7 +442,10 @@ class _Acceptor:
     connection costs nothing but a slot until its own short deadline.
     """
 
-    def __init__(self, auth: peer_auth.PeerAuth, listener: socket.socket, timeout: float) -> None:
+    def __init__(
+        self, auth: peer_auth.PeerAuth, listener: socket.socket, timeout: float, origin: str = ""
+    ) -> None:
+        self._origin = origin
         self._auth = auth
         self._listener = listener
         self._timeout_s = timeout
@@ -421,9 +488,19 @@ class _Acceptor:
 
     def _timeout(self) -> CommunicatorTimeout:
         note = f" (last rejected connection: {self.last_rejection})" if self.last_rejection else ""
+        mine = ""
+        if self._origin:
+            # The left neighbour may be alive and unable to reach this rank's address:
+            # then it is this address that is wrong, which the neighbour says too.
+            address = self._listener.getsockname()
+            mine = (
+                f"; if rank {self._peer} cannot reach this rank's address "
+                f"{host_port(str(address[0]), int(address[1]))}, that address is "
+                f"{self._origin}: {_fix(self._origin)}"
+            )
         return CommunicatorTimeout(
             f"rank {self._auth.rank}: rank {self._peer} did not connect and authenticate "
-            f"within {self._timeout_s:g} s{note}"
+            f"within {self._timeout_s:g} s{note}{mine}"
         )
 
     def _drop(self, entry: _Pending) -> None:
