@@ -23,7 +23,7 @@ from typing import IO, Any
 import trustme
 
 from rendezvousd.common.log_time import STAMP, STAMP_FORMAT
-from rendezvousd.trainer.demo.netns import Host, Hosts
+from rendezvousd.trainer.demo.netns import SUBNET, Host, Hosts
 from tests.support import DaemonProcess, launcher_cmd, spawn_daemon
 
 EXAMPLE = ("-m", "rendezvousd.trainer.example")
@@ -245,10 +245,10 @@ class Cluster:
 
 
 def mutual_tls(folder: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """A CA, the daemon's certificate for h0 (198.18.0.1) and a client certificate,
+    """A CA, the daemon's certificate for h0 (198.18.N.1) and a client certificate,
     written to ``folder``: (the daemon's flags, a launcher's flags) for mutual TLS."""
     ca = trustme.CA()
-    server = ca.issue_cert("198.18.0.1", "rendezvousd.test")
+    server = ca.issue_cert(str(SUBNET.network_address + 1), "rendezvousd.test")
     client = ca.issue_cert("worker.test")
     paths = {}
     for name, blob in {

@@ -151,7 +151,7 @@ def test_a_killed_runs_hosts_are_swept_and_a_live_ones_kept(
         # A process still inside, or a builder still alive: kept.
         assert busy in listed and busy not in swept
         assert live in listed and live not in swept
-        assert Hosts(1).prefix.startswith(f"rdzv-{os.getpid()}-")
+        assert Hosts(1).prefix.startswith(f"{netns.ROOT}-{os.getpid()}-")
     finally:
         sleeper.kill()
         sleeper.wait(10)
