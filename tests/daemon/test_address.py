@@ -180,3 +180,31 @@ def test_a_host_without_a_route_to_the_daemon_yet_is_waited_for_and_then_named(
     with pytest.raises(UnresolvedHost, match=r"no route from this host \(\[Errno 97\]"):
         address.route_source("198.18.7.10:29400", 5.0)
     assert time.monotonic() - started < 1.0
+
+
+def test_the_route_is_the_connection_the_daemon_accepted_in_resolution_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name whose first address has nothing listening (a dead management address)
+    and whose second is the daemon's: the route is the one that accepted, as gRPC's
+    pick_first connects, not the routing table's answer for the first address. With
+    nothing listening anywhere (a daemon not started yet), the first routed one."""
+    real = socket.getaddrinfo
+    with socket.create_server(("127.0.0.1", 0)) as daemon:
+        port = daemon.getsockname()[1]
+
+        def two(host: str, *rest: object, **kw: object) -> object:
+            if host != "daemon.example":
+                return real(host, *rest, **kw)  # type: ignore[arg-type]
+            first = real("127.0.0.2", port, type=socket.SOCK_STREAM)
+            return first + real("127.0.0.1", port, type=socket.SOCK_STREAM)
+
+        monkeypatch.setattr(socket, "getaddrinfo", two)
+        route = address.daemon_route(f"daemon.example:{port}")
+        assert (route.local, route.remote, route.connected) == ("127.0.0.1", "127.0.0.1", True)
+        assert (
+            route.resolved() == "'daemon.example' resolves to 127.0.0.1 on this host (/etc/hosts)"
+        )
+    route = address.daemon_route(f"daemon.example:{port}")  # nothing listens now
+    assert (route.remote, route.connected) == ("127.0.0.2", False)
+    assert address.daemon_route(f"127.0.0.1:{port}").resolved() == ""
