@@ -729,7 +729,7 @@ def run_ours(
             idle = (sampler.at(start_at) - sampler.at(start_at - START_MARGIN_S)) / START_MARGIN_S
             rpcs = _rpc_counts(embedded.metrics_url)
             joins = world
-            return {
+            result = {
                 "system": "rendezvousd",
                 "mode": "agents" if gpus_per_node else "per-rank",
                 "condition": condition,
@@ -765,7 +765,16 @@ def run_ours(
             sampler.stopped.set()
             if profiler is not None and profiler.proc.poll() is None:
                 profiler.proc.kill()
-            embedded.stop()
+            # SIGTERM, not stop()'s closed stdin alone: a daemon whose parent left waits
+            # for its active members, up to its heartbeat timeout (600 s above), and the
+            # simulated ranks that never opened a heartbeat stream stay active in their
+            # failed generation, so each case waited out stop()'s 30 s and was killed.
+            embedded.proc.terminate()
+            exit_code = embedded.stop()
+        # 0: the daemon drained and exited; anything else (a crash while draining, a
+        # kill past stop()'s bound) says its end was not clean.
+        result["daemon_exit"] = exit_code
+        return result
 
 
 def _tree_mib(folder: Path) -> float:

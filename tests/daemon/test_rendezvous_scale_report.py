@@ -44,6 +44,9 @@ def test_an_anchor_that_cannot_start_is_reported_beside_our_measured_case(
     ours, anchor = json.loads(out.read_text())["results"]
     assert ours["system"] == "rendezvousd" and ours["wall_s"] is not None
     assert ours["ok"] == 4 and ours["errors"] == {}
+    # Stopped by SIGTERM and drained: a daemon left waiting for its silent ranks was
+    # killed (-9) after EmbeddedDaemon.stop's 30 s, in every case of ours.
+    assert ours["daemon_exit"] == 0, ours
     assert anchor["system"] == "torch.TCPStore" and anchor["condition"] == "connected"
     assert anchor["wall_s"] is None and anchor["ok"] == 0
     assert anchor["errors"] == {"anchor not run": 4}
