@@ -116,6 +116,18 @@ def _training_rank_3(nodes: list[Node]) -> dict[str, Any]:
     return next(e for e in nodes[1].events("ready") if e["rank"] == 3)
 
 
+def _hurry_once_trained(node: Node, hurry: Path) -> None:
+    """Once ``node``'s two workers resumed (or it exited, which the test's own checks
+    then report), the job's steps stop pacing (elastic_worker's ``--hurry-file``): its
+    step count is a margin for a loaded machine up to this point, not after it."""
+    wait_for(
+        f"{node.err.stem}'s workers to resume",
+        lambda: node.proc.poll() is not None or len(node.events("resumed")) == 2,
+        timeout=60,
+    )
+    hurry.touch()
+
+
 def test_a_killed_worker_is_replaced_and_training_resumes_losing_at_most_one_step(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
@@ -555,12 +567,14 @@ def test_a_node_arriving_late_joins_the_running_elastic_job(
     # Long enough (12 s) that the early node is still training when the late one has
     # started on a loaded machine: at 4.5 s it once finished first (CI), and the late
     # node formed a job of its own.
-    args = ["--steps", "400", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
     early = Node(d, job_id, tmp_path, "early", "1:2", "auto", flags, args)
     late: Node | None = None
     try:
         wait_for("the one-node job to train", lambda: len(early.events("resumed")) == 2, 60)
         late = Node(d, job_id, tmp_path, "late", "1:2", "auto", flags, args)
+        _hurry_once_trained(late, hurry)
         codes = _exits([early, late])
     finally:
         _cleanup([early] + ([late] if late else []))
@@ -582,12 +596,14 @@ def test_a_standby_started_while_the_job_has_room_says_it_joins_as_a_scale_up(
     now it says that it joins the job as a scale-up, and that the job grew."""
     d = start_daemon()
     flags = ["--last-call-s", "0.2"]
-    args = ["--steps", "400", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
     early = Node(d, job_id, tmp_path, "early", "1:2", "auto", flags, args)
     standby: Node | None = None
     try:
         wait_for("the one-node job to train", lambda: len(early.events("resumed")) == 2, 60)
         standby = Node(d, job_id, tmp_path, "standby", "1:2", "auto", ["--standby"], args)
+        _hurry_once_trained(standby, hurry)
         codes = _exits([early, standby])
     finally:
         _cleanup([early] + ([standby] if standby else []))
@@ -619,7 +635,8 @@ def test_a_node_relaunched_while_its_frozen_predecessor_holds_the_seat_waits_for
     d = start_daemon("--heartbeat-timeout-s", "8")
     # 15 s of steps at the least: the frozen agent's workers must not finish the job
     # before the daemon loses that agent.
-    args = ["--steps", "500", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "500", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], args)
     frozen: list[int] = []
     relaunched: Node | None = None
@@ -628,6 +645,7 @@ def test_a_node_relaunched_while_its_frozen_predecessor_holds_the_seat_waits_for
         frozen = [nodes[0].proc.pid]
         os.kill(frozen[0], signal.SIGSTOP)
         relaunched = Node(d, job_id, tmp_path, "again0", "2", "0", ["--max-restarts", "0"], args)
+        _hurry_once_trained(relaunched, hurry)
         codes = _exits([relaunched, nodes[1]])
     finally:
         for pid in [*descendants(frozen[0]), *frozen] if frozen else []:
@@ -769,9 +787,10 @@ def _node_1_replaced_by_the_standby(
     d: DaemonProcess, job: str, tmp: Path, steps: int, node1_flags: Sequence[str] = ()
 ) -> list[Node]:
     """Nodes 0 and 1 of a 2-node job and a standby; node 1's agent stopped until the
-    daemon lost it and called the standby into its seat, then continued."""
+    daemon lost it and called the standby into its seat, then continued. The steps
+    stop pacing once ``tmp / "hurry"`` exists (elastic_worker's ``--hurry-file``)."""
     flags = ["--max-restarts", "3"]
-    args = ["--steps", str(steps), "--step-s", "0.03"]
+    args = ["--steps", str(steps), "--step-s", "0.03", "--hurry-file", str(tmp / "hurry")]
     nodes = [
         Node(d, job, tmp, "node0", "2", "0", flags, args),
         Node(d, job, tmp, "node1", "2", "1", [*flags, *node1_flags], args),
@@ -801,6 +820,12 @@ def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0
     d = start_daemon("--heartbeat-timeout-s", "3")
     nodes = _node_1_replaced_by_the_standby(d, job_id, tmp_path, 250)
     try:
+        wait_for(
+            "node 1 to stand by",
+            lambda: nodes[1].proc.poll() is not None or "standing by" in nodes[1].stderr(),
+            timeout=60,
+        )
+        _hurry_once_trained(nodes[2], tmp_path / "hurry")
         codes = _exits(nodes)
     finally:
         _cleanup(nodes)
@@ -822,6 +847,7 @@ def test_a_replaced_node_stands_by_for_one_wait_only(
     try:
         code1 = node1.wait(60)
         assert node0.proc.poll() is None  # the job trains on without it
+        _hurry_once_trained(standby, tmp_path / "hurry")
         codes = _exits([node0, standby])
     finally:
         _cleanup(nodes)
@@ -868,7 +894,8 @@ def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_calle
     d = start_daemon("--metrics-listen", "127.0.0.1:0")
     timed_out = 'rendezvousd_rpc_duration_seconds_count{code="DEADLINE_EXCEEDED",method="JoinNode"}'
     flags = ["--max-restarts", "1"]
-    args = ["--steps", "400", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = _nodes(d, job_id, tmp_path, 2, flags, args)
     quick = [*flags, "--standby", "--join-timeout-s", "1"]
     standby = Node(d, job_id, tmp_path, "standby", "2", "auto", quick, args)
@@ -884,6 +911,7 @@ def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_calle
         wait_for("3 of its waits to end, parked again", lambda: waits_ended(3), timeout=60)
         assert len(nodes[1].events("done")) == 0, "the job ended before node 1 was killed"
         nodes[1].proc.kill()
+        _hurry_once_trained(standby, hurry)
         codes = _exits([nodes[0], standby])
     finally:
         _cleanup([*nodes, standby])
@@ -906,7 +934,8 @@ def test_a_live_twin_of_a_node_is_told_within_seconds_not_after_its_join_timeout
     heartbeat, seen going on between two asks (the daemon says when it last heard it),
     tells a twin from a frozen predecessor, on any host; the job runs on."""
     d = start_daemon()
-    args = ["--steps", "300", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "300", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = _nodes(d, job_id, tmp_path, 2, [], args)
     twin: Node | None = None
     try:
@@ -917,6 +946,7 @@ def test_a_live_twin_of_a_node_is_told_within_seconds_not_after_its_join_timeout
         twin = Node(d, job_id, tmp_path, "twin0", "2", "0", flags, args, prefix)
         code = twin.wait(60)
         took = time.monotonic() - started
+        hurry.touch()  # the twin was answered while the holder trained: the rest is margin
         codes = _exits(nodes)
     finally:
         _cleanup([*nodes, *([twin] if twin else [])])
@@ -996,12 +1026,14 @@ def test_a_standby_node_exits_0_when_the_job_ends_without_it(
     d = start_daemon()
     # 4.5 s of steps: the standby must join before the job ends; one that comes after
     # waits out its join timeout (the test below).
-    args = ["--steps", "150", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "150", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = _nodes(d, job_id, tmp_path, 2, [], args)
     standby = Node(d, job_id, tmp_path, "standby", "2", "auto", ["--standby"], args)
     try:
         wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
         assert nodes[0].events("done") == [], "the job ended before the standby stood by"
+        hurry.touch()
         codes = _exits((*nodes, standby))
     finally:
         _cleanup([*nodes, standby])
@@ -1106,7 +1138,8 @@ def test_a_standby_outlives_a_daemon_restart_without_using_a_restart(tmp_path: P
     with StatefulDaemon(tmp_path, "--heartbeat-timeout-s", "15") as daemon:
         d = daemon.current
         job = "standby-restart"
-        args = ["--steps", "400", "--step-s", "0.03"]
+        hurry = tmp_path / "hurry"
+        args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
         node = Node(d, job, tmp_path, "node0", "1", "0", ["--max-restarts", "1"], args)
         flags = ["--standby", "--retries", "0"]
         standby = Node(d, job, tmp_path, "standby", "1", "auto", flags, args)
@@ -1115,6 +1148,7 @@ def test_a_standby_outlives_a_daemon_restart_without_using_a_restart(tmp_path: P
             wait_for("the standby to stand by", lambda: "standing by for" in standby.stderr(), 60)
             daemon.outage_under_a_standby(job, standby.stderr)
             node.kill()  # the whole node: its agent and, with it, its workers
+            _hurry_once_trained(standby, hurry)
             code = standby.wait(90)
         finally:
             _cleanup([node, standby])
