@@ -733,12 +733,13 @@ def survivors_trained_on(agents: Sequence[Torchrun], log: Path) -> list[dict[str
 
 
 def standby_replaces_a_killed_node(
-    agents: Sequence[Torchrun], log: Path, steps: int
+    agents: Sequence[Torchrun], log: Path, steps: int, hurry: Path | None = None
 ) -> tuple[float, list[dict[str, Any]]]:
     """Three torchrun agents for --nnodes 2: once 4 ranks train and one agent stands
     by, a training agent is killed; the other two (the spare called into its slot)
     train a 4-rank world to step ``steps`` and exit 0. Returns when the kill was, and
-    the steps of the new workers."""
+    the steps of the new workers. ``hurry``: the workers' ``--hurry-file``, touched once
+    every rank of the new world logged a step (the steps pace the first world only)."""
     wait_for(
         "4 ranks at step 2 and an agent standing by",
         lambda: (
@@ -752,6 +753,16 @@ def standby_replaces_a_killed_node(
     first_round = {s["pid"] for s in torch_steps(log)}
     killed_at = time.time()
     victim.kill()  # a training node: its agent and its workers
+    if hurry is not None:
+        wait_for(
+            "the 4 ranks of the new world to step",
+            lambda: (
+                len({s["rank"] for s in torch_steps(log) if s["pid"] not in first_round}) == 4
+                or any(a.proc.poll() is not None for a in agents if a is not victim)
+            ),
+            timeout=120,
+        )
+        hurry.touch()
     for a in agents:
         if a is not victim:
             assert a.wait(120) == 0, a.stderr()[-3000:]
