@@ -116,13 +116,14 @@ def _training_rank_3(nodes: list[Node]) -> dict[str, Any]:
     return next(e for e in nodes[1].events("ready") if e["rank"] == 3)
 
 
-def _hurry_once_trained(node: Node, hurry: Path) -> None:
-    """Once ``node``'s two workers resumed (or it exited, which the test's own checks
-    then report), the job's steps stop pacing (elastic_worker's ``--hurry-file``): its
-    step count is a margin for a loaded machine up to this point, not after it."""
+def _hurry_once_trained(node: Node, hurry: Path, resumed: int = 2) -> None:
+    """Once ``node``'s workers resumed ``resumed`` times in all (two a generation), or it
+    exited (which the test's own checks then report), the job's steps stop pacing
+    (elastic_worker's ``--hurry-file``): its step count is a margin for a loaded machine
+    up to this point, not after it."""
     wait_for(
         f"{node.err.stem}'s workers to resume",
-        lambda: node.proc.poll() is not None or len(node.events("resumed")) == 2,
+        lambda: node.proc.poll() is not None or len(node.events("resumed")) >= resumed,
         timeout=60,
     )
     hurry.touch()
@@ -470,7 +471,8 @@ def test_a_node_stopped_by_sigterm_scales_an_elastic_job_down_without_a_restart(
     for a scale-up, and finish."""
     d = start_daemon()
     flags = ["--last-call-s", "1"]
-    args = ["--steps", "400", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = [Node(d, job_id, tmp_path, f"node{n}", "2:3", "auto", flags, args) for n in range(3)]
     try:
         wait_for(
@@ -482,6 +484,7 @@ def test_a_node_stopped_by_sigterm_scales_an_elastic_job_down_without_a_restart(
             timeout=60,
         )
         nodes[2].proc.send_signal(signal.SIGTERM)
+        _hurry_once_trained(nodes[0], hurry, resumed=4)  # re-formed without node 2
         codes = _exits(nodes)
     finally:
         _cleanup(nodes)
@@ -762,7 +765,8 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
     flags = ["--max-restarts", "1"]
     # 6 s of steps: node 1 is killed once the standby stands by, which must be before
     # the job ends (a loaded machine once took over 3 s to start an agent).
-    args = ["--steps", "200", "--step-s", "0.03"]
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "200", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = _nodes(d, job_id, tmp_path, 2, flags, args)
     standby = Node(d, job_id, tmp_path, "standby", "2", "auto", [*flags, "--standby"], args)
     try:
@@ -770,6 +774,7 @@ def test_a_standby_node_takes_the_place_of_a_lost_node(
         wait_for("the standby to stand by", lambda: "standing by" in standby.stderr(), 60)
         assert standby.proc.poll() is None, standby.stderr()
         nodes[1].proc.kill()  # the whole node: agent and (by PDEATHSIG) its workers
+        _hurry_once_trained(standby, hurry)
         codes = _exits([nodes[0], standby])
     finally:
         _cleanup([*nodes, standby])
@@ -1233,7 +1238,8 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
     refused as stale."""
     d = start_daemon("--heartbeat-timeout-s", "3")
     flags = ["--max-restarts", str(restarts)]
-    nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "400"])
+    hurry = tmp_path / "hurry"
+    nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "400", "--hurry-file", str(hurry)])
     try:
         _training_rank_3(nodes)
         nodes[1].proc.send_signal(signal.SIGSTOP)
@@ -1242,6 +1248,8 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
             wait_for("node 0 to join generation 2", lambda: _generation(d, job_id)[0] == 2, 30)
         time.sleep(2.0)  # node 1's workers see their links close, and exit
         nodes[1].proc.send_signal(signal.SIGCONT)
+        if restarts:
+            _hurry_once_trained(nodes[1], hurry, resumed=4)  # in generation 2 with node 0
         codes = _exits(nodes)
     finally:
         _cleanup(nodes)
