@@ -65,7 +65,9 @@ def _node(
 ) -> subprocess.Popen[bytes]:
     cmd = launcher_cmd(2, rank, 2, endpoint=d.endpoint, token_file=token_file)
     cmd += ["--job-id", job, "--heartbeat-interval-s", "0.5", "--max-restarts", "2"]
-    cmd += [WORKER, "--steps", "300", "--step-s", "0.05"]
+    # 15 s of steps: the job must outlast two daemon restarts on a loaded machine. Once
+    # the test saw what it waits for, it touches tmp / "hurry" and the rest run unpaced.
+    cmd += [WORKER, "--steps", "300", "--step-s", "0.05", "--hurry-file", str(tmp / "hurry")]
     with (tmp / f"node{rank}.out").open("w") as out, (tmp / f"node{rank}.err").open("w") as err:
         return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
 
@@ -107,6 +109,7 @@ def test_a_token_rotated_by_the_runbook_keeps_a_running_two_node_job_alive(
                 )
 
             wait_for("the job's heartbeats on the new daemon", stepping, timeout=30)
+        (tmp_path / "hurry").touch()
         codes = [n.wait(120) for n in nodes]
     finally:
         for n in nodes:
