@@ -999,8 +999,9 @@ def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spar
     flags = ["--max-restarts", "1", "--standby-if-full"]
     # 9 s of steps: with 3 s, a loaded CI machine once ended the job before the
     # restarted pod joined, and a standby started after its job ended waits out its
-    # join timeout (below), which outlasted the test's.
-    args = ["--steps", "300", "--step-s", "0.03"]
+    # join timeout (below), which outlasted the test's. Unpaced once that pod stood by.
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "300", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = [Node(d, job_id, tmp_path, f"pod{n}", "2", "auto", flags, args) for n in range(3)]
     late: list[Node] = []
     try:
@@ -1014,6 +1015,7 @@ def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spar
         late.append(Node(d, job_id, tmp_path, "pod1-again", "2", "auto", flags, args))
         wait_for("the restarted pod to stand by", lambda: full in late[0].stderr(), 60)
         assert trainers[0].events("done") == [], "the job ended before the pod stood by"
+        hurry.touch()
         codes = _exits([trainers[0], spare, late[0]])
     finally:
         _cleanup([*nodes, *late])
@@ -1351,7 +1353,8 @@ def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_wind
     recover whatever --max-restarts allowed."""
     with StatefulDaemon(tmp_path, "--heartbeat-timeout-s", "2") as daemon:
         d = daemon.current
-        args = ["--steps", "150", "--step-s", "0.03"]
+        hurry = tmp_path / "hurry"
+        args = ["--steps", "150", "--step-s", "0.03", "--hurry-file", str(hurry)]
         nodes = _nodes(d, "late-daemon", tmp_path, 2, ["--max-restarts", "1"], args)
         try:
             wait_for("both nodes to train", lambda: all(n.events("step") for n in nodes), 60)
@@ -1363,6 +1366,7 @@ def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_wind
             )
             time.sleep(1.0)
             daemon.current = daemon._spawn()
+            _hurry_once_trained(nodes[1], hurry, resumed=4)  # the job re-formed
             codes = _exits(nodes)
         finally:
             _cleanup(nodes)
