@@ -44,6 +44,7 @@ from rendezvousd.common.validation import LONGEST_WAIT_S, SHORTEST_HEARTBEAT_S, 
 from rendezvousd.common.validation import job_id as check_job_id
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.interfaces import INTERFACE_MARK, InterfaceError, ipv4_of
 from rendezvousd.trainer.topology import MultiNodeTopology
 
 if TYPE_CHECKING:
@@ -228,6 +229,31 @@ def _resolved_ring_host(host: str) -> str:
             f"host: {why}): give an address of this host that the other nodes reach, or "
             "leave it unset (the address towards the daemon)"
         ) from None
+
+
+def _interface_ring_host(given: str, note: Callable[[str], None] | None) -> RingAddress:
+    """``ring_host = "@eth1"``: that interface's IPv4 address on this host, so one
+    config (a shared TOML, an srun script's environment) names the nodes' data network
+    and each node advertises its own address on it, as GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME name an interface. A mark inside ``ring_host``, not a setting of
+    its own: one setting with one precedence (a node's --ring-host 10.0.0.5 overrides a
+    shared file's @eth1 as any value does), and no pair of settings to refuse together."""
+    name = given[len(INTERFACE_MARK) :]
+    try:
+        address = ipv4_of(name)
+    except InterfaceError as exc:
+        raise ConfigError(
+            f"ring_host={given!r} on host {socket.gethostname()}: {exc}; name an interface "
+            f"this host has after {INTERFACE_MARK!r} (the one the other nodes reach it on), "
+            "give an address, or leave ring_host unset (the address towards the daemon)"
+        ) from None
+    _check_listenable(address, given)
+    if note is not None:
+        note(
+            f"ring_host {given!r} is interface {name}'s address {address} on this host: the "
+            f"ring listens on and advertises {address}"
+        )
+    return RingAddress(address, f"given by {RING_HOST_KNOB} as interface {name}'s address")
 
 
 def _tls(help: str, kind: Text | None = None) -> Any:
@@ -415,8 +441,9 @@ class DistributedConfig:
     )
     ring_host: str | None = setting(
         None,
-        "cpu backend: address this worker's ring listens on and advertises "
-        "(default: this host's address towards the daemon)",
+        "cpu backend: address this worker's ring listens on and advertises, or "
+        "@INTERFACE for that interface's IPv4 address on each host (default: this "
+        "host's address towards the daemon)",
         Text(optional=True),
     )
     setup_timeout_s: float = setting(
@@ -636,6 +663,8 @@ class DistributedConfig:
         ``unix:`` endpoint or the file transport). A daemon's name that does not
         resolve yet is asked again for ``wait_s`` (default: ``connect_timeout_s``),
         ``note`` told so."""
+        if self.ring_host and self.ring_host.startswith(INTERFACE_MARK):
+            return _interface_ring_host(self.ring_host, note)
         if self.ring_host:
             address = _resolved_ring_host(self.ring_host)
             _check_listenable(address, self.ring_host if address != self.ring_host else None)

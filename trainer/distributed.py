@@ -59,6 +59,7 @@ from rendezvousd.trainer.errors import (
     RetriesExhausted,
     TrainerError,
 )
+from rendezvousd.trainer.interfaces import point_socket_ifname
 from rendezvousd.trainer.topology import MultiNodeTopology, required_local_devices
 
 if TYPE_CHECKING:
@@ -319,6 +320,14 @@ def init_distributed(
         # Before the join the global rank is unknown (node_rank 'auto'), and local ranks
         # repeat across simulated nodes on one machine: this process's own id.
         devices.prepare_nccl(None)
+        # After prepare_nccl, whose loopback (the shared-device mode) this then keeps.
+        if (ifname := point_socket_ifname("NCCL_SOCKET_IFNAME", ring_host, os.environ)) is not None:
+            log.info(
+                "rendezvousd: NCCL_SOCKET_IFNAME=%s (holds %s, this worker's address, %s)",
+                ifname,
+                ring_host,
+                ring.origin,
+            )
         # A driver or library problem said as itself first (device_count() is 0 then,
         # which read "found 0 devices"), then the per-node count, not the raw world_size
         # field (unset when the launcher gives only gpus_per_node on a single node), in

@@ -252,3 +252,33 @@ def test_a_peer_address_on_a_network_the_nodes_do_not_share_is_named_with_its_se
         assert "ring_host) on node" in root[0], root
     finally:
         cluster.stop()
+
+
+def test_a_shared_config_naming_the_data_interface_forms_the_ring_on_it(
+    make_hosts: Callable[[int], Hosts], tmp_path: Path, job_id: str
+) -> None:
+    """The same hosts, the nodes reaching the daemon on net M, where the default pick
+    (the route towards the daemon) advertises addresses the nodes cannot reach each
+    other at. One TOML for every node, `ring_host = "@eth0"` (net A's interface): each
+    node advertises its own net A address, said as that interface's, and the ring forms.
+    Before, the name had to be each node's own address: `@eth0` did not resolve."""
+    hosts = make_hosts(3)
+    _add_net_m(hosts)
+    cluster = _cluster_on_every_address(hosts, tmp_path)
+    shared = tmp_path / "shared.toml"
+    shared.write_text('[distributed]\nring_host = "@eth0"\nsetup_timeout_s = 30.0\n')
+    try:
+        port = cluster.daemon.endpoint.rsplit(":", 1)[1]
+        cluster.daemon.endpoint = f"{_m_address(0)}:{port}"
+        nodes = cluster.launch(2, 1, job=job_id, launcher_args=["--config", str(shared)])
+        codes = cluster.wait(nodes, timeout=90)
+        assert codes == [0, 0], [n.summary() for n in nodes]
+        assert len(cluster.results(job_id)) == 2
+        for node in nodes:
+            address = node.host.address
+            assert (
+                f"ring_host '@eth0' is interface eth0's address {address} on this host"
+                in node.text()
+            ), node.text()
+    finally:
+        cluster.stop()

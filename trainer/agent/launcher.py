@@ -69,6 +69,7 @@ from rendezvousd.trainer.config import (
     load_layers,
 )
 from rendezvousd.trainer.errors import ConfigError, RestartsExhausted
+from rendezvousd.trainer.interfaces import point_socket_ifname
 
 if TYPE_CHECKING:
     from rendezvousd.common.members import Seat
@@ -268,6 +269,27 @@ def spare_env(
     return env
 
 
+def point_nccl_at(config: DistributedConfig, ring: RingAddress, env: dict[str, str]) -> None:
+    """The nccl backend: ``NCCL_SOCKET_IFNAME`` for the workers (``env``) and this
+    process, node 0's NCCL bootstrap root (``_id_factory``), set to the interface holding
+    the node's advertised address, unless the user set it; as torchrun's handler points
+    gloo. Left alone, NCCL takes the first interface it likes, on a multi-homed host not
+    the one the nodes reach each other on. Not in the shared-device mode, where every
+    rank is on this host and ``devices.prepare_nccl`` keeps NCCL on loopback."""
+    if config.backend != "nccl" or env.get("NCCL_SOCKET_IFNAME"):
+        return
+    from rendezvousd.trainer.comm.nccl import SHARED_DEVICE_ENV
+
+    if env.get(SHARED_DEVICE_ENV) == "1":
+        return
+    if (name := point_socket_ifname("NCCL_SOCKET_IFNAME", ring.address, env)) is not None:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+        _note(
+            f"NCCL_SOCKET_IFNAME={name} (holds {ring.address}, this node's address, "
+            f"{ring.origin}); set NCCL_SOCKET_IFNAME to choose another"
+        )
+
+
 def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
     if config.backend != "nccl":
         return None  # the SDK's 128 random bytes key the CPU ring
@@ -342,6 +364,7 @@ def run_agent(
     target = ["-m", args.target] if args.module else [args.target]
     cmd = target + [a for a in args.args if a != "--"]
     env = spare_env(config, args.config, base)
+    point_nccl_at(config, ring, env)
     if env.get(THREADS_ENV) == "1" and THREADS_ENV not in base:
         _note(
             f"{THREADS_ENV}=1 for each of the {config.local_world_size} workers of this node "

@@ -172,6 +172,7 @@ from rendezvousd.trainer.agent.recovery import (
 )
 from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.errors import ConfigError
+from rendezvousd.trainer.interfaces import point_socket_ifname
 from rendezvousd.trainer.torchrun import warm
 from rendezvousd.trainer.torchrun.config import (
     TORCHRUN_TLS_ADVICE,
@@ -213,15 +214,7 @@ def closes_run(exc: BaseException | None) -> bool:
 def point_gloo_at(address: str, env: MutableMapping[str, str]) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` in ``env`` (the agent's, which its workers inherit) to
     the interface holding ``address``, unless the user chose one; returns what was set."""
-    import psutil
-
-    if env.get("GLOO_SOCKET_IFNAME"):
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%", 1)[0] == address for a in addrs):
-            env["GLOO_SOCKET_IFNAME"] = str(name)
-            return str(name)
-    return None
+    return point_socket_ifname("GLOO_SOCKET_IFNAME", address, env)
 
 
 def start_warm_server(
