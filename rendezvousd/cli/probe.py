@@ -196,13 +196,18 @@ def _status(args: argparse.Namespace) -> int:
                 if args.job:
                     text = render_job(client.get_job(args.job))
                 else:
+                    listed = client.list_jobs()
+                    # Finished jobs are counted from the list alone: a daemon holds up
+                    # to max_jobs of them until --job-ttl-s, and a GetJob each made
+                    # 1,000 held ones 250 KB and seconds of output burying the live few.
+                    shown = listed if args.all else [s for s in listed if not _finished(s)]
                     jobs = []
-                    for summary in client.list_jobs():
+                    for summary in shown:
                         try:
                             jobs.append(client.get_job(summary.job_id))
                         except NotFound:  # forgotten since it was listed: no longer a job
                             continue
-                    text = render(jobs)
+                    text = render(jobs, "" if args.all else finished_line(listed))
                 head = daemon_line(args.endpoint, client.daemon_version())
                 return f"{head}{storage_line(client.storage_failing_since())}\n{text}"
 
@@ -295,8 +300,33 @@ def storage_line(since: float | None) -> str:
     )
 
 
-def render(jobs: list[Any]) -> str:
-    """The status table; every client-provided text in it is escaped."""
+#: The states of a job whose generation is over: held until --job-ttl-s (or until a new
+#: job takes its max_jobs slot), counted by ``status`` unless --all.
+FINISHED = (
+    ("ended", pb.JOB_STATE_ENDED),
+    ("failed", pb.JOB_STATE_FAILED),
+    ("aborted", pb.JOB_STATE_ABORTED),
+)
+
+
+def _finished(summary: Any) -> bool:
+    return any(summary.state == state for _, state in FINISHED)
+
+
+def finished_line(summaries: list[Any]) -> str:
+    """The one line counting the finished jobs ``status`` leaves out ("" for none)."""
+    counts = [(word, sum(s.state == state for s in summaries)) for word, state in FINISHED]
+    total = sum(n for _, n in counts)
+    if not total:
+        return ""
+    by_state = ", ".join(f"{word} {n}" for word, n in counts if n)
+    jobs = "job" if total == 1 else "jobs"
+    return f"+ {total} finished {jobs} held ({by_state}): --all lists them"
+
+
+def render(jobs: list[Any], finished: str = "") -> str:
+    """The status table (``finished``: the line counting the finished jobs left out);
+    every client-provided text in it is escaped."""
     lines = [f"{'JOB':<24} {'STATE':<8} {'GEN':>4} {'WORLD':>6} {'PRESENT':>8} {'AGE':>8}"]
     for job in jobs:
         s = job.summary
@@ -319,7 +349,9 @@ def render(jobs: list[Any]) -> str:
             )
         lines += _ending(job)
     if not jobs:
-        lines.append("(no jobs)")
+        lines.append("(no forming or running jobs)" if finished else "(no jobs)")
+    if finished:
+        lines.append(finished)
     return "\n".join(lines)
 
 
@@ -489,7 +521,11 @@ def add_probe_commands(sub: Any) -> None:
     health.add_argument("--service", default="", help="service name to check ('' = whole daemon)")
     health.set_defaults(func=_health)
 
-    status = sub.add_parser("status", help="table of jobs, members, hosts and heartbeat ages")
+    status = sub.add_parser(
+        "status",
+        help="table of forming and running jobs (--all: finished ones too), members, hosts "
+        "and heartbeat ages",
+    )
     common(status)
     status.add_argument(
         "--token-file",
@@ -506,6 +542,12 @@ def add_probe_commands(sub: Any) -> None:
         metavar="SECONDS",
         help="redraw every SECONDS (default 1) on a terminal; piped, print one snapshot. "
         "Give JOB before it (JOB --watch): right after it, JOB is read as SECONDS",
+    )
+    status.add_argument(
+        "--all",
+        action="store_true",
+        help="list finished (ended, failed, aborted) jobs too; without it they are "
+        "counted in one line. A JOB named is shown whatever its state",
     )
     status.add_argument("job", nargs="?", help="only this job")
     status.set_defaults(func=_status)
