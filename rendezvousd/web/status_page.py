@@ -76,6 +76,12 @@ POLL_MEMBERS = 2048
 CONFLICT_CHARS = 2000
 # Steps per second are measured over this much of the job's recent step samples.
 RATE_WINDOW_S = 30.0
+# The overview lists every live job, but only a page of the finished ones the daemon
+# holds (until --job-ttl-s): ~1,000 of them made /api/jobs 400 KB, each poll, the few
+# live jobs buried among them (h147 F6). This many by default, the newest first; a
+# request may ask for up to FINISHED_PAGE_MAX (``finished_limit``, ``finished_offset``).
+FINISHED_PAGE = 20
+FINISHED_PAGE_MAX = 1024
 
 _STATIC = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -165,7 +171,13 @@ class StatusPage:
         if caller is None:
             return _json(401, {"error": "log in with the admin token or the job's token"})
         if r.path == "/api/jobs" and r.method == "GET":
-            return _json(200, self.overview(caller.scope))
+            try:
+                offset = max(0, int(r.query.get("finished_offset", "0")))
+                limit = int(r.query.get("finished_limit", str(FINISHED_PAGE)))
+            except ValueError:
+                return _json(400, {"error": "finished_offset and finished_limit are numbers"})
+            limit = min(FINISHED_PAGE_MAX, max(0, limit))
+            return _json(200, self.overview(caller.scope, offset, limit))
         parts = r.path.split("/")
         if len(parts) == 4 and r.method == "GET":
             return self._job(caller.scope, parts[3], r.query)
@@ -306,8 +318,7 @@ class StatusPage:
         (t0, s0), (t1, s1) = samples[0], samples[-1]
         return round((s1 - s0) / (t1 - t0), 2)
 
-    def _views(self, scope: Scope) -> list[JobView]:
-        ids = sorted(self.state.jobs) if scope.admin else [scope.job or ""]
+    def _views(self, ids: list[str]) -> list[JobView]:
         views = []
         for job_id in ids:
             try:
@@ -316,8 +327,23 @@ class StatusPage:
                 continue
         return views
 
-    def overview(self, scope: Scope) -> dict[str, Any]:
-        views = self._views(scope)
+    def overview(
+        self, scope: Scope, finished_offset: int = 0, finished_limit: int = FINISHED_PAGE
+    ) -> dict[str, Any]:
+        """Every live job the scope sees, by id, then a page of its finished ones, the
+        most recently finished first, and how many finished ones there are by state:
+        sorted from the jobs' records, so that only the jobs shown cost a view."""
+        jobs = self.state.jobs
+        ids = sorted(jobs) if scope.admin else [j for j in [scope.job or ""] if j in jobs]
+        live = [j for j in ids if jobs[j].state not in _FINISHED]
+        finished = sorted(
+            (j for j in ids if jobs[j].state in _FINISHED), key=lambda j: -jobs[j].state_since
+        )
+        page = finished[finished_offset : finished_offset + finished_limit]
+        views = self._views(live + page)
+        by_state = {s.name: 0 for s in _FINISHED}
+        for j in finished:
+            by_state[jobs[j].state.name] += 1
         members = sum(len(v.members) for v in views)
         return {
             "admin": scope.admin,
@@ -332,7 +358,14 @@ class StatusPage:
             # The page's banner: the jobs' rows alone read as all well while every
             # change is refused (None while storage takes writes).
             "storage_failing_since": self._storage_failing_since(),
+            # The live jobs (forming, running) first, then the page of finished ones.
             "jobs": [self._summary(v) for v in views],
+            "finished": {
+                "total": len(finished),
+                "by_state": by_state,
+                "offset": finished_offset,
+                "limit": finished_limit,
+            },
         }
 
     def _summary(self, v: JobView) -> dict[str, Any]:
@@ -514,6 +547,9 @@ class StatusPage:
 
 
 _PRESENT = (MemberState.JOINING, MemberState.ACTIVE)
+# A job whose generation is over, held until --job-ttl-s: counted, and listed a page at
+# a time (in this order in ``by_state``).
+_FINISHED = (JobState.ENDED, JobState.FAILED, JobState.ABORTED)
 
 
 def _forming_ranks(v: JobView) -> dict[str, Any] | None:

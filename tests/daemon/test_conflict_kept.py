@@ -143,7 +143,8 @@ def test_the_status_page_shows_a_conflict_kept_over_a_restart(
         assert "but the node agent on host 'host-b' asked for" in shown, shown
         assert shown == told
         assert browser.evaluate("document.getElementById('nofailed').hidden") is False
-        overview = browser.evaluate("document.querySelector('#jobs td.cause').textContent")
+        # A failed job is a finished one: its row is under the live jobs' table.
+        overview = browser.evaluate("document.querySelector('#finished-jobs td.cause').textContent")
         assert overview.startswith("job 'mixed' generation 1 has "), overview
         browser.screenshot(SCREENSHOT)
     assert SCREENSHOT.stat().st_size > 10_000

@@ -390,3 +390,67 @@ def test_a_job_stuck_forming_shows_the_nodes_joined_and_the_missing_node_rank(
     finally:
         for c in clients:
             c.close()
+
+
+FINISHED_SCREENSHOT = ROOT / "artifacts" / "status-page-finished.png"
+FINISHED_OPEN_SCREENSHOT = ROOT / "artifacts" / "status-page-finished-open.png"
+
+
+def test_finished_jobs_are_counted_and_collapsed_under_the_live_ones(
+    start_daemon: Callable[..., DaemonProcess], browser: Chromium, job_id: str
+) -> None:
+    """~1,000 finished jobs held until their TTL buried the few live ones in one table
+    (h147 F6): the live jobs stand alone, the finished ones are counted, and open a page
+    at a time, the newest first."""
+    from rendezvousd.client import RendezvousClient
+    from rendezvousd.web.status_page import FINISHED_PAGE
+
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    base = d.metrics_url.removesuffix("/metrics")
+    one: dict[str, Any] = dict(num_nodes=1, gpus_per_node=1, node_rank=0, local_rank=0, timeout=20)
+    ended = [f"done-{i:02}" for i in range(FINISHED_PAGE + 5)]  # this test's own daemon
+    for job in ended:
+        with RendezvousClient(d.endpoint, job, token=d.token) as c:
+            c.join(**one)
+            c.leave()
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as live:
+        live.join(**one)
+        live.start_heartbeat(0.2)
+        browser.log_in(base, d.token)
+        browser.navigate(f"{base}/")
+        rows = "[...document.querySelectorAll('#jobs tbody tr')].map(tr => tr.dataset.job)"
+        browser.wait_for("the live job alone", f"{rows}.length === 1")
+        assert browser.evaluate(rows) == [job_id]
+        count = f"{len(ended)} finished jobs held (ended {len(ended)})"
+        browser.wait_for(
+            "the finished ones counted, collapsed",
+            f"document.getElementById('finished-count').textContent === {count!r}",
+        )
+        assert not browser.evaluate("document.getElementById('finished').open")
+        assert not browser.evaluate("document.getElementById('finished').hidden")
+        # The lone live job does not open by itself: 26 jobs are held.
+        assert browser.evaluate("document.getElementById('job').hidden")
+        browser.screenshot(FINISHED_SCREENSHOT)
+        assert FINISHED_SCREENSHOT.stat().st_size > 10_000
+        browser.evaluate("document.querySelector('#finished summary').click(); true")
+        done = "[...document.querySelectorAll('#finished-jobs tbody tr')].map(tr => tr.dataset.job)"
+        browser.wait_for("the first page", f"{done}.length === {FINISHED_PAGE}")
+        assert browser.evaluate(done) == ended[::-1][:FINISHED_PAGE]  # the newest first
+        assert browser.evaluate("document.getElementById('finished-shown').textContent") == (
+            f"the newest {FINISHED_PAGE} of {len(ended)} shown"
+        )
+        more = browser.evaluate("document.getElementById('finished-more').textContent")
+        assert more == "Show 5 more", more
+        browser.evaluate("document.getElementById('finished-more').click(); true")
+        browser.wait_for("every finished job", f"{done}.length === {len(ended)}")
+        assert browser.evaluate("document.getElementById('finished-more').hidden")
+        # A finished job opens as any other.
+        browser.evaluate(f"location.hash = '#job={ended[0]}'; true")
+        browser.wait_for(
+            "the finished job's panel",
+            f"document.getElementById('job-title').textContent === {ended[0]!r} && "
+            "document.getElementById('job-state').textContent === 'ENDED'",
+        )
+        browser.evaluate("location.hash = ''; true")
+        browser.wait_for("the panel closed", "document.getElementById('job').hidden")
+        browser.screenshot(FINISHED_OPEN_SCREENSHOT)

@@ -11,15 +11,20 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
+from typing import Any
 
 import pytest
 
-from rendezvousd.client import RendezvousClient
+from rendezvousd.client import PeerFailed, RendezvousClient
 from rendezvousd.server.scope import derive_job_token
+from rendezvousd.web.status_page import FINISHED_PAGE
+from tests.daemon.test_status_page import api, request
 from tests.support import DaemonProcess, spawn_daemon
 
 UID = b"\x33" * 128
-ENDED = [f"fin-ended-{i}" for i in range(3)]
+# More than the page's first page of finished jobs: the JSON must bound them.
+ENDED = [f"fin-ended-{i:02}" for i in range(FINISHED_PAGE + 2)]
+FAILED = "fin-failed"
 ABORTED = "fin-aborted"
 LIVE = "fin-live"
 
@@ -30,7 +35,8 @@ def _join(c: RendezvousClient) -> None:
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """A daemon holding 3 ended jobs, 1 aborted and 1 running (kept running)."""
+    """A daemon holding 22 ended jobs, then 1 failed and 1 aborted (finished in this
+    order), and 1 running (kept running)."""
     d = spawn_daemon(tmp_path_factory.mktemp("held"), "--metrics-listen", "127.0.0.1:0")
     try:
         with ExitStack() as stack:
@@ -38,6 +44,12 @@ def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
                 with RendezvousClient(d.endpoint, job, token=d.token) as c:
                     _join(c)
                     c.leave()
+            with RendezvousClient(d.endpoint, FAILED, token=d.token) as c:
+                _join(c)
+                c.start_heartbeat(0.2)
+                with pytest.raises(PeerFailed):
+                    c.report_failure(0, "the test fails it")
+                    c.barrier("never", timeout=20)
             with RendezvousClient(d.endpoint, ABORTED, token=d.token) as c:
                 _join(c)
                 c.abort("the test aborts it", job_id=ABORTED)
@@ -69,7 +81,7 @@ def _rows(out: str) -> list[str]:
 def test_status_lists_live_jobs_and_counts_the_finished_ones(held: DaemonProcess) -> None:
     out = _status(held)
     assert _rows(out) == [LIVE], out
-    said = "+ 4 finished jobs held (ended 3, aborted 1): --all lists them"
+    said = "+ 24 finished jobs held (ended 22, failed 1, aborted 1): --all lists them"
     assert out.rstrip().endswith(said), out
     # Piped, --watch is the same one snapshot.
     watched = _status(held, "--watch", "0.2")
@@ -80,7 +92,7 @@ def test_status_all_lists_every_job_and_a_named_finished_job_still_shows(
     held: DaemonProcess,
 ) -> None:
     out = _status(held, "--all")
-    assert sorted(_rows(out)) == sorted([*ENDED, ABORTED, LIVE]), out
+    assert sorted(_rows(out)) == sorted([*ENDED, FAILED, ABORTED, LIVE]), out
     assert "finished" not in out and "aborted: the test aborts it" in out, out
     one = _status(held, ENDED[0])
     assert _rows(one) == [ENDED[0]] and "ENDED" in one, one
@@ -101,3 +113,33 @@ def test_status_with_only_finished_jobs_says_none_is_live(held: DaemonProcess) -
     assert done.stdout.rstrip().endswith(
         "(no forming or running jobs)\n+ 1 finished job held (ended 1): --all lists them"
     ), done.stdout
+
+
+def _ids(overview: Any) -> list[str]:
+    return [j["job_id"] for j in overview["jobs"]]
+
+
+def test_the_pages_json_lists_live_jobs_first_and_a_bounded_page_of_finished_ones(
+    held: DaemonProcess,
+) -> None:
+    newest = [ABORTED, FAILED, *reversed(ENDED)]  # the most recently finished first
+    counts = {"total": 24, "by_state": {"ENDED": 22, "FAILED": 1, "ABORTED": 1}}
+    first = api(held, "/api/jobs", token=held.token)
+    assert _ids(first) == [LIVE, *newest[:FINISHED_PAGE]], _ids(first)
+    assert first["finished"] == {**counts, "offset": 0, "limit": FINISHED_PAGE}
+    assert [j["state"] for j in first["jobs"][:3]] == ["RUNNING", "ABORTED", "FAILED"]
+    # Paged on, as the page's "show more" and scripts ask; 0 for the live jobs alone.
+    paged = api(held, "/api/jobs?finished_offset=2&finished_limit=3", token=held.token)
+    assert _ids(paged) == [LIVE, *newest[2:5]], _ids(paged)
+    assert paged["finished"] == {**counts, "offset": 2, "limit": 3}
+    assert _ids(api(held, "/api/jobs?finished_limit=0", token=held.token)) == [LIVE]
+    every = api(held, "/api/jobs?finished_limit=100000", token=held.token)
+    assert _ids(every) == [LIVE, *newest] and every["finished"]["limit"] == 1024
+    status, _, body = request(held, "GET", "/api/jobs?finished_limit=all", token=held.token)
+    assert status == 400 and b"finished_limit are numbers" in body, body
+    # A finished job is still shown whole by its own path.
+    assert api(held, f"/api/jobs/{ENDED[0]}", token=held.token)["state"] == "ENDED"
+    # A job token sees its own job only, counted alike.
+    mine = api(held, "/api/jobs", token=derive_job_token(held.token, FAILED))
+    assert _ids(mine) == [FAILED]
+    assert mine["finished"]["by_state"] == {"ENDED": 0, "FAILED": 1, "ABORTED": 0}

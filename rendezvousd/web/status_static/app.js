@@ -10,6 +10,14 @@ const history = new Map(); // job id -> [members present, ...]
 const rates = new Map(); // job id -> [steps per second, ...] once the job reports steps
 let admin = false;
 let timer = null;
+// The finished jobs the overview asks for (the newest first): a first page, and a page
+// more per "show more". The daemon holds up to max_jobs of them until their TTL; all of
+// them on every poll buried the live few (400 KB at ~1,000 held).
+const FINISHED_PAGE = 20;
+const FINISHED_MORE = 100;
+const FINISHED_MAX = 1024;
+let finishedWanted = FINISHED_PAGE;
+const LIVE = new Set(["FORMING", "RUNNING"]);
 
 function $(id) { return document.getElementById(id); }
 
@@ -63,9 +71,28 @@ function drawOverview(data) {
   $("storage").hidden = !failing;
   $("storage").textContent = failing ? "NOT_SERVING: state storage failing since " +
     clock(failing) + ": changes are refused until it takes writes again; see the daemon's log" : "";
-  const body = $("jobs").tBodies[0];
+  const live = data.jobs.filter((j) => LIVE.has(j.state));
+  const done = data.jobs.filter((j) => !LIVE.has(j.state));
+  drawRows($("jobs").tBodies[0], live);
+  drawRows($("finished-jobs").tBodies[0], done);
+  const f = data.finished || { total: 0, by_state: {} };
+  $("nojobs").hidden = live.length > 0;
+  $("nojobs").textContent = f.total ? "No forming or running jobs." : "No jobs.";
+  $("finished").hidden = f.total === 0;
+  const states = Object.keys(f.by_state).filter((s) => f.by_state[s] > 0)
+    .map((s) => s.toLowerCase() + " " + f.by_state[s]).join(", ");
+  $("finished-count").textContent = f.total + " finished job" + (f.total === 1 ? "" : "s") +
+    " held (" + states + ")";
+  $("finished-shown").textContent = done.length < f.total
+    ? "the newest " + done.length + " of " + f.total + " shown" : "";
+  const more = Math.min(FINISHED_MORE, f.total - done.length, FINISHED_MAX - finishedWanted);
+  $("finished-more").hidden = more <= 0;
+  $("finished-more").textContent = "Show " + more + " more";
+}
+
+function drawRows(body, jobs) {
   body.replaceChildren();
-  for (const j of data.jobs) {
+  for (const j of jobs) {
     const tr = el("tr");
     tr.dataset.job = j.job_id;
     const a = el("a", j.job_id);
@@ -94,7 +121,6 @@ function drawOverview(data) {
       rates.set(j.job_id, r);
     }
   }
-  $("nojobs").hidden = data.jobs.length > 0;
 }
 
 // The grid's rows by node, kept between updates: a 1,024 x 8 grid is 9,000 elements,
@@ -261,9 +287,12 @@ async function refresh() {
   try {
     // Marks (first update only) for benchmarks/status_page.py's breakdown.
     performance.mark("rdzv-start");
-    const data = await getJSON("/api/jobs");
+    const data = await getJSON("/api/jobs?finished_limit=" + finishedWanted);
     performance.mark("rdzv-overview");
-    const id = selected() || (data.jobs.length === 1 ? data.jobs[0].job_id : null);
+    // A lone job held opens by itself, live or finished.
+    const held = data.jobs.filter((j) => LIVE.has(j.state)).length +
+    (data.finished ? data.finished.total : 0);
+    const id = selected() || (held === 1 && data.jobs.length === 1 ? data.jobs[0].job_id : null);
     let job = null;
     let rows = [];
     if (id !== null) {
@@ -331,6 +360,10 @@ function seatTitle(ev) {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("abort").addEventListener("click", abortJob);
+  $("finished-more").addEventListener("click", () => {
+    finishedWanted = Math.min(FINISHED_MAX, finishedWanted + FINISHED_MORE);
+    loop();
+  });
   $("grid").addEventListener("mouseover", seatTitle);
   window.addEventListener("hashchange", loop);
   loop();
