@@ -30,6 +30,7 @@ RUNS = {
     "rendezvous_scale": ["--ranks", "1024", "--no-anchor"],
     "state_write_latency": ["--big-mb", "1", "--sets", "10000000"],
     "preauth_streams": ["--sockets", "1", "--streams", "10", "--hold-s", "600"],
+    "status_held": ["--finished", "1000000"],
 }
 
 
