@@ -67,9 +67,13 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.common.address import AddressError, parse_address
 from rendezvousd.common.escape import bounded
-from rendezvousd.common.limits import longest_beat_s
 from rendezvousd.common.members import failed_text
-from rendezvousd.common.validation import LONGEST_WAIT_S, UNIQUE_ID_BYTES, is_wait
+from rendezvousd.common.validation import (
+    LONGEST_WAIT_S,
+    UNIQUE_ID_BYTES,
+    is_wait,
+    longest_beat_s,
+)
 
 log = logging.getLogger("rendezvousd.client")
 

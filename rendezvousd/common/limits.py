@@ -8,14 +8,6 @@ KIB = 1024
 MIB = 1024 * KIB
 
 
-def longest_beat_s(heartbeat_timeout_s: float) -> float:
-    """The longest gap between an attendee's beats: a third of the daemon's heartbeat
-    timeout, so that two beats may go missing (a loaded host, a redial) before it is
-    lost. The SDK and the node agent beat at least this often; a restored daemon takes
-    it as the cadence of an attendee it heard only once."""
-    return heartbeat_timeout_s / 3
-
-
 @dataclass(frozen=True)
 class Limits:
     """Every bound a client can hit; exceeding one is RESOURCE_EXHAUSTED naming it."""

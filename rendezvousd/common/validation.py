@@ -159,3 +159,11 @@ def kv_value(value: bytes, limits: Limits) -> bytes:
             f"value of {len(value)} bytes exceeds max_value_bytes={limits.max_value_bytes}",
         )
     return value
+
+
+def longest_beat_s(heartbeat_timeout_s: float) -> float:
+    """The longest gap between an attendee's beats: a third of the daemon's heartbeat
+    timeout, so that two beats may go missing (a loaded host, a redial) before it is
+    lost. The SDK and the node agent beat at least this often; a restored daemon takes
+    it as the cadence of an attendee it heard only once."""
+    return heartbeat_timeout_s / 3

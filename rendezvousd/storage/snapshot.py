@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rendezvousd.common import validation
-from rendezvousd.common.limits import Limits, longest_beat_s
+from rendezvousd.common.limits import Limits
 from rendezvousd.common.model import (
     AbortCause,
     FailedInfo,
@@ -422,7 +422,11 @@ def resume_silence(job: Job, raw: Mapping[str, Any], now: float, timeout: float)
         # member was given up to a beat interval less than its SDK gives itself). A
         # cadence not known yet (one beat: its gap was from its join) is taken as the
         # longest the SDK beats at (its default).
-        gap = _seconds(row, "beat_gap_s") if "beat_gap_s" in row else longest_beat_s(timeout)
+        gap = (
+            _seconds(row, "beat_gap_s")
+            if "beat_gap_s" in row
+            else validation.longest_beat_s(timeout)
+        )
         if drained - heard <= BEAT_SLACK * gap:
             heard = drained
         seat.last_seen = now - min(now - heard, longest)

@@ -50,8 +50,8 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.limits import longest_beat_s
 from rendezvousd.common.members import FailedInfo, failed_text, named_losses, seat_of
+from rendezvousd.common.validation import longest_beat_s
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
 from rendezvousd.trainer.agent.daemon_back import await_daemon, daemon_serves
