@@ -1101,12 +1101,16 @@ def test_a_node_waiting_for_the_others_says_what_it_waits_for_while_it_waits(
         if nnodes == "2"
         else "1 more node(s) never joined: start the missing node agents"
     )
-    timed_out = (
-        f"did not form within 8.0 s: 1 node(s) joined of the min_nodes=2{most} it needs "
-        f"(node 0 on {host}); {what}"
+    # The join's wait is what is left of the 8 s when it is sent: 7.9 s on a loaded host.
+    timed_out = re.search(
+        r"did not form within (7\.\d|8\.0) s: "
+        + re.escape(
+            f"1 node(s) joined of the min_nodes=2{most} it needs (node 0 on {host}); {what}"
+        ),
+        run.stderr,
     )
-    assert timed_out in run.stderr, run.stderr
-    assert note.start() < run.stderr.index(timed_out), run.stderr
+    assert timed_out is not None, run.stderr
+    assert note.start() < timed_out.start(), run.stderr
 
 
 def test_the_waiting_note_names_kept_seats_and_a_running_jobs_next_re_form() -> None:
