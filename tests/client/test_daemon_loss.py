@@ -521,12 +521,18 @@ def test_a_join_released_by_a_sigterm_restart_late_in_its_window_is_sent_again(
         # start takes ~0.3 s of that): between gRPC's redials, then 1.4 s and 3 s after.
         time.sleep(max(0.0, PARKED_WINDOW_S - 1.3 - (time.monotonic() - stopped)))
         d.current = d._spawn()
+        served = time.monotonic() - stopped
         with RendezvousClient(d.current.endpoint, "sigterm-late", token=d.token) as node1:
             # Bounded by node 0's window and grace: a node 0 that gave up forms nothing.
             with contextlib.suppress(RendezvousError):
                 node1.join_node(min_nodes=2, max_nodes=2, gpus_per_node=1, node_rank=1, timeout=8)
             thread.join(30)
-    assert len(outcome) == 1 and isinstance(outcome[0], NodeMembership), outcome
+    if served >= PARKED_WINDOW_S and isinstance(outcome[0], DaemonUnreachable):
+        # Not the case under test: the new daemon served only after the window had
+        # ended (its start took seconds on a loaded host, ~0.3 s idle), and a daemon
+        # not back within the window is the verdict (the next test's control).
+        pytest.skip(f"the daemon served {served:.1f} s after the stop, past the window")
+    assert len(outcome) == 1 and isinstance(outcome[0], NodeMembership), (served, outcome)
 
 
 def test_a_join_released_by_a_daemon_stopped_for_good_ends_at_its_window(tmp_path: Path) -> None:
