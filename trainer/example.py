@@ -47,7 +47,7 @@ from rendezvousd.trainer.comm.devices import (
     to_device,
     to_host,
 )
-from rendezvousd.trainer.data import ShardedLoader, shard_indices
+from rendezvousd.trainer.data import CURSOR_KEY, DataCursor, ShardedLoader, remaining_indices
 from rendezvousd.trainer.distributed import init_distributed
 from rendezvousd.trainer.errors import CheckpointError, TrainerError
 from rendezvousd.trainer.topology import MultiNodeTopology
@@ -103,13 +103,13 @@ def loss_and_grads(
 
 
 def global_batch(
-    samples: int, topo: MultiNodeTopology, epoch: int, step: int, batch: int, seed: int
+    samples: int, topo: MultiNodeTopology, cursor: DataCursor, batch: int, seed: int
 ) -> Array:
-    """Every rank's batch for this step, concatenated: what one process would see."""
+    """Every rank's batch at ``cursor``, concatenated: what one process would see."""
     parts = []
     for r in range(topo.world_size):
-        idx = shard_indices(samples, topo.world_size, r, epoch, seed)
-        parts.append(idx[step * batch : (step + 1) * batch])
+        idx = remaining_indices(samples, topo.world_size, r, cursor, seed)
+        parts.append(idx[:batch])
     return np.concatenate(parts)
 
 
@@ -120,8 +120,9 @@ def agree_on_start(
     params: dict[str, XArray],
     xp: Any = np,
     restored: StepState | None = None,
-) -> int:
-    """The step every rank resumes at; ``params`` then hold that step's state on all.
+) -> tuple[int, dict[str, Any]]:
+    """The step every rank resumes at and its metadata's data cursor (``CURSOR_KEY``,
+    absent if the state had none); ``params`` then hold that step's state on all.
 
     Each rank offers the newest step it can restore: the state its node agent
     kept (``restored``, after an automatic restart) and, on rank 0 only, its
@@ -129,24 +130,37 @@ def agree_on_start(
     wins, and the lowest rank offering it broadcasts its parameters, so a node
     without the files or the copy resumes from the same step and bytes.
     Nothing offered: everyone starts at step 0 from rank 0's initial values.
+    The data cursor goes with the parameters, from the same rank: the step alone
+    does not say where the data is once the world size changed.
     The steps travel in ``xp`` arrays: NCCL reduces device memory only.
     """
-    offered = NOTHING
+    offered, meta = NOTHING, {}
     if restored is not None:
         offered = load_state(restored.arrays(), params, xp, restored.step)
+        meta = restored.meta
     if ckpt_dir is not None and topo.is_global_rank_zero:
         latest = latest_checkpoint(ckpt_dir)
         if latest is None:
             log.info("resume: no checkpoint in %s", ckpt_dir)
         elif checkpoint_step(latest) > offered:
-            offered = load_into(latest, params, xp)
+            offered, meta = load_into(latest, params, xp)
             log.info("resume: %s, step %d", latest, offered)
     step, root = agree_on_step(comm, offered, xp)
     for name in PARAMS:
         comm.broadcast(params[name], root=root)
-    if step != NOTHING and topo.is_global_rank_zero:
+    if step == NOTHING:
+        return 0, {}
+    # [has a cursor, epoch, consumed]; a malformed one is refused by resume_at.
+    saved = meta.get(CURSOR_KEY)
+    fields = saved if isinstance(saved, dict) else {}
+    values = [fields.get("epoch"), fields.get("consumed")]
+    values = [v if type(v) is int and 0 <= v < 2**62 else -1 for v in values]
+    cursor = xp.array([int(saved is not None), *values], dtype=np.int64)
+    comm.broadcast(cursor, root=root)
+    if topo.is_global_rank_zero:
         log.info("resume: step %d from rank %d", step, root)
-    return max(step, 0)
+    has, epoch, consumed = (int(v) for v in to_host(cursor))
+    return step, ({CURSOR_KEY: {"epoch": epoch, "consumed": consumed}} if has else {})
 
 
 def load_state(arrays: dict[str, Array], params: dict[str, XArray], xp: Any, step: int) -> int:
@@ -160,8 +174,9 @@ def load_state(arrays: dict[str, Array], params: dict[str, XArray], xp: Any, ste
     return step
 
 
-def load_into(path: Path, params: dict[str, XArray], xp: Any = np) -> int:
-    """Copy a checkpoint's parameters into ``params`` (in ``xp``'s memory); its step.
+def load_into(path: Path, params: dict[str, XArray], xp: Any = np) -> tuple[int, dict[str, Any]]:
+    """Copy a checkpoint's parameters into ``params`` (in ``xp``'s memory); its step
+    and metadata.
     Loud if unusable: silently starting over would discard the run the user asked
     to continue."""
     try:
@@ -178,7 +193,7 @@ def load_into(path: Path, params: dict[str, XArray], xp: Any = np) -> int:
         raise CheckpointError(f"rank 0 cannot resume: {exc}") from exc
     for name in PARAMS:
         params[name][...] = arrays[name]
-    return step
+    return step, meta
 
 
 def _mismatch(arrays: dict[str, Any], params: dict[str, XArray]) -> str | None:
@@ -236,21 +251,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         if ckpt_dir is not None and topo.is_global_rank_zero:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
-        start_step = agree_on_start(
+        start_step, saved = agree_on_start(
             ckpt_dir if args.resume else None, topo, comm, params, xp, ctx.restored
         )
         grads = {k: xp.zeros_like(v) for k, v in params.items()}
         reducer = ctx.reducer([grads[k] for k in PARAMS])
         reducer.verify_layout(ctx.rendezvous, topo.rank, topo.world_size, timeout=60)
         loader = ShardedLoader(x, y, batch_size=args.batch, topology=topo, seed=args.seed)
-        steps_per_epoch = len(loader)
+        # Where the data is, in samples, not steps: a world of another size since the
+        # state was saved re-shards the rest of the epoch instead of replaying or
+        # skipping epochs (steps per epoch depend on the world size).
+        cursor = loader.resume_at(start_step, saved)
         step_log = Path(args.step_log) if args.step_log else None
         max_diff, loss = 0.0, float("nan")
         step = start_step
         started = time.perf_counter()
         while step < args.steps:
-            epoch, offset = divmod(step, steps_per_epoch)
-            idx = next(b for i, b in enumerate(loader.index_batches(epoch)) if i == offset)
+            at = cursor
+            idx, cursor = loader.batch_at(at)
             idx_x = to_device(idx, xp)
             local_loss, local = loss_and_grads(params, x[idx_x], y[idx_x], xp)
             # Later layers' gradients exist first in backprop: mark them ready first.
@@ -262,7 +280,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             comm.all_reduce(loss_buf, ReduceOp.AVG)
             loss = float(loss_buf[0])
             if topo.is_global_rank_zero:
-                gidx = global_batch(args.samples, topo, epoch, offset, args.batch, args.seed)
+                gidx = global_batch(args.samples, topo, at, args.batch, args.seed)
                 host_params = {k: to_host(v) for k, v in params.items()}
                 _, full = loss_and_grads(host_params, x_host[gidx], y_host[gidx])
                 # np.max, not max(): a NaN must stick and fail the check, where
@@ -281,18 +299,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 params[k] -= (args.lr * grads[k]).astype(params[k].dtype)
             step += 1
             # The node agent keeps it: a restart loses at most this one step.
-            ctx.save_state(step, params, {"loss": loss})
+            state_meta = {"step": step, "loss": loss, CURSOR_KEY: cursor.to_meta()}
+            ctx.save_state(step, params, state_meta)
             if step_log is not None:
                 # One short O_APPEND write per line: ranks share the file.
-                line: dict[str, float] = {"rank": topo.rank, "pid": os.getpid()}
+                line: dict[str, Any] = {"rank": topo.rank, "pid": os.getpid()}
                 line.update(gen=ctx.generation, step=step, t=time.time())
+                # The step's samples (after their batch's step), so a log can show
+                # every sample of an epoch seen once across restarts and resizes.
+                line.update(epoch=at.epoch, samples=idx.tolist())
                 with step_log.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
             every = args.checkpoint_every
             if ckpt_dir is not None and every > 0 and step % every == 0 and step < args.steps:
-                save_checkpoint(
-                    checkpoint_path(ckpt_dir, step), params, {"step": step, "loss": loss}, rank=topo
-                )
+                save_checkpoint(checkpoint_path(ckpt_dir, step), params, state_meta, rank=topo)
             if args.step_sleep:
                 time.sleep(args.step_sleep)  # stands in for a longer forward/backward
         train_s = time.perf_counter() - started
@@ -303,7 +323,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # checkpoint it resumed from would only replace the recorded loss with NaN.
         final = None if ckpt_dir is None else checkpoint_path(ckpt_dir, step)
         if final is not None and (step > start_step or not final.exists()):
-            wrote = save_checkpoint(final, params, {"step": step, "loss": loss}, rank=topo)
+            final_meta = {"step": step, "loss": loss, CURSOR_KEY: cursor.to_meta()}
+            wrote = save_checkpoint(final, params, final_meta, rank=topo)
         reducer.close()
         result = {
             "rank": topo.rank,
@@ -373,7 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--step-log",
         default=None,
-        help="every rank appends one JSON line per step (rank, pid, generation, step, time)",
+        help=(
+            "every rank appends one JSON line per step (rank, pid, generation, step, time, "
+            "the step's epoch and this rank's sample indices)"
+        ),
     )
     args = p.parse_args(argv)
     # Stamped as the daemon's and rendezvous-run's lines are (UTC, marked): one order

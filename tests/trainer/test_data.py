@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rendezvousd.trainer.data import ShardedLoader, shard_indices, shard_length
+from rendezvousd.trainer.data import (
+    CURSOR_KEY,
+    DataCursor,
+    ShardedLoader,
+    shard_indices,
+    shard_length,
+)
 from rendezvousd.trainer.errors import ConfigError
 from rendezvousd.trainer.topology import MultiNodeTopology
 
@@ -128,3 +136,127 @@ def test_loader_rejects_mismatched_arrays_and_bad_batch_size() -> None:
         ShardedLoader(np.zeros(3), np.zeros(2), batch_size=1, topology=topo)
     with pytest.raises(ConfigError, match="batch_size=0"):
         ShardedLoader(np.zeros(3), np.zeros(3), batch_size=0, topology=topo)
+
+
+def _world(size: int, x: np.ndarray, **kw: Any) -> list[ShardedLoader]:
+    return [
+        ShardedLoader(
+            x,
+            x,
+            topology=MultiNodeTopology(num_nodes=size, gpus_per_node=1, node_rank=r, local_rank=0),
+            **kw,
+        )
+        for r in range(size)
+    ]
+
+
+def _steps(
+    world: list[ShardedLoader], cursor: DataCursor, steps: int
+) -> tuple[list[int], DataCursor]:
+    """The samples ``world`` trains on in ``steps`` steps from ``cursor``; the cursor after."""
+    seen: list[int] = []
+    for _ in range(steps):
+        after = [loader.batch_at(cursor) for loader in world]
+        assert len({c for _, c in after}) == 1  # every rank agrees on the next cursor
+        seen += [i for batch, _ in after for i in batch.tolist()]
+        cursor = after[0][1]
+    return seen, cursor
+
+
+def test_a_cursor_reshards_the_rest_of_the_epoch_so_4_to_2_to_3_sees_every_sample_once() -> None:
+    # 96 samples, 4 per rank per step: world 4 takes 16 per step, world 2 8, world 3 12.
+    x = np.arange(96)
+    seen, cursor = _steps(_world(4, x, batch_size=4), DataCursor(), 2)
+    assert cursor == DataCursor(0, 32)
+    # The cursor survives as JSON, as a checkpoint or the agent's state copy keeps it.
+    cursor = _world(2, x, batch_size=4)[0].resume_at(2, {CURSOR_KEY: cursor.to_meta()})
+    more, cursor = _steps(_world(2, x, batch_size=4), cursor, 3)
+    seen += more
+    assert cursor == DataCursor(0, 56)
+    # World 3 finishes the epoch: 40 left, 14 per rank (2 padding samples), 4 steps.
+    more, cursor = _steps(_world(3, x, batch_size=4), cursor, 4)
+    seen += more
+    assert cursor == DataCursor(1, 0)
+    counts = Counter(seen)
+    assert set(counts) == set(range(96))
+    # Only the documented padding repeats: 3 * 14 - 40 = 2 samples, from the epoch's start.
+    assert sum(counts.values()) - 96 == 2
+    # By the step count alone, world 3 would have started at step 5 of its 8-step
+    # epoch: samples 60..95 of the permutation, replaying some and skipping others.
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    n=samples,
+    sizes=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=4),
+    steps=st.lists(st.integers(min_value=1, max_value=9), min_size=4, max_size=4),
+    batch=st.integers(min_value=1, max_value=7),
+    drop_last=st.booleans(),
+)
+def test_any_sequence_of_world_sizes_sees_each_sample_of_an_epoch_once_beyond_padding(
+    n: int, sizes: list[int], steps: list[int], batch: int, drop_last: bool
+) -> None:
+    x = np.arange(n)
+    cursor, seen, last = DataCursor(), [], 1
+    for size, count in zip(sizes, steps, strict=False):
+        if drop_last and size > n:
+            continue  # such a world is refused at its loader's creation
+        world = _world(size, x, batch_size=batch, drop_last=drop_last)
+        for _ in range(count):
+            if cursor.epoch == 0:
+                more, cursor = _steps(world, cursor, 1)
+                seen += more
+                last = size
+    counts = Counter(seen)
+    extra = sum(counts.values()) - len(counts)
+    if cursor.epoch == 0 or drop_last:
+        # Mid-epoch, or without padding: no sample of the epoch was taken twice.
+        assert extra == 0
+    if cursor.epoch > 0:
+        # Only the world that ended the epoch pads (or drops) a tail, of less than
+        # one sample per rank.
+        missing = n - len(counts)
+        if drop_last:
+            assert missing < last
+        else:
+            assert missing == 0 and extra < last
+
+
+def test_an_unchanged_world_takes_the_same_batches_as_whole_epochs() -> None:
+    x = np.arange(50)
+    for world in (_world(3, x, batch_size=4, seed=5), _world(4, x, batch_size=5, drop_last=True)):
+        for loader in world:
+            cursor, by_cursor = DataCursor(), []
+            while cursor.epoch < 2:
+                batch, cursor = loader.batch_at(cursor)
+                by_cursor.append(batch.tolist())
+            whole = [b.tolist() for e in range(2) for b in loader.index_batches(e)]
+            assert by_cursor == whole
+
+
+def test_a_state_saved_without_a_cursor_takes_the_step_rule_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loader = _world(2, np.arange(40), batch_size=4)[1]  # 5 steps per epoch
+    with caplog.at_level(logging.WARNING, logger="rendezvousd.trainer.data"):
+        cursor = loader.resume_at(7, {"step": 7, "loss": 0.5})
+    assert cursor == DataCursor(1, 16)
+    assert loader.batch_at(cursor)[0].tolist() == list(loader.index_batches(1))[2].tolist()
+    assert "state of step 7 has no data cursor" in caplog.text
+    assert "at world size 2 (epoch 1, batch 2)" in caplog.text
+    assert loader.resume_at(0, None) == DataCursor()
+
+
+@pytest.mark.parametrize(
+    "saved", [{"epoch": 1}, {"epoch": -1, "consumed": 0}, {"epoch": True, "consumed": 0}, "x"]
+)
+def test_a_malformed_saved_cursor_is_refused_naming_it(saved: object) -> None:
+    loader = _world(1, np.arange(10), batch_size=4)[0]
+    with pytest.raises(ConfigError, match="saved data cursor"):
+        loader.resume_at(3, {CURSOR_KEY: saved})
+
+
+def test_a_cursor_past_the_dataset_is_refused() -> None:
+    loader = _world(1, np.arange(10), batch_size=4)[0]
+    with pytest.raises(ConfigError, match=r"cursor \(epoch 0, consumed 10\) is past the dataset"):
+        loader.resume_at(3, {CURSOR_KEY: {"epoch": 0, "consumed": 10}})

@@ -150,7 +150,9 @@ def test_resuming_a_finished_run_keeps_its_final_checkpoint_as_it_was(
     first = run_example(daemon, f"{job_id}-a", "cpu", tmp_path / "a", *flags)
     final = checkpoint_path(ckpt, 4)
     before = load_checkpoint(final)[1]
-    assert before == {"step": 4, "loss": first["final_loss"]}
+    # 4 steps of 64 are the 256 samples' first epoch: the data resumes at epoch 1.
+    cursor = {"epoch": 1, "consumed": 0}
+    assert before == {"step": 4, "loss": first["final_loss"], "data_cursor": cursor}
     # A rerun of the same command with --resume (a scheduler that always resumes).
     again = run_example(daemon, f"{job_id}-b", "cpu", tmp_path / "b", *flags, "--resume")
     assert (again["start_step"], again["steps"]) == (4, 0)

@@ -435,6 +435,49 @@ def test_resume_on_node_local_disks_agrees_on_the_step_and_matches_a_straight_ru
     assert {r["final_loss"] for r in after + reference} == {reference[0]["final_loss"]}
 
 
+def _standalone_example(world: int, run: Path, log: Path, steps: int, *extra: str) -> str:
+    """``world`` workers of the example under ``rendezvous-run --standalone`` (its own
+    daemon), appending to the step log ``log``; the launcher's stderr."""
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "rendezvousd.trainer.agent.launcher", "--standalone",
+            "--nproc-per-node", str(world), "--backend", "cpu",
+            "-m", "rendezvousd.trainer.example",
+            "--samples", "96", "--features", "4", "--hidden", "8", "--batch", "8",
+            "--steps", str(steps), "--checkpoint-dir", str(run / "ckpt"),
+            "--checkpoint-every", "0", "--step-log", str(log), *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_a_resume_at_another_world_size_sees_every_sample_of_each_epoch_once(
+    tmp_path: Path,
+) -> None:
+    # 96 samples, 8 per rank per step. World 2: 6 steps per epoch; 9 steps end half-way
+    # through epoch 1 (48 of its samples taken). World 3 has 4 steps per epoch, so by the
+    # step alone it resumed at epoch 2, batch 1: epoch 1's other half was never
+    # trained and epoch 2's first batch skipped. By the cursor it trains the 48 left
+    # in 2 steps, then epoch 2 in 4.
+    log = tmp_path / "steps.jsonl"
+    _standalone_example(2, tmp_path, log, 9)
+    err = _standalone_example(3, tmp_path, log, 15, "--resume")
+    assert "resume: step 9 from rank 0" in err, err
+    assert "no data cursor" not in err, err
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted({(line["step"], line["rank"]) for line in lines}) == sorted(
+        [(s, r) for s in range(1, 10) for r in range(2)]
+        + [(s, r) for s in range(10, 16) for r in range(3)]
+    )
+    for epoch in range(3):
+        taken = sorted(i for line in lines if line["epoch"] == epoch for i in line["samples"])
+        assert taken == list(range(96)), (epoch, len(taken), len(set(taken)))
+
+
 def test_resume_from_a_corrupt_checkpoint_fails_loudly_naming_the_file(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
