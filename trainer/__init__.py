@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rendezvousd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
     from rendezvousd.trainer.config import DistributedConfig
-    from rendezvousd.trainer.data import ShardedLoader
+    from rendezvousd.trainer.data import DataCursor, ShardedLoader
     from rendezvousd.trainer.distributed import DistributedContext, init_distributed
     from rendezvousd.trainer.errors import (
         AgentChannelError,
@@ -54,6 +54,7 @@ __all__ = [
     "CommunicatorError",
     "CommunicatorTimeout",
     "ConfigError",
+    "DataCursor",
     "DeviceCountError",
     "DeviceError",
     "DistributedConfig",
@@ -91,7 +92,7 @@ __getattr__, __dir__ = lazy_exports(
             "ReduceOp",
         ),
         "rendezvousd.trainer.config": ("DistributedConfig",),
-        "rendezvousd.trainer.data": ("ShardedLoader",),
+        "rendezvousd.trainer.data": ("DataCursor", "ShardedLoader"),
         "rendezvousd.trainer.distributed": (
             "DistributedContext",
             "init_distributed",
