@@ -4,6 +4,10 @@ A checkpoint is one ``.npz`` file: the arrays plus a JSON metadata document
 stored as a uint8 array. One file means one ``os.replace`` makes it visible, so
 a reader sees either the previous checkpoint or the complete new one.
 
+Each array's dtype name is recorded in the metadata: the ``.npy`` format stores
+an extension dtype (ml_dtypes' bfloat16, which CuPy >= 14 and the nccl backend
+use) as raw bytes (``|V2``), and the name is what lets a load give it back typed.
+
 Arrays may be numpy or CuPy. Device arrays are copied to the host explicitly
 when saving (``devices.to_host``) and, when the caller passes its array module,
 back to the device when loading: CuPy refuses ``np.asarray`` on device memory.
@@ -68,8 +72,29 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return max(found, key=checkpoint_step, default=None)
 
 
+def _extension_dtype(name: str) -> np.dtype[Any] | None:
+    """ml_dtypes' type of this name (bfloat16, float8_*, int4, ...), or None if there
+    is none (or ml_dtypes is not installed)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    found = getattr(ml_dtypes, name, None)
+    try:
+        return np.dtype(found) if isinstance(found, type) else None
+    except TypeError:
+        return None
+
+
+def _stored_raw(dtype: np.dtype[Any]) -> bool:
+    """Whether ``.npy`` keeps only this dtype's bytes (an extension type: numpy calls
+    its kind 'V' but it has no fields, and is not a plain ``void``)."""
+    return dtype.kind == "V" and dtype.fields is None and dtype.name != f"void{dtype.itemsize * 8}"
+
+
 def _encode(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> HostArrays:
     payload: HostArrays = {}
+    dtypes: dict[str, str] = {}
     for name, value in arrays.items():
         if not isinstance(name, str) or not name or name == _META_KEY:
             raise CheckpointError(f"array name {name!r} is empty, not a string, or reserved")
@@ -79,9 +104,17 @@ def _encode(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> HostArrays:
                 f"array {name!r} has dtype {array.dtype}, which cannot be saved without "
                 "pickle; convert it to a numeric or fixed-width string dtype"
             )
+        if _stored_raw(array.dtype) and _extension_dtype(array.dtype.name) != array.dtype:
+            raise CheckpointError(
+                f"array {name!r} has dtype {array.dtype.name}, which a checkpoint stores as "
+                "raw bytes and could not load as that type (not an ml_dtypes type); convert "
+                "it to a numpy dtype (e.g. float32) before saving"
+            )
         payload[name] = array
+        dtypes[name] = array.dtype.name
     try:
-        text = json.dumps({"format": FORMAT, "arrays": sorted(payload), "meta": dict(meta)})
+        doc = {"format": FORMAT, "arrays": sorted(payload), "dtypes": dtypes, "meta": dict(meta)}
+        text = json.dumps(doc)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint metadata is not JSON-serialisable: {exc}") from exc
     payload[_META_KEY] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -199,9 +232,30 @@ def load_checkpoint(path: str | os.PathLike[str], *, xp: Any = np) -> tuple[Arra
             raise ValueError(f"format is {doc.get('format') if isinstance(doc, dict) else doc!r}")
         if doc.get("arrays") != sorted(contents) or not isinstance(doc.get("meta"), dict):
             raise ValueError("array list does not match the metadata")
+        # Absent in checkpoints written before dtypes were recorded.
+        dtypes = doc.get("dtypes", {})
+        if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
+            raise ValueError("dtype list is not an object of names")
     except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise CheckpointError(f"checkpoint {source} is not a valid {FORMAT} file: {exc}") from exc
+    for name, array in contents.items():
+        contents[name] = _typed(source, name, array, dtypes.get(name))
     return {name: to_device(array, xp) for name, array in contents.items()}, doc["meta"]
+
+
+def _typed(source: Path, name: str, array: npt.NDArray[Any], saved: str | None) -> npt.NDArray[Any]:
+    """``array`` as the dtype it was saved with: an extension type came back as raw
+    bytes of its width, and is viewed as that type again."""
+    if saved is None or saved == array.dtype.name or array.dtype.kind != "V":
+        return array
+    wanted = _extension_dtype(saved)
+    if wanted is None or wanted.itemsize != array.dtype.itemsize:
+        raise CheckpointError(
+            f"checkpoint {source}: array {name!r} was saved as {saved[:40]}, which this "
+            "process cannot load as that type; install ml_dtypes (pip install ml_dtypes) "
+            "in the environment that resumes"
+        )
+    return array.view(wanted)
 
 
 class _RankZeroAdapter(logging.LoggerAdapter[logging.Logger]):

@@ -88,6 +88,44 @@ def test_round_trip_preserves_arrays_dtypes_and_meta(tmp_path: Path) -> None:
         assert loaded[name].dtype == value.dtype
 
 
+def test_bfloat16_arrays_come_back_as_bfloat16(tmp_path: Path) -> None:
+    # The .npy format keeps an extension dtype as raw bytes ("|V2"): before, it came
+    # back untyped and assigning it to a bfloat16 parameter said only "No cast
+    # function available".
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    path = tmp_path / "ckpt.npz"
+    arrays = {
+        "w": np.array([[1.5, -2.25], [3e38, 0.0]], dtype=ml_dtypes.bfloat16),
+        "f8": np.array([1.0, -0.5], dtype=ml_dtypes.float8_e4m3fn),
+        "raw": np.zeros(2, "V3"),
+    }
+    save_checkpoint(path, arrays, {"step": 1}, rank=0)
+    loaded, _ = load_checkpoint(path)
+    for name, array in arrays.items():
+        assert loaded[name].dtype == array.dtype, name
+        assert loaded[name].tobytes() == array.tobytes(), name
+    target = np.zeros((2, 2), dtype=ml_dtypes.bfloat16)
+    target[...] = loaded["w"]
+    assert target.tobytes() == arrays["w"].tobytes()
+
+
+def test_an_extension_dtype_that_cannot_be_loaded_typed_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    path = tmp_path / "ckpt.npz"
+    save_checkpoint(path, {"w": np.ones(2, ml_dtypes.bfloat16)}, {"step": 1}, rank=0)
+    # As where ml_dtypes is missing (or knows no such type): refused, not untyped bytes.
+    monkeypatch.setattr(checkpoint, "_extension_dtype", lambda name: None)
+    with pytest.raises(
+        CheckpointError, match=r"array 'w' was saved as bfloat16.*install ml_dtypes"
+    ):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"array 'w' has dtype bfloat16.*float32"):
+        save_checkpoint(tmp_path / "b.npz", {"w": np.ones(2, ml_dtypes.bfloat16)}, {}, rank=0)
+    assert not (tmp_path / "b.npz").exists()
+
+
 def test_device_arrays_round_trip_through_an_explicit_host_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
