@@ -111,6 +111,15 @@ class DistributedContext:
             return
         self.agent.save_state(step, {k: devices.to_host(v) for k, v in arrays.items()}, meta or {})
 
+    def check_replicas(self, arrays: Mapping[str, Any]) -> None:
+        """``ReplicasDiverged`` on every rank, naming the ranks whose ``arrays`` (the
+        parameters) are not the same bytes as the others'; every rank must call it,
+        outside a reducer's step (``replicas.check_replicas``)."""
+        from rendezvousd.trainer.replicas import check_replicas
+
+        xp = devices.array_module(self.config.backend)
+        check_replicas(self.communicator, arrays, xp)
+
     def progress(self, step: int) -> None:
         """Tell the node agent this worker is not hung (no-op without an agent);
         ``AgentChannelError`` when the agent reads none of it for 30 s (it is stuck)."""

@@ -20,6 +20,7 @@
     │   ├── BucketLayoutMismatch   ranks registered different gradient layouts
     │   └── ReducerClosed          the reducer was used after close()
     ├── CheckpointError            a checkpoint could not be written or read
+    ├── ReplicasDiverged           ranks' parameter replicas are not the same bytes
     └── AgentError                 the node agent (rendezvous-run) cannot go on
         ├── AgentChannelError      the agent <-> worker channel broke or is corrupt
         └── RestartsExhausted      every allowed restart was used; lists each failure
@@ -119,6 +120,15 @@ class ReducerClosed(BucketingError):
 
 class CheckpointError(TrainerError):
     """A checkpoint could not be written, read or validated."""
+
+
+class ReplicasDiverged(TrainerError):
+    """Ranks' parameter replicas differ (``check_replicas``); ``ranks``: those that
+    differ from the most common replica."""
+
+    def __init__(self, message: str, *, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class AgentError(TrainerError):

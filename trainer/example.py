@@ -312,10 +312,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     fh.write(json.dumps(line) + "\n")
             every = args.checkpoint_every
             if ckpt_dir is not None and every > 0 and step % every == 0 and step < args.steps:
+                # A checkpoint of one rank's replica is worth keeping only if all agree.
+                ctx.check_replicas(params)
                 save_checkpoint(checkpoint_path(ckpt_dir, step), params, state_meta, rank=topo)
             if args.step_sleep:
                 time.sleep(args.step_sleep)  # stands in for a longer forward/backward
         train_s = time.perf_counter() - started
+        # Drifted replicas train on silently; say which ranks before reporting a result.
+        ctx.check_replicas(params)
         busbw = bus_bandwidth(comm, xp)
         ctx.rendezvous.raise_if_failed()
         wrote = False
