@@ -307,7 +307,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 line.update(gen=ctx.generation, step=step, t=time.time())
                 # The step's samples (after their batch's step), so a log can show
                 # every sample of an epoch seen once across restarts and resizes.
-                line.update(epoch=at.epoch, samples=idx.tolist())
+                line.update(epoch=at.epoch, consumed=at.consumed, samples=idx.tolist())
                 with step_log.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
             every = args.checkpoint_every
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=(
             "every rank appends one JSON line per step (rank, pid, generation, step, time, "
-            "the step's epoch and this rank's sample indices)"
+            "the data cursor the step began at (epoch, consumed) and this rank's sample indices)"
         ),
     )
     args = p.parse_args(argv)

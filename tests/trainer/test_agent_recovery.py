@@ -229,6 +229,81 @@ def test_a_killed_worker_recovers_to_the_model_a_fault_free_run_trains(
     assert len(digests) == 1, results
 
 
+def _effective_steps(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Each step's lines from the last generation that logged it (a step that a
+    generation's end cut short is done again by the next)."""
+    last: dict[int, int] = {}
+    for line in lines:
+        last[line["step"]] = max(last.get(line["step"], 0), line["gen"])
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for line in lines:
+        if line["gen"] == last[line["step"]]:
+            steps.setdefault(line["step"], []).append(line)
+    return steps
+
+
+def test_an_elastic_job_growing_1_to_2_to_3_nodes_sees_every_sample_of_each_epoch_once(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """h153 F1: the data position was divmod(step, steps_per_epoch) at the new world
+    size, so a resize replayed or skipped whole epochs. Now the state copy carries a
+    sample cursor, and each scale-up re-shards the rest of the epoch: 96 samples,
+    8 per rank per step (12 steps per epoch at world 1, 6 at 2, 4 at 3)."""
+    from rendezvousd.trainer.data import DataCursor, remaining_indices
+
+    d = start_daemon()
+    log = tmp_path / "steps"
+    nodes: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        cmd = launcher_cmd("1:3", "auto", 1, endpoint=d.endpoint, token_file=d.token_file)
+        cmd += ["--job-id", job_id, "--last-call-s", "0.2", "--heartbeat-interval-s", "0.5"]
+        cmd += ["-m", "rendezvousd.trainer.example", "--samples", "96", "--features", "4"]
+        cmd += ["--hidden", "8", "--batch", "8", "--steps", "150", "--step-sleep", "0.05"]
+        cmd += ["--log-every", "1000", "--step-log", str(log)]
+        with (tmp_path / f"node{len(nodes)}.err").open("w") as err:
+            nodes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT))
+
+    def trained(world: int, steps: int) -> bool:
+        lines = json_lines(log)
+        gens = {line["gen"] for line in lines if line["rank"] == world - 1}
+        return any(sum(ln["gen"] == g and ln["rank"] == 0 for ln in lines) >= steps for g in gens)
+
+    try:
+        start()
+        wait_for("one node to train 5 steps", lambda: trained(1, 5), timeout=60)
+        start()
+        wait_for("two nodes to train 3 steps", lambda: trained(2, 3), timeout=60)
+        start()
+        codes = _example_exits(nodes, tmp_path)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait(10)
+    assert codes == [0, 0, 0], [p.read_text()[-2000:] for p in tmp_path.glob("node*.err")]
+    steps = _effective_steps(json_lines(log))
+    assert sorted(steps) == list(range(1, 151))
+    worlds = [len({line["rank"] for line in steps[s]}) for s in sorted(steps)]
+    assert worlds[0] == 1 and worlds[-1] == 3 and 2 in worlds, worlds
+    by_epoch: dict[int, list[int]] = {}
+    for s, world in zip(sorted(steps), worlds, strict=True):
+        first = steps[s][0]
+        cursor = DataCursor(first["epoch"], first["consumed"])
+        for line in steps[s]:
+            # What each rank trained on is its share of the rest of the epoch.
+            assert (
+                line["samples"]
+                == remaining_indices(96, world, line["rank"], cursor, 0)[:8].tolist()
+            ), (s, line)
+            by_epoch.setdefault(cursor.epoch, []).extend(line["samples"])
+    assert sorted(by_epoch) == list(range(len(by_epoch)))  # no epoch skipped
+    for epoch in sorted(by_epoch)[:-1]:  # the last may be unfinished
+        taken = by_epoch[epoch]
+        # Every sample once, beyond the padding of the epoch's last step (< 3).
+        assert set(taken) == set(range(96)) and len(taken) - 96 < 3, (epoch, len(taken))
+
+
 def test_exhausted_restarts_end_with_one_message_naming_every_failure(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
