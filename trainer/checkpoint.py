@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from rendezvousd.trainer import raw_dtypes
 from rendezvousd.trainer.comm.devices import to_device, to_host
 from rendezvousd.trainer.errors import CheckpointError
 from rendezvousd.trainer.topology import MultiNodeTopology
@@ -72,26 +73,6 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return max(found, key=checkpoint_step, default=None)
 
 
-def _extension_dtype(name: str) -> np.dtype[Any] | None:
-    """ml_dtypes' type of this name (bfloat16, float8_*, int4, ...), or None if there
-    is none (or ml_dtypes is not installed)."""
-    try:
-        import ml_dtypes
-    except ImportError:
-        return None
-    found = getattr(ml_dtypes, name, None)
-    try:
-        return np.dtype(found) if isinstance(found, type) else None
-    except TypeError:
-        return None
-
-
-def _stored_raw(dtype: np.dtype[Any]) -> bool:
-    """Whether ``.npy`` keeps only this dtype's bytes (an extension type: numpy calls
-    its kind 'V' but it has no fields, and is not a plain ``void``)."""
-    return dtype.kind == "V" and dtype.fields is None and dtype.name != f"void{dtype.itemsize * 8}"
-
-
 def _encode(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> HostArrays:
     payload: HostArrays = {}
     dtypes: dict[str, str] = {}
@@ -104,7 +85,7 @@ def _encode(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> HostArrays:
                 f"array {name!r} has dtype {array.dtype}, which cannot be saved without "
                 "pickle; convert it to a numeric or fixed-width string dtype"
             )
-        if _stored_raw(array.dtype) and _extension_dtype(array.dtype.name) != array.dtype:
+        if not raw_dtypes.known(array.dtype):
             raise CheckpointError(
                 f"array {name!r} has dtype {array.dtype.name}, which a checkpoint stores as "
                 "raw bytes and could not load as that type (not an ml_dtypes type); convert "
@@ -244,18 +225,16 @@ def load_checkpoint(path: str | os.PathLike[str], *, xp: Any = np) -> tuple[Arra
 
 
 def _typed(source: Path, name: str, array: npt.NDArray[Any], saved: str | None) -> npt.NDArray[Any]:
-    """``array`` as the dtype it was saved with: an extension type came back as raw
-    bytes of its width, and is viewed as that type again."""
-    if saved is None or saved == array.dtype.name or array.dtype.kind != "V":
-        return array
-    wanted = _extension_dtype(saved)
-    if wanted is None or wanted.itemsize != array.dtype.itemsize:
+    """``array`` as the dtype it was saved with (an extension type came back as raw
+    bytes of its width)."""
+    found = array if saved is None else raw_dtypes.typed(array, saved)
+    if found is None:
         raise CheckpointError(
-            f"checkpoint {source}: array {name!r} was saved as {saved[:40]}, which this "
+            f"checkpoint {source}: array {name!r} was saved as {saved!s:.40}, which this "
             "process cannot load as that type; install ml_dtypes (pip install ml_dtypes) "
             "in the environment that resumes"
         )
-    return array.view(wanted)
+    return found
 
 
 class _RankZeroAdapter(logging.LoggerAdapter[logging.Logger]):

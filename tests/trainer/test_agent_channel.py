@@ -26,6 +26,7 @@ import pytest
 
 from rendezvousd.client import RendezvousClient
 from rendezvousd.common.validation import UNIQUE_ID_BYTES
+from rendezvousd.trainer import raw_dtypes
 from rendezvousd.trainer.agent import agent_worker
 from rendezvousd.trainer.agent.agent_channel import (
     MAX_DEPTH,
@@ -72,6 +73,34 @@ def test_frames_carry_header_and_raw_arrays_exactly() -> None:
         assert out[k].dtype == v.dtype and np.array_equal(out[k], v)
     a.close()
     assert b.recv(timeout=5) is None  # a clean end of stream
+
+
+def test_bfloat16_state_arrays_come_back_as_bfloat16_through_the_agents_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # dtype.str of ml_dtypes' bfloat16 is "<V2": before, a restarted worker got raw
+    # bytes back, which the example's state check refused as another model's (the
+    # copy was never offered, and the run fell back to a checkpoint or step 0).
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a, b = _pair()
+    w = np.array([1.5, -2.25, 3e38], dtype=ml_dtypes.bfloat16)
+    entries, payload = pack_arrays({"w": w, "f": np.ones(2, np.float32)})
+    a.send("state", {"step": 3, "arrays": entries}, payload)
+    frame = b.recv(timeout=5)
+    assert frame is not None
+    copy = StateCopy()
+    assert copy.offer(frame)
+    state = copy.latest()
+    assert state is not None
+    out = state.arrays()
+    assert out["w"].dtype == w.dtype and out["w"].tobytes() == w.tobytes()
+    assert out["f"].dtype == np.float32
+    a.close()
+    b.close()
+    # Where ml_dtypes is missing, the worker says which array and type, not raw bytes.
+    monkeypatch.setattr(raw_dtypes, "by_name", lambda name: None)
+    with pytest.raises(AgentChannelError, match=r"state array 'w' is of type bfloat16"):
+        state.arrays()
 
 
 def test_object_arrays_and_lying_array_lists_are_refused() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rendezvousd.trainer import checkpoint
+from rendezvousd.trainer import checkpoint, raw_dtypes
 from rendezvousd.trainer.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -116,7 +116,7 @@ def test_an_extension_dtype_that_cannot_be_loaded_typed_is_named(
     path = tmp_path / "ckpt.npz"
     save_checkpoint(path, {"w": np.ones(2, ml_dtypes.bfloat16)}, {"step": 1}, rank=0)
     # As where ml_dtypes is missing (or knows no such type): refused, not untyped bytes.
-    monkeypatch.setattr(checkpoint, "_extension_dtype", lambda name: None)
+    monkeypatch.setattr(raw_dtypes, "by_name", lambda name: None)
     with pytest.raises(
         CheckpointError, match=r"array 'w' was saved as bfloat16.*install ml_dtypes"
     ):

@@ -251,6 +251,9 @@ def pack_arrays(arrays: Mapping[str, npt.ArrayLike]) -> tuple[list[dict[str, Any
     """Host arrays as (header entries, payload)."""
     import numpy as np
 
+    # Here: the node agent imports this module and needs no numpy.
+    from rendezvousd.trainer import raw_dtypes
+
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for name, value in arrays.items():
@@ -259,15 +262,19 @@ def pack_arrays(arrays: Mapping[str, npt.ArrayLike]) -> tuple[list[dict[str, Any
             raise AgentChannelError(
                 f"state array {name!r} has dtype {array.dtype}; only plain numeric dtypes travel"
             )
+        if not raw_dtypes.known(array.dtype):
+            raise AgentChannelError(
+                f"state array {name!r} has dtype {array.dtype.name}, which travels as raw "
+                "bytes and could not be restored as that type (not an ml_dtypes type); "
+                "hand it over as a numpy dtype (e.g. float32)"
+            )
         data = array.tobytes()
-        entries.append(
-            {
-                "name": name,
-                "dtype": array.dtype.str,
-                "shape": list(array.shape),
-                "nbytes": len(data),
-            }
-        )
+        entry: dict[str, Any] = {"name": name, "dtype": array.dtype.str}
+        entry.update(shape=list(array.shape), nbytes=len(data))
+        if raw_dtypes.is_raw(array.dtype):
+            # dtype.str says only "<V2": the name is what gives bfloat16 back.
+            entry["type"] = array.dtype.name
+        entries.append(entry)
         chunks.append(data)
     return entries, b"".join(chunks)
 
@@ -275,6 +282,8 @@ def pack_arrays(arrays: Mapping[str, npt.ArrayLike]) -> tuple[list[dict[str, Any
 def unpack_arrays(entries: Any, payload: bytes) -> HostArrays:
     """The arrays ``pack_arrays`` described; AgentChannelError if the two disagree."""
     import numpy as np
+
+    from rendezvousd.trainer import raw_dtypes  # see pack_arrays
 
     if not isinstance(entries, list):
         raise AgentChannelError("state frame has no array list")
@@ -290,7 +299,17 @@ def unpack_arrays(entries: Any, payload: bytes) -> HostArrays:
             chunk = payload[offset : offset + nbytes]
             if len(chunk) != nbytes:
                 raise AgentChannelError("state frame payload is shorter than its array list")
-            out[str(entry["name"])] = np.frombuffer(chunk, dtype=dtype).reshape(shape).copy()
+            array = np.frombuffer(chunk, dtype=dtype).reshape(shape).copy()
+            if "type" in entry:
+                restored = raw_dtypes.typed(array, str(entry["type"]))
+                if restored is None:
+                    raise AgentChannelError(
+                        f"state array {str(entry['name'])[:40]!r} is of type "
+                        f"{str(entry['type'])[:40]}, which this worker cannot restore; "
+                        "install ml_dtypes in its environment"
+                    )
+                array = restored
+            out[str(entry["name"])] = array
             offset += nbytes
     except (KeyError, TypeError, ValueError) as exc:
         raise AgentChannelError(f"state frame array list is malformed: {exc}") from exc
