@@ -301,7 +301,7 @@ def init_distributed(
     # settings) are for workers that join by themselves; an agent's worker attaches.
     from rendezvousd.client.sync import RendezvousClient
     from rendezvousd.client.transport import connect
-    from rendezvousd.trainer.agent.recovery import daemon_full, room_note, room_wait
+    from rendezvousd.trainer.agent.recovery import daemon_full, room_wait
     from rendezvousd.trainer.agent.waiting_note import saying_what_its_rank_waits_for
 
     config = load_config(config_path or environ.get(CONFIG_ENV) or None, env=environ)
@@ -371,23 +371,19 @@ def init_distributed(
                 full = daemon_full(exc)
                 if full is None:
                     raise
-                if not room.told:
-                    room.told = True
-                    log.warning(
-                        "rendezvousd: job %r, local rank %d on %s: %s; %s",
+                room.wait_for_room(
+                    exc,
+                    full,
+                    lambda said: log.warning(
+                        "rendezvousd: job %r, local rank %d on %s: %s",
                         config.job_id,
                         local_rank,
                         socket.gethostname(),
-                        exc,
-                        room_note(full, room.limit_s),
-                    )
-                at = room.retry_at(time.monotonic())
-                if at is None:
-                    exc._add(f" (still full after {room.limit_s:g} s of trying)")
-                    raise
-                time.sleep(max(0.0, at - time.monotonic()))
+                        said,
+                    ),
+                )
                 # The wait for room is part of the join's timeout, not added to it.
-                timeout = max(0.1, room.limit_s - (time.monotonic() - (room.since or at)))
+                timeout = max(0.1, room.limit_s - (time.monotonic() - (room.since or 0.0)))
 
     def join() -> Membership:
         # Said while it waits, as rendezvous-run's joins say it: a rank started late

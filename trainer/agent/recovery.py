@@ -17,8 +17,9 @@ worker's own per-rank join: the daemon unavailable (``DaemonOutage``), or full
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rendezvousd.client.errors import LimitExceeded
@@ -99,6 +100,19 @@ class DaemonOutage:
         pause = self._next_s or self.retry_s
         self._next_s = min(pause * 2, self.max_retry_s)
         return min(now + pause, self.since + self.limit_s)
+
+    def wait_for_room(self, exc: LimitExceeded, limit: str, say: Callable[[str], None]) -> None:
+        """A blocking join's wait after ``exc``, a refusal for the daemon-wide ``limit``
+        (``daemon_full``): said once (``say``), then slept until the next ask; ``exc``
+        raised, saying so, once the wait outlasted ``limit_s``."""
+        if not self.told:
+            self.told = True
+            say(f"{exc}; {room_note(limit, self.limit_s)}")
+        at = self.retry_at(time.monotonic())
+        if at is None:
+            exc._add(f" (still full after {self.limit_s:g} s of trying)")
+            raise exc
+        time.sleep(max(0.0, at - time.monotonic()))
 
     def reset(self) -> None:
         """A wait that ended normally: the next outage is a new one."""

@@ -167,7 +167,6 @@ from rendezvousd.trainer.agent.recovery import (
     SCALE_UP_REASON,
     DaemonOutage,
     daemon_full,
-    room_note,
     room_wait,
 )
 from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
@@ -951,19 +950,11 @@ class RendezvousdHandler(torch_rdzv.RendezvousHandler):
                 outage.reset()
             except LimitExceeded as exc:
                 if (full := daemon_full(exc)) is not None:
-                    if not room.told:
-                        room.told = True
-                        log.warning(
-                            "rendezvousd: job %r: %s; %s",
-                            self._run_id,
-                            exc,
-                            room_note(full, room.limit_s),
-                        )
-                    at = room.retry_at(time.monotonic())
-                    if at is None:
-                        exc._add(f" (still full after {room.limit_s:g} s of trying)")
-                        raise
-                    time.sleep(max(0.0, at - time.monotonic()))
+                    room.wait_for_room(
+                        exc,
+                        full,
+                        lambda said: log.warning("rendezvousd: job %r: %s", self._run_id, said),
+                    )
                     if not standby:
                         # The wait for room is part of the join's, not added to it.
                         timeout = max(MIN_REJOIN_S, room.limit_s - (time.monotonic() - began))
