@@ -8,13 +8,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rendezvousd.trainer.data import (
     CURSOR_KEY,
     DataCursor,
     ShardedLoader,
+    remaining_indices,
     shard_indices,
     shard_length,
 )
@@ -193,6 +194,9 @@ def test_a_cursor_reshards_the_rest_of_the_epoch_so_4_to_2_to_3_sees_every_sampl
     batch=st.integers(min_value=1, max_value=7),
     drop_last=st.booleans(),
 )
+# Found in a full run: world 1 left 1 sample of 25, which world 2 drops (drop_last), so
+# its next batch is epoch 1's.
+@example(n=25, sizes=[1, 2], steps=[6, 1, 1, 1], batch=4, drop_last=True)
 def test_any_sequence_of_world_sizes_sees_each_sample_of_an_epoch_once_beyond_padding(
     n: int, sizes: list[int], steps: list[int], batch: int, drop_last: bool
 ) -> None:
@@ -204,6 +208,11 @@ def test_any_sequence_of_world_sizes_sees_each_sample_of_an_epoch_once_beyond_pa
         world = _world(size, x, batch_size=batch, drop_last=drop_last)
         for _ in range(count):
             if cursor.epoch == 0:
+                if not len(remaining_indices(n, size, 0, cursor, 0, drop_last=drop_last)):
+                    # drop_last leaves this world nothing more of epoch 0 (less than a
+                    # sample per rank): its next batch is epoch 1's (batch_at starts it).
+                    cursor, last = DataCursor(1, 0), size
+                    continue
                 more, cursor = _steps(world, cursor, 1)
                 seen += more
                 last = size
