@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import os
 import socket
 import sys
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
-from rendezvousd.common.address import AddressError, daemon_route
+from rendezvousd.common.address import AddressError, daemon_route, is_address_literal
 from rendezvousd.common.settings import (
     AddressText,
     Bool,
@@ -185,12 +184,20 @@ def _check_listenable(host: str, given: str | None = None) -> None:
     try:
         create_listener(host).close()
     except (OSError, UnicodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(
-            f"ring_host={given or host!r} cannot be listened on here ({why}): give an address of "
-            "this host that the other nodes reach, or leave it unset (the address "
-            "towards the daemon)"
-        ) from None
+        raise _not_listenable(given or host, _why(exc)) from None
+
+
+def _why(exc: OSError | UnicodeError) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _not_listenable(ring_host: str, why: str) -> ConfigError:
+    """The refusal of a ``ring_host`` this host cannot listen on, and what to give."""
+    return ConfigError(
+        f"ring_host={ring_host!r} cannot be listened on here ({why}): give an address of "
+        "this host that the other nodes reach, or leave it unset (the address towards the "
+        "daemon)"
+    )
 
 
 #: The one setting that names the address a ring advertises, in every form it takes.
@@ -215,20 +222,12 @@ def _resolved_ring_host(host: str) -> str:
     theirs: refused connections for the whole setup), and the loopback refusal, which
     reads addresses, let it by."""
     bare = host.strip("[]")
-    try:
-        ipaddress.ip_address(bare)
+    if is_address_literal(bare):
         return bare
-    except ValueError:
-        pass
     try:
         return str(socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)[0][4][0])
     except (OSError, UnicodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(
-            f"ring_host={host!r} cannot be listened on here (it does not resolve on this "
-            f"host: {why}): give an address of this host that the other nodes reach, or "
-            "leave it unset (the address towards the daemon)"
-        ) from None
+        raise _not_listenable(host, f"it does not resolve on this host: {_why(exc)}") from None
 
 
 def _interface_ring_host(given: str, note: Callable[[str], None] | None) -> RingAddress:

@@ -161,13 +161,14 @@ class Route:
     def resolved(self) -> str:
         """``'head' resolves to 127.0.1.1 on this host (/etc/hosts)``, for a name; "" for an
         address literal, whose resolution says nothing."""
-        if self.host == self.remote or _is_literal(self.host):
+        if self.host == self.remote or is_address_literal(self.host):
             return ""
         where = " (/etc/hosts)" if is_loopback(self.remote) else ""
         return f"{self.host!r} resolves to {self.remote} on this host{where}"
 
 
-def _is_literal(host: str) -> bool:
+def is_address_literal(host: str) -> bool:
+    """Whether ``host`` is an IP address written out (no brackets), not a name."""
     try:
         ipaddress.ip_address(host)
     except ValueError:
