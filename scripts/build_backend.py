@@ -7,7 +7,8 @@ the commit the tree's git says (``rendezvousd/common/BUILD``: ``g873aec9``, with
 and every program says after the release (``0.1.0+g873aec9``): two builds of one
 release are told apart. The stamp is written for the build only and removed after. No
 git, or a tree that is not a repository (a container build's context), builds all the
-same: an sdist's stamp is kept, else there is none. An editable install is not stamped:
+same: ``$RENDEZVOUSD_BUILD`` is the stamp where given (the Dockerfile's build argument),
+else an sdist's stamp is kept, else there is none. An editable install is not stamped:
 its files are the checkout's, whose commit version.py asks git for as it runs.
 
 setuptools prints "Editable installation ... Please be careful with folders in your
@@ -76,6 +77,8 @@ def _stamped() -> Iterator[None]:
     # Asked before the stamp exists: the stamp (git-ignored anyway) is no change.
     build: str = version.git_build_id(root) if (root / ".git").exists() else ""
     if not build:
+        build = _given_build(version)
+    if not build:
         yield  # an sdist's own stamp, if any, goes into the wheel as it is
         return
     had = stamp.read_bytes() if stamp.exists() else None
@@ -87,6 +90,26 @@ def _stamped() -> Iterator[None]:
             stamp.unlink(missing_ok=True)
         else:
             stamp.write_bytes(had)
+
+
+def _given_build(version: Any) -> str:
+    """``$RENDEZVOUSD_BUILD`` as a build id (``g873aec9``; a bare short commit, as
+    ``git rev-parse --short HEAD`` prints it, gets its ``g``), "" where unset. A value
+    that is no commit fails the build: an image said as another commit than it is would
+    mislead the operator comparing hosts, where "no build id" only says less."""
+    import os
+
+    given = os.environ.get(version.BUILD_ENV, "").strip()
+    if not given:
+        return ""
+    build = given if given.startswith("g") else f"g{given}"
+    if not version._BUILD_ID.fullmatch(build):
+        raise ValueError(
+            f"{version.BUILD_ENV}={given!r} is not a commit: give the short commit the tree "
+            f"was built from (`--build-arg {version.BUILD_ENV}=$(git rev-parse --short HEAD)`, "
+            "4 to 40 lower-case hex digits, optionally with .dirty), or leave it unset"
+        )
+    return str(build)
 
 
 def _version_module(root: Path) -> Any:

@@ -45,12 +45,16 @@ _HANDED_ON = (
     "AGENT_FD", "AGENT_PID", "FORK_SERVER_FD", "FORK_SERVER_PRELOAD", "SPARE_GPU",
     "WARM_SOCKET",
 )  # fmt: skip
+#: Read by the build backend (version.BUILD_ENV: the commit of a build without git).
+_BUILD = ("BUILD",)
 #: Read by scripts/ and the test suite, which set them beside the programs'.
 _TOOLS = (
     "MODEL_EXAMPLES", "REQUIRE_GPU", "TEST_REQUIRE_HOSTS", "TEST_TORCH_PYTHON", "TORCH_VERSION",
 )  # fmt: skip
 
-EVERY_NAME = frozenset(PREFIX + n for n in (*_DAEMON, *_TRAINER, *_TORCHRUN, *_HANDED_ON, *_TOOLS))
+EVERY_NAME = frozenset(
+    PREFIX + n for n in (*_DAEMON, *_TRAINER, *_TORCHRUN, *_HANDED_ON, *_BUILD, *_TOOLS)
+)
 # Compared without the prefix, which every name shares and would make any name look
 # close to some other.
 _SUFFIXES = sorted(n.removeprefix(PREFIX) for n in EVERY_NAME)

@@ -27,6 +27,10 @@ SOURCE_SUFFIX = "+source"
 #: the tree it builds, for that build only): what the checkout's git said then.
 STAMP = "BUILD"
 
+#: The variable a build without git takes its commit from (the container build's
+#: argument of that name; ``scripts/build_backend.py`` stamps the wheel with it).
+BUILD_ENV = "RENDEZVOUSD_BUILD"
+
 #: A build id as git says it: ``g`` and the short commit, ``.dirty`` where tracked
 #: files differed from it (a PEP 440 local-version label, as ``source`` is).
 _BUILD_ID = re.compile(r"g[0-9a-f]{4,40}(\.dirty)?")

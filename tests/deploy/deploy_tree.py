@@ -18,7 +18,7 @@ import yaml
 
 from rendezvousd import config as config_mod
 from rendezvousd.cli.serve import build_parser
-from rendezvousd.common import secret_files
+from rendezvousd.common import secret_files, version
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -82,6 +82,7 @@ def known_env_vars() -> frozenset[str]:
     names = {config_mod.ENV_PREFIX + name.upper() for name in config_mod.FIELDS}
     names |= {o.env for o in trainer_config.SCHEMA.options.values() if o.env is not None}
     names |= {secret_files.TOKEN_ENV, secret_files.TOKEN_FILE_ENV}
+    names.add(version.BUILD_ENV)  # the container build's argument (Dockerfile, compose)
     modules = [trainer_config, _launcher_module()]
     with contextlib.suppress(ModuleNotFoundError):
         modules.append(importlib.import_module("rendezvousd.trainer.distributed"))

@@ -13,7 +13,7 @@ import pytest
 
 from rendezvousd import config as daemon_config
 from rendezvousd.cli import serve as serve_cli
-from rendezvousd.common import secret_files
+from rendezvousd.common import secret_files, version
 from rendezvousd.common.env_names import EVERY_NAME
 from rendezvousd.common.settings import Schema
 from rendezvousd.trainer import config as trainer_config
@@ -64,6 +64,7 @@ def test_every_documented_env_var_is_read_somewhere() -> None:
     known |= {secret_files.TOKEN_ENV, secret_files.TOKEN_FILE_ENV}
     known |= {trainer_config.CONFIG_ENV, agent_channel.ENV_AGENT_FD, _trace.TRACE_ENV}
     known |= {_fork_server.ENV_FORK_SERVER, warm.ENV_WARM_SOCKET, devices.SHARED_DEVICE_ENV}
+    known |= {version.BUILD_ENV}  # a build's, named where the container is built
     known |= {REQUIRE_HOSTS}  # the test suite's, named where the cross-host tests are
     assert known - {None} <= EVERY_NAME
     for doc in ("trainer.md", "operations.md"):
