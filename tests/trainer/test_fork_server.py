@@ -58,7 +58,12 @@ facts = {
 with open(os.environ["FACTS"], "w") as fh:
     json.dump(facts, fh)
 ending = os.environ.get("ENDING", "exit")
-if ending == "sleep":
+if ending == "child":  # a process of its own, as a DataLoader's worker is
+    import subprocess
+    child = subprocess.Popen(["sleep", "600"])
+    with open(os.environ["FACTS"] + ".child", "w") as fh:
+        fh.write(str(child.pid))
+if ending in ("sleep", "child"):
     time.sleep(600)
 def late():
     time.sleep(0.2)
@@ -263,6 +268,30 @@ def test_the_fork_server_s_death_kills_its_workers_reports_them_lost_and_later_s
         server.close()
 
 
+def test_what_a_worker_started_dies_with_its_fork_server_though_the_agent_lives(
+    tmp_path: Path, script: Path
+) -> None:
+    # The agent goes on (it restarts the job, cold), so nothing else would ever stop
+    # the lost worker's own processes: one group leaked per worker and spare, per loss.
+    server = _server({**os.environ, "OMP_NUM_THREADS": "1"})
+    child = 0
+    try:
+        booted = server.spawn(0, [str(script)], _spare_env(tmp_path, "a", ENDING="child"))
+        assert booted is not None and isinstance(booted.proc, ForkedProcess)
+        _wait_for(tmp_path / "a.child")
+        child = int((tmp_path / "a.child").read_text())
+        server.proc.kill()
+        assert booted.proc.wait_exited() == -signal.SIGKILL
+        assert booted.proc.lost
+        _wait_gone(child, within=10)
+        booted.sock.close()
+    finally:
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        server.close()
+
+
 def test_a_server_stuck_in_an_import_is_given_up_and_its_spares_are_lost(
     tmp_path: Path, script: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -293,29 +322,39 @@ def test_a_server_stuck_in_an_import_is_given_up_and_its_spares_are_lost(
         server.close()
 
 
-def test_no_forked_worker_outlives_its_agent(tmp_path: Path, script: Path) -> None:
+def test_no_forked_worker_nor_what_it_started_outlives_its_agent(
+    tmp_path: Path, script: Path
+) -> None:
+    # The worker dies of its parent-death signal; its own child (a DataLoader's
+    # worker, say) has none, and ran on under init until the server killed its group.
     agent = f"""
 import os, sys, time
 from rendezvousd.trainer.agent.worker_boot import ForkServer
 server = ForkServer.start({{**os.environ, "OMP_NUM_THREADS": "1"}})
-env = {{**os.environ, "OMP_NUM_THREADS": "1", "FACTS": {str(tmp_path / "facts")!r}, "ENDING": "sleep"}}
+env = {{**os.environ, "OMP_NUM_THREADS": "1", "FACTS": {str(tmp_path / "facts")!r}, "ENDING": "child"}}
 booted = server.spawn(0, [{str(script)!r}], env)
 print(server.proc.pid, booted.proc.pid, flush=True)
 time.sleep(600)
 """
     proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True)
+    child = 0
     try:
         assert proc.stdout is not None
         server_pid, worker_pid = map(int, proc.stdout.readline().split())
-        _wait_for(tmp_path / "facts")
+        _wait_for(tmp_path / "facts.child")
+        child = int((tmp_path / "facts.child").read_text())
         proc.kill()
         proc.wait(30)
         _wait_gone(server_pid)
         _wait_gone(worker_pid)
+        _wait_gone(child, within=10)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def _wait_for(path: Path) -> None:
@@ -333,9 +372,9 @@ def _state(pid: int) -> str | None:
     return text.rsplit(")", 1)[1].split()[0]
 
 
-def _wait_gone(pid: int) -> None:
+def _wait_gone(pid: int, within: float = 60.0) -> None:
     """Until ``pid`` is no live process (gone, or a zombie another parent reaps)."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + within
     while _state(pid) not in (None, "Z"):
         assert time.monotonic() < deadline, f"pid {pid} still runs"
         time.sleep(0.02)

@@ -31,15 +31,15 @@ ENV_SPARE_GPU = "RENDEZVOUSD_SPARE_GPU"
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(expected: int | None) -> None:
-    """Arm SIGKILL on the parent's death; exit at once (126) if the parent is no
+def die_with_parent(expected: int | None, signum: int = signal.SIGKILL) -> None:
+    """Arm ``signum`` on the parent's death; exit at once (126) if the parent is no
     longer ``expected`` (it died before the signal was armed)."""
     if sys.platform.startswith("linux"):
         # Here: the launcher imports this module for its names, before its spares start.
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
             os._exit(126)
     if expected is not None and os.getppid() != expected:
         os._exit(126)
@@ -56,10 +56,10 @@ def signal_group(pid: int, signum: int) -> None:
             os.kill(pid, signum)
 
 
-def die_with_agent() -> None:
+def die_with_agent(signum: int = signal.SIGKILL) -> None:
     """``die_with_parent`` for the agent ``RENDEZVOUSD_AGENT_PID`` names."""
     expected = os.environ.pop(ENV_AGENT_PID, "")
-    die_with_parent(int(expected) if expected else None)
+    die_with_parent(int(expected) if expected else None, signum)
 
 
 def run_target(argv: list[str]) -> None:

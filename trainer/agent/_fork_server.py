@@ -103,6 +103,12 @@ IMPORT_TIME_PREFIXES = (
     "VECLIB_",
     "NUMEXPR_",
 )
+# The server's parent-death signal. Not SIGKILL: the server must outlive its agent
+# long enough to kill its workers' process groups (``_Server._stop_all``); its
+# workers' own SIGKILL left what they started (DataLoader workers, a helper) running
+# under init. Its default action still ends the server while it imports, when it
+# has no worker yet; from ``serve`` on it ends the loop (``_agent_died``).
+AGENT_DIED = signal.SIGUSR1
 # Dispositions a forked worker gets back as the server inherited them (the server
 # itself ignores these: a Ctrl-C or a job-wide SIGTERM is its workers' to handle,
 # and its death would SIGKILL them mid-exit).
@@ -220,12 +226,18 @@ class _AgentGone(Exception):
     """End of file on the control socket: the agent closed it, or died."""
 
 
+def _agent_died(signum: int, frame: object) -> None:
+    # Raised wherever the loop is: a child forked but not yet recorded has armed
+    # its own parent-death signal, and dies as the server exits.
+    raise _AgentGone
+
+
 class _Server:
     def __init__(self, control: socket.socket, agent: int) -> None:
         self.control = control
         self.agent = agent
         self.env = dict(os.environ)
-        self.signals = {s: signal.getsignal(s) for s in _HELD_SIGNALS}
+        self.signals = {s: signal.getsignal(s) for s in (*_HELD_SIGNALS, AGENT_DIED)}
         self.poller = select.poll()
         self.poller.register(control, select.POLLIN)
         self.pids: dict[int, int] = {}  # pidfd -> pid, of every child not yet reaped
@@ -236,6 +248,7 @@ class _Server:
     def serve(self) -> _Child | None:
         """Forward exits and fork on request; returns in a forked child only (None:
         the agent is gone or its socket failed, every worker is stopped)."""
+        signal.signal(AGENT_DIED, _agent_died)
         try:
             while True:
                 for fd, _ in self.poller.poll():
@@ -339,12 +352,12 @@ class _Server:
         cmd = [sys.executable, "-m", "rendezvousd.trainer.agent._agent_boot", *argv]
         # An ignored signal stays ignored across exec: the spare gets the launcher's
         # dispositions back for its start (a few ms without the server's own).
-        for s, handler in self.signals.items():
-            signal.signal(s, handler)
+        for s in _HELD_SIGNALS:
+            signal.signal(s, self.signals[s])
         try:
             proc = subprocess.Popen(cmd, env=child_env, pass_fds=(fd,))
         finally:
-            for s in self.signals:
+            for s in _HELD_SIGNALS:
                 signal.signal(s, signal.SIG_IGN)
             os.close(fd)
         # Kept, so that subprocess never reaps it: the zombie is the agent's to release.
@@ -352,10 +365,11 @@ class _Server:
         return proc.pid
 
     def _stop_all(self) -> None:
-        """The agent closed its end (or died): no worker may run unsupervised."""
+        """The agent closed its end (or died): no worker, nor what it started, may
+        run unsupervised. Each pid is still this server's child (a zombie at most),
+        so its number, and its group's, cannot have been reused."""
         for pid in self.pidfds:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL)
         for pidfd in self.pidfds.values():
             with contextlib.suppress(ChildProcessError):
                 os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
@@ -414,7 +428,7 @@ def _become(child: _Child) -> None:
 
 
 def main() -> None:
-    die_with_agent()
+    die_with_agent(AGENT_DIED)
     control = socket.socket(fileno=int(os.environ.pop(ENV_CONTROL_FD)))
     extra = [m for m in os.environ.pop(ENV_PRELOAD, "").split(",") if m]
     server = _Server(control, os.getppid())

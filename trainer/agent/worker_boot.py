@@ -269,8 +269,16 @@ class ForkServer:
             orphans = [*self._pending.values(), *self._running.values()]
             self._pending.clear()
             self._running.clear()
-        # Its workers die with it (their parent-death signal).
+        # Its workers die with it (their parent-death signal), but what each started
+        # (a DataLoader's workers, a helper) is in its group, reparented to init: the
+        # server that killed those groups is gone. Only the group, never the pid:
+        # the worker may already be reaped by init. Its group's number stays taken
+        # while any process of the group lives, and pids are handed out in turn, so
+        # it is not another's this soon.
         for proc in orphans:
+            if proc._pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc._pid, signal.SIGKILL)
             proc._exit(-signal.SIGKILL, lost=True)
 
     def close(self) -> None:
