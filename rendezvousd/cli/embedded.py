@@ -159,7 +159,8 @@ def spawn(
     """Start ``rendezvousd serve`` on ``listen`` with a new token in ``workdir``.
 
     ``exit_with_parent``: the daemon's stdin is a pipe from this process, and it
-    exits when that pipe closes, which the kernel does even on SIGKILL. ``prefix``
+    exits when that pipe closes, which the kernel does even on SIGKILL; in a session
+    of its own, no signal to this process's group reaches it. ``prefix``
     wraps the command (e.g. to run it on a namespace host); ``pass_fds`` stay open
     in the daemon under the same numbers (``/proc/self/fd/N`` paths work there too). Its
     settings then come from the flags alone: inherited ``RENDEZVOUSD_*`` variables
@@ -183,6 +184,11 @@ def spawn(
         text=True,
         env=env,
         pass_fds=tuple(pass_fds),
+        # A session of its own: a Ctrl-C (SIGINT to the terminal's process group) or
+        # a group's SIGTERM ended it first, and the launcher's abort and goodbye
+        # then waited out the SDK's outage window (10 s) while its workers, not yet
+        # signalled, trained on. Its parent's death still ends it (stdin's EOF).
+        start_new_session=exit_with_parent,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

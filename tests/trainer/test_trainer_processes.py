@@ -534,6 +534,92 @@ def test_a_stopped_node_tells_the_others_before_its_workers_are_done(
     assert (tmp_path / "saved").exists()
 
 
+def _hearing_worker(tmp_path: Path) -> Path:
+    """A worker that writes ``ready-<rank>``, then ``heard-<local rank>`` on SIGTERM or
+    Ctrl-C (its KeyboardInterrupt), and exits 0."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "def heard(signum, frame):\n"
+        f"    open('{tmp_path}/heard-' + os.environ['LOCAL_RANK'], 'w').write(str(signum))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, heard)\n"
+        "signal.signal(signal.SIGINT, heard)\n"
+        "with init_distributed() as ctx:\n"
+        f"    open('{tmp_path}/ready-' + str(ctx.rank), 'w').close()\n"
+        "    time.sleep(600)\n"
+    )
+    return script
+
+
+@pytest.mark.parametrize("fate", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_stopped_launcher_signals_its_workers_at_once_though_no_daemon_answers(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, fate: int
+) -> None:
+    # Preemption on a node whose daemon is down or hung: the launcher's abort to the
+    # daemon came first and waited out the SDK's outage window (28 s of a 30 s
+    # heartbeat timeout) while its workers, not yet told, trained on: a scheduler's
+    # 30 s grace was gone before their checkpoint handler ran.
+    d = start_daemon("--heartbeat-timeout-s", "30")
+    script = _hearing_worker(tmp_path)
+    cmd = launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    log = tmp_path / "launcher.err"
+    with log.open("w") as err, _heard(signal.SIGTERM):
+        launcher = subprocess.Popen([*cmd, "--backend", "cpu", str(script)], stderr=err)
+    try:
+        ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+        wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+        os.kill(d.proc.pid, fate)
+        launcher.send_signal(signal.SIGTERM)
+        heard = [tmp_path / f"heard-{rank}" for rank in range(2)]
+        # A bound well under the outage window the workers waited through, not a speed.
+        wait_for("both workers to hear the SIGTERM", lambda: all(f.exists() for f in heard), 5)
+        assert launcher.wait(30) == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.proc.pid, signal.SIGCONT)
+    assert "got SIGTERM: stopping this node's workers" in log.read_text()
+
+
+def test_a_ctrl_c_to_a_standalone_run_ends_its_workers_at_once_and_says_nothing_of_its_daemon(
+    tmp_path: Path,
+) -> None:
+    # A terminal's Ctrl-C goes to the launcher's whole process group. Its private daemon
+    # was in that group and died first; the launcher's abort then waited 10 s for it
+    # before its workers heard the SIGINT, and it said it "could not tell the daemon".
+    script = _hearing_worker(tmp_path)
+    with tempfile.TemporaryDirectory(prefix="rdzv-") as name, _heard(signal.SIGINT):
+        launcher = subprocess.Popen(
+            [*_standalone(2), str(script)],
+            env={**os.environ, "TMPDIR": name},
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own group, as a terminal's foreground job
+        )
+        try:
+            ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+            wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+            os.killpg(launcher.pid, signal.SIGINT)
+            heard = [tmp_path / f"heard-{rank}" for rank in range(2)]
+            wait_for("both workers to hear the Ctrl-C", lambda: all(f.exists() for f in heard), 5)
+            _, err = launcher.communicate(timeout=30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(10)
+        left = list(Path(name).iterdir())
+    assert launcher.returncode == 128 + signal.SIGINT, err
+    assert "got SIGINT: stopping this node's workers" in err, err
+    assert "could not tell the daemon" not in err, err
+    assert "DEADLINE_EXCEEDED" not in err, err
+    assert "Traceback" not in err, err
+    assert left == [], err
+
+
 @pytest.mark.parametrize("flags", [["--standalone"], []])
 def test_standalone_is_the_file_transport_hosted_by_the_launcher(
     tmp_path: Path, flags: list[str]

@@ -101,6 +101,9 @@ POLL_S = 0.02
 # Their exits, read before the verdict, named a healthy worker "failed first".
 PAUSED_S = 2.0
 RESUMED_S = 2.0
+# How long a stopped node's abort (the daemon telling the other nodes why) goes before
+# its workers get the signal: a daemon that answers does within milliseconds.
+TELL_STOPPED_FIRST_S = 0.5
 # A worker's silence limit when the daemon advertises no heartbeat timeout (older).
 DEFAULT_SILENCE_S = 10.0
 STOPPING = "stopping this node's workers: "
@@ -1300,6 +1303,18 @@ class NodeAgent:
         )
         return await_daemon(serves, self._silence_s, self.note, waiting)
 
+    def _tell_stopped(self, gen: int, signum: int) -> None:
+        """Best effort, on a thread of its own: the workers' stop never waits for it
+        past ``TELL_STOPPED_FIRST_S``, and the process exits without it."""
+        with contextlib.suppress(RendezvousError):
+            # As data (NODE_STOPPED): this node leaves for good, and the others
+            # re-form without it, an elastic job's without using a restart.
+            self.client.abort(
+                f"rendezvous-run on host {self.host} was stopped by {signal.Signals(signum).name}",
+                generation=gen,
+                cause=NODE_STOPPED,
+            )
+
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
         """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
         signum = self._interrupt or 15
@@ -1312,16 +1327,18 @@ class NodeAgent:
         if gen is not None:
             # First: the other nodes hear the cause now, not once this node's workers
             # are done with their handlers (meanwhile theirs would block in collectives
-            # with ours, then blame the broken connections).
-            with contextlib.suppress(RendezvousError):
-                # As data (NODE_STOPPED): this node leaves for good, and the others
-                # re-form without it, an elastic job's without using a restart.
-                self.client.abort(
-                    f"rendezvous-run on host {self.host} was stopped by "
-                    f"{signal.Signals(signum).name}",
-                    generation=gen,
-                    cause=NODE_STOPPED,
-                )
+            # with ours, then blame the broken connections). But only for as long as a
+            # daemon that answers takes: one that does not (down, stopped, this node
+            # cut off) held the workers' signal for its whole outage window (10-28 s
+            # measured), the scheduler's grace (Kubernetes' 30 s) gone before it came.
+            told = threading.Thread(
+                target=self._tell_stopped,
+                args=(gen, signum),
+                daemon=True,
+                name="rendezvous-agent-stopped",
+            )
+            told.start()
+            told.join(TELL_STOPPED_FIRST_S)
         # Passed on, as torchrun does: in sessions of their own, the workers get no
         # Ctrl-C from the terminal (a SIGINT then raises KeyboardInterrupt there). As
         # torchrun, they get time to act on it (a preemption's checkpoint), where a
