@@ -1,7 +1,7 @@
 """The node's fork server (``_fork_server``, ``worker_boot.ForkServer``): a spare it
 forks sees what a cold one (``_agent_boot``) sees, and ends as an interpreter
 does; its exit reaches the agent with its status; no worker outlives its agent,
-none inherits another's channel or the server's socket; the agent falls back to
+nor what it started (a cold worker's too: ``_group_watch``), none inherits another's channel or the server's socket; the agent falls back to
 cold spares when the server refuses one or dies."""
 
 from __future__ import annotations
@@ -348,6 +348,40 @@ time.sleep(600)
         _wait_gone(server_pid)
         _wait_gone(worker_pid)
         _wait_gone(child, within=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+def test_nor_does_what_a_cold_worker_started(tmp_path: Path, script: Path) -> None:
+    # --no-fork-server: the worker dies of its parent-death signal, its child ran on
+    # under init until the node's group watcher (_group_watch) killed its group.
+    agent = f"""
+import os, sys, time
+from rendezvousd.trainer.agent.worker_boot import boot
+env = {{**os.environ, "FACTS": {str(tmp_path / "facts")!r}, "ENDING": "child"}}
+booted = boot(0, [{str(script)!r}], env)
+print(booted.proc.pid, flush=True)
+time.sleep(600)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert proc.stdout is not None
+        worker_pid = int(proc.stdout.readline())
+        _wait_for(tmp_path / "facts.child")
+        child = int((tmp_path / "facts.child").read_text())
+        watchers = [p for p in descendants(proc.pid) if p not in (worker_pid, child)]
+        proc.kill()
+        proc.wait(30)
+        _wait_gone(worker_pid)
+        _wait_gone(child, within=10)
+        for watcher in watchers:
+            _wait_gone(watcher, within=10)  # it exits with its agent too
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -84,8 +84,9 @@ def test_spares_start_before_the_launcher_imports_grpc_and_the_agent_needs_no_nu
     # No restarts allowed and a fixed size: no spare beyond the two workers, whose
     # start-up would only take CPU from the training.
     assert spares == "2", done.stderr
-    # The launcher itself starts the fork server, or both spares.
-    assert spawned == ("1" if fork_server == "1" else "2"), done.stderr
+    # The launcher itself starts the fork server, or both spares and the watcher of
+    # their process groups (``_group_watch``).
+    assert spawned == ("1" if fork_server == "1" else "3"), done.stderr
 
 
 def _children() -> set[int]:

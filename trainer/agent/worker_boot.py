@@ -296,6 +296,36 @@ class ForkServer:
         self._sock.close()
 
 
+class GroupWatch:
+    """The agent's side of ``_group_watch``: this process's one watcher of its cold
+    workers' groups, started with the first. Best effort: a watcher that cannot be
+    started (no pidfds) or is gone leaves a worker's children as before, and never
+    holds a worker back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def watch(self, pid: int) -> None:
+        """Worker ``pid`` started: its group dies with it, and with this process."""
+        with self._lock:
+            if self._proc is None:
+                if not hasattr(os, "pidfd_open"):
+                    return
+                argv = [sys.executable, "-m", "rendezvousd.trainer.agent._group_watch"]
+                try:
+                    self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+                except OSError:
+                    return
+            assert self._proc.stdin is not None
+            with contextlib.suppress(OSError, ValueError):
+                self._proc.stdin.write(f"+{pid}\n".encode())
+                self._proc.stdin.flush()
+
+
+GROUP_WATCH = GroupWatch()
+
+
 def boot(slot: int, cmd: Sequence[str], env: Mapping[str, str]) -> Booted:
     """Start ``cmd`` (a script, or ``-m`` and a module) under ``_agent_boot``.
 
@@ -311,6 +341,7 @@ def boot(slot: int, cmd: Sequence[str], env: Mapping[str, str]) -> Booted:
         raise
     finally:
         theirs.close()
+    GROUP_WATCH.watch(proc.pid)
     return Booted(slot, proc, ours)
 
 
