@@ -322,8 +322,22 @@ def test_a_server_stuck_in_an_import_is_given_up_and_its_spares_are_lost(
         server.close()
 
 
+# The agent alone, or its whole process group at once (`kill -9 -PGID`), which holds
+# the fork server and the group watcher too unless they have sessions of their own.
+KILLS = pytest.mark.parametrize("group", [False, True], ids=["agent", "its-group"])
+
+
+def _kill_agent(proc: subprocess.Popen[str], group: bool) -> None:
+    if group:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.kill()
+    proc.wait(30)
+
+
+@KILLS
 def test_no_forked_worker_nor_what_it_started_outlives_its_agent(
-    tmp_path: Path, script: Path
+    tmp_path: Path, script: Path, group: bool
 ) -> None:
     # The worker dies of its parent-death signal; its own child (a DataLoader's
     # worker, say) has none, and ran on under init until the server killed its group.
@@ -336,15 +350,16 @@ booted = server.spawn(0, [{str(script)!r}], env)
 print(server.proc.pid, booted.proc.pid, flush=True)
 time.sleep(600)
 """
-    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     child = 0
     try:
         assert proc.stdout is not None
         server_pid, worker_pid = map(int, proc.stdout.readline().split())
         _wait_for(tmp_path / "facts.child")
         child = int((tmp_path / "facts.child").read_text())
-        proc.kill()
-        proc.wait(30)
+        _kill_agent(proc, group)
         _wait_gone(server_pid)
         _wait_gone(worker_pid)
         _wait_gone(child, within=10)
@@ -357,7 +372,8 @@ time.sleep(600)
                 os.kill(child, signal.SIGKILL)
 
 
-def test_nor_does_what_a_cold_worker_started(tmp_path: Path, script: Path) -> None:
+@KILLS
+def test_nor_does_what_a_cold_worker_started(tmp_path: Path, script: Path, group: bool) -> None:
     # --no-fork-server: the worker dies of its parent-death signal, its child ran on
     # under init until the node's group watcher (_group_watch) killed its group.
     agent = f"""
@@ -368,7 +384,9 @@ booted = boot(0, [{str(script)!r}], env)
 print(booted.proc.pid, flush=True)
 time.sleep(600)
 """
-    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     child = 0
     try:
         assert proc.stdout is not None
@@ -376,8 +394,7 @@ time.sleep(600)
         _wait_for(tmp_path / "facts.child")
         child = int((tmp_path / "facts.child").read_text())
         watchers = [p for p in descendants(proc.pid) if p not in (worker_pid, child)]
-        proc.kill()
-        proc.wait(30)
+        _kill_agent(proc, group)
         _wait_gone(worker_pid)
         _wait_gone(child, within=10)
         for watcher in watchers:

@@ -19,8 +19,11 @@ worker's exit from the worker's pidfd, keeps the zombie (``WNOWAIT``) and tells
 the agent ``exited`` with the status; it reaps the zombie only when the agent
 answers ``reap``, after it marked the worker exited, so the agent's ``kill`` by
 pid never hits a recycled pid. The parent-death signal chains: the agent's death
-kills the server, the server's kills its workers (the agent then sees every one
-of them exit: its control socket closes). The server is single-threaded (numpy's
+ends the server (``AGENT_DIED``, once it has killed each worker's process group:
+what a worker started goes with it), the server's kills its workers (the agent then
+sees every one of them exit: its control socket closes, and it kills their groups).
+The server runs in a session of its own, so a SIGKILL to the launcher's group leaves
+it to do so. The server is single-threaded (numpy's
 OpenBLAS pool, which it starts at import, is stopped after the imports:
 ``shed_threads``; once anything else started a thread, it starts its spares cold
 instead: a forked child would inherit a lock held by a thread that is not there) and

@@ -186,7 +186,11 @@ class ForkServer:
         }
         argv = [sys.executable, "-m", "rendezvousd.trainer.agent._fork_server"]
         try:
-            proc = subprocess.Popen(argv, env=server_env, pass_fds=(theirs.fileno(),))
+            # A session of its own: a SIGKILL to the launcher's whole process group
+            # (a `kill -9 -PGID`) must leave it alive to kill its workers' groups.
+            proc = subprocess.Popen(
+                argv, env=server_env, pass_fds=(theirs.fileno(),), start_new_session=True
+            )
         except OSError as exc:
             ours.close()
             note(f"no fork server ({exc}): spares start cold")
@@ -314,7 +318,11 @@ class GroupWatch:
                     return
                 argv = [sys.executable, "-m", "rendezvousd.trainer.agent._group_watch"]
                 try:
-                    self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+                    # A session of its own, as the fork server's: it must outlive a
+                    # SIGKILL to the launcher's whole process group.
+                    self._proc = subprocess.Popen(
+                        argv, stdin=subprocess.PIPE, start_new_session=True
+                    )
                 except OSError:
                     return
             assert self._proc.stdin is not None
