@@ -5,6 +5,7 @@ real-torchrun test is tests/torchrun/test_torchrun.py's warm-workers test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,8 +23,10 @@ from rendezvousd.trainer.torchrun import warm
 from tests.support import wait_for
 
 WORKER = """
-import json, os, signal, sys, time
-print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
+import json, os, signal, subprocess, sys, time
+# What a training script starts (a DataLoader worker, a helper): in the worker's group.
+child = subprocess.Popen(["sleep", "60"]).pid if "child" in sys.argv else None
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "child": child,
     "argv": sys.argv, "x": os.environ.get("X"), "cwd": os.getcwd(),
     "preloaded": "decimal" in sys.modules,
     "cpus": sorted(os.sched_getaffinity(0)),
@@ -128,6 +131,63 @@ def test_a_sigkilled_shim_takes_its_worker_with_it(shim: Any) -> None:
     os.killpg(s.proc.pid, signal.SIGKILL)
     assert s.wait() == -signal.SIGKILL
     wait_for("the orphaned worker to be killed", lambda: not _alive(r["pid"]), 10)
+
+
+def test_a_sigkilled_shim_takes_what_its_worker_started_with_it(shim: Any) -> None:
+    """The server killed the worker's pid alone: what it started ran on under init
+    (review h158, 2a)."""
+    s = shim("w.py", "0", "sleep", "child")
+    r = s.report()
+    os.killpg(s.proc.pid, signal.SIGKILL)
+    assert s.wait() == -signal.SIGKILL
+    wait_for("the worker's child to be killed", lambda: not _alive(r["child"]), 10)
+
+
+AGENT = """
+import os, sys, time
+from rendezvousd.trainer.torchrun import warm
+server = warm.start_server(["decimal"], {**os.environ, "OMP_NUM_THREADS": "1"})
+print(server.socket_path, server.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("killed", ["agent", "its-group"])
+def test_nothing_a_warm_worker_started_outlives_its_sigkilled_agent(
+    tmp_path: Path, killed: str
+) -> None:
+    """torchrun's agent SIGKILLed (alone, or with its process group as a terminal or a
+    scheduler does): the server died with it (SIGKILL as its parent-death signal, and in
+    the agent's group), its workers with the server, and what they started ran on
+    under init, holding ports, memory or a GPU (review h158, 2a). The server now kills
+    each worker's group first."""
+    (tmp_path / "w.py").write_text(WORKER)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert agent.stdout is not None
+        path, server = agent.stdout.readline().split()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", warm.ENV_WARM_SOCKET: path}
+        s = Shim(tmp_path, ["w.py", "0", "sleep", "child"], env)
+        r = s.report()
+        assert r["preloaded"] is True and r["ppid"] == int(server)  # forked, warm
+        if killed == "agent":
+            agent.kill()
+        else:
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        wait_for("the warm worker to die", lambda: not _alive(r["pid"]), 10)
+        wait_for("what the worker started to die", lambda: not _alive(r["child"]), 10)
+        wait_for("the server to exit", lambda: not _alive(int(server)), 10)
+        s.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
 
 
 def test_a_killed_worker_is_the_shims_death_by_the_same_signal(shim: Any) -> None:

@@ -18,8 +18,13 @@ asks that server to fork the real worker and then stands in for it:
 - torchrun watches and signals the shim, its own child: the shim forwards the signals
   torchrun and a terminal send (``FORWARDED``) to the worker, and exits as the worker
   did (the same code, or killed by the same signal). A shim SIGKILLed (torchrun's
-  last resort) closes its connection, and the server kills its worker. The server's
-  death kills its workers (parent-death signal); the agent's death kills the server.
+  last resort) closes its connection, and the server kills its worker's process
+  group (the worker's session: what it started, DataLoader workers, goes with it).
+  The agent's death ends the server once it has killed each worker's group
+  (``AGENT_DIED``, a catchable parent-death signal, as ``_fork_server``'s); the
+  server runs in a session of its own, so a SIGKILL to torchrun's process group
+  leaves it to do so. The server's own death (SIGKILL) kills its workers
+  (parent-death signal), but not what they started.
 - Whatever cannot be forked starts cold, as plain torchrun would: the shim execs the
   real interpreter in its own place (same pid) when there is no server, it does not
   answer within ``ANSWER_S``, the server runs threads after its imports (a forked
@@ -59,8 +64,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from rendezvousd.trainer.agent._agent_boot import die_with_parent, run_target
+from rendezvousd.trainer.agent._agent_boot import die_with_parent, run_target, signal_group
 from rendezvousd.trainer.agent._fork_server import (
+    AGENT_DIED,
     ANSWER_S,
     exit_code,
     fork,
@@ -122,7 +128,15 @@ def start_server(modules: Sequence[str], env: Mapping[str, str]) -> WarmServer:
     ``ENV_WARM_SOCKET`` in its workers' environment."""
     path = f"@rendezvousd-warm-{secrets.token_hex(16)}"
     cmd = [sys.executable, "-m", __name__, "--serve", path, str(os.getpid()), *modules]
-    proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    # A session of its own: a SIGKILL to torchrun's process group (a terminal's, a
+    # scheduler's) leaves the server to kill its workers' groups (``AGENT_DIED``).
+    proc = subprocess.Popen(
+        cmd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     server = WarmServer(proc, path)
     # Returns once the server listens (~0.1 s, before its imports): a worker started
     # earlier would find no socket and start cold.
@@ -135,6 +149,16 @@ def start_server(modules: Sequence[str], env: Mapping[str, str]) -> WarmServer:
 
 
 # --- the server ------------------------------------------------------------------------
+
+
+class _AgentGone(Exception):
+    """The agent died (``AGENT_DIED``): the server stops its workers and exits."""
+
+
+def _agent_died(signum: int, frame: object) -> None:
+    # Raised wherever the loop is: a child forked but not yet recorded has armed its
+    # own parent-death signal, and dies as the server exits.
+    raise _AgentGone
 
 
 @dataclass(frozen=True)
@@ -188,10 +212,23 @@ class _Server:
         self.conns: dict[int, socket.socket] = {}  # fd -> a shim's connection
         self.worker_of: dict[int, int] = {}  # connection fd -> its worker's pidfd
         self.conn_of: dict[int, int] = {}  # pidfd -> its shim's connection fd
+        # pidfd -> its worker's pid: unreaped until ``_exited`` waits on the pidfd, so
+        # neither the pid nor its group's number (the worker's session) is reused.
+        self.pid_of: dict[int, int] = {}
 
     def serve(self) -> _Child:
         """Fork on request and tell each shim its worker's end; returns in a forked
-        child only (the server itself runs until its agent dies)."""
+        child only (the server itself runs until its agent dies, then kills each
+        worker's group and exits)."""
+        signal.signal(AGENT_DIED, _agent_died)
+        try:
+            return self._serve()
+        except _AgentGone:
+            for pid in self.pid_of.values():
+                signal_group(pid, signal.SIGKILL)
+            os._exit(0)
+
+    def _serve(self) -> _Child:
         while True:
             for fd, _ in self.poller.poll():
                 try:
@@ -227,10 +264,10 @@ class _Server:
             message, fds = recv(conn)
         except (OSError, ValueError):
             message, fds = None, []
-        if message is None:  # the shim is gone (SIGKILLed): so must its worker be
+        if message is None:  # the shim is gone (SIGKILLed): so must its worker be,
+            # and what it started (its session's group)
             if (pidfd := self.worker_of.pop(fd, None)) is not None:
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                signal_group(self.pid_of[pidfd], signal.SIGKILL)
             self._drop(fd)
             return None
         op = message.get("op")
@@ -273,7 +310,7 @@ class _Server:
             self._drop(fd)
             return None
         pidfd = os.pidfd_open(pid)
-        self.worker_of[fd], self.conn_of[pidfd] = pidfd, fd
+        self.worker_of[fd], self.conn_of[pidfd], self.pid_of[pidfd] = pidfd, fd, pid
         self.poller.register(pidfd, select.POLLIN)
         with contextlib.suppress(OSError):
             send(conn, {"op": "spawned", "pid": pid})
@@ -290,6 +327,7 @@ class _Server:
             os.close(pidfd)
         for s, handler in _HELD.items():
             signal.signal(s, handler)
+        signal.signal(AGENT_DIED, signal.SIG_DFL)  # the worker's own (torchrun forwards it)
 
     def _exited(self, pidfd: int) -> None:
         info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
@@ -297,6 +335,7 @@ class _Server:
             return  # spurious: not exited yet
         self.poller.unregister(pidfd)
         os.close(pidfd)
+        del self.pid_of[pidfd]
         fd = self.conn_of.pop(pidfd)
         if self.worker_of.pop(fd, None) is not None:
             with contextlib.suppress(OSError):
@@ -339,7 +378,9 @@ def _become(child: _Child) -> None:
 
 
 def serve_main(path: str, agent: int, modules: Sequence[str]) -> None:
-    die_with_parent(agent)
+    # Its default action ends the server while it imports (no worker yet); ``serve``
+    # catches it.
+    die_with_parent(agent, AGENT_DIED)
     for s in _HELD:
         signal.signal(s, signal.SIG_IGN)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
