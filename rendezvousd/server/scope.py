@@ -37,6 +37,11 @@ JOB_TOKEN_PREFIX = "rdzv-job."
 # A MAC (hex) never starts so.
 ISSUED = "issued-"
 UNTIL = "until-"
+#: How far past the daemon's clock a token's minting time may lie and still be taken:
+#: hosts kept by NTP differ by far less; a host further ahead would mint tokens that
+#: open a job created before them (its id's next job, within that lead), which the
+#: end check (``predates``) is there to refuse.
+MINTED_AHEAD_S = 300
 
 
 @dataclass(frozen=True)
@@ -138,31 +143,68 @@ class JobToken:
         return ended is not None and (self.issued is None or self.issued < ended)
 
     def refusal(self, ended: float | None, now: float) -> str | None:
-        """Why this token opens nothing at ``now`` (minted before ``ended``, its job's
-        last end, or expired), or None while it is good."""
+        """Why this token opens nothing at ``now`` (the daemon's wall clock): minted
+        later than ``now`` by more than ``MINTED_AHEAD_S``, minted before ``ended``, its
+        job's last end, or expired; None while it is good."""
+        if self.issued is not None and self.issued > now + MINTED_AHEAD_S:
+            return self.ahead_text(now)
         if ended is not None and self.predates(ended):
-            return self.stale_text(ended)
+            return self.stale_text(ended, now)
         if not self.expired(now):
             return None
         return (
-            f"the job token for job {self.job!r} expired at {self.expiry_text()}; mint a new "
-            f"one: rendezvousd token --job {self.job} --admin-token-file FILE --valid-for "
-            "DURATION OUT"
+            f"the job token for job {self.job!r} expired at {self.expiry_text()} "
+            f"({_clock(now)}: if that date is still to come, this daemon's host's clock is "
+            f"ahead: check it); mint a new one: rendezvousd token --job {self.job} "
+            "--admin-token-file FILE --valid-for DURATION OUT"
         )
 
-    def stale_text(self, ended: float) -> str:
-        """Why a token that ``predates`` the end ``ended`` is refused, and what to do."""
+    def ahead_text(self, now: float) -> str:
+        """Why a token minted in the daemon's future is refused: a minting host whose
+        clock is ahead would otherwise mint tokens that open the job of their id created
+        after them, by the daemon's clock, for as long as that clock is behind."""
+        assert self.issued is not None
+        return (
+            f"the job token for job {self.job!r} was minted at {_date(self.issued)}, more "
+            f"than {MINTED_AHEAD_S} s after {_clock(now)}: it was minted on a host whose "
+            "clock is ahead (or this daemon's is behind); set that host's clock right "
+            f"(NTP), then mint a new one: rendezvousd token --job {self.job} "
+            "--admin-token-file FILE OUT"
+        )
+
+    def stale_text(self, ended: float, now: float) -> str:
+        """Why a token that ``predates`` the end ``ended`` is refused at ``now``, and
+        what to do."""
         minted = (
             "carries no minting time"
             if self.issued is None
             else (f"was minted at {_date(self.issued)}")
         )
-        return (
+        mint = f"rendezvousd token --job {self.job} --admin-token-file FILE OUT"
+        said = (
             f"the job token for job {self.job!r} {minted}, before the last job {self.job!r} "
-            f"ended at {_date(ended)}; a job token opens only the job created after it was "
-            f"minted: mint a new one: rendezvousd token --job {self.job} --admin-token-file "
-            "FILE OUT"
+            f"ended at {_date(ended)}"
         )
+        if ended > now:
+            # Recorded by a clock that was ahead then: minting again does not help
+            # until the daemon's clock passes it, so "mint a new one" alone misleads.
+            return (
+                f"{said}, which is later than {_clock(now)}: that end was recorded while "
+                "this daemon's clock was ahead (or it is behind now), and a token of this "
+                f"job id minted before {_date(ended)} is refused; check this daemon's "
+                f"clock, and use another job id, or mint a new token after that: {mint}"
+            )
+        return (
+            f"{said} ({_clock(now)}: a token minted since that end on a host whose clock "
+            "is behind looks older; check that host's clock); a job token opens only the "
+            f"job created after it was minted: mint a new one: {mint}"
+        )
+
+
+def _clock(now: float) -> str:
+    """The daemon's wall clock as a refusal names it: a client whose own clock differs
+    sees that the two disagree."""
+    return f"this daemon's clock reads {_date(now)}"
 
 
 def _field(rest: str, name: str) -> tuple[str, int | None] | None:

@@ -52,6 +52,7 @@ from rendezvousd.server.metrics import LIMIT_NAMES, Metrics
 from rendezvousd.server.scope import CALLER, Scope, allowed, denied
 from rendezvousd.server.streams import HeartbeatStreams
 from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.storage import snapshot
 from rendezvousd.storage.faults import STORAGE_UNAVAILABLE, kept_goodbye, storage_unavailable
 from rendezvousd.storage.persistence import Persister
 
@@ -154,8 +155,13 @@ class RendezvousServicer:
             elif isinstance(effect, Transition):
                 # Forgotten at its TTL, or early for a new job's max_jobs slot.
                 if effect.new is None and effect.detail.startswith(FORGOTTEN):
-                    # Wall clock: job tokens carry the Unix time they were minted at.
-                    self.persister.job_ended(effect.job_id, time.time())
+                    # Unix time, as job tokens carry their minting time, in the frame
+                    # the snapshot keeps its times in (the wall clock read once at
+                    # start-up, then the monotonic clock): the live wall clock, stepped
+                    # ahead for a while, stamped an end in the future that refused every
+                    # new token of the job id, restarts included, until real time
+                    # caught up with it.
+                    self.persister.job_ended(effect.job_id, snapshot.unix(time.monotonic()))
                 self.persister.touch(effect.job_id)
                 self._transition(effect)
         self.metrics.waiters.set(self.state.waiter_count)

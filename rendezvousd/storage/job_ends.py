@@ -14,9 +14,11 @@ for a new job of any such id (a false refusal, which says to mint a new token, r
 than a forgotten end letting an old token in). A job the daemon holds keeps its tokens
 working: its creation came after any end of its id the table still lists.
 
-Times are Unix seconds from the daemon's wall clock (tokens carry the minting
-machine's): a clock behind the daemon's makes a token minted just after an end look
-older than it, which is refused, never the other way round.
+Times are Unix seconds in the snapshot's frame (``snapshot.unix``: the daemon's wall
+clock read at start-up, counted on by its monotonic clock), so a step of the wall clock
+while the daemon runs moves no end; tokens carry the minting machine's clock. One behind
+the daemon's makes a token minted just after an end look older than it, which is
+refused; one ahead is refused beyond ``scope.MINTED_AHEAD_S``.
 """
 
 from __future__ import annotations

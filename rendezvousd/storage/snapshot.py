@@ -169,6 +169,12 @@ def _unix(monotonic: float) -> float:
     return round(monotonic + _WALL_OFFSET, 3)
 
 
+def unix(monotonic: float) -> float:
+    """``_unix``, for what the daemon keeps beside the rows in the same frame (a job's
+    end): a wall clock stepped after start-up moves none of them."""
+    return _unix(monotonic)
+
+
 def _closed_record(closed: Closed) -> dict[str, Any]:
     return {
         "at_unix": _unix(closed.at),

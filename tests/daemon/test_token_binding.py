@@ -62,7 +62,7 @@ def test_a_token_predates_an_end_only_when_minted_before_it() -> None:
     assert not token.predates(None) and not legacy.predates(None)
     assert token.predates(1000.5) and not token.predates(1000.0)
     assert legacy.predates(1.0)  # no minting time: minted before any end
-    assert "mint a new one: rendezvousd token --job j " in token.stale_text(1000.5)
+    assert "mint a new one: rendezvousd token --job j " in token.stale_text(1000.5, 2000.0)
 
 
 # -- the history of ends ----------------------------------------------------------
