@@ -675,8 +675,9 @@ class Daemon:
             self.on_stopping()
         self.state.drain(time.monotonic())
         for job in self.state.jobs.values():
-            if job.drained_at is not None:
-                self.persister.touch(job.job_id)  # with its attendees' last beats
+            # Every job's row: its state's age (and a running one's attendees' last
+            # beats), which a restart goes on from whatever its wall clock reads.
+            self.persister.touch(job.job_id)
         self._servicer.apply()
         # Within half a short grace, so that our streams' handlers end before gRPC's
         # stop cancels them (a traceback per stream in the log).

@@ -397,6 +397,12 @@ class Job:
     # then with each attendee's last beat, so that a restart goes on counting their
     # silence (``snapshot.resume_silence``). None otherwise, and in a restored job.
     drained_at: float | None = None
+    # How long the job had been in its state when the daemon began to drain (any
+    # state): its row keeps it, and a restart puts ``state_since`` that far back from
+    # its own now. A restarted daemon whose wall clock is ahead of the old one's read
+    # the Unix ``state_since_unix`` as that much older (an ended job expired at once).
+    # None otherwise, and in a restored job.
+    state_age_at_drain: float | None = None
     # Whether the daemon said (``Warn``) that a member of this job calls without its
     # instance id (an SDK from before them): once per job, not per refused call.
     told_old_sdk: bool = False

@@ -258,6 +258,7 @@ class RendezvousState:
             job.gen.kv_waiters.clear()
             for barrier in job.gen.barriers.values():
                 barrier.arrived.clear()
+            job.state_age_at_drain = max(0.0, now - job.state_since)
             if job.state is JobState.RUNNING:
                 job.drained_at = now
                 rounds.notify(self, job, EventKind.DAEMON_DRAINING, reason="daemon shutting down")

@@ -152,6 +152,12 @@ def job_record(job: Job) -> dict[str, Any]:
         "kept_seats": placement.seats_kept(job) if job.state is JobState.FORMING else {},
         # Written by a draining daemon only (``resume_silence``).
         **({} if job.drained_at is None else {"drained_unix": _unix(job.drained_at)}),
+        # Written by a draining daemon only (``_state_since``).
+        **(
+            {}
+            if job.state_age_at_drain is None
+            else {"state_age_s": round(job.state_age_at_drain, 3)}
+        ),
     }
 
 
@@ -561,7 +567,16 @@ def _state_since(raw: Mapping[str, Any], now: float) -> float:
     """When the job entered its state, on this process's clock; ``now`` for rows
     written before it was kept, and never later than ``now`` (a clock set back).
     A job that ended before the restart expires ``job_ttl_s`` after its end, not
-    after the restart: a daemon restarting more often than that never forgot one."""
+    after the restart: a daemon restarting more often than that never forgot one.
+
+    A row a draining daemon wrote keeps the state's age then (``state_age_s``), which
+    no clock of either process moves: the job goes on from that age, the time the
+    daemon was down not counted (as no attendee's silence counts it). Its Unix time is
+    read only from a row of a daemon that died without draining, or an older one: a
+    restart whose wall clock is ahead of the old process's makes that job older by
+    the difference (one behind is clamped to ``now``)."""
+    if "state_age_s" in raw:
+        return now - _seconds(raw, "state_age_s")
     if "state_since_unix" not in raw:
         return now
     return _unix_time(raw, "state_since_unix", now)

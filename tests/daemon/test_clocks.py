@@ -15,9 +15,13 @@ import pytest
 import pytest_asyncio
 
 from rendezvousd.client import AsyncRendezvousClient, AuthenticationError
+from rendezvousd.common.model import JobState
 from rendezvousd.config import DaemonConfig
 from rendezvousd.daemon import Daemon
 from rendezvousd.server.scope import MINTED_AHEAD_S, derive_job_token
+from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.storage import snapshot
+from rendezvousd.storage.persistence import Persister
 from tests.support import InProcessDaemon
 
 HOURS_3 = 3 * 3600.0
@@ -140,3 +144,30 @@ async def test_a_token_minted_ahead_of_the_daemons_clock_is_refused(
     assert "it was minted on a host whose clock is ahead" in said, said
     assert "mint a new one: rendezvousd token --job" in said, said
     await _opens(d, job_id, derive_job_token(d.token, job_id, issued=now + 60))
+
+
+def _ended_job(sm: RendezvousState, job_id: str, at: float) -> None:
+    sm.join(JoinArgs.worker(job_id, 1, 1, 0, 0, "h", "", b"\x07" * 128, "i0"), at - 1.0)
+    sm.leave(job_id, 1, 0, "i0", at)
+    assert sm.jobs[job_id].state is JobState.ENDED
+
+
+def test_a_restart_whose_clock_is_ahead_keeps_a_drained_jobs_age(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The age was kept as Unix time: restarted on a clock an hour ahead of the old
+    process's, a job ended 6 s before the drain was an hour old, and was forgotten at
+    once (its TTL long past); `status` showed a running job's AGE jump alike."""
+    sm = RendezvousState()
+    drained = time.monotonic()
+    _ended_job(sm, "j", drained - 6.0)
+    sm.drain(drained)
+    saver = Persister(tmp_path, sm)
+    saver.restore()
+    saver.close()
+    # The new process reads its wall clock an hour ahead of the old one's.
+    monkeypatch.setattr(snapshot, "_WALL_OFFSET", snapshot._WALL_OFFSET + 3600.0)
+    fresh = RendezvousState()
+    Persister(tmp_path, fresh).restore()
+    age = time.monotonic() - fresh.jobs["j"].state_since
+    assert 6.0 <= age < 60.0, age
