@@ -240,7 +240,9 @@ class RendezvousClient(steps.ClientBase):
         core: Any = getattr(self._channel, "_channel", None)
         if not hasattr(core, "watch_connectivity_state"):
             return None
-        deadline = time.time() + timeout  # the core's deadlines are wall-clock
+        # On the monotonic clock: a wall-clock deadline moved with the clock, and a
+        # step back (NTP) kept a client waiting that much longer for a daemon.
+        deadline = time.monotonic() + timeout
         while not self._s.closed:
             try:
                 state = core.check_connectivity_state(True)
@@ -248,12 +250,14 @@ class RendezvousClient(steps.ClientBase):
                     return True
                 if state == _SHUTDOWN or (failure_ends and state not in _CONNECTING):
                     return False
-                if time.time() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False
                 # In slices: closing the channel waits for a watch in progress, so a
                 # close() from another thread (an agent giving up on its join) waited
-                # out the whole connect_timeout (30 s).
-                core.watch_connectivity_state(state, min(deadline, time.time() + _WATCH_SLICE_S))
+                # out the whole connect_timeout (30 s). The core takes a wall-clock
+                # time: one slice at most, so a step within it costs a slice at most.
+                core.watch_connectivity_state(state, time.time() + min(left, _WATCH_SLICE_S))
             except ValueError:  # "Channel closed!": close() from another thread
                 return False
         return False
