@@ -404,8 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     args = p.parse_args(argv)
-    # Stamped as the daemon's and rendezvous-run's lines are (UTC, marked): one order
-    # across hosts.
+    # Stamped as the daemon's and rendezvous-run's lines are (UTC, marked), so that
+    # no host's time zone keeps them from merging; the merge is in order only as far as
+    # the hosts' clocks agree (each stamps by its own).
     said = logging.StreamHandler(sys.stderr)
     said.setFormatter(UtcFormatter("%(asctime)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[said])

@@ -4,8 +4,9 @@ millisecond, with its ``Z``, e.g. ``2026-12-07T05:43:10.123Z``.
 
 Logging's default (``2026-12-07 05:43:10,123``) is the host's local time with no zone:
 the lines of a daemon and of nodes on hosts set to other zones (or a host's own lines
-across a DST change) could not be put in one order. The status page's timeline shows
-the same form (``app.js``)."""
+across a DST change) could not be put in one order. Each host stamps by its own wall
+clock: lines of hosts whose clocks differ merge out of order by that much. The status
+page's timeline shows the same form (``app.js``)."""
 
 from __future__ import annotations
 
