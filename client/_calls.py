@@ -270,7 +270,9 @@ class Calls:
     def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
         self.s = Session.create(endpoint, job_id, options)
         self.tls = options.get("tls")
-        self.probe = TlsProbe(endpoint, tls=self.tls is not None)
+        self.probe = TlsProbe(
+            endpoint, tls=self.tls is not None, cert=None if self.tls is None else self.tls.cert
+        )
         self.reconnect_window = options.get("reconnect_window")
         # Rpc steps as messages on one CallBatches stream (False: one unary call each).
         self.call_stream = options.get("call_stream", True)

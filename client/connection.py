@@ -15,6 +15,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,13 @@ import grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client.errors import InvalidRequest
 from rendezvousd.common.address import Address, AddressError, parse_address
-from rendezvousd.common.pem import bundle_problem, pair_problem
+from rendezvousd.common.pem import (
+    bundle_problem,
+    file_validity,
+    pair_problem,
+    validity,
+    window_text,
+)
 from rendezvousd.common.secret_files import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
@@ -438,6 +445,10 @@ def _not_regular(path: Path, what: str, instead: str) -> Callable[[str], Invalid
 # (the CA, a certificate, the server name: "Hostname Verification Check failed" has
 # only the last); the SDK's probe and ``rendezvousd health`` read them alike.
 HANDSHAKE_SIGNS = ("handshake", "certificate", "verification")
+# BoringSSL's words for a certificate refused for its dates (X509_V_ERR_CERT_NOT_YET_VALID,
+# X509_V_ERR_CERT_HAS_EXPIRED): checked against the verifying host's own clock, so a
+# clock that is off reads as a bad certificate.
+CLOCK_SIGNS = ("not yet valid", "has expired")
 
 
 def _sendable(token: str, origin: str) -> str:
@@ -525,9 +536,11 @@ class TlsProbe:
     daemon directly (``speaks_tls``). Anything else is left to the patient check.
     """
 
-    def __init__(self, endpoint: str, *, tls: bool) -> None:
+    def __init__(self, endpoint: str, *, tls: bool, cert: Path | None = None) -> None:
         self.endpoint = endpoint
         self.tls = tls
+        # This client's certificate (mTLS): its dates, where a daemon turns it away.
+        self.cert = cert
         self.closed = 0
 
     @property
@@ -576,6 +589,12 @@ class TlsProbe:
                     f"plaintext): {TLS_DROP_ADVICE}, or serve TLS there (the daemon's "
                     "--tls-cert/--tls-key)"
                 )
+            if any(sign in lowered for sign in CLOCK_SIGNS):
+                # No CA or server name would help: this host's clock or the dates.
+                return (
+                    f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. "
+                    f"{daemon_certificate_dates(self.endpoint, timeout)}"
+                )
             return (
                 f"TLS handshake with rendezvousd at {self.endpoint} failed: {reason}. "
                 f"{TLS_CHECK_ADVICE}"
@@ -587,7 +606,7 @@ class TlsProbe:
                     f"rendezvousd at {self.endpoint} closes every TLS connection during the "
                     "handshake: it requires a client certificate (mTLS) signed by its "
                     f"--tls-client-ca. Give {TLS_PAIR_ADVICE}, or check that they are "
-                    "signed by that CA"
+                    f"signed by that CA{client_certificate_dates(self.cert)}"
                 )
         return None
 
@@ -602,6 +621,68 @@ class TlsProbe:
         """Whether another non-waiting call may tell more: the daemon closed the
         connection (an mTLS refusal shows only as that, repeatedly)."""
         return "socket closed" in str(exc.details() or "").lower()
+
+
+def _clock_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def daemon_certificate_dates(endpoint: str, timeout: float) -> str:
+    """What to do when this host refused the daemon's certificate for its dates: the
+    certificate's validity, read from the daemon where it answers (``peer_validity``),
+    beside this host's clock."""
+    window = peer_validity(endpoint, timeout)
+    dates = "" if window is None else f" (the daemon's certificate is valid {window_text(window)})"
+    return (
+        f"This host checks the daemon's certificate against its own clock: check this "
+        f"host's clock (it reads {_clock_now()}){dates}; if the clock is right, the "
+        "certificate is expired or not valid yet, and the daemon needs one that is "
+        "valid now"
+    )
+
+
+def client_certificate_dates(cert: Path | None) -> str:
+    """The dates of this client's certificate ``cert``, for an mTLS daemon that turns
+    it away: the daemon checks them against its own clock, whose reading the client
+    cannot see (it closes the connection and says nothing). "" without one."""
+    window = None if cert is None else file_validity(cert)
+    if cert is None or window is None:
+        return ""
+    now = _clock_now()
+    not_before, not_after = window
+    if datetime.now(UTC) < not_before or datetime.now(UTC) > not_after:
+        return (
+            f"; this client's certificate {cert} is valid {window_text(window)}, which "
+            f"this host's clock (it reads {now}) is outside of: check this host's clock, "
+            "or renew the certificate"
+        )
+    return (
+        f"; if they are, the daemon's host's clock may be outside the certificate's "
+        f"validity ({cert} is valid {window_text(window)}; this host's clock reads {now}): "
+        "a daemon whose clock is off refuses a good certificate as not yet valid or "
+        "expired: check the daemon's host's clock"
+    )
+
+
+def peer_validity(endpoint: str, timeout: float) -> tuple[datetime, datetime] | None:
+    """The validity of the certificate the TLS server at ``endpoint`` presents, read
+    without verifying it (None where it cannot be had). Nothing of ours is sent."""
+    try:
+        address = parse_address(endpoint, what="endpoint", allow_unix=True)
+    except AddressError:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with _dial(address, timeout) as sock:
+            sock.settimeout(timeout)
+            with context.wrap_socket(sock) as tls:
+                der = tls.getpeercert(binary_form=True)
+    except OSError:  # ssl.SSLError included: refused, reset, timed out
+        return None
+    return None if der is None else validity(der)
 
 
 def _client_hello() -> bytes:

@@ -104,7 +104,9 @@ def _health(args: argparse.Namespace) -> int:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 from rendezvousd.client.connection import (
+                    CLOCK_SIGNS,
                     HANDSHAKE_SIGNS,
+                    daemon_certificate_dates,
                     dial_problem,
                     speaks_tls,
                 )
@@ -119,6 +121,12 @@ def _health(args: argparse.Namespace) -> int:
                 if args.tls_ca is None and speaks_tls(args.endpoint, left):
                     # A TLS daemon just drops a plaintext connection: gRPC cannot say why.
                     why = f"the daemon at {args.endpoint} speaks TLS: pass --tls-ca"
+                elif tls is not None and any(sign in lowered for sign in CLOCK_SIGNS):
+                    # Refused for its dates, by this host's clock: no flag would help.
+                    why = (
+                        f"the TLS handshake with {args.endpoint} failed ({reason}): "
+                        f"{daemon_certificate_dates(args.endpoint, left)}"
+                    )
                 elif tls is not None and any(
                     sign in lowered for sign in (*HANDSHAKE_SIGNS, "socket closed")
                 ):

@@ -20,12 +20,15 @@ import re
 import ssl
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
 
+from rendezvousd.common.pem import file_validity, window_text
 from rendezvousd.common.secret_files import read_judged
 from rendezvousd.config import check_client_ca, check_tls_pair
 from rendezvousd.errors import DaemonError
@@ -118,6 +121,32 @@ class ServerTls:
 
     def __post_init__(self) -> None:
         self.files = read_tls_files(self.cert, self.key, self.client_ca)
+        self.check_dates()
+
+    def check_dates(self) -> None:
+        """Says at WARNING when the served certificate is not valid by this host's clock.
+
+        A handshake refused for a certificate's dates leaves the daemon no trace of its
+        own: gRPC core writes "Handshake failed ... certificate is not yet valid" to
+        stderr, naming no peer, and grpcio hands no failed handshake to Python (so a
+        client refused for its certificate's dates cannot be named here). Its own
+        certificate's dates, against its own clock, it can check: a clock far off, or a
+        certificate not renewed in time, fails every client that verifies it."""
+        window = file_validity(self.cert)
+        if window is None:
+            return
+        now = datetime.now(UTC)
+        if window[0] <= now <= window[1]:
+            return
+        log.warning(
+            "TLS certificate %s is valid %s, and this host's clock reads %s: every client "
+            "whose clock is right refuses it (%s); check this host's clock (NTP), or serve "
+            "a certificate valid now (replace the file, then SIGHUP)",
+            self.cert,
+            window_text(window),
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "not yet valid" if now < window[0] else "expired",
+        )
 
     def credentials(self) -> grpc.ServerCredentials:
         # gRPC core logs each failed handshake at INFO, one line per connection
@@ -168,6 +197,7 @@ class ServerTls:
         before, self.files = self.files, files
         with self._lock:
             self._pending = self._configuration(files)
+        self.check_dates()
         if files == before:
             log.info(
                 "SIGHUP: TLS files %s, %s%s read again, unchanged: serving certificate %s",
