@@ -65,8 +65,10 @@ _SEQUENCE, _VERSION, _UTC_TIME, _GENERALIZED_TIME = 0x30, 0xA0, 0x17, 0x18
 def validity(der: bytes) -> tuple[datetime, datetime] | None:
     """A DER certificate's validity (notBefore, notAfter, in UTC), or None where it
     cannot be read. The standard library's ``ssl`` gives a certificate's dates only
-    once it is verified, and a certificate refused for its dates is not; so the few
-    fields in front of them are walked here (RFC 5280 4.1)."""
+    once it is verified, and a certificate refused for its dates is not; the
+    ``cryptography`` package reads them, but would be a runtime dependency of every
+    worker for one sentence of an error. So the few fields in front of them are walked
+    here (RFC 5280 4.1)."""
     try:
         tag, start, _ = _tlv(der, 0)
         tag_tbs, at, _ = _tlv(der, start)
