@@ -117,7 +117,16 @@ def _fsync_directory(folder: Path) -> None:
 def _remove_abandoned_writes(target: Path, started: float) -> None:
     """Delete what a killed save left (its temporary file, as large as a checkpoint)
     beside ``target``: temporary files of this name or of any ``ckpt-<step>.npz``,
-    untouched since before this save began (one being written now has a newer time)."""
+    untouched since before this save began and locked by no writer.
+
+    The time alone deleted a live save's file: another process's (a second rank 0, as
+    a SIGKILLed torchrun agent's workers train on beside their replacement's) stalled
+    on a slow disk, or written on a host whose clock is ahead of this one's. Each save
+    holds a lock on its file while it writes (``flock``: the kernel drops it when the
+    writer dies, however), so only a file nobody holds is abandoned. The time still
+    guards the moment between another save's ``mkstemp`` and its lock."""
+    import fcntl
+
     for entry in target.parent.iterdir():
         name = entry.name
         if not (name.startswith(".") and name.endswith(".tmp")):
@@ -126,8 +135,14 @@ def _remove_abandoned_writes(target: Path, started: float) -> None:
         if written != target.name and not _NAME_RE.match(written):
             continue
         with contextlib.suppress(OSError):
-            if entry.is_file() and entry.stat().st_mtime < started:
+            if not entry.is_file() or entry.stat().st_mtime >= started:
+                continue
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use
                 entry.unlink()
+            finally:
+                os.close(fd)
 
 
 def save_checkpoint(
@@ -147,6 +162,7 @@ def save_checkpoint(
         return False
     # Here, not at the top: the training example imports this module, and a worker
     # that never writes or reads a checkpoint should not pay for them at start-up.
+    import fcntl
     import tempfile
     import zipfile
 
@@ -156,6 +172,8 @@ def save_checkpoint(
     started = time.time()
     try:
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        # Held while this save writes: another save's sweep leaves the file alone.
+        fcntl.flock(fd, fcntl.LOCK_EX)
         with os.fdopen(fd, "wb") as fh:
             # Written member by member rather than via np.savez, whose own keyword
             # parameters ("file", "allow_pickle") would collide with array names.

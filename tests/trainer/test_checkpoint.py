@@ -368,3 +368,36 @@ def test_a_save_removes_what_a_killed_save_left_and_nothing_else(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["c.npz", busy.name, *(p.name for p in kept)]
     )
+
+
+def test_a_save_leaves_the_file_another_live_save_still_writes(tmp_path: Path) -> None:
+    """A concurrent saver's file untouched since before this save began (its disk slow,
+    or its host's clock ahead of this one's) was deleted under it as abandoned (review
+    h159): a file a live writer holds locked is left; the same file, its writer dead
+    (the lock released), is removed."""
+    old = time.time() - 60
+    live = tmp_path / ".ckpt-0000000003.npz.livewrit.tmp"
+    live.write_bytes(b"partial")
+    os.utime(live, (old, old))
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(live)!r}, os.O_RDWR)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "locked\n"
+        assert save_checkpoint(tmp_path / "ckpt-0000000004.npz", arrays(), {}, rank=0)
+        assert live.exists()
+    finally:
+        writer.kill()
+        writer.wait(10)
+    assert save_checkpoint(tmp_path / "ckpt-0000000005.npz", arrays(), {}, rank=0)
+    assert not live.exists()
