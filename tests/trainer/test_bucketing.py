@@ -618,6 +618,9 @@ class SoloRanked(RankedCommunicator):
     def _max_across_ranks(self, values: Any, operation: str) -> Any:
         return values
 
+    def abort(self, reason: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -587,12 +587,17 @@ def test_a_stuck_enqueue_ends_the_process_with_its_own_code() -> None:
     assert "rank 1/2: an NCCL call" in done.stderr and "returned" not in done.stdout
 
 
-def test_concurrent_collectives_from_two_threads(cupy: Any) -> None:
+def test_concurrent_collectives_from_two_threads_are_refused_without_a_race(cupy: Any) -> None:
+    """Two threads' collectives at once are refused (ranks would pair them in either
+    order): the late one's abort waits for the thread inside NCCL to leave it, so the
+    NCCL handle is never freed under it."""
     comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=30)
     errors: list[BaseException] = []
+    start = threading.Barrier(2, timeout=10)
 
     def loop() -> None:
         try:
+            start.wait()
             for _ in range(50):
                 comm.all_reduce(device_array(cupy, [1.0, 2.0]))
                 comm.barrier()
@@ -600,12 +605,23 @@ def test_concurrent_collectives_from_two_threads(cupy: Any) -> None:
             errors.append(exc)
 
     threads = [threading.Thread(target=loop, name=f"t{i}") for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        join_alive(thread, 30)
-    assert errors == [] and cupy.cuda.nccl.races == []
-    assert cupy.cuda.nccl.names().count("allReduce") == 200
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as can be: they overlap
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            join_alive(thread, 30)
+    finally:
+        sys.setswitchinterval(interval)
+    assert cupy.cuda.nccl.races == []
+    if not errors:  # the fake's calls are quick: the threads' may never overlap
+        assert cupy.cuda.nccl.names().count("allReduce") == 200
+        return
+    assert len(errors) == 2, errors  # both threads stop: the communicator is aborted
+    assert any(isinstance(e, errs.CollectiveArgumentError) for e in errors), errors
+    assert all("is in flight on this communicator" in str(e) for e in errors), errors
+    assert cupy.cuda.nccl.names().count("abort") == 1
 
 
 def test_init_watchdog_reports_then_exits(cupy: Any) -> None:
@@ -815,3 +831,37 @@ def test_check_collectives_tells_ranks_disagreeing_on_an_all_reduce_at_once(
     finally:
         for c in ranks:
             c.close()
+
+
+# --- a training script's threads and forks (the h157 review) ----------------------
+
+
+def test_a_collective_from_a_second_thread_while_one_is_in_flight_is_refused(cupy: Any) -> None:
+    """Ranks pair collectives by the order they start: two threads' collectives, run in
+    either order on each rank, were summed with each other's data. As on the CPU ring,
+    the second thread's is refused and the communicator aborted (the first's fails)."""
+    comm = nccl.NcclCommunicator(0, 2, UID, 0, timeout=5)
+    cupy.world.hang = True  # the first thread's barrier stays in flight
+    first: list[BaseException] = []
+
+    def in_flight() -> None:
+        try:
+            comm.barrier()
+        except BaseException as exc:
+            first.append(exc)
+
+    t = threading.Thread(target=in_flight, name="metrics")
+    t.start()
+    deadline = time.monotonic() + 5
+    while "allReduce" not in log_of(cupy).names() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with pytest.raises(
+        errs.CollectiveArgumentError,
+        match=r"rank 0/2: all_reduce\(\) was called on thread 'MainThread' while barrier\(\) "
+        r"of thread 'metrics' is in flight on this communicator: .* from one thread",
+    ):
+        comm.all_reduce(device_array(cupy, [1.0]))
+    join_alive(t)
+    assert len(first) == 1 and isinstance(first[0], errs.CommunicatorAborted), first
+    assert "is in flight on this communicator" in str(first[0])
+    assert log_of(cupy).names()[-1] == "abort"

@@ -109,6 +109,7 @@ def _counted(method: Callable[..., R]) -> Callable[..., R]:
                 "the order they start, so this one could be summed with another rank's "
                 "gradient bucket. Make it before the first mark_ready() or after wait()"
             )
+        self._enter_flight(method.__name__)
         with _inside_lock:
             _inside += 1
         try:
@@ -116,6 +117,7 @@ def _counted(method: Callable[..., R]) -> Callable[..., R]:
         finally:
             with _inside_lock:
                 _inside -= 1
+            self._leave_flight()
 
     return collective
 
@@ -143,6 +145,45 @@ class RankedCommunicator(abc.ABC):
         self.world_size: Final = world_size
         self._holder: object | None = None
         self._holding = threading.Lock()
+        # The thread whose collective is in flight (its ident, name and the
+        # collective's), and how deep: a collective may make another inside it.
+        self._flying: tuple[int, str, str] | None = None
+        self._depth = 0
+        self._flight_lock = threading.Lock()
+
+    def _enter_flight(self, operation: str) -> None:
+        """Refuse a collective entered while another thread's is in flight, and abort
+        the communicator. Ranks pair collectives by the order they start and compare
+        only their op, type and size, so two threads' same-shaped collectives were
+        paired across ranks in whichever order each rank ran them, and each thread got
+        the other's sum with no error (a review: 198 of 400 wrong). Refusing only the
+        late one would leave each rank with another thread's collective to pair: the
+        abort tells every rank, so none returns a mixed sum after this."""
+        me = threading.current_thread()
+        with self._flight_lock:
+            flying = self._flying
+            if flying is None or flying[0] == me.ident:
+                if flying is None:
+                    self._flying = (me.ident or 0, me.name, operation)
+                self._depth += 1
+                return
+        message = (
+            f"rank {self.rank}/{self.world_size}: {operation}() was called on thread "
+            f"{me.name!r} while {flying[2]}() of thread {flying[1]!r} is in flight on this "
+            "communicator: ranks pair collectives by the order they start, so two "
+            "threads' collectives can be paired with each other across ranks and each "
+            "summed with the other's data, with no error. The communicator is aborted. "
+            "Make every collective from one thread, in the same program order on every "
+            "rank (hand a metrics or evaluation thread's values to the training thread)"
+        )
+        self.abort(message)
+        raise CollectiveArgumentError(message)
+
+    def _leave_flight(self) -> None:
+        with self._flight_lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._flying = None
 
     def hold(self, holder: object) -> None:
         """Only ``holder``'s thread (``act_for``) may make collectives until ``release``:
@@ -207,6 +248,11 @@ class RankedCommunicator(abc.ABC):
     ) -> npt.NDArray[np.int64]:
         """``values``' element-wise maximum over the ranks, on the host, as the first
         step of ``operation`` (``_agree``; its failures name ``operation``)."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Make every pending and future collective on this rank fail promptly, and
+        tell the peers where the backend can; safe from any thread."""
 
     @abc.abstractmethod
     def close(self) -> None:

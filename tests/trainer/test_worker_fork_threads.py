@@ -1,0 +1,103 @@
+"""A training script that forks and runs threads (the h157 review): two ranks of real
+worker processes and a real daemon, started per rank (srun's way) and by
+rendezvous-run. The worker is ``tests/workers/fork_thread_worker.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import WORKERS, DaemonProcess, rest_of_stdout
+
+WORKER = str(WORKERS / "fork_thread_worker.py")
+TRANSPORTS = pytest.mark.parametrize(
+    "shared_memory", [True, False], ids=["shared-memory", "tcp-ring"]
+)
+
+
+def _env(d: DaemonProcess, job: str, local: int, shared_memory: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RENDEZVOUSD_", "GRPC_"))}
+    return {
+        **env,
+        "RENDEZVOUSD_ENDPOINT": d.endpoint,
+        "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
+        "RENDEZVOUSD_JOB_ID": job,
+        "RENDEZVOUSD_NUM_NODES": "1",
+        "RENDEZVOUSD_GPUS_PER_NODE": "2",
+        "RENDEZVOUSD_NODE_RANK": "0",
+        "RENDEZVOUSD_LOCAL_RANK": str(local),
+        "RENDEZVOUSD_BACKEND": "cpu",
+        "RENDEZVOUSD_CPU_SHARED_MEMORY": str(shared_memory).lower(),
+        # Bounds a test whose ring was broken into a wait (the default is 300 s).
+        "RENDEZVOUSD_COLLECTIVE_TIMEOUT_S": "20",
+        "RENDEZVOUSD_JOIN_TIMEOUT_S": "60",
+    }
+
+
+def _per_rank(
+    d: DaemonProcess, job: str, mode: str, tmp_path: Path, shared_memory: bool = False, **extra: str
+) -> tuple[list[list[dict[str, Any]]], list[str], list[int]]:
+    """Both ranks of ``mode`` to their end: each one's event lines, stderr, exit code."""
+    procs, logs = [], []
+    for local in (0, 1):
+        log = tmp_path / f"rank{local}.err"
+        logs.append(log)
+        with log.open("w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, WORKER, mode],
+                    env={**_env(d, job, local, shared_memory), **extra},
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+            )
+    try:
+        outs = [rest_of_stdout(p, 120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    events = [
+        [json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outs
+    ]
+    return events, [log.read_text() for log in logs], [p.returncode for p in procs]
+
+
+def _of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == name]
+
+
+@TRANSPORTS
+def test_two_threads_collectives_at_once_are_refused_and_stop_every_rank(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, shared_memory: bool
+) -> None:
+    """Ranks pair collectives by start order and compare only op, type and size: two
+    threads' all-reduces of 1.0 and 7.0 came back as 8.0 (198 of 400), no rank raised.
+    Now the second thread's entry is refused and the communicator aborted, on every
+    rank, so no sum is mixed past the collectives already in flight."""
+    d = start_daemon()
+    events, errs, _ = _per_rank(d, job_id, "threads", tmp_path, shared_memory)
+    sums = [_of(e, "sums") for e in events]
+    assert all(len(s) == 1 for s in sums), (events, errs)
+    refused = []
+    for (line,) in sums:
+        assert line["alive"] == [], line
+        # At most the collectives in flight when the first overlap was refused.
+        assert len(line["wrong"]) <= 2, line
+        assert line["errors"], line  # every rank stops, not one thread of one rank
+        refused += [e for e in line["errors"] if "is in flight on this communicator" in e]
+    said = [e for e in refused if e.startswith("CollectiveArgumentError: rank ")]
+    assert said, sums  # the late thread's own; the rest read it through the abort
+    assert "Make every collective from one thread" in said[0], said
+    assert [e["transport"] for ev in events for e in _of(ev, "joined")] == [
+        "shared-memory" if shared_memory else "tcp-ring"
+    ] * 2
