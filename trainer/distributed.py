@@ -100,6 +100,9 @@ class DistributedContext:
     #: The newest step state this node's agent held when it (re)started us.
     restored: StepState | None = field(default=None, repr=False)
     agent: AgentLink | None = field(default=None, repr=False)
+    #: The process that joined: a fork of it (a DataLoader worker, a raw os.fork)
+    #: shares the ring, the client and the agent's channel, and must end none of them.
+    _pid: int = field(default_factory=os.getpid, init=False, repr=False)
 
     def save_state(
         self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any] | None = None
@@ -150,7 +153,11 @@ class DistributedContext:
 
     def close(self, *, clean: bool = True, error: BaseException | None = None) -> None:
         """Leave on success. After a failure (``clean=False``, ``error`` if known), drop
-        out so that the daemon blames the right rank: see ``_drop_out``."""
+        out so that the daemon blames the right rank: see ``_drop_out``. In a forked
+        child, only the child's copies of the descriptors go (``_let_go_in_fork``)."""
+        if os.getpid() != self._pid:
+            self._let_go_in_fork()
+            return
         if self.agent is not None:
             # The agent leaves for the whole node; a worker only lets go.
             try:
@@ -174,6 +181,25 @@ class DistributedContext:
             _drop_out(self.rendezvous, error, self.topology.local_rank)
         finally:
             self.communicator.close()
+
+    def _let_go_in_fork(self) -> None:
+        """A forked child leaving the parent's ``with init_distributed()`` block (by
+        ``sys.exit`` or an exception): its close sent a FAIL frame and shut down the
+        ring sockets it shares with the parent, and under rendezvous-run the agent's
+        channel too, so the parent's job failed and a healthy rank was blamed (a
+        review). The parent still trains: no Leave, no failure report, no frame to
+        the agent; each part closes only this process's descriptors."""
+        from rendezvousd.client.sync import RendezvousClient
+
+        try:
+            self.communicator.close()
+            if isinstance(self.rendezvous, RendezvousClient):
+                # Its own close knows the fork; the file transport's would stop the
+                # daemon the parent hosts, so that one is left to the child's exit.
+                self.rendezvous.close()
+        finally:
+            if self.agent is not None:
+                self.agent.close()
 
     def __enter__(self) -> DistributedContext:
         return self

@@ -8,6 +8,8 @@ address of their memory, so pointers in the log can be checked against them.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -865,3 +867,37 @@ def test_a_collective_from_a_second_thread_while_one_is_in_flight_is_refused(cup
     assert len(first) == 1 and isinstance(first[0], errs.CommunicatorAborted), first
     assert "is in flight on this communicator" in str(first[0])
     assert log_of(cupy).names()[-1] == "abort"
+
+
+def test_in_a_forked_child_collectives_are_refused_and_close_ends_nothing(cupy: Any) -> None:
+    """A forked child (a DataLoader worker) holds a copy of the parent's communicator:
+    its collective is refused in the SDK's words, and its close neither drains,
+    destroys nor aborts the NCCL communicator, which is the parent's."""
+    comm = nccl.NcclCommunicator(0, 1, UID, 0)
+    before = len(log_of(cupy).names())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child reports through the pipe)
+        try:
+            try:
+                comm.all_reduce(device_array(cupy, [1.0]))
+                said = "no error"
+            except Exception as exc:
+                said = f"{type(exc).__name__}: {exc}"
+            comm.close()
+            report = {"said": said, "calls": log_of(cupy).names()[before:]}
+            os.write(write, json.dumps(report).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            got = json.loads(pipe.read() or b"{}")
+    finally:
+        os.waitpid(pid, 0)
+    assert got["said"].startswith("CommunicatorError: rank 0: all_reduce() refused: "), got
+    assert "is a fork of it" in got["said"] and "do not survive a fork" in got["said"], got
+    assert got["calls"] == [], got  # no destroy, abort, or wait on the parent's stream
+    comm.barrier()  # the parent's is untouched
+    comm.close()
+    assert log_of(cupy).names().count("destroy") == 1

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import WORKERS, DaemonProcess, rest_of_stdout
+from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvousd.client import RendezvousClient
+from tests.support import WORKERS, DaemonProcess, launcher_cmd, rest_of_stdout
 
 WORKER = str(WORKERS / "fork_thread_worker.py")
 TRANSPORTS = pytest.mark.parametrize(
@@ -76,6 +78,11 @@ def _of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == name]
 
 
+def _job_state(d: DaemonProcess, job: str) -> Any:
+    with RendezvousClient(d.endpoint, job, token=d.token) as probe:
+        return probe.get_job()
+
+
 @TRANSPORTS
 def test_two_threads_collectives_at_once_are_refused_and_stop_every_rank(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, shared_memory: bool
@@ -101,3 +108,72 @@ def test_two_threads_collectives_at_once_are_refused_and_stop_every_rank(
     assert [e["transport"] for ev in events for e in _of(ev, "joined")] == [
         "shared-memory" if shared_memory else "tcp-ring"
     ] * 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "shared_memory"),
+    [("fork-exit", False), ("fork-exit", True), ("fork-raise", False)],
+    ids=["sys.exit-tcp-ring", "sys.exit-shared-memory", "raise-tcp-ring"],
+)
+def test_a_forked_child_leaving_the_with_block_leaves_the_parents_job_alone(
+    start_daemon: Callable[..., DaemonProcess],
+    job_id: str,
+    tmp_path: Path,
+    mode: str,
+    shared_memory: bool,
+) -> None:
+    """The child's close sent a FAIL frame and shut down the ring sockets it shares
+    with its parent: both ranks failed, the healthy rank 0 blamed ("rank 1 gave up on
+    this rank"). Now the child only drops its descriptors; the job trains on and ends."""
+    d = start_daemon()
+    events, errs, codes = _per_rank(d, job_id, mode, tmp_path, shared_memory)
+    assert codes == [0, 0], (events, errs)
+    assert [len(_of(e, "trained")) for e in events] == [1, 1], (events, errs)
+    (forked,) = _of(events[1], "forked")
+    assert forked["status"] == (0 if mode == "fork-exit" else 1 << 8), forked
+    assert _job_state(d, job_id).summary.state == pb.JOB_STATE_ENDED, d.log()[-3000:]
+
+
+@TRANSPORTS
+def test_a_forked_childs_collective_is_refused_in_the_sdks_words(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, shared_memory: bool
+) -> None:
+    """The child all-reduced on the parent's sockets: parent and child read each other's
+    frames (an array read as a header, the healthy rank 0 blamed) or it waited out the
+    collective timeout. Now it is refused at entry, and the parent trains on."""
+    d = start_daemon()
+    events, errs, codes = _per_rank(d, job_id, "fork-use", tmp_path, shared_memory)
+    (child,) = _of(events[1], "child")
+    said = child["said"]
+    assert said.startswith("CommunicatorError: rank 1: all_reduce() refused: "), said
+    assert "is a fork of it" in said and "do not survive a fork" in said, said
+    assert codes == [0, 0], (events, errs)
+    assert [len(_of(e, "trained")) for e in events] == [1, 1], (events, errs)
+
+
+def test_under_rendezvous_run_a_forked_child_leaving_the_block_keeps_the_agent_channel(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """The child's close also shut the worker's channel to its node agent: the parent
+    was aborted ("the node agent closed the channel"), and the run's root cause named
+    rank 1. Now the run ends with both ranks trained, and the child's own frame to the
+    agent is refused."""
+    d = start_daemon()
+    cmd = launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    run = subprocess.run(
+        [*cmd, "--backend", "cpu", "--max-restarts", "0", WORKER, "fork-exit"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "RENDEZVOUSD_COLLECTIVE_TIMEOUT_S": "20"},
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(_of(events, "trained")) == 2, (events, run.stderr[-3000:])
+    assert "root cause" not in run.stderr, run.stderr[-3000:]
+    # Its frames would be cut into the worker's own on the channel they share.
+    (child,) = _of(events, "child")
+    assert child["said"].startswith("AgentChannelError: progress refused: this worker's "), child
+    assert "is a fork of it" in child["said"], child

@@ -226,6 +226,14 @@ class Channel:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
+    def drop(self) -> None:
+        """Close this process's descriptor only, as a forked child must: a shutdown()
+        ends the channel for the process it shares the socket with, too."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sock.close()
+
 
 def _decode_header(body: bytes) -> dict[str, Any]:
     """A frame's JSON header, checked for depth before json sees it."""

@@ -174,6 +174,8 @@ class AgentLink:
         self._on_abort: Callable[[str], None] | None = None
         self._missed_abort: str | None = None
         self._aborted = threading.Event()
+        # The worker process; a fork of it (a DataLoader worker) shares the channel.
+        self._pid = os.getpid()
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | Mapping[str, str]) -> AgentLink | None:
@@ -241,6 +243,13 @@ class AgentLink:
             raise ConnectionError(str(exc)) from exc
 
     def _send_step(self, kind: str, header: dict[str, Any], payload: bytes = b"") -> None:
+        if os.getpid() != self._pid:
+            # Its frames would be cut into the parent's on the shared socket.
+            raise AgentChannelError(
+                f"{kind} refused: this worker's channel to its node agent was made in "
+                f"process {self._pid}, and process {os.getpid()} is a fork of it; call "
+                "it from the worker process (the one that called init_distributed())"
+            )
         try:
             self.channel.send(kind, header, payload, within=STEP_SEND_S)
         except SendTimedOut as exc:
@@ -357,6 +366,13 @@ class AgentLink:
         self._send_step("state", {"step": step, "meta": dict(meta), "arrays": entries}, payload)
 
     def close(self) -> None:
+        if os.getpid() != self._pid:
+            # A forked child leaving the worker's ``with`` block: its shutdown() ended
+            # the worker's own channel, the agent aborted the worker and named it as
+            # the job's root cause. Only this process's descriptor goes.
+            with contextlib.suppress(OSError):
+                self.channel.drop()
+            return
         self._closing.set()  # our own close is not the agent going away
         with contextlib.suppress(OSError):
             self.channel.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import enum
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import (
@@ -100,6 +101,9 @@ def _counted(method: Callable[..., R]) -> Callable[..., R]:
     @functools.wraps(method)
     def collective(self: RankedCommunicator, *args: Any, **kwargs: Any) -> R:
         global _inside
+        # First, and touching no lock: a fork copies locks held by the parent's other
+        # threads, and the parent's in-flight note is not this process's.
+        self._check_process(method.__name__)
         holder = self._holder
         if holder is not None and getattr(_acting, "holder", None) is not holder:
             raise CollectiveArgumentError(
@@ -145,11 +149,34 @@ class RankedCommunicator(abc.ABC):
         self.world_size: Final = world_size
         self._holder: object | None = None
         self._holding = threading.Lock()
+        # The process that made the communicator: its sockets, memory and NCCL
+        # communicator are shared with a forked child (a DataLoader worker), which must
+        # neither use them nor end them (``_forked``).
+        self._pid = os.getpid()
         # The thread whose collective is in flight (its ident, name and the
         # collective's), and how deep: a collective may make another inside it.
         self._flying: tuple[int, str, str] | None = None
         self._depth = 0
         self._flight_lock = threading.Lock()
+
+    def _forked(self) -> bool:
+        """Whether this process is a fork of the one that made the communicator."""
+        return os.getpid() != self._pid
+
+    def _check_process(self, operation: str) -> None:
+        """Refuse a collective in a forked child, in the SDK's words for its client: the
+        child reads and writes the parent's ring sockets (or shared memory), so the
+        parent's and the peers' frames were read as each other's (a corrupt header
+        blaming a healthy rank) or the call waited out the collective timeout."""
+        if self._forked():
+            raise CommunicatorError(
+                f"rank {self.rank}: {operation}() refused: this communicator was made in "
+                f"process {self._pid}, and process {os.getpid()} is a fork of it: its "
+                "sockets, shared memory and gRPC channels do not survive a fork (the "
+                "parent still uses them); make collectives in the process that called "
+                "init_distributed(), and hand a forked child's values to it (or fork "
+                "before init_distributed())"
+            )
 
     def _enter_flight(self, operation: str) -> None:
         """Refuse a collective entered while another thread's is in flight, and abort
@@ -256,7 +283,8 @@ class RankedCommunicator(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release sockets/streams; idempotent."""
+        """Release sockets/streams; idempotent. In a forked child only this process's
+        descriptors go: no notice to the peers, no shutdown of what the parent uses."""
 
     def __enter__(self) -> Self:
         return self

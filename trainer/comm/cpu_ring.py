@@ -265,6 +265,9 @@ class CpuRingCommunicator(RankedCommunicator):
         self._record(wire.LinkError(self.rank, wire.ABORTED, reason))
 
     def close(self) -> None:
+        if self._forked():
+            self._drop()
+            return
         with self._state_lock:
             if self._closed:
                 return
@@ -286,6 +289,21 @@ class CpuRingCommunicator(RankedCommunicator):
                     sock.close()
             if self._shm is not None:
                 self._shm.close()
+
+    def _drop(self) -> None:
+        """A forked child's close (a DataLoader worker, or a child leaving the parent's
+        ``with init_distributed()`` block): its copies of the descriptors go, and
+        nothing else. A FAIL frame or a shutdown() on the sockets it shares with the
+        parent broke the parent's ring, and the peers blamed the healthy parent. No
+        lock: one held by another of the parent's threads at the fork stays held."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in (self._left, self._right):
+            if sock is not None:
+                sock.close()  # this process's descriptor only
+        if self._shm is not None:
+            self._shm.close()  # unmaps and closes; signals nothing
 
     # -- failure handling -------------------------------------------------------------
 

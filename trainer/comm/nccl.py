@@ -662,6 +662,14 @@ class NcclCommunicator(RankedCommunicator):
             self._handle_lock.release()
 
     def close(self) -> None:
+        if self._forked():
+            # A forked child's copy: the NCCL communicator, its stream and the CUDA
+            # context are the parent's (CUDA does not survive a fork), so destroying or
+            # aborting it here, or waiting on it, is not this process's to do. No lock:
+            # one held by another of the parent's threads at the fork stays held.
+            self._closed = True
+            self._comm = None
+            return
         with self._lock:
             if self._closed:
                 return
