@@ -13,6 +13,7 @@ import pytest_asyncio
 
 from rendezvousd.config import DaemonConfig
 from rendezvousd.daemon import Daemon
+from tests import GRPC_VERBOSITY_AT_START
 from tests.support import (
     TORCH_PYTHON_ENV,
     TORCH_WORKER,
@@ -30,13 +31,18 @@ from tests.support import (
 def _grpc_verbosity_kept() -> Iterator[None]:
     """The launcher's and CLI's ``main``, run in this process by some tests, quiet gRPC
     by setting GRPC_VERBOSITY in os.environ: daemons started by later tests would
-    inherit it and drop the "Handshake failed" lines other tests count."""
-    before = os.environ.get("GRPC_VERBOSITY")
+    inherit it and drop the "Handshake failed" lines other tests count. Importing
+    ``rendezvousd.trainer`` sets it too: each test starts with the run's own."""
+
+    def restore() -> None:
+        if GRPC_VERBOSITY_AT_START is None:
+            os.environ.pop("GRPC_VERBOSITY", None)
+        else:
+            os.environ["GRPC_VERBOSITY"] = GRPC_VERBOSITY_AT_START
+
+    restore()
     yield
-    if before is None:
-        os.environ.pop("GRPC_VERBOSITY", None)
-    else:
-        os.environ["GRPC_VERBOSITY"] = before
+    restore()
 
 
 @pytest.fixture

@@ -6,9 +6,19 @@ importing this package never imports CuPy. Every public name is imported on
 first use: a worker or the node agent pays only for the modules it touches.
 """
 
+import os
 from typing import TYPE_CHECKING
 
 from rendezvousd._lazy import lazy_exports
+
+# gRPC core logs at INFO "fork_posix.cc ... Other threads are currently calling into
+# gRPC, skipping fork() handlers" on every fork of a process whose client beats, so a
+# worker started without rendezvous-run (srun, a plain python) printed it per
+# DataLoader worker and epoch (a review: 12 lines per rank for 3 epochs). The threshold
+# is read when grpc is first imported: here, before any of the trainer's modules
+# imports the SDK. As rendezvous-run and the torchrun handler do; a value the user set
+# stands (one that imports grpc before the trainer sets it itself, docs/trainer.md).
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 if TYPE_CHECKING:
     from rendezvousd.trainer.agent.state_copy import StepState, agree_on_step

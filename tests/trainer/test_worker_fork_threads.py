@@ -134,6 +134,20 @@ def test_a_forked_child_leaving_the_with_block_leaves_the_parents_job_alone(
     assert _job_state(d, job_id).summary.state == pb.JOB_STATE_ENDED, d.log()[-3000:]
 
 
+@pytest.mark.parametrize("verbosity", [None, "INFO"], ids=["default", "INFO"])
+def test_a_per_rank_worker_forks_without_grpcs_info_line_unless_asked(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, verbosity: str | None
+) -> None:
+    """gRPC logged "fork_posix.cc ... skipping fork() handlers" at INFO on every fork of a
+    worker started without rendezvous-run (every DataLoader worker, every epoch). The
+    trainer defaults GRPC_VERBOSITY to ERROR, as rendezvous-run does; a user's stands."""
+    d = start_daemon()
+    extra = {} if verbosity is None else {"GRPC_VERBOSITY": verbosity}
+    events, errs, codes = _per_rank(d, job_id, "fork-exit", tmp_path, **extra)
+    assert codes == [0, 0], (events, errs)
+    assert ("fork_posix" in errs[1]) is (verbosity == "INFO"), errs[1][-3000:]
+
+
 @TRANSPORTS
 def test_a_forked_childs_collective_is_refused_in_the_sdks_words(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, shared_memory: bool
