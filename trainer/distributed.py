@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rendezvousd.client.errors import (
+    DuplicateRank,
     JobAborted,
     LimitExceeded,
     PeerFailed,
@@ -104,6 +105,9 @@ class DistributedContext:
     #: shares the ring, the client and the agent's channel, and must end none of them.
     _pid: int = field(default_factory=os.getpid, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        _open_contexts[id(self)] = self
+
     def save_state(
         self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any] | None = None
     ) -> None:
@@ -155,6 +159,7 @@ class DistributedContext:
         """Leave on success. After a failure (``clean=False``, ``error`` if known), drop
         out so that the daemon blames the right rank: see ``_drop_out``. In a forked
         child, only the child's copies of the descriptors go (``_let_go_in_fork``)."""
+        _open_contexts.pop(id(self), None)
         if os.getpid() != self._pid:
             self._let_go_in_fork()
             return
@@ -299,6 +304,11 @@ def _drop_out(rdzv: Rendezvous, error: BaseException | None, local_rank: int) ->
                 rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
     rdzv.close()
 
+
+#: The contexts this process opened and has not closed: a second ``init_distributed``
+#: of the same job is refused by the daemon as a duplicate rank, in words meant for
+#: another run (an srun step) holding it, where this very process holds it.
+_open_contexts: dict[int, DistributedContext] = {}  # by id()
 
 #: Whether this process took (or waits for) its node agent's assignment. The agent
 #: assigns a worker once: a second call would wait for another forever, and its second
@@ -448,6 +458,17 @@ def init_distributed(
             with contextlib.suppress(RendezvousError):
                 rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
         rdzv.close()  # gone without leaving: its peers learn it at once
+        if isinstance(error, DuplicateRank) and (held := _held_here(config.job_id)):
+            raise DuplicateRank(
+                held,
+                code=error.code,
+                reason=error.reason,
+                metadata=error.metadata,
+                endpoint=error.endpoint,
+                method=error.method,
+                job_id=error.job_id,
+                rank=error.rank,
+            ) from error
         raise
     topology = place(membership)
     if topology.is_global_rank_zero:
@@ -456,6 +477,26 @@ def init_distributed(
     return DistributedContext(
         config, topology, rdzv, communicator, rendezvous_s, generation=membership.generation
     )
+
+
+def _held_here(job_id: str) -> str:
+    """What a refused duplicate join of ``job_id`` should say where this process (or
+    the process it was forked from) holds an open context of that job: the daemon's
+    words send the user looking for another run (an srun step). Empty otherwise."""
+    for ctx in list(_open_contexts.values()):
+        if ctx.config.job_id != job_id:
+            continue
+        holder = (
+            "this process already holds"
+            if ctx._pid == os.getpid()
+            else f"this process is a fork of process {ctx._pid}, which holds"
+        )
+        return (
+            f"init_distributed() refused: {holder} rank {ctx.rank} of job {job_id!r} (an "
+            "open context, from an earlier init_distributed()): keep using that context, "
+            "or close it (leave its with block) before joining again"
+        )
+    return ""
 
 
 class _FailureRelay:

@@ -165,6 +165,22 @@ def test_a_forked_childs_collective_is_refused_in_the_sdks_words(
     assert [len(_of(e, "trained")) for e in events] == [1, 1], (events, errs)
 
 
+def test_a_second_init_distributed_in_one_process_says_this_process_holds_the_rank(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """It read srun advice ("another run of job ... give this run a job id of its
+    own"): the rank is held by this very process's open context."""
+    d = start_daemon()
+    events, errs, codes = _per_rank(d, job_id, "twice", tmp_path)
+    (second,) = _of(events[1], "second")
+    said = second["said"]
+    assert said.startswith("DuplicateRank: init_distributed() refused: this process already "), said
+    assert f"holds rank 1 of job {job_id!r} (an open context" in said, said
+    assert "job id of its own" not in said, said
+    assert codes == [0, 0], (events, errs)
+    assert [len(_of(e, "trained")) for e in events] == [1, 1], (events, errs)
+
+
 def test_under_rendezvous_run_a_forked_child_leaving_the_block_keeps_the_agent_channel(
     start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
 ) -> None:
