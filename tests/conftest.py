@@ -27,22 +27,28 @@ from tests.support import (
 )
 
 
+def _restore_grpc_verbosity() -> None:
+    if GRPC_VERBOSITY_AT_START is None:
+        os.environ.pop("GRPC_VERBOSITY", None)
+    else:
+        os.environ["GRPC_VERBOSITY"] = GRPC_VERBOSITY_AT_START
+
+
+# At once, not only per test: importing ``rendezvousd.trainer`` (above, through the
+# tests' support) set it in this process, and pytest-xdist's workers, started from
+# this one after its conftest loaded, would inherit it as the run's own.
+_restore_grpc_verbosity()
+
+
 @pytest.fixture(autouse=True)
 def _grpc_verbosity_kept() -> Iterator[None]:
     """The launcher's and CLI's ``main``, run in this process by some tests, quiet gRPC
     by setting GRPC_VERBOSITY in os.environ: daemons started by later tests would
     inherit it and drop the "Handshake failed" lines other tests count. Importing
     ``rendezvousd.trainer`` sets it too: each test starts with the run's own."""
-
-    def restore() -> None:
-        if GRPC_VERBOSITY_AT_START is None:
-            os.environ.pop("GRPC_VERBOSITY", None)
-        else:
-            os.environ["GRPC_VERBOSITY"] = GRPC_VERBOSITY_AT_START
-
-    restore()
+    _restore_grpc_verbosity()
     yield
-    restore()
+    _restore_grpc_verbosity()
 
 
 @pytest.fixture
