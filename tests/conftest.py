@@ -151,6 +151,10 @@ def torchrun(torch_python: str, tmp_path: Path) -> Iterator[Callable[..., Torchr
             str(max_restarts),
             "--monitor-interval",
             "0.1",
+            # torch's per-agent log directory (one a launch, under the base given) made
+            # in /tmp without it: thousands of torchelastic_* left behind by the suite.
+            "--log-dir",
+            str(tmp_path / "torchelastic"),
             str(TORCH_WORKER),
             *worker_args,
         ]
