@@ -110,12 +110,16 @@ def test_a_spare_torchrun_agent_on_its_own_host_takes_a_lost_hosts_place(
     cluster = make_cluster(3)
     d, hosts = cluster.daemon, cluster.hosts
     log = tmp_path / "steps.jsonl"
-    worker = ("--steps", "200", "--step-log", str(log))
+    # The 200 paced steps are for the first world, which must outlast the spare's start;
+    # the new world's steps run unpaced once all its ranks logged one (they took 10 s of
+    # sleeps, asserting nothing more).
+    hurry = tmp_path / "hurry"
+    worker = ("--steps", "200", "--step-log", str(log), "--hurry-file", str(hurry))
     agents = [
         torchrun(d, job_id, "2", *worker, max_restarts=1, prefix=hosts[i].prefix())
         for i in (1, 2, 3)
     ]
-    standby_replaces_a_killed_node(agents, log, 200)
+    standby_replaces_a_killed_node(agents, log, 200, hurry)
 
 
 def test_torchrun_agents_cut_apart_hear_it_from_their_links_and_give_up_when_it_stays(
