@@ -880,13 +880,14 @@ def test_a_standby_called_into_a_job_that_cannot_form_exits_after_its_join_timeo
     # The killed nodes' seats are kept for their return (--seat-hold-s: the heartbeat
     # timeout, 10 s, by default) before the standby is called; neither returns, and
     # only what follows the call is in question here.
-    d = start_daemon("--seat-hold-s", "2")
+    d = start_daemon("--seat-hold-s", "1")
     log = tmp_path / "steps.jsonl"
     survivor, victim = _two_nodes_at_step_two(torchrun, d, job_id, log, "2", 0)
-    # 5 s: what is asserted is that the called-in join ends at its own timeout with the
-    # missing named; a longer one only waits longer (a standby's wait that ends before
-    # it is called is asked again, see its own test).
-    conf = f"token_file={d.token_file},join_timeout=5"
+    # 3 s: what is asserted is that the called-in join ends at its own timeout with the
+    # missing named; a longer one only waits longer (up to twice it: the rest of the
+    # ask it was called in, then one more; a standby's wait that ends before it is
+    # called is asked again, see its own test).
+    conf = f"token_file={d.token_file},join_timeout=3"
     spare = torchrun(d, job_id, "2", "--steps", "4", nproc=1, conf=conf, max_restarts=0)
     wait_for("the third agent to stand by", lambda: "standing by" in spare.stderr(), 100)
     victim.kill()
