@@ -435,16 +435,18 @@ def test_an_agent_stopped_by_ctrl_c_gives_no_advice_to_take_part_as_it_stops(
     job_id: str,
 ) -> None:
     """Ctrl-C (SIGINT to the agent's process group; torch's workers have sessions of
-    their own) of an agent whose workers take 8 s to stop, as a checkpoint on
-    preemption does. The survivors re-form meanwhile, and the stopping agent's
-    heartbeat, still beating for the round it left, heard the daemon's answer to a
-    stale generation: it printed "... is at generation 2, the call named generation 1;
-    rejoin to take part in the current generation", advice to a process that exits (a
-    torchrun user's review, 2 runs of 2). It says only that it was stopped."""
-    d = start_daemon()
+    their own) of an agent whose workers take 4 s to stop, as a checkpoint on
+    preemption does. The survivors open the next generation meanwhile, and the stopping
+    agent's heartbeat, still beating for the round it left, heard the daemon's answer
+    to a stale generation: it printed "... is at generation 2, the call named generation
+    1; rejoin to take part in the current generation", advice to a process that exits (a
+    torchrun user's review, 2 runs of 2). It says only that it was stopped. A heartbeat
+    timeout of 3 s beats every second: 4 beats in the stop's 4 s (the default's 3.3 s
+    cadence gave 8 s 2 beats)."""
+    d = start_daemon("--heartbeat-timeout-s", "3")
     log = tmp_path / "steps.jsonl"
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    slow = ("--stop-delay", "8")
+    slow = ("--stop-delay", "4")
     agents = [
         torchrun(d, job_id, "2:3", *worker, *extra, max_restarts=1) for extra in ((), (), slow)
     ]
@@ -456,7 +458,7 @@ def test_an_agent_stopped_by_ctrl_c_gives_no_advice_to_take_part_as_it_stops(
     signalled = time.monotonic()
     os.killpg(agents[2].proc.pid, signal.SIGINT)
     assert agents[2].wait(90) != 0
-    print(f"SIGINT -> the agent exited: {time.monotonic() - signalled:.2f} s (workers: 8 s)")
+    print(f"SIGINT -> the agent exited: {time.monotonic() - signalled:.2f} s (workers: 4 s)")
     survivors_trained_on(agents, log)
     err = agents[2].stderr()
     assert "was stopped by SIGINT; telling the other nodes" in err, err[-3000:]
