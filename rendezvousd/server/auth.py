@@ -199,7 +199,16 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._digests = [admin_key(t) for t in tokens]
         self._on_reject = on_reject
         self.calls = Gate(
-            "max_concurrent_rpcs", limits.max_concurrent_rpcs, "calls at once", by_job=_caller_job
+            "max_concurrent_rpcs",
+            limits.max_concurrent_rpcs,
+            "calls at once",
+            by_job=_caller_job,
+            job_cap=limits.calls_per_job,
+            job_cap_why=(
+                f"a call stream and a heartbeat stream for each of max_members_per_job="
+                f"{limits.max_members_per_job} members, and max_waiters_per_job="
+                f"{limits.max_waiters_per_job} parked calls"
+            ),
         )
         self.health_checks = Gate(
             "max_health_checks", limits.max_health_checks, "health checks at once"

@@ -31,12 +31,17 @@ class Gate:
     no token), for a fair share like the parked calls' (``max_waiters``): once the
     gate is within ``reserve`` of its cap, a job already running ``reserve`` calls is
     refused, so that one token holder (a hostile one, or a runaway client) cannot take
-    every slot from the other jobs and the admin's own calls (``status``, ListJobs)."""
+    every slot from the other jobs and the admin's own calls (``status``, ListJobs).
+    ``job_cap``: the most one job may run at once, however free the gate is (0: no such
+    bound), and ``job_cap_why``, the words that say what it allows for: the reserve alone
+    let one job hold seven eighths of the cap, more than the daemon's memory holds."""
 
     limit: str  # the limit's name, as in Limits and the settings
     cap: int
     what: str
     by_job: Callable[[], str | None] | None = None
+    job_cap: int = 0
+    job_cap_why: str = ""
     active: int = 0
     per_job: dict[str, int] = field(default_factory=dict)
     # Told each refusal and its job ("" for none): the daemon counts and logs it.
@@ -60,6 +65,17 @@ class Gate:
         job = self.by_job() if self.by_job is not None else None
         if job is not None:
             held = self.per_job.get(job, 0)
+            if self.job_cap and held >= self.job_cap:
+                fault = validation.limit_exceeded(
+                    self.limit,
+                    f"job {job!r} already runs {held} {self.what}, as many as one job may "
+                    f"({self.job_cap_why}) of the daemon's {self.limit}={self.cap}; close "
+                    "the calls and streams it no longer needs (one client per member, "
+                    "closed when done)",
+                    job_id=job,
+                )
+                self._refused(fault, job)
+                await context.abort_with_status(to_grpc_status(fault))
             if held >= self.reserve and self.active >= self.cap - self.reserve:
                 fault = validation.limit_exceeded(
                     self.limit,

@@ -6,6 +6,7 @@ limit's name when the daemon itself refuses), and the daemon stays healthy.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -401,6 +402,54 @@ def test_one_jobs_token_leaves_the_last_rpc_slots_to_other_jobs_and_the_admin(
         for future in parked:
             future.cancel()
     assert all(not f.done() or f.cancelled() for f in parked[:7]), "A's parked calls ended"
+    assert_healthy(d, job_id + "-after")
+
+
+def test_one_jobs_token_holds_no_more_calls_than_a_whole_world_needs(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """A job's token holder opening idle call streams is refused past what a world of
+    max_members_per_job needs (a call stream and a heartbeat stream per member) plus
+    max_waiters_per_job parked calls: 2 x 2 + 2 = 6 here, whatever --max-concurrent-rpcs
+    (100,000) leaves free. (Before: only the last eighth of --max-concurrent-rpcs was
+    kept, and 20,000 idle streams of one job token took the daemon from 52 to 672 MiB,
+    on the way to an out-of-memory kill of every job's daemon: docs/operations.md.)"""
+    d = start_daemon("--max-members-per-job", "2", "--max-waiters-per-job", "2")
+    job_b = job_id + "-b"
+    tokens = {job: job_token(d, tmp_path, job).read_text().strip() for job in (job_id, job_b)}
+    hold = threading.Event()
+
+    def idle() -> Iterator[pb.CallBatch]:
+        hold.wait(30)
+        yield from ()
+
+    channel = grpc.insecure_channel(d.endpoint)
+    stub = pb_grpc.RendezvousStub(channel)
+    metadata = [("authorization", f"Bearer {tokens[job_id]}")]
+    streams = [stub.CallBatches(idle(), metadata=metadata, timeout=30) for _ in range(12)]
+    try:
+        wait_for("six of A's twelve streams refused", lambda: sum(s.done() for s in streams) >= 6)
+        refused = [s for s in streams if s.done()]
+        assert len(refused) == 6, "A holds more or fewer than its six calls"
+        for call in refused:
+            assert call.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, call.details()
+            reason, meta = reason_of(call)
+            assert reason == "LIMIT_EXCEEDED" and meta.get("limit") == "max_concurrent_rpcs"
+            details = call.details() or ""
+            assert f"job {job_id!r} already runs 6 calls at once" in details, details
+            assert "max_members_per_job=2" in details and "max_waiters_per_job=2" in details
+        with grpc.insecure_channel(d.endpoint) as ch:
+            a_token = [("authorization", f"Bearer {tokens[job_id]}")]
+            b_token = [("authorization", f"Bearer {tokens[job_b]}")]
+            error = raw(ch, "ListJobs", b"", a_token)  # A's share is spent, on any method
+            assert error is not None and error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert raw(ch, "ListJobs", b"", b_token) is None  # another job's call
+            assert raw(ch, "ListJobs", b"", bearer(d)) is None  # the admin's status
+    finally:
+        hold.set()
+        for call in streams:
+            call.cancel()
+        channel.close()
     assert_healthy(d, job_id + "-after")
 
 
