@@ -31,6 +31,7 @@ RUNS = {
     "state_write_latency": ["--big-mb", "1", "--sets", "10000000"],
     "preauth_streams": ["--sockets", "1", "--streams", "10", "--hold-s", "600"],
     "status_held": ["--finished", "1000000"],
+    "noisy_neighbours": ["--attacks", "", "--seconds", "600"],
 }
 
 
