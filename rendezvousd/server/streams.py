@@ -142,7 +142,9 @@ class HeartbeatStreams:
             self.metrics.streams.dec()
             if self._open.get(key) is entry:
                 del self._open[key]
-            self.state.detach_stream(*key[:2], first.rank, token, self._now(), mode=mode)
+            # Its connection may have been reset under it: gRPC ends its requests
+            # then as it does for a client that closed them (h165, on namespace hosts).
+            self.state.detach_stream(*key[:2], first.rank, token, self._now(), mode=mode, cut=True)
             self._apply()
 
     async def _read(

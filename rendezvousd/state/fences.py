@@ -7,6 +7,7 @@ worker does next, so every RPC words the same refusal the same way.
 
 from __future__ import annotations
 
+from rendezvousd.common.escape import shortened
 from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.model import JoinMode
 from rendezvousd.errors import Code, Reason, RendezvousFault
@@ -85,17 +86,29 @@ def forgotten_run(
     )
 
 
+#: How much of a failure's cause a refusal as stale carries (its middle cut).
+FAILED_SHOWN_CHARS = 1000
+
+
 def stale_generation(job: Job, generation: int) -> RendezvousFault:
+    """The job moved on from ``generation``; where that is the one that failed last,
+    what failed it (``failed``): a node dropped from it (its stream cut, its agent
+    stopped) was told only that the job moved on."""
+    details = {
+        "job_id": job.job_id,
+        "generation": str(generation),
+        "current_generation": str(job.generation),
+    }
+    failed = ""
+    if job.last_failure is not None and job.last_failure.generation == generation:
+        details["failed"] = shortened(job.last_failure.cause, FAILED_SHOWN_CHARS)
+        failed = f" (generation {generation} failed: {details['failed']})"
     return RendezvousFault(
         Code.ABORTED,
         Reason.STALE_GENERATION,
         f"job {job.job_id!r} is at generation {job.generation}, the call named generation "
-        f"{generation}; rejoin to take part in the current generation",
-        {
-            "job_id": job.job_id,
-            "generation": str(generation),
-            "current_generation": str(job.generation),
-        },
+        f"{generation}{failed}; rejoin to take part in the current generation",
+        details,
     )
 
 

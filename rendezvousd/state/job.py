@@ -63,6 +63,10 @@ class Attendee:
     # closing after a reconnect is not mistaken for the attendee dying.
     stream_token: int = 0
     stream_open: bool = False
+    # When its stream ended without a goodbye, while it has that long to re-attach
+    # (a node agent's: ``liveness.cut_grace_s``); None otherwise. Not durable: a
+    # restored attendee is given its time to reattach anyway.
+    cut_at: float | None = None
     # The latest Progress its stream's beats carried (not durable: the next beat
     # after a daemon restart brings it back).
     progress: Progress | None = None
@@ -78,6 +82,7 @@ class Attendee:
         """A heartbeat stream opened; returns its token for ``detach``."""
         self.stream_token += 1
         self.stream_open = True
+        self.cut_at = None
         self.last_seen = now
         return self.stream_token
 
@@ -118,6 +123,12 @@ class Node(Attendee):
 
     who: ClassVar[str] = "node"
     stream_closed: ClassVar[str] = "node agent's heartbeat stream closed"
+    # Its stream's end without its goodbye, not re-attached in time
+    # (``liveness.cut_grace_s``): a connection reset looks the same as the agent's death.
+    stream_cut: ClassVar[str] = (
+        "node agent's heartbeat stream was cut and not re-attached in {gone:.1f} s "
+        "(its connection was reset: a firewall or middlebox between, or the node agent died)"
+    )
     cancelled: ClassVar[str] = "its JoinNode was cancelled (node agent died or disconnected)"
     given_up: ClassVar[str] = (
         "its JoinNode was given up by its node agent (a deadline, a cancelled task, "

@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 
 # The hosts refused for their token that the state machine keeps at once.
 TOKEN_REFUSED_HOSTS = 4096
+#: A node agent's stream that ends without its goodbye has this many of its beats to
+#: re-attach before its node is lost (``cut_grace_s``), as the SDK's own window
+#: counts a prompt break (``PROMPT_BREAK_BEATS``).
+CUT_GRACE_BEATS = 1.5
+#: ...but at least this long: a reset seen on one side only is seen on the other at
+#: its next segment after the network heals, and its redial follows at gRPC's backoff.
+CUT_GRACE_MIN_S = 1.0
 
 
 def report_failure(
@@ -75,7 +82,24 @@ def report_failure(
     # where shown. Refusing it would leave a healthy rank, lost after, as the root cause.
     cause = bounded(cause) or f"{reporter} reported a failure without a cause"
     if member.state in (MemberState.ACTIVE, MemberState.JOINING):
+        if cut := _cut_nodes(job, now):
+            # A node whose stream was cut is waited for (``cut_grace_s``), and its peers'
+            # rings see its workers go first when its agent died: their report, lost
+            # first, named the reporter as the root cause, not the node that went.
+            rounds.lose_all_seated(sm, job, cut, now)
         rounds.lose(sm, job, [member], cause, now, told=told)
+
+
+def _cut_nodes(job: Job, now: float) -> list[tuple[Member | Node, str]]:
+    """The node agents of ``job`` whose streams were cut and have not re-attached yet,
+    each with its cause."""
+    if job.gen.join_mode is not JoinMode.NODE or job.state is not JobState.RUNNING:
+        return []
+    return [
+        (node, rounds.cut_cause(node, now - node.cut_at))
+        for node in job.gen.node_at.values()
+        if node.cut_at is not None and not node.stream_open and node.state is MemberState.ACTIVE
+    ]
 
 
 def attach_stream(
@@ -166,17 +190,39 @@ def detach_stream(
     now: float,
     *,
     mode: JoinMode = JoinMode.RANK,
+    cut: bool = False,
 ) -> None:
     """A heartbeat stream ended. Without a Leave first, its attendee is lost. Once
     the generation failed, the survivors' streams end as a matter of course: that is
-    no loss (it would also count them out of the nodes expected back)."""
+    no loss (it would also count them out of the nodes expected back). ``cut``: the end
+    may be its connection's reset, not its agent's death (every stream the daemon
+    serves: gRPC ends a reset call's requests as it ends a closed one's), so a node
+    agent gets ``cut_grace_s`` to re-attach; False, the end is its loss at once."""
     job = seats.stream_job(sm, job_id, generation)
     seated = job.attendees(mode).get(who) if job else None
     if job and seated and seated.detach(token) and job.state is JobState.RUNNING:
         if seated.said_goodbye:  # its Leave was undone (storage failed): still a goodbye
             _goodbye(sm, job, seated, now)
+        elif (
+            cut and mode is JoinMode.NODE and now - seated.last_seen < sm.timing.heartbeat_timeout_s
+        ):
+            # A node agent's stream ends as its connection is reset (a firewall reload,
+            # a conntrack flush) as it does when the agent dies: one second of resets
+            # failed the whole job, worded as a dead agent. Its redial gets a moment
+            # (the tick loses it after). A worker's own stream (no agent) is its
+            # process: its end is its death, lost at once.
+            seated.cut_at = now
         else:
             rounds.lose_seated(sm, job, seated, rounds.stream_end_cause(sm, seated, now), now)
+
+
+def cut_grace_s(sm: RendezvousState, seated: Attendee) -> float:
+    """How long ``seated``, whose stream ended without a goodbye, has to re-attach:
+    a beat and a half of its own cadence, at least CUT_GRACE_MIN_S, and at most half
+    the heartbeat timeout (what a dead agent's loss is delayed by)."""
+    timeout = sm.timing.heartbeat_timeout_s
+    beat = seated.beat_gap or validation.longest_beat_s(timeout)
+    return min(max(CUT_GRACE_BEATS * beat, CUT_GRACE_MIN_S), timeout / 2)
 
 
 def tick(sm: RendezvousState, now: float) -> None:
@@ -204,6 +250,12 @@ def tick(sm: RendezvousState, now: float) -> None:
                     _goodbye(sm, job, seated, now)
                 elif now - seated.last_seen > timeout:
                     silent.append((seated, rounds.silence_cause(sm, seated)))
+                elif (
+                    seated.cut_at is not None
+                    and not seated.stream_open
+                    and now - seated.cut_at >= cut_grace_s(sm, seated)
+                ):
+                    silent.append((seated, rounds.cut_cause(seated, now - seated.cut_at)))
             if silent:
                 # One failure: the survivors hear every attendee silent at this tick
                 # (a host cut off takes all of its ranks), not the first alone.

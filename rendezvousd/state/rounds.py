@@ -345,6 +345,14 @@ def stream_end_cause(sm: RendezvousState, attendee: Attendee, now: float) -> str
     return loss_cause(attendee, attendee.stream_closed)
 
 
+def cut_cause(attendee: Attendee, gone: float) -> str:
+    """Why a node agent whose stream ended without its goodbye and did not re-attach
+    in ``gone`` seconds is lost (``liveness.cut_grace_s``)."""
+    if isinstance(attendee, Node):
+        return attendee.stream_cut.format(gone=gone)
+    return loss_cause(attendee, attendee.stream_closed)
+
+
 def loss_cause(attendee: Attendee, cause: str) -> str:
     """``cause``, unless ``attendee`` is a member whose calls came without its instance
     id (``seats._without_instance_id``): its worker failed on the refusal, which its

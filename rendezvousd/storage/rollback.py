@@ -82,5 +82,6 @@ def _keep_liveness(kept: Attendee, was: Attendee) -> None:
     """The same attendee: its heartbeat stream (by token), silence and goodbye carry over."""
     kept.last_seen, kept.beat_gap, kept.beaten = was.last_seen, was.beat_gap, was.beaten
     kept.stream_token, kept.stream_open = was.stream_token, was.stream_open
+    kept.cut_at = was.cut_at  # its time to re-attach, not a loss the undo forgets
     kept.said_goodbye = was.said_goodbye
     kept.peer = was.peer

@@ -273,6 +273,7 @@ def test_report_failure_keeps_any_cause_bounded_and_in_order_of_report() -> None
 
 
 def test_node_stream_closing_loses_every_member_of_the_node() -> None:
+    """Closed by its client without a goodbye (not cut): lost at once, as before."""
     sm = RendezvousState()
     formed(sm)
     token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
@@ -283,6 +284,89 @@ def test_node_stream_closing_loses_every_member_of_the_node() -> None:
     assert sorted(f.rank for f in job.gen.failed) == [2, 3]
     assert job.gen.members[2].state is MemberState.LOST
     assert {f.cause for f in job.gen.failed} == {"node agent's heartbeat stream closed"}
+
+
+def test_node_stream_cut_and_not_reattached_loses_every_member_of_the_node_after_a_grace() -> None:
+    """A node agent's stream cut under it (no goodbye, no close) is lost only once it has not
+    re-attached within a beat and a half (at least 1 s, at most half the timeout): a
+    connection reset (a firewall reload) ends it as the agent's death does. Before, one
+    second of resets failed the job at once, worded "node agent's heartbeat stream
+    closed" (a gray-failure review, h160)."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
+    formed(sm)
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    for at in (0.5, 1.0):  # its cadence: 0.5 s, so its grace is the 1 s floor
+        sm.heartbeat("j", 1, 1, at, mode=JoinMode.NODE)
+        sm.heartbeat("j", 1, 0, at, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 1.2, mode=JoinMode.NODE, cut=True)
+    job = sm.jobs["j"]
+    sm.tick(2.1)
+    assert job.state is JobState.RUNNING and not job.gen.failed
+    sm.tick(2.3)
+    assert job.state is JobState.FAILED
+    assert sorted(f.rank for f in job.gen.failed) == [2, 3]
+    assert job.gen.members[2].state is MemberState.LOST
+    (cause,) = {f.cause for f in job.gen.failed}
+    assert cause == (
+        "node agent's heartbeat stream was cut and not re-attached in 1.1 s (its connection "
+        "was reset: a firewall or middlebox between, or the node agent died)"
+    )
+
+
+def test_a_node_dropped_from_a_failed_generation_is_told_what_failed_it() -> None:
+    """Its stream cut, the job moved on before it re-attached: its refusal said only
+    "the job moved on to generation 2" (h160's d2a_reject_pulse)."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
+    formed(sm)
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE, cut=True)
+    sm.tick(4.0)
+    assert sm.jobs["j"].state is JobState.FAILED
+    sm.join(node("a2", previous="a"), 4.1)  # the other node re-joins: generation 2 opens
+    assert sm.jobs["j"].generation == 2
+    f = fault(sm.attach_stream, "j", 1, 1, "b", 4.2, mode=JoinMode.NODE)
+    assert f.reason == "STALE_GENERATION"
+    assert f.metadata["failed"].startswith(
+        "rank 2 on host-b (node agent's heartbeat stream was cut and not re-attached in 3.0 s"
+    ), f.metadata
+    assert "(generation 1 failed: rank 2 on host-b (node agent's" in f.message, f.message
+
+
+def test_a_report_while_a_cut_node_may_still_reattach_names_the_cut_node_first() -> None:
+    """An agent killed: its workers die with it, and a peer's ring reports them (hearsay)
+    while the daemon still waits for the agent's redial. The cut node is the root cause,
+    not the reporter's worker, which its report would make it."""
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
+    formed(sm)
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE, cut=True)
+    sm.report_failure("j", 1, 0, "a", 0, "rank 0: lost rank 3: connection closed", 1.5)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    assert [f.rank for f in job.gen.failed] == [2, 3, 0]
+    assert job.gen.failed[0].cause.startswith(
+        "node agent's heartbeat stream was cut and not re-attached in 0.5 s"
+    )
+
+
+def test_node_stream_cut_and_reattached_within_the_grace_is_no_loss() -> None:
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
+    formed(sm)
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE, cut=True)
+    sm.tick(1.5)
+    sm.attach_stream("j", 1, 1, "b", 1.8, mode=JoinMode.NODE)
+    sm.heartbeat("j", 1, 0, 2.0, mode=JoinMode.NODE)
+    for now in (3.0, 5.0, 6.5):
+        sm.heartbeat("j", 1, 1, now - 0.1, mode=JoinMode.NODE)
+        sm.heartbeat("j", 1, 0, now - 0.1, mode=JoinMode.NODE)
+        sm.tick(now)
+    job = sm.jobs["j"]
+    assert job.state is JobState.RUNNING and not job.gen.failed
 
 
 def test_silent_node_is_lost_after_the_heartbeat_timeout() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -478,3 +480,56 @@ def test_a_node_cut_off_just_before_a_daemon_restart_is_named_on_every_survivor(
             )
     finally:
         cluster.stop()
+
+
+def _iptables(host_netns: str, *rule: str) -> None:
+    subprocess.run(
+        ["ip", "netns", "exec", host_netns, "iptables", *rule],
+        check=True, capture_output=True, timeout=10,
+    )  # fmt: skip
+
+
+def _need_iptables(netns: str) -> None:
+    """iptables in the host's namespace (the package, and a kernel that takes it)."""
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables is not installed (apt-get install -y iptables)")
+    try:
+        _iptables(netns, "-L", "-n")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"iptables does not work here: {exc}")
+
+
+@pytest.mark.parametrize("chain", ["INPUT", "OUTPUT"])
+def test_a_second_of_tcp_resets_between_a_node_and_the_daemon_costs_no_restart(
+    training: Training, chain: str
+) -> None:
+    """A firewall rejecting a node's daemon traffic with TCP resets for a second (a
+    reload, a conntrack flush) cuts its agent's heartbeat stream, as the agent's death
+    would: the daemon gives it a moment to re-attach, and the job trains on. Before,
+    every node spent a restart on "node agent's heartbeat stream closed" (h160's
+    d2a_reject_pulse, a2d_reject_pulse)."""
+    cluster, nodes = training(f"reset-{chain.lower()}", num_nodes=2)
+    host = nodes[0].host
+    _need_iptables(host.netns)
+    daemon = cluster.head.address
+    way = ("-s", daemon) if chain == "INPUT" else ("-d", daemon)
+    reject = ("-p", "tcp", *way, "-j", "REJECT", "--reject-with", "tcp-reset")
+    _iptables(host.netns, "-A", chain, *reject)
+    try:
+        time.sleep(1.0)
+    finally:
+        _iptables(host.netns, "-F")
+    steps = _steps_logged(nodes[0])
+    # Past the grace, the redial and a heartbeat timeout: any loss would be told by now.
+    try:
+        wait_for("rank 0 training on", lambda: _steps_logged(nodes[0]) >= steps + 3, 30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{nodes[0].summary()}\n{nodes[1].summary()}") from None
+    time.sleep(HEARTBEAT_TIMEOUT_S)
+    for node in nodes:
+        assert node.first(ABORT) is None, node.summary()
+    assert cluster.job_facts(f"reset-{chain.lower()}")["generation"] == 1
+
+
+def _steps_logged(node: Node) -> int:
+    return sum(1 for _, line in node.lines if re.search(r"step \d+/", line))

@@ -1119,6 +1119,9 @@ class NodeAgent:
         why = self._stopped_for()
         if why:
             why += ": the other nodes were told this node was unreachable"
+        elif failed := error.metadata.get("failed"):
+            # The daemon's verdict on it, which it could not hear (its stream cut).
+            why = f" (it failed: {shortened(failed)})"
         return (
             f"this node was dropped from generation {gen}{why}; the job moved on to "
             f"generation {then}"
