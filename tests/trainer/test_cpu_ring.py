@@ -896,6 +896,50 @@ def test_a_peer_host_that_answers_no_connect_is_said_once_while_the_ring_forms(
     assert time.monotonic() - started < 4.0
 
 
+def test_a_peer_that_refuses_every_connect_is_said_once_while_the_ring_forms(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A firewall rejecting the ring's connects (REJECT, tcp-reset) was asked again in
+    silence up to the setup's deadline (300 s): the job looked hung (h160's
+    ring_oneway_reject). A port nobody listens on refuses alike."""
+    monkeypatch.setattr(ring_wire, "REFUSED_SAID_S", 0.3)
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        address = gone.getsockname()[:2]  # closed below: connects to it are refused
+    auth = peer_auth.PeerAuth(peer_auth.derive_key(SECRET), b"RDVRING3", 0, 2)
+    origin = "node 1's (host n2), chosen as its host's route to the daemon"
+    started = time.monotonic()
+    with (
+        caplog.at_level("WARNING", "rendezvousd.trainer"),
+        pytest.raises(errs.CommunicatorTimeout, match=r"not reachable within 1\.5 s"),
+    ):
+        ring_wire._connect(auth, 1, address, started + 1.5, 1.5, origin)
+    said = [r.getMessage() for r in caplog.records if "refuses or resets" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        f"rank 0: rank 1 at {address[0]}:{address[1]} refuses or resets every TCP connect "
+        "for 0 s: Connection refused (ECONNREFUSED) (no process listens there, or a "
+        f"firewall rejects it); that address is {origin} (the one to fix"
+    ), said
+    assert said[0].endswith("; asking again until the setup's deadline, 1 s from now"), said
+    assert time.monotonic() - started < 4.0
+
+
+def test_a_reset_link_names_the_peer_or_a_firewall_between_not_the_peer_alone() -> None:
+    """ "connection error: Connection reset by peer" blamed the healthy peer when a
+    firewall on this host sent the reset (h160)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ours = socket.create_connection(server.getsockname()[:2], timeout=5)
+        theirs, _ = server.accept()
+    with ours, theirs:
+        # Closed with unread data and no linger: the kernel resets the connection.
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        theirs.close()
+        ring_wire.set_io_timeout(ours, 5.0)
+        with pytest.raises(ring_wire.LinkError) as info:
+            ring_wire.recv_exact(ours, memoryview(bytearray(8)), 1)
+    assert info.value.detail == "connection reset (by rank 1's host, or a firewall between)"
+
+
 def _ring_behind_a_route(route: str, ending: str) -> dict[str, Any]:
     """tests/workers/ring_route_worker.py in a network namespace of its own: its
     routes vanish with it, and the host's network is untouched."""

@@ -182,13 +182,18 @@ def watch_link(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(LINK_SILENCE_S * 1000))
 
 
-def link_error(exc: OSError) -> str:
-    """What a link's OSError says, in words that name a silent peer host as such."""
+def link_error(exc: OSError, peer: int | None = None) -> str:
+    """What a link's OSError says, in words that name a silent peer host as such, and
+    a reset as possibly a firewall's: "reset by peer" blamed the healthy peer when a
+    firewall on this host sent the reset (h160, on namespace hosts)."""
     if exc.errno == errno.ETIMEDOUT:
         return (
             f"its host answered nothing for {LINK_SILENCE_S:g} s (the network between "
             "the two hosts is cut, or that host is down)"
         )
+    if exc.errno == errno.ECONNRESET:
+        whose = f"rank {peer}'s host" if peer is not None else "the peer's host"
+        return f"connection reset (by {whose}, or a firewall between)"
     return f"connection error: {exc.strerror}"
 
 
@@ -307,6 +312,13 @@ _PASSING_CONNECT_ERRNOS = frozenset(
 #: Of those, the ones that mean the network is down between the hosts: said once,
 #: as a silent host is, since they are rarely a peer merely starting late.
 _ROUTE_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
+#: ...and those a listener not up yet gives as well as a firewall rejecting (REJECT,
+#: tcp-reset): said once they lasted REFUSED_SAID_S. A firewall's reject was asked
+#: again in silence up to the setup's deadline (300 s), the job seemingly hung (h160).
+_REFUSED_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED})
+#: How long a connect is refused or reset before it is said: longer than a peer's
+#: start takes to bind its listener.
+REFUSED_SAID_S = 10.0
 
 
 #: How long a first setup asks again a right neighbour that this host has no route
@@ -361,6 +373,7 @@ def _connect(
     told = False
     last: OSError | None = None
     no_route_since: float | None = None
+    refused_since: float | None = None
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -392,6 +405,10 @@ def _connect(
                     ) from exc
             else:
                 no_route_since = None
+            if exc.errno in _REFUSED_ERRNOS:
+                refused_since = now if refused_since is None else refused_since
+            else:
+                refused_since = None
             if not told and time.monotonic() < deadline:
                 if isinstance(exc, TimeoutError):
                     told = True
@@ -415,6 +432,18 @@ def _connect(
                         if first_setup
                         else "until the setup's deadline, "
                         f"{max(0.0, deadline - time.monotonic()):.0f} s from now",
+                    )
+                elif refused_since is not None and now - refused_since >= REFUSED_SAID_S:
+                    told = True
+                    log.warning(
+                        "%s refuses or resets every TCP connect for %.0f s: %s (no process "
+                        "listens there, or a firewall rejects it)%s; asking again until the "
+                        "setup's deadline, %.0f s from now",
+                        where,
+                        now - refused_since,
+                        _errno_words(exc),
+                        advice,
+                        max(0.0, deadline - time.monotonic()),
                     )
             # The peer may still be binding (direct construction) or the cut may heal.
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -563,7 +592,7 @@ def recv_exact(sock: socket.socket, view: memoryview, peer: int) -> None:
         except (BlockingIOError, TimeoutError) as exc:
             raise _timed_out(peer, exc, "no data arrived within the timeout") from exc
         except OSError as exc:
-            raise LinkError(peer, LOST, link_error(exc)) from exc
+            raise LinkError(peer, LOST, link_error(exc, peer)) from exc
         if n == 0:
             raise LinkError(peer, LOST, "connection closed (process exited?)")
         got += n
@@ -696,7 +725,7 @@ class SenderThread:
             if found is not None:
                 origin, code, detail, reporter = found
                 raise LinkError(origin, code, detail, via=reporter) from exc
-            raise LinkError(self._peer, LOST, link_error(exc)) from exc
+            raise LinkError(self._peer, LOST, link_error(exc, self._peer)) from exc
 
 
 def describe_mismatch(
