@@ -1285,3 +1285,35 @@ def test_a_restored_job_keeps_a_last_call_so_a_scale_up_forms_once(
     assert back.jobs["j"].state is JobState.FORMING and back.jobs["j"].generation == 2
     out = sdk_join(back, node("c", lo=2, hi=3), now + 0.3)
     assert isinstance(out, JoinResult) and out.generation == 2 and out.num_nodes == 3
+
+
+def test_a_witness_report_soon_after_a_hearsay_one_becomes_the_root_cause() -> None:
+    """Rank 3 relayed "lost rank 1 (reported by rank 2)" and was recorded first; rank
+    2's own report came 20 ms later: the daemon, `status` and every launcher named the
+    relay's host (h160's nopeers_drop). Its own report within the window now leads."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    hearsay = (
+        "PeerConnectionError: rank 3: lost rank 1 (reported by rank 2): its host answered nothing"
+    )
+    witness = "PeerConnectionError: rank 2: lost rank 1: its host answered nothing for 10 s"
+    sm.report_failure("j", 1, 1, "b", 1, hearsay, 5.0)
+    sm.report_failure("j", 1, 1, "b", 0, witness, 5.02)
+    job = sm.jobs["j"]
+    assert [(f.rank, f.cause) for f in job.gen.failed] == [(2, witness), (3, hearsay)]
+    assert job.last_failure is not None and job.last_failure.cause.startswith("rank 2 on host-b")
+    assert job.generation_fault().failed[0].rank == 2  # what a late call is told
+
+
+def test_a_witness_report_past_the_window_or_another_ranks_keeps_the_first() -> None:
+    sm = RendezvousState()
+    formed(sm)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    hearsay = "PeerConnectionError: rank 3: lost rank 1 (reported by rank 2): reset"
+    sm.report_failure("j", 1, 1, "b", 1, hearsay, 5.0)
+    sm.report_failure("j", 1, 0, "a", 0, "rank 0: something else", 5.1)  # not the witness
+    sm.report_failure("j", 1, 1, "b", 0, "rank 2: lost rank 1: reset", 6.5)  # too late
+    assert [f.rank for f in sm.jobs["j"].gen.failed] == [3, 0, 2]
