@@ -19,12 +19,14 @@ torch_venv=$!
 # nothing once installed. A failed install only makes that test skip.
 # As root the cross-host tests must run, not skip (tests/support.need_hosts): they
 # alone back the cut-off node, the cut between nodes and the README's --hosts demo.
-# They need iproute2's `ip`, installed here beside Chromium where it is missing.
+# They need iproute2's `ip`, installed here beside Chromium where it is missing, and
+# iptables for the firewall's resets (tests/multihost/test_faults.py; skipped without).
 chromium_out=$(mktemp)
 chromium=
 packages=
 [ -x /usr/bin/chromium ] || packages="chromium"
 command -v ip >/dev/null || packages="$packages iproute2"
+command -v iptables >/dev/null || packages="$packages iptables"
 if [ -n "$packages" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   # shellcheck disable=SC2086  # the package names, split on purpose
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $packages) \
