@@ -44,6 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("rendezvousd").warning(unread)
     tokens = load_tokens(cfg.token_file)
     _raise_fd_limit(cfg.max_connections)
+    _check_memory_limit(cfg)
     with asyncio.Runner(loop_factory=_loop_factory(cfg.event_loop)) as runner:
         return runner.run(_run(cfg, tokens, exit_with_parent=args.exit_with_parent))
 
@@ -70,6 +71,12 @@ def _raise_fd_limit(max_connections: int) -> None:
     from rendezvousd.common.open_files import raise_at_start
 
     raise_at_start(max_connections)
+
+
+def _check_memory_limit(cfg: config_mod.DaemonConfig) -> None:
+    from rendezvousd.common.memory_limit import warn_at_start
+
+    warn_at_start(cfg.limits())
 
 
 async def _run(
