@@ -204,13 +204,23 @@ def detach_stream(
         if seated.said_goodbye:  # its Leave was undone (storage failed): still a goodbye
             _goodbye(sm, job, seated, now)
         elif (
-            cut and mode is JoinMode.NODE and now - seated.last_seen < sm.timing.heartbeat_timeout_s
+            cut
+            and mode is JoinMode.NODE
+            and job.wire_version
+            and now - seated.last_seen < sm.timing.heartbeat_timeout_s
         ):
             # A node agent's stream ends as its connection is reset (a firewall reload,
             # a conntrack flush) as it does when the agent dies: one second of resets
             # failed the whole job, worded as a dead agent. Its redial gets a moment
-            # (the tick loses it after). A worker's own stream (no agent) is its
-            # process: its end is its death, lost at once.
+            # (the tick loses it after). Only where the nodes run our CPU ring (their
+            # agents send its wire version): a killed agent's workers die with it and
+            # their peers' rings (or the agents' node links) report it at once, which
+            # loses the cut node first (``report_failure``), so the grace costs those
+            # jobs' detection nothing but a lone node's. torchrun's agents (no wire
+            # version) have no such witness: survivors with hung workers heard of a
+            # killed node 8.0 s after the kill, not 2.7 s, the grace added to the push.
+            # Their nodes, and a worker's own stream (its end is its process's death),
+            # are lost at once.
             seated.cut_at = now
         else:
             rounds.lose_seated(sm, job, seated, rounds.stream_end_cause(sm, seated, now), now)

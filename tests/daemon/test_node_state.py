@@ -47,6 +47,7 @@ def node(
     previous: str | None = None,
     launched: float | None = None,
     standby: bool = False,
+    wire: str = "",
 ) -> JoinArgs:
     return JoinArgs(
         job,
@@ -63,6 +64,7 @@ def node(
         previous=previous,
         launched_at=launched,
         standby=standby,
+        wire_version=wire,
     )
 
 
@@ -93,6 +95,7 @@ def join_first(sm: RendezvousState, args: JoinArgs, now: float = 0.0) -> JoinRes
             uid=ID,
             last_call=args.last_call_s,
             job=args.job_id,
+            wire=args.wire_version,
         ),
         now,
     )
@@ -172,10 +175,14 @@ def restarted(sm: RendezvousState, tmp_path: Path) -> RendezvousState:
     return back
 
 
-def formed(sm: RendezvousState) -> tuple[JoinResult, JoinResult]:
-    first = join_first(sm, node("a"))
+#: A ring wire version, as rendezvous-run's agents send (torchrun's send none).
+RING = "RDVRING3"
+
+
+def formed(sm: RendezvousState, wire: str = "") -> tuple[JoinResult, JoinResult]:
+    first = join_first(sm, node("a", wire=wire))
     assert isinstance(first, Parked)
-    b = sm.join(node("b"), 0.0)
+    b = sm.join(node("b", wire=wire), 0.0)
     a = woken(sm)[first.waiter]
     assert isinstance(a, JoinResult) and isinstance(b, JoinResult)
     return a, b
@@ -293,7 +300,7 @@ def test_node_stream_cut_and_not_reattached_loses_every_member_of_the_node_after
     second of resets failed the job at once, worded "node agent's heartbeat stream
     closed" (a gray-failure review, h160)."""
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
-    formed(sm)
+    formed(sm, RING)
     token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
     for at in (0.5, 1.0):  # its cadence: 0.5 s, so its grace is the 1 s floor
@@ -318,13 +325,13 @@ def test_a_node_dropped_from_a_failed_generation_is_told_what_failed_it() -> Non
     """Its stream cut, the job moved on before it re-attached: its refusal said only
     "the job moved on to generation 2" (h160's d2a_reject_pulse)."""
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
-    formed(sm)
+    formed(sm, RING)
     token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
     sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE, cut=True)
     sm.tick(4.0)
     assert sm.jobs["j"].state is JobState.FAILED
-    sm.join(node("a2", previous="a"), 4.1)  # the other node re-joins: generation 2 opens
+    sm.join(node("a2", wire=RING, previous="a"), 4.1)  # the other node re-joins: generation 2 opens
     assert sm.jobs["j"].generation == 2
     f = fault(sm.attach_stream, "j", 1, 1, "b", 4.2, mode=JoinMode.NODE)
     assert f.reason == "STALE_GENERATION"
@@ -339,7 +346,7 @@ def test_a_report_while_a_cut_node_may_still_reattach_names_the_cut_node_first()
     while the daemon still waits for the agent's redial. The cut node is the root cause,
     not the reporter's worker, which its report would make it."""
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
-    formed(sm)
+    formed(sm, RING)
     token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
     sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE, cut=True)
@@ -352,9 +359,24 @@ def test_a_report_while_a_cut_node_may_still_reattach_names_the_cut_node_first()
     )
 
 
-def test_node_stream_cut_and_reattached_within_the_grace_is_no_loss() -> None:
+def test_a_torchrun_nodes_cut_stream_is_lost_at_once() -> None:
+    """Nodes that run no ring of ours (torchrun's agents send no wire version) have no
+    peer ring to report a killed agent at once: the grace delayed the survivors' push
+    (hung workers heard of a killed node 8.0 s after the kill, 2.7 s before), so their
+    cut stream is their loss at once, as before the grace."""
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
     formed(sm)
+    token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE, cut=True)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    assert {f.cause for f in job.gen.failed} == {"node agent's heartbeat stream closed"}
+
+
+def test_node_stream_cut_and_reattached_within_the_grace_is_no_loss() -> None:
+    sm = RendezvousState(timing=Timing(heartbeat_timeout_s=6.0))
+    formed(sm, RING)
     token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
     sm.detach_stream("j", 1, 1, token, 1.0, mode=JoinMode.NODE, cut=True)
@@ -421,7 +443,7 @@ def test_a_stream_cut_after_the_heartbeat_timeout_of_silence_is_lost_to_the_sile
     """The daemon's keepalive ends a silent peer's connection; if that comes before the
     tick, the cause is still the silence, not the cut."""
     sm = RendezvousState(timing=Timing(heartbeat_timeout_s=3.0))
-    formed(sm)
+    formed(sm, RING)
     token = sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
     sm.heartbeat("j", 1, 0, 3.0, mode=JoinMode.NODE)

@@ -312,7 +312,7 @@ def test_a_survivor_waiting_for_a_replacement_outlives_a_second_loss_and_names_t
     missing = "Lost since the job last formed: node"
     wait_for("A to say what it waits for", lambda: missing in a.stderr(), 30)
     note = next(ln for ln in a.stderr().splitlines() if missing in ln)
-    assert "in round 1 (node agent's heartbeat stream was cut" in note, note
+    assert "in round 1 (node agent's heartbeat stream closed)" in note, note
     assert f"the node joining from {HOST} in round 2 (its JoinNode was cancelled" in note, note
     assert "start torchrun agents of this --rdzv-id in their places" in note, note
     first = {s["pid"] for s in torch_steps(log)}
