@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -193,6 +194,9 @@ def test_a_join_across_a_partition_says_a_connect_there_gets_no_answer(
         d.kill()
     error, took = run.stdout.strip().splitlines()
     assert error.startswith("DaemonUnavailable"), run
-    assert "within 8 s (connect_timeout): a TCP connect gets no answer within 2 s" in error, run
+    # The connect gets what is left of the look's 2 s once the TLS probes gave up: said
+    # as 1.9 s where they took 50 ms more of it (seen 2 of 4 runs after session 48).
+    gets = r"within 8 s \(connect_timeout\): a TCP connect gets no answer within (2|1\.[5-9]) s"
+    assert re.search(gets, error), run
     # The wait (the TLS probes, 6 s here, within it), then the one connect's 2 s.
     assert float(took) < 8 + 2 + 1.5, run
