@@ -56,39 +56,42 @@ class Gate:
     async def enter(self, context: Any) -> str | None:
         """Count a call in (or refuse it); the job it is counted for, for ``leave``."""
         if self.active >= self.cap:
-            fault = validation.limit_exceeded(
-                self.limit,
+            await self._refuse(
+                context,
                 f"the daemon already runs {self.limit}={self.cap} {self.what}; retry later",
+                "",
             )
-            self._refused(fault, "")
-            await context.abort_with_status(to_grpc_status(fault))
         job = self.by_job() if self.by_job is not None else None
         if job is not None:
             held = self.per_job.get(job, 0)
             if self.job_cap and held >= self.job_cap:
-                fault = validation.limit_exceeded(
-                    self.limit,
+                await self._refuse(
+                    context,
                     f"job {job!r} already runs {held} {self.what}, as many as one job may "
                     f"({self.job_cap_why}) of the daemon's {self.limit}={self.cap}; close "
                     "the calls and streams it no longer needs (one client per member, "
                     "closed when done)",
-                    job_id=job,
+                    job,
                 )
-                self._refused(fault, job)
-                await context.abort_with_status(to_grpc_status(fault))
             if held >= self.reserve and self.active >= self.cap - self.reserve:
-                fault = validation.limit_exceeded(
-                    self.limit,
+                await self._refuse(
+                    context,
                     f"the daemon runs {self.active} of {self.limit}={self.cap} {self.what} "
                     f"and keeps the last {self.reserve} for jobs running fewer than "
                     f"{self.reserve} and the admin; job {job!r} runs {held}",
-                    job_id=job,
+                    job,
                 )
-                self._refused(fault, job)
-                await context.abort_with_status(to_grpc_status(fault))
             self.per_job[job] = held + 1
         self.active += 1
         return job
+
+    async def _refuse(self, context: Any, message: str, job: str) -> None:
+        """Refuse the call (``abort_with_status`` raises): RESOURCE_EXHAUSTED for this
+        limit, counted and logged for ``job`` ("" for none)."""
+        named = {"job_id": job} if job else {}
+        fault = validation.limit_exceeded(self.limit, message, **named)
+        self._refused(fault, job)
+        await context.abort_with_status(to_grpc_status(fault))
 
     def _refused(self, fault: RendezvousFault, job: str) -> None:
         if self.on_refused is not None:
