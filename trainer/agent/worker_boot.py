@@ -39,6 +39,7 @@ from rendezvousd.trainer.agent._fork_server import (
     recv,
     send,
 )
+from rendezvousd.trainer.agent._group_watch import kill_group
 from rendezvousd.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -281,8 +282,7 @@ class ForkServer:
         # it is not another's this soon.
         for proc in orphans:
             if proc._pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc._pid, signal.SIGKILL)
+                kill_group(proc._pid)
             proc._exit(-signal.SIGKILL, lost=True)
 
     def close(self) -> None:
