@@ -304,7 +304,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if step_log is not None:
                 # One short O_APPEND write per line: ranks share the file.
                 line: dict[str, Any] = {"rank": topo.rank, "pid": os.getpid()}
-                line.update(gen=ctx.generation, step=step, t=time.time())
+                line.update(gen=ctx.generation, world=topo.world_size, step=step, t=time.time())
                 # The step's samples (after their batch's step), so a log can show
                 # every sample of an epoch seen once across restarts and resizes.
                 line.update(epoch=at.epoch, consumed=at.consumed, samples=idx.tolist())
