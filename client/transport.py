@@ -40,6 +40,11 @@ from rendezvousd.common import validation
 from rendezvousd.errors import DaemonError, RendezvousFault
 
 log = logging.getLogger("rendezvousd.client.file")
+
+#: A worker waiting this long for local_rank 0's socket says so, and again every
+#: ``SOCKET_NOTE_EVERY_S``: the pace of the trainer's waiting notes for a join.
+SOCKET_NOTE_S = 5.0
+SOCKET_NOTE_EVERY_S = 30.0
 T = TypeVar("T")
 
 TRANSPORT_KINDS = ("file", "daemon")
@@ -72,6 +77,8 @@ class Rendezvous(Protocol):
     ) -> None: ...
 
     def raise_if_failed(self) -> None: ...
+
+    def get_job(self) -> pb.GetJobResponse: ...
 
     @property
     def call_route(self) -> str: ...
@@ -244,8 +251,25 @@ class FileRendezvous:
 
     def _wait_for_daemon(self, directory: PrivateDirectory, deadline: float, local: int) -> None:
         delay = 0.01
+        began = time.monotonic()
+        note_at = began + SOCKET_NOTE_S
         while not directory.serving():
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if now >= note_at:
+                # A local rank 0 started late (or never) left the others silent for
+                # the whole join timeout, where a daemon's joins say what they wait for.
+                note_at = now + SOCKET_NOTE_EVERY_S
+                log.warning(
+                    "local_rank %d of job %r still waiting after %.0f s for local_rank 0's "
+                    "rendezvous socket at %s: check that local_rank 0 is running and was "
+                    "given the same path and job id (waiting up to %.0f s in all)",
+                    local,
+                    self._job_id,
+                    now - began,
+                    directory.socket,
+                    deadline - began,
+                )
+            left = deadline - now
             if left <= 0:
                 raise RendezvousTimeout(
                     f"local_rank {local} of job {self._job_id!r} waited for rank 0's "
@@ -358,6 +382,12 @@ class FileRendezvous:
             "ReportFailure",
             lambda client: client.report_failure(local_rank, cause, timeout=timeout),
         )
+
+    def get_job(self) -> pb.GetJobResponse:
+        """This job as rank 0's daemon sees it (``RendezvousClient.get_job``): what a
+        waiting join's note reads. Refused (``InvalidRequest``) before ``join`` has
+        found the daemon."""
+        return self._through_rank0("GetJob", lambda client: client.get_job())
 
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int:
         return self._through_rank0(

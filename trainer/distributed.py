@@ -425,8 +425,6 @@ def init_distributed(
         # Said while it waits, as rendezvous-run's joins say it: a rank started late
         # (or never: two workers given one SLURM_PROCID) left every other worker
         # silent for the whole join timeout, 600 s by default.
-        if not isinstance(rdzv, RendezvousClient):
-            return joining()  # the file transport: one node, its daemon this job's own
         with saying_what_its_rank_waits_for(
             rdzv.get_job,
             lambda note: log.warning("rendezvousd: %s", note),
@@ -435,6 +433,8 @@ def init_distributed(
             socket.gethostname(),
             local_rank,
         ):
+            if not isinstance(rdzv, RendezvousClient):
+                return joining()  # the file transport: one node, its daemon this job's own
             return join_with_room()
 
     def watch(relay: _FailureRelay) -> None:

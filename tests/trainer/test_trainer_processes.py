@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -963,3 +964,57 @@ def _standalone_sweep(tmp_path: Path, temp: Path) -> None:
         )
         assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in temp.iterdir()) == sorted(p.name for p in (live, young, other))
+
+
+def test_file_transport_workers_say_what_they_wait_for(tmp_path: Path) -> None:
+    """A local_rank 0 started late, then a rank missing: the others said nothing for the
+    whole join timeout (600 s by default) where a daemon's joins say what they wait for."""
+    # Short: a unix socket's path is at most 107 bytes.
+    rdzv = Path(tempfile.mkdtemp(prefix="rdzv-"))
+    job_id = "notes"
+    env = {k: v for k, v in os.environ.items() if k != "RENDEZVOUSD_CONFIG"}
+    env |= {
+        "RENDEZVOUSD_RENDEZVOUS_PATH": str(rdzv),
+        "RENDEZVOUSD_JOB_ID": job_id,
+        "RENDEZVOUSD_NUM_NODES": "1",
+        "RENDEZVOUSD_GPUS_PER_NODE": "3",
+        "RENDEZVOUSD_NODE_RANK": "0",
+    }
+    stop = tmp_path / "stop"
+    errs = [tmp_path / f"w{i}.err" for i in range(3)]
+    procs: dict[int, subprocess.Popen[str]] = {}
+
+    def start(local: int) -> None:
+        with errs[local].open("w") as err:
+            procs[local] = subprocess.Popen(
+                [sys.executable, str(WORKERS / "trainer_worker.py"), str(stop), "--ready-only"],
+                env={**env, "RENDEZVOUSD_LOCAL_RANK": str(local)},
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+
+    try:
+        start(1)
+        socket_note = f"local_rank 1 of job '{job_id}' still waiting after 5 s for local_rank 0's"
+        wait_for("the socket note", lambda: socket_note in errs[1].read_text(), timeout=30)
+        said = errs[1].read_text()
+        assert f"rendezvous socket at {rdzv / job_id}.sock" in said, said
+        start(0)
+        join_note = f"still waiting for job '{job_id}' generation 1 to form after"
+        wait_for("the join note", lambda: join_note in errs[0].read_text(), timeout=30)
+        said = errs[0].read_text()
+        assert "2 of 3 ranks joined, missing rank 2" in said, said
+        # The lowest local rank of the host speaks for it: local rank 1 keeps quiet.
+        assert join_note not in errs[1].read_text()
+        start(2)
+        outs = [procs[i].communicate(timeout=60)[0] for i in range(3)]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        shutil.rmtree(rdzv, ignore_errors=True)
+    assert [procs[i].returncode for i in range(3)] == [0, 0, 0], [e.read_text() for e in errs]
+    ready = [json.loads(out.splitlines()[0]) for out in outs]
+    assert sorted(r["rank"] for r in ready) == [0, 1, 2]
