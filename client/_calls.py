@@ -900,12 +900,17 @@ class Calls:
         return m.members
 
     def report_failure(
-        self, local_rank: int, cause: str, timeout: float | None = None
+        self,
+        local_rank: int,
+        cause: str,
+        timeout: float | None = None,
+        witness_rank: int | None = None,
     ) -> Steps[None]:
         check_arg("report_failure", "local_rank", local_rank, int)
         check_arg("report_failure", "cause", cause, str)
+        check_arg("report_failure", "witness_rank", witness_rank, int | None)
         check_wait("report_failure", "timeout", timeout, deadline=True)
-        request = self.s.report_request(local_rank, cause)
+        request = self.s.report_request(local_rank, cause, witness_rank)
         yield from self.call("ReportFailure", request, timeout=timeout)
 
     def exit_failure(self, exc: BaseException | None) -> Steps[None] | None:

@@ -758,9 +758,12 @@ class Session:
             job_id=self.job_id,
         )
 
-    def report_request(self, local_rank: int, cause: str) -> pb.ReportFailureRequest:
+    def report_request(
+        self, local_rank: int, cause: str, witness_rank: int | None = None
+    ) -> pb.ReportFailureRequest:
         """A node agent's report for its worker at ``local_rank``, or a worker joined
-        by rank reporting its own failure (``local_rank`` its own)."""
+        by rank reporting its own failure (``local_rank`` its own); ``witness_rank``:
+        the rank whose report of it the worker relays, if any."""
         n = self.node or self.joined
         if n is None:
             raise InvalidRequest(
@@ -784,6 +787,7 @@ class Session:
             local_rank=local_rank,
             # Any text: the daemon keeps this much of it (a longer one is cut, not refused).
             cause=bounded(cause),
+            witness_rank=witness_rank,
         )
 
     def attach(self, membership: Membership, instance_id: str) -> None:

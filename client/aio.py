@@ -245,10 +245,15 @@ class AsyncRendezvousClient(steps.ClientBase):
         return await self._run(self._c.join_node(request))
 
     async def report_failure(
-        self, local_rank: int, cause: str, *, timeout: float | None = None
+        self,
+        local_rank: int,
+        cause: str,
+        *,
+        timeout: float | None = None,
+        witness_rank: int | None = None,
     ) -> None:
         """``RendezvousClient.report_failure``, awaited."""
-        await self._run(self._c.report_failure(local_rank, cause, timeout))
+        await self._run(self._c.report_failure(local_rank, cause, timeout, witness_rank))
 
     async def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         await self._run(self._c.barrier(name, timeout))

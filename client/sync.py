@@ -317,15 +317,24 @@ class RendezvousClient(steps.ClientBase):
         """
         return self._run(self._c.join_node(request))
 
-    def report_failure(self, local_rank: int, cause: str, *, timeout: float | None = None) -> None:
+    def report_failure(
+        self,
+        local_rank: int,
+        cause: str,
+        *,
+        timeout: float | None = None,
+        witness_rank: int | None = None,
+    ) -> None:
         """Tell the daemon this node's worker at ``local_rank`` failed: it marks that
         rank lost with ``cause`` (any text: an exception's whole message), fails the
         generation and tells every other member. A node agent reports any of its
         workers; a worker joined by rank, only itself (its own ``local_rank``), before
         it exits: its peers then read its cause, not "heartbeat stream closed" (a
         ``with`` block does it for an exception that ends it). ``timeout``: seconds
-        for the call (``call_timeout`` by default)."""
-        self._run(self._c.report_failure(local_rank, cause, timeout))
+        for the call (``call_timeout`` by default). ``witness_rank``: the rank whose
+        report of the failure the worker relays (a ring neighbour's notice), whose own
+        report, coming soon after, the daemon records as the root cause instead."""
+        self._run(self._c.report_failure(local_rank, cause, timeout, witness_rank))
 
     def barrier(self, name: str = "default", *, timeout: float | None = None) -> None:
         self._run(self._c.barrier(name, timeout))

@@ -84,7 +84,12 @@ class Rendezvous(Protocol):
     def call_route(self) -> str: ...
 
     def report_failure(
-        self, local_rank: int, cause: str, *, timeout: float | None = None
+        self,
+        local_rank: int,
+        cause: str,
+        *,
+        timeout: float | None = None,
+        witness_rank: int | None = None,
     ) -> None: ...
 
     def abort(self, reason: str, *, job_id: str | None = None, generation: int = 0) -> int: ...
@@ -377,10 +382,19 @@ class FileRendezvous:
     def raise_if_failed(self) -> None:
         self._joined().raise_if_failed()
 
-    def report_failure(self, local_rank: int, cause: str, *, timeout: float | None = None) -> None:
+    def report_failure(
+        self,
+        local_rank: int,
+        cause: str,
+        *,
+        timeout: float | None = None,
+        witness_rank: int | None = None,
+    ) -> None:
         self._through_rank0(
             "ReportFailure",
-            lambda client: client.report_failure(local_rank, cause, timeout=timeout),
+            lambda client: client.report_failure(
+                local_rank, cause, timeout=timeout, witness_rank=witness_rank
+            ),
         )
 
     def get_job(self) -> pb.GetJobResponse:

@@ -169,7 +169,9 @@ class DistributedContext:
                 if not clean and (_own_failure(error) or _unexplained(self.agent, error)):
                     # The agent reports it to the daemon before our ring closes: see
                     # ``_drop_out`` for why the order decides the root cause.
-                    self.agent.report_failure(_describe(error), PEER_SETTLE_S)
+                    self.agent.report_failure(
+                        _describe(error), PEER_SETTLE_S, witness=_witness(error)
+                    )
                 self.communicator.close()
                 self.rendezvous.close()
             finally:
@@ -257,6 +259,13 @@ def _settle_s(error: CommunicatorError) -> float:
     return PEER_SETTLE_S if error.reported_by is None else PEER_SETTLE_S + HEARSAY_DELAY_S
 
 
+def _witness(error: BaseException | None) -> int | None:
+    """The rank whose report of ``error`` this worker relays (a ring neighbour's notice
+    of a broken link), sent beside its cause as data: the daemon records that rank's
+    own report first when it comes soon after."""
+    return error.reported_by if isinstance(error, CommunicatorError) else None
+
+
 def _describe(error: BaseException | None) -> str:
     if error is None:
         return "the worker closed its context after a failure"
@@ -286,7 +295,9 @@ def _drop_out(rdzv: Rendezvous, error: BaseException | None, local_rank: int) ->
     own = _own_failure(error)
     if own:
         with contextlib.suppress(RendezvousError):
-            rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
+            rdzv.report_failure(
+                local_rank, _describe(error), timeout=PEER_SETTLE_S, witness_rank=_witness(error)
+            )
     if isinstance(error, CommunicatorError) and not isinstance(
         error, CommunicatorAborted | DeviceError
     ):
@@ -301,7 +312,12 @@ def _drop_out(rdzv: Rendezvous, error: BaseException | None, local_rank: int) ->
             time.sleep(0.02)  # poll interval while the failure report arrives
         if not heard and not own:
             with contextlib.suppress(RendezvousError):
-                rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
+                rdzv.report_failure(
+                    local_rank,
+                    _describe(error),
+                    timeout=PEER_SETTLE_S,
+                    witness_rank=_witness(error),
+                )
     rdzv.close()
 
 
@@ -456,7 +472,12 @@ def init_distributed(
             # log and `status` read "heartbeat stream closed" or a transient retry's
             # abort, the version named only in this worker's traceback.
             with contextlib.suppress(RendezvousError):
-                rdzv.report_failure(local_rank, _describe(error), timeout=PEER_SETTLE_S)
+                rdzv.report_failure(
+                    local_rank,
+                    _describe(error),
+                    timeout=PEER_SETTLE_S,
+                    witness_rank=_witness(error),
+                )
         rdzv.close()  # gone without leaving: its peers learn it at once
         if isinstance(error, DuplicateRank) and (held := _held_here(config.job_id)):
             raise DuplicateRank(
@@ -786,7 +807,7 @@ def _init_from_agent(
         # cannot listen). Told as the context's close() tells a failure in the block.
         if _own_failure(error) or _unexplained(link, error):
             with contextlib.suppress(Exception):
-                link.report_failure(_describe(error), PEER_SETTLE_S)
+                link.report_failure(_describe(error), PEER_SETTLE_S, witness=_witness(error))
         raise
     mark("ring-up", generation=assignment.generation, rank=assignment.rank)
     if topology.is_global_rank_zero:

@@ -46,6 +46,10 @@ class FailedInfo:
     # time.time() on the receiving host, from the age the daemon sent. None: not
     # known (a loss recorded before the daemon restarted).
     lost_at: float | None = None
+    # The rank whose first-hand report this loss relays (ReportFailure's
+    # ``witness_rank``): the daemon's own, for ``rounds._witness_first``; not on the
+    # wire, nor kept across a restart (its window is a second).
+    witness: int | None = None
 
     @property
     def node(self) -> int:

@@ -351,6 +351,7 @@ class RendezvousServicer:
             request.local_rank,
             request.cause,
             _now(),
+            witness=request.witness_rank if request.HasField("witness_rank") else None,
         )
         await self._durably(request.job_id, self.state.take_effects())
         return pb.ReportFailureResponse()

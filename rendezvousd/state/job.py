@@ -111,9 +111,12 @@ class Member(Attendee):
     def info(self) -> MemberInfo:
         return MemberInfo(self.rank, self.node_rank, self.local_rank, self.host, self.address)
 
-    def loss(self, cause: str, now: float) -> FailedInfo:
-        """The record of losing this member at ``now``."""
-        return FailedInfo(self.rank, self.host, cause, self.node_rank, self.local_rank, now)
+    def loss(self, cause: str, now: float, witness: int | None = None) -> FailedInfo:
+        """The record of losing this member at ``now``, relaying ``witness``'s report
+        of it when set."""
+        return FailedInfo(
+            self.rank, self.host, cause, self.node_rank, self.local_rank, now, witness
+        )
 
 
 @dataclass

@@ -47,7 +47,12 @@ def report_failure(
     local_rank: int,
     cause: str,
     now: float,
+    *,
+    witness: int | None = None,
 ) -> None:
+    """Lose the member at ``local_rank`` of ``node_rank`` with ``cause``; ``witness``:
+    the rank whose report of it the worker relays (``rounds._witness_first``)."""
+
     def in_range(name: str, value: int, bound_name: str, bound: int) -> None:
         validation.rank_in_range(name, value, bound_name, bound, job_id=job_id)
 
@@ -87,7 +92,7 @@ def report_failure(
             # rings see its workers go first when its agent died: their report, lost
             # first, named the reporter as the root cause, not the node that went.
             rounds.lose_all_seated(sm, job, cut, now)
-        rounds.lose(sm, job, [member], cause, now, told=told)
+        rounds.lose(sm, job, [member], cause, now, told=told, witness=witness)
 
 
 def _cut_nodes(job: Job, now: float) -> list[tuple[Member | Node, str]]:

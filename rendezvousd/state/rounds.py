@@ -6,7 +6,6 @@ state machine: functions over ``RendezvousState``, which they queue effects on."
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -365,10 +364,10 @@ def loss_cause(attendee: Attendee, cause: str) -> str:
     return cause
 
 
-#: How long after a rank's report of a break it heard of from a neighbour ("(reported
-#: by rank R)") rank R's own report of it still takes its place as the root cause.
+#: How long after a rank's report of a break it heard of from a neighbour (its
+#: ReportFailure's ``witness_rank``: R) rank R's own report of it still takes its place
+#: as the root cause.
 WITNESS_WINDOW_S = 1.0
-_HEARSAY = re.compile(r"\(reported by rank (\d+)\)")
 
 
 def _witness_first(sm: RendezvousState, job: Job, now: float) -> None:
@@ -382,10 +381,11 @@ def _witness_first(sm: RendezvousState, job: Job, now: float) -> None:
     if job.state is not JobState.FAILED or len(failed) < 2:
         return
     first, newest = failed[0], failed[-1]
-    heard = _HEARSAY.search(first.cause)
-    if heard is None or first.lost_at is None or now - first.lost_at > WITNESS_WINDOW_S:
+    # As data: an older SDK's report names no witness, and its order stands. Its
+    # words once did ("(reported by rank R)"), matched back out of the cause.
+    if first.witness is None or first.lost_at is None or now - first.lost_at > WITNESS_WINDOW_S:
         return
-    if newest.rank != int(heard.group(1)) or _HEARSAY.search(newest.cause):
+    if newest.rank != first.witness or newest.witness is not None:
         return
     failed.insert(0, failed.pop())
     if job.last_failure is not None and job.last_failure.generation == job.generation:
@@ -435,10 +435,12 @@ def lose(
     now: float,
     *,
     told: int | None = None,
+    witness: int | None = None,
 ) -> None:
     """``lost`` members are gone: the generation fails, every other member (node
-    agent in a JoinNode generation; but the node ``told``, which reported it) hears."""
-    _lose(sm, job, [(m, cause) for m in lost], now, told=told, attendees=1)
+    agent in a JoinNode generation; but the node ``told``, which reported it) hears.
+    ``witness``: the rank whose report of the loss its reporter relays."""
+    _lose(sm, job, [(m, cause) for m in lost], now, told=told, attendees=1, witness=witness)
 
 
 def _lose(
@@ -449,13 +451,14 @@ def _lose(
     *,
     told: int | None,
     attendees: int,
+    witness: int | None = None,
 ) -> None:
     """``lost`` members, each with its cause, of ``attendees`` seats, gone as one
     failure."""
     for member, cause in lost:
         member.state = MemberState.LOST
         member.stream_open = False
-        job.gen.failed.append(member.loss(cause, now))
+        job.gen.failed.append(member.loss(cause, now, witness))
     if job.state is not JobState.RUNNING or not lost:
         _witness_first(sm, job, now)
         return  # the generation already ended: survivors were told once

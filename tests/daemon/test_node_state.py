@@ -1312,16 +1312,15 @@ def test_a_restored_job_keeps_a_last_call_so_a_scale_up_forms_once(
 def test_a_witness_report_soon_after_a_hearsay_one_becomes_the_root_cause() -> None:
     """Rank 3 relayed "lost rank 1 (reported by rank 2)" and was recorded first; rank
     2's own report came 20 ms later: the daemon, `status` and every launcher named the
-    relay's host (h160's nopeers_drop). Its own report within the window now leads."""
+    relay's host (h160's nopeers_drop). Its own report within the window now leads.
+    The witness is the report's ``witness_rank``, as data: the cause's words are not read."""
     sm = RendezvousState()
     formed(sm)
     sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
     sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
-    hearsay = (
-        "PeerConnectionError: rank 3: lost rank 1 (reported by rank 2): its host answered nothing"
-    )
+    hearsay = "PeerConnectionError: rank 3: lost rank 1: its host answered nothing"
     witness = "PeerConnectionError: rank 2: lost rank 1: its host answered nothing for 10 s"
-    sm.report_failure("j", 1, 1, "b", 1, hearsay, 5.0)
+    sm.report_failure("j", 1, 1, "b", 1, hearsay, 5.0, witness=2)
     sm.report_failure("j", 1, 1, "b", 0, witness, 5.02)
     job = sm.jobs["j"]
     assert [(f.rank, f.cause) for f in job.gen.failed] == [(2, witness), (3, hearsay)]
@@ -1335,7 +1334,20 @@ def test_a_witness_report_past_the_window_or_another_ranks_keeps_the_first() -> 
     sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
     sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
     hearsay = "PeerConnectionError: rank 3: lost rank 1 (reported by rank 2): reset"
-    sm.report_failure("j", 1, 1, "b", 1, hearsay, 5.0)
+    sm.report_failure("j", 1, 1, "b", 1, hearsay, 5.0, witness=2)
     sm.report_failure("j", 1, 0, "a", 0, "rank 0: something else", 5.1)  # not the witness
     sm.report_failure("j", 1, 1, "b", 0, "rank 2: lost rank 1: reset", 6.5)  # too late
     assert [f.rank for f in sm.jobs["j"].gen.failed] == [3, 0, 2]
+
+
+def test_a_report_naming_no_witness_keeps_the_recorded_order_whatever_its_words() -> None:
+    """An older SDK's report sends no ``witness_rank``: its order of record stands,
+    though its cause says "(reported by rank 2)" (the daemon once read that back)."""
+    sm = RendezvousState()
+    formed(sm)
+    sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    hearsay = "PeerConnectionError: rank 3: lost rank 1 (reported by rank 2): reset"
+    sm.report_failure("j", 1, 1, "b", 1, hearsay, 5.0)
+    sm.report_failure("j", 1, 1, "b", 0, "PeerConnectionError: rank 2: lost rank 1: reset", 5.02)
+    assert [f.rank for f in sm.jobs["j"].gen.failed] == [3, 2]

@@ -335,15 +335,19 @@ class AgentLink:
         self._read_frames()
         return self._aborted.wait(within)
 
-    def report_failure(self, cause: str, timeout: float) -> bool:
+    def report_failure(self, cause: str, timeout: float, *, witness: int | None = None) -> bool:
         """Tell the agent this worker failed by itself, and wait (bounded) until the
         daemon knows: only then may the worker close its ring, or a peer failing
-        on the closed ring could be recorded as the job's root cause. Whether the
-        agent confirmed in time."""
+        on the closed ring could be recorded as the job's root cause. ``witness``:
+        the rank whose report of the failure this worker relays (the agent passes it
+        to the daemon as data). Whether the agent confirmed in time."""
         self._read_frames()
         deadline = time.monotonic() + timeout
+        header: dict[str, Any] = {"cause": cause}
+        if witness is not None:
+            header["witness"] = witness
         try:
-            self.channel.send("failed", {"cause": cause}, within=timeout)
+            self.channel.send("failed", header, within=timeout)
         except AgentChannelError:
             return False
         return self._noted.wait(max(0.0, deadline - time.monotonic()))

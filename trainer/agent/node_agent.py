@@ -1168,13 +1168,14 @@ class NodeAgent:
         w = event.worker
         if w in self.active and w.local_rank is not None and w.reported_cause is None:
             w.reported_cause = event.cause or "a failure it did not describe"
+            w.reported_witness = event.witness
             w.last_progress = time.monotonic()  # REPORTED_EXIT_S counts from here
             if self._resuming:
                 # Told later, if it is still the failure (``_local_failure``): reported
                 # now, it would read as this node's first (see RESUMED_S).
                 self._unreported.add(w)
             else:
-                self._report(w.local_rank, w.reported_cause)
+                self._report(w.local_rank, w.reported_cause, w.reported_witness)
         w.ack_failure()
 
     def _local_failure(
@@ -1198,7 +1199,9 @@ class NodeAgent:
         shown = shortened(cause) if exited is None else f"{exited} ({shortened(cause)})"
         said = f"worker rank {rank} (pid {w.pid}) failed first, with {shown}"
         report = w.reported_cause is None or w in self._unreported
-        return self._own_failure(gen, rank, local, cause, status, said, report, shown)
+        return self._own_failure(
+            gen, rank, local, cause, status, said, report, shown, witness=w.reported_witness
+        )
 
     def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure:
         """A link to another node went silent and the daemon told of nothing meanwhile:
@@ -1217,15 +1220,18 @@ class NodeAgent:
         said: str,
         report: bool,
         shown: str,
+        *,
+        witness: int | None = None,
     ) -> Failure:
         """A failure of this node's own, at ``local`` (global ``rank``): ``said`` here,
         reported to the daemon unless it already was (``report``), every worker stopped;
-        ``shown``: ``cause`` as this node's summary lists it."""
+        ``shown``: ``cause`` as this node's summary lists it; ``witness``: the rank whose
+        report of it the worker relays."""
         mark("failure-heard", generation=gen)
         self.note(said)
         if report:
             # Before stopping our other workers: the other nodes hear of it sooner.
-            self._report(local, cause)
+            self._report(local, cause, witness)
         failure = Failure(gen, shown, rank, self.host, status, local_rank=local)
         self.first_local = self.first_local or failure
         # Worded as the daemon words it to the other nodes: every node's workers log
@@ -1234,9 +1240,9 @@ class NodeAgent:
         lost = FailedInfo(rank, self.host, cause, local_rank=local)
         return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
 
-    def _report(self, local: int, cause: str) -> None:
+    def _report(self, local: int, cause: str, witness: int | None = None) -> None:
         try:
-            self.client.report_failure(local, cause)
+            self.client.report_failure(local, cause, witness_rank=witness)
         except RendezvousError as exc:
             self.note(f"could not report the failure to the daemon: {in_launchers_words(exc)}")
 

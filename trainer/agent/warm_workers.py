@@ -91,6 +91,9 @@ class Reported:
 
     worker: WorkerProcess
     cause: str
+    # The rank whose report of the failure the worker relays (a ring neighbour's
+    # notice), for the daemon's root cause; None: the worker saw it itself.
+    witness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ class WorkerProcess:
         self.last_heard = time.monotonic()
         #: What the worker said when it reported its own failure (``Reported``).
         self.reported_cause: str | None = None
+        #: The rank whose report of that failure it relays (``Reported.witness``).
+        self.reported_witness: int | None = None
         #: Why the agent stopped a spare that sent a bad frame (``Misbehaved``).
         self.fault: str | None = None
         #: The worker's end of the channel closed between frames: its context closed, on
@@ -211,7 +216,12 @@ class WorkerProcess:
                         self._state.offer(frame, self._state_step)
                         self._state_step = frame.header["step"]
                 elif frame.kind == "failed":
-                    self._events.put(Reported(self, str(frame.header.get("cause", ""))))
+                    witness = frame.header.get("witness")
+                    # Passed on only as a rank the request can carry; anything else dropped.
+                    if type(witness) is not int or not 0 <= witness < 2**32:
+                        witness = None
+                    cause = str(frame.header.get("cause", ""))
+                    self._events.put(Reported(self, cause, witness))
                 elif frame.kind == "call" and self._relay is not None:
                     self._relay.forward(frame.payload)
             self.released.set()

@@ -687,6 +687,7 @@ class ReportFailureRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     LOCAL_RANK_FIELD_NUMBER: _builtins.int
     CAUSE_FIELD_NUMBER: _builtins.int
+    WITNESS_RANK_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     node_rank: _builtins.int
@@ -697,6 +698,13 @@ class ReportFailureRequest(_message.Message):
     """Why the worker failed ("exit code -9", "hung for 60 s", an exception's
     text...): any text; the daemon keeps up to 32 KiB of it, marked where cut.
     """
+    witness_rank: _builtins.int
+    """Set where the worker relays a failure it heard of from another rank (a CPU
+    ring's notice from a neighbour: "lost rank 1", seen by rank 2): that rank,
+    the witness. Its own report, arriving within a second, then becomes the
+    generation's first loss, the root cause of record. Unset: the worker saw it
+    itself, or an older SDK (the daemon keeps the order it recorded).
+    """
     def __init__(
         self,
         *,
@@ -706,12 +714,15 @@ class ReportFailureRequest(_message.Message):
         instance_id: _builtins.str = ...,
         local_rank: _builtins.int = ...,
         cause: _builtins.str = ...,
+        witness_rank: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_witness_rank", b"_witness_rank", "witness_rank", b"witness_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "local_rank", b"local_rank", "node_rank", b"node_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_witness_rank", b"_witness_rank", "cause", b"cause", "generation", b"generation", "instance_id", b"instance_id", "job_id", b"job_id", "local_rank", b"local_rank", "node_rank", b"node_rank", "witness_rank", b"witness_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__witness_rank: _TypeAlias = _typing.Literal["witness_rank"]  # noqa: Y015
+    _WhichOneofArgType__witness_rank: _TypeAlias = _typing.Literal["_witness_rank", b"_witness_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__witness_rank) -> _WhichOneofReturnType__witness_rank | None: ...
 
 Global___ReportFailureRequest: _TypeAlias = ReportFailureRequest  # noqa: Y015
 
