@@ -14,7 +14,7 @@ replaces a lost one (docs/benchmarks.md, "Recovery").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rendezvousd.common.escape import escape, shortened
@@ -49,7 +49,7 @@ class FailedInfo:
     # The rank whose first-hand report this loss relays (ReportFailure's
     # ``witness_rank``): the daemon's own, for ``rounds._witness_first``; not on the
     # wire, nor kept across a restart (its window is a second).
-    witness: int | None = None
+    witness: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def node(self) -> int:
