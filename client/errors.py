@@ -30,11 +30,12 @@ contain the unique id or the token.
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from google.rpc import error_details_pb2
@@ -79,6 +80,16 @@ class RendezvousError(Exception):
         ``daemon_version``); "" where it said none: a daemon from before it, or one
         that never answered (unreachable, a refused TLS handshake)."""
         return self.metadata.get("daemon_version", "")
+
+    def with_message(self, message: str) -> Self:
+        """This error, of its own class, with ``message`` in place of its own and every
+        other field kept (a subclass's too): re-raised in other words (``raise
+        error.with_message(...) from error``), it is still the daemon's answer. Copied
+        whole, so that a field added later is not dropped by a copy of the fields by hand."""
+        other = copy.copy(self)  # its class's own reduce: every attribute, no traceback
+        other.message = message
+        other.args = (message,)
+        return other
 
     def _add(self, text: str) -> None:
         """Append ``text`` to the message, as ``str()`` shows it too."""

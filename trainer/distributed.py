@@ -480,16 +480,7 @@ def init_distributed(
                 )
         rdzv.close()  # gone without leaving: its peers learn it at once
         if isinstance(error, DuplicateRank) and (held := _held_here(config.job_id)):
-            raise DuplicateRank(
-                held,
-                code=error.code,
-                reason=error.reason,
-                metadata=error.metadata,
-                endpoint=error.endpoint,
-                method=error.method,
-                job_id=error.job_id,
-                rank=error.rank,
-            ) from error
+            raise error.with_message(held) from error
         raise
     topology = place(membership)
     if topology.is_global_rank_zero:

@@ -176,6 +176,7 @@ def test_a_second_init_distributed_in_one_process_says_this_process_holds_the_ra
     said = second["said"]
     assert said.startswith("DuplicateRank: init_distributed() refused: this process already "), said
     assert f"holds rank 1 of job {job_id!r} (an open context" in said, said
+    assert second["changed"] == ["message"], second  # the daemon's answer kept whole
     assert "job id of its own" not in said, said
     assert codes == [0, 0], (events, errs)
     assert [len(_of(e, "trained")) for e in events] == [1, 1], (events, errs)

@@ -91,12 +91,18 @@ def fork(ctx: DistributedContext, mode: str) -> None:
 
 def twice(ctx: DistributedContext) -> None:
     if ctx.rank == 1:
+        changed: list[str] = []
         try:
             init_distributed()
             said = "no error"
         except Exception as exc:
             said = f"{type(exc).__name__}: {exc}"
-        emit("second", said=said)
+            # What the re-raise in this process's words lost of the daemon's answer.
+            daemons = vars(exc.__cause__) if exc.__cause__ is not None else {}
+            changed = sorted(
+                k for k in {*vars(exc), *daemons} if vars(exc).get(k) != daemons.get(k)
+            )
+        emit("second", said=said, changed=changed)
     train(ctx)
 
 
