@@ -95,7 +95,9 @@ class _Rendezvous:
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
 
-    def report_failure(self, local_rank: int, cause: str, timeout: float) -> None:
+    def report_failure(
+        self, local_rank: int, cause: str, timeout: float, witness_rank: int | None = None
+    ) -> None:
         self.calls.append(("report_failure", cause))
 
     def raise_if_failed(self) -> None:
