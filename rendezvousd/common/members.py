@@ -85,6 +85,12 @@ LOSS_CAUSE_CHARS = 240
 # How many losses a failure sentence names; the rest are counted.
 NAMED_LOSSES = 8
 
+#: How long after a rank's report of a break it heard of from a neighbour (its
+#: ReportFailure's ``witness_rank``: R) rank R's own report of it still takes its place
+#: as the root cause (the daemon's ``rounds._witness_first``): a record younger than this
+#: may still change, which the node agent and the launcher's root cause wait out.
+WITNESS_WINDOW_S = 1.0
+
 
 def named_losses(failed: Sequence[FailedInfo], *, as_nodes: bool = False) -> str:
     """The losses of one failure, as every layer names them: the first

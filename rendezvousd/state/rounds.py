@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from rendezvousd.common import validation
 from rendezvousd.common.escape import bounded, escape, shortened
-from rendezvousd.common.members import NAMED_LOSSES
+from rendezvousd.common.members import NAMED_LOSSES, WITNESS_WINDOW_S
 from rendezvousd.common.model import (
     FORGOTTEN,
     NEVER_ATTACHED,
@@ -362,12 +362,6 @@ def loss_cause(attendee: Attendee, cause: str) -> str:
         # Short enough to be shown whole; the daemon's warning says what it sent.
         return f"{OLD_SDK}: upgrade it ({cause})"
     return cause
-
-
-#: How long after a rank's report of a break it heard of from a neighbour (its
-#: ReportFailure's ``witness_rank``: R) rank R's own report of it still takes its place
-#: as the root cause.
-WITNESS_WINDOW_S = 1.0
 
 
 def _witness_first(sm: RendezvousState, job: Job, now: float) -> None:

@@ -30,6 +30,7 @@ from rendezvousd.client.errors import (
     AuthenticationError,
     DaemonUnavailable,
     DuplicateRank,
+    FailedMember,
     InvalidRequest,
     JobAborted,
     JobEnded,
@@ -40,6 +41,7 @@ from rendezvousd.client.errors import (
     StaleGeneration,
     TopologyMismatch,
     VersionMismatch,
+    failed_members,
 )
 from rendezvousd.client.membership import (
     LOOPBACK_ADDRESS,
@@ -50,7 +52,13 @@ from rendezvousd.client.membership import (
 )
 from rendezvousd.client.sync import RendezvousClient
 from rendezvousd.common.escape import shortened
-from rendezvousd.common.members import FailedInfo, failed_text, named_losses, seat_of
+from rendezvousd.common.members import (
+    WITNESS_WINDOW_S,
+    FailedInfo,
+    failed_text,
+    named_losses,
+    seat_of,
+)
 from rendezvousd.common.validation import longest_beat_s
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import Assignment
@@ -868,11 +876,16 @@ class NodeAgent:
         # A verdict heard as this node's workers were exiting (``_exiting``): until
         # ``deadline`` their exits, all 0, overrule it.
         verdict: Verdict | None = None
+        # The exit of a worker that relayed another rank's report, held until the
+        # daemon's record of which came first is settled (``_relay_settled``).
+        relayed: Exited | None = None
         while True:
             if self._interrupted.is_set():
                 return self._interrupted_outcome(gen)
             if verdict is not None and time.monotonic() >= verdict.deadline:
                 return self._verdict(gen, verdict)
+            if relayed is not None and self._relay_settled(first_rank, relayed.worker):
+                return self._relayed_failure(gen, first_rank, relayed)
             event = self._next_event()
             self._report_progress()
             now = time.monotonic()
@@ -939,6 +952,12 @@ class NodeAgent:
                     if verdict is not None:
                         return self._verdict(gen, verdict)  # heard first: the cause
                     w = event.worker
+                    if w.reported_witness is not None and w not in self._unreported:
+                        # Its witness's own report may still come (its exit was read
+                        # first, and named it "failed first" where the daemon named the
+                        # witness): the others' reports are passed on meanwhile.
+                        relayed = relayed or event
+                        continue
                     if w.reported_cause is not None:
                         # Its cause is what it reported (the daemon's record, every
                         # other node's words); its exit only this node saw.
@@ -979,6 +998,52 @@ class NodeAgent:
                 stop_all(self.active, "scale-up: the job re-forms with the waiting nodes", 0.0)
                 self._end_generation()
                 return event
+
+    def _relay_settled(self, first_rank: int, relay: WorkerProcess) -> bool:
+        """Whether the daemon's record of ``relay``'s failure is settled: its witness,
+        if one of this node's workers, reported (and was passed on), or the witness
+        window since the relay's own report is over (``rounds._witness_first``)."""
+        witness = relay.reported_witness
+        if time.monotonic() - relay.last_progress >= WITNESS_WINDOW_S:
+            return True
+        return any(
+            w.local_rank is not None
+            and first_rank + w.local_rank == witness
+            and w.reported_cause is not None
+            for w in self.active
+        )
+
+    def _relayed_failure(self, gen: int, first_rank: int, event: Exited) -> Failure:
+        """The failure of a worker that relayed another rank's report, as the daemon
+        recorded it: where its first loss is another worker of this node that reported
+        (the witness), that worker failed first; else the relay, with the daemon's
+        first named beside it when another node's."""
+        w = event.worker
+        rank = first_rank + (w.local_rank or 0)
+        recorded = self._recorded_first(gen)
+        if recorded is not None and recorded.rank != rank:
+            for other in self.active:
+                if (
+                    other.local_rank is not None
+                    and first_rank + other.local_rank == recorded.rank
+                    and other.reported_cause is not None
+                ):
+                    return self._local_failure(gen, first_rank, other, other.reported_cause, 1)
+        assert w.reported_cause is not None  # held only after its report (``_watch``)
+        first = None if recorded is None or recorded.rank == rank else recorded
+        return self._local_failure(
+            gen, first_rank, w, w.reported_cause, event.status, exited=event.how, recorded=first
+        )
+
+    def _recorded_first(self, gen: int) -> FailedMember | None:
+        """The daemon's first loss of ``gen``; None where it cannot say (gone, moved on)."""
+        try:
+            job = self.client.get_job()
+        except RendezvousError:
+            return None
+        if job.summary.generation != gen or not job.failed:
+            return None
+        return failed_members(job.failed[:1])[0]
 
     def _exiting(self, succeeded: set[WorkerProcess]) -> bool:
         """Whether every worker of this node is done with the job: exited 0, or closed
@@ -1187,17 +1252,25 @@ class NodeAgent:
         status: int,
         *,
         exited: str | None = None,
+        recorded: FailedMember | None = None,
     ) -> Failure:
         """``cause``: any text (a worker's exception), reported whole and shown shortened;
         ``exited``: how the worker that reported ``cause`` then exited ("exit code 1"),
         which this node's own lines add before it, as the others add a rank and host:
         "exit code 1 (RuntimeError: ...)". Folded into the cause ("exit code 1 after
         RuntimeError: ...") and cut as one, it was worded and cut unlike the same
-        failure on every other surface (the daemon's log, the other nodes, status)."""
+        failure on every other surface (the daemon's log, the other nodes, status).
+        ``recorded``: another node's loss the daemon recorded first (this worker relayed
+        its report), named as the first in its place."""
         local = w.local_rank if w.local_rank is not None else 0
         rank = first_rank + local
         shown = shortened(cause) if exited is None else f"{exited} ({shortened(cause)})"
         said = f"worker rank {rank} (pid {w.pid}) failed first, with {shown}"
+        if recorded is not None:
+            said = (
+                f"worker rank {rank} (pid {w.pid}) failed, with {shown}, relaying the report "
+                f"of rank {w.reported_witness}; the daemon recorded {recorded.describe()} first"
+            )
         report = w.reported_cause is None or w in self._unreported
         return self._own_failure(
             gen, rank, local, cause, status, said, report, shown, witness=w.reported_witness

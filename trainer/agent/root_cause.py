@@ -17,12 +17,21 @@ import time
 from rendezvousd.client import RendezvousClient, TlsConfig
 from rendezvousd.client.errors import FailedMember, RendezvousError, failed_members
 from rendezvousd.common.escape import escape, shortened
+from rendezvousd.common.members import WITNESS_WINDOW_S
 
 # How long to wait for the daemon to record a loss the launcher already saw: a
 # SIGKILLed worker is reaped locally a moment before the daemon notices its
 # heartbeat stream closing.
 SETTLE_S = 1.0
 CALL_TIMEOUT_S = 1.0
+
+
+def settled(first: FailedMember) -> bool:
+    """Whether the daemon's first loss is its root cause for good: older than
+    ``WITNESS_WINDOW_S``, within which a relayed report's witness still takes its
+    place (asked at once, node 0's launcher named the relay 0.1 s before the witness's
+    report came). A loss of unknown age (recorded before a restart) is settled."""
+    return first.lost_at is None or time.time() - first.lost_at >= WITNESS_WINDOW_S
 
 
 def describe(lost: FailedMember, *, here: bool = False) -> str:
@@ -42,9 +51,10 @@ def lost_member(
     tls: TlsConfig | None = None,
 ) -> tuple[int, FailedMember] | None:
     """The first member the daemon recorded as lost in ``job_id``'s current
-    generation, and that generation; None if there is none within ``SETTLE_S`` or
-    the daemon cannot say (unreachable, unknown job, no token)."""
+    generation, once ``settled``, and that generation; None if there is none within
+    ``SETTLE_S`` or the daemon cannot say (unreachable, unknown job, no token)."""
     deadline = time.monotonic() + SETTLE_S
+    settle_by = deadline + WITNESS_WINDOW_S
     try:
         with RendezvousClient(
             endpoint,
@@ -61,9 +71,12 @@ def lost_member(
             client.check_health()
             while True:
                 job = client.get_job()
+                now = time.monotonic()
                 if job.failed:
-                    return job.summary.generation, failed_members(job.failed[:1])[0]
-                if time.monotonic() >= deadline:
+                    first = failed_members(job.failed[:1])[0]
+                    if settled(first) or now >= settle_by:
+                        return job.summary.generation, first
+                elif now >= deadline:
                     return None
                 time.sleep(0.05)  # poll interval while the daemon catches up
     except (RendezvousError, OSError, ValueError):
