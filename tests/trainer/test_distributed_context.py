@@ -94,11 +94,13 @@ class _Rendezvous:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
+        self.witnesses: list[int | None] = []
 
     def report_failure(
         self, local_rank: int, cause: str, timeout: float, witness_rank: int | None = None
     ) -> None:
         self.calls.append(("report_failure", cause))
+        self.witnesses.append(witness_rank)
 
     def raise_if_failed(self) -> None:
         self.calls.append(("raise_if_failed",))
@@ -119,3 +121,19 @@ def test_a_rank_whose_own_gpu_failed_reports_it_at_once() -> None:
     assert rdzv.calls[0][0] == "report_failure" and "GPU 0 is out of memory" in rdzv.calls[0][1]
     assert ("raise_if_failed",) not in rdzv.calls and rdzv.calls[-1] == ("close",)
     assert time.monotonic() - started < distributed.PEER_SETTLE_S
+
+
+def test_a_rank_relaying_a_neighbours_report_names_that_rank_as_data() -> None:
+    """A ring error heard from a neighbour's notice (``reported_by``) is reported with
+    that rank as ``witness_rank``: the daemon no longer reads "(reported by rank R)"
+    back out of the cause, so without it the witness's own report could not lead."""
+    from rendezvousd.trainer import distributed
+    from rendezvousd.trainer.errors import PeerConnectionError
+
+    relayed = PeerConnectionError("rank 3: lost rank 1 (reported by rank 2): reset")
+    relayed.reported_by = 2
+    seen = PeerConnectionError("rank 2: lost rank 1: reset")
+    for error, witness in ((relayed, 2), (seen, None)):
+        rdzv = _Rendezvous()
+        distributed._drop_out(rdzv, error, 1)  # type: ignore[arg-type]
+        assert rdzv.witnesses == [witness], (error, rdzv.calls)
