@@ -7,12 +7,15 @@ real daemon, with the two reports timed as a cut's relay race made them (h160)."
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support import ROOT, DaemonProcess, launcher_cmd
+from rendezvousd.client import NotFound, RendezvousClient
+from tests.support import ROOT, DaemonProcess, launcher_cmd, wait_for
 
 #: Ranks 2 and 3 (node 1) fail as a cut's witness and its relay do: the relay's report
 #: first (it raised 0.55 s sooner, and waits 0.5 s longer for word of a failure), then
@@ -43,12 +46,11 @@ except PeerConnectionError:
 """
 
 
-def test_the_agent_names_the_witness_the_daemon_recorded_not_its_relay(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
-) -> None:
-    d = start_daemon()
+def _launch(
+    d: DaemonProcess, job_id: str, tmp_path: Path, script_text: str
+) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
     script = tmp_path / "relay.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     errs = [tmp_path / f"node{n}.err" for n in range(2)]
     procs = []
     for n, err in enumerate(errs):
@@ -62,6 +64,14 @@ def test_the_agent_names_the_witness_the_daemon_recorded_not_its_relay(
                     cwd=ROOT,
                 )
             )
+    return procs, errs
+
+
+def test_the_agent_names_the_witness_the_daemon_recorded_not_its_relay(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    procs, errs = _launch(d, job_id, tmp_path, SCRIPT)
     try:
         codes = [p.wait(90) for p in procs]
     finally:
@@ -77,3 +87,45 @@ def test_the_agent_names_the_witness_the_daemon_recorded_not_its_relay(
     assert re.search(r"worker rank 2 \(pid \d+\) failed first", node1), node1
     assert not re.search(r"worker rank 3 \(pid \d+\) failed first", node1), node1
     assert "  1. generation 1: rank 2 on host " in node1, node1  # its summary too
+
+
+def test_a_node_whose_daemon_died_with_the_failure_names_its_own_workers_report(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """The daemon killed once the relay's report reached it, before the witness's (as
+    when it runs on the node that failed). Node 1's agent tried to pass the witness's
+    report on for the outage window (10 s: a restart may be on its way), then took
+    the heartbeat's verdict, "DaemonUnreachable ... no peer is known to have failed",
+    as the failure: its workers' "lost rank 1" was dropped. Its own workers' first
+    report is the cause it knows, the witness before its relay (the daemon's rule)."""
+    d = start_daemon()
+    procs, errs = _launch(
+        d, job_id, tmp_path, SCRIPT.replace("time.sleep(0.55)", "time.sleep(0.8)")
+    )
+    try:
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+
+            def reported() -> bool:
+                with contextlib.suppress(NotFound):  # before the first node's join
+                    return len(probe.get_job().failed) > 0
+                return False
+
+            wait_for("the relay's report", reported, timeout=60)
+        d.proc.kill()
+        killed = time.monotonic()
+        wait_for("node 1 to give up", lambda: "gave up after" in errs[1].read_text(), timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    node1 = errs[1].read_text()
+    # The report's outage window (10 s), and no more: the daemon is not asked again.
+    assert took < 20, (took, node1)
+    assert re.search(r"worker rank 2 \(pid \d+\) failed first", node1), node1
+    assert "could not report the failure to the daemon" in node1, node1
+    summary = node1[node1.index("gave up after") :]
+    assert "  1. generation 1: rank 2 on host " in summary, summary
+    assert "lost rank 1: its host answered nothing" in summary, summary
+    assert "DaemonUnreachable" not in summary, summary

@@ -77,6 +77,7 @@ from rendezvousd.trainer.agent.recovery import (
     room_wait,
     stray,
 )
+from rendezvousd.trainer.agent.root_cause import CALL_TIMEOUT_S
 from rendezvousd.trainer.agent.state_copy import StateCopy
 from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.agent.warm_workers import (
@@ -1021,11 +1022,14 @@ class NodeAgent:
         w = event.worker
         rank = first_rank + (w.local_rank or 0)
         recorded = self._recorded_first(gen)
-        if recorded is not None and recorded.rank != rank:
+        # Where the daemon cannot be asked (down with the lost node), its rule: the
+        # witness's report within the window takes the relay's place.
+        named = recorded.rank if recorded is not None else w.reported_witness
+        if named != rank:
             for other in self.active:
                 if (
                     other.local_rank is not None
-                    and first_rank + other.local_rank == recorded.rank
+                    and first_rank + other.local_rank == named
                     and other.reported_cause is not None
                 ):
                     return self._local_failure(gen, first_rank, other, other.reported_cause, 1)
@@ -1036,10 +1040,25 @@ class NodeAgent:
         )
 
     def _recorded_first(self, gen: int) -> FailedMember | None:
-        """The daemon's first loss of ``gen``; None where it cannot say (gone, moved on)."""
+        """The daemon's first loss of ``gen``; None where it cannot say (gone, moved on).
+        Asked by a client of its own, bounded (``root_cause.CALL_TIMEOUT_S``): through
+        the node's, a daemon down with the lost node (rank 0's node hosting it) held
+        this failure's words 28 s, its call's retries in the outage."""
+        transport = self.config.rendezvous
+        if transport.endpoint is None:
+            return None
         try:
-            job = self.client.get_job()
-        except RendezvousError:
+            with RendezvousClient(
+                transport.endpoint,
+                self.config.job_id,
+                token=self.client.current_token() or self._token,
+                tls=transport.tls(),
+                retry_attempts=0,
+                call_timeout=CALL_TIMEOUT_S,
+                connect_timeout=CALL_TIMEOUT_S,
+            ) as probe:
+                job = probe.get_job()
+        except (RendezvousError, OSError, ValueError):
             return None
         if job.summary.generation != gen or not job.failed:
             return None
@@ -1076,6 +1095,12 @@ class NodeAgent:
         the whole list, so a verdict can come back before that worker exits. It is then
         this node's failure as its worker reported it, not the daemon's loss of the node."""
         error = event.error
+        if isinstance(error, DaemonUnavailable):
+            # The daemon cannot say (down with the node that failed, as when it runs on
+            # rank 0's node): this node's own reported failure is the cause it knows.
+            # It was worded "DaemonUnreachable ... no peer is known to have failed",
+            # the worker's "lost rank 1" dropped, once the report's 10 s had passed.
+            return self._first_own_report(first_rank)
         if not isinstance(error, PeerFailed) or not error.failed:
             return None
         first = error.failed[0].rank
@@ -1088,6 +1113,14 @@ class NodeAgent:
             ):
                 return w
         return None
+
+    def _first_own_report(self, first_rank: int) -> WorkerProcess | None:
+        """This node's worker whose report came first, by the daemon's rule: a relay's
+        witness among them takes its place (``rounds._witness_first``)."""
+        reported = [w for w in self.active if w.local_rank is not None and w.reported_cause]
+        ranks = {first_rank + (w.local_rank or 0) for w in reported}
+        own = [w for w in reported if w.reported_witness not in ranks]
+        return min(own or reported, key=lambda w: w.last_progress, default=None)
 
     def _ours(self, gen: int, error: PeerFailed) -> bool:
         """Whether the first member the daemon lost in ``gen`` is one of this node's
