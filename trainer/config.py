@@ -418,6 +418,13 @@ class DistributedConfig:
     collective_timeout_s: float = setting(
         300.0, "a hung peer fails the step instead of hanging the job", _WAIT
     )
+    slow_peer_warn_s: float = setting(
+        30.0,
+        "cpu backend: a collective that has waited this long on one peer logs which rank "
+        "and host it waits on, and again each time the wait doubles (the wait itself "
+        "still ends at collective_timeout_s)",
+        _WAIT,
+    )
     check_collectives: bool = setting(
         False,
         "nccl backend: compare every all-reduce's size, type and op across ranks first "

@@ -45,7 +45,7 @@ from rendezvousd.trainer.agent._agent_boot import ENV_SPARE_GPU
 from rendezvousd.trainer.agent._trace import mark
 from rendezvousd.trainer.agent.agent_worker import AgentLink
 from rendezvousd.trainer.agent.state_copy import StepState
-from rendezvousd.trainer.comm import devices
+from rendezvousd.trainer.comm import devices, peer_wait
 from rendezvousd.trainer.comm.communicator import Communicator
 from rendezvousd.trainer.config import CONFIG_ENV, DistributedConfig, RingAddress, load_config
 from rendezvousd.trainer.errors import (
@@ -114,6 +114,7 @@ class DistributedContext:
         """Hand the state after ``step`` to the node agent (kept in its memory, so a
         restart loses at most one step) and mark progress; no-op without an agent.
         ``AgentChannelError`` when the agent reads none of it for 30 s (it is stuck)."""
+        peer_wait.mark_step(step)
         if self.agent is None:
             return
         self.agent.save_state(step, {k: devices.to_host(v) for k, v in arrays.items()}, meta or {})
@@ -129,7 +130,9 @@ class DistributedContext:
 
     def progress(self, step: int) -> None:
         """Tell the node agent this worker is not hung (no-op without an agent);
-        ``AgentChannelError`` when the agent reads none of it for 30 s (it is stuck)."""
+        ``AgentChannelError`` when the agent reads none of it for 30 s (it is stuck);
+        a slow peer's wait note names the step."""
+        peer_wait.mark_step(step)
         if self.agent is not None:
             self.agent.progress(step)
 
@@ -599,7 +602,9 @@ def _bring_up(
             # An NCCL init hang tells the daemon (watchdog) where this worker joined.
             on_hang = functools.partial(_fail_generation, rdzv, m) if rejoin else None
             first = first_setup and attempt == 0
-            communicator = _communicator(config, rdzv, place(m), m.unique_id, ring, on_hang, first)
+            communicator = _communicator(
+                config, rdzv, place(m), m.unique_id, ring, on_hang, first, m.generation
+            )
         except TRANSIENT as exc:
             if rejoin is None or isinstance(exc, PeerVersionMismatch):
                 raise  # (a fresh generation meets the same peer of another version)
@@ -674,8 +679,10 @@ def _communicator(
     ring: RingAddress,
     on_setup_timeout: Callable[[str], None] | None,
     first_setup: bool = False,
+    generation: int | None = None,
 ) -> Communicator:
-    """The configured backend's communicator for this worker's place in the world."""
+    """The configured backend's communicator for this worker's place in the world;
+    ``generation``, the one it runs in, is said in a slow peer's wait note."""
     if config.backend == "nccl":
         from rendezvousd.trainer.comm.nccl import NcclCommunicator
 
@@ -707,6 +714,8 @@ def _communicator(
         nodes=topology.num_nodes,
         origin=ring.origin,
         first_setup=first_setup,
+        slow_peer_warn_s=config.slow_peer_warn_s,
+        context=f"generation {generation}" if generation is not None else "",
     )
 
 

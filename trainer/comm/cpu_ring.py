@@ -47,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rendezvousd.common.address import AddressError, parse_host_port
-from rendezvousd.trainer.comm import peer_auth, shm_group
+from rendezvousd.trainer.comm import peer_auth, peer_wait, shm_group
 from rendezvousd.trainer.comm import ring_wire as wire
 from rendezvousd.trainer.comm.communicator import RankedCommunicator, ReduceOp
 from rendezvousd.trainer.comm.cpu_transport import local_claim, shared_memory_plan
@@ -96,7 +96,9 @@ class CpuRingCommunicator(RankedCommunicator):
     ``secret`` is the job's per-generation id; it authenticates every connection and
     never appears in messages. ``timeout`` bounds setup and any wait without progress.
 
-    ``chunk_bytes`` caps the pipelining chunk.
+    ``chunk_bytes`` caps the pipelining chunk. A receive that has waited
+    ``slow_peer_warn_s`` on one peer is logged, naming the peer (``peer_wait``), in
+    words that name ``context`` (``generation 3``) where given.
     """
 
     backend: Final = "cpu"
@@ -116,6 +118,8 @@ class CpuRingCommunicator(RankedCommunicator):
         setup_timeout: float | None = None,
         origins: Mapping[int, str] | None = None,
         first_setup: bool = False,
+        slow_peer_warn_s: float = peer_wait.DEFAULT_WARN_S,
+        context: str = "",
     ) -> None:
         """``origins``: where each peer's address came from, in words (``RingAddress``),
         said when it cannot be reached; ``first_setup``: no ring of this run formed
@@ -128,6 +132,10 @@ class CpuRingCommunicator(RankedCommunicator):
             addresses = dict(enumerate(addresses))
         needed = {(rank + 1) % world_size} | ({rank} if isinstance(listener, str) else set())
         _validate(needed, addresses, secret, timeout, chunk_bytes)
+        if not isinstance(slow_peer_warn_s, int | float) or not slow_peer_warn_s > 0:
+            raise ConfigError(
+                f"slow_peer_warn_s must be a positive number of seconds, got {slow_peer_warn_s!r}"
+            )
         # Connecting may wait for peers still starting; a collective may not wait that long.
         setup = timeout if setup_timeout is None else setup_timeout
         self._left_rank = (rank - 1) % world_size
@@ -146,6 +154,7 @@ class CpuRingCommunicator(RankedCommunicator):
         self._header = bytearray(wire.FRAME.size)
         self._scratch = np.empty(chunk_bytes, np.uint8)
         self._shm: shm_group.ShmGroup | None = None
+        self._waits = peer_wait.PeerWaits(rank, slow_peer_warn_s, timeout, context)
         if isinstance(listener, str):
             listener = wire.create_listener(listener, addresses[rank][1])
         try:
@@ -167,6 +176,9 @@ class CpuRingCommunicator(RankedCommunicator):
                 # timeout for a peer (a differential review).
                 for sock in (self._left, self._right):
                     wire.set_io_timeout(sock, timeout)
+                for peer, sock in ((self._left_rank, self._left), (self._right_rank, self._right)):
+                    with contextlib.suppress(OSError):
+                        self._waits.hosts[peer] = f"host {sock.getpeername()[0]}"
         finally:
             listener.close()
         if self._right is not None:
@@ -184,12 +196,15 @@ class CpuRingCommunicator(RankedCommunicator):
                     timeout,
                     shared_memory.slot_bytes,
                     setup_timeout=setup,
+                    waits=self._waits,
                 )
             except BaseException:
                 self.close()
                 raise
             finally:
                 shared_memory.listener.close()  # the group's own: done with once it formed
+        if world_size > 1:
+            self._waits.start()
 
     @property
     def transport(self) -> str:
@@ -274,6 +289,7 @@ class CpuRingCommunicator(RankedCommunicator):
             self._closed = True
         closed = CommunicatorError(f"rank {self.rank}: communicator is closed")
         self._record(wire.LinkError(self.rank, wire.ABORTED, wire.CLOSED), closed)
+        self._waits.stop()
         if self._sender is not None:
             # The sender forwards the failure notice downstream first, so survivors past
             # the neighbour still learn which rank failed; a stuck peer costs one grace.
@@ -323,6 +339,9 @@ class CpuRingCommunicator(RankedCommunicator):
                 self._record(wire.LinkError(self.rank, wire.INTERRUPTED, detail))
                 self._reset_left()
                 raise
+            finally:
+                # After the failure is recorded: the watcher then says no "heard again".
+                self._waits.current = None
 
     def _raise_if_unusable(self) -> None:
         with self._state_lock:
@@ -345,6 +364,7 @@ class CpuRingCommunicator(RankedCommunicator):
             if self._failure is not None:
                 return
             self._failure = error or self._public_error(link)
+            self._waits.broken = True
             reporter = self.rank if link.via is None else link.via
             notice = wire.fail_frame(link.origin, link.code, link.detail, reporter)
             with contextlib.suppress(OSError):
@@ -455,7 +475,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 received += 1
                 if s < n - 2:
                     send(a, b)
-        self._finish(seq, received=True, sent=True)
+        self._finish(expect, received=True, sent=True)
 
     def _average(self, segment: Array) -> None:
         _divide(segment, self.world_size)
@@ -472,7 +492,7 @@ class CpuRingCommunicator(RankedCommunicator):
                 self._recv_data(expect, index, raw[a:b])
             if sends:
                 self._post(expect, index, raw[a:b])
-        self._finish(seq, received=receives, sent=sends)
+        self._finish(expect, received=receives, sent=sends)
 
     def _post(self, expect: tuple[int, ...], index: int, view: memoryview) -> None:
         assert self._sender is not None
@@ -481,6 +501,10 @@ class CpuRingCommunicator(RankedCommunicator):
 
     def _recv_data(self, expect: tuple[int, ...], index: int, dest: memoryview) -> None:
         assert self._left is not None
+        # What this receive waits for, for the watcher (``peer_wait``): a stamp, not a
+        # shorter kernel timeout or a poll, so a healthy receive pays ~0.1 us for it.
+        waits = self._waits
+        waits.current = (time.monotonic(), self._left_rank, expect, peer_wait.DATA)
         wire.recv_exact(self._left, memoryview(self._header), self._left_rank)
         got = wire.FRAME.unpack(self._header)
         if got[0] == wire.FAIL:
@@ -491,9 +515,11 @@ class CpuRingCommunicator(RankedCommunicator):
             raise wire.LinkError(self._left_rank, wire.MISMATCH, detail)
         if len(dest):
             wire.recv_exact(self._left, dest, self._left_rank)
+        waits.current = None
 
-    def _finish(self, seq: int, *, received: bool, sent: bool) -> None:
+    def _finish(self, expect: tuple[int, ...], *, received: bool, sent: bool) -> None:
         """Acknowledge upstream, then wait until downstream has everything we sent."""
+        seq = expect[3]
         if received:
             assert self._left is not None
             ack = wire.FRAME.pack(wire.ACK, 0, 0, 0, seq, 0, self.rank, 0, 0)
@@ -504,7 +530,9 @@ class CpuRingCommunicator(RankedCommunicator):
                 raise wire.LinkError(self._left_rank, wire.LOST, detail) from exc
         if sent:
             assert self._right is not None
+            self._waits.current = (time.monotonic(), self._right_rank, expect, peer_wait.ACK)
             wire.recv_exact(self._right, memoryview(self._header), self._right_rank)
+            self._waits.current = None
             got = wire.FRAME.unpack(self._header)
             if got[0] == wire.FAIL:
                 raise wire.read_failure(self._right, got, self._right_rank)
@@ -531,6 +559,8 @@ def connect_cpu_ring(
     nodes: int | None = None,
     origin: str = "",
     first_setup: bool = False,
+    slow_peer_warn_s: float = peer_wait.DEFAULT_WARN_S,
+    context: str = "",
 ) -> CpuRingCommunicator:
     """Bind on ``host``, exchange addresses through ``store``, and build the ring.
 
@@ -543,6 +573,7 @@ def connect_cpu_ring(
     ``setup_timeout`` (default ``timeout``) bounds the whole setup; ``timeout`` then
     bounds each collective. The store's own errors pass through unchanged, but a
     setup that runs out of time names the peer it was waiting for.
+    ``slow_peer_warn_s`` and ``context``: as ``CpuRingCommunicator``'s.
     """
     setup = timeout if setup_timeout is None else setup_timeout
     deadline = time.monotonic() + setup
@@ -606,6 +637,8 @@ def connect_cpu_ring(
         setup_timeout=max(0.001, deadline - time.monotonic()),
         origins=origins,
         first_setup=first_setup,
+        slow_peer_warn_s=slow_peer_warn_s,
+        context=context,
     )
 
 

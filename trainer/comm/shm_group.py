@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rendezvousd.trainer.comm import futex, peer_auth
+from rendezvousd.trainer.comm import futex, peer_auth, peer_wait
 from rendezvousd.trainer.comm import ring_wire as wire
 from rendezvousd.trainer.errors import CommunicatorTimeout, ConfigError, PeerConnectionError
 
@@ -171,9 +171,11 @@ class ShmGroup:
         timeout: float,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         setup_timeout: float | None = None,
+        waits: peer_wait.PeerWaits | None = None,
     ) -> None:
         """``timeout``: each collective's wait for a peer; ``setup_timeout``: the group's
-        forming (default ``timeout``), which may wait for peers still starting."""
+        forming (default ``timeout``), which may wait for peers still starting;
+        ``waits``: the communicator's watcher, told of a wait that goes to sleep."""
         reason = unsupported_reason()
         if reason is not None:
             listener.close()
@@ -190,6 +192,8 @@ class ShmGroup:
         self._send_lock = threading.Lock()
         self._stopped = False
         self._announced = [0] * 6  # this rank's collective descriptor (``announce``)
+        self._expect: tuple[int, ...] = (0, 0, 0, 0, 0)  # the same, as ``announce`` got it
+        self._waits = waits
         self._raw: list[Array] = []
         self._words: list[Array] = []
         self._addresses: list[int] = []
@@ -213,9 +217,15 @@ class ShmGroup:
         # After setup the sockets carry nothing but FAIL notices, so any readable or
         # hung-up socket means that peer stopped.
         self._poller = select.poll()
-        for sock in self._peers.values():
+        for index, sock in self._peers.items():
             wire.set_io_timeout(sock, timeout)
             self._poller.register(sock, select.POLLIN | select.POLLHUP)
+            if waits is not None:
+                with contextlib.suppress(OSError):
+                    pid = _UCRED.unpack(
+                        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+                    )[0]
+                    waits.hosts[self._members[index]] = f"pid {pid} on this host"
 
     # -- setup --------------------------------------------------------------------------
 
@@ -355,6 +365,7 @@ class ShmGroup:
         words[_DESCRIPTOR] = [*want[:3], words[_SEQUENCE], *want[4:]]
         words[_SEQUENCE] = want[3]
         self._announced = want
+        self._expect = expect
         futex.wake(self._addresses[self._index])
 
     def _views(
@@ -409,6 +420,20 @@ class ShmGroup:
             self._await(index, target)
 
     def _await(self, index: int, target: int) -> None:
+        current = int(self._words[index][_PROGRESS])
+        if (current - target) & _MASK < 1 << 31:
+            return  # the fast path: no stamp, no clock
+        waits = self._waits
+        if waits is None:
+            self._sleep_until(index, target)
+            return
+        waits.current = (time.monotonic(), self._members[index], self._expect, peer_wait.SHARED)
+        self._sleep_until(index, target)
+        # Not on a failure: the communicator clears it once the failure is recorded,
+        # so that the watcher does not say the peer was heard again.
+        waits.current = None
+
+    def _sleep_until(self, index: int, target: int) -> None:
         words = self._words[index]
         deadline = 0.0
         while True:

@@ -1,0 +1,121 @@
+"""A rank stuck waiting on a slow peer says so (gray failures): two real worker
+processes under ``init_distributed`` and a real daemon; one is stopped (SIGSTOP), as a
+throttled or frozen node is, alive to the kernel and the daemon but sending nothing.
+Its peer names it, with its host, while it waits, and the job goes on once it is let go.
+The worker is ``tests/workers/slow_peer_worker.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import WORKERS, DaemonProcess, rest_of_stdout, wait_for
+
+WORKER = str(WORKERS / "slow_peer_worker.py")
+
+
+def _env(d: DaemonProcess, job: str, local: int, shared_memory: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RENDEZVOUSD_", "GRPC_"))}
+    return {
+        **env,
+        "RENDEZVOUSD_ENDPOINT": d.endpoint,
+        "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
+        "RENDEZVOUSD_JOB_ID": job,
+        "RENDEZVOUSD_NUM_NODES": "1",
+        "RENDEZVOUSD_GPUS_PER_NODE": "2",
+        "RENDEZVOUSD_NODE_RANK": "0",
+        "RENDEZVOUSD_LOCAL_RANK": str(local),
+        "RENDEZVOUSD_BACKEND": "cpu",
+        "RENDEZVOUSD_CPU_SHARED_MEMORY": str(shared_memory).lower(),
+        "RENDEZVOUSD_SLOW_PEER_WARN_S": "0.5",
+        # Far above the stop: the wait must end by the peer going on, not by a timeout.
+        "RENDEZVOUSD_COLLECTIVE_TIMEOUT_S": "60",
+        "RENDEZVOUSD_JOIN_TIMEOUT_S": "60",
+    }
+
+
+def _ready(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{") and (event := json.loads(line))["event"] == "ready":
+            return dict(event)
+    raise AssertionError(f"the worker ended before its first step (exit {proc.wait(10)})")
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["tcp-ring", "shared-memory"])
+def test_a_rank_waiting_on_a_stopped_peer_names_it_and_goes_on_when_it_resumes(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, shared_memory: bool
+) -> None:
+    # Beats far apart from the stop: the daemon must not call the stopped rank lost.
+    d = start_daemon("--heartbeat-timeout-s", "60")
+    stop_file = tmp_path / "stop"
+    logs = [tmp_path / f"rank{local}.err" for local in (0, 1)]
+    procs = []
+    for local, log in enumerate(logs):
+        with log.open("w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, WORKER, str(stop_file)],
+                    env=_env(d, job_id, local, shared_memory),
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+            )
+    try:
+        ready = {(e := _ready(p))["rank"]: e for p in procs}
+        stopped = ready[1]
+        transport = "shared-memory" if shared_memory else "tcp-ring"
+        assert ready[0]["transport"] == transport, ready
+        os.kill(stopped["pid"], signal.SIGSTOP)
+        try:
+            peer = rf"pid {stopped['pid']} on this host" if shared_memory else r"host 127\.0\.0\.1"
+            said = re.compile(
+                r"rank 0: (all_reduce|barrier|broadcast) #\d+ .*of generation \d+, after step "
+                rf"\d+ has waited ([\d.]+) s for .*rank 1 \({peer}\).*: rank 1 is stopped, "
+                r"throttled or far behind.*collective_timeout_s"
+            )
+
+            def waits() -> list[float]:
+                return [float(m[2]) for m in said.finditer(logs[0].read_text())]
+
+            # Said once the wait passed 0.5 s, then again as it doubles (1 s, 2 s).
+            wait_for("rank 0's second line naming the stopped rank 1", lambda: len(waits()) >= 2)
+        finally:
+            os.kill(stopped["pid"], signal.SIGCONT)
+        first, second = waits()[:2]
+        assert 0.5 <= first < second, waits()
+        assert second >= 1.0, waits()
+        wait_for(
+            "rank 0's line that rank 1 was heard again",
+            lambda: (
+                re.search(r"rank 0: .* heard from rank 1 .* again", logs[0].read_text()) is not None
+            ),
+        )
+        stop_file.touch()
+        outs = [rest_of_stdout(p, 60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    done = [
+        json.loads(line)
+        for out in outs
+        for line in out.splitlines()
+        if line.startswith("{") and json.loads(line)["event"] == "done"
+    ]
+    assert sorted(e["rank"] for e in done) == [0, 1], (outs, [log.read_text() for log in logs])
+    assert len({e["steps"] for e in done}) == 1, done
+    assert [p.returncode for p in procs] == [0, 0], [log.read_text() for log in logs]
+    # The stopped rank waited on nobody: only its peer says it waited.
+    assert "has waited" not in logs[1].read_text()
