@@ -186,6 +186,39 @@ def test_a_cut_between_two_nodes_that_still_reach_the_daemon_is_reported_in_seco
     assert all(code != 0 for code in cluster.wait(nodes, 30))
 
 
+def test_a_rank_waiting_across_a_cut_names_the_peer_and_its_host_before_the_cut_is_found(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """A cut that drops the data between two nodes that both still reach the daemon
+    (a gray failure to the daemon: both beat on): the ranks waiting across it say which
+    peer, on which host, before the link's silence ends the collective, and the cut's
+    own words and timing stay as they were (the note changes no wait)."""
+    cluster = make_cluster(2, *DAEMON)
+    nodes = cluster.launch(
+        2,
+        2,
+        job="cut-said",
+        launcher_args=LAUNCHER,
+        example_args=LONG_RUN,
+        env={"RENDEZVOUSD_SLOW_PEER_WARN_S": "2"},
+    )
+    wait_for("rank 0's first steps", lambda: nodes[0].first("step 11/") is not None, 60)
+    cut_at = time.time()
+    cluster.hosts.partition(nodes[0].host, nodes[1].host)
+    within = LINK_SILENCE_S + PEER_SETTLE_S + HEARSAY_DELAY_S + 2.0
+    _reported(nodes, "PeerFailed", cut_at, within, "answered nothing")
+    # The ring 0 -> 1 -> 2 -> 3 -> 0: rank 0 (h1) takes rank 3's data (h2), rank 2 rank 1's.
+    for node, waiter, peer, there in ((nodes[0], 0, 3, nodes[1]), (nodes[1], 2, 1, nodes[0])):
+        said = re.compile(
+            rf"rank {waiter}: all_reduce #\d+ .*of generation 1.* has waited [\d.]+ s for data "
+            rf"from rank {peer} \(host {re.escape(there.host.address)}\): rank {peer} is "
+            "stopped, throttled or far behind, or the network drops its data"
+        )
+        assert said.search(node.text()), node.text()[-3000:]
+        assert "again after waiting" not in node.text()  # the wait ended in the cut
+    assert all(code != 0 for code in cluster.wait(nodes, 30))
+
+
 def test_a_cut_between_two_nccl_nodes_is_reported_by_their_agents_links(
     make_cluster: Callable[..., Cluster],
 ) -> None:
