@@ -778,6 +778,8 @@ def test_constructor_validates_configuration() -> None:
             CpuRingCommunicator(0, 1, socks[0], addrs, b"short", 1.0)
         with pytest.raises(errs.ConfigError, match="timeout"):
             CpuRingCommunicator(0, 1, socks[0], addrs, SECRET, 0.0)
+        with pytest.raises(errs.ConfigError, match="slow_peer_warn_s must be a positive"):
+            CpuRingCommunicator(0, 1, socks[0], addrs, SECRET, 1.0, slow_peer_warn_s=0.0)
         with pytest.raises(errs.ConfigError, match="addresses"):
             CpuRingCommunicator(0, 2, socks[0], addrs, SECRET, 1.0)
         # By rank, the right neighbour's address is the one a listening rank needs.

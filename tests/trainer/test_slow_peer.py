@@ -93,8 +93,8 @@ def test_a_rank_waiting_on_a_stopped_peer_names_it_and_goes_on_when_it_resumes(
         finally:
             os.kill(stopped["pid"], signal.SIGCONT)
         first, second = waits()[:2]
-        assert 0.5 <= first < second, waits()
-        assert second >= 1.0, waits()
+        assert first >= 0.5, waits()
+        assert second >= 1.0, waits()  # again once the wait doubled
         wait_for(
             "rank 0's line that rank 1 was heard again",
             lambda: (

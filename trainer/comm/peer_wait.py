@@ -93,7 +93,10 @@ class PeerWaits:
         due = self._warn_s
         # When this process last ran again after not running at all (its own SIGSTOP,
         # a frozen VM): its waits count from then. A stopped rank let go blamed its
-        # healthy peer for the time it was itself stopped.
+        # healthy peer for the time it was itself stopped. Told from a wake-up late by
+        # half the threshold, far more than a loaded machine delays a thread (a late
+        # wake-up only delays the note).
+        frozen = max(idle, self._warn_s / 2)
         thawed = 0.0
         while not self._stop.is_set():
             stamp = self.current
@@ -116,7 +119,7 @@ class PeerWaits:
                     said_for = waited
                 sleep = min(idle, max(0.01, since + due - now))
             self._stop.wait(sleep)
-            if time.monotonic() - (now + sleep) > idle:
+            if time.monotonic() - (now + sleep) > frozen:
                 thawed = time.monotonic()
 
     def _peer(self, peer: int) -> str:
