@@ -23,7 +23,9 @@ from tests.support import WORKERS, DaemonProcess, rest_of_stdout, wait_for
 WORKER = str(WORKERS / "slow_peer_worker.py")
 
 
-def _env(d: DaemonProcess, job: str, local: int, shared_memory: bool) -> dict[str, str]:
+def _env(
+    d: DaemonProcess, job: str, local: int, shared_memory: bool, world: int = 2
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RENDEZVOUSD_", "GRPC_"))}
     return {
         **env,
@@ -31,7 +33,7 @@ def _env(d: DaemonProcess, job: str, local: int, shared_memory: bool) -> dict[st
         "RENDEZVOUSD_TOKEN_FILE": str(d.token_file),
         "RENDEZVOUSD_JOB_ID": job,
         "RENDEZVOUSD_NUM_NODES": "1",
-        "RENDEZVOUSD_GPUS_PER_NODE": "2",
+        "RENDEZVOUSD_GPUS_PER_NODE": str(world),
         "RENDEZVOUSD_NODE_RANK": "0",
         "RENDEZVOUSD_LOCAL_RANK": str(local),
         "RENDEZVOUSD_BACKEND": "cpu",
@@ -41,6 +43,10 @@ def _env(d: DaemonProcess, job: str, local: int, shared_memory: bool) -> dict[st
         "RENDEZVOUSD_COLLECTIVE_TIMEOUT_S": "60",
         "RENDEZVOUSD_JOIN_TIMEOUT_S": "60",
     }
+
+
+def _says(log: Path, line: re.Pattern[str]) -> Callable[[], bool]:
+    return lambda: line.search(log.read_text()) is not None
 
 
 def _ready(proc: subprocess.Popen[str]) -> dict[str, Any]:
@@ -118,4 +124,51 @@ def test_a_rank_waiting_on_a_stopped_peer_names_it_and_goes_on_when_it_resumes(
     assert len({e["steps"] for e in done}) == 1, done
     assert [p.returncode for p in procs] == [0, 0], [log.read_text() for log in logs]
     # The stopped rank waited on nobody: only its peer says it waited.
+    assert "has waited" not in logs[1].read_text()
+
+
+def test_in_a_ring_of_three_the_stopped_rank_is_the_one_named_that_says_no_wait(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """Ranks downstream of a stalled rank wait too, each on its own left neighbour
+    (rank 2 on the stopped rank 1, rank 0 on rank 2 or on rank 1's acknowledgement):
+    the stopped rank is the one named that says no wait itself (docs/trainer.md)."""
+    d = start_daemon("--heartbeat-timeout-s", "60")
+    stop_file = tmp_path / "stop"
+    logs = [tmp_path / f"rank{local}.err" for local in range(3)]
+    procs = []
+    for local, log in enumerate(logs):
+        with log.open("w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, WORKER, str(stop_file)],
+                    env=_env(d, job_id, local, False, world=3),
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+            )
+    try:
+        ready = {(e := _ready(p))["rank"]: e for p in procs}
+        os.kill(ready[1]["pid"], signal.SIGSTOP)
+        try:
+            for rank, left in ((2, 1), (0, 2)):
+                said = re.compile(
+                    rf"rank {rank}: all_reduce #\d+ .* has waited [\d.]+ s for .*rank "
+                    rf"({left}|1) \(host 127\.0\.0\.1\)"
+                )
+                wait_for(f"rank {rank}'s line naming the rank it waits on", _says(logs[rank], said))
+        finally:
+            os.kill(ready[1]["pid"], signal.SIGCONT)
+        waited_on_1 = re.search(r"rank 2: .* for data from rank 1 ", logs[2].read_text())
+        assert waited_on_1 is not None, logs[2].read_text()
+        stop_file.touch()
+        for p in procs:
+            rest_of_stdout(p, 60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    assert [p.returncode for p in procs] == [0, 0, 0], [log.read_text() for log in logs]
     assert "has waited" not in logs[1].read_text()
