@@ -420,25 +420,16 @@ class ShmGroup:
             self._await(index, target)
 
     def _await(self, index: int, target: int) -> None:
-        current = int(self._words[index][_PROGRESS])
-        if (current - target) & _MASK < 1 << 31:
-            return  # the fast path: no stamp, no clock
-        waits = self._waits
-        if waits is None:
-            self._sleep_until(index, target)
-            return
-        waits.current = (time.monotonic(), self._members[index], self._expect, peer_wait.SHARED)
-        self._sleep_until(index, target)
-        # Not on a failure: the communicator clears it once the failure is recorded,
-        # so that the watcher does not say the peer was heard again.
-        waits.current = None
-
-    def _sleep_until(self, index: int, target: int) -> None:
         words = self._words[index]
         deadline = 0.0
+        waits = None
         while True:
             current = int(words[_PROGRESS])
             if (current - target) & _MASK < 1 << 31:  # current >= target, modulo 2**32
+                if waits is not None:
+                    # Not on a failure: the communicator clears it once the failure is
+                    # recorded, so that the watcher does not say the peer was heard again.
+                    waits.current = None
                 return
             if self._stopped:
                 # This rank's own abort; the communicator reports the failure it recorded.
@@ -450,6 +441,10 @@ class ShmGroup:
             now = time.monotonic()
             if not deadline:
                 deadline = now + self._timeout
+                # A wait that sleeps, told to the watcher (``peer_wait``) with the clock
+                # read it takes anyway; one that finds the peer ready pays nothing.
+                if (waits := self._waits) is not None:
+                    waits.current = (now, self._members[index], self._expect, peer_wait.SHARED)
             elif now >= deadline:
                 peer = self._members[index]
                 raise wire.LinkError(peer, wire.TIMEOUT, "no progress within the timeout")
