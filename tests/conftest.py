@@ -113,7 +113,9 @@ def torch_python() -> str:
 
 @pytest.fixture
 def torchrun(torch_python: str, tmp_path: Path) -> Iterator[Callable[..., Torchrun]]:
-    """``torchrun(d, job, nnodes, *worker_args, conf=..., prefix=...)`` starts one agent."""
+    """``torchrun(d, job, nnodes, *worker_args, conf=..., prefix=...)`` starts one agent;
+    its workers run ``script``: torch_worker.py, or ENV_WORKER where the test asserts the
+    rendezvous and not what torch trains (support.ENV_WORKER says when)."""
     started: list[Torchrun] = []
 
     def start(
@@ -127,6 +129,7 @@ def torchrun(torch_python: str, tmp_path: Path) -> Iterator[Callable[..., Torchr
         endpoint: str | None = None,
         prefix: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        script: Path = TORCH_WORKER,
     ) -> Torchrun:
         n = len(started)
         log, out = tmp_path / f"torchrun-{n}.err", tmp_path / f"torchrun-{n}.out"
@@ -155,7 +158,7 @@ def torchrun(torch_python: str, tmp_path: Path) -> Iterator[Callable[..., Torchr
             # in /tmp without it: thousands of torchelastic_* left behind by the suite.
             "--log-dir",
             str(tmp_path / "torchelastic"),
-            str(TORCH_WORKER),
+            str(script),
             *worker_args,
         ]
         with log.open("w") as err, out.open("w") as stdout:

@@ -665,6 +665,9 @@ def descendants(pid: int) -> list[int]:
 #: The torch venv's python (scripts/torch_venv.sh; scripts/test.sh sets it).
 TORCH_PYTHON_ENV = "RENDEZVOUSD_TEST_TORCH_PYTHON"
 TORCH_WORKER = WORKERS / "torch_worker.py"
+#: torch_worker.py's arguments and step lines without torch (no collective): for tests
+#: of the rendezvous whose workers hang where a collective with a lost peer would.
+ENV_WORKER = WORKERS / "env_worker.py"
 
 
 @dataclass
@@ -703,6 +706,7 @@ def three_nodes_stuck_at_step_two(
     log: Path,
     prefixes: Sequence[Sequence[str]] = ((), (), ()),
     env: Mapping[str, str] | None = None,
+    script: Path = TORCH_WORKER,
 ) -> list[Torchrun]:
     """Three torchrun agents (--nnodes 2:3, 2 workers each, --max-restarts 1) whose
     6-rank world hangs after step 2, as if stuck in a collective: only their agents
@@ -710,7 +714,10 @@ def three_nodes_stuck_at_step_two(
     with none left stops when a peer is lost, rather than re-form (an agent whose
     workers hang never spends it: ``survivors_trained_on``)."""
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    agents = [torchrun(d, job, "2:3", *worker, max_restarts=1, prefix=p, env=env) for p in prefixes]
+    agents = [
+        torchrun(d, job, "2:3", *worker, max_restarts=1, prefix=p, env=env, script=script)
+        for p in prefixes
+    ]
     wait_for(
         "all 6 ranks at step 2",
         lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,

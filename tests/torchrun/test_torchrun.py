@@ -21,6 +21,7 @@ import pytest
 from rendezvousd.client import RendezvousClient
 from rendezvousd.trainer.torchrun.store_port import ephemeral_range
 from tests.support import (
+    ENV_WORKER,
     WORKERS,
     ClosedDoor,
     DaemonProcess,
@@ -160,11 +161,22 @@ def _two_nodes_at_step_two(
 ) -> list[Torchrun]:
     """Two agents of one worker each, whose 2-rank worlds hang after step 2, as if stuck
     in a collective with a dead peer: only the daemon's push can move them. A
-    join_timeout of 60 s: a survivor waiting for a replacement shows as one."""
+    join_timeout of 60 s: a survivor waiting for a replacement shows as one. Workers
+    without torch (ENV_WORKER): what the callers assert is the agents', and a hung
+    worker does what a stuck collective would."""
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "2"]
     conf = f"token_file={d.token_file},join_timeout=60"
     agents = [
-        torchrun(d, job, nnodes, *worker, nproc=1, conf=conf, max_restarts=max_restarts)
+        torchrun(
+            d,
+            job,
+            nnodes,
+            *worker,
+            nproc=1,
+            conf=conf,
+            max_restarts=max_restarts,
+            script=ENV_WORKER,
+        )
         for _ in range(2)
     ]
     wait_for(
@@ -269,12 +281,23 @@ def _three_nodes_at_step_two(
 ) -> list[Torchrun]:
     """Three agents whose first world hangs after step 2, as if stuck in a
     collective: only the daemon's push moves them. join_timeout 40 s: a survivor
-    still waiting for the nodes it lacks shows as one."""
+    still waiting for the nodes it lacks shows as one. Workers without torch, as
+    in ``_two_nodes_at_step_two``."""
     world = sum(nproc)
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world"]
     conf = f"token_file={d.token_file},join_timeout=40"
     agents = [
-        torchrun(d, job, nnodes, *worker, str(world), nproc=n, conf=conf, max_restarts=r)
+        torchrun(
+            d,
+            job,
+            nnodes,
+            *worker,
+            str(world),
+            nproc=n,
+            conf=conf,
+            max_restarts=r,
+            script=ENV_WORKER,
+        )
         for n, r in zip(nproc, restarts, strict=True)
     ]
     wait_for(
@@ -318,7 +341,9 @@ def test_a_survivor_waiting_for_a_replacement_outlives_a_second_loss_and_names_t
     first = {s["pid"] for s in torch_steps(log)}
     worker = ["--steps", "4", "--step-log", str(log)]
     conf = f"token_file={d.token_file},join_timeout=40"
-    new = [torchrun(d, job_id, "3", *worker, nproc=1, conf=conf) for _ in range(2)]
+    new = [
+        torchrun(d, job_id, "3", *worker, nproc=1, conf=conf, script=ENV_WORKER) for _ in range(2)
+    ]
     for agent in (a, *new):
         assert agent.wait(90) == 0, agent.stderr()[-3000:]
     after = [s for s in torch_steps(log) if s["pid"] not in first]
@@ -414,7 +439,7 @@ def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
     wrap of torch's signal handler tells them the signal, before its workers stop."""
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
-    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log)
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, script=ENV_WORKER)
     os.kill(agents[2].proc.pid, signal.SIGTERM)  # the agent only: it stops its workers
     assert agents[2].wait(60) != 0
     survivors_trained_on(agents, log)
@@ -448,7 +473,8 @@ def test_an_agent_stopped_by_ctrl_c_gives_no_advice_to_take_part_as_it_stops(
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
     slow = ("--stop-delay", "4")
     agents = [
-        torchrun(d, job_id, "2:3", *worker, *extra, max_restarts=1) for extra in ((), (), slow)
+        torchrun(d, job_id, "2:3", *worker, *extra, max_restarts=1, script=ENV_WORKER)
+        for extra in ((), (), slow)
     ]
     wait_for(
         "all 6 ranks at step 2",
