@@ -1,5 +1,8 @@
-"""``torchrun --rdzv-backend rendezvousd``: real torchrun agents, gloo workers, a real
-daemon on 127.0.0.1 (the same across network hosts: tests/multihost/test_torchrun.py)."""
+"""``torchrun --rdzv-backend rendezvousd``: real torchrun agents, a real daemon on
+127.0.0.1 (the same across network hosts: tests/multihost/test_torchrun.py). Their
+workers train with gloo (torch_worker.py) where a test asserts what torch trains in
+the world formed; where it asserts the rendezvous (ranks, worlds, restarts, the agents'
+words and exit codes), they are ENV_WORKER's, which do not import torch."""
 
 from __future__ import annotations
 
@@ -713,6 +716,7 @@ def test_an_agent_started_before_its_daemon_says_it_waits_and_trains_once_it_is_
         nproc=1,
         endpoint=f"127.0.0.1:{port}",
         conf=f"token_file={token},connect_timeout=60",
+        script=ENV_WORKER,
     )
     said = (
         f"rendezvousd: job {job_id!r}: rendezvousd at 127.0.0.1:{port} not reached after 5 s: "
@@ -786,7 +790,7 @@ def test_a_daemon_killed_mid_run_ends_the_agent_with_torchs_connection_error(
     restart its workers into a join that waits out connect_timeout (30 s)."""
     d = start_daemon("--heartbeat-timeout-s", "3")
     log = tmp_path / "steps.jsonl"
-    agent = torchrun(d, job_id, "1", "--steps", "5000", "--step-log", str(log))
+    agent = torchrun(d, job_id, "1", "--steps", "5000", "--step-log", str(log), script=ENV_WORKER)
     wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
     d.kill()
     assert agent.wait(90) != 0
@@ -818,7 +822,7 @@ def test_an_agent_that_gives_up_closes_a_job_that_cannot_go_on_and_the_survivor_
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "4"]
-    agents = [torchrun(d, job_id, "2", *worker) for _ in range(2)]
+    agents = [torchrun(d, job_id, "2", *worker, script=ENV_WORKER) for _ in range(2)]
     wait_for(
         "all 4 ranks at step 2",
         lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 4,
@@ -839,7 +843,7 @@ def test_an_agent_that_gives_up_closes_a_job_that_cannot_go_on_and_the_survivor_
     # that gave up said they will not re-join, so no seat is kept for them. Kept, the
     # new agents stood by for the whole hold, "re-forming after a failure".
     again_log = ["--steps", "1", "--step-log", str(tmp_path / "again.jsonl")]
-    again = [torchrun(d, job_id, "2", *again_log, nproc=1) for _ in range(2)]
+    again = [torchrun(d, job_id, "2", *again_log, nproc=1, script=ENV_WORKER) for _ in range(2)]
     assert [a.wait(90) for a in again] == [0, 0], again[0].stderr()[-3000:]
     for a in again:
         assert "standing by" not in a.stderr(), a.stderr()[-3000:]
@@ -861,15 +865,16 @@ def test_an_agent_that_gives_up_beside_a_standby_is_replaced_not_closed(
     # Trains until told: a fixed number of steps could end before the spare's torch
     # import did (2 loaded cores), and the spare would then form a job of its own.
     worker = ("--steps", "100000", "--step-log", str(log), "--stop-file", str(stop))
-    quitter = torchrun(d, job_id, "2", *worker, max_restarts=0)
-    # One restart: the killed worker's gloo peers may fail before the push comes.
-    keeper = torchrun(d, job_id, "2", *worker, max_restarts=1)
+    quitter = torchrun(d, job_id, "2", *worker, max_restarts=0, script=ENV_WORKER)
+    # One restart: a killed worker's gloo peers (torch_worker.py's) may fail before the
+    # push comes; ENV_WORKER's do not, and the restart is kept for the same outcome.
+    keeper = torchrun(d, job_id, "2", *worker, max_restarts=1, script=ENV_WORKER)
     wait_for(
         "4 ranks at step 2",
         lambda: len({s["rank"] for s in torch_steps(log) if s["step"] >= 2}) == 4,
         timeout=120,
     )
-    spare = torchrun(d, job_id, "2", *worker, max_restarts=1)
+    spare = torchrun(d, job_id, "2", *worker, max_restarts=1, script=ENV_WORKER)
     wait_for("the third agent to stand by", lambda: "standing by" in spare.stderr(), 100)
     first_round = {s["pid"] for s in torch_steps(log)}
     pid = next(s["pid"] for s in torch_steps(log) if s["pid"] in descendants(quitter.proc.pid))
@@ -1029,7 +1034,7 @@ def test_node_link_watch_off_keeps_a_torchrun_agent_from_listening_for_links(
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "2"]
     conf = f"token_file={d.token_file},join_timeout=10"
     off, on = (
-        torchrun(d, job_id, "2", *worker, nproc=1, conf=conf + extra)
+        torchrun(d, job_id, "2", *worker, nproc=1, conf=conf + extra, script=ENV_WORKER)
         for extra in (",node_link_watch=0", "")
     )
     unwatched = re.compile(r"the link to node [01]'s agent is not watched in generation 1 \(")
@@ -1376,7 +1381,9 @@ def test_a_node_beyond_max_nodes_stands_by_and_replaces_a_lost_node(
     log = tmp_path / "steps.jsonl"
     hurry = tmp_path / "hurry"
     worker = ("--steps", "100", "--step-log", str(log), "--hurry-file", str(hurry))
-    agents = [torchrun(d, job_id, "2", *worker, max_restarts=1) for _ in range(3)]
+    agents = [
+        torchrun(d, job_id, "2", *worker, max_restarts=1, script=ENV_WORKER) for _ in range(3)
+    ]
     killed_at, after = standby_replaces_a_killed_node(agents, log, 100, hurry)
     print(f"kill -> first step with the standby: {min(s['t'] for s in after) - killed_at:.2f} s")
 
@@ -1394,9 +1401,9 @@ def test_a_standing_by_node_exits_0_when_the_job_ends_without_it(
     # run on 2 loaded cores) before the spare's torch import did, and the spare then
     # formed a job of its own.
     worker = ("--steps", "100000", "--step-log", str(log), "--stop-file", str(stop))
-    first = torchrun(d, job_id, "1", *worker)
+    first = torchrun(d, job_id, "1", *worker, script=ENV_WORKER)
     wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
-    spare = torchrun(d, job_id, "1", *worker)  # the world is full: it stands by
+    spare = torchrun(d, job_id, "1", *worker, script=ENV_WORKER)  # the world is full: it stands by
     wait_for("the second agent to stand by", lambda: "standing by" in spare.stderr(), 100)
     stop.touch()
     codes = [first.wait(120), spare.wait(120)]
@@ -1420,9 +1427,9 @@ def test_a_standing_by_node_exits_0_when_the_rendezvous_is_closed(
     log = tmp_path / "steps.jsonl"
     stop = tmp_path / "stop"
     worker = ("--steps", "100000", "--step-log", str(log), "--stop-file", str(stop))
-    first = torchrun(d, job_id, "1", *worker)
+    first = torchrun(d, job_id, "1", *worker, script=ENV_WORKER)
     wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
-    spare = torchrun(d, job_id, "1", *worker)  # the world is full: it stands by
+    spare = torchrun(d, job_id, "1", *worker, script=ENV_WORKER)  # the world is full: it stands by
     with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
         wait_for("the second agent to park", lambda: probe.get_job().standbys == 1, 100)
         generation = probe.get_job().summary.generation
@@ -1457,9 +1464,9 @@ def test_an_agent_launched_before_its_job_ended_exits_0_when_it_joins_after(
     door = ClosedDoor(d.port)
     late_log, log = tmp_path / "late.jsonl", tmp_path / "steps.jsonl"
     late = torchrun(d, job_id, "1", "--steps", "3", "--step-log", str(late_log),
-                    endpoint=door.endpoint)  # fmt: skip
+                    endpoint=door.endpoint, script=ENV_WORKER)  # fmt: skip
     try:
-        first = torchrun(d, job_id, "1", "--steps", "3", "--step-log", str(log))
+        first = torchrun(d, job_id, "1", "--steps", "3", "--step-log", str(log), script=ENV_WORKER)
         assert first.wait(120) == 0, first.stderr()[-3000:]
         door.open()
         code = late.wait(120)
@@ -1483,12 +1490,14 @@ def test_a_standing_by_agent_outlives_a_daemon_restart(
         d = daemon.current
         log = tmp_path / "steps.jsonl"
         conf = f"token_file={daemon.token_file},retries=0"
-        first = torchrun(d, job_id, "1", "--steps", "2000", "--step-log", str(log), conf=conf)
+        first = torchrun(
+            d, job_id, "1", "--steps", "2000", "--step-log", str(log), conf=conf, script=ENV_WORKER
+        )
         try:
             wait_for("the one-node job to train", lambda: bool(torch_steps(log)), timeout=120)
             spare_log = tmp_path / "spare-steps.jsonl"
             worker = ("--steps", "20", "--step-log", str(spare_log))
-            spare = torchrun(d, job_id, "1", *worker, conf=conf)
+            spare = torchrun(d, job_id, "1", *worker, conf=conf, script=ENV_WORKER)
             wait_for("the second agent to stand by", lambda: "standing by" in spare.stderr(), 60)
             daemon.outage_under_a_standby(job_id, spare.stderr)
             first.kill()
@@ -1591,7 +1600,10 @@ def test_a_job_id_run_again_while_its_last_run_finishes_trains_once_that_run_end
             c.start_heartbeat()
         old[0].leave()  # done; the other node is still finishing (a last checkpoint)
         log = tmp_path / "steps.jsonl"
-        agents = [torchrun(d, job_id, "2", "--steps", "3", "--step-log", str(log)) for _ in old]
+        agents = [
+            torchrun(d, job_id, "2", "--steps", "3", "--step-log", str(log), script=ENV_WORKER)
+            for _ in old
+        ]
         wait_for("both agents to wait", lambda: _nodes_waiting(d, job_id) == 2, 100)
         assert _job_state(d, job_id) == "JOB_STATE_RUNNING"
         old[1].leave()
@@ -1619,7 +1631,9 @@ def test_an_agent_finding_the_daemon_at_max_jobs_waits_for_room_and_trains(
     with RendezvousClient(d.endpoint, f"{job_id}-holder", token=d.token) as holder:
         holder.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=30)
         holder.start_heartbeat()
-        agent = torchrun(d, job_id, "1", "--steps", "2", "--step-log", str(log), nproc=1)
+        agent = torchrun(
+            d, job_id, "1", "--steps", "2", "--step-log", str(log), nproc=1, script=ENV_WORKER
+        )
         wait_for(
             "the agent to say the daemon is full",
             lambda: "daemon is full" in agent.stderr() or agent.proc.poll() is not None,
