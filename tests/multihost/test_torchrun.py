@@ -19,6 +19,7 @@ from rendezvousd.trainer.comm.ring_wire import LINK_SILENCE_S
 from rendezvousd.trainer.demo.netns import Hosts
 from tests.multihost.cluster import Cluster
 from tests.support import (
+    ENV_WORKER,
     Torchrun,
     spawn_daemon,
     standby_replaces_a_killed_node,
@@ -81,7 +82,9 @@ def test_a_torchrun_agent_stopped_by_sigterm_on_its_host_is_named_by_the_others(
     d, hosts = cluster.daemon, cluster.hosts
     log = tmp_path / "steps.jsonl"
     prefixes = [hosts[i].prefix() for i in (1, 2, 3)]
-    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, prefixes)
+    # Workers without torch: what is asserted is what the agents hear (the test above
+    # trains across the hosts with torch).
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, prefixes, script=ENV_WORKER)
     os.kill(agents[2].proc.pid, signal.SIGTERM)  # the agent itself, in h3's namespace
     assert agents[2].wait(60) != 0
     survivors_trained_on(agents, log)
@@ -140,7 +143,16 @@ def test_torchrun_agents_cut_apart_hear_it_from_their_links_and_give_up_when_it_
     log = tmp_path / "steps.jsonl"
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "2"]
     agents = [
-        torchrun(d, job_id, "2", *worker, nproc=1, max_restarts=1, prefix=hosts[i].prefix())
+        torchrun(
+            d,
+            job_id,
+            "2",
+            *worker,
+            nproc=1,
+            max_restarts=1,
+            prefix=hosts[i].prefix(),
+            script=ENV_WORKER,  # no torch: the agents' links are what is asserted
+        )
         for i in (1, 2)
     ]
     wait_for(
