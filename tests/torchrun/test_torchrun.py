@@ -439,14 +439,31 @@ def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
     """A SIGTERM (a Kubernetes pod deleted; SIGINT, Ctrl-C, is the same path) raises
     torch's SignalException in the agent, whose launcher then skips shutdown(): the
     survivors used to hear "heartbeat stream closed" once it was gone. The handler's
-    wrap of torch's signal handler tells them the signal, before its workers stop."""
+    wrap of torch's signal handler tells them the signal, before its workers stop: the
+    stopped agent's workers take STOP_DELAY_S to stop (a checkpoint on preemption), and
+    the survivors hear it well within that (told at the agent's exit alone, as without
+    the wrap, they heard it after)."""
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
-    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, script=ENV_WORKER)
+    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
+    slow = ("--stop-delay", "5")
+    agents = [
+        torchrun(d, job_id, "2:3", *worker, *extra, max_restarts=1, script=ENV_WORKER)
+        for extra in ((), (), slow)
+    ]
+    wait_for(
+        "all 6 ranks at step 2",
+        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,
+        timeout=120,
+    )
+    told = f"(torchrun's agent on {HOST} was stopped by SIGTERM)"
+    stopped = time.monotonic()
     os.kill(agents[2].proc.pid, signal.SIGTERM)  # the agent only: it stops its workers
+    wait_for("a survivor to hear the signal", lambda: told in agents[0].stderr(), timeout=60)
+    heard_s = time.monotonic() - stopped
+    assert heard_s < 4.0, (heard_s, agents[0].stderr()[-2000:])  # its workers take 5 s
     assert agents[2].wait(60) != 0
     survivors_trained_on(agents, log)
-    told = f"(torchrun's agent on {HOST} was stopped by SIGTERM)"
     for a in agents[:2]:
         err = a.stderr()
         assert re.search(
