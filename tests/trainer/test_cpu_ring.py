@@ -7,6 +7,7 @@ through the one-host shared-memory group (trainer/comm/shm_group.py)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import multiprocessing as mp
 import re
@@ -23,10 +24,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rendezvousd.client import RendezvousClient
 from rendezvousd.trainer import errors as errs
 from rendezvousd.trainer.comm import peer_auth, ring_wire
 from rendezvousd.trainer.comm.communicator import Communicator, ReduceOp
-from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator
+from rendezvousd.trainer.comm.cpu_ring import CpuRingCommunicator, connect_cpu_ring
 from rendezvousd.trainer.comm.shm_group import (
     SharedMemoryPeers,
     create_listener,
@@ -1018,3 +1020,49 @@ def test_a_left_neighbour_that_never_connects_is_told_where_this_ranks_address_c
         f"{origin}: if the hosts reach each other on another network, set --ring-host "
         "($RENDEZVOUSD_RING_HOST, ring_host) on node 0 to its address there"
     ), said
+
+
+#: TEST-NET-1 (RFC 5737): an address no host here has, which a bind refuses with
+#: EADDRNOTAVAIL, as it does an address its host held until it was re-addressed.
+GONE = "192.0.2.1"
+
+
+def _says_the_address_is_gone(error: OSError, origin: str) -> None:
+    said = str(error)
+    assert error.errno == errno.EADDRNOTAVAIL, said
+    assert (
+        f"cannot listen for the ring on {GONE}: {GONE} is no longer an address of this host ("
+        in said
+    )
+    assert f"({GONE} was {origin})" in said, said
+    assert "the host's address changed" in said, said
+    assert "--ring-host ($RENDEZVOUSD_RING_HOST, ring_host) must be changed" in said, said
+
+
+def test_a_ring_address_no_longer_on_this_host_is_named_with_why(daemon: Any, job_id: str) -> None:
+    """A node re-addressed under a running agent (h170): its workers failed to bind the
+    old address with a bare "OSError: [Errno 99] Cannot assign requested address", the
+    cause of record of every restart, naming neither the address nor why. Both places a
+    rank binds its ring listener say it: the connect's, and a listener given by host."""
+    origin = "chosen as its host's route to the daemon at 198.18.0.1:29420"
+    with (
+        RendezvousClient(daemon.endpoint, job_id, token_file=daemon.token_file) as store,
+        pytest.raises(OSError) as caught,
+    ):
+        connect_cpu_ring(
+            store,
+            rank=1,
+            world_size=2,
+            secret=SECRET,
+            host=GONE,
+            timeout=1.0,
+            nodes=2,
+            origin=origin,
+        )
+    _says_the_address_is_gone(caught.value, origin)
+    told = "node 1's (host n2), " + origin
+    with pytest.raises(OSError) as caught:
+        CpuRingCommunicator(
+            1, 2, GONE, [("127.0.0.1", 1), (GONE, 0)], SECRET, 1.0, origins={1: told}
+        )
+    _says_the_address_is_gone(caught.value, told)

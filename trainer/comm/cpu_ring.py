@@ -156,7 +156,9 @@ class CpuRingCommunicator(RankedCommunicator):
         self._shm: shm_group.ShmGroup | None = None
         self._waits = peer_wait.PeerWaits(rank, slow_peer_warn_s, timeout, context)
         if isinstance(listener, str):
-            listener = wire.create_listener(listener, addresses[rank][1])
+            listener = wire.ring_listener(
+                listener, origin=(origins or {}).get(rank, ""), port=addresses[rank][1]
+            )
         try:
             if world_size > 1:
                 self._left, self._right = wire.establish_ring(
@@ -586,7 +588,7 @@ def connect_cpu_ring(
     with contextlib.ExitStack() as undo:  # the listeners are closed if setup fails here
         if shm_listener is not None:
             undo.callback(shm_listener.close)
-        listener = wire.create_listener(host)
+        listener = wire.ring_listener(host, origin=origin)
         undo.callback(listener.close)
         port = listener.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host

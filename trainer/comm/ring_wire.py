@@ -141,6 +141,31 @@ def create_listener(host: str, port: int = 0) -> socket.socket:
     return listening(*_tcp_socket(host, port))
 
 
+def ring_listener(host: str, *, origin: str = "", port: int = 0) -> socket.socket:
+    """``create_listener`` for a rank's own ring address, whose EADDRNOTAVAIL says what
+    it means here: the address was this host's when it was chosen (a ``ring_host``
+    that never was is refused before any worker starts), so the host's address changed
+    since (a DHCP renewal, a migrated VM, a re-addressed host). Said as the bare errno,
+    "Cannot assign requested address" named neither the address nor why. An OSError
+    still, with its errno: a worker's own failure, reported as such."""
+    try:
+        return create_listener(host, port)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+        where = f" ({host} was {origin})" if origin else ""
+        raise OSError(
+            exc.errno,
+            f"cannot listen for the ring on {host}: {host} is no longer an address of "
+            f"this host ({socket.gethostname()}; {exc.strerror}, EADDRNOTAVAIL), which "
+            f"held it when it was chosen{where}: the host's address changed (a DHCP "
+            "renewal, a migrated VM, a re-addressed host). rendezvous-run chooses an "
+            "address it was not given again at its next restart; one given by "
+            "--ring-host ($RENDEZVOUSD_RING_HOST, ring_host) must be changed to an "
+            "address this host has",
+        ) from None
+
+
 def listening(sock: socket.socket, addr: Any) -> socket.socket:
     """``sock`` bound to ``addr`` and listening (TCP here, UNIX for ``shm_group``);
     closed if either fails, so a refused address leaks no descriptor."""
