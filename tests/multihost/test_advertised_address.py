@@ -16,7 +16,7 @@ import pytest
 from rendezvousd.trainer.demo import netns
 from rendezvousd.trainer.demo.netns import Hosts
 from tests.multihost.cluster import Cluster, start_cluster
-from tests.support import spawn_daemon
+from tests.support import spawn_daemon, wait_for
 
 #: The management network: every node reaches the daemon on it, but not each other.
 NET_M = ipaddress.ip_network(f"198.19.{netns.OCTET}.0/24")
@@ -282,3 +282,57 @@ def test_a_shared_config_naming_the_data_interface_forms_the_ring_on_it(
             ), node.text()
     finally:
         cluster.stop()
+
+
+def test_a_node_readdressed_under_its_agent_rejoins_with_its_new_address(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """h2's address changes in place under its running agents (a DHCP renewal, a
+    migrated VM): the address chosen at launch was advertised to every generation
+    after, whose workers failed to bind it ("OSError: [Errno 99]") within 0.4 s each,
+    every restart spent (h170). Now a node whose address was not given chooses it
+    again before each re-join: one restart, for the generation the change broke, and
+    the job finishes. A ``--ring-host`` given that the host no longer has is refused
+    before the join, as a setting is (exit 2, no restart burned), naming it. Both jobs
+    share the two hosts, so one change of address serves both."""
+    cluster = make_cluster(2, "--heartbeat-timeout-s", "3")
+    h2 = cluster.hosts[2]
+    old, new = h2.address, str(netns.SUBNET.network_address + 20)
+    launcher = ("--heartbeat-interval-s", "0.5", "--max-restarts", "2")
+    # Long enough to be mid-run when the address changes; resumed from the agents'
+    # copy of the last step, so the restart repeats little of it.
+    work = ("--steps", "150", "--step-sleep", "0.04", "--log-every", "10")
+    work += ("--samples", "256", "--hidden", "16")
+    follows = cluster.launch(2, 1, job="follows", launcher_args=launcher, example_args=work)
+    pinned = cluster.launch(2, 1, job="pinned", nodes=[0], launcher_args=launcher,
+                            example_args=work)  # fmt: skip
+    pinned += cluster.launch(2, 1, job="pinned", nodes=[1],
+                             launcher_args=(*launcher, "--ring-host", old),
+                             example_args=work)  # fmt: skip
+    for node in (follows[0], pinned[0]):
+        wait_for("both jobs' first steps", lambda n=node: n.first("step 11/") is not None, 60)
+    netns._ip("-n", h2.netns, "addr", "del", f"{old}/{netns.SUBNET.prefixlen}", "dev", "eth0")
+    netns._ip("-n", h2.netns, "addr", "add", f"{new}/{netns.SUBNET.prefixlen}", "dev", "eth0")
+    h2.address = new
+
+    assert cluster.wait(follows, 60) == [0, 0], [n.summary() for n in follows]
+    assert len(cluster.results("follows")) == 2
+    said = follows[1].text()
+    assert (
+        f"this node's address changed: its ring now listens on and advertises {new}, "
+        f"chosen as its host's route to the daemon at {cluster.daemon.endpoint}"
+    ) in said, follows[1].summary()
+    assert f"(it was {old})" in said
+    for node in follows:
+        assert "restart 1 of 2" in node.text() and "restart 2 of 2" not in node.text(), (
+            node.summary()
+        )
+
+    assert cluster.wait(pinned[1:], 30) == [2], pinned[1].summary()
+    refused = pinned[1].text()
+    assert (
+        f"no generation: node on host h2: this node's ring address {old} (given by --ring-host "
+        "($RENDEZVOUSD_RING_HOST, ring_host)) cannot be used on host h2 any more"
+    ) in refused, pinned[1].summary()
+    assert "give an address of this host that the other nodes reach" in refused
+    assert "restart 2 of 2" not in refused

@@ -440,6 +440,8 @@ def _run_agent(
             ring_host=ring.address if config.backend == "cpu" else "",
             ring_origin=ring.origin,
             link_host=ring.address,
+            # Without waiting for a name to resolve: a re-join waits for the daemon itself.
+            ring_again=lambda: config.ring_choice(None, 0.0),
             token=token,
             note=_note,
             id_factory=_id_factory(config),

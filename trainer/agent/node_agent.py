@@ -90,7 +90,7 @@ from rendezvousd.trainer.agent.warm_workers import (
 )
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node_rank, slot_env
 from rendezvousd.trainer.comm import ring_wire
-from rendezvousd.trainer.config import DistributedConfig
+from rendezvousd.trainer.config import DistributedConfig, RingAddress
 from rendezvousd.trainer.errors import AgentChannelError, ConfigError, RestartsExhausted
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
@@ -289,6 +289,7 @@ class NodeAgent:
         ring_host: str = "",
         ring_origin: str = "",
         link_host: str = "",
+        ring_again: Callable[[], RingAddress] | None = None,
         token: str = "",
         note: Callable[[str], None] = print,
         id_factory: Callable[[], bytes] | None = None,
@@ -301,6 +302,7 @@ class NodeAgent:
         address other nodes' agents reach this one at (``node_links``; "" for none);
         ``ring_origin``: where ``ring_host`` (or ``link_host``) came from, in the words
         a refusal of it and a peer that cannot reach it say (``RingAddress.origin``);
+        ``ring_again``: that choice made again, before each re-join (``_choose_ring``);
         ``token``: the daemon token ``client`` uses, handed to the workers with their
         assignment; ``fork_server``: forks spares while it can (the launcher owns and
         closes it); ``launched``: when this node's launcher started (``time.monotonic()``;
@@ -311,6 +313,7 @@ class NodeAgent:
         self.ring_host = ring_host
         self.ring_origin = ring_origin
         self.link_host = link_host
+        self._ring_again = ring_again
         self._links: NodeLinks | None = None
         self._token = token
         self.note = note
@@ -420,6 +423,8 @@ class NodeAgent:
 
     def _generation(self, first: bool) -> Outcome:
         config = self.config
+        if not first and (refused := self._choose_ring()) is not None:
+            return refused
         joined = self._join(config.join_timeout_s if first else config.rejoin_timeout_s)
         if not isinstance(joined, NodeMembership):
             return joined
@@ -483,6 +488,46 @@ class NodeAgent:
         )
         self._watch_links(m)
         return self._watch(gen, m.first_rank)
+
+    def _choose_ring(self) -> Failure | None:
+        """This node's ring (and link) address chosen again before a re-join, the way
+        the launcher chose it: a host re-addressed under a running agent (a DHCP
+        renewal, a migrated VM) advertised its old address to every generation after,
+        whose workers each failed to bind it within milliseconds, every restart spent
+        in 0.4 s (h170). An address not given (the route to the daemon) follows the
+        host; a ``ring_host`` given that this host no longer has is the setup's error,
+        said before the join (exit 2, no restart burned on it). None: join."""
+        if self._ring_again is None:
+            return None
+        before = self.link_host or self.ring_host
+        try:
+            ring = self._ring_again()
+        except ConfigError as exc:
+            if not self.config.ring_host:
+                # No route to the daemon's address now (a name not resolving, a daemon
+                # moving): the join waits for the daemon, and the address chosen last
+                # stands meanwhile, as its workers will say should it be gone.
+                self.note(f"warning: this node's ring address stays {before}: {exc}")
+                return None
+            # Said once, by the launcher's "gave up" that lists it: no restart follows.
+            problem = (
+                f"this node's ring address {before} ({self.ring_origin}) cannot be used on "
+                f"host {self.host} any more, its address changed since this node started: "
+                f"{exc}; then start this node's rendezvous-run again (no restart changes "
+                "a setting)"
+            )
+            return Failure(None, problem, host=self.host, exit_status=SETUP_ERROR_EXIT, fatal=True)
+        if ring.address != before:
+            self.note(
+                f"this node's address changed: its ring now listens on and advertises "
+                f"{ring.address}, {ring.origin} (it was {before})"
+            )
+        self.ring_origin = ring.origin
+        if self.ring_host:
+            self.ring_host = ring.address
+        if self.link_host:
+            self.link_host = ring.address
+        return None
 
     def _watch_links(self, m: NodeMembership) -> None:
         """Links to the neighbouring nodes' agents, for a backend whose own traffic we
