@@ -323,6 +323,8 @@ def test_a_node_readdressed_under_its_agent_rejoins_with_its_new_address(
         f"chosen as its host's route to the daemon at {cluster.daemon.endpoint}"
     ) in said, follows[1].summary()
     assert f"(it was {old})" in said
+    # What `rendezvousd status` shows: the generation that finished, at the new address.
+    assert {m["address"] for m in cluster.job_members("follows") if m["host"] == "h2"} == {new}
     for node in follows:
         assert "restart 1 of 2" in node.text() and "restart 2 of 2" not in node.text(), (
             node.summary()
