@@ -30,6 +30,7 @@ from rendezvousd.common import validation
 from rendezvousd.common.calls import DRAINED_TRAILER, FIELDS, STATUS_TRAILER
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.server.fault_status import to_grpc_status
+from rendezvousd.server.scope import STREAM_PEER
 
 log = logging.getLogger("rendezvousd")
 #: What a call that hit a bug of ours is answered, unary or on a stream (its log has the rest).
@@ -102,6 +103,10 @@ class CallContext:
 
     def __init__(self, deadline: float | None) -> None:
         self._deadline = deadline
+
+    def peer(self) -> str:
+        """The stream's caller, as a gRPC context says it (``STREAM_PEER``)."""
+        return STREAM_PEER.get()
 
     def time_remaining(self) -> float | None:
         if self._deadline is None:
@@ -326,6 +331,10 @@ class CallStream:
         running: dict[int, asyncio.Task[None]] = {}
         deadlines = _Deadlines(running, replies)
         source = _Unbatched(calls, self._on_batch) if batched else calls
+        if context is not None:
+            with contextlib.suppress(Exception):  # a context without a transport (a test's)
+                # Before the reader: its calls' tasks inherit it (``CallContext.peer``).
+                STREAM_PEER.set(str(context.peer()))
         reader = asyncio.create_task(self._read(source, replies, running, deadlines))
         self._readers.add(reader)
         try:

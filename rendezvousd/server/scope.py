@@ -64,6 +64,9 @@ class Scope:
 ADMIN = Scope()
 # Set by the auth interceptor for the call being handled (same task as the handler).
 CALLER: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("caller_scope", default=None)
+# The peer of a Calls stream whose calls are being handled ("ipv4:10.0.0.2:51234"), set
+# as the stream starts: a call on the stream has no gRPC context of its own to ask.
+STREAM_PEER: contextvars.ContextVar[str] = contextvars.ContextVar("stream_peer", default="")
 
 
 def allowed(scope: Scope, method: str, job_id: str | None) -> bool:
