@@ -372,6 +372,17 @@ class _CallStreams(ABC, Generic[S]):
         self.sent[method] += 1
         return stream, call_id
 
+    def rechannel(self, channel: Any) -> None:
+        """The client's channel made anew (its TLS files renewed): the next stream opens
+        on it. The live one, on the old channel, is half-closed: its calls in flight
+        are answered where that channel still connects, else fail as any broken
+        stream's do and are made again on the new one."""
+        with self._lock:
+            self._channel = channel
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.retire()
+
     def retire(self) -> None:
         """The daemon drains: half-close the stream; the next call opens a new one."""
         with self._lock:

@@ -58,6 +58,7 @@ from rendezvousd.client.connection import (
     SERVICE,
     TLS_PROBE_TIMEOUT_S,
     LocalShortage,
+    TlsFiles,
     TlsProbe,
     channel_options,
     dial_problem,
@@ -228,6 +229,16 @@ class Connect:
 
 
 @dataclass(frozen=True)
+class Renew:
+    """Before a call, and where a connection failed: unless the channel is connected
+    (READY: its connection works whatever the files hold now, and nothing is read),
+    ask ``Calls.renewed`` (off the event loop: a stat of each TLS file, a read once
+    one changed) and, given credentials, make the channel anew from them, its stubs
+    and call stream with it, as after any reconnect; answered True when it did. So a
+    client whose certificate was renewed on disk shows the new one at its redial."""
+
+
+@dataclass(frozen=True)
 class OpenStream:
     """Open the heartbeat stream's call now, before the join is sent, without a message
     yet (after the call stream, where the client has one): ``start_heartbeat()`` sends
@@ -239,7 +250,9 @@ class OpenStream:
     waits, and the first beat is a message on it."""
 
 
-Step = Rpc | Sleep | Blocking | StopStream | Reachable | LeaveOnStream | Connect | OpenStream
+Step = (
+    Rpc | Sleep | Blocking | StopStream | Reachable | LeaveOnStream | Connect | OpenStream | Renew
+)
 Steps = Generator[Step, Any, T]
 
 
@@ -270,6 +283,8 @@ class Calls:
     def __init__(self, endpoint: str, job_id: str, options: ClientOptions) -> None:
         self.s = Session.create(endpoint, job_id, options)
         self.tls = options.get("tls")
+        # The files the channel was made from, looked at again where a connection fails.
+        self.files = None if self.tls is None else TlsFiles(self.tls)
         self.probe = TlsProbe(
             endpoint, tls=self.tls is not None, cert=None if self.tls is None else self.tls.cert
         )
@@ -280,12 +295,29 @@ class Calls:
         # (``first_look``); a join and connect() always do.
         self.looked = False
 
-    def channel(self, secure: Callable[..., C], insecure: Callable[..., C]) -> C:
-        """The client's channel, made by its gRPC flavour's ``secure``/``insecure_channel``."""
+    def channel(
+        self, secure: Callable[..., C], insecure: Callable[..., C], credentials: Any = None
+    ) -> C:
+        """The client's channel, made by its gRPC flavour's ``secure``/``insecure_channel``
+        (of ``credentials``, a renewal's, else of the TLS files as they are now)."""
         options = channel_options(self.s.retry, self.tls.server_name if self.tls else None)
         if self.tls is not None:
-            return secure(self.s.endpoint, self.tls.credentials(), options=options)
+            made = credentials or self.tls.credentials()
+            return secure(self.s.endpoint, made, options=options)
         return insecure(self.s.endpoint, options=options)
+
+    def renewed(self) -> Any:
+        """Credentials of TLS files renewed since the channel was made, else None
+        (``TlsFiles.renewed``): the twins ask it before a heartbeat stream's redial,
+        the call core where a call found no connection (``renewal``)."""
+        return None if self.files is None else self.files.renewed(self.s.endpoint)
+
+    def renewal(self) -> Steps[bool]:
+        """Where a connection failed: the channel made anew when the TLS files were
+        renewed (``Renew``); whether it was."""
+        if self.files is None:
+            return False
+        return bool((yield Renew()))
 
     # -- one call, with the retry policy ---------------------------------------
 
@@ -321,6 +353,10 @@ class Calls:
         # and spends none of the retries a transient failure gets.
         rotated = 0
         for attempt in itertools.count(1):
+            # A waiting call on a channel whose certificate the daemon refuses (renewed
+            # on disk since, the old one expired) would wait its whole deadline: the
+            # channel is made anew first. Free while the channel is connected.
+            yield from self.renewal()
             wait = max(0.0, deadline - share - time.monotonic())
             try:
                 answer = yield Rpc(method, request, wait, health)
@@ -455,6 +491,8 @@ class Calls:
         while True:
             if (yield Reachable(RECHECK_S)) and (yield from self.answers(serving=drained)):
                 return
+            if (yield from self.renewal()):
+                continue  # a certificate renewed on disk: the new channel asked at once
             if time.monotonic() - began >= window + look.grace_s:
                 if look.looked:
                     break
@@ -677,6 +715,10 @@ class Calls:
         """Raise the TLS mismatch that keeps the channel from connecting, if that is
         why; whether the channel is not connected."""
         if (yield Reachable(0.0)):
+            return False
+        # A certificate renewed on disk is shown before anything is concluded: the
+        # old one may be what the daemon refuses (expired, or its CA no longer trusted).
+        if (yield from self.renewal()) and (yield Reachable(within / 2)):
             return False
         yield from self.probe_tls(health_pb2.HealthCheckRequest(service=SERVICE), within)
         return True

@@ -94,6 +94,8 @@ class AsyncRendezvousClient(steps.ClientBase):
         # Wakes the stream's request iterator before its next beat, to say goodbye.
         self._hb_wake = asyncio.Event()
         self._hb_leave = False
+        # Channels replaced by one of renewed TLS files (``_renew``), closed with the client.
+        self._replaced: list[grpc.aio.Channel] = []
 
     # -- relayed calls (``relay``) ----------------------------------------------------
 
@@ -195,6 +197,8 @@ class AsyncRendezvousClient(steps.ClientBase):
             return await self._reachable(step.timeout)
         elif isinstance(step, steps.LeaveOnStream):
             return await self._leave_on_stream(step.timeout)
+        elif isinstance(step, steps.Renew):
+            return await self._renew()
         elif isinstance(step, steps.Connect):
             try:
                 async with asyncio.timeout(step.timeout):
@@ -207,6 +211,23 @@ class AsyncRendezvousClient(steps.ClientBase):
                 raise
             return True
         return None
+
+    async def _renew(self) -> bool:
+        """``RendezvousClient._renew``: the files looked at off the loop, the channel
+        made on it (grpc.aio binds a channel to the loop it is made on)."""
+        if self._c.files is None or self._channel.get_state() is grpc.ChannelConnectivity.READY:
+            return False
+        credentials = await asyncio.to_thread(self._c.renewed)
+        if credentials is None or self._s.closed:
+            return False
+        channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel, credentials)
+        self._replaced.append(self._channel)
+        self._channel = channel
+        self._stub = lazy_stub(pb_grpc.RendezvousStub, channel)
+        self._health = lazy_stub(health_pb2_grpc.HealthStub, channel)
+        if isinstance(self._mux, AsyncCallStream):
+            self._mux.rechannel(channel)
+        return True
 
     async def _reachable(self, timeout: float) -> bool:
         channel = self._channel
@@ -468,6 +489,7 @@ class AsyncRendezvousClient(steps.ClientBase):
             delay = watch.ended(error)
             if delay is None:
                 return
+            await self._renew()  # before the redial: a certificate renewed on disk is shown
             await asyncio.sleep(delay)
 
     async def _stop_heartbeat(self, *, keep_opened: bool = False) -> None:
@@ -530,7 +552,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:
             await self._mux.close()
-        await self._channel.close()
+        replaced, self._replaced = self._replaced, []
+        for channel in (*replaced, self._channel):
+            await channel.close()
         self._blocking.close()
 
     async def __aenter__(self) -> AsyncRendezvousClient:

@@ -6,12 +6,14 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import os
 import random
 import resource  # loaded up front: at the limit, importing it needs a descriptor
 import socket
 import ssl
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -45,10 +47,13 @@ __all__ = [
     "TOKEN_FILE_ENV",
     "RetryPolicy",
     "TlsConfig",
+    "TlsFiles",
     "channel_options",
     "resolve_token",
     "service_config",
 ]
+
+log = logging.getLogger("rendezvousd.client")
 
 SERVICE = "rendezvous.v1.Rendezvous"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -255,6 +260,86 @@ class TlsConfig:
             if (problem := pair_problem(self.cert, self.key)) is not None:
                 raise InvalidRequest(problem)
         return grpc.ssl_channel_credentials(ca, key, cert)
+
+
+#: A file's identity as the renewal check compares it: a file moved into place whole
+#: (cert-manager, the SPIFFE helper, certbot's symlink swap) is another inode, one
+#: written in place another mtime or size; None for a file not there (mid-swap).
+FileStamp = tuple[int, int, int] | None
+
+
+class TlsFiles:
+    """A client's TLS files as they were when its channel was made, and whether they
+    were renewed since: gRPC Python reads a client's certificate once, into the
+    channel (it has no dynamic client credentials, grpc/grpc#41779), so a channel
+    made before a renewal shows the old certificate at every new connection, and
+    once that one expired, every reconnect's handshake fails although a valid one
+    sits in the file. Shared by a client's twins through the call core, which asks
+    ``renewed`` where a connection failed; the driver then makes its channel anew.
+    Safe from several threads (the heartbeat's, the caller's)."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self.tls = tls
+        self._lock = threading.Lock()
+        # Taken as the client is made, before its channel reads the files: a change
+        # between the two reads as a change at the next check, which reads them again.
+        # Only a renewal moves it: a channel of the client's own (``_tables``) made
+        # later from newer files does not stand for the client's channel.
+        self._made = self.stamp()
+        # The files' stamp that last failed to load: said once, tried again only once
+        # they change again (a renewal caught half-written is finished by a later write).
+        self._refused: tuple[FileStamp, ...] | None = None
+        #: Channels made from renewed files (tests, the docs' "what clients do").
+        self.renewals = 0
+
+    def stamp(self) -> tuple[FileStamp, ...]:
+        def one(path: Path | None) -> FileStamp:
+            if path is None:
+                return None
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+        return tuple(one(path) for path in (self.tls.ca, self.tls.cert, self.tls.key))
+
+    def renewed(self, endpoint: str) -> grpc.ChannelCredentials | None:
+        """Credentials from the files as they are now, where they changed since the
+        channel was made and load as a working pair; else None. A pair that does not
+        load (a renewal caught between its certificate and its key) keeps the
+        channel: a WARNING says so once per state of the files, naming them (never
+        their bytes)."""
+        with self._lock:
+            now = self.stamp()
+            if now == self._made or now == self._refused:
+                return None
+            try:
+                made = self.tls.credentials()
+            except InvalidRequest as exc:
+                self._refused = now
+                log.warning(
+                    "the TLS files of this client of rendezvousd at %s changed (certificate "
+                    "%s, key %s, CA %s) but do not work together yet: %s. This client keeps "
+                    "the certificate it connected with, and reads the files again at its "
+                    "next reconnect once they change; if they stay so, write the "
+                    "certificate and its key again, each moved into place whole",
+                    endpoint,
+                    self.tls.cert,
+                    self.tls.key,
+                    self.tls.ca,
+                    exc,
+                )
+                return None
+            self._made, self._refused = now, None
+            self.renewals += 1
+            log.info(
+                "the TLS files of this client of rendezvousd at %s were renewed (certificate "
+                "%s): its next connection shows them",
+                endpoint,
+                self.tls.cert,
+            )
+            return made
 
 
 _PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"

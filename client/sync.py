@@ -134,6 +134,9 @@ class RendezvousClient(steps.ClientBase):
         # The heartbeat stream opened before the join, its feed and its held requests.
         self._opened: tuple[Any, RequestFeed, _HeldRequests] | None = None
         self._opened_lock = threading.Lock()
+        # Channels replaced by one of renewed TLS files (``_renew``): closed with the
+        # client, not at once, as calls may still be in flight on them.
+        self._replaced: list[grpc.Channel] = []
         _open.add(self)
 
     # -- relayed calls (``relay``) ----------------------------------------------------
@@ -221,12 +224,40 @@ class RendezvousClient(steps.ClientBase):
             return self._ready_within(step.timeout, failure_ends=True) is True
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
+        elif isinstance(step, steps.Renew):
+            return self._renew()
         elif isinstance(step, steps.Connect):
             ready = self._ready_within(step.timeout, failure_ends=False)
             if self._s.closed:
                 raise self._s.closed_error()
             return self._ready_future(step.timeout) if ready is None else ready
         return None
+
+    def _renew(self) -> bool:
+        """``steps.Renew``: the channel made anew from TLS files renewed since it was
+        made (``Calls.renewed`` decides), its stubs and call stream with it; whether
+        it was. The heartbeat's next stream opens on it too."""
+        core: Any = getattr(self._channel, "_channel", None)
+        with contextlib.suppress(ValueError):  # "Channel closed!": close() meanwhile
+            if core is not None and core.check_connectivity_state(False) == _READY:
+                return False
+        credentials = self._c.renewed()
+        if credentials is None:
+            return False
+        channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel, credentials)
+        with self._hb_lock:  # close() marks the client closed under it
+            if self._s.closed:
+                channel.close()
+                return False
+            self._replaced.append(self._channel)
+            self._channel = channel
+            self._stub = lazy_stub(pb_grpc.RendezvousStub, channel)
+            self._health = lazy_stub(health_pb2_grpc.HealthStub, channel)
+            # Under the lock too: two renewals in a row leave the call stream on the
+            # channel the client keeps.
+            if isinstance(self._mux, BlockingCallStream):
+                self._mux.rechannel(channel)
+        return True
 
     def _ready_within(self, timeout: float, *, failure_ends: bool) -> bool | None:
         """Whether the channel, asked to connect, is READY within ``timeout``;
@@ -237,13 +268,14 @@ class RendezvousClient(steps.ClientBase):
         # thread takes a lock the channel's finalizer takes: a process exiting just
         # then can hang). The core channel under it answers the same two questions
         # the polling thread asks, from this thread.
-        core: Any = getattr(self._channel, "_channel", None)
-        if not hasattr(core, "watch_connectivity_state"):
+        if not hasattr(getattr(self._channel, "_channel", None), "watch_connectivity_state"):
             return None
         # On the monotonic clock: a wall-clock deadline moved with the clock, and a
         # step back (NTP) kept a client waiting that much longer for a daemon.
         deadline = time.monotonic() + timeout
         while not self._s.closed:
+            # Each round: a renewal (``_renew``) may have replaced the channel meanwhile.
+            core: Any = getattr(self._channel, "_channel", None)
             try:
                 state = core.check_connectivity_state(True)
                 if state == _READY:
@@ -516,6 +548,7 @@ class RendezvousClient(steps.ClientBase):
             delay = None if self._hb_stop.is_set() else watch.ended(error)
             if delay is None:
                 return
+            self._renew()  # before the redial: a certificate renewed on disk is shown
             self._hb_stop.wait(delay)
 
     def _watchdog(self, watch: StreamWatch) -> None:
@@ -579,7 +612,10 @@ class RendezvousClient(steps.ClientBase):
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:
             self._mux.close()
-        self._channel.close()
+        with self._hb_lock:
+            replaced, self._replaced = self._replaced, []
+        for channel in (*replaced, self._channel):
+            channel.close()
 
     def __enter__(self) -> RendezvousClient:
         return self

@@ -1,0 +1,215 @@
+"""A client re-reads its own mTLS certificate: renewed on disk (cert-manager, SPIFFE
+SVIDs, ACME), it is the one the next connection shows, not the one the channel was
+made with. A real daemon process over mTLS, with ``--state-dir``, killed and started
+again in its place trusting only the CA of the renewed certificate: the old one is
+refused at the next handshake, as an expired one would be."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rendezvousd.client import (
+    AsyncRendezvousClient,
+    RendezvousClient,
+    RendezvousError,
+    TlsConfig,
+)
+from tests.support import Pki, StatefulDaemon, make_pki, wait_for
+
+HEARTBEAT_TIMEOUT_S = "3"
+#: Wide enough for a daemon's restart on a loaded machine; the test waits on events.
+WINDOW_S = 30.0
+JOIN = {"num_nodes": 1, "gpus_per_node": 1, "local_rank": 0, "timeout": 20}
+
+
+def _files(tmp: Path, pki: Pki) -> TlsConfig:
+    """The client's own copies of its certificate and key, which the test renews."""
+    own = tmp / "client-tls"
+    own.mkdir()
+    for source, name in ((pki.client, "tls.crt"), (pki.client_key, "tls.key")):
+        shutil.copy2(source, own / name)
+    return TlsConfig(ca=pki.ca, cert=own / "tls.crt", key=own / "tls.key")
+
+
+def _renew(tls: TlsConfig, cert: Path, key: Path) -> None:
+    """``cert`` and ``key`` moved over the client's files, each whole (as cert-manager
+    and the SPIFFE helper write them), the key kept 0600."""
+    assert tls.cert is not None and tls.key is not None
+    for source, target in ((key, tls.key), (cert, tls.cert)):
+        tmp = target.with_suffix(".new")
+        shutil.copy2(source, tmp)
+        os.replace(tmp, target)
+
+
+def _restart_trusting(d: StatefulDaemon, pki: Pki, client_ca: Path) -> None:
+    """SIGKILL the daemon, start it again in its place (its jobs restored) with
+    ``client_ca`` as the only CA its clients' certificates may be signed by."""
+    d.current.kill()
+    d.flags = (
+        "--state-dir",
+        str(d.tmp / "state"),
+        "--heartbeat-timeout-s",
+        HEARTBEAT_TIMEOUT_S,
+        *pki.serve_args(),
+        "--tls-client-ca",
+        str(client_ca),
+    )
+    d.start_again()
+
+
+def _reattached(d: StatefulDaemon, pki: Pki, job: str) -> bool:
+    """Whether the restored daemon has the member's heartbeat stream open again: asked
+    with a certificate the restarted daemon accepts (the renewed one's CA)."""
+    tls = TlsConfig(ca=pki.ca, cert=pki.rogue, key=pki.rogue_key)
+    with RendezvousClient(d.current.endpoint, job, token=d.token, tls=tls) as probe:
+        members = probe.get_job().members
+    return len(members) == 1 and members[0].heartbeat_stream_open
+
+
+@pytest.fixture
+def mtls_daemon(tmp_path: Path) -> Iterator[tuple[StatefulDaemon, Pki]]:
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    args = ("--heartbeat-timeout-s", HEARTBEAT_TIMEOUT_S, *pki.serve_args(mtls=True))
+    with StatefulDaemon(tmp_path, *args) as d:  # killed however the test ends
+        yield d, pki
+
+
+def test_a_renewed_client_certificate_is_shown_at_the_reconnect(
+    tmp_path: Path, mtls_daemon: tuple[StatefulDaemon, Pki]
+) -> None:
+    """Joined with certificate A; A renewed on disk as B; the daemon restarted trusting
+    only B's CA. The member reattaches on B and keeps its membership (the node agent's
+    and the torchrun agent's case: one client for the whole job). Before, it kept
+    showing A, every handshake was refused, and it was lost: DaemonUnreachable."""
+    d, pki = mtls_daemon
+    tls = _files(tmp_path, pki)
+    failures: queue.Queue[RendezvousError] = queue.Queue()
+    with RendezvousClient(
+        d.current.endpoint, "renewed", token=d.token, tls=tls, reconnect_window=WINDOW_S
+    ) as member:
+        joined = member.join(**JOIN)
+        member.start_heartbeat(0.2, on_failure=failures.put)
+        _renew(tls, pki.rogue, pki.rogue_key)
+        _restart_trusting(d, pki, pki.rogue_ca)
+        wait_for("the heartbeat stream back", lambda: _reattached(d, pki, "renewed"), WINDOW_S)
+        member.kv_set("after", b"renewal")  # its calls go on the renewed channel too
+        assert member.kv_get("after") == b"renewal"
+        assert failures.empty(), failures.get()
+        assert member.membership is not None
+        assert member.membership.generation == joined.generation
+        member.raise_if_failed()
+        # One new channel, made at the redial, not one per call or beat after it.
+        assert member._c.files is not None and member._c.files.renewals == 1
+        member.leave()
+
+
+async def test_the_asyncio_client_shows_a_renewed_certificate_at_the_reconnect(
+    tmp_path: Path, mtls_daemon: tuple[StatefulDaemon, Pki]
+) -> None:
+    """The twin: the same renewal, seen by the asyncio client's heartbeat task."""
+    d, pki = mtls_daemon
+    tls = _files(tmp_path, pki)
+    failures: list[RendezvousError] = []
+    async with AsyncRendezvousClient(
+        d.current.endpoint, "renewed-aio", token=d.token, tls=tls, reconnect_window=WINDOW_S
+    ) as member:
+        joined = await member.join(**JOIN)
+        member.start_heartbeat(0.2, on_failure=failures.append)
+        _renew(tls, pki.rogue, pki.rogue_key)
+        await asyncio.to_thread(_restart_trusting, d, pki, pki.rogue_ca)
+        await asyncio.to_thread(
+            wait_for,
+            "the heartbeat stream back",
+            lambda: _reattached(d, pki, "renewed-aio"),
+            WINDOW_S,
+        )
+        await member.kv_set("after", b"renewal")
+        assert await member.kv_get("after") == b"renewal"
+        assert not failures, failures
+        assert member.membership is not None
+        assert member.membership.generation == joined.generation
+        member.raise_if_failed()
+        await member.leave()
+
+
+def test_a_half_written_renewal_keeps_the_working_certificate_and_says_so_once(
+    tmp_path: Path,
+    mtls_daemon: tuple[StatefulDaemon, Pki],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The certificate replaced and its key not yet (they do not match): the channel
+    made with the old pair stays, the member reattaches on it after the daemon's
+    restart (which still trusts the old pair), and one WARNING names the files,
+    never the key's bytes."""
+    caplog.set_level(logging.WARNING, logger="rendezvousd.client")
+    d, pki = mtls_daemon
+    tls = _files(tmp_path, pki)
+    assert tls.cert is not None and tls.key is not None
+    key_pem = tls.key.read_text()
+    failures: queue.Queue[RendezvousError] = queue.Queue()
+    with RendezvousClient(
+        d.current.endpoint, "half", token=d.token, tls=tls, reconnect_window=WINDOW_S
+    ) as member:
+        member.join(**JOIN)
+        member.start_heartbeat(0.2, on_failure=failures.put)
+        tmp = tls.cert.with_suffix(".new")
+        shutil.copy2(pki.rogue, tmp)
+        os.replace(tmp, tls.cert)  # the key is still the old certificate's
+        _restart_trusting(d, pki, pki.ca)
+
+        def back() -> bool:
+            tls_probe = TlsConfig(ca=pki.ca, cert=pki.client, key=pki.client_key)
+            with RendezvousClient(
+                d.current.endpoint, "half", token=d.token, tls=tls_probe
+            ) as probe:
+                members = probe.get_job().members
+            return len(members) == 1 and members[0].heartbeat_stream_open
+
+        wait_for("the heartbeat stream back on the old pair", back, WINDOW_S)
+        member.kv_set("after", b"restart")
+        assert failures.empty(), failures.get()
+        said = [r.getMessage() for r in caplog.records if "do not work together" in r.getMessage()]
+        assert len(said) == 1, said
+        assert str(tls.cert) in said[0] and str(tls.key) in said[0], said[0]
+        assert "keeps the certificate it connected with" in said[0], said[0]
+        assert all(key_pem.strip() not in r.getMessage() for r in caplog.records)
+        assert "PRIVATE KEY" not in "\n".join(r.getMessage() for r in caplog.records)
+        member.leave()
+
+
+def test_a_call_made_after_the_renewal_shows_the_renewed_certificate(
+    tmp_path: Path, mtls_daemon: tuple[StatefulDaemon, Pki]
+) -> None:
+    """No heartbeat to notice it (an inspecting client, `rendezvousd status`'s): the
+    call that finds no connection makes the channel anew (the call core's ``Renew``)
+    and is answered. Before, the old certificate's refusal was its answer: "closes
+    every TLS connection during the handshake"."""
+    d, pki = mtls_daemon
+    tls = _files(tmp_path, pki)
+    with RendezvousClient(d.current.endpoint, token=d.token, tls=tls) as inspector:
+        assert inspector.list_jobs() == []
+        _renew(tls, pki.rogue, pki.rogue_key)
+        _restart_trusting(d, pki, pki.rogue_ca)
+        assert inspector.list_jobs() == []
+
+
+async def test_the_asyncio_clients_call_after_the_renewal_shows_the_renewed_certificate(
+    tmp_path: Path, mtls_daemon: tuple[StatefulDaemon, Pki]
+) -> None:
+    """The twin of the call's renewal."""
+    d, pki = mtls_daemon
+    tls = _files(tmp_path, pki)
+    async with AsyncRendezvousClient(d.current.endpoint, token=d.token, tls=tls) as inspector:
+        assert await inspector.list_jobs() == []
+        _renew(tls, pki.rogue, pki.rogue_key)
+        await asyncio.to_thread(_restart_trusting, d, pki, pki.rogue_ca)
+        assert await inspector.list_jobs() == []
