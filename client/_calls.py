@@ -356,7 +356,8 @@ class Calls:
             # A waiting call on a channel whose certificate the daemon refuses (renewed
             # on disk since, the old one expired) would wait its whole deadline: the
             # channel is made anew first. Free while the channel is connected.
-            yield from self.renewal()
+            if self.files is not None:
+                yield from self.renewal()
             wait = max(0.0, deadline - share - time.monotonic())
             try:
                 answer = yield Rpc(method, request, wait, health)

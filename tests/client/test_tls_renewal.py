@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from rendezvousd.client import (
     RendezvousError,
     TlsConfig,
 )
-from tests.support import Pki, StatefulDaemon, make_pki, wait_for
+from tests.support import Pki, StatefulDaemon, launcher_cmd, make_pki, wait_for
 
 HEARTBEAT_TIMEOUT_S = "3"
 #: Wide enough for a daemon's restart on a loaded machine; the test waits on events.
@@ -213,3 +214,49 @@ async def test_the_asyncio_clients_call_after_the_renewal_shows_the_renewed_cert
         _renew(tls, pki.rogue, pki.rogue_key)
         await asyncio.to_thread(_restart_trusting, d, pki, pki.rogue_ca)
         assert await inspector.list_jobs() == []
+
+
+_STEPPING = """\
+import sys, time
+from pathlib import Path
+from rendezvousd.trainer.distributed import init_distributed
+with init_distributed() as ctx:
+    step = 0
+    while not Path(sys.argv[2]).exists():
+        ctx.progress(step)
+        if step == 3:
+            Path(sys.argv[1]).touch()
+        step += 1
+        time.sleep(0.05)
+"""
+
+
+def test_a_node_agent_outlives_its_certificates_renewal_and_a_restart(
+    tmp_path: Path, mtls_daemon: tuple[StatefulDaemon, Pki]
+) -> None:
+    """rendezvous-run's agent, one client for the whole job: its certificate renewed on
+    disk, the daemon restarted trusting only the renewed one's CA; the node reattaches
+    and its worker finishes (exit 0). Before, the agent lost the daemon and stopped
+    its worker."""
+    d, pki = mtls_daemon
+    tls = _files(tmp_path, pki)
+    script, stepping, stop = tmp_path / "w.py", tmp_path / "stepping", tmp_path / "stop"
+    script.write_text(_STEPPING)
+    cmd = launcher_cmd(1, 0, 1, endpoint=d.current.endpoint, token_file=d.token_file)
+    flags = ["--tls-ca", str(tls.ca), "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+    agent = subprocess.Popen(
+        [*cmd, "--job-id", "agent-renewed", *flags, str(script), str(stepping), str(stop)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for("the worker to step", stepping.exists, timeout=60)
+        _renew(tls, pki.rogue, pki.rogue_key)
+        _restart_trusting(d, pki, pki.rogue_ca)
+        wait_for("the node back", lambda: _reattached(d, pki, "agent-renewed"), WINDOW_S)
+        stop.touch()
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, err
+    assert "unreachable" not in err, err
