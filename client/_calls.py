@@ -310,7 +310,9 @@ class Calls:
         """Credentials of TLS files renewed since the channel was made, else None
         (``TlsFiles.renewed``): the twins ask it before a heartbeat stream's redial,
         the call core where a call found no connection (``renewal``)."""
-        return None if self.files is None else self.files.renewed(self.s.endpoint)
+        if self.files is None or not self.files.changed():
+            return None
+        return self.files.renewed(self.s.endpoint)
 
     def renewal(self) -> Steps[bool]:
         """Where a connection failed: the channel made anew when the TLS files were

@@ -212,10 +212,15 @@ class AsyncRendezvousClient(steps.ClientBase):
             return True
         return None
 
-    async def _renew(self) -> bool:
-        """``RendezvousClient._renew``: the files looked at off the loop, the channel
-        made on it (grpc.aio binds a channel to the loop it is made on)."""
-        if self._c.files is None or self._channel.get_state() is grpc.ChannelConnectivity.READY:
+    async def _renew(self, *, unless_ready: bool = True) -> bool:
+        """``RendezvousClient._renew``: the files read off the loop, the channel made
+        on it (grpc.aio binds a channel to the loop it is made on)."""
+        files = self._c.files
+        if files is None:
+            return False
+        if unless_ready and self._channel.get_state() is grpc.ChannelConnectivity.READY:
+            return False
+        if not files.changed():  # the common case, on the loop: no thread for three stats
             return False
         credentials = await asyncio.to_thread(self._c.renewed)
         if credentials is None or self._s.closed:
@@ -450,6 +455,10 @@ class AsyncRendezvousClient(steps.ClientBase):
                     watch.woke(now - last)
                     last = now
                     if not read.done():
+                        if watch.outage_since is not None and await self._renew(unless_ready=False):
+                            # A redialled stream waiting for a channel whose certificate
+                            # the daemon may refuse: the next opens on the renewed one.
+                            break
                         if watch.may_look_back():  # a plain connect: off the loop
                             watch.back_again(await asyncio.to_thread(watch.look.listening))
                         deadline = watch.deadline()
@@ -489,7 +498,8 @@ class AsyncRendezvousClient(steps.ClientBase):
             delay = watch.ended(error)
             if delay is None:
                 return
-            await self._renew()  # before the redial: a certificate renewed on disk is shown
+            # Before the redial: a certificate renewed on disk is shown.
+            await self._renew(unless_ready=False)
             await asyncio.sleep(delay)
 
     async def _stop_heartbeat(self, *, keep_opened: bool = False) -> None:

@@ -304,6 +304,12 @@ class TlsFiles:
 
         return tuple(one(path) for path in (self.tls.ca, self.tls.cert, self.tls.key))
 
+    def changed(self) -> bool:
+        """Whether the files differ from those the channel was made from and from the
+        last pair that failed to load: three stats, no read (cheap enough for the
+        asyncio client to ask on its loop, going to a thread only to read them)."""
+        return self.stamp() not in (self._made, self._refused)
+
     def renewed(self, endpoint: str) -> grpc.ChannelCredentials | None:
         """Credentials from the files as they are now, where they changed since the
         channel was made and load as a working pair; else None. A pair that does not

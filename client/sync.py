@@ -233,13 +233,15 @@ class RendezvousClient(steps.ClientBase):
             return self._ready_future(step.timeout) if ready is None else ready
         return None
 
-    def _renew(self) -> bool:
+    def _renew(self, *, unless_ready: bool = True) -> bool:
         """``steps.Renew``: the channel made anew from TLS files renewed since it was
         made (``Calls.renewed`` decides), its stubs and call stream with it; whether
-        it was. The heartbeat's next stream opens on it too."""
+        it was. The heartbeat's next stream opens on it too. ``unless_ready``: not
+        while the channel is READY (a call's look); the heartbeat, whose stream broke,
+        looks whatever the channel's state, which can still read READY then."""
         core: Any = getattr(self._channel, "_channel", None)
         with contextlib.suppress(ValueError):  # "Channel closed!": close() meanwhile
-            if core is not None and core.check_connectivity_state(False) == _READY:
+            if unless_ready and core is not None and core.check_connectivity_state(False) == _READY:
                 return False
         credentials = self._c.renewed()
         if credentials is None:
@@ -548,7 +550,8 @@ class RendezvousClient(steps.ClientBase):
             delay = None if self._hb_stop.is_set() else watch.ended(error)
             if delay is None:
                 return
-            self._renew()  # before the redial: a certificate renewed on disk is shown
+            # Before the redial: a certificate renewed on disk is shown.
+            self._renew(unless_ready=False)
             self._hb_stop.wait(delay)
 
     def _watchdog(self, watch: StreamWatch) -> None:
@@ -561,6 +564,13 @@ class RendezvousClient(steps.ClientBase):
             if self._hb_stop.wait(min(WATCH_S, max(0.01, wait))) or watch.done:
                 return
             watch.watchdog_ran()  # every WATCH_S: a long gap was this process's
+            if watch.outage_since is not None and self._renew(unless_ready=False):
+                # The stream redialled meanwhile waits for a channel whose certificate
+                # the daemon may refuse (waitForReady: until the window's end): it
+                # ends now, and the next opens on the renewed channel.
+                call = self._hb_call
+                if call is not None:
+                    call.cancel()
             if watch.may_look_back():
                 watch.back_again(watch.look.listening())
             deadline = watch.deadline()

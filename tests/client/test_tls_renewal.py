@@ -23,6 +23,7 @@ from rendezvousd.client import (
     RendezvousError,
     TlsConfig,
 )
+from rendezvousd.client.connection import TlsFiles
 from tests.support import Pki, StatefulDaemon, launcher_cmd, make_pki, wait_for
 
 HEARTBEAT_TIMEOUT_S = "3"
@@ -260,3 +261,31 @@ def test_a_node_agent_outlives_its_certificates_renewal_and_a_restart(
         agent.kill()
     assert agent.returncode == 0, err
     assert "unreachable" not in err, err
+
+
+def test_the_files_decide_once_per_state_and_take_the_pair_once_it_is_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``TlsFiles``, the decision both twins ask: nothing while the files are the
+    channel's; a half-written pair refused and said once however often it is asked;
+    the pair taken once its key follows, and then nothing again."""
+    caplog.set_level(logging.WARNING, logger="rendezvousd.client")
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    tls = _files(tmp_path, pki)
+    assert tls.cert is not None and tls.key is not None
+    files = TlsFiles(tls)
+    assert not files.changed() and files.renewed("127.0.0.1:1") is None
+    tmp = tls.cert.with_suffix(".new")
+    shutil.copy2(pki.rogue, tmp)
+    os.replace(tmp, tls.cert)  # the certificate renewed, its key not yet
+    assert files.changed()
+    assert files.renewed("127.0.0.1:1") is None
+    assert not files.changed() and files.renewed("127.0.0.1:1") is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "do not work together yet" in said[0], said
+    assert "127.0.0.1:1" in said[0] and "PRIVATE KEY" not in said[0], said
+    _renew(tls, pki.rogue, pki.rogue_key)  # now the key, the pair whole
+    assert files.changed() and files.renewed("127.0.0.1:1") is not None
+    assert files.renewals == 1
+    assert not files.changed() and files.renewed("127.0.0.1:1") is None
