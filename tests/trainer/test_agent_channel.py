@@ -45,7 +45,7 @@ from rendezvousd.trainer.agent.recovery import (
     Failure,
     RestartBudget,
 )
-from rendezvousd.trainer.agent.state_copy import MAX_STEP_ADVANCE, StateCopy
+from rendezvousd.trainer.agent.state_copy import MAX_STEP_ADVANCE, Offer, StateCopy
 from rendezvousd.trainer.agent.warm_workers import Exited, Ready, SparePool, stop_all
 from rendezvousd.trainer.config import DistributedConfig
 from rendezvousd.trainer.errors import AgentChannelError
@@ -89,7 +89,7 @@ def test_bfloat16_state_arrays_come_back_as_bfloat16_through_the_agents_copy(
     frame = b.recv(timeout=5)
     assert frame is not None
     copy = StateCopy()
-    assert copy.offer(frame)
+    assert copy.offer(frame) is Offer.KEPT
     state = copy.latest()
     assert state is not None
     out = state.arrays()
@@ -241,8 +241,8 @@ def _state(step: int) -> Frame:
 def test_state_copy_keeps_the_newest_step_only() -> None:
     copy = StateCopy()
     assert copy.latest() is None
-    assert copy.offer(_state(4)) and copy.offer(_state(5))
-    assert not copy.offer(_state(3))  # a restarted worker cannot roll it back
+    assert copy.offer(_state(4)) is Offer.KEPT and copy.offer(_state(5)) is Offer.KEPT
+    assert copy.offer(_state(3)) is Offer.OLDER  # a restarted worker cannot roll it back
     latest = copy.latest()
     assert latest is not None and latest.step == 5
     assert latest.arrays()["w"].tolist() == [5.0, 5.0]
@@ -254,15 +254,20 @@ def test_a_state_out_of_range_is_refused_and_cannot_pin_the_copy() -> None:
         with pytest.raises(FrameError, match="step"):
             copy.offer(Frame("state", {"step": step}))
     assert copy.latest() is None
-    assert copy.offer(_state(4))
+    # The first state of all may resume from anywhere (a checkpoint).
+    assert copy.offer(_state(4 + 10 * MAX_STEP_ADVANCE)) is Offer.KEPT
+    copy = StateCopy()
+    assert copy.offer(_state(4)) is Offer.KEPT
     # A worker's counter jumping far past its own previous state is broken.
     with pytest.raises(FrameError, match="past the same worker's previous state"):
         copy.offer(_state(4 + MAX_STEP_ADVANCE + 1), after=4)
-    assert copy.offer(_state(5), after=4)
-    # A fresh worker's first state may resume from anywhere (an old checkpoint).
-    assert copy.offer(_state(5 + 10 * MAX_STEP_ADVANCE))
+    assert copy.offer(_state(5), after=4) is Offer.KEPT
+    # A fresh worker's first state (no previous one of its own) is held to the copy:
+    # refused, not its failure, and the copy stays.
+    assert copy.offer(_state(6 + MAX_STEP_ADVANCE)) is Offer.PAST_COPY
+    assert copy.offer(_state(5 + MAX_STEP_ADVANCE)) is Offer.KEPT
     latest = copy.latest()
-    assert latest is not None and latest.step == 5 + 10 * MAX_STEP_ADVANCE
+    assert latest is not None and latest.step == 5 + MAX_STEP_ADVANCE
 
 
 def test_a_state_whose_array_list_lies_is_refused_by_the_agent() -> None:

@@ -84,6 +84,7 @@ from rendezvousd.trainer.agent.warm_workers import (
     Exited,
     Misbehaved,
     Reported,
+    Said,
     SparePool,
     WorkerProcess,
     stop_all,
@@ -856,9 +857,13 @@ class NodeAgent:
         """The next event, or None when POLL_S passed without one (the callers'
         loops look at their interrupt flag and clocks between events)."""
         try:
-            return self.events.get(timeout=POLL_S)
+            event = self.events.get(timeout=POLL_S)
         except queue.Empty:
             return None
+        if isinstance(event, Said):
+            self.note(event.line)
+            return None
+        return event
 
     def _spare_died(self, gen: int | None, event: Exited, *, replaced: bool) -> Failure | None:
         """Count a spare's death; the failure to give up with when none is left.

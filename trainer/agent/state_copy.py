@@ -16,6 +16,7 @@ that died with its node are simply not offered.
 
 from __future__ import annotations
 
+import enum
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +34,11 @@ NOTHING = -1
 #: The largest step a state may carry: the largest integer every JSON reader keeps
 #: exactly (and far below the int64 that ``agree_on_step`` reduces).
 MAX_STEP = (1 << 53) - 1
-#: How far one worker's state may be ahead of the same worker's previous one. Its
-#: first state may carry any step (it may resume from an old checkpoint); after
-#: that, a step this far ahead is a broken counter, and kept it would pin the copy:
-#: no later state, being older, could ever replace it.
+#: How far a state may be ahead of the same worker's previous one, and of the agent's
+#: copy: a step this far ahead is a broken counter, and kept it would pin the copy (no
+#: later state, being older, could ever replace it, and every node resumes from the
+#: largest step any node holds). Only a worker's first state while the agent holds no
+#: copy may carry any step: it may resume from a checkpoint.
 MAX_STEP_ADVANCE = 1 << 20
 # What an agent accepts as an array's dtype string (numpy's ``dtype.str``); the
 # worker that restores the state checks it is a plain numeric dtype.
@@ -57,29 +59,47 @@ class StepState:
         return unpack_arrays(self.entries, self.payload)
 
 
+class Offer(enum.Enum):
+    """What ``StateCopy.offer`` did with a state."""
+
+    KEPT = "kept"
+    #: Not newer than the copy (a restarted worker re-sending an older step).
+    OLDER = "older"
+    #: More than ``MAX_STEP_ADVANCE`` past the copy: refused, the copy stays.
+    PAST_COPY = "past the copy"
+
+
 class StateCopy:
     """The agent's copy: the newest step state any of its workers handed over.
 
     Kept as the raw frame (no decode in the agent), replaced only by a newer
-    step: a restarted worker re-sending an older step cannot roll it back.
+    step: a restarted worker re-sending an older step cannot roll it back, and
+    one whose step is wildly ahead cannot pin it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._latest: StepState | None = None
 
-    def offer(self, frame: Frame, after: int | None = None) -> bool:
-        """Keep ``frame`` if its step is newer than the copy's; False if not (a
-        restarted worker re-sending an older step). ``after``: the step of the
-        sender's previous state, if any. ``FrameError`` for a state no worker
-        should send (a step out of range, an array list that does not describe
-        the payload), which would otherwise be handed to every restarted worker."""
+    def offer(self, frame: Frame, after: int | None = None) -> Offer:
+        """Keep ``frame`` if its step is newer than the copy's and at most
+        ``MAX_STEP_ADVANCE`` past it. ``after``: the step of the sender's previous
+        state, if any. ``FrameError`` for a state no worker should send (a step out
+        of range or too far past its own previous one, an array list that does not
+        describe the payload), which would otherwise be handed to every restarted
+        worker. A state too far past the copy is refused but is no failure of its
+        worker: the first state of a fresh process (a restarted local rank 0) has no
+        previous one of its own to be judged against, and the copy is what every
+        restart of this node offers."""
         state = checked_state(frame, after)
         with self._lock:
-            if self._latest is not None and self._latest.step >= state.step:
-                return False
+            if self._latest is not None:
+                if self._latest.step >= state.step:
+                    return Offer.OLDER
+                if state.step > self._latest.step + MAX_STEP_ADVANCE:
+                    return Offer.PAST_COPY
             self._latest = state
-        return True
+        return Offer.KEPT
 
     def latest(self) -> StepState | None:
         with self._lock:

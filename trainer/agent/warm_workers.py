@@ -30,9 +30,15 @@ from typing import Any
 
 from rendezvousd.client.relay import RelayEnd, Send
 from rendezvousd.trainer.agent._agent_boot import signal_group
-from rendezvousd.trainer.agent.agent_channel import Channel, ChannelClosed
+from rendezvousd.trainer.agent.agent_channel import Channel, ChannelClosed, Frame
 from rendezvousd.trainer.agent.agent_worker import Assignment
-from rendezvousd.trainer.agent.state_copy import MAX_STEP, StateCopy, StepState
+from rendezvousd.trainer.agent.state_copy import (
+    MAX_STEP,
+    MAX_STEP_ADVANCE,
+    Offer,
+    StateCopy,
+    StepState,
+)
 from rendezvousd.trainer.agent.worker_boot import Booted, ForkedProcess, ForkServer, start
 from rendezvousd.trainer.errors import AgentChannelError
 
@@ -48,6 +54,11 @@ MAX_UNSENT_BYTES = 64 << 20
 # How long a best-effort frame (abort, failure-noted) may wait for a worker that reads
 # nothing: the agent's main thread sends them, and it must go on to stop the worker.
 BEST_EFFORT_S = 1.0
+
+
+def _step_shown(frame: Frame) -> str:
+    step = frame.header.get("step")
+    return str(step) if type(step) is int and 0 <= step <= MAX_STEP else "out of range"
 
 
 def replies_full(unsent: int, unsent_bytes: int, size: int) -> bool:
@@ -94,6 +105,14 @@ class Reported:
     # The rank whose report of the failure the worker relays (a ring neighbour's
     # notice), for the daemon's root cause; None: the worker saw it itself.
     witness: int | None = None
+
+
+@dataclass(frozen=True)
+class Said:
+    """A line for the agent's log about a worker, which changes nothing else (a
+    reader thread does not print: the agent's main thread says it, in order)."""
+
+    line: str
 
 
 @dataclass(frozen=True)
@@ -148,6 +167,9 @@ class WorkerProcess:
         self.released = threading.Event()
         # The step of this worker's last state frame: the next may not be far past it.
         self._state_step: int | None = None
+        # Whether the agent's log already said this worker's state was not kept: said
+        # once per process, as a worker sends one after every step.
+        self._state_refusal_said = False
         self._events = events
         self._state = state
         self._relay = relay(self._send_reply) if relay is not None else None
@@ -213,8 +235,7 @@ class WorkerProcess:
                     if type(step) is int and 0 <= step <= MAX_STEP:
                         self.last_step = step
                     if frame.kind == "state":
-                        self._state.offer(frame, self._state_step)
-                        self._state_step = frame.header["step"]
+                        self._take_state(frame)
                 elif frame.kind == "failed":
                     witness = frame.header.get("witness")
                     # Passed on only as a rank the request can carry; anything else dropped.
@@ -236,6 +257,43 @@ class WorkerProcess:
         finally:
             if self._relay is not None:
                 self._relay.close()  # a gone worker's parked calls must not hold the daemon
+
+    def _take_state(self, frame: Frame) -> None:
+        if self.local_rank != 0:
+            # Only local rank 0 sends its state (``AgentLink.save_state``); any other
+            # process's would be handed to every rank of every later restart.
+            self._refuse_state(
+                f"sent a state frame (step {_step_shown(frame)}), but only local rank 0's "
+                "worker hands the agent its state: dropped, the copy stays as it was; "
+                "call ctx.save_state() on every rank (it sends from local rank 0 only) "
+                "instead of writing state frames yourself"
+            )
+            return
+        offered = self._state.offer(frame, self._state_step)
+        step = frame.header["step"]
+        self._state_step = step
+        if offered is Offer.PAST_COPY:
+            copy = self._state.latest()
+            self._refuse_state(
+                f"sent a state for step {step}, more than {MAX_STEP_ADVANCE} steps "
+                f"(MAX_STEP_ADVANCE) past this node's copy (step "
+                f"{'?' if copy is None else copy.step}): not kept, as a broken step counter "
+                "kept would be what every later restart resumes from; its later states "
+                "that far ahead are refused too, unsaid. If the step is right (this node "
+                f"missed over {MAX_STEP_ADVANCE} steps), restart this node's rendezvous-run "
+                "to drop its copy"
+            )
+
+    def _refuse_state(self, what: str) -> None:
+        if self._state_refusal_said:
+            return
+        self._state_refusal_said = True
+        who = (
+            f"worker local rank {self.local_rank}"
+            if self.local_rank is not None
+            else f"spare worker for local rank {self.slot}"
+        )
+        self._events.put(Said(f"warning: {who} (pid {self.pid}) {what}"))
 
     def _send_reply(self, reply: bytes) -> None:
         with self._unsent_lock:
