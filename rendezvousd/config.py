@@ -183,7 +183,9 @@ class DaemonConfig:
     )
     max_waiters_per_job: int = setting(
         Limits.max_waiters_per_job,
-        "parked calls one job may hold (so one job cannot block the others' joins)",
+        "parked calls one job's members may hold (so one job cannot block the others' "
+        "joins); its standby and scale-up joins parked for a later generation have half "
+        "as many of their own",
         _COUNT,
     )
     max_barriers_per_job: int = setting(

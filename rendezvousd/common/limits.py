@@ -56,6 +56,16 @@ class Limits:
         return self.max_waiters // 8
 
     @property
+    def parked_joins_per_job(self) -> int:
+        """The node joins one job may hold parked for a later generation (standbys,
+        scale-ups, its id's next run), half of ``max_waiters_per_job`` (4096 by
+        default), counted apart from its members' parked calls: anyone holding the job's
+        token may start standbys, and they must never take the room the members' own
+        barriers and joins need. (A job may so hold 1.5 x max_waiters_per_job parked
+        calls; ``max_waiters`` still bounds all jobs together.)"""
+        return max(1, self.max_waiters_per_job // 2)
+
+    @property
     def calls_per_job(self) -> int:
         """The most calls (streams included) one job's token may hold open at once: what a
         world of ``max_members_per_job`` needs, a call stream and a heartbeat stream per

@@ -267,7 +267,10 @@ class Metrics:
         used = self.limit_used
         used.labels("max_jobs").set(sum(1 for job in state.jobs.values() if not idle(job)))
         used.labels("max_waiters").set(state.waiter_count)
-        used.labels("max_waiters_per_job").set(max(state.calls.per_job.values(), default=0))
+        calls = state.calls
+        used.labels("max_waiters_per_job").set(
+            max(map(calls.members_held, calls.per_job), default=0)
+        )
         kv = [job.gen.kv_bytes for job in state.jobs.values()]
         used.labels("max_kv_bytes").set(sum(kv))
         used.labels("max_kv_bytes_per_job").set(max(kv, default=0))

@@ -86,6 +86,8 @@ def test_limit_refusals_name_the_job_and_the_setting_to_raise() -> None:
     assert per_job.metadata["limit"] == "max_waiters_per_job"
     assert "job 'a' already holds max_waiters_per_job=1 waiting calls" in per_job.message
     assert "a larger --max-waiters-per-job" in per_job.message
+    # It names what holds the slots, and that parked node joins are counted apart.
+    assert "(waiting: 1 in a join of its forming generation; the 0 node joins" in (per_job.message)
 
 
 def test_a_rank_with_no_seat_is_told_to_join_again() -> None:

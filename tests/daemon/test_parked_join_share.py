@@ -1,0 +1,94 @@
+"""Node joins parked for a later generation (standbys, scale-ups) have a share of
+their own, half of ``max_waiters_per_job``: any number of them, from anyone holding
+the job's token, cannot take the room the job's members need for their own barriers
+(helper-173's finding 3, on a real daemon)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from rendezvousd.client import LimitExceeded, RendezvousClient
+from tests.daemon.test_limits import limited_daemon
+from tests.support import DaemonProcess, wait_for
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    yield from limited_daemon(
+        tmp_path_factory.mktemp("share"), max_waiters_per_job=4, max_waiters=64
+    )
+
+
+def test_parked_standbys_cannot_take_the_members_barrier_room(
+    small: DaemonProcess, job_id: str
+) -> None:
+    clients: list[RendezvousClient] = []
+
+    def client() -> RendezvousClient:
+        c = RendezvousClient(small.endpoint, job_id, token=small.token)
+        clients.append(c)
+        return c
+
+    refused: list[str] = []
+    ended: list[str] = []
+
+    def standby(i: int) -> None:
+        try:
+            client().join_node(
+                min_nodes=1,
+                max_nodes=1,
+                gpus_per_node=2,
+                host=f"spare{i}",
+                standby=True,
+                timeout=20,
+            )
+        except LimitExceeded as exc:
+            refused.append(str(exc))
+        except Exception as exc:  # closed at the test's end: its wait is cut
+            ended.append(repr(exc))
+
+    try:
+        agent = client()
+        node = agent.join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, host="n0", timeout=20)
+        agent.start_heartbeat()
+        workers = [client() for _ in range(2)]
+        for i, w in enumerate(workers):
+            w.attach(node.membership_for(i), node.member_instance_id(i))
+        spares = [threading.Thread(target=standby, args=(i,), daemon=True) for i in range(4)]
+        for t in spares:
+            t.start()
+        wait_for(
+            "every standby parked or refused",
+            lambda: agent.get_job().standbys + len(refused) >= 4,
+            timeout=15,
+        )
+        # Both members' barrier completes: the standbys hold no room of theirs.
+        outcomes: list[str] = []
+
+        def barrier(w: RendezvousClient) -> None:
+            try:
+                w.barrier("step-1", timeout=10)
+                outcomes.append("ok")
+            except Exception as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+
+        first = threading.Thread(target=barrier, args=(workers[0],))
+        first.start()
+        barrier(workers[1])
+        first.join(timeout=15)
+        assert outcomes == ["ok", "ok"], outcomes
+        # Two standbys park (half of max_waiters_per_job=4); the others are refused,
+        # told what holds the slots.
+        assert agent.get_job().standbys == 2
+        assert len(refused) == 2, (refused, ended)
+        for text in refused:
+            assert "already holds 2 node joins parked for a later generation" in text, text
+            assert "(2 of them parked standby joins)" in text, text
+            assert "half of max_waiters_per_job=4" in text, text
+            assert "a larger --max-waiters-per-job" in text, text
+    finally:
+        for c in clients:
+            c.close()
