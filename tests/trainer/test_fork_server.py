@@ -350,9 +350,15 @@ booted = server.spawn(0, [{str(script)!r}], env)
 print(server.proc.pid, booted.proc.pid, flush=True)
 time.sleep(600)
 """
-    proc = subprocess.Popen(
-        [sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
+    err = tmp_path / "agent.err"  # the server's stderr too (inherited)
+    with err.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", agent],
+            stdout=subprocess.PIPE,
+            stderr=sink,
+            text=True,
+            start_new_session=True,
+        )
     child = 0
     try:
         assert proc.stdout is not None
@@ -363,6 +369,10 @@ time.sleep(600)
         _wait_gone(server_pid)
         _wait_gone(worker_pid)
         _wait_gone(child, within=10)
+        # The agent's death reaches the server twice (its socket's end, its parent-death
+        # signal): the second, raised inside the stop the first began, cut it short
+        # with a traceback (seen by helper-174 after a SIGKILLed rendezvous-run).
+        assert "Traceback" not in err.read_text(), err.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
