@@ -707,16 +707,18 @@ def three_nodes_stuck_at_step_two(
     prefixes: Sequence[Sequence[str]] = ((), (), ()),
     env: Mapping[str, str] | None = None,
     script: Path = TORCH_WORKER,
+    extras: Sequence[Sequence[str]] = ((), (), ()),
 ) -> list[Torchrun]:
     """Three torchrun agents (--nnodes 2:3, 2 workers each, --max-restarts 1) whose
     6-rank world hangs after step 2, as if stuck in a collective: only their agents
     can get them out. Returns once every rank reached step 2. One restart: an agent
     with none left stops when a peer is lost, rather than re-form (an agent whose
-    workers hang never spends it: ``survivors_trained_on``)."""
+    workers hang never spends it: ``survivors_trained_on``). ``extras``: each agent's
+    workers' further arguments."""
     worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
     agents = [
-        torchrun(d, job, "2:3", *worker, max_restarts=1, prefix=p, env=env, script=script)
-        for p in prefixes
+        torchrun(d, job, "2:3", *worker, *x, max_restarts=1, prefix=p, env=env, script=script)
+        for p, x in zip(prefixes, extras, strict=True)
     ]
     wait_for(
         "all 6 ranks at step 2",

@@ -445,17 +445,8 @@ def test_an_agent_stopped_by_sigterm_tells_the_survivors_so(
     the wrap, they heard it after)."""
     d = start_daemon()
     log = tmp_path / "steps.jsonl"
-    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    slow = ("--stop-delay", "5")
-    agents = [
-        torchrun(d, job_id, "2:3", *worker, *extra, max_restarts=1, script=ENV_WORKER)
-        for extra in ((), (), slow)
-    ]
-    wait_for(
-        "all 6 ranks at step 2",
-        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,
-        timeout=120,
-    )
+    slow = ((), (), ("--stop-delay", "5"))
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, script=ENV_WORKER, extras=slow)
     told = f"(torchrun's agent on {HOST} was stopped by SIGTERM)"
     stopped = time.monotonic()
     os.kill(agents[2].proc.pid, signal.SIGTERM)  # the agent only: it stops its workers
@@ -490,17 +481,8 @@ def test_an_agent_stopped_by_ctrl_c_gives_no_advice_to_take_part_as_it_stops(
     cadence gave 8 s 2 beats)."""
     d = start_daemon("--heartbeat-timeout-s", "3")
     log = tmp_path / "steps.jsonl"
-    worker = ["--steps", "4", "--step-log", str(log), "--hang-after", "2", "--hang-world", "6"]
-    slow = ("--stop-delay", "4")
-    agents = [
-        torchrun(d, job_id, "2:3", *worker, *extra, max_restarts=1, script=ENV_WORKER)
-        for extra in ((), (), slow)
-    ]
-    wait_for(
-        "all 6 ranks at step 2",
-        lambda: len({s["rank"] for s in torch_steps(log) if s["step"] == 2}) == 6,
-        timeout=120,
-    )
+    slow = ((), (), ("--stop-delay", "4"))
+    agents = three_nodes_stuck_at_step_two(torchrun, d, job_id, log, script=ENV_WORKER, extras=slow)
     signalled = time.monotonic()
     os.killpg(agents[2].proc.pid, signal.SIGINT)
     assert agents[2].wait(90) != 0
