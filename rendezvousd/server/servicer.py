@@ -533,15 +533,16 @@ class RendezvousServicer:
         # Any holder of the job's token may abort it (documented); who did is said, as
         # the transition's words are the caller's own (h173: a forged "loopback
         # address" cause ended every node as a setup error, its sender logged nowhere).
-        scope = _caller()
-        log.info(
-            "job %s generation %d: %s by %s with %s",
-            request.job_id,
-            generation,
-            "closed" if request.close else "aborted",
-            peer_text(context),
-            "the admin token" if scope.admin else f"a token of job {scope.job}",
-        )
+        if context is not None:  # None: the status page's Abort, which says who itself
+            scope = _caller()
+            log.info(
+                "job %s generation %d: %s by %s with %s",
+                request.job_id,
+                generation,
+                "closed" if request.close else "aborted",
+                peer_text(context),
+                "the admin token" if scope.admin else f"a token of job {scope.job}",
+            )
         await self._durably(request.job_id, self.state.take_effects())
         return pb.AbortJobResponse(generation=generation, closed=closed)
 
