@@ -78,6 +78,8 @@ class Calls:
                 "always have room for their own calls; start fewer standby nodes, retry "
                 "once some end, or start the daemon with a larger --max-waiters-per-job",
                 job_id=job.job_id,
+                # As data: a standby's agent ends on it at once (exit 2), no restart spent.
+                share="parked_joins",
             )
         if not parks_join and held - joins >= self.limits.max_waiters_per_job:
             # One job (one buggy or hostile token holder) must not take every slot.

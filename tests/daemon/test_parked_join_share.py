@@ -5,14 +5,17 @@ the job's token, cannot take the room the job's members need for their own barri
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import threading
 from collections.abc import Iterator
 
 import pytest
 
 from rendezvousd.client import LimitExceeded, RendezvousClient
+from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION as WIRE
 from tests.daemon.test_limits import limited_daemon
-from tests.support import DaemonProcess, wait_for
+from tests.support import ROOT, DaemonProcess, launcher_cmd, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +95,60 @@ def test_parked_standbys_cannot_take_the_members_barrier_room(
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_standby_agent_beyond_the_share_ends_at_once_spending_no_restart(
+    small: DaemonProcess, job_id: str
+) -> None:
+    """rendezvous-run --standby refused for the share spent each restart on the same
+    refusal (3 tries in 62 ms, helper-175), then advised to raise --max-restarts: no
+    restart changes it. Now a setup error: exit 2 at once, the daemon's words kept."""
+    clients: list[RendezvousClient] = []
+
+    def client() -> RendezvousClient:
+        c = RendezvousClient(small.endpoint, job_id, token=small.token)
+        clients.append(c)
+        return c
+
+    def standby(i: int) -> None:
+        c = client()
+        with contextlib.suppress(Exception):  # closed at the test's end: its wait is cut
+            c.join_node(
+                min_nodes=1,
+                max_nodes=1,
+                gpus_per_node=1,
+                host=f"spare{i}",
+                standby=True,
+                timeout=30,
+                wire_version=WIRE,
+            )
+
+    try:
+        agent = client()
+        # The wire version rendezvous-run sends: one node of another was refused first.
+        agent.join_node(
+            min_nodes=1, max_nodes=1, gpus_per_node=1, host="n0", timeout=20, wire_version=WIRE
+        )
+        agent.start_heartbeat()
+        for i in range(2):
+            threading.Thread(target=standby, args=(i,), daemon=True).start()
+        wait_for("two standbys parked", lambda: agent.get_job().standbys == 2, timeout=15)
+        cmd = launcher_cmd(1, "auto", 1, endpoint=small.endpoint, token_file=small.token_file)
+        cmd += [
+            "--job-id",
+            job_id,
+            "--standby",
+            "--max-restarts",
+            "2",
+            "-m",
+            "rendezvousd.trainer.example",
+        ]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    finally:
+        for c in clients:
+            c.close()
+    assert run.returncode == 2, run.stderr
+    assert "node joins parked for a later generation" in run.stderr, run.stderr
+    assert "restart 1 of 2" not in run.stderr and "raise --max-restarts" not in run.stderr, (
+        run.stderr
+    )

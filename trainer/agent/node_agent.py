@@ -182,15 +182,20 @@ def _setup_refusal(answer: RendezvousError, holder: str | None) -> bool:
     take, a shape other than the job's (``REFUSALS``); nodes of two versions, or a
     daemon older than JoinNode (``VersionMismatch``: the daemon's words name both hosts
     and versions, or the method the daemon lacks); a --node-rank a live node agent holds (``holder``, once
-    waited for: ``_rank_held``); a world over the daemon's --max-members-per-job
-    (other limits, such as a daemon holding --max-jobs jobs, may pass). They exited 1,
-    as a worker's failure does."""
+    waited for: ``_rank_held``); a world over the daemon's --max-members-per-job; a
+    job's share of parked joins already full (more standbys than it has room for: each
+    restart's join was refused in milliseconds, 3 in 62 ms, helper-175). Other limits,
+    such as a daemon holding --max-jobs jobs, may pass. They exited 1, as a worker's
+    failure does."""
     return (
         isinstance(answer, (*REFUSALS, VersionMismatch))
         or holder is not None
         or (
             isinstance(answer, LimitExceeded)
-            and answer.metadata.get("limit") == "max_members_per_job"
+            and (
+                answer.metadata.get("limit") == "max_members_per_job"
+                or answer.metadata.get("share") == "parked_joins"
+            )
         )
     )
 
