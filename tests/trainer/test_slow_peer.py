@@ -7,11 +7,13 @@ The worker is ``tests/workers/slow_peer_worker.py``."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,3 +174,25 @@ def test_in_a_ring_of_three_the_stopped_rank_is_the_one_named_that_says_no_wait(
             p.wait(10)
     assert [p.returncode for p in procs] == [0, 0, 0], [log.read_text() for log in logs]
     assert "has waited" not in logs[1].read_text()
+
+
+def test_a_wait_said_and_then_heard_is_said_ended_though_the_communicator_stops_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The watcher looks every quarter threshold (every 5 s at the defaults): a run that
+    ended right after its peer was heard again never said so (helper-175: four lines of
+    rank 0 waiting on rank 1, then none that rank 1 came back)."""
+    from rendezvousd.trainer.comm.peer_wait import DATA, PeerWaits
+
+    waits = PeerWaits(0, warn_s=2.0, timeout_s=300.0)  # looks every 0.5 s
+    waits.hosts[1] = "host 10.0.0.2"
+    caplog.set_level(logging.WARNING, logger="rendezvousd.trainer")
+    waits.start()
+    try:
+        waits.begin(1, (0, 0, 0, 1, 16), DATA)
+        wait_for("the wait said", lambda: "has waited" in caplog.text, timeout=10)
+        time.sleep(0.1)  # the watcher back asleep, its next look 0.4 s away
+        waits.current = None  # heard
+    finally:
+        waits.stop()
+    assert "heard from rank 1 (host 10.0.0.2) again after waiting at least" in caplog.text

@@ -121,6 +121,11 @@ class PeerWaits:
             self._stop.wait(sleep)
             if time.monotonic() - (now + sleep) > frozen:
                 thawed = time.monotonic()
+        if said is not None and self.current is not said and not self.broken:
+            # Heard again since the last look, and stopped before the next (up to 5 s
+            # apart at the defaults): a run that ended just after the wait said nothing
+            # of its end (helper-175).
+            self._resumed(said, said_for)
 
     def _peer(self, peer: int) -> str:
         where = self.hosts.get(peer)
