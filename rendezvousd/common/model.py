@@ -190,6 +190,10 @@ class Transition:
     # entered its state before the restart, what the status page's timeline shows.
     restored: bool = False
     since: float | None = None
+    # A restored job's Unix time of entering its state, as the old daemon wrote it: a
+    # drained restart's ``since`` leaves the downtime out of the state's age (its TTL),
+    # and the timeline stamped a failure that much later (0.3 s down: 0.3 s late).
+    since_unix: float | None = None
     # The generation failed by losing a member (not a conflicting joiner): what
     # ``rendezvousd_failures_detected_total`` counts, whoever there was to tell.
     lost: bool = False

@@ -385,6 +385,9 @@ def restore_job(
         job.gen.restored = True
         resume_silence(job, raw, now, state.timing.heartbeat_timeout_s)
     state.jobs[job.job_id] = job
+    # Still the state it was stored in (not ended or fenced here): its stored Unix time
+    # (checked by ``job_from_record``) is when it entered it.
+    as_stored = job.state.name == raw["state"] and "state_since_unix" in raw
     state.calls.emit(
         Transition(
             job.job_id,
@@ -395,6 +398,7 @@ def restore_job(
             job.world_size,
             restored=True,
             since=job.state_since,
+            since_unix=min(float(raw["state_since_unix"]), time.time()) if as_stored else None,
         )
     )
 

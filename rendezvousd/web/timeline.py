@@ -49,7 +49,12 @@ class Timeline:
         entries = self._jobs.setdefault(t.job_id, deque(maxlen=KEPT))
         # A restored job's entry is stamped with when it entered its state before the
         # restart (a failure's time), not with the restart's.
-        at = time.time() if t.since is None else time.time() - (time.monotonic() - t.since)
+        if t.since_unix is not None:
+            at = t.since_unix  # a drained restart's ``since`` leaves its downtime out
+        elif t.since is None:
+            at = time.time()
+        else:
+            at = time.time() - (time.monotonic() - t.since)
         entries.append(
             Entry(
                 at,
