@@ -41,19 +41,12 @@ def daemon_serves(
     client is set to (``connect_timeout`` 30 s, its retries) and leaves its stream
     alone. A draining daemon does not serve: its successor is the one to tell."""
     from rendezvousd.client.errors import RendezvousError
-    from rendezvousd.client.sync import RendezvousClient
+    from rendezvousd.trainer.agent.root_cause import bounded_client
 
     limit = max(within, 0.05)
     try:
-        with RendezvousClient(
-            endpoint,
-            job_id,
-            token=token,
-            token_file=token_file,
-            tls=tls,
-            retry_attempts=0,
-            call_timeout=limit,
-            connect_timeout=limit,
+        with bounded_client(
+            endpoint, job_id, limit, token=token, token_file=token_file, tls=tls
         ) as client:
             client.check_health()
     except (RendezvousError, OSError, ValueError):

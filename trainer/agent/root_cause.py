@@ -26,6 +26,31 @@ SETTLE_S = 1.0
 CALL_TIMEOUT_S = 1.0
 
 
+def bounded_client(
+    endpoint: str,
+    job_id: str,
+    within: float = CALL_TIMEOUT_S,
+    *,
+    token: str | None = None,
+    token_file: str | None = None,
+    tls: TlsConfig | None = None,
+) -> RendezvousClient:
+    """A client of its own for one look at the daemon, without retries, each call and
+    connect bounded by ``within``: whatever the caller's client is set to (its
+    ``connect_timeout`` 30 s, its retries: 28 s for a GetJob in an outage), a look
+    ends in ``within``, and the caller's stream is left alone."""
+    return RendezvousClient(
+        endpoint,
+        job_id,
+        token=token,
+        token_file=token_file,
+        tls=tls,
+        retry_attempts=0,
+        call_timeout=within,
+        connect_timeout=within,
+    )
+
+
 def settled(first: FailedMember) -> bool:
     """Whether the daemon's first loss is its root cause for good: older than
     ``WITNESS_WINDOW_S``, within which a relayed report's witness still takes its
@@ -56,15 +81,7 @@ def lost_member(
     deadline = time.monotonic() + SETTLE_S
     settle_by = deadline + WITNESS_WINDOW_S
     try:
-        with RendezvousClient(
-            endpoint,
-            job_id,
-            token_file=token_file,
-            tls=tls,
-            retry_attempts=0,
-            call_timeout=CALL_TIMEOUT_S,
-            connect_timeout=CALL_TIMEOUT_S,
-        ) as client:
+        with bounded_client(endpoint, job_id, token_file=token_file, tls=tls) as client:
             # A daemon that speaks TLS to this plaintext client ends the query at once,
             # where the call below would reconnect until its deadline: each attempt
             # one more "Handshake failed" line in the daemon's log.
