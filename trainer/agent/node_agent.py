@@ -77,7 +77,7 @@ from rendezvousd.trainer.agent.recovery import (
     room_wait,
     stray,
 )
-from rendezvousd.trainer.agent.root_cause import CALL_TIMEOUT_S
+from rendezvousd.trainer.agent.root_cause import bounded_client
 from rendezvousd.trainer.agent.state_copy import StateCopy
 from rendezvousd.trainer.agent.waiting_note import saying_what_it_waits_for
 from rendezvousd.trainer.agent.warm_workers import (
@@ -1059,15 +1059,20 @@ class NodeAgent:
         """Whether the daemon's record of ``relay``'s failure is settled: its witness,
         if one of this node's workers, reported (and was passed on), or the witness
         window since the relay's own report is over (``rounds._witness_first``)."""
-        witness = relay.reported_witness
         if time.monotonic() - relay.last_progress >= WITNESS_WINDOW_S:
             return True
-        return any(
-            w.local_rank is not None
-            and first_rank + w.local_rank == witness
-            and w.reported_cause is not None
-            for w in self.active
-        )
+        return self._reported_worker(first_rank, relay.reported_witness) is not None
+
+    def _reported_worker(self, first_rank: int, rank: int | None) -> WorkerProcess | None:
+        """This node's worker at global ``rank`` that reported its failure, if any."""
+        for w in self.active:
+            if (
+                w.local_rank is not None
+                and first_rank + w.local_rank == rank
+                and w.reported_cause is not None
+            ):
+                return w
+        return None
 
     def _relayed_failure(self, gen: int, first_rank: int, event: Exited) -> Failure:
         """The failure of a worker that relayed another rank's report, as the daemon
@@ -1080,14 +1085,9 @@ class NodeAgent:
         # Where the daemon cannot be asked (down with the lost node), its rule: the
         # witness's report within the window takes the relay's place.
         named = recorded.rank if recorded is not None else w.reported_witness
-        if named != rank:
-            for other in self.active:
-                if (
-                    other.local_rank is not None
-                    and first_rank + other.local_rank == named
-                    and other.reported_cause is not None
-                ):
-                    return self._local_failure(gen, first_rank, other, other.reported_cause, 1)
+        other = self._reported_worker(first_rank, named) if named != rank else None
+        if other is not None and other.reported_cause is not None:
+            return self._local_failure(gen, first_rank, other, other.reported_cause, 1)
         assert w.reported_cause is not None  # held only after its report (``_watch``)
         first = None if recorded is None or recorded.rank == rank else recorded
         return self._local_failure(
@@ -1096,21 +1096,16 @@ class NodeAgent:
 
     def _recorded_first(self, gen: int) -> FailedMember | None:
         """The daemon's first loss of ``gen``; None where it cannot say (gone, moved on).
-        Asked by a client of its own, bounded (``root_cause.CALL_TIMEOUT_S``): through
+        Asked by a client of its own, bounded (``root_cause.bounded_client``): through
         the node's, a daemon down with the lost node (rank 0's node hosting it) held
         this failure's words 28 s, its call's retries in the outage."""
         transport = self.config.rendezvous
         if transport.endpoint is None:
             return None
+        token = self.client.current_token() or self._token
         try:
-            with RendezvousClient(
-                transport.endpoint,
-                self.config.job_id,
-                token=self.client.current_token() or self._token,
-                tls=transport.tls(),
-                retry_attempts=0,
-                call_timeout=CALL_TIMEOUT_S,
-                connect_timeout=CALL_TIMEOUT_S,
+            with bounded_client(
+                transport.endpoint, self.config.job_id, token=token, tls=transport.tls()
             ) as probe:
                 job = probe.get_job()
         except (RendezvousError, OSError, ValueError):
@@ -1158,16 +1153,8 @@ class NodeAgent:
             return self._first_own_report(first_rank)
         if not isinstance(error, PeerFailed) or not error.failed:
             return None
-        first = error.failed[0].rank
-        for w in self.active:
-            if (
-                w.local_rank is not None
-                and first_rank + w.local_rank == first
-                and w.reported_cause is not None
-                and w not in self._unreported
-            ):
-                return w
-        return None
+        w = self._reported_worker(first_rank, error.failed[0].rank)
+        return w if w is not None and w not in self._unreported else None
 
     def _first_own_report(self, first_rank: int) -> WorkerProcess | None:
         """This node's worker whose report came first, by the daemon's rule: a relay's
