@@ -90,6 +90,13 @@ def _now() -> float:
     return time.monotonic()
 
 
+def _connection(context: Any) -> str:
+    """The gRPC peer a member's call came over, as the state machine matches it against
+    the member's heartbeat stream (``seats.own_connection``): "" when unknown."""
+    peer = peer_text(context)
+    return "" if peer == "unknown" else peer
+
+
 def _member_of(request: Any) -> tuple[str, int, int]:
     """Who a member's call comes from, as the state machine's methods take it first."""
     return request.job_id, request.generation, request.rank
@@ -352,6 +359,7 @@ class RendezvousServicer:
             request.cause,
             _now(),
             witness=request.witness_rank if request.HasField("witness_rank") else None,
+            connection=_connection(context),
         )
         await self._durably(request.job_id, self.state.take_effects())
         return pb.ReportFailureResponse()
@@ -367,7 +375,9 @@ class RendezvousServicer:
     async def GetMembers(
         self, request: pb.GetMembersRequest, context: Any
     ) -> pb.GetMembersResponse:
-        table = self.state.member_table(*_member_of(request), request.instance_id)
+        table = self.state.member_table(
+            *_member_of(request), request.instance_id, connection=_connection(context)
+        )
         if request.start_rank >= len(table):
             raise validation.invalid(
                 Reason.RANK_OUT_OF_RANGE,
@@ -387,14 +397,22 @@ class RendezvousServicer:
 
     # -- barrier and key-value ---------------------------------------------
 
-    async def _kv_change(self, request: _KeyCall, change: Callable[..., T], *args: object) -> T:
-        """The state's key-value ``change`` for ``request``'s caller and key, with ``args``
-        after the key; answered and seen by woken readers only once durable; on storage
+    async def _kv_change(
+        self, request: _KeyCall, context: Any, change: Callable[..., T], *args: object
+    ) -> T:
+        """The state's key-value ``change`` for ``request``'s caller (over ``context``) and
+        key, with ``args`` after the key; answered and seen by woken readers only once durable; on storage
         failure the Persister undoes it and readers get the fault too."""
         job_id, key = request.job_id, request.key
         self.persister.before_kv(job_id, key)
         result = change(
-            job_id, request.generation, request.rank, key, *args, instance_id=request.instance_id
+            job_id,
+            request.generation,
+            request.rank,
+            key,
+            *args,
+            instance_id=request.instance_id,
+            connection=_connection(context),
         )
         self.persister.touch(job_id, key)
         await self._durably(job_id, self.state.take_effects())
@@ -407,22 +425,28 @@ class RendezvousServicer:
             request.sequence,
             _now(),
             instance_id=request.instance_id,
+            connection=_connection(context),
         )
         sequence = await self._settle(outcome, request.wait_timeout_ms, context)
         return pb.BarrierResponse(sequence=sequence)
 
     async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
-        await self._kv_change(request, self.state.kv_set, request.value)
+        await self._kv_change(request, context, self.state.kv_set, request.value)
         return pb.KvSetResponse()
 
     async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
         outcome = self.state.kv_get(
-            *_member_of(request), request.key, request.wait, _now(), instance_id=request.instance_id
+            *_member_of(request),
+            request.key,
+            request.wait,
+            _now(),
+            instance_id=request.instance_id,
+            connection=_connection(context),
         )
         return pb.KvGetResponse(value=await self._settle(outcome, request.wait_timeout_ms, context))
 
     async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
-        value = await self._kv_change(request, self.state.kv_add, request.delta)
+        value = await self._kv_change(request, context, self.state.kv_add, request.delta)
         return pb.KvAddResponse(value=value)
 
     async def KvCompareAndSet(
@@ -430,7 +454,7 @@ class RendezvousServicer:
     ) -> pb.KvCompareAndSetResponse:
         expected = request.expected if request.HasField("expected") else None
         swapped, current = await self._kv_change(
-            request, self.state.kv_compare_and_set, expected, request.desired
+            request, context, self.state.kv_compare_and_set, expected, request.desired
         )
         response = pb.KvCompareAndSetResponse(swapped=swapped)
         if current is not None:
@@ -438,7 +462,7 @@ class RendezvousServicer:
         return response
 
     async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
-        deleted = await self._kv_change(request, self.state.kv_delete)
+        deleted = await self._kv_change(request, context, self.state.kv_delete)
         return pb.KvDeleteResponse(deleted=deleted)
 
     # -- liveness -------------------------------------------------------------
@@ -451,7 +475,8 @@ class RendezvousServicer:
         if first is None:
             return
         _authorize("Heartbeat", first.job_id)
-        async for event in self.streams.serve(first, iterator, peer_host(peer_text(context))):
+        connection = _connection(context)
+        async for event in self.streams.serve(first, iterator, peer_host(connection), connection):
             yield event
 
     async def _first_beat(
@@ -510,7 +535,12 @@ class RendezvousServicer:
             self.state.leave_given_up(request.job_id, request.instance_id, _now(), mode=mode)
         else:
             kept = self.state.leave(
-                *_member_of(request), request.instance_id, _now(), mode=mode, final=request.final
+                *_member_of(request),
+                request.instance_id,
+                _now(),
+                mode=mode,
+                final=request.final,
+                connection=_connection(context),
             )
         try:
             await self._durably(request.job_id, self.state.take_effects())

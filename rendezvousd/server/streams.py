@@ -100,9 +100,10 @@ class HeartbeatStreams:
         first: pb.HeartbeatRequest,
         iterator: AsyncIterator[pb.HeartbeatRequest],
         peer: str = "",
+        connection: str = "",
     ) -> AsyncIterator[pb.JobEvent]:
-        """The stream whose first request is ``first`` (from host ``peer``): events
-        until it ends."""
+        """The stream whose first request is ``first`` (from host ``peer``, over the
+        gRPC peer ``connection``): events until it ends."""
         mode = JoinMode.of_caller(first.node)
         key = (first.job_id, first.generation, mode, first.rank)
         token = self.state.attach_stream(
@@ -113,6 +114,7 @@ class HeartbeatStreams:
             self._now(),
             mode=mode,
             peer=peer,
+            connection=connection,
         )
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         # Acknowledge the attach at once: a client reattaching after a restart

@@ -77,6 +77,10 @@ class Attendee:
     # The host its last heartbeat stream came from (not durable: a restarted daemon
     # knows it from its next stream), matched against the hosts refused for their token.
     peer: str = ""
+    # The gRPC peer (address and port: one connection) its last heartbeat stream came
+    # over, not durable either: a call that names no instance id is an old SDK's only
+    # when it rides this connection (``seats.own_connection``).
+    connection: str = ""
 
     def attach(self, now: float) -> int:
         """A heartbeat stream opened; returns its token for ``detach``."""
@@ -103,9 +107,10 @@ class Member(Attendee):
     host: str
     address: str
     instance_id: str
-    # A call for this rank came without an instance id and was refused: an SDK from
-    # before member instance ids, which sends one in its Join only. Its loss is then
-    # worded as that (``rounds.loss_cause``), not as the stream's end that followed.
+    # A call for this rank came without an instance id over its own heartbeat stream's
+    # connection and was refused: an SDK from before member instance ids, which sends
+    # one in its Join and heartbeat only. Its loss is then worded as that
+    # (``rounds.loss_cause``), not as the stream's end that followed.
     without_instance_id: bool = False
 
     def info(self) -> MemberInfo:

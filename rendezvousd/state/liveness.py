@@ -49,9 +49,11 @@ def report_failure(
     now: float,
     *,
     witness: int | None = None,
+    connection: str = "",
 ) -> None:
     """Lose the member at ``local_rank`` of ``node_rank`` with ``cause``; ``witness``:
-    the rank whose report of it the worker relays (``rounds._witness_first``)."""
+    the rank whose report of it the worker relays (``rounds._witness_first``);
+    ``connection``: the gRPC peer the call came over (``seats.seated``)."""
 
     def in_range(name: str, value: int, bound_name: str, bound: int) -> None:
         validation.rank_in_range(name, value, bound_name, bound, job_id=job_id)
@@ -72,7 +74,9 @@ def report_failure(
             # parked joiner hears. (Unless its caller's run is forgotten: a restart.)
             refusal = fences.report_while_forming(job, told, JoinMode.RANK)
             raise seats.forgotten(sm, job, generation, instance_id, told, JoinMode.RANK, refusal)
-        job, member = seats.caller(sm, job_id, generation, told, instance_id, running=False)
+        job, member = seats.caller(
+            sm, job_id, generation, told, instance_id, running=False, connection=connection
+        )
     else:
         reporter, told = "its node agent", node_rank
         if forming:
@@ -117,9 +121,10 @@ def attach_stream(
     *,
     mode: JoinMode = JoinMode.RANK,
     peer: str = "",
+    connection: str = "",
 ) -> int:
-    """A heartbeat stream of attendee ``who`` opened (from host ``peer``, if known);
-    returns its token for ``detach_stream``."""
+    """A heartbeat stream of attendee ``who`` opened (from host ``peer``, over the gRPC
+    peer ``connection``, if known); returns its token for ``detach_stream``."""
     job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode)
     if mode is not job.gen.join_mode:
         # Its node agent's stream is this rank's liveness: a stream of the rank's own
@@ -127,6 +132,7 @@ def attach_stream(
         raise fences.rank_stream_in_node_job(job, who)
     token = seated.attach(now)
     seated.peer = peer or seated.peer
+    seated.connection = connection
     if waiting := placement.waiting_count(job):
         # Nodes parked before this stream (re)attached: it would miss the event.
         sm.calls.emit(
@@ -350,6 +356,7 @@ def leave(
     *,
     mode: JoinMode = JoinMode.RANK,
     final: bool = False,
+    connection: str = "",
 ) -> bool:
     """A goodbye. ``final``: a node agent that will not re-join (it gave up, or its
     process ends): no seat is kept for it in the next generation, and one kept for it
@@ -362,7 +369,9 @@ def leave(
         if job.state is JobState.FORMING and instance_id in job.gen.owed:
             joins.seat_given_up(sm, job, instance_id, now)
         return False
-    job, seated = seats.seated(sm, job_id, generation, who, instance_id, mode, running=False)
+    job, seated = seats.seated(
+        sm, job_id, generation, who, instance_id, mode, running=False, connection=connection
+    )
     if final and mode is JoinMode.NODE and job.state in (JobState.FAILED, JobState.ABORTED):
         # Kept out of the next generation's seats (``placement.owed_back``). No standby
         # is called yet: whether the job re-forms at all is known when a node re-joins

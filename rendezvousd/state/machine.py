@@ -98,11 +98,15 @@ class RendezvousState:
     stream_current = seats.stream_current
 
     def member_table(
-        self, job_id: str, generation: int, rank: int, instance_id: str
+        self, job_id: str, generation: int, rank: int, instance_id: str, *, connection: str = ""
     ) -> tuple[MemberInfo, ...]:
         """A formed generation's member table, for one of its members (GetMembers); a
-        generation that ended keeps it, so a worker may read it after its peers left."""
-        job, _ = seats.caller(self, job_id, generation, rank, instance_id, running=False)
+        generation that ended keeps it, so a worker may read it after its peers left.
+        ``connection``, here and in the members' other calls: the gRPC peer the call came
+        over (``seats.seated``)."""
+        job, _ = seats.caller(
+            self, job_id, generation, rank, instance_id, running=False, connection=connection
+        )
         if not job.gen.member_table:
             raise job.generation_fault()  # still forming: NOT_RUNNING
         return job.gen.member_table
@@ -117,8 +121,11 @@ class RendezvousState:
         now: float,
         *,
         instance_id: str,
+        connection: str = "",
     ) -> int | Parked:
-        job, member = seats.caller(self, job_id, generation, rank, instance_id)
+        job, member = seats.caller(
+            self, job_id, generation, rank, instance_id, connection=connection
+        )
         barrier, done = barriers.enter(job, member, name, sequence, self.limits)
         if done:
             return sequence
@@ -131,9 +138,17 @@ class RendezvousState:
         )
 
     def kv_set(
-        self, job_id: str, generation: int, rank: int, key: str, value: bytes, *, instance_id: str
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        key: str,
+        value: bytes,
+        *,
+        instance_id: str,
+        connection: str = "",
     ) -> None:
-        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        job = self._kv_job(job_id, generation, rank, key, instance_id, connection)
         self._store(job, key, validation.kv_value(value, self.limits))
 
     def kv_get(
@@ -146,8 +161,9 @@ class RendezvousState:
         now: float,
         *,
         instance_id: str,
+        connection: str = "",
     ) -> bytes | Parked:
-        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        job = self._kv_job(job_id, generation, rank, key, instance_id, connection)
         value = job.gen.kv.get(key)
         if value is not None:
             return value
@@ -160,9 +176,17 @@ class RendezvousState:
         )
 
     def kv_add(
-        self, job_id: str, generation: int, rank: int, key: str, delta: int, *, instance_id: str
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        key: str,
+        delta: int,
+        *,
+        instance_id: str,
+        connection: str = "",
     ) -> int:
-        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        job = self._kv_job(job_id, generation, rank, key, instance_id, connection)
         value = kv.counter(job, key, delta)
         self._store(job, key, value)
         return int(value)
@@ -177,8 +201,9 @@ class RendezvousState:
         desired: bytes,
         *,
         instance_id: str,
+        connection: str = "",
     ) -> tuple[bool, bytes | None]:
-        job = self._kv_job(job_id, generation, rank, key, instance_id)
+        job = self._kv_job(job_id, generation, rank, key, instance_id, connection)
         validation.kv_value(desired, self.limits)
         current = job.gen.kv.get(key)
         if current != expected:
@@ -187,13 +212,23 @@ class RendezvousState:
         return True, desired
 
     def kv_delete(
-        self, job_id: str, generation: int, rank: int, key: str, *, instance_id: str
+        self,
+        job_id: str,
+        generation: int,
+        rank: int,
+        key: str,
+        *,
+        instance_id: str,
+        connection: str = "",
     ) -> bool:
-        return kv.delete(self._kv_job(job_id, generation, rank, key, instance_id), key)
+        job = self._kv_job(job_id, generation, rank, key, instance_id, connection)
+        return kv.delete(job, key)
 
-    def _kv_job(self, job_id: str, generation: int, rank: int, key: str, instance_id: str) -> Job:
+    def _kv_job(
+        self, job_id: str, generation: int, rank: int, key: str, instance_id: str, connection: str
+    ) -> Job:
         """The calling member's job, once ``key`` is a valid key."""
-        job, _ = seats.caller(self, job_id, generation, rank, instance_id)
+        job, _ = seats.caller(self, job_id, generation, rank, instance_id, connection=connection)
         validation.kv_key(key, self.limits)
         return job
 

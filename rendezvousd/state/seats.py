@@ -136,9 +136,12 @@ def seated(
     mode: JoinMode = JoinMode.RANK,
     *,
     running: bool = True,
+    connection: str = "",
 ) -> tuple[Job, Member | Node]:
     """``_seat``, and the caller must be the instance that took it: holding the token
-    is not enough to act for another job's or another process's seat."""
+    is not enough to act for another job's or another process's seat. ``connection``:
+    the gRPC peer the call came over ("" when unknown), which tells an old SDK's call
+    from a forged one (``own_connection``)."""
     job, seated = seat(sm, job_id, generation, who, mode, instance_id)
     refusal: RendezvousFault | None = None
     if seated.instance_id != instance_id:
@@ -153,7 +156,7 @@ def seated(
     if running and job.state is not JobState.RUNNING:
         raise job.generation_fault()
     if refusal is not None:  # another worker instance's rank (a node's was raised above)
-        if not instance_id and isinstance(seated, Member):
+        if not instance_id and isinstance(seated, Member) and own_connection(seated, connection):
             _without_instance_id(sm, job, seated)
         raise refusal
     return job, seated
@@ -177,10 +180,22 @@ def held_by(
     return job, seat
 
 
+def own_connection(member: Member, connection: str) -> bool:
+    """Whether a call came over ``member``'s open heartbeat stream's connection. An SDK
+    from before member instance ids sends its calls over the one channel its heartbeat
+    stream rides: one connection, the same gRPC peer, address and port. Any holder of
+    the job's token can name the rank without an instance id too, but over a
+    connection of its own (another host, or another process of the same host): its
+    call is refused alike, and says nothing of the member. (A daemon listening on a
+    Unix socket sees one peer for every caller: there, only callers of its own host.)"""
+    return bool(connection) and member.stream_open and member.connection == connection
+
+
 def _without_instance_id(sm: RendezvousState, job: Job, member: Member) -> None:
-    """A call for ``member``'s rank named no instance id: an SDK from before member
-    instance ids (every SDK since sends the one it joined with; the Join of an older one
-    carried it, its later calls do not). The call is refused and its worker fails, its
+    """A call for ``member``'s rank named no instance id, over its own heartbeat
+    stream's connection: an SDK from before member instance ids (every SDK since sends
+    the one it joined with; the Join and heartbeat of an older one carried it, its
+    later calls do not). The call is refused and its worker fails, its
     peers told only that its stream closed: so its loss says why
     (``rounds.loss_cause``), and the daemon's log says it once per job, naming the host."""
     member.without_instance_id = True
@@ -207,8 +222,11 @@ def caller(
     instance_id: str,
     *,
     running: bool = True,
+    connection: str = "",
 ) -> tuple[Job, Member]:
     """``_seated`` for a worker's own call (barrier, key-value, its table, its id)."""
-    job, member = seated(sm, job_id, generation, rank, instance_id, running=running)
+    job, member = seated(
+        sm, job_id, generation, rank, instance_id, running=running, connection=connection
+    )
     assert isinstance(member, Member)  # RANK seats are members
     return job, member

@@ -84,4 +84,4 @@ def _keep_liveness(kept: Attendee, was: Attendee) -> None:
     kept.stream_token, kept.stream_open = was.stream_token, was.stream_open
     kept.cut_at = was.cut_at  # its time to re-attach, not a loss the undo forgets
     kept.said_goodbye = was.said_goodbye
-    kept.peer = was.peer
+    kept.peer, kept.connection = was.peer, was.connection
