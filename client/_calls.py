@@ -306,13 +306,14 @@ class Calls:
             return secure(self.s.endpoint, made, options=options)
         return insecure(self.s.endpoint, options=options)
 
-    def renewed(self) -> Any:
-        """Credentials of TLS files renewed since the channel was made, else None
-        (``TlsFiles.renewed``): the twins ask it before a heartbeat stream's redial,
-        the call core where a call found no connection (``renewal``)."""
-        if self.files is None or not self.files.changed():
+    def renewed(self, made: int) -> tuple[int, Any] | None:
+        """For a channel made at renewal ``made``: the renewal it is behind and its
+        credentials, else None (``TlsFiles.renewed``). Asked for each channel of the
+        client (its own, before a heartbeat stream's redial and where a call found no
+        connection, ``renewal``; its member table's, ``_tables``)."""
+        if self.files is None or not self.files.changed(made):
             return None
-        return self.files.renewed(self.s.endpoint)
+        return self.files.renewed(self.s.endpoint, made)
 
     def renewal(self) -> Steps[bool]:
         """Where a connection failed: the channel made anew when the TLS files were

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from rendezvousd.client._calls import Blocking, Calls, Rpc, Run, Sleep
+from rendezvousd.client._calls import Blocking, Calls, Renew, Rpc, Run, Sleep
+from rendezvousd.client._replaced import Replaced, connected
 from rendezvousd.client._stubs import lazy_stub
 
 
@@ -23,27 +25,59 @@ class BlockingMembers:
         self._s = calls.s
         self._channel: grpc.Channel | None = None
         self._stubs: tuple[pb_grpc.RendezvousStub, health_pb2_grpc.HealthStub]
+        # The TLS files' renewal the channel was made at: made once, it showed the
+        # certificate of that moment for the client's life, and after a renewal and a
+        # daemon trusting only the new CA every fetch was refused at the handshake.
+        self._made = 0
+        self._replaced: Replaced[grpc.Channel] = Replaced()
         self._lock = threading.Lock()
+
+    def _open(self, made: int, credentials: Any = None) -> None:
+        self._channel = channel = self._c.channel(
+            grpc.secure_channel, grpc.insecure_channel, credentials
+        )
+        self._made = made
+        # Kept with their channel, made as the clients' are (``_stubs``).
+        self._stubs = (
+            lazy_stub(pb_grpc.RendezvousStub, channel),
+            lazy_stub(health_pb2_grpc.HealthStub, channel),
+        )
+
+    def _renew(self) -> bool:
+        """``steps.Renew``, as the clients' channels take it: the same decision
+        (``Calls.renewed``), for this channel's own renewal."""
+        for old in self._replaced.idle():
+            old.close()
+        with self._lock:
+            if self._channel is None or connected(self._channel):
+                return False
+            renewal = self._c.renewed(self._made)
+            if renewal is None:
+                return False
+            self._replaced.add(self._channel)
+            self._open(*renewal)
+        return True
 
     def __call__(self, request: pb.GetMembersRequest) -> pb.GetMembersResponse:
         with self._lock:
             if self._channel is None:
-                self._channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel)
-                # Kept with their channel, made as the clients' are (``_stubs``).
-                self._stubs = (
-                    lazy_stub(pb_grpc.RendezvousStub, self._channel),
-                    lazy_stub(health_pb2_grpc.HealthStub, self._channel),
-                )
-            stub, health = self._stubs
+                # At the renewal the client's files were last taken at, if any.
+                files = self._c.files
+                self._open(0 if files is None else files.renewals)
         run = Run(self._c.call("GetMembers", request))
         for step in run:  # the call's, its retries' and, should it fail, the TLS probe's
             try:
                 if isinstance(step, Rpc):
-                    run.answer = step.invoke(stub, health, self._s.metadata)
+                    with self._lock:
+                        stub, health = self._stubs
+                    # A future: counted as in flight on its channel (``_replaced``).
+                    run.answer = step.invoke(stub, health, self._s.metadata, future=True).result()
                 elif isinstance(step, Sleep):
                     time.sleep(step.seconds)
                 elif isinstance(step, Blocking):
                     run.answer = step.work()
+                elif isinstance(step, Renew):
+                    run.answer = self._renew()
                 else:  # Reachable: not asked; a failed fetch then probes for TLS (seconds)
                     run.answer = False
             except grpc.RpcError as exc:
@@ -53,6 +87,9 @@ class BlockingMembers:
 
     def close(self) -> None:
         with self._lock:
+            channels = self._replaced.take()
             if self._channel is not None:
-                self._channel.close()
+                channels.append(self._channel)
                 self._channel = None
+        for channel in channels:
+            channel.close()

@@ -19,6 +19,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import AsyncCallStream
 from rendezvousd.client._multiplex import Unsupported, lost_error
+from rendezvousd.client._replaced import Replaced
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
     WATCH_S,
@@ -94,8 +95,11 @@ class AsyncRendezvousClient(steps.ClientBase):
         # Wakes the stream's request iterator before its next beat, to say goodbye.
         self._hb_wake = asyncio.Event()
         self._hb_leave = False
-        # Channels replaced by one of renewed TLS files (``_renew``), closed with the client.
-        self._replaced: list[grpc.aio.Channel] = []
+        # Channels replaced by one of renewed TLS files (``_renew``): closed once no
+        # call is in flight on them (``_replaced``), the rest with the client.
+        self._replaced: Replaced[grpc.aio.Channel] = Replaced()
+        # The TLS files' renewal the channel was made at (``TlsFiles.renewed``).
+        self._made = 0
 
     # -- relayed calls (``relay``) ----------------------------------------------------
 
@@ -198,6 +202,8 @@ class AsyncRendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.LeaveOnStream):
             return await self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Renew):
+            for old in self._replaced.idle():  # before each call: their calls have ended
+                await old.close()
             return await self._renew()
         elif isinstance(step, steps.Connect):
             try:
@@ -220,14 +226,15 @@ class AsyncRendezvousClient(steps.ClientBase):
             return False
         if unless_ready and self._channel.get_state() is grpc.ChannelConnectivity.READY:
             return False
-        if not files.changed():  # the common case, on the loop: no thread for three stats
+        if not files.changed(self._made):  # the common case, on the loop: three stats
             return False
-        credentials = await asyncio.to_thread(self._c.renewed)
-        if credentials is None or self._s.closed:
+        renewal = await asyncio.to_thread(self._c.renewed, self._made)
+        if renewal is None or self._s.closed:
             return False
+        made, credentials = renewal
         channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel, credentials)
-        self._replaced.append(self._channel)
-        self._channel = channel
+        self._replaced.add(self._channel)
+        self._channel, self._made = channel, made
         self._stub = lazy_stub(pb_grpc.RendezvousStub, channel)
         self._health = lazy_stub(health_pb2_grpc.HealthStub, channel)
         if isinstance(self._mux, AsyncCallStream):
@@ -562,8 +569,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:
             await self._mux.close()
-        replaced, self._replaced = self._replaced, []
-        for channel in (*replaced, self._channel):
+        for channel in (*self._replaced.take(), self._channel):
             await channel.close()
         self._blocking.close()
 

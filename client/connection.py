@@ -289,8 +289,11 @@ class TlsFiles:
         # The files' stamp that last failed to load: said once, tried again only once
         # they change again (a renewal caught half-written is finished by a later write).
         self._refused: tuple[FileStamp, ...] | None = None
-        #: Channels made from renewed files (tests, the docs' "what clients do").
+        #: Renewals taken so far: the generation of the files' latest working pair. Each
+        #: channel of the client (its own, its member table's) remembers the one it was
+        #: made at and follows a later one, whichever of them noticed the renewal.
         self.renewals = 0
+        self._latest: grpc.ChannelCredentials | None = None
 
     def stamp(self) -> tuple[FileStamp, ...]:
         def one(path: Path | None) -> FileStamp:
@@ -304,48 +307,54 @@ class TlsFiles:
 
         return tuple(one(path) for path in (self.tls.ca, self.tls.cert, self.tls.key))
 
-    def changed(self) -> bool:
-        """Whether the files differ from those the channel was made from and from the
-        last pair that failed to load: three stats, no read (cheap enough for the
-        asyncio client to ask on its loop, going to a thread only to read them)."""
-        return self.stamp() not in (self._made, self._refused)
+    def changed(self, made: int) -> bool:
+        """Whether a channel made at renewal ``made`` is behind: a later renewal taken,
+        or the files differ from the last pair taken and from the last that failed to
+        load. Three stats, no read (cheap enough for the asyncio client to ask on its
+        loop, going to a thread only to read them)."""
+        return self.renewals > made or self.stamp() not in (self._made, self._refused)
 
-    def renewed(self, endpoint: str) -> grpc.ChannelCredentials | None:
-        """Credentials from the files as they are now, where they changed since the
-        channel was made and load as a working pair; else None. A pair that does not
-        load (a renewal caught between its certificate and its key) keeps the
-        channel: a WARNING says so once per state of the files, naming them (never
+    def renewed(self, endpoint: str, made: int) -> tuple[int, grpc.ChannelCredentials] | None:
+        """For a channel made at renewal ``made``: the renewal to make it anew at and
+        its credentials, where the files changed since and load as a working pair (or
+        another channel of the client took a later renewal already); else None. A pair
+        that does not load (a renewal caught between its certificate and its key) keeps
+        the channel: a WARNING says so once per state of the files, naming them (never
         their bytes)."""
         with self._lock:
             now = self.stamp()
-            if now == self._made or now == self._refused:
+            if now not in (self._made, self._refused):
+                self._take(endpoint, now)
+            if self.renewals <= made or self._latest is None:
                 return None
-            try:
-                made = self.tls.credentials()
-            except InvalidRequest as exc:
-                self._refused = now
-                log.warning(
-                    "the TLS files of this client of rendezvousd at %s changed (certificate "
-                    "%s, key %s, CA %s) but do not work together yet: %s. This client keeps "
-                    "the certificate it connected with, and reads the files again at its "
-                    "next reconnect once they change; if they stay so, write the "
-                    "certificate and its key again, each moved into place whole",
-                    endpoint,
-                    self.tls.cert,
-                    self.tls.key,
-                    self.tls.ca,
-                    exc,
-                )
-                return None
-            self._made, self._refused = now, None
-            self.renewals += 1
-            log.info(
-                "the TLS files of this client of rendezvousd at %s were renewed (certificate "
-                "%s): its next connection shows them",
+            return self.renewals, self._latest
+
+    def _take(self, endpoint: str, now: tuple[FileStamp, ...]) -> None:
+        try:
+            made = self.tls.credentials()
+        except InvalidRequest as exc:
+            self._refused = now
+            log.warning(
+                "the TLS files of this client of rendezvousd at %s changed (certificate "
+                "%s, key %s, CA %s) but do not work together yet: %s. This client keeps "
+                "the certificate it connected with, and reads the files again at its "
+                "next reconnect once they change; if they stay so, write the "
+                "certificate and its key again, each moved into place whole",
                 endpoint,
                 self.tls.cert,
+                self.tls.key,
+                self.tls.ca,
+                exc,
             )
-            return made
+            return
+        self._made, self._refused, self._latest = now, None, made
+        self.renewals += 1
+        log.info(
+            "the TLS files of this client of rendezvousd at %s were renewed (certificate "
+            "%s): its next connection shows them",
+            endpoint,
+            self.tls.cert,
+        )
 
 
 _PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"

@@ -22,6 +22,7 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import BlockingCallStream
 from rendezvousd.client._multiplex import Unsupported, copy_error, lost_error
+from rendezvousd.client._replaced import Replaced, connected
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
     WATCH_S,
@@ -134,9 +135,11 @@ class RendezvousClient(steps.ClientBase):
         # The heartbeat stream opened before the join, its feed and its held requests.
         self._opened: tuple[Any, RequestFeed, _HeldRequests] | None = None
         self._opened_lock = threading.Lock()
-        # Channels replaced by one of renewed TLS files (``_renew``): closed with the
-        # client, not at once, as calls may still be in flight on them.
-        self._replaced: list[grpc.Channel] = []
+        # Channels replaced by one of renewed TLS files (``_renew``): closed once no
+        # call is in flight on them (``_replaced``), the rest with the client.
+        self._replaced: Replaced[grpc.Channel] = Replaced()
+        # The TLS files' renewal the channel was made at (``TlsFiles.renewed``).
+        self._made = 0
         _open.add(self)
 
     # -- relayed calls (``relay``) ----------------------------------------------------
@@ -225,6 +228,8 @@ class RendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Renew):
+            for old in self._replaced.idle():  # before each call: their calls have ended
+                old.close()
             return self._renew()
         elif isinstance(step, steps.Connect):
             ready = self._ready_within(step.timeout, failure_ends=False)
@@ -239,20 +244,19 @@ class RendezvousClient(steps.ClientBase):
         it was. The heartbeat's next stream opens on it too. ``unless_ready``: not
         while the channel is READY (a call's look); the heartbeat, whose stream broke,
         looks whatever the channel's state, which can still read READY then."""
-        core: Any = getattr(self._channel, "_channel", None)
-        with contextlib.suppress(ValueError):  # "Channel closed!": close() meanwhile
-            if unless_ready and core is not None and core.check_connectivity_state(False) == _READY:
-                return False
-        credentials = self._c.renewed()
-        if credentials is None:
+        if unless_ready and connected(self._channel):
             return False
+        renewal = self._c.renewed(self._made)
+        if renewal is None:
+            return False
+        made, credentials = renewal
         channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel, credentials)
         with self._hb_lock:  # close() marks the client closed under it
             if self._s.closed:
                 channel.close()
                 return False
-            self._replaced.append(self._channel)
-            self._channel = channel
+            self._replaced.add(self._channel)
+            self._channel, self._made = channel, made
             self._stub = lazy_stub(pb_grpc.RendezvousStub, channel)
             self._health = lazy_stub(health_pb2_grpc.HealthStub, channel)
             # Under the lock too: two renewals in a row leave the call stream on the
@@ -623,7 +627,7 @@ class RendezvousClient(steps.ClientBase):
         if self._mux is not None:
             self._mux.close()
         with self._hb_lock:
-            replaced, self._replaced = self._replaced, []
+            replaced = self._replaced.take()
         for channel in (*replaced, self._channel):
             channel.close()
 
