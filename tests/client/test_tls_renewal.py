@@ -215,7 +215,7 @@ def test_channels_replaced_by_renewals_are_closed_once_their_calls_end(
             assert len(inspector._replaced) == 0
             open_channels = [c for c in gc.get_objects() if isinstance(c, grpc.Channel)]
             live = [c for c in open_channels if _channel_open(c)]
-            assert len(live) <= 2, len(live)  # the client's own, the proxy test's none
+            assert len(live) <= 2, len(live)  # the client's own, and its member table's
     finally:
         proxy.close()
 
