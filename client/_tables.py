@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2_grpc
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client._calls import Blocking, Calls, Renew, Rpc, Run, Sleep
-from rendezvousd.client._replaced import Replaced, connected
 from rendezvousd.client._stubs import lazy_stub
+from rendezvousd.client.connection import connected
 
 
 class BlockingMembers:
@@ -29,7 +29,8 @@ class BlockingMembers:
         # certificate of that moment for the client's life, and after a renewal and a
         # daemon trusting only the new CA every fetch was refused at the handshake.
         self._made = 0
-        self._replaced: Replaced[grpc.Channel] = Replaced()
+        # Closed with this holder, as the clients' are (``RendezvousClient._replaced``).
+        self._replaced: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
     def _open(self, made: int, credentials: Any = None) -> None:
@@ -46,15 +47,13 @@ class BlockingMembers:
     def _renew(self) -> bool:
         """``steps.Renew``, as the clients' channels take it: the same decision
         (``Calls.renewed``), for this channel's own renewal."""
-        for old in self._replaced.idle():
-            old.close()
         with self._lock:
             if self._channel is None or connected(self._channel):
                 return False
             renewal = self._c.renewed(self._made)
             if renewal is None:
                 return False
-            self._replaced.add(self._channel)
+            self._replaced.append(self._channel)
             self._open(*renewal)
         return True
 
@@ -70,8 +69,7 @@ class BlockingMembers:
                 if isinstance(step, Rpc):
                     with self._lock:
                         stub, health = self._stubs
-                    # A future: counted as in flight on its channel (``_replaced``).
-                    run.answer = step.invoke(stub, health, self._s.metadata, future=True).result()
+                    run.answer = step.invoke(stub, health, self._s.metadata)
                 elif isinstance(step, Sleep):
                     time.sleep(step.seconds)
                 elif isinstance(step, Blocking):
@@ -87,7 +85,7 @@ class BlockingMembers:
 
     def close(self) -> None:
         with self._lock:
-            channels = self._replaced.take()
+            channels, self._replaced = self._replaced, []
             if self._channel is not None:
                 channels.append(self._channel)
                 self._channel = None

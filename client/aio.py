@@ -19,7 +19,6 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import AsyncCallStream
 from rendezvousd.client._multiplex import Unsupported, lost_error
-from rendezvousd.client._replaced import Replaced
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
     WATCH_S,
@@ -95,9 +94,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         # Wakes the stream's request iterator before its next beat, to say goodbye.
         self._hb_wake = asyncio.Event()
         self._hb_leave = False
-        # Channels replaced by one of renewed TLS files (``_renew``): closed once no
-        # call is in flight on them (``_replaced``), the rest with the client.
-        self._replaced: Replaced[grpc.aio.Channel] = Replaced()
+        # Channels replaced by one of renewed TLS files (``_renew``), closed with the
+        # client (as the blocking client's, ``RendezvousClient._replaced``).
+        self._replaced: list[grpc.aio.Channel] = []
         # The TLS files' renewal the channel was made at (``TlsFiles.renewed``).
         self._made = 0
 
@@ -202,8 +201,6 @@ class AsyncRendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.LeaveOnStream):
             return await self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Renew):
-            for old in self._replaced.idle():  # before each call: their calls have ended
-                await old.close()
             return await self._renew()
         elif isinstance(step, steps.Connect):
             try:
@@ -233,7 +230,7 @@ class AsyncRendezvousClient(steps.ClientBase):
             return False
         made, credentials = renewal
         channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel, credentials)
-        self._replaced.add(self._channel)
+        self._replaced.append(self._channel)
         self._channel, self._made = channel, made
         self._stub = lazy_stub(pb_grpc.RendezvousStub, channel)
         self._health = lazy_stub(health_pb2_grpc.HealthStub, channel)
@@ -569,7 +566,8 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._forget()  # a ``with`` block left after this must not Leave on the closed channel
         if self._mux is not None:
             await self._mux.close()
-        for channel in (*self._replaced.take(), self._channel):
+        replaced, self._replaced = self._replaced, []
+        for channel in (*replaced, self._channel):
             await channel.close()
         self._blocking.close()
 

@@ -942,3 +942,17 @@ def speaks_tls(endpoint: str, timeout: float = TLS_SNIFF_TIMEOUT_S) -> bool:
     except OSError:  # refused, reset, timed out: not a TLS answer
         return False
     return len(head) == 2 and head[0] in TLS_RECORD_TYPES and head[1] == 3
+
+
+_READY = grpc.ChannelConnectivity.READY.value[0]
+
+
+def connected(channel: Any) -> bool:
+    """Whether a blocking channel is READY (asked of its core, as ``_ready_within``
+    does: grpc.Channel's public ``subscribe`` starts threads that outlive the look).
+    False for a closed one."""
+    core: Any = getattr(channel, "_channel", None)
+    try:
+        return core is not None and bool(core.check_connectivity_state(False) == _READY)
+    except ValueError:  # "Channel closed!"
+        return False

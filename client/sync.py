@@ -22,7 +22,6 @@ from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import _calls as steps
 from rendezvousd.client._call_stream import BlockingCallStream
 from rendezvousd.client._multiplex import Unsupported, copy_error, lost_error
-from rendezvousd.client._replaced import Replaced, connected
 from rendezvousd.client._session import (
     HEARTBEAT_CALL_S,
     WATCH_S,
@@ -35,6 +34,7 @@ from rendezvousd.client._session import (
 from rendezvousd.client._stream_threads import RequestFeed, unraise
 from rendezvousd.client._stubs import lazy_stub
 from rendezvousd.client._tables import BlockingMembers
+from rendezvousd.client.connection import connected
 from rendezvousd.client.errors import RendezvousError
 from rendezvousd.client.membership import Membership, NodeMembership
 from rendezvousd.client.relay import RelayedCalls, RelayEnd, Send, submit_on
@@ -135,9 +135,11 @@ class RendezvousClient(steps.ClientBase):
         # The heartbeat stream opened before the join, its feed and its held requests.
         self._opened: tuple[Any, RequestFeed, _HeldRequests] | None = None
         self._opened_lock = threading.Lock()
-        # Channels replaced by one of renewed TLS files (``_renew``): closed once no
-        # call is in flight on them (``_replaced``), the rest with the client.
-        self._replaced: Replaced[grpc.Channel] = Replaced()
+        # Channels replaced by one of renewed TLS files (``_renew``): closed with the
+        # client, not at once: a blocking unary call in flight on one is no call gRPC
+        # counts (a segregated call), so no look can tell when it is safe to close, and
+        # a channel whose connection broke holds no descriptor meanwhile.
+        self._replaced: list[grpc.Channel] = []
         # The TLS files' renewal the channel was made at (``TlsFiles.renewed``).
         self._made = 0
         _open.add(self)
@@ -228,8 +230,6 @@ class RendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Renew):
-            for old in self._replaced.idle():  # before each call: their calls have ended
-                old.close()
             return self._renew()
         elif isinstance(step, steps.Connect):
             ready = self._ready_within(step.timeout, failure_ends=False)
@@ -255,7 +255,7 @@ class RendezvousClient(steps.ClientBase):
             if self._s.closed:
                 channel.close()
                 return False
-            self._replaced.add(self._channel)
+            self._replaced.append(self._channel)
             self._channel, self._made = channel, made
             self._stub = lazy_stub(pb_grpc.RendezvousStub, channel)
             self._health = lazy_stub(health_pb2_grpc.HealthStub, channel)
@@ -627,7 +627,7 @@ class RendezvousClient(steps.ClientBase):
         if self._mux is not None:
             self._mux.close()
         with self._hb_lock:
-            replaced = self._replaced.take()
+            replaced, self._replaced = self._replaced, []
         for channel in (*replaced, self._channel):
             channel.close()
 
