@@ -114,6 +114,9 @@ RESUMED_S = 2.0
 # How long a stopped node's abort (the daemon telling the other nodes why) goes before
 # its workers get the signal: a daemon that answers does within milliseconds.
 TELL_STOPPED_FIRST_S = 0.5
+# How long a stopped node's goodbye (its Leave) may hold its exit once its workers are
+# stopped: a daemon that answers confirms it within milliseconds (``_stopped_goodbye``).
+STOPPED_GOODBYE_S = 1.0
 # A worker's silence limit when the daemon advertises no heartbeat timeout (older).
 DEFAULT_SILENCE_S = 10.0
 STOPPING = "stopping this node's workers: "
@@ -1074,7 +1077,7 @@ class NodeAgent:
                 return w
         return None
 
-    def _relayed_failure(self, gen: int, first_rank: int, event: Exited) -> Failure:
+    def _relayed_failure(self, gen: int, first_rank: int, event: Exited) -> Failure | Interrupted:
         """The failure of a worker that relayed another rank's report, as the daemon
         recorded it: where its first loss is another worker of this node that reported
         (the witness), that worker failed first; else the relay, with the daemon's
@@ -1328,7 +1331,7 @@ class NodeAgent:
         *,
         exited: str | None = None,
         recorded: FailedMember | None = None,
-    ) -> Failure:
+    ) -> Failure | Interrupted:
         """``cause``: any text (a worker's exception), reported whole and shown shortened;
         ``exited``: how the worker that reported ``cause`` then exited ("exit code 1"),
         which this node's own lines add before it, as the others add a rank and host:
@@ -1351,7 +1354,7 @@ class NodeAgent:
             gen, rank, local, cause, status, said, report, shown, witness=w.reported_witness
         )
 
-    def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure:
+    def _link_failure(self, gen: int, first_rank: int, cause: str) -> Failure | Interrupted:
         """A link to another node went silent and the daemon told of nothing meanwhile:
         a cut between nodes that both reach the daemon. Reported as this node's own
         failure (its first rank's), as the CPU ring's ranks report a silent link."""
@@ -1370,18 +1373,22 @@ class NodeAgent:
         shown: str,
         *,
         witness: int | None = None,
-    ) -> Failure:
+    ) -> Failure | Interrupted:
         """A failure of this node's own, at ``local`` (global ``rank``): ``said`` here,
         reported to the daemon unless it already was (``report``), every worker stopped;
         ``shown``: ``cause`` as this node's summary lists it; ``witness``: the rank whose
         report of it the worker relays."""
         mark("failure-heard", generation=gen)
         self.note(said)
+        failure = Failure(gen, shown, rank, self.host, status, local_rank=local)
+        self.first_local = self.first_local or failure
         if report:
             # Before stopping our other workers: the other nodes hear of it sooner.
             self._report(local, cause, witness)
-        failure = Failure(gen, shown, rank, self.host, status, local_rank=local)
-        self.first_local = self.first_local or failure
+        if self._interrupted.is_set():
+            # Stopped while the report waited: the signal's stop, as torchrun's agent
+            # acts on it at once (its workers get their grace, the launcher 128 + N).
+            return self._interrupted_outcome(gen)
         # Worded as the daemon words it to the other nodes: every node's workers log
         # the same cause for the same failure.
         named = f"job {self.config.job_id!r} generation {gen}"
@@ -1389,10 +1396,27 @@ class NodeAgent:
         return self._stop(gen, failure, f"PeerFailed: {failed_text(named, [lost])}")
 
     def _report(self, local: int, cause: str, witness: int | None = None) -> None:
-        try:
-            self.client.report_failure(local, cause, witness_rank=witness)
-        except RendezvousError as exc:
-            self.note(f"could not report the failure to the daemon: {in_launchers_words(exc)}")
+        """Sent on a thread of its own and waited for (the other nodes hear of the
+        failure before this node's other workers are stopped), but not past a signal:
+        waited for on the loop, a daemon that did not answer held a SIGTERM for its
+        whole outage window (12 s measured), this node's other workers running on.
+        Stopped meanwhile, the report goes on while the node stops, and ends with it."""
+        sent = threading.Event()
+
+        def send() -> None:
+            try:
+                self.client.report_failure(local, cause, witness_rank=witness)
+            except RendezvousError as exc:
+                if not self._interrupted.is_set():  # else the stop says the daemon went untold
+                    said = in_launchers_words(exc)
+                    self.note(f"could not report the failure to the daemon: {said}")
+            finally:
+                sent.set()
+
+        threading.Thread(target=send, daemon=True, name="rendezvous-agent-report").start()
+        while not sent.wait(POLL_S):
+            if self._interrupted.is_set():
+                return
 
     def _stop(
         self,
@@ -1504,5 +1528,29 @@ class NodeAgent:
         stop_all(self.active, cause, self.config.stop_grace_s, signum)
         self.active = []
         if gen is not None:
-            self._end_generation(final=True)
+            self._stopped_goodbye()
         return Interrupted(signum)
+
+    def _stopped_goodbye(self) -> None:
+        """A stopped node's goodbye (``_end_generation``), on a thread of its own and
+        waited for ``STOPPED_GOODBYE_S`` at most: a daemon that answers confirms it
+        within milliseconds, one that does not (stopped, hung, cut off) held the exit
+        for the stream goodbye's wait and the final Leave's (6.5 s measured). Its
+        abort (NODE_STOPPED) already told the daemon, if it could be told, that this
+        node leaves for good; untold, the daemon loses it at its heartbeat timeout."""
+        goodbye = threading.Thread(
+            target=self._end_generation,
+            kwargs={"final": True},
+            daemon=True,
+            name="rendezvous-agent-goodbye",
+        )
+        goodbye.start()
+        goodbye.join(STOPPED_GOODBYE_S)
+        if goodbye.is_alive():
+            endpoint = self.config.rendezvous.endpoint or "its endpoint"
+            node = "" if self.placed is None else f"node {self.placed.node_rank} of "
+            self.note(
+                f"could not tell the daemon at {endpoint} that {node}job "
+                f"{self.config.job_id!r} left: no answer within {STOPPED_GOODBYE_S:g} s; "
+                "exiting without it (the daemon loses this node at its heartbeat timeout)"
+            )
