@@ -522,7 +522,7 @@ def test_a_stopped_node_tells_the_others_before_its_workers_are_done(
         nodes[0].send_signal(signal.SIGTERM)
         _, err = nodes[1].communicate(timeout=30)
         saved_before = (tmp_path / "saved").exists()
-        nodes[0].communicate(timeout=30)
+        _, stopped = nodes[0].communicate(timeout=30)
     finally:
         for n in nodes:
             if n.poll() is None:
@@ -533,6 +533,8 @@ def test_a_stopped_node_tells_the_others_before_its_workers_are_done(
     assert not saved_before, err  # node 1 was done before node 0's worker
     assert nodes[0].returncode == 128 + signal.SIGTERM
     assert (tmp_path / "saved").exists()
+    # A daemon that answers hears the stopped node's goodbye within its bound (1 s).
+    assert "could not tell the daemon" not in stopped, stopped
 
 
 def _hearing_worker(tmp_path: Path) -> Path:
