@@ -1538,6 +1538,7 @@ class NodeAgent:
         for the stream goodbye's wait and the final Leave's (6.5 s measured). Its
         abort (NODE_STOPPED) already told the daemon, if it could be told, that this
         node leaves for good; untold, the daemon loses it at its heartbeat timeout."""
+        self._close_links()  # here, not on the goodbye's thread: run() closes them too
         goodbye = threading.Thread(
             target=self._end_generation,
             kwargs={"final": True},
