@@ -72,6 +72,7 @@ from rendezvousd.client.errors import (
     PeerFailed,
     RendezvousError,
     RendezvousTimeout,
+    callers_own,
     clean_exit,
     from_rpc_error,
 )
@@ -963,11 +964,16 @@ class Calls:
         """The report (``report_failure``, within the leave timeout) a ``with`` block's
         exception makes a worker joined by rank send on its way out, or None: a clean exit
         (``sys.exit(0)`` too), a node agent's client (it reports its workers'), a
-        member already failed, or an error from the rendezvous itself (a peer's
-        failure it heard, the daemon gone: a victim's, not a cause). Without it its
-        peers read only "heartbeat stream closed", the exception left in its stderr."""
+        member already failed, or an error from the rendezvous that says the job or
+        daemon failed under it (a peer's failure it heard, the daemon gone: a victim's,
+        not a cause). The rendezvous refusing this caller's own request (a value over a
+        limit, a bad field: ``callers_own``) is a cause, reported as any other. Without
+        it its peers read only "heartbeat stream closed", the exception left in its
+        stderr."""
         s = self.s
-        if exc is None or clean_exit(exc) or isinstance(exc, RendezvousError):
+        if exc is None or clean_exit(exc):
+            return None
+        if isinstance(exc, RendezvousError) and not callers_own(exc):
             return None
         if s.joined is None or s.node is not None or s.failure is not None:
             return None

@@ -273,6 +273,34 @@ class VersionMismatch(ProtocolError):
     No retry changes it: upgrade (the daemon first, then every node of the job)."""
 
 
+#: The errors a caller brings on itself: what it asked for was wrong or refused (a bad
+#: field, a limit, a topology, rank or id that clashes with the job's, a refused token,
+#: a version the job does not run, a key it took for set, a wait it gave too little
+#: time). A ``with`` block that ends on one reports it as the cause, as on any other
+#: exception: the daemon cannot know it, and its peers would read only "heartbeat
+#: stream closed". The rest say the job or the daemon failed under it (a peer lost,
+#: the job aborted or ended, a newer generation, the job or membership gone, the
+#: daemon unreachable, draining or answering with a bug of its own): a victim's,
+#: reported by whoever caused it, never this member.
+_CALLERS_OWN: tuple[type[RendezvousError], ...] = (
+    InvalidRequest,
+    TopologyMismatch,
+    DuplicateRank,
+    IdConflict,
+    LimitExceeded,
+    KeyNotFound,
+    AuthenticationError,
+    VersionMismatch,
+    RendezvousTimeout,
+)
+
+
+def callers_own(exc: BaseException) -> bool:
+    """Whether ``exc`` is the rendezvous refusing what this caller asked (``_CALLERS_OWN``),
+    not the job or daemon failing under it."""
+    return isinstance(exc, _CALLERS_OWN)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip().isdigit()]
 

@@ -18,6 +18,7 @@ import pytest
 from rendezvousd.client import (
     AsyncRendezvousClient,
     InvalidRequest,
+    LimitExceeded,
     PeerFailed,
     RendezvousClient,
     RendezvousError,
@@ -184,3 +185,35 @@ def test_a_resumed_node_join_sent_afresh_makes_a_new_id() -> None:
     assert not plan.request.unique_id  # still sent without one
     reused = plan.make_id() == old
     assert not reused, "the failed generation's id again"
+
+
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
+def test_a_with_block_ended_by_its_own_refused_call_reports_that_refusal(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, twin: str
+) -> None:
+    """A ``kv_set`` refused ``LimitExceeded`` (a value over ``max_value_bytes``) that
+    ended the block was taken for a victim's error, as every ``RendezvousError`` was:
+    nothing reported, and the daemon recorded the member's loss as "heartbeat stream
+    closed", while ``raise RuntimeError(...)`` there was reported as its cause."""
+    d = start_daemon("--max-value-bytes", "64")
+    join = {"num_nodes": 1, "gpus_per_node": 1, "node_rank": 0, "local_rank": 0, "timeout": 20}
+    value = b"x" * 65
+
+    async def async_worker() -> None:
+        async with AsyncRendezvousClient(d.endpoint, job_id, token=d.token) as c:
+            await c.join(**join)
+            c.start_heartbeat()
+            await c.kv_set("big", value)
+
+    with pytest.raises(LimitExceeded) as refused:
+        if twin == "asyncio":
+            asyncio.run(async_worker())
+        else:
+            with RendezvousClient(d.endpoint, job_id, token=d.token) as c:
+                c.join(**join)
+                c.start_heartbeat()
+                c.kv_set("big", value)
+    with RendezvousClient(d.endpoint, job_id, token=d.token) as look:
+        wait_for("the loss on record", lambda: bool(look.get_job(job_id).failed), 20)
+        cause = look.get_job(job_id).failed[0].cause
+    assert cause.startswith(f"LimitExceeded: {refused.value}"[:60]), cause
