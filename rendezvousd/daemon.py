@@ -453,6 +453,7 @@ class Daemon:
             body_timeout_s=self.config.request_body_timeout_s,
             job_ended=self.persister.ended,
             on_refused=self._refused_token,
+            observe=self.metrics.observe_rpc,
         )
         servicer.settings = frozenset(f.name for f in dataclasses.fields(self.config))
         for gate in (interceptor.calls, interceptor.health_checks, interceptor.health_watches):

@@ -26,6 +26,7 @@ from rendezvousd.common.log_throttle import LogThrottle
 from rendezvousd.common.secret_files import TOKEN_ENV, read_judged, unreadable_token_file
 from rendezvousd.errors import ConfigError
 from rendezvousd.server.budget import Gate, gated, gated_before_body
+from rendezvousd.server.metrics import observed
 from rendezvousd.server.scope import (
     ADMIN,
     CALLER,
@@ -190,14 +191,19 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         body_timeout_s: float,
         job_ended: Callable[[str], float | None],
         on_refused: Callable[[str, str], None] | None = None,
+        observe: Callable[[str, str, float], None] | None = None,
     ) -> None:
         """``job_ended``: when the last job of an id ended (None: none known); a job
         token minted before it is refused (the daemon's ``Persister.ended``).
         ``on_refused``: told the method and the caller's host of each call refused for
-        its token (the daemon counts it, and words a silent member of that host by it)."""
+        its token (the daemon counts it, and words a silent member of that host by it).
+        ``observe``: told ``(method, code, seconds)`` of each call the servicer does not
+        observe itself (``metrics.observed``: the streams, health and reflection),
+        refusals by their budget or scope included."""
         # An admin token's digest is also the key its job tokens are derived with.
         self._digests = [admin_key(t) for t in tokens]
         self._on_reject = on_reject
+        self._observe = observe
         self.calls = Gate(
             "max_concurrent_rpcs",
             limits.max_concurrent_rpcs,
@@ -297,11 +303,14 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             CALLER.set(scope)
             service, _, name = method.rpartition("/")
             if service != RENDEZVOUS_PATH and not allowed(scope, name, None):
-                return _rejecting(
-                    await continuation(details),
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"a token scoped to {scope} may not call {method}; "
-                    "only the admin token may call it",
+                return self._observed(
+                    method,
+                    _rejecting(
+                        await continuation(details),
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"a token scoped to {scope} may not call {method}; "
+                        "only the admin token may call it",
+                    ),
                 )
             return self._gated(method, await continuation(details), self.calls)
         self._on_reject(method)
@@ -360,9 +369,18 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if early
                 else gated(handler, gate)
             )
+            # The servicer observes its unary calls (and each call on a call stream)
+            # itself; the rest here, outside the gate, so that its refusals count too.
+            if not method.startswith(RENDEZVOUS_PATH + "/") or handler.request_streaming:
+                wrapped = self._observed(method, wrapped)
             cached = (handler, wrapped)
             self._wrapped[method] = cached
         return cached[1]
+
+    def _observed(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if self._observe is None:
+            return handler
+        return observed(handler, method.rpartition("/")[2] or method, self._observe)
 
 
 def _caller_job() -> str | None:

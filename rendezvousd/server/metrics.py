@@ -6,10 +6,13 @@ embedded daemon) from colliding in the global one.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -28,6 +31,7 @@ from rendezvousd.common.limits import Limits
 from rendezvousd.common.model import JobState, Transition
 from rendezvousd.common.version import UNKNOWN, build_id, installed_version
 from rendezvousd.errors import Reason
+from rendezvousd.server.budget import handler_shape
 from rendezvousd.state.rounds import idle
 from rendezvousd.storage.store_sqlite import SCHEMA_VERSION
 
@@ -45,12 +49,21 @@ _KNOWN_METHODS = frozenset(
     ]
 )
 _CODES = frozenset(code.name for code in grpc.StatusCode)
+# grpc.aio's ``context.code()`` gives the code an abort set as the enum or its number.
+_CODE_NAMES: dict[int, str] = {code.value[0]: code.name for code in grpc.StatusCode}
 # The refusals a running generation makes of a joiner (``rounds.refused``): a bounded
 # label, never the job or host.
 REFUSALS = (Reason.TOPOLOGY_MISMATCH, Reason.VERSION_MISMATCH, Reason.JOIN_MODE_MISMATCH)
 # The limits a refusal may name (``validation.limit_exceeded``'s first argument: a
 # setting's name): a bounded label; any other name is counted as ``unknown``.
-LIMIT_NAMES = frozenset([*(f.name for f in dataclasses.fields(Limits)), "max_concurrent_streams"])
+# The node joins one job may park for a later generation (standbys, scale-ups): a share
+# of its own (``Limits.parked_joins_per_job``, half of max_waiters_per_job, no setting),
+# refused under max_waiters_per_job's name, watched and counted under its own: counted
+# as max_waiters_per_job's, the standbys used 0 of it until the refusal.
+PARKED_JOINS = "parked_joins_per_job"
+LIMIT_NAMES = frozenset(
+    [*(f.name for f in dataclasses.fields(Limits)), "max_concurrent_streams", PARKED_JOINS]
+)
 # The limits an operator alerts on before they refuse (``rendezvousd_limit`` and
 # ``rendezvousd_limit_used``): daemon-wide totals, and the per-job ones as the
 # largest job's use. Their refusal series exist from start, at 0, as alerts need.
@@ -58,6 +71,7 @@ WATCHED_LIMITS = (
     "max_jobs",
     "max_waiters",
     "max_waiters_per_job",
+    PARKED_JOINS,
     "max_kv_bytes",
     "max_kv_bytes_per_job",
 )
@@ -66,7 +80,12 @@ WATCHED_LIMITS = (
 HTTP_METHOD = "http"
 UNKNOWN_LABEL = "unknown"
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
+# Up to --max-wait-s's bound (600 s): a Join or Barrier waits that long, and a top
+# finite bucket of 60 s put every longer wait in +Inf, where no quantile reads it.
+_LATENCY_BUCKETS = (
+    *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
+    *(120, 300, 600),
+)
 
 
 class Metrics:
@@ -205,7 +224,11 @@ class Metrics:
         known = method in _KNOWN_METHODS or method == HTTP_METHOD
         self.auth_refused.labels(method if known else UNKNOWN_LABEL).inc()
 
-    def count_limit_refused(self, limit: str) -> None:
+    def count_limit_refused(self, limit: str, share: str = "") -> None:
+        """A refusal by ``limit`` (its fault's ``limit``), by the share of it that refused
+        (its fault's ``share``): a parked node join's as ``parked_joins_per_job``."""
+        if share == "parked_joins":
+            limit = PARKED_JOINS
         self.limit_refused.labels(limit if limit in LIMIT_NAMES else UNKNOWN_LABEL).inc()
 
     def set_limits(self, limits: Limits) -> None:
@@ -271,9 +294,75 @@ class Metrics:
         used.labels("max_waiters_per_job").set(
             max(map(calls.members_held, calls.per_job), default=0)
         )
+        used.labels(PARKED_JOINS).set(max(calls.joins_per_job.values(), default=0))
         kv = [job.gen.kv_bytes for job in state.jobs.values()]
         used.labels("max_kv_bytes").set(sum(kv))
         used.labels("max_kv_bytes_per_job").set(max(kv, default=0))
+
+
+def observed(
+    handler: grpc.RpcMethodHandler, method: str, observe: Callable[[str, str, float], None]
+) -> grpc.RpcMethodHandler:
+    """``handler`` of the same shape, observed once when its call ends (``observe(method,
+    code, seconds)``): a stream's whole life, never each of its messages (a heartbeat
+    stream carries one beat a second per member). For the calls the servicer does not
+    observe itself: the streams (Heartbeat, Calls, CallBatches), whose refusal (another
+    job's token, a job that does not exist, a budget) was counted nowhere, and the
+    health and reflection services."""
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    inner, make = handler_shape(handler)
+
+    def report(context: Any, started: float, error: BaseException | None) -> None:
+        observe(method, _code_of(context, error), time.perf_counter() - started)
+
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
+            started, error = time.perf_counter(), None
+            try:
+                async for item in inner(request, context):
+                    yield item
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                report(context, started, error)
+
+        return make(stream_gen, **kw)
+
+    async def call(request: Any, context: Any) -> Any:
+        started, error = time.perf_counter(), None
+        try:
+            return await inner(request, context)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            report(context, started, error)
+
+    return make(call, **kw)
+
+
+def _code_of(context: Any, error: BaseException | None) -> str:
+    """The status a call ended with: the one its handler set (an abort), else what its
+    exception makes of it (gRPC answers an uncaught one UNKNOWN), else OK."""
+    code: object
+    try:
+        code = context.code()
+    except Exception:  # a context without a call state
+        code = None
+    if isinstance(code, grpc.StatusCode):
+        return str(code.name)
+    if isinstance(code, int) and code:
+        return _CODE_NAMES.get(code, UNKNOWN_LABEL)
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    if error is not None and not isinstance(error, GeneratorExit):
+        return "UNKNOWN"
+    return "OK"
 
 
 def build_labels() -> dict[str, str]:

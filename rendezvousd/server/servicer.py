@@ -762,7 +762,7 @@ class RendezvousServicer:
         a minute per limit (before, only rpc_duration's RESOURCE_EXHAUSTED count told,
         and not which limit: a full daemon looked like one job's oversized key)."""
         limit = fault.metadata.get("limit", "")
-        self.metrics.count_limit_refused(limit)
+        self.metrics.count_limit_refused(limit, fault.metadata.get("share", ""))
         name = limit if limit in LIMIT_NAMES else "unknown"
         if (due := self._limits_said.due(name, time.monotonic())) is None:
             return

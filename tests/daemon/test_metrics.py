@@ -168,3 +168,21 @@ def test_build_info_says_which_build_the_daemon_runs(
     assert scrape(d.metrics_url)["rendezvousd_build_info{" + labels + "}"] == 1
     release = importlib.metadata.version("rendezvousd")
     assert f"rendezvousd {release}+{build} serving on 127.0.0.1:" in d.log(), d.log()
+
+
+def test_the_rpc_buckets_reach_the_longest_wait() -> None:
+    """A Join or Barrier waits up to --max-wait-s (600 s by default); a top finite
+    bucket of 60 s put every longer wait in +Inf, where no quantile reads it."""
+    from rendezvousd.common.limits import Timing
+    from rendezvousd.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.observe_rpc("Join", "OK", 500.0)
+    bounds = {
+        s.labels["le"]: s.value
+        for family in metrics.registry.collect()
+        if family.name == "rendezvousd_rpc_duration_seconds"
+        for s in family.samples
+        if s.name.endswith("_bucket")
+    }
+    assert bounds[str(float(Timing.max_wait_s))] == 1, sorted(bounds)

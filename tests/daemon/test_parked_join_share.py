@@ -8,14 +8,14 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from rendezvousd.client import LimitExceeded, RendezvousClient
 from rendezvousd.trainer.comm.ring_wire import WIRE_VERSION as WIRE
 from tests.daemon.test_limits import limited_daemon
-from tests.support import ROOT, DaemonProcess, launcher_cmd, wait_for
+from tests.support import ROOT, DaemonProcess, launcher_cmd, scrape, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,52 @@ def test_a_standby_agent_beyond_the_share_ends_at_once_spending_no_restart(
     assert "restart 1 of 2" not in run.stderr and "raise --max-restarts" not in run.stderr, (
         run.stderr
     )
+
+
+def test_the_parked_join_share_is_watched_before_it_runs_out(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """The share refused the third standby under max_waiters_per_job's name while
+    ``limit_used{limit="max_waiters_per_job"}`` read 0 of 4: RendezvousdNearLimit could
+    not fire first. It has a gauge and a refusal count of its own."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0", "--max-waiters-per-job", "4")
+    s = scrape(d.metrics_url)
+    assert s['rendezvousd_limit{limit="parked_joins_per_job"}'] == 2
+    assert s['rendezvousd_limit_refused_total{limit="parked_joins_per_job"}'] == 0
+    clients: list[RendezvousClient] = []
+
+    def client() -> RendezvousClient:
+        c = RendezvousClient(d.endpoint, job_id, token=d.token)
+        clients.append(c)
+        return c
+
+    def standby(i: int) -> None:
+        with contextlib.suppress(Exception):  # closed at the test's end: its wait is cut
+            client().join_node(
+                min_nodes=1, max_nodes=1, gpus_per_node=1, host=f"spare{i}", standby=True
+            )
+
+    try:
+        agent = client()
+        agent.join_node(min_nodes=1, max_nodes=1, gpus_per_node=1, host="n0", timeout=20)
+        agent.start_heartbeat()
+        for i in range(2):
+            threading.Thread(target=standby, args=(i,), daemon=True).start()
+        wait_for(
+            "both standbys' share on the gauge",
+            lambda: (
+                scrape(d.metrics_url)['rendezvousd_limit_used{limit="parked_joins_per_job"}'] == 2
+            ),
+        )
+        with pytest.raises(LimitExceeded):
+            client().join_node(
+                min_nodes=1, max_nodes=1, gpus_per_node=1, host="spare2", standby=True
+            )
+        s = scrape(d.metrics_url)
+        assert s['rendezvousd_limit_refused_total{limit="parked_joins_per_job"}'] == 1
+        # The members' own share is untouched, and refused nothing.
+        assert s['rendezvousd_limit_refused_total{limit="max_waiters_per_job"}'] == 0
+        assert s['rendezvousd_limit_used{limit="max_waiters_per_job"}'] == 0
+    finally:
+        for c in clients:
+            c.close()

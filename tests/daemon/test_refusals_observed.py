@@ -12,10 +12,12 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from rendezvousd.client import LimitExceeded, RendezvousClient
+from rendezvousd.server.scope import derive_job_token
 from tests.daemon.raw_calls import bearer, join_one, join_request
 from tests.support import ROOT, DaemonProcess, scrape, wait_for
 
@@ -174,3 +176,49 @@ def test_a_bound_that_is_no_setting_names_no_flag(
             c.kv_set("k" * 600, b"v")
     (line,) = [line for line in d.log().splitlines() if "limit max_key_bytes" in line]
     assert "--max-key-bytes" not in line and "a fixed bound" in line, line
+
+
+def _rpc_count(d: DaemonProcess, method: str, code: str) -> float:
+    key = f'rendezvousd_rpc_duration_seconds_count{{code="{code}",method="{method}"}}'
+    return scrape(d.metrics_url).get(key, 0.0)
+
+
+def test_a_refused_heartbeat_stream_or_health_call_is_counted(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """Only unary calls (and those on a call stream) were observed: a Heartbeat stream
+    with job A's token for job B (PERMISSION_DENIED), or for a job that does not exist
+    (NOT_FOUND), left every metric as it was, so RendezvousdRejectingCalls and the
+    "Rejected calls" panel never saw it. Each stream is observed once, at its end."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    other = job_id + "-b"
+    token_a = derive_job_token(d.token, job_id)
+    with RendezvousClient(d.endpoint, other, token=d.token) as b:
+        join_one(b)
+        b.start_heartbeat()
+        with grpc.insecure_channel(d.endpoint) as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            for token, job, code in (
+                (token_a, other, grpc.StatusCode.PERMISSION_DENIED),
+                (d.token, job_id + "-absent", grpc.StatusCode.NOT_FOUND),
+            ):
+                before = _rpc_count(d, "Heartbeat", code.name)
+                beats = stub.Heartbeat(
+                    iter([pb.HeartbeatRequest(job_id=job, rank=0, instance_id="x" * 32)]),
+                    metadata=(("authorization", f"Bearer {token}"),),
+                    timeout=10,
+                )
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(beats)
+                assert refused.value.code() is code, refused.value
+                wait_for(
+                    f"the Heartbeat {code.name} counted",
+                    lambda c=code, n=before: _rpc_count(d, "Heartbeat", c.name) == n + 1,
+                )
+            health = health_pb2_grpc.HealthStub(channel)
+            with pytest.raises(grpc.RpcError) as unknown:
+                health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+            assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
+            assert _rpc_count(d, "Check", "NOT_FOUND") == 1
+        # The member's own stream, open all along, is no observation per beat.
+        assert _rpc_count(d, "Heartbeat", "OK") == 0
