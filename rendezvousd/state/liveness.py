@@ -326,7 +326,15 @@ def members_present(job: Job) -> int:
         # Read on every tick: a running generation's members are each active or left (a
         # loss fails it), so its count is O(1), not a look at 100,000 ranks a second.
         return len(job.gen.members) - job.gen.left
-    return len(job.present()) if job.state is JobState.FORMING else 0
+    if job.state is not JobState.FORMING:
+        return 0
+    if job.gen.join_mode is JoinMode.NODE:
+        # A forming node generation has no members yet, only its node agents joined so
+        # far, each holding its gpus_per_node ranks once it forms: counted 0, a node job
+        # read as absent while `status` listed its nodes joined (per-rank jobs counted
+        # their joining workers).
+        return len(job.gen.nodes) * job.gpus_per_node
+    return len(job.present())
 
 
 def live_members(sm: RendezvousState) -> int:

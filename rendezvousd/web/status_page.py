@@ -373,7 +373,11 @@ class StatusPage:
         # generation failed, was aborted or ended: a survivor still attached is no node
         # of the job's), which ``members_present`` already applied.
         present = v.members if v.members_present else ()
-        nodes = {m.info.node_rank for m in present if m.state in _PRESENT}
+        nodes = len({m.info.node_rank for m in present if m.state in _PRESENT})
+        if v.state is JobState.FORMING and v.min_nodes:
+            # A forming node generation has no member rows yet: its members present are
+            # its joined nodes' ranks (``members_present``), gpus_per_node each.
+            nodes = v.members_present // max(1, v.gpus_per_node)
         return {
             "job_id": escape(v.job_id),
             "state": v.state.name,
@@ -382,7 +386,7 @@ class StatusPage:
             "members_present": v.members_present,
             "num_nodes": v.num_nodes,
             "gpus_per_node": v.gpus_per_node,
-            "nodes_present": len(nodes),
+            "nodes_present": nodes,
             "nodes_waiting": v.nodes_waiting,
             "standbys": v.standbys,
             "seats_kept": v.seats_kept,

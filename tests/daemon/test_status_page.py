@@ -3,10 +3,12 @@ the JSON the page draws from, the Abort button, and the server's bounds."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -16,7 +18,7 @@ from urllib.parse import urlsplit
 from rendezvousd.client import JobEnded, RendezvousClient
 from rendezvousd.server.scope import derive_job_token
 from rendezvousd.web.http_server import MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER
-from tests.support import DaemonProcess, Pki, node_with_a_standby, wait_for
+from tests.support import DaemonProcess, Pki, node_with_a_standby, scrape, wait_for
 
 UID = b"\x5a" * 128
 
@@ -547,3 +549,34 @@ def test_a_forming_node_is_shown_by_a_tag_never_its_instance_id(
         waiting.join(20)
     finally:
         agent.close()
+
+
+def test_a_forming_node_jobs_joined_node_counts_as_present(
+    start_daemon: Callable[..., DaemonProcess], job_id: str
+) -> None:
+    """Node 0 of a 2-node job joined and waiting: ``rendezvousd_members``, GetJob's and
+    ListJobs' ``members_present`` and /api/jobs' ``nodes_present`` read 0 while the same
+    GetJob listed node 0 joined (a per-rank job counts its joining workers)."""
+    d = start_daemon("--metrics-listen", "127.0.0.1:0")
+    agent = RendezvousClient(d.endpoint, job_id, token=d.token)
+    join = {"min_nodes": 2, "max_nodes": 2, "gpus_per_node": 2, "node_rank": 0, "timeout": 30}
+
+    def node_zero() -> None:
+        with contextlib.suppress(Exception):  # closed at the test's end: its wait is cut
+            agent.join_node(host="n0", **join)
+
+    waiting = threading.Thread(target=node_zero, daemon=True)
+    try:
+        waiting.start()
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as look:
+            wait_for("node 0 joined", lambda: any(j.job_id == job_id for j in look.list_jobs()))
+            wait_for("node 0 joined", lambda: len(look.get_job().joining) == 1)
+            assert look.get_job().summary.members_present == 2
+            (listed,) = [j for j in look.list_jobs() if j.job_id == job_id]
+            assert listed.members_present == 2
+        wait_for("the gauge's tick", lambda: scrape(d.metrics_url)["rendezvousd_members"] == 2)
+        (row,) = api(d, "/api/jobs", token=d.token)["jobs"]
+        assert (row["members_present"], row["nodes_present"]) == (2, 1), row
+    finally:
+        agent.close()
+        waiting.join(30)
