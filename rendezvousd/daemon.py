@@ -588,7 +588,7 @@ class Daemon:
                     )
             self.state.tick(now)
             self.open_files.check(now)
-            self._servicer.apply()
+            self._servicer.decided()
             self.metrics.observe_tick(self.state, now)
             if not self.persister.healthy:
                 await self.persister.recover()
@@ -641,7 +641,7 @@ class Daemon:
             member = job.gen.members.get(0)
             if member is not None:
                 self.state.detach_stream(job.job_id, job.generation, 0, member.stream_token, now)
-        self._servicer.apply()
+        self._servicer.decided()
 
     def has_active_members(self) -> bool:
         """Whether a member may still call or hear here: active, with its heartbeat

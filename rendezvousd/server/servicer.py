@@ -8,6 +8,7 @@ effects into woken futures, heartbeat-stream events and log lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -118,8 +119,10 @@ class RendezvousServicer:
         self.persister.on_undo = self._undone
         self._futures: dict[int, asyncio.Future[Any]] = {}
         # Changes whose callers gave up before they were durable (``_durably``).
-        self._delivering: set[asyncio.Task[RendezvousFault | None]] = set()
-        self.streams = HeartbeatStreams(state, self.metrics, self.apply, _now, self._durably)
+        self._delivering: set[asyncio.Task[Any]] = set()
+        self.streams = HeartbeatStreams(
+            state, self.metrics, self.apply, _now, self._durably, self.decided
+        )
         self._answers = JoinAnswers(state.timing)
         # job id -> (when made, GetJob's encoded answer): big jobs only (BIG_JOB_MEMBERS).
         self._job_answers: dict[str, tuple[float, bytes]] = {}
@@ -196,6 +199,40 @@ class RendezvousServicer:
             self.streams.end_undone(
                 job_id, storage_unavailable(job_id, waiting=True, cause=self.persister.cause)
             )
+
+    def decided(self) -> None:
+        """What the state decided on its own (a stream's end, the tick's silence, a node
+        agent's cut, the daemon's parent gone): each job's wakes and events go out once
+        its change is durable, as a call's do (``_durably``). A survivor told of a loss
+        whose commit then failed stopped, and the undone generation then found it silent
+        and blamed it. Transitions and warnings (logs, counts) go at once."""
+        effects = self.state.take_effects()
+        if self.persister.store is None or not self.persister.healthy:
+            # While storage fails the state makes no loss (``liveness._pending``): what
+            # it decides then is written by the recovery's rewrite of the whole state.
+            self.apply(effects)
+            return
+        # A job's wakes follow its transition (``rounds._lose``: the state, the waiters,
+        # then the event); those of no job's change go at once.
+        by_job: dict[str, list[Effect]] = {}
+        job_id = ""
+        for effect in effects:
+            if isinstance(effect, Transition | Notify | Warn):
+                job_id = effect.job_id
+            by_job.setdefault(job_id, []).append(effect)
+        for job_id, made in by_job.items():
+            if not job_id or all(isinstance(e, Transition | Warn) for e in made):
+                self.apply(made)
+                continue
+            task = asyncio.create_task(self._durably_quiet(job_id, made))
+            self._delivering.add(task)
+            task.add_done_callback(self._delivering.discard)
+
+    async def _durably_quiet(self, job_id: str, effects: list[Effect]) -> None:
+        """``_durably`` with no caller to answer: a failed commit is the Persister's to
+        log, and the undo ends what it must."""
+        with contextlib.suppress(RendezvousFault):
+            await self._durably(job_id, effects)
 
     async def _durably(self, job_id: str, effects: list[Effect]) -> None:
         """A change to ``job_id`` with ``effects`` was just made: its wakes and events go

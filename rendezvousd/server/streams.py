@@ -48,6 +48,7 @@ class HeartbeatStreams:
         apply: Callable[[], None],
         now: Callable[[], float],
         durably: Callable[[str, list[Effect]], Coroutine[Any, Any, None]],
+        decided: Callable[[], None],
     ) -> None:
         self.state = state
         self.metrics = metrics
@@ -55,6 +56,8 @@ class HeartbeatStreams:
         self._now = now
         # The servicer's: a change's wakes and events go out once it is durable.
         self._durably = durably
+        # ...and what a stream's end decided (a loss): out once durable, not awaited.
+        self._decided = decided
         self._open: dict[_StreamKey, tuple[int, asyncio.Queue[_Item]]] = {}
 
     def push(self, effect: Notify) -> None:
@@ -147,7 +150,7 @@ class HeartbeatStreams:
             # Its connection may have been reset under it: gRPC ends its requests
             # then as it does for a client that closed them (h165, on namespace hosts).
             self.state.detach_stream(*key[:2], first.rank, token, self._now(), mode=mode, cut=True)
-            self._apply()
+            self._decided()
 
     async def _read(
         self,

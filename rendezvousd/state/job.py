@@ -71,9 +71,14 @@ class Attendee:
     # after a daemon restart brings it back).
     progress: Progress | None = None
     # It said goodbye (Leave), kept when a failed commit undid that (``rollback``): its
-    # stream's end or silence is then its goodbye again, not a loss. A loss is found
-    # again by the liveness rules after an undo; only the member knew of its goodbye.
+    # stream's end or silence is then its goodbye again, not a loss.
     said_goodbye: bool = False
+    # The cause it was lost with by its stream's end, its silence or its cut, kept when
+    # a failed commit undid that loss (``rollback``), or found while storage fails: it is
+    # still dead, and nothing else would say so again with its cause (its stream is
+    # gone; the tick would next find it silent). Lost with it once storage takes writes
+    # (``liveness.tick``). Not durable: a restart finds it again by the liveness rules.
+    lost_as: str | None = None
     # The host its last heartbeat stream came from (not durable: a restarted daemon
     # knows it from its next stream), matched against the hosts refused for their token.
     peer: str = ""
@@ -87,6 +92,7 @@ class Attendee:
         self.stream_token += 1
         self.stream_open = True
         self.cut_at = None
+        self.lost_as = None  # back: an undone loss was no death
         self.last_seen = now
         return self.stream_token
 

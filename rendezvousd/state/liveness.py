@@ -233,6 +233,8 @@ def detach_stream(
             # Their nodes, and a worker's own stream (its end is its process's death),
             # are lost at once.
             seated.cut_at = now
+        elif sm.storage_failing:
+            _pending(seated, rounds.stream_end_cause(sm, seated, now))
         else:
             rounds.lose_seated(sm, job, seated, rounds.stream_end_cause(sm, seated, now), now)
 
@@ -249,7 +251,6 @@ def cut_grace_s(sm: RendezvousState, seated: Attendee) -> float:
 def tick(sm: RendezvousState, now: float) -> None:
     """Time-driven decisions: an id owed too long, a node generation's last call,
     silent attendees lost, old jobs forgotten."""
-    timeout = sm.timing.heartbeat_timeout_s
     for job in list(sm.jobs.values()):
         if job.gen.id_deadline is not None and now > job.gen.id_deadline:
             joins.id_overdue(sm, job, now)
@@ -269,14 +270,11 @@ def tick(sm: RendezvousState, now: float) -> None:
                     # Its goodbye undone by a failed commit after its stream had ended
                     # (another change's commit): no stream end comes to say it again.
                     _goodbye(sm, job, seated, now)
-                elif now - seated.last_seen > timeout:
-                    silent.append((seated, rounds.silence_cause(sm, seated)))
-                elif (
-                    seated.cut_at is not None
-                    and not seated.stream_open
-                    and now - seated.cut_at >= cut_grace_s(sm, seated)
-                ):
-                    silent.append((seated, rounds.cut_cause(seated, now - seated.cut_at)))
+                elif (cause := _loss_found(sm, seated, now)) is not None:
+                    if sm.storage_failing:
+                        _pending(seated, cause)
+                    else:
+                        silent.append((seated, cause))
             if silent:
                 # One failure: the survivors hear every attendee silent at this tick
                 # (a host cut off takes all of its ranks), not the first alone.
@@ -288,6 +286,32 @@ def tick(sm: RendezvousState, now: float) -> None:
     while sm.early_ends and now - next(iter(sm.early_ends.values())) > ttl:
         # As the job's TTL would have: past it, a join of its id is a new run.
         del sm.early_ends[next(iter(sm.early_ends))]
+
+
+def _loss_found(sm: RendezvousState, seated: Member | Node, now: float) -> str | None:
+    """Why the tick loses active ``seated`` now, if it does: a loss an undo took back
+    (its own cause, not the silence that follows it), its silence, or its stream cut
+    for longer than its grace."""
+    if seated.lost_as is not None and not seated.stream_open:
+        return seated.lost_as
+    if now - seated.last_seen > sm.timing.heartbeat_timeout_s:
+        return rounds.silence_cause(sm, seated)
+    if (
+        seated.cut_at is not None
+        and not seated.stream_open
+        and now - seated.cut_at >= cut_grace_s(sm, seated)
+    ):
+        return rounds.cut_cause(seated, now - seated.cut_at)
+    return None
+
+
+def _pending(seated: Attendee, cause: str) -> None:
+    """``seated`` is lost while storage fails: the loss waits for storage, with its
+    first cause (``Attendee.lost_as``). Made now, its commit would fail and be undone,
+    and its survivors, told of it, stop: the undone generation then found them silent
+    and blamed them for it."""
+    if seated.lost_as is None:
+        seated.lost_as = cause
 
 
 def watched(job: Job, seated: Attendee) -> bool:

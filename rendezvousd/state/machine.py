@@ -46,6 +46,9 @@ class RendezvousState:
         self.timing = timing or Timing()
         self.jobs: dict[str, Job] = {}
         self.draining = False
+        # Set by the Persister while its commits fail: losses an undo took back wait
+        # for storage (``liveness.tick``).
+        self.storage_failing = False
         self.calls = Calls(self.limits)
         # When this daemon started (Unix seconds), if it keeps no state (no
         # --state-dir): every job it holds was made since, and a call of a seat no

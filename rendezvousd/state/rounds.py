@@ -60,6 +60,7 @@ def put_back(
                 old.state if old else None,
                 job.state if job else None,
                 detail,
+                shown.world_size,
                 # Back to a state already counted when it was committed: no new event.
                 restored=True,
             )
@@ -415,6 +416,7 @@ def lose_all_seated(
     for seated, cause in gone:
         lost += [(m, cause) for m in job.covered(seated) if m.state is MemberState.ACTIVE]
         seated.state = MemberState.LOST
+        seated.lost_as = cause
         seated.stream_open = False
     # By rank, not by when each joined: the first is the root cause of record.
     lost.sort(key=lambda member_cause: member_cause[0].rank)

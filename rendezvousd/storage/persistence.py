@@ -18,9 +18,10 @@ reports NOT_SERVING until a probe rewrites the whole, now durable, state. Undo r
 than write-ahead because the state machine decides and mutates in one step (limits,
 counters, waiters): undo needs only what is already durable, not a second state
 machine. A retry after the fault (same instance id, sequence number) applies the
-change once. Not recalled: an event already pushed for a change made by time or by a
-stream's end (a member lost) whose commit then failed; the loss is undone with the rest
-and the liveness rules find it again. Reads wait for the commit of their job's pending changes
+change once. A change made by time or by a stream's end (a member lost) is told once
+committed too (the servicer's ``decided``); an undone loss is kept on its attendee and
+made again once storage takes writes (``Attendee.lost_as``), as is one found while
+storage fails. Reads wait for the commit of their job's pending changes
 (``settled``), so none answers with a value that is undone a moment later.
 
 ``StateStore`` is the pre-SQLite ``state.json`` format, kept only to import it once.
@@ -648,7 +649,7 @@ class Persister:
 
     def _fail(self, writes: list[JobWrite], exc: BaseException) -> None:
         # One ERROR per outage: it says what fails and what the daemon does until
-        # storage is back; a commit during it (a member lost, a goodbye: changes not
+        # storage is back; a commit during it (a goodbye: a change not
         # refused up front) fails the same way, and recover() logs its tries as these.
         self._name_cause(exc)
         log.log(
@@ -748,6 +749,7 @@ class Persister:
     def _set_health(self, healthy: bool) -> None:
         if healthy != self.healthy:
             self.healthy = healthy
+            self.state.storage_failing = not healthy
             self.failing_since = None if healthy else time.time()
             if healthy:
                 self.cause = None

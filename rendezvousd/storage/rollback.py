@@ -4,7 +4,8 @@ The record (``snapshot.job_record``) holds everything durable about a job. What 
 record holds, but a job needs to go on serving, is kept from the job in memory while
 that still describes the record's generation: rank 0's id (only its digest is ever
 written), the member table, heartbeat ages and streams, node agents' arrival, the
-forming timers, a goodbye (its Leave undone: the member's end is still no loss).
+forming timers, a goodbye (its Leave undone: the member's end is still no loss), a
+loss found by a stream's end or silence (undone: the attendee is still dead).
 Whatever was only in memory otherwise (parked calls, barrier arrivals,
 forming nodes, a member that joined or left since the commit) is gone. Pure, like the
 state machine it feeds.
@@ -84,4 +85,5 @@ def _keep_liveness(kept: Attendee, was: Attendee) -> None:
     kept.stream_token, kept.stream_open = was.stream_token, was.stream_open
     kept.cut_at = was.cut_at  # its time to re-attach, not a loss the undo forgets
     kept.said_goodbye = was.said_goodbye
+    kept.lost_as = was.lost_as  # a loss undone: still dead (``Attendee.lost_as``)
     kept.peer, kept.connection = was.peer, was.connection

@@ -77,7 +77,9 @@ class Timeline:
 def _change(t: Transition, formed_before: int | None) -> str:
     if t.new is JobState.ABORTED and t.detail == SCALE_UP_REASON:
         return "scale-up"
-    if t.new is not JobState.RUNNING or formed_before is None:
+    if t.new is not JobState.RUNNING or formed_before is None or t.restored:
+        # Put back (a failed commit undone): no formation, and the undone transition had
+        # no world, which read as "shrank 2 -> 0 ranks".
         return ""
     if t.world_size > formed_before:
         return f"grew {formed_before} -> {t.world_size} ranks"

@@ -235,6 +235,48 @@ def test_a_goodbye_undone_by_a_failed_commit_is_still_a_goodbye_not_a_loss() -> 
     assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
 
 
+def test_a_node_loss_undone_by_a_failed_commit_is_kept_and_waits_for_storage() -> None:
+    """A node agent's stream ended (its loss) and that commit failed: the undo took
+    the loss back, and the tick later found the dead node silent, or its survivor
+    (told of the loss, so it stopped) silent and blamed it. The loss is kept with its
+    cause, made while storage fails by no tick, however long, and made once it works.
+    The status page's timeline read the undo as "shrank 4 -> 0 ranks"."""
+    from rendezvousd.storage import rollback, snapshot
+    from rendezvousd.storage.faults import storage_unavailable
+    from rendezvousd.web.timeline import Timeline
+
+    sm = RendezvousState()
+    formed(sm)
+    a = sm.attach_stream("j", 1, 0, "a", 0.0, mode=JoinMode.NODE)
+    sm.attach_stream("j", 1, 1, "b", 0.0, mode=JoinMode.NODE)
+    committed = snapshot.job_record(sm.jobs["j"])
+    timeline = Timeline()
+    timeline.record(Transition("j", 1, JobState.FORMING, JobState.RUNNING, "formed", 4))
+    sm.detach_stream("j", 1, 0, a, 1.0, mode=JoinMode.NODE)  # its commit fails
+    live = sm.jobs["j"]
+    assert live.state is JobState.FAILED
+    cause = live.gen.failed[0].cause
+    undone = rollback.durable_job(committed, dict(live.gen.kv), live, 1.1, hold_s=sm.timing.hold_s)
+    sm.put_back("j", undone, storage_unavailable("j", waiting=True), "undone")
+    sm.storage_failing = True  # as the Persister says until a commit takes
+    for effect in sm.take_effects():
+        if isinstance(effect, Transition):
+            timeline.record(effect)
+    assert [(e.new, e.change) for e in timeline.of("j")][1:] == [("FAILED", ""), ("RUNNING", "")]
+    late = 1.0 + 3 * sm.timing.heartbeat_timeout_s
+    sm.heartbeat("j", 1, 1, late - 0.5, mode=JoinMode.NODE)  # b lives on
+    sm.tick(late)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
+    sm.storage_failing = False
+    sm.tick(late + 0.1)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    assert [(f.rank, f.cause) for f in job.gen.failed] == [(0, cause), (1, cause)]
+    notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
+    assert len(notes) == 1 and notes[0].kind is EventKind.PEER_FAILED and notes[0].to == (1,)
+
+
 def test_an_undo_keeps_a_final_goodbye_and_takes_back_a_forming_one() -> None:
     """A final Leave of a failed generation (a node that will not re-join) was lost by
     the undo, though its caller is told its goodbye is kept: a seat was then kept for
