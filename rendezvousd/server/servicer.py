@@ -221,12 +221,16 @@ class RendezvousServicer:
                 job_id = effect.job_id
             by_job.setdefault(job_id, []).append(effect)
         for job_id, made in by_job.items():
-            if not job_id or all(isinstance(e, Transition | Warn) for e in made):
+            told = any(isinstance(e, Wake | Notify) for e in made)
+            changed = any(isinstance(e, Transition) for e in made)
+            if job_id and told and (changed or not self.persister.is_settled(job_id)):
+                task = asyncio.create_task(self._durably_quiet(job_id, made))
+                self._delivering.add(task)
+                task.add_done_callback(self._delivering.discard)
+            else:
+                # Nothing of this job to write (NODES_WAITING from the tick): told at
+                # once, with no commit of its own.
                 self.apply(made)
-                continue
-            task = asyncio.create_task(self._durably_quiet(job_id, made))
-            self._delivering.add(task)
-            task.add_done_callback(self._delivering.discard)
 
     async def _durably_quiet(self, job_id: str, effects: list[Effect]) -> None:
         """``_durably`` with no caller to answer: a failed commit is the Persister's to
