@@ -9,6 +9,7 @@ agent, from a thread, so that the call's frame finds the channel full and held."
 from __future__ import annotations
 
 import os
+import select
 import sys
 import threading
 import time
@@ -29,7 +30,17 @@ while not go.exists():
 if sys.argv[2:] == ["fill"]:
     state = {"w": np.zeros(16 << 20)}  # 128 MiB: the stopped agent reads none of it
     threading.Thread(target=ctx.save_state, args=(1, state), daemon=True).start()
-    time.sleep(0.5)
+    # Until the state's send holds the channel and the socket takes no more: a fixed
+    # 0.5 s was short of that under load (the state still being copied), the call's
+    # frame went out first, waited unanswered and ended RELAY_STALLED.
+    assert ctx.agent is not None
+    channel = ctx.agent.channel
+    full = time.monotonic() + 60
+    while not (channel._send_lock.locked() and not select.select([], [channel.sock], [], 0)[1]):
+        if time.monotonic() > full:
+            emit("answered", error="the channel never filled", message="", took=0.0)
+            os._exit(0)
+        time.sleep(0.05)
 started = time.monotonic()
 try:
     rdzv.kv_get("never", timeout=3.0)
