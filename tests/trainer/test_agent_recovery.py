@@ -13,7 +13,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from tests.support import (
     launcher_cmd,
     run_script_node,
     scrape,
+    spawn_daemon,
     unstamped,
     wait_for,
 )
@@ -83,6 +84,17 @@ class Node:
             self.proc.wait(10)
 
 
+@pytest.fixture(scope="module")
+def plain_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon of the default settings for the tests that need nothing else of it:
+    each test has its own job, and a daemon's start costs a loaded CI runner seconds
+    (1.7 s of CPU measured), 30 times over. Tests whose assertions read the daemon's
+    metrics, restart it or need other settings start their own."""
+    d = spawn_daemon(tmp_path_factory.mktemp("daemon"))
+    yield d
+    d.kill()
+
+
 def _nodes(
     d: DaemonProcess, job: str, tmp: Path, count: int, flags: Sequence[str], args: Sequence[str]
 ) -> list[Node]:
@@ -130,9 +142,9 @@ def _hurry_once_trained(node: Node, hurry: Path, resumed: int = 2) -> None:
 
 
 def test_a_killed_worker_is_replaced_and_training_resumes_losing_at_most_one_step(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], ["--steps", "100"])
     try:
         victim = _training_rank_3(nodes)
@@ -191,14 +203,14 @@ def _example_exits(nodes: Sequence[subprocess.Popen[bytes]], run: Path) -> list[
 
 
 def test_a_killed_worker_recovers_to_the_model_a_fault_free_run_trains(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """README: after a recovery, "the final model is bit-identical to a fault-free
     run's when the size is unchanged". Two runs of the example side by side on one
     daemon: one untouched, one whose rank 3 is SIGKILLed mid-run (--max-restarts 1,
     so its replacement keeps the size). Every rank of both ends with the same
     parameters' digest."""
-    d = start_daemon()
+    d = plain_daemon
     straight, recover = tmp_path / "straight", tmp_path / "recover"
     nodes = _example_nodes(d, f"{job_id}-s", straight)
     nodes += _example_nodes(d, f"{job_id}-r", recover, ["--max-restarts", "1"])
@@ -243,7 +255,7 @@ def _effective_steps(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, An
 
 
 def test_an_elastic_job_growing_1_to_2_to_3_nodes_sees_every_sample_of_each_epoch_once(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """h153 F1: the data position was divmod(step, steps_per_epoch) at the new world
     size, so a resize replayed or skipped whole epochs. Now the state copy carries a
@@ -251,7 +263,7 @@ def test_an_elastic_job_growing_1_to_2_to_3_nodes_sees_every_sample_of_each_epoc
     8 per rank per step (12 steps per epoch at world 1, 6 at 2, 4 at 3)."""
     from rendezvousd.trainer.data import DataCursor, remaining_indices
 
-    d = start_daemon()
+    d = plain_daemon
     log = tmp_path / "steps"
     nodes: list[subprocess.Popen[bytes]] = []
 
@@ -321,9 +333,9 @@ def test_an_elastic_job_growing_1_to_2_to_3_nodes_sees_every_sample_of_each_epoc
 
 
 def test_exhausted_restarts_end_with_one_message_naming_every_failure(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     args = ["--exit-rank", "1", "--always"]
     nodes = _nodes(d, job_id, tmp_path, 2, ["--max-restarts", "1"], args)
     try:
@@ -341,9 +353,9 @@ def test_exhausted_restarts_end_with_one_message_naming_every_failure(
 
 
 def test_a_hung_worker_is_detected_by_its_agent_and_the_job_restarts(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     # 5 s, not 1 or 3: with the suite's other process tests on the same two cores, a
     # healthy rank of the restarted generation went 1 s, and once 3 s, without progress
     # and was called hung too (one restart allowed: the job then failed).
@@ -370,14 +382,14 @@ def test_a_hung_worker_is_detected_by_its_agent_and_the_job_restarts(
 
 
 def test_ranks_all_waiting_in_a_collective_are_still_named_hung(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A worker waiting in a collective is given longer (its peer may be the hung one,
     and is named first), not forever: when every rank waits in one (a deadlock), the
     first is named after 1.5 hang timeouts, saying so. Rank 1 stands in for one stuck
     inside a collective by marking itself in one. (Alive beats every second: the
     heartbeat timeout's third.)"""
-    d = start_daemon("--heartbeat-timeout-s", "3")
+    d = daemon
     source = (
         "import threading\n"
         "from rendezvousd.trainer.comm import communicator\n"
@@ -476,12 +488,12 @@ with init_distributed() as ctx:
 
 
 def test_a_killed_spare_is_said_as_a_spare_that_died_not_as_a_failed_worker(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A warm spare SIGKILLed while its job trained was said as "worker rank 1 (pid N)
     failed first, with signal SIGKILL before it was assigned a rank" (an audit): no
     worker had failed, it held no rank, and the job went on to its end."""
-    d = start_daemon()
+    d = plain_daemon
     script, pids, stop = tmp_path / "w.py", tmp_path / "pids", tmp_path / "stop"
     script.write_text(_UNTIL_TOLD)
     cmd = launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
@@ -529,9 +541,9 @@ def _parent(pid: int) -> int:
 
 
 def test_a_lost_node_shrinks_the_elastic_job_to_the_survivors(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--max-restarts", "1", "--last-call-s", "1"]
     nodes = [
         Node(d, job_id, tmp_path, f"node{n}", "1:2", "auto", flags, ["--steps", "60"])
@@ -553,14 +565,14 @@ def test_a_lost_node_shrinks_the_elastic_job_to_the_survivors(
 
 
 def test_a_node_stopped_by_sigterm_scales_an_elastic_job_down_without_a_restart(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """h122 D3: three nodes of a 2:3 job, the default --max-restarts 0; SIGTERM one (a
     host drained). Its agent aborted the generation ("stopped by SIGTERM") and the
     survivors counted that as a failure: with no restart they gave up and exited 1,
     though 2 nodes make min_nodes. Now they re-form without it, using no restart, as
     for a scale-up, and finish."""
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--last-call-s", "1"]
     hurry = tmp_path / "hurry"
     args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
@@ -593,11 +605,11 @@ def test_a_node_stopped_by_sigterm_scales_an_elastic_job_down_without_a_restart(
 
 
 def test_a_node_stopped_by_sigterm_ends_a_fixed_size_job_saying_why(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A fixed-size job cannot absorb a node stopped by SIGTERM: with no restart left
     the other node gives up, as before, and its words say why and what would go on."""
-    d = start_daemon()
+    d = plain_daemon
     nodes = _nodes(d, job_id, tmp_path, 2, [], ["--steps", "400", "--step-s", "0.03"])
     try:
         wait_for("node 1 to train", lambda: len(nodes[1].events("resumed")) == 2, timeout=60)
@@ -614,11 +626,11 @@ def test_a_node_stopped_by_sigterm_ends_a_fixed_size_job_saying_why(
 
 
 def test_a_node_stopped_by_sigterm_below_min_nodes_is_a_failure_saying_why(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """Two nodes of a 2:3 job: the one left after a SIGTERM is below min_nodes, so the
     stop is a failure, as before (no restart left: it gives up), and says why."""
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--last-call-s", "1"]
     args = ["--steps", "400", "--step-s", "0.03"]
     nodes = [Node(d, job_id, tmp_path, f"node{n}", "2:3", "auto", flags, args) for n in range(2)]
@@ -636,9 +648,9 @@ def test_a_node_stopped_by_sigterm_below_min_nodes_is_a_failure_saying_why(
 
 
 def test_failure_during_recovery_counts_and_a_missing_node_is_waited_for_bounded(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--max-restarts", "1", "--rejoin-timeout-s", "1"]
     nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "200"])
     try:
@@ -654,9 +666,9 @@ def test_failure_during_recovery_counts_and_a_missing_node_is_waited_for_bounded
 
 
 def test_a_node_arriving_late_joins_the_running_elastic_job(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--last-call-s", "0.2"]
     # Long enough (12 s) that the early node is still training when the late one has
     # started on a loaded machine: at 4.5 s it once finished first (CI), and the late
@@ -682,13 +694,13 @@ def test_a_node_arriving_late_joins_the_running_elastic_job(
 
 
 def test_a_standby_started_while_the_job_has_room_says_it_joins_as_a_scale_up(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A --standby started while an elastic job runs below MAX joins at once as a
     scale-up. It said "this node takes the place of the first node the job loses",
     then "standby called" 57 ms later, though no node was lost (a review, h122 D4):
     now it says that it joins the job as a scale-up, and that the job grew."""
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--last-call-s", "0.2"]
     hurry = tmp_path / "hurry"
     args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
@@ -847,12 +859,12 @@ def test_a_join_node_of_another_version_is_refused_alone_and_the_launch_forms(
 
 
 def test_a_standby_node_takes_the_place_of_a_lost_node(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """--nnodes 2 with a third agent started --standby: it waits, spares warm, beyond
     max_nodes; when node 1 dies it takes node 1's place and the job finishes with 4
     ranks. The survivor used its one restart; the standby none."""
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--max-restarts", "1"]
     # 6 s of steps: node 1 is killed once the standby stands by, which must be before
     # the job ends (a loaded machine once took over 3 s to start an agent).
@@ -906,14 +918,14 @@ def _node_1_replaced_by_the_standby(
 
 
 def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """Node 1's agent stopped past the heartbeat timeout (a paused VM; a daemon stopped
     that long did the same, a chaos review found): the daemon loses it and calls the
     standby into its seat. Continued, node 1's re-joins were refused WORLD_FULL, asked
     again at once: every restart used within milliseconds, exit 1. It was replaced, not
     broken: it stands by for the job's next loss, and exits 0 when the job ends."""
-    d = start_daemon("--heartbeat-timeout-s", "3")
+    d = daemon
     nodes = _node_1_replaced_by_the_standby(d, job_id, tmp_path, 250)
     try:
         wait_for(
@@ -932,12 +944,12 @@ def test_a_node_replaced_by_a_standby_while_it_was_stopped_stands_by_and_exits_0
 
 
 def test_a_replaced_node_stands_by_for_one_wait_only(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A replaced node stands by for its re-join's timeout, not forever: a job that
     failed for good never ends, and it would wait on it with no bound (review). The
     job goes on without it, and it ends loudly."""
-    d = start_daemon("--heartbeat-timeout-s", "3")
+    d = daemon
     nodes = _node_1_replaced_by_the_standby(d, job_id, tmp_path, 400, ["--rejoin-timeout-s", "2"])
     node0, node1, standby = nodes
     try:
@@ -953,14 +965,14 @@ def test_a_replaced_node_stands_by_for_one_wait_only(
 
 
 def test_a_node_dropped_from_a_job_that_then_finished_exits_0_when_it_comes_back(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """--nnodes 1:2: node 1's agent stopped past the heartbeat timeout, node 0 re-forms
     alone and finishes the job. Continued, node 1 re-joined without saying when it was
     launched, opened a new run of the finished job, waited out its join timeout for
     nodes that were done and exited 1 "start the missing node agents" (a chaos review).
     Its job is done: it exits 0."""
-    d = start_daemon("--heartbeat-timeout-s", "3")
+    d = daemon
     flags = ["--max-restarts", "1", "--join-timeout-s", "20", "--rejoin-timeout-s", "20"]
     flags += ["--last-call-s", "1"]
     args = ["--steps", "120", "--step-s", "0.03"]
@@ -1022,14 +1034,14 @@ def test_a_standby_whose_wait_ends_unanswered_stands_by_again_and_is_still_calle
 
 @pytest.mark.parametrize("where", ["this host", "another host"])
 def test_a_live_twin_of_a_node_is_told_within_seconds_not_after_its_join_timeout(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, where: str
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path, where: str
 ) -> None:
     """Two agents given one --node-rank (srun with two tasks per node, say, or two
     hosts' configs copied), the first training: on its host, the second waited out its
     whole join timeout (600 s by default) for a seat whose holder is alive. The holder's
     heartbeat, seen going on between two asks (the daemon says when it last heard it),
     tells a twin from a frozen predecessor, on any host; the job runs on."""
-    d = start_daemon()
+    d = plain_daemon
     hurry = tmp_path / "hurry"
     args = ["--steps", "300", "--step-s", "0.03", "--hurry-file", str(hurry)]
     nodes = _nodes(d, job_id, tmp_path, 2, [], args)
@@ -1055,20 +1067,30 @@ def test_a_live_twin_of_a_node_is_told_within_seconds_not_after_its_join_timeout
 
 
 def test_a_second_agent_of_a_single_node_job_stands_by_if_full(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A single node's agent names node rank 0 even under --node-rank auto: when the
     daemon began answering a rank held in the running generation DUPLICATE_RANK, the
     second agent waited out its join timeout and failed, instead of standing by on
     WORLD_FULL (the review found it)."""
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--standby-if-full", "--join-timeout-s", "30"]
-    args = ["--steps", "150", "--step-s", "0.03"]
+    # Paced until the second agent has asked: 150 paced steps, under load, ended the
+    # run before it came, and it was told so instead of WORLD_FULL.
+    hurry = tmp_path / "hurry"
+    args = ["--steps", "400", "--step-s", "0.03", "--hurry-file", str(hurry)]
     first = Node(d, job_id, tmp_path, "first", "1", "auto", flags, args)
     second: Node | None = None
     try:
         wait_for("the node to train", lambda: len(first.events("step")) >= 2, 60)
         second = Node(d, job_id, tmp_path, "second", "1", "auto", flags, args)
+        asked = second
+        wait_for(
+            "the second agent to stand by or exit",
+            lambda: asked.proc.poll() is not None or "standing by" in asked.stderr(),
+            60,
+        )
+        hurry.touch()
         codes = _exits([first, second])
     finally:
         _cleanup([first, *([second] if second else [])])
@@ -1080,13 +1102,13 @@ def test_a_second_agent_of_a_single_node_job_stands_by_if_full(
 
 
 def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spare(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """Three identical agents, --nnodes 2 --node-rank auto --standby-if-full (a
     scheduler's pods): the one that finds the world full stands by; when a training
     node dies it takes its place, and the killed node started again (as a Job replaces
     a pod) finds the world full and stands by in turn, exiting 0 when the job ends."""
-    d = start_daemon()
+    d = plain_daemon
     flags = ["--max-restarts", "1", "--standby-if-full"]
     # 9 s of steps: with 3 s, a loaded CI machine once ended the job before the
     # restarted pod joined, and a standby started after its job ended waits out its
@@ -1119,9 +1141,9 @@ def test_identical_nodes_beyond_max_stand_by_and_a_restarted_node_becomes_a_spar
 
 
 def test_a_standby_node_exits_0_when_the_job_ends_without_it(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     # 4.5 s of steps: the standby must join before the job ends; one that comes after
     # waits out its join timeout (the test below).
     hurry = tmp_path / "hurry"
@@ -1141,14 +1163,14 @@ def test_a_standby_node_exits_0_when_the_job_ends_without_it(
 
 
 def test_a_standby_parked_when_the_run_is_closed_exits_0_saying_who_closed_it(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A run closed for good (``close_run``: here by the SDK, in a torchrun job by an
     agent out of restarts) while a standby stood by: the standby exits 0 at once,
     naming the close, as one told of a normal end does and as c10d ends a standby of
     a closed rendezvous. It waited until its join timeout ended, joined again and
     exited 1 on 'joining failed: JobAborted'."""
-    d = start_daemon()
+    d = plain_daemon
     with RendezvousClient(d.endpoint, job_id, token=d.token) as node:
         node.join_node(
             min_nodes=1,
@@ -1175,7 +1197,7 @@ def test_a_standby_parked_when_the_run_is_closed_exits_0_saying_who_closed_it(
 
 
 def test_a_standby_of_a_job_whose_nodes_all_gave_up_exits_0_at_once_and_reopens_nothing(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """--nnodes 2, the default --max-restarts 0, a --standby, and one worker killed:
     both nodes give up at once. The job stayed FAILED (only a running generation ends
@@ -1183,7 +1205,7 @@ def test_a_standby_of_a_job_whose_nodes_all_gave_up_exits_0_at_once_and_reopens_
     and, at each join timeout, joined again and opened a new generation of the dead
     job (a review, h122 D1). The last node's goodbye now closes the run: the standby
     exits 0 at once, naming the failure, and its next ask opens nothing."""
-    d = start_daemon()
+    d = plain_daemon
     args = ["--steps", "100000", "--step-s", "0.03"]
     nodes = _nodes(d, job_id, tmp_path, 2, [], args)
     # A join timeout (10 s) that ends within the test: its re-join must open nothing.
@@ -1210,9 +1232,9 @@ def test_a_standby_of_a_job_whose_nodes_all_gave_up_exits_0_at_once_and_reopens_
 
 
 def test_a_standby_started_after_its_job_ended_waits_its_join_timeout_then_exits_0(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
-    d = start_daemon()
+    d = plain_daemon
     with RendezvousClient(d.endpoint, job_id, token=d.token) as node:
         node.join_node(min_nodes=1, max_nodes=1, gpus_per_node=2, host="n0", timeout=20)
         node.start_heartbeat(0.2)
@@ -1316,7 +1338,7 @@ def _generation(d: DaemonProcess, job: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, restarts: int
+    daemon: DaemonProcess, job_id: str, tmp_path: Path, restarts: int
 ) -> None:
     """Two nodes; node 1's agent SIGSTOPped past the heartbeat timeout. Node 0 hears
     the daemon's verdict and stops its workers, whose ring links to node 1's workers
@@ -1329,7 +1351,7 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
     its root cause named rank 2 as another node's); with one, node 0 has opened
     generation 2 (its fixed size waits for node 1 there), and node 1's heartbeat is
     refused as stale."""
-    d = start_daemon("--heartbeat-timeout-s", "3")
+    d = daemon
     flags = ["--max-restarts", str(restarts)]
     hurry = tmp_path / "hurry"
     nodes = _nodes(d, job_id, tmp_path, 2, flags, ["--steps", "400", "--hurry-file", str(hurry)])
@@ -1386,14 +1408,14 @@ def test_a_stopped_agent_blames_no_worker_its_peers_failed_meanwhile(
 
 
 def test_a_stopped_agent_is_told_the_job_re_formed_without_it(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """docs/operations.md's "node agent stopped, then continued" when the job went on
     without it: an elastic job (--nnodes 1:2) whose node 1 agent is SIGSTOPped until
     node 0 alone runs the next generation. Continued, its heartbeat is refused as
     stale, and it says it was dropped while stopped (its own pause, not a fault of
     its workers'); with no restart of its own, it exits 1."""
-    d = start_daemon("--heartbeat-timeout-s", "3")
+    d = daemon
     args = ["--steps", "2000"]
     nodes = [
         Node(d, job_id, tmp_path, f"node{n}", "1:2", str(n), flags, args)
@@ -1600,13 +1622,13 @@ def test_a_verdict_naming_this_nodes_own_report_first_is_told_as_its_workers_fai
 
 
 def test_an_abort_in_the_loopback_refusals_words_without_its_cause_is_restarted(
-    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+    plain_daemon: DaemonProcess, job_id: str, tmp_path: Path
 ) -> None:
     """A node agent told the loopback refusal by its abort's words ended on any abort
     of that shape with exit 2, as a setup error no restart changes, its restarts
     unused. Now only the abort's cause says so (tests/multihost: the real refusal still
     ends every node with exit 2); this one is restarted as any abort is."""
-    d = start_daemon()
+    d = plain_daemon
     (node,) = _nodes(d, job_id, tmp_path, 1, ["--max-restarts", "1"], ["--steps", "60"])
     try:
         wait_for(
