@@ -7,6 +7,7 @@ embedded daemon) from colliding in the global one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -323,8 +324,11 @@ def observed(
         async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
             started, error = time.perf_counter(), None
             try:
-                async for item in inner(request, context):
-                    yield item
+                # aclosing: the inner generator's own ``finally`` (a heartbeat stream's
+                # detach) must run when this one is closed, not when it is collected.
+                async with contextlib.aclosing(inner(request, context)) as items:
+                    async for item in items:
+                        yield item
             except BaseException as e:
                 error = e
                 raise

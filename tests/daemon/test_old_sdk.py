@@ -17,7 +17,7 @@ from rendezvousd.common.model import JobState, Warn
 from rendezvousd.errors import RendezvousFault
 from rendezvousd.state.machine import JoinArgs, RendezvousState
 from tests.daemon.raw_calls import bearer, raw, reason_of
-from tests.support import DaemonProcess, parallel, wait_for
+from tests.support import DaemonProcess, members, parallel, wait_for
 
 ID = b"\x01" * 128
 
@@ -156,6 +156,12 @@ def lost_after(
         heard: list[RendezvousError] = []
         clients[0].start_heartbeat(0.2, on_failure=heard.append)
         clients[1].start_heartbeat(0.2)
+        # The daemon tells a member's own connection by its heartbeat stream's peer: a
+        # call before the stream is attached is no call of its connection.
+        wait_for(
+            "both heartbeat streams",
+            lambda: sum(m.heartbeat_stream_open for m in members(daemon, job_id)) == 2,
+        )
         forged(clients[1], joined[1])
         clients[1].close()  # its worker failed (on the refusal, for an old SDK)
         wait_for("rank 0 to hear of the loss", lambda: bool(heard))
