@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client._call_stream import CALL_BATCH_BYTES, _CallStreams
+from rendezvousd.client._local_address import LocalAddress
 from rendezvousd.client._multiplex import NOT_RUN, timeout_ms
 from rendezvousd.client._session import (
     DAEMON_CHECK_ADVICE,
@@ -236,7 +237,11 @@ class Renew:
     ask ``Calls.renewed`` (off the event loop: a stat of each TLS file, a read once
     one changed) and, given credentials, make the channel anew from them, its stubs
     and call stream with it, as after any reconnect; answered True when it did. So a
-    client whose certificate was renewed on disk shows the new one at its redial."""
+    client whose certificate was renewed on disk shows the new one at its redial.
+    ``readdressed``: made anew whatever its state and files, as this host lost the
+    address its connection was made from (``LocalAddress``): READY, it was no use."""
+
+    readdressed: bool = False
 
 
 @dataclass(frozen=True)
@@ -295,6 +300,10 @@ class Calls:
         # The first call of a client that is no member yet looks at the daemon first
         # (``first_look``); a join and connect() always do.
         self.looked = False
+        # The address this host reached the daemon from as it joined: a call on a
+        # channel whose connection was made from an address the host no longer has
+        # waited its whole deadline (``readdress``).
+        self.local = LocalAddress(endpoint)
 
     def channel(
         self, secure: Callable[..., C], insecure: Callable[..., C], credentials: Any = None
@@ -322,6 +331,16 @@ class Calls:
         if self.files is None:
             return False
         return bool((yield Renew()))
+
+    def readdress(self) -> Steps[bool]:
+        """Where this host lost the address its channel connected from (re-addressed
+        under this client): the channel made anew, from the address the host has now,
+        which is noted in turn; whether it was. Free until a join noted an address."""
+        if self.local.address is None or self.local.gone() is None:
+            return False
+        renewed = bool((yield Renew(readdressed=True)))
+        yield Blocking(self.local.note)
+        return renewed
 
     # -- one call, with the retry policy ---------------------------------------
 
@@ -362,6 +381,7 @@ class Calls:
             # channel is made anew first. Free while the channel is connected.
             if self.files is not None:
                 yield from self.renewal()
+            yield from self.readdress()
             wait = max(0.0, deadline - share - time.monotonic())
             try:
                 answer = yield Rpc(method, request, wait, health)
@@ -819,6 +839,7 @@ class Calls:
         plan: JoinPlan | None = None
         try:
             yield from self.before_join(request.get("timeout"))
+            yield Blocking(self.local.note)
             plan = self.s.plan_join(**request)
             yield OpenStream()
             yield from self.leave_given_up()
@@ -861,6 +882,7 @@ class Calls:
                 f"one per local rank ({per_node}), or none"
             )
         yield from self.before_join(request.get("timeout"))
+        yield Blocking(self.local.note)
         # A re-join (next generation): the last generation's stream must not report
         # into this one.
         yield StopStream()
@@ -1011,7 +1033,10 @@ class Calls:
         if request is None:
             return
         final = final and request.node
-        if s.stream_leave:
+        # A heartbeat stream on the connection from an address gone hears nothing:
+        # the Leave goes as a call on the channel made anew.
+        anew = yield from self.readdress()
+        if s.stream_leave and not anew:
             wait = s.leave_wait()
             confirmed = yield LeaveOnStream(wait)
             refused = s.leave_refused() if confirmed is False else None
@@ -1035,6 +1060,16 @@ class Calls:
             error = from_rpc_error(exc, endpoint=s.endpoint, method="Leave")
             if error.code in UNKNOWN_OUTCOME and not error.reason:
                 problem = yield from self.dialed(end)
+                if self.local.lost is not None:
+                    # A plain connect from the new address works: "no gRPC server
+                    # answered ... a daemon that is stuck" blamed the daemon.
+                    problem = LocalShortage(
+                        f"this host's address changed ({self.local.lost} is no longer one "
+                        f"of its addresses; it reaches the daemon from "
+                        f"{self.local.address or 'no address'} now), and the daemon was not "
+                        "told of the leave",
+                        "readdressed",
+                    )
             s.leave_failed(request, exc, problem)
 
     def _say_final(self, request: pb.LeaveRequest, final: bool) -> Steps[None]:
@@ -1066,11 +1101,16 @@ class Calls:
         aborted: int = response.generation
         return aborted
 
-    def close_run(self, reason: str, generation: int) -> Steps[bool]:
+    def close_run(self, reason: str, generation: int, cause: str = "") -> Steps[bool]:
         check_arg("close_run", "reason", reason, str)
         check_arg("close_run", "generation", generation, int, UINT64)
+        check_arg("close_run", "cause", cause, str)
         request = pb.AbortJobRequest(
-            job_id=self.s.job_id, generation=generation, reason=reason, close=True
+            job_id=self.s.job_id,
+            generation=generation,
+            reason=reason,
+            close=True,
+            cause=abort_cause(cause),
         )
         response = yield from self.call("AbortJob", request)
         closed: bool = response.closed

@@ -201,7 +201,7 @@ class AsyncRendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.LeaveOnStream):
             return await self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Renew):
-            return await self._renew()
+            return await self._renew(readdressed=step.readdressed)
         elif isinstance(step, steps.Connect):
             try:
                 async with asyncio.timeout(step.timeout):
@@ -215,20 +215,23 @@ class AsyncRendezvousClient(steps.ClientBase):
             return True
         return None
 
-    async def _renew(self, *, unless_ready: bool = True) -> bool:
+    async def _renew(self, *, unless_ready: bool = True, readdressed: bool = False) -> bool:
         """``RendezvousClient._renew``: the files read off the loop, the channel made
         on it (grpc.aio binds a channel to the loop it is made on)."""
         files = self._c.files
-        if files is None:
+        renewal = None
+        if not readdressed:
+            if files is None:
+                return False
+            if unless_ready and self._channel.get_state() is grpc.ChannelConnectivity.READY:
+                return False
+            if not files.changed(self._made):  # the common case, on the loop: three stats
+                return False
+        if files is not None and files.changed(self._made):
+            renewal = await asyncio.to_thread(self._c.renewed, self._made)
+        if (renewal is None and not readdressed) or self._s.closed:
             return False
-        if unless_ready and self._channel.get_state() is grpc.ChannelConnectivity.READY:
-            return False
-        if not files.changed(self._made):  # the common case, on the loop: three stats
-            return False
-        renewal = await asyncio.to_thread(self._c.renewed, self._made)
-        if renewal is None or self._s.closed:
-            return False
-        made, credentials = renewal
+        made, credentials = (self._made, None) if renewal is None else renewal
         channel = self._c.channel(grpc.aio.secure_channel, grpc.aio.insecure_channel, credentials)
         self._replaced.append(self._channel)
         self._channel, self._made = channel, made
@@ -317,9 +320,9 @@ class AsyncRendezvousClient(steps.ClientBase):
         """``RendezvousClient.abort``, awaited."""
         return await self._run(self._c.abort(reason, job_id, generation, cause))
 
-    async def close_run(self, reason: str, *, generation: int = 0) -> bool:
+    async def close_run(self, reason: str, *, generation: int = 0, cause: str = "") -> bool:
         """``RendezvousClient.close_run``, awaited."""
-        return await self._run(self._c.close_run(reason, generation))
+        return await self._run(self._c.close_run(reason, generation, cause))
 
     def _open_stream(self) -> None:
         """``steps.OpenStream``: the heartbeat stream's call, open before the join, its

@@ -18,6 +18,7 @@ from rendezvousd.errors import shown
 __all__ = [
     "LOOPBACK_ADDRESS",
     "NODE_STOPPED",
+    "SETUP_ERROR",
     "LazyTable",
     "Member",
     "Membership",
@@ -231,6 +232,10 @@ LOOPBACK_ADDRESS = "LOOPBACK_ADDRESS"
 #: The abort cause (the proto's ABORT_CAUSE_NODE_STOPPED) of a node agent stopped by a
 #: signal, which leaves the job for good: its peers tell a scale-down by it.
 NODE_STOPPED = "NODE_STOPPED"
+#: The abort cause (the proto's ABORT_CAUSE_SETUP_ERROR) of a node agent that leaves
+#: the job for good on a setting of its own no restart changes, closing the run: its
+#: peers end on it as on a setup error of their own.
+SETUP_ERROR = "SETUP_ERROR"
 
 
 def loopback_conflict(m: Membership, address: str) -> str | None:

@@ -230,7 +230,7 @@ class RendezvousClient(steps.ClientBase):
         elif isinstance(step, steps.LeaveOnStream):
             return self._leave_on_stream(step.timeout)
         elif isinstance(step, steps.Renew):
-            return self._renew()
+            return self._renew(unless_ready=not step.readdressed, readdressed=step.readdressed)
         elif isinstance(step, steps.Connect):
             ready = self._ready_within(step.timeout, failure_ends=False)
             if self._s.closed:
@@ -238,18 +238,19 @@ class RendezvousClient(steps.ClientBase):
             return self._ready_future(step.timeout) if ready is None else ready
         return None
 
-    def _renew(self, *, unless_ready: bool = True) -> bool:
+    def _renew(self, *, unless_ready: bool = True, readdressed: bool = False) -> bool:
         """``steps.Renew``: the channel made anew from TLS files renewed since it was
         made (``Calls.renewed`` decides), its stubs and call stream with it; whether
         it was. The heartbeat's next stream opens on it too. ``unless_ready``: not
         while the channel is READY (a call's look); the heartbeat, whose stream broke,
-        looks whatever the channel's state, which can still read READY then."""
+        looks whatever the channel's state, which can still read READY then.
+        ``readdressed``: made anew whatever the files (``steps.Renew``)."""
         if unless_ready and connected(self._channel):
             return False
         renewal = self._c.renewed(self._made)
-        if renewal is None:
+        if renewal is None and not readdressed:
             return False
-        made, credentials = renewal
+        made, credentials = (self._made, None) if renewal is None else renewal
         channel = self._c.channel(grpc.secure_channel, grpc.insecure_channel, credentials)
         with self._hb_lock:  # close() marks the client closed under it
             if self._s.closed:
@@ -403,15 +404,17 @@ class RendezvousClient(steps.ClientBase):
         ``reason`` is its words: "" (any abort), "LOOPBACK_ADDRESS" or "NODE_STOPPED"."""
         return self._run(self._c.abort(reason, job_id, generation, cause))
 
-    def close_run(self, reason: str, *, generation: int = 0) -> bool:
+    def close_run(self, reason: str, *, generation: int = 0, cause: str = "") -> bool:
         """Close the job's run for good: ``generation`` (0: the current one) is aborted
         as by ``abort``, or, one that already failed, left failed; and a node agent
         launched before this call that joins the job afterwards is refused
         (``JobAborted``, with ``reason``) instead of waiting for nodes that will not
         come (docs/protocol.md, "A closed run"). Returns whether the daemon closed
         it: False from a daemon from before closes, which aborted the generation (if
-        it was forming or running) and nothing more."""
-        return self._run(self._c.close_run(reason, generation))
+        it was forming or running) and nothing more. ``cause``: as ``abort``'s, told
+        to the nodes refused too ("SETUP_ERROR": a node agent leaves on a setting of
+        its own, and the others end as on a setup error)."""
+        return self._run(self._c.close_run(reason, generation, cause))
 
     # -- key-value store --------------------------------------------------------
 

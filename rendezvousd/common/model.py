@@ -93,6 +93,7 @@ class AbortCause(enum.Enum):
     UNSPECIFIED = 0
     LOOPBACK_ADDRESS = 1
     NODE_STOPPED = 2
+    SETUP_ERROR = 3
 
     @classmethod
     def of(cls, value: int) -> AbortCause:

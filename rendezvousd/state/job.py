@@ -374,6 +374,9 @@ class Closed:
     at: float
     reason: str
     generation: int
+    #: The closing abort's cause, told to the nodes refused as closed: a node agent's
+    #: setup error (``SETUP_ERROR``) ends them as one of their own.
+    cause: AbortCause = AbortCause.UNSPECIFIED
 
 
 @dataclass
@@ -664,7 +667,7 @@ class Job:
                 Reason.JOB_ABORTED,
                 f"{self.named} was aborted: {self.gen.abort_reason}",
                 reason=self.gen.abort_reason,
-                **_cause(self.gen.abort_cause),
+                **abort_cause_meta(self.gen.abort_cause),
                 # Always said ("false" too): a reader tells a close by it, not by the
                 # reason's words, which any caller of AbortJob chooses. "placed": the
                 # caller was in the closed generation (a standby called into it too),
@@ -713,7 +716,7 @@ def _topology_text(topology: tuple[int, ...]) -> tuple[str, str]:
     return f"num_nodes={num_nodes} gpus_per_node={gpus}", f"{num_nodes}x{gpus}"
 
 
-def _cause(cause: AbortCause) -> dict[str, str]:
+def abort_cause_meta(cause: AbortCause) -> dict[str, str]:
     """An abort's cause in a JOB_ABORTED fault's metadata: absent for an abort like any
     other, as from a daemon before causes."""
     return {} if cause is AbortCause.UNSPECIFIED else {"abort_cause": cause.name}

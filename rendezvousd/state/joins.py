@@ -29,7 +29,15 @@ from rendezvousd.common.model import (
 from rendezvousd.common.newest import keep_newest
 from rendezvousd.errors import Code, Reason, RendezvousFault
 from rendezvousd.state import barriers, fences, placement, rounds, seats, waits
-from rendezvousd.state.job import ENDED_WAITS_KEPT, Closed, EndedWait, Job, Member, Node
+from rendezvousd.state.job import (
+    ENDED_WAITS_KEPT,
+    Closed,
+    EndedWait,
+    Job,
+    Member,
+    Node,
+    abort_cause_meta,
+)
 from rendezvousd.state.placement import JoinArgs
 
 if TYPE_CHECKING:
@@ -194,6 +202,8 @@ def launched_before_close(job: Job, args: JoinArgs, now: float) -> RendezvousFau
         f"launched ({now - launched:.1f} s ago): {closed.reason}",
         reason=closed.reason,
         closed="true",
+        # A node agent's setup error that closed it: this node ends as on its own.
+        **abort_cause_meta(closed.cause),
     )
 
 

@@ -265,7 +265,7 @@ class RendezvousState:
         if generation not in (0, job.generation):
             seats.seat(self, job_id, generation, 0)  # raises STALE_GENERATION
         if close and job.state is not JobState.ENDED:
-            job.closed = Closed(now, reason or "closed by request", job.generation)
+            job.closed = Closed(now, reason or "closed by request", job.generation, cause)
             joins.standbys_closed_out(self, job)
         if job.state in (JobState.FORMING, JobState.RUNNING):
             job.gen.abort_reason = reason or "aborted by request"

@@ -186,6 +186,7 @@ def _closed_record(closed: Closed) -> dict[str, Any]:
         "at_unix": _unix(closed.at),
         "reason": closed.reason,
         "generation": closed.generation,
+        **({} if closed.cause is AbortCause.UNSPECIFIED else {"cause": closed.cause.name}),
     }
 
 
@@ -200,7 +201,11 @@ def _closed(raw: Mapping[str, Any], generation: int, now: float) -> Closed | Non
         validation.text_field("closed.reason", reason, Limits().max_reason_bytes, required=True)
     except RendezvousFault as fault:
         raise ValueError(fault.message) from None
-    return Closed(_unix_time(row, "at_unix", now), reason, _int(row, "generation", 1, generation))
+    named = _str(row, "cause") if "cause" in row else ""
+    cause = AbortCause.__members__.get(named, AbortCause.UNSPECIFIED)
+    return Closed(
+        _unix_time(row, "at_unix", now), reason, _int(row, "generation", 1, generation), cause
+    )
 
 
 def _conflict_record(fault: RendezvousFault) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -689,6 +690,33 @@ def test_close_run_closes_a_failed_generation_to_the_nodes_launched_before_it(
         late.join_node(
             min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=1, launched=time.monotonic()
         )
+
+
+def test_a_run_closed_on_a_setup_error_tells_its_cause_to_the_nodes_it_refuses(
+    agents: list[RendezvousClient],
+) -> None:
+    """A node agent that leaves on a setting of its own (its --ring-host gone from its
+    host) closes the failed generation with the cause ``SETUP_ERROR``: a node that
+    re-joins after the close is refused with that cause as data, which rendezvous-run
+    ends on as a setup error (exit 2); the refusal carried only the words, and the
+    node used a restart on it."""
+    from rendezvousd.client import JobAborted
+    from rendezvousd.client.membership import SETUP_ERROR
+
+    launched = time.monotonic()
+    a, b, _ = agents
+    kw: dict[str, Any] = dict(min_nodes=2, max_nodes=2, gpus_per_node=1, timeout=20)
+    joined = parallel([lambda c=c: c.join_node(launched=launched, **kw) for c in (a, b)])  # type: ignore[misc]
+    assert all(isinstance(m, NodeMembership) for m in joined), joined
+    b.report_failure(0, "its ring broke")
+    b.leave()
+    a.leave()
+    words = "node 1 (host h2) left: its ring address is no longer an address of that host"
+    assert b.close_run(words, cause=SETUP_ERROR) is True
+    with pytest.raises(JobAborted) as info:
+        a.join_node(launched=launched, **kw)
+    assert info.value.closed, info.value
+    assert (info.value.abort_cause, info.value.abort_reason) == (SETUP_ERROR, words)
 
 
 def test_a_standby_parked_as_the_run_is_closed_hears_the_close_at_once(

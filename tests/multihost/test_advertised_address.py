@@ -338,3 +338,99 @@ def test_a_node_readdressed_under_its_agent_rejoins_with_its_new_address(
     ) in refused, pinned[1].summary()
     assert "give an address of this host that the other nodes reach" in refused
     assert "restart 2 of 2" not in refused
+
+
+def test_the_other_nodes_hear_at_once_that_a_readdressed_node_refused_its_ring_host(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """h2's pinned ``--ring-host`` is gone from it (re-addressed in place): its agent
+    refuses it before the re-join (exit 2). The other node waited its whole re-join
+    timeout (60 s) for it, then said only that the job did not form. It hears now,
+    within seconds, which node left, from which host, and why."""
+    cluster = make_cluster(2, "--heartbeat-timeout-s", "3")
+    h2 = cluster.hosts[2]
+    old, new = h2.address, str(netns.SUBNET.network_address + 21)
+    launcher = ("--heartbeat-interval-s", "0.5", "--max-restarts", "2")
+    work = ("--steps", "150", "--step-sleep", "0.04", "--log-every", "10")
+    work += ("--samples", "256", "--hidden", "16")
+    nodes = cluster.launch(2, 1, job="pinned", nodes=[0], launcher_args=launcher,
+                           example_args=work)  # fmt: skip
+    nodes += cluster.launch(2, 1, job="pinned", nodes=[1],
+                            launcher_args=(*launcher, "--ring-host", old),
+                            example_args=work)  # fmt: skip
+    wait_for("the first steps", lambda: nodes[0].first("step 11/") is not None, 60)
+    netns._ip("-n", h2.netns, "addr", "del", f"{old}/{netns.SUBNET.prefixlen}", "dev", "eth0")
+    netns._ip("-n", h2.netns, "addr", "add", f"{new}/{netns.SUBNET.prefixlen}", "dev", "eth0")
+    h2.address = new
+
+    assert cluster.wait(nodes[1:], 30) == [2], nodes[1].summary()
+    refused_at = nodes[1].first("cannot be used on host h2 any more")
+    assert refused_at is not None, nodes[1].summary()
+    # Well inside the re-join timeout (60 s) it waited before, once per restart left;
+    # as a setup error (exit 2): no restart changes the other node's setting.
+    assert cluster.wait(nodes[:1], 30) == [2], nodes[0].summary()
+    said = nodes[0].text()
+    assert (
+        f"node 1 (host h2) left job 'pinned': its ring address {old} (given by --ring-host"
+    ) in said, nodes[0].summary()
+    assert "is no longer an address of that host" in said, nodes[0].summary()
+    assert "restart 2 of 2" not in said, nodes[0].summary()
+    ended_at = nodes[0].first("gave up")
+    assert ended_at is not None and ended_at - refused_at < 15, nodes[0].summary()
+
+
+#: A member on h1 that joins, waits for a line on stdin (its host re-addressed
+#: meanwhile), leaves and says what the SDK logged.
+_LEAVER = """
+import logging, sys
+from rendezvousd.client import RendezvousClient
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+endpoint, job, token_file = sys.argv[1:4]
+c = RendezvousClient(endpoint, job, token_file=token_file, leave_timeout=5)
+c.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=20)
+c.barrier("warm", timeout=10)  # the channel connected, from the address h1 has now
+print("joined", flush=True)
+sys.stdin.readline()
+c.leave()
+print("left", flush=True)
+c.close()
+"""
+
+
+def test_a_member_whose_host_was_readdressed_still_says_its_leave(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """h1's address changes in place between a member's join and its leave: the
+    channel's connection stays bound to the address removed, still READY, and the
+    Leave on it waited its whole timeout, then said "it accepts connections, but no
+    gRPC server answered ... a daemon that is stuck" (a plain connect from the new
+    address works) and the daemon was never told. The channel is made anew where the
+    address the client joined from is gone: the Leave gets through, and the job ends
+    as every member left."""
+    cluster = make_cluster(1, "--heartbeat-timeout-s", "60")
+    h1 = cluster.hosts[1]
+    old, new = h1.address, str(netns.SUBNET.network_address + 22)
+    argv = [sys.executable, "-c", _LEAVER, cluster.daemon.endpoint, "left",
+            str(cluster.daemon.token_file)]  # fmt: skip
+    proc = subprocess.Popen(
+        h1.command(argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "joined"
+        netns._ip("-n", h1.netns, "addr", "del", f"{old}/{netns.SUBNET.prefixlen}", "dev", "eth0")
+        netns._ip("-n", h1.netns, "addr", "add", f"{new}/{netns.SUBNET.prefixlen}", "dev", "eth0")
+        h1.address = new
+        out, err = proc.communicate("go\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0 and "left" in out, err
+    assert "could not tell the daemon" not in err, err
+    # JOB_STATE_ENDED: the daemon heard the leave (not left RUNNING, to lose it later).
+    assert cluster.job_facts("left")["state"] == 5, (cluster.job_facts("left"), err)

@@ -46,6 +46,7 @@ from rendezvousd.client.errors import (
 from rendezvousd.client.membership import (
     LOOPBACK_ADDRESS,
     NODE_STOPPED,
+    SETUP_ERROR,
     NodeMembership,
     loopback_conflict,
     loopback_refused,
@@ -525,6 +526,7 @@ class NodeAgent:
                 f"{exc}; then start this node's rendezvous-run again (no restart changes "
                 "a setting)"
             )
+            self._tell_readdressed(before)
             return Failure(None, problem, host=self.host, exit_status=SETUP_ERROR_EXIT, fatal=True)
         if ring.address != before:
             self.note(
@@ -537,6 +539,31 @@ class NodeAgent:
         if self.link_host:
             self.link_host = ring.address
         return None
+
+    def _tell_readdressed(self, before: str) -> None:
+        """The other nodes told why this one leaves (``_choose_ring``'s refusal), as
+        data (``SETUP_ERROR``): told nothing, they waited their whole re-join timeout
+        (60 s) for it, then said only that the job did not form. The run is closed
+        with it, so a node that re-joins after this (the failed generation still the
+        job's) is refused at once too. Not an elastic job that can go on without this
+        node: closed, it would end; its nodes re-form without it once its kept seat
+        lapses."""
+        config, placed = self.config, self.placed
+        left = placed.num_nodes - 1 if placed is not None else None
+        if (
+            config.fewest_nodes < config.num_nodes
+            and left is not None
+            and left >= config.fewest_nodes
+        ):
+            return
+        node = f"node {placed.node_rank} " if placed is not None else "a node "
+        words = (
+            f"{node}(host {self.host}) left job {config.job_id!r}: its ring address "
+            f"{before} ({self.ring_origin}) is no longer an address of that host, which "
+            "was re-addressed since it started; fix that setting and start it again"
+        )
+        with contextlib.suppress(RendezvousError):
+            self.client.close_run(words, cause=SETUP_ERROR)
 
     def _watch_links(self, m: NodeMembership) -> None:
         """Links to the neighbouring nodes' agents, for a backend whose own traffic we
@@ -748,6 +775,16 @@ class NodeAgent:
                     outage.reset()
                     serial = start()  # no slot was freed within the wait: stand by again
                     continue
+                if isinstance(answer, JobAborted) and answer.abort_cause == SETUP_ERROR:
+                    # Another node left on a setting of its own (``_tell_readdressed``):
+                    # every re-join is refused as closed, and no restart changes it.
+                    return Failure(
+                        _refused_in(answer),
+                        f"job {config.job_id!r} cannot re-form: {answer.abort_reason}",
+                        host=self.host,
+                        exit_status=SETUP_ERROR_EXIT,
+                        fatal=True,
+                    )
                 cause = f"joining failed: {type(answer).__name__}: {in_launchers_words(answer)}"
                 # Asked again every OUTAGE_RETRY_S for the join's timeout, no restart used:
                 # a daemon not up yet (a restart would only join it again, unreachable),
@@ -1207,9 +1244,13 @@ class NodeAgent:
             self._stop(gen, Failure(gen, cause, rank, host), cause, rejoins=True)
             # Its host and cause are the stray's own text: shown escaped.
             return StrayLost(gen, shortened(f"rank {rank} on {host}: {lost[0].cause}"))
-        if isinstance(error, JobAborted) and loopback_refused(error):
-            # Another node's loopback ring address: its setup's error, which it exits 2
-            # on. A restart here would wait out the join's timeout for that node.
+        if isinstance(error, JobAborted) and (
+            loopback_refused(error) or error.abort_cause == SETUP_ERROR
+        ):
+            # Another node's loopback ring address, or a node that left on a setting
+            # of its own (``_tell_readdressed``): its setup's error, which it exits 2
+            # on. A restart here would wait out the join's timeout for that node (or
+            # be refused as closed).
             setup = Failure(gen, cause, rank, host, exit_status=SETUP_ERROR_EXIT, fatal=True)
             return self._stop(gen, setup, cause)
         if isinstance(error, JobAborted) and error.abort_cause == NODE_STOPPED:

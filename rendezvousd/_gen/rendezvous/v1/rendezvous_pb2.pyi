@@ -87,6 +87,13 @@ class _AbortCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AbortCause
     scale-down that uses none of their restarts where they still make min_nodes
     (rendezvous-run). The daemon treats it as any abort.
     """
+    ABORT_CAUSE_SETUP_ERROR: _AbortCause.ValueType  # 3
+    """A node agent leaves the job for good on a setting of its own that no restart
+    changes (its --ring-host is no longer an address of its host: the host was
+    re-addressed), and closes the run with it (AbortJobRequest.close): the other node
+    agents end on it at once, as on a setup error of their own (rendezvous-run exits
+    2), instead of waiting their re-join timeout for a node that will not come.
+    """
 
 class AbortCause(_AbortCause, metaclass=_AbortCauseEnumTypeWrapper):
     """Why an abort ended a generation, as data, beside its reason's words: a peer acts
@@ -105,6 +112,13 @@ ABORT_CAUSE_NODE_STOPPED: AbortCause.ValueType  # 2
 leaves the job for good: its elastic job's other nodes re-form without it, a
 scale-down that uses none of their restarts where they still make min_nodes
 (rendezvous-run). The daemon treats it as any abort.
+"""
+ABORT_CAUSE_SETUP_ERROR: AbortCause.ValueType  # 3
+"""A node agent leaves the job for good on a setting of its own that no restart
+changes (its --ring-host is no longer an address of its host: the host was
+re-addressed), and closes the run with it (AbortJobRequest.close): the other node
+agents end on it at once, as on a setup error of their own (rendezvous-run exits
+2), instead of waiting their re-join timeout for a node that will not come.
 """
 Global___AbortCause: _TypeAlias = AbortCause  # noqa: Y015
 
