@@ -43,7 +43,7 @@ from rendezvousd.client.membership import Membership
 from rendezvousd.common.escape import bounded
 from rendezvousd.trainer.agent._agent_boot import ENV_SPARE_GPU
 from rendezvousd.trainer.agent._trace import mark
-from rendezvousd.trainer.agent.agent_worker import AgentLink
+from rendezvousd.trainer.agent.agent_worker import AgentLink, Assignment
 from rendezvousd.trainer.agent.state_copy import StepState
 from rendezvousd.trainer.comm import devices, peer_wait
 from rendezvousd.trainer.comm.communicator import Communicator
@@ -753,6 +753,15 @@ def _in_launchers_words(error: BaseException) -> None:
     reword(error)
 
 
+def point_nccl_from(assignment: Assignment, environ: MutableMapping[str, str]) -> None:
+    """The NCCL_SOCKET_IFNAME of ``assignment`` (the agent's choice for this
+    generation) in ``environ``, over the one this warm spare was started with: that
+    was the interface of the node's address at launch, and a node re-addressed onto
+    another interface since would point NCCL at one that no longer holds it."""
+    if assignment.socket_ifname:
+        environ["NCCL_SOCKET_IFNAME"] = assignment.socket_ifname
+
+
 def _init_from_agent(
     link: AgentLink, environ: MutableMapping[str, str] | None
 ) -> DistributedContext:
@@ -779,6 +788,7 @@ def _init_from_agent(
         raise
     topology = assignment.topology
     if config.backend == "nccl":
+        point_nccl_from(assignment, os.environ)
         # The global rank, not the local one: two simulated nodes on one GPU share
         # local ranks, and NCCL would take their ranks for one GPU used twice.
         devices.prepare_nccl(assignment.rank)

@@ -110,3 +110,47 @@ def test_nccl_keeps_the_users_interface_and_the_shared_device_modes_loopback(
     monkeypatch.delenv("RENDEZVOUSD_NCCL_SHARED_DEVICE")
     env, own = _nccl_env(monkeypatch, {}, "192.0.2.77")
     assert ("NCCL_SOCKET_IFNAME" in env, own) == (False, None)
+
+
+def test_a_readdressed_nodes_warm_spares_get_the_interface_of_its_new_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The NCCL_SOCKET_IFNAME the launcher chose went into the warm spares' env once,
+    at launch: a node re-addressed onto another interface since had its spares
+    point NCCL at the old one. The agent chooses it again with the address before
+    each re-join, sets its own (node 0's bootstrap root), and hands it to each worker
+    in its assignment, which sets it over the env it was started with."""
+    from rendezvousd.client import RendezvousClient
+    from rendezvousd.trainer.agent.agent_worker import UNIQUE_ID_BYTES, Assignment
+    from rendezvousd.trainer.agent.node_agent import NodeAgent
+    from rendezvousd.trainer.distributed import point_nccl_from
+
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth9")  # set by the launcher, for the old
+    config = load_config(None, env={"RENDEZVOUSD_BACKEND": "nccl"})
+    said: list[str] = []
+    with RendezvousClient("127.0.0.1:1", "job", token="t") as client:
+        agent = NodeAgent(
+            config,
+            ["true"],
+            {"NCCL_SOCKET_IFNAME": "eth9"},
+            client,
+            link_host="198.18.179.99",
+            ring_origin="chosen as its host's route to the daemon",
+            ring_again=lambda: RingAddress("127.0.0.1", "chosen as its host's route"),
+            socket_ifname="eth9",
+            note=said.append,
+        )
+        try:
+            assert agent._choose_ring() is None
+        finally:
+            agent.pool.stop()
+    assert (agent.socket_ifname, os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "lo")
+    assert any("NCCL_SOCKET_IFNAME=lo for this node's workers from now on" in s for s in said)
+    handed = Assignment(
+        "job", 2, 1, 0, 0, 0, 1, 1, 1, b"\0" * UNIQUE_ID_BYTES, "i", config,
+        socket_ifname=agent.socket_ifname,
+    )  # fmt: skip
+    got = Assignment.decode(handed.header(), handed.secrets_payload())
+    spare_env = {"NCCL_SOCKET_IFNAME": "eth9"}  # what the spare was started with
+    point_nccl_from(got, spare_env)
+    assert spare_env["NCCL_SOCKET_IFNAME"] == "lo"

@@ -91,6 +91,10 @@ class Assignment:
     ring_origin: str = ""
     #: How often the worker tells the agent its process is alive (0: never).
     alive_interval_s: float = 0.0
+    #: The NCCL_SOCKET_IFNAME the agent chose for this generation ("": the user's, or
+    #: none): chosen again with the node's address before each re-join, where a warm
+    #: spare's environment keeps the one of the address it was started at.
+    socket_ifname: str = ""
 
     @property
     def topology(self) -> MultiNodeTopology:

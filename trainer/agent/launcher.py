@@ -269,25 +269,28 @@ def spare_env(
     return env
 
 
-def point_nccl_at(config: DistributedConfig, ring: RingAddress, env: dict[str, str]) -> None:
+def point_nccl_at(config: DistributedConfig, ring: RingAddress, env: dict[str, str]) -> str:
     """The nccl backend: ``NCCL_SOCKET_IFNAME`` for the workers (``env``) and this
     process, node 0's NCCL bootstrap root (``_id_factory``), set to the interface holding
     the node's advertised address, unless the user set it; as torchrun's handler points
     gloo. Left alone, NCCL takes the first interface it likes, on a multi-homed host not
     the one the nodes reach each other on. Not in the shared-device mode, where every
-    rank is on this host and ``devices.prepare_nccl`` keeps NCCL on loopback."""
+    rank is on this host and ``devices.prepare_nccl`` keeps NCCL on loopback. Returns
+    the interface it chose ("": none), which the agent chooses again with the node's
+    address (``NodeAgent._choose_ring``)."""
     if config.backend != "nccl" or env.get("NCCL_SOCKET_IFNAME"):
-        return
+        return ""
     from rendezvousd.trainer.comm.nccl import SHARED_DEVICE_ENV
 
     if env.get(SHARED_DEVICE_ENV) == "1":
-        return
+        return ""
     if (name := point_socket_ifname("NCCL_SOCKET_IFNAME", ring.address, env)) is not None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
         _note(
             f"NCCL_SOCKET_IFNAME={name} (holds {ring.address}, this node's address, "
             f"{ring.origin}); set NCCL_SOCKET_IFNAME to choose another"
         )
+    return name or ""
 
 
 def _id_factory(config: DistributedConfig) -> Callable[[], bytes] | None:
@@ -364,7 +367,7 @@ def run_agent(
     target = ["-m", args.target] if args.module else [args.target]
     cmd = target + [a for a in args.args if a != "--"]
     env = spare_env(config, args.config, base)
-    point_nccl_at(config, ring, env)
+    socket_ifname = point_nccl_at(config, ring, env)
     if env.get(THREADS_ENV) == "1" and THREADS_ENV not in base:
         _note(
             f"{THREADS_ENV}=1 for each of the {config.local_world_size} workers of this node "
@@ -379,7 +382,7 @@ def run_agent(
     try:
         booted = boot_spares(config, cmd, env, server)
         mark("spares-started")
-        return _run_agent(args, config, cmd, env, booted, server, ring, launched)
+        return _run_agent(args, config, cmd, env, booted, server, ring, launched, socket_ifname)
     finally:
         if server is not None:
             server.close()  # after the agent stopped every worker
@@ -409,6 +412,7 @@ def _run_agent(
     server: ForkServer | None,
     ring: RingAddress,
     launched: float,
+    socket_ifname: str,
 ) -> int:
     try:
         from rendezvousd.client.connection import resolve_token
@@ -442,6 +446,7 @@ def _run_agent(
             link_host=ring.address,
             # Without waiting for a name to resolve: a re-join waits for the daemon itself.
             ring_again=lambda: config.ring_choice(None, 0.0),
+            socket_ifname=socket_ifname,
             token=token,
             note=_note,
             id_factory=_id_factory(config),

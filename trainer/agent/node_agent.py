@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import queue
 import signal
 import socket
@@ -94,6 +95,7 @@ from rendezvousd.trainer.agent.worker_boot import Booted, ForkServer, fixed_node
 from rendezvousd.trainer.comm import ring_wire
 from rendezvousd.trainer.config import DistributedConfig, RingAddress
 from rendezvousd.trainer.errors import AgentChannelError, ConfigError, RestartsExhausted
+from rendezvousd.trainer.interfaces import interface_holding
 
 # Workers' state is already in the agent: a short SIGTERM grace is only for
 # their last log line, so every node is stopped well within 100 ms.
@@ -300,6 +302,7 @@ class NodeAgent:
         ring_origin: str = "",
         link_host: str = "",
         ring_again: Callable[[], RingAddress] | None = None,
+        socket_ifname: str = "",
         token: str = "",
         note: Callable[[str], None] = print,
         id_factory: Callable[[], bytes] | None = None,
@@ -313,6 +316,8 @@ class NodeAgent:
         ``ring_origin``: where ``ring_host`` (or ``link_host``) came from, in the words
         a refusal of it and a peer that cannot reach it say (``RingAddress.origin``);
         ``ring_again``: that choice made again, before each re-join (``_choose_ring``);
+        ``socket_ifname``: the NCCL_SOCKET_IFNAME the launcher chose for the workers
+        ("": the user's, or none), chosen again with the address;
         ``token``: the daemon token ``client`` uses, handed to the workers with their
         assignment; ``fork_server``: forks spares while it can (the launcher owns and
         closes it); ``launched``: when this node's launcher started (``time.monotonic()``;
@@ -324,6 +329,7 @@ class NodeAgent:
         self.ring_origin = ring_origin
         self.link_host = link_host
         self._ring_again = ring_again
+        self.socket_ifname = socket_ifname
         self._links: NodeLinks | None = None
         self._token = token
         self.note = note
@@ -478,6 +484,7 @@ class NodeAgent:
                 ring_host=self.ring_host,
                 ring_origin=self.ring_origin,
                 alive_interval_s=alive_interval,
+                socket_ifname=self.socket_ifname,
             )
             try:
                 # Held to the liveness rule as a running worker is: a spare that reads
@@ -534,11 +541,31 @@ class NodeAgent:
                 f"{ring.address}, {ring.origin} (it was {before})"
             )
         self.ring_origin = ring.origin
+        if ring.address != before:
+            self._repoint_nccl(ring.address)
         if self.ring_host:
             self.ring_host = ring.address
         if self.link_host:
             self.link_host = ring.address
         return None
+
+    def _repoint_nccl(self, address: str) -> None:
+        """The NCCL_SOCKET_IFNAME this agent chose, chosen again for this node's new
+        ``address``: the warm spares' environment, made at launch, kept the interface
+        of the old one, stale where the new address is on another interface. Handed
+        to each worker with its assignment, and set here for node 0's bootstrap root
+        (``_id_factory`` runs in this process). Not one the user set."""
+        if not self.socket_ifname:
+            return
+        name = interface_holding(address)
+        if name is None or name == self.socket_ifname:
+            return
+        self.note(
+            f"NCCL_SOCKET_IFNAME={name} for this node's workers from now on (holds "
+            f"{address}, this node's new address; it was {self.socket_ifname})"
+        )
+        self.socket_ifname = name
+        os.environ["NCCL_SOCKET_IFNAME"] = name
 
     def _tell_readdressed(self, before: str) -> None:
         """The other nodes told why this one leaves (``_choose_ring``'s refusal), as
