@@ -332,11 +332,12 @@ class Calls:
             return False
         return bool((yield Renew()))
 
-    def readdress(self) -> Steps[bool]:
+    def readdress(self, *, now: bool = False) -> Steps[bool]:
         """Where this host lost the address its channel connected from (re-addressed
         under this client): the channel made anew, from the address the host has now,
-        which is noted in turn; whether it was. Free until a join noted an address."""
-        if self.local.address is None or self.local.gone() is None:
+        which is noted in turn; whether it was. Free until a join noted an address;
+        looked at once a second at most, unless ``now`` (``LocalAddress.gone``)."""
+        if self.local.gone(now=now) is None:
             return False
         renewed = bool((yield Renew(readdressed=True)))
         yield Blocking(self.local.note)
@@ -1035,7 +1036,7 @@ class Calls:
         final = final and request.node
         # A heartbeat stream on the connection from an address gone hears nothing:
         # the Leave goes as a call on the channel made anew.
-        anew = yield from self.readdress()
+        anew = yield from self.readdress(now=True)
         if s.stream_leave and not anew:
             wait = s.leave_wait()
             confirmed = yield LeaveOnStream(wait)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 
 from rendezvousd.common.address import AddressError, parse_address
 
@@ -53,6 +54,11 @@ def held(address: str) -> bool:
     return True
 
 
+#: How often a client's calls look (``LocalAddress.gone``): a bind costs 10-40 us, a
+#: share of a fast call's own; a host re-addressed is rare and stays so.
+LOOK_EVERY_S = 1.0
+
+
 class LocalAddress:
     """The address a client's channel reached its daemon from, noted as it joined."""
 
@@ -62,14 +68,22 @@ class LocalAddress:
         #: The address this host lost, once a call found it gone (for the words of a
         #: Leave that still failed on the channel made anew).
         self.lost: str | None = None
+        self._looked = 0.0
 
     def note(self) -> None:
         """Blocking (a name resolved): run off an event loop."""
         self.address = route_from(self.endpoint)
+        self._looked = time.monotonic()
 
-    def gone(self) -> str | None:
-        """The noted address, where this host no longer has it; else None."""
-        if self.address is None or held(self.address):
+    def gone(self, *, now: bool = False) -> str | None:
+        """The noted address, where this host no longer has it; else None. Looked at
+        once per ``LOOK_EVERY_S`` at most, unless ``now`` (a Leave: said once)."""
+        if self.address is None:
+            return None
+        if not now and time.monotonic() - self._looked < LOOK_EVERY_S:
+            return None
+        self._looked = time.monotonic()
+        if held(self.address):
             return None
         self.lost = self.address
         return self.address
