@@ -850,12 +850,15 @@ def test_every_node_agent_of_a_daemon_restarted_without_its_state_is_told_so(
             again.kill()
 
 
-def test_a_closed_run_is_still_closed_after_a_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cause", ["", "SETUP_ERROR"])
+def test_a_closed_run_is_still_closed_after_a_restart(tmp_path: Path, cause: str) -> None:
     """A close (``close_run``: a torchrun agent out of restarts whose round the others
     cannot form without it) is kept in the state database: restarted on it, the daemon
     still refuses the node agents launched before the close, a survivor and a standby,
     as closed; it let the survivor open the next generation and wait its join timeout
-    there, and parked the standby, for nodes that had stopped for good."""
+    there, and parked the standby, for nodes that had stopped for good. The close's
+    cause is kept with it (``SETUP_ERROR``: a node agent that left on its setting, which
+    the refused nodes end on as a setup error)."""
     from rendezvousd.client import JobAborted
 
     token = write_token(tmp_path / "tok")
@@ -874,7 +877,9 @@ def test_a_closed_run_is_still_closed_after_a_restart(tmp_path: Path) -> None:
         assert all(m.generation == 1 for m in joined), joined
         b.report_failure(0, "exit code -9")
         b.leave(final=True)
-        assert probe.close_run("closed: node b stopped, no restarts left", generation=1)
+        assert probe.close_run(
+            "closed: node b stopped, no restarts left", generation=1, cause=cause
+        )
         d.kill()
         again = spawn_daemon(tmp_path, *flags, token=token, listen=listen)
         for client, standby in ((a, False), (spare, True)):
@@ -882,6 +887,7 @@ def test_a_closed_run_is_still_closed_after_a_restart(tmp_path: Path) -> None:
                 client.join_node(timeout=10, launched=launched, standby=standby, **shape)
             said = str(info.value)
             assert "was closed" in said and "node b stopped, no restarts left" in said, said
+            assert info.value.abort_cause == cause, info.value
         assert probe.get_job().summary.generation == 1  # nothing opened
         # Launched after the close: a new run, with no seat kept for the closed run's
         # nodes (its second node was refused WORLD_FULL for a seat hold).
