@@ -79,6 +79,9 @@ class Attendee:
     # gone; the tick would next find it silent). Lost with it once storage takes writes
     # (``liveness.tick``). Not durable: a restart finds it again by the liveness rules.
     lost_as: str | None = None
+    # ...and when it went (the daemon's clock): the kept losses of an outage are made
+    # together, each at its own time, the first to go the root cause.
+    lost_at: float | None = None
     # The host its last heartbeat stream came from (not durable: a restarted daemon
     # knows it from its next stream), matched against the hosts refused for their token.
     peer: str = ""
@@ -92,7 +95,7 @@ class Attendee:
         self.stream_token += 1
         self.stream_open = True
         self.cut_at = None
-        self.lost_as = None  # back: an undone loss was no death
+        self.lost_as = self.lost_at = None  # back: an undone loss was no death
         self.last_seen = now
         return self.stream_token
 

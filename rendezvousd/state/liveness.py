@@ -99,13 +99,13 @@ def report_failure(
         rounds.lose(sm, job, [member], cause, now, told=told, witness=witness)
 
 
-def _cut_nodes(job: Job, now: float) -> list[tuple[Member | Node, str]]:
+def _cut_nodes(job: Job, now: float) -> list[tuple[Member | Node, str, float]]:
     """The node agents of ``job`` whose streams were cut and have not re-attached yet,
     each with its cause."""
     if job.gen.join_mode is not JoinMode.NODE or job.state is not JobState.RUNNING:
         return []
     return [
-        (node, rounds.cut_cause(node, now - node.cut_at))
+        (node, rounds.cut_cause(node, now - node.cut_at), now)
         for node in job.gen.node_at.values()
         if node.cut_at is not None and not node.stream_open and node.state is MemberState.ACTIVE
     ]
@@ -234,7 +234,7 @@ def detach_stream(
             # are lost at once.
             seated.cut_at = now
         elif sm.storage_failing:
-            _pending(seated, rounds.stream_end_cause(sm, seated, now))
+            _pending(seated, rounds.stream_end_cause(sm, seated, now), now)
         else:
             rounds.lose_seated(sm, job, seated, rounds.stream_end_cause(sm, seated, now), now)
 
@@ -260,7 +260,7 @@ def tick(sm: RendezvousState, now: float) -> None:
             joins.try_form(sm, job, now)
         elif job.state is JobState.RUNNING:
             joins.tell_waiting(sm, job, now)
-            silent: list[tuple[Member | Node, str]] = []
+            silent: list[tuple[Member | Node, str, float]] = []
             for seated in list(job.attendees(job.gen.join_mode).values()):
                 # Not ``watched``: every attendee silent at this tick is lost, also
                 # once the first loss failed the generation (each is named).
@@ -270,11 +270,11 @@ def tick(sm: RendezvousState, now: float) -> None:
                     # Its goodbye undone by a failed commit after its stream had ended
                     # (another change's commit): no stream end comes to say it again.
                     _goodbye(sm, job, seated, now)
-                elif (cause := _loss_found(sm, seated, now)) is not None:
+                elif (found := _loss_found(sm, seated, now)) is not None:
                     if sm.storage_failing:
-                        _pending(seated, cause)
+                        _pending(seated, *found)
                     else:
-                        silent.append((seated, cause))
+                        silent.append((seated, *found))
             if silent:
                 # One failure: the survivors hear every attendee silent at this tick
                 # (a host cut off takes all of its ranks), not the first alone.
@@ -288,30 +288,30 @@ def tick(sm: RendezvousState, now: float) -> None:
         del sm.early_ends[next(iter(sm.early_ends))]
 
 
-def _loss_found(sm: RendezvousState, seated: Member | Node, now: float) -> str | None:
-    """Why the tick loses active ``seated`` now, if it does: a loss an undo took back
-    (its own cause, not the silence that follows it), its silence, or its stream cut
-    for longer than its grace."""
+def _loss_found(sm: RendezvousState, seated: Member | Node, now: float) -> tuple[str, float] | None:
+    """Why and since when the tick loses active ``seated`` now, if it does: a loss an
+    undo took back or storage kept waiting (its own cause and time, not the silence
+    that follows it), its silence, or its stream cut for longer than its grace."""
     if seated.lost_as is not None and not seated.stream_open:
-        return seated.lost_as
+        return seated.lost_as, now if seated.lost_at is None else seated.lost_at
     if now - seated.last_seen > sm.timing.heartbeat_timeout_s:
-        return rounds.silence_cause(sm, seated)
+        return rounds.silence_cause(sm, seated), now
     if (
         seated.cut_at is not None
         and not seated.stream_open
         and now - seated.cut_at >= cut_grace_s(sm, seated)
     ):
-        return rounds.cut_cause(seated, now - seated.cut_at)
+        return rounds.cut_cause(seated, now - seated.cut_at), now
     return None
 
 
-def _pending(seated: Attendee, cause: str) -> None:
-    """``seated`` is lost while storage fails: the loss waits for storage, with its
-    first cause (``Attendee.lost_as``). Made now, its commit would fail and be undone,
-    and its survivors, told of it, stop: the undone generation then found them silent
-    and blamed them for it."""
+def _pending(seated: Attendee, cause: str, now: float) -> None:
+    """``seated`` is lost at ``now`` while storage fails: the loss waits for storage,
+    with its first cause and time (``Attendee.lost_as``). Made now, its commit would
+    fail and be undone, and its survivors, told of it, stop: the undone generation then
+    found them silent and blamed them for it."""
     if seated.lost_as is None:
-        seated.lost_as = cause
+        seated.lost_as, seated.lost_at = cause, now
 
 
 def watched(job: Job, seated: Attendee) -> bool:

@@ -403,23 +403,27 @@ def lose_seated(
 ) -> None:
     """``seated`` is gone (silent, its stream closed), and with it the active members
     it attends for."""
-    lose_all_seated(sm, job, [(seated, cause)], now)
+    lose_all_seated(sm, job, [(seated, cause, now)], now)
 
 
 def lose_all_seated(
-    sm: RendezvousState, job: Job, gone: list[tuple[Member | Node, str]], now: float
+    sm: RendezvousState, job: Job, gone: list[tuple[Member | Node, str, float]], now: float
 ) -> None:
-    """Each of ``gone`` is lost with its cause, as one failure: a host cut off takes
-    its attendees silent at the same tick, and its survivors were told only the first
-    (the generation had failed by the second), though ``status`` listed every one."""
-    lost: list[tuple[Member, str]] = []
-    for seated, cause in gone:
-        lost += [(m, cause) for m in job.covered(seated) if m.state is MemberState.ACTIVE]
+    """Each of ``gone`` is lost with its cause and the time it went, as one failure: a
+    host cut off takes its attendees silent at the same tick, and its survivors were
+    told only the first (the generation had failed by the second), though ``status``
+    listed every one. Losses kept while storage failed (``Attendee.lost_as``) are made
+    together once it is back, each at the time it went."""
+    lost: list[tuple[Member, str, float]] = []
+    for seated, cause, at in gone:
+        lost += [(m, cause, at) for m in job.covered(seated) if m.state is MemberState.ACTIVE]
         seated.state = MemberState.LOST
-        seated.lost_as = cause
+        seated.lost_as, seated.lost_at = cause, at
         seated.stream_open = False
-    # By rank, not by when each joined: the first is the root cause of record.
-    lost.sort(key=lambda member_cause: member_cause[0].rank)
+    # The first to go is the root cause of record; those that went at the same time
+    # (silent at one tick) by rank, not by when each joined. By rank alone, the kept
+    # losses of an outage named the lowest rank, not the first dead.
+    lost.sort(key=lambda went: (went[2], went[0].rank))
     _lose(sm, job, lost, now, told=None, attendees=len(gone))
 
 
@@ -436,25 +440,25 @@ def lose(
     """``lost`` members are gone: the generation fails, every other member (node
     agent in a JoinNode generation; but the node ``told``, which reported it) hears.
     ``witness``: the rank whose report of the loss its reporter relays."""
-    _lose(sm, job, [(m, cause) for m in lost], now, told=told, attendees=1, witness=witness)
+    _lose(sm, job, [(m, cause, now) for m in lost], now, told=told, attendees=1, witness=witness)
 
 
 def _lose(
     sm: RendezvousState,
     job: Job,
-    lost: list[tuple[Member, str]],
+    lost: list[tuple[Member, str, float]],
     now: float,
     *,
     told: int | None,
     attendees: int,
     witness: int | None = None,
 ) -> None:
-    """``lost`` members, each with its cause, of ``attendees`` seats, gone as one
-    failure."""
-    for member, cause in lost:
+    """``lost`` members, each with its cause and when it went, of ``attendees`` seats,
+    gone as one failure."""
+    for member, cause, at in lost:
         member.state = MemberState.LOST
         member.stream_open = False
-        job.gen.failed.append(member.loss(cause, now, witness))
+        job.gen.failed.append(member.loss(cause, at, witness))
     if job.state is not JobState.RUNNING or not lost:
         _witness_first(sm, job, now)
         return  # the generation already ended: survivors were told once
@@ -465,6 +469,9 @@ def _lose(
         more = f" (and {len(lost) - 1} more {whose})"
     detail = f"{first.describe()}{more}{_after_leaving(job)}"
     set_state(sm, job, JobState.FAILED, now, detail, lost=True)
+    if job.last_failure is not None and first.lost_at is not None:
+        # When its first loss went (earlier than now for one kept through an outage).
+        job.last_failure = replace(job.last_failure, at=first.lost_at)
     fail_waiters(sm, job)
     # The event's failed list holds the whole cause; its reason only shows it.
     notify(sm, job, EventKind.PEER_FAILED, reason=shortened(lost[0][1]), skip=told)

@@ -85,5 +85,6 @@ def _keep_liveness(kept: Attendee, was: Attendee) -> None:
     kept.stream_token, kept.stream_open = was.stream_token, was.stream_open
     kept.cut_at = was.cut_at  # its time to re-attach, not a loss the undo forgets
     kept.said_goodbye = was.said_goodbye
-    kept.lost_as = was.lost_as  # a loss undone: still dead (``Attendee.lost_as``)
+    # A loss undone: still dead, since then (``Attendee.lost_as``).
+    kept.lost_as, kept.lost_at = was.lost_as, was.lost_at
     kept.peer, kept.connection = was.peer, was.connection

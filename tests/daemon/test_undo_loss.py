@@ -22,6 +22,8 @@ from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient
+from rendezvousd.common.model import EventKind, JobState, Notify
+from rendezvousd.state.machine import JoinArgs, RendezvousState
 from tests.daemon.test_storage import NOT_SERVING, SERVING, _health, _start
 from tests.support import members, wait_for, worker_cmd
 
@@ -36,6 +38,45 @@ def _stored_failed(state: Path, job_id: str) -> list[dict[str, Any]]:
         db.close()
     failed: list[dict[str, Any]] = json.loads(row[0])["failed"]
     return failed
+
+
+def test_losses_kept_through_an_outage_are_made_in_the_order_they_went_at_their_times() -> None:
+    """Two workers die while storage fails, rank 1 first: once it is back, both
+    losses are made together, and rank 1, the first to go, is the root cause, each at
+    the time its stream ended. Sorted by rank, rank 0 (which went 0.5 s later) was
+    named the root cause, and both read as lost when storage came back."""
+    sm = RendezvousState()
+    for rank in range(3):
+        sm.join(
+            JoinArgs.worker(
+                "j", 1, 3, 0, rank, "h", "", b"\x07" * 128 if rank == 0 else b"", f"i{rank}"
+            ),
+            0.0,
+        )
+    tokens = [sm.attach_stream("j", 1, rank, f"i{rank}", 0.0) for rank in range(3)]
+    sm.take_effects()
+    sm.storage_failing = True  # as the Persister says once a commit failed
+    sm.detach_stream("j", 1, 1, tokens[1], 1.0)
+    sm.detach_stream("j", 1, 0, tokens[0], 1.5)
+    sm.heartbeat("j", 1, 2, 1.9)
+    sm.tick(2.0)
+    assert sm.jobs["j"].state is JobState.RUNNING
+    assert not [e for e in sm.take_effects() if isinstance(e, Notify)]
+    sm.storage_failing = False
+    sm.tick(3.0)
+    job = sm.jobs["j"]
+    assert job.state is JobState.FAILED
+    closed = "heartbeat stream closed"
+    assert [(f.rank, f.cause, f.lost_at) for f in job.gen.failed] == [
+        (1, closed, 1.0),
+        (0, closed, 1.5),
+    ]
+    assert job.last_failure is not None
+    assert job.last_failure.cause.startswith("rank 1 on h (heartbeat stream closed)")
+    assert job.last_failure.at == 1.0
+    notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
+    assert [(n.kind, n.to) for n in notes] == [(EventKind.PEER_FAILED, (2,))]
+    assert [f.rank for f in notes[0].failed] == [1, 0]
 
 
 def test_a_killed_worker_whose_loss_was_undone_is_the_root_cause_not_its_survivor(
@@ -89,6 +130,64 @@ def test_a_killed_worker_whose_loss_was_undone_is_the_root_cause_not_its_survivo
         ]
         failed_lines = [line for line in d.log().splitlines() if "-> FAILED" in line]
         assert not any("rank 0 on" in line for line in failed_lines), failed_lines
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        d.kill()
+
+
+def test_two_workers_killed_in_an_outage_name_the_first_killed_as_the_root_cause(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 is killed as storage fails, rank 0 half a second later: once storage is
+    back, the record, the survivor and GetJob name rank 1 first, lost before rank 0."""
+    d, state = _start(tmp_path, TIMEOUT_S)
+    job_id = "kept-order"
+    procs = [
+        subprocess.Popen(
+            worker_cmd(d, job_id, 1, 3, 0, rank, "--hold-s", "120"),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            assert json.loads(p.stdout.readline())["event"] == "joined"
+        wait_for(
+            "three heartbeat streams",
+            lambda: sum(m.heartbeat_stream_open for m in members(d, job_id)) == 3,
+        )
+        shutil.rmtree(state)
+        procs[1].send_signal(signal.SIGKILL)
+        wait_for("the loss's commit to fail", lambda: _health(d) == NOT_SERVING)
+        time.sleep(0.5)
+        procs[0].send_signal(signal.SIGKILL)
+        wait_for(
+            "rank 0's stream to end",
+            lambda: sum(m.heartbeat_stream_open for m in members(d, job_id)) == 1,
+        )
+        state.mkdir(mode=0o700)
+        wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
+        out, _ = procs[2].communicate(timeout=20)
+        heard = json.loads(out.strip().splitlines()[-1])
+        assert heard["type"] == "PeerFailed", heard
+        said = str(heard["message"])
+        assert 0 <= said.find("rank 1 on") < said.find("rank 0 on"), said
+
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+            job = probe.get_job()
+        assert [(f.rank, f.cause) for f in job.failed] == [
+            (1, "heartbeat stream closed"),
+            (0, "heartbeat stream closed"),
+        ]
+        # Each at the time its stream ended: rank 1's loss is the older.
+        assert job.failed[0].age_ms > job.failed[1].age_ms, job.failed
+        assert job.last_failure.cause.startswith("rank 1 on "), job.last_failure
+        wait_for("the failure written", lambda: len(_stored_failed(state, job_id)) == 2)
+        assert [f["rank"] for f in _stored_failed(state, job_id)] == [1, 0]
     finally:
         for p in procs:
             p.kill()
