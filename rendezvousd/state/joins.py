@@ -109,6 +109,8 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
     else:
         seat, added = _node_seat(sm, job, args, now)
         key = seat.instance_id
+    if job.state is JobState.FORMING:
+        seat.lost_as = seat.lost_at = None  # its joiner is back: a kept death was none
     try:
         if args.unique_id and (args.local_rank is not None or seat is placement.holder(job)):
             sent = "Join with one" if isinstance(seat, Member) else "JoinNode with one"
@@ -764,8 +766,29 @@ def join_wait_ended(
     if given_up:
         unseat(sm, job, seat, now)
         return None
+    if sm.storage_failing:
+        # Kept, as a formed generation's loss is (``liveness._pending``): made now, its
+        # failure's commit would be undone by the next failed one, after its parked
+        # joiners had heard of it. Made once storage takes writes (``kept_deaths``).
+        if seat.lost_as is None:
+            seat.lost_as, seat.lost_at = seat.cancelled, now
+        return None
     rounds.joiner_died(sm, job, seat, placement.cancelled(job, seat, now), now)
     return None
+
+
+def kept_deaths(sm: RendezvousState, job: Job, now: float) -> None:
+    """Forming ``job``'s joiner whose parked Join was cancelled while storage failed,
+    or whose death a failed commit undid (``Attendee.lost_as``), and that no retry
+    holds again: the first of them to go fails the generation now, at its own time,
+    as its death would have then."""
+    held = set(job.gen.join_waiters.values())
+    joiners: list[Member | Node] = [*job.present(), *job.gen.nodes.values()]
+    dead = [s for s in joiners if s.lost_as is not None and job.key(s) not in held]
+    if dead:
+        first = min(dead, key=lambda s: now if s.lost_at is None else s.lost_at)
+        went = now if first.lost_at is None else first.lost_at
+        rounds.joiner_died(sm, job, first, placement.cancelled(job, first, went), now)
 
 
 def _wait_ended(job: Job, key: int | str, seat: Member | Node, now: float) -> None:

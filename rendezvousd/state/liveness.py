@@ -254,6 +254,8 @@ def tick(sm: RendezvousState, now: float) -> None:
     for job in list(sm.jobs.values()):
         if job.gen.id_deadline is not None and now > job.gen.id_deadline:
             joins.id_overdue(sm, job, now)
+        if job.state is JobState.FORMING and not sm.storage_failing:
+            joins.kept_deaths(sm, job, now)
         if job.state is JobState.FORMING:
             joins.seats_lapse(sm, job, now)
             joins.unheld_seats_lapse(sm, job, now)

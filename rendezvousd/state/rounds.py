@@ -598,6 +598,8 @@ def joiner_died(
     """A forming joiner's parked call vanished (its process died or disconnected):
     everyone waiting for this world is told at once, rather than at their timeout."""
     seated.state = MemberState.LOST
+    # Kept by an undo (a failed commit): made again once storage takes writes.
+    seated.lost_as, seated.lost_at = seated.cancelled, loss.lost_at
     job.gen.failed.append(loss)
     set_state(sm, job, JobState.FAILED, now, loss.describe(), lost=True)
     fail_waiters(sm, job)

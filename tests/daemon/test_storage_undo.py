@@ -553,3 +553,83 @@ def test_a_commit_whose_caller_gives_up_is_still_what_a_later_undo_goes_back_to(
         assert job is not None and job.summary.state == pb.JOB_STATE_ABORTED
         _storage_back(d, state)
         assert (_stored(state, "i") or {}).get("state") == "ABORTED"
+
+
+def test_a_forming_joiners_death_whose_commit_fails_is_not_told_until_it_is_written(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """Rank 1's parked Join is cancelled (its process died) as storage fails: the other
+    parked joiner hears STORAGE_UNAVAILABLE (its answer waits for the commit, which
+    fails), and the undo put the generation back to forming with rank 1's seat held by
+    nobody: the other's retry, once storage was back, waited for the dead rank until its
+    own deadline. The death is kept, and that retry hears it (PEER_FAILED, rank 1),
+    written."""
+    d, state, stub = daemon
+    meta = bearer(d)
+
+    def join(rank: int) -> Any:
+        request = join_request(
+            "fj", 3, rank, host="h", instance_id=f"r{rank}", wait_timeout_ms=30_000
+        )
+        return stub.Join.future(request, metadata=meta, timeout=35)
+
+    dying, other = join(1), join(2)
+    wait_for("ranks 1 and 2 to park", lambda: _waiters(d) == 2)
+    wait_for(
+        "their seats written", lambda: len((_stored(state, "fj") or {}).get("members", [])) == 2
+    )
+    shutil.rmtree(state)
+    dying.cancel()
+    assert _refused(other) == "STORAGE_UNAVAILABLE"
+    job = _get_job(stub, d, "fj")
+    assert job is not None and job.summary.state == pb.JOB_STATE_FORMING, job
+    _storage_back(d, state)
+
+    again = join(2)
+    with pytest.raises(grpc.RpcError) as info:
+        again.result(timeout=30)
+    reason, _ = reason_of(info.value)
+    assert reason == "PEER_FAILED", info.value
+    assert "rank 1 on h (its Join was cancelled" in str(info.value.details()), info.value
+    job = _get_job(stub, d, "fj")
+    assert job is not None and job.summary.state == pb.JOB_STATE_FAILED, job
+    assert [f.rank for f in job.failed] == [1]
+    wait_for("the failure written", lambda: (_stored(state, "fj") or {}).get("state") == "FAILED")
+
+
+def test_a_forming_joiner_dead_during_an_outage_is_told_once_storage_is_back(
+    daemon: tuple[DaemonProcess, Path, Any],
+) -> None:
+    """Storage is failing when rank 1's parked Join is cancelled (its process died):
+    the generation's failure was made in memory and rank 2's parked Join released
+    (STORAGE_UNAVAILABLE), a failure any later failed commit of the outage undid. Now
+    the death is kept, rank 2 stays parked, and hears it once storage takes writes."""
+    d, state, stub = daemon
+    meta = bearer(d)
+
+    def join(rank: int) -> Any:
+        request = join_request(
+            "fo", 3, rank, host="h", instance_id=f"r{rank}", wait_timeout_ms=60_000
+        )
+        return stub.Join.future(request, metadata=meta, timeout=65)
+
+    dying, other = join(1), join(2)
+    wait_for("ranks 1 and 2 to park", lambda: _waiters(d) == 2)
+    wait_for(
+        "their seats written", lambda: len((_stored(state, "fo") or {}).get("members", [])) == 2
+    )
+    with RendezvousClient(d.endpoint, "g", token=d.token) as g:
+        g.join(num_nodes=1, gpus_per_node=1, local_rank=0, timeout=10)
+        shutil.rmtree(state)
+        with pytest.raises(RendezvousError) as refused:
+            g.kv_set("k", b"v")  # another job's change finds storage failing
+        assert refused.value.reason == "STORAGE_UNAVAILABLE"
+        dying.cancel()
+        wait_for("rank 1's Join gone, rank 2's still parked", lambda: _waiters(d) == 1)
+        assert not other.done()
+        _storage_back(d, state)
+    with pytest.raises(grpc.RpcError) as info:
+        other.result(timeout=30)
+    assert reason_of(info.value)[0] == "PEER_FAILED", info.value
+    assert "rank 1 on h (its Join was cancelled" in str(info.value.details()), info.value
+    wait_for("the failure written", lambda: (_stored(state, "fo") or {}).get("state") == "FAILED")

@@ -22,8 +22,10 @@ from typing import Any
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd.client import RendezvousClient
-from rendezvousd.common.model import EventKind, JobState, Notify
+from rendezvousd.common.model import EventKind, JobState, Notify, Parked, Wake
 from rendezvousd.state.machine import JoinArgs, RendezvousState
+from rendezvousd.storage import rollback, snapshot
+from rendezvousd.storage.faults import storage_unavailable
 from tests.daemon.test_storage import NOT_SERVING, SERVING, _health, _start
 from tests.support import members, wait_for, worker_cmd
 
@@ -77,6 +79,79 @@ def test_losses_kept_through_an_outage_are_made_in_the_order_they_went_at_their_
     notes = [e for e in sm.take_effects() if isinstance(e, Notify)]
     assert [(n.kind, n.to) for n in notes] == [(EventKind.PEER_FAILED, (2,))]
     assert [f.rank for f in notes[0].failed] == [1, 0]
+
+
+def _parked(sm: RendezvousState, rank: int, now: float) -> int:
+    """Rank ``rank`` of a forming 3-rank job "f" joins and parks; its waiter."""
+    parked = sm.join(JoinArgs.worker("f", 1, 3, 0, rank, "h", "", b"", f"i{rank}", 30.0), now)
+    assert isinstance(parked, Parked)
+    return parked.waiter
+
+
+def _woken(sm: RendezvousState) -> list[tuple[int, str | None]]:
+    return [
+        (e.waiter, e.fault and e.fault.reason) for e in sm.take_effects() if isinstance(e, Wake)
+    ]
+
+
+def test_a_forming_joiner_dead_while_storage_fails_fails_its_generation_once_it_is_back() -> None:
+    """A parked joiner's Join cancelled (its process killed) while storage fails: made
+    then, the other parked joiners were released (STORAGE_UNAVAILABLE), and the outage's
+    next failed commit (a goodbye) undid the failure. It is kept, the others stay
+    parked, and once storage takes writes it fails the generation at its own time,
+    naming the joiner."""
+    sm = RendezvousState()
+    one, two = _parked(sm, 1, 0.0), _parked(sm, 2, 0.1)
+    sm.take_effects()
+    sm.storage_failing = True
+    sm.cancel_wait(one, 1.0, timed_out=False)
+    sm.tick(2.0)
+    assert sm.jobs["f"].state is JobState.FORMING
+    assert not _woken(sm)
+    sm.storage_failing = False
+    sm.tick(3.0)
+    job = sm.jobs["f"]
+    assert job.state is JobState.FAILED
+    assert [(f.rank, f.lost_at) for f in job.gen.failed] == [(1, 1.0)]
+    assert "its Join was cancelled" in job.gen.failed[0].cause
+    assert _woken(sm) == [(two, "PEER_FAILED")]
+
+
+def test_a_forming_joiners_death_undone_by_a_failed_commit_is_kept_and_made_again() -> None:
+    """The commit of a forming joiner's death failed: the undo put the generation back
+    to forming with the dead joiner's seat held by nobody, and the others' retries
+    waited for it. Its death is kept and made once storage takes writes; a retry of
+    the joiner itself (it was only disconnected) holds its seat again, alive."""
+    sm = RendezvousState()
+    one, _ = _parked(sm, 1, 0.0), _parked(sm, 2, 0.1)
+    sm.take_effects()
+    committed = snapshot.job_record(sm.jobs["f"])
+    sm.cancel_wait(one, 1.0, timed_out=False)  # its commit fails
+    live = sm.jobs["f"]
+    assert live.state is JobState.FAILED
+    undone = rollback.durable_job(committed, {}, live, 1.1, hold_s=sm.timing.hold_s)
+    sm.put_back("f", undone, storage_unavailable("f", waiting=True), "undone")
+    sm.storage_failing = True
+    sm.take_effects()
+    sm.tick(2.0)
+    assert sm.jobs["f"].state is JobState.FORMING
+    sm.storage_failing = False
+    again = _parked(sm, 2, 2.5)  # rank 2's SDK sends its Join again
+    sm.tick(3.0)
+    job = sm.jobs["f"]
+    assert job.state is JobState.FAILED
+    assert [(f.rank, f.lost_at) for f in job.gen.failed] == [(1, 1.0)]
+    assert _woken(sm) == [(again, "PEER_FAILED")]
+
+    # Had rank 1 itself sent its Join again, it would be alive, not failed.
+    sm = RendezvousState()
+    one, _ = _parked(sm, 1, 0.0), _parked(sm, 2, 0.1)
+    sm.storage_failing = True
+    sm.cancel_wait(one, 1.0, timed_out=False)
+    sm.storage_failing = False
+    _parked(sm, 1, 2.0)
+    sm.tick(3.0)
+    assert sm.jobs["f"].state is JobState.FORMING
 
 
 def test_a_killed_worker_whose_loss_was_undone_is_the_root_cause_not_its_survivor(
