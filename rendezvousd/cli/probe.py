@@ -332,6 +332,10 @@ def finished_line(summaries: list[Any]) -> str:
     return f"+ {total} finished {jobs} held ({by_state}): --all lists them"
 
 
+#: The members ``status JOB`` names whose loss waits for storage (a node's ranks each).
+PENDING_NAMED = 8
+
+
 def render(jobs: list[Any], finished: str = "") -> str:
     """The status table (``finished``: the line counting the finished jobs left out);
     every client-provided text in it is escaped."""
@@ -350,6 +354,10 @@ def render(jobs: list[Any], finished: str = "") -> str:
                 # Its generation is over: it is not expected to beat, and "ACTIVE" alone
                 # read as a live member whose heartbeat was late.
                 mstate = f"{mstate} (job {state.lower()})"
+            elif m.loss_pending:
+                # Dead, its loss kept until storage takes writes: "ACTIVE" alone, its
+                # heartbeat stopped, read as a live member about to be blamed.
+                mstate = f"{mstate} (loss pending: {escape(m.loss_pending)})"
             lines.append(
                 f"    rank {m.member.rank:>5}  node {m.member.node_rank:>4}  local "
                 f"{m.member.local_rank:>3}  {escape(m.member.host):<20} {mstate:<8} "
@@ -399,6 +407,7 @@ def render_job(job: Any) -> str:
         )
     lines = [*table, *(["    " + " · ".join(facts)] if facts else [])]
     lines += _forming(job)
+    lines += _losses_pending(job)
     per_node = max(1, job.summary.topology.gpus_per_node)
     rows = grid.node_rows(
         (
@@ -438,6 +447,20 @@ def render_job(job: Any) -> str:
         )
     lines += [f"    ({grid.LEGEND})", *_ending(job)]
     return "\n".join(lines)
+
+
+def _losses_pending(job: Any) -> list[str]:
+    """The members lost while storage fails, kept ACTIVE (the grid draws them so) until
+    the daemon can write their loss (MemberStatus.loss_pending)."""
+    pending = [m for m in job.members if m.loss_pending]
+    if not pending:
+        return []
+    named = ", ".join(
+        f"rank {m.member.rank} on {escape(m.member.host)} ({escape(m.loss_pending)})"
+        for m in pending[:PENDING_NAMED]
+    )
+    more = f" and {len(pending) - PENDING_NAMED} more" if len(pending) > PENDING_NAMED else ""
+    return [f"    lost, pending until storage takes writes: {named}{more}"]
 
 
 def _forming(job: Any) -> list[str]:

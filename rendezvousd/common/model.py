@@ -260,6 +260,8 @@ class MemberView:
     stream_open: bool
     # The rank's last step, as its stream (its node agent's) reported it.
     step: int | None = None
+    # The cause of its loss, kept until storage takes writes (``Attendee.lost_as``).
+    loss_pending: str = ""
 
 
 @dataclass(frozen=True)

@@ -661,6 +661,7 @@ class RendezvousServicer:
                     heartbeat_age_ms=int(m.heartbeat_age_s * 1000),
                     heartbeat_stream_open=m.stream_open,
                     step=m.step,
+                    loss_pending=m.loss_pending,
                 )
                 for m in view.members
             ],

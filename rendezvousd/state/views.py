@@ -41,6 +41,14 @@ def _step(beating: Attendee, member: Member) -> int | None:
     return progress.steps[at] if at < len(progress.steps) else None
 
 
+def _loss_pending(job: Job, member: Member, beating: Attendee) -> str:
+    """The cause of ``member``'s loss kept while storage fails (``Attendee.lost_as``):
+    it is dead, yet ACTIVE until its loss is made; "" for any other."""
+    if not watched(job, member) or beating.stream_open or beating.lost_as is None:
+        return ""
+    return beating.lost_as
+
+
 def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
     """``job`` as inspection shows it; without ``with_members``, a summary (no member
     rows, the cost of which grows with the world: ListJobs shows only counts)."""
@@ -57,6 +65,7 @@ def job_view(job: Job, now: float, *, with_members: bool = True) -> JobView:
                 max(0.0, now - beating.last_seen) if watched(job, m) else 0.0,
                 beating.stream_open,
                 step,
+                _loss_pending(job, m, beating),
             )
         )
     # Restart budgets are node agents' (a per-rank worker has none to report).

@@ -11,11 +11,13 @@ loss's push now waits for its commit, and an undone loss waits in memory for sto
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,24 @@ from rendezvousd.state.machine import JoinArgs, RendezvousState
 from rendezvousd.storage import rollback, snapshot
 from rendezvousd.storage.faults import storage_unavailable
 from tests.daemon.test_storage import NOT_SERVING, SERVING, _health, _start
-from tests.support import members, wait_for, worker_cmd
+from tests.support import DaemonProcess, members, wait_for, worker_cmd
 
 TIMEOUT_S = 4
+
+
+def _status(d: DaemonProcess, job_id: str) -> str:
+    """`rendezvousd status JOB`'s output."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUSD_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "rendezvousd.cli", "status", job_id, "--endpoint", d.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, "RENDEZVOUSD_TOKEN": d.token},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _stored_failed(state: Path, job_id: str) -> list[dict[str, Any]]:
@@ -184,6 +201,14 @@ def test_a_killed_worker_whose_loss_was_undone_is_the_root_cause_not_its_survivo
         with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
             during = probe.get_job()
         assert during.summary.state == pb.JOB_STATE_RUNNING, during
+        # Dead, yet ACTIVE until its loss is written: GetJob and `status` say so.
+        assert [(m.member.rank, m.state, m.loss_pending) for m in during.members] == [
+            (0, pb.MEMBER_STATE_ACTIVE, ""),
+            (1, pb.MEMBER_STATE_ACTIVE, "heartbeat stream closed"),
+        ]
+        shown = _status(d, job_id)
+        pending = f"lost, pending until storage takes writes: rank 1 on {socket.gethostname()}"
+        assert f"{pending} (heartbeat stream closed)" in shown, shown
 
         state.mkdir(mode=0o700)
         wait_for("health SERVING once storage is back", lambda: _health(d) == SERVING)
@@ -196,6 +221,7 @@ def test_a_killed_worker_whose_loss_was_undone_is_the_root_cause_not_its_survivo
         with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
             job = probe.get_job()
         assert job.summary.state == pb.JOB_STATE_FAILED, job
+        assert not any(m.loss_pending for m in job.members), job
         assert [(f.rank, f.cause) for f in job.failed] == [(1, "heartbeat stream closed")]
         assert job.last_failure.cause.startswith("rank 1 on "), job.last_failure
         assert "heartbeat stream closed" in job.last_failure.cause, job.last_failure

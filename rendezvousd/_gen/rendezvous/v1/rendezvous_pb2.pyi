@@ -1653,6 +1653,7 @@ class MemberStatus(_message.Message):
     HEARTBEAT_AGE_MS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_STREAM_OPEN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    LOSS_PENDING_FIELD_NUMBER: _builtins.int
     state: Global___MemberState.ValueType
     heartbeat_age_ms: _builtins.int
     """Milliseconds since the member's last heartbeat (or join); 0 if not active, or
@@ -1662,6 +1663,11 @@ class MemberStatus(_message.Message):
     step: _builtins.int
     """The rank's last training step, as its heartbeat stream (its node agent's)
     reported it (HeartbeatRequest.progress); absent when none was.
+    """
+    loss_pending: _builtins.str
+    """While the daemon's state storage fails: the cause this active member was lost
+    with (its heartbeat stream's end, its silence, its cut), a loss the daemon makes
+    (and tells its survivors) once storage takes writes again. Empty otherwise.
     """
     @_builtins.property
     def member(self) -> Global___Member: ...
@@ -1673,10 +1679,11 @@ class MemberStatus(_message.Message):
         heartbeat_age_ms: _builtins.int = ...,
         heartbeat_stream_open: _builtins.bool = ...,
         step: _builtins.int | None = ...,
+        loss_pending: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "member", b"member", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "heartbeat_age_ms", b"heartbeat_age_ms", "heartbeat_stream_open", b"heartbeat_stream_open", "member", b"member", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "heartbeat_age_ms", b"heartbeat_age_ms", "heartbeat_stream_open", b"heartbeat_stream_open", "loss_pending", b"loss_pending", "member", b"member", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
     _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
