@@ -645,6 +645,104 @@ def test_a_launcher_stopped_while_its_failure_report_waits_on_a_silent_daemon_st
     assert "Traceback" not in said and "could not report the failure" not in said, said
 
 
+def _failing_pair(
+    d: DaemonProcess, job_id: str, tmp_path: Path, log: Path
+) -> subprocess.Popen[bytes]:
+    """A launcher of two CPU workers that hear SIGTERM (``heard-R``); rank 1 exits 3
+    once ``fail`` exists, saying so first (``failing``). No restart."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from rendezvousd.trainer.distributed import init_distributed\n"
+        "def heard(signum, frame):\n"
+        f"    open('{tmp_path}/heard-' + os.environ['LOCAL_RANK'], 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, heard)\n"
+        "with init_distributed() as ctx:\n"
+        f"    open('{tmp_path}/ready-' + str(ctx.rank), 'w').close()\n"
+        f"    while not (ctx.rank == 1 and os.path.exists('{tmp_path}/fail')):\n"
+        "        time.sleep(0.02)\n"
+        f"    open('{tmp_path}/failing', 'w').close()\n"
+        "    os._exit(3)\n"
+    )
+    cmd = launcher_cmd(1, 0, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+    cmd += ["--backend", "cpu", "--max-restarts", "0", str(script)]
+    with log.open("w") as err, _heard(signal.SIGTERM):
+        return subprocess.Popen(cmd, stderr=err)
+
+
+@pytest.mark.parametrize("fate", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_failure_at_a_silent_daemon_stops_the_other_workers_without_waiting_out_the_report(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path, fate: int
+) -> None:
+    # A worker fails while the daemon does not answer: its report held the stop of the
+    # node's other worker for the SDK's outage window (12 s measured), that worker left
+    # in collectives that could not complete. A stopped daemon let go within that window
+    # still hears the report first: its record names the failed worker.
+    from rendezvousd.client import RendezvousClient
+
+    d = start_daemon("--heartbeat-timeout-s", "10")
+    log = tmp_path / "launcher.err"
+    launcher = _failing_pair(d, job_id, tmp_path, log)
+    try:
+        ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+        wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+        os.kill(d.proc.pid, fate)
+        (tmp_path / "fail").touch()
+        wait_for("rank 1 to fail", (tmp_path / "failing").exists, 10)
+        # The bound the report's hold promises (1 s), well under the outage window.
+        wait_for("rank 0 to be stopped", (tmp_path / "heard-0").exists, 3)
+        if fate == signal.SIGSTOP:
+            os.kill(d.proc.pid, signal.SIGCONT)  # back within its window
+        assert launcher.wait(60) == 3, log.read_text()  # the worker's status
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.proc.pid, signal.SIGCONT)
+    said = log.read_text()
+    unconfirmed = f"the daemon at {d.endpoint} did not confirm the failure report within 1 s: "
+    assert said.count(unconfirmed) == 1, said
+    assert said.index(unconfirmed) < said.index("stopping this node's workers: "), said
+    assert "Traceback" not in said, said
+    if fate == signal.SIGSTOP:
+        assert "could not report the failure" not in said, said
+        with RendezvousClient(d.endpoint, job_id, token=d.token) as probe:
+            failed = probe.get_job().failed
+        assert failed[0].rank == 1 and "exit code 3" in failed[0].cause, failed
+    else:
+        assert "could not report the failure to the daemon" in said, said
+
+
+def test_a_signal_while_a_failure_report_goes_on_past_the_stop_ends_the_launcher_at_once(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    # The workers stopped, the report to the stopped daemon goes on: a SIGTERM then is
+    # the signal's stop (128 + N, at once), not the failure's exit once the window ends.
+    d = start_daemon("--heartbeat-timeout-s", "10")
+    log = tmp_path / "launcher.err"
+    launcher = _failing_pair(d, job_id, tmp_path, log)
+    try:
+        ready = [tmp_path / f"ready-{rank}" for rank in range(2)]
+        wait_for("both workers", lambda: all(f.exists() for f in ready), 60)
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        (tmp_path / "fail").touch()
+        wait_for("rank 0 to be stopped", (tmp_path / "heard-0").exists, 10)
+        launcher.send_signal(signal.SIGTERM)
+        # Its abort and goodbye wait 0.5 s and 1 s at most; the window had 9 s left.
+        assert launcher.wait(5) == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.proc.pid, signal.SIGCONT)
+    said = log.read_text()
+    assert "got SIGTERM: stopping this node's workers" in said, said
+    assert "Traceback" not in said and "could not report the failure" not in said, said
+
+
 def test_a_ctrl_c_to_a_standalone_run_ends_its_workers_at_once_and_says_nothing_of_its_daemon(
     tmp_path: Path,
 ) -> None:

@@ -120,6 +120,10 @@ TELL_STOPPED_FIRST_S = 0.5
 # How long a stopped node's goodbye (its Leave) may hold its exit once its workers are
 # stopped: a daemon that answers confirms it within milliseconds (``_stopped_goodbye``).
 STOPPED_GOODBYE_S = 1.0
+# How long a failure's report may hold the stop of the node's other workers: a daemon
+# that answers confirms it within milliseconds, and one that does not (stopped, gone,
+# cut off) is reached no sooner for the workers' waiting (``_report``).
+REPORT_FIRST_S = 1.0
 # A worker's silence limit when the daemon advertises no heartbeat timeout (older).
 DEFAULT_SILENCE_S = 10.0
 STOPPING = "stopping this node's workers: "
@@ -377,6 +381,9 @@ class NodeAgent:
         self._unreported: set[WorkerProcess] = set()
         self._interrupt: int | None = None
         self._interrupted = threading.Event()
+        # Failure reports still going on past REPORT_FIRST_S; whether that was said.
+        self._reports: list[threading.Thread] = []
+        self._unconfirmed_said = False
 
     @property
     def per_node(self) -> int:
@@ -1465,10 +1472,13 @@ class NodeAgent:
 
     def _report(self, local: int, cause: str, witness: int | None = None) -> None:
         """Sent on a thread of its own and waited for (the other nodes hear of the
-        failure before this node's other workers are stopped), but not past a signal:
-        waited for on the loop, a daemon that did not answer held a SIGTERM for its
-        whole outage window (12 s measured), this node's other workers running on.
-        Stopped meanwhile, the report goes on while the node stops, and ends with it."""
+        failure before this node's other workers are stopped) while a daemon that
+        answers would have: ``REPORT_FIRST_S``, or until a signal. A daemon that did not
+        answer held the workers' stop for its whole outage window (12 s measured), the
+        others in collectives that could not complete. The report then goes on while
+        the workers stop, and the node's goodbye or next join waits for it
+        (``_await_reports``): a daemon back within its window still records the cause
+        first. Stopped by a signal, it ends with the launcher."""
         sent = threading.Event()
 
         def send() -> None:
@@ -1481,10 +1491,37 @@ class NodeAgent:
             finally:
                 sent.set()
 
-        threading.Thread(target=send, daemon=True, name="rendezvous-agent-report").start()
+        report = threading.Thread(target=send, daemon=True, name="rendezvous-agent-report")
+        report.start()
+        self._reports.append(report)
+        until = time.monotonic() + REPORT_FIRST_S
         while not sent.wait(POLL_S):
             if self._interrupted.is_set():
                 return
+            if time.monotonic() >= until:
+                if not self._unconfirmed_said:
+                    self._unconfirmed_said = True
+                    endpoint = self.config.rendezvous.endpoint or "its endpoint"
+                    self.note(
+                        f"the daemon at {endpoint} did not confirm the failure report within "
+                        f"{REPORT_FIRST_S:g} s: stopping this node's workers meanwhile (the "
+                        "report goes on, and this node re-joins or exits once it is answered "
+                        "or the daemon's outage window ends)"
+                    )
+                return
+
+    def _await_reports(self) -> None:
+        """Before this node's goodbye or next join: its failure reports still going on
+        (``_report``) are waited for, within the SDK's outage window, but not past a
+        signal. Sent after them, a Leave or join that a daemon back from its outage
+        read first recorded this node's leaving, not the failure, as the cause."""
+        if self._interrupted.is_set():
+            return
+        for report in self._reports:
+            while report.is_alive() and not self._interrupted.is_set():
+                report.join(POLL_S)
+        self._reports = [r for r in self._reports if r.is_alive()]
+        self._unconfirmed_said = False
 
     def _stop(
         self,
@@ -1494,13 +1531,19 @@ class NodeAgent:
         *,
         rejoins: bool = False,
         goodbye: bool = True,
-    ) -> Failure:
+    ) -> Failure | Interrupted:
         """``rejoins``: the job re-forms whatever the restart budget says (a stray);
-        ``goodbye``: whether to Leave (``_end_generation``)."""
+        ``goodbye``: whether to Leave (``_end_generation``). Interrupted: a signal came
+        while a failure report still went on (``_report``)."""
         # Said here, at once, on every node: the workers may be gone before they log it.
         self.note(f"{STOPPING}{cause}")
         stop_all(self.active, cause, STOP_GRACE_S)
         self.active = []
+        self._await_reports()
+        if self._interrupted.is_set():
+            # Stopped while a report it did not hold the workers for waited: the
+            # signal's stop still (128 + N), as while it held them (``_own_failure``).
+            return self._interrupted_outcome(gen)
         final = not rejoins and not self.budget.allows(failure)
         self._end_generation(final=final, goodbye=goodbye)
         mark("stopped", generation=gen)
@@ -1515,6 +1558,7 @@ class NodeAgent:
         this node's work is done, and its goodbye waits for a daemon restarting now
         (``_daemon_back``). Not a node giving up or stopped: its failure is said
         either way, and a stopped node's scheduler waits only so long."""
+        self._await_reports()  # first: the report, not its links' close, tells the others
         self._close_links()
         if not goodbye:
             return  # the heartbeat ended with the failure; the next join starts afresh
