@@ -346,9 +346,18 @@ class Calls:
     # -- one call, with the retry policy ---------------------------------------
 
     def call(
-        self, method: str, request: Any, *, timeout: float | None = None, health: bool = False
+        self,
+        method: str,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        health: bool = False,
+        look: bool = True,
     ) -> Steps[Any]:
-        """``method`` with retries as the policy allows; errors as ``RendezvousError``."""
+        """``method`` with retries as the policy allows; errors as ``RendezvousError``.
+        ``look``: False on a channel that cannot answer ``Reachable`` (the member
+        table's own, ``BlockingMembers``), where the first look would cost a health
+        Check and read a daemon not up yet as gone."""
         s = self.s
         rank = s.joined.rank if s.joined else None
         # 0 is a deadline that ends at once, as a wait of 0 does; None is the default.
@@ -360,12 +369,18 @@ class Calls:
         # came after (kv_get(timeout=3), due at 8 s, ended at 22 s at a lost host).
         share = diagnosis_share(limit)
         deadline = time.monotonic() + limit
-        if not self.looked and not health and s.joined is None and s.node is None:
-            # An inspecting client (list_jobs(), `rendezvousd status`): a plaintext one
-            # of a TLS daemon heard it after its whole call timeout (30 s) and a retry.
+        if look and not health and (not self.looked or self.probe.seen_tls):
+            # A client's first call where no join looked first (``before_join``): an
+            # inspecting client (list_jobs(), `rendezvousd status`), a plaintext one of a
+            # TLS daemon, heard it after its whole call timeout (30 s) and a retry; an
+            # attached worker after the call's wait (8 s of call_timeout=10), at each
+            # call, as the mismatch was known (``seen_tls``: asked again directly).
             # The look's wait is the call's own: counted in its first attempt's deadline.
             started = time.monotonic()
-            if not (yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, limit))):
+            looked = yield from self.first_look(min(TLS_PROBE_TIMEOUT_S, limit))
+            # An attached worker's call waits for the daemon itself, within its own
+            # deadline and retries, as before: the look only spares it the TLS wait.
+            if not looked and s.joined is None and s.node is None:
                 # Not connected: waited for within connect_timeout, as a join waits, then
                 # what a plain connect finds there. The call itself waited its whole
                 # timeout and a retry (60 s at a refused port, connect_timeout=2 or not)
@@ -687,6 +702,8 @@ class Calls:
         # asked directly (``probe_tls``), never by letting gRPC connect: each attempt
         # would be one more "Handshake failed" line in the daemon's log.
         started = time.monotonic()
+        # The calls after the join need no look of their own (``call``).
+        self.looked = True
         within = min(self.s.connect_timeout, JOIN_TIMEOUT_S if timeout is None else timeout)
         # Half the connect timeout at most: the probes that tell why get the rest.
         look = min(TLS_PROBE_TIMEOUT_S, within / 2)

@@ -63,7 +63,7 @@ class BlockingMembers:
                 # At the renewal the client's files were last taken at, if any.
                 files = self._c.files
                 self._open(0 if files is None else files.renewals)
-        run = Run(self._c.call("GetMembers", request))
+        run = Run(self._c.call("GetMembers", request, look=False))
         for step in run:  # the call's, its retries' and, should it fail, the TLS probe's
             try:
                 if isinstance(step, Rpc):
