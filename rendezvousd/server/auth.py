@@ -25,8 +25,8 @@ from rendezvousd.common.limits import Limits
 from rendezvousd.common.log_throttle import LogThrottle
 from rendezvousd.common.secret_files import TOKEN_ENV, read_judged, unreadable_token_file
 from rendezvousd.errors import ConfigError
-from rendezvousd.server.budget import Gate, gated, gated_before_body
-from rendezvousd.server.metrics import observed
+from rendezvousd.server.budget import Gate, Refused, gated, gated_before_body
+from rendezvousd.server.metrics import code_of, observed
 from rendezvousd.server.scope import (
     ADMIN,
     CALLER,
@@ -364,18 +364,31 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             # Token-less calls are counted from their headers on: a caller that
             # never sends a body must not hold calls that no budget counts.
             early = gate is not self.calls
+            # The servicer observes its unary calls (and each call on a call stream)
+            # itself, so of those only the gate's refusals, which it never sees, are
+            # observed here; the rest whole, outside the gate, its refusals included.
+            by_servicer = method.startswith(RENDEZVOUS_PATH + "/") and not handler.request_streaming
             wrapped = (
                 gated_before_body(handler, gate, self._body_timeout_s)
                 if early
-                else gated(handler, gate)
+                else gated(handler, gate, self._refusal_observer(method) if by_servicer else None)
             )
-            # The servicer observes its unary calls (and each call on a call stream)
-            # itself; the rest here, outside the gate, so that its refusals count too.
-            if not method.startswith(RENDEZVOUS_PATH + "/") or handler.request_streaming:
+            if not by_servicer:
                 wrapped = self._observed(method, wrapped)
             cached = (handler, wrapped)
             self._wrapped[method] = cached
         return cached[1]
+
+    def _refusal_observer(self, method: str) -> Refused | None:
+        observe = self._observe
+        if observe is None:
+            return None
+        name = method.rpartition("/")[2] or method
+
+        def refused(context: Any, error: BaseException, seconds: float) -> None:
+            observe(name, code_of(context, error), seconds)
+
+        return refused
 
     def _observed(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if self._observe is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,12 +117,20 @@ def handler_shape(handler: grpc.RpcMethodHandler) -> tuple[Any, Any]:
     }[(handler.request_streaming, handler.response_streaming)]
 
 
-def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
+#: Told of a call the gate refused: its context, the abort raised, and the seconds it took.
+Refused = Callable[[Any, BaseException, float], None]
+
+
+def gated(
+    handler: grpc.RpcMethodHandler, gate: Gate, refused: Refused | None = None
+) -> grpc.RpcMethodHandler:
     """``handler`` with the same shape, counted against ``gate`` while it runs.
 
     Counting starts inside the handler's own coroutine and ends in its
     ``finally``, so a call cancelled before it started is never counted and one
-    that ends in any way is always released.
+    that ends in any way is always released. ``refused``: told of each call the gate
+    refuses, which ``handler`` never sees (a handler that observes its own calls,
+    the servicer's unary ones, would otherwise leave the refusals unobserved).
     """
     kw = {
         "request_deserializer": handler.request_deserializer,
@@ -131,7 +140,7 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
     if inspect.isasyncgenfunction(inner):
 
         async def stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
-            job = await gate.enter(context)
+            job = await _enter(gate, context, refused)
             try:
                 async for item in inner(request, context):
                     yield item
@@ -142,13 +151,23 @@ def gated(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
 
     # A unary answer, or a streamed one written with ``context.write``.
     async def call(request: Any, context: Any) -> Any:
-        job = await gate.enter(context)
+        job = await _enter(gate, context, refused)
         try:
             return await inner(request, context)
         finally:
             gate.leave(job)
 
     return make(call, **kw)
+
+
+async def _enter(gate: Gate, context: Any, refused: Refused | None) -> str | None:
+    started = time.perf_counter()
+    try:
+        return await gate.enter(context)
+    except BaseException as error:
+        if refused is not None:
+            refused(context, error, time.perf_counter() - started)
+        raise
 
 
 def gated_before_body(

@@ -317,7 +317,7 @@ def observed(
     inner, make = handler_shape(handler)
 
     def report(context: Any, started: float, error: BaseException | None) -> None:
-        observe(method, _code_of(context, error), time.perf_counter() - started)
+        observe(method, code_of(context, error), time.perf_counter() - started)
 
     if inspect.isasyncgenfunction(inner):
 
@@ -350,7 +350,7 @@ def observed(
     return make(call, **kw)
 
 
-def _code_of(context: Any, error: BaseException | None) -> str:
+def code_of(context: Any, error: BaseException | None) -> str:
     """The status a call ended with: the one its handler set (an abort), else what its
     exception makes of it (gRPC answers an uncaught one UNKNOWN), else OK."""
     code: object

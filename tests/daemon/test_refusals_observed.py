@@ -142,7 +142,10 @@ def test_a_gates_refusal_is_counted_and_logged_too(
     start_daemon: Callable[..., DaemonProcess], job_id: str
 ) -> None:
     """The concurrency gates (here max_concurrent_rpcs) refuse before any handler runs:
-    counted and said the same way."""
+    counted and said the same way; and observed in rpc_duration as the servicer observes
+    the unary calls it answers (RendezvousdRejectingCalls and the "Rejected calls"
+    panel read it: a unary call the gate refused reached neither), an accepted call
+    still once."""
     d = start_daemon("--metrics-listen", "127.0.0.1:0", "--max-concurrent-rpcs", "1")
     with grpc.insecure_channel(d.endpoint) as channel:
         stub = pb_grpc.RendezvousStub(channel)
@@ -157,9 +160,13 @@ def test_a_gates_refusal_is_counted_and_logged_too(
             stub.ListJobs(pb.ListJobsRequest(), metadata=bearer(d), timeout=10)
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         parked.cancel()
+        wait_for("the join's slot free", lambda: scrape(d.metrics_url)["rendezvousd_waiters"] == 0)
+        stub.ListJobs(pb.ListJobsRequest(), metadata=bearer(d), timeout=10)
     assert (
         scrape(d.metrics_url)['rendezvousd_limit_refused_total{limit="max_concurrent_rpcs"}'] == 1
     )
+    assert _rpc_count(d, "ListJobs", "RESOURCE_EXHAUSTED") == 1
+    assert _rpc_count(d, "ListJobs", "OK") == 1
     (line,) = [line for line in d.log().splitlines() if "limit max_concurrent_rpcs" in line]
     assert "job (none)" in line and "larger --max-concurrent-rpcs" in line, line
 
