@@ -1377,7 +1377,10 @@ class ClientBase(ABC):
             )
         s.on_failure, s.on_nodes_waiting = on_failure, on_nodes_waiting
         beat = s.heartbeat_interval(interval)
-        self._start_stream(StreamWatch(s, m, self._c.reconnect_window, beat_s=beat), beat)
+        watch = StreamWatch(
+            s, m, self._c.reconnect_window, beat_s=beat, first=s.heartbeat_request()
+        )
+        self._start_stream(watch, beat)
 
     @abstractmethod
     def _start_stream(self, watch: StreamWatch, interval: float) -> None:

@@ -1333,6 +1333,12 @@ class StreamWatch:
     # The stream's beat interval, which the daemon's acks follow (0: not known, every
     # break counts as the daemon's going; ``silent_since``).
     beat_s: float = 0.0
+    # Each stream's first beat, made when start_heartbeat() was called: the heartbeat
+    # speaks for the member it was started for. Made by the stream's thread when it
+    # first pulled a request, a join() called right after start_heartbeat() (whose new
+    # identity clears the membership until it is answered) made it raise "not joined",
+    # which broke the stream and failed the kept member.
+    first: pb.HeartbeatRequest | None = None
 
     def __post_init__(self) -> None:
         self.look = LookBack(self.session.endpoint)

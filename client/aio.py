@@ -419,8 +419,11 @@ class AsyncRendezvousClient(steps.ClientBase):
         self._hb_leave = False
         self._hb_task = loop.create_task(self._heartbeat_loop(watch, interval))
 
-    async def _heartbeat_requests(self, interval: float) -> AsyncIterator[pb.HeartbeatRequest]:
-        request = self._s.heartbeat_request()
+    async def _heartbeat_requests(
+        self, interval: float, watch: StreamWatch
+    ) -> AsyncIterator[pb.HeartbeatRequest]:
+        first = watch.first
+        request = self._s.heartbeat_request() if first is None else self._s.beat(first)
         while True:
             yield request
             with contextlib.suppress(TimeoutError):
@@ -433,7 +436,7 @@ class AsyncRendezvousClient(steps.ClientBase):
 
     async def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not watch.done:
-            requests = self._heartbeat_requests(interval)
+            requests = self._heartbeat_requests(interval, watch)
             opened = self._take_opened(requests)
             call = opened or self._stub.Heartbeat(
                 requests, metadata=self._s.metadata, timeout=HEARTBEAT_CALL_S

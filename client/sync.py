@@ -520,8 +520,11 @@ class RendezvousClient(steps.ClientBase):
             self._hb_thread.start()
             self._hb_watchdog.start()
 
-    def _heartbeat_requests(self, interval: float) -> Iterator[pb.HeartbeatRequest]:
-        request = self._s.heartbeat_request()
+    def _heartbeat_requests(
+        self, interval: float, watch: StreamWatch
+    ) -> Iterator[pb.HeartbeatRequest]:
+        first = watch.first
+        request = self._s.heartbeat_request() if first is None else self._s.beat(first)
         yield request
         while not self._hb_stop.is_set():
             self._hb_wake.wait(interval)
@@ -535,7 +538,7 @@ class RendezvousClient(steps.ClientBase):
 
     def _heartbeat_loop(self, watch: StreamWatch, interval: float) -> None:
         while not self._hb_stop.is_set() and not watch.done:
-            call, feed = self._heartbeat_stream(self._heartbeat_requests(interval))
+            call, feed = self._heartbeat_stream(self._heartbeat_requests(interval, watch))
             self._hb_call, self._hb_feed = call, feed
             error: grpc.RpcError | None = None
             try:
