@@ -433,7 +433,13 @@ class Daemon:
             # hear that a restart forgot their run (``seats.forgotten``).
             self.state.stateless_since = time.time()
         if restored:
-            log.info("restored %d job(s) from %s", restored, self.config.state_dir)
+            down = self.persister.down_s
+            log.info(
+                "restored %d job(s) from %s%s",
+                restored,
+                self.config.state_dir,
+                "" if down is None else f" (the daemon was down {down:.1f} s)",
+            )
         # Restored as it was (a limit added by a release, or lowered since): said now,
         # not first at the call a limit refuses.
         for line in over_limits(self.state.jobs, self.state.limits):
@@ -588,6 +594,8 @@ class Daemon:
                     )
             self.state.tick(now)
             self.open_files.check(now)
+            if self.persister.lock is not None:
+                self.persister.lock.mark_alive()
             self._servicer.decided()
             self.metrics.observe_tick(self.state, now)
             if not self.persister.healthy:

@@ -304,6 +304,11 @@ class Generation:
     # The id digest when only the digest survived a restart, so a replayed PublishId
     # can be told from a second, different id.
     restored_id_digest: bytes | None = None
+    # Restored after the daemon was down this many seconds, at least a heartbeat
+    # timeout: longer than every node's reconnect window, so each of its node agents
+    # stopped its workers and joins again. Their re-joins fail it for the daemon's
+    # outage, not for the node that came back first (``joins.join``). None otherwise.
+    outage_s: float | None = None
     # Set when a joiner's topology contradicted the forming generation's: that
     # fault, not PEER_FAILED, is what every call on the failed generation gets.
     conflict: RendezvousFault | None = None

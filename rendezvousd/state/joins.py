@@ -69,8 +69,12 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         # Its agent joins again, having given this generation up (the daemon was
         # unreachable to it for its window: a restart longer than that left the
         # restored generation with seats nobody holds any more, and every re-join was
-        # refused WORLD_FULL). Its workers are stopped: the generation fails.
-        rounds.lose_seated(sm, job, held, REJOINED, now)
+        # refused WORLD_FULL). Its workers are stopped: the generation fails, for the
+        # daemon's outage where that was longer than every node's window.
+        if job.gen.outage_s is not None:
+            rounds.end_for_outage(sm, job, job.gen.outage_s, now)
+        else:
+            rounds.lose_seated(sm, job, held, REJOINED, now)
         job = job_for(sm, args, now)
     if sm.stateless_since is not None:
         # Read only by a daemon that keeps no state (``seats.forgotten``): one with

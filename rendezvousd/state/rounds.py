@@ -407,7 +407,12 @@ def lose_seated(
 
 
 def lose_all_seated(
-    sm: RendezvousState, job: Job, gone: list[tuple[Member | Node, str, float]], now: float
+    sm: RendezvousState,
+    job: Job,
+    gone: list[tuple[Member | Node, str, float]],
+    now: float,
+    *,
+    detail: str | None = None,
 ) -> None:
     """Each of ``gone`` is lost with its cause and the time it went, as one failure: a
     host cut off takes its attendees silent at the same tick, and its survivors were
@@ -424,7 +429,28 @@ def lose_all_seated(
     # (silent at one tick) by rank, not by when each joined. By rank alone, the kept
     # losses of an outage named the lowest rank, not the first dead.
     lost.sort(key=lambda went: (went[2], went[0].rank))
-    _lose(sm, job, lost, now, told=None, attendees=len(gone))
+    _lose(sm, job, lost, now, told=None, attendees=len(gone), detail=detail)
+
+
+def outage_cause(down_s: float, window_s: float) -> str:
+    """Why a generation the daemon restored after ``down_s`` of outage ended."""
+    return (
+        f"the daemon was down {down_s:.1f} s (longer than the nodes' {window_s:g} s "
+        "reconnect window); its nodes stopped their workers and joined again"
+    )
+
+
+def end_for_outage(sm: RendezvousState, job: Job, down_s: float, now: float) -> None:
+    """``job``'s restored generation ends for the daemon's own outage (``outage_s``):
+    every node of it gave up on the daemon and stopped its workers, whichever re-joins
+    first. Each of its nodes' ranks is listed as failed, with that cause: every one is
+    gone, and a node named alone (the first back, as before) was blamed for the
+    outage; the failure itself names no node."""
+    cause = outage_cause(down_s, sm.timing.heartbeat_timeout_s)
+    gone: list[tuple[Member | Node, str, float]] = [
+        (n, cause, now) for n in job.gen.node_at.values() if n.state is MemberState.ACTIVE
+    ]
+    lose_all_seated(sm, job, gone, now, detail=cause)
 
 
 def lose(
@@ -452,9 +478,11 @@ def _lose(
     told: int | None,
     attendees: int,
     witness: int | None = None,
+    detail: str | None = None,
 ) -> None:
     """``lost`` members, each with its cause and when it went, of ``attendees`` seats,
-    gone as one failure."""
+    gone as one failure; ``detail``: the failure's own words, where no member is its
+    cause."""
     for member, cause, at in lost:
         member.state = MemberState.LOST
         member.stream_open = False
@@ -467,7 +495,7 @@ def _lose(
     if len(lost) > 1:
         whose = "of its node" if attendees == 1 else "lost with it"
         more = f" (and {len(lost) - 1} more {whose})"
-    detail = f"{first.describe()}{more}{_after_leaving(job)}"
+    detail = detail or f"{first.describe()}{more}{_after_leaving(job)}"
     set_state(sm, job, JobState.FAILED, now, detail, lost=True)
     if job.last_failure is not None and first.lost_at is not None:
         # When its first loss went (earlier than now for one kept through an outage).

@@ -30,6 +30,7 @@ storage fails. Reads wait for the commit of their job's pending changes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -65,6 +66,11 @@ log = logging.getLogger("rendezvousd")
 STATE_FILE = "state.json"
 IMPORTED_SUFFIX = ".imported"
 LOCK_FILE = "rendezvousd.lock"
+#: What follows the pid in the lock file of a holder that marks the file's mtime each
+#: tick (``StateDirLock.mark_alive``): an empty line, which every reader of the pid
+#: (``strip()``, a shell's ``$(cat …)``) drops. A file without it (an older daemon's)
+#: has the mtime of that daemon's start, no time it was alive at.
+ALIVE_MARKED = "\n\n"
 _MISSING = object()
 _UndoKey = tuple[str, str]
 
@@ -210,6 +216,9 @@ class StateDirLock:
     def __init__(self, directory: Path) -> None:
         self.path = directory / LOCK_FILE
         self._fd: int | None = None
+        #: When the daemon that held the lock before this one was last seen alive
+        #: (Unix seconds: the file's mtime, ``mark_alive``); None for a new file.
+        self.previous_alive: float | None = None
 
     def acquire(self) -> None:
         try:
@@ -238,9 +247,13 @@ class StateDirLock:
                 "jobs with different state: stop that daemon first, or give this one "
                 "another --state-dir"
             ) from None
+        with contextlib.suppress(OSError):
+            mtime = os.fstat(fd).st_mtime
+            if os.pread(fd, 64, 0).decode("ascii", "replace").endswith(ALIVE_MARKED):
+                self.previous_alive = mtime
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.pwrite(fd, f"{os.getpid()}{ALIVE_MARKED}".encode(), 0)
         except OSError as exc:
             # The first write of a start: a full (or read-only) state volume meets it
             # before the database does.
@@ -278,6 +291,14 @@ class StateDirLock:
             self.release()
         self.acquire()
 
+    def mark_alive(self) -> None:
+        """The lock file's mtime set to now, each tick: after a crash or a SIGKILL,
+        which leave no drain time in the rows, the next start reads from it how long
+        the daemon was down (``previous_alive``). A metadata write, no fsync."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self._fd)
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
@@ -306,6 +327,9 @@ class Persister:
         self.failing_since: float | None = None
         self.cause: str | None = None
         self.on_health: Callable[[bool], None] | None = None
+        #: How long the daemon was down before this start, where its state dir says
+        #: (``StateDirLock.previous_alive``); None otherwise.
+        self.down_s: float | None = None
         self._version = 0  # bumped by every touch
         self._job_version: dict[str, int] = {}  # job id -> version of its newest touch
         self._saved = 0  # every change up to this version is committed
@@ -369,9 +393,12 @@ class Persister:
             self.job_ends.restore(rows, floor)
         except ValueError as exc:
             raise self.store.bad_row("table job_ends", str(exc)) from exc
+        alive = None if self.lock is None else self.lock.previous_alive
+        if alive is not None:
+            self.down_s = max(0.0, time.time() - alive)
         for job_id, job in stored.items():
             try:
-                snapshot.restore_job(self.state, job.record, job.kv, now)
+                snapshot.restore_job(self.state, job.record, job.kv, now, alive_unix=alive)
             except (ValueError, TypeError) as exc:
                 raise self.store.bad_row(f"table jobs, row job_id={job_id!r}", str(exc)) from exc
             self._written_gen[job_id] = int(job.record["generation"])

@@ -347,11 +347,16 @@ def _digest(text: object, name: str) -> bytes:
 
 
 def restore_job(
-    state: RendezvousState, raw: Mapping[str, Any], kv: dict[str, bytes], now: float
+    state: RendezvousState,
+    raw: Mapping[str, Any],
+    kv: dict[str, bytes],
+    now: float,
+    *,
+    alive_unix: float | None = None,
 ) -> None:
     """Put one stored job back into ``state`` after a restart; a malformed record raises
     ValueError (types and ranges are checked, so a hand-edited row cannot corrupt the
-    daemon)."""
+    daemon). ``alive_unix``: when the daemon before was last known alive, if known."""
     job = job_from_record(raw, kv, now)
     # A row from before the last call was kept: the daemon's default, as a join that
     # names none gets, not 0 s, which formed the next generation with min_nodes at once
@@ -388,7 +393,18 @@ def restore_job(
         detail = "restored: every member left"
     elif job.state is JobState.RUNNING:
         job.gen.restored = True
-        resume_silence(job, raw, now, state.timing.heartbeat_timeout_s)
+        timeout = state.timing.heartbeat_timeout_s
+        resume_silence(job, raw, now, timeout)
+        down = outage(raw, alive_unix)
+        if down is not None and down >= timeout and job.gen.join_mode is JoinMode.NODE:
+            # Every node agent gave up on the daemon meanwhile: said here, and its
+            # re-joins end the generation in these words (``joins.join``).
+            job.gen.outage_s = down
+            detail = (
+                f"restored after the daemon was down {down:.1f} s, longer than the "
+                f"nodes' {timeout:g} s reconnect window: its node agents have stopped "
+                "their workers, and the generation ends as they join again"
+            )
     state.jobs[job.job_id] = job
     # Still the state it was stored in (not ended or fenced here): its stored Unix time
     # (checked by ``job_from_record``) is when it entered it.
@@ -406,6 +422,13 @@ def restore_job(
             since_unix=min(float(raw["state_since_unix"]), time.time()) if as_stored else None,
         )
     )
+
+
+def outage(raw: Mapping[str, Any], alive_unix: float | None) -> float | None:
+    """How long the daemon was down, by ``raw``'s drain (a drained restart) or else
+    by when the daemon before was last alive; None when neither is known."""
+    last = float(raw["drained_unix"]) if "drained_unix" in raw else alive_unix
+    return None if last is None else max(0.0, time.time() - last)
 
 
 #: How far past its own cadence an attendee may be silent at a drain and still count
