@@ -1481,15 +1481,62 @@ def test_a_job_re_forms_after_its_daemon_came_back_later_than_the_heartbeat_wind
             daemon.current = daemon._spawn()
             _hurry_once_trained(nodes[1], hurry, resumed=4)  # the job re-formed
             codes = _exits(nodes)
+            log = daemon.current.log()
         finally:
             _cleanup(nodes)
     assert codes == [0, 0], [n.stderr()[-2000:] for n in nodes]
     assert "already has max_nodes" not in nodes[0].stderr() + nodes[1].stderr()
+    # Generation 1 ended for the daemon's outage, not for the node back first (which
+    # was named its cause: "rank 2 on node-b (its node agent left this generation and
+    # joined again ...)", a healthy node blamed).
+    failed = next(line for line in log.splitlines() if "RUNNING -> FAILED" in line)
+    assert "generation 1: RUNNING -> FAILED (the daemon was down " in failed, failed
+    assert "reconnect window); its nodes stopped their workers" in failed, failed
+    assert "rank" not in failed.partition("FAILED")[2], failed
     # In the launcher's words: it restarts the node itself, where the SDK tells its
     # reader to "restart the job if it cannot finish".
     own = _agent_lines(nodes[0].stderr())
     assert "stops its workers and, if --max-restarts allows, joins again" in own, own
     assert "restart the job if it cannot finish" not in own, own
+
+
+def test_agents_of_a_daemon_restarted_without_its_state_say_it_lost_the_job(
+    tmp_path: Path,
+) -> None:
+    """The daemon SIGKILLed and started again without --state-dir after the agents'
+    window: they give it up, join again, and the new daemon starts the job anew at
+    generation 1. Each agent says once that the daemon lost the job's state; before,
+    its log went from "generation 1: DaemonUnreachable ...; restart 1 of 1" to a second
+    generation 1, and nothing anywhere said why the job started over."""
+    with StatefulDaemon(tmp_path, "--heartbeat-timeout-s", "2") as daemon:
+        d = daemon.current
+        hurry = tmp_path / "hurry"
+        args = ["--steps", "150", "--step-s", "0.03", "--hurry-file", str(hurry)]
+        nodes = _nodes(d, "lost-state", tmp_path, 2, ["--max-restarts", "1"], args)
+        try:
+            wait_for("both nodes to train", lambda: all(n.events("step") for n in nodes), 60)
+            daemon.current.kill()
+            wait_for(
+                "the nodes to give the daemon up",
+                lambda: all("DaemonUnreachable" in n.stderr() for n in nodes),
+                timeout=30,
+            )
+            daemon.flags = ("--heartbeat-timeout-s", "2")  # its state dir not given
+            daemon.current = daemon._spawn()
+            _hurry_once_trained(nodes[1], hurry, resumed=4)  # the job started again
+            codes = _exits(nodes)
+        finally:
+            _cleanup(nodes)
+    assert codes == [0, 0], [n.stderr()[-2000:] for n in nodes]
+    for n in nodes:
+        own = _agent_lines(n.stderr())
+        said = (
+            f"the daemon at 127.0.0.1:{daemon.port} has lost job 'lost-state''s state: "
+            "this node held generation 1, and its join started the job again at "
+            "generation 1 (the daemon was restarted without --state-dir, or its state "
+            "dir was lost)"
+        )
+        assert own.count(said) == 1, own
 
 
 _FINISHING = """\

@@ -292,6 +292,23 @@ def describe_remote(error: RendezvousError) -> tuple[str, int | None, str | None
     return cause, None, None
 
 
+def forgotten_run(config: DistributedConfig, had: int, now: int) -> str:
+    """Said when this node's join after a failure lands in a generation not past the
+    one it held: the daemon no longer knows the job's run. Generations only grow on a
+    daemon that kept its state; after an outage longer than the agents' window, its
+    re-joins started the job anew unnoticed (the agent said "generation 1" twice),
+    the cause nowhere in its log. Only a call of the old run reaching the new daemon
+    (one back within the window) heard that the job "does not exist on this daemon"."""
+    endpoint = config.rendezvous.endpoint or "its endpoint"
+    return (
+        f"the daemon at {endpoint} has lost job {config.job_id!r}'s state: this node "
+        f"held generation {had}, and its join started the job again at generation {now} "
+        "(the daemon was restarted without --state-dir, or its state dir was lost). The "
+        "job goes on as a new run, its generations counted from 1 again; give the "
+        "daemon a --state-dir on storage that survives its restarts"
+    )
+
+
 class NodeAgent:
     """This node's agent; ``run()`` returns the launcher's exit status."""
 
@@ -452,6 +469,8 @@ class NodeAgent:
         if not isinstance(joined, NodeMembership):
             return joined
         m = joined
+        if (before := self.placed) is not None and m.generation <= before.generation:
+            self.note(forgotten_run(self.config, before.generation, m.generation))
         self.placed = m
         self._was_member = True
         mark("joined", generation=m.generation, node_rank=m.node_rank)
