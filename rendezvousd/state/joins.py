@@ -843,7 +843,15 @@ def job_for(sm: RendezvousState, args: JoinArgs, now: float) -> Job:
     low, high, gpus = bounds = (args.min_nodes, args.max_nodes, args.gpus_per_node)
     job = sm.jobs.get(args.job_id)
     if job is None:
-        job = rounds.open_job(sm, args.job_id, high, gpus, now)
+        detail = "created"
+        if args.previous and args.local_rank is None and sm.stateless_since is not None:
+            # A node agent back from a run this daemon never saw: its log said only
+            # "created", and nothing said why the job started over at generation 1.
+            detail = (
+                "created by a node agent joining again from a run this daemon does not "
+                "know (it started without --state-dir: that run's state is lost)"
+            )
+        job = rounds.open_job(sm, args.job_id, high, gpus, now, detail)
     elif job.state in rounds.TERMINAL and not placement.returning(job, args):
         owed = placement.owed_back(job)
         before = placement.ranks_before(job)

@@ -199,14 +199,19 @@ def make_room(sm: RendezvousState, job_id: str, now: float) -> None:
 
 
 def open_job(
-    sm: RendezvousState, job_id: str, num_nodes: int, gpus_per_node: int, now: float
+    sm: RendezvousState,
+    job_id: str,
+    num_nodes: int,
+    gpus_per_node: int,
+    now: float,
+    detail: str = "created",
 ) -> Job:
     """A job's first joiner creates it, FORMING its first generation."""
     make_room(sm, job_id, now)
     job = Job(job_id, num_nodes, gpus_per_node, 0, JobState.FORMING, now)
     sm.jobs[job_id] = job
     job.open_generation(now)
-    sm.calls.emit(Transition(job.job_id, job.generation, None, JobState.FORMING, "created"))
+    sm.calls.emit(Transition(job.job_id, job.generation, None, JobState.FORMING, detail))
     return job
 
 

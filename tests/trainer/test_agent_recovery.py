@@ -1525,8 +1525,14 @@ def test_agents_of_a_daemon_restarted_without_its_state_say_it_lost_the_job(
             daemon.current = daemon._spawn()
             _hurry_once_trained(nodes[1], hurry, resumed=4)  # the job started again
             codes = _exits(nodes)
+            log = daemon.current.log()
         finally:
             _cleanup(nodes)
+    assert (
+        "generation 1: - -> FORMING (created by a node agent joining again from a run "
+        "this daemon does not know (it started without --state-dir: that run's state is "
+        "lost))"
+    ) in log, log
     assert codes == [0, 0], [n.stderr()[-2000:] for n in nodes]
     for n in nodes:
         own = _agent_lines(n.stderr())
