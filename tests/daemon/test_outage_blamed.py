@@ -14,6 +14,11 @@ import grpc
 
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvousd._gen.rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from rendezvousd.common.model import JobState, Transition
+from rendezvousd.state.machine import RendezvousState
+from rendezvousd.storage import snapshot
+from tests.daemon.test_node_state import node
+from tests.daemon.test_standby import running_pair
 from tests.support import free_port, spawn_daemon, wait_for, write_token
 
 TIMEOUT_S = 2.0
@@ -71,3 +76,34 @@ def test_a_generation_ended_by_the_daemons_own_outage_blames_no_node(tmp_path: P
         assert "host-" not in cause and "rank" not in cause, cause
     finally:
         d2.kill()
+
+
+def test_every_rank_of_the_restored_generation_is_failed_for_the_outage_none_blamed() -> None:
+    """The state machine: a running two-node job restored after the daemon was down
+    longer than the heartbeat timeout; node b's agent joins again naming its old seat.
+    Every rank of both nodes is listed failed with the outage as its cause (all were
+    stopped; listing node b's alone named it the one that failed), and the job's last
+    failure is the outage; a restore within the window changes nothing."""
+    sm = RendezvousState()
+    running_pair(sm)
+    record = snapshot.job_record(sm.jobs["j"])
+    timeout = sm.timing.heartbeat_timeout_s
+    back = RendezvousState()
+    snapshot.restore_job(back, record, {}, 100.0, alive_unix=time.time() - timeout - 5)
+    said = [e for e in back.take_effects() if isinstance(e, Transition)]
+    assert "restored after the daemon was down" in said[0].detail, said
+    restored = back.jobs["j"].gen  # a new generation gets a new one: this one is kept
+    back.join(node("b2", previous="b"), 101.0)
+    job = back.jobs["j"]
+    assert sorted(f.rank for f in restored.failed) == [0, 1, 2, 3], restored.failed
+    assert all(f.cause.startswith("the daemon was down") for f in restored.failed)
+    assert job.last_failure is not None and job.last_failure.generation == 1
+    assert job.last_failure.cause.startswith("the daemon was down"), job.last_failure
+    gen1 = [e for e in back.take_effects() if isinstance(e, Transition) and e.generation == 1]
+    assert gen1[-1].new is JobState.FAILED and "rank" not in gen1[-1].detail, gen1
+    # Within the window: its nodes reattach, and a re-join is a node's own (as before).
+    quick = RendezvousState()
+    snapshot.restore_job(quick, record, {}, 100.0, alive_unix=time.time() - 1)
+    quick.join(node("b2", previous="b"), 101.0)
+    assert quick.jobs["j"].last_failure is not None
+    assert "rank 2 on" in quick.jobs["j"].last_failure.cause, quick.jobs["j"].last_failure
