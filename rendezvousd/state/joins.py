@@ -72,7 +72,7 @@ def join(sm: RendezvousState, args: JoinArgs, now: float) -> JoinResult | Parked
         # refused WORLD_FULL). Its workers are stopped: the generation fails, for the
         # daemon's outage where that was longer than every node's window.
         if job.gen.outage_s is not None:
-            rounds.end_for_outage(sm, job, job.gen.outage_s, now)
+            rounds.end_for_outage(sm, job, held, job.gen.outage_s, now)
         else:
             rounds.lose_seated(sm, job, held, REJOINED, now)
         job = job_for(sm, args, now)

@@ -445,17 +445,15 @@ def outage_cause(down_s: float, window_s: float) -> str:
     )
 
 
-def end_for_outage(sm: RendezvousState, job: Job, down_s: float, now: float) -> None:
+def end_for_outage(sm: RendezvousState, job: Job, held: Node, down_s: float, now: float) -> None:
     """``job``'s restored generation ends for the daemon's own outage (``outage_s``):
-    every node of it gave up on the daemon and stopped its workers, whichever re-joins
-    first. Each of its nodes' ranks is listed as failed, with that cause: every one is
-    gone, and a node named alone (the first back, as before) was blamed for the
-    outage; the failure itself names no node."""
+    every node of it gave up on the daemon and stopped its workers; ``held``, the
+    node whose agent re-joins first, is lost with the outage as its ranks' cause, and
+    the failure's words name no node (the first node back was blamed for it). Its
+    other nodes are not marked lost: still owed their seats (``placement.owed_back``),
+    they take them back as they re-join, where a standby could have taken them."""
     cause = outage_cause(down_s, sm.timing.heartbeat_timeout_s)
-    gone: list[tuple[Member | Node, str, float]] = [
-        (n, cause, now) for n in job.gen.node_at.values() if n.state is MemberState.ACTIVE
-    ]
-    lose_all_seated(sm, job, gone, now, detail=cause)
+    lose_all_seated(sm, job, [(held, cause, now)], now, detail=cause)
 
 
 def lose(
