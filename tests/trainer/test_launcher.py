@@ -821,6 +821,44 @@ def test_sigterm_while_joining_ends_the_launcher_promptly(
     assert "got SIGTERM: stopping this node's workers" in err, err  # it exited in silence
 
 
+def _last_line(err: str) -> str:
+    return unstamped(err).rstrip("\n").rsplit("\n", 1)[-1]
+
+
+def test_a_finished_node_and_a_stopped_one_each_end_their_log_saying_how_and_the_status(
+    running: Running, job_id: str, tmp_path: Path
+) -> None:
+    """A log that ended at its start-up banner (a clean finish) or at "got SIGTERM" read
+    as a node still running, or hung."""
+    nodes, _pids = running
+    nodes[1].send_signal(signal.SIGTERM)
+    _out, err = nodes[1].communicate(timeout=60)
+    assert nodes[1].returncode == 143, err
+    assert _last_line(err) == (
+        f"rendezvous-run: job '{job_id}' node 1 stopped by SIGTERM (exit 143)"
+    ), err
+
+
+def test_a_node_that_finished_ends_its_log_saying_every_worker_exited_0(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    d = start_daemon()
+    worker = [str(WORKERS / "trainer_worker.py"), str(tmp_path / "stop"), "--ready-only"]
+
+    def node(rank: int) -> subprocess.CompletedProcess[str]:
+        cmd = launcher_cmd(2, rank, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id)
+        return run_launcher([*cmd, "--config", str(SMOKE), *worker], timeout=60)
+
+    ended = parallel([lambda: node(0), lambda: node(1)], limit=90)
+    for rank, done in enumerate(ended):
+        assert isinstance(done, subprocess.CompletedProcess), done
+        err = done.stderr
+        assert done.returncode == 0, err
+        assert _last_line(err) == (
+            f"rendezvous-run: job '{job_id}' node {rank} finished: all 2 workers exited 0 (exit 0)"
+        ), err
+
+
 def test_the_agent_makes_the_nccl_id_listening_where_shared_device_ranks_look(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

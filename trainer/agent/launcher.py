@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rendezvousd.common.env_names import unknown_names
-from rendezvousd.common.escape import quoted
+from rendezvousd.common.escape import quoted, shortened
 from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.secret_files import TOKEN_ENV, TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value, VersionFlag
@@ -431,10 +431,11 @@ def _run_agent(
             client = transport.client(config.job_id, config.retry_attempts, token=token)
         except RendezvousError as exc:
             discard(booted)
-            return _fail(
+            problem = (
                 f"cannot talk to the rendezvous daemon at {transport.endpoint}: "
                 f"{in_launchers_words(exc)}"
             )
+            return _said_end(config, None, f"gave up: {shortened(problem)}", _fail(problem))
         # The agent owns the spares from here on.
         agent = NodeAgent(
             config,
@@ -468,15 +469,40 @@ def _run_agent(
         if s in (signal.SIGTERM, signal.SIGINT) or handler is not signal.SIG_IGN:
             signal.signal(s, lambda signum, _frame: agent.interrupt(signum))
     try:
-        return agent.run()
+        status = agent.run()
     except RestartsExhausted as exc:
         _fail(str(exc))
         _root_cause(config, agent.first_local, agent.placed)
-        return exc.exit_status
+        status = exc.exit_status
+        budget = agent.budget
+        latest = budget.last[-1] if budget.last else budget.first[-1] if budget.first else None
+        failed = f": {shortened(latest.describe())}" if latest is not None else ""
+        how = f"gave up after {budget.restarts} of {budget.max_restarts} restarts{failed}"
+    else:
+        if status == 0:
+            workers = agent.finished_workers
+            how = (
+                f"finished: all {workers} workers exited 0"
+                if workers
+                else "finished: not needed, no worker started"
+            )
+        else:
+            how = f"stopped by {signal.Signals(status - 128).name}"
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         agent.client.close()
+    return _said_end(config, agent.placed, how, status)
+
+
+def _said_end(config: DistributedConfig, placed: Seat | None, how: str, status: int) -> int:
+    """The node's last line: how it ended and its exit status (docs/trainer.md's
+    table), that a log which ends reads apart from a node still running or hung (it
+    ended at the start-up banner, or at "got SIGTERM"). ``placed``: this node's seat in
+    its last generation, if it had one. Returns ``status``."""
+    node = f" node {placed.node_rank}" if placed is not None else ""
+    _note(f"job {quoted(config.job_id)}{node} {how} (exit {status})")
+    return status
 
 
 def _root_cause(config: DistributedConfig, local: Failure | None, placed: Seat | None) -> None:

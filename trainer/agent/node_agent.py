@@ -378,6 +378,9 @@ class NodeAgent:
         #: The first failure of one of this node's own workers, if any: the root
         #: cause to name when the daemon cannot be asked.
         self.first_local: Failure | None = None
+        # How many workers exited 0 in the final generation (0: none started, the node
+        # was not needed), for the launcher's last line.
+        self.finished_workers = 0
         self._joins = 0
         # A standby waits for a slot until its first seat; it re-joins as any node after.
         self._standing_by = config.standby
@@ -426,6 +429,7 @@ class NodeAgent:
                 outcome = self._generation(first)
                 first = False
                 if outcome is None:
+                    self.finished_workers = len(self.active)
                     return 0
                 if isinstance(outcome, Interrupted):
                     return 128 + outcome.signum
