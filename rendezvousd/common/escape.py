@@ -52,8 +52,9 @@ def escape(text: str) -> str:
 
 def shortened(text: str, limit: int = SHOWN_CHARS) -> str:
     """``text`` escaped (one line, nothing a terminal acts on), cut to ``limit``
-    characters, its middle left out with a marker saying how much; whole where the
-    marker would be as long as what it leaves out (no longer than it would be cut).
+    characters, its middle left out with a marker saying how much; whole where what it
+    leaves out is less than twice the marker's length (a cut must save at least as much
+    again as the marker costs).
 
     The middle, not the tail: what tells two failures apart is at either end, who
     (a failure's text starts with its rank and host) and what (a traceback ends with its
@@ -63,8 +64,9 @@ def shortened(text: str, limit: int = SHOWN_CHARS) -> str:
     shown = escape(text)
     left_out = len(shown) - limit
     marker = f" ... ({left_out} characters cut) ... "
-    if left_out <= len(marker):
-        # A cut of 1 character added a marker of 25.
+    if left_out < 2 * len(marker):
+        # A cut of 1 character added a marker of 25; one of 30, a marker of 29: a
+        # root cause lost 30 characters of its text to save 1 of the line.
         return shown
     head = (limit + 1) // 2
     return shown[:head] + marker + shown[len(shown) - (limit - head) :]

@@ -34,7 +34,15 @@ def test_shortened_cuts_only_what_its_marker_is_shorter_than() -> None:
     assert shortened("x" * 121) == "x" * 121
     assert shortened("x" * 120 + "\x1b") == "x" * 120 + "\\x1b"
     assert shortened("x" * 149) == "x" * 149  # the marker would be 29: as long
-    assert shortened("x" * 150) == "x" * 60 + " ... (30 characters cut) ... " + "x" * 60
+
+
+def test_shortened_cuts_only_where_it_saves_at_least_its_markers_length_again() -> None:
+    """A root cause lost 30 characters to a 29-character marker ("... (30 characters
+    cut) ..."): the line 1 character shorter, 30 of its text gone."""
+    assert shortened("x" * 150) == "x" * 150
+    marker = len(" ... (58 characters cut) ... ")
+    assert shortened("x" * (120 + 2 * marker - 1)) == "x" * (120 + 2 * marker - 1)
+    assert shortened("x" * 178) == "x" * 60 + " ... (58 characters cut) ... " + "x" * 60
     assert len(shortened("x" * 5000)) == 120 + len(" ... (4880 characters cut) ... ")
 
 
