@@ -267,6 +267,12 @@ def test_the_node_whose_worker_raised_words_its_cause_as_every_other_node(
         assert len(root) == 1 and root[0].endswith(f" was lost {cause}"), err
         assert "characters cut" not in err and " after RuntimeError" not in err, err
     assert nodes[1].returncode == 1, outs[1]
+    for n, err in enumerate(outs):
+        # The failures were listed whole just above: the last line says how it ended.
+        assert _last_line(err) == (
+            f"rendezvous-run: job {job_id!r} node {n} gave up after 0 of 0 restarts "
+            "(1 failure, listed above) (exit 1)"
+        ), err
     assert re.search(
         rf"^rendezvous-run: worker rank 1 \(pid \d+\) failed first, with exit code 1 "
         rf"{re.escape(cause)}$",

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rendezvousd.common.env_names import unknown_names
-from rendezvousd.common.escape import quoted, shortened
+from rendezvousd.common.escape import quoted
 from rendezvousd.common.log_time import utc_stamp
 from rendezvousd.common.secret_files import TOKEN_ENV, TOKEN_FILE_ENV, missing_token
 from rendezvousd.common.settings import Value, VersionFlag
@@ -435,7 +435,8 @@ def _run_agent(
                 f"cannot talk to the rendezvous daemon at {transport.endpoint}: "
                 f"{in_launchers_words(exc)}"
             )
-            return _said_end(config, None, f"gave up: {shortened(problem)}", _fail(problem))
+            how = f"gave up: cannot talk to the rendezvous daemon at {transport.endpoint}"
+            return _said_end(config, None, how, _fail(problem))
         # The agent owns the spares from here on.
         agent = NodeAgent(
             config,
@@ -474,10 +475,15 @@ def _run_agent(
         _fail(str(exc))
         _root_cause(config, agent.first_local, agent.placed)
         status = exc.exit_status
+        # The failures are listed just above, whole: not again, cut to a line.
         budget = agent.budget
         latest = budget.last[-1] if budget.last else budget.first[-1] if budget.first else None
-        failed = f": {shortened(latest.describe())}" if latest is not None else ""
-        how = f"gave up after {budget.restarts} of {budget.max_restarts} restarts{failed}"
+        failures = f"{budget.count} failure{'s' if budget.count != 1 else ''}, listed above"
+        how = (
+            f"gave up on a failure no restart can change ({failures})"
+            if latest is not None and latest.fatal
+            else f"gave up after {budget.restarts} of {budget.max_restarts} restarts ({failures})"
+        )
     else:
         if status == 0:
             workers = agent.finished_workers
