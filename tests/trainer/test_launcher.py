@@ -827,6 +827,57 @@ def test_sigterm_while_joining_ends_the_launcher_promptly(
     assert "got SIGTERM: stopping this node's workers" in err, err  # it exited in silence
 
 
+def test_sigterm_while_forming_is_told_to_the_daemon_and_the_other_node_as_a_stop(
+    start_daemon: Callable[..., DaemonProcess], job_id: str, tmp_path: Path
+) -> None:
+    """The daemon said "FORMING -> FAILED (rank 0 on H (its JoinNode was cancelled (node
+    agent died or disconnected)))" for a node stopped by SIGTERM while its job formed,
+    and so did the other nodes; the same signal while it ran was named: "stopped by
+    SIGTERM"."""
+    from rendezvousd.client import RendezvousClient
+    from rendezvousd.client.errors import RendezvousError
+
+    d = start_daemon()
+    worker = [str(WORKERS / "trainer_worker.py"), str(tmp_path / "stop")]
+    # Node 2 of 3 never comes: the joins of nodes 0 and 1 wait in the forming generation.
+    nodes = [
+        subprocess.Popen(
+            [
+                *launcher_cmd(3, n, 2, endpoint=d.endpoint, token_file=d.token_file, job=job_id),
+                *("--config", str(SMOKE), *worker),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    try:
+        with RendezvousClient(d.endpoint, token=d.token) as probe:
+
+            def joined() -> bool:
+                assert all(n.poll() is None for n in nodes)
+                try:
+                    return len(probe.get_job(job_id).joining) == 2
+                except RendezvousError:
+                    return False
+
+            wait_for("both JoinNodes to be counted", joined, timeout=30)
+            nodes[1].send_signal(signal.SIGTERM)
+            errs = [n.communicate(timeout=60)[1] for n in (nodes[1], nodes[0])]
+            reason = probe.get_job(job_id).abort_reason
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert nodes[1].returncode == 128 + signal.SIGTERM, errs[0]
+    assert "was stopped by SIGTERM" in reason, (reason, d.log())
+    said = [line for line in d.log().splitlines() if "FORMING ->" in line]
+    assert any("FORMING -> ABORTED" in line and "stopped by SIGTERM" in line for line in said), said
+    assert not any("was cancelled" in line for line in said), said
+    assert "was stopped by SIGTERM" in errs[1] and "was cancelled" not in errs[1], errs[1]
+
+
 def _last_line(err: str) -> str:
     return unstamped(err).rstrip("\n").rsplit("\n", 1)[-1]
 

@@ -1631,8 +1631,29 @@ class NodeAgent:
                 cause=NODE_STOPPED,
             )
 
+    def _tell_stopped_forming(self, signum: int) -> None:
+        """Stopped while its join waits in a forming generation: that generation told
+        it was stopped (``_tell_stopped``), as a running one is. Its join's cancel alone
+        failed it as a death, "its JoinNode was cancelled (node agent died or
+        disconnected)". Only where this join is one the generation counts, found by its
+        host and node rank (a standby's, or one with no rank beside another node of its
+        host, is left to its cancel): the abort of a running job's generation by its
+        standby stopped ended the job. Pinned to that generation: formed since, this
+        node is of it; re-opened since, the abort is refused as stale."""
+        with contextlib.suppress(RendezvousError):
+            job = self.client.get_job()
+            rank = self.config.node_rank if self.config.is_multi_node else 0
+            here = [n for n in job.joining if n.host == self.host]
+            named = [n for n in here if n.HasField("node_rank") and n.node_rank == rank]
+            if (
+                not self._standing_by
+                and job.summary.state == pb.JOB_STATE_FORMING
+                and (named if rank is not None else len(here) == 1)
+            ):
+                self._tell_stopped(job.summary.generation, signum)
+
     def _interrupted_outcome(self, gen: int | None) -> Interrupted:
-        """``gen`` None: interrupted while joining (the cancelled join tells the daemon)."""
+        """``gen`` None: interrupted while joining (``_tell_stopped_forming``)."""
         signum = self._interrupt or 15
         # Said, as torchrun does: a launcher stopped by a signal exited 143 in silence.
         self.note(
@@ -1640,6 +1661,15 @@ class NodeAgent:
             f"{self.config.stop_grace_s:g} s to finish) and ending its part in job "
             f"{self.config.job_id!r}"
         )
+        if gen is None:
+            forming = threading.Thread(
+                target=self._tell_stopped_forming,
+                args=(signum,),
+                daemon=True,
+                name="rendezvous-agent-stopped",
+            )
+            forming.start()
+            forming.join(TELL_STOPPED_FIRST_S * 2)  # two calls: GetJob, then Abort
         if gen is not None:
             # First: the other nodes hear the cause now, not once this node's workers
             # are done with their handlers (meanwhile theirs would block in collectives
