@@ -661,6 +661,8 @@ class Session:
 
     def heartbeat_request(self) -> pb.HeartbeatRequest:
         """A stream's first beat: who it speaks for (fixed for the stream's life)."""
+        if self.closed:  # close() forgot the member: not "call join() first"
+            raise self.closed_error()
         return self.beat(pb.HeartbeatRequest(**self._fields(self.node or self.member())))
 
     def beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
