@@ -226,6 +226,9 @@ def test_a_refused_heartbeat_stream_or_health_call_is_counted(
             with pytest.raises(grpc.RpcError) as unknown:
                 health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
             assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
-            assert _rpc_count(d, "Check", "NOT_FOUND") == 1
+            # Observed as the call ends, which may be just after its answer reached here.
+            wait_for(
+                "the Check NOT_FOUND counted", lambda: _rpc_count(d, "Check", "NOT_FOUND") == 1
+            )
         # The member's own stream, open all along, is no observation per beat.
         assert _rpc_count(d, "Heartbeat", "OK") == 0
